@@ -1,0 +1,57 @@
+#pragma once
+// The one tokenizer of Tandem: Hugging Face `tokenizer.json` (byte-level BPE as used by the
+// DeepSeek-V3, Qwen2.5/Qwen3 and Llama-3 families) plus the BOS/EOS rules and chat template of
+// `tokenizer_config.json`. Ids agree with Hugging Face tokenizers bit for bit; anything it does
+// not support is an error naming the component, never a silent fallback.
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tandem::text {
+
+using TokenId = int32_t;
+
+class Tokenizer {
+ public:
+  // Loads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json.
+  static Tokenizer from_dir(const std::filesystem::path& dir);
+  // config_json may be empty (no tokenizer_config.json). `origin` names the source in errors.
+  static Tokenizer from_json(std::string_view tokenizer_json, std::string_view config_json,
+                             const std::string& origin);
+
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  std::vector<TokenId> encode(std::string_view text, bool add_special_tokens) const;
+  // Invalid UTF-8 produced by byte-level tokens becomes U+FFFD, as in Hugging Face.
+  std::string decode(std::span<const TokenId> ids, bool skip_special_tokens) const;
+
+  // The raw bytes a single token stands for when it is decoded on its own in a sequence
+  // (no cleanup); the incremental detokenizer concatenates these.
+  std::string token_bytes(TokenId id) const;
+
+  std::optional<TokenId> token_to_id(std::string_view token) const;
+  std::optional<std::string> id_to_token(TokenId id) const;
+  bool is_special(TokenId id) const;
+  size_t vocab_size() const;  // highest id + 1, added tokens included
+
+  // From tokenizer_config.json; empty / nullopt when not given.
+  const std::string& bos_token() const;
+  const std::string& eos_token() const;
+  std::optional<TokenId> bos_id() const;
+  std::optional<TokenId> eos_id() const;
+  const std::string& chat_template() const;
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::text
