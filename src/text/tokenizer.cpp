@@ -191,6 +191,26 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
       }
     }
 
+    // Ids of added tokens are assigned the way HF's AddedVocabulary does when it loads a file
+    // (the ids written in the file are only checked there, with a warning): text that is already
+    // a vocabulary entry or an earlier added token keeps that id; anything else takes the next
+    // id after the vocabulary and the added tokens so far.
+    {
+      std::unordered_map<std::string, TokenId> known;
+      for (size_t id = 0; id < impl->id_to_token.size(); ++id)
+        if (!impl->id_to_token[id].empty()) known.emplace(impl->id_to_token[id], id);
+      const auto model_size = static_cast<TokenId>(known.size());
+      std::optional<TokenId> max_added;
+      for (auto& a : added) {
+        if (auto it = known.find(a.content); it != known.end()) {
+          a.id = it->second;
+        } else {
+          a.id = max_added && *max_added >= model_size ? *max_added + 1 : model_size;
+          known.emplace(a.content, a.id);
+        }
+        max_added = max_added ? std::max(*max_added, a.id) : a.id;
+      }
+    }
     std::vector<AddedToken> raw, normalized;
     for (const auto& a : added) {
       if (static_cast<size_t>(a.id) >= impl->id_to_token.size()) impl->id_to_token.resize(a.id + 1);
