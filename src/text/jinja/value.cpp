@@ -1,0 +1,711 @@
+#include "text/jinja/value.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+
+#include <unicode/uchar.h>
+
+#include "util/utf8.h"
+
+namespace tandem::text::jinja {
+
+Value Value::undefined(std::string message) {
+  Value v;
+  v.kind = Kind::kUndefined;
+  v.s = std::move(message);
+  return v;
+}
+
+Value Value::none() {
+  Value v;
+  v.kind = Kind::kNone;
+  return v;
+}
+
+Value Value::boolean(bool b) {
+  Value v;
+  v.kind = Kind::kBool;
+  v.b = b;
+  v.i = b ? 1 : 0;
+  return v;
+}
+
+Value Value::integer(int64_t i) {
+  Value v;
+  v.kind = Kind::kInt;
+  v.i = i;
+  return v;
+}
+
+Value Value::floating(double f) {
+  Value v;
+  v.kind = Kind::kFloat;
+  v.f = f;
+  return v;
+}
+
+Value Value::string(std::string s, bool markup) {
+  Value v;
+  v.kind = Kind::kString;
+  v.s = std::move(s);
+  v.markup = markup;
+  return v;
+}
+
+Value Value::list(std::vector<Value> items, SeqKind kind) {
+  Value v;
+  v.kind = Kind::kSequence;
+  v.seq = std::make_shared<Sequence>();
+  v.seq->kind = kind;
+  v.seq->items = std::move(items);
+  return v;
+}
+
+Value Value::tuple(std::vector<Value> items) {
+  return list(std::move(items), SeqKind::kTuple);
+}
+
+Value Value::from_json(const nlohmann::ordered_json& j) {
+  switch (j.type()) {
+    case nlohmann::ordered_json::value_t::null:
+      return none();
+    case nlohmann::ordered_json::value_t::boolean:
+      return boolean(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer:
+      return integer(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::number_unsigned: {
+      auto u = j.get<uint64_t>();
+      if (u > static_cast<uint64_t>(INT64_MAX)) {
+        throw UnsupportedError{"unsupported: integer " + std::to_string(u) + " beyond 64 bits"};
+      }
+      return integer(static_cast<int64_t>(u));
+    }
+    case nlohmann::ordered_json::value_t::number_float:
+      return floating(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return string(j.get<std::string>());
+    case nlohmann::ordered_json::value_t::array: {
+      std::vector<Value> items;
+      items.reserve(j.size());
+      for (const auto& e : j) items.push_back(from_json(e));
+      return list(std::move(items));
+    }
+    case nlohmann::ordered_json::value_t::object: {
+      Value v;
+      v.kind = Kind::kDict;
+      v.dict = std::make_shared<Dict>();
+      v.dict->items.reserve(j.size());
+      // JSON object keys are unique strings, so they are appended without a lookup.
+      for (const auto& [k, e] : j.items()) v.dict->items.emplace_back(string(k), from_json(e));
+      return v;
+    }
+    default:
+      throw UnsupportedError{"unsupported: JSON value in the template context"};
+  }
+}
+
+bool Value::is_seq(SeqKind k) const {
+  return kind == Kind::kSequence && seq->kind == k;
+}
+
+double Value::as_double() const {
+  return kind == Kind::kFloat ? f : static_cast<double>(i);
+}
+
+const Value* Dict::find(const Value& key) const {
+  for (const auto& [k, v] : items) {
+    if (key.is_string() && k.is_string()) {
+      if (k.s == key.s) return &v;
+    } else if (py_equal(k, key)) {
+      return &v;
+    }
+  }
+  return nullptr;
+}
+
+void Dict::set(Value key, Value value) {
+  for (auto& [k, v] : items) {
+    if (py_equal(k, key)) {
+      v = std::move(value);
+      return;
+    }
+  }
+  items.emplace_back(std::move(key), std::move(value));
+}
+
+const Value* Namespace::find(std::string_view name) const {
+  for (const auto& [k, v] : attrs) {
+    if (k == name) return &v;
+  }
+  return nullptr;
+}
+
+void Namespace::set(const std::string& name, Value value) {
+  for (auto& [k, v] : attrs) {
+    if (k == name) {
+      v = std::move(value);
+      return;
+    }
+  }
+  attrs.emplace_back(name, std::move(value));
+}
+
+bool truthy(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined:
+    case Kind::kNone:
+      return false;
+    case Kind::kBool:
+      return v.b;
+    case Kind::kInt:
+      return v.i != 0;
+    case Kind::kFloat:
+      return v.f != 0.0;
+    case Kind::kString:
+      return !v.s.empty();
+    case Kind::kSequence:
+      // A generator object is always true in Python, even when it will yield nothing.
+      return v.seq->kind == SeqKind::kGenerator || !v.seq->items.empty();
+    case Kind::kDict:
+      return !v.dict->items.empty();
+    default:
+      return true;
+  }
+}
+
+std::string type_name(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined:
+      return "Undefined";
+    case Kind::kNone:
+      return "NoneType";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kString:
+      return v.markup ? "Markup" : "str";
+    case Kind::kSequence:
+      switch (v.seq->kind) {
+        case SeqKind::kList:
+          return "list";
+        case SeqKind::kTuple:
+          return "tuple";
+        case SeqKind::kGenerator:
+          return "generator";
+        case SeqKind::kDictView:
+          return "dict_items";
+        case SeqKind::kRange:
+          return "range";
+      }
+      return "list";
+    case Kind::kDict:
+      return "dict";
+    case Kind::kNamespace:
+      return "Namespace";
+    case Kind::kCallable:
+      return "function";
+    case Kind::kLoop:
+      return "LoopContext";
+  }
+  return "object";
+}
+
+std::string object_type_repr(const Value& v) {
+  switch (v.kind) {
+    case Kind::kNone:
+      return "None";
+    case Kind::kUndefined:
+      return "jinja2.runtime.Undefined object";
+    case Kind::kNamespace:
+      return "jinja2.utils.Namespace object";
+    case Kind::kLoop:
+      return "jinja2.runtime.LoopContext object";
+    case Kind::kString:
+      if (v.markup) return "markupsafe.Markup object";
+      return "str object";
+    default:
+      return type_name(v) + " object";
+  }
+}
+
+std::u32string to_u32(std::string_view s) {
+  std::u32string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t len = utf8::valid_sequence_length(s, i);
+    if (len == 0) throw RuntimeError{"invalid UTF-8 in a template string"};
+    out += utf8::decode_at(s, i, len);
+    i += len;
+  }
+  return out;
+}
+
+std::string from_u32(std::u32string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char32_t c : s) utf8::append(out, c);
+  return out;
+}
+
+bool py_isspace(char32_t c) {
+  // Python's str.isspace(): bidirectional class WS/B/S or category Zs.
+  switch (c) {
+    case 0x09:
+    case 0x0A:
+    case 0x0B:
+    case 0x0C:
+    case 0x0D:
+    case 0x1C:
+    case 0x1D:
+    case 0x1E:
+    case 0x1F:
+    case 0x20:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
+    case 0x3000:
+      return true;
+    default:
+      return c >= 0x2000 && c <= 0x200A;
+  }
+}
+
+std::string float_repr(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  // Shortest round-trip digits, then Python's repr layout: exponent form when the decimal
+  // point position is <= -4 or > 16, else fixed notation with at least one fractional digit.
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof(buf), d, std::chars_format::scientific);
+  std::string sci(buf, res.ptr);
+  std::string sign;
+  if (!sci.empty() && sci[0] == '-') {
+    sign = "-";
+    sci.erase(0, 1);
+  }
+  size_t epos = sci.find('e');
+  std::string mant = sci.substr(0, epos);
+  int exp = std::stoi(sci.substr(epos + 1));
+  std::string digits;
+  for (char c : mant) {
+    if (c != '.') digits += c;
+  }
+  int ndigits = static_cast<int>(digits.size());
+  int decpt = exp + 1;
+  std::string out;
+  if (decpt <= -4 || decpt > 16) {
+    out = digits.substr(0, 1);
+    if (ndigits > 1) out += "." + digits.substr(1);
+    int e = decpt - 1;
+    out += e < 0 ? "e-" : "e+";
+    std::string es = std::to_string(std::abs(e));
+    if (es.size() < 2) es = "0" + es;
+    out += es;
+  } else if (decpt <= 0) {
+    out = "0." + std::string(static_cast<size_t>(-decpt), '0') + digits;
+  } else if (decpt < ndigits) {
+    out = digits.substr(0, static_cast<size_t>(decpt)) + "." +
+          digits.substr(static_cast<size_t>(decpt));
+  } else {
+    out = digits + std::string(static_cast<size_t>(decpt - ndigits), '0') + ".0";
+  }
+  return sign + out;
+}
+
+namespace {
+
+bool py_isprintable(char32_t c) {
+  if (c == ' ') return true;
+  switch (u_charType(static_cast<UChar32>(c))) {
+    case U_CONTROL_CHAR:
+    case U_FORMAT_CHAR:
+    case U_SURROGATE:
+    case U_PRIVATE_USE_CHAR:
+    case U_UNASSIGNED:
+    case U_LINE_SEPARATOR:
+    case U_PARAGRAPH_SEPARATOR:
+    case U_SPACE_SEPARATOR:
+      return false;
+    default:
+      return true;
+  }
+}
+
+std::string hex(uint32_t v, int width) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%0*x", width, v);
+  return buf;
+}
+
+std::string repr_string(const std::string& s) {
+  std::u32string u = to_u32(s);
+  bool has_single = u.find(U'\'') != std::u32string::npos;
+  bool has_double = u.find(U'"') != std::u32string::npos;
+  char32_t quote = has_single && !has_double ? U'"' : U'\'';
+  std::string out(1, static_cast<char>(quote));
+  for (char32_t c : u) {
+    if (c == quote || c == U'\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == U'\t') {
+      out += "\\t";
+    } else if (c == U'\n') {
+      out += "\\n";
+    } else if (c == U'\r') {
+      out += "\\r";
+    } else if (c < 0x20 || c == 0x7F) {
+      out += "\\x" + hex(c, 2);
+    } else if (c < 0x7F) {
+      out += static_cast<char>(c);
+    } else if (!py_isprintable(c)) {
+      if (c <= 0xFF) {
+        out += "\\x" + hex(c, 2);
+      } else if (c <= 0xFFFF) {
+        out += "\\u" + hex(c, 4);
+      } else {
+        out += "\\U" + hex(c, 8);
+      }
+    } else {
+      utf8::append(out, c);
+    }
+  }
+  out += static_cast<char>(quote);
+  return out;
+}
+
+}  // namespace
+
+std::string py_repr(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined:
+      return "Undefined";
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return v.b ? "True" : "False";
+    case Kind::kInt:
+      return std::to_string(v.i);
+    case Kind::kFloat:
+      return float_repr(v.f);
+    case Kind::kString:
+      if (v.markup) return "Markup(" + repr_string(v.s) + ")";
+      return repr_string(v.s);
+    case Kind::kSequence: {
+      const auto& sq = *v.seq;
+      if (sq.kind == SeqKind::kGenerator || sq.kind == SeqKind::kDictView ||
+          sq.kind == SeqKind::kRange) {
+        throw UnsupportedError{"unsupported: printing a " + type_name(v) +
+                               " object (Python shows its address or type)"};
+      }
+      bool tuple = sq.kind == SeqKind::kTuple;
+      std::string out = tuple ? "(" : "[";
+      for (size_t k = 0; k < sq.items.size(); ++k) {
+        if (k) out += ", ";
+        out += py_repr(sq.items[k]);
+      }
+      if (tuple && sq.items.size() == 1) out += ",";
+      out += tuple ? ")" : "]";
+      return out;
+    }
+    case Kind::kDict: {
+      std::string out = "{";
+      bool first = true;
+      for (const auto& [k, e] : v.dict->items) {
+        if (!first) out += ", ";
+        first = false;
+        out += py_repr(k) + ": " + py_repr(e);
+      }
+      return out + "}";
+    }
+    default:
+      throw UnsupportedError{"unsupported: printing a " + type_name(v) +
+                             " object (Python shows its address)"};
+  }
+}
+
+std::string py_str(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined:
+      return "";
+    case Kind::kString:
+      return v.s;
+    default:
+      return py_repr(v);
+  }
+}
+
+bool py_equal(const Value& a, const Value& b) {
+  if (a.is_number() && b.is_number()) {
+    if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return a.as_double() == b.as_double();
+    return a.i == b.i;
+  }
+  if (a.kind != b.kind) return false;
+  switch (a.kind) {
+    case Kind::kUndefined:
+    case Kind::kNone:
+      return true;
+    case Kind::kString:
+      return a.s == b.s;
+    case Kind::kSequence: {
+      if (a.seq == b.seq) return true;
+      if (a.seq->kind != b.seq->kind) return false;
+      if (a.seq->kind != SeqKind::kList && a.seq->kind != SeqKind::kTuple) return false;
+      if (a.seq->items.size() != b.seq->items.size()) return false;
+      for (size_t k = 0; k < a.seq->items.size(); ++k) {
+        if (!py_equal(a.seq->items[k], b.seq->items[k])) return false;
+      }
+      return true;
+    }
+    case Kind::kDict: {
+      if (a.dict->items.size() != b.dict->items.size()) return false;
+      for (const auto& [k, e] : a.dict->items) {
+        const Value* other = b.dict->find(k);
+        if (!other || !py_equal(e, *other)) return false;
+      }
+      return true;
+    }
+    case Kind::kNamespace:
+      return a.ns == b.ns;
+    case Kind::kCallable:
+      return a.fn == b.fn;
+    case Kind::kLoop:
+      return a.loop == b.loop;
+    default:
+      return false;
+  }
+}
+
+bool py_less(const Value& a, const Value& b) {
+  if (a.is_undefined()) throw RuntimeError{a.s};
+  if (b.is_undefined()) throw RuntimeError{b.s};
+  if (a.is_number() && b.is_number()) {
+    if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return a.as_double() < b.as_double();
+    return a.i < b.i;
+  }
+  if (a.is_string() && b.is_string()) return a.s < b.s;  // UTF-8 byte order = code point order
+  if (a.kind == Kind::kSequence && b.kind == Kind::kSequence && a.seq->kind == b.seq->kind &&
+      (a.seq->kind == SeqKind::kList || a.seq->kind == SeqKind::kTuple)) {
+    const auto& x = a.seq->items;
+    const auto& y = b.seq->items;
+    for (size_t k = 0; k < x.size() && k < y.size(); ++k) {
+      if (!py_equal(x[k], y[k])) return py_less(x[k], y[k]);
+    }
+    return x.size() < y.size();
+  }
+  throw RuntimeError{"'<' not supported between instances of '" + type_name(a) + "' and '" +
+                     type_name(b) + "'"};
+}
+
+int64_t py_len(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined:
+      return 0;
+    case Kind::kString:
+      return static_cast<int64_t>(to_u32(v.s).size());
+    case Kind::kSequence:
+      if (v.seq->kind == SeqKind::kGenerator) break;
+      return static_cast<int64_t>(v.seq->items.size());
+    case Kind::kDict:
+      return static_cast<int64_t>(v.dict->items.size());
+    case Kind::kLoop:
+      return static_cast<int64_t>(v.loop->items.size());
+    default:
+      break;
+  }
+  throw RuntimeError{"object of type '" + type_name(v) + "' has no len()"};
+}
+
+std::vector<Value> py_iterate(const Value& v) {
+  switch (v.kind) {
+    case Kind::kUndefined:
+      return {};
+    case Kind::kString: {
+      std::vector<Value> out;
+      for (char32_t c : to_u32(v.s)) out.push_back(Value::string(from_u32(std::u32string(1, c))));
+      return out;
+    }
+    case Kind::kSequence: {
+      auto& sq = *v.seq;
+      if (sq.kind == SeqKind::kGenerator) {
+        // A generator yields its items once; later iterations see it exhausted.
+        std::vector<Value> out(sq.items.begin() + static_cast<std::ptrdiff_t>(sq.consumed),
+                               sq.items.end());
+        sq.consumed = sq.items.size();
+        return out;
+      }
+      return sq.items;
+    }
+    case Kind::kDict: {
+      std::vector<Value> out;
+      out.reserve(v.dict->items.size());
+      for (const auto& [k, e] : v.dict->items) out.push_back(k);
+      return out;
+    }
+    default:
+      break;
+  }
+  throw RuntimeError{"'" + type_name(v) + "' object is not iterable"};
+}
+
+namespace {
+
+void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
+  out += '"';
+  for (char32_t c : to_u32(s)) {
+    switch (c) {
+      case U'"':
+        out += "\\\"";
+        continue;
+      case U'\\':
+        out += "\\\\";
+        continue;
+      case U'\n':
+        out += "\\n";
+        continue;
+      case U'\r':
+        out += "\\r";
+        continue;
+      case U'\t':
+        out += "\\t";
+        continue;
+      case U'\b':
+        out += "\\b";
+        continue;
+      case U'\f':
+        out += "\\f";
+        continue;
+      default:
+        break;
+    }
+    if (c < 0x20 || (ensure_ascii && c > 0x7E)) {
+      if (c >= 0x10000) {
+        uint32_t n = c - 0x10000;
+        out += "\\u" + hex(0xD800 | ((n >> 10) & 0x3FF), 4);
+        out += "\\u" + hex(0xDC00 | (n & 0x3FF), 4);
+      } else {
+        out += "\\u" + hex(c, 4);
+      }
+    } else {
+      utf8::append(out, c);
+    }
+  }
+  out += '"';
+}
+
+std::string json_float(double d) {
+  if (std::isnan(d)) return "NaN";
+  if (std::isinf(d)) return d > 0 ? "Infinity" : "-Infinity";
+  return float_repr(d);
+}
+
+std::string json_key(const Value& k) {
+  switch (k.kind) {
+    case Kind::kString:
+      return k.s;
+    case Kind::kFloat:
+      return json_float(k.f);
+    case Kind::kBool:
+      return k.b ? "true" : "false";
+    case Kind::kNone:
+      return "null";
+    case Kind::kInt:
+      return std::to_string(k.i);
+    default:
+      throw RuntimeError{"keys must be str, int, float, bool or None, not " + type_name(k)};
+  }
+}
+
+void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level) {
+  auto newline = [&](int lvl) {
+    out += '\n';
+    for (int k = 0; k < lvl; ++k) out += o.indent;
+  };
+  switch (v.kind) {
+    case Kind::kNone:
+      out += "null";
+      return;
+    case Kind::kBool:
+      out += v.b ? "true" : "false";
+      return;
+    case Kind::kInt:
+      out += std::to_string(v.i);
+      return;
+    case Kind::kFloat:
+      out += json_float(v.f);
+      return;
+    case Kind::kString:
+      json_string(out, v.s, o.ensure_ascii);
+      return;
+    case Kind::kSequence: {
+      if (v.seq->kind != SeqKind::kList && v.seq->kind != SeqKind::kTuple) break;
+      const auto& items = v.seq->items;
+      if (items.empty()) {
+        out += "[]";
+        return;
+      }
+      out += '[';
+      if (o.has_indent) newline(level + 1);
+      for (size_t k = 0; k < items.size(); ++k) {
+        if (k) {
+          out += o.item_separator;
+          if (o.has_indent) newline(level + 1);
+        }
+        json_dump(out, items[k], o, level + 1);
+      }
+      if (o.has_indent) newline(level);
+      out += ']';
+      return;
+    }
+    case Kind::kDict: {
+      if (v.dict->items.empty()) {
+        out += "{}";
+        return;
+      }
+      std::vector<const std::pair<Value, Value>*> items;
+      for (const auto& kv : v.dict->items) items.push_back(&kv);
+      if (o.sort_keys) {
+        std::stable_sort(items.begin(), items.end(),
+                         [](const auto* a, const auto* b) { return py_less(a->first, b->first); });
+      }
+      out += '{';
+      if (o.has_indent) newline(level + 1);
+      bool first = true;
+      for (const auto* kv : items) {
+        if (!first) {
+          out += o.item_separator;
+          if (o.has_indent) newline(level + 1);
+        }
+        first = false;
+        json_string(out, json_key(kv->first), o.ensure_ascii);
+        out += o.key_separator;
+        json_dump(out, kv->second, o, level + 1);
+      }
+      if (o.has_indent) newline(level);
+      out += '}';
+      return;
+    }
+    default:
+      break;
+  }
+  throw RuntimeError{"Object of type " + type_name(v) + " is not JSON serializable"};
+}
+
+}  // namespace
+
+std::string py_json_dumps(const Value& v, const JsonOptions& options) {
+  std::string out;
+  json_dump(out, v, options, 0);
+  return out;
+}
+
+}  // namespace tandem::text::jinja

@@ -1,0 +1,159 @@
+#pragma once
+// Runtime values of the chat-template interpreter. They model the Python objects a Jinja2
+// template sees when transformers renders it (None, bool, int, float, str, list, tuple, dict,
+// jinja2's Undefined and Namespace, generators returned by filters such as `select`), because
+// printing, comparing and serialising must follow Python's rules exactly.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace tandem::text::jinja {
+
+struct Value;
+struct Sequence;
+struct Dict;
+struct Namespace;
+struct Callable;
+struct LoopInfo;
+
+// Thrown by builtins for Python-level errors (TypeError, UndefinedError, ...); the interpreter
+// adds the template line and rethrows it as tandem::Error.
+struct RuntimeError {
+  std::string message;
+};
+
+// A construct Jinja2 accepts but this interpreter does not implement. Raised instead of guessing,
+// so a template never renders silently differently from transformers.
+struct UnsupportedError {
+  std::string message;
+};
+
+enum class Kind {
+  kUndefined,
+  kNone,
+  kBool,
+  kInt,
+  kFloat,
+  kString,
+  kSequence,
+  kDict,
+  kNamespace,
+  kCallable,
+  kLoop,
+};
+
+// Python distinguishes these sequence-like objects when printing, indexing and taking len().
+enum class SeqKind {
+  kList,
+  kTuple,
+  kGenerator,  // single-use iterator: truthy even when empty, no len(), prints as an address
+  kDictView,   // dict.items()/keys()/values(): has len(), not subscriptable
+  kRange,      // range(): indexable like a tuple, printed as "range(a, b)"
+};
+
+struct Value {
+  Kind kind = Kind::kUndefined;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0.0;
+  // kString: UTF-8 text; kUndefined: the UndefinedError message raised when it is misused.
+  std::string s;
+  // markupsafe.Markup (from `safe`/`escape`): concatenation with plain str escapes the other side.
+  bool markup = false;
+  std::shared_ptr<Sequence> seq;
+  std::shared_ptr<Dict> dict;
+  std::shared_ptr<Namespace> ns;
+  std::shared_ptr<Callable> fn;
+  std::shared_ptr<LoopInfo> loop;
+
+  static Value undefined(std::string message);
+  static Value none();
+  static Value boolean(bool v);
+  static Value integer(int64_t v);
+  static Value floating(double v);
+  static Value string(std::string v, bool markup = false);
+  static Value list(std::vector<Value> items, SeqKind kind = SeqKind::kList);
+  static Value tuple(std::vector<Value> items);
+  static Value from_json(const nlohmann::ordered_json& j);
+
+  bool is_undefined() const { return kind == Kind::kUndefined; }
+  bool is_none() const { return kind == Kind::kNone; }
+  bool is_string() const { return kind == Kind::kString; }
+  bool is_int_like() const { return kind == Kind::kInt || kind == Kind::kBool; }
+  bool is_number() const { return is_int_like() || kind == Kind::kFloat; }
+  bool is_seq(SeqKind k) const;
+  double as_double() const;
+};
+
+struct Sequence {
+  SeqKind kind = SeqKind::kList;
+  std::vector<Value> items;
+  size_t consumed = 0;  // generators: items already taken by an earlier iteration
+};
+
+struct Dict {
+  std::vector<std::pair<Value, Value>> items;
+  const Value* find(const Value& key) const;
+  void set(Value key, Value value);
+};
+
+struct Namespace {
+  std::vector<std::pair<std::string, Value>> attrs;
+  const Value* find(std::string_view name) const;
+  void set(const std::string& name, Value value);
+};
+
+struct CallArgs {
+  std::vector<Value> args;
+  std::vector<std::pair<std::string, Value>> kwargs;
+};
+
+struct Callable {
+  std::string name;
+  std::function<Value(CallArgs&)> fn;
+};
+
+struct LoopInfo {
+  std::vector<Value> items;
+  size_t index0 = 0;
+  int depth = 1;
+};
+
+// Python semantics.
+bool truthy(const Value& v);
+std::string type_name(const Value& v);         // Python's type(x).__name__
+std::string object_type_repr(const Value& v);  // jinja2.utils.object_type_repr
+std::string py_str(const Value& v);            // str(x)
+std::string py_repr(const Value& v);           // repr(x)
+std::string float_repr(double d);
+bool py_equal(const Value& a, const Value& b);
+// a < b; throws RuntimeError (TypeError) for unorderable types.
+bool py_less(const Value& a, const Value& b);
+// len(x); throws RuntimeError for objects without a length.
+int64_t py_len(const Value& v);
+// iter(x) materialised; throws RuntimeError for non-iterables. Consumes generators.
+std::vector<Value> py_iterate(const Value& v);
+
+struct JsonOptions {
+  bool ensure_ascii = false;
+  bool has_indent = false;
+  std::string indent;  // json.dumps indent (an int n means n spaces)
+  std::string item_separator = ", ";
+  std::string key_separator = ": ";
+  bool sort_keys = false;
+};
+// json.dumps(x, ...) as transformers' tojson calls it.
+std::string py_json_dumps(const Value& v, const JsonOptions& options);
+
+// UTF-8 <-> code points (Python str indexing is by code point).
+std::u32string to_u32(std::string_view s);
+std::string from_u32(std::u32string_view s);
+bool py_isspace(char32_t c);
+
+}  // namespace tandem::text::jinja

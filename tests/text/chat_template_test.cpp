@@ -1,0 +1,622 @@
+// Unit tests of the chat-template interpreter. Every expectation in kCases is what Python's
+// Jinja2 (Debian python3-jinja2 3.1) prints for the same template and context in the
+// environment transformers uses (trim_blocks, lstrip_blocks, loopcontrols, transformers'
+// tojson and raise_exception); they were produced with /usr/bin/python3 and pasted here. For
+// cases where Jinja2 raises, `expected` is Python's exception message, which our error must end
+// with.
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "text/chat_template.h"
+#include "util/error.h"
+
+namespace {
+
+using nlohmann::ordered_json;
+using tandem::Error;
+using tandem::text::ChatTemplate;
+
+struct Case {
+  const char* name;
+  const char* source;
+  const char* context;  // JSON object
+  const char* expected;
+  bool error;
+};
+
+// clang-format off
+const Case kCases[] = {
+    {"trim_blocks",
+     "{% if true %}\nyes\n{% endif %}\nend",
+     "{}",
+     "yes\nend", false},
+    {"lstrip_blocks",
+     "  {% if true %}\n  yes\n  {% endif %}\nend",
+     "{}",
+     "  yes\nend", false},
+    {"lstrip_not_for_variables",
+     "  {{ 'v' }}\n",
+     "{}",
+     "  v", false},
+    {"minus_strips_both_sides",
+     "a  \n  {%- if true -%}  \n  b  \n  {%- endif -%}  \n  c",
+     "{}",
+     "abc", false},
+    {"minus_on_variables",
+     "a \n {{- 'b' -}} \n c",
+     "{}",
+     "abc", false},
+    {"plus_disables_lstrip",
+     "  {%+ if true %}x{% endif %}",
+     "{}",
+     "  x", false},
+    {"plus_disables_trim",
+     "{% if true +%}\nx{% endif %}",
+     "{}",
+     "\nx", false},
+    {"comments",
+     "a\n  {# note #}\nb{#- x -#}  c {# y #}\nd",
+     "{}",
+     "a\nbc d", false},
+    {"trailing_newline_dropped",
+     "a\n",
+     "{}",
+     "a", false},
+    {"crlf_normalized",
+     "a\r\n{% if true %}\r\nb\r\n{% endif %}\r\nc",
+     "{}",
+     "a\nb\nc", false},
+    {"lstrip_after_text_on_line",
+     "x {% if true %}y{% endif %}",
+     "{}",
+     "x y", false},
+    {"tag_after_variable_same_line",
+     "{{ 'a' }}  {% if true %}b{% endif %}",
+     "{}",
+     "a  b", false},
+    {"unicode_whitespace_minus",
+     "a　 {{- 'b' }}",
+     "{}",
+     "ab", false},
+    {"none_bool",
+     "{{ none }} {{ None }} {{ true }} {{ False }}",
+     "{}",
+     "None None True False", false},
+    {"ints",
+     "{{ 42 }} {{ -7 }} {{ 1_000 }} {{ 000 }} {{ 9223372036854775807 }}",
+     "{}",
+     "42 -7 1000 0 9223372036854775807", false},
+    {"leading_zero_int_is_syntax_error",
+     "{{ 007 }}",
+     "{}",
+     "expected token 'end of print statement', got 'integer'", true},
+    {"floats",
+     "{{ 1.0 }} {{ 0.1 }} {{ 1e-5 }} {{ 1.5e16 }} {{ 123456789.0 }} {{ 2.5e-7 }} {{ 1e15 }} {{ 0.30000000000000004 }} {{ -0.0 }} {{ 1E3 }}",
+     "{}",
+     "1.0 0.1 1e-05 1.5e+16 123456789.0 2.5e-07 1000000000000000.0 0.30000000000000004 -0.0 1000.0", false},
+    {"float_arith_repr",
+     "{{ 0.1 + 0.2 }} {{ 1 / 3 }} {{ 2 ** 0.5 }} {{ 10 / 4 }} {{ 1e300 * 1e10 }}",
+     "{}",
+     "0.30000000000000004 0.3333333333333333 1.4142135623730951 2.5 inf", false},
+    {"list_dict_repr",
+     "{{ [1, 'a', none, true, 1.5, [2], {'k': 'v'}] }} {{ {'a': 1, 2: 'b'} }} {{ (1,) }} {{ (1, 'x') }} {{ () }} {{ [] }} {{ {} }}",
+     "{}",
+     "[1, 'a', None, True, 1.5, [2], {'k': 'v'}] {'a': 1, 2: 'b'} (1,) (1, 'x') () [] {}", false},
+    {"string_repr_quotes",
+     "{{ [\"it's\", 'say \"hi\"', \"both ' \\\"\", 'back\\\\slash', 'nl\\n', 'tab\\t', '\\x01', 'é', '\\u200b'] }}",
+     "{}",
+     "[\"it's\", 'say \"hi\"', 'both \\' \"', 'back\\\\slash', 'nl\\n', 'tab\\t', '\\x01', 'é', '\\u200b']", false},
+    {"string_escapes",
+     "{{ 'a\\tb\\nc\\x41\\u00e9\\U0001F600\\101\\d\\'\"' }}|{{ \"q\\\"q\" }}",
+     "{}",
+     "a\tb\ncAé😀A\\d'\"|q\"q", false},
+    {"adjacent_strings",
+     "{{ 'a' \"b\" 'c' }}",
+     "{}",
+     "abc", false},
+    {"print_tuple",
+     "{{ 1, 'a' }}",
+     "{}",
+     "(1, 'a')", false},
+    {"context_values",
+     "{{ s }} {{ i }} {{ f }} {{ b }} {{ n }} {{ l }} {{ d }}",
+     "{\"s\": \"str\", \"i\": 3, \"f\": 2.0, \"b\": true, \"n\": null, \"l\": [1, 2.5, \"x\"], \"d\": {\"z\": 1, \"a\": [null]}}",
+     "str 3 2.0 True None [1, 2.5, 'x'] {'z': 1, 'a': [None]}", false},
+    {"division",
+     "{{ 7 / 2 }} {{ 7 // 2 }} {{ -7 // 2 }} {{ 7 % 3 }} {{ -7 % 3 }} {{ 7 % -3 }} {{ 7.5 // 2 }} {{ -7.5 % 2 }} {{ 2 ** 10 }} {{ 2 ** -1 }} {{ 2 ** 3 ** 2 }}",
+     "{}",
+     "3.5 3 -4 1 2 -2 3.0 0.5 1024 0.5 64", false},
+    {"string_ops",
+     "{{ 'ab' * 3 }} {{ 3 * 'x' }} {{ 'a' + 'b' }} {{ 'n' ~ 1 ~ none ~ true ~ [1] }} {{ [1] + [2, 3] }} {{ [0] * 3 }}",
+     "{}",
+     "ababab xxx ab n1NoneTrue[1] [1, 2, 3] [0, 0, 0]", false},
+    {"bool_arith",
+     "{{ true + true }} {{ true * 3 }} {{ 1 + 1.0 }}",
+     "{}",
+     "2 3 2.0", false},
+    {"unary",
+     "{{ -(3) }} {{ +4 }} {{ -1.5 }} {{ - 2 | abs }} {{ not 0 }}",
+     "{}",
+     "-3 4 -1.5 2 True", false},
+    {"precedence",
+     "{{ 1 + 2 * 3 }} {{ (1 + 2) * 3 }} {{ 2 * 3 ~ 4 }} {{ 1 ~ 2 + 3 }}",
+     "{}",
+     "can only concatenate str (not \"int\") to str", true},
+    {"compare",
+     "{{ 1 < 2 < 3 }} {{ 3 > 2 > 2 }} {{ 1 == 1.0 }} {{ 'a' < 'b' }} {{ [1, 2] < [1, 3] }} {{ 1 != 2 }} {{ 'a' == 'a' }} {{ none == none }} {{ 2 >= 2 }} {{ true == 1 }}",
+     "{}",
+     "True False True True True True True True True True", false},
+    {"and_or_values",
+     "{{ 0 or 'x' }} {{ 'a' and 'b' }} {{ '' and 'b' }} {{ none or [] }} {{ 1 and 0 or 5 }}",
+     "{}",
+     "x b  [] 5", false},
+    {"in_operator",
+     "{{ 'a' in 'cat' }} {{ 2 in [1, 2] }} {{ 'k' in {'k': 1} }} {{ 'z' not in 'abc' }} {{ 3 not in [1] }} {{ 'x' in missing }}",
+     "{}",
+     "True True True True True False", false},
+    {"truthiness",
+     "{% for v in [0, 1, '', 'a', [], [0], {}, {'a': 1}, none, 0.0, 0.5] %}{{ 'T' if v else 'F' }}{% endfor %}",
+     "{}",
+     "FTFTFTFTFFT", false},
+    {"cond_expr",
+     "{{ 'y' if true else 'n' }} {{ 'y' if false else 'n' }} [{{ 'y' if false }}] {{ 1 if false else 2 if true else 3 }}",
+     "{}",
+     "y n [] 2", false},
+    {"loop_vars",
+     "{% for x in ['a', 'b', 'c'] %}{{ loop.index }}{{ loop.index0 }}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }}{{ x }};{% endfor %}",
+     "{}",
+     "1032TrueFalse3a;2121FalseFalse3b;3210FalseTrue3c;", false},
+    {"loop_prev_next",
+     "{% for x in [1, 2, 3] %}[{{ loop.previtem }}|{{ loop.nextitem }}]{% endfor %}",
+     "{}",
+     "[|2][1|3][2|]", false},
+    {"loop_cycle_depth",
+     "{% for x in [1, 2, 3] %}{{ loop.cycle('odd', 'even') }}{{ loop.depth }}{{ loop.depth0 }} {% endfor %}",
+     "{}",
+     "odd10 even10 odd10 ", false},
+    {"for_else",
+     "{% for x in [] %}x{% else %}empty{% endfor %}|{% for x in [1] %}x{% else %}empty{% endfor %}",
+     "{}",
+     "empty|x", false},
+    {"for_filter",
+     "{% for x in range(10) if x is odd %}{{ x }}{{ loop.index }}{{ loop.length }},{% endfor %}{% for x in [1] if false %}{% else %}none{% endfor %}",
+     "{}",
+     "115,325,535,745,955,none", false},
+    {"for_unpack",
+     "{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}{% for a, b in [[1, 2], 'xy'] %}{{ a }}{{ b }}{% endfor %}",
+     "{\"d\": {\"b\": 1, \"a\": 2}}",
+     "b=1;a=2;12xy", false},
+    {"for_dict_and_string",
+     "{% for k in d %}{{ k }}{% endfor %}|{% for ch in 'héllo' %}{{ ch }}.{% endfor %}",
+     "{\"d\": {\"z\": 1, \"y\": 2}}",
+     "zy|h.é.l.l.o.", false},
+    {"break_continue",
+     "{% for x in range(10) %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 5 %}{% break %}{% endif %}{{ x }}{% endfor %}",
+     "{}",
+     "0134", false},
+    {"nested_loops",
+     "{% for a in [1, 2] %}{% for b in 'xy' %}{{ loop.index }}{{ a }}{{ b }} {% endfor %}{{ loop.index }}|{% endfor %}",
+     "{}",
+     "11x 21y 1|12x 22y 2|", false},
+    {"range",
+     "{{ range(3)|list }} {{ range(1, 7, 2)|list }} {{ range(5, 0, -2)|list }} {{ range(3)|length }} {{ range(4)[-1] }}",
+     "{}",
+     "[0, 1, 2] [1, 3, 5] [5, 3, 1] 3 3", false},
+    {"set_in_loop_does_not_leak",
+     "{% set y = 1 %}{% for i in [1, 2, 3] %}{{ y }}{% set y = i * 10 %}{{ y }},{% endfor %}|{{ y }}",
+     "{}",
+     "110,120,130,|1", false},
+    {"set_in_loop_fresh_each_iteration",
+     "{% for i in [1, 2] %}{% if loop.first %}{% set z = 5 %}{% endif %}[{{ z }}]{% endfor %}",
+     "{}",
+     "[5][]", false},
+    {"set_in_if_is_visible",
+     "{% if true %}{% set a = 'in' %}{% endif %}{{ a }}",
+     "{}",
+     "in", false},
+    {"namespace",
+     "{% set ns = namespace(n=0, s='') %}{% for i in [1, 2, 3] %}{% set ns.n = ns.n + i %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.n }} {{ ns.s }} {{ ns.missing }}|{{ ns['n'] }}",
+     "{}",
+     "6 123 |6", false},
+    {"loop_var_reassign",
+     "{% for t in [{'function': {'name': 'f'}}, {'name': 'g'}] %}{% if t.function %}{% set t = t.function %}{% endif %}{{ t.name }}{% endfor %}",
+     "{}",
+     "fg", false},
+    {"set_tuple",
+     "{% set a, b = 1, 'x' %}{{ a }}{{ b }}{% set c = 1, 2 %}{{ c }}",
+     "{}",
+     "1x(1, 2)", false},
+    {"top_level_reassign_context",
+     "{% set messages = messages[1:] %}{{ messages|length }}{{ messages[0].role }}",
+     "{\"messages\": [{\"role\": \"system\", \"content\": \"Sys\"}, {\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", \"content\": \"Yo\"}]}",
+     "2user", false},
+    {"macro_basic",
+     "{% macro greet(name, punct='!') %}Hi {{ name }}{{ punct }}{% endmacro %}{{ greet('A') }} {{ greet('B', '?') }} {{ greet(punct='.', name='C') }} [{{ greet() }}]",
+     "{}",
+     "Hi A! Hi B? Hi C. [Hi !]", false},
+    {"macro_sees_call_time_globals",
+     "{% macro m() %}{{ z }}{% endmacro %}{% set z = 1 %}{{ m() }}{% set z = 2 %}{{ m() }}",
+     "{}",
+     "12", false},
+    {"macro_local_set",
+     "{% macro m(x) %}{% set y = x * 2 %}{{ y }}{% endmacro %}{% set y = 'outer' %}{{ m(2) }} {{ y }}",
+     "{}",
+     "4 outer", false},
+    {"macro_default_uses_param",
+     "{% macro m(a, b=a ~ '!') %}{{ b }}{% endmacro %}{{ m('x') }}",
+     "{}",
+     "x!", false},
+    {"macro_recursion",
+     "{% macro fact(n) %}{% if n <= 1 %}1{% else %}{{ n * fact(n - 1)|int }}{% endif %}{% endmacro %}{{ fact(5) }}",
+     "{}",
+     "120", false},
+    {"block_set",
+     "{% set x %}\n  Hello {{ 'W' }}\n{% endset %}[{{ x }}]{% set y | upper %}abc{% endset %}{{ y }}",
+     "{}",
+     "[  Hello W\n]ABC", false},
+    {"filter_block",
+     "{% filter upper %}hello {{ 'x' }}{% endfilter %}",
+     "{}",
+     "HELLO X", false},
+    {"generation_tag",
+     "{% generation %}gen {{ 1 }}{% set g = 1 %}{% endgeneration %}[{{ g }}]",
+     "{}",
+     "gen 1[]", false},
+    {"filter_length_count",
+     "{{ [1, 2]|length }} {{ 'héllo'|length }} {{ {'a': 1}|count }} {{ missing|length }}",
+     "{}",
+     "2 5 1 0", false},
+    {"filter_trim",
+     "[{{ '  a b \\n'|trim }}] [{{ 'xxaxx'|trim('x') }}] [{{ 5|trim }}] [{{ '　a '|trim }}]",
+     "{}",
+     "[a b] [a] [5] [a]", false},
+    {"filter_tojson",
+     "{{ d|tojson }}|{{ d|tojson(indent=2) }}|{{ [1, [], {}, 'é\"\\\\\\n\\u0001'] | tojson }}|{{ d|tojson(sort_keys=true) }}|{{ 'é😀'|tojson(ensure_ascii=true) }}|{{ d|tojson(separators=(',', ':')) }}|{{ [1.0, 1e-05, none, true] | tojson }}",
+     "{\"d\": {\"b\": [1, 2.5, null, true], \"a\": {\"x\": \"日本\"}, \"c\": {}}}",
+     "{\"b\": [1, 2.5, null, true], \"a\": {\"x\": \"日本\"}, \"c\": {}}|{\n  \"b\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"a\": {\n    \"x\": \"日本\"\n  },\n  \"c\": {}\n}|[1, [], {}, \"é\\\"\\\\\\n\\u0001\"]|{\"a\": {\"x\": \"日本\"}, \"b\": [1, 2.5, null, true], \"c\": {}}|\"\\u00e9\\ud83d\\ude00\"|{\"b\":[1,2.5,null,true],\"a\":{\"x\":\"日本\"},\"c\":{}}|[1.0, 1e-05, null, true]", false},
+    {"filter_tojson_indent_string",
+     "{{ {'a': [1, {'b': 2}]}|tojson(indent='\\t') }}|{{ [1]|tojson(indent=0) }}",
+     "{}",
+     "{\n\t\"a\": [\n\t\t1,\n\t\t{\n\t\t\t\"b\": 2\n\t\t}\n\t]\n}|[\n1\n]", false},
+    {"filter_string_list",
+     "{{ 12|string }}{{ [1]|string }} {{ 'abc'|list }} {{ {'a': 1, 'b': 2}|list }} {{ missing|list }}",
+     "{}",
+     "12[1] ['a', 'b', 'c'] ['a', 'b'] []", false},
+    {"filter_first_last",
+     "{{ [1, 2, 3]|first }} {{ [1, 2, 3]|last }} {{ 'abc'|first }} {{ 'abc'|last }} [{{ []|first }}] {{ {'x': 1, 'y': 2}|first }}",
+     "{}",
+     "1 3 a c [] x", false},
+    {"filter_join",
+     "{{ [1, 'a', none]|join }} {{ ['a', 'b']|join(', ') }} {{ users|join('|', attribute='name') }} {{ 'abc'|join('-') }}",
+     "{\"users\": [{\"name\": \"u1\"}, {\"name\": \"u2\"}]}",
+     "1aNone a, b u1|u2 a-b-c", false},
+    {"filter_case",
+     "{{ 'hELLO wORLD'|upper }} {{ 'HeLLo'|lower }} {{ 'hELLO wORLD'|capitalize }} {{ 'hello world-foo(bar [baz <qux'|title }} {{ \"it's o'neil\"|title }} {{ 'straße'|upper }} {{ 'ΣΊΣΥΦΟΣ'|lower }}",
+     "{}",
+     "HELLO WORLD hello Hello world Hello World-Foo(Bar [Baz <Qux It's O'neil STRASSE σίσυφος", false},
+    {"filter_default",
+     "{{ missing|default('dflt') }} {{ ''|default('e') }} {{ ''|default('e', true) }} {{ none|d('n') }} {{ 0|default(5, boolean=true) }} {{ x|default }}",
+     "{\"x\": \"set\"}",
+     "dflt  e None 5 set", false},
+    {"filter_items_dictsort",
+     "{{ d|items|list }} {{ d|dictsort }} {{ d|dictsort(reverse=true) }} {{ d|dictsort(by='value') }} {{ {'B': 1, 'a': 2}|dictsort }} {{ {'B': 1, 'a': 2}|dictsort(true) }} {{ missing|items|list }}",
+     "{\"d\": {\"b\": 2, \"a\": 3, \"c\": 1}}",
+     "[('b', 2), ('a', 3), ('c', 1)] [('a', 3), ('b', 2), ('c', 1)] [('c', 1), ('b', 2), ('a', 3)] [('c', 1), ('b', 2), ('a', 3)] [('a', 2), ('B', 1)] [('B', 1), ('a', 2)] []", false},
+    {"filter_map",
+     "{{ users|map(attribute='name')|list }} {{ users|map(attribute='age', default=0)|list }} {{ ['a', 'B']|map('upper')|list }} {{ [' x ', 'y ']|map('trim')|join(',') }} {{ users|map(attribute='tags.0')|list }}",
+     "{\"users\": [{\"name\": \"u1\", \"age\": 3, \"tags\": [\"t\"]}, {\"name\": \"u2\", \"tags\": [\"s\"]}]}",
+     "['u1', 'u2'] [3, 0] ['A', 'B'] x,y ['t', 's']", false},
+    {"filter_select_reject",
+     "{{ [1, 2, 3, 4]|select('odd')|list }} {{ [1, 2, 3, 4]|reject('even')|list }} {{ [0, 1, '', 'a']|select|list }} {{ [1, 5, 10]|select('gt', 4)|list }} {{ ['a', 'b']|reject('equalto', 'a')|list }} {{ [1, 2]|select('in', [2, 3])|list }}",
+     "{}",
+     "[1, 3] [1, 3] [1, 'a'] [5, 10] ['b'] [2]", false},
+    {"filter_selectattr",
+     "{{ users|selectattr('admin')|map(attribute='name')|list }} {{ users|rejectattr('admin')|map(attribute='name')|list }} {{ users|selectattr('name', 'equalto', 'u2')|list|length }} {{ users|selectattr('age', 'defined')|list|length }}",
+     "{\"users\": [{\"name\": \"u1\", \"admin\": true, \"age\": 1}, {\"name\": \"u2\", \"admin\": false}]}",
+     "['u1'] ['u2'] 1 1", false},
+    {"filter_replace",
+     "{{ 'aaa'|replace('a', 'b') }} {{ 'aaa'|replace('a', 'b', 2) }} {{ 'abc'|replace('', '-') }} {{ 123|replace(2, 9) }}",
+     "{}",
+     "bbb bba -a-b-c- 193", false},
+    {"filter_int_float",
+     "{{ '42'|int }} {{ ' 7 '|int }} {{ '4.9'|int }} {{ 'x'|int }} {{ 'x'|int(-1) }} {{ 3.99|int }} {{ -3.99|int }} {{ true|int }} {{ none|int }} {{ '1_000'|int }} {{ '3'|float }} {{ 'x'|float }} {{ 2|float }} {{ '1e3'|float }} {{ ' -2.5 '|float }} {{ 'inf'|float }}",
+     "{}",
+     "42 7 4 0 -1 3 -3 1 0 1000 3.0 0.0 2.0 1000.0 -2.5 inf", false},
+    {"filter_round_abs",
+     "{{ 2.5|round }} {{ 3.5|round }} {{ 2.675|round(2) }} {{ 1.25|round(1) }} {{ 7|round }} {{ 2.1|round(method='ceil') }} {{ 2.9|round(0, 'floor') }} {{ -3|abs }} {{ -2.5|abs }} {{ 0.125|round(2) }}",
+     "{}",
+     "2.0 4.0 2.67 1.2 7 3.0 2.0 3 2.5 0.12", false},
+    {"filter_indent",
+     "[{{ 'a\\nb\\n\\nc'|indent }}] [{{ 'a\\nb'|indent(2, true) }}] [{{ 'a\\n\\nb'|indent(2, blank=true) }}] [{{ 'x'|indent(first=true) }}] [{{ 'a\\r\\nb'|indent('>') }}]",
+     "{}",
+     "[a\n    b\n\n    c] [  a\n  b] [a\n  \n  b] [    x] [a\n>b]", false},
+    {"filter_safe_escape",
+     "{{ '<a href=\"x\">&\\'</a>'|escape }} {{ '<b>'|e }} {{ '<b>'|safe }} {{ ('<b>'|safe) + '<i>' }} {{ '<i>' + ('<b>'|safe) }} {{ ('<b>'|safe) ~ '<i>' }} {{ 5|escape }} {{ '<'|escape|escape }}",
+     "{}",
+     "&lt;a href=&#34;x&#34;&gt;&amp;&#39;&lt;/a&gt; &lt;b&gt; <b> <b>&lt;i&gt; &lt;i&gt;<b> <b><i> 5 &lt;", false},
+    {"filter_unique_sort",
+     "{{ [3, 1, 2, 1]|unique|list }} {{ ['a', 'A', 'b']|unique|list }} {{ ['a', 'A', 'b']|unique(true)|list }} {{ [3, 1, 2]|sort }} {{ [3, 1, 2]|sort(reverse=true) }} {{ ['b', 'A', 'c']|sort }} {{ ['b', 'A', 'c']|sort(case_sensitive=true) }} {{ users|sort(attribute='age')|map(attribute='name')|list }} {{ users|sort(attribute='age,name')|map(attribute='name')|list }}",
+     "{\"users\": [{\"name\": \"b\", \"age\": 2}, {\"name\": \"a\", \"age\": 2}, {\"name\": \"c\", \"age\": 1}]}",
+     "[3, 1, 2] ['a', 'b'] ['a', 'A', 'b'] [1, 2, 3] [3, 2, 1] ['A', 'b', 'c'] ['A', 'b', 'c'] ['c', 'b', 'a'] ['c', 'a', 'b']", false},
+    {"filter_min_max_sum_reverse",
+     "{{ [3, 1, 2]|max }} {{ [3, 1, 2]|min }} {{ ['b', 'A']|max }} {{ []|max }} {{ [1, 2.5]|sum }} {{ users|sum(attribute='age') }} {{ 'abc'|reverse }} {{ [1, 2, 3]|reverse|list }}",
+     "{\"users\": [{\"age\": 2}, {\"age\": 5}]}",
+     "3 1 b  3.5 7 cba [3, 2, 1]", false},
+    {"filter_attr",
+     "{{ d|attr('k') }}|{{ namespace(v=2)|attr('v') }}|{{ 'a'|attr('upper') is callable }}",
+     "{\"d\": {\"k\": 1}}",
+     "|2|True", false},
+    {"tests_types",
+     "{% for v in [none, true, 1, 1.5, 'a', [1], {'a': 1}, missing] %}{{ v is none }}{{ v is boolean }}{{ v is number }}{{ v is integer }}{{ v is float }}{{ v is string }}{{ v is mapping }}{{ v is iterable }}{{ v is sequence }}{{ v is defined }}{{ v is undefined }} {% endfor %}",
+     "{}",
+     "TrueFalseFalseFalseFalseFalseFalseFalseFalseTrueFalse FalseTrueTrueFalseFalseFalseFalseFalseFalseTrueFalse FalseFalseTrueTrueFalseFalseFalseFalseFalseTrueFalse FalseFalseTrueFalseTrueFalseFalseFalseFalseTrueFalse FalseFalseFalseFalseFalseTrueFalseTrueTrueTrueFalse FalseFalseFalseFalseFalseFalseFalseTrueTrueTrueFalse FalseFalseFalseFalseFalseFalseTrueTrueTrueTrueFalse FalseFalseFalseFalseFalseFalseFalseTrueTrueFalseTrue ", false},
+    {"tests_values",
+     "{{ 3 is odd }} {{ 4 is even }} {{ 9 is divisibleby 3 }} {{ 9 is divisibleby(4) }} {{ true is true }} {{ 1 is true }} {{ false is false }} {{ 0 is false }} {{ 'a' is in 'abc' }} {{ 2 is in [1] }} {{ 1 is eq 1 }} {{ 1 is equalto 2 }} {{ 1 is ne 2 }} {{ 3 is gt 2 }} {{ 3 is lt 2 }} {{ 2 is ge 2 }} {{ 2 is le 1 }} {{ 'abc' is lower }} {{ 'ABC' is upper }} {{ none is sameas none }} {{ false is sameas false }} {{ range is callable }} {{ x is not none }} {{ not x is defined }}",
+     "{\"x\": 1}",
+     "True True True False True False True False True False True False True True False True False True True True True True True False", false},
+    {"tests_escaped",
+     "{{ 'a' is escaped }} {{ ('a'|safe) is escaped }}",
+     "{}",
+     "False True", false},
+    {"str_split",
+     "{{ 'a b  c'.split() }} {{ ' a,b,,c '.split(',') }} {{ 'a b c'.split(None, 1) }} {{ 'a b c'.split(' ', 1) }} {{ ''.split() }} {{ ''.split(',') }} {{ '  x  y  '.split() }} {{ 'a\\tb\\nc'.split() }} {{ 'a b c'.rsplit(' ', 1) }} {{ '  a b c '.rsplit(None, 1) }} {{ 'a::b::c'.rsplit('::') }} {{ 'a,b,c'.split(',', 0) }} {{ 'a,b,c'.split(',', -1) }}",
+     "{}",
+     "['a', 'b', 'c'] [' a', 'b', '', 'c '] ['a', 'b c'] ['a', 'b c'] [] [''] ['x', 'y'] ['a', 'b', 'c'] ['a b', 'c'] ['  a b', 'c'] ['a', 'b', 'c'] ['a,b,c'] ['a', 'b', 'c']", false},
+    {"str_strip",
+     "[{{ '  x  '.strip() }}] [{{ 'xxhixx'.strip('x') }}] [{{ '\\n\\nhi\\n'.lstrip('\\n') }}] [{{ '\\n\\nhi\\n'.rstrip('\\n') }}] [{{ '  x  '.lstrip() }}] [{{ '  x  '.rstrip() }}] [{{ 'abcba'.strip('ab') }}] [{{ 'x'.strip(none) }}]",
+     "{}",
+     "[x] [hi] [hi\n] [\n\nhi] [x  ] [  x] [c] [x]", false},
+    {"str_affix",
+     "{{ 'hello'.startswith('he') }} {{ 'hello'.endswith('lo') }} {{ 'hello'.startswith(('x', 'h')) }} {{ 'hello'.endswith(('x', 'y')) }} {{ 'hello'.startswith('l', 2) }} {{ 'hello'.endswith('l', 0, 4) }} {{ ''.startswith('') }}",
+     "{}",
+     "True True True False True True True", false},
+    {"str_find_count_replace",
+     "{{ 'hello'.find('l') }} {{ 'hello'.rfind('l') }} {{ 'hello'.find('z') }} {{ 'hello'.find('l', 3) }} {{ 'héllo'.find('l') }} {{ 'banana'.count('a') }} {{ 'banana'.count('an') }} {{ 'banana'.count('') }} {{ 'aaaa'.replace('a', 'b', 2) }} {{ 'abc'.replace('', '.') }} {{ 'hello'.index('e') }}",
+     "{}",
+     "2 3 -1 3 2 3 2 7 bbaa .a.b.c. 1", false},
+    {"str_case_methods",
+     "{{ 'hello WORLD'.upper() }} {{ 'Hello'.lower() }} {{ \"hello wORLD it's\".title() }} {{ 'hELLO'.capitalize() }} {{ 'ǆemal'.title() }} {{ 'ﬁre'.upper() }} {{ 'ΑΣ ΣΑ'.lower() }} {{ 'a1b2'.title() }}",
+     "{}",
+     "HELLO WORLD hello Hello World It'S Hello ǅemal FIRE ας σα A1B2", false},
+    {"str_misc_methods",
+     "{{ ', '.join(['a', 'b']) }} {{ '{} and {}'.format('x', 1) }} {{ '{0}{1}{0}'.format('a', 'b') }} {{ '{n}!'.format(n='hi') }} {{ 'a\\nb\\r\\nc'.splitlines() }} {{ '123'.isdigit() }} {{ 'ab'.isalpha() }} {{ ' '.isspace() }} {{ 'abc'.islower() }} {{ 'ABC'.isupper() }} {{ 'prefix_x'.removeprefix('prefix_') }} {{ 'x.txt'.removesuffix('.txt') }}",
+     "{}",
+     "a, b x and 1 aba hi! ['a', 'b', 'c'] True True True True True x x", false},
+    {"str_percent_format",
+     "{{ '%s-%s' % ('a', 1) }} {{ '%d%%' % 50 }} {{ 'v=%s' % [1] }} {{ '%r' % 'q' }}",
+     "{}",
+     "a-1 50% v=[1] 'q'", false},
+    {"str_index_slice",
+     "{{ 'héllo'[1] }} {{ 'héllo'[-1] }} {{ 'héllo'[1:3] }} {{ 'héllo'[::-1] }} {{ 'héllo'[::2] }} {{ 'abc'[5:] }}|{{ 'abc'[-10:2] }}",
+     "{}",
+     "é o él olléh hlo |ab", false},
+    {"dict_methods",
+     "{{ d.items()|list }} {{ d.keys()|list }} {{ d.values()|list }} {{ d.get('a') }} {{ d.get('z') }} {{ d.get('z', 5) }} {{ d['a'] }} {{ d.a }} {{ d.items()|length }} {{ d.copy() }}",
+     "{\"d\": {\"a\": 1, \"b\": [2]}}",
+     "[('a', 1), ('b', [2])] ['a', 'b'] [1, [2]] 1 None 5 1 1 2 {'a': 1, 'b': [2]}", false},
+    {"dict_key_shadows_method",
+     "{{ d['keys'] }} {{ d.values()|list }} {{ d['missing'] }}|{{ d.get('items') }}",
+     "{\"d\": {\"keys\": \"K\", \"items\": \"I\"}}",
+     "K ['K', 'I'] |I", false},
+    {"list_methods",
+     "{{ l.count(1) }} {{ l.index(2) }} {{ l[0] }} {{ l[-1] }} {{ l.1 }} [{{ l[10] }}]",
+     "{\"l\": [1, 2, 1]}",
+     "2 1 1 1 2 []", false},
+    {"list_slices",
+     "{{ l[1:] }} {{ l[:-1] }} {{ l[::-1] }} {{ l[::2] }} {{ l[-2:] }} {{ l[1:100] }} {{ l[3:1] }} {{ l[3:1:-1] }} {{ (1, 2, 3)[1:] }}",
+     "{\"l\": [0, 1, 2, 3, 4]}",
+     "[1, 2, 3, 4] [0, 1, 2, 3] [4, 3, 2, 1, 0] [0, 2, 4] [3, 4] [1, 2, 3, 4] [] [3, 2] (2, 3)", false},
+    {"dict_literal",
+     "{% set d = {'b': 1, 'a': 2, 'b': 3} %}{{ d }} {{ {1: 'x', 1.0: 'y', true: 'z'} }}",
+     "{}",
+     "{'b': 3, 'a': 2} {1: 'z'}", false},
+    {"undefined_prints_empty",
+     "[{{ missing }}] [{{ d.nokey }}] [{{ l[5] }}] [{{ missing ~ 'x' }}] [{{ missing is defined }}] [{{ d.nokey is defined }}] [{{ missing == missing }}] [{{ missing == none }}] [{{ missing|string }}] [{{ missing|upper }}] {% for x in missing %}x{% endfor %}{% if not missing %}falsy{% endif %}",
+     "{\"d\": {}, \"l\": []}",
+     "[] [] [] [x] [False] [False] [True] [False] [] [] falsy", false},
+    {"undefined_attribute_raises",
+     "{{ missing.attr }}",
+     "{}",
+     "'missing' is undefined", true},
+    {"undefined_item_raises",
+     "{{ missing['k'] }}",
+     "{}",
+     "'missing' is undefined", true},
+    {"undefined_chain_raises",
+     "{{ d.a.b }}",
+     "{\"d\": {}}",
+     "'dict object' has no attribute 'a'", true},
+    {"undefined_index_chain_raises",
+     "{{ l[3].x }}",
+     "{\"l\": [1]}",
+     "list object has no element 3", true},
+    {"undefined_arith_raises",
+     "{{ missing + 1 }}",
+     "{}",
+     "'missing' is undefined", true},
+    {"undefined_call_raises",
+     "{{ missing() }}",
+     "{}",
+     "'missing' is undefined", true},
+    {"undefined_compare_raises",
+     "{{ missing < 1 }}",
+     "{}",
+     "'missing' is undefined", true},
+    {"none_attribute_is_undefined",
+     "[{{ n.x }}] [{{ n.x is defined }}]",
+     "{\"n\": null}",
+     "[] [False]", false},
+    {"none_attribute_call_raises",
+     "{{ n.startswith('x') }}",
+     "{\"n\": null}",
+     "'None' has no attribute 'startswith'", true},
+    {"type_errors",
+     "{{ 'a' + 1 }}",
+     "{}",
+     "can only concatenate str (not \"int\") to str", true},
+    {"division_by_zero",
+     "{{ 1 // 0 }}",
+     "{}",
+     "integer division or modulo by zero", true},
+    {"tojson_undefined_raises",
+     "{{ missing|tojson }}",
+     "{}",
+     "Object of type Undefined is not JSON serializable", true},
+    {"int_undefined_raises",
+     "{{ missing|int }}",
+     "{}",
+     "'missing' is undefined", true},
+    {"raise_exception",
+     "{% if true %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}",
+     "{}",
+     "Only user and assistant roles are supported!", true},
+    {"iterate_none_raises",
+     "{% for x in n %}{% endfor %}",
+     "{\"n\": null}",
+     "'NoneType' object is not iterable", true},
+    {"set_attr_on_non_namespace_raises",
+     "{% set d = {} %}{% set d.x = 1 %}",
+     "{}",
+     "cannot assign attribute on non-namespace object", true},
+    {"generator_len_raises",
+     "{{ [1, 2]|select|length }}",
+     "{}",
+     "object of type 'generator' has no len()", true},
+    {"generator_truthy_and_single_use",
+     "{% set g = [0]|select %}{{ 'T' if g else 'F' }}{{ g|list }}{{ g|list }}|{% set e = []|select %}{{ 'T' if e else 'F' }}",
+     "{}",
+     "T[][]|T", false},
+};
+// clang-format on
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+TEST(ChatTemplate, MatchesJinja2) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.name);
+    std::string rendered, error;
+    bool threw = false;
+    try {
+      rendered = ChatTemplate(c.source).render(ordered_json::parse(c.context));
+    } catch (const Error& e) {
+      threw = true;
+      error = e.what();
+    }
+    if (c.error) {
+      EXPECT_TRUE(threw) << "expected an error, rendered: " << rendered;
+      // Syntax errors are worded differently from Jinja2; runtime errors use Python's message.
+      if (threw && std::string(c.name).find("syntax") == std::string::npos) {
+        EXPECT_TRUE(ends_with(error, c.expected)) << error << "\n  vs Jinja2: " << c.expected;
+      }
+    } else {
+      EXPECT_FALSE(threw) << error;
+      EXPECT_EQ(rendered, c.expected);
+    }
+  }
+}
+
+std::string error_of(const std::string& source,
+                     const ordered_json& context = ordered_json::object()) {
+  try {
+    ChatTemplate(source).render(context);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ChatTemplate, UnsupportedTagNamesTheLine) {
+  EXPECT_EQ(error_of("line one\n{% if true %}\n{% extends 'base.html' %}\n{% endif %}"),
+            "chat template line 3: unsupported tag 'extends'");
+  EXPECT_EQ(error_of("{% include 'x' %}"), "chat template line 1: unsupported tag 'include'");
+  EXPECT_EQ(error_of("a\n\n{% raw %}{{ x }}{% endraw %}"),
+            "chat template line 3: unsupported tag 'raw'");
+  EXPECT_EQ(error_of("{% call m() %}x{% endcall %}"),
+            "chat template line 1: unsupported tag 'call'");
+  EXPECT_EQ(error_of("\n{% frobnicate %}"), "chat template line 2: unknown tag 'frobnicate'");
+}
+
+TEST(ChatTemplate, UnsupportedFilterAndTestNameTheLine) {
+  EXPECT_EQ(error_of("\n\n{{ x | wordwrap }}"),
+            "chat template line 3: unsupported filter 'wordwrap'");
+  EXPECT_EQ(error_of("{% if x is frobbed %}{% endif %}"),
+            "chat template line 1: unsupported test 'frobbed'");
+}
+
+TEST(ChatTemplate, SyntaxErrorsNameTheLine) {
+  EXPECT_EQ(error_of("ok\n{% for x in %}{% endfor %}").rfind("chat template line 2: ", 0), 0u);
+  EXPECT_EQ(error_of("{% if true %}\nno end")
+                .rfind("chat template line 2: unexpected end of template", 0),
+            0u);
+  EXPECT_EQ(error_of("a\nb\n{{ (1 + }}").rfind("chat template line 3: ", 0), 0u);
+  EXPECT_EQ(error_of("{{ 'unterminated }}").rfind("chat template line 1: ", 0), 0u);
+  EXPECT_EQ(error_of("x\n{# never closed").rfind("chat template line 2: ", 0), 0u);
+  EXPECT_EQ(error_of("{% break %}").rfind("chat template line 1: 'break' outside of a loop", 0),
+            0u);
+  EXPECT_EQ(error_of("{% endfor %}").rfind("chat template line 1: unknown tag 'endfor'", 0), 0u);
+  EXPECT_EQ(error_of("{{ x }"), "chat template line 1: unexpected '}'");
+}
+
+TEST(ChatTemplate, RaiseExceptionCarriesTheMessage) {
+  std::string source =
+      "{% for m in messages %}\n"
+      "{% if m.role not in ['user', 'assistant'] %}\n"
+      "{{ raise_exception('Unsupported role: ' ~ m.role) }}\n"
+      "{% endif %}\n"
+      "{% endfor %}";
+  ordered_json ctx = {{"messages", {{{"role", "user"}}, {{"role", "robot"}}}}};
+  EXPECT_EQ(error_of(source, ctx), "chat template line 3: Unsupported role: robot");
+}
+
+TEST(ChatTemplate, UndefinedAttributeBehaviour) {
+  ordered_json ctx = {{"message", {{"role", "user"}}}};
+  // A missing key prints as nothing and tests as undefined...
+  EXPECT_EQ(ChatTemplate("[{{ message.content }}]{{ message.content is defined }}").render(ctx),
+            "[]False");
+  // ...but using it further raises Jinja2's UndefinedError.
+  EXPECT_EQ(error_of("\n{{ message.content.strip() }}", ctx),
+            "chat template line 2: 'dict object' has no attribute 'content'");
+  EXPECT_EQ(error_of("{{ nothing.here }}"), "chat template line 1: 'nothing' is undefined");
+  EXPECT_EQ(error_of("{{ message.content + 'x' }}", ctx),
+            "chat template line 1: 'dict object' has no attribute 'content'");
+}
+
+TEST(ChatTemplate, RefusesWhatItCannotRenderExactly) {
+  // Python would print an object address or a repr we do not reproduce; refuse instead.
+  EXPECT_NE(error_of("{{ [1]|select }}").find("unsupported"), std::string::npos);
+  EXPECT_NE(error_of("{{ range(3) }}").find("unsupported"), std::string::npos);
+  EXPECT_NE(error_of("{{ {'a': 1}.keys() }}").find("unsupported"), std::string::npos);
+  EXPECT_NE(error_of("{{ 'x'.zfill(3) }}").find("unsupported"), std::string::npos);
+  EXPECT_NE(error_of("{{ 9223372036854775807 + 1 }}").find("unsupported"), std::string::npos);
+  EXPECT_NE(error_of("{{ cycler('a') }}").find("unsupported"), std::string::npos);
+}
+
+TEST(ChatTemplate, ContextMustBeAnObject) {
+  EXPECT_THROW(ChatTemplate("x").render(ordered_json::array()), Error);
+}
+
+TEST(ChatTemplate, RendersRepeatedlyAndMoves) {
+  ChatTemplate t("{% for m in messages %}{{ m.content }};{% endfor %}{{ add_generation_prompt }}");
+  ordered_json ctx = {{"messages", {{{"content", "a"}}, {{"content", "b"}}}},
+                      {"add_generation_prompt", true}};
+  EXPECT_EQ(t.render(ctx), "a;b;True");
+  ChatTemplate moved(std::move(t));
+  EXPECT_EQ(moved.render(ctx), "a;b;True");
+  ChatTemplate other("");
+  other = std::move(moved);
+  EXPECT_EQ(other.render(ctx), "a;b;True");
+}
+
+TEST(ChatTemplate, KeepsContextKeyOrder) {
+  ordered_json ctx = ordered_json::parse(R"({"tool": {"zeta": 1, "alpha": {"b": 2, "a": 1}}})");
+  EXPECT_EQ(
+      ChatTemplate("{{ tool|tojson }} {{ tool }}").render(ctx),
+      "{\"zeta\": 1, \"alpha\": {\"b\": 2, \"a\": 1}} {'zeta': 1, 'alpha': {'b': 2, 'a': 1}}");
+}
+
+}  // namespace
