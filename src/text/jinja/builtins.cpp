@@ -1135,6 +1135,11 @@ Value get_slice(const Value& obj, const Value& start, const Value& stop, const V
 
 Value binary_op(const std::string& op, const Value& a, const Value& b) {
   check_defined(a);
+  if (op == "%" && a.is_string()) {
+    // str % x formats str(x), and str(Undefined) is "", so an undefined operand is fine here.
+    if (a.markup) unsupported("%-formatting a Markup string");
+    return Value::string(percent_format(a.s, b));
+  }
   check_defined(b);
   auto unsupported_operands = [&]() -> Value {
     type_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" +
@@ -1222,10 +1227,6 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     return Value::floating(a.as_double() / b.as_double());
   }
   if (op == "//" || op == "%") {
-    if (op == "%" && a.is_string()) {
-      if (a.markup) unsupported("%-formatting a Markup string");
-      return Value::string(percent_format(a.s, b));
-    }
     if (!both_num) return unsupported_operands();
     if (both_int) {
       if (b.i == 0) type_error("integer division or modulo by zero");

@@ -703,7 +703,10 @@ class Parser {
   void parse_filter_call(Expr& f) {
     f.line = cur().line;
     f.name = expect_name();
-    while (skip_op(".")) f.name += "." + expect_name();
+    while (skip_op(".")) {
+      f.name += '.';
+      f.name += expect_name();
+    }
     if (!is_supported_filter(f.name)) {
       throw Error(line_message(f.line, "unsupported filter '" + f.name + "'"));
     }
@@ -717,7 +720,10 @@ class Parser {
     e->children.push_back(std::move(node));
     if (skip_name("not")) e->negated = true;
     e->name = expect_name();
-    while (skip_op(".")) e->name += "." + expect_name();
+    while (skip_op(".")) {
+      e->name += '.';
+      e->name += expect_name();
+    }
     if (!is_supported_test(e->name)) {
       throw Error(line_message(line, "unsupported test '" + e->name + "'"));
     }
