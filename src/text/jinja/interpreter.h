@@ -1,5 +1,14 @@
 #pragma once
 // Executes a parsed template against a JSON context.
+//
+// Supported subset: {{ }}, {% %}, {# #} with -/+ whitespace control; if/elif/else; for (loop.*
+// attributes, for-else, inline `if`, tuple unpacking, break/continue); set (plain, tuple, block
+// with filters, namespace attributes); macro (positional/keyword arguments, defaults); filter
+// blocks; transformers' {% generation %}; the filters and tests listed in builtins.cpp; str,
+// dict and list methods templates use; Python operators, slicing, literals and truthiness.
+// Anything else (extends/include/import/call/raw, caller, recursive loops, filters or methods
+// not implemented, printing objects Python shows by address) raises tandem::Error instead of
+// rendering differently from Jinja2.
 #include <string>
 
 #include <nlohmann/json.hpp>
