@@ -250,8 +250,9 @@ class ByteLevelStep : public PreTokenizer::Step {
   void apply(std::string_view piece, std::vector<std::string_view>& out,
              std::deque<std::string>& arena) const override {
     if (add_prefix_space_ && !piece.starts_with(' ')) {
-      arena.push_back(" " + std::string(piece));
-      piece = arena.back();
+      std::string& prefixed = arena.emplace_back(1, ' ');
+      prefixed.append(piece);
+      piece = prefixed;
     }
     if (split_) {
       split_->apply(piece, out, arena);

@@ -1,0 +1,22 @@
+// `tandem`: the single binary of the project; each part is a subcommand.
+#include <cstdio>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/text_commands.h"
+#include "util/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs", "tandem"};
+  app.require_subcommand(1);
+  tandem::cli::add_text_commands(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const tandem::Error& e) {
+    std::fprintf(stderr, "tandem: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
