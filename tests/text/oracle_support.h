@@ -34,6 +34,18 @@ inline int run_command(const std::string& command) {
   return rc == -1 ? -1 : WEXITSTATUS(rc);
 }
 
-inline std::string quote(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+// Single-quotes a path for the shell.
+inline std::string quote(const std::filesystem::path& p) {
+  std::string out(1, '\'');
+  for (char c : p.string()) {
+    if (c == '\'') {
+      out.append("'\\''");
+    } else {
+      out.push_back(c);
+    }
+  }
+  out.push_back('\'');
+  return out;
+}
 
 }  // namespace tandem::test

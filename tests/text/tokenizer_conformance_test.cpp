@@ -1,8 +1,6 @@
 // Conformance of Tandem's tokenizer with the native Hugging Face tokenizers library, for the three
 // byte-level BPE families the project serves. The reference ids come from running the real
 // library (through its Node binding) on the same generated corpus at test time.
-#include <unistd.h>
-
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -17,7 +15,10 @@ constexpr int kStrings = 2200;
 
 std::string show(const std::vector<TokenId>& ids) {
   std::string s = "[";
-  for (size_t i = 0; i < ids.size() && i < 40; ++i) s += (i ? "," : "") + std::to_string(ids[i]);
+  for (size_t i = 0; i < ids.size() && i < 40; ++i) {
+    if (i) s += ',';
+    s += std::to_string(ids[i]);
+  }
   return s + (ids.size() > 40 ? ",...]" : "]");
 }
 
