@@ -1,10 +1,11 @@
 // Single-thread encode throughput of Tandem's tokenizer next to the native Hugging Face tokenizers
 // binding, on the same corpus in the same run. The ids of both sides must be identical.
-// Usage: tandem-bench-tokenizer --model DIR --corpus FILE.jsonl [--reference-ids FILE --reference-seconds S]
-// (bench/tokenizer_throughput.sh builds the corpus, runs the reference and calls this program.)
+// Usage: tandem-bench-tokenizer --model DIR --corpus FILE.jsonl [--reference-ids FILE
+// --reference-seconds S] (bench/tokenizer_throughput.sh builds the corpus, runs the reference and
+// calls this program.)
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>

@@ -7,7 +7,8 @@
 #include "util/error.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs", "tandem"};
+  CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs",
+               "tandem"};
   app.require_subcommand(1);
   tandem::cli::add_text_commands(app);
   try {

@@ -121,10 +121,12 @@ void add_text_commands(CLI::App& app) {
       ->required()
       ->check(CLI::ExistingDirectory);
   auto* text = tokenize->add_option("--text", opts->text, "text to tokenize");
-  auto* text_file = tokenize->add_option("--text-file", opts->text_file, "file whose text to tokenize")
-                        ->check(CLI::ExistingFile);
-  auto* chat = tokenize->add_option("--chat-file", opts->chat_file,
-                                    "JSON list of messages (or {\"messages\": [...], extra kwargs})")
+  auto* text_file =
+      tokenize->add_option("--text-file", opts->text_file, "file whose text to tokenize")
+          ->check(CLI::ExistingFile);
+  auto* chat = tokenize
+                   ->add_option("--chat-file", opts->chat_file,
+                                "JSON list of messages (or {\"messages\": [...], extra kwargs})")
                    ->check(CLI::ExistingFile);
   text->excludes(text_file)->excludes(chat);
   text_file->excludes(chat);

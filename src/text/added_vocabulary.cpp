@@ -31,7 +31,9 @@ bool is_word_char(char32_t c) {
   return t == U_DECIMAL_DIGIT_NUMBER || t == U_LETTER_NUMBER || t == U_OTHER_NUMBER;
 }
 
-bool is_space(char32_t c) { return u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_WHITE_SPACE); }
+bool is_space(char32_t c) {
+  return u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_WHITE_SPACE);
+}
 
 // Byte offset where the trailing whitespace of s begins.
 size_t trailing_space_start(std::string_view s) {
@@ -110,8 +112,8 @@ void AddedTokenMatcher::split(std::string_view text, std::vector<Segment>& out) 
     }
     const AddedToken& tok = tokens_[t];
     size_t start = i, stop = i + tok.content.size();
-    if (tok.single_word &&
-        (is_word_char(last_char(text.substr(0, start))) || is_word_char(first_char(text.substr(stop))))) {
+    if (tok.single_word && (is_word_char(last_char(text.substr(0, start))) ||
+                            is_word_char(first_char(text.substr(stop))))) {
       ++i;
       continue;
     }

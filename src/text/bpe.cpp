@@ -119,7 +119,8 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin) {
   if (model.value("type", std::string("BPE")) != "BPE")
     fail("model type '" + model.value("type", std::string()) +
          "' is not supported (only byte-level BPE is)");
-  if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() != 0)
+  if (model.contains("dropout") && !model["dropout"].is_null() &&
+      model["dropout"].get<double>() != 0)
     fail("BPE dropout is not supported (encoding must be deterministic)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (model.contains(key) && !model[key].is_null() && !model[key].get<std::string>().empty())
@@ -164,7 +165,8 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin) {
       const auto& s = m.get_ref<const std::string&>();
       auto space = s.find(' ');
       if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-        fail("merge #" + std::to_string(rank) + " '" + s + "' is not two tokens separated by a space");
+        fail("merge #" + std::to_string(rank) + " '" + s +
+             "' is not two tokens separated by a space");
       left = s.substr(0, space);
       right = s.substr(space + 1);
     } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
@@ -176,7 +178,8 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin) {
     auto find_id = [&](const std::string& tok) {
       auto it = vocab.find(tok);
       if (it == vocab.end())
-        fail("merge #" + std::to_string(rank) + " uses '" + tok + "', which is not in the vocabulary");
+        fail("merge #" + std::to_string(rank) + " uses '" + tok +
+             "', which is not in the vocabulary");
       return it->get<TokenId>();
     };
     TokenId a = find_id(left), b = find_id(right), merged = find_id(left + right);

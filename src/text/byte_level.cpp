@@ -29,7 +29,9 @@ const Tables& tables() {
 
 }  // namespace
 
-char32_t char_for_byte(unsigned char b) { return tables().to_char[b]; }
+char32_t char_for_byte(unsigned char b) {
+  return tables().to_char[b];
+}
 
 std::optional<std::string> to_bytes(std::string_view token) {
   const auto& t = tables();

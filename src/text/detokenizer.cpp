@@ -14,7 +14,8 @@ std::string IncrementalDetokenizer::push(TokenId id) {
   // Everything before an incomplete tail is decided: a later byte cannot change how
   // from_utf8_lossy treats it, because the tail starts a new sequence.
   size_t keep = utf8::incomplete_tail_length(pending_);
-  std::string out = utf8::to_valid_lossy(std::string_view(pending_).substr(0, pending_.size() - keep));
+  std::string out =
+      utf8::to_valid_lossy(std::string_view(pending_).substr(0, pending_.size() - keep));
   pending_.erase(0, pending_.size() - keep);
   return out;
 }

@@ -87,8 +87,8 @@ class Regex {
     auto& t = thread_state();
     int rc = jit_ ? pcre2_jit_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()),
                                     subject.size(), from, PCRE2_NO_UTF_CHECK, t.data, t.context)
-                  : pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()),
-                                subject.size(), from, PCRE2_NO_UTF_CHECK, t.data, t.context);
+                  : pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(subject.data()), subject.size(),
+                                from, PCRE2_NO_UTF_CHECK, t.data, t.context);
     if (rc == PCRE2_ERROR_NOMATCH) return false;
     if (rc < 0 && rc != 0) {
       PCRE2_UCHAR msg[256];
@@ -271,12 +271,12 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
   if (!cfg.is_object() || !cfg.contains("type"))
     throw Error(where + ": expected an object with a 'type'");
   const auto type = cfg["type"].get<std::string>();
-  if (saw_byte_level)
-    throw Error(where + ": a " + type + " step after ByteLevel is not supported");
+  if (saw_byte_level) throw Error(where + ": a " + type + " step after ByteLevel is not supported");
   if (type == "Sequence") {
     const auto& list = cfg.at("pretokenizers");
     for (size_t i = 0; i < list.size(); ++i)
-      add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps, saw_byte_level);
+      add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps,
+                saw_byte_level);
   } else if (type == "Split") {
     const auto& pat = cfg.at("pattern");
     std::string regex;

