@@ -1,0 +1,31 @@
+#pragma once
+// Generation for one prompt on the CPU model: prefill, then decode token by token with
+// sampling, stop tokens, stop strings and max_tokens, streaming text as it becomes final. The
+// serving engine's scheduler replaces this loop for batched serving; this is what
+// `tandem generate` and the numerics tests use.
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "model/deepseek.h"
+#include "text/tokenizer.h"
+
+namespace tandem::engine {
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids (a stop token is included, its text is not)
+  std::string text;
+  std::string finish_reason;  // "stop" or "length"
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+GenerationResult generate(const model::DeepSeekModel& model, const text::Tokenizer& tokenizer,
+                          std::span<const int32_t> prompt, const SamplingParams& params,
+                          const std::function<void(std::string_view)>& on_text = {},
+                          int64_t block_size = 16);
+
+}  // namespace tandem::engine

@@ -1,0 +1,47 @@
+#pragma once
+// Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM: repetition
+// penalty (prompt and output tokens), frequency and presence penalties (output tokens), then
+// temperature; then top-k, top-p and min-p filtering; then a draw from the seeded generator.
+// Temperature 0 is greedy (argmax, lowest id on ties).
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tandem::engine {
+
+struct SamplingParams {
+  double temperature = 1.0;
+  int64_t top_k = 0;  // 0 or -1: off
+  double top_p = 1.0;
+  double min_p = 0.0;
+  double repetition_penalty = 1.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  std::optional<uint64_t> seed;
+  int64_t max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
+  bool ignore_eos = false;
+
+  // Throws tandem::Error naming the parameter when a value is out of range.
+  void validate() const;
+};
+
+class Sampler {
+ public:
+  // `fallback_seed` seeds the generator when the request has no seed.
+  Sampler(const SamplingParams& params, uint64_t fallback_seed);
+
+  // Picks the next token from logits[vocab] (modified in place).
+  int32_t sample(std::span<float> logits, std::span<const int32_t> prompt,
+                 std::span<const int32_t> output);
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace tandem::engine

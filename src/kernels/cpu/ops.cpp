@@ -1,0 +1,150 @@
+#include "kernels/cpu/ops.h"
+
+#include <cmath>
+#include <algorithm>
+#include <cstring>
+
+namespace tandem::kernels {
+namespace {
+
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
+#define TANDEM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TANDEM_CLONES
+#endif
+
+// Several independent accumulators keep the FMA pipes busy and let the compiler vectorise.
+TANDEM_CLONES float dot_f32(const float* a, const float* b, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += a[i + k] * b[i + k];
+  float s = 0;
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+TANDEM_CLONES float dot_bf16(const uint16_t* w, const float* x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int k = 0; k < 16; ++k) {
+      uint32_t bits = static_cast<uint32_t>(w[i + k]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      acc[k] += f * x[i + k];
+    }
+  }
+  float s = 0;
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  for (; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(w[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    s += f * x[i];
+  }
+  return s;
+}
+
+TANDEM_CLONES float dot_i8(const int8_t* w, const float* x, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += static_cast<float>(w[i + k]) * x[i + k];
+  float s = 0;
+  for (int k = 0; k < 16; ++k) s += acc[k];
+  for (; i < n; ++i) s += static_cast<float>(w[i]) * x[i];
+  return s;
+}
+
+float row_dot(const Matrix& w, int64_t r, const float* x) {
+  switch (w.type) {
+    case WeightType::kF32:
+      return dot_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols);
+    case WeightType::kBF16:
+      return dot_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols);
+    case WeightType::kI8:
+      return dot_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x, w.cols) * w.row_scales[r];
+  }
+  return 0;
+}
+
+}  // namespace
+
+size_t Matrix::bytes() const {
+  size_t per = type == WeightType::kF32 ? 4 : type == WeightType::kBF16 ? 2 : 1;
+  return static_cast<size_t>(rows * cols) * per;
+}
+
+void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
+  // Rows outermost: each weight row is read once per call and reused for all n tokens.
+#pragma omp parallel for schedule(static) if (w.rows * w.cols * n > (1 << 16))
+  for (int64_t r = 0; r < w.rows; ++r)
+    for (int64_t t = 0; t < n; ++t) y[t * w.rows + r] = row_dot(w, r, x + t * w.cols);
+}
+
+void matrix_row(const Matrix& w, int64_t r, float* out) {
+  for (int64_t c = 0; c < w.cols; ++c) {
+    switch (w.type) {
+      case WeightType::kF32: out[c] = static_cast<const float*>(w.data)[r * w.cols + c]; break;
+      case WeightType::kBF16: {
+        uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w.data)[r * w.cols + c])
+                        << 16;
+        std::memcpy(&out[c], &bits, 4);
+        break;
+      }
+      case WeightType::kI8:
+        out[c] = static_cast<const int8_t*>(w.data)[r * w.cols + c] * w.row_scales[r];
+        break;
+    }
+  }
+}
+
+void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const float* x, float* y) {
+  std::fill(y, y + w.cols, 0.0f);
+  thread_local std::vector<float> row;
+  row.resize(w.cols);
+  for (int64_t r = 0; r < count; ++r) {
+    matrix_row(w, first + r, row.data());
+    axpy(x[r], row.data(), y, w.cols);
+  }
+}
+
+void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, float* y) {
+  for (int64_t r = 0; r < count; ++r) y[r] = row_dot(w, first + r, x);
+}
+
+void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double eps, float* y) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = x + t * dim;
+    double ss = 0;
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xt[i]) * xt[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
+    for (int64_t i = 0; i < dim; ++i) y[t * dim + i] = xt[i] * inv * weight[i];
+  }
+}
+
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void softmax(float* x, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  const float inv = static_cast<float>(1.0 / sum);
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+float dot(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }
+
+void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace tandem::kernels

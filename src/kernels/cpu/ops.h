@@ -1,0 +1,42 @@
+#pragma once
+// CPU kernels of the forward pass. Activations are float32; weights may be float32, bfloat16 or
+// int8 with per-row scales. Hot loops are compiled for several instruction sets and chosen at
+// run time (GCC target_clones), so one binary runs everywhere and uses AVX-512 where present.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace tandem::kernels {
+
+enum class WeightType { kF32, kBF16, kI8 };
+
+// A dense weight matrix W [rows, cols], row-major: y = W x. `data` may point into a mapped
+// checkpoint or into `storage`; int8 weights carry one float scale per row.
+struct Matrix {
+  int64_t rows = 0, cols = 0;
+  WeightType type = WeightType::kF32;
+  const void* data = nullptr;
+  std::vector<float> row_scales;     // kI8 only
+  std::vector<uint8_t> storage;      // owned bytes when the weights were converted at load
+  size_t bytes() const;
+};
+
+// y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows].
+void matmul(const Matrix& w, const float* x, int64_t n, float* y);
+// Row r of W as float32 into out[cols].
+void matrix_row(const Matrix& w, int64_t r, float* out);
+// y[cols] = sum_r x[r] * W[first + r, :] for r < count: a transposed product over a row range.
+void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const float* x, float* y);
+// y[count] = W[first .. first + count) x: a product over a row range.
+void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, float* y);
+
+void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double eps, float* y);
+// out[i] = silu(gate[i]) * up[i]
+void silu_mul(const float* gate, const float* up, int64_t n, float* out);
+// In-place softmax of x[n] (max-subtracted, float32).
+void softmax(float* x, int64_t n);
+float dot(const float* a, const float* b, int64_t n);
+// y += a * x
+void axpy(float a, const float* x, float* y, int64_t n);
+
+}  // namespace tandem::kernels

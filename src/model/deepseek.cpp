@@ -1,0 +1,285 @@
+#include "model/deepseek.h"
+
+#include <cmath>
+
+#include "model/moe_routing.h"
+#include "util/error.h"
+
+namespace tandem::model {
+
+using kernels::matmul;
+using kernels::rmsnorm;
+
+DeepSeekModel::DeepSeekModel(ModelConfig config, Weights weights)
+    : config_(std::move(config)), weights_(std::move(weights)), rope_(config_) {
+  expert_counts_.assign(config_.num_hidden_layers + config_.num_nextn_predict_layers,
+                        std::vector<uint64_t>(config_.n_routed_experts, 0));
+}
+
+DeepSeekModel DeepSeekModel::load(const std::filesystem::path& dir,
+                                  const std::function<void(size_t, size_t)>& progress) {
+  ModelConfig config = ModelConfig::load(dir);
+  Weights weights = Weights::load(dir, config, progress);
+  return DeepSeekModel(std::move(config), std::move(weights));
+}
+
+LatentCacheShape DeepSeekModel::cache_shape(int64_t block_size) const {
+  return LatentCacheShape{config_.num_hidden_layers + config_.num_nextn_predict_layers, block_size,
+                          config_.kv_lora_rank, config_.qk_rope_head_dim};
+}
+
+namespace {
+
+void check_batch(const ModelConfig& c, std::span<const SequenceStep> batch, const LatentCache& cache) {
+  const int64_t bs = cache.shape().block_size;
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const auto& step = batch[s];
+    if (step.tokens.empty()) throw Error("forward: sequence " + std::to_string(s) + " has no tokens");
+    const int64_t end = step.start + static_cast<int64_t>(step.tokens.size());
+    if (step.start < 0 || static_cast<int64_t>(step.blocks.size()) * bs < end)
+      throw Error("forward: block table of sequence " + std::to_string(s) + " covers " +
+                  std::to_string(step.blocks.size() * bs) + " positions, needs " +
+                  std::to_string(end));
+    for (auto b : step.blocks)
+      if (b < 0 || b >= cache.num_blocks())
+        throw Error("forward: block " + std::to_string(b) + " is outside the cache");
+    for (auto t : step.tokens)
+      if (t < 0 || t >= c.vocab_size)
+        throw Error("forward: token id " + std::to_string(t) + " is outside the vocabulary");
+  }
+}
+
+float* cache_entry(LatentCache& cache, const SequenceStep& step, int64_t layer, int64_t pos) {
+  const int64_t bs = cache.shape().block_size;
+  return cache.block_layer(step.blocks[pos / bs], layer) + (pos % bs) * cache.shape().entry();
+}
+
+const float* cache_entry(const LatentCache& cache, const SequenceStep& step, int64_t layer,
+                         int64_t pos) {
+  const int64_t bs = cache.shape().block_size;
+  return cache.block_layer(step.blocks[pos / bs], layer) + (pos % bs) * cache.shape().entry();
+}
+
+}  // namespace
+
+void DeepSeekModel::mlp(const MlpWeights& w, const float* xn, int64_t n, float* out) const {
+  const int64_t inter = w.gate.rows;
+  std::vector<float> g(n * inter), u(n * inter);
+  matmul(w.gate, xn, n, g.data());
+  matmul(w.up, xn, n, u.data());
+  kernels::silu_mul(g.data(), u.data(), n * inter, g.data());
+  matmul(w.down, g.data(), n, out);
+}
+
+void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
+                        std::vector<float>& out) const {
+  const ModelConfig& c = config_;
+  const int64_t h = c.hidden_size, e_count = c.n_routed_experts;
+  std::vector<float> logits(n * e_count);
+  matmul(w.router, xn.data(), n, logits.data());
+  // Group the tokens by physical expert slot so each expert's weights are read once.
+  std::vector<std::vector<std::pair<int64_t, float>>> by_slot(w.experts.size());
+  const float* bias = w.correction_bias.empty() ? nullptr : w.correction_bias.data();
+  for (int64_t t = 0; t < n; ++t) {
+    Routing r = route_token(c, logits.data() + t * e_count, bias);
+    for (size_t k = 0; k < r.experts.size(); ++k) {
+      ++expert_counts_[layer][r.experts[k]];
+      by_slot[w.slot_of_expert[r.experts[k]]].emplace_back(t, r.weights[k]);
+    }
+  }
+  out.assign(n * h, 0.0f);
+  std::vector<float> in, res;
+  for (size_t slot = 0; slot < by_slot.size(); ++slot) {
+    const auto& list = by_slot[slot];
+    if (list.empty()) continue;
+    const int64_t m = static_cast<int64_t>(list.size());
+    in.resize(m * h);
+    res.resize(m * h);
+    for (int64_t i = 0; i < m; ++i)
+      std::copy_n(xn.data() + list[i].first * h, h, in.data() + i * h);
+    mlp(w.experts[slot], in.data(), m, res.data());
+    for (int64_t i = 0; i < m; ++i)
+      kernels::axpy(list[i].second, res.data() + i * h, out.data() + list[i].first * h, h);
+  }
+  if (w.has_shared) {
+    res.resize(n * h);
+    mlp(w.shared, xn.data(), n, res.data());
+    for (int64_t i = 0; i < n * h; ++i) out[i] += res[i];
+  }
+}
+
+void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
+                              std::span<const SequenceStep> batch,
+                              const std::vector<TokenInfo>& tokens, const std::vector<float>& xn,
+                              std::vector<float>& out, LatentCache& cache) const {
+  const ModelConfig& c = config_;
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const int64_t heads = c.num_attention_heads, nope = c.qk_nope_head_dim, rd = c.qk_rope_head_dim;
+  const int64_t vd = c.v_head_dim, kvl = c.kv_lora_rank, qk = c.qk_head_dim();
+  const int64_t entry = kvl + rd, head_rows = nope + vd;
+  const float scale = static_cast<float>(c.softmax_scale());
+
+  // Queries: [n, heads, nope + rope].
+  std::vector<float> q(n * heads * qk);
+  if (c.q_lora_rank > 0) {
+    std::vector<float> qa(n * c.q_lora_rank);
+    matmul(w.q_a, xn.data(), n, qa.data());
+    rmsnorm(qa.data(), w.q_a_norm.data(), n, c.q_lora_rank, c.rms_norm_eps, qa.data());
+    matmul(w.q_b, qa.data(), n, q.data());
+  } else {
+    matmul(w.q, xn.data(), n, q.data());
+  }
+  // New latents and rope keys go to the cache before attending, so a token sees itself.
+  std::vector<float> kva(n * entry);
+  matmul(w.kv_a, xn.data(), n, kva.data());
+  for (int64_t t = 0; t < n; ++t) {
+    const auto& step = batch[tokens[t].sequence];
+    float* dst = cache_entry(cache, step, layer, tokens[t].position);
+    rmsnorm(kva.data() + t * entry, w.kv_a_norm.data(), 1, kvl, c.rms_norm_eps, dst);
+    std::copy_n(kva.data() + t * entry + kvl, rd, dst + kvl);
+    rope_.apply(dst + kvl, tokens[t].position);
+    for (int64_t hd = 0; hd < heads; ++hd) rope_.apply(q.data() + (t * heads + hd) * qk + nope, tokens[t].position);
+  }
+
+  out.assign(n * heads * vd, 0.0f);
+  int64_t first_token = 0;
+  for (const auto& step : batch) {
+    const int64_t count = static_cast<int64_t>(step.tokens.size());
+    const int64_t context = step.start + count;
+    if (count <= kAbsorbedMaxTokens) {
+      // Absorbed form: fold W_UK into the query and W_UV after the weighted sum, so attention
+      // runs directly over the cached latents (one shared KV head of width kv_lora + rope).
+#pragma omp parallel for collapse(2) schedule(static)
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          const int64_t t = first_token + i, pos = step.start + i;
+          const float* qh = q.data() + (t * heads + hd) * qk;
+          std::vector<float> q_lat(kvl), scores(pos + 1), o_lat(kvl, 0.0f);
+          kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, q_lat.data());
+          for (int64_t p = 0; p <= pos; ++p) {
+            const float* e = cache_entry(cache, step, layer, p);
+            scores[p] = (kernels::dot(q_lat.data(), e, kvl) + kernels::dot(qh + nope, e + kvl, rd)) * scale;
+          }
+          kernels::softmax(scores.data(), pos + 1);
+          for (int64_t p = 0; p <= pos; ++p)
+            kernels::axpy(scores[p], cache_entry(cache, step, layer, p), o_lat.data(), kvl);
+          kernels::matvec_rows(w.kv_b, hd * head_rows + nope, vd, o_lat.data(),
+                               out.data() + (t * heads + hd) * vd);
+        }
+      }
+    } else {
+      // Expanded form: rebuild per-head keys and values of the whole context from the latents.
+      std::vector<float> latents(context * kvl), kv(context * heads * head_rows);
+      for (int64_t p = 0; p < context; ++p)
+        std::copy_n(cache_entry(cache, step, layer, p), kvl, latents.data() + p * kvl);
+      matmul(w.kv_b, latents.data(), context, kv.data());
+#pragma omp parallel for collapse(2) schedule(static)
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          const int64_t t = first_token + i, pos = step.start + i;
+          const float* qh = q.data() + (t * heads + hd) * qk;
+          std::vector<float> scores(pos + 1);
+          for (int64_t p = 0; p <= pos; ++p) {
+            const float* k = kv.data() + (p * heads + hd) * head_rows;
+            const float* e = cache_entry(cache, step, layer, p);
+            scores[p] = (kernels::dot(qh, k, nope) + kernels::dot(qh + nope, e + kvl, rd)) * scale;
+          }
+          kernels::softmax(scores.data(), pos + 1);
+          float* o = out.data() + (t * heads + hd) * vd;
+          for (int64_t p = 0; p <= pos; ++p)
+            kernels::axpy(scores[p], kv.data() + (p * heads + hd) * head_rows + nope, o, vd);
+        }
+      }
+    }
+    first_token += count;
+  }
+}
+
+void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
+                                  std::span<const SequenceStep> batch,
+                                  const std::vector<TokenInfo>& tokens, std::vector<float>& x,
+                                  LatentCache& cache) const {
+  const int64_t n = static_cast<int64_t>(tokens.size()), h = config_.hidden_size;
+  std::vector<float> xn(n * h), attn, proj(n * h);
+  rmsnorm(x.data(), w.input_norm.data(), n, h, config_.rms_norm_eps, xn.data());
+  attention(w.attn, cache_layer, batch, tokens, xn, attn, cache);
+  matmul(w.attn.o, attn.data(), n, proj.data());
+  for (int64_t i = 0; i < n * h; ++i) x[i] += proj[i];
+
+  rmsnorm(x.data(), w.post_attention_norm.data(), n, h, config_.rms_norm_eps, xn.data());
+  if (w.is_moe) {
+    moe(w.moe, cache_layer, xn, n, proj);
+  } else {
+    mlp(w.dense, xn.data(), n, proj.data());
+  }
+  for (int64_t i = 0; i < n * h; ++i) x[i] += proj[i];
+}
+
+StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vector<float> x,
+                                 const std::vector<float>& norm, const Matrix& head) const {
+  const int64_t h = config_.hidden_size;
+  StepOutput out;
+  std::vector<int64_t> rows;  // token indices whose logits are wanted
+  int64_t t = 0;
+  for (const auto& step : batch) {
+    out.first_row.push_back(static_cast<int64_t>(rows.size()));
+    const int64_t count = static_cast<int64_t>(step.tokens.size());
+    for (int64_t i = step.all_logits ? 0 : count - 1; i < count; ++i) rows.push_back(t + i);
+    t += count;
+  }
+  std::vector<float> normed(rows.size() * h);
+  for (size_t r = 0; r < rows.size(); ++r)
+    rmsnorm(x.data() + rows[r] * h, norm.data(), 1, h, config_.rms_norm_eps, normed.data() + r * h);
+  out.logits.resize(rows.size() * config_.vocab_size);
+  matmul(head, normed.data(), static_cast<int64_t>(rows.size()), out.logits.data());
+  out.hidden = std::move(x);
+  return out;
+}
+
+StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCache& cache) const {
+  check_batch(config_, batch, cache);
+  const int64_t h = config_.hidden_size;
+  std::vector<TokenInfo> tokens;
+  for (size_t s = 0; s < batch.size(); ++s)
+    for (size_t i = 0; i < batch[s].tokens.size(); ++i)
+      tokens.push_back({static_cast<int64_t>(s), batch[s].start + static_cast<int64_t>(i)});
+  std::vector<float> x(tokens.size() * h);
+  int64_t t = 0;
+  for (const auto& step : batch)
+    for (auto id : step.tokens) kernels::matrix_row(weights_.embed, id, x.data() + (t++) * h);
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
+    layer_forward(weights_.layers[l], l, batch, tokens, x, cache);
+  return finish(batch, std::move(x), weights_.final_norm, weights_.lm_head);
+}
+
+StepOutput DeepSeekModel::forward_mtp(std::span<const SequenceStep> batch, const float* hidden,
+                                      LatentCache& cache, int64_t k) const {
+  if (k < 0 || k >= static_cast<int64_t>(weights_.mtp.size()))
+    throw Error("forward_mtp: the model has " + std::to_string(weights_.mtp.size()) +
+                " MTP modules, asked for #" + std::to_string(k));
+  check_batch(config_, batch, cache);
+  const MtpWeights& m = weights_.mtp[k];
+  const int64_t h = config_.hidden_size;
+  std::vector<TokenInfo> tokens;
+  for (size_t s = 0; s < batch.size(); ++s)
+    for (size_t i = 0; i < batch[s].tokens.size(); ++i)
+      tokens.push_back({static_cast<int64_t>(s), batch[s].start + static_cast<int64_t>(i)});
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  // Input: eh_proj([enorm(embed(next token)) ; hnorm(hidden)]), embedding first.
+  std::vector<float> cat(n * 2 * h), x(n * h);
+  int64_t t = 0;
+  for (const auto& step : batch) {
+    for (auto id : step.tokens) {
+      float* row = cat.data() + t * 2 * h;
+      kernels::matrix_row(m.embed, id, row);
+      rmsnorm(row, m.enorm.data(), 1, h, config_.rms_norm_eps, row);
+      rmsnorm(hidden + t * h, m.hnorm.data(), 1, h, config_.rms_norm_eps, row + h);
+      ++t;
+    }
+  }
+  matmul(m.eh_proj, cat.data(), n, x.data());
+  layer_forward(m.layer, config_.num_hidden_layers + k, batch, tokens, x, cache);
+  return finish(batch, std::move(x), m.final_norm, m.head);
+}
+
+}  // namespace tandem::model

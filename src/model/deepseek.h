@@ -1,0 +1,82 @@
+#pragma once
+// The forward pass of DeepSeek-V2/V3-family models on CPU: embedding, MLA attention over the
+// paged latent cache, dense and MoE feed-forward layers, final norm, LM head, and the MTP module.
+//
+// One step takes a batch in which every sequence contributes any number of new tokens (a prefill
+// chunk, one decode token, or a token plus speculative drafts) and returns logits for the
+// positions asked for. Attention uses the absorbed form (MQA over the cached latents) for short
+// steps and the expanded form (MHA with keys and values rebuilt from the latents) for long ones;
+// both read the cache through the sequence's block table.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "model/config.h"
+#include "model/latent_cache.h"
+#include "model/rope.h"
+#include "model/weights.h"
+
+namespace tandem::model {
+
+struct SequenceStep {
+  std::span<const int32_t> tokens;  // the new tokens
+  int64_t start = 0;                // position of tokens[0]; earlier positions are in the cache
+  std::span<const int32_t> blocks;  // block table covering start + tokens.size() positions
+  bool all_logits = false;          // logits for every new token, else for the last one only
+};
+
+struct StepOutput {
+  std::vector<float> logits;        // [rows, vocab_size]
+  std::vector<int64_t> first_row;   // per sequence, its first row in `logits`
+  std::vector<float> hidden;        // [new tokens, hidden_size], before the final norm (MTP input)
+};
+
+class DeepSeekModel {
+ public:
+  DeepSeekModel(ModelConfig config, Weights weights);
+  static DeepSeekModel load(const std::filesystem::path& dir,
+                            const std::function<void(size_t, size_t)>& progress = {});
+
+  const ModelConfig& config() const { return config_; }
+  // Layers of the cache: the main layers, then one per MTP module.
+  LatentCacheShape cache_shape(int64_t block_size) const;
+
+  StepOutput forward(std::span<const SequenceStep> batch, LatentCache& cache) const;
+
+  // MTP module `k`: step i of a sequence predicts the token after next. `tokens` of each step
+  // are the next tokens (t[i+1]) of positions start..; `hidden` holds the main model's hidden
+  // states for those positions, rows in batch order, as forward() returned them.
+  StepOutput forward_mtp(std::span<const SequenceStep> batch, const float* hidden,
+                         LatentCache& cache, int64_t k = 0) const;
+
+  // Tokens routed to each logical expert, per layer (MoE layers only have non-zero counts).
+  const std::vector<std::vector<uint64_t>>& expert_counts() const { return expert_counts_; }
+
+  // Short steps (decode, drafts) use the absorbed attention form; longer ones expand K/V.
+  static constexpr int64_t kAbsorbedMaxTokens = 4;
+
+ private:
+  struct TokenInfo {
+    int64_t sequence, position;
+  };
+  void layer_forward(const LayerWeights& w, int64_t cache_layer, std::span<const SequenceStep> batch,
+                     const std::vector<TokenInfo>& tokens, std::vector<float>& x,
+                     LatentCache& cache) const;
+  void attention(const AttentionWeights& w, int64_t cache_layer, std::span<const SequenceStep> batch,
+                 const std::vector<TokenInfo>& tokens, const std::vector<float>& xn,
+                 std::vector<float>& out, LatentCache& cache) const;
+  void moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
+           std::vector<float>& out) const;
+  void mlp(const MlpWeights& w, const float* xn, int64_t n, float* out) const;
+  StepOutput finish(std::span<const SequenceStep> batch, std::vector<float> x,
+                    const std::vector<float>& norm, const Matrix& head) const;
+
+  ModelConfig config_;
+  Weights weights_;
+  Rope rope_;
+  mutable std::vector<std::vector<uint64_t>> expert_counts_;
+};
+
+}  // namespace tandem::model

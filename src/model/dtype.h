@@ -1,0 +1,44 @@
+#pragma once
+// Element types of checkpoints and their conversions. Names follow safetensors ("F32", "BF16",
+// "F16", "F8_E4M3", "I8"); conversions round to nearest even, as PyTorch does.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string_view>
+
+namespace tandem::model {
+
+enum class DType { kF32, kBF16, kF16, kF8E4M3, kI8 };
+
+size_t dtype_size(DType t);
+std::string_view dtype_name(DType t);                      // safetensors spelling
+std::optional<DType> parse_dtype(std::string_view name);  // from safetensors spelling
+bool is_float_dtype(DType t);                              // F32, BF16 or F16
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFF) > 0x7F800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float f16_to_f32(uint16_t v);
+uint16_t f32_to_f16(float f);
+float f8e4m3_to_f32(uint8_t v);
+// Rounds to nearest even like torch's float8_e4m3fn cast; magnitudes beyond 448 saturate to
+// +-448 (torch turns those from 480 up into NaN; quantizers scale values into range first).
+uint8_t f32_to_f8e4m3(float f);
+
+// Converts n elements of type `from` at src to f32.
+void to_f32(DType from, const void* src, float* dst, size_t n);
+
+}  // namespace tandem::model

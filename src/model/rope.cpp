@@ -1,0 +1,52 @@
+#include "model/rope.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace tandem::model {
+namespace {
+
+double yarn_mscale(double factor, double mscale) {
+  return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0;
+}
+
+// The dimension index at which a rotation completes `rotations` turns over `max_pos` positions.
+double correction_dim(double rotations, int64_t dim, double base, int64_t max_pos) {
+  return dim * std::log(max_pos / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
+}
+
+}  // namespace
+
+Rope::Rope(const ModelConfig& c) {
+  const int64_t dim = c.qk_rope_head_dim;
+  const double base = c.rope_theta;
+  inv_freq_.resize(dim / 2);
+  for (int64_t i = 0; i < dim / 2; ++i) inv_freq_[i] = 1.0 / std::pow(base, 2.0 * i / dim);
+  if (!c.yarn) return;
+  const YarnScaling& y = *c.yarn;
+  double low = std::floor(correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings));
+  double high = std::ceil(correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings));
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // avoid a zero-width ramp
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    // Fast-turning dimensions (below `low`) keep their frequency; slow ones (above `high`) are
+    // interpolated by the context-extension factor; a linear ramp joins the two.
+    double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    inv_freq_[i] = inv_freq_[i] / y.factor * ramp + inv_freq_[i] * (1.0 - ramp);
+  }
+  mscale_ = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim);
+}
+
+void Rope::apply(float* x, int64_t position) const {
+  for (size_t i = 0; i < inv_freq_.size(); ++i) {
+    const double angle = static_cast<double>(position) * inv_freq_[i];
+    const double c = std::cos(angle) * mscale_, s = std::sin(angle) * mscale_;
+    const double a = x[2 * i], b = x[2 * i + 1];
+    x[2 * i] = static_cast<float>(a * c - b * s);
+    x[2 * i + 1] = static_cast<float>(a * s + b * c);
+  }
+}
+
+}  // namespace tandem::model

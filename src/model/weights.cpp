@@ -1,0 +1,171 @@
+#include "model/weights.h"
+
+#include <cstring>
+
+#include "model/layout.h"
+#include "util/error.h"
+
+namespace tandem::model {
+namespace {
+
+class Binder {
+ public:
+  Binder(const Checkpoint& ckpt, const ModelConfig& config,
+         const std::function<void(size_t, size_t)>& progress)
+      : ckpt_(ckpt), config_(config), progress_(progress), total_(ckpt.tensors().size()) {}
+
+  std::vector<float> vector(const std::string& name, int64_t n) {
+    const TensorInfo& t = take(name, {n});
+    std::vector<float> out(n);
+    to_f32(t.dtype, t.data, out.data(), n);
+    return out;
+  }
+
+  Matrix matrix(const std::string& name, int64_t rows, int64_t cols) {
+    const TensorInfo& t = take(name + ".weight", {rows, cols});
+    Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    switch (t.dtype) {
+      case DType::kF32:
+        m.type = kernels::WeightType::kF32;
+        m.data = t.data;
+        break;
+      case DType::kBF16:
+        m.type = kernels::WeightType::kBF16;
+        m.data = t.data;
+        break;
+      case DType::kF16: {
+        m.type = kernels::WeightType::kF32;
+        m.storage.resize(static_cast<size_t>(rows * cols) * 4);
+        to_f32(t.dtype, t.data, reinterpret_cast<float*>(m.storage.data()), rows * cols);
+        m.data = m.storage.data();
+        break;
+      }
+      case DType::kF8E4M3:
+        dequantize_fp8(name, t, m);
+        break;
+      case DType::kI8: {
+        m.type = kernels::WeightType::kI8;
+        m.data = t.data;
+        const TensorInfo& s = take(name + ".weight_scale", {rows, 1});
+        m.row_scales.resize(rows);
+        to_f32(s.dtype, s.data, m.row_scales.data(), rows);
+        break;
+      }
+    }
+    return m;
+  }
+
+  MlpWeights mlp(const std::string& prefix, int64_t inter) {
+    const int64_t h = config_.hidden_size;
+    return MlpWeights{matrix(prefix + ".gate_proj", inter, h), matrix(prefix + ".up_proj", inter, h),
+                      matrix(prefix + ".down_proj", h, inter)};
+  }
+
+  LayerWeights layer(int64_t index, bool is_moe) {
+    const ModelConfig& c = config_;
+    const std::string p = "model.layers." + std::to_string(index);
+    const int64_t h = c.hidden_size, heads = c.num_attention_heads;
+    LayerWeights l;
+    l.input_norm = vector(p + ".input_layernorm.weight", h);
+    l.post_attention_norm = vector(p + ".post_attention_layernorm.weight", h);
+    AttentionWeights& a = l.attn;
+    if (c.q_lora_rank > 0) {
+      a.q_a = matrix(p + ".self_attn.q_a_proj", c.q_lora_rank, h);
+      a.q_a_norm = vector(p + ".self_attn.q_a_layernorm.weight", c.q_lora_rank);
+      a.q_b = matrix(p + ".self_attn.q_b_proj", heads * c.qk_head_dim(), c.q_lora_rank);
+    } else {
+      a.q = matrix(p + ".self_attn.q_proj", heads * c.qk_head_dim(), h);
+    }
+    a.kv_a = matrix(p + ".self_attn.kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, h);
+    a.kv_a_norm = vector(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
+    a.kv_b = matrix(p + ".self_attn.kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim),
+                    c.kv_lora_rank);
+    a.o = matrix(p + ".self_attn.o_proj", h, heads * c.v_head_dim);
+    l.is_moe = is_moe;
+    if (!is_moe) {
+      l.dense = mlp(p + ".mlp", c.intermediate_size);
+      return l;
+    }
+    MoeWeights& m = l.moe;
+    m.router = matrix(p + ".mlp.gate", c.n_routed_experts, h);
+    if (c.uses_correction_bias())
+      m.correction_bias = vector(p + ".mlp.gate.e_score_correction_bias", c.n_routed_experts);
+    for (int64_t e = 0; e < c.n_routed_experts; ++e) {
+      m.experts.push_back(mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size));
+      m.slot_of_expert.push_back(static_cast<int32_t>(e));
+    }
+    if (c.n_shared_experts > 0) {
+      m.shared = mlp(p + ".mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts);
+      m.has_shared = true;
+    }
+    return l;
+  }
+
+ private:
+  const TensorInfo& take(const std::string& name, const std::vector<int64_t>& shape) {
+    const TensorInfo& t = ckpt_.get(name, shape);
+    if (progress_) progress_(++done_, total_);
+    return t;
+  }
+
+  // W = W_fp8 * scale_inv[r / 128, c / 128], stored as BF16.
+  void dequantize_fp8(const std::string& name, const TensorInfo& t, Matrix& m) {
+    const int64_t br = config_.fp8 ? config_.fp8->block_rows : 128;
+    const int64_t bc = config_.fp8 ? config_.fp8->block_cols : 128;
+    const int64_t sr = (m.rows + br - 1) / br, sc = (m.cols + bc - 1) / bc;
+    const TensorInfo& s = take(name + ".weight_scale_inv", {sr, sc});
+    std::vector<float> scales(sr * sc);
+    to_f32(s.dtype, s.data, scales.data(), sr * sc);
+    m.type = kernels::WeightType::kBF16;
+    m.storage.resize(static_cast<size_t>(m.rows * m.cols) * 2);
+    auto* out = reinterpret_cast<uint16_t*>(m.storage.data());
+    const auto* in = reinterpret_cast<const uint8_t*>(t.data);
+    for (int64_t r = 0; r < m.rows; ++r)
+      for (int64_t col = 0; col < m.cols; ++col)
+        out[r * m.cols + col] =
+            f32_to_bf16(f8e4m3_to_f32(in[r * m.cols + col]) * scales[(r / br) * sc + col / bc]);
+    m.data = m.storage.data();
+  }
+
+  const Checkpoint& ckpt_;
+  const ModelConfig& config_;
+  const std::function<void(size_t, size_t)>& progress_;
+  size_t done_ = 0, total_;
+};
+
+}  // namespace
+
+Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& config,
+                      const std::function<void(size_t, size_t)>& progress) {
+  Weights w{Checkpoint::open(dir), {}, {}, {}, {}, {}};
+  validate_checkpoint(w.checkpoint, config);
+  Binder b(w.checkpoint, config, progress);
+  const int64_t h = config.hidden_size;
+  w.embed = b.matrix("model.embed_tokens", config.vocab_size, h);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i)
+    w.layers.push_back(b.layer(i, config.is_moe_layer(i)));
+  w.final_norm = b.vector("model.norm.weight", h);
+  if (config.tie_word_embeddings) {
+    w.lm_head = b.matrix("model.embed_tokens", config.vocab_size, h);
+  } else {
+    w.lm_head = b.matrix("lm_head", config.vocab_size, h);
+  }
+  for (int64_t k = 0; k < config.num_nextn_predict_layers; ++k) {
+    const int64_t index = config.num_hidden_layers + k;
+    const std::string p = "model.layers." + std::to_string(index);
+    MtpWeights m;
+    m.embed = b.matrix(p + ".embed_tokens", config.vocab_size, h);
+    m.enorm = b.vector(p + ".enorm.weight", h);
+    m.hnorm = b.vector(p + ".hnorm.weight", h);
+    m.eh_proj = b.matrix(p + ".eh_proj", h, 2 * h);
+    m.layer = b.layer(index, config.is_moe_layer(index));
+    m.final_norm = b.vector(p + ".shared_head.norm.weight", h);
+    m.head = b.matrix(p + ".shared_head.head", config.vocab_size, h);
+    w.mtp.push_back(std::move(m));
+  }
+  return w;
+}
+
+}  // namespace tandem::model

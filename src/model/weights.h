@@ -1,0 +1,75 @@
+#pragma once
+// The weights of a DeepSeek-V2/V3-family model in the form the CPU forward pass uses. Float32,
+// BF16 and INT8 matrices are used in place from the mapped checkpoint; F16 is widened to float32
+// and FP8 (128x128 block scales) is dequantised to BF16 when loading.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace tandem::model {
+
+using kernels::Matrix;
+
+struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
+  Matrix gate, up, down;
+};
+
+struct MoeWeights {
+  Matrix router;                        // [n_routed_experts, hidden]
+  std::vector<float> correction_bias;   // empty unless topk_method == noaux_tc
+  std::vector<MlpWeights> experts;      // by physical slot
+  // Logical expert -> physical slot. Identity when loaded; expert placement rewrites it (and
+  // moves the weights) without any change to the forward pass.
+  std::vector<int32_t> slot_of_expert;
+  MlpWeights shared;  // all shared experts as one MLP (HF stores them so)
+  bool has_shared = false;
+};
+
+struct AttentionWeights {
+  Matrix q_a, q_b;               // with q-LoRA
+  std::vector<float> q_a_norm;
+  Matrix q;                      // without q-LoRA
+  Matrix kv_a;                   // [kv_lora_rank + rope_dim, hidden]
+  std::vector<float> kv_a_norm;
+  Matrix kv_b;                   // [heads * (nope + v), kv_lora_rank]
+  Matrix o;                      // [hidden, heads * v]
+};
+
+struct LayerWeights {
+  std::vector<float> input_norm, post_attention_norm;
+  AttentionWeights attn;
+  bool is_moe = false;
+  MlpWeights dense;
+  MoeWeights moe;
+};
+
+struct MtpWeights {
+  Matrix embed;  // the MTP module's own copy of the embedding
+  std::vector<float> enorm, hnorm;
+  Matrix eh_proj;  // [hidden, 2 * hidden]: [embedding ; hidden state]
+  LayerWeights layer;
+  std::vector<float> final_norm;
+  Matrix head;
+};
+
+struct Weights {
+  Checkpoint checkpoint;  // keeps the mapped tensors alive
+  Matrix embed;
+  std::vector<LayerWeights> layers;
+  std::vector<float> final_norm;
+  Matrix lm_head;  // the embedding when tied
+  std::vector<MtpWeights> mtp;
+
+  // Checks every tensor's presence, shape and dtype against the config, then binds them.
+  // `progress` (optional) receives tensors done / total.
+  static Weights load(const std::filesystem::path& dir, const ModelConfig& config,
+                      const std::function<void(size_t, size_t)>& progress = {});
+};
+
+}  // namespace tandem::model

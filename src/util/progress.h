@@ -1,0 +1,22 @@
+#pragma once
+// A progress bar on stderr for long loads and writes. It redraws only when the shown percentage
+// changes and stays silent when stderr is not a terminal, so logs and tests see one final line.
+#include <cstddef>
+#include <string>
+
+namespace tandem {
+
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::string label);
+  ~ProgressBar();  // finishes the line if update() was called
+  void update(size_t done, size_t total);
+
+ private:
+  std::string label_;
+  bool tty_;
+  int shown_ = -1;
+  size_t total_ = 0;
+};
+
+}  // namespace tandem
