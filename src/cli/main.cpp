@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/model_commands.h"
 #include "cli/text_commands.h"
 #include "util/error.h"
 
@@ -11,6 +12,7 @@ int main(int argc, char** argv) {
                "tandem"};
   app.require_subcommand(1);
   tandem::cli::add_text_commands(app);
+  tandem::cli::add_model_commands(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -17,11 +17,26 @@ struct YarnScaling {
   double beta_fast = 32.0;
   double beta_slow = 1.0;
   int64_t original_max_position_embeddings = 4096;
+  bool operator==(const YarnScaling&) const = default;
 };
 
-// FP8 checkpoints (quant_method "fp8", fmt "e4m3", weight_block_size [128, 128]).
+// FP8 checkpoints as DeepSeek-V3 ships them: quantization_config {"quant_method": "fp8", "fmt":
+// "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]} (V3.1's "scale_fmt":
+// "ue8m0" is accepted too). Every quantized linear `X` has X.weight (F8_E4M3, [out, in]) and
+// X.weight_scale_inv (F32, [ceil(out/128), ceil(in/128)]); W = W_fp8 * scale_inv of its block.
 struct Fp8Quantization {
   int64_t block_rows = 128, block_cols = 128;
+  bool operator==(const Fp8Quantization&) const = default;
+};
+
+// W8A8 INT8 with per-output-channel weight scales, as in meituan/DeepSeek-R1-Channel-INT8 and
+// SGLang's "w8a8_int8" method: quantization_config {"quant_method": "w8a8_int8"} (optional
+// "activation_scheme": "dynamic", "is_dynamic": true, "ignore": ["lm_head"],
+// "packed_modules_mapping"). Every quantized linear `X` has X.weight (I8, [out, in]) and
+// X.weight_scale (F32, [out, 1]); W[r, :] = W_i8[r, :] * weight_scale[r] (symmetric,
+// scale = amax(row) / 127). Activations are quantized per token at run time.
+struct Int8Quantization {
+  bool operator==(const Int8Quantization&) const = default;
 };
 
 struct ModelConfig {
@@ -55,7 +70,9 @@ struct ModelConfig {
   int64_t num_nextn_predict_layers = 0;
   bool tie_word_embeddings = false;
   std::optional<int64_t> bos_token_id, eos_token_id;
+  std::string torch_dtype = "bfloat16";  // informational: "bfloat16", "float16" or "float32"
   std::optional<Fp8Quantization> fp8;
+  std::optional<Int8Quantization> int8;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool is_moe_layer(int64_t layer) const {
@@ -64,14 +81,19 @@ struct ModelConfig {
   // Softmax scale of attention, including YaRN's mscale correction.
   double softmax_scale() const;
   bool uses_correction_bias() const { return topk_method == "noaux_tc"; }
+  bool quantized() const { return fp8.has_value() || int8.has_value(); }
 
   // Unknown fields, missing required fields, wrong types and contradictions (e.g. topk_group >
   // n_group, experts per token > routed experts, an unknown scoring_func) throw tandem::Error
   // naming `origin` and the field.
   static ModelConfig parse(const nlohmann::json& doc, const std::string& origin);
+  static ModelConfig parse(const nlohmann::ordered_json& doc, const std::string& origin);
   static ModelConfig load(const std::filesystem::path& dir);  // DIR/config.json
-  // The config.json a Hugging Face repository of this model would carry.
+  // The config.json a Hugging Face repository of this model would carry (keys sorted, as
+  // transformers writes them); parse(to_json()) gives back an equal config.
   nlohmann::ordered_json to_json() const;
+
+  bool operator==(const ModelConfig&) const = default;
 };
 
 }  // namespace tandem::model

@@ -41,6 +41,7 @@ class Checkpoint {
   const TensorInfo& get(const std::string& name, const std::vector<int64_t>& expected_shape) const;
   const std::map<std::string, TensorInfo>& tensors() const;
   size_t total_bytes() const;
+  const std::filesystem::path& dir() const;  // the folder it was opened from, for messages
 
  private:
   struct Impl;
@@ -58,9 +59,13 @@ struct TensorSpec {
 // Writes a checkpoint in the Hugging Face layout: tensors in the given order, split into shards of
 // at most `max_shard_bytes` (one file `model.safetensors` when everything fits, else
 // `model-0000K-of-0000N.safetensors` plus `model.safetensors.index.json` with
-// metadata.total_size and weight_map). `fill` writes each tensor's bytes; tensors are produced
-// one at a time so a multi-GB checkpoint never sits in memory whole. `progress` (optional) is
-// called with bytes written so far and the total.
+// metadata.total_size and weight_map). Each header carries {"__metadata__": {"format": "pt"}} and
+// is padded with spaces to a multiple of 8 bytes; within a shard, data is ordered by element size
+// (largest first, otherwise as given) like the safetensors library does, so every tensor is
+// naturally aligned in a mapping. Checkpoint files already in `dir` are removed first. `fill`
+// writes each tensor's bytes (in file order); tensors are produced one at a time so a multi-GB
+// checkpoint never sits in memory whole. `progress` (optional) is called with bytes written so
+// far and the total.
 void write_checkpoint(const std::filesystem::path& dir, const std::vector<TensorSpec>& specs,
                       const std::function<void(const TensorSpec&, std::span<std::byte>)>& fill,
                       size_t max_shard_bytes,

@@ -1,0 +1,86 @@
+#include "cli/model_commands.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "model/make_model.h"
+#include "util/error.h"
+#include "util/progress.h"
+
+namespace tandem::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct MakeModelArgs {
+  std::string preset, out, dtype = "bf16", tokenizer;
+  uint64_t seed = 0;
+};
+
+model::DType parse_weight_dtype(const std::string& s) {
+  if (s == "f32") return model::DType::kF32;
+  if (s == "bf16") return model::DType::kBF16;
+  if (s == "f16") return model::DType::kF16;
+  if (s == "fp8") return model::DType::kF8E4M3;
+  if (s == "int8") return model::DType::kI8;
+  throw Error("--dtype: '" + s + "' is not one of f32, bf16, f16, fp8, int8");
+}
+
+// The DeepSeek-V3 tokenizer that scripts/install-deps.sh installs with the test oracles.
+fs::path default_tokenizer() {
+  return fs::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" / "@lenml" /
+         "tokenizer-deepseek_v3" / "models";
+}
+
+void run_make_model(const MakeModelArgs& a) {
+  model::MakeModelOptions o;
+  o.preset = a.preset;
+  o.out = a.out;
+  o.seed = a.seed;
+  o.dtype = parse_weight_dtype(a.dtype);
+  o.tokenizer_dir = a.tokenizer.empty() ? default_tokenizer() : fs::path(a.tokenizer);
+  if (!fs::exists(o.tokenizer_dir / "tokenizer.json")) {
+    if (a.tokenizer.empty())
+      throw Error("the default DeepSeek-V3 tokenizer is missing (" + o.tokenizer_dir.string() +
+                  "/tokenizer.json): run scripts/install-deps.sh, or pass --tokenizer DIR");
+    throw Error("--tokenizer: " + o.tokenizer_dir.string() + " has no tokenizer.json");
+  }
+  ProgressBar bar("make-model " + a.preset);
+  bool shown = false;
+  const model::ModelConfig c = model::make_model(o, [&](size_t done, size_t total) {
+    // Only outputs that take a noticeable time get a bar.
+    if (total >= (size_t{256} << 20) || shown) {
+      shown = true;
+      bar.update(done, total);
+    }
+  });
+  std::fprintf(stderr, "make-model: wrote %s (%s, %lld layers + %lld MTP, %s weights, seed %llu)\n",
+               a.out.c_str(), c.architecture.c_str(), static_cast<long long>(c.num_hidden_layers),
+               static_cast<long long>(c.num_nextn_predict_layers), a.dtype.c_str(),
+               static_cast<unsigned long long>(a.seed));
+}
+
+}  // namespace
+
+void add_model_commands(CLI::App& app) {
+  auto a = std::make_shared<MakeModelArgs>();
+  auto* cmd = app.add_subcommand(
+      "make-model", "Write a deterministic random-weight checkpoint in the Hugging Face layout");
+  std::string presets;
+  for (const auto& p : model::model_presets()) presets += (presets.empty() ? "" : ", ") + p;
+  cmd->add_option("--preset", a->preset, "model architecture: " + presets)->required();
+  cmd->add_option("--out", a->out, "output folder (created; checkpoint files in it replaced)")
+      ->required();
+  cmd->add_option("--seed", a->seed, "random seed (same seed, same bytes)")->capture_default_str();
+  cmd->add_option("--dtype", a->dtype,
+                  "weights: f32, bf16, f16, fp8 (E4M3, 128x128 block scales) or int8 "
+                  "(per-channel scales)")
+      ->capture_default_str();
+  cmd->add_option("--tokenizer", a->tokenizer,
+                  "folder with tokenizer.json (+ tokenizer_config.json) to ship with the model; "
+                  "default: the npm-installed DeepSeek-V3 tokenizer");
+  cmd->callback([a] { run_make_model(*a); });
+}
+
+}  // namespace tandem::cli

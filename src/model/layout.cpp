@@ -1,0 +1,188 @@
+#include "model/layout.h"
+
+#include <set>
+
+#include "util/error.h"
+
+namespace tandem::model {
+namespace {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string describe(DType dtype, const std::vector<int64_t>& shape) {
+  return std::string(dtype_name(dtype)) + " " + shape_string(shape);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+class Builder {
+ public:
+  Builder(const ModelConfig& c, DType weight_dtype)
+      : c_(c), weight_(weight_dtype), other_(c.quantized() ? DType::kBF16 : weight_dtype) {}
+
+  std::vector<TensorSpec> build() {
+    const int64_t h = c_.hidden_size;
+    add("model.embed_tokens.weight", other_, {c_.vocab_size, h});
+    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) layer(i);
+    add("model.norm.weight", other_, {h});
+    if (!c_.tie_word_embeddings) add("lm_head.weight", other_, {c_.vocab_size, h});
+    for (int64_t k = 0; k < c_.num_nextn_predict_layers; ++k) {
+      const int64_t index = c_.num_hidden_layers + k;
+      const std::string p = "model.layers." + std::to_string(index);
+      add(p + ".embed_tokens.weight", other_, {c_.vocab_size, h});
+      add(p + ".enorm.weight", other_, {h});
+      add(p + ".hnorm.weight", other_, {h});
+      // eh_proj is a plain nn.Linear in the releases' MTP module: never quantized.
+      add(p + ".eh_proj.weight", other_, {h, 2 * h});
+      layer(index);
+      add(p + ".shared_head.norm.weight", other_, {h});
+      add(p + ".shared_head.head.weight", other_, {c_.vocab_size, h});
+    }
+    return std::move(out_);
+  }
+
+ private:
+  void add(std::string name, DType dtype, std::vector<int64_t> shape) {
+    out_.push_back(TensorSpec{std::move(name), dtype, std::move(shape)});
+  }
+
+  // A linear layer that the checkpoint's quantization applies to.
+  void linear(const std::string& prefix, int64_t out, int64_t in) {
+    add(prefix + ".weight", weight_, {out, in});
+    if (c_.fp8) {
+      add(prefix + ".weight_scale_inv", DType::kF32,
+          {ceil_div(out, c_.fp8->block_rows), ceil_div(in, c_.fp8->block_cols)});
+    } else if (c_.int8) {
+      add(prefix + ".weight_scale", DType::kF32, {out, 1});
+    }
+  }
+
+  void mlp(const std::string& prefix, int64_t inter) {
+    const int64_t h = c_.hidden_size;
+    linear(prefix + ".gate_proj", inter, h);
+    linear(prefix + ".up_proj", inter, h);
+    linear(prefix + ".down_proj", h, inter);
+  }
+
+  void layer(int64_t index) {
+    const std::string p = "model.layers." + std::to_string(index);
+    const int64_t h = c_.hidden_size, heads = c_.num_attention_heads;
+    add(p + ".input_layernorm.weight", other_, {h});
+    const std::string a = p + ".self_attn";
+    if (c_.q_lora_rank > 0) {
+      linear(a + ".q_a_proj", c_.q_lora_rank, h);
+      add(a + ".q_a_layernorm.weight", other_, {c_.q_lora_rank});
+      linear(a + ".q_b_proj", heads * c_.qk_head_dim(), c_.q_lora_rank);
+    } else {
+      linear(a + ".q_proj", heads * c_.qk_head_dim(), h);
+    }
+    linear(a + ".kv_a_proj_with_mqa", c_.kv_lora_rank + c_.qk_rope_head_dim, h);
+    add(a + ".kv_a_layernorm.weight", other_, {c_.kv_lora_rank});
+    linear(a + ".kv_b_proj", heads * (c_.qk_nope_head_dim + c_.v_head_dim), c_.kv_lora_rank);
+    linear(a + ".o_proj", h, heads * c_.v_head_dim);
+    add(p + ".post_attention_layernorm.weight", other_, {h});
+    const std::string m = p + ".mlp";
+    if (!c_.is_moe_layer(index)) {
+      mlp(m, c_.intermediate_size);
+      return;
+    }
+    add(m + ".gate.weight", other_, {c_.n_routed_experts, h});  // the router: never quantized
+    if (c_.uses_correction_bias())
+      add(m + ".gate.e_score_correction_bias", DType::kF32, {c_.n_routed_experts});
+    for (int64_t e = 0; e < c_.n_routed_experts; ++e)
+      mlp(m + ".experts." + std::to_string(e), c_.moe_intermediate_size);
+    if (c_.n_shared_experts > 0)
+      mlp(m + ".shared_experts", c_.moe_intermediate_size * c_.n_shared_experts);
+  }
+
+  const ModelConfig& c_;
+  DType weight_, other_;
+  std::vector<TensorSpec> out_;
+};
+
+}  // namespace
+
+std::vector<TensorSpec> checkpoint_layout(const ModelConfig& config, DType weight_dtype) {
+  const std::string dt(dtype_name(weight_dtype));
+  if (config.fp8 && weight_dtype != DType::kF8E4M3)
+    throw Error("checkpoint layout: the config's quantization_config is fp8, but the weights are " +
+                dt + " (expected F8_E4M3)");
+  if (config.int8 && weight_dtype != DType::kI8)
+    throw Error(
+        "checkpoint layout: the config's quantization_config is w8a8_int8, but the "
+        "weights are " +
+        dt + " (expected I8)");
+  if (!config.quantized() && !is_float_dtype(weight_dtype))
+    throw Error("checkpoint layout: " + dt + " weights need a quantization_config in config.json " +
+                "(fp8 for F8_E4M3, w8a8_int8 for I8)");
+  return Builder(config, weight_dtype).build();
+}
+
+DType checkpoint_weight_dtype(const Checkpoint& checkpoint, const ModelConfig& config) {
+  if (config.fp8) return DType::kF8E4M3;
+  if (config.int8) return DType::kI8;
+  const std::string name = "model.embed_tokens.weight";
+  const TensorInfo* embed = checkpoint.find(name);
+  if (!embed)
+    throw Error("checkpoint " + checkpoint.dir().string() + ": missing tensor '" + name +
+                "' (expected " + describe(DType::kBF16, {config.vocab_size, config.hidden_size}) +
+                ")");
+  if (!is_float_dtype(embed->dtype))
+    throw Error("checkpoint " + checkpoint.dir().string() + ": tensor '" + name + "' in " +
+                embed->file + " has dtype " + std::string(dtype_name(embed->dtype)) +
+                ", expected F32, BF16 or F16");
+  return embed->dtype;
+}
+
+void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config) {
+  const DType weight_dtype = checkpoint_weight_dtype(checkpoint, config);
+  const std::vector<TensorSpec> specs = checkpoint_layout(config, weight_dtype);
+  std::vector<std::string> problems;
+  std::set<std::string> expected;
+  for (const TensorSpec& s : specs) {
+    expected.insert(s.name);
+    const TensorInfo* t = checkpoint.find(s.name);
+    const std::string want = describe(s.dtype, s.shape);
+    if (!t) {
+      problems.push_back("missing tensor '" + s.name + "' (expected " + want + ")");
+      continue;
+    }
+    const bool dtype_ok =
+        t->dtype == s.dtype || (is_float_dtype(t->dtype) && is_float_dtype(s.dtype));
+    if (t->shape != s.shape || !dtype_ok) {
+      std::string msg = "tensor '" + s.name + "' in " + t->file + " is " +
+                        describe(t->dtype, t->shape) + ", expected " + want;
+      if (!dtype_ok && !config.quantized() && !is_float_dtype(t->dtype))
+        msg += " (config.json has no quantization_config)";
+      problems.push_back(msg);
+    }
+  }
+  for (const auto& [name, t] : checkpoint.tensors()) {
+    if (expected.count(name)) continue;
+    problems.push_back("unexpected tensor '" + name + "' in " + t.file + " (not part of a " +
+                       config.architecture + " checkpoint with " +
+                       std::to_string(config.num_hidden_layers) + " layers, " +
+                       std::to_string(config.num_nextn_predict_layers) + " MTP layers" +
+                       (config.tie_word_embeddings ? ", tied embeddings" : "") + " and " +
+                       std::string(dtype_name(weight_dtype)) + " weights)");
+  }
+  if (problems.empty()) return;
+  std::string msg = "checkpoint " + checkpoint.dir().string() + ": " + problems.front();
+  if (problems.size() > 1) {
+    msg += "; " + std::to_string(problems.size() - 1) + " more problem" +
+           (problems.size() > 2 ? "s" : "") + ", e.g. ";
+    for (size_t i = 1; i < problems.size() && i < 4; ++i) msg += (i > 1 ? "; " : "") + problems[i];
+  }
+  throw Error(msg);
+}
+
+}  // namespace tandem::model

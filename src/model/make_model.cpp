@@ -1,0 +1,362 @@
+#include "model/make_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+
+#include "model/layout.h"
+#include "model/safetensors.h"
+#include "text/tokenizer.h"
+#include "util/error.h"
+#include "util/hash.h"
+
+namespace tandem::model {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr size_t kTinyShardBytes = size_t{4} << 20;
+constexpr size_t kBenchShardBytes = size_t{2} << 30;
+
+// Scales of the random weights (see init_for). Inputs of every linear are RMS-normalised or of
+// unit scale, so std = gain / sqrt(fan_in) gives outputs of about `gain` per element.
+constexpr float kOutputGain = 0.5f;  // o_proj and down_proj: layers add less than the residual
+constexpr float kRouterGain = 2.0f;  // router logits spread ~2: scores far apart vs BF16 rounding
+constexpr float kBiasStd = 0.1f;     // e_score_correction_bias: changes some choices, not most
+constexpr float kHeadGain = 3.0f;    // LM head: logits of std ~3, peaked but not one-hot
+constexpr float kNormStd = 0.1f;     // RMSNorm weights 1 +- 0.1
+
+ModelConfig tiny_v3() {
+  ModelConfig c;
+  c.architecture = "DeepseekV3ForCausalLM";
+  c.vocab_size = 129280;
+  c.hidden_size = 64;
+  c.intermediate_size = 128;
+  c.moe_intermediate_size = 32;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.q_lora_rank = 48;
+  c.kv_lora_rank = 32;
+  c.qk_nope_head_dim = 16;
+  c.qk_rope_head_dim = 8;
+  c.v_head_dim = 16;
+  c.n_routed_experts = 8;
+  c.n_shared_experts = 1;
+  c.num_experts_per_tok = 2;
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.scoring_func = "sigmoid";
+  c.topk_method = "noaux_tc";
+  c.norm_topk_prob = true;
+  c.routed_scaling_factor = 2.5;
+  c.first_k_dense_replace = 1;
+  c.moe_layer_freq = 1;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 10000.0;
+  c.yarn = YarnScaling{40.0, 1.0, 1.0, 32.0, 1.0, 4096};  // DeepSeek-V3's values
+  c.max_position_embeddings = 163840;
+  c.num_nextn_predict_layers = 1;
+  return c;
+}
+
+ModelConfig tiny_v2_lite() {
+  ModelConfig c;
+  c.architecture = "DeepseekV2ForCausalLM";
+  c.vocab_size = 129280;
+  c.hidden_size = 96;  // not a power of two, so kernels meet ragged tails
+  c.intermediate_size = 192;
+  c.moe_intermediate_size = 48;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.q_lora_rank = 0;
+  c.kv_lora_rank = 32;
+  c.qk_nope_head_dim = 16;
+  c.qk_rope_head_dim = 8;
+  c.v_head_dim = 16;
+  c.n_routed_experts = 8;
+  c.n_shared_experts = 2;
+  c.num_experts_per_tok = 2;
+  c.n_group = 1;
+  c.topk_group = 1;
+  c.scoring_func = "softmax";
+  c.topk_method = "greedy";
+  c.norm_topk_prob = false;
+  c.routed_scaling_factor = 1.0;
+  c.first_k_dense_replace = 1;
+  c.moe_layer_freq = 1;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 10000.0;
+  c.yarn = YarnScaling{40.0, 0.707, 0.707, 32.0, 1.0, 4096};  // DeepSeek-V2-Lite's values
+  c.max_position_embeddings = 163840;
+  return c;
+}
+
+// DeepSeek-V2-Lite's widths with 3 layers (1 dense + 2 MoE): about 3.6 GB in BF16.
+ModelConfig bench() {
+  ModelConfig c = tiny_v2_lite();
+  c.hidden_size = 2048;
+  c.intermediate_size = 10944;
+  c.moe_intermediate_size = 1408;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 16;
+  c.kv_lora_rank = 512;
+  c.qk_nope_head_dim = 128;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.n_routed_experts = 64;
+  c.n_shared_experts = 2;
+  c.num_experts_per_tok = 6;
+  return c;
+}
+
+// splitmix64's output function.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// Element i of a stream: splitmix64 at counter i, turned into an approximately standard normal
+// value by summing its four 16-bit lanes (Irwin-Hall, bounded at +-3.46). Plain integer and
+// float arithmetic, no libm, so the bytes are the same on every machine.
+inline float normalish(uint64_t key, uint64_t i) {
+  const uint64_t r = mix64(key + (i + 1) * 0x9E3779B97F4A7C15ULL);
+  const uint32_t sum =
+      static_cast<uint32_t>((r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48));
+  // Mean 4 * 32767.5, variance 4 * (65536^2 - 1) / 12.
+  constexpr float kScale = 1.7320508f / 65536.0f;
+  return (static_cast<float>(sum) - 131070.0f) * kScale;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+class WeightGenerator {
+ public:
+  WeightGenerator(const ModelConfig& c, uint64_t seed, const std::vector<TensorSpec>& specs)
+      : c_(c), seed_(seed) {
+    for (const auto& s : specs) shapes_[s.name] = s.shape;
+  }
+
+  void fill(const TensorSpec& spec, std::span<std::byte> out) const {
+    const std::string& name = spec.name;
+    if (ends_with(name, ".weight_scale_inv") || ends_with(name, ".weight_scale")) {
+      const std::string weight = name.substr(0, name.rfind('.')) + ".weight";
+      std::vector<float> scales;
+      quantize(weight, nullptr, scales);
+      std::memcpy(out.data(), scales.data(), out.size());
+      return;
+    }
+    if (spec.dtype == DType::kF8E4M3 || spec.dtype == DType::kI8) {
+      std::vector<float> scales;
+      quantize(name, out.data(), scales);
+      return;
+    }
+    const Init init = init_for(name, spec.shape);
+    const size_t n = out.size() / dtype_size(spec.dtype);
+    constexpr size_t kChunk = size_t{1} << 16;
+    std::vector<float> buf(std::min(n, kChunk));
+    for (size_t begin = 0; begin < n; begin += kChunk) {
+      const size_t len = std::min(kChunk, n - begin);
+      generate(init, begin, len, buf.data());
+      std::byte* dst = out.data() + begin * dtype_size(spec.dtype);
+      switch (spec.dtype) {
+        case DType::kF32:
+          std::memcpy(dst, buf.data(), len * 4);
+          break;
+        case DType::kBF16:
+          for (size_t i = 0; i < len; ++i) {
+            const uint16_t v = f32_to_bf16(buf[i]);
+            std::memcpy(dst + 2 * i, &v, 2);
+          }
+          break;
+        case DType::kF16:
+          for (size_t i = 0; i < len; ++i) {
+            const uint16_t v = f32_to_f16(buf[i]);
+            std::memcpy(dst + 2 * i, &v, 2);
+          }
+          break;
+        default:
+          throw Error("make-model: cannot generate " + std::string(dtype_name(spec.dtype)) +
+                      " tensor " + name);
+      }
+    }
+  }
+
+ private:
+  struct Init {
+    uint64_t key;
+    float mean, std;
+  };
+
+  // How each kind of tensor is initialised; see the gains above for why.
+  Init init_for(const std::string& name, const std::vector<int64_t>& shape) const {
+    const float h = static_cast<float>(c_.hidden_size);
+    // The MTP module's embedding and head are copies of the main model's, as in DeepSeek-V3.
+    if (ends_with(name, "embed_tokens.weight")) return {key("model.embed_tokens.weight"), 0.f, 1.f};
+    if (name == "lm_head.weight" || ends_with(name, "shared_head.head.weight")) {
+      if (c_.tie_word_embeddings) return {key("model.embed_tokens.weight"), 0.f, 1.f};
+      return {key("lm_head.weight"), 0.f, kHeadGain / std::sqrt(h)};
+    }
+    if (ends_with(name, "norm.weight")) return {key(name), 1.f, kNormStd};
+    if (ends_with(name, ".e_score_correction_bias")) return {key(name), 0.f, kBiasStd};
+    if (ends_with(name, ".mlp.gate.weight")) return {key(name), 0.f, kRouterGain / std::sqrt(h)};
+    if (shape.size() != 2) throw Error("make-model: no initialisation rule for tensor " + name);
+    const float fan_in = static_cast<float>(shape[1]);
+    const bool output = ends_with(name, ".o_proj.weight") || ends_with(name, ".down_proj.weight");
+    return {key(name), 0.f, (output ? kOutputGain : 1.f) / std::sqrt(fan_in)};
+  }
+
+  uint64_t key(const std::string& name) const { return hash_bytes(name, seed_); }
+
+  static void generate(const Init& init, size_t begin, size_t n, float* out) {
+    for (size_t i = 0; i < n; ++i) out[i] = init.mean + init.std * normalish(init.key, begin + i);
+  }
+
+  // Quantizes the weight `name` as the config says: FP8 E4M3 with one scale per block
+  // (scale = amax / 448, DeepSeek's weight_scale_inv), or INT8 with one scale per output row
+  // (scale = amax / 127, round half to even, clamp to +-127, as meituan's converter). Writes the
+  // quantized bytes to `q` when non-null and the scales to `scales`.
+  void quantize(const std::string& name, std::byte* q, std::vector<float>& scales) const {
+    const auto it = shapes_.find(name);
+    if (it == shapes_.end() || it->second.size() != 2)
+      throw Error("make-model: no 2-D weight " + name + " to quantize");
+    const int64_t rows = it->second[0], cols = it->second[1];
+    std::vector<float> w(static_cast<size_t>(rows * cols));
+    generate(init_for(name, it->second), 0, w.size(), w.data());
+    if (c_.fp8) {
+      const int64_t br = c_.fp8->block_rows, bc = c_.fp8->block_cols;
+      const int64_t sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
+      scales.assign(static_cast<size_t>(sr * sc), 0.f);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t col = 0; col < cols; ++col) {
+          float& s = scales[(r / br) * sc + col / bc];
+          s = std::max(s, std::fabs(w[r * cols + col]));
+        }
+      for (float& s : scales) s = s > 0.f ? s / 448.f : 1.f;
+      if (q)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t col = 0; col < cols; ++col) {
+            const float s = scales[(r / br) * sc + col / bc];
+            q[r * cols + col] = static_cast<std::byte>(f32_to_f8e4m3(w[r * cols + col] / s));
+          }
+    } else if (c_.int8) {
+      scales.assign(static_cast<size_t>(rows), 0.f);
+      for (int64_t r = 0; r < rows; ++r) {
+        float amax = 0.f;
+        for (int64_t col = 0; col < cols; ++col)
+          amax = std::max(amax, std::fabs(w[r * cols + col]));
+        const float s = amax > 0.f ? amax / 127.f : 1.f;
+        scales[r] = s;
+        if (!q) continue;
+        for (int64_t col = 0; col < cols; ++col) {
+          const float v = std::clamp(std::nearbyint(w[r * cols + col] / s), -127.f, 127.f);
+          q[r * cols + col] = static_cast<std::byte>(static_cast<int8_t>(v));
+        }
+      }
+    } else {
+      throw Error("make-model: " + name + " is quantized but the config has no quantization");
+    }
+  }
+
+  const ModelConfig& c_;
+  uint64_t seed_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+};
+
+void write_json(const fs::path& path, const nlohmann::ordered_json& doc) {
+  std::ofstream f(path, std::ios::binary);
+  f << doc.dump(2) << "\n";
+  if (!f) throw Error(path.string() + ": cannot write");
+}
+
+void copy_tokenizer(const fs::path& from, const fs::path& to) {
+  if (!fs::exists(from / "tokenizer.json"))
+    throw Error("make-model: no tokenizer.json in " + from.string());
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
+    if (!fs::exists(from / file)) continue;
+    std::error_code ec;
+    fs::copy_file(from / file, to / file, fs::copy_options::overwrite_existing, ec);
+    if (ec) throw Error("make-model: cannot copy " + (from / file).string() + ": " + ec.message());
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> model_presets() {
+  return {"tiny-v3", "tiny-v2-lite", "bench"};
+}
+
+ModelConfig preset_config(const std::string& name) {
+  if (name == "tiny-v3") return tiny_v3();
+  if (name == "tiny-v2-lite") return tiny_v2_lite();
+  if (name == "bench") return bench();
+  std::string known;
+  for (const auto& p : model_presets()) known += (known.empty() ? "" : ", ") + p;
+  throw Error("unknown model preset '" + name + "' (presets: " + known + ")");
+}
+
+ModelConfig make_model(const MakeModelOptions& options,
+                       const std::function<void(size_t, size_t)>& progress) {
+  ModelConfig c = preset_config(options.preset);
+  switch (options.dtype) {
+    case DType::kF32:
+      c.torch_dtype = "float32";
+      break;
+    case DType::kF16:
+      c.torch_dtype = "float16";
+      break;
+    case DType::kBF16:
+      break;
+    case DType::kF8E4M3:
+      c.fp8 = Fp8Quantization{};
+      break;
+    case DType::kI8:
+      c.int8 = Int8Quantization{};
+      break;
+  }
+
+  std::error_code ec;
+  fs::create_directories(options.out, ec);
+  if (ec) throw Error(options.out.string() + ": cannot create folder: " + ec.message());
+  copy_tokenizer(options.tokenizer_dir, options.out);
+  const auto tok = text::Tokenizer::from_dir(options.out);
+  if (static_cast<int64_t>(tok.vocab_size()) > c.vocab_size)
+    throw Error("make-model: the tokenizer in " + options.tokenizer_dir.string() +
+                " has ids up to " + std::to_string(tok.vocab_size() - 1) + ", beyond preset " +
+                options.preset + "'s vocab_size " + std::to_string(c.vocab_size));
+  if (tok.bos_id()) c.bos_token_id = *tok.bos_id();
+  if (tok.eos_id()) c.eos_token_id = *tok.eos_id();
+  // The config must survive a round trip through config.json exactly.
+  if (!(ModelConfig::parse(c.to_json(), "preset " + options.preset) == c))
+    throw Error("make-model: preset " + options.preset +
+                " does not round-trip through config.json");
+
+  const std::vector<TensorSpec> specs = checkpoint_layout(c, options.dtype);
+  const WeightGenerator gen(c, options.seed, specs);
+  const size_t shard = options.max_shard_bytes
+                           ? options.max_shard_bytes
+                           : (options.preset == "bench" ? kBenchShardBytes : kTinyShardBytes);
+  write_checkpoint(
+      options.out, specs,
+      [&](const TensorSpec& spec, std::span<std::byte> out) { gen.fill(spec, out); }, shard,
+      progress);
+
+  write_json(options.out / "config.json", c.to_json());
+  // As DeepSeek-V3's generation_config.json (keys sorted, as transformers writes them).
+  nlohmann::ordered_json gen_config;
+  gen_config["_from_model_config"] = true;
+  if (c.bos_token_id) gen_config["bos_token_id"] = *c.bos_token_id;
+  gen_config["do_sample"] = true;
+  if (c.eos_token_id) gen_config["eos_token_id"] = *c.eos_token_id;
+  gen_config["temperature"] = 0.6;
+  gen_config["top_p"] = 0.95;
+  gen_config["transformers_version"] = "4.46.3";
+  write_json(options.out / "generation_config.json", gen_config);
+  return c;
+}
+
+}  // namespace tandem::model

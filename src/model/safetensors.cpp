@@ -1,0 +1,469 @@
+#include "model/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <regex>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::model {
+namespace fs = std::filesystem;
+namespace {
+
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+// The safetensors library refuses headers above 100 MB; so do we, before parsing anything.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string quote_name(const std::string& s) {
+  return "'" + s + "'";
+}
+
+// A read-only mapping of one shard; unmapped when the checkpoint goes away.
+struct Mapping {
+  void* addr = nullptr;
+  size_t size = 0;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (addr) ::munmap(addr, size);
+  }
+};
+
+std::unique_ptr<Mapping> map_file(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(path.string() + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw Error(path.string() + ": cannot stat: " + std::strerror(err));
+  }
+  auto m = std::make_unique<Mapping>();
+  m->size = static_cast<size_t>(st.st_size);
+  if (m->size > 0) {
+    void* addr = ::mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (addr == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      throw Error(path.string() + ": cannot map: " + std::strerror(err));
+    }
+    m->addr = addr;
+  }
+  ::close(fd);
+  return m;
+}
+
+// Reads a non-negative integer from a JSON header value.
+bool as_size(const json& v, uint64_t& out) {
+  if (v.is_number_unsigned()) {
+    out = v.get<uint64_t>();
+    return true;
+  }
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    out = static_cast<uint64_t>(v.get<int64_t>());
+    return true;
+  }
+  return false;
+}
+
+// Parses and validates one safetensors file, adding its tensors to `out`. Rules (those of the
+// safetensors library): 8-byte little-endian header length, a JSON object header, every tensor
+// with a known dtype, a shape whose byte size equals its data_offsets span, and data that covers
+// the data section exactly: no overlap, no gap, nothing after the last tensor.
+void parse_shard(const fs::path& path, const std::string& file, const Mapping& map,
+                 std::map<std::string, TensorInfo>& out) {
+  const std::string where = path.string();
+  if (map.size < 8)
+    throw Error(where + ": file is " + std::to_string(map.size) +
+                " bytes, too short for the 8-byte header length (truncated?)");
+  const auto* base = static_cast<const std::byte*>(map.addr);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(base[i]);
+  if (header_len > map.size - 8)
+    throw Error(where + ": header length " + std::to_string(header_len) +
+                " runs past the end of the " + std::to_string(map.size) +
+                "-byte file (truncated?)");
+  if (header_len > kMaxHeaderBytes)
+    throw Error(where + ": header length " + std::to_string(header_len) + " exceeds " +
+                std::to_string(kMaxHeaderBytes) + " bytes");
+  const char* header_begin = reinterpret_cast<const char*>(base + 8);
+  if (header_len == 0 || header_begin[0] != '{')
+    throw Error(where + ": header does not start with '{' (not a safetensors file?)");
+  json header;
+  try {
+    header = json::parse(header_begin, header_begin + header_len);
+  } catch (const json::exception& e) {
+    throw Error(where + ": malformed header JSON: " + e.what());
+  }
+  if (!header.is_object()) throw Error(where + ": header is not a JSON object");
+
+  const std::byte* data = base + 8 + header_len;
+  const uint64_t data_size = map.size - 8 - header_len;
+  struct Span {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Span> spans;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) throw Error(where + ": __metadata__ must be an object of strings");
+      for (const auto& [k, v] : entry.items())
+        if (!v.is_string())
+          throw Error(where + ": __metadata__ value " + quote_name(k) + " must be a string");
+      continue;
+    }
+    const std::string at = where + ": tensor " + quote_name(name);
+    if (!entry.is_object()) throw Error(at + ": header entry is not an object");
+    for (const auto& [k, v] : entry.items())
+      if (k != "dtype" && k != "shape" && k != "data_offsets")
+        throw Error(at + ": unknown header field " + quote_name(k));
+    if (!entry.contains("dtype") || !entry["dtype"].is_string())
+      throw Error(at + ": missing string field 'dtype'");
+    if (!entry.contains("shape") || !entry["shape"].is_array())
+      throw Error(at + ": missing list field 'shape'");
+    if (!entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
+        entry["data_offsets"].size() != 2)
+      throw Error(at + ": 'data_offsets' must be a list [begin, end]");
+    const std::string dtype_str = entry["dtype"].get<std::string>();
+    const auto dtype = parse_dtype(dtype_str);
+    if (!dtype)
+      throw Error(at + ": unsupported dtype " + quote_name(dtype_str) +
+                  " (supported: F32, BF16, F16, F8_E4M3, I8)");
+    TensorInfo info;
+    info.name = name;
+    info.dtype = *dtype;
+    info.file = file;
+    uint64_t numel = 1;
+    for (const auto& d : entry["shape"]) {
+      uint64_t dim = 0;
+      if (!as_size(d, dim) || dim > (uint64_t{1} << 48))
+        throw Error(at + ": shape entries must be non-negative integers");
+      info.shape.push_back(static_cast<int64_t>(dim));
+      if (dim != 0 && numel > (uint64_t{1} << 62) / dim)
+        throw Error(at + ": shape " + shape_string(info.shape) + " is too large");
+      numel *= dim;
+    }
+    uint64_t begin = 0, end = 0;
+    if (!as_size(entry["data_offsets"][0], begin) || !as_size(entry["data_offsets"][1], end) ||
+        begin > end)
+      throw Error(at + ": 'data_offsets' must be non-negative integers with begin <= end");
+    const uint64_t expected = numel * dtype_size(*dtype);
+    if (end - begin != expected)
+      throw Error(at + ": shape " + shape_string(info.shape) + " of " + dtype_str + " needs " +
+                  std::to_string(expected) + " bytes but data_offsets [" + std::to_string(begin) +
+                  ", " + std::to_string(end) + "] span " + std::to_string(end - begin));
+    if (end > data_size)
+      throw Error(at + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                  "] run past the end of the " + std::to_string(data_size) +
+                  "-byte data section (truncated file?)");
+    info.data = data + begin;
+    info.nbytes = static_cast<size_t>(expected);
+    if (out.count(name))
+      throw Error(where + ": tensor " + quote_name(name) + " also appears in " + out[name].file);
+    out.emplace(name, std::move(info));
+    spans.push_back({begin, end, name});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  uint64_t pos = 0;
+  std::string prev;
+  for (const Span& s : spans) {
+    if (s.begin < pos)
+      throw Error(where + ": tensors " + quote_name(prev) + " and " + quote_name(s.name) +
+                  " overlap (data_offsets of " + quote_name(s.name) + " start at " +
+                  std::to_string(s.begin) + ", before " + std::to_string(pos) + ")");
+    if (s.begin > pos)
+      throw Error(where + ": " + std::to_string(s.begin - pos) + " unused bytes before tensor " +
+                  quote_name(s.name) + " (data must be contiguous)");
+    pos = s.end;
+    prev = s.name;
+  }
+  if (pos != data_size)
+    throw Error(where + ": " + std::to_string(data_size - pos) +
+                " bytes after the last tensor's data (data must end with the last tensor)");
+}
+
+// A shard name from an index: a plain file name in the checkpoint folder.
+void check_shard_name(const fs::path& index, const std::string& file, const std::string& tensor) {
+  if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
+      file.find('\\') != std::string::npos)
+    throw Error(index.string() + ": tensor " + quote_name(tensor) + " maps to " + quote_name(file) +
+                ", which is not a file name in the checkpoint folder");
+}
+
+// Hugging Face's names: one file, or 1-based, five-digit zero-padded shard numbers.
+std::string shard_file_name(size_t index, size_t count) {
+  if (count == 1) return kSingleFile;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "model-%05zu-of-%05zu.safetensors", index + 1, count);
+  return buf;
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (!f) throw Error(path.string() + ": cannot create: " + std::strerror(errno));
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !ok)
+    throw Error(path.string() + ": cannot write: " + std::strerror(errno));
+}
+
+}  // namespace
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+size_t TensorSpec::nbytes() const {
+  size_t n = dtype_size(dtype);
+  for (int64_t d : shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+struct Checkpoint::Impl {
+  fs::path dir;
+  std::vector<std::unique_ptr<Mapping>> maps;
+  std::map<std::string, TensorInfo> tensors;
+  size_t total = 0;
+};
+
+Checkpoint::Checkpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Checkpoint::~Checkpoint() = default;
+Checkpoint::Checkpoint(Checkpoint&&) noexcept = default;
+Checkpoint& Checkpoint::operator=(Checkpoint&&) noexcept = default;
+
+Checkpoint Checkpoint::open(const fs::path& dir) {
+  auto impl = std::make_unique<Impl>();
+  impl->dir = dir;
+  const fs::path index_path = dir / kIndexFile;
+  const fs::path single_path = dir / kSingleFile;
+  if (fs::exists(index_path)) {
+    json index;
+    try {
+      index = json::parse(read_file(index_path));
+    } catch (const json::exception& e) {
+      throw Error(index_path.string() + ": malformed JSON: " + e.what());
+    }
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw Error(index_path.string() + ": expected an object with a \"weight_map\" object");
+    if (index.contains("metadata") && !index["metadata"].is_object() &&
+        !index["metadata"].is_null())
+      throw Error(index_path.string() + ": \"metadata\" must be an object");
+    std::map<std::string, std::vector<std::string>> by_file;  // file -> tensors
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string())
+        throw Error(index_path.string() + ": weight_map entry for " + quote_name(name) +
+                    " is not a file name string");
+      check_shard_name(index_path, file.get<std::string>(), name);
+      by_file[file.get<std::string>()].push_back(name);
+    }
+    if (by_file.empty()) throw Error(index_path.string() + ": weight_map is empty");
+    for (const auto& [file, names] : by_file) {
+      const fs::path shard = dir / file;
+      if (!fs::exists(shard))
+        throw Error(index_path.string() + " maps tensor " + quote_name(names.front()) +
+                    (names.size() > 1 ? " (and " + std::to_string(names.size() - 1) + " more)"
+                                      : std::string()) +
+                    " to shard " + quote_name(file) + ", but " + shard.string() +
+                    " does not exist");
+      impl->maps.push_back(map_file(shard));
+      std::map<std::string, TensorInfo> found;
+      parse_shard(shard, file, *impl->maps.back(), found);
+      const std::set<std::string> listed(names.begin(), names.end());
+      for (const auto& name : names)
+        if (!found.count(name))
+          throw Error(index_path.string() + " maps tensor " + quote_name(name) + " to " +
+                      quote_name(file) + ", but " + shard.string() + " has no such tensor");
+      for (auto& [name, info] : found) {
+        if (!listed.count(name)) {
+          const auto& wm = index["weight_map"];
+          throw Error(shard.string() + ": tensor " + quote_name(name) +
+                      (wm.contains(name)
+                           ? " is mapped to " + quote_name(wm[name].get<std::string>()) + " by " +
+                                 index_path.string()
+                           : " is not listed in " + index_path.string()));
+        }
+        impl->tensors.emplace(name, std::move(info));
+      }
+    }
+  } else if (fs::exists(single_path)) {
+    impl->maps.push_back(map_file(single_path));
+    parse_shard(single_path, kSingleFile, *impl->maps.back(), impl->tensors);
+  } else {
+    throw Error(dir.string() + ": no " + kIndexFile + " or " + kSingleFile +
+                (fs::is_directory(dir) ? std::string() : " (the folder does not exist)"));
+  }
+  for (const auto& [name, info] : impl->tensors) impl->total += info.nbytes;
+  return Checkpoint(std::move(impl));
+}
+
+const TensorInfo* Checkpoint::find(const std::string& name) const {
+  auto it = impl_->tensors.find(name);
+  return it == impl_->tensors.end() ? nullptr : &it->second;
+}
+
+const TensorInfo& Checkpoint::get(const std::string& name,
+                                  const std::vector<int64_t>& expected_shape) const {
+  const TensorInfo* t = find(name);
+  if (!t)
+    throw Error("checkpoint " + impl_->dir.string() + ": missing tensor " + quote_name(name) +
+                " (expected shape " + shape_string(expected_shape) + ")");
+  if (t->shape != expected_shape)
+    throw Error("checkpoint " + impl_->dir.string() + ": tensor " + quote_name(name) + " in " +
+                t->file + " has shape " + shape_string(t->shape) + ", expected " +
+                shape_string(expected_shape));
+  return *t;
+}
+
+const std::map<std::string, TensorInfo>& Checkpoint::tensors() const {
+  return impl_->tensors;
+}
+size_t Checkpoint::total_bytes() const {
+  return impl_->total;
+}
+const fs::path& Checkpoint::dir() const {
+  return impl_->dir;
+}
+
+void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
+                      const std::function<void(const TensorSpec&, std::span<std::byte>)>& fill,
+                      size_t max_shard_bytes, const std::function<void(size_t, size_t)>& progress) {
+  std::set<std::string> names;
+  size_t total = 0;
+  for (const auto& s : specs) {
+    if (s.name.empty() || s.name == "__metadata__")
+      throw Error("write_checkpoint: invalid tensor name " + quote_name(s.name));
+    if (!names.insert(s.name).second)
+      throw Error("write_checkpoint: tensor " + quote_name(s.name) + " given twice");
+    for (int64_t d : s.shape)
+      if (d < 0)
+        throw Error("write_checkpoint: tensor " + quote_name(s.name) + " has a negative dim");
+    total += s.nbytes();
+  }
+  if (specs.empty()) throw Error("write_checkpoint: no tensors");
+
+  // Shards in the order given: a new shard starts when the next tensor would overflow the
+  // current one (a tensor larger than the limit gets a shard of its own), as transformers does.
+  std::vector<std::vector<const TensorSpec*>> shards(1);
+  size_t shard_bytes = 0;
+  for (const auto& s : specs) {
+    if (!shards.back().empty() && shard_bytes + s.nbytes() > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(&s);
+    shard_bytes += s.nbytes();
+  }
+
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw Error(dir.string() + ": cannot create folder: " + ec.message());
+  // Files of an earlier checkpoint in the folder would be mistaken for part of this one.
+  static const std::regex kShardPattern(R"(model-\d+-of-\d+\.safetensors)");
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string n = entry.path().filename().string();
+    if (n == kSingleFile || n == kIndexFile || std::regex_match(n, kShardPattern))
+      fs::remove(entry.path());
+  }
+
+  size_t written = 0;
+  std::vector<std::byte> buffer;
+  ordered_json weight_map = ordered_json::object();
+  std::map<std::string, std::string> file_of;
+  for (size_t si = 0; si < shards.size(); ++si) {
+    const std::string file = shard_file_name(si, shards.size());
+    // Within a shard, larger elements first (stable otherwise), as the safetensors library
+    // orders data: with the 8-byte aligned header every tensor is then naturally aligned in
+    // the mapping, so F32/BF16 data can be read in place.
+    std::vector<const TensorSpec*> order = shards[si];
+    std::stable_sort(order.begin(), order.end(), [](const TensorSpec* a, const TensorSpec* b) {
+      return dtype_size(a->dtype) > dtype_size(b->dtype);
+    });
+    ordered_json header = ordered_json::object();
+    header["__metadata__"] = {{"format", "pt"}};
+    size_t offset = 0;
+    for (const TensorSpec* s : order) {
+      header[s->name] = {{"dtype", std::string(dtype_name(s->dtype))},
+                         {"shape", s->shape},
+                         {"data_offsets", {offset, offset + s->nbytes()}}};
+      offset += s->nbytes();
+      file_of[s->name] = file;
+    }
+    std::string header_text = header.dump();
+    // Pad with spaces (allowed trailing JSON whitespace) so the data starts 8-byte aligned.
+    header_text.append((8 - header_text.size() % 8) % 8, ' ');
+
+    const fs::path path = dir / file;
+    const fs::path tmp = dir / (file + ".tmp");
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) throw Error(tmp.string() + ": cannot create: " + std::strerror(errno));
+    auto fail = [&](const std::string& what) {
+      const std::string msg = tmp.string() + ": " + what + ": " + std::strerror(errno);
+      std::fclose(f);
+      fs::remove(tmp);
+      throw Error(msg);
+    };
+    uint8_t len_bytes[8];
+    for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(header_text.size() >> (8 * i));
+    if (std::fwrite(len_bytes, 1, 8, f) != 8 ||
+        std::fwrite(header_text.data(), 1, header_text.size(), f) != header_text.size())
+      fail("cannot write header");
+    for (const TensorSpec* s : order) {
+      const size_t n = s->nbytes();
+      buffer.assign(n, std::byte{0});
+      try {
+        fill(*s, std::span<std::byte>(buffer.data(), n));
+      } catch (...) {
+        std::fclose(f);
+        fs::remove(tmp);
+        throw;
+      }
+      if (n > 0 && std::fwrite(buffer.data(), 1, n, f) != n) fail("cannot write " + s->name);
+      written += n;
+      if (progress) progress(written, total);
+    }
+    if (std::fclose(f) != 0) {
+      fs::remove(tmp);
+      throw Error(tmp.string() + ": cannot write: " + std::strerror(errno));
+    }
+    fs::rename(tmp, path, ec);
+    if (ec)
+      throw Error(path.string() + ": cannot rename from " + tmp.string() + ": " + ec.message());
+  }
+  buffer = {};
+  if (shards.size() > 1) {
+    // As transformers writes it: sorted keys, two-space indent, trailing newline.
+    for (const auto& [name, file] : file_of) weight_map[name] = file;
+    ordered_json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_text(dir / kIndexFile, index.dump(2) + "\n");
+  }
+}
+
+}  // namespace tandem::model
