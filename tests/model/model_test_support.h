@@ -1,0 +1,65 @@
+#pragma once
+// Helpers for the model tests: temporary folders and raw file access.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+namespace tandem::test {
+
+// A fresh folder in the system temp folder, removed with its contents when destroyed.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& stem) {
+    static int counter = 0;
+    path_ = std::filesystem::temp_directory_path() /
+            ("tandem-" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::filesystem::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline std::string read_bytes(const std::filesystem::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+inline void write_bytes(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+struct CommandResult {
+  int status = -1;
+  std::string output;  // stdout only; stderr passes through to the test log
+};
+
+inline CommandResult run_capture(const std::string& command) {
+  CommandResult r;
+  FILE* p = ::popen(command.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 65536> buf;
+  for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), p)) > 0;)
+    r.output.append(buf.data(), n);
+  const int rc = ::pclose(p);
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return r;
+}
+
+}  // namespace tandem::test

@@ -1,0 +1,387 @@
+// Safetensors: write/read round trips (single file and shards), strict reader errors that name
+// the file and tensor, and an independent Python reader of what the writer produces.
+#include "model/safetensors.h"
+
+#include <cstring>
+#include <numeric>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "model/model_test_support.h"
+#include "text/oracle_support.h"
+#include "util/error.h"
+
+namespace tandem::model {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+// Deterministic contents: element i of a tensor is a small value derived from its name.
+void fill_pattern(const TensorSpec& s, std::span<std::byte> out) {
+  const size_t n = out.size() / dtype_size(s.dtype);
+  const float base = static_cast<float>(s.name.size() % 7);
+  for (size_t i = 0; i < n; ++i) {
+    const float v = base + 0.25f * static_cast<float>(i % 13) - 1.5f;
+    std::byte* p = out.data() + i * dtype_size(s.dtype);
+    switch (s.dtype) {
+      case DType::kF32:
+        std::memcpy(p, &v, 4);
+        break;
+      case DType::kBF16: {
+        const uint16_t b = f32_to_bf16(v);
+        std::memcpy(p, &b, 2);
+        break;
+      }
+      case DType::kF16: {
+        const uint16_t b = f32_to_f16(v);
+        std::memcpy(p, &b, 2);
+        break;
+      }
+      case DType::kF8E4M3:
+        *p = static_cast<std::byte>(f32_to_f8e4m3(v));
+        break;
+      case DType::kI8:
+        *p = static_cast<std::byte>(static_cast<int8_t>(i % 255) - 127);
+        break;
+    }
+  }
+}
+
+std::vector<TensorSpec> mixed_specs(int copies) {
+  std::vector<TensorSpec> specs;
+  for (int k = 0; k < copies; ++k) {
+    const std::string p = "model.layers." + std::to_string(k) + ".";
+    specs.push_back({p + "norm.weight", DType::kBF16, {33}});  // odd: tests alignment ordering
+    specs.push_back({p + "proj.weight", DType::kF8E4M3, {17, 129}});
+    specs.push_back({p + "proj.weight_scale_inv", DType::kF32, {1, 2}});
+    specs.push_back({p + "q.weight", DType::kI8, {5, 7}});
+    specs.push_back({p + "q.weight_scale", DType::kF32, {5, 1}});
+    specs.push_back({p + "half.weight", DType::kF16, {3, 3}});
+    specs.push_back({p + "big.weight", DType::kF32, {64, 40}});
+  }
+  specs.push_back({"scalar", DType::kF32, {}});
+  specs.push_back({"empty", DType::kBF16, {0, 4}});
+  return specs;
+}
+
+void expect_matches(const Checkpoint& ck, const std::vector<TensorSpec>& specs) {
+  ASSERT_EQ(ck.tensors().size(), specs.size());
+  size_t total = 0;
+  for (const auto& s : specs) {
+    const TensorInfo* t = ck.find(s.name);
+    ASSERT_NE(t, nullptr) << s.name;
+    EXPECT_EQ(t->dtype, s.dtype) << s.name;
+    EXPECT_EQ(t->shape, s.shape) << s.name;
+    ASSERT_EQ(t->nbytes, s.nbytes()) << s.name;
+    EXPECT_EQ(t->numel() * static_cast<int64_t>(dtype_size(s.dtype)),
+              static_cast<int64_t>(s.nbytes()));
+    std::vector<std::byte> want(s.nbytes());
+    fill_pattern(s, want);
+    EXPECT_TRUE(s.nbytes() == 0 || std::memcmp(t->data, want.data(), s.nbytes()) == 0) << s.name;
+    // Natural alignment in the mapping, so kernels may read F32/BF16 in place.
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t->data) % dtype_size(s.dtype), 0u) << s.name;
+    total += s.nbytes();
+  }
+  EXPECT_EQ(ck.total_bytes(), total);
+}
+
+TEST(Safetensors, SingleFileRoundTrip) {
+  test::TempDir dir("st-single");
+  const auto specs = mixed_specs(2);
+  size_t last = 0, total = 0;
+  write_checkpoint(dir.path(), specs, fill_pattern, size_t{1} << 30, [&](size_t done, size_t all) {
+    EXPECT_GE(done, last);
+    last = done;
+    total = all;
+  });
+  EXPECT_EQ(last, total);
+  EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
+  const auto ck = Checkpoint::open(dir.path());
+  expect_matches(ck, specs);
+  EXPECT_EQ(ck.find("scalar")->file, "model.safetensors");
+  EXPECT_EQ(ck.dir(), dir.path());
+  // The header: 8-byte length, JSON padded with spaces to a multiple of 8, format metadata.
+  const std::string raw = test::read_bytes(dir / "model.safetensors");
+  uint64_t n = 0;
+  std::memcpy(&n, raw.data(), 8);
+  EXPECT_EQ(n % 8, 0u);
+  const auto header = nlohmann::json::parse(raw.substr(8, n));
+  EXPECT_EQ(header["__metadata__"], nlohmann::json({{"format", "pt"}}));
+}
+
+TEST(Safetensors, ShardedRoundTripAndIndex) {
+  test::TempDir dir("st-sharded");
+  const auto specs = mixed_specs(6);
+  write_checkpoint(dir.path(), specs, fill_pattern, 12000);
+  ASSERT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
+  const auto index = nlohmann::json::parse(test::read_bytes(dir / "model.safetensors.index.json"));
+  size_t total = 0;
+  for (const auto& s : specs) total += s.nbytes();
+  EXPECT_EQ(index["metadata"]["total_size"], total);
+  std::set<std::string> files;
+  for (const auto& [name, file] : index["weight_map"].items()) files.insert(file);
+  ASSERT_GT(files.size(), 2u);
+  const std::string count = std::to_string(files.size());
+  EXPECT_EQ(*files.begin(),
+            "model-00001-of-" + std::string(5 - count.size(), '0') + count + ".safetensors");
+  for (const auto& f : files) EXPECT_TRUE(fs::exists(dir / f)) << f;
+  const auto ck = Checkpoint::open(dir.path());
+  expect_matches(ck, specs);
+  // A tensor larger than the limit (big.weight: 10 KB < 12 KB, so use a tighter limit) gets a
+  // shard of its own rather than being split.
+  test::TempDir dir2("st-big");
+  write_checkpoint(dir2.path(), specs, fill_pattern, 1000);
+  const auto ck2 = Checkpoint::open(dir2.path());
+  expect_matches(ck2, specs);
+  const std::string big_file = ck2.find("model.layers.0.big.weight")->file;
+  for (const auto& [name, t] : ck2.tensors())
+    if (name != "model.layers.0.big.weight") {
+      EXPECT_NE(t.file, big_file) << name;
+    }
+}
+
+TEST(Safetensors, WriterIsDeterministicAndReplacesEarlierCheckpoints) {
+  test::TempDir a("st-det-a"), b("st-det-b");
+  const auto specs = mixed_specs(3);
+  write_checkpoint(a.path(), specs, fill_pattern, 5000);
+  write_checkpoint(b.path(), specs, fill_pattern, 5000);
+  for (const auto& e : fs::directory_iterator(a.path()))
+    EXPECT_EQ(test::read_bytes(e.path()), test::read_bytes(b / e.path().filename().string()))
+        << e.path();
+  // Rewriting as one file removes the shards and the index.
+  write_checkpoint(a.path(), specs, fill_pattern, size_t{1} << 30);
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(a.path())) left.push_back(e.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"model.safetensors"});
+  expect_matches(Checkpoint::open(a.path()), specs);
+}
+
+TEST(Safetensors, WriterRejectsBadSpecs) {
+  test::TempDir dir("st-bad");
+  EXPECT_THROW(write_checkpoint(dir.path(), {{"a", DType::kF32, {1}}, {"a", DType::kF32, {1}}},
+                                fill_pattern, 100),
+               Error);
+  EXPECT_THROW(
+      write_checkpoint(dir.path(), {{"__metadata__", DType::kF32, {1}}}, fill_pattern, 100), Error);
+  EXPECT_THROW(write_checkpoint(dir.path(), {}, fill_pattern, 100), Error);
+}
+
+TEST(Safetensors, GetChecksShapes) {
+  test::TempDir dir("st-get");
+  write_checkpoint(dir.path(), {{"w", DType::kF32, {2, 3}}}, fill_pattern, 1000);
+  const auto ck = Checkpoint::open(dir.path());
+  EXPECT_EQ(ck.get("w", {2, 3}).numel(), 6);
+  try {
+    ck.get("w", {3, 2});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("'w'"), HasSubstr("[2, 3]"), HasSubstr("expected [3, 2]"),
+                                HasSubstr("model.safetensors")));
+  }
+  try {
+    ck.get("missing.weight", {4});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("missing tensor 'missing.weight'"), HasSubstr("[4]")));
+  }
+  EXPECT_EQ(ck.find("nope"), nullptr);
+}
+
+// ---- Reader errors on hand-made files ----
+
+std::string safetensors_bytes(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+std::string open_error(const fs::path& dir) {
+  try {
+    Checkpoint::open(dir);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(SafetensorsErrors, TruncatedFile) {
+  test::TempDir dir("st-trunc");
+  write_checkpoint(dir.path(), {{"a.weight", DType::kF32, {4}}, {"b.weight", DType::kBF16, {8}}},
+                   fill_pattern, 1000);
+  std::string raw = test::read_bytes(dir / "model.safetensors");
+  test::write_bytes(dir / "model.safetensors", raw.substr(0, raw.size() - 3));
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("model.safetensors"), HasSubstr("'b.weight'"),
+                                            HasSubstr("truncated")));
+  test::write_bytes(dir / "model.safetensors", raw.substr(0, 5));
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("too short")));
+}
+
+TEST(SafetensorsErrors, HeaderLengthBeyondFile) {
+  test::TempDir dir("st-hlen");
+  std::string raw = safetensors_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                      std::string(4, '\0'));
+  const uint64_t bogus = 1 << 20;
+  std::memcpy(raw.data(), &bogus, 8);
+  test::write_bytes(dir / "model.safetensors", raw);
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("header length 1048576")));
+}
+
+TEST(SafetensorsErrors, OverlappingOffsets) {
+  test::TempDir dir("st-overlap");
+  test::write_bytes(
+      dir / "model.safetensors",
+      safetensors_bytes(R"({"first":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                        R"("second":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                        std::string(12, '\0')));
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("model.safetensors"), HasSubstr("'first'"),
+                                            HasSubstr("'second'"), HasSubstr("overlap")));
+}
+
+TEST(SafetensorsErrors, GapBetweenTensorsAndTrailingBytes) {
+  test::TempDir dir("st-gap");
+  test::write_bytes(dir / "model.safetensors",
+                    safetensors_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                      R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+                                      std::string(12, '\0')));
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("'b'"), HasSubstr("unused bytes")));
+  test::write_bytes(dir / "model.safetensors",
+                    safetensors_bytes(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                      std::string(6, '\0')));
+  EXPECT_THAT(open_error(dir.path()), HasSubstr("2 bytes after the last tensor"));
+}
+
+TEST(SafetensorsErrors, UnknownDtype) {
+  test::TempDir dir("st-dtype");
+  test::write_bytes(
+      dir / "model.safetensors",
+      safetensors_bytes(R"({"x.weight":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})",
+                        std::string(8, '\0')));
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("model.safetensors"), HasSubstr("'x.weight'"),
+                                            HasSubstr("unsupported dtype 'F64'")));
+}
+
+TEST(SafetensorsErrors, ShapeDoesNotMatchBytes) {
+  test::TempDir dir("st-shape");
+  test::write_bytes(
+      dir / "model.safetensors",
+      safetensors_bytes(R"({"x.weight":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,10]}})",
+                        std::string(10, '\0')));
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("'x.weight'"), HasSubstr("[2, 3]"),
+                    HasSubstr("needs 12 bytes"), HasSubstr("span 10")));
+}
+
+TEST(SafetensorsErrors, MalformedHeaders) {
+  test::TempDir dir("st-json");
+  test::write_bytes(dir / "model.safetensors", safetensors_bytes(R"({"x": )", ""));
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("malformed")));
+  test::write_bytes(
+      dir / "model.safetensors",
+      safetensors_bytes(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"extra":1}})",
+                        std::string(4, '\0')));
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("'x'"), HasSubstr("'extra'")));
+  test::write_bytes(dir / "model.safetensors",
+                    safetensors_bytes(R"({"x":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})",
+                                      std::string(4, '\0')));
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("'x'"), HasSubstr("shape")));
+  test::write_bytes(dir / "model.safetensors", safetensors_bytes("[1, 2]", ""));
+  EXPECT_THAT(open_error(dir.path()), HasSubstr("does not start with '{'"));
+}
+
+TEST(SafetensorsErrors, MissingShardAndIndexMismatches) {
+  test::TempDir dir("st-index");
+  const std::vector<TensorSpec> specs = {{"a.weight", DType::kF32, {64}},
+                                         {"b.weight", DType::kF32, {64}},
+                                         {"c.weight", DType::kF32, {64}},
+                                         {"d.weight", DType::kF32, {64}}};
+  write_checkpoint(dir.path(), specs, fill_pattern, 600);  // two tensors per shard
+  const std::string first = "model-00001-of-00002.safetensors";
+  const std::string second = "model-00002-of-00002.safetensors";
+  ASSERT_TRUE(fs::exists(dir / second));
+  const std::string index_text = test::read_bytes(dir / "model.safetensors.index.json");
+
+  fs::rename(dir / second, dir / "moved.safetensors");
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("'c.weight'"),
+                    HasSubstr(second), HasSubstr("does not exist")));
+  fs::rename(dir / "moved.safetensors", dir / second);
+  EXPECT_NO_THROW(Checkpoint::open(dir.path()));
+
+  auto index = nlohmann::json::parse(index_text);
+  index["weight_map"]["e.weight"] = first;
+  test::write_bytes(dir / "model.safetensors.index.json", index.dump());
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("'e.weight'"), HasSubstr(first), HasSubstr("no such tensor")));
+
+  index = nlohmann::json::parse(index_text);
+  index["weight_map"].erase("d.weight");
+  test::write_bytes(dir / "model.safetensors.index.json", index.dump());
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr(second), HasSubstr("'d.weight'"), HasSubstr("not listed")));
+
+  index = nlohmann::json::parse(index_text);
+  index["weight_map"]["d.weight"] = first;
+  test::write_bytes(dir / "model.safetensors.index.json", index.dump());
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("'d.weight'"), HasSubstr("no such tensor")));
+
+  index = nlohmann::json::parse(index_text);
+  index["weight_map"]["c.weight"] = "../elsewhere.safetensors";
+  test::write_bytes(dir / "model.safetensors.index.json", index.dump());
+  EXPECT_THAT(open_error(dir.path()), AllOf(HasSubstr("'c.weight'"), HasSubstr("not a file name")));
+
+  test::write_bytes(dir / "model.safetensors.index.json", "{\"weight_map\": [}");
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("malformed")));
+}
+
+TEST(SafetensorsErrors, NoCheckpoint) {
+  test::TempDir dir("st-none");
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr(dir.path().string()), HasSubstr("model.safetensors")));
+  EXPECT_THAT(open_error(dir / "absent"), HasSubstr("does not exist"));
+}
+
+// The files the writer produces, read by an independent Python reader that also checks the
+// Hugging Face conventions (index format, shard names, header padding, alignment).
+TEST(Safetensors, PythonReaderAgrees) {
+  for (size_t max_shard : {size_t{1} << 30, size_t{6000}}) {
+    test::TempDir dir("st-python");
+    const auto specs = mixed_specs(4);
+    write_checkpoint(dir.path(), specs, fill_pattern, max_shard);
+    const auto r = test::run_capture("/usr/bin/python3 " +
+                                     test::quote(test::oracle_dir() / "safetensors_check.py") +
+                                     " " + test::quote(dir.path()));
+    ASSERT_EQ(r.status, 0) << "safetensors_check.py rejected the checkpoint (see stderr)";
+    const auto doc = nlohmann::json::parse(r.output);
+    EXPECT_EQ(doc["index"].is_null(), max_shard > 6000);
+    const auto ck = Checkpoint::open(dir.path());
+    ASSERT_EQ(doc["tensors"].size(), specs.size());
+    for (const auto& s : specs) {
+      const auto& t = doc["tensors"][s.name];
+      const TensorInfo& info = *ck.find(s.name);
+      EXPECT_EQ(t["dtype"], std::string(dtype_name(s.dtype))) << s.name;
+      EXPECT_EQ(t["shape"].get<std::vector<int64_t>>(), s.shape) << s.name;
+      EXPECT_EQ(t["file"], info.file) << s.name;
+      std::vector<float> ours(static_cast<size_t>(info.numel()));
+      to_f32(info.dtype, info.data, ours.data(), ours.size());
+      const auto theirs = t["values"];
+      ASSERT_EQ(theirs.size(), ours.size()) << s.name;
+      for (size_t i = 0; i < ours.size(); ++i)
+        ASSERT_EQ(theirs[i].get<double>(), static_cast<double>(ours[i]))
+            << s.name << "[" << i << "]";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem::model
