@@ -18,7 +18,7 @@ REQUEST.json:
      "greedy_tokens": 0,       # greedy continuation of N tokens per sequence, by full recomputation
      "mtp": false,             # MTP logits for positions 0..len-2 (draft of token i+2, fed token i+1)
      "attention": "naive",     # optional: "naive" (per-head K/V) or "absorbed" (latent MQA form)
-     "mtp_mask_position0": true}  # optional: zero the MTP input embedding at position 0 as vLLM does
+     "mtp_mask_position0": false}  # optional: zero the MTP input embedding at position 0 as vLLM does
 OUT.json:
     {"sequences": [{"logits": [[...], ...], "greedy": [ids], "mtp_logits": [[...], ...]}, ...]}
 "logits" has one row per requested position (all positions, or just the last); "greedy" is [] when
@@ -630,7 +630,8 @@ class Mtp:
     """Multi-token-prediction module k, stored as model.layers.{num_hidden_layers + k}.*
     (vLLM deepseek_mtp.py): x = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) with h_i the main model's
     hidden state before the final norm, one decoder layer over the positions, then
-    shared_head.head(shared_head.norm(x))."""
+    shared_head.head(shared_head.norm(x)). vLLM also zeroes the embedding at position 0; the paper and
+    SGLang do not, and neither does this reference unless asked (mask_position0)."""
 
     def __init__(self, cfg, ck, k, rope, main_embed, main_head):
         idx = cfg.num_hidden_layers + k
@@ -647,7 +648,7 @@ class Mtp:
         self.head = (ck.get(prefix + "shared_head.head.weight", [cfg.vocab_size, hidden])
                      if ck.has(prefix + "shared_head.head.weight") else main_head)
 
-    def __call__(self, next_tokens, main_hidden, positions, mode="naive", mask_position0=True):
+    def __call__(self, next_tokens, main_hidden, positions, mode="naive", mask_position0=False):
         e = self.embed[torch.tensor(next_tokens, dtype=torch.long)]
         if mask_position0:
             e = e.masked_fill(torch.tensor(list(positions)).unsqueeze(-1) == 0, 0.0)
@@ -717,7 +718,7 @@ class Model:
     def logits(self, hidden):
         return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head)
 
-    def mtp_logits(self, tokens, hidden, mode="naive", mask_position0=True):
+    def mtp_logits(self, tokens, hidden, mode="naive", mask_position0=False):
         """MTP logits at positions 0..len-2: position i is fed token i+1 and the main hidden state h_i."""
         n = len(tokens) - 1
         if n <= 0:
@@ -760,7 +761,7 @@ def parse_request(req):
     if mode not in ("naive", "absorbed"):
         raise OracleError(f"request: attention {mode!r} is not naive or absorbed")
     return (seqs, req.get("all_logits", False), greedy, req.get("mtp", False), mode,
-            req.get("mtp_mask_position0", True))
+            req.get("mtp_mask_position0", False))
 
 
 def run_request(model, req):

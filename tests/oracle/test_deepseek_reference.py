@@ -411,8 +411,8 @@ class NumpyDeepseek:
         h = self.rms(x, w[p + "post_attention_layernorm.weight"], eps)
         return x + (self.moe(p + "mlp.", h) if is_moe(c, i) else self.mlp(p + "mlp.", h))
 
-    def forward(self, tokens):
-        """(logits [T, V], MTP logits [T-1, V] or None) with vLLM's position-0 embedding mask."""
+    def forward(self, tokens, mask_position0=False):
+        """(logits [T, V], MTP logits [T-1, V] or None), optionally with vLLM's position-0 embedding mask."""
         c, w = self.c, self.w
         L, eps = c["num_hidden_layers"], c["rms_norm_eps"]
         x = w["model.embed_tokens.weight"][tokens]
@@ -426,7 +426,8 @@ class NumpyDeepseek:
             p = f"model.layers.{L}."
             n = len(tokens) - 1
             e = w[p + "embed_tokens.weight"][tokens[1:]].copy()
-            e[0] = 0.0
+            if mask_position0:
+                e[0] = 0.0
             y = np.concatenate([self.rms(e, w[p + "enorm.weight"], eps), self.rms(x[:n], w[p + "hnorm.weight"], eps)],
                                axis=1) @ w[p + "eh_proj.weight"].T
             y = self.layer(L, y, positions[:n])
@@ -650,11 +651,12 @@ class ModelProperties(TmpDirCase):
         }
         for name, cfg in configs.items():
             w = generate_weights(cfg, seed=11)
+            mask = name == "v3"
             out = ref.run_request(ref.Model(self.model(name, cfg, w)),
-                                  {"sequences": SEQS, "all_logits": True, "mtp": True})
+                                  {"sequences": SEQS, "all_logits": True, "mtp": True, "mtp_mask_position0": mask})
             plain = NumpyDeepseek(cfg, w)
             for s, o in zip(SEQS, out["sequences"]):
-                logits, mtp = plain.forward(s)
+                logits, mtp = plain.forward(s, mask)
                 self.assertClose(o["logits"], logits, 2e-5, f"{name} logits")
                 if mtp is None:
                     self.assertEqual(o["mtp_logits"], [])
