@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/generate_command.h"
 #include "cli/model_commands.h"
 #include "cli/text_commands.h"
 #include "util/error.h"
@@ -13,6 +14,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   tandem::cli::add_text_commands(app);
   tandem::cli::add_model_commands(app);
+  tandem::cli::add_generate_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

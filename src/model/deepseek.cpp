@@ -10,6 +10,13 @@ namespace tandem::model {
 using kernels::matmul;
 using kernels::rmsnorm;
 
+namespace {
+// DeepSeek's own code (inference/model.py and the Hugging Face modeling file) builds the q-LoRA
+// and KV latent norms with the RMSNorm default eps of 1e-6, not the config's rms_norm_eps; vLLM
+// uses rms_norm_eps. They agree for every published V2/V3 config; we follow DeepSeek.
+constexpr double kLatentNormEps = 1e-6;
+}  // namespace
+
 DeepSeekModel::DeepSeekModel(ModelConfig config, Weights weights)
     : config_(std::move(config)), weights_(std::move(weights)), rope_(config_) {
   expert_counts_.assign(config_.num_hidden_layers + config_.num_nextn_predict_layers,
@@ -50,12 +57,6 @@ void check_batch(const ModelConfig& c, std::span<const SequenceStep> batch, cons
 }
 
 float* cache_entry(LatentCache& cache, const SequenceStep& step, int64_t layer, int64_t pos) {
-  const int64_t bs = cache.shape().block_size;
-  return cache.block_layer(step.blocks[pos / bs], layer) + (pos % bs) * cache.shape().entry();
-}
-
-const float* cache_entry(const LatentCache& cache, const SequenceStep& step, int64_t layer,
-                         int64_t pos) {
   const int64_t bs = cache.shape().block_size;
   return cache.block_layer(step.blocks[pos / bs], layer) + (pos % bs) * cache.shape().entry();
 }
@@ -124,7 +125,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   if (c.q_lora_rank > 0) {
     std::vector<float> qa(n * c.q_lora_rank);
     matmul(w.q_a, xn.data(), n, qa.data());
-    rmsnorm(qa.data(), w.q_a_norm.data(), n, c.q_lora_rank, c.rms_norm_eps, qa.data());
+    rmsnorm(qa.data(), w.q_a_norm.data(), n, c.q_lora_rank, kLatentNormEps, qa.data());
     matmul(w.q_b, qa.data(), n, q.data());
   } else {
     matmul(w.q, xn.data(), n, q.data());
@@ -135,7 +136,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   for (int64_t t = 0; t < n; ++t) {
     const auto& step = batch[tokens[t].sequence];
     float* dst = cache_entry(cache, step, layer, tokens[t].position);
-    rmsnorm(kva.data() + t * entry, w.kv_a_norm.data(), 1, kvl, c.rms_norm_eps, dst);
+    rmsnorm(kva.data() + t * entry, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, dst);
     std::copy_n(kva.data() + t * entry + kvl, rd, dst + kvl);
     rope_.apply(dst + kvl, tokens[t].position);
     for (int64_t hd = 0; hd < heads; ++hd) rope_.apply(q.data() + (t * heads + hd) * qk + nope, tokens[t].position);
