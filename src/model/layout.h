@@ -31,8 +31,8 @@ DType checkpoint_weight_dtype(const Checkpoint& checkpoint, const ModelConfig& c
 
 // Checks that the checkpoint holds exactly the layout's tensors. Throws tandem::Error naming the
 // first missing, extra, mis-shaped or mistyped tensor with the expected dtype and shape, and how
-// many other problems there are. Unquantized tensors may be any of F32/BF16/F16 (the loader
-// converts them); quantized weights and their scales must have exactly the expected dtype.
+// many other problems there are. Quantized weights must have exactly the expected dtype; every
+// other tensor (scales included) may be any of F32/BF16/F16, which the loader converts.
 void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config);
 
 }  // namespace tandem::model
