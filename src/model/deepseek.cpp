@@ -1,6 +1,7 @@
 #include "model/deepseek.h"
 
 #include <cmath>
+#include <limits>
 
 #include "model/moe_routing.h"
 #include "util/error.h"
@@ -73,16 +74,17 @@ void DeepSeekModel::mlp(const MlpWeights& w, const float* xn, int64_t n, float* 
 }
 
 void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
-                        std::vector<float>& out) const {
+                        std::vector<float>& out, std::vector<float>& margins) const {
   const ModelConfig& c = config_;
   const int64_t h = c.hidden_size, e_count = c.n_routed_experts;
   std::vector<float> logits(n * e_count);
-  matmul(w.router, xn.data(), n, logits.data());
+  kernels::matmul_f32_activations(w.router, xn.data(), n, logits.data());
   // Group the tokens by physical expert slot so each expert's weights are read once.
   std::vector<std::vector<std::pair<int64_t, float>>> by_slot(w.experts.size());
   const float* bias = w.correction_bias.empty() ? nullptr : w.correction_bias.data();
   for (int64_t t = 0; t < n; ++t) {
     Routing r = route_token(c, logits.data() + t * e_count, bias);
+    margins[t] = std::min(margins[t], r.margin);
     for (size_t k = 0; k < r.experts.size(); ++k) {
       ++expert_counts_[layer][r.experts[k]];
       by_slot[w.slot_of_expert[r.experts[k]]].emplace_back(t, r.weights[k]);
@@ -199,7 +201,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
 void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
                                   std::span<const SequenceStep> batch,
                                   const std::vector<TokenInfo>& tokens, std::vector<float>& x,
-                                  LatentCache& cache) const {
+                                  LatentCache& cache, std::vector<float>& margins) const {
   const int64_t n = static_cast<int64_t>(tokens.size()), h = config_.hidden_size;
   std::vector<float> xn(n * h), attn, proj(n * h);
   rmsnorm(x.data(), w.input_norm.data(), n, h, config_.rms_norm_eps, xn.data());
@@ -209,7 +211,7 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
 
   rmsnorm(x.data(), w.post_attention_norm.data(), n, h, config_.rms_norm_eps, xn.data());
   if (w.is_moe) {
-    moe(w.moe, cache_layer, xn, n, proj);
+    moe(w.moe, cache_layer, xn, n, proj, margins);
   } else {
     mlp(w.dense, xn.data(), n, proj.data());
   }
@@ -217,7 +219,8 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
 }
 
 StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vector<float> x,
-                                 const std::vector<float>& norm, const Matrix& head) const {
+                                 std::vector<float> margins, const std::vector<float>& norm,
+                                 const Matrix& head) const {
   const int64_t h = config_.hidden_size;
   StepOutput out;
   std::vector<int64_t> rows;  // token indices whose logits are wanted
@@ -234,6 +237,7 @@ StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vecto
   out.logits.resize(rows.size() * config_.vocab_size);
   matmul(head, normed.data(), static_cast<int64_t>(rows.size()), out.logits.data());
   out.hidden = std::move(x);
+  out.routing_margin = std::move(margins);
   return out;
 }
 
@@ -248,9 +252,10 @@ StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCac
   int64_t t = 0;
   for (const auto& step : batch)
     for (auto id : step.tokens) kernels::matrix_row(weights_.embed, id, x.data() + (t++) * h);
+  std::vector<float> margins(tokens.size(), std::numeric_limits<float>::infinity());
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
-    layer_forward(weights_.layers[l], l, batch, tokens, x, cache);
-  return finish(batch, std::move(x), weights_.final_norm, weights_.lm_head);
+    layer_forward(weights_.layers[l], l, batch, tokens, x, cache, margins);
+  return finish(batch, std::move(x), std::move(margins), weights_.final_norm, weights_.lm_head);
 }
 
 StepOutput DeepSeekModel::forward_mtp(std::span<const SequenceStep> batch, const float* hidden,
@@ -279,8 +284,9 @@ StepOutput DeepSeekModel::forward_mtp(std::span<const SequenceStep> batch, const
     }
   }
   matmul(m.eh_proj, cat.data(), n, x.data());
-  layer_forward(m.layer, config_.num_hidden_layers + k, batch, tokens, x, cache);
-  return finish(batch, std::move(x), m.final_norm, m.head);
+  std::vector<float> margins(tokens.size(), std::numeric_limits<float>::infinity());
+  layer_forward(m.layer, config_.num_hidden_layers + k, batch, tokens, x, cache, margins);
+  return finish(batch, std::move(x), std::move(margins), m.final_norm, m.head);
 }
 
 }  // namespace tandem::model

@@ -37,6 +37,12 @@ Routing route_token(const ModelConfig& c, const float* logits, const float* bias
   if (bias && c.uses_correction_bias())
     for (int64_t e = 0; e < n; ++e) choice[e] += bias[e];
 
+  const bool softmax = c.scoring_func != "sigmoid";
+  auto gap = [softmax](float chosen, float rejected) {
+    if (!softmax) return chosen - rejected;
+    return rejected > 0 ? std::log(chosen / rejected) : std::numeric_limits<float>::infinity();
+  };
+  float group_margin = std::numeric_limits<float>::infinity();
   if (c.n_group > 1 && c.topk_method != "greedy") {
     const int64_t per_group = n / c.n_group;
     std::vector<float> group_score(c.n_group);
@@ -50,7 +56,11 @@ Routing route_token(const ModelConfig& c, const float* logits, const float* bias
         group_score[g] = *std::max_element(members.begin(), members.end());
       }
     }
-    auto keep = top_k(group_score, c.topk_group);
+    auto keep = top_k(group_score, c.topk_group + (c.topk_group < c.n_group ? 1 : 0));
+    if (static_cast<int64_t>(keep.size()) > c.topk_group) {
+      group_margin = gap(group_score[keep[c.topk_group - 1]], group_score[keep[c.topk_group]]);
+      keep.pop_back();
+    }
     std::vector<bool> kept(c.n_group, false);
     for (auto g : keep) kept[g] = true;
     for (int64_t e = 0; e < n; ++e)
@@ -58,7 +68,13 @@ Routing route_token(const ModelConfig& c, const float* logits, const float* bias
   }
 
   Routing r;
-  r.experts = top_k(choice, c.num_experts_per_tok);
+  const int64_t k = c.num_experts_per_tok;
+  r.experts = top_k(choice, std::min<int64_t>(k + 1, n));
+  r.margin = group_margin;
+  if (static_cast<int64_t>(r.experts.size()) > k) {
+    r.margin = std::min(r.margin, gap(choice[r.experts[k - 1]], choice[r.experts[k]]));
+    r.experts.pop_back();
+  }
   for (auto e : r.experts) r.weights.push_back(scores[e]);
   if (c.num_experts_per_tok > 1 && c.norm_topk_prob) {
     double sum = 1e-20;

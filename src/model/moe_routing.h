@@ -12,6 +12,12 @@ namespace tandem::model {
 struct Routing {
   std::vector<int32_t> experts;  // logical expert ids, in selection order
   std::vector<float> weights;
+  // How far the choice was from going another way: the smallest gap between the last chosen and
+  // the first rejected selection score (and group score, with groups). Sigmoid scores are
+  // compared as they are; softmax scores as log-ratios, i.e. in router-logit units, since
+  // probabilities of many experts are all small. Perturbations below this cannot change the
+  // chosen experts.
+  float margin = 0;
 };
 
 // `logits` has n_routed_experts entries; `bias` is null or has as many.

@@ -4,10 +4,18 @@
 // prefill chunks and one token at a time through the cache, greedy continuations, and the MTP
 // module, on both tiny presets in float32 and bfloat16 checkpoints.
 //
-// Tolerances: max |ours - reference| <= tol * max(1, max |reference|) over all logits, with
-// tol = 1e-4 for float32 checkpoints and 1e-2 for bfloat16 (the reference widens the very same
-// BF16 weights to float32, so today the gap is float32 rounding; the looser bound leaves room
-// for kernels that also round activations to BF16).
+// Tolerances: max |ours - reference| <= tol * max(1, max |reference|) over the logits compared,
+// with tol = 1e-4 for float32 checkpoints and 1e-2 for bfloat16 (the reference widens the same
+// BF16 weights to float32 and keeps float32 activations; our GEMMs round activations to BF16).
+//
+// Routing near-ties: a token whose MoE top-k choice is closer than `min_margin` to going another
+// way (Routing::margin) may legitimately pick other experts once activations are rounded, and
+// every later position of its sequence sees that token through attention. Positions from the
+// first such token on are therefore not compared; the test requires that at least 60% of all
+// positions are compared, so it keeps its teeth. min_margin is 1e-5 for float32; for bfloat16,
+// rounding moves hidden states by a few tenths of a percent and router logits (of spread ~2 in
+// the presets) by ~0.01, so it is 0.02 for softmax routing (margins in logit units) and 0.005 for
+// sigmoid routing (score units; the sigmoid's slope is at most 1/4).
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -28,6 +36,7 @@ namespace {
 struct Case {
   std::string preset, dtype;
   double tol;
+  float min_margin;
 };
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
@@ -49,7 +58,8 @@ class Numerics : public ::testing::TestWithParam<Case> {
     return dir;
   }
 
-  static nlohmann::json reference(const std::filesystem::path& model, const nlohmann::json& request) {
+  static nlohmann::json reference(const std::filesystem::path& model,
+                                  const nlohmann::json& request) {
     auto req = test::temp_path("ref-request"), out = test::temp_path("ref-out");
     std::ofstream(req) << request.dump();
     std::string cmd = "/usr/bin/python3 " +
@@ -65,9 +75,9 @@ class Numerics : public ::testing::TestWithParam<Case> {
 
   // Max deviation relative to the reference's scale, over rows of logits.
   static double deviation(const std::vector<std::vector<float>>& ref, const float* ours,
-                          int64_t vocab) {
+                          int64_t vocab, size_t count) {
     double worst = 0, scale = 1;
-    for (size_t r = 0; r < ref.size(); ++r)
+    for (size_t r = 0; r < count; ++r)
       for (int64_t v = 0; v < vocab; ++v) {
         worst = std::max(worst, std::fabs(static_cast<double>(ours[r * vocab + v]) - ref[r][v]));
         scale = std::max(scale, std::fabs(static_cast<double>(ref[r][v])));
@@ -95,11 +105,15 @@ TEST_P(Numerics, MatchesPyTorchReference) {
   const auto& cfg = model.config();
   const int64_t vocab = cfg.vocab_size;
   const auto seqs = test_sequences(128000);
-  nlohmann::json request = {{"sequences", seqs}, {"all_logits", true}, {"greedy_tokens", 0},
+  nlohmann::json request = {{"sequences", seqs},
+                            {"all_logits", true},
+                            {"greedy_tokens", 0},
                             {"mtp", cfg.num_nextn_predict_layers > 0}};
   const auto ref = reference(dir, request);
   ASSERT_EQ(ref["sequences"].size(), seqs.size());
 
+  std::vector<size_t> stable(seqs.size());  // positions before the first routing near-tie
+  size_t compared = 0;
   for (Feed feed : {Feed::kWhole, Feed::kChunks, Feed::kTokens}) {
     const int64_t block = 4;
     LatentCache cache(model.cache_shape(block), 64);
@@ -113,6 +127,7 @@ TEST_P(Numerics, MatchesPyTorchReference) {
     // Logits rows of each sequence, assembled from however many steps the feed takes.
     std::vector<std::vector<float>> rows(seqs.size());
     std::vector<std::vector<float>> hidden(seqs.size());
+    std::vector<std::vector<float>> margins(seqs.size());
     const size_t chunk = feed == Feed::kWhole ? 1000 : feed == Feed::kChunks ? 7 : 1;
     std::vector<size_t> done(seqs.size(), 0);
     while (true) {
@@ -135,19 +150,30 @@ TEST_P(Numerics, MatchesPyTorchReference) {
         for (size_t k = 0; k < b; ++k) before += batch[k].tokens.size();
         hidden[s].insert(hidden[s].end(), out.hidden.begin() + before * cfg.hidden_size,
                          out.hidden.begin() + (before + n) * cfg.hidden_size);
+        margins[s].insert(margins[s].end(), out.routing_margin.begin() + before,
+                          out.routing_margin.begin() + before + n);
         done[s] += n;
       }
     }
+    size_t positions = 0;
     for (size_t s = 0; s < seqs.size(); ++s) {
       const auto expected = ref["sequences"][s]["logits"].get<std::vector<std::vector<float>>>();
       ASSERT_EQ(expected.size(), seqs[s].size());
-      const double dev = deviation(expected, rows[s].data(), vocab);
+      stable[s] = 0;
+      while (stable[s] < seqs[s].size() && margins[s][stable[s]] >= c.min_margin) ++stable[s];
+      const double dev = deviation(expected, rows[s].data(), vocab, stable[s]);
       EXPECT_LE(dev, c.tol) << "sequence " << s << " (length " << seqs[s].size() << "), feed "
                             << static_cast<int>(feed);
+      compared += stable[s];
+      positions += seqs[s].size();
       if (feed == Feed::kWhole)
-        std::printf("[ %s/%s ] sequence of %zu tokens: max relative logit deviation %.2e\n",
-                    c.preset.c_str(), c.dtype.c_str(), seqs[s].size(), dev);
+        std::printf(
+            "[ %s/%s ] sequence of %zu tokens: %zu positions compared, max relative logit "
+            "deviation %.2e\n",
+            c.preset.c_str(), c.dtype.c_str(), seqs[s].size(), stable[s], dev);
     }
+    EXPECT_GE(compared, positions * 6 / 10) << "too many routing near-ties to compare";
+    compared = 0;
 
     // MTP: position i predicts from the hidden state at i and the token at i + 1.
     if (cfg.num_nextn_predict_layers == 0 || feed != Feed::kWhole) continue;
@@ -157,19 +183,25 @@ TEST_P(Numerics, MatchesPyTorchReference) {
     for (size_t s = 0; s < seqs.size(); ++s) {
       if (seqs[s].size() < 2) continue;
       batch.push_back({std::span(seqs[s]).subspan(1), 0, tables[s], true});
-      hidden_in.insert(hidden_in.end(), hidden[s].begin(),
-                       hidden[s].end() - cfg.hidden_size);
+      hidden_in.insert(hidden_in.end(), hidden[s].begin(), hidden[s].end() - cfg.hidden_size);
       who.push_back(s);
     }
     auto mtp = model.forward_mtp(batch, hidden_in.data(), cache);
+    size_t t = 0;
     for (size_t b = 0; b < batch.size(); ++b) {
       const auto expected =
           ref["sequences"][who[b]]["mtp_logits"].get<std::vector<std::vector<float>>>();
       ASSERT_EQ(expected.size(), batch[b].tokens.size());
-      const double dev = deviation(expected, mtp.logits.data() + mtp.first_row[b] * vocab, vocab);
+      // MTP position i reads the main model's position i and its own earlier positions.
+      size_t count = std::min(stable[who[b]], expected.size());
+      for (size_t i = 0; i < count; ++i)
+        if (mtp.routing_margin[t + i] < c.min_margin) count = i;
+      t += batch[b].tokens.size();
+      const double dev =
+          deviation(expected, mtp.logits.data() + mtp.first_row[b] * vocab, vocab, count);
       EXPECT_LE(dev, c.tol) << "MTP, sequence " << who[b];
-      std::printf("[ %s/%s ] MTP over %zu positions: max relative deviation %.2e\n",
-                  c.preset.c_str(), c.dtype.c_str(), batch[b].tokens.size(), dev);
+      std::printf("[ %s/%s ] MTP over %zu positions: %zu compared, max relative deviation %.2e\n",
+                  c.preset.c_str(), c.dtype.c_str(), batch[b].tokens.size(), count, dev);
     }
   }
   std::filesystem::remove_all(dir);
@@ -182,8 +214,8 @@ TEST_P(Numerics, GreedyContinuationMatchesFullRecomputation) {
   const auto tok = text::Tokenizer::from_dir(dir);
   std::vector<std::vector<int32_t>> prompts = {tok.encode("The quick brown fox", true),
                                                tok.encode("你好，世界！Hello", true)};
-  nlohmann::json request = {{"sequences", prompts}, {"all_logits", false}, {"greedy_tokens", 32},
-                            {"mtp", false}};
+  nlohmann::json request = {
+      {"sequences", prompts}, {"all_logits", false}, {"greedy_tokens", 32}, {"mtp", false}};
   const auto ref = reference(dir, request);
   for (size_t s = 0; s < prompts.size(); ++s) {
     engine::SamplingParams greedy;
@@ -198,9 +230,10 @@ TEST_P(Numerics, GreedyContinuationMatchesFullRecomputation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, Numerics,
-                         ::testing::Values(Case{"tiny-v3", "f32", 1e-4}, Case{"tiny-v3", "bf16", 1e-2},
-                                           Case{"tiny-v2-lite", "f32", 1e-4},
-                                           Case{"tiny-v2-lite", "bf16", 1e-2}),
+                         ::testing::Values(Case{"tiny-v3", "f32", 1e-4, 1e-5},
+                                           Case{"tiny-v3", "bf16", 1e-2, 0.005f},
+                                           Case{"tiny-v2-lite", "f32", 1e-4, 1e-5},
+                                           Case{"tiny-v2-lite", "bf16", 1e-2, 0.02f}),
                          case_name);
 
 }  // namespace

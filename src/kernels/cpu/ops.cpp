@@ -1,11 +1,17 @@
 #include "kernels/cpu/ops.h"
 
+#include "kernels/cpu/gemm_onednn.h"
+#include "kernels/cpu/matvec_avx512.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstring>
 
 namespace tandem::kernels {
 namespace {
+
+// From this many tokens on, a product is compute-bound and goes to oneDNN.
+constexpr int64_t kGemmMinTokens = 4;
 
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define TANDEM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -78,10 +84,38 @@ size_t Matrix::bytes() const {
 }
 
 void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
-  // Rows outermost: each weight row is read once per call and reused for all n tokens.
-#pragma omp parallel for schedule(static) if (w.rows * w.cols * n > (1 << 16))
-  for (int64_t r = 0; r < w.rows; ++r)
-    for (int64_t t = 0; t < n; ++t) y[t * w.rows + r] = row_dot(w, r, x + t * w.cols);
+  // Many tokens: compute-bound, oneDNN's GEMM. Few tokens: bandwidth-bound, stream each weight
+  // row once and reuse it for up to four tokens.
+  if (n >= kGemmMinTokens && (w.type == WeightType::kF32 || w.type == WeightType::kBF16) &&
+      onednn_matmul(w, x, n, y))
+    return;
+  matmul_f32_activations(w, x, n, y);
+}
+
+void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y) {
+  if (n >= kGemmMinTokens && w.type == WeightType::kF32 && onednn_matmul(w, x, n, y)) return;
+  const bool fast = avx512::available();
+#pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 15))
+  for (int64_t r = 0; r < w.rows; ++r) {
+    for (int64_t t = 0; t < n; t += 4) {
+      const int64_t m = std::min<int64_t>(4, n - t);
+      float out[4];
+      if (!fast) {
+        for (int64_t i = 0; i < m; ++i) out[i] = row_dot(w, r, x + (t + i) * w.cols);
+      } else if (w.type == WeightType::kBF16) {
+        avx512::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x + t * w.cols,
+                              w.cols, m, out);
+      } else if (w.type == WeightType::kI8) {
+        avx512::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x + t * w.cols,
+                            w.cols, m, out);
+        for (int64_t i = 0; i < m; ++i) out[i] *= w.row_scales[r];
+      } else {
+        avx512::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x + t * w.cols,
+                             w.cols, m, out);
+      }
+      for (int64_t i = 0; i < m; ++i) y[(t + i) * w.rows + r] = out[i];
+    }
+  }
 }
 
 void matrix_row(const Matrix& w, int64_t r, float* out) {

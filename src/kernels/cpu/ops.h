@@ -21,8 +21,12 @@ struct Matrix {
   size_t bytes() const;
 };
 
-// y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows].
+// y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows]. With many tokens
+// and BF16 weights, activations are rounded to BF16 for the GEMM.
 void matmul(const Matrix& w, const float* x, int64_t n, float* y);
+// The same product with activations kept in float32 whatever n is: for the MoE router, whose
+// top-k choice must not flip on activation rounding (DeepSeek computes it in float32 too).
+void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y);
 // Row r of W as float32 into out[cols].
 void matrix_row(const Matrix& w, int64_t r, float* out);
 // y[cols] = sum_r x[r] * W[first + r, :] for r < count: a transposed product over a row range.

@@ -1,0 +1,16 @@
+#pragma once
+// AVX-512 dot products of one weight row with a few float32 activation vectors, for decode
+// steps, where every weight byte is read once per step and memory bandwidth is the limit.
+// Callers check has_avx512() first; the portable loops in ops.cpp serve other machines.
+#include <cstdint>
+
+namespace tandem::kernels::avx512 {
+
+bool available();
+
+// out[t] = dot(row, x + t * cols) for t < n (n <= 4), row in BF16 / INT8 (unscaled) / float32.
+void dot_rows_bf16(const uint16_t* row, const float* x, int64_t cols, int64_t n, float* out);
+void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, int64_t n, float* out);
+void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n, float* out);
+
+}  // namespace tandem::kernels::avx512
