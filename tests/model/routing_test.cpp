@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
-#include <set>
 #include <random>
+#include <set>
 
 #include <gtest/gtest.h>
 
