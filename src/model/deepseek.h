@@ -43,6 +43,7 @@ class DeepSeekModel {
                             const std::function<void(size_t, size_t)>& progress = {});
 
   const ModelConfig& config() const { return config_; }
+  const Weights& weights() const { return weights_; }
   // Layers of the cache: the main layers, then one per MTP module.
   LatentCacheShape cache_shape(int64_t block_size) const;
 

@@ -76,4 +76,20 @@ TANDEM_AVX512 void dot_rows_f32(const float* row, const float* x, int64_t cols, 
   dot_rows(load, x, cols, n, out);
 }
 
+TANDEM_AVX512 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols) {
+  const __m512 va = _mm512_set1_ps(a);
+  int64_t c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c))), 16));
+    _mm512_storeu_ps(y + c, _mm512_fmadd_ps(va, w, _mm512_loadu_ps(y + c)));
+  }
+  for (; c < cols; ++c) {
+    uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
+    float w;
+    __builtin_memcpy(&w, &bits, 4);
+    y[c] += a * w;
+  }
+}
+
 }  // namespace tandem::kernels::avx512

@@ -13,4 +13,7 @@ void dot_rows_bf16(const uint16_t* row, const float* x, int64_t cols, int64_t n,
 void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, int64_t n, float* out);
 void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n, float* out);
 
+// y[cols] += a * row, row in BF16: the building block of transposed products.
+void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);
+
 }  // namespace tandem::kernels::avx512

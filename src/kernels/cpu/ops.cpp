@@ -137,6 +137,11 @@ void matrix_row(const Matrix& w, int64_t r, float* out) {
 
 void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const float* x, float* y) {
   std::fill(y, y + w.cols, 0.0f);
+  if (w.type == WeightType::kBF16 && avx512::available()) {
+    const auto* base = static_cast<const uint16_t*>(w.data) + first * w.cols;
+    for (int64_t r = 0; r < count; ++r) avx512::axpy_row_bf16(x[r], base + r * w.cols, y, w.cols);
+    return;
+  }
   thread_local std::vector<float> row;
   row.resize(w.cols);
   for (int64_t r = 0; r < count; ++r) {

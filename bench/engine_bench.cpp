@@ -1,0 +1,209 @@
+// CPU engine throughput on a DeepSeek-family checkpoint (the `bench` preset of make-model):
+// prefill of a 512-token prompt, and decode at batch 1 and batch 16, each reported as tokens/s,
+// as achieved GFLOP/s or GB/s, and as a percentage of this machine's peaks measured in the same
+// run (BF16 FMA throughput for prefill, DRAM read bandwidth for decode).
+// Usage: tandem-bench-engine --model DIR [--model DIR ...] [--prompt 512] [--decode 32]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <numeric>
+#include <random>
+
+#include <CLI/CLI.hpp>
+
+#include "machine_peaks.h"
+#include "model/deepseek.h"
+#include "util/error.h"
+
+namespace {
+
+using tandem::model::DeepSeekModel;
+using tandem::model::LatentCache;
+using tandem::model::LayerWeights;
+using tandem::model::ModelConfig;
+using tandem::model::SequenceStep;
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+size_t mlp_bytes(const tandem::model::MlpWeights& m) {
+  return m.gate.bytes() + m.up.bytes() + m.down.bytes();
+}
+
+size_t attention_bytes(const LayerWeights& l) {
+  const auto& a = l.attn;
+  return a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.kv_b.bytes() + a.o.bytes();
+}
+
+// Weight bytes every token reads whatever its routing: attention, dense MLPs, routers, shared
+// experts, the LM head.
+size_t fixed_bytes(const DeepSeekModel& m) {
+  const auto& w = m.weights();
+  size_t b = w.lm_head.bytes();
+  for (const auto& l : w.layers) {
+    b += attention_bytes(l);
+    b += l.is_moe ? l.moe.router.bytes() + (l.moe.has_shared ? mlp_bytes(l.moe.shared) : 0)
+                  : mlp_bytes(l.dense);
+  }
+  return b;
+}
+
+size_t expert_bytes(const DeepSeekModel& m) {
+  for (const auto& l : m.weights().layers)
+    if (l.is_moe) return mlp_bytes(l.moe.experts[0]);
+  return 0;
+}
+
+// FLOPs of a prefill of `p` tokens as the engine computes it (expanded attention; logits for
+// the last position only).
+double prefill_flops(const ModelConfig& c, const DeepSeekModel& m, int64_t p) {
+  const double h = c.hidden_size, heads = c.num_attention_heads;
+  double f = 0;
+  for (const auto& l : m.weights().layers) {
+    const auto& a = l.attn;
+    f += 2.0 * p * (a.q_a.rows * a.q_a.cols + a.q_b.rows * a.q_b.cols + a.q.rows * a.q.cols +
+                    a.kv_a.rows * a.kv_a.cols + a.kv_b.rows * a.kv_b.cols + a.o.rows * a.o.cols);
+    // Causal scores (nope + rope) and weighted values: sum over i of (i + 1) positions.
+    f += 2.0 * heads * (p * (p + 1) / 2.0) * (c.qk_head_dim() + c.v_head_dim);
+    if (l.is_moe) {
+      f += 2.0 * p * h * c.n_routed_experts;
+      f += 2.0 * p * c.num_experts_per_tok * 3 * h * c.moe_intermediate_size;
+      if (l.moe.has_shared) f += 2.0 * p * 3 * h * l.moe.shared.gate.rows;
+    } else {
+      f += 2.0 * p * 3 * h * l.dense.gate.rows;
+    }
+  }
+  return f + 2.0 * h * c.vocab_size;
+}
+
+std::vector<int32_t> random_tokens(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> id(100, 127999);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = id(rng);
+  return t;
+}
+
+int32_t argmax(const float* l, int64_t n) { return static_cast<int32_t>(std::max_element(l, l + n) - l); }
+
+void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64_t prompt_len,
+         int64_t decode_steps) {
+  const auto model = DeepSeekModel::load(dir);
+  const auto& c = model.config();
+  const int64_t block = 16, entry_bytes = (c.kv_lora_rank + c.qk_rope_head_dim) * 4;
+  const int64_t layers = c.num_hidden_layers;
+  const std::string dtype = model.weights().lm_head.type == tandem::kernels::WeightType::kBF16 ? "BF16"
+                            : model.weights().layers[0].attn.o.type == tandem::kernels::WeightType::kI8
+                                ? "INT8"
+                                : "other";
+  std::printf("\n== %s (%s weights: %.2f GB, %ld layers, hidden %ld, %ld experts top-%ld)\n",
+              dir.c_str(), dtype.c_str(), model.weights().checkpoint.total_bytes() / 1e9,
+              static_cast<long>(layers), static_cast<long>(c.hidden_size),
+              static_cast<long>(c.n_routed_experts), static_cast<long>(c.num_experts_per_tok));
+
+  // Prefill: one 512-token prompt, best of 3.
+  const auto prompt = random_tokens(prompt_len, 1);
+  const int64_t blocks = (prompt_len + decode_steps + block) / block + 1;
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  double best = 1e300;
+  for (int rep = 0; rep < 3; ++rep) {
+    LatentCache cache(model.cache_shape(block), blocks);
+    SequenceStep step{prompt, 0, table, false};
+    double t0 = now();
+    model.forward(std::span(&step, 1), cache);
+    best = std::min(best, now() - t0);
+  }
+  const double flops = prefill_flops(c, model, prompt_len);
+  const double gflops = flops / best / 1e9;
+  std::printf("prefill %ld tokens:   %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of BF16 peak (%.0f GFLOP/s)\n",
+              static_cast<long>(prompt_len), prompt_len / best, gflops,
+              100 * gflops / peaks.bf16_gflops, peaks.bf16_gflops);
+
+  // Decode, batch 1, after the prompt.
+  {
+    LatentCache cache(model.cache_shape(block), blocks);
+    SequenceStep step{prompt, 0, table, false};
+    auto out = model.forward(std::span(&step, 1), cache);
+    int32_t tok = argmax(out.logits.data(), c.vocab_size);
+    double t0 = now();
+    double kv_bytes = 0;
+    for (int64_t i = 0; i < decode_steps; ++i) {
+      SequenceStep d{std::span(&tok, 1), prompt_len + i, table, false};
+      out = model.forward(std::span(&d, 1), cache);
+      tok = argmax(out.logits.data(), c.vocab_size);
+      kv_bytes += static_cast<double>(prompt_len + i + 1) * entry_bytes * layers;
+    }
+    const double secs = now() - t0;
+    int64_t moe_layers = 0;
+    for (const auto& l : model.weights().layers) moe_layers += l.is_moe;
+    const double weight_bytes = fixed_bytes(model) +
+                                static_cast<double>(moe_layers * c.num_experts_per_tok) * expert_bytes(model);
+    const double gbs = (weight_bytes * decode_steps + kv_bytes) / secs / 1e9;
+    std::printf("decode batch 1:       %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f GB/s)\n",
+                decode_steps / secs, gbs, 100 * gbs / peaks.dram_gbs_all, peaks.dram_gbs_all);
+  }
+
+  // Decode, batch 16: sixteen 64-token prompts, then steps of one token each.
+  {
+    const int64_t batch = 16, plen = 64;
+    const int64_t per_seq = (plen + decode_steps + block) / block + 1;
+    LatentCache cache(model.cache_shape(block), per_seq * batch);
+    std::vector<std::vector<int32_t>> prompts, tables;
+    std::vector<int32_t> next(batch);
+    for (int64_t s = 0; s < batch; ++s) {
+      prompts.push_back(random_tokens(plen, 100 + s));
+      std::vector<int32_t> t(per_seq);
+      std::iota(t.begin(), t.end(), static_cast<int32_t>(s * per_seq));
+      tables.push_back(t);
+      SequenceStep step{prompts[s], 0, tables[s], false};
+      auto out = model.forward(std::span(&step, 1), cache);
+      next[s] = argmax(out.logits.data(), c.vocab_size);
+    }
+    auto counts_before = model.expert_counts();
+    double touched_expert_bytes = 0, kv_bytes = 0;
+    double t0 = now();
+    for (int64_t i = 0; i < decode_steps; ++i) {
+      std::vector<SequenceStep> steps;
+      for (int64_t s = 0; s < batch; ++s) steps.push_back({std::span(&next[s], 1), plen + i, tables[s], false});
+      auto out = model.forward(steps, cache);
+      for (int64_t s = 0; s < batch; ++s) next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
+      // Experts read this step: those whose token count moved.
+      const auto& counts = model.expert_counts();
+      for (size_t l = 0; l < counts.size(); ++l)
+        for (size_t e = 0; e < counts[l].size(); ++e)
+          if (counts[l][e] != counts_before[l][e]) touched_expert_bytes += expert_bytes(model);
+      counts_before = counts;
+      kv_bytes += static_cast<double>(batch) * (plen + i + 1) * entry_bytes * layers;
+    }
+    const double secs = now() - t0;
+    const double gbs = (static_cast<double>(fixed_bytes(model)) * decode_steps + touched_expert_bytes + kv_bytes) /
+                       secs / 1e9;
+    std::printf("decode batch 16:      %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth\n",
+                batch * decode_steps / secs, gbs, 100 * gbs / peaks.dram_gbs_all);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"CPU engine throughput: prefill and decode vs the machine's measured peaks"};
+  std::vector<std::string> models;
+  int64_t prompt = 512, decode = 32;
+  app.add_option("--model", models, "model folder (repeatable)")->required();
+  app.add_option("--prompt", prompt, "prefill prompt length")->capture_default_str();
+  app.add_option("--decode", decode, "decode steps per measurement")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const auto peaks = tandem::bench::measure_peaks();
+    std::printf("machine: %d threads; FP32 FMA %.0f GFLOP/s; BF16 dot %.0f GFLOP/s; DRAM read %.1f GB/s (1 thread), %.1f GB/s (%d threads)\n",
+                peaks.threads, peaks.fp32_gflops, peaks.bf16_gflops, peaks.dram_gbs_1,
+                peaks.dram_gbs_all, peaks.threads);
+    for (const auto& m : models) run(m, peaks, prompt, decode);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
