@@ -9,7 +9,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <regex>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -225,6 +224,22 @@ std::string shard_file_name(size_t index, size_t count) {
   return buf;
 }
 
+// "model-<digits>-of-<digits>.safetensors", a shard of an earlier sharded checkpoint.
+bool is_shard_name(const std::string& n) {
+  const std::string prefix = "model-", suffix = ".safetensors", of = "-of-";
+  if (n.size() <= prefix.size() + suffix.size() || n.compare(0, prefix.size(), prefix) != 0 ||
+      n.compare(n.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return false;
+  const std::string mid = n.substr(prefix.size(), n.size() - prefix.size() - suffix.size());
+  const size_t at = mid.find(of);
+  if (at == std::string::npos || at == 0 || at + of.size() == mid.size()) return false;
+  auto digits = [](std::string_view v) {
+    return std::all_of(v.begin(), v.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  return digits(std::string_view(mid).substr(0, at)) &&
+         digits(std::string_view(mid).substr(at + of.size()));
+}
+
 void write_text(const fs::path& path, const std::string& text) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) throw Error(path.string() + ": cannot create: " + std::strerror(errno));
@@ -386,11 +401,9 @@ void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
   fs::create_directories(dir, ec);
   if (ec) throw Error(dir.string() + ": cannot create folder: " + ec.message());
   // Files of an earlier checkpoint in the folder would be mistaken for part of this one.
-  static const std::regex kShardPattern(R"(model-\d+-of-\d+\.safetensors)");
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string n = entry.path().filename().string();
-    if (n == kSingleFile || n == kIndexFile || std::regex_match(n, kShardPattern))
-      fs::remove(entry.path());
+    if (n == kSingleFile || n == kIndexFile || is_shard_name(n)) fs::remove(entry.path());
   }
 
   size_t written = 0;
