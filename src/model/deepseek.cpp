@@ -171,27 +171,36 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
         }
       }
     } else {
-      // Expanded form: rebuild per-head keys and values of the whole context from the latents.
+      // Expanded form: rebuild per-head keys and values of the whole context from the latents,
+      // then two matrix products per head (scores = Q K^T, out = P V) on the GEMM kernels.
       std::vector<float> latents(context * kvl), kv(context * heads * head_rows);
       for (int64_t p = 0; p < context; ++p)
         std::copy_n(cache_entry(cache, step, layer, p), kvl, latents.data() + p * kvl);
       matmul(w.kv_b, latents.data(), context, kv.data());
-#pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t i = 0; i < count; ++i) {
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          const int64_t t = first_token + i, pos = step.start + i;
-          const float* qh = q.data() + (t * heads + hd) * qk;
-          std::vector<float> scores(pos + 1);
-          for (int64_t p = 0; p <= pos; ++p) {
-            const float* k = kv.data() + (p * heads + hd) * head_rows;
-            const float* e = cache_entry(cache, step, layer, p);
-            scores[p] = (kernels::dot(qh, k, nope) + kernels::dot(qh + nope, e + kvl, rd)) * scale;
-          }
-          kernels::softmax(scores.data(), pos + 1);
-          float* o = out.data() + (t * heads + hd) * vd;
-          for (int64_t p = 0; p <= pos; ++p)
-            kernels::axpy(scores[p], kv.data() + (p * heads + hd) * head_rows + nope, o, vd);
+      std::vector<float> keys(context * qk), values_t(vd * context), queries(count * qk);
+      std::vector<float> scores(count * context), o(count * vd);
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        for (int64_t p = 0; p < context; ++p) {
+          const float* src = kv.data() + (p * heads + hd) * head_rows;
+          std::copy_n(src, nope, keys.data() + p * qk);
+          std::copy_n(cache_entry(cache, step, layer, p) + kvl, rd, keys.data() + p * qk + nope);
+          for (int64_t v = 0; v < vd; ++v) values_t[v * context + p] = src[nope + v];
         }
+        for (int64_t i = 0; i < count; ++i)
+          std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk, queries.data() + i * qk);
+        const Matrix k_mat{context, qk, kernels::WeightType::kF32, keys.data(), {}, {}};
+        const Matrix v_mat{vd, context, kernels::WeightType::kF32, values_t.data(), {}, {}};
+        kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());
+        for (int64_t i = 0; i < count; ++i) {
+          float* row = scores.data() + i * context;
+          const int64_t visible = step.start + i + 1;  // causal: positions up to this token
+          for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
+          kernels::softmax(row, visible);
+          std::fill(row + visible, row + context, 0.0f);
+        }
+        kernels::matmul_f32_activations(v_mat, scores.data(), count, o.data());
+        for (int64_t i = 0; i < count; ++i)
+          std::copy_n(o.data() + i * vd, vd, out.data() + ((first_token + i) * heads + hd) * vd);
       }
     }
     first_token += count;
