@@ -93,10 +93,11 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   const auto& c = model.config();
   const int64_t block = 16, entry_bytes = (c.kv_lora_rank + c.qk_rope_head_dim) * 4;
   const int64_t layers = c.num_hidden_layers;
-  const std::string dtype = model.weights().lm_head.type == tandem::kernels::WeightType::kBF16 ? "BF16"
-                            : model.weights().layers[0].attn.o.type == tandem::kernels::WeightType::kI8
-                                ? "INT8"
-                                : "other";
+  // The attention output projection is quantised in INT8 checkpoints; the LM head never is.
+  const auto type = model.weights().layers[0].attn.o.type;
+  const std::string dtype = type == tandem::kernels::WeightType::kI8    ? "INT8"
+                            : type == tandem::kernels::WeightType::kBF16 ? "BF16"
+                                                                          : "F32";
   std::printf("\n== %s (%s weights: %.2f GB, %ld layers, hidden %ld, %ld experts top-%ld)\n",
               dir.c_str(), dtype.c_str(), model.weights().checkpoint.total_bytes() / 1e9,
               static_cast<long>(layers), static_cast<long>(c.hidden_size),
