@@ -20,6 +20,7 @@
 #include <cmath>
 #include <fstream>
 #include <numeric>
+#include <ostream>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -38,6 +39,8 @@ struct Case {
   double tol;
   float min_margin;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.preset << "/" << c.dtype; }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   std::string s = info.param.preset + "_" + info.param.dtype;
