@@ -33,7 +33,8 @@ size_t mlp_bytes(const tandem::model::MlpWeights& m) {
 
 size_t attention_bytes(const LayerWeights& l) {
   const auto& a = l.attn;
-  return a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.kv_b.bytes() + a.o.bytes();
+  return a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.kv_b.bytes() +
+         a.o.bytes();
 }
 
 // Weight bytes every token reads whatever its routing: attention, dense MLPs, routers, shared
@@ -62,8 +63,9 @@ double prefill_flops(const ModelConfig& c, const DeepSeekModel& m, int64_t p) {
   double f = 0;
   for (const auto& l : m.weights().layers) {
     const auto& a = l.attn;
-    f += 2.0 * p * (a.q_a.rows * a.q_a.cols + a.q_b.rows * a.q_b.cols + a.q.rows * a.q.cols +
-                    a.kv_a.rows * a.kv_a.cols + a.kv_b.rows * a.kv_b.cols + a.o.rows * a.o.cols);
+    f += 2.0 * p *
+         (a.q_a.rows * a.q_a.cols + a.q_b.rows * a.q_b.cols + a.q.rows * a.q.cols +
+          a.kv_a.rows * a.kv_a.cols + a.kv_b.rows * a.kv_b.cols + a.o.rows * a.o.cols);
     // Causal scores (nope + rope) and weighted values: sum over i of (i + 1) positions.
     f += 2.0 * heads * (p * (p + 1) / 2.0) * (c.qk_head_dim() + c.v_head_dim);
     if (l.is_moe) {
@@ -85,7 +87,9 @@ std::vector<int32_t> random_tokens(int64_t n, uint32_t seed) {
   return t;
 }
 
-int32_t argmax(const float* l, int64_t n) { return static_cast<int32_t>(std::max_element(l, l + n) - l); }
+int32_t argmax(const float* l, int64_t n) {
+  return static_cast<int32_t>(std::max_element(l, l + n) - l);
+}
 
 void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64_t prompt_len,
          int64_t decode_steps) {
@@ -95,9 +99,9 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   const int64_t layers = c.num_hidden_layers;
   // The attention output projection is quantised in INT8 checkpoints; the LM head never is.
   const auto type = model.weights().layers[0].attn.o.type;
-  const std::string dtype = type == tandem::kernels::WeightType::kI8    ? "INT8"
+  const std::string dtype = type == tandem::kernels::WeightType::kI8     ? "INT8"
                             : type == tandem::kernels::WeightType::kBF16 ? "BF16"
-                                                                          : "F32";
+                                                                         : "F32";
   std::printf("\n== %s (%s weights: %.2f GB, %ld layers, hidden %ld, %ld experts top-%ld)\n",
               dir.c_str(), dtype.c_str(), model.weights().checkpoint.total_bytes() / 1e9,
               static_cast<long>(layers), static_cast<long>(c.hidden_size),
@@ -118,9 +122,10 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   }
   const double flops = prefill_flops(c, model, prompt_len);
   const double gflops = flops / best / 1e9;
-  std::printf("prefill %ld tokens:   %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of BF16 peak (%.0f GFLOP/s)\n",
-              static_cast<long>(prompt_len), prompt_len / best, gflops,
-              100 * gflops / peaks.bf16_gflops, peaks.bf16_gflops);
+  std::printf(
+      "prefill %ld tokens:   %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of BF16 peak (%.0f GFLOP/s)\n",
+      static_cast<long>(prompt_len), prompt_len / best, gflops, 100 * gflops / peaks.bf16_gflops,
+      peaks.bf16_gflops);
 
   // Decode, batch 1, after the prompt.
   {
@@ -139,11 +144,14 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     const double secs = now() - t0;
     int64_t moe_layers = 0;
     for (const auto& l : model.weights().layers) moe_layers += l.is_moe;
-    const double weight_bytes = fixed_bytes(model) +
-                                static_cast<double>(moe_layers * c.num_experts_per_tok) * expert_bytes(model);
+    const double weight_bytes =
+        fixed_bytes(model) +
+        static_cast<double>(moe_layers * c.num_experts_per_tok) * expert_bytes(model);
     const double gbs = (weight_bytes * decode_steps + kv_bytes) / secs / 1e9;
-    std::printf("decode batch 1:       %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f GB/s)\n",
-                decode_steps / secs, gbs, 100 * gbs / peaks.dram_gbs_all, peaks.dram_gbs_all);
+    std::printf(
+        "decode batch 1:       %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f "
+        "GB/s)\n",
+        decode_steps / secs, gbs, 100 * gbs / peaks.dram_gbs_all, peaks.dram_gbs_all);
   }
 
   // Decode, batch 16: sixteen 64-token prompts, then steps of one token each.
@@ -167,9 +175,11 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     double t0 = now();
     for (int64_t i = 0; i < decode_steps; ++i) {
       std::vector<SequenceStep> steps;
-      for (int64_t s = 0; s < batch; ++s) steps.push_back({std::span(&next[s], 1), plen + i, tables[s], false});
+      for (int64_t s = 0; s < batch; ++s)
+        steps.push_back({std::span(&next[s], 1), plen + i, tables[s], false});
       auto out = model.forward(steps, cache);
-      for (int64_t s = 0; s < batch; ++s) next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
+      for (int64_t s = 0; s < batch; ++s)
+        next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
       // Experts read this step: those whose token count moved.
       const auto& counts = model.expert_counts();
       for (size_t l = 0; l < counts.size(); ++l)
@@ -179,10 +189,12 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
       kv_bytes += static_cast<double>(batch) * (plen + i + 1) * entry_bytes * layers;
     }
     const double secs = now() - t0;
-    const double gbs = (static_cast<double>(fixed_bytes(model)) * decode_steps + touched_expert_bytes + kv_bytes) /
-                       secs / 1e9;
-    std::printf("decode batch 16:      %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth\n",
-                batch * decode_steps / secs, gbs, 100 * gbs / peaks.dram_gbs_all);
+    const double gbs =
+        (static_cast<double>(fixed_bytes(model)) * decode_steps + touched_expert_bytes + kv_bytes) /
+        secs / 1e9;
+    std::printf(
+        "decode batch 16:      %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth\n",
+        batch * decode_steps / secs, gbs, 100 * gbs / peaks.dram_gbs_all);
   }
 }
 
@@ -198,9 +210,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const auto peaks = tandem::bench::measure_peaks();
-    std::printf("machine: %d threads; FP32 FMA %.0f GFLOP/s; BF16 dot %.0f GFLOP/s; DRAM read %.1f GB/s (1 thread), %.1f GB/s (%d threads)\n",
-                peaks.threads, peaks.fp32_gflops, peaks.bf16_gflops, peaks.dram_gbs_1,
-                peaks.dram_gbs_all, peaks.threads);
+    std::printf(
+        "machine: %d threads; FP32 FMA %.0f GFLOP/s; BF16 dot %.0f GFLOP/s; DRAM read %.1f GB/s (1 "
+        "thread), %.1f GB/s (%d threads)\n",
+        peaks.threads, peaks.fp32_gflops, peaks.bf16_gflops, peaks.dram_gbs_1, peaks.dram_gbs_all,
+        peaks.threads);
     for (const auto& m : models) run(m, peaks, prompt, decode);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -53,9 +53,7 @@ double gflops(Loop loop, double flops_per_iter, int threads) {
   for (int rep = 0; rep < 3; ++rep) {
     double t0 = now();
 #pragma omp parallel num_threads(threads)
-    {
-      sink.store(sink.load() + loop(iters));
-    }
+    { sink.store(sink.load() + loop(iters)); }
     best = std::max(best, flops_per_iter * iters * threads / (now() - t0) / 1e9);
   }
   return best;
@@ -72,7 +70,8 @@ __attribute__((target("avx512f"))) double read_gbs(const float* data, size_t n, 
       for (auto& a : acc) a = _mm512_setzero_ps();
 #pragma omp for schedule(static)
       for (size_t i = 0; i < n; i += 128)
-        for (int k = 0; k < 8; ++k) acc[k] = _mm512_add_ps(acc[k], _mm512_load_ps(data + i + 16 * k));
+        for (int k = 0; k < 8; ++k)
+          acc[k] = _mm512_add_ps(acc[k], _mm512_load_ps(data + i + 16 * k));
       for (int k = 1; k < 8; ++k) acc[0] = _mm512_add_ps(acc[0], acc[k]);
       sink.store(sink.load() + _mm512_reduce_add_ps(acc[0]));
     }
@@ -88,7 +87,8 @@ MachinePeaks measure_peaks() {
   p.threads = omp_get_max_threads();
   if (!__builtin_cpu_supports("avx512f")) return p;
   p.fp32_gflops = gflops(fma_loop, 12 * 16 * 2, p.threads);
-  if (__builtin_cpu_supports("avx512bf16")) p.bf16_gflops = gflops(bf16_loop, 12 * 32 * 2, p.threads);
+  if (__builtin_cpu_supports("avx512bf16"))
+    p.bf16_gflops = gflops(bf16_loop, 12 * 32 * 2, p.threads);
   const size_t n = size_t{1} << 28;  // 1 GiB of floats
   auto* data = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
   std::memset(data, 1, n * sizeof(float));

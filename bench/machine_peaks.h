@@ -4,10 +4,10 @@
 namespace tandem::bench {
 
 struct MachinePeaks {
-  double fp32_gflops = 0;  // all threads
-  double bf16_gflops = 0;  // all threads (vdpbf16ps), 0 without AVX-512 BF16
-  double dram_gbs_1 = 0;   // one thread
-  double dram_gbs_all = 0; // all threads
+  double fp32_gflops = 0;   // all threads
+  double bf16_gflops = 0;   // all threads (vdpbf16ps), 0 without AVX-512 BF16
+  double dram_gbs_1 = 0;    // one thread
+  double dram_gbs_all = 0;  // all threads
   int threads = 0;
 };
 

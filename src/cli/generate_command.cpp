@@ -30,7 +30,8 @@ std::vector<int32_t> prompt_ids(const GenerateOptions& o, const text::Tokenizer&
     throw Error(o.chat_file + ": malformed JSON: " + e.what());
   }
   if (!messages.is_array()) throw Error(o.chat_file + ": expected a list of messages");
-  if (tok.chat_template().empty()) throw Error(o.model + ": tokenizer_config.json has no chat_template");
+  if (tok.chat_template().empty())
+    throw Error(o.model + ": tokenizer_config.json has no chat_template");
   nlohmann::ordered_json ctx = {{"messages", messages},
                                 {"add_generation_prompt", true},
                                 {"bos_token", tok.bos_token()},
@@ -71,13 +72,15 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--model", o->model, "model folder (config.json, safetensors, tokenizer)")
       ->required()
       ->check(CLI::ExistingDirectory);
-  auto* prompt = cmd->add_option("--prompt", o->prompt, "prompt text (BOS added per the tokenizer config)");
+  auto* prompt =
+      cmd->add_option("--prompt", o->prompt, "prompt text (BOS added per the tokenizer config)");
   auto* chat = cmd->add_option("--chat-file", o->chat_file, "JSON list of chat messages")
                    ->check(CLI::ExistingFile);
   prompt->excludes(chat);
   auto& s = o->sampling;
   s.max_tokens = 64;
-  cmd->add_option("--max-tokens", s.max_tokens, "tokens to generate at most")->capture_default_str();
+  cmd->add_option("--max-tokens", s.max_tokens, "tokens to generate at most")
+      ->capture_default_str();
   cmd->add_option("--temperature", s.temperature, "0 for greedy")->capture_default_str();
   cmd->add_option("--top-k", s.top_k, "keep the k most likely tokens (0: off)");
   cmd->add_option("--top-p", s.top_p, "nucleus sampling mass");
@@ -85,12 +88,15 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--repetition-penalty", s.repetition_penalty, "penalty for seen tokens (1: off)");
   cmd->add_option("--presence-penalty", s.presence_penalty, "OpenAI presence penalty");
   cmd->add_option("--frequency-penalty", s.frequency_penalty, "OpenAI frequency penalty");
-  cmd->add_option("--seed", o->seed, "random seed")->each([o](const std::string&) { o->seed_set = true; });
+  cmd->add_option("--seed", o->seed, "random seed")->each([o](const std::string&) {
+    o->seed_set = true;
+  });
   cmd->add_option("--stop", s.stop, "stop string (repeatable)");
   cmd->add_option("--stop-token-id", s.stop_token_ids, "stop token id (repeatable)");
   cmd->add_flag("--ignore-eos", s.ignore_eos, "keep generating after the end-of-sequence token");
   cmd->callback([o, prompt, chat] {
-    if (!*prompt && !*chat) throw CLI::ValidationError("one of --prompt or --chat-file is required");
+    if (!*prompt && !*chat)
+      throw CLI::ValidationError("one of --prompt or --chat-file is required");
     run(*o);
   });
 }

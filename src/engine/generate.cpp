@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <numeric>
+#include <random>
 
 #include "text/detokenizer.h"
 #include "util/error.h"
@@ -34,8 +36,9 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
   const auto& config = model.config();
   const int64_t total = static_cast<int64_t>(prompt.size()) + params.max_tokens;
   if (total > config.max_position_embeddings)
-    throw Error("generate: prompt (" + std::to_string(prompt.size()) + " tokens) plus max_tokens (" +
-                std::to_string(params.max_tokens) + ") exceeds the model's context of " +
+    throw Error("generate: prompt (" + std::to_string(prompt.size()) +
+                " tokens) plus max_tokens (" + std::to_string(params.max_tokens) +
+                ") exceeds the model's context of " +
                 std::to_string(config.max_position_embeddings));
   const int64_t blocks = (total + block_size - 1) / block_size;
   model::LatentCache cache(model.cache_shape(block_size), blocks);
@@ -48,12 +51,19 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
     if (config.eos_token_id) stop_ids.push_back(static_cast<int32_t>(*config.eos_token_id));
   }
 
-  Sampler sampler(params, 0x7a6e6d);
+  // Rows of the LM head beyond the tokenizer's ids (the vocabulary is padded, e.g. 129280 rows
+  // for 128815 DeepSeek-V3 ids) can never be produced: they have no text.
+  std::vector<int32_t> no_text;
+  for (int64_t id = 0; id < config.vocab_size; ++id)
+    if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
+      no_text.push_back(static_cast<int32_t>(id));
+  Sampler sampler(params, std::random_device{}());
   text::IncrementalDetokenizer detok(tokenizer, /*skip_special_tokens=*/true);
   GenerationResult result;
   size_t emitted = 0;
   auto emit_until = [&](size_t end) {
-    if (end > emitted && on_text) on_text(std::string_view(result.text).substr(emitted, end - emitted));
+    if (end > emitted && on_text)
+      on_text(std::string_view(result.text).substr(emitted, end - emitted));
     emitted = std::max(emitted, end);
   };
 
@@ -65,9 +75,11 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
   t0 = clock();
   int64_t position = static_cast<int64_t>(prompt.size());
   while (true) {
+    for (auto id : no_text) out.logits[id] = -std::numeric_limits<float>::infinity();
     int32_t next = sampler.sample(out.logits, prompt, result.tokens);
     result.tokens.push_back(next);
     if (std::find(stop_ids.begin(), stop_ids.end(), next) != stop_ids.end()) {
+      result.text += detok.finish();  // an unfinished character shows as U+FFFD, as in decode
       result.finish_reason = "stop";
       break;
     }

@@ -17,7 +17,8 @@ void SamplingParams::validate() const {
   if (!(min_p >= 0 && min_p <= 1)) fail("min_p must be in [0, 1]");
   if (!(repetition_penalty > 0) || !std::isfinite(repetition_penalty))
     fail("repetition_penalty must be > 0");
-  if (!(presence_penalty >= -2 && presence_penalty <= 2)) fail("presence_penalty must be in [-2, 2]");
+  if (!(presence_penalty >= -2 && presence_penalty <= 2))
+    fail("presence_penalty must be in [-2, 2]");
   if (!(frequency_penalty >= -2 && frequency_penalty <= 2))
     fail("frequency_penalty must be in [-2, 2]");
   if (max_tokens < 1) fail("max_tokens must be at least 1");
@@ -33,6 +34,11 @@ Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed)
 int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt,
                         std::span<const int32_t> output) {
   const auto vocab = static_cast<int64_t>(logits.size());
+  for (auto ids : {prompt, output})
+    for (auto t : ids)
+      if (t < 0 || t >= vocab)
+        throw Error("sampler: token id " + std::to_string(t) + " is outside the vocabulary of " +
+                    std::to_string(vocab));
   if (params_.repetition_penalty != 1.0) {
     std::vector<bool> seen(vocab, false);
     for (auto t : prompt) seen[t] = true;
@@ -58,7 +64,9 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
   std::iota(order.begin(), order.end(), 0);
   int64_t keep = vocab;
   if (params_.top_k > 0) keep = std::min(keep, params_.top_k);
-  auto by_logit = [&](int32_t a, int32_t b) { return logits[a] != logits[b] ? logits[a] > logits[b] : a < b; };
+  auto by_logit = [&](int32_t a, int32_t b) {
+    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+  };
   if (keep < vocab) {
     std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_logit);
   } else {

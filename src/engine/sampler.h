@@ -32,7 +32,8 @@ struct SamplingParams {
 
 class Sampler {
  public:
-  // `fallback_seed` seeds the generator when the request has no seed.
+  // `fallback_seed` seeds the generator when the request has no seed (callers pass a random one
+  // unless they want unseeded runs to repeat).
   Sampler(const SamplingParams& params, uint64_t fallback_seed);
 
   // Picks the next token from logits[vocab] (modified in place).

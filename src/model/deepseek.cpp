@@ -38,11 +38,13 @@ LatentCacheShape DeepSeekModel::cache_shape(int64_t block_size) const {
 
 namespace {
 
-void check_batch(const ModelConfig& c, std::span<const SequenceStep> batch, const LatentCache& cache) {
+void check_batch(const ModelConfig& c, std::span<const SequenceStep> batch,
+                 const LatentCache& cache) {
   const int64_t bs = cache.shape().block_size;
   for (size_t s = 0; s < batch.size(); ++s) {
     const auto& step = batch[s];
-    if (step.tokens.empty()) throw Error("forward: sequence " + std::to_string(s) + " has no tokens");
+    if (step.tokens.empty())
+      throw Error("forward: sequence " + std::to_string(s) + " has no tokens");
     const int64_t end = step.start + static_cast<int64_t>(step.tokens.size());
     if (step.start < 0 || static_cast<int64_t>(step.blocks.size()) * bs < end)
       throw Error("forward: block table of sequence " + std::to_string(s) + " covers " +
@@ -141,7 +143,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
     rmsnorm(kva.data() + t * entry, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, dst);
     std::copy_n(kva.data() + t * entry + kvl, rd, dst + kvl);
     rope_.apply(dst + kvl, tokens[t].position);
-    for (int64_t hd = 0; hd < heads; ++hd) rope_.apply(q.data() + (t * heads + hd) * qk + nope, tokens[t].position);
+    for (int64_t hd = 0; hd < heads; ++hd)
+      rope_.apply(q.data() + (t * heads + hd) * qk + nope, tokens[t].position);
   }
 
   out.assign(n * heads * vd, 0.0f);
@@ -161,7 +164,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
           kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, q_lat.data());
           for (int64_t p = 0; p <= pos; ++p) {
             const float* e = cache_entry(cache, step, layer, p);
-            scores[p] = (kernels::dot(q_lat.data(), e, kvl) + kernels::dot(qh + nope, e + kvl, rd)) * scale;
+            scores[p] =
+                (kernels::dot(q_lat.data(), e, kvl) + kernels::dot(qh + nope, e + kvl, rd)) * scale;
           }
           kernels::softmax(scores.data(), pos + 1);
           for (int64_t p = 0; p <= pos; ++p)
@@ -187,7 +191,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
           for (int64_t v = 0; v < vd; ++v) values_t[v * context + p] = src[nope + v];
         }
         for (int64_t i = 0; i < count; ++i)
-          std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk, queries.data() + i * qk);
+          std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk,
+                      queries.data() + i * qk);
         const Matrix k_mat{context, qk, kernels::WeightType::kF32, keys.data(), {}, {}};
         const Matrix v_mat{vd, context, kernels::WeightType::kF32, values_t.data(), {}, {}};
         kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());

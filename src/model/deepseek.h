@@ -28,9 +28,9 @@ struct SequenceStep {
 };
 
 struct StepOutput {
-  std::vector<float> logits;        // [rows, vocab_size]
-  std::vector<int64_t> first_row;   // per sequence, its first row in `logits`
-  std::vector<float> hidden;        // [new tokens, hidden_size], before the final norm (MTP input)
+  std::vector<float> logits;       // [rows, vocab_size]
+  std::vector<int64_t> first_row;  // per sequence, its first row in `logits`
+  std::vector<float> hidden;       // [new tokens, hidden_size], before the final norm (MTP input)
   // Per new token, the smallest MoE routing margin over its layers (see Routing::margin);
   // infinity for models without MoE layers.
   std::vector<float> routing_margin;
@@ -65,12 +65,12 @@ class DeepSeekModel {
   struct TokenInfo {
     int64_t sequence, position;
   };
-  void layer_forward(const LayerWeights& w, int64_t cache_layer, std::span<const SequenceStep> batch,
-                     const std::vector<TokenInfo>& tokens, std::vector<float>& x,
-                     LatentCache& cache, std::vector<float>& margins) const;
-  void attention(const AttentionWeights& w, int64_t cache_layer, std::span<const SequenceStep> batch,
-                 const std::vector<TokenInfo>& tokens, const std::vector<float>& xn,
-                 std::vector<float>& out, LatentCache& cache) const;
+  void layer_forward(const LayerWeights& w, int64_t cache_layer,
+                     std::span<const SequenceStep> batch, const std::vector<TokenInfo>& tokens,
+                     std::vector<float>& x, LatentCache& cache, std::vector<float>& margins) const;
+  void attention(const AttentionWeights& w, int64_t cache_layer,
+                 std::span<const SequenceStep> batch, const std::vector<TokenInfo>& tokens,
+                 const std::vector<float>& xn, std::vector<float>& out, LatentCache& cache) const;
   void moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
            std::vector<float>& out, std::vector<float>& margins) const;
   void mlp(const MlpWeights& w, const float* xn, int64_t n, float* out) const;

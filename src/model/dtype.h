@@ -12,9 +12,9 @@ namespace tandem::model {
 enum class DType { kF32, kBF16, kF16, kF8E4M3, kI8 };
 
 size_t dtype_size(DType t);
-std::string_view dtype_name(DType t);                      // safetensors spelling
+std::string_view dtype_name(DType t);                     // safetensors spelling
 std::optional<DType> parse_dtype(std::string_view name);  // from safetensors spelling
-bool is_float_dtype(DType t);                              // F32, BF16 or F16
+bool is_float_dtype(DType t);                             // F32, BF16 or F16
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;

@@ -7,15 +7,6 @@
 namespace tandem::model {
 namespace {
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 std::string describe(DType dtype, const std::vector<int64_t>& shape) {
   return std::string(dtype_name(dtype)) + " " + shape_string(shape);
 }

@@ -13,9 +13,8 @@ namespace {
 std::vector<int32_t> top_k(const std::vector<float>& v, int64_t k) {
   std::vector<int32_t> idx(v.size());
   std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
-    return v[a] != v[b] ? v[a] > v[b] : a < b;
-  });
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int32_t a, int32_t b) { return v[a] != v[b] ? v[a] > v[b] : a < b; });
   idx.resize(k);
   return idx;
 }
@@ -47,7 +46,8 @@ Routing route_token(const ModelConfig& c, const float* logits, const float* bias
     const int64_t per_group = n / c.n_group;
     std::vector<float> group_score(c.n_group);
     for (int64_t g = 0; g < c.n_group; ++g) {
-      std::vector<float> members(choice.begin() + g * per_group, choice.begin() + (g + 1) * per_group);
+      std::vector<float> members(choice.begin() + g * per_group,
+                                 choice.begin() + (g + 1) * per_group);
       if (c.topk_method == "noaux_tc") {  // sum of the two best scores of the group
         auto best = top_k(members, std::min<int64_t>(2, per_group));
         group_score[g] = 0;

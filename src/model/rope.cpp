@@ -25,8 +25,10 @@ Rope::Rope(const ModelConfig& c) {
   for (int64_t i = 0; i < dim / 2; ++i) inv_freq_[i] = 1.0 / std::pow(base, 2.0 * i / dim);
   if (!c.yarn) return;
   const YarnScaling& y = *c.yarn;
-  double low = std::floor(correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings));
-  double high = std::ceil(correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings));
+  double low =
+      std::floor(correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings));
+  double high =
+      std::ceil(correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings));
   low = std::max(low, 0.0);
   high = std::min(high, static_cast<double>(dim - 1));
   if (low == high) high += 0.001;  // avoid a zero-width ramp

@@ -17,6 +17,15 @@
 #include "util/file.h"
 
 namespace tandem::model {
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
 namespace fs = std::filesystem;
 namespace {
 
@@ -27,15 +36,6 @@ constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 // The safetensors library refuses headers above 100 MB; so do we, before parsing anything.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
-
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
 
 std::string quote_name(const std::string& s) {
   return "'" + s + "'";

@@ -16,6 +16,9 @@
 
 namespace tandem::model {
 
+// "[2, 3]": how messages about tensors write shapes.
+std::string shape_string(const std::vector<int64_t>& shape);
+
 struct TensorInfo {
   std::string name;
   DType dtype;

@@ -59,7 +59,8 @@ class Binder {
 
   MlpWeights mlp(const std::string& prefix, int64_t inter) {
     const int64_t h = config_.hidden_size;
-    return MlpWeights{matrix(prefix + ".gate_proj", inter, h), matrix(prefix + ".up_proj", inter, h),
+    return MlpWeights{matrix(prefix + ".gate_proj", inter, h),
+                      matrix(prefix + ".up_proj", inter, h),
                       matrix(prefix + ".down_proj", h, inter)};
   }
 

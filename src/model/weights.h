@@ -21,9 +21,9 @@ struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
 };
 
 struct MoeWeights {
-  Matrix router;                        // [n_routed_experts, hidden]
-  std::vector<float> correction_bias;   // empty unless topk_method == noaux_tc
-  std::vector<MlpWeights> experts;      // by physical slot
+  Matrix router;                       // [n_routed_experts, hidden]
+  std::vector<float> correction_bias;  // empty unless topk_method == noaux_tc
+  std::vector<MlpWeights> experts;     // by physical slot
   // Logical expert -> physical slot. Identity when loaded; expert placement rewrites it (and
   // moves the weights) without any change to the forward pass.
   std::vector<int32_t> slot_of_expert;
@@ -32,13 +32,13 @@ struct MoeWeights {
 };
 
 struct AttentionWeights {
-  Matrix q_a, q_b;               // with q-LoRA
+  Matrix q_a, q_b;  // with q-LoRA
   std::vector<float> q_a_norm;
-  Matrix q;                      // without q-LoRA
-  Matrix kv_a;                   // [kv_lora_rank + rope_dim, hidden]
+  Matrix q;     // without q-LoRA
+  Matrix kv_a;  // [kv_lora_rank + rope_dim, hidden]
   std::vector<float> kv_a_norm;
-  Matrix kv_b;                   // [heads * (nope + v), kv_lora_rank]
-  Matrix o;                      // [hidden, heads * v]
+  Matrix kv_b;  // [heads * (nope + v), kv_lora_rank]
+  Matrix o;     // [hidden, heads * v]
 };
 
 struct LayerWeights {

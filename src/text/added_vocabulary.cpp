@@ -114,7 +114,7 @@ void AddedTokenMatcher::split(std::string_view text, std::vector<Segment>& out) 
     size_t start = i, stop = i + tok.content.size();
     if (tok.single_word && (is_word_char(last_char(text.substr(0, start))) ||
                             is_word_char(first_char(text.substr(stop))))) {
-      ++i;
+      i = stop;  // matches do not overlap: the search resumes after the rejected one, as in HF
       continue;
     }
     // Whitespace already emitted as part of an earlier token is not taken again.

@@ -13,6 +13,8 @@ namespace tandem::text {
 namespace {
 
 constexpr uint32_t kNoRank = std::numeric_limits<uint32_t>::max();
+// Real vocabularies have up to a few hundred thousand entries; larger ids mean a broken file.
+constexpr int64_t kMaxVocabulary = int64_t{1} << 24;
 
 uint64_t pair_key(TokenId a, TokenId b) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
@@ -137,8 +139,9 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin) {
   std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
   for (const auto& [token, id_json] : vocab.items()) {
     if (!id_json.is_number_integer() || id_json.get<int64_t>() < 0 ||
-        id_json.get<int64_t>() > std::numeric_limits<TokenId>::max())
-      fail("vocab entry '" + token + "' has an invalid id");
+        id_json.get<int64_t>() >= kMaxVocabulary)
+      fail("vocab entry '" + token + "' has an invalid id (ids are 0 to " +
+           std::to_string(kMaxVocabulary - 1) + ")");
     auto id = id_json.get<TokenId>();
     if (static_cast<size_t>(id) >= tokens_.size()) tokens_.resize(id + 1);
     tokens_[id] = token;

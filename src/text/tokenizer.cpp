@@ -1,5 +1,6 @@
 #include "text/tokenizer.h"
 
+#include <charconv>
 #include <deque>
 #include <unordered_map>
 
@@ -177,13 +178,17 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     std::vector<AddedToken> added;
     for (const auto& t : doc.value("added_tokens", json::array())) {
       AddedToken a = parse_added_token(t, t.at("id").get<TokenId>());
-      if (a.id < 0) throw Error(origin + ": added token '" + a.content + "' has a negative id");
+      if (a.id < 0 || a.id >= (1 << 24))
+        throw Error(origin + ": added token '" + a.content + "' has an invalid id");
       added.push_back(std::move(a));
     }
     // transformers also registers tokens listed only in tokenizer_config.json.
     if (cfg.contains("added_tokens_decoder")) {
       for (const auto& [id_str, t] : cfg["added_tokens_decoder"].items()) {
-        TokenId id = std::stoi(id_str);
+        TokenId id = 0;
+        auto [end, ec] = std::from_chars(id_str.data(), id_str.data() + id_str.size(), id);
+        if (ec != std::errc() || end != id_str.data() + id_str.size() || id < 0 || id >= (1 << 24))
+          throw Error(cfg_origin + ": added_tokens_decoder key '" + id_str + "' is not a token id");
         bool known = false;
         for (const auto& a : added) known = known || a.id == id;
         if (known) continue;

@@ -13,7 +13,9 @@
 namespace tandem::engine {
 namespace {
 
-std::vector<float> logits_of(std::vector<float> v) { return v; }
+std::vector<float> logits_of(std::vector<float> v) {
+  return v;
+}
 
 TEST(Sampler, GreedyIsArgmax) {
   SamplingParams p;

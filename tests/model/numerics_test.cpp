@@ -40,7 +40,9 @@ struct Case {
   float min_margin;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.preset << "/" << c.dtype; }
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.preset << "/" << c.dtype;
+}
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   std::string s = info.param.preset + "_" + info.param.dtype;

@@ -32,6 +32,7 @@ Context& context() {
 }
 
 constexpr int64_t kExactShapeMaxTokens = 64;
+constexpr size_t kMaxCachedPrimitives = 512;
 
 }  // namespace
 
@@ -46,11 +47,18 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   auto key = std::make_tuple(key_tokens, w.cols, w.rows, bf16);
   auto it = c.cache.find(key);
   if (it == c.cache.end()) {
-    memory::desc src({key_tokens, w.cols}, in_type, Tag::ab);
-    memory::desc wei({w.cols, w.rows}, in_type, Tag::ba);  // W is [rows, cols] row-major
-    memory::desc dst({key_tokens, w.rows}, Type::f32, Tag::ab);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei, dst), c.engine);
-    it = c.cache.emplace(key, dnnl::matmul(pd)).first;
+    // Attention products change shape with the context length; a bounded cache keeps a long
+    // run from accumulating compiled kernels.
+    if (c.cache.size() >= kMaxCachedPrimitives) c.cache.clear();
+    try {
+      memory::desc src({key_tokens, w.cols}, in_type, Tag::ab);
+      memory::desc wei({w.cols, w.rows}, in_type, Tag::ba);  // W is [rows, cols] row-major
+      memory::desc dst({key_tokens, w.rows}, Type::f32, Tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei, dst), c.engine);
+      it = c.cache.emplace(key, dnnl::matmul(pd)).first;
+    } catch (const dnnl::error&) {
+      return false;  // e.g. no BF16 kernel on this CPU: the caller's own loops take over
+    }
   }
 
   thread_local std::vector<uint16_t> x_bf16;

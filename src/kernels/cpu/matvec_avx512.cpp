@@ -9,6 +9,11 @@ namespace {
 
 #define TANDEM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
+// Mask of the lanes to load when `left` elements remain (all 16 when at least 16 do).
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // Up to 4 activation vectors share each weight load; two accumulators per vector hide latency.
 template <typename Load16>
 TANDEM_AVX512 inline void dot_rows(Load16 load, const float* x, int64_t cols, int64_t n,
@@ -28,10 +33,11 @@ TANDEM_AVX512 inline void dot_rows(Load16 load, const float* x, int64_t cols, in
     for (int t = 0; t < n; ++t)
       acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * cols + c), acc[t][0]);
   }
-  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - c)) - 1);
+  const __mmask16 tail = lanes(cols - c);
   const __m512 wt = c < cols ? load(c) : _mm512_setzero_ps();  // load() masks past `cols`
   for (int t = 0; t < n; ++t) {
-    if (c < cols) acc[t][0] = _mm512_fmadd_ps(wt, _mm512_maskz_loadu_ps(tail, x + t * cols + c), acc[t][0]);
+    if (c < cols)
+      acc[t][0] = _mm512_fmadd_ps(wt, _mm512_maskz_loadu_ps(tail, x + t * cols + c), acc[t][0]);
     out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
   }
 }
@@ -47,8 +53,7 @@ bool available() {
 TANDEM_AVX512 void dot_rows_bf16(const uint16_t* row, const float* x, int64_t cols, int64_t n,
                                  float* out) {
   auto load = [&](int64_t c) TANDEM_AVX512 {
-    const int64_t left = cols - c;
-    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m = lanes(cols - c);
     __m256i h = _mm256_maskz_loadu_epi16(m, row + c);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   };
@@ -58,8 +63,7 @@ TANDEM_AVX512 void dot_rows_bf16(const uint16_t* row, const float* x, int64_t co
 TANDEM_AVX512 void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, int64_t n,
                                float* out) {
   auto load = [&](int64_t c) TANDEM_AVX512 {
-    const int64_t left = cols - c;
-    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m = lanes(cols - c);
     __m128i b = _mm_maskz_loadu_epi8(m, row + c);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   };
@@ -69,8 +73,7 @@ TANDEM_AVX512 void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, 
 TANDEM_AVX512 void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n,
                                 float* out) {
   auto load = [&](int64_t c) TANDEM_AVX512 {
-    const int64_t left = cols - c;
-    const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m = lanes(cols - c);
     return _mm512_maskz_loadu_ps(m, row + c);
   };
   dot_rows(load, x, cols, n, out);

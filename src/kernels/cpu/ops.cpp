@@ -4,8 +4,8 @@
 #include "kernels/cpu/matvec_avx512.h"
 #include "model/dtype.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 namespace tandem::kernels {
@@ -123,12 +123,12 @@ void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y
         avx512::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x + t * w.cols,
                               w.cols, m, out);
       } else if (w.type == WeightType::kI8) {
-        avx512::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x + t * w.cols,
-                            w.cols, m, out);
+        avx512::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x + t * w.cols, w.cols,
+                            m, out);
         for (int64_t i = 0; i < m; ++i) out[i] *= w.row_scales[r];
       } else {
-        avx512::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x + t * w.cols,
-                             w.cols, m, out);
+        avx512::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x + t * w.cols, w.cols,
+                             m, out);
       }
       for (int64_t i = 0; i < m; ++i) y[(t + i) * w.rows + r] = out[i];
     }
@@ -138,7 +138,9 @@ void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y
 void matrix_row(const Matrix& w, int64_t r, float* out) {
   for (int64_t c = 0; c < w.cols; ++c) {
     switch (w.type) {
-      case WeightType::kF32: out[c] = static_cast<const float*>(w.data)[r * w.cols + c]; break;
+      case WeightType::kF32:
+        out[c] = static_cast<const float*>(w.data)[r * w.cols + c];
+        break;
       case WeightType::kBF16: {
         uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w.data)[r * w.cols + c])
                         << 16;
@@ -197,7 +199,9 @@ void softmax(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
-float dot(const float* a, const float* b, int64_t n) { return dot_f32(a, b, n); }
+float dot(const float* a, const float* b, int64_t n) {
+  return dot_f32(a, b, n);
+}
 
 void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];

@@ -16,8 +16,8 @@ struct Matrix {
   int64_t rows = 0, cols = 0;
   WeightType type = WeightType::kF32;
   const void* data = nullptr;
-  std::vector<float> row_scales;     // kI8 only
-  std::vector<uint8_t> storage;      // owned bytes when the weights were converted at load
+  std::vector<float> row_scales;  // kI8 only
+  std::vector<uint8_t> storage;   // owned bytes when the weights were converted at load
   size_t bytes() const;
 };
 
