@@ -82,6 +82,16 @@ __attribute__((target("avx512f"))) double read_gbs(const float* data, size_t n, 
 
 }  // namespace
 
+double measure_dram_gbs() {
+  if (!__builtin_cpu_supports("avx512f")) return 0;
+  const size_t n = size_t{1} << 28;  // 1 GiB of floats
+  auto* data = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+  std::memset(data, 1, n * sizeof(float));
+  const double gbs = read_gbs(data, n, omp_get_max_threads());
+  std::free(data);
+  return gbs;
+}
+
 MachinePeaks measure_peaks() {
   MachinePeaks p;
   p.threads = omp_get_max_threads();

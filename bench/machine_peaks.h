@@ -13,4 +13,8 @@ struct MachinePeaks {
 
 MachinePeaks measure_peaks();
 
+// DRAM read bandwidth with all threads, measured now: memory-bound figures are compared with a
+// measurement taken right before them, since a shared machine's bandwidth drifts.
+double measure_dram_gbs();
+
 }  // namespace tandem::bench

@@ -184,6 +184,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
       std::vector<float> keys(context * qk), values_t(vd * context), queries(count * qk);
       std::vector<float> scores(count * context), o(count * vd);
       for (int64_t hd = 0; hd < heads; ++hd) {
+#pragma omp parallel for schedule(static) if (context > 64)
         for (int64_t p = 0; p < context; ++p) {
           const float* src = kv.data() + (p * heads + hd) * head_rows;
           std::copy_n(src, nope, keys.data() + p * qk);
@@ -196,6 +197,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
         const Matrix k_mat{context, qk, kernels::WeightType::kF32, keys.data(), {}, {}};
         const Matrix v_mat{vd, context, kernels::WeightType::kF32, values_t.data(), {}, {}};
         kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());
+#pragma omp parallel for schedule(static) if (count * context > (1 << 14))
         for (int64_t i = 0; i < count; ++i) {
           float* row = scores.data() + i * context;
           const int64_t visible = step.start + i + 1;  // causal: positions up to this token

@@ -65,7 +65,10 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   void* src_ptr = const_cast<float*>(x);
   if (bf16) {
     x_bf16.resize(static_cast<size_t>(n * w.cols));
-    for (int64_t i = 0; i < n * w.cols; ++i) x_bf16[i] = model::f32_to_bf16(x[i]);
+    const int64_t count = n * w.cols;
+    uint16_t* dst = x_bf16.data();
+#pragma omp parallel for schedule(static) if (count > (1 << 15))
+    for (int64_t i = 0; i < count; ++i) dst[i] = model::f32_to_bf16(x[i]);
     src_ptr = x_bf16.data();
   }
   memory src({{n, w.cols}, in_type, Tag::ab}, c.engine, src_ptr);

@@ -174,6 +174,7 @@ void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, 
 }
 
 void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double eps, float* y) {
+#pragma omp parallel for schedule(static) if (n * dim > (1 << 15))
   for (int64_t t = 0; t < n; ++t) {
     const float* xt = x + t * dim;
     double ss = 0;
@@ -184,6 +185,7 @@ void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double
 }
 
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
