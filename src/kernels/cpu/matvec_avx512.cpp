@@ -95,4 +95,13 @@ TANDEM_AVX512 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t
   }
 }
 
+TANDEM_AVX512 void axpy_row_i8(float a, const int8_t* row, float* y, int64_t cols) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = lanes(cols - c);
+    __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, row + c)));
+    _mm512_mask_storeu_ps(y + c, m, _mm512_fmadd_ps(va, w, _mm512_maskz_loadu_ps(m, y + c)));
+  }
+}
+
 }  // namespace tandem::kernels::avx512

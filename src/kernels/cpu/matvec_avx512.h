@@ -15,5 +15,7 @@ void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n, flo
 
 // y[cols] += a * row, row in BF16: the building block of transposed products.
 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);
+// y[cols] += a * row, row in INT8 (the caller folds the row scale into a).
+void axpy_row_i8(float a, const int8_t* row, float* y, int64_t cols);
 
 }  // namespace tandem::kernels::avx512

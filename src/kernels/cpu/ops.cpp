@@ -79,6 +79,20 @@ float row_dot(const Matrix& w, int64_t r, const float* x) {
   return 0;
 }
 
+// out[i] = W[r, :] . x[i] for i < m (m <= 4): the weight row is streamed once for all of them.
+void row_dots(const Matrix& w, int64_t r, const float* x, int64_t m, float* out, bool fast) {
+  if (!fast) {
+    for (int64_t i = 0; i < m; ++i) out[i] = row_dot(w, r, x + i * w.cols);
+  } else if (w.type == WeightType::kBF16) {
+    avx512::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, m, out);
+  } else if (w.type == WeightType::kI8) {
+    avx512::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x, w.cols, m, out);
+    for (int64_t i = 0; i < m; ++i) out[i] *= w.row_scales[r];
+  } else {
+    avx512::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols, m, out);
+  }
+}
+
 }  // namespace
 
 size_t Matrix::bytes() const {
@@ -117,19 +131,7 @@ void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y
     for (int64_t t = 0; t < n; t += 4) {
       const int64_t m = std::min<int64_t>(4, n - t);
       float out[4];
-      if (!fast) {
-        for (int64_t i = 0; i < m; ++i) out[i] = row_dot(w, r, x + (t + i) * w.cols);
-      } else if (w.type == WeightType::kBF16) {
-        avx512::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x + t * w.cols,
-                              w.cols, m, out);
-      } else if (w.type == WeightType::kI8) {
-        avx512::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x + t * w.cols, w.cols,
-                            m, out);
-        for (int64_t i = 0; i < m; ++i) out[i] *= w.row_scales[r];
-      } else {
-        avx512::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x + t * w.cols, w.cols,
-                             m, out);
-      }
+      row_dots(w, r, x + t * w.cols, m, out, fast);
       for (int64_t i = 0; i < m; ++i) y[(t + i) * w.rows + r] = out[i];
     }
   }
@@ -161,6 +163,12 @@ void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const floa
     for (int64_t r = 0; r < count; ++r) avx512::axpy_row_bf16(x[r], base + r * w.cols, y, w.cols);
     return;
   }
+  if (w.type == WeightType::kI8 && avx512::available()) {
+    const auto* base = static_cast<const int8_t*>(w.data) + first * w.cols;
+    for (int64_t r = 0; r < count; ++r)
+      avx512::axpy_row_i8(x[r] * w.row_scales[first + r], base + r * w.cols, y, w.cols);
+    return;
+  }
   thread_local std::vector<float> row;
   row.resize(w.cols);
   for (int64_t r = 0; r < count; ++r) {
@@ -170,7 +178,8 @@ void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const floa
 }
 
 void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, float* y) {
-  for (int64_t r = 0; r < count; ++r) y[r] = row_dot(w, first + r, x);
+  const bool fast = avx512::available();
+  for (int64_t r = 0; r < count; ++r) row_dots(w, first + r, x, 1, y + r, fast);
 }
 
 void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double eps, float* y) {
