@@ -55,6 +55,7 @@ void run(GenerateOptions& o) {
     std::fflush(stdout);
   });
   std::printf("\n");
+  std::fflush(stdout);  // the statistics below go to stderr; keep them after the text
   const double prefill_rate = ids.size() / std::max(result.prefill_seconds, 1e-9);
   const double decode_rate = (result.tokens.size() - 1) / std::max(result.decode_seconds, 1e-9);
   std::fprintf(stderr,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 
@@ -59,22 +60,24 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
   const auto inv_t = static_cast<float>(1.0 / params_.temperature);
   for (auto& l : logits) l *= inv_t;
 
-  // Candidates sorted by logit, best first; filters cut the tail.
+  // Candidates, best first when a filter needs the order: top-k keeps a sorted prefix, top-p
+  // sorts; plain temperature sampling (and min-p, which needs only the maximum) skips the sort,
+  // which would otherwise cost more than the rest of a small model's step.
   std::vector<int32_t> order(vocab);
   std::iota(order.begin(), order.end(), 0);
-  int64_t keep = vocab;
-  if (params_.top_k > 0) keep = std::min(keep, params_.top_k);
   auto by_logit = [&](int32_t a, int32_t b) {
     return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
   };
-  if (keep < vocab) {
-    std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_logit);
-  } else {
+  if (params_.top_k > 0 && params_.top_k < vocab) {
+    std::partial_sort(order.begin(), order.begin() + params_.top_k, order.end(), by_logit);
+    order.resize(params_.top_k);
+  } else if (params_.top_p < 1.0) {
     std::sort(order.begin(), order.end(), by_logit);
   }
-  order.resize(keep);
+  int64_t keep = static_cast<int64_t>(order.size());
   std::vector<double> probs(keep);
-  const double top = logits[order[0]];
+  float top = -std::numeric_limits<float>::infinity();
+  for (auto id : order) top = std::max(top, logits[id]);
   double sum = 0;
   for (int64_t i = 0; i < keep; ++i) sum += (probs[i] = std::exp(logits[order[i]] - top));
   for (auto& p : probs) p /= sum;
@@ -86,10 +89,16 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
     keep = std::max<int64_t>(cut, 1);
   }
   if (params_.min_p > 0) {
-    const double floor = params_.min_p * probs[0];
-    int64_t cut = 1;
-    while (cut < keep && probs[cut] >= floor) ++cut;
-    keep = cut;
+    // Relative to the most likely token, whose probability is exp(0) / sum.
+    const double floor = params_.min_p / sum;
+    int64_t w = 0;
+    for (int64_t i = 0; i < keep; ++i) {
+      if (probs[i] >= floor) {
+        probs[w] = probs[i];
+        order[w++] = order[i];
+      }
+    }
+    keep = w;
   }
   std::discrete_distribution<int64_t> pick(probs.begin(), probs.begin() + keep);
   return order[pick(rng_)];
