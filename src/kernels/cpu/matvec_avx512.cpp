@@ -79,6 +79,51 @@ TANDEM_AVX512 void dot_rows_f32(const float* row, const float* x, int64_t cols, 
   dot_rows(load, x, cols, n, out);
 }
 
+bool has_bf16_dot() {
+  static const bool ok = available() && __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+void to_bf16_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint16_t* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t c = 0; c < cols; ++c) {
+      uint32_t bits;
+      __builtin_memcpy(&bits, x + t * cols + c, 4);
+      if ((bits & 0x7FFFFFFF) > 0x7F800000) {
+        out[t * stride + c] = static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+      } else {
+        out[t * stride + c] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+      }
+    }
+    for (int64_t c = cols; c < stride; ++c) out[t * stride + c] = 0;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void dot_rows_bf16_dp(
+    const uint16_t* row, const uint16_t* xb, int64_t cols, int64_t stride, int64_t n, float* out) {
+  __m512 acc[4][2];
+  for (int t = 0; t < 4; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= cols; c += 64) {
+    const __m512i w0 = _mm512_loadu_si512(row + c), w1 = _mm512_loadu_si512(row + c + 32);
+    for (int t = 0; t < n; ++t) {
+      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], (__m512bh)w0,
+                                   (__m512bh)_mm512_loadu_si512(xb + t * stride + c));
+      acc[t][1] = _mm512_dpbf16_ps(acc[t][1], (__m512bh)w1,
+                                   (__m512bh)_mm512_loadu_si512(xb + t * stride + c + 32));
+    }
+  }
+  for (; c < cols; c += 32) {  // the activations are zero past `cols`, the row is masked
+    const int64_t left = cols - c;
+    const __mmask32 m = left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << left) - 1);
+    const __m512i w = _mm512_maskz_loadu_epi16(m, row + c);
+    for (int t = 0; t < n; ++t)
+      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], (__m512bh)w,
+                                   (__m512bh)_mm512_loadu_si512(xb + t * stride + c));
+  }
+  for (int t = 0; t < n; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+}
+
 TANDEM_AVX512 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols) {
   const __m512 va = _mm512_set1_ps(a);
   int64_t c = 0;

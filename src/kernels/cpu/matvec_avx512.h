@@ -13,6 +13,14 @@ void dot_rows_bf16(const uint16_t* row, const float* x, int64_t cols, int64_t n,
 void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, int64_t n, float* out);
 void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n, float* out);
 
+// AVX-512 BF16 (vdpbf16ps): 32 multiply-adds per instruction on BF16 pairs.
+bool has_bf16_dot();
+// x[n, cols] float32 -> BF16 rows of `stride` (>= cols rounded up to 32) elements, zero-padded.
+void to_bf16_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint16_t* out);
+// out[t] = dot(row, xb + t * stride) for t < n (n <= 4), both BF16, accumulated in float32.
+void dot_rows_bf16_dp(const uint16_t* row, const uint16_t* xb, int64_t cols, int64_t stride,
+                      int64_t n, float* out);
+
 // y[cols] += a * row, row in BF16: the building block of transposed products.
 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);
 // y[cols] += a * row, row in INT8 (the caller folds the row scale into a).

@@ -106,6 +106,23 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   if (n >= kGemmMinTokens && (w.type == WeightType::kF32 || w.type == WeightType::kBF16) &&
       onednn_matmul(w, x, n, y))
     return;
+  if (n <= 4 && w.type == WeightType::kBF16 && avx512::has_bf16_dot()) {
+    // Few tokens, BF16 weights: round the activations to BF16 too (as the GEMM does) and use
+    // vdpbf16ps, 32 multiply-adds per instruction, so each core keeps up with DRAM.
+    const int64_t stride = (w.cols + 31) / 32 * 32;
+    thread_local std::vector<uint16_t> xb;
+    xb.resize(static_cast<size_t>(n * stride));
+    avx512::to_bf16_rows(x, w.cols, n, stride, xb.data());
+    const auto* base = static_cast<const uint16_t*>(w.data);
+    const uint16_t* xbp = xb.data();
+#pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 15))
+    for (int64_t r = 0; r < w.rows; ++r) {
+      float out[4];
+      avx512::dot_rows_bf16_dp(base + r * w.cols, xbp, w.cols, stride, n, out);
+      for (int64_t i = 0; i < n; ++i) y[i * w.rows + r] = out[i];
+    }
+    return;
+  }
   if (n >= kInt8GemmMinTokens && w.type == WeightType::kI8) {
     // INT8 weights times many tokens: widen the matrix to scaled BF16 once (memory-bound, about
     // 1/n of the product's work) and use the BF16 GEMM.
