@@ -7,6 +7,8 @@
 #include <optional>
 #include <string_view>
 
+#include "kernels/cpu/bf16.h"
+
 namespace tandem::model {
 
 enum class DType { kF32, kBF16, kF16, kF8E4M3, kI8 };
@@ -16,20 +18,9 @@ std::string_view dtype_name(DType t);                     // safetensors spellin
 std::optional<DType> parse_dtype(std::string_view name);  // from safetensors spelling
 bool is_float_dtype(DType t);                             // F32, BF16 or F16
 
-inline float bf16_to_f32(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7FFFFFFF) > 0x7F800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+// BF16 conversions live with the kernels (the lowest layer that needs them).
+using kernels::bf16_to_f32;
+using kernels::f32_to_bf16;
 
 float f16_to_f32(uint16_t v);
 uint16_t f32_to_f16(float f);

@@ -7,7 +7,7 @@
 
 #include <dnnl.hpp>
 
-#include "model/dtype.h"
+#include "kernels/cpu/bf16.h"
 
 namespace tandem::kernels {
 namespace {
@@ -68,7 +68,7 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     const int64_t count = n * w.cols;
     uint16_t* dst = x_bf16.data();
 #pragma omp parallel for schedule(static) if (count > (1 << 15))
-    for (int64_t i = 0; i < count; ++i) dst[i] = model::f32_to_bf16(x[i]);
+    for (int64_t i = 0; i < count; ++i) dst[i] = f32_to_bf16(x[i]);
     src_ptr = x_bf16.data();
   }
   memory src({{n, w.cols}, in_type, Tag::ab}, c.engine, src_ptr);

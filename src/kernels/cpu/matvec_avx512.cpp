@@ -4,6 +4,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include "kernels/cpu/bf16.h"
+
 namespace tandem::kernels::avx512 {
 namespace {
 
@@ -86,15 +88,7 @@ bool has_bf16_dot() {
 
 void to_bf16_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint16_t* out) {
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t c = 0; c < cols; ++c) {
-      uint32_t bits;
-      __builtin_memcpy(&bits, x + t * cols + c, 4);
-      if ((bits & 0x7FFFFFFF) > 0x7F800000) {
-        out[t * stride + c] = static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-      } else {
-        out[t * stride + c] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-      }
-    }
+    for (int64_t c = 0; c < cols; ++c) out[t * stride + c] = f32_to_bf16(x[t * cols + c]);
     for (int64_t c = cols; c < stride; ++c) out[t * stride + c] = 0;
   }
 }

@@ -1,8 +1,8 @@
 #include "kernels/cpu/ops.h"
 
+#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gemm_onednn.h"
 #include "kernels/cpu/matvec_avx512.h"
-#include "model/dtype.h"
 
 #include <algorithm>
 #include <cmath>
@@ -133,7 +133,7 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < w.rows; ++r)
       for (int64_t c = 0; c < w.cols; ++c)
-        out[r * w.cols + c] = model::f32_to_bf16(in[r * w.cols + c] * w.row_scales[r]);
+        out[r * w.cols + c] = f32_to_bf16(in[r * w.cols + c] * w.row_scales[r]);
     const Matrix bf16{w.rows, w.cols, WeightType::kBF16, widened.data(), {}, {}};
     if (onednn_matmul(bf16, x, n, y)) return;
   }
