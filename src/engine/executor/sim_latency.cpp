@@ -1,0 +1,1 @@
+#include "engine/executor/sim_latency.h"

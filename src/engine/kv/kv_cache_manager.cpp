@@ -1,0 +1,1 @@
+#include "engine/kv/kv_cache_manager.h"

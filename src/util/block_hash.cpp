@@ -1,0 +1,1 @@
+#include "util/block_hash.h"

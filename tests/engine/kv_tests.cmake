@@ -1,0 +1,1 @@
+# Tests of src/engine/kv (block pool, prefix cache, KV events).

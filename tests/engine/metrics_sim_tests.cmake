@@ -1,0 +1,1 @@
+# Tests of src/util/metrics and src/engine/executor/sim_latency.
