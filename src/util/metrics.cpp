@@ -1,1 +1,406 @@
 #include "util/metrics.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <type_traits>
+
+#include "util/error.h"
+
+namespace tandem::metrics {
+namespace {
+
+bool valid_metric_name(std::string_view name) {
+  if (name.empty()) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    const bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':';
+    const bool digit = c >= '0' && c <= '9';
+    if (!(alpha || (i > 0 && digit))) return false;
+  }
+  return true;
+}
+
+// Label names may not contain ':' and names starting with "__" are reserved for Prometheus.
+bool valid_label_name(std::string_view name) {
+  if (name.empty() || name.starts_with("__")) return false;
+  for (size_t i = 0; i < name.size(); ++i) {
+    const char c = name[i];
+    const bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+    const bool digit = c >= '0' && c <= '9';
+    if (!(alpha || (i > 0 && digit))) return false;
+  }
+  return true;
+}
+
+// Shortest text that parses back to the same double; Prometheus spellings for the specials.
+void append_double(std::string& out, double v) {
+  if (std::isnan(v)) {
+    out += "NaN";
+  } else if (std::isinf(v)) {
+    out += v > 0 ? "+Inf" : "-Inf";
+  } else {
+    char buf[64];
+    const auto result = std::to_chars(buf, buf + sizeof buf, v);
+    out.append(buf, result.ptr);
+  }
+}
+
+// Bucket bounds as the Python client (and so vLLM) writes them: whole numbers keep a ".0"
+// ("1.0", not "1"), so queries that match le="1.0" against vLLM also match Tandem.
+std::string format_le(double bound) {
+  std::string s;
+  append_double(s, bound);
+  if (s.find_first_of(".eInN") == std::string::npos) s += ".0";
+  return s;
+}
+
+void append_u64(std::string& out, uint64_t v) {
+  char buf[24];
+  const auto result = std::to_chars(buf, buf + sizeof buf, v);
+  out.append(buf, result.ptr);
+}
+
+void append_escaped_label_value(std::string& out, std::string_view value) {
+  for (char c : value) {
+    switch (c) {
+      case '\\':
+        out += "\\\\";
+        break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        out.push_back(c);
+    }
+  }
+}
+
+void append_escaped_help(std::string& out, std::string_view help) {
+  for (char c : help) {
+    switch (c) {
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        out.push_back(c);
+    }
+  }
+}
+
+// `{a="x",b="y"` without the closing brace (empty when there are no labels), so histograms can
+// append `le` before closing.
+std::string open_label_set(const LabelPairs& const_labels, const std::vector<std::string>& names,
+                           const std::vector<std::string>& values) {
+  std::string out;
+  auto add = [&](const std::string& name, const std::string& value) {
+    out += out.empty() ? "{" : ",";
+    out += name;
+    out += "=\"";
+    append_escaped_label_value(out, value);
+    out += '"';
+  };
+  for (const auto& [name, value] : const_labels) add(name, value);
+  for (size_t i = 0; i < names.size(); ++i) add(names[i], values[i]);
+  return out;
+}
+
+void append_sample(std::string& out, const std::string& name, const std::string& open_labels,
+                   auto&& append_value) {
+  out += name;
+  if (!open_labels.empty()) {
+    out += open_labels;
+    out += '}';
+  }
+  out += ' ';
+  append_value(out);
+  out += '\n';
+}
+
+std::vector<double> checked_bounds(std::vector<double> bounds, std::string_view what) {
+  if (!bounds.empty() && std::isinf(bounds.back()) && bounds.back() > 0) bounds.pop_back();
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    if (!std::isfinite(bounds[i])) {
+      throw Error(std::string(what) + ": bucket bound " + std::to_string(i) +
+                  " must be finite (only a last bound may be +Inf)");
+    }
+    if (i > 0 && !(bounds[i] > bounds[i - 1])) {
+      throw Error(std::string(what) + ": bucket bounds must be strictly increasing (bound " +
+                  std::to_string(i) + " is not greater than bound " + std::to_string(i - 1) + ")");
+    }
+  }
+  return bounds;
+}
+
+template <class Metric>
+constexpr const char* type_name() {
+  if constexpr (std::is_same_v<Metric, Gauge>) {
+    return "gauge";
+  } else if constexpr (std::is_same_v<Metric, Histogram>) {
+    return "histogram";
+  } else {
+    return "counter";
+  }
+}
+
+}  // namespace
+
+void Counter::inc(double amount) {
+  if (!(amount >= 0)) {
+    throw Error("counter increment must be non-negative, got " + std::to_string(amount));
+  }
+  value_.fetch_add(amount, std::memory_order_relaxed);
+}
+
+Histogram::Histogram(std::vector<double> bounds)
+    : bounds_(checked_bounds(std::move(bounds), "histogram")), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::observe(double value) {
+  // NaN compares false with every bound and lands in the +Inf bucket, as in the Python client.
+  const size_t bucket = std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin();
+  std::lock_guard lock(mutex_);
+  ++counts_[bucket];
+  sum_ += value;
+  ++count_;
+}
+
+Histogram::Snapshot Histogram::snapshot() const {
+  Snapshot snap;
+  snap.bounds = bounds_;
+  snap.cumulative.resize(counts_.size());
+  std::lock_guard lock(mutex_);
+  uint64_t running = 0;
+  for (size_t i = 0; i < counts_.size(); ++i) {
+    running += counts_[i];
+    snap.cumulative[i] = running;
+  }
+  snap.sum = sum_;
+  snap.count = count_;
+  return snap;
+}
+
+template <class Metric>
+Family<Metric>::Family(std::string name, std::string help, std::vector<std::string> label_names,
+                       LabelPairs const_labels, std::vector<double> bounds)
+    : name_(std::move(name)),
+      help_(std::move(help)),
+      label_names_(std::move(label_names)),
+      const_labels_(std::move(const_labels)),
+      bounds_(std::move(bounds)) {}
+
+template <class Metric>
+Metric& Family<Metric>::labels(const std::vector<std::string>& values) {
+  if (values.size() != label_names_.size()) {
+    throw Error("metric " + name_ + ": expected " + std::to_string(label_names_.size()) +
+                " label value(s), got " + std::to_string(values.size()));
+  }
+  std::lock_guard lock(mutex_);
+  if (auto it = index_.find(values); it != index_.end()) return *it->second;
+  std::unique_ptr<Metric> child;
+  if constexpr (std::is_same_v<Metric, Histogram>) {
+    child = std::make_unique<Histogram>(bounds_);
+  } else {
+    child = std::make_unique<Metric>();
+  }
+  Metric* raw = child.get();
+  children_.emplace_back(values, std::move(child));
+  index_.emplace(values, raw);
+  return *raw;
+}
+
+template <class Metric>
+void Family<Metric>::render(std::string& out) const {
+  out += "# HELP ";
+  out += name_;
+  if (!help_.empty()) {
+    out += ' ';
+    append_escaped_help(out, help_);
+  }
+  out += "\n# TYPE ";
+  out += name_;
+  out += ' ';
+  out += type_name<Metric>();
+  out += '\n';
+
+  std::lock_guard lock(mutex_);
+  for (const auto& [values, child] : children_) {
+    const std::string labels = open_label_set(const_labels_, label_names_, values);
+    if constexpr (std::is_same_v<Metric, Histogram>) {
+      const Histogram::Snapshot snap = child->snapshot();
+      const std::string bucket_name = name_ + "_bucket";
+      for (size_t i = 0; i <= snap.bounds.size(); ++i) {
+        std::string bucket_labels = labels.empty() ? "{" : labels + ",";
+        bucket_labels += "le=\"";
+        bucket_labels += i < snap.bounds.size() ? format_le(snap.bounds[i]) : "+Inf";
+        bucket_labels += '"';
+        append_sample(out, bucket_name, bucket_labels,
+                      [&](std::string& o) { append_u64(o, snap.cumulative[i]); });
+      }
+      append_sample(out, name_ + "_sum", labels,
+                    [&](std::string& o) { append_double(o, snap.sum); });
+      append_sample(out, name_ + "_count", labels,
+                    [&](std::string& o) { append_u64(o, snap.count); });
+    } else if constexpr (std::is_same_v<Metric, IntCounter>) {
+      append_sample(out, name_, labels, [&](std::string& o) { append_u64(o, child->value()); });
+    } else {
+      append_sample(out, name_, labels, [&](std::string& o) { append_double(o, child->value()); });
+    }
+  }
+}
+
+template class Family<Counter>;
+template class Family<IntCounter>;
+template class Family<Gauge>;
+template class Family<Histogram>;
+
+Registry::Registry() = default;
+Registry::~Registry() = default;
+
+template <class Metric>
+Family<Metric>& Registry::add_family(std::string name, std::string help,
+                                     std::vector<std::string> label_names, LabelPairs const_labels,
+                                     std::vector<double> bounds) {
+  if (!valid_metric_name(name)) {
+    throw Error("metric name \"" + name + "\" is invalid: expected [a-zA-Z_:][a-zA-Z0-9_:]*");
+  }
+  std::set<std::string> seen;
+  auto check_label = [&](const std::string& label) {
+    if (!valid_label_name(label)) {
+      throw Error("metric " + name + ": label name \"" + label +
+                  "\" is invalid: expected [a-zA-Z_][a-zA-Z0-9_]* not starting with __");
+    }
+    if (std::is_same_v<Metric, Histogram> && label == "le") {
+      throw Error("metric " + name + ": label name \"le\" is reserved for histogram buckets");
+    }
+    if (!seen.insert(label).second) {
+      throw Error("metric " + name + ": label name \"" + label + "\" appears twice");
+    }
+  };
+  for (const auto& [label, value] : const_labels) check_label(label);
+  for (const auto& label : label_names) check_label(label);
+  if constexpr (std::is_same_v<Metric, Histogram>) {
+    bounds = checked_bounds(std::move(bounds), "metric " + name);
+  }
+
+  std::vector<std::string> samples = {name};
+  if constexpr (std::is_same_v<Metric, Histogram>) {
+    samples.push_back(name + "_bucket");
+    samples.push_back(name + "_sum");
+    samples.push_back(name + "_count");
+  }
+
+  std::lock_guard lock(mutex_);
+  for (const auto& sample : samples) {
+    if (sample_names_.count(sample)) {
+      throw Error("metric " + name + ": the name " + sample + " is already registered");
+    }
+  }
+  sample_names_.insert(samples.begin(), samples.end());
+  auto* family = new Family<Metric>(std::move(name), std::move(help), std::move(label_names),
+                                    std::move(const_labels), std::move(bounds));
+  families_.emplace_back(family);
+  return *family;
+}
+
+Counter& Registry::counter(std::string name, std::string help, LabelPairs const_labels) {
+  return add_family<Counter>(std::move(name), std::move(help), {}, std::move(const_labels), {})
+      .labels({});
+}
+
+IntCounter& Registry::int_counter(std::string name, std::string help, LabelPairs const_labels) {
+  return add_family<IntCounter>(std::move(name), std::move(help), {}, std::move(const_labels), {})
+      .labels({});
+}
+
+Gauge& Registry::gauge(std::string name, std::string help, LabelPairs const_labels) {
+  return add_family<Gauge>(std::move(name), std::move(help), {}, std::move(const_labels), {})
+      .labels({});
+}
+
+Histogram& Registry::histogram(std::string name, std::string help, std::vector<double> bounds,
+                               LabelPairs const_labels) {
+  return add_family<Histogram>(std::move(name), std::move(help), {}, std::move(const_labels),
+                               std::move(bounds))
+      .labels({});
+}
+
+Family<Counter>& Registry::counter_family(std::string name, std::string help,
+                                          std::vector<std::string> label_names,
+                                          LabelPairs const_labels) {
+  return add_family<Counter>(std::move(name), std::move(help), std::move(label_names),
+                             std::move(const_labels), {});
+}
+
+Family<IntCounter>& Registry::int_counter_family(std::string name, std::string help,
+                                                 std::vector<std::string> label_names,
+                                                 LabelPairs const_labels) {
+  return add_family<IntCounter>(std::move(name), std::move(help), std::move(label_names),
+                                std::move(const_labels), {});
+}
+
+Family<Gauge>& Registry::gauge_family(std::string name, std::string help,
+                                      std::vector<std::string> label_names,
+                                      LabelPairs const_labels) {
+  return add_family<Gauge>(std::move(name), std::move(help), std::move(label_names),
+                           std::move(const_labels), {});
+}
+
+Family<Histogram>& Registry::histogram_family(std::string name, std::string help,
+                                              std::vector<std::string> label_names,
+                                              std::vector<double> bounds, LabelPairs const_labels) {
+  return add_family<Histogram>(std::move(name), std::move(help), std::move(label_names),
+                               std::move(const_labels), std::move(bounds));
+}
+
+std::string Registry::render() const {
+  std::string out;
+  std::lock_guard lock(mutex_);
+  for (const auto& family : families_) family->render(out);
+  return out;
+}
+
+const std::vector<double>& vllm_ttft_buckets() {
+  static const std::vector<double> buckets = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                              0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
+                                              20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
+  return buckets;
+}
+
+const std::vector<double>& vllm_tpot_buckets() {
+  static const std::vector<double> buckets = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                                              0.3,  0.4,   0.5,  0.75,  1.0, 2.5,  5.0,
+                                              7.5,  10.0,  20.0, 40.0,  80.0};
+  return buckets;
+}
+
+const std::vector<double>& vllm_request_latency_buckets() {
+  static const std::vector<double> buckets = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                              5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                              60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+  return buckets;
+}
+
+const std::vector<double>& vllm_iteration_tokens_buckets() {
+  static const std::vector<double> buckets = {1,   8,    16,   32,   64,   128,  256,
+                                              512, 1024, 2048, 4096, 8192, 16384};
+  return buckets;
+}
+
+std::vector<double> buckets_1_2_5(double max_value) {
+  std::vector<double> out;
+  for (double scale = 1; scale <= max_value; scale *= 10) {
+    for (double mantissa : {1.0, 2.0, 5.0}) {
+      if (mantissa * scale > max_value) return out;
+      out.push_back(mantissa * scale);
+    }
+  }
+  return out;
+}
+
+}  // namespace tandem::metrics

@@ -1,0 +1,406 @@
+// Tests of src/util/metrics. The rendered text is parsed by an independent oracle
+// (tests/oracle/parse_prometheus.py: a strict grammar check plus the Prometheus Python client's
+// parser, Debian python3-prometheus-client, run under /usr/bin/python3); a missing package is a
+// failure, not a skip. The parsed samples must equal what the test recorded.
+#include "util/metrics.h"
+
+#include <atomic>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "text/oracle_support.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::metrics {
+namespace {
+
+using nlohmann::json;
+using test::quote;
+
+// Runs the oracle on `text`; returns its JSON, or fails the test with its stderr.
+json parse_with_oracle(const std::string& text) {
+  const auto in = test::temp_path("metrics-in");
+  const auto out = test::temp_path("metrics-out");
+  const auto err = test::temp_path("metrics-err");
+  {
+    std::ofstream f(in, std::ios::binary);
+    f << text;
+  }
+  const std::string cmd = "/usr/bin/python3 " + quote(test::oracle_dir() / "parse_prometheus.py") +
+                          " < " + quote(in) + " > " + quote(out) + " 2> " + quote(err);
+  const int status = test::run_command(cmd);
+  std::string err_text = std::filesystem::exists(err) ? read_file(err) : "";
+  json result;
+  if (status == 0) result = json::parse(read_file(out));
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  std::filesystem::remove(err);
+  EXPECT_EQ(status, 0) << "parse_prometheus.py failed (is python3-prometheus-client installed? "
+                          "scripts/install-deps.sh installs it):\n"
+                       << err_text << "\ninput:\n"
+                       << text;
+  return result;
+}
+
+double json_number(const json& v) {
+  if (v.is_string()) {
+    const std::string s = v.get<std::string>();
+    if (s == "+Inf") return INFINITY;
+    if (s == "-Inf") return -INFINITY;
+    if (s == "NaN") return NAN;
+    ADD_FAILURE() << "unexpected value " << s;
+    return 0;
+  }
+  return v.get<double>();
+}
+
+// A sample's identity: name plus its labels in sorted order (label order is not semantic).
+using SampleKey = std::pair<std::string, std::map<std::string, std::string>>;
+
+std::map<SampleKey, double> samples_of(const json& parsed) {
+  std::map<SampleKey, double> out;
+  for (const auto& family : parsed["families"]) {
+    for (const auto& s : family["samples"]) {
+      SampleKey key{s["name"].get<std::string>(),
+                    s["labels"].get<std::map<std::string, std::string>>()};
+      EXPECT_FALSE(out.count(key)) << "duplicate sample " << key.first;
+      out[key] = json_number(s["value"]);
+    }
+  }
+  return out;
+}
+
+// Adds the samples a histogram with these observations must render.
+void expect_histogram(std::map<SampleKey, double>& expected, const std::string& name,
+                      const std::map<std::string, std::string>& labels,
+                      const std::vector<double>& bounds, const std::vector<double>& values) {
+  auto with_le = [&](const std::string& le) {
+    auto l = labels;
+    l["le"] = le;
+    return l;
+  };
+  double sum = 0;
+  for (double v : values) sum += v;
+  for (double bound : bounds) {
+    double n = 0;
+    for (double v : values) n += v <= bound ? 1 : 0;
+    // The parser keeps the le text; compare through its float value instead.
+    expected[{name + "_bucket", with_le("bound:" + std::to_string(bound))}] = n;
+  }
+  expected[{name + "_bucket", with_le("+Inf")}] = static_cast<double>(values.size());
+  expected[{name + "_sum", labels}] = sum;
+  expected[{name + "_count", labels}] = static_cast<double>(values.size());
+}
+
+// Rewrites parsed `le` labels "0.25" -> "bound:0.250000" so they match expect_histogram's keys
+// whatever spelling of the number the renderer chose.
+std::map<SampleKey, double> normalize_le(const std::map<SampleKey, double>& in) {
+  std::map<SampleKey, double> out;
+  for (const auto& [original, value] : in) {
+    SampleKey key = original;
+    auto it = key.second.find("le");
+    if (it != key.second.end() && it->second != "+Inf") {
+      it->second = "bound:" + std::to_string(std::stod(it->second));
+    }
+    out[key] = value;
+  }
+  return out;
+}
+
+const std::string kAwkward = "quote \" backslash \\ newline \n brace } comma , equals = \xc3\xbc";
+
+TEST(Metrics, RendersEveryKindAndTheOracleReadsBackTheRecordedValues) {
+  Registry registry;
+  const LabelPairs engine = {{"model_name", kAwkward}, {"engine", "0"}};
+  std::map<SampleKey, double> expected;
+  const std::map<std::string, std::string> engine_map = {{"model_name", kAwkward}, {"engine", "0"}};
+  auto with = [&](std::map<std::string, std::string> extra) {
+    auto l = engine_map;
+    l.insert(extra.begin(), extra.end());
+    return l;
+  };
+
+  auto& running = registry.gauge("vllm:num_requests_running",
+                                 "Number of requests in model execution batches.", engine);
+  running.set(7);
+  running.inc();
+  running.dec(3);
+  expected[{"vllm:num_requests_running", engine_map}] = 5;
+
+  auto& prompt_tokens = registry.int_counter("vllm:prompt_tokens_total",
+                                             "Number of prefill tokens processed.", engine);
+  prompt_tokens.inc(12345678901ULL);
+  prompt_tokens.inc();
+  expected[{"vllm:prompt_tokens_total", engine_map}] = 12345678902.0;
+
+  auto& busy =
+      registry.counter("tandem_busy_seconds_total", "Help with a backslash \\ and a\nnewline.");
+  busy.inc(0.125);
+  busy.inc(1e-9);
+  expected[{"tandem_busy_seconds_total", {}}] = 0.125 + 1e-9;
+
+  auto& success = registry.int_counter_family("vllm:request_success_total",
+                                              "Count of successfully processed requests.",
+                                              {"finished_reason"}, engine);
+  success.labels({"stop"}).inc(3);
+  success.labels({"length"}).inc(2);
+  success.labels({"abort"});
+  success.labels({"stop"}).inc();
+  expected[{"vllm:request_success_total", with({{"finished_reason", "stop"}})}] = 4;
+  expected[{"vllm:request_success_total", with({{"finished_reason", "length"}})}] = 2;
+  expected[{"vllm:request_success_total", with({{"finished_reason", "abort"}})}] = 0;
+
+  auto& odd = registry.gauge_family("odd_values", "", {"a", "b"});
+  odd.labels({kAwkward, ""}).set(-2.5);
+  odd.labels({"}{", "\\n is not a newline"}).set(INFINITY);
+  odd.labels({"x", "y"}).set(-INFINITY);
+  odd.labels({"tiny", "huge"}).set(1e-300);
+  odd.labels({"huge", "tiny"}).set(1.7976931348623157e308);
+  expected[{"odd_values", {{"a", kAwkward}, {"b", ""}}}] = -2.5;
+  expected[{"odd_values", {{"a", "}{"}, {"b", "\\n is not a newline"}}}] = INFINITY;
+  expected[{"odd_values", {{"a", "x"}, {"b", "y"}}}] = -INFINITY;
+  expected[{"odd_values", {{"a", "tiny"}, {"b", "huge"}}}] = 1e-300;
+  expected[{"odd_values", {{"a", "huge"}, {"b", "tiny"}}}] = 1.7976931348623157e308;
+
+  registry.counter_family("never_used_total", "A family without children.", {"x"});
+
+  auto& ttft = registry.histogram("vllm:time_to_first_token_seconds",
+                                  "Histogram of time to first token in seconds.",
+                                  vllm_ttft_buckets(), engine);
+  const std::vector<double> ttft_values = {0.0005, 0.001, 0.0011, 0.25, 0.3, 2560, 3000, -1};
+  for (double v : ttft_values) ttft.observe(v);
+  expect_histogram(expected, "vllm:time_to_first_token_seconds", engine_map, vllm_ttft_buckets(),
+                   ttft_values);
+
+  auto& steps =
+      registry.histogram_family("step_tokens", "Tokens per step.", {"role"}, {1, 2, 4, 8, 1e6});
+  const std::vector<double> prefill_values = {1, 2, 3, 1e6, 1e7};
+  for (double v : prefill_values) steps.labels({"prefill"}).observe(v);
+  expect_histogram(expected, "step_tokens", {{"role", "prefill"}}, {1, 2, 4, 8, 1e6},
+                   prefill_values);
+  steps.labels({"decode \"d\""});
+  expect_histogram(expected, "step_tokens", {{"role", "decode \"d\""}}, {1, 2, 4, 8, 1e6}, {});
+
+  const std::string text = registry.render();
+  const json parsed = parse_with_oracle(text);
+  ASSERT_FALSE(parsed.is_null());
+
+  // Families in registration order, with their types and (unescaped) help.
+  struct Family {
+    std::string name, type, help;
+  };
+  const std::vector<Family> families = {
+      {"vllm:num_requests_running", "gauge", "Number of requests in model execution batches."},
+      {"vllm:prompt_tokens", "counter", "Number of prefill tokens processed."},
+      {"tandem_busy_seconds", "counter", "Help with a backslash \\ and a\nnewline."},
+      {"vllm:request_success", "counter", "Count of successfully processed requests."},
+      {"odd_values", "gauge", ""},
+      {"never_used", "counter", "A family without children."},
+      {"vllm:time_to_first_token_seconds", "histogram",
+       "Histogram of time to first token in seconds."},
+      {"step_tokens", "histogram", "Tokens per step."},
+  };
+  ASSERT_EQ(parsed["families"].size(), families.size()) << text;
+  for (size_t i = 0; i < families.size(); ++i) {
+    EXPECT_EQ(parsed["families"][i]["name"], families[i].name);
+    EXPECT_EQ(parsed["families"][i]["type"], families[i].type);
+    EXPECT_EQ(parsed["families"][i]["help"], families[i].help);
+  }
+
+  const auto got = normalize_le(samples_of(parsed));
+  EXPECT_EQ(got.size(), expected.size());
+  for (const auto& [key, value] : expected) {
+    auto it = got.find(key);
+    if (it == got.end()) {
+      ADD_FAILURE() << "missing sample " << key.first << " in\n" << text;
+      continue;
+    }
+    EXPECT_EQ(it->second, value) << key.first;
+  }
+  for (const auto& [key, value] : got) {
+    EXPECT_TRUE(expected.count(key)) << "unexpected sample " << key.first;
+  }
+}
+
+TEST(Metrics, ConcurrentUpdatesAndScrapesAddUpExactly) {
+  Registry registry;
+  auto& tokens = registry.int_counter("tokens_total", "tokens");
+  auto& seconds = registry.counter("seconds_total", "seconds");
+  auto& inflight = registry.gauge("inflight", "in flight");
+  auto& latency = registry.histogram("latency_seconds", "latency", {0.5, 1, 2});
+  auto& reasons = registry.int_counter_family("finished_total", "finished", {"finished_reason"});
+  auto& per_thread = registry.gauge_family("per_thread", "one child per thread", {"thread"});
+
+  constexpr int kThreads = 4;
+  constexpr int kIterations = 20000;
+  const std::vector<std::string> reason_names = {"stop", "length", "abort"};
+  std::atomic<bool> done{false};
+  std::vector<std::string> scrapes;
+  std::thread scraper([&] {
+    // Scrapes while the writers run; a few are kept for the oracle.
+    int n = 0;
+    while (!done.load()) {
+      std::string text = registry.render();
+      if (n++ % 50 == 0 && scrapes.size() < 3) scrapes.push_back(std::move(text));
+    }
+    scrapes.push_back(registry.render());
+  });
+  std::vector<std::thread> writers;
+  for (int t = 0; t < kThreads; ++t) {
+    writers.emplace_back([&, t] {
+      auto& mine = per_thread.labels({std::to_string(t)});
+      for (int i = 0; i < kIterations; ++i) {
+        tokens.inc(3);
+        seconds.inc(0.25);  // exact in binary, so the sum is exact in any order
+        inflight.inc();
+        latency.observe((i % 4) * 0.75);  // 0, 0.75, 1.5, 2.25
+        reasons.labels({reason_names[i % 3]}).inc();
+        mine.inc(2);
+        inflight.dec();
+      }
+    });
+  }
+  for (auto& w : writers) w.join();
+  done = true;
+  scraper.join();
+
+  // Scrapes taken mid-run parse and are self-consistent (count equals the +Inf bucket).
+  EXPECT_GE(scrapes.size(), 2u);
+  for (size_t s = 0; s + 1 < scrapes.size(); ++s) {
+    const auto mid = samples_of(parse_with_oracle(scrapes[s]));
+    const double count = mid.at({"latency_seconds_count", {}});
+    EXPECT_EQ(mid.at({"latency_seconds_bucket", {{"le", "+Inf"}}}), count);
+    EXPECT_LE(mid.at({"latency_seconds_bucket", {{"le", "0.5"}}}),
+              mid.at({"latency_seconds_bucket", {{"le", "1.0"}}}));
+    EXPECT_LE(mid.at({"latency_seconds_bucket", {{"le", "1.0"}}}),
+              mid.at({"latency_seconds_bucket", {{"le", "2.0"}}}));
+    EXPECT_LE(mid.at({"latency_seconds_bucket", {{"le", "2.0"}}}), count);
+  }
+
+  const auto got = samples_of(parse_with_oracle(scrapes.back()));
+  const double n = static_cast<double>(kThreads) * kIterations;
+  EXPECT_EQ(got.at({"tokens_total", {}}), 3 * n);
+  EXPECT_EQ(got.at({"seconds_total", {}}), 0.25 * n);
+  EXPECT_EQ(got.at({"inflight", {}}), 0);
+  EXPECT_EQ(got.at({"latency_seconds_bucket", {{"le", "0.5"}}}), n / 4);
+  EXPECT_EQ(got.at({"latency_seconds_bucket", {{"le", "1.0"}}}), n / 2);
+  EXPECT_EQ(got.at({"latency_seconds_bucket", {{"le", "2.0"}}}), 3 * n / 4);
+  EXPECT_EQ(got.at({"latency_seconds_bucket", {{"le", "+Inf"}}}), n);
+  EXPECT_EQ(got.at({"latency_seconds_count", {}}), n);
+  EXPECT_EQ(got.at({"latency_seconds_sum", {}}), (0 + 0.75 + 1.5 + 2.25) * n / 4);
+  double reason_total = 0;
+  for (const auto& r : reason_names) {
+    reason_total += got.at({"finished_total", {{"finished_reason", r}}});
+  }
+  EXPECT_EQ(reason_total, n);
+  // 20000 iterations per thread: i % 3 == 0 occurs 6667 times, 1 and 2 6667 and 6666 times.
+  EXPECT_EQ(got.at({"finished_total", {{"finished_reason", "stop"}}}), kThreads * 6667.0);
+  EXPECT_EQ(got.at({"finished_total", {{"finished_reason", "abort"}}}), kThreads * 6666.0);
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(got.at({"per_thread", {{"thread", std::to_string(t)}}}), 2.0 * kIterations);
+  }
+}
+
+TEST(Metrics, ExactTextOfASmallRegistry) {
+  Registry registry;
+  registry
+      .int_counter_family("vllm:request_success_total", "Finished requests.", {"finished_reason"},
+                          {{"engine", "0"}})
+      .labels({"stop"})
+      .inc(2);
+  auto& h = registry.histogram("h", "a \\ b\nc", {0.5, 1, 2560});
+  h.observe(1);
+  h.observe(0.1);
+  registry.gauge("g", "gauge").set(0.1);
+  EXPECT_EQ(registry.render(),
+            "# HELP vllm:request_success_total Finished requests.\n"
+            "# TYPE vllm:request_success_total counter\n"
+            "vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 2\n"
+            "# HELP h a \\\\ b\\nc\n"
+            "# TYPE h histogram\n"
+            "h_bucket{le=\"0.5\"} 1\n"
+            "h_bucket{le=\"1.0\"} 2\n"
+            "h_bucket{le=\"2560.0\"} 2\n"
+            "h_bucket{le=\"+Inf\"} 2\n"
+            "h_sum 1.1\n"
+            "h_count 2\n"
+            "# HELP g gauge\n"
+            "# TYPE g gauge\n"
+            "g 0.1\n");
+}
+
+TEST(Metrics, HistogramBucketsAreUpperInclusive) {
+  Histogram h({1, 2, INFINITY});
+  EXPECT_EQ(h.bounds(), (std::vector<double>{1, 2}));
+  for (double v : {-5.0, 1.0, 1.0000001, 2.0, 2.5}) h.observe(v);
+  const auto snap = h.snapshot();
+  EXPECT_EQ(snap.cumulative, (std::vector<uint64_t>{2, 4, 5}));
+  EXPECT_EQ(snap.count, 5u);
+  EXPECT_DOUBLE_EQ(snap.sum, -5 + 1 + 1.0000001 + 2 + 2.5);
+}
+
+TEST(Metrics, BadInputIsAnErrorNamingTheMetric) {
+  Registry r;
+  auto expect_error = [](auto&& fn, const std::string& fragment) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error mentioning " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  r.gauge("taken", "");
+  r.histogram("lat", "", {1});
+  expect_error([&] { r.gauge("taken", ""); }, "taken is already registered");
+  expect_error([&] { r.counter("lat_count", ""); }, "lat_count is already registered");
+  expect_error([&] { r.gauge("1bad", ""); }, "metric name \"1bad\" is invalid");
+  expect_error([&] { r.gauge("bad-name", ""); }, "bad-name");
+  expect_error([&] { r.gauge_family("x1", "", {"a:b"}); }, "label name \"a:b\" is invalid");
+  expect_error([&] { r.gauge_family("x2", "", {"__reserved"}); }, "__reserved");
+  expect_error([&] { r.gauge_family("x3", "", {"a", "a"}); }, "\"a\" appears twice");
+  expect_error([&] { r.gauge_family("x4", "", {"a"}, {{"a", "1"}}); }, "\"a\" appears twice");
+  expect_error([&] { r.histogram_family("x5", "", {"le"}, {1}); }, "reserved");
+  expect_error([&] { r.histogram("x6", "", {2, 1}); }, "strictly increasing");
+  expect_error([&] { r.histogram("x7", "", {1, NAN}); }, "finite");
+  expect_error([&] { r.histogram("x8", "", {INFINITY, 1}); }, "finite");
+  auto& family = r.counter_family("c_total", "", {"reason"});
+  expect_error([&] { family.labels({}); }, "metric c_total: expected 1 label value(s), got 0");
+  expect_error([&] { family.labels({"a", "b"}); }, "got 2");
+  expect_error([&] { family.labels({"a"}).inc(-1); }, "non-negative");
+  expect_error([&] { family.labels({"a"}).inc(NAN); }, "non-negative");
+  // Failed registrations leave nothing behind.
+  EXPECT_EQ(r.render().find("x5"), std::string::npos);
+}
+
+TEST(Metrics, VllmBuckets) {
+  EXPECT_EQ(vllm_ttft_buckets().size(), 22u);
+  EXPECT_EQ(vllm_ttft_buckets().front(), 0.001);
+  EXPECT_EQ(vllm_ttft_buckets().back(), 2560.0);
+  EXPECT_EQ(vllm_tpot_buckets().size(), 19u);
+  EXPECT_EQ(vllm_tpot_buckets().front(), 0.01);
+  EXPECT_EQ(vllm_tpot_buckets().back(), 80.0);
+  EXPECT_EQ(vllm_request_latency_buckets().size(), 21u);
+  EXPECT_EQ(vllm_request_latency_buckets().front(), 0.3);
+  EXPECT_EQ(vllm_request_latency_buckets().back(), 7680.0);
+  EXPECT_EQ(vllm_iteration_tokens_buckets().back(), 16384.0);
+  for (const auto* b : {&vllm_ttft_buckets(), &vllm_tpot_buckets(), &vllm_request_latency_buckets(),
+                        &vllm_iteration_tokens_buckets()}) {
+    EXPECT_NO_THROW(Histogram{*b});
+  }
+  EXPECT_EQ(buckets_1_2_5(100), (std::vector<double>{1, 2, 5, 10, 20, 50, 100}));
+  EXPECT_EQ(buckets_1_2_5(4096),
+            (std::vector<double>{1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000}));
+  EXPECT_TRUE(buckets_1_2_5(0.5).empty());
+}
+
+}  // namespace
+}  // namespace tandem::metrics
