@@ -27,12 +27,6 @@ model::DType parse_weight_dtype(const std::string& s) {
   throw Error("--dtype: '" + s + "' is not one of f32, bf16, f16, fp8, int8");
 }
 
-// The DeepSeek-V3 tokenizer that scripts/install-deps.sh installs with the test oracles.
-fs::path default_tokenizer() {
-  return fs::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" / "@lenml" /
-         "tokenizer-deepseek_v3" / "models";
-}
-
 void run_make_model(const MakeModelArgs& a) {
   model::MakeModelOptions o;
   o.preset = a.preset;
@@ -81,6 +75,11 @@ void add_model_commands(CLI::App& app) {
                   "folder with tokenizer.json (+ tokenizer_config.json) to ship with the model; "
                   "default: the npm-installed DeepSeek-V3 tokenizer");
   cmd->callback([a] { run_make_model(*a); });
+}
+
+std::filesystem::path default_tokenizer() {
+  return std::filesystem::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" /
+         "@lenml" / "tokenizer-deepseek_v3" / "models";
 }
 
 }  // namespace tandem::cli

@@ -105,3 +105,29 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
 }
 
 }  // namespace tandem::engine
+
+namespace tandem::engine {
+
+TokenLogprob token_logprobs(std::span<const float> logits, int32_t token, int32_t top) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (float v : logits) m = std::max(m, v);
+  double sum = 0;
+  for (float v : logits) sum += std::exp(static_cast<double>(v) - m);
+  const double log_z = m + std::log(sum);
+  TokenLogprob out;
+  out.token = token;
+  out.logprob = static_cast<float>(logits[token] - log_z);
+  if (top > 0) {
+    const auto k = std::min<size_t>(static_cast<size_t>(top), logits.size());
+    std::vector<int32_t> ids(logits.size());
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+    });
+    for (size_t i = 0; i < k; ++i)
+      out.top.emplace_back(ids[i], static_cast<float>(logits[ids[i]] - log_z));
+  }
+  return out;
+}
+
+}  // namespace tandem::engine

@@ -46,3 +46,17 @@ class Sampler {
 };
 
 }  // namespace tandem::engine
+
+namespace tandem::engine {
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // the most likely tokens at that position
+};
+
+// Log-probability of `token` under softmax(logits) and the `top` most likely tokens (highest
+// first, lowest id on ties), from the model's raw logits as vLLM reports them by default.
+TokenLogprob token_logprobs(std::span<const float> logits, int32_t token, int32_t top);
+
+}  // namespace tandem::engine

@@ -1,0 +1,135 @@
+#include "cli/engine_command.h"
+
+#include <csignal>
+#include <cstdio>
+#include <memory>
+
+#include "cli/model_commands.h"
+#include "engine/api/api_server.h"
+#include "engine/executor/cpu_executor.h"
+#include "engine/executor/sim_executor.h"
+#include "engine/output_processor.h"
+#include "util/error.h"
+#include "util/progress.h"
+
+namespace tandem::cli {
+namespace {
+
+struct EngineOptions {
+  std::string model, tokenizer, served_model_name, host = "0.0.0.0";
+  int port = 8000;
+  int64_t block_size = 16, num_blocks = 0;
+  double kv_cache_gb = 1.0;
+  int64_t max_num_seqs = 64, max_num_batched_tokens = 2048;
+  std::string scheduling_policy = "fcfs";
+  bool no_prefix_caching = false;
+  std::string kv_events_config;
+  int http_threads = 1;
+  int64_t max_body_bytes = 8 << 20;
+  uint64_t sim_seed = 0;
+};
+
+constexpr std::string_view kSimPrefix = "sim:";
+
+void run(const EngineOptions& o) {
+  // Block the stop signals before any thread starts, so that only sigwait below sees them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
+  std::string tokenizer_dir = o.tokenizer;
+  if (tokenizer_dir.empty()) tokenizer_dir = sim ? default_tokenizer().string() : o.model;
+  auto tokenizer = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
+
+  std::unique_ptr<engine::Executor> executor;
+  std::vector<int32_t> eos;
+  if (sim) {
+    engine::SimExecutorOptions so;
+    so.preset = o.model.substr(kSimPrefix.size());
+    so.block_size = o.block_size;
+    so.num_blocks = o.num_blocks;
+    so.seed = o.sim_seed;
+    so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
+    executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
+    eos = engine::eos_ids(*tokenizer, std::nullopt);
+  } else {
+    std::shared_ptr<const model::DeepSeekModel> m;
+    {
+      ProgressBar bar("loading " + o.model);
+      m = std::make_shared<const model::DeepSeekModel>(
+          model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
+    }
+    engine::CpuExecutorOptions co;
+    co.block_size = o.block_size;
+    co.num_blocks = o.num_blocks;
+    co.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
+    eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
+    executor = std::make_unique<engine::CpuExecutor>(
+        m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name, co);
+  }
+
+  engine::EngineConfig config;
+  config.scheduler.max_num_seqs = o.max_num_seqs;
+  config.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
+  if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
+    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy + "'");
+  config.scheduler.priority = o.scheduling_policy == "priority";
+  config.enable_prefix_caching = !o.no_prefix_caching;
+  config.kv_events_config = o.kv_events_config;
+
+  metrics::Registry registry;
+  engine::Engine engine(config, std::move(executor), tokenizer, eos, registry);
+  net::HttpServerOptions http;
+  http.host = o.host;
+  http.port = static_cast<uint16_t>(o.port);
+  http.threads = o.http_threads;
+  http.max_body_bytes = static_cast<size_t>(o.max_body_bytes);
+  engine::api::ApiServer server(engine, registry, http);
+  engine.start();
+  server.start();
+  const auto& info = engine.executor_info();
+  // The first line on stdout names the port (tests and scripts start engines on port 0).
+  std::printf("tandem engine: listening on http://%s:%u (model %s, %lld KV blocks of %lld tokens)\n",
+              o.host.c_str(), static_cast<unsigned>(server.port()), info.model_name.c_str(),
+              static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
+  if (!engine.kv_events_endpoint().empty())
+    std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
+                engine.kv_events_replay_endpoint().c_str());
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "tandem engine: stopping (signal %d)\n", sig);
+  server.stop();
+  engine.stop();
+}
+
+}  // namespace
+
+void add_engine_command(CLI::App& app) {
+  auto o = std::make_shared<EngineOptions>();
+  auto* cmd = app.add_subcommand("engine", "Serve a model over HTTP (OpenAI API, tokens-in /generate)");
+  cmd->add_option("--model", o->model, "model folder, or sim:PRESET for a simulated executor")
+      ->required();
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "tokenizer folder (default: the model folder; for sim: the DeepSeek-V3 tokenizer)");
+  cmd->add_option("--served-model-name", o->served_model_name, "model name in the API (default: --model)");
+  cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
+  cmd->add_option("--port", o->port, "port (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
+  cmd->add_option("--block-size", o->block_size, "tokens per KV block")->capture_default_str()->check(CLI::Range(1, 4096));
+  cmd->add_option("--kv-cache-gb", o->kv_cache_gb, "memory for the KV cache (GiB)")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--num-kv-blocks", o->num_blocks, "KV blocks (overrides --kv-cache-gb)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "running sequences at most")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "new tokens per step (chunked prefill budget)")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--scheduling-policy", o->scheduling_policy, "fcfs or priority (lower value first)")->capture_default_str();
+  cmd->add_flag("--no-enable-prefix-caching", o->no_prefix_caching, "turn automatic prefix caching off");
+  cmd->add_option("--kv-events-config", o->kv_events_config, "vLLM-style KV events config (JSON)");
+  cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")->capture_default_str()->check(CLI::Range(1, 64));
+  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--sim-seed", o->sim_seed, "seed of the simulated executor's tokens");
+  cmd->callback([o] { run(*o); });
+}
+
+}  // namespace tandem::cli

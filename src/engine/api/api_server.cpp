@@ -1,0 +1,186 @@
+#include "engine/api/api_server.h"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <random>
+
+#include "engine/api/protocol.h"
+#include "util/error.h"
+#include "util/json.h"
+
+namespace tandem::engine::api {
+namespace {
+
+using nlohmann::json;
+
+int64_t unix_seconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string random_hex() {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
+
+// One HTTP request in flight: its choices' engine requests and the response being built.
+struct Call {
+  ApiRequest request;
+  std::unique_ptr<ResponseBuilder> builder;
+  std::shared_ptr<net::Exchange> exchange;
+  std::vector<std::string> engine_ids;
+  std::mutex mutex;
+  bool failed = false;
+
+  void on_output(size_t index, const RequestOutput& out) {
+    std::lock_guard lock(mutex);
+    if (failed) return;
+    if (out.finish_reason == "error") {
+      failed = true;
+      const std::string msg = "generation failed: " + out.error;
+      if (request.stream) {
+        exchange->write(sse(json::parse(net::openai_error_body(msg, "server_error"))));
+        exchange->write("data: [DONE]\n\n");
+        exchange->end();
+      } else {
+        exchange->send_error(500, msg, "server_error");
+      }
+      return;
+    }
+    auto chunks = builder->on_output(index, out);
+    if (request.stream) {
+      for (const auto& c : chunks) exchange->write(sse(c));
+      if (builder->all_finished()) {
+        if (auto usage = builder->usage_chunk()) exchange->write(sse(*usage));
+        exchange->write("data: [DONE]\n\n");
+        exchange->end();
+      }
+    } else if (builder->all_finished()) {
+      exchange->respond(200, builder->final_body().dump(-1, ' ', false,
+                                                        json::error_handler_t::replace));
+    }
+  }
+};
+
+}  // namespace
+
+ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options)
+    : engine_(engine), registry_(registry), server_(std::move(options)), created_(unix_seconds()) {
+  if (!engine_.tokenizer().chat_template().empty())
+    chat_template_.emplace(engine_.tokenizer().chat_template());
+  const ExecutorInfo& info = engine_.executor_info();
+
+  server_.route("GET", "/health", [](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    ex->respond(200, "", "text/plain");
+  });
+  server_.route("GET", "/v1/models", [this, info](const net::HttpRequest&,
+                                                  std::shared_ptr<net::Exchange> ex) {
+    json model = {{"id", info.model_name},     {"object", "model"},
+                  {"created", created_},       {"owned_by", "tandem"},
+                  {"root", info.model_name},   {"parent", nullptr},
+                  {"max_model_len", info.max_model_len}};
+    ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
+  });
+  server_.route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
+  });
+  server_.route("GET", "/load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    const LoadReport r = engine_.load();
+    json j = {{"running", r.running},         {"waiting", r.waiting},
+              {"free_blocks", r.free_blocks}, {"total_blocks", r.total_blocks},
+              {"block_size", r.block_size},   {"tokens_in_flight", r.tokens_in_flight},
+              {"kv_usage", r.kv_usage},       {"steps", r.steps}};
+    ex->respond(200, j.dump());
+  });
+  auto generation = [this](int kind) {
+    return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+      handle_generation(kind, req, std::move(ex));
+    };
+  };
+  server_.route("POST", "/v1/completions", generation(int(ApiKind::kCompletion)));
+  server_.route("POST", "/v1/chat/completions", generation(int(ApiKind::kChat)));
+  server_.route("POST", "/generate", generation(int(ApiKind::kGenerate)));
+}
+
+ApiServer::~ApiServer() { stop(); }
+
+void ApiServer::start() { server_.start(); }
+uint16_t ApiServer::port() const { return server_.port(); }
+void ApiServer::stop() { server_.stop(); }
+
+void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
+                                  std::shared_ptr<net::Exchange> ex) {
+  const auto kind = static_cast<ApiKind>(kind_value);
+  const ExecutorInfo& info = engine_.executor_info();
+  const ModelLimits limits{info.model_name, info.max_model_len, info.vocab_size};
+  auto call = std::make_shared<Call>();
+  try {
+    const json body = parse_untrusted_json(req.body);
+    switch (kind) {
+      case ApiKind::kCompletion:
+        call->request = parse_completion(body, engine_.tokenizer(), limits);
+        break;
+      case ApiKind::kChat:
+        call->request = parse_chat(body, engine_.tokenizer(),
+                                   chat_template_ ? &*chat_template_ : nullptr, limits);
+        break;
+      case ApiKind::kGenerate:
+        call->request = parse_generate(body, engine_.tokenizer(), limits);
+        break;
+    }
+  } catch (const ApiError& e) {
+    ex->send_error(e.status, e.message, e.type);
+    return;
+  } catch (const Error& e) {
+    ex->send_error(400, e.what());
+    return;
+  }
+  const std::string prefix = kind == ApiKind::kChat ? "chatcmpl-" : kind == ApiKind::kCompletion ? "cmpl-" : "";
+  std::string id = req.headers.get("x-request-id");
+  if (id.empty()) id = prefix + random_hex() + random_hex();
+  call->builder = std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id,
+                                                    unix_seconds());
+  call->exchange = ex;
+  // Engine ids are ours and unique, whatever id the client chose.
+  const std::string base = random_hex() + random_hex();
+  const auto& prompts = call->request.prompts;
+  for (size_t i = 0; i < prompts.size(); ++i) call->engine_ids.push_back(base + "-" + std::to_string(i));
+  if (call->request.stream) ex->start_stream(200, "text/event-stream");
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EngineRequest er;
+    er.id = call->engine_ids[i];
+    er.prompt = prompts[i];
+    er.sampling = call->request.sampling;
+    if (er.sampling.seed && i > 0) er.sampling.seed = *er.sampling.seed + i;
+    er.priority = call->request.priority;
+    er.logprobs = call->request.logprobs;
+    er.on_output = [call, i](const RequestOutput& out) { call->on_output(i, out); };
+    try {
+      engine_.submit(std::move(er));
+    } catch (const Error& e) {
+      for (size_t k = 0; k < i; ++k) engine_.abort(call->engine_ids[k]);
+      std::lock_guard lock(call->mutex);
+      call->failed = true;
+      if (call->request.stream) {
+        ex->write(sse(json::parse(net::openai_error_body(e.what()))));
+        ex->write("data: [DONE]\n\n");
+        ex->end();
+      } else {
+        ex->send_error(400, e.what());
+      }
+      return;
+    }
+  }
+  Engine* engine = &engine_;
+  ex->on_close([engine, ids = call->engine_ids] {
+    for (const auto& id : ids) engine->abort(id);
+  });
+}
+
+}  // namespace tandem::engine::api

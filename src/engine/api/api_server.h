@@ -1,0 +1,40 @@
+#pragma once
+// The engine's HTTP front: OpenAI /v1/completions and /v1/chat/completions (streaming and not),
+// SGLang's tokens-in /generate, /v1/models, /health, /metrics (Prometheus) and /load (the JSON
+// load report the gateway polls). Requests go to the Engine; its outputs come back on the engine
+// thread and are written to the client through the HTTP server's exchanges. A client that
+// disconnects aborts its requests, which frees their KV blocks.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "engine/engine.h"
+#include "net/http_server.h"
+#include "text/chat_template.h"
+#include "util/metrics.h"
+
+namespace tandem::engine::api {
+
+class ApiServer {
+ public:
+  // `engine` and `registry` must outlive the server.
+  ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options);
+  ~ApiServer();
+
+  void start();
+  uint16_t port() const;
+  void stop();
+
+ private:
+  void handle_generation(int kind, const net::HttpRequest& request,
+                         std::shared_ptr<net::Exchange> exchange);
+
+  Engine& engine_;
+  metrics::Registry& registry_;
+  net::HttpServer server_;
+  std::optional<text::ChatTemplate> chat_template_;
+  int64_t created_;
+};
+
+}  // namespace tandem::engine::api

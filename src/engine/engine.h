@@ -1,0 +1,106 @@
+#pragma once
+// The serving engine: one thread that loops schedule -> execute -> stream outputs, fed by
+// submit()/abort() from any thread (the HTTP server's). It owns the scheduler, the KV-cache
+// manager (paged blocks, prefix cache, KV events) and the executor, and keeps the metrics and the
+// load report up to date.
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/executor/executor.h"
+#include "engine/kv/kv_cache_manager.h"
+#include "engine/kv/kv_events.h"
+#include "engine/scheduler/scheduler.h"
+#include "engine/scheduler/sequence.h"
+#include "text/tokenizer.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+
+struct EngineConfig {
+  SchedulerConfig scheduler;
+  bool enable_prefix_caching = true;
+  std::string kv_events_config;  // vLLM's --kv-events-config JSON; empty: no events
+};
+
+// A snapshot for the gateway's load-aware routing (JSON at /load).
+struct LoadReport {
+  int64_t running = 0, waiting = 0;
+  int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
+  int64_t tokens_in_flight = 0;  // prompt + generated tokens of running and waiting requests
+  double kv_usage = 0;           // fraction of blocks in use
+  uint64_t steps = 0;
+};
+
+class Engine {
+ public:
+  Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
+         std::shared_ptr<const text::Tokenizer> tokenizer, std::vector<int32_t> eos_ids,
+         metrics::Registry& registry);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  void start();
+  void stop();  // aborts what is still queued or running (callbacks get "abort")
+
+  // Thread-safe. Checks what can be checked up front (ids in the vocabulary, prompt plus
+  // max_tokens within the model's length and the KV cache) and throws tandem::Error with a
+  // client-facing message otherwise; then queues the request. Its outputs arrive through
+  // request.on_output on the engine thread. Request ids must be unique among live requests.
+  void submit(EngineRequest request);
+  // Thread-safe. Finishes the request with "abort" and frees its blocks; unknown ids are ignored.
+  void abort(const std::string& id);
+
+  LoadReport load() const;
+  const ExecutorInfo& executor_info() const { return executor_->info(); }
+  const text::Tokenizer& tokenizer() const { return *tokenizer_; }
+  // Where KV events go, when enabled (the bound endpoints, for tests and logs).
+  std::string kv_events_endpoint() const;
+  std::string kv_events_replay_endpoint() const;
+
+ private:
+  struct Metrics;
+  void loop();
+  void admit_incoming();
+  void step();
+  void finish(Sequence* seq, const std::string& reason, const std::string& error = {},
+              bool notified = false);
+  void publish_events();
+  void update_gauges();
+
+  EngineConfig config_;
+  std::unique_ptr<Executor> executor_;
+  std::shared_ptr<const text::Tokenizer> tokenizer_;
+  std::vector<int32_t> eos_ids_;
+  KvCacheManager kv_;
+  Scheduler scheduler_;
+  std::unique_ptr<ZmqKvEventPublisher> publisher_;
+  std::unique_ptr<Metrics> metrics_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<EngineRequest> incoming_;
+  std::vector<std::string> aborts_;
+  std::unordered_map<std::string, bool> live_ids_;  // submitted and not finished (under mutex_)
+  bool stopping_ = false;
+  std::thread thread_;
+
+  // Engine-thread state.
+  std::unordered_map<std::string, std::unique_ptr<Sequence>> sequences_;
+  uint64_t arrival_counter_ = 0;
+  uint64_t seed_base_;
+  int64_t reported_queries_ = 0, reported_hits_ = 0;  // prefix-cache stats already in metrics
+
+  // Load snapshot, written by the engine thread after each step.
+  mutable std::mutex load_mutex_;
+  LoadReport load_;
+};
+
+}  // namespace tandem::engine

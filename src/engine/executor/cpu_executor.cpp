@@ -1,0 +1,64 @@
+#include "engine/executor/cpu_executor.h"
+
+#include <limits>
+
+#include "util/error.h"
+
+namespace tandem::engine {
+namespace {
+
+int64_t blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
+  if (o.block_size < 1) throw Error("block size must be at least 1");
+  if (o.num_blocks > 0) return o.num_blocks;
+  const double block_bytes = m.cache_shape(o.block_size).block_floats() * sizeof(float);
+  const auto n = static_cast<int64_t>(o.kv_cache_bytes / block_bytes);
+  if (n < 1)
+    throw Error("the KV cache budget of " + std::to_string(o.kv_cache_bytes) +
+                " bytes holds no block of " + std::to_string(block_bytes) + " bytes");
+  return n;
+}
+
+}  // namespace
+
+CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
+                         const text::Tokenizer& tokenizer, std::string model_name,
+                         const CpuExecutorOptions& options)
+    : model_(std::move(model)),
+      cache_(model_->cache_shape(options.block_size), blocks_for(*model_, options)) {
+  const auto& c = model_->config();
+  info_.model_name = std::move(model_name);
+  info_.vocab_size = c.vocab_size;
+  info_.max_model_len = c.max_position_embeddings;
+  info_.num_blocks = cache_.num_blocks();
+  info_.block_size = options.block_size;
+  info_.block_bytes = static_cast<double>(cache_.shape().block_floats()) * sizeof(float);
+  for (int64_t id = 0; id < c.vocab_size; ++id)
+    if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
+      no_text_.push_back(static_cast<int32_t>(id));
+}
+
+ExecResult CpuExecutor::execute(std::span<const ExecItem> batch) {
+  std::vector<model::SequenceStep> steps;
+  steps.reserve(batch.size());
+  for (const auto& item : batch) steps.push_back({item.tokens, item.start, item.blocks, false});
+  auto out = model_->forward(steps, cache_);
+  const int64_t vocab = info_.vocab_size;
+  ExecResult result;
+  result.sampled.resize(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto& item = batch[i];
+    if (!item.sample) continue;
+    std::span<float> logits(out.logits.data() + out.first_row[i] * vocab, size_t(vocab));
+    for (auto id : no_text_) logits[id] = -std::numeric_limits<float>::infinity();
+    std::vector<float> raw;
+    if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
+    const int32_t token = item.sampler->sample(logits, item.prompt, item.generated);
+    if (item.logprobs >= 0)
+      result.sampled[i] = token_logprobs(raw, token, item.logprobs);
+    else
+      result.sampled[i].token = token;
+  }
+  return result;
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,32 @@
+#pragma once
+// The executor that runs the real model on the CPU (model/deepseek.h) over a paged latent cache
+// sized from a memory budget.
+#include <memory>
+
+#include "engine/executor/executor.h"
+#include "model/deepseek.h"
+#include "text/tokenizer.h"
+
+namespace tandem::engine {
+
+struct CpuExecutorOptions {
+  int64_t block_size = 16;
+  double kv_cache_bytes = 1ull << 30;  // budget for the latent cache
+  int64_t num_blocks = 0;              // overrides the budget when > 0
+};
+
+class CpuExecutor : public Executor {
+ public:
+  CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model, const text::Tokenizer& tokenizer,
+              std::string model_name, const CpuExecutorOptions& options);
+  const ExecutorInfo& info() const override { return info_; }
+  ExecResult execute(std::span<const ExecItem> batch) override;
+
+ private:
+  std::shared_ptr<const model::DeepSeekModel> model_;
+  ExecutorInfo info_;
+  model::LatentCache cache_;
+  std::vector<int32_t> no_text_;  // LM-head rows without a token (padded vocabularies)
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,48 @@
+#pragma once
+// The simulated executor: everything of the engine stays real (scheduler, KV blocks, prefix
+// cache, events, API) except the forward pass, which is replaced by a latency model
+// (engine/executor/sim_latency.h): a step sleeps for the time the modelled hardware would take
+// and then emits deterministic tokens. Sleeping, not spinning, lets many simulated engines share
+// a small machine.
+//
+// Tokens: the next token of a sequence is a fixed function of the seed, its position and the
+// previous token, drawn from the tokenizer's ordinary (non-special) tokens, so the same prompt
+// always continues the same way and a generation never ends early on EOS: requests end at
+// max_tokens or a stop string/id. Logprobs are placeholders (0 for the sampled token, -1, -2, ...
+// for the alternatives) since there is no model distribution.
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "engine/executor/executor.h"
+#include "engine/executor/sim_latency.h"
+#include "text/tokenizer.h"
+
+namespace tandem::engine {
+
+struct SimExecutorOptions {
+  std::string preset;          // a SimLatencyModel preset name, or a path to a fitted model JSON
+  std::string model_name;
+  int64_t block_size = 16;
+  int64_t num_blocks = 0;      // 0: the preset's KV capacity
+  int64_t max_model_len = 0;   // 0: the preset's
+  uint64_t seed = 0;
+  double time_scale = 1.0;     // multiplies every step's modelled time (0: do not sleep)
+};
+
+class SimExecutor : public Executor {
+ public:
+  SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOptions& options);
+  const ExecutorInfo& info() const override { return info_; }
+  ExecResult execute(std::span<const ExecItem> batch) override;
+  const SimLatencyModel& latency_model() const { return model_; }
+
+ private:
+  SimLatencyModel model_;
+  ExecutorInfo info_;
+  SimExecutorOptions options_;
+  std::vector<int32_t> ordinary_;  // ids the simulated model emits
+  std::chrono::steady_clock::time_point busy_until_;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,75 @@
+#include "engine/output_processor.h"
+
+#include <algorithm>
+
+namespace tandem::engine {
+namespace {
+
+// Bytes at the end of `text` that could still grow into a stop string.
+size_t stop_holdback(std::string_view text, const std::vector<std::string>& stops) {
+  size_t hold = 0;
+  for (const auto& s : stops)
+    for (size_t k = std::min(s.size() - 1, text.size()); k > hold; --k)
+      if (text.substr(text.size() - k) == std::string_view(s).substr(0, k)) {
+        hold = k;
+        break;
+      }
+  return hold;
+}
+
+}  // namespace
+
+OutputProcessor::OutputProcessor(const text::Tokenizer& tokenizer, const SamplingParams& params,
+                                 const std::vector<int32_t>& eos)
+    : detok_(tokenizer, /*skip_special_tokens=*/true),
+      stop_ids_(params.stop_token_ids),
+      stop_strings_(params.stop),
+      max_tokens_(params.max_tokens) {
+  if (!params.ignore_eos) stop_ids_.insert(stop_ids_.end(), eos.begin(), eos.end());
+  // An empty stop string would match everywhere; SamplingParams::validate rejects it, and the
+  // engine validates before it gets here.
+  std::erase_if(stop_strings_, [](const std::string& s) { return s.empty(); });
+}
+
+OutputDelta OutputProcessor::push(int32_t id) {
+  OutputDelta delta;
+  if (finished_) return delta;
+  ++num_tokens_;
+  const size_t before = emitted_;
+  if (std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end()) {
+    text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
+    finished_ = true;
+    delta.finish_reason = "stop";
+  } else {
+    text_ += detok_.push(id);
+    size_t hit = std::string::npos;
+    for (const auto& s : stop_strings_) hit = std::min(hit, text_.find(s));
+    if (hit != std::string::npos) {
+      text_.resize(hit);
+      finished_ = true;
+      delta.finish_reason = "stop";
+    } else if (num_tokens_ >= max_tokens_) {
+      text_ += detok_.finish();
+      finished_ = true;
+      delta.finish_reason = "length";
+    }
+  }
+  const size_t final_end =
+      finished_ ? text_.size() : text_.size() - stop_holdback(text_, stop_strings_);
+  if (final_end > before) {
+    delta.text = text_.substr(before, final_end - before);
+    emitted_ = final_end;
+  }
+  delta.finished = finished_;
+  return delta;
+}
+
+std::vector<int32_t> eos_ids(const text::Tokenizer& tokenizer, std::optional<int64_t> config_eos) {
+  std::vector<int32_t> ids;
+  if (auto eos = tokenizer.eos_id()) ids.push_back(*eos);
+  if (config_eos && std::find(ids.begin(), ids.end(), *config_eos) == ids.end())
+    ids.push_back(static_cast<int32_t>(*config_eos));
+  return ids;
+}
+
+}  // namespace tandem::engine

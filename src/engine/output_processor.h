@@ -1,0 +1,50 @@
+#pragma once
+// Turns one request's generated ids into streamed text and decides when the request ends: stop
+// token ids (the tokenizer's and the model's EOS unless ignore_eos), stop strings (the text ends
+// before the first match; bytes that could still grow into a stop string are held back until the
+// next token decides) and max_tokens. `tandem generate` and the serving engine share it, so both
+// stop at the same place.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/sampler.h"
+#include "text/detokenizer.h"
+#include "text/tokenizer.h"
+
+namespace tandem::engine {
+
+struct OutputDelta {
+  std::string text;           // text that became final with this token
+  bool finished = false;
+  std::string finish_reason;  // "stop" or "length" once finished
+};
+
+class OutputProcessor {
+ public:
+  // `eos_ids`: the end-of-sequence ids of tokenizer and model config; ignored with ignore_eos.
+  OutputProcessor(const text::Tokenizer& tokenizer, const SamplingParams& params,
+                  const std::vector<int32_t>& eos_ids);
+
+  // Adds one generated id. A stop id is counted as generated but adds no text.
+  OutputDelta push(int32_t id);
+  bool finished() const { return finished_; }
+  int64_t num_tokens() const { return num_tokens_; }
+  const std::string& text() const { return text_; }
+
+ private:
+  text::IncrementalDetokenizer detok_;
+  std::vector<int32_t> stop_ids_;
+  std::vector<std::string> stop_strings_;
+  int64_t max_tokens_;
+  std::string text_;
+  size_t emitted_ = 0;
+  int64_t num_tokens_ = 0;
+  bool finished_ = false;
+};
+
+// The end-of-sequence ids to stop on: the tokenizer's EOS and the model config's, deduplicated.
+std::vector<int32_t> eos_ids(const text::Tokenizer& tokenizer, std::optional<int64_t> config_eos);
+
+}  // namespace tandem::engine

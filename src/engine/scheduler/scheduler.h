@@ -1,0 +1,65 @@
+#pragma once
+// Continuous batching with chunked prefill, in the manner of vLLM v1: every step, running
+// sequences get their next tokens first (one for decode, the rest of the prompt up to the token
+// budget for prefill), then waiting sequences are admitted while the token budget, the running
+// limit and the KV cache allow, reusing cached prefix blocks. When a running sequence needs a
+// block and none is free, the newest running sequence (or the lowest-priority one) is preempted:
+// its blocks are freed and it is recomputed later from its tokens so far. Nothing is dropped.
+//
+// Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "engine/kv/kv_cache_manager.h"
+#include "engine/scheduler/sequence.h"
+
+namespace tandem::engine {
+
+struct SchedulerConfig {
+  int64_t max_num_seqs = 64;              // running sequences at most
+  int64_t max_num_batched_tokens = 2048;  // new tokens per step (the chunked-prefill budget)
+  bool priority = false;                  // order waiting sequences by (priority, arrival)
+};
+
+struct ScheduledSequence {
+  Sequence* seq = nullptr;
+  int64_t num_new_tokens = 0;
+  bool sample = false;  // the step reaches the sequence's last token: sample the next one
+};
+
+struct SchedulerOutput {
+  std::vector<ScheduledSequence> scheduled;
+  std::vector<Sequence*> preempted;  // moved back to waiting in this step
+  int64_t num_tokens = 0;
+  bool empty() const { return scheduled.empty(); }
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerConfig& config, KvCacheManager& kv);
+
+  void add(Sequence* seq);
+  SchedulerOutput schedule();
+  // After the executor ran `out`: advances the sequences' computed tokens and registers newly
+  // filled blocks with the prefix cache. Call before appending sampled tokens.
+  void step_done(const SchedulerOutput& out);
+  // A finished or aborted sequence leaves the queues and gives back its blocks.
+  void remove(Sequence* seq);
+
+  const std::vector<Sequence*>& running() const { return running_; }
+  const std::deque<Sequence*>& waiting() const { return waiting_; }
+  const SchedulerConfig& config() const { return config_; }
+
+ private:
+  void preempt(Sequence* seq);
+  Sequence* preemption_victim() const;
+  void insert_waiting(Sequence* seq, bool front);
+
+  SchedulerConfig config_;
+  KvCacheManager& kv_;
+  std::vector<Sequence*> running_;  // in admission order
+  std::deque<Sequence*> waiting_;
+};
+
+}  // namespace tandem::engine

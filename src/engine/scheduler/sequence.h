@@ -1,0 +1,62 @@
+#pragma once
+// A request inside the engine: its tokens (prompt, then generated ids), how many of them are in
+// the KV cache, and the per-request state that sampling and streaming need. Owned by the engine
+// thread; the scheduler moves it between the waiting queue and the running batch.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/output_processor.h"
+#include "engine/sampler.h"
+
+namespace tandem::engine {
+
+// One update sent to whoever submitted the request. Called on the engine thread: keep it short.
+struct RequestOutput {
+  std::vector<int32_t> tokens;         // ids generated since the previous update
+  std::vector<TokenLogprob> logprobs;  // one per id when logprobs were requested
+  std::string text;                    // text that became final since the previous update
+  bool finished = false;
+  std::string finish_reason;  // "stop", "length", "abort" or "error"
+  std::string error;          // for "error"
+  int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+};
+using OutputCallback = std::function<void(const RequestOutput&)>;
+
+struct EngineRequest {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int64_t priority = 0;     // lower runs earlier when the engine schedules by priority
+  int32_t logprobs = -1;    // -1: none; k >= 0: sampled token's logprob plus the k most likely
+  OutputCallback on_output;
+};
+
+enum class SequenceStatus { kWaiting, kRunning, kFinished };
+
+struct Sequence {
+  EngineRequest request;
+  std::vector<int32_t> tokens;  // prompt followed by generated ids
+  int64_t num_prompt = 0;
+  int64_t num_computed = 0;  // tokens whose latents are in the cache
+  int64_t num_cached = 0;    // prompt tokens served from the prefix cache at first admission
+  uint64_t arrival_order = 0;
+  double arrival_time = 0, first_token_time = -1, last_token_time = -1;
+  int64_t num_preemptions = 0;
+  bool admitted_once = false;
+  SequenceStatus status = SequenceStatus::kWaiting;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<OutputProcessor> output;
+
+  int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
+  std::span<const int32_t> prompt() const { return {tokens.data(), size_t(num_prompt)}; }
+  std::span<const int32_t> generated() const {
+    return {tokens.data() + num_prompt, tokens.size() - size_t(num_prompt)};
+  }
+};
+
+}  // namespace tandem::engine

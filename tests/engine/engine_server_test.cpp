@@ -1,0 +1,233 @@
+// `tandem engine` end to end on a tiny-v3 checkpoint: the official OpenAI client (chat and
+// completions, streaming and not, token-id prompts, stop strings, abort mid-stream), greedy
+// outputs equal to the single-sequence generate loop, prefix-cache hits, preemption under a tiny
+// KV budget with every request still answered correctly, and HTTP errors for bad requests.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_process.h"
+#include "engine/generate.h"
+#include "text/chat_template.h"
+#include "net/http_client.h"
+#include "text/oracle_support.h"
+
+namespace tandem::engine {
+namespace {
+
+using nlohmann::json;
+
+class EngineServer : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new std::filesystem::path(test::temp_path("engine-model").replace_extension());
+    // float32 weights: batched and single-sequence runs then agree far below greedy near-ties.
+    std::string cmd = std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --dtype f32 --out " +
+                      test::quote(*dir_) + " >/dev/null 2>&1";
+    ASSERT_EQ(test::run_command(cmd), 0);
+    model_ = new model::DeepSeekModel(model::DeepSeekModel::load(*dir_));
+    tok_ = new text::Tokenizer(text::Tokenizer::from_dir(*dir_));
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete tok_;
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+  }
+
+  static std::vector<std::string> engine_args(std::vector<std::string> extra = {}) {
+    std::vector<std::string> a = {TANDEM_BINARY, "engine", "--model", dir_->string(),
+                                  "--served-model-name", "tiny", "--host", "127.0.0.1",
+                                  "--port", "0"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+
+  static std::string greedy(const std::vector<int32_t>& prompt, int64_t max_tokens) {
+    SamplingParams p;
+    p.temperature = 0;
+    p.max_tokens = max_tokens;
+    p.ignore_eos = true;
+    return generate(*model_, *tok_, prompt, p).text;
+  }
+
+  static json get_json(uint16_t port, const std::string& target) {
+    auto r = net::http_request("127.0.0.1", port, "GET", target);
+    EXPECT_EQ(r.status, 200) << target;
+    return json::parse(r.body);
+  }
+
+  // Polls /load until nothing runs or waits (bounded: the test fails rather than hangs).
+  static bool wait_idle(uint16_t port) {
+    for (int i = 0; i < 400; ++i) {
+      auto load = get_json(port, "/load");
+      if (load["running"] == 0 && load["waiting"] == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return false;
+  }
+
+  static double metric(uint16_t port, const std::string& name) {
+    auto r = net::http_request("127.0.0.1", port, "GET", "/metrics");
+    std::istringstream in(r.body);
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind(name + "{", 0) == 0 || line.rfind(name + " ", 0) == 0)
+        return std::stod(line.substr(line.rfind(' ') + 1));
+    ADD_FAILURE() << name << " not in /metrics";
+    return -1;
+  }
+
+  static std::filesystem::path* dir_;
+  static model::DeepSeekModel* model_;
+  static text::Tokenizer* tok_;
+};
+std::filesystem::path* EngineServer::dir_ = nullptr;
+model::DeepSeekModel* EngineServer::model_ = nullptr;
+text::Tokenizer* EngineServer::tok_ = nullptr;
+
+TEST_F(EngineServer, OfficialOpenAIClient) {
+  testing::EngineProcess engine(engine_args());
+  const std::string prompt = "The quick brown fox";
+  const auto ids = tok_->encode(prompt, true);
+  const auto out_path = test::temp_path("openai-client");
+  const std::string cmd = "node " + test::quote(test::oracle_dir() / "openai_client_check.js") + " " +
+                          test::quote("http://127.0.0.1:" + std::to_string(engine.port()) + "/v1") +
+                          " tiny " + test::quote(prompt) + " " + test::quote(json(ids).dump()) +
+                          " > " + test::quote(out_path);
+  ASSERT_EQ(test::run_command(cmd), 0);
+  std::ifstream in(out_path);
+  const json r = json::parse(in);
+  std::filesystem::remove(out_path);
+
+  EXPECT_EQ(r["models"], json::array({"tiny"}));
+  const std::string expected = greedy(ids, 12);
+  EXPECT_EQ(r["completion"]["text"], expected);
+  EXPECT_EQ(r["completion"]["finish"], "length");
+  EXPECT_EQ(r["completion"]["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(r["completion"]["usage"]["prompt_tokens"], ids.size());
+  EXPECT_EQ(r["completion_stream"]["text"], expected);
+  EXPECT_EQ(r["completion_stream"]["finish"], "length");
+  EXPECT_EQ(r["completion_stream"]["usage"]["completion_tokens"], 12);
+  EXPECT_GE(r["completion_stream"]["chunks"].get<int>(), 2);
+  EXPECT_EQ(r["completion_ids"]["text"], expected);
+
+  // Chat: the template's prompt, greedy, streamed and not.
+  nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", prompt}}}},
+                                {"add_generation_prompt", true},
+                                {"bos_token", tok_->bos_token()},
+                                {"eos_token", tok_->eos_token()}};
+  const auto chat_ids = tok_->encode(text::ChatTemplate(tok_->chat_template()).render(ctx), false);
+  const std::string chat_expected = greedy(chat_ids, 10);
+  EXPECT_EQ(r["chat"]["content"], chat_expected);
+  EXPECT_EQ(r["chat"]["role"], "assistant");
+  EXPECT_EQ(r["chat"]["usage"]["prompt_tokens"], chat_ids.size());
+  EXPECT_EQ(r["chat"]["logprobs"], 10);
+  EXPECT_EQ(r["chat"]["top"], 2);
+  EXPECT_EQ(r["chat_stream"]["content"], chat_expected);
+  EXPECT_EQ(r["chat_stream"]["role"], "assistant");
+  EXPECT_EQ(r["chat_stream"]["finish"], "length");
+
+  ASSERT_TRUE(r.contains("stop"));
+  const std::string stop = r["stop"]["stop"];
+  EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
+  EXPECT_EQ(r["stop"]["finish"], "stop");
+
+  EXPECT_EQ(r["abort"]["chunks"], 2);
+  EXPECT_TRUE(wait_idle(engine.port())) << "the aborted request still holds the engine";
+  EXPECT_EQ(metric(engine.port(), "vllm:kv_cache_usage_perc"), 0.0);
+  EXPECT_EQ(r["bad_request"]["status"], 400);
+  EXPECT_EQ(r["bad_request"]["type"], "invalid_request_error");
+  EXPECT_EQ(engine.stop(), 0);
+}
+
+TEST_F(EngineServer, SharedPrefixHitsTheCache) {
+  testing::EngineProcess engine(engine_args({"--block-size", "16"}));
+  std::vector<int32_t> shared;
+  for (int i = 0; i < 64; ++i) shared.push_back(1000 + i);
+  auto ask = [&](int32_t last) {
+    auto p = shared;
+    p.push_back(last);
+    json body = {{"prompt", p}, {"max_tokens", 2}, {"temperature", 0}};
+    auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+    EXPECT_EQ(resp.status, 200) << resp.body;
+    return json::parse(resp.body);
+  };
+  auto first = ask(5);
+  EXPECT_TRUE(first["usage"]["prompt_tokens_details"].is_null());
+  auto second = ask(6);
+  EXPECT_EQ(second["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
+  EXPECT_EQ(metric(engine.port(), "vllm:prefix_cache_hits_total"), 64);
+  EXPECT_EQ(metric(engine.port(), "vllm:prefix_cache_queries_total"), 130);
+}
+
+TEST_F(EngineServer, TinyKvBudgetPreemptsAndStillAnswersEveryRequestCorrectly) {
+  // 10 blocks of 8 tokens = 80 token slots; each request needs up to 30 + 24 = 54 tokens, so
+  // only one fits at a time once they grow: the scheduler must preempt and recompute.
+  testing::EngineProcess engine(
+      engine_args({"--block-size", "8", "--num-kv-blocks", "10", "--max-num-batched-tokens", "64"}));
+  const int n = 6;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < n; ++i) {
+    std::vector<int32_t> p;
+    for (int k = 0; k < 30; ++k) p.push_back(500 + 37 * i + k);
+    prompts.push_back(p);
+  }
+  std::vector<std::future<json>> answers;
+  for (int i = 0; i < n; ++i)
+    answers.push_back(std::async(std::launch::async, [&, i] {
+      json body = {{"prompt", prompts[i]}, {"max_tokens", 24}, {"temperature", 0}, {"ignore_eos", true}};
+      auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions",
+                                    body.dump(), {}, std::chrono::seconds(300));
+      EXPECT_EQ(resp.status, 200) << resp.body;
+      return json::parse(resp.body);
+    }));
+  for (int i = 0; i < n; ++i) {
+    json a = answers[i].get();
+    EXPECT_EQ(a["choices"][0]["text"], greedy(prompts[i], 24)) << "request " << i;
+    EXPECT_EQ(a["usage"]["completion_tokens"], 24);
+  }
+  EXPECT_GT(metric(engine.port(), "vllm:num_preemptions_total"), 0);
+  EXPECT_TRUE(wait_idle(engine.port()));
+  EXPECT_EQ(get_json(engine.port(), "/load")["free_blocks"], 10);
+  // A request that could never fit is refused up front instead of looping forever.
+  json huge = {{"prompt", std::vector<int32_t>(70, 1000)}, {"max_tokens", 20}};
+  auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", huge.dump());
+  EXPECT_EQ(resp.status, 400);
+  EXPECT_NE(resp.body.find("KV cache"), std::string::npos) << resp.body;
+}
+
+TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
+  testing::EngineProcess engine(engine_args({"--max-body-bytes", "4096"}));
+  auto post = [&](const std::string& target, const std::string& body) {
+    return net::http_request("127.0.0.1", engine.port(), "POST", target, body);
+  };
+  auto check = [](const net::HttpClientResponse& r, int status) {
+    EXPECT_EQ(r.status, status) << r.body;
+    auto j = json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r.body;
+    EXPECT_TRUE(j["error"]["message"].is_string()) << r.body;
+  };
+  check(post("/v1/completions", "{not json"), 400);
+  check(post("/v1/completions", std::string(100, '[')), 400);
+  check(post("/v1/completions", R"({"prompt": "x", "max_tokens": "many"})"), 400);
+  check(post("/v1/completions", R"({"prompt": [1, 2, 99999999]})"), 400);
+  check(post("/v1/chat/completions", R"({"messages": "hello"})"), 400);
+  check(post("/v1/completions", R"({"prompt": "x", "model": "gpt-4"})"), 404);
+  check(post("/v1/completions", "{\"prompt\": \"" + std::string(8000, 'a') + "\"}"), 413);
+  check(post("/generate", R"({"input_ids": [1], "sampling_params": 3})"), 400);
+  check(net::http_request("127.0.0.1", engine.port(), "GET", "/v1/nothing"), 404);
+  check(net::http_request("127.0.0.1", engine.port(), "GET", "/v1/completions"), 405);
+  // The engine is still serving.
+  auto ok = post("/generate", R"({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})");
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(json::parse(ok.body)["meta_info"]["completion_tokens"], 2);
+}
+
+}  // namespace
+}  // namespace tandem::engine

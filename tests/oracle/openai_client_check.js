@@ -1,0 +1,89 @@
+// Drives a Tandem engine with the official `openai` npm client and prints what it got back as
+// JSON on stdout, for engine_server_test to check. Usage:
+//   node openai_client_check.js BASE_URL MODEL PROMPT PROMPT_IDS_JSON
+'use strict';
+const OpenAI = require('openai');
+
+async function main() {
+  const [baseURL, model, prompt, idsJson] = process.argv.slice(2);
+  const ids = JSON.parse(idsJson);
+  const client = new OpenAI({ baseURL, apiKey: 'unused', maxRetries: 0, timeout: 120000 });
+  const out = {};
+
+  out.models = (await client.models.list()).data.map((m) => m.id);
+
+  const greedy = { model, temperature: 0, max_tokens: 12, ignore_eos: true };
+  const c = await client.completions.create({ ...greedy, prompt });
+  out.completion = { text: c.choices[0].text, finish: c.choices[0].finish_reason, usage: c.usage,
+                     object: c.object };
+
+  const s = await client.completions.create({ ...greedy, prompt, stream: true,
+                                              stream_options: { include_usage: true } });
+  let text = '', finish = null, usage = null, chunks = 0;
+  for await (const chunk of s) {
+    chunks++;
+    if (chunk.usage) usage = chunk.usage;
+    for (const ch of chunk.choices) {
+      text += ch.text;
+      if (ch.finish_reason) finish = ch.finish_reason;
+    }
+  }
+  out.completion_stream = { text, finish, usage, chunks };
+
+  const t = await client.completions.create({ ...greedy, prompt: ids });
+  out.completion_ids = { text: t.choices[0].text };
+
+  const messages = [{ role: 'user', content: prompt }];
+  const chat = await client.chat.completions.create({ model, messages, temperature: 0, max_tokens: 10,
+                                                     ignore_eos: true, logprobs: true, top_logprobs: 2 });
+  out.chat = { content: chat.choices[0].message.content, role: chat.choices[0].message.role,
+               finish: chat.choices[0].finish_reason, usage: chat.usage,
+               logprobs: chat.choices[0].logprobs.content.length,
+               top: chat.choices[0].logprobs.content[0].top_logprobs.length };
+  const cs = await client.chat.completions.create({ model, messages, temperature: 0, max_tokens: 10,
+                                                   ignore_eos: true, stream: true });
+  let content = '', role = null, cfinish = null;
+  for await (const chunk of cs) {
+    for (const ch of chunk.choices) {
+      if (ch.delta.role) role = ch.delta.role;
+      if (ch.delta.content) content += ch.delta.content;
+      if (ch.finish_reason) cfinish = ch.finish_reason;
+    }
+  }
+  out.chat_stream = { content, role, finish: cfinish };
+
+  // Stop string: cut the greedy completion at a piece of its own text.
+  const full = out.completion.text;
+  const stop = full.length >= 4 ? full.slice(Math.floor(full.length / 2), Math.floor(full.length / 2) + 2) : null;
+  if (stop) {
+    const st = await client.completions.create({ ...greedy, prompt, stop: [stop] });
+    out.stop = { stop, text: st.choices[0].text, finish: st.choices[0].finish_reason };
+  }
+
+  // Abort mid-stream: read two chunks, then cancel; the engine must free the request.
+  const controller = new AbortController();
+  const long = await client.completions.create(
+      { model, prompt, max_tokens: 400, ignore_eos: true, stream: true },
+      { signal: controller.signal });
+  let got = 0;
+  try {
+    for await (const chunk of long) {
+      if (++got === 2) controller.abort();
+    }
+  } catch (e) {
+    out.abort = { chunks: got, error: e.constructor.name };
+  }
+
+  try {
+    await client.completions.create({ model, prompt, max_tokens: -1 });
+    out.bad_request = { status: 0 };
+  } catch (e) {
+    out.bad_request = { status: e.status, type: e.error && e.error.type, message: e.error && e.error.message };
+  }
+  process.stdout.write(JSON.stringify(out) + '\n');
+}
+
+main().catch((e) => {
+  process.stderr.write(`openai_client_check: ${e.stack || e}\n`);
+  process.exit(1);
+});
