@@ -10,3 +10,4 @@ function(tandem_lean_test name source)
 endfunction()
 
 tandem_lean_test(metrics_test util/metrics_test.cpp tandem_util nlohmann_json::nlohmann_json)
+tandem_lean_test(sim_latency_test engine/sim_latency_test.cpp tandem_executor)
