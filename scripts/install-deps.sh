@@ -9,7 +9,7 @@ debian_packages=(
   libboost-dev libpcre2-dev libicu-dev nlohmann-json3-dev libsimdjson-dev libxxhash-dev
   libcli11-dev libfmt-dev libspdlog-dev libdnnl-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-jinja2 python3-numpy python3-torch python3-msgpack python3-zmq
+  python3 python3-jinja2 python3-numpy python3-torch python3-msgpack python3-zmq python3-prometheus-client
 )
 # Node.js may come from Debian (nodejs + npm) or from NodeSource (nodejs alone, npm bundled).
 command -v npm >/dev/null 2>&1 || debian_packages+=(nodejs npm)

@@ -229,5 +229,36 @@ TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
   EXPECT_EQ(json::parse(ok.body)["meta_info"]["completion_tokens"], 2);
 }
 
+TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--num-kv-blocks", "64"});
+  EXPECT_EQ(get_json(engine.port(), "/v1/models")["data"][0]["id"], "sim:tiny");
+  auto ask = [&](const std::string& prompt) {
+    json body = {{"prompt", prompt}, {"max_tokens", 20}, {"stop", json::array()}};
+    auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+    EXPECT_EQ(resp.status, 200) << resp.body;
+    return json::parse(resp.body);
+  };
+  auto a = ask("Hello there"), b = ask("Hello there"), c = ask("Something else");
+  // Deterministic tokens: the same prompt continues the same way; generation runs to max_tokens.
+  EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
+  EXPECT_NE(a["choices"][0]["text"], c["choices"][0]["text"]);
+  EXPECT_EQ(a["usage"]["completion_tokens"], 20);
+  EXPECT_EQ(a["choices"][0]["finish_reason"], "length");
+  // The second identical prompt found the first one's full blocks.
+  EXPECT_GT(metric(engine.port(), "vllm:prefix_cache_hits_total"), 0);
+  // Chat works through the DeepSeek-V3 tokenizer's template.
+  json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 5}, {"stream", true}};
+  std::string events;
+  auto resp = net::http_request_stream("127.0.0.1", engine.port(), "POST", "/v1/chat/completions",
+                                       chat.dump(), {}, [&](std::string_view piece) {
+                                         events.append(piece);
+                                         return true;
+                                       });
+  EXPECT_EQ(resp.status, 200);
+  EXPECT_NE(events.find("chat.completion.chunk"), std::string::npos);
+  EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace tandem::engine
