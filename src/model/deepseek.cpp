@@ -194,8 +194,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
         for (int64_t i = 0; i < count; ++i)
           std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk,
                       queries.data() + i * qk);
-        const Matrix k_mat{context, qk, kernels::WeightType::kF32, keys.data(), {}, {}};
-        const Matrix v_mat{vd, context, kernels::WeightType::kF32, values_t.data(), {}, {}};
+        const Matrix k_mat{context, qk, kernels::WeightType::kF32, keys.data(), {}, {}, {}};
+        const Matrix v_mat{vd, context, kernels::WeightType::kF32, values_t.data(), {}, {}, {}};
         kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());
 #pragma omp parallel for schedule(static) if (count * context > (1 << 14))
         for (int64_t i = 0; i < count; ++i) {

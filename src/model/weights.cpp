@@ -51,6 +51,7 @@ class Binder {
         const TensorInfo& s = take(name + ".weight_scale", {rows, 1});
         m.row_scales.resize(rows);
         to_f32(s.dtype, s.data, m.row_scales.data(), rows);
+        kernels::set_int8_row_sums(m);
         break;
       }
     }

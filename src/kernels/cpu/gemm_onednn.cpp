@@ -20,10 +20,10 @@ struct Context {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
   std::mutex mutex;
-  // (tokens or -1 for "any", cols, rows, bf16) -> primitive. Small token counts get a primitive
+  // (tokens or -1 for "any", cols, rows, weight type) -> primitive. Small token counts get a primitive
   // of their exact shape (oneDNN's brgemm kernels); larger ones share one whose token count is
   // given at run time (its jit gemm is the faster of the two there).
-  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, dnnl::matmul> cache;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int>, dnnl::matmul> cache;
 };
 
 Context& context() {
@@ -44,7 +44,7 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   const int64_t key_tokens = n <= kExactShapeMaxTokens ? n : DNNL_RUNTIME_DIM_VAL;
 
   std::lock_guard lock(c.mutex);  // one stream; the forward pass is single-threaded above oneDNN
-  auto key = std::make_tuple(key_tokens, w.cols, w.rows, bf16);
+  auto key = std::make_tuple(key_tokens, w.cols, w.rows, static_cast<int>(w.type));
   auto it = c.cache.find(key);
   if (it == c.cache.end()) {
     // Attention products change shape with the context length; a bounded cache keeps a long
@@ -74,6 +74,33 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   memory src({{n, w.cols}, in_type, Tag::ab}, c.engine, src_ptr);
   memory wei({{w.cols, w.rows}, in_type, Tag::ba}, c.engine, const_cast<void*>(w.data));
   memory dst({{n, w.rows}, Type::f32, Tag::ab}, c.engine, y);
+  it->second.execute(c.stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
+  c.stream.wait();
+  return true;
+}
+
+bool onednn_matmul_u8s8(const Matrix& w, const uint8_t* xq, int64_t n, int32_t* acc) {
+  if (w.type != WeightType::kI8) return false;
+  Context& c = context();
+  const int64_t key_tokens = n <= kExactShapeMaxTokens ? n : DNNL_RUNTIME_DIM_VAL;
+  std::lock_guard lock(c.mutex);
+  auto key = std::make_tuple(key_tokens, w.cols, w.rows, static_cast<int>(w.type));
+  auto it = c.cache.find(key);
+  if (it == c.cache.end()) {
+    if (c.cache.size() >= kMaxCachedPrimitives) c.cache.clear();
+    try {
+      memory::desc src({key_tokens, w.cols}, Type::u8, Tag::ab);
+      memory::desc wei({w.cols, w.rows}, Type::s8, Tag::ba);
+      memory::desc dst({key_tokens, w.rows}, Type::s32, Tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei, dst), c.engine);
+      it = c.cache.emplace(key, dnnl::matmul(pd)).first;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }
+  memory src({{n, w.cols}, Type::u8, Tag::ab}, c.engine, const_cast<uint8_t*>(xq));
+  memory wei({{w.cols, w.rows}, Type::s8, Tag::ba}, c.engine, const_cast<void*>(w.data));
+  memory dst({{n, w.rows}, Type::s32, Tag::ab}, c.engine, acc);
   it->second.execute(c.stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}});
   c.stream.wait();
   return true;

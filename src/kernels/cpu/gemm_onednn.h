@@ -11,4 +11,8 @@ namespace tandem::kernels {
 // y[n, rows] = x[n, cols] W^T. Returns false for weight types oneDNN is not used for (INT8).
 bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y);
 
+// acc[n, rows] = xq[n, cols] (u8) W^T (INT8 weights, unscaled), exact int32 sums: oneDNN's VNNI
+// integer GEMM. Returns false when oneDNN has no kernel for it on this CPU.
+bool onednn_matmul_u8s8(const Matrix& w, const uint8_t* xq, int64_t n, int32_t* acc);
+
 }  // namespace tandem::kernels

@@ -4,6 +4,9 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "kernels/cpu/bf16.h"
 
 namespace tandem::kernels::avx512 {
@@ -116,6 +119,63 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void do
                                    (__m512bh)_mm512_loadu_si512(xb + t * stride + c));
   }
   for (int t = 0; t < n; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+}
+
+bool has_vnni() {
+  static const bool ok = available() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+TANDEM_AVX512 void quantize_u8_rows(const float* x, int64_t cols, int64_t n, int64_t stride,
+                                    uint8_t* out, float* scales) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = x + t * cols;
+    __m512 mx = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xt + c)));
+    float amax = _mm512_reduce_max_ps(mx);
+    for (; c < cols; ++c) amax = std::max(amax, std::abs(xt[c]));
+    const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+    scales[t] = scale;
+    const __m512 inv = _mm512_set1_ps(1.0f / scale);
+    uint8_t* o = out + t * stride;
+    c = 0;
+    for (; c + 16 <= cols; c += 16) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xt + c), inv));  // nearest
+      q = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                                            _mm512_set1_epi32(-127)),
+                           _mm512_set1_epi32(128));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c), _mm512_cvtepi32_epi8(q));
+    }
+    for (; c < cols; ++c) {
+      const int q = static_cast<int>(std::nearbyint(xt[c] / scale));
+      o[c] = static_cast<uint8_t>(std::clamp(q, -127, 127) + 128);
+    }
+    for (; c < stride; ++c) o[c] = 128;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void dot_rows_i8_vnni(
+    const int8_t* row, const uint8_t* xq, int64_t cols, int64_t stride, int64_t n, int32_t* out) {
+  __m512i acc[4][2];
+  for (int t = 0; t < 4; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+  int64_t c = 0;
+  for (; c + 128 <= cols; c += 128) {
+    const __m512i w0 = _mm512_loadu_si512(row + c), w1 = _mm512_loadu_si512(row + c + 64);
+    for (int t = 0; t < n; ++t) {
+      acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], _mm512_loadu_si512(xq + t * stride + c), w0);
+      acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], _mm512_loadu_si512(xq + t * stride + c + 64), w1);
+    }
+  }
+  for (; c < cols; c += 64) {  // the row is masked; the activations are padded to `stride`
+    const int64_t left = cols - c;
+    const __mmask64 m = left >= 64 ? ~0ull : ((1ull << left) - 1);
+    const __m512i w = _mm512_maskz_loadu_epi8(m, row + c);
+    for (int t = 0; t < n; ++t)
+      acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], _mm512_loadu_si512(xq + t * stride + c), w);
+  }
+  for (int t = 0; t < n; ++t)
+    out[t] = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]));
 }
 
 TANDEM_AVX512 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols) {

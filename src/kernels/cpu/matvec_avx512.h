@@ -21,6 +21,16 @@ void to_bf16_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint1
 void dot_rows_bf16_dp(const uint16_t* row, const uint16_t* xb, int64_t cols, int64_t stride,
                       int64_t n, float* out);
 
+// AVX-512 VNNI (vpdpbusd): 64 multiply-adds of u8 x s8 per instruction, into int32.
+bool has_vnni();
+// x[n, cols] float32 -> per-token symmetric int8 (round to nearest, scale max|x|/127) stored as
+// u8 = q + 128 in rows of `stride` (cols rounded up to 64) bytes, padded with 128 (zero).
+void quantize_u8_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint8_t* out,
+                      float* scales);
+// out[t] = sum_c row[c] * xq[t * stride + c] for t < n (n <= 4), exact in int32.
+void dot_rows_i8_vnni(const int8_t* row, const uint8_t* xq, int64_t cols, int64_t stride,
+                      int64_t n, int32_t* out);
+
 // y[cols] += a * row, row in BF16: the building block of transposed products.
 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);
 // y[cols] += a * row, row in INT8 (the caller folds the row scale into a).

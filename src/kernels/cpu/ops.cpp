@@ -93,7 +93,64 @@ void row_dots(const Matrix& w, int64_t r, const float* x, int64_t m, float* out,
   }
 }
 
+// INT8 weights times activations quantised per token: integer products (VNNI), then one scale
+// per row and token. Few tokens stream each weight row once for up to four of them; many go
+// to oneDNN's integer GEMM.
+void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool try_gemm = true) {
+  const bool gemm = try_gemm && n >= kInt8GemmMinTokens;
+  const int64_t stride = gemm ? w.cols : (w.cols + 63) / 64 * 64;
+  thread_local std::vector<uint8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> acc;
+  xq.resize(static_cast<size_t>(n * stride));
+  xs.resize(static_cast<size_t>(n));
+  uint8_t* xqp = xq.data();
+  float* xsp = xs.data();
+#pragma omp parallel for schedule(static) if (n * w.cols > (1 << 16))
+  for (int64_t t = 0; t < n; ++t)
+    avx512::quantize_u8_rows(x + t * w.cols, w.cols, 1, stride, xqp + t * stride, xsp + t);
+  const int32_t* sums = w.row_sums.data();
+  const float* scales = w.row_scales.data();
+  if (gemm) {
+    acc.resize(static_cast<size_t>(n * w.rows));
+    if (onednn_matmul_u8s8(w, xqp, n, acc.data())) {
+      const int32_t* a = acc.data();
+#pragma omp parallel for schedule(static) if (n * w.rows > (1 << 15))
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t r = 0; r < w.rows; ++r)
+          y[t * w.rows + r] =
+              static_cast<float>(a[t * w.rows + r] - 128 * sums[r]) * scales[r] * xsp[t];
+      return;
+    }
+    // No oneDNN kernel: quantise again with the padded stride the row kernel expects.
+    matmul_int8_vnni(w, x, n, y, /*try_gemm=*/false);
+    return;
+  }
+  const auto* base = static_cast<const int8_t*>(w.data);
+#pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 15))
+  for (int64_t r = 0; r < w.rows; ++r) {
+    for (int64_t t = 0; t < n; t += 4) {
+      const int64_t m = std::min<int64_t>(4, n - t);
+      int32_t out[4];
+      avx512::dot_rows_i8_vnni(base + r * w.cols, xqp + t * stride, w.cols, stride, m, out);
+      for (int64_t i = 0; i < m; ++i)
+        y[(t + i) * w.rows + r] = static_cast<float>(out[i] - 128 * sums[r]) * scales[r] * xsp[t + i];
+    }
+  }
+}
+
 }  // namespace
+
+void set_int8_row_sums(Matrix& w) {
+  w.row_sums.assign(static_cast<size_t>(w.rows), 0);
+  const auto* base = static_cast<const int8_t*>(w.data);
+#pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 16))
+  for (int64_t r = 0; r < w.rows; ++r) {
+    int32_t s = 0;
+    for (int64_t c = 0; c < w.cols; ++c) s += base[r * w.cols + c];
+    w.row_sums[r] = s;
+  }
+}
 
 size_t Matrix::bytes() const {
   size_t per = type == WeightType::kF32 ? 4 : type == WeightType::kBF16 ? 2 : 1;
@@ -123,9 +180,13 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     }
     return;
   }
+  if (w.type == WeightType::kI8 && avx512::has_vnni() && !w.row_sums.empty()) {
+    matmul_int8_vnni(w, x, n, y);
+    return;
+  }
   if (n >= kInt8GemmMinTokens && w.type == WeightType::kI8) {
-    // INT8 weights times many tokens: widen the matrix to scaled BF16 once (memory-bound, about
-    // 1/n of the product's work) and use the BF16 GEMM.
+    // No VNNI: widen the matrix to scaled BF16 once (memory-bound, about 1/n of the product's
+    // work) and use the BF16 GEMM.
     thread_local std::vector<uint8_t> widened;
     widened.resize(static_cast<size_t>(w.rows * w.cols) * 2);
     auto* out = reinterpret_cast<uint16_t*>(widened.data());
@@ -134,7 +195,7 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     for (int64_t r = 0; r < w.rows; ++r)
       for (int64_t c = 0; c < w.cols; ++c)
         out[r * w.cols + c] = f32_to_bf16(in[r * w.cols + c] * w.row_scales[r]);
-    const Matrix bf16{w.rows, w.cols, WeightType::kBF16, widened.data(), {}, {}};
+    const Matrix bf16{w.rows, w.cols, WeightType::kBF16, widened.data(), {}, {}, {}};
     if (onednn_matmul(bf16, x, n, y)) return;
   }
   matmul_f32_activations(w, x, n, y);

@@ -17,12 +17,20 @@ struct Matrix {
   WeightType type = WeightType::kF32;
   const void* data = nullptr;
   std::vector<float> row_scales;  // kI8 only
+  // kI8 only: the sum of each row's int8 values. The VNNI products take unsigned activations
+  // (int8 + 128); this is what removes the offset again. Filled by set_int8_row_sums().
+  std::vector<int32_t> row_sums;
   std::vector<uint8_t> storage;   // owned bytes when the weights were converted at load
   size_t bytes() const;
 };
 
+// Computes row_sums of an INT8 matrix (once, at load).
+void set_int8_row_sums(Matrix& w);
+
 // y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows]. With many tokens
-// and BF16 weights, activations are rounded to BF16 for the GEMM.
+// and BF16 weights, activations are rounded to BF16 for the GEMM. With INT8 weights (and a CPU
+// with AVX-512 VNNI) activations are quantised per token to int8 (symmetric, scale max|x|/127),
+// as W8A8 checkpoints are meant to run, and the products are exact integer dot products.
 void matmul(const Matrix& w, const float* x, int64_t n, float* y);
 // The same product with activations kept in float32 whatever n is: for the MoE router, whose
 // top-k choice must not flip on activation rounding (DeepSeek computes it in float32 too).
