@@ -1,1 +1,334 @@
 #include "engine/kv/kv_cache_manager.h"
+
+#include <algorithm>
+#include <limits>
+#include <unordered_set>
+#include <utility>
+
+#include "util/block_hash.h"
+#include "util/error.h"
+
+namespace tandem::engine {
+namespace {
+
+std::string describe(int32_t block) {
+  return "block " + std::to_string(block);
+}
+
+}  // namespace
+
+KvCacheManager::KvCacheManager(int64_t num_blocks, int64_t block_size, bool enable_prefix_caching,
+                               KvCacheOptions options)
+    : block_size_(block_size),
+      enable_prefix_caching_(enable_prefix_caching),
+      options_(std::move(options)) {
+  if (num_blocks < 1 || num_blocks > std::numeric_limits<int32_t>::max()) {
+    throw Error("KvCacheManager: num_blocks must be in [1, 2^31-1], got " +
+                std::to_string(num_blocks));
+  }
+  if (block_size < 1) {
+    throw Error("KvCacheManager: block_size must be at least 1, got " + std::to_string(block_size));
+  }
+  blocks_.resize(static_cast<size_t>(num_blocks));
+  for (int32_t b = 0; b < static_cast<int32_t>(num_blocks); ++b) push_back(b);
+}
+
+// ---- free queue: an intrusive doubly linked list over blocks_, O(1) removal from the middle ----
+
+void KvCacheManager::push_front(int32_t b) {
+  Block& block = blocks_[b];
+  block.prev = -1;
+  block.next = head_;
+  if (head_ >= 0) blocks_[head_].prev = b;
+  head_ = b;
+  if (tail_ < 0) tail_ = b;
+  block.in_free = true;
+  ++num_free_;
+}
+
+void KvCacheManager::push_back(int32_t b) {
+  Block& block = blocks_[b];
+  block.next = -1;
+  block.prev = tail_;
+  if (tail_ >= 0) blocks_[tail_].next = b;
+  tail_ = b;
+  if (head_ < 0) head_ = b;
+  block.in_free = true;
+  ++num_free_;
+}
+
+void KvCacheManager::unlink(int32_t b) {
+  Block& block = blocks_[b];
+  if (block.prev >= 0)
+    blocks_[block.prev].next = block.next;
+  else
+    head_ = block.next;
+  if (block.next >= 0)
+    blocks_[block.next].prev = block.prev;
+  else
+    tail_ = block.prev;
+  block.prev = block.next = -1;
+  block.in_free = false;
+  --num_free_;
+}
+
+int32_t KvCacheManager::pop_front() {
+  const int32_t b = head_;
+  unlink(b);
+  return b;
+}
+
+void KvCacheManager::record(KvEvent event) {
+  if (options_.enable_events) events_.push_back(std::move(event));
+}
+
+// ---- prefix cache ----
+
+PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
+                                             std::optional<uint64_t> cache_salt) const {
+  PrefixHit hit;
+  hit.num_query_tokens = static_cast<int64_t>(tokens.size());
+  hit.cache_salt = cache_salt;
+  if (!enable_prefix_caching_ || tokens.empty()) return hit;
+  // Leave the last token uncached: the model must run on at least one token to give logits.
+  const size_t max_blocks = (tokens.size() - 1) / static_cast<size_t>(block_size_);
+  const size_t bs = static_cast<size_t>(block_size_);
+  for (size_t i = 0; i < max_blocks; ++i) {
+    const auto block_tokens = tokens.subspan(i * bs, bs);
+    const uint64_t h = i == 0 ? block_hash(std::nullopt, block_tokens, cache_salt)
+                              : block_hash(hit.hashes.back(), block_tokens);
+    const auto it = cached_.find(h);
+    if (it == cached_.end()) break;
+    hit.blocks.push_back(it->second);
+    hit.hashes.push_back(h);
+  }
+  hit.num_tokens = static_cast<int64_t>(hit.blocks.size()) * block_size_;
+  return hit;
+}
+
+bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
+                              const PrefixHit& hit) {
+  if (num_tokens < 0) {
+    throw Error("allocate: num_tokens must be >= 0 for request '" + request_id + "', got " +
+                std::to_string(num_tokens));
+  }
+  const auto existing = requests_.find(request_id);
+  const bool is_new = existing == requests_.end();
+  if (!is_new && !hit.blocks.empty()) {
+    throw Error("allocate: request '" + request_id +
+                "' already has a block table; a prefix hit is only for its first allocation");
+  }
+  if (hit.blocks.size() != hit.hashes.size() ||
+      hit.num_tokens != static_cast<int64_t>(hit.blocks.size()) * block_size_) {
+    throw Error("allocate: malformed prefix hit for request '" + request_id + "'");
+  }
+  if (num_tokens < hit.num_tokens) {
+    throw Error("allocate: request '" + request_id + "' asks for " + std::to_string(num_tokens) +
+                " tokens, fewer than its " + std::to_string(hit.num_tokens) + " cached ones");
+  }
+  // The hit must still describe the cache: nothing may have evicted or reset in between.
+  int64_t hit_blocks_free = 0;
+  for (size_t i = 0; i < hit.blocks.size(); ++i) {
+    const int32_t b = hit.blocks[i];
+    const auto it = cached_.find(hit.hashes[i]);
+    if (b < 0 || b >= num_blocks() || it == cached_.end() || it->second != b) {
+      throw Error("allocate: the prefix hit for request '" + request_id +
+                  "' is stale (the cache changed after find_cached_prefix)");
+    }
+    if (blocks_[b].ref == 0) ++hit_blocks_free;
+  }
+
+  const int64_t have = is_new ? static_cast<int64_t>(hit.blocks.size())
+                              : static_cast<int64_t>(existing->second.blocks.size());
+  const int64_t needed = (num_tokens + block_size_ - 1) / block_size_;
+  const int64_t new_blocks = std::max<int64_t>(0, needed - have);
+  if (new_blocks + hit_blocks_free > num_free_) return false;
+
+  Request& request = is_new ? requests_[request_id] : existing->second;
+  if (is_new) {
+    request.cache_salt = hit.cache_salt;
+    for (size_t i = 0; i < hit.blocks.size(); ++i) {
+      const int32_t b = hit.blocks[i];
+      if (blocks_[b].ref == 0) unlink(b);
+      ++blocks_[b].ref;
+      request.blocks.push_back(b);
+    }
+    request.hashes = hit.hashes;
+    request.num_registered = hit.blocks.size();
+    if (enable_prefix_caching_ && hit.num_query_tokens > 0) {
+      ++stats_.requests;
+      stats_.queries += hit.num_query_tokens;
+      stats_.hits += hit.num_tokens;
+    }
+  }
+  BlockRemoved removed{{}, options_.medium};
+  for (int64_t i = 0; i < new_blocks; ++i) {
+    const int32_t b = pop_front();
+    Block& block = blocks_[b];
+    if (block.cached) {  // evict: the block is about to be overwritten
+      cached_.erase(block.hash);
+      block.cached = false;
+      removed.block_hashes.push_back(block.hash);
+      ++stats_.evicted_blocks;
+    }
+    block.ref = 1;
+    request.blocks.push_back(b);
+  }
+  if (!removed.block_hashes.empty()) record(std::move(removed));
+  return true;
+}
+
+void KvCacheManager::cache_full_blocks(const std::string& request_id,
+                                       std::span<const int32_t> tokens) {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    throw Error("cache_full_blocks: unknown request '" + request_id + "'");
+  }
+  Request& request = it->second;
+  const size_t bs = static_cast<size_t>(block_size_);
+  if (tokens.size() > request.blocks.size() * bs) {
+    throw Error("cache_full_blocks: request '" + request_id + "' has " +
+                std::to_string(tokens.size()) + " computed tokens but blocks for only " +
+                std::to_string(request.blocks.size() * bs));
+  }
+  if (!enable_prefix_caching_) return;
+  const size_t full = tokens.size() / bs;
+  if (full <= request.num_registered) return;
+  extend_block_hashes(request.hashes, tokens.first(full * bs), block_size_, request.cache_salt);
+
+  // One BlockStored per run of consecutive newly cached blocks (a duplicate breaks the run, since
+  // an event's blocks must chain from its parent hash).
+  BlockStored run;
+  const auto flush = [&] {
+    if (!run.block_hashes.empty()) record(std::move(run));
+    run = BlockStored{};
+  };
+  for (size_t i = request.num_registered; i < full; ++i) {
+    const uint64_t h = request.hashes[i];
+    const int32_t b = request.blocks[i];
+    if (cached_.count(h) != 0) {  // another block already holds this prefix: keep ours private
+      flush();
+      continue;
+    }
+    Block& block = blocks_[b];
+    block.cached = true;
+    block.hash = h;
+    cached_.emplace(h, b);
+    if (run.block_hashes.empty()) {
+      if (i > 0) run.parent_block_hash = request.hashes[i - 1];
+      run.block_size = block_size_;
+      run.medium = options_.medium;
+    }
+    run.block_hashes.push_back(h);
+    const auto block_tokens = tokens.subspan(i * bs, bs);
+    run.token_ids.insert(run.token_ids.end(), block_tokens.begin(), block_tokens.end());
+  }
+  flush();
+  request.num_registered = full;
+}
+
+void KvCacheManager::free(const std::string& request_id) {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  const std::vector<int32_t>& table = it->second.blocks;
+  // Reverse order, so that a sequence's tail is evicted before its head.
+  for (auto b = table.rbegin(); b != table.rend(); ++b) {
+    Block& block = blocks_[*b];
+    if (--block.ref > 0) continue;
+    if (block.cached)
+      push_back(*b);
+    else
+      push_front(*b);  // holds nothing reusable: hand it out first
+  }
+  requests_.erase(it);
+}
+
+void KvCacheManager::reset_prefix_cache() {
+  for (const auto& [hash, b] : cached_) blocks_[b].cached = false;
+  cached_.clear();
+  record(AllBlocksCleared{});
+}
+
+std::vector<KvEvent> KvCacheManager::take_events() {
+  return std::exchange(events_, {});
+}
+
+const std::vector<int32_t>& KvCacheManager::block_table(const std::string& request_id) const {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end()) throw Error("block_table: unknown request '" + request_id + "'");
+  return it->second.blocks;
+}
+
+bool KvCacheManager::has_request(const std::string& request_id) const {
+  return requests_.count(request_id) != 0;
+}
+
+double KvCacheManager::usage() const {
+  return 1.0 - static_cast<double>(num_free_) / static_cast<double>(blocks_.size());
+}
+
+int32_t KvCacheManager::ref_count(int32_t block) const {
+  if (block < 0 || block >= num_blocks()) throw Error("ref_count: no " + describe(block));
+  return blocks_[block].ref;
+}
+
+std::optional<uint64_t> KvCacheManager::cached_hash(int32_t block) const {
+  if (block < 0 || block >= num_blocks()) throw Error("cached_hash: no " + describe(block));
+  if (!blocks_[block].cached) return std::nullopt;
+  return blocks_[block].hash;
+}
+
+void KvCacheManager::check_invariants() const {
+  const auto fail = [](const std::string& what) {
+    throw Error("KvCacheManager invariant: " + what);
+  };
+  // Free queue: a well-linked list of exactly the unreferenced blocks.
+  int64_t walked = 0;
+  int32_t prev = -1;
+  for (int32_t b = head_; b >= 0; b = blocks_[b].next) {
+    if (++walked > num_blocks()) fail("free queue has a cycle");
+    if (!blocks_[b].in_free) fail(describe(b) + " is in the free queue but not marked free");
+    if (blocks_[b].prev != prev) fail(describe(b) + " has a wrong prev link");
+    prev = b;
+  }
+  if (prev != tail_) fail("free queue tail is wrong");
+  if (walked != num_free_) fail("free count differs from the free queue length");
+  // Reference counts equal the number of block tables holding a block.
+  std::vector<int32_t> refs(blocks_.size(), 0);
+  for (const auto& [id, request] : requests_) {
+    std::unordered_set<int32_t> seen;
+    for (const int32_t b : request.blocks) {
+      if (b < 0 || b >= num_blocks()) fail("request '" + id + "' holds " + describe(b));
+      if (!seen.insert(b).second) fail("request '" + id + "' holds " + describe(b) + " twice");
+      ++refs[b];
+    }
+    if (request.num_registered > request.hashes.size() && enable_prefix_caching_) {
+      fail("request '" + id + "' registered blocks without hashes");
+    }
+    if (request.hashes.size() > request.blocks.size()) {
+      fail("request '" + id + "' has more hashes than blocks");
+    }
+  }
+  int64_t used = 0;
+  for (int32_t b = 0; b < num_blocks(); ++b) {
+    const Block& block = blocks_[b];
+    if (block.ref != refs[b]) {
+      fail(describe(b) + " has ref " + std::to_string(block.ref) + " but " +
+           std::to_string(refs[b]) + " tables hold it");
+    }
+    if (block.in_free != (block.ref == 0)) fail(describe(b) + " is free iff unreferenced: broken");
+    if (block.ref > 0) ++used;
+    if (block.cached) {
+      const auto it = cached_.find(block.hash);
+      if (it == cached_.end() || it->second != b) fail(describe(b) + " is cached but not mapped");
+    }
+  }
+  if (used + num_free_ != num_blocks()) fail("free + used blocks differ from the total");
+  for (const auto& [hash, b] : cached_) {
+    if (b < 0 || b >= num_blocks() || !blocks_[b].cached || blocks_[b].hash != hash) {
+      fail("hash map entry points to a block that does not hold the hash");
+    }
+  }
+}
+
+}  // namespace tandem::engine

@@ -1,2 +1,150 @@
 #pragma once
-// (being written)
+// The engine's paged KV-cache block manager with automatic prefix caching.
+//
+// It hands out ids of the fixed-size blocks of model::LatentCache (it manages ids, never memory)
+// and remembers which full blocks hold which token prefix, so a new request whose prompt starts
+// like an earlier one reuses those blocks instead of recomputing them. Modelled on vLLM v1's
+// KVCacheManager/BlockPool:
+//   - every block has a reference count (the number of request block tables holding it);
+//   - unreferenced blocks sit in a free queue in LRU order: blocks that hold a cached full block
+//     go to the tail when freed (a request's blocks in reverse order, so a sequence's last blocks
+//     are evicted before its first ones), blocks with nothing cached go to the head;
+//   - allocation takes blocks from the head; taking a cached block evicts it (its hash leaves the
+//     cache and a BlockRemoved event is recorded);
+//   - a hash maps to at most one block. When two requests compute the same block at the same time
+//     the first to be registered is cached and the other copy stays private to its request.
+//
+// Block hashes are util/block_hash.h's chained XXH3-64 over token ids, with an optional per-request
+// cache salt folded into the first block.
+//
+// Typical scheduler use per step:
+//   new request:  hit = find_cached_prefix(prompt); allocate(id, hit.num_tokens + n, hit)
+//   running one:  allocate(id, num_computed + n)        (false: preempt someone, retry)
+//   after the step: cache_full_blocks(id, tokens whose KV is now computed)
+//   finished:     free(id)
+//   end of step:  publisher.publish({now, take_events()})
+//
+// Not thread-safe by design: the scheduler thread owns it.
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/kv/kv_events.h"
+
+namespace tandem::engine {
+
+// The cached blocks found for a new request's tokens; pass it to allocate() for that request.
+struct PrefixHit {
+  std::vector<int32_t> blocks;   // cached blocks holding the prefix, in order
+  std::vector<uint64_t> hashes;  // their block hashes
+  int64_t num_tokens = 0;        // tokens they hold: blocks.size() * block_size
+  int64_t num_query_tokens = 0;  // length of the sequence looked up (hit-rate statistics)
+  std::optional<uint64_t> cache_salt;
+};
+
+// Cumulative counters, as vLLM's prefix_cache_queries / prefix_cache_hits (in tokens).
+struct PrefixCacheStats {
+  int64_t requests = 0;  // new requests allocated with a prefix lookup
+  int64_t queries = 0;   // tokens looked up
+  int64_t hits = 0;      // tokens found cached
+  int64_t evicted_blocks = 0;
+};
+
+struct KvCacheOptions {
+  bool enable_events = false;  // record KvEvents for take_events()
+  std::string medium = "CPU";  // the `medium` field of the events
+};
+
+class KvCacheManager {
+ public:
+  // Manages block ids [0, num_blocks). Throws tandem::Error when num_blocks < 1, block_size < 1 or
+  // num_blocks does not fit an int32 block id.
+  KvCacheManager(int64_t num_blocks, int64_t block_size, bool enable_prefix_caching,
+                 KvCacheOptions options = {});
+
+  // The longest run of cached full blocks that starts `tokens`. Never covers the whole sequence:
+  // at least its last token is left to compute so the model produces logits. Changes nothing;
+  // the hit is valid until the next allocate/free/reset call. Empty when caching is off.
+  PrefixHit find_cached_prefix(std::span<const int32_t> tokens,
+                               std::optional<uint64_t> cache_salt = std::nullopt) const;
+
+  // Grows the request's block table to cover its first `num_tokens` tokens (already computed
+  // ones included). The first call for a request creates it and takes the blocks of `hit`
+  // (referencing them; ones in the free queue leave it) and counts the lookup in the statistics;
+  // later calls must pass no hit. Returns false, changing nothing, when there are not enough free
+  // blocks. Throws tandem::Error on misuse (a stale hit, a hit for a known request, negative size).
+  bool allocate(const std::string& request_id, int64_t num_tokens, const PrefixHit& hit = {});
+
+  // Registers the request's full blocks that are now computed: `tokens` are all its tokens whose
+  // KV is in the cache, from the start (the same prefix as in earlier calls). Records one
+  // BlockStored per run of newly cached blocks. No-op when caching is off. Throws tandem::Error
+  // for an unknown request or more tokens than the block table covers.
+  void cache_full_blocks(const std::string& request_id, std::span<const int32_t> tokens);
+
+  // Drops the request's references; blocks nobody else references return to the free queue, and
+  // cached ones stay findable until evicted. Unknown ids are ignored (free is idempotent).
+  void free(const std::string& request_id);
+
+  // Throws tandem::Error for an unknown request.
+  const std::vector<int32_t>& block_table(const std::string& request_id) const;
+  bool has_request(const std::string& request_id) const;
+
+  int64_t num_blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  int64_t block_size() const { return block_size_; }
+  bool prefix_caching_enabled() const { return enable_prefix_caching_; }
+  int64_t num_free_blocks() const { return num_free_; }  // evictable cached blocks included
+  double usage() const;                                  // 1 - free / total, in [0, 1]
+  int64_t num_cached_blocks() const { return static_cast<int64_t>(cached_.size()); }
+  const PrefixCacheStats& prefix_cache_stats() const { return stats_; }
+
+  // Forgets every cached hash (blocks in use stay allocated, but become private to their
+  // requests) and records AllBlocksCleared.
+  void reset_prefix_cache();
+
+  // The events recorded since the last call, oldest first.
+  std::vector<KvEvent> take_events();
+
+  // Inspection for tests and debugging.
+  int32_t ref_count(int32_t block) const;
+  std::optional<uint64_t> cached_hash(int32_t block) const;
+  // Checks every internal invariant (O(blocks + table entries)); throws tandem::Error naming the
+  // first one broken.
+  void check_invariants() const;
+
+ private:
+  struct Block {
+    int32_t ref = 0;
+    bool in_free = false;
+    bool cached = false;
+    uint64_t hash = 0;             // meaningful when cached
+    int32_t prev = -1, next = -1;  // free-queue links
+  };
+  struct Request {
+    std::vector<int32_t> blocks;
+    std::vector<uint64_t> hashes;  // hashes of its full computed blocks, as far as computed
+    size_t num_registered = 0;     // leading blocks already considered for caching
+    std::optional<uint64_t> cache_salt;
+  };
+
+  void push_front(int32_t b);
+  void push_back(int32_t b);
+  void unlink(int32_t b);
+  int32_t pop_front();
+  void record(KvEvent event);
+
+  int64_t block_size_;
+  bool enable_prefix_caching_;
+  KvCacheOptions options_;
+  std::vector<Block> blocks_;
+  int32_t head_ = -1, tail_ = -1;
+  int64_t num_free_ = 0;
+  std::unordered_map<uint64_t, int32_t> cached_;  // block hash -> block
+  std::unordered_map<std::string, Request> requests_;
+  std::vector<KvEvent> events_;
+  PrefixCacheStats stats_;
+};
+
+}  // namespace tandem::engine

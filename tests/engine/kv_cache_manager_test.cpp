@@ -1,0 +1,488 @@
+// KvCacheManager: allocation, prefix hits, LRU eviction, events, and a randomized property test
+// that drives it through long random sequences of scheduler operations and checks its state
+// against an independent model after every one.
+#include "engine/kv/kv_cache_manager.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "util/block_hash.h"
+#include "util/error.h"
+
+namespace tandem::engine {
+namespace {
+
+std::vector<int32_t> iota_tokens(int32_t first, size_t n) {
+  std::vector<int32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i);
+  return t;
+}
+
+KvCacheOptions with_events() {
+  return KvCacheOptions{.enable_events = true, .medium = "CPU"};
+}
+
+// Runs a request through prefill: lookup, allocate, compute everything, register.
+PrefixHit admit_and_compute(KvCacheManager& m, const std::string& id,
+                            const std::vector<int32_t>& tokens) {
+  PrefixHit hit = m.find_cached_prefix(tokens);
+  EXPECT_TRUE(m.allocate(id, static_cast<int64_t>(tokens.size()), hit));
+  m.cache_full_blocks(id, tokens);
+  return hit;
+}
+
+TEST(KvCacheManagerTest, AllocateGrowAndFree) {
+  KvCacheManager m(10, 4, true);
+  EXPECT_EQ(m.num_free_blocks(), 10);
+  EXPECT_DOUBLE_EQ(m.usage(), 0.0);
+  ASSERT_TRUE(m.allocate("a", 9));
+  EXPECT_EQ(m.block_table("a").size(), 3u);
+  EXPECT_EQ(m.num_free_blocks(), 7);
+  EXPECT_DOUBLE_EQ(m.usage(), 0.3);
+  ASSERT_TRUE(m.allocate("a", 12));  // still fits in three blocks
+  EXPECT_EQ(m.block_table("a").size(), 3u);
+  ASSERT_TRUE(m.allocate("a", 13));
+  EXPECT_EQ(m.block_table("a").size(), 4u);
+  ASSERT_TRUE(m.allocate("a", 5));  // never shrinks
+  EXPECT_EQ(m.block_table("a").size(), 4u);
+  for (const int32_t b : m.block_table("a")) EXPECT_EQ(m.ref_count(b), 1);
+  ASSERT_TRUE(m.allocate("empty", 0));
+  EXPECT_TRUE(m.block_table("empty").empty());
+  m.check_invariants();
+  m.free("a");
+  m.free("a");  // idempotent
+  m.free("empty");
+  EXPECT_FALSE(m.has_request("a"));
+  EXPECT_EQ(m.num_free_blocks(), 10);
+  EXPECT_THROW(m.block_table("a"), Error);
+  m.check_invariants();
+}
+
+TEST(KvCacheManagerTest, FailedAllocationChangesNothing) {
+  KvCacheManager m(4, 4, true, with_events());
+  admit_and_compute(m, "a", iota_tokens(1, 8));  // two cached blocks
+  m.free("a");
+  m.take_events();
+  ASSERT_TRUE(m.allocate("b", 4));
+  // Needs 4 blocks, only 3 free (2 of them cached): refused with no eviction.
+  EXPECT_FALSE(m.allocate("c", 16));
+  EXPECT_FALSE(m.has_request("c"));
+  EXPECT_FALSE(m.allocate("b", 20));
+  EXPECT_EQ(m.block_table("b").size(), 1u);
+  EXPECT_EQ(m.num_free_blocks(), 3);
+  EXPECT_EQ(m.num_cached_blocks(), 2);
+  EXPECT_TRUE(m.take_events().empty());
+  // A hit whose blocks sit in the free queue counts them as taken.
+  const auto tokens = iota_tokens(1, 9);
+  const PrefixHit hit = m.find_cached_prefix(tokens);
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  EXPECT_FALSE(m.allocate("d", 4 * 4, hit));  // 2 hit + 2 new > 3 free
+  EXPECT_FALSE(m.has_request("d"));
+  EXPECT_EQ(m.prefix_cache_stats().requests, 1);  // only "a" so far
+  EXPECT_TRUE(m.allocate("d", 3 * 4, hit));       // 2 hit + 1 new
+  EXPECT_EQ(m.num_free_blocks(), 0);
+  m.check_invariants();
+}
+
+TEST(KvCacheManagerTest, PrefixHitSharesBlocksAndLeavesLastToken) {
+  KvCacheManager m(16, 4, true, with_events());
+  const auto prompt = iota_tokens(100, 12);
+  admit_and_compute(m, "a", prompt);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  const auto& stored = std::get<BlockStored>(events[0]);
+  EXPECT_EQ(stored.block_hashes, block_hashes(prompt, 4));
+  EXPECT_FALSE(stored.parent_block_hash);
+  EXPECT_EQ(stored.token_ids, prompt);
+  EXPECT_EQ(stored.block_size, 4);
+  EXPECT_EQ(stored.medium, "CPU");
+
+  // The same 12 tokens: only 2 blocks are reused, so the model still computes the last token.
+  PrefixHit hit = m.find_cached_prefix(prompt);
+  EXPECT_EQ(hit.num_tokens, 8);
+  EXPECT_EQ(hit.blocks,
+            std::vector<int32_t>(m.block_table("a").begin(), m.block_table("a").begin() + 2));
+  // One more token: all three blocks.
+  auto longer = prompt;
+  longer.push_back(7);
+  hit = m.find_cached_prefix(longer);
+  ASSERT_EQ(hit.num_tokens, 12);
+  ASSERT_TRUE(m.allocate("b", 13, hit));
+  const auto& table_b = m.block_table("b");
+  ASSERT_EQ(table_b.size(), 4u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(table_b[i], m.block_table("a")[i]);
+    EXPECT_EQ(m.ref_count(table_b[i]), 2);
+  }
+  EXPECT_EQ(m.ref_count(table_b[3]), 1);
+  EXPECT_EQ(m.num_free_blocks(), 16 - 4);
+  EXPECT_EQ(m.prefix_cache_stats().requests, 2);
+  EXPECT_EQ(m.prefix_cache_stats().queries, 12 + 13);
+  EXPECT_EQ(m.prefix_cache_stats().hits, 12);
+
+  // b's cached blocks stay put when a is freed, and its own full block chains from a's.
+  m.free("a");
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(m.ref_count(table_b[i]), 1);
+  EXPECT_EQ(m.num_free_blocks(), 16 - 4);
+  longer.insert(longer.end(), {8, 9, 10});
+  ASSERT_TRUE(m.allocate("b", 16));
+  m.cache_full_blocks("b", longer);
+  const auto more = m.take_events();
+  ASSERT_EQ(more.size(), 1u);
+  const auto& stored_b = std::get<BlockStored>(more[0]);
+  EXPECT_EQ(stored_b.parent_block_hash, block_hashes(prompt, 4).back());
+  EXPECT_EQ(stored_b.block_hashes, std::vector<uint64_t>{block_hashes(longer, 4)[3]});
+  EXPECT_EQ(stored_b.token_ids, std::vector<int32_t>(longer.begin() + 12, longer.end()));
+  // Filling every other block cannot take b's blocks.
+  ASSERT_TRUE(m.allocate("c", 12 * 4));
+  EXPECT_FALSE(m.allocate("d", 1));
+  std::set<int32_t> c_blocks(m.block_table("c").begin(), m.block_table("c").end());
+  for (const int32_t b : table_b) EXPECT_EQ(c_blocks.count(b), 0u);
+  m.check_invariants();
+}
+
+TEST(KvCacheManagerTest, EvictsUncachedFirstThenLruTailFirst) {
+  KvCacheManager m(6, 2, true, with_events());
+  // "a" computes 3 full blocks (cached) and 1 partial block; "b" one full block.
+  const auto a = iota_tokens(1, 7);
+  const auto b = iota_tokens(50, 2);
+  ASSERT_TRUE(m.allocate("a", 7));
+  m.cache_full_blocks("a", a);
+  ASSERT_TRUE(m.allocate("b", 2));
+  m.cache_full_blocks("b", b);
+  const auto table_a = m.block_table("a");
+  const auto table_b = m.block_table("b");
+  m.take_events();
+  m.free("a");  // a's tail block (partial, uncached) goes to the head; cached ones to the tail
+  m.free("b");
+  EXPECT_EQ(m.num_cached_blocks(), 4);
+  const auto hashes_a = block_hashes(a, 2);
+
+  // Free queue now: [5 (never used), a3 (uncached)] then a2, a1, a0, b0 in LRU order. The exact
+  // head order of uncached blocks is not specified; what matters is they go before cached ones.
+  ASSERT_TRUE(m.allocate("x", 4));  // 2 blocks: both uncached, no eviction
+  EXPECT_TRUE(m.take_events().empty());
+  EXPECT_EQ(m.num_cached_blocks(), 4);
+  std::set<int32_t> x(m.block_table("x").begin(), m.block_table("x").end());
+  EXPECT_TRUE(x.count(table_a[3]));
+
+  ASSERT_TRUE(m.allocate("y", 4));  // 2 more: evicts a2 then a1 (a's tail before its head)
+  EXPECT_EQ(m.block_table("y"), (std::vector<int32_t>{table_a[2], table_a[1]}));
+  auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(std::get<BlockRemoved>(events[0]).block_hashes,
+            (std::vector<uint64_t>{hashes_a[2], hashes_a[1]}));
+  EXPECT_EQ(m.prefix_cache_stats().evicted_blocks, 2);
+
+  // a0 is still findable (and b0): a hit takes a0 out of the free queue, so the next allocation
+  // evicts b0 instead.
+  PrefixHit hit = m.find_cached_prefix(a);
+  ASSERT_EQ(hit.blocks, std::vector<int32_t>{table_a[0]});
+  ASSERT_TRUE(m.allocate("z", 2, hit));
+  EXPECT_EQ(m.ref_count(table_a[0]), 1);
+  ASSERT_TRUE(m.allocate("w", 2));
+  EXPECT_EQ(m.block_table("w"), std::vector<int32_t>{table_b[0]});
+  events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(std::get<BlockRemoved>(events[0]).block_hashes, block_hashes(b, 2));
+  EXPECT_EQ(m.num_free_blocks(), 0);
+  m.check_invariants();
+}
+
+TEST(KvCacheManagerTest, ConcurrentDuplicateIsCachedOnce) {
+  KvCacheManager m(8, 2, true, with_events());
+  const auto t = iota_tokens(1, 5);
+  ASSERT_TRUE(m.allocate("a", 5));
+  ASSERT_TRUE(m.allocate("b", 5));  // same prompt, scheduled before "a" registered anything
+  m.cache_full_blocks("a", t);
+  m.cache_full_blocks("b", t);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes, block_hashes(t, 2));
+  EXPECT_EQ(m.num_cached_blocks(), 2);
+  for (const int32_t b : m.block_table("b")) EXPECT_FALSE(m.cached_hash(b));
+  // b's private copies go back to the head of the free queue and are reused first.
+  const auto table_b = m.block_table("b");
+  m.free("b");
+  ASSERT_TRUE(m.allocate("c", 6));
+  std::set<int32_t> c(m.block_table("c").begin(), m.block_table("c").end());
+  for (const int32_t b : table_b) EXPECT_TRUE(c.count(b));
+  EXPECT_EQ(m.num_cached_blocks(), 2);
+  m.check_invariants();
+}
+
+TEST(KvCacheManagerTest, ResetSaltDisabledAndMisuse) {
+  KvCacheManager m(8, 2, true, with_events());
+  const auto t = iota_tokens(1, 5);
+  admit_and_compute(m, "a", t);
+  m.take_events();
+  // A salt isolates: the same tokens with a salt find nothing, and vice versa.
+  EXPECT_EQ(m.find_cached_prefix(t, 9).num_tokens, 0);
+  PrefixHit salted = m.find_cached_prefix(t, 9);
+  ASSERT_TRUE(m.allocate("s", 5, salted));
+  m.cache_full_blocks("s", t);
+  auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes, block_hashes(t, 2, 9));
+  EXPECT_EQ(m.find_cached_prefix(t, 9).num_tokens, 4);
+  EXPECT_EQ(m.find_cached_prefix(t, 8).num_tokens, 0);
+
+  // A hit goes stale when the cache changes under it.
+  const PrefixHit hit = m.find_cached_prefix(t);
+  ASSERT_EQ(hit.num_tokens, 4);
+  EXPECT_THROW(m.allocate("a", 5, hit), Error);  // "a" already has its blocks
+  m.reset_prefix_cache();
+  EXPECT_THROW(m.allocate("b", 5, hit), Error);
+  EXPECT_FALSE(m.has_request("b"));
+  events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(std::holds_alternative<AllBlocksCleared>(events[0]));
+  EXPECT_EQ(m.num_cached_blocks(), 0);
+  EXPECT_EQ(m.find_cached_prefix(t).num_tokens, 0);
+  m.check_invariants();
+
+  EXPECT_THROW(m.allocate("a", -1), Error);
+  EXPECT_THROW(m.cache_full_blocks("a", iota_tokens(1, 7)), Error);  // more than its blocks
+  EXPECT_THROW(m.cache_full_blocks("nobody", t), Error);
+  EXPECT_THROW(KvCacheManager(0, 4, true), Error);
+  EXPECT_THROW(KvCacheManager(4, 0, true), Error);
+
+  KvCacheManager off(8, 2, false, with_events());
+  admit_and_compute(off, "a", t);
+  off.free("a");
+  EXPECT_EQ(off.find_cached_prefix(t).num_tokens, 0);
+  EXPECT_EQ(off.num_cached_blocks(), 0);
+  EXPECT_TRUE(off.take_events().empty());
+  EXPECT_EQ(off.prefix_cache_stats().queries, 0);
+
+  KvCacheManager quiet(8, 2, true);  // events off
+  admit_and_compute(quiet, "a", t);
+  EXPECT_EQ(quiet.num_cached_blocks(), 2);
+  EXPECT_TRUE(quiet.take_events().empty());
+}
+
+// ---- randomized property test ----
+
+struct ModelRequest {
+  std::vector<int32_t> tokens;  // prompt, then generated tokens
+  int64_t prompt_len = 0;
+  int64_t computed = 0;   // tokens whose KV is written
+  int64_t scheduled = 0;  // tokens allocated beyond `computed`, computed at the next step
+  std::optional<uint64_t> salt;
+};
+
+class PropertyRun {
+ public:
+  PropertyRun(int64_t num_blocks, int64_t block_size, uint64_t seed)
+      : m_(num_blocks, block_size, true, with_events()), bs_(block_size), rng_(seed) {
+    // A few shared prefixes make hits, duplicates and evictions common.
+    for (int p = 0; p < 4; ++p) {
+      std::vector<int32_t> base(static_cast<size_t>(block_size) * 6);
+      for (auto& t : base) t = static_cast<int32_t>(rng_() % 50);
+      bases_.push_back(base);
+    }
+  }
+
+  void run(int steps) {
+    for (int step = 0; step < steps; ++step) {
+      const int op = static_cast<int>(rng_() % 100);
+      if (op < 30)
+        add_request();
+      else if (op < 80)
+        step_request();
+      else if (op < 99)
+        free_request();
+      else
+        reset();
+      check();
+    }
+    for (const auto& [id, r] : model_) m_.free(id);
+    model_.clear();
+    check();
+    EXPECT_EQ(m_.num_free_blocks(), m_.num_blocks());
+  }
+
+ private:
+  std::string pick() {
+    auto it = model_.begin();
+    std::advance(it, static_cast<long>(rng_() % model_.size()));
+    return it->first;
+  }
+
+  void add_request() {
+    ModelRequest r;
+    const auto& base = bases_[rng_() % bases_.size()];
+    const size_t shared = rng_() % (base.size() + 1);
+    r.tokens.assign(base.begin(), base.begin() + static_cast<long>(shared));
+    const size_t extra = 1 + rng_() % static_cast<size_t>(3 * bs_);
+    for (size_t i = 0; i < extra; ++i) r.tokens.push_back(static_cast<int32_t>(rng_() % 50));
+    if (rng_() % 8 == 0) r.salt = rng_() % 2;
+    r.prompt_len = static_cast<int64_t>(r.tokens.size());
+
+    const PrefixHit hit = m_.find_cached_prefix(r.tokens, r.salt);
+    // The hit is a run of cached blocks holding exactly this prefix, maximal, never everything.
+    const auto expected = block_hashes(r.tokens, bs_, r.salt);
+    EXPECT_LT(hit.num_tokens, r.prompt_len);
+    EXPECT_EQ(hit.num_tokens, static_cast<int64_t>(hit.blocks.size()) * bs_);
+    for (size_t i = 0; i < hit.blocks.size(); ++i) {
+      EXPECT_EQ(m_.cached_hash(hit.blocks[i]), expected[i]);
+      const auto c = content_.find(hit.blocks[i]);
+      EXPECT_TRUE(c != content_.end() && c->second == expected[i])
+          << "hit block holds other tokens";
+    }
+    const size_t limit = static_cast<size_t>((r.prompt_len - 1) / bs_);
+    if (hit.blocks.size() < limit) {
+      EXPECT_EQ(replayed_.count(expected[hit.blocks.size()]), 0u);
+    }
+
+    const int64_t chunk =
+        1 + static_cast<int64_t>(rng_() % static_cast<uint64_t>(r.prompt_len - hit.num_tokens));
+    const std::string id = "r" + std::to_string(next_id_++);
+    const int64_t free_before = m_.num_free_blocks();
+    if (!m_.allocate(id, hit.num_tokens + chunk, hit)) {
+      EXPECT_FALSE(m_.has_request(id));
+      EXPECT_EQ(m_.num_free_blocks(), free_before);
+      return;
+    }
+    ++requests_;
+    queries_ += r.prompt_len;
+    hits_ += hit.num_tokens;
+    r.computed = hit.num_tokens;
+    r.scheduled = chunk;
+    const auto& table = m_.block_table(id);
+    EXPECT_EQ(static_cast<int64_t>(table.size()), (hit.num_tokens + chunk + bs_ - 1) / bs_);
+    EXPECT_TRUE(std::equal(hit.blocks.begin(), hit.blocks.end(), table.begin()));
+    for (size_t i = hit.blocks.size(); i < table.size(); ++i) content_.erase(table[i]);
+    model_.emplace(id, std::move(r));
+  }
+
+  // One engine step for one request: compute what was scheduled, register, schedule more.
+  void step_request() {
+    if (model_.empty()) return;
+    const std::string id = pick();
+    ModelRequest& r = model_.at(id);
+    r.computed += r.scheduled;
+    r.scheduled = 0;
+    const std::span<const int32_t> done(r.tokens.data(), static_cast<size_t>(r.computed));
+    m_.cache_full_blocks(id, done);
+    // Model of what the blocks now hold.
+    const auto hashes = block_hashes(done, bs_, r.salt);
+    const auto& table = m_.block_table(id);
+    for (size_t i = 0; i < hashes.size(); ++i) content_[table[i]] = hashes[i];
+
+    if (r.computed == static_cast<int64_t>(r.tokens.size())) {
+      r.tokens.push_back(static_cast<int32_t>(rng_() % 50));  // decode: one sampled token
+    }
+    const int64_t remaining = static_cast<int64_t>(r.tokens.size()) - r.computed;
+    const int64_t chunk = 1 + static_cast<int64_t>(rng_() % static_cast<uint64_t>(remaining));
+    const size_t old_size = table.size();
+    if (m_.allocate(id, r.computed + chunk)) {
+      r.scheduled = chunk;
+      const auto& grown = m_.block_table(id);
+      for (size_t i = old_size; i < grown.size(); ++i) content_.erase(grown[i]);
+    } else {
+      EXPECT_EQ(m_.block_table(id).size(), old_size);
+      m_.free(id);  // preempted, as the scheduler would when out of blocks
+      model_.erase(id);
+    }
+  }
+
+  void free_request() {
+    if (model_.empty()) return;
+    const std::string id = pick();
+    m_.free(id);
+    model_.erase(id);
+  }
+
+  void reset() { m_.reset_prefix_cache(); }
+
+  void apply_events() {
+    for (const KvEvent& event : m_.take_events()) {
+      if (const auto* s = std::get_if<BlockStored>(&event)) {
+        ASSERT_EQ(s->token_ids.size(), s->block_hashes.size() * static_cast<size_t>(bs_));
+        ASSERT_EQ(s->block_size, bs_);
+        std::optional<uint64_t> parent = s->parent_block_hash;
+        for (size_t i = 0; i < s->block_hashes.size(); ++i) {
+          const std::span<const int32_t> block(s->token_ids.data() + i * bs_,
+                                               static_cast<size_t>(bs_));
+          // The first block of a salted sequence cannot be recomputed without the salt.
+          if (parent) {
+            EXPECT_EQ(block_hash(parent, block), s->block_hashes[i]);
+          }
+          parent = s->block_hashes[i];
+          EXPECT_TRUE(replayed_.insert(s->block_hashes[i]).second) << "stored twice";
+        }
+      } else if (const auto* r = std::get_if<BlockRemoved>(&event)) {
+        for (const uint64_t h : r->block_hashes) {
+          EXPECT_EQ(replayed_.erase(h), 1u) << "removed a hash that was not stored";
+        }
+      } else {
+        replayed_.clear();
+      }
+    }
+  }
+
+  void check() {
+    ASSERT_NO_THROW(m_.check_invariants());
+    apply_events();
+    // Reference counts and free count from the block tables alone.
+    std::unordered_map<int32_t, int32_t> refs;
+    for (const auto& [id, r] : model_) {
+      const auto& table = m_.block_table(id);
+      EXPECT_EQ(static_cast<int64_t>(table.size()), (r.computed + r.scheduled + bs_ - 1) / bs_);
+      std::unordered_set<int32_t> distinct(table.begin(), table.end());
+      EXPECT_EQ(distinct.size(), table.size());
+      for (const int32_t b : table) ++refs[b];
+    }
+    std::unordered_set<uint64_t> cached;
+    for (int32_t b = 0; b < m_.num_blocks(); ++b) {
+      const auto it = refs.find(b);
+      EXPECT_EQ(m_.ref_count(b), it == refs.end() ? 0 : it->second) << "block " << b;
+      if (const auto h = m_.cached_hash(b)) {
+        EXPECT_TRUE(cached.insert(*h).second) << "hash cached in two blocks";
+        const auto c = content_.find(b);
+        ASSERT_TRUE(c != content_.end()) << "cached block " << b << " holds nothing known";
+        EXPECT_EQ(c->second, *h) << "cached block " << b << " holds other tokens";
+      }
+    }
+    EXPECT_EQ(m_.num_free_blocks() + static_cast<int64_t>(refs.size()), m_.num_blocks());
+    EXPECT_EQ(cached, replayed_) << "events replayed differ from the cache";
+    EXPECT_EQ(m_.num_cached_blocks(), static_cast<int64_t>(cached.size()));
+    EXPECT_EQ(m_.prefix_cache_stats().requests, requests_);
+    EXPECT_EQ(m_.prefix_cache_stats().queries, queries_);
+    EXPECT_EQ(m_.prefix_cache_stats().hits, hits_);
+    EXPECT_GE(m_.usage(), 0.0);
+    EXPECT_LE(m_.usage(), 1.0);
+  }
+
+  KvCacheManager m_;
+  int64_t bs_;
+  std::mt19937_64 rng_;
+  std::vector<std::vector<int32_t>> bases_;
+  std::map<std::string, ModelRequest> model_;
+  std::unordered_map<int32_t, uint64_t> content_;  // block -> hash of the full block it holds
+  std::unordered_set<uint64_t> replayed_;          // cache contents rebuilt from events
+  int next_id_ = 0;
+  int64_t requests_ = 0, queries_ = 0, hits_ = 0;
+};
+
+TEST(KvCacheManagerTest, RandomizedOperationsKeepInvariants) {
+  for (const auto& [blocks, bs, seed] : std::vector<std::tuple<int64_t, int64_t, uint64_t>>{
+           {24, 2, 1}, {40, 4, 2}, {64, 3, 3}, {16, 1, 4}, {48, 16, 5}}) {
+    SCOPED_TRACE("blocks " + std::to_string(blocks) + " block_size " + std::to_string(bs));
+    PropertyRun run(blocks, bs, seed);
+    run.run(3000);
+    if (::testing::Test::HasFailure()) break;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::engine
