@@ -93,19 +93,30 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
     }
   }
   out.assign(n * h, 0.0f);
-  std::vector<float> in, res;
-  for (size_t slot = 0; slot < by_slot.size(); ++slot) {
-    const auto& list = by_slot[slot];
-    if (list.empty()) continue;
+  // One expert per thread: each expert's tokens are few (about n * top_k / experts), and a
+  // single-threaded product on a small shape keeps a core busier than one split across cores.
+  std::vector<size_t> active;
+  for (size_t slot = 0; slot < by_slot.size(); ++slot)
+    if (!by_slot[slot].empty()) active.push_back(slot);
+  std::vector<std::vector<float>> results(active.size());
+#pragma omp parallel for schedule(dynamic, 1) if (active.size() > 1)
+  for (size_t i = 0; i < active.size(); ++i) {
+    const auto& list = by_slot[active[i]];
     const int64_t m = static_cast<int64_t>(list.size());
+    thread_local std::vector<float> in;
     in.resize(m * h);
-    res.resize(m * h);
-    for (int64_t i = 0; i < m; ++i)
-      std::copy_n(xn.data() + list[i].first * h, h, in.data() + i * h);
-    mlp(w.experts[slot], in.data(), m, res.data());
-    for (int64_t i = 0; i < m; ++i)
-      kernels::axpy(list[i].second, res.data() + i * h, out.data() + list[i].first * h, h);
+    for (int64_t k = 0; k < m; ++k)
+      std::copy_n(xn.data() + list[k].first * h, h, in.data() + k * h);
+    results[i].resize(m * h);
+    mlp(w.experts[active[i]], in.data(), m, results[i].data());
   }
+  // Summed in expert order, so the result does not depend on which thread ran which expert.
+  for (size_t i = 0; i < active.size(); ++i) {
+    const auto& list = by_slot[active[i]];
+    for (size_t k = 0; k < list.size(); ++k)
+      kernels::axpy(list[k].second, results[i].data() + k * h, out.data() + list[k].first * h, h);
+  }
+  std::vector<float> res;
   if (w.has_shared) {
     res.resize(n * h);
     mlp(w.shared, xn.data(), n, res.data());

@@ -117,5 +117,49 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllKernels, MatmulTest, ::testing::ValuesIn(cases()));
 
+// The MoE layer runs one expert per thread: products called from inside a parallel region (each
+// thread its own matrix and shape) must give exactly what they give when called alone.
+TEST(Matmul, ConcurrentCallsMatchSequentialOnes) {
+  std::mt19937 rng(3);
+  const int count = 8;
+  std::vector<std::vector<uint16_t>> wb(count);
+  std::vector<std::vector<int8_t>> wi(count);
+  std::vector<Matrix> mats;
+  std::vector<std::vector<float>> xs(count);
+  std::vector<int64_t> ns(count);
+  for (int i = 0; i < count; ++i) {
+    const int64_t rows = 96 + 16 * i, cols = 128, n = 5 + 7 * i;
+    ns[i] = n;
+    xs[i].resize(static_cast<size_t>(n * cols));
+    for (auto& v : xs[i]) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
+    Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    if (i % 2 == 0) {
+      wb[i].resize(static_cast<size_t>(rows * cols));
+      for (auto& v : wb[i]) v = f32_to_bf16(static_cast<float>(static_cast<int>(rng() % 201) - 100) / 1000.0f);
+      m.type = WeightType::kBF16;
+      m.data = wb[i].data();
+    } else {
+      wi[i].resize(static_cast<size_t>(rows * cols));
+      for (auto& v : wi[i]) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+      m.type = WeightType::kI8;
+      m.data = wi[i].data();
+      m.row_scales.assign(static_cast<size_t>(rows), 0.01f);
+      set_int8_row_sums(m);
+    }
+    mats.push_back(std::move(m));
+  }
+  std::vector<std::vector<float>> alone(count), together(count);
+  for (int i = 0; i < count; ++i) {
+    alone[i].resize(static_cast<size_t>(ns[i] * mats[i].rows));
+    together[i].resize(alone[i].size());
+    matmul(mats[i], xs[i].data(), ns[i], alone[i].data());
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int i = 0; i < count; ++i) matmul(mats[i], xs[i].data(), ns[i], together[i].data());
+  for (int i = 0; i < count; ++i) EXPECT_EQ(alone[i], together[i]) << "matrix " << i;
+}
+
 }  // namespace
 }  // namespace tandem::kernels
