@@ -1,2 +1,132 @@
 #pragma once
-// (being written)
+// The one HTTP/1.1 server of Tandem (engine API, gateway, metrics). Boost.Beast on C++20
+// coroutines underneath; none of it shows here, so this header stays cheap to include.
+//
+// Threading model. `threads` io threads run every connection, each connection on its own strand.
+// Handlers are called on an io thread and must return quickly: they parse the request, hand it to
+// whoever does the work (the engine's step loop) and return. The work side answers later, from
+// any thread, through the `Exchange` it was given: one complete response, or a stream of chunks
+// (SSE). Nothing on the Exchange blocks on the socket: bytes are queued and the connection's
+// strand writes them. The connection keeps reading while a response is pending, so a client that
+// goes away is noticed at once, even if nothing is being written; the work side learns it through
+// `Exchange::closed()` and `Exchange::on_close()` and can free what the request holds.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "net/http.h"
+
+namespace tandem::net {
+
+namespace detail {
+class ExchangeState;
+class ServerImpl;
+}  // namespace detail
+
+// One request and its response, shared between the connection and whoever produces the
+// response. Hold it by shared_ptr as long as you may still write; every method may be called
+// from any thread, concurrently. Methods that send return false, and do nothing, when the
+// exchange cannot take that call any more: the client is gone, the server is stopping, or the
+// response is already complete (or, for write/end, was never started as a stream).
+//
+// If the last shared_ptr is dropped before the response is complete, the server answers 500 (if
+// nothing was sent yet) or cuts the connection (mid-stream), so a lost response never hangs a
+// client.
+class Exchange {
+ public:
+  explicit Exchange(std::shared_ptr<detail::ExchangeState> state);
+  ~Exchange();
+  Exchange(const Exchange&) = delete;
+  Exchange& operator=(const Exchange&) = delete;
+
+  const HttpRequest& request() const;
+
+  // A complete response.
+  bool respond(HttpResponse response);
+  bool respond(int status, std::string body, std::string content_type = "application/json");
+  // `status` with openai_error_body(message, type, code); an empty type means
+  // default_error_type(status).
+  bool send_error(int status, std::string_view message, std::string_view type = {},
+                  std::string_view code = {});
+
+  // Streaming: start_stream sends the status line and headers (chunked transfer encoding; for an
+  // HTTP/1.0 client the body is unframed and the connection closes at the end), write() queues
+  // one chunk (empty chunks are skipped), end() sends the terminating chunk.
+  bool start_stream(int status = 200, std::string content_type = "text/event-stream",
+                    Headers headers = {});
+  bool write(std::string_view chunk);
+  bool end();
+
+  // True once nothing more can reach the client: it disconnected (or half-closed its side), a
+  // write failed or timed out, or the server is stopping. Stays false after a response completed
+  // normally.
+  bool closed() const;
+  // `callback` runs once if the exchange closes (as closed()) before the response is complete.
+  // It runs on an io thread, so it must be quick and must not block (queue an abort, set a flag).
+  // If the exchange is already closed it runs right away on the calling thread; mind the locks
+  // you hold. Registered after the response is complete, it is dropped without running.
+  void on_close(std::function<void()> callback);
+  // True once respond() or end() was accepted.
+  bool complete() const;
+
+  // Marks the exchange as failed: as if the last reference had been dropped (see above). For the
+  // server's own use when a handler throws; callable by producers that give up.
+  void abort();
+
+ private:
+  std::shared_ptr<detail::ExchangeState> state_;
+};
+
+using Handler = std::function<void(const HttpRequest& request, std::shared_ptr<Exchange> exchange)>;
+
+struct HttpServerOptions {
+  std::string host = "0.0.0.0";
+  uint16_t port = 0;  // 0: an ephemeral port, see HttpServer::port()
+  int threads = 1;    // io threads
+  size_t max_body_bytes = size_t{8} << 20;
+  size_t max_header_bytes = size_t{64} << 10;
+  // A request, once its first byte arrived, must be read completely within this time.
+  std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
+  // A keep-alive connection waiting for its next request is closed after this time.
+  std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);
+  // One write (a response, or the chunks queued at that moment) must finish within this time,
+  // otherwise the client is taken as gone. No timeout while the server waits for a handler.
+  std::chrono::milliseconds write_timeout = std::chrono::seconds(60);
+  // Where the server reports what only an operator can act on (handler exceptions, accept
+  // failures). Empty: standard error.
+  std::function<void(const std::string&)> log;
+};
+
+class HttpServer {
+ public:
+  explicit HttpServer(HttpServerOptions options = {});
+  ~HttpServer();  // stop()
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Registers `handler` for `method` (e.g. "POST") on `path` (exact match, e.g.
+  // "/v1/completions"). Only before start(). A request for a known path with another method gets
+  // 405 with an Allow header.
+  void route(std::string method, std::string path, Handler handler);
+  // Called for requests whose path has no route (any method), instead of the built-in 404.
+  void set_fallback(Handler handler);
+
+  // Binds, listens and starts the io threads; returns once the server accepts connections.
+  // Throws tandem::Error if the address cannot be bound. Only once per server.
+  void start();
+  // The bound port (useful with port 0); 0 before start().
+  uint16_t port() const;
+  // Closes the listener and every connection (pending exchanges become closed() and their
+  // on_close callbacks run), then joins the io threads. Idempotent. Must not be called from a
+  // handler or an on_close callback (it would join its own thread).
+  void stop();
+
+ private:
+  std::unique_ptr<detail::ServerImpl> impl_;
+};
+
+}  // namespace tandem::net

@@ -1,0 +1,157 @@
+#include "net/http.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+
+namespace tandem::net {
+
+namespace {
+
+char lower(char c) {
+  return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c;
+}
+
+bool is_token_char(char c) {
+  if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return true;
+  return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+void check_field(std::string_view name, std::string_view value) {
+  if (name.empty() || !std::all_of(name.begin(), name.end(), is_token_char)) {
+    throw Error("HTTP header name '" + std::string(name) + "' is not a token (RFC 9110 5.1)");
+  }
+  if (value.find_first_of(std::string_view("\r\n\0", 3)) != std::string_view::npos) {
+    throw Error("HTTP header '" + std::string(name) + "' has a value with CR, LF or NUL");
+  }
+}
+
+}  // namespace
+
+bool iequals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (lower(a[i]) != lower(b[i])) return false;
+  }
+  return true;
+}
+
+void Headers::add(std::string name, std::string value) {
+  check_field(name, value);
+  fields_.emplace_back(std::move(name), std::move(value));
+}
+
+void Headers::set(std::string name, std::string value) {
+  check_field(name, value);
+  remove(name);
+  fields_.emplace_back(std::move(name), std::move(value));
+}
+
+size_t Headers::remove(std::string_view name) {
+  return std::erase_if(fields_, [&](const Field& f) { return iequals(f.first, name); });
+}
+
+const std::string* Headers::find(std::string_view name) const {
+  for (const Field& f : fields_) {
+    if (iequals(f.first, name)) return &f.second;
+  }
+  return nullptr;
+}
+
+std::string Headers::get(std::string_view name, std::string_view fallback) const {
+  const std::string* value = find(name);
+  return value ? *value : std::string(fallback);
+}
+
+std::string_view status_reason(int status) {
+  switch (status) {
+    case 100:
+      return "Continue";
+    case 101:
+      return "Switching Protocols";
+    case 200:
+      return "OK";
+    case 201:
+      return "Created";
+    case 202:
+      return "Accepted";
+    case 204:
+      return "No Content";
+    case 206:
+      return "Partial Content";
+    case 301:
+      return "Moved Permanently";
+    case 302:
+      return "Found";
+    case 304:
+      return "Not Modified";
+    case 307:
+      return "Temporary Redirect";
+    case 308:
+      return "Permanent Redirect";
+    case 400:
+      return "Bad Request";
+    case 401:
+      return "Unauthorized";
+    case 403:
+      return "Forbidden";
+    case 404:
+      return "Not Found";
+    case 405:
+      return "Method Not Allowed";
+    case 408:
+      return "Request Timeout";
+    case 409:
+      return "Conflict";
+    case 411:
+      return "Length Required";
+    case 413:
+      return "Content Too Large";
+    case 414:
+      return "URI Too Long";
+    case 415:
+      return "Unsupported Media Type";
+    case 417:
+      return "Expectation Failed";
+    case 422:
+      return "Unprocessable Content";
+    case 429:
+      return "Too Many Requests";
+    case 431:
+      return "Request Header Fields Too Large";
+    case 499:
+      return "Client Closed Request";
+    case 500:
+      return "Internal Server Error";
+    case 501:
+      return "Not Implemented";
+    case 502:
+      return "Bad Gateway";
+    case 503:
+      return "Service Unavailable";
+    case 504:
+      return "Gateway Timeout";
+    case 505:
+      return "HTTP Version Not Supported";
+    default:
+      return "Unknown";
+  }
+}
+
+std::string openai_error_body(std::string_view message, std::string_view type,
+                              std::string_view code) {
+  // ordered_json keeps OpenAI's field order, which people compare by eye.
+  nlohmann::ordered_json error = {{"message", message}, {"type", type}, {"param", nullptr}};
+  error["code"] = code.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(code);
+  // Replace, not throw, on invalid UTF-8: messages may quote bytes a client sent.
+  return nlohmann::ordered_json{{"error", std::move(error)}}.dump(
+      -1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+std::string_view default_error_type(int status) {
+  return status >= 500 ? "server_error" : "invalid_request_error";
+}
+
+}  // namespace tandem::net

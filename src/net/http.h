@@ -1,0 +1,79 @@
+#pragma once
+// Plain HTTP message types shared by the server (net/http_server.h) and the client
+// (net/http_client.h), and the OpenAI error body every HTTP error of Tandem carries.
+// No Boost here: this header is included by engine and gateway code that should compile fast.
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace tandem::net {
+
+// Header fields in arrival order. Names compare case-insensitively (RFC 9110 section 5.1);
+// values are kept as received, without surrounding whitespace.
+class Headers {
+ public:
+  using Field = std::pair<std::string, std::string>;
+
+  // Appends a field. Names must be HTTP tokens and values must not contain CR, LF or NUL;
+  // anything else throws tandem::Error (it would let a value inject header lines).
+  void add(std::string name, std::string value);
+  // Replaces every field of this name by one field.
+  void set(std::string name, std::string value);
+  // Removes every field of this name; returns how many were removed.
+  size_t remove(std::string_view name);
+
+  // The first field of this name, or nullptr.
+  const std::string* find(std::string_view name) const;
+  // The first field of this name, or `fallback`.
+  std::string get(std::string_view name, std::string_view fallback = {}) const;
+  bool contains(std::string_view name) const { return find(name) != nullptr; }
+
+  const std::vector<Field>& fields() const { return fields_; }
+  size_t size() const { return fields_.size(); }
+  bool empty() const { return fields_.empty(); }
+  auto begin() const { return fields_.begin(); }
+  auto end() const { return fields_.end(); }
+
+ private:
+  std::vector<Field> fields_;
+};
+
+// ASCII case-insensitive equality, as header names and tokens compare.
+bool iequals(std::string_view a, std::string_view b);
+
+struct HttpRequest {
+  std::string method;  // as sent, e.g. "POST" (methods are case-sensitive)
+  std::string target;  // the request target as sent, e.g. "/v1/models?x=1"
+  std::string path;    // target up to '?', not percent-decoded
+  std::string query;   // after '?', without it; empty if none
+  int version = 11;    // 10 or 11
+  Headers headers;
+  std::string body;            // chunked bodies arrive de-chunked
+  std::string remote_address;  // peer IP address, e.g. "127.0.0.1" or "::1"
+  unsigned short remote_port = 0;
+};
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+  // Extra fields. Content-Length, Transfer-Encoding, Connection and Date are the server's
+  // business and are ignored here; Content-Type comes from `content_type` (empty: none).
+  Headers headers;
+};
+
+// The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
+std::string_view status_reason(int status);
+
+// {"error":{"message":...,"type":...,"param":null,"code":...}}, the error object of the OpenAI
+// API. An empty `code` is written as null.
+std::string openai_error_body(std::string_view message,
+                              std::string_view type = "invalid_request_error",
+                              std::string_view code = {});
+
+// The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
+// 5xx (OpenAI's own names).
+std::string_view default_error_type(int status);
+
+}  // namespace tandem::net

@@ -1,0 +1,682 @@
+// The HTTP server and client against each other, plus raw sockets for what a well-behaved client
+// never sends. Every server binds port 0 on 127.0.0.1.
+#include "net/http_server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "net/http_client.h"
+#include "net/sse.h"
+#include "util/error.h"
+
+namespace tandem::net {
+namespace {
+
+using namespace std::chrono_literals;
+
+HttpServerOptions local_options() {
+  HttpServerOptions options;
+  options.host = "127.0.0.1";
+  options.threads = 2;
+  return options;
+}
+
+// A blocking TCP connection for hand-written requests. Reads give up after 10 s, so a server
+// bug fails the test instead of hanging it.
+class RawConnection {
+ public:
+  explicit RawConnection(uint16_t port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{10, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      throw std::runtime_error("connect failed");
+    }
+  }
+  ~RawConnection() { close(); }
+
+  void send(std::string_view bytes) {
+    while (!bytes.empty()) {
+      ssize_t n = ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+      if (n <= 0) throw std::runtime_error("send failed");
+      bytes.remove_prefix(static_cast<size_t>(n));
+    }
+  }
+  // Everything until the server closes (or the 10 s read timeout).
+  std::string read_all() {
+    std::string out;
+    char buf[4096];
+    for (;;) {
+      ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return out;
+      out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  // Reads until `out` contains `marker`; false on EOF/timeout first.
+  bool read_until(std::string& out, std::string_view marker) {
+    char buf[4096];
+    while (out.find(marker) == std::string::npos) {
+      ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return false;
+      out.append(buf, static_cast<size_t>(n));
+    }
+    return true;
+  }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+int status_of(const std::string& raw) {
+  // "HTTP/1.1 404 Not Found\r\n..."
+  if (raw.size() < 12) return 0;
+  return std::stoi(raw.substr(9, 3));
+}
+
+std::string body_of(const std::string& raw) {
+  size_t end = raw.find("\r\n\r\n");
+  return end == std::string::npos ? "" : raw.substr(end + 4);
+}
+
+// The body must be the OpenAI error object with this type.
+void expect_openai_error(const std::string& body, std::string_view type) {
+  auto json = nlohmann::json::parse(body);
+  ASSERT_TRUE(json.contains("error")) << body;
+  const auto& error = json["error"];
+  EXPECT_TRUE(error["message"].is_string()) << body;
+  EXPECT_FALSE(error["message"].get<std::string>().empty()) << body;
+  EXPECT_EQ(error["type"], type) << body;
+  EXPECT_TRUE(error["param"].is_null()) << body;
+  EXPECT_TRUE(error["code"].is_null()) << body;
+}
+
+// Waits for a future without hanging the test run if the code under test is broken.
+template <class T>
+T get_within(std::future<T>& future, std::chrono::seconds limit = 10s) {
+  if (future.wait_for(limit) != std::future_status::ready) {
+    ADD_FAILURE() << "timed out";
+    std::abort();  // a hung server would otherwise hang the suite
+  }
+  return future.get();
+}
+
+TEST(OpenAiError, BodyShape) {
+  EXPECT_EQ(openai_error_body("bad \"x\"", "invalid_request_error"),
+            R"({"error":{"message":"bad \"x\"","type":"invalid_request_error","param":null,)"
+            R"("code":null}})");
+  auto json = nlohmann::json::parse(openai_error_body("m", "t", "c42"));
+  EXPECT_EQ(json["error"]["code"], "c42");
+  EXPECT_EQ(default_error_type(404), "invalid_request_error");
+  EXPECT_EQ(default_error_type(503), "server_error");
+}
+
+TEST(Headers, CaseInsensitiveAndValidated) {
+  Headers h;
+  h.add("Content-Type", "text/plain");
+  h.add("X-A", "1");
+  h.add("x-a", "2");
+  ASSERT_NE(h.find("content-type"), nullptr);
+  EXPECT_EQ(*h.find("CONTENT-TYPE"), "text/plain");
+  EXPECT_EQ(h.get("X-a"), "1");
+  EXPECT_EQ(h.get("missing", "none"), "none");
+  h.set("X-A", "3");
+  EXPECT_EQ(h.get("x-a"), "3");
+  EXPECT_EQ(h.size(), 2u);
+  EXPECT_THROW(h.add("Bad Name", "v"), Error);
+  EXPECT_THROW(h.add("X-Inject", "a\r\nX-Evil: 1"), Error);
+}
+
+TEST(HttpServer, KeepAliveServesSeveralRequestsOnOneConnection) {
+  HttpServer server(local_options());
+  std::atomic<int> count{0};
+  server.route("POST", "/echo", [&](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    nlohmann::json j = {{"body", req.body},
+                        {"port", req.remote_port},
+                        {"addr", req.remote_address},
+                        {"query", req.query},
+                        {"path", req.path},
+                        {"n", ++count},
+                        {"x", req.headers.get("x-test")}};
+    HttpResponse r;
+    r.body = j.dump();
+    r.headers.add("X-Reply", "yes");
+    ex->respond(std::move(r));
+  });
+  server.start();
+  ASSERT_NE(server.port(), 0);
+
+  HttpClient client("127.0.0.1", server.port());
+  std::set<int> ports;
+  for (int i = 0; i < 5; ++i) {
+    Headers h;
+    h.add("X-Test", "t" + std::to_string(i));
+    auto r = client.request("POST", "/echo?a=1&b=2", "hello " + std::to_string(i), h);
+    ASSERT_EQ(r.status, 200);
+    EXPECT_EQ(r.headers.get("x-reply"), "yes");
+    EXPECT_EQ(r.headers.get("content-type"), "application/json");
+    auto j = nlohmann::json::parse(r.body);
+    EXPECT_EQ(j["body"], "hello " + std::to_string(i));
+    EXPECT_EQ(j["x"], "t" + std::to_string(i));
+    EXPECT_EQ(j["path"], "/echo");
+    EXPECT_EQ(j["query"], "a=1&b=2");
+    EXPECT_EQ(j["addr"], "127.0.0.1");
+    ports.insert(j["port"].get<int>());
+  }
+  // One client port: every request came over the same TCP connection.
+  EXPECT_EQ(ports.size(), 1u);
+  EXPECT_EQ(count.load(), 5);
+}
+
+TEST(HttpServer, ConnectionCloseIsHonoured) {
+  HttpServer server(local_options());
+  server.route("GET", "/x", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "ok", "text/plain");
+  });
+  server.start();
+  RawConnection c(server.port());
+  // Two requests in one write: after the first (Connection: close) the server must close
+  // without answering the second.
+  c.send(
+      "GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\nGET /x HTTP/1.1\r\nHost: a\r\n\r\n");
+  std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 200);
+  EXPECT_NE(raw.find("Connection: close\r\n"), std::string::npos) << raw;
+  EXPECT_EQ(body_of(raw), "ok");
+}
+
+TEST(HttpServer, Http10GetsKeepAliveOnlyWhenAsked) {
+  HttpServer server(local_options());
+  server.route("GET", "/x", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "ok", "text/plain");
+  });
+  server.start();
+  RawConnection c(server.port());
+  c.send("GET /x HTTP/1.0\r\n\r\n");
+  std::string raw = c.read_all();  // closes after the response
+  EXPECT_EQ(status_of(raw), 200);
+  EXPECT_EQ(body_of(raw), "ok");
+}
+
+TEST(HttpServer, ConcurrentConnections) {
+  constexpr int kClients = 8;
+  HttpServer server(local_options());
+  // The handler holds every response until all clients have a request in flight, which only
+  // completes if the server serves the connections concurrently.
+  std::mutex mu;
+  std::vector<std::shared_ptr<Exchange>> held;
+  server.route("POST", "/gather", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    std::vector<std::shared_ptr<Exchange>> release;
+    {
+      std::lock_guard lock(mu);
+      held.push_back(std::move(ex));
+      if (held.size() == kClients) release.swap(held);
+    }
+    for (auto& e : release) e->respond(200, e->request().body, "text/plain");
+  });
+  server.route("POST", "/echo", [](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, req.body, "text/plain");
+  });
+  server.start();
+
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      HttpClient client("127.0.0.1", server.port(), 10s);
+      auto r = client.request("POST", "/gather", "client " + std::to_string(i));
+      if (r.status == 200 && r.body == "client " + std::to_string(i)) ++ok;
+      for (int k = 0; k < 20; ++k) {
+        std::string body = std::to_string(i) + "/" + std::to_string(k);
+        auto e = client.request("POST", "/echo", body);
+        if (e.status == 200 && e.body == body) ++ok;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kClients * 21);
+}
+
+TEST(HttpServer, NotFoundAndMethodNotAllowed) {
+  HttpServer server(local_options());
+  server.route("POST", "/v1/completions",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.route("GET", "/v1/completions",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  auto r = client.request("POST", "/v1/nothing", "{}");
+  EXPECT_EQ(r.status, 404);
+  expect_openai_error(r.body, "invalid_request_error");
+  EXPECT_NE(r.body.find("/v1/nothing"), std::string::npos);
+  r = client.request("DELETE", "/v1/completions");
+  EXPECT_EQ(r.status, 405);
+  expect_openai_error(r.body, "invalid_request_error");
+  EXPECT_EQ(r.headers.get("Allow"), "GET, POST");
+  // Errors keep the connection usable.
+  r = client.request("POST", "/v1/completions", "{}");
+  EXPECT_EQ(r.status, 200);
+}
+
+TEST(HttpServer, FallbackReplacesNotFound) {
+  HttpServer server(local_options());
+  server.set_fallback([](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    ex->respond(299, "fallback " + req.method + " " + req.path, "text/plain");
+  });
+  server.start();
+  auto r = http_request("127.0.0.1", server.port(), "PUT", "/any/where");
+  EXPECT_EQ(r.status, 299);
+  EXPECT_EQ(r.body, "fallback PUT /any/where");
+}
+
+TEST(HttpServer, OversizedBodyIs413) {
+  HttpServerOptions options = local_options();
+  options.max_body_bytes = 1024;
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ++calls;
+    ex->respond(200, "{}");
+  });
+  server.start();
+  {
+    // Declared length over the limit: rejected from the header alone.
+    RawConnection c(server.port());
+    c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 2000\r\n\r\n" + std::string(2000, 'a'));
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 413) << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
+  }
+  {
+    // Chunked: the limit applies to the de-chunked body.
+    RawConnection c(server.port());
+    std::string chunk(600, 'b');
+    c.send("POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n258\r\n" + chunk +
+           "\r\n258\r\n" + chunk + "\r\n0\r\n\r\n");
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 413) << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
+  }
+  // At the limit is fine.
+  auto r = http_request("127.0.0.1", server.port(), "POST", "/x", std::string(1024, 'c'));
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(calls.load(), 1);
+}
+
+TEST(HttpServer, MalformedRequestIs400AndHugeHeaderIs431) {
+  HttpServerOptions options = local_options();
+  options.max_header_bytes = 2048;
+  HttpServer server(options);
+  server.route("GET", "/x",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  for (std::string bad :
+       {"GARBAGE\r\n\r\n", "GET /x HTTP/9.9\r\n\r\n", "GET /x HTTP/1.1\r\nBad Header\r\n\r\n",
+        "POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n"}) {
+    RawConnection c(server.port());
+    c.send(bad);
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 400) << bad << " -> " << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
+  }
+  RawConnection c(server.port());
+  c.send("GET /x HTTP/1.1\r\nX-Big: " + std::string(4000, 'z') + "\r\n\r\n");
+  std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 431) << raw;
+  expect_openai_error(body_of(raw), "invalid_request_error");
+}
+
+TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
+  HttpServerOptions options = local_options();
+  std::mutex log_mu;
+  std::vector<std::string> logged;
+  options.log = [&](const std::string& line) {
+    std::lock_guard lock(log_mu);
+    logged.push_back(line);
+  };
+  HttpServer server(options);
+  server.route("GET", "/throw", [](const HttpRequest&, std::shared_ptr<Exchange>) {
+    throw std::runtime_error("boom");
+  });
+  server.route("GET", "/ok",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  auto r = client.request("GET", "/throw");
+  EXPECT_EQ(r.status, 500);
+  expect_openai_error(r.body, "server_error");
+  EXPECT_NE(r.body.find("boom"), std::string::npos);
+  r = client.request("GET", "/ok");
+  EXPECT_EQ(r.status, 200);
+  std::lock_guard lock(log_mu);
+  ASSERT_EQ(logged.size(), 1u);
+  EXPECT_NE(logged[0].find("boom"), std::string::npos);
+}
+
+TEST(HttpServer, DroppedExchangeIs500) {
+  HttpServer server(local_options());
+  server.route("GET", "/forget", [](const HttpRequest&, std::shared_ptr<Exchange>) {});
+  server.start();
+  auto r = http_request("127.0.0.1", server.port(), "GET", "/forget");
+  EXPECT_EQ(r.status, 500);
+  expect_openai_error(r.body, "server_error");
+}
+
+// A stand-in for the engine's step loop: one thread that finishes requests handed to it.
+class Producer {
+ public:
+  ~Producer() { join(); }
+  void join() {
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+  template <class F>
+  void run(F f) {
+    threads_.emplace_back(std::move(f));
+  }
+
+ private:
+  std::vector<std::thread> threads_;
+};
+
+TEST(HttpServer, ResponseCompletedLaterFromAnotherThread) {
+  Producer producer;
+  std::atomic<int> close_calls{0};
+  auto server = std::make_unique<HttpServer>(local_options());
+  server->route("POST", "/later", [&](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    // Must not run: the response completes before the client goes.
+    ex->on_close([&] { ++close_calls; });
+    std::string body = req.body;
+    producer.run([ex, body] {
+      std::this_thread::sleep_for(20ms);
+      EXPECT_FALSE(ex->closed());
+      EXPECT_TRUE(ex->respond(201, "done: " + body, "text/plain"));
+      EXPECT_TRUE(ex->complete());
+      EXPECT_FALSE(ex->respond(200, "twice"));  // one response only
+      EXPECT_FALSE(ex->write("x"));
+    });
+  });
+  server->start();
+  HttpClient client("127.0.0.1", server->port());
+  for (int i = 0; i < 3; ++i) {
+    auto r = client.request("POST", "/later", std::to_string(i));
+    EXPECT_EQ(r.status, 201);
+    EXPECT_EQ(r.body, "done: " + std::to_string(i));
+    EXPECT_FALSE(r.headers.get("Date").empty());
+  }
+  client.close();
+  producer.join();
+  server.reset();  // stop() closes what is left; completed exchanges stay quiet
+  EXPECT_EQ(close_calls.load(), 0);
+}
+
+TEST(HttpServer, StreamingFromAnotherThread) {
+  constexpr int kEvents = 200;
+  Producer producer;
+  HttpServer server(local_options());
+  server.route("POST", "/stream", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    producer.run([ex] {
+      SseWriter sse(ex);
+      EXPECT_TRUE(sse.start());
+      for (int i = 0; i < kEvents; ++i) {
+        EXPECT_TRUE(
+            sse.send(nlohmann::json{{"i", i}, {"text", "tok\n" + std::to_string(i)}}.dump()));
+        if (i % 50 == 0) std::this_thread::yield();
+      }
+      EXPECT_TRUE(sse.done());
+      EXPECT_FALSE(sse.send("late"));
+    });
+  });
+  server.route("GET", "/ok",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+
+  HttpClient client("127.0.0.1", server.port());
+  SseParser parser;
+  std::vector<std::string> events;
+  size_t pieces = 0;
+  auto r = client.request_stream("POST", "/stream", "{}", {}, [&](std::string_view piece) {
+    ++pieces;
+    for (auto& e : parser.feed(piece)) events.push_back(std::move(e));
+    return true;
+  });
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers.get("Content-Type"), "text/event-stream");
+  EXPECT_EQ(r.headers.get("Transfer-Encoding"), "chunked");
+  EXPECT_EQ(r.headers.get("Cache-Control"), "no-cache");
+  EXPECT_GT(pieces, 0u);
+  ASSERT_EQ(events.size(), size_t{kEvents} + 1);
+  for (int i = 0; i < kEvents; ++i) {
+    auto j = nlohmann::json::parse(events[i]);
+    EXPECT_EQ(j["i"], i);
+    EXPECT_EQ(j["text"], "tok\n" + std::to_string(i));
+  }
+  EXPECT_TRUE(SseParser::is_done(events.back()));
+  // The connection survives a completed stream.
+  EXPECT_EQ(client.request("GET", "/ok").status, 200);
+}
+
+TEST(HttpServer, StreamToHttp10ClientIsUnframed) {
+  Producer producer;
+  HttpServer server(local_options());
+  server.route("GET", "/s", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    producer.run([ex] {
+      ex->start_stream(200, "text/plain");
+      ex->write("ab");
+      ex->write("cd");
+      ex->end();
+    });
+  });
+  server.start();
+  RawConnection c(server.port());
+  c.send("GET /s HTTP/1.0\r\n\r\n");
+  std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 200);
+  EXPECT_EQ(raw.find("chunked"), std::string::npos) << raw;
+  EXPECT_EQ(body_of(raw), "abcd");
+}
+
+TEST(HttpServer, ClientDisconnectMidStreamReachesTheProducer) {
+  Producer producer;
+  HttpServer server(local_options());
+  std::promise<void> callback_fired;
+  std::promise<int> producer_stopped;
+  server.route("POST", "/stream", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { callback_fired.set_value(); });
+    producer.run([ex, &producer_stopped] {
+      SseWriter sse(ex);
+      sse.start();
+      int sent = 0;
+      // Like the engine: produce until the client is gone.
+      while (sse.send(R"({"token":"x"})")) {
+        ++sent;
+        std::this_thread::sleep_for(1ms);
+      }
+      EXPECT_TRUE(sse.closed());
+      EXPECT_FALSE(sse.done());
+      producer_stopped.set_value(sent);
+    });
+  });
+  server.start();
+  int seen = 0;
+  SseParser parser;
+  auto r = http_request_stream("127.0.0.1", server.port(), "POST", "/stream", "{}", {},
+                               [&](std::string_view piece) {
+                                 seen += static_cast<int>(parser.feed(piece).size());
+                                 return seen < 3;  // hang up after three events
+                               });
+  EXPECT_EQ(r.status, 200);
+  auto fired = callback_fired.get_future();
+  get_within(fired);
+  auto stopped = producer_stopped.get_future();
+  EXPECT_GE(get_within(stopped), 3);
+}
+
+TEST(HttpServer, ClientDisconnectWhileWaitingForResponse) {
+  HttpServer server(local_options());
+  std::shared_ptr<Exchange> held;
+  std::promise<void> received, closed;
+  server.route("POST", "/slow", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { closed.set_value(); });
+    held = ex;  // the engine is still computing
+    received.set_value();
+  });
+  server.start();
+  {
+    RawConnection c(server.port());
+    c.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
+    auto f = received.get_future();
+    get_within(f);
+  }  // the client gives up
+  auto f = closed.get_future();
+  get_within(f);
+  EXPECT_TRUE(held->closed());
+  EXPECT_FALSE(held->respond(200, "{}"));
+  // A callback registered after the close runs at once.
+  bool late = false;
+  held->on_close([&] { late = true; });
+  EXPECT_TRUE(late);
+}
+
+TEST(HttpServer, IdleKeepAliveConnectionIsClosed) {
+  HttpServerOptions options = local_options();
+  options.idle_timeout = 50ms;
+  HttpServer server(options);
+  server.route("GET", "/x",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  RawConnection c(server.port());
+  c.send("GET /x HTTP/1.1\r\nHost: a\r\n\r\n");
+  // The response arrives, then the idle connection is closed by the server (EOF, not the 10 s
+  // read timeout of RawConnection, which would leave the response without its close).
+  std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 200);
+  EXPECT_EQ(body_of(raw), "{}");
+}
+
+TEST(HttpServer, GracefulStopWithOpenConnections) {
+  Producer producer;
+  auto server = std::make_unique<HttpServer>(local_options());
+  std::shared_ptr<Exchange> pending;
+  std::promise<void> pending_in, pending_closed, stream_in, stream_closed;
+  std::atomic<bool> stream_done{false};
+  server->route("POST", "/pending", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { pending_closed.set_value(); });
+    pending = ex;
+    pending_in.set_value();
+  });
+  server->route("POST", "/stream", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { stream_closed.set_value(); });
+    producer.run([ex, &stream_in, &stream_done] {
+      SseWriter sse(ex);
+      sse.start();
+      sse.send("{}");
+      stream_in.set_value();
+      while (sse.send("{}")) std::this_thread::sleep_for(1ms);
+      stream_done = true;
+    });
+  });
+  server->route("GET", "/ok",
+                [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server->start();
+  uint16_t port = server->port();
+
+  // An idle keep-alive connection.
+  HttpClient idle("127.0.0.1", port);
+  EXPECT_EQ(idle.request("GET", "/ok").status, 200);
+  // A request waiting for its response.
+  RawConnection waiting(port);
+  waiting.send("POST /pending HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n");
+  auto f1 = pending_in.get_future();
+  get_within(f1);
+  // A stream being read.
+  std::thread reader([port] {
+    try {
+      http_request_stream("127.0.0.1", port, "POST", "/stream", "{}", {},
+                          [](std::string_view) { return true; });
+    } catch (const Error&) {
+      // Cut by the stop: expected.
+    }
+  });
+  auto f2 = stream_in.get_future();
+  get_within(f2);
+
+  auto stopped = std::async(std::launch::async, [&] { server->stop(); });
+  get_within(stopped);
+  server->stop();  // again: nothing happens
+
+  auto c1 = pending_closed.get_future();
+  get_within(c1);
+  auto c2 = stream_closed.get_future();
+  get_within(c2);
+  EXPECT_TRUE(pending->closed());
+  EXPECT_FALSE(pending->respond(200, "{}"));
+  reader.join();
+  EXPECT_EQ(waiting.read_all(), "");  // closed without a response
+  EXPECT_THROW(idle.request("GET", "/ok"), Error);
+  // The exchanges outlive the server without harm.
+  server.reset();
+  EXPECT_FALSE(pending->respond(200, "{}"));
+  pending.reset();
+  producer.join();
+  EXPECT_TRUE(stream_done.load());
+}
+
+TEST(HttpServer, StartAndRouteMisuseThrow) {
+  HttpServer server(local_options());
+  auto h = [](const HttpRequest&, std::shared_ptr<Exchange>) {};
+  server.route("GET", "/a", h);
+  EXPECT_THROW(server.route("GET", "/a", h), Error);
+  EXPECT_THROW(server.route("GET", "no-slash", h), Error);
+  server.start();
+  EXPECT_THROW(server.route("GET", "/b", h), Error);
+  EXPECT_THROW(server.start(), Error);
+  HttpServerOptions taken = local_options();
+  taken.port = server.port();
+  HttpServer second(taken);
+  EXPECT_THROW(second.start(), Error);
+}
+
+TEST(HttpServer, ExpectContinue) {
+  HttpServer server(local_options());
+  server.route("POST", "/x", [](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, req.body, "text/plain");
+  });
+  server.start();
+  RawConnection c(server.port());
+  c.send(
+      "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nExpect: 100-continue\r\n"
+      "Connection: close\r\n\r\n");
+  std::string got;
+  ASSERT_TRUE(c.read_until(got, "\r\n\r\n"));
+  EXPECT_EQ(got, "HTTP/1.1 100 Continue\r\n\r\n");
+  c.send("hello");
+  std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 200);
+  EXPECT_EQ(body_of(raw), "hello");
+}
+
+}  // namespace
+}  // namespace tandem::net
