@@ -325,6 +325,7 @@ void Engine::update_gauges() {
   r.total_blocks = info.num_blocks;
   r.block_size = info.block_size;
   r.kv_usage = kv_.usage();
+  r.cached_blocks = kv_.num_cached_blocks();
   for (const auto& [id, seq] : sequences_) r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
   const PrefixCacheStats& stats = kv_.prefix_cache_stats();
   metrics_->prefix_queries.inc(static_cast<uint64_t>(stats.queries - reported_queries_));

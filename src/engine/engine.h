@@ -35,6 +35,7 @@ struct LoadReport {
   int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
   int64_t tokens_in_flight = 0;  // prompt + generated tokens of running and waiting requests
   double kv_usage = 0;           // fraction of blocks in use
+  int64_t cached_blocks = 0;     // blocks findable by the prefix cache (in use or evictable)
   uint64_t steps = 0;
 };
 

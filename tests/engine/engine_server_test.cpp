@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <future>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -14,6 +15,7 @@
 #include "engine/engine_process.h"
 #include "engine/generate.h"
 #include "text/chat_template.h"
+#include "util/block_hash.h"
 #include "net/http_client.h"
 #include "text/oracle_support.h"
 
@@ -239,7 +241,8 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
     EXPECT_EQ(resp.status, 200) << resp.body;
     return json::parse(resp.body);
   };
-  auto a = ask("Hello there"), b = ask("Hello there"), c = ask("Something else");
+  const std::string long_prompt = "Hello there, this prompt is long enough to fill a few blocks of sixteen tokens each, so the second request can find them in the cache.";
+  auto a = ask(long_prompt), b = ask(long_prompt), c = ask("Something else");
   // Deterministic tokens: the same prompt continues the same way; generation runs to max_tokens.
   EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
   EXPECT_NE(a["choices"][0]["text"], c["choices"][0]["text"]);
@@ -258,6 +261,81 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_EQ(resp.status, 200);
   EXPECT_NE(events.find("chat.completion.chunk"), std::string::npos);
   EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
+}
+
+TEST_F(EngineServer, KvEventsMatchTheCache) {
+  const std::string config =
+      R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",)"
+      R"( "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv@test"})";
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--block-size", "4",
+                                 "--num-kv-blocks", "10", "--kv-events-config", config});
+  const std::string line = engine.next_line();
+  const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
+  ASSERT_NE(on, std::string::npos) << line;
+  const std::string replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);
+
+  // Four requests of 10 prompt tokens and 3 new ones: 12 computed tokens = 3 full blocks each,
+  // 12 blocks in all for a cache of 10, so the last request evicts two of the first one's.
+  std::set<uint64_t> computed_hashes;
+  std::vector<uint64_t> last_hashes;
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> prompt;
+    for (int k = 0; k < 10; ++k) prompt.push_back(100 * (i + 1) + k);
+    json body = {{"input_ids", prompt}, {"sampling_params", {{"max_new_tokens", 3}}}};
+    auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/generate", body.dump());
+    ASSERT_EQ(resp.status, 200) << resp.body;
+    auto out = json::parse(resp.body)["output_ids"].get<std::vector<int32_t>>();
+    ASSERT_EQ(out.size(), 3u);
+    auto seq = prompt;
+    seq.insert(seq.end(), out.begin(), out.end() - 1);  // the last sampled token is never computed
+    last_hashes = block_hashes(seq, 4);
+    computed_hashes.insert(last_hashes.begin(), last_hashes.end());
+  }
+  const int64_t cached = get_json(engine.port(), "/load")["cached_blocks"];
+
+  // Replay every batch from sequence 0 with the independent decoder; the last batch may still be
+  // on its way to the publisher thread, so retry until the events explain the cache.
+  std::set<uint64_t> state;
+  int stored = 0, removed = 0;
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    const auto path = test::temp_path("kv-replay");
+    const std::string cmd = "/usr/bin/python3 " +
+                            test::quote(test::oracle_dir() / "kv_events_subscriber.py") +
+                            " replay --replay " + test::quote(replay) + " --start 0 > " +
+                            test::quote(path);
+    ASSERT_EQ(test::run_command(cmd), 0);
+    std::ifstream in(path);
+    state.clear();
+    stored = removed = 0;
+    for (std::string l; std::getline(in, l);) {
+      json j = json::parse(l);
+      if (!j.contains("batch")) continue;
+      for (const auto& ev : j["batch"]["events"]) {
+        if (ev["type"] == "BlockStored") {
+          EXPECT_TRUE(ev["hashes_match_tokens"].get<bool>()) << ev.dump();
+          EXPECT_EQ(ev["block_size"], 4);
+          for (uint64_t h : ev["block_hashes"]) {
+            EXPECT_TRUE(computed_hashes.count(h)) << "stored a block no request computed";
+            state.insert(h);
+            ++stored;
+          }
+        } else if (ev["type"] == "BlockRemoved") {
+          for (uint64_t h : ev["block_hashes"]) {
+            EXPECT_TRUE(state.erase(h)) << "removed a block that was never stored";
+            ++removed;
+          }
+        }
+      }
+    }
+    std::filesystem::remove(path);
+    if (static_cast<int64_t>(state.size()) == cached) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(static_cast<int64_t>(state.size()), cached);
+  EXPECT_EQ(stored, 12);
+  EXPECT_GT(removed, 0);  // the cache is smaller than what the requests computed
+  for (auto h : last_hashes) EXPECT_TRUE(state.count(h)) << "the newest blocks must still be cached";
 }
 
 }  // namespace

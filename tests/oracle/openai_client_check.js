@@ -65,14 +65,15 @@ async function main() {
   const long = await client.completions.create(
       { model, prompt, max_tokens: 400, ignore_eos: true, stream: true },
       { signal: controller.signal });
-  let got = 0;
+  let got = 0, error = null;
   try {
     for await (const chunk of long) {
       if (++got === 2) controller.abort();
     }
   } catch (e) {
-    out.abort = { chunks: got, error: e.constructor.name };
+    error = e.constructor.name;  // some client versions end the loop quietly instead
   }
+  out.abort = { chunks: got, error };
 
   try {
     await client.completions.create({ model, prompt, max_tokens: -1 });

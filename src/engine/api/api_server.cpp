@@ -95,7 +95,8 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
     json j = {{"running", r.running},         {"waiting", r.waiting},
               {"free_blocks", r.free_blocks}, {"total_blocks", r.total_blocks},
               {"block_size", r.block_size},   {"tokens_in_flight", r.tokens_in_flight},
-              {"kv_usage", r.kv_usage},       {"steps", r.steps}};
+              {"kv_usage", r.kv_usage},       {"cached_blocks", r.cached_blocks},
+              {"steps", r.steps}};
     ex->respond(200, j.dump());
   });
   auto generation = [this](int kind) {
