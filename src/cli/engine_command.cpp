@@ -7,6 +7,7 @@
 #include "cli/model_commands.h"
 #include "engine/api/api_server.h"
 #include "engine/executor/cpu_executor.h"
+#include "engine/executor/latency_probe.h"
 #include "engine/executor/sim_executor.h"
 #include "engine/output_processor.h"
 #include "util/error.h"
@@ -27,6 +28,12 @@ struct EngineOptions {
   int http_threads = 1;
   int64_t max_body_bytes = 8 << 20;
   uint64_t sim_seed = 0;
+  int64_t max_model_len = 0;
+};
+
+struct SimFitOptions {
+  std::string model, out, name = "fitted";
+  double kv_cache_gb = 1.0;
 };
 
 constexpr std::string_view kSimPrefix = "sim:";
@@ -52,6 +59,7 @@ void run(const EngineOptions& o) {
     so.block_size = o.block_size;
     so.num_blocks = o.num_blocks;
     so.seed = o.sim_seed;
+    so.max_model_len = o.max_model_len;
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
     eos = engine::eos_ids(*tokenizer, std::nullopt);
@@ -106,9 +114,49 @@ void run(const EngineOptions& o) {
   engine.stop();
 }
 
+void run_sim_fit(const SimFitOptions& o) {
+  const auto tokenizer = text::Tokenizer::from_dir(o.model);
+  std::shared_ptr<const model::DeepSeekModel> m;
+  {
+    ProgressBar bar("loading " + o.model);
+    m = std::make_shared<const model::DeepSeekModel>(
+        model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
+  }
+  engine::CpuExecutorOptions co;
+  co.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
+  engine::CpuExecutor executor(m, tokenizer, o.model, co);
+  std::printf("%-34s %12s\n", "step", "measured_s");
+  auto samples = engine::probe_step_latencies(executor, {}, [](const engine::LatencySample& s) {
+    std::string shape;
+    for (const auto& p : s.shape.prefills)
+      shape += "prefill " + std::to_string(p.new_tokens) + " (+" + std::to_string(p.context_tokens) + " cached)";
+    if (s.shape.decode_seqs)
+      shape += "decode x" + std::to_string(s.shape.decode_seqs) + " ctx " +
+               std::to_string(s.shape.decode_context_tokens / s.shape.decode_seqs);
+    std::printf("%-34s %12.6f\n", shape.c_str(), s.seconds);
+    std::fflush(stdout);
+  });
+  const auto fit = engine::fit_sim_latency(samples, o.name);
+  fit.model.save(o.out);
+  std::printf("fit: rms relative error %.1f%%, max %.1f%%; wrote %s (use --model sim:%s)\n",
+              100 * fit.rms_relative_error, 100 * fit.max_relative_error, o.out.c_str(),
+              o.out.c_str());
+}
+
 }  // namespace
 
 void add_engine_command(CLI::App& app) {
+  auto f = std::make_shared<SimFitOptions>();
+  auto* fit = app.add_subcommand(
+      "sim-fit", "Measure the CPU executor on representative steps and fit a sim latency model");
+  fit->add_option("--model", f->model, "model folder")->required()->check(CLI::ExistingDirectory);
+  fit->add_option("--out", f->out, "where to write the latency model (JSON)")->required();
+  fit->add_option("--name", f->name, "name stored in the model")->capture_default_str();
+  fit->add_option("--kv-cache-gb", f->kv_cache_gb, "KV cache for the probes (GiB)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  fit->callback([f] { run_sim_fit(*f); });
+
   auto o = std::make_shared<EngineOptions>();
   auto* cmd = app.add_subcommand("engine", "Serve a model over HTTP (OpenAI API, tokens-in /generate)");
   cmd->add_option("--model", o->model, "model folder, or sim:PRESET for a simulated executor")
@@ -129,6 +177,8 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")->capture_default_str()->check(CLI::Range(1, 64));
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--sim-seed", o->sim_seed, "seed of the simulated executor's tokens");
+  cmd->add_option("--max-model-len", o->max_model_len, "context length of a simulated model (default: the preset's)")
+      ->check(CLI::NonNegativeNumber);
   cmd->callback([o] { run(*o); });
 }
 
