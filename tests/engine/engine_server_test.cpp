@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine_process.h"
+#include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
 #include "text/chat_template.h"
 #include "util/block_hash.h"
@@ -261,6 +262,32 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_EQ(resp.status, 200);
   EXPECT_NE(events.find("chat.completion.chunk"), std::string::npos);
   EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
+}
+
+TEST_F(EngineServer, SimFitModelFromTheCpuExecutorDrivesASimEngine) {
+  const auto out = test::temp_path("sim-fit");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " sim-fit --model " + test::quote(*dir_) +
+                              " --out " + test::quote(out) + " --name tiny-cpu > /dev/null 2>&1"),
+            0);
+  const auto fitted = SimLatencyModel::load(out);
+  EXPECT_EQ(fitted.name(), "tiny-cpu");
+  // Every measured step took time, so the fitted model must predict some for every kind of step.
+  StepShape prefill, decode;
+  prefill.prefills.push_back({64, 0});
+  decode.decode_seqs = decode.decode_tokens = 4;
+  decode.decode_context_tokens = 4 * 128;
+  EXPECT_GT(fitted.step_seconds(prefill), 0);
+  EXPECT_GT(fitted.step_seconds(decode), 0);
+
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:" + out.string(),
+                                 "--host", "127.0.0.1", "--port", "0", "--num-kv-blocks", "64",
+                                 "--max-model-len", "1024"});
+  json body = {{"prompt", "hello"}, {"max_tokens", 4}};
+  auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+  EXPECT_EQ(resp.status, 200) << resp.body;
+  EXPECT_EQ(json::parse(resp.body)["usage"]["completion_tokens"], 4);
+  engine.stop();
+  std::filesystem::remove(out);
 }
 
 TEST_F(EngineServer, KvEventsMatchTheCache) {

@@ -67,10 +67,15 @@ class RawConnection {
     char buf[4096];
     for (;;) {
       ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
-      if (n <= 0) return out;
+      if (n <= 0) {
+        eof_ = n == 0;
+        return out;
+      }
       out.append(buf, static_cast<size_t>(n));
     }
   }
+  // Whether the last read_all() ended with an orderly close by the server (not a timeout).
+  bool eof() const { return eof_; }
   // Reads until `out` contains `marker`; false on EOF/timeout first.
   bool read_until(std::string& out, std::string_view marker) {
     char buf[4096];
@@ -88,6 +93,7 @@ class RawConnection {
 
  private:
   int fd_ = -1;
+  bool eof_ = false;
 };
 
 int status_of(const std::string& raw) {
@@ -202,6 +208,7 @@ TEST(HttpServer, ConnectionCloseIsHonoured) {
   c.send(
       "GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\nGET /x HTTP/1.1\r\nHost: a\r\n\r\n");
   std::string raw = c.read_all();
+  EXPECT_TRUE(c.eof());
   EXPECT_EQ(status_of(raw), 200);
   EXPECT_NE(raw.find("Connection: close\r\n"), std::string::npos) << raw;
   EXPECT_EQ(body_of(raw), "ok");
@@ -572,6 +579,7 @@ TEST(HttpServer, IdleKeepAliveConnectionIsClosed) {
   // The response arrives, then the idle connection is closed by the server (EOF, not the 10 s
   // read timeout of RawConnection, which would leave the response without its close).
   std::string raw = c.read_all();
+  EXPECT_TRUE(c.eof());
   EXPECT_EQ(status_of(raw), 200);
   EXPECT_EQ(body_of(raw), "{}");
 }
