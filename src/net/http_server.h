@@ -35,7 +35,7 @@ class ServerImpl;
 //
 // If the last shared_ptr is dropped before the response is complete, the server answers 500 (if
 // nothing was sent yet) or cuts the connection (mid-stream), so a lost response never hangs a
-// client.
+// client. A status outside 200..999, or an invalid header, throws tandem::Error.
 class Exchange {
  public:
   explicit Exchange(std::shared_ptr<detail::ExchangeState> state);
@@ -81,6 +81,9 @@ class Exchange {
   std::shared_ptr<detail::ExchangeState> state_;
 };
 
+// Runs on an io thread; see the threading model above. `request` is exchange->request(), valid as
+// long as the exchange. An exception escaping the handler becomes a 500 (or cuts a stream it
+// started) and is logged; the server keeps running.
 using Handler = std::function<void(const HttpRequest& request, std::shared_ptr<Exchange> exchange)>;
 
 struct HttpServerOptions {

@@ -20,8 +20,7 @@ struct Fixture {
 
   Sequence* add(std::vector<int32_t> prompt, int64_t max_tokens, int64_t priority = 0) {
     auto s = std::make_unique<Sequence>();
-    s->request.id = "r";
-    s->request.id += std::to_string(seqs.size());
+    s->request.id = std::to_string(seqs.size());
     s->request.sampling.max_tokens = max_tokens;
     s->request.priority = priority;
     s->tokens = std::move(prompt);
