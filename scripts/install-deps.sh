@@ -5,7 +5,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 debian_packages=(
-  build-essential cmake ninja-build ccache pkg-config git
+  build-essential cmake ninja-build ccache pkg-config git curl
   libboost-dev libpcre2-dev libicu-dev nlohmann-json3-dev libsimdjson-dev libxxhash-dev
   libcli11-dev libfmt-dev libspdlog-dev libdnnl-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "engine/api/protocol.h"
+#include "net/sse.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -27,7 +28,10 @@ std::string random_hex() {
   return buf;
 }
 
-std::string sse(const json& j) { return "data: " + j.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n"; }
+// Invalid UTF-8 in generated text (a token cut mid-character is held back by the detokenizer,
+// but a model may emit any bytes) is replaced rather than failing the whole response.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+std::string sse(const json& j) { return net::sse_event(dump(j)); }
 
 // One HTTP request in flight: its choices' engine requests and the response being built.
 struct Call {
@@ -46,7 +50,7 @@ struct Call {
       const std::string msg = "generation failed: " + out.error;
       if (request.stream) {
         exchange->write(sse(json::parse(net::openai_error_body(msg, "server_error"))));
-        exchange->write("data: [DONE]\n\n");
+        exchange->write(net::kSseDone);
         exchange->end();
       } else {
         exchange->send_error(500, msg, "server_error");
@@ -58,12 +62,11 @@ struct Call {
       for (const auto& c : chunks) exchange->write(sse(c));
       if (builder->all_finished()) {
         if (auto usage = builder->usage_chunk()) exchange->write(sse(*usage));
-        exchange->write("data: [DONE]\n\n");
+        exchange->write(net::kSseDone);
         exchange->end();
       }
     } else if (builder->all_finished()) {
-      exchange->respond(200, builder->final_body().dump(-1, ' ', false,
-                                                        json::error_handler_t::replace));
+      exchange->respond(200, dump(builder->final_body()));
     }
   }
 };
@@ -170,7 +173,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
       call->failed = true;
       if (call->request.stream) {
         ex->write(sse(json::parse(net::openai_error_body(e.what()))));
-        ex->write("data: [DONE]\n\n");
+        ex->write(net::kSseDone);
         ex->end();
       } else {
         ex->send_error(400, e.what());
