@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "kernels/cpu/bf16.h"
 #include "model/moe_routing.h"
 #include "util/error.h"
 
@@ -68,7 +69,10 @@ float* cache_entry(LatentCache& cache, const SequenceStep& step, int64_t layer, 
 
 void DeepSeekModel::mlp(const MlpWeights& w, const float* xn, int64_t n, float* out) const {
   const int64_t inter = w.gate.rows;
-  std::vector<float> g(n * inter), u(n * inter);
+  // Reused per thread: fresh zero-filled buffers cost page faults on every layer.
+  thread_local std::vector<float> g, u;
+  g.resize(n * inter);
+  u.resize(n * inter);
   matmul(w.gate, xn, n, g.data());
   matmul(w.up, xn, n, u.data());
   kernels::silu_mul(g.data(), u.data(), n * inter, g.data());
@@ -148,14 +152,14 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   // New latents and rope keys go to the cache before attending, so a token sees itself.
   std::vector<float> kva(n * entry);
   matmul(w.kv_a, xn.data(), n, kva.data());
+#pragma omp parallel for schedule(static) if (n > 16)
   for (int64_t t = 0; t < n; ++t) {
     const auto& step = batch[tokens[t].sequence];
     float* dst = cache_entry(cache, step, layer, tokens[t].position);
     rmsnorm(kva.data() + t * entry, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, dst);
     std::copy_n(kva.data() + t * entry + kvl, rd, dst + kvl);
     rope_.apply(dst + kvl, tokens[t].position);
-    for (int64_t hd = 0; hd < heads; ++hd)
-      rope_.apply(q.data() + (t * heads + hd) * qk + nope, tokens[t].position);
+    rope_.apply(q.data() + t * heads * qk + nope, qk, heads, tokens[t].position);
   }
 
   out.assign(n * heads * vd, 0.0f);
@@ -192,10 +196,19 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
       for (int64_t p = 0; p < context; ++p)
         std::copy_n(cache_entry(cache, step, layer, p), kvl, latents.data() + p * kvl);
       matmul(w.kv_b, latents.data(), context, kv.data());
-      std::vector<float> keys(context * qk), values_t(vd * context), queries(count * qk);
-      std::vector<float> scores(count * context), o(count * vd);
+      // One head per thread. Checkpoints in BF16 or INT8 run the two products in BF16 (keys,
+      // values, queries and probabilities rounded to BF16, float32 accumulation), float32 ones
+      // in float32.
+      const bool bf16 = w.kv_b.type != kernels::WeightType::kF32;
+#pragma omp parallel for schedule(dynamic, 1)
       for (int64_t hd = 0; hd < heads; ++hd) {
-#pragma omp parallel for schedule(static) if (context > 64)
+        thread_local std::vector<float> keys, values_t, queries, scores, o;
+        thread_local std::vector<uint16_t> keys_b, values_b;
+        keys.resize(context * qk);
+        values_t.resize(vd * context);
+        queries.resize(count * qk);
+        scores.resize(count * context);
+        o.resize(count * vd);
         for (int64_t p = 0; p < context; ++p) {
           const float* src = kv.data() + (p * heads + hd) * head_rows;
           std::copy_n(src, nope, keys.data() + p * qk);
@@ -205,10 +218,20 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
         for (int64_t i = 0; i < count; ++i)
           std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk,
                       queries.data() + i * qk);
-        const Matrix k_mat{context, qk, kernels::WeightType::kF32, keys.data(), {}, {}, {}};
-        const Matrix v_mat{vd, context, kernels::WeightType::kF32, values_t.data(), {}, {}, {}};
-        kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());
-#pragma omp parallel for schedule(static) if (count * context > (1 << 14))
+        Matrix k_mat = kernels::matrix_view(context, qk, kernels::WeightType::kF32, keys.data());
+        Matrix v_mat = kernels::matrix_view(vd, context, kernels::WeightType::kF32, values_t.data());
+        if (bf16) {
+          keys_b.resize(keys.size());
+          values_b.resize(values_t.size());
+          for (size_t k = 0; k < keys.size(); ++k) keys_b[k] = kernels::f32_to_bf16(keys[k]);
+          for (size_t k = 0; k < values_t.size(); ++k)
+            values_b[k] = kernels::f32_to_bf16(values_t[k]);
+          k_mat = kernels::matrix_view(context, qk, kernels::WeightType::kBF16, keys_b.data());
+          v_mat = kernels::matrix_view(vd, context, kernels::WeightType::kBF16, values_b.data());
+          kernels::matmul(k_mat, queries.data(), count, scores.data());
+        } else {
+          kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());
+        }
         for (int64_t i = 0; i < count; ++i) {
           float* row = scores.data() + i * context;
           const int64_t visible = step.start + i + 1;  // causal: positions up to this token
@@ -216,7 +239,10 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
           kernels::softmax(row, visible);
           std::fill(row + visible, row + context, 0.0f);
         }
-        kernels::matmul_f32_activations(v_mat, scores.data(), count, o.data());
+        if (bf16)
+          kernels::matmul(v_mat, scores.data(), count, o.data());
+        else
+          kernels::matmul_f32_activations(v_mat, scores.data(), count, o.data());
         for (int64_t i = 0; i < count; ++i)
           std::copy_n(o.data() + i * vd, vd, out.data() + ((first_token + i) * heads + hd) * vd);
       }

@@ -41,13 +41,18 @@ Rope::Rope(const ModelConfig& c) {
   mscale_ = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim);
 }
 
-void Rope::apply(float* x, int64_t position) const {
+void Rope::apply(float* x, int64_t position) const { apply(x, 0, 1, position); }
+
+void Rope::apply(float* x, int64_t stride, int64_t count, int64_t position) const {
   for (size_t i = 0; i < inv_freq_.size(); ++i) {
     const double angle = static_cast<double>(position) * inv_freq_[i];
     const double c = std::cos(angle) * mscale_, s = std::sin(angle) * mscale_;
-    const double a = x[2 * i], b = x[2 * i + 1];
-    x[2 * i] = static_cast<float>(a * c - b * s);
-    x[2 * i + 1] = static_cast<float>(a * s + b * c);
+    for (int64_t k = 0; k < count; ++k) {
+      float* v = x + k * stride;
+      const double a = v[2 * i], b = v[2 * i + 1];
+      v[2 * i] = static_cast<float>(a * c - b * s);
+      v[2 * i + 1] = static_cast<float>(a * s + b * c);
+    }
   }
 }
 

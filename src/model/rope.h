@@ -14,6 +14,9 @@ class Rope {
   explicit Rope(const ModelConfig& config);
   // Rotates x[dim] (dim = qk_rope_head_dim) in place for `position`.
   void apply(float* x, int64_t position) const;
+  // The same rotation for `count` vectors at one position, x + k * stride for k < count: the
+  // angles are computed once (a token's heads share them).
+  void apply(float* x, int64_t stride, int64_t count, int64_t position) const;
   const std::vector<double>& inv_freq() const { return inv_freq_; }
   double magnitude() const { return mscale_; }
 

@@ -96,6 +96,9 @@ class Binder {
       m.correction_bias = vector(p + ".mlp.gate.e_score_correction_bias", c.n_routed_experts);
     for (int64_t e = 0; e < c.n_routed_experts; ++e) {
       m.experts.push_back(mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size));
+      // An expert sees few tokens per step: pre-packed weights save oneDNN's per-call repacking.
+      for (auto* w : {&m.experts.back().gate, &m.experts.back().up, &m.experts.back().down})
+        kernels::pack_for_gemm(*w);
       m.slot_of_expert.push_back(static_cast<int32_t>(e));
     }
     if (c.n_shared_experts > 0) {

@@ -27,6 +27,7 @@ float bf16_value(uint16_t b) {
 struct Case {
   WeightType type;
   int64_t rows, cols, n;
+  bool packed = false;  // weights pre-packed for oneDNN's small-batch GEMM
 };
 
 class MatmulTest : public ::testing::TestWithParam<Case> {};
@@ -73,6 +74,10 @@ TEST_P(MatmulTest, MatchesReference) {
       break;
   }
 
+  if (c.packed) {
+    ASSERT_TRUE(pack_for_gemm(w)) << "oneDNN has no packed layout for this matrix";
+  }
+
   // The activations each kernel actually multiplies.
   std::vector<double> xref(x.begin(), x.end());
   const bool vnni = c.type == WeightType::kI8 && avx512::has_vnni();
@@ -112,6 +117,10 @@ std::vector<Case> cases() {
     for (int64_t n : {1, 2, 3, 4, 5, 9, 16, 17, 40})
       for (auto [rows, cols] : {std::pair<int64_t, int64_t>{33, 200}, {64, 257}, {7, 64}})
         out.push_back({type, rows, cols, n});
+  // Packed weights, with token counts below, at and above one 64-token chunk.
+  for (auto type : {WeightType::kBF16, WeightType::kI8})
+    for (int64_t n : {16, 48, 64, 100, 150})
+      out.push_back({type, 96, 320, n, true});
   return out;
 }
 

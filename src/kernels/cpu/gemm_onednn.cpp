@@ -32,6 +32,7 @@ struct Context {
   // (tokens or -1 for "any", cols, rows, weight type) -> primitive. Small token counts get a
   // primitive of their exact shape (oneDNN's brgemm kernels); larger ones share one whose token
   // count is given at run time (its jit gemm is the faster of the two there).
+  // The weight type gets 16 added for primitives that read packed weights.
   std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::shared_ptr<Primitive>> cache;
 };
 
@@ -43,12 +44,24 @@ Context& context() {
 constexpr int64_t kExactShapeMaxTokens = 64;
 constexpr size_t kMaxCachedPrimitives = 512;
 
+}  // namespace
+
+struct PackedGemmWeights {
+  memory::desc desc;  // the blocked layout, the same for every token count up to 64
+  memory data;        // owns the packed bytes
+};
+
+namespace {
+
 // The cached primitive for this product, created on first use; null if oneDNN has no kernel.
+// With `packed`, the primitive reads weights in that layout (exact token counts <= 64 only).
 std::shared_ptr<Primitive> primitive(int64_t n, int64_t cols, int64_t rows, WeightType wtype,
-                                     Type src_type, Type wei_type, Type dst_type) {
+                                     Type src_type, Type wei_type, Type dst_type,
+                                     const PackedGemmWeights* packed = nullptr) {
   Context& c = context();
   const int64_t key_tokens = n <= kExactShapeMaxTokens ? n : DNNL_RUNTIME_DIM_VAL;
-  const auto key = std::make_tuple(key_tokens, cols, rows, static_cast<int>(wtype));
+  const auto key =
+      std::make_tuple(key_tokens, cols, rows, static_cast<int>(wtype) + (packed ? 16 : 0));
   {
     std::shared_lock lock(c.mutex);
     auto it = c.cache.find(key);
@@ -62,11 +75,13 @@ std::shared_ptr<Primitive> primitive(int64_t n, int64_t cols, int64_t rows, Weig
   if (c.cache.size() >= kMaxCachedPrimitives) c.cache.clear();
   try {
     memory::desc src({key_tokens, cols}, src_type, Tag::ab);
-    memory::desc wei({cols, rows}, wei_type, Tag::ba);  // W is [rows, cols] row-major
+    // W is [rows, cols] row-major, i.e. the [cols, rows] weights operand in "ba" order.
+    memory::desc wei = packed ? packed->desc : memory::desc({cols, rows}, wei_type, Tag::ba);
     memory::desc dst({key_tokens, rows}, dst_type, Tag::ab);
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei, dst), attr, c.engine);
+    if (packed && pd.weights_desc() != packed->desc) return nullptr;
     auto p = std::make_shared<Primitive>();
     p->matmul = dnnl::matmul(pd);
     p->scratchpad_bytes = pd.scratchpad_desc().get_size();
@@ -91,14 +106,63 @@ void execute(const Primitive& p, memory& src, memory& wei, memory& dst) {
   stream.wait();
 }
 
+// Runs the product in chunks of at most 64 tokens on the packed weights: every chunk size has a
+// primitive of its exact shape reading that one layout.
+template <typename Src, typename Dst>
+bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_type,
+                   Type dst_type) {
+  const PackedGemmWeights& packed = *w.packed;
+  const dnnl::engine& engine = context().engine;
+  memory wei(packed.desc, engine, packed.data.get_data_handle());
+  for (int64_t t = 0; t < n; t += kExactShapeMaxTokens) {
+    const int64_t m = std::min(kExactShapeMaxTokens, n - t);
+    auto p = primitive(m, w.cols, w.rows, w.type, src_type, packed.desc.data_type(), dst_type,
+                       &packed);
+    if (!p) return false;
+    memory src({{m, w.cols}, src_type, Tag::ab}, engine, const_cast<Src*>(x + t * w.cols));
+    memory dst({{m, w.rows}, dst_type, Tag::ab}, engine, y + t * w.rows);
+    execute(*p, src, wei, dst);
+  }
+  return true;
+}
+
 }  // namespace
+
+bool pack_for_gemm(Matrix& w) {
+  if (w.type != WeightType::kBF16 && w.type != WeightType::kI8) return false;
+  const bool bf16 = w.type == WeightType::kBF16;
+  const Type wei_type = bf16 ? Type::bf16 : Type::s8;
+  Context& c = context();
+  try {
+    memory::desc src({kExactShapeMaxTokens, w.cols}, bf16 ? Type::bf16 : Type::u8, Tag::ab);
+    memory::desc any({w.cols, w.rows}, wei_type, Tag::any);
+    memory::desc dst({kExactShapeMaxTokens, w.rows}, bf16 ? Type::f32 : Type::s32, Tag::ab);
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, any, dst), c.engine);
+    const memory::desc plain({w.cols, w.rows}, wei_type, Tag::ba);
+    if (pd.weights_desc() == plain) return false;  // nothing to gain
+    auto packed = std::make_shared<PackedGemmWeights>();
+    packed->desc = pd.weights_desc();
+    packed->data = memory(packed->desc, c.engine);
+    memory from(plain, c.engine, const_cast<void*>(w.data));
+    dnnl::stream stream(c.engine);
+    dnnl::reorder(from, packed->data).execute(stream, from, packed->data);
+    stream.wait();
+    w.packed = std::move(packed);
+    return true;
+  } catch (const dnnl::error&) {
+    return false;
+  }
+}
 
 bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   if (w.type == WeightType::kI8) return false;
   const bool bf16 = w.type == WeightType::kBF16;
   const Type in_type = bf16 ? Type::bf16 : Type::f32;
-  auto p = primitive(n, w.cols, w.rows, w.type, in_type, in_type, Type::f32);
-  if (!p) return false;
+  std::shared_ptr<Primitive> p;
+  if (!w.packed) {
+    p = primitive(n, w.cols, w.rows, w.type, in_type, in_type, Type::f32);
+    if (!p) return false;
+  }
 
   thread_local std::vector<uint16_t> x_bf16;
   void* src_ptr = const_cast<float*>(x);
@@ -110,6 +174,8 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     for (int64_t i = 0; i < count; ++i) dst[i] = f32_to_bf16(x[i]);
     src_ptr = x_bf16.data();
   }
+  if (w.packed) return packed_matmul(w, static_cast<const uint16_t*>(src_ptr), n, y, in_type,
+                                     Type::f32);
   const dnnl::engine& engine = context().engine;
   memory src({{n, w.cols}, in_type, Tag::ab}, engine, src_ptr);
   memory wei({{w.cols, w.rows}, in_type, Tag::ba}, engine, const_cast<void*>(w.data));
@@ -120,6 +186,7 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
 
 bool onednn_matmul_u8s8(const Matrix& w, const uint8_t* xq, int64_t n, int32_t* acc) {
   if (w.type != WeightType::kI8) return false;
+  if (w.packed) return packed_matmul(w, xq, n, acc, Type::u8, Type::s32);
   auto p = primitive(n, w.cols, w.rows, w.type, Type::u8, Type::s8, Type::s32);
   if (!p) return false;
   const dnnl::engine& engine = context().engine;

@@ -31,6 +31,11 @@ void quantize_u8_rows(const float* x, int64_t cols, int64_t n, int64_t stride, u
 void dot_rows_i8_vnni(const int8_t* row, const uint8_t* xq, int64_t cols, int64_t stride,
                       int64_t n, int32_t* out);
 
+// out[i] = silu(gate[i]) * up[i] and the in-place softmax of x[n], with glibc's vectorised expf
+// (libmvec, within a few ulp of expf).
+void silu_mul(const float* gate, const float* up, int64_t n, float* out);
+void softmax(float* x, int64_t n);
+
 // y[cols] += a * row, row in BF16: the building block of transposed products.
 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);
 // y[cols] += a * row, row in INT8 (the caller folds the row scale into a).

@@ -195,7 +195,7 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     for (int64_t r = 0; r < w.rows; ++r)
       for (int64_t c = 0; c < w.cols; ++c)
         out[r * w.cols + c] = f32_to_bf16(in[r * w.cols + c] * w.row_scales[r]);
-    const Matrix bf16{w.rows, w.cols, WeightType::kBF16, widened.data(), {}, {}, {}};
+    const Matrix bf16 = matrix_view(w.rows, w.cols, WeightType::kBF16, widened.data());
     if (onednn_matmul(bf16, x, n, y)) return;
   }
   matmul_f32_activations(w, x, n, y);
@@ -272,11 +272,19 @@ void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double
 }
 
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  if (avx512::available()) {
+    constexpr int64_t kChunk = 1 << 14;
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+    for (int64_t i = 0; i < n; i += kChunk)
+      avx512::silu_mul(gate + i, up + i, std::min(kChunk, n - i), out + i);
+    return;
+  }
 #pragma omp parallel for schedule(static) if (n > (1 << 15))
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
 void softmax(float* x, int64_t n) {
+  if (avx512::available()) return avx512::softmax(x, n);
   float m = -INFINITY;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
   double sum = 0;
