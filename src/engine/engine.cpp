@@ -33,6 +33,7 @@ struct Engine::Metrics {
   metrics::Gauge& gpu_usage;  // the pre-v1 name of the same figure
   metrics::IntCounter& prefix_queries;
   metrics::IntCounter& prefix_hits;
+  metrics::Gauge& prefix_hit_rate;
   metrics::IntCounter& prompt_tokens;
   metrics::IntCounter& generation_tokens;
   metrics::IntCounter& preemptions;
@@ -69,6 +70,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
                            "Prompt tokens looked up in the prefix cache", model),
       registry.int_counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
                            model),
+      registry.gauge("vllm:gpu_prefix_cache_hit_rate",
+                     "Prefix-cache hit rate since start (hits / queries, in tokens)", model),
       registry.int_counter("vllm:prompt_tokens_total", "Prompt tokens processed", model),
       registry.int_counter("vllm:generation_tokens_total", "Tokens generated", model),
       registry.int_counter("vllm:num_preemptions_total", "Sequences preempted (recomputed later)",
@@ -332,6 +335,8 @@ void Engine::update_gauges() {
   metrics_->prefix_hits.inc(static_cast<uint64_t>(stats.hits - reported_hits_));
   reported_queries_ = stats.queries;
   reported_hits_ = stats.hits;
+  if (stats.queries > 0)
+    metrics_->prefix_hit_rate.set(static_cast<double>(stats.hits) / static_cast<double>(stats.queries));
   metrics_->running.set(static_cast<double>(r.running));
   metrics_->waiting.set(static_cast<double>(r.waiting));
   metrics_->kv_usage.set(r.kv_usage);

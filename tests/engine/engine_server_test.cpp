@@ -167,6 +167,7 @@ TEST_F(EngineServer, SharedPrefixHitsTheCache) {
   EXPECT_EQ(second["usage"]["prompt_tokens_details"]["cached_tokens"], 64);
   EXPECT_EQ(metric(engine.port(), "vllm:prefix_cache_hits_total"), 64);
   EXPECT_EQ(metric(engine.port(), "vllm:prefix_cache_queries_total"), 130);
+  EXPECT_DOUBLE_EQ(metric(engine.port(), "vllm:gpu_prefix_cache_hit_rate"), 64.0 / 130.0);
 }
 
 TEST_F(EngineServer, TinyKvBudgetPreemptsAndStillAnswersEveryRequestCorrectly) {
