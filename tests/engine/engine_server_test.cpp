@@ -15,34 +15,21 @@
 #include "engine/engine_process.h"
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
+#include "engine/tiny_model_fixture.h"
 #include "text/chat_template.h"
 #include "util/block_hash.h"
 #include "net/http_client.h"
-#include "text/oracle_support.h"
 
 namespace tandem::engine {
 namespace {
 
 using nlohmann::json;
 
-class EngineServer : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::filesystem::path(test::temp_path("engine-model").replace_extension());
-    // float32 weights: batched and single-sequence runs then agree far below greedy near-ties.
-    std::string cmd = std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --dtype f32 --out " +
-                      test::quote(*dir_) + " >/dev/null 2>&1";
-    ASSERT_EQ(test::run_command(cmd), 0);
-    model_ = new model::DeepSeekModel(model::DeepSeekModel::load(*dir_));
-    tok_ = new text::Tokenizer(text::Tokenizer::from_dir(*dir_));
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete tok_;
-    std::filesystem::remove_all(*dir_);
-    delete dir_;
-  }
+constexpr char kF32[] = "f32";
 
+// float32 weights: batched and single-sequence runs then agree far below greedy near-ties.
+class EngineServer : public test::TinyModelTest<kF32> {
+ protected:
   static std::vector<std::string> engine_args(std::vector<std::string> extra = {}) {
     std::vector<std::string> a = {TANDEM_BINARY, "engine", "--model", dir_->string(),
                                   "--served-model-name", "tiny", "--host", "127.0.0.1",
@@ -86,13 +73,7 @@ class EngineServer : public ::testing::Test {
     return -1;
   }
 
-  static std::filesystem::path* dir_;
-  static model::DeepSeekModel* model_;
-  static text::Tokenizer* tok_;
 };
-std::filesystem::path* EngineServer::dir_ = nullptr;
-model::DeepSeekModel* EngineServer::model_ = nullptr;
-text::Tokenizer* EngineServer::tok_ = nullptr;
 
 TEST_F(EngineServer, OfficialOpenAIClient) {
   testing::EngineProcess engine(engine_args());

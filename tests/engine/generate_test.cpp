@@ -5,34 +5,13 @@
 
 #include <gtest/gtest.h>
 
-#include "text/oracle_support.h"
+#include "engine/tiny_model_fixture.h"
 
 namespace tandem::engine {
 namespace {
 
-class Generate : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::filesystem::path(test::temp_path("generate-model").replace_extension());
-    std::string cmd = std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --out " +
-                      test::quote(*dir_) + " >/dev/null 2>&1";
-    ASSERT_EQ(test::run_command(cmd), 0);
-    model_ = new model::DeepSeekModel(model::DeepSeekModel::load(*dir_));
-    tok_ = new text::Tokenizer(text::Tokenizer::from_dir(*dir_));
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete tok_;
-    std::filesystem::remove_all(*dir_);
-    delete dir_;
-  }
-  static std::filesystem::path* dir_;
-  static model::DeepSeekModel* model_;
-  static text::Tokenizer* tok_;
-};
-std::filesystem::path* Generate::dir_ = nullptr;
-model::DeepSeekModel* Generate::model_ = nullptr;
-text::Tokenizer* Generate::tok_ = nullptr;
+constexpr char kBf16[] = "bf16";
+using Generate = test::TinyModelTest<kBf16>;
 
 TEST_F(Generate, SampledIdsAlwaysHaveText) {
   // At a high temperature the draw is close to uniform over 129280 rows, of which 465 past the
