@@ -1,6 +1,7 @@
 #include "model/deepseek.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels/cpu/bf16.h"
@@ -198,51 +199,64 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
       matmul(w.kv_b, latents.data(), context, kv.data());
       // One head per thread. Checkpoints in BF16 or INT8 run the two products in BF16 (keys,
       // values, queries and probabilities rounded to BF16, float32 accumulation), float32 ones
-      // in float32.
+      // in float32. Queries go in blocks that attend only to the keys their last query can see,
+      // so the causal upper triangle is mostly skipped instead of computed and masked.
       const bool bf16 = w.kv_b.type != kernels::WeightType::kF32;
+      const auto type = bf16 ? kernels::WeightType::kBF16 : kernels::WeightType::kF32;
+      const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+      constexpr int64_t kQueryBlock = 128;
 #pragma omp parallel for schedule(dynamic, 1)
       for (int64_t hd = 0; hd < heads; ++hd) {
-        thread_local std::vector<float> keys, values_t, queries, scores, o;
-        thread_local std::vector<uint16_t> keys_b, values_b;
-        keys.resize(context * qk);
-        values_t.resize(vd * context);
+        // Keys [context, qk] and values transposed [vd, context], in the products' type; a
+        // block's values are copied to [vd, visible] so the product reads them contiguously.
+        thread_local std::vector<uint8_t> keys, values_t, values_blk;
+        thread_local std::vector<float> queries, scores, o;
+        keys.resize(context * qk * elem);
+        values_t.resize(vd * context * elem);
+        values_blk.resize(vd * context * elem);
         queries.resize(count * qk);
-        scores.resize(count * context);
+        scores.resize(kQueryBlock * context);
         o.resize(count * vd);
+        auto put = [&](std::vector<uint8_t>& dst, int64_t index, float v) {
+          if (bf16)
+            reinterpret_cast<uint16_t*>(dst.data())[index] = kernels::f32_to_bf16(v);
+          else
+            reinterpret_cast<float*>(dst.data())[index] = v;
+        };
         for (int64_t p = 0; p < context; ++p) {
           const float* src = kv.data() + (p * heads + hd) * head_rows;
-          std::copy_n(src, nope, keys.data() + p * qk);
-          std::copy_n(cache_entry(cache, step, layer, p) + kvl, rd, keys.data() + p * qk + nope);
-          for (int64_t v = 0; v < vd; ++v) values_t[v * context + p] = src[nope + v];
+          const float* rope_key = cache_entry(cache, step, layer, p) + kvl;
+          for (int64_t k = 0; k < nope; ++k) put(keys, p * qk + k, src[k]);
+          for (int64_t k = 0; k < rd; ++k) put(keys, p * qk + nope + k, rope_key[k]);
+          for (int64_t v = 0; v < vd; ++v) put(values_t, v * context + p, src[nope + v]);
         }
         for (int64_t i = 0; i < count; ++i)
           std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk,
                       queries.data() + i * qk);
-        Matrix k_mat = kernels::matrix_view(context, qk, kernels::WeightType::kF32, keys.data());
-        Matrix v_mat = kernels::matrix_view(vd, context, kernels::WeightType::kF32, values_t.data());
-        if (bf16) {
-          keys_b.resize(keys.size());
-          values_b.resize(values_t.size());
-          for (size_t k = 0; k < keys.size(); ++k) keys_b[k] = kernels::f32_to_bf16(keys[k]);
-          for (size_t k = 0; k < values_t.size(); ++k)
-            values_b[k] = kernels::f32_to_bf16(values_t[k]);
-          k_mat = kernels::matrix_view(context, qk, kernels::WeightType::kBF16, keys_b.data());
-          v_mat = kernels::matrix_view(vd, context, kernels::WeightType::kBF16, values_b.data());
-          kernels::matmul(k_mat, queries.data(), count, scores.data());
-        } else {
-          kernels::matmul_f32_activations(k_mat, queries.data(), count, scores.data());
+        auto product = [&](const Matrix& m, const float* x, int64_t rows, float* y) {
+          if (bf16)
+            kernels::matmul(m, x, rows, y);
+          else
+            kernels::matmul_f32_activations(m, x, rows, y);
+        };
+        for (int64_t b0 = 0; b0 < count; b0 += kQueryBlock) {
+          const int64_t bn = std::min(kQueryBlock, count - b0);
+          const int64_t visible_max = step.start + b0 + bn;  // keys the block's last query sees
+          product(kernels::matrix_view(visible_max, qk, type, keys.data()),
+                  queries.data() + b0 * qk, bn, scores.data());
+          for (int64_t i = 0; i < bn; ++i) {
+            float* row = scores.data() + i * visible_max;
+            const int64_t visible = step.start + b0 + i + 1;  // causal: up to this token
+            for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
+            kernels::softmax(row, visible);
+            std::fill(row + visible, row + visible_max, 0.0f);
+          }
+          for (int64_t v = 0; v < vd; ++v)
+            std::memcpy(values_blk.data() + v * visible_max * elem,
+                        values_t.data() + v * context * elem, visible_max * elem);
+          product(kernels::matrix_view(vd, visible_max, type, values_blk.data()), scores.data(),
+                  bn, o.data() + b0 * vd);
         }
-        for (int64_t i = 0; i < count; ++i) {
-          float* row = scores.data() + i * context;
-          const int64_t visible = step.start + i + 1;  // causal: positions up to this token
-          for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
-          kernels::softmax(row, visible);
-          std::fill(row + visible, row + context, 0.0f);
-        }
-        if (bf16)
-          kernels::matmul(v_mat, scores.data(), count, o.data());
-        else
-          kernels::matmul_f32_activations(v_mat, scores.data(), count, o.data());
         for (int64_t i = 0; i < count; ++i)
           std::copy_n(o.data() + i * vd, vd, out.data() + ((first_token + i) * heads + hd) * vd);
       }

@@ -217,8 +217,14 @@ TEST_P(Numerics, GreedyContinuationMatchesFullRecomputation) {
   const auto dir = make(c);
   const auto model = DeepSeekModel::load(dir);
   const auto tok = text::Tokenizer::from_dir(dir);
+  // The long prompt (~330 tokens) takes the expanded attention in several query blocks.
+  std::string long_text;
+  for (int i = 0; i < 30; ++i)
+    long_text += "Sentence " + std::to_string(i) + " of a long prompt about rivers and hills. ";
   std::vector<std::vector<int32_t>> prompts = {tok.encode("The quick brown fox", true),
-                                               tok.encode("你好，世界！Hello", true)};
+                                               tok.encode("你好，世界！Hello", true),
+                                               tok.encode(long_text, true)};
+  ASSERT_GT(prompts[2].size(), 256u);
   nlohmann::json request = {
       {"sequences", prompts}, {"all_logits", false}, {"greedy_tokens", 32}, {"mtp", false}};
   const auto ref = reference(dir, request);
