@@ -37,9 +37,9 @@ double seconds_since(Clock::time_point t) {
 
 Result one_request(const std::string& host, uint16_t port, const std::vector<int32_t>& prompt,
                    int64_t max_tokens) {
-  json body = {{"prompt", prompt},      {"max_tokens", max_tokens}, {"temperature", 0},
-               {"ignore_eos", true},    {"stream", true},
-               {"stream_options", {{"include_usage", true}}}};
+  json body = {{"prompt", prompt}, {"max_tokens", max_tokens},
+               {"temperature", 0}, {"ignore_eos", true},
+               {"stream", true},   {"stream_options", {{"include_usage", true}}}};
   Result r;
   const auto t0 = Clock::now();
   std::string pending;

@@ -49,7 +49,8 @@ void run(const EngineOptions& o) {
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;
   if (tokenizer_dir.empty()) tokenizer_dir = sim ? default_tokenizer().string() : o.model;
-  auto tokenizer = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
+  auto tokenizer =
+      std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
 
   std::unique_ptr<engine::Executor> executor;
   std::vector<int32_t> eos;
@@ -83,7 +84,8 @@ void run(const EngineOptions& o) {
   config.scheduler.max_num_seqs = o.max_num_seqs;
   config.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
   if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
-    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy + "'");
+    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy +
+                "'");
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.kv_events_config = o.kv_events_config;
@@ -100,9 +102,10 @@ void run(const EngineOptions& o) {
   server.start();
   const auto& info = engine.executor_info();
   // The first line on stdout names the port (tests and scripts start engines on port 0).
-  std::printf("tandem engine: listening on http://%s:%u (model %s, %lld KV blocks of %lld tokens)\n",
-              o.host.c_str(), static_cast<unsigned>(server.port()), info.model_name.c_str(),
-              static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
+  std::printf(
+      "tandem engine: listening on http://%s:%u (model %s, %lld KV blocks of %lld tokens)\n",
+      o.host.c_str(), static_cast<unsigned>(server.port()), info.model_name.c_str(),
+      static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
   if (!engine.kv_events_endpoint().empty())
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());
@@ -129,7 +132,8 @@ void run_sim_fit(const SimFitOptions& o) {
   auto samples = engine::probe_step_latencies(executor, {}, [](const engine::LatencySample& s) {
     std::string shape;
     for (const auto& p : s.shape.prefills)
-      shape += "prefill " + std::to_string(p.new_tokens) + " (+" + std::to_string(p.context_tokens) + " cached)";
+      shape += "prefill " + std::to_string(p.new_tokens) + " (+" +
+               std::to_string(p.context_tokens) + " cached)";
     if (s.shape.decode_seqs)
       shape += "decode x" + std::to_string(s.shape.decode_seqs) + " ctx " +
                std::to_string(s.shape.decode_context_tokens / s.shape.decode_seqs);
@@ -158,26 +162,49 @@ void add_engine_command(CLI::App& app) {
   fit->callback([f] { run_sim_fit(*f); });
 
   auto o = std::make_shared<EngineOptions>();
-  auto* cmd = app.add_subcommand("engine", "Serve a model over HTTP (OpenAI API, tokens-in /generate)");
+  auto* cmd =
+      app.add_subcommand("engine", "Serve a model over HTTP (OpenAI API, tokens-in /generate)");
   cmd->add_option("--model", o->model, "model folder, or sim:PRESET for a simulated executor")
       ->required();
-  cmd->add_option("--tokenizer", o->tokenizer,
-                  "tokenizer folder (default: the model folder; for sim: the DeepSeek-V3 tokenizer)");
-  cmd->add_option("--served-model-name", o->served_model_name, "model name in the API (default: --model)");
+  cmd->add_option(
+      "--tokenizer", o->tokenizer,
+      "tokenizer folder (default: the model folder; for sim: the DeepSeek-V3 tokenizer)");
+  cmd->add_option("--served-model-name", o->served_model_name,
+                  "model name in the API (default: --model)");
   cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
-  cmd->add_option("--port", o->port, "port (0: any free port)")->capture_default_str()->check(CLI::Range(0, 65535));
-  cmd->add_option("--block-size", o->block_size, "tokens per KV block")->capture_default_str()->check(CLI::Range(1, 4096));
-  cmd->add_option("--kv-cache-gb", o->kv_cache_gb, "memory for the KV cache (GiB)")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--num-kv-blocks", o->num_blocks, "KV blocks (overrides --kv-cache-gb)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--max-num-seqs", o->max_num_seqs, "running sequences at most")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens, "new tokens per step (chunked prefill budget)")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--scheduling-policy", o->scheduling_policy, "fcfs or priority (lower value first)")->capture_default_str();
-  cmd->add_flag("--no-enable-prefix-caching", o->no_prefix_caching, "turn automatic prefix caching off");
+  cmd->add_option("--port", o->port, "port (0: any free port)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--block-size", o->block_size, "tokens per KV block")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--kv-cache-gb", o->kv_cache_gb, "memory for the KV cache (GiB)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--num-kv-blocks", o->num_blocks, "KV blocks (overrides --kv-cache-gb)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "running sequences at most")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
+                  "new tokens per step (chunked prefill budget)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--scheduling-policy", o->scheduling_policy,
+                  "fcfs or priority (lower value first)")
+      ->capture_default_str();
+  cmd->add_flag("--no-enable-prefix-caching", o->no_prefix_caching,
+                "turn automatic prefix caching off");
   cmd->add_option("--kv-events-config", o->kv_events_config, "vLLM-style KV events config (JSON)");
-  cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")->capture_default_str()->check(CLI::Range(1, 64));
-  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--sim-seed", o->sim_seed, "seed of the simulated executor's tokens");
-  cmd->add_option("--max-model-len", o->max_model_len, "context length of a simulated model (default: the preset's)")
+  cmd->add_option("--max-model-len", o->max_model_len,
+                  "context length of a simulated model (default: the preset's)")
       ->check(CLI::NonNegativeNumber);
   cmd->callback([o] { run(*o); });
 }

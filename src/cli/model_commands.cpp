@@ -78,8 +78,8 @@ void add_model_commands(CLI::App& app) {
 }
 
 std::filesystem::path default_tokenizer() {
-  return std::filesystem::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" /
-         "@lenml" / "tokenizer-deepseek_v3" / "models";
+  return std::filesystem::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" / "@lenml" /
+         "tokenizer-deepseek_v3" / "models";
 }
 
 }  // namespace tandem::cli

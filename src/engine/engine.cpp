@@ -51,8 +51,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       executor_(std::move(executor)),
       tokenizer_(std::move(tokenizer)),
       eos_ids_(std::move(eos_ids)),
-      kv_(executor_->info().num_blocks, executor_->info().block_size,
-          config.enable_prefix_caching, kv_options(config)),
+      kv_(executor_->info().num_blocks, executor_->info().block_size, config.enable_prefix_caching,
+          kv_options(config)),
       scheduler_(config.scheduler, kv_),
       seed_base_(std::random_device{}()) {
   if (!config.kv_events_config.empty()) {
@@ -68,8 +68,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       registry.gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = 100%), pre-v1 name", model),
       registry.int_counter("vllm:prefix_cache_queries_total",
                            "Prompt tokens looked up in the prefix cache", model),
-      registry.int_counter("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
-                           model),
+      registry.int_counter("vllm:prefix_cache_hits_total",
+                           "Prompt tokens found in the prefix cache", model),
       registry.gauge("vllm:gpu_prefix_cache_hit_rate",
                      "Prefix-cache hit rate since start (hits / queries, in tokens)", model),
       registry.int_counter("vllm:prompt_tokens_total", "Prompt tokens processed", model),
@@ -84,13 +84,14 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
                          metrics::vllm_tpot_buckets(), model),
       registry.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                          metrics::vllm_request_latency_buckets(), model),
-      registry.histogram("vllm:request_queue_time_seconds",
-                         "Time from arrival to first scheduling",
+      registry.histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling",
                          metrics::vllm_request_latency_buckets(), model)});
   update_gauges();
 }
 
-Engine::~Engine() { stop(); }
+Engine::~Engine() {
+  stop();
+}
 
 void Engine::start() {
   std::lock_guard lock(mutex_);
@@ -235,8 +236,8 @@ void Engine::step() {
       metrics_->queue_time.observe(now - seq->arrival_time);
     }
     ExecItem item;
-    item.tokens = std::span<const int32_t>(seq->tokens).subspan(size_t(seq->num_computed),
-                                                                size_t(s.num_new_tokens));
+    item.tokens = std::span<const int32_t>(seq->tokens)
+                      .subspan(size_t(seq->num_computed), size_t(s.num_new_tokens));
     item.start = seq->num_computed;
     item.blocks = kv_.block_table(seq->request.id);
     item.sample = s.sample;
@@ -329,14 +330,16 @@ void Engine::update_gauges() {
   r.block_size = info.block_size;
   r.kv_usage = kv_.usage();
   r.cached_blocks = kv_.num_cached_blocks();
-  for (const auto& [id, seq] : sequences_) r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
+  for (const auto& [id, seq] : sequences_)
+    r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
   const PrefixCacheStats& stats = kv_.prefix_cache_stats();
   metrics_->prefix_queries.inc(static_cast<uint64_t>(stats.queries - reported_queries_));
   metrics_->prefix_hits.inc(static_cast<uint64_t>(stats.hits - reported_hits_));
   reported_queries_ = stats.queries;
   reported_hits_ = stats.hits;
   if (stats.queries > 0)
-    metrics_->prefix_hit_rate.set(static_cast<double>(stats.hits) / static_cast<double>(stats.queries));
+    metrics_->prefix_hit_rate.set(static_cast<double>(stats.hits) /
+                                  static_cast<double>(stats.queries));
   metrics_->running.set(static_cast<double>(r.running));
   metrics_->waiting.set(static_cast<double>(r.waiting));
   metrics_->kv_usage.set(r.kv_usage);

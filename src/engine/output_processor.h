@@ -16,7 +16,7 @@
 namespace tandem::engine {
 
 struct OutputDelta {
-  std::string text;           // text that became final with this token
+  std::string text;  // text that became final with this token
   bool finished = false;
   std::string finish_reason;  // "stop" or "length" once finished
 };

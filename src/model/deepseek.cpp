@@ -254,8 +254,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
           for (int64_t v = 0; v < vd; ++v)
             std::memcpy(values_blk.data() + v * visible_max * elem,
                         values_t.data() + v * context * elem, visible_max * elem);
-          product(kernels::matrix_view(vd, visible_max, type, values_blk.data()), scores.data(),
-                  bn, o.data() + b0 * vd);
+          product(kernels::matrix_view(vd, visible_max, type, values_blk.data()), scores.data(), bn,
+                  o.data() + b0 * vd);
         }
         for (int64_t i = 0; i < count; ++i)
           std::copy_n(o.data() + i * vd, vd, out.data() + ((first_token + i) * heads + hd) * vd);

@@ -41,7 +41,9 @@ Rope::Rope(const ModelConfig& c) {
   mscale_ = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim);
 }
 
-void Rope::apply(float* x, int64_t position) const { apply(x, 0, 1, position); }
+void Rope::apply(float* x, int64_t position) const {
+  apply(x, 0, 1, position);
+}
 
 void Rope::apply(float* x, int64_t stride, int64_t count, int64_t position) const {
   for (size_t i = 0; i < inv_freq_.size(); ++i) {

@@ -16,9 +16,9 @@
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
 #include "engine/tiny_model_fixture.h"
+#include "net/http_client.h"
 #include "text/chat_template.h"
 #include "util/block_hash.h"
-#include "net/http_client.h"
 
 namespace tandem::engine {
 namespace {
@@ -31,9 +31,9 @@ constexpr char kF32[] = "f32";
 class EngineServer : public test::TinyModelTest<kF32> {
  protected:
   static std::vector<std::string> engine_args(std::vector<std::string> extra = {}) {
-    std::vector<std::string> a = {TANDEM_BINARY, "engine", "--model", dir_->string(),
-                                  "--served-model-name", "tiny", "--host", "127.0.0.1",
-                                  "--port", "0"};
+    std::vector<std::string> a = {
+        TANDEM_BINARY, "engine", "--model",   dir_->string(), "--served-model-name",
+        "tiny",        "--host", "127.0.0.1", "--port",       "0"};
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   }
@@ -72,7 +72,6 @@ class EngineServer : public test::TinyModelTest<kF32> {
     ADD_FAILURE() << name << " not in /metrics";
     return -1;
   }
-
 };
 
 TEST_F(EngineServer, OfficialOpenAIClient) {
@@ -80,10 +79,10 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   const std::string prompt = "The quick brown fox";
   const auto ids = tok_->encode(prompt, true);
   const auto out_path = test::temp_path("openai-client");
-  const std::string cmd = "node " + test::quote(test::oracle_dir() / "openai_client_check.js") + " " +
-                          test::quote("http://127.0.0.1:" + std::to_string(engine.port()) + "/v1") +
-                          " tiny " + test::quote(prompt) + " " + test::quote(json(ids).dump()) +
-                          " > " + test::quote(out_path);
+  const std::string cmd =
+      "node " + test::quote(test::oracle_dir() / "openai_client_check.js") + " " +
+      test::quote("http://127.0.0.1:" + std::to_string(engine.port()) + "/v1") + " tiny " +
+      test::quote(prompt) + " " + test::quote(json(ids).dump()) + " > " + test::quote(out_path);
   ASSERT_EQ(test::run_command(cmd), 0);
   std::ifstream in(out_path);
   const json r = json::parse(in);
@@ -138,7 +137,8 @@ TEST_F(EngineServer, SharedPrefixHitsTheCache) {
     auto p = shared;
     p.push_back(last);
     json body = {{"prompt", p}, {"max_tokens", 2}, {"temperature", 0}};
-    auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+    auto resp =
+        net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
     EXPECT_EQ(resp.status, 200) << resp.body;
     return json::parse(resp.body);
   };
@@ -154,8 +154,8 @@ TEST_F(EngineServer, SharedPrefixHitsTheCache) {
 TEST_F(EngineServer, TinyKvBudgetPreemptsAndStillAnswersEveryRequestCorrectly) {
   // 10 blocks of 8 tokens = 80 token slots; each request needs up to 30 + 24 = 54 tokens, so
   // only one fits at a time once they grow: the scheduler must preempt and recompute.
-  testing::EngineProcess engine(
-      engine_args({"--block-size", "8", "--num-kv-blocks", "10", "--max-num-batched-tokens", "64"}));
+  testing::EngineProcess engine(engine_args(
+      {"--block-size", "8", "--num-kv-blocks", "10", "--max-num-batched-tokens", "64"}));
   const int n = 6;
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < n; ++i) {
@@ -166,7 +166,8 @@ TEST_F(EngineServer, TinyKvBudgetPreemptsAndStillAnswersEveryRequestCorrectly) {
   std::vector<std::future<json>> answers;
   for (int i = 0; i < n; ++i)
     answers.push_back(std::async(std::launch::async, [&, i] {
-      json body = {{"prompt", prompts[i]}, {"max_tokens", 24}, {"temperature", 0}, {"ignore_eos", true}};
+      json body = {
+          {"prompt", prompts[i]}, {"max_tokens", 24}, {"temperature", 0}, {"ignore_eos", true}};
       auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions",
                                     body.dump(), {}, std::chrono::seconds(300));
       EXPECT_EQ(resp.status, 200) << resp.body;
@@ -209,7 +210,8 @@ TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
   check(net::http_request("127.0.0.1", engine.port(), "GET", "/v1/nothing"), 404);
   check(net::http_request("127.0.0.1", engine.port(), "GET", "/v1/completions"), 405);
   // The engine is still serving.
-  auto ok = post("/generate", R"({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})");
+  auto ok =
+      post("/generate", R"({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})");
   EXPECT_EQ(ok.status, 200) << ok.body;
   EXPECT_EQ(json::parse(ok.body)["meta_info"]["completion_tokens"], 2);
 }
@@ -220,11 +222,14 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_EQ(get_json(engine.port(), "/v1/models")["data"][0]["id"], "sim:tiny");
   auto ask = [&](const std::string& prompt) {
     json body = {{"prompt", prompt}, {"max_tokens", 20}, {"stop", json::array()}};
-    auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+    auto resp =
+        net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
     EXPECT_EQ(resp.status, 200) << resp.body;
     return json::parse(resp.body);
   };
-  const std::string long_prompt = "Hello there, this prompt is long enough to fill a few blocks of sixteen tokens each, so the second request can find them in the cache.";
+  const std::string long_prompt =
+      "Hello there, this prompt is long enough to fill a few blocks of sixteen tokens each, so the "
+      "second request can find them in the cache.";
   auto a = ask(long_prompt), b = ask(long_prompt), c = ask("Something else");
   // Deterministic tokens: the same prompt continues the same way; generation runs to max_tokens.
   EXPECT_EQ(a["choices"][0]["text"], b["choices"][0]["text"]);
@@ -234,7 +239,8 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   // The second identical prompt found the first one's full blocks.
   EXPECT_GT(metric(engine.port(), "vllm:prefix_cache_hits_total"), 0);
   // Chat works through the DeepSeek-V3 tokenizer's template.
-  json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 5}, {"stream", true}};
+  json chat = {
+      {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 5}, {"stream", true}};
   std::string events;
   auto resp = net::http_request_stream("127.0.0.1", engine.port(), "POST", "/v1/chat/completions",
                                        chat.dump(), {}, [&](std::string_view piece) {
@@ -248,9 +254,10 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
 
 TEST_F(EngineServer, SimFitModelFromTheCpuExecutorDrivesASimEngine) {
   const auto out = test::temp_path("sim-fit");
-  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " sim-fit --model " + test::quote(*dir_) +
-                              " --out " + test::quote(out) + " --name tiny-cpu > /dev/null 2>&1"),
-            0);
+  ASSERT_EQ(
+      test::run_command(std::string(TANDEM_BINARY) + " sim-fit --model " + test::quote(*dir_) +
+                        " --out " + test::quote(out) + " --name tiny-cpu > /dev/null 2>&1"),
+      0);
   const auto fitted = SimLatencyModel::load(out);
   EXPECT_EQ(fitted.name(), "tiny-cpu");
   // Every measured step took time, so the fitted model must predict some for every kind of step.
@@ -277,8 +284,8 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
       R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",)"
       R"( "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv@test"})";
   testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
-                                 "127.0.0.1", "--port", "0", "--block-size", "4",
-                                 "--num-kv-blocks", "10", "--kv-events-config", config});
+                                 "127.0.0.1", "--port", "0", "--block-size", "4", "--num-kv-blocks",
+                                 "10", "--kv-events-config", config});
   const std::string line = engine.next_line();
   const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
   ASSERT_NE(on, std::string::npos) << line;
@@ -309,10 +316,9 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
   int stored = 0, removed = 0;
   for (int attempt = 0; attempt < 50; ++attempt) {
     const auto path = test::temp_path("kv-replay");
-    const std::string cmd = "/usr/bin/python3 " +
-                            test::quote(test::oracle_dir() / "kv_events_subscriber.py") +
-                            " replay --replay " + test::quote(replay) + " --start 0 > " +
-                            test::quote(path);
+    const std::string cmd =
+        "/usr/bin/python3 " + test::quote(test::oracle_dir() / "kv_events_subscriber.py") +
+        " replay --replay " + test::quote(replay) + " --start 0 > " + test::quote(path);
     ASSERT_EQ(test::run_command(cmd), 0);
     std::ifstream in(path);
     state.clear();
@@ -344,7 +350,8 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
   EXPECT_EQ(static_cast<int64_t>(state.size()), cached);
   EXPECT_EQ(stored, 12);
   EXPECT_GT(removed, 0);  // the cache is smaller than what the requests computed
-  for (auto h : last_hashes) EXPECT_TRUE(state.count(h)) << "the newest blocks must still be cached";
+  for (auto h : last_hashes)
+    EXPECT_TRUE(state.count(h)) << "the newest blocks must still be cached";
 }
 
 }  // namespace

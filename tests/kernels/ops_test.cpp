@@ -81,8 +81,7 @@ TEST_P(MatmulTest, MatchesReference) {
   // The activations each kernel actually multiplies.
   std::vector<double> xref(x.begin(), x.end());
   const bool vnni = c.type == WeightType::kI8 && avx512::has_vnni();
-  const bool bf16_acts =
-      c.type == WeightType::kBF16 && (c.n >= 4 || avx512::has_bf16_dot());
+  const bool bf16_acts = c.type == WeightType::kBF16 && (c.n >= 4 || avx512::has_bf16_dot());
   for (int64_t t = 0; t < c.n; ++t) {
     double amax = 0;
     for (int64_t k = 0; k < c.cols; ++k) amax = std::max(amax, std::abs(xref[t * c.cols + k]));
@@ -90,7 +89,8 @@ TEST_P(MatmulTest, MatchesReference) {
     for (int64_t k = 0; k < c.cols; ++k) {
       double& v = xref[t * c.cols + k];
       if (vnni)
-        v = std::clamp<double>(std::nearbyint(x[t * c.cols + k] * (1.0f / scale)), -127, 127) * scale;
+        v = std::clamp<double>(std::nearbyint(x[t * c.cols + k] * (1.0f / scale)), -127, 127) *
+            scale;
       else if (bf16_acts)
         v = bf16_value(f32_to_bf16(x[t * c.cols + k]));
     }
@@ -119,8 +119,7 @@ std::vector<Case> cases() {
         out.push_back({type, rows, cols, n});
   // Packed weights, with token counts below, at and above one 64-token chunk.
   for (auto type : {WeightType::kBF16, WeightType::kI8})
-    for (int64_t n : {16, 48, 64, 100, 150})
-      out.push_back({type, 96, 320, n, true});
+    for (int64_t n : {16, 48, 64, 100, 150}) out.push_back({type, 96, 320, n, true});
   return out;
 }
 
@@ -146,7 +145,8 @@ TEST(Matmul, ConcurrentCallsMatchSequentialOnes) {
     m.cols = cols;
     if (i % 2 == 0) {
       wb[i].resize(static_cast<size_t>(rows * cols));
-      for (auto& v : wb[i]) v = f32_to_bf16(static_cast<float>(static_cast<int>(rng() % 201) - 100) / 1000.0f);
+      for (auto& v : wb[i])
+        v = f32_to_bf16(static_cast<float>(static_cast<int>(rng() % 201) - 100) / 1000.0f);
       m.type = WeightType::kBF16;
       m.data = wb[i].data();
     } else {

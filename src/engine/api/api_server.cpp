@@ -30,8 +30,12 @@ std::string random_hex() {
 
 // Invalid UTF-8 in generated text (a token cut mid-character is held back by the detokenizer,
 // but a model may emit any bytes) is replaced rather than failing the whole response.
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-std::string sse(const json& j) { return net::sse_event(dump(j)); }
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+std::string sse(const json& j) {
+  return net::sse_event(dump(j));
+}
 
 // One HTTP request in flight: its choices' engine requests and the response being built.
 struct Call {
@@ -82,23 +86,31 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   server_.route("GET", "/health", [](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     ex->respond(200, "", "text/plain");
   });
-  server_.route("GET", "/v1/models", [this, info](const net::HttpRequest&,
-                                                  std::shared_ptr<net::Exchange> ex) {
-    json model = {{"id", info.model_name},     {"object", "model"},
-                  {"created", created_},       {"owned_by", "tandem"},
-                  {"root", info.model_name},   {"parent", nullptr},
-                  {"max_model_len", info.max_model_len}};
-    ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
-  });
-  server_.route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-    ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
-  });
+  server_.route("GET", "/v1/models",
+                [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+                  json model = {{"id", info.model_name},
+                                {"object", "model"},
+                                {"created", created_},
+                                {"owned_by", "tandem"},
+                                {"root", info.model_name},
+                                {"parent", nullptr},
+                                {"max_model_len", info.max_model_len}};
+                  ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
+                });
+  server_.route(
+      "GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+        ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
+      });
   server_.route("GET", "/load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     const LoadReport r = engine_.load();
-    json j = {{"running", r.running},         {"waiting", r.waiting},
-              {"free_blocks", r.free_blocks}, {"total_blocks", r.total_blocks},
-              {"block_size", r.block_size},   {"tokens_in_flight", r.tokens_in_flight},
-              {"kv_usage", r.kv_usage},       {"cached_blocks", r.cached_blocks},
+    json j = {{"running", r.running},
+              {"waiting", r.waiting},
+              {"free_blocks", r.free_blocks},
+              {"total_blocks", r.total_blocks},
+              {"block_size", r.block_size},
+              {"tokens_in_flight", r.tokens_in_flight},
+              {"kv_usage", r.kv_usage},
+              {"cached_blocks", r.cached_blocks},
               {"steps", r.steps}};
     ex->respond(200, j.dump());
   });
@@ -112,11 +124,19 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   server_.route("POST", "/generate", generation(int(ApiKind::kGenerate)));
 }
 
-ApiServer::~ApiServer() { stop(); }
+ApiServer::~ApiServer() {
+  stop();
+}
 
-void ApiServer::start() { server_.start(); }
-uint16_t ApiServer::port() const { return server_.port(); }
-void ApiServer::stop() { server_.stop(); }
+void ApiServer::start() {
+  server_.start();
+}
+uint16_t ApiServer::port() const {
+  return server_.port();
+}
+void ApiServer::stop() {
+  server_.stop();
+}
 
 void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
                                   std::shared_ptr<net::Exchange> ex) {
@@ -145,16 +165,19 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     ex->send_error(400, e.what());
     return;
   }
-  const std::string prefix = kind == ApiKind::kChat ? "chatcmpl-" : kind == ApiKind::kCompletion ? "cmpl-" : "";
+  const std::string prefix = kind == ApiKind::kChat         ? "chatcmpl-"
+                             : kind == ApiKind::kCompletion ? "cmpl-"
+                                                            : "";
   std::string id = req.headers.get("x-request-id");
   if (id.empty()) id = prefix + random_hex() + random_hex();
-  call->builder = std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id,
-                                                    unix_seconds());
+  call->builder =
+      std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, unix_seconds());
   call->exchange = ex;
   // Engine ids are ours and unique, whatever id the client chose.
   const std::string base = random_hex() + random_hex();
   const auto& prompts = call->request.prompts;
-  for (size_t i = 0; i < prompts.size(); ++i) call->engine_ids.push_back(base + "-" + std::to_string(i));
+  for (size_t i = 0; i < prompts.size(); ++i)
+    call->engine_ids.push_back(base + "-" + std::to_string(i));
   if (call->request.stream) ex->start_stream(200, "text/event-stream");
   for (size_t i = 0; i < prompts.size(); ++i) {
     EngineRequest er;

@@ -77,7 +77,8 @@ SamplingParams sampling_from(const json& body, const char* max_tokens_name, int6
   p.max_tokens = integer(body, max_tokens_name, default_max);
   p.ignore_eos = boolean(body, "ignore_eos", false);
   if (const json* s = field(body, "seed")) {
-    if (!s->is_number_integer() && !s->is_number_unsigned()) fail("seed", "'seed' must be an integer");
+    if (!s->is_number_integer() && !s->is_number_unsigned())
+      fail("seed", "'seed' must be an integer");
     p.seed = static_cast<uint64_t>(s->get<int64_t>());
   }
   if (const json* s = field(body, "stop")) {
@@ -139,8 +140,7 @@ std::string model_name(const json& body, const ModelLimits& limits) {
   if (!m->is_string()) fail("model", "'model' must be a string");
   auto name = m->get<std::string>();
   if (name != limits.model_name)
-    throw ApiError{404, "The model `" + name + "` does not exist.", "model",
-                   "NotFoundError"};
+    throw ApiError{404, "The model `" + name + "` does not exist.", "model", "NotFoundError"};
   return name;
 }
 
@@ -174,12 +174,14 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
       else if (is_token_list(p))
         r.prompts.push_back(token_list(p, "prompt", limits));
       else
-        fail("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a "
-                       "list of lists of token ids");
+        fail("prompt",
+             "'prompt' must be a string, a list of strings, a list of token ids or a "
+             "list of lists of token ids");
     }
   } else {
-    fail("prompt", "'prompt' must be a string, a list of strings, a list of token ids or a list "
-                   "of lists of token ids");
+    fail("prompt",
+         "'prompt' must be a string, a list of strings, a list of token ids or a list "
+         "of lists of token ids");
   }
   if (r.echo && r.prompt_texts.size() != r.prompts.size())
     for (size_t i = r.prompt_texts.size(); i < r.prompts.size(); ++i)
@@ -209,8 +211,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const json* messages = field(body, "messages");
   if (!messages || !messages->is_array() || messages->empty())
     fail("messages", "'messages' must be a non-empty list");
-  if (!chat_template)
-    fail("messages", "the model has no chat template; use /v1/completions");
+  if (!chat_template) fail("messages", "the model has no chat template; use /v1/completions");
   // Templates expect string contents; text parts are joined, other parts are not supported.
   nlohmann::ordered_json msgs = nlohmann::ordered_json::array();
   for (const auto& m : *messages) {
@@ -231,10 +232,11 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     }
     msgs.push_back(std::move(out));
   }
-  nlohmann::ordered_json ctx = {{"messages", msgs},
-                                {"add_generation_prompt", boolean(body, "add_generation_prompt", true)},
-                                {"bos_token", tokenizer.bos_token()},
-                                {"eos_token", tokenizer.eos_token()}};
+  nlohmann::ordered_json ctx = {
+      {"messages", msgs},
+      {"add_generation_prompt", boolean(body, "add_generation_prompt", true)},
+      {"bos_token", tokenizer.bos_token()},
+      {"eos_token", tokenizer.eos_token()}};
   if (const json* tools = field(body, "tools"))
     ctx["tools"] = nlohmann::ordered_json::parse(tools->dump());
   if (const json* kw = field(body, "chat_template_kwargs")) {
@@ -251,7 +253,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   r.prompts.push_back(tokenizer.encode(rendered, false));
   const int64_t prompt_len = static_cast<int64_t>(r.prompts[0].size());
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
-  const char* max_name = field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  const char* max_name =
+      field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.sampling = sampling_from(body, max_name, room);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
@@ -281,7 +284,8 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
     if (is_token_list(*ids)) {
       r.prompts.push_back(token_list(*ids, "input_ids", limits));
     } else if (ids->is_array() && !ids->empty() &&
-               std::all_of(ids->begin(), ids->end(), [](const json& p) { return is_token_list(p); })) {
+               std::all_of(ids->begin(), ids->end(),
+                           [](const json& p) { return is_token_list(p); })) {
       for (const auto& p : *ids) r.prompts.push_back(token_list(p, "input_ids", limits));
     } else {
       fail("input_ids", "'input_ids' must be a non-empty list of token ids or of such lists");
@@ -355,7 +359,9 @@ json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t 
     for (const auto& [id, v] : lp.top) top[token_text(tokenizer_, id)] = v;
     tops.push_back(request_.logprobs > 0 ? top : json(nullptr));
   }
-  return {{"tokens", tokens}, {"token_logprobs", lps}, {"top_logprobs", tops},
+  return {{"tokens", tokens},
+          {"token_logprobs", lps},
+          {"top_logprobs", tops},
           {"text_offset", offsets}};
 }
 
@@ -427,8 +433,8 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
       c.started = true;
       if (piece.empty() && !out.finished) break;
       json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
-      choice["logprobs"] = request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset)
-                                                  : json(nullptr);
+      choice["logprobs"] =
+          request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset) : json(nullptr);
       chunks.push_back({{"id", id_},
                         {"object", "text_completion"},
                         {"created", created_},
@@ -438,8 +444,8 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
     }
     case ApiKind::kChat: {
       auto chunk = [&](json delta, json fin, json logprobs) {
-        json choice = {{"index", index}, {"delta", delta}, {"logprobs", logprobs},
-                       {"finish_reason", fin}};
+        json choice = {
+            {"index", index}, {"delta", delta}, {"logprobs", logprobs}, {"finish_reason", fin}};
         return json{{"id", id_},
                     {"object", "chat.completion.chunk"},
                     {"created", created_},
@@ -468,7 +474,8 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
 std::optional<json> ResponseBuilder::usage_chunk() const {
   if (!request_.stream || !request_.include_usage || request_.kind == ApiKind::kGenerate)
     return std::nullopt;
-  const char* object = request_.kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion";
+  const char* object =
+      request_.kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion";
   return json{{"id", id_},
               {"object", object},
               {"created", created_},
@@ -490,8 +497,8 @@ json ResponseBuilder::final_body() const {
     if (request_.kind == ApiKind::kCompletion) {
       const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
       json choice = {{"index", i}, {"text", prefix + c.text}, {"finish_reason", c.finish_reason}};
-      choice["logprobs"] = request_.logprobs >= 0 ? completion_logprobs(c, 0, prefix.size())
-                                                  : json(nullptr);
+      choice["logprobs"] =
+          request_.logprobs >= 0 ? completion_logprobs(c, 0, prefix.size()) : json(nullptr);
       choices.push_back(choice);
     } else {
       json choice = {{"index", i},

@@ -62,7 +62,8 @@ std::vector<LatencySample> probe_step_latencies(
       ProbeSequence s;
       s.tokens.resize(size_t(length));
       for (int64_t k = 0; k < length; ++k)
-        s.tokens[size_t(k)] = static_cast<int32_t>((1000 + 7919 * (k + 31 * i)) % (info.vocab_size - 1));
+        s.tokens[size_t(k)] =
+            static_cast<int32_t>((1000 + 7919 * (k + 31 * i)) % (info.vocab_size - 1));
       s.blocks.resize(size_t(per));
       std::iota(s.blocks.begin(), s.blocks.end(), static_cast<int32_t>(i * per));
       s.sampler = std::make_unique<Sampler>(greedy, 0);

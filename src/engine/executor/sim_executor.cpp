@@ -71,8 +71,9 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch) {
     const auto& item = batch[i];
     if (!item.sample) continue;
     const auto position = static_cast<uint64_t>(item.start) + item.tokens.size();
-    const uint64_t h = hash_u64(options_.seed ^ hash_u64(position * 0x9e3779b97f4a7c15ULL ^
-                                                         static_cast<uint32_t>(item.tokens.back())));
+    const uint64_t h =
+        hash_u64(options_.seed ^ hash_u64(position * 0x9e3779b97f4a7c15ULL ^
+                                          static_cast<uint32_t>(item.tokens.back())));
     TokenLogprob& out = result.sampled[i];
     out.token = ordinary_[h % ordinary_.size()];
     out.logprob = 0;

@@ -21,13 +21,13 @@
 namespace tandem::engine {
 
 struct SimExecutorOptions {
-  std::string preset;          // a SimLatencyModel preset name, or a path to a fitted model JSON
+  std::string preset;  // a SimLatencyModel preset name, or a path to a fitted model JSON
   std::string model_name;
   int64_t block_size = 16;
-  int64_t num_blocks = 0;      // 0: the preset's KV capacity
-  int64_t max_model_len = 0;   // 0: the preset's
+  int64_t num_blocks = 0;     // 0: the preset's KV capacity
+  int64_t max_model_len = 0;  // 0: the preset's
   uint64_t seed = 0;
-  double time_scale = 1.0;     // multiplies every step's modelled time (0: do not sleep)
+  double time_scale = 1.0;  // multiplies every step's modelled time (0: do not sleep)
 };
 
 class SimExecutor : public Executor {

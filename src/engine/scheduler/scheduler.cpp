@@ -16,8 +16,9 @@ void Scheduler::insert_waiting(Sequence* seq, bool front) {
   if (config_.priority) {
     // Ordered by (priority, arrival): a preempted sequence keeps its place by arrival.
     auto key = [](const Sequence* s) { return std::pair(s->request.priority, s->arrival_order); };
-    auto it = std::upper_bound(waiting_.begin(), waiting_.end(), seq,
-                               [&](const Sequence* a, const Sequence* b) { return key(a) < key(b); });
+    auto it =
+        std::upper_bound(waiting_.begin(), waiting_.end(), seq,
+                         [&](const Sequence* a, const Sequence* b) { return key(a) < key(b); });
     waiting_.insert(it, seq);
   } else if (front) {
     waiting_.push_front(seq);
@@ -26,16 +27,19 @@ void Scheduler::insert_waiting(Sequence* seq, bool front) {
   }
 }
 
-void Scheduler::add(Sequence* seq) { insert_waiting(seq, false); }
+void Scheduler::add(Sequence* seq) {
+  insert_waiting(seq, false);
+}
 
 Sequence* Scheduler::preemption_victim() const {
   if (running_.empty()) return nullptr;
   if (!config_.priority) return running_.back();
   // The lowest priority (highest value), the latest arrival among equals.
-  return *std::max_element(running_.begin(), running_.end(), [](const Sequence* a, const Sequence* b) {
-    return std::pair(a->request.priority, a->arrival_order) <
-           std::pair(b->request.priority, b->arrival_order);
-  });
+  return *std::max_element(running_.begin(), running_.end(),
+                           [](const Sequence* a, const Sequence* b) {
+                             return std::pair(a->request.priority, a->arrival_order) <
+                                    std::pair(b->request.priority, b->arrival_order);
+                           });
 }
 
 void Scheduler::preempt(Sequence* seq) {
@@ -59,8 +63,8 @@ SchedulerOutput Scheduler::schedule() {
   // Running sequences first, in admission order.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* seq = running_[i];
-    const int64_t n = std::min<int64_t>(
-        static_cast<int64_t>(seq->tokens.size()) - seq->num_computed, budget);
+    const int64_t n =
+        std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - seq->num_computed, budget);
     bool ok = n <= 0 || kv_.allocate(seq->request.id, seq->num_computed + n);
     while (!ok) {
       Sequence* victim = preemption_victim();
@@ -92,7 +96,8 @@ SchedulerOutput Scheduler::schedule() {
     Sequence* seq = waiting_.front();
     const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
     const int64_t computed = hit.num_tokens;
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
+    const int64_t n =
+        std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
     if (!kv_.allocate(seq->request.id, computed + n, hit)) break;
     waiting_.pop_front();
     seq->num_computed = computed;

@@ -31,8 +31,8 @@ struct EngineRequest {
   std::string id;
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  int64_t priority = 0;     // lower runs earlier when the engine schedules by priority
-  int32_t logprobs = -1;    // -1: none; k >= 0: sampled token's logprob plus the k most likely
+  int64_t priority = 0;   // lower runs earlier when the engine schedules by priority
+  int32_t logprobs = -1;  // -1: none; k >= 0: sampled token's logprob plus the k most likely
   OutputCallback on_output;
 };
 

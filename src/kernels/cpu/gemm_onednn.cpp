@@ -109,15 +109,14 @@ void execute(const Primitive& p, memory& src, memory& wei, memory& dst) {
 // Runs the product in chunks of at most 64 tokens on the packed weights: every chunk size has a
 // primitive of its exact shape reading that one layout.
 template <typename Src, typename Dst>
-bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_type,
-                   Type dst_type) {
+bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_type, Type dst_type) {
   const PackedGemmWeights& packed = *w.packed;
   const dnnl::engine& engine = context().engine;
   memory wei(packed.desc, engine, packed.data.get_data_handle());
   for (int64_t t = 0; t < n; t += kExactShapeMaxTokens) {
     const int64_t m = std::min(kExactShapeMaxTokens, n - t);
-    auto p = primitive(m, w.cols, w.rows, w.type, src_type, packed.desc.data_type(), dst_type,
-                       &packed);
+    auto p =
+        primitive(m, w.cols, w.rows, w.type, src_type, packed.desc.data_type(), dst_type, &packed);
     if (!p) return false;
     memory src({{m, w.cols}, src_type, Tag::ab}, engine, const_cast<Src*>(x + t * w.cols));
     memory dst({{m, w.rows}, dst_type, Tag::ab}, engine, y + t * w.rows);
@@ -174,8 +173,8 @@ bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     for (int64_t i = 0; i < count; ++i) dst[i] = f32_to_bf16(x[i]);
     src_ptr = x_bf16.data();
   }
-  if (w.packed) return packed_matmul(w, static_cast<const uint16_t*>(src_ptr), n, y, in_type,
-                                     Type::f32);
+  if (w.packed)
+    return packed_matmul(w, static_cast<const uint16_t*>(src_ptr), n, y, in_type, Type::f32);
   const dnnl::engine& engine = context().engine;
   memory src({{n, w.cols}, in_type, Tag::ab}, engine, src_ptr);
   memory wei({{w.cols, w.rows}, in_type, Tag::ba}, engine, const_cast<void*>(w.data));

@@ -145,9 +145,9 @@ TANDEM_AVX512 void quantize_u8_rows(const float* x, int64_t cols, int64_t n, int
     c = 0;
     for (; c + 16 <= cols; c += 16) {
       __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xt + c), inv));  // nearest
-      q = _mm512_add_epi32(_mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)),
-                                            _mm512_set1_epi32(-127)),
-                           _mm512_set1_epi32(128));
+      q = _mm512_add_epi32(
+          _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127)),
+          _mm512_set1_epi32(128));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c), _mm512_cvtepi32_epi8(q));
     }
     for (; c < cols; ++c) {

@@ -28,8 +28,8 @@ bool has_vnni();
 void quantize_u8_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint8_t* out,
                       float* scales);
 // out[t] = sum_c row[c] * xq[t * stride + c] for t < n (n <= 4), exact in int32.
-void dot_rows_i8_vnni(const int8_t* row, const uint8_t* xq, int64_t cols, int64_t stride,
-                      int64_t n, int32_t* out);
+void dot_rows_i8_vnni(const int8_t* row, const uint8_t* xq, int64_t cols, int64_t stride, int64_t n,
+                      int32_t* out);
 
 // out[i] = silu(gate[i]) * up[i] and the in-place softmax of x[n], with glibc's vectorised expf
 // (libmvec, within a few ulp of expf).

@@ -134,7 +134,8 @@ void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool
       int32_t out[4];
       avx512::dot_rows_i8_vnni(base + r * w.cols, xqp + t * stride, w.cols, stride, m, out);
       for (int64_t i = 0; i < m; ++i)
-        y[(t + i) * w.rows + r] = static_cast<float>(out[i] - 128 * sums[r]) * scales[r] * xsp[t + i];
+        y[(t + i) * w.rows + r] =
+            static_cast<float>(out[i] - 128 * sums[r]) * scales[r] * xsp[t + i];
     }
   }
 }

@@ -24,7 +24,7 @@ struct Matrix {
   // kI8 only: the sum of each row's int8 values. The VNNI products take unsigned activations
   // (int8 + 128); this is what removes the offset again. Filled by set_int8_row_sums().
   std::vector<int32_t> row_sums;
-  std::vector<uint8_t> storage;   // owned bytes when the weights were converted at load
+  std::vector<uint8_t> storage;  // owned bytes when the weights were converted at load
   // Set by pack_for_gemm(): products of many tokens read this copy instead of `data`.
   std::shared_ptr<const PackedGemmWeights> packed;
   size_t bytes() const;
