@@ -8,10 +8,14 @@
 namespace tandem::engine {
 namespace {
 
-KvCacheOptions kv_options(const EngineConfig& config) {
+std::optional<KvEventsConfig> parse_events(const EngineConfig& config) {
+  if (config.kv_events_config.empty()) return std::nullopt;
+  return KvEventsConfig::parse(config.kv_events_config);
+}
+
+KvCacheOptions kv_options(const std::optional<KvEventsConfig>& events) {
   KvCacheOptions o;
-  if (!config.kv_events_config.empty())
-    o.enable_events = KvEventsConfig::parse(config.kv_events_config).enable_kv_cache_events;
+  o.enable_events = events && events->enable_kv_cache_events;
   return o;
 }
 
@@ -51,15 +55,14 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       executor_(std::move(executor)),
       tokenizer_(std::move(tokenizer)),
       eos_ids_(std::move(eos_ids)),
+      events_config_(parse_events(config)),
       kv_(executor_->info().num_blocks, executor_->info().block_size, config.enable_prefix_caching,
-          kv_options(config)),
+          kv_options(events_config_)),
       scheduler_(config.scheduler, kv_),
       seed_base_(std::random_device{}()) {
-  if (!config.kv_events_config.empty()) {
-    auto events = KvEventsConfig::parse(config.kv_events_config);
-    if (events.enable_kv_cache_events && events.publisher == "zmq")
-      publisher_ = std::make_unique<ZmqKvEventPublisher>(events);
-  }
+  if (events_config_ && events_config_->enable_kv_cache_events &&
+      events_config_->publisher == "zmq")
+    publisher_ = std::make_unique<ZmqKvEventPublisher>(*events_config_);
   const metrics::LabelPairs model = {{"model_name", executor_->info().model_name}};
   metrics_.reset(new Metrics{
       registry.gauge("vllm:num_requests_running", "Requests in the running batch", model),
@@ -145,7 +148,7 @@ void Engine::submit(EngineRequest request) {
   {
     std::lock_guard lock(mutex_);
     if (stopping_) throw Error("the engine is shutting down");
-    if (!live_ids_.emplace(request.id, true).second)
+    if (!live_ids_.insert(request.id).second)
       throw Error("request id '" + request.id + "' is already in use");
     incoming_.push_back(std::move(request));
   }

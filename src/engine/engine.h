@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "engine/executor/executor.h"
@@ -80,6 +81,7 @@ class Engine {
   std::unique_ptr<Executor> executor_;
   std::shared_ptr<const text::Tokenizer> tokenizer_;
   std::vector<int32_t> eos_ids_;
+  std::optional<KvEventsConfig> events_config_;  // parsed --kv-events-config, if any
   KvCacheManager kv_;
   Scheduler scheduler_;
   std::unique_ptr<ZmqKvEventPublisher> publisher_;
@@ -89,7 +91,7 @@ class Engine {
   std::condition_variable wake_;
   std::vector<EngineRequest> incoming_;
   std::vector<std::string> aborts_;
-  std::unordered_map<std::string, bool> live_ids_;  // submitted and not finished (under mutex_)
+  std::unordered_set<std::string> live_ids_;  // submitted and not finished (under mutex_)
   bool stopping_ = false;
   std::thread thread_;
 

@@ -49,6 +49,14 @@ TEST(Protocol, CompletionPromptForms) {
   EXPECT_EQ(r.n, 3);
 }
 
+TEST(Protocol, EchoTextsStayAlignedWithMixedPrompts) {
+  auto r = parse_completion(json{{"prompt", {json("Hello"), json({1000, 1001})}}, {"echo", true}},
+                            tokenizer(), kLimits);
+  ASSERT_EQ(r.prompt_texts.size(), 2u);
+  EXPECT_EQ(r.prompt_texts[0], "Hello");
+  EXPECT_EQ(r.prompt_texts[1], tokenizer().decode(std::vector<int32_t>{1000, 1001}, false));
+}
+
 TEST(Protocol, SamplingFieldsMapToSamplingParams) {
   auto r = parse_completion(json{{"prompt", "x"},
                                  {"temperature", 0.5},

@@ -53,7 +53,7 @@ struct Call {
       failed = true;
       const std::string msg = "generation failed: " + out.error;
       if (request.stream) {
-        exchange->write(sse(json::parse(net::openai_error_body(msg, "server_error"))));
+        exchange->write(net::sse_event(net::openai_error_body(msg, "server_error")));
         exchange->write(net::kSseDone);
         exchange->end();
       } else {
@@ -195,7 +195,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
       std::lock_guard lock(call->mutex);
       call->failed = true;
       if (call->request.stream) {
-        ex->write(sse(json::parse(net::openai_error_body(e.what()))));
+        ex->write(net::sse_event(net::openai_error_body(e.what())));
         ex->write(net::kSseDone);
         ex->end();
       } else {

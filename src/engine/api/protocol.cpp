@@ -159,33 +159,34 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   const json* prompt = field(body, "prompt");
   if (!prompt) fail("prompt", "'prompt' is required");
   r.echo = boolean(body, "echo", false);
+  // prompt_texts stays aligned with prompts: the text as given, or the ids decoded (for echo).
   auto add_text = [&](const std::string& s) {
     r.prompts.push_back(tokenizer.encode(s, true));
     r.prompt_texts.push_back(s);
   };
+  auto add_ids = [&](const json& ids) {
+    r.prompts.push_back(token_list(ids, "prompt", limits));
+    r.prompt_texts.push_back(r.echo ? tokenizer.decode(r.prompts.back(), false) : std::string());
+  };
+  const char* kPromptForms =
+      "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "
+      "token ids";
   if (prompt->is_string()) {
     add_text(prompt->get<std::string>());
   } else if (is_token_list(*prompt)) {
-    r.prompts.push_back(token_list(*prompt, "prompt", limits));
+    add_ids(*prompt);
   } else if (prompt->is_array() && !prompt->empty()) {
     for (const auto& p : *prompt) {
       if (p.is_string())
         add_text(p.get<std::string>());
       else if (is_token_list(p))
-        r.prompts.push_back(token_list(p, "prompt", limits));
+        add_ids(p);
       else
-        fail("prompt",
-             "'prompt' must be a string, a list of strings, a list of token ids or a "
-             "list of lists of token ids");
+        fail("prompt", kPromptForms);
     }
   } else {
-    fail("prompt",
-         "'prompt' must be a string, a list of strings, a list of token ids or a list "
-         "of lists of token ids");
+    fail("prompt", kPromptForms);
   }
-  if (r.echo && r.prompt_texts.size() != r.prompts.size())
-    for (size_t i = r.prompt_texts.size(); i < r.prompts.size(); ++i)
-      r.prompt_texts.push_back(tokenizer.decode(r.prompts[i], false));
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
   r.sampling = sampling_from(body, "max_tokens", 16);
   r.stream = boolean(body, "stream", false);
@@ -383,7 +384,7 @@ json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
   return {{"content", content}};
 }
 
-json ResponseBuilder::generate_body(size_t index, bool cumulative) const {
+json ResponseBuilder::generate_body(size_t index) const {
   const Choice& c = choices_[index];
   json finish = nullptr;
   if (c.finished) {
@@ -400,7 +401,6 @@ json ResponseBuilder::generate_body(size_t index, bool cumulative) const {
     for (const auto& lp : c.logprobs) out.push_back(json::array({lp.logprob, lp.token, nullptr}));
     meta["output_token_logprobs"] = out;
   }
-  (void)cumulative;
   return {{"text", c.text}, {"output_ids", c.tokens}, {"meta_info", meta}};
 }
 
@@ -464,7 +464,7 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
     }
     case ApiKind::kGenerate:
       // SGLang streams the whole text and ids so far in every chunk.
-      chunks.push_back(generate_body(index, true));
+      chunks.push_back(generate_body(index));
       if (choices_.size() > 1) chunks.back()["index"] = index;
       break;
   }
@@ -486,9 +486,9 @@ std::optional<json> ResponseBuilder::usage_chunk() const {
 
 json ResponseBuilder::final_body() const {
   if (request_.kind == ApiKind::kGenerate) {
-    if (choices_.size() == 1) return generate_body(0, true);
+    if (choices_.size() == 1) return generate_body(0);
     json all = json::array();
-    for (size_t i = 0; i < choices_.size(); ++i) all.push_back(generate_body(i, true));
+    for (size_t i = 0; i < choices_.size(); ++i) all.push_back(generate_body(i));
     return all;
   }
   json choices = json::array();

@@ -81,7 +81,7 @@ class ResponseBuilder {
   nlohmann::json usage() const;
   nlohmann::json completion_logprobs(const Choice& c, size_t first, size_t text_offset) const;
   nlohmann::json chat_logprobs(const Choice& c, size_t first) const;
-  nlohmann::json generate_body(size_t index, bool cumulative) const;
+  nlohmann::json generate_body(size_t index) const;
 
   const ApiRequest& request_;
   const text::Tokenizer& tokenizer_;

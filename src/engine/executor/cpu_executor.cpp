@@ -31,7 +31,6 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
   info_.max_model_len = c.max_position_embeddings;
   info_.num_blocks = cache_.num_blocks();
   info_.block_size = options.block_size;
-  info_.block_bytes = static_cast<double>(cache_.shape().block_floats()) * sizeof(float);
   for (int64_t id = 0; id < c.vocab_size; ++id)
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text_.push_back(static_cast<int32_t>(id));

@@ -37,7 +37,6 @@ struct ExecutorInfo {
   int64_t max_model_len = 0;
   int64_t num_blocks = 0;  // KV blocks the executor's cache holds
   int64_t block_size = 0;
-  double block_bytes = 0;  // bytes of one block (all layers), for usage reports
 };
 
 class Executor {

@@ -14,12 +14,11 @@ namespace {
 // expert-parallel weights, and 163,840 is the model's max_position_embeddings.
 struct Capacity {
   int64_t num_blocks_16, max_model_len;
-  double bytes_per_token;
 };
 
 Capacity capacity_of(const std::string& name) {
-  if (name == "tiny") return {2048, 4096, 2 * 4 * 96.0};
-  return {32768, 163840, 61 * 576 * 2.0};
+  if (name == "tiny") return {2048, 4096};
+  return {32768, 163840};
 }
 
 SimLatencyModel load_model(const std::string& preset) {
@@ -44,7 +43,6 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   info_.num_blocks = options.num_blocks > 0
                          ? options.num_blocks
                          : std::max<int64_t>(1, cap.num_blocks_16 * 16 / options.block_size);
-  info_.block_bytes = cap.bytes_per_token * static_cast<double>(options.block_size);
   for (size_t id = 0; id < tokenizer.vocab_size(); ++id) {
     const auto t = static_cast<int32_t>(id);
     if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) ordinary_.push_back(t);

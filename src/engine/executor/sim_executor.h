@@ -42,7 +42,6 @@ class SimExecutor : public Executor {
   ExecutorInfo info_;
   SimExecutorOptions options_;
   std::vector<int32_t> ordinary_;  // ids the simulated model emits
-  std::chrono::steady_clock::time_point busy_until_;
 };
 
 }  // namespace tandem::engine

@@ -101,7 +101,7 @@ SchedulerOutput Scheduler::schedule() {
     if (!kv_.allocate(seq->request.id, computed + n, hit)) break;
     waiting_.pop_front();
     seq->num_computed = computed;
-    if (seq->num_preemptions == 0 && !seq->admitted_once) seq->num_cached = computed;
+    if (!seq->admitted_once) seq->num_cached = computed;
     seq->status = SequenceStatus::kRunning;
     running_.push_back(seq);
     schedule_one(seq, n);
