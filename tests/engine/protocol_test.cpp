@@ -50,11 +50,12 @@ TEST(Protocol, CompletionPromptForms) {
 }
 
 TEST(Protocol, EchoTextsStayAlignedWithMixedPrompts) {
-  auto r = parse_completion(json{{"prompt", {json("Hello"), json({1000, 1001})}}, {"echo", true}},
+  // Ids first, then text: each echo text must belong to its own prompt.
+  auto r = parse_completion(json{{"prompt", {json({1000, 1001}), json("Hello")}}, {"echo", true}},
                             tokenizer(), kLimits);
   ASSERT_EQ(r.prompt_texts.size(), 2u);
-  EXPECT_EQ(r.prompt_texts[0], "Hello");
-  EXPECT_EQ(r.prompt_texts[1], tokenizer().decode(std::vector<int32_t>{1000, 1001}, false));
+  EXPECT_EQ(r.prompt_texts[0], tokenizer().decode(std::vector<int32_t>{1000, 1001}, false));
+  EXPECT_EQ(r.prompt_texts[1], "Hello");
 }
 
 TEST(Protocol, SamplingFieldsMapToSamplingParams) {
