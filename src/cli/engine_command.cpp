@@ -1,5 +1,9 @@
 #include "cli/engine_command.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+
 #include <csignal>
 #include <cstdio>
 #include <memory>
@@ -28,8 +32,34 @@ struct EngineOptions {
   int http_threads = 1;
   int64_t max_body_bytes = 8 << 20;
   uint64_t sim_seed = 0;
+  double sim_time_scale = 1.0;
   int64_t max_model_len = 0;
+  std::string role = "both";
+  int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
+  std::string kv_transfer_host, advertise_host, engine_id;
+  double kv_transfer_timeout = 120;
+  bool kv_transfer_checksum = false;
 };
+
+// The address decode engines should connect to when we listen on every interface: the first
+// non-loopback IPv4 address, else loopback.
+std::string advertised_host(const std::string& listen_host) {
+  if (listen_host != "0.0.0.0" && listen_host != "::" && !listen_host.empty()) return listen_host;
+  std::string found = "127.0.0.1";
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return found;
+  for (ifaddrs* a = list; a; a = a->ifa_next) {
+    if (!a->ifa_addr || a->ifa_addr->sa_family != AF_INET) continue;
+    char buf[INET_ADDRSTRLEN];
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    if (!inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf)) continue;
+    if (std::string(buf).rfind("127.", 0) == 0) continue;
+    found = buf;
+    break;
+  }
+  freeifaddrs(list);
+  return found;
+}
 
 struct SimFitOptions {
   std::string model, out, name = "fitted";
@@ -60,6 +90,7 @@ void run(const EngineOptions& o) {
     so.block_size = o.block_size;
     so.num_blocks = o.num_blocks;
     so.seed = o.sim_seed;
+    so.time_scale = o.sim_time_scale;
     so.max_model_len = o.max_model_len;
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
@@ -89,6 +120,19 @@ void run(const EngineOptions& o) {
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.kv_events_config = o.kv_events_config;
+  config.role = o.role;
+  engine::KvTransferConfig transfer;
+  transfer.engine_id = o.engine_id;
+  transfer.listen_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
+  transfer.port = o.kv_transfer_port != -2 ? o.kv_transfer_port
+                  : o.role == "prefill"    ? 8998
+                  : o.role == "both"       ? 0
+                                           : -1;
+  transfer.advertise_host =
+      o.advertise_host.empty() ? advertised_host(transfer.listen_host) : o.advertise_host;
+  transfer.timeout_s = o.kv_transfer_timeout;
+  transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
+  config.transfer = transfer;
 
   metrics::Registry registry;
   engine::Engine engine(config, std::move(executor), tokenizer, eos, registry);
@@ -106,6 +150,13 @@ void run(const EngineOptions& o) {
       "tandem engine: listening on http://%s:%u (model %s, %lld KV blocks of %lld tokens)\n",
       o.host.c_str(), static_cast<unsigned>(server.port()), info.model_name.c_str(),
       static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
+  if (const auto* t = engine.transfer(); t && t->serving())
+    std::printf("tandem engine: role %s, KV transfer on %s:%u (advertised as %s), engine id %s\n",
+                engine.role().c_str(), t->config().listen_host.c_str(),
+                static_cast<unsigned>(t->port()), t->config().advertise_host.c_str(),
+                t->config().engine_id.c_str());
+  else
+    std::printf("tandem engine: role %s\n", engine.role().c_str());
   if (!engine.kv_events_endpoint().empty())
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());
@@ -203,6 +254,30 @@ void add_engine_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--sim-seed", o->sim_seed, "seed of the simulated executor's tokens");
+  cmd->add_option("--sim-time-scale", o->sim_time_scale,
+                  "multiplies the simulated step times (0: do not sleep)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--role", o->role, "prefill, decode or both (prefill/decode disaggregation)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"prefill", "decode", "both"}));
+  cmd->add_option("--kv-transfer-port,--disaggregation-bootstrap-port", o->kv_transfer_port,
+                  "KV transfer / bootstrap server port (default: 8998 for prefill, any free port "
+                  "for both, none for decode; -1: none)")
+      ->check(CLI::Range(-1, 65535));
+  cmd->add_option("--kv-transfer-host", o->kv_transfer_host,
+                  "address the KV transfer server listens on (default: --host)");
+  cmd->add_option("--advertise-host", o->advertise_host,
+                  "host decode engines reach this engine at (remote_host; default: --host, or "
+                  "this machine's first non-loopback IPv4 address)");
+  cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
+                  "seconds KV waits to be taken, a room waits for its other leg, and any transfer "
+                  "I/O may take")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--kv-transfer-checksum", o->kv_transfer_checksum,
+                "checksum every transferred layer (always on in debug builds)");
+  cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");
   cmd->add_option("--max-model-len", o->max_model_len,
                   "context length of a simulated model (default: the preset's)")
       ->check(CLI::NonNegativeNumber);

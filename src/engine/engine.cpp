@@ -1,5 +1,6 @@
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 
@@ -46,6 +47,7 @@ struct Engine::Metrics {
   metrics::Histogram& tpot;
   metrics::Histogram& e2e;
   metrics::Histogram& queue_time;
+  metrics::Gauge& waiting_for_kv;
 };
 
 Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
@@ -88,7 +90,20 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       registry.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                          metrics::vllm_request_latency_buckets(), model),
       registry.histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling",
-                         metrics::vllm_request_latency_buckets(), model)});
+                         metrics::vllm_request_latency_buckets(), model),
+      registry.gauge("tandem:num_requests_waiting_for_kv",
+                     "Decode requests waiting for their prompt's KV from a prefill engine",
+                     model)});
+  if (config_.role != "both" && config_.role != "prefill" && config_.role != "decode")
+    throw Error("role: expected prefill, decode or both, got '" + config_.role + "'");
+  if (config_.transfer) {
+    TcpTransportOptions tcp;
+    tcp.io_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(config_.transfer->timeout_s * 1000));
+    agent_ = std::make_unique<KvTransferAgent>(
+        *config_.transfer, *executor_, make_tcp_transport(tcp), registry,
+        [this](std::function<void()> t) { post(std::move(t)); });
+  }
   update_gauges();
 }
 
@@ -109,6 +124,8 @@ void Engine::stop() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // Transfers end first (their tasks are dropped): nothing touches the cache after this.
+  agent_.reset();
   // Whatever never reached the loop, or was still in it, ends as aborted.
   std::vector<EngineRequest> left;
   {
@@ -122,8 +139,17 @@ void Engine::stop() {
     if (r.on_output) r.on_output(out);
   }
   std::vector<Sequence*> live;
-  for (auto& [id, seq] : sequences_) live.push_back(seq.get());
+  for (auto& [id, seq] : sequences_)
+    if (!seq->cancelled) live.push_back(seq.get());
   for (auto* s : live) finish(s, "abort");
+  for (auto& [id, p] : parked_) {
+    if (!p.deferred || !p.on_output) continue;
+    RequestOutput out;
+    out.finished = true;
+    out.finish_reason = "abort";
+    p.on_output(out);
+  }
+  parked_.clear();
 }
 
 void Engine::submit(EngineRequest request) {
@@ -145,12 +171,38 @@ void Engine::submit(EngineRequest request) {
     throw Error("prompt plus max_tokens (" + std::to_string(total) +
                 " tokens) exceeds the KV cache of this engine (" +
                 std::to_string(info.num_blocks * info.block_size) + " tokens)");
-  {
+  const KvTransferSpec& kt = request.kv_transfer;
+  if (kt.mode != KvTransferSpec::Mode::kNone && !agent_)
+    throw Error("this engine was started without KV transfer (--role both/prefill/decode)");
+  if (kt.prefill() && !agent_->serving())
+    throw Error("this engine has no KV transfer server, so it cannot serve prefill legs");
+  // Claimed outside mutex_: the agent posts into the engine while holding its own lock.
+  const bool room = kt.mode == KvTransferSpec::Mode::kPrefillForRoom;
+  if (room) {
+    const std::string id = request.id;
+    if (!agent_->open_room(
+            kt.room, kv_prompt_hash(request.prompt), static_cast<int64_t>(request.prompt.size()),
+            [this, id](bool ok, const std::string& error) { on_room_done(id, ok, error); }))
+      throw Error("bootstrap_room " + std::to_string(kt.room) +
+                  " is already in use by another prefill request on this engine");
+  }
+  try {
     std::lock_guard lock(mutex_);
     if (stopping_) throw Error("the engine is shutting down");
     if (!live_ids_.insert(request.id).second)
       throw Error("request id '" + request.id + "' is already in use");
     incoming_.push_back(std::move(request));
+  } catch (const Error& e) {
+    if (room) agent_->room_failed(kt.room, e.what());
+    throw;
+  }
+  wake_.notify_one();
+}
+
+void Engine::post(std::function<void()> task) {
+  {
+    std::lock_guard lock(mutex_);
+    tasks_.push_back(std::move(task));
   }
   wake_.notify_one();
 }
@@ -181,23 +233,39 @@ void Engine::loop() {
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] {
-        return stopping_ || !incoming_.empty() || !aborts_.empty() || !sequences_.empty();
+        return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
+               !scheduler_.running().empty() || !scheduler_.waiting().empty() ||
+               std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
+                           [](const Sequence* s) { return !s->fetching; });
       });
       if (stopping_) return;
     }
     admit_incoming();
-    if (!sequences_.empty()) step();
+    start_fetches();
+    if (!scheduler_.running().empty() || !scheduler_.waiting().empty()) {
+      step();
+    } else if (std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
+                           [](const Sequence* s) { return !s->fetching; })) {
+      // Decodes wait for free blocks to receive their KV into: retry shortly.
+      std::unique_lock lock(mutex_);
+      wake_.wait_for(lock, std::chrono::milliseconds(50), [&] {
+        return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty();
+      });
+    }
   }
 }
 
 void Engine::admit_incoming() {
   std::vector<EngineRequest> incoming;
   std::vector<std::string> aborts;
+  std::vector<std::function<void()>> tasks;
   {
     std::lock_guard lock(mutex_);
     incoming.swap(incoming_);
     aborts.swap(aborts_);
+    tasks.swap(tasks_);
   }
+  for (auto& t : tasks) t();
   const double now = now_seconds();
   for (auto& r : incoming) {
     auto seq = std::make_unique<Sequence>();
@@ -210,13 +278,18 @@ void Engine::admit_incoming() {
     seq->request = std::move(r);
     Sequence* raw = seq.get();
     sequences_[raw->request.id] = std::move(seq);
-    scheduler_.add(raw);
+    if (raw->request.kv_transfer.decode()) {
+      raw->awaiting_kv = true;
+      awaiting_kv_.push_back(raw);
+    } else {
+      scheduler_.add(raw);
+    }
   }
   for (const auto& id : aborts) {
     auto it = sequences_.find(id);
-    if (it != sequences_.end()) finish(it->second.get(), "abort");
+    if (it != sequences_.end() && !it->second->cancelled) finish(it->second.get(), "abort");
   }
-  if (!incoming.empty() || !aborts.empty()) update_gauges();
+  if (!incoming.empty() || !aborts.empty() || !tasks.empty()) update_gauges();
 }
 
 void Engine::step() {
@@ -250,9 +323,24 @@ void Engine::step() {
     item.logprobs = seq->request.logprobs;
     items.push_back(item);
   }
+  // Prefills for a bootstrap room that complete their prompt in this step stream each layer to
+  // the decode engine as soon as the forward pass has written it.
+  std::vector<uint64_t> rooms;
+  for (const auto& s : out.scheduled)
+    if (s.sample && s.seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom &&
+        s.seq->num_generated() == 0) {
+      rooms.push_back(s.seq->request.kv_transfer.room);
+      agent_->room_blocks(rooms.back(), kv_.block_table(s.seq->request.id));
+    }
+  LayerHook on_layer;
+  if (!rooms.empty())
+    on_layer = [&](int64_t layers) {
+      for (auto r : rooms) agent_->room_layers_done(r, layers);
+    };
   ExecResult result;
   try {
-    result = executor_->execute(items);
+    result = executor_->execute(items, on_layer);
+    for (auto r : rooms) agent_->room_layers_done(r, executor_->info().kv_layout.layers);
   } catch (const std::exception& e) {
     // A failed step fails the requests in it, not the engine.
     for (const auto& s : out.scheduled) finish(s.seq, "error", e.what());
@@ -290,6 +378,21 @@ void Engine::step() {
       o.finished = true;
       o.finish_reason = delta.finish_reason;
     }
+    const auto mode = seq->request.kv_transfer.mode;
+    if (delta.finished && mode == KvTransferSpec::Mode::kPrefillForPull) {
+      // The prompt's blocks wait for the decode engine's pull (vLLM's request_finished).
+      o.kv_blocks = kv_.block_table(seq->request.id);
+      const std::string id = seq->request.id;
+      o.kv_transfer_id = agent_->hold(o.kv_blocks, seq->num_prompt, [this, id] { kv_.free(id); });
+      seq->kv_parked = true;
+    }
+    if (delta.finished && mode == KvTransferSpec::Mode::kPrefillForRoom && !seq->room_closed) {
+      // Answered once the decode engine has the KV (or the room failed).
+      parked_[seq->request.id] = {seq->request.on_output, o};
+      seq->kv_parked = true;
+      finish(seq, delta.finish_reason, {}, /*notified=*/true);
+      continue;
+    }
     if (seq->request.on_output) seq->request.on_output(o);
     if (delta.finished) finish(seq, delta.finish_reason, {}, /*notified=*/true);
   }
@@ -298,13 +401,22 @@ void Engine::step() {
 }
 
 void Engine::finish(Sequence* seq, const std::string& reason, const std::string& error,
-                    bool notified) {
-  scheduler_.remove(seq);
+                    bool notified, int error_status) {
+  const KvTransferSpec& kt = seq->request.kv_transfer;
+  if (kt.mode == KvTransferSpec::Mode::kPrefillForRoom && !seq->room_closed && !seq->kv_parked) {
+    // The room's transfer may be reading these blocks: keep them until it reports back.
+    agent_->room_failed(kt.room, "the prefill request ended: " + (error.empty() ? reason : error));
+    parked_[seq->request.id] = {};
+    seq->kv_parked = true;
+  }
+  scheduler_.remove(seq, seq->kv_parked || seq->fetching);
+  std::erase(awaiting_kv_, seq);
   if (!notified && seq->request.on_output) {
     RequestOutput o;
     o.finished = true;
     o.finish_reason = reason;
     o.error = error;
+    o.error_status = error_status;
     o.prompt_tokens = seq->num_prompt;
     o.completion_tokens = seq->num_generated();
     o.cached_tokens = seq->num_cached;
@@ -312,10 +424,121 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   }
   metrics_->success.labels({reason}).inc();
   metrics_->e2e.observe(now_seconds() - seq->arrival_time);
+  if (seq->fetching) {
+    // The transfer writes into its blocks until it ends; on_fetch_done drops the sequence.
+    seq->cancelled = true;
+    agent_->cancel_fetch(seq->request.id);
+    return;
+  }
   const std::string id = seq->request.id;
   sequences_.erase(id);
   std::lock_guard lock(mutex_);
   live_ids_.erase(id);
+}
+
+void Engine::start_fetches() {
+  const double now = now_seconds();
+  for (size_t i = 0; i < awaiting_kv_.size();) {
+    Sequence* seq = awaiting_kv_[i];
+    if (seq->fetching) {
+      ++i;
+      continue;
+    }
+    const std::string& id = seq->request.id;
+    // The decode recomputes the prompt's last token (for its logits): it needs the rest.
+    const int64_t need = seq->num_prompt - 1;
+    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
+    if (need <= hit.num_tokens) {
+      // Nothing to transfer (a one-token prompt, or all of it cached here).
+      awaiting_kv_.erase(awaiting_kv_.begin() + static_cast<std::ptrdiff_t>(i));
+      seq->awaiting_kv = false;
+      scheduler_.add(seq);
+      continue;
+    }
+    if (!kv_.allocate(id, need, hit)) {
+      if (now - seq->arrival_time > config_.transfer->timeout_s) {
+        finish(seq, "error",
+               "no free KV blocks for the prompt's transfer within " +
+                   std::to_string(config_.transfer->timeout_s) + " s",
+               false, 503);
+        continue;
+      }
+      ++i;
+      continue;
+    }
+    const KvTransferSpec& kt = seq->request.kv_transfer;
+    KvFetch f;
+    f.request_id = id;
+    f.pull = kt.mode == KvTransferSpec::Mode::kDecodeByPull;
+    f.host = kt.host;
+    f.port = kt.port;
+    f.engine_id = kt.engine_id;
+    f.transfer_id = kt.transfer_id;
+    f.remote_blocks = kt.remote_blocks;
+    f.room = kt.room;
+    f.prompt_hash = kv_prompt_hash(seq->prompt());
+    f.prompt_tokens = seq->num_prompt;
+    f.first_token = hit.num_tokens;
+    f.num_tokens = need;
+    const auto& table = kv_.block_table(id);
+    f.local_blocks.assign(table.begin() + hit.num_tokens / kv_.block_size(), table.end());
+    seq->num_cached = hit.num_tokens;
+    seq->fetching = true;
+    agent_->fetch(std::move(f), [this, id](const KvFetchResult& r) { on_fetch_done(id, r); });
+    ++i;
+  }
+  metrics_->waiting_for_kv.set(static_cast<double>(awaiting_kv_.size()));
+}
+
+void Engine::on_fetch_done(const std::string& id, const KvFetchResult& result) {
+  auto it = sequences_.find(id);
+  if (it == sequences_.end()) return;
+  Sequence* seq = it->second.get();
+  seq->fetching = false;
+  if (seq->cancelled) {
+    kv_.free(id);
+    sequences_.erase(it);
+    std::lock_guard lock(mutex_);
+    live_ids_.erase(id);
+    return;
+  }
+  if (!result.ok) {
+    finish(seq, "error", result.error, false, 502);
+    return;
+  }
+  std::erase(awaiting_kv_, seq);
+  seq->awaiting_kv = false;
+  seq->num_computed = seq->num_prompt - 1;
+  kv_.cache_full_blocks(id, std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
+  scheduler_.add(seq);
+}
+
+void Engine::on_room_done(const std::string& id, bool ok, const std::string& error) {
+  auto seq = sequences_.find(id);
+  if (seq != sequences_.end()) {
+    // The room failed while the prefill still runs (e.g. the decode side gave up).
+    seq->second->room_closed = true;
+    finish(seq->second.get(), "error", error, false, 502);
+    return;
+  }
+  auto it = parked_.find(id);
+  if (it == parked_.end()) return;
+  Parked p = std::move(it->second);
+  parked_.erase(it);
+  kv_.free(id);
+  if (!p.deferred || !p.on_output) return;
+  if (ok) {
+    p.on_output(*p.deferred);
+    return;
+  }
+  RequestOutput out = *p.deferred;
+  out.tokens.clear();
+  out.logprobs.clear();
+  out.text.clear();
+  out.finish_reason = "error";
+  out.error = error;
+  out.error_status = 502;
+  p.on_output(out);
 }
 
 void Engine::publish_events() {

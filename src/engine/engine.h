@@ -19,6 +19,7 @@
 #include "engine/kv/kv_events.h"
 #include "engine/scheduler/scheduler.h"
 #include "engine/scheduler/sequence.h"
+#include "engine/transfer/kv_transfer.h"
 #include "text/tokenizer.h"
 #include "util/metrics.h"
 
@@ -28,6 +29,10 @@ struct EngineConfig {
   SchedulerConfig scheduler;
   bool enable_prefix_caching = true;
   std::string kv_events_config;  // vLLM's --kv-events-config JSON; empty: no events
+  // Prefill/decode disaggregation: "prefill", "decode" or "both"; KV transfer runs when
+  // `transfer` is set (with a server unless its port is -1).
+  std::string role = "both";
+  std::optional<KvTransferConfig> transfer;
 };
 
 // A snapshot for the gateway's load-aware routing (JSON at /load).
@@ -63,6 +68,9 @@ class Engine {
   LoadReport load() const;
   const ExecutorInfo& executor_info() const { return executor_->info(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
+  const std::string& role() const { return config_.role; }
+  // KV transfer (null when not configured): engine id, advertised host and port.
+  const KvTransferAgent* transfer() const { return agent_.get(); }
   // Where KV events go, when enabled (the bound endpoints, for tests and logs).
   std::string kv_events_endpoint() const;
   std::string kv_events_replay_endpoint() const;
@@ -73,9 +81,14 @@ class Engine {
   void admit_incoming();
   void step();
   void finish(Sequence* seq, const std::string& reason, const std::string& error = {},
-              bool notified = false);
+              bool notified = false, int error_status = 500);
   void publish_events();
   void update_gauges();
+  // Disaggregation (engine thread).
+  void post(std::function<void()> task);
+  void start_fetches();
+  void on_fetch_done(const std::string& id, const KvFetchResult& result);
+  void on_room_done(const std::string& id, bool ok, const std::string& error);
 
   EngineConfig config_;
   std::unique_ptr<Executor> executor_;
@@ -91,6 +104,7 @@ class Engine {
   std::condition_variable wake_;
   std::vector<EngineRequest> incoming_;
   std::vector<std::string> aborts_;
+  std::vector<std::function<void()>> tasks_;  // posted by KV transfer threads
   std::unordered_set<std::string> live_ids_;  // submitted and not finished (under mutex_)
   bool stopping_ = false;
   std::thread thread_;
@@ -100,6 +114,16 @@ class Engine {
   uint64_t arrival_counter_ = 0;
   uint64_t seed_base_;
   int64_t reported_queries_ = 0, reported_hits_ = 0;  // prefix-cache stats already in metrics
+  std::vector<Sequence*> awaiting_kv_;                // decodes waiting for their prompt's KV
+  // Finished requests whose blocks a transfer still uses: freed when it ends; for a bootstrap
+  // room, the final output is sent then (SGLang answers the prefill leg after the transfer).
+  struct Parked {
+    OutputCallback on_output;
+    std::optional<RequestOutput> deferred;
+  };
+  std::unordered_map<std::string, Parked> parked_;
+
+  std::unique_ptr<KvTransferAgent> agent_;  // stop() ends it before the members it posts into
 
   // Load snapshot, written by the engine thread after each step.
   mutable std::mutex load_mutex_;

@@ -308,7 +308,8 @@ StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vecto
   return out;
 }
 
-StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCache& cache) const {
+StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCache& cache,
+                                  const std::function<void(int64_t)>& after_layer) const {
   check_batch(config_, batch, cache);
   const int64_t h = config_.hidden_size;
   std::vector<TokenInfo> tokens;
@@ -320,8 +321,10 @@ StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCac
   for (const auto& step : batch)
     for (auto id : step.tokens) kernels::matrix_row(weights_.embed, id, x.data() + (t++) * h);
   std::vector<float> margins(tokens.size(), std::numeric_limits<float>::infinity());
-  for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
     layer_forward(weights_.layers[l], l, batch, tokens, x, cache, margins);
+    if (after_layer) after_layer(l + 1);
+  }
   return finish(batch, std::move(x), std::move(margins), weights_.final_norm, weights_.lm_head);
 }
 

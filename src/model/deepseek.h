@@ -47,7 +47,9 @@ class DeepSeekModel {
   // Layers of the cache: the main layers, then one per MTP module.
   LatentCacheShape cache_shape(int64_t block_size) const;
 
-  StepOutput forward(std::span<const SequenceStep> batch, LatentCache& cache) const;
+  // `after_layer(n)`, when given, runs once layers [0, n) of every step are in the cache.
+  StepOutput forward(std::span<const SequenceStep> batch, LatentCache& cache,
+                     const std::function<void(int64_t)>& after_layer = {}) const;
 
   // MTP module `k`: step i of a sequence predicts the token after next. `tokens` of each step
   // are the next tokens (t[i+1]) of positions start..; `hidden` holds the main model's hidden

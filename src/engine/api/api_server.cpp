@@ -45,6 +45,7 @@ struct Call {
   std::vector<std::string> engine_ids;
   std::mutex mutex;
   bool failed = false;
+  const KvTransferAgent* transfer = nullptr;  // for a prefill leg's kv_transfer_params
 
   void on_output(size_t index, const RequestOutput& out) {
     std::lock_guard lock(mutex);
@@ -57,10 +58,11 @@ struct Call {
         exchange->write(net::kSseDone);
         exchange->end();
       } else {
-        exchange->send_error(500, msg, "server_error");
+        exchange->send_error(out.error_status, msg, "server_error");
       }
       return;
     }
+    if (!out.kv_transfer_id.empty()) kv_transfer_params = prefill_answer(out);
     auto chunks = builder->on_output(index, out);
     if (request.stream) {
       for (const auto& c : chunks) exchange->write(sse(c));
@@ -70,10 +72,69 @@ struct Call {
         exchange->end();
       }
     } else if (builder->all_finished()) {
-      exchange->respond(200, dump(builder->final_body()));
+      json body = builder->final_body();
+      if (!kv_transfer_params.is_null()) body["kv_transfer_params"] = kv_transfer_params;
+      exchange->respond(200, dump(body));
     }
   }
+
+  // What a decode engine needs to pull this prefill's KV (vLLM's NixlConnector fields, plus the
+  // prompt's ids so the decode engine need not template and tokenize again).
+  json prefill_answer(const RequestOutput& out) const {
+    return {{"do_remote_prefill", true},
+            {"do_remote_decode", false},
+            {"remote_engine_id", transfer->config().engine_id},
+            {"remote_block_ids", out.kv_blocks},
+            {"remote_host", transfer->config().advertise_host},
+            {"remote_port", transfer->port()},
+            {"remote_request_id", out.kv_transfer_id},
+            {"tp_size", 1},
+            {"prompt_token_ids", request.prompts.at(0)}};
+  }
+  json kv_transfer_params;
 };
+
+// Turns the request's disaggregation fields into the engine's transfer mode for this engine's
+// role. Throws ApiError for a leg this role does not serve.
+KvTransferSpec transfer_spec(const DisaggregationParams& d, const std::string& role) {
+  KvTransferSpec t;
+  using Mode = KvTransferSpec::Mode;
+  if (d.remote_decode) {
+    if (role == "decode")
+      throw ApiError{400,
+                     "this engine runs with --role decode: send prefill legs "
+                     "(do_remote_decode) to a prefill engine",
+                     "kv_transfer_params"};
+    t.mode = Mode::kPrefillForPull;
+  } else if (d.remote_prefill) {
+    if (role == "prefill")
+      throw ApiError{400,
+                     "this engine runs with --role prefill: send decode legs "
+                     "(do_remote_prefill) to a decode engine",
+                     "kv_transfer_params"};
+    t.mode = Mode::kDecodeByPull;
+    t.host = d.remote_host;
+    t.port = static_cast<uint16_t>(d.remote_port);
+    t.engine_id = d.remote_engine_id;
+    t.transfer_id = d.remote_request_id;
+    t.remote_blocks = d.remote_block_ids;
+  } else if (d.has_bootstrap && role != "both") {
+    // SGLang sends the same body to both legs; the engine's role says which leg this is. An
+    // engine with both roles serves the request alone.
+    t.room = d.bootstrap_room;
+    if (role == "prefill") {
+      t.mode = Mode::kPrefillForRoom;
+    } else {
+      if (d.bootstrap_host.empty() || d.bootstrap_port == 0)
+        throw ApiError{400, "a decode leg needs bootstrap_host and bootstrap_port",
+                       "bootstrap_host"};
+      t.mode = Mode::kDecodeByRoom;
+      t.host = d.bootstrap_host;
+      t.port = static_cast<uint16_t>(d.bootstrap_port);
+    }
+  }
+  return t;
+}
 
 }  // namespace
 
@@ -144,6 +205,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
   const ExecutorInfo& info = engine_.executor_info();
   const ModelLimits limits{info.model_name, info.max_model_len, info.vocab_size};
   auto call = std::make_shared<Call>();
+  KvTransferSpec kv_transfer;
   try {
     const json body = parse_untrusted_json(req.body);
     switch (kind) {
@@ -158,6 +220,11 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
         call->request = parse_generate(body, engine_.tokenizer(), limits);
         break;
     }
+    kv_transfer = transfer_spec(call->request.disagg, engine_.role());
+    if (kv_transfer.prefill()) {
+      // The prefill leg computes the prompt and its first token only.
+      call->request.sampling.max_tokens = 1;
+    }
   } catch (const ApiError& e) {
     ex->send_error(e.status, e.message, e.type);
     return;
@@ -165,6 +232,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     ex->send_error(400, e.what());
     return;
   }
+  call->transfer = engine_.transfer();
   const std::string prefix = kind == ApiKind::kChat         ? "chatcmpl-"
                              : kind == ApiKind::kCompletion ? "cmpl-"
                                                             : "";
@@ -187,6 +255,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     if (er.sampling.seed && i > 0) er.sampling.seed = *er.sampling.seed + i;
     er.priority = call->request.priority;
     er.logprobs = call->request.logprobs;
+    er.kv_transfer = kv_transfer;
     er.on_output = [call, i](const RequestOutput& out) { call->on_output(i, out); };
     try {
       engine_.submit(std::move(er));

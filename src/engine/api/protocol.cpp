@@ -1,7 +1,9 @@
 #include "engine/api/protocol.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 
 #include "util/error.h"
 #include "util/utf8.h"
@@ -144,6 +146,90 @@ std::string model_name(const json& body, const ModelLimits& limits) {
   return name;
 }
 
+uint64_t unsigned_value(const json& v, const char* name) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return uint64_t(v.get<int64_t>());
+  if (v.is_string()) {
+    const std::string t = v.get<std::string>();
+    if (!t.empty() && t.size() <= 20 && std::all_of(t.begin(), t.end(), ::isdigit)) {
+      errno = 0;
+      char* end = nullptr;
+      const unsigned long long x = std::strtoull(t.c_str(), &end, 10);
+      if (errno == 0 && *end == 0) return x;
+    }
+  }
+  if (v.is_array())
+    fail(name, std::string("'") + name +
+                   "' as a list (batched requests) is not supported: send one request per prompt");
+  fail(name, std::string("'") + name + "' must be a non-negative integer (or its decimal string)");
+}
+
+// Reads the disaggregation fields; a decode leg's prompt_token_ids (sent by our prefill engine)
+// replace the prompt, so the decode engine need not template or tokenize again.
+void parse_disaggregation(const json& body, ApiRequest& r, const ModelLimits& limits) {
+  DisaggregationParams& d = r.disagg;
+  if (const json* kv = field(body, "kv_transfer_params")) {
+    if (!kv->is_object()) fail("kv_transfer_params", "'kv_transfer_params' must be an object");
+    d.remote_decode = boolean(*kv, "do_remote_decode", false);
+    d.remote_prefill = boolean(*kv, "do_remote_prefill", false);
+    if (d.remote_decode && d.remote_prefill)
+      fail("kv_transfer_params",
+           "'kv_transfer_params' cannot ask for both do_remote_decode and do_remote_prefill");
+    if (d.remote_prefill) {
+      auto text = [&](const char* name) {
+        const json* v = field(*kv, name);
+        if (!v || !v->is_string())
+          fail("kv_transfer_params", std::string("kv_transfer_params.") + name +
+                                         " must be a string (the prefill engine's answer)");
+        return v->get<std::string>();
+      };
+      d.remote_host = text("remote_host");
+      d.remote_engine_id = text("remote_engine_id");
+      d.remote_request_id = text("remote_request_id");
+      const json* port = field(*kv, "remote_port");
+      if (!port || !port->is_number_integer() || port->get<int64_t>() < 1 ||
+          port->get<int64_t>() > 65535)
+        fail("kv_transfer_params", "kv_transfer_params.remote_port must be a port number");
+      d.remote_port = port->get<int64_t>();
+      const json* blocks = field(*kv, "remote_block_ids");
+      if (!blocks || !blocks->is_array() ||
+          !std::all_of(blocks->begin(), blocks->end(),
+                       [](const json& b) { return b.is_number_integer(); }))
+        fail("kv_transfer_params", "kv_transfer_params.remote_block_ids must be a list of ints");
+      for (const auto& b : *blocks) {
+        const int64_t v = b.get<int64_t>();
+        if (v < 0 || v > INT32_MAX)
+          fail("kv_transfer_params", "kv_transfer_params.remote_block_ids holds an invalid id");
+        d.remote_block_ids.push_back(static_cast<int32_t>(v));
+      }
+      if (const json* ids = field(*kv, "prompt_token_ids")) {
+        if (!is_token_list(*ids))
+          fail("kv_transfer_params", "kv_transfer_params.prompt_token_ids must be a token list");
+        if (r.prompts.size() != 1)
+          fail("kv_transfer_params", "kv_transfer_params needs a request with one prompt");
+        r.prompts[0] = token_list(*ids, "kv_transfer_params", limits);
+      }
+    }
+  }
+  const json* room = field(body, "bootstrap_room");
+  if (room) {
+    d.has_bootstrap = true;
+    d.bootstrap_room = unsigned_value(*room, "bootstrap_room");
+    if (const json* host = field(body, "bootstrap_host")) {
+      if (!host->is_string()) fail("bootstrap_host", "'bootstrap_host' must be a string");
+      d.bootstrap_host = host->get<std::string>();
+    }
+    if (const json* port = field(body, "bootstrap_port")) {
+      const uint64_t p = unsigned_value(*port, "bootstrap_port");
+      if (p < 1 || p > 65535) fail("bootstrap_port", "'bootstrap_port' must be a port number");
+      d.bootstrap_port = static_cast<int64_t>(p);
+    }
+  }
+  if ((d.remote_decode || d.remote_prefill || d.has_bootstrap) && r.prompts.size() != 1)
+    fail(d.has_bootstrap ? "bootstrap_room" : "kv_transfer_params",
+         "disaggregated requests carry one prompt and n = 1: send one request per prompt");
+}
+
 std::string token_text(const text::Tokenizer& tok, int32_t id) {
   return utf8::to_valid_lossy(tok.token_bytes(id));
 }
@@ -199,6 +285,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   }
   r.priority = integer(body, "priority", 0);
   expand_n(r, integer(body, "n", 1));
+  parse_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
 }
@@ -267,6 +354,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   }
   r.priority = integer(body, "priority", 0);
   expand_n(r, integer(body, "n", 1));
+  parse_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
 }
@@ -313,6 +401,7 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
     if (!rid->is_string()) fail("rid", "'rid' must be a string");
     r.request_id = rid->get<std::string>();
   }
+  parse_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
 }

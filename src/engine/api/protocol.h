@@ -27,6 +27,21 @@ struct ApiError {
 
 enum class ApiKind { kCompletion, kChat, kGenerate };
 
+// The prefill/decode disaggregation fields a gateway adds to a request body, in both dialects:
+// vLLM's `kv_transfer_params` (sequential: prefill first, then decode pulls) and SGLang's
+// `bootstrap_host` / `bootstrap_port` / `bootstrap_room` (parallel: both legs at once).
+struct DisaggregationParams {
+  bool remote_decode = false;   // do_remote_decode: this is the prefill leg
+  bool remote_prefill = false;  // do_remote_prefill: this is the decode leg
+  std::string remote_host, remote_engine_id, remote_request_id;
+  int64_t remote_port = 0;
+  std::vector<int32_t> remote_block_ids;
+  bool has_bootstrap = false;
+  std::string bootstrap_host;
+  int64_t bootstrap_port = 0;  // 0 when null or absent
+  uint64_t bootstrap_room = 0;
+};
+
 struct ApiRequest {
   ApiKind kind = ApiKind::kCompletion;
   std::string model;
@@ -39,6 +54,7 @@ struct ApiRequest {
   int64_t priority = 0;
   int64_t n = 1;           // choices per prompt
   std::string request_id;  // the client's (body "rid"/"request_id"), else empty
+  DisaggregationParams disagg;
 };
 
 struct ModelLimits {

@@ -1,5 +1,6 @@
 #include "engine/executor/cpu_executor.h"
 
+#include <cstring>
 #include <limits>
 
 #include "util/error.h"
@@ -31,16 +32,37 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
   info_.max_model_len = c.max_position_embeddings;
   info_.num_blocks = cache_.num_blocks();
   info_.block_size = options.block_size;
+  // Only the main layers: the engine does not run the MTP modules, so their cache stays unused.
+  const auto shape = cache_.shape();
+  info_.kv_layout = {
+      "deepseek(" + c.architecture + ", layers " + std::to_string(c.num_hidden_layers) +
+          ", hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
+          ", latent " + std::to_string(shape.latent_dim) + "+" + std::to_string(shape.rope_dim) +
+          " float32)",
+      c.num_hidden_layers, options.block_size, shape.entry() * int64_t(sizeof(float))};
   for (int64_t id = 0; id < c.vocab_size; ++id)
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text_.push_back(static_cast<int32_t>(id));
 }
 
-ExecResult CpuExecutor::execute(std::span<const ExecItem> batch) {
+const std::byte* CpuExecutor::kv_bytes(int32_t block, int64_t layer) const {
+  return reinterpret_cast<const std::byte*>(cache_.block_layer(block, layer));
+}
+
+void CpuExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {
+  const auto& k = info_.kv_layout;
+  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= k.layers ||
+      bytes.size() > size_t(k.block_size * k.token_bytes) || bytes.size() % k.token_bytes != 0)
+    throw Error("write_kv: block " + std::to_string(block) + " layer " + std::to_string(layer) +
+                " of " + std::to_string(bytes.size()) + " bytes is outside the cache");
+  std::memcpy(cache_.block_layer(block, layer), bytes.data(), bytes.size());
+}
+
+ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
   std::vector<model::SequenceStep> steps;
   steps.reserve(batch.size());
   for (const auto& item : batch) steps.push_back({item.tokens, item.start, item.blocks, false});
-  auto out = model_->forward(steps, cache_);
+  auto out = model_->forward(steps, cache_, on_layer);
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
   result.sampled.resize(batch.size());

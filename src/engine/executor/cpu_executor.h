@@ -20,7 +20,9 @@ class CpuExecutor : public Executor {
   CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model, const text::Tokenizer& tokenizer,
               std::string model_name, const CpuExecutorOptions& options);
   const ExecutorInfo& info() const override { return info_; }
-  ExecResult execute(std::span<const ExecItem> batch) override;
+  ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer = {}) override;
+  const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
+  void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
 
  private:
   std::shared_ptr<const model::DeepSeekModel> model_;

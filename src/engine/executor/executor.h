@@ -5,7 +5,9 @@
 // at their last known token it samples the next one. Two implementations: the CPU model and a
 // simulated executor (a latency model and deterministic tokens) that lets one small machine
 // stand in for a cluster of large GPUs. The scheduler, cache, events and API are the same for both.
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -31,19 +33,38 @@ struct ExecResult {
   std::vector<TokenLogprob> sampled;
 };
 
+// How an executor's KV cache looks to KV transfer: `layers` layers of `token_bytes` bytes per
+// token, `block_size` tokens per block. Two engines exchange KV only when all four agree.
+struct KvLayout {
+  std::string model;  // identifies the architecture and sizes (not the served name)
+  int64_t layers = 0;
+  int64_t block_size = 0;
+  int64_t token_bytes = 0;
+};
+
+// Called from inside execute() with n when layers [0, n) of every sequence in the batch are in
+// the cache (KV transfer streams them while later layers still compute).
+using LayerHook = std::function<void(int64_t layers_done)>;
+
 struct ExecutorInfo {
   std::string model_name;
   int64_t vocab_size = 0;
   int64_t max_model_len = 0;
   int64_t num_blocks = 0;  // KV blocks the executor's cache holds
   int64_t block_size = 0;
+  KvLayout kv_layout;
 };
 
 class Executor {
  public:
   virtual ~Executor() = default;
   virtual const ExecutorInfo& info() const = 0;
-  virtual ExecResult execute(std::span<const ExecItem> batch) = 0;
+  virtual ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer = {}) = 0;
+  // KV transfer's access to the cache: the block_size * token_bytes bytes of one block and
+  // layer. Other threads call these for blocks the engine holds for them (no step touches those).
+  virtual const std::byte* kv_bytes(int32_t block, int64_t layer) const = 0;
+  // Stores the first bytes of one block and layer (a whole number of tokens).
+  virtual void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) = 0;
 };
 
 }  // namespace tandem::engine

@@ -12,13 +12,15 @@ namespace {
 // (512 latent + 64 rope) BF16 values = 70,272 bytes per token; 32,768 blocks of 16 tokens
 // (524,288 tokens, ~34 GiB) is what one 80 GB H800 rank keeps for KV after its share of the
 // expert-parallel weights, and 163,840 is the model's max_position_embeddings.
+// The tiny preset stands for a small MLA model (2 layers, 32 + 16 float32 values per token).
 struct Capacity {
   int64_t num_blocks_16, max_model_len;
+  int64_t layers, token_bytes;
 };
 
 Capacity capacity_of(const std::string& name) {
-  if (name == "tiny") return {2048, 4096};
-  return {32768, 163840};
+  if (name == "tiny") return {2048, 4096, 2, 48 * 4};
+  return {32768, 163840, 61, 576 * 2};
 }
 
 SimLatencyModel load_model(const std::string& preset) {
@@ -48,9 +50,18 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
     if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) ordinary_.push_back(t);
   }
   if (ordinary_.empty()) throw Error("sim: the tokenizer has no ordinary tokens to emit");
+  info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, cap.token_bytes};
+  pattern_.resize(size_t(options.block_size * cap.token_bytes));
+  for (size_t i = 0; i < pattern_.size(); ++i) pattern_[i] = std::byte(i * 131 + 7);
 }
 
-ExecResult SimExecutor::execute(std::span<const ExecItem> batch) {
+const std::byte* SimExecutor::kv_bytes(int32_t, int64_t) const {
+  return pattern_.data();
+}
+
+void SimExecutor::write_kv(int32_t, int64_t, std::span<const std::byte>) {}
+
+ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
   const auto start = std::chrono::steady_clock::now();
   StepShape shape;
   for (const auto& item : batch) {
@@ -82,6 +93,15 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch) {
     }
   }
   const double seconds = model_.step_seconds(shape) * options_.time_scale;
+  if (on_layer) {
+    // Layers complete evenly over the step, as KV transfer would see them on a GPU.
+    const int64_t layers = info_.kv_layout.layers;
+    for (int64_t l = 1; l <= layers; ++l) {
+      std::this_thread::sleep_until(
+          start + std::chrono::duration<double>(seconds * double(l) / double(layers)));
+      on_layer(l);
+    }
+  }
   std::this_thread::sleep_until(start + std::chrono::duration<double>(seconds));
   return result;
 }

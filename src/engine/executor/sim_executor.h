@@ -34,14 +34,19 @@ class SimExecutor : public Executor {
  public:
   SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOptions& options);
   const ExecutorInfo& info() const override { return info_; }
-  ExecResult execute(std::span<const ExecItem> batch) override;
+  ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer = {}) override;
+  // No cache memory: reads see a fixed pattern, writes are dropped (transfers still move the
+  // modelled model's number of bytes).
+  const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
+  void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
   const SimLatencyModel& latency_model() const { return model_; }
 
  private:
   SimLatencyModel model_;
   ExecutorInfo info_;
   SimExecutorOptions options_;
-  std::vector<int32_t> ordinary_;  // ids the simulated model emits
+  std::vector<int32_t> ordinary_;   // ids the simulated model emits
+  std::vector<std::byte> pattern_;  // what kv_bytes() shows: one block and layer
 };
 
 }  // namespace tandem::engine

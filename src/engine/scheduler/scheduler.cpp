@@ -94,14 +94,15 @@ SchedulerOutput Scheduler::schedule() {
   while (out.preempted.empty() && budget > 0 && !waiting_.empty() &&
          static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
-    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
-    const int64_t computed = hit.num_tokens;
+    const bool has_blocks = kv_.has_request(seq->request.id);  // KV received from elsewhere
+    const PrefixHit hit = has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens);
+    const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
     const int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
     if (!kv_.allocate(seq->request.id, computed + n, hit)) break;
     waiting_.pop_front();
     seq->num_computed = computed;
-    if (!seq->admitted_once) seq->num_cached = computed;
+    if (!seq->admitted_once && !has_blocks) seq->num_cached = computed;
     seq->status = SequenceStatus::kRunning;
     running_.push_back(seq);
     schedule_one(seq, n);
@@ -118,8 +119,8 @@ void Scheduler::step_done(const SchedulerOutput& out) {
   }
 }
 
-void Scheduler::remove(Sequence* seq) {
-  kv_.free(seq->request.id);
+void Scheduler::remove(Sequence* seq, bool keep_blocks) {
+  if (!keep_blocks) kv_.free(seq->request.id);
   std::erase(running_, seq);
   std::erase(waiting_, seq);
   seq->status = SequenceStatus::kFinished;

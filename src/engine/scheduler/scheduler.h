@@ -5,6 +5,8 @@
 // limit and the KV cache allow, reusing cached prefix blocks. When a running sequence needs a
 // block and none is free, the newest running sequence (or the lowest-priority one) is preempted:
 // its blocks are freed and it is recomputed later from its tokens so far. Nothing is dropped.
+// A sequence added with blocks already allocated and num_computed set (KV received from a
+// prefill engine) is admitted without a prefix lookup and continues from there.
 //
 // Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
 #include <cstdint>
@@ -44,8 +46,9 @@ class Scheduler {
   // After the executor ran `out`: advances the sequences' computed tokens and registers newly
   // filled blocks with the prefix cache. Call before appending sampled tokens.
   void step_done(const SchedulerOutput& out);
-  // A finished or aborted sequence leaves the queues and gives back its blocks.
-  void remove(Sequence* seq);
+  // A finished or aborted sequence leaves the queues and gives back its blocks (unless
+  // `keep_blocks`: KV transfer still needs them; the engine frees them later).
+  void remove(Sequence* seq, bool keep_blocks = false);
 
   const std::vector<Sequence*>& running() const { return running_; }
   const std::deque<Sequence*>& waiting() const { return waiting_; }

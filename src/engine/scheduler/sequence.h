@@ -24,8 +24,32 @@ struct RequestOutput {
   std::string finish_reason;  // "stop", "length", "abort" or "error"
   std::string error;          // for "error"
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  int error_status = 500;  // the HTTP status an "error" maps to
+  // A prefill for a remote decode (KvTransferSpec::kPrefillForPull), in its final output: where
+  // the decode engine pulls the prompt's KV from.
+  std::string kv_transfer_id;
+  std::vector<int32_t> kv_blocks;
 };
 using OutputCallback = std::function<void(const RequestOutput&)>;
+
+// How a request takes part in prefill/decode disaggregation (engine/transfer/kv_transfer.h).
+struct KvTransferSpec {
+  enum class Mode {
+    kNone,
+    kPrefillForPull,  // compute the prompt, hold its KV for a decode engine to pull
+    kDecodeByPull,    // pull the prompt's KV from a prefill engine, then decode
+    kPrefillForRoom,  // compute the prompt, push its KV to the room's decode engine
+    kDecodeByRoom,    // register the room with the prefill engine, receive the KV, decode
+  };
+  Mode mode = Mode::kNone;
+  std::string host;  // decode modes: the prefill engine's KV transfer server
+  uint16_t port = 0;
+  std::string engine_id, transfer_id;  // kDecodeByPull
+  std::vector<int32_t> remote_blocks;  // kDecodeByPull
+  uint64_t room = 0;                   // room modes: bootstrap_room
+  bool prefill() const { return mode == Mode::kPrefillForPull || mode == Mode::kPrefillForRoom; }
+  bool decode() const { return mode == Mode::kDecodeByPull || mode == Mode::kDecodeByRoom; }
+};
 
 struct EngineRequest {
   std::string id;
@@ -33,6 +57,7 @@ struct EngineRequest {
   SamplingParams sampling;
   int64_t priority = 0;   // lower runs earlier when the engine schedules by priority
   int32_t logprobs = -1;  // -1: none; k >= 0: sampled token's logprob plus the k most likely
+  KvTransferSpec kv_transfer;
   OutputCallback on_output;
 };
 
@@ -48,6 +73,12 @@ struct Sequence {
   double arrival_time = 0, first_token_time = -1, last_token_time = -1;
   int64_t num_preemptions = 0;
   bool admitted_once = false;
+  // Disaggregation state (engine thread).
+  bool awaiting_kv = false;  // a decode whose prompt KV has not arrived yet
+  bool fetching = false;     // ... and its transfer runs (the blocks are being written)
+  bool cancelled = false;    // finished while fetching: drop it when the transfer ends
+  bool kv_parked = false;    // finished, blocks kept for a transfer (freed when it ends)
+  bool room_closed = false;  // the bootstrap room ended (kPrefillForRoom)
   SequenceStatus status = SequenceStatus::kWaiting;
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<OutputProcessor> output;

@@ -1,0 +1,668 @@
+#include "engine/transfer/kv_transfer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include <xxhash.h>
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+#include "util/json.h"
+
+namespace tandem::engine {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kControlLimit = 1 << 20;  // JSON frames
+constexpr size_t kLayerHeader = 16;        // [u32 layer][u32 flags][u64 checksum]
+constexpr uint32_t kFlagChecksum = 1;
+
+std::span<const std::byte> bytes_of(const std::string& s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+void send_json(KvConnection& conn, KvFrameType type, const json& j) {
+  const std::string text = j.dump();
+  const std::span<const std::byte> parts[] = {bytes_of(text)};
+  conn.send(type, parts);
+}
+
+void send_error(KvConnection& conn, const std::string& message) {
+  try {
+    send_json(conn, KvFrameType::kError, {{"message", message}});
+  } catch (const Error&) {
+    // The peer is gone; it learns of the failure from the closed connection.
+  }
+}
+
+json parse_control(const KvFrame& f, const std::string& what) {
+  try {
+    return parse_untrusted_json(
+        std::string_view(reinterpret_cast<const char*>(f.payload.data()), f.payload.size()));
+  } catch (const std::exception& e) {
+    throw Error(what + ": malformed JSON frame: " + e.what());
+  }
+}
+
+json layout_json(const KvLayout& k) {
+  return {{"model", k.model},
+          {"layers", k.layers},
+          {"block_size", k.block_size},
+          {"token_bytes", k.token_bytes}};
+}
+
+// Empty when the peer's layout (from its request) matches ours, else what differs.
+std::string layout_mismatch(const json& theirs, const KvLayout& ours) {
+  if (!theirs.is_object()) return "the request has no KV layout";
+  auto differs = [&](const char* field, const json& mine) -> std::string {
+    if (!theirs.contains(field) || theirs[field] != mine)
+      return std::string(field) + " mismatch: this prefill engine has " + mine.dump() +
+             ", the decode engine " + (theirs.contains(field) ? theirs[field].dump() : "none");
+    return {};
+  };
+  for (auto [field, mine] : {std::pair<const char*, json>{"model", ours.model},
+                             {"block_size", ours.block_size},
+                             {"layers", ours.layers},
+                             {"token_bytes", ours.token_bytes}})
+    if (auto d = differs(field, mine); !d.empty()) return d;
+  return {};
+}
+
+template <typename T>
+T get_field(const json& j, const char* name) {
+  if (!j.contains(name)) throw Error(std::string("missing field '") + name + "'");
+  try {
+    return j.at(name).get<T>();
+  } catch (const std::exception&) {
+    throw Error(std::string("field '") + name + "' has the wrong type");
+  }
+}
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+}  // namespace
+
+uint64_t kv_prompt_hash(std::span<const int32_t> prompt) {
+  std::vector<uint8_t> bytes(prompt.size() * 4);
+  for (size_t i = 0; i < prompt.size(); ++i)
+    for (int b = 0; b < 4; ++b) bytes[i * 4 + b] = uint8_t(uint32_t(prompt[i]) >> (8 * b));
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+struct KvTransferAgent::Held {
+  std::vector<int32_t> blocks;
+  int64_t num_tokens = 0;
+  Task release;
+  Clock::time_point deadline;
+  bool pulling = false;
+};
+
+struct KvTransferAgent::Room {
+  // The prefill request, once it arrived.
+  bool has_prefill = false;
+  uint64_t prompt_hash = 0;
+  int64_t prompt_tokens = 0;
+  RoomDone done;
+  std::vector<int32_t> blocks;
+  int64_t layers_ready = 0;
+  // The decode engine's registration, once it arrived.
+  bool registered = false;
+  // Either side gave up; the other one learns it from here.
+  bool failed = false;
+  std::string error;
+  Clock::time_point deadline;
+};
+
+struct KvTransferAgent::Metrics {
+  metrics::Family<metrics::IntCounter>& bytes;
+  metrics::Family<metrics::IntCounter>& transfers;
+  metrics::IntCounter& expired;
+  metrics::Gauge& held_blocks;
+  metrics::Histogram& fetch_seconds;
+};
+
+KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& executor,
+                                 std::unique_ptr<KvTransport> transport,
+                                 metrics::Registry& registry, Post post)
+    : config_(config),
+      executor_(executor),
+      layout_(executor.info().kv_layout),
+      transport_(std::move(transport)),
+      post_(std::move(post)) {
+  if (!(config_.timeout_s > 0)) throw Error("--kv-transfer-timeout must be positive");
+  if (config_.engine_id.empty()) {
+    std::random_device rd;
+    config_.engine_id = "tandem-" + hex64((uint64_t(rd()) << 32) | rd());
+  }
+  const metrics::LabelPairs model = {{"model_name", executor.info().model_name}};
+  metrics_.reset(new Metrics{
+      registry.int_counter_family("tandem:kv_transfer_bytes_total",
+                                  "KV bytes moved by transfers (sent by prefill, received by "
+                                  "decode)",
+                                  {"direction"}, model),
+      registry.int_counter_family("tandem:kv_transfers_total", "KV transfers by outcome",
+                                  {"direction", "result"}, model),
+      registry.int_counter("tandem:kv_transfer_expired_total",
+                           "Held prefill KV freed because no decode engine took it in time", model),
+      registry.gauge("tandem:kv_transfer_held_blocks", "KV blocks held for a decode engine to take",
+                     model),
+      registry.histogram("tandem:kv_transfer_seconds",
+                         "Decode side: from asking for a prompt's KV to having all of it",
+                         {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
+                         model)});
+  if (config_.port >= 0) {
+    if (config_.port > 65535) throw Error("--kv-transfer-port must be at most 65535");
+    listener_ = transport_->listen(config_.listen_host, static_cast<uint16_t>(config_.port));
+    accept_thread_ = std::thread([this] { accept_loop(); });
+  }
+  reap_thread_ = std::thread([this] { reap_loop(); });
+}
+
+KvTransferAgent::~KvTransferAgent() {
+  std::vector<std::shared_ptr<KvConnection>> conns;
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    for (auto& [id, slot] : fetches_)
+      if (slot.conn) conns.push_back(slot.conn);
+    conns.insert(conns.end(), serving_.begin(), serving_.end());
+  }
+  changed_.notify_all();
+  if (listener_) listener_->close();
+  for (auto& c : conns) c->shutdown();
+  if (accept_thread_.joinable()) accept_thread_.join();
+  if (reap_thread_.joinable()) reap_thread_.join();
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return threads_ == 0; });
+}
+
+uint16_t KvTransferAgent::port() const {
+  return listener_ ? listener_->port() : 0;
+}
+
+Clock::time_point KvTransferAgent::deadline() const {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(config_.timeout_s));
+}
+
+void KvTransferAgent::spawn(std::function<void()> body) {
+  {
+    std::lock_guard lock(mutex_);
+    ++threads_;
+  }
+  std::thread([this, body = std::move(body)] {
+    body();
+    std::lock_guard lock(mutex_);
+    --threads_;
+    changed_.notify_all();
+  }).detach();
+}
+
+int64_t KvTransferAgent::held_blocks() const {
+  std::lock_guard lock(mutex_);
+  return held_blocks_locked();
+}
+
+int64_t KvTransferAgent::held_blocks_locked() const {
+  int64_t n = 0;
+  for (const auto& [id, h] : held_) n += static_cast<int64_t>(h->blocks.size());
+  for (const auto& [id, r] : rooms_) n += static_cast<int64_t>(r->blocks.size());
+  return n;
+}
+
+// ---------------------------------------------------------------- prefill side: holding blocks
+
+std::string KvTransferAgent::hold(std::vector<int32_t> blocks, int64_t num_tokens, Task release) {
+  std::lock_guard lock(mutex_);
+  const std::string id = config_.engine_id + "-" + std::to_string(next_transfer_++);
+  auto h = std::make_unique<Held>();
+  h->blocks = std::move(blocks);
+  h->num_tokens = num_tokens;
+  h->release = std::move(release);
+  h->deadline = deadline();
+  held_[id] = std::move(h);
+  return id;
+}
+
+bool KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
+                                RoomDone done) {
+  std::lock_guard lock(mutex_);
+  auto& r = rooms_[room];
+  if (!r) {
+    r = std::make_unique<Room>();
+  } else if (r->has_prefill) {
+    return false;
+  }
+  r->has_prefill = true;
+  r->prompt_hash = prompt_hash;
+  r->prompt_tokens = prompt_tokens;
+  r->done = std::move(done);
+  r->deadline = deadline();  // for the decode engine to register, or to fail
+  changed_.notify_all();
+  return true;
+}
+
+void KvTransferAgent::room_blocks(uint64_t room, std::vector<int32_t> blocks) {
+  std::lock_guard lock(mutex_);
+  auto it = rooms_.find(room);
+  if (it == rooms_.end()) return;
+  it->second->blocks = std::move(blocks);
+}
+
+void KvTransferAgent::room_layers_done(uint64_t room, int64_t layers) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || layers <= it->second->layers_ready) return;
+    it->second->layers_ready = layers;
+    if (layers == layout_.layers) it->second->deadline = deadline();  // now waits for decode
+  }
+  changed_.notify_all();
+}
+
+void KvTransferAgent::room_failed(uint64_t room, const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return;
+    if (it->second->registered) {
+      // The connection's thread tells the decode engine and then finishes the room.
+      it->second->failed = true;
+      it->second->error = reason;
+    } else {
+      finish_room(room, false, reason);
+    }
+  }
+  changed_.notify_all();
+}
+
+void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& error) {
+  auto it = rooms_.find(room);
+  if (it == rooms_.end()) return;
+  std::unique_ptr<Room> r = std::move(it->second);
+  rooms_.erase(it);
+  if (r->has_prefill && r->done) post_([done = std::move(r->done), ok, error] { done(ok, error); });
+}
+
+void KvTransferAgent::reap_loop() {
+  std::unique_lock lock(mutex_);
+  while (!stopping_) {
+    changed_.wait_for(lock, std::chrono::milliseconds(50));
+    const auto now = Clock::now();
+    metrics_->held_blocks.set(static_cast<double>(held_blocks_locked()));
+    for (auto it = held_.begin(); it != held_.end();) {
+      Held& h = *it->second;
+      if (h.pulling || now < h.deadline) {
+        ++it;
+        continue;
+      }
+      metrics_->expired.inc();
+      post_(std::move(h.release));
+      it = held_.erase(it);
+    }
+    std::vector<uint64_t> expired;
+    for (const auto& [id, r] : rooms_)
+      if (!r->registered && r->layers_ready == layout_.layers && now >= r->deadline)
+        expired.push_back(id);
+    for (auto id : expired)
+      finish_room(id, false,
+                  "no decode engine registered bootstrap_room " + std::to_string(id) + " within " +
+                      std::to_string(config_.timeout_s) + " s");
+  }
+  // Shutting down: everything held goes back to the engine.
+  for (auto& [id, h] : held_) post_(std::move(h->release));
+  held_.clear();
+  std::vector<uint64_t> rooms;
+  for (const auto& [id, r] : rooms_)
+    if (!r->registered) rooms.push_back(id);
+  for (auto id : rooms) finish_room(id, false, "the prefill engine is shutting down");
+}
+
+// ---------------------------------------------------------------- prefill side: the server
+
+void KvTransferAgent::accept_loop() {
+  while (auto conn = listener_->accept()) {
+    std::shared_ptr<KvConnection> shared(std::move(conn));
+    {
+      std::lock_guard lock(mutex_);
+      if (stopping_) {
+        shared->shutdown();
+        break;
+      }
+      serving_.push_back(shared);
+    }
+    spawn([this, shared] { serve(shared); });
+  }
+}
+
+void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn) {
+  try {
+    KvFrame first = conn->receive(kControlLimit);
+    if (first.type == KvFrameType::kPull)
+      serve_pull(*conn, first.payload);
+    else if (first.type == KvFrameType::kRegister)
+      serve_register(*conn, first.payload);
+    else
+      send_error(*conn, "expected a pull or register frame");
+  } catch (const std::exception&) {
+    // A connection that failed before or during its request: nothing of ours to undo here
+    // (the handlers restore their own state).
+  }
+  std::lock_guard lock(mutex_);
+  std::erase(serving_, conn);
+}
+
+void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>& blocks,
+                                  int64_t first_token, int64_t num_tokens, int64_t from_layer,
+                                  int64_t to_layer) {
+  const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
+  for (int64_t layer = from_layer; layer < to_layer; ++layer) {
+    std::vector<std::span<const std::byte>> parts;
+    std::byte header[kLayerHeader] = {};
+    parts.emplace_back(header, kLayerHeader);
+    for (int64_t t = first_token; t < num_tokens; t += bs) {
+      const int64_t n = std::min(bs, num_tokens - t);
+      parts.emplace_back(executor_.kv_bytes(blocks[size_t(t / bs)], layer), size_t(n * tb));
+    }
+    uint64_t sum = 0;
+    if (config_.checksum) {
+      XXH3_state_t* st = XXH3_createState();
+      XXH3_64bits_reset(st);
+      for (size_t i = 1; i < parts.size(); ++i)
+        XXH3_64bits_update(st, parts[i].data(), parts[i].size());
+      sum = XXH3_64bits_digest(st);
+      XXH3_freeState(st);
+    }
+    for (int b = 0; b < 4; ++b) header[b] = std::byte((uint64_t(layer) >> (8 * b)) & 0xff);
+    header[4] = std::byte(config_.checksum ? kFlagChecksum : 0);
+    for (int b = 0; b < 8; ++b) header[8 + b] = std::byte((sum >> (8 * b)) & 0xff);
+    conn.send(KvFrameType::kLayer, parts);
+    metrics_->bytes.labels({"sent"}).inc(uint64_t((num_tokens - first_token) * tb));
+  }
+}
+
+void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte>& payload) {
+  KvFrame f{KvFrameType::kPull, payload};
+  const json req = parse_control(f, "pull");
+  std::string id;
+  std::vector<int32_t> blocks;
+  int64_t first = 0, num = 0;
+  {
+    std::lock_guard lock(mutex_);
+    std::string problem;
+    try {
+      id = get_field<std::string>(req, "transfer_id");
+      const auto engine = get_field<std::string>(req, "engine_id");
+      const auto wanted = get_field<std::vector<int32_t>>(req, "block_ids");
+      first = get_field<int64_t>(req, "first_token");
+      num = get_field<int64_t>(req, "num_tokens");
+      auto it = held_.find(id);
+      problem = layout_mismatch(req.value("layout", json()), layout_);
+      if (!problem.empty()) {
+      } else if (engine != config_.engine_id) {
+        problem = "remote_engine_id '" + engine + "' is not this prefill engine ('" +
+                  config_.engine_id + "')";
+      } else if (it == held_.end()) {
+        problem = "unknown transfer '" + id +
+                  "' (never held here, already pulled, or expired after " +
+                  std::to_string(config_.timeout_s) + " s)";
+      } else if (it->second->pulling) {
+        problem = "transfer '" + id + "' is being pulled by another connection";
+      } else if (first < 0 || first % layout_.block_size != 0 || num <= first ||
+                 num > it->second->num_tokens) {
+        problem = "tokens [" + std::to_string(first) + ", " + std::to_string(num) +
+                  ") are not within the " + std::to_string(it->second->num_tokens) +
+                  " held tokens (block aligned start)";
+      } else if (wanted != it->second->blocks) {
+        problem = "remote_block_ids do not match the blocks held for transfer '" + id + "'";
+      } else {
+        it->second->pulling = true;
+        blocks = it->second->blocks;
+      }
+    } catch (const Error& e) {
+      problem = std::string("malformed pull request: ") + e.what();
+    }
+    if (!problem.empty()) {
+      send_error(conn, problem);
+      return;
+    }
+  }
+  bool ok = false;
+  try {
+    send_json(conn, KvFrameType::kAccept,
+              {{"layers", layout_.layers}, {"first_token", first}, {"num_tokens", num}});
+    send_layers(conn, blocks, first, num, 0, layout_.layers);
+    send_json(conn, KvFrameType::kDone, json::object());
+    ok = true;
+  } catch (const Error&) {
+  }
+  std::lock_guard lock(mutex_);
+  metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
+  auto it = held_.find(id);
+  if (it == held_.end()) return;
+  if (!ok) {
+    // The decode engine may try again until the hold expires.
+    it->second->pulling = false;
+    return;
+  }
+  post_(std::move(it->second->release));
+  held_.erase(it);
+}
+
+void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::byte>& payload) {
+  KvFrame f{KvFrameType::kRegister, payload};
+  const json req = parse_control(f, "register");
+  uint64_t room = 0;
+  int64_t first = 0, num = 0, prompt_tokens = 0;
+  uint64_t hash = 0;
+  std::unique_lock lock(mutex_);
+  try {
+    room = get_field<uint64_t>(req, "room");
+    first = get_field<int64_t>(req, "first_token");
+    num = get_field<int64_t>(req, "num_tokens");
+    prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
+    hash = get_field<uint64_t>(req, "prompt_hash");
+  } catch (const Error& e) {
+    lock.unlock();
+    send_error(conn, std::string("malformed register request: ") + e.what());
+    return;
+  }
+  if (auto problem = layout_mismatch(req.value("layout", json()), layout_); !problem.empty()) {
+    // The prefill leg of this room cannot succeed either: fail it now rather than at timeout.
+    auto it = rooms_.find(room);
+    if (it != rooms_.end() && !it->second->registered) finish_room(room, false, problem);
+    lock.unlock();
+    send_error(conn, problem);
+    return;
+  }
+  auto& slot = rooms_[room];
+  if (!slot) {
+    slot = std::make_unique<Room>();
+    slot->deadline = deadline();  // for the prefill request to arrive
+  } else if (slot->registered) {
+    lock.unlock();
+    send_error(conn, "bootstrap_room " + std::to_string(room) +
+                         " already has a decode engine registered (duplicate room)");
+    return;
+  }
+  slot->registered = true;
+  Room* r = slot.get();
+  int64_t sent = 0;
+  bool accepted = false;
+  std::string failure;
+  while (true) {
+    if (stopping_) {
+      failure = "the prefill engine is shutting down";
+      break;
+    }
+    if (r->failed) {
+      failure = r->error;
+      break;
+    }
+    if (r->has_prefill && (r->prompt_hash != hash || r->prompt_tokens != prompt_tokens)) {
+      failure = "bootstrap_room " + std::to_string(room) +
+                ": the decode and prefill requests have different prompts (" +
+                std::to_string(prompt_tokens) + " and " + std::to_string(r->prompt_tokens) +
+                " tokens)";
+      break;
+    }
+    if (r->has_prefill &&
+        (first < 0 || first % layout_.block_size != 0 || num <= first || num > r->prompt_tokens)) {
+      failure = "bootstrap_room " + std::to_string(room) + ": tokens [" + std::to_string(first) +
+                ", " + std::to_string(num) + ") are not within the prompt";
+      break;
+    }
+    if (r->has_prefill && r->layers_ready > sent && !r->blocks.empty()) {
+      const int64_t upto = r->layers_ready;
+      std::vector<int32_t> blocks = r->blocks;
+      lock.unlock();
+      try {
+        if (!accepted) {
+          send_json(conn, KvFrameType::kAccept,
+                    {{"layers", layout_.layers}, {"first_token", first}, {"num_tokens", num}});
+          accepted = true;
+        }
+        send_layers(conn, blocks, first, num, sent, upto);
+        sent = upto;
+        if (sent == layout_.layers) send_json(conn, KvFrameType::kDone, json::object());
+      } catch (const Error& e) {
+        lock.lock();
+        failure = std::string("sending to the decode engine failed: ") + e.what();
+        break;
+      }
+      lock.lock();
+      if (sent == layout_.layers) break;
+      continue;
+    }
+    if (Clock::now() >= r->deadline) {
+      failure = r->has_prefill
+                    ? "the prefill of bootstrap_room " + std::to_string(room) +
+                          " did not complete within " + std::to_string(config_.timeout_s) + " s"
+                    : "no prefill request with bootstrap_room " + std::to_string(room) +
+                          " arrived within " + std::to_string(config_.timeout_s) + " s";
+      break;
+    }
+    changed_.wait_until(lock, r->deadline);
+  }
+  const bool ok = failure.empty();
+  metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
+  finish_room(room, ok, failure);
+  lock.unlock();
+  if (!ok) send_error(conn, failure);
+}
+
+// ---------------------------------------------------------------- decode side
+
+void KvTransferAgent::fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) {
+  FetchSlot* slot = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_) {
+      post_([done] { done({false, "the engine is shutting down", 0}); });
+      return;
+    }
+    slot = &fetches_[f.request_id];  // stable: unordered_map nodes do not move
+  }
+  spawn([this, f = std::move(f), slot, done = std::move(done)] { run_fetch(f, slot, done); });
+}
+
+void KvTransferAgent::cancel_fetch(const std::string& request_id) {
+  std::lock_guard lock(mutex_);
+  auto it = fetches_.find(request_id);
+  if (it == fetches_.end()) return;
+  it->second.cancelled = true;
+  if (it->second.conn) it->second.conn->shutdown();
+}
+
+void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
+                                const std::function<void(const KvFetchResult&)>& done) {
+  const auto started = Clock::now();
+  KvFetchResult result;
+  const std::string where = f.host + ":" + std::to_string(f.port);
+  try {
+    {
+      std::lock_guard lock(mutex_);
+      if (slot->cancelled || stopping_) throw Error("cancelled");
+    }
+    std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port));
+    {
+      std::lock_guard lock(mutex_);
+      slot->conn = conn;
+      if (slot->cancelled || stopping_) conn->shutdown();
+    }
+    json req = {{"first_token", f.first_token},
+                {"num_tokens", f.num_tokens},
+                {"layout", layout_json(layout_)}};
+    if (f.pull) {
+      req["transfer_id"] = f.transfer_id;
+      req["engine_id"] = f.engine_id;
+      req["block_ids"] = f.remote_blocks;
+      send_json(*conn, KvFrameType::kPull, req);
+    } else {
+      req["room"] = f.room;
+      req["prompt_hash"] = f.prompt_hash;
+      req["prompt_tokens"] = f.prompt_tokens;
+      send_json(*conn, KvFrameType::kRegister, req);
+    }
+    const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
+    const int64_t tokens = f.num_tokens - f.first_token;
+    const size_t layer_bytes = size_t(tokens * tb);
+    KvFrame accept = conn->receive(kControlLimit);
+    if (accept.type == KvFrameType::kError)
+      throw Error(get_field<std::string>(parse_control(accept, "error"), "message"));
+    if (accept.type != KvFrameType::kAccept) throw Error("expected an accept frame");
+    for (int64_t layer = 0; layer < layout_.layers; ++layer) {
+      KvFrame frame = conn->receive(kLayerHeader + layer_bytes);
+      if (frame.type == KvFrameType::kError)
+        throw Error(get_field<std::string>(parse_control(frame, "error"), "message"));
+      if (frame.type != KvFrameType::kLayer || frame.payload.size() != kLayerHeader + layer_bytes)
+        throw Error("layer " + std::to_string(layer) + ": expected a layer frame of " +
+                    std::to_string(kLayerHeader + layer_bytes) + " bytes");
+      const std::byte* p = frame.payload.data();
+      uint64_t got_layer = 0, sum = 0;
+      for (int b = 0; b < 4; ++b) got_layer |= uint64_t(std::to_integer<uint8_t>(p[b])) << (8 * b);
+      for (int b = 0; b < 8; ++b) sum |= uint64_t(std::to_integer<uint8_t>(p[8 + b])) << (8 * b);
+      if (got_layer != uint64_t(layer))
+        throw Error("expected layer " + std::to_string(layer) + ", got " +
+                    std::to_string(got_layer));
+      const std::span<const std::byte> data(p + kLayerHeader, layer_bytes);
+      if ((std::to_integer<uint8_t>(p[4]) & kFlagChecksum) &&
+          XXH3_64bits(data.data(), data.size()) != sum)
+        throw Error("layer " + std::to_string(layer) + ": checksum mismatch (corrupted transfer)");
+      for (size_t b = 0; b < f.local_blocks.size(); ++b) {
+        const int64_t off = int64_t(b) * bs;
+        const int64_t n = std::min(bs, tokens - off);
+        if (n <= 0) break;
+        executor_.write_kv(f.local_blocks[b], layer,
+                           data.subspan(size_t(off * tb), size_t(n * tb)));
+      }
+      result.bytes += layer_bytes;
+    }
+    KvFrame end = conn->receive(kControlLimit);
+    if (end.type == KvFrameType::kError)
+      throw Error(get_field<std::string>(parse_control(end, "error"), "message"));
+    if (end.type != KvFrameType::kDone) throw Error("expected a done frame");
+    result.ok = true;
+  } catch (const std::exception& e) {
+    result.ok = false;
+    result.error = "KV transfer from the prefill engine at " + where + " failed: " + e.what();
+  }
+  {
+    std::lock_guard lock(mutex_);
+    fetches_.erase(f.request_id);
+  }
+  metrics_->bytes.labels({"received"}).inc(result.bytes);
+  metrics_->transfers.labels({"received", result.ok ? "ok" : "error"}).inc();
+  if (result.ok)
+    metrics_->fetch_seconds.observe(std::chrono::duration<double>(Clock::now() - started).count());
+  post_([done, result] { done(result); });
+}
+
+}  // namespace tandem::engine

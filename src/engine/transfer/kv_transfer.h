@@ -1,0 +1,161 @@
+#pragma once
+// KV transfer between a prefill engine and a decode engine, in the two flows real clusters use:
+//
+//  - sequential (vLLM NixlConnector shapes): the prefill engine computes the prompt, *holds* its
+//    blocks under a transfer id and answers; the decode engine later connects and *pulls* the
+//    blocks it lacks. Held blocks are freed once pulled, or after the timeout if nobody pulls.
+//  - parallel (SGLang bootstrap shapes): both legs name the same bootstrap room. The decode engine
+//    reserves blocks and *registers* the room with the prefill engine's bootstrap server; the
+//    prefill engine *pushes* each layer as soon as the forward pass completes it. Either leg may
+//    arrive first; each waits for the other at most the timeout.
+//
+// The decode engine always connects, the prefill engine always listens (one port serves both
+// flows). Wire, over a KvTransport (kv_transport.h): the decode side sends one kPull or
+// kRegister frame (JSON), the prefill side answers kAccept (JSON), then one kLayer frame per
+// layer ([u32 layer][u32 flags][u64 XXH3-64 checksum or 0] + the tokens' bytes, block after
+// block), then kDone; kError (JSON {"message"}) ends a transfer early, on either side. The
+// decode engine always recomputes the prompt's last token (it needs its logits), so it asks for
+// tokens [first_token, prompt - 1), first_token being where its own prefix cache stops.
+//
+// Threads: an accept thread, one thread per connection, one per fetch, one reaper for timeouts.
+// Blocks are only read or written by those threads while the engine keeps them allocated; every
+// callback to the engine goes through `post` (the engine runs it on its own thread).
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/executor/executor.h"
+#include "engine/transfer/kv_transport.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+
+struct KvTransferConfig {
+  std::string engine_id;  // this engine, as remote_engine_id in the responses
+  std::string listen_host = "0.0.0.0";
+  int port = -1;               // -1: no server (a decode-only engine); 0: any free port
+  std::string advertise_host;  // what decode engines connect to (remote_host)
+  double timeout_s = 120;      // held blocks, a room's wait for its other leg, each I/O
+#ifdef NDEBUG
+  bool checksum = false;  // XXH3-64 per layer; always on in debug builds
+#else
+  bool checksum = true;
+#endif
+};
+
+// What a decode engine asks for.
+struct KvFetch {
+  std::string request_id;  // the engine request it is for (cancel_fetch)
+  bool pull = true;        // sequential pull, else register a bootstrap room
+  std::string host;        // the prefill engine's transfer server
+  uint16_t port = 0;
+  std::string engine_id, transfer_id;  // pull: remote_engine_id, remote_request_id
+  std::vector<int32_t> remote_blocks;  // pull: remote_block_ids, the whole list
+  uint64_t room = 0;                   // register: bootstrap_room
+  uint64_t prompt_hash = 0;            // register: kv_prompt_hash() of the prompt
+  int64_t prompt_tokens = 0;           // the prompt's length
+  int64_t first_token = 0;             // tokens before it are cached here (block aligned)
+  int64_t num_tokens = 0;              // transfer tokens [first_token, num_tokens)
+  std::vector<int32_t> local_blocks;   // this engine's blocks for those tokens, in order
+};
+
+struct KvFetchResult {
+  bool ok = false;
+  std::string error;
+  uint64_t bytes = 0;
+};
+
+// The hash both legs of a bootstrap room compare, so a room never joins different prompts.
+uint64_t kv_prompt_hash(std::span<const int32_t> prompt);
+
+class KvTransferAgent {
+ public:
+  using Task = std::function<void()>;
+  using Post = std::function<void(Task)>;  // runs the task on the engine thread, in order
+  using RoomDone = std::function<void(bool ok, const std::string& error)>;
+
+  // Starts the server when config.port >= 0 (throws tandem::Error if it cannot listen).
+  KvTransferAgent(const KvTransferConfig& config, Executor& executor,
+                  std::unique_ptr<KvTransport> transport, metrics::Registry& registry, Post post);
+  ~KvTransferAgent();  // shuts every connection and waits for the threads
+  KvTransferAgent(const KvTransferAgent&) = delete;
+  KvTransferAgent& operator=(const KvTransferAgent&) = delete;
+
+  const KvTransferConfig& config() const { return config_; }
+  bool serving() const { return listener_ != nullptr; }
+  uint16_t port() const;  // the bound port (0 without a server)
+
+  // --- prefill side, sequential: the finished prompt's blocks wait to be pulled. Returns the
+  // transfer id. `release` is posted once, when the blocks may be freed (pulled or expired).
+  std::string hold(std::vector<int32_t> blocks, int64_t num_tokens, Task release);
+
+  // --- prefill side, parallel. open_room (any thread, at submission) claims the room for a
+  // prefill request; false when the room is already claimed by another one. Once it returned
+  // true, `done` is posted exactly once: ok after the decode engine received everything, else
+  // with the reason; the engine keeps the request's blocks until then.
+  bool open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens, RoomDone done);
+  // Engine thread, before the step that completes the prompt: the prompt's block table.
+  void room_blocks(uint64_t room, std::vector<int32_t> blocks);
+  // Engine thread, during or after that step: layers [0, layers) of the prompt are complete.
+  void room_layers_done(uint64_t room, int64_t layers);
+  // The prefill request failed or was aborted before it completed: tell the decode side.
+  void room_failed(uint64_t room, const std::string& reason);
+
+  // --- decode side: `done` is posted once, with the outcome; until then the transfer may write
+  // into f.local_blocks. cancel_fetch makes a running fetch fail promptly.
+  void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done);
+  void cancel_fetch(const std::string& request_id);
+
+  // Blocks held for pulls or rooms right now (for /load and tests).
+  int64_t held_blocks() const;
+
+ private:
+  struct Held;
+  struct Room;
+  struct Metrics;
+  void accept_loop();
+  void serve(std::shared_ptr<KvConnection> conn);
+  void serve_pull(KvConnection& conn, const std::vector<std::byte>& request);
+  void serve_register(KvConnection& conn, const std::vector<std::byte>& request);
+  struct FetchSlot {
+    std::shared_ptr<KvConnection> conn;
+    bool cancelled = false;
+  };
+  void run_fetch(KvFetch f, FetchSlot* slot, const std::function<void(const KvFetchResult&)>& done);
+  void send_layers(KvConnection& conn, const std::vector<int32_t>& blocks, int64_t first_token,
+                   int64_t num_tokens, int64_t from_layer, int64_t to_layer);
+  void finish_room(uint64_t room, bool ok, const std::string& error);  // under mutex_
+  void reap_loop();  // also refreshes the held-blocks gauge
+  int64_t held_blocks_locked() const;
+  void spawn(std::function<void()> body);
+  std::chrono::steady_clock::time_point deadline() const;
+
+  KvTransferConfig config_;
+  Executor& executor_;
+  KvLayout layout_;
+  std::unique_ptr<KvTransport> transport_;
+  Post post_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<KvListener> listener_;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  bool stopping_ = false;
+  int64_t threads_ = 0;  // spawned threads still running
+  uint64_t next_transfer_ = 0;
+  std::map<std::string, std::unique_ptr<Held>> held_;
+  std::map<uint64_t, std::unique_ptr<Room>> rooms_;
+  std::unordered_map<std::string, FetchSlot> fetches_;  // by request id
+  std::vector<std::shared_ptr<KvConnection>> serving_;  // open server sides
+  std::thread accept_thread_, reap_thread_;
+};
+
+}  // namespace tandem::engine

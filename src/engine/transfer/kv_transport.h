@@ -1,0 +1,69 @@
+#pragma once
+// The byte pipe under KV transfer: framed messages over a connection between a decode engine (it
+// always connects) and a prefill engine (it listens). The transfer protocol (kv_transfer.h) only
+// sees this interface, so a UCX or shared-memory transport can replace TCP without touching it.
+//
+// Calls block the calling thread; every send and receive is bounded by the transport's I/O
+// timeout and throws tandem::Error on timeout, a closed peer or a malformed frame.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tandem::engine {
+
+enum class KvFrameType : uint32_t {
+  kPull = 1,      // decode -> prefill: read a held transfer (vLLM-style, JSON)
+  kRegister = 2,  // decode -> prefill: wait for a bootstrap room's KV (SGLang-style, JSON)
+  kAccept = 3,    // prefill -> decode: request valid, layers follow (JSON)
+  kLayer = 4,     // prefill -> decode: one layer of the requested tokens (binary)
+  kDone = 5,      // prefill -> decode: all layers sent (JSON)
+  kError = 6,     // either way: the transfer failed (JSON {"message"})
+};
+
+struct KvFrame {
+  KvFrameType type = KvFrameType::kError;
+  std::vector<std::byte> payload;
+};
+
+class KvConnection {
+ public:
+  virtual ~KvConnection() = default;
+  // Sends one frame whose payload is the concatenation of `parts` (gathered, not copied).
+  virtual void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) = 0;
+  // The next frame. A payload over `max_payload` bytes is an error (hostile or corrupt peer).
+  virtual KvFrame receive(size_t max_payload) = 0;
+  // Thread-safe: makes blocked and later send/receive calls fail promptly.
+  virtual void shutdown() = 0;
+  virtual std::string peer() const = 0;
+};
+
+class KvListener {
+ public:
+  virtual ~KvListener() = default;
+  // The next incoming connection; nullptr once close() was called.
+  virtual std::unique_ptr<KvConnection> accept() = 0;
+  virtual uint16_t port() const = 0;
+  virtual void close() = 0;  // thread-safe; unblocks accept()
+};
+
+class KvTransport {
+ public:
+  virtual ~KvTransport() = default;
+  virtual std::string name() const = 0;
+  // Port 0 picks a free port (see KvListener::port()).
+  virtual std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port) = 0;
+  virtual std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) = 0;
+};
+
+struct TcpTransportOptions {
+  std::chrono::milliseconds io_timeout{30000};  // connect, and each send or receive
+};
+
+// Boost.Asio TCP; frames are [u32 type][u32 zero][u64 payload bytes] little-endian + payload.
+std::unique_ptr<KvTransport> make_tcp_transport(const TcpTransportOptions& options = {});
+
+}  // namespace tandem::engine
