@@ -447,14 +447,9 @@ void Engine::start_fetches() {
     const std::string& id = seq->request.id;
     // The decode recomputes the prompt's last token (for its logits): it needs the rest.
     const int64_t need = seq->num_prompt - 1;
+    // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
+    // runs, empty: it tells the prefill engine to let go of its blocks.
     const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
-    if (need <= hit.num_tokens) {
-      // Nothing to transfer (a one-token prompt, or all of it cached here).
-      awaiting_kv_.erase(awaiting_kv_.begin() + static_cast<std::ptrdiff_t>(i));
-      seq->awaiting_kv = false;
-      scheduler_.add(seq);
-      continue;
-    }
     if (!kv_.allocate(id, need, hit)) {
       if (now - seq->arrival_time > config_.transfer->timeout_s) {
         finish(seq, "error",

@@ -53,6 +53,11 @@ class EngineProcess {
     if (!std::fgets(line, sizeof line, out_)) return {};
     return line;
   }
+  // Kills the engine at once (SIGKILL), as a crashed node.
+  void kill_now() {
+    if (pid_ > 0) kill(pid_, SIGKILL);
+    stop();
+  }
   // Sends SIGTERM and returns the exit status.
   int stop() {
     if (pid_ <= 0) return status_;

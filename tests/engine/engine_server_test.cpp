@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/engine_http.h"
 #include "engine/engine_process.h"
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
@@ -47,30 +48,11 @@ class EngineServer : public test::TinyModelTest<kF32> {
   }
 
   static json get_json(uint16_t port, const std::string& target) {
-    auto r = net::http_request("127.0.0.1", port, "GET", target);
-    EXPECT_EQ(r.status, 200) << target;
-    return json::parse(r.body);
+    return testing::get_json(port, target);
   }
-
-  // Polls /load until nothing runs or waits (bounded: the test fails rather than hangs).
-  static bool wait_idle(uint16_t port) {
-    for (int i = 0; i < 400; ++i) {
-      auto load = get_json(port, "/load");
-      if (load["running"] == 0 && load["waiting"] == 0) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(25));
-    }
-    return false;
-  }
-
+  static bool wait_idle(uint16_t port) { return testing::wait_idle(port); }
   static double metric(uint16_t port, const std::string& name) {
-    auto r = net::http_request("127.0.0.1", port, "GET", "/metrics");
-    std::istringstream in(r.body);
-    std::string line;
-    while (std::getline(in, line))
-      if (line.rfind(name + "{", 0) == 0 || line.rfind(name + " ", 0) == 0)
-        return std::stod(line.substr(line.rfind(' ') + 1));
-    ADD_FAILURE() << name << " not in /metrics";
-    return -1;
+    return testing::metric(port, name);
   }
 };
 

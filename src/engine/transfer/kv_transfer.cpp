@@ -239,6 +239,10 @@ bool KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t pro
     r = std::make_unique<Room>();
   } else if (r->has_prefill) {
     return false;
+  } else if (r->failed && !r->registered) {
+    const std::string error = r->error;
+    rooms_.erase(room);
+    throw KvTransferError(error);
   }
   r->has_prefill = true;
   r->prompt_hash = prompt_hash;
@@ -309,7 +313,8 @@ void KvTransferAgent::reap_loop() {
     }
     std::vector<uint64_t> expired;
     for (const auto& [id, r] : rooms_)
-      if (!r->registered && r->layers_ready == layout_.layers && now >= r->deadline)
+      if (!r->registered && now >= r->deadline &&
+          (!r->has_prefill || r->layers_ready == layout_.layers))
         expired.push_back(id);
     for (auto id : expired)
       finish_room(id, false,
@@ -415,7 +420,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
                   std::to_string(config_.timeout_s) + " s)";
       } else if (it->second->pulling) {
         problem = "transfer '" + id + "' is being pulled by another connection";
-      } else if (first < 0 || first % layout_.block_size != 0 || num <= first ||
+      } else if (first < 0 || first % layout_.block_size != 0 || num < first ||
                  num > it->second->num_tokens) {
         problem = "tokens [" + std::to_string(first) + ", " + std::to_string(num) +
                   ") are not within the " + std::to_string(it->second->num_tokens) +
@@ -475,9 +480,18 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     return;
   }
   if (auto problem = layout_mismatch(req.value("layout", json()), layout_); !problem.empty()) {
-    // The prefill leg of this room cannot succeed either: fail it now rather than at timeout.
+    // The prefill leg of this room cannot succeed either: fail it now, or when it arrives,
+    // rather than at the timeout.
     auto it = rooms_.find(room);
-    if (it != rooms_.end() && !it->second->registered) finish_room(room, false, problem);
+    if (it != rooms_.end() && !it->second->registered) {
+      finish_room(room, false, problem);
+    } else if (it == rooms_.end()) {
+      auto r = std::make_unique<Room>();
+      r->failed = true;
+      r->error = problem;
+      r->deadline = deadline();
+      rooms_[room] = std::move(r);
+    }
     lock.unlock();
     send_error(conn, problem);
     return;
@@ -514,7 +528,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       break;
     }
     if (r->has_prefill &&
-        (first < 0 || first % layout_.block_size != 0 || num <= first || num > r->prompt_tokens)) {
+        (first < 0 || first % layout_.block_size != 0 || num < first || num > r->prompt_tokens)) {
       failure = "bootstrap_room " + std::to_string(room) + ": tokens [" + std::to_string(first) +
                 ", " + std::to_string(num) + ") are not within the prompt";
       break;
@@ -644,6 +658,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                            data.subspan(size_t(off * tb), size_t(n * tb)));
       }
       result.bytes += layer_bytes;
+      metrics_->bytes.labels({"received"}).inc(layer_bytes);
     }
     KvFrame end = conn->receive(kControlLimit);
     if (end.type == KvFrameType::kError)
@@ -658,7 +673,6 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     std::lock_guard lock(mutex_);
     fetches_.erase(f.request_id);
   }
-  metrics_->bytes.labels({"received"}).inc(result.bytes);
   metrics_->transfers.labels({"received", result.ok ? "ok" : "error"}).inc();
   if (result.ok)
     metrics_->fetch_seconds.observe(std::chrono::duration<double>(Clock::now() - started).count());

@@ -34,6 +34,7 @@
 
 #include "engine/executor/executor.h"
 #include "engine/transfer/kv_transport.h"
+#include "util/error.h"
 #include "util/metrics.h"
 
 namespace tandem::engine {
@@ -73,6 +74,13 @@ struct KvFetchResult {
   uint64_t bytes = 0;
 };
 
+// A transfer that cannot happen for a reason on the other engine (its answer is a 502, not a
+// client error).
+class KvTransferError : public Error {
+ public:
+  using Error::Error;
+};
+
 // The hash both legs of a bootstrap room compare, so a room never joins different prompts.
 uint64_t kv_prompt_hash(std::span<const int32_t> prompt);
 
@@ -100,7 +108,8 @@ class KvTransferAgent {
   // --- prefill side, parallel. open_room (any thread, at submission) claims the room for a
   // prefill request; false when the room is already claimed by another one. Once it returned
   // true, `done` is posted exactly once: ok after the decode engine received everything, else
-  // with the reason; the engine keeps the request's blocks until then.
+  // with the reason; the engine keeps the request's blocks until then. Throws KvTransferError
+  // when the room already failed (its decode engine was refused).
   bool open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens, RoomDone done);
   // Engine thread, before the step that completes the prompt: the prompt's block table.
   void room_blocks(uint64_t room, std::vector<int32_t> blocks);

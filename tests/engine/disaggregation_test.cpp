@@ -1,0 +1,480 @@
+// Prefill/decode disaggregation end to end: `tandem engine --role prefill` and `--role decode` as
+// separate processes, driven the way gateways drive them, in both dialects:
+//   sequential (vLLM NixlConnector shapes): prefill leg with kv_transfer_params.do_remote_decode,
+//     its answer's kv_transfer_params forwarded verbatim to the decode leg, which pulls;
+//   parallel (SGLang shapes): both legs at once with bootstrap_host/port/room, prefill pushes.
+// Greedy answers must equal one `--role both` engine's; transfers must move exactly the bytes the
+// model's cache holds for the tokens the decode engine lacks; every failure must reach the
+// affected leg as an OpenAI error, and no KV block may stay in use on either side.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <future>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_http.h"
+#include "engine/engine_process.h"
+#include "engine/tiny_model_fixture.h"
+#include "text/oracle_support.h"
+
+namespace tandem::engine {
+namespace {
+
+using nlohmann::json;
+using testing::EngineProcess;
+using testing::eventually;
+using testing::get_json;
+using testing::metric;
+using testing::post_json;
+
+constexpr char kF32[] = "f32";
+
+std::vector<int32_t> tokens(int n, int base) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(base + (i * 7919) % 5000);
+  return t;
+}
+
+json parse(const net::HttpClientResponse& r) {
+  EXPECT_EQ(r.status, 200) << r.body;
+  return r.status == 200 ? json::parse(r.body) : json();
+}
+
+std::string text_of(const json& answer) {
+  if (answer.is_null()) return "<error>";
+  const json& c = answer["choices"][0];
+  return c.contains("text") ? c["text"].get<std::string>()
+                            : c["message"]["content"].get<std::string>();
+}
+
+// An engine process plus the port of its KV transfer server (0 without one).
+struct Engine {
+  std::unique_ptr<EngineProcess> process;
+  uint16_t kv_port = 0;
+  uint16_t port() const { return process->port(); }
+};
+
+class Disaggregation : public test::TinyModelTest<kF32> {
+ protected:
+  static Engine start(const std::string& role, std::vector<std::string> extra = {},
+                      const std::string& model = {}) {
+    std::vector<std::string> a = {TANDEM_BINARY, "engine", "--model",
+                                  model.empty() ? dir_->string() : model};
+    a.insert(a.end(),
+             {"--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "0", "--role", role});
+    if (std::find(extra.begin(), extra.end(), "--num-kv-blocks") == extra.end())
+      a.insert(a.end(), {"--num-kv-blocks", "256"});
+    if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    a.insert(a.end(), extra.begin(), extra.end());
+    Engine e;
+    e.process = std::make_unique<EngineProcess>(a);
+    const std::string line = e.process->next_line();
+    const auto at = line.find("KV transfer on ");
+    if (at != std::string::npos) {
+      const auto colon = line.find(':', at + 15);
+      e.kv_port = static_cast<uint16_t>(std::stoi(line.substr(colon + 1)));
+    }
+    return e;
+  }
+
+  // The sequential flow as vLLM's proxy runs it: prefill leg (max_tokens 1, no stream), then the
+  // original body plus the prefill's kv_transfer_params to the decode engine.
+  static json sequential(const Engine& p, const Engine& d, const json& body,
+                         const std::string& path = "/v1/completions") {
+    json pre = body;
+    pre["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                                 {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                 {"remote_host", nullptr},      {"remote_port", nullptr}};
+    pre["max_tokens"] = 1;
+    pre["stream"] = false;
+    const json answer = parse(post_json(p.port(), path, pre));
+    if (answer.is_null()) return answer;
+    EXPECT_EQ(answer["usage"]["completion_tokens"], 1);
+    json dec = body;
+    dec["kv_transfer_params"] = answer["kv_transfer_params"];
+    return parse(post_json(d.port(), path, dec));
+  }
+
+  // The parallel flow as SGLang's router runs it: the same body, with the room, to both legs at
+  // once; the client gets the decode leg's answer.
+  static json parallel(const Engine& p, const Engine& d, json body, uint64_t room,
+                       const std::string& path = "/v1/completions") {
+    body["bootstrap_host"] = "127.0.0.1";
+    body["bootstrap_port"] = p.kv_port;
+    body["bootstrap_room"] = room;
+    auto prefill = std::async(std::launch::async, [&] { return post_json(p.port(), path, body); });
+    const json answer = parse(post_json(d.port(), path, body));
+    const auto pre = prefill.get();
+    EXPECT_EQ(pre.status, 200) << pre.body;
+    return answer;
+  }
+
+  // Nothing left in use: no block referenced (cached ones are free), nothing held for transfer.
+  static void expect_no_leak(const Engine& e) {
+    EXPECT_TRUE(eventually([&] {
+      return metric(e.port(), "tandem:kv_transfer_held_blocks") == 0 &&
+             metric(e.port(), "vllm:kv_cache_usage_perc") == 0;
+    })) << "blocks still in use on port "
+        << e.port() << ": " << get_json(e.port(), "/load").dump();
+  }
+
+  // Bytes one token's KV takes over all layers: measured from a first transfer with nothing
+  // cached on the decode side (prompt of n tokens moves n - 1 tokens).
+  static double received(const Engine& d) {
+    return metric(d.port(), "tandem:kv_transfer_bytes_total", "direction=\"received\"");
+  }
+};
+
+TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  ASSERT_NE(p.kv_port, 0);
+  uint64_t room = 1000;
+  int base = 100;
+  // Lengths around the block size (16): one token (nothing to move), partial, exact, multiple.
+  for (int n : {1, 2, 15, 16, 17, 33, 100}) {
+    for (bool seq : {true, false}) {
+      const json body = {{"prompt", tokens(n, base += 53)},
+                         {"max_tokens", 12},
+                         {"temperature", 0},
+                         {"ignore_eos", true}};
+      const json want = parse(post_json(single.port(), "/v1/completions", body));
+      const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
+      EXPECT_EQ(text_of(got), text_of(want)) << (seq ? "sequential" : "parallel") << " n=" << n;
+      if (!got.is_null()) {
+        EXPECT_EQ(got["usage"]["prompt_tokens"], n);
+      }
+    }
+  }
+  // Text prompts and chat: the decode leg reuses the prefill's token ids (sequential) or
+  // tokenizes the same body itself (parallel); streaming decode legs too.
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me about the sea."}}}},
+                     {"max_tokens", 10},
+                     {"temperature", 0}};
+  const std::string want_chat =
+      text_of(parse(post_json(single.port(), "/v1/chat/completions", chat)));
+  EXPECT_EQ(text_of(sequential(p, d, chat, "/v1/chat/completions")), want_chat);
+  EXPECT_EQ(text_of(parallel(p, d, chat, ++room, "/v1/chat/completions")), want_chat);
+  json streamed = {{"prompt", "The quick brown fox jumps over the lazy dog and"},
+                   {"max_tokens", 8},
+                   {"temperature", 0}};
+  const std::string want_text =
+      text_of(parse(post_json(single.port(), "/v1/completions", streamed)));
+  streamed["stream"] = true;
+  streamed["bootstrap_host"] = "127.0.0.1";
+  streamed["bootstrap_port"] = std::to_string(p.kv_port);  // Omni Proxy sends a string
+  streamed["bootstrap_room"] = std::to_string(++room);
+  auto pre = std::async(std::launch::async,
+                        [&] { return post_json(p.port(), "/v1/completions", streamed); });
+  const auto sse = post_json(d.port(), "/v1/completions", streamed);
+  EXPECT_EQ(pre.get().status, 200);
+  ASSERT_EQ(sse.status, 200) << sse.body;
+  std::string joined;
+  std::istringstream in(sse.body);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("data: {", 0) == 0)
+      joined += json::parse(line.substr(6))["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(joined, want_text);
+
+  EXPECT_EQ(metric(d.port(), "tandem:kv_transfers_total", "result=\"error\""), 0);
+  EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_expired_total"), 0);
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, DecodeWithACachedPrefixPullsOnlyTheMissingBlocks) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  auto ask = [&](const std::vector<int32_t>& prompt, bool seq, uint64_t room) {
+    const json body = {
+        {"prompt", prompt}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
+    const json want = parse(post_json(single.port(), "/v1/completions", body));
+    const double before = received(d);
+    const json got = seq ? sequential(p, d, body) : parallel(p, d, body, room);
+    EXPECT_EQ(text_of(got), text_of(want));
+    return received(d) - before;
+  };
+  // Nothing cached: a 33-token prompt moves 32 tokens.
+  const double per_token = ask(tokens(33, 7000), true, 0) / 32;
+  ASSERT_GT(per_token, 0);
+  // Cache 4 blocks (64 tokens) of a prefix on the decode engine with a plain request.
+  const std::vector<int32_t> prefix = tokens(64, 9000);
+  json warm = {{"prompt", prefix}, {"max_tokens", 1}, {"temperature", 0}};
+  parse(post_json(d.port(), "/v1/completions", warm));
+  auto with_tail = [&](int tail, int base) {
+    auto t = prefix;
+    for (int32_t x : tokens(tail, base)) t.push_back(x);
+    return t;
+  };
+  // 64 cached + 30 new tokens: the decode engine needs tokens [64, 93): 29 tokens.
+  EXPECT_EQ(ask(with_tail(30, 3000), true, 0), 29 * per_token);
+  EXPECT_EQ(ask(with_tail(20, 4000), false, 77), 19 * per_token);
+  EXPECT_GT(metric(d.port(), "vllm:prefix_cache_hits_total"), 0);
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, SimulatedDeepSeekV3MovesItsCacheBytes) {
+  // sim:deepseek-v3-h800 caches 61 layers x 576 BF16 values = 70,272 bytes per token.
+  const std::vector<std::string> sim = {"--sim-time-scale", "0", "--num-kv-blocks", "2048"};
+  Engine single = start("both", sim, "sim:deepseek-v3-h800");
+  Engine p = start("prefill", sim, "sim:deepseek-v3-h800");
+  Engine d = start("decode", sim, "sim:deepseek-v3-h800");
+  for (bool seq : {true, false}) {
+    const int n = seq ? 1000 : 517;
+    const json body = {{"prompt", tokens(n, seq ? 20000 : 30000)}, {"max_tokens", 5}};
+    const json want = parse(post_json(single.port(), "/v1/completions", body));
+    const double before = received(d);
+    const double sent_before =
+        metric(p.port(), "tandem:kv_transfer_bytes_total", "direction=\"sent\"");
+    const json got = seq ? sequential(p, d, body) : parallel(p, d, body, 5);
+    EXPECT_EQ(text_of(got), text_of(want));
+    EXPECT_EQ(received(d) - before, double(n - 1) * 61 * 1152);
+    EXPECT_TRUE(eventually([&] {
+      return metric(p.port(), "tandem:kv_transfer_bytes_total", "direction=\"sent\"") -
+                 sent_before ==
+             double(n - 1) * 61 * 1152;
+    }));
+  }
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, ManyRequestsInFlightInBothDialects) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  const int n = 16;
+  std::vector<json> bodies;
+  std::vector<std::string> want;
+  for (int i = 0; i < n; ++i) {
+    bodies.push_back({{"prompt", tokens(3 + (i * 37) % 120, 40000 + 311 * i)},
+                      {"max_tokens", 4 + i % 5},
+                      {"temperature", 0},
+                      {"ignore_eos", true}});
+    want.push_back(text_of(parse(post_json(single.port(), "/v1/completions", bodies[i]))));
+  }
+  std::vector<std::future<json>> got;
+  for (int i = 0; i < n; ++i)
+    got.push_back(std::async(std::launch::async, [&, i] {
+      return i % 2 ? sequential(p, d, bodies[i]) : parallel(p, d, bodies[i], 500 + i);
+    }));
+  for (int i = 0; i < n; ++i) EXPECT_EQ(text_of(got[i].get()), want[i]) << "request " << i;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+// ------------------------------------------------------------------------------ failures
+
+std::string error_message(const net::HttpClientResponse& r) {
+  try {
+    return json::parse(r.body)["error"]["message"].get<std::string>();
+  } catch (const std::exception&) {
+    return "not an OpenAI error: " + r.body;
+  }
+}
+
+TEST_F(Disaggregation, UnpulledKvIsFreedAfterTheTimeoutAndCannotBePulledLater) {
+  Engine p = start("prefill", {"--kv-transfer-timeout", "1"});
+  Engine d = start("decode");
+  json pre = {{"prompt", tokens(40, 100)},
+              {"max_tokens", 1},
+              {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  const json answer = parse(post_json(p.port(), "/v1/completions", pre));
+  ASSERT_TRUE(answer.contains("kv_transfer_params"));
+  EXPECT_EQ(answer["kv_transfer_params"]["remote_block_ids"].size(), 3u);  // 40 tokens, 16 each
+  EXPECT_TRUE(
+      eventually([&] { return metric(p.port(), "tandem:kv_transfer_expired_total") == 1; }));
+  expect_no_leak(p);
+  json dec = {{"prompt", tokens(40, 100)},
+              {"max_tokens", 4},
+              {"kv_transfer_params", answer["kv_transfer_params"]}};
+  const auto r = post_json(d.port(), "/v1/completions", dec);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(error_message(r).find("unknown transfer"), std::string::npos) << r.body;
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  const json body = {
+      {"prompt", tokens(50, 300)}, {"max_tokens", 5}, {"temperature", 0}, {"ignore_eos", true}};
+  json pre = body;
+  pre["max_tokens"] = 1;
+  pre["kv_transfer_params"] = {{"do_remote_decode", true}};
+  const json params = parse(post_json(p.port(), "/v1/completions", pre))["kv_transfer_params"];
+  auto decode_with = [&](const json& kv) {
+    json dec = body;
+    dec["kv_transfer_params"] = kv;
+    return post_json(d.port(), "/v1/completions", dec);
+  };
+  struct Case {
+    const char* field;
+    json value;
+    const char* error;
+  };
+  const std::vector<Case> cases = {
+      {"remote_request_id", "no-such-transfer", "unknown transfer"},
+      {"remote_block_ids", {7, 8, 9, 10}, "remote_block_ids do not match"},
+      {"remote_engine_id", "someone-else", "is not this prefill engine"},
+      {"remote_port", 1, "cannot connect"},
+  };
+  for (const auto& c : cases) {
+    json kv = params;
+    kv[c.field] = c.value;
+    const auto r = decode_with(kv);
+    EXPECT_EQ(r.status, 502) << c.field;
+    EXPECT_NE(error_message(r).find(c.error), std::string::npos) << c.field << ": " << r.body;
+  }
+  // Malformed parameters are the client's fault: 400 naming the field.
+  json bad = params;
+  bad.erase("remote_host");
+  const auto r = decode_with(bad);
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("remote_host"), std::string::npos) << r.body;
+  // Role checks: a prefill leg to a decode engine and the reverse are refused.
+  EXPECT_EQ(post_json(d.port(), "/v1/completions", pre).status, 400);
+  EXPECT_EQ(decode_with(params).status, 200);  // failed attempts did not consume the hold
+  const auto again = post_json(p.port(), "/v1/completions",
+                               json{{"prompt", tokens(5, 1)}, {"kv_transfer_params", params}});
+  EXPECT_EQ(again.status, 400) << again.body;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, MismatchedBlockSizeIsRefusedOnBothLegs) {
+  Engine p = start("prefill", {"--kv-transfer-timeout", "2"});
+  Engine d = start("decode", {"--block-size", "32"});
+  const json body = {{"prompt", tokens(40, 500)}, {"max_tokens", 4}};
+  // Sequential: the decode leg learns it from the pull; the prefill's hold expires.
+  json pre = body;
+  pre["max_tokens"] = 1;
+  pre["kv_transfer_params"] = {{"do_remote_decode", true}};
+  json dec = body;
+  dec["kv_transfer_params"] =
+      parse(post_json(p.port(), "/v1/completions", pre))["kv_transfer_params"];
+  auto r = post_json(d.port(), "/v1/completions", dec);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(error_message(r).find("block_size mismatch"), std::string::npos) << r.body;
+  // Parallel: both legs fail at once.
+  json par = body;
+  par["bootstrap_host"] = "127.0.0.1";
+  par["bootstrap_port"] = p.kv_port;
+  par["bootstrap_room"] = 42;
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", par); });
+  r = post_json(d.port(), "/v1/completions", par);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(error_message(r).find("block_size mismatch"), std::string::npos) << r.body;
+  const auto pr = prefill.get();
+  EXPECT_EQ(pr.status, 502);
+  EXPECT_NE(error_message(pr).find("block_size mismatch"), std::string::npos) << pr.body;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, ARoomMissingOneLegFailsTheOtherWithinTheTimeout) {
+  Engine p = start("prefill", {"--kv-transfer-timeout", "1"});
+  Engine d = start("decode", {"--kv-transfer-timeout", "1"});
+  json body = {{"prompt", tokens(30, 800)},
+               {"max_tokens", 4},
+               {"bootstrap_host", "127.0.0.1"},
+               {"bootstrap_port", p.kv_port},
+               {"bootstrap_room", 7}};
+  // Only the prefill leg: nobody registers the room.
+  auto r = post_json(p.port(), "/v1/completions", body);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(error_message(r).find("no decode engine registered"), std::string::npos) << r.body;
+  // Only the decode leg: no prefill request for the room arrives.
+  body["bootstrap_room"] = 8;
+  r = post_json(d.port(), "/v1/completions", body);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(error_message(r).find("no prefill request with bootstrap_room"), std::string::npos)
+      << r.body;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, DuplicateRoomsAreRefused) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  json body = {{"prompt", tokens(30, 900)},
+               {"max_tokens", 4},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"bootstrap_host", "127.0.0.1"},
+               {"bootstrap_port", p.kv_port},
+               {"bootstrap_room", 99}};
+  json plain = body;
+  plain.erase("bootstrap_host");
+  plain.erase("bootstrap_port");
+  plain.erase("bootstrap_room");
+  const std::string want = text_of(parse(post_json(single.port(), "/v1/completions", plain)));
+  // Two prefill legs for one room: the second is refused up front while the first waits for
+  // its decode engine.
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", body); });
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "vllm:prompt_tokens_total") > 0; }));
+  const auto dup = post_json(p.port(), "/v1/completions", body);
+  EXPECT_EQ(dup.status, 400);
+  EXPECT_NE(error_message(dup).find("already in use"), std::string::npos) << dup.body;
+  EXPECT_EQ(text_of(parse(post_json(d.port(), "/v1/completions", body))), want);
+  EXPECT_EQ(prefill.get().status, 200);
+  // Two decode legs for one room: whichever registers second is refused.
+  body["bootstrap_room"] = 100;
+  auto a =
+      std::async(std::launch::async, [&] { return post_json(d.port(), "/v1/completions", body); });
+  auto b =
+      std::async(std::launch::async, [&] { return post_json(d.port(), "/v1/completions", body); });
+  ASSERT_TRUE(eventually(
+      [&] { return metric(d.port(), "tandem:kv_transfers_total", "result=\"error\"") == 1; }));
+  EXPECT_EQ(post_json(p.port(), "/v1/completions", body).status, 200);
+  auto ra = a.get(), rb = b.get();
+  if (ra.status != 200) std::swap(ra, rb);
+  EXPECT_EQ(ra.status, 200) << ra.body;
+  EXPECT_EQ(text_of(json::parse(ra.body)), want);
+  EXPECT_EQ(rb.status, 502);
+  EXPECT_NE(error_message(rb).find("duplicate"), std::string::npos) << rb.body;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, PrefillDyingMidTransferFailsTheDecodeLegPromptly) {
+  // A simulated prefill slowed 20x: its one 2000-token step takes seconds, and layers reach the
+  // decode engine one by one while it runs. Kill it once some have arrived.
+  Engine p = start("prefill", {"--sim-time-scale", "20", "--num-kv-blocks", "1024"},
+                   "sim:deepseek-v3-h800");
+  Engine d =
+      start("decode", {"--sim-time-scale", "0", "--num-kv-blocks", "1024"}, "sim:deepseek-v3-h800");
+  json body = {{"prompt", tokens(2000, 100)},
+               {"max_tokens", 4},
+               {"bootstrap_host", "127.0.0.1"},
+               {"bootstrap_port", p.kv_port},
+               {"bootstrap_room", 3}};
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", body); });
+  auto decode =
+      std::async(std::launch::async, [&] { return post_json(d.port(), "/v1/completions", body); });
+  ASSERT_TRUE(eventually([&] { return received(d) > 0; }));
+  p.process->kill_now();
+  const auto r = decode.get();
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(error_message(r).find("KV transfer from the prefill engine"), std::string::npos)
+      << r.body;
+  EXPECT_LT(received(d), 1999.0 * 61 * 1152);
+  try {
+    prefill.get();  // the leg to the dead engine fails; only the decode side matters here
+  } catch (const std::exception&) {
+  }
+  expect_no_leak(d);
+}
+
+}  // namespace
+}  // namespace tandem::engine

@@ -1,0 +1,58 @@
+#pragma once
+// HTTP helpers for tests that drive `tandem engine` processes: JSON GETs, one metric's value,
+// waiting (bounded) for an engine to go idle.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "net/http_client.h"
+
+namespace tandem::testing {
+
+inline nlohmann::json get_json(uint16_t port, const std::string& target) {
+  auto r = net::http_request("127.0.0.1", port, "GET", target);
+  EXPECT_EQ(r.status, 200) << target;
+  return nlohmann::json::parse(r.body);
+}
+
+inline net::HttpClientResponse post_json(uint16_t port, const std::string& target,
+                                         const nlohmann::json& body) {
+  return net::http_request("127.0.0.1", port, "POST", target, body.dump(), {},
+                           std::chrono::seconds(300));
+}
+
+// The value of the first sample of `name` (with any labels) whose line contains `labels`.
+inline double metric(uint16_t port, const std::string& name, const std::string& labels = {}) {
+  auto r = net::http_request("127.0.0.1", port, "GET", "/metrics");
+  std::istringstream in(r.body);
+  std::string line;
+  while (std::getline(in, line))
+    if ((line.rfind(name + "{", 0) == 0 || line.rfind(name + " ", 0) == 0) &&
+        line.find(labels) != std::string::npos)
+      return std::stod(line.substr(line.rfind(' ') + 1));
+  return 0;  // counters of a label set not seen yet
+}
+
+// Polls until `done` holds (about 10 s at most): the test fails rather than hangs.
+inline bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 400; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return false;
+}
+
+inline bool wait_idle(uint16_t port) {
+  return eventually([&] {
+    auto load = get_json(port, "/load");
+    return load["running"] == 0 && load["waiting"] == 0;
+  });
+}
+
+}  // namespace tandem::testing
