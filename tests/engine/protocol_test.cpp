@@ -226,5 +226,283 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   EXPECT_EQ(choice["logprobs"]["top_logprobs"][0].size(), 1u);
 }
 
+// ------------------------------------------------------------------ prefill/decode disaggregation
+
+TEST(Protocol, DisaggregationPrefillLegAsksForRemoteDecode) {
+  // vLLM's proxy sends the prefill leg with do_remote_decode and the other fields null.
+  auto r = parse_completion(json{{"prompt", "Hello"},
+                                 {"max_tokens", 1},
+                                 {"kv_transfer_params",
+                                  {{"do_remote_decode", true},
+                                   {"do_remote_prefill", false},
+                                   {"remote_engine_id", nullptr},
+                                   {"remote_block_ids", nullptr},
+                                   {"remote_host", nullptr},
+                                   {"remote_port", nullptr}}}},
+                            tokenizer(), kLimits);
+  EXPECT_TRUE(r.disagg.remote_decode);
+  EXPECT_FALSE(r.disagg.remote_prefill);
+  EXPECT_FALSE(r.disagg.has_bootstrap);
+  EXPECT_TRUE(r.disagg.remote_host.empty());
+  EXPECT_TRUE(r.disagg.remote_block_ids.empty());
+  EXPECT_EQ(r.prompts[0], tokenizer().encode("Hello", true));
+
+  // Absent, null or empty: an ordinary request.
+  for (const json& kv : {json(nullptr), json::object()}) {
+    auto body = json{{"prompt", "Hello"}};
+    body["kv_transfer_params"] = kv;
+    auto plain = parse_completion(body, tokenizer(), kLimits);
+    EXPECT_FALSE(plain.disagg.remote_decode);
+    EXPECT_FALSE(plain.disagg.remote_prefill);
+  }
+  auto plain = parse_completion(json{{"prompt", "Hello"}}, tokenizer(), kLimits);
+  EXPECT_FALSE(plain.disagg.remote_decode || plain.disagg.remote_prefill ||
+               plain.disagg.has_bootstrap);
+
+  auto bad = [](json kv) {
+    return error_of([&] {
+      parse_completion(json{{"prompt", "x"}, {"kv_transfer_params", kv}}, tokenizer(), kLimits);
+    });
+  };
+  auto both = bad(json{{"do_remote_decode", true}, {"do_remote_prefill", true}});
+  EXPECT_EQ(both.param, "kv_transfer_params");
+  EXPECT_NE(both.message.find("both"), std::string::npos);
+  EXPECT_EQ(bad(json("yes")).param, "kv_transfer_params");
+  EXPECT_NE(bad(json{{"do_remote_decode", "true"}}).message.find("do_remote_decode"),
+            std::string::npos);
+}
+
+json decode_leg_params() {
+  return {{"do_remote_decode", false},       {"do_remote_prefill", true},
+          {"remote_engine_id", "prefill-0"}, {"remote_request_id", "prefill-0-7"},
+          {"remote_host", "10.0.0.5"},       {"remote_port", 7100},
+          {"remote_block_ids", {5, 2, 9}},   {"tp_size", 1}};
+}
+
+TEST(Protocol, DisaggregationDecodeLegTakesTheRemoteFieldsAndThePromptIds) {
+  json kv = decode_leg_params();
+  kv["prompt_token_ids"] = {1000, 1001, 1002, 1003};
+  auto r = parse_completion(json{{"prompt", "Hello world"}, {"kv_transfer_params", kv}},
+                            tokenizer(), kLimits);
+  const DisaggregationParams& d = r.disagg;
+  EXPECT_TRUE(d.remote_prefill);
+  EXPECT_FALSE(d.remote_decode);
+  EXPECT_EQ(d.remote_host, "10.0.0.5");
+  EXPECT_EQ(d.remote_port, 7100);
+  EXPECT_EQ(d.remote_engine_id, "prefill-0");
+  EXPECT_EQ(d.remote_request_id, "prefill-0-7");
+  EXPECT_EQ(d.remote_block_ids, (std::vector<int32_t>{5, 2, 9}));
+  // The prefill engine's token ids replace the prompt: no second templating or tokenization.
+  ASSERT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.prompts[0], (std::vector<int32_t>{1000, 1001, 1002, 1003}));
+
+  // Without prompt_token_ids the request's own prompt stays.
+  r = parse_completion(json{{"prompt", "Hello world"}, {"kv_transfer_params", decode_leg_params()}},
+                       tokenizer(), kLimits);
+  EXPECT_EQ(r.prompts[0], tokenizer().encode("Hello world", true));
+  EXPECT_TRUE(r.disagg.remote_prefill);
+
+  // The same in SGLang's /generate dialect.
+  auto g =
+      parse_generate(json{{"input_ids", {7, 8}}, {"kv_transfer_params", kv}}, tokenizer(), kLimits);
+  EXPECT_TRUE(g.disagg.remote_prefill);
+  EXPECT_EQ(g.prompts[0], (std::vector<int32_t>{1000, 1001, 1002, 1003}));
+  EXPECT_EQ(g.disagg.remote_block_ids, (std::vector<int32_t>{5, 2, 9}));
+
+  // The context length is checked on the prompt that replaced the request's.
+  kv["prompt_token_ids"] = std::vector<int32_t>(4090, 1000);
+  auto too_long = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"max_tokens", 16}, {"kv_transfer_params", kv}},
+                     tokenizer(), kLimits);
+  });
+  EXPECT_EQ(too_long.param, "max_tokens");
+}
+
+TEST(Protocol, DisaggregationBadDecodeLegParamsNameKvTransferParams) {
+  auto bad = [](const std::function<void(json&)>& change) {
+    json kv = decode_leg_params();
+    change(kv);
+    return error_of([&] {
+      parse_completion(json{{"prompt", "x"}, {"kv_transfer_params", kv}}, tokenizer(), kLimits);
+    });
+  };
+  struct Case {
+    const char* what;
+    std::function<void(json&)> change;
+    const char* mentions;
+  };
+  const std::vector<Case> cases = {
+      {"missing remote_host", [](json& kv) { kv.erase("remote_host"); }, "remote_host"},
+      {"null remote_host", [](json& kv) { kv["remote_host"] = nullptr; }, "remote_host"},
+      {"numeric remote_host", [](json& kv) { kv["remote_host"] = 10; }, "remote_host"},
+      {"missing remote_engine_id", [](json& kv) { kv.erase("remote_engine_id"); },
+       "remote_engine_id"},
+      {"missing remote_request_id", [](json& kv) { kv.erase("remote_request_id"); },
+       "remote_request_id"},
+      {"missing remote_port", [](json& kv) { kv.erase("remote_port"); }, "remote_port"},
+      {"remote_port as a string", [](json& kv) { kv["remote_port"] = "7100"; }, "remote_port"},
+      {"remote_port 0", [](json& kv) { kv["remote_port"] = 0; }, "remote_port"},
+      {"remote_port too large", [](json& kv) { kv["remote_port"] = 65536; }, "remote_port"},
+      {"remote_port fractional", [](json& kv) { kv["remote_port"] = 7100.5; }, "remote_port"},
+      {"missing remote_block_ids", [](json& kv) { kv.erase("remote_block_ids"); },
+       "remote_block_ids"},
+      {"remote_block_ids not a list", [](json& kv) { kv["remote_block_ids"] = "5,2,9"; },
+       "remote_block_ids"},
+      {"string block id",
+       [](json& kv) {
+         kv["remote_block_ids"] = {5, "2"};
+       },
+       "remote_block_ids"},
+      {"fractional block id",
+       [](json& kv) {
+         kv["remote_block_ids"] = {5, 2.5};
+       },
+       "remote_block_ids"},
+      {"negative block id",
+       [](json& kv) {
+         kv["remote_block_ids"] = {5, -2};
+       },
+       "remote_block_ids"},
+      {"block id beyond int32", [](json& kv) { kv["remote_block_ids"] = {int64_t(1) << 31}; },
+       "remote_block_ids"},
+      {"prompt_token_ids not ids", [](json& kv) { kv["prompt_token_ids"] = "1 2 3"; },
+       "prompt_token_ids"},
+      {"prompt_token_ids empty", [](json& kv) { kv["prompt_token_ids"] = json::array(); },
+       "prompt_token_ids"},
+      {"prompt_token_ids outside the vocabulary",
+       [](json& kv) {
+         kv["prompt_token_ids"] = {1, 999999};
+       },
+       "vocabulary"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    const ApiError e = bad(c.change);
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "kv_transfer_params");
+    EXPECT_NE(e.message.find(c.mentions), std::string::npos) << e.message;
+  }
+  // An empty remote_block_ids list is valid (nothing to pull, e.g. a one-token prompt).
+  json kv = decode_leg_params();
+  kv["remote_block_ids"] = json::array();
+  auto r =
+      parse_completion(json{{"prompt", "x"}, {"kv_transfer_params", kv}}, tokenizer(), kLimits);
+  EXPECT_TRUE(r.disagg.remote_block_ids.empty());
+}
+
+TEST(Protocol, BootstrapFieldsAcceptIntegersDecimalStringsAndNull) {
+  auto gen = [](json extra) {
+    json body = {{"input_ids", {5, 6, 7}}};
+    body.update(extra);
+    return parse_generate(body, tokenizer(), kLimits);
+  };
+  auto r = gen({{"bootstrap_host", "10.0.0.6"}, {"bootstrap_port", 8998}, {"bootstrap_room", 123}});
+  EXPECT_TRUE(r.disagg.has_bootstrap);
+  EXPECT_EQ(r.disagg.bootstrap_host, "10.0.0.6");
+  EXPECT_EQ(r.disagg.bootstrap_port, 8998);
+  EXPECT_EQ(r.disagg.bootstrap_room, 123u);
+  EXPECT_FALSE(r.disagg.remote_decode || r.disagg.remote_prefill);
+
+  // SGLang rooms are random 64-bit values: the full range, as a number or a decimal string.
+  r = gen({{"bootstrap_room", "18446744073709551615"}, {"bootstrap_port", "8998"}});
+  EXPECT_TRUE(r.disagg.has_bootstrap);
+  EXPECT_EQ(r.disagg.bootstrap_room, UINT64_MAX);
+  EXPECT_EQ(r.disagg.bootstrap_port, 8998);
+  r = gen({{"bootstrap_room", uint64_t(1) << 63}});
+  EXPECT_EQ(r.disagg.bootstrap_room, uint64_t(1) << 63);
+  EXPECT_EQ(r.disagg.bootstrap_port, 0);  // absent
+  r = gen({{"bootstrap_room", 0}, {"bootstrap_port", nullptr}, {"bootstrap_host", "h"}});
+  EXPECT_TRUE(r.disagg.has_bootstrap);
+  EXPECT_EQ(r.disagg.bootstrap_room, 0u);
+  EXPECT_EQ(r.disagg.bootstrap_port, 0);  // null
+  EXPECT_EQ(r.disagg.bootstrap_host, "h");
+
+  // No room (absent or null): not a bootstrap request, whatever else is there.
+  r = gen({{"bootstrap_host", "h"}, {"bootstrap_port", 8998}});
+  EXPECT_FALSE(r.disagg.has_bootstrap);
+  r = gen({{"bootstrap_room", nullptr}});
+  EXPECT_FALSE(r.disagg.has_bootstrap);
+
+  // The OpenAI dialect carries the same fields.
+  auto c =
+      parse_completion(json{{"prompt", "x"}, {"bootstrap_room", "42"}, {"bootstrap_host", "p0"}},
+                       tokenizer(), kLimits);
+  EXPECT_TRUE(c.disagg.has_bootstrap);
+  EXPECT_EQ(c.disagg.bootstrap_room, 42u);
+  EXPECT_EQ(c.disagg.bootstrap_host, "p0");
+}
+
+TEST(Protocol, BadBootstrapFieldsNameTheField) {
+  auto bad = [](json extra) {
+    json body = {{"input_ids", {5, 6, 7}}};
+    body.update(extra);
+    return error_of([&] { parse_generate(body, tokenizer(), kLimits); });
+  };
+  auto list = bad({{"bootstrap_room", {1, 2}}});
+  EXPECT_EQ(list.param, "bootstrap_room");
+  EXPECT_NE(list.message.find("list"), std::string::npos) << list.message;
+  for (const json& room : {json(-1), json(1.5), json("12a"), json(""), json(" 12"), json("-1"),
+                           json("18446744073709551616"), json(true), json::object()}) {
+    SCOPED_TRACE(room.dump());
+    EXPECT_EQ(bad({{"bootstrap_room", room}}).param, "bootstrap_room");
+  }
+  for (const json& port : {json(0), json(65536), json("abc"), json("0"), json(-5), json(8998.5)}) {
+    SCOPED_TRACE(port.dump());
+    EXPECT_EQ(bad({{"bootstrap_room", 1}, {"bootstrap_port", port}}).param, "bootstrap_port");
+  }
+  EXPECT_EQ(bad({{"bootstrap_room", 1}, {"bootstrap_host", 5}}).param, "bootstrap_host");
+}
+
+TEST(Protocol, DisaggregationNeedsOnePromptAndOneChoice) {
+  const json prefill_leg = {{"do_remote_decode", true}};
+  auto n2 = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"n", 2}, {"kv_transfer_params", prefill_leg}},
+                     tokenizer(), kLimits);
+  });
+  EXPECT_EQ(n2.param, "kv_transfer_params");
+  EXPECT_NE(n2.message.find("one prompt"), std::string::npos) << n2.message;
+
+  EXPECT_EQ(error_of([&] {
+              parse_completion(
+                  json{{"prompt", {"a", "b"}}, {"kv_transfer_params", decode_leg_params()}},
+                  tokenizer(), kLimits);
+            }).param,
+            "kv_transfer_params");
+  json with_ids = decode_leg_params();
+  with_ids["prompt_token_ids"] = {1, 2, 3};
+  EXPECT_EQ(error_of([&] {
+              parse_completion(json{{"prompt", "x"}, {"n", 2}, {"kv_transfer_params", with_ids}},
+                               tokenizer(), kLimits);
+            }).param,
+            "kv_transfer_params");
+
+  EXPECT_EQ(
+      error_of([&] {
+        parse_completion(json{{"prompt", {"a", "b"}}, {"bootstrap_room", 1}}, tokenizer(), kLimits);
+      }).param,
+      "bootstrap_room");
+  EXPECT_EQ(error_of([&] {
+              parse_completion(json{{"prompt", "a"}, {"n", 2}, {"bootstrap_room", 1}}, tokenizer(),
+                               kLimits);
+            }).param,
+            "bootstrap_room");
+  EXPECT_EQ(error_of([&] {
+              parse_generate(json{{"input_ids", {{1, 2}, {3}}}, {"bootstrap_room", 1}}, tokenizer(),
+                             kLimits);
+            }).param,
+            "bootstrap_room");
+  EXPECT_EQ(error_of([&] {
+              parse_generate(json{{"text", {"a", "b"}}, {"kv_transfer_params", prefill_leg}},
+                             tokenizer(), kLimits);
+            }).param,
+            "kv_transfer_params");
+
+  // kv_transfer_params that asks for nothing is not disaggregation: n = 2 stays fine.
+  auto ok = parse_completion(
+      json{{"prompt", "x"}, {"n", 2}, {"kv_transfer_params", {{"do_remote_decode", false}}}},
+      tokenizer(), kLimits);
+  EXPECT_EQ(ok.prompts.size(), 2u);
+}
+
 }  // namespace
 }  // namespace tandem::engine::api

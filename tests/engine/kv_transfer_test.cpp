@@ -1,0 +1,1076 @@
+// KV transfer between engines over real TCP on 127.0.0.1 (port 0, read back):
+//  - the framed transport: round trips, payload limit, I/O timeout, shutdown from another thread,
+//    bytes that are not a Tandem frame, a peer that goes away;
+//  - two KvTransferAgents in one process (prefill with a server, decode without), each over a
+//    fake executor whose KV cache is a plain byte array: sequential pulls and parallel bootstrap
+//    rooms, their errors and timeouts, checked byte for byte in the decode cache;
+//  - fake prefill servers written against the wire format by hand, which corrupt or cut a
+//    transfer, so the decode side's checks are exercised too.
+// The agents' callbacks are posted to a queue that the test thread runs, as the engine thread
+// would. Waits are bounded by a generous hang guard; nothing asserts on time.
+#include "engine/transfer/kv_transfer.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <xxhash.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/transfer/kv_transport.h"
+#include "util/error.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+namespace {
+
+using namespace std::chrono_literals;
+using nlohmann::json;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Bounds every wait that should end in milliseconds, so a hang fails the test instead of
+// blocking the suite. It is a guard, not a speed requirement.
+constexpr auto kHangGuard = 10s;
+
+std::span<const std::byte> bytes_of(const std::string& s) {
+  return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
+}
+
+std::string text_of(const std::vector<std::byte>& b) {
+  return std::string(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+// The message of the tandem::Error that f throws.
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no tandem::Error thrown";
+  return {};
+}
+
+void send_text(KvConnection& conn, KvFrameType type, const std::string& text) {
+  const std::span<const std::byte> parts[] = {bytes_of(text)};
+  conn.send(type, parts);
+}
+
+// ------------------------------------------------------------------------------- transport
+
+struct Pair {
+  std::unique_ptr<KvTransport> transport;
+  std::unique_ptr<KvListener> listener;
+  std::unique_ptr<KvConnection> client, server;
+};
+
+// A connected client/server pair over loopback.
+std::unique_ptr<Pair> connect_pair(std::chrono::milliseconds io_timeout = 5000ms) {
+  auto p = std::make_unique<Pair>();
+  p->transport = make_tcp_transport({io_timeout});
+  p->listener = p->transport->listen("127.0.0.1", 0);
+  std::thread acceptor([&] { p->server = p->listener->accept(); });
+  try {
+    p->client = p->transport->connect("127.0.0.1", p->listener->port());
+  } catch (...) {
+    p->listener->close();
+    acceptor.join();
+    throw;
+  }
+  acceptor.join();
+  return p;
+}
+
+// A plain POSIX socket, to send bytes that no KvConnection would.
+class RawSocket {
+ public:
+  explicit RawSocket(uint16_t port) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  }
+  ~RawSocket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool connected() const { return connected_; }
+  bool write(const void* data, size_t n) {
+    return ::send(fd_, data, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n);
+  }
+
+ private:
+  int fd_;
+  bool connected_ = false;
+};
+
+TEST(KvTransport, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
+  auto p = connect_pair();
+  const std::string a = "{\"transfer_id\":", empty, c = "\"x-1\"}";
+  const std::span<const std::byte> parts[] = {bytes_of(a), bytes_of(empty), bytes_of(c)};
+  p->client->send(KvFrameType::kPull, parts);
+  p->client->send(KvFrameType::kDone, {});
+
+  KvFrame f = p->server->receive(1024);
+  EXPECT_EQ(f.type, KvFrameType::kPull);
+  EXPECT_EQ(text_of(f.payload), "{\"transfer_id\":\"x-1\"}");
+  f = p->server->receive(1024);
+  EXPECT_EQ(f.type, KvFrameType::kDone);
+  EXPECT_TRUE(f.payload.empty());
+
+  // The other way, a binary payload larger than the socket buffers (sent from a thread, since
+  // the send completes only as the receiver reads).
+  std::vector<std::byte> big(3 << 20);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = std::byte((i * 7 + i / 251) & 0xff);
+  std::thread sender([&] {
+    const std::span<const std::byte> halves[] = {std::span(big).first(1000),
+                                                 std::span(big).subspan(1000)};
+    p->server->send(KvFrameType::kLayer, halves);
+  });
+  f = p->client->receive(big.size());
+  sender.join();
+  EXPECT_EQ(f.type, KvFrameType::kLayer);
+  EXPECT_TRUE(f.payload == big);
+
+  EXPECT_THAT(p->client->peer(), HasSubstr("127.0.0.1:" + std::to_string(p->listener->port())));
+  EXPECT_THAT(p->server->peer(), HasSubstr("127.0.0.1:"));
+}
+
+TEST(KvTransport, OversizePayloadIsRejected) {
+  auto p = connect_pair();
+  send_text(*p->client, KvFrameType::kLayer, std::string(100, 'x'));
+  const std::string e = error_of([&] { p->server->receive(99); });
+  EXPECT_THAT(e, HasSubstr("100 bytes exceeds the limit of 99"));
+}
+
+TEST(KvTransport, ReceiveTimesOutWhenThePeerSendsNothing) {
+  auto p = connect_pair(200ms);
+  const std::string e = error_of([&] { p->client->receive(1024); });
+  EXPECT_THAT(e, HasSubstr("timed out receiving after 200 ms"));
+  // The connection is unusable afterwards, and says so.
+  EXPECT_FALSE(error_of([&] { p->client->receive(1024); }).empty());
+}
+
+TEST(KvTransport, ShutdownFromAnotherThreadUnblocksAReceive) {
+  auto p = connect_pair(30000ms);  // far longer than the test: only shutdown() can end it
+  std::promise<std::string> outcome;
+  auto future = outcome.get_future();
+  std::thread reader([&] { outcome.set_value(error_of([&] { p->client->receive(1024); })); });
+  std::this_thread::sleep_for(50ms);  // let the reader block; either order must end the receive
+  p->client->shutdown();
+  const bool ended = future.wait_for(kHangGuard) == std::future_status::ready;
+  reader.join();
+  ASSERT_TRUE(ended);
+  const std::string e = future.get();
+  EXPECT_THAT(e, HasSubstr("shut down"));
+  EXPECT_THAT(e, Not(HasSubstr("timed out")));
+  // Later calls fail at once.
+  EXPECT_THAT(error_of([&] { send_text(*p->client, KvFrameType::kDone, "{}"); }),
+              HasSubstr("shut down"));
+}
+
+TEST(KvTransport, BytesThatAreNotATandemFrameAreAnError) {
+  auto transport = make_tcp_transport({5000ms});
+  auto listener = transport->listen("127.0.0.1", 0);
+  {
+    // Someone points an HTTP client at the KV port.
+    RawSocket raw(listener->port());
+    ASSERT_TRUE(raw.connected());
+    const std::string http = "GET /metrics HTTP/1.1\r\nHost: prefill\r\n\r\n";
+    ASSERT_TRUE(raw.write(http.data(), http.size()));
+    auto conn = listener->accept();
+    ASSERT_NE(conn, nullptr);
+    EXPECT_THAT(error_of([&] { conn->receive(1 << 20); }), HasSubstr("not a Tandem KV frame"));
+  }
+  {
+    // A valid type with the reserved word set.
+    RawSocket raw(listener->port());
+    ASSERT_TRUE(raw.connected());
+    const uint8_t header[16] = {1, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    ASSERT_TRUE(raw.write(header, sizeof header));
+    auto conn = listener->accept();
+    ASSERT_NE(conn, nullptr);
+    EXPECT_THAT(error_of([&] { conn->receive(1 << 20); }), HasSubstr("not a Tandem KV frame"));
+  }
+  {
+    // A frame that promises 100 bytes and delivers 10 before the peer leaves.
+    auto conn_thread = std::async(std::launch::async, [&] { return listener->accept(); });
+    {
+      RawSocket raw(listener->port());
+      ASSERT_TRUE(raw.connected());
+      uint8_t frame[26] = {4, 0, 0, 0, 0, 0, 0, 0, 100};
+      ASSERT_TRUE(raw.write(frame, sizeof frame));
+    }
+    auto conn = conn_thread.get();
+    ASSERT_NE(conn, nullptr);
+    EXPECT_THAT(error_of([&] { conn->receive(1 << 20); }), HasSubstr("connection closed by peer"));
+  }
+}
+
+TEST(KvTransport, APeerThatLeavesEndsTheReceive) {
+  auto p = connect_pair();
+  p->server.reset();
+  EXPECT_THAT(error_of([&] { p->client->receive(1024); }), HasSubstr("connection closed by peer"));
+}
+
+TEST(KvTransport, ConnectingToAClosedPortFails) {
+  auto transport = make_tcp_transport({5000ms});
+  uint16_t port = 0;
+  {
+    auto listener = transport->listen("127.0.0.1", 0);
+    port = listener->port();
+  }
+  EXPECT_THAT(error_of([&] { transport->connect("127.0.0.1", port); }),
+              HasSubstr("cannot connect to 127.0.0.1:" + std::to_string(port)));
+}
+
+TEST(KvTransport, CloseUnblocksAccept) {
+  auto transport = make_tcp_transport({5000ms});
+  auto listener = transport->listen("127.0.0.1", 0);
+  EXPECT_NE(listener->port(), 0);
+  auto accepted = std::async(std::launch::async, [&] { return listener->accept(); });
+  std::this_thread::sleep_for(20ms);  // let it block; either order must return nullptr
+  listener->close();
+  ASSERT_EQ(accepted.wait_for(kHangGuard), std::future_status::ready);
+  EXPECT_EQ(accepted.get(), nullptr);
+  EXPECT_EQ(listener->accept(), nullptr);
+}
+
+// ------------------------------------------------------------------------------- fake engines
+
+const KvLayout kLayout{"fake", 3, 4, 8};  // 3 layers, 4 tokens a block, 8 bytes a token
+constexpr std::byte kUntouched{0xEE};
+
+// An executor that only has a KV cache: num_blocks * layers blocks of block_size * token_bytes
+// bytes, all kUntouched at first. It counts writes per layer so tests can wait for them.
+class FakeExecutor : public Executor {
+ public:
+  explicit FakeExecutor(KvLayout layout = kLayout, int64_t num_blocks = 16) {
+    info_.model_name = "fake-model";
+    info_.vocab_size = 1000;
+    info_.max_model_len = 1024;
+    info_.num_blocks = num_blocks;
+    info_.block_size = layout.block_size;
+    info_.kv_layout = layout;
+    block_bytes_ = size_t(layout.block_size * layout.token_bytes);
+    data_.assign(size_t(num_blocks * layout.layers) * block_bytes_, kUntouched);
+    writes_.assign(size_t(layout.layers), 0);
+  }
+
+  const ExecutorInfo& info() const override { return info_; }
+  ExecResult execute(std::span<const ExecItem>, const LayerHook&) override {
+    throw Error("FakeExecutor::execute: KV transfer never runs a step");
+  }
+  const std::byte* kv_bytes(int32_t block, int64_t layer) const override {
+    return data_.data() + offset(block, layer);
+  }
+  void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override {
+    // The interface's contract: a whole number of tokens, at most one block.
+    EXPECT_EQ(bytes.size() % size_t(info_.kv_layout.token_bytes), 0u);
+    EXPECT_LE(bytes.size(), block_bytes_);
+    std::memcpy(data_.data() + offset(block, layer), bytes.data(),
+                std::min(bytes.size(), block_bytes_));
+    {
+      std::lock_guard lock(mutex_);
+      ++writes_[size_t(layer)];
+    }
+    written_.notify_all();
+  }
+
+  // Every block and layer gets its own 32-byte pattern (no two chunks equal, none kUntouched).
+  void fill_distinct() {
+    for (int32_t b = 0; b < info_.num_blocks; ++b)
+      for (int64_t l = 0; l < info_.kv_layout.layers; ++l)
+        for (size_t i = 0; i < block_bytes_; ++i)
+          data_[offset(b, l) + i] = std::byte((b * 97 + l * 41 + int64_t(i)) & 0xff);
+  }
+
+  std::span<std::byte> block(int32_t b, int64_t layer) {
+    return {data_.data() + offset(b, layer), block_bytes_};
+  }
+  const std::vector<std::byte>& data() const { return data_; }
+
+  // Tokens [first, num) of `remote` blocks (a whole prompt's table) of `from`, copied into
+  // `local` blocks (the table from first on) of this cache: what a transfer should do.
+  void copy_tokens(FakeExecutor& from, const std::vector<int32_t>& remote,
+                   const std::vector<int32_t>& local, int64_t first, int64_t num,
+                   int64_t layers = -1) {
+    const int64_t bs = info_.kv_layout.block_size, tb = info_.kv_layout.token_bytes;
+    if (layers < 0) layers = info_.kv_layout.layers;
+    for (int64_t l = 0; l < layers; ++l)
+      for (int64_t t = first; t < num; ++t) {
+        const auto src = from.block(remote[size_t(t / bs)], l).subspan(size_t((t % bs) * tb));
+        const auto dst = block(local[size_t((t - first) / bs)], l).subspan(size_t((t % bs) * tb));
+        std::memcpy(dst.data(), src.data(), size_t(tb));
+      }
+  }
+
+  // Waits until at least one write into `layer` happened.
+  bool wait_for_write(int64_t layer) {
+    std::unique_lock lock(mutex_);
+    return written_.wait_for(lock, kHangGuard, [&] { return writes_[size_t(layer)] > 0; });
+  }
+  int64_t writes() const {
+    std::lock_guard lock(mutex_);
+    int64_t n = 0;
+    for (auto w : writes_) n += w;
+    return n;
+  }
+  int64_t writes(int64_t layer) const {
+    std::lock_guard lock(mutex_);
+    return writes_[size_t(layer)];
+  }
+
+ private:
+  size_t offset(int32_t block, int64_t layer) const {
+    if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers) {
+      ADD_FAILURE() << "KV access out of range: block " << block << ", layer " << layer;
+      throw Error("FakeExecutor: block " + std::to_string(block) + " layer " +
+                  std::to_string(layer) + " out of range");
+    }
+    return (size_t(block) * size_t(info_.kv_layout.layers) + size_t(layer)) * block_bytes_;
+  }
+
+  ExecutorInfo info_;
+  size_t block_bytes_ = 0;
+  std::vector<std::byte> data_;
+  mutable std::mutex mutex_;
+  std::condition_variable written_;
+  std::vector<int64_t> writes_;
+};
+
+// The engine thread of these tests: the agents post here, the test thread runs the tasks.
+class TaskQueue {
+ public:
+  KvTransferAgent::Post post() {
+    return [this](KvTransferAgent::Task t) {
+      {
+        std::lock_guard lock(mutex_);
+        tasks_.push_back(std::move(t));
+      }
+      posted_.notify_all();
+    };
+  }
+
+  // Runs posted tasks in order until done() holds; false when the hang guard ran out first.
+  // done() is evaluated without the queue's lock (the agents post while holding theirs).
+  bool run_until(const std::function<bool()>& done) {
+    const auto limit = std::chrono::steady_clock::now() + kHangGuard;
+    while (!done()) {
+      KvTransferAgent::Task task;
+      {
+        std::unique_lock lock(mutex_);
+        posted_.wait_for(lock, 20ms, [&] { return !tasks_.empty(); });
+        if (tasks_.empty()) {
+          if (std::chrono::steady_clock::now() > limit) return false;
+          continue;
+        }
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      if (task) task();
+    }
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable posted_;
+  std::deque<KvTransferAgent::Task> tasks_;
+};
+
+// The value of the first sample of `name` whose line contains `labels`.
+double sample(const metrics::Registry& registry, const std::string& name,
+              const std::string& labels = "") {
+  const std::string text = registry.render();
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(name, 0) != 0 || line.size() <= name.size()) continue;
+    if (line[name.size()] != '{' && line[name.size()] != ' ') continue;
+    if (line.find(labels) == std::string::npos) continue;
+    return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  ADD_FAILURE() << "no sample " << name << " with " << labels << " in:\n" << text;
+  return -1;
+}
+
+using Outcome = std::shared_ptr<std::optional<KvFetchResult>>;
+
+struct RoomOutcome {
+  bool called = false, ok = false;
+  std::string error;
+  int calls = 0;
+};
+
+class KvTransferAgents : public ::testing::Test {
+ protected:
+  // The prompt of these tests: 11 tokens in blocks 5, 2, 9 of the prefill engine (the last one
+  // holds 3 tokens); the decode engine wants tokens [0, 10) in its blocks 1, 7, 3.
+  const std::vector<int32_t> prompt_ = {11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21};
+  const std::vector<int32_t> remote_ = {5, 2, 9};
+  const std::vector<int32_t> local_ = {1, 7, 3};
+
+  void SetUp() override { prefill_exec_.fill_distinct(); }
+
+  void start(double prefill_timeout_s = 5) {
+    KvTransferConfig p;
+    p.engine_id = "prefill-0";
+    p.listen_host = "127.0.0.1";
+    p.port = 0;
+    p.advertise_host = "127.0.0.1";
+    p.timeout_s = prefill_timeout_s;
+    p.checksum = true;
+    prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_, make_tcp_transport({5000ms}),
+                                                 prefill_metrics_, queue_.post());
+    decode_ = make_decode(decode_exec_, decode_metrics_);
+    ASSERT_TRUE(prefill_->serving());
+    ASSERT_NE(prefill_->port(), 0);
+    ASSERT_FALSE(decode_->serving());
+    EXPECT_EQ(decode_->port(), 0);
+  }
+
+  std::unique_ptr<KvTransferAgent> make_decode(FakeExecutor& exec, metrics::Registry& registry) {
+    KvTransferConfig d;
+    d.engine_id = "decode-0";
+    d.port = -1;
+    d.timeout_s = 5;
+    d.checksum = true;
+    return std::make_unique<KvTransferAgent>(d, exec, make_tcp_transport({5000ms}), registry,
+                                             queue_.post());
+  }
+
+  KvFetch pull(const std::string& transfer_id, int64_t first, int64_t num,
+               std::vector<int32_t> local, const std::string& request_id = "req-1") {
+    KvFetch f;
+    f.request_id = request_id;
+    f.pull = true;
+    f.host = "127.0.0.1";
+    f.port = prefill_port();
+    f.engine_id = "prefill-0";
+    f.transfer_id = transfer_id;
+    f.remote_blocks = remote_;
+    f.prompt_tokens = int64_t(prompt_.size());
+    f.first_token = first;
+    f.num_tokens = num;
+    f.local_blocks = std::move(local);
+    return f;
+  }
+
+  KvFetch enter_room(uint64_t room, std::vector<int32_t> local, const std::string& request_id) {
+    KvFetch f;
+    f.request_id = request_id;
+    f.pull = false;
+    f.host = "127.0.0.1";
+    f.port = prefill_port();
+    f.room = room;
+    f.prompt_hash = kv_prompt_hash(prompt_);
+    f.prompt_tokens = int64_t(prompt_.size());
+    f.first_token = 0;
+    f.num_tokens = int64_t(prompt_.size()) - 1;
+    f.local_blocks = std::move(local);
+    return f;
+  }
+
+  uint16_t prefill_port() const { return port_override_ ? port_override_ : prefill_->port(); }
+
+  Outcome fetch(KvTransferAgent& agent, KvFetch f) {
+    auto out = std::make_shared<std::optional<KvFetchResult>>();
+    agent.fetch(std::move(f), [out](const KvFetchResult& r) { *out = r; });
+    return out;
+  }
+  Outcome fetch(KvFetch f) { return fetch(*decode_, std::move(f)); }
+
+  KvFetchResult wait(const Outcome& o) {
+    EXPECT_TRUE(queue_.run_until([&] { return o->has_value(); })) << "the fetch never finished";
+    return o->value_or(KvFetchResult{false, "(never finished)", 0});
+  }
+
+  KvTransferAgent::RoomDone room_done(RoomOutcome& out) {
+    return [&out](bool ok, const std::string& error) {
+      out.called = true;
+      out.ok = ok;
+      out.error = error;
+      ++out.calls;
+    };
+  }
+
+  // Declared first: destroyed after the agents, which post while shutting down.
+  TaskQueue queue_;
+  FakeExecutor prefill_exec_, decode_exec_;
+  metrics::Registry prefill_metrics_, decode_metrics_;
+  std::unique_ptr<KvTransferAgent> prefill_, decode_;
+  uint16_t port_override_ = 0;  // a fake prefill server instead of prefill_
+};
+
+// ------------------------------------------------------------------------------- sequential
+
+TEST_F(KvTransferAgents, PullCopiesExactlyTheRequestedTokens) {
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  EXPECT_THAT(id, HasSubstr("prefill-0"));
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+
+  // The decode recomputes the last prompt token: it asks for [0, 10), a partial last block.
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.bytes, 10u * 8 * 3);
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data()) << "decode cache differs from the expected";
+  // Token 10 of block 3 (the recomputed one) and the rest of that block stay untouched.
+  EXPECT_EQ(decode_exec_.block(3, 0)[2 * 8], kUntouched);
+
+  ASSERT_TRUE(queue_.run_until([&] { return released; })) << "release never posted";
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfer_bytes_total", "direction=\"received\""),
+            240);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_bytes_total", "direction=\"sent\""), 240);
+  EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfers_total", "result=\"ok\""), 1);
+
+  // Pulled once: the hold is gone.
+  const KvFetchResult again = wait(fetch(pull(id, 0, 10, local_, "req-2")));
+  EXPECT_FALSE(again.ok);
+  EXPECT_THAT(again.error, HasSubstr("unknown transfer '" + id + "'"));
+  EXPECT_THAT(again.error, HasSubstr("127.0.0.1:" + std::to_string(prefill_->port())));
+}
+
+TEST_F(KvTransferAgents, PullFromABlockAlignedOffsetSkipsTheCachedPrefix) {
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  // The decode engine has tokens [0, 4) cached: it asks for [4, 10) into blocks 7 and 3.
+  const KvFetchResult r = wait(fetch(pull(id, 4, 10, {7, 3})));
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.bytes, 6u * 8 * 3);
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, {7, 3}, 4, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+TEST_F(KvTransferAgents, EmptyPullStillReleasesTheHold) {
+  // Everything the decode needs is cached there (or a one-token prompt): the transfer moves no
+  // bytes but tells the prefill engine to let go of its blocks.
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const KvFetchResult r = wait(fetch(pull(id, 8, 8, {})));
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.bytes, 0u);
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+
+  KvFetch f = pull(id, 0, 10, local_);
+  f.engine_id = "someone-else";
+  KvFetchResult r = wait(fetch(f));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("remote_engine_id 'someone-else' is not this prefill engine"));
+
+  f = pull(id, 0, 10, local_);
+  f.remote_blocks = {5, 2, 8};
+  r = wait(fetch(f));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("remote_block_ids do not match"));
+
+  r = wait(fetch(pull(id, 0, 12, {1, 7, 3})));  // more tokens than held
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("tokens [0, 12) are not within the 11 held tokens"));
+
+  r = wait(fetch(pull(id, 2, 10, local_)));  // a start that is not block aligned
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("tokens [2, 10)"));
+
+  r = wait(fetch(pull("prefill-0-99", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("unknown transfer 'prefill-0-99'"));
+
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_FALSE(released);
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+  EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfers_total", "result=\"error\""), 5);
+
+  // None of that consumed the hold.
+  r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+TEST_F(KvTransferAgents, LayoutMismatchIsNamed) {
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  {
+    FakeExecutor other(KvLayout{"fake", 3, 8, 8});  // 8 tokens a block
+    metrics::Registry registry;
+    auto agent = make_decode(other, registry);
+    const KvFetchResult r = wait(fetch(*agent, pull(id, 0, 10, {1, 2})));
+    EXPECT_FALSE(r.ok);
+    EXPECT_THAT(r.error, HasSubstr("block_size mismatch: this prefill engine has 4, the decode "
+                                   "engine 8"));
+    EXPECT_EQ(other.writes(), 0);
+  }
+  {
+    FakeExecutor other(KvLayout{"other-model", 3, 4, 8});
+    metrics::Registry registry;
+    auto agent = make_decode(other, registry);
+    const KvFetchResult r = wait(fetch(*agent, pull(id, 0, 10, local_)));
+    EXPECT_FALSE(r.ok);
+    EXPECT_THAT(r.error, HasSubstr("model mismatch"));
+    EXPECT_THAT(r.error, HasSubstr("other-model"));
+  }
+  {
+    FakeExecutor other(KvLayout{"fake", 3, 4, 16});
+    metrics::Registry registry;
+    auto agent = make_decode(other, registry);
+    const KvFetchResult r = wait(fetch(*agent, pull(id, 0, 10, local_)));
+    EXPECT_FALSE(r.ok);
+    EXPECT_THAT(r.error, HasSubstr("token_bytes mismatch"));
+  }
+  EXPECT_FALSE(released);
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+}
+
+TEST_F(KvTransferAgents, AHoldNobodyPullsExpires) {
+  start(0.3);
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  ASSERT_TRUE(queue_.run_until([&] { return released; })) << "expired hold never released";
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 1);
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("unknown transfer"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+TEST_F(KvTransferAgents, ShuttingDownReturnsHeldBlocks) {
+  start();
+  bool released = false;
+  prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  prefill_.reset();
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {
+  start();
+  {
+    RawSocket raw(prefill_->port());
+    ASSERT_TRUE(raw.connected());
+    const std::string http = "GET / HTTP/1.1\r\nHost: prefill\r\n\r\n";
+    ASSERT_TRUE(raw.write(http.data(), http.size()));
+  }
+  auto transport = make_tcp_transport({5000ms});
+  {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, KvFrameType::kDone, "{}");
+    const KvFrame f = conn->receive(1 << 20);
+    EXPECT_EQ(f.type, KvFrameType::kError);
+    EXPECT_THAT(text_of(f.payload), HasSubstr("expected a pull or register frame"));
+  }
+  {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, KvFrameType::kPull, "{\"transfer_id\": 5}");
+    const KvFrame f = conn->receive(1 << 20);
+    EXPECT_EQ(f.type, KvFrameType::kError);
+    EXPECT_THAT(text_of(f.payload), HasSubstr("malformed pull request"));
+  }
+  {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, KvFrameType::kRegister, "{\"room\": 1}");
+    const KvFrame f = conn->receive(1 << 20);
+    EXPECT_EQ(f.type, KvFrameType::kError);
+    EXPECT_THAT(text_of(f.payload), HasSubstr("malformed register request"));
+  }
+  // Still serving.
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+TEST_F(KvTransferAgents, CancelFetchEndsAWaitingFetch) {
+  start();
+  // Registered for a room whose prefill never comes: only the cancel ends it (well before the
+  // prefill side's 5 s timeout).
+  Outcome o = fetch(enter_room(31, local_, "req-cancel"));
+  decode_->cancel_fetch("req-cancel");
+  const KvFetchResult r = wait(o);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, AnyOf(HasSubstr("cancelled"), HasSubstr("shut down")));
+  EXPECT_THAT(r.error, Not(HasSubstr("arrived within")));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+// ------------------------------------------------------------------------------- rooms
+
+TEST_F(KvTransferAgents, RoomOpenedFirstStreamsEachLayerAsItCompletes) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(
+      prefill_->open_room(42, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
+  RoomOutcome other;
+  EXPECT_FALSE(prefill_->open_room(42, kv_prompt_hash(prompt_), 11, room_done(other)));
+
+  Outcome o = fetch(enter_room(42, local_, "req-room"));
+  prefill_->room_blocks(42, remote_);
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+  for (int64_t layers = 1; layers <= kLayout.layers; ++layers) {
+    prefill_->room_layers_done(42, layers);
+    // Layer layers-1 reaches the decode cache before the next one is computed, and no layer
+    // leaves before it is complete.
+    ASSERT_TRUE(decode_exec_.wait_for_write(layers - 1)) << "layer " << layers - 1;
+    if (layers < kLayout.layers) {
+      EXPECT_EQ(decode_exec_.writes(layers), 0);
+    }
+  }
+  const KvFetchResult r = wait(o);
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.bytes, 10u * 8 * 3);
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_TRUE(done.ok) << done.error;
+  EXPECT_EQ(done.calls, 1);
+  EXPECT_FALSE(other.called);
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfers_total", "result=\"ok\""), 1);
+}
+
+// Two registrations of one room: whichever the server reads second is refused as a duplicate,
+// and from that moment the other one is known to be registered (which orders the rest).
+TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
+  start();
+  const std::vector<int32_t> local_b = {10, 11, 12};
+  Outcome a = fetch(enter_room(7, local_, "req-a"));
+  Outcome b = fetch(enter_room(7, local_b, "req-b"));
+  ASSERT_TRUE(queue_.run_until([&] { return a->has_value() || b->has_value(); }));
+  ASSERT_NE(a->has_value(), b->has_value());
+  const bool a_refused = a->has_value();
+  const KvFetchResult refused = a_refused ? **a : **b;
+  EXPECT_FALSE(refused.ok);
+  EXPECT_THAT(refused.error, HasSubstr("bootstrap_room 7 already has a decode engine registered"));
+  EXPECT_THAT(refused.error, HasSubstr("duplicate"));
+
+  // Now the prefill leg arrives, after the registration.
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(7, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(7, remote_);
+  prefill_->room_layers_done(7, kLayout.layers);
+  const KvFetchResult r = wait(a_refused ? b : a);
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, a_refused ? local_b : local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_TRUE(done.ok) << done.error;
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+TEST_F(KvTransferAgents, DifferentPromptsInOneRoomFailBothLegs) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(9, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(9, remote_);
+  prefill_->room_layers_done(9, kLayout.layers);
+  KvFetch f = enter_room(9, local_, "req-9");
+  const std::vector<int32_t> other_prompt = {11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 99};
+  f.prompt_hash = kv_prompt_hash(other_prompt);
+  const KvFetchResult r = wait(fetch(f));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("bootstrap_room 9: the decode and prefill requests have "
+                                 "different prompts"));
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_THAT(done.error, HasSubstr("different prompts"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+TEST_F(KvTransferAgents, RoomFailedBeforeAnyLayerTellsTheDecodeWhy) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(5, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(5, remote_);
+  // A second registration is the probe that tells when the first one is in place.
+  Outcome a = fetch(enter_room(5, local_, "req-a"));
+  Outcome b = fetch(enter_room(5, {10, 11, 12}, "req-b"));
+  ASSERT_TRUE(queue_.run_until([&] { return a->has_value() || b->has_value(); }));
+  ASSERT_NE(a->has_value(), b->has_value());
+  EXPECT_THAT((a->has_value() ? **a : **b).error, HasSubstr("duplicate"));
+
+  prefill_->room_failed(5, "the prefill request ended: aborted by the client");
+  const KvFetchResult r = wait(a->has_value() ? b : a);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("the prefill request ended: aborted by the client"));
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_THAT(done.error, HasSubstr("aborted by the client"));
+  EXPECT_EQ(done.calls, 1);
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+TEST_F(KvTransferAgents, RoomFailedAfterALayerStopsTheRest) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(6, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(6, remote_);
+  prefill_->room_layers_done(6, 1);
+  Outcome o = fetch(enter_room(6, local_, "req-6"));
+  ASSERT_TRUE(decode_exec_.wait_for_write(0));
+  prefill_->room_failed(6, "step failed: out of memory");
+  const KvFetchResult r = wait(o);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("step failed: out of memory"));
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  // Layer 0 arrived, nothing of layers 1 and 2.
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10, 1);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+}
+
+TEST_F(KvTransferAgents, RoomFailedWithoutADecodeFinishesThePrefillLeg) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(8, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(8, remote_);
+  prefill_->room_failed(8, "aborted");
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_EQ(done.error, "aborted");
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  // The room is free again.
+  RoomOutcome again;
+  EXPECT_TRUE(prefill_->open_room(8, kv_prompt_hash(prompt_), 11, room_done(again)));
+  prefill_->room_failed(8, "aborted again");
+  EXPECT_TRUE(queue_.run_until([&] { return again.called; }));
+}
+
+TEST_F(KvTransferAgents, ARegistrationWithoutAPrefillTimesOut) {
+  start(0.3);
+  const KvFetchResult r = wait(fetch(enter_room(77, local_, "req-77")));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("no prefill request with bootstrap_room 77 arrived"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+TEST_F(KvTransferAgents, ACompletedRoomNobodyRegistersExpires) {
+  start(0.3);
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(78, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(78, remote_);
+  prefill_->room_layers_done(78, kLayout.layers);
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_THAT(done.error, HasSubstr("no decode engine registered bootstrap_room 78"));
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+// ------------------------------------------------------------------------------- fake prefill
+
+// A prefill server that speaks the wire by hand: `script` answers the first frame of one
+// connection (checked to be a pull) and then the connection closes.
+class FakePrefill {
+ public:
+  using Script = std::function<void(KvConnection&, const json& request)>;
+  explicit FakePrefill(Script script)
+      : transport_(make_tcp_transport({5000ms})), listener_(transport_->listen("127.0.0.1", 0)) {
+    thread_ = std::thread([this, script = std::move(script)] {
+      auto conn = listener_->accept();
+      if (!conn) return;
+      try {
+        const KvFrame f = conn->receive(1 << 20);
+        EXPECT_EQ(f.type, KvFrameType::kPull);
+        script(*conn, json::parse(text_of(f.payload)));
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "fake prefill: " << e.what();
+      }
+    });
+  }
+  ~FakePrefill() {
+    listener_->close();
+    thread_.join();
+  }
+  uint16_t port() const { return listener_->port(); }
+
+ private:
+  std::unique_ptr<KvTransport> transport_;
+  std::unique_ptr<KvListener> listener_;
+  std::thread thread_;
+};
+
+// [u32 layer][u32 flags][u64 XXH3-64] little-endian + data, as the header of kv_transfer.h says.
+std::vector<std::byte> layer_payload(uint32_t layer, std::span<const std::byte> data, bool checksum,
+                                     bool corrupt_checksum = false) {
+  std::vector<std::byte> p(16);
+  uint64_t sum = checksum ? XXH3_64bits(data.data(), data.size()) : 0;
+  if (corrupt_checksum) sum ^= 1;
+  for (int b = 0; b < 4; ++b) p[size_t(b)] = std::byte((layer >> (8 * b)) & 0xff);
+  p[4] = std::byte(checksum ? 1 : 0);
+  for (int b = 0; b < 8; ++b) p[size_t(8 + b)] = std::byte((sum >> (8 * b)) & 0xff);
+  p.insert(p.end(), data.begin(), data.end());
+  return p;
+}
+
+void send_bytes(KvConnection& conn, KvFrameType type, const std::vector<std::byte>& payload) {
+  const std::span<const std::byte> parts[] = {payload};
+  conn.send(type, parts);
+}
+
+// 10 tokens of 8 bytes: one layer of the decode's request.
+std::vector<std::byte> layer_data(int seed) {
+  std::vector<std::byte> d(80);
+  for (size_t i = 0; i < d.size(); ++i) d[i] = std::byte((seed * 53 + int(i)) & 0xff);
+  return d;
+}
+
+void send_accept(KvConnection& conn) {
+  send_text(conn, KvFrameType::kAccept, R"({"layers":3,"first_token":0,"num_tokens":10})");
+}
+
+TEST_F(KvTransferAgents, ThePullRequestCarriesTheDocumentedFields) {
+  start();
+  FakePrefill fake([&](KvConnection& conn, const json& req) {
+    EXPECT_EQ(req.at("transfer_id"), "prefill-0-3");
+    EXPECT_EQ(req.at("engine_id"), "prefill-0");
+    EXPECT_EQ(req.at("block_ids"), json({5, 2, 9}));
+    EXPECT_EQ(req.at("first_token"), 0);
+    EXPECT_EQ(req.at("num_tokens"), 10);
+    EXPECT_EQ(req.at("layout"),
+              json({{"model", "fake"}, {"layers", 3}, {"block_size", 4}, {"token_bytes", 8}}));
+    send_accept(conn);
+    for (uint32_t l = 0; l < 3; ++l)
+      send_bytes(conn, KvFrameType::kLayer, layer_payload(l, layer_data(int(l)), l != 1));
+    send_text(conn, KvFrameType::kDone, "{}");
+  });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-3", 0, 10, local_)));
+  ASSERT_TRUE(r.ok) << r.error;
+  // Check what landed where: layer l's 80 bytes fill blocks 1 and 7 and half of block 3.
+  for (int64_t l = 0; l < 3; ++l) {
+    const auto d = layer_data(int(l));
+    const auto b1 = decode_exec_.block(1, l), b7 = decode_exec_.block(7, l),
+               b3 = decode_exec_.block(3, l);
+    EXPECT_TRUE(std::equal(b1.begin(), b1.end(), d.begin()));
+    EXPECT_TRUE(std::equal(b7.begin(), b7.end(), d.begin() + 32));
+    EXPECT_TRUE(std::equal(b3.begin(), b3.begin() + 16, d.begin() + 64));
+    EXPECT_TRUE(
+        std::all_of(b3.begin() + 16, b3.end(), [](std::byte x) { return x == kUntouched; }));
+  }
+}
+
+TEST_F(KvTransferAgents, AWrongChecksumIsDetectedBeforeAnythingIsWritten) {
+  start();
+  FakePrefill fake([&](KvConnection& conn, const json&) {
+    send_accept(conn);
+    send_bytes(conn, KvFrameType::kLayer, layer_payload(0, layer_data(0), true, true));
+    send_text(conn, KvFrameType::kDone, "{}");
+  });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("layer 0: checksum mismatch"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_TRUE(decode_exec_.data() == FakeExecutor().data());
+}
+
+TEST_F(KvTransferAgents, APrefillThatHangsUpMidTransferFailsTheFetch) {
+  start();
+  FakePrefill fake([&](KvConnection& conn, const json&) {
+    send_accept(conn);
+    send_bytes(conn, KvFrameType::kLayer, layer_payload(0, layer_data(0), true));
+    // ...and the connection closes.
+  });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("connection closed by peer"));
+  EXPECT_THAT(r.error, HasSubstr("KV transfer from the prefill engine at 127.0.0.1:" +
+                                 std::to_string(fake.port()) + " failed"));
+  // Layer 0's tokens were written, nothing beyond them.
+  const auto d = layer_data(0);
+  FakeExecutor expected;
+  std::memcpy(expected.block(1, 0).data(), d.data(), 32);
+  std::memcpy(expected.block(7, 0).data(), d.data() + 32, 32);
+  std::memcpy(expected.block(3, 0).data(), d.data() + 64, 16);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+}
+
+TEST_F(KvTransferAgents, MalformedLayerFramesAreRejected) {
+  start();
+  struct Case {
+    const char* what;
+    std::function<void(KvConnection&)> send;
+    const char* error;
+  };
+  const std::vector<Case> cases = {
+      {"layers out of order",
+       [](KvConnection& c) {
+         send_bytes(c, KvFrameType::kLayer, layer_payload(1, layer_data(0), true));
+       },
+       "expected layer 0, got 1"},
+      {"a short layer",
+       [](KvConnection& c) {
+         auto d = layer_data(0);
+         d.resize(72);
+         send_bytes(c, KvFrameType::kLayer, layer_payload(0, d, true));
+       },
+       "expected a layer frame of 96 bytes"},
+      {"a layer larger than asked for",
+       [](KvConnection& c) {
+         auto d = layer_data(0);
+         d.resize(88);
+         send_bytes(c, KvFrameType::kLayer, layer_payload(0, d, true));
+       },
+       "exceeds the limit of 96"},
+      {"an error instead of a layer",
+       [](KvConnection& c) {
+         send_text(c, KvFrameType::kError, R"({"message":"prefill engine overloaded"})");
+       },
+       "prefill engine overloaded"},
+      {"done before the layers", [](KvConnection& c) { send_text(c, KvFrameType::kDone, "{}"); },
+       "expected a layer frame"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    FakePrefill fake([&](KvConnection& conn, const json&) {
+      send_accept(conn);
+      c.send(conn);
+    });
+    port_override_ = fake.port();
+    const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+    EXPECT_FALSE(r.ok);
+    EXPECT_THAT(r.error, HasSubstr(c.error));
+  }
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+}  // namespace
+}  // namespace tandem::engine
