@@ -632,8 +632,9 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     if (accept.type == KvFrameType::kError)
       throw Error(get_field<std::string>(parse_control(accept, "error"), "message"));
     if (accept.type != KvFrameType::kAccept) throw Error("expected an accept frame");
+    KvFrame frame;  // one buffer for every layer
     for (int64_t layer = 0; layer < layout_.layers; ++layer) {
-      KvFrame frame = conn->receive(kLayerHeader + layer_bytes);
+      frame.type = conn->receive(frame.payload, kLayerHeader + layer_bytes);
       if (frame.type == KvFrameType::kError)
         throw Error(get_field<std::string>(parse_control(frame, "error"), "message"));
       if (frame.type != KvFrameType::kLayer || frame.payload.size() != kLayerHeader + layer_bytes)

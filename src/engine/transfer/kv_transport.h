@@ -35,7 +35,13 @@ class KvConnection {
   // Sends one frame whose payload is the concatenation of `parts` (gathered, not copied).
   virtual void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) = 0;
   // The next frame. A payload over `max_payload` bytes is an error (hostile or corrupt peer).
-  virtual KvFrame receive(size_t max_payload) = 0;
+  // `payload` is reused: a caller receiving many large frames keeps one buffer.
+  virtual KvFrameType receive(std::vector<std::byte>& payload, size_t max_payload) = 0;
+  KvFrame receive(size_t max_payload) {
+    KvFrame f;
+    f.type = receive(f.payload, max_payload);
+    return f;
+  }
   // Thread-safe: makes blocked and later send/receive calls fail promptly.
   virtual void shutdown() = 0;
   virtual std::string peer() const = 0;

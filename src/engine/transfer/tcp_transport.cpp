@@ -70,10 +70,9 @@ class TcpConnection : public KvConnection {
     run([&](auto done) { asio::async_write(socket_, buffers, done); }, "sending");
   }
 
-  KvFrame receive(size_t max_payload) override {
+  KvFrameType receive(std::vector<std::byte>& payload, size_t max_payload) override {
     std::array<std::byte, kHeaderBytes> header{};
     run([&](auto done) { asio::async_read(socket_, asio::buffer(header), done); }, "receiving");
-    KvFrame frame;
     const uint64_t type = get_le(header.data(), 4);
     const uint64_t size = get_le(header.data() + 8, 8);
     if (type < 1 || type > 6 || get_le(header.data() + 4, 4) != 0)
@@ -82,12 +81,10 @@ class TcpConnection : public KvConnection {
     if (size > max_payload)
       throw Error("KV transfer from " + peer_ + ": frame of " + std::to_string(size) +
                   " bytes exceeds the limit of " + std::to_string(max_payload));
-    frame.type = static_cast<KvFrameType>(type);
-    frame.payload.resize(size);
+    payload.resize(size);
     if (size > 0)
-      run([&](auto done) { asio::async_read(socket_, asio::buffer(frame.payload), done); },
-          "receiving");
-    return frame;
+      run([&](auto done) { asio::async_read(socket_, asio::buffer(payload), done); }, "receiving");
+    return static_cast<KvFrameType>(type);
   }
 
   void shutdown() override {

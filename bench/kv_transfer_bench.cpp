@@ -1,0 +1,256 @@
+// KV transfer benchmark, two parts:
+//
+//  transport  Two KvTransferAgents in this process over loopback TCP, with DeepSeek-V3's cache
+//             layout (61 layers x 1,152 bytes per token, blocks of 16): a prefill holds a prompt's
+//             blocks, a decode pulls them. Throughput (GB/s) per prompt length, next to the
+//             reference measured in the same run: the same bytes through a plain loopback TCP
+//             socket pair (blocking write/read of one buffer per layer, no protocol).
+//  serving    With --single-port/--prefill-port/--decode-port (engines started by
+//             bench/kv_transfer.sh): request latency of a single engine versus the sequential and
+//             the parallel P/D flows, per prompt length: the latency disaggregation adds.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+#include <nlohmann/json.hpp>
+
+#include "engine/transfer/kv_transfer.h"
+#include "net/http_client.h"
+
+namespace {
+
+using namespace tandem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+constexpr int64_t kLayers = 61, kTokenBytes = 1152, kBlock = 16;
+
+// A cache in memory with DeepSeek-V3's layout (what the GPU engine would expose).
+class MemoryExecutor : public engine::Executor {
+ public:
+  explicit MemoryExecutor(int64_t blocks) : data_(size_t(blocks * kLayers * kBlock * kTokenBytes)) {
+    info_.num_blocks = blocks;
+    info_.block_size = kBlock;
+    info_.model_name = "bench";
+    info_.kv_layout = {"bench-deepseek-v3", kLayers, kBlock, kTokenBytes};
+    for (size_t i = 0; i < data_.size(); i += 4096) data_[i] = std::byte(i);
+  }
+  const engine::ExecutorInfo& info() const override { return info_; }
+  engine::ExecResult execute(std::span<const engine::ExecItem>, const engine::LayerHook&) override {
+    return {};
+  }
+  const std::byte* kv_bytes(int32_t block, int64_t layer) const override {
+    return data_.data() + at(block, layer);
+  }
+  void write_kv(int32_t block, int64_t layer, std::span<const std::byte> b) override {
+    std::memcpy(data_.data() + at(block, layer), b.data(), b.size());
+  }
+
+ private:
+  size_t at(int32_t block, int64_t layer) const {
+    return size_t((block * kLayers + layer) * kBlock * kTokenBytes);
+  }
+  engine::ExecutorInfo info_;
+  std::vector<std::byte> data_;
+};
+
+// Runs posted tasks on the calling thread (the agents' "engine thread").
+struct TaskQueue {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> q;
+  void post(std::function<void()> t) {
+    std::lock_guard l(m);
+    q.push_back(std::move(t));
+    cv.notify_all();
+  }
+  void run_until(const std::function<bool()>& done) {
+    std::unique_lock l(m);
+    while (!done()) {
+      cv.wait(l, [&] { return !q.empty(); });
+      auto t = std::move(q.front());
+      q.pop_front();
+      l.unlock();
+      t();
+      l.lock();
+    }
+  }
+};
+
+// The reference: `bytes` through a loopback TCP connection, `layers` writes of equal size.
+double raw_tcp_seconds(size_t bytes, int layers) {
+  namespace asio = boost::asio;
+  using tcp = asio::ip::tcp;
+  asio::io_context ctx;
+  tcp::acceptor acceptor(ctx, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  const auto port = acceptor.local_endpoint().port();
+  const size_t chunk = bytes / size_t(layers);
+  std::vector<char> out(chunk, 'x');
+  std::thread sender([&] {
+    asio::io_context c2;
+    tcp::socket s(c2);
+    s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+    s.set_option(tcp::no_delay(true));
+    for (int i = 0; i < layers; ++i) asio::write(s, asio::buffer(out));
+  });
+  tcp::socket r = acceptor.accept();
+  std::vector<char> in(chunk);
+  const auto t0 = Clock::now();
+  for (int i = 0; i < layers; ++i) asio::read(r, asio::buffer(in));
+  const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+  sender.join();
+  return s;
+}
+
+void transport_part(const std::vector<int64_t>& lengths, int repeats) {
+  const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
+  const int64_t blocks = (max_len + kBlock - 1) / kBlock + 1;
+  MemoryExecutor prefill_exec(blocks), decode_exec(blocks);
+  TaskQueue tasks;
+  metrics::Registry reg_p, reg_d;
+  engine::KvTransferConfig pc;
+  pc.listen_host = "127.0.0.1";
+  pc.port = 0;
+  pc.advertise_host = "127.0.0.1";
+  pc.checksum = false;
+  engine::KvTransferConfig dc = pc;
+  dc.port = -1;
+  auto post = [&](std::function<void()> t) { tasks.post(std::move(t)); };
+  engine::KvTransferAgent prefill(pc, prefill_exec, engine::make_tcp_transport(), reg_p, post);
+  engine::KvTransferAgent decode(dc, decode_exec, engine::make_tcp_transport(), reg_d, post);
+  std::printf("KV transfer over loopback TCP, DeepSeek-V3 layout (61 layers x 1152 B/token)\n");
+  std::printf("%8s %12s %12s %12s %12s %8s\n", "prompt", "bytes", "transfer ms", "GB/s",
+              "raw TCP GB/s", "ratio");
+  for (int64_t len : lengths) {
+    std::vector<int32_t> ids;
+    for (int64_t b = 0; b < (len + kBlock - 1) / kBlock; ++b) ids.push_back(int32_t(b));
+    double best = 1e30, best_raw = 1e30;
+    const size_t bytes = size_t((len - 1) * kLayers * kTokenBytes);
+    for (int r = 0; r < repeats; ++r) {
+      const std::string id = prefill.hold(ids, len, [] {});
+      engine::KvFetch f;
+      f.request_id = "bench";
+      f.host = "127.0.0.1";
+      f.port = prefill.port();
+      f.engine_id = prefill.config().engine_id;
+      f.transfer_id = id;
+      f.remote_blocks = ids;
+      f.prompt_tokens = len;
+      f.num_tokens = len - 1;
+      f.local_blocks.assign(ids.begin(), ids.begin() + (len - 1 + kBlock - 1) / kBlock);
+      bool done = false;
+      std::string error;
+      const auto t0 = Clock::now();
+      decode.fetch(f, [&](const engine::KvFetchResult& res) {
+        done = true;
+        if (!res.ok) error = res.error;
+      });
+      tasks.run_until([&] { return done; });
+      best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+      if (!error.empty()) {
+        std::fprintf(stderr, "transfer failed: %s\n", error.c_str());
+        return;
+      }
+      best_raw = std::min(best_raw, raw_tcp_seconds(bytes, int(kLayers)));
+    }
+    const double gbs = double(bytes) / best / 1e9, raw = double(bytes) / best_raw / 1e9;
+    std::printf("%8lld %12zu %12.2f %12.2f %12.2f %7.0f%%\n", static_cast<long long>(len), bytes,
+                best * 1e3, gbs, raw, 100 * gbs / raw);
+  }
+}
+
+double timed_post(uint16_t port, const json& body) {
+  const auto t0 = Clock::now();
+  auto r = net::http_request("127.0.0.1", port, "POST", "/v1/completions", body.dump());
+  if (r.status != 200) throw Error("request failed: " + r.body);
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+void serving_part(uint16_t single, uint16_t prefill, uint16_t decode, uint16_t kv_port,
+                  const std::vector<int64_t>& lengths, int repeats) {
+  std::printf("\nRequest latency (max_tokens 2), simulated engines with zero compute time\n");
+  std::printf("%8s %12s %14s %14s %14s %14s\n", "prompt", "single ms", "sequential ms", "added ms",
+              "parallel ms", "added ms");
+  uint64_t room = 1;
+  int salt = 0;
+  for (int64_t len : lengths) {
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    std::vector<double> one, seq, par;
+    for (int r = 0; r < repeats; ++r) {
+      std::vector<int32_t> prompt;
+      ++salt;
+      for (int64_t i = 0; i < len; ++i)
+        prompt.push_back(int32_t(1000 + (i * 31 + salt * 7) % 9000));
+      json body = {{"prompt", prompt}, {"max_tokens", 2}};
+      one.push_back(timed_post(single, body));
+      // Sequential: prefill leg, then the decode leg with the prefill's kv_transfer_params.
+      prompt[0] = 2 + salt % 100;
+      body["prompt"] = prompt;
+      const auto t0 = Clock::now();
+      json pre = body;
+      pre["max_tokens"] = 1;
+      pre["kv_transfer_params"] = {{"do_remote_decode", true}};
+      auto pr = net::http_request("127.0.0.1", prefill, "POST", "/v1/completions", pre.dump());
+      json dec = body;
+      dec["kv_transfer_params"] = json::parse(pr.body)["kv_transfer_params"];
+      timed_post(decode, dec);
+      seq.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      // Parallel: both legs at once with a bootstrap room.
+      prompt[0] = 200 + salt % 100;
+      body["prompt"] = prompt;
+      body["bootstrap_host"] = "127.0.0.1";
+      body["bootstrap_port"] = kv_port;
+      body["bootstrap_room"] = room++;
+      const auto t1 = Clock::now();
+      auto p = std::async(std::launch::async, [&] { return timed_post(prefill, body); });
+      timed_post(decode, body);
+      p.get();
+      par.push_back(std::chrono::duration<double>(Clock::now() - t1).count());
+    }
+    const double s = median(one) * 1e3, q = median(seq) * 1e3, p = median(par) * 1e3;
+    std::printf("%8lld %12.2f %14.2f %14.2f %14.2f %14.2f\n", static_cast<long long>(len), s, q,
+                q - s, p, p - s);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("Tandem KV transfer benchmark");
+  std::vector<int64_t> lengths = {256, 1024, 4096, 8192};
+  int repeats = 5;
+  int single = 0, prefill = 0, decode = 0, kv_port = 0;
+  app.add_option("--lengths", lengths, "prompt lengths (tokens)")->delimiter(',');
+  app.add_option("--repeats", repeats, "runs per length (best / median reported)");
+  app.add_option("--single-port", single, "a --role both engine (serving part)");
+  app.add_option("--prefill-port", prefill, "a --role prefill engine (serving part)");
+  app.add_option("--decode-port", decode, "a --role decode engine (serving part)");
+  app.add_option("--kv-port", kv_port, "the prefill engine's KV transfer port (serving part)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    transport_part(lengths, repeats);
+    if (single && prefill && decode && kv_port)
+      serving_part(uint16_t(single), uint16_t(prefill), uint16_t(decode), uint16_t(kv_port),
+                   lengths, repeats);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
