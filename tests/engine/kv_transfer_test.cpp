@@ -147,6 +147,15 @@ TEST(KvTransport, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
   EXPECT_EQ(f.type, KvFrameType::kLayer);
   EXPECT_TRUE(f.payload == big);
 
+  // One buffer reused for several frames takes each frame's size.
+  send_text(*p->server, KvFrameType::kAccept, "{\"layers\":3}");
+  send_text(*p->server, KvFrameType::kDone, "");
+  std::vector<std::byte> buffer(big.size(), std::byte{1});
+  EXPECT_EQ(p->client->receive(buffer, 1024), KvFrameType::kAccept);
+  EXPECT_EQ(text_of(buffer), "{\"layers\":3}");
+  EXPECT_EQ(p->client->receive(buffer, 1024), KvFrameType::kDone);
+  EXPECT_TRUE(buffer.empty());
+
   EXPECT_THAT(p->client->peer(), HasSubstr("127.0.0.1:" + std::to_string(p->listener->port())));
   EXPECT_THAT(p->server->peer(), HasSubstr("127.0.0.1:"));
 }
@@ -277,6 +286,14 @@ class FakeExecutor : public Executor {
     throw Error("FakeExecutor::execute: KV transfer never runs a step");
   }
   const std::byte* kv_bytes(int32_t block, int64_t layer) const override {
+    std::unique_lock lock(mutex_);
+    if (gate_closed_) {
+      // A reader stuck mid-transfer, for tests that need a transfer in progress.
+      ++waiting_at_gate_;
+      written_.notify_all();
+      written_.wait_for(lock, kHangGuard, [&] { return !gate_closed_; });
+      --waiting_at_gate_;
+    }
     return data_.data() + offset(block, layer);
   }
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override {
@@ -336,6 +353,23 @@ class FakeExecutor : public Executor {
     return writes_[size_t(layer)];
   }
 
+  // While closed, kv_bytes() blocks: a sender stays in the middle of its transfer.
+  void close_gate() {
+    std::lock_guard lock(mutex_);
+    gate_closed_ = true;
+  }
+  void open_gate() {
+    {
+      std::lock_guard lock(mutex_);
+      gate_closed_ = false;
+    }
+    written_.notify_all();
+  }
+  bool wait_for_reader_at_gate() {
+    std::unique_lock lock(mutex_);
+    return written_.wait_for(lock, kHangGuard, [&] { return waiting_at_gate_ > 0; });
+  }
+
  private:
   size_t offset(int32_t block, int64_t layer) const {
     if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers) {
@@ -350,8 +384,10 @@ class FakeExecutor : public Executor {
   size_t block_bytes_ = 0;
   std::vector<std::byte> data_;
   mutable std::mutex mutex_;
-  std::condition_variable written_;
+  mutable std::condition_variable written_;
   std::vector<int64_t> writes_;
+  bool gate_closed_ = false;
+  mutable int64_t waiting_at_gate_ = 0;
 };
 
 // The engine thread of these tests: the agents post here, the test thread runs the tasks.
@@ -386,6 +422,17 @@ class TaskQueue {
       if (task) task();
     }
     return true;
+  }
+
+  // Runs the tasks posted so far.
+  void run_pending() {
+    std::deque<KvTransferAgent::Task> tasks;
+    {
+      std::lock_guard lock(mutex_);
+      tasks.swap(tasks_);
+    }
+    for (auto& t : tasks)
+      if (t) t();
   }
 
  private:
@@ -725,6 +772,78 @@ TEST_F(KvTransferAgents, CancelFetchEndsAWaitingFetch) {
   EXPECT_EQ(decode_exec_.writes(), 0);
 }
 
+TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
+  start(0.3);
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  prefill_exec_.close_gate();
+  Outcome first = fetch(pull(id, 0, 10, local_, "req-first"));
+  ASSERT_TRUE(prefill_exec_.wait_for_reader_at_gate());  // the first pull is sending layer 0
+
+  const KvFetchResult second = wait(fetch(pull(id, 0, 10, {10, 11, 12}, "req-second")));
+  EXPECT_FALSE(second.ok);
+  EXPECT_THAT(second.error, HasSubstr("is being pulled by another connection"));
+
+  // Past the hold's timeout (the reaper looks every 50 ms): a hold in transfer stays.
+  std::this_thread::sleep_for(450ms);
+  queue_.run_pending();
+  EXPECT_FALSE(released);
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+
+  prefill_exec_.open_gate();
+  const KvFetchResult r = wait(first);
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 0);
+}
+
+TEST_F(KvTransferAgents, CancelFetchEndsATransferInProgress) {
+  start();
+  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [] {});
+  prefill_exec_.close_gate();
+  Outcome o = fetch(pull(id, 0, 10, local_, "req-x"));
+  ASSERT_TRUE(prefill_exec_.wait_for_reader_at_gate());
+  decode_->cancel_fetch("req-x");
+  const KvFetchResult r = wait(o);
+  prefill_exec_.open_gate();
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("shut down"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+TEST_F(KvTransferAgents, ShuttingDownTheDecodeEngineEndsItsFetches) {
+  start();
+  Outcome o = fetch(enter_room(33, local_, "req-33"));  // waits for a prefill leg (5 s)
+  decode_.reset();
+  const KvFetchResult r = wait(o);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, AnyOf(HasSubstr("cancelled"), HasSubstr("shut down")));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+TEST_F(KvTransferAgents, ShuttingDownThePrefillEngineFailsARegisteredDecode) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(34, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(34, remote_);
+  Outcome a = fetch(enter_room(34, local_, "req-a"));
+  Outcome b = fetch(enter_room(34, {10, 11, 12}, "req-b"));
+  ASSERT_TRUE(queue_.run_until([&] { return a->has_value() || b->has_value(); }));
+  ASSERT_NE(a->has_value(), b->has_value());  // the other one is registered now
+  prefill_.reset();
+  const KvFetchResult r = wait(a->has_value() ? b : a);
+  EXPECT_FALSE(r.ok);
+  // Either the server's "shutting down" or the closed connection, whichever comes first.
+  EXPECT_THAT(r.error, AnyOf(HasSubstr("shutting down"), HasSubstr("connection closed")));
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_THAT(done.error, HasSubstr("shutting down"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
 // ------------------------------------------------------------------------------- rooms
 
 TEST_F(KvTransferAgents, RoomOpenedFirstStreamsEachLayerAsItCompletes) {
@@ -891,6 +1010,64 @@ TEST_F(KvTransferAgents, ACompletedRoomNobodyRegistersExpires) {
   EXPECT_FALSE(done.ok);
   EXPECT_THAT(done.error, HasSubstr("no decode engine registered bootstrap_room 78"));
   EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
+  start();
+  FakeExecutor other(KvLayout{"fake", 3, 8, 8});
+  metrics::Registry registry;
+  auto agent = make_decode(other, registry);
+
+  // The prefill leg first: it fails as soon as the mismatched decode registers.
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(60, kv_prompt_hash(prompt_), 11, room_done(done)));
+  KvFetchResult r = wait(fetch(*agent, enter_room(60, {1, 2}, "req-60")));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("block_size mismatch"));
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_THAT(done.error, HasSubstr("block_size mismatch"));
+
+  // The decode leg first: the prefill leg that arrives later is refused with the reason.
+  r = wait(fetch(*agent, enter_room(61, {1, 2}, "req-61")));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("block_size mismatch"));
+  RoomOutcome late;
+  try {
+    prefill_->open_room(61, kv_prompt_hash(prompt_), 11, room_done(late));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg was refused";
+  } catch (const KvTransferError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("block_size mismatch"));
+  }
+  // Refused once; the room number is free again afterwards.
+  RoomOutcome again;
+  EXPECT_TRUE(prefill_->open_room(61, kv_prompt_hash(prompt_), 11, room_done(again)));
+  prefill_->room_failed(61, "test over");
+  ASSERT_TRUE(queue_.run_until([&] { return again.called; }));
+  EXPECT_FALSE(late.called);
+  EXPECT_EQ(other.writes(), 0);
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+// DISABLED: shows a gap in src/engine/transfer/kv_transfer.cpp. When the prefill leg of a room
+// fails (room_failed) before its decode engine registered, the room is simply erased, so the
+// decode engine that registers afterwards waits the whole timeout for a new prefill leg and
+// then fails with "no prefill request with bootstrap_room N arrived within T s" instead of the
+// reason (default timeout 120 s, holding its reserved KV blocks all that time). The mirror case
+// (decode refused first, prefill late) keeps a failed room for the late leg since db95aea; this
+// one needs the same. Enable once room_failed keeps the reason for a late registration.
+TEST_F(KvTransferAgents, DISABLED_RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode) {
+  start(1.0);  // bounds the wait when the reason is lost
+  RoomOutcome done;
+  ASSERT_TRUE(prefill_->open_room(62, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(62, remote_);
+  prefill_->room_failed(62, "the prefill request ended: aborted by the client");
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+
+  const KvFetchResult r = wait(fetch(enter_room(62, local_, "req-62")));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("aborted by the client"));
 }
 
 // ------------------------------------------------------------------------------- fake prefill
