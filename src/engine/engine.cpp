@@ -176,25 +176,12 @@ void Engine::submit(EngineRequest request) {
     throw Error("this engine was started without KV transfer (--role both/prefill/decode)");
   if (kt.prefill() && !agent_->serving())
     throw Error("this engine has no KV transfer server, so it cannot serve prefill legs");
-  // Claimed outside mutex_: the agent posts into the engine while holding its own lock.
-  const bool room = kt.mode == KvTransferSpec::Mode::kPrefillForRoom;
-  if (room) {
-    const std::string id = request.id;
-    if (!agent_->open_room(
-            kt.room, kv_prompt_hash(request.prompt), static_cast<int64_t>(request.prompt.size()),
-            [this, id](bool ok, const std::string& error) { on_room_done(id, ok, error); }))
-      throw Error("bootstrap_room " + std::to_string(kt.room) +
-                  " is already in use by another prefill request on this engine");
-  }
-  try {
+  {
     std::lock_guard lock(mutex_);
     if (stopping_) throw Error("the engine is shutting down");
     if (!live_ids_.insert(request.id).second)
       throw Error("request id '" + request.id + "' is already in use");
     incoming_.push_back(std::move(request));
-  } catch (const Error& e) {
-    if (room) agent_->room_failed(kt.room, e.what());
-    throw;
   }
   wake_.notify_one();
 }
@@ -278,7 +265,32 @@ void Engine::admit_incoming() {
     seq->request = std::move(r);
     Sequence* raw = seq.get();
     sequences_[raw->request.id] = std::move(seq);
-    if (raw->request.kv_transfer.decode()) {
+    const KvTransferSpec& kt = raw->request.kv_transfer;
+    if (kt.mode == KvTransferSpec::Mode::kPrefillForRoom) {
+      // Claimed here, on the engine thread, so that the room's outcome (posted to this thread)
+      // always finds the sequence.
+      int status = 0;
+      std::string error;
+      try {
+        const std::string id = raw->request.id;
+        if (!agent_->open_room(
+                kt.room, kv_prompt_hash(raw->prompt()), raw->num_prompt,
+                [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); })) {
+          status = 400;
+          error = "bootstrap_room " + std::to_string(kt.room) +
+                  " is already in use by another prefill request on this engine";
+        }
+      } catch (const KvTransferError& e) {
+        status = 502;
+        error = e.what();
+      }
+      if (status != 0) {
+        raw->room_closed = true;
+        finish(raw, "error", error, false, status);
+        continue;
+      }
+    }
+    if (kt.decode()) {
       raw->awaiting_kv = true;
       awaiting_kv_.push_back(raw);
     } else {

@@ -24,7 +24,7 @@ inline nlohmann::json get_json(uint16_t port, const std::string& target) {
 inline net::HttpClientResponse post_json(uint16_t port, const std::string& target,
                                          const nlohmann::json& body) {
   return net::http_request("127.0.0.1", port, "POST", target, body.dump(), {},
-                           std::chrono::seconds(300));
+                           std::chrono::seconds(60));
 }
 
 // The value of the first sample of `name` (with any labels) whose line contains `labels`.

@@ -268,7 +268,9 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
   testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
                                  "127.0.0.1", "--port", "0", "--block-size", "4", "--num-kv-blocks",
                                  "10", "--kv-events-config", config});
-  const std::string line = engine.next_line();
+  std::string line = engine.next_line();  // after the role line
+  while (!line.empty() && line.find("KV events on ") == std::string::npos)
+    line = engine.next_line();
   const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
   ASSERT_NE(on, std::string::npos) << line;
   const std::string replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);

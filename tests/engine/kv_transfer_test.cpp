@@ -1086,6 +1086,8 @@ class FakePrefill {
         const KvFrame f = conn->receive(1 << 20);
         EXPECT_EQ(f.type, KvFrameType::kPull);
         script(*conn, json::parse(text_of(f.payload)));
+      } catch (const Error&) {
+        // A send after the decode side gave up (what these tests provoke): not a failure.
       } catch (const std::exception& e) {
         ADD_FAILURE() << "fake prefill: " << e.what();
       }

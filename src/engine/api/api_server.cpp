@@ -268,7 +268,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
         ex->write(net::kSseDone);
         ex->end();
       } else {
-        ex->send_error(dynamic_cast<const KvTransferError*>(&e) ? 502 : 400, e.what());
+        ex->send_error(400, e.what());
       }
       return;
     }

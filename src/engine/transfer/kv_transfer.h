@@ -105,7 +105,7 @@ class KvTransferAgent {
   // transfer id. `release` is posted once, when the blocks may be freed (pulled or expired).
   std::string hold(std::vector<int32_t> blocks, int64_t num_tokens, Task release);
 
-  // --- prefill side, parallel. open_room (any thread, at submission) claims the room for a
+  // --- prefill side, parallel. open_room (engine thread, at admission) claims the room for a
   // prefill request; false when the room is already claimed by another one. Once it returned
   // true, `done` is posted exactly once: ok after the decode engine received everything, else
   // with the reason; the engine keeps the request's blocks until then. Throws KvTransferError
