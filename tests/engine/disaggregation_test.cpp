@@ -381,7 +381,9 @@ TEST_F(Disaggregation, MismatchedBlockSizeIsRefusedOnBothLegs) {
 
 TEST_F(Disaggregation, ARoomMissingOneLegFailsTheOtherWithinTheTimeout) {
   Engine p = start("prefill", {"--kv-transfer-timeout", "1"});
-  Engine d = start("decode", {"--kv-transfer-timeout", "1"});
+  // The decode engine waits longer than the prefill engine: each leg's error then comes from
+  // the engine that saw the other leg missing.
+  Engine d = start("decode", {"--kv-transfer-timeout", "3"});
   json body = {{"prompt", tokens(30, 800)},
                {"max_tokens", 4},
                {"bootstrap_host", "127.0.0.1"},

@@ -1049,14 +1049,9 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
   EXPECT_EQ(prefill_->held_blocks(), 0);
 }
 
-// DISABLED: shows a gap in src/engine/transfer/kv_transfer.cpp. When the prefill leg of a room
-// fails (room_failed) before its decode engine registered, the room is simply erased, so the
-// decode engine that registers afterwards waits the whole timeout for a new prefill leg and
-// then fails with "no prefill request with bootstrap_room N arrived within T s" instead of the
-// reason (default timeout 120 s, holding its reserved KV blocks all that time). The mirror case
-// (decode refused first, prefill late) keeps a failed room for the late leg since db95aea; this
-// one needs the same. Enable once room_failed keeps the reason for a late registration.
-TEST_F(KvTransferAgents, DISABLED_RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode) {
+// When the prefill leg of a room fails before its decode engine registered, the room keeps the
+// reason (until the timeout) so a late registration fails at once with it.
+TEST_F(KvTransferAgents, RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode) {
   start(1.0);  // bounds the wait when the reason is lost
   RoomOutcome done;
   ASSERT_TRUE(prefill_->open_room(62, kv_prompt_hash(prompt_), 11, room_done(done)));

@@ -81,6 +81,12 @@ T get_field(const json& j, const char* name) {
   }
 }
 
+std::string seconds_text(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", s);
+  return buf;
+}
+
 std::string hex64(uint64_t v) {
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
@@ -116,6 +122,8 @@ struct KvTransferAgent::Room {
   bool registered = false;
   // Either side gave up; the other one learns it from here.
   bool failed = false;
+  bool refuses_prefill = false;  // a marker left by a refused decode engine (else a late
+                                 // prefill leg may claim the room afresh)
   std::string error;
   Clock::time_point deadline;
 };
@@ -239,10 +247,12 @@ bool KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t pro
     r = std::make_unique<Room>();
   } else if (r->has_prefill) {
     return false;
-  } else if (r->failed && !r->registered) {
+  } else if (r->failed && !r->registered && r->refuses_prefill) {
     const std::string error = r->error;
     rooms_.erase(room);
     throw KvTransferError(error);
+  } else if (r->failed && !r->registered) {
+    r = std::make_unique<Room>();  // a marker for a late decode engine: start afresh
   }
   r->has_prefill = true;
   r->prompt_hash = prompt_hash;
@@ -293,6 +303,15 @@ void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& err
   std::unique_ptr<Room> r = std::move(it->second);
   rooms_.erase(it);
   if (r->has_prefill && r->done) post_([done = std::move(r->done), ok, error] { done(ok, error); });
+  if (!ok && r->has_prefill && !r->registered) {
+    // A decode engine that registers later learns why at once instead of waiting out its
+    // timeout; the marker itself expires after one.
+    auto marker = std::make_unique<Room>();
+    marker->failed = true;
+    marker->error = error;
+    marker->deadline = deadline();
+    rooms_[room] = std::move(marker);
+  }
 }
 
 void KvTransferAgent::reap_loop() {
@@ -319,7 +338,7 @@ void KvTransferAgent::reap_loop() {
     for (auto id : expired)
       finish_room(id, false,
                   "no decode engine registered bootstrap_room " + std::to_string(id) + " within " +
-                      std::to_string(config_.timeout_s) + " s");
+                      seconds_text(config_.timeout_s) + " s");
   }
   // Shutting down: everything held goes back to the engine.
   for (auto& [id, h] : held_) post_(std::move(h->release));
@@ -417,7 +436,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
       } else if (it == held_.end()) {
         problem = "unknown transfer '" + id +
                   "' (never held here, already pulled, or expired after " +
-                  std::to_string(config_.timeout_s) + " s)";
+                  seconds_text(config_.timeout_s) + " s)";
       } else if (it->second->pulling) {
         problem = "transfer '" + id + "' is being pulled by another connection";
       } else if (first < 0 || first % layout_.block_size != 0 || num < first ||
@@ -488,6 +507,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     } else if (it == rooms_.end()) {
       auto r = std::make_unique<Room>();
       r->failed = true;
+      r->refuses_prefill = true;
       r->error = problem;
       r->deadline = deadline();
       rooms_[room] = std::move(r);
@@ -558,9 +578,9 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     if (Clock::now() >= r->deadline) {
       failure = r->has_prefill
                     ? "the prefill of bootstrap_room " + std::to_string(room) +
-                          " did not complete within " + std::to_string(config_.timeout_s) + " s"
+                          " did not complete within " + seconds_text(config_.timeout_s) + " s"
                     : "no prefill request with bootstrap_room " + std::to_string(room) +
-                          " arrived within " + std::to_string(config_.timeout_s) + " s";
+                          " arrived within " + seconds_text(config_.timeout_s) + " s";
       break;
     }
     changed_.wait_until(lock, r->deadline);
@@ -627,6 +647,9 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     }
     const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
     const int64_t tokens = f.num_tokens - f.first_token;
+    if (tokens < 0 || int64_t(f.local_blocks.size()) * bs < tokens)
+      throw Error("the local block table does not cover tokens [" + std::to_string(f.first_token) +
+                  ", " + std::to_string(f.num_tokens) + ")");
     const size_t layer_bytes = size_t(tokens * tb);
     KvFrame accept = conn->receive(kControlLimit);
     if (accept.type == KvFrameType::kError)
