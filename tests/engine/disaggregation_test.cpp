@@ -158,6 +158,11 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
       text_of(parse(post_json(single.port(), "/v1/chat/completions", chat)));
   EXPECT_EQ(text_of(sequential(p, d, chat, "/v1/chat/completions")), want_chat);
   EXPECT_EQ(text_of(parallel(p, d, chat, ++room, "/v1/chat/completions")), want_chat);
+  // SGLang's own endpoint, as its router sends it: /generate with input_ids.
+  const json gen = {{"input_ids", tokens(40, 12345)},
+                    {"sampling_params", {{"max_new_tokens", 8}, {"temperature", 0}}}};
+  const json want_gen = parse(post_json(single.port(), "/generate", gen));
+  EXPECT_EQ(parallel(p, d, gen, ++room, "/generate")["output_ids"], want_gen["output_ids"]);
   json streamed = {{"prompt", "The quick brown fox jumps over the lazy dog and"},
                    {"max_tokens", 8},
                    {"temperature", 0}};

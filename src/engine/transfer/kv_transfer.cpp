@@ -418,9 +418,9 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
   std::string id;
   std::vector<int32_t> blocks;
   int64_t first = 0, num = 0;
+  std::string problem;
   {
     std::lock_guard lock(mutex_);
-    std::string problem;
     try {
       id = get_field<std::string>(req, "transfer_id");
       const auto engine = get_field<std::string>(req, "engine_id");
@@ -453,10 +453,10 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
     } catch (const Error& e) {
       problem = std::string("malformed pull request: ") + e.what();
     }
-    if (!problem.empty()) {
-      send_error(conn, problem);
-      return;
-    }
+  }
+  if (!problem.empty()) {
+    send_error(conn, problem);  // outside the lock: a slow peer must not stall the agent
+    return;
   }
   bool ok = false;
   try {
