@@ -140,7 +140,7 @@ void transport_part(const std::vector<int64_t>& lengths, int repeats) {
     double best = 1e30, best_raw = 1e30;
     const size_t bytes = size_t((len - 1) * kLayers * kTokenBytes);
     for (int r = 0; r < repeats; ++r) {
-      const std::string id = prefill.hold(ids, len, [] {});
+      const std::string id = prefill.hold(ids, 42, len, [] {});
       engine::KvFetch f;
       f.request_id = "bench";
       f.host = "127.0.0.1";
@@ -148,6 +148,7 @@ void transport_part(const std::vector<int64_t>& lengths, int repeats) {
       f.engine_id = prefill.config().engine_id;
       f.transfer_id = id;
       f.remote_blocks = ids;
+      f.prompt_hash = 42;  // what the hold was given: this bench moves bytes, not a prompt
       f.prompt_tokens = len;
       f.num_tokens = len - 1;
       f.local_blocks.assign(ids.begin(), ids.begin() + (len - 1 + kBlock - 1) / kBlock);

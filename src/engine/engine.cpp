@@ -124,8 +124,13 @@ void Engine::stop() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
-  // Transfers end first (their tasks are dropped): nothing touches the cache after this.
+  // Transfers end first (their tasks are dropped): nothing touches the cache after this, and
+  // nothing is left to wait for.
   agent_.reset();
+  for (auto& [id, seq] : sequences_) {
+    seq->fetching = false;
+    seq->room_closed = true;
+  }
   // Whatever never reached the loop, or was still in it, ends as aborted.
   std::vector<EngineRequest> left;
   {
@@ -171,7 +176,8 @@ void Engine::submit(EngineRequest request) {
     throw Error("prompt plus max_tokens (" + std::to_string(total) +
                 " tokens) exceeds the KV cache of this engine (" +
                 std::to_string(info.num_blocks * info.block_size) + " tokens)");
-  const KvTransferSpec& kt = request.kv_transfer;
+  KvTransferSpec& kt = request.kv_transfer;
+  if (kt.prefill()) request.sampling.max_tokens = 1;  // a prefill leg computes one token
   if (kt.mode != KvTransferSpec::Mode::kNone && !agent_)
     throw Error("this engine was started without KV transfer (--role both/prefill/decode)");
   if (kt.prefill() && !agent_->serving())
@@ -273,9 +279,10 @@ void Engine::admit_incoming() {
       std::string error;
       try {
         const std::string id = raw->request.id;
-        if (!agent_->open_room(
-                kt.room, kv_prompt_hash(raw->prompt()), raw->num_prompt,
-                [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); })) {
+        raw->room_claim = agent_->open_room(
+            kt.room, kv_prompt_hash(raw->prompt()), raw->num_prompt,
+            [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); });
+        if (raw->room_claim == 0) {
           status = 400;
           error = "bootstrap_room " + std::to_string(kt.room) +
                   " is already in use by another prefill request on this engine";
@@ -337,22 +344,24 @@ void Engine::step() {
   }
   // Prefills for a bootstrap room that complete their prompt in this step stream each layer to
   // the decode engine as soon as the forward pass has written it.
-  std::vector<uint64_t> rooms;
+  std::vector<std::pair<uint64_t, uint64_t>> rooms;  // (room, claim)
   for (const auto& s : out.scheduled)
     if (s.sample && s.seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom &&
-        s.seq->num_generated() == 0) {
-      rooms.push_back(s.seq->request.kv_transfer.room);
-      agent_->room_blocks(rooms.back(), kv_.block_table(s.seq->request.id));
+        s.seq->num_generated() == 0 && !s.seq->room_closed) {
+      rooms.emplace_back(s.seq->request.kv_transfer.room, s.seq->room_claim);
+      agent_->room_blocks(rooms.back().first, rooms.back().second,
+                          kv_.block_table(s.seq->request.id));
     }
   LayerHook on_layer;
   if (!rooms.empty())
     on_layer = [&](int64_t layers) {
-      for (auto r : rooms) agent_->room_layers_done(r, layers);
+      for (auto [r, claim] : rooms) agent_->room_layers_done(r, claim, layers);
     };
   ExecResult result;
   try {
     result = executor_->execute(items, on_layer);
-    for (auto r : rooms) agent_->room_layers_done(r, executor_->info().kv_layout.layers);
+    for (auto [r, claim] : rooms)
+      agent_->room_layers_done(r, claim, executor_->info().kv_layout.layers);
   } catch (const std::exception& e) {
     // A failed step fails the requests in it, not the engine.
     for (const auto& s : out.scheduled) finish(s.seq, "error", e.what());
@@ -395,7 +404,8 @@ void Engine::step() {
       // The prompt's blocks wait for the decode engine's pull (vLLM's request_finished).
       o.kv_blocks = kv_.block_table(seq->request.id);
       const std::string id = seq->request.id;
-      o.kv_transfer_id = agent_->hold(o.kv_blocks, seq->num_prompt, [this, id] { kv_.free(id); });
+      o.kv_transfer_id = agent_->hold(o.kv_blocks, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                                      [this, id] { kv_.free(id); });
       seq->kv_parked = true;
     }
     if (delta.finished && mode == KvTransferSpec::Mode::kPrefillForRoom && !seq->room_closed) {
@@ -417,7 +427,8 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   const KvTransferSpec& kt = seq->request.kv_transfer;
   if (kt.mode == KvTransferSpec::Mode::kPrefillForRoom && !seq->room_closed && !seq->kv_parked) {
     // The room's transfer may be reading these blocks: keep them until it reports back.
-    agent_->room_failed(kt.room, "the prefill request ended: " + (error.empty() ? reason : error));
+    agent_->room_failed(kt.room, seq->room_claim,
+                        "the prefill request ended: " + (error.empty() ? reason : error));
     parked_[seq->request.id] = {};
     seq->kv_parked = true;
   }
@@ -462,7 +473,9 @@ void Engine::start_fetches() {
     // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
     // runs, empty: it tells the prefill engine to let go of its blocks.
     const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
-    if (!kv_.allocate(id, need, hit)) {
+    // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
+    // needs a new block (a decode holding received KV must not wait behind a full cache).
+    if (!kv_.allocate(id, seq->num_prompt, hit)) {
       if (now - seq->arrival_time > config_.transfer->timeout_s) {
         finish(seq, "error",
                "no free KV blocks for the prompt's transfer within " +

@@ -329,6 +329,9 @@ TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
       {"remote_block_ids", {7, 8, 9, 10}, "remote_block_ids do not match"},
       {"remote_engine_id", "someone-else", "is not this prefill engine"},
       {"remote_port", 1, "cannot connect"},
+      // Another prompt than the one held: refused, or its KV would enter the decode engine's
+      // prefix cache under the wrong tokens.
+      {"prompt_token_ids", tokens(50, 301), "is not the prompt of transfer"},
   };
   for (const auto& c : cases) {
     json kv = params;
@@ -481,6 +484,60 @@ TEST_F(Disaggregation, PrefillDyingMidTransferFailsTheDecodeLegPromptly) {
   } catch (const std::exception&) {
   }
   expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, ADecodeCacheFullOfReceivedKvStillServesEveryRequest) {
+  // 10 blocks of 16 tokens; each 65-token prompt plus 8 new tokens needs 5. Received KV holds
+  // its blocks while it waits to be scheduled: requests must still all finish, one after another.
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode", {"--num-kv-blocks", "10"});
+  std::vector<json> bodies;
+  for (int i = 0; i < 4; ++i)
+    bodies.push_back({{"prompt", tokens(65, 20000 + 1000 * i)},
+                      {"max_tokens", 8},
+                      {"temperature", 0},
+                      {"ignore_eos", true}});
+  std::vector<std::future<json>> got;
+  for (int i = 0; i < 4; ++i)
+    got.push_back(std::async(std::launch::async, [&, i] {
+      return i % 2 ? sequential(p, d, bodies[i]) : parallel(p, d, bodies[i], 900 + i);
+    }));
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(text_of(got[i].get()),
+              text_of(parse(post_json(single.port(), "/v1/completions", bodies[i]))))
+        << "request " << i;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, EnginesStopCleanlyWithTransfersInFlight) {
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  json body = {{"prompt", tokens(30, 700)},
+               {"max_tokens", 4},
+               {"bootstrap_host", "127.0.0.1"},
+               {"bootstrap_port", p.kv_port},
+               {"bootstrap_room", 11}};
+  // A decode leg waiting in its room, and a prefill leg of another room waiting for its decode.
+  json other = body;
+  other["bootstrap_room"] = 12;
+  auto decode =
+      std::async(std::launch::async, [&] { return post_json(d.port(), "/v1/completions", body); });
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", other); });
+  ASSERT_TRUE(
+      eventually([&] { return metric(d.port(), "tandem:num_requests_waiting_for_kv") == 1; }));
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "vllm:prompt_tokens_total") > 0; }));
+  EXPECT_EQ(d.process->stop(), 0);  // SIGTERM: a clean exit, not a crash
+  EXPECT_EQ(p.process->stop(), 0);
+  for (auto* leg : {&decode, &prefill}) {
+    try {
+      const auto r = leg->get();
+      EXPECT_NE(r.status, 200) << r.body;  // aborted, or the connection closed
+    } catch (const std::exception&) {
+    }
+  }
 }
 
 }  // namespace

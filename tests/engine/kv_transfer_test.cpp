@@ -27,7 +27,9 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
 #include <xxhash.h>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "engine/transfer/kv_transport.h"
@@ -501,6 +503,14 @@ class KvTransferAgents : public ::testing::Test {
                                              queue_.post());
   }
 
+  // open_room, remembering the claim for the room calls that follow.
+  uint64_t open(uint64_t room, uint64_t hash, int64_t tokens, KvTransferAgent::RoomDone done) {
+    const uint64_t claim = prefill_->open_room(room, hash, tokens, std::move(done));
+    if (claim != 0) claims_[room] = claim;
+    return claim;
+  }
+  std::map<uint64_t, uint64_t> claims_;
+
   KvFetch pull(const std::string& transfer_id, int64_t first, int64_t num,
                std::vector<int32_t> local, const std::string& request_id = "req-1") {
     KvFetch f;
@@ -511,6 +521,7 @@ class KvTransferAgents : public ::testing::Test {
     f.engine_id = "prefill-0";
     f.transfer_id = transfer_id;
     f.remote_blocks = remote_;
+    f.prompt_hash = kv_prompt_hash(prompt_);
     f.prompt_tokens = int64_t(prompt_.size());
     f.first_token = first;
     f.num_tokens = num;
@@ -569,7 +580,8 @@ class KvTransferAgents : public ::testing::Test {
 TEST_F(KvTransferAgents, PullCopiesExactlyTheRequestedTokens) {
   start();
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   EXPECT_THAT(id, HasSubstr("prefill-0"));
   EXPECT_EQ(prefill_->held_blocks(), 3);
 
@@ -600,7 +612,8 @@ TEST_F(KvTransferAgents, PullCopiesExactlyTheRequestedTokens) {
 TEST_F(KvTransferAgents, PullFromABlockAlignedOffsetSkipsTheCachedPrefix) {
   start();
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   // The decode engine has tokens [0, 4) cached: it asks for [4, 10) into blocks 7 and 3.
   const KvFetchResult r = wait(fetch(pull(id, 4, 10, {7, 3})));
   ASSERT_TRUE(r.ok) << r.error;
@@ -616,7 +629,8 @@ TEST_F(KvTransferAgents, EmptyPullStillReleasesTheHold) {
   // bytes but tells the prefill engine to let go of its blocks.
   start();
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   const KvFetchResult r = wait(fetch(pull(id, 8, 8, {})));
   ASSERT_TRUE(r.ok) << r.error;
   EXPECT_EQ(r.bytes, 0u);
@@ -628,7 +642,8 @@ TEST_F(KvTransferAgents, EmptyPullStillReleasesTheHold) {
 TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
   start();
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
 
   KvFetch f = pull(id, 0, 10, local_);
   f.engine_id = "someone-else";
@@ -668,7 +683,8 @@ TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
 TEST_F(KvTransferAgents, LayoutMismatchIsNamed) {
   start();
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   {
     FakeExecutor other(KvLayout{"fake", 3, 8, 8});  // 8 tokens a block
     metrics::Registry registry;
@@ -703,7 +719,8 @@ TEST_F(KvTransferAgents, LayoutMismatchIsNamed) {
 TEST_F(KvTransferAgents, AHoldNobodyPullsExpires) {
   start(0.3);
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   ASSERT_TRUE(queue_.run_until([&] { return released; })) << "expired hold never released";
   EXPECT_EQ(prefill_->held_blocks(), 0);
   EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 1);
@@ -716,7 +733,8 @@ TEST_F(KvTransferAgents, AHoldNobodyPullsExpires) {
 TEST_F(KvTransferAgents, ShuttingDownReturnsHeldBlocks) {
   start();
   bool released = false;
-  prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                 [&] { released = true; });
   prefill_.reset();
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
 }
@@ -753,7 +771,8 @@ TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {
   }
   // Still serving.
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
   EXPECT_TRUE(r.ok) << r.error;
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
@@ -775,7 +794,8 @@ TEST_F(KvTransferAgents, CancelFetchEndsAWaitingFetch) {
 TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
   start(0.3);
   bool released = false;
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [&] { released = true; });
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
   prefill_exec_.close_gate();
   Outcome first = fetch(pull(id, 0, 10, local_, "req-first"));
   ASSERT_TRUE(prefill_exec_.wait_for_reader_at_gate());  // the first pull is sending layer 0
@@ -802,7 +822,8 @@ TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
 
 TEST_F(KvTransferAgents, CancelFetchEndsATransferInProgress) {
   start();
-  const std::string id = prefill_->hold(remote_, int64_t(prompt_.size()), [] {});
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
   prefill_exec_.close_gate();
   Outcome o = fetch(pull(id, 0, 10, local_, "req-x"));
   ASSERT_TRUE(prefill_exec_.wait_for_reader_at_gate());
@@ -827,8 +848,8 @@ TEST_F(KvTransferAgents, ShuttingDownTheDecodeEngineEndsItsFetches) {
 TEST_F(KvTransferAgents, ShuttingDownThePrefillEngineFailsARegisteredDecode) {
   start();
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(34, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(34, remote_);
+  ASSERT_TRUE(open(34, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(34, claims_[34], remote_);
   Outcome a = fetch(enter_room(34, local_, "req-a"));
   Outcome b = fetch(enter_room(34, {10, 11, 12}, "req-b"));
   ASSERT_TRUE(queue_.run_until([&] { return a->has_value() || b->has_value(); }));
@@ -849,16 +870,15 @@ TEST_F(KvTransferAgents, ShuttingDownThePrefillEngineFailsARegisteredDecode) {
 TEST_F(KvTransferAgents, RoomOpenedFirstStreamsEachLayerAsItCompletes) {
   start();
   RoomOutcome done;
-  ASSERT_TRUE(
-      prefill_->open_room(42, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
+  ASSERT_TRUE(open(42, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
   RoomOutcome other;
-  EXPECT_FALSE(prefill_->open_room(42, kv_prompt_hash(prompt_), 11, room_done(other)));
+  EXPECT_FALSE(open(42, kv_prompt_hash(prompt_), 11, room_done(other)));
 
   Outcome o = fetch(enter_room(42, local_, "req-room"));
-  prefill_->room_blocks(42, remote_);
+  prefill_->room_blocks(42, claims_[42], remote_);
   EXPECT_EQ(prefill_->held_blocks(), 3);
   for (int64_t layers = 1; layers <= kLayout.layers; ++layers) {
-    prefill_->room_layers_done(42, layers);
+    prefill_->room_layers_done(42, claims_[42], layers);
     // Layer layers-1 reaches the decode cache before the next one is computed, and no layer
     // leaves before it is complete.
     ASSERT_TRUE(decode_exec_.wait_for_write(layers - 1)) << "layer " << layers - 1;
@@ -898,9 +918,9 @@ TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
 
   // Now the prefill leg arrives, after the registration.
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(7, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(7, remote_);
-  prefill_->room_layers_done(7, kLayout.layers);
+  ASSERT_TRUE(open(7, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(7, claims_[7], remote_);
+  prefill_->room_layers_done(7, claims_[7], kLayout.layers);
   const KvFetchResult r = wait(a_refused ? b : a);
   ASSERT_TRUE(r.ok) << r.error;
   FakeExecutor expected;
@@ -914,9 +934,9 @@ TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
 TEST_F(KvTransferAgents, DifferentPromptsInOneRoomFailBothLegs) {
   start();
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(9, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(9, remote_);
-  prefill_->room_layers_done(9, kLayout.layers);
+  ASSERT_TRUE(open(9, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(9, claims_[9], remote_);
+  prefill_->room_layers_done(9, claims_[9], kLayout.layers);
   KvFetch f = enter_room(9, local_, "req-9");
   const std::vector<int32_t> other_prompt = {11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 99};
   f.prompt_hash = kv_prompt_hash(other_prompt);
@@ -934,8 +954,8 @@ TEST_F(KvTransferAgents, DifferentPromptsInOneRoomFailBothLegs) {
 TEST_F(KvTransferAgents, RoomFailedBeforeAnyLayerTellsTheDecodeWhy) {
   start();
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(5, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(5, remote_);
+  ASSERT_TRUE(open(5, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(5, claims_[5], remote_);
   // A second registration is the probe that tells when the first one is in place.
   Outcome a = fetch(enter_room(5, local_, "req-a"));
   Outcome b = fetch(enter_room(5, {10, 11, 12}, "req-b"));
@@ -943,7 +963,7 @@ TEST_F(KvTransferAgents, RoomFailedBeforeAnyLayerTellsTheDecodeWhy) {
   ASSERT_NE(a->has_value(), b->has_value());
   EXPECT_THAT((a->has_value() ? **a : **b).error, HasSubstr("duplicate"));
 
-  prefill_->room_failed(5, "the prefill request ended: aborted by the client");
+  prefill_->room_failed(5, claims_[5], "the prefill request ended: aborted by the client");
   const KvFetchResult r = wait(a->has_value() ? b : a);
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("the prefill request ended: aborted by the client"));
@@ -958,12 +978,12 @@ TEST_F(KvTransferAgents, RoomFailedBeforeAnyLayerTellsTheDecodeWhy) {
 TEST_F(KvTransferAgents, RoomFailedAfterALayerStopsTheRest) {
   start();
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(6, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(6, remote_);
-  prefill_->room_layers_done(6, 1);
+  ASSERT_TRUE(open(6, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(6, claims_[6], remote_);
+  prefill_->room_layers_done(6, claims_[6], 1);
   Outcome o = fetch(enter_room(6, local_, "req-6"));
   ASSERT_TRUE(decode_exec_.wait_for_write(0));
-  prefill_->room_failed(6, "step failed: out of memory");
+  prefill_->room_failed(6, claims_[6], "step failed: out of memory");
   const KvFetchResult r = wait(o);
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("step failed: out of memory"));
@@ -978,17 +998,17 @@ TEST_F(KvTransferAgents, RoomFailedAfterALayerStopsTheRest) {
 TEST_F(KvTransferAgents, RoomFailedWithoutADecodeFinishesThePrefillLeg) {
   start();
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(8, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(8, remote_);
-  prefill_->room_failed(8, "aborted");
+  ASSERT_TRUE(open(8, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(8, claims_[8], remote_);
+  prefill_->room_failed(8, claims_[8], "aborted");
   ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
   EXPECT_FALSE(done.ok);
   EXPECT_EQ(done.error, "aborted");
   EXPECT_EQ(prefill_->held_blocks(), 0);
   // The room is free again.
   RoomOutcome again;
-  EXPECT_TRUE(prefill_->open_room(8, kv_prompt_hash(prompt_), 11, room_done(again)));
-  prefill_->room_failed(8, "aborted again");
+  EXPECT_TRUE(open(8, kv_prompt_hash(prompt_), 11, room_done(again)));
+  prefill_->room_failed(8, claims_[8], "aborted again");
   EXPECT_TRUE(queue_.run_until([&] { return again.called; }));
 }
 
@@ -1003,9 +1023,9 @@ TEST_F(KvTransferAgents, ARegistrationWithoutAPrefillTimesOut) {
 TEST_F(KvTransferAgents, ACompletedRoomNobodyRegistersExpires) {
   start(0.3);
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(78, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(78, remote_);
-  prefill_->room_layers_done(78, kLayout.layers);
+  ASSERT_TRUE(open(78, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(78, claims_[78], remote_);
+  prefill_->room_layers_done(78, claims_[78], kLayout.layers);
   ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
   EXPECT_FALSE(done.ok);
   EXPECT_THAT(done.error, HasSubstr("no decode engine registered bootstrap_room 78"));
@@ -1020,7 +1040,7 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
 
   // The prefill leg first: it fails as soon as the mismatched decode registers.
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(60, kv_prompt_hash(prompt_), 11, room_done(done)));
+  ASSERT_TRUE(open(60, kv_prompt_hash(prompt_), 11, room_done(done)));
   KvFetchResult r = wait(fetch(*agent, enter_room(60, {1, 2}, "req-60")));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("block_size mismatch"));
@@ -1034,15 +1054,15 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
   EXPECT_THAT(r.error, HasSubstr("block_size mismatch"));
   RoomOutcome late;
   try {
-    prefill_->open_room(61, kv_prompt_hash(prompt_), 11, room_done(late));
+    open(61, kv_prompt_hash(prompt_), 11, room_done(late));
     ADD_FAILURE() << "open_room accepted a room whose decode leg was refused";
   } catch (const KvTransferError& e) {
     EXPECT_THAT(e.what(), HasSubstr("block_size mismatch"));
   }
   // Refused once; the room number is free again afterwards.
   RoomOutcome again;
-  EXPECT_TRUE(prefill_->open_room(61, kv_prompt_hash(prompt_), 11, room_done(again)));
-  prefill_->room_failed(61, "test over");
+  EXPECT_TRUE(open(61, kv_prompt_hash(prompt_), 11, room_done(again)));
+  prefill_->room_failed(61, claims_[61], "test over");
   ASSERT_TRUE(queue_.run_until([&] { return again.called; }));
   EXPECT_FALSE(late.called);
   EXPECT_EQ(other.writes(), 0);
@@ -1054,9 +1074,9 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
 TEST_F(KvTransferAgents, RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode) {
   start(1.0);  // bounds the wait when the reason is lost
   RoomOutcome done;
-  ASSERT_TRUE(prefill_->open_room(62, kv_prompt_hash(prompt_), 11, room_done(done)));
-  prefill_->room_blocks(62, remote_);
-  prefill_->room_failed(62, "the prefill request ended: aborted by the client");
+  ASSERT_TRUE(open(62, kv_prompt_hash(prompt_), 11, room_done(done)));
+  prefill_->room_blocks(62, claims_[62], remote_);
+  prefill_->room_failed(62, claims_[62], "the prefill request ended: aborted by the client");
   ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
   EXPECT_FALSE(done.ok);
 

@@ -58,7 +58,8 @@ struct Call {
         exchange->write(net::kSseDone);
         exchange->end();
       } else {
-        exchange->send_error(out.error_status, msg, "server_error");
+        exchange->send_error(out.error_status, msg,
+                             out.error_status < 500 ? "invalid_request_error" : "server_error");
       }
       return;
     }
@@ -225,6 +226,9 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
       // The prefill leg computes the prompt and its first token only.
       call->request.sampling.max_tokens = 1;
     }
+    // A pull-prefill leg's answer carries kv_transfer_params, which only a whole JSON body has
+    // (vLLM's proxy sends these legs with stream false anyway).
+    if (kv_transfer.mode == KvTransferSpec::Mode::kPrefillForPull) call->request.stream = false;
   } catch (const ApiError& e) {
     ex->send_error(e.status, e.message, e.type);
     return;

@@ -89,18 +89,29 @@ SchedulerOutput Scheduler::schedule() {
     ++i;
   }
 
-  // Then waiting sequences, while nothing had to be preempted in this step (vLLM's rule: memory
-  // is short, do not admit more).
-  while (out.preempted.empty() && budget > 0 && !waiting_.empty() &&
-         static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
-    Sequence* seq = waiting_.front();
+  // Then waiting sequences, in order, while nothing had to be preempted in this step (vLLM's
+  // rule: memory is short, do not admit more).
+  // Sequences that hold blocks already (KV received from a prefill engine) need none to be
+  // admitted: they pass a head that does not fit, or they would wait for blocks they hold.
+  bool head_blocked = false;
+  for (size_t i = 0; out.preempted.empty() && budget > 0 && i < waiting_.size() &&
+                     static_cast<int64_t>(running_.size()) < config_.max_num_seqs;) {
+    Sequence* seq = waiting_[i];
     const bool has_blocks = kv_.has_request(seq->request.id);  // KV received from elsewhere
+    if (head_blocked && !has_blocks) {
+      ++i;
+      continue;
+    }
     const PrefixHit hit = has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens);
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
     const int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
-    if (!kv_.allocate(seq->request.id, computed + n, hit)) break;
-    waiting_.pop_front();
+    if (!kv_.allocate(seq->request.id, computed + n, hit)) {
+      head_blocked = true;
+      ++i;
+      continue;
+    }
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     seq->num_computed = computed;
     if (!seq->admitted_once && !has_blocks) seq->num_cached = computed;
     seq->status = SequenceStatus::kRunning;

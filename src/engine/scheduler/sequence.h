@@ -79,6 +79,7 @@ struct Sequence {
   bool cancelled = false;    // finished while fetching: drop it when the transfer ends
   bool kv_parked = false;    // finished, blocks kept for a transfer (freed when it ends)
   bool room_closed = false;  // the bootstrap room ended (kPrefillForRoom)
+  uint64_t room_claim = 0;   // KvTransferAgent::open_room's claim (kPrefillForRoom)
   SequenceStatus status = SequenceStatus::kWaiting;
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<OutputProcessor> output;

@@ -19,6 +19,7 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kControlLimit = 1 << 20;  // JSON frames
 constexpr size_t kLayerHeader = 16;        // [u32 layer][u32 flags][u64 checksum]
 constexpr uint32_t kFlagChecksum = 1;
+constexpr int64_t kMaxConnections = 512;  // served at once; more are refused, not queued
 
 std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -33,7 +34,7 @@ void send_json(KvConnection& conn, KvFrameType type, const json& j) {
 void send_error(KvConnection& conn, const std::string& message) {
   try {
     send_json(conn, KvFrameType::kError, {{"message", message}});
-  } catch (const Error&) {
+  } catch (const std::exception&) {
     // The peer is gone; it learns of the failure from the closed connection.
   }
 }
@@ -104,6 +105,7 @@ uint64_t kv_prompt_hash(std::span<const int32_t> prompt) {
 
 struct KvTransferAgent::Held {
   std::vector<int32_t> blocks;
+  uint64_t prompt_hash = 0;
   int64_t num_tokens = 0;
   Task release;
   Clock::time_point deadline;
@@ -113,6 +115,7 @@ struct KvTransferAgent::Held {
 struct KvTransferAgent::Room {
   // The prefill request, once it arrived.
   bool has_prefill = false;
+  uint64_t claim = 0;
   uint64_t prompt_hash = 0;
   int64_t prompt_tokens = 0;
   RoomDone done;
@@ -200,17 +203,26 @@ Clock::time_point KvTransferAgent::deadline() const {
                             std::chrono::duration<double>(config_.timeout_s));
 }
 
-void KvTransferAgent::spawn(std::function<void()> body) {
+bool KvTransferAgent::spawn(std::function<void()> body) {
   {
     std::lock_guard lock(mutex_);
     ++threads_;
   }
-  std::thread([this, body = std::move(body)] {
-    body();
+  try {
+    std::thread([this, body = std::move(body)] {
+      body();
+      std::lock_guard lock(mutex_);
+      --threads_;
+      changed_.notify_all();
+    }).detach();
+    return true;
+  } catch (const std::system_error&) {
+    // Out of threads: the caller refuses this piece of work instead of the process dying.
     std::lock_guard lock(mutex_);
     --threads_;
     changed_.notify_all();
-  }).detach();
+    return false;
+  }
 }
 
 int64_t KvTransferAgent::held_blocks() const {
@@ -227,11 +239,13 @@ int64_t KvTransferAgent::held_blocks_locked() const {
 
 // ---------------------------------------------------------------- prefill side: holding blocks
 
-std::string KvTransferAgent::hold(std::vector<int32_t> blocks, int64_t num_tokens, Task release) {
+std::string KvTransferAgent::hold(std::vector<int32_t> blocks, uint64_t prompt_hash,
+                                  int64_t num_tokens, Task release) {
   std::lock_guard lock(mutex_);
   const std::string id = config_.engine_id + "-" + std::to_string(next_transfer_++);
   auto h = std::make_unique<Held>();
   h->blocks = std::move(blocks);
+  h->prompt_hash = prompt_hash;
   h->num_tokens = num_tokens;
   h->release = std::move(release);
   h->deadline = deadline();
@@ -239,14 +253,14 @@ std::string KvTransferAgent::hold(std::vector<int32_t> blocks, int64_t num_token
   return id;
 }
 
-bool KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
-                                RoomDone done) {
+uint64_t KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
+                                    RoomDone done) {
   std::lock_guard lock(mutex_);
   auto& r = rooms_[room];
   if (!r) {
     r = std::make_unique<Room>();
   } else if (r->has_prefill) {
-    return false;
+    return 0;
   } else if (r->failed && !r->registered && r->refuses_prefill) {
     const std::string error = r->error;
     rooms_.erase(room);
@@ -255,37 +269,39 @@ bool KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t pro
     r = std::make_unique<Room>();  // a marker for a late decode engine: start afresh
   }
   r->has_prefill = true;
+  r->claim = ++next_claim_;
   r->prompt_hash = prompt_hash;
   r->prompt_tokens = prompt_tokens;
   r->done = std::move(done);
   r->deadline = deadline();  // for the decode engine to register, or to fail
   changed_.notify_all();
-  return true;
+  return r->claim;
 }
 
-void KvTransferAgent::room_blocks(uint64_t room, std::vector<int32_t> blocks) {
+void KvTransferAgent::room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks) {
   std::lock_guard lock(mutex_);
   auto it = rooms_.find(room);
-  if (it == rooms_.end()) return;
+  if (it == rooms_.end() || it->second->claim != claim) return;
   it->second->blocks = std::move(blocks);
 }
 
-void KvTransferAgent::room_layers_done(uint64_t room, int64_t layers) {
+void KvTransferAgent::room_layers_done(uint64_t room, uint64_t claim, int64_t layers) {
   {
     std::lock_guard lock(mutex_);
     auto it = rooms_.find(room);
-    if (it == rooms_.end() || layers <= it->second->layers_ready) return;
+    if (it == rooms_.end() || it->second->claim != claim || layers <= it->second->layers_ready)
+      return;
     it->second->layers_ready = layers;
     if (layers == layout_.layers) it->second->deadline = deadline();  // now waits for decode
   }
   changed_.notify_all();
 }
 
-void KvTransferAgent::room_failed(uint64_t room, const std::string& reason) {
+void KvTransferAgent::room_failed(uint64_t room, uint64_t claim, const std::string& reason) {
   {
     std::lock_guard lock(mutex_);
     auto it = rooms_.find(room);
-    if (it == rooms_.end()) return;
+    if (it == rooms_.end() || it->second->claim != claim) return;
     if (it->second->registered) {
       // The connection's thread tells the decode engine and then finishes the room.
       it->second->failed = true;
@@ -360,9 +376,20 @@ void KvTransferAgent::accept_loop() {
         shared->shutdown();
         break;
       }
+      if (connections_ >= kMaxConnections) {
+        send_error(*shared, "too many KV transfer connections (" + std::to_string(kMaxConnections) +
+                                "); try again");
+        continue;
+      }
+      ++connections_;
       serving_.push_back(shared);
     }
-    spawn([this, shared] { serve(shared); });
+    if (!spawn([this, shared] { serve(shared); })) {
+      send_error(*shared, "the prefill engine cannot start a transfer thread; try again");
+      std::lock_guard lock(mutex_);
+      --connections_;
+      std::erase(serving_, shared);
+    }
   }
 }
 
@@ -380,6 +407,7 @@ void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn) {
     // (the handlers restore their own state).
   }
   std::lock_guard lock(mutex_);
+  --connections_;
   std::erase(serving_, conn);
 }
 
@@ -427,6 +455,8 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
       const auto wanted = get_field<std::vector<int32_t>>(req, "block_ids");
       first = get_field<int64_t>(req, "first_token");
       num = get_field<int64_t>(req, "num_tokens");
+      const auto prompt_hash = get_field<uint64_t>(req, "prompt_hash");
+      const auto prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
       auto it = held_.find(id);
       problem = layout_mismatch(req.value("layout", json()), layout_);
       if (!problem.empty()) {
@@ -446,11 +476,16 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
                   " held tokens (block aligned start)";
       } else if (wanted != it->second->blocks) {
         problem = "remote_block_ids do not match the blocks held for transfer '" + id + "'";
+      } else if (prompt_hash != it->second->prompt_hash ||
+                 prompt_tokens != it->second->num_tokens) {
+        problem = "the decode request's prompt (" + std::to_string(prompt_tokens) +
+                  " tokens) is not the prompt of transfer '" + id + "' (" +
+                  std::to_string(it->second->num_tokens) + " tokens)";
       } else {
         it->second->pulling = true;
         blocks = it->second->blocks;
       }
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       problem = std::string("malformed pull request: ") + e.what();
     }
   }
@@ -465,7 +500,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
     send_layers(conn, blocks, first, num, 0, layout_.layers);
     send_json(conn, KvFrameType::kDone, json::object());
     ok = true;
-  } catch (const Error&) {
+  } catch (const std::exception&) {
   }
   std::lock_guard lock(mutex_);
   metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
@@ -493,7 +528,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     num = get_field<int64_t>(req, "num_tokens");
     prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
     hash = get_field<uint64_t>(req, "prompt_hash");
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     lock.unlock();
     send_error(conn, std::string("malformed register request: ") + e.what());
     return;
@@ -566,7 +601,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
         send_layers(conn, blocks, first, num, sent, upto);
         sent = upto;
         if (sent == layout_.layers) send_json(conn, KvFrameType::kDone, json::object());
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {
         lock.lock();
         failure = std::string("sending to the decode engine failed: ") + e.what();
         break;
@@ -604,7 +639,14 @@ void KvTransferAgent::fetch(KvFetch f, std::function<void(const KvFetchResult&)>
     }
     slot = &fetches_[f.request_id];  // stable: unordered_map nodes do not move
   }
-  spawn([this, f = std::move(f), slot, done = std::move(done)] { run_fetch(f, slot, done); });
+  const std::string id = f.request_id;
+  if (!spawn([this, f = std::move(f), slot, done] { run_fetch(f, slot, done); })) {
+    {
+      std::lock_guard lock(mutex_);
+      fetches_.erase(id);
+    }
+    post_([done] { done({false, "the decode engine cannot start a transfer thread", 0}); });
+  }
 }
 
 void KvTransferAgent::cancel_fetch(const std::string& request_id) {
@@ -634,6 +676,8 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     json req = {{"first_token", f.first_token},
                 {"num_tokens", f.num_tokens},
                 {"layout", layout_json(layout_)}};
+    req["prompt_hash"] = f.prompt_hash;
+    req["prompt_tokens"] = f.prompt_tokens;
     if (f.pull) {
       req["transfer_id"] = f.transfer_id;
       req["engine_id"] = f.engine_id;
@@ -641,8 +685,6 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       send_json(*conn, KvFrameType::kPull, req);
     } else {
       req["room"] = f.room;
-      req["prompt_hash"] = f.prompt_hash;
-      req["prompt_tokens"] = f.prompt_tokens;
       send_json(*conn, KvFrameType::kRegister, req);
     }
     const int64_t bs = layout_.block_size, tb = layout_.token_bytes;

@@ -103,20 +103,25 @@ class KvTransferAgent {
 
   // --- prefill side, sequential: the finished prompt's blocks wait to be pulled. Returns the
   // transfer id. `release` is posted once, when the blocks may be freed (pulled or expired).
-  std::string hold(std::vector<int32_t> blocks, int64_t num_tokens, Task release);
+  // A pull must name the same prompt (kv_prompt_hash and length): KV never lands under another
+  // prompt's tokens in the decode engine's prefix cache.
+  std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
+                   Task release);
 
   // --- prefill side, parallel. open_room (engine thread, at admission) claims the room for a
-  // prefill request; false when the room is already claimed by another one. Once it returned
-  // true, `done` is posted exactly once: ok after the decode engine received everything, else
-  // with the reason; the engine keeps the request's blocks until then. Throws KvTransferError
-  // when the room already failed (its decode engine was refused).
-  bool open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens, RoomDone done);
+  // prefill request and returns its claim (non-zero); 0 when the room is already claimed by
+  // another one. Once claimed, `done` is posted exactly once: ok after the decode engine received
+  // everything, else with the reason; the engine keeps the request's blocks until then. Throws
+  // KvTransferError when the room already failed (its decode engine was refused). The calls
+  // below name the claim, so a late call from an earlier, failed claim of the same room number
+  // never touches a newer one.
+  uint64_t open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens, RoomDone done);
   // Engine thread, before the step that completes the prompt: the prompt's block table.
-  void room_blocks(uint64_t room, std::vector<int32_t> blocks);
+  void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks);
   // Engine thread, during or after that step: layers [0, layers) of the prompt are complete.
-  void room_layers_done(uint64_t room, int64_t layers);
+  void room_layers_done(uint64_t room, uint64_t claim, int64_t layers);
   // The prefill request failed or was aborted before it completed: tell the decode side.
-  void room_failed(uint64_t room, const std::string& reason);
+  void room_failed(uint64_t room, uint64_t claim, const std::string& reason);
 
   // --- decode side: `done` is posted once, with the outcome; until then the transfer may write
   // into f.local_blocks. cancel_fetch makes a running fetch fail promptly.
@@ -144,7 +149,7 @@ class KvTransferAgent {
   void finish_room(uint64_t room, bool ok, const std::string& error);  // under mutex_
   void reap_loop();  // also refreshes the held-blocks gauge
   int64_t held_blocks_locked() const;
-  void spawn(std::function<void()> body);
+  bool spawn(std::function<void()> body);  // false: no thread could be started
   std::chrono::steady_clock::time_point deadline() const;
 
   KvTransferConfig config_;
@@ -160,6 +165,8 @@ class KvTransferAgent {
   bool stopping_ = false;
   int64_t threads_ = 0;  // spawned threads still running
   uint64_t next_transfer_ = 0;
+  uint64_t next_claim_ = 0;
+  int64_t connections_ = 0;  // server connections being served
   std::map<std::string, std::unique_ptr<Held>> held_;
   std::map<uint64_t, std::unique_ptr<Room>> rooms_;
   std::unordered_map<std::string, FetchSlot> fetches_;  // by request id

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
@@ -165,7 +166,11 @@ class TcpListener : public KvListener {
       }
       acceptor_.accept(socket, ec);  // close() unblocks it with an error
       if (closed_) break;
-      if (ec) continue;  // e.g. the client gave up before we accepted it
+      if (ec) {
+        // A client that gave up before we accepted it, or no file descriptors left: do not spin.
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        continue;
+      }
       return std::make_unique<TcpConnection>(std::move(ctx), std::move(socket), timeout_);
     }
     return nullptr;
