@@ -58,6 +58,9 @@ class MemoryExecutor : public engine::Executor {
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> b) override {
     std::memcpy(data_.data() + at(block, layer), b.data(), b.size());
   }
+  std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override {
+    return data_.data() + at(block, layer);
+  }
 
  private:
   size_t at(int32_t block, int64_t layer) const {

@@ -49,6 +49,12 @@ const std::byte* CpuExecutor::kv_bytes(int32_t block, int64_t layer) const {
   return reinterpret_cast<const std::byte*>(cache_.block_layer(block, layer));
 }
 
+std::byte* CpuExecutor::kv_bytes_mutable(int32_t block, int64_t layer) {
+  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers)
+    return nullptr;
+  return reinterpret_cast<std::byte*>(cache_.block_layer(block, layer));
+}
+
 void CpuExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {
   const auto& k = info_.kv_layout;
   if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= k.layers ||

@@ -23,6 +23,7 @@ class CpuExecutor : public Executor {
   ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer = {}) override;
   const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
+  std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override;
 
  private:
   std::shared_ptr<const model::DeepSeekModel> model_;

@@ -65,6 +65,9 @@ class Executor {
   virtual const std::byte* kv_bytes(int32_t block, int64_t layer) const = 0;
   // Stores the first bytes of one block and layer (a whole number of tokens).
   virtual void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) = 0;
+  // Where write_kv would store them, for receiving in place; nullptr when the executor has no
+  // such memory (then KV transfer receives into a buffer and calls write_kv).
+  virtual std::byte* kv_bytes_mutable(int32_t, int64_t) { return nullptr; }
 };
 
 }  // namespace tandem::engine

@@ -697,32 +697,71 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     if (accept.type == KvFrameType::kError)
       throw Error(get_field<std::string>(parse_control(accept, "error"), "message"));
     if (accept.type != KvFrameType::kAccept) throw Error("expected an accept frame");
-    KvFrame frame;  // one buffer for every layer
+    // Layers land straight in the cache blocks when the executor has them in memory (one copy
+    // fewer), else in one reused buffer handed to write_kv.
+    std::vector<std::span<std::byte>> targets;
+    for (size_t b = 0; b < f.local_blocks.size(); ++b) {
+      const int64_t n = std::min(bs, tokens - int64_t(b) * bs);
+      if (n <= 0) break;
+      std::byte* at = executor_.kv_bytes_mutable(f.local_blocks[b], 0);
+      if (!at) {
+        targets.clear();
+        break;
+      }
+      targets.emplace_back(at, size_t(n * tb));
+    }
+    const bool in_place = !targets.empty() || tokens == 0;
+    std::vector<std::byte> buffer(in_place ? 0 : layer_bytes);
+    std::byte header[kLayerHeader];
     for (int64_t layer = 0; layer < layout_.layers; ++layer) {
-      frame.type = conn->receive(frame.payload, kLayerHeader + layer_bytes);
-      if (frame.type == KvFrameType::kError)
-        throw Error(get_field<std::string>(parse_control(frame, "error"), "message"));
-      if (frame.type != KvFrameType::kLayer || frame.payload.size() != kLayerHeader + layer_bytes)
+      uint64_t size = 0;
+      const KvFrameType type = conn->receive_header(size, kLayerHeader + layer_bytes);
+      if (type == KvFrameType::kError) {
+        KvFrame e{type, std::vector<std::byte>(size)};
+        const std::span<std::byte> whole(e.payload);
+        conn->receive_payload(std::span(&whole, 1));
+        throw Error(get_field<std::string>(parse_control(e, "error"), "message"));
+      }
+      if (type != KvFrameType::kLayer || size != kLayerHeader + layer_bytes)
         throw Error("layer " + std::to_string(layer) + ": expected a layer frame of " +
                     std::to_string(kLayerHeader + layer_bytes) + " bytes");
-      const std::byte* p = frame.payload.data();
+      std::vector<std::span<std::byte>> parts = {std::span<std::byte>(header, kLayerHeader)};
+      if (in_place) {
+        for (size_t b = 0; b < targets.size(); ++b)
+          parts.emplace_back(executor_.kv_bytes_mutable(f.local_blocks[b], layer),
+                             targets[b].size());
+      } else {
+        parts.emplace_back(buffer);
+      }
+      conn->receive_payload(parts);
       uint64_t got_layer = 0, sum = 0;
-      for (int b = 0; b < 4; ++b) got_layer |= uint64_t(std::to_integer<uint8_t>(p[b])) << (8 * b);
-      for (int b = 0; b < 8; ++b) sum |= uint64_t(std::to_integer<uint8_t>(p[8 + b])) << (8 * b);
+      for (int b = 0; b < 4; ++b)
+        got_layer |= uint64_t(std::to_integer<uint8_t>(header[b])) << (8 * b);
+      for (int b = 0; b < 8; ++b)
+        sum |= uint64_t(std::to_integer<uint8_t>(header[8 + b])) << (8 * b);
       if (got_layer != uint64_t(layer))
         throw Error("expected layer " + std::to_string(layer) + ", got " +
                     std::to_string(got_layer));
-      const std::span<const std::byte> data(p + kLayerHeader, layer_bytes);
-      if ((std::to_integer<uint8_t>(p[4]) & kFlagChecksum) &&
-          XXH3_64bits(data.data(), data.size()) != sum)
-        throw Error("layer " + std::to_string(layer) + ": checksum mismatch (corrupted transfer)");
-      for (size_t b = 0; b < f.local_blocks.size(); ++b) {
-        const int64_t off = int64_t(b) * bs;
-        const int64_t n = std::min(bs, tokens - off);
-        if (n <= 0) break;
-        executor_.write_kv(f.local_blocks[b], layer,
-                           data.subspan(size_t(off * tb), size_t(n * tb)));
+      if (std::to_integer<uint8_t>(header[4]) & kFlagChecksum) {
+        XXH3_state_t* st = XXH3_createState();
+        XXH3_64bits_reset(st);
+        for (size_t i = 1; i < parts.size(); ++i)
+          XXH3_64bits_update(st, parts[i].data(), parts[i].size());
+        const uint64_t got = XXH3_64bits_digest(st);
+        XXH3_freeState(st);
+        if (got != sum)
+          throw Error("layer " + std::to_string(layer) +
+                      ": checksum mismatch (corrupted transfer)");
       }
+      if (!in_place)
+        for (size_t b = 0; b < f.local_blocks.size(); ++b) {
+          const int64_t off = int64_t(b) * bs;
+          const int64_t n = std::min(bs, tokens - off);
+          if (n <= 0) break;
+          executor_.write_kv(
+              f.local_blocks[b], layer,
+              std::span<const std::byte>(buffer).subspan(size_t(off * tb), size_t(n * tb)));
+        }
       result.bytes += layer_bytes;
       metrics_->bytes.labels({"received"}).inc(layer_bytes);
     }

@@ -13,7 +13,8 @@
 // flows). Wire, over a KvTransport (kv_transport.h): the decode side sends one kPull or
 // kRegister frame (JSON), the prefill side answers kAccept (JSON), then one kLayer frame per
 // layer ([u32 layer][u32 flags][u64 XXH3-64 checksum or 0] + the tokens' bytes, block after
-// block), then kDone; kError (JSON {"message"}) ends a transfer early, on either side. The
+// block; sent gathered from the cache and received scattered into it when the executor exposes
+// its memory), then kDone; kError (JSON {"message"}) ends a transfer early, on either side. The
 // decode engine always recomputes the prompt's last token (it needs its logits), so it asks for
 // tokens [first_token, prompt - 1), first_token being where its own prefix cache stops.
 //

@@ -34,9 +34,21 @@ class KvConnection {
   virtual ~KvConnection() = default;
   // Sends one frame whose payload is the concatenation of `parts` (gathered, not copied).
   virtual void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) = 0;
-  // The next frame. A payload over `max_payload` bytes is an error (hostile or corrupt peer).
-  // `payload` is reused: a caller receiving many large frames keeps one buffer.
-  virtual KvFrameType receive(std::vector<std::byte>& payload, size_t max_payload) = 0;
+  // A frame in two calls, so that its payload can land where it belongs (KV straight into cache
+  // blocks): the header first (its type; `size` gets the payload's bytes, over `max_payload` is
+  // an error: a hostile or corrupt peer), then exactly that many bytes scattered over `parts`.
+  virtual KvFrameType receive_header(uint64_t& size, size_t max_payload) = 0;
+  virtual void receive_payload(std::span<const std::span<std::byte>> parts) = 0;
+
+  // The next frame whole. `payload` is reused: a caller receiving many frames keeps one buffer.
+  KvFrameType receive(std::vector<std::byte>& payload, size_t max_payload) {
+    uint64_t size = 0;
+    const KvFrameType type = receive_header(size, max_payload);
+    payload.resize(size);
+    const std::span<std::byte> whole(payload);
+    receive_payload(std::span(&whole, 1));
+    return type;
+  }
   KvFrame receive(size_t max_payload) {
     KvFrame f;
     f.type = receive(f.payload, max_payload);

@@ -71,21 +71,27 @@ class TcpConnection : public KvConnection {
     run([&](auto done) { asio::async_write(socket_, buffers, done); }, "sending");
   }
 
-  KvFrameType receive(std::vector<std::byte>& payload, size_t max_payload) override {
+  KvFrameType receive_header(uint64_t& size, size_t max_payload) override {
     std::array<std::byte, kHeaderBytes> header{};
     run([&](auto done) { asio::async_read(socket_, asio::buffer(header), done); }, "receiving");
     const uint64_t type = get_le(header.data(), 4);
-    const uint64_t size = get_le(header.data() + 8, 8);
+    size = get_le(header.data() + 8, 8);
     if (type < 1 || type > 6 || get_le(header.data() + 4, 4) != 0)
       throw Error("KV transfer from " + peer_ + ": not a Tandem KV frame (type " +
                   std::to_string(type) + ")");
     if (size > max_payload)
       throw Error("KV transfer from " + peer_ + ": frame of " + std::to_string(size) +
                   " bytes exceeds the limit of " + std::to_string(max_payload));
-    payload.resize(size);
-    if (size > 0)
-      run([&](auto done) { asio::async_read(socket_, asio::buffer(payload), done); }, "receiving");
     return static_cast<KvFrameType>(type);
+  }
+
+  void receive_payload(std::span<const std::span<std::byte>> parts) override {
+    std::vector<asio::mutable_buffer> buffers;
+    buffers.reserve(parts.size());
+    for (auto p : parts)
+      if (!p.empty()) buffers.emplace_back(p.data(), p.size());
+    if (!buffers.empty())
+      run([&](auto done) { asio::async_read(socket_, buffers, done); }, "receiving");
   }
 
   void shutdown() override {
