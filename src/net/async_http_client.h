@@ -1,0 +1,73 @@
+#pragma once
+// An asynchronous HTTP/1.1 client: many requests in flight from one thread. It is the client
+// side of the one HTTP stack (Boost.Beast on C++20 coroutines, hidden here like in
+// http_server.h), for callers that keep hundreds of streams open at once: a load generator, or a
+// gateway relaying engine streams to its clients (Exchange may be written from this client's
+// thread).
+//
+// Each call connects, or reuses an idle keep-alive connection to the same host and port, sends
+// the request, then calls on_head once with the status and headers, on_body for every piece of
+// the body as it arrives (de-chunked), and on_done exactly once: with an empty string when the
+// whole response arrived, else with the reason. All callbacks run on the client's thread, one at
+// a time: keep them short and never block in them. cancel() ends a call from any thread; its
+// on_done then says "cancelled" (unless the call had already finished).
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "net/http.h"
+
+namespace tandem::net {
+
+struct AsyncHttpRequest {
+  std::string host;
+  uint16_t port = 0;
+  std::string method = "GET";
+  std::string target = "/";
+  Headers headers;  // Host and Content-Length are set by the client
+  std::string body;
+  // Bounds connecting, sending, the wait for the response head, and each wait for the next
+  // piece of the body: a stream may last any time as long as it keeps moving.
+  std::chrono::milliseconds timeout = std::chrono::seconds(30);
+};
+
+struct AsyncHttpHandlers {
+  std::function<void(int status, const Headers& headers)> on_head;
+  // Return false to stop reading: the call ends as cancelled and its connection is closed.
+  std::function<bool(std::string_view piece)> on_body;
+  std::function<void(const std::string& error)> on_done;
+};
+
+struct AsyncHttpClientOptions {
+  size_t max_idle_per_host = 64;  // keep-alive connections kept for reuse, per host:port
+  size_t max_header_bytes = size_t{64} << 10;
+};
+
+class AsyncHttpClient {
+ public:
+  using CallId = uint64_t;
+
+  explicit AsyncHttpClient(AsyncHttpClientOptions options = {});
+  // Cancels the calls still running (their on_done runs, on the client's thread) and joins it.
+  ~AsyncHttpClient();
+  AsyncHttpClient(const AsyncHttpClient&) = delete;
+  AsyncHttpClient& operator=(const AsyncHttpClient&) = delete;
+
+  // Thread-safe. Starts a call; its callbacks follow on the client's thread.
+  CallId start(AsyncHttpRequest request, AsyncHttpHandlers handlers);
+  // Thread-safe. Unknown or finished ids are ignored.
+  void cancel(CallId id);
+
+  size_t in_flight() const;             // calls started and not yet done
+  uint64_t connections_opened() const;  // TCP connections opened so far (reuse shows here)
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::net

@@ -1,0 +1,262 @@
+// The asynchronous HTTP client against the HTTP server: plain and streamed responses, hundreds of
+// concurrent streams on the client's one thread, keep-alive reuse, cancellation that the server
+// sees as a client gone, stopping from on_body, timeouts, refused connections, and destruction
+// with calls in flight. Every server binds port 0 on 127.0.0.1.
+#include "net/async_http_client.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "net/http_server.h"
+
+namespace tandem::net {
+namespace {
+
+using namespace std::chrono_literals;
+
+// What one call saw; wait() blocks (bounded) until on_done ran.
+struct Outcome {
+  std::mutex m;
+  std::condition_variable cv;
+  int status = 0;
+  std::string body, error, content_type;
+  int heads = 0, dones = 0;
+
+  AsyncHttpHandlers handlers(std::function<bool(std::string_view)> on_body = {}) {
+    AsyncHttpHandlers h;
+    h.on_head = [this](int s, const Headers& headers) {
+      std::lock_guard lock(m);
+      status = s;
+      content_type = headers.get("Content-Type");
+      ++heads;
+    };
+    h.on_body = [this, on_body](std::string_view piece) {
+      {
+        std::lock_guard lock(m);
+        body += piece;
+      }
+      return on_body ? on_body(piece) : true;
+    };
+    h.on_done = [this](const std::string& e) {
+      std::lock_guard lock(m);
+      error = e;
+      ++dones;
+      cv.notify_all();
+    };
+    return h;
+  }
+  bool wait() {
+    std::unique_lock lock(m);
+    return cv.wait_for(lock, 20s, [&] { return dones > 0; });
+  }
+};
+
+class AsyncClient : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    HttpServerOptions o;
+    o.host = "127.0.0.1";
+    o.threads = 2;
+    server_ = std::make_unique<HttpServer>(o);
+    server_->route("POST", "/echo", [](const HttpRequest& r, std::shared_ptr<Exchange> ex) {
+      ex->respond(200, "echo:" + r.body, "text/plain");
+    });
+    // Streams `n` numbered chunks from another thread, as the engine streams tokens.
+    server_->route("GET", "/stream", [](const HttpRequest& r, std::shared_ptr<Exchange> ex) {
+      const int n = std::stoi(r.headers.get("X-Chunks", "20"));
+      ex->start_stream(200, "text/event-stream");
+      std::thread([ex, n] {
+        for (int i = 0; i < n; ++i) {
+          ex->write("chunk " + std::to_string(i) + "\n");
+          std::this_thread::sleep_for(1ms);
+        }
+        ex->end();
+      }).detach();
+    });
+    // Starts a stream and never ends it; tells the test when the client went away.
+    server_->route("GET", "/forever", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+      ex->start_stream(200, "text/event-stream");
+      ex->write("first\n");
+      ex->on_close([this] {
+        std::lock_guard lock(m_);
+        ++closed_;
+        cv_.notify_all();
+      });
+      std::lock_guard lock(m_);
+      held_.push_back(ex);
+    });
+    // Never answers.
+    server_->route("GET", "/silent", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+      std::lock_guard lock(m_);
+      held_.push_back(ex);
+    });
+    server_->start();
+  }
+  void TearDown() override {
+    {
+      std::lock_guard lock(m_);
+      held_.clear();
+    }
+    server_->stop();
+  }
+
+  AsyncHttpRequest request(std::string method, std::string target) {
+    AsyncHttpRequest r;
+    r.host = "127.0.0.1";
+    r.port = server_->port();
+    r.method = std::move(method);
+    r.target = std::move(target);
+    return r;
+  }
+
+  std::unique_ptr<HttpServer> server_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  int closed_ = 0;
+  std::vector<std::shared_ptr<Exchange>> held_;
+};
+
+TEST_F(AsyncClient, PlainAndStreamedResponses) {
+  AsyncHttpClient client;
+  Outcome plain;
+  auto r = request("POST", "/echo");
+  r.body = "hello";
+  client.start(r, plain.handlers());
+  ASSERT_TRUE(plain.wait());
+  EXPECT_EQ(plain.error, "");
+  EXPECT_EQ(plain.status, 200);
+  EXPECT_EQ(plain.body, "echo:hello");
+  EXPECT_EQ(plain.content_type, "text/plain");
+
+  Outcome streamed;
+  auto s = request("GET", "/stream");
+  s.headers.set("X-Chunks", "50");
+  client.start(s, streamed.handlers());
+  ASSERT_TRUE(streamed.wait());
+  EXPECT_EQ(streamed.error, "");
+  std::string want;
+  for (int i = 0; i < 50; ++i) want += "chunk " + std::to_string(i) + "\n";
+  EXPECT_EQ(streamed.body, want);
+  EXPECT_EQ(streamed.heads, 1);
+  EXPECT_EQ(streamed.dones, 1);
+  EXPECT_EQ(client.in_flight(), 0u);
+}
+
+TEST_F(AsyncClient, HundredsOfConcurrentStreamsOnOneThreadAndReusedConnections) {
+  AsyncHttpClient client;
+  const int n = 300;
+  std::vector<std::unique_ptr<Outcome>> outcomes;
+  for (int i = 0; i < n; ++i) {
+    outcomes.push_back(std::make_unique<Outcome>());
+    auto s = request("GET", "/stream");
+    s.headers.set("X-Chunks", "10");
+    client.start(s, outcomes.back()->handlers());
+  }
+  std::string want;
+  for (int i = 0; i < 10; ++i) want += "chunk " + std::to_string(i) + "\n";
+  for (auto& o : outcomes) {
+    ASSERT_TRUE(o->wait());
+    EXPECT_EQ(o->error, "");
+    EXPECT_EQ(o->body, want);
+  }
+  EXPECT_EQ(client.connections_opened(), uint64_t(n));
+  // Done calls left their connections for reuse: sequential calls open none.
+  for (int i = 0; i < 20; ++i) {
+    Outcome o;
+    auto r = request("POST", "/echo");
+    r.body = std::to_string(i);
+    client.start(r, o.handlers());
+    ASSERT_TRUE(o.wait());
+    EXPECT_EQ(o.body, "echo:" + std::to_string(i));
+  }
+  EXPECT_EQ(client.connections_opened(), uint64_t(n));
+}
+
+TEST_F(AsyncClient, CancelEndsTheCallAndTheServerSeesTheClientGo) {
+  AsyncHttpClient client;
+  Outcome o;
+  std::promise<void> first_piece;
+  std::atomic<bool> once{false};
+  const auto id = client.start(request("GET", "/forever"), o.handlers([&](std::string_view) {
+    if (!once.exchange(true)) first_piece.set_value();
+    return true;
+  }));
+  ASSERT_EQ(first_piece.get_future().wait_for(10s), std::future_status::ready);
+  client.cancel(id);
+  ASSERT_TRUE(o.wait());
+  EXPECT_EQ(o.error, "cancelled");
+  EXPECT_EQ(o.body, "first\n");
+  std::unique_lock lock(m_);
+  EXPECT_TRUE(cv_.wait_for(lock, 10s, [&] { return closed_ == 1; }));
+}
+
+TEST_F(AsyncClient, OnBodyReturningFalseStopsTheCall) {
+  AsyncHttpClient client;
+  Outcome o;
+  client.start(request("GET", "/forever"), o.handlers([](std::string_view) { return false; }));
+  ASSERT_TRUE(o.wait());
+  EXPECT_EQ(o.error, "cancelled");
+  std::unique_lock lock(m_);
+  EXPECT_TRUE(cv_.wait_for(lock, 10s, [&] { return closed_ == 1; }));
+}
+
+TEST_F(AsyncClient, TimeoutsAndRefusedConnectionsAreErrors) {
+  AsyncHttpClient client;
+  Outcome silent;
+  auto r = request("GET", "/silent");
+  r.timeout = 200ms;
+  client.start(r, silent.handlers());
+  ASSERT_TRUE(silent.wait());
+  EXPECT_NE(silent.error.find("timed out"), std::string::npos) << silent.error;
+  EXPECT_EQ(silent.heads, 0);
+
+  // A stream that stops moving times out too, after what it delivered.
+  Outcome stalled;
+  auto f = request("GET", "/forever");
+  f.timeout = 200ms;
+  client.start(f, stalled.handlers());
+  ASSERT_TRUE(stalled.wait());
+  EXPECT_NE(stalled.error.find("timed out"), std::string::npos) << stalled.error;
+  EXPECT_EQ(stalled.body, "first\n");
+
+  Outcome refused;
+  auto c = request("GET", "/stream");
+  c.port = 1;
+  client.start(c, refused.handlers());
+  ASSERT_TRUE(refused.wait());
+  EXPECT_NE(refused.error.find("cannot connect"), std::string::npos) << refused.error;
+}
+
+TEST_F(AsyncClient, DestructionEndsCallsInFlight) {
+  std::vector<std::unique_ptr<Outcome>> outcomes;
+  {
+    AsyncHttpClient client;
+    for (int i = 0; i < 5; ++i) {
+      outcomes.push_back(std::make_unique<Outcome>());
+      client.start(request("GET", "/silent"), outcomes.back()->handlers());
+    }
+    // Let the requests reach the server before the client goes away.
+    for (int i = 0; i < 400; ++i) {
+      {
+        std::lock_guard lock(m_);
+        if (held_.size() == 5) break;
+      }
+      std::this_thread::sleep_for(5ms);
+    }
+  }
+  for (auto& o : outcomes) {
+    EXPECT_EQ(o->dones, 1);
+    EXPECT_EQ(o->error, "cancelled");
+  }
+}
+
+}  // namespace
+}  // namespace tandem::net
