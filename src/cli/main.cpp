@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/engine_command.h"
+#include "cli/gateway_command.h"
 #include "cli/generate_command.h"
 #include "cli/model_commands.h"
 #include "cli/text_commands.h"
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_model_commands(app);
   tandem::cli::add_generate_command(app);
   tandem::cli::add_engine_command(app);
+  tandem::cli::add_gateway_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

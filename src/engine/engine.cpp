@@ -192,6 +192,11 @@ void Engine::submit(EngineRequest request) {
   wake_.notify_one();
 }
 
+void Engine::release_remote_kv(const std::string& host, uint16_t port, const std::string& engine_id,
+                               const std::string& transfer_id, std::vector<int32_t> blocks) {
+  if (agent_) agent_->release_remote(host, port, engine_id, transfer_id, std::move(blocks));
+}
+
 void Engine::post(std::function<void()> task) {
   {
     std::lock_guard lock(mutex_);

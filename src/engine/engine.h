@@ -69,6 +69,10 @@ class Engine {
   const ExecutorInfo& executor_info() const { return executor_->info(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   const std::string& role() const { return config_.role; }
+  // Thread-safe. Tells a prefill engine to free a transfer this engine will not pull (its
+  // decode leg was refused); best effort, in the background. No-op without KV transfer.
+  void release_remote_kv(const std::string& host, uint16_t port, const std::string& engine_id,
+                         const std::string& transfer_id, std::vector<int32_t> blocks);
   // KV transfer (null when not configured): engine id, advertised host and port.
   const KvTransferAgent* transfer() const { return agent_.get(); }
   // Where KV events go, when enabled (the bound endpoints, for tests and logs).

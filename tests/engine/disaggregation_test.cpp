@@ -540,5 +540,21 @@ TEST_F(Disaggregation, EnginesStopCleanlyWithTransfersInFlight) {
   }
 }
 
+TEST_F(Disaggregation, ARefusedDecodeLegReleasesThePrefillBlocksAtOnce) {
+  // vLLM's stranded-blocks bug (vllm#41269): a decode leg refused before it pulls must not leave
+  // the prefill engine holding the KV until its timeout (120 s here).
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  json pre = {{"prompt", tokens(40, 100)},
+              {"max_tokens", 1},
+              {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  const json params = parse(post_json(p.port(), "/v1/completions", pre))["kv_transfer_params"];
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 3; }));
+  json dec = {{"prompt", tokens(40, 100)}, {"max_tokens", -1}, {"kv_transfer_params", params}};
+  EXPECT_EQ(post_json(d.port(), "/v1/completions", dec).status, 400);
+  expect_no_leak(p);
+  EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_expired_total"), 0);
+}
+
 }  // namespace
 }  // namespace tandem::engine

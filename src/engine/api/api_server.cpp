@@ -200,6 +200,22 @@ void ApiServer::stop() {
   server_.stop();
 }
 
+// A decode leg refused before it could pull (a bad field, a role mismatch, a full engine) would
+// strand the prefill engine's blocks until its timeout: tell the prefill engine to let go now.
+void ApiServer::release_refused_decode_leg(const json& body) {
+  if (!body.is_object() || !body.contains("kv_transfer_params")) return;
+  const json& kv = body["kv_transfer_params"];
+  try {
+    if (!kv.is_object() || !kv.value("do_remote_prefill", false)) return;
+    engine_.release_remote_kv(
+        kv.at("remote_host").get<std::string>(), kv.at("remote_port").get<uint16_t>(),
+        kv.at("remote_engine_id").get<std::string>(), kv.at("remote_request_id").get<std::string>(),
+        kv.at("remote_block_ids").get<std::vector<int32_t>>());
+  } catch (const std::exception&) {
+    // Not enough to name the transfer: the prefill engine's timeout frees it.
+  }
+}
+
 void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
                                   std::shared_ptr<net::Exchange> ex) {
   const auto kind = static_cast<ApiKind>(kind_value);
@@ -207,8 +223,9 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
   const ModelLimits limits{info.model_name, info.max_model_len, info.vocab_size};
   auto call = std::make_shared<Call>();
   KvTransferSpec kv_transfer;
+  json body;
   try {
-    const json body = parse_untrusted_json(req.body);
+    body = parse_untrusted_json(req.body);
     switch (kind) {
       case ApiKind::kCompletion:
         call->request = parse_completion(body, engine_.tokenizer(), limits);
@@ -230,9 +247,11 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     // (vLLM's proxy sends these legs with stream false anyway).
     if (kv_transfer.mode == KvTransferSpec::Mode::kPrefillForPull) call->request.stream = false;
   } catch (const ApiError& e) {
+    release_refused_decode_leg(body);
     ex->send_error(e.status, e.message, e.type);
     return;
   } catch (const Error& e) {
+    release_refused_decode_leg(body);
     ex->send_error(400, e.what());
     return;
   }
@@ -264,6 +283,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     try {
       engine_.submit(std::move(er));
     } catch (const Error& e) {
+      release_refused_decode_leg(body);
       for (size_t k = 0; k < i; ++k) engine_.abort(call->engine_ids[k]);
       std::lock_guard lock(call->mutex);
       call->failed = true;

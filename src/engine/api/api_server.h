@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "engine/engine.h"
@@ -29,6 +31,7 @@ class ApiServer {
  private:
   void handle_generation(int kind, const net::HttpRequest& request,
                          std::shared_ptr<net::Exchange> exchange);
+  void release_refused_decode_leg(const nlohmann::json& body);
 
   Engine& engine_;
   metrics::Registry& registry_;

@@ -476,8 +476,9 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
                   " held tokens (block aligned start)";
       } else if (wanted != it->second->blocks) {
         problem = "remote_block_ids do not match the blocks held for transfer '" + id + "'";
-      } else if (prompt_hash != it->second->prompt_hash ||
-                 prompt_tokens != it->second->num_tokens) {
+      } else if (num > first && (prompt_hash != it->second->prompt_hash ||
+                                 prompt_tokens != it->second->num_tokens)) {
+        // (A pull of nothing only releases the hold: no KV lands anywhere.)
         problem = "the decode request's prompt (" + std::to_string(prompt_tokens) +
                   " tokens) is not the prompt of transfer '" + id + "' (" +
                   std::to_string(it->second->num_tokens) + " tokens)";
@@ -647,6 +648,36 @@ void KvTransferAgent::fetch(KvFetch f, std::function<void(const KvFetchResult&)>
     }
     post_([done] { done({false, "the decode engine cannot start a transfer thread", 0}); });
   }
+}
+
+void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
+                                     const std::string& engine_id, const std::string& transfer_id,
+                                     std::vector<int32_t> blocks) {
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_) return;
+  }
+  spawn([this, host, port, engine_id, transfer_id, blocks = std::move(blocks)] {
+    try {
+      auto conn = transport_->connect(host, port);
+      json req = {{"transfer_id", transfer_id},
+                  {"engine_id", engine_id},
+                  {"block_ids", blocks},
+                  {"first_token", 0},
+                  {"num_tokens", 0},
+                  {"prompt_hash", 0},
+                  {"prompt_tokens", 0},
+                  {"layout", layout_json(layout_)}};
+      send_json(*conn, KvFrameType::kPull, req);
+      std::vector<std::byte> payload;
+      for (int frames = 0; frames < layout_.layers + 2; ++frames) {
+        const KvFrameType t = conn->receive(payload, kControlLimit);
+        if (t == KvFrameType::kDone || t == KvFrameType::kError) break;
+      }
+    } catch (const std::exception&) {
+      // Best effort: the prefill engine's timeout frees the blocks otherwise.
+    }
+  });
 }
 
 void KvTransferAgent::cancel_fetch(const std::string& request_id) {

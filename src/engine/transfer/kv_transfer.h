@@ -128,6 +128,10 @@ class KvTransferAgent {
   // into f.local_blocks. cancel_fetch makes a running fetch fail promptly.
   void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done);
   void cancel_fetch(const std::string& request_id);
+  // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
+  // zero tokens), in the background; failures are ignored (the hold expires anyway).
+  void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
+                      const std::string& transfer_id, std::vector<int32_t> blocks);
 
   // Blocks held for pulls or rooms right now (for /load and tests).
   int64_t held_blocks() const;

@@ -1,0 +1,198 @@
+// `tandem gateway` end to end: engines and gateways as separate processes on the tiny model, in
+// the three modes (aggregated, sequential as vLLM's proxy, parallel as SGLang's router). The
+// official `openai` npm client talks to each gateway (completions and chat, streamed and not,
+// token-id prompts, stop strings, abort mid-stream, a 400), answers must equal the
+// single-sequence generate loop, and no engine may keep a KV block afterwards.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <future>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_http.h"
+#include "engine/engine_process.h"
+#include "engine/generate.h"
+#include "engine/tiny_model_fixture.h"
+#include "text/chat_template.h"
+#include "text/oracle_support.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+using testing::EngineProcess;
+using testing::eventually;
+using testing::metric;
+using testing::post_json;
+
+constexpr char kF32[] = "f32";
+
+class GatewayStack : public test::TinyModelTest<kF32> {
+ protected:
+  static std::unique_ptr<EngineProcess> engine(const std::string& role, uint16_t* kv_port) {
+    std::vector<std::string> a = {TANDEM_BINARY,
+                                  "engine",
+                                  "--model",
+                                  dir_->string(),
+                                  "--served-model-name",
+                                  "tiny",
+                                  "--host",
+                                  "127.0.0.1",
+                                  "--port",
+                                  "0",
+                                  "--num-kv-blocks",
+                                  "256",
+                                  "--role",
+                                  role};
+    if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    auto e = std::make_unique<EngineProcess>(a);
+    const std::string line = e->next_line();
+    if (kv_port) {
+      const auto at = line.find("KV transfer on ");
+      *kv_port = at == std::string::npos
+                     ? 0
+                     : static_cast<uint16_t>(std::stoi(line.substr(line.find(':', at + 15) + 1)));
+    }
+    return e;
+  }
+
+  static std::unique_ptr<EngineProcess> gateway(const std::string& mode,
+                                                std::vector<std::string> endpoints) {
+    std::vector<std::string> a = {TANDEM_BINARY, "gateway", "--host", "127.0.0.1",
+                                  "--port",      "0",       "--mode", mode};
+    a.insert(a.end(), endpoints.begin(), endpoints.end());
+    return std::make_unique<EngineProcess>(a);
+  }
+
+  static std::string endpoint(const EngineProcess& e, uint16_t bootstrap = 0) {
+    std::string s = "127.0.0.1:" + std::to_string(e.port());
+    if (bootstrap) s += "@" + std::to_string(bootstrap);
+    return s;
+  }
+
+  static std::string greedy(const std::vector<int32_t>& prompt, int64_t max_tokens) {
+    engine::SamplingParams p;
+    p.temperature = 0;
+    p.max_tokens = max_tokens;
+    p.ignore_eos = true;
+    return engine::generate(*model_, *tok_, prompt, p).text;
+  }
+
+  // The official client through `port`; checks what engine_server_test checks on one engine.
+  void check_with_openai_client(uint16_t port) {
+    const std::string prompt = "The quick brown fox jumps over the lazy dog";
+    const auto ids = tok_->encode(prompt, true);
+    const auto out_path = test::temp_path("gateway-openai-client");
+    const std::string cmd = "node " + test::quote(test::oracle_dir() / "openai_client_check.js") +
+                            " " + test::quote("http://127.0.0.1:" + std::to_string(port) + "/v1") +
+                            " tiny " + test::quote(prompt) + " " + test::quote(json(ids).dump()) +
+                            " > " + test::quote(out_path);
+    ASSERT_EQ(test::run_command(cmd), 0);
+    std::ifstream in(out_path);
+    const json r = json::parse(in);
+    std::filesystem::remove(out_path);
+    EXPECT_EQ(r["models"], json::array({"tiny"}));
+    const std::string expected = greedy(ids, 12);
+    EXPECT_EQ(r["completion"]["text"], expected);
+    EXPECT_EQ(r["completion"]["usage"]["completion_tokens"], 12);
+    EXPECT_EQ(r["completion"]["usage"]["prompt_tokens"], ids.size());
+    EXPECT_EQ(r["completion_stream"]["text"], expected);
+    EXPECT_EQ(r["completion_stream"]["usage"]["completion_tokens"], 12);
+    EXPECT_EQ(r["completion_ids"]["text"], expected);
+    nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", prompt}}}},
+                                  {"add_generation_prompt", true},
+                                  {"bos_token", tok_->bos_token()},
+                                  {"eos_token", tok_->eos_token()}};
+    const auto chat_ids =
+        tok_->encode(text::ChatTemplate(tok_->chat_template()).render(ctx), false);
+    const std::string chat_expected = greedy(chat_ids, 10);
+    EXPECT_EQ(r["chat"]["content"], chat_expected);
+    EXPECT_EQ(r["chat_stream"]["content"], chat_expected);
+    ASSERT_TRUE(r.contains("stop"));
+    const std::string stop = r["stop"]["stop"];
+    EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
+    EXPECT_EQ(r["abort"]["chunks"], 2);
+    EXPECT_EQ(r["bad_request"]["status"], 400);
+  }
+
+  static void expect_idle(const EngineProcess& e) {
+    EXPECT_TRUE(eventually([&] {
+      return metric(e.port(), "vllm:kv_cache_usage_perc") == 0 &&
+             metric(e.port(), "vllm:num_requests_running") == 0 &&
+             metric(e.port(), "tandem:kv_transfer_held_blocks") == 0;
+    })) << "engine on port "
+        << e.port() << " still holds requests or blocks: usage "
+        << metric(e.port(), "vllm:kv_cache_usage_perc") << ", running "
+        << metric(e.port(), "vllm:num_requests_running") << ", waiting "
+        << metric(e.port(), "vllm:num_requests_waiting") << ", held "
+        << metric(e.port(), "tandem:kv_transfer_held_blocks") << ", waiting for KV "
+        << metric(e.port(), "tandem:num_requests_waiting_for_kv");
+  }
+};
+
+TEST_F(GatewayStack, EveryModeServesTheOpenAIClientLikeOneEngine) {
+  uint16_t kv_port = 0;
+  auto single = engine("both", nullptr);
+  auto prefill = engine("prefill", &kv_port);
+  auto decode = engine("decode", nullptr);
+  ASSERT_NE(kv_port, 0);
+  for (const auto& [mode, endpoints] :
+       std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"aggregated", {"--decode", endpoint(*single)}},
+           {"sequential", {"--prefill", endpoint(*prefill), "--decode", endpoint(*decode)}},
+           {"parallel",
+            {"--prefill", endpoint(*prefill, kv_port), "--decode", endpoint(*decode)}}}) {
+    SCOPED_TRACE(mode);
+    auto gw = gateway(mode, endpoints);
+    check_with_openai_client(gw->port());
+    // Concurrent requests of mixed lengths through the gateway.
+    std::vector<std::future<std::string>> got;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < 8; ++i) {
+      std::vector<int32_t> p;
+      for (int k = 0; k < 5 + 13 * i; ++k) p.push_back(1000 + 37 * i + k);
+      prompts.push_back(p);
+    }
+    for (int i = 0; i < 8; ++i)
+      got.push_back(std::async(std::launch::async, [&, i] {
+        const json body = {
+            {"prompt", prompts[i]}, {"max_tokens", 6}, {"temperature", 0}, {"ignore_eos", true}};
+        const auto r = post_json(gw->port(), "/v1/completions", body);
+        EXPECT_EQ(r.status, 200) << r.body;
+        return r.status == 200 ? json::parse(r.body)["choices"][0]["text"].get<std::string>()
+                               : std::string("<error>");
+      }));
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(got[i].get(), greedy(prompts[i], 6)) << "request " << i;
+    expect_idle(*single);
+    expect_idle(*prefill);
+    expect_idle(*decode);
+  }
+}
+
+TEST_F(GatewayStack, UpstreamFailuresAreOpenAIErrors) {
+  uint16_t kv_port = 0;
+  auto prefill = engine("prefill", &kv_port);
+  auto decode = engine("decode", nullptr);
+  // A prefill engine that is not there: 502 naming it, nothing stuck on the decode engine.
+  auto gw = gateway("sequential", {"--prefill", "127.0.0.1:1", "--decode", endpoint(*decode)});
+  const json body = {{"prompt", "hello"}, {"max_tokens", 4}};
+  auto r = post_json(gw->port(), "/v1/completions", body);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(r.body.find("prefill engine 127.0.0.1:1 failed"), std::string::npos) << r.body;
+  // The parallel flow cancels the decode leg when the prefill leg fails.
+  auto par = gateway("parallel", {"--prefill", "127.0.0.1:1@1", "--decode", endpoint(*decode)});
+  r = post_json(par->port(), "/v1/completions", body);
+  EXPECT_EQ(r.status, 502);
+  expect_idle(*decode);
+  // An engine's own client error passes through unchanged.
+  auto ok = gateway("sequential", {"--prefill", endpoint(*prefill), "--decode", endpoint(*decode)});
+  r = post_json(ok->port(), "/v1/completions", json{{"prompt", "hello"}, {"max_tokens", -1}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("invalid_request_error"), std::string::npos) << r.body;
+  r = net::http_request("127.0.0.1", ok->port(), "POST", "/v1/completions", "{not json");
+  EXPECT_EQ(r.status, 400);
+}
+
+}  // namespace
+}  // namespace tandem::gateway
