@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -12,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "net/http_client.h"
+#include "text/oracle_support.h"
 
 namespace tandem::testing {
 
@@ -53,6 +56,23 @@ inline bool wait_idle(uint16_t port) {
     auto load = get_json(port, "/load");
     return load["running"] == 0 && load["waiting"] == 0;
   });
+}
+
+// Runs the official `openai` npm client (tests/oracle/openai_client_check.js) against the
+// OpenAI API on `port` with model name "tiny" and returns what it saw, as JSON.
+inline nlohmann::json run_openai_client(uint16_t port, const std::string& prompt,
+                                        const std::vector<int32_t>& prompt_ids) {
+  const auto out_path = test::temp_path("openai-client");
+  const std::string cmd = "node " + test::quote(test::oracle_dir() / "openai_client_check.js") +
+                          " " + test::quote("http://127.0.0.1:" + std::to_string(port) + "/v1") +
+                          " tiny " + test::quote(prompt) + " " +
+                          test::quote(nlohmann::json(prompt_ids).dump()) + " > " +
+                          test::quote(out_path);
+  EXPECT_EQ(test::run_command(cmd), 0);
+  std::ifstream in(out_path);
+  nlohmann::json r = nlohmann::json::parse(in, nullptr, false);
+  std::filesystem::remove(out_path);
+  return r.is_discarded() ? nlohmann::json::object() : r;
 }
 
 }  // namespace tandem::testing

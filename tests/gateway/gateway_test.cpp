@@ -5,7 +5,6 @@
 // single-sequence generate loop, and no engine may keep a KV block afterwards.
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <future>
 
 #include <nlohmann/json.hpp>
@@ -67,7 +66,10 @@ class GatewayStack : public test::TinyModelTest<kF32> {
 
   static std::string endpoint(const EngineProcess& e, uint16_t bootstrap = 0) {
     std::string s = "127.0.0.1:" + std::to_string(e.port());
-    if (bootstrap) s += "@" + std::to_string(bootstrap);
+    if (bootstrap) {
+      s += '@';  // two appends: GCC 12 warns (-Wrestrict) about "@" + std::to_string(...)
+      s += std::to_string(bootstrap);
+    }
     return s;
   }
 
@@ -83,15 +85,8 @@ class GatewayStack : public test::TinyModelTest<kF32> {
   void check_with_openai_client(uint16_t port) {
     const std::string prompt = "The quick brown fox jumps over the lazy dog";
     const auto ids = tok_->encode(prompt, true);
-    const auto out_path = test::temp_path("gateway-openai-client");
-    const std::string cmd = "node " + test::quote(test::oracle_dir() / "openai_client_check.js") +
-                            " " + test::quote("http://127.0.0.1:" + std::to_string(port) + "/v1") +
-                            " tiny " + test::quote(prompt) + " " + test::quote(json(ids).dump()) +
-                            " > " + test::quote(out_path);
-    ASSERT_EQ(test::run_command(cmd), 0);
-    std::ifstream in(out_path);
-    const json r = json::parse(in);
-    std::filesystem::remove(out_path);
+    const json r = testing::run_openai_client(port, prompt, ids);
+    ASSERT_TRUE(r.contains("completion")) << r.dump();
     EXPECT_EQ(r["models"], json::array({"tiny"}));
     const std::string expected = greedy(ids, 12);
     EXPECT_EQ(r["completion"]["text"], expected);
@@ -112,7 +107,10 @@ class GatewayStack : public test::TinyModelTest<kF32> {
     ASSERT_TRUE(r.contains("stop"));
     const std::string stop = r["stop"]["stop"];
     EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
-    EXPECT_EQ(r["abort"]["chunks"], 2);
+    // The client aborts after its second chunk; events it had already read in the same
+    // packet may still arrive (the gateway relays bytes, not events). The engines must end
+    // idle either way (checked by the caller).
+    EXPECT_GE(r["abort"]["chunks"].get<int>(), 2);
     EXPECT_EQ(r["bad_request"]["status"], 400);
   }
 
