@@ -285,6 +285,9 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
     last_hashes = block_hashes(seq, 4);
     computed_hashes.insert(last_hashes.begin(), last_hashes.end());
   }
+  // The answer leaves during the engine's step, the /load snapshot is written at its end: wait
+  // for the snapshot that shows the last request finished before reading the cache size.
+  ASSERT_TRUE(wait_idle(engine.port()));
   const int64_t cached = get_json(engine.port(), "/load")["cached_blocks"];
 
   // Replay every batch from sequence 0 with the independent decoder; the last batch may still be
