@@ -7,6 +7,7 @@
 #include "cli/gateway_command.h"
 #include "cli/generate_command.h"
 #include "cli/model_commands.h"
+#include "cli/serve_command.h"
 #include "cli/text_commands.h"
 #include "util/error.h"
 
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_generate_command(app);
   tandem::cli::add_engine_command(app);
   tandem::cli::add_gateway_command(app);
+  tandem::cli::add_serve_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -15,6 +15,7 @@
 #include "engine/tiny_model_fixture.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
+#include "util/error.h"
 
 namespace tandem::gateway {
 namespace {
@@ -190,6 +191,37 @@ TEST_F(GatewayStack, UpstreamFailuresAreOpenAIErrors) {
   EXPECT_NE(r.body.find("invalid_request_error"), std::string::npos) << r.body;
   r = net::http_request("127.0.0.1", ok->port(), "POST", "/v1/completions", "{not json");
   EXPECT_EQ(r.status, 400);
+}
+
+TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
+  for (const std::string mode : {"sequential", "parallel"}) {
+    SCOPED_TRACE(mode);
+    EngineProcess serve({TANDEM_BINARY, "serve", "--model", dir_->string(), "--host", "127.0.0.1",
+                         "--port", "0", "--mode", mode, "--engine-arg=--num-kv-blocks",
+                         "--engine-arg=256", "--engine-arg=--served-model-name",
+                         "--engine-arg=tiny"});
+    std::vector<uint16_t> engines;
+    for (int i = 0; i < 2; ++i) {
+      const std::string line = serve.next_line();
+      const auto at = line.find("engine http://");
+      ASSERT_NE(at, std::string::npos) << line;
+      engines.push_back(static_cast<uint16_t>(std::stoi(line.substr(line.find(':', at + 14) + 1))));
+    }
+    std::vector<int32_t> prompt;
+    for (int k = 0; k < 40; ++k) prompt.push_back(3000 + 7 * k);
+    const json body = {
+        {"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+    const auto r = post_json(serve.port(), "/v1/completions", body);
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["choices"][0]["text"], greedy(prompt, 8));
+    EXPECT_EQ(serve.stop(), 0);
+    // Its engines went with it.
+    for (uint16_t port : engines)
+      EXPECT_THROW(
+          net::http_request("127.0.0.1", port, "GET", "/health", {}, {}, std::chrono::seconds(2)),
+          Error)
+          << "engine on port " << port << " still running";
+  }
 }
 
 }  // namespace

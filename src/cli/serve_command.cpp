@@ -1,0 +1,164 @@
+#include "cli/serve_command.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gateway/gateway.h"
+#include "util/error.h"
+
+namespace tandem::cli {
+namespace {
+
+struct ServeOptions {
+  std::string model, host = "127.0.0.1", mode = "parallel";
+  int port = 8080, prefill = 1, decode = 1;
+  std::vector<std::string> engine_args;  // passed to every engine
+};
+
+// One `tandem engine` child: started with --port 0, its ports read from its first lines.
+class Child {
+ public:
+  Child(const std::vector<std::string>& args, const sigset_t& blocked) {
+    int fds[2];
+    if (pipe(fds) != 0) throw Error("serve: cannot create a pipe");
+    pid_ = fork();
+    if (pid_ < 0) throw Error("serve: cannot start an engine process");
+    if (pid_ == 0) {
+      // The child takes signals normally (the parent blocked them for its sigwait).
+      pthread_sigmask(SIG_UNBLOCK, &blocked, nullptr);
+      dup2(fds[1], STDOUT_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      std::vector<char*> argv;
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv("/proc/self/exe", argv.data());
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    char line[4096];
+    while (std::fgets(line, sizeof line, out_)) {
+      const std::string l = line;
+      if (auto at = l.find("listening on http://"); at != std::string::npos) {
+        port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
+      } else if (auto kv = l.find("KV transfer on "); kv != std::string::npos) {
+        kv_port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', kv + 15) + 1)));
+      }
+      if (l.find("role ") != std::string::npos) return;  // the second line: ports known
+    }
+    stop();
+    throw Error("serve: an engine did not start (see its messages above)");
+  }
+  ~Child() { stop(); }
+  uint16_t port() const { return port_; }
+  uint16_t kv_port() const { return kv_port_; }
+  void terminate() {
+    if (pid_ > 0) kill(pid_, SIGTERM);
+  }
+  void stop() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    if (out_) fclose(out_);
+    out_ = nullptr;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  uint16_t port_ = 0, kv_port_ = 0;
+};
+
+void run(const ServeOptions& o) {
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  const gateway::PdMode mode = gateway::parse_mode(o.mode);
+  const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
+  if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
+    throw Error(
+        "serve: needs at least one decode engine, and one prefill engine unless "
+        "--mode aggregated");
+  auto engine_args = [&](const std::string& role) {
+    std::vector<std::string> a = {"tandem", "engine", "--model", o.model,  "--host",
+                                  o.host,   "--port", "0",       "--role", role};
+    if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
+    return a;
+  };
+  std::vector<std::unique_ptr<Child>> children;
+  gateway::GatewayOptions g;
+  g.host = o.host;
+  g.port = static_cast<uint16_t>(o.port);
+  g.mode = mode;
+  // Engines start one after another: each has its ports by the time the next one starts.
+  for (int i = 0; i < prefills; ++i) {
+    children.push_back(std::make_unique<Child>(engine_args("prefill"), stop_signals));
+    g.prefill.push_back({o.host, children.back()->port(), children.back()->kv_port()});
+  }
+  for (int i = 0; i < o.decode; ++i) {
+    const std::string role = mode == gateway::PdMode::kAggregated ? "both" : "decode";
+    children.push_back(std::make_unique<Child>(engine_args(role), stop_signals));
+    g.decode.push_back({o.host, children.back()->port(), 0});
+  }
+  gateway::Gateway gw(g);
+  gw.start();
+  std::printf(
+      "tandem serve: listening on http://%s:%u (gateway, mode %s, %d prefill + %d decode "
+      "engines of %s)\n",
+      o.host.c_str(), static_cast<unsigned>(gw.port()), o.mode.c_str(), prefills, o.decode,
+      o.model.c_str());
+  for (const auto& e : g.prefill)
+    std::printf("tandem serve: prefill engine http://%s:%u (KV transfer port %u)\n", e.host.c_str(),
+                static_cast<unsigned>(e.port), static_cast<unsigned>(e.bootstrap_port));
+  for (const auto& e : g.decode)
+    std::printf("tandem serve: decode engine http://%s:%u\n", e.host.c_str(),
+                static_cast<unsigned>(e.port));
+  std::fflush(stdout);
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "tandem serve: stopping (signal %d)\n", sig);
+  gw.stop();
+  for (auto& c : children) c->terminate();  // all at once, then wait for each
+  children.clear();
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  auto o = std::make_shared<ServeOptions>();
+  auto* cmd = app.add_subcommand(
+      "serve", "One command for a whole stack: a gateway plus prefill and decode engines");
+  cmd->add_option("--model", o->model, "model folder, or sim:PRESET for simulated engines")
+      ->required();
+  cmd->add_option("--host", o->host, "address for the gateway and the engines")
+      ->capture_default_str();
+  cmd->add_option("--port", o->port, "gateway port (0: any free port)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--mode", o->mode, "aggregated, sequential (vllm) or parallel (sglang)")
+      ->capture_default_str();
+  cmd->add_option("--prefill", o->prefill, "prefill engines")->capture_default_str();
+  cmd->add_option("--decode", o->decode, "decode engines")->capture_default_str();
+  cmd->add_option("--engine-arg", o->engine_args,
+                  "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
+                  "--engine-arg=0.25 (repeatable)");
+  cmd->callback([o] { run(*o); });
+}
+
+}  // namespace tandem::cli
