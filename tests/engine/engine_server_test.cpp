@@ -96,7 +96,9 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
   EXPECT_EQ(r["stop"]["finish"], "stop");
 
-  EXPECT_EQ(r["abort"]["chunks"], 2);
+  // The client aborts after its second chunk; events already read in the same packet may still
+  // be counted. What matters is that the engine frees the request (below).
+  EXPECT_GE(r["abort"]["chunks"].get<int>(), 2);
   EXPECT_TRUE(wait_idle(engine.port())) << "the aborted request still holds the engine";
   EXPECT_EQ(metric(engine.port(), "vllm:kv_cache_usage_perc"), 0.0);
   EXPECT_EQ(r["bad_request"]["status"], 400);
