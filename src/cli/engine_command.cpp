@@ -4,11 +4,11 @@
 #include <ifaddrs.h>
 #include <netinet/in.h>
 
-#include <csignal>
 #include <cstdio>
 #include <memory>
 
 #include "cli/model_commands.h"
+#include "cli/stop_signals.h"
 #include "engine/api/api_server.h"
 #include "engine/executor/cpu_executor.h"
 #include "engine/executor/latency_probe.h"
@@ -69,12 +69,7 @@ struct SimFitOptions {
 constexpr std::string_view kSimPrefix = "sim:";
 
 void run(const EngineOptions& o) {
-  // Block the stop signals before any thread starts, so that only sigwait below sees them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  const StopSignals stop_signals;  // before any thread starts
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;
@@ -161,8 +156,7 @@ void run(const EngineOptions& o) {
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem engine: stopping (signal %d)\n", sig);
   server.stop();
   engine.stop();

@@ -1,9 +1,9 @@
 #include "cli/gateway_command.h"
 
-#include <csignal>
 #include <cstdio>
 #include <memory>
 
+#include "cli/stop_signals.h"
 #include "gateway/gateway.h"
 #include "util/error.h"
 
@@ -18,12 +18,7 @@ struct GatewayCliOptions {
 };
 
 void run(const GatewayCliOptions& o) {
-  // Block the stop signals before any thread starts, so that only sigwait below sees them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  const StopSignals stop_signals;  // before any thread starts
 
   gateway::GatewayOptions g;
   g.host = o.host;
@@ -40,8 +35,7 @@ void run(const GatewayCliOptions& o) {
               o.host.c_str(), static_cast<unsigned>(gw.port()), o.mode.c_str(), g.prefill.size(),
               g.decode.size());
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem gateway: stopping (signal %d)\n", sig);
   gw.stop();
 }

@@ -5,13 +5,13 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cli/stop_signals.h"
 #include "gateway/gateway.h"
 #include "util/error.h"
 
@@ -27,14 +27,14 @@ struct ServeOptions {
 // One `tandem engine` child: started with --port 0, its ports read from its first lines.
 class Child {
  public:
-  Child(const std::vector<std::string>& args, const sigset_t& blocked) {
+  Child(const std::vector<std::string>& args, const StopSignals& stop_signals) {
     int fds[2];
     if (pipe(fds) != 0) throw Error("serve: cannot create a pipe");
     pid_ = fork();
     if (pid_ < 0) throw Error("serve: cannot start an engine process");
     if (pid_ == 0) {
       // The child takes signals normally (the parent blocked them for its sigwait).
-      pthread_sigmask(SIG_UNBLOCK, &blocked, nullptr);
+      stop_signals.unblock();
       dup2(fds[1], STDOUT_FILENO);
       close(fds[0]);
       close(fds[1]);
@@ -82,11 +82,7 @@ class Child {
 };
 
 void run(const ServeOptions& o) {
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  const StopSignals stop_signals;  // before any thread starts
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
   const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
@@ -130,8 +126,7 @@ void run(const ServeOptions& o) {
     std::printf("tandem serve: decode engine http://%s:%u\n", e.host.c_str(),
                 static_cast<unsigned>(e.port));
   std::fflush(stdout);
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
+  const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem serve: stopping (signal %d)\n", sig);
   gw.stop();
   for (auto& c : children) c->terminate();  // all at once, then wait for each

@@ -303,7 +303,6 @@ void Engine::admit_incoming() {
       }
     }
     if (kt.decode()) {
-      raw->awaiting_kv = true;
       awaiting_kv_.push_back(raw);
     } else {
       scheduler_.add(raw);
@@ -532,7 +531,6 @@ void Engine::on_fetch_done(const std::string& id, const KvFetchResult& result) {
     return;
   }
   std::erase(awaiting_kv_, seq);
-  seq->awaiting_kv = false;
   seq->num_computed = seq->num_prompt - 1;
   kv_.cache_full_blocks(id, std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
   scheduler_.add(seq);

@@ -74,7 +74,6 @@ struct Sequence {
   int64_t num_preemptions = 0;
   bool admitted_once = false;
   // Disaggregation state (engine thread).
-  bool awaiting_kv = false;  // a decode whose prompt KV has not arrived yet
   bool fetching = false;     // ... and its transfer runs (the blocks are being written)
   bool cancelled = false;    // finished while fetching: drop it when the transfer ends
   bool kv_parked = false;    // finished, blocks kept for a transfer (freed when it ends)

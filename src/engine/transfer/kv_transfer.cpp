@@ -82,6 +82,42 @@ T get_field(const json& j, const char* name) {
   }
 }
 
+// The layer frame's header: [u32 layer][u32 flags][u64 checksum], little-endian.
+struct LayerHeader {
+  uint64_t layer = 0;
+  bool has_checksum = false;
+  uint64_t checksum = 0;
+};
+
+void put_le(std::byte* p, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
+}
+uint64_t get_le(const std::byte* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= uint64_t(std::to_integer<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+void encode(const LayerHeader& h, std::byte* out) {
+  put_le(out, h.layer, 4);
+  put_le(out + 4, h.has_checksum ? kFlagChecksum : 0, 4);
+  put_le(out + 8, h.checksum, 8);
+}
+LayerHeader decode(const std::byte* in) {
+  return {get_le(in, 4), (get_le(in + 4, 4) & kFlagChecksum) != 0, get_le(in + 8, 8)};
+}
+
+// XXH3-64 over a layer's bytes as they lie, in pieces (block after block).
+template <typename Span>
+uint64_t checksum(std::span<const Span> pieces) {
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  for (const auto& p : pieces) XXH3_64bits_update(st, p.data(), p.size());
+  const uint64_t sum = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return sum;
+}
+
 std::string seconds_text(double s) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", s);
@@ -423,18 +459,8 @@ void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>
       const int64_t n = std::min(bs, num_tokens - t);
       parts.emplace_back(executor_.kv_bytes(blocks[size_t(t / bs)], layer), size_t(n * tb));
     }
-    uint64_t sum = 0;
-    if (config_.checksum) {
-      XXH3_state_t* st = XXH3_createState();
-      XXH3_64bits_reset(st);
-      for (size_t i = 1; i < parts.size(); ++i)
-        XXH3_64bits_update(st, parts[i].data(), parts[i].size());
-      sum = XXH3_64bits_digest(st);
-      XXH3_freeState(st);
-    }
-    for (int b = 0; b < 4; ++b) header[b] = std::byte((uint64_t(layer) >> (8 * b)) & 0xff);
-    header[4] = std::byte(config_.checksum ? kFlagChecksum : 0);
-    for (int b = 0; b < 8; ++b) header[8 + b] = std::byte((sum >> (8 * b)) & 0xff);
+    const auto data = std::span<const std::span<const std::byte>>(parts).subspan(1);
+    encode({uint64_t(layer), config_.checksum, config_.checksum ? checksum(data) : 0}, header);
     conn.send(KvFrameType::kLayer, parts);
     metrics_->bytes.labels({"sent"}).inc(uint64_t((num_tokens - first_token) * tb));
   }
@@ -765,25 +791,13 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
         parts.emplace_back(buffer);
       }
       conn->receive_payload(parts);
-      uint64_t got_layer = 0, sum = 0;
-      for (int b = 0; b < 4; ++b)
-        got_layer |= uint64_t(std::to_integer<uint8_t>(header[b])) << (8 * b);
-      for (int b = 0; b < 8; ++b)
-        sum |= uint64_t(std::to_integer<uint8_t>(header[8 + b])) << (8 * b);
-      if (got_layer != uint64_t(layer))
+      const LayerHeader got = decode(header);
+      if (got.layer != uint64_t(layer))
         throw Error("expected layer " + std::to_string(layer) + ", got " +
-                    std::to_string(got_layer));
-      if (std::to_integer<uint8_t>(header[4]) & kFlagChecksum) {
-        XXH3_state_t* st = XXH3_createState();
-        XXH3_64bits_reset(st);
-        for (size_t i = 1; i < parts.size(); ++i)
-          XXH3_64bits_update(st, parts[i].data(), parts[i].size());
-        const uint64_t got = XXH3_64bits_digest(st);
-        XXH3_freeState(st);
-        if (got != sum)
-          throw Error("layer " + std::to_string(layer) +
-                      ": checksum mismatch (corrupted transfer)");
-      }
+                    std::to_string(got.layer));
+      const auto data = std::span<const std::span<std::byte>>(parts).subspan(1);
+      if (got.has_checksum && checksum(data) != got.checksum)
+        throw Error("layer " + std::to_string(layer) + ": checksum mismatch (corrupted transfer)");
       if (!in_place)
         for (size_t b = 0; b < f.local_blocks.size(); ++b) {
           const int64_t off = int64_t(b) * bs;
