@@ -1,10 +1,7 @@
 #include "cli/serve_command.h"
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -13,6 +10,7 @@
 
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
+#include "util/child_process.h"
 #include "util/error.h"
 
 namespace tandem::cli {
@@ -27,28 +25,9 @@ struct ServeOptions {
 // One `tandem engine` child: started with --port 0, its ports read from its first lines.
 class Child {
  public:
-  Child(const std::vector<std::string>& args, const StopSignals& stop_signals) {
-    int fds[2];
-    if (pipe(fds) != 0) throw Error("serve: cannot create a pipe");
-    pid_ = fork();
-    if (pid_ < 0) throw Error("serve: cannot start an engine process");
-    if (pid_ == 0) {
-      // The child takes signals normally (the parent blocked them for its sigwait).
-      stop_signals.unblock();
-      dup2(fds[1], STDOUT_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      std::vector<char*> argv;
-      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      execv("/proc/self/exe", argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    char line[4096];
-    while (std::fgets(line, sizeof line, out_)) {
-      const std::string l = line;
+  Child(const std::vector<std::string>& args, const StopSignals& stop_signals)
+      : process_("/proc/self/exe", args, [&] { stop_signals.unblock(); }) {
+    for (std::string l = process_.read_line(); !l.empty(); l = process_.read_line()) {
       if (auto at = l.find("listening on http://"); at != std::string::npos) {
         port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
       } else if (auto kv = l.find("KV transfer on "); kv != std::string::npos) {
@@ -56,28 +35,14 @@ class Child {
       }
       if (l.find("role ") != std::string::npos) return;  // the second line: ports known
     }
-    stop();
     throw Error("serve: an engine did not start (see its messages above)");
   }
-  ~Child() { stop(); }
   uint16_t port() const { return port_; }
   uint16_t kv_port() const { return kv_port_; }
-  void terminate() {
-    if (pid_ > 0) kill(pid_, SIGTERM);
-  }
-  void stop() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-    if (out_) fclose(out_);
-    out_ = nullptr;
-  }
+  void terminate() { process_.signal(SIGTERM); }
 
  private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
+  ChildProcess process_;  // stopped (SIGTERM, wait) when the Child goes
   uint16_t port_ = 0, kv_port_ = 0;
 };
 

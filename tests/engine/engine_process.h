@@ -1,82 +1,46 @@
 #pragma once
-// Starts `tandem engine ... --port 0` as a child process for a test, reads the port from its
-// first line of output, and stops it (SIGTERM, then SIGKILL) when destroyed.
+// Starts `tandem engine|gateway|serve ... --port 0` as a child process for a test, reads the port
+// from its "listening on http://HOST:PORT" line, and stops it (SIGTERM) when destroyed.
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdio>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "util/child_process.h"
 
 namespace tandem::testing {
 
 class EngineProcess {
  public:
-  explicit EngineProcess(std::vector<std::string> args) {
-    int fds[2];
-    if (pipe(fds) != 0) throw std::runtime_error("pipe failed");
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(fds[1], STDOUT_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
-    close(fds[1]);
-    out_ = fdopen(fds[0], "r");
-    char line[4096];
-    while (std::fgets(line, sizeof line, out_)) {
-      std::string l = line;
-      output_ += l;
+  explicit EngineProcess(const std::vector<std::string>& args) : child_(args.at(0), args) {
+    std::string output;
+    for (std::string l = child_.read_line(); !l.empty(); l = child_.read_line()) {
+      output += l;
       const auto at = l.find("listening on http://");
       if (at != std::string::npos) {
-        const auto colon = l.find(':', at + 20);
-        port_ = static_cast<uint16_t>(std::stoi(l.substr(colon + 1)));
-        // Later lines (KV event endpoints) are read on demand.
-        return;
+        port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
+        return;  // later lines (KV transfer, KV events) are read on demand
       }
     }
-    throw std::runtime_error("engine did not start; output: " + output_);
+    throw std::runtime_error("engine did not start; output: " + output);
   }
-  ~EngineProcess() { stop(); }
 
   uint16_t port() const { return port_; }
   // The next line the engine printed (empty at end of output).
-  std::string next_line() {
-    char line[4096];
-    if (!std::fgets(line, sizeof line, out_)) return {};
-    return line;
-  }
+  std::string next_line() { return child_.read_line(); }
   // Kills the engine at once (SIGKILL), as a crashed node.
   void kill_now() {
-    if (pid_ > 0) kill(pid_, SIGKILL);
-    stop();
+    child_.signal(SIGKILL);
+    child_.stop();
   }
   // Sends SIGTERM and returns the exit status.
-  int stop() {
-    if (pid_ <= 0) return status_;
-    kill(pid_, SIGTERM);
-    int st = 0;
-    waitpid(pid_, &st, 0);
-    pid_ = -1;
-    if (out_) fclose(out_);
-    out_ = nullptr;
-    status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-    return status_;
-  }
+  int stop() { return child_.stop(); }
 
  private:
-  pid_t pid_ = -1;
-  FILE* out_ = nullptr;
+  ChildProcess child_;
   uint16_t port_ = 0;
-  int status_ = -1;
-  std::string output_;
 };
 
 }  // namespace tandem::testing

@@ -1,0 +1,37 @@
+#pragma once
+// A child process whose standard output is read line by line (Tandem's commands print their
+// ports there), stopped with SIGTERM and waited for when destroyed. Used by `tandem serve` for its
+// engines and by the tests for every process they start.
+#include <sys/types.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace tandem {
+
+class ChildProcess {
+ public:
+  // Runs `program` with `argv` (argv[0] included). `in_child` runs in the child just before exec
+  // (keep it to async-signal-safe calls, e.g. restoring a signal mask). Throws tandem::Error if
+  // the process cannot be created.
+  ChildProcess(const std::string& program, const std::vector<std::string>& argv,
+               const std::function<void()>& in_child = {});
+  ~ChildProcess();  // stop()
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+
+  // The next line the child printed, newline included; empty at the end of its output.
+  std::string read_line();
+  void signal(int sig);  // no-op once stopped
+  // SIGTERM, then waits; returns the exit status (128 + signal when killed by one). Idempotent.
+  int stop();
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  int status_ = -1;
+};
+
+}  // namespace tandem
