@@ -9,6 +9,7 @@
 
 #include "util/error.h"
 #include "util/json.h"
+#include "util/little_endian.h"
 
 namespace tandem::engine {
 namespace {
@@ -88,15 +89,6 @@ struct LayerHeader {
   bool has_checksum = false;
   uint64_t checksum = 0;
 };
-
-void put_le(std::byte* p, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
-}
-uint64_t get_le(const std::byte* p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= uint64_t(std::to_integer<uint8_t>(p[i])) << (8 * i);
-  return v;
-}
 
 void encode(const LayerHeader& h, std::byte* out) {
   put_le(out, h.layer, 4);

@@ -17,6 +17,7 @@
 
 #include "engine/transfer/kv_transport.h"
 #include "util/error.h"
+#include "util/little_endian.h"
 
 namespace tandem::engine {
 namespace {
@@ -26,15 +27,6 @@ using tcp = asio::ip::tcp;
 using boost::system::error_code;
 
 constexpr size_t kHeaderBytes = 16;
-
-void put_le(std::byte* p, uint64_t v, int n) {
-  for (int i = 0; i < n; ++i) p[i] = std::byte((v >> (8 * i)) & 0xff);
-}
-uint64_t get_le(const std::byte* p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= uint64_t(std::to_integer<uint8_t>(p[i])) << (8 * i);
-  return v;
-}
 
 std::string endpoint_text(const tcp::socket& s) {
   error_code ec;
