@@ -1,0 +1,300 @@
+#include "gateway/tokens_in.h"
+
+#include <algorithm>
+#include <array>
+
+#include "util/error.h"
+#include "util/file.h"
+#include "util/json.h"
+
+namespace tandem::gateway {
+namespace {
+
+using engine::api::ApiError;
+using engine::api::ApiKind;
+using nlohmann::json;
+
+// Stands for "no limit known": the engines judge the length then.
+constexpr int64_t kUnknownLength = int64_t{1} << 40;
+
+// Chat fields whose effect the tokens-in completion cannot carry: they change the response's
+// shape (tool calls, structured output, chat logprobs) or the rendering in ways only the
+// serving engine knows (its own template, multimodal inputs). Their requests pass through.
+constexpr std::array kChatPassThrough = {"tools",
+                                         "functions",
+                                         "function_call",
+                                         "tool_choice",
+                                         "response_format",
+                                         "chat_template",
+                                         "continue_final_message",
+                                         "documents",
+                                         "prompt_logprobs",
+                                         "reasoning_effort",
+                                         "audio",
+                                         "modalities",
+                                         "prediction",
+                                         "web_search_options"};
+
+// Chat fields that the template consumed or that mean something else on /v1/completions
+// (`logprobs` is a boolean in chat and a count in completions). Dropped from the tokens-in body.
+constexpr std::array kChatOnly = {"messages",
+                                  "add_generation_prompt",
+                                  "chat_template_kwargs",
+                                  "max_completion_tokens",
+                                  "logprobs",
+                                  "top_logprobs",
+                                  "echo",
+                                  "add_special_tokens",
+                                  "parallel_tool_calls"};
+
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+// Present with anything but `false`.
+bool set(const json& body, const char* name) {
+  const json* v = field(body, name);
+  return v && !(v->is_boolean() && !v->get<bool>());
+}
+
+bool is_token_list(const json& v) {
+  return v.is_array() && !v.empty() &&
+         std::all_of(v.begin(), v.end(), [](const json& t) { return t.is_number(); });
+}
+
+bool completion_translatable(const json& body) {
+  // Echo repeats the prompt as the client wrote it, which only the text-in request has.
+  if (set(body, "echo")) return false;
+  // Without BOS only engines that honour the flag tokenize as asked.
+  if (const json* a = field(body, "add_special_tokens"); a && !(a->is_boolean() && a->get<bool>()))
+    return false;
+  // A batch answers with one choice per prompt; the gateway schedules single prompts.
+  const json* prompt = field(body, "prompt");
+  return !(prompt && prompt->is_array() && !is_token_list(*prompt));
+}
+
+bool chat_translatable(const json& body, bool has_template, bool knows_length) {
+  if (!has_template) return false;
+  for (const char* name : kChatPassThrough)
+    if (field(body, name)) return false;
+  if (set(body, "logprobs") || field(body, "top_logprobs") || set(body, "echo") ||
+      set(body, "add_special_tokens"))
+    return false;
+  // The chat default for max tokens is the room left in the context, which needs the length.
+  if (!knows_length && !field(body, "max_tokens") && !field(body, "max_completion_tokens"))
+    return false;
+  // Non-text content parts (images, audio) are for engines that take them.
+  if (const json* messages = field(body, "messages"); messages && messages->is_array()) {
+    for (const auto& m : *messages) {
+      const json* content = m.is_object() ? field(m, "content") : nullptr;
+      if (!content || !content->is_array()) continue;
+      for (const auto& part : *content)
+        if (!part.is_object() || part.value("type", json()) != "text") return false;
+    }
+  }
+  return true;
+}
+
+int64_t positive(const json& doc, const char* name, const std::filesystem::path& origin) {
+  const json* v = field(doc, name);
+  if (!v) return 0;
+  if (!v->is_number_integer() || v->get<int64_t>() <= 0)
+    throw Error(origin.string() + ": '" + name + "' must be a positive integer");
+  return v->get<int64_t>();
+}
+
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// The answer parsed, when it is a completion answer (an object with a list of choices).
+std::optional<json> completion_answer(std::string_view text) {
+  json doc;
+  try {
+    doc = parse_untrusted_json(text);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  if (!doc.is_object() || !doc.contains("choices") || !doc["choices"].is_array())
+    return std::nullopt;
+  return doc;
+}
+
+// A completion answer's fields other than its choices, renamed as the chat answer's.
+json chat_envelope(const json& answer, const char* object) {
+  json out = answer;
+  out.erase("choices");
+  out["object"] = object;
+  // Engines name completions "cmpl-..." and chats "chatcmpl-..." (vLLM and ours).
+  if (const json* id = field(answer, "id"); id && id->is_string()) {
+    const auto s = id->get<std::string>();
+    if (s.rfind("cmpl-", 0) == 0) out["id"] = "chat" + s;
+  }
+  return out;
+}
+
+std::string text_of(const json& choice) {
+  const json* t = field(choice, "text");
+  return t && t->is_string() ? t->get<std::string>() : std::string();
+}
+
+json member(const json& o, const char* name) {
+  const json* v = field(o, name);
+  return v ? *v : json(nullptr);
+}
+
+}  // namespace
+
+PromptTokenizer::PromptTokenizer(const std::filesystem::path& dir, std::string model_name,
+                                 int64_t max_model_len)
+    : tokenizer_(text::Tokenizer::from_dir(dir)) {
+  if (!tokenizer_.chat_template().empty())
+    chat_template_ = std::make_unique<text::ChatTemplate>(tokenizer_.chat_template());
+  limits_.model_name = std::move(model_name);
+  // The engine's limits: the checkpoint's vocab_size and max_position_embeddings (CpuExecutor),
+  // or the tokenizer's vocabulary (SimExecutor). Only these two fields are read: the gateway may
+  // front engines of any architecture, whose config.json ModelConfig (DeepSeek's) would refuse.
+  limits_.vocab_size = static_cast<int64_t>(tokenizer_.vocab_size());
+  const auto config = dir / "config.json";
+  if (std::filesystem::exists(config)) {
+    json doc;
+    try {
+      doc = parse_untrusted_json(read_file(config));
+    } catch (const Error& e) {
+      throw Error(config.string() + ": " + e.what());
+    }
+    if (!doc.is_object()) throw Error(config.string() + ": expected a JSON object");
+    if (const int64_t v = positive(doc, "vocab_size", config)) limits_.vocab_size = v;
+    limits_.max_model_len = positive(doc, "max_position_embeddings", config);
+  }
+  if (max_model_len > 0) limits_.max_model_len = max_model_len;
+}
+
+PromptTokenizer::~PromptTokenizer() = default;
+
+std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
+                                                  const nlohmann::json& body) const {
+  ApiKind kind;
+  if (path == "/v1/completions")
+    kind = ApiKind::kCompletion;
+  else if (path == "/v1/chat/completions")
+    kind = ApiKind::kChat;
+  else
+    return std::nullopt;
+  const bool knows_length = limits_.max_model_len > 0;
+  // A body that is not an object goes on to the parser, which names the error.
+  if (body.is_object() && (kind == ApiKind::kCompletion
+                               ? !completion_translatable(body)
+                               : !chat_translatable(body, chat_template_ != nullptr, knows_length)))
+    return std::nullopt;
+  engine::api::ModelLimits limits = limits_;
+  if (!knows_length) limits.max_model_len = kUnknownLength;
+  if (limits.model_name.empty() && body.is_object()) {
+    // Any name is accepted: the engines check it.
+    if (const json* m = field(body, "model"); m && m->is_string())
+      limits.model_name = m->get<std::string>();
+  }
+  engine::api::ApiRequest r;
+  try {
+    r = kind == ApiKind::kCompletion
+            ? engine::api::parse_completion(body, tokenizer_, limits)
+            : engine::api::parse_chat(body, tokenizer_, chat_template_.get(), limits);
+  } catch (const Error& e) {
+    throw ApiError{400, e.what(), ""};
+  }
+  TokensIn t;
+  t.client_kind = kind;
+  t.ids = r.prompts.at(0);
+  t.max_tokens = r.sampling.max_tokens;
+  t.n = r.n;
+  t.stream = r.stream;
+  return t;
+}
+
+nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn& request) {
+  json out;
+  if (request.client_kind == ApiKind::kChat) {
+    out = json::object();
+    for (auto it = client_body.begin(); it != client_body.end(); ++it) {
+      const bool drop =
+          std::any_of(kChatOnly.begin(), kChatOnly.end(),
+                      [&](const char* k) { return it.key() == k; }) ||
+          std::any_of(kChatPassThrough.begin(), kChatPassThrough.end(),
+                      [&](const char* k) { return it.key() == k; });  // null ones reach here
+      if (!drop) out[it.key()] = it.value();
+    }
+    out["max_tokens"] = request.max_tokens;
+  } else {
+    out = client_body;
+  }
+  out["prompt"] = request.ids;
+  return out;
+}
+
+ResponseTranslator::ResponseTranslator(engine::api::ApiKind client_kind)
+    : chat_(client_kind == ApiKind::kChat) {}
+
+std::string ResponseTranslator::body(std::string_view completion_json) const {
+  if (!chat_) return std::string(completion_json);
+  const auto answer = completion_answer(completion_json);
+  if (!answer) return std::string(completion_json);
+  json out = chat_envelope(*answer, "chat.completion");
+  json choices = json::array();
+  for (size_t i = 0; i < (*answer)["choices"].size(); ++i) {
+    const json& c = (*answer)["choices"][i];
+    if (!c.is_object()) return std::string(completion_json);
+    json choice = {{"index", c.contains("index") ? c["index"] : json(i)},
+                   {"message", {{"role", "assistant"}, {"content", text_of(c)}}},
+                   {"logprobs", nullptr},
+                   {"finish_reason", member(c, "finish_reason")}};
+    if (c.contains("stop_reason")) choice["stop_reason"] = c["stop_reason"];
+    choices.push_back(std::move(choice));
+  }
+  out["choices"] = std::move(choices);
+  return dump(out);
+}
+
+std::vector<std::string> ResponseTranslator::event(std::string_view data) {
+  if (!chat_ || data == "[DONE]") return {std::string(data)};
+  const auto answer = completion_answer(data);
+  if (!answer) return {std::string(data)};
+  const json envelope = chat_envelope(*answer, "chat.completion.chunk");
+  const json& choices = (*answer)["choices"];
+  std::vector<std::string> events;
+  if (choices.empty()) {  // the usage chunk
+    json e = envelope;
+    e["choices"] = json::array();
+    events.push_back(dump(e));
+    return events;
+  }
+  for (const auto& c : choices) {
+    if (!c.is_object()) return {std::string(data)};
+    const json* index_field = field(c, "index");
+    const int64_t index =
+        index_field && index_field->is_number_integer() ? index_field->get<int64_t>() : 0;
+    auto chunk = [&](json delta, json finish) {
+      json choice = {{"index", index},
+                     {"delta", std::move(delta)},
+                     {"logprobs", nullptr},
+                     {"finish_reason", std::move(finish)}};
+      json e = envelope;
+      e["choices"] = json::array({std::move(choice)});
+      return e;
+    };
+    // As the engine answers a chat: the role first, then content, then the finish on its own.
+    if (started_.insert(index).second)
+      events.push_back(dump(chunk({{"role", "assistant"}, {"content", ""}}, nullptr)));
+    if (const std::string text = text_of(c); !text.empty())
+      events.push_back(dump(chunk({{"content", text}}, nullptr)));
+    if (const json finish = member(c, "finish_reason"); !finish.is_null()) {
+      json e = chunk(json::object(), finish);
+      if (c.contains("stop_reason")) e["choices"][0]["stop_reason"] = c["stop_reason"];
+      events.push_back(dump(e));
+    }
+  }
+  return events;
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,91 @@
+#pragma once
+// Tokenizer reuse in the gateway. With a model folder configured, the gateway applies the chat
+// template and tokenizes a request once: it keeps the ids (prefix hashing, load estimates) and
+// sends them downstream as a tokens-in request, a /v1/completions body whose prompt is the id
+// list (vLLM, SGLang and our engine all accept it), whatever endpoint the client called. The
+// engine's completion-shaped answer is translated back into what the client asked for: a chat
+// client gets `chat.completion` bodies and `chat.completion.chunk` events exactly as our engine
+// would have sent them for the chat request itself.
+//
+// The ids are computed by the engine's own parse_completion / parse_chat (engine/api/protocol.h)
+// with the same tokenizer and template, so they are the ids the engine would compute. Requests
+// whose answer cannot be translated faithfully (chat with logprobs, tools or response_format, a
+// batch of prompts, echo, ...) are not tokenized: the gateway passes their body through as is.
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/api/protocol.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+
+namespace tandem::gateway {
+
+// A request the gateway sends tokens-in.
+struct TokensIn {
+  engine::api::ApiKind client_kind = engine::api::ApiKind::kCompletion;  // or kChat
+  std::vector<int32_t> ids;  // the prompt, as the engine itself would tokenize it
+  int64_t max_tokens = 0;    // the completion budget of each choice (defaults applied)
+  int64_t n = 1;             // choices
+  bool stream = false;
+};
+
+class PromptTokenizer {
+ public:
+  // Loads DIR's tokenizer (tokenizer.json; tokenizer_config.json's BOS/EOS and chat template)
+  // as the engine does, and the limits from DIR/config.json (`vocab_size`,
+  // `max_position_embeddings`) when it exists. `model_name`: the model id clients must name
+  // (others are answered 404, as the engine does); empty: any. `max_model_len` > 0 overrides the
+  // config's (engines started with --max-model-len). Throws tandem::Error for unreadable files.
+  explicit PromptTokenizer(const std::filesystem::path& dir, std::string model_name = {},
+                           int64_t max_model_len = 0);
+  ~PromptTokenizer();
+
+  // For a request to `path` ("/v1/completions" or "/v1/chat/completions") with this body: the
+  // prompt's ids, or nullopt when the body must be passed through unchanged (another path, a
+  // request that cannot be translated faithfully). Throws engine::api::ApiError for a body the
+  // engine would refuse (the gateway answers it with its status, message and param).
+  std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body) const;
+
+  const text::Tokenizer& tokenizer() const { return tokenizer_; }
+  // 0 when neither config.json nor the constructor said.
+  int64_t max_model_len() const { return limits_.max_model_len; }
+
+ private:
+  text::Tokenizer tokenizer_;
+  std::unique_ptr<text::ChatTemplate> chat_template_;
+  engine::api::ModelLimits limits_;
+};
+
+// The tokens-in /v1/completions body for a client body that tokenize() accepted: the client's
+// fields with `prompt` replaced by the ids; a chat body also loses the fields the template
+// consumed (messages, chat_template_kwargs, ...), and its max_completion_tokens becomes
+// max_tokens with the chat default applied (completions would default to 16).
+nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn& request);
+
+// Turns the engine's answers to a tokens-in request back into the client's API. For a
+// completion client it is the identity. Anything that is not a completion answer (an error
+// body or event, text that is not JSON) goes through unchanged.
+class ResponseTranslator {
+ public:
+  explicit ResponseTranslator(engine::api::ApiKind client_kind);
+
+  // A whole non-streaming response body.
+  std::string body(std::string_view completion_json) const;
+  // One SSE event's data (a JSON chunk or "[DONE]") to the data of the events to send to the
+  // client, in order (one chunk may become several events; each needs its own SSE framing).
+  std::vector<std::string> event(std::string_view data);
+
+ private:
+  bool chat_ = false;
+  std::set<int64_t> started_;  // choices whose first (role) chunk was sent
+};
+
+}  // namespace tandem::gateway
