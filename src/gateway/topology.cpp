@@ -1,0 +1,516 @@
+#include "gateway/topology.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <charconv>
+#include <cstdint>
+#include <filesystem>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <set>
+#include <string_view>
+#include <utility>
+
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::gateway {
+namespace {
+
+constexpr const char* kEndpointForms = "HOST:PORT, http://HOST:PORT or HOST:PORT@BOOTSTRAP_PORT";
+constexpr const char* kModes = "aggregated, sequential (vllm) or parallel (sglang)";
+constexpr const char* kDialects = "tandem, vllm or sglang";
+
+std::string quoted(const std::string& text) {
+  return "'" + text + "'";
+}
+
+// A whole decimal number, nothing else (no sign other than '-', no spaces, no suffix).
+bool parse_integer(std::string_view text, long long& value) {
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  return ec == std::errc() && ptr == end && !text.empty();
+}
+
+uint16_t parse_port(const std::string& digits, const std::string& what, const std::string& text) {
+  long long value = 0;
+  if (!parse_integer(digits, value) || value < 1 || value > 65535)
+    throw Error(what + ": expected a port 1..65535 in " + quoted(text) + ", got " + quoted(digits));
+  return static_cast<uint16_t>(value);
+}
+
+// parse_endpoint with the error prefix `what` (a key path in topology files).
+Endpoint parse_endpoint_as(const std::string& text, const std::string& what) {
+  auto malformed = [&] {
+    return Error(what + ": expected " + kEndpointForms + ", got " + quoted(text));
+  };
+  Endpoint e;
+  std::string rest = text;
+  if (const auto scheme = rest.find("://"); scheme != std::string::npos) {
+    // Engines speak plain HTTP; any other scheme would silently be wrong.
+    if (rest.substr(0, scheme) != "http") throw malformed();
+    rest = rest.substr(scheme + 3);
+    if (!rest.empty() && rest.back() == '/') rest.pop_back();
+  }
+  if (const auto at = rest.find('@'); at != std::string::npos) {
+    e.bootstrap_port = parse_port(rest.substr(at + 1), what, text);
+    rest = rest.substr(0, at);
+  }
+  const auto colon = rest.rfind(':');
+  if (colon == std::string::npos) throw malformed();
+  e.host = rest.substr(0, colon);
+  // IPv6 addresses come in brackets, as in URLs: [::1]:8000.
+  if (e.host.size() >= 2 && e.host.front() == '[' && e.host.back() == ']')
+    e.host = e.host.substr(1, e.host.size() - 2);
+  else if (e.host.find(':') != std::string::npos)
+    throw malformed();
+  if (e.host.empty() || e.host.find_first_of(" \t/[]@") != std::string::npos) throw malformed();
+  e.port = parse_port(rest.substr(colon + 1), what, text);
+  return e;
+}
+
+PdMode parse_mode_as(const std::string& text, const std::string& what) {
+  if (text == "aggregated") return PdMode::kAggregated;
+  if (text == "sequential" || text == "vllm") return PdMode::kSequential;
+  if (text == "parallel" || text == "sglang") return PdMode::kParallel;
+  throw Error(what + ": expected " + kModes + ", got " + quoted(text));
+}
+
+Dialect parse_dialect_as(const std::string& text, const std::string& what) {
+  if (text == "tandem") return Dialect::kTandem;
+  if (text == "vllm") return Dialect::kVllm;
+  if (text == "sglang") return Dialect::kSglang;
+  throw Error(what + ": expected " + kDialects + ", got " + quoted(text));
+}
+
+std::string host_port(const Endpoint& e) {
+  const bool ipv6 = e.host.find(':') != std::string::npos;
+  return (ipv6 ? "[" + e.host + "]" : e.host) + ":" + std::to_string(e.port);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading the YAML tree. Every function takes the key path of the node it reads, so that every
+// error can say where it is; Reader::fail adds the source.
+
+class Reader {
+ public:
+  explicit Reader(std::string source) : source_(std::move(source)) {}
+
+  [[noreturn]] void fail(const std::string& path, const std::string& expected,
+                         const std::string& got) const {
+    throw Error(source_ + ": " + path + ": expected " + expected + ", got " + got);
+  }
+
+  // How a node looks in an error message.
+  static std::string describe(const YAML::Node& node) {
+    if (!node.IsDefined() || node.IsNull()) return "nothing";
+    if (node.IsSequence()) return "a list";
+    if (node.IsMap()) return "a mapping";
+    if (is_plain(node)) return node.Scalar();
+    return "\"" + node.Scalar() + "\" (a quoted string)";
+  }
+
+  // The keys of a mapping, checked against `allowed` (each at most once).
+  std::map<std::string, YAML::Node> mapping(const YAML::Node& node, const std::string& path,
+                                            std::initializer_list<const char*> allowed) const {
+    if (!node.IsMap()) fail(path.empty() ? "(top level)" : path, "a mapping", describe(node));
+    std::string names;
+    for (const char* name : allowed) names += std::string(names.empty() ? "" : ", ") + name;
+    std::map<std::string, YAML::Node> result;
+    for (const auto& item : node) {
+      const std::string key = item.first.IsScalar() ? item.first.Scalar() : "";
+      const std::string key_path = path.empty() ? key : path + "." + key;
+      if (!item.first.IsScalar())
+        fail(path.empty() ? "(top level)" : path, "names as keys",
+             describe(item.first) + " as a key");
+      bool known = false;
+      for (const char* name : allowed) known = known || key == name;
+      if (!known) fail(key_path, "one of " + names, "an unknown key");
+      if (!result.emplace(key, item.second).second) fail(key_path, "each key once", "it twice");
+    }
+    return result;
+  }
+
+  std::string string(const YAML::Node& node, const std::string& path,
+                     const char* expected = "a string") const {
+    if (!node.IsScalar()) fail(path, expected, describe(node));
+    return node.Scalar();
+  }
+
+  std::string non_empty_string(const YAML::Node& node, const std::string& path,
+                               const char* expected) const {
+    std::string text = string(node, path, expected);
+    if (text.empty()) fail(path, expected, "an empty string");
+    return text;
+  }
+
+  long long integer(const YAML::Node& node, const std::string& path, long long min, long long max,
+                    const std::string& expected) const {
+    long long value = 0;
+    if (!node.IsScalar() || !is_plain(node) || !parse_integer(node.Scalar(), value) ||
+        value < min || value > max)
+      fail(path, expected, describe(node));
+    return value;
+  }
+
+  int count(const YAML::Node& node, const std::string& path, int min) const {
+    return static_cast<int>(integer(node, path, min, std::numeric_limits<int>::max(),
+                                    "a whole number >= " + std::to_string(min)));
+  }
+
+  uint16_t port(const YAML::Node& node, const std::string& path) const {
+    return static_cast<uint16_t>(integer(node, path, 1, 65535, "a port 1..65535"));
+  }
+
+  std::chrono::milliseconds milliseconds(const YAML::Node& node, const std::string& path) const {
+    return std::chrono::milliseconds(integer(node, path, 1, std::numeric_limits<int64_t>::max(),
+                                             "a duration in milliseconds > 0"));
+  }
+
+  bool boolean(const YAML::Node& node, const std::string& path) const {
+    if (node.IsScalar() && is_plain(node)) {
+      if (node.Scalar() == "true") return true;
+      if (node.Scalar() == "false") return false;
+    }
+    fail(path, "true or false", describe(node));
+  }
+
+  // A path in the file, relative to the file's folder; "-" and "" stay as they are.
+  std::string file_path(const std::string& text) const {
+    if (text.empty() || text == "-") return text;
+    const std::filesystem::path path(text);
+    if (path.is_absolute()) return text;
+    const auto folder = std::filesystem::path(source_).parent_path();
+    return (folder / path).lexically_normal().string();
+  }
+
+  const std::string& source() const { return source_; }
+
+ private:
+  // A plain scalar is untagged and unquoted: the only kind that may be a number or a boolean.
+  static bool is_plain(const YAML::Node& node) { return node.Tag() == "?"; }
+
+  std::string source_;
+};
+
+std::string at(const std::string& path, size_t index) {
+  return path + "[" + std::to_string(index) + "]";
+}
+
+Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::string& path) {
+  if (node.IsScalar()) return parse_endpoint_as(r.string(node, path), r.source() + ": " + path);
+  const auto keys = r.mapping(
+      node, path, {"url", "host", "port", "bootstrap_port", "group", "name", "max_in_flight"});
+  Endpoint e;
+  if (keys.count("url")) {
+    if (keys.count("host") || keys.count("port"))
+      r.fail(path + "." + (keys.count("host") ? "host" : "port"), "either url or host and port",
+             "both");
+    e = parse_endpoint_as(r.string(keys.at("url"), path + ".url"),
+                          r.source() + ": " + path + ".url");
+  } else {
+    if (!keys.count("host") || !keys.count("port"))
+      r.fail(path, "url, or host and port", keys.count("host") ? "no port" : "no host");
+    e.host = r.non_empty_string(keys.at("host"), path + ".host", "a host name or address");
+    e.port = r.port(keys.at("port"), path + ".port");
+  }
+  if (keys.count("bootstrap_port")) {
+    if (e.bootstrap_port != 0)
+      r.fail(path + ".bootstrap_port", "one bootstrap port", "one in url as well");
+    e.bootstrap_port = r.port(keys.at("bootstrap_port"), path + ".bootstrap_port");
+  }
+  if (keys.count("group")) e.group = r.count(keys.at("group"), path + ".group", 0);
+  if (keys.count("name")) e.name = r.non_empty_string(keys.at("name"), path + ".name", "a name");
+  if (keys.count("max_in_flight"))
+    e.max_in_flight = r.count(keys.at("max_in_flight"), path + ".max_in_flight", 1);
+  return e;
+}
+
+Pool read_pool(const Reader& r, const YAML::Node& node, const std::string& path, bool required) {
+  const auto keys = r.mapping(node, path, {"dialect", "tokens_in", "max_in_flight", "endpoints"});
+  Pool pool;
+  if (keys.count("dialect"))
+    pool.dialect = parse_dialect_as(r.string(keys.at("dialect"), path + ".dialect", kDialects),
+                                    r.source() + ": " + path + ".dialect");
+  if (keys.count("tokens_in"))
+    pool.tokens_in = r.boolean(keys.at("tokens_in"), path + ".tokens_in");
+  if (keys.count("max_in_flight"))
+    pool.max_in_flight = r.count(keys.at("max_in_flight"), path + ".max_in_flight", 1);
+  const std::string list_path = path + ".endpoints";
+  if (!keys.count("endpoints")) {
+    if (required) r.fail(list_path, "a list of engines", "nothing");
+    return pool;
+  }
+  const YAML::Node& list = keys.at("endpoints");
+  if (!list.IsSequence()) r.fail(list_path, "a list of engines", Reader::describe(list));
+  for (size_t i = 0; i < list.size(); ++i)
+    pool.endpoints.push_back(read_endpoint(r, list[i], at(list_path, i)));
+  return pool;
+}
+
+Topology read_topology(const Reader& r, const YAML::Node& root) {
+  const auto keys = r.mapping(
+      root, "",
+      {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key", "max_queue",
+       "prefill_retries", "access_log", "health", "timeouts", "prefill", "decode"});
+  auto has = [&](const char* key) { return keys.count(key) != 0; };
+  Topology t;
+  if (has("listen")) {
+    const auto listen =
+        r.mapping(keys.at("listen"), "listen", {"host", "port", "io_threads", "max_body_bytes"});
+    if (listen.count("host"))
+      t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
+    if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
+    if (listen.count("io_threads"))
+      t.io_threads = r.count(listen.at("io_threads"), "listen.io_threads", 1);
+    if (listen.count("max_body_bytes"))
+      t.max_body_bytes = static_cast<size_t>(
+          r.integer(listen.at("max_body_bytes"), "listen.max_body_bytes", 1,
+                    std::numeric_limits<long long>::max(), "a size in bytes >= 1"));
+  }
+  if (has("prefill")) t.prefill = read_pool(r, keys.at("prefill"), "prefill", false);
+  if (!has("decode")) r.fail("decode.endpoints", "a list of engines", "nothing");
+  t.decode = read_pool(r, keys.at("decode"), "decode", true);
+  if (has("mode")) {
+    t.mode = parse_mode_as(r.string(keys.at("mode"), "mode", kModes), r.source() + ": mode");
+  } else if (t.prefill.endpoints.empty()) {
+    t.mode = PdMode::kAggregated;
+  } else {
+    const bool vllm = t.prefill.dialect == Dialect::kVllm || t.decode.dialect == Dialect::kVllm;
+    t.mode = vllm ? PdMode::kSequential : PdMode::kParallel;
+  }
+  if (has("model"))
+    t.model = r.file_path(r.non_empty_string(keys.at("model"), "model", "a model folder"));
+  if (has("served_model_name"))
+    t.served_model_name =
+        r.non_empty_string(keys.at("served_model_name"), "served_model_name", "a model name");
+  if (has("api_keys")) {
+    const YAML::Node& list = keys.at("api_keys");
+    if (!list.IsSequence()) r.fail("api_keys", "a list of keys", Reader::describe(list));
+    for (size_t i = 0; i < list.size(); ++i)
+      t.api_keys.push_back(r.non_empty_string(list[i], at("api_keys", i), "a key"));
+  }
+  if (has("admin_api_key"))
+    t.admin_api_key = r.non_empty_string(keys.at("admin_api_key"), "admin_api_key", "a key");
+  if (has("max_queue"))
+    t.max_queue = static_cast<size_t>(r.count(keys.at("max_queue"), "max_queue", 1));
+  if (has("prefill_retries"))
+    t.prefill_retries = r.count(keys.at("prefill_retries"), "prefill_retries", 0);
+  if (has("access_log"))
+    t.access_log = r.file_path(r.non_empty_string(keys.at("access_log"), "access_log",
+                                                  "a file path or \"-\" (standard output)"));
+  if (has("health")) {
+    const auto health = r.mapping(keys.at("health"), "health",
+                                  {"probe_interval_ms", "probe_timeout_ms", "failures_to_eject"});
+    if (health.count("probe_interval_ms"))
+      t.health.probe_interval =
+          r.milliseconds(health.at("probe_interval_ms"), "health.probe_interval_ms");
+    if (health.count("probe_timeout_ms"))
+      t.health.probe_timeout =
+          r.milliseconds(health.at("probe_timeout_ms"), "health.probe_timeout_ms");
+    if (health.count("failures_to_eject"))
+      t.health.failures_to_eject =
+          r.count(health.at("failures_to_eject"), "health.failures_to_eject", 1);
+  }
+  if (has("timeouts")) {
+    const auto timeouts =
+        r.mapping(keys.at("timeouts"), "timeouts",
+                  {"queue_ms", "connect_ms", "prefill_ms", "first_token_ms", "idle_ms"});
+    const std::pair<const char*, std::chrono::milliseconds*> fields[] = {
+        {"queue_ms", &t.timeouts.queue},
+        {"connect_ms", &t.timeouts.connect},
+        {"prefill_ms", &t.timeouts.prefill},
+        {"first_token_ms", &t.timeouts.first_token},
+        {"idle_ms", &t.timeouts.idle}};
+    for (const auto& [key, field] : fields)
+      if (timeouts.count(key))
+        *field = r.milliseconds(timeouts.at(key), std::string("timeouts.") + key);
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: each check names the key path (as in topology files) of what is wrong.
+
+[[noreturn]] void invalid(const std::string& path, const std::string& expected,
+                          const std::string& got) {
+  throw Error(path + ": expected " + expected + ", got " + got);
+}
+
+void check_positive(std::chrono::milliseconds value, const std::string& path) {
+  if (value.count() <= 0)
+    invalid(path, "a duration in milliseconds > 0", std::to_string(value.count()));
+}
+
+void check_at_least(long long value, long long min, const std::string& path) {
+  if (value < min) invalid(path, "a whole number >= " + std::to_string(min), std::to_string(value));
+}
+
+// Whether `dialect` can serve `mode`'s flow; aggregated mode relays requests as they are, which
+// every dialect serves.
+bool serves(Dialect dialect, PdMode mode) {
+  if (dialect == Dialect::kVllm) return mode != PdMode::kParallel;
+  if (dialect == Dialect::kSglang) return mode != PdMode::kSequential;
+  return true;
+}
+
+void validate_pool(Pool& pool, const std::string& path, PdMode mode) {
+  check_at_least(pool.max_in_flight, 1, path + ".max_in_flight");
+  if (!serves(pool.dialect, mode))
+    invalid(path + ".dialect",
+            std::string("a dialect that serves ") + mode_name(mode) + " mode (" +
+                (mode == PdMode::kSequential ? "tandem or vllm" : "tandem or sglang") + ")",
+            dialect_name(pool.dialect));
+  for (size_t i = 0; i < pool.endpoints.size(); ++i) {
+    Endpoint& e = pool.endpoints[i];
+    const std::string e_path = at(path + ".endpoints", i);
+    if (e.host.empty()) invalid(e_path + ".host", "a host name or address", "nothing");
+    if (e.port == 0) invalid(e_path + ".port", "a port 1..65535", "0");
+    check_at_least(e.group, 0, e_path + ".group");
+    check_at_least(e.max_in_flight, 0, e_path + ".max_in_flight");
+    if (e.name.empty()) e.name = host_port(e);
+  }
+}
+
+// In P/D modes a request's decode engine must be of its prefill engine's group, so every group
+// that has engines in one pool needs engines in the other.
+void check_groups(const Pool& from, const std::string& from_path, const Pool& other,
+                  const char* other_name) {
+  std::set<int> other_groups;
+  for (const auto& e : other.endpoints) other_groups.insert(e.group);
+  for (size_t i = 0; i < from.endpoints.size(); ++i) {
+    const int group = from.endpoints[i].group;
+    if (!other_groups.count(group))
+      invalid(at(from_path + ".endpoints", i) + ".group",
+              std::string("a group that also has a ") + other_name + " engine",
+              "group " + std::to_string(group) + ", which has no " + other_name + " engine");
+  }
+}
+
+}  // namespace
+
+Endpoint parse_endpoint(const std::string& text) {
+  return parse_endpoint_as(text, "endpoint");
+}
+
+PdMode parse_mode(const std::string& text) {
+  return parse_mode_as(text, "mode");
+}
+
+Dialect parse_dialect(const std::string& text) {
+  return parse_dialect_as(text, "dialect");
+}
+
+const char* mode_name(PdMode mode) {
+  switch (mode) {
+    case PdMode::kAggregated:
+      return "aggregated";
+    case PdMode::kSequential:
+      return "sequential";
+    case PdMode::kParallel:
+      return "parallel";
+  }
+  return "unknown";
+}
+
+const char* dialect_name(Dialect dialect) {
+  switch (dialect) {
+    case Dialect::kTandem:
+      return "tandem";
+    case Dialect::kVllm:
+      return "vllm";
+    case Dialect::kSglang:
+      return "sglang";
+  }
+  return "unknown";
+}
+
+Topology parse_topology_yaml(const std::string& text, const std::string& source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw Error(source + ":" + std::to_string(e.mark.line + 1) + ":" +
+                std::to_string(e.mark.column + 1) +
+                ": expected YAML, got a syntax error: " + e.msg);
+  }
+  const Reader reader(source);
+  Topology topology = read_topology(reader, root);
+  try {
+    validate(topology);
+  } catch (const Error& e) {
+    throw Error(source + ": " + e.what());
+  }
+  return topology;
+}
+
+Topology load_topology(const std::string& path) {
+  return parse_topology_yaml(read_file(path), path);
+}
+
+void validate(Topology& t) {
+  if (t.host.empty()) invalid("listen.host", "a host name or address", "nothing");
+  // listen.port 0 is allowed: the system picks a free port (tests use that).
+  check_at_least(t.io_threads, 1, "listen.io_threads");
+  if (t.max_body_bytes == 0) invalid("listen.max_body_bytes", "a size in bytes >= 1", "0");
+  if (t.max_queue == 0) invalid("max_queue", "a whole number >= 1", "0");
+  check_at_least(t.prefill_retries, 0, "prefill_retries");
+  check_positive(t.health.probe_interval, "health.probe_interval_ms");
+  check_positive(t.health.probe_timeout, "health.probe_timeout_ms");
+  check_at_least(t.health.failures_to_eject, 1, "health.failures_to_eject");
+  check_positive(t.timeouts.queue, "timeouts.queue_ms");
+  check_positive(t.timeouts.connect, "timeouts.connect_ms");
+  check_positive(t.timeouts.prefill, "timeouts.prefill_ms");
+  check_positive(t.timeouts.first_token, "timeouts.first_token_ms");
+  check_positive(t.timeouts.idle, "timeouts.idle_ms");
+
+  if (t.decode.endpoints.empty()) invalid("decode.endpoints", "at least one decode engine", "none");
+  const bool pd = t.mode != PdMode::kAggregated;
+  if (!pd && !t.prefill.endpoints.empty())
+    invalid("prefill.endpoints",
+            "no prefill engines in aggregated mode (choose sequential or "
+            "parallel mode)",
+            std::to_string(t.prefill.endpoints.size()));
+  if (pd && t.prefill.endpoints.empty())
+    invalid("prefill.endpoints",
+            std::string("at least one prefill engine in ") + mode_name(t.mode) + " mode", "none");
+  // Name the mismatch between the pools before the mismatch with the mode that follows from it.
+  if (pd && ((t.prefill.dialect == Dialect::kVllm && t.decode.dialect == Dialect::kSglang) ||
+             (t.prefill.dialect == Dialect::kSglang && t.decode.dialect == Dialect::kVllm)))
+    invalid("decode.dialect",
+            std::string("a dialect that works with the prefill pool's ") +
+                dialect_name(t.prefill.dialect) + " (tandem or " + dialect_name(t.prefill.dialect) +
+                ")",
+            dialect_name(t.decode.dialect));
+  validate_pool(t.prefill, "prefill", t.mode);
+  validate_pool(t.decode, "decode", t.mode);
+
+  if (t.mode == PdMode::kParallel) {
+    for (size_t i = 0; i < t.prefill.endpoints.size(); ++i)
+      if (t.prefill.endpoints[i].bootstrap_port == 0)
+        invalid(at("prefill.endpoints", i) + ".bootstrap_port",
+                "the engine's bootstrap (KV transfer) port in parallel mode "
+                "(HOST:PORT@BOOTSTRAP_PORT)",
+                "none");
+  }
+  if (pd) {
+    check_groups(t.decode, "decode", t.prefill, "prefill");
+    check_groups(t.prefill, "prefill", t.decode, "decode");
+  }
+
+  std::map<std::string, std::string> names;  // name -> key path of its endpoint
+  const std::pair<const Pool*, const char*> pools[] = {{&t.prefill, "prefill"},
+                                                       {&t.decode, "decode"}};
+  for (const auto& [pool, name] : pools) {
+    for (size_t i = 0; i < pool->endpoints.size(); ++i) {
+      const std::string path = at(std::string(name) + ".endpoints", i);
+      const auto [it, inserted] = names.emplace(pool->endpoints[i].name, path);
+      if (!inserted)
+        invalid(path + ".name", "a name unique in the topology",
+                quoted(pool->endpoints[i].name) + ", as " + it->second + " has");
+    }
+  }
+}
+
+}  // namespace tandem::gateway

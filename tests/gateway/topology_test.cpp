@@ -1,0 +1,554 @@
+// The gateway's topology: endpoint, mode and dialect strings, the YAML topology file (every key,
+// defaults, types, unknown keys, relative paths) and the consistency rules of validate().
+#include "gateway/topology.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "model/model_test_support.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::gateway {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+using namespace std::chrono_literals;
+
+// The message of the tandem::Error that `parse` throws ("" when it throws none).
+template <typename F>
+std::string error_of(F&& parse) {
+  try {
+    parse();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string yaml_error(const std::string& text) {
+  return error_of([&] { parse_topology_yaml(text, "t.yaml"); });
+}
+
+// A parallel-mode topology with one engine in each pool, plus `extra` top-level lines.
+std::string parallel_yaml(const std::string& extra = "") {
+  return "mode: parallel\n"
+         "prefill: {endpoints: [\"p:1@2\"]}\n"
+         "decode: {endpoints: [\"d:3\"]}\n" +
+         extra;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strings
+
+TEST(ParseEndpoint, AcceptsTheShortForms) {
+  Endpoint e = parse_endpoint("10.0.0.1:8100");
+  EXPECT_EQ(e.host, "10.0.0.1");
+  EXPECT_EQ(e.port, 8100);
+  EXPECT_EQ(e.bootstrap_port, 0);
+  EXPECT_EQ(e.name, "");
+  EXPECT_EQ(e.group, 0);
+  EXPECT_EQ(e.max_in_flight, 0);
+
+  e = parse_endpoint("http://engine-a:8200");
+  EXPECT_EQ(e.host, "engine-a");
+  EXPECT_EQ(e.port, 8200);
+
+  e = parse_endpoint("http://engine-a:8200/");
+  EXPECT_EQ(e.host, "engine-a");
+  EXPECT_EQ(e.port, 8200);
+
+  e = parse_endpoint("10.0.0.2:8100@8998");
+  EXPECT_EQ(e.host, "10.0.0.2");
+  EXPECT_EQ(e.port, 8100);
+  EXPECT_EQ(e.bootstrap_port, 8998);
+
+  e = parse_endpoint("[::1]:65535@1");
+  EXPECT_EQ(e.host, "::1");
+  EXPECT_EQ(e.port, 65535);
+  EXPECT_EQ(e.bootstrap_port, 1);
+}
+
+TEST(ParseEndpoint, RejectsMalformedTextNamingIt) {
+  for (const std::string text :
+       {"engine", "engine:", ":8000", "engine:0", "engine:70000", "engine:80x", "engine:-1",
+        "engine:8000@", "engine:8000@0", "https://engine:8000", "http://engine:8000/v1", "::1:8000",
+        "", "en gine:80"}) {
+    const std::string message = error_of([&] { parse_endpoint(text); });
+    EXPECT_THAT(message, StartsWith("endpoint: expected ")) << text;
+    EXPECT_THAT(message, HasSubstr("'" + text + "'")) << text;
+  }
+  EXPECT_EQ(error_of([] { parse_endpoint("engine:70000"); }),
+            "endpoint: expected a port 1..65535 in 'engine:70000', got '70000'");
+}
+
+TEST(ParseMode, AcceptsNamesAndAliases) {
+  EXPECT_EQ(parse_mode("aggregated"), PdMode::kAggregated);
+  EXPECT_EQ(parse_mode("sequential"), PdMode::kSequential);
+  EXPECT_EQ(parse_mode("vllm"), PdMode::kSequential);
+  EXPECT_EQ(parse_mode("parallel"), PdMode::kParallel);
+  EXPECT_EQ(parse_mode("sglang"), PdMode::kParallel);
+  for (PdMode mode : {PdMode::kAggregated, PdMode::kSequential, PdMode::kParallel})
+    EXPECT_EQ(parse_mode(mode_name(mode)), mode);
+  EXPECT_EQ(error_of([] { parse_mode("Parallel"); }),
+            "mode: expected aggregated, sequential (vllm) or parallel (sglang), got 'Parallel'");
+}
+
+TEST(ParseDialect, AcceptsTheThreeDialects) {
+  EXPECT_EQ(parse_dialect("tandem"), Dialect::kTandem);
+  EXPECT_EQ(parse_dialect("vllm"), Dialect::kVllm);
+  EXPECT_EQ(parse_dialect("sglang"), Dialect::kSglang);
+  for (Dialect d : {Dialect::kTandem, Dialect::kVllm, Dialect::kSglang})
+    EXPECT_EQ(parse_dialect(dialect_name(d)), d);
+  EXPECT_EQ(error_of([] { parse_dialect("trtllm"); }),
+            "dialect: expected tandem, vllm or sglang, got 'trtllm'");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file: the documented example, defaults, forms
+
+// The example between the markers in docs/gateway.md, without its code fence.
+std::string documented_example() {
+  const std::string doc = read_file(TANDEM_SOURCE_DIR "/docs/gateway.md");
+  const std::string begin = "<!-- topology-example-begin -->\n```yaml\n";
+  const std::string end = "```\n<!-- topology-example-end -->";
+  const auto from = doc.find(begin);
+  const auto to = doc.find(end);
+  if (from == std::string::npos || to == std::string::npos || to < from) return "";
+  return doc.substr(from + begin.size(), to - from - begin.size());
+}
+
+TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
+  const std::string text = documented_example();
+  ASSERT_FALSE(text.empty()) << "docs/gateway.md lacks the topology example markers";
+  const Topology t = parse_topology_yaml(text, "/srv/gateway/topology.yaml");
+
+  EXPECT_EQ(t.host, "0.0.0.0");
+  EXPECT_EQ(t.port, 8080);
+  EXPECT_EQ(t.io_threads, 2);
+  EXPECT_EQ(t.max_body_bytes, 8388608u);
+  EXPECT_EQ(t.mode, PdMode::kParallel);
+  EXPECT_EQ(t.model, "/srv/gateway/models/tiny-v3");
+  EXPECT_EQ(t.served_model_name, "tiny");
+  EXPECT_EQ(t.api_keys, (std::vector<std::string>{"k1", "k2"}));
+  EXPECT_EQ(t.admin_api_key, "secret");
+  EXPECT_EQ(t.max_queue, 1024u);
+  EXPECT_EQ(t.prefill_retries, 2);
+  EXPECT_EQ(t.access_log, "-");
+  EXPECT_EQ(t.health.probe_interval, 2000ms);
+  EXPECT_EQ(t.health.probe_timeout, 1000ms);
+  EXPECT_EQ(t.health.failures_to_eject, 3);
+  EXPECT_EQ(t.timeouts.queue, 30000ms);
+  EXPECT_EQ(t.timeouts.connect, 5000ms);
+  EXPECT_EQ(t.timeouts.prefill, 300000ms);
+  EXPECT_EQ(t.timeouts.first_token, 300000ms);
+  EXPECT_EQ(t.timeouts.idle, 120000ms);
+
+  EXPECT_EQ(t.prefill.dialect, Dialect::kTandem);
+  EXPECT_TRUE(t.prefill.tokens_in);
+  EXPECT_EQ(t.prefill.max_in_flight, 256);
+  ASSERT_EQ(t.prefill.endpoints.size(), 3u);
+  const Endpoint& p0 = t.prefill.endpoints[0];
+  EXPECT_EQ(p0.name, "p0");
+  EXPECT_EQ(p0.host, "10.0.0.1");
+  EXPECT_EQ(p0.port, 8100);
+  EXPECT_EQ(p0.bootstrap_port, 8998);
+  EXPECT_EQ(p0.group, 0);
+  EXPECT_EQ(p0.max_in_flight, 64);
+  const Endpoint& p1 = t.prefill.endpoints[1];
+  EXPECT_EQ(p1.name, "10.0.0.2:8100");
+  EXPECT_EQ(p1.host, "10.0.0.2");
+  EXPECT_EQ(p1.port, 8100);
+  EXPECT_EQ(p1.bootstrap_port, 8998);
+  EXPECT_EQ(p1.group, 1);
+  EXPECT_EQ(p1.max_in_flight, 0);
+  const Endpoint& p2 = t.prefill.endpoints[2];
+  EXPECT_EQ(p2.name, "10.0.0.5:8100");
+  EXPECT_EQ(p2.bootstrap_port, 8998);
+  EXPECT_EQ(p2.group, 0);
+
+  EXPECT_EQ(t.decode.dialect, Dialect::kTandem);
+  ASSERT_EQ(t.decode.endpoints.size(), 2u);
+  EXPECT_EQ(t.decode.endpoints[0].name, "10.0.0.3:8200");
+  EXPECT_EQ(t.decode.endpoints[0].port, 8200);
+  EXPECT_EQ(t.decode.endpoints[0].group, 0);
+  EXPECT_EQ(t.decode.endpoints[1].host, "10.0.0.4");
+  EXPECT_EQ(t.decode.endpoints[1].port, 8200);
+  EXPECT_EQ(t.decode.endpoints[1].group, 1);
+}
+
+TEST(TopologyYaml, OnlyDecodeEndpointsGiveTheDefaults) {
+  const Topology t = parse_topology_yaml("decode: {endpoints: [\"d:3\"]}", "t.yaml");
+  const Topology defaults;
+  EXPECT_EQ(t.mode, PdMode::kAggregated);
+  EXPECT_EQ(t.host, defaults.host);
+  EXPECT_EQ(t.port, defaults.port);
+  EXPECT_EQ(t.io_threads, defaults.io_threads);
+  EXPECT_EQ(t.max_body_bytes, defaults.max_body_bytes);
+  EXPECT_EQ(t.model, "");
+  EXPECT_EQ(t.served_model_name, "");
+  EXPECT_TRUE(t.api_keys.empty());
+  EXPECT_EQ(t.admin_api_key, "");
+  EXPECT_EQ(t.max_queue, defaults.max_queue);
+  EXPECT_EQ(t.prefill_retries, defaults.prefill_retries);
+  EXPECT_EQ(t.access_log, "");
+  EXPECT_EQ(t.health.probe_interval, defaults.health.probe_interval);
+  EXPECT_EQ(t.health.failures_to_eject, defaults.health.failures_to_eject);
+  EXPECT_EQ(t.timeouts.queue, defaults.timeouts.queue);
+  EXPECT_EQ(t.timeouts.idle, defaults.timeouts.idle);
+  EXPECT_TRUE(t.prefill.endpoints.empty());
+  EXPECT_EQ(t.decode.dialect, Dialect::kTandem);
+  EXPECT_TRUE(t.decode.tokens_in);
+  EXPECT_EQ(t.decode.max_in_flight, 256);
+  ASSERT_EQ(t.decode.endpoints.size(), 1u);
+  EXPECT_EQ(t.decode.endpoints[0].name, "d:3");
+  EXPECT_EQ(t.decode.endpoints[0].max_in_flight, 0);
+}
+
+TEST(TopologyYaml, TheDefaultModeFollowsThePools) {
+  EXPECT_EQ(parse_topology_yaml("prefill: {endpoints: [\"p:1@2\"]}\n"
+                                "decode: {endpoints: [\"d:3\"]}",
+                                "t.yaml")
+                .mode,
+            PdMode::kParallel);
+  EXPECT_EQ(parse_topology_yaml("prefill: {dialect: vllm, endpoints: [\"p:1\"]}\n"
+                                "decode: {endpoints: [\"d:3\"]}",
+                                "t.yaml")
+                .mode,
+            PdMode::kSequential);
+  EXPECT_EQ(parse_topology_yaml("prefill: {endpoints: [\"p:1\"]}\n"
+                                "decode: {dialect: vllm, endpoints: [\"d:3\"]}",
+                                "t.yaml")
+                .mode,
+            PdMode::kSequential);
+  // A prefill pool without engines is no prefill pool.
+  EXPECT_EQ(
+      parse_topology_yaml("prefill: {endpoints: []}\ndecode: {endpoints: [\"d:3\"]}", "t.yaml")
+          .mode,
+      PdMode::kAggregated);
+}
+
+TEST(TopologyYaml, EndpointsComeInShortAndLongForms) {
+  const Topology t = parse_topology_yaml(
+      "mode: sequential\n"
+      "prefill:\n"
+      "  endpoints:\n"
+      "    - p:1\n"
+      "    - http://q:2\n"
+      "    - {url: \"http://r:3\", name: r, group: 0, max_in_flight: 5}\n"
+      "decode:\n"
+      "  endpoints:\n"
+      "    - {host: \"::1\", port: 4, name: d}\n"
+      "    - {url: \"s:5@6\"}\n",
+      "t.yaml");
+  ASSERT_EQ(t.prefill.endpoints.size(), 3u);
+  EXPECT_EQ(t.prefill.endpoints[0].host, "p");
+  EXPECT_EQ(t.prefill.endpoints[0].port, 1);
+  EXPECT_EQ(t.prefill.endpoints[1].host, "q");
+  EXPECT_EQ(t.prefill.endpoints[1].name, "q:2");
+  EXPECT_EQ(t.prefill.endpoints[2].host, "r");
+  EXPECT_EQ(t.prefill.endpoints[2].name, "r");
+  EXPECT_EQ(t.prefill.endpoints[2].max_in_flight, 5);
+  ASSERT_EQ(t.decode.endpoints.size(), 2u);
+  EXPECT_EQ(t.decode.endpoints[0].host, "::1");
+  EXPECT_EQ(t.decode.endpoints[0].port, 4);
+  EXPECT_EQ(t.decode.endpoints[0].name, "d");
+  EXPECT_EQ(t.decode.endpoints[1].name, "s:5");
+  EXPECT_EQ(t.decode.endpoints[1].bootstrap_port, 6);
+}
+
+TEST(TopologyYaml, LongFormEndpointsNeedOneAddress) {
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{url: \"d:1\", host: d}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].host: expected either url or host and port"));
+  EXPECT_THAT(
+      yaml_error("decode: {endpoints: [{host: d}]}"),
+      StartsWith("t.yaml: decode.endpoints[0]: expected url, or host and port, got no port"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{name: d}]}"),
+              StartsWith("t.yaml: decode.endpoints[0]: expected url, or host and port"));
+  EXPECT_THAT(
+      yaml_error("decode: {endpoints: [{url: \"d:1@2\", bootstrap_port: 3}]}"),
+      StartsWith("t.yaml: decode.endpoints[0].bootstrap_port: expected one bootstrap port"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{url: \"d\"}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].url: expected HOST:PORT"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:1\", \"d\"]}"),
+              StartsWith("t.yaml: decode.endpoints[1]: expected HOST:PORT"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file: errors name the key path
+
+TEST(TopologyYaml, UnknownKeysAreErrors) {
+  EXPECT_THAT(yaml_error(parallel_yaml("modes: parallel\n")),
+              StartsWith("t.yaml: modes: expected one of listen, mode, model, "));
+  EXPECT_THAT(yaml_error(parallel_yaml("listen: {hots: a}\n")),
+              StartsWith("t.yaml: listen.hots: expected one of host, port, io_threads, "
+                         "max_body_bytes, got an unknown key"));
+  EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
+              StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
+  EXPECT_THAT(yaml_error(parallel_yaml("health: {interval_ms: 5}\n")),
+              StartsWith("t.yaml: health.interval_ms: expected one of "));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:1\"], endpoint: [\"d:2\"]}"),
+              StartsWith("t.yaml: decode.endpoint: expected one of dialect, tokens_in, "));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{host: d, port: 1, grop: 1}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].grop: expected one of url, host, "));
+}
+
+TEST(TopologyYaml, KeysGivenTwiceAreErrors) {
+  EXPECT_EQ(yaml_error("max_queue: 1\nmax_queue: 2\ndecode: {endpoints: [\"d:1\"]}"),
+            "t.yaml: max_queue: expected each key once, got it twice");
+}
+
+TEST(TopologyYaml, WrongTypesAreErrors) {
+  EXPECT_EQ(yaml_error(parallel_yaml("listen: {port: 70000}\n")),
+            "t.yaml: listen.port: expected a port 1..65535, got 70000");
+  EXPECT_EQ(yaml_error(parallel_yaml("listen: {port: \"8080\"}\n")),
+            "t.yaml: listen.port: expected a port 1..65535, got \"8080\" (a quoted string)");
+  EXPECT_EQ(yaml_error(parallel_yaml("listen: {port: http}\n")),
+            "t.yaml: listen.port: expected a port 1..65535, got http");
+  EXPECT_EQ(yaml_error(parallel_yaml("listen: 8080\n")),
+            "t.yaml: listen: expected a mapping, got 8080");
+  EXPECT_EQ(yaml_error(parallel_yaml("max_queue: 1.5\n")),
+            "t.yaml: max_queue: expected a whole number >= 1, got 1.5");
+  EXPECT_EQ(yaml_error(parallel_yaml("max_queue: [1]\n")),
+            "t.yaml: max_queue: expected a whole number >= 1, got a list");
+  EXPECT_EQ(yaml_error(parallel_yaml("timeouts: {idle_ms: 2s}\n")),
+            "t.yaml: timeouts.idle_ms: expected a duration in milliseconds > 0, got 2s");
+  EXPECT_EQ(yaml_error(parallel_yaml("api_keys: k1\n")),
+            "t.yaml: api_keys: expected a list of keys, got k1");
+  EXPECT_EQ(yaml_error(parallel_yaml("api_keys: [k1, {k: 2}]\n")),
+            "t.yaml: api_keys[1]: expected a key, got a mapping");
+  EXPECT_EQ(yaml_error(parallel_yaml("model:\n")),
+            "t.yaml: model: expected a model folder, got nothing");
+  EXPECT_EQ(yaml_error("mode: 3\ndecode: {endpoints: [\"d:1\"]}"),
+            "t.yaml: mode: expected aggregated, sequential (vllm) or parallel (sglang), got '3'");
+  EXPECT_EQ(yaml_error("decode: {tokens_in: yes, endpoints: [\"d:1\"]}"),
+            "t.yaml: decode.tokens_in: expected true or false, got yes");
+  EXPECT_EQ(yaml_error("decode: {tokens_in: \"false\", endpoints: [\"d:1\"]}"),
+            "t.yaml: decode.tokens_in: expected true or false, got \"false\" (a quoted string)");
+  EXPECT_EQ(yaml_error("decode: {dialect: trtllm, endpoints: [\"d:1\"]}"),
+            "t.yaml: decode.dialect: expected tandem, vllm or sglang, got 'trtllm'");
+  EXPECT_EQ(yaml_error("decode: {endpoints: \"d:1\"}"),
+            "t.yaml: decode.endpoints: expected a list of engines, got \"d:1\" (a quoted string)");
+  EXPECT_EQ(yaml_error("decode: {endpoints: [{host: d, port: 1, group: first}]}"),
+            "t.yaml: decode.endpoints[0].group: expected a whole number >= 0, got first");
+}
+
+TEST(TopologyYaml, DocumentsThatAreNoMappingAreErrors) {
+  EXPECT_EQ(yaml_error(""), "t.yaml: (top level): expected a mapping, got nothing");
+  EXPECT_EQ(yaml_error("- d:1\n"), "t.yaml: (top level): expected a mapping, got a list");
+  EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:1\"]\n"), StartsWith("t.yaml:2:"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:1\"]\n"), HasSubstr("expected YAML"));
+}
+
+TEST(TopologyYaml, LimitsAreChecked) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"listen: {io_threads: 0}", "listen.io_threads: expected a whole number >= 1, got 0"},
+      {"listen: {max_body_bytes: 0}", "listen.max_body_bytes: expected a size in bytes >= 1"},
+      {"max_queue: 0", "max_queue: expected a whole number >= 1, got 0"},
+      {"prefill_retries: -1", "prefill_retries: expected a whole number >= 0, got -1"},
+      {"health: {probe_interval_ms: 0}", "health.probe_interval_ms: expected a duration"},
+      {"health: {probe_timeout_ms: -5}", "health.probe_timeout_ms: expected a duration"},
+      {"health: {failures_to_eject: 0}", "health.failures_to_eject: expected a whole number >= 1"},
+      {"timeouts: {queue_ms: 0}", "timeouts.queue_ms: expected a duration"},
+      {"timeouts: {connect_ms: 0}", "timeouts.connect_ms: expected a duration"},
+      {"timeouts: {prefill_ms: 0}", "timeouts.prefill_ms: expected a duration"},
+      {"timeouts: {first_token_ms: 0}", "timeouts.first_token_ms: expected a duration"},
+      {"timeouts: {idle_ms: 0}", "timeouts.idle_ms: expected a duration"},
+  };
+  for (const auto& [line, expected] : cases)
+    EXPECT_THAT(yaml_error(parallel_yaml(line + "\n")), StartsWith("t.yaml: " + expected)) << line;
+  EXPECT_THAT(yaml_error("decode: {max_in_flight: 0, endpoints: [\"d:1\"]}"),
+              StartsWith("t.yaml: decode.max_in_flight: expected a whole number >= 1, got 0"));
+  EXPECT_THAT(
+      yaml_error("decode: {endpoints: [{url: \"d:1\", max_in_flight: 0}]}"),
+      StartsWith("t.yaml: decode.endpoints[0].max_in_flight: expected a whole number >= 1"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{url: \"d:1\", group: -1}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].group: expected a whole number >= 0"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{host: d, port: 0}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].port: expected a port 1..65535, got 0"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consistency (validate), through the file
+
+TEST(TopologyValidate, NeedsADecodeEngine) {
+  EXPECT_EQ(yaml_error("decode: {endpoints: []}"),
+            "t.yaml: decode.endpoints: expected at least one decode engine, got none");
+  EXPECT_EQ(yaml_error("decode: {dialect: tandem}"),
+            "t.yaml: decode.endpoints: expected a list of engines, got nothing");
+  EXPECT_EQ(yaml_error("mode: aggregated"),
+            "t.yaml: decode.endpoints: expected a list of engines, got nothing");
+}
+
+TEST(TopologyValidate, PrefillPoolMatchesTheMode) {
+  EXPECT_THAT(yaml_error("mode: aggregated\nprefill: {endpoints: [\"p:1\"]}\n"
+                         "decode: {endpoints: [\"d:2\"]}"),
+              StartsWith("t.yaml: prefill.endpoints: expected no prefill engines in aggregated"));
+  EXPECT_EQ(yaml_error("mode: sequential\ndecode: {endpoints: [\"d:2\"]}"),
+            "t.yaml: prefill.endpoints: expected at least one prefill engine in sequential mode, "
+            "got none");
+  EXPECT_THAT(yaml_error("mode: parallel\ndecode: {endpoints: [\"d:2\"]}"),
+              StartsWith("t.yaml: prefill.endpoints: expected at least one prefill engine"));
+}
+
+TEST(TopologyValidate, DialectsMatchTheMode) {
+  EXPECT_EQ(yaml_error("mode: parallel\nprefill: {dialect: vllm, endpoints: [\"p:1@9\"]}\n"
+                       "decode: {endpoints: [\"d:2\"]}"),
+            "t.yaml: prefill.dialect: expected a dialect that serves parallel mode (tandem or "
+            "sglang), got vllm");
+  EXPECT_EQ(yaml_error("mode: parallel\nprefill: {endpoints: [\"p:1@9\"]}\n"
+                       "decode: {dialect: vllm, endpoints: [\"d:2\"]}"),
+            "t.yaml: decode.dialect: expected a dialect that serves parallel mode (tandem or "
+            "sglang), got vllm");
+  EXPECT_EQ(yaml_error("mode: sequential\nprefill: {dialect: sglang, endpoints: [\"p:1\"]}\n"
+                       "decode: {endpoints: [\"d:2\"]}"),
+            "t.yaml: prefill.dialect: expected a dialect that serves sequential mode (tandem or "
+            "vllm), got sglang");
+  EXPECT_THAT(yaml_error("mode: sequential\nprefill: {endpoints: [\"p:1\"]}\n"
+                         "decode: {dialect: sglang, endpoints: [\"d:2\"]}"),
+              StartsWith("t.yaml: decode.dialect: expected a dialect that serves sequential"));
+  // Mixing the two families is named as such, whatever the mode.
+  EXPECT_EQ(yaml_error("mode: sequential\nprefill: {dialect: vllm, endpoints: [\"p:1\"]}\n"
+                       "decode: {dialect: sglang, endpoints: [\"d:2\"]}"),
+            "t.yaml: decode.dialect: expected a dialect that works with the prefill pool's vllm "
+            "(tandem or vllm), got sglang");
+  EXPECT_THAT(yaml_error("prefill: {dialect: sglang, endpoints: [\"p:1@9\"]}\n"
+                         "decode: {dialect: vllm, endpoints: [\"d:2\"]}"),
+              StartsWith("t.yaml: decode.dialect: expected a dialect that works with the prefill "
+                         "pool's sglang"));
+  // Matching and tandem pools are fine; aggregated mode takes any dialect.
+  EXPECT_NO_THROW(
+      parse_topology_yaml("prefill: {dialect: sglang, endpoints: [\"p:1@9\"]}\n"
+                          "decode: {dialect: sglang, endpoints: [\"d:2\"]}",
+                          "t.yaml"));
+  EXPECT_NO_THROW(
+      parse_topology_yaml("mode: vllm\nprefill: {dialect: vllm, endpoints: [\"p:1\"]}\n"
+                          "decode: {endpoints: [\"d:2\"]}",
+                          "t.yaml"));
+  EXPECT_NO_THROW(parse_topology_yaml("decode: {dialect: vllm, endpoints: [\"d:2\"]}", "t.yaml"));
+  EXPECT_NO_THROW(parse_topology_yaml("decode: {dialect: sglang, endpoints: [\"d:2\"]}", "t.yaml"));
+}
+
+TEST(TopologyValidate, ParallelPrefillEnginesNeedABootstrapPort) {
+  EXPECT_THAT(yaml_error("mode: parallel\nprefill: {endpoints: [\"p:1@9\", \"q:1\"]}\n"
+                         "decode: {endpoints: [\"d:2\"]}"),
+              StartsWith("t.yaml: prefill.endpoints[1].bootstrap_port: expected the engine's "
+                         "bootstrap (KV transfer) port in parallel mode"));
+  EXPECT_NO_THROW(
+      parse_topology_yaml("mode: sequential\nprefill: {endpoints: [\"q:1\"]}\n"
+                          "decode: {endpoints: [\"d:2\"]}",
+                          "t.yaml"));
+}
+
+TEST(TopologyValidate, NamesAreUniqueAcrossPools) {
+  EXPECT_EQ(yaml_error("mode: sequential\nprefill: {endpoints: [{url: \"p:1\", name: a}]}\n"
+                       "decode: {endpoints: [\"d:2\", {url: \"e:3\", name: a}]}"),
+            "t.yaml: decode.endpoints[1].name: expected a name unique in the topology, got 'a', "
+            "as prefill.endpoints[0] has");
+  // Default names are HOST:PORT, so the same engine twice is a duplicate too.
+  EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:2\", \"http://d:2\"]}"),
+              StartsWith("t.yaml: decode.endpoints[1].name: expected a name unique"));
+}
+
+TEST(TopologyValidate, EveryGroupHasEnginesInBothPools) {
+  EXPECT_EQ(yaml_error("mode: sequential\n"
+                       "prefill: {endpoints: [\"p:1\"]}\n"
+                       "decode: {endpoints: [\"d:2\", {url: \"e:3\", group: 1}]}"),
+            "t.yaml: decode.endpoints[1].group: expected a group that also has a prefill engine, "
+            "got group 1, which has no prefill engine");
+  EXPECT_EQ(yaml_error("mode: sequential\n"
+                       "prefill: {endpoints: [\"p:1\", {url: \"q:3\", group: 2}]}\n"
+                       "decode: {endpoints: [\"d:2\"]}"),
+            "t.yaml: prefill.endpoints[1].group: expected a group that also has a decode engine, "
+            "got group 2, which has no decode engine");
+  EXPECT_NO_THROW(
+      parse_topology_yaml("mode: sequential\n"
+                          "prefill: {endpoints: [{url: \"p:1\", group: 1}]}\n"
+                          "decode: {endpoints: [{url: \"d:2\", group: 1}]}",
+                          "t.yaml"));
+  // Aggregated mode has no prefill legs, so decode groups need no partner.
+  EXPECT_NO_THROW(parse_topology_yaml("decode: {endpoints: [{url: \"d:2\", group: 5}]}", "t.yaml"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consistency (validate), on a topology built in code as from flags
+
+Topology flag_topology() {
+  Topology t;
+  t.mode = PdMode::kParallel;
+  t.prefill.endpoints.push_back(parse_endpoint("p:1@2"));
+  t.decode.endpoints.push_back(parse_endpoint("d:3"));
+  return t;
+}
+
+TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
+  Topology t = flag_topology();
+  t.prefill.endpoints.push_back(parse_endpoint("[::1]:4@5"));
+  validate(t);
+  EXPECT_EQ(t.prefill.endpoints[0].name, "p:1");
+  EXPECT_EQ(t.prefill.endpoints[1].name, "[::1]:4");
+  EXPECT_EQ(t.decode.endpoints[0].name, "d:3");
+
+  t = flag_topology();
+  t.decode.endpoints[0].port = 0;
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "decode.endpoints[0].port: expected a port 1..65535, got 0");
+  t = flag_topology();
+  t.timeouts.first_token = -1ms;
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "timeouts.first_token_ms: expected a duration in milliseconds > 0, got -1");
+  t = flag_topology();
+  t.max_body_bytes = 0;
+  EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("listen.max_body_bytes: "));
+  t = flag_topology();
+  t.decode.endpoints[0].max_in_flight = -1;
+  EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("decode.endpoints[0].max_in_flight: "));
+  t = flag_topology();
+  t.mode = PdMode::kAggregated;
+  EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("prefill.endpoints: expected no prefill"));
+  // Port 0 to listen on lets the system choose one, as tests do.
+  t = flag_topology();
+  t.port = 0;
+  EXPECT_NO_THROW(validate(t));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files
+
+TEST(LoadTopology, RelativePathsAreRelativeToTheFilesFolder) {
+  test::TempDir dir("topology");
+  std::filesystem::create_directories(dir / "conf");
+  const auto file = dir / "conf" / "topology.yaml";
+  test::write_bytes(file,
+                    "model: ../models/tiny\n"
+                    "access_log: logs/access.log\n"
+                    "decode: {endpoints: [\"d:1\"]}\n");
+  Topology t = load_topology(file.string());
+  EXPECT_EQ(t.model, (dir.path() / "models" / "tiny").string());
+  EXPECT_EQ(t.access_log, (dir.path() / "conf" / "logs" / "access.log").string());
+
+  test::write_bytes(file,
+                    "model: /abs/models/tiny\n"
+                    "access_log: \"-\"\n"
+                    "decode: {endpoints: [\"d:1\"]}\n");
+  t = load_topology(file.string());
+  EXPECT_EQ(t.model, "/abs/models/tiny");
+  EXPECT_EQ(t.access_log, "-");
+
+  // Errors name the file as it was given.
+  test::write_bytes(file, "decode: {endpoints: []}\n");
+  EXPECT_EQ(error_of([&] { load_topology(file.string()); }),
+            file.string() + ": decode.endpoints: expected at least one decode engine, got none");
+}
+
+TEST(LoadTopology, AMissingFileIsAnErrorNamingIt) {
+  test::TempDir dir("topology");
+  const std::string path = (dir / "absent.yaml").string();
+  EXPECT_THAT(error_of([&] { load_topology(path); }), HasSubstr(path));
+}
+
+}  // namespace
+}  // namespace tandem::gateway
