@@ -11,29 +11,60 @@ namespace tandem::cli {
 namespace {
 
 struct GatewayCliOptions {
-  std::string host = "0.0.0.0", mode = "aggregated";
-  int port = 8080, http_threads = 2;
-  std::vector<std::string> prefill, decode;
-  double upstream_timeout = 600;
+  std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "tandem", model,
+                      served_model_name, admin_api_key, access_log;
+  int port = 8080, http_threads = 2, prefill_retries = 2;
+  size_t max_queue = 1024;
+  std::vector<std::string> prefill, decode, api_keys;
+  double upstream_timeout = 300;
 };
 
-void run(const GatewayCliOptions& o) {
+// A topology from flags: the same structure a --config file gives.
+gateway::Topology from_flags(const GatewayCliOptions& o) {
+  gateway::Topology t;
+  t.mode = gateway::parse_mode(o.mode);
+  for (gateway::Pool* p : {&t.prefill, &t.decode}) p->dialect = gateway::parse_dialect(o.dialect);
+  for (const auto& e : o.prefill) t.prefill.endpoints.push_back(gateway::parse_endpoint(e));
+  for (const auto& e : o.decode) t.decode.endpoints.push_back(gateway::parse_endpoint(e));
+  t.model = o.model;
+  t.served_model_name = o.served_model_name;
+  t.api_keys = o.api_keys;
+  t.admin_api_key = o.admin_api_key;
+  t.access_log = o.access_log;
+  t.max_queue = o.max_queue;
+  t.prefill_retries = o.prefill_retries;
+  const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
+  t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
+  gateway::validate(t);
+  return t;
+}
+
+void run(const GatewayCliOptions& o, const CLI::App& cmd) {
   const StopSignals stop_signals;  // before any thread starts
 
-  gateway::GatewayOptions g;
-  g.host = o.host;
-  g.port = static_cast<uint16_t>(o.port);
-  g.http_threads = o.http_threads;
-  g.mode = gateway::parse_mode(o.mode);
-  for (const auto& e : o.prefill) g.prefill.push_back(gateway::parse_endpoint(e));
-  for (const auto& e : o.decode) g.decode.push_back(gateway::parse_endpoint(e));
-  g.upstream_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
-  gateway::Gateway gw(g);
+  gateway::Topology t;
+  if (!o.config.empty()) {
+    for (const char* flag : {"--prefill", "--decode", "--mode", "--model", "--dialect"})
+      if (cmd.count(flag) > 0)
+        throw Error(std::string("gateway: ") + flag + " and --config exclude each other");
+    t = gateway::load_topology(o.config);
+    if (cmd.count("--host") > 0) t.host = o.host;
+    if (cmd.count("--port") > 0) t.port = static_cast<uint16_t>(o.port);
+  } else {
+    if (o.decode.empty()) throw Error("gateway: give --config FILE or at least one --decode");
+    t = from_flags(o);
+    t.host = o.host;
+    t.port = static_cast<uint16_t>(o.port);
+    t.io_threads = o.http_threads;
+  }
+  const std::string mode = gateway::mode_name(t.mode);
+  const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
+  const std::string host = t.host;
+  gateway::Gateway gw(std::move(t), o.config);
   gw.start();
   // The first line on stdout names the port (scripts start gateways with --port 0).
   std::printf("tandem gateway: listening on http://%s:%u (mode %s, %zu prefill, %zu decode)\n",
-              o.host.c_str(), static_cast<unsigned>(gw.port()), o.mode.c_str(), g.prefill.size(),
-              g.decode.size());
+              host.c_str(), static_cast<unsigned>(gw.port()), mode.c_str(), prefills, decodes);
   std::fflush(stdout);
   const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem gateway: stopping (signal %d)\n", sig);
@@ -46,6 +77,8 @@ void add_gateway_command(CLI::App& app) {
   auto o = std::make_shared<GatewayCliOptions>();
   auto* cmd = app.add_subcommand(
       "gateway", "OpenAI endpoint in front of prefill and decode engines (P/D disaggregation)");
+  cmd->add_option("--config", o->config,
+                  "topology file (YAML, see docs/gateway.md); instead of the pool flags");
   cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
   cmd->add_option("--port", o->port, "port (0: any free port)")
       ->capture_default_str()
@@ -54,18 +87,32 @@ void add_gateway_command(CLI::App& app) {
                   "aggregated, sequential (vLLM: prefill then decode pulls the KV) or parallel "
                   "(SGLang: both legs at once through a bootstrap room)")
       ->capture_default_str();
+  cmd->add_option("--dialect", o->dialect, "what the engines speak: tandem, vllm or sglang")
+      ->capture_default_str();
   cmd->add_option("--prefill", o->prefill,
                   "prefill engine HOST:PORT (parallel mode: HOST:PORT@KV_TRANSFER_PORT); "
                   "repeatable");
-  cmd->add_option("--decode", o->decode, "decode engine HOST:PORT; repeatable")->required();
+  cmd->add_option("--decode", o->decode, "decode engine HOST:PORT; repeatable");
+  cmd->add_option("--model", o->model,
+                  "model folder: tokenize in the gateway and send token ids to the engines");
+  cmd->add_option("--served-model-name", o->served_model_name,
+                  "the model id of /v1/models (default: the engines')");
+  cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
+  cmd->add_option("--admin-api-key", o->admin_api_key, "enables /admin/* and /debug/requests");
+  cmd->add_option("--access-log", o->access_log, "JSON line per request: a file, or - for stdout");
+  cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
+      ->capture_default_str();
+  cmd->add_option("--prefill-retries", o->prefill_retries,
+                  "other engines tried when a prefill fails before the client got anything")
+      ->capture_default_str();
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   cmd->add_option("--upstream-timeout", o->upstream_timeout,
-                  "seconds an engine may take to connect, answer, or send the next piece")
+                  "seconds for a prefill, for the first token, and between two pieces of a stream")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  cmd->callback([o] { run(*o); });
+  cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 
 }  // namespace tandem::cli

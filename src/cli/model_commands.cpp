@@ -1,6 +1,9 @@
 #include "cli/model_commands.h"
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 
@@ -27,7 +30,7 @@ model::DType parse_weight_dtype(const std::string& s) {
   throw Error("--dtype: '" + s + "' is not one of f32, bf16, f16, fp8, int8");
 }
 
-void run_make_model(const MakeModelArgs& a) {
+void write_model(const MakeModelArgs& a) {
   model::MakeModelOptions o;
   o.preset = a.preset;
   o.out = a.out;
@@ -57,6 +60,31 @@ void run_make_model(const MakeModelArgs& a) {
 
 }  // namespace
 
+fs::path preset_model_folder(const std::string& preset) {
+  model::preset_config(preset);  // an unknown name fails here, naming the presets
+  fs::path cache;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x)
+    cache = x;
+  else if (const char* h = std::getenv("HOME"); h && *h)
+    cache = fs::path(h) / ".cache";
+  else
+    cache = fs::temp_directory_path();
+  const fs::path dir = cache / "tandem" / "models" / preset;
+  if (fs::exists(dir / "config.json")) return dir;
+  // Written aside and renamed, so an interrupted run never leaves a half model behind.
+  const fs::path tmp = dir.string() + ".partial-" + std::to_string(::getpid());
+  fs::create_directories(tmp.parent_path());
+  MakeModelArgs a;
+  a.preset = preset;
+  a.out = tmp.string();
+  write_model(a);
+  std::error_code ec;
+  fs::rename(tmp, dir, ec);
+  if (ec) fs::remove_all(tmp);  // another process won the race: use its copy
+  if (!fs::exists(dir / "config.json")) throw Error("could not create " + dir.string());
+  return dir;
+}
+
 void add_model_commands(CLI::App& app) {
   auto a = std::make_shared<MakeModelArgs>();
   auto* cmd = app.add_subcommand(
@@ -74,7 +102,7 @@ void add_model_commands(CLI::App& app) {
   cmd->add_option("--tokenizer", a->tokenizer,
                   "folder with tokenizer.json (+ tokenizer_config.json) to ship with the model; "
                   "default: the npm-installed DeepSeek-V3 tokenizer");
-  cmd->callback([a] { run_make_model(*a); });
+  cmd->callback([a] { write_model(*a); });
 }
 
 std::filesystem::path default_tokenizer() {

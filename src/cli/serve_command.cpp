@@ -3,13 +3,17 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cli/model_commands.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
+#include "model/make_model.h"
+#include "net/http_client.h"
 #include "util/child_process.h"
 #include "util/error.h"
 
@@ -17,10 +21,21 @@ namespace tandem::cli {
 namespace {
 
 struct ServeOptions {
-  std::string model, host = "127.0.0.1", mode = "parallel";
+  std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", access_log, admin_api_key;
   int port = 8080, prefill = 1, decode = 1;
-  std::vector<std::string> engine_args;  // passed to every engine
+  bool gateway_tokenizer = true;
+  std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
+
+// A folder and sim: presets are used as they are; a make-model preset name becomes its
+// checkpoint in the user's cache (written on first use).
+std::string model_folder(const std::string& model) {
+  if (model.rfind("sim:", 0) == 0 || std::filesystem::exists(model)) return model;
+  for (const auto& p : model::model_presets())
+    if (p == model) return preset_model_folder(model).string();
+  throw Error("serve: --model '" + model + "' is neither a folder, a sim: preset nor one of the " +
+              "make-model presets (tiny-v3, tiny-v2-lite, bench)");
+}
 
 // One `tandem engine` child: started with --port 0, its ports read from its first lines.
 class Child {
@@ -46,48 +61,80 @@ class Child {
   uint16_t port_ = 0, kv_port_ = 0;
 };
 
+gateway::Endpoint endpoint(const std::string& host, uint16_t port, uint16_t bootstrap) {
+  gateway::Endpoint e;
+  e.host = host;
+  e.port = port;
+  e.bootstrap_port = bootstrap;
+  return e;
+}
+
+void wait_healthy(const std::string& host, uint16_t port) {
+  for (int i = 0; i < 600; ++i) {
+    try {
+      if (net::http_request(host, port, "GET", "/health", {}, {}, std::chrono::seconds(1)).status ==
+          200)
+        return;
+    } catch (const std::exception&) {
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  throw Error("serve: the gateway did not become healthy within 30 s");
+}
+
 void run(const ServeOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
+  const std::string model = model_folder(o.model);
   const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
   if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
     throw Error(
         "serve: needs at least one decode engine, and one prefill engine unless "
         "--mode aggregated");
   auto engine_args = [&](const std::string& role) {
-    std::vector<std::string> a = {"tandem", "engine", "--model", o.model,  "--host",
+    std::vector<std::string> a = {"tandem", "engine", "--model", model,    "--host",
                                   o.host,   "--port", "0",       "--role", role};
     if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
   };
   std::vector<std::unique_ptr<Child>> children;
-  gateway::GatewayOptions g;
+  gateway::Topology g;
   g.host = o.host;
   g.port = static_cast<uint16_t>(o.port);
   g.mode = mode;
+  g.access_log = o.access_log;
+  g.api_keys = o.api_keys;
+  g.admin_api_key = o.admin_api_key;
+  // The gateway tokenizes once with the model's own tokenizer and sends ids (sim: engines
+  // have no model folder to read it from).
+  if (o.gateway_tokenizer && model.rfind("sim:", 0) != 0) g.model = model;
   // Engines start one after another: each has its ports by the time the next one starts.
   for (int i = 0; i < prefills; ++i) {
     children.push_back(std::make_unique<Child>(engine_args("prefill"), stop_signals));
-    g.prefill.push_back({o.host, children.back()->port(), children.back()->kv_port()});
+    g.prefill.endpoints.push_back(
+        endpoint(o.host, children.back()->port(), children.back()->kv_port()));
   }
   for (int i = 0; i < o.decode; ++i) {
     const std::string role = mode == gateway::PdMode::kAggregated ? "both" : "decode";
     children.push_back(std::make_unique<Child>(engine_args(role), stop_signals));
-    g.decode.push_back({o.host, children.back()->port(), 0});
+    g.decode.endpoints.push_back(endpoint(o.host, children.back()->port(), 0));
   }
   gateway::Gateway gw(g);
   gw.start();
+  // Engines are listening (their first lines said so); wait until the gateway's own probes see
+  // them, so the printed URL answers at once.
+  wait_healthy(o.host, gw.port());
   std::printf(
       "tandem serve: listening on http://%s:%u (gateway, mode %s, %d prefill + %d decode "
       "engines of %s)\n",
       o.host.c_str(), static_cast<unsigned>(gw.port()), o.mode.c_str(), prefills, o.decode,
-      o.model.c_str());
-  for (const auto& e : g.prefill)
+      model.c_str());
+  for (const auto& e : g.prefill.endpoints)
     std::printf("tandem serve: prefill engine http://%s:%u (KV transfer port %u)\n", e.host.c_str(),
                 static_cast<unsigned>(e.port), static_cast<unsigned>(e.bootstrap_port));
-  for (const auto& e : g.decode)
+  for (const auto& e : g.decode.endpoints)
     std::printf("tandem serve: decode engine http://%s:%u\n", e.host.c_str(),
                 static_cast<unsigned>(e.port));
   std::fflush(stdout);
@@ -104,8 +151,10 @@ void add_serve_command(CLI::App& app) {
   auto o = std::make_shared<ServeOptions>();
   auto* cmd = app.add_subcommand(
       "serve", "One command for a whole stack: a gateway plus prefill and decode engines");
-  cmd->add_option("--model", o->model, "model folder, or sim:PRESET for simulated engines")
-      ->required();
+  cmd->add_option("--model", o->model,
+                  "model folder, a make-model preset (its checkpoint is written to ~/.cache/tandem "
+                  "on first use), or sim:PRESET for simulated engines")
+      ->capture_default_str();
   cmd->add_option("--host", o->host, "address for the gateway and the engines")
       ->capture_default_str();
   cmd->add_option("--port", o->port, "gateway port (0: any free port)")
@@ -118,6 +167,11 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--engine-arg", o->engine_args,
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");
+  cmd->add_option("--access-log", o->access_log, "gateway access log: a file, or - for stdout");
+  cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
+  cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
+  cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,
+                "pass request bodies through instead of tokenizing in the gateway");
   cmd->callback([o] { run(*o); });
 }
 

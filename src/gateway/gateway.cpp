@@ -1,20 +1,34 @@
 #include "gateway/gateway.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <deque>
+#include <map>
 #include <mutex>
 #include <random>
+#include <thread>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/lifecycle.h"
+#include "gateway/policy.h"
+#include "gateway/scheduling_thread.h"
+#include "gateway/tokens_in.h"
 #include "net/async_http_client.h"
 #include "net/http_server.h"
+#include "net/sse.h"
+#include "util/block_hash.h"
 #include "util/error.h"
 #include "util/json.h"
+#include "util/metrics.h"
 
 namespace tandem::gateway {
 namespace {
 
 using nlohmann::json;
+using CallId = net::AsyncHttpClient::CallId;
 
 uint64_t random_u64() {
   thread_local std::mt19937_64 rng(std::random_device{}());
@@ -28,320 +42,1327 @@ std::string random_id() {
   return buf;
 }
 
-uint16_t port_number(const std::string& text, const std::string& whole) {
-  try {
-    size_t used = 0;
-    const int p = std::stoi(text, &used);
-    if (used == text.size() && p >= 1 && p <= 65535) return static_cast<uint16_t>(p);
-  } catch (const std::exception&) {
-  }
-  throw Error("endpoint '" + whole + "': expected HOST:PORT[@BOOTSTRAP_PORT] with ports 1..65535");
+int64_t unix_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
-// An engine and the requests the gateway has sent it that have not finished.
-struct Backend {
-  Endpoint endpoint;
-  std::atomic<int64_t> in_flight{0};
+std::string address(const Endpoint& e) {
+  std::string s = e.host;
+  s += ':';
+  s += std::to_string(e.port);
+  return s;
+}
+
+// `object_text` (a serialized JSON object) with `fields` (serialized "key":value pairs) added.
+std::string splice_fields(const std::string& object_text, const std::string& fields) {
+  const auto close = object_text.rfind('}');
+  if (close == std::string::npos) return object_text;
+  const auto last = object_text.find_last_not_of(" \t\r\n", close - 1);
+  const bool empty = last != std::string::npos && object_text[last] == '{';
+  std::string out = object_text.substr(0, close);
+  if (!empty) out += ',';
+  out += fields;
+  out += '}';
+  return out;
+}
+
+// What an engine's streamed event is, cheaply: the gateway relays events verbatim and only needs
+// to know which ones carry tokens (for TTFT/ITL) and whether the first one is an error.
+bool is_error_event(std::string_view data) {
+  return data.substr(0, 16).find("\"error\"") != std::string_view::npos;
+}
+bool carries_tokens(std::string_view data) {
+  return data != "[DONE]" && data.find("\"choices\":[]") == std::string_view::npos;
+}
+
+// Prompt blocks the gateway hashes its ids in (util/block_hash.h), for prefix-aware scheduling.
+constexpr int64_t kPrefixBlockTokens = 16;
+
+// An engine the gateway sends requests to, as the scheduling thread keeps it.
+struct EndpointState {
+  int id = 0;
+  bool prefill = false;
+  Endpoint config;
+  int64_t max_in_flight = 0;
+  bool healthy = true, draining = false, probing = false;
+  int consecutive_failures = 0;
+  int64_t in_flight = 0, tokens_in_flight = 0;
+  metrics::Gauge* in_flight_gauge = nullptr;
+  metrics::Gauge* healthy_gauge = nullptr;
+  metrics::IntCounter* requests_total = nullptr;
+  metrics::IntCounter* failures_total = nullptr;
 };
 
-// One client request while it is served: its legs, and whether the client got anything yet.
-struct Flow {
+enum class Stage { kFirst, kDecode };  // kDecode: sequential mode after the prefill answered
+
+struct Leg {
+  int endpoint = -1;
+  int attempt = 0;
+  bool prefill = false;
+  CallId call = 0;
+  bool started = false, finished = false;
+  std::string cancel_reason;  // why the gateway cancelled it (a timeout), for the error message
+  // Cancelled for a reason that is not the engine's fault (the client left, the other leg
+  // failed): not counted against the engine's health.
+  std::atomic<bool> gateway_cancelled{false};
+  bool engine_error = false;  // an error event, or a prefill answer without kv_transfer_params
+  // The relay's view of the answer.
+  int status = 0;
+  bool streaming = false, first_event = false;
+  std::string body;  // a non-streaming answer, or a stream's first event when it is an error
+  net::SseParser parser;
+};
+
+// One client request, from the io thread that received it to its access log line.
+struct Request {
+  // Set on the io thread before it reaches the scheduler, then read-only.
+  std::string id, method, path, target, model;
+  bool stream = false;
   std::shared_ptr<net::Exchange> exchange;
+  net::Headers headers;      // for the engines
+  std::string body;          // aggregated or decode leg (parallel: without bootstrap fields)
+  std::string prefill_body;  // sequential prefill leg
+  int64_t prompt_tokens = 0;
+  bool tokens_known = false;
+  std::vector<uint64_t> block_hashes;  // of the prompt's ids, when the gateway tokenized it
+  std::unique_ptr<ResponseTranslator> translator;  // tokens-in: the engine's answer -> client's
+  int64_t received_unix_ms = 0;
+  PhaseTimes times;
+
+  // Scheduling thread only.
+  Stage stage = Stage::kFirst;
+  int attempt = 0;  // current attempt; legs of older attempts are ignored
+  std::vector<int> excluded;
+  int prefill_endpoint = -1, decode_endpoint = -1;
+  std::string prefill_name, decode_name;
+  uint64_t queue_generation = 0;  // which enqueue a queue-timeout timer belongs to
+  bool queued = false, registered = false;
+  Clock::time_point queued_at;
+
+  // Shared by the io, client and scheduling threads, under `mutex`.
   std::mutex mutex;
-  std::vector<net::AsyncHttpClient::CallId> calls;
-  bool answered = false;  // a response or a stream started
-  bool finished = false;  // no more legs will start
+  std::vector<std::shared_ptr<Leg>> legs;
+  std::string decode_body;  // sequential: body plus the prefill's kv_transfer_params
+  bool answered = false;    // a response or a stream's head went to the client
+  bool ended = false;       // the client's response is complete or failed; nothing more starts
+  int status = 0;           // what the client got
+  std::string error;        // why it failed, if it did
+  int64_t output_events = 0, first_token_ns = 0, last_token_ns = 0;
+  int64_t completion_tokens = -1;  // from a usage object, when one was seen
+  std::vector<double> itl;         // inter-token gaps, seconds
+};
+
+using RequestPtr = std::shared_ptr<Request>;
+
+struct Metrics {
+  explicit Metrics(metrics::Registry& r)
+      : phase_seconds(r.histogram_family("tandem:gateway_phase_seconds",
+                                         "Seconds requests spent in each lifecycle phase.",
+                                         {"phase"}, metrics::vllm_request_latency_buckets())),
+        ttft(r.histogram("vllm:time_to_first_token_seconds",
+                         "Time to first token (streaming requests), seen at the gateway.",
+                         metrics::vllm_ttft_buckets())),
+        tpot(r.histogram("vllm:time_per_output_token_seconds",
+                         "Time per output token after the first (streaming requests).",
+                         metrics::vllm_tpot_buckets())),
+        itl(r.histogram("vllm:inter_token_latency_seconds",
+                        "Gaps between streamed token events, seen at the gateway.",
+                        metrics::vllm_tpot_buckets())),
+        e2e(r.histogram("vllm:e2e_request_latency_seconds",
+                        "End-to-end request latency at the gateway.",
+                        metrics::vllm_request_latency_buckets())),
+        queue_time(r.histogram("vllm:request_queue_time_seconds",
+                               "Seconds requests waited in the gateway for a free engine.",
+                               metrics::vllm_request_latency_buckets())),
+        running(r.gauge("vllm:num_requests_running", "Requests being served by engines.")),
+        waiting(r.gauge("vllm:num_requests_waiting", "Requests waiting in the gateway queue.")),
+        requests(r.int_counter_family("tandem:gateway_requests_total",
+                                      "Requests answered, by HTTP status.", {"status"})),
+        retries(r.int_counter("tandem:gateway_retries_total",
+                              "Attempts started again on other engines after a failure.")),
+        endpoint_in_flight(r.gauge_family("tandem:gateway_endpoint_in_flight",
+                                          "Requests in flight per engine.", {"pool", "endpoint"})),
+        endpoint_healthy(r.gauge_family(
+            "tandem:gateway_endpoint_healthy",
+            "1 while an engine is eligible, 0 while ejected or removed.", {"pool", "endpoint"})),
+        endpoint_requests(r.int_counter_family("tandem:gateway_endpoint_requests_total",
+                                               "Legs sent per engine.", {"pool", "endpoint"})),
+        endpoint_failures(r.int_counter_family("tandem:gateway_endpoint_failures_total",
+                                               "Failed legs and health probes per engine.",
+                                               {"pool", "endpoint"})) {}
+
+  metrics::Family<metrics::Histogram>& phase_seconds;
+  metrics::Histogram &ttft, &tpot, &itl, &e2e, &queue_time;
+  metrics::Gauge &running, &waiting;
+  metrics::Family<metrics::IntCounter>& requests;
+  metrics::IntCounter& retries;
+  metrics::Family<metrics::Gauge>& endpoint_in_flight;
+  metrics::Family<metrics::Gauge>& endpoint_healthy;
+  metrics::Family<metrics::IntCounter>& endpoint_requests;
+  metrics::Family<metrics::IntCounter>& endpoint_failures;
 };
 
 }  // namespace
 
-Endpoint parse_endpoint(const std::string& text) {
-  Endpoint e;
-  std::string rest = text;
-  if (const auto at = rest.find('@'); at != std::string::npos) {
-    e.bootstrap_port = port_number(rest.substr(at + 1), text);
-    rest = rest.substr(0, at);
-  }
-  const auto colon = rest.rfind(':');
-  if (colon == std::string::npos || colon == 0)
-    throw Error("endpoint '" + text + "': expected HOST:PORT[@BOOTSTRAP_PORT]");
-  e.host = rest.substr(0, colon);
-  e.port = port_number(rest.substr(colon + 1), text);
-  return e;
-}
-
-PdMode parse_mode(const std::string& text) {
-  if (text == "aggregated") return PdMode::kAggregated;
-  if (text == "sequential" || text == "vllm") return PdMode::kSequential;
-  if (text == "parallel" || text == "sglang") return PdMode::kParallel;
-  throw Error("mode: expected aggregated, sequential (vllm) or parallel (sglang), got '" + text +
-              "'");
-}
-
 class Gateway::Impl {
  public:
-  explicit Impl(GatewayOptions options) : options_(std::move(options)), server_(server_options()) {
-    if (options_.decode.empty()) throw Error("the gateway needs at least one decode engine");
-    if (options_.mode == PdMode::kAggregated && !options_.prefill.empty())
-      throw Error("aggregated mode has no prefill pool; choose sequential or parallel");
-    if (options_.mode != PdMode::kAggregated && options_.prefill.empty())
-      throw Error("sequential and parallel modes need at least one prefill engine");
-    for (const auto& e : options_.prefill) {
-      if (options_.mode == PdMode::kParallel && e.bootstrap_port == 0)
-        throw Error("parallel mode: prefill engine " + e.host + ":" + std::to_string(e.port) +
-                    " needs its bootstrap (KV transfer) port, as HOST:PORT@BOOTSTRAP_PORT");
-      prefill_.push_back(std::make_unique<Backend>());
-      prefill_.back()->endpoint = e;
+  Impl(Topology topology, std::string config_path)
+      : topo_(std::move(topology)),
+        config_path_(std::move(config_path)),
+        policy_(make_least_load_policy()),
+        metrics_(registry_),
+        server_(server_options()) {
+    validate(topo_);
+    if (!topo_.model.empty())
+      tokenizer_ = std::make_unique<PromptTokenizer>(topo_.model, topo_.served_model_name);
+    if (!topo_.access_log.empty()) {
+      access_log_ = topo_.access_log == "-" ? stdout : std::fopen(topo_.access_log.c_str(), "a");
+      if (!access_log_)
+        throw Error("access log '" + topo_.access_log + "': cannot open for append");
     }
-    for (const auto& e : options_.decode) {
-      decode_.push_back(std::make_unique<Backend>());
-      decode_.back()->endpoint = e;
-    }
-    server_.route("GET", "/health", [](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-      ex->respond(200, "", "text/plain");
-    });
-    server_.route("GET", "/v1/models",
-                  [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-                    auto flow = std::make_shared<Flow>();
-                    flow->exchange = ex;
-                    relay(flow, *least_loaded(decode_), "GET", req.target, {}, req.headers);
-                  });
-    auto generation = [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-      handle(req, std::move(ex));
-    };
-    server_.route("POST", "/v1/completions", generation);
-    server_.route("POST", "/v1/chat/completions", generation);
+    for (const auto& e : topo_.prefill.endpoints) add_endpoint(true, e);
+    for (const auto& e : topo_.decode.endpoints) add_endpoint(false, e);
+    routes();
   }
 
-  void start() { server_.start(); }
+  ~Impl() {
+    if (access_log_ && access_log_ != stdout) std::fclose(access_log_);
+  }
+
+  void start() {
+    sched_.start();
+    sched_.post([this] { probe_all(); });
+    server_.start();
+  }
   uint16_t port() const { return server_.port(); }
-  void stop() { server_.stop(); }
+  void stop() {
+    server_.stop();  // no new requests; pending exchanges close (their legs are cancelled)
+    // Let the cancelled legs report before the scheduler goes, so their requests are logged.
+    for (int i = 0; i < 200 && client_.in_flight() > 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    sched_.stop();
+  }
 
  private:
+  // ---------------------------------------------------------------- front end (io threads)
+
   net::HttpServerOptions server_options() const {
     net::HttpServerOptions o;
-    o.host = options_.host;
-    o.port = options_.port;
-    o.threads = options_.http_threads;
-    o.max_body_bytes = options_.max_body_bytes;
+    o.host = topo_.host;
+    o.port = topo_.port;
+    o.threads = topo_.io_threads;
+    o.max_body_bytes = topo_.max_body_bytes;
     return o;
   }
 
-  static Backend* least_loaded(const std::vector<std::unique_ptr<Backend>>& pool) {
-    Backend* best = pool.front().get();
-    for (const auto& b : pool)
-      if (b->in_flight.load() < best->in_flight.load()) best = b.get();
-    return best;
+  void routes() {
+    server_.route("GET", "/health", [this](const net::HttpRequest&, auto ex) {
+      if (ready_.load())
+        ex->respond(200, "", "text/plain");
+      else
+        ex->send_error(503, "no eligible engine", "server_error");
+    });
+    server_.route("GET", "/metrics", [this](const net::HttpRequest&, auto ex) {
+      ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
+    });
+    server_.route("GET", "/v1/models", [this](const net::HttpRequest& req, auto ex) {
+      if (!authorized(req, *ex)) return;
+      if (!topo_.served_model_name.empty()) {
+        json m = {{"id", topo_.served_model_name},
+                  {"object", "model"},
+                  {"created", unix_ms() / 1000},
+                  {"owned_by", "tandem"}};
+        ex->respond(200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
+        return;
+      }
+      sched_.post([this, ex, headers = req.headers] { relay_models(ex, headers); });
+    });
+    auto generation = [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+      receive(req, std::move(ex));
+    };
+    server_.route("POST", "/v1/completions", generation);
+    server_.route("POST", "/v1/chat/completions", generation);
+    server_.route("GET", "/debug/requests", [this](const net::HttpRequest& req, auto ex) {
+      if (!admin_authorized(req, *ex)) return;
+      sched_.post([this, ex] { ex->respond(200, debug_requests().dump()); });
+    });
+    server_.route("GET", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
+      if (!admin_authorized(req, *ex)) return;
+      sched_.post([this, ex] { ex->respond(200, endpoints_json().dump()); });
+    });
+    server_.route("POST", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
+      if (!admin_authorized(req, *ex)) return;
+      admin_add(req, ex);
+    });
+    server_.route("POST", "/admin/endpoints/remove", [this](const net::HttpRequest& req, auto ex) {
+      if (!admin_authorized(req, *ex)) return;
+      admin_remove(req, ex);
+    });
+    server_.route("POST", "/admin/reload", [this](const net::HttpRequest& req, auto ex) {
+      if (!admin_authorized(req, *ex)) return;
+      admin_reload(ex);
+    });
   }
 
-  void handle(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+  static std::string bearer(const net::HttpRequest& req) {
+    const std::string auth = req.headers.get("Authorization");
+    if (auth.size() > 7 && net::iequals(std::string_view(auth).substr(0, 7), "Bearer "))
+      return auth.substr(7);
+    return {};
+  }
+
+  bool authorized(const net::HttpRequest& req, net::Exchange& ex) const {
+    if (topo_.api_keys.empty()) return true;
+    const std::string key = bearer(req);
+    if (std::find(topo_.api_keys.begin(), topo_.api_keys.end(), key) != topo_.api_keys.end())
+      return true;
+    ex.send_error(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                  "invalid_request_error", "invalid_api_key");
+    return false;
+  }
+
+  bool admin_authorized(const net::HttpRequest& req, net::Exchange& ex) const {
+    if (topo_.admin_api_key.empty()) {
+      ex.send_error(404, "the admin API is off (set admin_api_key)");
+      return false;
+    }
+    if (bearer(req) == topo_.admin_api_key) return true;
+    ex.send_error(401, "invalid or missing admin API key", "invalid_request_error",
+                  "invalid_api_key");
+    return false;
+  }
+
+  // Everything that can be done before the scheduler sees the request: the client's errors are
+  // answered here, and the legs' bodies are built once.
+  void receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    auto r = std::make_shared<Request>();
+    r->times.mark(Phase::kReceived);
+    r->received_unix_ms = unix_ms();
+    r->method = req.method;
+    r->path = req.path;
+    r->target = req.target;
+    r->exchange = ex;
+    r->id = req.headers.get("X-Request-Id");
+    if (r->id.empty() || r->id.size() > 256) r->id = random_id();
+    r->headers.set("X-Request-Id", r->id);
+    if (const auto* auth = req.headers.find("Authorization"))
+      r->headers.set("Authorization", *auth);
+    if (!authorized(req, *ex)) return finish_early(r, 401, "unauthorized");
+
+    r->times.mark(Phase::kTokenizing);
+    const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_;
     json body;
-    try {
-      body = parse_untrusted_json(req.body);
-      if (!body.is_object()) throw Error("the request body must be a JSON object");
-    } catch (const std::exception& e) {
-      ex->send_error(400, std::string("invalid JSON body: ") + e.what());
+    if (needs_json) {
+      try {
+        body = parse_untrusted_json(req.body);
+        if (!body.is_object()) throw Error("the request body must be a JSON object");
+      } catch (const std::exception& e) {
+        ex->send_error(400, std::string("invalid JSON body: ") + e.what());
+        return finish_early(r, 400, "invalid JSON body");
+      }
+      r->stream = body.value("stream", false) == true;
+      if (auto m = body.find("model"); m != body.end() && m->is_string()) r->model = *m;
+    }
+    // Without a tokenizer the prompt's length is estimated from the body's size (about four
+    // bytes per token in English text).
+    r->prompt_tokens = static_cast<int64_t>(req.body.size() / 4);
+    bool rewritten = false;
+    if (tokenizer_) {
+      try {
+        if (auto t = tokenizer_->tokenize(req.path, body)) {
+          const Pool& first = topo_.mode == PdMode::kAggregated ? topo_.decode : topo_.prefill;
+          r->prompt_tokens = static_cast<int64_t>(t->ids.size()) * t->n;
+          r->tokens_known = true;
+          r->times.mark(Phase::kPrefixMatching);
+          r->block_hashes = block_hashes(t->ids, kPrefixBlockTokens);
+          if (first.tokens_in && topo_.decode.tokens_in) {
+            r->translator = std::make_unique<ResponseTranslator>(t->client_kind);
+            body = tokens_in_body(body, *t);
+            r->target = "/v1/completions";
+            rewritten = true;
+          }
+        }
+      } catch (const engine::api::ApiError& e) {
+        std::string message = e.message;
+        if (!e.param.empty()) message += " (param: " + e.param + ")";
+        ex->send_error(e.status, message, e.type);
+        return finish_early(r, e.status, message);
+      }
+    }
+    r->times.mark(Phase::kPrefixMatching);
+
+    switch (topo_.mode) {
+      case PdMode::kAggregated:
+        r->body = rewritten ? body.dump() : req.body;  // else verbatim: the engine parses it
+        break;
+      case PdMode::kSequential: {
+        json pre = body;
+        pre["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                                     {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                                     {"remote_host", nullptr},      {"remote_port", nullptr}};
+        pre["stream"] = false;
+        pre.erase("stream_options");
+        pre["max_tokens"] = 1;
+        if (pre.contains("max_completion_tokens")) pre["max_completion_tokens"] = 1;
+        pre.erase("min_tokens");
+        r->prefill_body = pre.dump();
+        body.erase("kv_transfer_params");
+        r->body = body.dump();
+        break;
+      }
+      case PdMode::kParallel:
+        for (const char* k : {"bootstrap_host", "bootstrap_port", "bootstrap_room"}) body.erase(k);
+        r->body = body.dump();
+        break;
+    }
+    ex->on_close([this, r] { client_gone(r); });
+    sched_.post([this, r] { submit(r); });
+  }
+
+  // A request answered before it reached the scheduler still gets its log line and metrics.
+  void finish_early(const RequestPtr& r, int status, std::string error) {
+    {
+      std::lock_guard lock(r->mutex);
+      r->answered = r->ended = true;
+      r->status = status;
+      r->error = std::move(error);
+    }
+    r->times.mark(Phase::kCompleted);
+    sched_.post([this, r] { finished(r); });
+  }
+
+  // The client went away (or the server is stopping): nothing more starts, running legs are
+  // cancelled (engines abort and free what the request held).
+  void client_gone(const RequestPtr& r) {
+    std::vector<CallId> calls;
+    {
+      std::lock_guard lock(r->mutex);
+      if (r->ended) return;
+      r->ended = true;
+      if (!r->answered) r->status = 499;
+      r->error = "client closed the connection";
+      for (const auto& l : r->legs)
+        if (l->started && !l->finished) {
+          l->gateway_cancelled = true;
+          calls.push_back(l->call);
+        }
+    }
+    for (auto c : calls) client_.cancel(c);
+    r->times.mark(Phase::kCompleted);
+    sched_.post([this, r] { finished(r); });
+  }
+
+  // ---------------------------------------------------------------- scheduling thread
+
+  void add_endpoint(bool prefill, Endpoint e) {
+    EndpointState s;
+    s.id = next_endpoint_id_++;
+    s.prefill = prefill;
+    const Pool& pool = prefill ? topo_.prefill : topo_.decode;
+    s.max_in_flight = e.max_in_flight > 0 ? e.max_in_flight : pool.max_in_flight;
+    s.config = std::move(e);
+    const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
+    s.in_flight_gauge = &metrics_.endpoint_in_flight.labels(labels);
+    s.healthy_gauge = &metrics_.endpoint_healthy.labels(labels);
+    s.requests_total = &metrics_.endpoint_requests.labels(labels);
+    s.failures_total = &metrics_.endpoint_failures.labels(labels);
+    s.healthy_gauge->set(1);
+    s.in_flight_gauge->set(0);
+    endpoints_.emplace(s.id, std::move(s));
+    update_ready();
+  }
+
+  bool eligible(const EndpointState& e) const { return e.healthy && !e.draining; }
+
+  void update_ready() {
+    bool p = topo_.mode == PdMode::kAggregated, d = false;
+    for (const auto& [id, e] : endpoints_) {
+      if (!eligible(e)) continue;
+      (e.prefill ? p : d) = true;
+    }
+    ready_ = p && d;
+  }
+
+  ClusterView view() const {
+    ClusterView v;
+    for (const auto& [id, e] : endpoints_) {
+      EndpointLoad l{e.id,        e.config.group,  eligible(e),
+                     e.in_flight, e.max_in_flight, e.tokens_in_flight};
+      (e.prefill ? v.prefill : v.decode).push_back(l);
+    }
+    return v;
+  }
+
+  RequestInfo info(const Request& r) const {
+    return {r.prompt_tokens,
+            Clock::time_point(std::chrono::nanoseconds(*r.times.at(Phase::kReceived))), r.excluded};
+  }
+
+  bool ended(Request& r) {
+    std::lock_guard lock(r.mutex);
+    return r.ended;
+  }
+
+  void submit(const RequestPtr& r) {
+    if (ended(*r)) return;
+    if (waiting_.size() >= topo_.max_queue) {
+      answer_error(r, 429,
+                   "the gateway queue is full (" + std::to_string(topo_.max_queue) +
+                       " requests waiting); retry later");
       return;
     }
-    // The same id to both legs (engines and logs correlate on it).
-    net::Headers headers;
-    std::string id = req.headers.get("X-Request-Id");
-    if (id.empty()) id = random_id();
-    headers.set("X-Request-Id", id);
-    if (const auto* auth = req.headers.find("Authorization")) headers.set("Authorization", *auth);
+    active_.emplace(r->id + "#" + std::to_string(reinterpret_cast<uintptr_t>(r.get())), r);
+    r->registered = true;
+    metrics_.running.set(static_cast<double>(active_.size()));
+    enqueue(r, false);
+    dispatch();
+  }
 
-    auto flow = std::make_shared<Flow>();
-    flow->exchange = ex;
-    ex->on_close([this, flow] { cancel_all(*flow); });
-    Backend& decode = *least_loaded(decode_);
-    switch (options_.mode) {
+  void enqueue(const RequestPtr& r, bool front) {
+    r->times.mark(Phase::kPrefillWaiting);
+    if (topo_.mode != PdMode::kSequential || r->stage == Stage::kDecode)
+      r->times.mark(Phase::kDecodeWaiting);
+    r->queued = true;
+    r->queued_at = Clock::now();
+    const uint64_t generation = ++r->queue_generation;
+    if (front)
+      waiting_.push_front(r);
+    else
+      waiting_.push_back(r);
+    metrics_.waiting.set(static_cast<double>(waiting_.size()));
+    sched_.at(Clock::now() + topo_.timeouts.queue, [this, r, generation] {
+      if (!r->queued || r->queue_generation != generation) return;
+      remove_waiting(r);
+      answer_error(r, 503,
+                   "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
+                       " ms (queue timeout)");
+    });
+  }
+
+  void remove_waiting(const RequestPtr& r) {
+    waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), r), waiting_.end());
+    r->queued = false;
+    metrics_.waiting.set(static_cast<double>(waiting_.size()));
+  }
+
+  // Starts every waiting request an engine is free for, in queue order; a request that must wait
+  // (its engines are saturated) does not block the ones behind it that could go elsewhere.
+  void dispatch() {
+    const auto now = Clock::now();
+    for (size_t i = 0; i < waiting_.size();) {
+      RequestPtr r = waiting_[i];
+      if (ended(*r)) {
+        waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+        r->queued = false;
+        continue;
+      }
+      const ClusterView v = view();
+      const RequestInfo ri = info(*r);
+      int prefill = -1, decode = -1;
+      Choice::Kind kind = Choice::Kind::kChosen;
+      if (topo_.mode == PdMode::kAggregated) {
+        const Choice c = policy_->choose_decode(v, ri, -1, now);
+        kind = c.kind;
+        decode = c.endpoint;
+      } else if (topo_.mode == PdMode::kParallel) {
+        const PairChoice c = choose_pair(*policy_, v, ri, now);
+        kind = c.kind;
+        prefill = c.prefill;
+        decode = c.decode;
+      } else if (r->stage == Stage::kFirst) {
+        const Choice c = policy_->choose_prefill(v, ri, now);
+        kind = c.kind;
+        prefill = c.endpoint;
+      } else {
+        const auto pe = endpoints_.find(r->prefill_endpoint);
+        const int group = pe != endpoints_.end() ? pe->second.config.group : 0;
+        const Choice c = policy_->choose_decode(v, ri, group, now);
+        kind = c.kind;
+        decode = c.endpoint;
+      }
+      if (kind == Choice::Kind::kSaturated) {
+        ++i;
+        continue;
+      }
+      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
+      r->queued = false;
+      metrics_.waiting.set(static_cast<double>(waiting_.size()));
+      if (kind == Choice::Kind::kNoneEligible) {
+        answer_error(r, 503, "no healthy engine can serve this request");
+        continue;
+      }
+      metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
+      start(r, prefill, decode);
+    }
+  }
+
+  EndpointState* endpoint(int id) {
+    auto it = endpoints_.find(id);
+    return it == endpoints_.end() ? nullptr : &it->second;
+  }
+
+  void start(const RequestPtr& r, int prefill, int decode) {
+    const int64_t now = steady_now_ns();
+    if (prefill >= 0) {
+      r->prefill_endpoint = prefill;
+      r->prefill_name = endpoint(prefill)->config.name;
+      r->times.mark(Phase::kPrefillScheduled, now);
+    }
+    if (decode >= 0) {
+      r->decode_endpoint = decode;
+      r->decode_name = endpoint(decode)->config.name;
+      r->times.mark(Phase::kDecodeScheduled, now);
+      if (topo_.mode == PdMode::kAggregated) r->times.mark(Phase::kPrefillScheduled, now);
+    }
+    switch (topo_.mode) {
       case PdMode::kAggregated:
-        relay(flow, decode, "POST", req.target, body.dump(), headers);
+        r->times.mark(Phase::kPrefilling);
+        start_relay(r, decode, r->body);
         break;
       case PdMode::kSequential:
-        sequential(flow, *least_loaded(prefill_), decode, req.target, std::move(body), headers);
+        if (r->stage == Stage::kFirst) {
+          r->times.mark(Phase::kPrefilling);
+          start_prefill(r, prefill, r->prefill_body);
+        } else {
+          std::string body;
+          {
+            std::lock_guard lock(r->mutex);
+            body = r->decode_body;
+          }
+          start_relay(r, decode, std::move(body));
+        }
         break;
-      case PdMode::kParallel:
-        parallel(flow, *least_loaded(prefill_), decode, req.target, std::move(body), headers);
+      case PdMode::kParallel: {
+        const EndpointState& p = *endpoint(prefill);
+        json fields = {{"bootstrap_host", p.config.host},
+                       {"bootstrap_port", p.config.bootstrap_port},
+                       {"bootstrap_room", random_u64() & 0x7fffffffffffffffULL}};
+        std::string text = fields.dump();
+        const std::string body = splice_fields(r->body, text.substr(1, text.size() - 2));
+        r->times.mark(Phase::kPrefilling);
+        start_prefill(r, prefill, body);
+        start_relay(r, decode, body);
         break;
+      }
     }
   }
 
-  void cancel_all(Flow& flow) {
-    std::vector<net::AsyncHttpClient::CallId> calls;
-    {
-      std::lock_guard lock(flow.mutex);
-      flow.finished = true;
-      calls = flow.calls;
-    }
-    for (auto id : calls) client_.cancel(id);
+  net::AsyncHttpRequest upstream(const EndpointState& e, const Request& r, std::string body,
+                                 std::chrono::milliseconds timeout) const {
+    net::AsyncHttpRequest u;
+    u.host = e.config.host;
+    u.port = e.config.port;
+    u.method = "POST";
+    u.target = r.target;
+    u.body = std::move(body);
+    u.headers = r.headers;
+    u.timeout = timeout;
+    u.connect_timeout = topo_.timeouts.connect;
+    return u;
   }
 
-  net::AsyncHttpRequest upstream(const Backend& b, const std::string& method,
-                                 const std::string& target, std::string body,
-                                 const net::Headers& headers) const {
-    net::AsyncHttpRequest r;
-    r.host = b.endpoint.host;
-    r.port = b.endpoint.port;
-    r.method = method;
-    r.target = target;
-    r.body = std::move(body);
-    r.headers = headers;
-    r.timeout = options_.upstream_timeout;
-    return r;
-  }
-
-  // Starts a leg unless the flow already ended (the client left, or another leg failed).
-  void start_leg(const std::shared_ptr<Flow>& flow, Backend& b, net::AsyncHttpRequest r,
-                 net::AsyncHttpHandlers h) {
-    std::lock_guard lock(flow->mutex);
-    if (flow->finished) return;
-    ++b.in_flight;
+  // Registers and starts a leg unless the request already ended; the endpoint's load counts it
+  // until its on_done, which always comes, so the accounting cannot leak.
+  void launch(const RequestPtr& r, int endpoint_id, bool prefill,
+              const std::shared_ptr<std::weak_ptr<Leg>>& ref, net::AsyncHttpRequest u,
+              net::AsyncHttpHandlers h, std::chrono::milliseconds deadline, const char* what) {
+    EndpointState* e = endpoint(endpoint_id);
+    auto leg = std::make_shared<Leg>();
+    *ref = leg;  // before the call starts: its callbacks find the leg through `ref`
+    leg->endpoint = endpoint_id;
+    leg->attempt = r->attempt;
+    leg->prefill = prefill;
+    const int64_t tokens = r->prompt_tokens;
     auto done = std::move(h.on_done);
-    h.on_done = [&b, done](const std::string& error) {
-      --b.in_flight;
+    h.on_done = [this, leg, tokens, done](const std::string& error) {
       if (done) done(error);
+      const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
+                         leg->engine_error;
+      sched_.post([this, leg, tokens, fault] { leg_finished(*leg, tokens, !fault); });
     };
-    flow->calls.push_back(client_.start(std::move(r), std::move(h)));
+    std::lock_guard lock(r->mutex);
+    if (r->ended) return;
+    ++e->in_flight;
+    e->tokens_in_flight += tokens;
+    e->in_flight_gauge->set(static_cast<double>(e->in_flight));
+    e->requests_total->inc();
+    leg->started = true;
+    r->legs.push_back(leg);
+    leg->call = client_.start(std::move(u), std::move(h));
+    sched_.at(Clock::now() + deadline, [this, r, leg, what, deadline] {
+      std::lock_guard lock(r->mutex);
+      if (leg->finished || (!leg->prefill && leg->first_event)) return;
+      leg->cancel_reason =
+          std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
+      client_.cancel(leg->call);
+    });
   }
 
-  // Relays one upstream response to the client as it arrives: streams stay streams.
-  void relay(const std::shared_ptr<Flow>& flow, Backend& b, const std::string& method,
-             const std::string& target, std::string body, const net::Headers& headers) {
-    struct Relay {
-      int status = 0;
-      std::string content_type, body;
-      bool streaming = false;
-    };
-    auto state = std::make_shared<Relay>();
+  void leg_finished(const Leg& leg, int64_t tokens, bool ok) {
+    EndpointState* e = endpoint(leg.endpoint);
+    if (!e) return;
+    --e->in_flight;
+    e->tokens_in_flight -= tokens;
+    e->in_flight_gauge->set(static_cast<double>(e->in_flight));
+    if (ok)
+      e->consecutive_failures = 0;
+    else
+      passive_failure(*e);
+    if (e->draining && e->in_flight == 0) {
+      e->healthy_gauge->set(0);
+      endpoints_.erase(leg.endpoint);
+    }
+    dispatch();
+  }
+
+  void passive_failure(EndpointState& e) {
+    e.failures_total->inc();
+    if (++e.consecutive_failures >= topo_.health.failures_to_eject && e.healthy) {
+      e.healthy = false;
+      e.healthy_gauge->set(0);
+      update_ready();
+    }
+  }
+
+  // The sequential prefill leg (answer collected) and the parallel one (drained).
+  void start_prefill(const RequestPtr& r, int endpoint_id, std::string body) {
+    const EndpointState& e = *endpoint(endpoint_id);
+    const int attempt = r->attempt;
+    auto leg_ref = std::make_shared<std::weak_ptr<Leg>>();
     net::AsyncHttpHandlers h;
-    h.on_head = [flow, state](int status, const net::Headers& hs) {
-      state->status = status;
-      state->content_type = hs.get("Content-Type", "application/json");
-      state->streaming = state->content_type.rfind("text/event-stream", 0) == 0;
-      if (state->streaming) {
-        std::lock_guard lock(flow->mutex);
-        flow->answered = true;
-        flow->exchange->start_stream(status, state->content_type);
-      }
+    h.on_head = [leg_ref](int status, const net::Headers&) {
+      if (auto l = leg_ref->lock()) l->status = status;
     };
-    h.on_body = [flow, state](std::string_view piece) {
-      if (!state->streaming) {
-        state->body += piece;
-        return true;
-      }
-      return flow->exchange->write(piece);
-    };
-    const std::string where = b.endpoint.host + ":" + std::to_string(b.endpoint.port);
-    h.on_done = [this, flow, state, where](const std::string& error) {
-      if (state->streaming) {
-        // Mid-stream failure: cut the stream so the client sees it was incomplete.
-        if (error.empty())
-          flow->exchange->end();
-        else
-          flow->exchange->abort();
-      } else if (error.empty()) {
-        respond(*flow, state->status, state->body, state->content_type);
-      } else {
-        fail(*flow, "engine " + where + " failed: " + error);
-      }
-      cancel_all(*flow);
-    };
-    start_leg(flow, b, upstream(b, method, target, std::move(body), headers), std::move(h));
-  }
-
-  void respond(Flow& flow, int status, const std::string& body, const std::string& type) {
-    std::lock_guard lock(flow.mutex);
-    if (flow.answered) return;
-    flow.answered = true;
-    flow.exchange->respond(status, body, type);
-  }
-
-  // An upstream failure before the client got anything: 502 in the OpenAI shape.
-  void fail(Flow& flow, const std::string& message) {
-    std::lock_guard lock(flow.mutex);
-    if (flow.answered) return;
-    flow.answered = true;
-    flow.exchange->send_error(502, message, "server_error");
-  }
-
-  void sequential(const std::shared_ptr<Flow>& flow, Backend& prefill, Backend& decode,
-                  const std::string& target, json body, const net::Headers& headers) {
-    json pre = body;
-    pre["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
-                                 {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
-                                 {"remote_host", nullptr},      {"remote_port", nullptr}};
-    pre["stream"] = false;
-    pre.erase("stream_options");
-    pre["max_tokens"] = 1;
-    if (pre.contains("max_completion_tokens")) pre["max_completion_tokens"] = 1;
-    pre.erase("min_tokens");
-    auto answer = std::make_shared<std::pair<int, std::string>>();
-    net::AsyncHttpHandlers h;
-    h.on_head = [answer](int status, const net::Headers&) { answer->first = status; };
-    h.on_body = [answer](std::string_view piece) {
-      answer->second += piece;
+    h.on_body = [leg_ref, keep = topo_.mode == PdMode::kSequential](std::string_view piece) {
+      auto l = leg_ref->lock();
+      if (l && (keep || l->status != 200) && l->body.size() < (size_t{16} << 20)) l->body += piece;
       return true;
     };
-    const std::string where = prefill.endpoint.host + ":" + std::to_string(prefill.endpoint.port);
-    h.on_done = [this, flow, answer, body = std::move(body), &decode, target, headers,
-                 where](const std::string& error) mutable {
-      if (!error.empty()) {
-        fail(*flow, "prefill engine " + where + " failed: " + error);
+    const std::string where = e.config.name;
+    h.on_done = [this, r, leg_ref, attempt, where, endpoint_id](const std::string& error) {
+      auto l = leg_ref->lock();
+      if (!l) return;
+      std::string reason;
+      {
+        std::lock_guard lock(r->mutex);
+        l->finished = true;
+        reason = l->cancel_reason.empty() ? error : l->cancel_reason;
+      }
+      if (reason.empty() && l->status == 200) {
+        r->times.mark_prefill_done(steady_now_ns());
+        if (topo_.mode == PdMode::kSequential) prefill_answered(r, *l, attempt, where, endpoint_id);
         return;
       }
-      if (answer->first != 200) {  // the engine's own error, as it sent it
-        respond(*flow, answer->first, answer->second, "application/json");
-        return;
-      }
-      json params;
-      try {
-        params = parse_untrusted_json(answer->second).at("kv_transfer_params");
-      } catch (const std::exception&) {
-        fail(*flow, "prefill engine " + where + " answered without kv_transfer_params");
-        return;
-      }
-      body["kv_transfer_params"] = params;  // opaque: forwarded verbatim
-      relay(flow, decode, "POST", target, body.dump(), headers);
+      if (!reason.empty())
+        sched_.post(
+            [this, r, attempt, endpoint_id, m = "prefill engine " + where + " failed: " + reason] {
+              attempt_failed(r, attempt, endpoint_id, 502, {}, m);
+            });
+      else
+        sched_.post([this, r, attempt, endpoint_id, s = l->status, b = l->body] {
+          attempt_failed(r, attempt, endpoint_id, s, b, {});
+        });
     };
-    start_leg(flow, prefill, upstream(prefill, "POST", target, pre.dump(), headers), std::move(h));
+    launch(r, endpoint_id, true, leg_ref, upstream(e, *r, std::move(body), topo_.timeouts.prefill),
+           std::move(h), topo_.timeouts.prefill, "the prefill");
   }
 
-  void parallel(const std::shared_ptr<Flow>& flow, Backend& prefill, Backend& decode,
-                const std::string& target, json body, const net::Headers& headers) {
-    body["bootstrap_host"] = prefill.endpoint.host;
-    body["bootstrap_port"] = prefill.endpoint.bootstrap_port;
-    body["bootstrap_room"] = random_u64() & 0x7fffffffffffffffULL;
-    const std::string text = body.dump();
-    // The prefill leg's answer is drained; its failure fails the request (the decode leg would
-    // only wait for KV that never comes): the engine's own error when it sent one, else 502.
+  void prefill_answered(const RequestPtr& r, Leg& leg, int attempt, const std::string& where,
+                        int endpoint_id) {
+    std::string params;
+    try {
+      params = parse_untrusted_json(leg.body).at("kv_transfer_params").dump();
+    } catch (const std::exception&) {
+      leg.engine_error = true;
+      sched_.post([this, r, attempt, endpoint_id,
+                   m = "prefill engine " + where + " answered without kv_transfer_params"] {
+        attempt_failed(r, attempt, endpoint_id, 502, {}, m);
+      });
+      return;
+    }
+    {
+      std::lock_guard lock(r->mutex);
+      r->decode_body = splice_fields(r->body, "\"kv_transfer_params\":" + params);
+    }
+    sched_.post([this, r, attempt] {
+      if (attempt != r->attempt || ended(*r)) return;
+      r->stage = Stage::kDecode;
+      enqueue(r, true);  // it holds KV on the prefill engine: first in line
+      dispatch();
+    });
+  }
+
+  // The leg whose answer goes to the client. Its head is held back until the first event (or
+  // the whole answer) arrived, so a failure before any token can still be retried elsewhere.
+  void start_relay(const RequestPtr& r, int endpoint_id, std::string body) {
+    const EndpointState& e = *endpoint(endpoint_id);
+    const int attempt = r->attempt;
+    auto leg_ref = std::make_shared<std::weak_ptr<Leg>>();
+    net::AsyncHttpHandlers h;
+    h.on_head = [leg_ref](int status, const net::Headers& hs) {
+      auto l = leg_ref->lock();
+      if (!l) return;
+      l->status = status;
+      l->streaming = status == 200 && hs.get("Content-Type").rfind("text/event-stream", 0) == 0;
+    };
+    h.on_body = [this, r, leg_ref](std::string_view piece) {
+      return relay_piece(r, leg_ref, piece);
+    };
+    const std::string where = e.config.name;
+    h.on_done = [this, r, leg_ref, attempt, where, endpoint_id](const std::string& error) {
+      auto l = leg_ref->lock();
+      if (!l) return;
+      relay_done(r, *l, attempt, where, endpoint_id, error);
+    };
+    // A stream must keep moving (idle); a non-streaming answer comes whole (first_token). In
+    // aggregated mode the body is not parsed, so whether it streams is learnt from the answer.
+    const bool may_stream = r->stream || topo_.mode == PdMode::kAggregated;
+    auto u = upstream(e, *r, std::move(body),
+                      may_stream ? topo_.timeouts.idle : topo_.timeouts.first_token);
+    launch(r, endpoint_id, false, leg_ref, std::move(u), std::move(h), topo_.timeouts.first_token,
+           "the first token");
+  }
+
+  bool relay_piece(const RequestPtr& r, const std::shared_ptr<std::weak_ptr<Leg>>& leg_ref,
+                   std::string_view piece) {
+    auto l = leg_ref->lock();
+    if (!l) return false;
+    if (!l->streaming) {
+      if (l->body.size() + piece.size() > (size_t{64} << 20)) return false;
+      l->body += piece;
+      return true;
+    }
+    std::string out;
+    const int64_t now = steady_now_ns();
+    for (auto& data : l->parser.feed(piece)) {
+      if (!l->first_event) {
+        if (is_error_event(data)) {  // failed before any token: the client has seen nothing
+          l->body = std::move(data);
+          l->engine_error = true;
+          return false;
+        }
+        l->first_event = true;
+        std::lock_guard lock(r->mutex);
+        if (r->ended) {
+          l->gateway_cancelled = true;
+          return false;
+        }
+        r->answered = true;
+        r->status = 200;
+        r->exchange->start_stream(200, "text/event-stream");
+      }
+      if (carries_tokens(data)) {
+        std::lock_guard lock(r->mutex);
+        if (r->output_events == 0) {
+          r->first_token_ns = now;
+          r->times.mark(Phase::kDecoding, now);
+          if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
+        } else {
+          r->itl.push_back(static_cast<double>(now - r->last_token_ns) * 1e-9);
+        }
+        r->last_token_ns = now;
+        ++r->output_events;
+      }
+      if (r->translator && !is_error_event(data)) {
+        for (const auto& d : r->translator->event(data)) {
+          out += "data: ";
+          out += d;
+          out += "\n\n";
+        }
+        continue;
+      }
+      out += "data: ";
+      out += data;
+      out += "\n\n";
+    }
+    if (out.empty()) return true;
+    if (r->exchange->write(out)) return true;
+    l->gateway_cancelled = true;  // the client is gone
+    return false;
+  }
+
+  void relay_done(const RequestPtr& r, Leg& l, int attempt, const std::string& where,
+                  int endpoint_id, const std::string& error) {
+    std::string reason;
+    bool streamed;
+    {
+      std::lock_guard lock(r->mutex);
+      l.finished = true;
+      reason = l.cancel_reason.empty() ? error : l.cancel_reason;
+      streamed = l.first_event;
+    }
+    if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
+      if (reason.empty())
+        r->exchange->end();
+      else
+        r->exchange->abort();
+      complete(r, reason.empty() ? 200 : 502, reason.empty() ? "" : where + ": " + reason);
+      return;
+    }
+    if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
+      std::string message = "engine " + where + " failed: " + l.body;
+      try {
+        message = "engine " + where + " failed: " +
+                  parse_untrusted_json(l.body).at("error").at("message").get<std::string>();
+      } catch (const std::exception&) {
+      }
+      sched_.post([this, r, attempt, endpoint_id, message] {
+        attempt_failed(r, attempt, endpoint_id, 502, {}, message);
+      });
+      return;
+    }
+    if (reason.empty() && l.status == 200 && !l.streaming) {
+      const int64_t now = steady_now_ns();
+      r->times.mark(Phase::kDecoding, now);
+      if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
+      int64_t tokens = -1;
+      json answer;
+      try {
+        answer = parse_untrusted_json(l.body);
+      } catch (const std::exception& e) {
+        l.engine_error = true;
+        sched_.post([this, r, attempt, endpoint_id,
+                     m = "engine " + where + " sent a malformed answer: " + e.what()] {
+          attempt_failed(r, attempt, endpoint_id, 502, {}, m);
+        });
+        return;
+      }
+      if (auto u = answer.find("usage"); u != answer.end() && u->is_object())
+        if (auto c = u->find("completion_tokens"); c != u->end() && c->is_number_integer())
+          tokens = c->get<int64_t>();
+      {
+        std::lock_guard lock(r->mutex);
+        if (r->ended) return;
+        r->answered = true;
+        r->status = 200;
+        r->completion_tokens = tokens;
+        r->exchange->respond(200, r->translator ? r->translator->body(l.body) : std::move(l.body),
+                             "application/json");
+      }
+      complete(r, 200, {});
+      return;
+    }
+    if (reason.empty() && l.streaming) {  // a stream that ended without any event
+      reason = "the stream ended without an answer";
+    }
+    if (!reason.empty())
+      sched_.post([this, r, attempt, endpoint_id, m = "engine " + where + " failed: " + reason] {
+        attempt_failed(r, attempt, endpoint_id, 502, {}, m);
+      });
+    else
+      sched_.post([this, r, attempt, endpoint_id, s = l.status, b = std::move(l.body)] {
+        attempt_failed(r, attempt, endpoint_id, s, b, {});
+      });
+  }
+
+  // A leg of the current attempt failed before the client got anything: an engine's own client
+  // error (4xx) goes to the client as it is; anything else is retried on other engines while
+  // retries remain (the failed engine is avoided), then answered 502 (or the engine's 5xx).
+  void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
+                      std::string body, std::string message) {
+    if (attempt != r->attempt) return;
+    {
+      std::lock_guard lock(r->mutex);
+      if (r->ended || r->answered) return;
+    }
+    cancel_legs(r);
+    const bool client_error = status >= 400 && status < 500;
+    const bool retryable =
+        !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
+    if (retryable && r->attempt < topo_.prefill_retries) {
+      ++r->attempt;
+      metrics_.retries.inc();
+      r->excluded.push_back(endpoint_id);
+      r->stage = Stage::kFirst;
+      enqueue(r, true);
+      dispatch();
+      return;
+    }
+    if (!body.empty() && status >= 400) {
+      std::lock_guard lock(r->mutex);
+      if (r->ended) return;
+      r->answered = true;
+      r->exchange->respond(status, body, "application/json");
+    } else {
+      if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
+      std::lock_guard lock(r->mutex);
+      if (r->ended) return;
+      r->answered = true;
+      r->exchange->send_error(502, message, "server_error");
+      status = 502;
+    }
+    complete(r, status, message.empty() ? "engine error" : message);
+  }
+
+  void cancel_legs(const RequestPtr& r) {
+    std::vector<CallId> calls;
+    {
+      std::lock_guard lock(r->mutex);
+      for (const auto& l : r->legs)
+        if (l->started && !l->finished) {
+          l->gateway_cancelled = true;
+          calls.push_back(l->call);
+        }
+    }
+    for (auto c : calls) client_.cancel(c);
+  }
+
+  // Answers a request that never started (or whose attempts are over) with an OpenAI error.
+  void answer_error(const RequestPtr& r, int status, const std::string& message) {
+    {
+      std::lock_guard lock(r->mutex);
+      if (r->ended) return;
+      r->answered = true;
+      r->exchange->send_error(status, message);
+    }
+    complete(r, status, message);
+  }
+
+  // The client's response is complete (or failed): stamp it, then account on the scheduler.
+  void complete(const RequestPtr& r, int status, std::string error) {
+    {
+      std::lock_guard lock(r->mutex);
+      if (r->ended) return;
+      r->ended = true;
+      r->status = status;
+      r->error = std::move(error);
+    }
+    r->times.mark(Phase::kCompleted);
+    sched_.post([this, r] { finished(r); });
+  }
+
+  void finished(const RequestPtr& r) {
+    if (r->queued) remove_waiting(r);
+    if (r->registered) {
+      active_.erase(r->id + "#" + std::to_string(reinterpret_cast<uintptr_t>(r.get())));
+      r->registered = false;
+      metrics_.running.set(static_cast<double>(active_.size()));
+    }
+    int status;
+    int64_t events, first_ns, last_ns, completion_tokens;
+    std::vector<double> itl;
+    std::string error;
+    {
+      std::lock_guard lock(r->mutex);
+      status = r->status;
+      events = r->output_events;
+      first_ns = r->first_token_ns;
+      last_ns = r->last_token_ns;
+      completion_tokens = r->completion_tokens;
+      itl = std::move(r->itl);
+      error = r->error;
+    }
+    if (status != 200) cancel_legs(r);  // e.g. a parallel prefill leg after the client left
+    metrics_.requests.labels({std::to_string(status)}).inc();
+    const int64_t received = *r->times.at(Phase::kReceived);
+    const int64_t completed = r->times.at(Phase::kCompleted).value_or(steady_now_ns());
+    for (int p = 0; p < kPhaseCount; ++p)
+      if (auto s = r->times.seconds_in(static_cast<Phase>(p)))
+        metrics_.phase_seconds.labels({phase_name(static_cast<Phase>(p))}).observe(*s);
+    if (status == 200) {
+      metrics_.e2e.observe(static_cast<double>(completed - received) * 1e-9);
+      if (events > 0) metrics_.ttft.observe(static_cast<double>(first_ns - received) * 1e-9);
+      if (events > 1)
+        metrics_.tpot.observe(static_cast<double>(last_ns - first_ns) * 1e-9 /
+                              static_cast<double>(events - 1));
+      for (double g : itl) metrics_.itl.observe(g);
+    }
+    if (!access_log_) return;
+    json line = {{"time_unix_ms", r->received_unix_ms},
+                 {"request_id", r->id},
+                 {"method", r->method},
+                 {"path", r->path},
+                 {"status", status},
+                 {"mode", mode_name(topo_.mode)},
+                 {"stream", r->stream},
+                 {"attempts", r->attempt + 1},
+                 {"prompt_tokens", r->prompt_tokens},
+                 {"prompt_tokens_estimated", !r->tokens_known},
+                 {"phases", r->times.offsets()},
+                 {"e2e_seconds", static_cast<double>(completed - received) * 1e-9}};
+    if (!r->model.empty()) line["model"] = r->model;
+    if (!r->prefill_name.empty()) line["prefill"] = r->prefill_name;
+    if (!r->decode_name.empty()) line["decode"] = r->decode_name;
+    if (events > 0) {
+      line["output_events"] = events;
+      line["ttft_seconds"] = static_cast<double>(first_ns - received) * 1e-9;
+    }
+    if (completion_tokens >= 0) line["completion_tokens"] = completion_tokens;
+    if (!error.empty()) line["error"] = error;
+    const std::string text = line.dump() + "\n";
+    std::fwrite(text.data(), 1, text.size(), access_log_);
+    std::fflush(access_log_);
+  }
+
+  // ---------------------------------------------------------------- health
+
+  void probe_all() {
+    for (auto& [id, e] : endpoints_) {
+      if (e.probing || e.draining) continue;
+      e.probing = true;
+      net::AsyncHttpRequest u;
+      u.host = e.config.host;
+      u.port = e.config.port;
+      u.target = "/health";
+      u.timeout = topo_.health.probe_timeout;
+      auto status = std::make_shared<int>(0);
+      net::AsyncHttpHandlers h;
+      h.on_head = [status](int s, const net::Headers&) { *status = s; };
+      h.on_done = [this, status, id = id](const std::string& error) {
+        const bool ok = error.empty() && *status == 200;
+        sched_.post([this, id, ok] { probe_result(id, ok); });
+      };
+      client_.start(std::move(u), std::move(h));
+    }
+    sched_.at(Clock::now() + topo_.health.probe_interval, [this] { probe_all(); });
+  }
+
+  void probe_result(int id, bool ok) {
+    EndpointState* e = endpoint(id);
+    if (!e) return;
+    e->probing = false;
+    if (ok) {
+      e->consecutive_failures = 0;
+      if (!e->healthy) {
+        e->healthy = true;
+        if (!e->draining) e->healthy_gauge->set(1);
+        update_ready();
+        dispatch();
+      }
+    } else {
+      passive_failure(*e);
+    }
+  }
+
+  // ---------------------------------------------------------------- admin and debug
+
+  json endpoint_json(const EndpointState& e) const {
+    json j = {{"name", e.config.name},
+              {"pool", e.prefill ? "prefill" : "decode"},
+              {"host", e.config.host},
+              {"port", e.config.port},
+              {"group", e.config.group},
+              {"healthy", e.healthy},
+              {"draining", e.draining},
+              {"in_flight", e.in_flight},
+              {"max_in_flight", e.max_in_flight},
+              {"consecutive_failures", e.consecutive_failures}};
+    if (e.config.bootstrap_port) j["bootstrap_port"] = e.config.bootstrap_port;
+    return j;
+  }
+
+  json endpoints_json() const {
+    json list = json::array();
+    for (const auto& [id, e] : endpoints_) list.push_back(endpoint_json(e));
+    return {{"mode", mode_name(topo_.mode)}, {"policy", policy_->name()}, {"endpoints", list}};
+  }
+
+  json debug_requests() const {
+    json list = json::array();
+    const int64_t now = steady_now_ns();
+    for (const auto& [key, r] : active_) {
+      json j = {{"request_id", r->id},
+                {"path", r->path},
+                {"phase", phase_name(r->times.current())},
+                {"age_seconds", static_cast<double>(now - *r->times.at(Phase::kReceived)) * 1e-9},
+                {"attempts", r->attempt + 1},
+                {"phases", r->times.offsets()}};
+      if (!r->prefill_name.empty()) j["prefill"] = r->prefill_name;
+      if (!r->decode_name.empty()) j["decode"] = r->decode_name;
+      list.push_back(std::move(j));
+    }
+    return {{"requests", list}, {"waiting", waiting_.size()}};
+  }
+
+  // Checks an endpoint to be added to a pool against the rules of validate().
+  std::string admission_error(bool prefill, const Endpoint& e) const {
+    if (prefill && topo_.mode == PdMode::kAggregated) return "aggregated mode has no prefill pool";
+    if (prefill && topo_.mode == PdMode::kParallel && e.bootstrap_port == 0)
+      return "a parallel-mode prefill engine needs bootstrap_port";
+    for (const auto& [id, x] : endpoints_)
+      if (!x.draining && x.config.name == e.name)
+        return "an endpoint named '" + e.name + "' exists";
+    return {};
+  }
+
+  static Endpoint endpoint_from_json(const json& j) {
+    if (j.is_string()) return parse_endpoint(j.get<std::string>());
+    if (!j.is_object()) throw Error("endpoint: expected \"HOST:PORT[@BOOTSTRAP]\" or an object");
+    Endpoint e;
+    if (auto u = j.find("url"); u != j.end()) e = parse_endpoint(u->get<std::string>());
+    if (auto h = j.find("host"); h != j.end()) e.host = h->get<std::string>();
+    if (auto p = j.find("port"); p != j.end()) e.port = p->get<uint16_t>();
+    if (auto b = j.find("bootstrap_port"); b != j.end()) e.bootstrap_port = b->get<uint16_t>();
+    e.group = j.value("group", 0);
+    e.max_in_flight = j.value("max_in_flight", 0);
+    e.name = j.value("name", std::string());
+    if (e.host.empty() || e.port == 0) throw Error("endpoint: host and port are required");
+    if (e.name.empty()) e.name = address(e);
+    return e;
+  }
+
+  void admin_add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    bool prefill = false;
+    Endpoint e;
+    try {
+      const json body = parse_untrusted_json(req.body);
+      const std::string pool = body.at("pool").get<std::string>();
+      if (pool != "prefill" && pool != "decode") throw Error("pool: expected prefill or decode");
+      prefill = pool == "prefill";
+      e = endpoint_from_json(body.at("endpoint"));
+    } catch (const std::exception& err) {
+      ex->send_error(400, std::string("admin: ") + err.what());
+      return;
+    }
+    sched_.post([this, ex, prefill, e] {
+      if (auto why = admission_error(prefill, e); !why.empty()) {
+        ex->send_error(400, "admin: " + why);
+        return;
+      }
+      add_endpoint(prefill, e);
+      for (const auto& [id, x] : endpoints_)
+        if (x.config.name == e.name && !x.draining) ex->respond(201, endpoint_json(x).dump());
+      sched_.post([this] { dispatch(); });
+    });
+  }
+
+  // Draining: no new requests; it leaves once its last leg finished.
+  bool drain_endpoint(int id) {
+    EndpointState* e = endpoint(id);
+    if (!e || e->draining) return false;
+    e->draining = true;
+    e->healthy_gauge->set(0);
+    if (e->in_flight == 0) endpoints_.erase(id);
+    update_ready();
+    return true;
+  }
+
+  void admin_remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    std::string name;
+    try {
+      name = parse_untrusted_json(req.body).at("name").get<std::string>();
+    } catch (const std::exception& err) {
+      ex->send_error(400, std::string("admin: expected {\"name\": ...}: ") + err.what());
+      return;
+    }
+    sched_.post([this, ex, name] {
+      for (auto& [id, e] : endpoints_) {
+        if (e.config.name != name || e.draining) continue;
+        const int64_t in_flight = e.in_flight;
+        drain_endpoint(id);
+        ex->respond(200, json{{"removed", name}, {"draining_requests", in_flight}}.dump());
+        dispatch();  // requests waiting for this engine's group may now have none: 503
+        return;
+      }
+      ex->send_error(404, "admin: no endpoint named '" + name + "'");
+    });
+  }
+
+  void admin_reload(std::shared_ptr<net::Exchange> ex) {
+    if (config_path_.empty()) {
+      ex->send_error(400, "admin: the gateway was not started with --config; nothing to reload");
+      return;
+    }
+    Topology next;
+    try {
+      next = load_topology(config_path_);
+      if (next.mode != topo_.mode)
+        throw Error("reload cannot change the mode (restart the gateway for that)");
+    } catch (const std::exception& err) {
+      ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());
+      return;
+    }
+    sched_.post([this, ex, next] { apply_reload(next, ex); });
+  }
+
+  // Endpoints are matched by name: unchanged ones stay as they are (with their load), changed or
+  // missing ones are drained, new ones are added.
+  void apply_reload(const Topology& next, const std::shared_ptr<net::Exchange>& ex) {
+    int added = 0, removed = 0;
+    auto same = [](const Endpoint& a, const Endpoint& b) {
+      return a.name == b.name && a.host == b.host && a.port == b.port &&
+             a.bootstrap_port == b.bootstrap_port && a.group == b.group &&
+             a.max_in_flight == b.max_in_flight;
+    };
+    for (bool prefill : {true, false}) {
+      const auto& wanted = (prefill ? next.prefill : next.decode).endpoints;
+      std::vector<int> drop;
+      for (const auto& [id, e] : endpoints_) {
+        if (e.prefill != prefill || e.draining) continue;
+        const bool keep = std::any_of(wanted.begin(), wanted.end(),
+                                      [&](const Endpoint& w) { return same(w, e.config); });
+        if (!keep) drop.push_back(id);
+      }
+      for (int id : drop) removed += drain_endpoint(id) ? 1 : 0;
+      for (const auto& w : wanted) {
+        const bool have = std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
+          return kv.second.prefill == prefill && !kv.second.draining && same(w, kv.second.config);
+        });
+        if (!have) {
+          add_endpoint(prefill, w);
+          ++added;
+        }
+      }
+    }
+    dispatch();
+    ex->respond(200, json{{"added", added}, {"removed", removed}}.dump());
+  }
+
+  void relay_models(std::shared_ptr<net::Exchange> ex, net::Headers headers) {
+    const Choice c = policy_->choose_decode(view(), {}, -1, Clock::now());
+    EndpointState* e = c.endpoint >= 0 ? endpoint(c.endpoint) : nullptr;
+    if (!e) {
+      ex->send_error(503, "no healthy engine", "server_error");
+      return;
+    }
+    net::AsyncHttpRequest u;
+    u.host = e->config.host;
+    u.port = e->config.port;
+    u.target = "/v1/models";
+    u.headers = std::move(headers);
+    u.timeout = topo_.timeouts.connect;
     auto answer = std::make_shared<std::pair<int, std::string>>();
     net::AsyncHttpHandlers h;
     h.on_head = [answer](int s, const net::Headers&) { answer->first = s; };
-    h.on_body = [answer](std::string_view piece) {
-      if (answer->first != 200) answer->second += piece;
+    h.on_body = [answer](std::string_view p) {
+      answer->second += p;
       return true;
     };
-    const std::string where = prefill.endpoint.host + ":" + std::to_string(prefill.endpoint.port);
-    h.on_done = [this, flow, answer, where](const std::string& error) {
-      if (error.empty() && answer->first == 200) return;
+    h.on_done = [ex, answer](const std::string& error) {
       if (error.empty())
-        respond(*flow, answer->first, answer->second, "application/json");
+        ex->respond(answer->first, answer->second, "application/json");
       else
-        fail(*flow, "prefill engine " + where + " failed: " + error);
-      cancel_all(*flow);
+        ex->send_error(502, "engine failed: " + error, "server_error");
     };
-    start_leg(flow, prefill, upstream(prefill, "POST", target, text, headers), std::move(h));
-    relay(flow, decode, "POST", target, text, headers);
+    client_.start(std::move(u), std::move(h));
   }
 
-  GatewayOptions options_;
-  std::vector<std::unique_ptr<Backend>> prefill_, decode_;
-  net::AsyncHttpClient client_;  // before server_: the server's handlers use it
+  Topology topo_;
+  std::string config_path_;
+  std::unique_ptr<Policy> policy_;
+  metrics::Registry registry_;
+  Metrics metrics_;
+  std::FILE* access_log_ = nullptr;
+  std::atomic<bool> ready_{false};
+  std::unique_ptr<PromptTokenizer> tokenizer_;
+
+  // Scheduling thread only (and the constructor, before it starts).
+  std::map<int, EndpointState> endpoints_;
+  int next_endpoint_id_ = 0;
+  std::deque<RequestPtr> waiting_;
+  std::unordered_map<std::string, RequestPtr> active_;
+
+  // Destroyed in reverse: the server (its handlers post to the scheduler and use the client)
+  // goes first, then the client (its callbacks post to the scheduler), then the scheduler.
+  SchedulingThread sched_;
+  net::AsyncHttpClient client_;
   net::HttpServer server_;
 };
 
-Gateway::Gateway(GatewayOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Gateway::Gateway(Topology topology, std::string config_path)
+    : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path))) {}
 Gateway::~Gateway() {
   stop();
 }

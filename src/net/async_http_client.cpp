@@ -145,7 +145,7 @@ class AsyncHttpClient::Impl {
     check_cancelled(call);
     auto stream = std::make_unique<beast::tcp_stream>(ctx_);
     call.stream = stream.get();  // cancel() can interrupt the connect
-    stream->expires_after(r.timeout);
+    stream->expires_after(r.connect_timeout.count() > 0 ? r.connect_timeout : r.timeout);
     co_await stream->async_connect(results, asio::redirect_error(kAwait, ec));
     if (ec) throw CallFailed{describe("cannot connect", ec)};
     stream->socket().set_option(tcp::no_delay(true), ec);

@@ -33,6 +33,8 @@ struct AsyncHttpRequest {
   // Bounds connecting, sending, the wait for the response head, and each wait for the next
   // piece of the body: a stream may last any time as long as it keeps moving.
   std::chrono::milliseconds timeout = std::chrono::seconds(30);
+  // Bounds connecting alone when set (> 0); else `timeout` does.
+  std::chrono::milliseconds connect_timeout{0};
 };
 
 struct AsyncHttpHandlers {

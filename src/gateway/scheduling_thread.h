@@ -1,0 +1,40 @@
+#pragma once
+// The gateway's one scheduling thread: it owns every global decision and the state behind them
+// (the endpoints, their load and health, the waiting queue), so that state needs no locks. Other
+// threads (HTTP io threads, the upstream client thread) hand it work with post(), a lock-free
+// multi-producer queue plus a semaphore wake-up: nothing on the request path takes a mutex to
+// reach the scheduler. Timers (queue and phase timeouts, health probes) run on the same thread.
+// This is the counterpart of Omni Proxy's master worker and its shared-memory state.
+#include <chrono>
+#include <functional>
+#include <memory>
+
+namespace tandem::gateway {
+
+class SchedulingThread {
+ public:
+  using Task = std::function<void()>;
+  using Clock = std::chrono::steady_clock;
+
+  SchedulingThread();
+  ~SchedulingThread();  // stop()
+  SchedulingThread(const SchedulingThread&) = delete;
+  SchedulingThread& operator=(const SchedulingThread&) = delete;
+
+  void start();
+  // Runs the tasks already posted, drops pending timers, joins. Idempotent; not from the thread.
+  void stop();
+
+  // Any thread: runs `task` on the scheduling thread, in posting order per producer. Tasks posted
+  // after stop() are dropped.
+  void post(Task task);
+  // Scheduling thread only: runs `task` at `when` (or soon after).
+  void at(Clock::time_point when, Task task);
+  bool on_thread() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tandem::gateway

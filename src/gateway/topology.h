@@ -1,0 +1,102 @@
+#pragma once
+// What the gateway serves: its pools of prefill and decode engines and the settings around them,
+// from flags or from a YAML file (`tandem gateway --config topology.yaml`). The file format is
+// documented in docs/gateway.md; this header is the in-memory form both produce.
+//
+// Modes: aggregated (no prefill pool: every request goes to one decode engine as it is),
+// sequential (vLLM's flow: prefill, then the decode engine pulls the KV) and parallel (SGLang's
+// flow: both legs at once, meeting in a bootstrap room). A pool's dialect says what its engines
+// speak: `vllm` engines only serve the sequential flow, `sglang` engines only the parallel one,
+// `tandem` engines both. Groups: a decode engine of group G only serves requests whose prefill
+// ran on an engine of group G.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tandem::gateway {
+
+enum class PdMode { kAggregated, kSequential, kParallel };
+enum class Dialect { kTandem, kVllm, kSglang };
+
+struct Endpoint {
+  std::string name;  // unique within the topology; default "HOST:PORT"
+  std::string host;
+  uint16_t port = 0;
+  uint16_t bootstrap_port = 0;  // parallel mode, prefill pool: the engine's KV transfer port
+  int group = 0;
+  int max_in_flight = 0;  // requests at once before more wait in the gateway; 0: the pool's
+};
+
+struct Pool {
+  Dialect dialect = Dialect::kTandem;
+  // With a tokenizer configured: send token ids (a /v1/completions body with an id prompt)
+  // instead of the client's body. Every dialect accepts id prompts on /v1/completions.
+  bool tokens_in = true;
+  int max_in_flight = 256;  // per endpoint, unless the endpoint says otherwise
+  std::vector<Endpoint> endpoints;
+};
+
+struct HealthOptions {
+  // Active probe: GET /health on every endpoint at this interval; a probe that fails or takes
+  // longer than `probe_timeout` counts as a failure.
+  std::chrono::milliseconds probe_interval = std::chrono::seconds(2);
+  std::chrono::milliseconds probe_timeout = std::chrono::seconds(1);
+  // Passive: this many consecutive failures (probes or requests) make an endpoint ineligible;
+  // one successful probe makes it eligible again.
+  int failures_to_eject = 3;
+};
+
+struct Timeouts {
+  std::chrono::milliseconds queue = std::chrono::seconds(30);         // waiting for a free engine
+  std::chrono::milliseconds connect = std::chrono::seconds(5);        // per upstream call
+  std::chrono::milliseconds prefill = std::chrono::seconds(300);      // a whole prefill leg
+  std::chrono::milliseconds first_token = std::chrono::seconds(300);  // decode's response head
+  std::chrono::milliseconds idle = std::chrono::seconds(120);  // between two pieces of a stream
+};
+
+struct Topology {
+  std::string host = "0.0.0.0";
+  uint16_t port = 8080;
+  int io_threads = 2;
+  size_t max_body_bytes = size_t{8} << 20;
+
+  PdMode mode = PdMode::kAggregated;
+  Pool prefill, decode;
+
+  std::string model;  // a model folder: the gateway tokenizes with its tokenizer; empty: no
+  std::string served_model_name;      // the model id clients use; empty: the engines' own
+  std::vector<std::string> api_keys;  // clients must send one as a Bearer token; empty: open
+  std::string admin_api_key;          // for /admin/*; empty: the admin API is off
+
+  size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
+  int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
+  HealthOptions health;
+  Timeouts timeouts;
+  std::string access_log;  // a file path, "-" for standard output, empty for none
+};
+
+// "HOST:PORT", "http://HOST:PORT" or, for a parallel-mode prefill engine,
+// "HOST:PORT@BOOTSTRAP_PORT". Throws tandem::Error naming the text otherwise.
+Endpoint parse_endpoint(const std::string& text);
+// "aggregated", "sequential" (alias "vllm") or "parallel" (alias "sglang").
+PdMode parse_mode(const std::string& text);
+// "tandem", "vllm" or "sglang".
+Dialect parse_dialect(const std::string& text);
+const char* mode_name(PdMode mode);
+const char* dialect_name(Dialect dialect);
+
+// Parses a topology file's text; `source` names it in errors, which also give the key path
+// (e.g. "topology.yaml: prefill.endpoints[1].port: expected a port 1..65535, got 70000").
+// Unknown keys are errors. The result is validated.
+Topology parse_topology_yaml(const std::string& text, const std::string& source);
+Topology load_topology(const std::string& path);
+
+// Throws tandem::Error for an inconsistent topology: no decode engine; a prefill pool in
+// aggregated mode or none in a P/D mode; a dialect that cannot serve the mode; a parallel-mode
+// prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits.
+// Endpoints without a name get "HOST:PORT".
+void validate(Topology& topology);
+
+}  // namespace tandem::gateway

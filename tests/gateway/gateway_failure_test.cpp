@@ -1,0 +1,625 @@
+// The gateway against fake engines it cannot tell from real ones (our HTTP server answering as
+// an engine would, or failing on purpose), in-process: retries of a failed prefill on another
+// engine, refused connections, slow engines and per-phase timeouts, malformed answers, engines
+// dying mid-stream, client disconnects reaching both legs, health checks, bounded queues,
+// API keys, the admin API and config reload under traffic, and the lifecycle record (access
+// log, /debug/requests). After every scenario no engine may be left with requests in flight.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/gateway.h"
+#include "net/http_client.h"
+#include "net/http_server.h"
+#include "net/sse.h"
+#include "util/error.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+enum class Behaviour {
+  kOk,          // answers at once (a stream: three token events, then [DONE])
+  kError500,    // HTTP 500 with an OpenAI error body
+  kGarbage,     // HTTP 200 with a body that is not JSON
+  kHold,        // answers only when released (or never): a slow engine
+  kCutStream,   // a stream with one event, then the connection is cut (the engine died)
+  kErrorEvent,  // a stream whose first event is an error
+};
+
+// An engine as the gateway sees it: OpenAI endpoints, /health, the P/D fields.
+class FakeEngine {
+ public:
+  explicit FakeEngine(std::string name) : name_(std::move(name)) {
+    net::HttpServerOptions o;
+    o.host = "127.0.0.1";
+    o.threads = 2;
+    server_ = std::make_unique<net::HttpServer>(o);
+    server_->route("GET", "/health", [this](const net::HttpRequest&, auto ex) {
+      ex->respond(healthy_ ? 200 : 503, "", "text/plain");
+    });
+    auto gen = [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+      handle(req, std::move(ex));
+    };
+    server_->route("POST", "/v1/completions", gen);
+    server_->route("POST", "/v1/chat/completions", gen);
+    server_->start();
+  }
+  ~FakeEngine() {
+    release();
+    server_->stop();
+  }
+
+  uint16_t port() const { return server_->port(); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port()); }
+  void set(Behaviour b) { behaviour_ = b; }
+  void set_healthy(bool h) { healthy_ = h; }
+  int requests() const { return requests_; }
+  int closed_early() const { return closed_early_; }  // clients that left before the answer
+  json last_body() {
+    std::lock_guard lock(mutex_);
+    return last_body_;
+  }
+  // Answers every held request (normally).
+  void release() {
+    std::vector<std::pair<std::shared_ptr<net::Exchange>, json>> held;
+    {
+      std::lock_guard lock(mutex_);
+      held.swap(held_);
+    }
+    for (auto& [ex, body] : held) answer(*ex, body);
+  }
+  size_t held() {
+    std::lock_guard lock(mutex_);
+    return held_.size();
+  }
+
+ private:
+  void handle(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    ++requests_;
+    const json body = json::parse(req.body);
+    {
+      std::lock_guard lock(mutex_);
+      last_body_ = body;
+    }
+    ex->on_close([this] { ++closed_early_; });
+    switch (behaviour_.load()) {
+      case Behaviour::kOk:
+        answer(*ex, body);
+        break;
+      case Behaviour::kError500:
+        ex->send_error(500, "fake engine " + name_ + " broke", "server_error");
+        break;
+      case Behaviour::kGarbage:
+        ex->respond(200, "this is not json {", "application/json");
+        break;
+      case Behaviour::kHold: {
+        std::lock_guard lock(mutex_);
+        held_.emplace_back(ex, body);
+        break;
+      }
+      case Behaviour::kCutStream:
+        ex->start_stream(200, "text/event-stream");
+        ex->write(net::sse_event(chunk(0)));
+        std::thread([ex] {
+          std::this_thread::sleep_for(50ms);
+          ex->abort();
+        }).detach();
+        break;
+      case Behaviour::kErrorEvent:
+        ex->start_stream(200, "text/event-stream");
+        ex->write(net::sse_event(net::openai_error_body("KV transfer failed", "server_error")));
+        ex->write(net::kSseDone);
+        ex->end();
+        break;
+    }
+  }
+
+  std::string chunk(int i) const {
+    return json{{"id", "cmpl-x"},
+                {"object", "text_completion"},
+                {"model", "fake"},
+                {"choices", {{{"index", 0}, {"text", name_ + std::to_string(i)}}}}}
+        .dump();
+  }
+
+  void answer(net::Exchange& ex, const json& body) {
+    if (body.value("stream", false)) {
+      ex.start_stream(200, "text/event-stream");
+      for (int i = 0; i < 3; ++i) ex.write(net::sse_event(chunk(i)));
+      ex.write(net::kSseDone);
+      ex.end();
+      return;
+    }
+    json out = {{"id", "cmpl-x"},
+                {"object", "text_completion"},
+                {"model", "fake"},
+                {"choices", {{{"index", 0}, {"text", name_}, {"finish_reason", "length"}}}},
+                {"usage", {{"prompt_tokens", 3}, {"completion_tokens", 1}, {"total_tokens", 4}}}};
+    if (body.contains("kv_transfer_params") &&
+        body["kv_transfer_params"].value("do_remote_decode", false))
+      out["kv_transfer_params"] = {{"do_remote_prefill", true}, {"remote_engine_id", name_}};
+    ex.respond(200, out.dump());
+  }
+
+  std::string name_;
+  std::unique_ptr<net::HttpServer> server_;
+  std::atomic<Behaviour> behaviour_{Behaviour::kOk};
+  std::atomic<bool> healthy_{true};
+  std::atomic<int> requests_{0}, closed_early_{0};
+  std::mutex mutex_;
+  json last_body_;
+  std::vector<std::pair<std::shared_ptr<net::Exchange>, json>> held_;
+};
+
+Endpoint endpoint_of(const FakeEngine& e, std::string name, uint16_t bootstrap = 0) {
+  Endpoint p = parse_endpoint(e.address());
+  p.name = std::move(name);
+  p.bootstrap_port = bootstrap;
+  return p;
+}
+
+bool eventually(const std::function<bool()>& done, std::chrono::milliseconds limit = 10s) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (done()) return true;
+    std::this_thread::sleep_for(10ms);
+  }
+  return done();
+}
+
+class GatewayFailures : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("gateway-failure-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+    log_ = (dir_ / "access.jsonl").string();
+  }
+  void TearDown() override {
+    gw_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  Topology topology(PdMode mode) const {
+    Topology t;
+    t.host = "127.0.0.1";
+    t.port = 0;
+    t.mode = mode;
+    t.access_log = log_;
+    t.admin_api_key = "admin";
+    t.health.probe_interval = 100ms;
+    t.health.probe_timeout = 500ms;
+    t.health.failures_to_eject = 2;
+    t.timeouts.queue = 2s;
+    t.timeouts.prefill = 5s;
+    t.timeouts.first_token = 5s;
+    t.timeouts.idle = 5s;
+    return t;
+  }
+
+  void start(Topology t, std::string config = {}) {
+    gw_ = std::make_unique<Gateway>(std::move(t), std::move(config));
+    gw_->start();
+  }
+  uint16_t port() const { return gw_->port(); }
+
+  net::HttpClientResponse post(const json& body, const net::Headers& headers = {},
+                               const std::string& path = "/v1/completions") {
+    return net::http_request("127.0.0.1", port(), "POST", path, body.dump(), headers, 30s);
+  }
+  net::HttpClientResponse admin(const std::string& method, const std::string& target,
+                                const std::string& body = {}) {
+    net::Headers h;
+    h.set("Authorization", "Bearer admin");
+    return net::http_request("127.0.0.1", port(), method, target, body, h, 10s);
+  }
+  json endpoints() { return json::parse(admin("GET", "/admin/endpoints").body)["endpoints"]; }
+  // No engine is left with a request the gateway counts as in flight.
+  bool all_idle() {
+    for (const auto& e : endpoints())
+      if (e["in_flight"] != 0) return false;
+    return json::parse(admin("GET", "/debug/requests").body)["requests"].empty();
+  }
+  double metric(const std::string& sample) {
+    const auto body = net::http_request("127.0.0.1", port(), "GET", "/metrics").body;
+    const auto at = body.find("\n" + sample + " ");
+    return at == std::string::npos ? -1 : std::stod(body.substr(at + sample.size() + 2));
+  }
+  std::vector<json> log_lines() {
+    std::vector<json> out;
+    std::ifstream in(log_);
+    for (std::string l; std::getline(in, l);) out.push_back(json::parse(l));
+    return out;
+  }
+
+  static json completion(bool stream = false) {
+    return {{"model", "fake"}, {"prompt", "hello"}, {"max_tokens", 3}, {"stream", stream}};
+  }
+
+  std::filesystem::path dir_;
+  std::string log_;
+  std::unique_ptr<Gateway> gw_;
+};
+
+TEST_F(GatewayFailures, APrefillThatFailsIsRetriedOnAnotherEngine) {
+  FakeEngine bad("bad"), good("good"), decode("decode");
+  bad.set(Behaviour::kError500);
+  auto t = topology(PdMode::kSequential);
+  t.prefill.endpoints = {endpoint_of(bad, "bad"), endpoint_of(good, "good")};
+  t.decode.endpoints = {endpoint_of(decode, "d")};
+  start(t);
+  for (int i = 0; i < 4; ++i) {
+    const auto r = post(completion());
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body)["choices"][0]["text"], "decode");
+  }
+  // The decode leg carried the good prefill's kv_transfer_params, verbatim.
+  EXPECT_EQ(decode.last_body()["kv_transfer_params"]["remote_engine_id"], "good");
+  EXPECT_GE(bad.requests(), 1);
+  EXPECT_GE(metric("tandem:gateway_retries_total"), 1);
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 4; }));  // logged after answering
+  const auto lines = log_lines();
+  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [](const json& l) {
+    return l["attempts"] == 2 && l["prefill"] == "good";
+  }));
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, RefusedConnectionsAndMalformedAnswersAreRetriedThenReported) {
+  FakeEngine garbage("garbage"), decode("decode");
+  garbage.set(Behaviour::kGarbage);
+  auto t = topology(PdMode::kSequential);
+  Endpoint refused = parse_endpoint("127.0.0.1:1");
+  refused.name = "refused";
+  t.prefill.endpoints = {refused, endpoint_of(garbage, "garbage")};
+  t.decode.endpoints = {endpoint_of(decode, "d")};
+  t.prefill_retries = 1;
+  start(t);
+  // Both prefill engines fail: two attempts, then 502 naming the last failure, OpenAI-shaped.
+  const auto r = post(completion());
+  EXPECT_EQ(r.status, 502);
+  const json err = json::parse(r.body);
+  ASSERT_TRUE(err.contains("error")) << r.body;
+  EXPECT_EQ(err["error"]["type"], "server_error");
+  EXPECT_EQ(decode.requests(), 0);
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));  // written after the answer
+  EXPECT_EQ(log_lines().at(0)["attempts"], 2);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, AnEngineClientErrorIsPassedThroughNotRetried) {
+  FakeEngine p1("p1"), p2("p2"), decode("decode");
+  auto t = topology(PdMode::kSequential);
+  t.prefill.endpoints = {endpoint_of(p1, "p1"), endpoint_of(p2, "p2")};
+  t.decode.endpoints = {endpoint_of(decode, "d")};
+  start(t);
+  // A fake that answers 400 like an engine refusing the body: use the gateway's own JSON check.
+  const auto r = net::http_request("127.0.0.1", port(), "POST", "/v1/completions", "[1,2]");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("invalid_request_error"), std::string::npos);
+  EXPECT_EQ(p1.requests() + p2.requests(), 0);
+}
+
+TEST_F(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
+  FakeEngine slow("slow"), fast("fast"), decode("decode");
+  slow.set(Behaviour::kHold);
+  auto t = topology(PdMode::kSequential);
+  t.prefill.endpoints = {endpoint_of(slow, "slow"), endpoint_of(fast, "fast")};
+  t.decode.endpoints = {endpoint_of(decode, "d")};
+  t.timeouts.prefill = 300ms;
+  t.timeouts.first_token = 300ms;
+  start(t);
+  // The first request lands on the slow prefill (lowest id); it times out and is retried.
+  auto r = post(completion());
+  EXPECT_EQ(r.status, 200) << r.body;
+  // The slow engine saw the gateway give up (the leg was cancelled: the connection closed).
+  EXPECT_TRUE(eventually([&] { return slow.closed_early() >= 1; }));
+  // A decode that never sends its first token: 502 naming the phase, no retry of a decode.
+  fast.set(Behaviour::kOk);
+  slow.set(Behaviour::kOk);
+  decode.set(Behaviour::kHold);
+  r = post(completion(true));
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(r.body.find("first token timed out"), std::string::npos) << r.body;
+  EXPECT_TRUE(eventually([&] { return decode.closed_early() >= 1; }));
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, AnEngineDyingMidStreamCutsTheClientStream) {
+  FakeEngine engine("e");
+  engine.set(Behaviour::kCutStream);
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  start(t);
+  std::string got;
+  bool failed = false;
+  try {
+    net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
+                             completion(true).dump(), {}, [&](std::string_view p) {
+                               got += p;
+                               return true;
+                             });
+  } catch (const Error&) {
+    failed = true;  // the chunked body ended without its last chunk
+  }
+  EXPECT_TRUE(failed);
+  EXPECT_NE(got.find("e0"), std::string::npos);             // what was generated was relayed
+  EXPECT_EQ(got.find("[DONE]"), std::string::npos) << got;  // but it is visibly incomplete
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
+  EXPECT_EQ(log_lines()[0]["status"], 502);
+}
+
+TEST_F(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
+  FakeEngine p1("p1"), p2("p2"), bad_decode("bad"), good_decode("good");
+  bad_decode.set(Behaviour::kErrorEvent);
+  auto t = topology(PdMode::kParallel);
+  t.prefill.endpoints = {endpoint_of(p1, "p1", 7001), endpoint_of(p2, "p2", 7002)};
+  t.decode.endpoints = {endpoint_of(bad_decode, "bad"), endpoint_of(good_decode, "good")};
+  start(t);
+  std::string got;
+  const auto r = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
+                                          completion(true).dump(), {}, [&](std::string_view p) {
+                                            got += p;
+                                            return true;
+                                          });
+  EXPECT_EQ(r.status, 200);
+  EXPECT_NE(got.find("good0"), std::string::npos) << got;
+  EXPECT_EQ(got.find("KV transfer failed"), std::string::npos) << got;
+  // Both legs carried the same bootstrap room, and the prefill's own address.
+  const json room = good_decode.last_body()["bootstrap_room"];
+  const json pb = p1.last_body()["bootstrap_room"] == room ? p1.last_body() : p2.last_body();
+  EXPECT_EQ(pb["bootstrap_room"], room);
+  EXPECT_TRUE(pb["bootstrap_port"] == 7001 || pb["bootstrap_port"] == 7002);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
+  FakeEngine prefill("p"), decode("d");
+  prefill.set(Behaviour::kHold);
+  decode.set(Behaviour::kHold);
+  auto t = topology(PdMode::kParallel);
+  t.prefill.endpoints = {endpoint_of(prefill, "p", 7001)};
+  t.decode.endpoints = {endpoint_of(decode, "d")};
+  start(t);
+  auto client = std::async(std::launch::async, [&] {
+    try {
+      net::http_request("127.0.0.1", port(), "POST", "/v1/completions", completion(true).dump(), {},
+                        500ms);
+    } catch (const Error&) {
+    }
+  });
+  ASSERT_TRUE(eventually([&] { return prefill.held() == 1 && decode.held() == 1; }));
+  // While both legs run, the request is listed with its phase.
+  const json dbg = json::parse(admin("GET", "/debug/requests").body);
+  ASSERT_EQ(dbg["requests"].size(), 1u) << dbg.dump();
+  // Parallel mode: prefilling while the decode leg waits for its first token.
+  EXPECT_EQ(dbg["requests"][0]["phase"], "decode_scheduled");
+  EXPECT_TRUE(dbg["requests"][0]["phases"].contains("prefilling"));
+  client.get();  // it gave up after 500 ms and closed its connection
+  EXPECT_TRUE(
+      eventually([&] { return prefill.closed_early() == 1 && decode.closed_early() == 1; }));
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
+  EXPECT_EQ(log_lines().at(0)["status"], 499);
+}
+
+TEST_F(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
+  FakeEngine a("a"), b("b");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(a, "a"), endpoint_of(b, "b")};
+  start(t);
+  a.set_healthy(false);
+  ASSERT_TRUE(eventually([&] {
+    for (const auto& e : endpoints())
+      if (e["name"] == "a") return e["healthy"] == false;
+    return false;
+  }));
+  const int before = a.requests();
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_EQ(a.requests(), before);  // all went to b
+  // A passing probe readmits it.
+  a.set_healthy(true);
+  ASSERT_TRUE(eventually([&] {
+    for (const auto& e : endpoints())
+      if (e["name"] == "a") return e["healthy"] == true;
+    return false;
+  }));
+  // Passive: failed requests count against the engine, and are retried on the other meanwhile.
+  a.set(Behaviour::kError500);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_GT(metric("tandem:gateway_endpoint_failures_total{pool=\"decode\",endpoint=\"a\"}"), 0);
+  a.set(Behaviour::kOk);
+  // No engine at all: 503 at once, and /health says so.
+  a.set_healthy(false);
+  b.set_healthy(false);
+  ASSERT_TRUE(eventually(
+      [&] { return net::http_request("127.0.0.1", port(), "GET", "/health").status == 503; }));
+  EXPECT_EQ(post(completion()).status, 503);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, QueuesAreBoundedAndTimeOut) {
+  FakeEngine engine("e");
+  engine.set(Behaviour::kHold);
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  t.decode.max_in_flight = 1;
+  t.max_queue = 1;
+  t.timeouts.queue = 1s;
+  start(t);
+  auto first = std::async(std::launch::async, [&] { return post(completion()).status; });
+  ASSERT_TRUE(eventually([&] { return engine.held() == 1; }));
+  auto second = std::async(std::launch::async, [&] { return post(completion()).status; });
+  ASSERT_TRUE(eventually([&] { return metric("vllm:num_requests_waiting") == 1; }));
+  // The queue is full: refused at once, 429 in the OpenAI shape.
+  const auto third = post(completion());
+  EXPECT_EQ(third.status, 429);
+  EXPECT_TRUE(json::parse(third.body).contains("error"));
+  // The queued one gives up after the queue timeout with 503; the engine never saw it.
+  EXPECT_EQ(second.get(), 503);
+  EXPECT_EQ(engine.requests(), 1);
+  engine.release();
+  EXPECT_EQ(first.get(), 200);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, ApiKeysAreRequiredWhenConfigured) {
+  FakeEngine engine("e");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  t.api_keys = {"k1", "k2"};
+  start(t);
+  auto r = post(completion());
+  EXPECT_EQ(r.status, 401);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "invalid_api_key");
+  net::Headers h;
+  h.set("Authorization", "Bearer k2");
+  EXPECT_EQ(post(completion(), h).status, 200);
+  h.set("Authorization", "Bearer nope");
+  EXPECT_EQ(post(completion(), h).status, 401);
+  EXPECT_EQ(engine.requests(), 1);
+  // The admin API takes only its own key.
+  net::Headers a;
+  a.set("Authorization", "Bearer k1");
+  EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/admin/endpoints", {}, a).status, 401);
+}
+
+TEST_F(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
+  FakeEngine a("a"), b("b");
+  a.set(Behaviour::kHold);
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(a, "a")};
+  start(t);
+  auto held = std::async(std::launch::async, [&] { return post(completion()); });
+  ASSERT_TRUE(eventually([&] { return a.held() == 1; }));
+  // Add b, remove a while its request is in flight: a drains, b takes new requests.
+  auto r = admin(
+      "POST", "/admin/endpoints",
+      json{{"pool", "decode"}, {"endpoint", {{"url", "http://" + b.address()}, {"name", "b"}}}}
+          .dump());
+  ASSERT_EQ(r.status, 201) << r.body;
+  r = admin("POST", "/admin/endpoints/remove", json{{"name", "a"}}.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["draining_requests"], 1);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_EQ(b.requests(), 3);
+  a.release();
+  const auto first = held.get();
+  EXPECT_EQ(first.status, 200);
+  EXPECT_EQ(json::parse(first.body)["choices"][0]["text"], "a");
+  // Once drained, a is gone.
+  EXPECT_TRUE(eventually([&] { return endpoints().size() == 1; }));
+  EXPECT_EQ(admin("POST", "/admin/endpoints/remove", json{{"name", "a"}}.dump()).status, 404);
+  EXPECT_EQ(
+      admin("POST", "/admin/endpoints", json{{"pool", "decode"}, {"endpoint", "x"}}.dump()).status,
+      400);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+TEST_F(GatewayFailures, ReloadUnderTrafficLosesNothing) {
+  FakeEngine a("a"), b("b");
+  const auto file = dir_ / "topology.yaml";
+  auto write = [&](const FakeEngine& e, const std::string& name) {
+    std::ofstream(file) << "mode: aggregated\nadmin_api_key: admin\naccess_log: access.jsonl\n"
+                        << "listen: {host: 127.0.0.1, port: 1}\n"
+                        << "decode:\n  endpoints:\n    - {url: \"http://" << e.address()
+                        << "\", name: " << name << "}\n";
+  };
+  write(a, "a");
+  Topology t = load_topology(file.string());
+  t.port = 0;
+  start(t, file.string());
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0};
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3; ++c)
+    clients.emplace_back([&, c] {
+      while (!stop) (post(completion(c % 2 == 0)).status == 200 ? ok : failed)++;
+    });
+  ASSERT_TRUE(eventually([&] { return ok > 20; }));
+  write(b, "b");
+  const auto r = admin("POST", "/admin/reload");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), (json{{"added", 1}, {"removed", 1}}));
+  const int b_before = b.requests();
+  ASSERT_TRUE(eventually([&] { return b.requests() > b_before + 20; }));
+  stop = true;
+  for (auto& c : clients) c.join();
+  EXPECT_EQ(failed, 0);
+  const int a_after = a.requests();
+  EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_EQ(a.requests(), a_after);  // a no longer gets anything
+  // A broken file leaves the topology as it was.
+  std::ofstream(file) << "decode: {endpoints: [\"no-port\"]}\n";
+  EXPECT_EQ(admin("POST", "/admin/reload").status, 400);
+  EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+// Every completed request's phases are all stamped and in order (the prefill and decode tracks
+// each monotonic; in parallel mode they overlap).
+void expect_phases_complete_and_ordered(const json& line, PdMode mode) {
+  const json& p = line["phases"];
+  const char* all[] = {"received",          "tokenizing", "prefix_matching", "prefill_waiting",
+                       "prefill_scheduled", "prefilling", "decode_waiting",  "decode_scheduled",
+                       "decoding",          "completed"};
+  for (const char* name : all) ASSERT_TRUE(p.contains(name)) << name << " missing: " << line.dump();
+  auto le = [&](const char* a, const char* b) {
+    EXPECT_LE(p[a].get<double>(), p[b].get<double>()) << a << " after " << b << ": " << line.dump();
+  };
+  le("received", "tokenizing");
+  le("tokenizing", "prefix_matching");
+  le("prefix_matching", "prefill_waiting");
+  le("prefill_waiting", "prefill_scheduled");
+  le("prefill_scheduled", "prefilling");
+  le("prefilling", "completed");
+  le("prefill_waiting", "decode_waiting");
+  le("decode_waiting", "decode_scheduled");
+  le("decode_scheduled", "decoding");
+  le("decoding", "completed");
+  if (mode == PdMode::kSequential) {
+    le("prefilling", "prefill_done");
+    le("prefill_done", "decode_waiting");
+  }
+}
+
+TEST_F(GatewayFailures, EveryRequestRecordsTenOrderedPhases) {
+  for (PdMode mode : {PdMode::kAggregated, PdMode::kSequential, PdMode::kParallel}) {
+    SCOPED_TRACE(mode_name(mode));
+    std::filesystem::remove(log_);
+    FakeEngine prefill("p"), decode("d");
+    auto t = topology(mode);
+    if (mode != PdMode::kAggregated) t.prefill.endpoints = {endpoint_of(prefill, "p", 7001)};
+    t.decode.endpoints = {endpoint_of(decode, "d")};
+    start(t);
+    EXPECT_EQ(post(completion(false)).status, 200);
+    EXPECT_EQ(post(completion(true)).status, 200);
+    EXPECT_EQ(post(completion(false), {}, "/v1/chat/completions").status, 200);
+    ASSERT_TRUE(eventually([&] { return log_lines().size() == 3; }));
+    gw_.reset();
+    const auto lines = log_lines();
+    for (const auto& l : lines) {
+      EXPECT_EQ(l["status"], 200);
+      EXPECT_EQ(l["mode"], mode_name(mode));
+      EXPECT_EQ(l["decode"], "d");
+      expect_phases_complete_and_ordered(l, mode);
+    }
+    EXPECT_EQ(lines[1]["output_events"], 3);  // the stream's three token events
+  }
+}
+
+}  // namespace
+}  // namespace tandem::gateway
