@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# The main job: sets everything up and serves the built-in default model, a `tiny-v3` checkpoint
-# (DeepSeek-V3 architecture, random weights, the real DeepSeek-V3 tokenizer and chat template),
-# with `tandem engine` (OpenAI-compatible API) on port ${PORT:-8000}. It sends one chat request
-# and one streaming completion to show the API working, then keeps serving until Ctrl-C.
-# `--once` stops after the demonstration requests. (The gateway joins in a later issue.)
+# The main job: sets everything up and runs the whole serving stack on the built-in default
+# model with one command, `tandem serve`: a gateway on port ${PORT:-8000} in front of one
+# prefill and one decode engine (P/D disaggregated, KV handed over layer by layer), each a child
+# process. With no --model, serve uses `tiny-v3` (DeepSeek-V3 architecture, random weights, the
+# real DeepSeek-V3 tokenizer and chat template), written to ~/.cache/tandem on first use. It
+# sends one chat request and one streaming completion through the gateway to show it working,
+# then keeps serving until Ctrl-C. `--once` stops after the demonstration requests.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 port="${PORT:-8000}"
 "$root/scripts/install-deps.sh"
 cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$root/build" -j "$(nproc)" --target tandem
-model="$root/build/models/tiny-v3"
-[ -f "$model/config.json" ] || "$root/build/tandem" make-model --preset tiny-v3 --out "$model"
 
-"$root/build/tandem" engine --model "$model" --served-model-name tiny-v3 --host 127.0.0.1 \
-  --port "$port" --kv-cache-gb 0.25 &
-engine=$!
-trap 'kill $engine 2>/dev/null; wait $engine 2>/dev/null' EXIT
-for _ in $(seq 1 120); do
+"$root/build/tandem" serve --host 127.0.0.1 --port "$port" --access-log "$root/build/access.jsonl" \
+  --engine-arg=--kv-cache-gb --engine-arg=0.25 &
+stack=$!
+trap 'kill $stack 2>/dev/null; wait $stack 2>/dev/null' EXIT
+for _ in $(seq 1 240); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-  kill -0 $engine 2>/dev/null || { echo "run: the engine did not start" >&2; exit 1; }
+  kill -0 $stack 2>/dev/null || { echo "run: tandem serve did not start" >&2; exit 1; }
   sleep 0.5
 done
 
@@ -32,5 +32,5 @@ curl -sSN "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/
   -d '{"model": "tiny-v3", "prompt": "Tandem serves DeepSeek-V3", "max_tokens": 8, "stream": true, "seed": 1}'
 echo
 [ "${1:-}" = "--once" ] && exit 0
-echo "== serving tiny-v3 on http://127.0.0.1:$port (OpenAI API: /v1/completions, /v1/chat/completions; /metrics, /load). Ctrl-C stops."
-wait $engine
+echo "== serving tiny-v3 on http://127.0.0.1:$port (gateway: /v1/completions, /v1/chat/completions, /v1/models, /metrics). Ctrl-C stops."
+wait $stack

@@ -87,6 +87,22 @@ void run(const ServeOptions& o) {
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
   const std::string model = model_folder(o.model);
+  // One model id for the gateway and every engine: the engines' own flag if given, else the
+  // name the user typed (a preset, a sim: preset) or the folder's name.
+  std::string served;
+  std::vector<std::string> extra;
+  for (size_t i = 0; i < o.engine_args.size(); ++i) {
+    const std::string& a = o.engine_args[i];
+    if (a == "--served-model-name" && i + 1 < o.engine_args.size()) served = o.engine_args[i + 1];
+    if (a.rfind("--served-model-name=", 0) == 0) served = a.substr(20);
+  }
+  if (served.empty()) {
+    std::filesystem::path folder(model);
+    if (folder.filename().empty()) folder = folder.parent_path();  // "dir/"
+    served = model == o.model ? folder.filename().string() : o.model;
+    if (model.rfind("sim:", 0) == 0) served = model.substr(4);
+    extra = {"--served-model-name", served};
+  }
   const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
   if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
     throw Error(
@@ -96,6 +112,7 @@ void run(const ServeOptions& o) {
     std::vector<std::string> a = {"tandem", "engine", "--model", model,    "--host",
                                   o.host,   "--port", "0",       "--role", role};
     if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
   };
@@ -107,6 +124,7 @@ void run(const ServeOptions& o) {
   g.access_log = o.access_log;
   g.api_keys = o.api_keys;
   g.admin_api_key = o.admin_api_key;
+  g.served_model_name = served;
   // The gateway tokenizes once with the model's own tokenizer and sends ids (sim: engines
   // have no model folder to read it from).
   if (o.gateway_tokenizer && model.rfind("sim:", 0) != 0) g.model = model;
