@@ -1,6 +1,7 @@
 #include "gateway/gateway.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <deque>
@@ -222,6 +223,8 @@ class Gateway::Impl {
       if (!access_log_)
         throw Error("access log '" + topo_.access_log + "': cannot open for append");
     }
+    for (int p = 0; p < kPhaseCount; ++p)
+      phase_histograms_[p] = &metrics_.phase_seconds.labels({phase_name(static_cast<Phase>(p))});
     for (const auto& e : topo_.prefill.endpoints) add_endpoint(true, e);
     for (const auto& e : topo_.decode.endpoints) add_endpoint(false, e);
     routes();
@@ -551,6 +554,7 @@ class Gateway::Impl {
   // (its engines are saturated) does not block the ones behind it that could go elsewhere.
   void dispatch() {
     const auto now = Clock::now();
+    ClusterView v = view();  // kept current below as requests start
     for (size_t i = 0; i < waiting_.size();) {
       RequestPtr r = waiting_[i];
       if (ended(*r)) {
@@ -558,7 +562,6 @@ class Gateway::Impl {
         r->queued = false;
         continue;
       }
-      const ClusterView v = view();
       const RequestInfo ri = info(*r);
       int prefill = -1, decode = -1;
       Choice::Kind kind = Choice::Kind::kChosen;
@@ -595,6 +598,12 @@ class Gateway::Impl {
       }
       metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
       start(r, prefill, decode);
+      for (auto* pool : {&v.prefill, &v.decode})
+        for (auto& e : *pool)
+          if (e.id == prefill || e.id == decode) {
+            ++e.in_flight;
+            e.tokens_in_flight += r->prompt_tokens;
+          }
     }
   }
 
@@ -1055,12 +1064,16 @@ class Gateway::Impl {
       error = r->error;
     }
     if (status != 200) cancel_legs(r);  // e.g. a parallel prefill leg after the client left
-    metrics_.requests.labels({std::to_string(status)}).inc();
+    auto counter = status_counters_.find(status);
+    if (counter == status_counters_.end())
+      counter =
+          status_counters_.emplace(status, &metrics_.requests.labels({std::to_string(status)}))
+              .first;
+    counter->second->inc();
     const int64_t received = *r->times.at(Phase::kReceived);
     const int64_t completed = r->times.at(Phase::kCompleted).value_or(steady_now_ns());
     for (int p = 0; p < kPhaseCount; ++p)
-      if (auto s = r->times.seconds_in(static_cast<Phase>(p)))
-        metrics_.phase_seconds.labels({phase_name(static_cast<Phase>(p))}).observe(*s);
+      if (auto s = r->times.seconds_in(static_cast<Phase>(p))) phase_histograms_[p]->observe(*s);
     if (status == 200) {
       metrics_.e2e.observe(static_cast<double>(completed - received) * 1e-9);
       if (events > 0) metrics_.ttft.observe(static_cast<double>(first_ns - received) * 1e-9);
@@ -1353,6 +1366,8 @@ class Gateway::Impl {
   int next_endpoint_id_ = 0;
   std::deque<RequestPtr> waiting_;
   std::unordered_map<std::string, RequestPtr> active_;
+  std::array<metrics::Histogram*, kPhaseCount> phase_histograms_{};
+  std::unordered_map<int, metrics::IntCounter*> status_counters_;
 
   // Destroyed in reverse: the server (its handlers post to the scheduler and use the client)
   // goes first, then the client (its callbacks post to the scheduler), then the scheduler.
