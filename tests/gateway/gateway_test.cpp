@@ -145,9 +145,14 @@ TEST_F(GatewayStack, EveryModeServesTheOpenAIClientLikeOneEngine) {
       // translated back); without, bodies pass through. The client cannot tell the difference.
       SCOPED_TRACE(mode + (tokenize ? " (gateway tokenizes)" : ""));
       std::vector<std::string> endpoints = pools;
-      if (tokenize)
+      // Tandem engines speak every dialect: this variant also names the peers' dialects.
+      if (tokenize) {
         endpoints.insert(endpoints.end(),
                          {"--model", dir_->string(), "--served-model-name", "tiny"});
+        if (mode != "aggregated")
+          endpoints.insert(endpoints.end(),
+                           {"--dialect", mode == "sequential" ? "vllm" : "sglang"});
+      }
       auto gw = gateway(mode, endpoints);
       check_with_openai_client(gw->port());
       // Concurrent requests of mixed lengths through the gateway.
