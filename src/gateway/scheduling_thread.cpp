@@ -40,7 +40,7 @@ class SchedulingThread::Impl {
 
   void at(Clock::time_point when, Task task) { timers_.push({when, seq_++, std::move(task)}); }
 
-  bool on_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  bool on_thread() const { return std::this_thread::get_id() == thread_id_.load(); }
 
  private:
   struct Timer {
@@ -59,6 +59,9 @@ class SchedulingThread::Impl {
   }
 
   void loop() {
+    // Set here, not from thread_ in start(): a task posted before start() runs before start()
+    // has assigned thread_, and reading thread_ from this thread then would be a data race.
+    thread_id_ = std::this_thread::get_id();
     while (running_.load()) {
       drain();
       const auto now = Clock::now();
@@ -76,6 +79,7 @@ class SchedulingThread::Impl {
     stopped_ = true;
     drain();  // what was posted before stop still runs (it may complete requests)
     timers_ = {};
+    thread_id_ = std::thread::id();  // ids of joined threads are reused by new ones
   }
 
   boost::lockfree::queue<Task*> queue_;
@@ -85,6 +89,7 @@ class SchedulingThread::Impl {
   std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
   uint64_t seq_ = 0;
   std::atomic<bool> running_{false}, stopped_{false};
+  std::atomic<std::thread::id> thread_id_{};  // the running loop's thread; none when not running
   std::thread thread_;
 };
 
