@@ -35,7 +35,8 @@ class SchedulingThread::Impl {
   void post(Task task) {
     if (stopped_.load()) return;
     queue_.push(new Task(std::move(task)));
-    wake_.release();
+    // Only a parked loop needs the (system-call) wake-up; a busy one finds the task anyway.
+    if (sleeping_.exchange(false)) wake_.release();
   }
 
   void at(Clock::time_point when, Task task) { timers_.push({when, seq_++, std::move(task)}); }
@@ -71,10 +72,18 @@ class SchedulingThread::Impl {
         timers_.pop();
         task();
       }
+      // Announce the park, then look once more: a post() that pushed before this check is
+      // seen here, one that pushes after it sees sleeping_ and wakes us (both seq_cst).
+      sleeping_.store(true);
+      if (!queue_.empty()) {
+        sleeping_.store(false);
+        continue;
+      }
       if (timers_.empty())
         (void)wake_.try_acquire_for(std::chrono::milliseconds(200));
       else
         (void)wake_.try_acquire_until(timers_.top().when);
+      sleeping_.store(false);
     }
     stopped_ = true;
     drain();  // what was posted before stop still runs (it may complete requests)
@@ -88,7 +97,7 @@ class SchedulingThread::Impl {
   std::counting_semaphore<1 << 30> wake_{0};
   std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
   uint64_t seq_ = 0;
-  std::atomic<bool> running_{false}, stopped_{false};
+  std::atomic<bool> running_{false}, stopped_{false}, sleeping_{false};
   std::atomic<std::thread::id> thread_id_{};  // the running loop's thread; none when not running
   std::thread thread_;
 };
