@@ -29,7 +29,8 @@ if [ -f "$build/CMakeCache.txt" ]; then
 else
   cmake -S "$root" -B "$build" -G Ninja -DTANDEM_BUILD_BENCH=ON >/dev/null
 fi
-nice -n 19 cmake --build "$build" --target tandem tandem-bench-fast-backend -j "${JOBS:-1}" >/dev/null
+nice -n 19 cmake --build "$build" --target tandem tandem-bench-fast-backend -j "${JOBS:-1}" \
+  >/dev/null
 
 dir="$(mktemp -d)"
 pids=()
@@ -114,7 +115,8 @@ http {
 }
 EOF
 # nginx cannot listen on port 0 and report it: pick a free port first.
-nginx_port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+nginx_port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')"
 sed -i "s/listen 127.0.0.1:0;/listen 127.0.0.1:$nginx_port;/" "$dir/nginx/nginx.conf"
 # shellcheck disable=SC2086
 $cpu_proxy "$nginx_bin" -p "$dir/nginx" -c "$dir/nginx/nginx.conf" >"$dir/nginx.log" 2>&1 &
@@ -151,14 +153,15 @@ if "$build/tandem" gateway --help 2>&1 | grep -q -- '--model'; then
 fi
 
 # --- wrk scripts: the same body through every target -----------------------------------------
-prompt="You are a helpful assistant. Summarise the following paragraph in one sentence. The gateway \
-receives OpenAI requests, chooses an engine, relays the answer as it streams, and must stay out of \
-the way: what it costs per request is what this benchmark measures, next to a plain reverse proxy."
+prompt="You are a helpful assistant. Summarise the following paragraph in one sentence. \
+The gateway receives OpenAI requests, chooses an engine, relays the answer as it streams, \
+and must stay out of the way: what it costs per request is what this benchmark measures, next to a plain reverse proxy."
 for stream in false true; do
   cat >"$dir/stream-$stream.lua" <<EOF
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = '{"model":"bench","prompt":"$prompt","max_tokens":$tokens,"temperature":0,"stream":$stream}'
+wrk.body = '{"model":"bench","prompt":"$prompt","max_tokens":$tokens,"temperature":0,'
+  .. '"stream":$stream}'
 EOF
 done
 
@@ -200,7 +203,8 @@ run_row() {
   p99="$(to_us "$(awk '$1 == "99%" {print $2}' <<<"$out")")"
   awk -v r="$requests" -v rps="$rps" -v p50="$p50" -v p99="$p99" -v t=$((after - before)) \
     -v bt=$((backend_after - backend_before)) -v hz="$hz" \
-    'BEGIN { printf "%d %.0f %d %d %.1f %.1f\n", r, rps, p50, p99, t * 1e6 / hz / r, bt * 1e6 / hz / r }'
+    'BEGIN { printf "%d %.0f %d %d %.1f %.1f\n", r, rps, p50, p99, t * 1e6 / hz / r,
+             bt * 1e6 / hz / r }'
 }
 
 echo "backend :$backend_port (tandem-bench-fast-backend, 1 io thread, $tokens tokens), nginx" \
