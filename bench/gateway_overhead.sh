@@ -155,7 +155,8 @@ fi
 # --- wrk scripts: the same body through every target -----------------------------------------
 prompt="You are a helpful assistant. Summarise the following paragraph in one sentence. \
 The gateway receives OpenAI requests, chooses an engine, relays the answer as it streams, \
-and must stay out of the way: what it costs per request is what this benchmark measures, next to a plain reverse proxy."
+and must stay out of the way: what it costs per request is what this benchmark measures, \
+next to a plain reverse proxy."
 for stream in false true; do
   cat >"$dir/stream-$stream.lua" <<EOF
 wrk.method = "POST"
