@@ -1,0 +1,442 @@
+#include "bench/workload.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/rng.h"
+#include "util/error.h"
+#include "util/file.h"
+#include "util/hash.h"
+
+namespace tandem::bench {
+namespace {
+
+using nlohmann::json;
+
+bool is_ascii_letter(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw Error(message);
+}
+
+// Appends `count` tokens drawn uniformly from the vocabulary.
+void append_random(const TokenVocab& vocab, Rng& rng, int64_t count, std::vector<int32_t>& out) {
+  for (int64_t i = 0; i < count; ++i) out.push_back(vocab.id(rng.below(vocab.size())));
+}
+
+BenchRequest make_request(const TokenVocab& vocab, std::vector<int32_t> ids, int64_t output_len) {
+  BenchRequest r;
+  r.prompt_text = vocab.render(ids);
+  r.prompt_ids = std::move(ids);
+  r.output_len = output_len;
+  return r;
+}
+
+// Independent streams for independent parts of a workload (one per request, per hash block),
+// so a request's content does not depend on which other requests the window holds.
+uint64_t stream_seed(uint64_t seed, uint64_t kind, uint64_t index) {
+  return hash_u64(hash_u64(seed ^ (kind * 0x9e3779b97f4a7c15ULL)) + index);
+}
+
+constexpr uint64_t kStreamMooncakeBlock = 1;
+constexpr uint64_t kStreamAzureRequest = 2;
+
+int64_t get_int(const json& object, const char* field, const std::string& where) {
+  const auto it = object.find(field);
+  require(it != object.end() && it->is_number_integer(),
+          where + ": field \"" + field + "\" must be an integer");
+  return it->get<int64_t>();
+}
+
+void validate_window(const TraceWindow& w, const std::string& what) {
+  require(w.start >= 0, what + ": window start must be >= 0, got " + std::to_string(w.start));
+  require(w.limit >= 0, what + ": window limit must be >= 0, got " + std::to_string(w.limit));
+  require(std::isfinite(w.time_scale) && w.time_scale >= 0,
+          what + ": time scale must be a finite number >= 0");
+}
+
+// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+int64_t days_from_civil(int64_t y, int64_t m, int64_t d) {
+  y -= m <= 2;
+  const int64_t era = (y >= 0 ? y : y - 399) / 400;
+  const int64_t yoe = y - era * 400;
+  const int64_t doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+  const int64_t doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+  return era * 146097 + doe - 719468;
+}
+
+// "YYYY-MM-DD HH:MM:SS[.fffffff]" -> whole seconds since the epoch and the fraction, kept apart
+// so that offsets keep sub-microsecond precision.
+bool parse_timestamp(const std::string& s, int64_t& seconds, double& fraction) {
+  int y, mo, d, h, mi, sec, consumed = 0;
+  if (std::sscanf(s.c_str(), "%4d-%2d-%2d %2d:%2d:%2d%n", &y, &mo, &d, &h, &mi, &sec, &consumed) !=
+          6 ||
+      consumed != 19) {
+    return false;
+  }
+  if (mo < 1 || mo > 12 || d < 1 || d > 31 || h > 23 || mi > 59 || sec > 60) return false;
+  seconds = days_from_civil(y, mo, d) * 86400 + h * 3600 + mi * 60 + sec;
+  fraction = 0;
+  if (s.size() > 19) {
+    if (s[19] != '.' || s.size() == 20) return false;
+    double scale = 0.1;
+    for (size_t i = 20; i < s.size(); ++i) {
+      if (s[i] < '0' || s[i] > '9') return false;
+      fraction += (s[i] - '0') * scale;
+      scale /= 10;
+    }
+  }
+  return true;
+}
+
+std::vector<std::string> split_csv_line(const std::string& line) {
+  // The Azure traces hold plain numbers and timestamps: no quoting to handle.
+  std::vector<std::string> cells;
+  std::string cell;
+  std::istringstream in(line);
+  while (std::getline(in, cell, ',')) cells.push_back(cell);
+  if (!line.empty() && line.back() == ',') cells.emplace_back();
+  return cells;
+}
+
+bool parse_int(const std::string& s, int64_t& value) {
+  if (s.empty()) return false;
+  size_t pos = 0;
+  try {
+    value = std::stoll(s, &pos);
+  } catch (const std::exception&) {
+    return false;
+  }
+  return pos == s.size();
+}
+
+}  // namespace
+
+// --- TokenVocab ----------------------------------------------------------------------------
+
+TokenVocab TokenVocab::build(const text::Tokenizer& tokenizer) {
+  TokenVocab v;
+  const size_t n = tokenizer.vocab_size();
+  v.text_by_id_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto id = static_cast<int32_t>(i);
+    if (tokenizer.is_special(id) || !tokenizer.id_to_token(id)) continue;
+    std::string bytes = tokenizer.token_bytes(id);
+    if (bytes.size() < 2 || bytes[0] != ' ') continue;
+    bool letters = true;
+    for (size_t k = 1; k < bytes.size() && letters; ++k) letters = is_ascii_letter(bytes[k]);
+    if (!letters) continue;
+    const auto ids = tokenizer.encode(bytes, false);
+    if (ids.size() != 1 || ids[0] != id) continue;
+    v.ids_.push_back(id);
+    v.text_by_id_[i] = std::move(bytes);
+  }
+  require(v.ids_.size() >= 1000,
+          "bench: the tokenizer has only " + std::to_string(v.ids_.size()) +
+              " text-safe tokens (a space and ASCII letters that encode back to one id); "
+              "expected at least 1000");
+  return v;
+}
+
+bool TokenVocab::contains(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < text_by_id_.size() && !text_by_id_[id].empty();
+}
+
+std::string TokenVocab::render(std::span<const int32_t> ids) const {
+  std::string out;
+  out.reserve(ids.size() * 6);
+  for (int32_t id : ids) {
+    require(contains(id), "bench: token id " + std::to_string(id) + " is not text-safe");
+    out += text_by_id_[id];
+  }
+  return out;
+}
+
+// --- random --------------------------------------------------------------------------------
+
+std::vector<BenchRequest> random_workload(const TokenVocab& vocab, const RandomOptions& o) {
+  require(o.num_requests >= 0, "random workload: num_requests must be >= 0");
+  require(o.range_ratio >= 0.0 && o.range_ratio < 1.0,
+          "random workload: range_ratio must be in [0, 1), got " + std::to_string(o.range_ratio));
+  require(o.output_len >= 0, "random workload: output_len must be >= 0");
+  require(o.num_special_tokens >= 0, "random workload: num_special_tokens must be >= 0");
+  const double input =
+      static_cast<double>(std::max<int64_t>(0, o.input_len - o.num_special_tokens));
+  const double output = static_cast<double>(o.output_len);
+  const auto in_low = static_cast<int64_t>(std::floor(input * (1 - o.range_ratio)));
+  const auto in_high = static_cast<int64_t>(std::ceil(input * (1 + o.range_ratio)));
+  const auto out_low =
+      std::max<int64_t>(1, static_cast<int64_t>(std::floor(output * (1 - o.range_ratio))));
+  const auto out_high =
+      std::max<int64_t>(1, static_cast<int64_t>(std::ceil(output * (1 + o.range_ratio))));
+  require(in_low >= 1, "random workload: input_len " + std::to_string(o.input_len) +
+                           " leaves prompts of " + std::to_string(in_low) +
+                           " tokens; expected at least 1");
+
+  Rng rng(o.seed);
+  std::vector<BenchRequest> out;
+  out.reserve(o.num_requests);
+  for (int64_t i = 0; i < o.num_requests; ++i) {
+    const int64_t in_len = rng.between(in_low, in_high);
+    const int64_t out_len = rng.between(out_low, out_high);
+    std::vector<int32_t> ids;
+    ids.reserve(in_len);
+    append_random(vocab, rng, in_len, ids);
+    out.push_back(make_request(vocab, std::move(ids), out_len));
+  }
+  return out;
+}
+
+// --- prefix_repetition ---------------------------------------------------------------------
+
+std::vector<BenchRequest> prefix_repetition_workload(const TokenVocab& vocab,
+                                                     const PrefixRepetitionOptions& o) {
+  require(o.num_prefixes >= 1, "prefix_repetition workload: num_prefixes must be >= 1");
+  require(o.prefix_len >= 0 && o.suffix_len >= 0 && o.prefix_len + o.suffix_len >= 1,
+          "prefix_repetition workload: prefix_len and suffix_len must be >= 0, with a sum >= 1");
+  require(o.output_len >= 1, "prefix_repetition workload: output_len must be >= 1");
+  const int64_t per_prefix = o.num_requests / o.num_prefixes;
+  require(per_prefix >= 1, "prefix_repetition workload: num_requests (" +
+                               std::to_string(o.num_requests) + ") must be >= num_prefixes (" +
+                               std::to_string(o.num_prefixes) + ")");
+  Rng rng(o.seed);
+  std::vector<BenchRequest> out;
+  out.reserve(per_prefix * o.num_prefixes);
+  for (int64_t p = 0; p < o.num_prefixes; ++p) {
+    std::vector<int32_t> prefix;
+    append_random(vocab, rng, o.prefix_len, prefix);
+    for (int64_t k = 0; k < per_prefix; ++k) {
+      std::vector<int32_t> ids = prefix;
+      append_random(vocab, rng, o.suffix_len, ids);
+      out.push_back(make_request(vocab, std::move(ids), o.output_len));
+    }
+  }
+  if (o.shuffle) rng.shuffle(out);
+  return out;
+}
+
+// --- sharegpt ------------------------------------------------------------------------------
+
+std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
+                                            const ShareGptOptions& o) {
+  const std::string where = "sharegpt dataset " + o.path.string();
+  require(o.num_requests >= 0, where + ": num_requests must be >= 0");
+  json data;
+  try {
+    data = json::parse(read_file(o.path));
+  } catch (const json::exception& e) {
+    throw Error(where + ": malformed JSON: " + e.what());
+  }
+  require(data.is_array(), where + ": expected a JSON list of conversations");
+
+  struct Entry {
+    std::string prompt, completion;
+  };
+  std::vector<Entry> entries;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const json& e = data[i];
+    if (!e.is_object()) continue;
+    const auto conv = e.find("conversations");
+    if (conv == e.end() || !conv->is_array() || conv->size() < 2) continue;
+    const json& t0 = (*conv)[0];
+    const json& t1 = (*conv)[1];
+    const std::string at = where + ": entry " + std::to_string(i);
+    require(t0.is_object() && t0.contains("value") && t0["value"].is_string(),
+            at + ": conversations[0].value must be a string");
+    require(t1.is_object() && t1.contains("value") && t1["value"].is_string(),
+            at + ": conversations[1].value must be a string");
+    entries.push_back({t0["value"].get<std::string>(), t1["value"].get<std::string>()});
+  }
+  Rng rng(o.seed);
+  if (o.shuffle) rng.shuffle(entries);
+
+  std::vector<BenchRequest> out;
+  for (const Entry& e : entries) {
+    if (static_cast<int64_t>(out.size()) >= o.num_requests) break;
+    // Lengths as vLLM counts them (tokenizer(text).input_ids: special tokens added).
+    const auto prompt_len = static_cast<int64_t>(tokenizer.encode(e.prompt, true).size());
+    const int64_t output_len =
+        o.output_len ? *o.output_len
+                     : static_cast<int64_t>(tokenizer.encode(e.completion, true).size());
+    const bool too_short = prompt_len < o.min_len || (!o.output_len && output_len < o.min_len);
+    const bool too_long =
+        prompt_len > o.max_prompt_len || prompt_len + output_len > o.max_total_len;
+    if (too_short || too_long) continue;
+    BenchRequest r;
+    r.prompt_text = e.prompt;
+    r.prompt_ids = tokenizer.encode(e.prompt, false);
+    r.output_len = output_len;
+    out.push_back(std::move(r));
+  }
+  const size_t kept = out.size();
+  if (o.oversample && kept > 0) {
+    while (static_cast<int64_t>(out.size()) < o.num_requests) out.push_back(out[rng.below(kept)]);
+  }
+  return out;
+}
+
+// --- Mooncake ------------------------------------------------------------------------------
+
+std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& path,
+                                                const TraceWindow& window, int64_t block_size) {
+  const std::string what = "mooncake trace " + path.string();
+  require(block_size >= 1, what + ": block size must be >= 1");
+  validate_window(window, what);
+  std::ifstream in(path, std::ios::binary);
+  require(in.good(), what + ": cannot open the file");
+  // Only the window is parsed; lines before it are counted.
+  std::vector<MooncakeRecord> out;
+  std::string line;
+  int64_t record = 0;
+  int64_t line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") == std::string::npos) continue;
+    const int64_t index = record++;
+    if (index < window.start) continue;
+    if (window.limit > 0 && index >= window.start + window.limit) break;
+    const std::string at = what + ":" + std::to_string(line_no);
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::exception& e) {
+      throw Error(at + ": malformed JSON: " + e.what());
+    }
+    require(j.is_object(), at + ": expected a JSON object");
+    MooncakeRecord r;
+    const auto ts = j.find("timestamp");
+    require(ts != j.end() && ts->is_number(), at + ": field \"timestamp\" must be a number (ms)");
+    r.timestamp_ms = ts->get<double>();
+    r.input_length = get_int(j, "input_length", at);
+    r.output_length = get_int(j, "output_length", at);
+    require(r.input_length >= 1, at + ": input_length must be >= 1");
+    require(r.output_length >= 0, at + ": output_length must be >= 0");
+    const auto h = j.find("hash_ids");
+    require(h != j.end() && h->is_array(), at + ": field \"hash_ids\" must be a list");
+    for (const json& id : *h) {
+      require(id.is_number_integer(), at + ": hash_ids must hold integers");
+      r.hash_ids.push_back(id.get<int64_t>());
+    }
+    const int64_t blocks = (r.input_length + block_size - 1) / block_size;
+    require(static_cast<int64_t>(r.hash_ids.size()) == blocks,
+            at + ": " + std::to_string(r.hash_ids.size()) + " hash_ids for input_length " +
+                std::to_string(r.input_length) + "; expected ceil(input_length / " +
+                std::to_string(block_size) + ") = " + std::to_string(blocks));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, int64_t block_size,
+                                    uint64_t seed) {
+  Rng rng(stream_seed(seed, kStreamMooncakeBlock, static_cast<uint64_t>(hash_id)));
+  std::vector<int32_t> block;
+  block.reserve(block_size);
+  append_random(vocab, rng, block_size, block);
+  return block;
+}
+
+std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const MooncakeOptions& o) {
+  const auto records = read_mooncake_trace(o.path, o.window, o.block_size);
+  std::vector<BenchRequest> out;
+  out.reserve(records.size());
+  for (const MooncakeRecord& r : records) {
+    std::vector<int32_t> ids;
+    ids.reserve(r.input_length);
+    for (int64_t id : r.hash_ids) {
+      const auto block = mooncake_block(vocab, id, o.block_size, o.seed);
+      const auto take = std::min<int64_t>(o.block_size, r.input_length - ids.size());
+      ids.insert(ids.end(), block.begin(), block.begin() + take);
+    }
+    BenchRequest req = make_request(vocab, std::move(ids), r.output_length);
+    req.arrival_s = (r.timestamp_ms - records.front().timestamp_ms) / 1000.0 * o.window.time_scale;
+    out.push_back(std::move(req));
+  }
+  return out;
+}
+
+// --- Azure ---------------------------------------------------------------------------------
+
+std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
+                                          const TraceWindow& window) {
+  const std::string what = "azure trace " + path.string();
+  validate_window(window, what);
+  std::ifstream in(path, std::ios::binary);
+  require(in.good(), what + ": cannot open the file");
+  std::string line;
+  require(static_cast<bool>(std::getline(in, line)), what + ": empty file (expected a header)");
+  if (!line.empty() && line.back() == '\r') line.pop_back();
+  const auto header = split_csv_line(line);
+  int col_ts = -1, col_ctx = -1, col_gen = -1;
+  for (size_t i = 0; i < header.size(); ++i) {
+    if (header[i] == "TIMESTAMP") col_ts = static_cast<int>(i);
+    if (header[i] == "ContextTokens") col_ctx = static_cast<int>(i);
+    if (header[i] == "GeneratedTokens") col_gen = static_cast<int>(i);
+  }
+  require(col_ts >= 0 && col_ctx >= 0 && col_gen >= 0,
+          what + ": header must name the columns TIMESTAMP, ContextTokens and GeneratedTokens");
+  const size_t needed = std::max({col_ts, col_ctx, col_gen}) + 1;
+
+  std::vector<AzureRecord> out;
+  bool have_first = false;
+  int64_t first_s = 0;
+  double first_frac = 0;
+  int64_t record = 0;
+  int64_t line_no = 1;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty()) continue;
+    const std::string at = what + ":" + std::to_string(line_no);
+    const auto cells = split_csv_line(line);
+    require(cells.size() >= needed,
+            at + ": expected " + std::to_string(header.size()) + " comma-separated fields");
+    int64_t s = 0;
+    double frac = 0;
+    require(parse_timestamp(cells[col_ts], s, frac),
+            at + ": TIMESTAMP \"" + cells[col_ts] +
+                "\" is not of the form YYYY-MM-DD HH:MM:SS[.fraction]");
+    if (!have_first) {
+      have_first = true;
+      first_s = s;
+      first_frac = frac;
+    }
+    const int64_t index = record++;
+    if (index < window.start) continue;
+    if (window.limit > 0 && index >= window.start + window.limit) break;
+    AzureRecord r;
+    r.offset_s = static_cast<double>(s - first_s) + (frac - first_frac);
+    require(parse_int(cells[col_ctx], r.context_tokens) && r.context_tokens >= 0,
+            at + ": ContextTokens must be an integer >= 0");
+    require(parse_int(cells[col_gen], r.generated_tokens) && r.generated_tokens >= 0,
+            at + ": GeneratedTokens must be an integer >= 0");
+    out.push_back(r);
+  }
+  return out;
+}
+
+std::vector<BenchRequest> azure_workload(const TokenVocab& vocab, const AzureOptions& o) {
+  const auto records = read_azure_trace(o.path, o.window);
+  std::vector<BenchRequest> out;
+  out.reserve(records.size());
+  for (size_t i = 0; i < records.size(); ++i) {
+    const AzureRecord& r = records[i];
+    // Seeded by the record's position in the file, so a window does not change its content.
+    Rng rng(stream_seed(o.seed, kStreamAzureRequest, static_cast<uint64_t>(o.window.start + i)));
+    std::vector<int32_t> ids;
+    ids.reserve(r.context_tokens);
+    append_random(vocab, rng, r.context_tokens, ids);
+    BenchRequest req = make_request(vocab, std::move(ids), r.generated_tokens);
+    req.arrival_s = (r.offset_s - records.front().offset_s) * o.window.time_scale;
+    out.push_back(std::move(req));
+  }
+  return out;
+}
+
+}  // namespace tandem::bench

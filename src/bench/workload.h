@@ -1,0 +1,163 @@
+#pragma once
+// Workloads of `tandem bench`: lists of requests (prompt, output length, arrival time) built
+// from synthetic generators that mirror vLLM's `vllm bench serve` datasets (random,
+// prefix_repetition, sharegpt) and from the Mooncake and Azure request traces.
+//
+// Synthetic token content is "text-safe": every token is a vocabulary entry that decodes to one
+// space-led ASCII word and encodes back to exactly itself, so any concatenation round-trips:
+// tokenizer.encode(prompt_text, false) == prompt_ids. A driver may therefore send either the
+// ids (tokens-in) or the text and the server sees the same prompt. Every generator is
+// deterministic for a given seed, on every platform (bench/rng.h).
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "text/tokenizer.h"
+
+namespace tandem::bench {
+
+struct BenchRequest {
+  double arrival_s = 0;  // send time relative to the start of the run
+  std::vector<int32_t> prompt_ids;
+  std::string prompt_text;  // encodes (no BOS / special tokens) to exactly prompt_ids
+  int64_t output_len = 0;   // tokens to generate (send with ignore_eos to force it)
+};
+
+// The text-safe token vocabulary of a tokenizer: ids whose bytes are ' ' followed by ASCII
+// letters only, that are not special, and that the tokenizer encodes back to that single id
+// (checked for every candidate when built). Building it encodes ~100k short strings.
+class TokenVocab {
+ public:
+  // Throws tandem::Error when the tokenizer has fewer than 1000 such tokens.
+  static TokenVocab build(const text::Tokenizer& tokenizer);
+
+  size_t size() const { return ids_.size(); }
+  int32_t id(size_t index) const { return ids_[index]; }
+  // The text of `ids`, each of which must be in this vocabulary (else tandem::Error).
+  std::string render(std::span<const int32_t> ids) const;
+  bool contains(int32_t id) const;
+
+ private:
+  std::vector<int32_t> ids_;
+  std::vector<std::string> text_by_id_;  // indexed by token id; empty when not text-safe
+};
+
+// --- random (vLLM RandomDataset) ----------------------------------------------------------
+// Input length uniform over the integers [floor(L*(1-r)), ceil(L*(1+r))] with
+// L = input_len - num_special_tokens; output length likewise over
+// [max(1, floor(O*(1-r))), max(1, ceil(O*(1+r)))]; r = range_ratio in [0, 1). Tokens are drawn
+// uniformly from the text-safe vocabulary.
+struct RandomOptions {
+  int64_t num_requests = 1000;
+  int64_t input_len = 1024;
+  int64_t output_len = 128;
+  double range_ratio = 0.0;
+  // Tokens the server adds to every prompt (BOS), subtracted from input_len as vLLM does with
+  // tokenizer.num_special_tokens_to_add(), so the server-side length matches the target.
+  int64_t num_special_tokens = 0;
+  uint64_t seed = 0;
+};
+std::vector<BenchRequest> random_workload(const TokenVocab& vocab, const RandomOptions& options);
+
+// --- prefix_repetition (vLLM PrefixRepetitionRandomDataset) ----------------------------------
+// num_prefixes random prefixes of prefix_len tokens; each is followed by a fresh random suffix of
+// suffix_len tokens in num_requests / num_prefixes requests (integer division, as vLLM: the
+// workload has floor(num_requests / num_prefixes) * num_prefixes requests). Requests are
+// shuffled unless shuffle is false (then grouped by prefix).
+struct PrefixRepetitionOptions {
+  int64_t num_requests = 1000;
+  int64_t prefix_len = 256;
+  int64_t suffix_len = 256;
+  int64_t num_prefixes = 10;
+  int64_t output_len = 128;
+  bool shuffle = true;
+  uint64_t seed = 0;
+};
+std::vector<BenchRequest> prefix_repetition_workload(const TokenVocab& vocab,
+                                                     const PrefixRepetitionOptions& options);
+
+// --- sharegpt (vLLM ShareGPTDataset) -------------------------------------------------------
+// A JSON list of {"conversations": [{"from", "value"}, ...]}; entries with fewer than two turns
+// are dropped. Turn 0 is the prompt and turn 1 the reference completion (vLLM takes the first
+// two turns by position, which in ShareGPT are the first human turn and the first gpt reply).
+// Lengths are counted as vLLM counts them, with the tokenizer's special tokens (BOS) added:
+// an entry is skipped when prompt_len < min_len, output_len < min_len (unless output_len is
+// fixed), prompt_len > max_prompt_len or prompt_len + output_len > max_total_len.
+// output_len = token count of turn 1 (BOS included, as in vLLM) unless fixed. prompt_ids are
+// the prompt's ids without special tokens. The kept entries are taken in a seeded shuffled order
+// (our own shuffle, so not the same subset as vLLM's for the same seed); when fewer than
+// num_requests pass, the list is topped up with seeded random repeats (vLLM's oversampling)
+// unless oversample is false.
+struct ShareGptOptions {
+  std::filesystem::path path;
+  int64_t num_requests = 1000;
+  std::optional<int64_t> output_len;  // fixed output length for every request
+  int64_t min_len = 4;
+  int64_t max_prompt_len = 1024;
+  int64_t max_total_len = 2048;
+  bool shuffle = true;
+  bool oversample = true;
+  uint64_t seed = 0;
+};
+std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
+                                            const ShareGptOptions& options);
+
+// --- trace replay --------------------------------------------------------------------------
+// Which part of a trace to replay: `limit` records (0: all) from record `start` (0-based, in
+// file order). Arrivals are offsets from the first record of the window, multiplied by
+// time_scale (0.5 replays twice as fast, 2 half as fast; 0 sends everything at once).
+struct TraceWindow {
+  int64_t start = 0;
+  int64_t limit = 0;
+  double time_scale = 1.0;
+};
+
+// Mooncake FAST'25 trace (JSONL): {"timestamp": ms, "input_length", "output_length",
+// "hash_ids": [...]}, one hash id per block of block_size (512) prompt tokens.
+struct MooncakeRecord {
+  double timestamp_ms = 0;
+  int64_t input_length = 0;
+  int64_t output_length = 0;
+  std::vector<int64_t> hash_ids;
+};
+// Reads the window's records (timestamps as in the file). Checks that
+// hash_ids.size() == ceil(input_length / block_size) and names line and field on any error.
+std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& path,
+                                                const TraceWindow& window,
+                                                int64_t block_size = 512);
+
+// Expands every hash id into a block of block_size text-safe tokens that depends only on
+// (seed, hash id): equal hash ids give identical blocks in every request, so the trace's prefix
+// sharing reaches the server's prefix cache. A request's last block is cut to input_length.
+struct MooncakeOptions {
+  std::filesystem::path path;
+  TraceWindow window;
+  int64_t block_size = 512;
+  uint64_t seed = 0;
+};
+std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab,
+                                            const MooncakeOptions& options);
+// The block_size tokens of one hash id (what mooncake_workload puts at that block).
+std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, int64_t block_size,
+                                    uint64_t seed);
+
+// Azure LLM inference trace (CSV: TIMESTAMP "YYYY-MM-DD HH:MM:SS.fffffff", ContextTokens,
+// GeneratedTokens). No prefix information: each prompt is random text-safe tokens.
+struct AzureRecord {
+  double offset_s = 0;  // seconds since the first record of the file
+  int64_t context_tokens = 0;
+  int64_t generated_tokens = 0;
+};
+std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
+                                          const TraceWindow& window);
+struct AzureOptions {
+  std::filesystem::path path;
+  TraceWindow window;
+  uint64_t seed = 0;
+};
+std::vector<BenchRequest> azure_workload(const TokenVocab& vocab, const AzureOptions& options);
+
+}  // namespace tandem::bench

@@ -1,0 +1,655 @@
+// The data and metrics layer of `tandem bench` (src/bench): workloads from generators and traces,
+// arrival processes, and vLLM-compatible metrics. The metrics are compared with an independent
+// numpy computation (tests/oracle/bench_metrics_oracle.py under /usr/bin/python3 with Debian's
+// python3-numpy; a missing package is a failure, not a skip). Token content is checked with the
+// real DeepSeek-V3 tokenizer (npm oracle package); the traces are heads of the real Mooncake and
+// Azure files (tests/data/bench/README.md).
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "bench/arrivals.h"
+#include "bench/metrics.h"
+#include "bench/rng.h"
+#include "bench/workload.h"
+#include "text/oracle_support.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::bench {
+namespace {
+
+using nlohmann::json;
+using test::quote;
+using ::testing::HasSubstr;
+
+std::filesystem::path data_dir() {
+  return test::source_dir() / "tests" / "data" / "bench";
+}
+std::filesystem::path mooncake_path() {
+  return data_dir() / "mooncake_conversation_head200.jsonl";
+}
+std::filesystem::path azure_path() {
+  return data_dir() / "azure_code_2023_head200.csv";
+}
+
+class BenchData : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    tokenizer_ = new text::Tokenizer(text::Tokenizer::from_dir(test::lenml_model("deepseek_v3")));
+    vocab_ = new TokenVocab(TokenVocab::build(*tokenizer_));
+  }
+  static void TearDownTestSuite() {
+    delete vocab_;
+    delete tokenizer_;
+  }
+
+  // The promise every workload makes: the text encodes to exactly the ids (no BOS).
+  static void expect_round_trip(const std::vector<BenchRequest>& requests, size_t max_checked) {
+    for (size_t i = 0; i < requests.size() && i < max_checked; ++i) {
+      ASSERT_EQ(tokenizer_->encode(requests[i].prompt_text, false), requests[i].prompt_ids)
+          << "request " << i;
+    }
+  }
+
+  inline static text::Tokenizer* tokenizer_ = nullptr;
+  inline static TokenVocab* vocab_ = nullptr;
+};
+
+// --- vocabulary ----------------------------------------------------------------------------
+
+TEST_F(BenchData, VocabularyIsTextSafe) {
+  ASSERT_GE(vocab_->size(), 1000u);
+  Rng rng(7);
+  for (int k = 0; k < 200; ++k) {
+    const int32_t id = vocab_->id(rng.below(vocab_->size()));
+    const std::string bytes = tokenizer_->token_bytes(id);
+    ASSERT_GE(bytes.size(), 2u);
+    EXPECT_EQ(bytes[0], ' ');
+    for (size_t i = 1; i < bytes.size(); ++i) EXPECT_TRUE(std::isalpha((unsigned char)bytes[i]));
+    EXPECT_EQ(vocab_->render(std::vector<int32_t>{id}), bytes);
+  }
+  // A token that is not a plain word (the BOS) is refused when rendering.
+  const auto bos = tokenizer_->bos_id();
+  ASSERT_TRUE(bos.has_value());
+  EXPECT_FALSE(vocab_->contains(*bos));
+  EXPECT_THROW(vocab_->render(std::vector<int32_t>{*bos}), Error);
+}
+
+// --- random --------------------------------------------------------------------------------
+
+TEST_F(BenchData, RandomLengthsStayInTheRange) {
+  RandomOptions o;
+  o.num_requests = 300;
+  o.input_len = 101;
+  o.output_len = 21;
+  o.range_ratio = 0.5;
+  o.num_special_tokens = 1;  // 100 tokens of our own, as vLLM subtracts the BOS
+  o.seed = 3;
+  const auto w = random_workload(*vocab_, o);
+  ASSERT_EQ(w.size(), 300u);
+  std::set<size_t> input_lens;
+  std::set<int64_t> output_lens;
+  for (const BenchRequest& r : w) {
+    EXPECT_GE(r.prompt_ids.size(), 50u);   // floor(100 * 0.5)
+    EXPECT_LE(r.prompt_ids.size(), 150u);  // ceil(100 * 1.5)
+    EXPECT_GE(r.output_len, 10);           // floor(21 * 0.5)
+    EXPECT_LE(r.output_len, 32);           // ceil(21 * 1.5) = ceil(31.5)
+    EXPECT_EQ(r.arrival_s, 0.0);
+    input_lens.insert(r.prompt_ids.size());
+    output_lens.insert(r.output_len);
+  }
+  // Uniform over 101 and 23 values: 300 draws cover most of them, both ends included.
+  EXPECT_GT(input_lens.size(), 80u);
+  EXPECT_EQ(output_lens.size(), 23u);
+  expect_round_trip(w, w.size());
+
+  // Same seed, same workload; another seed, another one.
+  const auto again = random_workload(*vocab_, o);
+  EXPECT_EQ(again[17].prompt_ids, w[17].prompt_ids);
+  o.seed = 4;
+  EXPECT_NE(random_workload(*vocab_, o)[17].prompt_ids, w[17].prompt_ids);
+
+  // range_ratio 0: exact lengths.
+  o.range_ratio = 0;
+  for (const BenchRequest& r : random_workload(*vocab_, o)) {
+    EXPECT_EQ(r.prompt_ids.size(), 100u);
+    EXPECT_EQ(r.output_len, 21);
+  }
+  o.range_ratio = 1.0;
+  try {
+    random_workload(*vocab_, o);
+    FAIL() << "range_ratio 1 accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("range_ratio must be in [0, 1)"));
+  }
+}
+
+// --- prefix_repetition ---------------------------------------------------------------------
+
+TEST_F(BenchData, PrefixRepetitionSharesPrefixes) {
+  PrefixRepetitionOptions o;
+  o.num_requests = 27;  // 27 / 4 = 6 per prefix: 24 requests, as vLLM
+  o.num_prefixes = 4;
+  o.prefix_len = 40;
+  o.suffix_len = 15;
+  o.output_len = 9;
+  o.seed = 11;
+  const auto w = prefix_repetition_workload(*vocab_, o);
+  ASSERT_EQ(w.size(), 24u);
+  std::map<std::vector<int32_t>, int> per_prefix;
+  std::set<std::vector<int32_t>> suffixes;
+  for (const BenchRequest& r : w) {
+    ASSERT_EQ(r.prompt_ids.size(), 55u);
+    EXPECT_EQ(r.output_len, 9);
+    per_prefix[std::vector<int32_t>(r.prompt_ids.begin(), r.prompt_ids.begin() + 40)]++;
+    suffixes.insert(std::vector<int32_t>(r.prompt_ids.begin() + 40, r.prompt_ids.end()));
+  }
+  ASSERT_EQ(per_prefix.size(), 4u);
+  for (const auto& [prefix, count] : per_prefix) EXPECT_EQ(count, 6);
+  EXPECT_EQ(suffixes.size(), 24u);
+  expect_round_trip(w, w.size());
+
+  // Shuffled by default: not grouped by prefix.
+  o.shuffle = false;
+  const auto grouped = prefix_repetition_workload(*vocab_, o);
+  for (size_t i = 0; i < grouped.size(); ++i) {
+    EXPECT_TRUE(std::equal(grouped[i].prompt_ids.begin(), grouped[i].prompt_ids.begin() + 40,
+                           grouped[i / 6 * 6].prompt_ids.begin()));
+  }
+  bool grouped_order = true;
+  for (size_t i = 0; i < w.size(); ++i) {
+    grouped_order =
+        grouped_order && std::equal(w[i].prompt_ids.begin(), w[i].prompt_ids.begin() + 40,
+                                    w[i / 6 * 6].prompt_ids.begin());
+  }
+  EXPECT_FALSE(grouped_order);
+
+  o.num_requests = 3;
+  EXPECT_THROW(prefix_repetition_workload(*vocab_, o), Error);
+}
+
+// --- sharegpt ------------------------------------------------------------------------------
+
+TEST_F(BenchData, ShareGptTakesTheFirstTwoTurnsAndFilters) {
+  std::string long_prompt;
+  for (int i = 0; i < 1100; ++i) long_prompt += " apple";
+  const json conversations = json::array({
+      {{"id", "a"},
+       {"conversations",
+        {{{"from", "human"}, {"value", "What is the capital city of France, please?"}},
+         {{"from", "gpt"}, {"value", "The capital of France is Paris, a large city."}},
+         {{"from", "human"}, {"value", "And of Spain?"}}}}},
+      {{"id", "one-turn"},
+       {"conversations", {{{"from", "human"}, {"value", "Only a question, no reply here."}}}}},
+      {{"id", "short-prompt"},
+       {"conversations",
+        {{{"from", "human"}, {"value", "Hi"}},
+         {{"from", "gpt"}, {"value", "Hello! How can I help you today, my friend?"}}}}},
+      {{"id", "short-reply"},
+       {"conversations",
+        {{{"from", "human"}, {"value", "Say a single word to me, any word at all."}},
+         {{"from", "gpt"}, {"value", "Ok"}}}}},
+      {{"id", "too-long"},
+       {"conversations",
+        {{{"from", "human"}, {"value", long_prompt}},
+         {{"from", "gpt"}, {"value", "Yes indeed."}}}}},
+      {{"id", "b"},
+       {"conversations",
+        {{{"from", "human"}, {"value", "Write a haiku about the sea.\nPlease keep it short."}},
+         {{"from", "gpt"},
+          {"value",
+           "Waves fold into foam,\nsalt wind carries gull voices,\n"
+           "the tide breathes and sleeps."}}}}},
+  });
+  const auto path = test::temp_path("sharegpt");
+  {
+    std::ofstream f(path);
+    f << conversations.dump(1);
+  }
+  ShareGptOptions o;
+  o.path = path;
+  o.num_requests = 10;
+  o.oversample = false;
+  auto w = sharegpt_workload(*tokenizer_, o);
+  // Kept: "a" and "b" (one-turn dropped; "Hi" is 2 tokens with BOS < 4; "Ok" likewise;
+  // the long prompt is over 1024 tokens).
+  ASSERT_EQ(w.size(), 2u);
+  std::map<std::string, const BenchRequest*> by_text;
+  for (const BenchRequest& r : w) by_text[r.prompt_text] = &r;
+  const std::string a = "What is the capital city of France, please?";
+  const std::string b = "Write a haiku about the sea.\nPlease keep it short.";
+  ASSERT_TRUE(by_text.count(a) && by_text.count(b));
+  EXPECT_EQ(
+      by_text[a]->output_len,
+      (int64_t)tokenizer_->encode("The capital of France is Paris, a large city.", true).size());
+  EXPECT_EQ(by_text[a]->prompt_ids, tokenizer_->encode(a, false));
+  expect_round_trip(w, w.size());
+
+  // A fixed output length lifts the short-reply filter only.
+  o.output_len = 50;
+  w = sharegpt_workload(*tokenizer_, o);
+  ASSERT_EQ(w.size(), 3u);
+  for (const BenchRequest& r : w) EXPECT_EQ(r.output_len, 50);
+
+  // Oversampling tops the list up with repeats of the kept entries.
+  o.oversample = true;
+  o.num_requests = 7;
+  w = sharegpt_workload(*tokenizer_, o);
+  ASSERT_EQ(w.size(), 7u);
+  std::set<std::string> distinct;
+  for (const BenchRequest& r : w) distinct.insert(r.prompt_text);
+  EXPECT_EQ(distinct.size(), 3u);
+
+  // num_requests cuts the list.
+  o.num_requests = 1;
+  EXPECT_EQ(sharegpt_workload(*tokenizer_, o).size(), 1u);
+  std::filesystem::remove(path);
+
+  o.path = "/nonexistent/sharegpt.json";
+  EXPECT_THROW(sharegpt_workload(*tokenizer_, o), Error);
+}
+
+// --- Mooncake ------------------------------------------------------------------------------
+
+TEST_F(BenchData, MooncakeEqualHashIdsGiveIdenticalBlocks) {
+  const auto records = read_mooncake_trace(mooncake_path(), {});
+  ASSERT_EQ(records.size(), 200u);
+  MooncakeOptions o;
+  o.path = mooncake_path();
+  o.seed = 5;
+  const auto w = mooncake_workload(*vocab_, o);
+  ASSERT_EQ(w.size(), 200u);
+
+  // Every block position of every request, grouped by hash id.
+  struct Use {
+    size_t request;
+    size_t block;
+  };
+  std::map<int64_t, std::vector<Use>> uses;
+  for (size_t i = 0; i < records.size(); ++i) {
+    ASSERT_EQ((int64_t)w[i].prompt_ids.size(), records[i].input_length) << "request " << i;
+    EXPECT_EQ(w[i].output_len, records[i].output_length);
+    EXPECT_DOUBLE_EQ(w[i].arrival_s, (records[i].timestamp_ms - records[0].timestamp_ms) / 1000);
+    for (size_t b = 0; b < records[i].hash_ids.size(); ++b) {
+      uses[records[i].hash_ids[b]].push_back({i, b});
+    }
+  }
+  const auto block_of = [&](const Use& u) {
+    const auto& ids = w[u.request].prompt_ids;
+    const size_t begin = u.block * 512;
+    const size_t end = std::min(ids.size(), begin + 512);
+    return std::vector<int32_t>(ids.begin() + begin, ids.begin() + end);
+  };
+  size_t shared_pairs = 0;
+  std::set<std::vector<int32_t>> full_blocks;
+  for (const auto& [hash, list] : uses) {
+    const auto first = block_of(list[0]);
+    if (first.size() == 512) full_blocks.insert(first);
+    // The block's tokens are the function of (seed, hash id) the header promises.
+    const auto expected = mooncake_block(*vocab_, hash, 512, o.seed);
+    EXPECT_TRUE(std::equal(first.begin(), first.end(), expected.begin())) << "hash id " << hash;
+    for (size_t x = 0; x < list.size(); ++x) {
+      for (size_t y = x + 1; y < list.size(); ++y) {
+        const auto bx = block_of(list[x]);
+        const auto by = block_of(list[y]);
+        const size_t n = std::min(bx.size(), by.size());
+        ASSERT_TRUE(std::equal(bx.begin(), bx.begin() + n, by.begin()))
+            << "hash id " << hash << " differs between requests " << list[x].request << " and "
+            << list[y].request;
+        ++shared_pairs;
+      }
+    }
+  }
+  // The conversation trace shares a lot (every request starts with hash id 0).
+  EXPECT_GT(shared_pairs, 1000u);
+  EXPECT_GE(uses[0].size(), 200u);
+  // Distinct hash ids give distinct blocks.
+  size_t full_ids = 0;
+  for (const auto& [hash, list] : uses) full_ids += block_of(list[0]).size() == 512;
+  EXPECT_EQ(full_blocks.size(), full_ids);
+
+  expect_round_trip(w, 40);  // 40 requests, ~500k tokens: enough for the concatenation rule
+}
+
+TEST_F(BenchData, MooncakeWindowAndTimeScale) {
+  MooncakeOptions o;
+  o.path = mooncake_path();
+  const auto all = mooncake_workload(*vocab_, o);
+  o.window = {.start = 150, .limit = 20, .time_scale = 0.5};
+  const auto part = mooncake_workload(*vocab_, o);
+  ASSERT_EQ(part.size(), 20u);
+  EXPECT_EQ(part[0].arrival_s, 0.0);
+  for (size_t i = 0; i < part.size(); ++i) {
+    EXPECT_EQ(part[i].prompt_ids, all[150 + i].prompt_ids);
+    EXPECT_NEAR(part[i].arrival_s, (all[150 + i].arrival_s - all[150].arrival_s) * 0.5, 1e-9);
+  }
+  // A window past the end is empty.
+  o.window = {.start = 500, .limit = 0, .time_scale = 1};
+  EXPECT_TRUE(mooncake_workload(*vocab_, o).empty());
+}
+
+TEST_F(BenchData, MooncakeErrorsNameTheLine) {
+  const auto path = test::temp_path("mooncake");
+  {
+    std::ofstream f(path);
+    f << R"({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})"
+      << "\n"
+      << R"({"timestamp": 3, "input_length": 600, "output_length": 5, "hash_ids": [1]})"
+      << "\n";
+  }
+  try {
+    read_mooncake_trace(path, {});
+    FAIL() << "bad hash_ids accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(":2: 1 hash_ids for input_length 600"));
+  }
+  EXPECT_EQ(read_mooncake_trace(path, {.start = 0, .limit = 1}).size(), 1u);
+  std::filesystem::remove(path);
+}
+
+// --- Azure ---------------------------------------------------------------------------------
+
+TEST_F(BenchData, AzureTraceHead) {
+  const auto records = read_azure_trace(azure_path(), {});
+  ASSERT_EQ(records.size(), 200u);
+  // 2023-11-16 18:17:03.9799600,4808,10 and 18:17:04.0319600,3180,8.
+  EXPECT_EQ(records[0].offset_s, 0.0);
+  EXPECT_EQ(records[0].context_tokens, 4808);
+  EXPECT_EQ(records[0].generated_tokens, 10);
+  EXPECT_NEAR(records[1].offset_s, 0.052, 1e-9);
+  EXPECT_EQ(records[1].context_tokens, 3180);
+  EXPECT_EQ(records[1].generated_tokens, 8);
+  for (size_t i = 1; i < records.size(); ++i)
+    EXPECT_GE(records[i].offset_s, records[i - 1].offset_s);
+
+  AzureOptions o;
+  o.path = azure_path();
+  o.window = {.start = 10, .limit = 30, .time_scale = 2};
+  const auto w = azure_workload(*vocab_, o);
+  ASSERT_EQ(w.size(), 30u);
+  for (size_t i = 0; i < w.size(); ++i) {
+    EXPECT_EQ((int64_t)w[i].prompt_ids.size(), records[10 + i].context_tokens);
+    EXPECT_EQ(w[i].output_len, records[10 + i].generated_tokens);
+    EXPECT_NEAR(w[i].arrival_s, (records[10 + i].offset_s - records[10].offset_s) * 2, 1e-9);
+  }
+  expect_round_trip(w, w.size());
+}
+
+TEST_F(BenchData, AzureErrorsNameTheField) {
+  const auto path = test::temp_path("azure");
+  {
+    std::ofstream f(path);
+    f << "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.97,12,x\n";
+  }
+  try {
+    read_azure_trace(path, {});
+    FAIL() << "bad row accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(":2: GeneratedTokens must be an integer"));
+  }
+  {
+    std::ofstream f(path);
+    f << "TIMESTAMP,ContextTokens,GeneratedTokens\n16/11/2023 18:17,12,3\n";
+  }
+  EXPECT_THROW(read_azure_trace(path, {}), Error);
+  std::filesystem::remove(path);
+}
+
+// --- arrivals ------------------------------------------------------------------------------
+
+struct GapStats {
+  double mean, cv2;
+};
+GapStats gap_stats(const std::vector<double>& t) {
+  std::vector<double> gaps;
+  double prev = 0;
+  for (double x : t) {
+    gaps.push_back(x - prev);
+    prev = x;
+  }
+  double sum = 0;
+  for (double g : gaps) sum += g;
+  const double mean = sum / gaps.size();
+  double sq = 0;
+  for (double g : gaps) sq += (g - mean) * (g - mean);
+  return {mean, sq / gaps.size() / (mean * mean)};
+}
+
+TEST(BenchArrivals, GammaGapsHaveTheRequestedRateAndShape) {
+  const size_t n = 40000;
+  for (double k : {1.0, 0.5, 4.0}) {
+    ArrivalOptions o;
+    o.request_rate = 8;
+    o.burstiness = k;
+    o.rescale_to_rate = false;
+    o.seed = 42;
+    const auto t = rate_arrivals(n, o);
+    ASSERT_EQ(t.size(), n);
+    for (size_t i = 1; i < n; ++i) ASSERT_GE(t[i], t[i - 1]);
+    const GapStats s = gap_stats(t);
+    // Gamma(k, 1/(rate k)): mean 1/rate, squared coefficient of variation 1/k. The mean of n
+    // gaps has a relative standard error of sqrt(1/(k n)); allow 5 of them.
+    EXPECT_NEAR(s.mean * o.request_rate, 1.0, 5 * std::sqrt(1.0 / (k * n))) << "k " << k;
+    EXPECT_NEAR(s.cv2 * k, 1.0, 0.08) << "k " << k;
+
+    // vLLM's rescaling: the last request lands on n / rate exactly.
+    o.rescale_to_rate = true;
+    const auto r = rate_arrivals(n, o);
+    EXPECT_NEAR(r.back(), n / o.request_rate, 1e-9);
+  }
+}
+
+TEST(BenchArrivals, SpecialRatesTraceAndApply) {
+  ArrivalOptions o;  // rate inf
+  for (double t : rate_arrivals(5, o)) EXPECT_EQ(t, 0.0);
+  o.request_rate = 4;
+  o.burstiness = INFINITY;
+  const auto even = rate_arrivals(4, o);
+  EXPECT_THAT(even, ::testing::ElementsAre(0.25, 0.5, 0.75, 1.0));
+  o.burstiness = 1;
+  o.seed = 1;
+  const auto a = rate_arrivals(100, o);
+  EXPECT_EQ(rate_arrivals(100, o), a);
+  o.seed = 2;
+  EXPECT_NE(rate_arrivals(100, o), a);
+  o.request_rate = 0;
+  EXPECT_THROW(rate_arrivals(3, o), Error);
+  o.request_rate = 1;
+  o.burstiness = -1;
+  EXPECT_THROW(rate_arrivals(3, o), Error);
+
+  std::vector<BenchRequest> reqs(3);
+  reqs[1].arrival_s = 2;
+  reqs[2].arrival_s = 5;
+  EXPECT_THAT(trace_arrivals(reqs, 0.5), ::testing::ElementsAre(0.0, 1.0, 2.5));
+  apply_arrivals(reqs, std::vector<double>{1, 2, 3});
+  EXPECT_EQ(reqs[2].arrival_s, 3.0);
+  EXPECT_THROW(apply_arrivals(reqs, std::vector<double>{1}), Error);
+}
+
+// --- metrics -------------------------------------------------------------------------------
+
+json run_oracle(const json& input) {
+  const auto in = test::temp_path("bench-metrics-in");
+  const auto out = test::temp_path("bench-metrics-out");
+  const auto err = test::temp_path("bench-metrics-err");
+  {
+    std::ofstream f(in);
+    f << input.dump();
+  }
+  const int status = test::run_command(
+      "/usr/bin/python3 " + quote(test::oracle_dir() / "bench_metrics_oracle.py") + " < " +
+      quote(in) + " > " + quote(out) + " 2> " + quote(err));
+  const std::string err_text = std::filesystem::exists(err) ? read_file(err) : "";
+  json result;
+  if (status == 0) result = json::parse(read_file(out));
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  std::filesystem::remove(err);
+  EXPECT_EQ(status, 0) << "bench_metrics_oracle.py failed (is python3-numpy installed?):\n"
+                       << err_text;
+  return result;
+}
+
+// A deterministic mix: failures, 0/1/2-token outputs, long streams, overlapping intervals.
+std::vector<RequestResult> sample_results(uint64_t seed, size_t n) {
+  Rng rng(seed);
+  std::vector<RequestResult> out;
+  for (size_t i = 0; i < n; ++i) {
+    RequestResult r;
+    r.start_s = 100 + rng.uniform() * 20;
+    r.prompt_tokens = rng.between(1, 4000);
+    if (rng.below(10) == 0) {
+      r.success = false;
+      r.error = "HTTP 503";
+      out.push_back(r);
+      continue;
+    }
+    r.success = true;
+    const uint64_t kind = rng.below(8);
+    r.output_tokens = kind == 0 ? 1 : kind == 1 ? 2 : rng.between(3, 300);
+    r.ttft_s = 0.02 + rng.uniform() * 1.5;
+    double t = r.ttft_s;
+    // One gap per token after the first; sometimes chunks of two tokens (fewer gaps).
+    const int64_t chunks = rng.below(4) == 0 ? r.output_tokens / 2 : r.output_tokens - 1;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const double gap = rng.below(50) == 0 ? 0.3 + rng.uniform() : 0.01 + rng.uniform() * 0.04;
+      r.itl_s.push_back(gap);
+      t += gap;
+    }
+    r.latency_s = t + (r.output_tokens == 1 ? rng.uniform() * 0.01 : 0.0);
+    out.push_back(r);
+  }
+  return out;
+}
+
+json results_json(const std::vector<RequestResult>& results) {
+  json a = json::array();
+  for (const auto& r : results) {
+    a.push_back({{"success", r.success},
+                 {"start", r.start_s},
+                 {"ttft", r.ttft_s},
+                 {"latency", r.latency_s},
+                 {"itl", r.itl_s},
+                 {"prompt_tokens", r.prompt_tokens},
+                 {"output_tokens", r.output_tokens}});
+  }
+  return a;
+}
+
+void expect_matches_oracle(const std::vector<RequestResult>& results, double duration,
+                           const MetricsOptions& o, const TableContext& ctx) {
+  const BenchSummary s = summarize(results, duration, o);
+  const json ours = to_json(s);
+  json goodput = json::object();
+  if (o.goodput_ttft_ms) goodput["ttft"] = *o.goodput_ttft_ms;
+  if (o.goodput_tpot_ms) goodput["tpot"] = *o.goodput_tpot_ms;
+  if (o.goodput_e2el_ms) goodput["e2el"] = *o.goodput_e2el_ms;
+  if (o.goodput_tbt_ms) goodput["tbt"] = *o.goodput_tbt_ms;
+  const json oracle = run_oracle(
+      {{"duration", duration},
+       {"percentiles", o.percentiles},
+       {"metrics", o.percentile_metrics},
+       {"goodput", goodput},
+       {"request_rate", std::isfinite(ctx.request_rate) ? json(ctx.request_rate) : json(nullptr)},
+       {"max_concurrency", ctx.max_concurrency ? json(*ctx.max_concurrency) : json(nullptr)},
+       {"results", results_json(results)}});
+  ASSERT_TRUE(oracle.is_object());
+  for (const auto& [key, value] : oracle.items()) {
+    if (key == "table") continue;
+    ASSERT_TRUE(ours.contains(key)) << "missing key " << key;
+    if (value.is_null()) {
+      EXPECT_TRUE(ours[key].is_null()) << key;
+    } else if (value.is_number_integer()) {
+      EXPECT_EQ(ours[key], value) << key;
+    } else {
+      const double want = value.get<double>();
+      EXPECT_NEAR(ours[key].get<double>(), want, 1e-9 * std::max(1.0, std::fabs(want))) << key;
+    }
+  }
+  for (const auto& [key, value] : ours.items()) {
+    EXPECT_TRUE(oracle.contains(key)) << "key the oracle does not know: " << key;
+  }
+  EXPECT_EQ(summary_table(s, ctx), oracle["table"].get<std::string>());
+}
+
+TEST(BenchMetrics, MatchNumpyWithDefaults) {
+  const auto results = sample_results(1, 400);
+  expect_matches_oracle(results, 31.7, MetricsOptions{}, TableContext{});
+}
+
+TEST(BenchMetrics, MatchNumpyWithAllMetricsPercentilesAndGoodput) {
+  const auto results = sample_results(2, 333);
+  MetricsOptions o;
+  o.percentiles = {50, 90, 99, 99.9, 12.5, 0, 100};
+  o.percentile_metrics = {"ttft", "tpot", "itl", "e2el", "tbt"};
+  o.goodput_ttft_ms = 900;
+  o.goodput_tpot_ms = 40;
+  o.goodput_e2el_ms = 8000;
+  expect_matches_oracle(results, 25.0, o,
+                        TableContext{.request_rate = 12.5, .max_concurrency = 64});
+  // One SLO at a time, TBT's included.
+  MetricsOptions tpot_only;
+  tpot_only.goodput_tpot_ms = 30;
+  expect_matches_oracle(results, 25.0, tpot_only, TableContext{});
+  MetricsOptions tbt_only;
+  tbt_only.goodput_tbt_ms = 100;
+  tbt_only.percentile_metrics = {"tbt"};
+  expect_matches_oracle(results, 25.0, tbt_only, TableContext{});
+}
+
+TEST(BenchMetrics, SmallCasesByHand) {
+  // TPOT excludes one-token outputs; for goodput they count with TPOT 0.
+  std::vector<RequestResult> r(4);
+  r[0] = {true, "", 0.0, 0.1, 0.5, {0.2, 0.2}, 10, 3};  // TPOT (0.5-0.1)/2 = 0.2
+  r[1] = {true, "", 0.2, 0.3, 0.3, {}, 20, 1};          // no TPOT
+  r[2] = {true, "", 0.4, 0.2, 1.2, {0.1, 0.9}, 30, 3};  // TPOT 0.5
+  r[3] = {false, "timeout", 0.5, 0, 0, {}, 40, 0};
+  MetricsOptions o;
+  o.percentile_metrics = {"ttft", "tpot", "itl", "e2el", "tbt"};
+  o.percentiles = {50, 99};
+  o.goodput_tpot_ms = 300;  // r[0] (200 ms) and r[1] (0) are good, r[2] (500 ms) is not
+  const BenchSummary s = summarize(r, 2.0, o);
+  EXPECT_EQ(s.completed, 3);
+  EXPECT_EQ(s.failed, 1);
+  EXPECT_EQ(s.total_input_tokens, 60);
+  EXPECT_EQ(s.total_output_tokens, 7);
+  EXPECT_DOUBLE_EQ(s.request_throughput, 1.5);
+  ASSERT_TRUE(s.request_goodput.has_value());
+  EXPECT_DOUBLE_EQ(*s.request_goodput, 1.0);
+  EXPECT_DOUBLE_EQ(s.tpot.mean_ms, 350);
+  EXPECT_DOUBLE_EQ(s.tpot.std_ms, 150);                    // population std of {200, 500}
+  EXPECT_DOUBLE_EQ(s.tpot.percentiles_ms[1].second, 497);  // 200 + 300 * 0.99
+  EXPECT_DOUBLE_EQ(s.itl.median_ms, 200);                  // {100, 200, 200, 900}
+  EXPECT_DOUBLE_EQ(s.tbt.mean_ms, 550);                    // slowest gap of each: 200 and 900
+  EXPECT_EQ(s.max_concurrent_requests, 3);                 // [0,0.5) [0.2,0.5) [0.4,1.6) at 0.4
+  EXPECT_DOUBLE_EQ(s.max_output_tokens_per_s, 6);          // .1 .3 .5 | .5 | .6 .7 1.6
+
+  const json j = to_json(s, r);
+  EXPECT_EQ(j["p50_tpot_ms"], s.tpot.percentiles_ms[0].second);
+  EXPECT_EQ(j["output_lens"], json({3, 1, 3, 0}));
+  EXPECT_EQ(j["errors"][3], "timeout");
+  EXPECT_FALSE(to_json(summarize(r, 2.0)).contains("mean_e2el_ms"));
+  EXPECT_TRUE(to_json(summarize(r, 2.0))["request_goodput"].is_null());
+
+  // Nothing completed: every statistic is 0, as vLLM's np.mean(values or 0).
+  const BenchSummary none = summarize(std::vector<RequestResult>{r[3]}, 1.0);
+  EXPECT_EQ(none.completed, 0);
+  EXPECT_EQ(none.ttft.mean_ms, 0);
+  EXPECT_EQ(none.ttft.percentiles_ms[0].second, 0);
+
+  EXPECT_DOUBLE_EQ(mooncake_tbt(std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}), 10.5);
+  EXPECT_DOUBLE_EQ(percentile({4, 1, 3, 2}, 99), 3.97);
+  EXPECT_THROW(summarize(r, 0.0), Error);
+  o.percentile_metrics = {"ttft", "latency"};
+  EXPECT_THROW(summarize(r, 1.0, o), Error);
+}
+
+}  // namespace
+}  // namespace tandem::bench
