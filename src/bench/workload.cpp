@@ -342,19 +342,25 @@ std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, in
   return block;
 }
 
+BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& record,
+                              int64_t block_size, uint64_t seed) {
+  std::vector<int32_t> ids;
+  ids.reserve(record.input_length);
+  for (int64_t id : record.hash_ids) {
+    const auto block = mooncake_block(vocab, id, block_size, seed);
+    const auto take = std::min<int64_t>(block_size, record.input_length - ids.size());
+    if (take <= 0) break;
+    ids.insert(ids.end(), block.begin(), block.begin() + take);
+  }
+  return make_request(vocab, std::move(ids), record.output_length);
+}
+
 std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const MooncakeOptions& o) {
   const auto records = read_mooncake_trace(o.path, o.window, o.block_size);
   std::vector<BenchRequest> out;
   out.reserve(records.size());
   for (const MooncakeRecord& r : records) {
-    std::vector<int32_t> ids;
-    ids.reserve(r.input_length);
-    for (int64_t id : r.hash_ids) {
-      const auto block = mooncake_block(vocab, id, o.block_size, o.seed);
-      const auto take = std::min<int64_t>(o.block_size, r.input_length - ids.size());
-      ids.insert(ids.end(), block.begin(), block.begin() + take);
-    }
-    BenchRequest req = make_request(vocab, std::move(ids), r.output_length);
+    BenchRequest req = mooncake_request(vocab, r, o.block_size, o.seed);
     req.arrival_s = (r.timestamp_ms - records.front().timestamp_ms) / 1000.0 * o.window.time_scale;
     out.push_back(std::move(req));
   }

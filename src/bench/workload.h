@@ -143,6 +143,11 @@ std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab,
 // The block_size tokens of one hash id (what mooncake_workload puts at that block).
 std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, int64_t block_size,
                                     uint64_t seed);
+// One record expanded as mooncake_workload expands it (arrival_s left 0). The whole
+// conversation trace is 145 M prompt tokens (~1.5 GB as ids plus text), so a driver replaying
+// all of it should read the records and expand each request shortly before sending it.
+BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& record,
+                              int64_t block_size, uint64_t seed);
 
 // Azure LLM inference trace (CSV: TIMESTAMP "YYYY-MM-DD HH:MM:SS.fffffff", ContextTokens,
 // GeneratedTokens). No prefix information: each prompt is random text-safe tokens.

@@ -314,6 +314,9 @@ TEST_F(BenchData, MooncakeEqualHashIdsGiveIdenticalBlocks) {
   for (const auto& [hash, list] : uses) full_ids += block_of(list[0]).size() == 512;
   EXPECT_EQ(full_blocks.size(), full_ids);
 
+  // One record expanded alone equals its place in the workload.
+  EXPECT_EQ(mooncake_request(*vocab_, records[77], 512, o.seed).prompt_ids, w[77].prompt_ids);
+
   expect_round_trip(w, 40);  // 40 requests, ~500k tokens: enough for the concatenation rule
 }
 
