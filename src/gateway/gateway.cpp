@@ -8,7 +8,6 @@
 #include <map>
 #include <mutex>
 #include <random>
-#include <thread>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -67,6 +66,28 @@ std::string splice_fields(const std::string& object_text, const std::string& fie
   out += fields;
   out += '}';
   return out;
+}
+
+bool looks_like_json_object(std::string_view body) {
+  const auto first = body.find_first_not_of(" \t\r\n");
+  const auto last = body.find_last_not_of(" \t\r\n");
+  return first != std::string_view::npos && body[first] == '{' && body[last] == '}';
+}
+
+// usage.completion_tokens of a completion answer, or -1: the one number the statistics need.
+int64_t usage_completion_tokens(std::string_view body) {
+  constexpr std::string_view kKey = "\"completion_tokens\":";
+  const auto at = body.rfind(kKey);
+  if (at == std::string_view::npos) return -1;
+  size_t i = at + kKey.size();
+  while (i < body.size() && body[i] == ' ') ++i;
+  int64_t v = 0;
+  bool any = false;
+  for (; i < body.size() && body[i] >= '0' && body[i] <= '9' && v < (int64_t{1} << 40); ++i) {
+    v = v * 10 + (body[i] - '0');
+    any = true;
+  }
+  return any ? v : -1;
 }
 
 // What an engine's streamed event is, cheaply: the gateway relays events verbatim and only needs
@@ -214,7 +235,8 @@ class Gateway::Impl {
         config_path_(std::move(config_path)),
         policy_(make_least_load_policy()),
         metrics_(registry_),
-        server_(server_options()) {
+        server_(server_options()),
+        client_(std::make_unique<net::AsyncHttpClient>(server_)) {
     validate(topo_);
     if (!topo_.model.empty())
       tokenizer_ = std::make_unique<PromptTokenizer>(topo_.model, topo_.served_model_name);
@@ -235,16 +257,17 @@ class Gateway::Impl {
   }
 
   void start() {
+    server_.start();  // first: the client runs on its threads
     sched_.start();
     sched_.post([this] { probe_all(); });
-    server_.start();
   }
   uint16_t port() const { return server_.port(); }
   void stop() {
-    server_.stop();  // no new requests; pending exchanges close (their legs are cancelled)
-    // Let the cancelled legs report before the scheduler goes, so their requests are logged.
-    for (int i = 0; i < 200 && client_.in_flight() > 0; ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    // The client runs on the server's io threads: its calls end (cancelled, their callbacks
+    // reporting to the scheduler) before the server stops those threads. Then the server closes
+    // the clients' connections, and the scheduler finishes what was posted.
+    client_->shutdown();
+    server_.stop();
     sched_.stop();
   }
 
@@ -421,7 +444,7 @@ class Gateway::Impl {
         break;
     }
     ex->on_close([this, r] { client_gone(r); });
-    sched_.post([this, r] { submit(r); });
+    sched_.post_batched([this, r] { submit(r); });
   }
 
   // A request answered before it reached the scheduler still gets its log line and metrics.
@@ -433,7 +456,7 @@ class Gateway::Impl {
       r->error = std::move(error);
     }
     r->times.mark(Phase::kCompleted);
-    sched_.post([this, r] { finished(r); });
+    sched_.post_batched([this, r] { finished(r); });
   }
 
   // The client went away (or the server is stopping): nothing more starts, running legs are
@@ -444,7 +467,7 @@ class Gateway::Impl {
       std::lock_guard lock(r->mutex);
       if (r->ended) return;
       r->ended = true;
-      if (!r->answered) r->status = 499;
+      r->status = 499;  // as nginx logs it, also when the client left mid-stream
       r->error = "client closed the connection";
       for (const auto& l : r->legs)
         if (l->started && !l->finished) {
@@ -452,9 +475,9 @@ class Gateway::Impl {
           calls.push_back(l->call);
         }
     }
-    for (auto c : calls) client_.cancel(c);
+    for (auto c : calls) client_->cancel(c);
     r->times.mark(Phase::kCompleted);
-    sched_.post([this, r] { finished(r); });
+    sched_.post_batched([this, r] { finished(r); });
   }
 
   // ---------------------------------------------------------------- scheduling thread
@@ -519,6 +542,7 @@ class Gateway::Impl {
     active_.emplace(r->id + "#" + std::to_string(reinterpret_cast<uintptr_t>(r.get())), r);
     r->registered = true;
     metrics_.running.set(static_cast<double>(active_.size()));
+    sched_.set_busy(true);
     enqueue(r, false);
     dispatch();
   }
@@ -689,7 +713,7 @@ class Gateway::Impl {
       if (done) done(error);
       const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
                          leg->engine_error;
-      sched_.post([this, leg, tokens, fault] { leg_finished(*leg, tokens, !fault); });
+      sched_.post_batched([this, leg, tokens, fault] { leg_finished(*leg, tokens, !fault); });
     };
     std::lock_guard lock(r->mutex);
     if (r->ended) return;
@@ -699,13 +723,13 @@ class Gateway::Impl {
     e->requests_total->inc();
     leg->started = true;
     r->legs.push_back(leg);
-    leg->call = client_.start(std::move(u), std::move(h));
+    leg->call = client_->start(std::move(u), std::move(h));
     sched_.at(Clock::now() + deadline, [this, r, leg, what, deadline] {
       std::lock_guard lock(r->mutex);
       if (leg->finished || (!leg->prefill && leg->first_event)) return;
       leg->cancel_reason =
           std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
-      client_.cancel(leg->call);
+      client_->cancel(leg->call);
     });
   }
 
@@ -765,12 +789,12 @@ class Gateway::Impl {
         return;
       }
       if (!reason.empty())
-        sched_.post(
+        sched_.post_batched(
             [this, r, attempt, endpoint_id, m = "prefill engine " + where + " failed: " + reason] {
               attempt_failed(r, attempt, endpoint_id, 502, {}, m);
             });
       else
-        sched_.post([this, r, attempt, endpoint_id, s = l->status, b = l->body] {
+        sched_.post_batched([this, r, attempt, endpoint_id, s = l->status, b = l->body] {
           attempt_failed(r, attempt, endpoint_id, s, b, {});
         });
     };
@@ -785,8 +809,8 @@ class Gateway::Impl {
       params = parse_untrusted_json(leg.body).at("kv_transfer_params").dump();
     } catch (const std::exception&) {
       leg.engine_error = true;
-      sched_.post([this, r, attempt, endpoint_id,
-                   m = "prefill engine " + where + " answered without kv_transfer_params"] {
+      sched_.post_batched([this, r, attempt, endpoint_id,
+                           m = "prefill engine " + where + " answered without kv_transfer_params"] {
         attempt_failed(r, attempt, endpoint_id, 502, {}, m);
       });
       return;
@@ -795,7 +819,7 @@ class Gateway::Impl {
       std::lock_guard lock(r->mutex);
       r->decode_body = splice_fields(r->body, "\"kv_transfer_params\":" + params);
     }
-    sched_.post([this, r, attempt] {
+    sched_.post_batched([this, r, attempt] {
       if (attempt != r->attempt || ended(*r)) return;
       r->stage = Stage::kDecode;
       enqueue(r, true);  // it holds KV on the prefill engine: first in line
@@ -903,11 +927,12 @@ class Gateway::Impl {
       streamed = l.first_event;
     }
     if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
+      // Recorded first: cutting the stream closes the exchange, which reports a client gone.
+      complete(r, reason.empty() ? 200 : 502, reason.empty() ? "" : where + ": " + reason);
       if (reason.empty())
         r->exchange->end();
       else
         r->exchange->abort();
-      complete(r, reason.empty() ? 200 : 502, reason.empty() ? "" : where + ": " + reason);
       return;
     }
     if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
@@ -917,7 +942,7 @@ class Gateway::Impl {
                   parse_untrusted_json(l.body).at("error").at("message").get<std::string>();
       } catch (const std::exception&) {
       }
-      sched_.post([this, r, attempt, endpoint_id, message] {
+      sched_.post_batched([this, r, attempt, endpoint_id, message] {
         attempt_failed(r, attempt, endpoint_id, 502, {}, message);
       });
       return;
@@ -926,21 +951,19 @@ class Gateway::Impl {
       const int64_t now = steady_now_ns();
       r->times.mark(Phase::kDecoding, now);
       if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
-      int64_t tokens = -1;
-      json answer;
-      try {
-        answer = parse_untrusted_json(l.body);
-      } catch (const std::exception& e) {
+      // The answer is relayed as the engine sent it; the gateway only checks it is a JSON
+      // object and reads the completion tokens for its statistics (a full parse would cost
+      // more than the rest of the relay).
+      if (!looks_like_json_object(l.body)) {
         l.engine_error = true;
-        sched_.post([this, r, attempt, endpoint_id,
-                     m = "engine " + where + " sent a malformed answer: " + e.what()] {
-          attempt_failed(r, attempt, endpoint_id, 502, {}, m);
-        });
+        sched_.post_batched(
+            [this, r, attempt, endpoint_id,
+             m = "engine " + where + " sent a malformed answer (not a JSON object)"] {
+              attempt_failed(r, attempt, endpoint_id, 502, {}, m);
+            });
         return;
       }
-      if (auto u = answer.find("usage"); u != answer.end() && u->is_object())
-        if (auto c = u->find("completion_tokens"); c != u->end() && c->is_number_integer())
-          tokens = c->get<int64_t>();
+      const int64_t tokens = usage_completion_tokens(l.body);
       {
         std::lock_guard lock(r->mutex);
         if (r->ended) return;
@@ -957,11 +980,12 @@ class Gateway::Impl {
       reason = "the stream ended without an answer";
     }
     if (!reason.empty())
-      sched_.post([this, r, attempt, endpoint_id, m = "engine " + where + " failed: " + reason] {
-        attempt_failed(r, attempt, endpoint_id, 502, {}, m);
-      });
+      sched_.post_batched(
+          [this, r, attempt, endpoint_id, m = "engine " + where + " failed: " + reason] {
+            attempt_failed(r, attempt, endpoint_id, 502, {}, m);
+          });
     else
-      sched_.post([this, r, attempt, endpoint_id, s = l.status, b = std::move(l.body)] {
+      sched_.post_batched([this, r, attempt, endpoint_id, s = l.status, b = std::move(l.body)] {
         attempt_failed(r, attempt, endpoint_id, s, b, {});
       });
   }
@@ -1015,7 +1039,7 @@ class Gateway::Impl {
           calls.push_back(l->call);
         }
     }
-    for (auto c : calls) client_.cancel(c);
+    for (auto c : calls) client_->cancel(c);
   }
 
   // Answers a request that never started (or whose attempts are over) with an OpenAI error.
@@ -1039,7 +1063,7 @@ class Gateway::Impl {
       r->error = std::move(error);
     }
     r->times.mark(Phase::kCompleted);
-    sched_.post([this, r] { finished(r); });
+    sched_.post_batched([this, r] { finished(r); });
   }
 
   void finished(const RequestPtr& r) {
@@ -1048,6 +1072,7 @@ class Gateway::Impl {
       active_.erase(r->id + "#" + std::to_string(reinterpret_cast<uintptr_t>(r.get())));
       r->registered = false;
       metrics_.running.set(static_cast<double>(active_.size()));
+      sched_.set_busy(!active_.empty());
     }
     int status;
     int64_t events, first_ns, last_ns, completion_tokens;
@@ -1127,7 +1152,7 @@ class Gateway::Impl {
         const bool ok = error.empty() && *status == 200;
         sched_.post([this, id, ok] { probe_result(id, ok); });
       };
-      client_.start(std::move(u), std::move(h));
+      client_->start(std::move(u), std::move(h));
     }
     sched_.at(Clock::now() + topo_.health.probe_interval, [this] { probe_all(); });
   }
@@ -1349,7 +1374,7 @@ class Gateway::Impl {
       else
         ex->send_error(502, "engine failed: " + error, "server_error");
     };
-    client_.start(std::move(u), std::move(h));
+    client_->start(std::move(u), std::move(h));
   }
 
   Topology topo_;
@@ -1369,11 +1394,11 @@ class Gateway::Impl {
   std::array<metrics::Histogram*, kPhaseCount> phase_histograms_{};
   std::unordered_map<int, metrics::IntCounter*> status_counters_;
 
-  // Destroyed in reverse: the server (its handlers post to the scheduler and use the client)
-  // goes first, then the client (its callbacks post to the scheduler), then the scheduler.
+  // Destroyed in reverse: the client (on the server's io_context) goes first, then the server,
+  // then the scheduler (everything posts to it).
   SchedulingThread sched_;
-  net::AsyncHttpClient client_;
   net::HttpServer server_;
+  std::unique_ptr<net::AsyncHttpClient> client_;
 };
 
 Gateway::Gateway(Topology topology, std::string config_path)

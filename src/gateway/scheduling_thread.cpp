@@ -1,8 +1,13 @@
 #include "gateway/scheduling_thread.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <ctime>
 #include <queue>
-#include <semaphore>
 #include <thread>
 #include <vector>
 
@@ -12,7 +17,7 @@ namespace tandem::gateway {
 
 class SchedulingThread::Impl {
  public:
-  Impl() : queue_(1024) {}
+  explicit Impl(std::chrono::microseconds tick) : tick_(tick), queue_(1024) {}
 
   ~Impl() {
     stop();
@@ -28,7 +33,7 @@ class SchedulingThread::Impl {
   void stop() {
     if (!thread_.joinable()) return;
     running_ = false;
-    wake_.release();
+    wake();
     thread_.join();
   }
 
@@ -36,8 +41,17 @@ class SchedulingThread::Impl {
     if (stopped_.load()) return;
     queue_.push(new Task(std::move(task)));
     // Only a parked loop needs the (system-call) wake-up; a busy one finds the task anyway.
-    if (sleeping_.exchange(false)) wake_.release();
+    if (sleeping_.exchange(false)) wake();
   }
+
+  void post_batched(Task task) {
+    if (stopped_.load()) return;
+    queue_.push(new Task(std::move(task)));
+    // While busy the loop parks for one tick at most and finds the task then.
+    if (!busy_.load() && sleeping_.exchange(false)) wake();
+  }
+
+  void set_busy(bool busy) { busy_.store(busy); }
 
   void at(Clock::time_point when, Task task) { timers_.push({when, seq_++, std::move(task)}); }
 
@@ -79,10 +93,10 @@ class SchedulingThread::Impl {
         sleeping_.store(false);
         continue;
       }
-      if (timers_.empty())
-        (void)wake_.try_acquire_for(std::chrono::milliseconds(200));
-      else
-        (void)wake_.try_acquire_until(timers_.top().when);
+      auto until =
+          timers_.empty() ? Clock::now() + std::chrono::milliseconds(200) : timers_.top().when;
+      if (busy_.load()) until = std::min(until, Clock::now() + tick_);
+      park(until);
       sleeping_.store(false);
     }
     stopped_ = true;
@@ -91,18 +105,37 @@ class SchedulingThread::Impl {
     thread_id_ = std::thread::id();  // ids of joined threads are reused by new ones
   }
 
+  // A futex on a counter: wake() bumps it and wakes the loop; park() sleeps until the counter
+  // moves or the deadline passes. (GCC 12's counting_semaphore::try_acquire_until polls with
+  // sched_yield and growing sleeps instead of blocking, which costs CPU and delays wake-ups.)
+  void wake() {
+    wake_seq_.fetch_add(1);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_seq_), FUTEX_WAKE_PRIVATE, 1, nullptr,
+            nullptr, 0);
+  }
+  void park(Clock::time_point until) {
+    const uint32_t seen = wake_seq_.load();
+    if (!queue_.empty() || !running_.load()) return;
+    const auto left = until - Clock::now();
+    if (left <= Clock::duration::zero()) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_seq_), FUTEX_WAIT_PRIVATE, seen, &ts,
+            nullptr, 0);
+  }
+
+  const std::chrono::microseconds tick_;
   boost::lockfree::queue<Task*> queue_;
-  // A release per post; the loop drains everything per acquire, so extra counts only cause a
-  // spare wake-up. The maximum is far above any realistic backlog.
-  std::counting_semaphore<1 << 30> wake_{0};
+  std::atomic<uint32_t> wake_seq_{0};
   std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
   uint64_t seq_ = 0;
-  std::atomic<bool> running_{false}, stopped_{false}, sleeping_{false};
+  std::atomic<bool> running_{false}, stopped_{false}, sleeping_{false}, busy_{false};
   std::atomic<std::thread::id> thread_id_{};  // the running loop's thread; none when not running
   std::thread thread_;
 };
 
-SchedulingThread::SchedulingThread() : impl_(std::make_unique<Impl>()) {}
+SchedulingThread::SchedulingThread(std::chrono::microseconds tick)
+    : impl_(std::make_unique<Impl>(tick)) {}
 SchedulingThread::~SchedulingThread() = default;
 void SchedulingThread::start() {
   impl_->start();
@@ -112,6 +145,12 @@ void SchedulingThread::stop() {
 }
 void SchedulingThread::post(Task task) {
   impl_->post(std::move(task));
+}
+void SchedulingThread::post_batched(Task task) {
+  impl_->post_batched(std::move(task));
+}
+void SchedulingThread::set_busy(bool busy) {
+  impl_->set_busy(busy);
 }
 void SchedulingThread::at(Clock::time_point when, Task task) {
   impl_->at(when, std::move(task));

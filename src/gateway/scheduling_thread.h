@@ -16,7 +16,7 @@ class SchedulingThread {
   using Task = std::function<void()>;
   using Clock = std::chrono::steady_clock;
 
-  SchedulingThread();
+  explicit SchedulingThread(std::chrono::microseconds tick = std::chrono::microseconds(250));
   ~SchedulingThread();  // stop()
   SchedulingThread(const SchedulingThread&) = delete;
   SchedulingThread& operator=(const SchedulingThread&) = delete;
@@ -25,9 +25,17 @@ class SchedulingThread {
   // Runs the tasks already posted, drops pending timers, joins. Idempotent; not from the thread.
   void stop();
 
-  // Any thread: runs `task` on the scheduling thread, in posting order per producer. Tasks posted
-  // after stop() are dropped.
+  // Any thread: runs `task` on the scheduling thread, in posting order per producer (post and
+  // post_batched share one queue). Tasks posted after stop() are dropped.
   void post(Task task);
+  // As post(), but while the thread is busy (set_busy) the task waits for the next tick instead
+  // of waking the thread: under load the scheduler handles tasks in batches, one wake-up per
+  // tick rather than per task (Omni Proxy schedules on a 1 ms timer the same way). When idle, it
+  // wakes the thread at once like post().
+  void post_batched(Task task);
+  // Scheduling thread only: while busy, the thread wakes at least every `tick` and
+  // post_batched() does not wake it.
+  void set_busy(bool busy);
   // Scheduling thread only: runs `task` at `when` (or soon after).
   void at(Clock::time_point when, Task task);
   bool on_thread() const;

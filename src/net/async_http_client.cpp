@@ -1,7 +1,10 @@
 #include "net/async_http_client.h"
 
+#include "net/http_server.h"
+
 #include <atomic>
 #include <condition_variable>
+#include <future>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -17,6 +20,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
+#include <boost/asio/strand.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
@@ -48,17 +52,34 @@ std::string describe(const char* step, const error_code& ec) {
 
 }  // namespace
 
-// Everything runs on one io thread, so the connections, the idle pool and each call's state are
-// only touched there; the mutex guards what other threads reach (the call table).
+// Everything runs on one strand (of the client's own io thread, or of a server's io threads), so
+// the connections, the idle pool and each call's state are only touched there; the mutex guards
+// what other threads reach (the call table).
 class AsyncHttpClient::Impl {
  public:
   explicit Impl(AsyncHttpClientOptions options)
-      : options_(options), work_(asio::make_work_guard(ctx_)), thread_([this] { ctx_.run(); }) {}
+      : options_(options),
+        own_ctx_(std::make_unique<asio::io_context>()),
+        ctx_(*own_ctx_),
+        strand_(asio::make_strand(ctx_)),
+        work_(asio::make_work_guard(ctx_)) {
+    thread_ = std::thread([this] { ctx_.run(); });
+  }
+
+  Impl(asio::io_context& shared, AsyncHttpClientOptions options)
+      : options_(options), ctx_(shared), strand_(asio::make_strand(ctx_)) {}
 
   ~Impl() {
+    shutdown();
+    if (work_) work_->reset();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void shutdown() {
     std::vector<CallId> ids;
     {
       std::lock_guard lock(mutex_);
+      if (shut_down_) return;
       stopping_ = true;
       for (const auto& [id, call] : calls_) ids.push_back(id);
     }
@@ -67,9 +88,15 @@ class AsyncHttpClient::Impl {
       std::unique_lock lock(mutex_);
       idle_cv_.wait(lock, [&] { return calls_.empty(); });
     }
-    asio::post(ctx_, [this] { idle_.clear(); });
-    work_.reset();
-    thread_.join();
+    // The idle connections belong to the strand: closed there, and waited for.
+    std::promise<void> cleared;
+    asio::post(strand_, [this, &cleared] {
+      idle_.clear();
+      cleared.set_value();
+    });
+    cleared.get_future().wait();
+    std::lock_guard lock(mutex_);
+    shut_down_ = true;
   }
 
   CallId start(AsyncHttpRequest request, AsyncHttpHandlers handlers) {
@@ -78,11 +105,12 @@ class AsyncHttpClient::Impl {
     call->handlers = std::move(handlers);
     {
       std::lock_guard lock(mutex_);
+      if (shut_down_) return 0;
       call->id = ++next_id_;
       calls_[call->id] = call;
       if (stopping_) call->cancelled = true;
     }
-    asio::co_spawn(ctx_, run(call), asio::detached);
+    asio::co_spawn(strand_, run(call), asio::detached);
     return call->id;
   }
 
@@ -95,7 +123,7 @@ class AsyncHttpClient::Impl {
       call = it->second;
     }
     call->cancelled = true;
-    asio::post(ctx_, [call] {
+    asio::post(strand_, [call] {
       if (call->stream) call->stream->cancel();
     });
   }
@@ -137,13 +165,13 @@ class AsyncHttpClient::Impl {
 
   asio::awaitable<Stream> connect(Call& call) {
     const AsyncHttpRequest& r = call.request;
-    tcp::resolver resolver(ctx_);
+    tcp::resolver resolver(strand_);
     error_code ec;
     auto results = co_await resolver.async_resolve(r.host, std::to_string(r.port),
                                                    asio::redirect_error(kAwait, ec));
     if (ec) throw CallFailed{describe("cannot resolve the host", ec)};
     check_cancelled(call);
-    auto stream = std::make_unique<beast::tcp_stream>(ctx_);
+    auto stream = std::make_unique<beast::tcp_stream>(strand_);
     call.stream = stream.get();  // cancel() can interrupt the connect
     stream->expires_after(r.connect_timeout.count() > 0 ? r.connect_timeout : r.timeout);
     co_await stream->async_connect(results, asio::redirect_error(kAwait, ec));
@@ -179,6 +207,9 @@ class AsyncHttpClient::Impl {
       // byte: then the request is sent once more on a new connection.
       std::optional<http::response_parser<http::string_body>> parser;
       beast::flat_buffer buffer;
+      // Beast reads at most the buffer's free capacity (at least 512 bytes) per call: room for
+      // a whole small response or many stream events per system call.
+      buffer.reserve(16384);
       for (int attempt = 0;; ++attempt) {
         stream = attempt == 0 ? take_idle(key(r)) : nullptr;
         const bool reused = stream != nullptr;
@@ -194,6 +225,7 @@ class AsyncHttpClient::Impl {
         // value, so the limit is the largest number rather than none.
         parser->body_limit(std::numeric_limits<std::uint64_t>::max());
         parser->header_limit(static_cast<std::uint32_t>(options_.max_header_bytes));
+
         buffer.clear();
         if (!wec) {
           stream->expires_after(r.timeout);
@@ -235,6 +267,15 @@ class AsyncHttpClient::Impl {
         co_await http::async_read_some(*stream, buffer, *parser, asio::redirect_error(kAwait, ec));
         check_cancelled(*call);
         if (ec) throw CallFailed{describe("cannot read the response body", ec)};
+        // Beast parses a chunked body one chunk per call: parse what this read brought as far
+        // as it goes, so one read reaches on_body (and a relay's client) as one piece.
+        while (buffer.size() > 0 && !parser->is_done()) {
+          error_code pec;
+          const size_t used = parser->put(buffer.data(), pec);
+          buffer.consume(used);
+          if (pec == http::error::need_more || used == 0) break;
+          if (pec) throw CallFailed{describe("cannot read the response body", pec)};
+        }
         deliver();
         check_cancelled(*call);
       }
@@ -256,21 +297,28 @@ class AsyncHttpClient::Impl {
   }
 
   AsyncHttpClientOptions options_;
-  asio::io_context ctx_;
-  asio::executor_work_guard<asio::io_context::executor_type> work_;
+  std::unique_ptr<asio::io_context> own_ctx_;  // none when running on a server's threads
+  asio::io_context& ctx_;
+  asio::strand<asio::io_context::executor_type> strand_;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   std::map<std::string, std::vector<Stream>> idle_;  // io thread only
   std::atomic<uint64_t> opened_{0};
   mutable std::mutex mutex_;
   std::condition_variable idle_cv_;
   std::unordered_map<CallId, std::shared_ptr<Call>> calls_;
   CallId next_id_ = 0;
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts once everything above exists
+  bool stopping_ = false, shut_down_ = false;
+  std::thread thread_;  // own io thread only; started once everything above exists
 };
 
 AsyncHttpClient::AsyncHttpClient(AsyncHttpClientOptions options)
     : impl_(std::make_unique<Impl>(options)) {}
+AsyncHttpClient::AsyncHttpClient(HttpServer& server, AsyncHttpClientOptions options)
+    : impl_(std::make_unique<Impl>(server.io_context(), options)) {}
 AsyncHttpClient::~AsyncHttpClient() = default;
+void AsyncHttpClient::shutdown() {
+  impl_->shutdown();
+}
 
 AsyncHttpClient::CallId AsyncHttpClient::start(AsyncHttpRequest request,
                                                AsyncHttpHandlers handlers) {

@@ -49,13 +49,25 @@ struct AsyncHttpClientOptions {
   size_t max_header_bytes = size_t{64} << 10;
 };
 
+class HttpServer;
+
 class AsyncHttpClient {
  public:
   using CallId = uint64_t;
 
+  // A client with its own io thread.
   explicit AsyncHttpClient(AsyncHttpClientOptions options = {});
-  // Cancels the calls still running (their on_done runs, on the client's thread) and joins it.
+  // A client without a thread of its own: it runs on `server`'s io threads (one strand, so
+  // callbacks still run one at a time), which saves a thread hop per call when a server's
+  // handlers relay to upstreams. The server must be started for calls to progress, and
+  // shutdown() must run before the server stops (its io threads finish the calls).
+  AsyncHttpClient(HttpServer& server, AsyncHttpClientOptions options = {});
+  // shutdown(), then joins the client's own thread (if it has one).
   ~AsyncHttpClient();
+
+  // Cancels every call and waits until each on_done ran; closes idle connections. Later
+  // start() calls do nothing and return 0 (no callbacks). Idempotent; not from a callback.
+  void shutdown();
   AsyncHttpClient(const AsyncHttpClient&) = delete;
   AsyncHttpClient& operator=(const AsyncHttpClient&) = delete;
 

@@ -41,14 +41,20 @@ std::string http_date() {
   static constexpr const char* kDays[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
   static constexpr const char* kMonths[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
                                             "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+  // Formatted once per second per thread: it is in every response head.
+  thread_local std::time_t cached_at = -1;
+  thread_local std::string cached;
   std::time_t now = std::time(nullptr);
+  if (now == cached_at) return cached;
   std::tm tm{};
   gmtime_r(&now, &tm);
   char buf[40];
   std::snprintf(buf, sizeof buf, "%s, %02d %s %04d %02d:%02d:%02d GMT", kDays[tm.tm_wday % 7],
                 tm.tm_mday, kMonths[tm.tm_mon % 12], tm.tm_year + 1900, tm.tm_hour, tm.tm_min,
                 tm.tm_sec);
-  return buf;
+  cached_at = now;
+  cached = buf;
+  return cached;
 }
 
 // A response head as bytes. `framing` is the Content-Length or Transfer-Encoding line (without
@@ -380,6 +386,7 @@ namespace detail {
 
 class ServerImpl {
  public:
+  asio::io_context& io_context() { return io_; }
   explicit ServerImpl(HttpServerOptions options) : options_(std::move(options)) {}
 
   void route(std::string method, std::string path, Handler handler);
@@ -942,6 +949,10 @@ uint16_t HttpServer::port() const {
 
 void HttpServer::stop() {
   impl_->stop();
+}
+
+boost::asio::io_context& HttpServer::io_context() {
+  return impl_->io_context();
 }
 
 }  // namespace tandem::net

@@ -20,6 +20,10 @@
 
 #include "net/http.h"
 
+namespace boost::asio {
+class io_context;
+}
+
 namespace tandem::net {
 
 namespace detail {
@@ -127,6 +131,10 @@ class HttpServer {
   // on_close callbacks run), then joins the io threads. Idempotent. Must not be called from a
   // handler or an on_close callback (it would join its own thread).
   void stop();
+
+  // The io_context the server's threads run: for an AsyncHttpClient that shares them
+  // (async_http_client.h), so a proxy's upstream calls stay on the threads of its connections.
+  boost::asio::io_context& io_context();
 
  private:
   std::unique_ptr<detail::ServerImpl> impl_;
