@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cli/bench_command.h"
 #include "cli/engine_command.h"
 #include "cli/gateway_command.h"
 #include "cli/generate_command.h"
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_engine_command(app);
   tandem::cli::add_gateway_command(app);
   tandem::cli::add_serve_command(app);
+  tandem::cli::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

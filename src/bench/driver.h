@@ -1,0 +1,59 @@
+#pragma once
+// The HTTP side of `tandem bench`: sends a workload to an OpenAI-compatible server (ours, vLLM,
+// SGLang) at the requests' arrival times, streaming every answer, and measures each request the
+// way vLLM's benchmark client does (bench/metrics.h): TTFT at the first chunk carrying choices,
+// one inter-token gap per later chunk, latency at the last chunk, output tokens from the usage
+// chunk. Hundreds of streams run on one client thread (net/async_http_client.h).
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench/metrics.h"
+#include "bench/workload.h"
+
+namespace tandem::bench {
+
+enum class PromptFormat { kTokenIds, kText };
+
+struct DriverOptions {
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;
+  std::string endpoint = "/v1/completions";  // or "/v1/chat/completions"
+  std::string model;                         // sent as "model"; empty: omitted
+  // Completions: the prompt as token ids (exact lengths) or as text that encodes to them. Chat
+  // requests always send text.
+  PromptFormat prompt_format = PromptFormat::kTokenIds;
+  bool ignore_eos = true;  // force the requested output lengths (vLLM's --ignore-eos)
+  std::optional<int64_t> max_concurrency;  // at most this many requests in flight
+  std::chrono::milliseconds timeout = std::chrono::minutes(10);  // per wait for the next piece
+  std::string api_key;                                           // sent as a Bearer token when set
+  // Called from the client thread after each request finished (done, total).
+  std::function<void(size_t, size_t)> progress;
+};
+
+struct DriverRun {
+  std::vector<RequestResult> results;  // in workload order
+  double duration_s = 0;               // first send to last answer
+};
+
+// The request body for one workload entry (exposed for tests and for inspection).
+std::string request_body(const BenchRequest& request, const DriverOptions& options);
+
+// Sends every request at its arrival_s after the start (later when max_concurrency holds it
+// back) and waits for all answers. Failed requests are results with success false and the
+// error (HTTP status and body, or the transport error).
+DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOptions& options);
+
+// Prefix-cache counters of a server's /metrics (vLLM's names: vllm:prefix_cache_queries and
+// vllm:prefix_cache_hits, in tokens), summed over their label sets; nullopt when the server
+// does not expose them or cannot be reached.
+struct PrefixCacheCounters {
+  double queries = 0, hits = 0;
+};
+std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string& host,
+                                                              uint16_t port);
+
+}  // namespace tandem::bench

@@ -1,0 +1,298 @@
+// `tandem bench`'s driver against deterministic servers in-process: a fake engine that answers
+// each streamed request with a known timing (first token after 60 ms, then a token every 25 ms)
+// so the measured TTFT/TPOT/ITL and throughputs must match those values (never below them: the
+// server cannot be faster than its own sleeps; the upper bounds are generous); failed requests
+// are counted, never hidden; the concurrency cap holds; requests are never sent before their
+// arrival time; a Mooncake replay sent as text reproduces the trace's prefix sharing when the
+// server tokenizes what it received; and the CLI writes vLLM's result keys.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/arrivals.h"
+#include "bench/driver.h"
+#include "bench/metrics.h"
+#include "bench/workload.h"
+#include "net/http_server.h"
+#include "net/sse.h"
+#include "text/oracle_support.h"
+#include "text/tokenizer.h"
+#include "util/child_process.h"
+
+namespace tandem::bench {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr double kTtft = 0.060, kItl = 0.025;
+
+// Streams `max_tokens` one-token chunks: the first after kTtft, the others kItl apart, then the
+// usage chunk and [DONE]. Every `fail_every`-th request (1-based) gets HTTP 500 instead.
+class TimedServer {
+ public:
+  explicit TimedServer(int fail_every = 0) : fail_every_(fail_every) {
+    net::HttpServerOptions o;
+    o.host = "127.0.0.1";
+    o.threads = 2;
+    server_ = std::make_unique<net::HttpServer>(o);
+    server_->route("POST", "/v1/completions",
+                   [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+                     handle(req, std::move(ex));
+                   });
+    server_->start();
+  }
+  ~TimedServer() {
+    server_->stop();
+    for (auto& t : threads_) t.join();
+  }
+  uint16_t port() const { return server_->port(); }
+  int max_in_flight() const { return max_in_flight_; }
+  std::vector<json> bodies() {
+    std::lock_guard lock(mutex_);
+    return bodies_;
+  }
+
+ private:
+  void handle(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    const json body = json::parse(req.body);
+    int n;
+    {
+      std::lock_guard lock(mutex_);
+      bodies_.push_back(body);
+      n = static_cast<int>(bodies_.size());
+    }
+    if (fail_every_ > 0 && n % fail_every_ == 0) {
+      ex->send_error(500, "fake failure", "server_error");
+      return;
+    }
+    const int64_t tokens = body.value("max_tokens", 1);
+    const int now = ++in_flight_;
+    for (int m = max_in_flight_; now > m && !max_in_flight_.compare_exchange_weak(m, now);) {
+    }
+    std::lock_guard lock(mutex_);
+    threads_.emplace_back([this, ex, tokens] {
+      ex->start_stream(200, "text/event-stream");
+      std::this_thread::sleep_for(std::chrono::duration<double>(kTtft));
+      for (int64_t i = 0; i < tokens; ++i) {
+        if (i > 0) std::this_thread::sleep_for(std::chrono::duration<double>(kItl));
+        ex->write(net::sse_event(
+            json{{"object", "text_completion"}, {"choices", {{{"index", 0}, {"text", " x"}}}}}
+                .dump()));
+      }
+      ex->write(net::sse_event(json{{"object", "text_completion"},
+                                    {"choices", json::array()},
+                                    {"usage", {{"completion_tokens", tokens}}}}
+                                   .dump()));
+      --in_flight_;  // before the end: the client may send the next one at once
+      ex->write(net::kSseDone);
+      ex->end();
+    });
+  }
+
+  int fail_every_;
+  std::unique_ptr<net::HttpServer> server_;
+  std::mutex mutex_;
+  std::vector<json> bodies_;
+  std::vector<std::thread> threads_;
+  std::atomic<int> in_flight_{0}, max_in_flight_{0};
+};
+
+std::vector<BenchRequest> uniform_requests(int n, int64_t prompt, int64_t output) {
+  std::vector<BenchRequest> r(n);
+  for (auto& q : r) {
+    q.prompt_ids.assign(prompt, 1000);
+    q.output_len = output;
+  }
+  return r;
+}
+
+TEST(BenchDriver, MeasuresAKnownServerAsVllmDefinesIt) {
+  TimedServer server;
+  DriverOptions o;
+  o.port = server.port();
+  o.max_concurrency = 4;
+  const int64_t out = 9;
+  const auto run = run_workload(uniform_requests(8, 20, out), o);
+  ASSERT_EQ(run.results.size(), 8u);
+  for (const auto& r : run.results) {
+    ASSERT_TRUE(r.success) << r.error;
+    EXPECT_GE(r.ttft_s, kTtft);
+    EXPECT_LT(r.ttft_s, kTtft + 1.0);
+    ASSERT_EQ(r.itl_s.size(), static_cast<size_t>(out - 1));
+    for (double g : r.itl_s) EXPECT_GE(g, kItl * 0.8);  // a chunk may be read a little late
+    EXPECT_EQ(r.output_tokens, out);                    // from the usage chunk
+    EXPECT_EQ(r.prompt_tokens, 20);
+    EXPECT_GE(r.latency_s, kTtft + (out - 1) * kItl);
+  }
+  EXPECT_LE(server.max_in_flight(), 4);
+  const BenchSummary s = summarize(run.results, run.duration_s);
+  EXPECT_EQ(s.completed, 8);
+  EXPECT_EQ(s.failed, 0);
+  EXPECT_EQ(s.total_output_tokens, 8 * out);
+  // TPOT of a request is its mean gap: the server's 25 ms, give or take scheduling.
+  EXPECT_GE(s.tpot.mean_ms, kItl * 1000 * 0.95);
+  EXPECT_LT(s.tpot.mean_ms, kItl * 1000 + 50);
+  EXPECT_GE(s.ttft.median_ms, kTtft * 1000);
+  // Two waves of four requests: the run lasts at least two request lifetimes.
+  EXPECT_GE(run.duration_s, 2 * (kTtft + (out - 1) * kItl));
+  EXPECT_NEAR(s.request_throughput, 8 / run.duration_s, 1e-9);
+  EXPECT_NEAR(s.output_throughput, 8 * out / run.duration_s, 1e-9);
+  // The body asks for exactly what vLLM's client asks for.
+  const json b = server.bodies().at(0);
+  EXPECT_EQ(b["max_tokens"], out);
+  EXPECT_EQ(b["stream"], true);
+  EXPECT_EQ(b["stream_options"]["include_usage"], true);
+  EXPECT_EQ(b["ignore_eos"], true);
+  EXPECT_EQ(b["prompt"].size(), 20u);
+}
+
+TEST(BenchDriver, FailedRequestsAreCountedNotHidden) {
+  TimedServer server(/*fail_every=*/3);
+  DriverOptions o;
+  o.port = server.port();
+  o.max_concurrency = 1;  // a fixed order, so exactly requests 3, 6 and 9 fail
+  const auto run = run_workload(uniform_requests(9, 5, 2), o);
+  int failed = 0;
+  for (const auto& r : run.results)
+    if (!r.success) {
+      ++failed;
+      EXPECT_NE(r.error.find("HTTP 500"), std::string::npos) << r.error;
+    }
+  EXPECT_EQ(failed, 3);
+  const BenchSummary s = summarize(run.results, run.duration_s);
+  EXPECT_EQ(s.failed, 3);
+  EXPECT_EQ(s.completed, 6);
+  // Nobody listening: every request fails with the transport error.
+  DriverOptions gone = o;
+  gone.port = 1;
+  const auto none = run_workload(uniform_requests(2, 5, 2), gone);
+  for (const auto& r : none.results) {
+    EXPECT_FALSE(r.success);
+    EXPECT_FALSE(r.error.empty());
+  }
+}
+
+TEST(BenchDriver, RequestsAreSentAtTheirArrivalTimes) {
+  TimedServer server;
+  DriverOptions o;
+  o.port = server.port();
+  auto reqs = uniform_requests(40, 5, 1);
+  ArrivalOptions a;
+  a.request_rate = 100;
+  a.seed = 3;
+  apply_arrivals(reqs, rate_arrivals(reqs.size(), a));
+  const auto run = run_workload(reqs, o);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(run.results[i].success) << run.results[i].error;
+    EXPECT_GE(run.results[i].start_s, reqs[i].arrival_s) << "request " << i << " sent early";
+  }
+  // The whole schedule was followed: the last send is not before the last arrival.
+  EXPECT_GE(run.duration_s, reqs.back().arrival_s);
+}
+
+TEST(BenchDriver, MooncakeReplayReproducesThePrefixSharingTheServerSees) {
+  const auto tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  const auto vocab = TokenVocab::build(tok);
+  MooncakeOptions m;
+  m.path = std::filesystem::path(TANDEM_SOURCE_DIR) / "tests/data/bench" /
+           "mooncake_conversation_head200.jsonl";
+  m.window.limit = 24;
+  m.window.time_scale = 0.0005;  // the window's minutes in well under a second
+  const auto reqs = mooncake_workload(vocab, m);
+  const auto records = read_mooncake_trace(m.path, m.window);
+  ASSERT_EQ(reqs.size(), records.size());
+  TimedServer server;
+  DriverOptions o;
+  o.port = server.port();
+  o.prompt_format = PromptFormat::kText;
+  std::vector<BenchRequest> small = reqs;
+  for (auto& r : small) r.output_len = 1;
+  const auto run = run_workload(small, o);
+  for (const auto& r : run.results) ASSERT_TRUE(r.success) << r.error;
+  // What arrived, tokenized again, grouped into 512-token blocks per hash id.
+  std::map<std::string, size_t> index_of_text;
+  const auto bodies = server.bodies();
+  ASSERT_EQ(bodies.size(), reqs.size());
+  std::map<int64_t, std::vector<int32_t>> block_of_hash;
+  int shared = 0;
+  for (const auto& body : bodies) {
+    const std::string text = body["prompt"];
+    const auto ids = tok.encode(text, false);
+    // Which record it was: the one whose ids these are (arrival order may differ).
+    size_t k = reqs.size();
+    for (size_t i = 0; i < reqs.size(); ++i)
+      if (reqs[i].prompt_text == text) k = i;
+    ASSERT_LT(k, reqs.size());
+    ASSERT_EQ(static_cast<int64_t>(ids.size()), records[k].input_length);
+    for (size_t b = 0; b < records[k].hash_ids.size(); ++b) {
+      const size_t from = b * 512, to = std::min(ids.size(), from + 512);
+      std::vector<int32_t> block(ids.begin() + from, ids.begin() + to);
+      auto [it, fresh] = block_of_hash.emplace(records[k].hash_ids[b], block);
+      if (!fresh) {
+        ++shared;
+        // A shared id may end a shorter prompt: compare the common part.
+        const size_t n = std::min(it->second.size(), block.size());
+        EXPECT_TRUE(std::equal(block.begin(), block.begin() + n, it->second.begin()))
+            << "hash id " << records[k].hash_ids[b] << " differs between requests";
+      }
+    }
+  }
+  EXPECT_GT(shared, 0) << "the window has no shared prefix blocks; pick another";
+}
+
+TEST(BenchDriver, TheCommandWritesVllmResultKeys) {
+  TimedServer server;
+  const auto file = std::filesystem::temp_directory_path() /
+                    ("bench-result-" + std::to_string(::getpid()) + ".json");
+  ChildProcess p(TANDEM_BINARY, {"tandem",
+                                 "bench",
+                                 "--base-url",
+                                 "http://127.0.0.1:" + std::to_string(server.port()),
+                                 "--num-prompts",
+                                 "6",
+                                 "--random-input-len",
+                                 "30",
+                                 "--random-output-len",
+                                 "3",
+                                 "--max-concurrency",
+                                 "3",
+                                 "--metric-percentiles",
+                                 "50,99",
+                                 "--percentile-metrics",
+                                 "ttft,tpot,itl,e2el",
+                                 "--goodput",
+                                 "ttft:10000",
+                                 "--result-file",
+                                 file.string(),
+                                 "--no-progress",
+                                 "--tokenizer",
+                                 test::lenml_model("deepseek_v3").string()});
+  std::string out;
+  for (std::string l = p.read_line(); !l.empty(); l = p.read_line()) out += l;
+  EXPECT_EQ(p.stop(), 0) << out;  // it already exited: its own status
+  EXPECT_NE(out.find("Serving Benchmark Result"), std::string::npos) << out;
+  std::ifstream in(file);
+  const json r = json::parse(in);
+  std::filesystem::remove(file);
+  for (const char* key :
+       {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+        "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+        "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
+        "mean_tpot_ms", "p99_itl_ms", "mean_e2el_ms", "ttfts", "itls"})
+    EXPECT_TRUE(r.contains(key)) << key;
+  EXPECT_EQ(r["completed"], 6);
+  EXPECT_EQ(r["total_output_tokens"], 18);
+  EXPECT_EQ(r["request_goodput"], r["request_throughput"]);  // every TTFT is far below 10 s
+}
+
+}  // namespace
+}  // namespace tandem::bench
