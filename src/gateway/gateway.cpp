@@ -849,11 +849,11 @@ class Gateway::Impl {
       if (!l) return;
       relay_done(r, *l, attempt, where, endpoint_id, error);
     };
-    // A stream must keep moving (idle); a non-streaming answer comes whole (first_token). In
-    // aggregated mode the body is not parsed, so whether it streams is learnt from the answer.
-    const bool may_stream = r->stream || topo_.mode == PdMode::kAggregated;
+    // The first token may take first_token_ms (a decode leg waits for its prefill, a queue);
+    // the scheduler's timer enforces that. The client's own per-piece bound must not be
+    // shorter, or a stream that sent its head and waits for KV would be cut as idle.
     auto u = upstream(e, *r, std::move(body),
-                      may_stream ? topo_.timeouts.idle : topo_.timeouts.first_token);
+                      std::max(topo_.timeouts.idle, topo_.timeouts.first_token));
     launch(r, endpoint_id, false, leg_ref, std::move(u), std::move(h), topo_.timeouts.first_token,
            "the first token");
   }
