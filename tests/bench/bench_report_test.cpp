@@ -1,0 +1,460 @@
+// The HTML report of `tandem bench` (src/bench/report.h): its sections and numbers against the
+// summary, escaping of hostile text, the access-log reader's errors, and a render in headless
+// Chromium (Debian's `chromium`; the test skips only when that binary is absent) that must log
+// no console message at all and keep every section and plot in the parsed DOM.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "bench/metrics.h"
+#include "bench/report.h"
+#include "util/error.h"
+
+namespace tandem::bench {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const char kHostile[] = "</script><img src=x onerror=alert(1)>\"'&";
+
+// 20 requests sent every 0.25 s; five failed (three with the hostile error, two alike).
+std::vector<RequestResult> sample_results() {
+  std::vector<RequestResult> out;
+  for (int i = 0; i < 20; ++i) {
+    RequestResult r;
+    r.start_s = 100 + 0.25 * i;  // any origin
+    r.prompt_tokens = 100 + i;
+    if (i == 3 || i == 9 || i == 15) {
+      r.error = kHostile;
+      out.push_back(r);
+      continue;
+    }
+    if (i == 5 || i == 11) {
+      r.error = "HTTP 503: overloaded";
+      out.push_back(r);
+      continue;
+    }
+    r.success = true;
+    r.ttft_s = 0.05 + 0.01 * i;
+    r.output_tokens = 1 + (i % 5) * 3;
+    r.latency_s = r.ttft_s;
+    for (int64_t k = 1; k < r.output_tokens; ++k) {
+      r.itl_s.push_back(0.02 + 0.001 * i);
+      r.latency_s += r.itl_s.back();
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+BenchSummary sample_summary(const std::vector<RequestResult>& results) {
+  double lo = 1e300, hi = -1e300;
+  for (const RequestResult& r : results) {
+    lo = std::min(lo, r.start_s);
+    hi = std::max(hi, r.start_s + r.latency_s);
+  }
+  MetricsOptions o;
+  o.percentiles = {50, 90, 99};
+  o.percentile_metrics = {"ttft", "tpot", "itl", "e2el"};
+  return summarize(results, hi - lo, o);
+}
+
+// Gateway access-log lines (docs/gateway.md): three sequential-mode requests and a 401.
+std::vector<std::string> sample_log_lines() {
+  return {
+      R"({"request_id":"a","status":200,"e2e_seconds":0.5,"phases":{"received":0,"tokenizing":0.001,"prefix_matching":0.002,"prefill_waiting":0.003,"prefill_scheduled":0.004,"prefilling":0.005,"prefill_done":0.015,"decode_waiting":0.016,"decode_scheduled":0.017,"decoding":0.03,"completed":0.5}})",
+      R"({"request_id":"b","status":200,"e2e_seconds":0.6,"phases":{"received":0,"tokenizing":0.001,"prefix_matching":0.002,"prefill_waiting":0.003,"prefill_scheduled":0.004,"prefilling":0.005,"prefill_done":0.025,"decode_waiting":0.026,"decode_scheduled":0.027,"decoding":0.04,"completed":0.6}})",
+      R"({"request_id":"c","status":200,"e2e_seconds":0.7,"phases":{"received":0,"tokenizing":0.001,"prefix_matching":0.002,"prefill_waiting":0.003,"prefill_scheduled":0.004,"prefilling":0.005,"prefill_done":0.035,"decode_waiting":0.036,"decode_scheduled":0.037,"decoding":0.05,"completed":0.7}})",
+      R"({"request_id":"d","status":401,"e2e_seconds":0.0001,"phases":{"received":0,"completed":0.0001}})",
+  };
+}
+
+std::vector<json> sample_log() {
+  std::vector<json> out;
+  for (const std::string& l : sample_log_lines()) out.push_back(json::parse(l));
+  return out;
+}
+
+ReportOptions sample_options() {
+  ReportOptions o;
+  o.title = std::string("run ") + kHostile;
+  o.config = {{"command", "tandem bench --rate 4 --workload random"},
+              {"note", kHostile},
+              {"model", "tiny-v3"}};
+  o.table.request_rate = 4;
+  o.access_log = sample_log();
+  return o;
+}
+
+std::string two_decimals(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f", v);
+  return buf;
+}
+
+size_t count(const std::string& s, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = s.find(needle); at != std::string::npos; at = s.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// A fresh directory under the system temp directory, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    path_ = std::filesystem::temp_directory_path() /
+            ("tandem_report_" + std::to_string(::getpid()) + "_" + info->name());
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+void write_text(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream out(p, std::ios::binary);
+  out << text;
+  ASSERT_TRUE(out.good()) << p;
+}
+
+std::string read_text(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(BenchReport, HasEverySectionAndPlot) {
+  const auto results = sample_results();
+  const std::string html = html_report(sample_summary(results), results, sample_options());
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
+  for (const char* id : {"config", "summary", "failures", "latency", "timeline", "phases"})
+    EXPECT_THAT(html, HasSubstr(std::string("<section id=\"") + id + "\">")) << id;
+  for (const char* id :
+       {"cdf-ttft", "cdf-tpot", "cdf-itl", "cdf-e2el", "throughput", "concurrency", "phase-boxes"})
+    EXPECT_THAT(html, HasSubstr(std::string("<figure id=\"") + id + "\">")) << id;
+  EXPECT_EQ(count(html, "<svg "), 7u);
+  EXPECT_EQ(count(html, "</svg>"), 7u);
+  // 4 CDFs, tokens/s, most and mean in flight.
+  EXPECT_EQ(count(html, "<polyline "), 7u);
+  EXPECT_THAT(html, Not(HasSubstr("no data")));
+  EXPECT_THAT(html, HasSubstr("<code>tandem bench --rate 4 --workload random</code>"));
+}
+
+TEST(BenchReport, SummaryTableHoldsExactlyTheResultKeys) {
+  const auto results = sample_results();
+  const BenchSummary summary = sample_summary(results);
+  const std::string html = html_report(summary, results, sample_options());
+  const json expected = to_json(summary);
+  ASSERT_GT(expected.size(), 20u);
+  const std::regex row(
+      R"re(<tr data-key="([^"]+)"><th><code>[^<]*</code></th><td data-value="([^"]*)">([^<]*)</td></tr>)re");
+  json seen = json::object();
+  std::vector<std::string> order;
+  for (auto it = std::sregex_iterator(html.begin(), html.end(), row); it != std::sregex_iterator();
+       ++it) {
+    const std::string key = (*it)[1], value = (*it)[2], shown = (*it)[3];
+    ASSERT_TRUE(expected.contains(key)) << key;
+    const json v = json::parse(value);
+    EXPECT_EQ(v, expected.at(key)) << key;  // exact: the full-precision value is kept
+    if (v.is_number_float()) {
+      EXPECT_EQ(shown, two_decimals(v.get<double>())) << key;
+    }
+    if (v.is_number_integer()) {
+      EXPECT_EQ(shown, v.dump()) << key;
+    }
+    if (v.is_null()) {
+      EXPECT_EQ(shown, "n/a") << key;
+    }
+    seen[key] = v;
+    order.push_back(key);
+  }
+  EXPECT_EQ(seen.size(), expected.size());
+  EXPECT_EQ(order.size(), expected.size());  // each once
+  // vLLM's order: the run first, percentiles ascending.
+  ASSERT_GE(order.size(), 3u);
+  EXPECT_EQ(order[0], "duration");
+  EXPECT_EQ(order[1], "completed");
+  const auto pos = [&](const std::string& k) { return std::find(order.begin(), order.end(), k); };
+  EXPECT_LT(pos("mean_ttft_ms"), pos("p50_ttft_ms"));
+  EXPECT_LT(pos("p50_ttft_ms"), pos("p90_ttft_ms"));
+  EXPECT_LT(pos("p90_ttft_ms"), pos("p99_ttft_ms"));
+  EXPECT_LT(pos("p99_ttft_ms"), pos("mean_tpot_ms"));
+  // vLLM's terminal table, configured rate included.
+  EXPECT_THAT(html, HasSubstr("============ Serving Benchmark Result ============"));
+  EXPECT_THAT(html, HasSubstr("Request rate configured (RPS):"));
+}
+
+TEST(BenchReport, PlotsAgreeWithTheSummary) {
+  const auto results = sample_results();
+  const BenchSummary summary = sample_summary(results);
+  ASSERT_EQ(summary.completed, 15);
+  const std::string html = html_report(summary, results, sample_options());
+  // The busiest second and the peak concurrency come from the same buckets and sweep as
+  // summarize(), so they must agree exactly.
+  EXPECT_THAT(html,
+              HasSubstr("busiest second <span class=\"stat\">" +
+                        std::to_string(static_cast<int64_t>(summary.max_output_tokens_per_s)) +
+                        "</span> tokens"));
+  EXPECT_THAT(html, HasSubstr("at most <span class=\"stat\">" +
+                              std::to_string(summary.max_concurrent_requests) + "</span> at once"));
+  const auto caption = [&](const char* id, const MetricStats& m, size_t n) {
+    const size_t at = html.find(std::string("<figure id=\"") + id + "\">");
+    EXPECT_NE(at, std::string::npos) << id;
+    const std::string fig = html.substr(at, html.find("</figure>", at) - at);
+    EXPECT_THAT(fig, HasSubstr(std::to_string(n) + " values; mean <span class=\"stat\">" +
+                               two_decimals(m.mean_ms) +
+                               "</span> ms, median <span "
+                               "class=\"stat\">" +
+                               two_decimals(m.median_ms) + "</span> ms"))
+        << id;
+    for (const auto& [p, v] : m.percentiles_ms)
+      EXPECT_THAT(fig, HasSubstr("<span class=\"stat\">" + two_decimals(v) + "</span> ms")) << id;
+  };
+  size_t tpots = 0, itls = 0;
+  for (const RequestResult& r : results) {
+    if (!r.success) continue;
+    tpots += r.output_tokens > 1;
+    itls += r.itl_s.size();
+  }
+  caption("cdf-ttft", summary.ttft, 15);
+  caption("cdf-tpot", summary.tpot, tpots);
+  caption("cdf-itl", summary.itl, itls);
+  caption("cdf-e2el", summary.e2el, 15);
+}
+
+TEST(BenchReport, EscapesEveryTextAndFetchesNothing) {
+  const auto results = sample_results();
+  const std::string html = html_report(sample_summary(results), results, sample_options());
+  // (find, not HasSubstr: a failure should not print the whole document.)
+  for (const char* s : {"<script", "</script", "<img", "\"'&<"})
+    EXPECT_EQ(html.find(s), std::string::npos) << s;
+  const std::string escaped = "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;&quot;&#39;&amp;";
+  // Title twice (<title>, <h1>), the config value, the grouped error.
+  EXPECT_EQ(count(html, escaped), 4u);
+  // Self-contained: nothing that could fetch.
+  for (const char* s : {"http:", "https:", "src=\"", "href=", "url(", "@import", "<link"})
+    EXPECT_EQ(html.find(s), std::string::npos) << s;
+  EXPECT_THAT(html, HasSubstr("Content-Security-Policy\" content=\"default-src 'none'"));
+
+  // Ill-formed UTF-8 in an error becomes U+FFFD rather than reaching the page raw.
+  std::vector<RequestResult> bad = results;
+  bad[3].error = std::string("bad \xff\xfe bytes");
+  const std::string h2 = html_report(sample_summary(bad), bad, {});
+  EXPECT_THAT(h2, HasSubstr("bad \xEF\xBF\xBD\xEF\xBF\xBD bytes"));
+  EXPECT_THAT(h2, Not(HasSubstr("\xff")));
+}
+
+TEST(BenchReport, GroupsFailuresByError) {
+  const auto results = sample_results();
+  const std::string html = html_report(sample_summary(results), results, {});
+  EXPECT_THAT(html, HasSubstr("5 of 20 requests failed, with 2 distinct errors."));
+  const size_t a = html.find("<td class=\"num\">3</td><td class=\"error\">&lt;/script&gt;");
+  const size_t b = html.find("<td class=\"num\">2</td><td class=\"error\">HTTP 503: overloaded");
+  ASSERT_NE(a, std::string::npos);
+  ASSERT_NE(b, std::string::npos);
+  EXPECT_LT(a, b);  // most frequent first
+
+  std::vector<RequestResult> ok = results;
+  for (RequestResult& r : ok) {
+    if (r.success) continue;
+    r.success = true;
+    r.error.clear();
+    r.ttft_s = r.latency_s = 0.1;
+    r.output_tokens = 1;
+  }
+  EXPECT_THAT(html_report(sample_summary(ok), ok, {}), HasSubstr("No request failed."));
+}
+
+TEST(BenchReport, PhaseBreakdownFollowsTheGatewayRules) {
+  const auto results = sample_results();
+  const std::string html = html_report(sample_summary(results), results, sample_options());
+  EXPECT_THAT(html, HasSubstr("4 access-log entries; status 200: 3, 401: 1."));
+  const auto phase_row = [&](const std::string& phase) {
+    const size_t at = html.find("<tr data-phase=\"" + phase + "\">");
+    EXPECT_NE(at, std::string::npos) << phase;
+    if (at == std::string::npos) return std::string();
+    return html.substr(at, html.find("</tr>", at) - at);
+  };
+  // prefilling ends at prefill_done: 10, 20, 30 ms.
+  EXPECT_THAT(phase_row("prefilling"),
+              HasSubstr("<td class=\"num\">3</td><td class=\"num\">20.00</td><td "
+                        "class=\"num\">20.00</td><td class=\"num\">28.00</td><td "
+                        "class=\"num\">29.80</td><td class=\"num\">30.00</td>"));
+  // decoding ends at completed: 470, 560, 650 ms.
+  EXPECT_THAT(phase_row("decoding"), HasSubstr("<td class=\"num\">3</td><td "
+                                               "class=\"num\">560.00</td><td "
+                                               "class=\"num\">560.00</td>"));
+  // received ends at tokenizing: the 401 has no tokenizing stamp, so three, not four.
+  EXPECT_THAT(phase_row("received"), HasSubstr("<td class=\"num\">3</td><td class=\"num\">1.00"));
+  // e2e_seconds of all four.
+  EXPECT_THAT(phase_row("e2e (received to completed)"), HasSubstr("<td class=\"num\">4</td>"));
+  EXPECT_EQ(count(html, "<g class=\"box\""), 10u);  // nine phases plus e2e
+
+  // Without a log there is a note instead.
+  ReportOptions none = sample_options();
+  none.access_log.clear();
+  const std::string h2 = html_report(sample_summary(results), results, none);
+  EXPECT_THAT(h2, HasSubstr("No gateway access log was given"));
+  EXPECT_THAT(h2, Not(HasSubstr("phase-boxes")));
+
+  // An entry without phases is an error naming it.
+  ReportOptions bad = sample_options();
+  bad.access_log.push_back(json{{"request_id", "x"}});
+  try {
+    html_report(sample_summary(results), results, bad);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("access log entry 5: has no \"phases\""));
+  }
+}
+
+TEST(BenchReport, RendersWithoutAnyCompletedRequest) {
+  std::vector<RequestResult> results(3);
+  for (RequestResult& r : results) r.error = "connection refused";
+  const BenchSummary summary = summarize(results, 1.0);
+  const std::string html = html_report(summary, results, {});
+  EXPECT_EQ(count(html, "no data"), 6u);  // four CDFs, two timelines
+  EXPECT_THAT(html, HasSubstr("3 of 3 requests failed, with 1 distinct errors."));
+  EXPECT_EQ(count(html, "<svg "), 6u);
+}
+
+TEST(BenchReport, ReadsTheAccessLogAndNamesABadLine) {
+  TempDir dir;
+  const auto path = dir.path() / "access.jsonl";
+  const auto lines = sample_log_lines();
+  std::string text;
+  for (const std::string& l : lines) text += l + "\n";
+  write_text(path, text);
+  const std::vector<json> log = read_access_log(path);
+  ASSERT_EQ(log.size(), lines.size());
+  EXPECT_EQ(log[1].at("request_id"), "b");
+  EXPECT_EQ(log[3].at("status"), 401);
+
+  const auto expect_error = [&](const std::string& content, const std::string& what) {
+    write_text(path, content);
+    try {
+      read_access_log(path);
+      ADD_FAILURE() << "expected an error for: " << content;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(path.string() + ":3: " + what)) << content;
+    }
+  };
+  expect_error(lines[0] + "\n" + lines[1] + "\n{\"phases\": {\"received\": 0\n" + lines[2] + "\n",
+               "not a JSON line");
+  expect_error(lines[0] + "\n" + lines[1] + "\n\n" + lines[2] + "\n", "not a JSON line");
+  expect_error(lines[0] + "\n" + lines[1] + "\n[1, 2]\n", "expected a JSON object");
+  expect_error(lines[0] + "\n" + lines[1] + "\n{\"status\": 200}\n", "has no \"phases\"");
+  expect_error(lines[0] + "\n" + lines[1] + "\n{\"phases\": {\"received\": \"0\"}}\n",
+               "phase \"received\" must be a number");
+  EXPECT_THROW(read_access_log(dir.path() / "missing.jsonl"), Error);
+}
+
+// --- Headless Chromium ---------------------------------------------------------------------
+
+std::string find_chromium() {
+  for (const char* name : {"chromium", "chromium-browser"}) {
+    const std::string cmd = std::string("command -v ") + name + " 2>/dev/null";
+    FILE* p = ::popen(cmd.c_str(), "r");
+    if (!p) continue;
+    char buf[4096];
+    std::string out;
+    while (size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+    ::pclose(p);
+    while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+    if (!out.empty()) return out;
+  }
+  return {};
+}
+
+struct Render {
+  int status = -1;
+  std::string dom;
+  std::vector<std::string> console;  // every console message Chromium logged
+  std::string stderr_text;
+};
+
+// Opens `page` in headless Chromium, dumps the DOM after load and collects the console
+// messages, which Chromium logs to stderr as "...:CONSOLE:<line>] "message", source: ...".
+Render render(const std::string& chromium, const std::filesystem::path& page,
+              const std::filesystem::path& work) {
+  const auto dom = work / "dom.html", err = work / "stderr.txt";
+  const std::string cmd = "timeout 120 '" + chromium +
+                          "' --headless=new --disable-gpu --no-sandbox --no-first-run "
+                          "--user-data-dir='" +
+                          (work / "profile").string() +
+                          "' --enable-logging=stderr --v=0 --dump-dom 'file://" + page.string() +
+                          "' >'" + dom.string() + "' 2>'" + err.string() + "'";
+  Render r;
+  const int rc = std::system(cmd.c_str());
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  r.dom = read_text(dom);
+  r.stderr_text = read_text(err);
+  std::istringstream lines(r.stderr_text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find(":CONSOLE") != std::string::npos || line.find("Uncaught") != std::string::npos)
+      r.console.push_back(line);
+  }
+  return r;
+}
+
+TEST(BenchReportChromium, RendersWithoutConsoleMessages) {
+  const std::string chromium = find_chromium();
+  if (chromium.empty())
+    GTEST_SKIP() << "no `chromium` on PATH (Debian package chromium, scripts/install-deps.sh "
+                    "installs it); the headless render check did not run";
+  TempDir dir;
+
+  // The oracle can fail: a page with a script error is caught.
+  const auto broken = dir.path() / "broken.html";
+  write_text(broken,
+             "<!DOCTYPE html><html><head><meta charset=\"utf-8\"></head><body><p>x</p>"
+             "<script>throw new Error(\"report-test-canary\");</script></body></html>");
+  const Render control = render(chromium, broken, dir.path());
+  ASSERT_EQ(control.status, 0) << control.stderr_text;
+  ASSERT_FALSE(control.console.empty()) << control.stderr_text;
+  EXPECT_THAT(control.console[0], HasSubstr("report-test-canary"));
+
+  const auto results = sample_results();
+  const std::string html = html_report(sample_summary(results), results, sample_options());
+  const auto page = dir.path() / "report.html";
+  write_text(page, html);
+  const Render r = render(chromium, page, dir.path());
+  ASSERT_EQ(r.status, 0) << r.stderr_text;
+  EXPECT_TRUE(r.console.empty()) << ::testing::PrintToString(r.console);
+
+  // The parsed document keeps every section, figure and plot element: nothing was swallowed by
+  // a stray tag, and the hostile error stayed text.
+  EXPECT_EQ(count(r.dom, "<section id="), 6u) << r.dom.substr(0, 2000);
+  EXPECT_EQ(count(r.dom, "<svg "), count(html, "<svg "));
+  EXPECT_EQ(count(r.dom, "<polyline "), count(html, "<polyline "));
+  EXPECT_EQ(count(r.dom, "<g class=\"box\""), 10u);
+  for (const char* id :
+       {"cdf-ttft", "cdf-tpot", "cdf-itl", "cdf-e2el", "throughput", "concurrency", "phase-boxes"})
+    EXPECT_THAT(r.dom, HasSubstr(std::string("<figure id=\"") + id + "\">")) << id;
+  EXPECT_THAT(r.dom, Not(HasSubstr("<img")));
+  EXPECT_THAT(r.dom, Not(HasSubstr("<script")));
+  EXPECT_THAT(r.dom, HasSubstr("&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;"));
+  EXPECT_THAT(r.dom, HasSubstr("data-key=\"max_concurrent_requests\""));
+}
+
+}  // namespace
+}  // namespace tandem::bench
