@@ -12,6 +12,7 @@
 #include "bench/arrivals.h"
 #include "bench/driver.h"
 #include "bench/metrics.h"
+#include "bench/report.h"
 #include "bench/workload.h"
 #include "cli/model_commands.h"
 #include "text/tokenizer.h"
@@ -25,8 +26,8 @@ using nlohmann::json;
 
 struct BenchCliOptions {
   std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model,
-              dataset = "random", dataset_path, tokenizer, prompt_format = "ids", result_file,
-              api_key, percentile_metrics = "ttft,tpot,itl", metric_percentiles = "99";
+              dataset = "random", dataset_path, tokenizer, prompt_format = "ids", result_file, html,
+              access_log, api_key, percentile_metrics = "ttft,tpot,itl", metric_percentiles = "99";
   std::vector<std::string> goodput, metrics_urls;
   int64_t num_prompts = 1000, random_input_len = 1024, random_output_len = 128;
   double random_range_ratio = 0;
@@ -240,6 +241,25 @@ void run(const BenchCliOptions& o) {
   out["model_id"] = o.model;
   std::fputs(table.c_str(), stdout);
   std::fflush(stdout);
+  if (!o.html.empty()) {
+    bench::ReportOptions ro;
+    ro.title = "tandem bench: " + o.dataset + " against " + o.base_url;
+    ro.config = {
+        {"base URL", o.base_url},
+        {"endpoint", o.endpoint},
+        {"model", o.model},
+        {"dataset", o.dataset + (o.dataset_path.empty() ? "" : " (" + o.dataset_path + ")")},
+        {"requests", std::to_string(reqs.size())},
+        {"request rate",
+         std::isfinite(o.request_rate) ? std::to_string(o.request_rate) : "inf / trace"},
+        {"max concurrency", o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : "none"}};
+    ro.table = tc;
+    if (!o.access_log.empty()) ro.access_log = bench::read_access_log(o.access_log);
+    std::ofstream f(o.html);
+    if (!f) throw Error("--html: cannot write " + o.html);
+    f << bench::html_report(summary, result.results, ro);
+    std::fprintf(stderr, "tandem bench: report in %s\n", o.html.c_str());
+  }
   if (!o.result_file.empty()) {
     std::ofstream f(o.result_file);
     if (!f) throw Error("--result-file: cannot write " + o.result_file);
@@ -303,6 +323,9 @@ void add_bench_command(CLI::App& app) {
                   "where to read prefix-cache counters (default: the base URL); repeatable, "
                   "e.g. each engine behind a gateway");
   cmd->add_option("--result-file", o->result_file, "write the JSON result (vLLM's keys) here");
+  cmd->add_option("--html", o->html, "write the HTML report (plots, no server needed) here");
+  cmd->add_option("--access-log", o->access_log,
+                  "the gateway's access log of the run: per-phase breakdown in the report");
   cmd->add_option("--api-key", o->api_key, "Bearer token");
   cmd->add_option("--seed", o->seed)->capture_default_str();
   cmd->add_option("--timeout", o->timeout, "seconds a request may wait for its next piece")

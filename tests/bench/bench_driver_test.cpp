@@ -253,6 +253,8 @@ TEST(BenchDriver, TheCommandWritesVllmResultKeys) {
   TimedServer server;
   const auto file = std::filesystem::temp_directory_path() /
                     ("bench-result-" + std::to_string(::getpid()) + ".json");
+  const auto html = std::filesystem::temp_directory_path() /
+                    ("bench-report-" + std::to_string(::getpid()) + ".html");
   ChildProcess p(TANDEM_BINARY, {"tandem",
                                  "bench",
                                  "--base-url",
@@ -273,6 +275,8 @@ TEST(BenchDriver, TheCommandWritesVllmResultKeys) {
                                  "ttft:10000",
                                  "--result-file",
                                  file.string(),
+                                 "--html",
+                                 html.string(),
                                  "--no-progress",
                                  "--tokenizer",
                                  test::lenml_model("deepseek_v3").string()});
@@ -292,6 +296,11 @@ TEST(BenchDriver, TheCommandWritesVllmResultKeys) {
   EXPECT_EQ(r["completed"], 6);
   EXPECT_EQ(r["total_output_tokens"], 18);
   EXPECT_EQ(r["request_goodput"], r["request_throughput"]);  // every TTFT is far below 10 s
+  // The report is written (its content is bench_report_test's business).
+  std::ifstream h(html);
+  const std::string page((std::istreambuf_iterator<char>(h)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(html);
+  EXPECT_NE(page.find("<svg"), std::string::npos);
 }
 
 }  // namespace
