@@ -44,10 +44,11 @@ class TimedServer {
     o.host = "127.0.0.1";
     o.threads = 2;
     server_ = std::make_unique<net::HttpServer>(o);
-    server_->route("POST", "/v1/completions",
-                   [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-                     handle(req, std::move(ex));
-                   });
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"})
+      server_->route("POST", path,
+                     [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+                       handle(req, std::move(ex));
+                     });
     server_->start();
   }
   ~TimedServer() {
@@ -74,7 +75,7 @@ class TimedServer {
       ex->send_error(500, "fake failure", "server_error");
       return;
     }
-    const int64_t tokens = body.value("max_tokens", 1);
+    const int64_t tokens = body.value("max_tokens", body.value("max_completion_tokens", 1));
     const int now = ++in_flight_;
     for (int m = max_in_flight_; now > m && !max_in_flight_.compare_exchange_weak(m, now);) {
     }
@@ -153,6 +154,27 @@ TEST(BenchDriver, MeasuresAKnownServerAsVllmDefinesIt) {
   EXPECT_EQ(b["stream_options"]["include_usage"], true);
   EXPECT_EQ(b["ignore_eos"], true);
   EXPECT_EQ(b["prompt"].size(), 20u);
+}
+
+TEST(BenchDriver, ChatRequestsSendMessagesAndAreMeasuredTheSameWay) {
+  TimedServer server;
+  DriverOptions o;
+  o.port = server.port();
+  o.endpoint = "/v1/chat/completions";
+  o.model = "m";
+  auto reqs = uniform_requests(3, 4, 5);
+  for (auto& r : reqs) r.prompt_text = " hello world";
+  const auto run = run_workload(reqs, o);
+  for (const auto& r : run.results) {
+    ASSERT_TRUE(r.success) << r.error;
+    EXPECT_EQ(r.output_tokens, 5);
+    EXPECT_EQ(r.itl_s.size(), 4u);
+  }
+  const json b = server.bodies().at(0);
+  EXPECT_EQ(b["model"], "m");
+  EXPECT_EQ(b["messages"], json::parse(R"([{"role":"user","content":" hello world"}])"));
+  EXPECT_EQ(b["max_completion_tokens"], 5);
+  EXPECT_FALSE(b.contains("prompt"));
 }
 
 TEST(BenchDriver, FailedRequestsAreCountedNotHidden) {
