@@ -182,44 +182,48 @@ BenchSummary summarize(std::span<const RequestResult> results, double duration_s
   s.e2el = stats_ms(std::move(e2els), options.percentiles);
   s.tbt = stats_ms(std::move(tbts), options.percentiles);
 
-  // Peak output tokens per second: token times (first token, then each gap) in 1 s buckets
-  // from the earliest send; peak concurrency: a sweep over [start, start + latency) with ends
-  // ordered before starts at equal times.
-  if (s.completed > 0) {
-    double min_start = INFINITY, max_end = -INFINITY;
-    for (const RequestResult& r : results) {
-      if (!r.success) continue;
-      min_start = std::min(min_start, r.start_s);
-      max_end = std::max(max_end, r.start_s + r.latency_s);
-    }
-    const auto buckets = static_cast<int64_t>(std::ceil(max_end - min_start)) + 1;
-    std::vector<double> tokens(static_cast<size_t>(std::max<int64_t>(buckets, 0)), 0.0);
-    std::vector<std::pair<double, int>> events;
-    for (const RequestResult& r : results) {
-      if (!r.success) continue;
-      double t = r.start_s + r.ttft_s;
-      const auto add = [&](double time) {
-        const auto b = static_cast<int64_t>(time - min_start);  // int(): toward zero
-        if (b >= 0 && b < buckets) tokens[b] += 1;
-      };
-      add(t);
-      for (double gap : r.itl_s) {
-        t += gap;
-        add(t);
-      }
-      events.emplace_back(r.start_s, 1);
-      events.emplace_back(r.start_s + r.latency_s, -1);
-    }
-    std::sort(events.begin(), events.end());
-    int64_t current = 0;
-    for (const auto& e : events) {
-      current += e.second;
-      s.max_concurrent_requests = std::max(s.max_concurrent_requests, current);
-    }
-    if (!tokens.empty())
-      s.max_output_tokens_per_s = *std::max_element(tokens.begin(), tokens.end());
+  // Peak output tokens per second and peak concurrency, from the run's timeline.
+  const Timeline t = timeline(results);
+  if (!t.tokens_per_s.empty())
+    s.max_output_tokens_per_s = *std::max_element(t.tokens_per_s.begin(), t.tokens_per_s.end());
+  int64_t current = 0;
+  for (const auto& e : t.in_flight_changes) {
+    current += e.second;
+    s.max_concurrent_requests = std::max(s.max_concurrent_requests, current);
   }
   return s;
+}
+
+Timeline timeline(std::span<const RequestResult> results) {
+  Timeline t;
+  double min_start = INFINITY, max_end = -INFINITY;
+  for (const RequestResult& r : results) {
+    if (!r.success) continue;
+    min_start = std::min(min_start, r.start_s);
+    max_end = std::max(max_end, r.start_s + r.latency_s);
+  }
+  if (!std::isfinite(min_start)) return t;
+  t.origin = min_start;
+  t.end = max_end;
+  const auto buckets = static_cast<int64_t>(std::ceil(max_end - min_start)) + 1;
+  t.tokens_per_s.assign(static_cast<size_t>(std::max<int64_t>(buckets, 0)), 0.0);
+  for (const RequestResult& r : results) {
+    if (!r.success) continue;
+    double at = r.start_s + r.ttft_s;
+    const auto add = [&](double time) {
+      const auto b = static_cast<int64_t>(time - min_start);  // int(): toward zero
+      if (b >= 0 && b < buckets) t.tokens_per_s[static_cast<size_t>(b)] += 1;
+    };
+    add(at);
+    for (double gap : r.itl_s) {
+      at += gap;
+      add(at);
+    }
+    t.in_flight_changes.emplace_back(r.start_s, 1);
+    t.in_flight_changes.emplace_back(r.start_s + r.latency_s, -1);
+  }
+  std::sort(t.in_flight_changes.begin(), t.in_flight_changes.end());
+  return t;
 }
 
 json to_json(const BenchSummary& s, std::span<const RequestResult> results) {

@@ -77,6 +77,19 @@ double mooncake_tbt(std::span<const double> itl_s);
 // np.percentile(values, p) with the default linear method; values need not be sorted.
 double percentile(std::vector<double> values, double p);
 
+// The run over time, with summarize()'s rules: completed requests only; output tokens (one at
+// start + ttft, then one after each gap) in 1 s buckets counted from the earliest send (times
+// truncated toward zero, as Python's int()); and the changes of requests in flight, +1 at a send
+// and -1 at start + latency, sorted with ends before starts at equal times. Empty (no buckets,
+// no changes) when nothing completed.
+struct Timeline {
+  double origin = 0;  // earliest send
+  double end = 0;     // latest start + latency
+  std::vector<double> tokens_per_s;
+  std::vector<std::pair<double, int>> in_flight_changes;
+};
+Timeline timeline(std::span<const RequestResult> results);
+
 // vLLM's calculate_metrics. duration_s is the wall time of the run (first send to last answer).
 // Throws tandem::Error for duration_s <= 0, a percentile outside [0, 100] or an unknown metric.
 BenchSummary summarize(std::span<const RequestResult> results, double duration_s,

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "util/error.h"
+#include "util/html.h"
 #include "util/utf8.h"
 
 namespace tandem::bench {
@@ -21,31 +22,7 @@ using nlohmann::json;
 // Text for HTML content and quoted attributes. Ill-formed UTF-8 becomes U+FFFD first, so that a
 // server's garbled error message cannot change how the page decodes.
 std::string escape(std::string_view raw) {
-  const std::string s = utf8::to_valid_lossy(raw);
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&#39;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
+  return html_escape(utf8::to_valid_lossy(raw));
 }
 
 std::string printf_string(const char* format, double v) {
@@ -413,12 +390,9 @@ std::string latency_section(const BenchSummary& summary, std::span<const Request
 // equal times. So the busiest bucket is max_output_tokens_per_s and the highest "most in
 // flight" point is max_concurrent_requests.
 std::string timeline_section(std::span<const RequestResult> results) {
-  double origin = INFINITY, end = -INFINITY;
-  for (const RequestResult& r : results) {
-    if (!r.success) continue;
-    origin = std::min(origin, r.start_s);
-    end = std::max(end, r.start_s + r.latency_s);
-  }
+  const Timeline tl = timeline(results);
+  const double origin = tl.in_flight_changes.empty() ? INFINITY : tl.origin;
+  const double end = tl.end;
   std::string body =
       "<p>Completed requests, in 1 s buckets from the first send: output tokens (streamed "
       "chunks) per second, and requests in flight (the most at any instant of the second, and "
@@ -433,27 +407,13 @@ std::string timeline_section(std::span<const RequestResult> results) {
     return section("timeline", "Throughput and concurrency over time", body);
   }
   const auto buckets = static_cast<size_t>(std::ceil(end - origin)) + 1;
-  std::vector<double> tokens(buckets, 0.0), peak(buckets, 0.0), area(buckets, 0.0);
+  // The same buckets as summarize(): tl.tokens_per_s has exactly `buckets` entries.
+  const std::vector<double>& tokens = tl.tokens_per_s;
+  std::vector<double> peak(buckets, 0.0), area(buckets, 0.0);
   const auto bucket_of = [&](double t) {
     return std::min(static_cast<size_t>(std::max(0.0, t - origin)), buckets - 1);
   };
-  std::vector<std::pair<double, int>> events;
-  for (const RequestResult& r : results) {
-    if (!r.success) continue;
-    double t = r.start_s + r.ttft_s;
-    const auto add = [&](double time) {
-      const auto b = static_cast<int64_t>(time - origin);  // toward zero, as summarize()
-      if (b >= 0 && static_cast<size_t>(b) < buckets) tokens[static_cast<size_t>(b)] += 1;
-    };
-    add(t);
-    for (double gap : r.itl_s) {
-      t += gap;
-      add(t);
-    }
-    events.emplace_back(r.start_s, 1);
-    events.emplace_back(r.start_s + r.latency_s, -1);
-  }
-  std::sort(events.begin(), events.end());
+  const auto& events = tl.in_flight_changes;
   int64_t current = 0;
   for (size_t i = 0; i < events.size(); ++i) {
     const double t = events[i].first;

@@ -247,7 +247,7 @@ TEST(BenchReport, EscapesEveryTextAndFetchesNothing) {
   // (find, not HasSubstr: a failure should not print the whole document.)
   for (const char* s : {"<script", "</script", "<img", "\"'&<"})
     EXPECT_EQ(html.find(s), std::string::npos) << s;
-  const std::string escaped = "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;&quot;&#39;&amp;";
+  const std::string escaped = "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;&#34;&#39;&amp;";
   // Title twice (<title>, <h1>), the config value, the grouped error.
   EXPECT_EQ(count(html, escaped), 4u);
   // Self-contained: nothing that could fetch.

@@ -14,6 +14,7 @@
 #include <unicode/uchar.h>
 #include <unicode/ustring.h>
 
+#include "util/html.h"
 #include "util/utf8.h"
 
 namespace tandem::text::jinja {
@@ -377,32 +378,6 @@ void adjust_range(const Value& start, const Value& end, int64_t len, int64_t& b,
   if (b < 0) b = std::max<int64_t>(0, b + len);
   if (e < 0) e = std::max<int64_t>(0, e + len);
   e = std::min(e, len);
-}
-
-std::string html_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '\'':
-        out += "&#39;";
-        break;
-      case '"':
-        out += "&#34;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
 }
 
 Value escape_value(const Value& v) {
