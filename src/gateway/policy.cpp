@@ -3,12 +3,13 @@
 #include <algorithm>
 #include <tuple>
 
+#include "gateway/policies/common.h"
+#include "util/error.h"
+
 namespace tandem::gateway {
 namespace {
 
-bool excluded(const RequestInfo& r, int id) {
-  return std::find(r.excluded.begin(), r.excluded.end(), id) != r.excluded.end();
-}
+using detail::excluded;
 
 // The least-loaded candidate among `pool` that passes `fits`. An engine that already failed this
 // request is used only when it is the last one left, so a retry prefers another engine without
@@ -48,11 +49,11 @@ class LeastLoadPolicy final : public Policy {
 
 }  // namespace
 
-PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo& request,
-                       Clock::time_point now) {
+PairChoice Policy::choose_together(ClusterView view, const RequestInfo& request,
+                                   Clock::time_point now) const {
   bool saturated = false;
   for (size_t tries = 0; tries <= view.prefill.size(); ++tries) {
-    const Choice p = policy.choose_prefill(view, request, now);
+    const Choice p = choose_prefill(view, request, now);
     if (p.kind != Choice::Kind::kChosen) {
       saturated = saturated || p.kind == Choice::Kind::kSaturated;
       break;
@@ -60,7 +61,7 @@ PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo
     auto it = std::find_if(view.prefill.begin(), view.prefill.end(),
                            [&](const EndpointLoad& e) { return e.id == p.endpoint; });
     if (it == view.prefill.end()) break;  // a policy that invents endpoints: refuse
-    const Choice d = policy.choose_decode(view, request, it->group, now);
+    const Choice d = choose_decode(view, request, it->group, now);
     if (d.kind == Choice::Kind::kChosen) return {Choice::Kind::kChosen, p.endpoint, d.endpoint};
     saturated = saturated || d.kind == Choice::Kind::kSaturated;
     it->eligible = false;  // this prefill's group cannot decode now: try the next prefill
@@ -68,8 +69,60 @@ PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo
   return {saturated ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1, -1};
 }
 
+void Policy::record(PolicyState&, const RequestInfo&, int, int, Clock::time_point) const {}
+
+PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo& request,
+                       Clock::time_point now) {
+  return policy.choose_together(std::move(view), request, now);
+}
+
 std::unique_ptr<Policy> make_least_load_policy() {
   return std::make_unique<LeastLoadPolicy>();
+}
+
+std::vector<std::string> policy_names() {
+  return {"tandem", "round_robin", "least_load", "cache_aware", "kv_router"};
+}
+
+std::unique_ptr<Policy> make_policy(std::string_view name) {
+  if (name == "tandem") return make_tandem_policy();
+  if (name == "round_robin") return make_round_robin_policy();
+  if (name == "least_load") return make_least_load_policy();
+  if (name == "cache_aware") return make_cache_aware_policy();
+  if (name == "kv_router") return make_kv_router_policy();
+  std::string valid;
+  for (const auto& n : policy_names()) valid += (valid.empty() ? "" : ", ") + n;
+  throw Error("unknown scheduling policy '" + std::string(name) + "'; expected one of: " + valid);
+}
+
+void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, int decode) {
+  for (auto& e : view.prefill) {
+    if (e.id != prefill) continue;
+    ++e.in_flight;
+    e.tokens_in_flight += request.prompt_tokens;
+    if (e.queued_prefill_tokens >= 0)
+      e.queued_prefill_tokens += detail::uncached_tokens(e, request);
+  }
+  for (auto& e : view.decode) {
+    if (e.id != decode) continue;
+    ++e.in_flight;
+    e.tokens_in_flight += request.prompt_tokens;
+    if (e.running_seqs >= 0) ++e.running_seqs;
+    if (e.context_tokens >= 0) e.context_tokens += request.prompt_tokens;
+    // Aggregated mode: the decode engine prefills too.
+    if (prefill < 0 && e.queued_prefill_tokens >= 0)
+      e.queued_prefill_tokens += detail::uncached_tokens(e, request);
+  }
+}
+
+bool all_saturated(const std::vector<EndpointLoad>& pool, int group) {
+  bool any = false;
+  for (const auto& e : pool) {
+    if (!e.eligible || !detail::in_group(e, group)) continue;
+    if (!detail::at_in_flight_limit(e)) return false;
+    any = true;
+  }
+  return any;
 }
 
 }  // namespace tandem::gateway

@@ -6,7 +6,14 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <string>
+#include <string_view>
 #include <vector>
+
+#include "gateway/policies/batch_time.h"
+#include "gateway/policies/prefix_tree.h"
+#include "gateway/policies/queue_order.h"
 
 namespace tandem::gateway {
 
@@ -20,16 +27,46 @@ struct EndpointLoad {
   int64_t in_flight = 0;         // requests the gateway has sent it that have not finished
   int64_t max_in_flight = 0;     // its limit: at the limit it is saturated
   int64_t tokens_in_flight = 0;  // prompt tokens of those requests (known or estimated)
+
+  // Optional signals for the cache- and time-aware policies. -1 (or null) means unknown; each
+  // policy says what it uses instead (docs/gateway.md, "Scheduling policies").
+  // Leading tokens of THIS request's prompt this engine holds in its prefix cache (the global
+  // prefix index's match depth, in tokens): refilled for every request the policy is asked about.
+  int64_t cached_tokens = 0;
+  // Prompt tokens still to prefill on this engine (requests routed there whose prefill has not
+  // finished, less their cached parts), from the gateway's accounting and the engine's reports.
+  int64_t queued_prefill_tokens = -1;
+  int64_t running_seqs = -1;    // sequences the engine runs now (decode batch size)
+  int64_t context_tokens = -1;  // tokens those sequences hold (prompt + generated)
+  int64_t free_kv_blocks = -1;  // allocatable KV blocks (free or evictable), engine-reported
+  int64_t total_kv_blocks = -1;
+  int64_t kv_block_size = 0;  // tokens per KV block; 0: the policy's default
+  // Expected seconds until the engine finishes the batch it runs now (time_until_free_s() of its
+  // estimator); -1: unknown, the queued work is counted in full.
+  double time_until_free_s = -1;
+  // The engine's learned batch durations (owned by the caller, alive during the call); null: the
+  // policy's prior.
+  const BatchTimeEstimator* batch_time = nullptr;
 };
+
+struct PolicyState;
 
 struct ClusterView {
   std::vector<EndpointLoad> prefill, decode;
+  // The explicit state of the stateful policies (round_robin, cache_aware), owned by the caller
+  // and updated through Policy::record(); null behaves as a fresh state.
+  const PolicyState* state = nullptr;
 };
 
 struct RequestInfo {
   int64_t prompt_tokens = 0;
   Clock::time_point arrived;
   std::vector<int> excluded;  // endpoints that already failed this request
+  // The prompt, for policies that read it (cache_aware's tree, tandem's miss spreading); views
+  // into the caller's request, valid during the call. Empty when not tokenized.
+  std::span<const int32_t> prompt_ids{};
+  std::span<const uint64_t> block_hashes{};  // util/block_hash.h hashes of its full blocks
+  int64_t max_new_tokens = 0;                // 0: unknown
 };
 
 struct Choice {
@@ -42,6 +79,11 @@ struct Choice {
   int endpoint = -1;
 };
 
+struct PairChoice {
+  Choice::Kind kind = Choice::Kind::kNoneEligible;
+  int prefill = -1, decode = -1;
+};
+
 class Policy {
  public:
   virtual ~Policy() = default;
@@ -52,19 +94,88 @@ class Policy {
   // The decode engine; `group` is the chosen prefill engine's group, or -1 for any (aggregated).
   virtual Choice choose_decode(const ClusterView& view, const RequestInfo& request, int group,
                                Clock::time_point now) const = 0;
+  // Parallel mode, both engines at once (what choose_pair() calls). The default tries the
+  // prefill choices in turn, as choose_pair() documents; a policy may weigh the two together.
+  virtual PairChoice choose_together(ClusterView view, const RequestInfo& request,
+                                     Clock::time_point now) const;
+  // Records a decision the caller applied (-1 for a leg it did not choose) in `state`, the state
+  // the caller passes in ClusterView::state. Stateless policies do nothing.
+  virtual void record(PolicyState& state, const RequestInfo& request, int prefill, int decode,
+                      Clock::time_point now) const;
 };
 
 // Parallel mode: a prefill engine and a decode engine of its group, both free now. Tries the
 // policy's prefill choices in turn until one has a free decode engine in its group. The result is
 // kChosen only when both are; kSaturated if waiting could help; else kNoneEligible.
-struct PairChoice {
-  Choice::Kind kind = Choice::Kind::kNoneEligible;
-  int prefill = -1, decode = -1;
-};
+// (policy.choose_together(); the tandem policy ranks pairs by both costs.)
 PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo& request,
                        Clock::time_point now);
 
 // Fewest requests in flight; ties: fewest prompt tokens in flight, then the lowest id.
 std::unique_ptr<Policy> make_least_load_policy();
+
+// ------------------------------------------------------------------------------ more policies
+// Exact rules and defaults: docs/gateway.md, "Scheduling policies".
+
+// The explicit state of the stateful policies; the caller owns one, passes it in
+// ClusterView::state and updates it with Policy::record() after applying each decision.
+struct PolicyState {
+  int last_prefill = -1, last_decode = -1;  // round_robin: the engines chosen last
+  PrefixTree prefill_tree, decode_tree;     // cache_aware: what was routed where
+  Clock::time_point last_eviction{};        // cache_aware: last evict() of the trees
+  bool evicted_once = false;
+};
+
+// Each engine in turn (by id, cyclic from the one chosen last), skipping saturated ones.
+std::unique_ptr<Policy> make_round_robin_policy();
+
+// SGLang's cache_aware (its CLI defaults).
+struct CacheAwareOptions {
+  double cache_threshold = 0.3;        // match rate above which the matched engine is used
+  int64_t balance_abs_threshold = 64;  // imbalanced if max - min load exceeds this ...
+  double balance_rel_threshold = 1.5;  // ... and max load exceeds min load times this
+  std::chrono::milliseconds eviction_interval{120'000};
+  int64_t max_tree_size = int64_t{1} << 26;  // tokens per engine in the tree
+};
+std::unique_ptr<Policy> make_cache_aware_policy(CacheAwareOptions options = {});
+
+// Dynamo's KV router cost at temperature 0.
+struct KvRouterOptions {
+  double overlap_score_weight = 1.0;
+  int64_t block_size = 16;  // when an engine does not say (EndpointLoad::kv_block_size)
+};
+std::unique_ptr<Policy> make_kv_router_policy(KvRouterOptions options = {});
+
+// Ours: expected prefill finish time with cache credit, overload limits, miss spreading; decode
+// by expected decode load within the prefill's group.
+struct TandemOptions {
+  int64_t max_batch_tokens = 8192;            // an engine's prefill tokens per batch (chunk budget)
+  int64_t max_queued_prefill_tokens = 32000;  // overload: more queued prefill tokens (0: no limit)
+  int64_t max_prefill_seqs = 32;              // overload: more requests in flight (0: no limit)
+  double near_tie_rel = 0.05;                 // costs within 5% ...
+  double near_tie_abs_s = 0.002;        // ... plus 2 ms of the best are equal (spreading decides)
+  int64_t block_size = 16;              // when an engine does not say
+  double decode_tokens_per_seq = 2048;  // decode load: this many held tokens weigh as one sequence
+  double decode_kv_weight = 4;          // decode load added at a full KV cache
+  int64_t decode_kv_reserve_tokens = 256;  // decode overload: fewer free KV tokens after the prompt
+  BatchTimeOptions prior;                  // batch durations of engines without an estimator
+};
+std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});
+
+// Names make_policy() accepts, the default first.
+std::vector<std::string> policy_names();
+// A policy with its defaults by name: "tandem", "round_robin", "least_load", "cache_aware",
+// "kv_router". Throws tandem::Error naming the valid names for anything else.
+std::unique_ptr<Policy> make_policy(std::string_view name);
+
+// Updates `view` as starting `request` on `prefill` and/or `decode` (-1: none) changes the
+// engines' load, so the next decision of the same dispatch pass sees it: in flight and tokens in
+// flight; the prefill engine's queued prefill tokens (by its uncached part) and the decode
+// engine's running sequences and held tokens where known.
+void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, int decode);
+
+// True when `pool` has an eligible engine (of `group`, -1: any) but every one is saturated by
+// its in-flight limit: the gateway holds the request instead of queueing it on an engine.
+bool all_saturated(const std::vector<EndpointLoad>& pool, int group);
 
 }  // namespace tandem::gateway

@@ -1,0 +1,216 @@
+// The tandem policy: prefill by expected finish time (queued work plus the request's uncached
+// tokens, in learned batch durations), with overload limits and miss spreading; decode by expected
+// decode load within the prefill's group; in parallel mode both together. Exact rule:
+// docs/gateway.md, "Scheduling policies".
+#include <algorithm>
+#include <limits>
+#include <tuple>
+
+#include "gateway/policies/common.h"
+#include "gateway/policy.h"
+
+namespace tandem::gateway {
+namespace {
+
+using detail::Candidates;
+
+uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// What identifies the request's prompt for spreading: the hash of its last full block (which
+// names the whole prefix), else its token ids mixed; 0 when the gateway knows neither.
+uint64_t spread_key(const RequestInfo& r) {
+  if (!r.block_hashes.empty()) return r.block_hashes.back() | 1;
+  if (r.prompt_ids.empty()) return 0;
+  uint64_t h = 0x54616e64656dULL;
+  for (const int32_t t : r.prompt_ids) h = mix(h ^ static_cast<uint32_t>(t));
+  return h | 1;
+}
+
+class TandemPolicy final : public Policy {
+ public:
+  explicit TandemPolicy(TandemOptions o) : o_(o) { prior_.options = o.prior; }
+  const char* name() const override { return "tandem"; }
+
+  Choice choose_prefill(const ClusterView& view, const RequestInfo& request,
+                        Clock::time_point) const override {
+    const Candidates c = prefill_candidates(view.prefill, request, -1);
+    if (c.free.empty()) return c.none();
+    return {Choice::Kind::kChosen, pick_prefill(c.free, request, nullptr)->id};
+  }
+
+  Choice choose_decode(const ClusterView& view, const RequestInfo& request, int group,
+                       Clock::time_point) const override {
+    if (group < 0) {
+      // Aggregated: the engine prefills too, so its prefill finish time decides, among engines
+      // with room for the sequence.
+      const Candidates c = detail::candidates(
+          view.decode, request, [](const EndpointLoad&) { return true; },
+          [&](const EndpointLoad& e) {
+            return prefill_overloaded(e) || decode_overloaded(e, request);
+          });
+      if (c.free.empty()) return c.none();
+      return {Choice::Kind::kChosen, pick_prefill(c.free, request, nullptr)->id};
+    }
+    const Candidates c = decode_candidates(view.decode, request, group);
+    if (c.free.empty()) return c.none();
+    return {Choice::Kind::kChosen, pick_decode(c.free, request)->id};
+  }
+
+  PairChoice choose_together(ClusterView view, const RequestInfo& request,
+                             Clock::time_point) const override {
+    // Pairs of a prefill engine and the best decode engine of its group, both usable now. Engines
+    // that failed the request are considered only when no other prefill engine can ever pair.
+    struct Pair {
+      const EndpointLoad *prefill, *decode;
+    };
+    std::vector<Pair> pairs;
+    bool can_pair = false;  // some prefill engine has decode engines in its group at all
+    for (const bool with_failed : {false, true}) {
+      for (const auto& e : view.prefill) {
+        if (!e.eligible || (!with_failed && detail::excluded(request, e.id))) continue;
+        const Candidates d = decode_candidates(view.decode, request, e.group);
+        if (!d.any) continue;
+        can_pair = true;
+        if (!prefill_overloaded(e) && !d.free.empty())
+          pairs.push_back({&e, pick_decode(d.free, request)});
+      }
+      if (can_pair) break;
+    }
+    if (pairs.empty())
+      return {can_pair ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1, -1};
+    std::vector<const EndpointLoad*> prefills;
+    for (const auto& pair : pairs) prefills.push_back(pair.prefill);
+    auto decode_of = [&](const EndpointLoad* e) {
+      return std::find_if(pairs.begin(), pairs.end(), [e](const Pair& p) { return p.prefill == e; })
+          ->decode;
+    };
+    const EndpointLoad* best = pick_prefill(prefills, request, [&](const EndpointLoad* e) {
+      return decode_cost(*decode_of(e), request);
+    });
+    return {Choice::Kind::kChosen, best->id, decode_of(best)->id};
+  }
+
+ private:
+  TandemOptions o_;
+  BatchTimeEstimator prior_;
+
+  const BatchTimeEstimator& estimator(const EndpointLoad& e) const {
+    return e.batch_time ? *e.batch_time : prior_;
+  }
+
+  // Seconds until this engine would have computed the request's prompt.
+  double prefill_cost(const EndpointLoad& e, const RequestInfo& r) const {
+    const double wait = std::max(e.time_until_free_s, 0.0);
+    return wait + estimate_work_s(estimator(e),
+                                  detail::queued_prefill(e) + detail::uncached_tokens(e, r),
+                                  o_.max_batch_tokens);
+  }
+
+  bool prefill_overloaded(const EndpointLoad& e) const {
+    if (detail::at_in_flight_limit(e)) return true;
+    if (o_.max_prefill_seqs > 0 && e.in_flight >= o_.max_prefill_seqs) return true;
+    const int64_t queued = detail::queued_prefill(e);
+    return o_.max_queued_prefill_tokens > 0 && queued > 0 && queued >= o_.max_queued_prefill_tokens;
+  }
+
+  int64_t decode_blocks_needed(const EndpointLoad& e, const RequestInfo& r) const {
+    const int64_t bs = detail::block_size_of(e, o_.block_size);
+    int64_t generation = std::max<int64_t>(o_.decode_kv_reserve_tokens, 0);
+    if (r.max_new_tokens > 0) generation = std::min(generation, r.max_new_tokens);
+    return detail::ceil_div(std::max<int64_t>(r.prompt_tokens, 0) + generation, bs);
+  }
+
+  bool decode_overloaded(const EndpointLoad& e, const RequestInfo& r) const {
+    if (detail::at_in_flight_limit(e)) return true;
+    return e.free_kv_blocks >= 0 && e.free_kv_blocks < decode_blocks_needed(e, r);
+  }
+
+  // Expected decode load after adding the request, in sequences.
+  double decode_cost(const EndpointLoad& e, const RequestInfo& r) const {
+    const double seqs = static_cast<double>(std::max(e.in_flight, e.running_seqs));
+    const double held = static_cast<double>(std::max(e.tokens_in_flight, e.context_tokens) +
+                                            std::max<int64_t>(r.prompt_tokens, 0));
+    double cost = seqs + held / std::max(o_.decode_tokens_per_seq, 1.0);
+    if (e.total_kv_blocks > 0 && e.free_kv_blocks >= 0) {
+      const double used = 1.0 - static_cast<double>(e.free_kv_blocks - decode_blocks_needed(e, r)) /
+                                    static_cast<double>(e.total_kv_blocks);
+      cost += o_.decode_kv_weight * std::clamp(used, 0.0, 1.0);
+    }
+    return cost;
+  }
+
+  Candidates prefill_candidates(const std::vector<EndpointLoad>& pool, const RequestInfo& r,
+                                int group) const {
+    return detail::candidates(
+        pool, r, [group](const EndpointLoad& e) { return detail::in_group(e, group); },
+        [this](const EndpointLoad& e) { return prefill_overloaded(e); });
+  }
+
+  Candidates decode_candidates(const std::vector<EndpointLoad>& pool, const RequestInfo& r,
+                               int group) const {
+    return detail::candidates(
+        pool, r, [group](const EndpointLoad& e) { return detail::in_group(e, group); },
+        [&](const EndpointLoad& e) { return decode_overloaded(e, r); });
+  }
+
+  // The least prefill cost; costs within the near-tie margin of the best are equal, and among
+  // them `second` (the pair's decode cost, when given) decides, then the rendezvous hash of the
+  // prompt and the engine (so equal engines split distinct prompts evenly while a repeated prompt
+  // finds the same engine), then fewer in flight and the lower id.
+  template <class Second = std::nullptr_t>
+  const EndpointLoad* pick_prefill(const std::vector<const EndpointLoad*>& free,
+                                   const RequestInfo& r, Second second) const {
+    std::vector<double> cost(free.size());
+    double best = std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < free.size(); ++i) {
+      cost[i] = prefill_cost(*free[i], r);
+      best = std::min(best, cost[i]);
+    }
+    const double margin = std::max(best * o_.near_tie_rel, 0.0) + o_.near_tie_abs_s;
+    const uint64_t key = spread_key(r);
+    const EndpointLoad* pick = nullptr;
+    std::tuple<double, uint64_t, int64_t, int> pick_rank{};
+    for (size_t i = 0; i < free.size(); ++i) {
+      if (cost[i] > best + margin) continue;
+      const EndpointLoad* e = free[i];
+      double s = 0;
+      if constexpr (!std::is_same_v<Second, std::nullptr_t>) s = second(e);
+      // Smaller is better in every field; the hash is inverted so the largest wins.
+      const uint64_t h = key ? ~mix(key ^ mix(static_cast<uint64_t>(e->id))) : 0;
+      const std::tuple<double, uint64_t, int64_t, int> rank{s, h, e->in_flight, e->id};
+      if (!pick || rank < pick_rank) {
+        pick = e;
+        pick_rank = rank;
+      }
+    }
+    return pick;
+  }
+
+  const EndpointLoad* pick_decode(const std::vector<const EndpointLoad*>& free,
+                                  const RequestInfo& r) const {
+    const EndpointLoad* pick = nullptr;
+    double pick_cost = 0;
+    for (const auto* e : free) {
+      const double c = decode_cost(*e, r);
+      if (!pick || c < pick_cost ||
+          (c == pick_cost && std::tie(e->in_flight, e->id) < std::tie(pick->in_flight, pick->id))) {
+        pick = e;
+        pick_cost = c;
+      }
+    }
+    return pick;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Policy> make_tandem_policy(TandemOptions options) {
+  return std::make_unique<TandemPolicy>(options);
+}
+
+}  // namespace tandem::gateway

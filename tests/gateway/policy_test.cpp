@@ -1,0 +1,645 @@
+// Unit tests of the gateway's scheduling policies (src/gateway/policy.h, src/gateway/policies/):
+// the prefill queue order and its starvation bound, the learned batch-time estimator, SGLang's
+// prefix tree, each baseline's published rule on hand-built clusters, and the tandem policy's
+// cache preference, overload avoidance, miss spreading and decode group constraint. All pure:
+// time is passed in, nothing sleeps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "gateway/policy.h"
+#include "util/error.h"
+
+namespace tandem::gateway {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+const Clock::time_point t0 = Clock::time_point(seconds(1000));
+
+EndpointLoad ep(int id, int group = 0, int64_t in_flight = 0, int64_t max_in_flight = 8) {
+  EndpointLoad e;
+  e.id = id;
+  e.group = group;
+  e.in_flight = in_flight;
+  e.max_in_flight = max_in_flight;
+  return e;
+}
+
+RequestInfo req(int64_t prompt_tokens) {
+  RequestInfo r;
+  r.prompt_tokens = prompt_tokens;
+  r.arrived = t0;
+  return r;
+}
+
+// ------------------------------------------------------------------------------ queue order
+
+TEST(QueueOrder, ShortPromptsFirstWhenWaitsAreEqual) {
+  const std::vector<QueuedRequest> q = {{4000, t0}, {100, t0}, {2000, t0}};
+  EXPECT_EQ(order(q, t0 + milliseconds(10), {}), (std::vector<size_t>{1, 2, 0}));
+}
+
+TEST(QueueOrder, ScoreIsOmniProxysFormula) {
+  // max_prompt 1000, max_wait 200 ms: length 0.9, wait 0.5 -> 0.8 * 0.9 + 0.2 * 0.5.
+  const QueuedRequest r{100, t0};
+  EXPECT_NEAR(queue_score(r, t0 + milliseconds(100), 1000, milliseconds(200), {}), 0.82, 1e-12);
+  // The wait is normalised by at least min_wait_norm (50 ms).
+  EXPECT_NEAR(queue_score(r, t0 + milliseconds(10), 1000, milliseconds(10), {}),
+              0.8 * 0.9 + 0.2 * 0.2, 1e-12);
+}
+
+TEST(QueueOrder, LongWaitOvertakesAShorterPrompt) {
+  // A 1000-token request waiting 1 s against a 900-token one that just arrived: length terms
+  // 0 and 0.1 (0.08 weighted), wait terms 1 and 0 (0.2 weighted).
+  const std::vector<QueuedRequest> q = {{900, t0 + seconds(1)}, {1000, t0}};
+  EXPECT_EQ(order(q, t0 + seconds(1), {}), (std::vector<size_t>{1, 0}));
+}
+
+TEST(QueueOrder, WeightsAreConfigurable) {
+  const std::vector<QueuedRequest> q = {{100, t0 + milliseconds(900)}, {1000, t0}};
+  QueueWeights fifo;
+  fifo.length_weight = 0;
+  fifo.wait_weight = 1;
+  EXPECT_EQ(order(q, t0 + seconds(1), fifo), (std::vector<size_t>{1, 0}));
+  QueueWeights sjf;
+  sjf.length_weight = 1;
+  sjf.wait_weight = 0;
+  EXPECT_EQ(order(q, t0 + seconds(1), sjf), (std::vector<size_t>{0, 1}));
+}
+
+TEST(QueueOrder, TiesGoInArrivalOrder) {
+  const std::vector<QueuedRequest> q = {{500, t0 + milliseconds(5)}, {500, t0}, {500, t0}};
+  QueueWeights w;
+  w.wait_weight = 0;
+  EXPECT_EQ(order(q, t0 + milliseconds(10), w), (std::vector<size_t>{1, 2, 0}));
+}
+
+TEST(QueueOrder, StarvingRequestsGoFirstInArrivalOrder) {
+  QueueWeights w;
+  w.starvation_after = seconds(2);
+  const auto now = t0 + seconds(10);
+  const std::vector<QueuedRequest> q = {
+      {10, now},                         // tiny and fresh: best score
+      {90000, t0 + seconds(7)},          // starving, arrived second
+      {80000, t0 + seconds(5)},          // starving, arrived first
+      {5000, now - milliseconds(100)}};  // not starving, longer than the first
+  EXPECT_EQ(order(q, now, w), (std::vector<size_t>{2, 1, 0, 3}));
+}
+
+// The bound: simulate a stream of short requests that would overtake a long one forever under the
+// pure score; with the bound, the long one goes first within starvation_after of its arrival
+// (plus one dispatch step).
+TEST(QueueOrder, StarvationBoundsHowLongARequestIsOvertaken) {
+  auto run = [](std::chrono::nanoseconds starvation_after) {
+    QueueWeights w;
+    w.wait_weight = 0.01;  // wait barely counts: short prompts always win on score
+    w.starvation_after = starvation_after;
+    std::vector<QueuedRequest> q = {{100000, t0}};
+    std::vector<int> ids = {0};  // 0 is the long request
+    int next_id = 1;
+    for (int step = 0; step < 100; ++step) {  // every 100 ms: two short arrivals, one dispatch
+      const auto now = t0 + milliseconds(100 * step);
+      for (int k = 0; k < 2; ++k) {
+        q.push_back({100, now});
+        ids.push_back(next_id++);
+      }
+      const size_t first = order(q, now, w).front();
+      if (ids[first] == 0) return now - t0;
+      q.erase(q.begin() + static_cast<std::ptrdiff_t>(first));
+      ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(first));
+    }
+    return Clock::duration::max();
+  };
+  EXPECT_EQ(run(std::chrono::nanoseconds(0)), Clock::duration::max());  // starves without it
+  const auto waited = run(seconds(2));
+  EXPECT_GE(waited, seconds(2));
+  EXPECT_LE(waited, seconds(2) + milliseconds(100));
+}
+
+// ------------------------------------------------------------------------------ batch times
+
+TEST(BatchTime, UsesThePriorWithoutObservations) {
+  BatchTimeEstimator e;
+  EXPECT_DOUBLE_EQ(estimate_batch_s(e, 1, 1000), 0.020 + 5e-5 * 1000);
+  EXPECT_DOUBLE_EQ(estimate_batch_s(e, 1, 0), 0.0);
+}
+
+TEST(BatchTime, IgnoresInvalidObservations) {
+  BatchTimeEstimator e;
+  e = observe(e, 1, 0, 0.1);
+  e = observe(e, 0, 100, 0.1);
+  e = observe(e, 1, 100, -1);
+  e = observe(e, 1, 100, std::nan(""));
+  EXPECT_EQ(e.observations, 0);
+}
+
+// Synthetic engine: 15 ms + 40 us per token + 6 us per sequence, with +-10% noise from a fixed
+// generator. The estimate converges to the truth between and at the buckets.
+TEST(BatchTime, ConvergesOnSyntheticObservations) {
+  auto truth = [](int64_t seqs, int64_t tokens) {
+    return 0.015 + 4e-5 * static_cast<double>(tokens) + 6e-6 * static_cast<double>(seqs);
+  };
+  uint64_t state = 42;
+  auto uniform = [&] {  // [0, 1)
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(state >> 11) / 9007199254740992.0;
+  };
+  BatchTimeEstimator e;
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t seqs = 1 + static_cast<int64_t>(uniform() * 16);
+    const int64_t tokens = seqs * (16 + static_cast<int64_t>(uniform() * 1000));
+    e = observe(e, seqs, tokens, truth(seqs, tokens) * (0.9 + 0.2 * uniform()));
+  }
+  for (const int64_t seqs : {1, 4, 12})
+    for (const int64_t tokens : {300, 1000, 3000, 8000}) {
+      if (tokens < seqs * 16 || tokens > seqs * 1016) continue;  // never observed
+      EXPECT_NEAR(estimate_batch_s(e, seqs, tokens), truth(seqs, tokens),
+                  0.05 * truth(seqs, tokens))
+          << seqs << " seqs, " << tokens << " tokens";
+    }
+}
+
+TEST(BatchTime, FollowsAnEngineThatSlowsDown) {
+  BatchTimeEstimator e;
+  for (int i = 0; i < 200; ++i) e = observe(e, 1, 1000, 0.1);
+  EXPECT_NEAR(estimate_batch_s(e, 1, 1000), 0.1, 1e-9);
+  for (int i = 0; i < 400; ++i) e = observe(e, 1, 1000, 0.2);  // window 64: forgets the past
+  EXPECT_NEAR(estimate_batch_s(e, 1, 1000), 0.2, 0.002);
+}
+
+TEST(BatchTime, InterpolatesAndExtrapolatesWithoutGoingNegative) {
+  BatchTimeEstimator e;
+  for (int i = 0; i < 10; ++i) {
+    e = observe(e, 1, 1000, 0.1);
+    e = observe(e, 1, 4000, 0.4);
+  }
+  EXPECT_NEAR(estimate_batch_s(e, 1, 2500), 0.25, 1e-9);
+  EXPECT_NEAR(estimate_batch_s(e, 1, 8000), 0.8, 1e-9);
+  EXPECT_NEAR(estimate_batch_s(e, 1, 500), 0.05, 1e-9);
+  EXPECT_NEAR(estimate_batch_s(e, 7, 2500), 0.25, 1e-9);  // empty row: the pooled one
+  // Work beyond one batch runs in batches of the chunk budget.
+  EXPECT_NEAR(estimate_work_s(e, 9000, 4000), 2 * 0.4 + 0.1, 1e-9);
+  EXPECT_NEAR(time_until_free_s(e, 1, 4000, 0.3), 0.1, 1e-9);
+  EXPECT_EQ(time_until_free_s(e, 1, 4000, 1.0), 0.0);
+}
+
+// ------------------------------------------------------------------------------ prefix tree
+
+std::vector<int32_t> ids(std::initializer_list<int32_t> v) {
+  return v;
+}
+
+TEST(PrefixTree, MatchesPerTenantIncludingPartialEdges) {
+  PrefixTree t;
+  t.insert(ids({1, 2, 3, 4, 5}), 7, 10);
+  t.insert(ids({1, 2, 3, 9}), 8, 20);
+  EXPECT_EQ(t.match(ids({1, 2, 3, 4, 6})), (std::map<int, int64_t>{{7, 4}, {8, 3}}));
+  EXPECT_EQ(t.match(ids({1, 2})), (std::map<int, int64_t>{{7, 2}, {8, 2}}));
+  EXPECT_TRUE(t.match(ids({5})).empty());
+  EXPECT_EQ(t.size(7), 5);
+  EXPECT_EQ(t.size(8), 4);
+  EXPECT_EQ(t.node_count(), 3);  // [1 2 3], [4 5], [9]
+}
+
+TEST(PrefixTree, EvictsLeastRecentlyUsedLeavesPerTenant) {
+  PrefixTree t;
+  t.insert(ids({1, 2, 3, 4}), 7, 10);  // old
+  t.insert(ids({1, 2, 5, 6}), 7, 20);  // newer
+  t.insert(ids({1, 2, 3, 4}), 8, 30);  // another tenant shares the old path
+  t.evict(4);                          // tenant 7 holds 6 tokens: drop its oldest leaf [3 4]
+  EXPECT_EQ(t.size(7), 4);
+  EXPECT_EQ(t.match(ids({1, 2, 3, 4})), (std::map<int, int64_t>{{7, 2}, {8, 4}}));
+  EXPECT_EQ(t.match(ids({1, 2, 5, 6}))[7], 4);
+  EXPECT_EQ(t.size(8), 4);  // untouched: under the limit
+  t.evict(0);
+  EXPECT_EQ(t.size(7), 0);
+  EXPECT_EQ(t.size(8), 0);
+  EXPECT_EQ(t.node_count(), 0);
+}
+
+TEST(PrefixTree, RemovesATenant) {
+  PrefixTree t;
+  t.insert(ids({1, 2, 3}), 1, 1);
+  t.insert(ids({1, 2, 4}), 2, 2);
+  t.remove_tenant(1);
+  EXPECT_EQ(t.match(ids({1, 2, 3})), (std::map<int, int64_t>{{2, 2}}));
+  EXPECT_EQ(t.size(1), 0);
+  EXPECT_EQ(t.node_count(), 2);
+}
+
+// ------------------------------------------------------------------------------ factory
+
+TEST(MakePolicy, KnowsEveryNameAndNamesThemOnError) {
+  for (const auto& name : policy_names()) EXPECT_EQ(make_policy(name)->name(), name);
+  EXPECT_EQ(policy_names().front(), "tandem");
+  try {
+    make_policy("fastest");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'fastest'"), std::string::npos) << m;
+    for (const auto& name : policy_names()) EXPECT_NE(m.find(name), std::string::npos) << m;
+  }
+}
+
+// ------------------------------------------------------------------------------ round_robin
+
+TEST(RoundRobin, CyclesThroughEnginesAndSkipsSaturatedOnes) {
+  const auto p = make_policy("round_robin");
+  PolicyState state;
+  ClusterView v;
+  v.prefill = {ep(3), ep(1), ep(2, 0, 8, 8) /* saturated */, ep(5)};
+  v.state = &state;
+  std::vector<int> chosen;
+  for (int i = 0; i < 5; ++i) {
+    const Choice c = p->choose_prefill(v, req(10), t0);
+    ASSERT_EQ(c.kind, Choice::Kind::kChosen);
+    chosen.push_back(c.endpoint);
+    p->record(state, req(10), c.endpoint, -1, t0);
+  }
+  EXPECT_EQ(chosen, (std::vector<int>{1, 3, 5, 1, 3}));
+}
+
+TEST(RoundRobin, DecodeStaysInTheGroup) {
+  const auto p = make_policy("round_robin");
+  PolicyState state;
+  ClusterView v;
+  v.decode = {ep(10, 0), ep(11, 1), ep(12, 0), ep(13, 1)};
+  v.state = &state;
+  for (const int expected : {11, 13, 11}) {
+    const Choice c = p->choose_decode(v, req(10), 1, t0);
+    EXPECT_EQ(c.endpoint, expected);
+    p->record(state, req(10), -1, c.endpoint, t0);
+  }
+}
+
+// ------------------------------------------------------------------------------ cache_aware
+
+struct CacheAwareFixture : ::testing::Test {
+  std::unique_ptr<Policy> policy = make_cache_aware_policy();
+  PolicyState state;
+  std::vector<int32_t> prompt(int32_t first, int n) {
+    std::vector<int32_t> v(static_cast<size_t>(n));
+    std::iota(v.begin(), v.end(), first);
+    return v;
+  }
+  // Chooses, and records the choice in the tree unless `record` is false.
+  Choice route(ClusterView v, const std::vector<int32_t>& prompt, bool record = true) {
+    v.state = &state;
+    RequestInfo r = req(static_cast<int64_t>(prompt.size()));
+    r.prompt_ids = prompt;
+    const Choice c = policy->choose_prefill(v, r, t0);
+    if (record && c.kind == Choice::Kind::kChosen) policy->record(state, r, c.endpoint, -1, t0);
+    return c;
+  }
+};
+
+TEST_F(CacheAwareFixture, MatchAboveThresholdGoesToTheMatchedEngine) {
+  ClusterView v;
+  v.prefill = {ep(0, 0, 0, 1000), ep(1, 0, 10, 1000)};
+  state.prefill_tree.insert(prompt(100, 50), 1, 0);
+  // 20 of 50 tokens match engine 1: rate 0.4 > 0.3, so the busier engine 1 is chosen.
+  auto p = prompt(100, 20);
+  auto tail = prompt(5000, 30);
+  p.insert(p.end(), tail.begin(), tail.end());
+  EXPECT_EQ(route(v, p).endpoint, 1);
+}
+
+TEST_F(CacheAwareFixture, MatchAtOrBelowThresholdGoesToTheShortestQueue) {
+  ClusterView v;
+  v.prefill = {ep(0, 0, 0, 1000), ep(1, 0, 10, 1000)};
+  state.prefill_tree.insert(prompt(100, 50), 1, 0);
+  auto p = prompt(100, 15);  // 15 of 50: rate 0.3, not above the threshold
+  auto tail = prompt(5000, 35);
+  p.insert(p.end(), tail.begin(), tail.end());
+  EXPECT_EQ(route(v, p).endpoint, 0);
+}
+
+TEST_F(CacheAwareFixture, ImbalanceBeyondBothThresholdsGoesToTheShortestQueue) {
+  state.prefill_tree.insert(prompt(100, 50), 1, 0);
+  ClusterView v;
+  // max - min = 70 > 64 and 100 > 30 * 1.5: imbalanced, the full match is ignored.
+  v.prefill = {ep(0, 0, 30, 1000), ep(1, 0, 100, 1000)};
+  EXPECT_EQ(route(v, prompt(100, 50), false).endpoint, 0);
+  // Beyond the absolute threshold only (220 - 150 = 70 > 64, but 220 > 150 * 1.5 is false):
+  // balanced, so the match decides.
+  v.prefill = {ep(0, 0, 150, 1000), ep(1, 0, 220, 1000)};
+  EXPECT_EQ(route(v, prompt(100, 50), false).endpoint, 1);
+  // Beyond the relative threshold only (10 > 1 * 1.5, but 9 <= 64): balanced.
+  v.prefill = {ep(0, 0, 1, 1000), ep(1, 0, 10, 1000)};
+  EXPECT_EQ(route(v, prompt(100, 50), false).endpoint, 1);
+}
+
+TEST_F(CacheAwareFixture, RoutedPromptsBuildTheTreeAndRepeatsFollowThem) {
+  ClusterView v;
+  v.prefill = {ep(0, 0, 0, 1000), ep(1, 0, 0, 1000)};
+  EXPECT_EQ(route(v, prompt(100, 40)).endpoint, 0);  // empty tree: shortest queue, lowest id
+  v.prefill[0].in_flight = 5;                        // now engine 0 is busier ...
+  EXPECT_EQ(route(v, prompt(100, 40)).endpoint, 0);  // ... but holds the prompt
+  EXPECT_EQ(route(v, prompt(900, 40)).endpoint, 1);  // a new prompt: shortest queue
+  EXPECT_EQ(state.prefill_tree.size(0), 40);
+  EXPECT_EQ(state.prefill_tree.size(1), 40);
+}
+
+TEST(CacheAware, EvictsTheTreeBySizeOnItsInterval) {
+  CacheAwareOptions o;
+  o.max_tree_size = 10;
+  o.eviction_interval = seconds(5);
+  const auto p = make_cache_aware_policy(o);
+  PolicyState state;
+  std::vector<int32_t> a(8, 1), b(8, 2);
+  RequestInfo ra = req(8), rb = req(8);
+  ra.prompt_ids = a;
+  rb.prompt_ids = b;
+  p->record(state, ra, 0, -1, t0);
+  p->record(state, rb, 0, -1, t0 + seconds(1));
+  EXPECT_EQ(state.prefill_tree.size(0), 16);  // over the limit until the interval passes
+  p->record(state, rb, 0, -1, t0 + seconds(6));
+  EXPECT_EQ(state.prefill_tree.size(0), 8);  // the older prompt went
+  EXPECT_TRUE(state.prefill_tree.match(a).empty());
+}
+
+// ------------------------------------------------------------------------------ kv_router
+
+TEST(KvRouter, CostIsOverlapWeightedPrefillBlocksPlusDecodeBlocks) {
+  const auto p = make_policy("kv_router");
+  ClusterView v;
+  // Engine 0: 64 of 128 tokens cached, 64 queued prefill tokens, 160 held tokens:
+  //   prefill (64 + 64) / 16 = 8, decode 10 + 8 = 18 -> 26.
+  // Engine 1: nothing cached, idle: prefill 8, decode 8 -> 16.  Engine 1 wins.
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 64;
+  v.prefill[0].queued_prefill_tokens = 64;
+  v.prefill[0].context_tokens = 160;
+  v.prefill[1].queued_prefill_tokens = 0;
+  v.prefill[1].context_tokens = 0;
+  EXPECT_EQ(p->choose_prefill(v, req(128), t0).endpoint, 1);
+  // Engine 0 holding all 128 tokens: prefill 4 + decode 18 = 22 -> still 1; with 40 held tokens
+  // instead of 160: 4 + 3 + 8 = 15 < 16 -> 0.
+  v.prefill[0].cached_tokens = 128;
+  EXPECT_EQ(p->choose_prefill(v, req(128), t0).endpoint, 1);
+  v.prefill[0].context_tokens = 40;
+  EXPECT_EQ(p->choose_prefill(v, req(128), t0).endpoint, 0);
+}
+
+TEST(KvRouter, OverlapWeightZeroIsPureLoad) {
+  KvRouterOptions o;
+  o.overlap_score_weight = 0;
+  const auto p = make_kv_router_policy(o);
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 128;
+  v.prefill[0].tokens_in_flight = 32;  // two more decode blocks
+  EXPECT_EQ(p->choose_prefill(v, req(128), t0).endpoint, 1);
+}
+
+TEST(KvRouter, OnlyPartialBlocksOfOverlapDoNotCount) {
+  const auto p = make_policy("kv_router");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 15;  // less than a block: no overlap
+  v.prefill[1].tokens_in_flight = 0;
+  // Equal costs: fewer in flight, then the lower id.
+  EXPECT_EQ(p->choose_prefill(v, req(64), t0).endpoint, 0);
+  v.prefill[0].in_flight = 1;
+  EXPECT_EQ(p->choose_prefill(v, req(64), t0).endpoint, 1);
+}
+
+// ------------------------------------------------------------------------------ tandem
+
+TEST(Tandem, PrefersTheEngineWithTheCachedPrefix) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1), ep(2)};
+  v.prefill[0].tokens_in_flight = 1000;
+  v.prefill[1].tokens_in_flight = 1000;
+  v.prefill[1].cached_tokens = 3500;  // 3500 of 4000 cached: 1500 tokens of work vs 5000
+  v.prefill[2].tokens_in_flight = 1000;
+  EXPECT_EQ(p->choose_prefill(v, req(4000), t0).endpoint, 1);
+}
+
+TEST(Tandem, ACacheHitDoesNotWinAgainstAMuchLongerQueue) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 2000;
+  v.prefill[0].queued_prefill_tokens = 20000;  // a long queue: finishing elsewhere is sooner
+  v.prefill[1].queued_prefill_tokens = 0;
+  EXPECT_EQ(p->choose_prefill(v, req(2000), t0).endpoint, 1);
+}
+
+TEST(Tandem, UsesLearnedBatchTimesAndTimeUntilFree) {
+  const auto p = make_policy("tandem");
+  BatchTimeEstimator slow, fast;
+  for (int i = 0; i < 10; ++i) {
+    slow = observe(slow, 1, 1000, 1.0);
+    fast = observe(fast, 1, 1000, 0.1);
+  }
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].batch_time = &slow;
+  v.prefill[1].batch_time = &fast;
+  v.prefill[0].queued_prefill_tokens = 0;
+  v.prefill[1].queued_prefill_tokens = 2000;  // 0.3 s of work on the fast engine vs 1 s
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0).endpoint, 1);
+  v.prefill[1].time_until_free_s = 0.9;  // but it is busy for another 0.9 s
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0).endpoint, 0);
+}
+
+TEST(Tandem, AvoidsOverloadedEnginesEvenWithACacheHit) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 4000;
+  v.prefill[0].queued_prefill_tokens = 32000;  // at the token limit
+  v.prefill[1].queued_prefill_tokens = 30000;
+  EXPECT_EQ(p->choose_prefill(v, req(4000), t0).endpoint, 1);
+  v.prefill[0].queued_prefill_tokens = 10;
+  v.prefill[0].in_flight = 32;  // at the sequence limit
+  v.prefill[0].max_in_flight = 64;
+  EXPECT_EQ(p->choose_prefill(v, req(4000), t0).endpoint, 1);
+}
+
+TEST(Tandem, HoldsTheRequestWhileEveryEngineIsOverloaded) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1, 0, 8, 8)};
+  v.prefill[0].queued_prefill_tokens = 40000;
+  EXPECT_EQ(p->choose_prefill(v, req(100), t0).kind, Choice::Kind::kSaturated);
+  // An idle engine always takes a request, however long its prompt.
+  v.prefill[0].queued_prefill_tokens = 0;
+  EXPECT_EQ(p->choose_prefill(v, req(100000), t0).endpoint, 0);
+  v.prefill[0].eligible = false;
+  v.prefill[1].eligible = false;
+  EXPECT_EQ(p->choose_prefill(v, req(100), t0).kind, Choice::Kind::kNoneEligible);
+}
+
+// A burst of cache misses on an idle pool, dispatched as the gateway does (the view updated after
+// each start): every engine gets its share.
+TEST(Tandem, SpreadsABurstOfMisses) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0, 0, 0, 100), ep(1, 0, 0, 100), ep(2, 0, 0, 100), ep(3, 0, 0, 100)};
+  for (auto& e : v.prefill) e.queued_prefill_tokens = 0;
+  std::map<int, int> count;
+  for (int i = 0; i < 16; ++i) {
+    const RequestInfo r = req(1000);
+    const Choice c = p->choose_prefill(v, r, t0);
+    ASSERT_EQ(c.kind, Choice::Kind::kChosen);
+    ++count[c.endpoint];
+    apply_choice(v, r, c.endpoint, -1);
+  }
+  for (int id = 0; id < 4; ++id) EXPECT_EQ(count[id], 4) << "engine " << id;
+}
+
+// Isolated misses (each on an idle pool) spread by prompt instead of all going to the lowest id,
+// and a repeated prompt goes where its first copy went.
+TEST(Tandem, SpreadsIsolatedMissesByPrompt) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1), ep(2), ep(3)};
+  std::set<int> used;
+  std::map<uint64_t, int> where;
+  for (uint64_t k = 1; k <= 32; ++k) {
+    const std::vector<uint64_t> hashes = {k * 0x1234567ULL, k * 0x9876543ULL};
+    RequestInfo r = req(1000);
+    r.block_hashes = hashes;
+    const int e = p->choose_prefill(v, r, t0).endpoint;
+    used.insert(e);
+    where[k] = e;
+    EXPECT_EQ(p->choose_prefill(v, r, t0).endpoint, e);  // deterministic
+  }
+  EXPECT_EQ(used.size(), 4u);
+  std::map<int, int> count;
+  for (const auto& [k, e] : where) ++count[e];
+  for (const auto& [e, n] : count) EXPECT_GE(n, 3) << "engine " << e;
+}
+
+TEST(Tandem, DecodeStaysInTheGroupAndPrefersTheLighterLoad) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.decode = {ep(10, 0), ep(11, 1), ep(12, 1), ep(13, 0)};
+  v.decode[1].running_seqs = 6;
+  v.decode[2].running_seqs = 2;
+  v.decode[2].context_tokens = 20000;  // ~10 sequences' worth of tokens
+  EXPECT_EQ(p->choose_decode(v, req(100), 1, t0).endpoint, 11);
+  v.decode[2].context_tokens = 2000;
+  EXPECT_EQ(p->choose_decode(v, req(100), 1, t0).endpoint, 12);
+  // Group 0 engines are idle but never chosen for group 1.
+  v.decode[1].max_in_flight = v.decode[1].in_flight = 4;
+  v.decode[2].max_in_flight = v.decode[2].in_flight = 4;
+  EXPECT_EQ(p->choose_decode(v, req(100), 1, t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_decode(v, req(100), 2, t0).kind, Choice::Kind::kNoneEligible);
+}
+
+TEST(Tandem, DecodeAvoidsEnginesWithoutKvRoomAndWeighsKvPressure) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.decode = {ep(10), ep(11)};
+  v.decode[0].free_kv_blocks = 10;  // 1000 + 256 tokens need 79 blocks of 16
+  v.decode[0].total_kv_blocks = 10000;
+  v.decode[1].in_flight = 3;
+  EXPECT_EQ(p->choose_decode(v, req(1000), 0, t0).endpoint, 11);
+  v.decode[0].free_kv_blocks = 200;  // room, but 99% full: +3.96 sequences of load
+  EXPECT_EQ(p->choose_decode(v, req(1000), 0, t0).endpoint, 11);
+  v.decode[0].free_kv_blocks = 9000;
+  EXPECT_EQ(p->choose_decode(v, req(1000), 0, t0).endpoint, 10);
+}
+
+TEST(Tandem, ParallelModeChoosesAPairInOneGroup) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0, 0), ep(1, 1)};
+  v.decode = {ep(10, 0, 4, 4) /* group 0 full */, ep(11, 1)};
+  v.prefill[0].cached_tokens = 1000;  // the better prefill, but its group cannot decode now
+  const PairChoice c = choose_pair(*p, v, req(1000), t0);
+  ASSERT_EQ(c.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(c.prefill, 1);
+  EXPECT_EQ(c.decode, 11);
+}
+
+TEST(Tandem, ParallelModeBreaksPrefillTiesByDecodeLoad) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0, 0), ep(1, 1)};
+  v.decode = {ep(10, 0, 3), ep(11, 1, 1)};
+  PairChoice c = choose_pair(*p, v, req(1000), t0);
+  EXPECT_EQ(c.prefill, 1);
+  EXPECT_EQ(c.decode, 11);
+  v.decode[1].in_flight = 5;
+  c = choose_pair(*p, v, req(1000), t0);
+  EXPECT_EQ(c.prefill, 0);
+  EXPECT_EQ(c.decode, 10);
+}
+
+TEST(Tandem, ParallelModeWaitsOrFailsLikeChoosePair) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0, 0)};
+  v.decode = {ep(10, 0, 4, 4)};
+  EXPECT_EQ(choose_pair(*p, v, req(10), t0).kind, Choice::Kind::kSaturated);
+  v.decode[0].group = 1;
+  EXPECT_EQ(choose_pair(*p, v, req(10), t0).kind, Choice::Kind::kNoneEligible);
+}
+
+TEST(Tandem, RetriesAvoidTheEngineThatFailed) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 1000;
+  RequestInfo r = req(1000);
+  EXPECT_EQ(p->choose_prefill(v, r, t0).endpoint, 0);
+  r.excluded = {0};
+  EXPECT_EQ(p->choose_prefill(v, r, t0).endpoint, 1);
+  v.prefill[1].eligible = false;
+  EXPECT_EQ(p->choose_prefill(v, r, t0).endpoint, 0);  // the last one left
+}
+
+TEST(Tandem, AggregatedModeUsesPrefillTimeAndKvRoom) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.decode = {ep(10), ep(11)};
+  v.decode[1].cached_tokens = 900;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).endpoint, 11);
+  v.decode[1].free_kv_blocks = 5;
+  EXPECT_EQ(p->choose_decode(v, req(1000), -1, t0).endpoint, 10);
+}
+
+// ------------------------------------------------------------------------------ helpers
+
+TEST(ApplyChoice, UpdatesTheLoadOfTheChosenEngines) {
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].queued_prefill_tokens = 100;
+  v.prefill[0].cached_tokens = 300;
+  v.decode = {ep(10)};
+  v.decode[0].running_seqs = 2;
+  apply_choice(v, req(1000), 0, 10);
+  EXPECT_EQ(v.prefill[0].in_flight, 1);
+  EXPECT_EQ(v.prefill[0].tokens_in_flight, 1000);
+  EXPECT_EQ(v.prefill[0].queued_prefill_tokens, 800);
+  EXPECT_EQ(v.prefill[1].in_flight, 0);
+  EXPECT_EQ(v.decode[0].in_flight, 1);
+  EXPECT_EQ(v.decode[0].running_seqs, 3);
+  EXPECT_EQ(v.decode[0].context_tokens, -1);  // unknown stays unknown
+}
+
+TEST(AllSaturated, OnlyWhenEveryEligibleEngineIsAtItsLimit) {
+  std::vector<EndpointLoad> pool = {ep(0, 0, 8, 8), ep(1, 1, 2, 8)};
+  EXPECT_FALSE(all_saturated(pool, -1));
+  EXPECT_TRUE(all_saturated(pool, 0));
+  EXPECT_FALSE(all_saturated(pool, 2));  // no engine at all: not "saturated"
+  pool[1].eligible = false;
+  EXPECT_TRUE(all_saturated(pool, -1));
+}
+
+}  // namespace
+}  // namespace tandem::gateway
