@@ -157,8 +157,9 @@ struct TandemOptions {
   int64_t block_size = 16;              // when an engine does not say
   double decode_tokens_per_seq = 2048;  // decode load: this many held tokens weigh as one sequence
   double decode_kv_weight = 4;          // decode load added at a full KV cache
-  int64_t decode_kv_reserve_tokens = 256;  // decode overload: fewer free KV tokens after the prompt
-  BatchTimeOptions prior;                  // batch durations of engines without an estimator
+  // Decode KV need: the prompt plus this many generated tokens (max_new_tokens if smaller).
+  int64_t decode_kv_reserve_tokens = 256;
+  BatchTimeOptions prior;  // batch durations of engines without an estimator
 };
 std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});
 
