@@ -1,0 +1,768 @@
+// The gateway's prefix index (gateway/prefix_index.h) and its KV-event consumers
+// (gateway/kv_events_consumer.h): match depths, removal through engine hashes, media, clears,
+// the eviction bound and several engines; vLLM's msgpack batches in the array_like and the map
+// encodings; consumers against a scripted publisher (skipped seqs filled from replay, lost ones
+// and publisher restarts clearing the engine) and against a real `tandem engine`.
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#ifndef MSGPACK_NO_BOOST
+#define MSGPACK_NO_BOOST
+#endif
+#include <msgpack.hpp>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "engine/engine_http.h"
+#include "engine/engine_process.h"
+#include "engine/kv/kv_events.h"
+#include "gateway/kv_events_consumer.h"
+#include "gateway/prefix_index.h"
+#include "util/block_hash.h"
+#include "util/error.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+
+std::vector<int32_t> seq_tokens(int32_t first, size_t n) {
+  std::vector<int32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = first + static_cast<int32_t>(i);
+  return t;
+}
+
+std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<int32_t> slice(const std::vector<int32_t>& v, size_t from, size_t n) {
+  return std::vector<int32_t>(v.begin() + static_cast<std::ptrdiff_t>(from),
+                              v.begin() + static_cast<std::ptrdiff_t>(from + n));
+}
+
+// ---- the index ----
+
+TEST(PrefixIndex, DepthFollowsTheChain) {
+  PrefixIndex index;
+  index.set_block_size(1, 4);
+  const auto a = seq_tokens(100, 12);  // three blocks
+  // Engine hashes unrelated to ours, as a vLLM engine's are.
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{901, 902, 903}, a, std::nullopt));
+  EXPECT_EQ(index.num_blocks(1), 3);
+  EXPECT_TRUE(index.holds(1, block_hashes(a, 4)[2]));
+  EXPECT_FALSE(index.holds(2, block_hashes(a, 4)[2]));
+
+  EXPECT_EQ(index.match_depth(1, a), 3);
+  EXPECT_EQ(index.match_depth(1, concat(a, {1, 2, 3})), 3);  // a partial block never counts
+  EXPECT_EQ(index.match_depth(1, concat(slice(a, 0, 8), seq_tokens(500, 4))), 2);
+  EXPECT_EQ(index.match_depth(1, slice(a, 0, 7)), 1);
+  EXPECT_EQ(index.match_depth(1, slice(a, 0, 3)), 0);
+  EXPECT_TRUE(index.match(seq_tokens(7, 12)).empty());
+  // Same tokens after another first block: different chain, no match.
+  EXPECT_EQ(index.match_depth(1, concat(seq_tokens(0, 4), a)), 0);
+
+  const auto m = index.match(a);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].engine, 1);
+  EXPECT_EQ(m[0].blocks, 3);
+  EXPECT_EQ(m[0].tokens, 12);
+
+  // A run that extends the chain names its parent by the engine's hash.
+  const auto more = seq_tokens(300, 8);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{904, 905}, more, 903));
+  EXPECT_EQ(index.match_depth(1, concat(a, more)), 5);
+
+  // An unknown parent: the run is unreachable for any prompt, so it is not stored.
+  EXPECT_FALSE(index.add_blocks(1, std::vector<uint64_t>{906}, seq_tokens(0, 4), 12345));
+  EXPECT_EQ(index.stats().orphan_stores, 1);
+  // Tokens that do not fill the blocks: refused.
+  EXPECT_FALSE(index.add_blocks(1, std::vector<uint64_t>{907}, seq_tokens(0, 5), std::nullopt));
+  EXPECT_EQ(index.num_blocks(1), 5);
+}
+
+TEST(PrefixIndex, RemovalByEngineHashAndClear) {
+  PrefixIndex index;
+  index.set_block_size(1, 4);
+  index.set_block_size(2, 4);
+  const auto a = seq_tokens(100, 12);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{11, 12, 13}, a, std::nullopt));
+  ASSERT_TRUE(index.add_blocks(2, std::vector<uint64_t>{21, 22, 23}, a, std::nullopt));
+
+  index.remove_blocks(1, std::vector<uint64_t>{12});  // the middle block
+  EXPECT_EQ(index.num_blocks(1), 2);
+  EXPECT_EQ(index.match_depth(1, a), 1);  // block 3 is held, but unreachable
+  EXPECT_EQ(index.match_depth(2, a), 3);  // the other engine's copy is untouched
+  index.remove_blocks(1, std::vector<uint64_t>{12, 777});
+  EXPECT_EQ(index.stats().unknown_removals, 2);
+
+  index.clear(1);
+  EXPECT_EQ(index.num_blocks(1), 0);
+  EXPECT_EQ(index.match_depth(1, a), 0);
+  EXPECT_EQ(index.match_depth(2, a), 3);
+  EXPECT_EQ(index.stats().blocks, 3);
+  EXPECT_EQ(index.stats().entries, 3);
+  index.remove_engine(2);
+  EXPECT_EQ(index.stats().blocks, 0);
+  EXPECT_EQ(index.stats().entries, 0);
+  EXPECT_TRUE(index.match(a).empty());
+}
+
+TEST(PrefixIndex, BlockHeldUntilRemovedFromEveryMedium) {
+  PrefixIndex index;
+  index.set_block_size(1, 2);
+  const auto a = seq_tokens(1, 2);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{5}, a, std::nullopt, "GPU"));
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{5}, a, std::nullopt, "CPU"));
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{5}, a, std::nullopt, "GPU"));  // again
+  EXPECT_EQ(index.num_blocks(1), 1);
+  index.remove_blocks(1, std::vector<uint64_t>{5}, "GPU");
+  EXPECT_EQ(index.match_depth(1, a), 1);  // still offloaded on CPU
+  index.remove_blocks(1, std::vector<uint64_t>{5}, "CPU");
+  EXPECT_EQ(index.match_depth(1, a), 0);
+  EXPECT_EQ(index.stats().blocks, 0);
+}
+
+TEST(PrefixIndex, EnginesWithDifferentBlockSizes) {
+  PrefixIndex index;
+  index.set_block_size(1, 4);
+  index.set_block_size(2, 4);
+  index.set_block_size(3, 2);
+  const auto a = seq_tokens(100, 12);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{1, 2, 3}, a, std::nullopt));
+  ASSERT_TRUE(index.add_blocks(2, std::vector<uint64_t>{1, 2}, slice(a, 0, 8), std::nullopt));
+  ASSERT_TRUE(index.add_blocks(3, std::vector<uint64_t>{1, 2, 3}, slice(a, 0, 6), std::nullopt));
+  const auto m = index.match(concat(a, seq_tokens(900, 5)));
+  ASSERT_EQ(m.size(), 3u);
+  EXPECT_EQ(m[0].engine, 1);
+  EXPECT_EQ(m[0].blocks, 3);
+  EXPECT_EQ(m[0].tokens, 12);
+  EXPECT_EQ(m[1].engine, 2);
+  EXPECT_EQ(m[1].blocks, 2);
+  EXPECT_EQ(m[1].tokens, 8);
+  EXPECT_EQ(m[2].engine, 3);
+  EXPECT_EQ(m[2].blocks, 3);
+  EXPECT_EQ(m[2].tokens, 6);
+  // Two engines share the first blocks' nodes: 3 distinct blocks of size 4, 3 of size 2.
+  EXPECT_EQ(index.stats().blocks, 6);
+
+  // A new block size drops what the engine held (its blocks would hash differently).
+  index.set_block_size(1, 8);
+  EXPECT_EQ(index.num_blocks(1), 0);
+  EXPECT_EQ(index.match_depth(2, a), 2);
+  EXPECT_THROW(index.set_block_size(1, 0), Error);
+  EXPECT_THROW(PrefixIndex(0), Error);
+}
+
+TEST(PrefixIndex, EvictsLeastRecentlyUsedWithinTheBound) {
+  PrefixIndex index(4);
+  index.set_block_size(1, 2);
+  const auto a = seq_tokens(100, 6), b = seq_tokens(200, 6), c = seq_tokens(300, 2);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{1, 2, 3}, a, std::nullopt));
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{4, 5, 6}, b, std::nullopt));
+  // Chains are inserted deepest first, so a's tail went before its first block.
+  EXPECT_EQ(index.stats().blocks, 4);
+  EXPECT_EQ(index.stats().evicted, 2);
+  EXPECT_EQ(index.match_depth(1, a), 1);
+  EXPECT_EQ(index.match_depth(1, b), 3);
+  // Matching b then a made a's block the newest and b's last block the oldest.
+  EXPECT_EQ(index.match_depth(1, a), 1);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{7}, c, std::nullopt));
+  EXPECT_EQ(index.stats().blocks, 4);
+  EXPECT_EQ(index.match_depth(1, b), 2);
+  EXPECT_EQ(index.match_depth(1, a), 1);
+  EXPECT_EQ(index.match_depth(1, c), 1);
+  // Evicted blocks left the engine-hash map too: removing them is a no-op.
+  index.remove_blocks(1, std::vector<uint64_t>{2, 3, 6});
+  EXPECT_EQ(index.stats().unknown_removals, 3);
+  EXPECT_EQ(index.stats().entries, 4);
+  EXPECT_EQ(index.num_blocks(1), 4);
+}
+
+// ---- decoding ----
+
+using Packer = msgpack::packer<msgpack::sbuffer>;
+
+void str(Packer& pk, std::string_view s) {
+  pk.pack_str(static_cast<uint32_t>(s.size()));
+  pk.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
+}
+
+std::string_view view(const msgpack::sbuffer& b) {
+  return {b.data(), b.size()};
+}
+
+TEST(KvEventDecoding, ArrayLikeAsOurEnginePublishes) {
+  engine::BlockStored stored;
+  stored.block_hashes = {0xFFFFFFFFFFFFFFFEULL, 7};
+  stored.parent_block_hash = 42;
+  stored.token_ids = {1, 2, 300, 70000};
+  stored.block_size = 2;
+  stored.medium = "GPU";
+  const std::string payload = engine::encode_kv_event_batch(
+      {1700000000.25, {stored, engine::BlockRemoved{{7}, "GPU"}, engine::AllBlocksCleared{}}, 3});
+  const KvEventBatchRecord batch = decode_kv_event_payload(payload);
+  EXPECT_DOUBLE_EQ(batch.ts, 1700000000.25);
+  EXPECT_EQ(batch.data_parallel_rank, 3);
+  ASSERT_EQ(batch.events.size(), 3u);
+  const KvEventRecord& s = batch.events[0];
+  EXPECT_EQ(s.kind, KvEventRecord::Kind::kBlockStored);
+  EXPECT_EQ(s.block_hashes, stored.block_hashes);
+  EXPECT_EQ(s.parent_block_hash, 42u);
+  EXPECT_EQ(s.token_ids, stored.token_ids);
+  EXPECT_EQ(s.block_size, 2);
+  EXPECT_EQ(s.medium, "GPU");
+  EXPECT_TRUE(s.indexable);
+  EXPECT_EQ(batch.events[1].kind, KvEventRecord::Kind::kBlockRemoved);
+  EXPECT_EQ(batch.events[1].block_hashes, std::vector<uint64_t>{7});
+  EXPECT_EQ(batch.events[1].medium, "GPU");
+  EXPECT_EQ(batch.events[2].kind, KvEventRecord::Kind::kAllBlocksCleared);
+
+  // Without a rank the batch has two elements.
+  EXPECT_FALSE(decode_kv_event_payload(engine::encode_kv_event_batch({1.0, {}, {}}))
+                   .data_parallel_rank.has_value());
+}
+
+// vLLM's newer array_like events with every field it has added, plus one it may add next.
+TEST(KvEventDecoding, ArrayLikeWithLaterFields) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_array(4);  // [ts, events, rank, a future field]
+  pk.pack_double(2.5);
+  pk.pack_array(4);
+  // BlockStored: tag, hashes, parent, tokens, block_size, lora_id, medium, lora_name,
+  // extra_keys, group_idx, kv_cache_spec_kind, sliding_window, future.
+  pk.pack_array(13);
+  str(pk, "BlockStored");
+  pk.pack_array(1);
+  pk.pack_int64(-2);  // a signed hash (SGLang)
+  pk.pack_nil();
+  pk.pack_array(2);
+  pk.pack_int32(5);
+  pk.pack_int32(6);
+  pk.pack_int64(2);
+  pk.pack_nil();
+  str(pk, "GPU");
+  pk.pack_nil();
+  pk.pack_array(1);
+  pk.pack_nil();  // extra_keys: none for the one block
+  pk.pack_int64(0);
+  str(pk, "full_attention");
+  pk.pack_nil();
+  pk.pack_true();
+  // A sliding-window group's store: decoded, not indexable.
+  pk.pack_array(10);
+  str(pk, "BlockStored");
+  pk.pack_array(1);
+  pk.pack_uint64(9);
+  pk.pack_nil();
+  pk.pack_array(2);
+  pk.pack_int32(5);
+  pk.pack_int32(6);
+  pk.pack_int64(2);
+  pk.pack_nil();
+  str(pk, "GPU");
+  pk.pack_nil();
+  pk.pack_nil();
+  pk.pack_int64(1);
+  // A salted store (extra_keys names the cache salt): not indexable.
+  pk.pack_array(9);
+  str(pk, "BlockStored");
+  pk.pack_array(1);
+  pk.pack_uint64(10);
+  pk.pack_nil();
+  pk.pack_array(2);
+  pk.pack_int32(5);
+  pk.pack_int32(6);
+  pk.pack_int64(2);
+  pk.pack_nil();
+  str(pk, "GPU");
+  pk.pack_nil();
+  pk.pack_array(1);
+  pk.pack_array(1);
+  str(pk, "tenant-salt");
+  // BlockRemoved with group_idx and a future field.
+  pk.pack_array(5);
+  str(pk, "BlockRemoved");
+  pk.pack_array(1);
+  pk.pack_int64(-2);
+  str(pk, "GPU");
+  pk.pack_int64(0);
+  pk.pack_nil();
+  pk.pack_int64(0);
+  pk.pack_str(0);  // the future field
+
+  const KvEventBatchRecord batch = decode_kv_event_payload(view(buf));
+  EXPECT_DOUBLE_EQ(batch.ts, 2.5);
+  EXPECT_EQ(batch.data_parallel_rank, 0);
+  ASSERT_EQ(batch.events.size(), 4u);
+  EXPECT_EQ(batch.events[0].block_hashes, std::vector<uint64_t>{0xFFFFFFFFFFFFFFFEULL});
+  EXPECT_EQ(batch.events[0].token_ids, (std::vector<int32_t>{5, 6}));
+  EXPECT_TRUE(batch.events[0].indexable);
+  EXPECT_FALSE(batch.events[1].indexable);
+  EXPECT_FALSE(batch.events[2].indexable);
+  EXPECT_EQ(batch.events[3].kind, KvEventRecord::Kind::kBlockRemoved);
+  EXPECT_EQ(batch.events[3].block_hashes, std::vector<uint64_t>{0xFFFFFFFFFFFFFFFEULL});
+  EXPECT_TRUE(batch.events[3].indexable);
+
+  PrefixIndex index;
+  EXPECT_EQ(apply_kv_event_batch(index, 1, batch), 2);  // the store and the removal
+  EXPECT_EQ(index.block_size(1), 2);                    // learnt from the event
+  EXPECT_EQ(index.num_blocks(1), 0);
+}
+
+// Both levels as maps (vLLM's newest encoding), with unknown keys and an unknown event type,
+// and hashes as raw 32-byte digests.
+TEST(KvEventDecoding, MapEncoding) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  std::string digest(32, '\0');
+  for (int i = 0; i < 32; ++i) digest[i] = static_cast<char>(i);
+  const uint64_t folded = 0x18191a1b1c1d1e1fULL;  // the digest's last 8 bytes, big-endian
+  pk.pack_map(4);
+  str(pk, "events");
+  pk.pack_array(4);
+  pk.pack_map(8);
+  str(pk, "type");
+  str(pk, "BlockStored");
+  str(pk, "token_ids");
+  pk.pack_array(4);
+  for (int t : {1, 2, 3, 4}) pk.pack_int32(t);
+  str(pk, "block_hashes");
+  pk.pack_array(2);
+  pk.pack_bin(32);
+  pk.pack_bin_body(digest.data(), 32);
+  pk.pack_uint64(77);
+  str(pk, "parent_block_hash");
+  pk.pack_nil();
+  str(pk, "block_size");
+  pk.pack_int64(2);
+  str(pk, "medium");
+  str(pk, "GPU");
+  str(pk, "group_idx");
+  pk.pack_int64(0);
+  str(pk, "something_new");
+  pk.pack_map(0);
+  pk.pack_map(2);
+  str(pk, "type");
+  str(pk, "BlockPinned");  // a type from the future: skipped
+  str(pk, "block_hashes");
+  pk.pack_array(0);
+  pk.pack_map(3);
+  str(pk, "medium");
+  str(pk, "GPU");
+  str(pk, "type");
+  str(pk, "BlockRemoved");
+  str(pk, "block_hashes");
+  pk.pack_array(1);
+  pk.pack_uint64(77);
+  pk.pack_map(1);
+  str(pk, "type");
+  str(pk, "AllBlocksCleared");
+  str(pk, "ts");
+  pk.pack_double(3.75);
+  str(pk, "data_parallel_rank");
+  pk.pack_int64(1);
+  str(pk, "extra");
+  pk.pack_nil();
+
+  const KvEventBatchRecord batch = decode_kv_event_payload(view(buf));
+  EXPECT_DOUBLE_EQ(batch.ts, 3.75);
+  EXPECT_EQ(batch.data_parallel_rank, 1);
+  ASSERT_EQ(batch.events.size(), 3u);
+  const KvEventRecord& s = batch.events[0];
+  EXPECT_EQ(s.kind, KvEventRecord::Kind::kBlockStored);
+  EXPECT_EQ(s.block_hashes, (std::vector<uint64_t>{folded, 77}));
+  EXPECT_FALSE(s.parent_block_hash.has_value());
+  EXPECT_EQ(s.token_ids, (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_EQ(s.block_size, 2);
+  EXPECT_EQ(s.medium, "GPU");
+  EXPECT_TRUE(s.indexable);
+  EXPECT_EQ(batch.events[1].kind, KvEventRecord::Kind::kBlockRemoved);
+  EXPECT_EQ(batch.events[2].kind, KvEventRecord::Kind::kAllBlocksCleared);
+
+  // Applied one event at a time: the store is indexed under our hash of the tokens.
+  PrefixIndex index;
+  KvEventBatchRecord first{batch.ts, {batch.events[0]}, {}};
+  EXPECT_EQ(apply_kv_event_batch(index, 4, first), 1);
+  EXPECT_EQ(index.match_depth(4, std::vector<int32_t>{1, 2, 3, 4}), 2);
+  KvEventBatchRecord second{batch.ts, {batch.events[1]}, {}};
+  apply_kv_event_batch(index, 4, second);  // removes the second block (engine hash 77)
+  EXPECT_EQ(index.match_depth(4, std::vector<int32_t>{1, 2, 3, 4}), 1);
+  apply_kv_event_batch(index, 4, batch);
+  EXPECT_EQ(index.num_blocks(4), 0);  // ends with AllBlocksCleared
+}
+
+// The array batch with map events (vLLM releases between the two encodings).
+TEST(KvEventDecoding, ArrayBatchOfMapEvents) {
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_array(2);
+  pk.pack_double(1.0);
+  pk.pack_array(1);
+  pk.pack_map(3);
+  str(pk, "type");
+  str(pk, "BlockRemoved");
+  str(pk, "block_hashes");
+  pk.pack_array(2);
+  pk.pack_uint64(1);
+  pk.pack_uint64(2);
+  str(pk, "medium");
+  pk.pack_nil();
+  const KvEventBatchRecord batch = decode_kv_event_payload(view(buf));
+  ASSERT_EQ(batch.events.size(), 1u);
+  EXPECT_EQ(batch.events[0].block_hashes, (std::vector<uint64_t>{1, 2}));
+  EXPECT_EQ(batch.events[0].medium, "");
+}
+
+TEST(KvEventDecoding, MalformedPayloadsThrow) {
+  const auto message = [](std::string_view payload) {
+    try {
+      decode_kv_event_payload(payload);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message("\xc1").find("not valid msgpack"), std::string::npos);
+  EXPECT_NE(message("\x05").find("array or a map"), std::string::npos);
+  msgpack::sbuffer buf;
+  Packer pk(buf);
+  pk.pack_array(2);
+  pk.pack_double(1.0);
+  pk.pack_array(1);
+  pk.pack_array(2);
+  str(pk, "BlockStored");
+  pk.pack_nil();  // block_hashes
+  EXPECT_NE(message(view(buf)).find("'block_hashes'"), std::string::npos);
+  msgpack::sbuffer no_events;
+  Packer pk2(no_events);
+  pk2.pack_array(1);
+  pk2.pack_double(1.0);
+  EXPECT_NE(message(view(no_events)).find("'events'"), std::string::npos);
+}
+
+// ---- consumers against a scripted publisher ----
+
+// A publisher whose seqs the test chooses: it can skip a batch on the live socket (lost), keep
+// a batch out of its replay history (gone for good), or count from 0 again (restart). Answers
+// replay requests as the engine does, on its own thread.
+class ScriptedPublisher {
+ public:
+  ScriptedPublisher() {
+    pub_.set(zmq::sockopt::linger, 0);
+    pub_.bind("tcp://127.0.0.1:*");
+    endpoint_ = pub_.get(zmq::sockopt::last_endpoint);
+    router_.set(zmq::sockopt::linger, 0);
+    router_.bind("tcp://127.0.0.1:*");
+    replay_endpoint_ = router_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~ScriptedPublisher() {
+    stop_ = true;
+    thread_.join();
+  }
+
+  void publish(uint64_t seq, const std::string& payload, bool live = true, bool keep = true) {
+    if (keep) {
+      std::lock_guard lock(mutex_);
+      history_.emplace_back(seq, payload);
+    }
+    if (!live) return;
+    pub_.send(zmq::buffer(std::string("kv@test")), zmq::send_flags::sndmore);
+    pub_.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
+    pub_.send(zmq::buffer(payload), zmq::send_flags::none);
+  }
+  void forget_history() {
+    std::lock_guard lock(mutex_);
+    history_.clear();
+  }
+  int replay_requests() const { return replay_requests_; }
+  const std::string& endpoint() const { return endpoint_; }
+  const std::string& replay_endpoint() const { return replay_endpoint_; }
+
+  static std::string be64(uint64_t v) {
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(v >> (56 - 8 * i));
+    return out;
+  }
+
+ private:
+  void serve() {
+    zmq_pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+    while (!stop_) {
+      if (zmq::poll(&item, 1, std::chrono::milliseconds(20)) == 0) continue;
+      std::vector<zmq::message_t> frames;
+      if (!zmq::recv_multipart(router_, std::back_inserter(frames))) continue;
+      if (frames.size() != 3 || frames[2].size() != 8) continue;
+      ++replay_requests_;
+      const auto* p = static_cast<const unsigned char*>(frames[2].data());
+      uint64_t start = 0;
+      for (int i = 0; i < 8; ++i) start = (start << 8) | p[i];
+      std::vector<std::pair<uint64_t, std::string>> send;
+      {
+        std::lock_guard lock(mutex_);
+        for (const auto& [seq, payload] : history_)
+          if (seq >= start) send.emplace_back(seq, payload);
+      }
+      send.emplace_back(~uint64_t{0}, "");
+      for (const auto& [seq, payload] : send) {
+        router_.send(zmq::buffer(frames[0].to_string()), zmq::send_flags::sndmore);
+        router_.send(zmq::message_t(), zmq::send_flags::sndmore);
+        router_.send(zmq::buffer(be64(seq)), zmq::send_flags::sndmore);
+        router_.send(zmq::buffer(payload), zmq::send_flags::none);
+      }
+    }
+  }
+
+  zmq::context_t context_{1};
+  zmq::socket_t pub_{context_, zmq::socket_type::pub};
+  zmq::socket_t router_{context_, zmq::socket_type::router};
+  std::string endpoint_, replay_endpoint_;
+  std::mutex mutex_;
+  std::vector<std::pair<uint64_t, std::string>> history_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> replay_requests_{0};
+  std::thread thread_;
+};
+
+// One stored block of 2 tokens [t, t+1] with engine hash `h` (unrelated to ours), chained.
+std::string store_payload(uint64_t h, std::optional<uint64_t> parent, int32_t t) {
+  engine::BlockStored s;
+  s.block_hashes = {h};
+  s.parent_block_hash = parent;
+  s.token_ids = {t, t + 1};
+  s.block_size = 2;
+  return engine::encode_kv_event_batch({1.0, {s}, {}});
+}
+
+std::string empty_payload() {
+  return engine::encode_kv_event_batch({1.0, {}, {}});
+}
+
+KvEventsConsumerOptions options_for(const ScriptedPublisher& pub, EngineKey engine) {
+  KvEventsConsumerOptions o;
+  o.engine = engine;
+  o.endpoint = pub.endpoint();
+  o.replay_endpoint = pub.replay_endpoint();
+  o.topic = "kv@";
+  o.replay_timeout_ms = 5000;
+  return o;
+}
+
+// Publishes empty batches until one arrives live, so later skips are seen as gaps on the live
+// socket rather than lost to the subscription's start-up. Returns the next seq to publish.
+uint64_t publish_until_live(ScriptedPublisher& pub, KvEventsConsumer& consumer, uint64_t seq) {
+  for (int i = 0; i < 2000; ++i, ++seq) {
+    pub.publish(seq, empty_payload());
+    if (consumer.wait_for_seq(seq, 20)) {
+      const auto s = consumer.stats();
+      if (s.batches > s.replayed_batches) return seq + 1;
+    }
+  }
+  ADD_FAILURE() << "no batch arrived live";
+  return seq;
+}
+
+// The chain 0..n-1 of 2-token blocks the scripted stores describe: tokens [10k, 10k+1].
+std::vector<int32_t> chain_tokens(int n) {
+  std::vector<int32_t> t;
+  for (int k = 0; k < n; ++k) {
+    t.push_back(10 * k);
+    t.push_back(10 * k + 1);
+  }
+  return t;
+}
+
+TEST(KvEventsConsumer, SkippedBatchIsFilledFromReplay) {
+  ScriptedPublisher pub;
+  PrefixIndex index;
+  KvEventsConsumer consumer(index, options_for(pub, 3));
+  uint64_t seq = publish_until_live(pub, consumer, 0);
+  const auto before = consumer.stats();
+
+  // Engine hashes 500+k; block k = [10k, 10k+1]. Batch seq+1 never reaches the live socket.
+  pub.publish(seq, store_payload(500, std::nullopt, 0));
+  pub.publish(seq + 1, store_payload(501, 500, 10), /*live=*/false);
+  pub.publish(seq + 2, store_payload(502, 501, 20));
+  ASSERT_TRUE(consumer.wait_for_seq(seq + 2, 10000));
+  const auto after = consumer.stats();
+  EXPECT_EQ(after.gaps, before.gaps + 1);
+  EXPECT_GE(after.replayed_batches, before.replayed_batches + 1);
+  EXPECT_EQ(after.unfilled_gaps, 0);
+  EXPECT_EQ(after.malformed, 0);
+  EXPECT_EQ(index.match_depth(3, chain_tokens(3)), 3);
+  EXPECT_EQ(index.block_size(3), 2);
+}
+
+TEST(KvEventsConsumer, LateConsumerWarmsUpFromReplay) {
+  ScriptedPublisher pub;
+  for (uint64_t k = 0; k < 5; ++k) {
+    pub.publish(k, store_payload(500 + k, k ? std::optional<uint64_t>(499 + k) : std::nullopt,
+                                 static_cast<int32_t>(10 * k)));
+  }
+  PrefixIndex index;
+  KvEventsConsumer consumer(index, options_for(pub, 1));
+  ASSERT_TRUE(consumer.wait_for_seq(4, 10000));
+  EXPECT_EQ(consumer.stats().replayed_batches, 5);
+  EXPECT_EQ(index.match_depth(1, chain_tokens(5)), 5);
+
+  // A restarted consumer (e.g. a restarted gateway) starts over from the replay buffer, after
+  // clearing what the index held for its engine.
+  consumer.stop();
+  pub.publish(5, store_payload(505, 504, 50), /*live=*/false);
+  KvEventsConsumer again(index, options_for(pub, 1));
+  ASSERT_TRUE(again.wait_for_seq(5, 10000));
+  EXPECT_EQ(again.stats().replayed_batches, 6);
+  EXPECT_EQ(index.match_depth(1, chain_tokens(6)), 6);
+}
+
+TEST(KvEventsConsumer, LostBatchesClearTheEngine) {
+  ScriptedPublisher pub;
+  PrefixIndex index;
+  KvEventsConsumer consumer(index, options_for(pub, 2));
+  uint64_t seq = publish_until_live(pub, consumer, 0);
+  pub.publish(seq, store_payload(500, std::nullopt, 0));
+  ASSERT_TRUE(consumer.wait_for_seq(seq, 10000));
+  EXPECT_EQ(index.match_depth(2, chain_tokens(1)), 1);
+
+  // seq+1 is neither live nor in the replay buffer: whatever it said is unknown.
+  pub.publish(seq + 1, store_payload(501, 500, 10), /*live=*/false, /*keep=*/false);
+  pub.forget_history();
+  pub.publish(seq + 2, store_payload(700, std::nullopt, 100));
+  ASSERT_TRUE(consumer.wait_for_seq(seq + 2, 10000));
+  const auto s = consumer.stats();
+  EXPECT_EQ(s.unfilled_gaps, 1);
+  EXPECT_EQ(index.match_depth(2, chain_tokens(1)), 0);  // cleared
+  EXPECT_EQ(index.match_depth(2, std::vector<int32_t>{100, 101}), 1);
+}
+
+TEST(KvEventsConsumer, PublisherRestartClearsTheEngine) {
+  PrefixIndex index;
+  ScriptedPublisher pub;
+  KvEventsConsumer consumer(index, options_for(pub, 5));
+  uint64_t seq = publish_until_live(pub, consumer, 0);
+  pub.publish(seq, store_payload(500, std::nullopt, 0));
+  ASSERT_TRUE(consumer.wait_for_seq(seq, 10000));
+  ASSERT_EQ(index.match_depth(5, chain_tokens(1)), 1);
+
+  // Seqs start again at 0 (a restarted engine at the same address): the old blocks are gone.
+  pub.forget_history();
+  pub.publish(0, store_payload(900, std::nullopt, 100));
+  ASSERT_TRUE(testing::eventually([&] { return consumer.stats().restarts == 1; }));
+  EXPECT_TRUE(testing::eventually([&] {
+    return index.match_depth(5, std::vector<int32_t>{100, 101}) == 1;
+  }));
+  EXPECT_EQ(index.match_depth(5, chain_tokens(1)), 0);
+}
+
+// ---- against a real engine ----
+
+struct EngineWithEvents {
+  testing::EngineProcess process;
+  std::string endpoint, replay;
+
+  static std::vector<std::string> args() {
+    const std::string config =
+        R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",)"
+        R"( "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv@engine"})";
+    return {TANDEM_BINARY,
+            "engine",
+            "--model",
+            "sim:tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--block-size",
+            "4",
+            "--num-kv-blocks",
+            "256",
+            "--kv-events-config",
+            config};
+  }
+
+  EngineWithEvents() : process(args()) {
+    for (std::string line = process.next_line(); !line.empty(); line = process.next_line()) {
+      const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
+      if (on == std::string::npos || replay_at == std::string::npos) continue;
+      endpoint = line.substr(on + 13, line.find(' ', on + 13) - on - 13);
+      replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);
+      return;
+    }
+    throw std::runtime_error("the engine printed no KV events line");
+  }
+
+  std::vector<int32_t> generate(const std::vector<int32_t>& prompt) {
+    json body = {{"input_ids", prompt}, {"sampling_params", {{"max_new_tokens", 2}}}};
+    auto resp = testing::post_json(process.port(), "/generate", body);
+    EXPECT_EQ(resp.status, 200) << resp.body;
+    return json::parse(resp.body)["output_ids"].get<std::vector<int32_t>>();
+  }
+
+  KvEventsConsumerOptions options(EngineKey key) const {
+    KvEventsConsumerOptions o;
+    o.engine = key;
+    o.endpoint = endpoint;
+    o.replay_endpoint = replay;
+    o.topic = "kv@engine";
+    return o;  // block size 16 until the events say 4
+  }
+};
+
+TEST(PrefixIndexWithEngine, MatchDepthEqualsThePromptsBlocks) {
+  EngineWithEvents engine;
+  PrefixIndex index;
+  KvEventsConsumer consumer(index, engine.options(7));
+
+  const auto a = seq_tokens(100, 18);                         // 4 full blocks + 2 tokens
+  const auto b = concat(slice(a, 0, 8), seq_tokens(600, 9));  // shares a's first 2 blocks
+  const auto c = seq_tokens(900, 12);                         // 3 blocks
+  engine.generate(a);
+  ASSERT_TRUE(testing::eventually([&] { return index.match_depth(7, a) == 4; }))
+      << "depth " << index.match_depth(7, a);
+  EXPECT_EQ(index.block_size(7), 4);  // learnt from the events
+  EXPECT_EQ(index.match_depth(7, b), 2);
+  EXPECT_EQ(index.match_depth(7, c), 0);
+  engine.generate(b);
+  engine.generate(c);
+  ASSERT_TRUE(testing::eventually(
+      [&] { return index.match_depth(7, b) == 4 && index.match_depth(7, c) == 3; }));
+  const auto m = index.match(a);
+  ASSERT_EQ(m.size(), 1u);
+  EXPECT_EQ(m[0].engine, 7);
+  EXPECT_EQ(m[0].tokens, 16);
+  EXPECT_EQ(consumer.stats().malformed, 0);
+  EXPECT_EQ(consumer.stats().unfilled_gaps, 0);
+
+  // A consumer started now, on its own index, learns the same from the replay buffer.
+  PrefixIndex late_index;
+  KvEventsConsumer late(late_index, engine.options(7));
+  ASSERT_TRUE(testing::eventually([&] {
+    return late_index.match_depth(7, a) == 4 && late_index.match_depth(7, b) == 4 &&
+           late_index.match_depth(7, c) == 3;
+  }));
+  EXPECT_GT(late.stats().replayed_batches, 0);
+  EXPECT_EQ(late_index.num_blocks(7), index.num_blocks(7));
+
+  // Stopped, the first consumer misses a request; a new one catches up from replay.
+  consumer.stop();
+  const auto d = seq_tokens(1500, 8);
+  engine.generate(d);
+  KvEventsConsumer restarted(index, engine.options(7));
+  ASSERT_TRUE(testing::eventually(
+      [&] { return index.match_depth(7, d) == 2 && index.match_depth(7, a) == 4; }));
+  EXPECT_EQ(index.num_blocks(7), late_index.num_blocks(7));
+}
+
+}  // namespace
+}  // namespace tandem::gateway
