@@ -157,7 +157,7 @@ struct Request {
   Stage stage = Stage::kFirst;
   int attempt = 0;  // current attempt; legs of older attempts are ignored
   std::vector<int> excluded;
-  int prefill_endpoint = -1, decode_endpoint = -1;
+  int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   std::string prefill_name, decode_name;
   uint64_t queue_generation = 0;  // which enqueue a queue-timeout timer belongs to
   bool queued = false, registered = false;
@@ -263,6 +263,7 @@ class Gateway::Impl {
   }
   uint16_t port() const { return server_.port(); }
   void stop() {
+    stopping_ = true;  // new requests get 503 and no new leg starts
     // The client runs on the server's io threads: its calls end (cancelled, their callbacks
     // reporting to the scheduler) before the server stops those threads. Then the server closes
     // the clients' connections, and the scheduler finishes what was posted.
@@ -303,7 +304,9 @@ class Gateway::Impl {
         ex->respond(200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
         return;
       }
-      sched_.post([this, ex, headers = req.headers] { relay_models(ex, headers); });
+      net::Headers headers;  // only what identifies the caller: no hop-by-hop fields
+      if (const auto* a = req.headers.find("Authorization")) headers.set("Authorization", *a);
+      sched_.post([this, ex, headers] { relay_models(ex, headers); });
     });
     auto generation = [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
       receive(req, std::move(ex));
@@ -312,7 +315,9 @@ class Gateway::Impl {
     server_.route("POST", "/v1/chat/completions", generation);
     server_.route("GET", "/debug/requests", [this](const net::HttpRequest& req, auto ex) {
       if (!admin_authorized(req, *ex)) return;
-      sched_.post([this, ex] { ex->respond(200, debug_requests().dump()); });
+      sched_.post([this, ex] {
+        ex->respond(200, debug_requests().dump(-1, ' ', false, json::error_handler_t::replace));
+      });
     });
     server_.route("GET", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
       if (!admin_authorized(req, *ex)) return;
@@ -363,6 +368,10 @@ class Gateway::Impl {
   // Everything that can be done before the scheduler sees the request: the client's errors are
   // answered here, and the legs' bodies are built once.
   void receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    if (stopping_.load()) {
+      ex->send_error(503, "the gateway is shutting down", "server_error");
+      return;
+    }
     auto r = std::make_shared<Request>();
     r->times.mark(Phase::kReceived);
     r->received_unix_ms = unix_ms();
@@ -371,7 +380,10 @@ class Gateway::Impl {
     r->target = req.target;
     r->exchange = ex;
     r->id = req.headers.get("X-Request-Id");
-    if (r->id.empty() || r->id.size() > 256) r->id = random_id();
+    // Honoured when it is a plain token (it goes into logs, JSON and engine headers).
+    const bool printable =
+        std::all_of(r->id.begin(), r->id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+    if (r->id.empty() || r->id.size() > 256 || !printable) r->id = random_id();
     r->headers.set("X-Request-Id", r->id);
     if (const auto* auth = req.headers.find("Authorization"))
       r->headers.set("Authorization", *auth);
@@ -387,6 +399,10 @@ class Gateway::Impl {
       } catch (const std::exception& e) {
         ex->send_error(400, std::string("invalid JSON body: ") + e.what());
         return finish_early(r, 400, "invalid JSON body");
+      }
+      if (auto st = body.find("stream"); st != body.end() && !st->is_boolean() && !st->is_null()) {
+        ex->send_error(400, "stream: expected a boolean", "invalid_request_error");
+        return finish_early(r, 400, "stream: expected a boolean");
       }
       r->stream = body.value("stream", false) == true;
       if (auto m = body.find("model"); m != body.end() && m->is_string()) r->model = *m;
@@ -415,6 +431,9 @@ class Gateway::Impl {
         if (!e.param.empty()) message += " (param: " + e.param + ")";
         ex->send_error(e.status, message, e.type);
         return finish_early(r, e.status, message);
+      } catch (const std::exception& e) {
+        ex->send_error(400, std::string("cannot tokenize the request: ") + e.what());
+        return finish_early(r, 400, e.what());
       }
     }
     r->times.mark(Phase::kPrefixMatching);
@@ -559,13 +578,16 @@ class Gateway::Impl {
     else
       waiting_.push_back(r);
     metrics_.waiting.set(static_cast<double>(waiting_.size()));
-    sched_.at(Clock::now() + topo_.timeouts.queue, [this, r, generation] {
-      if (!r->queued || r->queue_generation != generation) return;
-      remove_waiting(r);
-      answer_error(r, 503,
-                   "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
-                       " ms (queue timeout)");
-    });
+    // Weak: a timer must not keep a finished request (and its bodies) alive until it fires.
+    sched_.at(
+        Clock::now() + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r), generation] {
+          const RequestPtr r = weak.lock();
+          if (!r || !r->queued || r->queue_generation != generation) return;
+          remove_waiting(r);
+          answer_error(r, 503,
+                       "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
+                           " ms (queue timeout)");
+        });
   }
 
   void remove_waiting(const RequestPtr& r) {
@@ -603,9 +625,8 @@ class Gateway::Impl {
         kind = c.kind;
         prefill = c.endpoint;
       } else {
-        const auto pe = endpoints_.find(r->prefill_endpoint);
-        const int group = pe != endpoints_.end() ? pe->second.config.group : 0;
-        const Choice c = policy_->choose_decode(v, ri, group, now);
+        // The prefill engine's group, remembered: the engine may have left (drained) since.
+        const Choice c = policy_->choose_decode(v, ri, r->prefill_group, now);
         kind = c.kind;
         decode = c.endpoint;
       }
@@ -641,6 +662,7 @@ class Gateway::Impl {
     if (prefill >= 0) {
       r->prefill_endpoint = prefill;
       r->prefill_name = endpoint(prefill)->config.name;
+      r->prefill_group = endpoint(prefill)->config.group;
       r->times.mark(Phase::kPrefillScheduled, now);
     }
     if (decode >= 0) {
@@ -710,13 +732,17 @@ class Gateway::Impl {
     const int64_t tokens = r->prompt_tokens;
     auto done = std::move(h.on_done);
     h.on_done = [this, leg, tokens, done](const std::string& error) {
-      if (done) done(error);
+      try {
+        if (done) done(error);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tandem gateway: a leg's completion failed: %s\n", e.what());
+      }
       const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
                          leg->engine_error;
       sched_.post_batched([this, leg, tokens, fault] { leg_finished(*leg, tokens, !fault); });
     };
     std::lock_guard lock(r->mutex);
-    if (r->ended) return;
+    if (r->ended || stopping_.load()) return;
     ++e->in_flight;
     e->tokens_in_flight += tokens;
     e->in_flight_gauge->set(static_cast<double>(e->in_flight));
@@ -724,7 +750,11 @@ class Gateway::Impl {
     leg->started = true;
     r->legs.push_back(leg);
     leg->call = client_->start(std::move(u), std::move(h));
-    sched_.at(Clock::now() + deadline, [this, r, leg, what, deadline] {
+    sched_.at(Clock::now() + deadline, [this, weak_r = std::weak_ptr<Request>(r),
+                                        weak_leg = std::weak_ptr<Leg>(leg), what, deadline] {
+      const RequestPtr r = weak_r.lock();
+      const std::shared_ptr<Leg> leg = weak_leg.lock();
+      if (!r || !leg) return;
       std::lock_guard lock(r->mutex);
       if (leg->finished || (!leg->prefill && leg->first_event)) return;
       leg->cancel_reason =
@@ -744,7 +774,6 @@ class Gateway::Impl {
     else
       passive_failure(*e);
     if (e->draining && e->in_flight == 0) {
-      e->healthy_gauge->set(0);
       endpoints_.erase(leg.endpoint);
     }
     dispatch();
@@ -852,8 +881,8 @@ class Gateway::Impl {
     // The first token may take first_token_ms (a decode leg waits for its prefill, a queue);
     // the scheduler's timer enforces that. The client's own per-piece bound must not be
     // shorter, or a stream that sent its head and waits for KV would be cut as idle.
-    auto u = upstream(e, *r, std::move(body),
-                      std::max(topo_.timeouts.idle, topo_.timeouts.first_token));
+    auto u =
+        upstream(e, *r, std::move(body), std::max(topo_.timeouts.idle, topo_.timeouts.first_token));
     launch(r, endpoint_id, false, leg_ref, std::move(u), std::move(h), topo_.timeouts.first_token,
            "the first token");
   }
@@ -876,12 +905,13 @@ class Gateway::Impl {
           l->engine_error = true;
           return false;
         }
-        l->first_event = true;
         std::lock_guard lock(r->mutex);
-        if (r->ended) {
+        // A leg the gateway gave up on (a timeout, a retry) must not start the client's stream.
+        if (r->ended || l->gateway_cancelled.load() || !l->cancel_reason.empty()) {
           l->gateway_cancelled = true;
           return false;
         }
+        l->first_event = true;
         r->answered = true;
         r->status = 200;
         r->exchange->start_stream(200, "text/event-stream");
@@ -996,11 +1026,18 @@ class Gateway::Impl {
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message) {
     if (attempt != r->attempt) return;
+    std::vector<CallId> calls;
     {
+      // Checked and cancelled under one lock: no leg of this attempt can start the stream after.
       std::lock_guard lock(r->mutex);
       if (r->ended || r->answered) return;
+      for (const auto& l : r->legs)
+        if (l->started && !l->finished) {
+          l->gateway_cancelled = true;
+          calls.push_back(l->call);
+        }
     }
-    cancel_legs(r);
+    for (auto c : calls) client_->cancel(c);
     const bool client_error = status >= 400 && status < 500;
     const bool retryable =
         !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
@@ -1048,7 +1085,8 @@ class Gateway::Impl {
       std::lock_guard lock(r->mutex);
       if (r->ended) return;
       r->answered = true;
-      r->exchange->send_error(status, message);
+      // OpenAI answers rate limits with code rate_limit_exceeded.
+      r->exchange->send_error(status, message, {}, status == 429 ? "rate_limit_exceeded" : "");
     }
     complete(r, status, message);
   }
@@ -1129,7 +1167,8 @@ class Gateway::Impl {
     }
     if (completion_tokens >= 0) line["completion_tokens"] = completion_tokens;
     if (!error.empty()) line["error"] = error;
-    const std::string text = line.dump() + "\n";
+    // Replace, not throw: an engine's error text may be anything.
+    const std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
     std::fwrite(text.data(), 1, text.size(), access_log_);
     std::fflush(access_log_);
   }
@@ -1272,6 +1311,11 @@ class Gateway::Impl {
     if (!e || e->draining) return false;
     e->draining = true;
     e->healthy_gauge->set(0);
+    e->in_flight_gauge->set(0);
+    // The name may come back (admin add, reload) before this one leaves: the labelled gauges
+    // then belong to the newcomer, so a draining engine writes to a gauge of its own.
+    e->healthy_gauge = &detached_gauge_;
+    e->in_flight_gauge = &detached_gauge_;
     if (e->in_flight == 0) endpoints_.erase(id);
     update_ready();
     return true;
@@ -1383,7 +1427,7 @@ class Gateway::Impl {
   metrics::Registry registry_;
   Metrics metrics_;
   std::FILE* access_log_ = nullptr;
-  std::atomic<bool> ready_{false};
+  std::atomic<bool> ready_{false}, stopping_{false};
   std::unique_ptr<PromptTokenizer> tokenizer_;
 
   // Scheduling thread only (and the constructor, before it starts).
@@ -1392,6 +1436,7 @@ class Gateway::Impl {
   std::deque<RequestPtr> waiting_;
   std::unordered_map<std::string, RequestPtr> active_;
   std::array<metrics::Histogram*, kPhaseCount> phase_histograms_{};
+  metrics::Gauge detached_gauge_;  // written by draining engines, never rendered
   std::unordered_map<int, metrics::IntCounter*> status_counters_;
 
   // Destroyed in reverse: the client (on the server's io_context) goes first, then the server,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <ctime>
 #include <queue>
 #include <thread>
@@ -38,14 +39,15 @@ class SchedulingThread::Impl {
   }
 
   void post(Task task) {
-    if (stopped_.load()) return;
+    // After stop only the final drain's own tasks still get in (it runs them too).
+    if (stopped_.load() && !on_thread()) return;
     queue_.push(new Task(std::move(task)));
     // Only a parked loop needs the (system-call) wake-up; a busy one finds the task anyway.
     if (sleeping_.exchange(false)) wake();
   }
 
   void post_batched(Task task) {
-    if (stopped_.load()) return;
+    if (stopped_.load() && !on_thread()) return;
     queue_.push(new Task(std::move(task)));
     // While busy the loop parks for one tick at most and finds the task then.
     if (!busy_.load() && sleeping_.exchange(false)) wake();
@@ -65,11 +67,17 @@ class SchedulingThread::Impl {
     bool operator>(const Timer& o) const { return when != o.when ? when > o.when : seq > o.seq; }
   };
 
+  // Runs everything queued. A task that throws is reported and dropped: the thread that owns
+  // every decision must not die with it.
   void drain() {
     Task* t = nullptr;
     while (queue_.pop(t)) {
       std::unique_ptr<Task> owned(t);
-      (*owned)();
+      try {
+        (*owned)();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tandem gateway: a scheduling task failed: %s\n", e.what());
+      }
     }
   }
 

@@ -88,6 +88,13 @@ class AsyncHttpClient::Impl {
       std::unique_lock lock(mutex_);
       idle_cv_.wait(lock, [&] { return calls_.empty(); });
     }
+    // A client on a server's threads that never made a call has nothing on the strand (and the
+    // server may never have run: waiting for the strand would hang).
+    if (!own_ctx_ && !used_.load()) {
+      std::lock_guard lock(mutex_);
+      shut_down_ = true;
+      return;
+    }
     // The idle connections belong to the strand: closed there, and waited for.
     std::promise<void> cleared;
     asio::post(strand_, [this, &cleared] {
@@ -106,6 +113,7 @@ class AsyncHttpClient::Impl {
     {
       std::lock_guard lock(mutex_);
       if (shut_down_) return 0;
+      used_ = true;
       call->id = ++next_id_;
       calls_[call->id] = call;
       if (stopping_) call->cancelled = true;
@@ -292,8 +300,12 @@ class AsyncHttpClient::Impl {
       std::lock_guard lock(mutex_);
       calls_.erase(call->id);  // before on_done: in_flight() is 0 once the caller learns it
     }
-    if (call->handlers.on_done) call->handlers.on_done(error);
-    idle_cv_.notify_all();
+    idle_cv_.notify_all();  // before on_done, which may throw
+    try {
+      if (call->handlers.on_done) call->handlers.on_done(error);
+    } catch (const std::exception&) {
+      // The caller's bug, not the call's: the call is over either way.
+    }
   }
 
   AsyncHttpClientOptions options_;
@@ -308,7 +320,8 @@ class AsyncHttpClient::Impl {
   std::unordered_map<CallId, std::shared_ptr<Call>> calls_;
   CallId next_id_ = 0;
   bool stopping_ = false, shut_down_ = false;
-  std::thread thread_;  // own io thread only; started once everything above exists
+  std::atomic<bool> used_{false};  // a call was ever started
+  std::thread thread_;             // own io thread only; started once everything above exists
 };
 
 AsyncHttpClient::AsyncHttpClient(AsyncHttpClientOptions options)

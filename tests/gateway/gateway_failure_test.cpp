@@ -585,6 +585,47 @@ TEST_F(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
+TEST_F(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
+  FakeEngine p("p"), d("d");
+  auto t = topology(PdMode::kSequential);
+  t.prefill.endpoints = {endpoint_of(p, "p")};
+  t.decode.endpoints = {endpoint_of(d, "d")};
+  start(t);
+  // An id that is not a plain token is replaced (it goes into the JSON access log).
+  net::Headers h;
+  h.set("X-Request-Id", "\xff\xfe\x01bad");
+  EXPECT_EQ(post(completion(), h).status, 200);
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
+  EXPECT_EQ(log_lines()[0]["request_id"].get<std::string>().size(), 32u);
+  EXPECT_EQ(d.last_body().is_object(), true);
+  // A plain id is honoured and reaches the engines.
+  h.set("X-Request-Id", "my-request-1");
+  EXPECT_EQ(post(completion(), h).status, 200);
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 2; }));
+  EXPECT_EQ(log_lines()[1]["request_id"], "my-request-1");
+  // A stream flag of the wrong type is the client's error.
+  auto r = post(json{{"prompt", "x"}, {"stream", "yes"}});
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("stream"), std::string::npos);
+  EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/health").status, 200);
+}
+
+TEST_F(GatewayFailures, AGatewayThatCannotStartFailsAtOnce) {
+  FakeEngine d("d");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(d, "d")};
+  // An access log that cannot be opened: an error naming it, not a hang.
+  auto bad = t;
+  bad.access_log = (dir_ / "no-such-dir" / "access.jsonl").string();
+  EXPECT_THROW(Gateway(bad, {}), Error);
+  // A port in use: start() throws, and the gateway can still be destroyed.
+  start(t);
+  auto taken = t;
+  taken.port = port();
+  Gateway second(taken, {});
+  EXPECT_THROW(second.start(), Error);
+}
+
 // Every completed request's phases are all stamped and in order (the prefill and decode tracks
 // each monotonic; in parallel mode they overlap).
 void expect_phases_complete_and_ordered(const json& line, PdMode mode) {
