@@ -11,8 +11,8 @@ namespace tandem::cli {
 namespace {
 
 struct GatewayCliOptions {
-  std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "tandem", model,
-                      served_model_name, admin_api_key, access_log;
+  std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "tandem",
+                      policy = "least_load", model, served_model_name, admin_api_key, access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
   size_t max_queue = 1024;
   std::vector<std::string> prefill, decode, api_keys;
@@ -33,6 +33,7 @@ gateway::Topology from_flags(const GatewayCliOptions& o) {
   t.access_log = o.access_log;
   t.max_queue = o.max_queue;
   t.prefill_retries = o.prefill_retries;
+  t.policy = o.policy;
   const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
   t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
   gateway::validate(t);
@@ -44,7 +45,7 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
 
   gateway::Topology t;
   if (!o.config.empty()) {
-    for (const char* flag : {"--prefill", "--decode", "--mode", "--model", "--dialect"})
+    for (const char* flag : {"--prefill", "--decode", "--mode", "--model", "--dialect", "--policy"})
       if (cmd.count(flag) > 0)
         throw Error(std::string("gateway: ") + flag + " and --config exclude each other");
     t = gateway::load_topology(o.config);
@@ -93,6 +94,9 @@ void add_gateway_command(CLI::App& app) {
                   "prefill engine HOST:PORT (parallel mode: HOST:PORT@KV_TRANSFER_PORT); "
                   "repeatable");
   cmd->add_option("--decode", o->decode, "decode engine HOST:PORT; repeatable");
+  cmd->add_option("--policy", o->policy,
+                  "scheduling policy: least_load, tandem, round_robin, cache_aware, kv_router")
+      ->capture_default_str();
   cmd->add_option("--model", o->model,
                   "model folder: tokenize in the gateway and send token ids to the engines");
   cmd->add_option("--served-model-name", o->served_model_name,

@@ -21,7 +21,8 @@ namespace tandem::cli {
 namespace {
 
 struct ServeOptions {
-  std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", access_log, admin_api_key;
+  std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "least_load",
+              access_log, admin_api_key;
   int port = 8080, prefill = 1, decode = 1;
   bool gateway_tokenizer = true;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
@@ -125,6 +126,7 @@ void run(const ServeOptions& o) {
   g.api_keys = o.api_keys;
   g.admin_api_key = o.admin_api_key;
   g.served_model_name = served;
+  g.policy = o.policy;
   // The gateway tokenizes once with the model's own tokenizer and sends ids (sim: engines
   // have no model folder to read it from).
   if (o.gateway_tokenizer && model.rfind("sim:", 0) != 0) g.model = model;
@@ -186,6 +188,10 @@ void add_serve_command(CLI::App& app) {
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");
   cmd->add_option("--access-log", o->access_log, "gateway access log: a file, or - for stdout");
+  cmd->add_option("--policy", o->policy,
+                  "gateway scheduling policy: least_load, tandem, round_robin, cache_aware, "
+                  "kv_router")
+      ->capture_default_str();
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
   cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway/lifecycle.h"
+#include "gateway/policies/queue_order.h"
 #include "gateway/policy.h"
 #include "gateway/scheduling_thread.h"
 #include "gateway/tokens_in.h"
@@ -148,6 +149,7 @@ struct Request {
   std::string prefill_body;  // sequential prefill leg
   int64_t prompt_tokens = 0;
   bool tokens_known = false;
+  std::vector<int32_t> prompt_ids;     // when the gateway tokenized it
   std::vector<uint64_t> block_hashes;  // of the prompt's ids, when the gateway tokenized it
   std::unique_ptr<ResponseTranslator> translator;  // tokens-in: the engine's answer -> client's
   int64_t received_unix_ms = 0;
@@ -233,7 +235,7 @@ class Gateway::Impl {
   Impl(Topology topology, std::string config_path)
       : topo_(std::move(topology)),
         config_path_(std::move(config_path)),
-        policy_(make_least_load_policy()),
+        policy_(make_policy(topo_.policy)),
         metrics_(registry_),
         server_(server_options()),
         client_(std::make_unique<net::AsyncHttpClient>(server_)) {
@@ -419,6 +421,7 @@ class Gateway::Impl {
           r->tokens_known = true;
           r->times.mark(Phase::kPrefixMatching);
           r->block_hashes = block_hashes(t->ids, kPrefixBlockTokens);
+          r->prompt_ids = t->ids;
           if (first.tokens_in && topo_.decode.tokens_in) {
             r->translator = std::make_unique<ResponseTranslator>(t->client_kind);
             body = tokens_in_body(body, *t);
@@ -532,6 +535,7 @@ class Gateway::Impl {
 
   ClusterView view() const {
     ClusterView v;
+    v.state = &policy_state_;
     for (const auto& [id, e] : endpoints_) {
       EndpointLoad l{e.id,        e.config.group,  eligible(e),
                      e.in_flight, e.max_in_flight, e.tokens_in_flight};
@@ -541,8 +545,13 @@ class Gateway::Impl {
   }
 
   RequestInfo info(const Request& r) const {
-    return {r.prompt_tokens,
-            Clock::time_point(std::chrono::nanoseconds(*r.times.at(Phase::kReceived))), r.excluded};
+    RequestInfo ri;
+    ri.prompt_tokens = r.prompt_tokens;
+    ri.arrived = Clock::time_point(std::chrono::nanoseconds(*r.times.at(Phase::kReceived)));
+    ri.excluded = r.excluded;
+    ri.prompt_ids = r.prompt_ids;
+    ri.block_hashes = r.block_hashes;
+    return ri;
   }
 
   bool ended(Request& r) {
@@ -598,14 +607,25 @@ class Gateway::Impl {
 
   // Starts every waiting request an engine is free for, in queue order; a request that must wait
   // (its engines are saturated) does not block the ones behind it that could go elsewhere.
+  // Offers the waiting requests to the policy: first those whose prefill is done (they hold KV
+  // on a prefill engine), then the others in the policy's queue order (prompt length and waiting
+  // time, with a starvation bound: policies/queue_order.h). A request that must wait (its
+  // engines are saturated) does not block the ones behind it that could go elsewhere.
   void dispatch() {
     const auto now = Clock::now();
+    std::vector<RequestPtr> decode_stage, first_stage;
+    for (const auto& r : waiting_)
+      (r->stage == Stage::kDecode ? decode_stage : first_stage).push_back(r);
+    std::vector<QueuedRequest> queued;
+    queued.reserve(first_stage.size());
+    for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
+    std::vector<RequestPtr> offer = std::move(decode_stage);
+    for (size_t i : order(queued, now, QueueWeights{})) offer.push_back(first_stage[i]);
+
     ClusterView v = view();  // kept current below as requests start
-    for (size_t i = 0; i < waiting_.size();) {
-      RequestPtr r = waiting_[i];
+    for (const RequestPtr& r : offer) {
       if (ended(*r)) {
-        waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-        r->queued = false;
+        remove_waiting(r);
         continue;
       }
       const RequestInfo ri = info(*r);
@@ -630,25 +650,16 @@ class Gateway::Impl {
         kind = c.kind;
         decode = c.endpoint;
       }
-      if (kind == Choice::Kind::kSaturated) {
-        ++i;
-        continue;
-      }
-      waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
-      r->queued = false;
-      metrics_.waiting.set(static_cast<double>(waiting_.size()));
+      if (kind == Choice::Kind::kSaturated) continue;
+      remove_waiting(r);
       if (kind == Choice::Kind::kNoneEligible) {
         answer_error(r, 503, "no healthy engine can serve this request");
         continue;
       }
       metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
       start(r, prefill, decode);
-      for (auto* pool : {&v.prefill, &v.decode})
-        for (auto& e : *pool)
-          if (e.id == prefill || e.id == decode) {
-            ++e.in_flight;
-            e.tokens_in_flight += r->prompt_tokens;
-          }
+      policy_->record(policy_state_, ri, prefill, decode, now);
+      apply_choice(v, ri, prefill, decode);
     }
   }
 
@@ -773,9 +784,7 @@ class Gateway::Impl {
       e->consecutive_failures = 0;
     else
       passive_failure(*e);
-    if (e->draining && e->in_flight == 0) {
-      endpoints_.erase(leg.endpoint);
-    }
+    if (e->draining && e->in_flight == 0) forget_endpoint(leg.endpoint);
     dispatch();
   }
 
@@ -1306,6 +1315,12 @@ class Gateway::Impl {
   }
 
   // Draining: no new requests; it leaves once its last leg finished.
+  void forget_endpoint(int id) {
+    endpoints_.erase(id);
+    policy_state_.prefill_tree.remove_tenant(id);
+    policy_state_.decode_tree.remove_tenant(id);
+  }
+
   bool drain_endpoint(int id) {
     EndpointState* e = endpoint(id);
     if (!e || e->draining) return false;
@@ -1316,7 +1331,7 @@ class Gateway::Impl {
     // then belong to the newcomer, so a draining engine writes to a gauge of its own.
     e->healthy_gauge = &detached_gauge_;
     e->in_flight_gauge = &detached_gauge_;
-    if (e->in_flight == 0) endpoints_.erase(id);
+    if (e->in_flight == 0) forget_endpoint(id);
     update_ready();
     return true;
   }
@@ -1424,6 +1439,7 @@ class Gateway::Impl {
   Topology topo_;
   std::string config_path_;
   std::unique_ptr<Policy> policy_;
+  PolicyState policy_state_;  // the policy's explicit state (scheduling thread only)
   metrics::Registry registry_;
   Metrics metrics_;
   std::FILE* access_log_ = nullptr;

@@ -253,7 +253,7 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   const auto keys = r.mapping(
       root, "",
       {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key", "max_queue",
-       "prefill_retries", "access_log", "health", "timeouts", "prefill", "decode"});
+       "prefill_retries", "policy", "access_log", "health", "timeouts", "prefill", "decode"});
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
@@ -282,6 +282,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   }
   if (has("model"))
     t.model = r.file_path(r.non_empty_string(keys.at("model"), "model", "a model folder"));
+  if (has("policy"))
+    t.policy = r.non_empty_string(keys.at("policy"), "policy", "a scheduling policy name");
   if (has("served_model_name"))
     t.served_model_name =
         r.non_empty_string(keys.at("served_model_name"), "served_model_name", "a model name");

@@ -71,7 +71,10 @@ struct Topology {
   std::string admin_api_key;          // for /admin/*; empty: the admin API is off
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
-  int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
+  int prefill_retries = 2;
+  // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
+  // kv_router. Checked when the gateway is built.
+  std::string policy = "least_load";  // other prefill engines tried when one fails before any byte
   HealthOptions health;
   Timeouts timeouts;
   std::string access_log;  // a file path, "-" for standard output, empty for none

@@ -593,7 +593,9 @@ TEST_F(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
   start(t);
   // An id that is not a plain token is replaced (it goes into the JSON access log).
   net::Headers h;
-  h.set("X-Request-Id", "\xff\xfe\x01bad");
+  h.set("X-Request-Id",
+        "\xff\xfe"
+        "bad");
   EXPECT_EQ(post(completion(), h).status, 200);
   ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
   EXPECT_EQ(log_lines()[0]["request_id"].get<std::string>().size(), 32u);
@@ -608,6 +610,32 @@ TEST_F(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
   EXPECT_EQ(r.status, 400);
   EXPECT_NE(r.body.find("stream"), std::string::npos);
   EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/health").status, 200);
+}
+
+TEST_F(GatewayFailures, ThePolicyIsChosenByName) {
+  FakeEngine a("a"), b("b");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(a, "a"), endpoint_of(b, "b")};
+  t.policy = "no-such-policy";
+  try {
+    Gateway g(t, {});
+    ADD_FAILURE() << "an unknown policy was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("least_load"), std::string::npos) << e.what();
+  }
+  // One request at a time: least_load sends each to the idle engine with the lowest id,
+  // round_robin alternates.
+  t.policy = "round_robin";
+  start(t);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_EQ(a.requests(), 2);
+  EXPECT_EQ(b.requests(), 2);
+  gw_.reset();
+  t.policy = "least_load";
+  start(t);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(post(completion()).status, 200);
+  EXPECT_EQ(a.requests(), 6);
+  EXPECT_EQ(b.requests(), 2);
 }
 
 TEST_F(GatewayFailures, AGatewayThatCannotStartFailsAtOnce) {
