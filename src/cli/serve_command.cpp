@@ -127,9 +127,11 @@ void run(const ServeOptions& o) {
   g.admin_api_key = o.admin_api_key;
   g.served_model_name = served;
   g.policy = o.policy;
-  // The gateway tokenizes once with the model's own tokenizer and sends ids (sim: engines
-  // have no model folder to read it from).
-  if (o.gateway_tokenizer && model.rfind("sim:", 0) != 0) g.model = model;
+  // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
+  // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
+  // its scheduling instead of estimates).
+  if (o.gateway_tokenizer)
+    g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
   // Engines start one after another: each has its ports by the time the next one starts.
   for (int i = 0; i < prefills; ++i) {
     children.push_back(std::make_unique<Child>(engine_args("prefill"), stop_signals));
