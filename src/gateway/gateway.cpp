@@ -12,9 +12,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/kv_events_consumer.h"
 #include "gateway/lifecycle.h"
 #include "gateway/policies/queue_order.h"
 #include "gateway/policy.h"
+#include "gateway/prefix_index.h"
 #include "gateway/scheduling_thread.h"
 #include "gateway/tokens_in.h"
 #include "net/async_http_client.h"
@@ -272,6 +274,7 @@ class Gateway::Impl {
     client_->shutdown();
     server_.stop();
     sched_.stop();
+    consumers_.clear();
   }
 
  private:
@@ -518,7 +521,16 @@ class Gateway::Impl {
     s.failures_total = &metrics_.endpoint_failures.labels(labels);
     s.healthy_gauge->set(1);
     s.in_flight_gauge->set(0);
-    endpoints_.emplace(s.id, std::move(s));
+    const int id = s.id;
+    const Endpoint& c = s.config;
+    if (!c.kv_events.empty()) {
+      KvEventsConsumerOptions o;
+      o.engine = id;
+      o.endpoint = c.kv_events;
+      o.replay_endpoint = c.kv_events_replay;
+      consumers_[id] = std::make_unique<KvEventsConsumer>(prefix_index_, o);
+    }
+    endpoints_.emplace(id, std::move(s));
     update_ready();
   }
 
@@ -629,6 +641,7 @@ class Gateway::Impl {
         continue;
       }
       const RequestInfo ri = info(*r);
+      fill_cached_tokens(v, *r);
       int prefill = -1, decode = -1;
       Choice::Kind kind = Choice::Kind::kChosen;
       if (topo_.mode == PdMode::kAggregated) {
@@ -661,6 +674,22 @@ class Gateway::Impl {
       policy_->record(policy_state_, ri, prefill, decode, now);
       apply_choice(v, ri, prefill, decode);
     }
+  }
+
+  // Each engine's cached prefix of this prompt from the KV-event index: tokens it will not
+  // recompute (0 when it holds none); -1 (unknown) without a tokenized prompt or an index.
+  void fill_cached_tokens(ClusterView& v, const Request& r) {
+    const bool known = !r.prompt_ids.empty() && !consumers_.empty();
+    std::vector<PrefixMatch> matches;
+    if (known) matches = prefix_index_.match(r.prompt_ids);
+    for (auto* pool : {&v.prefill, &v.decode})
+      for (auto& e : *pool) {
+        e.cached_tokens = -1;
+        if (!known || !consumers_.count(e.id)) continue;
+        e.cached_tokens = 0;
+        for (const auto& m : matches)
+          if (m.engine == e.id) e.cached_tokens = m.tokens;
+      }
   }
 
   EndpointState* endpoint(int id) {
@@ -1235,6 +1264,7 @@ class Gateway::Impl {
               {"in_flight", e.in_flight},
               {"max_in_flight", e.max_in_flight},
               {"consecutive_failures", e.consecutive_failures}};
+    if (consumers_.count(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
     if (e.config.bootstrap_port) j["bootstrap_port"] = e.config.bootstrap_port;
     return j;
   }
@@ -1317,6 +1347,8 @@ class Gateway::Impl {
   // Draining: no new requests; it leaves once its last leg finished.
   void forget_endpoint(int id) {
     endpoints_.erase(id);
+    consumers_.erase(id);  // before the index forgets the engine: no event re-adds it
+    prefix_index_.remove_engine(id);
     policy_state_.prefill_tree.remove_tenant(id);
     policy_state_.decode_tree.remove_tenant(id);
   }
@@ -1440,6 +1472,10 @@ class Gateway::Impl {
   std::string config_path_;
   std::unique_ptr<Policy> policy_;
   PolicyState policy_state_;  // the policy's explicit state (scheduling thread only)
+  // The engines' cached prefixes, fed by one KV-event consumer per engine that publishes them
+  // (their threads write the index; the scheduling thread reads it).
+  PrefixIndex prefix_index_;
+  std::map<int, std::unique_ptr<KvEventsConsumer>> consumers_;
   metrics::Registry registry_;
   Metrics metrics_;
   std::FILE* access_log_ = nullptr;

@@ -200,8 +200,9 @@ std::string at(const std::string& path, size_t index) {
 
 Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::string& path) {
   if (node.IsScalar()) return parse_endpoint_as(r.string(node, path), r.source() + ": " + path);
-  const auto keys = r.mapping(
-      node, path, {"url", "host", "port", "bootstrap_port", "group", "name", "max_in_flight"});
+  const auto keys = r.mapping(node, path,
+                              {"url", "host", "port", "bootstrap_port", "group", "name",
+                               "max_in_flight", "kv_events", "kv_events_replay"});
   Endpoint e;
   if (keys.count("url")) {
     if (keys.count("host") || keys.count("port"))
@@ -215,6 +216,11 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     e.host = r.non_empty_string(keys.at("host"), path + ".host", "a host name or address");
     e.port = r.port(keys.at("port"), path + ".port");
   }
+  if (keys.count("kv_events"))
+    e.kv_events = r.non_empty_string(keys.at("kv_events"), path + ".kv_events", "a ZMQ endpoint");
+  if (keys.count("kv_events_replay"))
+    e.kv_events_replay = r.non_empty_string(keys.at("kv_events_replay"), path + ".kv_events_replay",
+                                            "a ZMQ endpoint");
   if (keys.count("bootstrap_port")) {
     if (e.bootstrap_port != 0)
       r.fail(path + ".bootstrap_port", "one bootstrap port", "one in url as well");

@@ -27,6 +27,9 @@ struct Endpoint {
   uint16_t bootstrap_port = 0;  // parallel mode, prefill pool: the engine's KV transfer port
   int group = 0;
   int max_in_flight = 0;  // requests at once before more wait in the gateway; 0: the pool's
+  // The engine's KV events (vLLM's ZMQ publisher), which feed the gateway's prefix index: the
+  // PUB endpoint, e.g. "tcp://10.0.0.5:5557", and the replay ROUTER endpoint. Empty: none.
+  std::string kv_events, kv_events_replay;
 };
 
 struct Pool {

@@ -5,6 +5,7 @@
 // and publisher restarts clearing the engine) and against a real `tandem engine`.
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -24,8 +25,10 @@
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
 #include "engine/kv/kv_events.h"
+#include "gateway/gateway.h"
 #include "gateway/kv_events_consumer.h"
 #include "gateway/prefix_index.h"
+#include "text/oracle_support.h"
 #include "util/block_hash.h"
 #include "util/error.h"
 
@@ -762,6 +765,68 @@ TEST(PrefixIndexWithEngine, MatchDepthEqualsThePromptsBlocks) {
   ASSERT_TRUE(testing::eventually(
       [&] { return index.match_depth(7, d) == 2 && index.match_depth(7, a) == 4; }));
   EXPECT_EQ(index.num_blocks(7), late_index.num_blocks(7));
+}
+
+// The index wired into the gateway: two engines publishing KV events behind a gateway that
+// tokenizes and schedules by cache overlap. Engine b alone has a prompt cached (it was sent to
+// b directly); its continuations through the gateway all go to b, where without the index the
+// policy sees two idle, equal engines and takes the first. The admin view shows the blocks.
+void follows_the_cached_prefix(const std::string& policy) {
+  SCOPED_TRACE(policy);
+  EngineWithEvents a, b;
+  Topology t;
+  t.host = "127.0.0.1";
+  t.port = 0;
+  t.mode = PdMode::kAggregated;
+  t.policy = policy;
+  t.admin_api_key = "admin";
+  t.model = test::lenml_model("deepseek_v3").string();  // the sim engines' tokenizer
+  for (auto* e : {&a, &b}) {
+    Endpoint ep = parse_endpoint("127.0.0.1:" + std::to_string(e->process.port()));
+    ep.name = e == &a ? "a" : "b";
+    ep.kv_events = e->endpoint;
+    ep.kv_events_replay = e->replay;
+    t.decode.endpoints.push_back(ep);
+  }
+  Gateway gw(t, {});
+  gw.start();
+  net::Headers admin;
+  admin.set("Authorization", "Bearer admin");
+  auto blocks = [&] {
+    std::map<std::string, int64_t> out;
+    const json eps =
+        json::parse(net::http_request("127.0.0.1", gw.port(), "GET", "/admin/endpoints", {}, admin)
+                        .body)["endpoints"];
+    for (const auto& e : eps) out[e["name"]] = e.value("prefix_blocks", int64_t{-1});
+    return out;
+  };
+  EXPECT_EQ(blocks(), (std::map<std::string, int64_t>{{"a", 0}, {"b", 0}}));
+  std::string base = "The gateway keeps a global index of every engine's cached blocks";
+  for (int i = 0; i < 6; ++i) base += " and routes each request where its prefix already is";
+  const json warm = {{"prompt", base}, {"max_tokens", 2}, {"temperature", 0}};
+  ASSERT_EQ(testing::post_json(b.process.port(), "/v1/completions", warm).status, 200);
+  ASSERT_TRUE(testing::eventually([&] { return blocks().at("b") > 10; }))
+      << "b's blocks did not reach the index";
+  for (int i = 0; i < 5; ++i) {
+    const json body = {{"prompt", base + ", continuation number " + std::to_string(i)},
+                       {"max_tokens", 2},
+                       {"temperature", 0}};
+    const auto r = testing::post_json(gw.port(), "/v1/completions", body);
+    EXPECT_EQ(r.status, 200) << r.body;
+  }
+  auto sent_to = [&](const std::string& name) {
+    return testing::metric(gw.port(), "tandem:gateway_endpoint_requests_total",
+                           "endpoint=\"" + name + "\"");
+  };
+  EXPECT_EQ(sent_to("b"), 5);
+  EXPECT_EQ(sent_to("a"), 0);
+  EXPECT_EQ(blocks().at("a"), 0);
+  gw.stop();
+}
+
+TEST(PrefixIndexWithGateway, PoliciesFollowTheCachedPrefix) {
+  follows_the_cached_prefix("kv_router");
+  follows_the_cached_prefix("tandem");
 }
 
 }  // namespace
