@@ -21,6 +21,7 @@ namespace tandem::cli {
 namespace {
 
 struct ServeOptions {
+  bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "least_load",
               access_log, admin_api_key;
   int port = 8080, prefill = 1, decode = 1;
@@ -41,32 +42,46 @@ std::string model_folder(const std::string& model) {
 // One `tandem engine` child: started with --port 0, its ports read from its first lines.
 class Child {
  public:
-  Child(const std::vector<std::string>& args, const StopSignals& stop_signals)
+  // `kv_events`: the engine publishes KV events, announced on the line after its role line.
+  Child(const std::vector<std::string>& args, const StopSignals& stop_signals, bool kv_events)
       : process_("/proc/self/exe", args, [&] { stop_signals.unblock(); }) {
+    bool role_seen = false;
     for (std::string l = process_.read_line(); !l.empty(); l = process_.read_line()) {
       if (auto at = l.find("listening on http://"); at != std::string::npos) {
         port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
       } else if (auto kv = l.find("KV transfer on "); kv != std::string::npos) {
         kv_port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', kv + 15) + 1)));
       }
-      if (l.find("role ") != std::string::npos) return;  // the second line: ports known
+      if (auto ev = l.find("KV events on "); ev != std::string::npos) {
+        const auto replay = l.find("(replay ");
+        events_ = l.substr(ev + 13, l.find(' ', ev + 13) - ev - 13);
+        if (replay != std::string::npos)
+          events_replay_ = l.substr(replay + 8, l.find(')', replay) - replay - 8);
+      }
+      if (l.find("role ") != std::string::npos) role_seen = true;
+      if (role_seen && (!kv_events || !events_.empty())) return;  // every port known
     }
     throw Error("serve: an engine did not start (see its messages above)");
   }
   uint16_t port() const { return port_; }
   uint16_t kv_port() const { return kv_port_; }
+  const std::string& events() const { return events_; }
+  const std::string& events_replay() const { return events_replay_; }
   void terminate() { process_.signal(SIGTERM); }
 
  private:
   ChildProcess process_;  // stopped (SIGTERM, wait) when the Child goes
   uint16_t port_ = 0, kv_port_ = 0;
+  std::string events_, events_replay_;
 };
 
-gateway::Endpoint endpoint(const std::string& host, uint16_t port, uint16_t bootstrap) {
+gateway::Endpoint endpoint(const Child& c, const std::string& host, uint16_t bootstrap) {
   gateway::Endpoint e;
   e.host = host;
-  e.port = port;
+  e.port = c.port();
   e.bootstrap_port = bootstrap;
+  e.kv_events = c.events();
+  e.kv_events_replay = c.events_replay();
   return e;
 }
 
@@ -113,6 +128,11 @@ void run(const ServeOptions& o) {
     std::vector<std::string> a = {"tandem", "engine", "--model", model,    "--host",
                                   o.host,   "--port", "0",       "--role", role};
     if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    if (o.kv_events)  // any free ports; the gateway's prefix index subscribes
+      a.insert(a.end(), {"--kv-events-config",
+                         R"({"enable_kv_cache_events": true, "publisher": "zmq", )"
+                         R"("endpoint": "tcp://)" +
+                             o.host + R"(:*", "replay_endpoint": "tcp://)" + o.host + R"(:*"})"});
     a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
@@ -134,14 +154,13 @@ void run(const ServeOptions& o) {
     g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
   // Engines start one after another: each has its ports by the time the next one starts.
   for (int i = 0; i < prefills; ++i) {
-    children.push_back(std::make_unique<Child>(engine_args("prefill"), stop_signals));
-    g.prefill.endpoints.push_back(
-        endpoint(o.host, children.back()->port(), children.back()->kv_port()));
+    children.push_back(std::make_unique<Child>(engine_args("prefill"), stop_signals, o.kv_events));
+    g.prefill.endpoints.push_back(endpoint(*children.back(), o.host, children.back()->kv_port()));
   }
   for (int i = 0; i < o.decode; ++i) {
     const std::string role = mode == gateway::PdMode::kAggregated ? "both" : "decode";
-    children.push_back(std::make_unique<Child>(engine_args(role), stop_signals));
-    g.decode.endpoints.push_back(endpoint(o.host, children.back()->port(), 0));
+    children.push_back(std::make_unique<Child>(engine_args(role), stop_signals, o.kv_events));
+    g.decode.endpoints.push_back(endpoint(*children.back(), o.host, 0));
   }
   gateway::Gateway gw(g);
   gw.start();
@@ -190,6 +209,9 @@ void add_serve_command(CLI::App& app) {
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");
   cmd->add_option("--access-log", o->access_log, "gateway access log: a file, or - for stdout");
+  cmd->add_flag("--kv-events", o->kv_events,
+                "engines publish KV events and the gateway's prefix index follows them (for "
+                "the cache-aware policies: tandem, kv_router)");
   cmd->add_option("--policy", o->policy,
                   "gateway scheduling policy: least_load, tandem, round_robin, cache_aware, "
                   "kv_router")

@@ -240,10 +240,12 @@ TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
 TEST(GatewayServe, ManySimulatedEnginesShareTheLoad) {
   for (const std::string mode : {"sequential", "parallel"}) {
     SCOPED_TRACE(mode);
-    EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--host", "127.0.0.1",
-                         "--port", "0", "--mode", mode, "--prefill", "2", "--decode", "3",
-                         "--admin-api-key", "admin", "--engine-arg=--num-kv-blocks",
-                         "--engine-arg=512"});
+    EngineProcess serve(
+        {TANDEM_BINARY,     "serve",       "--model",  "sim:tiny", "--host",
+         "127.0.0.1",       "--port",      "0",        "--mode",   mode,
+         "--prefill",       "2",           "--decode", "3",        "--admin-api-key",
+         "admin",           "--kv-events", "--policy", "tandem",   "--engine-arg=--num-kv-blocks",
+         "--engine-arg=512"});
     for (int i = 0; i < 5; ++i) serve.next_line();  // the engines' lines
     std::vector<std::future<int>> got;
     for (int i = 0; i < 30; ++i)
@@ -260,6 +262,15 @@ TEST(GatewayServe, ManySimulatedEnginesShareTheLoad) {
         net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, admin)
             .body)["endpoints"];
     ASSERT_EQ(eps.size(), 5u);
+    // --kv-events: the engines' cached blocks reach the gateway's prefix index.
+    EXPECT_TRUE(eventually([&] {
+      int64_t indexed = 0;
+      const json now = json::parse(
+          net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, admin)
+              .body)["endpoints"];
+      for (const auto& e : now) indexed += e.value("prefix_blocks", int64_t{0});
+      return indexed > 0;
+    })) << eps.dump();
     for (const auto& e : eps) {
       const std::string labels = "pool=\"" + e["pool"].get<std::string>() + "\",endpoint=\"" +
                                  e["name"].get<std::string>() + "\"";
