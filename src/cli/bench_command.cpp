@@ -15,6 +15,7 @@
 #include "bench/report.h"
 #include "bench/workload.h"
 #include "cli/model_commands.h"
+#include "gateway/topology.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/progress.h"
@@ -40,21 +41,10 @@ struct BenchCliOptions {
   bool no_ignore_eos = false, no_progress = false;
 };
 
-// "http://HOST:PORT" (a path after it is ignored) into host and port.
+// "http://HOST:PORT" into host and port: the gateway's endpoint syntax, one parser for both.
 std::pair<std::string, uint16_t> split_url(const std::string& url) {
-  std::string rest = url;
-  if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
-  if (rest.rfind("https://", 0) == 0) throw Error("--base-url: https is not supported");
-  if (auto slash = rest.find('/'); slash != std::string::npos) rest = rest.substr(0, slash);
-  const auto colon = rest.rfind(':');
-  if (colon == std::string::npos) return {rest, 80};
-  try {
-    const int port = std::stoi(rest.substr(colon + 1));
-    if (port < 1 || port > 65535) throw Error("");
-    return {rest.substr(0, colon), static_cast<uint16_t>(port)};
-  } catch (const std::exception&) {
-    throw Error("'" + url + "': expected http://HOST:PORT");
-  }
+  const gateway::Endpoint e = gateway::parse_endpoint(url);
+  return {e.host, e.port};
 }
 
 std::vector<std::string> split(const std::string& s, char sep) {

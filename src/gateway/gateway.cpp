@@ -7,7 +7,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <random>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -26,24 +25,13 @@
 #include "util/error.h"
 #include "util/json.h"
 #include "util/metrics.h"
+#include "util/random_id.h"
 
 namespace tandem::gateway {
 namespace {
 
 using nlohmann::json;
 using CallId = net::AsyncHttpClient::CallId;
-
-uint64_t random_u64() {
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  return rng();
-}
-
-std::string random_id() {
-  char buf[33];
-  std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(random_u64()),
-                static_cast<unsigned long long>(random_u64()));
-  return buf;
-}
 
 int64_t unix_ms() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -388,7 +376,7 @@ class Gateway::Impl {
     // Honoured when it is a plain token (it goes into logs, JSON and engine headers).
     const bool printable =
         std::all_of(r->id.begin(), r->id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
-    if (r->id.empty() || r->id.size() > 256 || !printable) r->id = random_id();
+    if (r->id.empty() || r->id.size() > 256 || !printable) r->id = random_hex(2);
     r->headers.set("X-Request-Id", r->id);
     if (const auto* auth = req.headers.find("Authorization"))
       r->headers.set("Authorization", *auth);

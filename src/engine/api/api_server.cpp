@@ -3,12 +3,12 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
-#include <random>
 
 #include "engine/api/protocol.h"
 #include "net/sse.h"
 #include "util/error.h"
 #include "util/json.h"
+#include "util/random_id.h"
 
 namespace tandem::engine::api {
 namespace {
@@ -19,13 +19,6 @@ int64_t unix_seconds() {
   return std::chrono::duration_cast<std::chrono::seconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-std::string random_hex() {
-  thread_local std::mt19937_64 rng(std::random_device{}());
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(rng()));
-  return buf;
 }
 
 // Invalid UTF-8 in generated text (a token cut mid-character is held back by the detokenizer,
@@ -260,12 +253,12 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
                              : kind == ApiKind::kCompletion ? "cmpl-"
                                                             : "";
   std::string id = req.headers.get("x-request-id");
-  if (id.empty()) id = prefix + random_hex() + random_hex();
+  if (id.empty()) id = prefix + random_hex(2);
   call->builder =
       std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, unix_seconds());
   call->exchange = ex;
   // Engine ids are ours and unique, whatever id the client chose.
-  const std::string base = random_hex() + random_hex();
+  const std::string base = random_hex(2);
   const auto& prompts = call->request.prompts;
   for (size_t i = 0; i < prompts.size(); ++i)
     call->engine_ids.push_back(base + "-" + std::to_string(i));

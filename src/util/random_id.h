@@ -1,0 +1,13 @@
+#pragma once
+// Random identifiers (request ids, bootstrap rooms): not cryptographic, unique in practice.
+#include <cstdint>
+#include <string>
+
+namespace tandem {
+
+// A random 64-bit number from a per-thread generator seeded by std::random_device.
+uint64_t random_u64();
+// `words` random 64-bit numbers as lowercase hex, 16 characters each.
+std::string random_hex(int words = 1);
+
+}  // namespace tandem
