@@ -6,16 +6,23 @@
 # rate next to the window's own upper bound (an infinite cache with the trace's 512-token
 # blocks), and load imbalance (largest over mean of the requests each engine got).
 #
+# The engines keep the simulated H800's KV capacity (524,288 tokens each, what one 80 GB rank keeps
+# after its share of the weights) and its step times; only the bytes their KV transfers move are
+# cut to SIM_KV_BYTES per token and layer, so eight engines' transfers fit one machine's loopback
+# (transfer time is not what the policies decide). The hit rate counts the prefill engines' prefix
+# caches (in P/D modes the decode engines receive the KV and compute nothing).
+#
 # Usage: bench/policy_comparison.sh [BUILD_DIR]
 # Environment: POLICIES ("least_load round_robin cache_aware kv_router tandem"), PREFILL (4),
-#   DECODE (4), MODE (parallel), LIMIT (100 records), START (0), TIME_SCALE (4), KV_GB (2 per
-#   engine), SLO_TTFT_MS (2000), SLO_TPOT_MS (100), TRACE (../shared/traces/...).
+#   DECODE (4), MODE (parallel), LIMIT (300 records), START (0), TIME_SCALE (2), SIM_KV_BYTES
+#   (16), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), TRACE (../shared/traces/...), ENGINE_ARGS
+#   (more engine flags, e.g. "--num-kv-blocks=4096").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
 policies="${POLICIES:-least_load round_robin cache_aware kv_router tandem}"
 trace="${TRACE:-$root/../shared/traces/mooncake_conversation_trace.jsonl}"
-limit="${LIMIT:-100}" start="${START:-0}" scale="${TIME_SCALE:-4}"
+limit="${LIMIT:-300}" start="${START:-0}" scale="${TIME_SCALE:-2}"
 [ -f "$trace" ] || { echo "no trace at $trace (set TRACE)" >&2; exit 1; }
 
 dir="$(mktemp -d)"
@@ -53,9 +60,11 @@ printf '%-12s %9s %9s %9s %9s %10s %9s %9s %9s\n' policy ttft_p50 ttft_p99 tpot_
   goodput hit_% bound_% imbalance
 for policy in $policies; do
   log="$dir/serve-$policy.out"
+  engine_args=(--engine-arg="--sim-kv-token-bytes=${SIM_KV_BYTES:-16}")
+  for a in ${ENGINE_ARGS:-}; do engine_args+=(--engine-arg="$a"); done
   "$build/tandem" serve --model sim:deepseek-v3-h800 --mode "${MODE:-parallel}" \
     --prefill "${PREFILL:-4}" --decode "${DECODE:-4}" --port 0 --kv-events --policy "$policy" \
-    --admin-api-key bench --engine-arg=--kv-cache-gb --engine-arg="${KV_GB:-2}" >"$log" 2>&1 &
+    --admin-api-key bench "${engine_args[@]}" >"$log" 2>&1 &
   serve_pid=$!
   for _ in $(seq 1 300); do
     n="$(grep -c 'engine http://' "$log" || true)"
@@ -64,11 +73,15 @@ for policy in $policies; do
   done
   url="$(sed -n 's/.*listening on \(http:\/\/[^ ]*\).*/\1/p' "$log" | head -1)"
   metrics=()
-  for e in $(sed -n 's/.*engine \(http:\/\/[^ ]*\).*/\1/p' "$log"); do metrics+=(--metrics-url "$e"); done
+  computes="prefill engine"
+  [ "${MODE:-parallel}" = aggregated ] && computes="decode engine"
+  for e in $(sed -n "s/.*$computes \\(http:\\/\\/[^ ]*\\).*/\\1/p" "$log"); do
+    metrics+=(--metrics-url "$e")
+  done
   "$build/tandem" bench --base-url "$url" --model deepseek-v3-h800 --dataset-name mooncake \
     --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" --time-scale "$scale" \
     "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,99 \
-    --goodput "ttft:${SLO_TTFT_MS:-2000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \
+    --goodput "ttft:${SLO_TTFT_MS:-10000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \
     --result-file "$dir/$policy.json" --no-progress >"$dir/bench-$policy.out" 2>&1
   curl -s -H 'Authorization: Bearer bench' "$url/metrics" >"$dir/metrics-$policy.txt"
   kill "$serve_pid" && wait "$serve_pid" 2>/dev/null || true

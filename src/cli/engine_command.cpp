@@ -33,6 +33,7 @@ struct EngineOptions {
   int64_t max_body_bytes = 8 << 20;
   uint64_t sim_seed = 0;
   double sim_time_scale = 1.0;
+  int64_t sim_kv_token_bytes = 0;
   int64_t max_model_len = 0;
   std::string role = "both";
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
@@ -86,6 +87,7 @@ void run(const EngineOptions& o) {
     so.num_blocks = o.num_blocks;
     so.seed = o.sim_seed;
     so.time_scale = o.sim_time_scale;
+    so.kv_token_bytes = o.sim_kv_token_bytes;
     so.max_model_len = o.max_model_len;
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
@@ -251,6 +253,10 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--sim-time-scale", o->sim_time_scale,
                   "multiplies the simulated step times (0: do not sleep)")
       ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--sim-kv-token-bytes", o->sim_kv_token_bytes,
+                  "bytes per token and layer a simulated engine's KV transfers move (default: "
+                  "the model's real size)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--role", o->role, "prefill, decode or both (prefill/decode disaggregation)")
       ->capture_default_str()

@@ -216,7 +216,17 @@ void Engine::abort(const std::string& id) {
 
 LoadReport Engine::load() const {
   std::lock_guard lock(load_mutex_);
-  return load_;
+  LoadReport r = load_;
+  if (r.step_seqs > 0) r.step_running_for_s = std::max(now_seconds() - step_started_, 0.0);
+  return r;
+}
+
+int64_t Engine::prefill_tokens() const {
+  int64_t n = 0;
+  for (const auto& [id, seq] : sequences_)
+    if (seq->status != SequenceStatus::kFinished && !seq->fetching)
+      n += std::max<int64_t>(seq->num_prompt - seq->num_computed, 0);
+  return n;
 }
 
 std::string Engine::kv_events_endpoint() const {
@@ -361,6 +371,21 @@ void Engine::step() {
     on_layer = [&](int64_t layers) {
       for (auto [r, claim] : rooms) agent_->room_layers_done(r, claim, layers);
     };
+  int64_t step_tokens = 0, step_prefill_tokens = 0;
+  for (const auto& s : out.scheduled) {
+    step_tokens += s.num_new_tokens;
+    if (s.seq->num_computed < s.seq->num_prompt)
+      step_prefill_tokens += std::min(s.num_new_tokens, s.seq->num_prompt - s.seq->num_computed);
+  }
+  {
+    // What the gateway's expected-finish-time routing reads while this step runs.
+    const int64_t queued = prefill_tokens() - step_prefill_tokens;
+    std::lock_guard lock(load_mutex_);
+    load_.step_seqs = static_cast<int64_t>(out.scheduled.size());
+    load_.step_tokens = step_tokens;
+    load_.prefill_tokens = std::max<int64_t>(queued, 0);
+    step_started_ = now;
+  }
   ExecResult result;
   try {
     result = executor_->execute(items, on_layer);
@@ -375,6 +400,10 @@ void Engine::step() {
   }
   scheduler_.step_done(out);
   const double done = now_seconds();
+  const uint64_t index = recent_steps_.empty() ? 1 : recent_steps_.back().index + 1;
+  recent_steps_.push_back(
+      {index, static_cast<int64_t>(out.scheduled.size()), step_tokens, done - now});
+  if (recent_steps_.size() > LoadReport::kRecentSteps) recent_steps_.erase(recent_steps_.begin());
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const auto& s = out.scheduled[i];
     Sequence* seq = s.seq;
@@ -593,9 +622,12 @@ void Engine::update_gauges() {
   metrics_->waiting.set(static_cast<double>(r.waiting));
   metrics_->kv_usage.set(r.kv_usage);
   metrics_->gpu_usage.set(r.kv_usage);
+  r.prefill_tokens = prefill_tokens();
+  r.max_batch_tokens = scheduler_.config().max_num_batched_tokens;
+  r.recent_steps = recent_steps_;
   std::lock_guard lock(load_mutex_);
   r.steps = load_.steps + 1;
-  load_ = r;
+  load_ = std::move(r);
 }
 
 }  // namespace tandem::engine

@@ -35,14 +35,31 @@ struct EngineConfig {
   std::optional<KvTransferConfig> transfer;
 };
 
+// One executed step, for the gateway's learned batch durations.
+struct StepRecord {
+  uint64_t index = 0;  // 1 for the engine's first step
+  int64_t seqs = 0, tokens = 0;
+  double seconds = 0;
+};
+
 // A snapshot for the gateway's load-aware routing (JSON at /load).
 struct LoadReport {
+  static constexpr size_t kRecentSteps = 32;
   int64_t running = 0, waiting = 0;
   int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
   int64_t tokens_in_flight = 0;  // prompt + generated tokens of running and waiting requests
   double kv_usage = 0;           // fraction of blocks in use
   int64_t cached_blocks = 0;     // blocks findable by the prefix cache (in use or evictable)
   uint64_t steps = 0;
+  // Prompt tokens still to compute (uncached, not yet prefilled), not counting those of the step
+  // that runs now: the prefill work queued behind it.
+  int64_t prefill_tokens = 0;
+  int64_t max_batch_tokens = 0;  // the scheduler's tokens per step (chunked-prefill budget)
+  // The step that runs now (step_seqs 0: none): its size and how long it has run (filled by
+  // Engine::load() at the time of the call).
+  int64_t step_seqs = 0, step_tokens = 0;
+  double step_running_for_s = 0;
+  std::vector<StepRecord> recent_steps;  // the last kRecentSteps steps, oldest first
 };
 
 class Engine {
@@ -129,9 +146,12 @@ class Engine {
 
   std::unique_ptr<KvTransferAgent> agent_;  // stop() ends it before the members it posts into
 
-  // Load snapshot, written by the engine thread after each step.
+  // Load snapshot, written by the engine thread before and after each step.
   mutable std::mutex load_mutex_;
   LoadReport load_;
+  double step_started_ = 0;               // now_seconds() when the running step began
+  std::vector<StepRecord> recent_steps_;  // engine thread; copied into load_
+  int64_t prefill_tokens() const;         // engine thread: prompt tokens not yet computed
 };
 
 }  // namespace tandem::engine

@@ -7,10 +7,12 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
+#include "gateway/engine_load.h"
 #include "gateway/kv_events_consumer.h"
 #include "gateway/lifecycle.h"
 #include "gateway/policies/queue_order.h"
@@ -90,8 +92,12 @@ bool carries_tokens(std::string_view data) {
   return data != "[DONE]" && data.find("\"choices\":[]") == std::string_view::npos;
 }
 
-// Prompt blocks the gateway hashes its ids in (util/block_hash.h), for prefix-aware scheduling.
+// Prompt blocks the gateway hashes its ids in (util/block_hash.h): the policies' prompt identity
+// (tandem's miss spreading). The prefix index learns each engine's own block size from its events.
 constexpr int64_t kPrefixBlockTokens = 16;
+
+// A /load answer is a few kilobytes; anything far larger is not one.
+constexpr size_t kMaxLoadReportBytes = size_t{1} << 20;
 
 // An engine the gateway sends requests to, as the scheduling thread keeps it.
 struct EndpointState {
@@ -102,6 +108,9 @@ struct EndpointState {
   bool healthy = true, draining = false, probing = false;
   int consecutive_failures = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
+  GatewayCounts counts;  // uncached prompt tokens launched / in flight (prefill work)
+  EngineLoadState load;  // its GET /load reports (tandem engines)
+  bool load_polling = false;
   metrics::Gauge* in_flight_gauge = nullptr;
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::IntCounter* requests_total = nullptr;
@@ -150,6 +159,7 @@ struct Request {
   int attempt = 0;  // current attempt; legs of older attempts are ignored
   std::vector<int> excluded;
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
+  int64_t uncached_tokens = 0;  // prompt tokens the engine chosen to prefill it lacks in cache
   std::string prefill_name, decode_name;
   uint64_t queue_generation = 0;  // which enqueue a queue-timeout timer belongs to
   bool queued = false, registered = false;
@@ -225,7 +235,7 @@ class Gateway::Impl {
   Impl(Topology topology, std::string config_path)
       : topo_(std::move(topology)),
         config_path_(std::move(config_path)),
-        policy_(make_policy(topo_.policy)),
+        policy_(make_policy(topo_.policy, topo_.scheduling.tandem)),
         metrics_(registry_),
         server_(server_options()),
         client_(std::make_unique<net::AsyncHttpClient>(server_)) {
@@ -252,6 +262,7 @@ class Gateway::Impl {
     server_.start();  // first: the client runs on its threads
     sched_.start();
     sched_.post([this] { probe_all(); });
+    if (topo_.scheduling.load_interval.count() > 0) sched_.post([this] { poll_loads(); });
   }
   uint16_t port() const { return server_.port(); }
   void stop() {
@@ -533,12 +544,14 @@ class Gateway::Impl {
     ready_ = p && d;
   }
 
-  ClusterView view() const {
+  ClusterView view(Clock::time_point now) const {
     ClusterView v;
     v.state = &policy_state_;
+    const auto max_age = 4 * topo_.scheduling.load_interval;
     for (const auto& [id, e] : endpoints_) {
       EndpointLoad l{e.id,        e.config.group,  eligible(e),
                      e.in_flight, e.max_in_flight, e.tokens_in_flight};
+      fill_load(l, e.load, e.counts, now, max_age);
       (e.prefill ? v.prefill : v.decode).push_back(l);
     }
     return v;
@@ -620,9 +633,9 @@ class Gateway::Impl {
     queued.reserve(first_stage.size());
     for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
     std::vector<RequestPtr> offer = std::move(decode_stage);
-    for (size_t i : order(queued, now, QueueWeights{})) offer.push_back(first_stage[i]);
+    for (size_t i : order(queued, now, topo_.scheduling.queue)) offer.push_back(first_stage[i]);
 
-    ClusterView v = view();  // kept current below as requests start
+    ClusterView v = view(now);  // kept current below as requests start
     for (const RequestPtr& r : offer) {
       if (ended(*r)) {
         remove_waiting(r);
@@ -658,6 +671,15 @@ class Gateway::Impl {
         continue;
       }
       metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
+      // The engine that computes the prompt: the prefill engine, or an aggregated decode engine.
+      const int computes =
+          prefill >= 0 ? prefill : (topo_.mode == PdMode::kAggregated ? decode : -1);
+      r->uncached_tokens = 0;
+      for (const auto* pool : {&v.prefill, &v.decode})
+        for (const auto& e : *pool)
+          if (e.id == computes)
+            r->uncached_tokens =
+                r->prompt_tokens - std::clamp<int64_t>(e.cached_tokens, 0, r->prompt_tokens);
       start(r, prefill, decode);
       policy_->record(policy_state_, ri, prefill, decode, now);
       apply_choice(v, ri, prefill, decode);
@@ -758,8 +780,10 @@ class Gateway::Impl {
     leg->attempt = r->attempt;
     leg->prefill = prefill;
     const int64_t tokens = r->prompt_tokens;
+    // Prefill work on this engine: the prefill leg, or the only leg in aggregated mode.
+    const int64_t uncached = prefill || topo_.mode == PdMode::kAggregated ? r->uncached_tokens : 0;
     auto done = std::move(h.on_done);
-    h.on_done = [this, leg, tokens, done](const std::string& error) {
+    h.on_done = [this, leg, tokens, uncached, done](const std::string& error) {
       try {
         if (done) done(error);
       } catch (const std::exception& e) {
@@ -767,12 +791,15 @@ class Gateway::Impl {
       }
       const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
                          leg->engine_error;
-      sched_.post_batched([this, leg, tokens, fault] { leg_finished(*leg, tokens, !fault); });
+      sched_.post_batched(
+          [this, leg, tokens, uncached, fault] { leg_finished(*leg, tokens, uncached, !fault); });
     };
     std::lock_guard lock(r->mutex);
     if (r->ended || stopping_.load()) return;
     ++e->in_flight;
     e->tokens_in_flight += tokens;
+    e->counts.uncached_in_flight += uncached;
+    e->counts.launched_total += uncached;
     e->in_flight_gauge->set(static_cast<double>(e->in_flight));
     e->requests_total->inc();
     leg->started = true;
@@ -791,11 +818,12 @@ class Gateway::Impl {
     });
   }
 
-  void leg_finished(const Leg& leg, int64_t tokens, bool ok) {
+  void leg_finished(const Leg& leg, int64_t tokens, int64_t uncached, bool ok) {
     EndpointState* e = endpoint(leg.endpoint);
     if (!e) return;
     --e->in_flight;
     e->tokens_in_flight -= tokens;
+    e->counts.uncached_in_flight -= uncached;
     e->in_flight_gauge->set(static_cast<double>(e->in_flight));
     if (ok)
       e->consecutive_failures = 0;
@@ -1222,6 +1250,58 @@ class Gateway::Impl {
     sched_.at(Clock::now() + topo_.health.probe_interval, [this] { probe_all(); });
   }
 
+  // GET /load of every tandem-dialect engine (engine_load.h); one poll per engine at a time.
+  void poll_loads() {
+    for (auto& [id, e] : endpoints_) {
+      const Dialect d = e.prefill ? topo_.prefill.dialect : topo_.decode.dialect;
+      if (d != Dialect::kTandem || e.load_polling || e.draining) continue;
+      e.load_polling = true;
+      net::AsyncHttpRequest u;
+      u.host = e.config.host;
+      u.port = e.config.port;
+      u.target = "/load";
+      u.timeout = topo_.health.probe_timeout;
+      u.connect_timeout = topo_.timeouts.connect;
+      struct Reply {
+        int status = 0;
+        std::string body;
+      };
+      auto reply = std::make_shared<Reply>();
+      net::AsyncHttpHandlers h;
+      h.on_head = [reply](int s, const net::Headers&) { reply->status = s; };
+      h.on_body = [reply](std::string_view piece) {
+        reply->body.append(piece);
+        return reply->body.size() <= kMaxLoadReportBytes;
+      };
+      h.on_done = [this, reply, id = id,
+                   launched = e.counts.launched_total](const std::string& error) {
+        std::optional<EngineLoadReport> report;
+        if (error.empty() && reply->status == 200) {
+          try {
+            report = parse_engine_load(reply->body);
+          } catch (const std::exception& err) {
+            std::fprintf(stderr, "tandem gateway: ignoring a load report: %s\n", err.what());
+          }
+        }
+        sched_.post([this, id, launched, report = std::move(report)]() mutable {
+          load_result(id, launched, std::move(report));
+        });
+      };
+      client_->start(std::move(u), std::move(h));
+    }
+    sched_.at(Clock::now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
+  }
+
+  void load_result(int id, int64_t launched_at_poll, std::optional<EngineLoadReport> report) {
+    EndpointState* e = endpoint(id);
+    if (!e) return;
+    e->load_polling = false;
+    if (!report) return;
+    e->load = absorb(std::move(e->load), std::move(*report), launched_at_poll, Clock::now(),
+                     topo_.scheduling.tandem.prior);
+    if (!waiting_.empty()) dispatch();  // a shorter queue may free an engine for them
+  }
+
   void probe_result(int id, bool ok) {
     EndpointState* e = endpoint(id);
     if (!e) return;
@@ -1253,6 +1333,19 @@ class Gateway::Impl {
               {"max_in_flight", e.max_in_flight},
               {"consecutive_failures", e.consecutive_failures}};
     if (consumers_.count(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
+    j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight;
+    if (e.load.known) {
+      const EngineLoadReport& r = e.load.report;
+      j["load"] = {
+          {"running", r.running},
+          {"waiting", r.waiting},
+          {"free_blocks", r.free_blocks},
+          {"total_blocks", r.total_blocks},
+          {"prefill_tokens", r.prefill_tokens},
+          {"age_ms",
+           std::chrono::duration<double, std::milli>(Clock::now() - e.load.received).count()},
+          {"batch_observations", e.load.batch_time.observations}};
+    }
     if (e.config.bootstrap_port) j["bootstrap_port"] = e.config.bootstrap_port;
     return j;
   }
@@ -1428,7 +1521,8 @@ class Gateway::Impl {
   }
 
   void relay_models(std::shared_ptr<net::Exchange> ex, net::Headers headers) {
-    const Choice c = policy_->choose_decode(view(), {}, -1, Clock::now());
+    const auto now = Clock::now();
+    const Choice c = policy_->choose_decode(view(now), {}, -1, now);
     EndpointState* e = c.endpoint >= 0 ? endpoint(c.endpoint) : nullptr;
     if (!e) {
       ex->send_error(503, "no healthy engine", "server_error");

@@ -84,8 +84,8 @@ std::vector<std::string> policy_names() {
   return {"tandem", "round_robin", "least_load", "cache_aware", "kv_router"};
 }
 
-std::unique_ptr<Policy> make_policy(std::string_view name) {
-  if (name == "tandem") return make_tandem_policy();
+std::unique_ptr<Policy> make_policy(std::string_view name, const TandemOptions& tandem) {
+  if (name == "tandem") return make_tandem_policy(tandem);
   if (name == "round_robin") return make_round_robin_policy();
   if (name == "least_load") return make_least_load_policy();
   if (name == "cache_aware") return make_cache_aware_policy();

@@ -40,7 +40,8 @@ struct EndpointLoad {
   int64_t context_tokens = -1;  // tokens those sequences hold (prompt + generated)
   int64_t free_kv_blocks = -1;  // allocatable KV blocks (free or evictable), engine-reported
   int64_t total_kv_blocks = -1;
-  int64_t kv_block_size = 0;  // tokens per KV block; 0: the policy's default
+  int64_t kv_block_size = 0;     // tokens per KV block; 0: the policy's default
+  int64_t max_batch_tokens = 0;  // the engine's prefill tokens per batch; 0: the policy's default
   // Expected seconds until the engine finishes the batch it runs now (time_until_free_s() of its
   // estimator); -1: unknown, the queued work is counted in full.
   double time_until_free_s = -1;
@@ -149,7 +150,7 @@ std::unique_ptr<Policy> make_kv_router_policy(KvRouterOptions options = {});
 // Ours: expected prefill finish time with cache credit, overload limits, miss spreading; decode
 // by expected decode load within the prefill's group.
 struct TandemOptions {
-  int64_t max_batch_tokens = 8192;            // an engine's prefill tokens per batch (chunk budget)
+  int64_t max_batch_tokens = 2048;  // an engine's prefill tokens per batch, when it does not say
   int64_t max_queued_prefill_tokens = 32000;  // overload: more queued prefill tokens (0: no limit)
   int64_t max_prefill_seqs = 32;              // overload: more requests in flight (0: no limit)
   double near_tie_rel = 0.05;                 // costs within 5% ...
@@ -166,8 +167,9 @@ std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});
 // Names make_policy() accepts, the default first.
 std::vector<std::string> policy_names();
 // A policy with its defaults by name: "tandem", "round_robin", "least_load", "cache_aware",
-// "kv_router". Throws tandem::Error naming the valid names for anything else.
-std::unique_ptr<Policy> make_policy(std::string_view name);
+// "kv_router" (`tandem` with the given options). Throws tandem::Error naming the valid names for
+// anything else.
+std::unique_ptr<Policy> make_policy(std::string_view name, const TandemOptions& tandem = {});
 
 // Updates `view` as starting `request` on `prefill` and/or `decode` (-1: none) changes the
 // engines' load, so the next decision of the same dispatch pass sees it: in flight and tokens in

@@ -154,6 +154,15 @@ class Reader {
     return value;
   }
 
+  double number(const YAML::Node& node, const std::string& path, double min, double max,
+                const std::string& expected) const {
+    double value = 0;
+    if (!node.IsScalar() || !is_plain(node) || !YAML::convert<double>::decode(node, value) ||
+        !(value >= min) || !(value <= max))
+      fail(path, expected, describe(node));
+    return value;
+  }
+
   int count(const YAML::Node& node, const std::string& path, int min) const {
     return static_cast<int>(integer(node, path, min, std::numeric_limits<int>::max(),
                                     "a whole number >= " + std::to_string(min)));
@@ -255,11 +264,41 @@ Pool read_pool(const Reader& r, const YAML::Node& node, const std::string& path,
   return pool;
 }
 
+void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions& s) {
+  const auto keys =
+      r.mapping(node, "scheduling",
+                {"queue_length_weight", "queue_wait_weight", "starvation_ms", "load_interval_ms",
+                 "max_queued_prefill_tokens", "max_prefill_seqs", "max_batch_tokens"});
+  auto weight = [&](const char* key, double& out) {
+    if (keys.count(key))
+      out = r.number(keys.at(key), std::string("scheduling.") + key, 0, 1e6, "a number >= 0");
+  };
+  weight("queue_length_weight", s.queue.length_weight);
+  weight("queue_wait_weight", s.queue.wait_weight);
+  auto ms = [&](const char* key) {
+    return std::chrono::milliseconds(r.integer(keys.at(key), std::string("scheduling.") + key, 0,
+                                               std::numeric_limits<int32_t>::max(),
+                                               "a duration in milliseconds >= 0"));
+  };
+  if (keys.count("starvation_ms")) s.queue.starvation_after = ms("starvation_ms");
+  if (keys.count("load_interval_ms")) s.load_interval = ms("load_interval_ms");
+  auto tokens = [&](const char* key, int64_t& out, long long min) {
+    if (keys.count(key))
+      out = r.integer(keys.at(key), std::string("scheduling.") + key, min,
+                      std::numeric_limits<int32_t>::max(),
+                      "a whole number >= " + std::to_string(min));
+  };
+  tokens("max_queued_prefill_tokens", s.tandem.max_queued_prefill_tokens, 0);
+  tokens("max_prefill_seqs", s.tandem.max_prefill_seqs, 0);
+  tokens("max_batch_tokens", s.tandem.max_batch_tokens, 1);
+}
+
 Topology read_topology(const Reader& r, const YAML::Node& root) {
-  const auto keys = r.mapping(
-      root, "",
-      {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key", "max_queue",
-       "prefill_retries", "policy", "access_log", "health", "timeouts", "prefill", "decode"});
+  const auto keys =
+      r.mapping(root, "",
+                {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key",
+                 "max_queue", "prefill_retries", "policy", "scheduling", "access_log", "health",
+                 "timeouts", "prefill", "decode"});
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
@@ -308,6 +347,7 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   if (has("access_log"))
     t.access_log = r.file_path(r.non_empty_string(keys.at("access_log"), "access_log",
                                                   "a file path or \"-\" (standard output)"));
+  if (has("scheduling")) read_scheduling(r, keys.at("scheduling"), t.scheduling);
   if (has("health")) {
     const auto health = r.mapping(keys.at("health"), "health",
                                   {"probe_interval_ms", "probe_timeout_ms", "failures_to_eject"});

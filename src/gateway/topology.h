@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "gateway/policy.h"
+
 namespace tandem::gateway {
 
 enum class PdMode { kAggregated, kSequential, kParallel };
@@ -51,6 +53,16 @@ struct HealthOptions {
   int failures_to_eject = 3;
 };
 
+// How the scheduling thread decides (docs/gateway.md, "Scheduling policies").
+struct SchedulingOptions {
+  QueueWeights queue;    // the order waiting requests are offered in (policies/queue_order.h)
+  TandemOptions tandem;  // the tandem policy's limits and defaults
+  // GET /load on tandem-dialect engines at this interval (0: never): their running sequences,
+  // free KV, queued prefill and step durations (engine_load.h). Reports older than four
+  // intervals are not used.
+  std::chrono::milliseconds load_interval{100};
+};
+
 struct Timeouts {
   std::chrono::milliseconds queue = std::chrono::seconds(30);         // waiting for a free engine
   std::chrono::milliseconds connect = std::chrono::seconds(5);        // per upstream call
@@ -74,10 +86,11 @@ struct Topology {
   std::string admin_api_key;          // for /admin/*; empty: the admin API is off
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
-  int prefill_retries = 2;
+  int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
   // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
   // kv_router. Checked when the gateway is built.
-  std::string policy = "least_load";  // other prefill engines tried when one fails before any byte
+  std::string policy = "least_load";
+  SchedulingOptions scheduling;
   HealthOptions health;
   Timeouts timeouts;
   std::string access_log;  // a file path, "-" for standard output, empty for none

@@ -229,6 +229,51 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
 }
 
+// /load tells a gateway what runs now and what is queued behind it, and how long steps took:
+// a 512-token prompt prefilled in 64-token chunks shows as one 64-token step running with the
+// rest of the prompt queued (a multiple of the chunk), then as 8 recorded prefill steps.
+TEST_F(EngineServer, LoadReportsTheRunningStepQueuedPrefillAndStepDurations) {
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--max-num-batched-tokens", "64",
+                                 "--sim-time-scale", "50", "--no-enable-prefix-caching"});
+  const json idle = get_json(engine.port(), "/load");
+  EXPECT_TRUE(idle["step"].is_null());
+  EXPECT_EQ(idle["prefill_tokens"], 0);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 512; ++i) prompt.push_back(1000 + i);
+  auto answer = std::async(std::launch::async, [&] {
+    json body = {{"prompt", prompt}, {"max_tokens", 2}, {"ignore_eos", true}};
+    return net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+  });
+  json seen;
+  EXPECT_TRUE(testing::eventually([&] {
+    seen = get_json(engine.port(), "/load");
+    return !seen["step"].is_null() && seen["step"]["tokens"] == 64;
+  }));
+  EXPECT_EQ(seen["step"]["seqs"], 1);
+  EXPECT_GE(seen["step"]["running_for_s"].get<double>(), 0.0);
+  const int64_t queued = seen["prefill_tokens"];
+  EXPECT_LE(queued, 512 - 64);
+  EXPECT_EQ((512 - 64 - queued) % 64, 0) << seen.dump();
+  EXPECT_EQ(answer.get().status, 200);
+  ASSERT_TRUE(wait_idle(engine.port()));
+  const json done = get_json(engine.port(), "/load");
+  EXPECT_EQ(done["prefill_tokens"], 0);
+  EXPECT_TRUE(done["step"].is_null());
+  const json& steps = done["recent_steps"];  // [index, seqs, tokens, seconds], oldest first
+  ASSERT_GE(steps.size(), 9u) << done.dump();
+  int prefill_steps = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (i > 0) {
+      EXPECT_EQ(steps[i][0].get<int64_t>(), steps[i - 1][0].get<int64_t>() + 1);
+    }
+    EXPECT_EQ(steps[i][1], 1);
+    EXPECT_GT(steps[i][3].get<double>(), 0.0);
+    if (steps[i][2] == 64) ++prefill_steps;
+  }
+  EXPECT_EQ(prefill_steps, 8);
+}
+
 TEST_F(EngineServer, SimFitModelFromTheCpuExecutorDrivesASimEngine) {
   const auto out = test::temp_path("sim-fit");
   ASSERT_EQ(

@@ -271,6 +271,18 @@ TEST(GatewayServe, ManySimulatedEnginesShareTheLoad) {
       for (const auto& e : now) indexed += e.value("prefix_blocks", int64_t{0});
       return indexed > 0;
     })) << eps.dump();
+    // Every engine's GET /load reaches the scheduler: its step durations became batch-time
+    // observations, and the gateway's count of prefill work in flight returned to zero.
+    EXPECT_TRUE(eventually([&] {
+      const json now = json::parse(
+          net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, admin)
+              .body)["endpoints"];
+      for (const auto& e : now)
+        if (!e.contains("load") || e["load"]["batch_observations"] == 0 ||
+            e["uncached_tokens_in_flight"] != 0)
+          return false;
+      return true;
+    })) << eps.dump();
     for (const auto& e : eps) {
       const std::string labels = "pool=\"" + e["pool"].get<std::string>() + "\",endpoint=\"" +
                                  e["name"].get<std::string>() + "\"";

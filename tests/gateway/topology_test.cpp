@@ -138,6 +138,14 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.max_queue, 1024u);
   EXPECT_EQ(t.prefill_retries, 2);
   EXPECT_EQ(t.access_log, "-");
+  EXPECT_EQ(t.policy, "tandem");
+  EXPECT_EQ(t.scheduling.queue.length_weight, 0.8);
+  EXPECT_EQ(t.scheduling.queue.wait_weight, 0.2);
+  EXPECT_EQ(t.scheduling.queue.starvation_after, 2000ms);
+  EXPECT_EQ(t.scheduling.load_interval, 100ms);
+  EXPECT_EQ(t.scheduling.tandem.max_queued_prefill_tokens, 32000);
+  EXPECT_EQ(t.scheduling.tandem.max_prefill_seqs, 32);
+  EXPECT_EQ(t.scheduling.tandem.max_batch_tokens, 2048);
   EXPECT_EQ(t.health.probe_interval, 2000ms);
   EXPECT_EQ(t.health.probe_timeout, 1000ms);
   EXPECT_EQ(t.health.failures_to_eject, 3);
@@ -357,6 +365,18 @@ TEST(TopologyYaml, LimitsAreChecked) {
       {"timeouts: {prefill_ms: 0}", "timeouts.prefill_ms: expected a duration"},
       {"timeouts: {first_token_ms: 0}", "timeouts.first_token_ms: expected a duration"},
       {"timeouts: {idle_ms: 0}", "timeouts.idle_ms: expected a duration"},
+      {"scheduling: {queue_length_weight: -0.5}",
+       "scheduling.queue_length_weight: expected a number >= 0, got -0.5"},
+      {"scheduling: {queue_wait_weight: .nan}", "scheduling.queue_wait_weight: expected a number"},
+      {"scheduling: {queue_wait_weight: \"0.2\"}",
+       "scheduling.queue_wait_weight: expected a number"},
+      {"scheduling: {starvation_ms: -1}", "scheduling.starvation_ms: expected a duration"},
+      {"scheduling: {load_interval_ms: 1.5}", "scheduling.load_interval_ms: expected a duration"},
+      {"scheduling: {max_prefill_seqs: -1}",
+       "scheduling.max_prefill_seqs: expected a whole number >= 0"},
+      {"scheduling: {max_batch_tokens: 0}",
+       "scheduling.max_batch_tokens: expected a whole number >= 1"},
+      {"scheduling: {max_queued: 5}", "scheduling.max_queued: expected one of"},
   };
   for (const auto& [line, expected] : cases)
     EXPECT_THAT(yaml_error(parallel_yaml(line + "\n")), StartsWith("t.yaml: " + expected)) << line;

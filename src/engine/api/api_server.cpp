@@ -166,7 +166,16 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
               {"tokens_in_flight", r.tokens_in_flight},
               {"kv_usage", r.kv_usage},
               {"cached_blocks", r.cached_blocks},
-              {"steps", r.steps}};
+              {"steps", r.steps},
+              {"prefill_tokens", r.prefill_tokens},
+              {"max_batch_tokens", r.max_batch_tokens}};
+    j["step"] = r.step_seqs > 0 ? json{{"seqs", r.step_seqs},
+                                       {"tokens", r.step_tokens},
+                                       {"running_for_s", r.step_running_for_s}}
+                                : json(nullptr);
+    json steps = json::array();
+    for (const auto& s : r.recent_steps) steps.push_back({s.index, s.seqs, s.tokens, s.seconds});
+    j["recent_steps"] = std::move(steps);
     ex->respond(200, j.dump());
   });
   auto generation = [this](int kind) {

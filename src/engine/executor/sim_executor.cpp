@@ -50,8 +50,10 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
     if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) ordinary_.push_back(t);
   }
   if (ordinary_.empty()) throw Error("sim: the tokenizer has no ordinary tokens to emit");
-  info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, cap.token_bytes};
-  pattern_.resize(size_t(options.block_size * cap.token_bytes));
+  if (options.kv_token_bytes < 0) throw Error("sim: KV bytes per token must be >= 0");
+  const int64_t token_bytes = options.kv_token_bytes > 0 ? options.kv_token_bytes : cap.token_bytes;
+  info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, token_bytes};
+  pattern_.resize(size_t(options.block_size * token_bytes));
   for (size_t i = 0; i < pattern_.size(); ++i) pattern_[i] = std::byte(i * 131 + 7);
 }
 

@@ -28,6 +28,9 @@ struct SimExecutorOptions {
   int64_t max_model_len = 0;  // 0: the preset's
   uint64_t seed = 0;
   double time_scale = 1.0;  // multiplies every step's modelled time (0: do not sleep)
+  // Bytes per token and layer that KV transfers move; 0: the preset model's real size. Smaller
+  // values let many simulated engines share one machine's loopback (scheduling experiments).
+  int64_t kv_token_bytes = 0;
 };
 
 class SimExecutor : public Executor {

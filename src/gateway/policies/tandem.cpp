@@ -106,9 +106,9 @@ class TandemPolicy final : public Policy {
   // Seconds until this engine would have computed the request's prompt.
   double prefill_cost(const EndpointLoad& e, const RequestInfo& r) const {
     const double wait = std::max(e.time_until_free_s, 0.0);
-    return wait + estimate_work_s(estimator(e),
-                                  detail::queued_prefill(e) + detail::uncached_tokens(e, r),
-                                  o_.max_batch_tokens);
+    return wait +
+           estimate_work_s(estimator(e), detail::queued_prefill(e) + detail::uncached_tokens(e, r),
+                           e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens);
   }
 
   bool prefill_overloaded(const EndpointLoad& e) const {

@@ -1,0 +1,112 @@
+#include "gateway/engine_load.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "util/error.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+
+int64_t count_field(const json& j, const char* key, int64_t fallback) {
+  const auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_number_integer() || it->get<int64_t>() < 0)
+    throw Error(std::string("/load: ") + key + ": expected a non-negative integer, got " +
+                it->dump());
+  return it->get<int64_t>();
+}
+
+double seconds_field(const json& j, const char* key) {
+  const auto it = j.find(key);
+  if (it == j.end()) return 0;
+  if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
+    throw Error(std::string("/load: ") + key + ": expected non-negative seconds, got " +
+                it->dump());
+  return it->get<double>();
+}
+
+}  // namespace
+
+EngineLoadReport parse_engine_load(std::string_view body) {
+  const json j = json::parse(body, nullptr, false);
+  if (!j.is_object()) throw Error("/load: expected a JSON object");
+  EngineLoadReport r;
+  r.running = count_field(j, "running", 0);
+  r.waiting = count_field(j, "waiting", 0);
+  r.free_blocks = count_field(j, "free_blocks", 0);
+  r.total_blocks = count_field(j, "total_blocks", 0);
+  r.block_size = count_field(j, "block_size", 0);
+  r.tokens_in_flight = count_field(j, "tokens_in_flight", 0);
+  r.prefill_tokens = count_field(j, "prefill_tokens", 0);
+  r.max_batch_tokens = count_field(j, "max_batch_tokens", 0);
+  if (const auto step = j.find("step"); step != j.end() && !step->is_null()) {
+    if (!step->is_object()) throw Error("/load: step: expected an object or null");
+    r.step_seqs = count_field(*step, "seqs", 0);
+    r.step_tokens = count_field(*step, "tokens", 0);
+    r.step_running_for_s = seconds_field(*step, "running_for_s");
+  }
+  if (const auto steps = j.find("recent_steps"); steps != j.end()) {
+    if (!steps->is_array()) throw Error("/load: recent_steps: expected an array");
+    for (size_t i = 0; i < steps->size(); ++i) {
+      const json& s = (*steps)[i];
+      const std::string where = "/load: recent_steps[" + std::to_string(i) + "]";
+      if (!s.is_array() || s.size() != 4 || !s[0].is_number_unsigned() ||
+          !s[1].is_number_unsigned() || !s[2].is_number_unsigned() || !s[3].is_number() ||
+          !std::isfinite(s[3].get<double>()) || s[3].get<double>() < 0)
+        throw Error(where + ": expected [index, seqs, tokens, seconds], got " + s.dump());
+      r.recent_steps.push_back(
+          {s[0].get<uint64_t>(), s[1].get<int64_t>(), s[2].get<int64_t>(), s[3].get<double>()});
+    }
+  }
+  return r;
+}
+
+EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, int64_t launched_at_poll,
+                       Clock::time_point received, const BatchTimeOptions& prior) {
+  if (!state.known) state.batch_time.options = prior;
+  // Indices only grow on one engine process; a newest index below what was seen means it restarted.
+  if (!report.recent_steps.empty() && report.recent_steps.back().index < state.last_step)
+    state.last_step = 0;
+  for (const auto& s : report.recent_steps) {
+    if (s.index <= state.last_step) continue;
+    state.batch_time = observe(std::move(state.batch_time), s.seqs, s.tokens, s.seconds);
+    state.last_step = s.index;
+  }
+  state.known = true;
+  state.report = std::move(report);
+  state.received = received;
+  state.launched_at_poll = launched_at_poll;
+  return state;
+}
+
+void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,
+               Clock::time_point now, Clock::duration max_age) {
+  load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight, 0);
+  if (!state.known || now - state.received > max_age) return;
+  const EngineLoadReport& r = state.report;
+  // The report's queue plus what was launched after its poll left, never more than the gateway
+  // has in flight there (legs finished since the report no longer count).
+  const int64_t unreported = std::max<int64_t>(counts.launched_total - state.launched_at_poll, 0);
+  load.queued_prefill_tokens = std::min(r.prefill_tokens + unreported, load.queued_prefill_tokens);
+  load.running_seqs = r.running;
+  load.context_tokens = r.tokens_in_flight;
+  load.free_kv_blocks = r.free_blocks;
+  load.total_kv_blocks = r.total_blocks;
+  if (r.block_size > 0) load.kv_block_size = r.block_size;
+  if (r.max_batch_tokens > 0) load.max_batch_tokens = r.max_batch_tokens;
+  if (state.batch_time.observations > 0) load.batch_time = &state.batch_time;
+  load.time_until_free_s = 0;
+  if (r.step_seqs > 0) {
+    const double since = std::chrono::duration<double>(now - state.received).count();
+    const BatchTimeEstimator& e = state.batch_time;
+    load.time_until_free_s =
+        time_until_free_s(e, r.step_seqs, r.step_tokens, r.step_running_for_s + since);
+  }
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,68 @@
+#pragma once
+// What the gateway knows of an engine's load between two of its reports: a tandem engine's
+// GET /load (running and waiting sequences, free KV, the prefill tokens queued behind the step
+// that runs now, and its recent step durations), folded into a per-engine state the scheduling
+// thread owns, and turned into the policy's EndpointLoad fields. Pure functions; the clock is
+// passed in.
+#include <chrono>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "gateway/policy.h"
+
+namespace tandem::gateway {
+
+// A parsed GET /load answer (docs/gateway.md, "Engine load reports").
+struct EngineLoadReport {
+  int64_t running = 0, waiting = 0;
+  int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
+  int64_t tokens_in_flight = 0;            // prompt + generated tokens the engine's sequences hold
+  int64_t prefill_tokens = 0;              // prompt tokens queued behind the running step
+  int64_t max_batch_tokens = 0;            // the engine's chunked-prefill budget; 0: not said
+  int64_t step_seqs = 0, step_tokens = 0;  // the running step; step_seqs 0: none
+  double step_running_for_s = 0;
+  struct Step {
+    uint64_t index = 0;
+    int64_t seqs = 0, tokens = 0;
+    double seconds = 0;
+  };
+  std::vector<Step> recent_steps;  // oldest first
+};
+
+// Parses a /load body. Throws tandem::Error naming the field and what was expected; fields the
+// gateway does not use are ignored, missing optional ones keep their defaults.
+EngineLoadReport parse_engine_load(std::string_view body);
+
+// The scheduling thread's record of one engine's reports.
+struct EngineLoadState {
+  bool known = false;  // a report has arrived
+  EngineLoadReport report;
+  Clock::time_point received{};  // when it arrived
+  // The gateway's count of uncached prompt tokens it had launched on the engine when it sent the
+  // poll that brought the report: legs launched later are not in the report's queue.
+  int64_t launched_at_poll = 0;
+  uint64_t last_step = 0;  // the newest step index already observed
+  BatchTimeEstimator batch_time;
+};
+
+// The state after a report: its steps newer than `last_step` become batch-time observations (a
+// restarted engine, whose indices went back, is observed from its first step again).
+EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, int64_t launched_at_poll,
+                       Clock::time_point received, const BatchTimeOptions& prior);
+
+// What the gateway counts itself for one engine.
+struct GatewayCounts {
+  int64_t uncached_in_flight = 0;  // uncached prompt tokens of its prefill work in flight there
+  int64_t launched_total = 0;      // uncached prompt tokens ever launched there
+};
+
+// Fills `load`'s report-based fields (queued prefill tokens, running sequences, held tokens, KV
+// blocks, block size, batch budget, time until free, batch-time estimator) from `state` at
+// `now`. A state without a report, or one older than `max_age`, leaves the fields unknown except
+// queued_prefill_tokens, which then is the gateway's own count. The estimator is pointed to only
+// once it has observations (the policy's prior otherwise); `load` must not outlive `state`.
+void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,
+               Clock::time_point now, Clock::duration max_age);
+
+}  // namespace tandem::gateway

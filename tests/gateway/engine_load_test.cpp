@@ -1,0 +1,172 @@
+// The gateway's reading of engine load reports (engine_load.h): parsing /load as the engine
+// writes it, bad reports refused with the field named, step durations learned once each (again
+// after an engine restart), and the policy fields filled from a fresh report, the gateway's own
+// counts, or neither when the report is stale.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+
+#include "gateway/engine_load.h"
+#include "util/error.h"
+
+namespace tandem::gateway {
+namespace {
+
+using std::chrono::milliseconds;
+
+// What `tandem engine` answers at GET /load (src/engine/api/api_server.cpp), while a step of 2
+// sequences and 2048 tokens runs.
+constexpr const char* kReport = R"({"running":2,"waiting":3,"free_blocks":900,"total_blocks":1024,
+  "block_size":16,"tokens_in_flight":5000,"kv_usage":0.12,"cached_blocks":40,"steps":17,
+  "prefill_tokens":6000,"max_batch_tokens":2048,
+  "step":{"seqs":2,"tokens":2048,"running_for_s":0.05},
+  "recent_steps":[[15,1,2048,0.25],[16,2,2048,0.25],[17,2,2048,0.25]]})";
+
+std::string error_of(const std::string& body) {
+  try {
+    parse_engine_load(body);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(EngineLoad, ParsesTheEnginesReport) {
+  const EngineLoadReport r = parse_engine_load(kReport);
+  EXPECT_EQ(r.running, 2);
+  EXPECT_EQ(r.waiting, 3);
+  EXPECT_EQ(r.free_blocks, 900);
+  EXPECT_EQ(r.total_blocks, 1024);
+  EXPECT_EQ(r.block_size, 16);
+  EXPECT_EQ(r.tokens_in_flight, 5000);
+  EXPECT_EQ(r.prefill_tokens, 6000);
+  EXPECT_EQ(r.max_batch_tokens, 2048);
+  EXPECT_EQ(r.step_seqs, 2);
+  EXPECT_EQ(r.step_tokens, 2048);
+  EXPECT_DOUBLE_EQ(r.step_running_for_s, 0.05);
+  ASSERT_EQ(r.recent_steps.size(), 3u);
+  EXPECT_EQ(r.recent_steps[0].index, 15u);
+  EXPECT_EQ(r.recent_steps[2].seqs, 2);
+  EXPECT_DOUBLE_EQ(r.recent_steps[2].seconds, 0.25);
+  // An idle engine: no step running.
+  const EngineLoadReport idle = parse_engine_load(R"({"running":0,"step":null,"recent_steps":[]})");
+  EXPECT_EQ(idle.step_seqs, 0);
+  EXPECT_TRUE(idle.recent_steps.empty());
+}
+
+TEST(EngineLoad, BadReportsNameTheField) {
+  EXPECT_NE(error_of("[1,2]").find("expected a JSON object"), std::string::npos);
+  EXPECT_NE(error_of("{not json").find("expected a JSON object"), std::string::npos);
+  EXPECT_NE(error_of(R"({"running":-1})").find("running"), std::string::npos);
+  EXPECT_NE(error_of(R"({"free_blocks":"many"})").find("free_blocks"), std::string::npos);
+  EXPECT_NE(error_of(R"({"step":[1]})").find("step"), std::string::npos);
+  EXPECT_NE(error_of(R"({"step":{"seqs":1,"running_for_s":-2}})").find("running_for_s"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"recent_steps":{}})").find("recent_steps"), std::string::npos);
+  EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,0.1],[2,1,64]]})").find("recent_steps[1]"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,-0.1]]})").find("recent_steps[0]"),
+            std::string::npos);
+}
+
+TEST(EngineLoad, StepsAreLearnedOnceAndAgainAfterARestart) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  EngineLoadState s = absorb({}, parse_engine_load(kReport), 0, t0, {});
+  EXPECT_TRUE(s.known);
+  EXPECT_EQ(s.batch_time.observations, 3);
+  EXPECT_EQ(s.last_step, 17u);
+  EXPECT_NEAR(estimate_batch_s(s.batch_time, 2, 2048), 0.25, 1e-9);
+  // The next poll overlaps the last: only step 18 is new.
+  EngineLoadReport next = parse_engine_load(kReport);
+  next.recent_steps = {{16, 2, 2048, 0.25}, {17, 2, 2048, 0.25}, {18, 2, 2048, 0.25}};
+  s = absorb(std::move(s), next, 0, t0, {});
+  EXPECT_EQ(s.batch_time.observations, 4);
+  // A restarted engine counts from 1 again: its steps are new, not ignored as old.
+  EngineLoadReport restarted = parse_engine_load(kReport);
+  restarted.recent_steps = {{1, 1, 512, 0.1}, {2, 1, 512, 0.1}};
+  s = absorb(std::move(s), restarted, 0, t0, {});
+  EXPECT_EQ(s.batch_time.observations, 6);
+  EXPECT_EQ(s.last_step, 2u);
+}
+
+TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  GatewayCounts counts;
+  counts.uncached_in_flight = 9000;
+  counts.launched_total = 50000;
+
+  // No report: only the gateway's own count of prefill work in flight.
+  EndpointLoad none;
+  fill_load(none, {}, counts, t0, milliseconds(400));
+  EXPECT_EQ(none.queued_prefill_tokens, 9000);
+  EXPECT_EQ(none.running_seqs, -1);
+  EXPECT_EQ(none.free_kv_blocks, -1);
+  EXPECT_EQ(none.batch_time, nullptr);
+  EXPECT_LT(none.time_until_free_s, 0);
+
+  // A report whose poll left when the gateway had launched 49000 tokens there: 1000 launched
+  // since are not in its queue of 6000.
+  const EngineLoadState s = absorb({}, parse_engine_load(kReport), 49000, t0, {});
+  EndpointLoad fresh;
+  fill_load(fresh, s, counts, t0 + milliseconds(50), milliseconds(400));
+  EXPECT_EQ(fresh.queued_prefill_tokens, 7000);
+  EXPECT_EQ(fresh.running_seqs, 2);
+  EXPECT_EQ(fresh.context_tokens, 5000);
+  EXPECT_EQ(fresh.free_kv_blocks, 900);
+  EXPECT_EQ(fresh.total_kv_blocks, 1024);
+  EXPECT_EQ(fresh.kv_block_size, 16);
+  EXPECT_EQ(fresh.max_batch_tokens, 2048);
+  EXPECT_EQ(fresh.batch_time, &s.batch_time);
+  // The running step takes 0.25 s, has run 0.05 s at the report and 0.05 s since.
+  EXPECT_NEAR(fresh.time_until_free_s, 0.15, 1e-9);
+
+  // Legs finished since the report: never more queued than the gateway has in flight there.
+  GatewayCounts drained = counts;
+  drained.uncached_in_flight = 2500;
+  EndpointLoad capped;
+  fill_load(capped, s, drained, t0 + milliseconds(50), milliseconds(400));
+  EXPECT_EQ(capped.queued_prefill_tokens, 2500);
+
+  // A report older than max_age is not used.
+  EndpointLoad stale;
+  fill_load(stale, s, counts, t0 + milliseconds(401), milliseconds(400));
+  EXPECT_EQ(stale.queued_prefill_tokens, 9000);
+  EXPECT_EQ(stale.running_seqs, -1);
+  EXPECT_EQ(stale.batch_time, nullptr);
+}
+
+// The tandem policy reads what the reports say: of two engines with the same gateway-side load,
+// the one whose report shows a long prefill queue and a slow running step is avoided.
+TEST(EngineLoad, TheTandemPolicyAvoidsTheEngineReportedBusy) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  GatewayCounts counts;
+  counts.uncached_in_flight = 8000;
+  counts.launched_total = 8000;
+  EngineLoadReport busy = parse_engine_load(kReport);
+  busy.prefill_tokens = 8000;
+  EngineLoadReport light = parse_engine_load(kReport);
+  light.prefill_tokens = 0;
+  light.step_seqs = 0;
+  const EngineLoadState a = absorb({}, busy, 8000, t0, {});
+  const EngineLoadState b = absorb({}, light, 8000, t0, {});
+  ClusterView view;
+  for (const auto& [id, state] : {std::pair{0, &a}, std::pair{1, &b}}) {
+    EndpointLoad e;
+    e.id = id;
+    e.in_flight = 1;
+    e.max_in_flight = 100;
+    e.tokens_in_flight = 8000;
+    fill_load(e, *state, counts, t0, milliseconds(400));
+    view.prefill.push_back(e);
+  }
+  RequestInfo request;
+  request.prompt_tokens = 1000;
+  const auto policy = make_policy("tandem");
+  const Choice c = policy->choose_prefill(view, request, t0);
+  ASSERT_EQ(c.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(c.endpoint, 1);
+}
+
+}  // namespace
+}  // namespace tandem::gateway
