@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/matvec_avx512.h"
@@ -117,9 +118,10 @@ std::vector<Case> cases() {
     for (int64_t n : {1, 2, 3, 4, 5, 9, 16, 17, 40})
       for (auto [rows, cols] : {std::pair<int64_t, int64_t>{33, 200}, {64, 257}, {7, 64}})
         out.push_back({type, rows, cols, n});
-  // Packed weights, with token counts below, at and above one 64-token chunk.
+  // Packed weights, with token counts below, at and above one 64-token chunk, and past the
+  // 256-token chunks of long products (256 + 64 + 44, 2 x 256 + 3 x 64 + 17).
   for (auto type : {WeightType::kBF16, WeightType::kI8})
-    for (int64_t n : {16, 48, 64, 100, 150}) out.push_back({type, 96, 320, n, true});
+    for (int64_t n : {16, 48, 64, 100, 150, 364, 721}) out.push_back({type, 96, 320, n, true});
   return out;
 }
 
@@ -168,6 +170,115 @@ TEST(Matmul, ConcurrentCallsMatchSequentialOnes) {
 #pragma omp parallel for schedule(dynamic, 1)
   for (int i = 0; i < count; ++i) matmul(mats[i], xs[i].data(), ns[i], together[i].data());
   for (int i = 0; i < count; ++i) EXPECT_EQ(alone[i], together[i]) << "matrix " << i;
+}
+
+// The vectorised BF16 rounding is bit-identical to f32_to_bf16: ties to even, NaN kept (quiet),
+// infinities, denormals (which vcvtneps2bf16 would flush), and every tail length.
+TEST(ToBf16, MatchesScalarRounding) {
+  std::vector<float> x;
+  for (uint32_t bits : {0x00000000u, 0x80000000u, 0x3F808000u, 0x3F818000u, 0x3F80FFFFu,
+                        0x7F800000u, 0xFF800000u, 0x7FC00000u, 0x7F800001u, 0xFFBFFFFFu,
+                        0x00000001u, 0x807FFFFFu, 0x7F7FFFFFu, 0x00400000u}) {
+    float f;
+    std::memcpy(&f, &bits, 4);
+    x.push_back(f);
+  }
+  std::mt19937 rng(5);
+  for (int i = 0; i < 1000; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(rng());
+    float f;
+    std::memcpy(&f, &bits, 4);
+    x.push_back(f);
+  }
+  for (size_t n : {x.size(), size_t{1}, size_t{15}, size_t{17}, size_t{33}}) {
+    std::vector<uint16_t> out(n + 1, 0xABCD);
+    to_bf16(x.data(), static_cast<int64_t>(n), out.data());
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f32_to_bf16(x[i])) << "element " << i;
+    EXPECT_EQ(out[n], 0xABCD) << "wrote past the end";
+  }
+}
+
+TEST(SiluMulBf16, IsTheRoundedFloatProduct) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const int64_t n = 1000;
+  std::vector<float> g(n), u(n), ref(n);
+  for (auto& v : g) v = normal(rng);
+  for (auto& v : u) v = normal(rng);
+  silu_mul(g.data(), u.data(), n, ref.data());
+  std::vector<uint16_t> out(n);
+  silu_mul_bf16(g.data(), u.data(), n, out.data());
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f32_to_bf16(ref[i])) << "element " << i;
+}
+
+// matmul_bf16 (activations rounded by the caller) gives exactly what matmul gives, for plain
+// and packed BF16 weights and for weights it widens the activations for (INT8).
+TEST(MatmulBf16, MatchesMatmul) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t rows = 80, cols = 192;
+  std::vector<uint16_t> wb(rows * cols);
+  std::vector<int8_t> wi(rows * cols);
+  for (auto& v : wb) v = f32_to_bf16(normal(rng) * 0.05f);
+  for (auto& v : wi) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+  Matrix plain = matrix_view(rows, cols, WeightType::kBF16, wb.data());
+  Matrix packed = plain;
+  ASSERT_TRUE(pack_for_gemm(packed));
+  Matrix int8 = matrix_view(rows, cols, WeightType::kI8, wi.data());
+  int8.row_scales.assign(rows, 0.01f);
+  set_int8_row_sums(int8);
+  for (const Matrix* w : {&plain, &packed, &int8})
+    for (int64_t n : {1, 3, 4, 17, 300}) {
+      std::vector<float> x(n * cols), y(n * rows), yb(n * rows);
+      std::vector<uint16_t> xb(n * cols);
+      for (auto& v : x) v = normal(rng);
+      to_bf16(x.data(), n * cols, xb.data());
+      // matmul rounds x to BF16 itself only where gemm_takes_bf16 says so; give it the rounded
+      // values so both calls multiply the same numbers.
+      for (int64_t i = 0; i < n * cols; ++i) x[i] = bf16_to_f32(xb[i]);
+      matmul(*w, x.data(), n, y.data());
+      matmul_bf16(*w, xb.data(), n, yb.data());
+      ASSERT_EQ(y, yb) << "n " << n << " type " << int(w->type) << " packed " << bool(w->packed);
+    }
+}
+
+// The attention products: strided operands, B plain or transposed, BF16 and float32.
+TEST(Gemm, StridedProductsMatchReference) {
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (bool transposed : {false, true})
+    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1},
+                           {5, 7, 33},
+                           {128, 200, 192},
+                           {37, 128, 300}}) {
+      const int64_t lda = k + 3, ldb = (transposed ? k : n) + 5, ldc = n + 2;
+      std::vector<float> a(m * lda), b((transposed ? n : k) * ldb);
+      for (auto& v : a) v = bf16_to_f32(f32_to_bf16(normal(rng)));
+      for (auto& v : b) v = bf16_to_f32(f32_to_bf16(normal(rng)));
+      std::vector<uint16_t> ab(a.size()), bb(b.size());
+      to_bf16(a.data(), static_cast<int64_t>(a.size()), ab.data());
+      to_bf16(b.data(), static_cast<int64_t>(b.size()), bb.data());
+      std::vector<float> c16(m * ldc, -7.0f), c32(m * ldc, -7.0f);
+      gemm_bf16(m, n, k, ab.data(), lda, bb.data(), ldb, transposed, c16.data(), ldc);
+      gemm_f32(m, n, k, a.data(), lda, b.data(), ldb, transposed, c32.data(), ldc);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < ldc; ++j) {
+          if (j >= n) {  // the row padding stays untouched
+            ASSERT_EQ(c16[i * ldc + j], -7.0f);
+            ASSERT_EQ(c32[i * ldc + j], -7.0f);
+            continue;
+          }
+          double ref = 0, mag = 0;
+          for (int64_t p = 0; p < k; ++p) {
+            const double t =
+                double(a[i * lda + p]) * (transposed ? b[j * ldb + p] : b[p * ldb + j]);
+            ref += t;
+            mag += std::abs(t);
+          }
+          ASSERT_NEAR(c16[i * ldc + j], ref, 1e-5 * mag + 1e-6) << i << "," << j;
+          ASSERT_NEAR(c32[i * ldc + j], ref, 1e-5 * mag + 1e-6) << i << "," << j;
+        }
+    }
 }
 
 }  // namespace

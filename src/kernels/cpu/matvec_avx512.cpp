@@ -22,6 +22,19 @@ inline __mmask16 lanes(int64_t left) {
   return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
 }
 
+// 16 floats -> BF16, rounding to nearest even exactly as f32_to_bf16 (NaN stays NaN, denormals
+// are kept: vcvtneps2bf16 would flush them).
+TANDEM_AVX512 inline __m256i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // Up to 4 activation vectors share each weight load; two accumulators per vector hide latency.
 template <typename Load16>
 TANDEM_AVX512 inline void dot_rows(Load16 load, const float* x, int64_t cols, int64_t n,
@@ -94,8 +107,15 @@ bool has_bf16_dot() {
 
 void to_bf16_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint16_t* out) {
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t c = 0; c < cols; ++c) out[t * stride + c] = f32_to_bf16(x[t * cols + c]);
-    for (int64_t c = cols; c < stride; ++c) out[t * stride + c] = 0;
+    to_bf16(x + t * cols, cols, out + t * stride);
+    std::fill(out + t * stride + cols, out + (t + 1) * stride, uint16_t{0});
+  }
+}
+
+TANDEM_AVX512 void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    _mm256_mask_storeu_epi16(out + i, m, round_bf16(_mm512_maskz_loadu_ps(m, x + i)));
   }
 }
 
@@ -189,6 +209,18 @@ TANDEM_AVX512 void silu_mul(const float* gate, const float* up, int64_t n, float
     const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
+TANDEM_AVX512 void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    _mm256_mask_storeu_epi16(out + i, m,
+                             round_bf16(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i))));
   }
 }
 

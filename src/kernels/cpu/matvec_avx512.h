@@ -17,6 +17,8 @@ void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n, flo
 bool has_bf16_dot();
 // x[n, cols] float32 -> BF16 rows of `stride` (>= cols rounded up to 32) elements, zero-padded.
 void to_bf16_rows(const float* x, int64_t cols, int64_t n, int64_t stride, uint16_t* out);
+// x[n] float32 -> BF16, bit-identical to f32_to_bf16 (bf16.h).
+void to_bf16(const float* x, int64_t n, uint16_t* out);
 // out[t] = dot(row, xb + t * stride) for t < n (n <= 4), both BF16, accumulated in float32.
 void dot_rows_bf16_dp(const uint16_t* row, const uint16_t* xb, int64_t cols, int64_t stride,
                       int64_t n, float* out);
@@ -34,6 +36,8 @@ void dot_rows_i8_vnni(const int8_t* row, const uint8_t* xq, int64_t cols, int64_
 // out[i] = silu(gate[i]) * up[i] and the in-place softmax of x[n], with glibc's vectorised expf
 // (libmvec, within a few ulp of expf).
 void silu_mul(const float* gate, const float* up, int64_t n, float* out);
+// The same product rounded to BF16 (the input of the next BF16 product).
+void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out);
 void softmax(float* x, int64_t n);
 
 // y[cols] += a * row, row in BF16: the building block of transposed products.

@@ -140,6 +140,19 @@ void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool
   }
 }
 
+// The portable product behind gemm_bf16 and gemm_f32 where oneDNN has no kernel.
+template <typename T, typename Widen>
+void gemm_loops(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                bool b_transposed, float* c, int64_t ldc, Widen widen) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float s = 0;
+      for (int64_t p = 0; p < k; ++p)
+        s += widen(a[i * lda + p]) * widen(b_transposed ? b[j * ldb + p] : b[p * ldb + j]);
+      c[i * ldc + j] = s;
+    }
+}
+
 }  // namespace
 
 void set_int8_row_sums(Matrix& w) {
@@ -202,6 +215,19 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   matmul_f32_activations(w, x, n, y);
 }
 
+bool gemm_takes_bf16(const Matrix& w, int64_t n) {
+  return n >= kGemmMinTokens && w.type == WeightType::kBF16;
+}
+
+void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y) {
+  if (gemm_takes_bf16(w, n) && onednn_matmul_bf16(w, x, n, y)) return;
+  // Widening is exact, and matmul rounds these values back to the same BF16 ones.
+  thread_local std::vector<float> wide;
+  wide.resize(static_cast<size_t>(n * w.cols));
+  for (int64_t i = 0; i < n * w.cols; ++i) wide[i] = bf16_to_f32(x[i]);
+  matmul(w, wide.data(), n, y);
+}
+
 void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y) {
   if (n >= kGemmMinTokens && w.type == WeightType::kF32 && onednn_matmul(w, x, n, y)) return;
   const bool fast = avx512::available();
@@ -261,6 +287,18 @@ void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, 
   for (int64_t r = 0; r < count; ++r) row_dots(w, first + r, x, 1, y + r, fast);
 }
 
+void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
+               int64_t ldb, bool b_transposed, float* c, int64_t ldc) {
+  if (onednn_gemm(true, m, n, k, a, lda, b, ldb, b_transposed, c, ldc)) return;
+  gemm_loops(m, n, k, a, lda, b, ldb, b_transposed, c, ldc, bf16_to_f32);
+}
+
+void gemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+              int64_t ldb, bool b_transposed, float* c, int64_t ldc) {
+  if (onednn_gemm(false, m, n, k, a, lda, b, ldb, b_transposed, c, ldc)) return;
+  gemm_loops(m, n, k, a, lda, b, ldb, b_transposed, c, ldc, [](float v) { return v; });
+}
+
 void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double eps, float* y) {
 #pragma omp parallel for schedule(static) if (n * dim > (1 << 15))
   for (int64_t t = 0; t < n; ++t) {
@@ -282,6 +320,36 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
   }
 #pragma omp parallel for schedule(static) if (n > (1 << 15))
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out) {
+  constexpr int64_t kChunk = 1 << 14;
+  const bool fast = avx512::available();
+#pragma omp parallel for schedule(static) if (n > (1 << 15))
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t m = std::min(kChunk, n - i);
+    if (fast) {
+      avx512::silu_mul_bf16(gate + i, up + i, m, out + i);
+    } else {
+      for (int64_t k = i; k < i + m; ++k)
+        out[k] = f32_to_bf16(gate[k] / (1.0f + std::exp(-gate[k])) * up[k]);
+    }
+  }
+}
+
+void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  constexpr int64_t kChunk = 1 << 15;
+  const bool fast = avx512::available();
+  if (fast && n <= kChunk) return avx512::to_bf16(x, n, out);  // no parallel region for a row
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t m = std::min(kChunk, n - i);
+    if (fast) {
+      avx512::to_bf16(x + i, m, out + i);
+    } else {
+      for (int64_t k = i; k < i + m; ++k) out[k] = f32_to_bf16(x[k]);
+    }
+  }
 }
 
 void softmax(float* x, int64_t n) {

@@ -45,9 +45,10 @@ void set_int8_row_sums(Matrix& w);
 
 // Adds a copy of a BF16 or INT8 matrix in oneDNN's blocked GEMM layout. Small-batch products
 // (an MoE expert sees a few dozen tokens of a prompt) then skip the repacking oneDNN otherwise
-// does on every call, which costs about a quarter of the time at 48 tokens. Doubles the memory
-// of the matrix (the plain rows stay for the few-token kernels). Returns false, changing nothing,
-// where oneDNN has no such kernel.
+// does on every call, which costs about a quarter of the time at 48 tokens; products of hundreds
+// of tokens run on exact-shape kernels in chunks of 256 tokens, faster than the runtime-shape
+// gemm the plain matrix gets. Doubles the memory of the matrix (the plain rows stay for the
+// few-token kernels). Returns false, changing nothing, where oneDNN has no such kernel.
 bool pack_for_gemm(Matrix& w);
 
 // y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows]. With many tokens
@@ -55,6 +56,12 @@ bool pack_for_gemm(Matrix& w);
 // with AVX-512 VNNI) activations are quantised per token to int8 (symmetric, scale max|x|/127),
 // as W8A8 checkpoints are meant to run, and the products are exact integer dot products.
 void matmul(const Matrix& w, const float* x, int64_t n, float* y);
+// Whether matmul(w, x, n) rounds the activations to BF16 for a GEMM: then a caller with several
+// products of the same activations can round them once (to_bf16) and call matmul_bf16.
+bool gemm_takes_bf16(const Matrix& w, int64_t n);
+// matmul for activations already rounded to BF16 (x [n, cols]), with the same result. Weights
+// other than BF16, or products oneDNN has no kernel for, widen x back to float32 first.
+void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y);
 // The same product with activations kept in float32 whatever n is: for the MoE router, whose
 // top-k choice must not flip on activation rounding (DeepSeek computes it in float32 too).
 void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y);
@@ -65,9 +72,21 @@ void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const floa
 // y[count] = W[first .. first + count) x: a product over a row range.
 void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, float* y);
 
+// C[m, n] = A[m, k] B, float32 sums: A row-major (row stride lda); B [k, n] row-major (ldb), or
+// with b_transposed B^T [n, k] row-major (ldb); C row-major (ldc). The products of attention
+// (scores Q K^T, outputs P V), in BF16 or in float32.
+void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
+               int64_t ldb, bool b_transposed, float* c, int64_t ldc);
+void gemm_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+              int64_t ldb, bool b_transposed, float* c, int64_t ldc);
+
 void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double eps, float* y);
 // out[i] = silu(gate[i]) * up[i]
 void silu_mul(const float* gate, const float* up, int64_t n, float* out);
+// The same, rounded to BF16 (for matmul_bf16).
+void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out);
+// x[n] float32 -> BF16, rounding to nearest even (bf16.h's f32_to_bf16).
+void to_bf16(const float* x, int64_t n, uint16_t* out);
 // In-place softmax of x[n] (max-subtracted, float32).
 void softmax(float* x, int64_t n);
 float dot(const float* a, const float* b, int64_t n);
