@@ -1,10 +1,10 @@
 #include "model/deepseek.h"
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
+#include <type_traits>
 
-#include "kernels/cpu/bf16.h"
 #include "model/moe_routing.h"
 #include "util/error.h"
 
@@ -66,14 +66,126 @@ float* cache_entry(LatentCache& cache, const SequenceStep& step, int64_t layer, 
   return cache.block_layer(step.blocks[pos / bs], layer) + (pos % bs) * cache.shape().entry();
 }
 
+// Expanded attention of one sequence's step: keys and values of every head rebuilt from the
+// latents of the whole context, then per head two matrix products per block of queries (scores
+// S = Q K^T, outputs O = P V). T is the products' element type: BF16 (uint16_t) for BF16 and
+// INT8 checkpoints (keys, values, queries and probabilities rounded to BF16, float32 sums), float
+// for float32 ones. q is [count, heads, qk] after RoPE, out [count, heads, v_head_dim].
+template <typename T>
+void expanded_attention(const ModelConfig& c, const Matrix& kv_b, LatentCache& cache,
+                        const SequenceStep& step, int64_t layer, const float* q, float* out) {
+  const int64_t heads = c.num_attention_heads, nope = c.qk_nope_head_dim, rd = c.qk_rope_head_dim;
+  const int64_t vd = c.v_head_dim, kvl = c.kv_lora_rank, qk = c.qk_head_dim();
+  const int64_t head_rows = nope + vd;
+  const int64_t count = static_cast<int64_t>(step.tokens.size()), context = step.start + count;
+  const float scale = static_cast<float>(c.softmax_scale());
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
+  auto convert = [](const float* x, int64_t n, T* y) {
+    if constexpr (bf16)
+      kernels::to_bf16(x, n, y);
+    else
+      std::copy_n(x, n, y);
+  };
+  auto gemm = [](int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                 bool b_transposed, float* y, int64_t ldy) {
+    if constexpr (bf16)
+      kernels::gemm_bf16(m, n, k, a, lda, b, ldb, b_transposed, y, ldy);
+    else
+      kernels::gemm_f32(m, n, k, a, lda, b, ldb, b_transposed, y, ldy);
+  };
+
+  // Per-head keys [heads, context, qk] (the rope part is shared by all heads) and values
+  // [heads, context, vd], written once in the products' type, each head's block contiguous.
+  // Reused per thread: fresh buffers of megabytes cost page faults on every layer.
+  thread_local std::vector<float> latents, kv;
+  thread_local std::vector<T> keys, values, queries;
+  latents.resize(context * kvl);
+  kv.resize(context * heads * head_rows);
+  keys.resize(heads * context * qk);
+  values.resize(heads * context * vd);
+  queries.resize(count * heads * qk);
+  for (int64_t p = 0; p < context; ++p)
+    std::copy_n(cache_entry(cache, step, layer, p), kvl, latents.data() + p * kvl);
+  matmul(kv_b, latents.data(), context, kv.data());
+  // The parallel loops below see other threads' thread_local objects: they use these pointers.
+  const float* kvp = kv.data();
+  T* kp = keys.data();
+  T* vp = values.data();
+  const T* qp = queries.data();
+#pragma omp parallel for schedule(static) if (context > 16)
+  for (int64_t p = 0; p < context; ++p) {
+    const float* src = kvp + p * heads * head_rows;
+    const float* rope_key = cache_entry(cache, step, layer, p) + kvl;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      T* key = kp + (hd * context + p) * qk;
+      convert(src + hd * head_rows, nope, key);
+      convert(rope_key, rd, key + nope);
+      convert(src + hd * head_rows + nope, vd, vp + (hd * context + p) * vd);
+    }
+  }
+  convert(q, count * heads * qk, queries.data());
+
+  // One head per thread. Queries go in blocks that attend only to the keys their last query can
+  // see, so the causal upper triangle is mostly skipped instead of computed and masked. The
+  // products read queries, keys and values in place and write the output rows in place.
+  constexpr int64_t kQueryBlock = 128;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    thread_local std::vector<float> scores;
+    thread_local std::vector<T> probs;
+    scores.resize(kQueryBlock * context);
+    probs.resize(kQueryBlock * context);
+    const T* key = kp + hd * context * qk;
+    const T* value = vp + hd * context * vd;
+    for (int64_t b0 = 0; b0 < count; b0 += kQueryBlock) {
+      const int64_t bn = std::min(kQueryBlock, count - b0);
+      const int64_t visible_max = step.start + b0 + bn;  // keys the block's last query sees
+      gemm(bn, visible_max, qk, qp + (b0 * heads + hd) * qk, heads * qk, key, qk,
+           /*b_transposed=*/true, scores.data(), visible_max);
+      for (int64_t i = 0; i < bn; ++i) {
+        float* row = scores.data() + i * visible_max;
+        const int64_t visible = step.start + b0 + i + 1;  // causal: up to this token
+        for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
+        kernels::softmax(row, visible);
+        std::fill(row + visible, row + visible_max, 0.0f);
+        if constexpr (bf16) convert(row, visible_max, probs.data() + i * visible_max);
+      }
+      const T* p_rows;
+      if constexpr (bf16)
+        p_rows = probs.data();
+      else
+        p_rows = scores.data();
+      gemm(bn, vd, visible_max, p_rows, visible_max, value, vd, /*b_transposed=*/false,
+           out + (b0 * heads + hd) * vd, heads * vd);
+    }
+  }
+}
+
 }  // namespace
 
-void DeepSeekModel::mlp(const MlpWeights& w, const float* xn, int64_t n, float* out) const {
+void DeepSeekModel::mlp(const MlpWeights& w, const float* xn, const uint16_t* xb, int64_t n,
+                        float* out) const {
   const int64_t inter = w.gate.rows;
   // Reused per thread: fresh zero-filled buffers cost page faults on every layer.
   thread_local std::vector<float> g, u;
   g.resize(n * inter);
   u.resize(n * inter);
+  if (kernels::gemm_takes_bf16(w.gate, n)) {
+    // BF16 GEMMs: the activations are rounded once for gate and up (the caller may have done it),
+    // and silu(gate) * up is rounded as it is computed, not in a pass of its own.
+    thread_local std::vector<uint16_t> x_own, hidden;
+    if (!xb) {
+      x_own.resize(n * w.gate.cols);
+      kernels::to_bf16(xn, n * w.gate.cols, x_own.data());
+      xb = x_own.data();
+    }
+    kernels::matmul_bf16(w.gate, xb, n, g.data());
+    kernels::matmul_bf16(w.up, xb, n, u.data());
+    hidden.resize(n * inter);
+    kernels::silu_mul_bf16(g.data(), u.data(), n * inter, hidden.data());
+    kernels::matmul_bf16(w.down, hidden.data(), n, out);
+    return;
+  }
   matmul(w.gate, xn, n, g.data());
   matmul(w.up, xn, n, u.data());
   kernels::silu_mul(g.data(), u.data(), n * inter, g.data());
@@ -98,6 +210,14 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
     }
   }
   out.assign(n * h, 0.0f);
+  // BF16 experts: every token's activations rounded once, gathered per expert as BF16.
+  const bool bf16 = w.experts[0].gate.type == kernels::WeightType::kBF16;
+  thread_local std::vector<uint16_t> xb;
+  if (bf16) {
+    xb.resize(n * h);
+    kernels::to_bf16(xn.data(), n * h, xb.data());
+  }
+  const uint16_t* xbp = xb.data();
   // One expert per thread: each expert's tokens are few (about n * top_k / experts), and a
   // single-threaded product on a small shape keeps a core busier than one split across cores.
   std::vector<size_t> active;
@@ -108,24 +228,41 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
   for (size_t i = 0; i < active.size(); ++i) {
     const auto& list = by_slot[active[i]];
     const int64_t m = static_cast<int64_t>(list.size());
-    thread_local std::vector<float> in;
-    in.resize(m * h);
-    for (int64_t k = 0; k < m; ++k)
-      std::copy_n(xn.data() + list[k].first * h, h, in.data() + k * h);
+    const MlpWeights& e = w.experts[active[i]];
     results[i].resize(m * h);
-    mlp(w.experts[active[i]], in.data(), m, results[i].data());
-  }
-  // Summed in expert order, so the result does not depend on which thread ran which expert.
-  for (size_t i = 0; i < active.size(); ++i) {
-    const auto& list = by_slot[active[i]];
-    for (size_t k = 0; k < list.size(); ++k)
-      kernels::axpy(list[k].second, results[i].data() + k * h, out.data() + list[k].first * h, h);
+    if (bf16 && kernels::gemm_takes_bf16(e.gate, m)) {
+      thread_local std::vector<uint16_t> in;
+      in.resize(m * h);
+      for (int64_t k = 0; k < m; ++k) std::copy_n(xbp + list[k].first * h, h, in.data() + k * h);
+      mlp(e, nullptr, in.data(), m, results[i].data());
+    } else {
+      thread_local std::vector<float> in;
+      in.resize(m * h);
+      for (int64_t k = 0; k < m; ++k)
+        std::copy_n(xn.data() + list[k].first * h, h, in.data() + k * h);
+      mlp(e, in.data(), nullptr, m, results[i].data());
+    }
   }
   std::vector<float> res;
   if (w.has_shared) {
     res.resize(n * h);
-    mlp(w.shared, xn.data(), n, res.data());
-    for (int64_t i = 0; i < n * h; ++i) out[i] += res[i];
+    mlp(w.shared, xn.data(), bf16 ? xbp : nullptr, n, res.data());
+  }
+  // Summed in expert order, then the shared experts, so the result does not depend on which
+  // thread ran which expert; threads take column ranges.
+  constexpr int64_t kColumns = 256;
+#pragma omp parallel for schedule(static) if (n > 16)
+  for (int64_t c0 = 0; c0 < h; c0 += kColumns) {
+    const int64_t width = std::min(kColumns, h - c0);
+    for (size_t i = 0; i < active.size(); ++i) {
+      const auto& list = by_slot[active[i]];
+      for (size_t k = 0; k < list.size(); ++k)
+        kernels::axpy(list[k].second, results[i].data() + k * h + c0,
+                      out.data() + list[k].first * h + c0, width);
+    }
+    if (w.has_shared)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = c0; c < c0 + width; ++c) out[t * h + c] += res[t * h + c];
   }
 }
 
@@ -167,7 +304,6 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   int64_t first_token = 0;
   for (const auto& step : batch) {
     const int64_t count = static_cast<int64_t>(step.tokens.size());
-    const int64_t context = step.start + count;
     if (count <= kAbsorbedMaxTokens) {
       // Absorbed form: fold W_UK into the query and W_UV after the weighted sum, so attention
       // runs directly over the cached latents (one shared KV head of width kv_lora + rope).
@@ -190,76 +326,13 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
                                out.data() + (t * heads + hd) * vd);
         }
       }
+    } else if (w.kv_b.type == kernels::WeightType::kF32) {
+      expanded_attention<float>(c, w.kv_b, cache, step, layer, q.data() + first_token * heads * qk,
+                                out.data() + first_token * heads * vd);
     } else {
-      // Expanded form: rebuild per-head keys and values of the whole context from the latents,
-      // then two matrix products per head (scores = Q K^T, out = P V) on the GEMM kernels.
-      std::vector<float> latents(context * kvl), kv(context * heads * head_rows);
-      for (int64_t p = 0; p < context; ++p)
-        std::copy_n(cache_entry(cache, step, layer, p), kvl, latents.data() + p * kvl);
-      matmul(w.kv_b, latents.data(), context, kv.data());
-      // One head per thread. Checkpoints in BF16 or INT8 run the two products in BF16 (keys,
-      // values, queries and probabilities rounded to BF16, float32 accumulation), float32 ones
-      // in float32. Queries go in blocks that attend only to the keys their last query can see,
-      // so the causal upper triangle is mostly skipped instead of computed and masked.
-      const bool bf16 = w.kv_b.type != kernels::WeightType::kF32;
-      const auto type = bf16 ? kernels::WeightType::kBF16 : kernels::WeightType::kF32;
-      const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
-      constexpr int64_t kQueryBlock = 128;
-#pragma omp parallel for schedule(dynamic, 1)
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        // Keys [context, qk] and values transposed [vd, context], in the products' type; a
-        // block's values are copied to [vd, visible] so the product reads them contiguously.
-        thread_local std::vector<uint8_t> keys, values_t, values_blk;
-        thread_local std::vector<float> queries, scores, o;
-        keys.resize(context * qk * elem);
-        values_t.resize(vd * context * elem);
-        values_blk.resize(vd * context * elem);
-        queries.resize(count * qk);
-        scores.resize(kQueryBlock * context);
-        o.resize(count * vd);
-        auto put = [&](std::vector<uint8_t>& dst, int64_t index, float v) {
-          if (bf16)
-            reinterpret_cast<uint16_t*>(dst.data())[index] = kernels::f32_to_bf16(v);
-          else
-            reinterpret_cast<float*>(dst.data())[index] = v;
-        };
-        for (int64_t p = 0; p < context; ++p) {
-          const float* src = kv.data() + (p * heads + hd) * head_rows;
-          const float* rope_key = cache_entry(cache, step, layer, p) + kvl;
-          for (int64_t k = 0; k < nope; ++k) put(keys, p * qk + k, src[k]);
-          for (int64_t k = 0; k < rd; ++k) put(keys, p * qk + nope + k, rope_key[k]);
-          for (int64_t v = 0; v < vd; ++v) put(values_t, v * context + p, src[nope + v]);
-        }
-        for (int64_t i = 0; i < count; ++i)
-          std::copy_n(q.data() + ((first_token + i) * heads + hd) * qk, qk,
-                      queries.data() + i * qk);
-        auto product = [&](const Matrix& m, const float* x, int64_t rows, float* y) {
-          if (bf16)
-            kernels::matmul(m, x, rows, y);
-          else
-            kernels::matmul_f32_activations(m, x, rows, y);
-        };
-        for (int64_t b0 = 0; b0 < count; b0 += kQueryBlock) {
-          const int64_t bn = std::min(kQueryBlock, count - b0);
-          const int64_t visible_max = step.start + b0 + bn;  // keys the block's last query sees
-          product(kernels::matrix_view(visible_max, qk, type, keys.data()),
-                  queries.data() + b0 * qk, bn, scores.data());
-          for (int64_t i = 0; i < bn; ++i) {
-            float* row = scores.data() + i * visible_max;
-            const int64_t visible = step.start + b0 + i + 1;  // causal: up to this token
-            for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
-            kernels::softmax(row, visible);
-            std::fill(row + visible, row + visible_max, 0.0f);
-          }
-          for (int64_t v = 0; v < vd; ++v)
-            std::memcpy(values_blk.data() + v * visible_max * elem,
-                        values_t.data() + v * context * elem, visible_max * elem);
-          product(kernels::matrix_view(vd, visible_max, type, values_blk.data()), scores.data(), bn,
-                  o.data() + b0 * vd);
-        }
-        for (int64_t i = 0; i < count; ++i)
-          std::copy_n(o.data() + i * vd, vd, out.data() + ((first_token + i) * heads + hd) * vd);
-      }
+      expanded_attention<uint16_t>(c, w.kv_b, cache, step, layer,
+                                   q.data() + first_token * heads * qk,
+                                   out.data() + first_token * heads * vd);
     }
     first_token += count;
   }
@@ -280,7 +353,7 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
   if (w.is_moe) {
     moe(w.moe, cache_layer, xn, n, proj, margins);
   } else {
-    mlp(w.dense, xn.data(), n, proj.data());
+    mlp(w.dense, xn.data(), nullptr, n, proj.data());
   }
   for (int64_t i = 0; i < n * h; ++i) x[i] += proj[i];
 }

@@ -75,7 +75,8 @@ class DeepSeekModel {
                  const std::vector<float>& xn, std::vector<float>& out, LatentCache& cache) const;
   void moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
            std::vector<float>& out, std::vector<float>& margins) const;
-  void mlp(const MlpWeights& w, const float* xn, int64_t n, float* out) const;
+  // `xb`, when not null, holds xn rounded to BF16 (used where the products run in BF16).
+  void mlp(const MlpWeights& w, const float* xn, const uint16_t* xb, int64_t n, float* out) const;
   StepOutput finish(std::span<const SequenceStep> batch, std::vector<float> x,
                     std::vector<float> margins, const std::vector<float>& norm,
                     const Matrix& head) const;
