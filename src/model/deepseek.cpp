@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 
 #include "model/moe_routing.h"
@@ -59,6 +60,12 @@ void check_batch(const ModelConfig& c, std::span<const SequenceStep> batch,
       if (t < 0 || t >= c.vocab_size)
         throw Error("forward: token id " + std::to_string(t) + " is outside the vocabulary");
   }
+}
+
+// x[i] += y[i] (the residual connections).
+void add_to(float* x, const float* y, int64_t n) {
+#pragma omp parallel for simd schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
 float* cache_entry(LatentCache& cache, const SequenceStep& step, int64_t layer, int64_t pos) {
@@ -145,10 +152,14 @@ void expanded_attention(const ModelConfig& c, const Matrix& kv_b, LatentCache& c
       for (int64_t i = 0; i < bn; ++i) {
         float* row = scores.data() + i * visible_max;
         const int64_t visible = step.start + b0 + i + 1;  // causal: up to this token
-        for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
-        kernels::softmax(row, visible);
-        std::fill(row + visible, row + visible_max, 0.0f);
-        if constexpr (bf16) convert(row, visible_max, probs.data() + i * visible_max);
+        if constexpr (bf16) {
+          kernels::softmax_to_bf16(row, visible, scale, visible_max,
+                                   probs.data() + i * visible_max);
+        } else {
+          for (int64_t p = 0; p < visible; ++p) row[p] *= scale;
+          kernels::softmax(row, visible);
+          std::fill(row + visible, row + visible_max, 0.0f);
+        }
       }
       const T* p_rows;
       if constexpr (bf16)
@@ -201,8 +212,11 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
   // Group the tokens by physical expert slot so each expert's weights are read once.
   std::vector<std::vector<std::pair<int64_t, float>>> by_slot(w.experts.size());
   const float* bias = w.correction_bias.empty() ? nullptr : w.correction_bias.data();
+  std::vector<Routing> routes(n);
+#pragma omp parallel for schedule(static) if (n > 16)
+  for (int64_t t = 0; t < n; ++t) routes[t] = route_token(c, logits.data() + t * e_count, bias);
   for (int64_t t = 0; t < n; ++t) {
-    Routing r = route_token(c, logits.data() + t * e_count, bias);
+    const Routing& r = routes[t];
     margins[t] = std::min(margins[t], r.margin);
     for (size_t k = 0; k < r.experts.size(); ++k) {
       ++expert_counts_[layer][r.experts[k]];
@@ -220,34 +234,51 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
   const uint16_t* xbp = xb.data();
   // One expert per thread: each expert's tokens are few (about n * top_k / experts), and a
   // single-threaded product on a small shape keeps a core busier than one split across cores.
+  // Results of expert i at rows first_row[i] of one buffer (reused: no page faults per layer).
   std::vector<size_t> active;
-  for (size_t slot = 0; slot < by_slot.size(); ++slot)
-    if (!by_slot[slot].empty()) active.push_back(slot);
-  std::vector<std::vector<float>> results(active.size());
+  std::vector<int64_t> first_row;
+  int64_t rows = 0;
+  for (size_t slot = 0; slot < by_slot.size(); ++slot) {
+    if (by_slot[slot].empty()) continue;
+    active.push_back(slot);
+    first_row.push_back(rows);
+    rows += static_cast<int64_t>(by_slot[slot].size());
+  }
+  thread_local std::vector<float> results_buf;
+  results_buf.resize(rows * h);
+  float* results = results_buf.data();
+  // Busiest experts first, so the last ones to finish are short and threads end together.
+  std::vector<size_t> order(active.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return by_slot[active[a]].size() > by_slot[active[b]].size();
+  });
 #pragma omp parallel for schedule(dynamic, 1) if (active.size() > 1)
-  for (size_t i = 0; i < active.size(); ++i) {
+  for (size_t j = 0; j < order.size(); ++j) {
+    const size_t i = order[j];
     const auto& list = by_slot[active[i]];
     const int64_t m = static_cast<int64_t>(list.size());
     const MlpWeights& e = w.experts[active[i]];
-    results[i].resize(m * h);
+    float* result = results + first_row[i] * h;
     if (bf16 && kernels::gemm_takes_bf16(e.gate, m)) {
       thread_local std::vector<uint16_t> in;
       in.resize(m * h);
       for (int64_t k = 0; k < m; ++k) std::copy_n(xbp + list[k].first * h, h, in.data() + k * h);
-      mlp(e, nullptr, in.data(), m, results[i].data());
+      mlp(e, nullptr, in.data(), m, result);
     } else {
       thread_local std::vector<float> in;
       in.resize(m * h);
       for (int64_t k = 0; k < m; ++k)
         std::copy_n(xn.data() + list[k].first * h, h, in.data() + k * h);
-      mlp(e, in.data(), nullptr, m, results[i].data());
+      mlp(e, in.data(), nullptr, m, result);
     }
   }
-  std::vector<float> res;
+  thread_local std::vector<float> shared_buf;
   if (w.has_shared) {
-    res.resize(n * h);
-    mlp(w.shared, xn.data(), bf16 ? xbp : nullptr, n, res.data());
+    shared_buf.resize(n * h);
+    mlp(w.shared, xn.data(), bf16 ? xbp : nullptr, n, shared_buf.data());
   }
+  const float* shared = shared_buf.data();
   // Summed in expert order, then the shared experts, so the result does not depend on which
   // thread ran which expert; threads take column ranges.
   constexpr int64_t kColumns = 256;
@@ -257,12 +288,12 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
     for (size_t i = 0; i < active.size(); ++i) {
       const auto& list = by_slot[active[i]];
       for (size_t k = 0; k < list.size(); ++k)
-        kernels::axpy(list[k].second, results[i].data() + k * h + c0,
+        kernels::axpy(list[k].second, results + (first_row[i] + k) * h + c0,
                       out.data() + list[k].first * h + c0, width);
     }
     if (w.has_shared)
       for (int64_t t = 0; t < n; ++t)
-        for (int64_t c = c0; c < c0 + width; ++c) out[t * h + c] += res[t * h + c];
+        for (int64_t c = c0; c < c0 + width; ++c) out[t * h + c] += shared[t * h + c];
   }
 }
 
@@ -277,27 +308,31 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   const int64_t entry = kvl + rd, head_rows = nope + vd;
   const float scale = static_cast<float>(c.softmax_scale());
 
-  // Queries: [n, heads, nope + rope].
-  std::vector<float> q(n * heads * qk);
+  // Queries: [n, heads, nope + rope]. Reused per thread (fresh buffers of megabytes cost page
+  // faults on every layer); parallel loops use the pointers, not the thread_local objects.
+  thread_local std::vector<float> q_buf, kva_buf;
+  q_buf.resize(n * heads * qk);
+  float* q = q_buf.data();
   if (c.q_lora_rank > 0) {
     std::vector<float> qa(n * c.q_lora_rank);
     matmul(w.q_a, xn.data(), n, qa.data());
     rmsnorm(qa.data(), w.q_a_norm.data(), n, c.q_lora_rank, kLatentNormEps, qa.data());
-    matmul(w.q_b, qa.data(), n, q.data());
+    matmul(w.q_b, qa.data(), n, q);
   } else {
-    matmul(w.q, xn.data(), n, q.data());
+    matmul(w.q, xn.data(), n, q);
   }
   // New latents and rope keys go to the cache before attending, so a token sees itself.
-  std::vector<float> kva(n * entry);
-  matmul(w.kv_a, xn.data(), n, kva.data());
+  kva_buf.resize(n * entry);
+  const float* kva = kva_buf.data();
+  matmul(w.kv_a, xn.data(), n, kva_buf.data());
 #pragma omp parallel for schedule(static) if (n > 16)
   for (int64_t t = 0; t < n; ++t) {
     const auto& step = batch[tokens[t].sequence];
     float* dst = cache_entry(cache, step, layer, tokens[t].position);
-    rmsnorm(kva.data() + t * entry, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, dst);
-    std::copy_n(kva.data() + t * entry + kvl, rd, dst + kvl);
+    rmsnorm(kva + t * entry, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, dst);
+    std::copy_n(kva + t * entry + kvl, rd, dst + kvl);
     rope_.apply(dst + kvl, tokens[t].position);
-    rope_.apply(q.data() + t * heads * qk + nope, qk, heads, tokens[t].position);
+    rope_.apply(q + t * heads * qk + nope, qk, heads, tokens[t].position);
   }
 
   out.assign(n * heads * vd, 0.0f);
@@ -311,7 +346,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
       for (int64_t i = 0; i < count; ++i) {
         for (int64_t hd = 0; hd < heads; ++hd) {
           const int64_t t = first_token + i, pos = step.start + i;
-          const float* qh = q.data() + (t * heads + hd) * qk;
+          const float* qh = q + (t * heads + hd) * qk;
           std::vector<float> q_lat(kvl), scores(pos + 1), o_lat(kvl, 0.0f);
           kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, q_lat.data());
           for (int64_t p = 0; p <= pos; ++p) {
@@ -327,11 +362,10 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
         }
       }
     } else if (w.kv_b.type == kernels::WeightType::kF32) {
-      expanded_attention<float>(c, w.kv_b, cache, step, layer, q.data() + first_token * heads * qk,
+      expanded_attention<float>(c, w.kv_b, cache, step, layer, q + first_token * heads * qk,
                                 out.data() + first_token * heads * vd);
     } else {
-      expanded_attention<uint16_t>(c, w.kv_b, cache, step, layer,
-                                   q.data() + first_token * heads * qk,
+      expanded_attention<uint16_t>(c, w.kv_b, cache, step, layer, q + first_token * heads * qk,
                                    out.data() + first_token * heads * vd);
     }
     first_token += count;
@@ -343,11 +377,14 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
                                   const std::vector<TokenInfo>& tokens, std::vector<float>& x,
                                   LatentCache& cache, std::vector<float>& margins) const {
   const int64_t n = static_cast<int64_t>(tokens.size()), h = config_.hidden_size;
-  std::vector<float> xn(n * h), attn, proj(n * h);
+  // Reused per thread: fresh buffers of megabytes cost page faults on every layer.
+  thread_local std::vector<float> xn, attn, proj;
+  xn.resize(n * h);
+  proj.resize(n * h);
   rmsnorm(x.data(), w.input_norm.data(), n, h, config_.rms_norm_eps, xn.data());
   attention(w.attn, cache_layer, batch, tokens, xn, attn, cache);
   matmul(w.attn.o, attn.data(), n, proj.data());
-  for (int64_t i = 0; i < n * h; ++i) x[i] += proj[i];
+  add_to(x.data(), proj.data(), n * h);
 
   rmsnorm(x.data(), w.post_attention_norm.data(), n, h, config_.rms_norm_eps, xn.data());
   if (w.is_moe) {
@@ -355,7 +392,7 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
   } else {
     mlp(w.dense, xn.data(), nullptr, n, proj.data());
   }
-  for (int64_t i = 0; i < n * h; ++i) x[i] += proj[i];
+  add_to(x.data(), proj.data(), n * h);
 }
 
 StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vector<float> x,

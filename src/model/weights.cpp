@@ -104,6 +104,16 @@ class Binder {
     }
     MoeWeights& m = l.moe;
     m.router = matrix(p + ".mlp.gate", c.n_routed_experts, h);
+    // The router runs on float32 activations (its top-k must not flip on rounding); float32
+    // weights let a prompt's routing logits come from oneDNN's float32 GEMM instead of row dots
+    // (exact widening; 4 bytes per weight of a small matrix).
+    if (m.router.type == kernels::WeightType::kBF16) {
+      m.router.storage.resize(static_cast<size_t>(m.router.rows * m.router.cols) * 4);
+      to_f32(DType::kBF16, m.router.data, reinterpret_cast<float*>(m.router.storage.data()),
+             static_cast<size_t>(m.router.rows * m.router.cols));
+      m.router.data = m.router.storage.data();
+      m.router.type = kernels::WeightType::kF32;
+    }
     if (c.uses_correction_bias())
       m.correction_bias = vector(p + ".mlp.gate.e_score_correction_bias", c.n_routed_experts);
     for (int64_t e = 0; e < c.n_routed_experts; ++e) {

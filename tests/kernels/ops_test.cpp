@@ -211,6 +211,46 @@ TEST(SiluMulBf16, IsTheRoundedFloatProduct) {
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f32_to_bf16(ref[i])) << "element " << i;
 }
 
+// A causal row of attention probabilities: softmax of the scaled scores, rounded to BF16, zeros
+// past the visible keys.
+TEST(SoftmaxToBf16, MatchesScaledSoftmaxAndZeroesTheTail) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (int64_t n : {1, 15, 16, 17, 100, 513}) {
+    const int64_t width = n + 37;
+    const float scale = 0.125f;
+    std::vector<float> x(n);
+    for (auto& v : x) v = normal(rng);
+    double mx = -INFINITY, sum = 0;
+    for (float v : x) mx = std::max(mx, double(v) * scale);
+    for (float v : x) sum += std::exp(double(v) * scale - mx);
+    std::vector<uint16_t> out(width + 1, 0xABCD);
+    std::vector<float> work = x;
+    softmax_to_bf16(work.data(), n, scale, width, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const double ref = std::exp(double(x[i]) * scale - mx) / sum;
+      ASSERT_NEAR(bf16_to_f32(out[i]), ref, ref * (1.0 / 128) + 1e-30) << "n " << n << " i " << i;
+    }
+    for (int64_t i = n; i < width; ++i) ASSERT_EQ(out[i], 0) << "n " << n << " i " << i;
+    EXPECT_EQ(out[width], 0xABCD) << "wrote past the width";
+  }
+}
+
+TEST(Axpy, MatchesScalarLoop) {
+  std::mt19937 rng(10);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t n : {1, 16, 31, 2048}) {
+    std::vector<float> x(n), y(n + 1, 5.0f), ref;
+    for (auto& v : x) v = normal(rng);
+    for (int64_t i = 0; i < n; ++i) y[i] = normal(rng);
+    ref = y;
+    for (int64_t i = 0; i < n; ++i) ref[i] += 0.37 * double(x[i]);
+    axpy(0.37f, x.data(), y.data(), n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(y[i], ref[i], 1e-6 * (1 + std::abs(ref[i])));
+    EXPECT_EQ(y[n], 5.0f) << "wrote past the end";
+  }
+}
+
 // matmul_bf16 (activations rounded by the caller) gives exactly what matmul gives, for plain
 // and packed BF16 weights and for weights it widens the activations for (INT8).
 TEST(MatmulBf16, MatchesMatmul) {

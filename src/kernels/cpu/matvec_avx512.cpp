@@ -243,6 +243,40 @@ TANDEM_AVX512 void softmax(float* x, int64_t n) {
   }
 }
 
+TANDEM_AVX512 void softmax_to_bf16(float* x, int64_t n, float scale, int64_t width, uint16_t* out) {
+  // Three passes instead of five: the scale goes into the exponent (scale > 0 keeps the maximum
+  // where it was), and normalising, rounding and the zero tail are one pass.
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes(n - i), x + i));
+  const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), vscale = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 e =
+        _ZGVeN16v_expf(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), vmax), vscale));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    _mm256_mask_storeu_epi16(out + i, m,
+                             round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv)));
+  }
+  std::fill(out + n, out + width, uint16_t{0});
+}
+
+TANDEM_AVX512 void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    _mm512_mask_storeu_ps(
+        y + i, m,
+        _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
 TANDEM_AVX512 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols) {
   const __m512 va = _mm512_set1_ps(a);
   int64_t c = 0;

@@ -39,6 +39,10 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out);
 // The same product rounded to BF16 (the input of the next BF16 product).
 void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out);
 void softmax(float* x, int64_t n);
+// softmax(scale * x[n]) rounded to BF16 into out, zeros in out[n, width); x is overwritten.
+void softmax_to_bf16(float* x, int64_t n, float scale, int64_t width, uint16_t* out);
+// y[n] += a * x[n]
+void axpy(float a, const float* x, float* y, int64_t n);
 
 // y[cols] += a * row, row in BF16: the building block of transposed products.
 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);

@@ -352,6 +352,14 @@ void to_bf16(const float* x, int64_t n, uint16_t* out) {
   }
 }
 
+void softmax_to_bf16(float* x, int64_t n, float scale, int64_t width, uint16_t* out) {
+  if (avx512::available()) return avx512::softmax_to_bf16(x, n, scale, width, out);
+  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+  softmax(x, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);
+  std::fill(out + n, out + width, uint16_t{0});
+}
+
 void softmax(float* x, int64_t n) {
   if (avx512::available()) return avx512::softmax(x, n);
   float m = -INFINITY;
@@ -370,6 +378,7 @@ float dot(const float* a, const float* b, int64_t n) {
 }
 
 void axpy(float a, const float* x, float* y, int64_t n) {
+  if (avx512::available()) return avx512::axpy(a, x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 

@@ -89,6 +89,9 @@ void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out)
 void to_bf16(const float* x, int64_t n, uint16_t* out);
 // In-place softmax of x[n] (max-subtracted, float32).
 void softmax(float* x, int64_t n);
+// out[i] = softmax(scale * x)[i] rounded to BF16 for i < n, zero for n <= i < width (a causal
+// row of attention probabilities). x is overwritten.
+void softmax_to_bf16(float* x, int64_t n, float scale, int64_t width, uint16_t* out);
 float dot(const float* a, const float* b, int64_t n);
 // y += a * x
 void axpy(float a, const float* x, float* y, int64_t n);
