@@ -108,9 +108,11 @@ class Binder {
     // weights let a prompt's routing logits come from oneDNN's float32 GEMM instead of row dots
     // (exact widening; 4 bytes per weight of a small matrix).
     if (m.router.type == kernels::WeightType::kBF16) {
-      m.router.storage.resize(static_cast<size_t>(m.router.rows * m.router.cols) * 4);
-      to_f32(DType::kBF16, m.router.data, reinterpret_cast<float*>(m.router.storage.data()),
+      // A new buffer: the BF16 bytes may live in `storage` (dequantised at load).
+      std::vector<uint8_t> wide(static_cast<size_t>(m.router.rows * m.router.cols) * 4);
+      to_f32(DType::kBF16, m.router.data, reinterpret_cast<float*>(wide.data()),
              static_cast<size_t>(m.router.rows * m.router.cols));
+      m.router.storage = std::move(wide);
       m.router.data = m.router.storage.data();
       m.router.type = kernels::WeightType::kF32;
     }
