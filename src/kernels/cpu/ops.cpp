@@ -34,6 +34,19 @@ TANDEM_CLONES float dot_f32(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Sum of squares in double precision, eight independent accumulators (a single chain of double
+// additions made rmsnorm latency-bound).
+TANDEM_CLONES double sum_squares(const float* x, int64_t n) {
+  double acc[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(x[i + k]) * x[i + k];
+  double s = 0;
+  for (int k = 0; k < 8; ++k) s += acc[k];
+  for (; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
+  return s;
+}
+
 TANDEM_CLONES float dot_bf16(const uint16_t* w, const float* x, int64_t n) {
   float acc[16] = {};
   int64_t i = 0;
@@ -243,20 +256,20 @@ void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y
 }
 
 void matrix_row(const Matrix& w, int64_t r, float* out) {
-  for (int64_t c = 0; c < w.cols; ++c) {
-    switch (w.type) {
-      case WeightType::kF32:
-        out[c] = static_cast<const float*>(w.data)[r * w.cols + c];
-        break;
-      case WeightType::kBF16: {
-        uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w.data)[r * w.cols + c])
-                        << 16;
-        std::memcpy(&out[c], &bits, 4);
-        break;
-      }
-      case WeightType::kI8:
-        out[c] = static_cast<const int8_t*>(w.data)[r * w.cols + c] * w.row_scales[r];
-        break;
+  switch (w.type) {
+    case WeightType::kF32:
+      std::copy_n(static_cast<const float*>(w.data) + r * w.cols, w.cols, out);
+      break;
+    case WeightType::kBF16: {
+      const uint16_t* row = static_cast<const uint16_t*>(w.data) + r * w.cols;
+      for (int64_t c = 0; c < w.cols; ++c) out[c] = bf16_to_f32(row[c]);
+      break;
+    }
+    case WeightType::kI8: {
+      const int8_t* row = static_cast<const int8_t*>(w.data) + r * w.cols;
+      const float scale = w.row_scales[r];
+      for (int64_t c = 0; c < w.cols; ++c) out[c] = row[c] * scale;
+      break;
     }
   }
 }
@@ -303,8 +316,7 @@ void rmsnorm(const float* x, const float* weight, int64_t n, int64_t dim, double
 #pragma omp parallel for schedule(static) if (n * dim > (1 << 15))
   for (int64_t t = 0; t < n; ++t) {
     const float* xt = x + t * dim;
-    double ss = 0;
-    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xt[i]) * xt[i];
+    const double ss = sum_squares(xt, dim);
     const float inv = static_cast<float>(1.0 / std::sqrt(ss / dim + eps));
     for (int64_t i = 0; i < dim; ++i) y[t * dim + i] = xt[i] * inv * weight[i];
   }
