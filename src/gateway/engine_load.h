@@ -39,8 +39,9 @@ struct EngineLoadState {
   bool known = false;  // a report has arrived
   EngineLoadReport report;
   Clock::time_point received{};  // when it arrived
-  // The gateway's count of uncached prompt tokens it had launched on the engine when it sent the
-  // poll that brought the report: legs launched later are not in the report's queue.
+  // The gateway's count of uncached prompt tokens launched on the engine that the report is taken
+  // to include (the count when the poll before the one that brought it was sent: a leg launched
+  // just before a poll may still be on its way into the engine when it answers).
   int64_t launched_at_poll = 0;
   uint64_t last_step = 0;  // the newest step index already observed
   BatchTimeEstimator batch_time;

@@ -111,6 +111,7 @@ struct EndpointState {
   GatewayCounts counts;  // uncached prompt tokens launched / in flight (prefill work)
   EngineLoadState load;  // its GET /load reports (tandem engines)
   bool load_polling = false;
+  int64_t launched_at_last_poll = 0;  // counts.launched_total when the last poll left
   metrics::Gauge* in_flight_gauge = nullptr;
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::IntCounter* requests_total = nullptr;
@@ -158,6 +159,7 @@ struct Request {
   Stage stage = Stage::kFirst;
   int attempt = 0;  // current attempt; legs of older attempts are ignored
   std::vector<int> excluded;
+  std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   int64_t uncached_tokens = 0;  // prompt tokens the engine chosen to prefill it lacks in cache
   std::string prefill_name, decode_name;
@@ -553,6 +555,17 @@ class Gateway::Impl {
                      e.in_flight, e.max_in_flight, e.tokens_in_flight};
       fill_load(l, e.load, e.counts, now, max_age);
       (e.prefill ? v.prefill : v.decode).push_back(l);
+    }
+    // An engine without observations yet (new, or just restarted) borrows the learned batch
+    // times of the engine of its pool with the most: one pool runs one model on like hardware,
+    // and the prior would make it look faster or slower than its peers until it has run.
+    for (auto* pool : {&v.prefill, &v.decode}) {
+      const BatchTimeEstimator* best = nullptr;
+      for (const auto& l : *pool)
+        if (l.batch_time && (!best || l.batch_time->observations > best->observations))
+          best = l.batch_time;
+      for (auto& l : *pool)
+        if (!l.batch_time) l.batch_time = best;
     }
     return v;
   }
@@ -1096,6 +1109,9 @@ class Gateway::Impl {
     const bool retryable =
         !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
     if (retryable && r->attempt < topo_.prefill_retries) {
+      const EndpointState* e = endpoint(endpoint_id);
+      r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
+                                 (message.empty() ? "HTTP " + std::to_string(status) : message));
       ++r->attempt;
       metrics_.retries.inc();
       r->excluded.push_back(endpoint_id);
@@ -1215,6 +1231,7 @@ class Gateway::Impl {
     if (!r->model.empty()) line["model"] = r->model;
     if (!r->prefill_name.empty()) line["prefill"] = r->prefill_name;
     if (!r->decode_name.empty()) line["decode"] = r->decode_name;
+    if (!r->retried_after.empty()) line["retried_after"] = r->retried_after;
     if (events > 0) {
       line["output_events"] = events;
       line["ttft_seconds"] = static_cast<double>(first_ns - received) * 1e-9;
@@ -1273,8 +1290,11 @@ class Gateway::Impl {
         reply->body.append(piece);
         return reply->body.size() <= kMaxLoadReportBytes;
       };
-      h.on_done = [this, reply, id = id,
-                   launched = e.counts.launched_total](const std::string& error) {
+      // A leg launched shortly before this poll may still be on its way into the engine when it
+      // answers: the report is taken to know only the legs launched before the previous poll.
+      const int64_t launched = e.launched_at_last_poll;
+      e.launched_at_last_poll = e.counts.launched_total;
+      h.on_done = [this, reply, id = id, launched](const std::string& error) {
         std::optional<EngineLoadReport> report;
         if (error.empty() && reply->status == 200) {
           try {

@@ -64,7 +64,9 @@ struct SchedulingOptions {
 };
 
 struct Timeouts {
-  std::chrono::milliseconds queue = std::chrono::seconds(30);         // waiting for a free engine
+  // Waiting for a free engine. As long as a prefill leg may take: a request the scheduler holds
+  // back from saturated engines must not fail sooner than it would have queued on one.
+  std::chrono::milliseconds queue = std::chrono::seconds(300);
   std::chrono::milliseconds connect = std::chrono::seconds(5);        // per upstream call
   std::chrono::milliseconds prefill = std::chrono::seconds(300);      // a whole prefill leg
   std::chrono::milliseconds first_token = std::chrono::seconds(300);  // decode's response head

@@ -5,6 +5,8 @@
 // single-sequence generate loop, and no engine may keep a KV block afterwards.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <future>
 
 #include <nlohmann/json.hpp>
@@ -16,6 +18,7 @@
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
+#include "util/file.h"
 
 namespace tandem::gateway {
 namespace {
@@ -294,6 +297,80 @@ TEST(GatewayServe, ManySimulatedEnginesShareTheLoad) {
     EXPECT_EQ(metric(serve.port(), "tandem:gateway_requests_total", "status=\"200\""), 30);
     EXPECT_EQ(serve.stop(), 0);
   }
+}
+
+// The policy evaluation in small (bench/policy_comparison.sh replays a window of the Mooncake
+// trace this way): 40 records of the trace's head through `tandem serve` with simulated
+// DeepSeek-V3 engines (their step times scaled down 100x), the tandem policy fed by KV events and
+// load reports, and `tandem bench` replaying at 100x speed. Every request completes, every prompt
+// token arrives, the prefill engines find shared prefixes in their caches, and the gateway learns
+// each engine's batch times.
+TEST(GatewayServe, MooncakeReplayThroughTheTandemPolicy) {
+  EngineProcess serve({TANDEM_BINARY,
+                       "serve",
+                       "--model",
+                       "sim:deepseek-v3-h800",
+                       "--host",
+                       "127.0.0.1",
+                       "--port",
+                       "0",
+                       "--mode",
+                       "parallel",
+                       "--prefill",
+                       "2",
+                       "--decode",
+                       "2",
+                       "--kv-events",
+                       "--policy",
+                       "tandem",
+                       "--admin-api-key",
+                       "admin",
+                       "--engine-arg=--sim-time-scale=0.01",
+                       "--engine-arg=--sim-kv-token-bytes=16"});
+  std::vector<std::string> prefill_urls;
+  for (int i = 0; i < 4; ++i) {
+    const std::string line = serve.next_line();
+    const auto at = line.find("prefill engine http://");
+    if (at != std::string::npos) {
+      const auto url = line.substr(at + 15);
+      prefill_urls.push_back(url.substr(0, url.find(' ')));
+    }
+  }
+  ASSERT_EQ(prefill_urls.size(), 2u);
+  const auto trace = std::filesystem::path(TANDEM_SOURCE_DIR) /
+                     "tests/data/bench/mooncake_conversation_head200.jsonl";
+  const auto result = test::temp_path("replay-result");
+  std::string cmd =
+      std::string(TANDEM_BINARY) +
+      " bench --base-url http://127.0.0.1:" + std::to_string(serve.port()) +
+      " --model deepseek-v3-h800 --dataset-name mooncake --dataset-path " + test::quote(trace) +
+      " --trace-limit 40 --time-scale 0.01 --no-progress --result-file " + test::quote(result);
+  for (const auto& url : prefill_urls) cmd += " --metrics-url " + url;
+  ASSERT_EQ(test::run_command(cmd + " > /dev/null"), 0);
+  const json r = json::parse(read_file(result));
+  EXPECT_EQ(r["completed"], 40);
+  EXPECT_EQ(r["failed"], 0);
+  int64_t input_tokens = 0;
+  std::ifstream in(trace);
+  std::string line;
+  for (int i = 0; i < 40 && std::getline(in, line); ++i)
+    input_tokens += json::parse(line)["input_length"].get<int64_t>();
+  EXPECT_EQ(r["total_input_tokens"], input_tokens);
+  // Every record of the head starts with the same 512-token block (hash id 0): once one engine
+  // has it, routing by the prefix index finds it again.
+  ASSERT_TRUE(r["prefix_cache_hit_rate"].is_number()) << r.dump();
+  EXPECT_GT(r["prefix_cache_hit_rate"].get<double>(), 0.0);
+  EXPECT_LE(r["prefix_cache_hit_rate"].get<double>(), 1.0);
+  net::Headers admin;
+  admin.set("Authorization", "Bearer admin");
+  const json eps = json::parse(
+      net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, admin).body);
+  EXPECT_EQ(eps["policy"], "tandem");
+  for (const auto& e : eps["endpoints"]) {
+    ASSERT_TRUE(e.contains("load")) << e.dump();
+    EXPECT_GT(e["load"]["batch_observations"].get<int64_t>(), 0) << e.dump();
+  }
+  EXPECT_EQ(serve.stop(), 0);
 }
 
 }  // namespace

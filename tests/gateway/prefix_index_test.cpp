@@ -802,11 +802,25 @@ void follows_the_cached_prefix(const std::string& policy) {
   };
   EXPECT_EQ(blocks(), (std::map<std::string, int64_t>{{"a", 0}, {"b", 0}}));
   std::string base = "The gateway keeps a global index of every engine's cached blocks";
-  for (int i = 0; i < 6; ++i) base += " and routes each request where its prefix already is";
+  // Long enough (~500 tokens) that the cached part saves more prefill time than the tandem
+  // policy's near-tie margin (2 ms), within which it would spread instead.
+  for (int i = 0; i < 50; ++i) base += " and routes each request where its prefix already is";
   const json warm = {{"prompt", base}, {"max_tokens", 2}, {"temperature", 0}};
   ASSERT_EQ(testing::post_json(b.process.port(), "/v1/completions", warm).status, 200);
   ASSERT_TRUE(testing::eventually([&] { return blocks().at("b") > 10; }))
       << "b's blocks did not reach the index";
+  // And b's load report after that request (its steps learned, none running): a report taken
+  // while the request ran would show b busy for a while longer, which the tandem policy counts.
+  ASSERT_TRUE(testing::eventually([&] {
+    const json eps =
+        json::parse(net::http_request("127.0.0.1", gw.port(), "GET", "/admin/endpoints", {}, admin)
+                        .body)["endpoints"];
+    for (const auto& e : eps)
+      if (e["name"] == "b" && e.contains("load") && e["load"]["batch_observations"] > 0 &&
+          e["load"]["running"] == 0)
+        return true;
+    return false;
+  }));
   for (int i = 0; i < 5; ++i) {
     const json body = {{"prompt", base + ", continuation number " + std::to_string(i)},
                        {"max_tokens", 2},

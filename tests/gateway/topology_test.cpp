@@ -149,7 +149,7 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.health.probe_interval, 2000ms);
   EXPECT_EQ(t.health.probe_timeout, 1000ms);
   EXPECT_EQ(t.health.failures_to_eject, 3);
-  EXPECT_EQ(t.timeouts.queue, 30000ms);
+  EXPECT_EQ(t.timeouts.queue, 300000ms);
   EXPECT_EQ(t.timeouts.connect, 5000ms);
   EXPECT_EQ(t.timeouts.prefill, 300000ms);
   EXPECT_EQ(t.timeouts.first_token, 300000ms);
