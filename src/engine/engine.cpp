@@ -187,6 +187,7 @@ void Engine::submit(EngineRequest request) {
     if (stopping_) throw Error("the engine is shutting down");
     if (!live_ids_.insert(request.id).second)
       throw Error("request id '" + request.id + "' is already in use");
+    incoming_prompt_tokens_ += static_cast<int64_t>(request.prompt.size());
     incoming_.push_back(std::move(request));
   }
   wake_.notify_one();
@@ -215,8 +216,12 @@ void Engine::abort(const std::string& id) {
 }
 
 LoadReport Engine::load() const {
+  // Requests submitted since the snapshot (it is written between steps, and a step may take
+  // seconds) are queued prefill work already: a router must not see the engine as idle.
+  const int64_t incoming = incoming_prompt_tokens_.load();
   std::lock_guard lock(load_mutex_);
   LoadReport r = load_;
+  r.prefill_tokens += incoming;
   if (r.step_seqs > 0) r.step_running_for_s = std::max(now_seconds() - step_started_, 0.0);
   return r;
 }
@@ -270,6 +275,7 @@ void Engine::admit_incoming() {
   {
     std::lock_guard lock(mutex_);
     incoming.swap(incoming_);
+    incoming_prompt_tokens_ = 0;
     aborts.swap(aborts_);
     tasks.swap(tasks_);
   }

@@ -125,8 +125,9 @@ class Engine {
   std::condition_variable wake_;
   std::vector<EngineRequest> incoming_;
   std::vector<std::string> aborts_;
-  std::vector<std::function<void()>> tasks_;  // posted by KV transfer threads
-  std::unordered_set<std::string> live_ids_;  // submitted and not finished (under mutex_)
+  std::vector<std::function<void()>> tasks_;        // posted by KV transfer threads
+  std::unordered_set<std::string> live_ids_;        // submitted and not finished (under mutex_)
+  std::atomic<int64_t> incoming_prompt_tokens_{0};  // prompt tokens in incoming_ (under mutex_)
   bool stopping_ = false;
   std::thread thread_;
 

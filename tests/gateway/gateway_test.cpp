@@ -348,6 +348,7 @@ TEST(GatewayServe, MooncakeReplayThroughTheTandemPolicy) {
   for (const auto& url : prefill_urls) cmd += " --metrics-url " + url;
   ASSERT_EQ(test::run_command(cmd + " > /dev/null"), 0);
   const json r = json::parse(read_file(result));
+  std::filesystem::remove(result);
   EXPECT_EQ(r["completed"], 40);
   EXPECT_EQ(r["failed"], 0);
   int64_t input_tokens = 0;

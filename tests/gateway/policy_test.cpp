@@ -460,12 +460,39 @@ TEST(Tandem, AvoidsOverloadedEnginesEvenWithACacheHit) {
   v.prefill = {ep(0), ep(1)};
   v.prefill[0].cached_tokens = 4000;
   v.prefill[0].queued_prefill_tokens = 32000;  // at the token limit
-  v.prefill[1].queued_prefill_tokens = 30000;
+  v.prefill[1].queued_prefill_tokens = 1000;   // 5000 tokens of work here, 32000 there
   EXPECT_EQ(p->choose_prefill(v, req(4000), t0).endpoint, 1);
   v.prefill[0].queued_prefill_tokens = 10;
   v.prefill[0].in_flight = 32;  // at the sequence limit
   v.prefill[0].max_in_flight = 64;
+  v.prefill[0].cached_tokens = 0;
   EXPECT_EQ(p->choose_prefill(v, req(4000), t0).endpoint, 1);
+}
+
+// A request whose prefix an overloaded engine holds waits for that engine when it would still
+// be computed there sooner (the cache saves more than the queue costs), instead of being
+// recomputed elsewhere; when the free engine is sooner, it goes there.
+TEST(Tandem, WaitsForABusyEngineWhoseCacheSavesMoreThanItsQueue) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 58000;          // of a 60000-token prompt
+  v.prefill[0].queued_prefill_tokens = 33000;  // over the 32000-token limit: 35000 to compute
+  v.prefill[1].queued_prefill_tokens = 0;      // idle, but 60000 to compute
+  EXPECT_EQ(p->choose_prefill(v, req(60000), t0).kind, Choice::Kind::kSaturated);
+  // Parallel mode waits the same way.
+  v.decode = {ep(10)};
+  EXPECT_EQ(p->choose_together(v, req(60000), t0).kind, Choice::Kind::kSaturated);
+  // Once it has room, it takes the request.
+  v.prefill[0].queued_prefill_tokens = 31000;
+  EXPECT_EQ(p->choose_prefill(v, req(60000), t0).endpoint, 0);
+  // A small cached part does not justify the wait: the idle engine is sooner.
+  v.prefill[0].queued_prefill_tokens = 33000;
+  v.prefill[0].cached_tokens = 5000;
+  EXPECT_EQ(p->choose_prefill(v, req(60000), t0).endpoint, 1);
+  const PairChoice pair = p->choose_together(v, req(60000), t0);
+  EXPECT_EQ(pair.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(pair.prefill, 1);
 }
 
 TEST(Tandem, HoldsTheRequestWhileEveryEngineIsOverloaded) {

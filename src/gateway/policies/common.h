@@ -24,6 +24,7 @@ inline bool in_group(const EndpointLoad& e, int group) {
 // `saturated(e)` says an engine is at a limit right now.
 struct Candidates {
   std::vector<const EndpointLoad*> free;
+  std::vector<const EndpointLoad*> busy;  // usable but saturated now
   bool any = false;
   Choice none() const { return {any ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1}; }
 };
@@ -39,7 +40,7 @@ Candidates candidates(const std::vector<EndpointLoad>& pool, const RequestInfo& 
     if (!e.eligible || !fits(e)) continue;
     if (any_fresh && excluded(request, e.id)) continue;
     c.any = true;
-    if (!saturated(e)) c.free.push_back(&e);
+    (saturated(e) ? c.busy : c.free).push_back(&e);
   }
   return c;
 }

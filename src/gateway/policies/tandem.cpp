@@ -40,7 +40,10 @@ class TandemPolicy final : public Policy {
                         Clock::time_point) const override {
     const Candidates c = prefill_candidates(view.prefill, request, -1);
     if (c.free.empty()) return c.none();
-    return {Choice::Kind::kChosen, pick_prefill(c.free, request, nullptr)->id};
+    const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
+    if (worth_waiting(c.busy, request, prefill_cost(*best, request)))
+      return {Choice::Kind::kSaturated, -1};
+    return {Choice::Kind::kChosen, best->id};
   }
 
   Choice choose_decode(const ClusterView& view, const RequestInfo& request, int group,
@@ -54,7 +57,13 @@ class TandemPolicy final : public Policy {
             return prefill_overloaded(e) || decode_overloaded(e, request);
           });
       if (c.free.empty()) return c.none();
-      return {Choice::Kind::kChosen, pick_prefill(c.free, request, nullptr)->id};
+      const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
+      std::vector<const EndpointLoad*> busy;  // only those busy prefilling, with decode room
+      for (const auto* e : c.busy)
+        if (!decode_overloaded(*e, request)) busy.push_back(e);
+      if (worth_waiting(busy, request, prefill_cost(*best, request)))
+        return {Choice::Kind::kSaturated, -1};
+      return {Choice::Kind::kChosen, best->id};
     }
     const Candidates c = decode_candidates(view.decode, request, group);
     if (c.free.empty()) return c.none();
@@ -69,6 +78,7 @@ class TandemPolicy final : public Policy {
       const EndpointLoad *prefill, *decode;
     };
     std::vector<Pair> pairs;
+    std::vector<const EndpointLoad*> busy;  // could pair, but overloaded now
     bool can_pair = false;  // some prefill engine has decode engines in its group at all
     for (const bool with_failed : {false, true}) {
       for (const auto& e : view.prefill) {
@@ -76,8 +86,11 @@ class TandemPolicy final : public Policy {
         const Candidates d = decode_candidates(view.decode, request, e.group);
         if (!d.any) continue;
         can_pair = true;
-        if (!prefill_overloaded(e) && !d.free.empty())
+        if (d.free.empty()) continue;
+        if (!prefill_overloaded(e))
           pairs.push_back({&e, pick_decode(d.free, request)});
+        else
+          busy.push_back(&e);
       }
       if (can_pair) break;
     }
@@ -92,6 +105,8 @@ class TandemPolicy final : public Policy {
     const EndpointLoad* best = pick_prefill(prefills, request, [&](const EndpointLoad* e) {
       return decode_cost(*decode_of(e), request);
     });
+    if (worth_waiting(busy, request, prefill_cost(*best, request)))
+      return {Choice::Kind::kSaturated, -1, -1};
     return {Choice::Kind::kChosen, best->id, decode_of(best)->id};
   }
 
@@ -111,8 +126,27 @@ class TandemPolicy final : public Policy {
                            e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens);
   }
 
+  // True when an engine that cannot take the request now would still compute it sooner than
+  // `best_cost` by more than the near-tie margin (its cached prefix saves more than its queue
+  // costs): the request then waits for it rather than being recomputed elsewhere, which would
+  // also spend cluster capacity on a prefix that is cached already.
+  bool worth_waiting(const std::vector<const EndpointLoad*>& busy, const RequestInfo& r,
+                     double best_cost) const {
+    const double margin = std::max(best_cost * o_.near_tie_rel, 0.0) + o_.near_tie_abs_s;
+    for (const auto* e : busy)
+      if (e->cached_tokens > 0 && !detail::at_in_flight_limit(*e) && queue_overloaded(*e) &&
+          prefill_cost(*e, r) + margin < best_cost)
+        return true;
+    return false;
+  }
+
   bool prefill_overloaded(const EndpointLoad& e) const {
-    if (detail::at_in_flight_limit(e)) return true;
+    return detail::at_in_flight_limit(e) || queue_overloaded(e);
+  }
+
+  // Over the policy's own prefill limits, whose cause (the queued work) the cost counts; an
+  // engine at the gateway's in-flight limit or without decode room may stay so for any time.
+  bool queue_overloaded(const EndpointLoad& e) const {
     if (o_.max_prefill_seqs > 0 && e.in_flight >= o_.max_prefill_seqs) return true;
     const int64_t queued = detail::queued_prefill(e);
     return o_.max_queued_prefill_tokens > 0 && queued > 0 && queued >= o_.max_queued_prefill_tokens;
