@@ -122,7 +122,7 @@ std::vector<Case> cases() {
   // 256-token chunks of long products (256 + 64 + 44, 2 x 256 + 3 x 64 + 17).
   for (auto type : {WeightType::kBF16, WeightType::kI8})
     for (int64_t n : {16, 48, 64, 100, 150, 364, 721}) out.push_back({type, 96, 320, n, true});
-  // Packed matrices of 4 MiB and more live in memory advised for huge pages.
+  // Packed matrices of realistic size (4 MiB).
   out.push_back({WeightType::kBF16, 1024, 2048, 70, true});
   out.push_back({WeightType::kI8, 1024, 4096, 20, true});
   return out;

@@ -1,8 +1,5 @@
 #include "kernels/cpu/gemm_onednn.h"
 
-#include <sys/mman.h>
-
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -57,12 +54,7 @@ constexpr size_t kMaxCachedPrimitives = 512;
 
 struct PackedGemmWeights {
   memory::desc desc;  // the blocked layout, the same for every token count
-  memory data;        // over `bytes`
-  // The packed bytes of large matrices, in 2 MiB-aligned memory the kernel is asked to back with
-  // huge pages: GEMMs stream these weights, and 4 KiB pages cost a TLB miss every 4 KiB (the
-  // experts' products of a prompt ran ~5% faster in CPU time). Small matrices (below 4 MiB, where
-  // rounding up to whole huge pages would waste much) keep oneDNN's own allocation.
-  std::unique_ptr<void, void (*)(void*)> bytes{nullptr, std::free};
+  memory data;        // owns the packed bytes
 };
 
 namespace {
@@ -169,16 +161,7 @@ bool pack_for_gemm(Matrix& w) {
     if (large.weights_desc() != pd.weights_desc()) return false;
     auto packed = std::make_shared<PackedGemmWeights>();
     packed->desc = pd.weights_desc();
-    constexpr size_t kHuge = size_t{2} << 20;
-    if (packed->desc.get_size() >= 2 * kHuge) {
-      const size_t size = (packed->desc.get_size() + kHuge - 1) / kHuge * kHuge;
-      packed->bytes.reset(std::aligned_alloc(kHuge, size));
-      if (!packed->bytes) return false;
-      madvise(packed->bytes.get(), size, MADV_HUGEPAGE);  // advice only: failure changes nothing
-      packed->data = memory(packed->desc, c.engine, packed->bytes.get());
-    } else {
-      packed->data = memory(packed->desc, c.engine);
-    }
+    packed->data = memory(packed->desc, c.engine);
     memory from(plain, c.engine, const_cast<void*>(w.data));
     dnnl::stream stream(c.engine);
     dnnl::reorder(from, packed->data).execute(stream, from, packed->data);
