@@ -141,7 +141,7 @@ void expanded_attention(const ModelConfig& c, const Matrix& kv_b, LatentCache& c
     thread_local std::vector<float> scores;
     thread_local std::vector<T> probs;
     scores.resize(kQueryBlock * context);
-    probs.resize(kQueryBlock * context);
+    if constexpr (bf16) probs.resize(kQueryBlock * context);  // float32 products read `scores`
     const T* key = kp + hd * context * qk;
     const T* value = vp + hd * context * vd;
     for (int64_t b0 = 0; b0 < count; b0 += kQueryBlock) {
