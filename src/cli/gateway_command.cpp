@@ -12,7 +12,7 @@ namespace {
 
 struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "tandem",
-                      policy = "least_load", model, served_model_name, admin_api_key, access_log;
+                      policy = "tandem", model, served_model_name, admin_api_key, access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
   size_t max_queue = 1024;
   std::vector<std::string> prefill, decode, api_keys;
@@ -94,7 +94,7 @@ void add_gateway_command(CLI::App& app) {
                   "repeatable");
   cmd->add_option("--decode", o->decode, "decode engine HOST:PORT; repeatable");
   cmd->add_option("--policy", o->policy,
-                  "scheduling policy: least_load, tandem, round_robin, cache_aware, kv_router")
+                  "scheduling policy: tandem, least_load, round_robin, cache_aware, kv_router")
       ->capture_default_str();
   cmd->add_option("--model", o->model,
                   "model folder: tokenize in the gateway and send token ids to the engines");

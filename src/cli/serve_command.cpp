@@ -22,7 +22,7 @@ namespace {
 
 struct ServeOptions {
   bool kv_events = false;
-  std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "least_load",
+  std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "tandem",
               access_log, admin_api_key;
   int port = 8080, prefill = 1, decode = 1;
   bool gateway_tokenizer = true;
@@ -213,7 +213,7 @@ void add_serve_command(CLI::App& app) {
                 "engines publish KV events and the gateway's prefix index follows them (for "
                 "the cache-aware policies: tandem, kv_router)");
   cmd->add_option("--policy", o->policy,
-                  "gateway scheduling policy: least_load, tandem, round_robin, cache_aware, "
+                  "gateway scheduling policy: tandem, least_load, round_robin, cache_aware, "
                   "kv_router")
       ->capture_default_str();
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");

@@ -91,7 +91,7 @@ struct Topology {
   int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
   // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
   // kv_router. Checked when the gateway is built.
-  std::string policy = "least_load";
+  std::string policy = "tandem";
   SchedulingOptions scheduling;
   HealthOptions health;
   Timeouts timeouts;
