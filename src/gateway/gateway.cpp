@@ -1246,15 +1246,22 @@ class Gateway::Impl {
 
   // ---------------------------------------------------------------- health
 
+  // A GET of the gateway's own (health, load) to an engine, bounded by the probe timeout.
+  net::AsyncHttpRequest engine_get(const EndpointState& e, const char* target) const {
+    net::AsyncHttpRequest u;
+    u.host = e.config.host;
+    u.port = e.config.port;
+    u.target = target;
+    u.timeout = topo_.health.probe_timeout;
+    u.connect_timeout = std::min(topo_.timeouts.connect, topo_.health.probe_timeout);
+    return u;
+  }
+
   void probe_all() {
     for (auto& [id, e] : endpoints_) {
       if (e.probing || e.draining) continue;
       e.probing = true;
-      net::AsyncHttpRequest u;
-      u.host = e.config.host;
-      u.port = e.config.port;
-      u.target = "/health";
-      u.timeout = topo_.health.probe_timeout;
+      net::AsyncHttpRequest u = engine_get(e, "/health");
       auto status = std::make_shared<int>(0);
       net::AsyncHttpHandlers h;
       h.on_head = [status](int s, const net::Headers&) { *status = s; };
@@ -1273,12 +1280,7 @@ class Gateway::Impl {
       const Dialect d = e.prefill ? topo_.prefill.dialect : topo_.decode.dialect;
       if (d != Dialect::kTandem || e.load_polling || e.draining) continue;
       e.load_polling = true;
-      net::AsyncHttpRequest u;
-      u.host = e.config.host;
-      u.port = e.config.port;
-      u.target = "/load";
-      u.timeout = topo_.health.probe_timeout;
-      u.connect_timeout = topo_.timeouts.connect;
+      net::AsyncHttpRequest u = engine_get(e, "/load");
       struct Reply {
         int status = 0;
         std::string body;
