@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "util/error.h"
+#include "util/json.h"
 
 namespace tandem::gateway {
 namespace {
@@ -33,7 +34,12 @@ double seconds_field(const json& j, const char* key) {
 }  // namespace
 
 EngineLoadReport parse_engine_load(std::string_view body) {
-  const json j = json::parse(body, nullptr, false);
+  json j;
+  try {
+    j = parse_untrusted_json(body);
+  } catch (const Error& e) {
+    throw Error(std::string("/load: expected a JSON object (") + e.what() + ")");
+  }
   if (!j.is_object()) throw Error("/load: expected a JSON object");
   EngineLoadReport r;
   r.running = count_field(j, "running", 0);

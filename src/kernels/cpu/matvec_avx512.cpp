@@ -201,26 +201,25 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void do
     out[t] = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]));
 }
 
+// silu(gate) * up on the lanes of `m`.
+TANDEM_AVX512 inline __m512 silu_mul_lanes(const float* gate, const float* up, __mmask16 m) {
+  const __m512 g = _mm512_maskz_loadu_ps(m, gate);
+  const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+  return _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up));
+}
+
 TANDEM_AVX512 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = lanes(n - i);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
-    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i)));
+    _mm512_mask_storeu_ps(out + i, m, silu_mul_lanes(gate + i, up + i, m));
   }
 }
 
 TANDEM_AVX512 void silu_mul_bf16(const float* gate, const float* up, int64_t n, uint16_t* out) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = lanes(n - i);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
-    _mm256_mask_storeu_epi16(out + i, m,
-                             round_bf16(_mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i))));
+    _mm256_mask_storeu_epi16(out + i, m, round_bf16(silu_mul_lanes(gate + i, up + i, m)));
   }
 }
 
