@@ -226,11 +226,15 @@ LoadReport Engine::load() const {
   return r;
 }
 
+// Prompt tokens this engine still has to compute for a sequence (none while its KV is fetched).
+static int64_t uncomputed_prompt(const Sequence& seq) {
+  if (seq.status == SequenceStatus::kFinished || seq.fetching) return 0;
+  return std::max<int64_t>(seq.num_prompt - seq.num_computed, 0);
+}
+
 int64_t Engine::prefill_tokens() const {
   int64_t n = 0;
-  for (const auto& [id, seq] : sequences_)
-    if (seq->status != SequenceStatus::kFinished && !seq->fetching)
-      n += std::max<int64_t>(seq->num_prompt - seq->num_computed, 0);
+  for (const auto& [id, seq] : sequences_) n += uncomputed_prompt(*seq);
   return n;
 }
 
@@ -614,8 +618,10 @@ void Engine::update_gauges() {
   r.block_size = info.block_size;
   r.kv_usage = kv_.usage();
   r.cached_blocks = kv_.num_cached_blocks();
-  for (const auto& [id, seq] : sequences_)
+  for (const auto& [id, seq] : sequences_) {
     r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
+    r.prefill_tokens += uncomputed_prompt(*seq);
+  }
   const PrefixCacheStats& stats = kv_.prefix_cache_stats();
   metrics_->prefix_queries.inc(static_cast<uint64_t>(stats.queries - reported_queries_));
   metrics_->prefix_hits.inc(static_cast<uint64_t>(stats.hits - reported_hits_));
@@ -628,7 +634,6 @@ void Engine::update_gauges() {
   metrics_->waiting.set(static_cast<double>(r.waiting));
   metrics_->kv_usage.set(r.kv_usage);
   metrics_->gpu_usage.set(r.kv_usage);
-  r.prefill_tokens = prefill_tokens();
   r.max_batch_tokens = scheduler_.config().max_num_batched_tokens;
   r.recent_steps = recent_steps_;
   std::lock_guard lock(load_mutex_);
