@@ -131,6 +131,7 @@ struct Leg {
   // failed): not counted against the engine's health.
   std::atomic<bool> gateway_cancelled{false};
   bool engine_error = false;  // an error event, or a prefill answer without kv_transfer_params
+  SchedulingThread::TimerId deadline;  // scheduling thread only: cancelled when the leg ends
   // The relay's view of the answer.
   int status = 0;
   bool streaming = false, first_event = false;
@@ -163,7 +164,8 @@ struct Request {
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   int64_t uncached_tokens = 0;  // prompt tokens the engine chosen to prefill it lacks in cache
   std::string prefill_name, decode_name;
-  uint64_t queue_generation = 0;  // which enqueue a queue-timeout timer belongs to
+  uint64_t queue_generation = 0;          // which enqueue a queue-timeout timer belongs to
+  SchedulingThread::TimerId queue_timer;  // cancelled when it leaves the queue
   bool queued = false, registered = false;
   Clock::time_point queued_at;
 
@@ -593,7 +595,7 @@ class Gateway::Impl {
                        " requests waiting); retry later");
       return;
     }
-    active_.emplace(r->id + "#" + std::to_string(reinterpret_cast<uintptr_t>(r.get())), r);
+    active_.emplace(r.get(), r);
     r->registered = true;
     metrics_.running.set(static_cast<double>(active_.size()));
     sched_.set_busy(true);
@@ -614,7 +616,7 @@ class Gateway::Impl {
       waiting_.push_back(r);
     metrics_.waiting.set(static_cast<double>(waiting_.size()));
     // Weak: a timer must not keep a finished request (and its bodies) alive until it fires.
-    sched_.at(
+    r->queue_timer = sched_.at(
         Clock::now() + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r), generation] {
           const RequestPtr r = weak.lock();
           if (!r || !r->queued || r->queue_generation != generation) return;
@@ -628,6 +630,7 @@ class Gateway::Impl {
   void remove_waiting(const RequestPtr& r) {
     waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), r), waiting_.end());
     r->queued = false;
+    sched_.cancel(r->queue_timer);
     metrics_.waiting.set(static_cast<double>(waiting_.size()));
   }
 
@@ -638,6 +641,7 @@ class Gateway::Impl {
   // time, with a starvation bound: policies/queue_order.h). A request that must wait (its
   // engines are saturated) does not block the ones behind it that could go elsewhere.
   void dispatch() {
+    if (waiting_.empty()) return;  // most calls under load: a leg ended, nobody waits
     const auto now = Clock::now();
     std::vector<RequestPtr> decode_stage, first_stage;
     for (const auto& r : waiting_)
@@ -818,20 +822,22 @@ class Gateway::Impl {
     leg->started = true;
     r->legs.push_back(leg);
     leg->call = client_->start(std::move(u), std::move(h));
-    sched_.at(Clock::now() + deadline, [this, weak_r = std::weak_ptr<Request>(r),
-                                        weak_leg = std::weak_ptr<Leg>(leg), what, deadline] {
-      const RequestPtr r = weak_r.lock();
-      const std::shared_ptr<Leg> leg = weak_leg.lock();
-      if (!r || !leg) return;
-      std::lock_guard lock(r->mutex);
-      if (leg->finished || (!leg->prefill && leg->first_event)) return;
-      leg->cancel_reason =
-          std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
-      client_->cancel(leg->call);
-    });
+    leg->deadline =
+        sched_.at(Clock::now() + deadline, [this, weak_r = std::weak_ptr<Request>(r),
+                                            weak_leg = std::weak_ptr<Leg>(leg), what, deadline] {
+          const RequestPtr r = weak_r.lock();
+          const std::shared_ptr<Leg> leg = weak_leg.lock();
+          if (!r || !leg) return;
+          std::lock_guard lock(r->mutex);
+          if (leg->finished || (!leg->prefill && leg->first_event)) return;
+          leg->cancel_reason =
+              std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
+          client_->cancel(leg->call);
+        });
   }
 
   void leg_finished(const Leg& leg, int64_t tokens, int64_t uncached, bool ok) {
+    sched_.cancel(leg.deadline);
     EndpointState* e = endpoint(leg.endpoint);
     if (!e) return;
     --e->in_flight;
@@ -1177,7 +1183,7 @@ class Gateway::Impl {
   void finished(const RequestPtr& r) {
     if (r->queued) remove_waiting(r);
     if (r->registered) {
-      active_.erase(r->id + "#" + std::to_string(reinterpret_cast<uintptr_t>(r.get())));
+      active_.erase(r.get());
       r->registered = false;
       metrics_.running.set(static_cast<double>(active_.size()));
       sched_.set_busy(!active_.empty());
@@ -1590,7 +1596,7 @@ class Gateway::Impl {
   std::map<int, EndpointState> endpoints_;
   int next_endpoint_id_ = 0;
   std::deque<RequestPtr> waiting_;
-  std::unordered_map<std::string, RequestPtr> active_;
+  std::unordered_map<const Request*, RequestPtr> active_;
   std::array<metrics::Histogram*, kPhaseCount> phase_histograms_{};
   metrics::Gauge detached_gauge_;  // written by draining engines, never rendered
   std::unordered_map<int, metrics::IntCounter*> status_counters_;

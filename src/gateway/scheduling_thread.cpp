@@ -8,8 +8,9 @@
 #include <atomic>
 #include <cstdio>
 #include <ctime>
-#include <queue>
+#include <map>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <boost/lockfree/queue.hpp>
@@ -55,18 +56,19 @@ class SchedulingThread::Impl {
 
   void set_busy(bool busy) { busy_.store(busy); }
 
-  void at(Clock::time_point when, Task task) { timers_.push({when, seq_++, std::move(task)}); }
+  TimerId at(Clock::time_point when, Task task) {
+    const TimerId id{when, ++seq_};
+    timers_.emplace(std::make_pair(when, id.seq), std::move(task));
+    return id;
+  }
+
+  void cancel(TimerId id) {
+    if (id.seq != 0) timers_.erase(std::make_pair(id.when, id.seq));
+  }
 
   bool on_thread() const { return std::this_thread::get_id() == thread_id_.load(); }
 
  private:
-  struct Timer {
-    Clock::time_point when;
-    uint64_t seq;  // equal times run in arming order
-    Task task;
-    bool operator>(const Timer& o) const { return when != o.when ? when > o.when : seq > o.seq; }
-  };
-
   // Runs everything queued. A task that throws is reported and dropped: the thread that owns
   // every decision must not die with it.
   void drain() {
@@ -88,10 +90,10 @@ class SchedulingThread::Impl {
     while (running_.load()) {
       drain();
       const auto now = Clock::now();
-      while (!timers_.empty() && timers_.top().when <= now) {
-        // Copy out before pop: the task may arm new timers.
-        Task task = std::move(const_cast<Timer&>(timers_.top()).task);
-        timers_.pop();
+      while (!timers_.empty() && timers_.begin()->first.first <= now) {
+        // Moved out before erasing: the task may arm or cancel timers.
+        Task task = std::move(timers_.begin()->second);
+        timers_.erase(timers_.begin());
         task();
       }
       // Announce the park, then look once more: a post() that pushed before this check is
@@ -101,8 +103,8 @@ class SchedulingThread::Impl {
         sleeping_.store(false);
         continue;
       }
-      auto until =
-          timers_.empty() ? Clock::now() + std::chrono::milliseconds(200) : timers_.top().when;
+      auto until = timers_.empty() ? Clock::now() + std::chrono::milliseconds(200)
+                                   : timers_.begin()->first.first;
       if (busy_.load()) until = std::min(until, Clock::now() + tick_);
       park(until);
       sleeping_.store(false);
@@ -135,7 +137,9 @@ class SchedulingThread::Impl {
   const std::chrono::microseconds tick_;
   boost::lockfree::queue<Task*> queue_;
   std::atomic<uint32_t> wake_seq_{0};
-  std::priority_queue<Timer, std::vector<Timer>, std::greater<>> timers_;
+  // Keyed by (time, arming sequence): equal times run in arming order, and a timer can be
+  // found again to cancel it.
+  std::map<std::pair<Clock::time_point, uint64_t>, Task> timers_;
   uint64_t seq_ = 0;
   std::atomic<bool> running_{false}, stopped_{false}, sleeping_{false}, busy_{false};
   std::atomic<std::thread::id> thread_id_{};  // the running loop's thread; none when not running
@@ -160,8 +164,11 @@ void SchedulingThread::post_batched(Task task) {
 void SchedulingThread::set_busy(bool busy) {
   impl_->set_busy(busy);
 }
-void SchedulingThread::at(Clock::time_point when, Task task) {
-  impl_->at(when, std::move(task));
+SchedulingThread::TimerId SchedulingThread::at(Clock::time_point when, Task task) {
+  return impl_->at(when, std::move(task));
+}
+void SchedulingThread::cancel(TimerId id) {
+  impl_->cancel(id);
 }
 bool SchedulingThread::on_thread() const {
   return impl_->on_thread();

@@ -6,6 +6,7 @@
 // reach the scheduler. Timers (queue and phase timeouts, health probes) run on the same thread.
 // This is the counterpart of Omni Proxy's master worker and its shared-memory state.
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -36,8 +37,18 @@ class SchedulingThread {
   // Scheduling thread only: while busy, the thread wakes at least every `tick` and
   // post_batched() does not wake it.
   void set_busy(bool busy);
+  // A timer armed by at(), for cancel().
+  struct TimerId {
+    Clock::time_point when{};
+    uint64_t seq = 0;  // 0: none
+  };
   // Scheduling thread only: runs `task` at `when` (or soon after).
-  void at(Clock::time_point when, Task task);
+  TimerId at(Clock::time_point when, Task task);
+  // Scheduling thread only: drops a timer that has not fired yet, and its task (what it
+  // captured is freed now). Per-request timeouts are cancelled when the request moves on, so
+  // pending timers stay as few as the requests in flight rather than piling up for the whole
+  // timeout at high request rates. Ids of fired or cancelled timers are ignored.
+  void cancel(TimerId id);
   bool on_thread() const;
 
  private:

@@ -617,6 +617,37 @@ TEST(SchedulingThread, TimersCanArmTimersAndPostedTasksStillRun) {
   EXPECT_EQ(got[1], "posted");
 }
 
+TEST(SchedulingThread, CancelledTimersNeverRunAndFreeTheirTasksAtOnce) {
+  SchedulingThread s;
+  s.start();
+  std::promise<std::vector<std::string>> result;
+  std::vector<std::string> log;  // scheduling thread only
+  s.post([&] {
+    const auto now = SchedClock::now();
+    using std::chrono::milliseconds;
+    auto token = std::make_shared<int>(0);  // held by the late timer's task only
+    const std::weak_ptr<int> watch = token;
+    const auto late =
+        s.at(now + std::chrono::hours(1), [&log, t = std::move(token)] { log.push_back("late"); });
+    const auto soon = s.at(now + milliseconds(5), [&log] { log.push_back("cancelled"); });
+    // The same time as `soon`: cancelling one timer must not drop its twin.
+    s.at(now + milliseconds(5), [&log] { log.push_back("twin"); });
+    s.cancel(soon);
+    s.cancel(late);
+    s.cancel(late);                         // twice: ignored
+    s.cancel(SchedulingThread::TimerId{});  // none: ignored
+    log.push_back(watch.expired() ? "freed" : "kept");
+    s.at(now + milliseconds(10), [&, soon] {
+      // A timer that fired can be cancelled afterwards without effect.
+      s.cancel(soon);
+      result.set_value(log);
+    });
+  });
+  const auto got = result.get_future().get();
+  s.stop();
+  EXPECT_EQ(got, (std::vector<std::string>{"freed", "twin"}));
+}
+
 TEST(SchedulingThread, StopDropsPendingTimers) {
   auto token = std::make_shared<int>(0);
   std::weak_ptr<int> watch = token;
