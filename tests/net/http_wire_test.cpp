@@ -1,0 +1,287 @@
+// The HTTP/1.1 wire code on its own: what the head and body parsers accept, what they refuse and
+// with which status, fed whole and byte by byte; and what the serialisers write.
+#include "net/http_wire.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <string_view>
+
+namespace tandem::net::detail {
+namespace {
+
+struct Result {
+  Parse parse = Parse::kNeedMore;
+  ParseError error;
+  MessageHead head;
+};
+
+Result parse_request(std::string_view bytes, size_t max_head = 4096) {
+  HeadParser parser(max_head);
+  Result r;
+  r.parse = parser.request(bytes, r.head, r.error);
+  return r;
+}
+
+// A request head, then its body de-framed; returns the status of the first refusal or 0.
+int request_status(std::string_view bytes, uint64_t max_body = 1024, std::string* body = nullptr) {
+  Result r = parse_request(bytes);
+  if (r.parse == Parse::kError) return r.error.status;
+  if (r.parse == Parse::kNeedMore) return -1;
+  BodyParser b;
+  b.start(r.head, max_body, 1024);
+  std::string out;
+  size_t used = 0;
+  Parse p = b.feed(bytes.substr(r.head.head_bytes), used, out, r.error);
+  if (p == Parse::kError) return r.error.status;
+  if (p == Parse::kNeedMore) return -1;
+  if (body) *body = out;
+  return 0;
+}
+
+TEST(HttpWire, ParsesARequestHead) {
+  Result r = parse_request(
+      "POST /v1/completions?a=1 HTTP/1.1\r\nHost: x\r\nX-Pad:  spaced value \t\r\n"
+      "Content-Length: 5\r\n\r\nhello");
+  ASSERT_EQ(r.parse, Parse::kDone) << r.error.message;
+  EXPECT_EQ(r.head.method, "POST");
+  EXPECT_EQ(r.head.target, "/v1/completions?a=1");
+  EXPECT_EQ(r.head.version, 11);
+  ASSERT_EQ(r.head.fields.size(), 3u);
+  EXPECT_EQ(r.head.fields[1].name, "X-Pad");
+  EXPECT_EQ(r.head.fields[1].value, "spaced value");
+  EXPECT_EQ(r.head.body, BodyKind::kLength);
+  EXPECT_EQ(r.head.content_length, 5u);
+  EXPECT_TRUE(r.head.keep_alive);
+  std::string body;
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", 1024, &body), 0);
+  EXPECT_EQ(body, "hello");
+}
+
+TEST(HttpWire, KeepAliveFollowsVersionAndConnection) {
+  EXPECT_TRUE(parse_request("GET / HTTP/1.1\r\n\r\n").head.keep_alive);
+  EXPECT_FALSE(parse_request("GET / HTTP/1.1\r\nConnection: close\r\n\r\n").head.keep_alive);
+  EXPECT_FALSE(parse_request("GET / HTTP/1.0\r\n\r\n").head.keep_alive);
+  EXPECT_TRUE(parse_request("GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n").head.keep_alive);
+  EXPECT_FALSE(
+      parse_request("GET / HTTP/1.1\r\nConnection: upgrade, CLOSE\r\n\r\n").head.keep_alive);
+  EXPECT_TRUE(parse_request("POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
+                  .head.expect_continue);
+  EXPECT_FALSE(parse_request("POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
+                   .head.expect_continue);
+}
+
+TEST(HttpWire, SkipsBlankLinesBeforeTheRequestLine) {
+  Result r = parse_request("\r\n\r\nGET /x HTTP/1.1\r\n\r\n");
+  ASSERT_EQ(r.parse, Parse::kDone);
+  EXPECT_EQ(r.head.target, "/x");
+  EXPECT_EQ(r.head.head_bytes, 4 + 15u + 4);
+}
+
+TEST(HttpWire, IncompleteHeadNeedsMoreWhateverTheSplit) {
+  const std::string full = "GET /x HTTP/1.1\r\nHost: a\r\nX-Y: z\r\n\r\n";
+  HeadParser parser(4096);
+  MessageHead head;
+  ParseError error;
+  for (size_t n = 0; n < full.size(); ++n) {
+    ASSERT_EQ(parser.request(std::string_view(full).substr(0, n), head, error), Parse::kNeedMore)
+        << n;
+  }
+  ASSERT_EQ(parser.request(full, head, error), Parse::kDone);
+  EXPECT_EQ(head.fields.size(), 2u);
+  EXPECT_EQ(head.head_bytes, full.size());
+}
+
+TEST(HttpWire, RefusesMalformedRequestHeads) {
+  for (std::string_view bad : {
+           "GARBAGE\r\n\r\n",
+           "GET /x\r\n\r\n",
+           "GET /x HTTP/9.9\r\n\r\n",
+           "GET /x HTTP/1.1 extra\r\n\r\n",
+           "G(T /x HTTP/1.1\r\n\r\n",
+           "GET /a\x01 HTTP/1.1\r\n\r\n",
+           "GET  /x HTTP/1.1\r\n\r\n",
+           "GET /x HTTP/1.1\r\nBad Header\r\n\r\n",
+           "GET /x HTTP/1.1\r\nName : value\r\n\r\n",
+           "GET /x HTTP/1.1\r\n: value\r\n\r\n",
+           "GET /x HTTP/1.1\r\nA: 1\r\n folded\r\n\r\n",  // obs-fold
+           "GET /x HTTP/1.1\r\nA: bare\nB: lf\r\n\r\n",   // a bare LF inside the head
+           "GET /x HTTP/1.1\r\nA: bare\rcr\r\n\r\n",      // a bare CR
+           "GET /x\nHTTP/1.1\r\n\r\n",
+       }) {
+    Result r = parse_request(bad);
+    EXPECT_EQ(r.parse, Parse::kError) << bad;
+    EXPECT_EQ(r.error.status, 400) << bad;
+    EXPECT_FALSE(r.error.message.empty());
+  }
+  static constexpr char kNul[] = "GET /x HTTP/1.1\r\nA: x\0y\r\n\r\n";
+  EXPECT_EQ(parse_request(std::string_view(kNul, sizeof kNul - 1)).error.status, 400);
+}
+
+TEST(HttpWire, RefusesAmbiguousFraming) {
+  // Request smuggling needs two parsers that disagree on where a message ends.
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n"),
+            400);
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 3\r\n"
+                           "Transfer-Encoding: chunked\r\n\r\n"),
+            400);
+  EXPECT_EQ(request_status("POST /x HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"), 400);
+  for (std::string_view length :
+       {"abc", "-1", "+5", "0x10", "1 2", "99999999999999999999", "", "5, 5"}) {
+    EXPECT_EQ(
+        request_status("POST /x HTTP/1.1\r\nContent-Length: " + std::string(length) + "\r\n\r\n"),
+        400)
+        << length;
+  }
+  // Equal repeated values are one length.
+  std::string body;
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+                           1024, &body),
+            0);
+  EXPECT_EQ(body, "ok");
+  // Codings we would have to decode are not implemented.
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"), 501);
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked, chunked\r\n\r\n"), 501);
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n"), 501);
+}
+
+TEST(HttpWire, HeadLimitIs431) {
+  std::string big = "GET /x HTTP/1.1\r\nX: " + std::string(5000, 'a') + "\r\n\r\n";
+  Result r = parse_request(big, 4096);
+  EXPECT_EQ(r.parse, Parse::kError);
+  EXPECT_EQ(r.error.status, 431);
+  // Without the end of the head in sight: refused as soon as the limit is passed.
+  r = parse_request(std::string_view(big).substr(0, 4200), 4096);
+  EXPECT_EQ(r.error.status, 431);
+  r = parse_request(std::string_view(big).substr(0, 4000), 4096);
+  EXPECT_EQ(r.parse, Parse::kNeedMore);
+}
+
+TEST(HttpWire, ChunkedBodies) {
+  std::string body;
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           "5\r\nhello\r\n1;ext=1\r\n \r\nA\r\n0123456789\r\n0\r\nTrail: x\r\n\r\n",
+                           1024, &body),
+            0);
+  EXPECT_EQ(body, "hello 0123456789");
+  // Fed one byte at a time, the same body comes out.
+  const std::string wire = "5\r\nhello\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n";
+  BodyParser b;
+  MessageHead head;
+  head.body = BodyKind::kChunked;
+  b.start(head, 1024, 1024);
+  std::string out;
+  ParseError error;
+  std::string pending;
+  Parse p = Parse::kNeedMore;
+  for (char c : wire) {
+    pending += c;
+    size_t used = 0;
+    p = b.feed(pending, used, out, error);
+    ASSERT_NE(p, Parse::kError) << error.message;
+    pending.erase(0, used);
+  }
+  EXPECT_EQ(p, Parse::kDone);
+  EXPECT_EQ(out, "hello0123456789abcdef");
+}
+
+TEST(HttpWire, RefusesBadChunks) {
+  const std::string head = "POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n";
+  for (std::string_view bad : {
+           "x\r\n",                               // not hex
+           "-5\r\nhello\r\n",                     // a sign
+           "0x5\r\nhello\r\n",                    // a prefix
+           "5 x\r\nhello\r\n",                    // junk after the size
+           "fffffffffffffffff\r\n",               // overflows
+           "5\r\nhelloXX0\r\n\r\n",               // data not followed by CRLF
+           "5\r\nhello\r\n0\r\nBad\x01\r\n\r\n",  // a control byte in a trailer
+       }) {
+    EXPECT_EQ(request_status(head + std::string(bad)), 400) << bad;
+  }
+  // A chunk header that never ends is refused once it is implausibly long.
+  EXPECT_EQ(request_status(head + std::string(5000, '1')), 400);
+}
+
+TEST(HttpWire, BodyLimitIs413) {
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           "258\r\n" +
+                               std::string(600, 'b') + "\r\n258\r\n" + std::string(600, 'b') +
+                               "\r\n0\r\n\r\n",
+                           1024),
+            413);
+  // One chunk declaring more than the limit is refused before its data arrives.
+  EXPECT_EQ(
+      request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nffffff\r\n", 1024),
+      413);
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           "400\r\n" +
+                               std::string(1024, 'c') + "\r\n0\r\n\r\n",
+                           1024),
+            0);
+}
+
+TEST(HttpWire, ParsesResponses) {
+  HeadParser parser(4096);
+  MessageHead head;
+  ParseError error;
+  ASSERT_EQ(parser.response("HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false, head, error),
+            Parse::kDone);
+  EXPECT_EQ(head.status, 200);
+  EXPECT_EQ(head.body, BodyKind::kLength);
+  EXPECT_TRUE(head.keep_alive);
+  parser.reset();
+  // No framing: the body runs to the end of the connection, which cannot be reused.
+  ASSERT_EQ(parser.response("HTTP/1.1 200 OK\r\n\r\n", false, head, error), Parse::kDone);
+  EXPECT_EQ(head.body, BodyKind::kUntilClose);
+  EXPECT_FALSE(head.keep_alive);
+  parser.reset();
+  // No reason phrase; 204 and HEAD answers have no body whatever they declare.
+  ASSERT_EQ(parser.response("HTTP/1.1 204\r\n\r\n", false, head, error), Parse::kDone);
+  EXPECT_EQ(head.body, BodyKind::kNone);
+  EXPECT_TRUE(head.keep_alive);
+  parser.reset();
+  ASSERT_EQ(parser.response("HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", true, head, error),
+            Parse::kDone);
+  EXPECT_EQ(head.body, BodyKind::kNone);
+  for (std::string_view bad :
+       {"HTTP/1.1 2000 OK\r\n\r\n", "HTTP/1.1 20 OK\r\n\r\n", "HTTX/1.1 200 OK\r\n\r\n",
+        "HTTP/1.1 099 Hm\r\n\r\n", "HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"}) {
+    parser.reset();
+    EXPECT_EQ(parser.response(bad, false, head, error), Parse::kError) << bad;
+  }
+}
+
+TEST(HttpWire, SerialisesRequestsAndResponses) {
+  std::string out;
+  Headers h;
+  h.add("X-A", "1");
+  h.add("Host", "ignored");
+  h.add("Content-Length", "99");
+  append_request(out, "POST", "/v1/x", "127.0.0.1", 8000, h, "{}");
+  EXPECT_EQ(out,
+            "POST /v1/x HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nX-A: 1\r\n"
+            "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}");
+  out.clear();
+  append_request(out, "GET", "/", "::1", 80, {}, "");
+  EXPECT_EQ(out, "GET / HTTP/1.1\r\nHost: [::1]:80\r\n\r\n");
+
+  out.clear();
+  Headers extra;
+  extra.add("Allow", "GET");
+  extra.add("Connection", "keep-alive");  // the server's business: dropped
+  append_response_head(out, 405, "application/json", extra, BodyKind::kLength, 12, "close");
+  EXPECT_EQ(out.rfind("HTTP/1.1 405 Method Not Allowed\r\nDate: ", 0), 0u) << out;
+  EXPECT_NE(out.find("\r\nContent-Type: application/json\r\nAllow: GET\r\nContent-Length: 12\r\n"
+                     "Connection: close\r\n\r\n"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("keep-alive"), std::string::npos);
+  out.clear();
+  append_chunk(out, "");
+  EXPECT_EQ(out, "");
+  append_chunk(out, std::string(26, 'z'));
+  EXPECT_EQ(out, "1a\r\n" + std::string(26, 'z') + "\r\n");
+}
+
+}  // namespace
+}  // namespace tandem::net::detail
