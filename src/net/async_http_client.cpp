@@ -1,108 +1,242 @@
 #include "net/async_http_client.h"
 
-#include "net/http_server.h"
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
-#include <atomic>
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <future>
-#include <limits>
-#include <map>
 #include <mutex>
-#include <optional>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
-#include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
-#include <boost/asio/executor_work_guard.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/post.hpp>
-#include <boost/asio/redirect_error.hpp>
-#include <boost/asio/strand.hpp>
-#include <boost/asio/use_awaitable.hpp>
-#include <boost/beast/core/flat_buffer.hpp>
-#include <boost/beast/core/tcp_stream.hpp>
-#include <boost/beast/http.hpp>
+#include "net/byte_buffer.h"
+#include "net/event_loop.h"
+#include "net/http_server.h"
+#include "net/http_wire.h"
+#include "net/loop_group.h"
+#include "net/socket.h"
 
 namespace tandem::net {
 
-namespace asio = boost::asio;
-namespace beast = boost::beast;
-namespace http = boost::beast::http;
-using tcp = asio::ip::tcp;
-using boost::system::error_code;
+using detail::EventLoop;
 
 namespace {
 
-constexpr auto kAwait = asio::use_awaitable;
-
-// One finished or failed step of a call, with the words on_done reports.
-struct CallFailed {
-  std::string reason;
-};
-
-std::string describe(const char* step, const error_code& ec) {
-  if (ec == beast::error::timeout) return std::string(step) + ": timed out";
-  if (ec == http::error::end_of_stream || ec == asio::error::eof)
-    return std::string(step) + ": connection closed by the server";
-  return std::string(step) + ": " + ec.message();
-}
+constexpr size_t kReadChunk = 16384;
 
 }  // namespace
 
-// Everything runs on one strand (of the client's own io thread, or of a server's io threads), so
-// the connections, the idle pool and each call's state are only touched there; the mutex guards
-// what other threads reach (the call table).
-class AsyncHttpClient::Impl {
+namespace detail {
+
+class ClientLoop;
+class ClientConn;
+
+// One call. Owned by shared_ptr: the client's call table, the connection serving it and queued
+// tasks. `cancelled` is set from any thread; everything else below it belongs to the home loop.
+struct Call final : Task, std::enable_shared_from_this<Call> {
+  enum Op { kStart, kCancel };
+
+  AsyncHttpClient::CallId id = 0;
+  AsyncHttpRequest request;
+  AsyncHttpHandlers handlers;
+  ClientLoop* home = nullptr;
+  std::atomic<bool> cancelled{false};
+
+  ClientConn* conn = nullptr;
+  bool done = false;
+  bool retried = false;
+
+  void run(int op) override;
+};
+
+// What every thread reaches: the calls in flight (for cancel and in_flight) and the counters.
+class CallTable {
  public:
-  explicit Impl(AsyncHttpClientOptions options)
-      : options_(options),
-        own_ctx_(std::make_unique<asio::io_context>()),
-        ctx_(*own_ctx_),
-        strand_(asio::make_strand(ctx_)),
-        work_(asio::make_work_guard(ctx_)) {
-    thread_ = std::thread([this] { ctx_.run(); });
+  // Forgets a call that ended; shutdown() waits for the table to empty.
+  void erase(AsyncHttpClient::CallId id) {
+    {
+      std::lock_guard lock(mu_);
+      calls_.erase(id);
+    }
+    empty_cv_.notify_all();
+  }
+  void count_open() { ++opened_; }
+
+ protected:
+  std::atomic<uint64_t> opened_{0};
+  mutable std::mutex mu_;
+  std::condition_variable empty_cv_;
+  std::unordered_map<AsyncHttpClient::CallId, std::shared_ptr<Call>> calls_;
+};
+
+// The client's part of one loop: its connections and the idle ones by host:port.
+class ClientLoop {
+ public:
+  ClientLoop(CallTable& calls, EventLoop& loop, const AsyncHttpClientOptions& options)
+      : calls_(calls), loop_(loop), options_(options) {}
+
+  EventLoop& loop() { return loop_; }
+  const AsyncHttpClientOptions& options() const { return options_; }
+
+  void begin(const std::shared_ptr<Call>& call);
+  void cancel(Call& call);
+  // A new connection for `call` (after a stale reused one, or when none is idle).
+  void connect(const std::shared_ptr<Call>& call);
+  // Ends the call: on_done(error), exactly once.
+  void finish(Call& call, const std::string& error);
+  // The connection finished its call cleanly and may serve another.
+  void put_idle(ClientConn* c);
+  // The connection is closed: forget it (destroyed at the end of the iteration).
+  void remove(ClientConn* c);
+  void counted_open();
+  void clear_idle();
+
+ private:
+  CallTable& calls_;
+  EventLoop& loop_;
+  const AsyncHttpClientOptions& options_;
+  std::unordered_map<std::string, std::vector<ClientConn*>> idle_;
+  std::unordered_map<ClientConn*, std::unique_ptr<ClientConn>> conns_;
+};
+
+// One TCP connection to a server. Serves one call at a time; kept alive between calls.
+class ClientConn : public IoHandler, public Timer::Target, public Retired {
+ public:
+  ClientConn(ClientLoop& home, int fd, std::string key)
+      : home_(home),
+        loop_(home.loop()),
+        fd_(fd),
+        key_(std::move(key)),
+        head_parser_(home.options().max_header_bytes),
+        timer_(loop_, *this) {}
+  ~ClientConn() override {
+    if (fd_ >= 0) ::close(fd_);
   }
 
-  Impl(asio::io_context& shared, AsyncHttpClientOptions options)
-      : options_(options), ctx_(shared), strand_(asio::make_strand(ctx_)) {}
+  const std::string& key() const { return key_; }
+  void start_connecting(const std::shared_ptr<Call>& call) {
+    loop_.add(fd_, this);
+    phase_ = Phase::kConnecting;
+    attach(call, false);
+  }
+  // Sends `call`'s request on this (connected or connecting) connection.
+  void attach(const std::shared_ptr<Call>& call, bool reused);
+  // Closes the connection and ends its call with `error` (if it has one).
+  void fail(const std::string& error);
+  // Closes an idle connection (or one whose call already ended).
+  void close();
+  void become_idle() {
+    phase_ = Phase::kIdle;
+    timer_.disarm();
+  }
+
+  void on_io(uint32_t events) override;
+  void on_timer() override;
+
+ private:
+  enum class Phase { kConnecting, kSending, kHead, kBody, kIdle, kClosed };
+
+  void connected();
+  void flush();
+  void read_input();
+  void parse();
+  void complete();
+  // An I/O failure during `step`: retried on a new connection when it looks like a reused
+  // connection the server had closed, else the call fails.
+  void io_failed(const char* step, const std::string& why);
+  // Runs a handler; an exception fails the call (it is the caller's bug, reported as the error).
+  template <class F>
+  bool guard(F&& f);
+
+  ClientLoop& home_;
+  EventLoop& loop_;
+  int fd_;
+  const std::string key_;
+  Phase phase_ = Phase::kIdle;
+  std::shared_ptr<Call> call_;
+  bool reused_ = false;
+  bool got_bytes_ = false;  // a byte of the current response arrived
+  bool eof_ = false;
+  bool read_more_ = false;  // the last read stopped at the buffer cap, not at a drained socket
+  int read_errno_ = 0;
+  bool head_request_ = false;
+
+  ByteBuffer in_;
+  std::string out_;
+  size_t written_ = 0;
+  bool want_write_ = false;
+  HeadParser head_parser_;
+  BodyParser body_parser_;
+  MessageHead head_;
+  ParseError error_;
+  std::string piece_;  // the de-chunked body of one read, handed to on_body
+
+  Timer timer_;
+};
+
+}  // namespace detail
+
+using detail::Call;
+using detail::ClientConn;
+using detail::ClientLoop;
+
+// The part every thread reaches: the call table (under mu_) and the loops.
+class AsyncHttpClient::Impl : public detail::CallTable {
+ public:
+  explicit Impl(AsyncHttpClientOptions options)
+      : options_(options), own_(std::make_unique<detail::LoopGroup>(1)), group_(*own_) {
+    make_loops();
+    own_->start({});
+  }
+
+  Impl(detail::LoopGroup& shared, AsyncHttpClientOptions options)
+      : options_(options), group_(shared) {
+    make_loops();
+  }
 
   ~Impl() {
     shutdown();
-    if (work_) work_->reset();
-    if (thread_.joinable()) thread_.join();
+    if (own_) own_->stop_and_join();
   }
 
   void shutdown() {
-    std::vector<CallId> ids;
+    std::vector<std::shared_ptr<Call>> calls;
     {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(mu_);
       if (shut_down_) return;
       stopping_ = true;
-      for (const auto& [id, call] : calls_) ids.push_back(id);
+      for (const auto& [id, call] : calls_) calls.push_back(call);
     }
-    for (auto id : ids) cancel(id);
+    for (auto& call : calls) cancel(*call);
+    calls.clear();
     {
-      std::unique_lock lock(mutex_);
-      idle_cv_.wait(lock, [&] { return calls_.empty(); });
+      std::unique_lock lock(mu_);
+      empty_cv_.wait(lock, [&] { return calls_.empty(); });
     }
-    // A client on a server's threads that never made a call has nothing on the strand (and the
-    // server may never have run: waiting for the strand would hang).
-    if (!own_ctx_ && !used_.load()) {
-      std::lock_guard lock(mutex_);
-      shut_down_ = true;
-      return;
+    // Idle connections belong to their loops: closed there, and waited for. A loop that does not
+    // run (a server never started, or stopped) is closed from here: nothing else touches it.
+    if (used_.load()) {
+      for (size_t i = 0; i < loops_.size(); ++i) {
+        ClientLoop* l = loops_[i].get();
+        if (!group_.running()) {
+          l->clear_idle();
+          continue;
+        }
+        std::promise<void> cleared;
+        if (group_.at(i).post([l, &cleared] {
+              l->clear_idle();
+              cleared.set_value();
+            })) {
+          cleared.get_future().wait();
+        } else {
+          l->clear_idle();
+        }
+      }
     }
-    // The idle connections belong to the strand: closed there, and waited for.
-    std::promise<void> cleared;
-    asio::post(strand_, [this, &cleared] {
-      idle_.clear();
-      cleared.set_value();
-    });
-    cleared.get_future().wait();
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(mu_);
     shut_down_ = true;
   }
 
@@ -110,224 +244,407 @@ class AsyncHttpClient::Impl {
     auto call = std::make_shared<Call>();
     call->request = std::move(request);
     call->handlers = std::move(handlers);
+    const size_t loop = group_.pick();
+    call->home = loops_[loop].get();
     {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(mu_);
       if (shut_down_) return 0;
       used_ = true;
       call->id = ++next_id_;
       calls_[call->id] = call;
       if (stopping_) call->cancelled = true;
     }
-    asio::co_spawn(strand_, run(call), asio::detached);
-    return call->id;
+    const CallId id = call->id;
+    // Never run inline, even on the loop's own thread: callers may hold locks on_done takes.
+    if (!group_.at(loop).post(call, Call::kStart)) {
+      // The loop is gone (its server stopped): the call cannot run.
+      call->done = true;
+      erase(id);
+      if (call->handlers.on_done) call->handlers.on_done("the client's io thread has stopped");
+    }
+    return id;
   }
 
   void cancel(CallId id) {
     std::shared_ptr<Call> call;
     {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(mu_);
       auto it = calls_.find(id);
       if (it == calls_.end()) return;
       call = it->second;
     }
-    call->cancelled = true;
-    asio::post(strand_, [call] {
-      if (call->stream) call->stream->cancel();
-    });
+    cancel(*call);
+  }
+
+  void cancel(Call& call) {
+    call.cancelled = true;
+    call.home->loop().post(call.shared_from_this(), Call::kCancel);
   }
 
   size_t in_flight() const {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(mu_);
     return calls_.size();
   }
   uint64_t connections_opened() const { return opened_; }
 
  private:
-  struct Call {
-    CallId id = 0;
-    AsyncHttpRequest request;
-    AsyncHttpHandlers handlers;
-    std::atomic<bool> cancelled{false};
-    beast::tcp_stream* stream = nullptr;  // the connection in use (io thread only)
-  };
-  using Stream = std::unique_ptr<beast::tcp_stream>;
-
-  static std::string key(const AsyncHttpRequest& r) {
-    return r.host + ":" + std::to_string(r.port);
-  }
-
-  Stream take_idle(const std::string& k) {
-    auto it = idle_.find(k);
-    if (it == idle_.end() || it->second.empty()) return nullptr;
-    Stream s = std::move(it->second.back());
-    it->second.pop_back();
-    return s;
-  }
-
-  void put_idle(const std::string& k, Stream s) {
-    auto& list = idle_[k];
-    if (list.size() >= options_.max_idle_per_host) return;  // closed as it goes
-    s->expires_never();
-    list.push_back(std::move(s));
-  }
-
-  asio::awaitable<Stream> connect(Call& call) {
-    const AsyncHttpRequest& r = call.request;
-    tcp::resolver resolver(strand_);
-    error_code ec;
-    auto results = co_await resolver.async_resolve(r.host, std::to_string(r.port),
-                                                   asio::redirect_error(kAwait, ec));
-    if (ec) throw CallFailed{describe("cannot resolve the host", ec)};
-    check_cancelled(call);
-    auto stream = std::make_unique<beast::tcp_stream>(strand_);
-    call.stream = stream.get();  // cancel() can interrupt the connect
-    stream->expires_after(r.connect_timeout.count() > 0 ? r.connect_timeout : r.timeout);
-    co_await stream->async_connect(results, asio::redirect_error(kAwait, ec));
-    if (ec) throw CallFailed{describe("cannot connect", ec)};
-    stream->socket().set_option(tcp::no_delay(true), ec);
-    ++opened_;
-    co_return stream;
-  }
-
-  void check_cancelled(const Call& call) {
-    if (call.cancelled) throw CallFailed{"cancelled"};
-  }
-
-  asio::awaitable<void> run(std::shared_ptr<Call> call) {
-    std::string error;
-    const AsyncHttpRequest& r = call->request;
-    Stream stream;
-    try {
-      check_cancelled(*call);
-      http::request<http::string_body> req;
-      req.method_string(r.method);
-      req.target(r.target);
-      req.version(11);
-      req.set(http::field::host, r.host + ":" + std::to_string(r.port));
-      for (const auto& [name, value] : r.headers) req.insert(name, value);
-      if (!r.body.empty() && !r.headers.contains("Content-Type"))
-        req.set(http::field::content_type, "application/json");
-      req.body() = r.body;
-      req.keep_alive(true);
-      req.prepare_payload();
-
-      // A reused connection the server closed while it was idle fails before any response
-      // byte: then the request is sent once more on a new connection.
-      std::optional<http::response_parser<http::string_body>> parser;
-      beast::flat_buffer buffer;
-      // Beast reads at most the buffer's free capacity (at least 512 bytes) per call: room for
-      // a whole small response or many stream events per system call.
-      buffer.reserve(16384);
-      for (int attempt = 0;; ++attempt) {
-        stream = attempt == 0 ? take_idle(key(r)) : nullptr;
-        const bool reused = stream != nullptr;
-        if (!stream) stream = co_await connect(*call);
-        call->stream = stream.get();
-        check_cancelled(*call);
-        error_code wec, hec;
-        stream->expires_after(r.timeout);
-        co_await http::async_write(*stream, req, asio::redirect_error(kAwait, wec));
-        check_cancelled(*call);
-        parser.emplace();
-        // Unlimited (streams): Beast 1.74 compares against an empty optional as if below any
-        // value, so the limit is the largest number rather than none.
-        parser->body_limit(std::numeric_limits<std::uint64_t>::max());
-        parser->header_limit(static_cast<std::uint32_t>(options_.max_header_bytes));
-
-        buffer.clear();
-        if (!wec) {
-          stream->expires_after(r.timeout);
-          co_await http::async_read_header(*stream, buffer, *parser,
-                                           asio::redirect_error(kAwait, hec));
-        }
-        check_cancelled(*call);
-        const error_code first = wec ? wec : hec;
-        if (first && reused && attempt == 0 &&
-            (first == http::error::end_of_stream || first == asio::error::eof ||
-             first == asio::error::connection_reset || first == asio::error::broken_pipe)) {
-          call->stream = nullptr;
-          stream.reset();
-          continue;
-        }
-        if (wec) throw CallFailed{describe("cannot send the request", wec)};
-        if (hec) throw CallFailed{describe("cannot read the response header", hec)};
-        break;
-      }
-
-      if (call->handlers.on_head) {
-        Headers headers;
-        for (const auto& field : parser->get())
-          headers.add(std::string(field.name_string()), std::string(field.value()));
-        call->handlers.on_head(static_cast<int>(parser->get().result_int()), headers);
-      }
-      auto deliver = [&] {
-        std::string& piece = parser->get().body();
-        if (piece.empty()) return;
-        const bool more = !call->handlers.on_body || call->handlers.on_body(piece);
-        piece.clear();
-        if (!more) call->cancelled = true;
-      };
-      deliver();  // body bytes that came with the header
-      check_cancelled(*call);
-      while (!parser->is_done()) {
-        error_code ec;
-        stream->expires_after(r.timeout);
-        co_await http::async_read_some(*stream, buffer, *parser, asio::redirect_error(kAwait, ec));
-        check_cancelled(*call);
-        if (ec) throw CallFailed{describe("cannot read the response body", ec)};
-        // Beast parses a chunked body one chunk per call: parse what this read brought as far
-        // as it goes, so one read reaches on_body (and a relay's client) as one piece.
-        while (buffer.size() > 0 && !parser->is_done()) {
-          error_code pec;
-          const size_t used = parser->put(buffer.data(), pec);
-          buffer.consume(used);
-          if (pec == http::error::need_more || used == 0) break;
-          if (pec) throw CallFailed{describe("cannot read the response body", pec)};
-        }
-        deliver();
-        check_cancelled(*call);
-      }
-      call->stream = nullptr;
-      if (parser->get().keep_alive()) put_idle(key(r), std::move(stream));
-    } catch (const CallFailed& f) {
-      error = f.reason;
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-    call->stream = nullptr;
-    stream.reset();  // a failed or cancelled connection is never reused
-    {
-      std::lock_guard lock(mutex_);
-      calls_.erase(call->id);  // before on_done: in_flight() is 0 once the caller learns it
-    }
-    idle_cv_.notify_all();  // before on_done, which may throw
-    try {
-      if (call->handlers.on_done) call->handlers.on_done(error);
-    } catch (const std::exception&) {
-      // The caller's bug, not the call's: the call is over either way.
+  void make_loops() {
+    for (size_t i = 0; i < group_.size(); ++i) {
+      loops_.push_back(std::make_unique<ClientLoop>(*this, group_.at(i), options_));
     }
   }
 
-  AsyncHttpClientOptions options_;
-  std::unique_ptr<asio::io_context> own_ctx_;  // none when running on a server's threads
-  asio::io_context& ctx_;
-  asio::strand<asio::io_context::executor_type> strand_;
-  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
-  std::map<std::string, std::vector<Stream>> idle_;  // io thread only
-  std::atomic<uint64_t> opened_{0};
-  mutable std::mutex mutex_;
-  std::condition_variable idle_cv_;
-  std::unordered_map<CallId, std::shared_ptr<Call>> calls_;
+  const AsyncHttpClientOptions options_;
+  std::unique_ptr<detail::LoopGroup> own_;  // none when running on a server's threads
+  detail::LoopGroup& group_;
+  std::vector<std::unique_ptr<ClientLoop>> loops_;  // one per loop of group_
   CallId next_id_ = 0;
   bool stopping_ = false, shut_down_ = false;
   std::atomic<bool> used_{false};  // a call was ever started
-  std::thread thread_;             // own io thread only; started once everything above exists
 };
+
+namespace detail {
+
+void Call::run(int op) {
+  // A task queued for a call that already ended (a late cancel) must not touch the client, which
+  // may be gone by now.
+  if (done) return;
+  if (op == kStart) {
+    home->begin(shared_from_this());
+  } else {
+    home->cancel(*this);
+  }
+}
+
+// --- ClientLoop --------------------------------------------------------------------------------
+
+void ClientLoop::begin(const std::shared_ptr<Call>& call) {
+  if (call->cancelled) return finish(*call, "cancelled");
+  const AsyncHttpRequest& r = call->request;
+  std::string key = r.host + ":" + std::to_string(r.port);
+  auto it = idle_.find(key);
+  if (it != idle_.end() && !it->second.empty()) {
+    ClientConn* c = it->second.back();
+    it->second.pop_back();
+    c->attach(call, true);
+    return;
+  }
+  connect(call);
+}
+
+void ClientLoop::connect(const std::shared_ptr<Call>& call) {
+  const AsyncHttpRequest& r = call->request;
+  std::string error;
+  std::vector<Address> addresses = resolve(r.host, r.port, false, error);
+  if (addresses.empty()) return finish(*call, "cannot resolve the host: " + error);
+  int fd = -1;
+  int last_errno = 0;
+  for (const Address& a : addresses) {
+    fd = start_connect(a);
+    if (fd >= 0) break;
+    last_errno = errno;
+  }
+  if (fd < 0) return finish(*call, std::string("cannot connect: ") + std::strerror(last_errno));
+  auto conn = std::make_unique<ClientConn>(*this, fd, r.host + ":" + std::to_string(r.port));
+  ClientConn* c = conn.get();
+  conns_.emplace(c, std::move(conn));
+  c->start_connecting(call);
+}
+
+void ClientLoop::cancel(Call& call) {
+  if (call.done) return;
+  if (call.conn) return call.conn->fail("cancelled");  // the server sees the client go
+  finish(call, "cancelled");
+}
+
+void ClientLoop::finish(Call& call, const std::string& error) {
+  if (call.done) return;
+  call.done = true;
+  call.conn = nullptr;
+  // Before on_done: in_flight() is 0 once the caller learns it.
+  calls_.erase(call.id);
+  try {
+    if (call.handlers.on_done) call.handlers.on_done(error);
+  } catch (const std::exception&) {
+    // The caller's bug, not the call's: the call is over either way.
+  }
+  // What the handlers hold (the caller's state) goes now, not when the last task lets go.
+  call.handlers = AsyncHttpHandlers();
+}
+
+void ClientLoop::put_idle(ClientConn* c) {
+  auto& list = idle_[c->key()];
+  if (list.size() >= options_.max_idle_per_host) return c->close();
+  c->become_idle();
+  list.push_back(c);
+}
+
+void ClientLoop::remove(ClientConn* c) {
+  auto it = idle_.find(c->key());
+  if (it != idle_.end()) std::erase(it->second, c);
+  auto owned = conns_.find(c);
+  if (owned == conns_.end()) return;
+  loop_.retire(std::move(owned->second));
+  conns_.erase(owned);
+}
+
+void ClientLoop::counted_open() {
+  calls_.count_open();
+}
+
+void ClientLoop::clear_idle() {
+  std::vector<ClientConn*> idle;
+  for (auto& [key, list] : idle_) idle.insert(idle.end(), list.begin(), list.end());
+  for (ClientConn* c : idle) c->close();
+  idle_.clear();
+}
+
+// --- ClientConn --------------------------------------------------------------------------------
+
+template <class F>
+bool ClientConn::guard(F&& f) {
+  try {
+    f();
+    return true;
+  } catch (const std::exception& e) {
+    fail(e.what());
+  } catch (...) {
+    fail("a callback threw a non-standard exception");
+  }
+  return false;
+}
+
+void ClientConn::attach(const std::shared_ptr<Call>& call, bool reused) {
+  call_ = call;
+  call->conn = this;
+  reused_ = reused;
+  got_bytes_ = false;
+  const AsyncHttpRequest& r = call->request;
+  head_request_ = r.method == "HEAD";
+  out_.clear();
+  written_ = 0;
+  append_request(out_, r.method, r.target, r.host, r.port, r.headers, r.body);
+  head_parser_.reset();
+  if (phase_ == Phase::kConnecting) {
+    timer_.arm(r.connect_timeout.count() > 0 ? r.connect_timeout : r.timeout);
+    return;  // sent once connected
+  }
+  phase_ = Phase::kSending;
+  timer_.arm(r.timeout);
+  flush();
+}
+
+void ClientConn::on_io(uint32_t events) {
+  switch (phase_) {
+    case Phase::kClosed:
+      return;
+    case Phase::kConnecting:
+      if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) connected();
+      return;
+    case Phase::kIdle:
+      // The server closed the idle connection (or sent what nobody asked for): drop it now,
+      // rather than find out when the next call tries it.
+      if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+        char byte;
+        ssize_t n = ::recv(fd_, &byte, 1, MSG_PEEK);
+        if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) close();
+      }
+      return;
+    default:
+      break;
+  }
+  if ((events & EPOLLOUT) && want_write_) flush();
+  if (phase_ == Phase::kClosed) return;
+  if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+    read_input();
+    parse();
+  }
+}
+
+void ClientConn::connected() {
+  int error = 0;
+  socklen_t length = sizeof error;
+  if (::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &error, &length) != 0) error = errno;
+  if (error != 0) return fail(std::string("cannot connect: ") + std::strerror(error));
+  home_.counted_open();
+  phase_ = Phase::kSending;
+  timer_.arm(call_->request.timeout);
+  flush();
+}
+
+void ClientConn::flush() {
+  while (written_ < out_.size()) {
+    ssize_t n = ::send(fd_, out_.data() + written_, out_.size() - written_, MSG_NOSIGNAL);
+    if (n > 0) {
+      written_ += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      want_write_ = true;
+      return;
+    }
+    return io_failed("cannot send the request", std::strerror(errno));
+  }
+  want_write_ = false;
+  if (phase_ == Phase::kSending) {
+    phase_ = Phase::kHead;
+    timer_.arm(call_->request.timeout);
+  }
+}
+
+void ClientConn::read_input() {
+  read_more_ = false;
+  if (eof_) return;
+  for (;;) {
+    char* at = in_.prepare(kReadChunk);
+    const size_t room = in_.room();
+    ssize_t n = ::recv(fd_, at, room, 0);
+    if (n > 0) {
+      in_.commit(static_cast<size_t>(n));
+      got_bytes_ = true;
+      // A short read drained the socket; a full one may have left more. Parsing comes first
+      // either way when enough is buffered, so a fast server cannot grow the buffer unbounded.
+      if (static_cast<size_t>(n) < room) return;
+      if (in_.size() >= 4 * kReadChunk) {
+        read_more_ = true;  // edge-triggered: nothing tells us again about what is left
+        return;
+      }
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    eof_ = true;
+    read_errno_ = n < 0 ? errno : 0;
+    return;
+  }
+}
+
+void ClientConn::parse() {
+  for (;;) {
+    if (phase_ == Phase::kSending || phase_ == Phase::kHead) {
+      Parse r = head_parser_.response(in_.view(), head_request_, head_, error_);
+      if (r == Parse::kError) return fail("cannot read the response header: " + error_.message);
+      if (r == Parse::kNeedMore) {
+        if (eof_) {
+          return io_failed(
+              "cannot read the response header",
+              read_errno_ ? std::strerror(read_errno_) : "connection closed by the server");
+        }
+        if (!read_more_) return;
+        read_input();
+        continue;
+      }
+      if (head_.status < 200 && head_.status != 101) {
+        // An interim response (100 Continue): the real one follows.
+        in_.consume(head_.head_bytes);
+        head_parser_.reset();
+        continue;
+      }
+      if (call_->handlers.on_head) {
+        Headers headers;
+        copy_fields(head_, headers);
+        if (!guard([&] { call_->handlers.on_head(head_.status, headers); })) return;
+      }
+      in_.consume(head_.head_bytes);
+      body_parser_.start(head_, UINT64_MAX, home_.options().max_header_bytes);
+      phase_ = Phase::kBody;
+      timer_.arm(call_->request.timeout);
+      if (call_->cancelled) return fail("cancelled");
+    }
+    if (phase_ != Phase::kBody) return;
+    size_t used = 0;
+    Parse r = body_parser_.feed(in_.view(), used, piece_, error_);
+    in_.consume(used);
+    if (!piece_.empty()) {
+      bool more = true;
+      if (call_->handlers.on_body && !guard([&] { more = call_->handlers.on_body(piece_); })) {
+        return;
+      }
+      piece_.clear();
+      if (!more) call_->cancelled = true;
+    }
+    if (call_->cancelled) return fail("cancelled");
+    if (r == Parse::kError) return fail("cannot read the response body: " + error_.message);
+    if (r == Parse::kDone) return complete();
+    if (eof_) {
+      if (head_.body == BodyKind::kUntilClose) return complete();
+      return fail(std::string("cannot read the response body: ") +
+                  (read_errno_ ? std::strerror(read_errno_) : "connection closed by the server"));
+    }
+    timer_.arm(call_->request.timeout);  // each wait for the next piece is bounded
+    if (!read_more_) return;
+    read_input();
+  }
+}
+
+void ClientConn::complete() {
+  std::shared_ptr<Call> call = std::move(call_);
+  call->conn = nullptr;
+  const bool reuse = head_.keep_alive && in_.empty() && !eof_;
+  if (reuse) {
+    home_.put_idle(this);
+  } else {
+    close();
+  }
+  home_.finish(*call, "");
+}
+
+void ClientConn::io_failed(const char* step, const std::string& why) {
+  // A reused connection the server closed while it was idle fails before any response byte:
+  // then the request is sent once more on a new connection.
+  if (reused_ && !got_bytes_ && call_ && !call_->retried && !call_->cancelled) {
+    std::shared_ptr<Call> call = std::move(call_);
+    call->conn = nullptr;
+    call->retried = true;
+    close();
+    return home_.connect(call);
+  }
+  fail(std::string(step) + ": " + why);
+}
+
+void ClientConn::on_timer() {
+  const char* step = "cannot read the response body";
+  switch (phase_) {
+    case Phase::kConnecting:
+      step = "cannot connect";
+      break;
+    case Phase::kSending:
+      step = "cannot send the request";
+      break;
+    case Phase::kHead:
+      step = "cannot read the response header";
+      break;
+    default:
+      break;
+  }
+  fail(std::string(step) + ": timed out");
+}
+
+void ClientConn::fail(const std::string& error) {
+  std::shared_ptr<Call> call = std::move(call_);
+  close();  // a failed or cancelled connection is never reused
+  if (call) home_.finish(*call, error);
+}
+
+void ClientConn::close() {
+  if (phase_ == Phase::kClosed) return;
+  phase_ = Phase::kClosed;
+  timer_.disarm();
+  ::close(fd_);  // also unregisters it from epoll
+  fd_ = -1;
+  if (call_) call_->conn = nullptr;
+  home_.remove(this);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------
 
 AsyncHttpClient::AsyncHttpClient(AsyncHttpClientOptions options)
     : impl_(std::make_unique<Impl>(options)) {}
 AsyncHttpClient::AsyncHttpClient(HttpServer& server, AsyncHttpClientOptions options)
-    : impl_(std::make_unique<Impl>(server.io_context(), options)) {}
+    : impl_(std::make_unique<Impl>(server.loops(), options)) {}
 AsyncHttpClient::~AsyncHttpClient() = default;
 void AsyncHttpClient::shutdown() {
   impl_->shutdown();

@@ -1,9 +1,8 @@
 #pragma once
 // An asynchronous HTTP/1.1 client: many requests in flight from one thread. It is the client
-// side of the one HTTP stack (Boost.Beast on C++20 coroutines, hidden here like in
-// http_server.h), for callers that keep hundreds of streams open at once: a load generator, or a
-// gateway relaying engine streams to its clients (Exchange may be written from this client's
-// thread).
+// side of the one HTTP stack (its own event loop and parser, hidden here like in http_server.h),
+// for callers that keep hundreds of streams open at once: a load generator, or a gateway relaying
+// engine streams to its clients (Exchange may be written from this client's thread).
 //
 // Each call connects, or reuses an idle keep-alive connection to the same host and port, sends
 // the request, then calls on_head once with the status and headers, on_body for every piece of
@@ -57,10 +56,13 @@ class AsyncHttpClient {
 
   // A client with its own io thread.
   explicit AsyncHttpClient(AsyncHttpClientOptions options = {});
-  // A client without a thread of its own: it runs on `server`'s io threads (one strand, so
-  // callbacks still run one at a time), which saves a thread hop per call when a server's
-  // handlers relay to upstreams. The server must be started for calls to progress, and
-  // shutdown() must run before the server stops (its io threads finish the calls).
+  // A client without a thread of its own: it runs on `server`'s io threads, which saves a thread
+  // hop per call when a server's handlers relay to upstreams. A call runs on the io thread that
+  // started it, or, started from any other thread, on the server's io threads in turn; its
+  // callbacks run one at a time on that thread, but calls on different io threads may run their
+  // callbacks concurrently. Idle keep-alive connections are kept per io thread. The server must
+  // be started for calls to progress, and shutdown() must run before the server stops (its io
+  // threads finish the calls).
   AsyncHttpClient(HttpServer& server, AsyncHttpClientOptions options = {});
   // shutdown(), then joins the client's own thread (if it has one).
   ~AsyncHttpClient();

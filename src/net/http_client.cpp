@@ -1,151 +1,213 @@
 #include "net/http_client.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
-#include <boost/asio/connect.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/beast/core/flat_buffer.hpp>
-#include <boost/beast/core/tcp_stream.hpp>
-#include <boost/beast/http.hpp>
-
-#include <cstdint>
-#include <limits>
-#include <optional>
-
+#include "net/byte_buffer.h"
+#include "net/http_wire.h"
+#include "net/socket.h"
 #include "util/error.h"
 
 namespace tandem::net {
 
-namespace asio = boost::asio;
-namespace beast = boost::beast;
-namespace http = boost::beast::http;
-using tcp = asio::ip::tcp;
-using boost::system::error_code;
+namespace {
 
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kReadChunk = 16384;
+constexpr size_t kMaxHeaderBytes = size_t{64} << 10;
+
+}  // namespace
+
+// The same wire code as the asynchronous client, over one non-blocking socket whose waits are
+// poll() calls bounded by the deadline of the step.
 class HttpClient::Impl {
  public:
   Impl(std::string host, uint16_t port, std::chrono::milliseconds timeout)
-      : host_(std::move(host)), port_(port), timeout_(timeout) {}
+      : host_(std::move(host)), port_(port), timeout_(timeout), head_parser_(kMaxHeaderBytes) {}
+  ~Impl() { close(); }
 
   HttpClientResponse request(std::string_view method, std::string_view target,
                              std::string_view body, const Headers& headers,
                              const BodyCallback* on_body) {
-    http::request<http::string_body> req;
-    req.method_string(beast::string_view(method.data(), method.size()));
-    req.target(beast::string_view(target.data(), target.size()));
-    req.version(11);
-    req.set(http::field::host, host_ + ":" + std::to_string(port_));
-    for (const auto& [name, value] : headers) req.insert(name, value);
-    if (!body.empty() && !headers.contains("Content-Type")) {
-      req.set(http::field::content_type, "application/json");
-    }
-    req.body() = std::string(body);
-    req.prepare_payload();
     what_ = std::string(method) + " http://" + host_ + ":" + std::to_string(port_) +
             std::string(target);
-
+    out_.clear();
+    detail::append_request(out_, method, target, host_, port_, headers, body);
+    head_request_ = method == "HEAD";
     // A reused connection may have been closed by the server while idle (its keep-alive
     // timeout); then the request never reached it and is sent again on a new connection.
-    bool reused = stream_.has_value();
+    const bool reused = fd_ >= 0;
     for (int attempt = 0;; ++attempt) {
       try {
-        return exchange(req, on_body);
+        return exchange(on_body);
       } catch (const StaleConnection&) {
         close();
-        if (!reused || attempt > 0) fail("the server closed the connection", {});
+        if (!reused || attempt > 0) fail("the server closed the connection");
       }
     }
   }
 
   void close() {
-    if (stream_) {
-      error_code ec;
-      stream_->socket().shutdown(tcp::socket::shutdown_both, ec);
-      stream_->socket().close(ec);
-      stream_.reset();
+    if (fd_ >= 0) {
+      ::shutdown(fd_, SHUT_RDWR);
+      ::close(fd_);
+      fd_ = -1;
     }
-    buffer_.clear();
+    in_.clear();
   }
 
  private:
   struct StaleConnection {};
 
-  [[noreturn]] void fail(std::string_view step, error_code ec) {
+  [[noreturn]] void fail(std::string_view step, std::string_view why = {}) {
     close();
     std::string message = "HTTP " + what_ + ": " + std::string(step);
-    if (ec) message += ": " + ec.message();
+    if (!why.empty()) message += ": " + std::string(why);
     throw Error(message);
   }
 
-  // Runs the io_context until the operation started before completes. The stream's timer
-  // (expires_after) turns a stalled operation into error::timeout.
-  void run() {
-    io_.restart();
-    io_.run();
+  // Waits until the socket is ready for `events` or the deadline passes (then fails `step`).
+  void wait(short events, Clock::time_point deadline, const char* step) {
+    for (;;) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) fail(step, "timed out");
+      pollfd p{fd_, events, 0};
+      int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
+      if (n > 0) return;
+      if (n < 0 && errno != EINTR) fail(step, std::strerror(errno));
+    }
   }
 
   void connect() {
-    tcp::resolver resolver(io_);
-    error_code ec;
-    auto endpoints = resolver.resolve(host_, std::to_string(port_), ec);
-    if (ec) fail("cannot resolve host", ec);
-    stream_.emplace(io_);
-    stream_->expires_after(timeout_);
-    stream_->async_connect(endpoints, [&](error_code e, const tcp::endpoint&) { ec = e; });
-    run();
-    if (ec) fail("cannot connect", ec);
-    stream_->socket().set_option(tcp::no_delay(true), ec);
+    std::string error;
+    std::vector<detail::Address> addresses = detail::resolve(host_, port_, false, error);
+    if (addresses.empty()) fail("cannot resolve host", error);
+    const auto deadline = Clock::now() + timeout_;
+    int last = 0;
+    for (const detail::Address& a : addresses) {
+      fd_ = detail::start_connect(a);
+      if (fd_ < 0) {
+        last = errno;
+        continue;
+      }
+      wait(POLLOUT, deadline, "cannot connect");
+      int so_error = 0;
+      socklen_t length = sizeof so_error;
+      ::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &so_error, &length);
+      if (so_error == 0) return;
+      last = so_error;
+      ::close(fd_);
+      fd_ = -1;
+    }
+    fail("cannot connect", std::strerror(last));
   }
 
-  HttpClientResponse exchange(http::request<http::string_body>& req, const BodyCallback* on_body) {
-    bool fresh = !stream_;
+  void send_all(bool fresh) {
+    const auto deadline = Clock::now() + timeout_;
+    size_t sent = 0;
+    while (sent < out_.size()) {
+      ssize_t n = ::send(fd_, out_.data() + sent, out_.size() - sent, MSG_NOSIGNAL);
+      if (n > 0) {
+        sent += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        wait(POLLOUT, deadline, "cannot send the request");
+        continue;
+      }
+      if (!fresh && sent == 0) throw StaleConnection{};
+      fail("cannot send the request", std::strerror(errno));
+    }
+  }
+
+  // Reads what is there (waiting until something is); false at EOF.
+  bool read_some(Clock::time_point deadline, const char* step) {
+    for (;;) {
+      char* at = in_.prepare(kReadChunk);
+      ssize_t n = ::recv(fd_, at, in_.room(), 0);
+      if (n > 0) {
+        in_.commit(static_cast<size_t>(n));
+        return true;
+      }
+      if (n == 0) return false;
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        wait(POLLIN, deadline, step);
+        continue;
+      }
+      if (errno == ECONNRESET) return false;
+      fail(step, std::strerror(errno));
+    }
+  }
+
+  HttpClientResponse exchange(const BodyCallback* on_body) {
+    const bool fresh = fd_ < 0;
     if (fresh) connect();
-    error_code ec;
-    stream_->expires_after(timeout_);
-    http::async_write(*stream_, req, [&](error_code e, size_t) { ec = e; });
-    run();
-    if (ec) {
-      if (!fresh) throw StaleConnection{};
-      fail("cannot send the request", ec);
+    send_all(fresh);
+
+    // For a plain request this deadline covers the whole response; a stream renews it for every
+    // piece below.
+    auto deadline = Clock::now() + timeout_;
+    const char* step = "cannot read the response header";
+    detail::ParseError error;
+    bool got_bytes = !in_.empty();
+    for (;;) {
+      head_parser_.reset();
+      detail::Parse r;
+      while ((r = head_parser_.response(in_.view(), head_request_, head_, error)) ==
+             detail::Parse::kNeedMore) {
+        if (!read_some(deadline, step)) {
+          if (!fresh && !got_bytes) throw StaleConnection{};
+          fail(step, "connection closed by the server");
+        }
+        got_bytes = true;
+      }
+      if (r == detail::Parse::kError) fail(step, error.message);
+      if (head_.status >= 200 || head_.status == 101) break;
+      in_.consume(head_.head_bytes);  // an interim 1xx response
     }
-
-    http::response_parser<http::string_body> parser;
-    // Unlimited. Not boost::none: Beast 1.74 compares the length against an empty optional as
-    // if it were below every value, so none would reject every body.
-    parser.body_limit(std::numeric_limits<std::uint64_t>::max());
-    // For a plain request this deadline covers the whole response; a stream renews it for
-    // every piece below.
-    stream_->expires_after(timeout_);
-    http::async_read_header(*stream_, buffer_, parser, [&](error_code e, size_t) { ec = e; });
-    run();
-    if (ec == http::error::end_of_stream && !fresh) throw StaleConnection{};
-    if (ec) fail("cannot read the response header", ec);
-
     HttpClientResponse response;
-    response.status = static_cast<int>(parser.get().result_int());
-    for (const auto& field : parser.get()) {
-      response.headers.add(std::string(field.name_string()), std::string(field.value()));
-    }
-    while (!parser.is_done()) {
-      if (on_body) stream_->expires_after(timeout_);
-      http::async_read_some(*stream_, buffer_, parser, [&](error_code e, size_t) { ec = e; });
-      run();
-      if (ec) fail("cannot read the response body", ec);
-      if (on_body) {
-        std::string& piece = parser.get().body();
-        if (!piece.empty()) {
-          bool more = (*on_body)(piece);
-          piece.clear();
-          if (!more) {
-            close();
-            return response;
-          }
+    response.status = head_.status;
+    detail::copy_fields(head_, response.headers);
+    in_.consume(head_.head_bytes);
+    const bool keep_alive = head_.keep_alive;
+    const detail::BodyKind kind = head_.body;
+
+    step = "cannot read the response body";
+    body_parser_.start(head_, UINT64_MAX, kMaxHeaderBytes);
+    std::string piece;
+    std::string& sink = on_body ? piece : response.body;
+    for (;;) {
+      size_t used = 0;
+      detail::Parse r = body_parser_.feed(in_.view(), used, sink, error);
+      in_.consume(used);
+      if (r == detail::Parse::kError) fail(step, error.message);
+      if (on_body && !piece.empty()) {
+        bool more = (*on_body)(piece);
+        piece.clear();
+        if (!more) {
+          close();
+          return response;
         }
       }
+      if (r == detail::Parse::kDone) break;
+      if (on_body) deadline = Clock::now() + timeout_;
+      if (!read_some(deadline, step)) {
+        if (kind == detail::BodyKind::kUntilClose) {
+          close();
+          return response;
+        }
+        fail(step, "connection closed by the server");
+      }
     }
-    if (!on_body) response.body = std::move(parser.get().body());
-    if (!parser.get().keep_alive()) close();
+    if (!keep_alive || !in_.empty()) close();
     return response;
   }
 
@@ -153,9 +215,13 @@ class HttpClient::Impl {
   const uint16_t port_;
   const std::chrono::milliseconds timeout_;
   std::string what_;  // "METHOD url" for error messages
-  asio::io_context io_;
-  std::optional<beast::tcp_stream> stream_;
-  beast::flat_buffer buffer_;
+  int fd_ = -1;
+  bool head_request_ = false;
+  std::string out_;
+  detail::ByteBuffer in_;
+  detail::HeadParser head_parser_;
+  detail::BodyParser body_parser_;
+  detail::MessageHead head_;
 };
 
 HttpClient::HttpClient(std::string host, uint16_t port, std::chrono::milliseconds timeout)

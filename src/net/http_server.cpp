@@ -1,99 +1,37 @@
 #include "net/http_server.h"
 
-// Boost 1.74's asio/awaitable.hpp uses std::exchange without including <utility>.
-#include <utility>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
-#include <boost/asio.hpp>
-#include <boost/beast/core/flat_buffer.hpp>
-#include <boost/beast/http.hpp>
-
-#include <atomic>
+#include <cerrno>
 #include <cstdio>
-#include <ctime>
-#include <exception>
-#include <limits>
+#include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "net/byte_buffer.h"
+#include "net/event_loop.h"
+#include "net/http_wire.h"
+#include "net/loop_group.h"
+#include "net/socket.h"
 #include "util/error.h"
 
 namespace tandem::net {
 
-namespace asio = boost::asio;
-namespace beast = boost::beast;
-namespace http = boost::beast::http;
-using tcp = asio::ip::tcp;
-using boost::system::error_code;
-using Executor = asio::any_io_executor;
 using Callbacks = std::vector<std::function<void()>>;
 
 namespace {
 
-constexpr auto kAwait = asio::use_awaitable;
-
-// The Date field value (RFC 9110 5.6.7), e.g. "Sun, 06 Nov 1994 08:49:37 GMT". Names spelled out
-// here because strftime's follow the locale.
-std::string http_date() {
-  static constexpr const char* kDays[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
-  static constexpr const char* kMonths[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
-                                            "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
-  // Formatted once per second per thread: it is in every response head.
-  thread_local std::time_t cached_at = -1;
-  thread_local std::string cached;
-  std::time_t now = std::time(nullptr);
-  if (now == cached_at) return cached;
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "%s, %02d %s %04d %02d:%02d:%02d GMT", kDays[tm.tm_wday % 7],
-                tm.tm_mday, kMonths[tm.tm_mon % 12], tm.tm_year + 1900, tm.tm_hour, tm.tm_min,
-                tm.tm_sec);
-  cached_at = now;
-  cached = buf;
-  return cached;
-}
-
-// A response head as bytes. `framing` is the Content-Length or Transfer-Encoding line (without
-// CRLF) or empty; `connection` the Connection value or empty.
-std::string response_head(int status, std::string_view content_type, const Headers& extra,
-                          std::string_view framing, std::string_view connection) {
-  std::string head = "HTTP/1.1 " + std::to_string(status) + " ";
-  head += status_reason(status);
-  head += "\r\n";
-  head += "Date: " + http_date() + "\r\n";
-  if (!content_type.empty()) {
-    head += "Content-Type: ";
-    head += content_type;
-    head += "\r\n";
-  }
-  for (const auto& [name, value] : extra) {
-    if (iequals(name, "Content-Length") || iequals(name, "Transfer-Encoding") ||
-        iequals(name, "Connection") || iequals(name, "Content-Type") || iequals(name, "Date")) {
-      continue;
-    }
-    head += name + ": " + value + "\r\n";
-  }
-  if (!framing.empty()) {
-    head += framing;
-    head += "\r\n";
-  }
-  if (!connection.empty()) {
-    head += "Connection: ";
-    head += connection;
-    head += "\r\n";
-  }
-  head += "\r\n";
-  return head;
-}
-
-// 1xx, 204 and 304 responses have no body and no Content-Length (RFC 9110 8.6).
-bool status_has_body(int status) {
-  return status >= 200 && status != 204 && status != 304;
-}
+// Bytes asked of the kernel per read. A shorter answer means the socket is drained (so, with
+// edge-triggered epoll, no read that only says EAGAIN).
+constexpr size_t kReadChunk = 16384;
+// After an error answer the connection drains the client's input this long, or this much, before
+// it closes.
+constexpr std::chrono::milliseconds kDrainTime{2000};
+constexpr size_t kDrainBytes = size_t{1} << 20;
 
 void check_status(int status) {
   if (status < 200 || status > 999) {
@@ -102,24 +40,24 @@ void check_status(int status) {
   }
 }
 
-// A complete response as bytes.
-std::string serialize_response(const HttpResponse& r, bool close, bool http10_keep_alive) {
-  check_status(r.status);
-  std::string_view connection = close ? "close" : (http10_keep_alive ? "keep-alive" : "");
-  if (!status_has_body(r.status)) {
-    return response_head(r.status, r.content_type, r.headers, "", connection);
+void append_response(std::string& out, const HttpResponse& r, bool close, bool keep_alive_10) {
+  std::string_view connection = close ? "close" : (keep_alive_10 ? "keep-alive" : "");
+  if (!detail::status_has_body(r.status)) {
+    detail::append_response_head(out, r.status, r.content_type, r.headers, detail::BodyKind::kNone,
+                                 0, connection);
+    return;
   }
-  std::string bytes = response_head(r.status, r.content_type, r.headers,
-                                    "Content-Length: " + std::to_string(r.body.size()), connection);
-  bytes += r.body;
-  return bytes;
+  detail::append_response_head(out, r.status, r.content_type, r.headers, detail::BodyKind::kLength,
+                               r.body.size(), connection);
+  out += r.body;
 }
 
-HttpResponse error_response(int status, std::string_view message) {
+void append_error(std::string& out, int status, std::string_view message, bool close,
+                  bool keep_alive_10) {
   HttpResponse r;
   r.status = status;
   r.body = openai_error_body(message, default_error_type(status));
-  return r;
+  append_response(out, r, close, keep_alive_10);
 }
 
 void run_callbacks(Callbacks& callbacks) {
@@ -134,30 +72,30 @@ namespace detail {
 
 class Connection;
 
-// What an Exchange and the connection serving it share. The producer side (Exchange methods,
-// any thread) appends bytes to `out_`; the connection (its strand) takes them and writes them.
-// Everything below the constants is guarded by mu_. Callbacks never run under mu_, so they may
-// call back into the exchange.
-class ExchangeState {
+// What an Exchange and the connection serving it share. Producers (Exchange methods, any thread)
+// append response bytes to out_ under mu_; the connection, on its loop, swaps them out and writes
+// them. Callbacks never run under mu_, so they may call back into the exchange.
+class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeState> {
  public:
-  ExchangeState(HttpRequest request, bool keep_alive, Executor executor,
-                std::weak_ptr<Connection> connection)
+  ExchangeState(HttpRequest request, bool keep_alive, EventLoop& loop, Connection& connection,
+                std::string buffer)
       : request(std::move(request)),
         keep_alive_(keep_alive),
         http10_(this->request.version < 11),
-        connection_(std::move(connection)),
-        executor_(std::move(executor)) {}
+        loop_(&loop),
+        connection_(&connection),
+        out_(std::move(buffer)) {}
 
   const HttpRequest request;
 
-  // --- producer side ---
+  // --- producer side (any thread) ---
 
   bool respond(const HttpResponse& response) {
-    std::string bytes = serialize_response(response, !keep_alive_, http10_ && keep_alive_);
-    Callbacks dropped;
+    check_status(response.status);
+    Callbacks dropped;  // destroyed after the lock: they may hold the last exchange reference
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kIdle) return false;
-    out_ += bytes;
+    append_response(out_, response, !keep_alive_, http10_ && keep_alive_);
     phase_ = Phase::kComplete;
     close_after_ = !keep_alive_;
     dropped.swap(on_close_);
@@ -168,15 +106,15 @@ class ExchangeState {
   bool start_stream(int status, std::string_view content_type, const Headers& headers) {
     check_status(status);
     // HTTP/1.0 has no chunked encoding: the body runs until the connection closes.
-    bool chunked = !http10_;
-    bool close = !keep_alive_ || !chunked;
-    std::string head =
-        response_head(status, content_type, headers, chunked ? "Transfer-Encoding: chunked" : "",
-                      close ? "close" : (http10_ ? "keep-alive" : ""));
+    const bool chunked = !http10_;
+    const bool close = !keep_alive_ || !chunked;
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kIdle) return false;
-    out_ += head;
-    phase_ = status_has_body(status) ? Phase::kStreaming : Phase::kComplete;
+    const bool body = status_has_body(status);
+    append_response_head(out_, status, content_type, headers,
+                         chunked && body ? BodyKind::kChunked : BodyKind::kNone, 0,
+                         close ? "close" : (http10_ ? "keep-alive" : ""));
+    phase_ = body ? Phase::kStreaming : Phase::kComplete;
     chunked_ = chunked;
     close_after_ = close;
     wake_locked();
@@ -188,11 +126,7 @@ class ExchangeState {
     if (closed_locked() || phase_ != Phase::kStreaming) return false;
     if (chunk.empty()) return true;  // an empty chunk would end a chunked body
     if (chunked_) {
-      char size[20];
-      int n = std::snprintf(size, sizeof size, "%zx\r\n", chunk.size());
-      out_.append(size, static_cast<size_t>(n));
-      out_ += chunk;
-      out_ += "\r\n";
+      append_chunk(out_, chunk);
     } else {
       out_ += chunk;
     }
@@ -204,7 +138,7 @@ class ExchangeState {
     Callbacks dropped;
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kStreaming) return false;
-    if (chunked_) out_ += "0\r\n\r\n";
+    if (chunked_) out_ += kLastChunk;
     phase_ = Phase::kComplete;
     dropped.swap(on_close_);
     wake_locked();
@@ -233,35 +167,35 @@ class ExchangeState {
   }
 
   // The producer gave up (or the handler threw): answer 500 if nothing was sent, else cut the
-  // connection. The callbacks run on the connection's strand, not here: the caller may hold
-  // locks that they take.
+  // connection. The callbacks run on the connection's loop, not here: the caller may hold locks
+  // that they take.
   void abort(std::string_view message) {
     std::lock_guard lock(mu_);
     if (aborted_ || lost_ || phase_ == Phase::kComplete) return;
     aborted_ = true;
     if (phase_ == Phase::kIdle) {
-      out_ +=
-          serialize_response(error_response(500, message), !keep_alive_, http10_ && keep_alive_);
+      append_error(out_, 500, message, !keep_alive_, http10_ && keep_alive_);
       phase_ = Phase::kComplete;
       close_after_ = !keep_alive_;
     }
     wake_locked();
   }
 
-  // --- connection side (its strand) ---
+  // --- connection side (its loop) ---
 
   struct Pending {
-    std::string bytes;
-    bool complete = false;     // bytes end the response
+    bool complete = false;     // the response is complete (once its bytes are written)
     bool cut = false;          // aborted mid-stream: close the connection
     bool close_after = false;  // close the connection after the response
     Callbacks callbacks;       // to run now (aborted)
   };
 
-  Pending take() {
+  // Swaps the queued bytes into `bytes`, which must be empty; it gets the state's buffer, the
+  // state gets `bytes`' capacity, so no allocation happens in steady state.
+  Pending take(std::string& bytes) {
     std::lock_guard lock(mu_);
     Pending p;
-    p.bytes.swap(out_);
+    bytes.swap(out_);
     p.complete = phase_ == Phase::kComplete;
     p.cut = aborted_ && phase_ != Phase::kComplete;
     p.close_after = close_after_;
@@ -283,13 +217,17 @@ class ExchangeState {
     run_callbacks(callbacks);
   }
 
-  // The connection is done with this exchange; from now on nothing may reach its executor.
-  void detach() {
+  // The connection is done with this exchange; returns its buffer (cleared) for the next one.
+  // From now on nothing reaches the loop or the connection.
+  std::string detach() {
     std::lock_guard lock(mu_);
     detached_ = true;
-    executor_.reset();
-    std::string().swap(out_);
+    out_.clear();
+    return std::move(out_);
   }
+
+  // A wake posted from another thread (Task).
+  void run(int op) override;
 
  private:
   enum class Phase { kIdle, kStreaming, kComplete };
@@ -299,12 +237,10 @@ class ExchangeState {
 
   const bool keep_alive_;
   const bool http10_;
-  const std::weak_ptr<Connection> connection_;
+  EventLoop* const loop_;         // valid until detached
+  Connection* const connection_;  // valid until detached; used on the loop only
 
   mutable std::mutex mu_;
-  // Reset on detach: a strand executor must not outlive its io_context, and the producer may
-  // hold this state much longer than the server lives.
-  std::optional<Executor> executor_;
   Phase phase_ = Phase::kIdle;
   bool chunked_ = false;
   bool close_after_ = false;
@@ -384,16 +320,20 @@ void Exchange::abort() {
 
 namespace detail {
 
+class ServerLoop;
+
 class ServerImpl {
  public:
-  asio::io_context& io_context() { return io_; }
-  explicit ServerImpl(HttpServerOptions options) : options_(std::move(options)) {}
+  explicit ServerImpl(HttpServerOptions options)
+      : options_(std::move(options)), loops_(static_cast<size_t>(std::max(1, options_.threads))) {}
+  ~ServerImpl() { stop(); }
 
   void route(std::string method, std::string path, Handler handler);
   void set_fallback(Handler handler);
   void start();
   void stop();
   uint16_t port() const { return port_; }
+  LoopGroup& loops() { return loops_; }
 
   // --- for connections ---
 
@@ -407,378 +347,473 @@ class ServerImpl {
   }
   // Calls the handler for the request, or answers 404/405 itself.
   void dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange);
-  bool stopping() const { return stopping_flag_.load(std::memory_order_acquire); }
-  void remove(uint64_t id) {
-    std::lock_guard lock(mu_);
-    connections_.erase(id);
-  }
+  bool stopping() const { return stopping_.load(std::memory_order_acquire); }
 
  private:
-  asio::awaitable<void> accept_loop();
-  // Registers a live connection; false if the server is stopping (the caller drops it).
-  bool add(uint64_t id, const std::shared_ptr<Connection>& connection) {
-    std::lock_guard lock(mu_);
-    if (stopping_) return false;
-    connections_[id] = connection;
-    return true;
-  }
-
   const HttpServerOptions options_;
   // Written before start() only, then read by every io thread.
   std::map<std::string, std::map<std::string, Handler>> routes_;  // path -> method -> handler
   Handler fallback_;
   std::atomic<uint16_t> port_{0};
 
-  asio::io_context io_;
-  std::optional<tcp::acceptor> acceptor_;
-  std::vector<std::thread> threads_;
+  LoopGroup loops_;
+  std::vector<std::unique_ptr<ServerLoop>> server_loops_;
+  int listen_fd_ = -1;
   std::mutex stop_mu_;  // serialises start/stop
   bool started_ = false;
   bool stopped_ = false;
-  uint64_t next_id_ = 0;  // accept loop only
+  std::atomic<bool> stopping_{false};
+};
 
-  std::mutex mu_;  // guards stopping_ and connections_
-  bool stopping_ = false;
-  std::atomic<bool> stopping_flag_{false};  // stopping_, readable without mu_
-  std::unordered_map<uint64_t, std::weak_ptr<Connection>> connections_;
+// The server's part of one loop: its listener registration and its connections. Loop thread
+// only, except construction and destruction (before the thread starts, after it ended).
+class ServerLoop : public IoHandler, public Timer::Target {
+ public:
+  ServerLoop(ServerImpl& server, EventLoop& loop, int listen_fd)
+      : server_(server), loop_(loop), listen_fd_(listen_fd) {}
+  ~ServerLoop();
+
+  void start() { loop_.add_listener(listen_fd_, this); }
+  // Accepts what is waiting on the listener.
+  void on_io(uint32_t events) override;
+  // The accept back-off ended.
+  void on_timer() override;
+  // Closes every connection (their exchanges become closed) and stops accepting.
+  void shutdown();
+  void remove(Connection* c);
+
+  ServerImpl& server() { return server_; }
+  EventLoop& loop() { return loop_; }
+
+ private:
+  ServerImpl& server_;
+  EventLoop& loop_;
+  const int listen_fd_;
+  bool listening_ = true;
+  std::unique_ptr<Timer> backoff_;
+  std::unordered_map<Connection*, std::unique_ptr<Connection>> connections_;
 };
 
 // One TCP connection: reads requests one after the other, dispatches each and writes what its
-// exchange produces. All of its state lives on one strand (the socket's executor), which the
-// coroutines below and every handler posted to it share, so none of it needs a lock.
-class Connection : public std::enable_shared_from_this<Connection> {
+// exchange produces, on its loop's thread only.
+class Connection : public IoHandler, public Deferred, public Timer::Target, public Retired {
  public:
-  Connection(ServerImpl& server, uint64_t id, tcp::socket socket)
-      : server_(server),
-        id_(id),
-        socket_(std::move(socket)),
-        wake_(socket_.get_executor()),
-        deadline_(socket_.get_executor()) {
-    wake_.expires_at(asio::steady_timer::time_point::max());
-    error_code ec;
-    // Tokens go out one small write at a time; Nagle would hold them back.
-    socket_.set_option(tcp::no_delay(true), ec);
-    tcp::endpoint peer = socket_.remote_endpoint(ec);
-    if (!ec) {
-      asio::ip::address address = peer.address();
-      // A dual-stack listener sees IPv4 clients as ::ffff:a.b.c.d; report them as a.b.c.d.
-      if (address.is_v6() && address.to_v6().is_v4_mapped()) {
-        address = asio::ip::make_address_v4(asio::ip::v4_mapped, address.to_v6());
-      }
-      remote_address_ = address.to_string();
-      remote_port_ = peer.port();
-    }
+  Connection(ServerLoop& owner, int fd)
+      : owner_(owner),
+        server_(owner.server()),
+        loop_(owner.loop()),
+        fd_(fd),
+        head_parser_(server_.options().max_header_bytes),
+        timer_(loop_, *this) {
+    peer_of(fd_, remote_address_, remote_port_);
+  }
+  ~Connection() override {
+    if (fd_ >= 0) ::close(fd_);
   }
 
-  Executor executor() { return socket_.get_executor(); }
-
-  // `self` keeps the connection alive from the moment the coroutine is created.
-  asio::awaitable<void> run(std::shared_ptr<Connection> self);
-
-  // Wakes the coroutine waiting for its exchange (posted by ExchangeState).
-  void wake() { wake_.cancel(); }
-
+  void start() {
+    loop_.add(fd_, this);
+    timer_.arm(server_.options().idle_timeout);
+  }
+  void on_io(uint32_t events) override;
+  void run_deferred() override;
+  void on_timer() override;
+  // The exchange has bytes or news (from ExchangeState, on this loop).
+  void wake() { loop_.defer(this); }
   // The server stops: end everything now.
-  void shutdown() {
-    stopping_ = true;
-    error_code ec;
-    socket_.shutdown(tcp::socket::shutdown_both, ec);
-    socket_.close(ec);
-    wake_.cancel();
-    disarm();
-  }
+  void shutdown() { close_now(); }
 
  private:
-  enum class ReadResult { kRequest, kQuiet, kError };
+  enum class Phase { kHead, kBody, kExchange, kErrorSent, kDraining, kClosed };
 
-  asio::awaitable<void> serve();
-  // Reads one request into `parser`; on kError, `status`/`message` say what to answer.
-  asio::awaitable<ReadResult> read_request(http::request_parser<http::string_body>& parser,
-                                           int& status, std::string& message);
-  // Writes what the exchange produces until it is complete; true if the connection may serve
-  // another request.
-  asio::awaitable<bool> serve_exchange(std::shared_ptr<ExchangeState> state);
-  // Reads while a response is pending, to notice a client that goes away.
-  asio::awaitable<void> watch(std::shared_ptr<Connection> self);
-  asio::awaitable<bool> write_all(const std::string& bytes);
-  // Half-closes, then drains what the client still sends for a moment before closing: closing
-  // with unread input makes the kernel send RST, which can destroy the response in flight.
-  asio::awaitable<void> close_gracefully();
-  HttpRequest make_request(http::request<http::string_body>& message) const;
+  void read_input();
+  void process();
+  void begin_request();
+  void dispatch();
+  void pump();
+  bool flush();
+  void end_exchange(bool close_after);
+  void fail_request(const ParseError& error);
+  void close_gracefully();
+  void close_now();
 
-  // The deadline closes the socket when it fires; every arm() is followed by disarm() once the
-  // operation it guards completes. The generation makes a stale expiry harmless.
-  void arm(std::chrono::milliseconds timeout) {
-    if (stopping_) return;
-    uint64_t generation = ++deadline_generation_;
-    deadline_.expires_after(timeout);
-    deadline_.async_wait([self = shared_from_this(), generation](error_code ec) {
-      if (!ec && generation == self->deadline_generation_) {
-        error_code ignored;
-        self->socket_.close(ignored);
-      }
-    });
-  }
-  void disarm() {
-    ++deadline_generation_;
-    deadline_.cancel();
-  }
-
+  ServerLoop& owner_;
   ServerImpl& server_;
-  const uint64_t id_;
-  tcp::socket socket_;
-  beast::flat_buffer buffer_;
-  asio::steady_timer wake_;  // never expires; cancel() wakes whoever waits on it
-  asio::steady_timer deadline_;
-  uint64_t deadline_generation_ = 0;
+  EventLoop& loop_;
+  int fd_;
+  Phase phase_ = Phase::kHead;
+
+  ByteBuffer in_;
+  HeadParser head_parser_;
+  BodyParser body_parser_;
+  MessageHead head_;
+  ParseError error_;
+  HttpRequest request_;
+  bool request_started_ = false;  // a byte of the current request arrived (read timeout runs)
+  bool peer_eof_ = false;         // the client closed its side, or reading failed
+  bool read_paused_ = false;      // input left unread: enough is buffered
+  size_t drained_ = 0;
+
+  std::shared_ptr<ExchangeState> exchange_;
+  std::string out_;  // being written; out_[written_..] is left
+  size_t written_ = 0;
+  std::string spare_;  // lent to the next exchange as its buffer
+  bool want_write_ = false;
+
+  Timer timer_;
   std::string remote_address_;
   unsigned short remote_port_ = 0;
-  bool stopping_ = false;
-  bool watching_ = false;
-  bool stop_watching_ = false;
-  bool peer_lost_ = false;
 };
 
 void ExchangeState::wake_locked() {
   if (detached_ || wake_posted_) return;
   wake_posted_ = true;
-  asio::post(*executor_, [connection = connection_] {
-    if (auto c = connection.lock()) c->wake();
-  });
-}
-
-asio::awaitable<void> Connection::run([[maybe_unused]] std::shared_ptr<Connection> self) {
-  try {
-    co_await serve();
-  } catch (const std::exception& e) {
-    server_.log(std::string("connection failed: ") + e.what());
-  }
-  error_code ec;
-  socket_.close(ec);
-  disarm();
-  server_.remove(id_);
-}
-
-asio::awaitable<void> Connection::serve() {
-  const HttpServerOptions& options = server_.options();
-  while (!stopping_) {
-    http::request_parser<http::string_body> parser;
-    parser.header_limit(static_cast<uint32_t>(
-        std::min<size_t>(options.max_header_bytes, std::numeric_limits<uint32_t>::max())));
-    parser.body_limit(options.max_body_bytes);
-    int status = 0;
-    std::string message;
-    ReadResult result = co_await read_request(parser, status, message);
-    if (result == ReadResult::kQuiet) co_return;
-    if (result == ReadResult::kError) {
-      if (co_await write_all(serialize_response(error_response(status, message), true, false))) {
-        co_await close_gracefully();
-      }
-      co_return;
-    }
-
-    HttpRequest request;
-    std::optional<std::string> bad_field;
-    try {
-      request = make_request(parser.get());
-    } catch (const Error& e) {
-      bad_field = e.what();
-    }
-    if (bad_field) {
-      if (co_await write_all(serialize_response(error_response(400, *bad_field), true, false))) {
-        co_await close_gracefully();
-      }
-      co_return;
-    }
-    bool keep_alive = parser.get().keep_alive() && !server_.stopping();
-    auto state = std::make_shared<ExchangeState>(std::move(request), keep_alive, executor(),
-                                                 weak_from_this());
-    {
-      auto exchange = std::make_shared<Exchange>(state);
-      try {
-        server_.dispatch(state->request, exchange);
-      } catch (const std::exception& e) {
-        server_.log("handler for " + state->request.method + " " + state->request.path +
-                    " threw: " + e.what());
-        state->abort(e.what());
-      } catch (...) {
-        server_.log("handler for " + state->request.method + " " + state->request.path +
-                    " threw a non-standard exception");
-        state->abort("internal error");
-      }
-    }  // Our reference goes; if the handler kept none and sent nothing, that is a 500.
-    if (!co_await serve_exchange(std::move(state))) {
-      co_await close_gracefully();
-      co_return;
-    }
+  if (loop_->in_loop_thread()) {
+    // A producer on the connection's own thread (a relay): write at the end of the iteration,
+    // with whatever else it produces meanwhile, and without a cross-thread hop.
+    connection_->wake();
+  } else {
+    loop_->post(shared_from_this());
   }
 }
 
-asio::awaitable<Connection::ReadResult> Connection::read_request(
-    http::request_parser<http::string_body>& parser, int& status, std::string& message) {
-  const HttpServerOptions& options = server_.options();
-  error_code ec;
-  if (buffer_.size() == 0) {
-    // Waiting for a request to begin is the idle time of a keep-alive connection.
-    arm(options.idle_timeout);
-    co_await socket_.async_wait(tcp::socket::wait_read, asio::redirect_error(kAwait, ec));
-    disarm();
-    if (ec || stopping_) co_return ReadResult::kQuiet;
-  }
-  arm(options.read_timeout);
-  co_await http::async_read_header(socket_, buffer_, parser, asio::redirect_error(kAwait, ec));
-  if (!ec && !parser.is_done()) {
-    auto expect = parser.get().find(http::field::expect);
-    if (expect != parser.get().end() &&
-        iequals(std::string_view(expect->value().data(), expect->value().size()), "100-continue") &&
-        parser.get().version() >= 11) {
-      static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-      co_await asio::async_write(socket_, asio::buffer(kContinue),
-                                 asio::redirect_error(kAwait, ec));
-    }
-    if (!ec) {
-      co_await http::async_read(socket_, buffer_, parser, asio::redirect_error(kAwait, ec));
-    }
-  }
-  disarm();
-  if (!ec && !stopping_) co_return ReadResult::kRequest;
-  if (stopping_) co_return ReadResult::kQuiet;
-  if (ec == http::error::header_limit) {
-    status = 431;
-    message =
-        "the request header is larger than " + std::to_string(options.max_header_bytes) + " bytes";
-    co_return ReadResult::kError;
-  }
-  if (ec == http::error::body_limit) {
-    status = 413;
-    message =
-        "the request body is larger than " + std::to_string(options.max_body_bytes) + " bytes";
-    co_return ReadResult::kError;
-  }
-  // A client that closes or stalls mid-request gets nothing: it is gone or timed out.
-  if (ec.category() != http::make_error_code(http::error::bad_method).category() ||
-      ec == http::error::end_of_stream || ec == http::error::partial_message) {
-    co_return ReadResult::kQuiet;
-  }
-  status = 400;
-  message = "malformed HTTP request: " + ec.message();
-  co_return ReadResult::kError;
+void ExchangeState::run(int) {
+  // detached_ is only written on this thread, so it can be read here without the lock.
+  if (!detached_) connection_->wake();
 }
 
-HttpRequest Connection::make_request(http::request<http::string_body>& message) const {
-  HttpRequest request;
-  request.method = std::string(message.method_string());
-  request.target = std::string(message.target());
-  size_t question = request.target.find('?');
-  request.path = request.target.substr(0, question);
-  if (question != std::string::npos) request.query = request.target.substr(question + 1);
-  request.version = static_cast<int>(message.version());
-  for (const auto& field : message) {
-    request.headers.add(std::string(field.name_string()), std::string(field.value()));
+// --- Connection --------------------------------------------------------------------------------
+
+void Connection::on_io(uint32_t events) {
+  if (phase_ == Phase::kClosed) return;
+  if ((events & EPOLLOUT) && want_write_) {
+    if (!flush()) return;
+    if (phase_ == Phase::kExchange) pump();
+    if (phase_ == Phase::kHead) loop_.defer(this);  // a pipelined request may be waiting
   }
-  request.body = std::move(message.body());
-  request.remote_address = remote_address_;
-  request.remote_port = remote_port_;
-  return request;
+  if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+    read_input();
+    process();
+  }
 }
 
-asio::awaitable<bool> Connection::serve_exchange(std::shared_ptr<ExchangeState> state) {
-  // Detach on every way out, exceptions and the frame's destruction included: after that no
-  // producer posts to this executor.
-  struct Detach {
-    ExchangeState* state;
-    ~Detach() { state->detach(); }
-  } detach{state.get()};
+void Connection::run_deferred() {
+  if (phase_ == Phase::kExchange) pump();
+  if (phase_ == Phase::kHead || phase_ == Phase::kBody) process();
+}
 
-  watching_ = true;
-  stop_watching_ = false;
-  asio::co_spawn(executor(), watch(shared_from_this()), asio::detached);
-
-  bool keep_alive = false;
+void Connection::read_input() {
+  read_paused_ = false;
+  if (phase_ == Phase::kClosed || peer_eof_) return;
+  // How much unparsed input to hold. While a response is pending: a head's worth of the next
+  // request (a client that goes away is still noticed when the response is written). Else
+  // enough for the parser to make progress; the rest waits in the kernel until it has.
+  const size_t header = server_.options().max_header_bytes;
+  const size_t cap = phase_ == Phase::kExchange ? header : header + 4 * kReadChunk;
+  const bool discard = phase_ == Phase::kErrorSent || phase_ == Phase::kDraining;
   for (;;) {
-    ExchangeState::Pending pending = state->take();
-    run_callbacks(pending.callbacks);
-    if (pending.cut) break;
-    if (!pending.bytes.empty() && !co_await write_all(pending.bytes)) {
-      state->lose();
-      break;
+    if (!discard && in_.size() >= cap) {
+      // Edge-triggered: nothing tells us again about what is left, so remember it.
+      read_paused_ = true;
+      return;
     }
-    if (pending.complete) {
-      keep_alive = !pending.close_after;
-      break;
+    char* at = in_.prepare(kReadChunk);
+    const size_t room = in_.room();
+    ssize_t n = ::recv(fd_, at, room, 0);
+    if (n > 0) {
+      if (discard) {
+        // After an error answer, what the client still sends is read and dropped, up to a point.
+        drained_ += static_cast<size_t>(n);
+        if (drained_ > kDrainBytes) return close_now();
+      } else {
+        in_.commit(static_cast<size_t>(n));
+      }
+      if (static_cast<size_t>(n) < room) return;  // drained: the next arrival is a new edge
+      continue;
     }
-    if (peer_lost_ || stopping_) {
-      state->lose();
-      break;
-    }
-    // Sleep only when this take() found nothing: a wake that arrived while we were writing
-    // found no waiter and is gone, but its bytes are still queued.
-    if (!pending.bytes.empty()) continue;
-    error_code ec;
-    co_await wake_.async_wait(asio::redirect_error(kAwait, ec));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    // EOF counts as gone: clients that half-close and still wait for the answer are rare, and
+    // an engine computing for a vanished client is expensive.
+    peer_eof_ = true;
+    return;
   }
-
-  if (watching_) {
-    stop_watching_ = true;
-    error_code ec;
-    socket_.cancel(ec);
-    while (watching_) co_await wake_.async_wait(asio::redirect_error(kAwait, ec));
-  }
-  co_return keep_alive && !peer_lost_ && !stopping_;
 }
 
-asio::awaitable<void> Connection::watch([[maybe_unused]] std::shared_ptr<Connection> self) {
-  // Bytes read here are the start of the next request (a pipelining client); they stay in
-  // buffer_ for the parser. Past a header's worth we stop reading: writes still notice a
-  // vanished client.
-  try {
-    while (!stop_watching_ && buffer_.size() < server_.options().max_header_bytes) {
-      error_code ec;
-      size_t n =
-          co_await socket_.async_read_some(buffer_.prepare(4096), asio::redirect_error(kAwait, ec));
-      if (ec) {
-        // EOF counts as gone: clients that half-close and still wait for the answer are rare,
-        // and an engine computing for a vanished client is expensive.
-        if (!stop_watching_) peer_lost_ = true;
+void Connection::process() {
+  const HttpServerOptions& options = server_.options();
+  for (;;) {
+    if (read_paused_ && (phase_ == Phase::kHead || phase_ == Phase::kBody)) read_input();
+    switch (phase_) {
+      case Phase::kHead: {
+        if (in_.empty()) {
+          if (peer_eof_) return close_now();
+          return;  // the idle timer runs
+        }
+        if (!request_started_) {
+          request_started_ = true;
+          timer_.arm(options.read_timeout);
+        }
+        Parse r = head_parser_.request(in_.view(), head_, error_);
+        if (r == Parse::kError) return fail_request(error_);
+        if (r == Parse::kNeedMore) {
+          // A client that closes mid-request gets nothing: it is gone.
+          if (peer_eof_) return close_now();
+          return;
+        }
+        begin_request();
         break;
       }
-      buffer_.commit(n);
+      case Phase::kBody: {
+        size_t used = 0;
+        Parse r = body_parser_.feed(in_.view(), used, request_.body, error_);
+        in_.consume(used);
+        if (r == Parse::kError) return fail_request(error_);
+        if (r == Parse::kNeedMore) {
+          if (read_paused_) break;  // more is waiting in the kernel
+          if (peer_eof_) return close_now();
+          return;
+        }
+        dispatch();
+        break;
+      }
+      case Phase::kExchange:
+        // The client went away while the response is pending.
+        if (peer_eof_ && exchange_ && !exchange_->complete()) {
+          exchange_->lose();
+          return close_now();
+        }
+        return;
+      case Phase::kErrorSent:
+      case Phase::kDraining:
+        if (peer_eof_) return close_now();
+        return;
+      case Phase::kClosed:
+        return;
     }
-  } catch (const std::exception& e) {
-    server_.log(std::string("connection watch failed: ") + e.what());
   }
-  watching_ = false;
-  wake_.cancel();
 }
 
-asio::awaitable<bool> Connection::write_all(const std::string& bytes) {
-  error_code ec;
-  arm(server_.options().write_timeout);
-  co_await asio::async_write(socket_, asio::buffer(bytes), asio::redirect_error(kAwait, ec));
-  disarm();
-  co_return !ec && !stopping_;
+void Connection::begin_request() {
+  const HttpServerOptions& options = server_.options();
+  request_.method.assign(head_.method);
+  request_.target.assign(head_.target);
+  size_t question = head_.target.find('?');
+  request_.path.assign(head_.target.substr(0, question));
+  if (question != std::string_view::npos) {
+    request_.query.assign(head_.target.substr(question + 1));
+  } else {
+    request_.query.clear();
+  }
+  request_.version = head_.version;
+  request_.headers = Headers();
+  copy_fields(head_, request_.headers);
+  request_.body.clear();
+  request_.remote_address = remote_address_;
+  request_.remote_port = remote_port_;
+  in_.consume(head_.head_bytes);
+  head_parser_.reset();
+
+  if (head_.body == BodyKind::kLength && head_.content_length > options.max_body_bytes) {
+    // Rejected from the head alone, before the client sends (or we read) the body.
+    ParseError e{413, "the request body is larger than " + std::to_string(options.max_body_bytes) +
+                          " bytes"};
+    return fail_request(e);
+  }
+  if (head_.body == BodyKind::kLength) {
+    request_.body.reserve(static_cast<size_t>(head_.content_length));
+  }
+  body_parser_.start(head_, options.max_body_bytes, options.max_header_bytes);
+  phase_ = Phase::kBody;
+  if (head_.expect_continue && !body_parser_.done() && in_.empty()) {
+    out_ += "HTTP/1.1 100 Continue\r\n\r\n";
+    flush();
+  }
 }
 
-asio::awaitable<void> Connection::close_gracefully() {
-  error_code ec;
-  socket_.shutdown(tcp::socket::shutdown_send, ec);
-  if (!ec && !stopping_) {
-    arm(std::chrono::seconds(2));
-    char scratch[4096];
-    size_t drained = 0;
-    while (drained < (size_t{1} << 20)) {
-      size_t n =
-          co_await socket_.async_read_some(asio::buffer(scratch), asio::redirect_error(kAwait, ec));
-      if (ec) break;
-      drained += n;
+void Connection::dispatch() {
+  phase_ = Phase::kExchange;
+  request_started_ = false;
+  if (!want_write_) timer_.disarm();  // no timeout while the server waits for its handler
+  const bool keep_alive = head_.keep_alive && !server_.stopping();
+  exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
+                                              std::move(spare_));
+  request_ = HttpRequest();
+  {
+    auto exchange = std::make_shared<Exchange>(exchange_);
+    try {
+      server_.dispatch(exchange_->request, exchange);
+    } catch (const std::exception& e) {
+      server_.log("handler for " + exchange_->request.method + " " + exchange_->request.path +
+                  " threw: " + e.what());
+      exchange_->abort(e.what());
+    } catch (...) {
+      server_.log("handler for " + exchange_->request.method + " " + exchange_->request.path +
+                  " threw a non-standard exception");
+      exchange_->abort("internal error");
     }
-    disarm();
-  }
-  socket_.close(ec);
+  }  // Our reference goes; if the handler kept none and sent nothing, that is a 500.
+  // Input that came with the request (EOF) is judged now that the exchange exists.
+  if (peer_eof_) process();
 }
 
-// ---------------------------------------------------------------------------------------------
-// ServerImpl
+void Connection::pump() {
+  while (phase_ == Phase::kExchange) {
+    if (written_ < out_.size() && !flush()) return;  // closed, or waiting for EPOLLOUT
+    ExchangeState::Pending p = exchange_->take(out_);
+    run_callbacks(p.callbacks);
+    if (p.cut) {
+      exchange_->lose();
+      return close_now();
+    }
+    if (!out_.empty()) continue;  // write it, then look again
+    if (p.complete) return end_exchange(p.close_after);
+    if (peer_eof_ || server_.stopping()) {
+      exchange_->lose();
+      return close_now();
+    }
+    return;  // the producer wakes us
+  }
+}
+
+bool Connection::flush() {
+  while (written_ < out_.size()) {
+    ssize_t n = ::send(fd_, out_.data() + written_, out_.size() - written_, MSG_NOSIGNAL);
+    if (n > 0) {
+      written_ += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!want_write_) {
+        want_write_ = true;
+        timer_.arm(server_.options().write_timeout);
+      }
+      return false;
+    }
+    // The client is gone.
+    if (exchange_) exchange_->lose();
+    close_now();
+    return false;
+  }
+  out_.clear();
+  written_ = 0;
+  if (want_write_) {
+    want_write_ = false;
+    timer_.disarm();
+  }
+  if (phase_ == Phase::kErrorSent) {
+    close_gracefully();
+    return false;
+  }
+  return true;
+}
+
+void Connection::end_exchange(bool close_after) {
+  spare_ = exchange_->detach();
+  exchange_.reset();
+  if (close_after || peer_eof_ || server_.stopping()) return close_gracefully();
+  phase_ = Phase::kHead;
+  timer_.arm(server_.options().idle_timeout);
+  loop_.defer(this);  // a pipelined request may be buffered already
+}
+
+void Connection::fail_request(const ParseError& error) {
+  request_started_ = false;
+  phase_ = Phase::kErrorSent;
+  append_error(out_, error.status, error.message, true, false);
+  timer_.disarm();
+  flush();
+}
+
+void Connection::close_gracefully() {
+  // Half-close, then drain what the client still sends for a moment before closing: closing
+  // with unread input makes the kernel send RST, which can destroy the response in flight.
+  if (phase_ == Phase::kClosed) return;
+  if (peer_eof_ || server_.stopping()) return close_now();
+  ::shutdown(fd_, SHUT_WR);
+  phase_ = Phase::kDraining;
+  in_.clear();
+  timer_.arm(kDrainTime);
+  read_input();
+  if (peer_eof_) close_now();
+}
+
+void Connection::on_timer() {
+  // One timer, whose meaning follows the phase: a stalled write, an idle keep-alive connection,
+  // a request that does not arrive in time, or the end of the drain. Each closes the connection.
+  if (exchange_) exchange_->lose();
+  close_now();
+}
+
+void Connection::close_now() {
+  if (phase_ == Phase::kClosed) return;
+  phase_ = Phase::kClosed;
+  if (exchange_) {
+    exchange_->lose();
+    exchange_->detach();
+    exchange_.reset();
+  }
+  timer_.disarm();
+  ::close(fd_);  // also unregisters it from epoll
+  fd_ = -1;
+  owner_.remove(this);
+}
+
+// --- ServerLoop --------------------------------------------------------------------------------
+
+ServerLoop::~ServerLoop() = default;
+
+void ServerLoop::on_io(uint32_t) {
+  // A bounded batch per wake-up: the listener is level-triggered, what is left wakes us again.
+  for (int i = 0; i < 64 && listening_; ++i) {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      // Out of file descriptors and the like: wait a little rather than spin.
+      server_.log(std::string("accept failed: ") + std::strerror(errno));
+      loop_.remove(listen_fd_);
+      listening_ = false;
+      if (!backoff_) backoff_ = std::make_unique<Timer>(loop_, *this);
+      backoff_->arm(std::chrono::milliseconds(50));
+      return;
+    }
+    if (server_.stopping()) {
+      ::close(fd);
+      continue;
+    }
+    set_no_delay(fd);
+    auto connection = std::make_unique<Connection>(*this, fd);
+    Connection* c = connection.get();
+    connections_.emplace(c, std::move(connection));
+    c->start();
+  }
+}
+
+void ServerLoop::on_timer() {
+  if (server_.stopping() || listening_) return;
+  listening_ = true;
+  loop_.add_listener(listen_fd_, this);
+}
+
+void ServerLoop::remove(Connection* c) {
+  auto it = connections_.find(c);
+  if (it == connections_.end()) return;
+  loop_.retire(std::move(it->second));
+  connections_.erase(it);
+}
+
+void ServerLoop::shutdown() {
+  if (listening_) loop_.remove(listen_fd_);
+  listening_ = false;
+  backoff_.reset();
+  std::vector<Connection*> live;
+  for (auto& [c, owned] : connections_) live.push_back(c);
+  for (Connection* c : live) c->shutdown();
+}
+
+// --- ServerImpl --------------------------------------------------------------------------------
 
 void ServerImpl::route(std::string method, std::string path, Handler handler) {
   if (started_) throw Error("HttpServer::route: routes must be registered before start()");
@@ -812,8 +847,11 @@ void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exch
     for (const auto& [name, handler] : path->second) {
       allowed += (allowed.empty() ? "" : ", ") + name;
     }
-    HttpResponse r = error_response(405, "Method " + request.method + " is not allowed for " +
-                                             request.path + " (allowed: " + allowed + ")");
+    HttpResponse r;
+    r.status = 405;
+    r.body = openai_error_body("Method " + request.method + " is not allowed for " + request.path +
+                                   " (allowed: " + allowed + ")",
+                               default_error_type(405));
     r.headers.add("Allow", allowed);
     exchange->respond(std::move(r));
     return;
@@ -827,67 +865,15 @@ void ServerImpl::start() {
   if (options_.threads < 1) {
     throw Error("HttpServer: threads must be at least 1, got " + std::to_string(options_.threads));
   }
-  error_code ec;
-  tcp::resolver resolver(io_);
-  auto endpoints = resolver.resolve(options_.host, std::to_string(options_.port),
-                                    tcp::resolver::passive | tcp::resolver::numeric_service, ec);
-  std::string where = options_.host + ":" + std::to_string(options_.port);
-  if (ec || endpoints.empty()) {
-    throw Error("HttpServer: cannot resolve listen address " + where + ": " + ec.message());
-  }
-  tcp::endpoint endpoint = endpoints.begin()->endpoint();
-  acceptor_.emplace(asio::make_strand(io_));
-  acceptor_->open(endpoint.protocol(), ec);
-  if (!ec) acceptor_->set_option(asio::socket_base::reuse_address(true), ec);
-  if (!ec) acceptor_->bind(endpoint, ec);
-  if (!ec) acceptor_->listen(asio::socket_base::max_listen_connections, ec);
-  if (ec) throw Error("HttpServer: cannot listen on " + where + ": " + ec.message());
-  port_ = acceptor_->local_endpoint().port();
+  uint16_t bound = 0;
+  listen_fd_ = listen_tcp(options_.host, options_.port, bound);
+  port_ = bound;
   started_ = true;
-
-  asio::co_spawn(acceptor_->get_executor(), accept_loop(), [this](std::exception_ptr e) {
-    if (!e) return;
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      log(std::string("accept loop failed: ") + x.what());
-    }
-  });
-  for (int i = 0; i < options_.threads; ++i) {
-    threads_.emplace_back([this] {
-      // Handlers catch their exceptions; this only keeps a stray one from ending the process.
-      for (;;) {
-        try {
-          io_.run();
-          return;
-        } catch (const std::exception& e) {
-          log(std::string("io thread: ") + e.what());
-        }
-      }
-    });
+  for (size_t i = 0; i < loops_.size(); ++i) {
+    server_loops_.push_back(std::make_unique<ServerLoop>(*this, loops_.at(i), listen_fd_));
+    server_loops_.back()->start();
   }
-}
-
-asio::awaitable<void> ServerImpl::accept_loop() {
-  asio::steady_timer backoff(acceptor_->get_executor());
-  for (;;) {
-    error_code ec;
-    tcp::socket socket =
-        co_await acceptor_->async_accept(asio::make_strand(io_), asio::redirect_error(kAwait, ec));
-    if (stopping()) co_return;
-    if (ec) {
-      if (ec == asio::error::operation_aborted) co_return;
-      // Out of file descriptors and the like: wait a little rather than spin.
-      log("accept failed: " + ec.message());
-      backoff.expires_after(std::chrono::milliseconds(50));
-      co_await backoff.async_wait(asio::redirect_error(kAwait, ec));
-      continue;
-    }
-    uint64_t id = ++next_id_;
-    auto connection = std::make_shared<detail::Connection>(*this, id, std::move(socket));
-    if (!add(id, connection)) co_return;
-    asio::co_spawn(connection->executor(), connection->run(connection), asio::detached);
-  }
+  loops_.start([this](const std::string& message) { log(message); });
 }
 
 void ServerImpl::stop() {
@@ -897,26 +883,16 @@ void ServerImpl::stop() {
     return;
   }
   stopped_ = true;
-  std::vector<std::shared_ptr<detail::Connection>> live;
-  {
-    std::lock_guard lock(mu_);
-    stopping_ = true;
-    stopping_flag_.store(true, std::memory_order_release);
-    for (auto& [id, weak] : connections_) {
-      if (auto c = weak.lock()) live.push_back(std::move(c));
-    }
+  stopping_.store(true, std::memory_order_release);
+  for (size_t i = 0; i < loops_.size(); ++i) {
+    ServerLoop* s = server_loops_[i].get();
+    loops_.at(i).post([s] { s->shutdown(); });
   }
-  asio::post(acceptor_->get_executor(), [this] {
-    error_code ec;
-    acceptor_->close(ec);
-  });
-  for (auto& c : live) {
-    asio::post(c->executor(), [c] { c->shutdown(); });
-  }
-  live.clear();
-  // Every connection ends, so the io threads run out of work and return.
-  for (auto& t : threads_) t.join();
-  threads_.clear();
+  // Runs what was posted (the shutdowns above, an AsyncHttpClient's last work), then joins.
+  loops_.stop_and_join();
+  server_loops_.clear();
+  ::close(listen_fd_);
+  listen_fd_ = -1;
 }
 
 }  // namespace detail
@@ -951,8 +927,8 @@ void HttpServer::stop() {
   impl_->stop();
 }
 
-boost::asio::io_context& HttpServer::io_context() {
-  return impl_->io_context();
+detail::LoopGroup& HttpServer::loops() {
+  return impl_->loops();
 }
 
 }  // namespace tandem::net

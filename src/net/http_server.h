@@ -1,15 +1,18 @@
 #pragma once
-// The one HTTP/1.1 server of Tandem (engine API, gateway, metrics). Boost.Beast on C++20
-// coroutines underneath; none of it shows here, so this header stays cheap to include.
+// The one HTTP/1.1 server of Tandem (engine API, gateway, metrics). Its own epoll event loops and
+// HTTP/1.1 parser underneath (net/event_loop.h, net/http_wire.h); none of it shows here, so this
+// header stays cheap to include.
 //
-// Threading model. `threads` io threads run every connection, each connection on its own strand.
-// Handlers are called on an io thread and must return quickly: they parse the request, hand it to
-// whoever does the work (the engine's step loop) and return. The work side answers later, from
-// any thread, through the `Exchange` it was given: one complete response, or a stream of chunks
-// (SSE). Nothing on the Exchange blocks on the socket: bytes are queued and the connection's
-// strand writes them. The connection keeps reading while a response is pending, so a client that
-// goes away is noticed at once, even if nothing is being written; the work side learns it through
-// `Exchange::closed()` and `Exchange::on_close()` and can free what the request holds.
+// Threading model. `threads` io threads, each an event loop; a connection lives on the loop that
+// accepted it. Handlers are called on that io thread and must return quickly: they parse the
+// request, hand it to whoever does the work (the engine's step loop) and return. The work side
+// answers later, from any thread, through the `Exchange` it was given: one complete response, or
+// a stream of chunks (SSE). Nothing on the Exchange blocks on the socket: bytes are queued and the
+// connection's io thread writes them (at the end of its current iteration when the producer is
+// that thread itself, e.g. a relay from an AsyncHttpClient on the server's threads). The connection
+// keeps reading while a response is pending, so a client that goes away is noticed at once, even if
+// nothing is being written; the work side learns it through `Exchange::closed()` and
+// `Exchange::on_close()` and can free what the request holds.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -20,16 +23,15 @@
 
 #include "net/http.h"
 
-namespace boost::asio {
-class io_context;
-}
-
 namespace tandem::net {
 
 namespace detail {
 class ExchangeState;
+class LoopGroup;
 class ServerImpl;
 }  // namespace detail
+
+class AsyncHttpClient;
 
 // One request and its response, shared between the connection and whoever produces the
 // response. Hold it by shared_ptr as long as you may still write; every method may be called
@@ -132,11 +134,12 @@ class HttpServer {
   // handler or an on_close callback (it would join its own thread).
   void stop();
 
-  // The io_context the server's threads run: for an AsyncHttpClient that shares them
-  // (async_http_client.h), so a proxy's upstream calls stay on the threads of its connections.
-  boost::asio::io_context& io_context();
-
  private:
+  // The io loops: for an AsyncHttpClient that shares them (async_http_client.h), so a proxy's
+  // upstream calls stay on the threads of its connections.
+  friend class AsyncHttpClient;
+  detail::LoopGroup& loops();
+
   std::unique_ptr<detail::ServerImpl> impl_;
 };
 

@@ -1,0 +1,35 @@
+#pragma once
+// Thin helpers over BSD sockets for the HTTP stack. Internal to src/net.
+#include <sys/socket.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tandem::net::detail {
+
+struct Address {
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+};
+
+// The addresses of host:port, numeric hosts without a lookup. Names go through getaddrinfo,
+// which blocks: fine for /etc/hosts names and for connections that are then kept alive.
+// Returns an empty list and sets `error` on failure.
+std::vector<Address> resolve(const std::string& host, uint16_t port, bool passive,
+                             std::string& error);
+
+// A non-blocking, close-on-exec TCP listener bound to host:port. Throws tandem::Error.
+int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port);
+
+// A non-blocking TCP socket with a connect to `address` started. Returns the fd (connected or
+// in progress) or -1 with errno set.
+int start_connect(const Address& address);
+
+// The peer's IP and port; IPv4 clients of a dual-stack socket are reported as a.b.c.d.
+void peer_of(int fd, std::string& address, unsigned short& port);
+
+// Tokens go out one small write at a time; Nagle would hold them back.
+void set_no_delay(int fd);
+
+}  // namespace tandem::net::detail
