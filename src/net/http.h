@@ -22,6 +22,8 @@ class Headers {
   void set(std::string name, std::string value);
   // Removes every field of this name; returns how many were removed.
   size_t remove(std::string_view name);
+  // Room for `n` fields without reallocating (a parser knows the count up front).
+  void reserve(size_t n) { fields_.reserve(n); }
 
   // The first field of this name, or nullptr.
   const std::string* find(std::string_view name) const;

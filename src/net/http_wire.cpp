@@ -515,6 +515,7 @@ void append_request(std::string& out, std::string_view method, std::string_view 
 }
 
 void copy_fields(const MessageHead& head, Headers& out) {
+  out.reserve(out.size() + head.fields.size());
   for (const HeadField& f : head.fields) out.add(std::string(f.name), std::string(f.value));
 }
 

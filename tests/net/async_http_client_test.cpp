@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "net/http_client.h"
 #include "net/http_server.h"
 
 namespace tandem::net {
@@ -256,6 +257,67 @@ TEST_F(AsyncClient, DestructionEndsCallsInFlight) {
     EXPECT_EQ(o->dones, 1);
     EXPECT_EQ(o->error, "cancelled");
   }
+}
+
+// A proxy on one server's threads: the handler starts an upstream call on the io thread it runs
+// on, the call's callbacks run on that same thread and relay into the handler's Exchange.
+TEST(AsyncClientOnServer, RelayStaysOnTheThreadThatStartedTheCall) {
+  HttpServerOptions o;
+  o.host = "127.0.0.1";
+  o.threads = 2;
+  HttpServer upstream(o);
+  upstream.route("POST", "/echo", [](const HttpRequest& r, std::shared_ptr<Exchange> ex) {
+    ex->start_stream(200, "text/plain");
+    ex->write("echo:");
+    ex->write(r.body);
+    ex->end();
+  });
+  upstream.start();
+
+  HttpServer proxy(o);
+  AsyncHttpClient client(proxy);
+  std::atomic<int> same_thread{0}, other_thread{0};
+  proxy.route("POST", "/relay", [&](const HttpRequest& r, std::shared_ptr<Exchange> ex) {
+    AsyncHttpRequest u;
+    u.host = "127.0.0.1";
+    u.port = upstream.port();
+    u.method = "POST";
+    u.target = "/echo";
+    u.body = r.body;
+    const auto handler_thread = std::this_thread::get_id();
+    auto check = [&, handler_thread] {
+      ++(std::this_thread::get_id() == handler_thread ? same_thread : other_thread);
+    };
+    AsyncHttpHandlers h;
+    h.on_head = [ex, check](int status, const Headers&) {
+      check();
+      ex->start_stream(status, "text/plain");
+    };
+    h.on_body = [ex, check](std::string_view piece) {
+      check();
+      return ex->write(piece);
+    };
+    h.on_done = [ex, check](const std::string& error) {
+      check();
+      if (error.empty()) ex->end();
+    };
+    client.start(std::move(u), std::move(h));
+  });
+  proxy.start();
+
+  for (int i = 0; i < 20; ++i) {
+    HttpClient c("127.0.0.1", proxy.port());
+    const std::string body = std::to_string(i * 7);
+    auto r = c.request("POST", "/relay", body);
+    EXPECT_EQ(r.status, 200);
+    EXPECT_EQ(r.body, "echo:" + body);
+  }
+  EXPECT_GE(same_thread.load(), 60);
+  EXPECT_EQ(other_thread.load(), 0);
+  // Each io thread keeps its own idle connections: at most one per thread was opened.
+  EXPECT_LE(client.connections_opened(), 2u);
+  client.shutdown();
+  proxy.stop();
 }
 
 }  // namespace

@@ -686,5 +686,104 @@ TEST(HttpServer, ExpectContinue) {
   EXPECT_EQ(body_of(raw), "hello");
 }
 
+TEST(HttpServer, SmugglingAttemptsAndBadChunksAre400) {
+  HttpServer server(local_options());
+  std::atomic<int> calls{0};
+  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ++calls;
+    ex->respond(200, "{}");
+  });
+  server.start();
+  for (std::string bad : {
+           "POST /x HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabcde",
+           "POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXX0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nHost: a\r\n folded: x\r\nContent-Length: 0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nX-A: 1\nX-B: 2\r\nContent-Length: 0\r\n\r\n",
+       }) {
+    RawConnection c(server.port());
+    c.send(bad);
+    std::string raw = c.read_all();
+    EXPECT_TRUE(c.eof()) << bad;
+    EXPECT_EQ(status_of(raw), 400) << bad << " -> " << raw;
+    EXPECT_NE(raw.find("Connection: close\r\n"), std::string::npos) << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
+  }
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n");
+  std::string raw = c.read_all();
+  EXPECT_EQ(status_of(raw), 501) << raw;
+  expect_openai_error(body_of(raw), "server_error");
+  EXPECT_EQ(calls.load(), 0);
+}
+
+TEST(HttpServer, PipelinedRequestsAreAnsweredInOrder) {
+  Producer producer;
+  HttpServer server(local_options());
+  // The first answer comes late from another thread; the second must still follow it.
+  server.route("POST", "/slow", [&](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    std::string body = req.body;
+    producer.run([ex, body] {
+      std::this_thread::sleep_for(20ms);
+      ex->respond(200, "slow:" + body, "text/plain");
+    });
+  });
+  server.route("POST", "/fast", [](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "fast:" + req.body, "text/plain");
+  });
+  server.start();
+  RawConnection c(server.port());
+  c.send(
+      "POST /slow HTTP/1.1\r\nContent-Length: 1\r\n\r\naPOST /fast HTTP/1.1\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n1\r\nb\r\n0\r\n\r\n"
+      "POST /fast HTTP/1.1\r\nContent-Length: 1\r\nConnection: close\r\n\r\nc");
+  std::string raw = c.read_all();
+  size_t a = raw.find("slow:a"), b = raw.find("fast:b"), d = raw.find("fast:c");
+  ASSERT_NE(a, std::string::npos) << raw;
+  ASSERT_NE(b, std::string::npos) << raw;
+  ASSERT_NE(d, std::string::npos) << raw;
+  EXPECT_LT(a, b);
+  EXPECT_LT(b, d);
+}
+
+TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 50ms;
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ++calls;
+    ex->respond(200, "{}");
+  });
+  server.start();
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc");  // 7 bytes never come
+  EXPECT_EQ(c.read_all(), "");
+  EXPECT_TRUE(c.eof());
+  EXPECT_EQ(calls.load(), 0);
+}
+
+TEST(HttpServer, ResponseHeadersCannotInjectLines) {
+  HttpServer server(local_options());
+  std::promise<bool> threw;
+  server.route("GET", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    HttpResponse r;
+    try {
+      r.headers.add("X-Evil", "a\r\nSet-Cookie: b");
+      threw.set_value(false);
+    } catch (const Error&) {
+      threw.set_value(true);
+    }
+    ex->respond(std::move(r));
+  });
+  server.start();
+  auto r = http_request("127.0.0.1", server.port(), "GET", "/x");
+  EXPECT_EQ(r.status, 200);
+  EXPECT_FALSE(r.headers.contains("Set-Cookie"));
+  auto f = threw.get_future();
+  EXPECT_TRUE(get_within(f));
+}
+
 }  // namespace
 }  // namespace tandem::net
