@@ -82,6 +82,26 @@ class AsyncClient : public ::testing::Test {
         ex->end();
       }).detach();
     });
+    // Holds streams until X-Gather of them are open at once, then streams 10 chunks to each: the
+    // streams are concurrent whatever the speed of the machine.
+    server_->route("GET", "/gather", [this](const HttpRequest& r, std::shared_ptr<Exchange> ex) {
+      const size_t n = std::stoul(r.headers.get("X-Gather", "1"));
+      ex->start_stream(200, "text/event-stream");
+      std::vector<std::shared_ptr<Exchange>> release;
+      {
+        std::lock_guard lock(m_);
+        gathered_.push_back(std::move(ex));
+        if (gathered_.size() == n) release.swap(gathered_);
+      }
+      if (release.empty()) return;
+      std::thread([release] {
+        for (int i = 0; i < 10; ++i) {
+          for (auto& e : release) e->write("chunk " + std::to_string(i) + "\n");
+          std::this_thread::sleep_for(1ms);
+        }
+        for (auto& e : release) e->end();
+      }).detach();
+    });
     // Starts a stream and never ends it; tells the test when the client went away.
     server_->route("GET", "/forever", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
       ex->start_stream(200, "text/event-stream");
@@ -105,6 +125,7 @@ class AsyncClient : public ::testing::Test {
     {
       std::lock_guard lock(m_);
       held_.clear();
+      gathered_.clear();
     }
     server_->stop();
   }
@@ -123,6 +144,7 @@ class AsyncClient : public ::testing::Test {
   std::condition_variable cv_;
   int closed_ = 0;
   std::vector<std::shared_ptr<Exchange>> held_;
+  std::vector<std::shared_ptr<Exchange>> gathered_;
 };
 
 TEST_F(AsyncClient, PlainAndStreamedResponses) {
@@ -157,8 +179,8 @@ TEST_F(AsyncClient, HundredsOfConcurrentStreamsOnOneThreadAndReusedConnections) 
   std::vector<std::unique_ptr<Outcome>> outcomes;
   for (int i = 0; i < n; ++i) {
     outcomes.push_back(std::make_unique<Outcome>());
-    auto s = request("GET", "/stream");
-    s.headers.set("X-Chunks", "10");
+    auto s = request("GET", "/gather");
+    s.headers.set("X-Gather", std::to_string(n));
     client.start(s, outcomes.back()->handlers());
   }
   std::string want;
