@@ -210,7 +210,17 @@ class AsyncHttpClient::Impl : public detail::CallTable {
       stopping_ = true;
       for (const auto& [id, call] : calls_) calls.push_back(call);
     }
-    for (auto& call : calls) cancel(*call);
+    // On loops that do not run (a server never started, or already stopped: its threads are
+    // joined), nothing else touches the calls: they end here, or shutdown would wait forever.
+    const bool running = group_.running();
+    for (auto& call : calls) {
+      if (running) {
+        cancel(*call);
+      } else {
+        call->cancelled = true;
+        call->home->cancel(*call);
+      }
+    }
     calls.clear();
     {
       std::unique_lock lock(mu_);

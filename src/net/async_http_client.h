@@ -61,8 +61,8 @@ class AsyncHttpClient {
   // started it, or, started from any other thread, on the server's io threads in turn; its
   // callbacks run one at a time on that thread, but calls on different io threads may run their
   // callbacks concurrently. Idle keep-alive connections are kept per io thread. The server must
-  // be started for calls to progress, and shutdown() must run before the server stops (its io
-  // threads finish the calls).
+  // be started for calls to progress, and shutdown() should run before the server stops (its io
+  // threads finish the calls); run after, it ends what is left on the calling thread.
   AsyncHttpClient(HttpServer& server, AsyncHttpClientOptions options = {});
   // shutdown(), then joins the client's own thread (if it has one).
   ~AsyncHttpClient();

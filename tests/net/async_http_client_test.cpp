@@ -342,5 +342,40 @@ TEST(AsyncClientOnServer, RelayStaysOnTheThreadThatStartedTheCall) {
   proxy.stop();
 }
 
+// The documented order is shutdown() before the server stops; the other way round must still end
+// the calls (from the calling thread) instead of waiting forever for io threads that are gone.
+TEST(AsyncClientOnServer, ShutdownAfterTheServerStoppedEndsTheCalls) {
+  HttpServerOptions o;
+  o.host = "127.0.0.1";
+  HttpServer upstream(o);
+  std::mutex m;
+  std::vector<std::shared_ptr<Exchange>> held;
+  std::promise<void> arrived;
+  upstream.route("GET", "/silent", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    std::lock_guard lock(m);
+    held.push_back(std::move(ex));
+    arrived.set_value();
+  });
+  upstream.start();
+
+  HttpServer proxy(o);
+  proxy.start();
+  AsyncHttpClient client(proxy);
+  Outcome outcome;
+  AsyncHttpRequest r;
+  r.host = "127.0.0.1";
+  r.port = upstream.port();
+  r.target = "/silent";
+  client.start(r, outcome.handlers());
+  ASSERT_EQ(arrived.get_future().wait_for(10s), std::future_status::ready);
+  proxy.stop();
+  client.shutdown();
+  EXPECT_EQ(outcome.dones, 1);
+  EXPECT_EQ(outcome.error, "cancelled");
+  EXPECT_EQ(client.in_flight(), 0u);
+  std::lock_guard lock(m);
+  held.clear();
+}
+
 }  // namespace
 }  // namespace tandem::net
