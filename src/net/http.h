@@ -1,7 +1,8 @@
 #pragma once
 // Plain HTTP message types shared by the server (net/http_server.h) and the client
 // (net/http_client.h), and the OpenAI error body every HTTP error of Tandem carries.
-// No Boost here: this header is included by engine and gateway code that should compile fast.
+// Nothing of the wire code or the event loop here: this header is included by engine and gateway
+// code that should compile fast.
 #include <string>
 #include <string_view>
 #include <utility>
