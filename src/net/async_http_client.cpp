@@ -105,10 +105,9 @@ class ClientLoop {
 // One TCP connection to a server. Serves one call at a time; kept alive between calls.
 class ClientConn : public IoHandler, public Timer::Target, public Retired {
  public:
-  ClientConn(ClientLoop& home, int fd, std::string key)
+  ClientConn(ClientLoop& home, std::string key)
       : home_(home),
         loop_(home.loop()),
-        fd_(fd),
         key_(std::move(key)),
         head_parser_(home.options().max_header_bytes),
         timer_(loop_, *this) {}
@@ -117,10 +116,13 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   }
 
   const std::string& key() const { return key_; }
-  void start_connecting(const std::shared_ptr<Call>& call) {
-    loop_.add(fd_, this);
+  // Connects to the first of `addresses` that takes the connection (a name like localhost may
+  // resolve to ::1 and 127.0.0.1, with the server on only one of them), then sends `call`.
+  void start_connecting(const std::shared_ptr<Call>& call, std::vector<Address> addresses) {
+    addresses_ = std::move(addresses);
     phase_ = Phase::kConnecting;
     attach(call, false);
+    connect_next(0);
   }
   // Sends `call`'s request on this (connected or connecting) connection.
   void attach(const std::shared_ptr<Call>& call, bool reused);
@@ -140,6 +142,9 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   enum class Phase { kConnecting, kSending, kHead, kBody, kIdle, kClosed };
 
   void connected();
+  // Starts connecting to the next address; false (and the call failed) when none is left.
+  // `error` is why the previous one failed.
+  bool connect_next(int error);
   void flush();
   void read_input();
   void parse();
@@ -153,8 +158,10 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
 
   ClientLoop& home_;
   EventLoop& loop_;
-  int fd_;
+  int fd_ = -1;
   const std::string key_;
+  std::vector<Address> addresses_;  // while connecting: where to try, next_address_ onwards
+  size_t next_address_ = 0;
   Phase phase_ = Phase::kIdle;
   std::shared_ptr<Call> call_;
   bool reused_ = false;
@@ -347,18 +354,10 @@ void ClientLoop::connect(const std::shared_ptr<Call>& call) {
   std::string error;
   std::vector<Address> addresses = resolve(r.host, r.port, false, error);
   if (addresses.empty()) return finish(*call, "cannot resolve the host: " + error);
-  int fd = -1;
-  int last_errno = 0;
-  for (const Address& a : addresses) {
-    fd = start_connect(a);
-    if (fd >= 0) break;
-    last_errno = errno;
-  }
-  if (fd < 0) return finish(*call, std::string("cannot connect: ") + std::strerror(last_errno));
-  auto conn = std::make_unique<ClientConn>(*this, fd, r.host + ":" + std::to_string(r.port));
+  auto conn = std::make_unique<ClientConn>(*this, r.host + ":" + std::to_string(r.port));
   ClientConn* c = conn.get();
   conns_.emplace(c, std::move(conn));
-  c->start_connecting(call);
+  c->start_connecting(call, std::move(addresses));
 }
 
 void ClientLoop::cancel(Call& call) {
@@ -471,11 +470,29 @@ void ClientConn::on_io(uint32_t events) {
   }
 }
 
+bool ClientConn::connect_next(int error) {
+  while (next_address_ < addresses_.size()) {
+    if (fd_ >= 0) ::close(fd_);  // also unregisters it from epoll
+    fd_ = start_connect(addresses_[next_address_++]);
+    if (fd_ >= 0) {
+      loop_.add(fd_, this);
+      return true;
+    }
+    error = errno;
+  }
+  fail(std::string("cannot connect: ") + std::strerror(error));
+  return false;
+}
+
 void ClientConn::connected() {
   int error = 0;
   socklen_t length = sizeof error;
   if (::getsockopt(fd_, SOL_SOCKET, SO_ERROR, &error, &length) != 0) error = errno;
-  if (error != 0) return fail(std::string("cannot connect: ") + std::strerror(error));
+  if (error != 0) {
+    connect_next(error);
+    return;
+  }
+  addresses_.clear();
   home_.counted_open();
   phase_ = Phase::kSending;
   timer_.arm(call_->request.timeout);
@@ -641,7 +658,7 @@ void ClientConn::close() {
   if (phase_ == Phase::kClosed) return;
   phase_ = Phase::kClosed;
   timer_.disarm();
-  ::close(fd_);  // also unregisters it from epoll
+  if (fd_ >= 0) ::close(fd_);  // also unregisters it from epoll
   fd_ = -1;
   if (call_) call_->conn = nullptr;
   home_.remove(this);

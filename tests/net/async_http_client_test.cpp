@@ -173,6 +173,24 @@ TEST_F(AsyncClient, PlainAndStreamedResponses) {
   EXPECT_EQ(client.in_flight(), 0u);
 }
 
+TEST_F(AsyncClient, HostNamesAreResolved) {
+  AsyncHttpClient client;
+  Outcome named;
+  auto r = request("POST", "/echo");
+  r.host = "localhost";  // every address it has is tried until one takes the connection
+  r.body = "by name";
+  client.start(r, named.handlers());
+  ASSERT_TRUE(named.wait());
+  EXPECT_EQ(named.error, "");
+  EXPECT_EQ(named.body, "echo:by name");
+
+  Outcome unknown;
+  r.host = "no-such-host.invalid";
+  client.start(r, unknown.handlers());
+  ASSERT_TRUE(unknown.wait());
+  EXPECT_NE(unknown.error.find("cannot resolve"), std::string::npos) << unknown.error;
+}
+
 TEST_F(AsyncClient, HundredsOfConcurrentStreamsOnOneThreadAndReusedConnections) {
   AsyncHttpClient client;
   const int n = 300;
