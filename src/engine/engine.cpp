@@ -227,9 +227,13 @@ LoadReport Engine::load() const {
 }
 
 // Prompt tokens this engine still has to compute for a sequence (none while its KV is fetched).
+// One never admitted counts without the prefix its cache held on arrival: a router reading the
+// load must see a cached continuation as the little work it is.
 static int64_t uncomputed_prompt(const Sequence& seq) {
   if (seq.status == SequenceStatus::kFinished || seq.fetching) return 0;
-  return std::max<int64_t>(seq.num_prompt - seq.num_computed, 0);
+  const int64_t done =
+      seq.admitted_once ? seq.num_computed : std::max(seq.num_computed, seq.cached_on_arrival);
+  return std::max<int64_t>(seq.num_prompt - done, 0);
 }
 
 int64_t Engine::prefill_tokens() const {
@@ -325,6 +329,7 @@ void Engine::admit_incoming() {
     if (kt.decode()) {
       awaiting_kv_.push_back(raw);
     } else {
+      raw->cached_on_arrival = kv_.find_cached_prefix(raw->tokens).num_tokens;
       scheduler_.add(raw);
     }
   }

@@ -153,7 +153,11 @@ struct TandemOptions {
   int64_t max_batch_tokens = 2048;  // an engine's prefill tokens per batch, when it does not say
   int64_t max_queued_prefill_tokens = 32000;  // overload: more queued prefill tokens (0: no limit)
   int64_t max_prefill_seqs = 32;              // overload: more requests in flight (0: no limit)
-  double near_tie_rel = 0.05;                 // costs within 5% ...
+  // A request is held for the queue limit above at most this long after it arrived; then it goes
+  // to the engine that computes it soonest, over that engine's queued-token limit (never over
+  // the in-flight limits). 0: no bound.
+  std::chrono::nanoseconds max_hold = std::chrono::seconds(2);
+  double near_tie_rel = 0.05;           // costs within 5% ...
   double near_tie_abs_s = 0.002;        // ... plus 2 ms of the best are equal (spreading decides)
   int64_t block_size = 16;              // when an engine does not say
   double decode_tokens_per_seq = 2048;  // decode load: this many held tokens weigh as one sequence

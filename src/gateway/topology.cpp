@@ -265,10 +265,10 @@ Pool read_pool(const Reader& r, const YAML::Node& node, const std::string& path,
 }
 
 void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions& s) {
-  const auto keys =
-      r.mapping(node, "scheduling",
-                {"queue_length_weight", "queue_wait_weight", "starvation_ms", "load_interval_ms",
-                 "max_queued_prefill_tokens", "max_prefill_seqs", "max_batch_tokens"});
+  const auto keys = r.mapping(
+      node, "scheduling",
+      {"queue_length_weight", "queue_wait_weight", "starvation_ms", "load_interval_ms",
+       "max_queued_prefill_tokens", "max_prefill_seqs", "max_batch_tokens", "max_hold_ms"});
   auto weight = [&](const char* key, double& out) {
     if (keys.count(key))
       out = r.number(keys.at(key), std::string("scheduling.") + key, 0, 1e6, "a number >= 0");
@@ -282,6 +282,7 @@ void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions&
   };
   if (keys.count("starvation_ms")) s.queue.starvation_after = ms("starvation_ms");
   if (keys.count("load_interval_ms")) s.load_interval = ms("load_interval_ms");
+  if (keys.count("max_hold_ms")) s.tandem.max_hold = ms("max_hold_ms");
   auto tokens = [&](const char* key, int64_t& out, long long min) {
     if (keys.count(key))
       out = r.integer(keys.at(key), std::string("scheduling.") + key, min,

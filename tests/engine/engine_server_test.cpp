@@ -229,6 +229,42 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
 }
 
+// A request waiting behind the running one counts only the part of its prompt the prefix cache
+// does not hold: a cached continuation is little work, and a router must see it so. One sequence
+// runs at a time in 96-token steps; the 512-token prompt leaves 512 - 96k tokens (32 modulo 96),
+// the waiting 272-token one holds 256 cached tokens (16 to compute), so the queue is 48 modulo
+// 96 (counting all 272 would make it 16).
+TEST_F(EngineServer, LoadCountsAWaitingRequestWithoutItsCachedPrefix) {
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--max-num-batched-tokens", "96",
+                                 "--max-num-seqs", "1", "--block-size", "16", "--sim-time-scale",
+                                 "50"});
+  std::vector<int32_t> shared, running, continuation;
+  for (int i = 0; i < 256; ++i) shared.push_back(2000 + i);
+  for (int i = 0; i < 512; ++i) running.push_back(1000 + (i % 900));
+  continuation = shared;
+  for (int i = 0; i < 16; ++i) continuation.push_back(3000 + i);
+  auto post = [&](const std::vector<int32_t>& prompt) {
+    json body = {{"prompt", prompt}, {"max_tokens", 1}, {"ignore_eos", true}};
+    return net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+  };
+  ASSERT_EQ(post(shared).status, 200);  // now cached
+  auto first = std::async(std::launch::async, [&] { return post(running); });
+  ASSERT_TRUE(
+      testing::eventually([&] { return !get_json(engine.port(), "/load")["step"].is_null(); }));
+  auto second = std::async(std::launch::async, [&] { return post(continuation); });
+  json seen;
+  ASSERT_TRUE(testing::eventually([&] {
+    seen = get_json(engine.port(), "/load");
+    // Both are in (tokens held), the second waits, and a full step of the first one runs.
+    return seen["tokens_in_flight"] >= 512 + 272 && seen["waiting"] == 1 &&
+           !seen["step"].is_null() && seen["step"]["tokens"] == 96;
+  })) << seen.dump();
+  EXPECT_EQ(seen["prefill_tokens"].get<int64_t>() % 96, 48) << seen.dump();
+  EXPECT_EQ(first.get().status, 200);
+  EXPECT_EQ(second.get().status, 200);
+}
+
 // /load tells a gateway what runs now and what is queued behind it, and how long steps took:
 // a 512-token prompt prefilled in 64-token chunks shows as one 64-token step running with the
 // rest of the prompt queued (a multiple of the chunk), then as 8 recorded prefill steps.

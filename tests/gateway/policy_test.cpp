@@ -509,6 +509,61 @@ TEST(Tandem, HoldsTheRequestWhileEveryEngineIsOverloaded) {
   EXPECT_EQ(p->choose_prefill(v, req(100), t0).kind, Choice::Kind::kNoneEligible);
 }
 
+// The hold is bounded: after max_hold (2 s) since arrival, a request goes to the engine that
+// computes it soonest among those only over their queued-token limit, in every mode.
+TEST(Tandem, HoldsAtMostMaxHoldThenGoesToTheSoonestEngine) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1), ep(2, 0, 8, 8) /* at the gateway's in-flight limit */};
+  v.prefill[0].queued_prefill_tokens = 50000;
+  v.prefill[1].queued_prefill_tokens = 40000;
+  v.prefill[2].queued_prefill_tokens = 0;
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0 + milliseconds(1999)).kind,
+            Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0 + seconds(2)).endpoint, 1);
+  v.decode = {ep(10)};
+  EXPECT_EQ(p->choose_together(v, req(1000), t0 + seconds(1)).kind, Choice::Kind::kSaturated);
+  const PairChoice pair = p->choose_together(v, req(1000), t0 + seconds(2));
+  EXPECT_EQ(pair.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(pair.prefill, 1);
+  EXPECT_EQ(pair.decode, 10);
+  // Never over the policy's request limit (max_prefill_seqs, 32) either.
+  v.prefill[1].in_flight = 32;
+  v.prefill[1].max_in_flight = 64;
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0 + seconds(2)).endpoint, 0);
+  v.prefill[0].in_flight = 32;
+  v.prefill[0].max_in_flight = 64;
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0 + seconds(60)).kind, Choice::Kind::kSaturated);
+  // Aggregated mode: the same bound over the engines' prefill queues.
+  ClusterView a;
+  a.decode = {ep(10), ep(11)};
+  a.decode[0].queued_prefill_tokens = 45000;
+  a.decode[1].queued_prefill_tokens = 35000;
+  EXPECT_EQ(p->choose_decode(a, req(1000), -1, t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_decode(a, req(1000), -1, t0 + seconds(3)).endpoint, 11);
+  // max_hold 0: no bound.
+  TandemOptions unbounded;
+  unbounded.max_hold = std::chrono::nanoseconds(0);
+  EXPECT_EQ(
+      make_policy("tandem", unbounded)->choose_decode(a, req(1000), -1, t0 + seconds(600)).kind,
+      Choice::Kind::kSaturated);
+}
+
+// A prompt that alone exceeds the queued-token limit on every engine is not held: no engine can
+// ever take it within the limit, and holding it would only let later, shorter requests ahead.
+TEST(Tandem, APromptLargerThanTheQueueLimitIsNotHeld) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].queued_prefill_tokens = 40000;
+  v.prefill[1].queued_prefill_tokens = 35000;
+  EXPECT_EQ(p->choose_prefill(v, req(10000), t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_prefill(v, req(32000), t0).endpoint, 1);
+  // With 5000 of its tokens cached on engine 0 it fits that engine's limit: it waits.
+  v.prefill[0].cached_tokens = 5000;
+  EXPECT_EQ(p->choose_prefill(v, req(33000), t0).kind, Choice::Kind::kSaturated);
+}
+
 // A burst of cache misses on an idle pool, dispatched as the gateway does (the view updated after
 // each start): every engine gets its share.
 TEST(Tandem, SpreadsABurstOfMisses) {

@@ -146,6 +146,7 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.scheduling.tandem.max_queued_prefill_tokens, 32000);
   EXPECT_EQ(t.scheduling.tandem.max_prefill_seqs, 32);
   EXPECT_EQ(t.scheduling.tandem.max_batch_tokens, 2048);
+  EXPECT_EQ(t.scheduling.tandem.max_hold, 2000ms);
   EXPECT_EQ(t.health.probe_interval, 2000ms);
   EXPECT_EQ(t.health.probe_timeout, 1000ms);
   EXPECT_EQ(t.health.failures_to_eject, 3);
@@ -374,6 +375,7 @@ TEST(TopologyYaml, LimitsAreChecked) {
       {"scheduling: {load_interval_ms: 1.5}", "scheduling.load_interval_ms: expected a duration"},
       {"scheduling: {max_prefill_seqs: -1}",
        "scheduling.max_prefill_seqs: expected a whole number >= 0"},
+      {"scheduling: {max_hold_ms: -5}", "scheduling.max_hold_ms: expected a duration"},
       {"scheduling: {max_batch_tokens: 0}",
        "scheduling.max_batch_tokens: expected a whole number >= 1"},
       {"scheduling: {max_queued: 5}", "scheduling.max_queued: expected one of"},

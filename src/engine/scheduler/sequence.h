@@ -69,6 +69,9 @@ struct Sequence {
   int64_t num_prompt = 0;
   int64_t num_computed = 0;  // tokens whose latents are in the cache
   int64_t num_cached = 0;    // prompt tokens served from the prefix cache at first admission
+  // Prompt tokens the prefix cache held when it arrived: its queued work until it is admitted
+  // (admission looks again, and may find more or less).
+  int64_t cached_on_arrival = 0;
   uint64_t arrival_order = 0;
   double arrival_time = 0, first_token_time = -1, last_token_time = -1;
   int64_t num_preemptions = 0;

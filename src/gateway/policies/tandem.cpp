@@ -37,17 +37,22 @@ class TandemPolicy final : public Policy {
   const char* name() const override { return "tandem"; }
 
   Choice choose_prefill(const ClusterView& view, const RequestInfo& request,
-                        Clock::time_point) const override {
+                        Clock::time_point now) const override {
     const Candidates c = prefill_candidates(view.prefill, request, -1);
-    if (c.free.empty()) return c.none();
+    if (c.free.empty()) {
+      const auto released = release_to(c.busy, request, now);
+      if (released.empty()) return c.none();
+      return {Choice::Kind::kChosen, pick_prefill(released, request, nullptr)->id};
+    }
     const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
-    if (worth_waiting(c.busy, request, prefill_cost(*best, request)))
+    if (!held_long_enough(request, now) &&
+        worth_waiting(c.busy, request, prefill_cost(*best, request)))
       return {Choice::Kind::kSaturated, -1};
     return {Choice::Kind::kChosen, best->id};
   }
 
   Choice choose_decode(const ClusterView& view, const RequestInfo& request, int group,
-                       Clock::time_point) const override {
+                       Clock::time_point now) const override {
     if (group < 0) {
       // Aggregated: the engine prefills too, so its prefill finish time decides, among engines
       // with room for the sequence.
@@ -56,12 +61,17 @@ class TandemPolicy final : public Policy {
           [&](const EndpointLoad& e) {
             return prefill_overloaded(e) || decode_overloaded(e, request);
           });
-      if (c.free.empty()) return c.none();
-      const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
       std::vector<const EndpointLoad*> busy;  // only those busy prefilling, with decode room
       for (const auto* e : c.busy)
         if (!decode_overloaded(*e, request)) busy.push_back(e);
-      if (worth_waiting(busy, request, prefill_cost(*best, request)))
+      if (c.free.empty()) {
+        const auto released = release_to(busy, request, now);
+        if (released.empty()) return c.none();
+        return {Choice::Kind::kChosen, pick_prefill(released, request, nullptr)->id};
+      }
+      const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
+      if (!held_long_enough(request, now) &&
+          worth_waiting(busy, request, prefill_cost(*best, request)))
         return {Choice::Kind::kSaturated, -1};
       return {Choice::Kind::kChosen, best->id};
     }
@@ -71,13 +81,13 @@ class TandemPolicy final : public Policy {
   }
 
   PairChoice choose_together(ClusterView view, const RequestInfo& request,
-                             Clock::time_point) const override {
+                             Clock::time_point now) const override {
     // Pairs of a prefill engine and the best decode engine of its group, both usable now. Engines
     // that failed the request are considered only when no other prefill engine can ever pair.
     struct Pair {
       const EndpointLoad *prefill, *decode;
     };
-    std::vector<Pair> pairs;
+    std::vector<Pair> pairs, busy_pairs;
     std::vector<const EndpointLoad*> busy;  // could pair, but overloaded now
     bool can_pair = false;  // some prefill engine has decode engines in its group at all
     for (const bool with_failed : {false, true}) {
@@ -87,12 +97,22 @@ class TandemPolicy final : public Policy {
         if (!d.any) continue;
         can_pair = true;
         if (d.free.empty()) continue;
-        if (!prefill_overloaded(e))
+        if (!prefill_overloaded(e)) {
           pairs.push_back({&e, pick_decode(d.free, request)});
-        else
+        } else {
           busy.push_back(&e);
+          busy_pairs.push_back({&e, pick_decode(d.free, request)});
+        }
       }
       if (can_pair) break;
+    }
+    const bool held = held_long_enough(request, now);
+    if (pairs.empty()) {
+      const auto released = release_to(busy, request, now);
+      for (const auto& pair : busy_pairs)
+        if (std::find(released.begin(), released.end(), pair.prefill) != released.end())
+          pairs.push_back(pair);
+      busy.clear();  // the released engines compete among themselves below
     }
     if (pairs.empty())
       return {can_pair ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1, -1};
@@ -105,7 +125,7 @@ class TandemPolicy final : public Policy {
     const EndpointLoad* best = pick_prefill(prefills, request, [&](const EndpointLoad* e) {
       return decode_cost(*decode_of(e), request);
     });
-    if (worth_waiting(busy, request, prefill_cost(*best, request)))
+    if (!held && worth_waiting(busy, request, prefill_cost(*best, request)))
       return {Choice::Kind::kSaturated, -1, -1};
     return {Choice::Kind::kChosen, best->id, decode_of(best)->id};
   }
@@ -138,6 +158,29 @@ class TandemPolicy final : public Policy {
           prefill_cost(*e, r) + margin < best_cost)
         return true;
     return false;
+  }
+
+  // True once the request has waited max_hold since it arrived: it is held no longer.
+  bool held_long_enough(const RequestInfo& r, Clock::time_point now) const {
+    return o_.max_hold.count() > 0 && now - r.arrived >= o_.max_hold;
+  }
+
+  // Of the overloaded engines `busy`, those the request goes to anyway, though over their queued
+  // token limit (never over an in-flight limit): all of them once it was held max_hold, or when
+  // it alone exceeds the limit on each (holding cannot make room for it; it would only let later,
+  // shorter requests ahead of it). Empty: keep holding.
+  std::vector<const EndpointLoad*> release_to(const std::vector<const EndpointLoad*>& busy,
+                                              const RequestInfo& r, Clock::time_point now) const {
+    std::vector<const EndpointLoad*> out;
+    for (const auto* e : busy)
+      if (!detail::at_in_flight_limit(*e) &&
+          !(o_.max_prefill_seqs > 0 && e->in_flight >= o_.max_prefill_seqs))
+        out.push_back(e);
+    bool oversized = o_.max_queued_prefill_tokens > 0 && !out.empty();
+    for (const auto* e : out)
+      if (detail::uncached_tokens(*e, r) < o_.max_queued_prefill_tokens) oversized = false;
+    if (!oversized && !held_long_enough(r, now)) out.clear();
+    return out;
   }
 
   bool prefill_overloaded(const EndpointLoad& e) const {
