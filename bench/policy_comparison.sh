@@ -2,10 +2,10 @@
 # Gateway scheduling policies side by side on real traffic: the same window of the Mooncake
 # conversation trace replayed through `tandem serve` (simulated DeepSeek-V3 engines, engines
 # publishing KV events into the gateway's prefix index) once per policy, with `tandem bench`.
-# Prints one row per policy: TTFT and TPOT p50/p99, goodput under the SLOs, prefix-cache hit
-# rate next to the window's own upper bound (an infinite cache with the trace's 512-token
-# blocks), and load imbalance (largest over mean of the prompt tokens each prefill engine
-# computed).
+# Prints one row per policy: TTFT p50/p90/p95/p99 and mean, TPOT p50/p99, goodput under the SLOs,
+# prefix-cache hit rate next to the window's own upper bound (an infinite cache with the trace's
+# 512-token blocks), and load imbalance (largest over mean of the prompt tokens each prefill
+# engine computed).
 #
 # The engines keep the simulated H800's KV capacity (524,288 tokens each, what one 80 GB rank keeps
 # after its share of the weights) and its step times; only the bytes their KV transfers move are
@@ -88,7 +88,7 @@ run_policy() {
   done
   "$build/tandem" bench --base-url "$url" --model deepseek-v3-h800 --dataset-name mooncake \
     --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" --time-scale "$scale" \
-    "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,99 \
+    "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
     --goodput "ttft:${SLO_TTFT_MS:-10000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \
     --result-file "$dir/$policy.json" --no-progress >"$dir/bench-$policy.out" 2>&1
   for e in "${engines[@]}"; do curl -s "$e/metrics" >"$dir/engine-$policy-${e##*:}.txt"; done
@@ -110,7 +110,8 @@ for path in sys.argv[4:]:
 mean = sum(computed) / len(computed) if computed else 0
 imbalance = max(computed) / mean if mean else 0
 hit = r.get("prefix_cache_hit_rate")
-print(f'{sys.argv[2]:<12} {r["p50_ttft_ms"]:9.0f} {r["p99_ttft_ms"]:9.0f} {r["p50_tpot_ms"]:9.1f} '
+print(f'{sys.argv[2]:<12} {r["p50_ttft_ms"]:9.0f} {r["p90_ttft_ms"]:9.0f} {r["p95_ttft_ms"]:9.0f} '
+      f'{r["p99_ttft_ms"]:9.0f} {r["mean_ttft_ms"]:9.0f} {r["p50_tpot_ms"]:9.1f} '
       f'{r["p99_tpot_ms"]:9.1f} {r["request_goodput"] or 0:10.3f} '
       f'{(100 * hit if hit is not None else float("nan")):9.2f} {float(sys.argv[3]):9.2f} '
       f'{imbalance:9.2f}  ({r["completed"]} ok, {r["failed"]} failed)')
@@ -124,8 +125,8 @@ for policy in $policies; do
   run_policy "$policy" &
 done
 wait
-printf '%-12s %9s %9s %9s %9s %10s %9s %9s %9s\n' policy ttft_p50 ttft_p99 tpot_p50 tpot_p99 \
-  goodput hit_% bound_% imbalance
+printf '%-12s %9s %9s %9s %9s %9s %9s %9s %10s %9s %9s %9s\n' policy ttft_p50 ttft_p90 \
+  ttft_p95 ttft_p99 ttft_mean tpot_p50 tpot_p99 goodput hit_% bound_% imbalance
 for policy in $policies; do
   cat "$dir/row-$policy.txt" 2>/dev/null || echo "$policy: failed (see bench output)"
 done
