@@ -609,15 +609,21 @@ class Gateway::Impl {
       r->times.mark(Phase::kDecodeWaiting);
     r->queued = true;
     r->queued_at = Clock::now();
-    const uint64_t generation = ++r->queue_generation;
+    ++r->queue_generation;
     if (front)
       waiting_.push_front(r);
     else
       waiting_.push_back(r);
     metrics_.waiting.set(static_cast<double>(waiting_.size()));
+    // Its queue timeout is armed by dispatch() if it is still waiting after the pass that
+    // follows: most requests start at once, and a timer armed and cancelled per request costs.
+  }
+
+  void arm_queue_timeout(const RequestPtr& r) {
+    const uint64_t generation = r->queue_generation;
     // Weak: a timer must not keep a finished request (and its bodies) alive until it fires.
     r->queue_timer = sched_.at(
-        Clock::now() + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r), generation] {
+        r->queued_at + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r), generation] {
           const RequestPtr r = weak.lock();
           if (!r || !r->queued || r->queue_generation != generation) return;
           remove_waiting(r);
@@ -631,6 +637,7 @@ class Gateway::Impl {
     waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), r), waiting_.end());
     r->queued = false;
     sched_.cancel(r->queue_timer);
+    r->queue_timer = {};
     metrics_.waiting.set(static_cast<double>(waiting_.size()));
   }
 
@@ -643,13 +650,12 @@ class Gateway::Impl {
   void dispatch() {
     if (waiting_.empty()) return;  // most calls under load: a leg ended, nobody waits
     const auto now = Clock::now();
-    std::vector<RequestPtr> decode_stage, first_stage;
-    for (const auto& r : waiting_)
-      (r->stage == Stage::kDecode ? decode_stage : first_stage).push_back(r);
+    std::vector<RequestPtr> first_stage;
+    std::vector<RequestPtr> offer;  // decode stage first
+    for (const auto& r : waiting_) (r->stage == Stage::kDecode ? offer : first_stage).push_back(r);
     std::vector<QueuedRequest> queued;
     queued.reserve(first_stage.size());
     for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
-    std::vector<RequestPtr> offer = std::move(decode_stage);
     for (size_t i : order(queued, now, topo_.scheduling.queue)) offer.push_back(first_stage[i]);
 
     ClusterView v = view(now);  // kept current below as requests start
@@ -701,6 +707,8 @@ class Gateway::Impl {
       policy_->record(policy_state_, ri, prefill, decode, now);
       apply_choice(v, ri, prefill, decode);
     }
+    for (const auto& r : waiting_)
+      if (r->queue_timer.seq == 0) arm_queue_timeout(r);
   }
 
   // Each engine's cached prefix of this prompt from the KV-event index: tokens it will not
