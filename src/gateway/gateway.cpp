@@ -1609,7 +1609,7 @@ class Gateway::Impl {
   metrics::Gauge detached_gauge_;  // written by draining engines, never rendered
   std::unordered_map<int, metrics::IntCounter*> status_counters_;
 
-  // Destroyed in reverse: the client (on the server's io_context) goes first, then the server,
+  // Destroyed in reverse: the client (on the server's io threads) goes first, then the server,
   // then the scheduler (everything posts to it).
   SchedulingThread sched_;
   net::HttpServer server_;
