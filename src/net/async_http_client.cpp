@@ -500,18 +500,12 @@ void ClientConn::connected() {
 }
 
 void ClientConn::flush() {
-  while (written_ < out_.size()) {
-    ssize_t n = ::send(fd_, out_.data() + written_, out_.size() - written_, MSG_NOSIGNAL);
-    if (n > 0) {
-      written_ += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+  if (const int err = send_pending(fd_, out_, written_)) {
+    if (err == EAGAIN) {
       want_write_ = true;
       return;
     }
-    return io_failed("cannot send the request", std::strerror(errno));
+    return io_failed("cannot send the request", std::strerror(err));
   }
   want_write_ = false;
   if (phase_ == Phase::kSending) {

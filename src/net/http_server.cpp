@@ -677,14 +677,8 @@ void Connection::pump() {
 }
 
 bool Connection::flush() {
-  while (written_ < out_.size()) {
-    ssize_t n = ::send(fd_, out_.data() + written_, out_.size() - written_, MSG_NOSIGNAL);
-    if (n > 0) {
-      written_ += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+  if (const int err = send_pending(fd_, out_, written_)) {
+    if (err == EAGAIN) {
       if (!want_write_) {
         want_write_ = true;
         timer_.arm(server_.options().write_timeout);

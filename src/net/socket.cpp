@@ -125,4 +125,18 @@ void set_no_delay(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
+int send_pending(int fd, const std::string& out, size_t& written) {
+  while (written < out.size()) {
+    const ssize_t n = ::send(fd, out.data() + written, out.size() - written, MSG_NOSIGNAL);
+    if (n > 0) {
+      written += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return EAGAIN;
+    return n < 0 ? errno : EPIPE;  // a send of 0 bytes with bytes left: treat as broken
+  }
+  return 0;
+}
+
 }  // namespace tandem::net::detail

@@ -32,4 +32,9 @@ void peer_of(int fd, std::string& address, unsigned short& port);
 // Tokens go out one small write at a time; Nagle would hold them back.
 void set_no_delay(int fd);
 
+// Sends `out` from `written` on (advancing it) on a non-blocking socket until all of it is sent,
+// the socket would block, or it fails. Returns 0 when all is sent, EAGAIN when the rest must
+// wait for the socket to be writable, else the errno of the failure.
+int send_pending(int fd, const std::string& out, size_t& written);
+
 }  // namespace tandem::net::detail
