@@ -95,14 +95,15 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight, 0);
   if (!state.known || now - state.received > max_age) return;
   const EngineLoadReport& r = state.report;
-  // The report's queue plus what was launched after its poll left. Not capped by the gateway's
-  // own count: that misses work the gateway took as cached and the engine recomputes (a prefix
-  // evicted while the request waited there), and an engine taken as idle while it computes a
-  // 100K-token prompt draws every request (the Mooncake replay showed 80 s first tokens). The
-  // report's own error is small: it counts legs that finished since it was taken (one step and a
-  // poll interval at most) and waiting prompts without the prefix cached on arrival.
+  // The report's queue plus what was launched after its poll left, less the legs that finished
+  // after it arrived. Not capped by the gateway's own count of tokens in flight: that misses work
+  // the gateway took as cached and the engine recomputes (a prefix evicted while the request
+  // waited there), and an engine taken as idle while it computes a 100K-token prompt draws every
+  // request (the Mooncake replay showed 80 s first tokens).
   const int64_t unreported = std::max<int64_t>(counts.launched_total - state.launched_at_poll, 0);
-  load.queued_prefill_tokens = r.prefill_tokens + unreported;
+  const int64_t finished = std::max<int64_t>(
+      counts.launched_total - counts.uncached_in_flight - state.finished_at_report, 0);
+  load.queued_prefill_tokens = std::max<int64_t>(r.prefill_tokens + unreported - finished, 0);
   load.running_seqs = r.running;
   load.context_tokens = r.tokens_in_flight;
   load.free_kv_blocks = r.free_blocks;

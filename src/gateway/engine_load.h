@@ -43,6 +43,9 @@ struct EngineLoadState {
   // to include (the count when the poll before the one that brought it was sent: a leg launched
   // just before a poll may still be on its way into the engine when it answers).
   int64_t launched_at_poll = 0;
+  // The gateway's count of uncached prompt tokens of legs finished there when the report
+  // arrived: legs finishing after it no longer count against the report's queue.
+  int64_t finished_at_report = 0;
   uint64_t last_step = 0;  // the newest step index already observed
   BatchTimeEstimator batch_time;
 };

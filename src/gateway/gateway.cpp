@@ -1335,6 +1335,7 @@ class Gateway::Impl {
     if (!report) return;
     e->load = absorb(std::move(e->load), std::move(*report), launched_at_poll, Clock::now(),
                      topo_.scheduling.tandem.prior);
+    e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;
     if (!waiting_.empty()) dispatch();  // a shorter queue may free an engine for them
   }
 

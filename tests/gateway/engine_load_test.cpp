@@ -107,7 +107,8 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
 
   // A report whose poll left when the gateway had launched 49000 tokens there: 1000 launched
   // since are not in its queue of 6000.
-  const EngineLoadState s = absorb({}, parse_engine_load(kReport), 49000, t0, {});
+  EngineLoadState s = absorb({}, parse_engine_load(kReport), 49000, t0, {});
+  s.finished_at_report = counts.launched_total - counts.uncached_in_flight;  // when it arrived
   EndpointLoad fresh;
   fill_load(fresh, s, counts, t0 + milliseconds(50), milliseconds(400));
   EXPECT_EQ(fresh.queued_prefill_tokens, 7000);
@@ -126,9 +127,22 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   // an engine taken as idle while it computes 100K tokens would draw every request.
   GatewayCounts believed = counts;
   believed.uncached_in_flight = 2500;
+  EngineLoadState believed_state = s;
+  believed_state.finished_at_report = believed.launched_total - believed.uncached_in_flight;
   EndpointLoad reported;
-  fill_load(reported, s, believed, t0 + milliseconds(50), milliseconds(400));
+  fill_load(reported, believed_state, believed, t0 + milliseconds(50), milliseconds(400));
   EXPECT_EQ(reported.queued_prefill_tokens, 7000);
+
+  // Legs that finished after the report arrived no longer count: 6500 of the 9000 tokens in
+  // flight there finished since.
+  GatewayCounts later = counts;
+  later.uncached_in_flight = 2500;
+  EndpointLoad after;
+  fill_load(after, s, later, t0 + milliseconds(50), milliseconds(400));
+  EXPECT_EQ(after.queued_prefill_tokens, 500);
+  later.uncached_in_flight = 0;  // never below nothing
+  fill_load(after, s, later, t0 + milliseconds(50), milliseconds(400));
+  EXPECT_EQ(after.queued_prefill_tokens, 0);
 
   // A report older than max_age is not used.
   EndpointLoad stale;
