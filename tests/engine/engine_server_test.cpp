@@ -250,8 +250,12 @@ TEST_F(EngineServer, LoadCountsAWaitingRequestWithoutItsCachedPrefix) {
   };
   ASSERT_EQ(post(shared).status, 200);  // now cached
   auto first = std::async(std::launch::async, [&] { return post(running); });
-  ASSERT_TRUE(
-      testing::eventually([&] { return !get_json(engine.port(), "/load")["step"].is_null(); }));
+  // The first one runs (not a report left from the warm-up's last step): it is held, and a full
+  // step runs.
+  ASSERT_TRUE(testing::eventually([&] {
+    const json l = get_json(engine.port(), "/load");
+    return l["tokens_in_flight"] >= 512 && !l["step"].is_null() && l["step"]["tokens"] == 96;
+  }));
   auto second = std::async(std::launch::async, [&] { return post(continuation); });
   json seen;
   ASSERT_TRUE(testing::eventually([&] {
