@@ -36,6 +36,16 @@ HttpServerOptions local_options() {
   return options;
 }
 
+// Starts `server` with one route, POST /x answering {}, that counts the requests it was given:
+// what a test of rejected input checks stays 0.
+void count_posts_to_x(HttpServer& server, std::atomic<int>& calls) {
+  server.route("POST", "/x", [&calls](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ++calls;
+    ex->respond(200, "{}");
+  });
+  server.start();
+}
+
 // A blocking TCP connection for hand-written requests. Reads give up after 10 s, so a server
 // bug fails the test instead of hanging it.
 class RawConnection {
@@ -303,11 +313,7 @@ TEST(HttpServer, OversizedBodyIs413) {
   options.max_body_bytes = 1024;
   HttpServer server(options);
   std::atomic<int> calls{0};
-  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    ++calls;
-    ex->respond(200, "{}");
-  });
-  server.start();
+  count_posts_to_x(server, calls);
   {
     // Declared length over the limit: rejected from the header alone.
     RawConnection c(server.port());
@@ -689,11 +695,7 @@ TEST(HttpServer, ExpectContinue) {
 TEST(HttpServer, SmugglingAttemptsAndBadChunksAre400) {
   HttpServer server(local_options());
   std::atomic<int> calls{0};
-  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    ++calls;
-    ex->respond(200, "{}");
-  });
-  server.start();
+  count_posts_to_x(server, calls);
   for (std::string bad : {
            "POST /x HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
            "POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabcde",
@@ -752,11 +754,7 @@ TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
   options.read_timeout = 50ms;
   HttpServer server(options);
   std::atomic<int> calls{0};
-  server.route("POST", "/x", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    ++calls;
-    ex->respond(200, "{}");
-  });
-  server.start();
+  count_posts_to_x(server, calls);
   RawConnection c(server.port());
   c.send("POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc");  // 7 bytes never come
   EXPECT_EQ(c.read_all(), "");
