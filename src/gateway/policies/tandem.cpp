@@ -87,9 +87,9 @@ class TandemPolicy final : public Policy {
     struct Pair {
       const EndpointLoad *prefill, *decode;
     };
-    std::vector<Pair> pairs, busy_pairs;
-    std::vector<const EndpointLoad*> busy;  // could pair, but overloaded now
-    bool can_pair = false;  // some prefill engine has decode engines in its group at all
+    std::vector<Pair> pairs;
+    std::vector<Pair> busy;  // could pair, but the prefill engine is overloaded now
+    bool can_pair = false;   // some prefill engine has decode engines in its group at all
     for (const bool with_failed : {false, true}) {
       for (const auto& e : view.prefill) {
         if (!e.eligible || (!with_failed && detail::excluded(request, e.id))) continue;
@@ -97,27 +97,26 @@ class TandemPolicy final : public Policy {
         if (!d.any) continue;
         can_pair = true;
         if (d.free.empty()) continue;
-        if (!prefill_overloaded(e)) {
-          pairs.push_back({&e, pick_decode(d.free, request)});
-        } else {
-          busy.push_back(&e);
-          busy_pairs.push_back({&e, pick_decode(d.free, request)});
-        }
+        (prefill_overloaded(e) ? busy : pairs).push_back({&e, pick_decode(d.free, request)});
       }
       if (can_pair) break;
     }
+    auto prefills_of = [](const std::vector<Pair>& of) {
+      std::vector<const EndpointLoad*> out;
+      for (const auto& pair : of) out.push_back(pair.prefill);
+      return out;
+    };
     const bool held = held_long_enough(request, now);
     if (pairs.empty()) {
-      const auto released = release_to(busy, request, now);
-      for (const auto& pair : busy_pairs)
+      const auto released = release_to(prefills_of(busy), request, now);
+      for (const auto& pair : busy)
         if (std::find(released.begin(), released.end(), pair.prefill) != released.end())
           pairs.push_back(pair);
       busy.clear();  // the released engines compete among themselves below
     }
     if (pairs.empty())
       return {can_pair ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1, -1};
-    std::vector<const EndpointLoad*> prefills;
-    for (const auto& pair : pairs) prefills.push_back(pair.prefill);
+    const std::vector<const EndpointLoad*> prefills = prefills_of(pairs);
     auto decode_of = [&](const EndpointLoad* e) {
       return std::find_if(pairs.begin(), pairs.end(), [e](const Pair& p) { return p.prefill == e; })
           ->decode;
@@ -125,7 +124,7 @@ class TandemPolicy final : public Policy {
     const EndpointLoad* best = pick_prefill(prefills, request, [&](const EndpointLoad* e) {
       return decode_cost(*decode_of(e), request);
     });
-    if (!held && worth_waiting(busy, request, prefill_cost(*best, request)))
+    if (!held && worth_waiting(prefills_of(busy), request, prefill_cost(*best, request)))
       return {Choice::Kind::kSaturated, -1, -1};
     return {Choice::Kind::kChosen, best->id, decode_of(best)->id};
   }
