@@ -164,7 +164,6 @@ struct Request {
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   int64_t uncached_tokens = 0;  // prompt tokens the engine chosen to prefill it lacks in cache
   std::string prefill_name, decode_name;
-  uint64_t queue_generation = 0;          // which enqueue a queue-timeout timer belongs to
   SchedulingThread::TimerId queue_timer;  // cancelled when it leaves the queue
   bool queued = false, registered = false;
   Clock::time_point queued_at;
@@ -609,7 +608,6 @@ class Gateway::Impl {
       r->times.mark(Phase::kDecodeWaiting);
     r->queued = true;
     r->queued_at = Clock::now();
-    ++r->queue_generation;
     if (front)
       waiting_.push_front(r);
     else
@@ -620,12 +618,12 @@ class Gateway::Impl {
   }
 
   void arm_queue_timeout(const RequestPtr& r) {
-    const uint64_t generation = r->queue_generation;
     // Weak: a timer must not keep a finished request (and its bodies) alive until it fires.
-    r->queue_timer = sched_.at(
-        r->queued_at + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r), generation] {
+    r->queue_timer =
+        sched_.at(r->queued_at + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r)] {
           const RequestPtr r = weak.lock();
-          if (!r || !r->queued || r->queue_generation != generation) return;
+          // Cancelled whenever it leaves the queue: a timer that fires belongs to this wait.
+          if (!r || !r->queued) return;
           remove_waiting(r);
           answer_error(r, 503,
                        "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
