@@ -111,7 +111,7 @@ class SchedulingThread::Impl {
     }
     stopped_ = true;
     drain();  // what was posted before stop still runs (it may complete requests)
-    timers_ = {};
+    timers_.clear();
     thread_id_ = std::thread::id();  // ids of joined threads are reused by new ones
   }
 

@@ -7,14 +7,15 @@
 // This is the counterpart of Omni Proxy's master worker and its shared-memory state.
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
+
+#include "util/inline_task.h"
 
 namespace tandem::gateway {
 
 class SchedulingThread {
  public:
-  using Task = std::function<void()>;
+  using Task = util::InlineTask;  // closures up to 64 bytes are posted without a heap allocation
   using Clock = std::chrono::steady_clock;
 
   explicit SchedulingThread(std::chrono::microseconds tick = std::chrono::microseconds(250));
