@@ -131,6 +131,9 @@ struct Leg {
   // failed): not counted against the engine's health.
   std::atomic<bool> gateway_cancelled{false};
   bool engine_error = false;  // an error event, or a prefill answer without kv_transfer_params
+  // Its completion ended the request: the request's accounting (finished) runs in the same
+  // scheduler task as the leg's, one post per request end instead of two.
+  bool ended_request = false;
   SchedulingThread::TimerId deadline;  // scheduling thread only: cancelled when the leg ends
   // The relay's view of the answer.
   int status = 0;
@@ -806,7 +809,7 @@ class Gateway::Impl {
     // Prefill work on this engine: the prefill leg, or the only leg in aggregated mode.
     const int64_t uncached = prefill || topo_.mode == PdMode::kAggregated ? r->uncached_tokens : 0;
     auto done = std::move(h.on_done);
-    h.on_done = [this, leg, tokens, uncached, done](const std::string& error) {
+    h.on_done = [this, r, leg, tokens, uncached, done](const std::string& error) {
       try {
         if (done) done(error);
       } catch (const std::exception& e) {
@@ -814,8 +817,10 @@ class Gateway::Impl {
       }
       const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
                          leg->engine_error;
-      sched_.post_batched(
-          [this, leg, tokens, uncached, fault] { leg_finished(*leg, tokens, uncached, !fault); });
+      sched_.post_batched([this, r, leg, tokens, uncached, fault] {
+        if (leg->ended_request) finished(r);
+        leg_finished(*leg, tokens, uncached, !fault);
+      });
     };
     std::lock_guard lock(r->mutex);
     if (r->ended || stopping_.load()) return;
@@ -1037,7 +1042,8 @@ class Gateway::Impl {
     }
     if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
       // Recorded first: cutting the stream closes the exchange, which reports a client gone.
-      complete(r, reason.empty() ? 200 : 502, reason.empty() ? "" : where + ": " + reason);
+      l.ended_request =
+          end_request(r, reason.empty() ? 200 : 502, reason.empty() ? "" : where + ": " + reason);
       if (reason.empty())
         r->exchange->end();
       else
@@ -1082,7 +1088,7 @@ class Gateway::Impl {
         r->exchange->respond(200, r->translator ? r->translator->body(l.body) : std::move(l.body),
                              "application/json");
       }
-      complete(r, 200, {});
+      l.ended_request = end_request(r, 200, {});
       return;
     }
     if (reason.empty() && l.streaming) {  // a stream that ended without any event
@@ -1175,15 +1181,20 @@ class Gateway::Impl {
 
   // The client's response is complete (or failed): stamp it, then account on the scheduler.
   void complete(const RequestPtr& r, int status, std::string error) {
+    if (end_request(r, status, std::move(error))) sched_.post_batched([this, r] { finished(r); });
+  }
+
+  // Stamps the request's end; true when this call ended it, and finished() is then due.
+  bool end_request(const RequestPtr& r, int status, std::string error) {
     {
       std::lock_guard lock(r->mutex);
-      if (r->ended) return;
+      if (r->ended) return false;
       r->ended = true;
       r->status = status;
       r->error = std::move(error);
     }
     r->times.mark(Phase::kCompleted);
-    sched_.post_batched([this, r] { finished(r); });
+    return true;
   }
 
   void finished(const RequestPtr& r) {
