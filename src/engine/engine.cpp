@@ -4,6 +4,7 @@
 #include <chrono>
 #include <random>
 
+#include "util/attention_pairs.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -187,7 +188,9 @@ void Engine::submit(EngineRequest request) {
     if (stopping_) throw Error("the engine is shutting down");
     if (!live_ids_.insert(request.id).second)
       throw Error("request id '" + request.id + "' is already in use");
-    incoming_prompt_tokens_ += static_cast<int64_t>(request.prompt.size());
+    const auto prompt = static_cast<int64_t>(request.prompt.size());
+    incoming_prompt_tokens_ += prompt;
+    incoming_prompt_pairs_ += util::causal_pairs(0, prompt);
     incoming_.push_back(std::move(request));
   }
   wake_.notify_one();
@@ -219,9 +222,11 @@ LoadReport Engine::load() const {
   // Requests submitted since the snapshot (it is written between steps, and a step may take
   // seconds) are queued prefill work already: a router must not see the engine as idle.
   const int64_t incoming = incoming_prompt_tokens_.load();
+  const int64_t incoming_pairs = incoming_prompt_pairs_.load();
   std::lock_guard lock(load_mutex_);
   LoadReport r = load_;
   r.prefill_tokens += incoming;
+  r.prefill_pairs += incoming_pairs;
   if (r.step_seqs > 0) r.step_running_for_s = std::max(now_seconds() - step_started_, 0.0);
   return r;
 }
@@ -229,16 +234,27 @@ LoadReport Engine::load() const {
 // Prompt tokens this engine still has to compute for a sequence (none while its KV is fetched).
 // One never admitted counts without the prefix its cache held on arrival: a router reading the
 // load must see a cached continuation as the little work it is.
-static int64_t uncomputed_prompt(const Sequence& seq) {
-  if (seq.status == SequenceStatus::kFinished || seq.fetching) return 0;
+static int64_t computed_prompt(const Sequence& seq) {
+  if (seq.status == SequenceStatus::kFinished || seq.fetching) return seq.num_prompt;
   const int64_t done =
       seq.admitted_once ? seq.num_computed : std::max(seq.num_computed, seq.cached_on_arrival);
-  return std::max<int64_t>(seq.num_prompt - done, 0);
+  return std::min(done, seq.num_prompt);
+}
+static int64_t uncomputed_prompt(const Sequence& seq) {
+  return seq.num_prompt - computed_prompt(seq);
+}
+static int64_t uncomputed_pairs(const Sequence& seq) {
+  return util::causal_pairs(computed_prompt(seq), seq.num_prompt);
 }
 
 int64_t Engine::prefill_tokens() const {
   int64_t n = 0;
   for (const auto& [id, seq] : sequences_) n += uncomputed_prompt(*seq);
+  return n;
+}
+int64_t Engine::prefill_pairs() const {
+  int64_t n = 0;
+  for (const auto& [id, seq] : sequences_) n += uncomputed_pairs(*seq);
   return n;
 }
 
@@ -284,6 +300,7 @@ void Engine::admit_incoming() {
     std::lock_guard lock(mutex_);
     incoming.swap(incoming_);
     incoming_prompt_tokens_ = 0;
+    incoming_prompt_pairs_ = 0;
     aborts.swap(aborts_);
     tasks.swap(tasks_);
   }
@@ -386,19 +403,26 @@ void Engine::step() {
     on_layer = [&](int64_t layers) {
       for (auto [r, claim] : rooms) agent_->room_layers_done(r, claim, layers);
     };
-  int64_t step_tokens = 0, step_prefill_tokens = 0;
+  int64_t step_tokens = 0, step_prefill_tokens = 0, step_prefill_pairs = 0;
   for (const auto& s : out.scheduled) {
     step_tokens += s.num_new_tokens;
-    if (s.seq->num_computed < s.seq->num_prompt)
-      step_prefill_tokens += std::min(s.num_new_tokens, s.seq->num_prompt - s.seq->num_computed);
+    const int64_t done = s.seq->num_computed;
+    if (done < s.seq->num_prompt) {
+      const int64_t chunk = std::min(s.num_new_tokens, s.seq->num_prompt - done);
+      step_prefill_tokens += chunk;
+      step_prefill_pairs += util::causal_pairs(done, done + chunk);
+    }
   }
   {
     // What the gateway's expected-finish-time routing reads while this step runs.
     const int64_t queued = prefill_tokens() - step_prefill_tokens;
+    const int64_t queued_pairs = prefill_pairs() - step_prefill_pairs;
     std::lock_guard lock(load_mutex_);
     load_.step_seqs = static_cast<int64_t>(out.scheduled.size());
     load_.step_tokens = step_tokens;
+    load_.step_prefill_pairs = step_prefill_pairs;
     load_.prefill_tokens = std::max<int64_t>(queued, 0);
+    load_.prefill_pairs = std::max<int64_t>(queued_pairs, 0);
     step_started_ = now;
   }
   ExecResult result;
@@ -416,8 +440,8 @@ void Engine::step() {
   scheduler_.step_done(out);
   const double done = now_seconds();
   const uint64_t index = recent_steps_.empty() ? 1 : recent_steps_.back().index + 1;
-  recent_steps_.push_back(
-      {index, static_cast<int64_t>(out.scheduled.size()), step_tokens, done - now});
+  recent_steps_.push_back({index, static_cast<int64_t>(out.scheduled.size()), step_tokens,
+                           done - now, step_prefill_pairs});
   if (recent_steps_.size() > LoadReport::kRecentSteps) recent_steps_.erase(recent_steps_.begin());
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const auto& s = out.scheduled[i];
@@ -626,6 +650,7 @@ void Engine::update_gauges() {
   for (const auto& [id, seq] : sequences_) {
     r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
     r.prefill_tokens += uncomputed_prompt(*seq);
+    r.prefill_pairs += uncomputed_pairs(*seq);
   }
   const PrefixCacheStats& stats = kv_.prefix_cache_stats();
   metrics_->prefix_queries.inc(static_cast<uint64_t>(stats.queries - reported_queries_));

@@ -40,6 +40,7 @@ struct StepRecord {
   uint64_t index = 0;  // 1 for the engine's first step
   int64_t seqs = 0, tokens = 0;
   double seconds = 0;
+  int64_t prefill_pairs = 0;  // causal attention pairs of its prefill chunks (util::causal_pairs)
 };
 
 // A snapshot for the gateway's load-aware routing (JSON at /load).
@@ -54,10 +55,11 @@ struct LoadReport {
   // Prompt tokens still to compute (uncached, not yet prefilled), not counting those of the step
   // that runs now: the prefill work queued behind it.
   int64_t prefill_tokens = 0;
+  int64_t prefill_pairs = 0;     // the attention pairs of those tokens (StepRecord::prefill_pairs)
   int64_t max_batch_tokens = 0;  // the scheduler's tokens per step (chunked-prefill budget)
   // The step that runs now (step_seqs 0: none): its size and how long it has run (filled by
   // Engine::load() at the time of the call).
-  int64_t step_seqs = 0, step_tokens = 0;
+  int64_t step_seqs = 0, step_tokens = 0, step_prefill_pairs = 0;
   double step_running_for_s = 0;
   std::vector<StepRecord> recent_steps;  // the last kRecentSteps steps, oldest first
 };
@@ -128,6 +130,7 @@ class Engine {
   std::vector<std::function<void()>> tasks_;        // posted by KV transfer threads
   std::unordered_set<std::string> live_ids_;        // submitted and not finished (under mutex_)
   std::atomic<int64_t> incoming_prompt_tokens_{0};  // prompt tokens in incoming_ (under mutex_)
+  std::atomic<int64_t> incoming_prompt_pairs_{0};   // their attention pairs, as if uncached
   bool stopping_ = false;
   std::thread thread_;
 
@@ -152,7 +155,9 @@ class Engine {
   LoadReport load_;
   double step_started_ = 0;               // now_seconds() when the running step began
   std::vector<StepRecord> recent_steps_;  // engine thread; copied into load_
-  int64_t prefill_tokens() const;         // engine thread: prompt tokens not yet computed
+  // Engine thread: prompt tokens not yet computed, and their attention pairs.
+  int64_t prefill_tokens() const;
+  int64_t prefill_pairs() const;
 };
 
 }  // namespace tandem::engine

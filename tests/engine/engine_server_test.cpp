@@ -19,6 +19,7 @@
 #include "engine/tiny_model_fixture.h"
 #include "net/http_client.h"
 #include "text/chat_template.h"
+#include "util/attention_pairs.h"
 #include "util/block_hash.h"
 
 namespace tandem::engine {
@@ -279,6 +280,7 @@ TEST_F(EngineServer, LoadReportsTheRunningStepQueuedPrefillAndStepDurations) {
   const json idle = get_json(engine.port(), "/load");
   EXPECT_TRUE(idle["step"].is_null());
   EXPECT_EQ(idle["prefill_tokens"], 0);
+  EXPECT_EQ(idle["prefill_pairs"], 0);
   std::vector<int32_t> prompt;
   for (int i = 0; i < 512; ++i) prompt.push_back(1000 + i);
   auto answer = std::async(std::launch::async, [&] {
@@ -295,23 +297,37 @@ TEST_F(EngineServer, LoadReportsTheRunningStepQueuedPrefillAndStepDurations) {
   const int64_t queued = seen["prefill_tokens"];
   EXPECT_LE(queued, 512 - 64);
   EXPECT_EQ((512 - 64 - queued) % 64, 0) << seen.dump();
+  // Attention pairs: the queue is the prompt's tail, the running step the 64 tokens before it.
+  EXPECT_EQ(seen["prefill_pairs"], util::causal_pairs(512 - queued, 512)) << seen.dump();
+  EXPECT_EQ(seen["step"]["prefill_pairs"], util::causal_pairs(512 - queued - 64, 512 - queued))
+      << seen.dump();
   EXPECT_EQ(answer.get().status, 200);
   ASSERT_TRUE(wait_idle(engine.port()));
   const json done = get_json(engine.port(), "/load");
   EXPECT_EQ(done["prefill_tokens"], 0);
+  EXPECT_EQ(done["prefill_pairs"], 0);
   EXPECT_TRUE(done["step"].is_null());
-  const json& steps = done["recent_steps"];  // [index, seqs, tokens, seconds], oldest first
+  // [index, seqs, tokens, seconds, prefill_pairs], oldest first
+  const json& steps = done["recent_steps"];
   ASSERT_GE(steps.size(), 9u) << done.dump();
   int prefill_steps = 0;
+  int64_t pairs = 0;
   for (size_t i = 0; i < steps.size(); ++i) {
     if (i > 0) {
       EXPECT_EQ(steps[i][0].get<int64_t>(), steps[i - 1][0].get<int64_t>() + 1);
     }
     EXPECT_EQ(steps[i][1], 1);
     EXPECT_GT(steps[i][3].get<double>(), 0.0);
-    if (steps[i][2] == 64) ++prefill_steps;
+    if (steps[i][2] == 64) {  // the k-th chunk computes positions [64k, 64k + 64)
+      EXPECT_EQ(steps[i][4], util::causal_pairs(64 * prefill_steps, 64 * prefill_steps + 64));
+      ++prefill_steps;
+    } else {
+      EXPECT_EQ(steps[i][4], 0);  // a decode step
+    }
+    pairs += steps[i][4].get<int64_t>();
   }
   EXPECT_EQ(prefill_steps, 8);
+  EXPECT_EQ(pairs, 512 * 513 / 2);
 }
 
 TEST_F(EngineServer, SimFitModelFromTheCpuExecutorDrivesASimEngine) {

@@ -168,13 +168,16 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
               {"cached_blocks", r.cached_blocks},
               {"steps", r.steps},
               {"prefill_tokens", r.prefill_tokens},
+              {"prefill_pairs", r.prefill_pairs},
               {"max_batch_tokens", r.max_batch_tokens}};
     j["step"] = r.step_seqs > 0 ? json{{"seqs", r.step_seqs},
                                        {"tokens", r.step_tokens},
+                                       {"prefill_pairs", r.step_prefill_pairs},
                                        {"running_for_s", r.step_running_for_s}}
                                 : json(nullptr);
     json steps = json::array();
-    for (const auto& s : r.recent_steps) steps.push_back({s.index, s.seqs, s.tokens, s.seconds});
+    for (const auto& s : r.recent_steps)
+      steps.push_back({s.index, s.seqs, s.tokens, s.seconds, s.prefill_pairs});
     j["recent_steps"] = std::move(steps);
     ex->respond(200, j.dump());
   });
