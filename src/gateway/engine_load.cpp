@@ -49,11 +49,13 @@ EngineLoadReport parse_engine_load(std::string_view body) {
   r.block_size = count_field(j, "block_size", 0);
   r.tokens_in_flight = count_field(j, "tokens_in_flight", 0);
   r.prefill_tokens = count_field(j, "prefill_tokens", 0);
+  r.prefill_pairs = count_field(j, "prefill_pairs", -1);
   r.max_batch_tokens = count_field(j, "max_batch_tokens", 0);
   if (const auto step = j.find("step"); step != j.end() && !step->is_null()) {
     if (!step->is_object()) throw Error("/load: step: expected an object or null");
     r.step_seqs = count_field(*step, "seqs", 0);
     r.step_tokens = count_field(*step, "tokens", 0);
+    r.step_pairs = count_field(*step, "prefill_pairs", -1);
     r.step_running_for_s = seconds_field(*step, "running_for_s");
   }
   if (const auto steps = j.find("recent_steps"); steps != j.end()) {
@@ -61,18 +63,20 @@ EngineLoadReport parse_engine_load(std::string_view body) {
     for (size_t i = 0; i < steps->size(); ++i) {
       const json& s = (*steps)[i];
       const std::string where = "/load: recent_steps[" + std::to_string(i) + "]";
-      if (!s.is_array() || s.size() != 4 || !s[0].is_number_unsigned() ||
+      if (!s.is_array() || (s.size() != 4 && s.size() != 5) || !s[0].is_number_unsigned() ||
           !s[1].is_number_unsigned() || !s[2].is_number_unsigned() || !s[3].is_number() ||
-          !std::isfinite(s[3].get<double>()) || s[3].get<double>() < 0)
-        throw Error(where + ": expected [index, seqs, tokens, seconds], got " + s.dump());
-      r.recent_steps.push_back(
-          {s[0].get<uint64_t>(), s[1].get<int64_t>(), s[2].get<int64_t>(), s[3].get<double>()});
+          !std::isfinite(s[3].get<double>()) || s[3].get<double>() < 0 ||
+          (s.size() == 5 && !s[4].is_number_unsigned()))
+        throw Error(where + ": expected [index, seqs, tokens, seconds] or [index, seqs, tokens, " +
+                    "seconds, prefill_pairs], got " + s.dump());
+      r.recent_steps.push_back({s[0].get<uint64_t>(), s[1].get<int64_t>(), s[2].get<int64_t>(),
+                                s[3].get<double>(), s.size() == 5 ? s[4].get<int64_t>() : -1});
     }
   }
   return r;
 }
 
-EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, int64_t launched_at_poll,
+EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, PrefillWork launched_at_poll,
                        Clock::time_point received, const BatchTimeOptions& prior) {
   if (!state.known) state.batch_time.options = prior;
   // Indices only grow on one engine process; a newest index below what was seen means it restarted.
@@ -80,7 +84,7 @@ EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, int64_t l
     state.last_step = 0;
   for (const auto& s : report.recent_steps) {
     if (s.index <= state.last_step) continue;
-    state.batch_time = observe(std::move(state.batch_time), s.seqs, s.tokens, s.seconds);
+    state.batch_time = observe(std::move(state.batch_time), s.seqs, s.tokens, s.seconds, s.pairs);
     state.last_step = s.index;
   }
   state.known = true;
@@ -92,7 +96,7 @@ EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, int64_t l
 
 void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,
                Clock::time_point now, Clock::duration max_age) {
-  load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight, 0);
+  load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight.tokens, 0);
   if (!state.known || now - state.received > max_age) return;
   const EngineLoadReport& r = state.report;
   // The report's queue plus what was launched after its poll left, less the legs that finished
@@ -100,10 +104,17 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   // the gateway took as cached and the engine recomputes (a prefix evicted while the request
   // waited there), and an engine taken as idle while it computes a 100K-token prompt draws every
   // request (the Mooncake replay showed 80 s first tokens).
-  const int64_t unreported = std::max<int64_t>(counts.launched_total - state.launched_at_poll, 0);
-  const int64_t finished = std::max<int64_t>(
-      counts.launched_total - counts.uncached_in_flight - state.finished_at_report, 0);
-  load.queued_prefill_tokens = std::max<int64_t>(r.prefill_tokens + unreported - finished, 0);
+  // The same for the attention pairs of that work, when the engine reports them.
+  const PrefillWork unreported = counts.launched_total - state.launched_at_poll;
+  const PrefillWork finished =
+      counts.launched_total - counts.uncached_in_flight - state.finished_at_report;
+  auto queued = [](int64_t reported, int64_t unreported, int64_t finished) {
+    return std::max<int64_t>(
+        reported + std::max<int64_t>(unreported, 0) - std::max<int64_t>(finished, 0), 0);
+  };
+  load.queued_prefill_tokens = queued(r.prefill_tokens, unreported.tokens, finished.tokens);
+  if (r.prefill_pairs >= 0)
+    load.queued_prefill_pairs = queued(r.prefill_pairs, unreported.pairs, finished.pairs);
   load.running_seqs = r.running;
   load.context_tokens = r.tokens_in_flight;
   load.free_kv_blocks = r.free_blocks;
@@ -115,8 +126,8 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   if (r.step_seqs > 0) {
     const double since = std::chrono::duration<double>(now - state.received).count();
     const BatchTimeEstimator& e = state.batch_time;
-    load.time_until_free_s =
-        time_until_free_s(e, r.step_seqs, r.step_tokens, r.step_running_for_s + since);
+    load.time_until_free_s = time_until_free_s(e, r.step_seqs, r.step_tokens,
+                                               r.step_running_for_s + since, r.step_pairs);
   }
 }
 

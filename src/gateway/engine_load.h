@@ -19,13 +19,16 @@ struct EngineLoadReport {
   int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
   int64_t tokens_in_flight = 0;            // prompt + generated tokens the engine's sequences hold
   int64_t prefill_tokens = 0;              // prompt tokens queued behind the running step
+  int64_t prefill_pairs = -1;              // their causal attention pairs; -1: not reported
   int64_t max_batch_tokens = 0;            // the engine's chunked-prefill budget; 0: not said
   int64_t step_seqs = 0, step_tokens = 0;  // the running step; step_seqs 0: none
+  int64_t step_pairs = -1;                 // its prefill attention pairs; -1: not reported
   double step_running_for_s = 0;
   struct Step {
     uint64_t index = 0;
     int64_t seqs = 0, tokens = 0;
     double seconds = 0;
+    int64_t pairs = -1;  // prefill attention pairs; -1: not reported
   };
   std::vector<Step> recent_steps;  // oldest first
 };
@@ -33,6 +36,23 @@ struct EngineLoadReport {
 // Parses a /load body. Throws tandem::Error naming the field and what was expected; fields the
 // gateway does not use are ignored, missing optional ones keep their defaults.
 EngineLoadReport parse_engine_load(std::string_view body);
+
+// Uncached prompt work, as the gateway counts it: tokens and their causal attention pairs
+// (util::causal_pairs).
+struct PrefillWork {
+  int64_t tokens = 0, pairs = 0;
+  PrefillWork& operator+=(const PrefillWork& o) {
+    tokens += o.tokens;
+    pairs += o.pairs;
+    return *this;
+  }
+  PrefillWork& operator-=(const PrefillWork& o) {
+    tokens -= o.tokens;
+    pairs -= o.pairs;
+    return *this;
+  }
+  friend PrefillWork operator-(PrefillWork a, const PrefillWork& b) { return a -= b; }
+};
 
 // The scheduling thread's record of one engine's reports.
 struct EngineLoadState {
@@ -42,28 +62,28 @@ struct EngineLoadState {
   // The gateway's count of uncached prompt tokens launched on the engine that the report is taken
   // to include (the count when the poll before the one that brought it was sent: a leg launched
   // just before a poll may still be on its way into the engine when it answers).
-  int64_t launched_at_poll = 0;
+  PrefillWork launched_at_poll;
   // The gateway's count of uncached prompt tokens of legs finished there when the report
   // arrived: legs finishing after it no longer count against the report's queue.
-  int64_t finished_at_report = 0;
+  PrefillWork finished_at_report;
   uint64_t last_step = 0;  // the newest step index already observed
   BatchTimeEstimator batch_time;
 };
 
 // The state after a report: its steps newer than `last_step` become batch-time observations (a
 // restarted engine, whose indices went back, is observed from its first step again).
-EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, int64_t launched_at_poll,
+EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, PrefillWork launched_at_poll,
                        Clock::time_point received, const BatchTimeOptions& prior);
 
 // What the gateway counts itself for one engine.
 struct GatewayCounts {
-  int64_t uncached_in_flight = 0;  // uncached prompt tokens of its prefill work in flight there
-  int64_t launched_total = 0;      // uncached prompt tokens ever launched there
+  PrefillWork uncached_in_flight;  // uncached prompt work of its prefill legs in flight there
+  PrefillWork launched_total;      // uncached prompt work ever launched there
 };
 
-// Fills `load`'s report-based fields (queued prefill tokens, running sequences, held tokens, KV
-// blocks, block size, batch budget, time until free, batch-time estimator) from `state` at
-// `now`. A state without a report, or one older than `max_age`, leaves the fields unknown except
+// Fills `load`'s report-based fields (queued prefill tokens and pairs, running sequences, held
+// tokens, KV blocks, block size, batch budget, time until free, batch-time estimator) from `state`
+// at `now`. A state without a report, or one older than `max_age`, leaves the fields unknown except
 // queued_prefill_tokens, which then is the gateway's own count. The estimator is pointed to only
 // once it has observations (the policy's prior otherwise); `load` must not outlive `state`.
 void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,

@@ -23,6 +23,7 @@
 #include "net/async_http_client.h"
 #include "net/http_server.h"
 #include "net/sse.h"
+#include "util/attention_pairs.h"
 #include "util/block_hash.h"
 #include "util/error.h"
 #include "util/json.h"
@@ -108,10 +109,10 @@ struct EndpointState {
   bool healthy = true, draining = false, probing = false;
   int consecutive_failures = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
-  GatewayCounts counts;  // uncached prompt tokens launched / in flight (prefill work)
+  GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
   EngineLoadState load;  // its GET /load reports (tandem engines)
   bool load_polling = false;
-  int64_t launched_at_last_poll = 0;  // counts.launched_total when the last poll left
+  PrefillWork launched_at_last_poll;  // counts.launched_total when the last poll left
   metrics::Gauge* in_flight_gauge = nullptr;
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::IntCounter* requests_total = nullptr;
@@ -134,6 +135,9 @@ struct Leg {
   // Its completion ended the request: the request's accounting (finished) runs in the same
   // scheduler task as the leg's, one post per request end instead of two.
   bool ended_request = false;
+  // What it counts for on its endpoint until it finishes (set before it starts).
+  int64_t prompt_tokens = 0;
+  PrefillWork uncached;                // prefill work there: the prefill leg, or the aggregated one
   SchedulingThread::TimerId deadline;  // scheduling thread only: cancelled when the leg ends
   // The relay's view of the answer.
   int status = 0;
@@ -165,7 +169,7 @@ struct Request {
   std::vector<int> excluded;
   std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
-  int64_t uncached_tokens = 0;  // prompt tokens the engine chosen to prefill it lacks in cache
+  PrefillWork uncached;  // the prompt work the engine chosen to prefill it lacks in cache
   std::string prefill_name, decode_name;
   SchedulingThread::TimerId queue_timer;  // cancelled when it leaves the queue
   bool queued = false, registered = false;
@@ -698,12 +702,13 @@ class Gateway::Impl {
       // The engine that computes the prompt: the prefill engine, or an aggregated decode engine.
       const int computes =
           prefill >= 0 ? prefill : (topo_.mode == PdMode::kAggregated ? decode : -1);
-      r->uncached_tokens = 0;
+      r->uncached = {};
       for (const auto* pool : {&v.prefill, &v.decode})
         for (const auto& e : *pool)
-          if (e.id == computes)
-            r->uncached_tokens =
-                r->prompt_tokens - std::clamp<int64_t>(e.cached_tokens, 0, r->prompt_tokens);
+          if (e.id == computes) {
+            const int64_t cached = std::clamp<int64_t>(e.cached_tokens, 0, r->prompt_tokens);
+            r->uncached = {r->prompt_tokens - cached, util::causal_pairs(cached, r->prompt_tokens)};
+          }
       start(r, prefill, decode);
       policy_->record(policy_state_, ri, prefill, decode, now);
       apply_choice(v, ri, prefill, decode);
@@ -805,11 +810,10 @@ class Gateway::Impl {
     leg->endpoint = endpoint_id;
     leg->attempt = r->attempt;
     leg->prefill = prefill;
-    const int64_t tokens = r->prompt_tokens;
-    // Prefill work on this engine: the prefill leg, or the only leg in aggregated mode.
-    const int64_t uncached = prefill || topo_.mode == PdMode::kAggregated ? r->uncached_tokens : 0;
+    leg->prompt_tokens = r->prompt_tokens;
+    if (prefill || topo_.mode == PdMode::kAggregated) leg->uncached = r->uncached;
     auto done = std::move(h.on_done);
-    h.on_done = [this, r, leg, tokens, uncached, done](const std::string& error) {
+    h.on_done = [this, r, leg, done](const std::string& error) {
       try {
         if (done) done(error);
       } catch (const std::exception& e) {
@@ -817,17 +821,17 @@ class Gateway::Impl {
       }
       const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
                          leg->engine_error;
-      sched_.post_batched([this, r, leg, tokens, uncached, fault] {
+      sched_.post_batched([this, r, leg, fault] {
         if (leg->ended_request) finished(r);
-        leg_finished(*leg, tokens, uncached, !fault);
+        leg_finished(*leg, !fault);
       });
     };
     std::lock_guard lock(r->mutex);
     if (r->ended || stopping_.load()) return;
     ++e->in_flight;
-    e->tokens_in_flight += tokens;
-    e->counts.uncached_in_flight += uncached;
-    e->counts.launched_total += uncached;
+    e->tokens_in_flight += leg->prompt_tokens;
+    e->counts.uncached_in_flight += leg->uncached;
+    e->counts.launched_total += leg->uncached;
     e->in_flight_gauge->set(static_cast<double>(e->in_flight));
     e->requests_total->inc();
     leg->started = true;
@@ -847,13 +851,13 @@ class Gateway::Impl {
         });
   }
 
-  void leg_finished(const Leg& leg, int64_t tokens, int64_t uncached, bool ok) {
+  void leg_finished(const Leg& leg, bool ok) {
     sched_.cancel(leg.deadline);
     EndpointState* e = endpoint(leg.endpoint);
     if (!e) return;
     --e->in_flight;
-    e->tokens_in_flight -= tokens;
-    e->counts.uncached_in_flight -= uncached;
+    e->tokens_in_flight -= leg.prompt_tokens;
+    e->counts.uncached_in_flight -= leg.uncached;
     e->in_flight_gauge->set(static_cast<double>(e->in_flight));
     if (ok)
       e->consecutive_failures = 0;
@@ -1317,7 +1321,7 @@ class Gateway::Impl {
       };
       // A leg launched shortly before this poll may still be on its way into the engine when it
       // answers: the report is taken to know only the legs launched before the previous poll.
-      const int64_t launched = e.launched_at_last_poll;
+      const PrefillWork launched = e.launched_at_last_poll;
       e.launched_at_last_poll = e.counts.launched_total;
       h.on_done = [this, reply, id = id, launched](const std::string& error) {
         std::optional<EngineLoadReport> report;
@@ -1337,7 +1341,7 @@ class Gateway::Impl {
     sched_.at(Clock::now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
   }
 
-  void load_result(int id, int64_t launched_at_poll, std::optional<EngineLoadReport> report) {
+  void load_result(int id, PrefillWork launched_at_poll, std::optional<EngineLoadReport> report) {
     EndpointState* e = endpoint(id);
     if (!e) return;
     e->load_polling = false;
@@ -1379,7 +1383,7 @@ class Gateway::Impl {
               {"max_in_flight", e.max_in_flight},
               {"consecutive_failures", e.consecutive_failures}};
     if (consumers_.count(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
-    j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight;
+    j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight.tokens;
     if (e.load.known) {
       const EngineLoadReport& r = e.load.report;
       j["load"] = {

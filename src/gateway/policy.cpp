@@ -95,13 +95,19 @@ std::unique_ptr<Policy> make_policy(std::string_view name, const TandemOptions& 
   throw Error("unknown scheduling policy '" + std::string(name) + "'; expected one of: " + valid);
 }
 
+namespace {
+void add_queued_prefill(EndpointLoad& e, const RequestInfo& request) {
+  if (e.queued_prefill_tokens >= 0) e.queued_prefill_tokens += detail::uncached_tokens(e, request);
+  if (e.queued_prefill_pairs >= 0) e.queued_prefill_pairs += detail::uncached_pairs(e, request);
+}
+}  // namespace
+
 void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, int decode) {
   for (auto& e : view.prefill) {
     if (e.id != prefill) continue;
     ++e.in_flight;
     e.tokens_in_flight += request.prompt_tokens;
-    if (e.queued_prefill_tokens >= 0)
-      e.queued_prefill_tokens += detail::uncached_tokens(e, request);
+    add_queued_prefill(e, request);
   }
   for (auto& e : view.decode) {
     if (e.id != decode) continue;
@@ -110,8 +116,7 @@ void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, in
     if (e.running_seqs >= 0) ++e.running_seqs;
     if (e.context_tokens >= 0) e.context_tokens += request.prompt_tokens;
     // Aggregated mode: the decode engine prefills too.
-    if (prefill < 0 && e.queued_prefill_tokens >= 0)
-      e.queued_prefill_tokens += detail::uncached_tokens(e, request);
+    if (prefill < 0) add_queued_prefill(e, request);
   }
 }
 

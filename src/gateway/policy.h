@@ -36,6 +36,9 @@ struct EndpointLoad {
   // Prompt tokens still to prefill on this engine (requests routed there whose prefill has not
   // finished, less their cached parts), from the gateway's accounting and the engine's reports.
   int64_t queued_prefill_tokens = -1;
+  // The causal attention pairs of that queued work (util::causal_pairs), engine-reported; -1:
+  // unknown (the cost then reads tokens only).
+  int64_t queued_prefill_pairs = -1;
   int64_t running_seqs = -1;    // sequences the engine runs now (decode batch size)
   int64_t context_tokens = -1;  // tokens those sequences hold (prompt + generated)
   int64_t free_kv_blocks = -1;  // allocatable KV blocks (free or evictable), engine-reported

@@ -72,7 +72,7 @@ TEST(EngineLoad, BadReportsNameTheField) {
 
 TEST(EngineLoad, StepsAreLearnedOnceAndAgainAfterARestart) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
-  EngineLoadState s = absorb({}, parse_engine_load(kReport), 0, t0, {});
+  EngineLoadState s = absorb({}, parse_engine_load(kReport), {}, t0, {});
   EXPECT_TRUE(s.known);
   EXPECT_EQ(s.batch_time.observations, 3);
   EXPECT_EQ(s.last_step, 17u);
@@ -80,12 +80,12 @@ TEST(EngineLoad, StepsAreLearnedOnceAndAgainAfterARestart) {
   // The next poll overlaps the last: only step 18 is new.
   EngineLoadReport next = parse_engine_load(kReport);
   next.recent_steps = {{16, 2, 2048, 0.25}, {17, 2, 2048, 0.25}, {18, 2, 2048, 0.25}};
-  s = absorb(std::move(s), next, 0, t0, {});
+  s = absorb(std::move(s), next, {}, t0, {});
   EXPECT_EQ(s.batch_time.observations, 4);
   // A restarted engine counts from 1 again: its steps are new, not ignored as old.
   EngineLoadReport restarted = parse_engine_load(kReport);
   restarted.recent_steps = {{1, 1, 512, 0.1}, {2, 1, 512, 0.1}};
-  s = absorb(std::move(s), restarted, 0, t0, {});
+  s = absorb(std::move(s), restarted, {}, t0, {});
   EXPECT_EQ(s.batch_time.observations, 6);
   EXPECT_EQ(s.last_step, 2u);
 }
@@ -93,8 +93,8 @@ TEST(EngineLoad, StepsAreLearnedOnceAndAgainAfterARestart) {
 TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
   GatewayCounts counts;
-  counts.uncached_in_flight = 9000;
-  counts.launched_total = 50000;
+  counts.uncached_in_flight = {9000, 0};
+  counts.launched_total = {50000, 0};
 
   // No report: only the gateway's own count of prefill work in flight.
   EndpointLoad none;
@@ -107,7 +107,7 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
 
   // A report whose poll left when the gateway had launched 49000 tokens there: 1000 launched
   // since are not in its queue of 6000.
-  EngineLoadState s = absorb({}, parse_engine_load(kReport), 49000, t0, {});
+  EngineLoadState s = absorb({}, parse_engine_load(kReport), {49000, 0}, t0, {});
   s.finished_at_report = counts.launched_total - counts.uncached_in_flight;  // when it arrived
   EndpointLoad fresh;
   fill_load(fresh, s, counts, t0 + milliseconds(50), milliseconds(400));
@@ -126,7 +126,7 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   // computing a prefix the gateway took as cached (evicted while the request waited there), and
   // an engine taken as idle while it computes 100K tokens would draw every request.
   GatewayCounts believed = counts;
-  believed.uncached_in_flight = 2500;
+  believed.uncached_in_flight = {2500, 0};
   EngineLoadState believed_state = s;
   believed_state.finished_at_report = believed.launched_total - believed.uncached_in_flight;
   EndpointLoad reported;
@@ -136,11 +136,11 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   // Legs that finished after the report arrived no longer count: 6500 of the 9000 tokens in
   // flight there finished since.
   GatewayCounts later = counts;
-  later.uncached_in_flight = 2500;
+  later.uncached_in_flight = {2500, 0};
   EndpointLoad after;
   fill_load(after, s, later, t0 + milliseconds(50), milliseconds(400));
   EXPECT_EQ(after.queued_prefill_tokens, 500);
-  later.uncached_in_flight = 0;  // never below nothing
+  later.uncached_in_flight = {0, 0};  // never below nothing
   fill_load(after, s, later, t0 + milliseconds(50), milliseconds(400));
   EXPECT_EQ(after.queued_prefill_tokens, 0);
 
@@ -152,20 +152,61 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   EXPECT_EQ(stale.batch_time, nullptr);
 }
 
+// Engines report attention pairs: of the queue, of the running step and of each recent step. The
+// pairs of the queue get the same corrections for unreported and finished legs as its tokens;
+// reports without pairs leave them unknown.
+TEST(EngineLoad, CarriesAttentionPairs) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  const EngineLoadReport old = parse_engine_load(kReport);
+  EXPECT_EQ(old.prefill_pairs, -1);
+  EXPECT_EQ(old.step_pairs, -1);
+  EXPECT_EQ(old.recent_steps[0].pairs, -1);
+  const std::string with_pairs = R"({"prefill_tokens":6000,"prefill_pairs":50000000,
+    "step":{"seqs":1,"tokens":2048,"prefill_pairs":9000000,"running_for_s":0.05},
+    "recent_steps":[[1,1,2048,0.25,2098176],[2,1,2048,0.30,6292480]]})";
+  const EngineLoadReport r = parse_engine_load(with_pairs);
+  EXPECT_EQ(r.prefill_pairs, 50000000);
+  EXPECT_EQ(r.step_pairs, 9000000);
+  ASSERT_EQ(r.recent_steps.size(), 2u);
+  EXPECT_EQ(r.recent_steps[1].pairs, 6292480);
+  EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,0.1,-5]]})").find("recent_steps[0]"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,0.1,5,6]]})").find("recent_steps[0]"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"prefill_pairs":1.5})").find("prefill_pairs"), std::string::npos);
+
+  // The poll left when 1000 tokens (3M pairs) launched since were not yet in; 500 tokens (1M
+  // pairs) finished after the report arrived.
+  GatewayCounts counts;
+  counts.launched_total = {50000, 40000000};
+  counts.uncached_in_flight = {9000, 8000000};
+  EngineLoadState s = absorb({}, r, {49000, 37000000}, t0, {});
+  EXPECT_EQ(s.batch_time.pair_fit.count, 2);  // the steps fed the pairs model
+  s.finished_at_report = counts.launched_total - counts.uncached_in_flight;
+  s.finished_at_report -= {500, 1000000};
+  EndpointLoad load;
+  fill_load(load, s, counts, t0, milliseconds(400));
+  EXPECT_EQ(load.queued_prefill_tokens, 6000 + 1000 - 500);
+  EXPECT_EQ(load.queued_prefill_pairs, 50000000 + 3000000 - 1000000);
+  EndpointLoad without;
+  fill_load(without, absorb({}, old, {49000, 37000000}, t0, {}), counts, t0, milliseconds(400));
+  EXPECT_EQ(without.queued_prefill_pairs, -1);
+}
+
 // The tandem policy reads what the reports say: of two engines with the same gateway-side load,
 // the one whose report shows a long prefill queue and a slow running step is avoided.
 TEST(EngineLoad, TheTandemPolicyAvoidsTheEngineReportedBusy) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
   GatewayCounts counts;
-  counts.uncached_in_flight = 8000;
-  counts.launched_total = 8000;
+  counts.uncached_in_flight = {8000, 0};
+  counts.launched_total = {8000, 0};
   EngineLoadReport busy = parse_engine_load(kReport);
   busy.prefill_tokens = 8000;
   EngineLoadReport light = parse_engine_load(kReport);
   light.prefill_tokens = 0;
   light.step_seqs = 0;
-  const EngineLoadState a = absorb({}, busy, 8000, t0, {});
-  const EngineLoadState b = absorb({}, light, 8000, t0, {});
+  const EngineLoadState a = absorb({}, busy, {8000, 0}, t0, {});
+  const EngineLoadState b = absorb({}, light, {8000, 0}, t0, {});
   ClusterView view;
   for (const auto& [id, state] : {std::pair{0, &a}, std::pair{1, &b}}) {
     EndpointLoad e;

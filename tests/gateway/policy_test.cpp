@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gateway/policy.h"
+#include "util/attention_pairs.h"
 #include "util/error.h"
 
 namespace tandem::gateway {
@@ -436,6 +437,65 @@ TEST(Tandem, ACacheHitDoesNotWinAgainstAMuchLongerQueue) {
   EXPECT_EQ(p->choose_prefill(v, req(2000), t0).endpoint, 1);
 }
 
+// The simulated H800 of the Mooncake replay (sim_latency.h): 24.7 ms a step, 104.8 us a token,
+// 10.5 ns an attention pair. Steps are prefill chunks of up to 2048 tokens at contexts up to
+// 100K: the pairs model recovers the three costs, and estimates long-prompt work that a
+// token-only estimate misses by several times.
+double h800_step_s(int64_t context, int64_t chunk) {
+  return 0.0247 + 1.048e-4 * static_cast<double>(chunk) +
+         1.05e-8 * static_cast<double>(util::causal_pairs(context, context + chunk));
+}
+
+TEST(BatchTime, LearnsTheCostOfAttentionPairs) {
+  BatchTimeEstimator e;
+  uint64_t state = 7;
+  auto uniform = [&] {  // [0, 1)
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<double>(state >> 11) / 9007199254740992.0;
+  };
+  for (int i = 0; i < 400; ++i) {
+    const int64_t chunk = 64 + static_cast<int64_t>(uniform() * 1984);
+    const int64_t context = static_cast<int64_t>(uniform() * uniform() * 100000);
+    e = observe(e, 1, chunk, h800_step_s(context, chunk),
+                util::causal_pairs(context, context + chunk));
+    EXPECT_EQ(uses_pairs(e), i + 1 >= BatchTimeEstimator::kMinPairObservations);
+  }
+  EXPECT_NEAR(e.pair_fit.step_s, 0.0247, 1e-6);
+  EXPECT_NEAR(e.pair_fit.token_s, 1.048e-4, 1e-8);
+  EXPECT_NEAR(e.pair_fit.pair_s, 1.05e-8, 1e-12);
+  // The last 80K tokens of a 100K-token prompt, in 40 chunks of 2048 tokens.
+  double truth = 0;
+  for (int64_t c = 20000; c < 100000; c += 2048)
+    truth += h800_step_s(c, std::min<int64_t>(2048, 100000 - c));
+  const int64_t pairs = util::causal_pairs(20000, 100000);
+  EXPECT_NEAR(estimate_work_s(e, 80000, 2048, pairs), truth, 1e-3 * truth);
+  // Without pairs the buckets answer, with the average observed chunk's attention only.
+  EXPECT_LT(estimate_work_s(e, 80000, 2048), 0.6 * truth);
+  // The running step: a 2048-token chunk at context 90K.
+  EXPECT_NEAR(estimate_batch_s(e, 1, 2048, util::causal_pairs(90000, 92048)),
+              h800_step_s(90000, 2048), 1e-4);
+}
+
+TEST(BatchTime, PairCostsStayNonNegativeAndNeedReportedPairs) {
+  BatchTimeEstimator e;
+  // Steps that take the same time whatever their size: no per-token or per-pair cost, not a
+  // negative one.
+  for (int i = 0; i < 50; ++i) {
+    const int64_t chunk = 100 + 37 * (i % 11);
+    e = observe(e, 1, chunk, 0.05, util::causal_pairs(1000 * (i % 7), 1000 * (i % 7) + chunk));
+  }
+  EXPECT_NEAR(e.pair_fit.step_s, 0.05, 1e-9);
+  EXPECT_GE(e.pair_fit.token_s, 0.0);
+  EXPECT_GE(e.pair_fit.pair_s, 0.0);
+  EXPECT_NEAR(estimate_batch_s(e, 1, 1000, 123456789), 0.05, 1e-6);
+  // Steps a gateway got without pairs (an older engine) do not feed the pairs model.
+  BatchTimeEstimator old;
+  for (int i = 0; i < 50; ++i) old = observe(old, 1, 1000, 0.1);
+  EXPECT_FALSE(uses_pairs(old));
+  EXPECT_EQ(old.pair_fit.count, 0);
+  EXPECT_NEAR(estimate_batch_s(old, 1, 1000, 5000000), 0.1, 1e-9);  // the buckets
+}
+
 TEST(Tandem, UsesLearnedBatchTimesAndTimeUntilFree) {
   const auto p = make_policy("tandem");
   BatchTimeEstimator slow, fast;
@@ -452,6 +512,34 @@ TEST(Tandem, UsesLearnedBatchTimesAndTimeUntilFree) {
   EXPECT_EQ(p->choose_prefill(v, req(1000), t0).endpoint, 1);
   v.prefill[1].time_until_free_s = 0.9;  // but it is busy for another 0.9 s
   EXPECT_EQ(p->choose_prefill(v, req(1000), t0).endpoint, 0);
+}
+
+// Two engines with the same queued tokens: one has the tail of a 100K-token prompt queued, the
+// other many short prompts. With reported pairs and a learned pairs model, the policy sees that
+// the first is busy for far longer; without pairs it could not tell them apart.
+TEST(Tandem, CountsTheAttentionOfQueuedLongPrompts) {
+  const auto p = make_policy("tandem");
+  BatchTimeEstimator learned;
+  for (int i = 0; i < 64; ++i) {
+    const int64_t context = 1500 * i;
+    learned = observe(learned, 1, 2048, h800_step_s(context, 2048),
+                      util::causal_pairs(context, context + 2048));
+  }
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  for (auto& e : v.prefill) {
+    e.batch_time = &learned;
+    e.queued_prefill_tokens = 30000;
+  }
+  v.prefill[0].queued_prefill_pairs = util::causal_pairs(70000, 100000);  // a long prompt's tail
+  v.prefill[1].queued_prefill_pairs = 15 * util::causal_pairs(0, 2000);   // 15 short prompts
+  v.prefill[1].in_flight = 5;                                             // more requests, even
+  EXPECT_EQ(p->choose_prefill(v, req(3000), t0).endpoint, 1);
+  std::swap(v.prefill[0].queued_prefill_pairs, v.prefill[1].queued_prefill_pairs);
+  EXPECT_EQ(p->choose_prefill(v, req(3000), t0).endpoint, 0);
+  // Unknown pairs: tokens only, and the engine with fewer requests in flight wins the tie.
+  v.prefill[0].queued_prefill_pairs = v.prefill[1].queued_prefill_pairs = -1;
+  EXPECT_EQ(p->choose_prefill(v, req(3000), t0).endpoint, 0);
 }
 
 TEST(Tandem, AvoidsOverloadedEnginesEvenWithACacheHit) {

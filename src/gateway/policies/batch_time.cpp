@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
 
 namespace tandem::gateway {
 namespace {
@@ -66,10 +67,107 @@ bool interpolate(
   return true;
 }
 
+// The pairs model's feature scales (see PairFit).
+constexpr double kTokenScale = 1e-3, kPairScale = 1e-9;
+
+double xx_at(const BatchTimeEstimator::PairFit& f, int i, int j) {
+  static constexpr int kIndex[3][3] = {{0, 1, 2}, {1, 3, 4}, {2, 4, 5}};
+  return f.xx[static_cast<size_t>(kIndex[i][j])];
+}
+
+// Least squares over the features in `mask` (bit i: feature i), the others fixed at 0. False
+// when those features do not determine a solution (a feature never varied) or a coefficient
+// comes out negative.
+bool solve_subset(const BatchTimeEstimator::PairFit& f, int mask, std::array<double, 3>& theta) {
+  int idx[3];
+  int n = 0;
+  for (int i = 0; i < 3; ++i)
+    if (mask & (1 << i)) idx[n++] = i;
+  double a[3][4];
+  double scale = 0;
+  for (int r = 0; r < n; ++r) {
+    for (int c = 0; c < n; ++c) a[r][c] = xx_at(f, idx[r], idx[c]);
+    a[r][n] = f.xy[static_cast<size_t>(idx[r])];
+    scale = std::max(scale, std::abs(a[r][r]));
+  }
+  if (scale <= 0) return false;
+  for (int c = 0; c < n; ++c) {  // Gaussian elimination, partial pivoting
+    int p = c;
+    for (int r = c + 1; r < n; ++r)
+      if (std::abs(a[r][c]) > std::abs(a[p][c])) p = r;
+    if (std::abs(a[p][c]) <= 1e-10 * scale) return false;
+    for (int k = 0; k <= n; ++k) std::swap(a[c][k], a[p][k]);
+    for (int r = c + 1; r < n; ++r) {
+      const double m = a[r][c] / a[c][c];
+      for (int k = c; k <= n; ++k) a[r][k] -= m * a[c][k];
+    }
+  }
+  theta = {0, 0, 0};
+  for (int r = n - 1; r >= 0; --r) {
+    double v = a[r][n];
+    for (int k = r + 1; k < n; ++k) v -= a[r][k] * theta[static_cast<size_t>(idx[k])];
+    v /= a[r][r];
+    if (!(v >= 0)) return false;
+    theta[static_cast<size_t>(idx[r])] = v;
+  }
+  return true;
+}
+
+// Non-negative least squares on three features: the best of the feasible subset solutions.
+void refit(BatchTimeEstimator::PairFit& f) {
+  double best = std::numeric_limits<double>::infinity();
+  for (int mask = 1; mask < 8; ++mask) {
+    std::array<double, 3> t{};
+    if (!solve_subset(f, mask, t)) continue;
+    double sse = f.yy;
+    for (int i = 0; i < 3; ++i) {
+      sse -= 2 * t[static_cast<size_t>(i)] * f.xy[static_cast<size_t>(i)];
+      for (int j = 0; j < 3; ++j)
+        sse += t[static_cast<size_t>(i)] * xx_at(f, i, j) * t[static_cast<size_t>(j)];
+    }
+    if (sse < best) {
+      best = sse;
+      f.step_s = t[0];
+      f.token_s = t[1] * kTokenScale;
+      f.pair_s = t[2] * kPairScale;
+    }
+  }
+}
+
+void add_pairs(BatchTimeEstimator::PairFit& f, int window, double tokens, double pairs,
+               double seconds) {
+  const double keep = 1.0 - 1.0 / (4.0 * std::max(window, 1));
+  for (auto& v : f.xx) v *= keep;
+  for (auto& v : f.xy) v *= keep;
+  f.yy *= keep;
+  const double x[3] = {1.0, tokens * kTokenScale, pairs * kPairScale};
+  int k = 0;
+  for (int i = 0; i < 3; ++i)
+    for (int j = i; j < 3; ++j) f.xx[static_cast<size_t>(k++)] += x[i] * x[j];
+  for (int i = 0; i < 3; ++i) f.xy[static_cast<size_t>(i)] += x[i] * seconds;
+  f.yy += seconds * seconds;
+  ++f.count;
+  refit(f);
+}
+
+double pairs_model_s(const BatchTimeEstimator::PairFit& f, double batches, int64_t tokens,
+                     int64_t pairs) {
+  return batches * f.step_s + static_cast<double>(tokens) * f.token_s +
+         static_cast<double>(pairs) * f.pair_s;
+}
+
 }  // namespace
 
-BatchTimeEstimator observe(BatchTimeEstimator e, int64_t seqs, int64_t tokens, double seconds) {
+bool uses_pairs(const BatchTimeEstimator& e) {
+  return e.pair_fit.count >= BatchTimeEstimator::kMinPairObservations;
+}
+
+BatchTimeEstimator observe(BatchTimeEstimator e, int64_t seqs, int64_t tokens, double seconds,
+                           int64_t pairs) {
   if (tokens < 1 || seqs < 1 || !std::isfinite(seconds) || seconds < 0) return e;
+  if (pairs >= 0)
+    add_pairs(e.pair_fit, e.options.window, static_cast<double>(tokens), static_cast<double>(pairs),
+              seconds);
   const int k = token_bucket(tokens);
   const double t = static_cast<double>(tokens);
   add(e.rows[static_cast<size_t>(seq_row(seqs))][static_cast<size_t>(k)], e.options.window, t,
@@ -79,8 +177,9 @@ BatchTimeEstimator observe(BatchTimeEstimator e, int64_t seqs, int64_t tokens, d
   return e;
 }
 
-double estimate_batch_s(const BatchTimeEstimator& e, int64_t seqs, int64_t tokens) {
+double estimate_batch_s(const BatchTimeEstimator& e, int64_t seqs, int64_t tokens, int64_t pairs) {
   if (tokens <= 0) return 0;
+  if (pairs >= 0 && uses_pairs(e)) return pairs_model_s(e.pair_fit, 1, tokens, pairs);
   const double t = static_cast<double>(tokens);
   double out = 0;
   if (interpolate(e.rows[static_cast<size_t>(seq_row(seqs))], t, out)) return out;
@@ -88,8 +187,13 @@ double estimate_batch_s(const BatchTimeEstimator& e, int64_t seqs, int64_t token
   return e.options.prior_overhead_s + e.options.prior_s_per_token * t;
 }
 
-double estimate_work_s(const BatchTimeEstimator& e, int64_t tokens, int64_t batch_tokens) {
+double estimate_work_s(const BatchTimeEstimator& e, int64_t tokens, int64_t batch_tokens,
+                       int64_t pairs) {
   if (tokens <= 0) return 0;
+  if (pairs >= 0 && uses_pairs(e)) {
+    const int64_t batches = batch_tokens > 0 ? (tokens + batch_tokens - 1) / batch_tokens : 1;
+    return pairs_model_s(e.pair_fit, static_cast<double>(batches), tokens, pairs);
+  }
   if (batch_tokens <= 0 || tokens <= batch_tokens) return estimate_batch_s(e, 0, tokens);
   const int64_t full = tokens / batch_tokens;
   return static_cast<double>(full) * estimate_batch_s(e, 0, batch_tokens) +
@@ -97,8 +201,8 @@ double estimate_work_s(const BatchTimeEstimator& e, int64_t tokens, int64_t batc
 }
 
 double time_until_free_s(const BatchTimeEstimator& e, int64_t seqs, int64_t tokens,
-                         double running_for_s) {
-  return std::max(0.0, estimate_batch_s(e, seqs, tokens) - std::max(0.0, running_for_s));
+                         double running_for_s, int64_t pairs) {
+  return std::max(0.0, estimate_batch_s(e, seqs, tokens, pairs) - std::max(0.0, running_for_s));
 }
 
 }  // namespace tandem::gateway

@@ -13,6 +13,14 @@
 // empty), extrapolates with the nearest segment's slope (never negative) outside them, scales
 // proportionally when only one bucket has data, and uses the prior `overhead + per_token *
 // tokens` when none has.
+//
+// Long prompts: a prefill chunk late in a 100K-token prompt attends to every earlier token, so
+// its time grows with the causal attention (query, key) pairs it computes, not with its tokens
+// alone (2048 tokens at context 100K take ~10x what they take at context 0). Engines that report
+// each step's pairs also feed a second model, a least-squares fit of
+// `seconds = a + b * tokens + c * pairs` with non-negative coefficients, where every observation
+// weighs (1 - 1/(4 * window)) times the one after it. Estimates that pass pairs use this fit once
+// it has kMinPairObservations observations; the others (and those before) use the buckets.
 #include <array>
 #include <cstdint>
 
@@ -25,7 +33,8 @@ struct BatchTimeOptions {
 };
 
 struct BatchTimeEstimator {
-  static constexpr int kSeqRows = 5;        // 1, 2-3, 4-7, 8-15, 16+ sequences
+  static constexpr int kSeqRows = 5;  // 1, 2-3, 4-7, 8-15, 16+ sequences
+  static constexpr int64_t kMinPairObservations = 16;
   static constexpr int kTokenBuckets = 32;  // bucket k: tokens in [2^(k-1), 2^k), k = bit width
   struct Bucket {
     double mean_tokens = 0, mean_s = 0;
@@ -35,24 +44,45 @@ struct BatchTimeEstimator {
   // rows[kSeqRows] pools every batch size.
   std::array<std::array<Bucket, kTokenBuckets>, kSeqRows + 1> rows{};
   int64_t observations = 0;
+  // The pairs model: decayed sums of x x^T (upper triangle), x * seconds and seconds^2 over
+  // x = (1, tokens / 1e3, pairs / 1e9) (scaled so the sums stay well conditioned), and the fitted
+  // coefficients per step, per token and per pair.
+  struct PairFit {
+    std::array<double, 6> xx{};  // (0,0) (0,1) (0,2) (1,1) (1,2) (2,2)
+    std::array<double, 3> xy{};
+    double yy = 0;
+    int64_t count = 0;
+    double step_s = 0, token_s = 0, pair_s = 0;
+  };
+  PairFit pair_fit;
 };
 
-// The estimator after one batch of `seqs` sequences and `tokens` tokens that took `seconds`.
-// Observations with tokens < 1, seqs < 1 or a negative or non-finite duration are ignored.
+// The estimator after one batch of `seqs` sequences and `tokens` tokens that took `seconds` and
+// computed `pairs` attention pairs of prefill (-1: not reported; the pairs model then does not
+// see it). Observations with tokens < 1, seqs < 1 or a negative or non-finite duration are
+// ignored.
 BatchTimeEstimator observe(BatchTimeEstimator estimator, int64_t seqs, int64_t tokens,
-                           double seconds);
+                           double seconds, int64_t pairs = -1);
+
+// True when estimates that pass pairs use the pairs model.
+bool uses_pairs(const BatchTimeEstimator& estimator);
 
 // Expected seconds for one batch of `seqs` sequences and `tokens` tokens (0 for tokens <= 0);
-// seqs <= 0 means unknown and reads the all-sizes row.
-double estimate_batch_s(const BatchTimeEstimator& estimator, int64_t seqs, int64_t tokens);
+// seqs <= 0 means unknown and reads the all-sizes row. With pairs >= 0 and uses_pairs(): the
+// pairs model.
+double estimate_batch_s(const BatchTimeEstimator& estimator, int64_t seqs, int64_t tokens,
+                        int64_t pairs = -1);
 
 // Expected seconds to compute `tokens` prompt tokens when an engine runs at most `batch_tokens`
 // tokens per batch (its chunked-prefill budget): full batches plus the remainder, each read from
-// the all-sizes row. batch_tokens <= 0 means one batch.
-double estimate_work_s(const BatchTimeEstimator& estimator, int64_t tokens, int64_t batch_tokens);
+// the all-sizes row. batch_tokens <= 0 means one batch. With pairs >= 0 (the attention pairs of
+// those tokens) and uses_pairs(): batches * a + tokens * b + pairs * c of the pairs model.
+double estimate_work_s(const BatchTimeEstimator& estimator, int64_t tokens, int64_t batch_tokens,
+                       int64_t pairs = -1);
 
-// Seconds until an engine finishes the batch it started `running_for_s` ago (never negative).
+// Seconds until an engine finishes the batch it started `running_for_s` ago (never negative);
+// `pairs` as for estimate_batch_s().
 double time_until_free_s(const BatchTimeEstimator& estimator, int64_t seqs, int64_t tokens,
-                         double running_for_s);
+                         double running_for_s, int64_t pairs = -1);
 
 }  // namespace tandem::gateway

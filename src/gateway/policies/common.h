@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gateway/policy.h"
+#include "util/attention_pairs.h"
 
 namespace tandem::gateway::detail {
 
@@ -60,6 +61,12 @@ inline int64_t ceil_div(int64_t a, int64_t b) {
 // Prompt tokens this engine must compute for the request (the uncached part).
 inline int64_t uncached_tokens(const EndpointLoad& e, const RequestInfo& r) {
   return r.prompt_tokens - std::clamp<int64_t>(e.cached_tokens, 0, r.prompt_tokens);
+}
+
+// The attention pairs of the request's uncached part on this engine.
+inline int64_t uncached_pairs(const EndpointLoad& e, const RequestInfo& r) {
+  return util::causal_pairs(std::clamp<int64_t>(e.cached_tokens, 0, r.prompt_tokens),
+                            r.prompt_tokens);
 }
 
 // Prefill work already waiting on the engine: its reported/accounted queue, else what the gateway

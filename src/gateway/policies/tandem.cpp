@@ -137,12 +137,16 @@ class TandemPolicy final : public Policy {
     return e.batch_time ? *e.batch_time : prior_;
   }
 
-  // Seconds until this engine would have computed the request's prompt.
+  // Seconds until this engine would have computed the request's prompt: its queued work plus
+  // the request's uncached part, in tokens and, when the engine reports them, attention pairs.
   double prefill_cost(const EndpointLoad& e, const RequestInfo& r) const {
     const double wait = std::max(e.time_until_free_s, 0.0);
-    return wait +
-           estimate_work_s(estimator(e), detail::queued_prefill(e) + detail::uncached_tokens(e, r),
-                           e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens);
+    const int64_t pairs = e.queued_prefill_pairs >= 0
+                              ? e.queued_prefill_pairs + detail::uncached_pairs(e, r)
+                              : int64_t{-1};
+    return wait + estimate_work_s(
+                      estimator(e), detail::queued_prefill(e) + detail::uncached_tokens(e, r),
+                      e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens, pairs);
   }
 
   // True when an engine that cannot take the request now would still compute it sooner than
