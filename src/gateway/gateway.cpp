@@ -606,15 +606,19 @@ class Gateway::Impl {
     metrics_.running.set(static_cast<double>(active_.size()));
     sched_.set_busy(true);
     enqueue(r, false);
-    dispatch();
+    dispatch(r->queued_at);
   }
 
   void enqueue(const RequestPtr& r, bool front) {
-    r->times.mark(Phase::kPrefillWaiting);
-    if (topo_.mode != PdMode::kSequential || r->stage == Stage::kDecode)
-      r->times.mark(Phase::kDecodeWaiting);
-    r->queued = true;
+    // One clock read for the phase stamps and the queue (same steady clock).
     r->queued_at = Clock::now();
+    const int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(r->queued_at.time_since_epoch())
+            .count();
+    r->times.mark(Phase::kPrefillWaiting, ns);
+    if (topo_.mode != PdMode::kSequential || r->stage == Stage::kDecode)
+      r->times.mark(Phase::kDecodeWaiting, ns);
+    r->queued = true;
     if (front)
       waiting_.push_front(r);
     else
@@ -646,22 +650,33 @@ class Gateway::Impl {
     metrics_.waiting.set(static_cast<double>(waiting_.size()));
   }
 
-  // Starts every waiting request an engine is free for, in queue order; a request that must wait
-  // (its engines are saturated) does not block the ones behind it that could go elsewhere.
-  // Offers the waiting requests to the policy: first those whose prefill is done (they hold KV
-  // on a prefill engine), then the others in the policy's queue order (prompt length and waiting
-  // time, with a starvation bound: policies/queue_order.h). A request that must wait (its
-  // engines are saturated) does not block the ones behind it that could go elsewhere.
+  // Starts every waiting request an engine is free for. Offers the waiting requests to the
+  // policy: first those whose prefill is done (they hold KV on a prefill engine), then the others
+  // in the policy's queue order (prompt length and waiting time, with a starvation bound:
+  // policies/queue_order.h). A request that must wait (its engines are saturated) does not block
+  // the ones behind it that could go elsewhere.
   void dispatch() {
-    if (waiting_.empty()) return;  // most calls under load: a leg ended, nobody waits
-    const auto now = Clock::now();
-    std::vector<RequestPtr> first_stage;
-    std::vector<RequestPtr> offer;  // decode stage first
+    if (!waiting_.empty()) dispatch(Clock::now());  // most calls under load: nobody waits
+  }
+  void dispatch(Clock::time_point now) {
+    if (waiting_.empty()) return;
+    // Scratch lists keep their capacity from one call to the next (dispatch runs per request
+    // under load; nothing it calls dispatches again synchronously), and are emptied at the end
+    // so they keep no request alive (and at the start, in case a policy threw).
+    std::vector<RequestPtr>& first_stage = scratch_first_stage_;
+    std::vector<RequestPtr>& offer = scratch_offer_;  // decode stage first
+    first_stage.clear();
+    offer.clear();
     for (const auto& r : waiting_) (r->stage == Stage::kDecode ? offer : first_stage).push_back(r);
-    std::vector<QueuedRequest> queued;
-    queued.reserve(first_stage.size());
-    for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
-    for (size_t i : order(queued, now, topo_.scheduling.queue)) offer.push_back(first_stage[i]);
+    if (first_stage.size() == 1) {
+      offer.push_back(first_stage.front());
+    } else if (!first_stage.empty()) {
+      std::vector<QueuedRequest> queued;
+      queued.reserve(first_stage.size());
+      for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
+      for (size_t i : order(queued, now, topo_.scheduling.queue)) offer.push_back(first_stage[i]);
+    }
+    first_stage.clear();
 
     ClusterView v = view(now);  // kept current below as requests start
     for (const RequestPtr& r : offer) {
@@ -713,6 +728,7 @@ class Gateway::Impl {
       policy_->record(policy_state_, ri, prefill, decode, now);
       apply_choice(v, ri, prefill, decode);
     }
+    offer.clear();
     for (const auto& r : waiting_)
       if (r->queue_timer.seq == 0) arm_queue_timeout(r);
   }
@@ -754,7 +770,7 @@ class Gateway::Impl {
     }
     switch (topo_.mode) {
       case PdMode::kAggregated:
-        r->times.mark(Phase::kPrefilling);
+        r->times.mark(Phase::kPrefilling, now);
         start_relay(r, decode, r->body);
         break;
       case PdMode::kSequential:
@@ -1231,7 +1247,8 @@ class Gateway::Impl {
               .first;
     counter->second->inc();
     const int64_t received = *r->times.at(Phase::kReceived);
-    const int64_t completed = r->times.at(Phase::kCompleted).value_or(steady_now_ns());
+    const std::optional<int64_t> stamped = r->times.at(Phase::kCompleted);
+    const int64_t completed = stamped ? *stamped : steady_now_ns();
     for (int p = 0; p < kPhaseCount; ++p)
       if (auto s = r->times.seconds_in(static_cast<Phase>(p))) phase_histograms_[p]->observe(*s);
     if (status == 200) {
@@ -1618,6 +1635,7 @@ class Gateway::Impl {
   std::map<int, EndpointState> endpoints_;
   int next_endpoint_id_ = 0;
   std::deque<RequestPtr> waiting_;
+  std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
   std::unordered_map<const Request*, RequestPtr> active_;
   std::array<metrics::Histogram*, kPhaseCount> phase_histograms_{};
   metrics::Gauge detached_gauge_;  // written by draining engines, never rendered

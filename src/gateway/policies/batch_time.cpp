@@ -181,6 +181,7 @@ double estimate_batch_s(const BatchTimeEstimator& e, int64_t seqs, int64_t token
   if (tokens <= 0) return 0;
   if (pairs >= 0 && uses_pairs(e)) return pairs_model_s(e.pair_fit, 1, tokens, pairs);
   const double t = static_cast<double>(tokens);
+  if (e.observations == 0) return e.options.prior_overhead_s + e.options.prior_s_per_token * t;
   double out = 0;
   if (interpolate(e.rows[static_cast<size_t>(seq_row(seqs))], t, out)) return out;
   if (interpolate(e.rows[BatchTimeEstimator::kSeqRows], t, out)) return out;
