@@ -1163,6 +1163,12 @@ class Gateway::Impl {
       if (r->ended) return;
       r->answered = true;
       r->exchange->respond(status, body, "application/json");
+    } else if (client_error) {  // the engine's status, in an OpenAI error of our own
+      if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
+      std::lock_guard lock(r->mutex);
+      if (r->ended) return;
+      r->answered = true;
+      r->exchange->send_error(status, message);
     } else {
       if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
       std::lock_guard lock(r->mutex);

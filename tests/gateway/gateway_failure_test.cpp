@@ -35,6 +35,8 @@ enum class Behaviour {
   kHold,        // answers only when released (or never): a slow engine
   kCutStream,   // a stream with one event, then the connection is cut (the engine died)
   kErrorEvent,  // a stream whose first event is an error
+  kError400,    // HTTP 400 with an OpenAI error body (the engine refuses the request)
+  kEmpty422,    // HTTP 422 with an empty body
 };
 
 // An engine as the gateway sees it: OpenAI endpoints, /health, the P/D fields.
@@ -103,6 +105,13 @@ class FakeEngine {
         break;
       case Behaviour::kError500:
         ex->send_error(500, "fake engine " + name_ + " broke", "server_error");
+        break;
+      case Behaviour::kError400:
+        ex->send_error(400, "fake engine " + name_ + " refuses max_tokens",
+                       "invalid_request_error");
+        break;
+      case Behaviour::kEmpty422:
+        ex->respond(422, "", "application/json");
         break;
       case Behaviour::kGarbage:
         ex->respond(200, "this is not json {", "application/json");
@@ -314,6 +323,31 @@ TEST_F(GatewayFailures, AnEngineClientErrorIsPassedThroughNotRetried) {
   EXPECT_EQ(r.status, 400);
   EXPECT_NE(r.body.find("invalid_request_error"), std::string::npos);
   EXPECT_EQ(p1.requests() + p2.requests(), 0);
+}
+
+// An engine's own client error is the client's answer, with the engine's status and body (or an
+// OpenAI error naming the status when it sent none): the request is not retried elsewhere.
+TEST_F(GatewayFailures, AnEnginesClientErrorReachesTheClientWithItsStatus) {
+  FakeEngine e1("e1"), e2("e2");
+  e1.set(Behaviour::kError400);
+  e2.set(Behaviour::kError400);
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(e1, "e1"), endpoint_of(e2, "e2")};
+  t.prefill_retries = 1;
+  start(t);
+  auto r = post(completion());
+  EXPECT_EQ(r.status, 400);
+  EXPECT_NE(r.body.find("refuses max_tokens"), std::string::npos) << r.body;
+  EXPECT_EQ(e1.requests() + e2.requests(), 1);
+  e1.set(Behaviour::kEmpty422);
+  e2.set(Behaviour::kEmpty422);
+  r = post(completion());
+  EXPECT_EQ(r.status, 422);
+  const json err = json::parse(r.body);
+  ASSERT_TRUE(err.contains("error")) << r.body;
+  EXPECT_NE(err["error"]["message"].get<std::string>().find("422"), std::string::npos) << r.body;
+  EXPECT_EQ(e1.requests() + e2.requests(), 2);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
 TEST_F(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
