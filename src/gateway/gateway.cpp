@@ -1061,9 +1061,15 @@ class Gateway::Impl {
       streamed = l.first_event;
     }
     if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
+      // Once streaming, the gateway cancels the leg only because the client left (a failed
+      // write, or its connection closed): 499 however that news arrived first.
+      const bool client_left = l.gateway_cancelled.load();
+      const int status = reason.empty() ? 200 : client_left ? 499 : 502;
+      std::string error = reason.empty() ? ""
+                          : client_left  ? "client closed the connection"
+                                         : where + ": " + reason;
       // Recorded first: cutting the stream closes the exchange, which reports a client gone.
-      l.ended_request =
-          end_request(r, reason.empty() ? 200 : 502, reason.empty() ? "" : where + ": " + reason);
+      l.ended_request = end_request(r, status, std::move(error));
       if (reason.empty())
         r->exchange->end();
       else

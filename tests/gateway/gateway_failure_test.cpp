@@ -37,6 +37,7 @@ enum class Behaviour {
   kErrorEvent,  // a stream whose first event is an error
   kError400,    // HTTP 400 with an OpenAI error body (the engine refuses the request)
   kEmpty422,    // HTTP 422 with an empty body
+  kSlowStream,  // a stream of one event every 50 ms for 2 s: a client can leave in the middle
 };
 
 // An engine as the gateway sees it: OpenAI endpoints, /health, the P/D fields.
@@ -129,6 +130,21 @@ class FakeEngine {
           ex->abort();
         }).detach();
         break;
+      case Behaviour::kSlowStream: {
+        ex->start_stream(200, "text/event-stream");
+        ex->write(net::sse_event(chunk(0)));
+        std::vector<std::string> events;
+        for (int i = 1; i < 40; ++i) events.push_back(net::sse_event(chunk(i)));
+        std::thread([ex, events = std::move(events)] {
+          for (const auto& e : events) {
+            std::this_thread::sleep_for(50ms);
+            if (!ex->write(e)) return;  // the gateway gave up on the leg
+          }
+          ex->write(net::kSseDone);
+          ex->end();
+        }).detach();
+        break;
+      }
       case Behaviour::kErrorEvent:
         ex->start_stream(200, "text/event-stream");
         ex->write(net::sse_event(net::openai_error_body("KV transfer failed", "server_error")));
@@ -464,6 +480,30 @@ TEST_F(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
   ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
   EXPECT_EQ(log_lines().at(0)["status"], 499);
+}
+
+// A client that leaves in the middle of a stream is logged 499, whether the gateway learns it
+// from the closed connection or from a failed write of the next event.
+TEST_F(GatewayFailures, AClientThatLeavesMidStreamIsLogged499) {
+  FakeEngine e("e");
+  e.set(Behaviour::kSlowStream);
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(e, "e")};
+  start(t);
+  for (int i = 0; i < 3; ++i) {
+    try {  // gives up after 300 ms, a few events into the 2 s stream
+      net::http_request("127.0.0.1", port(), "POST", "/v1/completions", completion(true).dump(), {},
+                        300ms);
+    } catch (const Error&) {
+    }
+  }
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 3; }));
+  for (const auto& line : log_lines()) {
+    EXPECT_EQ(line["status"], 499) << line.dump();
+    EXPECT_GT(line["output_events"].get<int>(), 0) << line.dump();  // it left mid-stream
+  }
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+  EXPECT_TRUE(eventually([&] { return e.closed_early() == 3; }));
 }
 
 TEST_F(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
