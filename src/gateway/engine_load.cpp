@@ -96,7 +96,11 @@ EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, PrefillWo
 
 void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,
                Clock::time_point now, Clock::duration max_age) {
+  // Without a fresh report, the gateway's own count of what it has in flight there, pairs
+  // included: an engine whose report is late must not look cheaper than its peers because its
+  // cost is read in tokens only while theirs counts attention.
   load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight.tokens, 0);
+  load.queued_prefill_pairs = std::max<int64_t>(counts.uncached_in_flight.pairs, 0);
   if (!state.known || now - state.received > max_age) return;
   const EngineLoadReport& r = state.report;
   // The report's queue plus what was launched after its poll left, less the legs that finished
@@ -113,8 +117,8 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
         reported + std::max<int64_t>(unreported, 0) - std::max<int64_t>(finished, 0), 0);
   };
   load.queued_prefill_tokens = queued(r.prefill_tokens, unreported.tokens, finished.tokens);
-  if (r.prefill_pairs >= 0)
-    load.queued_prefill_pairs = queued(r.prefill_pairs, unreported.pairs, finished.pairs);
+  load.queued_prefill_pairs =
+      r.prefill_pairs >= 0 ? queued(r.prefill_pairs, unreported.pairs, finished.pairs) : -1;
   load.running_seqs = r.running;
   load.context_tokens = r.tokens_in_flight;
   load.free_kv_blocks = r.free_blocks;

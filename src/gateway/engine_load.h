@@ -84,7 +84,8 @@ struct GatewayCounts {
 // Fills `load`'s report-based fields (queued prefill tokens and pairs, running sequences, held
 // tokens, KV blocks, block size, batch budget, time until free, batch-time estimator) from `state`
 // at `now`. A state without a report, or one older than `max_age`, leaves the fields unknown except
-// queued_prefill_tokens, which then is the gateway's own count. The estimator is pointed to only
+// queued_prefill_tokens and queued_prefill_pairs, which then are the gateway's own counts (a fresh
+// report without pairs leaves the pairs unknown). The estimator is pointed to only
 // once it has observations (the policy's prior otherwise); `load` must not outlive `state`.
 void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCounts& counts,
                Clock::time_point now, Clock::duration max_age);

@@ -100,6 +100,7 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   EndpointLoad none;
   fill_load(none, {}, counts, t0, milliseconds(400));
   EXPECT_EQ(none.queued_prefill_tokens, 9000);
+  EXPECT_EQ(none.queued_prefill_pairs, 0);  // the gateway counted no pairs here
   EXPECT_EQ(none.running_seqs, -1);
   EXPECT_EQ(none.free_kv_blocks, -1);
   EXPECT_EQ(none.batch_time, nullptr);
@@ -191,6 +192,12 @@ TEST(EngineLoad, CarriesAttentionPairs) {
   EndpointLoad without;
   fill_load(without, absorb({}, old, {49000, 37000000}, t0, {}), counts, t0, milliseconds(400));
   EXPECT_EQ(without.queued_prefill_pairs, -1);
+  // A late report: the gateway's own counts, tokens and pairs, so the engine is not costed in
+  // tokens only next to peers whose reports count attention.
+  EndpointLoad late;
+  fill_load(late, s, counts, t0 + milliseconds(401), milliseconds(400));
+  EXPECT_EQ(late.queued_prefill_tokens, 9000);
+  EXPECT_EQ(late.queued_prefill_pairs, 8000000);
 }
 
 // The tandem policy reads what the reports say: of two engines with the same gateway-side load,
