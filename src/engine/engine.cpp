@@ -4,7 +4,6 @@
 #include <chrono>
 #include <random>
 
-#include "util/attention_pairs.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -231,30 +230,19 @@ LoadReport Engine::load() const {
   return r;
 }
 
-// Prompt tokens this engine still has to compute for a sequence (none while its KV is fetched).
-// One never admitted counts without the prefix its cache held on arrival: a router reading the
-// load must see a cached continuation as the little work it is.
-static int64_t computed_prompt(const Sequence& seq) {
-  if (seq.status == SequenceStatus::kFinished || seq.fetching) return seq.num_prompt;
+// Prompt work this engine still has to do for a sequence (none while its KV is fetched). One
+// never admitted counts without the prefix its cache held on arrival: a router reading the load
+// must see a cached continuation as the little work it is.
+static util::PrefillWork uncomputed_prompt(const Sequence& seq) {
+  if (seq.status == SequenceStatus::kFinished || seq.fetching) return {};
   const int64_t done =
       seq.admitted_once ? seq.num_computed : std::max(seq.num_computed, seq.cached_on_arrival);
-  return std::min(done, seq.num_prompt);
-}
-static int64_t uncomputed_prompt(const Sequence& seq) {
-  return seq.num_prompt - computed_prompt(seq);
-}
-static int64_t uncomputed_pairs(const Sequence& seq) {
-  return util::causal_pairs(computed_prompt(seq), seq.num_prompt);
+  return util::PrefillWork::of_prompt(done, seq.num_prompt);
 }
 
-int64_t Engine::prefill_tokens() const {
-  int64_t n = 0;
+util::PrefillWork Engine::queued_prefill() const {
+  util::PrefillWork n;
   for (const auto& [id, seq] : sequences_) n += uncomputed_prompt(*seq);
-  return n;
-}
-int64_t Engine::prefill_pairs() const {
-  int64_t n = 0;
-  for (const auto& [id, seq] : sequences_) n += uncomputed_pairs(*seq);
   return n;
 }
 
@@ -403,26 +391,24 @@ void Engine::step() {
     on_layer = [&](int64_t layers) {
       for (auto [r, claim] : rooms) agent_->room_layers_done(r, claim, layers);
     };
-  int64_t step_tokens = 0, step_prefill_tokens = 0, step_prefill_pairs = 0;
+  int64_t step_tokens = 0;
+  util::PrefillWork step_prefill;
   for (const auto& s : out.scheduled) {
     step_tokens += s.num_new_tokens;
     const int64_t done = s.seq->num_computed;
-    if (done < s.seq->num_prompt) {
-      const int64_t chunk = std::min(s.num_new_tokens, s.seq->num_prompt - done);
-      step_prefill_tokens += chunk;
-      step_prefill_pairs += util::causal_pairs(done, done + chunk);
-    }
+    if (done < s.seq->num_prompt)
+      step_prefill += util::PrefillWork::of_prompt(
+          done, done + std::min(s.num_new_tokens, s.seq->num_prompt - done));
   }
   {
     // What the gateway's expected-finish-time routing reads while this step runs.
-    const int64_t queued = prefill_tokens() - step_prefill_tokens;
-    const int64_t queued_pairs = prefill_pairs() - step_prefill_pairs;
+    const util::PrefillWork queued = queued_prefill() - step_prefill;
     std::lock_guard lock(load_mutex_);
     load_.step_seqs = static_cast<int64_t>(out.scheduled.size());
     load_.step_tokens = step_tokens;
-    load_.step_prefill_pairs = step_prefill_pairs;
-    load_.prefill_tokens = std::max<int64_t>(queued, 0);
-    load_.prefill_pairs = std::max<int64_t>(queued_pairs, 0);
+    load_.step_prefill_pairs = step_prefill.pairs;
+    load_.prefill_tokens = std::max<int64_t>(queued.tokens, 0);
+    load_.prefill_pairs = std::max<int64_t>(queued.pairs, 0);
     step_started_ = now;
   }
   ExecResult result;
@@ -441,7 +427,7 @@ void Engine::step() {
   const double done = now_seconds();
   const uint64_t index = recent_steps_.empty() ? 1 : recent_steps_.back().index + 1;
   recent_steps_.push_back({index, static_cast<int64_t>(out.scheduled.size()), step_tokens,
-                           done - now, step_prefill_pairs});
+                           done - now, step_prefill.pairs});
   if (recent_steps_.size() > LoadReport::kRecentSteps) recent_steps_.erase(recent_steps_.begin());
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const auto& s = out.scheduled[i];
@@ -647,11 +633,13 @@ void Engine::update_gauges() {
   r.block_size = info.block_size;
   r.kv_usage = kv_.usage();
   r.cached_blocks = kv_.num_cached_blocks();
+  util::PrefillWork queued;
   for (const auto& [id, seq] : sequences_) {
     r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
-    r.prefill_tokens += uncomputed_prompt(*seq);
-    r.prefill_pairs += uncomputed_pairs(*seq);
+    queued += uncomputed_prompt(*seq);
   }
+  r.prefill_tokens = queued.tokens;
+  r.prefill_pairs = queued.pairs;
   const PrefixCacheStats& stats = kv_.prefix_cache_stats();
   metrics_->prefix_queries.inc(static_cast<uint64_t>(stats.queries - reported_queries_));
   metrics_->prefix_hits.inc(static_cast<uint64_t>(stats.hits - reported_hits_));

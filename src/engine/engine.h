@@ -21,6 +21,7 @@
 #include "engine/scheduler/sequence.h"
 #include "engine/transfer/kv_transfer.h"
 #include "text/tokenizer.h"
+#include "util/attention_pairs.h"
 #include "util/metrics.h"
 
 namespace tandem::engine {
@@ -153,11 +154,9 @@ class Engine {
   // Load snapshot, written by the engine thread before and after each step.
   mutable std::mutex load_mutex_;
   LoadReport load_;
-  double step_started_ = 0;               // now_seconds() when the running step began
-  std::vector<StepRecord> recent_steps_;  // engine thread; copied into load_
-  // Engine thread: prompt tokens not yet computed, and their attention pairs.
-  int64_t prefill_tokens() const;
-  int64_t prefill_pairs() const;
+  double step_started_ = 0;                  // now_seconds() when the running step began
+  std::vector<StepRecord> recent_steps_;     // engine thread; copied into load_
+  util::PrefillWork queued_prefill() const;  // engine thread: prompt work not yet computed
 };
 
 }  // namespace tandem::engine

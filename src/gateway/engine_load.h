@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gateway/policy.h"
+#include "util/attention_pairs.h"
 
 namespace tandem::gateway {
 
@@ -37,22 +38,8 @@ struct EngineLoadReport {
 // gateway does not use are ignored, missing optional ones keep their defaults.
 EngineLoadReport parse_engine_load(std::string_view body);
 
-// Uncached prompt work, as the gateway counts it: tokens and their causal attention pairs
-// (util::causal_pairs).
-struct PrefillWork {
-  int64_t tokens = 0, pairs = 0;
-  PrefillWork& operator+=(const PrefillWork& o) {
-    tokens += o.tokens;
-    pairs += o.pairs;
-    return *this;
-  }
-  PrefillWork& operator-=(const PrefillWork& o) {
-    tokens -= o.tokens;
-    pairs -= o.pairs;
-    return *this;
-  }
-  friend PrefillWork operator-(PrefillWork a, const PrefillWork& b) { return a -= b; }
-};
+// Uncached prompt work, as the gateway counts it: tokens and their causal attention pairs.
+using util::PrefillWork;
 
 // The scheduling thread's record of one engine's reports.
 struct EngineLoadState {

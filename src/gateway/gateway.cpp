@@ -720,10 +720,8 @@ class Gateway::Impl {
       r->uncached = {};
       for (const auto* pool : {&v.prefill, &v.decode})
         for (const auto& e : *pool)
-          if (e.id == computes) {
-            const int64_t cached = std::clamp<int64_t>(e.cached_tokens, 0, r->prompt_tokens);
-            r->uncached = {r->prompt_tokens - cached, util::causal_pairs(cached, r->prompt_tokens)};
-          }
+          if (e.id == computes)
+            r->uncached = PrefillWork::of_prompt(e.cached_tokens, r->prompt_tokens);
       start(r, prefill, decode);
       policy_->record(policy_state_, ri, prefill, decode, now);
       apply_choice(v, ri, prefill, decode);
@@ -1169,19 +1167,13 @@ class Gateway::Impl {
       if (r->ended) return;
       r->answered = true;
       r->exchange->respond(status, body, "application/json");
-    } else if (client_error) {  // the engine's status, in an OpenAI error of our own
+    } else {  // an OpenAI error of our own: the engine's 4xx status, else 502
       if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
+      if (!client_error) status = 502;
       std::lock_guard lock(r->mutex);
       if (r->ended) return;
       r->answered = true;
-      r->exchange->send_error(status, message);
-    } else {
-      if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
-      std::lock_guard lock(r->mutex);
-      if (r->ended) return;
-      r->answered = true;
-      r->exchange->send_error(502, message, "server_error");
-      status = 502;
+      r->exchange->send_error(status, message, client_error ? "" : "server_error");
     }
     complete(r, status, message.empty() ? "engine error" : message);
   }

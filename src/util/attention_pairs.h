@@ -14,4 +14,26 @@ inline int64_t causal_pairs(int64_t done, int64_t prompt) {
   return (prompt * (prompt + 1) - done * (done + 1)) / 2;
 }
 
+// Prefill work: prompt tokens and their causal attention pairs.
+struct PrefillWork {
+  int64_t tokens = 0, pairs = 0;
+
+  // Computing a prompt of `prompt` tokens whose first `done` are cached or computed already.
+  static PrefillWork of_prompt(int64_t done, int64_t prompt) {
+    done = std::clamp<int64_t>(done, 0, std::max<int64_t>(prompt, 0));
+    return {prompt - done, causal_pairs(done, prompt)};
+  }
+  PrefillWork& operator+=(const PrefillWork& o) {
+    tokens += o.tokens;
+    pairs += o.pairs;
+    return *this;
+  }
+  PrefillWork& operator-=(const PrefillWork& o) {
+    tokens -= o.tokens;
+    pairs -= o.pairs;
+    return *this;
+  }
+  friend PrefillWork operator-(PrefillWork a, const PrefillWork& b) { return a -= b; }
+};
+
 }  // namespace tandem::util

@@ -65,8 +65,7 @@ inline int64_t uncached_tokens(const EndpointLoad& e, const RequestInfo& r) {
 
 // The attention pairs of the request's uncached part on this engine.
 inline int64_t uncached_pairs(const EndpointLoad& e, const RequestInfo& r) {
-  return util::causal_pairs(std::clamp<int64_t>(e.cached_tokens, 0, r.prompt_tokens),
-                            r.prompt_tokens);
+  return util::PrefillWork::of_prompt(e.cached_tokens, r.prompt_tokens).pairs;
 }
 
 // Prefill work already waiting on the engine: its reported/accounted queue, else what the gateway
