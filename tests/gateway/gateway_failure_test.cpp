@@ -256,6 +256,12 @@ class GatewayFailures : public ::testing::Test {
   }
   json endpoints() { return json::parse(admin("GET", "/admin/endpoints").body)["endpoints"]; }
   // No engine is left with a request the gateway counts as in flight.
+  // A gateway in aggregated mode in front of one engine.
+  void start_aggregated(FakeEngine& engine, const std::string& name) {
+    auto t = topology(PdMode::kAggregated);
+    t.decode.endpoints = {endpoint_of(engine, name)};
+    start(t);
+  }
   bool all_idle() {
     for (const auto& e : endpoints())
       if (e["in_flight"] != 0) return false;
@@ -394,9 +400,7 @@ TEST_F(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
 TEST_F(GatewayFailures, AnEngineDyingMidStreamCutsTheClientStream) {
   FakeEngine engine("e");
   engine.set(Behaviour::kCutStream);
-  auto t = topology(PdMode::kAggregated);
-  t.decode.endpoints = {endpoint_of(engine, "e")};
-  start(t);
+  start_aggregated(engine, "e");
   std::string got;
   bool failed = false;
   try {
@@ -487,9 +491,7 @@ TEST_F(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
 TEST_F(GatewayFailures, AClientThatLeavesMidStreamIsLogged499) {
   FakeEngine e("e");
   e.set(Behaviour::kSlowStream);
-  auto t = topology(PdMode::kAggregated);
-  t.decode.endpoints = {endpoint_of(e, "e")};
-  start(t);
+  start_aggregated(e, "e");
   for (int i = 0; i < 3; ++i) {
     try {  // gives up after 300 ms, a few events into the 2 s stream
       net::http_request("127.0.0.1", port(), "POST", "/v1/completions", completion(true).dump(), {},
@@ -590,9 +592,7 @@ TEST_F(GatewayFailures, ApiKeysAreRequiredWhenConfigured) {
 TEST_F(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
   FakeEngine a("a"), b("b");
   a.set(Behaviour::kHold);
-  auto t = topology(PdMode::kAggregated);
-  t.decode.endpoints = {endpoint_of(a, "a")};
-  start(t);
+  start_aggregated(a, "a");
   auto held = std::async(std::launch::async, [&] { return post(completion()); });
   ASSERT_TRUE(eventually([&] { return a.held() == 1; }));
   // Add b, remove a while its request is in flight: a drains, b takes new requests.
