@@ -19,7 +19,8 @@
 # Usage: bench/policy_comparison.sh [BUILD_DIR]
 # Environment: POLICIES ("least_load round_robin cache_aware kv_router tandem"), PREFILL (4),
 #   DECODE (4), MODE (parallel), LIMIT (300 records), START (0), TIME_SCALE (2), SIM_KV_BYTES
-#   (16), KV_TIMEOUT_S (600), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), TRACE (../shared/traces/...), ENGINE_ARGS
+#   (16), KV_TIMEOUT_S (600), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), TRACE (the Mooncake trace,
+#   ../shared/traces/mooncake_conversation_trace.jsonl beside the checkout), ENGINE_ARGS
 #   (more engine flags, e.g. "--num-kv-blocks=4096"), JOBS (1: policies run one after another;
 #   N: N at once, each with its own engines, which fits when the machine has cores to spare),
 #   OUT (a folder to keep every run's bench results, serve logs and engine metrics in).
@@ -29,7 +30,21 @@ build="${1:-$root/build}"
 policies="${POLICIES:-least_load round_robin cache_aware kv_router tandem}"
 trace="${TRACE:-$root/../shared/traces/mooncake_conversation_trace.jsonl}"
 limit="${LIMIT:-300}" start="${START:-0}" scale="${TIME_SCALE:-2}"
-[ -f "$trace" ] || { echo "no trace at $trace (set TRACE)" >&2; exit 1; }
+if [ ! -f "$trace" ]; then
+  # The trace is public data kept outside the repository: say where it comes from.
+  cat >&2 <<EOF
+bench/policy_comparison.sh: the Mooncake conversation trace is not at
+  $trace
+It is public data, not part of this repository. It is published in the kvcache-ai/Mooncake
+GitHub repository (Apache-2.0), FAST'25 traces folder: FAST25-release/traces/conversation_trace.jsonl
+(docs/benchmarks.md used the copy of commit 3b5a5941, sha256
+b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df):
+  https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces
+Save it beside the checkout as ../shared/traces/mooncake_conversation_trace.jsonl, or point TRACE
+at it: TRACE=/path/to/conversation_trace.jsonl bench/policy_comparison.sh
+EOF
+  exit 1
+fi
 
 dir="$(mktemp -d)"
 cleanup() {
