@@ -9,7 +9,7 @@
 #include <ctime>
 #include <initializer_list>
 #include <optional>
-#include <set>
+#include <unordered_map>
 
 #include <unicode/uchar.h>
 #include <unicode/ustring.h>
@@ -662,21 +662,26 @@ Value method(const std::string& name, std::function<Value(CallArgs&)> fn) {
   return v;
 }
 
-const std::set<std::string, std::less<>> kStrMethods = {
-    "capitalize",   "casefold",    "center",    "count",      "encode",       "endswith",
-    "expandtabs",   "find",        "format",    "format_map", "index",        "isalnum",
-    "isalpha",      "isascii",     "isdecimal", "isdigit",    "isidentifier", "islower",
-    "isnumeric",    "isprintable", "isspace",   "istitle",    "isupper",      "join",
-    "ljust",        "lower",       "lstrip",    "maketrans",  "partition",    "removeprefix",
-    "removesuffix", "replace",     "rfind",     "rindex",     "rjust",        "rpartition",
-    "rsplit",       "rstrip",      "split",     "splitlines", "startswith",   "strip",
-    "swapcase",     "title",       "translate", "upper",      "zfill"};
-const std::set<std::string, std::less<>> kDictMethods = {
-    "clear", "copy",    "fromkeys",   "get",    "items", "keys",
-    "pop",   "popitem", "setdefault", "update", "values"};
-const std::set<std::string, std::less<>> kListMethods = {"append", "clear",   "copy",   "count",
-                                                         "extend", "index",   "insert", "pop",
-                                                         "remove", "reverse", "sort"};
+// The entry for `name` in a name -> function table, or nullptr when the table has none.
+template <class Table>
+const typename Table::mapped_type* find_entry(const Table& table, std::string_view name) {
+  auto it = table.find(name);
+  return it == table.end() ? nullptr : &it->second;
+}
+
+// `self.name(args)`: what the body of a bound str, dict or list method gets when it is called.
+template <class Self>
+struct MethodCall {
+  const Self& self;
+  const std::string& name;  // for argument errors, as Python names the method
+  CallArgs& args;
+};
+using StrCall = MethodCall<std::string>;
+using DictCall = MethodCall<Dict>;
+using ListCall = MethodCall<Sequence>;
+
+template <class Self>
+using MethodFn = Value (*)(const MethodCall<Self>& call);
 
 bool affix_match(const std::u32string& s, const Value& affix, const Value& start, const Value& end,
                  bool prefix, const std::string& fn) {
@@ -701,234 +706,379 @@ bool affix_match(const std::u32string& s, const Value& affix, const Value& start
   return one(affix);
 }
 
-Value str_method(const Value& self, const std::string& name) {
+// str.startswith / str.endswith
+Value str_affix(const StrCall& c, bool prefix) {
+  Params p(c.name, c.args, {"prefix", "start", "end"});
+  return Value::boolean(affix_match(to_u32(c.self), p.get(0), p.get_or(1, Value::none()),
+                                    p.get_or(2, Value::none()), prefix, c.name));
+}
+
+// str.split / str.rsplit
+Value str_split(const StrCall& c, bool from_right) {
+  Params p(c.name, c.args, {"sep", "maxsplit"});
+  return py_split(c.self, p.get_or(0, Value::none()),
+                  to_index(p.get_or(1, Value::integer(-1)), "maxsplit"), from_right);
+}
+
+// str.strip / str.lstrip / str.rstrip
+Value str_strip(const StrCall& c, bool left, bool right) {
+  Params p(c.name, c.args, {"chars"});
+  return Value::string(py_strip(c.self, p.get_or(0, Value::none()), left, right));
+}
+
+Value str_replace(const StrCall& c) {
+  Params p(c.name, c.args, {"old", "new", "count"});
+  const Value& o = p.get(0);
+  const Value& n = p.get(1);
+  if (!o.is_string() || !n.is_string()) type_error("replace() argument must be str");
+  return Value::string(
+      py_replace(c.self, o.s, n.s, to_index(p.get_or(2, Value::integer(-1)), "count")));
+}
+
+// str.upper / lower / title / capitalize
+template <std::string (*Convert)(const std::string&)>
+Value str_case(const StrCall& c) {
+  Params p(c.name, c.args, {});
+  return Value::string(Convert(c.self));
+}
+
+// The arguments of find/rfind/index/rindex/count: the string and the substring as code points
+// and the [b, e) window that start and end select.
+struct Search {
+  std::u32string u, sub;
+  int64_t b = 0, e = 0;
+};
+
+Search search_args(const StrCall& c) {
+  Params p(c.name, c.args, {"sub", "start", "end"});
+  const Value& subv = p.get(0);
+  if (!subv.is_string()) type_error("must be str, not " + type_name(subv));
+  Search q;
+  q.u = to_u32(c.self);
+  q.sub = to_u32(subv.s);
+  adjust_range(p.get_or(1, Value::none()), p.get_or(2, Value::none()),
+               static_cast<int64_t>(q.u.size()), q.b, q.e);
+  return q;
+}
+
+Value str_count(const StrCall& c) {
+  Search q = search_args(c);
+  if (q.b > q.e) return Value::integer(0);
+  if (q.sub.empty()) return Value::integer(q.e - q.b + 1);
+  int64_t n = 0;
+  size_t i = static_cast<size_t>(q.b);
+  while (true) {
+    size_t j = q.u.find(q.sub, i);
+    if (j == std::u32string::npos || j + q.sub.size() > static_cast<size_t>(q.e)) break;
+    ++n;
+    i = j + q.sub.size();
+  }
+  return Value::integer(n);
+}
+
+// str.find / rfind, and str.index / rindex, which raise where find returns -1.
+Value str_find(const StrCall& c, bool from_right, bool raise) {
+  Search q = search_args(c);
+  int64_t found = -1;
+  if (q.b <= q.e && static_cast<int64_t>(q.sub.size()) <= q.e - q.b) {
+    std::u32string window = q.u.substr(static_cast<size_t>(q.b), static_cast<size_t>(q.e - q.b));
+    size_t j = from_right ? window.rfind(q.sub) : window.find(q.sub);
+    if (j != std::u32string::npos) found = q.b + static_cast<int64_t>(j);
+  }
+  if (found < 0 && raise) type_error("substring not found");
+  return Value::integer(found);
+}
+
+Value str_join(const StrCall& c) {
+  Params p(c.name, c.args, {"iterable"});
+  std::string out;
+  size_t k = 0;
+  for (const auto& item : py_iterate(p.get(0))) {
+    if (!item.is_string()) {
+      type_error("sequence item " + std::to_string(k) + ": expected str instance, " +
+                 type_name(item) + " found");
+    }
+    if (k++) out += c.self;
+    out += item.s;
+  }
+  return Value::string(out);
+}
+
+Value str_splitlines(const StrCall& c) {
+  Params p(c.name, c.args, {"keepends"});
+  return str_list(py_splitlines(to_u32(c.self), truthy(p.get_or(0, Value::boolean(false)))));
+}
+
+// str.removeprefix / str.removesuffix
+Value str_remove_affix(const StrCall& c, bool prefix) {
+  Params p(c.name, c.args, {"affix"});
+  const Value& x = p.get(0);
+  const std::string& s = c.self;
+  if (!x.is_string()) type_error(c.name + "() argument must be str, not " + type_name(x));
+  if (prefix && s.compare(0, x.s.size(), x.s) == 0 && s.size() >= x.s.size()) {
+    return Value::string(s.substr(x.s.size()));
+  }
+  if (!prefix && s.size() >= x.s.size() && s.compare(s.size() - x.s.size(), x.s.size(), x.s) == 0) {
+    return Value::string(s.substr(0, s.size() - x.s.size()));
+  }
+  return Value::string(s);
+}
+
+// Character classes of str.isdigit() and friends, from the Unicode numeric type as CPython uses it.
+int numeric_type(char32_t c) {
+  return u_getIntPropertyValue(static_cast<UChar32>(c), UCHAR_NUMERIC_TYPE);
+}
+bool char_is_decimal(char32_t c) {
+  return numeric_type(c) == U_NT_DECIMAL;
+}
+bool char_is_digit(char32_t c) {
+  return char_is_decimal(c) || numeric_type(c) == U_NT_DIGIT;
+}
+bool char_is_numeric(char32_t c) {
+  return char_is_digit(c) || numeric_type(c) == U_NT_NUMERIC;
+}
+bool char_is_alpha(char32_t c) {
+  return u_isalpha(static_cast<UChar32>(c));
+}
+bool char_is_alnum(char32_t c) {
+  return char_is_alpha(c) || char_is_numeric(c);
+}
+
+// str.isspace / isdigit / isdecimal / isnumeric / isalpha / isalnum: a non-empty string whose
+// every character is of the class.
+template <bool (*InClass)(char32_t)>
+Value str_all_chars(const StrCall& c) {
+  Params p(c.name, c.args, {});
+  std::u32string u = to_u32(c.self);
+  if (u.empty()) return Value::boolean(false);
+  for (char32_t ch : u) {
+    if (!InClass(ch)) return Value::boolean(false);
+  }
+  return Value::boolean(true);
+}
+
+// Every method Python's str has. A null entry is one this interpreter refuses.
+const std::unordered_map<std::string_view, MethodFn<std::string>> kStrMethods = {
+    {"capitalize", str_case<py_capitalize>},
+    {"casefold",
+     [](const StrCall& c) -> Value {
+       Params p(c.name, c.args, {});
+       unsupported("str.casefold");
+     }},
+    {"center", nullptr},
+    {"count", str_count},
+    {"encode", nullptr},
+    {"endswith", [](const StrCall& c) { return str_affix(c, /*prefix=*/false); }},
+    {"expandtabs", nullptr},
+    {"find", [](const StrCall& c) { return str_find(c, /*from_right=*/false, /*raise=*/false); }},
+    {"format", [](const StrCall& c) { return Value::string(py_format(c.self, c.args)); }},
+    {"format_map", nullptr},
+    {"index", [](const StrCall& c) { return str_find(c, /*from_right=*/false, /*raise=*/true); }},
+    {"isalnum", str_all_chars<char_is_alnum>},
+    {"isalpha", str_all_chars<char_is_alpha>},
+    {"isascii", nullptr},
+    {"isdecimal", str_all_chars<char_is_decimal>},
+    {"isdigit", str_all_chars<char_is_digit>},
+    {"isidentifier", nullptr},
+    {"islower",
+     [](const StrCall& c) {
+       Params p(c.name, c.args, {});
+       return Value::boolean(py_islower(c.self));
+     }},
+    {"isnumeric", str_all_chars<char_is_numeric>},
+    {"isprintable", nullptr},
+    {"isspace", str_all_chars<py_isspace>},
+    {"istitle", nullptr},
+    {"isupper",
+     [](const StrCall& c) {
+       Params p(c.name, c.args, {});
+       return Value::boolean(py_isupper(c.self));
+     }},
+    {"join", str_join},
+    {"ljust", nullptr},
+    {"lower", str_case<py_lower>},
+    {"lstrip", [](const StrCall& c) { return str_strip(c, /*left=*/true, /*right=*/false); }},
+    {"maketrans", nullptr},
+    {"partition", nullptr},
+    {"removeprefix", [](const StrCall& c) { return str_remove_affix(c, /*prefix=*/true); }},
+    {"removesuffix", [](const StrCall& c) { return str_remove_affix(c, /*prefix=*/false); }},
+    {"replace", str_replace},
+    {"rfind", [](const StrCall& c) { return str_find(c, /*from_right=*/true, /*raise=*/false); }},
+    {"rindex", [](const StrCall& c) { return str_find(c, /*from_right=*/true, /*raise=*/true); }},
+    {"rjust", nullptr},
+    {"rpartition", nullptr},
+    {"rsplit", [](const StrCall& c) { return str_split(c, /*from_right=*/true); }},
+    {"rstrip", [](const StrCall& c) { return str_strip(c, /*left=*/false, /*right=*/true); }},
+    {"split", [](const StrCall& c) { return str_split(c, /*from_right=*/false); }},
+    {"splitlines", str_splitlines},
+    {"startswith", [](const StrCall& c) { return str_affix(c, /*prefix=*/true); }},
+    {"strip", [](const StrCall& c) { return str_strip(c, /*left=*/true, /*right=*/true); }},
+    {"swapcase", nullptr},
+    {"title", str_case<py_title>},
+    {"translate", nullptr},
+    {"upper", str_case<py_upper>},
+    {"zfill", nullptr},
+};
+
+enum class DictView { kItems, kKeys, kValues };
+
+Value dict_view(const DictCall& c, DictView view) {
+  Params p(c.name, c.args, {});
+  std::vector<Value> out;
+  for (const auto& [k, v] : c.self.items) {
+    if (view == DictView::kItems) {
+      out.push_back(make_tuple2(k, v));
+    } else {
+      out.push_back(view == DictView::kKeys ? k : v);
+    }
+  }
+  return Value::list(std::move(out), SeqKind::kDictView);
+}
+
+// Every method Python's dict has. A null entry is one the sandbox forbids (it mutates).
+const std::unordered_map<std::string_view, MethodFn<Dict>> kDictMethods = {
+    {"clear", nullptr},
+    {"copy",
+     [](const DictCall& c) {
+       Params p(c.name, c.args, {});
+       Value v;
+       v.kind = Kind::kDict;
+       v.dict = std::make_shared<Dict>(c.self);
+       return v;
+     }},
+    {"fromkeys", nullptr},
+    {"get",
+     [](const DictCall& c) {
+       Params p(c.name, c.args, {"key", "default"});
+       check_hashable(p.get(0));
+       const Value* v = c.self.find(p.get(0));
+       return v ? *v : p.get_or(1, Value::none());
+     }},
+    {"items", [](const DictCall& c) { return dict_view(c, DictView::kItems); }},
+    {"keys", [](const DictCall& c) { return dict_view(c, DictView::kKeys); }},
+    {"pop", nullptr},
+    {"popitem", nullptr},
+    {"setdefault", nullptr},
+    {"update", nullptr},
+    {"values", [](const DictCall& c) { return dict_view(c, DictView::kValues); }},
+};
+
+// Every method Python's list has (a tuple has count and index only). A null entry is one the
+// sandbox forbids (it mutates).
+const std::unordered_map<std::string_view, MethodFn<Sequence>> kListMethods = {
+    {"append", nullptr},
+    {"clear", nullptr},
+    {"copy", nullptr},
+    {"count",
+     [](const ListCall& c) {
+       Params p(c.name, c.args, {"value"});
+       int64_t n = 0;
+       for (const auto& v : c.self.items) n += py_equal(v, p.get(0)) ? 1 : 0;
+       return Value::integer(n);
+     }},
+    {"extend", nullptr},
+    {"index",
+     [](const ListCall& c) {
+       Params p(c.name, c.args, {"value"});
+       for (size_t k = 0; k < c.self.items.size(); ++k) {
+         if (py_equal(c.self.items[k], p.get(0))) return Value::integer(static_cast<int64_t>(k));
+       }
+       type_error(py_repr(p.get(0)) + " is not in list");
+     }},
+    {"insert", nullptr},
+    {"pop", nullptr},
+    {"remove", nullptr},
+    {"reverse", nullptr},
+    {"sort", nullptr},
+};
+
+// `self.name`, bound; `body` is the table's entry for the name.
+Value str_method(const Value& self, const std::string& name, MethodFn<std::string> body) {
   if (self.markup) unsupported("method '" + name + "' on a Markup string");
-  const std::string s = self.s;
-  auto bound = [&](std::function<Value(CallArgs&)> fn) {
-    return method("str." + name, std::move(fn));
-  };
-  if (name == "startswith" || name == "endswith") {
-    bool prefix = name == "startswith";
-    return bound([s, prefix, name](CallArgs& a) {
-      Params p(name, a, {"prefix", "start", "end"});
-      return Value::boolean(affix_match(to_u32(s), p.get(0), p.get_or(1, Value::none()),
-                                        p.get_or(2, Value::none()), prefix, name));
-    });
-  }
-  if (name == "split" || name == "rsplit") {
-    bool right = name == "rsplit";
-    return bound([s, right, name](CallArgs& a) {
-      Params p(name, a, {"sep", "maxsplit"});
-      return py_split(s, p.get_or(0, Value::none()),
-                      to_index(p.get_or(1, Value::integer(-1)), "maxsplit"), right);
-    });
-  }
-  if (name == "strip" || name == "lstrip" || name == "rstrip") {
-    bool left = name != "rstrip", right = name != "lstrip";
-    return bound([s, left, right, name](CallArgs& a) {
-      Params p(name, a, {"chars"});
-      return Value::string(py_strip(s, p.get_or(0, Value::none()), left, right));
-    });
-  }
-  if (name == "replace") {
-    return bound([s](CallArgs& a) {
-      Params p("replace", a, {"old", "new", "count"});
-      const Value& o = p.get(0);
-      const Value& n = p.get(1);
-      if (!o.is_string() || !n.is_string()) type_error("replace() argument must be str");
-      return Value::string(
-          py_replace(s, o.s, n.s, to_index(p.get_or(2, Value::integer(-1)), "count")));
-    });
-  }
-  if (name == "upper" || name == "lower" || name == "title" || name == "capitalize" ||
-      name == "casefold") {
-    return bound([s, name](CallArgs& a) {
-      Params p(name, a, {});
-      if (name == "upper") return Value::string(py_upper(s));
-      if (name == "lower") return Value::string(py_lower(s));
-      if (name == "title") return Value::string(py_title(s));
-      if (name == "capitalize") return Value::string(py_capitalize(s));
-      unsupported("str.casefold");
-    });
-  }
-  if (name == "find" || name == "rfind" || name == "index" || name == "rindex" || name == "count") {
-    return bound([s, name](CallArgs& a) {
-      Params p(name, a, {"sub", "start", "end"});
-      const Value& subv = p.get(0);
-      if (!subv.is_string()) type_error("must be str, not " + type_name(subv));
-      std::u32string u = to_u32(s), sub = to_u32(subv.s);
-      int64_t b = 0, e = 0;
-      adjust_range(p.get_or(1, Value::none()), p.get_or(2, Value::none()),
-                   static_cast<int64_t>(u.size()), b, e);
-      if (name == "count") {
-        if (b > e) return Value::integer(0);
-        if (sub.empty()) return Value::integer(e - b + 1);
-        int64_t n = 0;
-        size_t i = static_cast<size_t>(b);
-        while (true) {
-          size_t j = u.find(sub, i);
-          if (j == std::u32string::npos || j + sub.size() > static_cast<size_t>(e)) break;
-          ++n;
-          i = j + sub.size();
-        }
-        return Value::integer(n);
-      }
-      int64_t found = -1;
-      if (b <= e && static_cast<int64_t>(sub.size()) <= e - b) {
-        std::u32string window = u.substr(static_cast<size_t>(b), static_cast<size_t>(e - b));
-        size_t j = (name == "find" || name == "index") ? window.find(sub) : window.rfind(sub);
-        if (j != std::u32string::npos) found = b + static_cast<int64_t>(j);
-      }
-      if (found < 0 && (name == "index" || name == "rindex")) type_error("substring not found");
-      return Value::integer(found);
-    });
-  }
-  if (name == "join") {
-    return bound([s](CallArgs& a) {
-      Params p("join", a, {"iterable"});
-      std::string out;
-      size_t k = 0;
-      for (const auto& item : py_iterate(p.get(0))) {
-        if (!item.is_string()) {
-          type_error("sequence item " + std::to_string(k) + ": expected str instance, " +
-                     type_name(item) + " found");
-        }
-        if (k++) out += s;
-        out += item.s;
-      }
-      return Value::string(out);
-    });
-  }
-  if (name == "format") {
-    return bound([s](CallArgs& a) { return Value::string(py_format(s, a)); });
-  }
-  if (name == "splitlines") {
-    return bound([s](CallArgs& a) {
-      Params p("splitlines", a, {"keepends"});
-      return str_list(py_splitlines(to_u32(s), truthy(p.get_or(0, Value::boolean(false)))));
-    });
-  }
-  if (name == "removeprefix" || name == "removesuffix") {
-    bool prefix = name == "removeprefix";
-    return bound([s, prefix, name](CallArgs& a) {
-      Params p(name, a, {"affix"});
-      const Value& x = p.get(0);
-      if (!x.is_string()) type_error(name + "() argument must be str, not " + type_name(x));
-      if (prefix && s.compare(0, x.s.size(), x.s) == 0 && s.size() >= x.s.size()) {
-        return Value::string(s.substr(x.s.size()));
-      }
-      if (!prefix && s.size() >= x.s.size() &&
-          s.compare(s.size() - x.s.size(), x.s.size(), x.s) == 0) {
-        return Value::string(s.substr(0, s.size() - x.s.size()));
-      }
-      return Value::string(s);
-    });
-  }
-  if (name == "isspace" || name == "isdigit" || name == "isalpha" || name == "isalnum" ||
-      name == "islower" || name == "isupper" || name == "isdecimal" || name == "isnumeric") {
-    return bound([s, name](CallArgs& a) {
-      Params p(name, a, {});
-      if (name == "islower") return Value::boolean(py_islower(s));
-      if (name == "isupper") return Value::boolean(py_isupper(s));
-      std::u32string u = to_u32(s);
-      if (u.empty()) return Value::boolean(false);
-      for (char32_t c : u) {
-        auto cp = static_cast<UChar32>(c);
-        int nt = u_getIntPropertyValue(cp, UCHAR_NUMERIC_TYPE);
-        bool decimal = nt == U_NT_DECIMAL;
-        bool digit = decimal || nt == U_NT_DIGIT;
-        bool numeric = digit || nt == U_NT_NUMERIC;
-        bool alpha = u_isalpha(cp);
-        bool ok = name == "isspace"     ? py_isspace(c)
-                  : name == "isdigit"   ? digit
-                  : name == "isdecimal" ? decimal
-                  : name == "isnumeric" ? numeric
-                  : name == "isalpha"   ? alpha
-                                        : (alpha || numeric);
-        if (!ok) return Value::boolean(false);
-      }
-      return Value::boolean(true);
-    });
-  }
-  unsupported("str method '" + name + "'");
+  if (!body) unsupported("str method '" + name + "'");
+  return method("str." + name, [s = self.s, name, body](CallArgs& a) {
+    return body(StrCall{s, name, a});
+  });
 }
 
-Value dict_method(const Value& self, const std::string& name) {
-  auto d = self.dict;
-  if (name == "items" || name == "keys" || name == "values") {
-    return method("dict." + name, [d, name](CallArgs& a) {
-      Params p(name, a, {});
-      std::vector<Value> out;
-      for (const auto& [k, v] : d->items) {
-        if (name == "items") {
-          out.push_back(make_tuple2(k, v));
-        } else {
-          out.push_back(name == "keys" ? k : v);
-        }
-      }
-      return Value::list(std::move(out), SeqKind::kDictView);
-    });
-  }
-  if (name == "get") {
-    return method("dict.get", [d](CallArgs& a) {
-      Params p("get", a, {"key", "default"});
-      check_hashable(p.get(0));
-      const Value* v = d->find(p.get(0));
-      return v ? *v : p.get_or(1, Value::none());
-    });
-  }
-  if (name == "copy") {
-    return method("dict.copy", [d](CallArgs& a) {
-      Params p("copy", a, {});
-      Value v;
-      v.kind = Kind::kDict;
-      v.dict = std::make_shared<Dict>(*d);
-      return v;
-    });
-  }
-  unsupported("dict method '" + name + "' (the sandbox forbids mutation)");
+Value dict_method(const Value& self, const std::string& name, MethodFn<Dict> body) {
+  if (!body) unsupported("dict method '" + name + "' (the sandbox forbids mutation)");
+  return method("dict." + name, [d = self.dict, name, body](CallArgs& a) {
+    return body(DictCall{*d, name, a});
+  });
 }
 
-Value list_method(const Value& self, const std::string& name) {
-  auto sq = self.seq;
-  if (name == "count") {
-    return method("list.count", [sq](CallArgs& a) {
-      Params p("count", a, {"value"});
-      int64_t n = 0;
-      for (const auto& v : sq->items) n += py_equal(v, p.get(0)) ? 1 : 0;
-      return Value::integer(n);
-    });
-  }
-  if (name == "index") {
-    return method("list.index", [sq](CallArgs& a) {
-      Params p("index", a, {"value"});
-      for (size_t k = 0; k < sq->items.size(); ++k) {
-        if (py_equal(sq->items[k], p.get(0))) return Value::integer(static_cast<int64_t>(k));
-      }
-      type_error(py_repr(p.get(0)) + " is not in list");
-    });
-  }
-  unsupported("list method '" + name + "' (the sandbox forbids mutation)");
+Value list_method(const Value& self, const std::string& name, MethodFn<Sequence> body) {
+  if (!body) unsupported("list method '" + name + "' (the sandbox forbids mutation)");
+  return method("list." + name, [sq = self.seq, name, body](CallArgs& a) {
+    return body(ListCall{*sq, name, a});
+  });
 }
+
+// The attributes of a `loop` variable.
+int64_t loop_index0(const LoopInfo& l) {
+  return static_cast<int64_t>(l.index0);
+}
+int64_t loop_length(const LoopInfo& l) {
+  return static_cast<int64_t>(l.items.size());
+}
+
+const std::unordered_map<std::string_view, Value (*)(const LoopInfo&)> kLoopAttrs = {
+    {"index0", [](const LoopInfo& l) { return Value::integer(loop_index0(l)); }},
+    {"index", [](const LoopInfo& l) { return Value::integer(loop_index0(l) + 1); }},
+    {"revindex", [](const LoopInfo& l) { return Value::integer(loop_length(l) - loop_index0(l)); }},
+    {"revindex0",
+     [](const LoopInfo& l) { return Value::integer(loop_length(l) - loop_index0(l) - 1); }},
+    {"first", [](const LoopInfo& l) { return Value::boolean(loop_index0(l) == 0); }},
+    {"last",
+     [](const LoopInfo& l) { return Value::boolean(loop_index0(l) == loop_length(l) - 1); }},
+    {"length", [](const LoopInfo& l) { return Value::integer(loop_length(l)); }},
+    {"depth", [](const LoopInfo& l) { return Value::integer(l.depth); }},
+    {"depth0", [](const LoopInfo& l) { return Value::integer(l.depth - 1); }},
+    {"previtem",
+     [](const LoopInfo& l) {
+       return loop_index0(l) > 0 ? l.items[l.index0 - 1]
+                                 : Value::undefined("there is no previous item");
+     }},
+    {"nextitem",
+     [](const LoopInfo& l) {
+       return loop_index0(l) + 1 < loop_length(l) ? l.items[l.index0 + 1]
+                                                  : Value::undefined("there is no next item");
+     }},
+    {"cycle",
+     [](const LoopInfo& l) {
+       size_t idx = l.index0;
+       return method("loop.cycle", [idx](CallArgs& a) {
+         if (a.args.empty()) type_error("no items for cycling given");
+         return a.args[idx % a.args.size()];
+       });
+     }},
+    {"changed", [](const LoopInfo&) -> Value { unsupported("loop.changed"); }},
+};
 
 // Python-level attribute lookup; returns false when the object has no such attribute.
 bool python_attr(const Value& obj, const std::string& name, Value& out) {
   if (name.size() >= 2 && name.compare(0, 2, "__") == 0)
     unsupported("dunder attribute '" + name + "'");
   switch (obj.kind) {
-    case Kind::kString:
-      if (!kStrMethods.count(name)) return false;
-      out = str_method(obj, name);
+    case Kind::kString: {
+      auto body = find_entry(kStrMethods, name);
+      if (!body) return false;
+      out = str_method(obj, name, *body);
       return true;
-    case Kind::kDict:
-      if (!kDictMethods.count(name)) return false;
-      out = dict_method(obj, name);
+    }
+    case Kind::kDict: {
+      auto body = find_entry(kDictMethods, name);
+      if (!body) return false;
+      out = dict_method(obj, name, *body);
       return true;
+    }
     case Kind::kSequence:
       if (obj.seq->kind == SeqKind::kList || obj.seq->kind == SeqKind::kTuple) {
-        if (!kListMethods.count(name)) return false;
+        auto body = find_entry(kListMethods, name);
+        if (!body) return false;
         if (obj.seq->kind == SeqKind::kTuple && name != "count" && name != "index") return false;
-        out = list_method(obj, name);
+        out = list_method(obj, name, *body);
         return true;
       }
       return false;
@@ -939,42 +1089,9 @@ bool python_attr(const Value& obj, const std::string& name, Value& out) {
       }
       return false;
     case Kind::kLoop: {
-      const auto& l = *obj.loop;
-      int64_t len = static_cast<int64_t>(l.items.size());
-      int64_t i0 = static_cast<int64_t>(l.index0);
-      if (name == "index0")
-        out = Value::integer(i0);
-      else if (name == "index")
-        out = Value::integer(i0 + 1);
-      else if (name == "revindex")
-        out = Value::integer(len - i0);
-      else if (name == "revindex0")
-        out = Value::integer(len - i0 - 1);
-      else if (name == "first")
-        out = Value::boolean(i0 == 0);
-      else if (name == "last")
-        out = Value::boolean(i0 == len - 1);
-      else if (name == "length")
-        out = Value::integer(len);
-      else if (name == "depth")
-        out = Value::integer(l.depth);
-      else if (name == "depth0")
-        out = Value::integer(l.depth - 1);
-      else if (name == "previtem") {
-        out = i0 > 0 ? l.items[l.index0 - 1] : Value::undefined("there is no previous item");
-      } else if (name == "nextitem") {
-        out = i0 + 1 < len ? l.items[l.index0 + 1] : Value::undefined("there is no next item");
-      } else if (name == "cycle") {
-        size_t idx = l.index0;
-        out = method("loop.cycle", [idx](CallArgs& a) {
-          if (a.args.empty()) type_error("no items for cycling given");
-          return a.args[idx % a.args.size()];
-        });
-      } else if (name == "changed") {
-        unsupported("loop.changed");
-      } else {
-        return false;
-      }
+      auto attr = find_entry(kLoopAttrs, name);
+      if (!attr) return false;
+      out = (*attr)(*obj.loop);
       return true;
     }
     case Kind::kInt:
@@ -1292,116 +1409,128 @@ Value call_value(const Value& callee, CallArgs& args) {
 
 // ---- globals ----
 
+namespace {
+
+Value raise_exception_global(CallArgs& a) {
+  Params p("raise_exception", a, {"message"});
+  throw RaisedError{py_str(p.get(0))};
+}
+
+Value strftime_now_global(CallArgs& a) {
+  Params p("strftime_now", a, {"format"});
+  const Value& f = p.get(0);
+  if (!f.is_string()) type_error("strftime() argument 1 must be str, not " + type_name(f));
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char buf[512];
+  size_t n = std::strftime(buf, sizeof(buf), f.s.c_str(), &tm);
+  if (n == 0 && !f.s.empty()) unsupported("strftime format '" + f.s + "'");
+  return Value::string(std::string(buf, n));
+}
+
+Value range_global(CallArgs& a) {
+  if (!a.kwargs.empty()) type_error("range() takes no keyword arguments");
+  if (a.args.empty() || a.args.size() > 3) type_error("range expected 1 to 3 arguments");
+  int64_t start = 0, stop = 0, step = 1;
+  if (a.args.size() == 1) {
+    stop = to_index(a.args[0], "range");
+  } else {
+    start = to_index(a.args[0], "range");
+    stop = to_index(a.args[1], "range");
+    if (a.args.size() == 3) step = to_index(a.args[2], "range");
+  }
+  if (step == 0) type_error("range() arg 3 must not be zero");
+  std::vector<Value> items;
+  for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+    // The sandbox caps ranges at MAX_RANGE items.
+    if (items.size() >= 100000)
+      type_error("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+    items.push_back(Value::integer(i));
+  }
+  // A range object: indexable like a tuple but printed as "range(a, b)", which we refuse.
+  return Value::list(std::move(items), SeqKind::kRange);
+}
+
+// The items of namespace(...) and dict(...): an optional dict, then the keyword arguments.
+std::vector<std::pair<Value, Value>> constructor_items(CallArgs& a) {
+  if (a.args.size() > 1) type_error("expected at most 1 positional argument");
+  std::vector<std::pair<Value, Value>> items;
+  if (!a.args.empty()) {
+    const Value& src = a.args[0];
+    if (src.kind != Kind::kDict) unsupported("namespace()/dict() from a non-dict argument");
+    items = src.dict->items;
+  }
+  for (auto& [k, v] : a.kwargs) items.emplace_back(Value::string(k), v);
+  return items;
+}
+
+Value namespace_global(CallArgs& a) {
+  auto items = constructor_items(a);
+  Value v;
+  v.kind = Kind::kNamespace;
+  v.ns = std::make_shared<Namespace>();
+  for (auto& [k, e] : items) {
+    if (!k.is_string()) unsupported("namespace() with non-string keys");
+    v.ns->set(k.s, e);
+  }
+  return v;
+}
+
+Value dict_global(CallArgs& a) {
+  auto items = constructor_items(a);
+  Value v;
+  v.kind = Kind::kDict;
+  v.dict = std::make_shared<Dict>();
+  for (auto& [k, e] : items) v.dict->set(k, e);
+  return v;
+}
+
+// Jinja2's default globals and transformers' additions. A null entry is one this interpreter
+// refuses.
+const std::unordered_map<std::string_view, Value (*)(CallArgs&)> kGlobals = {
+    {"cycler", nullptr},
+    {"dict", dict_global},
+    {"joiner", nullptr},
+    {"lipsum", nullptr},
+    {"namespace", namespace_global},
+    {"raise_exception", raise_exception_global},
+    {"range", range_global},
+    {"strftime_now", strftime_now_global},
+};
+
+}  // namespace
+
 bool lookup_global(const std::string& name, Value& out) {
-  if (name == "raise_exception") {
-    out = method("raise_exception", [](CallArgs& a) -> Value {
-      Params p("raise_exception", a, {"message"});
-      throw RaisedError{py_str(p.get(0))};
-    });
-    return true;
-  }
-  if (name == "strftime_now") {
-    out = method("strftime_now", [](CallArgs& a) {
-      Params p("strftime_now", a, {"format"});
-      const Value& f = p.get(0);
-      if (!f.is_string()) type_error("strftime() argument 1 must be str, not " + type_name(f));
-      std::time_t now = std::time(nullptr);
-      std::tm tm{};
-      localtime_r(&now, &tm);
-      char buf[512];
-      size_t n = std::strftime(buf, sizeof(buf), f.s.c_str(), &tm);
-      if (n == 0 && !f.s.empty()) unsupported("strftime format '" + f.s + "'");
-      return Value::string(std::string(buf, n));
-    });
-    return true;
-  }
-  if (name == "range") {
-    out = method("range", [](CallArgs& a) {
-      if (!a.kwargs.empty()) type_error("range() takes no keyword arguments");
-      if (a.args.empty() || a.args.size() > 3) type_error("range expected 1 to 3 arguments");
-      int64_t start = 0, stop = 0, step = 1;
-      if (a.args.size() == 1) {
-        stop = to_index(a.args[0], "range");
-      } else {
-        start = to_index(a.args[0], "range");
-        stop = to_index(a.args[1], "range");
-        if (a.args.size() == 3) step = to_index(a.args[2], "range");
-      }
-      if (step == 0) type_error("range() arg 3 must not be zero");
-      std::vector<Value> items;
-      for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-        // The sandbox caps ranges at MAX_RANGE items.
-        if (items.size() >= 100000)
-          type_error("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
-        items.push_back(Value::integer(i));
-      }
-      // A range object: indexable like a tuple but printed as "range(a, b)", which we refuse.
-      return Value::list(std::move(items), SeqKind::kRange);
-    });
-    return true;
-  }
-  if (name == "namespace" || name == "dict") {
-    bool ns = name == "namespace";
-    out = method(name, [ns](CallArgs& a) {
-      if (a.args.size() > 1) type_error("expected at most 1 positional argument");
-      std::vector<std::pair<Value, Value>> items;
-      if (!a.args.empty()) {
-        const Value& src = a.args[0];
-        if (src.kind != Kind::kDict) unsupported("namespace()/dict() from a non-dict argument");
-        items = src.dict->items;
-      }
-      for (auto& [k, v] : a.kwargs) items.emplace_back(Value::string(k), v);
-      if (ns) {
-        Value v;
-        v.kind = Kind::kNamespace;
-        v.ns = std::make_shared<Namespace>();
-        for (auto& [k, e] : items) {
-          if (!k.is_string()) unsupported("namespace() with non-string keys");
-          v.ns->set(k.s, e);
-        }
-        return v;
-      }
-      Value v;
-      v.kind = Kind::kDict;
-      v.dict = std::make_shared<Dict>();
-      for (auto& [k, e] : items) v.dict->set(k, e);
-      return v;
-    });
-    return true;
-  }
-  if (name == "cycler" || name == "joiner" || name == "lipsum") {
-    unsupported("global '" + name + "'");
-  }
-  return false;
+  auto body = find_entry(kGlobals, name);
+  if (!body) return false;
+  if (!*body) unsupported("global '" + name + "'");
+  out = method(name, *body);
+  return true;
 }
 
 // ---- tests ----
 
 namespace {
 
-const std::set<std::string, std::less<>> kTests = {
-    "odd",     "even",        "divisibleby", "defined",  "undefined", "none",   "boolean",
-    "false",   "true",        "integer",     "float",    "lower",     "upper",  "string",
-    "mapping", "number",      "sequence",    "iterable", "callable",  "sameas", "escaped",
-    "in",      "==",          "eq",          "equalto",  "!=",        "ne",     ">",
-    "gt",      "greaterthan", "ge",          ">=",       "<",         "lt",     "lessthan",
-    "<=",      "le"};
+// `x is name` takes no argument beyond x; `x is name(arg)` takes exactly one, called `param`.
+struct Test {
+  bool (*unary)(const Value& x) = nullptr;
+  bool (*binary)(const Value& x, const Value& arg) = nullptr;
+  const char* param = nullptr;
+};
 
-const std::set<std::string, std::less<>> kFilters = {
-    "abs",    "attr",   "capitalize", "count",      "d",           "default", "dictsort",
-    "e",      "escape", "first",      "float",      "forceescape", "indent",  "int",
-    "items",  "join",   "last",       "length",     "list",        "lower",   "map",
-    "max",    "min",    "reject",     "rejectattr", "replace",     "reverse", "round",
-    "safe",   "select", "selectattr", "sort",       "string",      "sum",     "title",
-    "tojson", "trim",   "unique",     "upper"};
+Test unary(bool (*fn)(const Value& x)) {
+  Test t;
+  t.unary = fn;
+  return t;
+}
 
-Value compare_values(const std::string& op, const Value& a, const Value& b) {
-  if (op == "==" || op == "eq" || op == "equalto") return Value::boolean(py_equal(a, b));
-  if (op == "!=" || op == "ne") return Value::boolean(!py_equal(a, b));
-  if (op == "<" || op == "lt" || op == "lessthan") return Value::boolean(py_less(a, b));
-  if (op == ">" || op == "gt" || op == "greaterthan") return Value::boolean(py_less(b, a));
-  if (op == "<=" || op == "le") return Value::boolean(py_less(a, b) || py_equal(a, b));
-  return Value::boolean(py_less(b, a) || py_equal(a, b));
+Test binary(const char* param, bool (*fn)(const Value& x, const Value& arg)) {
+  Test t;
+  t.binary = fn;
+  t.param = param;
+  return t;
 }
 
 bool mod_equals(const Value& v, const Value& d, int64_t expect) {
@@ -1409,64 +1538,101 @@ bool mod_equals(const Value& v, const Value& d, int64_t expect) {
   return py_equal(r, Value::integer(expect));
 }
 
+bool is_equal(const Value& a, const Value& b) {
+  return py_equal(a, b);
+}
+bool is_not_equal(const Value& a, const Value& b) {
+  return !py_equal(a, b);
+}
+bool is_less(const Value& a, const Value& b) {
+  return py_less(a, b);
+}
+bool is_greater(const Value& a, const Value& b) {
+  return py_less(b, a);
+}
+bool is_less_or_equal(const Value& a, const Value& b) {
+  return py_less(a, b) || py_equal(a, b);
+}
+bool is_greater_or_equal(const Value& a, const Value& b) {
+  return py_less(b, a) || py_equal(a, b);
+}
+
+bool is_sameas(const Value& v, const Value& other) {
+  auto singleton = [](const Value& x) {
+    return x.is_none() || x.kind == Kind::kBool || x.is_undefined();
+  };
+  if (singleton(v) || singleton(other)) {
+    if (v.is_undefined() || other.is_undefined()) {
+      unsupported("'sameas' with an undefined value");
+    }
+    return v.kind == other.kind && (v.is_none() || v.b == other.b);
+  }
+  unsupported("'sameas' test on non-singleton values (object identity)");
+}
+
+const std::unordered_map<std::string_view, Test> kTests = {
+    {"defined", unary([](const Value& v) { return !v.is_undefined(); })},
+    {"undefined", unary([](const Value& v) { return v.is_undefined(); })},
+    {"none", unary([](const Value& v) { return v.is_none(); })},
+    {"boolean", unary([](const Value& v) { return v.kind == Kind::kBool; })},
+    {"true", unary([](const Value& v) { return v.kind == Kind::kBool && v.b; })},
+    {"false", unary([](const Value& v) { return v.kind == Kind::kBool && !v.b; })},
+    {"integer", unary([](const Value& v) { return v.kind == Kind::kInt; })},
+    {"float", unary([](const Value& v) { return v.kind == Kind::kFloat; })},
+    {"number", unary([](const Value& v) { return v.is_number(); })},
+    {"string", unary([](const Value& v) { return v.is_string(); })},
+    {"mapping", unary(is_mapping)},
+    {"callable", unary([](const Value& v) { return v.kind == Kind::kCallable; })},
+    {"escaped", unary([](const Value& v) { return v.is_string() && v.markup; })},
+    {"iterable", unary([](const Value& v) {
+       return v.is_undefined() || v.is_string() || v.kind == Kind::kSequence ||
+              v.kind == Kind::kDict;
+     })},
+    // len() and __getitem__ both exist (Undefined has both).
+    {"sequence", unary([](const Value& v) {
+       return v.is_undefined() || v.is_string() || v.kind == Kind::kDict ||
+              v.is_seq(SeqKind::kList) || v.is_seq(SeqKind::kTuple) || v.is_seq(SeqKind::kRange);
+     })},
+    {"lower", unary([](const Value& v) { return py_islower(py_str(v)); })},
+    {"upper", unary([](const Value& v) { return py_isupper(py_str(v)); })},
+    {"odd", unary([](const Value& v) { return mod_equals(v, Value::integer(2), 1); })},
+    {"even", unary([](const Value& v) { return mod_equals(v, Value::integer(2), 0); })},
+    {"divisibleby",
+     binary("num", [](const Value& v, const Value& n) { return mod_equals(v, n, 0); })},
+    {"in", binary("seq", [](const Value& v, const Value& seq) { return contains(seq, v); })},
+    {"sameas", binary("other", is_sameas)},
+    {"==", binary("other", is_equal)},
+    {"eq", binary("other", is_equal)},
+    {"equalto", binary("other", is_equal)},
+    {"!=", binary("other", is_not_equal)},
+    {"ne", binary("other", is_not_equal)},
+    {"<", binary("other", is_less)},
+    {"lt", binary("other", is_less)},
+    {"lessthan", binary("other", is_less)},
+    {">", binary("other", is_greater)},
+    {"gt", binary("other", is_greater)},
+    {"greaterthan", binary("other", is_greater)},
+    {"<=", binary("other", is_less_or_equal)},
+    {"le", binary("other", is_less_or_equal)},
+    {">=", binary("other", is_greater_or_equal)},
+    {"ge", binary("other", is_greater_or_equal)},
+};
+
 }  // namespace
 
 bool is_supported_test(std::string_view name) {
   return kTests.count(name) > 0;
 }
-bool is_supported_filter(std::string_view name) {
-  return kFilters.count(name) > 0;
-}
 
 bool apply_test(const std::string& name, const Value& v, CallArgs& args) {
-  auto arg = [&](const char* pname) -> Value {
-    Params p(name, args, {pname});
-    return p.get(0);
-  };
-  auto no_args = [&]() { Params p(name, args, {}); };
-  if (name == "defined") return no_args(), !v.is_undefined();
-  if (name == "undefined") return no_args(), v.is_undefined();
-  if (name == "none") return no_args(), v.is_none();
-  if (name == "boolean") return no_args(), v.kind == Kind::kBool;
-  if (name == "true") return no_args(), v.kind == Kind::kBool && v.b;
-  if (name == "false") return no_args(), v.kind == Kind::kBool && !v.b;
-  if (name == "integer") return no_args(), v.kind == Kind::kInt;
-  if (name == "float") return no_args(), v.kind == Kind::kFloat;
-  if (name == "number") return no_args(), v.is_number();
-  if (name == "string") return no_args(), v.is_string();
-  if (name == "mapping") return no_args(), is_mapping(v);
-  if (name == "callable") return no_args(), v.kind == Kind::kCallable;
-  if (name == "escaped") return no_args(), v.is_string() && v.markup;
-  if (name == "iterable") {
-    no_args();
-    return v.is_undefined() || v.is_string() || v.kind == Kind::kSequence || v.kind == Kind::kDict;
+  const Test* test = find_entry(kTests, name);
+  if (!test) unsupported("test '" + name + "'");
+  if (test->unary) {
+    Params p(name, args, {});
+    return test->unary(v);
   }
-  if (name == "sequence") {
-    no_args();
-    // len() and __getitem__ both exist (Undefined has both).
-    return v.is_undefined() || v.is_string() || v.kind == Kind::kDict || v.is_seq(SeqKind::kList) ||
-           v.is_seq(SeqKind::kTuple) || v.is_seq(SeqKind::kRange);
-  }
-  if (name == "lower") return no_args(), py_islower(py_str(v));
-  if (name == "upper") return no_args(), py_isupper(py_str(v));
-  if (name == "odd") return no_args(), mod_equals(v, Value::integer(2), 1);
-  if (name == "even") return no_args(), mod_equals(v, Value::integer(2), 0);
-  if (name == "divisibleby") return mod_equals(v, arg("num"), 0);
-  if (name == "in") return contains(arg("seq"), v);
-  if (name == "sameas") {
-    const Value& other = arg("other");
-    auto singleton = [](const Value& x) {
-      return x.is_none() || x.kind == Kind::kBool || x.is_undefined();
-    };
-    if (singleton(v) || singleton(other)) {
-      if (v.is_undefined() || other.is_undefined()) {
-        unsupported("'sameas' with an undefined value");
-      }
-      return v.kind == other.kind && (v.is_none() || v.b == other.b);
-    }
-    unsupported("'sameas' test on non-singleton values (object identity)");
-  }
-  return truthy(compare_values(name, v, arg("other")));
+  Params p(name, args, {test->param});
+  return test->binary(v, p.get(0));
 }
 
 // ---- filters ----
@@ -1528,8 +1694,8 @@ std::vector<Value> select_items(const Value& input, CallArgs& args, bool select,
   return out;
 }
 
-Value json_filter(const Value& input, CallArgs& args) {
-  Params p("tojson", args, {"ensure_ascii", "indent", "separators", "sort_keys"});
+Value json_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"ensure_ascii", "indent", "separators", "sort_keys"});
   JsonOptions o;
   o.ensure_ascii = truthy(p.get_or(0, Value::boolean(false)));
   Value indent = p.get_or(1, Value::none());
@@ -1557,8 +1723,8 @@ Value json_filter(const Value& input, CallArgs& args) {
   return Value::string(py_json_dumps(input, o));
 }
 
-Value round_filter(const Value& input, CallArgs& args) {
-  Params p("round", args, {"precision", "method"});
+Value round_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"precision", "method"});
   int64_t precision = to_index(p.get_or(0, Value::integer(0)), "precision");
   Value method_v = p.get_or(1, Value::string("common"));
   std::string m = method_v.is_string() ? method_v.s : "";
@@ -1587,338 +1753,422 @@ Value round_filter(const Value& input, CallArgs& args) {
   return Value::floating(r / scale);
 }
 
-}  // namespace
+Value length_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  return Value::integer(py_len(input));
+}
 
-Value apply_filter(const std::string& name, const Value& input, CallArgs& args) {
-  if (input.is_string() && input.markup) {
-    static const std::set<std::string, std::less<>> kMarkupSafe = {
-        "safe",   "e",       "escape", "forceescape", "string", "length", "count",
-        "tojson", "default", "d",      "list",        "first",  "last"};
-    if (!kMarkupSafe.count(name)) unsupported("filter '" + name + "' on a Markup string");
+Value default_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"default_value", "boolean"});
+  bool boolean = truthy(p.get_or(1, Value::boolean(false)));
+  if (input.is_undefined() || (boolean && !truthy(input))) return p.get_or(0, Value::string(""));
+  return input;
+}
+
+Value string_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  if (input.is_string()) return input;
+  return Value::string(py_str(input));
+}
+
+Value safe_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  if (input.is_string() && input.markup) return input;
+  return Value::string(py_str(input), true);
+}
+
+Value escape_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  return escape_value(input);
+}
+
+Value forceescape_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  return Value::string(html_escape(py_str(input)), true);
+}
+
+Value trim_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"chars"});
+  Value chars = p.get_or(0, Value::none());
+  if (input.markup && !chars.is_none()) unsupported("trim(chars) on a Markup string");
+  return Value::string(py_strip(py_str(input), chars, true, true), input.markup);
+}
+
+// upper / lower / capitalize / title
+template <std::string (*Convert)(const std::string&)>
+Value case_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  return Value::string(Convert(py_str(input)));
+}
+
+Value replace_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"old", "new", "count"});
+  Value count = p.get_or(2, Value::none());
+  return Value::string(py_replace(py_str(input), py_str(p.get(0)), py_str(p.get(1)),
+                                  count.is_none() ? -1 : to_index(count, "count")));
+}
+
+Value list_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  return Value::list(py_iterate(input));
+}
+
+Value first_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  if (input.is_seq(SeqKind::kGenerator)) {
+    auto& sq = *input.seq;
+    if (sq.consumed < sq.items.size()) return sq.items[sq.consumed++];
+    return Value::undefined("No first item, sequence was empty.");
   }
-  if (name == "length" || name == "count") {
-    Params p(name, args, {});
-    return Value::integer(py_len(input));
+  auto items = py_iterate(input);
+  if (items.empty()) return Value::undefined("No first item, sequence was empty.");
+  return items.front();
+}
+
+Value last_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  if (input.is_seq(SeqKind::kGenerator) || input.is_seq(SeqKind::kDictView)) {
+    type_error("'" + type_name(input) + "' object is not reversible");
   }
-  if (name == "default" || name == "d") {
-    Params p(name, args, {"default_value", "boolean"});
-    bool boolean = truthy(p.get_or(1, Value::boolean(false)));
-    if (input.is_undefined() || (boolean && !truthy(input))) return p.get_or(0, Value::string(""));
-    return input;
+  auto items = py_iterate(input);
+  if (items.empty()) return Value::undefined("No last item, sequence was empty.");
+  return items.back();
+}
+
+Value join_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"d", "attribute"});
+  std::string sep = py_str(p.get_or(0, Value::string("")));
+  Value attribute = p.get_or(1, Value::none());
+  auto parts = attribute_parts(attribute);
+  std::string out;
+  bool first = true;
+  for (const auto& item : py_iterate(input)) {
+    if (!first) out += sep;
+    first = false;
+    out += py_str(attribute.is_none() ? item : get_path(item, parts, nullptr));
   }
-  if (name == "string") {
-    Params p(name, args, {});
-    if (input.is_string()) return input;
-    return Value::string(py_str(input));
+  return Value::string(out);
+}
+
+Value items_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  if (input.is_undefined()) return generator({});
+  if (!is_mapping(input)) type_error("Can only get item pairs from a mapping.");
+  std::vector<Value> out;
+  for (const auto& [k, v] : input.dict->items) out.push_back(make_tuple2(k, v));
+  return generator(std::move(out));
+}
+
+Value dictsort_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"case_sensitive", "by", "reverse"});
+  bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
+  Value by = p.get_or(1, Value::string("key"));
+  size_t pos;
+  if (by.is_string() && by.s == "key") {
+    pos = 0;
+  } else if (by.is_string() && by.s == "value") {
+    pos = 1;
+  } else {
+    type_error("You can only sort by either \"key\" or \"value\"");
   }
-  if (name == "safe") {
-    Params p(name, args, {});
-    if (input.is_string() && input.markup) return input;
-    return Value::string(py_str(input), true);
-  }
-  if (name == "e" || name == "escape") {
-    Params p(name, args, {});
-    return escape_value(input);
-  }
-  if (name == "forceescape") {
-    Params p(name, args, {});
-    return Value::string(html_escape(py_str(input)), true);
-  }
-  if (name == "tojson") return json_filter(input, args);
-  if (name == "trim") {
-    Params p(name, args, {"chars"});
-    Value chars = p.get_or(0, Value::none());
-    if (input.markup && !chars.is_none()) unsupported("trim(chars) on a Markup string");
-    return Value::string(py_strip(py_str(input), chars, true, true), input.markup);
-  }
-  if (name == "upper" || name == "lower" || name == "capitalize" || name == "title") {
-    Params p(name, args, {});
-    std::string s = py_str(input);
-    if (name == "upper") return Value::string(py_upper(s));
-    if (name == "lower") return Value::string(py_lower(s));
-    if (name == "capitalize") return Value::string(py_capitalize(s));
-    return Value::string(jinja_title(s));
-  }
-  if (name == "replace") {
-    Params p(name, args, {"old", "new", "count"});
-    Value count = p.get_or(2, Value::none());
-    return Value::string(py_replace(py_str(input), py_str(p.get(0)), py_str(p.get(1)),
-                                    count.is_none() ? -1 : to_index(count, "count")));
-  }
-  if (name == "list") {
-    Params p(name, args, {});
-    return Value::list(py_iterate(input));
-  }
-  if (name == "first") {
-    Params p(name, args, {});
-    if (input.is_seq(SeqKind::kGenerator)) {
-      auto& sq = *input.seq;
-      if (sq.consumed < sq.items.size()) return sq.items[sq.consumed++];
-      return Value::undefined("No first item, sequence was empty.");
+  check_defined(input);
+  if (!is_mapping(input)) type_error("'" + type_name(input) + "' object has no attribute 'items'");
+  std::vector<Value> items;
+  for (const auto& [k, v] : input.dict->items) items.push_back(make_tuple2(k, v));
+  return sort_values(std::move(items), truthy(p.get_or(2, Value::boolean(false))),
+                     [&](const Value& item) {
+                       const Value& x = item.seq->items[pos];
+                       return case_sensitive ? x : ignore_case(x);
+                     });
+}
+
+Value sort_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"reverse", "case_sensitive", "attribute"});
+  bool case_sensitive = truthy(p.get_or(1, Value::boolean(false)));
+  auto parts = multi_attribute_parts(p.get_or(2, Value::none()));
+  return sort_values(py_iterate(input), truthy(p.get_or(0, Value::boolean(false))),
+                     [&](const Value& item) {
+                       std::vector<Value> key;
+                       for (const auto& path : parts) {
+                         Value x = get_path(item, path, nullptr);
+                         key.push_back(case_sensitive ? x : ignore_case(x));
+                       }
+                       return Value::list(std::move(key));
+                     });
+}
+
+Value unique_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"case_sensitive", "attribute"});
+  bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
+  auto parts = attribute_parts(p.get_or(1, Value::none()));
+  std::vector<Value> seen, out;
+  for (const auto& item : py_iterate(input)) {
+    Value key = get_path(item, parts, nullptr);
+    if (!case_sensitive) key = ignore_case(key);
+    check_hashable(key);
+    bool dup =
+        std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return py_equal(s, key); });
+    if (!dup) {
+      seen.push_back(key);
+      out.push_back(item);
     }
-    auto items = py_iterate(input);
-    if (items.empty()) return Value::undefined("No first item, sequence was empty.");
-    return items.front();
   }
-  if (name == "last") {
-    Params p(name, args, {});
-    if (input.is_seq(SeqKind::kGenerator) || input.is_seq(SeqKind::kDictView)) {
-      type_error("'" + type_name(input) + "' object is not reversible");
+  return generator(std::move(out));
+}
+
+// min / max
+Value extreme_filter(const std::string& name, const Value& input, CallArgs& args, bool max) {
+  Params p(name, args, {"case_sensitive", "attribute"});
+  bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
+  auto parts = attribute_parts(p.get_or(1, Value::none()));
+  auto items = py_iterate(input);
+  if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
+  auto key = [&](const Value& item) {
+    Value k = get_path(item, parts, nullptr);
+    return case_sensitive ? k : ignore_case(k);
+  };
+  size_t best = 0;
+  Value best_key = key(items[0]);
+  for (size_t k = 1; k < items.size(); ++k) {
+    Value kk = key(items[k]);
+    if (max ? py_less(best_key, kk) : py_less(kk, best_key)) {
+      best = k;
+      best_key = kk;
     }
-    auto items = py_iterate(input);
-    if (items.empty()) return Value::undefined("No last item, sequence was empty.");
-    return items.back();
   }
-  if (name == "join") {
-    Params p(name, args, {"d", "attribute"});
-    std::string sep = py_str(p.get_or(0, Value::string("")));
-    Value attribute = p.get_or(1, Value::none());
+  return items[best];
+}
+
+Value min_filter(const std::string& name, const Value& input, CallArgs& args) {
+  return extreme_filter(name, input, args, false);
+}
+
+Value max_filter(const std::string& name, const Value& input, CallArgs& args) {
+  return extreme_filter(name, input, args, true);
+}
+
+Value sum_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"attribute", "start"});
+  Value attribute = p.get_or(0, Value::none());
+  auto parts = attribute_parts(attribute);
+  Value total = p.get_or(1, Value::integer(0));
+  for (const auto& item : py_iterate(input)) {
+    Value x = attribute.is_none() ? item : get_path(item, parts, nullptr);
+    if (x.is_string() || total.is_string())
+      type_error("unsupported operand type(s) for +: sum of str");
+    total = sum_values(total, x);
+  }
+  return total;
+}
+
+Value reverse_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  if (input.is_string()) {
+    std::u32string u = to_u32(input.s);
+    std::reverse(u.begin(), u.end());
+    return Value::string(from_u32(u));
+  }
+  auto items = py_iterate(input);
+  std::reverse(items.begin(), items.end());
+  // reversed() gives an iterator for sequences and dicts; generators become a list.
+  bool reversible = !input.is_seq(SeqKind::kGenerator);
+  return Value::list(std::move(items), reversible ? SeqKind::kGenerator : SeqKind::kList);
+}
+
+Value map_filter(const std::string&, const Value& input, CallArgs& args) {
+  std::vector<Value> out;
+  if (args.args.empty()) {
+    bool has_attribute = false;
+    Value attribute, fallback = Value::none();
+    for (const auto& [k, v] : args.kwargs) {
+      if (k == "attribute") {
+        attribute = v;
+        has_attribute = true;
+      } else if (k == "default") {
+        fallback = v;
+      } else {
+        type_error("Unexpected keyword argument '" + k + "'");
+      }
+    }
+    if (!has_attribute) type_error("map requires a filter argument");
     auto parts = attribute_parts(attribute);
-    std::string out;
-    bool first = true;
-    for (const auto& item : py_iterate(input)) {
-      if (!first) out += sep;
-      first = false;
-      out += py_str(attribute.is_none() ? item : get_path(item, parts, nullptr));
-    }
-    return Value::string(out);
-  }
-  if (name == "items") {
-    Params p(name, args, {});
-    if (input.is_undefined()) return generator({});
-    if (!is_mapping(input)) type_error("Can only get item pairs from a mapping.");
-    std::vector<Value> out;
-    for (const auto& [k, v] : input.dict->items) out.push_back(make_tuple2(k, v));
+    for (const auto& item : py_iterate(input)) out.push_back(get_path(item, parts, &fallback));
     return generator(std::move(out));
   }
-  if (name == "dictsort") {
-    Params p(name, args, {"case_sensitive", "by", "reverse"});
-    bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
-    Value by = p.get_or(1, Value::string("key"));
-    size_t pos;
-    if (by.is_string() && by.s == "key") {
-      pos = 0;
-    } else if (by.is_string() && by.s == "value") {
-      pos = 1;
-    } else {
-      type_error("You can only sort by either \"key\" or \"value\"");
-    }
-    check_defined(input);
-    if (!is_mapping(input))
-      type_error("'" + type_name(input) + "' object has no attribute 'items'");
-    std::vector<Value> items;
-    for (const auto& [k, v] : input.dict->items) items.push_back(make_tuple2(k, v));
-    return sort_values(std::move(items), truthy(p.get_or(2, Value::boolean(false))),
-                       [&](const Value& item) {
-                         const Value& x = item.seq->items[pos];
-                         return case_sensitive ? x : ignore_case(x);
-                       });
+  const Value& f = args.args[0];
+  if (!f.is_string()) type_error("map: filter name must be a string");
+  if (!is_supported_filter(f.s)) unsupported("filter '" + f.s + "'");
+  CallArgs rest;
+  rest.args.assign(args.args.begin() + 1, args.args.end());
+  rest.kwargs = args.kwargs;
+  for (const auto& item : py_iterate(input)) {
+    CallArgs a = rest;
+    out.push_back(apply_filter(f.s, item, a));
   }
-  if (name == "sort") {
-    Params p(name, args, {"reverse", "case_sensitive", "attribute"});
-    bool case_sensitive = truthy(p.get_or(1, Value::boolean(false)));
-    auto parts = multi_attribute_parts(p.get_or(2, Value::none()));
-    return sort_values(py_iterate(input), truthy(p.get_or(0, Value::boolean(false))),
-                       [&](const Value& item) {
-                         std::vector<Value> key;
-                         for (const auto& path : parts) {
-                           Value x = get_path(item, path, nullptr);
-                           key.push_back(case_sensitive ? x : ignore_case(x));
-                         }
-                         return Value::list(std::move(key));
-                       });
+  return generator(std::move(out));
+}
+
+// select / reject (by the item) and selectattr / rejectattr (by an attribute of it)
+template <bool kSelect, bool kByAttr>
+Value select_filter(const std::string& name, const Value& input, CallArgs& args) {
+  return generator(select_items(input, args, kSelect, kByAttr, name));
+}
+
+Value attr_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"name"});
+  const Value& n = p.get(0);
+  if (!n.is_string()) type_error("attribute name must be a string");
+  check_defined(input);
+  Value out;
+  if (python_attr(input, n.s, out)) return out;
+  return undefined_attribute(input, n.s);
+}
+
+Value int_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"default", "base"});
+  Value fallback = p.get_or(0, Value::integer(0));
+  Value base = p.get_or(1, Value::integer(10));
+  if (!base.is_int_like() || base.i != 10) unsupported("int filter with a base other than 10");
+  check_defined(input);
+  if (input.is_int_like()) return Value::integer(input.i);
+  if (input.kind == Kind::kFloat) {
+    if (std::isnan(input.f)) return fallback;
+    return float_to_int(std::trunc(input.f));
   }
-  if (name == "unique") {
-    Params p(name, args, {"case_sensitive", "attribute"});
-    bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
-    auto parts = attribute_parts(p.get_or(1, Value::none()));
-    std::vector<Value> seen, out;
-    for (const auto& item : py_iterate(input)) {
-      Value key = get_path(item, parts, nullptr);
-      if (!case_sensitive) key = ignore_case(key);
-      check_hashable(key);
-      bool dup =
-          std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return py_equal(s, key); });
-      if (!dup) {
-        seen.push_back(key);
-        out.push_back(item);
-      }
-    }
-    return generator(std::move(out));
-  }
-  if (name == "min" || name == "max") {
-    Params p(name, args, {"case_sensitive", "attribute"});
-    bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
-    auto parts = attribute_parts(p.get_or(1, Value::none()));
-    auto items = py_iterate(input);
-    if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
-    auto key = [&](const Value& item) {
-      Value k = get_path(item, parts, nullptr);
-      return case_sensitive ? k : ignore_case(k);
-    };
-    size_t best = 0;
-    Value best_key = key(items[0]);
-    for (size_t k = 1; k < items.size(); ++k) {
-      Value kk = key(items[k]);
-      if (name == "max" ? py_less(best_key, kk) : py_less(kk, best_key)) {
-        best = k;
-        best_key = kk;
-      }
-    }
-    return items[best];
-  }
-  if (name == "sum") {
-    Params p(name, args, {"attribute", "start"});
-    Value attribute = p.get_or(0, Value::none());
-    auto parts = attribute_parts(attribute);
-    Value total = p.get_or(1, Value::integer(0));
-    for (const auto& item : py_iterate(input)) {
-      Value x = attribute.is_none() ? item : get_path(item, parts, nullptr);
-      if (x.is_string() || total.is_string())
-        type_error("unsupported operand type(s) for +: sum of str");
-      total = sum_values(total, x);
-    }
-    return total;
-  }
-  if (name == "reverse") {
-    Params p(name, args, {});
-    if (input.is_string()) {
-      std::u32string u = to_u32(input.s);
-      std::reverse(u.begin(), u.end());
-      return Value::string(from_u32(u));
-    }
-    auto items = py_iterate(input);
-    std::reverse(items.begin(), items.end());
-    // reversed() gives an iterator for sequences and dicts; generators become a list.
-    bool reversible = !input.is_seq(SeqKind::kGenerator);
-    return Value::list(std::move(items), reversible ? SeqKind::kGenerator : SeqKind::kList);
-  }
-  if (name == "map") {
-    std::vector<Value> out;
-    if (args.args.empty()) {
-      bool has_attribute = false;
-      Value attribute, fallback = Value::none();
-      for (const auto& [k, v] : args.kwargs) {
-        if (k == "attribute") {
-          attribute = v;
-          has_attribute = true;
-        } else if (k == "default") {
-          fallback = v;
-        } else {
-          type_error("Unexpected keyword argument '" + k + "'");
-        }
-      }
-      if (!has_attribute) type_error("map requires a filter argument");
-      auto parts = attribute_parts(attribute);
-      for (const auto& item : py_iterate(input)) out.push_back(get_path(item, parts, &fallback));
-      return generator(std::move(out));
-    }
-    const Value& f = args.args[0];
-    if (!f.is_string()) type_error("map: filter name must be a string");
-    if (!is_supported_filter(f.s)) unsupported("filter '" + f.s + "'");
-    CallArgs rest;
-    rest.args.assign(args.args.begin() + 1, args.args.end());
-    rest.kwargs = args.kwargs;
-    for (const auto& item : py_iterate(input)) {
-      CallArgs a = rest;
-      out.push_back(apply_filter(f.s, item, a));
-    }
-    return generator(std::move(out));
-  }
-  if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
-    bool select = name == "select" || name == "selectattr";
-    bool by_attr = name == "selectattr" || name == "rejectattr";
-    return generator(select_items(input, args, select, by_attr, name));
-  }
-  if (name == "attr") {
-    Params p(name, args, {"name"});
-    const Value& n = p.get(0);
-    if (!n.is_string()) type_error("attribute name must be a string");
-    check_defined(input);
-    Value out;
-    if (python_attr(input, n.s, out)) return out;
-    return undefined_attribute(input, n.s);
-  }
-  if (name == "int") {
-    Params p(name, args, {"default", "base"});
-    Value fallback = p.get_or(0, Value::integer(0));
-    Value base = p.get_or(1, Value::integer(10));
-    if (!base.is_int_like() || base.i != 10) unsupported("int filter with a base other than 10");
-    check_defined(input);
-    if (input.is_int_like()) return Value::integer(input.i);
-    if (input.kind == Kind::kFloat) {
-      if (std::isnan(input.f)) return fallback;
-      return float_to_int(std::trunc(input.f));
-    }
-    if (input.is_string()) {
-      if (auto v = parse_py_int(input.s)) return Value::integer(*v);
-      if (auto d = parse_py_float(input.s)) {
-        if (std::isnan(*d)) return fallback;
-        return float_to_int(std::trunc(*d));
-      }
-      return fallback;
+  if (input.is_string()) {
+    if (auto v = parse_py_int(input.s)) return Value::integer(*v);
+    if (auto d = parse_py_float(input.s)) {
+      if (std::isnan(*d)) return fallback;
+      return float_to_int(std::trunc(*d));
     }
     return fallback;
   }
-  if (name == "float") {
-    Params p(name, args, {"default"});
-    Value fallback = p.get_or(0, Value::floating(0.0));
-    check_defined(input);
-    if (input.is_number()) return Value::floating(input.as_double());
-    if (input.is_string()) {
-      if (auto d = parse_py_float(input.s)) return Value::floating(*d);
-    }
-    return fallback;
+  return fallback;
+}
+
+Value float_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"default"});
+  Value fallback = p.get_or(0, Value::floating(0.0));
+  check_defined(input);
+  if (input.is_number()) return Value::floating(input.as_double());
+  if (input.is_string()) {
+    if (auto d = parse_py_float(input.s)) return Value::floating(*d);
   }
-  if (name == "round") return round_filter(input, args);
-  if (name == "abs") {
-    Params p(name, args, {});
-    check_defined(input);
-    if (input.is_int_like()) {
-      if (input.i == INT64_MIN) unsupported("integer arithmetic beyond 64 bits");
-      return Value::integer(input.i < 0 ? -input.i : input.i);
-    }
-    if (input.kind == Kind::kFloat) return Value::floating(std::fabs(input.f));
-    type_error("bad operand type for abs(): '" + type_name(input) + "'");
+  return fallback;
+}
+
+Value abs_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {});
+  check_defined(input);
+  if (input.is_int_like()) {
+    if (input.i == INT64_MIN) unsupported("integer arithmetic beyond 64 bits");
+    return Value::integer(input.i < 0 ? -input.i : input.i);
   }
-  if (name == "indent") {
-    Params p(name, args, {"width", "first", "blank"});
-    Value width = p.get_or(0, Value::integer(4));
-    bool first = truthy(p.get_or(1, Value::boolean(false)));
-    bool blank = truthy(p.get_or(2, Value::boolean(false)));
-    std::string indention;
-    if (width.is_string()) {
-      indention = width.s;
-    } else if (width.is_int_like()) {
-      indention = std::string(static_cast<size_t>(std::max<int64_t>(0, width.i)), ' ');
-    } else {
-      type_error("can't multiply sequence by non-int of type '" + type_name(width) + "'");
+  if (input.kind == Kind::kFloat) return Value::floating(std::fabs(input.f));
+  type_error("bad operand type for abs(): '" + type_name(input) + "'");
+}
+
+Value indent_filter(const std::string& name, const Value& input, CallArgs& args) {
+  Params p(name, args, {"width", "first", "blank"});
+  Value width = p.get_or(0, Value::integer(4));
+  bool first = truthy(p.get_or(1, Value::boolean(false)));
+  bool blank = truthy(p.get_or(2, Value::boolean(false)));
+  std::string indention;
+  if (width.is_string()) {
+    indention = width.s;
+  } else if (width.is_int_like()) {
+    indention = std::string(static_cast<size_t>(std::max<int64_t>(0, width.i)), ' ');
+  } else {
+    type_error("can't multiply sequence by non-int of type '" + type_name(width) + "'");
+  }
+  check_defined(input);
+  if (!input.is_string())
+    type_error("unsupported operand type(s) for +=: '" + type_name(input) + "' and 'str'");
+  auto lines = py_splitlines(to_u32(input.s + "\n"), false);
+  std::string rv;
+  if (blank) {
+    for (size_t k = 0; k < lines.size(); ++k) {
+      if (k) rv += "\n" + indention;
+      rv += from_u32(lines[k]);
     }
-    check_defined(input);
-    if (!input.is_string())
-      type_error("unsupported operand type(s) for +=: '" + type_name(input) + "' and 'str'");
-    auto lines = py_splitlines(to_u32(input.s + "\n"), false);
-    std::string rv;
-    if (blank) {
-      for (size_t k = 0; k < lines.size(); ++k) {
-        if (k) rv += "\n" + indention;
+  } else {
+    rv = from_u32(lines[0]);
+    if (lines.size() > 1) {
+      rv += "\n";
+      for (size_t k = 1; k < lines.size(); ++k) {
+        if (k > 1) rv += "\n";
+        if (!lines[k].empty()) rv += indention;
         rv += from_u32(lines[k]);
       }
-    } else {
-      rv = from_u32(lines[0]);
-      if (lines.size() > 1) {
-        rv += "\n";
-        for (size_t k = 1; k < lines.size(); ++k) {
-          if (k > 1) rv += "\n";
-          if (!lines[k].empty()) rv += indention;
-          rv += from_u32(lines[k]);
-        }
-      }
     }
-    if (first) rv = indention + rv;
-    return Value::string(rv);
   }
-  unsupported("filter '" + name + "'");
+  if (first) rv = indention + rv;
+  return Value::string(rv);
+}
+
+struct Filter {
+  Value (*fn)(const std::string& name, const Value& input, CallArgs& args);
+  // Whether it takes a Markup string; on one, the others are refused rather than given
+  // markupsafe's semantics.
+  bool takes_markup = false;
+};
+constexpr bool kTakesMarkup = true;
+
+const std::unordered_map<std::string_view, Filter> kFilters = {
+    {"abs", {abs_filter}},
+    {"attr", {attr_filter}},
+    {"capitalize", {case_filter<py_capitalize>}},
+    {"count", {length_filter, kTakesMarkup}},
+    {"d", {default_filter, kTakesMarkup}},
+    {"default", {default_filter, kTakesMarkup}},
+    {"dictsort", {dictsort_filter}},
+    {"e", {escape_filter, kTakesMarkup}},
+    {"escape", {escape_filter, kTakesMarkup}},
+    {"first", {first_filter, kTakesMarkup}},
+    {"float", {float_filter}},
+    {"forceescape", {forceescape_filter, kTakesMarkup}},
+    {"indent", {indent_filter}},
+    {"int", {int_filter}},
+    {"items", {items_filter}},
+    {"join", {join_filter}},
+    {"last", {last_filter, kTakesMarkup}},
+    {"length", {length_filter, kTakesMarkup}},
+    {"list", {list_filter, kTakesMarkup}},
+    {"lower", {case_filter<py_lower>}},
+    {"map", {map_filter}},
+    {"max", {max_filter}},
+    {"min", {min_filter}},
+    {"reject", {select_filter<false, false>}},
+    {"rejectattr", {select_filter<false, true>}},
+    {"replace", {replace_filter}},
+    {"reverse", {reverse_filter}},
+    {"round", {round_filter}},
+    {"safe", {safe_filter, kTakesMarkup}},
+    {"select", {select_filter<true, false>}},
+    {"selectattr", {select_filter<true, true>}},
+    {"sort", {sort_filter}},
+    {"string", {string_filter, kTakesMarkup}},
+    {"sum", {sum_filter}},
+    {"title", {case_filter<jinja_title>}},
+    {"tojson", {json_filter, kTakesMarkup}},
+    {"trim", {trim_filter}},
+    {"unique", {unique_filter}},
+    {"upper", {case_filter<py_upper>}},
+};
+
+}  // namespace
+
+bool is_supported_filter(std::string_view name) {
+  return kFilters.count(name) > 0;
+}
+
+Value apply_filter(const std::string& name, const Value& input, CallArgs& args) {
+  const Filter* filter = find_entry(kFilters, name);
+  if (input.is_string() && input.markup && !(filter && filter->takes_markup)) {
+    unsupported("filter '" + name + "' on a Markup string");
+  }
+  if (!filter) unsupported("filter '" + name + "'");
+  return filter->fn(name, input, args);
 }
 
 }  // namespace tandem::text::jinja
