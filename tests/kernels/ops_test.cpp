@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/gemm_onednn.h"
 #include "kernels/cpu/matvec_avx512.h"
 
 namespace tandem::kernels {
@@ -75,14 +76,19 @@ TEST_P(MatmulTest, MatchesReference) {
       break;
   }
 
-  if (c.packed) {
-    ASSERT_TRUE(pack_for_gemm(w)) << "oneDNN has no packed layout for this matrix";
+  if (c.packed && !pack_for_gemm(w)) {
+    // oneDNN 2.x packs only with AVX-512 kernels; on other CPUs the plain cases cover matmul.
+    ASSERT_FALSE(avx512::available()) << "oneDNN has no packed layout for this matrix";
+    GTEST_SKIP() << "oneDNN has no packed layout on this CPU (no AVX-512)";
   }
 
   // The activations each kernel actually multiplies.
   std::vector<double> xref(x.begin(), x.end());
   const bool vnni = c.type == WeightType::kI8 && avx512::has_vnni();
-  const bool bf16_acts = c.type == WeightType::kBF16 && (c.n >= 4 || avx512::has_bf16_dot());
+  // BF16 weights round the activations to BF16 where a BF16 kernel runs: oneDNN's GEMM from four
+  // tokens (where it has one), the vdpbf16ps rows up to four.
+  const bool bf16_acts = c.type == WeightType::kBF16 && ((c.n >= 4 && onednn_has_bf16_matmul()) ||
+                                                         (c.n <= 4 && avx512::has_bf16_dot()));
   for (int64_t t = 0; t < c.n; ++t) {
     double amax = 0;
     for (int64_t k = 0; k < c.cols; ++k) amax = std::max(amax, std::abs(xref[t * c.cols + k]));
@@ -266,7 +272,9 @@ TEST(MatmulBf16, MatchesMatmul) {
   for (auto& v : wi) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
   Matrix plain = matrix_view(rows, cols, WeightType::kBF16, wb.data());
   Matrix packed = plain;
-  ASSERT_TRUE(pack_for_gemm(packed));
+  // oneDNN 2.x packs only with AVX-512 kernels: elsewhere the packed case is the plain one.
+  const bool has_packed = pack_for_gemm(packed);
+  EXPECT_TRUE(has_packed || !avx512::available());
   Matrix int8 = matrix_view(rows, cols, WeightType::kI8, wi.data());
   int8.row_scales.assign(rows, 0.01f);
   set_int8_row_sums(int8);

@@ -188,6 +188,14 @@ bool plain_matmul(const Matrix& w, const void* x, int64_t n, float* y, Type in_t
 
 }  // namespace
 
+bool onednn_has_bf16_matmul() {
+  static const bool has = [] {
+    return primitive(kExactShapeMaxTokens, 64, 64, WeightType::kBF16, Type::bf16, Type::bf16,
+                     Type::f32) != nullptr;
+  }();
+  return has;
+}
+
 bool onednn_matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y) {
   if (w.type != WeightType::kBF16) return false;
   if (w.packed) return packed_matmul(w, x, n, y, Type::bf16, Type::f32);

@@ -12,6 +12,9 @@ namespace tandem::kernels {
 bool onednn_matmul(const Matrix& w, const float* x, int64_t n, float* y);
 // The same for activations already in BF16 (BF16 weights only).
 bool onednn_matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y);
+// Whether oneDNN has a BF16 matrix product on this CPU (its 2.x releases need AVX-512; without it
+// BF16 weights take the float32-activation loops, and no activation is rounded to BF16).
+bool onednn_has_bf16_matmul();
 
 // C[m, n] = A[m, k] B with float32 C, A and B both BF16 (`bf16`) or both float32: A row-major
 // with row stride lda; B [k, n] row-major (ldb), or with `b_transposed` B^T [n, k] row-major;
