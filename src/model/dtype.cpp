@@ -7,47 +7,48 @@
 
 namespace tandem::model {
 
+namespace {
+
+// Every element type: its safetensors name, its size, whether it holds floating-point values.
+struct DTypeInfo {
+  DType type;
+  std::string_view name;
+  size_t size;
+  bool is_float;
+};
+constexpr DTypeInfo kDTypes[] = {
+    {DType::kF32, "F32", 4, true}, {DType::kBF16, "BF16", 2, true},
+    {DType::kF16, "F16", 2, true}, {DType::kF8E4M3, "F8_E4M3", 1, false},
+    {DType::kI8, "I8", 1, false},
+};
+
+const DTypeInfo* info_of(DType t) {
+  for (const auto& d : kDTypes)
+    if (d.type == t) return &d;
+  return nullptr;
+}
+
+}  // namespace
+
 size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return 4;
-    case DType::kBF16:
-    case DType::kF16:
-      return 2;
-    case DType::kF8E4M3:
-    case DType::kI8:
-      return 1;
-  }
-  return 0;
+  const DTypeInfo* d = info_of(t);
+  return d ? d->size : 0;
 }
 
 std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "F32";
-    case DType::kBF16:
-      return "BF16";
-    case DType::kF16:
-      return "F16";
-    case DType::kF8E4M3:
-      return "F8_E4M3";
-    case DType::kI8:
-      return "I8";
-  }
-  return "?";
+  const DTypeInfo* d = info_of(t);
+  return d ? d->name : "?";
 }
 
 std::optional<DType> parse_dtype(std::string_view name) {
-  if (name == "F32") return DType::kF32;
-  if (name == "BF16") return DType::kBF16;
-  if (name == "F16") return DType::kF16;
-  if (name == "F8_E4M3") return DType::kF8E4M3;
-  if (name == "I8") return DType::kI8;
+  for (const auto& d : kDTypes)
+    if (d.name == name) return d.type;
   return std::nullopt;
 }
 
 bool is_float_dtype(DType t) {
-  return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16;
+  const DTypeInfo* d = info_of(t);
+  return d && d->is_float;
 }
 
 float f16_to_f32(uint16_t v) {
