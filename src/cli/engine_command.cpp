@@ -9,7 +9,7 @@
 
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
-#include "engine/api/api_server.h"
+#include "engine/api_server.h"
 #include "engine/executor/cpu_executor.h"
 #include "engine/executor/latency_probe.h"
 #include "engine/executor/sim_executor.h"
@@ -117,7 +117,7 @@ void run(const EngineOptions& o) {
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.kv_events_config = o.kv_events_config;
-  config.role = o.role;
+  config.role = engine::parse_engine_role(o.role);
   engine::KvTransferConfig transfer;
   transfer.engine_id = o.engine_id;
   transfer.listen_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
@@ -138,7 +138,7 @@ void run(const EngineOptions& o) {
   http.port = static_cast<uint16_t>(o.port);
   http.threads = o.http_threads;
   http.max_body_bytes = static_cast<size_t>(o.max_body_bytes);
-  engine::api::ApiServer server(engine, registry, http);
+  engine::ApiServer server(engine, registry, http);
   engine.start();
   server.start();
   const auto& info = engine.executor_info();
@@ -149,11 +149,11 @@ void run(const EngineOptions& o) {
       static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
   if (const auto* t = engine.transfer(); t && t->serving())
     std::printf("tandem engine: role %s, KV transfer on %s:%u (advertised as %s), engine id %s\n",
-                engine.role().c_str(), t->config().listen_host.c_str(),
+                engine::engine_role_name(engine.role()), t->config().listen_host.c_str(),
                 static_cast<unsigned>(t->port()), t->config().advertise_host.c_str(),
                 t->config().engine_id.c_str());
   else
-    std::printf("tandem engine: role %s\n", engine.role().c_str());
+    std::printf("tandem engine: role %s\n", engine::engine_role_name(engine.role()));
   if (!engine.kv_events_endpoint().empty())
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());

@@ -11,8 +11,8 @@ namespace tandem::cli {
 namespace {
 
 struct GatewayCliOptions {
-  std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "tandem",
-                      policy = "tandem", model, served_model_name, admin_api_key, access_log;
+  std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
+                      model, served_model_name, admin_api_key, access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
   size_t max_queue = 1024;
   std::vector<std::string> prefill, decode, api_keys;
@@ -87,7 +87,9 @@ void add_gateway_command(CLI::App& app) {
                   "aggregated, sequential (vLLM: prefill then decode pulls the KV) or parallel "
                   "(SGLang: both legs at once through a bootstrap room)")
       ->capture_default_str();
-  cmd->add_option("--dialect", o->dialect, "what the engines speak: tandem, vllm or sglang")
+  cmd->add_option("--dialect", o->dialect,
+                  "what the engines speak: tandem, vllm, sglang, or auto (each engine is asked "
+                  "for Tandem's GET /load; one without it is routed as vLLM/SGLang)")
       ->capture_default_str();
   cmd->add_option("--prefill", o->prefill,
                   "prefill engine HOST:PORT (parallel mode: HOST:PORT@KV_TRANSFER_PORT); "

@@ -50,6 +50,26 @@ struct Engine::Metrics {
   metrics::Gauge& waiting_for_kv;
 };
 
+namespace {
+
+constexpr std::pair<EngineRole, const char*> kRoles[] = {{EngineRole::kBoth, "both"},
+                                                         {EngineRole::kPrefill, "prefill"},
+                                                         {EngineRole::kDecode, "decode"}};
+
+}  // namespace
+
+EngineRole parse_engine_role(std::string_view text) {
+  for (const auto& [role, name] : kRoles)
+    if (text == name) return role;
+  throw Error("role: expected prefill, decode or both, got '" + std::string(text) + "'");
+}
+
+const char* engine_role_name(EngineRole role) {
+  for (const auto& [r, name] : kRoles)
+    if (r == role) return name;
+  return "unknown";
+}
+
 Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
                std::shared_ptr<const text::Tokenizer> tokenizer, std::vector<int32_t> eos_ids,
                metrics::Registry& registry)
@@ -94,8 +114,6 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       registry.gauge("tandem:num_requests_waiting_for_kv",
                      "Decode requests waiting for their prompt's KV from a prefill engine",
                      model)});
-  if (config_.role != "both" && config_.role != "prefill" && config_.role != "decode")
-    throw Error("role: expected prefill, decode or both, got '" + config_.role + "'");
   if (config_.transfer) {
     TcpTransportOptions tcp;
     tcp.io_timeout =
@@ -189,7 +207,7 @@ void Engine::submit(EngineRequest request) {
       throw Error("request id '" + request.id + "' is already in use");
     const auto prompt = static_cast<int64_t>(request.prompt.size());
     incoming_prompt_tokens_ += prompt;
-    incoming_prompt_pairs_ += util::causal_pairs(0, prompt);
+    incoming_prompt_pairs_ += api::causal_pairs(0, prompt);
     incoming_.push_back(std::move(request));
   }
   wake_.notify_one();
@@ -233,15 +251,15 @@ LoadReport Engine::load() const {
 // Prompt work this engine still has to do for a sequence (none while its KV is fetched). One
 // never admitted counts without the prefix its cache held on arrival: a router reading the load
 // must see a cached continuation as the little work it is.
-static util::PrefillWork uncomputed_prompt(const Sequence& seq) {
+static api::PrefillWork uncomputed_prompt(const Sequence& seq) {
   if (seq.status == SequenceStatus::kFinished || seq.fetching) return {};
   const int64_t done =
       seq.admitted_once ? seq.num_computed : std::max(seq.num_computed, seq.cached_on_arrival);
-  return util::PrefillWork::of_prompt(done, seq.num_prompt);
+  return api::PrefillWork::of_prompt(done, seq.num_prompt);
 }
 
-util::PrefillWork Engine::queued_prefill() const {
-  util::PrefillWork n;
+api::PrefillWork Engine::queued_prefill() const {
+  api::PrefillWork n;
   for (const auto& [id, seq] : sequences_) n += uncomputed_prompt(*seq);
   return n;
 }
@@ -392,17 +410,17 @@ void Engine::step() {
       for (auto [r, claim] : rooms) agent_->room_layers_done(r, claim, layers);
     };
   int64_t step_tokens = 0;
-  util::PrefillWork step_prefill;
+  api::PrefillWork step_prefill;
   for (const auto& s : out.scheduled) {
     step_tokens += s.num_new_tokens;
     const int64_t done = s.seq->num_computed;
     if (done < s.seq->num_prompt)
-      step_prefill += util::PrefillWork::of_prompt(
+      step_prefill += api::PrefillWork::of_prompt(
           done, done + std::min(s.num_new_tokens, s.seq->num_prompt - done));
   }
   {
     // What the gateway's expected-finish-time routing reads while this step runs.
-    const util::PrefillWork queued = queued_prefill() - step_prefill;
+    const api::PrefillWork queued = queued_prefill() - step_prefill;
     std::lock_guard lock(load_mutex_);
     load_.step_seqs = static_cast<int64_t>(out.scheduled.size());
     load_.step_tokens = step_tokens;
@@ -633,7 +651,7 @@ void Engine::update_gauges() {
   r.block_size = info.block_size;
   r.kv_usage = kv_.usage();
   r.cached_blocks = kv_.num_cached_blocks();
-  util::PrefillWork queued;
+  api::PrefillWork queued;
   for (const auto& [id, seq] : sequences_) {
     r.tokens_in_flight += static_cast<int64_t>(seq->tokens.size());
     queued += uncomputed_prompt(*seq);

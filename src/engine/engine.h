@@ -9,11 +9,14 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "api/load_report.h"
+#include "api/prefill_work.h"
 #include "engine/executor/executor.h"
 #include "engine/kv/kv_cache_manager.h"
 #include "engine/kv/kv_events.h"
@@ -21,49 +24,29 @@
 #include "engine/scheduler/sequence.h"
 #include "engine/transfer/kv_transfer.h"
 #include "text/tokenizer.h"
-#include "util/attention_pairs.h"
 #include "util/metrics.h"
 
 namespace tandem::engine {
+
+// The engine's part in prefill/decode disaggregation: both (a whole request), the prefill leg (the
+// prompt, its KV handed to a decode engine) or the decode leg (the KV received, then the tokens).
+enum class EngineRole { kBoth, kPrefill, kDecode };
+// "both", "prefill" or "decode"; anything else throws tandem::Error naming the valid roles.
+EngineRole parse_engine_role(std::string_view text);
+const char* engine_role_name(EngineRole role);
 
 struct EngineConfig {
   SchedulerConfig scheduler;
   bool enable_prefix_caching = true;
   std::string kv_events_config;  // vLLM's --kv-events-config JSON; empty: no events
-  // Prefill/decode disaggregation: "prefill", "decode" or "both"; KV transfer runs when
-  // `transfer` is set (with a server unless its port is -1).
-  std::string role = "both";
+  // KV transfer runs when `transfer` is set (with a server unless its port is -1).
+  EngineRole role = EngineRole::kBoth;
   std::optional<KvTransferConfig> transfer;
 };
 
-// One executed step, for the gateway's learned batch durations.
-struct StepRecord {
-  uint64_t index = 0;  // 1 for the engine's first step
-  int64_t seqs = 0, tokens = 0;
-  double seconds = 0;
-  int64_t prefill_pairs = 0;  // causal attention pairs of its prefill chunks (util::causal_pairs)
-};
-
 // A snapshot for the gateway's load-aware routing (JSON at /load).
-struct LoadReport {
-  static constexpr size_t kRecentSteps = 32;
-  int64_t running = 0, waiting = 0;
-  int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
-  int64_t tokens_in_flight = 0;  // prompt + generated tokens of running and waiting requests
-  double kv_usage = 0;           // fraction of blocks in use
-  int64_t cached_blocks = 0;     // blocks findable by the prefix cache (in use or evictable)
-  uint64_t steps = 0;
-  // Prompt tokens still to compute (uncached, not yet prefilled), not counting those of the step
-  // that runs now: the prefill work queued behind it.
-  int64_t prefill_tokens = 0;
-  int64_t prefill_pairs = 0;     // the attention pairs of those tokens (StepRecord::prefill_pairs)
-  int64_t max_batch_tokens = 0;  // the scheduler's tokens per step (chunked-prefill budget)
-  // The step that runs now (step_seqs 0: none): its size and how long it has run (filled by
-  // Engine::load() at the time of the call).
-  int64_t step_seqs = 0, step_tokens = 0, step_prefill_pairs = 0;
-  double step_running_for_s = 0;
-  std::vector<StepRecord> recent_steps;  // the last kRecentSteps steps, oldest first
-};
+using api::LoadReport;
+using api::StepRecord;
 
 class Engine {
  public:
@@ -88,7 +71,7 @@ class Engine {
   LoadReport load() const;
   const ExecutorInfo& executor_info() const { return executor_->info(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
-  const std::string& role() const { return config_.role; }
+  EngineRole role() const { return config_.role; }
   // Thread-safe. Tells a prefill engine to free a transfer this engine will not pull (its
   // decode leg was refused); best effort, in the background. No-op without KV transfer.
   void release_remote_kv(const std::string& host, uint16_t port, const std::string& engine_id,
@@ -153,10 +136,15 @@ class Engine {
 
   // Load snapshot, written by the engine thread before and after each step.
   mutable std::mutex load_mutex_;
-  LoadReport load_;
-  double step_started_ = 0;                  // now_seconds() when the running step began
-  std::vector<StepRecord> recent_steps_;     // engine thread; copied into load_
-  util::PrefillWork queued_prefill() const;  // engine thread: prompt work not yet computed
+  // Pairs are counted from the start (a report's -1 would mean "not reported").
+  LoadReport load_ = [] {
+    LoadReport r;
+    r.prefill_pairs = r.step_prefill_pairs = 0;
+    return r;
+  }();
+  double step_started_ = 0;                 // now_seconds() when the running step began
+  std::vector<StepRecord> recent_steps_;    // engine thread; copied into load_
+  api::PrefillWork queued_prefill() const;  // engine thread: prompt work not yet computed
 };
 
 }  // namespace tandem::engine

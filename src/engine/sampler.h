@@ -10,25 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "api/output.h"
+#include "api/sampling.h"
+
 namespace tandem::engine {
 
-struct SamplingParams {
-  double temperature = 1.0;
-  int64_t top_k = 0;  // 0 or -1: off
-  double top_p = 1.0;
-  double min_p = 0.0;
-  double repetition_penalty = 1.0;
-  double presence_penalty = 0.0;
-  double frequency_penalty = 0.0;
-  std::optional<uint64_t> seed;
-  int64_t max_tokens = 16;
-  std::vector<int32_t> stop_token_ids;
-  std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
-  bool ignore_eos = false;
-
-  // Throws tandem::Error naming the parameter when a value is out of range.
-  void validate() const;
-};
+using api::SamplingParams;
 
 class Sampler {
  public:
@@ -49,11 +36,7 @@ class Sampler {
 
 namespace tandem::engine {
 
-struct TokenLogprob {
-  int32_t token = 0;
-  float logprob = 0;
-  std::vector<std::pair<int32_t, float>> top;  // the most likely tokens at that position
-};
+using api::TokenLogprob;
 
 // Log-probability of `token` under softmax(logits) and the `top` most likely tokens (highest
 // first, lowest id on ties), from the model's raw logits as vLLM reports them by default.

@@ -3,80 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include <nlohmann/json.hpp>
-
-#include "util/error.h"
-#include "util/json.h"
-
 namespace tandem::gateway {
-namespace {
-
-using nlohmann::json;
-
-int64_t count_field(const json& j, const char* key, int64_t fallback) {
-  const auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return fallback;
-  if (!it->is_number_integer() || it->get<int64_t>() < 0)
-    throw Error(std::string("/load: ") + key + ": expected a non-negative integer, got " +
-                it->dump());
-  return it->get<int64_t>();
-}
-
-double seconds_field(const json& j, const char* key) {
-  const auto it = j.find(key);
-  if (it == j.end()) return 0;
-  if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
-    throw Error(std::string("/load: ") + key + ": expected non-negative seconds, got " +
-                it->dump());
-  return it->get<double>();
-}
-
-}  // namespace
-
-EngineLoadReport parse_engine_load(std::string_view body) {
-  json j;
-  try {
-    j = parse_untrusted_json(body);
-  } catch (const Error& e) {
-    throw Error(std::string("/load: expected a JSON object (") + e.what() + ")");
-  }
-  if (!j.is_object()) throw Error("/load: expected a JSON object");
-  EngineLoadReport r;
-  r.running = count_field(j, "running", 0);
-  r.waiting = count_field(j, "waiting", 0);
-  r.free_blocks = count_field(j, "free_blocks", 0);
-  r.total_blocks = count_field(j, "total_blocks", 0);
-  r.block_size = count_field(j, "block_size", 0);
-  r.tokens_in_flight = count_field(j, "tokens_in_flight", 0);
-  r.prefill_tokens = count_field(j, "prefill_tokens", 0);
-  r.prefill_pairs = count_field(j, "prefill_pairs", -1);
-  r.max_batch_tokens = count_field(j, "max_batch_tokens", 0);
-  if (const auto step = j.find("step"); step != j.end() && !step->is_null()) {
-    if (!step->is_object()) throw Error("/load: step: expected an object or null");
-    r.step_seqs = count_field(*step, "seqs", 0);
-    r.step_tokens = count_field(*step, "tokens", 0);
-    r.step_pairs = count_field(*step, "prefill_pairs", -1);
-    r.step_running_for_s = seconds_field(*step, "running_for_s");
-  }
-  if (const auto steps = j.find("recent_steps"); steps != j.end()) {
-    if (!steps->is_array()) throw Error("/load: recent_steps: expected an array");
-    for (size_t i = 0; i < steps->size(); ++i) {
-      const json& s = (*steps)[i];
-      const std::string where = "/load: recent_steps[" + std::to_string(i) + "]";
-      if (!s.is_array() || (s.size() != 4 && s.size() != 5) || !s[0].is_number_unsigned() ||
-          !s[1].is_number_unsigned() || !s[2].is_number_unsigned() || !s[3].is_number() ||
-          !std::isfinite(s[3].get<double>()) || s[3].get<double>() < 0 ||
-          (s.size() == 5 && !s[4].is_number_unsigned()))
-        throw Error(where + ": expected [index, seqs, tokens, seconds] or [index, seqs, tokens, " +
-                    "seconds, prefill_pairs], got " + s.dump());
-      r.recent_steps.push_back({s[0].get<uint64_t>(), s[1].get<int64_t>(), s[2].get<int64_t>(),
-                                s[3].get<double>(), s.size() == 5 ? s[4].get<int64_t>() : -1});
-    }
-  }
-  return r;
-}
-
-EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, PrefillWork launched_at_poll,
+EngineLoadState absorb(EngineLoadState state, LoadReport report, PrefillWork launched_at_poll,
                        Clock::time_point received, const BatchTimeOptions& prior) {
   if (!state.known) state.batch_time.options = prior;
   // Indices only grow on one engine process; a newest index below what was seen means it restarted.
@@ -84,7 +12,8 @@ EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, PrefillWo
     state.last_step = 0;
   for (const auto& s : report.recent_steps) {
     if (s.index <= state.last_step) continue;
-    state.batch_time = observe(std::move(state.batch_time), s.seqs, s.tokens, s.seconds, s.pairs);
+    state.batch_time =
+        observe(std::move(state.batch_time), s.seqs, s.tokens, s.seconds, s.prefill_pairs);
     state.last_step = s.index;
   }
   state.known = true;
@@ -102,7 +31,7 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight.tokens, 0);
   load.queued_prefill_pairs = std::max<int64_t>(counts.uncached_in_flight.pairs, 0);
   if (!state.known || now - state.received > max_age) return;
-  const EngineLoadReport& r = state.report;
+  const LoadReport& r = state.report;
   // The report's queue plus what was launched after its poll left, less the legs that finished
   // after it arrived. Not capped by the gateway's own count of tokens in flight: that misses work
   // the gateway took as cached and the engine recomputes (a prefix evicted while the request
@@ -131,7 +60,7 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
     const double since = std::chrono::duration<double>(now - state.received).count();
     const BatchTimeEstimator& e = state.batch_time;
     load.time_until_free_s = time_until_free_s(e, r.step_seqs, r.step_tokens,
-                                               r.step_running_for_s + since, r.step_pairs);
+                                               r.step_running_for_s + since, r.step_prefill_pairs);
   }
 }
 

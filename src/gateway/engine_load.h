@@ -9,42 +9,22 @@
 #include <string_view>
 #include <vector>
 
+#include "api/load_report.h"
+#include "api/prefill_work.h"
 #include "gateway/policy.h"
-#include "util/attention_pairs.h"
 
 namespace tandem::gateway {
 
-// A parsed GET /load answer (docs/gateway.md, "Engine load reports").
-struct EngineLoadReport {
-  int64_t running = 0, waiting = 0;
-  int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
-  int64_t tokens_in_flight = 0;            // prompt + generated tokens the engine's sequences hold
-  int64_t prefill_tokens = 0;              // prompt tokens queued behind the running step
-  int64_t prefill_pairs = -1;              // their causal attention pairs; -1: not reported
-  int64_t max_batch_tokens = 0;            // the engine's chunked-prefill budget; 0: not said
-  int64_t step_seqs = 0, step_tokens = 0;  // the running step; step_seqs 0: none
-  int64_t step_pairs = -1;                 // its prefill attention pairs; -1: not reported
-  double step_running_for_s = 0;
-  struct Step {
-    uint64_t index = 0;
-    int64_t seqs = 0, tokens = 0;
-    double seconds = 0;
-    int64_t pairs = -1;  // prefill attention pairs; -1: not reported
-  };
-  std::vector<Step> recent_steps;  // oldest first
-};
-
-// Parses a /load body. Throws tandem::Error naming the field and what was expected; fields the
-// gateway does not use are ignored, missing optional ones keep their defaults.
-EngineLoadReport parse_engine_load(std::string_view body);
+// A parsed GET /load answer (api/load_report.h).
+using api::LoadReport;
 
 // Uncached prompt work, as the gateway counts it: tokens and their causal attention pairs.
-using util::PrefillWork;
+using api::PrefillWork;
 
 // The scheduling thread's record of one engine's reports.
 struct EngineLoadState {
   bool known = false;  // a report has arrived
-  EngineLoadReport report;
+  LoadReport report;
   Clock::time_point received{};  // when it arrived
   // The gateway's count of uncached prompt tokens launched on the engine that the report is taken
   // to include (the count when the poll before the one that brought it was sent: a leg launched
@@ -59,7 +39,7 @@ struct EngineLoadState {
 
 // The state after a report: its steps newer than `last_step` become batch-time observations (a
 // restarted engine, whose indices went back, is observed from its first step again).
-EngineLoadState absorb(EngineLoadState state, EngineLoadReport report, PrefillWork launched_at_poll,
+EngineLoadState absorb(EngineLoadState state, LoadReport report, PrefillWork launched_at_poll,
                        Clock::time_point received, const BatchTimeOptions& prior);
 
 // What the gateway counts itself for one engine.

@@ -12,6 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/block_hash.h"
+#include "api/disaggregation.h"
+#include "api/error.h"
+#include "api/prefill_work.h"
 #include "gateway/engine_load.h"
 #include "gateway/kv_events_consumer.h"
 #include "gateway/lifecycle.h"
@@ -23,8 +27,6 @@
 #include "net/async_http_client.h"
 #include "net/http_server.h"
 #include "net/sse.h"
-#include "util/attention_pairs.h"
-#include "util/block_hash.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/metrics.h"
@@ -93,12 +95,42 @@ bool carries_tokens(std::string_view data) {
   return data != "[DONE]" && data.find("\"choices\":[]") == std::string_view::npos;
 }
 
-// Prompt blocks the gateway hashes its ids in (util/block_hash.h): the policies' prompt identity
+// Prompt blocks the gateway hashes its ids in (api/block_hash.h): the policies' prompt identity
 // (tandem's miss spreading). The prefix index learns each engine's own block size from its events.
 constexpr int64_t kPrefixBlockTokens = 16;
 
 // A /load answer is a few kilobytes; anything far larger is not one.
 constexpr size_t kMaxLoadReportBytes = size_t{1} << 20;
+
+// Where the gateway learns an engine's load: its GET /load reports (Tandem engines), or nothing
+// but the gateway's own counts (vLLM and SGLang engines, and engines of an `auto` pool that turned
+// out to have no reports). An `auto` engine is asked until it answers either way.
+enum class LoadSource { kAsking, kReports, kOwnCounts };
+
+const char* load_source_name(LoadSource s) {
+  switch (s) {
+    case LoadSource::kAsking:
+      return "asking";
+    case LoadSource::kReports:
+      return "reports";
+    case LoadSource::kOwnCounts:
+      return "own_counts";
+  }
+  return "unknown";
+}
+
+LoadSource initial_load_source(Dialect d) {
+  switch (d) {
+    case Dialect::kAuto:
+      return LoadSource::kAsking;
+    case Dialect::kTandem:
+      return LoadSource::kReports;
+    case Dialect::kVllm:
+    case Dialect::kSglang:
+      break;
+  }
+  return LoadSource::kOwnCounts;
+}
 
 // An engine the gateway sends requests to, as the scheduling thread keeps it.
 struct EndpointState {
@@ -111,6 +143,7 @@ struct EndpointState {
   int64_t in_flight = 0, tokens_in_flight = 0;
   GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
   EngineLoadState load;  // its GET /load reports (tandem engines)
+  LoadSource load_source = LoadSource::kOwnCounts;
   bool load_polling = false;
   PrefillWork launched_at_last_poll;  // counts.launched_total when the last poll left
   metrics::Gauge* in_flight_gauge = nullptr;
@@ -245,7 +278,8 @@ class Gateway::Impl {
   Impl(Topology topology, std::string config_path)
       : topo_(std::move(topology)),
         config_path_(std::move(config_path)),
-        policy_(make_policy(topo_.policy, topo_.scheduling.tandem)),
+        policy_(make_policy(topo_.policy, {topo_.scheduling.tandem, topo_.scheduling.cache_aware,
+                                           topo_.scheduling.kv_router})),
         metrics_(registry_),
         server_(server_options()),
         client_(std::make_unique<net::AsyncHttpClient>(server_)) {
@@ -295,6 +329,7 @@ class Gateway::Impl {
     o.port = topo_.port;
     o.threads = topo_.io_threads;
     o.max_body_bytes = topo_.max_body_bytes;
+    o.error_response = api::openai_error_response;
     return o;
   }
 
@@ -432,7 +467,7 @@ class Gateway::Impl {
           r->prompt_tokens = static_cast<int64_t>(t->ids.size()) * t->n;
           r->tokens_known = true;
           r->times.mark(Phase::kPrefixMatching);
-          r->block_hashes = block_hashes(t->ids, kPrefixBlockTokens);
+          r->block_hashes = api::block_hashes(t->ids, kPrefixBlockTokens);
           r->prompt_ids = t->ids;
           if (first.tokens_in && topo_.decode.tokens_in) {
             r->translator = std::make_unique<ResponseTranslator>(t->client_kind);
@@ -441,7 +476,7 @@ class Gateway::Impl {
             rewritten = true;
           }
         }
-      } catch (const engine::api::ApiError& e) {
+      } catch (const api::ApiError& e) {
         std::string message = e.message;
         if (!e.param.empty()) message += " (param: " + e.param + ")";
         ex->send_error(e.status, message, e.type);
@@ -457,23 +492,13 @@ class Gateway::Impl {
       case PdMode::kAggregated:
         r->body = rewritten ? body.dump() : req.body;  // else verbatim: the engine parses it
         break;
-      case PdMode::kSequential: {
-        json pre = body;
-        pre["kv_transfer_params"] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
-                                     {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
-                                     {"remote_host", nullptr},      {"remote_port", nullptr}};
-        pre["stream"] = false;
-        pre.erase("stream_options");
-        pre["max_tokens"] = 1;
-        if (pre.contains("max_completion_tokens")) pre["max_completion_tokens"] = 1;
-        pre.erase("min_tokens");
-        r->prefill_body = pre.dump();
-        body.erase("kv_transfer_params");
+      case PdMode::kSequential:
+        api::strip_disaggregation_fields(body);
+        r->prefill_body = api::prefill_leg_body(body).dump();
         r->body = body.dump();
         break;
-      }
       case PdMode::kParallel:
-        for (const char* k : {"bootstrap_host", "bootstrap_port", "bootstrap_room"}) body.erase(k);
+        api::strip_disaggregation_fields(body);
         r->body = body.dump();
         break;
     }
@@ -522,6 +547,7 @@ class Gateway::Impl {
     s.prefill = prefill;
     const Pool& pool = prefill ? topo_.prefill : topo_.decode;
     s.max_in_flight = e.max_in_flight > 0 ? e.max_in_flight : pool.max_in_flight;
+    s.load_source = initial_load_source(pool.dialect);
     s.config = std::move(e);
     const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
     s.in_flight_gauge = &metrics_.endpoint_in_flight.labels(labels);
@@ -638,8 +664,48 @@ class Gateway::Impl {
           remove_waiting(r);
           answer_error(r, 503,
                        "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
-                           " ms (queue timeout)");
+                           " ms (queue timeout): " + pools_state(*r));
         });
+  }
+
+  // What the engines of the pools a request needs were doing, for the 503 that says why none
+  // took it: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit".
+  std::string pools_state(const Request& r) const {
+    std::vector<bool> pools;  // prefill?
+    if (topo_.mode == PdMode::kAggregated || r.stage == Stage::kDecode) {
+      pools = {false};
+    } else if (topo_.mode == PdMode::kSequential) {
+      pools = {true};
+    } else {
+      pools = {true, false};
+    }
+    std::string out;
+    for (const bool prefill : pools) {
+      int total = 0, ejected = 0, draining = 0, at_limit = 0, busy = 0;
+      for (const auto& [id, e] : endpoints_) {
+        if (e.prefill != prefill) continue;
+        ++total;
+        if (e.draining)
+          ++draining;
+        else if (!e.healthy)
+          ++ejected;
+        else if (e.in_flight >= e.max_in_flight)
+          ++at_limit;
+        else
+          ++busy;
+      }
+      if (!out.empty()) out += "; ";
+      out += std::string(prefill ? "prefill" : "decode") + " pool: " + std::to_string(total) +
+             (total == 1 ? " engine" : " engines");
+      auto part = [&out](int n, const char* what) {
+        if (n > 0) out += ", " + std::to_string(n) + " " + what;
+      };
+      part(ejected, "ejected after failing requests or health checks");
+      part(draining, "draining");
+      part(at_limit, "at the in-flight limit");
+      part(busy, "over the policy's load limits (queued prefill work or free KV)");
+    }
+    return out;
   }
 
   void remove_waiting(const RequestPtr& r) {
@@ -693,7 +759,7 @@ class Gateway::Impl {
         kind = c.kind;
         decode = c.endpoint;
       } else if (topo_.mode == PdMode::kParallel) {
-        const PairChoice c = choose_pair(*policy_, v, ri, now);
+        const PairChoice c = policy_->choose_together(v, ri, now);
         kind = c.kind;
         prefill = c.prefill;
         decode = c.decode;
@@ -710,7 +776,7 @@ class Gateway::Impl {
       if (kind == Choice::Kind::kSaturated) continue;
       remove_waiting(r);
       if (kind == Choice::Kind::kNoneEligible) {
-        answer_error(r, 503, "no healthy engine can serve this request");
+        answer_error(r, 503, "no healthy engine can serve this request: " + pools_state(*r));
         continue;
       }
       metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
@@ -786,11 +852,9 @@ class Gateway::Impl {
         break;
       case PdMode::kParallel: {
         const EndpointState& p = *endpoint(prefill);
-        json fields = {{"bootstrap_host", p.config.host},
-                       {"bootstrap_port", p.config.bootstrap_port},
-                       {"bootstrap_room", random_u64() & 0x7fffffffffffffffULL}};
-        std::string text = fields.dump();
-        const std::string body = splice_fields(r->body, text.substr(1, text.size() - 2));
+        const std::string body =
+            splice_fields(r->body, api::bootstrap_members(p.config.host, p.config.bootstrap_port,
+                                                          random_u64() & 0x7fffffffffffffffULL));
         r->times.mark(Phase::kPrefilling);
         start_prefill(r, prefill, body);
         start_relay(r, decode, body);
@@ -937,7 +1001,7 @@ class Gateway::Impl {
                         int endpoint_id) {
     std::string params;
     try {
-      params = parse_untrusted_json(leg.body).at("kv_transfer_params").dump();
+      params = api::kv_transfer_params_member(leg.body);
     } catch (const std::exception&) {
       leg.engine_error = true;
       sched_.post_batched([this, r, attempt, endpoint_id,
@@ -948,7 +1012,7 @@ class Gateway::Impl {
     }
     {
       std::lock_guard lock(r->mutex);
-      r->decode_body = splice_fields(r->body, "\"kv_transfer_params\":" + params);
+      r->decode_body = splice_fields(r->body, params);
     }
     sched_.post_batched([this, r, attempt] {
       if (attempt != r->attempt || ended(*r)) return;
@@ -1322,11 +1386,11 @@ class Gateway::Impl {
     sched_.at(Clock::now() + topo_.health.probe_interval, [this] { probe_all(); });
   }
 
-  // GET /load of every tandem-dialect engine (engine_load.h); one poll per engine at a time.
+  // GET /load of every engine that reports its load, or may (engine_load.h); one poll per engine
+  // at a time.
   void poll_loads() {
     for (auto& [id, e] : endpoints_) {
-      const Dialect d = e.prefill ? topo_.prefill.dialect : topo_.decode.dialect;
-      if (d != Dialect::kTandem || e.load_polling || e.draining) continue;
+      if (e.load_source == LoadSource::kOwnCounts || e.load_polling || e.draining) continue;
       e.load_polling = true;
       net::AsyncHttpRequest u = engine_get(e, "/load");
       struct Reply {
@@ -1345,16 +1409,9 @@ class Gateway::Impl {
       const PrefillWork launched = e.launched_at_last_poll;
       e.launched_at_last_poll = e.counts.launched_total;
       h.on_done = [this, reply, id = id, launched](const std::string& error) {
-        std::optional<EngineLoadReport> report;
-        if (error.empty() && reply->status == 200) {
-          try {
-            report = parse_engine_load(reply->body);
-          } catch (const std::exception& err) {
-            std::fprintf(stderr, "tandem gateway: ignoring a load report: %s\n", err.what());
-          }
-        }
-        sched_.post([this, id, launched, report = std::move(report)]() mutable {
-          load_result(id, launched, std::move(report));
+        LoadAnswer answer = read_load_answer(error, reply->status, reply->body);
+        sched_.post([this, id, launched, answer = std::move(answer)]() mutable {
+          load_result(id, launched, std::move(answer));
         });
       };
       client_->start(std::move(u), std::move(h));
@@ -1362,12 +1419,62 @@ class Gateway::Impl {
     sched_.at(Clock::now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
   }
 
-  void load_result(int id, PrefillWork launched_at_poll, std::optional<EngineLoadReport> report) {
+  // What one GET /load told about the engine.
+  struct LoadAnswer {
+    enum class Kind {
+      kReport,    // a report of a Tandem engine
+      kNoReport,  // the engine answered, with something that is not one (no /load, another API)
+      kNoAnswer,  // no answer (down, a timeout, a 5xx): nothing learned
+    };
+    Kind kind = Kind::kNoAnswer;
+    LoadReport report;
+    std::string why;  // for kNoReport
+  };
+
+  static LoadAnswer read_load_answer(const std::string& error, int status,
+                                     const std::string& body) {
+    LoadAnswer a;
+    if (!error.empty() || status == 0 || status >= 500) return a;
+    a.kind = LoadAnswer::Kind::kNoReport;
+    if (status != 200) {
+      a.why = "it answered HTTP " + std::to_string(status);
+      return a;
+    }
+    try {
+      a.report = api::parse_load_report(body);
+    } catch (const std::exception& err) {
+      a.why = err.what();
+      return a;
+    }
+    if (!api::describes_an_engine(a.report)) {
+      a.why = "its answer names no KV cache (total_blocks, block_size)";
+      return a;
+    }
+    a.kind = LoadAnswer::Kind::kReport;
+    return a;
+  }
+
+  void load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer) {
     EndpointState* e = endpoint(id);
     if (!e) return;
     e->load_polling = false;
-    if (!report) return;
-    e->load = absorb(std::move(e->load), std::move(*report), launched_at_poll, Clock::now(),
+    if (answer.kind == LoadAnswer::Kind::kNoAnswer) return;
+    if (answer.kind == LoadAnswer::Kind::kNoReport) {
+      if (e->load_source == LoadSource::kAsking) {
+        // A vLLM or SGLang engine: routed by the gateway's own counts, never waiting for reports.
+        e->load_source = LoadSource::kOwnCounts;
+        std::fprintf(stderr,
+                     "tandem gateway: engine %s has no Tandem load report at GET /load (%s): "
+                     "routing it by the gateway's own counts\n",
+                     e->config.name.c_str(), answer.why.c_str());
+      } else {
+        std::fprintf(stderr, "tandem gateway: ignoring a load report of %s: %s\n",
+                     e->config.name.c_str(), answer.why.c_str());
+      }
+      return;
+    }
+    e->load_source = LoadSource::kReports;
+    e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, Clock::now(),
                      topo_.scheduling.tandem.prior);
     e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;
     if (!waiting_.empty()) dispatch();  // a shorter queue may free an engine for them
@@ -1381,6 +1488,9 @@ class Gateway::Impl {
       e->consecutive_failures = 0;
       if (!e->healthy) {
         e->healthy = true;
+        // What answers there now may be another server: an auto engine is asked again.
+        const Pool& pool = e->prefill ? topo_.prefill : topo_.decode;
+        if (pool.dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;
         if (!e->draining) e->healthy_gauge->set(1);
         update_ready();
         dispatch();
@@ -1402,11 +1512,12 @@ class Gateway::Impl {
               {"draining", e.draining},
               {"in_flight", e.in_flight},
               {"max_in_flight", e.max_in_flight},
-              {"consecutive_failures", e.consecutive_failures}};
+              {"consecutive_failures", e.consecutive_failures},
+              {"load_source", load_source_name(e.load_source)}};
     if (consumers_.count(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
     j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight.tokens;
     if (e.load.known) {
-      const EngineLoadReport& r = e.load.report;
+      const LoadReport& r = e.load.report;
       j["load"] = {
           {"running", r.running},
           {"waiting", r.waiting},

@@ -71,25 +71,36 @@ PairChoice Policy::choose_together(ClusterView view, const RequestInfo& request,
 
 void Policy::record(PolicyState&, const RequestInfo&, int, int, Clock::time_point) const {}
 
-PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo& request,
-                       Clock::time_point now) {
-  return policy.choose_together(std::move(view), request, now);
-}
-
 std::unique_ptr<Policy> make_least_load_policy() {
   return std::make_unique<LeastLoadPolicy>();
 }
 
+namespace {
+
+// The registry: every policy by name, the default first.
+struct PolicyEntry {
+  std::string_view name;
+  std::unique_ptr<Policy> (*make)(const PolicyOptions&);
+};
+constexpr PolicyEntry kPolicies[] = {
+    {"tandem", [](const PolicyOptions& o) { return make_tandem_policy(o.tandem); }},
+    {"round_robin", [](const PolicyOptions&) { return make_round_robin_policy(); }},
+    {"least_load", [](const PolicyOptions&) { return make_least_load_policy(); }},
+    {"cache_aware", [](const PolicyOptions& o) { return make_cache_aware_policy(o.cache_aware); }},
+    {"kv_router", [](const PolicyOptions& o) { return make_kv_router_policy(o.kv_router); }},
+};
+
+}  // namespace
+
 std::vector<std::string> policy_names() {
-  return {"tandem", "round_robin", "least_load", "cache_aware", "kv_router"};
+  std::vector<std::string> names;
+  for (const auto& p : kPolicies) names.emplace_back(p.name);
+  return names;
 }
 
-std::unique_ptr<Policy> make_policy(std::string_view name, const TandemOptions& tandem) {
-  if (name == "tandem") return make_tandem_policy(tandem);
-  if (name == "round_robin") return make_round_robin_policy();
-  if (name == "least_load") return make_least_load_policy();
-  if (name == "cache_aware") return make_cache_aware_policy();
-  if (name == "kv_router") return make_kv_router_policy();
+std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& options) {
+  for (const auto& p : kPolicies)
+    if (p.name == name) return p.make(options);
   std::string valid;
   for (const auto& n : policy_names()) valid += (valid.empty() ? "" : ", ") + n;
   throw Error("unknown scheduling policy '" + std::string(name) + "'; expected one of: " + valid);
@@ -118,16 +129,6 @@ void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, in
     // Aggregated mode: the decode engine prefills too.
     if (prefill < 0) add_queued_prefill(e, request);
   }
-}
-
-bool all_saturated(const std::vector<EndpointLoad>& pool, int group) {
-  bool any = false;
-  for (const auto& e : pool) {
-    if (!e.eligible || !detail::in_group(e, group)) continue;
-    if (!detail::at_in_flight_limit(e)) return false;
-    any = true;
-  }
-  return any;
 }
 
 }  // namespace tandem::gateway

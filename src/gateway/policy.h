@@ -36,7 +36,7 @@ struct EndpointLoad {
   // Prompt tokens still to prefill on this engine (requests routed there whose prefill has not
   // finished, less their cached parts), from the gateway's accounting and the engine's reports.
   int64_t queued_prefill_tokens = -1;
-  // The causal attention pairs of that queued work (util::causal_pairs), engine-reported; -1:
+  // The causal attention pairs of that queued work (api::causal_pairs), engine-reported; -1:
   // unknown (the cost then reads tokens only).
   int64_t queued_prefill_pairs = -1;
   int64_t running_seqs = -1;    // sequences the engine runs now (decode batch size)
@@ -69,7 +69,7 @@ struct RequestInfo {
   // The prompt, for policies that read it (cache_aware's tree, tandem's miss spreading); views
   // into the caller's request, valid during the call. Empty when not tokenized.
   std::span<const int32_t> prompt_ids{};
-  std::span<const uint64_t> block_hashes{};  // util/block_hash.h hashes of its full blocks
+  std::span<const uint64_t> block_hashes{};  // api/block_hash.h hashes of its full blocks
   int64_t max_new_tokens = 0;                // 0: unknown
 };
 
@@ -98,8 +98,10 @@ class Policy {
   // The decode engine; `group` is the chosen prefill engine's group, or -1 for any (aggregated).
   virtual Choice choose_decode(const ClusterView& view, const RequestInfo& request, int group,
                                Clock::time_point now) const = 0;
-  // Parallel mode, both engines at once (what choose_pair() calls). The default tries the
-  // prefill choices in turn, as choose_pair() documents; a policy may weigh the two together.
+  // Parallel mode: a prefill engine and a decode engine of its group, both free now. The default
+  // tries the policy's prefill choices in turn until one has a free decode engine in its group;
+  // the result is kChosen only when both are, kSaturated if waiting could help, else
+  // kNoneEligible. A policy may weigh the two together (tandem ranks pairs by both costs).
   virtual PairChoice choose_together(ClusterView view, const RequestInfo& request,
                                      Clock::time_point now) const;
   // Records a decision the caller applied (-1 for a leg it did not choose) in `state`, the state
@@ -107,13 +109,6 @@ class Policy {
   virtual void record(PolicyState& state, const RequestInfo& request, int prefill, int decode,
                       Clock::time_point now) const;
 };
-
-// Parallel mode: a prefill engine and a decode engine of its group, both free now. Tries the
-// policy's prefill choices in turn until one has a free decode engine in its group. The result is
-// kChosen only when both are; kSaturated if waiting could help; else kNoneEligible.
-// (policy.choose_together(); the tandem policy ranks pairs by both costs.)
-PairChoice choose_pair(const Policy& policy, ClusterView view, const RequestInfo& request,
-                       Clock::time_point now);
 
 // Fewest requests in flight; ties: fewest prompt tokens in flight, then the lowest id.
 std::unique_ptr<Policy> make_least_load_policy();
@@ -171,21 +166,23 @@ struct TandemOptions {
 };
 std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});
 
-// Names make_policy() accepts, the default first.
+// The options of every policy that takes any (the topology's `scheduling` section).
+struct PolicyOptions {
+  TandemOptions tandem;
+  CacheAwareOptions cache_aware;
+  KvRouterOptions kv_router;
+};
+
+// Names make_policy() accepts, the default first: the registry's order.
 std::vector<std::string> policy_names();
-// A policy with its defaults by name: "tandem", "round_robin", "least_load", "cache_aware",
-// "kv_router" (`tandem` with the given options). Throws tandem::Error naming the valid names for
-// anything else.
-std::unique_ptr<Policy> make_policy(std::string_view name, const TandemOptions& tandem = {});
+// A policy by name from the registry ("tandem", "round_robin", "least_load", "cache_aware",
+// "kv_router"), with its options. Throws tandem::Error naming the valid names for anything else.
+std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& options = {});
 
 // Updates `view` as starting `request` on `prefill` and/or `decode` (-1: none) changes the
 // engines' load, so the next decision of the same dispatch pass sees it: in flight and tokens in
 // flight; the prefill engine's queued prefill tokens (by its uncached part) and the decode
 // engine's running sequences and held tokens where known.
 void apply_choice(ClusterView& view, const RequestInfo& request, int prefill, int decode);
-
-// True when `pool` has an eligible engine (of `group`, -1: any) but every one is saturated by
-// its in-flight limit: the gateway holds the request instead of queueing it on an engine.
-bool all_saturated(const std::vector<EndpointLoad>& pool, int group);
 
 }  // namespace tandem::gateway

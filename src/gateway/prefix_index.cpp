@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "util/block_hash.h"
+#include "api/block_hash.h"
 #include "util/error.h"
 
 namespace tandem::gateway {
@@ -184,7 +184,7 @@ bool PrefixIndex::add_blocks(EngineKey engine, std::span<const uint64_t> engine_
   const std::optional<uint64_t> parent_block = chain;
   std::vector<uint64_t> ours(engine_hashes.size());
   for (size_t i = 0; i < ours.size(); ++i) {
-    chain = block_hash(chain, token_ids.subspan(i * bs, bs));
+    chain = api::block_hash(chain, token_ids.subspan(i * bs, bs));
     ours[i] = *chain;
   }
   const uint8_t bit = s.medium_bit(medium);
@@ -245,7 +245,7 @@ std::vector<PrefixMatch> PrefixIndex::match(std::span<const int32_t> token_ids) 
   // Hash outside the lock: the consumers keep applying events meanwhile.
   std::vector<std::vector<uint64_t>> hashes;
   hashes.reserve(sizes.size());
-  for (const int64_t bs : sizes) hashes.push_back(block_hashes(token_ids, bs));
+  for (const int64_t bs : sizes) hashes.push_back(api::block_hashes(token_ids, bs));
 
   std::vector<PrefixMatch> out;
   std::vector<Node*> walked;

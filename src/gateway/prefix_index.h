@@ -4,7 +4,7 @@
 // blocks of this prompt does each engine already have?" in O(prompt blocks).
 //
 // Keys. A block is keyed by the gateway's own chained hash of the token ids that BlockStored
-// events carry (util/block_hash.h, no salt), never by the engine's hash: vLLM's hashes depend on
+// events carry (api/block_hash.h, no salt), never by the engine's hash: vLLM's hashes depend on
 // its hash algorithm and a per-process random seed, so two vLLM replicas disagree about the same
 // prefix. Each engine keeps a map from its own block hash to ours, so BlockRemoved events, which
 // carry engine hashes only, can be applied, and a BlockStored's parent (an engine hash) leads to

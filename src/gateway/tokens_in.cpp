@@ -10,8 +10,8 @@
 namespace tandem::gateway {
 namespace {
 
-using engine::api::ApiError;
-using engine::api::ApiKind;
+using api::ApiError;
+using api::ApiKind;
 using nlohmann::json;
 
 // Stands for "no limit known": the engines judge the length then.
@@ -123,14 +123,17 @@ std::optional<json> completion_answer(std::string_view text) {
 }
 
 // A completion answer's fields other than its choices, renamed as the chat answer's.
-json chat_envelope(const json& answer, const char* object) {
+json chat_envelope(const json& answer, std::string_view object) {
   json out = answer;
   out.erase("choices");
   out["object"] = object;
   // Engines name completions "cmpl-..." and chats "chatcmpl-..." (vLLM and ours).
   if (const json* id = field(answer, "id"); id && id->is_string()) {
     const auto s = id->get<std::string>();
-    if (s.rfind("cmpl-", 0) == 0) out["id"] = "chat" + s;
+    const std::string_view completion = api::response_id_prefix(ApiKind::kCompletion);
+    if (s.rfind(completion, 0) == 0)
+      out["id"] =
+          std::string(api::response_id_prefix(ApiKind::kChat)) + s.substr(completion.size());
   }
   return out;
 }
@@ -189,18 +192,18 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
                                ? !completion_translatable(body)
                                : !chat_translatable(body, chat_template_ != nullptr, knows_length)))
     return std::nullopt;
-  engine::api::ModelLimits limits = limits_;
+  api::ModelLimits limits = limits_;
   if (!knows_length) limits.max_model_len = kUnknownLength;
   if (limits.model_name.empty() && body.is_object()) {
     // Any name is accepted: the engines check it.
     if (const json* m = field(body, "model"); m && m->is_string())
       limits.model_name = m->get<std::string>();
   }
-  engine::api::ApiRequest r;
+  api::ApiRequest r;
   try {
     r = kind == ApiKind::kCompletion
-            ? engine::api::parse_completion(body, tokenizer_, limits)
-            : engine::api::parse_chat(body, tokenizer_, chat_template_.get(), limits);
+            ? api::parse_completion(body, tokenizer_, limits)
+            : api::parse_chat(body, tokenizer_, chat_template_.get(), limits);
   } catch (const Error& e) {
     throw ApiError{400, e.what(), ""};
   }
@@ -233,22 +236,21 @@ nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn&
   return out;
 }
 
-ResponseTranslator::ResponseTranslator(engine::api::ApiKind client_kind)
+ResponseTranslator::ResponseTranslator(api::ApiKind client_kind)
     : chat_(client_kind == ApiKind::kChat) {}
 
 std::string ResponseTranslator::body(std::string_view completion_json) const {
   if (!chat_) return std::string(completion_json);
   const auto answer = completion_answer(completion_json);
   if (!answer) return std::string(completion_json);
-  json out = chat_envelope(*answer, "chat.completion");
+  json out = chat_envelope(*answer, api::kChatObject);
   json choices = json::array();
   for (size_t i = 0; i < (*answer)["choices"].size(); ++i) {
     const json& c = (*answer)["choices"][i];
     if (!c.is_object()) return std::string(completion_json);
-    json choice = {{"index", c.contains("index") ? c["index"] : json(i)},
-                   {"message", {{"role", "assistant"}, {"content", text_of(c)}}},
-                   {"logprobs", nullptr},
-                   {"finish_reason", member(c, "finish_reason")}};
+    json choice =
+        api::chat_message_choice(int64_t(i), text_of(c), nullptr, member(c, "finish_reason"));
+    if (c.contains("index")) choice["index"] = c["index"];
     if (c.contains("stop_reason")) choice["stop_reason"] = c["stop_reason"];
     choices.push_back(std::move(choice));
   }
@@ -260,7 +262,7 @@ std::vector<std::string> ResponseTranslator::event(std::string_view data) {
   if (!chat_ || data == "[DONE]") return {std::string(data)};
   const auto answer = completion_answer(data);
   if (!answer) return {std::string(data)};
-  const json envelope = chat_envelope(*answer, "chat.completion.chunk");
+  const json envelope = chat_envelope(*answer, api::kChatChunkObject);
   const json& choices = (*answer)["choices"];
   std::vector<std::string> events;
   if (choices.empty()) {  // the usage chunk
@@ -275,19 +277,16 @@ std::vector<std::string> ResponseTranslator::event(std::string_view data) {
     const int64_t index =
         index_field && index_field->is_number_integer() ? index_field->get<int64_t>() : 0;
     auto chunk = [&](json delta, json finish) {
-      json choice = {{"index", index},
-                     {"delta", std::move(delta)},
-                     {"logprobs", nullptr},
-                     {"finish_reason", std::move(finish)}};
       json e = envelope;
-      e["choices"] = json::array({std::move(choice)});
+      e["choices"] = json::array(
+          {api::chat_chunk_choice(index, std::move(delta), nullptr, std::move(finish))});
       return e;
     };
     // As the engine answers a chat: the role first, then content, then the finish on its own.
     if (started_.insert(index).second)
-      events.push_back(dump(chunk({{"role", "assistant"}, {"content", ""}}, nullptr)));
+      events.push_back(dump(chunk(api::chat_role_delta(), nullptr)));
     if (const std::string text = text_of(c); !text.empty())
-      events.push_back(dump(chunk({{"content", text}}, nullptr)));
+      events.push_back(dump(chunk(api::chat_content_delta(text), nullptr)));
     if (const json finish = member(c, "finish_reason"); !finish.is_null()) {
       json e = chunk(json::object(), finish);
       if (c.contains("stop_reason")) e["choices"][0]["stop_reason"] = c["stop_reason"];

@@ -7,7 +7,7 @@
 // client gets `chat.completion` bodies and `chat.completion.chunk` events exactly as our engine
 // would have sent them for the chat request itself.
 //
-// The ids are computed by the engine's own parse_completion / parse_chat (engine/api/protocol.h)
+// The ids are computed by the engine's own parse_completion / parse_chat (api/request.h)
 // with the same tokenizer and template, so they are the ids the engine would compute. Requests
 // whose answer cannot be translated faithfully (chat with logprobs, tools or response_format, a
 // batch of prompts, echo, ...) are not tokenized: the gateway passes their body through as is.
@@ -22,7 +22,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/api/protocol.h"
+#include "api/request.h"
+#include "api/response.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -30,7 +31,7 @@ namespace tandem::gateway {
 
 // A request the gateway sends tokens-in.
 struct TokensIn {
-  engine::api::ApiKind client_kind = engine::api::ApiKind::kCompletion;  // or kChat
+  api::ApiKind client_kind = api::ApiKind::kCompletion;  // or kChat
   std::vector<int32_t> ids;  // the prompt, as the engine itself would tokenize it
   int64_t max_tokens = 0;    // the completion budget of each choice (defaults applied)
   int64_t n = 1;             // choices
@@ -50,7 +51,7 @@ class PromptTokenizer {
 
   // For a request to `path` ("/v1/completions" or "/v1/chat/completions") with this body: the
   // prompt's ids, or nullopt when the body must be passed through unchanged (another path, a
-  // request that cannot be translated faithfully). Throws engine::api::ApiError for a body the
+  // request that cannot be translated faithfully). Throws api::ApiError for a body the
   // engine would refuse (the gateway answers it with its status, message and param).
   std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body) const;
 
@@ -61,7 +62,7 @@ class PromptTokenizer {
  private:
   text::Tokenizer tokenizer_;
   std::unique_ptr<text::ChatTemplate> chat_template_;
-  engine::api::ModelLimits limits_;
+  api::ModelLimits limits_;
 };
 
 // The tokens-in /v1/completions body for a client body that tokenize() accepted: the client's
@@ -75,7 +76,7 @@ nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn&
 // body or event, text that is not JSON) goes through unchanged.
 class ResponseTranslator {
  public:
-  explicit ResponseTranslator(engine::api::ApiKind client_kind);
+  explicit ResponseTranslator(api::ApiKind client_kind);
 
   // A whole non-streaming response body.
   std::string body(std::string_view completion_json) const;

@@ -20,7 +20,7 @@ namespace {
 
 constexpr const char* kEndpointForms = "HOST:PORT, http://HOST:PORT or HOST:PORT@BOOTSTRAP_PORT";
 constexpr const char* kModes = "aggregated, sequential (vllm) or parallel (sglang)";
-constexpr const char* kDialects = "tandem, vllm or sglang";
+constexpr const char* kDialects = "auto, tandem, vllm or sglang";
 
 std::string quoted(const std::string& text) {
   return "'" + text + "'";
@@ -78,6 +78,7 @@ PdMode parse_mode_as(const std::string& text, const std::string& what) {
 }
 
 Dialect parse_dialect_as(const std::string& text, const std::string& what) {
+  if (text == "auto") return Dialect::kAuto;
   if (text == "tandem") return Dialect::kTandem;
   if (text == "vllm") return Dialect::kVllm;
   if (text == "sglang") return Dialect::kSglang;
@@ -264,11 +265,47 @@ Pool read_pool(const Reader& r, const YAML::Node& node, const std::string& path,
   return pool;
 }
 
+void read_cache_aware(const Reader& r, const YAML::Node& node, CacheAwareOptions& o) {
+  const std::string path = "scheduling.cache_aware";
+  const auto keys = r.mapping(node, path,
+                              {"cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
+                               "eviction_interval_ms", "max_tree_size"});
+  if (keys.count("cache_threshold"))
+    o.cache_threshold =
+        r.number(keys.at("cache_threshold"), path + ".cache_threshold", 0, 1, "a fraction 0..1");
+  if (keys.count("balance_abs_threshold"))
+    o.balance_abs_threshold =
+        r.integer(keys.at("balance_abs_threshold"), path + ".balance_abs_threshold", 0,
+                  std::numeric_limits<int32_t>::max(), "a whole number >= 0");
+  if (keys.count("balance_rel_threshold"))
+    o.balance_rel_threshold = r.number(keys.at("balance_rel_threshold"),
+                                       path + ".balance_rel_threshold", 1, 1e6, "a number >= 1");
+  if (keys.count("eviction_interval_ms"))
+    o.eviction_interval =
+        r.milliseconds(keys.at("eviction_interval_ms"), path + ".eviction_interval_ms");
+  if (keys.count("max_tree_size"))
+    o.max_tree_size = r.integer(keys.at("max_tree_size"), path + ".max_tree_size", 1,
+                                std::numeric_limits<int64_t>::max(), "a whole number >= 1");
+}
+
+void read_kv_router(const Reader& r, const YAML::Node& node, KvRouterOptions& o) {
+  const std::string path = "scheduling.kv_router";
+  const auto keys = r.mapping(node, path, {"overlap_score_weight", "block_size"});
+  if (keys.count("overlap_score_weight"))
+    o.overlap_score_weight = r.number(keys.at("overlap_score_weight"),
+                                      path + ".overlap_score_weight", 0, 1e6, "a number >= 0");
+  if (keys.count("block_size"))
+    o.block_size =
+        r.integer(keys.at("block_size"), path + ".block_size", 1, 1 << 20, "a whole number >= 1");
+}
+
 void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions& s) {
-  const auto keys = r.mapping(
-      node, "scheduling",
-      {"queue_length_weight", "queue_wait_weight", "starvation_ms", "load_interval_ms",
-       "max_queued_prefill_tokens", "max_prefill_seqs", "max_batch_tokens", "max_hold_ms"});
+  const auto keys = r.mapping(node, "scheduling",
+                              {"queue_length_weight", "queue_wait_weight", "starvation_ms",
+                               "load_interval_ms", "max_queued_prefill_tokens", "max_prefill_seqs",
+                               "max_batch_tokens", "max_hold_ms", "cache_aware", "kv_router"});
+  if (keys.count("cache_aware")) read_cache_aware(r, keys.at("cache_aware"), s.cache_aware);
+  if (keys.count("kv_router")) read_kv_router(r, keys.at("kv_router"), s.kv_router);
   auto weight = [&](const char* key, double& out) {
     if (keys.count(key))
       out = r.number(keys.at(key), std::string("scheduling.") + key, 0, 1e6, "a number >= 0");
@@ -409,7 +446,8 @@ void validate_pool(Pool& pool, const std::string& path, PdMode mode) {
   if (!serves(pool.dialect, mode))
     invalid(path + ".dialect",
             std::string("a dialect that serves ") + mode_name(mode) + " mode (" +
-                (mode == PdMode::kSequential ? "tandem or vllm" : "tandem or sglang") + ")",
+                (mode == PdMode::kSequential ? "auto, tandem or vllm" : "auto, tandem or sglang") +
+                ")",
             dialect_name(pool.dialect));
   for (size_t i = 0; i < pool.endpoints.size(); ++i) {
     Endpoint& e = pool.endpoints[i];
@@ -465,6 +503,8 @@ const char* mode_name(PdMode mode) {
 
 const char* dialect_name(Dialect dialect) {
   switch (dialect) {
+    case Dialect::kAuto:
+      return "auto";
     case Dialect::kTandem:
       return "tandem";
     case Dialect::kVllm:

@@ -7,8 +7,9 @@
 // sequential (vLLM's flow: prefill, then the decode engine pulls the KV) and parallel (SGLang's
 // flow: both legs at once, meeting in a bootstrap room). A pool's dialect says what its engines
 // speak: `vllm` engines only serve the sequential flow, `sglang` engines only the parallel one,
-// `tandem` engines both. Groups: a decode engine of group G only serves requests whose prefill
-// ran on an engine of group G.
+// `tandem` engines both and report their load at GET /load; `auto` (the default) asks each engine
+// for its load report and treats one that has none as vLLM/SGLang does (docs/gateway.md). Groups: a
+// decode engine of group G only serves requests whose prefill ran on an engine of group G.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -20,7 +21,7 @@
 namespace tandem::gateway {
 
 enum class PdMode { kAggregated, kSequential, kParallel };
-enum class Dialect { kTandem, kVllm, kSglang };
+enum class Dialect { kAuto, kTandem, kVllm, kSglang };
 
 struct Endpoint {
   std::string name;  // unique within the topology; default "HOST:PORT"
@@ -35,7 +36,7 @@ struct Endpoint {
 };
 
 struct Pool {
-  Dialect dialect = Dialect::kTandem;
+  Dialect dialect = Dialect::kAuto;
   // With a tokenizer configured: send token ids (a /v1/completions body with an id prompt)
   // instead of the client's body. Every dialect accepts id prompts on /v1/completions.
   bool tokens_in = true;
@@ -57,7 +58,10 @@ struct HealthOptions {
 struct SchedulingOptions {
   QueueWeights queue;    // the order waiting requests are offered in (policies/queue_order.h)
   TandemOptions tandem;  // the tandem policy's limits and defaults
-  // GET /load on tandem-dialect engines at this interval (0: never): their running sequences,
+  CacheAwareOptions cache_aware;  // the cache_aware policy's thresholds (SGLang's)
+  KvRouterOptions kv_router;      // the kv_router policy's weights (Dynamo's)
+  // GET /load on tandem-dialect engines (and auto ones that answer it) at this interval (0: never):
+  // their running sequences,
   // free KV, queued prefill and step durations (engine_load.h). Reports older than four
   // intervals are not used.
   std::chrono::milliseconds load_interval{100};
@@ -103,7 +107,7 @@ struct Topology {
 Endpoint parse_endpoint(const std::string& text);
 // "aggregated", "sequential" (alias "vllm") or "parallel" (alias "sglang").
 PdMode parse_mode(const std::string& text);
-// "tandem", "vllm" or "sglang".
+// "auto", "tandem", "vllm" or "sglang".
 Dialect parse_dialect(const std::string& text);
 const char* mode_name(PdMode mode);
 const char* dialect_name(Dialect dialect);

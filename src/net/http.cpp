@@ -140,18 +140,13 @@ std::string_view status_reason(int status) {
   }
 }
 
-std::string openai_error_body(std::string_view message, std::string_view type,
-                              std::string_view code) {
-  // ordered_json keeps OpenAI's field order, which people compare by eye.
-  nlohmann::ordered_json error = {{"message", message}, {"type", type}, {"param", nullptr}};
-  error["code"] = code.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(code);
-  // Replace, not throw, on invalid UTF-8: messages may quote bytes a client sent.
-  return nlohmann::ordered_json{{"error", std::move(error)}}.dump(
-      -1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
-}
-
-std::string_view default_error_type(int status) {
-  return status >= 500 ? "server_error" : "invalid_request_error";
+HttpResponse plain_error_response(int status, std::string_view message, std::string_view,
+                                  std::string_view) {
+  HttpResponse r;
+  r.status = status;
+  r.content_type = "text/plain; charset=utf-8";
+  r.body = std::string(message) + "\n";
+  return r;
 }
 
 }  // namespace tandem::net

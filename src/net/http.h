@@ -69,14 +69,14 @@ struct HttpResponse {
 // The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
 std::string_view status_reason(int status);
 
-// {"error":{"message":...,"type":...,"param":null,"code":...}}, the error object of the OpenAI
-// API. An empty `code` is written as null.
-std::string openai_error_body(std::string_view message,
-                              std::string_view type = "invalid_request_error",
-                              std::string_view code = {});
-
-// The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
-// 5xx (OpenAI's own names).
-std::string_view default_error_type(int status);
+// How a server words an error response: its own (unknown path, wrong method, a malformed or
+// oversized request, a handler that gave up) and Exchange::send_error's. `type` and `code` are
+// what the caller named, empty when it named none. The network layer knows no API's error schema:
+// its default, plain_error_response, sends the message as text/plain; the engine and the gateway
+// install the OpenAI error JSON (api/error.h).
+using ErrorFormatter = HttpResponse (*)(int status, std::string_view message, std::string_view type,
+                                        std::string_view code);
+HttpResponse plain_error_response(int status, std::string_view message, std::string_view type,
+                                  std::string_view code);
 
 }  // namespace tandem::net

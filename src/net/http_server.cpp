@@ -52,12 +52,9 @@ void append_response(std::string& out, const HttpResponse& r, bool close, bool k
   out += r.body;
 }
 
-void append_error(std::string& out, int status, std::string_view message, bool close,
-                  bool keep_alive_10) {
-  HttpResponse r;
-  r.status = status;
-  r.body = openai_error_body(message, default_error_type(status));
-  append_response(out, r, close, keep_alive_10);
+void append_error(std::string& out, ErrorFormatter format, int status, std::string_view message,
+                  bool close, bool keep_alive_10) {
+  append_response(out, format(status, message, {}, {}), close, keep_alive_10);
 }
 
 void run_callbacks(Callbacks& callbacks) {
@@ -78,8 +75,9 @@ class Connection;
 class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeState> {
  public:
   ExchangeState(HttpRequest request, bool keep_alive, EventLoop& loop, Connection& connection,
-                std::string buffer)
+                std::string buffer, ErrorFormatter format_error)
       : request(std::move(request)),
+        format_error(format_error),
         keep_alive_(keep_alive),
         http10_(this->request.version < 11),
         loop_(&loop),
@@ -87,6 +85,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
         out_(std::move(buffer)) {}
 
   const HttpRequest request;
+  const ErrorFormatter format_error;
 
   // --- producer side (any thread) ---
 
@@ -174,7 +173,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     if (aborted_ || lost_ || phase_ == Phase::kComplete) return;
     aborted_ = true;
     if (phase_ == Phase::kIdle) {
-      append_error(out_, 500, message, !keep_alive_, http10_ && keep_alive_);
+      append_error(out_, format_error, 500, message, !keep_alive_, http10_ && keep_alive_);
       phase_ = Phase::kComplete;
       close_after_ = !keep_alive_;
     }
@@ -283,8 +282,7 @@ bool Exchange::respond(int status, std::string body, std::string content_type) {
 
 bool Exchange::send_error(int status, std::string_view message, std::string_view type,
                           std::string_view code) {
-  return respond(
-      status, openai_error_body(message, type.empty() ? default_error_type(status) : type, code));
+  return respond(state_->format_error(status, message, type, code));
 }
 
 bool Exchange::start_stream(int status, std::string content_type, Headers headers) {
@@ -637,7 +635,7 @@ void Connection::dispatch() {
   if (!want_write_) timer_.disarm();  // no timeout while the server waits for its handler
   const bool keep_alive = head_.keep_alive && !server_.stopping();
   exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
-                                              std::move(spare_));
+                                              std::move(spare_), server_.options().error_response);
   request_ = HttpRequest();
   {
     auto exchange = std::make_shared<Exchange>(exchange_);
@@ -715,7 +713,7 @@ void Connection::end_exchange(bool close_after) {
 void Connection::fail_request(const ParseError& error) {
   request_started_ = false;
   phase_ = Phase::kErrorSent;
-  append_error(out_, error.status, error.message, true, false);
+  append_error(out_, server_.options().error_response, error.status, error.message, true, false);
   timer_.disarm();
   flush();
 }
@@ -841,11 +839,10 @@ void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exch
     for (const auto& [name, handler] : path->second) {
       allowed += (allowed.empty() ? "" : ", ") + name;
     }
-    HttpResponse r;
-    r.status = 405;
-    r.body = openai_error_body("Method " + request.method + " is not allowed for " + request.path +
-                                   " (allowed: " + allowed + ")",
-                               default_error_type(405));
+    HttpResponse r = options_.error_response(405,
+                                             "Method " + request.method + " is not allowed for " +
+                                                 request.path + " (allowed: " + allowed + ")",
+                                             {}, {});
     r.headers.add("Allow", allowed);
     exchange->respond(std::move(r));
     return;

@@ -54,8 +54,8 @@ class Exchange {
   // A complete response.
   bool respond(HttpResponse response);
   bool respond(int status, std::string body, std::string content_type = "application/json");
-  // `status` with openai_error_body(message, type, code); an empty type means
-  // default_error_type(status).
+  // `status` with the server's error body (HttpServerOptions::error_response) for this message,
+  // type and code.
   bool send_error(int status, std::string_view message, std::string_view type = {},
                   std::string_view code = {});
 
@@ -108,6 +108,8 @@ struct HttpServerOptions {
   // Where the server reports what only an operator can act on (handler exceptions, accept
   // failures). Empty: standard error.
   std::function<void(const std::string&)> log;
+  // The body of every error the server sends (net/http.h).
+  ErrorFormatter error_response = plain_error_response;
 };
 
 class HttpServer {

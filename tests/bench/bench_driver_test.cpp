@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
 #include "bench/arrivals.h"
 #include "bench/driver.h"
 #include "bench/metrics.h"
@@ -43,6 +44,7 @@ class TimedServer {
     net::HttpServerOptions o;
     o.host = "127.0.0.1";
     o.threads = 2;
+    o.error_response = api::openai_error_response;
     server_ = std::make_unique<net::HttpServer>(o);
     for (const char* path : {"/v1/completions", "/v1/chat/completions"})
       server_->route("POST", path,

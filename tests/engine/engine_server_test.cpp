@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/block_hash.h"
+#include "api/prefill_work.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
 #include "engine/executor/sim_latency.h"
@@ -19,8 +21,6 @@
 #include "engine/tiny_model_fixture.h"
 #include "net/http_client.h"
 #include "text/chat_template.h"
-#include "util/attention_pairs.h"
-#include "util/block_hash.h"
 
 namespace tandem::engine {
 namespace {
@@ -298,8 +298,8 @@ TEST_F(EngineServer, LoadReportsTheRunningStepQueuedPrefillAndStepDurations) {
   EXPECT_LE(queued, 512 - 64);
   EXPECT_EQ((512 - 64 - queued) % 64, 0) << seen.dump();
   // Attention pairs: the queue is the prompt's tail, the running step the 64 tokens before it.
-  EXPECT_EQ(seen["prefill_pairs"], util::causal_pairs(512 - queued, 512)) << seen.dump();
-  EXPECT_EQ(seen["step"]["prefill_pairs"], util::causal_pairs(512 - queued - 64, 512 - queued))
+  EXPECT_EQ(seen["prefill_pairs"], api::causal_pairs(512 - queued, 512)) << seen.dump();
+  EXPECT_EQ(seen["step"]["prefill_pairs"], api::causal_pairs(512 - queued - 64, 512 - queued))
       << seen.dump();
   EXPECT_EQ(answer.get().status, 200);
   ASSERT_TRUE(wait_idle(engine.port()));
@@ -319,7 +319,7 @@ TEST_F(EngineServer, LoadReportsTheRunningStepQueuedPrefillAndStepDurations) {
     EXPECT_EQ(steps[i][1], 1);
     EXPECT_GT(steps[i][3].get<double>(), 0.0);
     if (steps[i][2] == 64) {  // the k-th chunk computes positions [64k, 64k + 64)
-      EXPECT_EQ(steps[i][4], util::causal_pairs(64 * prefill_steps, 64 * prefill_steps + 64));
+      EXPECT_EQ(steps[i][4], api::causal_pairs(64 * prefill_steps, 64 * prefill_steps + 64));
       ++prefill_steps;
     } else {
       EXPECT_EQ(steps[i][4], 0);  // a decode step
@@ -385,7 +385,7 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
     ASSERT_EQ(out.size(), 3u);
     auto seq = prompt;
     seq.insert(seq.end(), out.begin(), out.end() - 1);  // the last sampled token is never computed
-    last_hashes = block_hashes(seq, 4);
+    last_hashes = api::block_hashes(seq, 4);
     computed_hashes.insert(last_hashes.begin(), last_hashes.end());
   }
   // The answer leaves during the engine's step, the /load snapshot is written at its end: wait

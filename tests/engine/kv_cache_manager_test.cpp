@@ -14,7 +14,7 @@
 
 #include <gtest/gtest.h>
 
-#include "util/block_hash.h"
+#include "api/block_hash.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -99,7 +99,7 @@ TEST(KvCacheManagerTest, PrefixHitSharesBlocksAndLeavesLastToken) {
   const auto events = m.take_events();
   ASSERT_EQ(events.size(), 1u);
   const auto& stored = std::get<BlockStored>(events[0]);
-  EXPECT_EQ(stored.block_hashes, block_hashes(prompt, 4));
+  EXPECT_EQ(stored.block_hashes, api::block_hashes(prompt, 4));
   EXPECT_FALSE(stored.parent_block_hash);
   EXPECT_EQ(stored.token_ids, prompt);
   EXPECT_EQ(stored.block_size, 4);
@@ -138,8 +138,8 @@ TEST(KvCacheManagerTest, PrefixHitSharesBlocksAndLeavesLastToken) {
   const auto more = m.take_events();
   ASSERT_EQ(more.size(), 1u);
   const auto& stored_b = std::get<BlockStored>(more[0]);
-  EXPECT_EQ(stored_b.parent_block_hash, block_hashes(prompt, 4).back());
-  EXPECT_EQ(stored_b.block_hashes, std::vector<uint64_t>{block_hashes(longer, 4)[3]});
+  EXPECT_EQ(stored_b.parent_block_hash, api::block_hashes(prompt, 4).back());
+  EXPECT_EQ(stored_b.block_hashes, std::vector<uint64_t>{api::block_hashes(longer, 4)[3]});
   EXPECT_EQ(stored_b.token_ids, std::vector<int32_t>(longer.begin() + 12, longer.end()));
   // Filling every other block cannot take b's blocks.
   ASSERT_TRUE(m.allocate("c", 12 * 4));
@@ -164,7 +164,7 @@ TEST(KvCacheManagerTest, EvictsUncachedFirstThenLruTailFirst) {
   m.free("a");  // a's tail block (partial, uncached) goes to the head; cached ones to the tail
   m.free("b");
   EXPECT_EQ(m.num_cached_blocks(), 4);
-  const auto hashes_a = block_hashes(a, 2);
+  const auto hashes_a = api::block_hashes(a, 2);
 
   // Free queue now: [5 (never used), a3 (uncached)] then a2, a1, a0, b0 in LRU order. The exact
   // head order of uncached blocks is not specified; what matters is they go before cached ones.
@@ -192,7 +192,7 @@ TEST(KvCacheManagerTest, EvictsUncachedFirstThenLruTailFirst) {
   EXPECT_EQ(m.block_table("w"), std::vector<int32_t>{table_b[0]});
   events = m.take_events();
   ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(std::get<BlockRemoved>(events[0]).block_hashes, block_hashes(b, 2));
+  EXPECT_EQ(std::get<BlockRemoved>(events[0]).block_hashes, api::block_hashes(b, 2));
   EXPECT_EQ(m.num_free_blocks(), 0);
   m.check_invariants();
 }
@@ -206,7 +206,7 @@ TEST(KvCacheManagerTest, ConcurrentDuplicateIsCachedOnce) {
   m.cache_full_blocks("b", t);
   const auto events = m.take_events();
   ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes, block_hashes(t, 2));
+  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes, api::block_hashes(t, 2));
   EXPECT_EQ(m.num_cached_blocks(), 2);
   for (const int32_t b : m.block_table("b")) EXPECT_FALSE(m.cached_hash(b));
   // b's private copies go back to the head of the free queue and are reused first.
@@ -231,7 +231,7 @@ TEST(KvCacheManagerTest, ResetSaltDisabledAndMisuse) {
   m.cache_full_blocks("s", t);
   auto events = m.take_events();
   ASSERT_EQ(events.size(), 1u);
-  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes, block_hashes(t, 2, 9));
+  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes, api::block_hashes(t, 2, 9));
   EXPECT_EQ(m.find_cached_prefix(t, 9).num_tokens, 4);
   EXPECT_EQ(m.find_cached_prefix(t, 8).num_tokens, 0);
 
@@ -329,7 +329,7 @@ class PropertyRun {
 
     const PrefixHit hit = m_.find_cached_prefix(r.tokens, r.salt);
     // The hit is a run of cached blocks holding exactly this prefix, maximal, never everything.
-    const auto expected = block_hashes(r.tokens, bs_, r.salt);
+    const auto expected = api::block_hashes(r.tokens, bs_, r.salt);
     EXPECT_LT(hit.num_tokens, r.prompt_len);
     EXPECT_EQ(hit.num_tokens, static_cast<int64_t>(hit.blocks.size()) * bs_);
     for (size_t i = 0; i < hit.blocks.size(); ++i) {
@@ -374,7 +374,7 @@ class PropertyRun {
     const std::span<const int32_t> done(r.tokens.data(), static_cast<size_t>(r.computed));
     m_.cache_full_blocks(id, done);
     // Model of what the blocks now hold.
-    const auto hashes = block_hashes(done, bs_, r.salt);
+    const auto hashes = api::block_hashes(done, bs_, r.salt);
     const auto& table = m_.block_table(id);
     for (size_t i = 0; i < hashes.size(); ++i) content_[table[i]] = hashes[i];
 
@@ -415,7 +415,7 @@ class PropertyRun {
                                                static_cast<size_t>(bs_));
           // The first block of a salted sequence cannot be recomputed without the salt.
           if (parent) {
-            EXPECT_EQ(block_hash(parent, block), s->block_hashes[i]);
+            EXPECT_EQ(api::block_hash(parent, block), s->block_hashes[i]);
           }
           parent = s->block_hashes[i];
           EXPECT_TRUE(replayed_.insert(s->block_hashes[i]).second) << "stored twice";

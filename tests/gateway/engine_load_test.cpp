@@ -1,7 +1,7 @@
-// The gateway's reading of engine load reports (engine_load.h): parsing /load as the engine
-// writes it, bad reports refused with the field named, step durations learned once each (again
-// after an engine restart), and the policy fields filled from a fresh report, the gateway's own
-// counts, or neither when the report is stale.
+// The gateway's reading of engine load reports (engine_load.h; the report's JSON itself is tested
+// in tests/api/load_report_test.cpp): step durations learned once each (again after an engine
+// restart), and the policy fields filled from a fresh report, the gateway's own counts, or neither
+// when the report is stale.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -15,7 +15,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// What `tandem engine` answers at GET /load (src/engine/api/api_server.cpp), while a step of 2
+// What `tandem engine` answers at GET /load (src/api/load_report.cpp), while a step of 2
 // sequences and 2048 tokens runs.
 constexpr const char* kReport = R"({"running":2,"waiting":3,"free_blocks":900,"total_blocks":1024,
   "block_size":16,"tokens_in_flight":5000,"kv_usage":0.12,"cached_blocks":40,"steps":17,
@@ -25,65 +25,27 @@ constexpr const char* kReport = R"({"running":2,"waiting":3,"free_blocks":900,"t
 
 std::string error_of(const std::string& body) {
   try {
-    parse_engine_load(body);
+    api::parse_load_report(body);
   } catch (const Error& e) {
     return e.what();
   }
   return "";
 }
 
-TEST(EngineLoad, ParsesTheEnginesReport) {
-  const EngineLoadReport r = parse_engine_load(kReport);
-  EXPECT_EQ(r.running, 2);
-  EXPECT_EQ(r.waiting, 3);
-  EXPECT_EQ(r.free_blocks, 900);
-  EXPECT_EQ(r.total_blocks, 1024);
-  EXPECT_EQ(r.block_size, 16);
-  EXPECT_EQ(r.tokens_in_flight, 5000);
-  EXPECT_EQ(r.prefill_tokens, 6000);
-  EXPECT_EQ(r.max_batch_tokens, 2048);
-  EXPECT_EQ(r.step_seqs, 2);
-  EXPECT_EQ(r.step_tokens, 2048);
-  EXPECT_DOUBLE_EQ(r.step_running_for_s, 0.05);
-  ASSERT_EQ(r.recent_steps.size(), 3u);
-  EXPECT_EQ(r.recent_steps[0].index, 15u);
-  EXPECT_EQ(r.recent_steps[2].seqs, 2);
-  EXPECT_DOUBLE_EQ(r.recent_steps[2].seconds, 0.25);
-  // An idle engine: no step running.
-  const EngineLoadReport idle = parse_engine_load(R"({"running":0,"step":null,"recent_steps":[]})");
-  EXPECT_EQ(idle.step_seqs, 0);
-  EXPECT_TRUE(idle.recent_steps.empty());
-}
-
-TEST(EngineLoad, BadReportsNameTheField) {
-  EXPECT_NE(error_of("[1,2]").find("expected a JSON object"), std::string::npos);
-  EXPECT_NE(error_of("{not json").find("expected a JSON object"), std::string::npos);
-  EXPECT_NE(error_of(R"({"running":-1})").find("running"), std::string::npos);
-  EXPECT_NE(error_of(R"({"free_blocks":"many"})").find("free_blocks"), std::string::npos);
-  EXPECT_NE(error_of(R"({"step":[1]})").find("step"), std::string::npos);
-  EXPECT_NE(error_of(R"({"step":{"seqs":1,"running_for_s":-2}})").find("running_for_s"),
-            std::string::npos);
-  EXPECT_NE(error_of(R"({"recent_steps":{}})").find("recent_steps"), std::string::npos);
-  EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,0.1],[2,1,64]]})").find("recent_steps[1]"),
-            std::string::npos);
-  EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,-0.1]]})").find("recent_steps[0]"),
-            std::string::npos);
-}
-
 TEST(EngineLoad, StepsAreLearnedOnceAndAgainAfterARestart) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
-  EngineLoadState s = absorb({}, parse_engine_load(kReport), {}, t0, {});
+  EngineLoadState s = absorb({}, api::parse_load_report(kReport), {}, t0, {});
   EXPECT_TRUE(s.known);
   EXPECT_EQ(s.batch_time.observations, 3);
   EXPECT_EQ(s.last_step, 17u);
   EXPECT_NEAR(estimate_batch_s(s.batch_time, 2, 2048), 0.25, 1e-9);
   // The next poll overlaps the last: only step 18 is new.
-  EngineLoadReport next = parse_engine_load(kReport);
+  LoadReport next = api::parse_load_report(kReport);
   next.recent_steps = {{16, 2, 2048, 0.25}, {17, 2, 2048, 0.25}, {18, 2, 2048, 0.25}};
   s = absorb(std::move(s), next, {}, t0, {});
   EXPECT_EQ(s.batch_time.observations, 4);
   // A restarted engine counts from 1 again: its steps are new, not ignored as old.
-  EngineLoadReport restarted = parse_engine_load(kReport);
+  LoadReport restarted = api::parse_load_report(kReport);
   restarted.recent_steps = {{1, 1, 512, 0.1}, {2, 1, 512, 0.1}};
   s = absorb(std::move(s), restarted, {}, t0, {});
   EXPECT_EQ(s.batch_time.observations, 6);
@@ -108,7 +70,7 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
 
   // A report whose poll left when the gateway had launched 49000 tokens there: 1000 launched
   // since are not in its queue of 6000.
-  EngineLoadState s = absorb({}, parse_engine_load(kReport), {49000, 0}, t0, {});
+  EngineLoadState s = absorb({}, api::parse_load_report(kReport), {49000, 0}, t0, {});
   s.finished_at_report = counts.launched_total - counts.uncached_in_flight;  // when it arrived
   EndpointLoad fresh;
   fill_load(fresh, s, counts, t0 + milliseconds(50), milliseconds(400));
@@ -158,18 +120,18 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
 // reports without pairs leave them unknown.
 TEST(EngineLoad, CarriesAttentionPairs) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
-  const EngineLoadReport old = parse_engine_load(kReport);
+  const LoadReport old = api::parse_load_report(kReport);
   EXPECT_EQ(old.prefill_pairs, -1);
-  EXPECT_EQ(old.step_pairs, -1);
-  EXPECT_EQ(old.recent_steps[0].pairs, -1);
+  EXPECT_EQ(old.step_prefill_pairs, -1);
+  EXPECT_EQ(old.recent_steps[0].prefill_pairs, -1);
   const std::string with_pairs = R"({"prefill_tokens":6000,"prefill_pairs":50000000,
     "step":{"seqs":1,"tokens":2048,"prefill_pairs":9000000,"running_for_s":0.05},
     "recent_steps":[[1,1,2048,0.25,2098176],[2,1,2048,0.30,6292480]]})";
-  const EngineLoadReport r = parse_engine_load(with_pairs);
+  const LoadReport r = api::parse_load_report(with_pairs);
   EXPECT_EQ(r.prefill_pairs, 50000000);
-  EXPECT_EQ(r.step_pairs, 9000000);
+  EXPECT_EQ(r.step_prefill_pairs, 9000000);
   ASSERT_EQ(r.recent_steps.size(), 2u);
-  EXPECT_EQ(r.recent_steps[1].pairs, 6292480);
+  EXPECT_EQ(r.recent_steps[1].prefill_pairs, 6292480);
   EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,0.1,-5]]})").find("recent_steps[0]"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"recent_steps":[[1,1,64,0.1,5,6]]})").find("recent_steps[0]"),
@@ -207,9 +169,9 @@ TEST(EngineLoad, TheTandemPolicyAvoidsTheEngineReportedBusy) {
   GatewayCounts counts;
   counts.uncached_in_flight = {8000, 0};
   counts.launched_total = {8000, 0};
-  EngineLoadReport busy = parse_engine_load(kReport);
+  LoadReport busy = api::parse_load_report(kReport);
   busy.prefill_tokens = 8000;
-  EngineLoadReport light = parse_engine_load(kReport);
+  LoadReport light = api::parse_load_report(kReport);
   light.prefill_tokens = 0;
   light.step_seqs = 0;
   const EngineLoadState a = absorb({}, busy, {8000, 0}, t0, {});

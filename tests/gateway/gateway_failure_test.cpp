@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
+#include "api/load_report.h"
 #include "gateway/gateway.h"
 #include "net/http_client.h"
 #include "net/http_server.h"
@@ -47,6 +49,7 @@ class FakeEngine {
     net::HttpServerOptions o;
     o.host = "127.0.0.1";
     o.threads = 2;
+    o.error_response = api::openai_error_response;
     server_ = std::make_unique<net::HttpServer>(o);
     server_->route("GET", "/health", [this](const net::HttpRequest&, auto ex) {
       ex->respond(healthy_ ? 200 : 503, "", "text/plain");
@@ -56,6 +59,13 @@ class FakeEngine {
     };
     server_->route("POST", "/v1/completions", gen);
     server_->route("POST", "/v1/chat/completions", gen);
+    server_->route("GET", "/load", [this](const net::HttpRequest&, auto ex) {
+      std::lock_guard lock(mutex_);
+      if (load_status_ == 404)
+        ex->send_error(404, "Invalid URL (GET /load)");  // as a server without the route
+      else
+        ex->respond(load_status_, load_body_);
+    });
     server_->start();
   }
   ~FakeEngine() {
@@ -67,6 +77,12 @@ class FakeEngine {
   std::string address() const { return "127.0.0.1:" + std::to_string(port()); }
   void set(Behaviour b) { behaviour_ = b; }
   void set_healthy(bool h) { healthy_ = h; }
+  // What GET /load answers; by default 404, as engines without load reports (vLLM, SGLang).
+  void set_load(int status, std::string body) {
+    std::lock_guard lock(mutex_);
+    load_status_ = status;
+    load_body_ = std::move(body);
+  }
   int requests() const { return requests_; }
   int closed_early() const { return closed_early_; }  // clients that left before the answer
   json last_body() {
@@ -147,7 +163,7 @@ class FakeEngine {
       }
       case Behaviour::kErrorEvent:
         ex->start_stream(200, "text/event-stream");
-        ex->write(net::sse_event(net::openai_error_body("KV transfer failed", "server_error")));
+        ex->write(net::sse_event(api::openai_error_body("KV transfer failed", "server_error")));
         ex->write(net::kSseDone);
         ex->end();
         break;
@@ -189,6 +205,8 @@ class FakeEngine {
   std::mutex mutex_;
   std::vector<json> bodies_;
   std::vector<std::pair<std::shared_ptr<net::Exchange>, json>> held_;
+  int load_status_ = 404;
+  std::string load_body_;
 };
 
 Endpoint endpoint_of(const FakeEngine& e, std::string name, uint16_t bootstrap = 0) {
@@ -554,17 +572,57 @@ TEST_F(GatewayFailures, QueuesAreBoundedAndTimeOut) {
   start(t);
   auto first = std::async(std::launch::async, [&] { return post(completion()).status; });
   ASSERT_TRUE(eventually([&] { return engine.held() == 1; }));
-  auto second = std::async(std::launch::async, [&] { return post(completion()).status; });
+  auto second = std::async(std::launch::async, [&] { return post(completion()); });
   ASSERT_TRUE(eventually([&] { return metric("vllm:num_requests_waiting") == 1; }));
   // The queue is full: refused at once, 429 in the OpenAI shape.
   const auto third = post(completion());
   EXPECT_EQ(third.status, 429);
   EXPECT_TRUE(json::parse(third.body).contains("error"));
-  // The queued one gives up after the queue timeout with 503; the engine never saw it.
-  EXPECT_EQ(second.get(), 503);
+  // The queued one gives up after the queue timeout with 503 saying why; the engine never saw it.
+  const auto timed_out = second.get();
+  EXPECT_EQ(timed_out.status, 503);
+  EXPECT_NE(timed_out.body.find("decode pool: 1 engine, 1 at the in-flight limit"),
+            std::string::npos)
+      << timed_out.body;
   EXPECT_EQ(engine.requests(), 1);
   engine.release();
   EXPECT_EQ(first.get(), 200);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+// The default dialect (auto) in front of engines that do not report their load as Tandem's do: a
+// plain OpenAI server without GET /load (vLLM, SGLang), and one whose /load is another API's
+// (vLLM's server-load tracking). Each is routed by the gateway's own counts and serves at once; a
+// Tandem engine's reports are used.
+TEST_F(GatewayFailures, AutoDialectRoutesEnginesWithoutLoadReportsByItsOwnCounts) {
+  FakeEngine plain("plain"), vllm_load("vllm_load"), tandem("tandem");
+  vllm_load.set_load(200, R"({"server_load":0})");
+  api::LoadReport report;
+  report.free_blocks = report.total_blocks = 4096;
+  report.block_size = 16;
+  report.prefill_pairs = report.step_prefill_pairs = 0;
+  tandem.set_load(200, api::to_json(report));
+  auto t = topology(PdMode::kAggregated);
+  ASSERT_EQ(t.decode.dialect, Dialect::kAuto);
+  t.scheduling.load_interval = 20ms;
+  t.decode.endpoints = {endpoint_of(plain, "plain"), endpoint_of(vllm_load, "vllm_load"),
+                        endpoint_of(tandem, "tandem")};
+  start(t);
+  for (int i = 0; i < 6; ++i) {
+    const auto r = post(completion());
+    ASSERT_EQ(r.status, 200) << r.body;
+  }
+  auto source = [&](const std::string& name) {
+    for (const auto& e : endpoints())
+      if (e["name"] == name) return e["load_source"].get<std::string>();
+    return std::string("missing");
+  };
+  EXPECT_TRUE(eventually([&] { return source("plain") == "own_counts"; })) << source("plain");
+  EXPECT_TRUE(eventually([&] { return source("vllm_load") == "own_counts"; }))
+      << source("vllm_load");
+  EXPECT_TRUE(eventually([&] { return source("tandem") == "reports"; })) << source("tandem");
+  // Still serving once every engine's kind is known.
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(post(completion()).status, 200);
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 

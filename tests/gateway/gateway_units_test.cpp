@@ -72,7 +72,7 @@ PairChoice pair(const std::vector<EndpointLoad>& prefills, const std::vector<End
   ClusterView v;
   v.prefill = prefills;
   v.decode = decodes;
-  return choose_pair(*make_least_load_policy(), v, r, Clock::time_point());
+  return make_least_load_policy()->choose_together(v, r, Clock::time_point());
 }
 
 TEST(LeastLoadPolicy, HasItsName) {
@@ -184,7 +184,7 @@ TEST(LeastLoadPolicy, DecodeAvoidsFailedEnginesWithinTheGroup) {
   EXPECT_EQ(decode({in_group(10, 0), in_group(12, 0, 3)}, 0, request({10})).endpoint, 12);
 }
 
-TEST(ChoosePair, ChoosesLeastLoadedPrefillAndADecodeOfItsGroup) {
+TEST(ChooseTogether, ChoosesLeastLoadedPrefillAndADecodeOfItsGroup) {
   const PairChoice c = pair({in_group(1, 0, 2), in_group(2, 1, 1)},
                             {in_group(10, 0, 0), in_group(11, 1, 3), in_group(12, 1, 2)});
   EXPECT_EQ(c.kind, Kind::kChosen);
@@ -192,7 +192,7 @@ TEST(ChoosePair, ChoosesLeastLoadedPrefillAndADecodeOfItsGroup) {
   EXPECT_EQ(c.decode, 12);
 }
 
-TEST(ChoosePair, TriesTheNextPrefillWhenItsGroupHasNoFreeDecode) {
+TEST(ChooseTogether, TriesTheNextPrefillWhenItsGroupHasNoFreeDecode) {
   // Prefill 1 is the least loaded but its group's decode engine is saturated.
   PairChoice c =
       pair({in_group(1, 0, 0), in_group(2, 1, 2)}, {in_group(10, 0, 4, 4), in_group(11, 1, 3)});
@@ -206,7 +206,7 @@ TEST(ChoosePair, TriesTheNextPrefillWhenItsGroupHasNoFreeDecode) {
   EXPECT_EQ(c.decode, 10);
 }
 
-TEST(ChoosePair, SaturatedWhenWaitingCouldHelp) {
+TEST(ChooseTogether, SaturatedWhenWaitingCouldHelp) {
   // The only decode engine of any prefill's group is saturated.
   PairChoice c = pair({in_group(1, 0)}, {in_group(10, 0, 4, 4)});
   EXPECT_EQ(c.kind, Kind::kSaturated);
@@ -223,7 +223,7 @@ TEST(ChoosePair, SaturatedWhenWaitingCouldHelp) {
   EXPECT_EQ(c.kind, Kind::kSaturated);
 }
 
-TEST(ChoosePair, NoneEligibleWhenNoPairCanEverForm) {
+TEST(ChooseTogether, NoneEligibleWhenNoPairCanEverForm) {
   EXPECT_EQ(pair({}, {}).kind, Kind::kNoneEligible);
   EXPECT_EQ(pair({in_group(1, 0)}, {}).kind, Kind::kNoneEligible);
   EXPECT_EQ(pair({}, {in_group(10, 0)}).kind, Kind::kNoneEligible);
@@ -234,7 +234,7 @@ TEST(ChoosePair, NoneEligibleWhenNoPairCanEverForm) {
   EXPECT_EQ(c.decode, -1);
 }
 
-TEST(ChoosePair, NeverChoosesIneligibleEngines) {
+TEST(ChooseTogether, NeverChoosesIneligibleEngines) {
   // The ineligible prefill's group has the free decode engine; the eligible one's is saturated.
   PairChoice c = pair({ineligible(1, 0), in_group(2, 1)}, {in_group(10, 0), in_group(11, 1, 4, 4)});
   EXPECT_EQ(c.kind, Kind::kSaturated);
@@ -246,7 +246,7 @@ TEST(ChoosePair, NeverChoosesIneligibleEngines) {
   EXPECT_EQ(c.decode, 11);
 }
 
-TEST(ChoosePair, FallsBackToAFailedPrefillWhenNoOtherCanPair) {
+TEST(ChooseTogether, FallsBackToAFailedPrefillWhenNoOtherCanPair) {
   // Prefill 1 failed the request; prefill 2 is fresh but its group has no decode engine.
   const PairChoice c = pair({in_group(1, 0), in_group(2, 1)}, {in_group(10, 0)}, request({1}));
   EXPECT_EQ(c.kind, Kind::kChosen);
@@ -254,11 +254,11 @@ TEST(ChoosePair, FallsBackToAFailedPrefillWhenNoOtherCanPair) {
   EXPECT_EQ(c.decode, 10);
 }
 
-TEST(ChoosePair, LeavesTheCallersViewAlone) {
+TEST(ChooseTogether, LeavesTheCallersViewAlone) {
   ClusterView v;
   v.prefill = {in_group(1, 0), in_group(2, 1)};
   v.decode = {in_group(11, 1)};
-  const PairChoice c = choose_pair(*make_least_load_policy(), v, request(), Clock::time_point());
+  const PairChoice c = make_least_load_policy()->choose_together(v, request(), Clock::time_point());
   EXPECT_EQ(c.prefill, 2);
   EXPECT_TRUE(v.prefill[0].eligible);
   EXPECT_TRUE(v.prefill[1].eligible);

@@ -13,8 +13,8 @@
 #include <set>
 #include <vector>
 
+#include "api/prefill_work.h"
 #include "gateway/policy.h"
-#include "util/attention_pairs.h"
 #include "util/error.h"
 
 namespace tandem::gateway {
@@ -251,6 +251,19 @@ TEST(MakePolicy, KnowsEveryNameAndNamesThemOnError) {
   }
 }
 
+// The registry hands each policy its own options (the topology's scheduling.cache_aware and
+// scheduling.kv_router sections): the same view decides differently with other options.
+TEST(MakePolicy, PassesEachPolicyItsOptions) {
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 128;
+  v.prefill[0].tokens_in_flight = 32;  // two more decode blocks
+  EXPECT_EQ(make_policy("kv_router")->choose_prefill(v, req(128), t0).endpoint, 0);
+  PolicyOptions pure_load;
+  pure_load.kv_router.overlap_score_weight = 0;
+  EXPECT_EQ(make_policy("kv_router", pure_load)->choose_prefill(v, req(128), t0).endpoint, 1);
+}
+
 // ------------------------------------------------------------------------------ round_robin
 
 TEST(RoundRobin, CyclesThroughEnginesAndSkipsSaturatedOnes) {
@@ -443,7 +456,7 @@ TEST(Tandem, ACacheHitDoesNotWinAgainstAMuchLongerQueue) {
 // token-only estimate misses by several times.
 double h800_step_s(int64_t context, int64_t chunk) {
   return 0.0247 + 1.048e-4 * static_cast<double>(chunk) +
-         1.05e-8 * static_cast<double>(util::causal_pairs(context, context + chunk));
+         1.05e-8 * static_cast<double>(api::causal_pairs(context, context + chunk));
 }
 
 TEST(BatchTime, LearnsTheCostOfAttentionPairs) {
@@ -457,7 +470,7 @@ TEST(BatchTime, LearnsTheCostOfAttentionPairs) {
     const int64_t chunk = 64 + static_cast<int64_t>(uniform() * 1984);
     const int64_t context = static_cast<int64_t>(uniform() * uniform() * 100000);
     e = observe(e, 1, chunk, h800_step_s(context, chunk),
-                util::causal_pairs(context, context + chunk));
+                api::causal_pairs(context, context + chunk));
     EXPECT_EQ(uses_pairs(e), i + 1 >= BatchTimeEstimator::kMinPairObservations);
   }
   EXPECT_NEAR(e.pair_fit.step_s, 0.0247, 1e-6);
@@ -467,12 +480,12 @@ TEST(BatchTime, LearnsTheCostOfAttentionPairs) {
   double truth = 0;
   for (int64_t c = 20000; c < 100000; c += 2048)
     truth += h800_step_s(c, std::min<int64_t>(2048, 100000 - c));
-  const int64_t pairs = util::causal_pairs(20000, 100000);
+  const int64_t pairs = api::causal_pairs(20000, 100000);
   EXPECT_NEAR(estimate_work_s(e, 80000, 2048, pairs), truth, 1e-3 * truth);
   // Without pairs the buckets answer, with the average observed chunk's attention only.
   EXPECT_LT(estimate_work_s(e, 80000, 2048), 0.6 * truth);
   // The running step: a 2048-token chunk at context 90K.
-  EXPECT_NEAR(estimate_batch_s(e, 1, 2048, util::causal_pairs(90000, 92048)),
+  EXPECT_NEAR(estimate_batch_s(e, 1, 2048, api::causal_pairs(90000, 92048)),
               h800_step_s(90000, 2048), 1e-4);
 }
 
@@ -482,7 +495,7 @@ TEST(BatchTime, PairCostsStayNonNegativeAndNeedReportedPairs) {
   // negative one.
   for (int i = 0; i < 50; ++i) {
     const int64_t chunk = 100 + 37 * (i % 11);
-    e = observe(e, 1, chunk, 0.05, util::causal_pairs(1000 * (i % 7), 1000 * (i % 7) + chunk));
+    e = observe(e, 1, chunk, 0.05, api::causal_pairs(1000 * (i % 7), 1000 * (i % 7) + chunk));
   }
   EXPECT_NEAR(e.pair_fit.step_s, 0.05, 1e-9);
   EXPECT_GE(e.pair_fit.token_s, 0.0);
@@ -523,7 +536,7 @@ TEST(Tandem, CountsTheAttentionOfQueuedLongPrompts) {
   for (int i = 0; i < 64; ++i) {
     const int64_t context = 1500 * i;
     learned = observe(learned, 1, 2048, h800_step_s(context, 2048),
-                      util::causal_pairs(context, context + 2048));
+                      api::causal_pairs(context, context + 2048));
   }
   ClusterView v;
   v.prefill = {ep(0), ep(1)};
@@ -531,9 +544,9 @@ TEST(Tandem, CountsTheAttentionOfQueuedLongPrompts) {
     e.batch_time = &learned;
     e.queued_prefill_tokens = 30000;
   }
-  v.prefill[0].queued_prefill_pairs = util::causal_pairs(70000, 100000);  // a long prompt's tail
-  v.prefill[1].queued_prefill_pairs = 15 * util::causal_pairs(0, 2000);   // 15 short prompts
-  v.prefill[1].in_flight = 5;                                             // more requests, even
+  v.prefill[0].queued_prefill_pairs = api::causal_pairs(70000, 100000);  // a long prompt's tail
+  v.prefill[1].queued_prefill_pairs = 15 * api::causal_pairs(0, 2000);   // 15 short prompts
+  v.prefill[1].in_flight = 5;                                            // more requests, even
   EXPECT_EQ(p->choose_prefill(v, req(3000), t0).endpoint, 1);
   std::swap(v.prefill[0].queued_prefill_pairs, v.prefill[1].queued_prefill_pairs);
   EXPECT_EQ(p->choose_prefill(v, req(3000), t0).endpoint, 0);
@@ -632,9 +645,10 @@ TEST(Tandem, HoldsAtMostMaxHoldThenGoesToTheSoonestEngine) {
   // max_hold 0: no bound.
   TandemOptions unbounded;
   unbounded.max_hold = std::chrono::nanoseconds(0);
-  EXPECT_EQ(
-      make_policy("tandem", unbounded)->choose_decode(a, req(1000), -1, t0 + seconds(600)).kind,
-      Choice::Kind::kSaturated);
+  EXPECT_EQ(make_policy("tandem", {.tandem = unbounded})
+                ->choose_decode(a, req(1000), -1, t0 + seconds(600))
+                .kind,
+            Choice::Kind::kSaturated);
 }
 
 // A prompt that alone exceeds the queued-token limit on every engine is not held: no engine can
@@ -730,7 +744,7 @@ TEST(Tandem, ParallelModeChoosesAPairInOneGroup) {
   v.prefill = {ep(0, 0), ep(1, 1)};
   v.decode = {ep(10, 0, 4, 4) /* group 0 full */, ep(11, 1)};
   v.prefill[0].cached_tokens = 1000;  // the better prefill, but its group cannot decode now
-  const PairChoice c = choose_pair(*p, v, req(1000), t0);
+  const PairChoice c = p->choose_together(v, req(1000), t0);
   ASSERT_EQ(c.kind, Choice::Kind::kChosen);
   EXPECT_EQ(c.prefill, 1);
   EXPECT_EQ(c.decode, 11);
@@ -741,23 +755,23 @@ TEST(Tandem, ParallelModeBreaksPrefillTiesByDecodeLoad) {
   ClusterView v;
   v.prefill = {ep(0, 0), ep(1, 1)};
   v.decode = {ep(10, 0, 3), ep(11, 1, 1)};
-  PairChoice c = choose_pair(*p, v, req(1000), t0);
+  PairChoice c = p->choose_together(v, req(1000), t0);
   EXPECT_EQ(c.prefill, 1);
   EXPECT_EQ(c.decode, 11);
   v.decode[1].in_flight = 5;
-  c = choose_pair(*p, v, req(1000), t0);
+  c = p->choose_together(v, req(1000), t0);
   EXPECT_EQ(c.prefill, 0);
   EXPECT_EQ(c.decode, 10);
 }
 
-TEST(Tandem, ParallelModeWaitsOrFailsLikeChoosePair) {
+TEST(Tandem, ParallelModeWaitsOrFailsLikeTheDefaultPairChoice) {
   const auto p = make_policy("tandem");
   ClusterView v;
   v.prefill = {ep(0, 0)};
   v.decode = {ep(10, 0, 4, 4)};
-  EXPECT_EQ(choose_pair(*p, v, req(10), t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_together(v, req(10), t0).kind, Choice::Kind::kSaturated);
   v.decode[0].group = 1;
-  EXPECT_EQ(choose_pair(*p, v, req(10), t0).kind, Choice::Kind::kNoneEligible);
+  EXPECT_EQ(p->choose_together(v, req(10), t0).kind, Choice::Kind::kNoneEligible);
 }
 
 TEST(Tandem, RetriesAvoidTheEngineThatFailed) {
@@ -800,15 +814,6 @@ TEST(ApplyChoice, UpdatesTheLoadOfTheChosenEngines) {
   EXPECT_EQ(v.decode[0].in_flight, 1);
   EXPECT_EQ(v.decode[0].running_seqs, 3);
   EXPECT_EQ(v.decode[0].context_tokens, -1);  // unknown stays unknown
-}
-
-TEST(AllSaturated, OnlyWhenEveryEligibleEngineIsAtItsLimit) {
-  std::vector<EndpointLoad> pool = {ep(0, 0, 8, 8), ep(1, 1, 2, 8)};
-  EXPECT_FALSE(all_saturated(pool, -1));
-  EXPECT_TRUE(all_saturated(pool, 0));
-  EXPECT_FALSE(all_saturated(pool, 2));  // no engine at all: not "saturated"
-  pool[1].eligible = false;
-  EXPECT_TRUE(all_saturated(pool, -1));
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "api/block_hash.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
 #include "engine/kv/kv_events.h"
@@ -29,7 +30,6 @@
 #include "gateway/kv_events_consumer.h"
 #include "gateway/prefix_index.h"
 #include "text/oracle_support.h"
-#include "util/block_hash.h"
 #include "util/error.h"
 
 namespace tandem::gateway {
@@ -62,8 +62,8 @@ TEST(PrefixIndex, DepthFollowsTheChain) {
   // Engine hashes unrelated to ours, as a vLLM engine's are.
   ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{901, 902, 903}, a, std::nullopt));
   EXPECT_EQ(index.num_blocks(1), 3);
-  EXPECT_TRUE(index.holds(1, block_hashes(a, 4)[2]));
-  EXPECT_FALSE(index.holds(2, block_hashes(a, 4)[2]));
+  EXPECT_TRUE(index.holds(1, api::block_hashes(a, 4)[2]));
+  EXPECT_FALSE(index.holds(2, api::block_hashes(a, 4)[2]));
 
   EXPECT_EQ(index.match_depth(1, a), 3);
   EXPECT_EQ(index.match_depth(1, concat(a, {1, 2, 3})), 3);  // a partial block never counts

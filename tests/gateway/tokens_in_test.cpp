@@ -12,12 +12,12 @@
 namespace tandem::gateway {
 namespace {
 
-using engine::RequestOutput;
-using engine::api::ApiError;
-using engine::api::ApiKind;
-using engine::api::ApiRequest;
-using engine::api::ModelLimits;
-using engine::api::ResponseBuilder;
+using api::ApiError;
+using api::ApiKind;
+using api::ApiRequest;
+using api::ModelLimits;
+using api::RequestOutput;
+using api::ResponseBuilder;
 using nlohmann::json;
 
 const char kModel[] = "tiny";
@@ -51,10 +51,10 @@ class TokensInTest : public ::testing::Test {
     return {kModel, config_->max_position_embeddings, config_->vocab_size};
   }
   static ApiRequest engine_chat(const json& body) {
-    return engine::api::parse_chat(body, *engine_tok_, engine_template_, engine_limits());
+    return api::parse_chat(body, *engine_tok_, engine_template_, engine_limits());
   }
   static ApiRequest engine_completion(const json& body) {
-    return engine::api::parse_completion(body, *engine_tok_, engine_limits());
+    return api::parse_completion(body, *engine_tok_, engine_limits());
   }
 
   inline static std::filesystem::path* dir_ = nullptr;

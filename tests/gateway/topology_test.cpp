@@ -97,14 +97,15 @@ TEST(ParseMode, AcceptsNamesAndAliases) {
             "mode: expected aggregated, sequential (vllm) or parallel (sglang), got 'Parallel'");
 }
 
-TEST(ParseDialect, AcceptsTheThreeDialects) {
+TEST(ParseDialect, AcceptsAutoAndTheThreeDialects) {
+  EXPECT_EQ(parse_dialect("auto"), Dialect::kAuto);
   EXPECT_EQ(parse_dialect("tandem"), Dialect::kTandem);
   EXPECT_EQ(parse_dialect("vllm"), Dialect::kVllm);
   EXPECT_EQ(parse_dialect("sglang"), Dialect::kSglang);
-  for (Dialect d : {Dialect::kTandem, Dialect::kVllm, Dialect::kSglang})
+  for (Dialect d : {Dialect::kAuto, Dialect::kTandem, Dialect::kVllm, Dialect::kSglang})
     EXPECT_EQ(parse_dialect(dialect_name(d)), d);
   EXPECT_EQ(error_of([] { parse_dialect("trtllm"); }),
-            "dialect: expected tandem, vllm or sglang, got 'trtllm'");
+            "dialect: expected auto, tandem, vllm or sglang, got 'trtllm'");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -146,6 +147,13 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.scheduling.tandem.max_queued_prefill_tokens, 32000);
   EXPECT_EQ(t.scheduling.tandem.max_prefill_seqs, 32);
   EXPECT_EQ(t.scheduling.tandem.max_batch_tokens, 2048);
+  EXPECT_EQ(t.scheduling.cache_aware.cache_threshold, 0.5);
+  EXPECT_EQ(t.scheduling.cache_aware.balance_abs_threshold, 32);
+  EXPECT_EQ(t.scheduling.cache_aware.balance_rel_threshold, 2);
+  EXPECT_EQ(t.scheduling.cache_aware.eviction_interval, 60000ms);
+  EXPECT_EQ(t.scheduling.cache_aware.max_tree_size, 1000000);
+  EXPECT_EQ(t.scheduling.kv_router.overlap_score_weight, 2);
+  EXPECT_EQ(t.scheduling.kv_router.block_size, 32);
   EXPECT_EQ(t.scheduling.tandem.max_hold, 2000ms);
   EXPECT_EQ(t.health.probe_interval, 2000ms);
   EXPECT_EQ(t.health.probe_timeout, 1000ms);
@@ -209,7 +217,7 @@ TEST(TopologyYaml, OnlyDecodeEndpointsGiveTheDefaults) {
   EXPECT_EQ(t.timeouts.queue, defaults.timeouts.queue);
   EXPECT_EQ(t.timeouts.idle, defaults.timeouts.idle);
   EXPECT_TRUE(t.prefill.endpoints.empty());
-  EXPECT_EQ(t.decode.dialect, Dialect::kTandem);
+  EXPECT_EQ(t.decode.dialect, Dialect::kAuto);
   EXPECT_TRUE(t.decode.tokens_in);
   EXPECT_EQ(t.decode.max_in_flight, 256);
   ASSERT_EQ(t.decode.endpoints.size(), 1u);
@@ -338,7 +346,7 @@ TEST(TopologyYaml, WrongTypesAreErrors) {
   EXPECT_EQ(yaml_error("decode: {tokens_in: \"false\", endpoints: [\"d:1\"]}"),
             "t.yaml: decode.tokens_in: expected true or false, got \"false\" (a quoted string)");
   EXPECT_EQ(yaml_error("decode: {dialect: trtllm, endpoints: [\"d:1\"]}"),
-            "t.yaml: decode.dialect: expected tandem, vllm or sglang, got 'trtllm'");
+            "t.yaml: decode.dialect: expected auto, tandem, vllm or sglang, got 'trtllm'");
   EXPECT_EQ(yaml_error("decode: {endpoints: \"d:1\"}"),
             "t.yaml: decode.endpoints: expected a list of engines, got \"d:1\" (a quoted string)");
   EXPECT_EQ(yaml_error("decode: {endpoints: [{host: d, port: 1, group: first}]}"),
@@ -379,6 +387,17 @@ TEST(TopologyYaml, LimitsAreChecked) {
       {"scheduling: {max_batch_tokens: 0}",
        "scheduling.max_batch_tokens: expected a whole number >= 1"},
       {"scheduling: {max_queued: 5}", "scheduling.max_queued: expected one of"},
+      {"scheduling: {cache_aware: {cache_threshold: 1.5}}",
+       "scheduling.cache_aware.cache_threshold: expected a fraction 0..1"},
+      {"scheduling: {cache_aware: {balance_rel_threshold: 0.5}}",
+       "scheduling.cache_aware.balance_rel_threshold: expected a number >= 1"},
+      {"scheduling: {cache_aware: {eviction_interval_ms: 0}}",
+       "scheduling.cache_aware.eviction_interval_ms: expected a duration"},
+      {"scheduling: {cache_aware: {tree: 5}}", "scheduling.cache_aware.tree: expected one of"},
+      {"scheduling: {kv_router: {block_size: 0}}",
+       "scheduling.kv_router.block_size: expected a whole number >= 1"},
+      {"scheduling: {kv_router: {overlap_score_weight: -1}}",
+       "scheduling.kv_router.overlap_score_weight: expected a number >= 0"},
   };
   for (const auto& [line, expected] : cases)
     EXPECT_THAT(yaml_error(parallel_yaml(line + "\n")), StartsWith("t.yaml: " + expected)) << line;
@@ -419,16 +438,16 @@ TEST(TopologyValidate, PrefillPoolMatchesTheMode) {
 TEST(TopologyValidate, DialectsMatchTheMode) {
   EXPECT_EQ(yaml_error("mode: parallel\nprefill: {dialect: vllm, endpoints: [\"p:1@9\"]}\n"
                        "decode: {endpoints: [\"d:2\"]}"),
-            "t.yaml: prefill.dialect: expected a dialect that serves parallel mode (tandem or "
-            "sglang), got vllm");
+            "t.yaml: prefill.dialect: expected a dialect that serves parallel mode (auto, "
+            "tandem or sglang), got vllm");
   EXPECT_EQ(yaml_error("mode: parallel\nprefill: {endpoints: [\"p:1@9\"]}\n"
                        "decode: {dialect: vllm, endpoints: [\"d:2\"]}"),
-            "t.yaml: decode.dialect: expected a dialect that serves parallel mode (tandem or "
-            "sglang), got vllm");
+            "t.yaml: decode.dialect: expected a dialect that serves parallel mode (auto, "
+            "tandem or sglang), got vllm");
   EXPECT_EQ(yaml_error("mode: sequential\nprefill: {dialect: sglang, endpoints: [\"p:1\"]}\n"
                        "decode: {endpoints: [\"d:2\"]}"),
-            "t.yaml: prefill.dialect: expected a dialect that serves sequential mode (tandem or "
-            "vllm), got sglang");
+            "t.yaml: prefill.dialect: expected a dialect that serves sequential mode (auto, "
+            "tandem or vllm), got sglang");
   EXPECT_THAT(yaml_error("mode: sequential\nprefill: {endpoints: [\"p:1\"]}\n"
                          "decode: {dialect: sglang, endpoints: [\"d:2\"]}"),
               StartsWith("t.yaml: decode.dialect: expected a dialect that serves sequential"));

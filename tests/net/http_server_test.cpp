@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "api/error.h"
 #include "net/http_client.h"
 #include "net/sse.h"
 #include "util/error.h"
@@ -29,10 +30,12 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// With the OpenAI error body, as the engine and the gateway run their servers.
 HttpServerOptions local_options() {
   HttpServerOptions options;
   options.host = "127.0.0.1";
   options.threads = 2;
+  options.error_response = api::openai_error_response;
   return options;
 }
 
@@ -137,16 +140,6 @@ T get_within(std::future<T>& future, std::chrono::seconds limit = 10s) {
     std::abort();  // a hung server would otherwise hang the suite
   }
   return future.get();
-}
-
-TEST(OpenAiError, BodyShape) {
-  EXPECT_EQ(openai_error_body("bad \"x\"", "invalid_request_error"),
-            R"({"error":{"message":"bad \"x\"","type":"invalid_request_error","param":null,)"
-            R"("code":null}})");
-  auto json = nlohmann::json::parse(openai_error_body("m", "t", "c42"));
-  EXPECT_EQ(json["error"]["code"], "c42");
-  EXPECT_EQ(default_error_type(404), "invalid_request_error");
-  EXPECT_EQ(default_error_type(503), "server_error");
 }
 
 TEST(Headers, CaseInsensitiveAndValidated) {
@@ -295,6 +288,24 @@ TEST(HttpServer, NotFoundAndMethodNotAllowed) {
   // Errors keep the connection usable.
   r = client.request("POST", "/v1/completions", "{}");
   EXPECT_EQ(r.status, 200);
+}
+
+TEST(HttpServer, ErrorsArePlainTextUnlessAnErrorBodyIsInstalled) {
+  HttpServerOptions options = local_options();
+  options.error_response = plain_error_response;
+  HttpServer server(options);
+  server.route("POST", "/x", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->send_error(422, "no such thing");
+  });
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  auto r = client.request("GET", "/nowhere");
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(r.headers.get("Content-Type"), "text/plain; charset=utf-8");
+  EXPECT_NE(r.body.find("/nowhere"), std::string::npos) << r.body;
+  r = client.request("POST", "/x", "");
+  EXPECT_EQ(r.status, 422);
+  EXPECT_EQ(r.body, "no such thing\n");
 }
 
 TEST(HttpServer, FallbackReplacesNotFound) {

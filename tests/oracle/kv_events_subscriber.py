@@ -5,7 +5,7 @@ Run with Debian's interpreter (/usr/bin/python3), which has python3-msgpack and 
 
 Decodes vLLM's KV-event wire format (array_like msgspec encoding) with the `msgpack` package,
 checks its shape strictly, and prints every batch as one JSON line. It shares no code with the C++
-side: the block hash is recomputed here from its documented definition (src/util/block_hash.h),
+side: the block hash is recomputed here from its documented definition (src/api/block_hash.h),
 using the `xxhash` package when it is installed and otherwise the XXH3-64 implementation below,
 written from the xxHash specification.
 
@@ -179,7 +179,7 @@ except ImportError:
     XXH3_SOURCE = "pure-python"
 
 # ---------------------------------------------------------------------------------------------
-# The block hash, from its definition in src/util/block_hash.h.
+# The block hash, from its definition in src/api/block_hash.h.
 
 BLOCK_HASH_SEED = int.from_bytes(b"TandemKV", "big")
 BLOCK_HASH_ROOT = 0

@@ -5,7 +5,7 @@
 #include <unordered_set>
 #include <utility>
 
-#include "util/block_hash.h"
+#include "api/block_hash.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -95,8 +95,8 @@ PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
   const size_t bs = static_cast<size_t>(block_size_);
   for (size_t i = 0; i < max_blocks; ++i) {
     const auto block_tokens = tokens.subspan(i * bs, bs);
-    const uint64_t h = i == 0 ? block_hash(std::nullopt, block_tokens, cache_salt)
-                              : block_hash(hit.hashes.back(), block_tokens);
+    const uint64_t h = i == 0 ? api::block_hash(std::nullopt, block_tokens, cache_salt)
+                              : api::block_hash(hit.hashes.back(), block_tokens);
     const auto it = cached_.find(h);
     if (it == cached_.end()) break;
     hit.blocks.push_back(it->second);
@@ -194,7 +194,8 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
   if (!enable_prefix_caching_) return;
   const size_t full = tokens.size() / bs;
   if (full <= request.num_registered) return;
-  extend_block_hashes(request.hashes, tokens.first(full * bs), block_size_, request.cache_salt);
+  api::extend_block_hashes(request.hashes, tokens.first(full * bs), block_size_,
+                           request.cache_salt);
 
   // One BlockStored per run of consecutive newly cached blocks (a duplicate breaks the run, since
   // an event's blocks must chain from its parent hash).

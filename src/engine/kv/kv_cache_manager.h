@@ -14,7 +14,7 @@
 //   - a hash maps to at most one block. When two requests compute the same block at the same time
 //     the first to be registered is cached and the other copy stays private to its request.
 //
-// Block hashes are util/block_hash.h's chained XXH3-64 over token ids, with an optional per-request
+// Block hashes are api/block_hash.h's chained XXH3-64 over token ids, with an optional per-request
 // cache salt folded into the first block.
 //
 // Typical scheduler use per step:

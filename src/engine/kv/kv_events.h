@@ -14,7 +14,7 @@
 //                   lora_id or nil, medium, lora_name or nil]
 //   BlockRemoved = ["BlockRemoved", [hash...], medium]
 //   AllBlocksCleared = ["AllBlocksCleared"]
-// Hashes are unsigned 64-bit integers (util/block_hash.h), as with vLLM's default
+// Hashes are unsigned 64-bit integers (api/block_hash.h), as with vLLM's default
 // VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1.
 //
 // Transport (ZmqKvEventPublisher): a PUB socket sends multipart [topic, seq, payload] with seq an

@@ -16,20 +16,7 @@
 namespace tandem::engine {
 
 // One update sent to whoever submitted the request. Called on the engine thread: keep it short.
-struct RequestOutput {
-  std::vector<int32_t> tokens;         // ids generated since the previous update
-  std::vector<TokenLogprob> logprobs;  // one per id when logprobs were requested
-  std::string text;                    // text that became final since the previous update
-  bool finished = false;
-  std::string finish_reason;  // "stop", "length", "abort" or "error"
-  std::string error;          // for "error"
-  int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
-  int error_status = 500;  // the HTTP status an "error" maps to
-  // A prefill for a remote decode (KvTransferSpec::kPrefillForPull), in its final output: where
-  // the decode engine pulls the prompt's KV from.
-  std::string kv_transfer_id;
-  std::vector<int32_t> kv_blocks;
-};
+using api::RequestOutput;
 using OutputCallback = std::function<void(const RequestOutput&)>;
 
 // How a request takes part in prefill/decode disaggregation (engine/transfer/kv_transfer.h).

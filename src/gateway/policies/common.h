@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "api/prefill_work.h"
 #include "gateway/policy.h"
-#include "util/attention_pairs.h"
 
 namespace tandem::gateway::detail {
 
@@ -65,7 +65,7 @@ inline int64_t uncached_tokens(const EndpointLoad& e, const RequestInfo& r) {
 
 // The attention pairs of the request's uncached part on this engine.
 inline int64_t uncached_pairs(const EndpointLoad& e, const RequestInfo& r) {
-  return util::PrefillWork::of_prompt(e.cached_tokens, r.prompt_tokens).pairs;
+  return api::PrefillWork::of_prompt(e.cached_tokens, r.prompt_tokens).pairs;
 }
 
 // Prefill work already waiting on the engine: its reported/accounted queue, else what the gateway

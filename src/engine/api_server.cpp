@@ -1,18 +1,28 @@
-#include "engine/api/api_server.h"
+#include "engine/api_server.h"
 
 #include <atomic>
 #include <chrono>
+#include <limits>
 #include <mutex>
 
-#include "engine/api/protocol.h"
+#include "api/error.h"
+#include "api/load_report.h"
+#include "api/request.h"
+#include "api/response.h"
 #include "net/sse.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/random_id.h"
 
-namespace tandem::engine::api {
+namespace tandem::engine {
 namespace {
 
+using api::ApiError;
+using api::ApiKind;
+using api::ApiRequest;
+using api::DisaggregationParams;
+using api::ModelLimits;
+using api::ResponseBuilder;
 using nlohmann::json;
 
 int64_t unix_seconds() {
@@ -47,7 +57,7 @@ struct Call {
       failed = true;
       const std::string msg = "generation failed: " + out.error;
       if (request.stream) {
-        exchange->write(net::sse_event(net::openai_error_body(msg, "server_error")));
+        exchange->write(net::sse_event(api::openai_error_body(msg, "server_error")));
         exchange->write(net::kSseDone);
         exchange->end();
       } else {
@@ -72,36 +82,29 @@ struct Call {
     }
   }
 
-  // What a decode engine needs to pull this prefill's KV (vLLM's NixlConnector fields, plus the
-  // prompt's ids so the decode engine need not template and tokenize again).
+  // What a decode engine needs to pull this prefill's KV.
   json prefill_answer(const RequestOutput& out) const {
-    return {{"do_remote_prefill", true},
-            {"do_remote_decode", false},
-            {"remote_engine_id", transfer->config().engine_id},
-            {"remote_block_ids", out.kv_blocks},
-            {"remote_host", transfer->config().advertise_host},
-            {"remote_port", transfer->port()},
-            {"remote_request_id", out.kv_transfer_id},
-            {"tp_size", 1},
-            {"prompt_token_ids", request.prompts.at(0)}};
+    return api::kv_transfer_params({transfer->config().engine_id, transfer->config().advertise_host,
+                                    transfer->port(), out.kv_transfer_id, out.kv_blocks,
+                                    request.prompts.at(0)});
   }
   json kv_transfer_params;
 };
 
 // Turns the request's disaggregation fields into the engine's transfer mode for this engine's
 // role. Throws ApiError for a leg this role does not serve.
-KvTransferSpec transfer_spec(const DisaggregationParams& d, const std::string& role) {
+KvTransferSpec transfer_spec(const DisaggregationParams& d, EngineRole role) {
   KvTransferSpec t;
   using Mode = KvTransferSpec::Mode;
   if (d.remote_decode) {
-    if (role == "decode")
+    if (role == EngineRole::kDecode)
       throw ApiError{400,
                      "this engine runs with --role decode: send prefill legs "
                      "(do_remote_decode) to a prefill engine",
                      "kv_transfer_params"};
     t.mode = Mode::kPrefillForPull;
   } else if (d.remote_prefill) {
-    if (role == "prefill")
+    if (role == EngineRole::kPrefill)
       throw ApiError{400,
                      "this engine runs with --role prefill: send decode legs "
                      "(do_remote_prefill) to a decode engine",
@@ -112,11 +115,11 @@ KvTransferSpec transfer_spec(const DisaggregationParams& d, const std::string& r
     t.engine_id = d.remote_engine_id;
     t.transfer_id = d.remote_request_id;
     t.remote_blocks = d.remote_block_ids;
-  } else if (d.has_bootstrap && role != "both") {
+  } else if (d.has_bootstrap && role != EngineRole::kBoth) {
     // SGLang sends the same body to both legs; the engine's role says which leg this is. An
     // engine with both roles serves the request alone.
     t.room = d.bootstrap_room;
-    if (role == "prefill") {
+    if (role == EngineRole::kPrefill) {
       t.mode = Mode::kPrefillForRoom;
     } else {
       if (d.bootstrap_host.empty() || d.bootstrap_port == 0)
@@ -133,7 +136,13 @@ KvTransferSpec transfer_spec(const DisaggregationParams& d, const std::string& r
 }  // namespace
 
 ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options)
-    : engine_(engine), registry_(registry), server_(std::move(options)), created_(unix_seconds()) {
+    : engine_(engine),
+      registry_(registry),
+      server_([&] {
+        options.error_response = api::openai_error_response;
+        return std::move(options);
+      }()),
+      created_(unix_seconds()) {
   if (!engine_.tokenizer().chat_template().empty())
     chat_template_.emplace(engine_.tokenizer().chat_template());
   const ExecutorInfo& info = engine_.executor_info();
@@ -157,29 +166,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
         ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
       });
   server_.route("GET", "/load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-    const LoadReport r = engine_.load();
-    json j = {{"running", r.running},
-              {"waiting", r.waiting},
-              {"free_blocks", r.free_blocks},
-              {"total_blocks", r.total_blocks},
-              {"block_size", r.block_size},
-              {"tokens_in_flight", r.tokens_in_flight},
-              {"kv_usage", r.kv_usage},
-              {"cached_blocks", r.cached_blocks},
-              {"steps", r.steps},
-              {"prefill_tokens", r.prefill_tokens},
-              {"prefill_pairs", r.prefill_pairs},
-              {"max_batch_tokens", r.max_batch_tokens}};
-    j["step"] = r.step_seqs > 0 ? json{{"seqs", r.step_seqs},
-                                       {"tokens", r.step_tokens},
-                                       {"prefill_pairs", r.step_prefill_pairs},
-                                       {"running_for_s", r.step_running_for_s}}
-                                : json(nullptr);
-    json steps = json::array();
-    for (const auto& s : r.recent_steps)
-      steps.push_back({s.index, s.seqs, s.tokens, s.seconds, s.prefill_pairs});
-    j["recent_steps"] = std::move(steps);
-    ex->respond(200, j.dump());
+    ex->respond(200, api::to_json(engine_.load()));
   });
   auto generation = [this](int kind) {
     return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
@@ -208,17 +195,17 @@ void ApiServer::stop() {
 // A decode leg refused before it could pull (a bad field, a role mismatch, a full engine) would
 // strand the prefill engine's blocks until its timeout: tell the prefill engine to let go now.
 void ApiServer::release_refused_decode_leg(const json& body) {
-  if (!body.is_object() || !body.contains("kv_transfer_params")) return;
-  const json& kv = body["kv_transfer_params"];
+  if (!body.is_object()) return;
+  DisaggregationParams d;
   try {
-    if (!kv.is_object() || !kv.value("do_remote_prefill", false)) return;
-    engine_.release_remote_kv(
-        kv.at("remote_host").get<std::string>(), kv.at("remote_port").get<uint16_t>(),
-        kv.at("remote_engine_id").get<std::string>(), kv.at("remote_request_id").get<std::string>(),
-        kv.at("remote_block_ids").get<std::vector<int32_t>>());
-  } catch (const std::exception&) {
-    // Not enough to name the transfer: the prefill engine's timeout frees it.
+    // Any token ids will do: only the transfer's name is needed.
+    d = api::parse_disaggregation(body, std::numeric_limits<int64_t>::max());
+  } catch (const ApiError&) {
+    return;  // not enough to name the transfer: the prefill engine's timeout frees it
   }
+  if (!d.remote_prefill) return;
+  engine_.release_remote_kv(d.remote_host, static_cast<uint16_t>(d.remote_port), d.remote_engine_id,
+                            d.remote_request_id, d.remote_block_ids);
 }
 
 void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
@@ -233,14 +220,14 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     body = parse_untrusted_json(req.body);
     switch (kind) {
       case ApiKind::kCompletion:
-        call->request = parse_completion(body, engine_.tokenizer(), limits);
+        call->request = api::parse_completion(body, engine_.tokenizer(), limits);
         break;
       case ApiKind::kChat:
-        call->request = parse_chat(body, engine_.tokenizer(),
-                                   chat_template_ ? &*chat_template_ : nullptr, limits);
+        call->request = api::parse_chat(body, engine_.tokenizer(),
+                                        chat_template_ ? &*chat_template_ : nullptr, limits);
         break;
       case ApiKind::kGenerate:
-        call->request = parse_generate(body, engine_.tokenizer(), limits);
+        call->request = api::parse_generate(body, engine_.tokenizer(), limits);
         break;
     }
     kv_transfer = transfer_spec(call->request.disagg, engine_.role());
@@ -261,11 +248,8 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     return;
   }
   call->transfer = engine_.transfer();
-  const std::string prefix = kind == ApiKind::kChat         ? "chatcmpl-"
-                             : kind == ApiKind::kCompletion ? "cmpl-"
-                                                            : "";
   std::string id = req.headers.get("x-request-id");
-  if (id.empty()) id = prefix + random_hex(2);
+  if (id.empty()) id = std::string(api::response_id_prefix(kind)) + random_hex(2);
   call->builder =
       std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, unix_seconds());
   call->exchange = ex;
@@ -293,7 +277,7 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
       std::lock_guard lock(call->mutex);
       call->failed = true;
       if (call->request.stream) {
-        ex->write(net::sse_event(net::openai_error_body(e.what())));
+        ex->write(net::sse_event(api::openai_error_body(e.what())));
         ex->write(net::kSseDone);
         ex->end();
       } else {
@@ -308,4 +292,4 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
   });
 }
 
-}  // namespace tandem::engine::api
+}  // namespace tandem::engine

@@ -1,13 +1,14 @@
 // The HTTP dialects as pure translations: OpenAI completions/chat and SGLang /generate bodies to
 // token ids and sampling parameters (with the errors a client sees), and outputs to the response
 // bodies and stream chunks the APIs define.
-#include "engine/api/protocol.h"
+#include "api/request.h"
+#include "api/response.h"
 
 #include <gtest/gtest.h>
 
 #include "text/chat_template.h"
 
-namespace tandem::engine::api {
+namespace tandem::api {
 namespace {
 
 using nlohmann::json;
@@ -505,4 +506,4 @@ TEST(Protocol, DisaggregationNeedsOnePromptAndOneChoice) {
 }
 
 }  // namespace
-}  // namespace tandem::engine::api
+}  // namespace tandem::api

@@ -1,7 +1,7 @@
 // The block hash against its documented definition: recomputed by an independent Python program
 // (tests/oracle/kv_events_subscriber.py, whose XXH3-64 is itself checked against libxxhash here),
 // plus its properties and a golden value built byte by byte.
-#include "util/block_hash.h"
+#include "api/block_hash.h"
 
 #include <xxhash.h>
 
@@ -17,7 +17,7 @@
 #include "util/error.h"
 #include "util/hash.h"
 
-namespace tandem {
+namespace tandem::api {
 namespace {
 
 const std::string kPython = "/usr/bin/python3";
@@ -193,4 +193,4 @@ TEST(BlockHashTest, RejectsMisuse) {
 }
 
 }  // namespace
-}  // namespace tandem
+}  // namespace tandem::api

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace tandem::util {
+namespace tandem::api {
 
 inline int64_t causal_pairs(int64_t done, int64_t prompt) {
   done = std::max<int64_t>(done, 0);
@@ -36,4 +36,4 @@ struct PrefillWork {
   friend PrefillWork operator-(PrefillWork a, const PrefillWork& b) { return a -= b; }
 };
 
-}  // namespace tandem::util
+}  // namespace tandem::api

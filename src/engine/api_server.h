@@ -16,7 +16,7 @@
 #include "text/chat_template.h"
 #include "util/metrics.h"
 
-namespace tandem::engine::api {
+namespace tandem::engine {
 
 class ApiServer {
  public:
@@ -40,4 +40,4 @@ class ApiServer {
   int64_t created_;
 };
 
-}  // namespace tandem::engine::api
+}  // namespace tandem::engine

@@ -1,14 +1,12 @@
-#include "engine/api/protocol.h"
+#include "api/request.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdlib>
 
 #include "util/error.h"
-#include "util/utf8.h"
 
-namespace tandem::engine::api {
+namespace tandem::api {
 namespace {
 
 using nlohmann::json;
@@ -146,92 +144,19 @@ std::string model_name(const json& body, const ModelLimits& limits) {
   return name;
 }
 
-uint64_t unsigned_value(const json& v, const char* name) {
-  if (v.is_number_unsigned()) return v.get<uint64_t>();
-  if (v.is_number_integer() && v.get<int64_t>() >= 0) return uint64_t(v.get<int64_t>());
-  if (v.is_string()) {
-    const std::string t = v.get<std::string>();
-    if (!t.empty() && t.size() <= 20 && std::all_of(t.begin(), t.end(), ::isdigit)) {
-      errno = 0;
-      char* end = nullptr;
-      const unsigned long long x = std::strtoull(t.c_str(), &end, 10);
-      if (errno == 0 && *end == 0) return x;
-    }
-  }
-  if (v.is_array())
-    fail(name, std::string("'") + name +
-                   "' as a list (batched requests) is not supported: send one request per prompt");
-  fail(name, std::string("'") + name + "' must be a non-negative integer (or its decimal string)");
-}
-
 // Reads the disaggregation fields; a decode leg's prompt_token_ids (sent by our prefill engine)
 // replace the prompt, so the decode engine need not template or tokenize again.
-void parse_disaggregation(const json& body, ApiRequest& r, const ModelLimits& limits) {
+void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& limits) {
   DisaggregationParams& d = r.disagg;
-  if (const json* kv = field(body, "kv_transfer_params")) {
-    if (!kv->is_object()) fail("kv_transfer_params", "'kv_transfer_params' must be an object");
-    d.remote_decode = boolean(*kv, "do_remote_decode", false);
-    d.remote_prefill = boolean(*kv, "do_remote_prefill", false);
-    if (d.remote_decode && d.remote_prefill)
-      fail("kv_transfer_params",
-           "'kv_transfer_params' cannot ask for both do_remote_decode and do_remote_prefill");
-    if (d.remote_prefill) {
-      auto text = [&](const char* name) {
-        const json* v = field(*kv, name);
-        if (!v || !v->is_string())
-          fail("kv_transfer_params", std::string("kv_transfer_params.") + name +
-                                         " must be a string (the prefill engine's answer)");
-        return v->get<std::string>();
-      };
-      d.remote_host = text("remote_host");
-      d.remote_engine_id = text("remote_engine_id");
-      d.remote_request_id = text("remote_request_id");
-      const json* port = field(*kv, "remote_port");
-      if (!port || !port->is_number_integer() || port->get<int64_t>() < 1 ||
-          port->get<int64_t>() > 65535)
-        fail("kv_transfer_params", "kv_transfer_params.remote_port must be a port number");
-      d.remote_port = port->get<int64_t>();
-      const json* blocks = field(*kv, "remote_block_ids");
-      if (!blocks || !blocks->is_array() ||
-          !std::all_of(blocks->begin(), blocks->end(),
-                       [](const json& b) { return b.is_number_integer(); }))
-        fail("kv_transfer_params", "kv_transfer_params.remote_block_ids must be a list of ints");
-      for (const auto& b : *blocks) {
-        const int64_t v = b.get<int64_t>();
-        if (v < 0 || v > INT32_MAX)
-          fail("kv_transfer_params", "kv_transfer_params.remote_block_ids holds an invalid id");
-        d.remote_block_ids.push_back(static_cast<int32_t>(v));
-      }
-      if (const json* ids = field(*kv, "prompt_token_ids")) {
-        if (!is_token_list(*ids))
-          fail("kv_transfer_params", "kv_transfer_params.prompt_token_ids must be a token list");
-        if (r.prompts.size() != 1)
-          fail("kv_transfer_params", "kv_transfer_params needs a request with one prompt");
-        r.prompts[0] = token_list(*ids, "kv_transfer_params", limits);
-      }
-    }
-  }
-  const json* room = field(body, "bootstrap_room");
-  if (room) {
-    d.has_bootstrap = true;
-    d.bootstrap_room = unsigned_value(*room, "bootstrap_room");
-    if (const json* host = field(body, "bootstrap_host")) {
-      if (!host->is_string()) fail("bootstrap_host", "'bootstrap_host' must be a string");
-      d.bootstrap_host = host->get<std::string>();
-    }
-    if (const json* port = field(body, "bootstrap_port")) {
-      const uint64_t p = unsigned_value(*port, "bootstrap_port");
-      if (p < 1 || p > 65535) fail("bootstrap_port", "'bootstrap_port' must be a port number");
-      d.bootstrap_port = static_cast<int64_t>(p);
-    }
+  d = parse_disaggregation(body, limits.vocab_size);
+  if (!d.prompt_token_ids.empty()) {
+    if (r.prompts.size() != 1)
+      fail("kv_transfer_params", "kv_transfer_params needs a request with one prompt");
+    r.prompts[0] = d.prompt_token_ids;
   }
   if ((d.remote_decode || d.remote_prefill || d.has_bootstrap) && r.prompts.size() != 1)
     fail(d.has_bootstrap ? "bootstrap_room" : "kv_transfer_params",
          "disaggregated requests carry one prompt and n = 1: send one request per prompt");
-}
-
-std::string token_text(const text::Tokenizer& tok, int32_t id) {
-  return utf8::to_valid_lossy(tok.token_bytes(id));
 }
 
 }  // namespace
@@ -285,7 +210,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   }
   r.priority = integer(body, "priority", 0);
   expand_n(r, integer(body, "n", 1));
-  parse_disaggregation(body, r, limits);
+  read_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
 }
@@ -354,7 +279,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   }
   r.priority = integer(body, "priority", 0);
   expand_n(r, integer(body, "n", 1));
-  parse_disaggregation(body, r, limits);
+  read_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
 }
@@ -401,208 +326,9 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
     if (!rid->is_string()) fail("rid", "'rid' must be a string");
     r.request_id = rid->get<std::string>();
   }
-  parse_disaggregation(body, r, limits);
+  read_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
 }
 
-ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenizer& tokenizer,
-                                 std::string id, int64_t created)
-    : request_(request),
-      tokenizer_(tokenizer),
-      id_(std::move(id)),
-      created_(created),
-      choices_(request.prompts.size()) {}
-
-bool ResponseBuilder::all_finished() const {
-  return std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) { return c.finished; });
-}
-
-json ResponseBuilder::usage() const {
-  int64_t prompt = 0, completion = 0, cached = 0;
-  for (const auto& c : choices_) {
-    prompt += c.prompt_tokens;
-    completion += c.completion_tokens;
-    cached += c.cached_tokens;
-  }
-  // n > 1 repeats one prompt: count it once, as OpenAI does.
-  prompt /= request_.n;
-  cached /= request_.n;
-  json u = {{"prompt_tokens", prompt},
-            {"completion_tokens", completion},
-            {"total_tokens", prompt + completion}};
-  u["prompt_tokens_details"] = cached > 0 ? json{{"cached_tokens", cached}} : json(nullptr);
-  return u;
-}
-
-json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t text_offset) const {
-  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
-  size_t offset = text_offset;
-  for (size_t i = first; i < c.logprobs.size(); ++i) {
-    const auto& lp = c.logprobs[i];
-    const std::string t = token_text(tokenizer_, lp.token);
-    tokens.push_back(t);
-    lps.push_back(lp.logprob);
-    offsets.push_back(offset);
-    offset += t.size();
-    json top = json::object();
-    for (const auto& [id, v] : lp.top) top[token_text(tokenizer_, id)] = v;
-    tops.push_back(request_.logprobs > 0 ? top : json(nullptr));
-  }
-  return {{"tokens", tokens},
-          {"token_logprobs", lps},
-          {"top_logprobs", tops},
-          {"text_offset", offsets}};
-}
-
-json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
-  auto entry = [&](int32_t id, float v) {
-    const std::string raw = tokenizer_.token_bytes(id);
-    json bytes = json::array();
-    for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
-    return json{{"token", utf8::to_valid_lossy(raw)}, {"logprob", v}, {"bytes", bytes}};
-  };
-  json content = json::array();
-  for (size_t i = first; i < c.logprobs.size(); ++i) {
-    json e = entry(c.logprobs[i].token, c.logprobs[i].logprob);
-    json top = json::array();
-    for (const auto& [id, v] : c.logprobs[i].top) top.push_back(entry(id, v));
-    e["top_logprobs"] = top;
-    content.push_back(e);
-  }
-  return {{"content", content}};
-}
-
-json ResponseBuilder::generate_body(size_t index) const {
-  const Choice& c = choices_[index];
-  json finish = nullptr;
-  if (c.finished) {
-    finish = {{"type", c.finish_reason}};
-    if (c.finish_reason == "length") finish["length"] = c.completion_tokens;
-  }
-  json meta = {{"id", request_.request_id.empty() ? id_ : request_.request_id},
-               {"finish_reason", finish},
-               {"prompt_tokens", c.prompt_tokens},
-               {"completion_tokens", c.completion_tokens},
-               {"cached_tokens", c.cached_tokens}};
-  if (request_.logprobs >= 0) {
-    json out = json::array();
-    for (const auto& lp : c.logprobs) out.push_back(json::array({lp.logprob, lp.token, nullptr}));
-    meta["output_token_logprobs"] = out;
-  }
-  return {{"text", c.text}, {"output_ids", c.tokens}, {"meta_info", meta}};
-}
-
-std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& out) {
-  Choice& c = choices_.at(index);
-  const size_t first_lp = c.logprobs.size();
-  const size_t text_before = c.text.size();
-  c.text += out.text;
-  c.tokens.insert(c.tokens.end(), out.tokens.begin(), out.tokens.end());
-  c.logprobs.insert(c.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
-  c.prompt_tokens = out.prompt_tokens;
-  c.completion_tokens = out.completion_tokens;
-  c.cached_tokens = out.cached_tokens;
-  if (out.finished) {
-    c.finished = true;
-    c.finish_reason = out.finish_reason;
-  }
-  std::vector<json> chunks;
-  if (!request_.stream) return chunks;
-  const json finish = c.finished ? json(c.finish_reason) : json(nullptr);
-  switch (request_.kind) {
-    case ApiKind::kCompletion: {
-      std::string piece = out.text;
-      size_t offset = text_before;
-      if (request_.echo && !c.started) {
-        piece = request_.prompt_texts[index] + piece;
-      } else if (request_.echo) {
-        offset += request_.prompt_texts[index].size();
-      }
-      c.started = true;
-      if (piece.empty() && !out.finished) break;
-      json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
-      choice["logprobs"] =
-          request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset) : json(nullptr);
-      chunks.push_back({{"id", id_},
-                        {"object", "text_completion"},
-                        {"created", created_},
-                        {"model", request_.model},
-                        {"choices", json::array({choice})}});
-      break;
-    }
-    case ApiKind::kChat: {
-      auto chunk = [&](json delta, json fin, json logprobs) {
-        json choice = {
-            {"index", index}, {"delta", delta}, {"logprobs", logprobs}, {"finish_reason", fin}};
-        return json{{"id", id_},
-                    {"object", "chat.completion.chunk"},
-                    {"created", created_},
-                    {"model", request_.model},
-                    {"choices", json::array({choice})}};
-      };
-      if (!c.started) {
-        chunks.push_back(chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
-        c.started = true;
-      }
-      const json lp = request_.logprobs >= 0 ? chat_logprobs(c, first_lp) : json(nullptr);
-      if (!out.text.empty() || (request_.logprobs >= 0 && first_lp < c.logprobs.size()))
-        chunks.push_back(chunk({{"content", out.text}}, nullptr, lp));
-      if (out.finished) chunks.push_back(chunk(json::object(), finish, nullptr));
-      break;
-    }
-    case ApiKind::kGenerate:
-      // SGLang streams the whole text and ids so far in every chunk.
-      chunks.push_back(generate_body(index));
-      if (choices_.size() > 1) chunks.back()["index"] = index;
-      break;
-  }
-  return chunks;
-}
-
-std::optional<json> ResponseBuilder::usage_chunk() const {
-  if (!request_.stream || !request_.include_usage || request_.kind == ApiKind::kGenerate)
-    return std::nullopt;
-  const char* object =
-      request_.kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion";
-  return json{{"id", id_},
-              {"object", object},
-              {"created", created_},
-              {"model", request_.model},
-              {"choices", json::array()},
-              {"usage", usage()}};
-}
-
-json ResponseBuilder::final_body() const {
-  if (request_.kind == ApiKind::kGenerate) {
-    if (choices_.size() == 1) return generate_body(0);
-    json all = json::array();
-    for (size_t i = 0; i < choices_.size(); ++i) all.push_back(generate_body(i));
-    return all;
-  }
-  json choices = json::array();
-  for (size_t i = 0; i < choices_.size(); ++i) {
-    const Choice& c = choices_[i];
-    if (request_.kind == ApiKind::kCompletion) {
-      const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
-      json choice = {{"index", i}, {"text", prefix + c.text}, {"finish_reason", c.finish_reason}};
-      choice["logprobs"] =
-          request_.logprobs >= 0 ? completion_logprobs(c, 0, prefix.size()) : json(nullptr);
-      choices.push_back(choice);
-    } else {
-      json choice = {{"index", i},
-                     {"message", {{"role", "assistant"}, {"content", c.text}}},
-                     {"finish_reason", c.finish_reason}};
-      choice["logprobs"] = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
-      choices.push_back(choice);
-    }
-  }
-  return {{"id", id_},
-          {"object", request_.kind == ApiKind::kChat ? "chat.completion" : "text_completion"},
-          {"created", created_},
-          {"model", request_.model},
-          {"choices", choices},
-          {"usage", usage()}};
-}
-
-}  // namespace tandem::engine::api
+}  // namespace tandem::api

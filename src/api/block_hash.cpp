@@ -1,4 +1,4 @@
-#include "util/block_hash.h"
+#include "api/block_hash.h"
 
 #include <bit>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include "util/error.h"
 #include "util/hash.h"
 
-namespace tandem {
+namespace tandem::api {
 namespace {
 
 void put_le64(unsigned char* out, uint64_t v) {
@@ -74,4 +74,4 @@ std::vector<uint64_t> block_hashes(std::span<const int32_t> tokens, int64_t bloc
   return hashes;
 }
 
-}  // namespace tandem
+}  // namespace tandem::api

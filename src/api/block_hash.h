@@ -22,7 +22,7 @@
 #include <span>
 #include <vector>
 
-namespace tandem {
+namespace tandem::api {
 
 // "TandemKV" in ASCII, read as a big-endian integer.
 inline constexpr uint64_t kBlockHashSeed = 0x54616e64656d4b56ULL;
@@ -45,4 +45,4 @@ std::vector<uint64_t> block_hashes(std::span<const int32_t> tokens, int64_t bloc
 void extend_block_hashes(std::vector<uint64_t>& hashes, std::span<const int32_t> tokens,
                          int64_t block_size, std::optional<uint64_t> salt = std::nullopt);
 
-}  // namespace tandem
+}  // namespace tandem::api

@@ -1,0 +1,177 @@
+#include "api/disaggregation.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+
+#include "api/error.h"
+#include "util/error.h"
+#include "util/json.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kKvTransferParams = "kv_transfer_params";
+constexpr const char* kBootstrapHost = "bootstrap_host";
+constexpr const char* kBootstrapPort = "bootstrap_port";
+constexpr const char* kBootstrapRoom = "bootstrap_room";
+
+[[noreturn]] void fail(const std::string& param, const std::string& message) {
+  throw ApiError{400, message, param};
+}
+
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+bool boolean(const json& body, const char* name) {
+  const json* v = field(body, name);
+  if (!v) return false;
+  if (!v->is_boolean()) fail(name, std::string("'") + name + "' must be a boolean");
+  return v->get<bool>();
+}
+
+uint64_t unsigned_value(const json& v, const char* name) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return uint64_t(v.get<int64_t>());
+  if (v.is_string()) {
+    const std::string t = v.get<std::string>();
+    if (!t.empty() && t.size() <= 20 && std::all_of(t.begin(), t.end(), ::isdigit)) {
+      errno = 0;
+      char* end = nullptr;
+      const unsigned long long x = std::strtoull(t.c_str(), &end, 10);
+      if (errno == 0 && *end == 0) return x;
+    }
+  }
+  if (v.is_array())
+    fail(name, std::string("'") + name +
+                   "' as a list (batched requests) is not supported: send one request per prompt");
+  fail(name, std::string("'") + name + "' must be a non-negative integer (or its decimal string)");
+}
+
+void parse_pull(const json& kv, DisaggregationParams& d, int64_t vocab_size) {
+  auto text = [&](const char* name) {
+    const json* v = field(kv, name);
+    if (!v || !v->is_string())
+      fail(kKvTransferParams, std::string("kv_transfer_params.") + name +
+                                  " must be a string (the prefill engine's answer)");
+    return v->get<std::string>();
+  };
+  d.remote_host = text("remote_host");
+  d.remote_engine_id = text("remote_engine_id");
+  d.remote_request_id = text("remote_request_id");
+  const json* port = field(kv, "remote_port");
+  if (!port || !port->is_number_integer() || port->get<int64_t>() < 1 ||
+      port->get<int64_t>() > 65535)
+    fail(kKvTransferParams, "kv_transfer_params.remote_port must be a port number");
+  d.remote_port = port->get<int64_t>();
+  const json* blocks = field(kv, "remote_block_ids");
+  if (!blocks || !blocks->is_array() ||
+      !std::all_of(blocks->begin(), blocks->end(),
+                   [](const json& b) { return b.is_number_integer(); }))
+    fail(kKvTransferParams, "kv_transfer_params.remote_block_ids must be a list of ints");
+  for (const auto& b : *blocks) {
+    const int64_t v = b.get<int64_t>();
+    if (v < 0 || v > INT32_MAX)
+      fail(kKvTransferParams, "kv_transfer_params.remote_block_ids holds an invalid id");
+    d.remote_block_ids.push_back(static_cast<int32_t>(v));
+  }
+  if (const json* ids = field(kv, "prompt_token_ids")) {
+    if (!ids->is_array() || ids->empty() ||
+        !std::all_of(ids->begin(), ids->end(), [](const json& t) { return t.is_number(); }))
+      fail(kKvTransferParams, "kv_transfer_params.prompt_token_ids must be a token list");
+    for (const auto& t : *ids) {
+      if (!t.is_number_integer() && !t.is_number_unsigned())
+        fail(kKvTransferParams, "'kv_transfer_params' must hold integer token ids");
+      const auto id = t.get<int64_t>();
+      if (id < 0 || id >= vocab_size)
+        fail(kKvTransferParams, "token id " + std::to_string(id) +
+                                    " is outside the vocabulary of " + std::to_string(vocab_size) +
+                                    " ids");
+      d.prompt_token_ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+}
+
+}  // namespace
+
+DisaggregationParams parse_disaggregation(const json& body, int64_t vocab_size) {
+  DisaggregationParams d;
+  if (const json* kv = field(body, kKvTransferParams)) {
+    if (!kv->is_object()) fail(kKvTransferParams, "'kv_transfer_params' must be an object");
+    d.remote_decode = boolean(*kv, "do_remote_decode");
+    d.remote_prefill = boolean(*kv, "do_remote_prefill");
+    if (d.remote_decode && d.remote_prefill)
+      fail(kKvTransferParams,
+           "'kv_transfer_params' cannot ask for both do_remote_decode and do_remote_prefill");
+    if (d.remote_prefill) parse_pull(*kv, d, vocab_size);
+  }
+  if (const json* room = field(body, kBootstrapRoom)) {
+    d.has_bootstrap = true;
+    d.bootstrap_room = unsigned_value(*room, kBootstrapRoom);
+    if (const json* host = field(body, kBootstrapHost)) {
+      if (!host->is_string()) fail(kBootstrapHost, "'bootstrap_host' must be a string");
+      d.bootstrap_host = host->get<std::string>();
+    }
+    if (const json* port = field(body, kBootstrapPort)) {
+      const uint64_t p = unsigned_value(*port, kBootstrapPort);
+      if (p < 1 || p > 65535) fail(kBootstrapPort, "'bootstrap_port' must be a port number");
+      d.bootstrap_port = static_cast<int64_t>(p);
+    }
+  }
+  return d;
+}
+
+json kv_transfer_params(const PulledKv& kv) {
+  return {{"do_remote_prefill", true},
+          {"do_remote_decode", false},
+          {"remote_engine_id", kv.engine_id},
+          {"remote_block_ids", kv.blocks},
+          {"remote_host", kv.host},
+          {"remote_port", kv.port},
+          {"remote_request_id", kv.transfer_id},
+          {"tp_size", 1},
+          {"prompt_token_ids", kv.prompt_ids}};
+}
+
+json prefill_leg_body(json body) {
+  body[kKvTransferParams] = {{"do_remote_decode", true},    {"do_remote_prefill", false},
+                             {"remote_engine_id", nullptr}, {"remote_block_ids", nullptr},
+                             {"remote_host", nullptr},      {"remote_port", nullptr}};
+  body["stream"] = false;
+  body.erase("stream_options");
+  body["max_tokens"] = 1;
+  if (body.contains("max_completion_tokens")) body["max_completion_tokens"] = 1;
+  body.erase("min_tokens");
+  return body;
+}
+
+std::string kv_transfer_params_member(std::string_view prefill_answer) {
+  json answer;
+  try {
+    answer = parse_untrusted_json(prefill_answer);
+  } catch (const Error&) {
+    throw Error("the prefill answer is not JSON");
+  }
+  const json* kv = answer.is_object() ? field(answer, kKvTransferParams) : nullptr;
+  if (!kv) throw Error("the prefill answer has no kv_transfer_params");
+  return std::string("\"") + kKvTransferParams + "\":" + kv->dump();
+}
+
+std::string bootstrap_members(std::string_view host, int64_t port, uint64_t room) {
+  const std::string text =
+      json{{kBootstrapHost, host}, {kBootstrapPort, port}, {kBootstrapRoom, room}}.dump();
+  return text.substr(1, text.size() - 2);
+}
+
+void strip_disaggregation_fields(json& body) {
+  for (const char* k : {kKvTransferParams, kBootstrapHost, kBootstrapPort, kBootstrapRoom})
+    body.erase(k);
+}
+
+}  // namespace tandem::api

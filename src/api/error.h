@@ -1,0 +1,34 @@
+#pragma once
+// Errors as the OpenAI API words them, for engine and gateway alike: the error a request parser
+// throws (ApiError) and the body every HTTP error carries.
+#include <string>
+#include <string_view>
+
+#include "net/http.h"
+
+namespace tandem::api {
+
+// A client error: becomes an HTTP 4xx with the OpenAI error JSON.
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string param;  // the offending field, when there is one
+  std::string type = "invalid_request_error";
+};
+
+// {"error":{"message":...,"type":...,"param":null,"code":...}}, the error object of the OpenAI
+// API. An empty `code` is written as null.
+std::string openai_error_body(std::string_view message,
+                              std::string_view type = "invalid_request_error",
+                              std::string_view code = {});
+
+// The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
+// 5xx (OpenAI's own names).
+std::string_view default_error_type(int status);
+
+// The HTTP error response of engine and gateway (their servers' net::ErrorFormatter): the OpenAI
+// error body, of default_error_type(status) when no type is named.
+net::HttpResponse openai_error_response(int status, std::string_view message, std::string_view type,
+                                        std::string_view code);
+
+}  // namespace tandem::api

@@ -1,0 +1,54 @@
+#pragma once
+// An engine's load as it reports it at GET /load, and as the gateway reads it: running and waiting
+// sequences, KV blocks, the prefill work queued behind the step that runs now, and its recent
+// step durations (the gateway learns the engine's batch times from them). docs/gateway.md,
+// "Engine load reports", describes each field.
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tandem::api {
+
+// One executed step.
+struct StepRecord {
+  uint64_t index = 0;  // 1 for the engine's first step
+  int64_t seqs = 0, tokens = 0;
+  double seconds = 0;
+  int64_t prefill_pairs = -1;  // causal attention pairs of its prefill chunks; -1: not reported
+};
+
+struct LoadReport {
+  static constexpr size_t kRecentSteps = 32;  // how many steps an engine reports
+  int64_t running = 0, waiting = 0;
+  int64_t free_blocks = 0, total_blocks = 0, block_size = 0;
+  int64_t tokens_in_flight = 0;  // prompt + generated tokens of running and waiting requests
+  double kv_usage = 0;           // fraction of blocks in use
+  int64_t cached_blocks = 0;     // blocks findable by the prefix cache (in use or evictable)
+  uint64_t steps = 0;
+  // Prompt tokens still to compute (uncached, not yet prefilled), not counting those of the step
+  // that runs now: the prefill work queued behind it, and its attention pairs (-1: not reported).
+  int64_t prefill_tokens = 0;
+  int64_t prefill_pairs = -1;
+  int64_t max_batch_tokens = 0;  // the engine's chunked-prefill budget; 0: not said
+  // The step that runs now (step_seqs 0: none): its size and how long it has run.
+  int64_t step_seqs = 0, step_tokens = 0;
+  int64_t step_prefill_pairs = -1;  // -1: not reported
+  double step_running_for_s = 0;
+  std::vector<StepRecord> recent_steps;  // oldest first
+};
+
+// The /load body.
+std::string to_json(const LoadReport& report);
+
+// Whether a parsed /load body describes an engine: every Tandem engine reports its KV cache. Other
+// servers answer GET /load with other objects (vLLM's {"server_load": N}, a proxy's fixed reply),
+// which parse_load_report reads as an engine with nothing free.
+bool describes_an_engine(const LoadReport& report);
+
+// Parses a /load body. Throws tandem::Error naming the field and what was expected; unknown
+// fields are ignored, missing optional ones keep their defaults (pairs: -1).
+LoadReport parse_load_report(std::string_view body);
+
+}  // namespace tandem::api

@@ -1,0 +1,33 @@
+#pragma once
+// What an engine produces for one request, update by update: the ids and text generated since the
+// previous update, their log-probabilities, and how it ended. The response builders
+// (api/response.h) render these as the bodies and stream chunks of each API.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tandem::api {
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // the most likely tokens at that position
+};
+
+struct RequestOutput {
+  std::vector<int32_t> tokens;         // ids generated since the previous update
+  std::vector<TokenLogprob> logprobs;  // one per id when logprobs were requested
+  std::string text;                    // text that became final since the previous update
+  bool finished = false;
+  std::string finish_reason;  // "stop", "length", "abort" or "error"
+  std::string error;          // for "error"
+  int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  int error_status = 500;  // the HTTP status an "error" maps to
+  // A prefill for a remote decode (the pull flow), in its final output: where the decode engine
+  // pulls the prompt's KV from (api/disaggregation.h, PulledKv).
+  std::string kv_transfer_id;
+  std::vector<int32_t> kv_blocks;
+};
+
+}  // namespace tandem::api

@@ -1,0 +1,51 @@
+#pragma once
+// The request bodies of OpenAI /v1/completions and /v1/chat/completions and of SGLang's tokens-in
+// /generate, parsed into token ids plus sampling parameters: what the engine serves and what the
+// gateway tokenizes to route. Pure functions (no sockets), so the parsing is tested directly.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "api/disaggregation.h"
+#include "api/error.h"
+#include "api/sampling.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+
+namespace tandem::api {
+
+enum class ApiKind { kCompletion, kChat, kGenerate };
+
+struct ApiRequest {
+  ApiKind kind = ApiKind::kCompletion;
+  std::string model;
+  std::vector<std::vector<int32_t>> prompts;  // one entry per choice
+  std::vector<std::string> prompt_texts;      // completions with echo: the prompt text per choice
+  SamplingParams sampling;
+  bool stream = false, include_usage = false;
+  int32_t logprobs = -1;  // -1: none, else the number of top alternatives per token
+  bool echo = false;
+  int64_t priority = 0;
+  int64_t n = 1;           // choices per prompt
+  std::string request_id;  // the client's (body "rid"/"request_id"), else empty
+  DisaggregationParams disagg;
+};
+
+struct ModelLimits {
+  std::string model_name;
+  int64_t max_model_len = 0;
+  int64_t vocab_size = 0;
+};
+
+// Each throws ApiError for a malformed or unsupported request, naming the field.
+ApiRequest parse_completion(const nlohmann::json& body, const text::Tokenizer& tokenizer,
+                            const ModelLimits& limits);
+ApiRequest parse_chat(const nlohmann::json& body, const text::Tokenizer& tokenizer,
+                      const text::ChatTemplate* chat_template, const ModelLimits& limits);
+ApiRequest parse_generate(const nlohmann::json& body, const text::Tokenizer& tokenizer,
+                          const ModelLimits& limits);
+
+}  // namespace tandem::api

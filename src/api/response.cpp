@@ -1,0 +1,249 @@
+#include "api/response.h"
+
+#include <algorithm>
+
+#include "util/utf8.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+
+std::string token_text(const text::Tokenizer& tok, int32_t id) {
+  return utf8::to_valid_lossy(tok.token_bytes(id));
+}
+
+}  // namespace
+
+std::string_view response_id_prefix(ApiKind kind) {
+  switch (kind) {
+    case ApiKind::kCompletion:
+      return "cmpl-";
+    case ApiKind::kChat:
+      return "chatcmpl-";
+    case ApiKind::kGenerate:
+      break;
+  }
+  return "";
+}
+
+json chat_message_choice(int64_t index, std::string content, json logprobs, json finish_reason) {
+  return {{"index", index},
+          {"message", {{"role", "assistant"}, {"content", std::move(content)}}},
+          {"logprobs", std::move(logprobs)},
+          {"finish_reason", std::move(finish_reason)}};
+}
+
+json chat_chunk_choice(int64_t index, json delta, json logprobs, json finish_reason) {
+  return {{"index", index},
+          {"delta", std::move(delta)},
+          {"logprobs", std::move(logprobs)},
+          {"finish_reason", std::move(finish_reason)}};
+}
+
+json chat_role_delta() {
+  return {{"role", "assistant"}, {"content", ""}};
+}
+
+json chat_content_delta(std::string text) {
+  return {{"content", std::move(text)}};
+}
+
+ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenizer& tokenizer,
+                                 std::string id, int64_t created)
+    : request_(request),
+      tokenizer_(tokenizer),
+      id_(std::move(id)),
+      created_(created),
+      choices_(request.prompts.size()) {}
+
+bool ResponseBuilder::all_finished() const {
+  return std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) { return c.finished; });
+}
+
+json ResponseBuilder::usage() const {
+  int64_t prompt = 0, completion = 0, cached = 0;
+  for (const auto& c : choices_) {
+    prompt += c.prompt_tokens;
+    completion += c.completion_tokens;
+    cached += c.cached_tokens;
+  }
+  // n > 1 repeats one prompt: count it once, as OpenAI does.
+  prompt /= request_.n;
+  cached /= request_.n;
+  json u = {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion}};
+  u["prompt_tokens_details"] = cached > 0 ? json{{"cached_tokens", cached}} : json(nullptr);
+  return u;
+}
+
+json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t text_offset) const {
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  size_t offset = text_offset;
+  for (size_t i = first; i < c.logprobs.size(); ++i) {
+    const auto& lp = c.logprobs[i];
+    const std::string t = token_text(tokenizer_, lp.token);
+    tokens.push_back(t);
+    lps.push_back(lp.logprob);
+    offsets.push_back(offset);
+    offset += t.size();
+    json top = json::object();
+    for (const auto& [id, v] : lp.top) top[token_text(tokenizer_, id)] = v;
+    tops.push_back(request_.logprobs > 0 ? top : json(nullptr));
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", lps},
+          {"top_logprobs", tops},
+          {"text_offset", offsets}};
+}
+
+json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
+  auto entry = [&](int32_t id, float v) {
+    const std::string raw = tokenizer_.token_bytes(id);
+    json bytes = json::array();
+    for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
+    return json{{"token", utf8::to_valid_lossy(raw)}, {"logprob", v}, {"bytes", bytes}};
+  };
+  json content = json::array();
+  for (size_t i = first; i < c.logprobs.size(); ++i) {
+    json e = entry(c.logprobs[i].token, c.logprobs[i].logprob);
+    json top = json::array();
+    for (const auto& [id, v] : c.logprobs[i].top) top.push_back(entry(id, v));
+    e["top_logprobs"] = top;
+    content.push_back(e);
+  }
+  return {{"content", content}};
+}
+
+json ResponseBuilder::generate_body(size_t index) const {
+  const Choice& c = choices_[index];
+  json finish = nullptr;
+  if (c.finished) {
+    finish = {{"type", c.finish_reason}};
+    if (c.finish_reason == "length") finish["length"] = c.completion_tokens;
+  }
+  json meta = {{"id", request_.request_id.empty() ? id_ : request_.request_id},
+               {"finish_reason", finish},
+               {"prompt_tokens", c.prompt_tokens},
+               {"completion_tokens", c.completion_tokens},
+               {"cached_tokens", c.cached_tokens}};
+  if (request_.logprobs >= 0) {
+    json out = json::array();
+    for (const auto& lp : c.logprobs) out.push_back(json::array({lp.logprob, lp.token, nullptr}));
+    meta["output_token_logprobs"] = out;
+  }
+  return {{"text", c.text}, {"output_ids", c.tokens}, {"meta_info", meta}};
+}
+
+std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& out) {
+  Choice& c = choices_.at(index);
+  const size_t first_lp = c.logprobs.size();
+  const size_t text_before = c.text.size();
+  c.text += out.text;
+  c.tokens.insert(c.tokens.end(), out.tokens.begin(), out.tokens.end());
+  c.logprobs.insert(c.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+  c.prompt_tokens = out.prompt_tokens;
+  c.completion_tokens = out.completion_tokens;
+  c.cached_tokens = out.cached_tokens;
+  if (out.finished) {
+    c.finished = true;
+    c.finish_reason = out.finish_reason;
+  }
+  std::vector<json> chunks;
+  if (!request_.stream) return chunks;
+  const json finish = c.finished ? json(c.finish_reason) : json(nullptr);
+  switch (request_.kind) {
+    case ApiKind::kCompletion: {
+      std::string piece = out.text;
+      size_t offset = text_before;
+      if (request_.echo && !c.started) {
+        piece = request_.prompt_texts[index] + piece;
+      } else if (request_.echo) {
+        offset += request_.prompt_texts[index].size();
+      }
+      c.started = true;
+      if (piece.empty() && !out.finished) break;
+      json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
+      choice["logprobs"] =
+          request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset) : json(nullptr);
+      chunks.push_back({{"id", id_},
+                        {"object", kCompletionObject},
+                        {"created", created_},
+                        {"model", request_.model},
+                        {"choices", json::array({choice})}});
+      break;
+    }
+    case ApiKind::kChat: {
+      auto chunk = [&](json delta, json fin, json logprobs) {
+        json choice = chat_chunk_choice(int64_t(index), std::move(delta), std::move(logprobs),
+                                        std::move(fin));
+        return json{{"id", id_},
+                    {"object", kChatChunkObject},
+                    {"created", created_},
+                    {"model", request_.model},
+                    {"choices", json::array({std::move(choice)})}};
+      };
+      if (!c.started) {
+        chunks.push_back(chunk(chat_role_delta(), nullptr, nullptr));
+        c.started = true;
+      }
+      const json lp = request_.logprobs >= 0 ? chat_logprobs(c, first_lp) : json(nullptr);
+      if (!out.text.empty() || (request_.logprobs >= 0 && first_lp < c.logprobs.size()))
+        chunks.push_back(chunk(chat_content_delta(out.text), nullptr, lp));
+      if (out.finished) chunks.push_back(chunk(json::object(), finish, nullptr));
+      break;
+    }
+    case ApiKind::kGenerate:
+      // SGLang streams the whole text and ids so far in every chunk.
+      chunks.push_back(generate_body(index));
+      if (choices_.size() > 1) chunks.back()["index"] = index;
+      break;
+  }
+  return chunks;
+}
+
+std::optional<json> ResponseBuilder::usage_chunk() const {
+  if (!request_.stream || !request_.include_usage || request_.kind == ApiKind::kGenerate)
+    return std::nullopt;
+  const std::string_view object =
+      request_.kind == ApiKind::kChat ? kChatChunkObject : kCompletionObject;
+  return json{{"id", id_},
+              {"object", object},
+              {"created", created_},
+              {"model", request_.model},
+              {"choices", json::array()},
+              {"usage", usage()}};
+}
+
+json ResponseBuilder::final_body() const {
+  if (request_.kind == ApiKind::kGenerate) {
+    if (choices_.size() == 1) return generate_body(0);
+    json all = json::array();
+    for (size_t i = 0; i < choices_.size(); ++i) all.push_back(generate_body(i));
+    return all;
+  }
+  json choices = json::array();
+  for (size_t i = 0; i < choices_.size(); ++i) {
+    const Choice& c = choices_[i];
+    if (request_.kind == ApiKind::kCompletion) {
+      const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
+      json choice = {{"index", i}, {"text", prefix + c.text}, {"finish_reason", c.finish_reason}};
+      choice["logprobs"] =
+          request_.logprobs >= 0 ? completion_logprobs(c, 0, prefix.size()) : json(nullptr);
+      choices.push_back(choice);
+    } else {
+      choices.push_back(chat_message_choice(
+          int64_t(i), c.text, request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr),
+          c.finish_reason));
+    }
+  }
+  return {{"id", id_},
+          {"object", request_.kind == ApiKind::kChat ? kChatObject : kCompletionObject},
+          {"created", created_},
+          {"model", request_.model},
+          {"choices", choices},
+          {"usage", usage()}};
+}
+
+}  // namespace tandem::api

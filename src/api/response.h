@@ -1,0 +1,75 @@
+#pragma once
+// The response bodies and stream chunks of OpenAI /v1/completions and /v1/chat/completions and of
+// SGLang's /generate: the engine renders its outputs with ResponseBuilder, and the gateway turns
+// an engine's completion-shaped answer to a tokens-in request back into a chat answer with the
+// same chat shapes, so both sides write them in one place.
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "api/output.h"
+#include "api/request.h"
+#include "text/tokenizer.h"
+
+namespace tandem::api {
+
+// The "object" of each response.
+inline constexpr std::string_view kCompletionObject = "text_completion";
+inline constexpr std::string_view kChatObject = "chat.completion";
+inline constexpr std::string_view kChatChunkObject = "chat.completion.chunk";
+
+// How response ids start: "cmpl-" for completions and "chatcmpl-" for chats (as vLLM names them);
+// SGLang's /generate has none.
+std::string_view response_id_prefix(ApiKind kind);
+
+// Chat choices: a whole message (non-streaming) and one stream chunk's delta.
+nlohmann::json chat_message_choice(int64_t index, std::string content, nlohmann::json logprobs,
+                                   nlohmann::json finish_reason);
+nlohmann::json chat_chunk_choice(int64_t index, nlohmann::json delta, nlohmann::json logprobs,
+                                 nlohmann::json finish_reason);
+// The deltas of a chat stream, in order: the role first (with empty content), then content, then
+// an empty delta with the finish reason.
+nlohmann::json chat_role_delta();
+nlohmann::json chat_content_delta(std::string text);
+
+// Accumulates the outputs of one API request (one engine request per choice) and renders them.
+class ResponseBuilder {
+ public:
+  ResponseBuilder(const ApiRequest& request, const text::Tokenizer& tokenizer, std::string id,
+                  int64_t created);
+
+  // Stream chunks (JSON objects, without the SSE framing) for one update of choice `index`.
+  std::vector<nlohmann::json> on_output(size_t index, const RequestOutput& out);
+  // The chunk with usage that ends an OpenAI stream when include_usage was asked (else null).
+  std::optional<nlohmann::json> usage_chunk() const;
+  // The complete non-streaming body, once every choice finished.
+  nlohmann::json final_body() const;
+  bool all_finished() const;
+
+ private:
+  struct Choice {
+    std::string text;
+    std::vector<int32_t> tokens;
+    std::vector<TokenLogprob> logprobs;
+    std::string finish_reason;
+    bool finished = false, started = false;
+    int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  };
+  nlohmann::json usage() const;
+  nlohmann::json completion_logprobs(const Choice& c, size_t first, size_t text_offset) const;
+  nlohmann::json chat_logprobs(const Choice& c, size_t first) const;
+  nlohmann::json generate_body(size_t index) const;
+
+  const ApiRequest& request_;
+  const text::Tokenizer& tokenizer_;
+  std::string id_;
+  int64_t created_;
+  std::vector<Choice> choices_;
+};
+
+}  // namespace tandem::api

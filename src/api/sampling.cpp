@@ -1,0 +1,26 @@
+#include "api/sampling.h"
+
+#include <cmath>
+
+#include "util/error.h"
+
+namespace tandem::api {
+
+void SamplingParams::validate() const {
+  auto fail = [](const std::string& m) { throw Error(m); };
+  if (!(temperature >= 0) || !std::isfinite(temperature)) fail("temperature must be >= 0");
+  if (top_k < -1) fail("top_k must be -1, 0 (off) or positive");
+  if (!(top_p > 0 && top_p <= 1)) fail("top_p must be in (0, 1]");
+  if (!(min_p >= 0 && min_p <= 1)) fail("min_p must be in [0, 1]");
+  if (!(repetition_penalty > 0) || !std::isfinite(repetition_penalty))
+    fail("repetition_penalty must be > 0");
+  if (!(presence_penalty >= -2 && presence_penalty <= 2))
+    fail("presence_penalty must be in [-2, 2]");
+  if (!(frequency_penalty >= -2 && frequency_penalty <= 2))
+    fail("frequency_penalty must be in [-2, 2]");
+  if (max_tokens < 1) fail("max_tokens must be at least 1");
+  for (const auto& s : stop)
+    if (s.empty()) fail("stop strings must not be empty");
+}
+
+}  // namespace tandem::api

@@ -1,0 +1,29 @@
+#pragma once
+// The sampling parameters of the OpenAI and vLLM APIs (and SGLang's sampling_params), as a
+// request carries them from the client through the gateway to the engine's sampler.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tandem::api {
+
+struct SamplingParams {
+  double temperature = 1.0;
+  int64_t top_k = 0;  // 0 or -1: off
+  double top_p = 1.0;
+  double min_p = 0.0;
+  double repetition_penalty = 1.0;
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  std::optional<uint64_t> seed;
+  int64_t max_tokens = 16;
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
+  bool ignore_eos = false;
+
+  // Throws tandem::Error naming the parameter when a value is out of range.
+  void validate() const;
+};
+
+}  // namespace tandem::api

@@ -1,0 +1,27 @@
+// The OpenAI error body every HTTP error of engine and gateway carries.
+#include "api/error.h"
+
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+namespace tandem::api {
+namespace {
+
+TEST(OpenAiError, BodyShape) {
+  EXPECT_EQ(openai_error_body("bad \"x\"", "invalid_request_error"),
+            R"({"error":{"message":"bad \"x\"","type":"invalid_request_error","param":null,)"
+            R"("code":null}})");
+  auto json = nlohmann::json::parse(openai_error_body("m", "t", "c42"));
+  EXPECT_EQ(json["error"]["code"], "c42");
+  EXPECT_EQ(default_error_type(404), "invalid_request_error");
+  EXPECT_EQ(default_error_type(503), "server_error");
+}
+
+TEST(OpenAiError, InvalidUtf8InTheMessageIsReplacedNotThrown) {
+  const auto json = nlohmann::json::parse(openai_error_body("bad \xff byte"));
+  EXPECT_EQ(json["error"]["message"], "bad \xef\xbf\xbd byte");
+}
+
+}  // namespace
+}  // namespace tandem::api
