@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdlib>
 
+#include "api/body_fields.h"
 #include "api/error.h"
 #include "util/error.h"
 #include "util/json.h"
@@ -18,23 +19,6 @@ constexpr const char* kKvTransferParams = "kv_transfer_params";
 constexpr const char* kBootstrapHost = "bootstrap_host";
 constexpr const char* kBootstrapPort = "bootstrap_port";
 constexpr const char* kBootstrapRoom = "bootstrap_room";
-
-[[noreturn]] void fail(const std::string& param, const std::string& message) {
-  throw ApiError{400, message, param};
-}
-
-const json* field(const json& body, const char* name) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-bool boolean(const json& body, const char* name) {
-  const json* v = field(body, name);
-  if (!v) return false;
-  if (!v->is_boolean()) fail(name, std::string("'") + name + "' must be a boolean");
-  return v->get<bool>();
-}
 
 uint64_t unsigned_value(const json& v, const char* name) {
   if (v.is_number_unsigned()) return v.get<uint64_t>();
@@ -82,19 +66,9 @@ void parse_pull(const json& kv, DisaggregationParams& d, int64_t vocab_size) {
     d.remote_block_ids.push_back(static_cast<int32_t>(v));
   }
   if (const json* ids = field(kv, "prompt_token_ids")) {
-    if (!ids->is_array() || ids->empty() ||
-        !std::all_of(ids->begin(), ids->end(), [](const json& t) { return t.is_number(); }))
+    if (!is_token_list(*ids))
       fail(kKvTransferParams, "kv_transfer_params.prompt_token_ids must be a token list");
-    for (const auto& t : *ids) {
-      if (!t.is_number_integer() && !t.is_number_unsigned())
-        fail(kKvTransferParams, "'kv_transfer_params' must hold integer token ids");
-      const auto id = t.get<int64_t>();
-      if (id < 0 || id >= vocab_size)
-        fail(kKvTransferParams, "token id " + std::to_string(id) +
-                                    " is outside the vocabulary of " + std::to_string(vocab_size) +
-                                    " ids");
-      d.prompt_token_ids.push_back(static_cast<int32_t>(id));
-    }
+    d.prompt_token_ids = token_list(*ids, kKvTransferParams, vocab_size);
   }
 }
 
@@ -104,8 +78,8 @@ DisaggregationParams parse_disaggregation(const json& body, int64_t vocab_size) 
   DisaggregationParams d;
   if (const json* kv = field(body, kKvTransferParams)) {
     if (!kv->is_object()) fail(kKvTransferParams, "'kv_transfer_params' must be an object");
-    d.remote_decode = boolean(*kv, "do_remote_decode");
-    d.remote_prefill = boolean(*kv, "do_remote_prefill");
+    d.remote_decode = boolean(*kv, "do_remote_decode", false);
+    d.remote_prefill = boolean(*kv, "do_remote_prefill", false);
     if (d.remote_decode && d.remote_prefill)
       fail(kKvTransferParams,
            "'kv_transfer_params' cannot ask for both do_remote_decode and do_remote_prefill");

@@ -4,64 +4,13 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "api/body_fields.h"
 #include "util/error.h"
 
 namespace tandem::api {
 namespace {
 
 using nlohmann::json;
-
-[[noreturn]] void fail(const std::string& param, const std::string& message) {
-  throw ApiError{400, message, param};
-}
-
-const json* field(const json& body, const char* name) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
-double number(const json& body, const char* name, double fallback) {
-  const json* v = field(body, name);
-  if (!v) return fallback;
-  if (!v->is_number()) fail(name, std::string("'") + name + "' must be a number");
-  return v->get<double>();
-}
-
-int64_t integer(const json& body, const char* name, int64_t fallback) {
-  const json* v = field(body, name);
-  if (!v) return fallback;
-  if (!v->is_number_integer() && !v->is_number_unsigned())
-    fail(name, std::string("'") + name + "' must be an integer");
-  return v->get<int64_t>();
-}
-
-bool boolean(const json& body, const char* name, bool fallback) {
-  const json* v = field(body, name);
-  if (!v) return fallback;
-  if (!v->is_boolean()) fail(name, std::string("'") + name + "' must be a boolean");
-  return v->get<bool>();
-}
-
-std::vector<int32_t> token_list(const json& v, const char* name, const ModelLimits& limits) {
-  std::vector<int32_t> ids;
-  ids.reserve(v.size());
-  for (const auto& t : v) {
-    if (!t.is_number_integer() && !t.is_number_unsigned())
-      fail(name, std::string("'") + name + "' must hold integer token ids");
-    const auto id = t.get<int64_t>();
-    if (id < 0 || id >= limits.vocab_size)
-      fail(name, "token id " + std::to_string(id) + " is outside the vocabulary of " +
-                     std::to_string(limits.vocab_size) + " ids");
-    ids.push_back(static_cast<int32_t>(id));
-  }
-  return ids;
-}
-
-bool is_token_list(const json& v) {
-  return v.is_array() && !v.empty() &&
-         std::all_of(v.begin(), v.end(), [](const json& t) { return t.is_number(); });
-}
 
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
 // sampling_params. `max_tokens_name` differs between the dialects.
@@ -176,7 +125,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     r.prompt_texts.push_back(s);
   };
   auto add_ids = [&](const json& ids) {
-    r.prompts.push_back(token_list(ids, "prompt", limits));
+    r.prompts.push_back(token_list(ids, "prompt", limits.vocab_size));
     r.prompt_texts.push_back(r.echo ? tokenizer.decode(r.prompts.back(), false) : std::string());
   };
   const char* kPromptForms =
@@ -296,11 +245,11 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
     fail("input_ids", "exactly one of 'input_ids' and 'text' is required");
   if (ids) {
     if (is_token_list(*ids)) {
-      r.prompts.push_back(token_list(*ids, "input_ids", limits));
+      r.prompts.push_back(token_list(*ids, "input_ids", limits.vocab_size));
     } else if (ids->is_array() && !ids->empty() &&
                std::all_of(ids->begin(), ids->end(),
                            [](const json& p) { return is_token_list(p); })) {
-      for (const auto& p : *ids) r.prompts.push_back(token_list(p, "input_ids", limits));
+      for (const auto& p : *ids) r.prompts.push_back(token_list(p, "input_ids", limits.vocab_size));
     } else {
       fail("input_ids", "'input_ids' must be a non-empty list of token ids or of such lists");
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 
+#include "api/body_fields.h"
 #include "util/error.h"
 #include "util/file.h"
 #include "util/json.h"
@@ -47,21 +48,13 @@ constexpr std::array kChatOnly = {"messages",
                                   "add_special_tokens",
                                   "parallel_tool_calls"};
 
-const json* field(const json& body, const char* name) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
+using api::field;
+using api::is_token_list;
 
 // Present with anything but `false`.
 bool set(const json& body, const char* name) {
   const json* v = field(body, name);
   return v && !(v->is_boolean() && !v->get<bool>());
-}
-
-bool is_token_list(const json& v) {
-  return v.is_array() && !v.empty() &&
-         std::all_of(v.begin(), v.end(), [](const json& t) { return t.is_number(); });
 }
 
 bool completion_translatable(const json& body) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <string>
 
+#include "api/load_report_samples.h"
 #include "gateway/engine_load.h"
 #include "util/error.h"
 
@@ -15,13 +16,7 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// What `tandem engine` answers at GET /load (src/api/load_report.cpp), while a step of 2
-// sequences and 2048 tokens runs.
-constexpr const char* kReport = R"({"running":2,"waiting":3,"free_blocks":900,"total_blocks":1024,
-  "block_size":16,"tokens_in_flight":5000,"kv_usage":0.12,"cached_blocks":40,"steps":17,
-  "prefill_tokens":6000,"max_batch_tokens":2048,
-  "step":{"seqs":2,"tokens":2048,"running_for_s":0.05},
-  "recent_steps":[[15,1,2048,0.25],[16,2,2048,0.25],[17,2,2048,0.25]]})";
+constexpr const char* kReport = api::samples::kRunningStepReport;
 
 std::string error_of(const std::string& body) {
   try {

@@ -1,0 +1,63 @@
+#include "api/body_fields.h"
+
+#include <algorithm>
+
+#include "api/error.h"
+
+namespace tandem::api {
+
+using nlohmann::json;
+
+void fail(const std::string& param, const std::string& message) {
+  throw ApiError{400, message, param};
+}
+
+const json* field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+double number(const json& body, const char* name, double fallback) {
+  const json* v = field(body, name);
+  if (!v) return fallback;
+  if (!v->is_number()) fail(name, std::string("'") + name + "' must be a number");
+  return v->get<double>();
+}
+
+int64_t integer(const json& body, const char* name, int64_t fallback) {
+  const json* v = field(body, name);
+  if (!v) return fallback;
+  if (!v->is_number_integer() && !v->is_number_unsigned())
+    fail(name, std::string("'") + name + "' must be an integer");
+  return v->get<int64_t>();
+}
+
+bool boolean(const json& body, const char* name, bool fallback) {
+  const json* v = field(body, name);
+  if (!v) return fallback;
+  if (!v->is_boolean()) fail(name, std::string("'") + name + "' must be a boolean");
+  return v->get<bool>();
+}
+
+bool is_token_list(const json& v) {
+  return v.is_array() && !v.empty() &&
+         std::all_of(v.begin(), v.end(), [](const json& t) { return t.is_number(); });
+}
+
+std::vector<int32_t> token_list(const json& v, const char* name, int64_t vocab_size) {
+  std::vector<int32_t> ids;
+  ids.reserve(v.size());
+  for (const auto& t : v) {
+    if (!t.is_number_integer() && !t.is_number_unsigned())
+      fail(name, std::string("'") + name + "' must hold integer token ids");
+    const auto id = t.get<int64_t>();
+    if (id < 0 || id >= vocab_size)
+      fail(name, "token id " + std::to_string(id) + " is outside the vocabulary of " +
+                     std::to_string(vocab_size) + " ids");
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  return ids;
+}
+
+}  // namespace tandem::api
