@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Gateway overhead benchmark: `tandem gateway` next to nginx, both proxying to the same fast
-# backend (bench/fast_backend.cpp) on loopback, in one run. wrk drives each target with the same
+# Gateway overhead benchmark: `tandem gateway` next to nginx, both proxying to the same backend on
+# loopback, in one run. The backend (BACKEND) is by default a second nginx answering every
+# completion with a fixed reply, so neither proxy benefits from a backend of its own project;
+# BACKEND=fast uses bench/fast_backend.cpp (Tandem's HTTP server) instead. wrk drives each target with the same
 # POST /v1/completions body, non-streaming and streaming; the script reports each proxy's CPU time
 # per request (utime+stime from /proc, all its threads and processes) and the latency it adds to
 # the direct-to-backend p50/p99.
 #
 # Usage: bench/gateway_overhead.sh [BUILD_DIR]
-# Environment: CONNS (16), DURATION (5s per row), ROUNDS (3), TOKENS (16 SSE events per stream),
+# Environment: BACKEND (nginx or fast), CONNS (16), DURATION (5s per row), ROUNDS (3),
+#              TOKENS (16 SSE events per stream), STREAMS ("false true": the rows to run),
 #              JOBS (ninja -j, 1),
 #              PIN (0: no pinning; 1: proxy alone on CPU 1, wrk and backend on CPU 0).
 #              TOKENIZER_MODEL (BUILD_DIR/models/tiny-v3, for the gateway + tokenizer row, which
@@ -23,6 +26,8 @@ duration="${DURATION:-5s}"
 rounds="${ROUNDS:-3}"
 tokens="${TOKENS:-16}"
 pin="${PIN:-0}"
+backend_kind="${BACKEND:-nginx}"
+case "$backend_kind" in nginx | fast) ;; *) echo "BACKEND must be nginx or fast" >&2; exit 2 ;; esac
 nginx_bin="${NGINX:-/usr/sbin/nginx}"
 
 for tool in wrk "$nginx_bin" taskset; do
@@ -81,13 +86,82 @@ ticks() {
 }
 hz="$(getconf CLK_TCK)"
 
-# --- the backend -----------------------------------------------------------------------------
-# shellcheck disable=SC2086
-$cpu_client "$build/bench/tandem-bench-fast-backend" --port 0 --threads 1 --tokens "$tokens" \
-  >"$dir/backend.log" 2>&1 &
-backend_pid=$!
-pids+=("$backend_pid")
-backend_port="$(wait_port "$dir/backend.log" "$backend_pid")"
+# --- the backend ------------------------------------------------------------------------------
+# The same answers either way: a completion of TOKENS tokens, or with ?stream=1 TOKENS SSE chunks
+# and [DONE] (the stream rows ask for that path: nginx does not read the body).
+completion_json() {  # the non-streaming answer
+  local text="" i
+  for i in $(seq 1 "$tokens"); do text+=" tok"; done
+  printf '{"id":"cmpl-bench0000000000000000","object":"text_completion","created":0,'
+  printf '"model":"bench","choices":[{"index":0,"text":"%s","logprobs":null,' "$text"
+  printf '"finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":%d,' "$tokens"
+  printf '"total_tokens":%d}}' $((8 + tokens))
+}
+sse_body() {  # the streaming answer, with \n escapes for an nginx string
+  local i finish
+  for i in $(seq 1 "$tokens"); do
+    finish=null
+    [ "$i" = "$tokens" ] && finish='"length"'
+    printf 'data: {"id":"cmpl-bench0000000000000000","object":"text_completion","created":0,'
+    printf '"model":"bench","choices":[{"index":0,"text":" tok","logprobs":null,'
+    printf '"finish_reason":%s}]}\\n\\n' "$finish"
+  done
+  printf 'data: [DONE]\\n\\n'
+}
+if [ "$backend_kind" = nginx ]; then
+  mkdir -p "$dir/backend"
+  backend_port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])')"
+  # The SSE string is double-quoted for nginx: escape its quotes.
+  sse="$(sse_body | sed 's/"/\\"/g')"
+  cat >"$dir/backend/nginx.conf" <<EOF
+daemon off;
+worker_processes 1;
+error_log stderr;
+pid $dir/backend/nginx.pid;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  client_body_temp_path $dir/backend/body;
+  proxy_temp_path $dir/backend/proxy;
+  fastcgi_temp_path $dir/backend/fastcgi;
+  uwsgi_temp_path $dir/backend/uwsgi;
+  scgi_temp_path $dir/backend/scgi;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:$backend_port;
+    location / {
+      if (\$arg_stream) { rewrite ^ /sse last; }
+      default_type application/json;
+      return 200 '$(completion_json)';
+    }
+    location = /sse {
+      internal;
+      default_type text/event-stream;
+      return 200 "$sse";
+    }
+  }
+}
+EOF
+  # shellcheck disable=SC2086
+  $cpu_client "$nginx_bin" -p "$dir/backend" -c "$dir/backend/nginx.conf" >"$dir/backend.log" 2>&1 &
+  backend_pid=$!
+  pids+=("$backend_pid")
+  for _ in $(seq 1 100); do
+    curl -sf "http://127.0.0.1:$backend_port/health" >/dev/null 2>&1 && break
+    kill -0 "$backend_pid" 2>/dev/null || { cat "$dir/backend.log" >&2; exit 1; }
+    sleep 0.1
+  done
+  backend_desc="nginx fixed replies, 1 worker"
+else
+  # shellcheck disable=SC2086
+  $cpu_client "$build/bench/tandem-bench-fast-backend" --port 0 --threads 1 --tokens "$tokens" \
+    >"$dir/backend.log" 2>&1 &
+  backend_pid=$!
+  pids+=("$backend_pid")
+  backend_port="$(wait_port "$dir/backend.log" "$backend_pid")"
+  backend_desc="tandem-bench-fast-backend, 1 io thread"
+fi
 
 # --- nginx: one worker, keep-alive upstream, unbuffered so streams flow ----------------------
 mkdir -p "$dir/nginx"
@@ -108,6 +182,7 @@ http {
     server 127.0.0.1:$backend_port;
     keepalive 64;
   }
+  keepalive_requests 1000000;
   server {
     listen 127.0.0.1:0;
     location / {
@@ -163,8 +238,11 @@ The gateway receives OpenAI requests, chooses an engine, relays the answer as it
 and must stay out of the way: what it costs per request is what this benchmark measures, \
 next to a plain reverse proxy."
 for stream in false true; do
+  path="/v1/completions"
+  [ "$stream" = true ] && path="/v1/completions?stream=1"
   cat >"$dir/stream-$stream.lua" <<EOF
 wrk.method = "POST"
+wrk.path = "$path"
 wrk.headers["Content-Type"] = "application/json"
 wrk.body = '{"model":"bench","prompt":"$prompt","max_tokens":$tokens,"temperature":0,'
   .. '"stream":$stream}'
@@ -213,13 +291,13 @@ run_row() {
              bt * 1e6 / hz / r }'
 }
 
-echo "backend :$backend_port (tandem-bench-fast-backend, 1 io thread, $tokens tokens), nginx" \
+echo "backend :$backend_port ($backend_desc, $tokens tokens), nginx" \
   ":$nginx_port ($("$nginx_bin" -v 2>&1 | sed 's/.*nginx\///'), 1 worker), gateway :$gateway_port" \
   "(--http-threads 1); wrk -t1 -c$conns -d$duration; pinning: $([ -n "$cpu_proxy" ] &&
     echo 'proxy on CPU 1, wrk + backend on CPU 0' || echo none)"
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {
   print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
-for stream in false true; do
+for stream in ${STREAMS:-false true}; do
   echo
   echo "== POST /v1/completions, stream $stream"
   printf "%-5s %-20s %9s %9s %9s %9s %11s %11s %12s %9s\n" round target requests req/s p50_us \

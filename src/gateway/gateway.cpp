@@ -92,7 +92,12 @@ bool is_error_event(std::string_view data) {
   return data.substr(0, 16).find("\"error\"") != std::string_view::npos;
 }
 bool carries_tokens(std::string_view data) {
-  return data != "[DONE]" && data.find("\"choices\":[]") == std::string_view::npos;
+  if (data == "[DONE]") return false;
+  // Not a usage chunk ("choices":[]). '[' is rare in a chunk and '"' frequent, so look for "[]".
+  constexpr std::string_view kKey = "\"choices\":";
+  for (size_t at = data.find("[]"); at != std::string_view::npos; at = data.find("[]", at + 2))
+    if (at >= kKey.size() && data.substr(at - kKey.size(), kKey.size()) == kKey) return false;
+  return true;
 }
 
 // Prompt blocks the gateway hashes its ids in (api/block_hash.h): the policies' prompt identity
@@ -177,6 +182,9 @@ struct Leg {
   bool streaming = false, first_event = false;
   std::string body;  // a non-streaming answer, or a stream's first event when it is an error
   net::SseParser parser;
+  // A verbatim relay (no translation): the stream's bytes before its first event completed,
+  // held back until that event shows it is no error.
+  std::string held;
 };
 
 // One client request, from the io thread that received it to its access log line.
@@ -1062,52 +1070,79 @@ class Gateway::Impl {
       l->body += piece;
       return true;
     }
+    // Without a translator the client gets the engine's bytes as they are, once the first event
+    // has shown the stream is no error; with one, the translated events.
+    const bool verbatim = !r->translator;
+    const bool started = l->first_event;
     std::string out;
+    if (!verbatim) out.reserve(piece.size() + 16);
     const int64_t now = steady_now_ns();
-    for (auto& data : l->parser.feed(piece)) {
+    int64_t token_events = 0;
+    bool refused = false;  // the stream must not go on (an error first, a leg given up)
+    l->parser.feed(piece, [&](std::string_view data) {
+      if (refused) return;
       if (!l->first_event) {
         if (is_error_event(data)) {  // failed before any token: the client has seen nothing
-          l->body = std::move(data);
+          l->body = std::string(data);
           l->engine_error = true;
-          return false;
+          refused = true;
+          return;
         }
         std::lock_guard lock(r->mutex);
         // A leg the gateway gave up on (a timeout, a retry) must not start the client's stream.
         if (r->ended || l->gateway_cancelled.load() || !l->cancel_reason.empty()) {
           l->gateway_cancelled = true;
-          return false;
+          refused = true;
+          return;
         }
         l->first_event = true;
         r->answered = true;
         r->status = 200;
         r->exchange->start_stream(200, "text/event-stream");
       }
-      if (carries_tokens(data)) {
-        std::lock_guard lock(r->mutex);
-        if (r->output_events == 0) {
-          r->first_token_ns = now;
-          r->times.mark(Phase::kDecoding, now);
-          if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
-        } else {
-          r->itl.push_back(static_cast<double>(now - r->last_token_ns) * 1e-9);
-        }
-        r->last_token_ns = now;
-        ++r->output_events;
-      }
-      if (r->translator && !is_error_event(data)) {
+      if (carries_tokens(data)) ++token_events;
+      if (verbatim) return;
+      if (!is_error_event(data)) {
         for (const auto& d : r->translator->event(data)) {
           out += "data: ";
           out += d;
           out += "\n\n";
         }
-        continue;
+        return;
       }
       out += "data: ";
       out += data;
       out += "\n\n";
+    });
+    if (refused) return false;
+    if (token_events > 0) {
+      // One lock per piece: the events a piece completes arrived together (gaps of 0).
+      std::lock_guard lock(r->mutex);
+      if (r->output_events == 0) {
+        r->first_token_ns = now;
+        r->times.mark(Phase::kDecoding, now);
+        if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
+      } else {
+        r->itl.push_back(static_cast<double>(now - r->last_token_ns) * 1e-9);
+      }
+      r->itl.insert(r->itl.end(), static_cast<size_t>(token_events - 1), 0.0);
+      r->last_token_ns = now;
+      r->output_events += token_events;
     }
-    if (out.empty()) return true;
-    if (r->exchange->write(out)) return true;
+    if (verbatim) {
+      if (!l->first_event) {  // no complete event yet: hold the bytes
+        l->held += piece;
+        return l->held.size() <= (size_t{64} << 20);
+      }
+      if (!started) {
+        l->held += piece;
+        out = std::move(l->held);
+        l->held = {};
+      }
+    }
+    const std::string_view bytes = verbatim && started ? piece : std::string_view(out);
+    if (bytes.empty()) return true;
+    if (r->exchange->write(bytes)) return true;
     l->gateway_cancelled = true;  // the client is gone
     return false;
   }

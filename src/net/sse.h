@@ -2,6 +2,7 @@
 // Server-sent events as the OpenAI streaming API uses them: `data: <json>\n\n` per event and
 // `data: [DONE]\n\n` at the end. The writer side works on an Exchange; the parser is for
 // clients (the gateway reading an engine's stream, tests).
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -45,12 +46,17 @@ class SseParser {
  public:
   // Feeds the next bytes (any split); returns the data of the events they complete, in order.
   std::vector<std::string> feed(std::string_view bytes);
+  // The same, calling `on_event` with each event's data instead: an event whose one data line
+  // lies wholly in `bytes` is a view into it (no copy), valid during the call only.
+  void feed(std::string_view bytes, const std::function<void(std::string_view)>& on_event);
 
   static bool is_done(std::string_view data) { return data == "[DONE]"; }
 
  private:
   std::string line_;  // the incomplete last line
-  std::string data_;  // the data of the event being read
+  std::string data_;  // the data of the event being read, when not `view_`
+  // The event's data as a view into the bytes being fed (its one data line so far), or empty.
+  std::string_view view_;
   bool has_data_ = false;
 };
 

@@ -37,6 +37,25 @@ TEST(Sse, ParserRoundTripsAnySplit) {
   EXPECT_TRUE(SseParser::is_done(events.back()));
 }
 
+// The callback form hands out views into the bytes being fed: what an event keeps from an earlier
+// piece must survive that piece's buffer being reused (overwritten here) before the event ends.
+TEST(Sse, EventsSplitAcrossPiecesSurviveTheirBuffers) {
+  std::vector<std::string> sent = {R"({"x":"a b"})", "multi\nline", "[DONE]"};
+  std::string stream;
+  for (const auto& s : sent) stream += sse_event(s);
+  for (size_t cut = 0; cut <= stream.size(); ++cut) {
+    SseParser parser;
+    std::vector<std::string> events;
+    auto keep = [&events](std::string_view data) { events.emplace_back(data); };
+    std::string piece = stream.substr(0, cut);
+    parser.feed(piece, keep);
+    piece.assign(piece.size(), 'x');  // the caller's buffer is reused
+    piece = stream.substr(cut);
+    parser.feed(piece, keep);
+    EXPECT_EQ(events, sent) << "cut at " << cut;
+  }
+}
+
 TEST(Sse, ParserHandlesCrlfAndOtherFields) {
   SseParser parser;
   auto events = parser.feed("event: x\r\nid: 7\r\ndata:no-space\r\ndata:  two\r\n\r\ndata: b\n");
