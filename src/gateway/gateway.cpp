@@ -16,6 +16,7 @@
 #include "api/disaggregation.h"
 #include "api/error.h"
 #include "api/prefill_work.h"
+#include "gateway/access_log.h"
 #include "gateway/engine_load.h"
 #include "gateway/kv_events_consumer.h"
 #include "gateway/lifecycle.h"
@@ -294,20 +295,12 @@ class Gateway::Impl {
     validate(topo_);
     if (!topo_.model.empty())
       tokenizer_ = std::make_unique<PromptTokenizer>(topo_.model, topo_.served_model_name);
-    if (!topo_.access_log.empty()) {
-      access_log_ = topo_.access_log == "-" ? stdout : std::fopen(topo_.access_log.c_str(), "a");
-      if (!access_log_)
-        throw Error("access log '" + topo_.access_log + "': cannot open for append");
-    }
+    if (!topo_.access_log.empty()) access_log_ = std::make_unique<AccessLog>(topo_.access_log);
     for (int p = 0; p < kPhaseCount; ++p)
       phase_histograms_[p] = &metrics_.phase_seconds.labels({phase_name(static_cast<Phase>(p))});
     for (const auto& e : topo_.prefill.endpoints) add_endpoint(true, e);
     for (const auto& e : topo_.decode.endpoints) add_endpoint(false, e);
     routes();
-  }
-
-  ~Impl() {
-    if (access_log_ && access_log_ != stdout) std::fclose(access_log_);
   }
 
   void start() {
@@ -1385,10 +1378,7 @@ class Gateway::Impl {
     }
     if (completion_tokens >= 0) line["completion_tokens"] = completion_tokens;
     if (!error.empty()) line["error"] = error;
-    // Replace, not throw: an engine's error text may be anything.
-    const std::string text = line.dump(-1, ' ', false, json::error_handler_t::replace) + "\n";
-    std::fwrite(text.data(), 1, text.size(), access_log_);
-    std::fflush(access_log_);
+    access_log_->add(std::move(line));
   }
 
   // ---------------------------------------------------------------- health
@@ -1777,7 +1767,7 @@ class Gateway::Impl {
   std::map<int, std::unique_ptr<KvEventsConsumer>> consumers_;
   metrics::Registry registry_;
   Metrics metrics_;
-  std::FILE* access_log_ = nullptr;
+  std::unique_ptr<AccessLog> access_log_;  // its own writer thread
   std::atomic<bool> ready_{false}, stopping_{false};
   std::unique_ptr<PromptTokenizer> tokenizer_;
 
