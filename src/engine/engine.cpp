@@ -146,8 +146,8 @@ void Engine::stop() {
   // nothing is left to wait for.
   agent_.reset();
   for (auto& [id, seq] : sequences_) {
-    seq->fetching = false;
-    seq->room_closed = true;
+    if (seq->kv_state == KvTransferState::kFetching) seq->kv_state = KvTransferState::kNone;
+    if (seq->kv_state == KvTransferState::kRoomOpen) seq->kv_state = KvTransferState::kRoomClosed;
   }
   // Whatever never reached the loop, or was still in it, ends as aborted.
   std::vector<EngineRequest> left;
@@ -163,7 +163,7 @@ void Engine::stop() {
   }
   std::vector<Sequence*> live;
   for (auto& [id, seq] : sequences_)
-    if (!seq->cancelled) live.push_back(seq.get());
+    if (seq->kv_state != KvTransferState::kFetchCancelled) live.push_back(seq.get());
   for (auto* s : live) finish(s, "abort");
   for (auto& [id, p] : parked_) {
     if (!p.deferred || !p.on_output) continue;
@@ -252,7 +252,7 @@ LoadReport Engine::load() const {
 // never admitted counts without the prefix its cache held on arrival: a router reading the load
 // must see a cached continuation as the little work it is.
 static api::PrefillWork uncomputed_prompt(const Sequence& seq) {
-  if (seq.status == SequenceStatus::kFinished || seq.fetching) return {};
+  if (seq.status == SequenceStatus::kFinished || seq.fetching()) return {};
   const int64_t done =
       seq.admitted_once ? seq.num_computed : std::max(seq.num_computed, seq.cached_on_arrival);
   return api::PrefillWork::of_prompt(done, seq.num_prompt);
@@ -279,7 +279,7 @@ void Engine::loop() {
         return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
                !scheduler_.running().empty() || !scheduler_.waiting().empty() ||
                std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
-                           [](const Sequence* s) { return !s->fetching; });
+                           [](const Sequence* s) { return !s->fetching(); });
       });
       if (stopping_) return;
     }
@@ -288,7 +288,7 @@ void Engine::loop() {
     if (!scheduler_.running().empty() || !scheduler_.waiting().empty()) {
       step();
     } else if (std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
-                           [](const Sequence* s) { return !s->fetching; })) {
+                           [](const Sequence* s) { return !s->fetching(); })) {
       // Decodes wait for free blocks to receive their KV into: retry shortly.
       std::unique_lock lock(mutex_);
       wake_.wait_for(lock, std::chrono::milliseconds(50), [&] {
@@ -334,6 +334,7 @@ void Engine::admit_incoming() {
         raw->room_claim = agent_->open_room(
             kt.room, kv_prompt_hash(raw->prompt()), raw->num_prompt,
             [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); });
+        if (raw->room_claim != 0) raw->kv_state = KvTransferState::kRoomOpen;
         if (raw->room_claim == 0) {
           status = 400;
           error = "bootstrap_room " + std::to_string(kt.room) +
@@ -344,7 +345,7 @@ void Engine::admit_incoming() {
         error = e.what();
       }
       if (status != 0) {
-        raw->room_closed = true;
+        raw->kv_state = KvTransferState::kRoomClosed;
         finish(raw, "error", error, false, status);
         continue;
       }
@@ -358,7 +359,8 @@ void Engine::admit_incoming() {
   }
   for (const auto& id : aborts) {
     auto it = sequences_.find(id);
-    if (it != sequences_.end() && !it->second->cancelled) finish(it->second.get(), "abort");
+    if (it != sequences_.end() && it->second->kv_state != KvTransferState::kFetchCancelled)
+      finish(it->second.get(), "abort");
   }
   if (!incoming.empty() || !aborts.empty() || !tasks.empty()) update_gauges();
 }
@@ -399,7 +401,7 @@ void Engine::step() {
   std::vector<std::pair<uint64_t, uint64_t>> rooms;  // (room, claim)
   for (const auto& s : out.scheduled)
     if (s.sample && s.seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom &&
-        s.seq->num_generated() == 0 && !s.seq->room_closed) {
+        s.seq->num_generated() == 0 && s.seq->kv_state == KvTransferState::kRoomOpen) {
       rooms.emplace_back(s.seq->request.kv_transfer.room, s.seq->room_claim);
       agent_->room_blocks(rooms.back().first, rooms.back().second,
                           kv_.block_table(s.seq->request.id));
@@ -482,12 +484,12 @@ void Engine::step() {
       const std::string id = seq->request.id;
       o.kv_transfer_id = agent_->hold(o.kv_blocks, kv_prompt_hash(seq->prompt()), seq->num_prompt,
                                       [this, id] { kv_.free(id); });
-      seq->kv_parked = true;
+      seq->kv_state = KvTransferState::kParked;
     }
-    if (delta.finished && mode == KvTransferSpec::Mode::kPrefillForRoom && !seq->room_closed) {
+    if (delta.finished && seq->kv_state == KvTransferState::kRoomOpen) {
       // Answered once the decode engine has the KV (or the room failed).
       parked_[seq->request.id] = {seq->request.on_output, o};
-      seq->kv_parked = true;
+      seq->kv_state = KvTransferState::kParked;
       finish(seq, delta.finish_reason, {}, /*notified=*/true);
       continue;
     }
@@ -501,14 +503,14 @@ void Engine::step() {
 void Engine::finish(Sequence* seq, const std::string& reason, const std::string& error,
                     bool notified, int error_status) {
   const KvTransferSpec& kt = seq->request.kv_transfer;
-  if (kt.mode == KvTransferSpec::Mode::kPrefillForRoom && !seq->room_closed && !seq->kv_parked) {
+  if (seq->kv_state == KvTransferState::kRoomOpen) {
     // The room's transfer may be reading these blocks: keep them until it reports back.
     agent_->room_failed(kt.room, seq->room_claim,
                         "the prefill request ended: " + (error.empty() ? reason : error));
     parked_[seq->request.id] = {};
-    seq->kv_parked = true;
+    seq->kv_state = KvTransferState::kParked;
   }
-  scheduler_.remove(seq, seq->kv_parked || seq->fetching);
+  scheduler_.remove(seq, seq->kv_state == KvTransferState::kParked || seq->fetching());
   std::erase(awaiting_kv_, seq);
   if (!notified && seq->request.on_output) {
     RequestOutput o;
@@ -523,9 +525,9 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   }
   metrics_->success.labels({reason}).inc();
   metrics_->e2e.observe(now_seconds() - seq->arrival_time);
-  if (seq->fetching) {
+  if (seq->fetching()) {
     // The transfer writes into its blocks until it ends; on_fetch_done drops the sequence.
-    seq->cancelled = true;
+    seq->kv_state = KvTransferState::kFetchCancelled;
     agent_->cancel_fetch(seq->request.id);
     return;
   }
@@ -539,7 +541,7 @@ void Engine::start_fetches() {
   const double now = now_seconds();
   for (size_t i = 0; i < awaiting_kv_.size();) {
     Sequence* seq = awaiting_kv_[i];
-    if (seq->fetching) {
+    if (seq->fetching()) {
       ++i;
       continue;
     }
@@ -579,7 +581,7 @@ void Engine::start_fetches() {
     const auto& table = kv_.block_table(id);
     f.local_blocks.assign(table.begin() + hit.num_tokens / kv_.block_size(), table.end());
     seq->num_cached = hit.num_tokens;
-    seq->fetching = true;
+    seq->kv_state = KvTransferState::kFetching;
     agent_->fetch(std::move(f), [this, id](const KvFetchResult& r) { on_fetch_done(id, r); });
     ++i;
   }
@@ -590,8 +592,9 @@ void Engine::on_fetch_done(const std::string& id, const KvFetchResult& result) {
   auto it = sequences_.find(id);
   if (it == sequences_.end()) return;
   Sequence* seq = it->second.get();
-  seq->fetching = false;
-  if (seq->cancelled) {
+  const bool cancelled = seq->kv_state == KvTransferState::kFetchCancelled;
+  seq->kv_state = KvTransferState::kNone;
+  if (cancelled) {
     kv_.free(id);
     sequences_.erase(it);
     std::lock_guard lock(mutex_);
@@ -612,7 +615,7 @@ void Engine::on_room_done(const std::string& id, bool ok, const std::string& err
   auto seq = sequences_.find(id);
   if (seq != sequences_.end()) {
     // The room failed while the prefill still runs (e.g. the decode side gave up).
-    seq->second->room_closed = true;
+    seq->second->kv_state = KvTransferState::kRoomClosed;
     finish(seq->second.get(), "error", error, false, 502);
     return;
   }

@@ -50,6 +50,17 @@ struct EngineRequest {
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
 
+// Where a sequence stands in its prefill/decode KV transfer (engine thread). Each transfer mode
+// walks its own path:
+//   decode legs:        kNone (waiting for blocks) -> kFetching -> kNone (KV arrived)
+//                                                              \-> kFetchCancelled (finished
+//                                                                   while fetching: dropped
+//                                                                   when the transfer ends)
+//   prefill for a room: kRoomOpen -> kRoomClosed (the room ended first) or kParked (finished,
+//                       blocks kept for the room's transfer)
+//   prefill for a pull: kNone -> kParked (finished, blocks held for the decode engine's pull)
+enum class KvTransferState { kNone, kFetching, kFetchCancelled, kRoomOpen, kRoomClosed, kParked };
+
 struct Sequence {
   EngineRequest request;
   std::vector<int32_t> tokens;  // prompt followed by generated ids
@@ -63,17 +74,17 @@ struct Sequence {
   double arrival_time = 0, first_token_time = -1, last_token_time = -1;
   int64_t num_preemptions = 0;
   bool admitted_once = false;
-  // Disaggregation state (engine thread).
-  bool fetching = false;     // ... and its transfer runs (the blocks are being written)
-  bool cancelled = false;    // finished while fetching: drop it when the transfer ends
-  bool kv_parked = false;    // finished, blocks kept for a transfer (freed when it ends)
-  bool room_closed = false;  // the bootstrap room ended (kPrefillForRoom)
-  uint64_t room_claim = 0;   // KvTransferAgent::open_room's claim (kPrefillForRoom)
+  KvTransferState kv_state = KvTransferState::kNone;
+  uint64_t room_claim = 0;  // KvTransferAgent::open_room's claim (kPrefillForRoom)
   SequenceStatus status = SequenceStatus::kWaiting;
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<OutputProcessor> output;
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
+  // A transfer writes into its blocks (it may have been cancelled, and still runs).
+  bool fetching() const {
+    return kv_state == KvTransferState::kFetching || kv_state == KvTransferState::kFetchCancelled;
+  }
   std::span<const int32_t> prompt() const { return {tokens.data(), size_t(num_prompt)}; }
   std::span<const int32_t> generated() const {
     return {tokens.data() + num_prompt, tokens.size() - size_t(num_prompt)};
