@@ -183,6 +183,7 @@ ApiServer::~ApiServer() {
 }
 
 void ApiServer::start() {
+  renderer_->start();
   server_.start();
 }
 uint16_t ApiServer::port() const {
@@ -190,6 +191,7 @@ uint16_t ApiServer::port() const {
 }
 void ApiServer::stop() {
   server_.stop();
+  renderer_->stop();  // what it still has is written; later outputs render where they arrive
 }
 
 // A decode leg refused before it could pull (a bad field, a role mismatch, a full engine) would
@@ -268,7 +270,9 @@ void ApiServer::handle_generation(int kind_value, const net::HttpRequest& req,
     er.priority = call->request.priority;
     er.logprobs = call->request.logprobs;
     er.kv_transfer = kv_transfer;
-    er.on_output = [call, i](const RequestOutput& out) { call->on_output(i, out); };
+    er.on_output = [call, i, renderer = renderer_](const RequestOutput& out) {
+      renderer->post([call, i, out] { call->on_output(i, out); });
+    };
     try {
       engine_.submit(std::move(er));
     } catch (const Error& e) {
