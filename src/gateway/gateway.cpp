@@ -145,6 +145,7 @@ struct EndpointState {
   Endpoint config;
   int64_t max_in_flight = 0;
   bool healthy = true, draining = false, probing = false;
+  Clock::time_point readmitted{};  // when a probe last readmitted it (its limit ramps up since)
   int consecutive_failures = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
   GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
@@ -529,13 +530,9 @@ class Gateway::Impl {
       r->ended = true;
       r->status = 499;  // as nginx logs it, also when the client left mid-stream
       r->error = "client closed the connection";
-      for (const auto& l : r->legs)
-        if (l->started && !l->finished) {
-          l->gateway_cancelled = true;
-          calls.push_back(l->call);
-        }
+      calls = mark_legs_cancelled(*r);
     }
-    for (auto c : calls) client_->cancel(c);
+    cancel_calls(calls);
     r->times.mark(Phase::kCompleted);
     sched_.post_batched([this, r] { finished(r); });
   }
@@ -586,8 +583,11 @@ class Gateway::Impl {
     v.state = &policy_state_;
     const auto max_age = 4 * topo_.scheduling.load_interval;
     for (const auto& [id, e] : endpoints_) {
-      EndpointLoad l{e.id,        e.config.group,  eligible(e),
-                     e.in_flight, e.max_in_flight, e.tokens_in_flight};
+      const int64_t limit = e.readmitted == Clock::time_point{}
+                                ? e.max_in_flight
+                                : ramped_in_flight_limit(e.max_in_flight, now - e.readmitted,
+                                                         topo_.health.slow_start);
+      EndpointLoad l{e.id, e.config.group, eligible(e), e.in_flight, limit, e.tokens_in_flight};
       fill_load(l, e.load, e.counts, now, max_age);
       (e.prefill ? v.prefill : v.decode).push_back(l);
     }
@@ -1232,13 +1232,9 @@ class Gateway::Impl {
       // Checked and cancelled under one lock: no leg of this attempt can start the stream after.
       std::lock_guard lock(r->mutex);
       if (r->ended || r->answered) return;
-      for (const auto& l : r->legs)
-        if (l->started && !l->finished) {
-          l->gateway_cancelled = true;
-          calls.push_back(l->call);
-        }
+      calls = mark_legs_cancelled(*r);
     }
-    for (auto c : calls) client_->cancel(c);
+    cancel_calls(calls);
     const bool client_error = status >= 400 && status < 500;
     const bool retryable =
         !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
@@ -1270,17 +1266,28 @@ class Gateway::Impl {
     complete(r, status, message.empty() ? "engine error" : message);
   }
 
+  // The one way legs are cancelled: under the request's lock its running legs are marked as
+  // cancelled by the gateway (not the engine's fault) and their calls taken; the calls are
+  // cancelled after the lock is released (a cancel may report back at once).
+  static std::vector<CallId> mark_legs_cancelled(Request& r) {
+    std::vector<CallId> calls;
+    for (const auto& l : r.legs)
+      if (l->started && !l->finished) {
+        l->gateway_cancelled = true;
+        calls.push_back(l->call);
+      }
+    return calls;
+  }
+  void cancel_calls(const std::vector<CallId>& calls) {
+    for (auto c : calls) client_->cancel(c);
+  }
   void cancel_legs(const RequestPtr& r) {
     std::vector<CallId> calls;
     {
       std::lock_guard lock(r->mutex);
-      for (const auto& l : r->legs)
-        if (l->started && !l->finished) {
-          l->gateway_cancelled = true;
-          calls.push_back(l->call);
-        }
+      calls = mark_legs_cancelled(*r);
     }
-    for (auto c : calls) client_->cancel(c);
+    cancel_calls(calls);
   }
 
   // Answers a request that never started (or whose attempts are over) with an OpenAI error.
@@ -1513,6 +1520,7 @@ class Gateway::Impl {
       e->consecutive_failures = 0;
       if (!e->healthy) {
         e->healthy = true;
+        e->readmitted = Clock::now();
         // What answers there now may be another server: an auto engine is asked again.
         const Pool& pool = e->prefill ? topo_.prefill : topo_.decode;
         if (pool.dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;

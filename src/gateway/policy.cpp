@@ -106,6 +106,14 @@ std::unique_ptr<Policy> make_policy(std::string_view name, const PolicyOptions& 
   throw Error("unknown scheduling policy '" + std::string(name) + "'; expected one of: " + valid);
 }
 
+int64_t ramped_in_flight_limit(int64_t limit, Clock::duration since, Clock::duration ramp) {
+  if (ramp.count() <= 0 || since >= ramp || limit <= 1) return limit;
+  const double share = std::max(std::chrono::duration<double>(since).count(), 0.0) /
+                       std::chrono::duration<double>(ramp).count();
+  return std::clamp<int64_t>(1 + static_cast<int64_t>(share * static_cast<double>(limit - 1)), 1,
+                             limit);
+}
+
 namespace {
 void add_queued_prefill(EndpointLoad& e, const RequestInfo& request) {
   if (e.queued_prefill_tokens >= 0) e.queued_prefill_tokens += detail::uncached_tokens(e, request);

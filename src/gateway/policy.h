@@ -53,6 +53,11 @@ struct EndpointLoad {
   const BatchTimeEstimator* batch_time = nullptr;
 };
 
+// An engine readmitted `since` ago after being ejected takes a growing share of its in-flight
+// `limit` over `ramp` (nginx's slow_start): one request at readmission, growing linearly to all of
+// `limit` at `ramp`. A zero ramp, or a non-positive `since` past it, gives `limit`.
+int64_t ramped_in_flight_limit(int64_t limit, Clock::duration since, Clock::duration ramp);
+
 struct PolicyState;
 
 struct ClusterView {

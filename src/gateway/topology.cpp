@@ -387,8 +387,9 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                                                   "a file path or \"-\" (standard output)"));
   if (has("scheduling")) read_scheduling(r, keys.at("scheduling"), t.scheduling);
   if (has("health")) {
-    const auto health = r.mapping(keys.at("health"), "health",
-                                  {"probe_interval_ms", "probe_timeout_ms", "failures_to_eject"});
+    const auto health =
+        r.mapping(keys.at("health"), "health",
+                  {"probe_interval_ms", "probe_timeout_ms", "failures_to_eject", "slow_start_ms"});
     if (health.count("probe_interval_ms"))
       t.health.probe_interval =
           r.milliseconds(health.at("probe_interval_ms"), "health.probe_interval_ms");
@@ -398,6 +399,10 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
     if (health.count("failures_to_eject"))
       t.health.failures_to_eject =
           r.count(health.at("failures_to_eject"), "health.failures_to_eject", 1);
+    if (health.count("slow_start_ms"))
+      t.health.slow_start = std::chrono::milliseconds(
+          r.integer(health.at("slow_start_ms"), "health.slow_start_ms", 0,
+                    std::numeric_limits<int32_t>::max(), "a duration in milliseconds >= 0"));
   }
   if (has("timeouts")) {
     const auto timeouts =

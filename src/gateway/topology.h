@@ -52,6 +52,10 @@ struct HealthOptions {
   // Passive: this many consecutive failures (probes or requests) make an endpoint ineligible;
   // one successful probe makes it eligible again.
   int failures_to_eject = 3;
+  // An engine readmitted after being ejected regains its in-flight limit over this time, from
+  // one request (nginx's slow_start): a restarted engine is not flooded while it warms up. 0: at
+  // once.
+  std::chrono::milliseconds slow_start = std::chrono::seconds(10);
 };
 
 // How the scheduling thread decides (docs/gateway.md, "Scheduling policies").

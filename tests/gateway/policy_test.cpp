@@ -264,6 +264,25 @@ TEST(MakePolicy, PassesEachPolicyItsOptions) {
   EXPECT_EQ(make_policy("kv_router", pure_load)->choose_prefill(v, req(128), t0).endpoint, 1);
 }
 
+// A readmitted engine's share grows from one request to its whole limit over the ramp.
+TEST(SlowStart, AReadmittedEnginesLimitRampsFromOneToItsWhole) {
+  using std::chrono::seconds;
+  EXPECT_EQ(ramped_in_flight_limit(256, seconds(0), seconds(10)), 1);
+  EXPECT_EQ(ramped_in_flight_limit(256, seconds(5), seconds(10)), 128);
+  EXPECT_EQ(ramped_in_flight_limit(256, seconds(10), seconds(10)), 256);
+  EXPECT_EQ(ramped_in_flight_limit(256, seconds(600), seconds(10)), 256);
+  EXPECT_EQ(ramped_in_flight_limit(256, seconds(0), seconds(0)), 256);  // no ramp
+  EXPECT_EQ(ramped_in_flight_limit(1, seconds(0), seconds(10)), 1);
+  int64_t previous = 0;
+  for (int ms = 0; ms <= 10000; ms += 250) {
+    const int64_t l = ramped_in_flight_limit(64, std::chrono::milliseconds(ms), seconds(10));
+    EXPECT_GE(l, previous) << ms;  // never shrinks while it ramps
+    EXPECT_GE(l, 1);
+    EXPECT_LE(l, 64);
+    previous = l;
+  }
+}
+
 // ------------------------------------------------------------------------------ round_robin
 
 TEST(RoundRobin, CyclesThroughEnginesAndSkipsSaturatedOnes) {

@@ -158,6 +158,7 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.health.probe_interval, 2000ms);
   EXPECT_EQ(t.health.probe_timeout, 1000ms);
   EXPECT_EQ(t.health.failures_to_eject, 3);
+  EXPECT_EQ(t.health.slow_start, 10000ms);
   EXPECT_EQ(t.timeouts.queue, 300000ms);
   EXPECT_EQ(t.timeouts.connect, 5000ms);
   EXPECT_EQ(t.timeouts.prefill, 300000ms);
@@ -369,6 +370,7 @@ TEST(TopologyYaml, LimitsAreChecked) {
       {"health: {probe_interval_ms: 0}", "health.probe_interval_ms: expected a duration"},
       {"health: {probe_timeout_ms: -5}", "health.probe_timeout_ms: expected a duration"},
       {"health: {failures_to_eject: 0}", "health.failures_to_eject: expected a whole number >= 1"},
+      {"health: {slow_start_ms: -1}", "health.slow_start_ms: expected a duration"},
       {"timeouts: {queue_ms: 0}", "timeouts.queue_ms: expected a duration"},
       {"timeouts: {connect_ms: 0}", "timeouts.connect_ms: expected a duration"},
       {"timeouts: {prefill_ms: 0}", "timeouts.prefill_ms: expected a duration"},
