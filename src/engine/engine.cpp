@@ -443,42 +443,24 @@ void Engine::step() {
     update_gauges();
     return;
   }
-  scheduler_.step_done(out);
   const double done = now_seconds();
+  std::vector<SequenceUpdate> updates = scheduler_.update_from_output(out, result.sampled, done);
   const uint64_t index = recent_steps_.empty() ? 1 : recent_steps_.back().index + 1;
   recent_steps_.push_back({index, static_cast<int64_t>(out.scheduled.size()), step_tokens,
                            done - now, step_prefill.pairs});
   if (recent_steps_.size() > LoadReport::kRecentSteps) recent_steps_.erase(recent_steps_.begin());
-  for (size_t i = 0; i < out.scheduled.size(); ++i) {
-    const auto& s = out.scheduled[i];
-    Sequence* seq = s.seq;
-    if (!s.sample) continue;
-    const TokenLogprob& sampled = result.sampled[i];
-    const bool first = seq->num_generated() == 0;
-    seq->tokens.push_back(sampled.token);
-    if (first) {
-      seq->first_token_time = done;
+  for (SequenceUpdate& u : updates) {
+    Sequence* seq = u.seq;
+    RequestOutput& o = u.output;
+    if (u.first_token) {
       metrics_->ttft.observe(done - seq->arrival_time);
       metrics_->prompt_tokens.inc(static_cast<uint64_t>(seq->num_prompt));
-    } else if (seq->last_token_time >= 0) {
-      metrics_->tpot.observe(done - seq->last_token_time);
+    } else if (u.since_last_token_s >= 0) {
+      metrics_->tpot.observe(u.since_last_token_s);
     }
-    seq->last_token_time = done;
     metrics_->generation_tokens.inc();
-    auto delta = seq->output->push(sampled.token);
-    RequestOutput o;
-    o.tokens.push_back(sampled.token);
-    if (seq->request.logprobs >= 0) o.logprobs.push_back(sampled);
-    o.text = std::move(delta.text);
-    o.prompt_tokens = seq->num_prompt;
-    o.completion_tokens = seq->num_generated();
-    o.cached_tokens = seq->num_cached;
-    if (delta.finished) {
-      o.finished = true;
-      o.finish_reason = delta.finish_reason;
-    }
     const auto mode = seq->request.kv_transfer.mode;
-    if (delta.finished && mode == KvTransferSpec::Mode::kPrefillForPull) {
+    if (o.finished && mode == KvTransferSpec::Mode::kPrefillForPull) {
       // The prompt's blocks wait for the decode engine's pull (vLLM's request_finished).
       o.kv_blocks = kv_.block_table(seq->request.id);
       const std::string id = seq->request.id;
@@ -486,15 +468,17 @@ void Engine::step() {
                                       [this, id] { kv_.free(id); });
       seq->kv_state = KvTransferState::kParked;
     }
-    if (delta.finished && seq->kv_state == KvTransferState::kRoomOpen) {
+    const std::string reason = o.finish_reason;
+    if (o.finished && seq->kv_state == KvTransferState::kRoomOpen) {
       // Answered once the decode engine has the KV (or the room failed).
-      parked_[seq->request.id] = {seq->request.on_output, o};
+      parked_[seq->request.id] = {seq->request.on_output, std::move(o)};
       seq->kv_state = KvTransferState::kParked;
-      finish(seq, delta.finish_reason, {}, /*notified=*/true);
+      finish(seq, reason, {}, /*notified=*/true);
       continue;
     }
+    const bool finished = o.finished;
     if (seq->request.on_output) seq->request.on_output(o);
-    if (delta.finished) finish(seq, delta.finish_reason, {}, /*notified=*/true);
+    if (finished) finish(seq, reason, {}, /*notified=*/true);
   }
   publish_events();
   update_gauges();

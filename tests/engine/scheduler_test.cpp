@@ -31,16 +31,13 @@ struct Fixture {
     return seqs.back().get();
   }
 
-  // Runs one step as the engine would: sampled sequences get token 7 + their index; those that
-  // reached max_tokens finish.
-  SchedulerOutput step() {
+  // Runs one step as the engine would: sampled sequences get token 7; those that reached
+  // max_tokens finish.
+  SchedulerOutput step(double now = 0) {
     auto out = sched.schedule();
-    sched.step_done(out);
-    for (const auto& s : out.scheduled) {
-      if (!s.sample) continue;
-      s.seq->tokens.push_back(7);
-      if (s.seq->num_generated() >= s.seq->request.sampling.max_tokens) sched.remove(s.seq);
-    }
+    const std::vector<TokenLogprob> sampled(out.scheduled.size(), TokenLogprob{7, 0, {}});
+    for (const auto& u : sched.update_from_output(out, sampled, now))
+      if (u.output.finished) sched.remove(u.seq);
     kv.check_invariants();
     return out;
   }
@@ -50,6 +47,44 @@ std::vector<int32_t> iota_tokens(int n, int first = 1) {
   std::vector<int32_t> v(n);
   for (int i = 0; i < n; ++i) v[i] = first + i;
   return v;
+}
+
+// update_from_output applies a step's tokens: sequences that sampled get their token appended and
+// one update each (the token, counts, first-token flag, time since their previous token, the
+// finish at max_tokens); a prefill chunk that does not reach the prompt's end gets none.
+TEST(Scheduler, UpdateFromOutputAppliesTokensAndReportsFinishes) {
+  Fixture f(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 12});
+  Sequence* a = f.add(iota_tokens(5), 2);
+  Sequence* b = f.add(iota_tokens(15, 100), 1);  // its prefill takes two steps (7 + 8)
+  auto out = f.sched.schedule();
+  std::vector<TokenLogprob> sampled(out.scheduled.size());
+  for (size_t i = 0; i < sampled.size(); ++i) sampled[i].token = static_cast<int32_t>(50 + i);
+  auto updates = f.sched.update_from_output(out, sampled, 10.0);
+  ASSERT_EQ(updates.size(), 1u);  // b's chunk stopped short of its prompt's end
+  EXPECT_EQ(updates[0].seq, a);
+  EXPECT_TRUE(updates[0].first_token);
+  EXPECT_EQ(updates[0].since_last_token_s, -1);
+  EXPECT_EQ(updates[0].output.tokens, (std::vector<int32_t>{50}));
+  EXPECT_EQ(updates[0].output.prompt_tokens, 5);
+  EXPECT_EQ(updates[0].output.completion_tokens, 1);
+  EXPECT_FALSE(updates[0].output.finished);
+  EXPECT_EQ(a->tokens.back(), 50);
+  EXPECT_EQ(a->num_computed, 5);
+  EXPECT_EQ(b->num_generated(), 0);
+
+  out = f.sched.schedule();
+  sampled.assign(out.scheduled.size(), TokenLogprob{60, 0, {}});
+  updates = f.sched.update_from_output(out, sampled, 10.5);
+  ASSERT_EQ(updates.size(), 2u);
+  for (const auto& u : updates) {
+    EXPECT_TRUE(u.output.finished) << u.seq->request.id;
+    EXPECT_EQ(u.output.finish_reason, "length");
+  }
+  const auto& ua = updates[0].seq == a ? updates[0] : updates[1];
+  EXPECT_FALSE(ua.first_token);
+  EXPECT_DOUBLE_EQ(ua.since_last_token_s, 0.5);
+  EXPECT_EQ(ua.output.completion_tokens, 2);
+  EXPECT_DOUBLE_EQ(b->first_token_time, 10.5);
 }
 
 TEST(Scheduler, ChunkedPrefillRespectsTokenBudget) {

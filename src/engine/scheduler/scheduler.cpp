@@ -121,13 +121,47 @@ SchedulerOutput Scheduler::schedule() {
   return out;
 }
 
-void Scheduler::step_done(const SchedulerOutput& out) {
+std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput& out,
+                                                          std::span<const TokenLogprob> sampled,
+                                                          double now) {
   for (const auto& s : out.scheduled) {
     Sequence* seq = s.seq;
     seq->num_computed += s.num_new_tokens;
     kv_.cache_full_blocks(seq->request.id,
                           std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
   }
+  std::vector<SequenceUpdate> updates;
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    const auto& s = out.scheduled[i];
+    if (!s.sample) continue;
+    Sequence* seq = s.seq;
+    const TokenLogprob& token = sampled[i];
+    SequenceUpdate u;
+    u.seq = seq;
+    u.first_token = seq->num_generated() == 0;
+    if (!u.first_token && seq->last_token_time >= 0)
+      u.since_last_token_s = now - seq->last_token_time;
+    seq->tokens.push_back(token.token);
+    if (u.first_token) seq->first_token_time = now;
+    seq->last_token_time = now;
+    RequestOutput& o = u.output;
+    o.tokens.push_back(token.token);
+    if (seq->request.logprobs >= 0) o.logprobs.push_back(token);
+    if (seq->output) {
+      OutputDelta delta = seq->output->push(token.token);
+      o.text = std::move(delta.text);
+      o.finished = delta.finished;
+      o.finish_reason = std::move(delta.finish_reason);
+    } else if (seq->num_generated() >= seq->request.sampling.max_tokens) {
+      o.finished = true;
+      o.finish_reason = "length";
+    }
+    o.prompt_tokens = seq->num_prompt;
+    o.completion_tokens = seq->num_generated();
+    o.cached_tokens = seq->num_cached;
+    updates.push_back(std::move(u));
+  }
+  return updates;
 }
 
 void Scheduler::remove(Sequence* seq, bool keep_blocks) {

@@ -11,6 +11,7 @@
 // Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
 #include <cstdint>
 #include <deque>
+#include <span>
 #include <vector>
 
 #include "engine/kv/kv_cache_manager.h"
@@ -37,15 +38,31 @@ struct SchedulerOutput {
   bool empty() const { return scheduled.empty(); }
 };
 
+// What one sampled sequence produced in a step: the update for whoever submitted it (its new
+// token, the text that became final, whether and why it finished) and what the engine's metrics
+// need.
+struct SequenceUpdate {
+  Sequence* seq = nullptr;
+  RequestOutput output;
+  bool first_token = false;        // its first generated token
+  double since_last_token_s = -1;  // seconds since its previous token; -1: none
+};
+
 class Scheduler {
  public:
   Scheduler(const SchedulerConfig& config, KvCacheManager& kv);
 
   void add(Sequence* seq);
   SchedulerOutput schedule();
-  // After the executor ran `out`: advances the sequences' computed tokens and registers newly
-  // filled blocks with the prefix cache. Call before appending sampled tokens.
-  void step_done(const SchedulerOutput& out);
+  // After the executor ran `out`: advances the sequences' computed tokens, registers newly filled
+  // blocks with the prefix cache, then applies the step's tokens (`sampled[i]` for
+  // out.scheduled[i] where it samples): each is appended to its sequence and goes through its
+  // output processor (text, stop ids and strings, max_tokens; without one, max_tokens alone ends
+  // it). Returns one update per sampled sequence, in order. Finished sequences stay in the
+  // queues: the engine decides what happens to their blocks (remove()). `now`: seconds, the
+  // engine's clock, for the token times.
+  std::vector<SequenceUpdate> update_from_output(const SchedulerOutput& out,
+                                                 std::span<const TokenLogprob> sampled, double now);
   // A finished or aborted sequence leaves the queues and gives back its blocks (unless
   // `keep_blocks`: KV transfer still needs them; the engine frees them later).
   void remove(Sequence* seq, bool keep_blocks = false);
