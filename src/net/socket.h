@@ -1,5 +1,6 @@
 #pragma once
-// Thin helpers over BSD sockets for the HTTP stack. Internal to src/net.
+// Thin helpers over BSD sockets, shared by the HTTP stack and the KV transfer transport (one
+// socket story for the project: no second networking library).
 #include <sys/socket.h>
 
 #include <cstdint>

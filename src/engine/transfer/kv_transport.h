@@ -81,7 +81,8 @@ struct TcpTransportOptions {
   std::chrono::milliseconds io_timeout{30000};  // connect, and each send or receive
 };
 
-// Boost.Asio TCP; frames are [u32 type][u32 zero][u64 payload bytes] little-endian + payload.
+// TCP on the project's own sockets (net/socket.h, poll() for the timeouts); frames are [u32
+// type][u32 zero][u64 payload bytes] little-endian + payload.
 std::unique_ptr<KvTransport> make_tcp_transport(const TcpTransportOptions& options = {});
 
 }  // namespace tandem::engine

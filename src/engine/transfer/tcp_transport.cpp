@@ -1,53 +1,63 @@
-// KvTransport over TCP with Boost.Asio. Each connection owns an io_context that only the thread
-// calling send/receive runs, with run_for(timeout): blocking calls with a deadline, and a
-// shutdown() from another thread is posted into that context so the socket is never touched by
-// two threads at once.
+// KvTransport over TCP on the project's own socket helpers (src/net's, no Asio): non-blocking
+// sockets, and each blocking call waits in poll() for at most the I/O timeout. shutdown() from
+// another thread shuts the socket down, which wakes a poll() blocked on it; the descriptor itself
+// is closed only when the connection is destroyed, so no call ever races a reused descriptor.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
-#include <boost/asio/connect.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/post.hpp>
-#include <boost/asio/read.hpp>
-#include <boost/asio/write.hpp>
-
 #include "engine/transfer/kv_transport.h"
+#include "net/socket.h"
 #include "util/error.h"
 #include "util/little_endian.h"
 
 namespace tandem::engine {
 namespace {
 
-namespace asio = boost::asio;
-using tcp = asio::ip::tcp;
-using boost::system::error_code;
-
+using Clock = std::chrono::steady_clock;
 constexpr size_t kHeaderBytes = 16;
 
-std::string endpoint_text(const tcp::socket& s) {
-  error_code ec;
-  auto ep = s.remote_endpoint(ec);
-  if (ec) return "unknown peer";
-  return ep.address().to_string() + ":" + std::to_string(ep.port());
+std::string peer_text(int fd) {
+  std::string address;
+  unsigned short port = 0;
+  net::detail::peer_of(fd, address, port);
+  if (address.empty()) return "unknown peer";
+  return address + ":" + std::to_string(port);
+}
+
+// Waits until `fd` is ready for `events` or `deadline` passes. Returns false on timeout.
+bool wait_ready(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
+    if (n > 0) return true;  // ready, or an error/hangup the next call reports
+    if (n < 0 && errno != EINTR) return true;
+  }
 }
 
 class TcpConnection : public KvConnection {
  public:
-  TcpConnection(std::unique_ptr<asio::io_context> ctx, tcp::socket socket,
-                std::chrono::milliseconds timeout)
-      : ctx_(std::move(ctx)), socket_(std::move(socket)), timeout_(timeout) {
-    error_code ec;
-    socket_.set_option(tcp::no_delay(true), ec);
-    peer_ = endpoint_text(socket_);
+  TcpConnection(int fd, std::chrono::milliseconds timeout)
+      : fd_(fd), timeout_(timeout), peer_(peer_text(fd)) {
+    net::detail::set_no_delay(fd_);
   }
-  ~TcpConnection() override {
-    error_code ec;
-    socket_.close(ec);
-  }
+  ~TcpConnection() override { ::close(fd_); }
 
   void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) override {
     uint64_t total = 0;
@@ -55,17 +65,18 @@ class TcpConnection : public KvConnection {
     std::array<std::byte, kHeaderBytes> header{};
     put_le(header.data(), static_cast<uint32_t>(type), 4);
     put_le(header.data() + 8, total, 8);
-    std::vector<asio::const_buffer> buffers;
-    buffers.reserve(parts.size() + 1);
-    buffers.emplace_back(header.data(), header.size());
+    std::vector<iovec> iov;
+    iov.reserve(parts.size() + 1);
+    iov.push_back({header.data(), header.size()});
     for (auto p : parts)
-      if (!p.empty()) buffers.emplace_back(p.data(), p.size());
-    run([&](auto done) { asio::async_write(socket_, buffers, done); }, "sending");
+      if (!p.empty()) iov.push_back({const_cast<std::byte*>(p.data()), p.size()});
+    transfer(iov, /*sending=*/true);
   }
 
   KvFrameType receive_header(uint64_t& size, size_t max_payload) override {
     std::array<std::byte, kHeaderBytes> header{};
-    run([&](auto done) { asio::async_read(socket_, asio::buffer(header), done); }, "receiving");
+    std::vector<iovec> iov = {{header.data(), header.size()}};
+    transfer(iov, /*sending=*/false);
     const uint64_t type = get_le(header.data(), 4);
     size = get_le(header.data() + 8, 8);
     if (type < 1 || type > 6 || get_le(header.data() + 4, 4) != 0)
@@ -78,98 +89,120 @@ class TcpConnection : public KvConnection {
   }
 
   void receive_payload(std::span<const std::span<std::byte>> parts) override {
-    std::vector<asio::mutable_buffer> buffers;
-    buffers.reserve(parts.size());
+    std::vector<iovec> iov;
+    iov.reserve(parts.size());
     for (auto p : parts)
-      if (!p.empty()) buffers.emplace_back(p.data(), p.size());
-    if (!buffers.empty())
-      run([&](auto done) { asio::async_read(socket_, buffers, done); }, "receiving");
+      if (!p.empty()) iov.push_back({p.data(), p.size()});
+    if (!iov.empty()) transfer(iov, /*sending=*/false);
   }
 
   void shutdown() override {
     stopped_ = true;
-    asio::post(*ctx_, [this] {
-      error_code ec;
-      socket_.shutdown(tcp::socket::shutdown_both, ec);
-      socket_.close(ec);
-    });
+    ::shutdown(fd_, SHUT_RDWR);  // wakes a poll() blocked on the socket
   }
 
   std::string peer() const override { return peer_; }
 
  private:
-  // Starts one async operation and runs the context until it completes or the timeout passes.
-  template <typename Start>
-  void run(Start start, const char* what) {
-    if (stopped_) throw Error("KV transfer with " + peer_ + ": connection shut down");
-    error_code result = asio::error::would_block;
-    bool finished = false;
-    ctx_->restart();
-    start([&](error_code ec, size_t) {
-      result = ec;
-      finished = true;
-    });
-    ctx_->run_for(timeout_);
-    if (!finished) {
-      error_code ec;
-      socket_.close(ec);
-      ctx_->restart();
-      ctx_->run();  // lets the cancelled operation complete
-      throw Error("KV transfer with " + peer_ + ": timed out " + what + " after " +
-                  std::to_string(timeout_.count()) + " ms");
+  // Sends or receives all of `iov` (consumed as it goes) within one I/O timeout.
+  void transfer(std::vector<iovec>& iov, bool sending) {
+    const char* what = sending ? "sending" : "receiving";
+    if (stopped_ || broken_) throw Error("KV transfer with " + peer_ + ": connection shut down");
+    const auto deadline = Clock::now() + timeout_;
+    size_t first = 0;
+    while (first < iov.size()) {
+      msghdr m{};
+      m.msg_iov = iov.data() + first;
+      m.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
+      const ssize_t n = sending ? ::sendmsg(fd_, &m, MSG_NOSIGNAL) : ::recvmsg(fd_, &m, 0);
+      if (n > 0) {
+        size_t left = static_cast<size_t>(n);
+        while (left > 0 && first < iov.size()) {
+          const size_t take = std::min(left, iov[first].iov_len);
+          iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + take;
+          iov[first].iov_len -= take;
+          left -= take;
+          if (iov[first].iov_len == 0) ++first;
+        }
+        continue;
+      }
+      if (stopped_) fail("connection shut down");  // our own shutdown() ended the call
+      if (n == 0 && !sending) fail("receiving failed: connection closed by peer");
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        if (stopped_) fail("connection shut down");
+        if (!wait_ready(fd_, sending ? POLLOUT : POLLIN, deadline)) {
+          broken_ = true;  // part of a frame may have gone: the stream is out of step
+          throw Error("KV transfer with " + peer_ + ": timed out " + what + " after " +
+                      std::to_string(timeout_.count()) + " ms");
+        }
+        continue;
+      }
+      if (stopped_) fail("connection shut down");
+      if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
+        fail(std::string(what) + " failed: connection closed by peer");
+      fail(std::string(what) + " failed: " + std::strerror(errno));
     }
-    if (result) {
-      if (stopped_) throw Error("KV transfer with " + peer_ + ": connection shut down");
-      throw Error("KV transfer with " + peer_ + ": " + what + " failed: " +
-                  (result == asio::error::eof ? std::string("connection closed by peer")
-                                              : result.message()));
-    }
+    if (stopped_) fail("connection shut down");
   }
 
-  std::unique_ptr<asio::io_context> ctx_;
-  tcp::socket socket_;
-  std::chrono::milliseconds timeout_;
+  [[noreturn]] void fail(const std::string& why) {
+    broken_ = true;
+    throw Error("KV transfer with " + peer_ + ": " + why);
+  }
+
+  const int fd_;
+  const std::chrono::milliseconds timeout_;
+  const std::string peer_;
   std::atomic<bool> stopped_{false};
-  std::string peer_;
+  bool broken_ = false;  // the calling thread's: a failed or timed-out call left the stream
 };
+
+int listen_on(const std::string& host, uint16_t port, uint16_t& bound) {
+  const std::string where = host + ":" + std::to_string(port);
+  std::string error;
+  const auto addresses = net::detail::resolve(host, port, /*passive=*/true, error);
+  if (addresses.empty())
+    throw Error("KV transfer: cannot resolve listen address '" + host + "': " + error);
+  const auto& a = addresses.front();
+  const int fd = ::socket(a.storage.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error("KV transfer: cannot listen on " + where + ": " + std::strerror(errno));
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0 ||
+      ::listen(fd, SOMAXCONN) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw Error("KV transfer: cannot listen on " + where + ": " + std::strerror(e));
+  }
+  sockaddr_storage local{};
+  socklen_t length = sizeof local;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length);
+  bound = local.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&local)->sin6_port)
+                                      : ntohs(reinterpret_cast<sockaddr_in*>(&local)->sin_port);
+  return fd;
+}
 
 class TcpListener : public KvListener {
  public:
   TcpListener(const std::string& host, uint16_t port, std::chrono::milliseconds timeout)
-      : acceptor_(ctx_), timeout_(timeout) {
-    error_code ec;
-    tcp::resolver resolver(ctx_);
-    auto results = resolver.resolve(host, std::to_string(port), tcp::resolver::passive, ec);
-    if (ec || results.empty())
-      throw Error("KV transfer: cannot resolve listen address '" + host + "'");
-    const tcp::endpoint ep = *results.begin();
-    acceptor_.open(ep.protocol());
-    acceptor_.set_option(tcp::acceptor::reuse_address(true));
-    acceptor_.bind(ep, ec);
-    if (ec)
-      throw Error("KV transfer: cannot listen on " + host + ":" + std::to_string(port) + ": " +
-                  ec.message());
-    acceptor_.listen(asio::socket_base::max_listen_connections);
-    port_ = acceptor_.local_endpoint().port();
+      : fd_(listen_on(host, port, port_)), timeout_(timeout) {}
+  ~TcpListener() override {
+    close();
+    ::close(fd_);
   }
 
   std::unique_ptr<KvConnection> accept() override {
     while (!closed_) {
-      auto ctx = std::make_unique<asio::io_context>();
-      tcp::socket socket(*ctx);
-      error_code ec;
-      {
-        std::lock_guard lock(mutex_);
-        if (closed_) break;
-      }
-      acceptor_.accept(socket, ec);  // close() unblocks it with an error
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, -1) < 0 && errno != EINTR) break;
       if (closed_) break;
-      if (ec) {
-        // A client that gave up before we accepted it, or no file descriptors left: do not spin.
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd >= 0) return std::make_unique<TcpConnection>(fd, timeout_);
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED)
         continue;
-      }
-      return std::make_unique<TcpConnection>(std::move(ctx), std::move(socket), timeout_);
+      // No file descriptors left (or the like): do not spin.
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     return nullptr;
   }
@@ -180,21 +213,14 @@ class TcpListener : public KvListener {
     std::lock_guard lock(mutex_);
     if (closed_) return;
     closed_ = true;
-    // shutdown() on the listening socket wakes a thread blocked in accept().
-    ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
-  }
-
-  ~TcpListener() override {
-    close();
-    error_code ec;
-    acceptor_.close(ec);
+    // shutdown() on the listening socket wakes a thread blocked in poll() on it.
+    ::shutdown(fd_, SHUT_RDWR);
   }
 
  private:
-  asio::io_context ctx_;
-  tcp::acceptor acceptor_;
-  std::chrono::milliseconds timeout_;
   uint16_t port_ = 0;
+  const int fd_;
+  const std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   std::atomic<bool> closed_{false};
 };
@@ -209,28 +235,31 @@ class TcpTransport : public KvTransport {
   }
 
   std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) override {
-    auto ctx = std::make_unique<asio::io_context>();
-    tcp::socket socket(*ctx);
     const std::string where = host + ":" + std::to_string(port);
-    tcp::resolver resolver(*ctx);
-    error_code ec;
-    auto results = resolver.resolve(host, std::to_string(port), ec);
-    if (ec) throw Error("KV transfer: cannot resolve " + where + ": " + ec.message());
-    error_code result = asio::error::would_block;
-    bool finished = false;
-    asio::async_connect(socket, results, [&](error_code e, const tcp::endpoint&) {
-      result = e;
-      finished = true;
-    });
-    ctx->run_for(options_.io_timeout);
-    if (!finished) {
-      socket.close(ec);
-      ctx->restart();
-      ctx->run();
-      throw Error("KV transfer: connecting to " + where + " timed out");
+    std::string error;
+    const auto addresses = net::detail::resolve(host, port, /*passive=*/false, error);
+    if (addresses.empty()) throw Error("KV transfer: cannot resolve " + where + ": " + error);
+    const auto deadline = Clock::now() + options_.io_timeout;
+    std::string last = "no address";
+    // Every address in turn: a name may resolve to ::1 and 127.0.0.1 with the server on one.
+    for (const auto& a : addresses) {
+      const int fd = net::detail::start_connect(a);
+      if (fd < 0) {
+        last = std::strerror(errno);
+        continue;
+      }
+      if (!wait_ready(fd, POLLOUT, deadline)) {
+        ::close(fd);
+        throw Error("KV transfer: connecting to " + where + " timed out");
+      }
+      int so_error = 0;
+      socklen_t length = sizeof so_error;
+      ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &length);
+      if (so_error == 0) return std::make_unique<TcpConnection>(fd, options_.io_timeout);
+      ::close(fd);
+      last = std::strerror(so_error);
     }
-    if (result) throw Error("KV transfer: cannot connect to " + where + ": " + result.message());
-    return std::make_unique<TcpConnection>(std::move(ctx), std::move(socket), options_.io_timeout);
+    throw Error("KV transfer: cannot connect to " + where + ": " + last);
   }
 
  private:
