@@ -86,6 +86,28 @@ ticks() {
 }
 hz="$(getconf CLK_TCK)"
 
+# nginx_conf DIR HTTP_BODY: an nginx.conf for one worker with its files under DIR, no access log,
+# and HTTP_BODY inside its http block.
+nginx_conf() {
+  cat >"$1/nginx.conf" <<EOF
+daemon off;
+worker_processes 1;
+error_log stderr;
+pid $1/nginx.pid;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  client_body_temp_path $1/body;
+  proxy_temp_path $1/proxy;
+  fastcgi_temp_path $1/fastcgi;
+  uwsgi_temp_path $1/uwsgi;
+  scgi_temp_path $1/scgi;
+  keepalive_requests 1000000;
+$2
+}
+EOF
+}
+
 # --- the backend ------------------------------------------------------------------------------
 # The same answers either way: a completion of TOKENS tokens, or with ?stream=1 TOKENS SSE chunks
 # and [DONE] (the stream rows ask for that path: nginx does not read the body).
@@ -114,21 +136,7 @@ if [ "$backend_kind" = nginx ]; then
 print(s.getsockname()[1])')"
   # The SSE string is double-quoted for nginx: escape its quotes.
   sse="$(sse_body | sed 's/"/\\"/g')"
-  cat >"$dir/backend/nginx.conf" <<EOF
-daemon off;
-worker_processes 1;
-error_log stderr;
-pid $dir/backend/nginx.pid;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  client_body_temp_path $dir/backend/body;
-  proxy_temp_path $dir/backend/proxy;
-  fastcgi_temp_path $dir/backend/fastcgi;
-  uwsgi_temp_path $dir/backend/uwsgi;
-  scgi_temp_path $dir/backend/scgi;
-  keepalive_requests 1000000;
-  server {
+  nginx_conf "$dir/backend" "  server {
     listen 127.0.0.1:$backend_port;
     location / {
       if (\$arg_stream) { rewrite ^ /sse last; }
@@ -138,11 +146,9 @@ http {
     location = /sse {
       internal;
       default_type text/event-stream;
-      return 200 "$sse";
+      return 200 \"$sse\";
     }
-  }
-}
-EOF
+  }"
   # shellcheck disable=SC2086
   $cpu_client "$nginx_bin" -p "$dir/backend" -c "$dir/backend/nginx.conf" >"$dir/backend.log" 2>&1 &
   backend_pid=$!
@@ -165,35 +171,19 @@ fi
 
 # --- nginx: one worker, keep-alive upstream, unbuffered so streams flow ----------------------
 mkdir -p "$dir/nginx"
-cat >"$dir/nginx/nginx.conf" <<EOF
-daemon off;
-worker_processes 1;
-error_log stderr;
-pid $dir/nginx/nginx.pid;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  client_body_temp_path $dir/nginx/body;
-  proxy_temp_path $dir/nginx/proxy;
-  fastcgi_temp_path $dir/nginx/fastcgi;
-  uwsgi_temp_path $dir/nginx/uwsgi;
-  scgi_temp_path $dir/nginx/scgi;
-  upstream backend {
+nginx_conf "$dir/nginx" "  upstream backend {
     server 127.0.0.1:$backend_port;
     keepalive 64;
   }
-  keepalive_requests 1000000;
   server {
     listen 127.0.0.1:0;
     location / {
       proxy_pass http://backend;
       proxy_http_version 1.1;
-      proxy_set_header Connection "";
+      proxy_set_header Connection \"\";
       proxy_buffering off;
     }
-  }
-}
-EOF
+  }"
 # nginx cannot listen on port 0 and report it: pick a free port first.
 nginx_port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0))
 print(s.getsockname()[1])')"
@@ -322,7 +312,7 @@ for stream in ${STREAMS:-false true}; do
     [ -n "$tok_pid" ] && tok_costs+=" $(awk -v t="${cpu[gateway+tokenizer]}" \
       -v g="${cpu[gateway]}" 'BEGIN { printf "%.1f", t - g }')"
   done
-  printf "gateway / nginx CPU per request by round:%s; median %.2fx (target <= 1.3x)\n" \
+  printf "gateway / nginx CPU per request by round:%s; median %.2fx (target <= 1.2x)\n" \
     "$ratios" "$(median <<<"$ratios")"
   if [ -n "$tok_pid" ]; then
     printf "tokenization adds, by round (us CPU per request):%s; median %.1f\n" "$tok_costs" \
