@@ -21,6 +21,11 @@ constexpr size_t kControlLimit = 1 << 20;  // JSON frames
 constexpr size_t kLayerHeader = 16;        // [u32 layer][u32 flags][u64 checksum]
 constexpr uint32_t kFlagChecksum = 1;
 constexpr int64_t kMaxConnections = 512;  // served at once; more are refused, not queued
+// Worker threads at most: every connection served at once, plus room for the decode side's
+// fetches, which therefore never wait behind connections blocked on their transfers.
+constexpr int64_t kMaxWorkers = kMaxConnections + 128;
+// A worker with nothing to do for this long ends (a burst's threads do not linger).
+constexpr auto kWorkerIdle = std::chrono::seconds(10);
 
 std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -214,6 +219,7 @@ KvTransferAgent::~KvTransferAgent() {
     conns.insert(conns.end(), serving_.begin(), serving_.end());
   }
   changed_.notify_all();
+  work_ready_.notify_all();  // idle workers end; busy ones finish what is queued first
   if (listener_) listener_->close();
   for (auto& c : conns) c->shutdown();
   if (accept_thread_.joinable()) accept_thread_.join();
@@ -232,25 +238,45 @@ Clock::time_point KvTransferAgent::deadline() const {
 }
 
 bool KvTransferAgent::spawn(std::function<void()> body) {
-  {
-    std::lock_guard lock(mutex_);
-    ++threads_;
+  std::lock_guard lock(mutex_);
+  work_.push_back(std::move(body));
+  if (idle_workers_ > 0) {
+    work_ready_.notify_one();
+    return true;
   }
+  if (threads_ >= kMaxWorkers) return true;  // a worker takes it when one is free
   try {
-    std::thread([this, body = std::move(body)] {
-      body();
-      std::lock_guard lock(mutex_);
-      --threads_;
-      changed_.notify_all();
-    }).detach();
+    std::thread([this] { worker(); }).detach();
+    ++threads_;
     return true;
   } catch (const std::system_error&) {
+    if (threads_ > 0) return true;  // the workers there are will get to it
     // Out of threads: the caller refuses this piece of work instead of the process dying.
-    std::lock_guard lock(mutex_);
-    --threads_;
-    changed_.notify_all();
+    work_.pop_back();
     return false;
   }
+}
+
+void KvTransferAgent::worker() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    if (work_.empty()) {
+      ++idle_workers_;
+      const bool woken =
+          work_ready_.wait_for(lock, kWorkerIdle, [this] { return !work_.empty() || stopping_; });
+      --idle_workers_;
+      if (work_.empty() && (!woken || stopping_)) break;  // idle too long, or stopping
+      if (work_.empty()) continue;
+    }
+    std::function<void()> body = std::move(work_.front());
+    work_.pop_front();
+    lock.unlock();
+    body();
+    body = nullptr;  // what it captured goes before the lock is taken again
+    lock.lock();
+  }
+  --threads_;
+  changed_.notify_all();
 }
 
 int64_t KvTransferAgent::held_blocks() const {

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -154,7 +155,9 @@ class KvTransferAgent {
   void finish_room(uint64_t room, bool ok, const std::string& error);  // under mutex_
   void reap_loop();  // also refreshes the held-blocks gauge
   int64_t held_blocks_locked() const;
-  bool spawn(std::function<void()> body);  // false: no thread could be started
+  // Runs `body` on the worker pool; false: no worker could be started.
+  bool spawn(std::function<void()> body);
+  void worker();  // a pool thread: runs queued work until idle for kWorkerIdle, or stopping
   std::chrono::steady_clock::time_point deadline() const;
 
   KvTransferConfig config_;
@@ -168,7 +171,12 @@ class KvTransferAgent {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   bool stopping_ = false;
-  int64_t threads_ = 0;  // spawned threads still running
+  // The worker pool that runs connections and fetches: threads are reused, at most
+  // kMaxWorkers at once; work beyond that waits in `work_` for a free worker.
+  int64_t threads_ = 0;       // workers alive
+  int64_t idle_workers_ = 0;  // of them, waiting for work
+  std::deque<std::function<void()>> work_;
+  std::condition_variable work_ready_;
   uint64_t next_transfer_ = 0;
   uint64_t next_claim_ = 0;
   int64_t connections_ = 0;  // server connections being served
