@@ -17,6 +17,7 @@
 #include "api/error.h"
 #include "api/prefill_work.h"
 #include "gateway/access_log.h"
+#include "gateway/answer_text.h"
 #include "gateway/engine_load.h"
 #include "gateway/kv_events_consumer.h"
 #include "gateway/lifecycle.h"
@@ -50,55 +51,6 @@ std::string address(const Endpoint& e) {
   s += ':';
   s += std::to_string(e.port);
   return s;
-}
-
-// `object_text` (a serialized JSON object) with `fields` (serialized "key":value pairs) added.
-std::string splice_fields(const std::string& object_text, const std::string& fields) {
-  const auto close = object_text.rfind('}');
-  if (close == std::string::npos) return object_text;
-  const auto last = object_text.find_last_not_of(" \t\r\n", close - 1);
-  const bool empty = last != std::string::npos && object_text[last] == '{';
-  std::string out = object_text.substr(0, close);
-  if (!empty) out += ',';
-  out += fields;
-  out += '}';
-  return out;
-}
-
-bool looks_like_json_object(std::string_view body) {
-  const auto first = body.find_first_not_of(" \t\r\n");
-  const auto last = body.find_last_not_of(" \t\r\n");
-  return first != std::string_view::npos && body[first] == '{' && body[last] == '}';
-}
-
-// usage.completion_tokens of a completion answer, or -1: the one number the statistics need.
-int64_t usage_completion_tokens(std::string_view body) {
-  constexpr std::string_view kKey = "\"completion_tokens\":";
-  const auto at = body.rfind(kKey);
-  if (at == std::string_view::npos) return -1;
-  size_t i = at + kKey.size();
-  while (i < body.size() && body[i] == ' ') ++i;
-  int64_t v = 0;
-  bool any = false;
-  for (; i < body.size() && body[i] >= '0' && body[i] <= '9' && v < (int64_t{1} << 40); ++i) {
-    v = v * 10 + (body[i] - '0');
-    any = true;
-  }
-  return any ? v : -1;
-}
-
-// What an engine's streamed event is, cheaply: the gateway relays events verbatim and only needs
-// to know which ones carry tokens (for TTFT/ITL) and whether the first one is an error.
-bool is_error_event(std::string_view data) {
-  return data.substr(0, 16).find("\"error\"") != std::string_view::npos;
-}
-bool carries_tokens(std::string_view data) {
-  if (data == "[DONE]") return false;
-  // Not a usage chunk ("choices":[]). '[' is rare in a chunk and '"' frequent, so look for "[]".
-  constexpr std::string_view kKey = "\"choices\":";
-  for (size_t at = data.find("[]"); at != std::string_view::npos; at = data.find("[]", at + 2))
-    if (at >= kKey.size() && data.substr(at - kKey.size(), kKey.size()) == kKey) return false;
-  return true;
 }
 
 // Prompt blocks the gateway hashes its ids in (api/block_hash.h): the policies' prompt identity

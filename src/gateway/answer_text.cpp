@@ -1,0 +1,51 @@
+#include "gateway/answer_text.h"
+
+namespace tandem::gateway {
+
+std::string splice_fields(const std::string& object_text, const std::string& members) {
+  const auto close = object_text.rfind('}');
+  if (close == std::string::npos) return object_text;
+  const auto last = object_text.find_last_not_of(" \t\r\n", close - 1);
+  const bool empty = last != std::string::npos && object_text[last] == '{';
+  std::string out = object_text.substr(0, close);
+  if (!empty) out += ',';
+  out += members;
+  out += '}';
+  return out;
+}
+
+bool looks_like_json_object(std::string_view body) {
+  const auto first = body.find_first_not_of(" \t\r\n");
+  const auto last = body.find_last_not_of(" \t\r\n");
+  return first != std::string_view::npos && body[first] == '{' && body[last] == '}';
+}
+
+int64_t usage_completion_tokens(std::string_view body) {
+  constexpr std::string_view kKey = "\"completion_tokens\":";
+  const auto at = body.rfind(kKey);
+  if (at == std::string_view::npos) return -1;
+  size_t i = at + kKey.size();
+  while (i < body.size() && body[i] == ' ') ++i;
+  int64_t v = 0;
+  bool any = false;
+  for (; i < body.size() && body[i] >= '0' && body[i] <= '9' && v < (int64_t{1} << 40); ++i) {
+    v = v * 10 + (body[i] - '0');
+    any = true;
+  }
+  return any ? v : -1;
+}
+
+bool is_error_event(std::string_view data) {
+  return data.substr(0, 16).find("\"error\"") != std::string_view::npos;
+}
+
+bool carries_tokens(std::string_view data) {
+  if (data == "[DONE]") return false;
+  // Not a usage chunk ("choices":[]). '[' is rare in a chunk and '"' frequent, so look for "[]".
+  constexpr std::string_view kKey = "\"choices\":";
+  for (size_t at = data.find("[]"); at != std::string_view::npos; at = data.find("[]", at + 2))
+    if (at >= kKey.size() && data.substr(at - kKey.size(), kKey.size()) == kKey) return false;
+  return true;
+}
+
+}  // namespace tandem::gateway

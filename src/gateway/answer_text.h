@@ -1,0 +1,28 @@
+#pragma once
+// What the gateway reads from, and adds to, the text of bodies and answers it relays without
+// parsing them: a full JSON parse per request would cost more than the rest of the relay, so these
+// look at the few bytes that matter. Pure functions of the text.
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace tandem::gateway {
+
+// `object_text` (a serialized JSON object) with `members` (serialized "key":value pairs) added
+// before its closing brace; text without one is returned as it is.
+std::string splice_fields(const std::string& object_text, const std::string& members);
+
+// Whether the text starts with '{' and ends with '}' (surrounding white space aside).
+bool looks_like_json_object(std::string_view body);
+
+// usage.completion_tokens of a completion answer (its last "completion_tokens"), or -1.
+int64_t usage_completion_tokens(std::string_view body);
+
+// Of one streamed event's data: an OpenAI error object (checked on a stream's first event, which
+// decides whether the request can still be retried elsewhere).
+bool is_error_event(std::string_view data);
+// Of one streamed event's data: a chunk that carries tokens (for TTFT and ITL), not [DONE] or the
+// usage chunk ("choices":[]).
+bool carries_tokens(std::string_view data);
+
+}  // namespace tandem::gateway
