@@ -80,16 +80,56 @@ TANDEM_CLONES float dot_i8(const int8_t* w, const float* x, int64_t n) {
   return s;
 }
 
+// What the portable kernels need of each weight type: its element size, one row's dot product
+// with x, and one row widened to float32. One table instead of a switch in each kernel.
+struct WeightTypeKernels {
+  WeightType type;
+  size_t bytes;
+  float (*row_dot)(const Matrix& w, int64_t r, const float* x);
+  void (*row)(const Matrix& w, int64_t r, float* out);
+};
+
+template <typename T>
+const T* row_of(const Matrix& w, int64_t r) {
+  return static_cast<const T*>(w.data) + r * w.cols;
+}
+
+constexpr WeightTypeKernels kWeightTypes[] = {
+    {WeightType::kF32, 4,
+     [](const Matrix& w, int64_t r, const float* x) {
+       return dot_f32(row_of<float>(w, r), x, w.cols);
+     },
+     [](const Matrix& w, int64_t r, float* out) { std::copy_n(row_of<float>(w, r), w.cols, out); }},
+    {WeightType::kBF16, 2,
+     [](const Matrix& w, int64_t r, const float* x) {
+       return dot_bf16(row_of<uint16_t>(w, r), x, w.cols);
+     },
+     [](const Matrix& w, int64_t r, float* out) {
+       const uint16_t* row = row_of<uint16_t>(w, r);
+       for (int64_t c = 0; c < w.cols; ++c) out[c] = bf16_to_f32(row[c]);
+     }},
+    {WeightType::kI8, 1,
+     [](const Matrix& w, int64_t r, const float* x) {
+       return dot_i8(row_of<int8_t>(w, r), x, w.cols) * w.row_scales[r];
+     },
+     [](const Matrix& w, int64_t r, float* out) {
+       const int8_t* row = row_of<int8_t>(w, r);
+       const float scale = w.row_scales[r];
+       for (int64_t c = 0; c < w.cols; ++c) out[c] = row[c] * scale;
+     }},
+};
+
+const WeightTypeKernels& kernels_of(WeightType t) {
+  const auto& k = kWeightTypes[static_cast<size_t>(t)];
+  return k;
+}
+static_assert(static_cast<size_t>(WeightType::kF32) == 0 &&
+                  static_cast<size_t>(WeightType::kBF16) == 1 &&
+                  static_cast<size_t>(WeightType::kI8) == 2,
+              "kWeightTypes is indexed by WeightType");
+
 float row_dot(const Matrix& w, int64_t r, const float* x) {
-  switch (w.type) {
-    case WeightType::kF32:
-      return dot_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols);
-    case WeightType::kBF16:
-      return dot_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols);
-    case WeightType::kI8:
-      return dot_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x, w.cols) * w.row_scales[r];
-  }
-  return 0;
+  return kernels_of(w.type).row_dot(w, r, x);
 }
 
 // out[i] = W[r, :] . x[i] for i < m (m <= 4): the weight row is streamed once for all of them.
@@ -180,8 +220,7 @@ void set_int8_row_sums(Matrix& w) {
 }
 
 size_t Matrix::bytes() const {
-  size_t per = type == WeightType::kF32 ? 4 : type == WeightType::kBF16 ? 2 : 1;
-  return static_cast<size_t>(rows * cols) * per;
+  return static_cast<size_t>(rows * cols) * kernels_of(type).bytes;
 }
 
 void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
@@ -256,22 +295,7 @@ void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y
 }
 
 void matrix_row(const Matrix& w, int64_t r, float* out) {
-  switch (w.type) {
-    case WeightType::kF32:
-      std::copy_n(static_cast<const float*>(w.data) + r * w.cols, w.cols, out);
-      break;
-    case WeightType::kBF16: {
-      const uint16_t* row = static_cast<const uint16_t*>(w.data) + r * w.cols;
-      for (int64_t c = 0; c < w.cols; ++c) out[c] = bf16_to_f32(row[c]);
-      break;
-    }
-    case WeightType::kI8: {
-      const int8_t* row = static_cast<const int8_t*>(w.data) + r * w.cols;
-      const float scale = w.row_scales[r];
-      for (int64_t c = 0; c < w.cols; ++c) out[c] = row[c] * scale;
-      break;
-    }
-  }
+  kernels_of(w.type).row(w, r, out);
 }
 
 void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const float* x, float* y) {
