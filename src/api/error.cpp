@@ -2,6 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "util/error.h"
+#include "util/json.h"
+
 namespace tandem::api {
 
 std::string openai_error_body(std::string_view message, std::string_view type,
@@ -12,6 +15,21 @@ std::string openai_error_body(std::string_view message, std::string_view type,
   // Replace, not throw, on invalid UTF-8: messages may quote bytes a client sent.
   return nlohmann::ordered_json{{"error", std::move(error)}}.dump(
       -1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+std::optional<std::string> openai_error_message(std::string_view body) {
+  nlohmann::json doc;
+  try {
+    doc = parse_untrusted_json(body);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  if (!doc.is_object()) return std::nullopt;
+  const auto error = doc.find("error");
+  if (error == doc.end() || !error->is_object()) return std::nullopt;
+  const auto message = error->find("message");
+  if (message == error->end() || !message->is_string()) return std::nullopt;
+  return message->get<std::string>();
 }
 
 std::string_view default_error_type(int status) {

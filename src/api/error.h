@@ -1,6 +1,7 @@
 #pragma once
 // Errors as the OpenAI API words them, for engine and gateway alike: the error a request parser
 // throws (ApiError) and the body every HTTP error carries.
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -21,6 +22,9 @@ struct ApiError {
 std::string openai_error_body(std::string_view message,
                               std::string_view type = "invalid_request_error",
                               std::string_view code = {});
+
+// The message of an OpenAI error body (error.message), or nullopt when `body` is not one.
+std::optional<std::string> openai_error_message(std::string_view body);
 
 // The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
 // 5xx (OpenAI's own names).

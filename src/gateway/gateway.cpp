@@ -1119,12 +1119,8 @@ class Gateway::Impl {
       return;
     }
     if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
-      std::string message = "engine " + where + " failed: " + l.body;
-      try {
-        message = "engine " + where + " failed: " +
-                  parse_untrusted_json(l.body).at("error").at("message").get<std::string>();
-      } catch (const std::exception&) {
-      }
+      const std::string message =
+          "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body);
       sched_.post_batched([this, r, attempt, endpoint_id, message] {
         attempt_failed(r, attempt, endpoint_id, 502, {}, message);
       });

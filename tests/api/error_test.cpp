@@ -18,6 +18,15 @@ TEST(OpenAiError, BodyShape) {
   EXPECT_EQ(default_error_type(503), "server_error");
 }
 
+TEST(OpenAiError, TheMessageReadsBackFromTheBody) {
+  EXPECT_EQ(openai_error_message(openai_error_body("KV transfer failed", "server_error")),
+            "KV transfer failed");
+  EXPECT_EQ(openai_error_message(R"({"error":"flat"})"), std::nullopt);
+  EXPECT_EQ(openai_error_message(R"({"error":{"message":7}})"), std::nullopt);
+  EXPECT_EQ(openai_error_message("not json"), std::nullopt);
+  EXPECT_EQ(openai_error_message("[]"), std::nullopt);
+}
+
 TEST(OpenAiError, InvalidUtf8InTheMessageIsReplacedNotThrown) {
   const auto json = nlohmann::json::parse(openai_error_body("bad \xff byte"));
   EXPECT_EQ(json["error"]["message"], "bad \xef\xbf\xbd byte");
