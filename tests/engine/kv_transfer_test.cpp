@@ -115,6 +115,12 @@ class RawSocket {
   bool write(const void* data, size_t n) {
     return ::send(fd_, data, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n);
   }
+  // Whether the server has answered or closed this connection (without waiting).
+  bool heard_back() const {
+    char c;
+    return ::recv(fd_, &c, 1, MSG_DONTWAIT | MSG_PEEK) >= 0 ||
+           (errno != EAGAIN && errno != EWOULDBLOCK);
+  }
 
  private:
   int fd_;
@@ -737,6 +743,28 @@ TEST_F(KvTransferAgents, ShuttingDownReturnsHeldBlocks) {
                  [&] { released = true; });
   prefill_.reset();
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+// Connections run on a pool of reused threads. Peers that connect and send nothing hold a worker
+// each until the I/O timeout; a pull that comes after them must be served meanwhile (the pool
+// grows rather than queueing work behind blocked workers), also with a worker left idle by an
+// earlier transfer.
+TEST_F(KvTransferAgents, SilentConnectionsDoNotHoldUpATransfer) {
+  start();
+  const auto hash = kv_prompt_hash(prompt_);
+  const auto n = int64_t(prompt_.size());
+  const std::string first = prefill_->hold(remote_, hash, n, [] {});
+  ASSERT_TRUE(wait(fetch(pull(first, 0, 10, local_))).ok);  // leaves an idle worker behind
+  std::vector<std::unique_ptr<RawSocket>> silent;
+  for (int i = 0; i < 3; ++i) {
+    silent.push_back(std::make_unique<RawSocket>(prefill_->port()));
+    ASSERT_TRUE(silent.back()->connected());
+  }
+  const std::string second = prefill_->hold(remote_, hash, n, [] {});
+  const KvFetchResult r = wait(fetch(pull(second, 0, 10, local_, "req-2")));
+  ASSERT_TRUE(r.ok) << r.error;
+  // Served while the silent ones still wait: none of them was answered or timed out first.
+  for (const auto& s : silent) EXPECT_FALSE(s->heard_back());
 }
 
 TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {

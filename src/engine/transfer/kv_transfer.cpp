@@ -240,7 +240,10 @@ Clock::time_point KvTransferAgent::deadline() const {
 bool KvTransferAgent::spawn(std::function<void()> body) {
   std::lock_guard lock(mutex_);
   work_.push_back(std::move(body));
-  if (idle_workers_ > 0) {
+  // An idle worker takes it, unless the idle ones are already spoken for by queued work (a
+  // woken worker counts as idle until it takes its task): work must never wait behind a
+  // transfer that blocks for its peer while the pool could grow.
+  if (static_cast<int64_t>(work_.size()) <= idle_workers_) {
     work_ready_.notify_one();
     return true;
   }
