@@ -21,12 +21,12 @@ int64_t count_field(const json& j, const char* key, int64_t fallback) {
   return it->get<int64_t>();
 }
 
-double fraction_field(const json& j, const char* key) {
+// A finite number >= 0 (0 when absent or null); `expected` words the error.
+double non_negative_field(const json& j, const char* key, const char* expected) {
   const auto it = j.find(key);
   if (it == j.end() || it->is_null()) return 0;
   if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0)
-    throw Error(std::string("/load: ") + key + ": expected a non-negative number, got " +
-                it->dump());
+    throw Error(std::string("/load: ") + key + ": expected " + expected + ", got " + it->dump());
   return it->get<double>();
 }
 
@@ -81,7 +81,7 @@ LoadReport parse_load_report(std::string_view body) {
   r.total_blocks = count_field(j, "total_blocks", 0);
   r.block_size = count_field(j, "block_size", 0);
   r.tokens_in_flight = count_field(j, "tokens_in_flight", 0);
-  r.kv_usage = fraction_field(j, "kv_usage");
+  r.kv_usage = non_negative_field(j, "kv_usage", "a non-negative number");
   r.cached_blocks = count_field(j, "cached_blocks", 0);
   r.steps = static_cast<uint64_t>(count_field(j, "steps", 0));
   r.prefill_tokens = count_field(j, "prefill_tokens", 0);
@@ -92,13 +92,7 @@ LoadReport parse_load_report(std::string_view body) {
     r.step_seqs = count_field(*step, "seqs", 0);
     r.step_tokens = count_field(*step, "tokens", 0);
     r.step_prefill_pairs = count_field(*step, "prefill_pairs", -1);
-    const auto running_for = step->find("running_for_s");
-    if (running_for != step->end() &&
-        (!running_for->is_number() || !std::isfinite(running_for->get<double>()) ||
-         running_for->get<double>() < 0))
-      throw Error("/load: running_for_s: expected non-negative seconds, got " +
-                  running_for->dump());
-    if (running_for != step->end()) r.step_running_for_s = running_for->get<double>();
+    r.step_running_for_s = non_negative_field(*step, "running_for_s", "non-negative seconds");
   }
   if (const auto steps = j.find("recent_steps"); steps != j.end()) {
     if (!steps->is_array()) throw Error("/load: recent_steps: expected an array");

@@ -265,11 +265,9 @@ void KvTransferAgent::worker() {
   for (;;) {
     if (work_.empty()) {
       ++idle_workers_;
-      const bool woken =
-          work_ready_.wait_for(lock, kWorkerIdle, [this] { return !work_.empty() || stopping_; });
+      work_ready_.wait_for(lock, kWorkerIdle, [this] { return !work_.empty() || stopping_; });
       --idle_workers_;
-      if (work_.empty() && (!woken || stopping_)) break;  // idle too long, or stopping
-      if (work_.empty()) continue;
+      if (work_.empty()) break;  // idle too long, or stopping
     }
     std::function<void()> body = std::move(work_.front());
     work_.pop_front();

@@ -120,8 +120,7 @@ constexpr WeightTypeKernels kWeightTypes[] = {
 };
 
 const WeightTypeKernels& kernels_of(WeightType t) {
-  const auto& k = kWeightTypes[static_cast<size_t>(t)];
-  return k;
+  return kWeightTypes[static_cast<size_t>(t)];
 }
 static_assert(static_cast<size_t>(WeightType::kF32) == 0 &&
                   static_cast<size_t>(WeightType::kBF16) == 1 &&
