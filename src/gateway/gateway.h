@@ -1,20 +1,24 @@
 #pragma once
 // The gateway (Omni Proxy's role): one OpenAI endpoint in front of pools of prefill and decode
-// engines (topology.h). Every request goes through the ten phases of lifecycle.h:
+// engines (topology.h). Every request goes through the ten phases of lifecycle.h. The parts, by
+// the thread that runs them:
 //
-//   io threads      parse, authenticate, tokenize (when a model folder is configured), prepare
-//                   the bodies of its legs, then hand the request to the scheduling thread;
-//   scheduling      owns the endpoints, their load and health and the waiting queue; asks the
-//   thread          policy (policy.h) for engines, starts the legs, runs the timers, retries a
-//                   prefill that failed before the client got anything, keeps the statistics;
-//   client thread   relays the engines' answers to the client as they arrive (streams stay
-//                   streams, translated back to chat when the gateway sent token ids).
+//   io threads      front_end.h: routes, API keys, parse, tokenize, build the legs' bodies;
+//                   relay.h: the engines' answers to the client as they arrive (streams stay
+//                   streams, translated back to chat when the gateway sent token ids);
+//                   admin_api.h: the admin API and /debug/requests (changes run on the scheduler).
+//   scheduling      dispatcher.h: the queue, the policy's picks (policy.h), legs, deadlines,
+//   thread          retries, drains, reloads and the end of every request; endpoints.h: the
+//                   engines' state; health.h: probes and load polls; request_record.h: metrics
+//                   and the access log line (written by access_log.h's own thread).
 //
-// The flows: aggregated (one engine), sequential (vLLM: prefill with
-// kv_transfer_params.do_remote_decode, then decode with the prefill's kv_transfer_params) and
-// parallel (SGLang: both legs at once with bootstrap_host/port/room). Endpoints can be added and
-// removed at run time (/admin/endpoints, /admin/reload): a removed endpoint takes no new request
-// and leaves once its requests finished. docs/gateway.md describes the API, metrics and log.
+// Time, engines and clients reach that code through seams.h, so tests and a simulator can drive
+// it on a virtual clock without sockets (virtual_executor.h). The flows: aggregated (one engine),
+// sequential (vLLM: prefill with kv_transfer_params.do_remote_decode, then decode with the
+// prefill's kv_transfer_params) and parallel (SGLang: both legs at once with
+// bootstrap_host/port/room). Endpoints can be added and removed at run time: a removed endpoint
+// takes no new request and leaves once its requests finished. docs/gateway.md describes the API,
+// metrics and log.
 #include <cstdint>
 #include <memory>
 #include <string>

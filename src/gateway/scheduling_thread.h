@@ -9,17 +9,15 @@
 #include <cstdint>
 #include <memory>
 
-#include "util/inline_task.h"
+#include "gateway/seams.h"
 
 namespace tandem::gateway {
 
-class SchedulingThread {
+// The running gateway's Executor (seams.h): a real thread on the steady clock.
+class SchedulingThread final : public Executor {
  public:
-  using Task = util::InlineTask;  // closures up to 64 bytes are posted without a heap allocation
-  using Clock = std::chrono::steady_clock;
-
   explicit SchedulingThread(std::chrono::microseconds tick = std::chrono::microseconds(250));
-  ~SchedulingThread();  // stop()
+  ~SchedulingThread() override;  // stop()
   SchedulingThread(const SchedulingThread&) = delete;
   SchedulingThread& operator=(const SchedulingThread&) = delete;
 
@@ -29,28 +27,24 @@ class SchedulingThread {
 
   // Any thread: runs `task` on the scheduling thread, in posting order per producer (post and
   // post_batched share one queue). Tasks posted after stop() are dropped.
-  void post(Task task);
+  void post(Task task) override;
   // As post(), but while the thread is busy (set_busy) the task waits for the next tick instead
   // of waking the thread: under load the scheduler handles tasks in batches, one wake-up per
   // tick rather than per task (Omni Proxy schedules on a 1 ms timer the same way). When idle, it
   // wakes the thread at once like post().
-  void post_batched(Task task);
+  void post_batched(Task task) override;
   // Scheduling thread only: while busy, the thread wakes at least every `tick` and
   // post_batched() does not wake it.
-  void set_busy(bool busy);
-  // A timer armed by at(), for cancel().
-  struct TimerId {
-    Clock::time_point when{};
-    uint64_t seq = 0;  // 0: none
-  };
+  void set_busy(bool busy) override;
   // Scheduling thread only: runs `task` at `when` (or soon after).
-  TimerId at(Clock::time_point when, Task task);
+  TimerId at(Clock::time_point when, Task task) override;
   // Scheduling thread only: drops a timer that has not fired yet, and its task (what it
   // captured is freed now). Per-request timeouts are cancelled when the request moves on, so
   // pending timers stay as few as the requests in flight rather than piling up for the whole
   // timeout at high request rates. Ids of fired or cancelled timers are ignored.
-  void cancel(TimerId id);
+  void cancel(TimerId id) override;
   bool on_thread() const;
+  Clock::time_point now() const override { return Clock::now(); }
 
  private:
   class Impl;

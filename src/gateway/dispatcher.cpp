@@ -1,0 +1,498 @@
+#include "gateway/dispatcher.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "api/disaggregation.h"
+#include "gateway/answer_text.h"
+#include "gateway/policies/queue_order.h"
+#include "util/random_id.h"
+
+namespace tandem::gateway {
+
+using nlohmann::json;
+
+std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
+  std::vector<Upstream::CallId> calls;
+  for (const auto& l : r.legs)
+    if (l->running()) {
+      l->gateway_cancelled = true;
+      calls.push_back(l->call);
+    }
+  return calls;
+}
+
+Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& upstream,
+                       const Policy& policy, EndpointTable& endpoints, GatewayMetrics& metrics,
+                       AccessLog* access_log)
+    : topo_(topology),
+      exec_(executor),
+      upstream_(upstream),
+      policy_(policy),
+      endpoints_(endpoints),
+      metrics_(metrics),
+      relay_(topology, executor, *this),
+      recorder_(metrics, access_log, topology.mode) {
+  endpoints_.on_forget([this](int id) {
+    policy_state_.prefill_tree.remove_tenant(id);
+    policy_state_.decode_tree.remove_tenant(id);
+  });
+}
+
+// ------------------------------------------------------------------------------ the queue
+
+RequestInfo Dispatcher::info(const Request& r) const {
+  RequestInfo ri;
+  ri.prompt_tokens = r.prompt_tokens;
+  ri.arrived = Clock::time_point(std::chrono::nanoseconds(*r.times.at(Phase::kReceived)));
+  ri.excluded = r.excluded;
+  ri.prompt_ids = r.prompt_ids;
+  ri.block_hashes = r.block_hashes;
+  return ri;
+}
+
+void Dispatcher::submit(const RequestPtr& r) {
+  if (r->ended()) return;
+  if (waiting_.size() >= topo_.max_queue) {
+    answer_error(r, 429,
+                 "the gateway queue is full (" + std::to_string(topo_.max_queue) +
+                     " requests waiting); retry later");
+    return;
+  }
+  active_.emplace(r.get(), r);
+  r->booking = Booking::kRunning;
+  metrics_.running.set(static_cast<double>(active_.size()));
+  exec_.set_busy(true);
+  enqueue(r, false);
+  dispatch(r->queued_at);
+}
+
+void Dispatcher::enqueue(const RequestPtr& r, bool front) {
+  // One clock read for the phase stamps and the queue.
+  r->queued_at = exec_.now();
+  const int64_t ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(r->queued_at.time_since_epoch()).count();
+  r->times.mark(Phase::kPrefillWaiting, ns);
+  if (topo_.mode != PdMode::kSequential || r->stage == Stage::kDecode)
+    r->times.mark(Phase::kDecodeWaiting, ns);
+  r->booking = Booking::kQueued;
+  if (front)
+    waiting_.push_front(r);
+  else
+    waiting_.push_back(r);
+  metrics_.waiting.set(static_cast<double>(waiting_.size()));
+  // Its queue timeout is armed by dispatch() if it is still waiting after the pass that
+  // follows: most requests start at once, and a timer armed and cancelled per request costs.
+}
+
+void Dispatcher::arm_queue_timeout(const RequestPtr& r) {
+  // Weak: a timer must not keep a finished request (and its bodies) alive until it fires.
+  r->queue_timer =
+      exec_.at(r->queued_at + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r)] {
+        const RequestPtr r = weak.lock();
+        // Cancelled whenever it leaves the queue: a timer that fires belongs to this wait.
+        if (!r || r->booking != Booking::kQueued) return;
+        remove_waiting(r);
+        answer_error(r, 503,
+                     "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
+                         " ms (queue timeout): " + pools_state(*r));
+      });
+}
+
+std::string Dispatcher::pools_state(const Request& r) const {
+  if (topo_.mode == PdMode::kAggregated || r.stage == Stage::kDecode)
+    return endpoints_.pools_state({false});
+  if (topo_.mode == PdMode::kSequential) return endpoints_.pools_state({true});
+  return endpoints_.pools_state({true, false});
+}
+
+void Dispatcher::remove_waiting(const RequestPtr& r) {
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), r), waiting_.end());
+  r->booking = Booking::kRunning;
+  exec_.cancel(r->queue_timer);
+  r->queue_timer = {};
+  metrics_.waiting.set(static_cast<double>(waiting_.size()));
+}
+
+// ------------------------------------------------------------------------------ dispatch
+
+void Dispatcher::dispatch() {
+  if (!waiting_.empty()) dispatch(exec_.now());  // most calls under load: nobody waits
+}
+
+// Offers the waiting requests to the policy: first those whose prefill is done (they hold KV on
+// a prefill engine), then the others in the policy's queue order (prompt length and waiting
+// time, with a starvation bound: policies/queue_order.h). A request that must wait (its engines
+// are saturated) does not block the ones behind it that could go elsewhere.
+void Dispatcher::dispatch(Clock::time_point now) {
+  if (waiting_.empty()) return;
+  // Scratch lists keep their capacity from one call to the next (dispatch runs per request
+  // under load; nothing it calls dispatches again synchronously), and are emptied at the end
+  // so they keep no request alive (and at the start, in case a policy threw).
+  std::vector<RequestPtr>& first_stage = scratch_first_stage_;
+  std::vector<RequestPtr>& offer = scratch_offer_;  // decode stage first
+  first_stage.clear();
+  offer.clear();
+  for (const auto& r : waiting_) (r->stage == Stage::kDecode ? offer : first_stage).push_back(r);
+  if (first_stage.size() == 1) {
+    offer.push_back(first_stage.front());
+  } else if (!first_stage.empty()) {
+    std::vector<QueuedRequest> queued;
+    queued.reserve(first_stage.size());
+    for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
+    for (size_t i : order(queued, now, topo_.scheduling.queue)) offer.push_back(first_stage[i]);
+  }
+  first_stage.clear();
+
+  ClusterView v = endpoints_.view(now, &policy_state_);  // kept current as requests start
+  for (const RequestPtr& r : offer) {
+    if (r->ended()) {
+      remove_waiting(r);
+      continue;
+    }
+    const RequestInfo ri = info(*r);
+    endpoints_.fill_cached_tokens(v, r->prompt_ids);
+    int prefill = -1, decode = -1;
+    Choice::Kind kind = Choice::Kind::kChosen;
+    if (topo_.mode == PdMode::kAggregated) {
+      const Choice c = policy_.choose_decode(v, ri, -1, now);
+      kind = c.kind;
+      decode = c.endpoint;
+    } else if (topo_.mode == PdMode::kParallel) {
+      const PairChoice c = policy_.choose_together(v, ri, now);
+      kind = c.kind;
+      prefill = c.prefill;
+      decode = c.decode;
+    } else if (r->stage == Stage::kFirst) {
+      const Choice c = policy_.choose_prefill(v, ri, now);
+      kind = c.kind;
+      prefill = c.endpoint;
+    } else {
+      // The prefill engine's group, remembered: the engine may have left (drained) since.
+      const Choice c = policy_.choose_decode(v, ri, r->prefill_group, now);
+      kind = c.kind;
+      decode = c.endpoint;
+    }
+    if (kind == Choice::Kind::kSaturated) continue;
+    remove_waiting(r);
+    if (kind == Choice::Kind::kNoneEligible) {
+      answer_error(r, 503, "no healthy engine can serve this request: " + pools_state(*r));
+      continue;
+    }
+    metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
+    // The engine that computes the prompt: the prefill engine, or an aggregated decode engine.
+    const int computes = prefill >= 0 ? prefill : (topo_.mode == PdMode::kAggregated ? decode : -1);
+    r->uncached = {};
+    for (const auto* pool : {&v.prefill, &v.decode})
+      for (const auto& e : *pool)
+        if (e.id == computes)
+          r->uncached = PrefillWork::of_prompt(e.cached_tokens, r->prompt_tokens);
+    start(r, prefill, decode);
+    policy_.record(policy_state_, ri, prefill, decode, now);
+    apply_choice(v, ri, prefill, decode);
+  }
+  offer.clear();
+  for (const auto& r : waiting_)
+    if (r->queue_timer.seq == 0) arm_queue_timeout(r);
+}
+
+// ------------------------------------------------------------------------------ legs
+
+void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
+  const int64_t now = exec_.now_ns();
+  if (prefill >= 0) {
+    const EndpointState& p = *endpoints_.find(prefill);
+    r->prefill_endpoint = prefill;
+    r->prefill_name = p.config.name;
+    r->prefill_group = p.config.group;
+    r->times.mark(Phase::kPrefillScheduled, now);
+  }
+  if (decode >= 0) {
+    r->decode_endpoint = decode;
+    r->decode_name = endpoints_.find(decode)->config.name;
+    r->times.mark(Phase::kDecodeScheduled, now);
+    if (topo_.mode == PdMode::kAggregated) r->times.mark(Phase::kPrefillScheduled, now);
+  }
+  switch (topo_.mode) {
+    case PdMode::kAggregated:
+      r->times.mark(Phase::kPrefilling, now);
+      start_leg(r, decode, false, r->body);
+      break;
+    case PdMode::kSequential:
+      if (r->stage == Stage::kFirst) {
+        r->times.mark(Phase::kPrefilling, now);
+        start_leg(r, prefill, true, r->prefill_body);
+      } else {
+        std::string body;
+        {
+          std::lock_guard lock(r->mutex);
+          body = r->decode_body;
+        }
+        start_leg(r, decode, false, std::move(body));
+      }
+      break;
+    case PdMode::kParallel: {
+      const EndpointState& p = *endpoints_.find(prefill);
+      const std::string body =
+          splice_fields(r->body, api::bootstrap_members(p.config.host, p.config.bootstrap_port,
+                                                        random_u64() & 0x7fffffffffffffffULL));
+      r->times.mark(Phase::kPrefilling, now);
+      start_leg(r, prefill, true, body);
+      start_leg(r, decode, false, body);
+      break;
+    }
+  }
+}
+
+net::AsyncHttpRequest Dispatcher::upstream_request(const EndpointState& e, const Request& r,
+                                                   std::string body,
+                                                   std::chrono::milliseconds timeout) const {
+  net::AsyncHttpRequest u;
+  u.host = e.config.host;
+  u.port = e.config.port;
+  u.method = "POST";
+  u.target = r.target;
+  u.body = std::move(body);
+  u.headers = r.headers;
+  u.timeout = timeout;
+  u.connect_timeout = topo_.timeouts.connect;
+  return u;
+}
+
+// Registers and starts a leg unless the request already ended; the endpoint's load counts it
+// until its on_done, which always comes, so the accounting cannot leak. A prefill leg must answer
+// within the prefill timeout; the answering leg must bring its first token within first_token.
+void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, std::string body) {
+  EndpointState& e = *endpoints_.find(endpoint_id);
+  const std::chrono::milliseconds deadline =
+      prefill ? topo_.timeouts.prefill : topo_.timeouts.first_token;
+  const char* what = prefill ? "the prefill" : "the first token";
+  auto leg = std::make_shared<Leg>();
+  auto ref = std::make_shared<std::weak_ptr<Leg>>(leg);  // the call's callbacks find it here
+  leg->endpoint = endpoint_id;
+  leg->attempt = r->attempt;
+  leg->prefill = prefill;
+  leg->prompt_tokens = r->prompt_tokens;
+  if (prefill || topo_.mode == PdMode::kAggregated) leg->uncached = r->uncached;
+  net::AsyncHttpHandlers h =
+      prefill ? relay_.prefill_handlers(r, ref, r->attempt, endpoint_id, e.config.name)
+              : relay_.answer_handlers(r, ref, r->attempt, endpoint_id, e.config.name);
+  auto done = std::move(h.on_done);
+  h.on_done = [this, r, leg, done = std::move(done)](const std::string& error) {
+    try {
+      if (done) done(error);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tandem gateway: a leg's completion failed: %s\n", e.what());
+    }
+    const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
+                       leg->engine_error;
+    exec_.post_batched([this, r, leg, fault] {
+      if (leg->ended_request) finished(r);
+      leg_done(r, *leg, !fault);
+    });
+  };
+  // The first token may take first_token_ms (a decode leg waits for its prefill, a queue); the
+  // dispatcher's timer enforces that. The call's own per-piece bound must not be shorter, or a
+  // stream that sent its head and waits for KV would be cut as idle.
+  net::AsyncHttpRequest u = upstream_request(
+      e, *r, std::move(body),
+      prefill ? topo_.timeouts.prefill : std::max(topo_.timeouts.idle, topo_.timeouts.first_token));
+  std::lock_guard lock(r->mutex);
+  if (r->client == ClientState::kEnded || stopping_.load()) return;
+  endpoints_.leg_started(e, *leg);
+  leg->state = LegState::kRunning;
+  r->legs.push_back(leg);
+  leg->call = upstream_.start(std::move(u), std::move(h));
+  leg->deadline =
+      exec_.at(exec_.now() + deadline, [this, weak_r = std::weak_ptr<Request>(r),
+                                        weak_leg = std::weak_ptr<Leg>(leg), what, deadline] {
+        const RequestPtr r = weak_r.lock();
+        const std::shared_ptr<Leg> leg = weak_leg.lock();
+        if (!r || !leg) return;
+        Upstream::CallId call;
+        {
+          std::lock_guard lock(r->mutex);
+          if (leg->state != LegState::kRunning) return;  // finished, or the client has its stream
+          leg->cancel_reason =
+              std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
+          call = leg->call;
+        }
+        upstream_.cancel(call);
+      });
+}
+
+void Dispatcher::leg_done(const RequestPtr&, const Leg& leg, bool ok) {
+  exec_.cancel(leg.deadline);
+  endpoints_.leg_finished(leg, ok);
+  dispatch();
+}
+
+void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
+                            std::string body, std::string message) {
+  exec_.post_batched([this, r, attempt, endpoint_id, status, body = std::move(body),
+                      message = std::move(message)]() mutable {
+    attempt_failed(r, attempt, endpoint_id, status, std::move(body), std::move(message));
+  });
+}
+
+void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
+  exec_.post_batched([this, r, attempt] {
+    if (attempt != r->attempt || r->ended()) return;
+    r->stage = Stage::kDecode;
+    enqueue(r, true);  // it holds KV on the prefill engine: first in line
+    dispatch();
+  });
+}
+
+// An engine's own client error (4xx) goes to the client as it is; anything else is retried on
+// other engines while retries remain (the failed engine is avoided), then answered 502 (or the
+// engine's 5xx). The decode leg of a sequential request is not retried: its KV is gone.
+void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
+                                std::string body, std::string message) {
+  if (attempt != r->attempt) return;
+  std::vector<Upstream::CallId> calls;
+  {
+    // Checked and cancelled under one lock: no leg of this attempt can start the stream after.
+    std::lock_guard lock(r->mutex);
+    if (r->client != ClientState::kNothingSent) return;
+    calls = mark_legs_cancelled(*r);
+  }
+  cancel_calls(calls);
+  const bool client_error = status >= 400 && status < 500;
+  const bool retryable =
+      !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
+  if (retryable && r->attempt < topo_.prefill_retries) {
+    const EndpointState* e = endpoints_.find(endpoint_id);
+    r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
+                               (message.empty() ? "HTTP " + std::to_string(status) : message));
+    ++r->attempt;
+    metrics_.retries.inc();
+    r->excluded.push_back(endpoint_id);
+    r->stage = Stage::kFirst;
+    enqueue(r, true);
+    dispatch();
+    return;
+  }
+  {
+    std::lock_guard lock(r->mutex);
+    if (r->client == ClientState::kEnded) return;
+    r->client = ClientState::kAnswering;
+    if (!body.empty() && status >= 400) {
+      r->reply->respond(status, body, "application/json");
+    } else {  // an OpenAI error of our own: the engine's 4xx status, else 502
+      if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
+      if (!client_error) status = 502;
+      r->reply->send_error(status, message, client_error ? "" : "server_error");
+    }
+  }
+  end_request(r, {status, message.empty() ? "engine error" : message});
+}
+
+void Dispatcher::cancel_calls(const std::vector<Upstream::CallId>& calls) {
+  for (auto c : calls) upstream_.cancel(c);
+}
+
+// ------------------------------------------------------------------------------ ending
+
+// Answers a request that never started (or whose attempts are over) with an OpenAI error.
+void Dispatcher::answer_error(const RequestPtr& r, int status, const std::string& message) {
+  {
+    std::lock_guard lock(r->mutex);
+    if (r->client == ClientState::kEnded) return;
+    r->client = ClientState::kAnswering;
+    // OpenAI answers rate limits with code rate_limit_exceeded.
+    r->reply->send_error(status, message, {}, status == 429 ? "rate_limit_exceeded" : "");
+  }
+  end_request(r, {status, message});
+}
+
+bool Dispatcher::end_request(const RequestPtr& r, Outcome outcome, Accounting accounting) {
+  std::vector<Upstream::CallId> calls;
+  {
+    std::lock_guard lock(r->mutex);
+    if (r->client == ClientState::kEnded) return false;
+    r->client = ClientState::kEnded;
+    // e.g. a parallel prefill leg after the client left or the decode leg failed
+    if (outcome.status != 200) calls = mark_legs_cancelled(*r);
+    r->outcome = std::move(outcome);
+  }
+  cancel_calls(calls);
+  r->times.mark(Phase::kCompleted, exec_.now_ns());
+  if (accounting == Accounting::kPosted) exec_.post_batched([this, r] { finished(r); });
+  return true;
+}
+
+void Dispatcher::client_gone(const RequestPtr& r) {
+  end_request(r, {499, "client closed the connection"});
+}
+
+void Dispatcher::finished(const RequestPtr& r) {
+  if (r->booking == Booking::kQueued) remove_waiting(r);
+  if (r->booking == Booking::kRunning) {
+    active_.erase(r.get());
+    metrics_.running.set(static_cast<double>(active_.size()));
+    exec_.set_busy(!active_.empty());
+  }
+  r->booking = Booking::kOutside;
+  recorder_.record(*r, exec_.now_ns());
+}
+
+// ------------------------------------------------------------------------------ admin
+
+std::string Dispatcher::add_endpoint(bool prefill, const Endpoint& endpoint) {
+  if (auto why = endpoints_.admission_error(prefill, endpoint); !why.empty()) return why;
+  endpoints_.add(prefill, endpoint);
+  dispatch();
+  return {};
+}
+
+bool Dispatcher::remove_endpoint(const std::string& name, int64_t* in_flight) {
+  for (auto& [id, e] : endpoints_.all()) {
+    if (e.config.name != name || e.draining) continue;
+    if (in_flight) *in_flight = e.in_flight;
+    endpoints_.drain(id);
+    dispatch();  // requests waiting for this engine's group may now have none: 503
+    return true;
+  }
+  return false;
+}
+
+EndpointTable::ReloadResult Dispatcher::reload(const Topology& next) {
+  const EndpointTable::ReloadResult result = endpoints_.reload(next);
+  dispatch();
+  return result;
+}
+
+json Dispatcher::endpoints_json() const {
+  json list = json::array();
+  const auto now = exec_.now();
+  for (const auto& [id, e] : endpoints_.all()) list.push_back(endpoints_.to_json(e, now));
+  return {{"mode", mode_name(topo_.mode)}, {"policy", policy_.name()}, {"endpoints", list}};
+}
+
+json Dispatcher::debug_requests() const {
+  json list = json::array();
+  const int64_t now = exec_.now_ns();
+  for (const auto& [key, r] : active_) {
+    json j = {{"request_id", r->id},
+              {"path", r->path},
+              {"phase", phase_name(r->times.current())},
+              {"age_seconds", static_cast<double>(now - *r->times.at(Phase::kReceived)) * 1e-9},
+              {"attempts", r->attempt + 1},
+              {"phases", r->times.offsets()}};
+    if (!r->prefill_name.empty()) j["prefill"] = r->prefill_name;
+    if (!r->decode_name.empty()) j["decode"] = r->decode_name;
+    list.push_back(std::move(j));
+  }
+  return {{"requests", list}, {"waiting", waiting_.size()}};
+}
+
+const EndpointState* Dispatcher::models_endpoint() const {
+  const auto now = exec_.now();
+  const Choice c = policy_.choose_decode(endpoints_.view(now, &policy_state_), {}, -1, now);
+  return c.endpoint >= 0 ? endpoints_.find(c.endpoint) : nullptr;
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,121 @@
+#pragma once
+// The gateway's decisions, on the scheduling thread: the waiting queue, the policy's picks, the
+// legs it starts on engines (through the Upstream seam), their deadlines and retries, endpoint
+// changes (admin, reload, drain) and the end of every request (end_request). Time comes from the
+// Executor seam, so unit tests (and a virtual-time simulator) drive this code with a virtual
+// clock and fake engines: tests/gateway/dispatcher_test.cpp.
+//
+// Threads: submit() and the admin operations run on the executor; end_request(), client_gone(),
+// leg_failed() and prefill_answered() may be called from any thread (the relay's io threads).
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "gateway/endpoints.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/lifecycle.h"
+#include "gateway/policy.h"
+#include "gateway/relay.h"
+#include "gateway/request.h"
+#include "gateway/request_record.h"
+#include "gateway/seams.h"
+#include "gateway/topology.h"
+
+namespace tandem::gateway {
+
+class AccessLog;
+
+class Dispatcher {
+ public:
+  // Everything is owned by the caller and outlives the dispatcher; `access_log` may be null.
+  Dispatcher(const Topology& topology, Executor& executor, Upstream& upstream, const Policy& policy,
+             EndpointTable& endpoints, GatewayMetrics& metrics, AccessLog* access_log);
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  // ---- scheduling thread
+
+  // A prepared request (front_end.h) joins the queue; it starts as soon as engines are free.
+  void submit(const RequestPtr& r);
+  // Starts every waiting request an engine is free for (after anything that frees one).
+  void dispatch();
+
+  // Admin operations. add_endpoint returns why it cannot join (empty: added).
+  std::string add_endpoint(bool prefill, const Endpoint& endpoint);
+  // Drains the endpoint of that name: false if there is none. `in_flight`: its requests then.
+  bool remove_endpoint(const std::string& name, int64_t* in_flight);
+  EndpointTable::ReloadResult reload(const Topology& next);
+  nlohmann::json endpoints_json() const;
+  nlohmann::json debug_requests() const;
+  // An engine to relay GET /v1/models to: the policy's decode pick, or null.
+  const EndpointState* models_endpoint() const;
+
+  size_t waiting() const { return waiting_.size(); }
+  size_t active() const { return active_.size(); }
+
+  // ---- any thread
+
+  enum class Accounting {
+    kPosted,   // the scheduler accounts for it in a task of its own
+    kWithLeg,  // the ending leg's completion accounts for it (one post instead of two)
+  };
+  // The one way a request ends: the first call records `outcome` (later ones return false), cuts
+  // its running legs unless it succeeded, stamps `completed`, and has the scheduler account for
+  // it (metrics, access log, the queue and books) as `accounting` says.
+  bool end_request(const RequestPtr& r, Outcome outcome,
+                   Accounting accounting = Accounting::kPosted);
+  // The client went away (or the server is stopping): 499, as nginx logs it.
+  void client_gone(const RequestPtr& r);
+  // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
+  // retries remain, else answered with the engine's error or a 502.
+  void leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status, std::string body,
+                  std::string message);
+  // Sequential mode: the prefill of `attempt` answered with its KV's whereabouts (decode_body is
+  // set): the decode leg goes to the front of the queue.
+  void prefill_answered(const RequestPtr& r, int attempt);
+  // No leg starts after this.
+  void stop() { stopping_ = true; }
+
+  Executor& executor() { return exec_; }
+  const Topology& topology() const { return topo_; }
+
+ private:
+  RequestInfo info(const Request& r) const;
+  void enqueue(const RequestPtr& r, bool front);
+  void arm_queue_timeout(const RequestPtr& r);
+  void remove_waiting(const RequestPtr& r);
+  std::string pools_state(const Request& r) const;
+  void dispatch(Clock::time_point now);
+  void start(const RequestPtr& r, int prefill, int decode);
+  void start_leg(const RequestPtr& r, int endpoint_id, bool prefill, std::string body);
+  net::AsyncHttpRequest upstream_request(const EndpointState& e, const Request& r, std::string body,
+                                         std::chrono::milliseconds timeout) const;
+  void leg_done(const RequestPtr& r, const Leg& leg, bool ok);
+  void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
+                      std::string body, std::string message);
+  void answer_error(const RequestPtr& r, int status, const std::string& message);
+  void finished(const RequestPtr& r);
+  void cancel_calls(const std::vector<Upstream::CallId>& calls);
+
+  const Topology& topo_;
+  Executor& exec_;
+  Upstream& upstream_;
+  const Policy& policy_;
+  PolicyState policy_state_;  // the policy's explicit state
+  EndpointTable& endpoints_;
+  GatewayMetrics& metrics_;
+  Relay relay_;
+  std::atomic<bool> stopping_{false};
+
+  std::deque<RequestPtr> waiting_;
+  std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
+  std::unordered_map<const Request*, RequestPtr> active_;
+  RequestRecorder recorder_;
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,366 @@
+#include "gateway/endpoints.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include <nlohmann/json.hpp>
+
+#include "gateway/kv_events_consumer.h"
+#include "gateway/prefix_index.h"
+#include "gateway/request.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+
+LoadSource initial_load_source(Dialect d) {
+  switch (d) {
+    case Dialect::kAuto:
+      return LoadSource::kAsking;
+    case Dialect::kTandem:
+      return LoadSource::kReports;
+    case Dialect::kVllm:
+    case Dialect::kSglang:
+      break;
+  }
+  return LoadSource::kOwnCounts;
+}
+
+bool same_endpoint(const Endpoint& a, const Endpoint& b) {
+  return a.name == b.name && a.host == b.host && a.port == b.port &&
+         a.bootstrap_port == b.bootstrap_port && a.group == b.group &&
+         a.max_in_flight == b.max_in_flight;
+}
+
+}  // namespace
+
+const char* load_source_name(LoadSource s) {
+  switch (s) {
+    case LoadSource::kAsking:
+      return "asking";
+    case LoadSource::kReports:
+      return "reports";
+    case LoadSource::kOwnCounts:
+      return "own_counts";
+  }
+  return "unknown";
+}
+
+LoadAnswer read_load_answer(const std::string& error, int status, const std::string& body) {
+  LoadAnswer a;
+  if (!error.empty() || status == 0 || status >= 500) return a;
+  a.kind = LoadAnswer::Kind::kNoReport;
+  if (status != 200) {
+    a.why = "it answered HTTP " + std::to_string(status);
+    return a;
+  }
+  try {
+    a.report = api::parse_load_report(body);
+  } catch (const std::exception& err) {
+    a.why = err.what();
+    return a;
+  }
+  if (!api::describes_an_engine(a.report)) {
+    a.why = "its answer names no KV cache (total_blocks, block_size)";
+    return a;
+  }
+  a.kind = LoadAnswer::Kind::kReport;
+  return a;
+}
+
+EndpointTable::EndpointTable(const Topology& topology, GatewayMetrics& metrics, PrefixIndex& index)
+    : topo_(topology), metrics_(metrics), prefix_index_(index) {}
+
+EndpointTable::~EndpointTable() = default;
+
+int EndpointTable::add(bool prefill, Endpoint endpoint) {
+  EndpointState s;
+  s.id = next_id_++;
+  s.prefill = prefill;
+  const Pool& pool = prefill ? topo_.prefill : topo_.decode;
+  s.max_in_flight = endpoint.max_in_flight > 0 ? endpoint.max_in_flight : pool.max_in_flight;
+  s.load_source = initial_load_source(pool.dialect);
+  s.config = std::move(endpoint);
+  const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
+  s.in_flight_gauge = &metrics_.endpoint_in_flight.labels(labels);
+  s.healthy_gauge = &metrics_.endpoint_healthy.labels(labels);
+  s.requests_total = &metrics_.endpoint_requests.labels(labels);
+  s.failures_total = &metrics_.endpoint_failures.labels(labels);
+  s.healthy_gauge->set(1);
+  s.in_flight_gauge->set(0);
+  const int id = s.id;
+  if (!s.config.kv_events.empty()) {
+    KvEventsConsumerOptions o;
+    o.engine = id;
+    o.endpoint = s.config.kv_events;
+    o.replay_endpoint = s.config.kv_events_replay;
+    consumers_[id] = std::make_unique<KvEventsConsumer>(prefix_index_, o);
+  }
+  endpoints_.emplace(id, std::move(s));
+  update_ready();
+  return id;
+}
+
+EndpointState* EndpointTable::find(int id) {
+  auto it = endpoints_.find(id);
+  return it == endpoints_.end() ? nullptr : &it->second;
+}
+
+const EndpointState* EndpointTable::find(int id) const {
+  auto it = endpoints_.find(id);
+  return it == endpoints_.end() ? nullptr : &it->second;
+}
+
+bool EndpointTable::ready() const {
+  return ready_.load();
+}
+
+void EndpointTable::update_ready() {
+  bool p = topo_.mode == PdMode::kAggregated, d = false;
+  for (const auto& [id, e] : endpoints_) {
+    if (!e.eligible()) continue;
+    (e.prefill ? p : d) = true;
+  }
+  ready_ = p && d;
+}
+
+ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state) const {
+  ClusterView v;
+  v.state = state;
+  const auto max_age = 4 * topo_.scheduling.load_interval;
+  for (const auto& [id, e] : endpoints_) {
+    const int64_t limit =
+        e.readmitted == Clock::time_point{}
+            ? e.max_in_flight
+            : ramped_in_flight_limit(e.max_in_flight, now - e.readmitted, topo_.health.slow_start);
+    EndpointLoad l{e.id, e.config.group, e.eligible(), e.in_flight, limit, e.tokens_in_flight};
+    fill_load(l, e.load, e.counts, now, max_age);
+    (e.prefill ? v.prefill : v.decode).push_back(l);
+  }
+  // An engine without observations yet (new, or just restarted) borrows the learned batch
+  // times of the engine of its pool with the most: one pool runs one model on like hardware,
+  // and the prior would make it look faster or slower than its peers until it has run.
+  for (auto* pool : {&v.prefill, &v.decode}) {
+    const BatchTimeEstimator* best = nullptr;
+    for (const auto& l : *pool)
+      if (l.batch_time && (!best || l.batch_time->observations > best->observations))
+        best = l.batch_time;
+    for (auto& l : *pool)
+      if (!l.batch_time) l.batch_time = best;
+  }
+  return v;
+}
+
+void EndpointTable::fill_cached_tokens(ClusterView& v,
+                                       const std::vector<int32_t>& prompt_ids) const {
+  const bool known = !prompt_ids.empty() && !consumers_.empty();
+  std::vector<PrefixMatch> matches;
+  if (known) matches = prefix_index_.match(prompt_ids);
+  for (auto* pool : {&v.prefill, &v.decode})
+    for (auto& e : *pool) {
+      e.cached_tokens = -1;
+      if (!known || !consumers_.count(e.id)) continue;
+      e.cached_tokens = 0;
+      for (const auto& m : matches)
+        if (m.engine == e.id) e.cached_tokens = m.tokens;
+    }
+}
+
+std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools) const {
+  std::string out;
+  for (const bool prefill : prefill_pools) {
+    int total = 0, ejected = 0, draining = 0, at_limit = 0, busy = 0;
+    for (const auto& [id, e] : endpoints_) {
+      if (e.prefill != prefill) continue;
+      ++total;
+      if (e.draining)
+        ++draining;
+      else if (!e.healthy)
+        ++ejected;
+      else if (e.in_flight >= e.max_in_flight)
+        ++at_limit;
+      else
+        ++busy;
+    }
+    if (!out.empty()) out += "; ";
+    out += std::string(prefill ? "prefill" : "decode") + " pool: " + std::to_string(total) +
+           (total == 1 ? " engine" : " engines");
+    auto part = [&out](int n, const char* what) {
+      if (n > 0) out += ", " + std::to_string(n) + " " + what;
+    };
+    part(ejected, "ejected after failing requests or health checks");
+    part(draining, "draining");
+    part(at_limit, "at the in-flight limit");
+    part(busy, "over the policy's load limits (queued prefill work or free KV)");
+  }
+  return out;
+}
+
+void EndpointTable::leg_started(EndpointState& e, const Leg& leg) {
+  ++e.in_flight;
+  e.tokens_in_flight += leg.prompt_tokens;
+  e.counts.uncached_in_flight += leg.uncached;
+  e.counts.launched_total += leg.uncached;
+  e.in_flight_gauge->set(static_cast<double>(e.in_flight));
+  e.requests_total->inc();
+}
+
+bool EndpointTable::leg_finished(const Leg& leg, bool ok) {
+  EndpointState* e = find(leg.endpoint);
+  if (!e) return false;
+  --e->in_flight;
+  e->tokens_in_flight -= leg.prompt_tokens;
+  e->counts.uncached_in_flight -= leg.uncached;
+  e->in_flight_gauge->set(static_cast<double>(e->in_flight));
+  if (ok)
+    e->consecutive_failures = 0;
+  else
+    failure(*e);
+  if (e->draining && e->in_flight == 0) forget(leg.endpoint);
+  return true;
+}
+
+void EndpointTable::failure(EndpointState& e) {
+  e.failures_total->inc();
+  if (++e.consecutive_failures >= topo_.health.failures_to_eject && e.healthy) {
+    e.healthy = false;
+    e.healthy_gauge->set(0);
+    update_ready();
+  }
+}
+
+bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
+  EndpointState* e = find(id);
+  if (!e) return false;
+  e->probing = false;
+  if (!ok) {
+    failure(*e);
+    return false;
+  }
+  e->consecutive_failures = 0;
+  if (e->healthy) return false;
+  e->healthy = true;
+  e->readmitted = now;
+  // What answers there now may be another server: an auto engine is asked again.
+  const Pool& pool = e->prefill ? topo_.prefill : topo_.decode;
+  if (pool.dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;
+  if (!e->draining) e->healthy_gauge->set(1);
+  update_ready();
+  return true;
+}
+
+bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer,
+                                Clock::time_point now) {
+  EndpointState* e = find(id);
+  if (!e) return false;
+  e->load_polling = false;
+  if (answer.kind == LoadAnswer::Kind::kNoAnswer) return false;
+  if (answer.kind == LoadAnswer::Kind::kNoReport) {
+    if (e->load_source == LoadSource::kAsking) {
+      // A vLLM or SGLang engine: routed by the gateway's own counts, never waiting for reports.
+      e->load_source = LoadSource::kOwnCounts;
+      std::fprintf(stderr,
+                   "tandem gateway: engine %s has no Tandem load report at GET /load (%s): "
+                   "routing it by the gateway's own counts\n",
+                   e->config.name.c_str(), answer.why.c_str());
+    } else {
+      std::fprintf(stderr, "tandem gateway: ignoring a load report of %s: %s\n",
+                   e->config.name.c_str(), answer.why.c_str());
+    }
+    return false;
+  }
+  e->load_source = LoadSource::kReports;
+  e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, now,
+                   topo_.scheduling.tandem.prior);
+  e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;
+  return true;
+}
+
+void EndpointTable::forget(int id) {
+  endpoints_.erase(id);
+  consumers_.erase(id);  // before the index forgets the engine: no event re-adds it
+  prefix_index_.remove_engine(id);
+  if (on_forget_) on_forget_(id);
+}
+
+bool EndpointTable::drain(int id) {
+  EndpointState* e = find(id);
+  if (!e || e->draining) return false;
+  e->draining = true;
+  e->healthy_gauge->set(0);
+  e->in_flight_gauge->set(0);
+  // The name may come back (admin add, reload) before this one leaves: the labelled gauges
+  // then belong to the newcomer, so a draining engine writes to a gauge of its own.
+  e->healthy_gauge = &detached_gauge_;
+  e->in_flight_gauge = &detached_gauge_;
+  if (e->in_flight == 0) forget(id);
+  update_ready();
+  return true;
+}
+
+std::string EndpointTable::admission_error(bool prefill, const Endpoint& e) const {
+  if (prefill && topo_.mode == PdMode::kAggregated) return "aggregated mode has no prefill pool";
+  if (prefill && topo_.mode == PdMode::kParallel && e.bootstrap_port == 0)
+    return "a parallel-mode prefill engine needs bootstrap_port";
+  for (const auto& [id, x] : endpoints_)
+    if (!x.draining && x.config.name == e.name) return "an endpoint named '" + e.name + "' exists";
+  return {};
+}
+
+EndpointTable::ReloadResult EndpointTable::reload(const Topology& next) {
+  ReloadResult result;
+  for (bool prefill : {true, false}) {
+    const auto& wanted = (prefill ? next.prefill : next.decode).endpoints;
+    std::vector<int> drop;
+    for (const auto& [id, e] : endpoints_) {
+      if (e.prefill != prefill || e.draining) continue;
+      const bool keep = std::any_of(wanted.begin(), wanted.end(),
+                                    [&](const Endpoint& w) { return same_endpoint(w, e.config); });
+      if (!keep) drop.push_back(id);
+    }
+    for (int id : drop) result.removed += drain(id) ? 1 : 0;
+    for (const auto& w : wanted) {
+      const bool have = std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
+        return kv.second.prefill == prefill && !kv.second.draining &&
+               same_endpoint(w, kv.second.config);
+      });
+      if (!have) {
+        add(prefill, w);
+        ++result.added;
+      }
+    }
+  }
+  return result;
+}
+
+json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const {
+  json j = {{"name", e.config.name},
+            {"pool", e.prefill ? "prefill" : "decode"},
+            {"host", e.config.host},
+            {"port", e.config.port},
+            {"group", e.config.group},
+            {"healthy", e.healthy},
+            {"draining", e.draining},
+            {"in_flight", e.in_flight},
+            {"max_in_flight", e.max_in_flight},
+            {"consecutive_failures", e.consecutive_failures},
+            {"load_source", load_source_name(e.load_source)}};
+  if (consumers_.count(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
+  j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight.tokens;
+  if (e.load.known) {
+    const LoadReport& r = e.load.report;
+    j["load"] = {
+        {"running", r.running},
+        {"waiting", r.waiting},
+        {"free_blocks", r.free_blocks},
+        {"total_blocks", r.total_blocks},
+        {"prefill_tokens", r.prefill_tokens},
+        {"age_ms", std::chrono::duration<double, std::milli>(now - e.load.received).count()},
+        {"batch_observations", e.load.batch_time.observations}};
+  }
+  if (e.config.bootstrap_port) j["bootstrap_port"] = e.config.bootstrap_port;
+  return j;
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,137 @@
+#pragma once
+// The engines the gateway sends requests to, as the scheduling thread keeps them: their
+// configuration, what is in flight there, their health and load reports, and the changes the
+// admin API and reloads make. Scheduling thread only (no locks); the clock is passed in.
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "gateway/engine_load.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/policy.h"
+#include "gateway/topology.h"
+
+namespace tandem::gateway {
+
+class PrefixIndex;
+class KvEventsConsumer;
+struct Leg;
+
+// Where the gateway learns an engine's load: its GET /load reports (Tandem engines), or nothing
+// but the gateway's own counts (vLLM and SGLang engines, and engines of an `auto` pool that turned
+// out to have no reports). An `auto` engine is asked until it answers either way.
+enum class LoadSource { kAsking, kReports, kOwnCounts };
+const char* load_source_name(LoadSource source);
+
+struct EndpointState {
+  int id = 0;
+  bool prefill = false;
+  Endpoint config;
+  int64_t max_in_flight = 0;
+  bool healthy = true, draining = false, probing = false;
+  Clock::time_point readmitted{};  // when a probe last readmitted it (its limit ramps up since)
+  int consecutive_failures = 0;
+  int64_t in_flight = 0, tokens_in_flight = 0;
+  GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
+  EngineLoadState load;  // its GET /load reports (tandem engines)
+  LoadSource load_source = LoadSource::kOwnCounts;
+  bool load_polling = false;
+  PrefillWork launched_at_last_poll;  // counts.launched_total when the last poll left
+  metrics::Gauge* in_flight_gauge = nullptr;
+  metrics::Gauge* healthy_gauge = nullptr;
+  metrics::IntCounter* requests_total = nullptr;
+  metrics::IntCounter* failures_total = nullptr;
+
+  bool eligible() const { return healthy && !draining; }
+};
+
+// What one GET /load told about an engine.
+struct LoadAnswer {
+  enum class Kind {
+    kReport,    // a report of a Tandem engine
+    kNoReport,  // the engine answered, with something that is not one (no /load, another API)
+    kNoAnswer,  // no answer (down, a timeout, a 5xx): nothing learned
+  };
+  Kind kind = Kind::kNoAnswer;
+  LoadReport report;
+  std::string why;  // for kNoReport
+};
+// Reads a /load call's outcome: its transport error (empty: none), status and body.
+LoadAnswer read_load_answer(const std::string& error, int status, const std::string& body);
+
+class EndpointTable {
+ public:
+  // `index`: the global prefix index the engines' KV-event consumers feed (kept by the caller).
+  EndpointTable(const Topology& topology, GatewayMetrics& metrics, PrefixIndex& index);
+  ~EndpointTable();
+  EndpointTable(const EndpointTable&) = delete;
+  EndpointTable& operator=(const EndpointTable&) = delete;
+
+  // Called with an engine's id when it leaves (after its drain), so policy state can forget it.
+  void on_forget(std::function<void(int id)> callback) { on_forget_ = std::move(callback); }
+
+  int add(bool prefill, Endpoint endpoint);
+  EndpointState* find(int id);
+  const EndpointState* find(int id) const;
+  std::map<int, EndpointState>& all() { return endpoints_; }
+  const std::map<int, EndpointState>& all() const { return endpoints_; }
+
+  // Each pool the mode needs has an eligible engine. Any thread.
+  bool ready() const;
+
+  // The policy's view at `now` (slow-start limits, load reports no older than four polls).
+  ClusterView view(Clock::time_point now, const PolicyState* state) const;
+  // Each engine's cached prefix of `prompt_ids` from the KV-event index: tokens it will not
+  // recompute (0 when it holds none); -1 (unknown) without a prompt or for engines without events.
+  void fill_cached_tokens(ClusterView& view, const std::vector<int32_t>& prompt_ids) const;
+  // What the engines of the named pools were doing, for the 503 that says why none took a
+  // request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit".
+  std::string pools_state(const std::vector<bool>& prefill_pools) const;
+
+  // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends.
+  // leg_finished returns false when the engine is gone (left after a drain).
+  void leg_started(EndpointState& e, const Leg& leg);
+  bool leg_finished(const Leg& leg, bool ok);
+  // A failed leg or probe: ejects the engine after health.failures_to_eject in a row.
+  void failure(EndpointState& e);
+
+  // Health probe and load poll results; true when the engine's state changed so that waiting
+  // requests may now start (readmitted, or a fresher load report).
+  bool probe_result(int id, bool ok, Clock::time_point now);
+  bool load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer, Clock::time_point now);
+
+  // Draining: no new requests; it leaves once its last leg finished. False if unknown/draining.
+  bool drain(int id);
+  // Why `endpoint` cannot join a pool now (empty: it can), by the rules of validate().
+  std::string admission_error(bool prefill, const Endpoint& endpoint) const;
+  // Endpoints are matched by name and settings: unchanged ones stay (with their load), changed
+  // or missing ones are drained, new ones are added.
+  struct ReloadResult {
+    int added = 0, removed = 0;
+  };
+  ReloadResult reload(const Topology& next);
+
+  nlohmann::json to_json(const EndpointState& e, Clock::time_point now) const;
+
+ private:
+  void forget(int id);
+  void update_ready();
+
+  const Topology& topo_;
+  GatewayMetrics& metrics_;
+  PrefixIndex& prefix_index_;
+  std::function<void(int)> on_forget_;
+  std::map<int, EndpointState> endpoints_;
+  // One KV-event consumer per engine that publishes events (their threads write the index).
+  std::map<int, std::unique_ptr<KvEventsConsumer>> consumers_;
+  int next_id_ = 0;
+  std::atomic<bool> ready_{false};  // read by the io threads (GET /health)
+  metrics::Gauge detached_gauge_;   // written by draining engines, never rendered
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,242 @@
+#include "gateway/front_end.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "api/block_hash.h"
+#include "api/disaggregation.h"
+#include "api/request.h"
+#include "gateway/http_seams.h"
+#include "util/error.h"
+#include "util/json.h"
+#include "util/random_id.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+
+int64_t unix_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Prompt blocks the gateway hashes its ids in (api/block_hash.h): the policies' prompt identity
+// (tandem's miss spreading). The prefix index learns each engine's own block size from its events.
+constexpr int64_t kPrefixBlockTokens = 16;
+
+// A request id from the client is honoured when it is a plain token (it goes into logs, JSON and
+// engine headers).
+bool usable_request_id(const std::string& id) {
+  return !id.empty() && id.size() <= 256 &&
+         std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+}
+
+}  // namespace
+
+std::string bearer_token(const net::HttpRequest& req) {
+  const std::string auth = req.headers.get("Authorization");
+  if (auth.size() > 7 && net::iequals(std::string_view(auth).substr(0, 7), "Bearer "))
+    return auth.substr(7);
+  return {};
+}
+
+bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
+  if (topo.api_keys.empty()) return true;
+  const std::string key = bearer_token(req);
+  if (std::find(topo.api_keys.begin(), topo.api_keys.end(), key) != topo.api_keys.end())
+    return true;
+  ex.send_error(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                "invalid_request_error", "invalid_api_key");
+  return false;
+}
+
+bool admin_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
+  if (topo.admin_api_key.empty()) {
+    ex.send_error(404, "the admin API is off (set admin_api_key)");
+    return false;
+  }
+  if (bearer_token(req) == topo.admin_api_key) return true;
+  ex.send_error(401, "invalid or missing admin API key", "invalid_request_error",
+                "invalid_api_key");
+  return false;
+}
+
+FrontEnd::FrontEnd(const Topology& topology, Executor& executor, Upstream& upstream,
+                   Dispatcher& dispatcher, const EndpointTable& endpoints,
+                   metrics::Registry& registry, const PromptTokenizer* tokenizer)
+    : topo_(topology),
+      exec_(executor),
+      upstream_(upstream),
+      dispatcher_(dispatcher),
+      endpoints_(endpoints),
+      registry_(registry),
+      tokenizer_(tokenizer) {}
+
+void FrontEnd::add_routes(net::HttpServer& server) {
+  server.route("GET", "/health", [this](const net::HttpRequest&, auto ex) {
+    if (endpoints_.ready())
+      ex->respond(200, "", "text/plain");
+    else
+      ex->send_error(503, "no eligible engine", "server_error");
+  });
+  server.route("GET", "/metrics", [this](const net::HttpRequest&, auto ex) {
+    ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
+  });
+  server.route("GET", "/v1/models", [this](const net::HttpRequest& req, auto ex) {
+    if (!api_key_accepted(topo_, req, *ex)) return;
+    if (!topo_.served_model_name.empty()) {
+      json m = {{"id", topo_.served_model_name},
+                {"object", "model"},
+                {"created", unix_ms() / 1000},
+                {"owned_by", "tandem"}};
+      ex->respond(200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
+      return;
+    }
+    net::Headers headers;  // only what identifies the caller: no hop-by-hop fields
+    if (const auto* a = req.headers.find("Authorization")) headers.set("Authorization", *a);
+    exec_.post([this, ex, headers] { relay_models(ex, headers); });
+  });
+  auto generation = [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    receive(req, std::move(ex));
+  };
+  server.route("POST", "/v1/completions", generation);
+  server.route("POST", "/v1/chat/completions", generation);
+}
+
+void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+  if (!api_key_accepted(topo_, req, *ex)) {
+    // Recorded like any request (metrics, access log), without preparing it.
+    auto r = std::make_shared<Request>();
+    r->times.mark(Phase::kReceived, exec_.now_ns());
+    r->received_unix_ms = unix_ms();
+    r->method = req.method;
+    r->path = req.path;
+    r->id = usable_request_id(req.headers.get("X-Request-Id")) ? req.headers.get("X-Request-Id")
+                                                               : random_hex(2);
+    dispatcher_.end_request(r, {401, "unauthorized"});
+    return;
+  }
+  RequestPtr r = prepare(req, std::make_shared<ExchangeReply>(ex));
+  if (!r) return;
+  r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
+  exec_.post_batched([this, r] { dispatcher_.submit(r); });
+}
+
+RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) {
+  if (stopping_.load()) {
+    reply->send_error(503, "the gateway is shutting down", "server_error");
+    return nullptr;
+  }
+  auto r = std::make_shared<Request>();
+  r->times.mark(Phase::kReceived, exec_.now_ns());
+  r->received_unix_ms = unix_ms();
+  r->method = req.method;
+  r->path = req.path;
+  r->target = req.target;
+  r->reply = std::move(reply);
+  r->id = req.headers.get("X-Request-Id");
+  if (!usable_request_id(r->id)) r->id = random_hex(2);
+  r->headers.set("X-Request-Id", r->id);
+  if (const auto* auth = req.headers.find("Authorization")) r->headers.set("Authorization", *auth);
+  // The client's error: answered here, and recorded.
+  auto refuse = [&](int status, const std::string& message, std::string_view type = {}) {
+    r->reply->send_error(status, message, type);
+    dispatcher_.end_request(r, {status, message});
+    return nullptr;
+  };
+
+  r->times.mark(Phase::kTokenizing, exec_.now_ns());
+  const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_;
+  json body;
+  if (needs_json) {
+    try {
+      body = parse_untrusted_json(req.body);
+      if (!body.is_object()) throw Error("the request body must be a JSON object");
+    } catch (const std::exception& e) {
+      return refuse(400, std::string("invalid JSON body: ") + e.what());
+    }
+    if (auto st = body.find("stream"); st != body.end() && !st->is_boolean() && !st->is_null())
+      return refuse(400, "stream: expected a boolean", "invalid_request_error");
+    r->stream = body.value("stream", false) == true;
+    if (auto m = body.find("model"); m != body.end() && m->is_string()) r->model = *m;
+  }
+  // Without a tokenizer the prompt's length is estimated from the body's size (about four
+  // bytes per token in English text).
+  r->prompt_tokens = static_cast<int64_t>(req.body.size() / 4);
+  bool rewritten = false;
+  if (tokenizer_) {
+    try {
+      if (auto t = tokenizer_->tokenize(req.path, body)) {
+        const Pool& first = topo_.mode == PdMode::kAggregated ? topo_.decode : topo_.prefill;
+        r->prompt_tokens = static_cast<int64_t>(t->ids.size()) * t->n;
+        r->tokens_known = true;
+        r->times.mark(Phase::kPrefixMatching, exec_.now_ns());
+        r->block_hashes = api::block_hashes(t->ids, kPrefixBlockTokens);
+        r->prompt_ids = t->ids;
+        if (first.tokens_in && topo_.decode.tokens_in) {
+          r->translator = std::make_unique<ResponseTranslator>(t->client_kind);
+          body = tokens_in_body(body, *t);
+          r->target = "/v1/completions";
+          rewritten = true;
+        }
+      }
+    } catch (const api::ApiError& e) {
+      std::string message = e.message;
+      if (!e.param.empty()) message += " (param: " + e.param + ")";
+      return refuse(e.status, message, e.type);
+    } catch (const std::exception& e) {
+      return refuse(400, std::string("cannot tokenize the request: ") + e.what());
+    }
+  }
+  r->times.mark(Phase::kPrefixMatching, exec_.now_ns());
+
+  switch (topo_.mode) {
+    case PdMode::kAggregated:
+      r->body = rewritten ? body.dump() : req.body;  // else verbatim: the engine parses it
+      break;
+    case PdMode::kSequential:
+      api::strip_disaggregation_fields(body);
+      r->prefill_body = api::prefill_leg_body(body).dump();
+      r->body = body.dump();
+      break;
+    case PdMode::kParallel:
+      api::strip_disaggregation_fields(body);
+      r->body = body.dump();
+      break;
+  }
+  return r;
+}
+
+// Scheduling thread: GET /v1/models of an engine the policy picks.
+void FrontEnd::relay_models(std::shared_ptr<net::Exchange> ex, net::Headers headers) {
+  const EndpointState* e = dispatcher_.models_endpoint();
+  if (!e) {
+    ex->send_error(503, "no healthy engine", "server_error");
+    return;
+  }
+  net::AsyncHttpRequest u;
+  u.host = e->config.host;
+  u.port = e->config.port;
+  u.target = "/v1/models";
+  u.headers = std::move(headers);
+  u.timeout = topo_.timeouts.connect;
+  auto answer = std::make_shared<std::pair<int, std::string>>();
+  net::AsyncHttpHandlers h;
+  h.on_head = [answer](int s, const net::Headers&) { answer->first = s; };
+  h.on_body = [answer](std::string_view p) {
+    answer->second += p;
+    return true;
+  };
+  h.on_done = [ex, answer](const std::string& error) {
+    if (error.empty())
+      ex->respond(answer->first, answer->second, "application/json");
+    else
+      ex->send_error(502, "engine failed: " + error, "server_error");
+  };
+  upstream_.start(std::move(u), std::move(h));
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,57 @@
+#pragma once
+// The gateway's client side, on the HTTP server's io threads: the OpenAI routes (/v1/completions,
+// /v1/chat/completions, /v1/models), /health and /metrics, API keys, and everything done to a
+// request before the scheduler sees it: its id, its JSON checked, its prompt tokenized (with a
+// model folder) and the bodies of its legs built once (api/disaggregation.h). The client's errors
+// are answered here; the rest goes to the dispatcher.
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "gateway/dispatcher.h"
+#include "gateway/request.h"
+#include "gateway/seams.h"
+#include "gateway/tokens_in.h"
+#include "gateway/topology.h"
+#include "net/http_server.h"
+#include "util/metrics.h"
+
+namespace tandem::gateway {
+
+// The Bearer token of an Authorization header, or empty.
+std::string bearer_token(const net::HttpRequest& req);
+// Whether the request may use the API (no keys configured, or one of them); answers 401 if not.
+bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex);
+// Whether the request may use the admin API; answers 404 (admin off) or 401 if not.
+bool admin_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex);
+
+class FrontEnd {
+ public:
+  // `tokenizer` may be null (no model folder configured).
+  FrontEnd(const Topology& topology, Executor& executor, Upstream& upstream, Dispatcher& dispatcher,
+           const EndpointTable& endpoints, metrics::Registry& registry,
+           const PromptTokenizer* tokenizer);
+
+  void add_routes(net::HttpServer& server);
+  // New requests get 503 from now on.
+  void stop() { stopping_ = true; }
+
+  // The request the client sent, prepared for the dispatcher; null when it was answered here
+  // (an error of the client's, or the gateway stopping), its end then recorded.
+  RequestPtr prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply);
+
+ private:
+  void receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex);
+  void relay_models(std::shared_ptr<net::Exchange> ex, net::Headers headers);
+
+  const Topology& topo_;
+  Executor& exec_;
+  Upstream& upstream_;
+  Dispatcher& dispatcher_;
+  const EndpointTable& endpoints_;
+  metrics::Registry& registry_;
+  const PromptTokenizer* tokenizer_;
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,41 @@
+#include "gateway/gateway_metrics.h"
+
+namespace tandem::gateway {
+
+GatewayMetrics::GatewayMetrics(metrics::Registry& r)
+    : phase_seconds(r.histogram_family("tandem:gateway_phase_seconds",
+                                       "Seconds requests spent in each lifecycle phase.", {"phase"},
+                                       metrics::vllm_request_latency_buckets())),
+      ttft(r.histogram("vllm:time_to_first_token_seconds",
+                       "Time to first token (streaming requests), seen at the gateway.",
+                       metrics::vllm_ttft_buckets())),
+      tpot(r.histogram("vllm:time_per_output_token_seconds",
+                       "Time per output token after the first (streaming requests).",
+                       metrics::vllm_tpot_buckets())),
+      itl(r.histogram("vllm:inter_token_latency_seconds",
+                      "Gaps between streamed token events, seen at the gateway.",
+                      metrics::vllm_tpot_buckets())),
+      e2e(r.histogram("vllm:e2e_request_latency_seconds",
+                      "End-to-end request latency at the gateway.",
+                      metrics::vllm_request_latency_buckets())),
+      queue_time(r.histogram("vllm:request_queue_time_seconds",
+                             "Seconds requests waited in the gateway for a free engine.",
+                             metrics::vllm_request_latency_buckets())),
+      running(r.gauge("vllm:num_requests_running", "Requests being served by engines.")),
+      waiting(r.gauge("vllm:num_requests_waiting", "Requests waiting in the gateway queue.")),
+      requests(r.int_counter_family("tandem:gateway_requests_total",
+                                    "Requests answered, by HTTP status.", {"status"})),
+      retries(r.int_counter("tandem:gateway_retries_total",
+                            "Attempts started again on other engines after a failure.")),
+      endpoint_in_flight(r.gauge_family("tandem:gateway_endpoint_in_flight",
+                                        "Requests in flight per engine.", {"pool", "endpoint"})),
+      endpoint_healthy(r.gauge_family("tandem:gateway_endpoint_healthy",
+                                      "1 while an engine is eligible, 0 while ejected or removed.",
+                                      {"pool", "endpoint"})),
+      endpoint_requests(r.int_counter_family("tandem:gateway_endpoint_requests_total",
+                                             "Legs sent per engine.", {"pool", "endpoint"})),
+      endpoint_failures(r.int_counter_family("tandem:gateway_endpoint_failures_total",
+                                             "Failed legs and health probes per engine.",
+                                             {"pool", "endpoint"})) {}
+
+}  // namespace tandem::gateway

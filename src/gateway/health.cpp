@@ -1,0 +1,87 @@
+#include "gateway/health.h"
+
+#include <algorithm>
+#include <memory>
+
+namespace tandem::gateway {
+namespace {
+
+// A /load answer is a few kilobytes; anything far larger is not one.
+constexpr size_t kMaxLoadReportBytes = size_t{1} << 20;
+
+}  // namespace
+
+HealthMonitor::HealthMonitor(const Topology& topology, Executor& executor, Upstream& upstream,
+                             EndpointTable& endpoints, std::function<void()> changed)
+    : topo_(topology),
+      exec_(executor),
+      upstream_(upstream),
+      endpoints_(endpoints),
+      changed_(std::move(changed)) {}
+
+void HealthMonitor::start() {
+  probe_all();
+  if (topo_.scheduling.load_interval.count() > 0) poll_loads();
+}
+
+// A GET of the gateway's own (health, load) to an engine, bounded by the probe timeout.
+net::AsyncHttpRequest HealthMonitor::engine_get(const EndpointState& e, const char* target) const {
+  net::AsyncHttpRequest u;
+  u.host = e.config.host;
+  u.port = e.config.port;
+  u.target = target;
+  u.timeout = topo_.health.probe_timeout;
+  u.connect_timeout = std::min(topo_.timeouts.connect, topo_.health.probe_timeout);
+  return u;
+}
+
+void HealthMonitor::probe_all() {
+  for (auto& [id, e] : endpoints_.all()) {
+    if (e.probing || e.draining) continue;
+    e.probing = true;
+    auto status = std::make_shared<int>(0);
+    net::AsyncHttpHandlers h;
+    h.on_head = [status](int s, const net::Headers&) { *status = s; };
+    h.on_done = [this, status, id = id](const std::string& error) {
+      const bool ok = error.empty() && *status == 200;
+      exec_.post([this, id, ok] {
+        if (endpoints_.probe_result(id, ok, exec_.now())) changed_();
+      });
+    };
+    upstream_.start(engine_get(e, "/health"), std::move(h));
+  }
+  exec_.at(exec_.now() + topo_.health.probe_interval, [this] { probe_all(); });
+}
+
+// One poll per engine at a time.
+void HealthMonitor::poll_loads() {
+  for (auto& [id, e] : endpoints_.all()) {
+    if (e.load_source == LoadSource::kOwnCounts || e.load_polling || e.draining) continue;
+    e.load_polling = true;
+    struct Reply {
+      int status = 0;
+      std::string body;
+    };
+    auto reply = std::make_shared<Reply>();
+    net::AsyncHttpHandlers h;
+    h.on_head = [reply](int s, const net::Headers&) { reply->status = s; };
+    h.on_body = [reply](std::string_view piece) {
+      reply->body.append(piece);
+      return reply->body.size() <= kMaxLoadReportBytes;
+    };
+    // A leg launched shortly before this poll may still be on its way into the engine when it
+    // answers: the report is taken to know only the legs launched before the previous poll.
+    const PrefillWork launched = e.launched_at_last_poll;
+    e.launched_at_last_poll = e.counts.launched_total;
+    h.on_done = [this, reply, id = id, launched](const std::string& error) {
+      LoadAnswer answer = read_load_answer(error, reply->status, reply->body);
+      exec_.post([this, id, launched, answer = std::move(answer)]() mutable {
+        if (endpoints_.load_result(id, launched, std::move(answer), exec_.now())) changed_();
+      });
+    };
+    upstream_.start(engine_get(e, "/load"), std::move(h));
+  }
+  exec_.at(exec_.now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
+}
+
+}  // namespace tandem::gateway

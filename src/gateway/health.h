@@ -1,0 +1,38 @@
+#pragma once
+// The gateway's view of its engines over time, on the scheduling thread: a GET /health probe of
+// every engine each health.probe_interval (ejected engines are readmitted when one passes), and a
+// GET /load poll each scheduling.load_interval of the engines that report their load or may
+// (dialect auto). Calls go through the Upstream seam, timers through the Executor: tests drive
+// both without sockets or clocks.
+#include <functional>
+
+#include "gateway/endpoints.h"
+#include "gateway/seams.h"
+#include "gateway/topology.h"
+
+namespace tandem::gateway {
+
+class HealthMonitor {
+ public:
+  // `changed` runs (on the scheduling thread) when an engine was readmitted or reported a fresh
+  // load: waiting requests may start now.
+  HealthMonitor(const Topology& topology, Executor& executor, Upstream& upstream,
+                EndpointTable& endpoints, std::function<void()> changed);
+
+  // Scheduling thread: probes every engine now, then at every interval; polls loads likewise
+  // (when scheduling.load_interval > 0).
+  void start();
+
+ private:
+  void probe_all();
+  void poll_loads();
+  net::AsyncHttpRequest engine_get(const EndpointState& e, const char* target) const;
+
+  const Topology& topo_;
+  Executor& exec_;
+  Upstream& upstream_;
+  EndpointTable& endpoints_;
+  std::function<void()> changed_;
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,243 @@
+#include "gateway/relay.h"
+
+#include "api/disaggregation.h"
+#include "api/error.h"
+#include "gateway/answer_text.h"
+#include "gateway/dispatcher.h"
+
+namespace tandem::gateway {
+namespace {
+
+constexpr size_t kMaxPrefillAnswerBytes = size_t{16} << 20;
+constexpr size_t kMaxAnswerBytes = size_t{64} << 20;
+
+}  // namespace
+
+net::AsyncHttpHandlers Relay::prefill_handlers(const RequestPtr& r, LegRef leg_ref, int attempt,
+                                               int endpoint_id, std::string where) {
+  net::AsyncHttpHandlers h;
+  h.on_head = [leg_ref](int status, const net::Headers&) {
+    if (auto l = leg_ref->lock()) l->status = status;
+  };
+  // Sequential: the answer carries kv_transfer_params. Parallel: only an error is kept.
+  h.on_body = [leg_ref, keep = topo_.mode == PdMode::kSequential](std::string_view piece) {
+    auto l = leg_ref->lock();
+    if (l && (keep || l->status != 200) && l->body.size() < kMaxPrefillAnswerBytes)
+      l->body += piece;
+    return true;
+  };
+  h.on_done = [this, r, leg_ref, attempt, where = std::move(where),
+               endpoint_id](const std::string& error) {
+    if (auto l = leg_ref->lock()) prefill_done(r, *l, attempt, where, endpoint_id, error);
+  };
+  return h;
+}
+
+void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::string& where,
+                         int endpoint_id, const std::string& error) {
+  std::string reason;
+  {
+    std::lock_guard lock(r->mutex);
+    l.state = LegState::kFinished;
+    reason = l.cancel_reason.empty() ? error : l.cancel_reason;
+  }
+  if (!reason.empty()) {
+    dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
+                           "prefill engine " + where + " failed: " + reason);
+    return;
+  }
+  if (l.status != 200) {
+    dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {});
+    return;
+  }
+  r->times.mark_prefill_done(exec_.now_ns());
+  if (topo_.mode != PdMode::kSequential) return;  // parallel: the decode leg answers
+  std::string params;
+  try {
+    params = api::kv_transfer_params_member(l.body);
+  } catch (const std::exception&) {
+    l.engine_error = true;
+    dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
+                           "prefill engine " + where + " answered without kv_transfer_params");
+    return;
+  }
+  {
+    std::lock_guard lock(r->mutex);
+    r->decode_body = splice_fields(r->body, params);
+  }
+  dispatcher_.prefill_answered(r, attempt);
+}
+
+net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_ref, int attempt,
+                                              int endpoint_id, std::string where) {
+  net::AsyncHttpHandlers h;
+  h.on_head = [leg_ref](int status, const net::Headers& hs) {
+    auto l = leg_ref->lock();
+    if (!l) return;
+    l->status = status;
+    l->streaming = status == 200 && hs.get("Content-Type").rfind("text/event-stream", 0) == 0;
+  };
+  h.on_body = [this, r, leg_ref](std::string_view piece) {
+    auto l = leg_ref->lock();
+    return l && relay_piece(r, *l, piece);
+  };
+  h.on_done = [this, r, leg_ref, attempt, where = std::move(where),
+               endpoint_id](const std::string& error) {
+    if (auto l = leg_ref->lock()) relay_done(r, *l, attempt, where, endpoint_id, error);
+  };
+  return h;
+}
+
+bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
+  if (!l.streaming) {
+    if (l.body.size() + piece.size() > kMaxAnswerBytes) return false;
+    l.body += piece;
+    return true;
+  }
+  // Without a translator the client gets the engine's bytes as they are, once the first event
+  // has shown the stream is no error; with one, the translated events. Only this thread moves
+  // the leg to kRelaying, so reading its state here needs no lock.
+  const bool verbatim = !r->translator;
+  const bool started = l.state == LegState::kRelaying;
+  std::string out;
+  if (!verbatim) out.reserve(piece.size() + 16);
+  const int64_t now = exec_.now_ns();
+  int64_t token_events = 0;
+  bool refused = false;  // the stream must not go on (an error first, a leg given up)
+  l.parser.feed(piece, [&](std::string_view data) {
+    if (refused) return;
+    if (l.state != LegState::kRelaying) {
+      if (is_error_event(data)) {  // failed before any token: the client has seen nothing
+        l.body = std::string(data);
+        l.engine_error = true;
+        refused = true;
+        return;
+      }
+      std::lock_guard lock(r->mutex);
+      // A leg the gateway gave up on (a timeout, a retry) must not start the client's stream.
+      if (r->client == ClientState::kEnded || l.gateway_cancelled.load() ||
+          !l.cancel_reason.empty()) {
+        l.gateway_cancelled = true;
+        refused = true;
+        return;
+      }
+      l.state = LegState::kRelaying;
+      r->client = ClientState::kAnswering;
+      r->outcome.status = 200;
+      r->reply->start_stream(200, "text/event-stream");
+    }
+    if (carries_tokens(data)) ++token_events;
+    if (verbatim) return;
+    if (!is_error_event(data)) {
+      for (const auto& d : r->translator->event(data)) {
+        out += "data: ";
+        out += d;
+        out += "\n\n";
+      }
+      return;
+    }
+    out += "data: ";
+    out += data;
+    out += "\n\n";
+  });
+  if (refused) return false;
+  if (token_events > 0) {
+    // One lock per piece: the events a piece completes arrived together (gaps of 0).
+    std::lock_guard lock(r->mutex);
+    if (r->output_events == 0) {
+      r->first_token_ns = now;
+      r->times.mark(Phase::kDecoding, now);
+      if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
+    } else {
+      r->itl.push_back(static_cast<double>(now - r->last_token_ns) * 1e-9);
+    }
+    r->itl.insert(r->itl.end(), static_cast<size_t>(token_events - 1), 0.0);
+    r->last_token_ns = now;
+    r->output_events += token_events;
+  }
+  if (verbatim) {
+    if (l.state != LegState::kRelaying) {  // no complete event yet: hold the bytes
+      l.held += piece;
+      return l.held.size() <= kMaxAnswerBytes;
+    }
+    if (!started) {
+      l.held += piece;
+      out = std::move(l.held);
+      l.held = {};
+    }
+  }
+  const std::string_view bytes = verbatim && started ? piece : std::string_view(out);
+  if (bytes.empty()) return true;
+  if (r->reply->write(bytes)) return true;
+  l.gateway_cancelled = true;  // the client is gone
+  return false;
+}
+
+void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::string& where,
+                       int endpoint_id, const std::string& error) {
+  std::string reason;
+  bool streamed;
+  {
+    std::lock_guard lock(r->mutex);
+    streamed = l.state == LegState::kRelaying;
+    l.state = LegState::kFinished;
+    reason = l.cancel_reason.empty() ? error : l.cancel_reason;
+  }
+  if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
+    // Once streaming, the gateway cancels the leg only because the client left (a failed
+    // write, or its connection closed): 499 however that news arrived first.
+    const bool client_left = l.gateway_cancelled.load();
+    Outcome outcome;
+    if (!reason.empty()) {
+      outcome.status = client_left ? 499 : 502;
+      outcome.error = client_left ? "client closed the connection" : where + ": " + reason;
+    }
+    // Recorded first: cutting the stream closes the exchange, which reports a client gone.
+    l.ended_request =
+        dispatcher_.end_request(r, std::move(outcome), Dispatcher::Accounting::kWithLeg);
+    if (reason.empty())
+      r->reply->end();
+    else
+      r->reply->abort();
+    return;
+  }
+  if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
+    dispatcher_.leg_failed(
+        r, attempt, endpoint_id, 502, {},
+        "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body));
+    return;
+  }
+  if (reason.empty() && l.status == 200 && !l.streaming) {
+    const int64_t now = exec_.now_ns();
+    r->times.mark(Phase::kDecoding, now);
+    if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
+    // The answer is relayed as the engine sent it; the gateway only checks it is a JSON
+    // object and reads the completion tokens for its statistics (a full parse would cost
+    // more than the rest of the relay).
+    if (!looks_like_json_object(l.body)) {
+      l.engine_error = true;
+      dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
+                             "engine " + where + " sent a malformed answer (not a JSON object)");
+      return;
+    }
+    const int64_t tokens = usage_completion_tokens(l.body);
+    {
+      std::lock_guard lock(r->mutex);
+      if (r->client == ClientState::kEnded) return;
+      r->client = ClientState::kAnswering;
+      r->completion_tokens = tokens;
+      r->reply->respond(200, r->translator ? r->translator->body(l.body) : std::move(l.body),
+                        "application/json");
+    }
+    l.ended_request = dispatcher_.end_request(r, {}, Dispatcher::Accounting::kWithLeg);
+    return;
+  }
+  if (reason.empty() && l.streaming) reason = "the stream ended without an answer";
+  if (!reason.empty())
+    dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
+                           "engine " + where + " failed: " + reason);
+  else
+    dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {});
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,44 @@
+#pragma once
+// The engines' answers on their way to the client, on the io threads that run the legs' calls:
+// a prefill leg's answer is collected (sequential: its kv_transfer_params feed the decode leg) or
+// drained (parallel); the answering leg's head is held back until its first event (or its whole
+// answer) arrived, so a failure before any token can still be retried elsewhere; then streams
+// stay streams (bytes passed verbatim, or translated back to chat when the gateway sent token
+// ids), and token timings are recorded. Failures and ends go back to the dispatcher.
+#include <memory>
+#include <string>
+
+#include "gateway/request.h"
+#include "gateway/seams.h"
+#include "gateway/topology.h"
+
+namespace tandem::gateway {
+
+class Dispatcher;
+
+class Relay {
+ public:
+  Relay(const Topology& topology, Executor& executor, Dispatcher& dispatcher)
+      : topo_(topology), exec_(executor), dispatcher_(dispatcher) {}
+
+  // The handlers of a leg's call. `leg` is filled in before the call starts (the call's
+  // callbacks find the leg through it and stop when it is gone); `where` names the engine.
+  using LegRef = std::shared_ptr<std::weak_ptr<Leg>>;
+  net::AsyncHttpHandlers prefill_handlers(const RequestPtr& r, LegRef leg, int attempt,
+                                          int endpoint_id, std::string where);
+  net::AsyncHttpHandlers answer_handlers(const RequestPtr& r, LegRef leg, int attempt,
+                                         int endpoint_id, std::string where);
+
+ private:
+  void prefill_done(const RequestPtr& r, Leg& leg, int attempt, const std::string& where,
+                    int endpoint_id, const std::string& error);
+  bool relay_piece(const RequestPtr& r, Leg& leg, std::string_view piece);
+  void relay_done(const RequestPtr& r, Leg& leg, int attempt, const std::string& where,
+                  int endpoint_id, const std::string& error);
+
+  const Topology& topo_;
+  Executor& exec_;
+  Dispatcher& dispatcher_;
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,134 @@
+#pragma once
+// A client request as the gateway carries it, and the legs (engine calls) that serve it. Who
+// writes what is stated per field group: the io thread that received it fills the first group and
+// then only reads it; the scheduling thread owns the second; the third is shared under `mutex`
+// (the relay writes it on the client's io threads as the engines answer).
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "api/prefill_work.h"
+#include "gateway/lifecycle.h"
+#include "gateway/seams.h"
+#include "gateway/tokens_in.h"
+#include "net/http.h"
+#include "net/sse.h"
+
+namespace tandem::gateway {
+
+// Which leg a request waits for: its first (prefill, or the one aggregated leg), or, in sequential
+// mode after the prefill answered, the decode leg.
+enum class Stage { kFirst, kDecode };
+
+// Where a request is in the scheduler's books.
+enum class Booking {
+  kOutside,  // not yet submitted, or finished (or answered before it reached the scheduler)
+  kQueued,   // waiting for engines
+  kRunning,  // its legs run
+};
+
+// What the client has got.
+enum class ClientState {
+  kNothingSent,  // a retry is still possible
+  kAnswering,    // a response or a stream's head went out
+  kEnded,        // its response is complete or failed (or the client left): nothing more starts
+};
+
+// How a request ended, for the client's status, the metrics and the access log.
+struct Outcome {
+  int status = 200;
+  std::string error;  // empty when it succeeded
+};
+
+enum class LegState {
+  kNew,       // built, its call not yet started
+  kRunning,   // its call runs
+  kRelaying,  // (relay legs) its first event reached the client: the client's stream is its
+  kFinished,  // its call ended (on_done ran)
+};
+
+struct Leg {
+  int endpoint = -1;
+  int attempt = 0;
+  bool prefill = false;
+  Upstream::CallId call = 0;
+  LegState state = LegState::kNew;  // under the request's mutex
+  std::string cancel_reason;  // why the gateway cancelled it (a timeout), for the error message
+  // Cancelled for a reason that is not the engine's fault (the client left, the other leg
+  // failed): not counted against the engine's health.
+  std::atomic<bool> gateway_cancelled{false};
+  bool engine_error = false;  // an error event, or a prefill answer without kv_transfer_params
+  // Its completion ended the request: the request's accounting runs in the same scheduler task
+  // as the leg's, one post per request end instead of two.
+  bool ended_request = false;
+  // What it counts for on its endpoint until it finishes (set before it starts).
+  int64_t prompt_tokens = 0;
+  api::PrefillWork uncached;   // prefill work there: the prefill leg, or the aggregated one
+  Executor::TimerId deadline;  // scheduling thread only: cancelled when the leg ends
+  // The relay's view of the answer (the io thread running its call).
+  int status = 0;
+  bool streaming = false;  // an SSE answer
+  std::string body;        // a non-streaming answer, or a stream's first event when it is an error
+  net::SseParser parser;
+  // A verbatim relay (no translation): the stream's bytes before its first event completed,
+  // held back until that event shows it is no error.
+  std::string held;
+
+  bool running() const { return state == LegState::kRunning || state == LegState::kRelaying; }
+};
+
+struct Request {
+  // Set on the io thread before it reaches the scheduler, then read-only.
+  std::string id, method, path, target, model;
+  bool stream = false;
+  std::shared_ptr<ClientReply> reply;
+  net::Headers headers;      // for the engines
+  std::string body;          // aggregated or decode leg (parallel: without bootstrap fields)
+  std::string prefill_body;  // sequential prefill leg
+  int64_t prompt_tokens = 0;
+  bool tokens_known = false;
+  std::vector<int32_t> prompt_ids;     // when the gateway tokenized it
+  std::vector<uint64_t> block_hashes;  // of the prompt's ids, when the gateway tokenized it
+  std::unique_ptr<ResponseTranslator> translator;  // tokens-in: the engine's answer -> client's
+  int64_t received_unix_ms = 0;
+  PhaseTimes times;
+
+  // Scheduling thread only.
+  Stage stage = Stage::kFirst;
+  Booking booking = Booking::kOutside;
+  int attempt = 0;  // current attempt; legs of older attempts are ignored
+  std::vector<int> excluded;
+  std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
+  int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
+  api::PrefillWork uncached;  // the prompt work the engine chosen to prefill it lacks in cache
+  std::string prefill_name, decode_name;
+  Executor::TimerId queue_timer;  // cancelled when it leaves the queue
+  Executor::Clock::time_point queued_at;
+
+  // Shared by the io, client and scheduling threads, under `mutex`.
+  std::mutex mutex;
+  std::vector<std::shared_ptr<Leg>> legs;
+  std::string decode_body;  // sequential: body plus the prefill's kv_transfer_params
+  ClientState client = ClientState::kNothingSent;
+  Outcome outcome;  // what the client got, once it ended
+  int64_t output_events = 0, first_token_ns = 0, last_token_ns = 0;
+  int64_t completion_tokens = -1;  // from a usage object, when one was seen
+  std::vector<double> itl;         // inter-token gaps, seconds
+
+  bool ended() {
+    std::lock_guard lock(mutex);
+    return client == ClientState::kEnded;
+  }
+};
+
+using RequestPtr = std::shared_ptr<Request>;
+
+// The one way legs are cancelled: under the request's lock (held by the caller) its running legs
+// are marked as cancelled by the gateway (not the engine's fault) and their calls returned, to be
+// cancelled after the lock is released (a cancel may report back at once).
+std::vector<Upstream::CallId> mark_legs_cancelled(Request& r);
+
+}  // namespace tandem::gateway

@@ -1,0 +1,78 @@
+#pragma once
+// The gateway's three seams: where its scheduling code meets time, the engines and the client.
+// The running gateway plugs in its scheduling thread (scheduling_thread.h), the HTTP client and
+// the server's exchanges (http_seams.h); unit tests and a virtual-time simulator plug in a
+// virtual clock (virtual_executor.h) and fakes, and drive the same dispatcher, relay and health
+// code with no socket, thread or sleep.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+
+#include "net/async_http_client.h"
+#include "util/inline_task.h"
+
+namespace tandem::gateway {
+
+// The thread every scheduling decision runs on, and its clock. post()/post_batched() and now()
+// may be called from any thread; at(), cancel() and set_busy() only from the executor's own.
+class Executor {
+ public:
+  using Task = util::InlineTask;  // closures up to 64 bytes are posted without a heap allocation
+  using Clock = std::chrono::steady_clock;
+  // A timer armed by at(), for cancel().
+  struct TimerId {
+    Clock::time_point when{};
+    uint64_t seq = 0;  // 0: none
+  };
+
+  virtual ~Executor() = default;
+  virtual Clock::time_point now() const = 0;
+  // Runs `task` on the executor, in posting order per producer (post and post_batched share one
+  // queue). post_batched may wait for the next tick while the executor is busy (set_busy).
+  virtual void post(Task task) = 0;
+  virtual void post_batched(Task task) = 0;
+  virtual void set_busy(bool busy) = 0;
+  // Runs `task` at `when` (or soon after).
+  virtual TimerId at(Clock::time_point when, Task task) = 0;
+  // Drops a timer that has not fired yet, and its task. Ids of fired or cancelled timers are
+  // ignored.
+  virtual void cancel(TimerId id) = 0;
+
+  int64_t now_ns() const {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(now().time_since_epoch()).count();
+  }
+};
+
+// The engines, as the gateway calls them: one HTTP call per leg, probe or poll. Callbacks may run
+// on any thread (the client's io threads) but one at a time per call; on_done always comes once
+// for a started call, also after cancel(). Thread-safe.
+class Upstream {
+ public:
+  using CallId = uint64_t;
+  virtual ~Upstream() = default;
+  virtual CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) = 0;
+  virtual void cancel(CallId id) = 0;  // unknown or finished ids are ignored
+};
+
+// The client's side of one request: what the gateway answers it. Methods that send return false
+// and do nothing once the client cannot take that call any more (gone, or already answered).
+// Thread-safe (net::Exchange's contract).
+class ClientReply {
+ public:
+  virtual ~ClientReply() = default;
+  virtual bool respond(int status, std::string body, std::string content_type) = 0;
+  // An OpenAI error body (api/error.h) with this status, message, type and code.
+  virtual bool send_error(int status, std::string_view message, std::string_view type = {},
+                          std::string_view code = {}) = 0;
+  virtual bool start_stream(int status, std::string content_type) = 0;
+  virtual bool write(std::string_view chunk) = 0;
+  virtual bool end() = 0;    // the stream is complete
+  virtual void abort() = 0;  // cuts a stream (or answers 500 when nothing was sent)
+  // Runs once if the client goes away before the reply is complete (right away if it already
+  // has); quick and non-blocking, as it may run on an io thread.
+  virtual void on_close(std::function<void()> callback) = 0;
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,641 @@
+// The gateway's scheduling code without sockets, threads or sleeps: the front end's intake, the
+// dispatcher, the relay and the health monitor run against a virtual clock (VirtualExecutor) and
+// fake engines (an Upstream whose calls the test answers) and a fake client (a ClientReply that
+// records what it got). Every time is virtual: a timeout test moves the clock, it never waits.
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "gateway/dispatcher.h"
+#include "gateway/endpoints.h"
+#include "gateway/front_end.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/health.h"
+#include "gateway/policy.h"
+#include "gateway/prefix_index.h"
+#include "gateway/virtual_executor.h"
+#include "util/metrics.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+using std::chrono::milliseconds;
+
+// ---------------------------------------------------------------------------------- fakes
+
+// Engines whose calls the test answers. cancel() reports back at once, as the real client may.
+class FakeEngines final : public Upstream {
+ public:
+  struct Call {
+    CallId id = 0;
+    net::AsyncHttpRequest request;
+    net::AsyncHttpHandlers handlers;
+    bool done = false, cancelled = false;
+  };
+
+  CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) override {
+    auto c = std::make_shared<Call>();
+    c->id = ++next_;
+    c->request = std::move(request);
+    c->handlers = std::move(handlers);
+    calls_.push_back(c);
+    return c->id;
+  }
+  void cancel(CallId id) override {
+    for (auto& c : calls_)
+      if (c->id == id && !c->done) {
+        c->cancelled = true;
+        finish(*c, "cancelled");
+      }
+  }
+
+  // The calls not yet answered to `target` (e.g. "/v1/completions"), oldest first.
+  std::vector<std::shared_ptr<Call>> open(const std::string& target = {}) const {
+    std::vector<std::shared_ptr<Call>> out;
+    for (const auto& c : calls_)
+      if (!c->done && (target.empty() || c->request.target == target)) out.push_back(c);
+    return out;
+  }
+  std::vector<std::shared_ptr<Call>> all(const std::string& target) const {
+    std::vector<std::shared_ptr<Call>> out;
+    for (const auto& c : calls_)
+      if (c->request.target == target) out.push_back(c);
+    return out;
+  }
+
+  static void answer(Call& c, int status, const std::string& body,
+                     const std::string& content_type = "application/json") {
+    head(c, status, content_type);
+    piece(c, body);
+    finish(c, "");
+  }
+  static void head(Call& c, int status, const std::string& content_type) {
+    net::Headers h;
+    h.set("Content-Type", content_type);
+    if (c.handlers.on_head) c.handlers.on_head(status, h);
+  }
+  static bool piece(Call& c, const std::string& bytes) {
+    return !c.handlers.on_body || c.handlers.on_body(bytes);
+  }
+  static void finish(Call& c, const std::string& error) {
+    if (c.done) return;
+    c.done = true;
+    if (c.handlers.on_done) c.handlers.on_done(error);
+  }
+
+ private:
+  CallId next_ = 0;
+  std::vector<std::shared_ptr<Call>> calls_;
+};
+
+// A client that records what the gateway sent it.
+class FakeClient final : public ClientReply {
+ public:
+  bool respond(int s, std::string b, std::string) override {
+    if (complete_) return false;
+    status = s;
+    body = std::move(b);
+    complete_ = true;
+    return true;
+  }
+  bool send_error(int s, std::string_view message, std::string_view type,
+                  std::string_view code) override {
+    if (complete_) return false;
+    status = s;
+    error_message = std::string(message);
+    error_type = std::string(type);
+    error_code = std::string(code);
+    complete_ = true;
+    return true;
+  }
+  bool start_stream(int s, std::string) override {
+    status = s;
+    streaming = true;
+    return true;
+  }
+  bool write(std::string_view chunk) override {
+    if (gone_) return false;
+    streamed += chunk;
+    return true;
+  }
+  bool end() override { return complete_ = true; }
+  void abort() override { aborted = true; }
+  void on_close(std::function<void()> callback) override { close_ = std::move(callback); }
+  // The client hangs up.
+  void leave() {
+    gone_ = true;
+    if (close_) close_();
+  }
+
+  int status = 0;
+  std::string body, streamed, error_message, error_type, error_code;
+  bool streaming = false, aborted = false;
+  bool complete() const { return complete_; }
+
+ private:
+  bool complete_ = false, gone_ = false;
+  std::function<void()> close_;
+};
+
+Endpoint engine(const std::string& name, int group = 0, int64_t max_in_flight = 0) {
+  Endpoint e;
+  e.name = name;
+  e.host = name + ".engines";
+  e.port = 8000;
+  e.bootstrap_port = 8998;
+  e.group = group;
+  e.max_in_flight = max_in_flight;
+  return e;
+}
+
+Topology aggregated(std::vector<Endpoint> decode) {
+  Topology t;
+  t.mode = PdMode::kAggregated;
+  t.policy = "least_load";
+  t.decode.endpoints = std::move(decode);
+  t.decode.dialect = Dialect::kVllm;
+  t.decode.max_in_flight = 8;
+  return t;
+}
+
+Topology disaggregated(PdMode mode, std::vector<Endpoint> prefill, std::vector<Endpoint> decode) {
+  Topology t = aggregated(std::move(decode));
+  t.mode = mode;
+  t.prefill.endpoints = std::move(prefill);
+  t.prefill.dialect = Dialect::kVllm;
+  t.prefill.max_in_flight = 8;
+  return t;
+}
+
+std::string completion_answer(const std::string& text) {
+  return json{{"id", "cmpl-1"},
+              {"object", "text_completion"},
+              {"choices", json::array({{{"index", 0}, {"text", text}, {"finish_reason", "stop"}}})},
+              {"usage", {{"prompt_tokens", 3}, {"completion_tokens", 2}, {"total_tokens", 5}}}}
+      .dump();
+}
+
+// The gateway's scheduling parts wired as Gateway wires them, on a virtual clock.
+class Cluster {
+ public:
+  explicit Cluster(Topology topology)
+      : topo(std::move(topology)),
+        policy(make_policy(topo.policy)),
+        metrics(registry),
+        endpoints(topo, metrics, index),
+        dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr),
+        health(topo, clock, engines, endpoints, [this] { dispatcher.dispatch(); }),
+        front_end(topo, clock, engines, dispatcher, endpoints, registry, nullptr) {
+    for (const auto& e : topo.prefill.endpoints) endpoints.add(true, e);
+    for (const auto& e : topo.decode.endpoints) endpoints.add(false, e);
+  }
+
+  // A client sends a completion request; it reaches the dispatcher as the front end prepares it.
+  std::shared_ptr<FakeClient> send(bool stream = false, const std::string& id = {}) {
+    auto client = std::make_shared<FakeClient>();
+    net::HttpRequest req;
+    req.method = "POST";
+    req.target = req.path = "/v1/completions";
+    req.body = json{{"model", "m"}, {"prompt", "hello there"}, {"stream", stream}}.dump();
+    if (!id.empty()) req.headers.set("X-Request-Id", id);
+    if (RequestPtr r = front_end.prepare(req, client)) {
+      r->reply->on_close([this, r] { dispatcher.client_gone(r); });
+      clock.post_batched([this, r] { dispatcher.submit(r); });
+    }
+    clock.run_ready();
+    return client;
+  }
+
+  json endpoint(const std::string& name) const {
+    const json all = dispatcher.endpoints_json();
+    for (const auto& e : all.at("endpoints"))
+      if (e.at("name") == name) return e;
+    return nullptr;
+  }
+  // The value of a rendered metric line, e.g. `tandem:gateway_requests_total{status="502"}`.
+  double metric(const std::string& series) const {
+    const std::string text = registry.render();
+    const size_t at = text.find("\n" + series + " ");
+    if (at == std::string::npos) return 0;
+    return std::stod(text.substr(at + series.size() + 2));
+  }
+  // Answers every open leg call with `body` and lets the scheduler account for it.
+  void answer_all(const std::string& text = "ok") {
+    for (const auto& c : engines.open("/v1/completions"))
+      FakeEngines::answer(*c, 200, completion_answer(text));
+    clock.run_ready();
+  }
+
+  Topology topo;
+  VirtualExecutor clock;
+  FakeEngines engines;
+  std::unique_ptr<Policy> policy;
+  PrefixIndex index;
+  metrics::Registry registry;
+  GatewayMetrics metrics;
+  EndpointTable endpoints;
+  Dispatcher dispatcher;
+  HealthMonitor health;
+  FrontEnd front_end;
+};
+
+std::string host_of(const FakeEngines::Call& c) {
+  return c.request.host.substr(0, c.request.host.find('.'));
+}
+
+// ------------------------------------------------------------------------ dispatch and relay
+
+TEST(Dispatcher, SendsARequestToTheLeastLoadedEngineAndRelaysItsAnswer) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto first = c.send();
+  auto second = c.send();
+  auto calls = c.engines.open("/v1/completions");
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(host_of(*calls[0]), "a");
+  EXPECT_EQ(host_of(*calls[1]), "b");  // a has one in flight
+  EXPECT_EQ(calls[0]->request.method, "POST");
+  EXPECT_EQ(json::parse(calls[0]->request.body)["prompt"], "hello there");
+  EXPECT_FALSE(calls[0]->request.headers.get("X-Request-Id").empty());
+
+  FakeEngines::answer(*calls[0], 200, completion_answer("from a"));
+  c.clock.run_ready();
+  EXPECT_EQ(first->status, 200);
+  EXPECT_EQ(json::parse(first->body)["choices"][0]["text"], "from a");
+  EXPECT_FALSE(second->complete());
+  EXPECT_EQ(c.dispatcher.active(), 1u);
+  EXPECT_EQ(c.endpoint("a")["in_flight"], 0);
+  EXPECT_EQ(c.endpoint("b")["in_flight"], 1);
+  c.answer_all();
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 2);
+}
+
+TEST(Dispatcher, HonoursAPlainRequestIdAndReplacesAHostileOne) {
+  Cluster c(aggregated({engine("a")}));
+  c.send(false, "client-id-1");
+  c.send(false, "an id with spaces");
+  auto calls = c.engines.open("/v1/completions");
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0]->request.headers.get("X-Request-Id"), "client-id-1");
+  const std::string replaced = calls[1]->request.headers.get("X-Request-Id");
+  EXPECT_FALSE(replaced.empty());
+  EXPECT_EQ(replaced.find(' '), std::string::npos);
+}
+
+TEST(Dispatcher, RelaysAStreamVerbatimOnceItsFirstEventIsNoError) {
+  Cluster c(aggregated({engine("a")}));
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  // Half an event: nothing reaches the client yet (it might still turn out to be an error).
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"he"));
+  EXPECT_FALSE(client->streaming);
+  ASSERT_TRUE(FakeEngines::piece(*call, "llo\"}]}\n\ndata: {\"choices\":[{\"text\":\"!\"}]}\n\n"));
+  EXPECT_TRUE(client->streaming);
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: [DONE]\n\n"));
+  FakeEngines::finish(*call, "");
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed,
+            "data: {\"choices\":[{\"text\":\"hello\"}]}\n\ndata: {\"choices\":[{\"text\":\"!\"}]}"
+            "\n\ndata: [DONE]\n\n");
+  EXPECT_TRUE(client->complete());
+  EXPECT_FALSE(client->aborted);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 1);
+}
+
+// ------------------------------------------------------------------------------- retries
+
+TEST(Dispatcher, RetriesAFailedAttemptOnAnotherEngine) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto client = c.send();
+  auto first = c.engines.open("/v1/completions").at(0);
+  EXPECT_EQ(host_of(*first), "a");
+  FakeEngines::answer(*first, 500, R"({"error":{"message":"boom"}})");
+  c.clock.run_ready();
+  auto second = c.engines.open("/v1/completions");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(host_of(*second[0]), "b");
+  EXPECT_FALSE(client->complete());  // the client saw nothing of the failure
+  c.answer_all("from b");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("b")["consecutive_failures"], 0);
+}
+
+TEST(Dispatcher, RetriesAStreamThatStartsWithAnErrorEvent) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto client = c.send(true);
+  auto first = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*first, 200, "text/event-stream");
+  EXPECT_FALSE(FakeEngines::piece(*first, "data: {\"error\":{\"message\":\"no KV\"}}\n\n"));
+  FakeEngines::finish(*first, "cancelled");
+  c.clock.run_ready();
+  EXPECT_FALSE(client->streaming);
+  auto second = c.engines.open("/v1/completions");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(host_of(*second[0]), "b");
+}
+
+TEST(Dispatcher, PassesAnEnginesClientErrorThroughWithoutRetrying) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto client = c.send();
+  const std::string refusal = R"({"error":{"message":"max_tokens too large","type":"x"}})";
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 400, refusal);
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 400);
+  EXPECT_EQ(client->body, refusal);
+  EXPECT_TRUE(c.engines.open().empty());
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 1u);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+}
+
+TEST(Dispatcher, AnswersA502WhenRetriesRunOut) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.prefill_retries = 1;
+  Cluster c(t);
+  auto client = c.send();
+  for (int i = 0; i < 2; ++i) {
+    auto open = c.engines.open("/v1/completions");
+    ASSERT_EQ(open.size(), 1u);
+    FakeEngines::finish(*open[0], "connection refused");
+    c.clock.run_ready();
+  }
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(client->error_type, "server_error");
+  EXPECT_NE(client->error_message.find("connection refused"), std::string::npos);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// ------------------------------------------------------------------------------- timeouts
+
+TEST(Dispatcher, TheFirstTokenTimeoutCancelsTheLegAndRetriesElsewhere) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.timeouts.first_token = milliseconds(500);
+  Cluster c(t);
+  auto client = c.send(true);
+  auto first = c.engines.open("/v1/completions").at(0);
+  c.clock.advance_by(milliseconds(499));
+  EXPECT_FALSE(first->cancelled);
+  c.clock.advance_by(milliseconds(1));
+  EXPECT_TRUE(first->cancelled);
+  auto second = c.engines.open("/v1/completions");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(host_of(*second[0]), "b");
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);  // a timeout is the engine's fault
+  EXPECT_FALSE(client->complete());
+}
+
+TEST(Dispatcher, AStreamThatStartedIsNotCutByTheFirstTokenTimeout) {
+  Topology t = aggregated({engine("a")});
+  t.timeouts.first_token = milliseconds(500);
+  Cluster c(t);
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"a\"}]}\n\n");
+  c.clock.advance_by(milliseconds(5000));
+  EXPECT_FALSE(call->cancelled);
+  EXPECT_TRUE(client->streaming);
+}
+
+TEST(Dispatcher, ARequestNoEngineTakesWithinTheQueueTimeoutGets503SayingWhy) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.timeouts.queue = milliseconds(2000);
+  Cluster c(t);
+  auto running = c.send();
+  auto waiting = c.send();
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  c.clock.advance_by(milliseconds(1999));
+  EXPECT_FALSE(waiting->complete());
+  c.clock.advance_by(milliseconds(1));
+  EXPECT_EQ(waiting->status, 503);
+  EXPECT_NE(waiting->error_message.find("queue timeout"), std::string::npos);
+  EXPECT_NE(waiting->error_message.find("1 at the in-flight limit"), std::string::npos);
+  EXPECT_FALSE(running->complete());
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+}
+
+TEST(Dispatcher, AWaitingRequestStartsWhenAnEngineFrees) {
+  Cluster c(aggregated({engine("a", 0, 1)}));
+  auto first = c.send();
+  auto second = c.send();
+  ASSERT_EQ(c.engines.open().size(), 1u);
+  c.answer_all();
+  EXPECT_EQ(first->status, 200);
+  ASSERT_EQ(c.engines.open().size(), 1u);  // the second took the freed slot
+  c.answer_all();
+  EXPECT_EQ(second->status, 200);
+  EXPECT_EQ(c.clock.pending_timers(), 0u);  // no queue or deadline timer left behind
+}
+
+TEST(Dispatcher, AFullQueueAnswers429) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.max_queue = 1;
+  Cluster c(t);
+  c.send();
+  c.send();
+  auto refused = c.send();
+  EXPECT_EQ(refused->status, 429);
+  EXPECT_EQ(refused->error_code, "rate_limit_exceeded");
+}
+
+// --------------------------------------------------------------------------- client leaves
+
+TEST(Dispatcher, AClientThatLeavesCancelsItsLegWithoutBlamingTheEngine) {
+  Cluster c(aggregated({engine("a")}));
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  client->leave();
+  c.clock.run_ready();
+  EXPECT_TRUE(call->cancelled);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 0);
+  EXPECT_EQ(c.endpoint("a")["in_flight"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"499\"}"), 1);
+}
+
+// -------------------------------------------------------------------------- P/D flows
+
+TEST(Dispatcher, SequentialModeSendsTheDecodeLegThePrefillsKvTransferParams) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  auto client = c.send();
+  auto prefill = c.engines.open("/v1/completions").at(0);
+  EXPECT_EQ(host_of(*prefill), "p");
+  const json prefill_body = json::parse(prefill->request.body);
+  EXPECT_EQ(prefill_body["max_tokens"], 1);
+  EXPECT_EQ(prefill_body["kv_transfer_params"]["do_remote_decode"], true);
+  const json params = {{"do_remote_prefill", true},
+                       {"remote_engine_id", "p-1"},
+                       {"remote_block_ids", {1, 2}},
+                       {"remote_host", "p.engines"},
+                       {"remote_port", 9000}};
+  FakeEngines::answer(*prefill, 200, json{{"kv_transfer_params", params}}.dump());
+  c.clock.run_ready();
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  EXPECT_EQ(host_of(*decode[0]), "d");
+  EXPECT_EQ(json::parse(decode[0]->request.body)["kv_transfer_params"], params);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "decoded");
+}
+
+TEST(Dispatcher, SequentialModeRetriesAPrefillWithoutKvTransferParams) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")}));
+  c.send();
+  FakeEngines::answer(*c.engines.open().at(0), 200, completion_answer("no params"));
+  c.clock.run_ready();
+  auto retry = c.engines.open();
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "p2");
+}
+
+TEST(Dispatcher, ParallelModeStartsBothLegsWithOneBootstrapRoom) {
+  Cluster c(disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")}));
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  const json p = json::parse(legs[0]->request.body), d = json::parse(legs[1]->request.body);
+  EXPECT_EQ(host_of(*legs[0]), "p");
+  EXPECT_EQ(p["bootstrap_host"], "p.engines");
+  EXPECT_EQ(p["bootstrap_port"], 8998);
+  EXPECT_EQ(p["bootstrap_room"], d["bootstrap_room"]);
+  // The decode leg failing cancels the prefill leg, and the request is retried as a pair.
+  FakeEngines::finish(*legs[1], "connection reset");
+  c.clock.run_ready();
+  EXPECT_TRUE(legs[0]->cancelled);
+  EXPECT_EQ(c.engines.open("/v1/completions").size(), 2u);
+  EXPECT_FALSE(client->complete());
+}
+
+// ------------------------------------------------------------------------ drain and reload
+
+TEST(Dispatcher, ADrainedEngineFinishesItsRequestsTakesNoNewOnesThenLeaves) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto held = c.send();
+  ASSERT_EQ(host_of(*c.engines.open().at(0)), "a");
+  int64_t in_flight = -1;
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("a", &in_flight));
+  EXPECT_EQ(in_flight, 1);
+  EXPECT_EQ(c.endpoint("a")["draining"], true);
+  EXPECT_FALSE(c.dispatcher.remove_endpoint("a", nullptr));  // already draining
+  c.send();
+  c.send();
+  auto open = c.engines.open();
+  ASSERT_EQ(open.size(), 3u);
+  EXPECT_EQ(host_of(*open[1]), "b");
+  EXPECT_EQ(host_of(*open[2]), "b");
+  c.answer_all();
+  EXPECT_EQ(held->status, 200);
+  EXPECT_TRUE(c.endpoint("a").is_null());  // gone once its last leg finished
+}
+
+TEST(Dispatcher, RequestsWaitingForARemovedPoolGet503) {
+  Cluster c(aggregated({engine("a", 0, 1)}));
+  c.send();
+  auto waiting = c.send();
+  c.dispatcher.remove_endpoint("a", nullptr);
+  EXPECT_EQ(waiting->status, 503);
+  EXPECT_NE(waiting->error_message.find("draining"), std::string::npos);
+}
+
+TEST(Dispatcher, ReloadKeepsUnchangedEnginesDrainsChangedOnesAndAddsNewOnes) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  c.send();  // on a: its load must survive the reload
+  Topology next = aggregated({engine("a"), engine("b", 0, 3), engine("c")});
+  const auto result = c.dispatcher.reload(next);
+  EXPECT_EQ(result.added, 2);    // b (changed) and c
+  EXPECT_EQ(result.removed, 1);  // the old b
+  EXPECT_EQ(c.endpoint("a")["in_flight"], 1);
+  EXPECT_EQ(c.endpoint("b")["max_in_flight"], 3);
+  EXPECT_EQ(c.endpoint("c")["healthy"], true);
+  EXPECT_EQ(c.dispatcher.reload(next).added, 0);  // idempotent
+}
+
+TEST(Dispatcher, AdmissionRefusesADuplicateNameAndAPrefillEngineInAggregatedMode) {
+  Cluster c(aggregated({engine("a")}));
+  EXPECT_NE(c.dispatcher.add_endpoint(false, engine("a")).find("exists"), std::string::npos);
+  EXPECT_NE(c.dispatcher.add_endpoint(true, engine("p")).find("no prefill pool"),
+            std::string::npos);
+  EXPECT_EQ(c.dispatcher.add_endpoint(false, engine("b")), "");
+  EXPECT_EQ(c.endpoint("b")["pool"], "decode");
+}
+
+// ------------------------------------------------------------------------------- health
+
+TEST(HealthMonitor, EjectsAnEngineAfterFailedProbesAndReadmitsItWithSlowStart) {
+  Topology t = aggregated({engine("a", 0, 10), engine("b", 0, 10)});
+  t.health.failures_to_eject = 2;
+  t.health.probe_interval = milliseconds(1000);
+  t.health.slow_start = milliseconds(10000);
+  Cluster c(t);
+  c.health.start();
+  auto fail_a_probes = [&] {
+    for (const auto& p : c.engines.open("/health")) {
+      if (host_of(*p) == "a")
+        FakeEngines::finish(*p, "connection refused");
+      else
+        FakeEngines::answer(*p, 200, "");
+    }
+    c.clock.run_ready();
+  };
+  fail_a_probes();
+  EXPECT_EQ(c.endpoint("a")["healthy"], true);
+  c.clock.advance_by(milliseconds(1000));
+  fail_a_probes();
+  EXPECT_EQ(c.endpoint("a")["healthy"], false);
+  EXPECT_TRUE(c.endpoints.ready());  // b still serves
+  for (int i = 0; i < 3; ++i) c.send();
+  for (const auto& call : c.engines.open("/v1/completions")) EXPECT_EQ(host_of(*call), "b");
+
+  // a answers again: readmitted, but it takes one request at first, more as the ramp goes on.
+  c.clock.advance_by(milliseconds(1000));
+  for (const auto& p : c.engines.open("/health")) FakeEngines::answer(*p, 200, "");
+  c.clock.run_ready();
+  EXPECT_EQ(c.endpoint("a")["healthy"], true);
+  for (int i = 0; i < 4; ++i) c.send();
+  int on_a = 0;
+  for (const auto& call : c.engines.open("/v1/completions")) on_a += host_of(*call) == "a";
+  EXPECT_EQ(on_a, 1);
+}
+
+TEST(HealthMonitor, AnAutoEngineWithoutALoadReportIsRoutedByOwnCounts) {
+  Topology t = aggregated({engine("a")});
+  t.decode.dialect = Dialect::kAuto;
+  t.scheduling.load_interval = milliseconds(100);
+  Cluster c(t);
+  c.health.start();
+  EXPECT_EQ(c.endpoint("a")["load_source"], "asking");
+  auto polls = c.engines.open("/load");
+  ASSERT_EQ(polls.size(), 1u);
+  FakeEngines::answer(*polls[0], 404, R"({"detail":"Not Found"})");
+  c.clock.run_ready();
+  EXPECT_EQ(c.endpoint("a")["load_source"], "own_counts");
+  c.clock.advance_by(milliseconds(1000));
+  EXPECT_TRUE(c.engines.open("/load").empty());  // never asked again
+}
+
+TEST(HealthMonitor, AFailedLoadPollNeitherBlocksRequestsNorDecidesTheDialect) {
+  Topology t = aggregated({engine("a")});
+  t.decode.dialect = Dialect::kAuto;
+  Cluster c(t);
+  c.health.start();
+  FakeEngines::finish(*c.engines.open("/load").at(0), "connection refused");
+  c.clock.run_ready();
+  EXPECT_EQ(c.endpoint("a")["load_source"], "asking");
+  auto client = c.send();
+  ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);
+  c.answer_all();
+  EXPECT_EQ(client->status, 200);
+}
+
+}  // namespace
+}  // namespace tandem::gateway
