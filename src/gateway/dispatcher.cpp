@@ -38,6 +38,7 @@ Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& u
   endpoints_.on_forget([this](int id) {
     policy_state_.prefill_tree.remove_tenant(id);
     policy_state_.decode_tree.remove_tenant(id);
+    policy_state_.last_failure.erase(id);
   });
 }
 
@@ -325,6 +326,8 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
 
 void Dispatcher::leg_done(const RequestPtr&, const Leg& leg, bool ok) {
   exec_.cancel(leg.deadline);
+  // The policy hears first: a drained engine is forgotten (by the policy too) as its last leg ends.
+  if (endpoints_.find(leg.endpoint)) policy_.outcome(policy_state_, leg.endpoint, ok, exec_.now());
   endpoints_.leg_finished(leg, ok);
   dispatch();
 }

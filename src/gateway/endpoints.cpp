@@ -136,6 +136,7 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
             : ramped_in_flight_limit(e.max_in_flight, now - e.readmitted, topo_.health.slow_start);
     EndpointLoad l{e.id, e.config.group, e.eligible(), e.in_flight, limit, e.tokens_in_flight};
     fill_load(l, e.load, e.counts, now, max_age);
+    l.recently_failed = state && recently_failed(*state, e.id, now);
     (e.prefill ? v.prefill : v.decode).push_back(l);
   }
   // An engine without observations yet (new, or just restarted) borrows the learned batch

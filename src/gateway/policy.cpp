@@ -11,26 +11,17 @@ namespace {
 
 using detail::excluded;
 
-// The least-loaded candidate among `pool` that passes `fits`. An engine that already failed this
-// request is used only when it is the last one left, so a retry prefers another engine without
-// turning a transient failure of the only engine into a hard one.
+// The least-loaded candidate among `pool` that passes `fits` (detail::candidates: engines that
+// failed this request, or recently failed others, are second choice).
 template <class Fits>
 Choice least_load(const std::vector<EndpointLoad>& pool, const RequestInfo& request, Fits fits) {
-  const EndpointLoad* best = nullptr;
-  bool any = false, any_fresh = false;
-  for (const auto& e : pool)
-    if (e.eligible && fits(e) && !excluded(request, e.id)) any_fresh = true;
-  for (const auto& e : pool) {
-    if (!e.eligible || !fits(e)) continue;
-    if (any_fresh && excluded(request, e.id)) continue;
-    any = true;
-    if (e.in_flight >= e.max_in_flight) continue;
-    if (!best || std::tie(e.in_flight, e.tokens_in_flight, e.id) <
-                     std::tie(best->in_flight, best->tokens_in_flight, best->id))
-      best = &e;
-  }
-  if (best) return {Choice::Kind::kChosen, best->id};
-  return {any ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1};
+  const detail::Candidates c = detail::candidates(pool, request, fits, detail::at_in_flight_limit);
+  if (c.free.empty()) return c.none();
+  const EndpointLoad* best = *std::min_element(c.free.begin(), c.free.end(), [](auto* a, auto* b) {
+    return std::tie(a->in_flight, a->tokens_in_flight, a->id) <
+           std::tie(b->in_flight, b->tokens_in_flight, b->id);
+  });
+  return {Choice::Kind::kChosen, best->id};
 }
 
 class LeastLoadPolicy final : public Policy {
@@ -70,6 +61,18 @@ PairChoice Policy::choose_together(ClusterView view, const RequestInfo& request,
 }
 
 void Policy::record(PolicyState&, const RequestInfo&, int, int, Clock::time_point) const {}
+
+void Policy::outcome(PolicyState& state, int endpoint, bool ok, Clock::time_point now) const {
+  if (ok)
+    state.last_failure.erase(endpoint);
+  else
+    state.last_failure[endpoint] = now;
+}
+
+bool recently_failed(const PolicyState& state, int endpoint, Clock::time_point now) {
+  auto it = state.last_failure.find(endpoint);
+  return it != state.last_failure.end() && now - it->second < state.failure_memory;
+}
 
 std::unique_ptr<Policy> make_least_load_policy() {
   return std::make_unique<LeastLoadPolicy>();

@@ -5,6 +5,7 @@
 // decision; nothing here has state or side effects.
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -51,6 +52,9 @@ struct EndpointLoad {
   // The engine's learned batch durations (owned by the caller, alive during the call); null: the
   // policy's prior.
   const BatchTimeEstimator* batch_time = nullptr;
+  // A request it served failed within PolicyState::failure_memory (Policy::outcome): every
+  // policy uses it only when no other engine is free now.
+  bool recently_failed = false;
 };
 
 // An engine readmitted `since` ago after being ejected takes a growing share of its in-flight
@@ -113,7 +117,15 @@ class Policy {
   // the caller passes in ClusterView::state. Stateless policies do nothing.
   virtual void record(PolicyState& state, const RequestInfo& request, int prefill, int decode,
                       Clock::time_point now) const;
+  // How a pick ended, once its leg finished (nginx's free_peer): `ok` false when the engine
+  // failed it (an error, a timeout; not a cancellation by the gateway). The default remembers
+  // the last failure per engine (PolicyState::last_failure), which makes the engine
+  // recently_failed in the views the caller builds (recently_failed()).
+  virtual void outcome(PolicyState& state, int endpoint, bool ok, Clock::time_point now) const;
 };
+
+// Whether `endpoint` failed a pick within state.failure_memory before `now`.
+bool recently_failed(const PolicyState& state, int endpoint, Clock::time_point now);
 
 // Fewest requests in flight; ties: fewest prompt tokens in flight, then the lowest id.
 std::unique_ptr<Policy> make_least_load_policy();
@@ -128,6 +140,10 @@ struct PolicyState {
   PrefixTree prefill_tree, decode_tree;     // cache_aware: what was routed where
   Clock::time_point last_eviction{};        // cache_aware: last evict() of the trees
   bool evicted_once = false;
+  // Policy::outcome: when each engine last failed a pick (none since its last success), and how
+  // long that keeps it second choice (nginx's fail_timeout, 10 s by default).
+  std::map<int, Clock::time_point> last_failure;
+  Clock::duration failure_memory = std::chrono::seconds(10);
 };
 
 // Each engine in turn (by id, cyclic from the one chosen last), skipping saturated ones.

@@ -329,6 +329,22 @@ TEST(Dispatcher, RetriesAFailedAttemptOnAnotherEngine) {
   EXPECT_EQ(c.endpoint("b")["consecutive_failures"], 0);
 }
 
+TEST(Dispatcher, ThePolicyHearsEachPicksOutcome) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  c.send();
+  FakeEngines::answer(*c.engines.open().at(0), 503, "");  // a fails (retried on b)
+  c.clock.run_ready();
+  c.answer_all();
+  // Both idle now; a failed recently, so the next request goes to b, and after a's failure is
+  // forgotten (10 s), least_load's lowest id wins again.
+  c.send();
+  EXPECT_EQ(host_of(*c.engines.open().at(0)), "b");
+  c.answer_all();
+  c.clock.advance_by(std::chrono::seconds(10));
+  c.send();
+  EXPECT_EQ(host_of(*c.engines.open().at(0)), "a");
+}
+
 TEST(Dispatcher, RetriesAStreamThatStartsWithAnErrorEvent) {
   Cluster c(aggregated({engine("a"), engine("b")}));
   auto client = c.send(true);

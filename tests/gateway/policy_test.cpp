@@ -314,6 +314,51 @@ TEST(RoundRobin, DecodeStaysInTheGroup) {
   }
 }
 
+// ------------------------------------------------------------------------------ outcomes
+
+// Policy::outcome (nginx's free_peer): a failed pick makes the engine second choice for
+// failure_memory; a success clears it.
+TEST(PickOutcomes, AFailureIsRememberedForFailureMemoryAndClearedBySuccess) {
+  const auto p = make_policy("least_load");
+  PolicyState state;
+  state.failure_memory = seconds(10);
+  p->outcome(state, 1, false, t0);
+  EXPECT_TRUE(recently_failed(state, 1, t0 + seconds(9)));
+  EXPECT_FALSE(recently_failed(state, 1, t0 + seconds(10)));
+  EXPECT_FALSE(recently_failed(state, 2, t0));
+  p->outcome(state, 1, true, t0 + seconds(1));
+  EXPECT_FALSE(recently_failed(state, 1, t0 + seconds(2)));
+}
+
+ClusterView recently_failed_view(std::vector<EndpointLoad> pool) {
+  ClusterView v;
+  v.prefill = pool;
+  v.decode = pool;
+  return v;
+}
+
+TEST(PickOutcomes, EveryPolicyAvoidsARecentlyFailedEngineWhileAnotherIsFree) {
+  EndpointLoad failed = ep(1), sound = ep(2, 0, 3);  // the sound one is busier
+  failed.recently_failed = true;
+  for (const std::string& name : policy_names()) {
+    const auto p = make_policy(name);
+    const ClusterView v = recently_failed_view({failed, sound});
+    EXPECT_EQ(p->choose_prefill(v, req(10), t0).endpoint, 2) << name;
+    EXPECT_EQ(p->choose_decode(v, req(10), -1, t0).endpoint, 2) << name;
+    EXPECT_EQ(p->choose_together(v, req(10), t0).prefill, 2) << name;
+  }
+}
+
+TEST(PickOutcomes, ARecentlyFailedEngineStillServesWhenNoOtherIsFree) {
+  EndpointLoad failed = ep(1), saturated = ep(2, 0, 8, 8);
+  failed.recently_failed = true;
+  for (const std::string& name : policy_names()) {
+    const auto p = make_policy(name);
+    const ClusterView v = recently_failed_view({failed, saturated});
+    EXPECT_EQ(p->choose_decode(v, req(10), -1, t0).endpoint, 1) << name;
+  }
+}
+
 // ------------------------------------------------------------------------------ cache_aware
 
 struct CacheAwareFixture : ::testing::Test {
@@ -664,9 +709,9 @@ TEST(Tandem, HoldsAtMostMaxHoldThenGoesToTheSoonestEngine) {
   // max_hold 0: no bound.
   TandemOptions unbounded;
   unbounded.max_hold = std::chrono::nanoseconds(0);
-  EXPECT_EQ(make_policy("tandem", {.tandem = unbounded})
-                ->choose_decode(a, req(1000), -1, t0 + seconds(600))
-                .kind,
+  PolicyOptions options;
+  options.tandem = unbounded;
+  EXPECT_EQ(make_policy("tandem", options)->choose_decode(a, req(1000), -1, t0 + seconds(600)).kind,
             Choice::Kind::kSaturated);
 }
 

@@ -22,13 +22,24 @@ inline bool in_group(const EndpointLoad& e, int group) {
 // usable engine exists at all, saturated or not (`any`). An engine that already failed the
 // request is used only when no other one passes `fits`, as least_load does, so a retry prefers
 // another engine without turning a transient failure of the only engine into a hard one.
-// `saturated(e)` says an engine is at a limit right now.
+// `saturated(e)` says an engine is at a limit right now. Engines that recently failed a request
+// (EndpointLoad::recently_failed) are dropped from `free` while another engine is free.
 struct Candidates {
   std::vector<const EndpointLoad*> free;
   std::vector<const EndpointLoad*> busy;  // usable but saturated now
   bool any = false;
   Choice none() const { return {any ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1}; }
 };
+
+// Drops the recently failed engines of `engines` unless all of them are.
+inline void prefer_not_recently_failed(std::vector<const EndpointLoad*>& engines) {
+  const bool any_sound = std::any_of(engines.begin(), engines.end(),
+                                     [](const EndpointLoad* e) { return !e->recently_failed; });
+  if (!any_sound) return;
+  engines.erase(std::remove_if(engines.begin(), engines.end(),
+                               [](const EndpointLoad* e) { return e->recently_failed; }),
+                engines.end());
+}
 
 template <class Fits, class Saturated>
 Candidates candidates(const std::vector<EndpointLoad>& pool, const RequestInfo& request, Fits fits,
@@ -43,6 +54,7 @@ Candidates candidates(const std::vector<EndpointLoad>& pool, const RequestInfo& 
     c.any = true;
     (saturated(e) ? c.busy : c.free).push_back(&e);
   }
+  prefer_not_recently_failed(c.free);
   return c;
 }
 

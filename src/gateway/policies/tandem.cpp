@@ -107,6 +107,12 @@ class TandemPolicy final : public Policy {
       return out;
     };
     const bool held = held_long_enough(request, now);
+    // A prefill engine that recently failed a request pairs only when no other one can now.
+    if (std::any_of(pairs.begin(), pairs.end(),
+                    [](const Pair& p) { return !p.prefill->recently_failed; }))
+      pairs.erase(std::remove_if(pairs.begin(), pairs.end(),
+                                 [](const Pair& p) { return p.prefill->recently_failed; }),
+                  pairs.end());
     if (pairs.empty()) {
       const auto released = release_to(prefills_of(busy), request, now);
       for (const auto& pair : busy)
