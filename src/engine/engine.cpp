@@ -121,6 +121,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
     agent_ = std::make_unique<KvTransferAgent>(
         *config_.transfer, *executor_, make_tcp_transport(tcp), registry,
         [this](std::function<void()> t) { post(std::move(t)); });
+    PdHost& host = *this;  // a private base: converted here, where it is accessible
+    pd_ = std::make_unique<PdCoordinator>(*agent_, kv_, host, config_.transfer->timeout_s);
   }
   update_gauges();
 }
@@ -145,10 +147,7 @@ void Engine::stop() {
   // Transfers end first (their tasks are dropped): nothing touches the cache after this, and
   // nothing is left to wait for.
   agent_.reset();
-  for (auto& [id, seq] : sequences_) {
-    if (seq->kv_state == KvTransferState::kFetching) seq->kv_state = KvTransferState::kNone;
-    if (seq->kv_state == KvTransferState::kRoomOpen) seq->kv_state = KvTransferState::kRoomClosed;
-  }
+  if (pd_) pd_->transfers_ended(sequences_);
   // Whatever never reached the loop, or was still in it, ends as aborted.
   std::vector<EngineRequest> left;
   {
@@ -165,14 +164,6 @@ void Engine::stop() {
   for (auto& [id, seq] : sequences_)
     if (seq->kv_state != KvTransferState::kFetchCancelled) live.push_back(seq.get());
   for (auto* s : live) finish(s, "abort");
-  for (auto& [id, p] : parked_) {
-    if (!p.deferred || !p.on_output) continue;
-    RequestOutput out;
-    out.finished = true;
-    out.finish_reason = "abort";
-    p.on_output(out);
-  }
-  parked_.clear();
 }
 
 void Engine::submit(EngineRequest request) {
@@ -278,17 +269,18 @@ void Engine::loop() {
       wake_.wait(lock, [&] {
         return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
                !scheduler_.running().empty() || !scheduler_.waiting().empty() ||
-               std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
-                           [](const Sequence* s) { return !s->fetching(); });
+               (pd_ && pd_->has_fetch_to_start());
       });
       if (stopping_) return;
     }
     admit_incoming();
-    start_fetches();
+    if (pd_) {
+      pd_->start_fetches(now_seconds());
+      metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
+    }
     if (!scheduler_.running().empty() || !scheduler_.waiting().empty()) {
       step();
-    } else if (std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
-                           [](const Sequence* s) { return !s->fetching(); })) {
+    } else if (pd_ && pd_->has_fetch_to_start()) {
       // Decodes wait for free blocks to receive their KV into: retry shortly.
       std::unique_lock lock(mutex_);
       wake_.wait_for(lock, std::chrono::milliseconds(50), [&] {
@@ -323,39 +315,12 @@ void Engine::admit_incoming() {
     seq->request = std::move(r);
     Sequence* raw = seq.get();
     sequences_[raw->request.id] = std::move(seq);
-    const KvTransferSpec& kt = raw->request.kv_transfer;
-    if (kt.mode == KvTransferSpec::Mode::kPrefillForRoom) {
-      // Claimed here, on the engine thread, so that the room's outcome (posted to this thread)
-      // always finds the sequence.
-      int status = 0;
-      std::string error;
-      try {
-        const std::string id = raw->request.id;
-        raw->room_claim = agent_->open_room(
-            kt.room, kv_prompt_hash(raw->prompt()), raw->num_prompt,
-            [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); });
-        if (raw->room_claim != 0) raw->kv_state = KvTransferState::kRoomOpen;
-        if (raw->room_claim == 0) {
-          status = 400;
-          error = "bootstrap_room " + std::to_string(kt.room) +
-                  " is already in use by another prefill request on this engine";
-        }
-      } catch (const KvTransferError& e) {
-        status = 502;
-        error = e.what();
-      }
-      if (status != 0) {
-        raw->kv_state = KvTransferState::kRoomClosed;
-        finish(raw, "error", error, false, status);
-        continue;
-      }
+    if (pd_) {
+      const PdCoordinator::Admission admission = pd_->admit(raw);
+      if (admission != PdCoordinator::Admission::kSchedule) continue;  // waits for KV, or refused
     }
-    if (kt.decode()) {
-      awaiting_kv_.push_back(raw);
-    } else {
-      raw->cached_on_arrival = kv_.find_cached_prefix(raw->tokens).num_tokens;
-      scheduler_.add(raw);
-    }
+    raw->cached_on_arrival = kv_.find_cached_prefix(raw->tokens).num_tokens;
+    scheduler_.add(raw);
   }
   for (const auto& id : aborts) {
     auto it = sequences_.find(id);
@@ -398,19 +363,7 @@ void Engine::step() {
   }
   // Prefills for a bootstrap room that complete their prompt in this step stream each layer to
   // the decode engine as soon as the forward pass has written it.
-  std::vector<std::pair<uint64_t, uint64_t>> rooms;  // (room, claim)
-  for (const auto& s : out.scheduled)
-    if (s.sample && s.seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom &&
-        s.seq->num_generated() == 0 && s.seq->kv_state == KvTransferState::kRoomOpen) {
-      rooms.emplace_back(s.seq->request.kv_transfer.room, s.seq->room_claim);
-      agent_->room_blocks(rooms.back().first, rooms.back().second,
-                          kv_.block_table(s.seq->request.id));
-    }
-  LayerHook on_layer;
-  if (!rooms.empty())
-    on_layer = [&](int64_t layers) {
-      for (auto [r, claim] : rooms) agent_->room_layers_done(r, claim, layers);
-    };
+  const LayerHook on_layer = pd_ ? pd_->begin_step(out) : LayerHook{};
   int64_t step_tokens = 0;
   api::PrefillWork step_prefill;
   for (const auto& s : out.scheduled) {
@@ -434,8 +387,7 @@ void Engine::step() {
   ExecResult result;
   try {
     result = executor_->execute(items, on_layer);
-    for (auto [r, claim] : rooms)
-      agent_->room_layers_done(r, claim, executor_->info().kv_layout.layers);
+    if (pd_) pd_->end_step(executor_->info().kv_layout.layers);
   } catch (const std::exception& e) {
     // A failed step fails the requests in it, not the engine.
     for (const auto& s : out.scheduled) finish(s.seq, "error", e.what());
@@ -459,21 +411,9 @@ void Engine::step() {
       metrics_->tpot.observe(u.since_last_token_s);
     }
     metrics_->generation_tokens.inc();
-    const auto mode = seq->request.kv_transfer.mode;
-    if (o.finished && mode == KvTransferSpec::Mode::kPrefillForPull) {
-      // The prompt's blocks wait for the decode engine's pull (vLLM's request_finished).
-      o.kv_blocks = kv_.block_table(seq->request.id);
-      const std::string id = seq->request.id;
-      o.kv_transfer_id = agent_->hold(o.kv_blocks, kv_prompt_hash(seq->prompt()), seq->num_prompt,
-                                      [this, id] { kv_.free(id); });
-      seq->kv_state = KvTransferState::kParked;
-    }
     const std::string reason = o.finish_reason;
-    if (o.finished && seq->kv_state == KvTransferState::kRoomOpen) {
-      // Answered once the decode engine has the KV (or the room failed).
-      parked_[seq->request.id] = {seq->request.on_output, std::move(o)};
-      seq->kv_state = KvTransferState::kParked;
-      finish(seq, reason, {}, /*notified=*/true);
+    if (o.finished && pd_ && pd_->defer_final_output(seq, o)) {
+      finish(seq, reason, {}, /*notified=*/true);  // answered when its room's transfer ends
       continue;
     }
     const bool finished = o.finished;
@@ -486,16 +426,9 @@ void Engine::step() {
 
 void Engine::finish(Sequence* seq, const std::string& reason, const std::string& error,
                     bool notified, int error_status) {
-  const KvTransferSpec& kt = seq->request.kv_transfer;
-  if (seq->kv_state == KvTransferState::kRoomOpen) {
-    // The room's transfer may be reading these blocks: keep them until it reports back.
-    agent_->room_failed(kt.room, seq->room_claim,
-                        "the prefill request ended: " + (error.empty() ? reason : error));
-    parked_[seq->request.id] = {};
-    seq->kv_state = KvTransferState::kParked;
-  }
-  scheduler_.remove(seq, seq->kv_state == KvTransferState::kParked || seq->fetching());
-  std::erase(awaiting_kv_, seq);
+  // Blocks a transfer still reads or writes stay until it reports back.
+  const bool keep_blocks = pd_ && pd_->ending(seq, error.empty() ? reason : error);
+  scheduler_.remove(seq, keep_blocks);
   if (!notified && seq->request.on_output) {
     RequestOutput o;
     o.finished = true;
@@ -509,118 +442,28 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   }
   metrics_->success.labels({reason}).inc();
   metrics_->e2e.observe(now_seconds() - seq->arrival_time);
-  if (seq->fetching()) {
-    // The transfer writes into its blocks until it ends; on_fetch_done drops the sequence.
-    seq->kv_state = KvTransferState::kFetchCancelled;
-    agent_->cancel_fetch(seq->request.id);
-    return;
-  }
-  const std::string id = seq->request.id;
-  sequences_.erase(id);
-  std::lock_guard lock(mutex_);
-  live_ids_.erase(id);
+  if (pd_ && pd_->outlives_end(seq)) return;  // its fetch still runs: dropped when it ends
+  drop(seq->request.id);
 }
 
-void Engine::start_fetches() {
-  const double now = now_seconds();
-  for (size_t i = 0; i < awaiting_kv_.size();) {
-    Sequence* seq = awaiting_kv_[i];
-    if (seq->fetching()) {
-      ++i;
-      continue;
-    }
-    const std::string& id = seq->request.id;
-    // The decode recomputes the prompt's last token (for its logits): it needs the rest.
-    const int64_t need = seq->num_prompt - 1;
-    // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
-    // runs, empty: it tells the prefill engine to let go of its blocks.
-    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
-    // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
-    // needs a new block (a decode holding received KV must not wait behind a full cache).
-    if (!kv_.allocate(id, seq->num_prompt, hit)) {
-      if (now - seq->arrival_time > config_.transfer->timeout_s) {
-        finish(seq, "error",
-               "no free KV blocks for the prompt's transfer within " +
-                   std::to_string(config_.transfer->timeout_s) + " s",
-               false, 503);
-        continue;
-      }
-      ++i;
-      continue;
-    }
-    const KvTransferSpec& kt = seq->request.kv_transfer;
-    KvFetch f;
-    f.request_id = id;
-    f.pull = kt.mode == KvTransferSpec::Mode::kDecodeByPull;
-    f.host = kt.host;
-    f.port = kt.port;
-    f.engine_id = kt.engine_id;
-    f.transfer_id = kt.transfer_id;
-    f.remote_blocks = kt.remote_blocks;
-    f.room = kt.room;
-    f.prompt_hash = kv_prompt_hash(seq->prompt());
-    f.prompt_tokens = seq->num_prompt;
-    f.first_token = hit.num_tokens;
-    f.num_tokens = need;
-    const auto& table = kv_.block_table(id);
-    f.local_blocks.assign(table.begin() + hit.num_tokens / kv_.block_size(), table.end());
-    seq->num_cached = hit.num_tokens;
-    seq->kv_state = KvTransferState::kFetching;
-    agent_->fetch(std::move(f), [this, id](const KvFetchResult& r) { on_fetch_done(id, r); });
-    ++i;
-  }
-  metrics_->waiting_for_kv.set(static_cast<double>(awaiting_kv_.size()));
-}
-
-void Engine::on_fetch_done(const std::string& id, const KvFetchResult& result) {
+Sequence* Engine::find_sequence(const std::string& id) {
   auto it = sequences_.find(id);
-  if (it == sequences_.end()) return;
-  Sequence* seq = it->second.get();
-  const bool cancelled = seq->kv_state == KvTransferState::kFetchCancelled;
-  seq->kv_state = KvTransferState::kNone;
-  if (cancelled) {
-    kv_.free(id);
-    sequences_.erase(it);
-    std::lock_guard lock(mutex_);
-    live_ids_.erase(id);
-    return;
-  }
-  if (!result.ok) {
-    finish(seq, "error", result.error, false, 502);
-    return;
-  }
-  std::erase(awaiting_kv_, seq);
-  seq->num_computed = seq->num_prompt - 1;
-  kv_.cache_full_blocks(id, std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
+  return it == sequences_.end() ? nullptr : it->second.get();
+}
+
+void Engine::fail(Sequence* seq, const std::string& error, int status) {
+  finish(seq, "error", error, false, status);
+}
+
+void Engine::schedule(Sequence* seq) {
   scheduler_.add(seq);
 }
 
-void Engine::on_room_done(const std::string& id, bool ok, const std::string& error) {
-  auto seq = sequences_.find(id);
-  if (seq != sequences_.end()) {
-    // The room failed while the prefill still runs (e.g. the decode side gave up).
-    seq->second->kv_state = KvTransferState::kRoomClosed;
-    finish(seq->second.get(), "error", error, false, 502);
-    return;
-  }
-  auto it = parked_.find(id);
-  if (it == parked_.end()) return;
-  Parked p = std::move(it->second);
-  parked_.erase(it);
-  kv_.free(id);
-  if (!p.deferred || !p.on_output) return;
-  if (ok) {
-    p.on_output(*p.deferred);
-    return;
-  }
-  RequestOutput out = *p.deferred;
-  out.tokens.clear();
-  out.logprobs.clear();
-  out.text.clear();
-  out.finish_reason = "error";
-  out.error = error;
-  out.error_status = 502;
-  p.on_output(out);
+void Engine::drop(const std::string& id) {
+  const std::string key = id;  // `id` may be the sequence's own, gone with it
+  sequences_.erase(key);
+  std::lock_guard lock(mutex_);
+  live_ids_.erase(key);
 }
 
 void Engine::publish_events() {

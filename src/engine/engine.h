@@ -23,6 +23,7 @@
 #include "engine/scheduler/scheduler.h"
 #include "engine/scheduler/sequence.h"
 #include "engine/transfer/kv_transfer.h"
+#include "engine/transfer/pd_coordinator.h"
 #include "text/tokenizer.h"
 #include "util/metrics.h"
 
@@ -48,12 +49,12 @@ struct EngineConfig {
 using api::LoadReport;
 using api::StepRecord;
 
-class Engine {
+class Engine final : private PdHost {
  public:
   Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
          std::shared_ptr<const text::Tokenizer> tokenizer, std::vector<int32_t> eos_ids,
          metrics::Registry& registry);
-  ~Engine();
+  ~Engine() override;
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -91,11 +92,13 @@ class Engine {
               bool notified = false, int error_status = 500);
   void publish_events();
   void update_gauges();
-  // Disaggregation (engine thread).
+  // Posted by KV transfer threads, run on the engine thread.
   void post(std::function<void()> task);
-  void start_fetches();
-  void on_fetch_done(const std::string& id, const KvFetchResult& result);
-  void on_room_done(const std::string& id, bool ok, const std::string& error);
+  // PdHost: what the P/D coordinator does to sequences (engine thread).
+  Sequence* find_sequence(const std::string& id) override;
+  void fail(Sequence* seq, const std::string& error, int status) override;
+  void schedule(Sequence* seq) override;
+  void drop(const std::string& id) override;
 
   EngineConfig config_;
   std::unique_ptr<Executor> executor_;
@@ -123,16 +126,9 @@ class Engine {
   uint64_t arrival_counter_ = 0;
   uint64_t seed_base_;
   int64_t reported_queries_ = 0, reported_hits_ = 0;  // prefix-cache stats already in metrics
-  std::vector<Sequence*> awaiting_kv_;                // decodes waiting for their prompt's KV
-  // Finished requests whose blocks a transfer still uses: freed when it ends; for a bootstrap
-  // room, the final output is sent then (SGLang answers the prefill leg after the transfer).
-  struct Parked {
-    OutputCallback on_output;
-    std::optional<RequestOutput> deferred;
-  };
-  std::unordered_map<std::string, Parked> parked_;
 
   std::unique_ptr<KvTransferAgent> agent_;  // stop() ends it before the members it posts into
+  std::unique_ptr<PdCoordinator> pd_;       // with agent_: every P/D state of every sequence
 
   // Load snapshot, written by the engine thread before and after each step.
   mutable std::mutex load_mutex_;

@@ -50,7 +50,8 @@ struct EngineRequest {
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
 
-// Where a sequence stands in its prefill/decode KV transfer (engine thread). Each transfer mode
+// Where a sequence stands in its prefill/decode KV transfer (engine thread; only the P/D
+// coordinator, engine/transfer/pd_coordinator.h, changes it). Each transfer mode
 // walks its own path:
 //   decode legs:        kNone (waiting for blocks) -> kFetching -> kNone (KV arrived)
 //                                                              \-> kFetchCancelled (finished

@@ -1,0 +1,218 @@
+#include "engine/transfer/pd_coordinator.h"
+
+#include <algorithm>
+
+namespace tandem::engine {
+
+PdCoordinator::PdCoordinator(KvTransferAgent& agent, KvCacheManager& kv, PdHost& host,
+                             double timeout_s)
+    : agent_(agent), kv_(kv), host_(host), timeout_s_(timeout_s) {}
+
+PdCoordinator::Admission PdCoordinator::admit(Sequence* seq) {
+  const KvTransferSpec& kt = seq->request.kv_transfer;
+  if (kt.decode()) {
+    awaiting_kv_.push_back(seq);
+    return Admission::kAwaitKv;
+  }
+  if (kt.mode != KvTransferSpec::Mode::kPrefillForRoom) return Admission::kSchedule;
+  // Claimed here, on the engine thread, so that the room's outcome (posted to this thread)
+  // always finds the sequence.
+  int status = 0;
+  std::string error;
+  try {
+    const std::string id = seq->request.id;
+    seq->room_claim =
+        agent_.open_room(kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                         [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); });
+    if (seq->room_claim != 0) {
+      seq->kv_state = KvTransferState::kRoomOpen;
+      return Admission::kSchedule;
+    }
+    status = 400;
+    error = "bootstrap_room " + std::to_string(kt.room) +
+            " is already in use by another prefill request on this engine";
+  } catch (const KvTransferError& e) {
+    status = 502;
+    error = e.what();
+  }
+  seq->kv_state = KvTransferState::kRoomClosed;
+  host_.fail(seq, error, status);
+  return Admission::kRefused;
+}
+
+bool PdCoordinator::has_fetch_to_start() const {
+  return std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
+                     [](const Sequence* s) { return !s->fetching(); });
+}
+
+void PdCoordinator::start_fetches(double now) {
+  for (size_t i = 0; i < awaiting_kv_.size();) {
+    Sequence* seq = awaiting_kv_[i];
+    if (seq->fetching()) {
+      ++i;
+      continue;
+    }
+    const std::string& id = seq->request.id;
+    // The decode recomputes the prompt's last token (for its logits): it needs the rest.
+    const int64_t need = seq->num_prompt - 1;
+    // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
+    // runs, empty: it tells the prefill engine to let go of its blocks.
+    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
+    // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
+    // needs a new block (a decode holding received KV must not wait behind a full cache).
+    if (!kv_.allocate(id, seq->num_prompt, hit)) {
+      if (now - seq->arrival_time > timeout_s_) {
+        // Failing it takes it out of awaiting_kv_ (ending()): the next one is at i now.
+        host_.fail(seq,
+                   "no free KV blocks for the prompt's transfer within " +
+                       std::to_string(timeout_s_) + " s",
+                   503);
+        continue;
+      }
+      ++i;
+      continue;
+    }
+    const KvTransferSpec& kt = seq->request.kv_transfer;
+    KvFetch f;
+    f.request_id = id;
+    f.pull = kt.mode == KvTransferSpec::Mode::kDecodeByPull;
+    f.host = kt.host;
+    f.port = kt.port;
+    f.engine_id = kt.engine_id;
+    f.transfer_id = kt.transfer_id;
+    f.remote_blocks = kt.remote_blocks;
+    f.room = kt.room;
+    f.prompt_hash = kv_prompt_hash(seq->prompt());
+    f.prompt_tokens = seq->num_prompt;
+    f.first_token = hit.num_tokens;
+    f.num_tokens = need;
+    const auto& table = kv_.block_table(id);
+    f.local_blocks.assign(table.begin() + hit.num_tokens / kv_.block_size(), table.end());
+    seq->num_cached = hit.num_tokens;
+    seq->kv_state = KvTransferState::kFetching;
+    agent_.fetch(std::move(f), [this, id](const KvFetchResult& r) { on_fetch_done(id, r); });
+    ++i;
+  }
+}
+
+void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& result) {
+  Sequence* seq = host_.find_sequence(id);
+  if (!seq) return;
+  const bool cancelled = seq->kv_state == KvTransferState::kFetchCancelled;
+  seq->kv_state = KvTransferState::kNone;
+  if (cancelled) {
+    kv_.free(id);
+    host_.drop(id);
+    return;
+  }
+  if (!result.ok) {
+    host_.fail(seq, result.error, 502);
+    return;
+  }
+  std::erase(awaiting_kv_, seq);
+  seq->num_computed = seq->num_prompt - 1;
+  kv_.cache_full_blocks(id, std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
+  host_.schedule(seq);
+}
+
+LayerHook PdCoordinator::begin_step(const SchedulerOutput& out) {
+  step_rooms_.clear();
+  for (const auto& s : out.scheduled)
+    if (s.sample && s.seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom &&
+        s.seq->num_generated() == 0 && s.seq->kv_state == KvTransferState::kRoomOpen) {
+      step_rooms_.emplace_back(s.seq->request.kv_transfer.room, s.seq->room_claim);
+      agent_.room_blocks(step_rooms_.back().first, step_rooms_.back().second,
+                         kv_.block_table(s.seq->request.id));
+    }
+  if (step_rooms_.empty()) return {};
+  return [this](int64_t layers) {
+    for (auto [room, claim] : step_rooms_) agent_.room_layers_done(room, claim, layers);
+  };
+}
+
+void PdCoordinator::end_step(int64_t layers) {
+  for (auto [room, claim] : step_rooms_) agent_.room_layers_done(room, claim, layers);
+  step_rooms_.clear();
+}
+
+bool PdCoordinator::defer_final_output(Sequence* seq, RequestOutput& o) {
+  if (seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForPull) {
+    // The prompt's blocks wait for the decode engine's pull (vLLM's request_finished).
+    o.kv_blocks = kv_.block_table(seq->request.id);
+    const std::string id = seq->request.id;
+    o.kv_transfer_id = agent_.hold(o.kv_blocks, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                                   [this, id] { kv_.free(id); });
+    seq->kv_state = KvTransferState::kParked;
+    return false;
+  }
+  if (seq->kv_state != KvTransferState::kRoomOpen) return false;
+  // Answered once the decode engine has the KV (or the room failed).
+  parked_[seq->request.id] = {seq->request.on_output, std::move(o)};
+  seq->kv_state = KvTransferState::kParked;
+  return true;
+}
+
+bool PdCoordinator::ending(Sequence* seq, const std::string& why) {
+  if (seq->kv_state == KvTransferState::kRoomOpen) {
+    // The room's transfer may be reading these blocks: keep them until it reports back.
+    agent_.room_failed(seq->request.kv_transfer.room, seq->room_claim,
+                       "the prefill request ended: " + why);
+    parked_[seq->request.id] = {};
+    seq->kv_state = KvTransferState::kParked;
+  }
+  std::erase(awaiting_kv_, seq);
+  return seq->kv_state == KvTransferState::kParked || seq->fetching();
+}
+
+bool PdCoordinator::outlives_end(Sequence* seq) {
+  if (!seq->fetching()) return false;
+  // The transfer writes into its blocks until it ends; on_fetch_done drops the sequence.
+  seq->kv_state = KvTransferState::kFetchCancelled;
+  agent_.cancel_fetch(seq->request.id);
+  return true;
+}
+
+void PdCoordinator::on_room_done(const std::string& id, bool ok, const std::string& error) {
+  if (Sequence* seq = host_.find_sequence(id)) {
+    // The room failed while the prefill still runs (e.g. the decode side gave up).
+    seq->kv_state = KvTransferState::kRoomClosed;
+    host_.fail(seq, error, 502);
+    return;
+  }
+  auto it = parked_.find(id);
+  if (it == parked_.end()) return;
+  Parked p = std::move(it->second);
+  parked_.erase(it);
+  kv_.free(id);
+  if (!p.deferred || !p.on_output) return;
+  if (ok) {
+    p.on_output(*p.deferred);
+    return;
+  }
+  RequestOutput out = *p.deferred;
+  out.tokens.clear();
+  out.logprobs.clear();
+  out.text.clear();
+  out.finish_reason = "error";
+  out.error = error;
+  out.error_status = 502;
+  p.on_output(out);
+}
+
+void PdCoordinator::transfers_ended(
+    std::unordered_map<std::string, std::unique_ptr<Sequence>>& sequences) {
+  for (auto& [id, seq] : sequences) {
+    if (seq->kv_state == KvTransferState::kFetching) seq->kv_state = KvTransferState::kNone;
+    if (seq->kv_state == KvTransferState::kRoomOpen) seq->kv_state = KvTransferState::kRoomClosed;
+  }
+  for (auto& [id, p] : parked_) {
+    if (!p.deferred || !p.on_output) continue;
+    RequestOutput out;
+    out.finished = true;
+    out.finish_reason = "abort";
+    p.on_output(out);
+  }
+  parked_.clear();
+}
+
+}  // namespace tandem::engine
