@@ -283,7 +283,7 @@ run_row() {
 
 echo "backend :$backend_port ($backend_desc, $tokens tokens), nginx" \
   ":$nginx_port ($("$nginx_bin" -v 2>&1 | sed 's/.*nginx\///'), 1 worker), gateway :$gateway_port" \
-  "(--http-threads 1); wrk -t1 -c$conns -d$duration; pinning: $([ -n "$cpu_proxy" ] &&
+  "(--http-threads 1: decisions on its io thread); wrk -t1 -c$conns -d$duration; pinning: $([ -n "$cpu_proxy" ] &&
     echo 'proxy on CPU 1, wrk + backend on CPU 0' || echo none)"
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR] = $1} END {
   print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
@@ -296,6 +296,7 @@ for stream in ${STREAMS:-false true}; do
   [ -n "$tok_pid" ] && rows+=("gateway+tokenizer $tok_port $tok_pid")
   ratios=""
   tok_costs=""
+  declare -A added=()  # added p50 per proxy, by round
   for round in $(seq 1 "$rounds"); do
     read -r dn drps d50 d99 _ dbk <<<"$(run_row direct "$backend_port" "$stream" "")"
     printf "%-5s %-20s %9s %9s %9s %9s %11s %11s %12s %9s\n" "$round" direct "$dn" "$drps" \
@@ -305,6 +306,7 @@ for stream in ${STREAMS:-false true}; do
       read -r name port pid <<<"$row"
       read -r n rps p50 p99 c bk <<<"$(run_row "$name" "$port" "$stream" "$pid")"
       cpu[$name]="$c"
+      added[$name]+=" $((p50 - d50))"
       printf "%-5s %-20s %9s %9s %9s %9s %11s %11s %12s %9s\n" "$round" "$name" "$n" "$rps" \
         "$p50" "$p99" $((p50 - d50)) $((p99 - d99)) "$c" "$bk"
     done
@@ -314,6 +316,8 @@ for stream in ${STREAMS:-false true}; do
   done
   printf "gateway / nginx CPU per request by round:%s; median %.2fx (target <= 1.2x)\n" \
     "$ratios" "$(median <<<"$ratios")"
+  printf "added p50 latency, median of the rounds (us): nginx %s, gateway %s (target: gateway <= nginx)\n" \
+    "$(median <<<"${added[nginx]}")" "$(median <<<"${added[gateway]}")"
   if [ -n "$tok_pid" ]; then
     printf "tokenization adds, by round (us CPU per request):%s; median %.1f\n" "$tok_costs" \
       "$(median <<<"$tok_costs")"

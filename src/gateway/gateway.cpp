@@ -38,11 +38,14 @@ class Gateway::Impl {
         server_(server_options()),
         client_(server_),
         upstream_(client_),
+        executor_(make_executor()),
         endpoints_(topo_, metrics_, prefix_index_),
-        dispatcher_(topo_, sched_, upstream_, *policy_, endpoints_, metrics_, access_log_.get()),
-        health_(topo_, sched_, upstream_, endpoints_, [this] { dispatcher_.dispatch(); }),
-        front_end_(topo_, sched_, upstream_, dispatcher_, endpoints_, registry_, tokenizer_.get()),
-        admin_(topo_, std::move(config_path), sched_, dispatcher_) {
+        dispatcher_(topo_, *executor_, upstream_, *policy_, endpoints_, metrics_,
+                    access_log_.get()),
+        health_(topo_, *executor_, upstream_, endpoints_, [this] { dispatcher_.dispatch(); }),
+        front_end_(topo_, *executor_, upstream_, dispatcher_, endpoints_, registry_,
+                   tokenizer_.get()),
+        admin_(topo_, std::move(config_path), *executor_, dispatcher_) {
     for (const auto& e : topo_.prefill.endpoints) endpoints_.add(true, e);
     for (const auto& e : topo_.decode.endpoints) endpoints_.add(false, e);
     front_end_.add_routes(server_);
@@ -51,8 +54,8 @@ class Gateway::Impl {
 
   void start() {
     server_.start();  // first: the client runs on its threads
-    sched_.start();
-    sched_.post([this] { health_.start(); });
+    if (sched_) sched_->start();
+    executor_->post([this] { health_.start(); });
   }
   uint16_t port() const { return server_.port(); }
   void stop() {
@@ -64,10 +67,21 @@ class Gateway::Impl {
     // the clients' connections, and the scheduler finishes what was posted.
     client_.shutdown();
     server_.stop();
-    sched_.stop();
+    if (sched_) sched_->stop();
   }
 
  private:
+  // Where the decisions run: with one io thread, on it (one thread serves a request end to end);
+  // with more, on a scheduling thread of their own that every io thread hands work to.
+  Executor* make_executor() {
+    if (topo_.io_threads == 1) {
+      io_executor_ = std::make_unique<IoThreadExecutor>(server_);
+      return io_executor_.get();
+    }
+    sched_ = std::make_unique<SchedulingThread>();
+    return sched_.get();
+  }
+
   net::HttpServerOptions server_options() const {
     net::HttpServerOptions o;
     o.host = topo_.host;
@@ -87,12 +101,14 @@ class Gateway::Impl {
   GatewayMetrics metrics_;
   std::unique_ptr<PromptTokenizer> tokenizer_;
   std::unique_ptr<AccessLog> access_log_;  // its own writer thread
-  // Destroyed in reverse: the parts first, then the client (on the server's io threads), the
-  // server, and the scheduler last (everything posts to it).
-  SchedulingThread sched_;
+  // Destroyed in reverse: the parts first, then the executor, the client (on the server's io
+  // threads), the server, and the scheduling thread last (everything posts to it).
+  std::unique_ptr<SchedulingThread> sched_;
   net::HttpServer server_;
   net::AsyncHttpClient client_;
   HttpUpstream upstream_;
+  std::unique_ptr<IoThreadExecutor> io_executor_;
+  Executor* executor_;
   EndpointTable endpoints_;
   Dispatcher dispatcher_;
   HealthMonitor health_;

@@ -1,11 +1,13 @@
 #pragma once
 // The running gateway's seams (seams.h) over its HTTP stack: engines are called with the
-// asynchronous HTTP client, clients are answered through the server's exchanges.
+// asynchronous HTTP client, clients are answered through the server's exchanges, and with one io
+// thread the scheduling runs on it (IoThreadExecutor).
 #include <memory>
 
 #include "gateway/seams.h"
 #include "net/async_http_client.h"
 #include "net/http_server.h"
+#include "net/loop_tasks.h"
 
 namespace tandem::gateway {
 
@@ -34,6 +36,27 @@ class ExchangeReply final : public ClientReply {
 
  private:
   std::shared_ptr<net::Exchange> exchange_;
+};
+
+// The scheduling on the server's first io thread (net/loop_tasks.h): with one io thread the
+// gateway then serves a request on that one thread, without waking a scheduling thread twice per
+// request; posts from the loop itself batch at the end of its iteration.
+class IoThreadExecutor final : public Executor {
+ public:
+  explicit IoThreadExecutor(net::HttpServer& server) : tasks_(server, 0) {}
+  Clock::time_point now() const override { return Clock::now(); }
+  void post(Task task) override { tasks_.post(std::move(task)); }
+  void post_batched(Task task) override { tasks_.post(std::move(task)); }
+  void set_busy(bool) override {}
+  TimerId at(Clock::time_point when, Task task) override {
+    return {when, tasks_.at(when, std::move(task))};
+  }
+  void cancel(TimerId id) override {
+    if (id.seq != 0) tasks_.cancel(id.when, id.seq);
+  }
+
+ private:
+  net::LoopTasks tasks_;
 };
 
 }  // namespace tandem::gateway

@@ -63,7 +63,15 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
     if (events > 1)
       metrics_.tpot.observe(static_cast<double>(r.last_token_ns - r.first_token_ns) * 1e-9 /
                             static_cast<double>(events - 1));
-    for (double g : r.itl) metrics_.itl.observe(g);
+    // Events that arrived together have gaps of 0, often most of them: observed in one go.
+    uint64_t together = 0;
+    for (double g : r.itl) {
+      if (g == 0.0)
+        ++together;
+      else
+        metrics_.itl.observe(g);
+    }
+    metrics_.itl.observe(0.0, together);
   }
   r.itl = {};
   if (log_) log_->add(access_log_line(r, mode_, completed));

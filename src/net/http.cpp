@@ -23,7 +23,10 @@ void check_field(std::string_view name, std::string_view value) {
   if (name.empty() || !std::all_of(name.begin(), name.end(), is_token_char)) {
     throw Error("HTTP header name '" + std::string(name) + "' is not a token (RFC 9110 5.1)");
   }
-  if (value.find_first_of(std::string_view("\r\n\0", 3)) != std::string_view::npos) {
+  // A plain loop: find_first_of scans the value once per character of the set (a memchr call
+  // per byte), which showed in the gateway's profile for every header of every upstream answer.
+  if (std::any_of(value.begin(), value.end(),
+                  [](char c) { return c == '\r' || c == '\n' || c == '\0'; })) {
     throw Error("HTTP header '" + std::string(name) + "' has a value with CR, LF or NUL");
   }
 }

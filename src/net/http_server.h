@@ -32,6 +32,7 @@ class ServerImpl;
 }  // namespace detail
 
 class AsyncHttpClient;
+class LoopTasks;
 
 // One request and its response, shared between the connection and whoever produces the
 // response. Hold it by shared_ptr as long as you may still write; every method may be called
@@ -140,6 +141,7 @@ class HttpServer {
   // The io loops: for an AsyncHttpClient that shares them (async_http_client.h), so a proxy's
   // upstream calls stay on the threads of its connections.
   friend class AsyncHttpClient;
+  friend class LoopTasks;
   detail::LoopGroup& loops();
 
   std::unique_ptr<detail::ServerImpl> impl_;

@@ -162,12 +162,17 @@ Histogram::Histogram(std::vector<double> bounds)
     : bounds_(checked_bounds(std::move(bounds), "histogram")), counts_(bounds_.size() + 1, 0) {}
 
 void Histogram::observe(double value) {
+  observe(value, 1);
+}
+
+void Histogram::observe(double value, uint64_t times) {
+  if (times == 0) return;
   // NaN compares false with every bound and lands in the +Inf bucket, as in the Python client.
   const size_t bucket = std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin();
   std::lock_guard lock(mutex_);
-  ++counts_[bucket];
-  sum_ += value;
-  ++count_;
+  counts_[bucket] += times;
+  sum_ += value * static_cast<double>(times);
+  count_ += times;
 }
 
 Histogram::Snapshot Histogram::snapshot() const {

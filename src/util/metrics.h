@@ -82,6 +82,8 @@ class Histogram {
   Histogram& operator=(const Histogram&) = delete;
 
   void observe(double value);
+  // `times` observations of the same value, under one lock.
+  void observe(double value, uint64_t times);
 
   struct Snapshot {
     std::vector<double> bounds;        // finite upper bounds

@@ -1,6 +1,5 @@
 #include "util/random_id.h"
 
-#include <cstdio>
 #include <random>
 
 namespace tandem {
@@ -11,11 +10,12 @@ uint64_t random_u64() {
 }
 
 std::string random_hex(int words) {
-  std::string out;
+  // By hand: snprintf's format parsing showed in the gateway's per-request profile.
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out(static_cast<size_t>(words) * 16, '0');
   for (int i = 0; i < words; ++i) {
-    char buf[17];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(random_u64()));
-    out += buf;
+    uint64_t v = random_u64();
+    for (int d = 15; d >= 0; --d, v >>= 4) out[static_cast<size_t>(i) * 16 + d] = kDigits[v & 15];
   }
   return out;
 }

@@ -225,7 +225,9 @@ bool eventually(const std::function<bool()>& done, std::chrono::milliseconds lim
   return done();
 }
 
-class GatewayFailures : public ::testing::Test {
+// Each test runs twice: with two io threads the decisions run on a scheduling thread of their
+// own; with one, on the io thread itself (IoThreadExecutor).
+class GatewayFailures : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
     dir_ = std::filesystem::temp_directory_path() /
@@ -253,6 +255,7 @@ class GatewayFailures : public ::testing::Test {
     t.timeouts.prefill = 5s;
     t.timeouts.first_token = 5s;
     t.timeouts.idle = 5s;
+    t.io_threads = GetParam();
     return t;
   }
 
@@ -306,7 +309,7 @@ class GatewayFailures : public ::testing::Test {
   std::unique_ptr<Gateway> gw_;
 };
 
-TEST_F(GatewayFailures, APrefillThatFailsIsRetriedOnAnotherEngine) {
+TEST_P(GatewayFailures, APrefillThatFailsIsRetriedOnAnotherEngine) {
   FakeEngine bad("bad"), good("good"), decode("decode");
   bad.set(Behaviour::kError500);
   auto t = topology(PdMode::kSequential);
@@ -330,7 +333,7 @@ TEST_F(GatewayFailures, APrefillThatFailsIsRetriedOnAnotherEngine) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, RefusedConnectionsAndMalformedAnswersAreRetriedThenReported) {
+TEST_P(GatewayFailures, RefusedConnectionsAndMalformedAnswersAreRetriedThenReported) {
   FakeEngine garbage("garbage"), decode("decode");
   garbage.set(Behaviour::kGarbage);
   auto t = topology(PdMode::kSequential);
@@ -352,7 +355,7 @@ TEST_F(GatewayFailures, RefusedConnectionsAndMalformedAnswersAreRetriedThenRepor
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, AnEngineClientErrorIsPassedThroughNotRetried) {
+TEST_P(GatewayFailures, AnEngineClientErrorIsPassedThroughNotRetried) {
   FakeEngine p1("p1"), p2("p2"), decode("decode");
   auto t = topology(PdMode::kSequential);
   t.prefill.endpoints = {endpoint_of(p1, "p1"), endpoint_of(p2, "p2")};
@@ -367,7 +370,7 @@ TEST_F(GatewayFailures, AnEngineClientErrorIsPassedThroughNotRetried) {
 
 // An engine's own client error is the client's answer, with the engine's status and body (or an
 // OpenAI error naming the status when it sent none): the request is not retried elsewhere.
-TEST_F(GatewayFailures, AnEnginesClientErrorReachesTheClientWithItsStatus) {
+TEST_P(GatewayFailures, AnEnginesClientErrorReachesTheClientWithItsStatus) {
   FakeEngine e1("e1"), e2("e2");
   e1.set(Behaviour::kError400);
   e2.set(Behaviour::kError400);
@@ -390,7 +393,7 @@ TEST_F(GatewayFailures, AnEnginesClientErrorReachesTheClientWithItsStatus) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
+TEST_P(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
   FakeEngine slow("slow"), fast("fast"), decode("decode");
   slow.set(Behaviour::kHold);
   auto t = topology(PdMode::kSequential);
@@ -415,7 +418,7 @@ TEST_F(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, AnEngineDyingMidStreamCutsTheClientStream) {
+TEST_P(GatewayFailures, AnEngineDyingMidStreamCutsTheClientStream) {
   FakeEngine engine("e");
   engine.set(Behaviour::kCutStream);
   start_aggregated(engine, "e");
@@ -440,7 +443,7 @@ TEST_F(GatewayFailures, AnEngineDyingMidStreamCutsTheClientStream) {
   EXPECT_EQ(log_lines()[0]["status"], 502);
 }
 
-TEST_F(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
+TEST_P(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
   FakeEngine p1("p1"), p2("p2"), bad_decode("bad"), good_decode("good");
   bad_decode.set(Behaviour::kErrorEvent);
   auto t = topology(PdMode::kParallel);
@@ -474,7 +477,7 @@ TEST_F(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
+TEST_P(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
   FakeEngine prefill("p"), decode("d");
   prefill.set(Behaviour::kHold);
   decode.set(Behaviour::kHold);
@@ -506,7 +509,7 @@ TEST_F(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
 
 // A client that leaves in the middle of a stream is logged 499, whether the gateway learns it
 // from the closed connection or from a failed write of the next event.
-TEST_F(GatewayFailures, AClientThatLeavesMidStreamIsLogged499) {
+TEST_P(GatewayFailures, AClientThatLeavesMidStreamIsLogged499) {
   FakeEngine e("e");
   e.set(Behaviour::kSlowStream);
   start_aggregated(e, "e");
@@ -526,7 +529,7 @@ TEST_F(GatewayFailures, AClientThatLeavesMidStreamIsLogged499) {
   EXPECT_TRUE(eventually([&] { return e.closed_early() == 3; }));
 }
 
-TEST_F(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
+TEST_P(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
   FakeEngine a("a"), b("b");
   auto t = topology(PdMode::kAggregated);
   t.decode.endpoints = {endpoint_of(a, "a"), endpoint_of(b, "b")};
@@ -561,7 +564,7 @@ TEST_F(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, QueuesAreBoundedAndTimeOut) {
+TEST_P(GatewayFailures, QueuesAreBoundedAndTimeOut) {
   FakeEngine engine("e");
   engine.set(Behaviour::kHold);
   auto t = topology(PdMode::kAggregated);
@@ -594,7 +597,7 @@ TEST_F(GatewayFailures, QueuesAreBoundedAndTimeOut) {
 // plain OpenAI server without GET /load (vLLM, SGLang), and one whose /load is another API's
 // (vLLM's server-load tracking). Each is routed by the gateway's own counts and serves at once; a
 // Tandem engine's reports are used.
-TEST_F(GatewayFailures, AutoDialectRoutesEnginesWithoutLoadReportsByItsOwnCounts) {
+TEST_P(GatewayFailures, AutoDialectRoutesEnginesWithoutLoadReportsByItsOwnCounts) {
   FakeEngine plain("plain"), vllm_load("vllm_load"), tandem("tandem");
   vllm_load.set_load(200, R"({"server_load":0})");
   api::LoadReport report;
@@ -626,7 +629,7 @@ TEST_F(GatewayFailures, AutoDialectRoutesEnginesWithoutLoadReportsByItsOwnCounts
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, ApiKeysAreRequiredWhenConfigured) {
+TEST_P(GatewayFailures, ApiKeysAreRequiredWhenConfigured) {
   FakeEngine engine("e");
   auto t = topology(PdMode::kAggregated);
   t.decode.endpoints = {endpoint_of(engine, "e")};
@@ -647,7 +650,7 @@ TEST_F(GatewayFailures, ApiKeysAreRequiredWhenConfigured) {
   EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/admin/endpoints", {}, a).status, 401);
 }
 
-TEST_F(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
+TEST_P(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
   FakeEngine a("a"), b("b");
   a.set(Behaviour::kHold);
   start_aggregated(a, "a");
@@ -677,7 +680,7 @@ TEST_F(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, ReloadUnderTrafficLosesNothing) {
+TEST_P(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   FakeEngine a("a"), b("b");
   const auto file = dir_ / "topology.yaml";
   auto write = [&](const FakeEngine& e, const std::string& name) {
@@ -689,6 +692,7 @@ TEST_F(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   write(a, "a");
   Topology t = load_topology(file.string());
   t.port = 0;
+  t.io_threads = GetParam();
   start(t, file.string());
   std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, failed{0};
@@ -717,7 +721,7 @@ TEST_F(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
-TEST_F(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
+TEST_P(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
   FakeEngine p("p"), d("d");
   auto t = topology(PdMode::kSequential);
   t.prefill.endpoints = {endpoint_of(p, "p")};
@@ -744,7 +748,7 @@ TEST_F(GatewayFailures, HostileInputIsRefusedWithoutHarm) {
   EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/health").status, 200);
 }
 
-TEST_F(GatewayFailures, ThePolicyIsChosenByName) {
+TEST_P(GatewayFailures, ThePolicyIsChosenByName) {
   FakeEngine a("a"), b("b");
   auto t = topology(PdMode::kAggregated);
   t.decode.endpoints = {endpoint_of(a, "a"), endpoint_of(b, "b")};
@@ -777,7 +781,7 @@ TEST_F(GatewayFailures, ThePolicyIsChosenByName) {
   EXPECT_EQ(b.requests(), 2);
 }
 
-TEST_F(GatewayFailures, AGatewayThatCannotStartFailsAtOnce) {
+TEST_P(GatewayFailures, AGatewayThatCannotStartFailsAtOnce) {
   FakeEngine d("d");
   auto t = topology(PdMode::kAggregated);
   t.decode.endpoints = {endpoint_of(d, "d")};
@@ -820,7 +824,7 @@ void expect_phases_complete_and_ordered(const json& line, PdMode mode) {
   }
 }
 
-TEST_F(GatewayFailures, EveryRequestRecordsTenOrderedPhases) {
+TEST_P(GatewayFailures, EveryRequestRecordsTenOrderedPhases) {
   for (PdMode mode : {PdMode::kAggregated, PdMode::kSequential, PdMode::kParallel}) {
     SCOPED_TRACE(mode_name(mode));
     std::filesystem::remove(log_);
@@ -844,6 +848,12 @@ TEST_F(GatewayFailures, EveryRequestRecordsTenOrderedPhases) {
     EXPECT_EQ(lines[1]["output_events"], 3);  // the stream's three token events
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(IoThreads, GatewayFailures, ::testing::Values(2, 1),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 1 ? std::string("OneIoThread")
+                                                  : std::string("SchedulingThread");
+                         });
 
 }  // namespace
 }  // namespace tandem::gateway

@@ -348,6 +348,19 @@ TEST(Metrics, HistogramBucketsAreUpperInclusive) {
   EXPECT_DOUBLE_EQ(snap.sum, -5 + 1 + 1.0000001 + 2 + 2.5);
 }
 
+TEST(Metrics, RepeatedObservationsEqualSingleOnes) {
+  Histogram once({1, 2}), repeated({1, 2});
+  for (int i = 0; i < 3; ++i) once.observe(1.5);
+  once.observe(0.5);
+  repeated.observe(1.5, 3);
+  repeated.observe(0.5, 1);
+  repeated.observe(7, 0);  // nothing
+  const auto a = once.snapshot(), b = repeated.snapshot();
+  EXPECT_EQ(a.cumulative, b.cumulative);
+  EXPECT_EQ(b.count, 4u);
+  EXPECT_DOUBLE_EQ(a.sum, b.sum);
+}
+
 TEST(Metrics, BadInputIsAnErrorNamingTheMetric) {
   Registry r;
   auto expect_error = [](auto&& fn, const std::string& fragment) {

@@ -1,0 +1,88 @@
+// net::LoopTasks: work and timers on a server's io thread. Only orders and lower bounds on timer
+// times are asserted, never durations.
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "net/http_server.h"
+#include "net/loop_tasks.h"
+
+namespace tandem::net {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Running {
+  Running() {
+    HttpServerOptions o;
+    o.host = "127.0.0.1";
+    o.threads = 1;
+    server = std::make_unique<HttpServer>(o);
+    tasks = std::make_unique<LoopTasks>(*server);
+    server->start();
+  }
+  ~Running() {
+    server->stop();
+    tasks.reset();
+  }
+  std::unique_ptr<HttpServer> server;
+  std::unique_ptr<LoopTasks> tasks;
+};
+
+TEST(LoopTasks, PostedTasksRunOnTheLoopInPostingOrder) {
+  Running r;
+  std::vector<int> order;
+  std::promise<void> done;
+  EXPECT_FALSE(r.tasks->in_loop());
+  for (int i = 0; i < 100; ++i)
+    r.tasks->post([&, i] {
+      EXPECT_TRUE(r.tasks->in_loop());
+      order.push_back(i);
+      if (i == 99) done.set_value();
+    });
+  done.get_future().wait();
+  ASSERT_EQ(order.size(), 100u);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(order[i], i);
+}
+
+TEST(LoopTasks, TimersFireInTimeOrderNeverEarlyAndCancelledOnesNever) {
+  Running r;
+  std::vector<int> fired;
+  std::atomic<bool> cancelled_ran{false};
+  std::promise<void> done;
+  r.tasks->post([&] {
+    const auto start = Clock::now();
+    const auto late = start + std::chrono::milliseconds(30);
+    const auto early = start + std::chrono::milliseconds(10);
+    r.tasks->at(late, [&, late] {
+      EXPECT_GE(Clock::now(), late);
+      fired.push_back(2);
+      done.set_value();
+    });
+    r.tasks->at(early, [&, early] {
+      EXPECT_GE(Clock::now(), early);
+      fired.push_back(1);
+    });
+    const auto when = start + std::chrono::milliseconds(20);
+    const uint64_t id = r.tasks->at(when, [&] { cancelled_ran = true; });
+    r.tasks->cancel(when, id);
+  });
+  done.get_future().wait();
+  EXPECT_EQ(fired, (std::vector<int>{1, 2}));
+  EXPECT_FALSE(cancelled_ran.load());
+}
+
+TEST(LoopTasks, PostsAfterTheServerStoppedAreDropped) {
+  Running r;
+  r.server->stop();
+  bool ran = false;
+  r.tasks->post([&] { ran = true; });
+  EXPECT_FALSE(ran);
+}
+
+}  // namespace
+}  // namespace tandem::net
