@@ -160,13 +160,15 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       l.held += piece;
       return l.held.size() <= kMaxAnswerBytes;
     }
-    if (!started) {
+    if (!started && !l.held.empty()) {  // the bytes held back go first
       l.held += piece;
       out = std::move(l.held);
       l.held = {};
     }
   }
-  const std::string_view bytes = verbatim && started ? piece : std::string_view(out);
+  // Verbatim, the piece itself goes out unless held bytes had to be joined to it (most streams'
+  // first event arrives whole: no copy).
+  const std::string_view bytes = verbatim && out.empty() ? piece : std::string_view(out);
   if (bytes.empty()) return true;
   if (r->reply->write(bytes)) return true;
   l.gateway_cancelled = true;  // the client is gone
