@@ -327,7 +327,6 @@ class ServerImpl {
   ~ServerImpl() { stop(); }
 
   void route(std::string method, std::string path, Handler handler);
-  void set_fallback(Handler handler);
   void start();
   void stop();
   uint16_t port() const { return port_; }
@@ -351,7 +350,6 @@ class ServerImpl {
   const HttpServerOptions options_;
   // Written before start() only, then read by every io thread.
   std::map<std::string, std::map<std::string, Handler>> routes_;  // path -> method -> handler
-  Handler fallback_;
   std::atomic<uint16_t> port_{0};
 
   LoopGroup loops_;
@@ -818,19 +816,10 @@ void ServerImpl::route(std::string method, std::string path, Handler handler) {
   if (!inserted) throw Error("HttpServer::route: " + method + " " + path + " registered twice");
 }
 
-void ServerImpl::set_fallback(Handler handler) {
-  if (started_) throw Error("HttpServer::set_fallback: only before start()");
-  fallback_ = std::move(handler);
-}
-
 void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange) {
   auto path = routes_.find(request.path);
   if (path == routes_.end()) {
-    if (fallback_) {
-      fallback_(request, exchange);
-    } else {
-      exchange->send_error(404, "Invalid URL (" + request.method + " " + request.path + ")");
-    }
+    exchange->send_error(404, "Invalid URL (" + request.method + " " + request.path + ")");
     return;
   }
   auto method = path->second.find(request.method);
@@ -900,10 +889,6 @@ HttpServer::~HttpServer() {
 
 void HttpServer::route(std::string method, std::string path, Handler handler) {
   impl_->route(std::move(method), std::move(path), std::move(handler));
-}
-
-void HttpServer::set_fallback(Handler handler) {
-  impl_->set_fallback(std::move(handler));
 }
 
 void HttpServer::start() {

@@ -124,8 +124,6 @@ class HttpServer {
   // "/v1/completions"). Only before start(). A request for a known path with another method gets
   // 405 with an Allow header.
   void route(std::string method, std::string path, Handler handler);
-  // Called for requests whose path has no route (any method), instead of the built-in 404.
-  void set_fallback(Handler handler);
 
   // Binds, listens and starts the io threads; returns once the server accepts connections.
   // Throws tandem::Error if the address cannot be bound. Only once per server.

@@ -308,17 +308,6 @@ TEST(HttpServer, ErrorsArePlainTextUnlessAnErrorBodyIsInstalled) {
   EXPECT_EQ(r.body, "no such thing\n");
 }
 
-TEST(HttpServer, FallbackReplacesNotFound) {
-  HttpServer server(local_options());
-  server.set_fallback([](const HttpRequest& req, std::shared_ptr<Exchange> ex) {
-    ex->respond(299, "fallback " + req.method + " " + req.path, "text/plain");
-  });
-  server.start();
-  auto r = http_request("127.0.0.1", server.port(), "PUT", "/any/where");
-  EXPECT_EQ(r.status, 299);
-  EXPECT_EQ(r.body, "fallback PUT /any/where");
-}
-
 TEST(HttpServer, OversizedBodyIs413) {
   HttpServerOptions options = local_options();
   options.max_body_bytes = 1024;

@@ -134,7 +134,8 @@ class KvTransferAgent {
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks);
 
-  // Blocks held for pulls or rooms right now (for /load and tests).
+  // Blocks held for pulls or rooms right now: what the tandem:kv_transfer_held_blocks gauge
+  // shows (refreshed by the reaper); tests read it to see that nothing stays held.
   int64_t held_blocks() const;
 
  private:
