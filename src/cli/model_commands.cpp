@@ -19,6 +19,7 @@ namespace fs = std::filesystem;
 struct MakeModelArgs {
   std::string preset, out, dtype = "bf16", tokenizer;
   uint64_t seed = 0;
+  int64_t layers = 0;
 };
 
 model::DType parse_weight_dtype(const std::string& s) {
@@ -35,6 +36,7 @@ void write_model(const MakeModelArgs& a) {
   o.preset = a.preset;
   o.out = a.out;
   o.seed = a.seed;
+  o.layers = a.layers;
   o.dtype = parse_weight_dtype(a.dtype);
   o.tokenizer_dir = a.tokenizer.empty() ? default_tokenizer() : fs::path(a.tokenizer);
   if (!fs::exists(o.tokenizer_dir / "tokenizer.json")) {
@@ -99,6 +101,8 @@ void add_model_commands(CLI::App& app) {
                   "weights: f32, bf16, f16, fp8 (E4M3, 128x128 block scales) or int8 "
                   "(per-channel scales)")
       ->capture_default_str();
+  cmd->add_option("--layers", a->layers,
+                  "decoder layers instead of the preset's (e.g. --preset bench --layers 8)");
   cmd->add_option("--tokenizer", a->tokenizer,
                   "folder with tokenizer.json (+ tokenizer_config.json) to ship with the model; "
                   "default: the npm-installed DeepSeek-V3 tokenizer");

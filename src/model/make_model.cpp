@@ -93,6 +93,9 @@ ModelConfig tiny_v2_lite() {
 }
 
 // DeepSeek-V2-Lite's widths with 3 layers (1 dense + 2 MoE): about 3.6 GB in BF16.
+// DeepSeek-V3 has 61; anything deeper is a typo, not a model.
+constexpr int64_t kMaxLayers = 256;
+
 ModelConfig bench() {
   ModelConfig c = tiny_v2_lite();
   c.hidden_size = 2048;
@@ -302,6 +305,11 @@ ModelConfig preset_config(const std::string& name) {
 ModelConfig make_model(const MakeModelOptions& options,
                        const std::function<void(size_t, size_t)>& progress) {
   ModelConfig c = preset_config(options.preset);
+  if (options.layers < 0 || options.layers > kMaxLayers)
+    throw Error("make-model: --layers " + std::to_string(options.layers) + ": expected 1.." +
+                std::to_string(kMaxLayers) + " (or 0 for the preset's " +
+                std::to_string(c.num_hidden_layers) + ")");
+  if (options.layers > 0) c.num_hidden_layers = options.layers;
   switch (options.dtype) {
     case DType::kF32:
       c.torch_dtype = "float32";

@@ -29,6 +29,10 @@ struct MakeModelOptions {
   // F32, BF16, F16, F8_E4M3 (128x128 block scales) or I8 (per-output-channel scales).
   DType dtype = DType::kBF16;
   size_t max_shard_bytes = 0;  // 0: the preset's (4 MB for tiny presets, 2 GB for bench)
+  // > 0: this many decoder layers instead of the preset's (the dense ones first, as the preset's
+  // first_k_dense_replace says; fewer than that: all dense). E.g. the bench preset with 8 layers
+  // is DeepSeek-V2-Lite's widths at the depth where a token's weights outweigh the LM head.
+  int64_t layers = 0;
 };
 
 // Writes the model folder and returns its config. The same options give byte-identical files:

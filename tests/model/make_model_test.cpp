@@ -352,6 +352,40 @@ TEST(MakeModel, BenchPresetIsV2LiteSized) {
   EXPECT_LT(bytes, size_t{4} << 30);
 }
 
+TEST(MakeModel, LayersReplaceThePresetsDepth) {
+  // The bench preset at 8 layers: DeepSeek-V2-Lite's widths, one dense layer then seven MoE ones
+  // (about 4.7B parameters, 9.4 GB in BF16); counted from the layout, not written.
+  ModelConfig c = preset_config("bench");
+  c.num_hidden_layers = 8;
+  size_t params = 0;
+  for (const auto& s : checkpoint_layout(c, DType::kBF16)) params += s.nbytes() / 2;
+  EXPECT_GT(params, size_t{4'600'000'000});  // 4.70B
+  EXPECT_LT(params, size_t{4'800'000'000});
+
+  test::TempDir dir("make-layers");
+  MakeModelOptions o;
+  o.preset = "tiny-v3";
+  o.out = dir.path();
+  o.tokenizer_dir = deepseek_tokenizer();
+  o.layers = 5;
+  const ModelConfig made = make_model(o);
+  EXPECT_EQ(made.num_hidden_layers, 5);
+  const ModelConfig loaded = ModelConfig::load(dir.path());
+  EXPECT_EQ(loaded.num_hidden_layers, 5);
+  const auto ck = Checkpoint::open(dir.path());
+  EXPECT_NO_THROW(validate_checkpoint(ck, loaded));
+  EXPECT_TRUE(ck.tensors().count("model.layers.4.self_attn.kv_a_proj_with_mqa.weight"));
+  for (int64_t bad : {-1, 257}) {
+    o.layers = bad;
+    try {
+      make_model(o);
+      ADD_FAILURE() << bad;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), AllOf(HasSubstr("--layers"), HasSubstr(std::to_string(bad))));
+    }
+  }
+}
+
 TEST(MakeModel, Errors) {
   test::TempDir dir("make-errors");
   EXPECT_THAT(
@@ -412,9 +446,13 @@ TEST(MakeModelCli, ClearErrors) {
   r = tandem("make-model --preset tiny-v3 --tokenizer " + test::quote(dir.path()) + out);
   EXPECT_NE(r.status, 0);
   EXPECT_THAT(r.output, AllOf(HasSubstr("--tokenizer"), HasSubstr("tokenizer.json")));
+  r = tandem("make-model --preset tiny-v3 --layers 999" + out);
+  EXPECT_NE(r.status, 0);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("--layers 999"), HasSubstr("1..256")));
   r = tandem("make-model --help");
   EXPECT_EQ(r.status, 0);
-  EXPECT_THAT(r.output, AllOf(HasSubstr("tiny-v3"), HasSubstr("--seed"), HasSubstr("fp8")));
+  EXPECT_THAT(r.output, AllOf(HasSubstr("tiny-v3"), HasSubstr("--seed"), HasSubstr("fp8"),
+                              HasSubstr("--layers")));
 }
 
 }  // namespace
