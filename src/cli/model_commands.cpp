@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "model/make_model.h"
+#include "model/quantize.h"
 #include "util/error.h"
 #include "util/progress.h"
 
@@ -60,6 +61,25 @@ void write_model(const MakeModelArgs& a) {
                static_cast<unsigned long long>(a.seed));
 }
 
+struct QuantizeArgs {
+  std::string in, out, dtype;
+};
+
+void quantize(const QuantizeArgs& a) {
+  model::QuantizeOptions o;
+  o.in = a.in;
+  o.out = a.out;
+  o.dtype = parse_weight_dtype(a.dtype);
+  if (o.dtype != model::DType::kI8 && o.dtype != model::DType::kF8E4M3)
+    throw Error("--dtype: quantize writes int8 or fp8, not '" + a.dtype + "'");
+  ProgressBar bar("quantize " + a.dtype);
+  const model::ModelConfig c =
+      model::quantize_checkpoint(o, [&](size_t done, size_t total) { bar.update(done, total); });
+  std::fprintf(stderr, "quantize: wrote %s (%s, %lld layers, %s weights)\n", a.out.c_str(),
+               c.architecture.c_str(), static_cast<long long>(c.num_hidden_layers),
+               a.dtype.c_str());
+}
+
 }  // namespace
 
 fs::path preset_model_folder(const std::string& preset) {
@@ -107,6 +127,18 @@ void add_model_commands(CLI::App& app) {
                   "folder with tokenizer.json (+ tokenizer_config.json) to ship with the model; "
                   "default: the npm-installed DeepSeek-V3 tokenizer");
   cmd->callback([a] { write_model(*a); });
+
+  auto q = std::make_shared<QuantizeArgs>();
+  auto* qcmd = app.add_subcommand(
+      "quantize", "Write a BF16/F16/F32 checkpoint as INT8 (W8A8) or FP8 (E4M3, block scales)");
+  qcmd->add_option("--in", q->in, "checkpoint folder to read")->required();
+  qcmd->add_option("--out", q->out, "folder to write (created; checkpoint files in it replaced)")
+      ->required();
+  qcmd->add_option("--dtype", q->dtype,
+                   "int8 (per-channel scales, SGLang's w8a8_int8) or fp8 (E4M3, 128x128 block "
+                   "scales, as DeepSeek-V3 ships)")
+      ->required();
+  qcmd->callback([q] { quantize(*q); });
 }
 
 std::filesystem::path default_tokenizer() {

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "model/layout.h"
+#include "model/quantize.h"
 #include "model/safetensors.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
@@ -219,10 +220,8 @@ class WeightGenerator {
     for (size_t i = 0; i < n; ++i) out[i] = init.mean + init.std * normalish(init.key, begin + i);
   }
 
-  // Quantizes the weight `name` as the config says: FP8 E4M3 with one scale per block
-  // (scale = amax / 448, DeepSeek's weight_scale_inv), or INT8 with one scale per output row
-  // (scale = amax / 127, round half to even, clamp to +-127, as meituan's converter). Writes the
-  // quantized bytes to `q` when non-null and the scales to `scales`.
+  // Quantizes the weight `name` as the config says (quantize.h); writes the quantized bytes to
+  // `q` when non-null and the scales to `scales`.
   void quantize(const std::string& name, std::byte* q, std::vector<float>& scales) const {
     const auto it = shapes_.find(name);
     if (it == shapes_.end() || it->second.size() != 2)
@@ -230,39 +229,7 @@ class WeightGenerator {
     const int64_t rows = it->second[0], cols = it->second[1];
     std::vector<float> w(static_cast<size_t>(rows * cols));
     generate(init_for(name, it->second), 0, w.size(), w.data());
-    if (c_.fp8) {
-      const int64_t br = c_.fp8->block_rows, bc = c_.fp8->block_cols;
-      const int64_t sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
-      scales.assign(static_cast<size_t>(sr * sc), 0.f);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t col = 0; col < cols; ++col) {
-          float& s = scales[(r / br) * sc + col / bc];
-          s = std::max(s, std::fabs(w[r * cols + col]));
-        }
-      for (float& s : scales) s = s > 0.f ? s / 448.f : 1.f;
-      if (q)
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t col = 0; col < cols; ++col) {
-            const float s = scales[(r / br) * sc + col / bc];
-            q[r * cols + col] = static_cast<std::byte>(f32_to_f8e4m3(w[r * cols + col] / s));
-          }
-    } else if (c_.int8) {
-      scales.assign(static_cast<size_t>(rows), 0.f);
-      for (int64_t r = 0; r < rows; ++r) {
-        float amax = 0.f;
-        for (int64_t col = 0; col < cols; ++col)
-          amax = std::max(amax, std::fabs(w[r * cols + col]));
-        const float s = amax > 0.f ? amax / 127.f : 1.f;
-        scales[r] = s;
-        if (!q) continue;
-        for (int64_t col = 0; col < cols; ++col) {
-          const float v = std::clamp(std::nearbyint(w[r * cols + col] / s), -127.f, 127.f);
-          q[r * cols + col] = static_cast<std::byte>(static_cast<int8_t>(v));
-        }
-      }
-    } else {
-      throw Error("make-model: " + name + " is quantized but the config has no quantization");
-    }
+    quantize_weight(c_, w, rows, cols, q, scales);
   }
 
   const ModelConfig& c_;

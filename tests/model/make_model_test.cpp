@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -13,6 +14,7 @@
 
 #include "model/layout.h"
 #include "model/model_test_support.h"
+#include "model/quantize.h"
 #include "model/safetensors.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -386,6 +388,87 @@ TEST(MakeModel, LayersReplaceThePresetsDepth) {
   }
 }
 
+// tandem quantize follows make-model's rules: an F32 checkpoint quantizes to exactly the bytes
+// make-model writes for the quantized dtype (same seed), tensor by tensor, and the same config.
+TEST(Quantize, AnF32CheckpointBecomesWhatMakeModelWritesQuantized) {
+  for (DType dtype : {DType::kI8, DType::kF8E4M3}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    test::TempDir f32("quantize-f32"), made("quantize-made"), out("quantize-out");
+    make("tiny-v3", f32.path(), DType::kF32, 7);
+    make("tiny-v3", made.path(), dtype, 7);
+    QuantizeOptions o;
+    o.in = f32.path();
+    o.out = out.path() / "q";
+    o.dtype = dtype;
+    o.max_shard_bytes = size_t{4} << 20;
+    const ModelConfig c = quantize_checkpoint(o);
+    EXPECT_EQ(c, ModelConfig::load(made.path()));
+    EXPECT_EQ(ModelConfig::load(o.out), c);
+    const auto expected = Checkpoint::open(made.path());
+    const auto got = Checkpoint::open(o.out);
+    EXPECT_NO_THROW(validate_checkpoint(got, c));
+    ASSERT_EQ(got.tensors().size(), expected.tensors().size());
+    for (const auto& [name, t] : expected.tensors()) {
+      const TensorInfo& g = got.tensors().at(name);
+      ASSERT_EQ(g.dtype, t.dtype) << name;
+      ASSERT_EQ(g.nbytes, t.nbytes) << name;
+      EXPECT_EQ(std::memcmp(g.data, t.data, t.nbytes), 0) << name;
+    }
+    EXPECT_EQ(test::read_bytes(o.out / "tokenizer.json"), test::read_bytes(f32 / "tokenizer.json"));
+  }
+}
+
+TEST(Quantize, ABf16CheckpointQuantizesCloseToItsWeights) {
+  test::TempDir bf16("quantize-bf16"), out("quantize-bf16-out");
+  make("tiny-v2-lite", bf16.path(), DType::kBF16, 3);
+  QuantizeOptions o;
+  o.in = bf16.path();
+  o.out = out.path();
+  o.dtype = DType::kI8;
+  const ModelConfig c = quantize_checkpoint(o);
+  const auto src = Checkpoint::open(bf16.path());
+  const auto q = Checkpoint::open(out.path());
+  EXPECT_NO_THROW(validate_checkpoint(q, c));
+  const std::string w = "model.layers.1.mlp.experts.0.down_proj.weight";
+  const TensorInfo& qw = q.tensors().at(w);
+  ASSERT_EQ(qw.dtype, DType::kI8);
+  const std::vector<float> original = floats(src.tensors().at(w));
+  const std::vector<float> scales = floats(q.tensors().at(w + "_scale"));
+  const int64_t rows = qw.shape[0], cols = qw.shape[1];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t col = 0; col < cols; ++col) {
+      const float v =
+          static_cast<float>(reinterpret_cast<const int8_t*>(qw.data)[r * cols + col]) * scales[r];
+      // Half a quantization step of the row's scale.
+      EXPECT_NEAR(v, original[r * cols + col], scales[r] * 0.5f + 1e-7f);
+    }
+}
+
+TEST(Quantize, RefusesWhatItCannotDo) {
+  test::TempDir made("quantize-err"), out("quantize-err-out");
+  make("tiny-v3", made.path(), DType::kI8, 1);
+  QuantizeOptions o;
+  o.in = made.path();
+  o.out = out.path();
+  auto message = [&] {
+    try {
+      quantize_checkpoint(o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_THAT(message(), AllOf(HasSubstr("already quantized"), HasSubstr("config.json")));
+  o.dtype = DType::kBF16;
+  EXPECT_THAT(message(), HasSubstr("int8 or fp8"));
+  o.dtype = DType::kI8;
+  o.out = made.path();
+  EXPECT_THAT(message(), HasSubstr("another folder"));
+  o.in = out.path() / "nowhere";
+  o.out = out.path() / "x";
+  EXPECT_THAT(message(), HasSubstr("nowhere"));
+}
+
 TEST(MakeModel, Errors) {
   test::TempDir dir("make-errors");
   EXPECT_THAT(
@@ -432,6 +515,22 @@ TEST(MakeModelCli, WritesAValidatedCheckpoint) {
   make("tiny-v2-lite", lib.path(), DType::kI8, 5);
   EXPECT_EQ(test::read_bytes(dir / "m" / "model-00001-of-00006.safetensors"),
             test::read_bytes(lib / "model-00001-of-00006.safetensors"));
+}
+
+TEST(MakeModelCli, QuantizeWritesALoadableCheckpoint) {
+  test::TempDir dir("cli-quantize");
+  auto r = tandem("make-model --preset tiny-v3 --dtype bf16 --out " + test::quote(dir / "m"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = tandem("quantize --in " + test::quote(dir / "m") + " --out " + test::quote(dir / "q") +
+             " --dtype fp8");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const ModelConfig c = ModelConfig::load(dir / "q");
+  EXPECT_TRUE(c.fp8);
+  EXPECT_NO_THROW(validate_checkpoint(Checkpoint::open(dir / "q"), c));
+  r = tandem("quantize --in " + test::quote(dir / "m") + " --out " + test::quote(dir / "q2") +
+             " --dtype f16");
+  EXPECT_NE(r.status, 0);
+  EXPECT_THAT(r.output, AllOf(HasSubstr("--dtype"), HasSubstr("f16")));
 }
 
 TEST(MakeModelCli, ClearErrors) {

@@ -1,0 +1,164 @@
+#include "model/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "model/layout.h"
+#include "model/safetensors.h"
+#include "util/error.h"
+
+namespace tandem::model {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool is_scale(const std::string& name) {
+  auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  return ends(".weight_scale_inv") || ends(".weight_scale");
+}
+
+std::vector<float> floats_of(const TensorInfo& t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  to_f32(t.dtype, t.data, v.data(), v.size());
+  return v;
+}
+
+}  // namespace
+
+void quantize_weight(const ModelConfig& c, std::span<const float> w, int64_t rows, int64_t cols,
+                     std::byte* q, std::vector<float>& scales) {
+  if (c.fp8) {
+    const int64_t br = c.fp8->block_rows, bc = c.fp8->block_cols;
+    const int64_t sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
+    scales.assign(static_cast<size_t>(sr * sc), 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t col = 0; col < cols; ++col) {
+        float& s = scales[(r / br) * sc + col / bc];
+        s = std::max(s, std::fabs(w[r * cols + col]));
+      }
+    for (float& s : scales) s = s > 0.f ? s / 448.f : 1.f;
+    if (q)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t col = 0; col < cols; ++col) {
+          const float s = scales[(r / br) * sc + col / bc];
+          q[r * cols + col] = static_cast<std::byte>(f32_to_f8e4m3(w[r * cols + col] / s));
+        }
+    return;
+  }
+  if (c.int8) {
+    scales.assign(static_cast<size_t>(rows), 0.f);
+    for (int64_t r = 0; r < rows; ++r) {
+      float amax = 0.f;
+      for (int64_t col = 0; col < cols; ++col) amax = std::max(amax, std::fabs(w[r * cols + col]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      scales[r] = s;
+      if (!q) continue;
+      for (int64_t col = 0; col < cols; ++col) {
+        const float v = std::clamp(std::nearbyint(w[r * cols + col] / s), -127.f, 127.f);
+        q[r * cols + col] = static_cast<std::byte>(static_cast<int8_t>(v));
+      }
+    }
+    return;
+  }
+  throw Error("quantize: the config names no quantization (fp8 or int8)");
+}
+
+ModelConfig quantize_checkpoint(const QuantizeOptions& o,
+                                const std::function<void(size_t, size_t)>& progress) {
+  if (o.dtype != DType::kI8 && o.dtype != DType::kF8E4M3)
+    throw Error("quantize: --dtype must be int8 or fp8, not " + std::string(dtype_name(o.dtype)));
+  std::error_code ec;
+  if (fs::exists(o.out) && fs::equivalent(o.in, o.out, ec))
+    throw Error("quantize: --out must be another folder than --in (" + o.in.string() + ")");
+  const ModelConfig source = ModelConfig::load(o.in);
+  if (source.fp8 || source.int8)
+    throw Error("quantize: " + (o.in / "config.json").string() +
+                " is already quantized (quantization_config); start from a BF16, F16 or F32 "
+                "checkpoint");
+  const Checkpoint ck = Checkpoint::open(o.in);
+  validate_checkpoint(ck, source);  // names the first missing or mis-shaped tensor
+
+  ModelConfig c = source;
+  c.torch_dtype = "bfloat16";
+  if (o.dtype == DType::kI8)
+    c.int8 = Int8Quantization{};
+  else
+    c.fp8 = Fp8Quantization{};
+  const std::vector<TensorSpec> specs = checkpoint_layout(c, o.dtype);
+
+  fs::create_directories(o.out, ec);
+  if (ec) throw Error(o.out.string() + ": cannot create folder: " + ec.message());
+  auto source_tensor = [&](const std::string& name) -> const TensorInfo& {
+    auto it = ck.tensors().find(name);
+    if (it == ck.tensors().end())
+      throw Error("quantize: " + o.in.string() + " has no tensor " + name);
+    return it->second;
+  };
+  write_checkpoint(
+      o.out, specs,
+      [&](const TensorSpec& spec, std::span<std::byte> out) {
+        if (is_scale(spec.name)) {
+          const TensorInfo& w =
+              source_tensor(spec.name.substr(0, spec.name.rfind('.')) + ".weight");
+          std::vector<float> scales;
+          quantize_weight(c, floats_of(w), w.shape[0], w.shape[1], nullptr, scales);
+          std::memcpy(out.data(), scales.data(), out.size());
+          return;
+        }
+        const TensorInfo& t = source_tensor(spec.name);
+        if (spec.dtype == DType::kI8 || spec.dtype == DType::kF8E4M3) {
+          std::vector<float> scales;
+          quantize_weight(c, floats_of(t), t.shape[0], t.shape[1], out.data(), scales);
+          return;
+        }
+        if (t.dtype == spec.dtype) {
+          std::memcpy(out.data(), t.data, out.size());
+          return;
+        }
+        // Converted in slices: an embedding is a gigabyte as floats.
+        const size_t n = static_cast<size_t>(t.numel()), esize = dtype_size(t.dtype);
+        constexpr size_t kSlice = size_t{1} << 16;
+        std::vector<float> buf(std::min(n, kSlice));
+        for (size_t begin = 0; begin < n; begin += kSlice) {
+          const size_t len = std::min(kSlice, n - begin);
+          to_f32(t.dtype, t.data + begin * esize, buf.data(), len);
+          std::byte* dst = out.data() + begin * dtype_size(spec.dtype);
+          switch (spec.dtype) {
+            case DType::kF32:
+              std::memcpy(dst, buf.data(), len * 4);
+              break;
+            case DType::kBF16:
+              for (size_t i = 0; i < len; ++i) {
+                const uint16_t v = f32_to_bf16(buf[i]);
+                std::memcpy(dst + 2 * i, &v, 2);
+              }
+              break;
+            default:
+              throw Error("quantize: cannot write " + spec.name + " as " +
+                          std::string(dtype_name(spec.dtype)));
+          }
+        }
+      },
+      o.max_shard_bytes, progress);
+
+  {
+    std::ofstream f(o.out / "config.json", std::ios::binary);
+    f << c.to_json().dump(2) << "\n";
+    if (!f) throw Error((o.out / "config.json").string() + ": cannot write");
+  }
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    if (!fs::exists(o.in / file)) continue;
+    fs::copy_file(o.in / file, o.out / file, fs::copy_options::overwrite_existing, ec);
+    if (ec) throw Error("quantize: cannot copy " + (o.in / file).string() + ": " + ec.message());
+  }
+  return c;
+}
+
+}  // namespace tandem::model
