@@ -45,6 +45,20 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_loop(long iters) {
   return _mm512_reduce_add_ps(s);
 }
 
+// The same on AVX2 + FMA (CPUs without AVX-512): 8 lanes.
+__attribute__((target("avx2,fma"))) float fma_loop_avx2(long iters) {
+  __m256 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(1.0f + i * 1e-3f);
+  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  for (long k = 0; k < iters; ++k)
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], m, c);
+  __m256 s = a[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, a[i]);
+  float out[8];
+  _mm256_storeu_ps(out, s);
+  return out[0] + out[1] + out[2] + out[3] + out[4] + out[5] + out[6] + out[7];
+}
+
 template <typename Loop>
 double gflops(Loop loop, double flops_per_iter, int threads) {
   std::atomic<float> sink{0};
@@ -80,31 +94,63 @@ __attribute__((target("avx512f"))) double read_gbs(const float* data, size_t n, 
   return best;
 }
 
-}  // namespace
+__attribute__((target("avx2"))) double read_gbs_avx2(const float* data, size_t n, int threads) {
+  double best = 0;
+  std::atomic<float> sink{0};
+  for (int rep = 0; rep < 4; ++rep) {
+    double t0 = now();
+#pragma omp parallel num_threads(threads)
+    {
+      __m256 acc[8];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+#pragma omp for schedule(static)
+      for (size_t i = 0; i < n; i += 64)
+        for (int k = 0; k < 8; ++k)
+          acc[k] = _mm256_add_ps(acc[k], _mm256_load_ps(data + i + 8 * k));
+      for (int k = 1; k < 8; ++k) acc[0] = _mm256_add_ps(acc[0], acc[k]);
+      float out[8];
+      _mm256_storeu_ps(out, acc[0]);
+      sink.store(sink.load() + out[0]);
+    }
+    best = std::max(best, n * sizeof(float) / (now() - t0) / 1e9);
+  }
+  return best;
+}
 
-double measure_dram_gbs() {
-  if (!__builtin_cpu_supports("avx512f")) return 0;
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f");
+}
+
+// All-threads (or one-thread) read bandwidth of 1 GiB with the widest loads the CPU has; 0 on a
+// CPU with neither AVX-512 nor AVX2.
+double dram_gbs(int threads) {
+  if (!has_avx512() && !__builtin_cpu_supports("avx2")) return 0;
   const size_t n = size_t{1} << 28;  // 1 GiB of floats
   auto* data = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
   std::memset(data, 1, n * sizeof(float));
-  const double gbs = read_gbs(data, n, omp_get_max_threads());
+  const double gbs = has_avx512() ? read_gbs(data, n, threads) : read_gbs_avx2(data, n, threads);
   std::free(data);
   return gbs;
+}
+
+}  // namespace
+
+double measure_dram_gbs() {
+  return dram_gbs(omp_get_max_threads());
 }
 
 MachinePeaks measure_peaks() {
   MachinePeaks p;
   p.threads = omp_get_max_threads();
-  if (!__builtin_cpu_supports("avx512f")) return p;
-  p.fp32_gflops = gflops(fma_loop, 12 * 16 * 2, p.threads);
-  if (__builtin_cpu_supports("avx512bf16"))
-    p.bf16_gflops = gflops(bf16_loop, 12 * 32 * 2, p.threads);
-  const size_t n = size_t{1} << 28;  // 1 GiB of floats
-  auto* data = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
-  std::memset(data, 1, n * sizeof(float));
-  p.dram_gbs_1 = read_gbs(data, n, 1);
-  p.dram_gbs_all = read_gbs(data, n, p.threads);
-  std::free(data);
+  if (has_avx512()) {
+    p.fp32_gflops = gflops(fma_loop, 12 * 16 * 2, p.threads);
+    if (__builtin_cpu_supports("avx512bf16"))
+      p.bf16_gflops = gflops(bf16_loop, 12 * 32 * 2, p.threads);
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    p.fp32_gflops = gflops(fma_loop_avx2, 12 * 8 * 2, p.threads);
+  }
+  p.dram_gbs_1 = dram_gbs(1);
+  p.dram_gbs_all = dram_gbs(p.threads);
   return p;
 }
 
