@@ -2,6 +2,7 @@
 
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gemm_onednn.h"
+#include "kernels/cpu/matvec_avx2.h"
 #include "kernels/cpu/matvec_avx512.h"
 
 #include <algorithm>
@@ -132,8 +133,19 @@ float row_dot(const Matrix& w, int64_t r, const float* x) {
 }
 
 // out[i] = W[r, :] . x[i] for i < m (m <= 4): the weight row is streamed once for all of them.
+// `fast`: AVX-512 is there; else AVX2 when it is (the row streamed once for all m tokens too),
+// else the portable loops, one pass over the row per token.
 void row_dots(const Matrix& w, int64_t r, const float* x, int64_t m, float* out, bool fast) {
-  if (!fast) {
+  if (!fast && avx2::available()) {
+    if (w.type == WeightType::kBF16) {
+      avx2::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, m, out);
+    } else if (w.type == WeightType::kI8) {
+      avx2::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x, w.cols, m, out);
+      for (int64_t i = 0; i < m; ++i) out[i] *= w.row_scales[r];
+    } else {
+      avx2::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols, m, out);
+    }
+  } else if (!fast) {
     for (int64_t i = 0; i < m; ++i) out[i] = row_dot(w, r, x + i * w.cols);
   } else if (w.type == WeightType::kBF16) {
     avx512::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, m, out);
