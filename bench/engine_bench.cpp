@@ -132,9 +132,10 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
       peaks.bf16_reference());
   if (times.size() > 3) {
     const double median = times[times.size() / 2];
-    std::printf("prefill median of %zu: %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of BF16 peak\n",
+    std::printf("prefill median of %zu: %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of %s peak\n",
                 times.size(), prompt_len / median, flops / median / 1e9,
-                100 * flops / median / 1e9 / peaks.bf16_reference());
+                100 * flops / median / 1e9 / peaks.bf16_reference(),
+                peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA");
   }
   if (prefill_only) return;
 
