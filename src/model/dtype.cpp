@@ -161,4 +161,30 @@ void to_f32(DType from, const void* src, float* dst, size_t n) {
   throw Error("to_f32: unknown dtype");
 }
 
+void from_f32(DType to, const float* src, void* dst, size_t n) {
+  auto* d = static_cast<uint8_t*>(dst);
+  switch (to) {
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t v = f32_to_bf16(src[i]);
+        std::memcpy(d + 2 * i, &v, 2);
+      }
+      return;
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) {
+        const uint16_t v = f32_to_f16(src[i]);
+        std::memcpy(d + 2 * i, &v, 2);
+      }
+      return;
+    case DType::kF8E4M3:
+    case DType::kI8:
+      break;
+  }
+  throw Error("from_f32: " + std::string(dtype_name(to)) +
+              " values need scales; quantize them (model/quantize.h)");
+}
+
 }  // namespace tandem::model

@@ -31,5 +31,8 @@ uint8_t f32_to_f8e4m3(float f);
 
 // Converts n elements of type `from` at src to f32.
 void to_f32(DType from, const void* src, float* dst, size_t n);
+// Converts n f32 values to `to` (F32, BF16 or F16; round to nearest even) at dst, which need not
+// be aligned. Throws tandem::Error for the quantized types, which need scales.
+void from_f32(DType to, const float* src, void* dst, size_t n);
 
 }  // namespace tandem::model

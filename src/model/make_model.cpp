@@ -166,27 +166,7 @@ class WeightGenerator {
     for (size_t begin = 0; begin < n; begin += kChunk) {
       const size_t len = std::min(kChunk, n - begin);
       generate(init, begin, len, buf.data());
-      std::byte* dst = out.data() + begin * dtype_size(spec.dtype);
-      switch (spec.dtype) {
-        case DType::kF32:
-          std::memcpy(dst, buf.data(), len * 4);
-          break;
-        case DType::kBF16:
-          for (size_t i = 0; i < len; ++i) {
-            const uint16_t v = f32_to_bf16(buf[i]);
-            std::memcpy(dst + 2 * i, &v, 2);
-          }
-          break;
-        case DType::kF16:
-          for (size_t i = 0; i < len; ++i) {
-            const uint16_t v = f32_to_f16(buf[i]);
-            std::memcpy(dst + 2 * i, &v, 2);
-          }
-          break;
-        default:
-          throw Error("make-model: cannot generate " + std::string(dtype_name(spec.dtype)) +
-                      " tensor " + name);
-      }
+      from_f32(spec.dtype, buf.data(), out.data() + begin * dtype_size(spec.dtype), len);
     }
   }
 

@@ -129,21 +129,7 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
         for (size_t begin = 0; begin < n; begin += kSlice) {
           const size_t len = std::min(kSlice, n - begin);
           to_f32(t.dtype, t.data + begin * esize, buf.data(), len);
-          std::byte* dst = out.data() + begin * dtype_size(spec.dtype);
-          switch (spec.dtype) {
-            case DType::kF32:
-              std::memcpy(dst, buf.data(), len * 4);
-              break;
-            case DType::kBF16:
-              for (size_t i = 0; i < len; ++i) {
-                const uint16_t v = f32_to_bf16(buf[i]);
-                std::memcpy(dst + 2 * i, &v, 2);
-              }
-              break;
-            default:
-              throw Error("quantize: cannot write " + spec.name + " as " +
-                          std::string(dtype_name(spec.dtype)));
-          }
+          from_f32(spec.dtype, buf.data(), out.data() + begin * dtype_size(spec.dtype), len);
         }
       },
       o.max_shard_bytes, progress);

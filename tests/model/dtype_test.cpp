@@ -4,6 +4,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -14,6 +15,7 @@
 
 #include "model/model_test_support.h"
 #include "text/oracle_support.h"
+#include "util/error.h"
 
 namespace tandem::model {
 namespace {
@@ -172,6 +174,25 @@ TEST(DType, ToF32ReadsUnalignedSources) {
   to_f32(DType::kF8E4M3, f8, o3, 2);
   EXPECT_EQ(o3[0], 1.0f);
   EXPECT_EQ(o3[1], -448.0f);
+}
+
+TEST(DType, FromF32WritesWhatTheElementConversionsGiveAndRefusesScaledTypes) {
+  const float in[3] = {1.0f / 3, -2.5e-3f, 65504.0f};
+  alignas(8) uint8_t raw[1 + 3 * 4] = {};
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    from_f32(t, in, raw + 1, 3);  // unaligned on purpose
+    for (int i = 0; i < 3; ++i) {
+      uint32_t got = 0;
+      std::memcpy(&got, raw + 1 + i * dtype_size(t), dtype_size(t));
+      uint32_t want = 0;
+      if (t == DType::kF32) std::memcpy(&want, &in[i], 4);
+      if (t == DType::kBF16) want = f32_to_bf16(in[i]);
+      if (t == DType::kF16) want = f32_to_f16(in[i]);
+      EXPECT_EQ(got, want) << dtype_name(t) << " " << i;
+    }
+  }
+  EXPECT_THROW(from_f32(DType::kI8, in, raw, 3), Error);
+  EXPECT_THROW(from_f32(DType::kF8E4M3, in, raw, 3), Error);
 }
 
 // BF16 and F16 rounding of many float32 values (random bit patterns, exact ties, subnormal and
