@@ -27,6 +27,8 @@ int64_t unix_ms() {
 // (tandem's miss spreading). The prefix index learns each engine's own block size from its events.
 constexpr int64_t kPrefixBlockTokens = 16;
 
+constexpr const char* kInvalidApiKey = "invalid or missing API key (Authorization: Bearer KEY)";
+
 // A request id from the client is honoured when it is a plain token (it goes into logs, JSON and
 // engine headers).
 bool usable_request_id(const std::string& id) {
@@ -43,13 +45,15 @@ std::string bearer_token(const net::HttpRequest& req) {
   return {};
 }
 
-bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
+bool api_key_valid(const Topology& topo, const net::HttpRequest& req) {
   if (topo.api_keys.empty()) return true;
   const std::string key = bearer_token(req);
-  if (std::find(topo.api_keys.begin(), topo.api_keys.end(), key) != topo.api_keys.end())
-    return true;
-  ex.send_error(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                "invalid_request_error", "invalid_api_key");
+  return std::find(topo.api_keys.begin(), topo.api_keys.end(), key) != topo.api_keys.end();
+}
+
+bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
+  if (api_key_valid(topo, req)) return true;
+  ex.send_error(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key");
   return false;
 }
 
@@ -107,18 +111,6 @@ void FrontEnd::add_routes(net::HttpServer& server) {
 }
 
 void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-  if (!api_key_accepted(topo_, req, *ex)) {
-    // Recorded like any request (metrics, access log), without preparing it.
-    auto r = std::make_shared<Request>();
-    r->times.mark(Phase::kReceived, exec_.now_ns());
-    r->received_unix_ms = unix_ms();
-    r->method = req.method;
-    r->path = req.path;
-    r->id = usable_request_id(req.headers.get("X-Request-Id")) ? req.headers.get("X-Request-Id")
-                                                               : random_hex(2);
-    dispatcher_.end_request(r, {401, "unauthorized"});
-    return;
-  }
   RequestPtr r = prepare(req, std::make_shared<ExchangeReply>(ex));
   if (!r) return;
   r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
@@ -141,12 +133,16 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   if (!usable_request_id(r->id)) r->id = random_hex(2);
   r->headers.set("X-Request-Id", r->id);
   if (const auto* auth = req.headers.find("Authorization")) r->headers.set("Authorization", *auth);
-  // The client's error: answered here, and recorded.
-  auto refuse = [&](int status, const std::string& message, std::string_view type = {}) {
-    r->reply->send_error(status, message, type);
-    dispatcher_.end_request(r, {status, message});
+  // The client's error: answered here, and recorded (`logged`: the access log's error, if not
+  // the message).
+  auto refuse = [&](int status, const std::string& message, std::string_view type = {},
+                    std::string_view code = {}, std::string logged = {}) {
+    r->reply->send_error(status, message, type, code);
+    dispatcher_.end_request(r, {status, logged.empty() ? message : std::move(logged)});
     return nullptr;
   };
+  if (!api_key_valid(topo_, req))
+    return refuse(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key", "unauthorized");
 
   r->times.mark(Phase::kTokenizing, exec_.now_ns());
   const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_;

@@ -20,7 +20,9 @@ namespace tandem::gateway {
 
 // The Bearer token of an Authorization header, or empty.
 std::string bearer_token(const net::HttpRequest& req);
-// Whether the request may use the API (no keys configured, or one of them); answers 401 if not.
+// Whether the request may use the API: no keys configured, or it carries one of them.
+bool api_key_valid(const Topology& topo, const net::HttpRequest& req);
+// api_key_valid(), answering 401 if not.
 bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex);
 // Whether the request may use the admin API; answers 404 (admin off) or 401 if not.
 bool admin_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex);
@@ -37,7 +39,7 @@ class FrontEnd {
   void stop() { stopping_ = true; }
 
   // The request the client sent, prepared for the dispatcher; null when it was answered here
-  // (an error of the client's, or the gateway stopping), its end then recorded.
+  // (a missing API key or another error of the client's, recorded; or the gateway stopping).
   RequestPtr prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply);
 
  private:
