@@ -70,13 +70,12 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
     return;
   }
   exec_.post([this, ex, prefill, e] {
-    if (auto why = dispatcher_.add_endpoint(prefill, e); !why.empty()) {
+    int id = -1;
+    if (auto why = dispatcher_.add_endpoint(prefill, e, &id); !why.empty()) {
       ex->send_error(400, "admin: " + why);
       return;
     }
-    const json all = dispatcher_.endpoints_json();
-    for (const auto& x : all.at("endpoints"))
-      if (x.at("name") == e.name && x.at("draining") == false) ex->respond(201, x.dump());
+    ex->respond(201, dispatcher_.endpoint_json(id).dump());
   });
 }
 

@@ -291,7 +291,7 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
                        leg->engine_error;
     exec_.post_batched([this, r, leg, fault] {
       if (leg->ended_request) finished(r);
-      leg_done(r, *leg, !fault);
+      leg_done(*leg, !fault);
     });
   };
   // The first token may take first_token_ms (a decode leg waits for its prefill, a queue); the
@@ -324,7 +324,7 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
       });
 }
 
-void Dispatcher::leg_done(const RequestPtr&, const Leg& leg, bool ok) {
+void Dispatcher::leg_done(const Leg& leg, bool ok) {
   exec_.cancel(leg.deadline);
   // The policy hears first: a drained engine is forgotten (by the policy too) as its last leg ends.
   if (endpoints_.find(leg.endpoint)) policy_.outcome(policy_state_, leg.endpoint, ok, exec_.now());
@@ -444,9 +444,10 @@ void Dispatcher::finished(const RequestPtr& r) {
 
 // ------------------------------------------------------------------------------ admin
 
-std::string Dispatcher::add_endpoint(bool prefill, const Endpoint& endpoint) {
+std::string Dispatcher::add_endpoint(bool prefill, const Endpoint& endpoint, int* id) {
   if (auto why = endpoints_.admission_error(prefill, endpoint); !why.empty()) return why;
-  endpoints_.add(prefill, endpoint);
+  const int added = endpoints_.add(prefill, endpoint);
+  if (id) *id = added;
   dispatch();
   return {};
 }
@@ -473,6 +474,11 @@ json Dispatcher::endpoints_json() const {
   const auto now = exec_.now();
   for (const auto& [id, e] : endpoints_.all()) list.push_back(endpoints_.to_json(e, now));
   return {{"mode", mode_name(topo_.mode)}, {"policy", policy_.name()}, {"endpoints", list}};
+}
+
+json Dispatcher::endpoint_json(int id) const {
+  const EndpointState* e = endpoints_.find(id);
+  return e ? endpoints_.to_json(*e, exec_.now()) : json();
 }
 
 json Dispatcher::debug_requests() const {

@@ -45,12 +45,14 @@ class Dispatcher {
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
 
-  // Admin operations. add_endpoint returns why it cannot join (empty: added).
-  std::string add_endpoint(bool prefill, const Endpoint& endpoint);
+  // Admin operations. add_endpoint returns why it cannot join (empty: added, as endpoint_json's
+  // `*id`).
+  std::string add_endpoint(bool prefill, const Endpoint& endpoint, int* id = nullptr);
   // Drains the endpoint of that name: false if there is none. `in_flight`: its requests then.
   bool remove_endpoint(const std::string& name, int64_t* in_flight);
   EndpointTable::ReloadResult reload(const Topology& next);
   nlohmann::json endpoints_json() const;
+  nlohmann::json endpoint_json(int id) const;  // null when there is none
   nlohmann::json debug_requests() const;
   // An engine to relay GET /v1/models to: the policy's decode pick, or null.
   const EndpointState* models_endpoint() const;
@@ -95,7 +97,7 @@ class Dispatcher {
   void start_leg(const RequestPtr& r, int endpoint_id, bool prefill, std::string body);
   net::AsyncHttpRequest upstream_request(const EndpointState& e, const Request& r, std::string body,
                                          std::chrono::milliseconds timeout) const;
-  void leg_done(const RequestPtr& r, const Leg& leg, bool ok);
+  void leg_done(const Leg& leg, bool ok);
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message);
   void answer_error(const RequestPtr& r, int status, const std::string& message);

@@ -207,9 +207,9 @@ void EndpointTable::leg_started(EndpointState& e, const Leg& leg) {
   e.requests_total->inc();
 }
 
-bool EndpointTable::leg_finished(const Leg& leg, bool ok) {
+void EndpointTable::leg_finished(const Leg& leg, bool ok) {
   EndpointState* e = find(leg.endpoint);
-  if (!e) return false;
+  if (!e) return;
   --e->in_flight;
   e->tokens_in_flight -= leg.prompt_tokens;
   e->counts.uncached_in_flight -= leg.uncached;
@@ -219,7 +219,6 @@ bool EndpointTable::leg_finished(const Leg& leg, bool ok) {
   else
     failure(*e);
   if (e->draining && e->in_flight == 0) forget(leg.endpoint);
-  return true;
 }
 
 void EndpointTable::failure(EndpointState& e) {

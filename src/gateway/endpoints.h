@@ -93,10 +93,10 @@ class EndpointTable {
   // request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit".
   std::string pools_state(const std::vector<bool>& prefill_pools) const;
 
-  // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends.
-  // leg_finished returns false when the engine is gone (left after a drain).
+  // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends
+  // (an engine already gone after its drain is skipped).
   void leg_started(EndpointState& e, const Leg& leg);
-  bool leg_finished(const Leg& leg, bool ok);
+  void leg_finished(const Leg& leg, bool ok);
   // A failed leg or probe: ejects the engine after health.failures_to_eject in a row.
   void failure(EndpointState& e);
 
