@@ -31,14 +31,12 @@ struct Candidates {
   Choice none() const { return {any ? Choice::Kind::kSaturated : Choice::Kind::kNoneEligible, -1}; }
 };
 
-// Drops the recently failed engines of `engines` unless all of them are.
-inline void prefer_not_recently_failed(std::vector<const EndpointLoad*>& engines) {
-  const bool any_sound = std::any_of(engines.begin(), engines.end(),
-                                     [](const EndpointLoad* e) { return !e->recently_failed; });
-  if (!any_sound) return;
-  engines.erase(std::remove_if(engines.begin(), engines.end(),
-                               [](const EndpointLoad* e) { return e->recently_failed; }),
-                engines.end());
+// Drops the items whose engine (`engine_of(item)`) recently failed, unless all of them did.
+template <class T, class EngineOf>
+void prefer_not_recently_failed(std::vector<T>& items, EngineOf engine_of) {
+  auto failed = [&](const T& item) { return engine_of(item)->recently_failed; };
+  if (std::all_of(items.begin(), items.end(), failed)) return;
+  items.erase(std::remove_if(items.begin(), items.end(), failed), items.end());
 }
 
 template <class Fits, class Saturated>
@@ -54,7 +52,7 @@ Candidates candidates(const std::vector<EndpointLoad>& pool, const RequestInfo& 
     c.any = true;
     (saturated(e) ? c.busy : c.free).push_back(&e);
   }
-  prefer_not_recently_failed(c.free);
+  prefer_not_recently_failed(c.free, [](const EndpointLoad* e) { return e; });
   return c;
 }
 

@@ -108,11 +108,7 @@ class TandemPolicy final : public Policy {
     };
     const bool held = held_long_enough(request, now);
     // A prefill engine that recently failed a request pairs only when no other one can now.
-    if (std::any_of(pairs.begin(), pairs.end(),
-                    [](const Pair& p) { return !p.prefill->recently_failed; }))
-      pairs.erase(std::remove_if(pairs.begin(), pairs.end(),
-                                 [](const Pair& p) { return p.prefill->recently_failed; }),
-                  pairs.end());
+    detail::prefer_not_recently_failed(pairs, [](const Pair& p) { return p.prefill; });
     if (pairs.empty()) {
       const auto released = release_to(prefills_of(busy), request, now);
       for (const auto& pair : busy)
