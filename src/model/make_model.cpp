@@ -147,7 +147,7 @@ class WeightGenerator {
 
   void fill(const TensorSpec& spec, std::span<std::byte> out) const {
     const std::string& name = spec.name;
-    if (ends_with(name, ".weight_scale_inv") || ends_with(name, ".weight_scale")) {
+    if (is_weight_scale(name)) {
       const std::string weight = name.substr(0, name.rfind('.')) + ".weight";
       std::vector<float> scales;
       quantize(weight, nullptr, scales);

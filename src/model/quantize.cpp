@@ -16,14 +16,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool is_scale(const std::string& name) {
-  auto ends = [&](const std::string& suffix) {
-    return name.size() >= suffix.size() &&
-           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
-  return ends(".weight_scale_inv") || ends(".weight_scale");
-}
-
 std::vector<float> floats_of(const TensorInfo& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   to_f32(t.dtype, t.data, v.data(), v.size());
@@ -31,6 +23,14 @@ std::vector<float> floats_of(const TensorInfo& t) {
 }
 
 }  // namespace
+
+bool is_weight_scale(const std::string& name) {
+  for (const std::string_view suffix : {".weight_scale_inv", ".weight_scale"})
+    if (name.size() >= suffix.size() &&
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return true;
+  return false;
+}
 
 void quantize_weight(const ModelConfig& c, std::span<const float> w, int64_t rows, int64_t cols,
                      std::byte* q, std::vector<float>& scales) {
@@ -104,7 +104,7 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
   write_checkpoint(
       o.out, specs,
       [&](const TensorSpec& spec, std::span<std::byte> out) {
-        if (is_scale(spec.name)) {
+        if (is_weight_scale(spec.name)) {
           const TensorInfo& w =
               source_tensor(spec.name.substr(0, spec.name.rfind('.')) + ".weight");
           std::vector<float> scales;

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "model/config.h"
@@ -20,6 +21,10 @@ namespace tandem::model {
 // when the config has no quantization.
 void quantize_weight(const ModelConfig& config, std::span<const float> w, int64_t rows,
                      int64_t cols, std::byte* q, std::vector<float>& scales);
+
+// Whether `name` is a quantized weight's scale tensor (X.weight_scale_inv for FP8, X.weight_scale
+// for INT8; model/layout.h); its weight is the name up to the last '.' plus ".weight".
+bool is_weight_scale(const std::string& name);
 
 struct QuantizeOptions {
   std::filesystem::path in, out;  // checkpoint folders; `out` is created, must differ from `in`
