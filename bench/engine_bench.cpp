@@ -96,7 +96,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
          int64_t decode_steps, int prefill_runs, bool prefill_only) {
   const auto model = DeepSeekModel::load(dir);
   const auto& c = model.config();
-  const int64_t block = 16, entry_bytes = (c.kv_lora_rank + c.qk_rope_head_dim) * 4;
+  const int64_t block = 16, entry_bytes = model.cache_shape(block).entry_bytes();
   const int64_t layers = c.num_hidden_layers;
   // The attention output projection is quantised in INT8 checkpoints; the LM head never is.
   const auto type = model.weights().layers[0].attn.o.type;

@@ -5,7 +5,10 @@
 #include <netinet/in.h>
 
 #include <cstdio>
+#include <map>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
@@ -25,6 +28,7 @@ struct EngineOptions {
   int port = 8000;
   int64_t block_size = 16, num_blocks = 0;
   double kv_cache_gb = 1.0;
+  std::string kv_cache_dtype = "auto", mla_rescale = "multiply";
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048;
   std::string scheduling_policy = "fcfs";
   bool no_prefix_caching = false;
@@ -41,6 +45,13 @@ struct EngineOptions {
   double kv_transfer_timeout = 120;
   bool kv_transfer_checksum = false;
 };
+
+const std::map<std::string, std::optional<model::LatentType>> kKvCacheTypes = {
+    {"auto", std::nullopt},
+    {"float32", model::LatentType::kF32},
+    {"bfloat16", model::LatentType::kBF16}};
+const std::map<std::string, kernels::MlaRescale> kMlaRescales = {
+    {"multiply", kernels::MlaRescale::kMultiply}, {"amla", kernels::MlaRescale::kAmla}};
 
 // The address decode engines should connect to when we listen on every interface: the first
 // non-loopback IPv4 address, else loopback.
@@ -93,16 +104,18 @@ void run(const EngineOptions& o) {
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
     eos = engine::eos_ids(*tokenizer, std::nullopt);
   } else {
-    std::shared_ptr<const model::DeepSeekModel> m;
+    std::shared_ptr<model::DeepSeekModel> m;
     {
       ProgressBar bar("loading " + o.model);
-      m = std::make_shared<const model::DeepSeekModel>(
+      m = std::make_shared<model::DeepSeekModel>(
           model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
     }
+    m->set_mla_rescale(kMlaRescales.at(o.mla_rescale));
     engine::CpuExecutorOptions co;
     co.block_size = o.block_size;
     co.num_blocks = o.num_blocks;
     co.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
+    co.kv_cache_type = kKvCacheTypes.at(o.kv_cache_dtype);
     eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
     executor = std::make_unique<engine::CpuExecutor>(
         m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name, co);
@@ -230,6 +243,15 @@ void add_engine_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--num-kv-blocks", o->num_blocks, "KV blocks (overrides --kv-cache-gb)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype,
+                  "latent cache values: auto (float32 for float32 weights, else bfloat16), "
+                  "float32 or bfloat16")
+      ->capture_default_str()
+      ->transform(CLI::IsMember(kKvCacheTypes));
+  cmd->add_option("--mla-rescale", o->mla_rescale,
+                  "decode attention's softmax rescale: multiply or amla (exponent add)")
+      ->capture_default_str()
+      ->transform(CLI::IsMember(kMlaRescales));
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "running sequences at most")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "kernels/cpu/mla_attention.h"
 #include "model/moe_routing.h"
 #include "util/error.h"
 
@@ -34,9 +35,16 @@ DeepSeekModel DeepSeekModel::load(const std::filesystem::path& dir,
   return DeepSeekModel(std::move(config), std::move(weights));
 }
 
-LatentCacheShape DeepSeekModel::cache_shape(int64_t block_size) const {
+LatentType DeepSeekModel::default_cache_type() const {
+  const auto& kv_b = weights_.layers.front().attn.kv_b;
+  return kv_b.type == kernels::WeightType::kF32 ? LatentType::kF32 : LatentType::kBF16;
+}
+
+LatentCacheShape DeepSeekModel::cache_shape(int64_t block_size,
+                                            std::optional<LatentType> type) const {
   return LatentCacheShape{config_.num_hidden_layers + config_.num_nextn_predict_layers, block_size,
-                          config_.kv_lora_rank, config_.qk_rope_head_dim};
+                          config_.kv_lora_rank, config_.qk_rope_head_dim,
+                          type.value_or(default_cache_type())};
 }
 
 namespace {
@@ -68,9 +76,11 @@ void add_to(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
-float* cache_entry(LatentCache& cache, const SequenceStep& step, int64_t layer, int64_t pos) {
+// Values [first, first + count) of position `pos`'s cache entry, as float32.
+void load_entry(const LatentCache& cache, const SequenceStep& step, int64_t layer, int64_t pos,
+                int64_t first, int64_t count, float* out) {
   const int64_t bs = cache.shape().block_size;
-  return cache.block_layer(step.blocks[pos / bs], layer) + (pos % bs) * cache.shape().entry();
+  cache.load(step.blocks[pos / bs], layer, pos % bs, first, count, out);
 }
 
 // Expanded attention of one sequence's step: keys and values of every head rebuilt from the
@@ -104,25 +114,29 @@ void expanded_attention(const ModelConfig& c, const Matrix& kv_b, LatentCache& c
   // Per-head keys [heads, context, qk] (the rope part is shared by all heads) and values
   // [heads, context, vd], written once in the products' type, each head's block contiguous.
   // Reused per thread: fresh buffers of megabytes cost page faults on every layer.
-  thread_local std::vector<float> latents, kv;
+  thread_local std::vector<float> latents, rope_keys, kv;
   thread_local std::vector<T> keys, values, queries;
   latents.resize(context * kvl);
+  rope_keys.resize(context * rd);
   kv.resize(context * heads * head_rows);
   keys.resize(heads * context * qk);
   values.resize(heads * context * vd);
   queries.resize(count * heads * qk);
-  for (int64_t p = 0; p < context; ++p)
-    std::copy_n(cache_entry(cache, step, layer, p), kvl, latents.data() + p * kvl);
+  for (int64_t p = 0; p < context; ++p) {
+    load_entry(cache, step, layer, p, 0, kvl, latents.data() + p * kvl);
+    load_entry(cache, step, layer, p, kvl, rd, rope_keys.data() + p * rd);
+  }
   matmul(kv_b, latents.data(), context, kv.data());
   // The parallel loops below see other threads' thread_local objects: they use these pointers.
   const float* kvp = kv.data();
+  const float* rkp = rope_keys.data();
   T* kp = keys.data();
   T* vp = values.data();
   const T* qp = queries.data();
 #pragma omp parallel for schedule(static) if (context > 16)
   for (int64_t p = 0; p < context; ++p) {
     const float* src = kvp + p * heads * head_rows;
-    const float* rope_key = cache_entry(cache, step, layer, p) + kvl;
+    const float* rope_key = rkp + p * rd;
     for (int64_t hd = 0; hd < heads; ++hd) {
       T* key = kp + (hd * context + p) * qk;
       convert(src + hd * head_rows, nope, key);
@@ -323,44 +337,33 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   }
   // New latents and rope keys go to the cache before attending, so a token sees itself.
   kva_buf.resize(n * entry);
-  const float* kva = kva_buf.data();
-  matmul(w.kv_a, xn.data(), n, kva_buf.data());
+  float* kva = kva_buf.data();
+  matmul(w.kv_a, xn.data(), n, kva);
+  const int64_t bs = cache.shape().block_size;
 #pragma omp parallel for schedule(static) if (n > 16)
   for (int64_t t = 0; t < n; ++t) {
     const auto& step = batch[tokens[t].sequence];
-    float* dst = cache_entry(cache, step, layer, tokens[t].position);
-    rmsnorm(kva + t * entry, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, dst);
-    std::copy_n(kva + t * entry + kvl, rd, dst + kvl);
-    rope_.apply(dst + kvl, tokens[t].position);
+    float* entry_t = kva + t * entry;  // normalised latent and RoPE'd key, in place
+    rmsnorm(entry_t, w.kv_a_norm.data(), 1, kvl, kLatentNormEps, entry_t);
+    rope_.apply(entry_t + kvl, tokens[t].position);
+    const int64_t pos = tokens[t].position;
+    cache.store(step.blocks[pos / bs], layer, pos % bs, entry_t);
     rope_.apply(q + t * heads * qk + nope, qk, heads, tokens[t].position);
   }
 
   out.assign(n * heads * vd, 0.0f);
+  // Absorbed form for short steps: W_UK folded into the query and W_UV applied after the
+  // weighted sum, so attention runs directly over the cached latents (one shared KV head of
+  // width kv_lora + rope) for all of a sequence's heads and query tokens at once.
+  std::vector<kernels::MlaSequence> absorbed;
+  std::vector<std::vector<const void*>> pages;
+  std::vector<int64_t> absorbed_tokens;  // indices of the tokens attended in absorbed form
+  thread_local std::vector<float> q_abs_buf, o_lat_buf;
   int64_t first_token = 0;
   for (const auto& step : batch) {
     const int64_t count = static_cast<int64_t>(step.tokens.size());
     if (count <= kAbsorbedMaxTokens) {
-      // Absorbed form: fold W_UK into the query and W_UV after the weighted sum, so attention
-      // runs directly over the cached latents (one shared KV head of width kv_lora + rope).
-#pragma omp parallel for collapse(2) schedule(static)
-      for (int64_t i = 0; i < count; ++i) {
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          const int64_t t = first_token + i, pos = step.start + i;
-          const float* qh = q + (t * heads + hd) * qk;
-          std::vector<float> q_lat(kvl), scores(pos + 1), o_lat(kvl, 0.0f);
-          kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, q_lat.data());
-          for (int64_t p = 0; p <= pos; ++p) {
-            const float* e = cache_entry(cache, step, layer, p);
-            scores[p] =
-                (kernels::dot(q_lat.data(), e, kvl) + kernels::dot(qh + nope, e + kvl, rd)) * scale;
-          }
-          kernels::softmax(scores.data(), pos + 1);
-          for (int64_t p = 0; p <= pos; ++p)
-            kernels::axpy(scores[p], cache_entry(cache, step, layer, p), o_lat.data(), kvl);
-          kernels::matvec_rows(w.kv_b, hd * head_rows + nope, vd, o_lat.data(),
-                               out.data() + (t * heads + hd) * vd);
-        }
-      }
+      for (int64_t i = 0; i < count; ++i) absorbed_tokens.push_back(first_token + i);
     } else if (w.kv_b.type == kernels::WeightType::kF32) {
       expanded_attention<float>(c, w.kv_b, cache, step, layer, q + first_token * heads * qk,
                                 out.data() + first_token * heads * vd);
@@ -370,6 +373,42 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
     }
     first_token += count;
   }
+  if (absorbed_tokens.empty()) return;
+  const auto na = static_cast<int64_t>(absorbed_tokens.size());
+  q_abs_buf.resize(na * heads * entry);
+  o_lat_buf.resize(na * heads * kvl);
+  float* q_abs = q_abs_buf.data();
+  float* o_lat = o_lat_buf.data();
+  const int64_t* at = absorbed_tokens.data();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t i = 0; i < na; ++i)
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const float* qh = q + (at[i] * heads + hd) * qk;
+      float* dst = q_abs + (i * heads + hd) * entry;
+      kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, dst);
+      std::copy_n(qh + nope, rd, dst + kvl);
+    }
+  int64_t row = 0;
+  first_token = 0;
+  for (const auto& step : batch) {
+    const int64_t count = static_cast<int64_t>(step.tokens.size());
+    if (count <= kAbsorbedMaxTokens) {
+      const int64_t context = step.start + count;
+      auto& table = pages.emplace_back((context + bs - 1) / bs);
+      for (size_t b = 0; b < table.size(); ++b) table[b] = cache.block_layer(step.blocks[b], layer);
+      absorbed.push_back(
+          {q_abs + row * heads * entry, count, context, table.data(), o_lat + row * heads * kvl});
+      row += count;
+    }
+    first_token += count;
+  }
+  const kernels::MlaShape shape{heads, kvl, rd, bs, scale, cache.shape().type};
+  kernels::mla_decode(shape, absorbed, kernels::MlaOptions{mla_rescale_});
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t i = 0; i < na; ++i)
+    for (int64_t hd = 0; hd < heads; ++hd)
+      kernels::matvec_rows(w.kv_b, hd * head_rows + nope, vd, o_lat + (i * heads + hd) * kvl,
+                           out.data() + (at[i] * heads + hd) * vd);
 }
 
 void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,

@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "kernels/cpu/mla_attention.h"
 #include "model/config.h"
 #include "model/latent_cache.h"
 #include "model/rope.h"
@@ -44,8 +46,11 @@ class DeepSeekModel {
 
   const ModelConfig& config() const { return config_; }
   const Weights& weights() const { return weights_; }
-  // Layers of the cache: the main layers, then one per MTP module.
-  LatentCacheShape cache_shape(int64_t block_size) const;
+  // Layers of the cache: the main layers, then one per MTP module. Values are of `type`, by
+  // default default_cache_type().
+  LatentCacheShape cache_shape(int64_t block_size, std::optional<LatentType> type = {}) const;
+  // float32 for float32 checkpoints, BF16 for the others (BF16, INT8, FP8).
+  LatentType default_cache_type() const;
 
   // `after_layer(n)`, when given, runs once layers [0, n) of every step are in the cache.
   StepOutput forward(std::span<const SequenceStep> batch, LatentCache& cache,
@@ -62,6 +67,8 @@ class DeepSeekModel {
 
   // Short steps (decode, drafts) use the absorbed attention form; longer ones expand K/V.
   static constexpr int64_t kAbsorbedMaxTokens = 4;
+  // How the absorbed-form kernel rescales its running sums (kernels/cpu/mla_attention.h).
+  void set_mla_rescale(kernels::MlaRescale r) { mla_rescale_ = r; }
 
  private:
   struct TokenInfo {
@@ -85,6 +92,7 @@ class DeepSeekModel {
   Weights weights_;
   Rope rope_;
   mutable std::vector<std::vector<uint64_t>> expert_counts_;
+  kernels::MlaRescale mla_rescale_ = kernels::MlaRescale::kMultiply;
 };
 
 }  // namespace tandem::model

@@ -11,7 +11,8 @@ namespace {
 int64_t blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
   if (o.block_size < 1) throw Error("block size must be at least 1");
   if (o.num_blocks > 0) return o.num_blocks;
-  const double block_bytes = m.cache_shape(o.block_size).block_floats() * sizeof(float);
+  const auto block_bytes =
+      static_cast<double>(m.cache_shape(o.block_size, o.kv_cache_type).block_bytes());
   const auto n = static_cast<int64_t>(o.kv_cache_bytes / block_bytes);
   if (n < 1)
     throw Error("the KV cache budget of " + std::to_string(o.kv_cache_bytes) +
@@ -25,7 +26,8 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
                          const text::Tokenizer& tokenizer, std::string model_name,
                          const CpuExecutorOptions& options)
     : model_(std::move(model)),
-      cache_(model_->cache_shape(options.block_size), blocks_for(*model_, options)) {
+      cache_(model_->cache_shape(options.block_size, options.kv_cache_type),
+             blocks_for(*model_, options)) {
   const auto& c = model_->config();
   info_.model_name = std::move(model_name);
   info_.vocab_size = c.vocab_size;
@@ -38,21 +40,21 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
       "deepseek(" + c.architecture + ", layers " + std::to_string(c.num_hidden_layers) +
           ", hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
           ", latent " + std::to_string(shape.latent_dim) + "+" + std::to_string(shape.rope_dim) +
-          " float32)",
-      c.num_hidden_layers, options.block_size, shape.entry() * int64_t(sizeof(float))};
+          " " + model::latent_type_name(shape.type) + ")",
+      c.num_hidden_layers, options.block_size, shape.entry_bytes()};
   for (int64_t id = 0; id < c.vocab_size; ++id)
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text_.push_back(static_cast<int32_t>(id));
 }
 
 const std::byte* CpuExecutor::kv_bytes(int32_t block, int64_t layer) const {
-  return reinterpret_cast<const std::byte*>(cache_.block_layer(block, layer));
+  return cache_.block_layer(block, layer);
 }
 
 std::byte* CpuExecutor::kv_bytes_mutable(int32_t block, int64_t layer) {
   if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers)
     return nullptr;
-  return reinterpret_cast<std::byte*>(cache_.block_layer(block, layer));
+  return cache_.block_layer(block, layer);
 }
 
 void CpuExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {

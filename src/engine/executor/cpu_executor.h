@@ -2,6 +2,7 @@
 // The executor that runs the real model on the CPU (model/deepseek.h) over a paged latent cache
 // sized from a memory budget.
 #include <memory>
+#include <optional>
 
 #include "engine/executor/executor.h"
 #include "model/deepseek.h"
@@ -13,6 +14,8 @@ struct CpuExecutorOptions {
   int64_t block_size = 16;
   double kv_cache_bytes = 1ull << 30;  // budget for the latent cache
   int64_t num_blocks = 0;              // overrides the budget when > 0
+  // Element type of the latent cache; unset: the model's default (BF16 unless float32 weights).
+  std::optional<model::LatentType> kv_cache_type;
 };
 
 class CpuExecutor : public Executor {

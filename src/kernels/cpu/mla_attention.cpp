@@ -1,0 +1,370 @@
+#include "kernels/cpu/mla_attention.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/bf16.h"
+#include "kernels/cpu/matvec_avx2.h"
+
+namespace tandem::kernels {
+namespace {
+
+// Positions per tile: the scores of a tile (rows x kTile floats) and the rows' pointers stay in
+// L1/L2 while its keys are read once for the scores and once more for the weighted sum.
+constexpr int64_t kTile = 64;
+// Contexts are split across threads in chunks of at least this many positions: below it, the
+// merge and the extra partial sums cost more than the parallelism gives.
+constexpr int64_t kMinChunk = 512;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float widen(float x) {
+  return x;
+}
+inline float widen(uint16_t x) {
+  return bf16_to_f32(x);
+}
+
+// The three tile operations, in a portable and an AVX2 version (one table per element type).
+template <typename T>
+struct TileKernels {
+  // s[r, j] = dot(q[r, :d], keys[j][:d]) for r < rows, j < count; s has row stride lds.
+  void (*scores)(const float* q, int64_t rows, int64_t d, const T* const* keys, int64_t count,
+                 float* s, int64_t lds);
+  // acc[r, :width] += sum_j p[r, j] vals[j][:width].
+  void (*accumulate)(const float* p, int64_t rows, int64_t ldp, const T* const* vals, int64_t count,
+                     int64_t width, float* acc);
+  // x[i] = 2^x[i] (0 for -inf) for i < n.
+  void (*exp2)(float* x, int64_t n);
+};
+
+// ---- Portable loops -----------------------------------------------------------------------
+
+template <typename T>
+void scores_portable(const float* q, int64_t rows, int64_t d, const T* const* keys, int64_t count,
+                     float* s, int64_t lds) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < count; ++j) {
+      float sum = 0;
+      for (int64_t c = 0; c < d; ++c) sum += q[r * d + c] * widen(keys[j][c]);
+      s[r * lds + j] = sum;
+    }
+}
+
+template <typename T>
+void accumulate_portable(const float* p, int64_t rows, int64_t ldp, const T* const* vals,
+                         int64_t count, int64_t width, float* acc) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < count; ++j) {
+      const float w = p[r * ldp + j];
+      if (w == 0.0f) continue;
+      for (int64_t c = 0; c < width; ++c) acc[r * width + c] += w * widen(vals[j][c]);
+    }
+}
+
+void exp2_portable(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp2(x[i]);
+}
+
+// ---- AVX2 + FMA microkernels --------------------------------------------------------------
+
+#define TANDEM_AVX2 __attribute__((target("avx2,fma")))
+
+TANDEM_AVX2 inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+TANDEM_AVX2 inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+TANDEM_AVX2 inline float sum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// H query rows x J keys of scores: every key vector loaded once feeds H products, every query
+// vector J; H * J accumulators plus J keys and one query fill the 16 registers at 4 x 3.
+template <int H, int J, typename T>
+TANDEM_AVX2 void score_block(const float* q, int64_t d, const T* const* keys, float* s,
+                             int64_t lds) {
+  __m256 acc[H][J];
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < J; ++j) acc[h][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 k[J];
+    for (int j = 0; j < J; ++j) k[j] = load8(keys[j] + c);
+    for (int h = 0; h < H; ++h) {
+      const __m256 qv = _mm256_loadu_ps(q + h * d + c);
+      for (int j = 0; j < J; ++j) acc[h][j] = _mm256_fmadd_ps(qv, k[j], acc[h][j]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int j = 0; j < J; ++j) s[h * lds + j] = sum8(acc[h][j]);
+}
+
+template <typename T>
+using ScoreBlock = void (*)(const float*, int64_t, const T* const*, float*, int64_t);
+
+template <typename T>
+TANDEM_AVX2 void scores_avx2(const float* q, int64_t rows, int64_t d, const T* const* keys,
+                             int64_t count, float* s, int64_t lds) {
+  static constexpr ScoreBlock<T> kBlocks[4][3] = {
+      {score_block<1, 1, T>, score_block<1, 2, T>, score_block<1, 3, T>},
+      {score_block<2, 1, T>, score_block<2, 2, T>, score_block<2, 3, T>},
+      {score_block<3, 1, T>, score_block<3, 2, T>, score_block<3, 3, T>},
+      {score_block<4, 1, T>, score_block<4, 2, T>, score_block<4, 3, T>}};
+  for (int64_t r = 0; r < rows; r += 4) {
+    const int64_t h = std::min<int64_t>(4, rows - r);
+    for (int64_t j = 0; j < count; j += 3) {
+      const int64_t n = std::min<int64_t>(3, count - j);
+      kBlocks[h - 1][n - 1](q + r * d, d, keys + j, s + r * lds + j, lds);
+    }
+  }
+}
+
+// H rows x 16 columns of the weighted sum, held in registers over the tile's positions: each
+// value vector loaded once feeds H rows (8 accumulators at H = 4, two values, one broadcast:
+// at H = 6 GCC spills the accumulators).
+template <int H, int V, typename T>
+TANDEM_AVX2 void accumulate_block(const float* p, int64_t ldp, const T* const* vals, int64_t count,
+                                  int64_t c0, float* acc, int64_t lda) {
+  __m256 a[H][V];
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) a[h][v] = _mm256_loadu_ps(acc + h * lda + c0 + 8 * v);
+  for (int64_t j = 0; j < count; ++j) {
+    __m256 x[V];
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) x[v] = load8(vals[j] + c0 + 8 * v);
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) {
+      const __m256 w = _mm256_broadcast_ss(p + h * ldp + j);
+#pragma GCC unroll 2
+      for (int v = 0; v < V; ++v) a[h][v] = _mm256_fmadd_ps(w, x[v], a[h][v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 2
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + h * lda + c0 + 8 * v, a[h][v]);
+}
+
+template <typename T>
+using AccumulateBlock = void (*)(const float*, int64_t, const T* const*, int64_t, int64_t, float*,
+                                 int64_t);
+
+template <typename T>
+TANDEM_AVX2 void accumulate_avx2(const float* p, int64_t rows, int64_t ldp, const T* const* vals,
+                                 int64_t count, int64_t width, float* acc) {
+  static constexpr AccumulateBlock<T> kBlocks[4][2] = {
+      {accumulate_block<1, 1, T>, accumulate_block<1, 2, T>},
+      {accumulate_block<2, 1, T>, accumulate_block<2, 2, T>},
+      {accumulate_block<3, 1, T>, accumulate_block<3, 2, T>},
+      {accumulate_block<4, 1, T>, accumulate_block<4, 2, T>}};
+  // Columns outside, rows inside: the tile's 16 value columns stay in L1 for every row.
+  for (int64_t c = 0; c < width; c += 16) {
+    const int64_t v = std::min<int64_t>(16, width - c) / 8;
+    for (int64_t r = 0; r < rows; r += 4) {
+      const int64_t h = std::min<int64_t>(4, rows - r);
+      kBlocks[h - 1][v - 1](p + r * ldp, ldp, vals, count, c, acc + r * width, width);
+    }
+  }
+}
+
+// 2^x: x = i + f with i an integer and |f| <= 1/2; 2^f from its Taylor series to degree 6
+// (relative error below 1.3e-7, under one float32 ulp), 2^i added to the exponent bits.
+// x < -126 (and -inf) gives 0, where float32 would leave the normal range.
+TANDEM_AVX2 inline __m256 exp2_8(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(127.0f));
+  const __m256 i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, i);
+  __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
+  const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+  return _mm256_andnot_ps(tiny, r);
+}
+
+TANDEM_AVX2 void exp2_avx2(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp2_8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) x[i] = x[i] < -126.0f ? 0.0f : std::exp2(x[i]);
+}
+
+template <typename T>
+TileKernels<T> tile_kernels(const MlaShape& shape, bool simd) {
+  if (simd && avx2::available() && shape.latent % 8 == 0 && shape.rope % 8 == 0)
+    return {scores_avx2<T>, accumulate_avx2<T>, exp2_avx2};
+  return {scores_portable<T>, accumulate_portable<T>, exp2_portable};
+}
+
+// ---- Rescaling the running sums -----------------------------------------------------------
+
+void multiply(float* acc, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) acc[i] *= factor;
+}
+
+// acc[i] *= 2^-shift (shift > 0) by subtracting shift from the exponent field. Values that would
+// leave the normal range become (signed) zero; infinities and NaNs stay as they are.
+void shift_exponent(float* acc, int64_t n, int32_t shift) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, acc + i, 4);
+    const int32_t exponent = static_cast<int32_t>((bits >> 23) & 0xFF);
+    if (exponent == 0xFF) continue;
+    bits = exponent > shift ? bits - (static_cast<uint32_t>(shift) << 23) : bits & 0x80000000u;
+    std::memcpy(acc + i, &bits, 4);
+  }
+}
+
+// ---- One chunk of one sequence ------------------------------------------------------------
+
+// The unnormalised partial result of positions [begin, end) of a sequence: per row (query token
+// x head) its running maximum m (exp2 domain), the sum l of its probabilities and acc = sum p v.
+template <typename T>
+void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, int64_t end,
+                  const TileKernels<T>& k, MlaRescale rescale, float* m, float* l, float* acc) {
+  const int64_t rows = seq.s_q * shape.heads, d = shape.entry(), width = shape.latent;
+  // Queries scaled once so that scores come out in the exp2 domain.
+  thread_local std::vector<float> q, s;
+  thread_local std::vector<const T*> pos;
+  q.resize(rows * d);
+  s.resize(rows * kTile);
+  pos.resize(kTile);
+  const float qscale = shape.scale * kLog2e;
+  for (int64_t i = 0; i < rows * d; ++i) q[i] = seq.q[i] * qscale;
+  std::fill_n(m, rows, kNegInf);
+  std::fill_n(l, rows, 0.0f);
+  std::fill_n(acc, rows * width, 0.0f);
+  const auto* pages = reinterpret_cast<const T* const*>(seq.pages);
+
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t n = std::min(kTile, end - t0);
+    for (int64_t j = 0; j < n; ++j)
+      pos[j] = pages[(t0 + j) / shape.block_size] + ((t0 + j) % shape.block_size) * d;
+    k.scores(q.data(), rows, d, pos.data(), n, s.data(), kTile);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s.data() + r * kTile;
+      // Causal: query i sees positions < context - s_q + i + 1.
+      const int64_t limit = seq.context - seq.s_q + r / shape.heads + 1;
+      const int64_t visible = std::clamp<int64_t>(limit - t0, 0, n);
+      std::fill(row + visible, row + n, kNegInf);
+      const float top = visible > 0 ? *std::max_element(row, row + visible) : kNegInf;
+      if (top > m[r]) {
+        if (rescale == MlaRescale::kMultiply) {
+          if (m[r] != kNegInf) {
+            const float factor = std::exp2(m[r] - top);
+            multiply(acc + r * width, width, factor);
+            l[r] *= factor;
+          }
+          m[r] = top;
+        } else if (m[r] == kNegInf) {
+          m[r] = std::ceil(top);  // AMLA keeps the maximum an integer
+        } else {
+          const auto shift = static_cast<int32_t>(std::ceil(top - m[r]));
+          shift_exponent(acc + r * width, width, shift);
+          l[r] = std::ldexp(l[r], -shift);
+          m[r] += static_cast<float>(shift);
+        }
+      }
+      if (m[r] == kNegInf) continue;  // nothing visible yet: the row stays -inf, p = 0
+      for (int64_t j = 0; j < visible; ++j) row[j] -= m[r];
+    }
+    for (int64_t r = 0; r < rows; ++r) k.exp2(s.data() + r * kTile, n);
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = 0;
+      for (int64_t j = 0; j < n; ++j) sum += s[r * kTile + j];
+      l[r] += sum;
+    }
+    k.accumulate(s.data(), rows, kTile, pos.data(), n, width, acc);
+  }
+}
+
+template <typename T>
+void decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
+            const MlaOptions& options) {
+  const TileKernels<T> k = tile_kernels<T>(shape, options.simd);
+  const int64_t width = shape.latent, threads = omp_get_max_threads();
+  struct Chunk {
+    size_t sequence;
+    int64_t begin, end, offset;  // offset: first row of the chunk's partial sums
+  };
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_chunk;
+  int64_t total_rows = 0;
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const auto& seq = sequences[i];
+    first_chunk.push_back(static_cast<int64_t>(chunks.size()));
+    const int64_t pieces =
+        std::clamp<int64_t>((seq.context + kMinChunk - 1) / kMinChunk, 1, threads);
+    // Chunk boundaries on tile boundaries, so every chunk but the last has whole tiles.
+    const int64_t tiles = (seq.context + kTile - 1) / kTile;
+    const int64_t per = (tiles + pieces - 1) / pieces * kTile;
+    for (int64_t b = 0; b < seq.context; b += per) {
+      chunks.push_back({i, b, std::min(b + per, seq.context), total_rows});
+      total_rows += seq.s_q * shape.heads;
+    }
+  }
+  first_chunk.push_back(static_cast<int64_t>(chunks.size()));
+  std::vector<float> m(total_rows), l(total_rows), acc(total_rows * width);
+#pragma omp parallel for schedule(dynamic, 1) if (chunks.size() > 1)
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const Chunk& ch = chunks[c];
+    attend_chunk<T>(shape, sequences[ch.sequence], ch.begin, ch.end, k, options.rescale,
+                    m.data() + ch.offset, l.data() + ch.offset, acc.data() + ch.offset * width);
+  }
+  // Merge: every chunk's sums rescaled to the row's overall maximum, then normalised.
+  for (size_t i = 0; i < sequences.size(); ++i) {
+    const auto& seq = sequences[i];
+    const int64_t rows = seq.s_q * shape.heads;
+    for (int64_t r = 0; r < rows; ++r) {
+      float top = kNegInf;
+      for (int64_t c = first_chunk[i]; c < first_chunk[i + 1]; ++c)
+        top = std::max(top, m[chunks[c].offset + r]);
+      float* out = seq.out + r * width;
+      std::fill_n(out, width, 0.0f);
+      double total = 0;
+      for (int64_t c = first_chunk[i]; c < first_chunk[i + 1]; ++c) {
+        const int64_t row = chunks[c].offset + r;
+        if (m[row] == kNegInf) continue;
+        const float factor = std::exp2(m[row] - top);
+        total += static_cast<double>(l[row]) * factor;
+        const float* part = acc.data() + row * width;
+        for (int64_t x = 0; x < width; ++x) out[x] += factor * part[x];
+      }
+      const auto inv = static_cast<float>(1.0 / total);
+      for (int64_t x = 0; x < width; ++x) out[x] *= inv;
+    }
+  }
+}
+
+}  // namespace
+
+void mla_decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
+                const MlaOptions& options) {
+  if (shape.type == LatentType::kBF16)
+    decode<uint16_t>(shape, sequences, options);
+  else
+    decode<float>(shape, sequences, options);
+}
+
+double mla_decode_flops(const MlaShape& shape, int64_t s_q, int64_t context) {
+  return 2.0 * s_q * shape.heads * static_cast<double>(context) * (shape.entry() + shape.latent);
+}
+
+}  // namespace tandem::kernels
