@@ -2,8 +2,10 @@
 // prefill of a 512-token prompt, and decode at batch 1 and batch 16, each reported as tokens/s,
 // as achieved GFLOP/s or GB/s, and as a percentage of this machine's peaks measured in the same
 // run (BF16 FMA throughput for prefill, DRAM read bandwidth for decode).
+// Also: resident memory after load against the checkpoint's bytes, and with --contexts, decode
+// at batch 1 after long contexts against the ideal time.
 // Usage: tandem-bench-engine --model DIR [--model DIR ...] [--prompt 512] [--decode 32]
-//        [--prefill-runs 3] [--prefill-only]
+//        [--prefill-runs 3] [--prefill-only] [--contexts 4096,16384,32768]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +14,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "kernels/cpu/mla_attention.h"
 #include "machine_peaks.h"
 #include "model/deepseek.h"
 #include "util/error.h"
@@ -92,9 +95,73 @@ int32_t argmax(const float* l, int64_t n) {
   return static_cast<int32_t>(std::max_element(l, l + n) - l);
 }
 
+// Resident memory of this process now (VmRSS), bytes.
+double resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// Decode at batch 1 after `context` cached positions. The cache is filled with random latents
+// (normal, like the normalised latents a prefill writes) instead of a prefill: a decode step's
+// time depends on how many positions it attends to, not on their values, and a 32K prefill
+// would take minutes. Reports tokens/s and the share of the ideal: weight and cache bytes at the
+// measured read bandwidth plus the attention FLOPs at the measured peak.
+void long_context_decode(const DeepSeekModel& model, const tandem::bench::MachinePeaks& peaks,
+                         int64_t context, int64_t steps, double weight_bytes) {
+  const auto& c = model.config();
+  const int64_t block = 16, blocks = (context + steps + block - 1) / block + 1;
+  const auto shape = model.cache_shape(block);
+  LatentCache cache(shape, blocks);
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> entry(shape.entry());
+    for (int64_t p = 0; p < context; ++p)
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+        for (auto& x : entry) x = normal(rng);
+        cache.store(p / block, l, p % block, entry.data());
+      }
+  }
+  double dram = tandem::bench::measure_dram_gbs();
+  int32_t tok = 1000;
+  const double t0 = now();
+  for (int64_t i = 0; i < steps; ++i) {
+    SequenceStep d{std::span(&tok, 1), context + i, table, false};
+    auto out = model.forward(std::span(&d, 1), cache);
+    tok = argmax(out.logits.data(), c.vocab_size);
+  }
+  const double secs = now() - t0;
+  dram = std::max(dram, tandem::bench::measure_dram_gbs());
+  const tandem::kernels::MlaShape mla{
+      c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, block, 1.0f, shape.type};
+  double kv_bytes = 0, flops = 0;
+  for (int64_t i = 0; i < steps; ++i) {
+    kv_bytes += static_cast<double>(context + i + 1) * shape.entry_bytes() * c.num_hidden_layers;
+    flops += tandem::kernels::mla_decode_flops(mla, 1, context + i + 1) * c.num_hidden_layers;
+  }
+  const double ideal =
+      (weight_bytes * steps + kv_bytes) / (dram * 1e9) + flops / (peaks.bf16_reference() * 1e9);
+  std::printf(
+      "decode at %6ld:      %8.2f tokens/s  %5.1f%% of ideal (%.1f GB/s, %.0f GFLOP/s; %s "
+      "cache)\n",
+      static_cast<long>(context), steps / secs, 100 * ideal / secs, dram, peaks.bf16_reference(),
+      tandem::model::latent_type_name(shape.type));
+}
+
 void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64_t prompt_len,
-         int64_t decode_steps, int prefill_runs, bool prefill_only) {
+         int64_t decode_steps, int prefill_runs, bool prefill_only,
+         const std::vector<int64_t>& contexts) {
+  const double rss_before = resident_bytes();
   const auto model = DeepSeekModel::load(dir);
+  const double rss_growth = resident_bytes() - rss_before;
   const auto& c = model.config();
   const int64_t block = 16, entry_bytes = model.cache_shape(block).entry_bytes();
   const int64_t layers = c.num_hidden_layers;
@@ -107,6 +174,8 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
               dir.c_str(), dtype.c_str(), model.weights().checkpoint.total_bytes() / 1e9,
               static_cast<long>(layers), static_cast<long>(c.hidden_size),
               static_cast<long>(c.n_routed_experts), static_cast<long>(c.num_experts_per_tok));
+  std::printf("resident after load:  %.2f GB = %.3fx the checkpoint's tensor bytes\n",
+              rss_growth / 1e9, rss_growth / model.weights().checkpoint.total_bytes());
 
   // Prefill: one 512-token prompt, best of `prefill_runs` (the median too when there are more
   // than three: this VM's neighbours make single runs noisy).
@@ -138,6 +207,13 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
                 peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA");
   }
   if (prefill_only) return;
+  int64_t moe_layers = 0;
+  for (const auto& l : model.weights().layers) moe_layers += l.is_moe;
+  const double token_weight_bytes =
+      fixed_bytes(model) +
+      static_cast<double>(moe_layers * c.num_experts_per_tok) * expert_bytes(model);
+  for (int64_t context : contexts)
+    long_context_decode(model, peaks, context, decode_steps, token_weight_bytes);
 
   // Decode, batch 1, after the prompt.
   {
@@ -158,12 +234,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     // This VM's bandwidth drifts with its neighbours: compare with the better of the
     // measurements just before and just after.
     dram = std::max(dram, tandem::bench::measure_dram_gbs());
-    int64_t moe_layers = 0;
-    for (const auto& l : model.weights().layers) moe_layers += l.is_moe;
-    const double weight_bytes =
-        fixed_bytes(model) +
-        static_cast<double>(moe_layers * c.num_experts_per_tok) * expert_bytes(model);
-    const double gbs = (weight_bytes * decode_steps + kv_bytes) / secs / 1e9;
+    const double gbs = (token_weight_bytes * decode_steps + kv_bytes) / secs / 1e9;
     std::printf(
         "decode batch 1:       %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f "
         "GB/s, best of just before and just after)\n",
@@ -225,7 +296,11 @@ int main(int argc, char** argv) {
   int64_t prompt = 512, decode = 32;
   int prefill_runs = 3;
   bool prefill_only = false;
+  std::vector<int64_t> contexts;
   app.add_option("--model", models, "model folder (repeatable)")->required();
+  app.add_option("--contexts", contexts,
+                 "also decode at batch 1 after these many cached positions (e.g. 4096,16384)")
+      ->delimiter(',');
   app.add_option("--prefill-runs", prefill_runs, "prefill measurements (best and median)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -240,7 +315,8 @@ int main(int argc, char** argv) {
         "thread), %.1f GB/s (%d threads)\n",
         peaks.threads, peaks.fp32_gflops, peaks.bf16_gflops, peaks.dram_gbs_1, peaks.dram_gbs_all,
         peaks.threads);
-    for (const auto& m : models) run(m, peaks, prompt, decode, prefill_runs, prefill_only);
+    for (const auto& m : models)
+      run(m, peaks, prompt, decode, prefill_runs, prefill_only, contexts);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

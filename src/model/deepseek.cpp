@@ -87,7 +87,8 @@ void load_entry(const LatentCache& cache, const SequenceStep& step, int64_t laye
 // latents of the whole context, then per head two matrix products per block of queries (scores
 // S = Q K^T, outputs O = P V). T is the products' element type: BF16 (uint16_t) for BF16 and
 // INT8 checkpoints (keys, values, queries and probabilities rounded to BF16, float32 sums), float
-// for float32 ones. q is [count, heads, qk] after RoPE, out [count, heads, v_head_dim].
+// for float32 ones and on CPUs without BF16 GEMMs (where BF16 operands would only be widened). q is
+// [count, heads, qk] after RoPE, out [count, heads, v_head_dim].
 template <typename T>
 void expanded_attention(const ModelConfig& c, const Matrix& kv_b, LatentCache& cache,
                         const SequenceStep& step, int64_t layer, const float* q, float* out) {
@@ -364,7 +365,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
     const int64_t count = static_cast<int64_t>(step.tokens.size());
     if (count <= kAbsorbedMaxTokens) {
       for (int64_t i = 0; i < count; ++i) absorbed_tokens.push_back(first_token + i);
-    } else if (w.kv_b.type == kernels::WeightType::kF32) {
+    } else if (w.kv_b.type == kernels::WeightType::kF32 || !kernels::bf16_gemm_available()) {
       expanded_attention<float>(c, w.kv_b, cache, step, layer, q + first_token * heads * qk,
                                 out.data() + first_token * heads * vd);
     } else {

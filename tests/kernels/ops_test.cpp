@@ -1,6 +1,7 @@
 // The CPU matrix products against a double-precision reference, for every weight type and the
 // token counts that select different kernels (row dots for 1-4 tokens, chunks of four, oneDNN
-// GEMMs from 4 or 16 tokens), with odd widths that exercise the masked tails. Each kernel's
+// GEMMs from 4 or 16 tokens, float32 GEMMs over widened panels where the CPU has no BF16 or INT8
+// GEMM), with odd widths that exercise the masked tails. Each kernel's
 // documented rounding is part of the reference: BF16 products round activations to BF16, INT8
 // products (with VNNI) quantise activations per token to int8.
 #include "kernels/cpu/ops.h"
@@ -130,6 +131,9 @@ std::vector<Case> cases() {
     for (int64_t n : {16, 48, 64, 100, 150, 364, 721}) out.push_back({type, 96, 320, n, true});
   // Packed matrices of realistic size (4 MiB).
   out.push_back({WeightType::kBF16, 1024, 2048, 70, true});
+  // Without native BF16/INT8 GEMMs, matrices are widened in panels of 4 MB (512 rows of 2048):
+  // three panels, the last one partial.
+  for (auto type : {WeightType::kBF16, WeightType::kI8}) out.push_back({type, 1100, 2048, 24});
   out.push_back({WeightType::kI8, 1024, 4096, 20, true});
   return out;
 }

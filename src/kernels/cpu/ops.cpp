@@ -14,8 +14,10 @@ namespace {
 
 // From this many tokens on, a product is compute-bound and goes to oneDNN.
 constexpr int64_t kGemmMinTokens = 4;
-// INT8 matrices are widened to BF16 for the GEMM only when enough tokens share the cost.
+// INT8 products go to oneDNN's integer GEMM, and BF16/INT8 products without a native GEMM are
+// widened to float32 panels, only when enough tokens share the cost.
 constexpr int64_t kInt8GemmMinTokens = 16;
+constexpr int64_t kWidenMinTokens = 16;
 
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define TANDEM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -217,6 +219,27 @@ void gemm_loops(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const 
     }
 }
 
+// BF16 or INT8 weights where oneDNN has no GEMM for them (CPUs without AVX-512 BF16 or VNNI):
+// panels of rows widened to float32 (exactly; INT8 rows scaled) and multiplied by oneDNN's
+// float32 GEMM, which runs near the FMA peak where the row kernels reach about a fifth of it.
+// Activations stay float32, as on the row kernels. A panel (about 4 MB) stays in L2/L3 while the
+// GEMM reads it; widening costs about 1/n of the product's work.
+bool matmul_widened(const Matrix& w, const float* x, int64_t n, float* y) {
+  const int64_t panel_rows = std::clamp<int64_t>((4 << 20) / (w.cols * 4), 16, w.rows);
+  thread_local std::vector<float> panel;
+  panel.resize(static_cast<size_t>(panel_rows * w.cols));
+  float* pp = panel.data();
+  for (int64_t r0 = 0; r0 < w.rows; r0 += panel_rows) {
+    const int64_t rows = std::min(panel_rows, w.rows - r0);
+#pragma omp parallel for schedule(static) if (rows * w.cols > (1 << 16))
+    for (int64_t r = 0; r < rows; ++r) matrix_row(w, r0 + r, pp + r * w.cols);
+    if (!onednn_gemm(false, n, rows, w.cols, x, w.cols, pp, w.cols, /*b_transposed=*/true, y + r0,
+                     w.rows))
+      return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void set_int8_row_sums(Matrix& w) {
@@ -261,25 +284,16 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
     matmul_int8_vnni(w, x, n, y);
     return;
   }
-  if (n >= kInt8GemmMinTokens && w.type == WeightType::kI8) {
-    // No VNNI: widen the matrix to scaled BF16 once (memory-bound, about 1/n of the product's
-    // work) and use the BF16 GEMM.
-    thread_local std::vector<uint8_t> widened;
-    widened.resize(static_cast<size_t>(w.rows * w.cols) * 2);
-    auto* out = reinterpret_cast<uint16_t*>(widened.data());
-    const auto* in = static_cast<const int8_t*>(w.data);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < w.rows; ++r)
-      for (int64_t c = 0; c < w.cols; ++c)
-        out[r * w.cols + c] = f32_to_bf16(in[r * w.cols + c] * w.row_scales[r]);
-    const Matrix bf16 = matrix_view(w.rows, w.cols, WeightType::kBF16, widened.data());
-    if (onednn_matmul(bf16, x, n, y)) return;
-  }
+  if (n >= kWidenMinTokens && w.type != WeightType::kF32 && matmul_widened(w, x, n, y)) return;
   matmul_f32_activations(w, x, n, y);
 }
 
 bool gemm_takes_bf16(const Matrix& w, int64_t n) {
-  return n >= kGemmMinTokens && w.type == WeightType::kBF16;
+  return n >= kGemmMinTokens && w.type == WeightType::kBF16 && onednn_has_bf16_matmul();
+}
+
+bool bf16_gemm_available() {
+  return onednn_has_bf16_matmul();
 }
 
 void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y) {

@@ -52,13 +52,18 @@ void set_int8_row_sums(Matrix& w);
 bool pack_for_gemm(Matrix& w);
 
 // y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows]. With many tokens
-// and BF16 weights, activations are rounded to BF16 for the GEMM. With INT8 weights (and a CPU
-// with AVX-512 VNNI) activations are quantised per token to int8 (symmetric, scale max|x|/127),
-// as W8A8 checkpoints are meant to run, and the products are exact integer dot products.
+// and BF16 weights, activations are rounded to BF16 for the GEMM (where the CPU has BF16 GEMMs;
+// elsewhere the weights are widened to float32 in panels and activations stay float32). With INT8
+// weights (and a CPU with AVX-512 VNNI) activations are quantised per token to int8 (symmetric,
+// scale max|x|/127), as W8A8 checkpoints are meant to run, and the products are exact integer dot
+// products.
 void matmul(const Matrix& w, const float* x, int64_t n, float* y);
 // Whether matmul(w, x, n) rounds the activations to BF16 for a GEMM: then a caller with several
 // products of the same activations can round them once (to_bf16) and call matmul_bf16.
 bool gemm_takes_bf16(const Matrix& w, int64_t n);
+// Whether this CPU has BF16 GEMM kernels (AVX-512 BF16); without them BF16 products widen to
+// float32, and callers that choose an element type for their own products should pick float32.
+bool bf16_gemm_available();
 // matmul for activations already rounded to BF16 (x [n, cols]), with the same result. Weights
 // other than BF16, or products oneDNN has no kernel for, widen x back to float32 first.
 void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y);
