@@ -7,6 +7,7 @@
 // Usage: tandem-bench-engine --model DIR [--model DIR ...] [--prompt 512] [--decode 32]
 //        [--prefill-runs 3] [--prefill-only] [--contexts 4096,16384,32768]
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <numeric>
@@ -26,6 +27,8 @@ using tandem::model::LatentCache;
 using tandem::model::LayerWeights;
 using tandem::model::ModelConfig;
 using tandem::model::SequenceStep;
+using tandem::model::StepPart;
+using tandem::model::StepProfile;
 
 double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -95,6 +98,47 @@ int32_t argmax(const float* l, int64_t n) {
   return static_cast<int32_t>(std::max_element(l, l + n) - l);
 }
 
+// Weight (and cache) bytes one decode token reads in each part of the model.
+std::array<double, static_cast<size_t>(StepPart::kCount)> part_bytes(const DeepSeekModel& m,
+                                                                     double kv_bytes) {
+  std::array<double, static_cast<size_t>(StepPart::kCount)> b{};
+  auto at = [&](StepPart p) -> double& { return b[static_cast<size_t>(p)]; };
+  const auto& c = m.config();
+  for (const auto& l : m.weights().layers) {
+    const auto& a = l.attn;
+    at(StepPart::kAttentionProjections) += static_cast<double>(
+        a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes());
+    at(StepPart::kAttentionCore) += static_cast<double>(a.kv_b.bytes());
+    if (l.is_moe) {
+      at(StepPart::kRouting) += static_cast<double>(l.moe.router.bytes());
+      at(StepPart::kRoutedExperts) +=
+          static_cast<double>(c.num_experts_per_tok) * mlp_bytes(l.moe.experts[0]);
+      if (l.moe.has_shared) at(StepPart::kSharedExperts) += mlp_bytes(l.moe.shared);
+    } else {
+      at(StepPart::kDenseMlp) += static_cast<double>(mlp_bytes(l.dense));
+    }
+  }
+  at(StepPart::kAttentionCore) += kv_bytes;
+  at(StepPart::kLmHead) = static_cast<double>(m.weights().lm_head.bytes());
+  return b;
+}
+
+void print_breakdown(StepProfile& profile, int64_t steps,
+                     const std::array<double, static_cast<size_t>(StepPart::kCount)>& bytes,
+                     double dram) {
+  const double total = profile.total();
+  std::printf("  per token, by part (model timers; %.1f ms/token in timed parts):\n",
+              1e3 * total / steps);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const auto part = static_cast<StepPart>(i);
+    const double secs = profile[part] / steps;
+    std::printf("    %-22s %7.2f ms %5.1f%%  %7.1f MB  %5.1f GB/s (%3.0f%% of %.1f)\n",
+                StepProfile::name(part), 1e3 * secs, 100 * profile[part] / total, bytes[i] / 1e6,
+                secs > 0 ? bytes[i] / secs / 1e9 : 0.0,
+                secs > 0 ? 100 * bytes[i] / secs / 1e9 / dram : 0.0, dram);
+  }
+}
+
 // Resident memory of this process now (VmRSS), bytes.
 double resident_bytes() {
   std::FILE* f = std::fopen("/proc/self/status", "r");
@@ -160,8 +204,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
          int64_t decode_steps, int prefill_runs, bool prefill_only,
          const std::vector<int64_t>& contexts) {
   const double rss_before = resident_bytes();
-  const auto model = DeepSeekModel::load(dir);
-  const double rss_growth = resident_bytes() - rss_before;
+  auto model = DeepSeekModel::load(dir);
   const auto& c = model.config();
   const int64_t block = 16, entry_bytes = model.cache_shape(block).entry_bytes();
   const int64_t layers = c.num_hidden_layers;
@@ -174,8 +217,6 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
               dir.c_str(), dtype.c_str(), model.weights().checkpoint.total_bytes() / 1e9,
               static_cast<long>(layers), static_cast<long>(c.hidden_size),
               static_cast<long>(c.n_routed_experts), static_cast<long>(c.num_experts_per_tok));
-  std::printf("resident after load:  %.2f GB = %.3fx the checkpoint's tensor bytes\n",
-              rss_growth / 1e9, rss_growth / model.weights().checkpoint.total_bytes());
 
   // Prefill: one 512-token prompt, best of `prefill_runs` (the median too when there are more
   // than three: this VM's neighbours make single runs noisy).
@@ -191,6 +232,11 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     model.forward(std::span(&step, 1), cache);
     times.push_back(now() - t0);
   }
+  // Every weight has been read by now (a 512-token prompt routes to every expert); the prefill's
+  // cache is freed. Mapped weights count once they are read, copies made at load at once.
+  const double rss_growth = resident_bytes() - rss_before;
+  std::printf("resident after a prefill: %.2f GB = %.3fx the checkpoint's tensor bytes\n",
+              rss_growth / 1e9, rss_growth / model.weights().checkpoint.total_bytes());
   std::sort(times.begin(), times.end());
   const double flops = prefill_flops(c, model, prompt_len);
   const double best = times.front(), gflops = flops / best / 1e9;
@@ -239,6 +285,19 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
         "decode batch 1:       %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f "
         "GB/s, best of just before and just after)\n",
         decode_steps / secs, gbs, 100 * gbs / dram, dram);
+
+    // The same steps again with the model's per-part timers on: where a token's time goes.
+    tandem::model::StepProfile profile;
+    model.set_profile(&profile);
+    for (int64_t i = 0; i < decode_steps; ++i) {
+      SequenceStep d{std::span(&tok, 1), prompt_len + decode_steps + i, table, false};
+      out = model.forward(std::span(&d, 1), cache);
+      tok = argmax(out.logits.data(), c.vocab_size);
+    }
+    model.set_profile(nullptr);
+    const double kv_token = static_cast<double>(prompt_len + decode_steps * 3 / 2) * entry_bytes *
+                            static_cast<double>(layers);
+    print_breakdown(profile, decode_steps, part_bytes(model, kv_token), dram);
   }
 
   // Decode, batch 16: sixteen 64-token prompts, then steps of one token each.

@@ -222,6 +222,7 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
                         std::vector<float>& out, std::vector<float>& margins) const {
   const ModelConfig& c = config_;
   const int64_t h = c.hidden_size, e_count = c.n_routed_experts;
+  std::optional<PartTimer> timer(std::in_place, profile_, StepPart::kRouting);
   std::vector<float> logits(n * e_count);
   kernels::matmul_f32_activations(w.router, xn.data(), n, logits.data());
   // Group the tokens by physical expert slot so each expert's weights are read once.
@@ -238,6 +239,7 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
       by_slot[w.slot_of_expert[r.experts[k]]].emplace_back(t, r.weights[k]);
     }
   }
+  timer.emplace(profile_, StepPart::kRoutedExperts);
   out.assign(n * h, 0.0f);
   // BF16 experts: every token's activations rounded once, gathered per expert as BF16.
   const bool bf16 = w.experts[0].gate.type == kernels::WeightType::kBF16;
@@ -290,8 +292,10 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
   }
   thread_local std::vector<float> shared_buf;
   if (w.has_shared) {
+    timer.emplace(profile_, StepPart::kSharedExperts);
     shared_buf.resize(n * h);
     mlp(w.shared, xn.data(), bf16 ? xbp : nullptr, n, shared_buf.data());
+    timer.emplace(profile_, StepPart::kRoutedExperts);  // the weighted sum below
   }
   const float* shared = shared_buf.data();
   // Summed in expert order, then the shared experts, so the result does not depend on which
@@ -323,6 +327,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   const int64_t entry = kvl + rd, head_rows = nope + vd;
   const float scale = static_cast<float>(c.softmax_scale());
 
+  std::optional<PartTimer> timer(std::in_place, profile_, StepPart::kAttentionProjections);
   // Queries: [n, heads, nope + rope]. Reused per thread (fresh buffers of megabytes cost page
   // faults on every layer); parallel loops use the pointers, not the thread_local objects.
   thread_local std::vector<float> q_buf, kva_buf;
@@ -352,6 +357,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
     rope_.apply(q + t * heads * qk + nope, qk, heads, tokens[t].position);
   }
 
+  timer.emplace(profile_, StepPart::kAttentionCore);
   out.assign(n * heads * vd, 0.0f);
   // Absorbed form for short steps: W_UK folded into the query and W_UV applied after the
   // weighted sum, so attention runs directly over the cached latents (one shared KV head of
@@ -423,13 +429,17 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
   proj.resize(n * h);
   rmsnorm(x.data(), w.input_norm.data(), n, h, config_.rms_norm_eps, xn.data());
   attention(w.attn, cache_layer, batch, tokens, xn, attn, cache);
-  matmul(w.attn.o, attn.data(), n, proj.data());
+  {
+    PartTimer timer(profile_, StepPart::kAttentionProjections);
+    matmul(w.attn.o, attn.data(), n, proj.data());
+  }
   add_to(x.data(), proj.data(), n * h);
 
   rmsnorm(x.data(), w.post_attention_norm.data(), n, h, config_.rms_norm_eps, xn.data());
   if (w.is_moe) {
     moe(w.moe, cache_layer, xn, n, proj, margins);
   } else {
+    PartTimer timer(profile_, StepPart::kDenseMlp);
     mlp(w.dense, xn.data(), nullptr, n, proj.data());
   }
   add_to(x.data(), proj.data(), n * h);
@@ -438,6 +448,7 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
 StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vector<float> x,
                                  std::vector<float> margins, const std::vector<float>& norm,
                                  const Matrix& head) const {
+  PartTimer timer(profile_, StepPart::kLmHead);
   const int64_t h = config_.hidden_size;
   StepOutput out;
   std::vector<int64_t> rows;  // token indices whose logits are wanted

@@ -18,6 +18,7 @@
 #include "model/config.h"
 #include "model/latent_cache.h"
 #include "model/rope.h"
+#include "model/step_profile.h"
 #include "model/weights.h"
 
 namespace tandem::model {
@@ -69,6 +70,9 @@ class DeepSeekModel {
   static constexpr int64_t kAbsorbedMaxTokens = 4;
   // How the absorbed-form kernel rescales its running sums (kernels/cpu/mla_attention.h).
   void set_mla_rescale(kernels::MlaRescale r) { mla_rescale_ = r; }
+  // Adds every later step's time per part to `profile` (null: off). For benchmarks: the model
+  // must then not run steps from several threads at once.
+  void set_profile(StepProfile* profile) { profile_ = profile; }
 
  private:
   struct TokenInfo {
@@ -93,6 +97,7 @@ class DeepSeekModel {
   Rope rope_;
   mutable std::vector<std::vector<uint64_t>> expert_counts_;
   kernels::MlaRescale mla_rescale_ = kernels::MlaRescale::kMultiply;
+  StepProfile* profile_ = nullptr;
 };
 
 }  // namespace tandem::model

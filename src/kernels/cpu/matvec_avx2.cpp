@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace tandem::kernels::avx2 {
@@ -15,46 +16,79 @@ TANDEM_AVX2 inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// N (1..4) activation vectors share each weight load; two accumulators per vector hide the FMA
-// latency. N is a template parameter so the accumulators stay in registers. `load(c)` widens 8
-// weights at column c to float32; `scalar(c)` one weight.
-template <int N, typename Load8, typename Scalar>
-TANDEM_AVX2 inline void dot_rows_n(Load8 load, Scalar scalar, const float* x, int64_t cols,
-                                   float* out) {
-  __m256 acc[N][2];
-  for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= cols; c += 16) {
-    const __m256 w0 = load(c), w1 = load(c + 8);
-    for (int t = 0; t < N; ++t) {
-      acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * cols + c), acc[t][0]);
-      acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * cols + c + 8), acc[t][1]);
-    }
-  }
-  for (; c + 8 <= cols; c += 8) {
-    const __m256 w0 = load(c);
-    for (int t = 0; t < N; ++t)
-      acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * cols + c), acc[t][0]);
-  }
-  for (int t = 0; t < N; ++t) {
-    float s = sum8(_mm256_add_ps(acc[t][0], acc[t][1]));
-    for (int64_t k = c; k < cols; ++k) s += scalar(k) * x[t * cols + k];
-    out[t] = s;
-  }
+inline float widen(float v) {
+  return v;
+}
+inline float widen(int8_t v) {
+  return static_cast<float>(v);
+}
+inline float widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
-template <typename Load8, typename Scalar>
-TANDEM_AVX2 inline void dot_rows(Load8 load, Scalar scalar, const float* x, int64_t cols, int64_t n,
-                                 float* out) {
-  switch (n) {
-    case 1:
-      return dot_rows_n<1>(load, scalar, x, cols, out);
-    case 2:
-      return dot_rows_n<2>(load, scalar, x, cols, out);
-    case 3:
-      return dot_rows_n<3>(load, scalar, x, cols, out);
-    default:
-      return dot_rows_n<4>(load, scalar, x, cols, out);
+TANDEM_AVX2 inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+TANDEM_AVX2 inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+TANDEM_AVX2 inline __m256 load8(const int8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+// R weight rows x T tokens: each weight vector feeds T products, each activation vector R; one
+// accumulator per (token, row) whatever R and T are, so a token's result does not depend on the
+// tokens it shares the block with. 4 x 3 fills the 16 registers (12 sums, 3 weights, 1 token).
+template <int R, int T, typename W>
+TANDEM_AVX2 void dot_block(const W* w, int64_t cols, const float* x, float* y, int64_t ldy) {
+  __m256 acc[T][R];
+#pragma GCC unroll 4
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= cols; c += 8) {
+    __m256 wv[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) wv[r] = load8(w + r * cols + c);
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * cols + c);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < R; ++r) {
+      float s = sum8(acc[t][r]);
+      for (int64_t k = c; k < cols; ++k) s += widen(w[r * cols + k]) * x[t * cols + k];
+      y[t * ldy + r] = s;
+    }
+}
+
+template <typename W>
+using DotBlock = void (*)(const W*, int64_t, const float*, float*, int64_t);
+
+// Blocks of three rows outside, of four tokens inside: three rows (12 KB of BF16 at 2048
+// columns) stay in L1 while every token passes, so each weight is read from memory once.
+template <typename W>
+TANDEM_AVX2 void dot_rows_blocked(const W* w, int64_t rows, int64_t cols, const float* x, int64_t n,
+                                  float* y, int64_t ldy) {
+  static constexpr DotBlock<W> kBlocks[3][4] = {
+      {dot_block<1, 1, W>, dot_block<1, 2, W>, dot_block<1, 3, W>, dot_block<1, 4, W>},
+      {dot_block<2, 1, W>, dot_block<2, 2, W>, dot_block<2, 3, W>, dot_block<2, 4, W>},
+      {dot_block<3, 1, W>, dot_block<3, 2, W>, dot_block<3, 3, W>, dot_block<3, 4, W>}};
+  for (int64_t r = 0; r < rows; r += 3) {
+    const int64_t nr = std::min<int64_t>(3, rows - r);
+    for (int64_t t = 0; t < n; t += 4) {
+      const int64_t nt = std::min<int64_t>(4, n - t);
+      kBlocks[nr - 1][nt - 1](w + r * cols, cols, x + t * cols, y + t * ldy + r, ldy);
+    }
   }
 }
 
@@ -65,36 +99,19 @@ bool available() {
   return ok;
 }
 
-TANDEM_AVX2 void dot_rows_bf16(const uint16_t* row, const float* x, int64_t cols, int64_t n,
-                               float* out) {
-  dot_rows(
-      [row](int64_t c) TANDEM_AVX2 {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      },
-      [row](int64_t c) {
-        const uint32_t bits = static_cast<uint32_t>(row[c]) << 16;
-        float f;
-        std::memcpy(&f, &bits, 4);
-        return f;
-      },
-      x, cols, n, out);
+TANDEM_AVX2 void dot_rows_block_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* x,
+                                     int64_t n, float* y, int64_t ldy) {
+  dot_rows_blocked(w, rows, cols, x, n, y, ldy);
 }
 
-TANDEM_AVX2 void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, int64_t n,
-                             float* out) {
-  dot_rows(
-      [row](int64_t c) TANDEM_AVX2 {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-      },
-      [row](int64_t c) { return static_cast<float>(row[c]); }, x, cols, n, out);
+TANDEM_AVX2 void dot_rows_block_i8(const int8_t* w, int64_t rows, int64_t cols, const float* x,
+                                   int64_t n, float* y, int64_t ldy) {
+  dot_rows_blocked(w, rows, cols, x, n, y, ldy);
 }
 
-TANDEM_AVX2 void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n,
-                              float* out) {
-  dot_rows([row](int64_t c) TANDEM_AVX2 { return _mm256_loadu_ps(row + c); },
-           [row](int64_t c) { return row[c]; }, x, cols, n, out);
+TANDEM_AVX2 void dot_rows_block_f32(const float* w, int64_t rows, int64_t cols, const float* x,
+                                    int64_t n, float* y, int64_t ldy) {
+  dot_rows_blocked(w, rows, cols, x, n, y, ldy);
 }
 
 }  // namespace tandem::kernels::avx2

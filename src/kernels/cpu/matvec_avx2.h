@@ -1,8 +1,7 @@
 #pragma once
-// AVX2 + FMA dot products of one weight row with a few float32 activation vectors: the decode
-// path on x86 CPUs without AVX-512 (matvec_avx512.h is the wider twin). Each weight row is read
-// once for up to four tokens, so a decode batch streams the weights once per four sequences
-// instead of once per sequence.
+// AVX2 + FMA dot products of weight rows with float32 activation vectors: the decode and
+// small-batch path on x86 CPUs without AVX-512 (matvec_avx512.h is the wider twin). Each weight
+// is read from memory once for all the tokens of a step.
 #include <cstdint>
 
 namespace tandem::kernels::avx2 {
@@ -10,10 +9,14 @@ namespace tandem::kernels::avx2 {
 // AVX2 and FMA present.
 bool available();
 
-// out[t] = dot(row, x + t * cols) for t < n (n <= 4), row in BF16 / INT8 (unscaled) / float32;
-// float32 products and sums (the same values as the portable loops up to summation order).
-void dot_rows_bf16(const uint16_t* row, const float* x, int64_t cols, int64_t n, float* out);
-void dot_rows_i8(const int8_t* row, const float* x, int64_t cols, int64_t n, float* out);
-void dot_rows_f32(const float* row, const float* x, int64_t cols, int64_t n, float* out);
+// y[t * ldy + r] = dot(w row r, x + t * cols) for r < rows, t < n: any number of tokens, each
+// weight read from memory once (rows in blocks of three, tokens in blocks of four). INT8 rows
+// unscaled. Each result is the same whatever n is (one float32 accumulator per token and row).
+void dot_rows_block_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* x, int64_t n,
+                         float* y, int64_t ldy);
+void dot_rows_block_i8(const int8_t* w, int64_t rows, int64_t cols, const float* x, int64_t n,
+                       float* y, int64_t ldy);
+void dot_rows_block_f32(const float* w, int64_t rows, int64_t cols, const float* x, int64_t n,
+                        float* y, int64_t ldy);
 
 }  // namespace tandem::kernels::avx2

@@ -134,19 +134,30 @@ float row_dot(const Matrix& w, int64_t r, const float* x) {
   return kernels_of(w.type).row_dot(w, r, x);
 }
 
+// y[t * ldy + i] = W[first + i, :] . x[t] for i < rows, t < n, on the AVX2 kernels (INT8 rows
+// scaled).
+void dot_rows_avx2(const Matrix& w, int64_t first, int64_t rows, const float* x, int64_t n,
+                   float* y, int64_t ldy) {
+  if (w.type == WeightType::kBF16) {
+    avx2::dot_rows_block_bf16(static_cast<const uint16_t*>(w.data) + first * w.cols, rows, w.cols,
+                              x, n, y, ldy);
+  } else if (w.type == WeightType::kI8) {
+    avx2::dot_rows_block_i8(static_cast<const int8_t*>(w.data) + first * w.cols, rows, w.cols, x, n,
+                            y, ldy);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < rows; ++i) y[t * ldy + i] *= w.row_scales[first + i];
+  } else {
+    avx2::dot_rows_block_f32(static_cast<const float*>(w.data) + first * w.cols, rows, w.cols, x, n,
+                             y, ldy);
+  }
+}
+
 // out[i] = W[r, :] . x[i] for i < m (m <= 4): the weight row is streamed once for all of them.
 // `fast`: AVX-512 is there; else AVX2 when it is (the row streamed once for all m tokens too),
 // else the portable loops, one pass over the row per token.
 void row_dots(const Matrix& w, int64_t r, const float* x, int64_t m, float* out, bool fast) {
   if (!fast && avx2::available()) {
-    if (w.type == WeightType::kBF16) {
-      avx2::dot_rows_bf16(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, m, out);
-    } else if (w.type == WeightType::kI8) {
-      avx2::dot_rows_i8(static_cast<const int8_t*>(w.data) + r * w.cols, x, w.cols, m, out);
-      for (int64_t i = 0; i < m; ++i) out[i] *= w.row_scales[r];
-    } else {
-      avx2::dot_rows_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols, m, out);
-    }
+    dot_rows_avx2(w, r, 1, x, m, out, 1);
   } else if (!fast) {
     for (int64_t i = 0; i < m; ++i) out[i] = row_dot(w, r, x + i * w.cols);
   } else if (w.type == WeightType::kBF16) {
@@ -308,6 +319,14 @@ void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y) {
 void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y) {
   if (n >= kGemmMinTokens && w.type == WeightType::kF32 && onednn_matmul(w, x, n, y)) return;
   const bool fast = avx512::available();
+  if (!fast && avx2::available()) {
+    // Chunks of rows per thread; within one, every weight is read once for all n tokens.
+    constexpr int64_t kRowChunk = 48;
+#pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 15))
+    for (int64_t r0 = 0; r0 < w.rows; r0 += kRowChunk)
+      dot_rows_avx2(w, r0, std::min(kRowChunk, w.rows - r0), x, n, y + r0, w.rows);
+    return;
+  }
 #pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 15))
   for (int64_t r = 0; r < w.rows; ++r) {
     for (int64_t t = 0; t < n; t += 4) {

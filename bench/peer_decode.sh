@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Decode and prefill next to ik_llama.cpp on the same weights, in one run: Tandem's engine bench
+# (tandem-bench-engine) and the peer's llama-bench alternate for ROUNDS rounds and the script
+# prints per-round figures, medians and the ratios the decode issue asks for:
+#   - decode batch 1, BF16 next to BF16 (peer with run-time repack -rtr 1), and Tandem's share of
+#     the read bandwidth measured in the same run;
+#   - decode batch 1, Tandem INT8 (W8A8 from `tandem quantize`) next to the peer's Q8_0;
+#   - decode at batch 1 after long contexts (CONTEXTS) next to the peer's -gp N,32 with its MLA
+#     and flash-attention options (-mla 3 -fa 1); Tandem's share of the ideal time;
+#   - prefill 512 (pp512), batch 16 next to batch 1, and resident memory (Tandem: after a prefill,
+#     against the checkpoint's bytes; peer: its peak RSS).
+# Tandem's long-context rows fill the cache with random latents instead of prefilling (decode
+# time depends on the context length, not the values); the peer prefills for real, untimed.
+#
+# Usage: bench/peer_decode.sh MODEL_DIR [BUILD_DIR]
+#   MODEL_DIR: a BF16 Hugging Face checkpoint (../shared/tools/README.md writes the 8-layer one).
+# Environment: PEER (ik_llama.cpp checkout with build/bin/llama-bench; default
+#              ~/.cache/peers/ik_llama.cpp), GGUF_BF16 (MODEL_DIR-bf16.gguf), GGUF_Q8
+#              (MODEL_DIR-q8_0.gguf), INT8_DIR (MODEL_DIR-int8, written by `tandem quantize` when
+#              missing), ROUNDS (3), CONTEXTS (4096,16384,32768), THREADS (2).
+# Without the peer (or its GGUFs) the script runs Tandem's side alone and says so.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+model="${1:?usage: bench/peer_decode.sh MODEL_DIR [BUILD_DIR]}"
+model="$(cd "$model" && pwd)"
+build="${2:-$root/build}"
+peer="${PEER:-$HOME/.cache/peers/ik_llama.cpp}"
+gguf_bf16="${GGUF_BF16:-$model-bf16.gguf}"
+gguf_q8="${GGUF_Q8:-$model-q8_0.gguf}"
+int8_dir="${INT8_DIR:-$model-int8}"
+rounds="${ROUNDS:-3}"
+contexts="${CONTEXTS:-4096,16384,32768}"
+threads="${THREADS:-2}"
+
+if [ -f "$build/CMakeCache.txt" ]; then
+  cmake -S "$root" -B "$build" -DTANDEM_BUILD_BENCH=ON >/dev/null
+else
+  cmake -S "$root" -B "$build" -G Ninja -DTANDEM_BUILD_BENCH=ON >/dev/null
+fi
+cmake --build "$build" --target tandem tandem-bench-engine >/dev/null
+[ -d "$int8_dir" ] || "$build/tandem" quantize --in "$model" --out "$int8_dir" --dtype int8
+
+bench="$peer/build/bin/llama-bench"
+have_peer=1
+if [ ! -x "$bench" ]; then
+  echo "PEER ABSENT: no $bench. Build ik_llama.cpp outside the repository (see"
+  echo "  ../shared/tools/README.md): cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON"
+  echo "  -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-bench. Running Tandem alone."
+  have_peer=0
+fi
+for g in "$gguf_bf16" "$gguf_q8"; do
+  if [ "$have_peer" = 1 ] && [ ! -f "$g" ]; then
+    echo "PEER ABSENT: no $g (../shared/tools/hf2gguf_deepseek.py writes it). Running Tandem alone."
+    have_peer=0
+  fi
+done
+
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+export OMP_NUM_THREADS="$threads"
+for r in $(seq 1 "$rounds"); do
+  echo "== round $r/$rounds"
+  "$build/bench/tandem-bench-engine" --model "$model" --prompt 512 --decode 32 --prefill-runs 1 \
+    --contexts "$contexts" >"$out/tandem-bf16-$r.txt"
+  if [ "$have_peer" = 1 ]; then
+    gp=()
+    for c in ${contexts//,/ }; do gp+=(-gp "$c,32"); done
+    /usr/bin/time -f "%M" -o "$out/peer-rss-$r.txt" "$bench" -m "$gguf_bf16" -p 512 -n 64 \
+      "${gp[@]}" -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json >"$out/peer-bf16-$r.json" \
+      2>"$out/peer-bf16-$r.err"
+  fi
+  "$build/bench/tandem-bench-engine" --model "$int8_dir" --prompt 512 --decode 32 \
+    --prefill-runs 1 >"$out/tandem-int8-$r.txt"
+  if [ "$have_peer" = 1 ]; then
+    "$bench" -m "$gguf_q8" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
+      >"$out/peer-q8-$r.json" 2>"$out/peer-q8-$r.err"
+  fi
+done
+
+/usr/bin/python3 - "$out" "$rounds" "$have_peer" "$contexts" "$model" <<'PYEOF'
+import json, re, statistics, sys, os
+out, rounds, have_peer, contexts, model = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", \
+    [int(c) for c in sys.argv[4].split(",") if c], sys.argv[5]
+
+def tandem(path):
+    text = open(path).read()
+    f = {}
+    m = re.search(r"prefill (\d+) tokens:\s+([\d.]+) tokens/s", text); f["pp"] = float(m.group(2))
+    m = re.search(r"decode batch 1:\s+([\d.]+) tokens/s\s+([\d.]+) GB/s\s+([\d.]+)%", text)
+    f["tg"], f["tg_bw"] = float(m.group(1)), float(m.group(3))
+    m = re.search(r"decode batch 16:\s+([\d.]+) tokens/s", text); f["b16"] = float(m.group(1))
+    m = re.search(r"resident after a prefill:\s+([\d.]+) GB = ([\d.]+)x", text)
+    if m: f["rss"] = float(m.group(2))
+    for c, tps, ideal in re.findall(r"decode at\s+(\d+):\s+([\d.]+) tokens/s\s+([\d.]+)% of ideal", text):
+        f[f"ctx{c}"], f[f"ideal{c}"] = float(tps), float(ideal)
+    return f
+
+def peer(path):
+    rows = json.load(open(path))
+    f = {}
+    for r in rows:
+        p, n, ts = r["n_prompt"], r["n_gen"], r["avg_ts"]
+        if p > 0 and n == 0: f["pp"] = ts
+        elif p == 0 and n > 0: f["tg"] = ts
+        elif p > 0 and n > 0: f[f"ctx{p}"] = ts
+    return f
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+T = [tandem(f"{out}/tandem-bf16-{r}.txt") for r in range(1, rounds + 1)]
+T8 = [tandem(f"{out}/tandem-int8-{r}.txt") for r in range(1, rounds + 1)]
+P = [peer(f"{out}/peer-bf16-{r}.json") for r in range(1, rounds + 1)] if have_peer else []
+P8 = [peer(f"{out}/peer-q8-{r}.json") for r in range(1, rounds + 1)] if have_peer else []
+rss = []
+if have_peer:
+    ckpt = sum(os.path.getsize(os.path.join(model, x)) for x in os.listdir(model)
+               if x.endswith(".safetensors"))
+    for r in range(1, rounds + 1):
+        kb = open(f"{out}/peer-rss-{r}.txt").read().split()[-1]
+        rss.append(float(kb) * 1024 / ckpt)
+
+def row(name, key, tand, peers, unit="tok/s"):
+    tv = [t.get(key) for t in tand]
+    line = f"{name:<34} tandem " + " / ".join(f"{v:.2f}" if v else "-" for v in tv)
+    if peers:
+        pv = [p.get(key) for p in peers]
+        line += "   ik " + " / ".join(f"{v:.2f}" if v else "-" for v in pv)
+        ratios = [t / p for t, p in zip(tv, pv) if t and p]
+        line += f"   ratio (median of rounds) {med(ratios):.2f}x"
+    print(line + f"  [{unit}]")
+
+print(f"\n{rounds} alternating rounds, medians of per-round ratios:")
+row("decode batch 1, BF16", "tg", T, P)
+print(f"{'  Tandem share of read bandwidth':<34} " + " / ".join(f"{t['tg_bw']:.0f}%" for t in T)
+      + f"  median {med([t['tg_bw'] for t in T]):.0f}%")
+row("decode batch 1, INT8 vs Q8_0", "tg", T8, P8)
+row("prefill 512, BF16", "pp", T, P)
+for c in contexts:
+    row(f"decode after {c}, BF16", f"ctx{c}", T, P)
+    print(f"{'  Tandem share of the ideal':<34} " + " / ".join(
+        f"{t.get(f'ideal{c}', float('nan')):.0f}%" for t in T))
+print(f"{'decode batch 16 / batch 1':<34} " + " / ".join(f"{t['b16'] / t['tg']:.2f}x" for t in T))
+if any("rss" in t for t in T):
+    print(f"{'resident / checkpoint bytes':<34} tandem " + " / ".join(
+        f"{t['rss']:.3f}x" for t in T if "rss" in t)
+          + ("   ik peak " + " / ".join(f"{x:.3f}x" for x in rss) if rss else ""))
+if not have_peer:
+    print("\nPEER ABSENT: no ratios (see above).")
+PYEOF
