@@ -10,13 +10,21 @@ namespace tandem::kernels::avx2 {
 bool available();
 
 // y[t * ldy + r] = dot(w row r, x + t * cols) for r < rows, t < n: any number of tokens, each
-// weight read from memory once (rows in blocks of three, tokens in blocks of four). INT8 rows
-// unscaled. Each result is the same whatever n is (one float32 accumulator per token and row).
+// weight read from memory once (rows in blocks of three, tokens in blocks of four; one token:
+// rows one by one, streamed with a prefetch). INT8 rows unscaled. A token's result for n >= 2 is
+// the same whatever n is (one float32 accumulator per token and row); a single token sums in
+// four partial accumulators (it differs from n >= 2 in rounding only).
 void dot_rows_block_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* x, int64_t n,
                          float* y, int64_t ldy);
 void dot_rows_block_i8(const int8_t* w, int64_t rows, int64_t cols, const float* x, int64_t n,
                        float* y, int64_t ldy);
 void dot_rows_block_f32(const float* w, int64_t rows, int64_t cols, const float* x, int64_t n,
                         float* y, int64_t ldy);
+
+// y[:cols] += sum_r a[r] * w[r, :] for r < rows (a transposed product; INT8 rows unscaled, so
+// callers fold the row scales into a).
+void axpy_rows_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* a, float* y);
+void axpy_rows_i8(const int8_t* w, int64_t rows, int64_t cols, const float* a, float* y);
+void axpy_rows_f32(const float* w, int64_t rows, int64_t cols, const float* a, float* y);
 
 }  // namespace tandem::kernels::avx2

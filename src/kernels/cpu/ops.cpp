@@ -355,6 +355,21 @@ void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const floa
       avx512::axpy_row_i8(x[r] * w.row_scales[first + r], base + r * w.cols, y, w.cols);
     return;
   }
+  if (avx2::available()) {
+    if (w.type == WeightType::kBF16) {
+      avx2::axpy_rows_bf16(static_cast<const uint16_t*>(w.data) + first * w.cols, count, w.cols, x,
+                           y);
+    } else if (w.type == WeightType::kI8) {
+      thread_local std::vector<float> scaled;
+      scaled.resize(count);
+      for (int64_t r = 0; r < count; ++r) scaled[r] = x[r] * w.row_scales[first + r];
+      avx2::axpy_rows_i8(static_cast<const int8_t*>(w.data) + first * w.cols, count, w.cols,
+                         scaled.data(), y);
+    } else {
+      avx2::axpy_rows_f32(static_cast<const float*>(w.data) + first * w.cols, count, w.cols, x, y);
+    }
+    return;
+  }
   thread_local std::vector<float> row;
   row.resize(w.cols);
   for (int64_t r = 0; r < count; ++r) {
