@@ -125,10 +125,10 @@ std::array<double, static_cast<size_t>(StepPart::kCount)> part_bytes(const DeepS
 
 void print_breakdown(StepProfile& profile, int64_t steps,
                      const std::array<double, static_cast<size_t>(StepPart::kCount)>& bytes,
-                     double dram) {
+                     double dram, const char* unit = "token") {
   const double total = profile.total();
-  std::printf("  per token, by part (model timers; %.1f ms/token in timed parts):\n",
-              1e3 * total / steps);
+  std::printf("  per %s, by part (model timers; %.1f ms/%s in timed parts):\n", unit,
+              1e3 * total / steps, unit);
   for (size_t i = 0; i < bytes.size(); ++i) {
     const auto part = static_cast<StepPart>(i);
     const double secs = profile[part] / steps;
@@ -344,6 +344,22 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
         "decode batch 16:      %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f "
         "GB/s)\n",
         batch * decode_steps / secs, gbs, 100 * gbs / dram, dram);
+
+    // Again with the per-part timers (per step of 16 tokens; routed experts: those touched).
+    tandem::model::StepProfile profile;
+    model.set_profile(&profile);
+    for (int64_t i = 0; i < decode_steps; ++i) {
+      std::vector<SequenceStep> steps;
+      for (int64_t s = 0; s < batch; ++s)
+        steps.push_back({std::span(&next[s], 1), plen + decode_steps + i, tables[s], false});
+      auto out = model.forward(steps, cache);
+      for (int64_t s = 0; s < batch; ++s)
+        next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
+    }
+    model.set_profile(nullptr);
+    auto bytes = part_bytes(model, kv_bytes / decode_steps);
+    bytes[static_cast<size_t>(StepPart::kRoutedExperts)] = touched_expert_bytes / decode_steps;
+    print_breakdown(profile, decode_steps, bytes, dram, "step");
   }
 }
 

@@ -387,9 +387,10 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   float* q_abs = q_abs_buf.data();
   float* o_lat = o_lat_buf.data();
   const int64_t* at = absorbed_tokens.data();
+  // Heads outside, tokens inside: a head's W_UK (and below W_UV) rows stay in L2 for all tokens.
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < na; ++i)
-    for (int64_t hd = 0; hd < heads; ++hd) {
+  for (int64_t hd = 0; hd < heads; ++hd)
+    for (int64_t i = 0; i < na; ++i) {
       const float* qh = q + (at[i] * heads + hd) * qk;
       float* dst = q_abs + (i * heads + hd) * entry;
       kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, dst);
@@ -412,8 +413,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   const kernels::MlaShape shape{heads, kvl, rd, bs, scale, cache.shape().type};
   kernels::mla_decode(shape, absorbed, kernels::MlaOptions{mla_rescale_});
 #pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < na; ++i)
-    for (int64_t hd = 0; hd < heads; ++hd)
+  for (int64_t hd = 0; hd < heads; ++hd)
+    for (int64_t i = 0; i < na; ++i)
       kernels::matvec_rows(w.kv_b, hd * head_rows + nope, vd, o_lat + (i * heads + hd) * kvl,
                            out.data() + (at[i] * heads + hd) * vd);
 }
