@@ -9,6 +9,8 @@
 
 #include <dnnl.hpp>
 
+#include "kernels/cpu/matvec_avx512.h"
+
 namespace tandem::kernels {
 namespace {
 
@@ -142,6 +144,9 @@ bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_ty
 
 bool pack_for_gemm(Matrix& w) {
   if (w.type != WeightType::kBF16 && w.type != WeightType::kI8) return false;
+  // Packed INT8 weights serve only the VNNI integer GEMM (matmul_int8_vnni); elsewhere oneDNN
+  // would still pack them (AVX2 has a u8s8 GEMM), and the copy would sit unused beside the rows.
+  if (w.type == WeightType::kI8 && !avx512::has_vnni()) return false;
   const bool bf16 = w.type == WeightType::kBF16;
   const Type wei_type = bf16 ? Type::bf16 : Type::s8;
   Context& c = context();
