@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
@@ -24,47 +25,37 @@ constexpr int64_t kMinChunk = 512;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float widen(float x) {
-  return x;
-}
-inline float widen(uint16_t x) {
-  return bf16_to_f32(x);
-}
-
-// The three tile operations, in a portable and an AVX2 version (one table per element type).
-template <typename T>
+// The three tile operations, in a portable and an AVX2 version. Tiles are float32: a BF16 tile
+// is widened once (tile_rows) and then read by every head and query row, for the scores and again
+// for the weighted sum, instead of being widened on each of those reads.
 struct TileKernels {
   // s[r, j] = dot(q[r, :d], keys[j][:d]) for r < rows, j < count; s has row stride lds.
-  void (*scores)(const float* q, int64_t rows, int64_t d, const T* const* keys, int64_t count,
+  void (*scores)(const float* q, int64_t rows, int64_t d, const float* const* keys, int64_t count,
                  float* s, int64_t lds);
   // acc[r, :width] += sum_j p[r, j] vals[j][:width].
-  void (*accumulate)(const float* p, int64_t rows, int64_t ldp, const T* const* vals, int64_t count,
-                     int64_t width, float* acc);
+  void (*accumulate)(const float* p, int64_t rows, int64_t ldp, const float* const* vals,
+                     int64_t count, int64_t width, float* acc);
   // x[i] = 2^x[i] (0 for -inf) for i < n.
   void (*exp2)(float* x, int64_t n);
 };
 
-// ---- Portable loops -----------------------------------------------------------------------
-
-template <typename T>
-void scores_portable(const float* q, int64_t rows, int64_t d, const T* const* keys, int64_t count,
-                     float* s, int64_t lds) {
+void scores_portable(const float* q, int64_t rows, int64_t d, const float* const* keys,
+                     int64_t count, float* s, int64_t lds) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < count; ++j) {
       float sum = 0;
-      for (int64_t c = 0; c < d; ++c) sum += q[r * d + c] * widen(keys[j][c]);
+      for (int64_t c = 0; c < d; ++c) sum += q[r * d + c] * keys[j][c];
       s[r * lds + j] = sum;
     }
 }
 
-template <typename T>
-void accumulate_portable(const float* p, int64_t rows, int64_t ldp, const T* const* vals,
+void accumulate_portable(const float* p, int64_t rows, int64_t ldp, const float* const* vals,
                          int64_t count, int64_t width, float* acc) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < count; ++j) {
       const float w = p[r * ldp + j];
       if (w == 0.0f) continue;
-      for (int64_t c = 0; c < width; ++c) acc[r * width + c] += w * widen(vals[j][c]);
+      for (int64_t c = 0; c < width; ++c) acc[r * width + c] += w * vals[j][c];
     }
 }
 
@@ -72,17 +63,7 @@ void exp2_portable(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp2(x[i]);
 }
 
-// ---- AVX2 + FMA microkernels --------------------------------------------------------------
-
 #define TANDEM_AVX2 __attribute__((target("avx2,fma")))
-
-TANDEM_AVX2 inline __m256 load8(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-TANDEM_AVX2 inline __m256 load8(const uint16_t* p) {
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-}
 
 TANDEM_AVX2 inline float sum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -92,15 +73,15 @@ TANDEM_AVX2 inline float sum8(__m256 v) {
 
 // H query rows x J keys of scores: every key vector loaded once feeds H products, every query
 // vector J; H * J accumulators plus J keys and one query fill the 16 registers at 4 x 3.
-template <int H, int J, typename T>
-TANDEM_AVX2 void score_block(const float* q, int64_t d, const T* const* keys, float* s,
+template <int H, int J>
+TANDEM_AVX2 void score_block(const float* q, int64_t d, const float* const* keys, float* s,
                              int64_t lds) {
   __m256 acc[H][J];
   for (int h = 0; h < H; ++h)
     for (int j = 0; j < J; ++j) acc[h][j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     __m256 k[J];
-    for (int j = 0; j < J; ++j) k[j] = load8(keys[j] + c);
+    for (int j = 0; j < J; ++j) k[j] = _mm256_loadu_ps(keys[j] + c);
     for (int h = 0; h < H; ++h) {
       const __m256 qv = _mm256_loadu_ps(q + h * d + c);
       for (int j = 0; j < J; ++j) acc[h][j] = _mm256_fmadd_ps(qv, k[j], acc[h][j]);
@@ -110,17 +91,15 @@ TANDEM_AVX2 void score_block(const float* q, int64_t d, const T* const* keys, fl
     for (int j = 0; j < J; ++j) s[h * lds + j] = sum8(acc[h][j]);
 }
 
-template <typename T>
-using ScoreBlock = void (*)(const float*, int64_t, const T* const*, float*, int64_t);
+using ScoreBlock = void (*)(const float*, int64_t, const float* const*, float*, int64_t);
 
-template <typename T>
-TANDEM_AVX2 void scores_avx2(const float* q, int64_t rows, int64_t d, const T* const* keys,
+TANDEM_AVX2 void scores_avx2(const float* q, int64_t rows, int64_t d, const float* const* keys,
                              int64_t count, float* s, int64_t lds) {
-  static constexpr ScoreBlock<T> kBlocks[4][3] = {
-      {score_block<1, 1, T>, score_block<1, 2, T>, score_block<1, 3, T>},
-      {score_block<2, 1, T>, score_block<2, 2, T>, score_block<2, 3, T>},
-      {score_block<3, 1, T>, score_block<3, 2, T>, score_block<3, 3, T>},
-      {score_block<4, 1, T>, score_block<4, 2, T>, score_block<4, 3, T>}};
+  static constexpr ScoreBlock kBlocks[4][3] = {
+      {score_block<1, 1>, score_block<1, 2>, score_block<1, 3>},
+      {score_block<2, 1>, score_block<2, 2>, score_block<2, 3>},
+      {score_block<3, 1>, score_block<3, 2>, score_block<3, 3>},
+      {score_block<4, 1>, score_block<4, 2>, score_block<4, 3>}};
   for (int64_t r = 0; r < rows; r += 4) {
     const int64_t h = std::min<int64_t>(4, rows - r);
     for (int64_t j = 0; j < count; j += 3) {
@@ -133,9 +112,9 @@ TANDEM_AVX2 void scores_avx2(const float* q, int64_t rows, int64_t d, const T* c
 // H rows x 16 columns of the weighted sum, held in registers over the tile's positions: each
 // value vector loaded once feeds H rows (8 accumulators at H = 4, two values, one broadcast:
 // at H = 6 GCC spills the accumulators).
-template <int H, int V, typename T>
-TANDEM_AVX2 void accumulate_block(const float* p, int64_t ldp, const T* const* vals, int64_t count,
-                                  int64_t c0, float* acc, int64_t lda) {
+template <int H, int V>
+TANDEM_AVX2 void accumulate_block(const float* p, int64_t ldp, const float* const* vals,
+                                  int64_t count, int64_t c0, float* acc, int64_t lda) {
   __m256 a[H][V];
 #pragma GCC unroll 8
   for (int h = 0; h < H; ++h)
@@ -144,7 +123,7 @@ TANDEM_AVX2 void accumulate_block(const float* p, int64_t ldp, const T* const* v
   for (int64_t j = 0; j < count; ++j) {
     __m256 x[V];
 #pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) x[v] = load8(vals[j] + c0 + 8 * v);
+    for (int v = 0; v < V; ++v) x[v] = _mm256_loadu_ps(vals[j] + c0 + 8 * v);
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) {
       const __m256 w = _mm256_broadcast_ss(p + h * ldp + j);
@@ -158,18 +137,17 @@ TANDEM_AVX2 void accumulate_block(const float* p, int64_t ldp, const T* const* v
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(acc + h * lda + c0 + 8 * v, a[h][v]);
 }
 
-template <typename T>
-using AccumulateBlock = void (*)(const float*, int64_t, const T* const*, int64_t, int64_t, float*,
-                                 int64_t);
+using AccumulateBlock = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t,
+                                 float*, int64_t);
 
-template <typename T>
-TANDEM_AVX2 void accumulate_avx2(const float* p, int64_t rows, int64_t ldp, const T* const* vals,
-                                 int64_t count, int64_t width, float* acc) {
-  static constexpr AccumulateBlock<T> kBlocks[4][2] = {
-      {accumulate_block<1, 1, T>, accumulate_block<1, 2, T>},
-      {accumulate_block<2, 1, T>, accumulate_block<2, 2, T>},
-      {accumulate_block<3, 1, T>, accumulate_block<3, 2, T>},
-      {accumulate_block<4, 1, T>, accumulate_block<4, 2, T>}};
+TANDEM_AVX2 void accumulate_avx2(const float* p, int64_t rows, int64_t ldp,
+                                 const float* const* vals, int64_t count, int64_t width,
+                                 float* acc) {
+  static constexpr AccumulateBlock kBlocks[4][2] = {
+      {accumulate_block<1, 1>, accumulate_block<1, 2>},
+      {accumulate_block<2, 1>, accumulate_block<2, 2>},
+      {accumulate_block<3, 1>, accumulate_block<3, 2>},
+      {accumulate_block<4, 1>, accumulate_block<4, 2>}};
   // Columns outside, rows inside: the tile's 16 value columns stay in L1 for every row.
   for (int64_t c = 0; c < width; c += 16) {
     const int64_t v = std::min<int64_t>(16, width - c) / 8;
@@ -206,14 +184,29 @@ TANDEM_AVX2 void exp2_avx2(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = x[i] < -126.0f ? 0.0f : std::exp2(x[i]);
 }
 
-template <typename T>
-TileKernels<T> tile_kernels(const MlaShape& shape, bool simd) {
+TileKernels tile_kernels(const MlaShape& shape, bool simd) {
   if (simd && avx2::available() && shape.latent % 8 == 0 && shape.rope % 8 == 0)
-    return {scores_avx2<T>, accumulate_avx2<T>, exp2_avx2};
-  return {scores_portable<T>, accumulate_portable<T>, exp2_portable};
+    return {scores_avx2, accumulate_avx2, exp2_avx2};
+  return {scores_portable, accumulate_portable, exp2_portable};
 }
 
-// ---- Rescaling the running sums -----------------------------------------------------------
+// Pointers to the n cached rows from position t0 on, as float32: the cache's own rows when it is
+// float32, else rows widened into `widened`.
+template <typename T>
+void tile_rows(const MlaShape& shape, const T* const* pages, int64_t t0, int64_t n,
+               std::vector<float>& widened, const float** rows) {
+  const int64_t d = shape.entry();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = pages[(t0 + j) / shape.block_size] + ((t0 + j) % shape.block_size) * d;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = row;
+    } else {
+      float* out = widened.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) out[c] = bf16_to_f32(row[c]);
+      rows[j] = out;
+    }
+  }
+}
 
 void multiply(float* acc, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) acc[i] *= factor;
@@ -232,20 +225,19 @@ void shift_exponent(float* acc, int64_t n, int32_t shift) {
   }
 }
 
-// ---- One chunk of one sequence ------------------------------------------------------------
-
 // The unnormalised partial result of positions [begin, end) of a sequence: per row (query token
 // x head) its running maximum m (exp2 domain), the sum l of its probabilities and acc = sum p v.
 template <typename T>
 void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, int64_t end,
-                  const TileKernels<T>& k, MlaRescale rescale, float* m, float* l, float* acc) {
+                  const TileKernels& k, MlaRescale rescale, float* m, float* l, float* acc) {
   const int64_t rows = seq.s_q * shape.heads, d = shape.entry(), width = shape.latent;
   // Queries scaled once so that scores come out in the exp2 domain.
-  thread_local std::vector<float> q, s;
-  thread_local std::vector<const T*> pos;
+  thread_local std::vector<float> q, s, widened;
+  thread_local std::vector<const float*> pos;
   q.resize(rows * d);
   s.resize(rows * kTile);
   pos.resize(kTile);
+  if constexpr (!std::is_same_v<T, float>) widened.resize(kTile * d);
   const float qscale = shape.scale * kLog2e;
   for (int64_t i = 0; i < rows * d; ++i) q[i] = seq.q[i] * qscale;
   std::fill_n(m, rows, kNegInf);
@@ -255,8 +247,7 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
 
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
-    for (int64_t j = 0; j < n; ++j)
-      pos[j] = pages[(t0 + j) / shape.block_size] + ((t0 + j) % shape.block_size) * d;
+    tile_rows(shape, pages, t0, n, widened, pos.data());
     k.scores(q.data(), rows, d, pos.data(), n, s.data(), kTile);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = s.data() + r * kTile;
@@ -298,7 +289,7 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
 template <typename T>
 void decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
             const MlaOptions& options) {
-  const TileKernels<T> k = tile_kernels<T>(shape, options.simd);
+  const TileKernels k = tile_kernels(shape, options.simd);
   const int64_t width = shape.latent, threads = omp_get_max_threads();
   struct Chunk {
     size_t sequence;
