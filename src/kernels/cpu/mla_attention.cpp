@@ -110,8 +110,8 @@ TANDEM_AVX2 void scores_avx2(const float* q, int64_t rows, int64_t d, const floa
 }
 
 // H rows x 16 columns of the weighted sum, held in registers over the tile's positions: each
-// value vector loaded once feeds H rows (8 accumulators at H = 4, two values, one broadcast:
-// at H = 6 GCC spills the accumulators).
+// value vector loaded once feeds H rows (12 accumulators at H = 6, two values, one broadcast;
+// the unroll pragmas keep GCC from spilling them to the stack).
 template <int H, int V>
 TANDEM_AVX2 void accumulate_block(const float* p, int64_t ldp, const float* const* vals,
                                   int64_t count, int64_t c0, float* acc, int64_t lda) {
@@ -143,16 +143,18 @@ using AccumulateBlock = void (*)(const float*, int64_t, const float* const*, int
 TANDEM_AVX2 void accumulate_avx2(const float* p, int64_t rows, int64_t ldp,
                                  const float* const* vals, int64_t count, int64_t width,
                                  float* acc) {
-  static constexpr AccumulateBlock kBlocks[4][2] = {
+  static constexpr AccumulateBlock kBlocks[6][2] = {
       {accumulate_block<1, 1>, accumulate_block<1, 2>},
       {accumulate_block<2, 1>, accumulate_block<2, 2>},
       {accumulate_block<3, 1>, accumulate_block<3, 2>},
-      {accumulate_block<4, 1>, accumulate_block<4, 2>}};
+      {accumulate_block<4, 1>, accumulate_block<4, 2>},
+      {accumulate_block<5, 1>, accumulate_block<5, 2>},
+      {accumulate_block<6, 1>, accumulate_block<6, 2>}};
   // Columns outside, rows inside: the tile's 16 value columns stay in L1 for every row.
   for (int64_t c = 0; c < width; c += 16) {
     const int64_t v = std::min<int64_t>(16, width - c) / 8;
-    for (int64_t r = 0; r < rows; r += 4) {
-      const int64_t h = std::min<int64_t>(4, rows - r);
+    for (int64_t r = 0; r < rows; r += 6) {
+      const int64_t h = std::min<int64_t>(6, rows - r);
       kBlocks[h - 1][v - 1](p + r * ldp, ldp, vals, count, c, acc + r * width, width);
     }
   }
