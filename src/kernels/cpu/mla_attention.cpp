@@ -268,6 +268,12 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
           m[r] = top;
         } else if (m[r] == kNegInf) {
           m[r] = std::ceil(top);  // AMLA keeps the maximum an integer
+        } else if (top - m[r] > 254.0f) {
+          // Every float32 weight so far would underflow: what the guard would leave, without
+          // a shift count that may not fit an int.
+          std::fill_n(acc + r * width, width, 0.0f);
+          l[r] = 0.0f;
+          m[r] = std::ceil(top);
         } else {
           const auto shift = static_cast<int32_t>(std::ceil(top - m[r]));
           shift_exponent(acc + r * width, width, shift);
