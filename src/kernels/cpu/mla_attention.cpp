@@ -37,6 +37,8 @@ struct TileKernels {
                      int64_t count, int64_t width, float* acc);
   // x[i] = 2^x[i] (0 for -inf) for i < n.
   void (*exp2)(float* x, int64_t n);
+  // out[i] = BF16 x[i] as float32 for i < n (exact).
+  void (*widen)(const uint16_t* x, int64_t n, float* out);
 };
 
 void scores_portable(const float* q, int64_t rows, int64_t d, const float* const* keys,
@@ -57,6 +59,10 @@ void accumulate_portable(const float* p, int64_t rows, int64_t ldp, const float*
       if (w == 0.0f) continue;
       for (int64_t c = 0; c < width; ++c) acc[r * width + c] += w * vals[j][c];
     }
+}
+
+void widen_portable(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(x[i]);
 }
 
 void exp2_portable(float* x, int64_t n) {
@@ -186,17 +192,25 @@ TANDEM_AVX2 void exp2_avx2(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = x[i] < -126.0f ? 0.0f : std::exp2(x[i]);
 }
 
+// n a multiple of 8 (tile_kernels checks the widths).
+TANDEM_AVX2 void widen_avx2(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+}
+
 TileKernels tile_kernels(const MlaShape& shape, bool simd) {
   if (simd && avx2::available() && shape.latent % 8 == 0 && shape.rope % 8 == 0)
-    return {scores_avx2, accumulate_avx2, exp2_avx2};
-  return {scores_portable, accumulate_portable, exp2_portable};
+    return {scores_avx2, accumulate_avx2, exp2_avx2, widen_avx2};
+  return {scores_portable, accumulate_portable, exp2_portable, widen_portable};
 }
 
 // Pointers to the n cached rows from position t0 on, as float32: the cache's own rows when it is
 // float32, else rows widened into `widened`.
 template <typename T>
-void tile_rows(const MlaShape& shape, const T* const* pages, int64_t t0, int64_t n,
-               std::vector<float>& widened, const float** rows) {
+void tile_rows(const MlaShape& shape, const TileKernels& k, const T* const* pages, int64_t t0,
+               int64_t n, std::vector<float>& widened, const float** rows) {
   const int64_t d = shape.entry();
   for (int64_t j = 0; j < n; ++j) {
     const T* row = pages[(t0 + j) / shape.block_size] + ((t0 + j) % shape.block_size) * d;
@@ -204,7 +218,7 @@ void tile_rows(const MlaShape& shape, const T* const* pages, int64_t t0, int64_t
       rows[j] = row;
     } else {
       float* out = widened.data() + j * d;
-      for (int64_t c = 0; c < d; ++c) out[c] = bf16_to_f32(row[c]);
+      k.widen(row, d, out);
       rows[j] = out;
     }
   }
@@ -249,7 +263,7 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
 
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0);
-    tile_rows(shape, pages, t0, n, widened, pos.data());
+    tile_rows(shape, k, pages, t0, n, widened, pos.data());
     k.scores(q.data(), rows, d, pos.data(), n, s.data(), kTile);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = s.data() + r * kTile;
