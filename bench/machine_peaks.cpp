@@ -73,11 +73,21 @@ double gflops(Loop loop, double flops_per_iter, int threads) {
   return best;
 }
 
-__attribute__((target("avx512f"))) double read_gbs(const float* data, size_t n, int threads) {
+// Best of four timed passes of `pass` (one read of n floats by `threads` threads), in GB/s.
+template <typename Pass>
+double best_read_gbs(size_t n, Pass pass) {
   double best = 0;
-  std::atomic<float> sink{0};
   for (int rep = 0; rep < 4; ++rep) {
-    double t0 = now();
+    const double t0 = now();
+    pass();
+    best = std::max(best, n * sizeof(float) / (now() - t0) / 1e9);
+  }
+  return best;
+}
+
+__attribute__((target("avx512f"))) double read_gbs(const float* data, size_t n, int threads) {
+  std::atomic<float> sink{0};
+  return best_read_gbs(n, [&]() __attribute__((target("avx512f"))) {
 #pragma omp parallel num_threads(threads)
     {
       __m512 acc[8];
@@ -88,17 +98,14 @@ __attribute__((target("avx512f"))) double read_gbs(const float* data, size_t n, 
           acc[k] = _mm512_add_ps(acc[k], _mm512_load_ps(data + i + 16 * k));
       for (int k = 1; k < 8; ++k) acc[0] = _mm512_add_ps(acc[0], acc[k]);
       sink.store(sink.load() + _mm512_reduce_add_ps(acc[0]));
-    }
-    best = std::max(best, n * sizeof(float) / (now() - t0) / 1e9);
-  }
-  return best;
 }
+}  // namespace
+);
+}  // namespace tandem::bench
 
 __attribute__((target("avx2"))) double read_gbs_avx2(const float* data, size_t n, int threads) {
-  double best = 0;
   std::atomic<float> sink{0};
-  for (int rep = 0; rep < 4; ++rep) {
-    double t0 = now();
+  return best_read_gbs(n, [&]() __attribute__((target("avx2"))) {
 #pragma omp parallel num_threads(threads)
     {
       __m256 acc[8];
@@ -111,10 +118,8 @@ __attribute__((target("avx2"))) double read_gbs_avx2(const float* data, size_t n
       float out[8];
       _mm256_storeu_ps(out, acc[0]);
       sink.store(sink.load() + out[0]);
-    }
-    best = std::max(best, n * sizeof(float) / (now() - t0) / 1e9);
-  }
-  return best;
+}
+});
 }
 
 bool has_avx512() {

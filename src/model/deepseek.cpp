@@ -241,8 +241,10 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
   }
   timer.emplace(profile_, StepPart::kRoutedExperts);
   out.assign(n * h, 0.0f);
-  // BF16 experts: every token's activations rounded once, gathered per expert as BF16.
-  const bool bf16 = w.experts[0].gate.type == kernels::WeightType::kBF16;
+  // BF16 experts on a CPU with BF16 GEMMs: every token's activations rounded once, gathered per
+  // expert as BF16 (elsewhere the products keep float32 activations and need no rounded copy).
+  const bool bf16 =
+      w.experts[0].gate.type == kernels::WeightType::kBF16 && kernels::bf16_gemm_available();
   thread_local std::vector<uint16_t> xb;
   if (bf16) {
     xb.resize(n * h);
@@ -362,14 +364,14 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   // Absorbed form for short steps: W_UK folded into the query and W_UV applied after the
   // weighted sum, so attention runs directly over the cached latents (one shared KV head of
   // width kv_lora + rope) for all of a sequence's heads and query tokens at once.
-  std::vector<kernels::MlaSequence> absorbed;
-  std::vector<std::vector<const void*>> pages;
+  std::vector<const SequenceStep*> absorbed_steps;
   std::vector<int64_t> absorbed_tokens;  // indices of the tokens attended in absorbed form
   thread_local std::vector<float> q_abs_buf, o_lat_buf;
   int64_t first_token = 0;
   for (const auto& step : batch) {
     const int64_t count = static_cast<int64_t>(step.tokens.size());
     if (count <= kAbsorbedMaxTokens) {
+      absorbed_steps.push_back(&step);
       for (int64_t i = 0; i < count; ++i) absorbed_tokens.push_back(first_token + i);
     } else if (w.kv_b.type == kernels::WeightType::kF32 || !kernels::bf16_gemm_available()) {
       expanded_attention<float>(c, w.kv_b, cache, step, layer, q + first_token * heads * qk,
@@ -396,19 +398,17 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
       kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, dst);
       std::copy_n(qh + nope, rd, dst + kvl);
     }
+  std::vector<kernels::MlaSequence> absorbed;
+  std::vector<std::vector<const void*>> pages;
   int64_t row = 0;
-  first_token = 0;
-  for (const auto& step : batch) {
-    const int64_t count = static_cast<int64_t>(step.tokens.size());
-    if (count <= kAbsorbedMaxTokens) {
-      const int64_t context = step.start + count;
-      auto& table = pages.emplace_back((context + bs - 1) / bs);
-      for (size_t b = 0; b < table.size(); ++b) table[b] = cache.block_layer(step.blocks[b], layer);
-      absorbed.push_back(
-          {q_abs + row * heads * entry, count, context, table.data(), o_lat + row * heads * kvl});
-      row += count;
-    }
-    first_token += count;
+  for (const SequenceStep* step : absorbed_steps) {
+    const auto count = static_cast<int64_t>(step->tokens.size());
+    const int64_t context = step->start + count;
+    auto& table = pages.emplace_back((context + bs - 1) / bs);
+    for (size_t b = 0; b < table.size(); ++b) table[b] = cache.block_layer(step->blocks[b], layer);
+    absorbed.push_back(
+        {q_abs + row * heads * entry, count, context, table.data(), o_lat + row * heads * kvl});
+    row += count;
   }
   const kernels::MlaShape shape{heads, kvl, rd, bs, scale, cache.shape().type};
   kernels::mla_decode(shape, absorbed, kernels::MlaOptions{mla_rescale_});

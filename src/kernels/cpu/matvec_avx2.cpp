@@ -1,20 +1,12 @@
 #include "kernels/cpu/matvec_avx2.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <cstring>
+
+#include "kernels/cpu/avx2_lanes.h"
+#include "kernels/cpu/bf16.h"
 
 namespace tandem::kernels::avx2 {
 namespace {
-
-#define TANDEM_AVX2 __attribute__((target("avx2,fma")))
-
-TANDEM_AVX2 inline float sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
 
 inline float widen(float v) {
   return v;
@@ -23,22 +15,7 @@ inline float widen(int8_t v) {
   return static_cast<float>(v);
 }
 inline float widen(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-TANDEM_AVX2 inline __m256 load8(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-TANDEM_AVX2 inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-TANDEM_AVX2 inline __m256 load8(const int8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  return bf16_to_f32(v);
 }
 
 // R weight rows x T tokens: each weight vector feeds T products, each activation vector R; one

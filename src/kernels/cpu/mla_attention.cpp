@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/avx2_lanes.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/matvec_avx2.h"
 
@@ -69,13 +70,7 @@ void exp2_portable(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp2(x[i]);
 }
 
-#define TANDEM_AVX2 __attribute__((target("avx2,fma")))
-
-TANDEM_AVX2 inline float sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
+using avx2::sum8;
 
 // H query rows x J keys of scores: every key vector loaded once feeds H products, every query
 // vector J; H * J accumulators plus J keys and one query fill the 16 registers at 4 x 3.
@@ -195,8 +190,7 @@ TANDEM_AVX2 void exp2_avx2(float* x, int64_t n) {
 // n a multiple of 8 (tile_kernels checks the widths).
 TANDEM_AVX2 void widen_avx2(const uint16_t* x, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-    _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    _mm256_storeu_ps(out + i, avx2::load8(x + i));
   }
 }
 
