@@ -1,0 +1,162 @@
+#include "placement/placement.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+
+namespace tandem::placement {
+
+int64_t Placement::slots(int64_t layer) const {
+  int64_t n = 0;
+  for (const auto& r : layers[layer]) n += int64_t(r.size());
+  return n;
+}
+
+std::vector<int32_t> Placement::phy2log(int64_t layer) const {
+  std::vector<int32_t> out;
+  for (const auto& r : layers[layer]) out.insert(out.end(), r.begin(), r.end());
+  return out;
+}
+
+std::vector<int32_t> Placement::logcnt(int64_t layer) const {
+  std::vector<int32_t> count(experts, 0);
+  for (const auto& r : layers[layer])
+    for (int32_t e : r) ++count[e];
+  return count;
+}
+
+std::vector<std::vector<int32_t>> Placement::log2phy(int64_t layer) const {
+  const std::vector<int32_t> count = logcnt(layer);
+  const int32_t width = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
+  std::vector<std::vector<int32_t>> out(experts, std::vector<int32_t>(width, -1));
+  std::vector<int32_t> filled(experts, 0);
+  int32_t slot = 0;
+  for (const auto& r : layers[layer])
+    for (int32_t e : r) out[e][filled[e]++] = slot++;
+  return out;
+}
+
+std::vector<int32_t> Placement::rank_of_slot(int64_t layer) const {
+  std::vector<int32_t> out;
+  for (size_t r = 0; r < layers[layer].size(); ++r) out.insert(out.end(), layers[layer][r].size(), int32_t(r));
+  return out;
+}
+
+std::vector<int64_t> Placement::slots_per_rank() const {
+  std::vector<int64_t> out(ranks, 0);
+  for (const auto& layer : layers)
+    for (size_t r = 0; r < layer.size() && r < out.size(); ++r) out[r] += int64_t(layer[r].size());
+  return out;
+}
+
+void validate(const Placement& p, const Constraints& constraints) {
+  if (p.ranks <= 0) throw Error("placement: ranks must be positive");
+  if (p.experts <= 0) throw Error("placement: experts must be positive");
+  for (size_t l = 0; l < p.layers.size(); ++l) {
+    const auto& layer = p.layers[l];
+    const std::string where = "placement layer " + std::to_string(l);
+    if (int64_t(layer.size()) != p.ranks)
+      throw Error(where + " has " + std::to_string(layer.size()) + " ranks, want " +
+                  std::to_string(p.ranks));
+    std::vector<int32_t> count(p.experts, 0);
+    for (size_t r = 0; r < layer.size(); ++r) {
+      std::vector<int32_t> seen;
+      for (int32_t e : layer[r]) {
+        if (e < 0 || e >= p.experts)
+          throw Error(where + ", rank " + std::to_string(r) + ": expert id " + std::to_string(e) +
+                      " is outside [0, " + std::to_string(p.experts) + ")");
+        if (constraints.distinct_on_rank &&
+            std::find(seen.begin(), seen.end(), e) != seen.end())
+          throw Error(where + ", rank " + std::to_string(r) + " holds two copies of expert " +
+                      std::to_string(e));
+        seen.push_back(e);
+        ++count[e];
+      }
+    }
+    for (int64_t e = 0; e < p.experts; ++e)
+      if (count[e] == 0)
+        throw Error(where + ": expert " + std::to_string(e) + " has no copy on any rank");
+  }
+  if (constraints.equal_rank_memory && !p.layers.empty()) {
+    const std::vector<int64_t> per_rank = p.slots_per_rank();
+    for (int r = 1; r < p.ranks; ++r)
+      if (per_rank[r] != per_rank[0])
+        throw Error("placement: rank " + std::to_string(r) + " holds " +
+                    std::to_string(per_rank[r]) + " expert slots over all layers, rank 0 holds " +
+                    std::to_string(per_rank[0]) + " (every rank needs the same expert memory)");
+  }
+}
+
+std::vector<double> rank_loads(const double* expert_loads,
+                               const std::vector<std::vector<int32_t>>& ranks, int64_t experts) {
+  std::vector<int32_t> count(experts, 0);
+  for (const auto& r : ranks)
+    for (int32_t e : r) ++count[e];
+  std::vector<double> out(ranks.size(), 0.0);
+  for (size_t r = 0; r < ranks.size(); ++r)
+    for (int32_t e : ranks[r]) out[r] += expert_loads[e] / count[e];
+  return out;
+}
+
+LayerBalance layer_balance(const double* expert_loads,
+                           const std::vector<std::vector<int32_t>>& ranks, int64_t experts) {
+  const std::vector<double> loads = rank_loads(expert_loads, ranks, experts);
+  LayerBalance b;
+  double total = 0;
+  for (int64_t e = 0; e < experts; ++e) total += expert_loads[e];
+  b.max_rank_load = loads.empty() ? 0 : *std::max_element(loads.begin(), loads.end());
+  b.mean_rank_load = ranks.empty() ? 0 : total / double(ranks.size());
+  return b;
+}
+
+Balance evaluate(const ExpertLoads& loads, const Placement& p) {
+  if (loads.layers != p.num_layers() || loads.experts != p.experts)
+    throw Error("expert loads are [" + std::to_string(loads.layers) + ", " +
+                std::to_string(loads.experts) + "] but the placement covers " +
+                std::to_string(p.num_layers()) + " layers of " + std::to_string(p.experts) +
+                " experts");
+  Balance b;
+  double sum_max = 0, sum_mean = 0, sum_ratio = 0;
+  b.worst_ratio = 0;
+  for (int64_t l = 0; l < loads.layers; ++l) {
+    b.layers.push_back(layer_balance(loads.row(l), p.layers[l], p.experts));
+    const LayerBalance& lb = b.layers.back();
+    sum_max += lb.max_rank_load;
+    sum_mean += lb.mean_rank_load;
+    sum_ratio += lb.ratio();
+    if (lb.ratio() > b.worst_ratio) {
+      b.worst_ratio = lb.ratio();
+      b.worst_layer = l;
+    }
+  }
+  b.mean_ratio = loads.layers ? sum_ratio / double(loads.layers) : 1.0;
+  b.step_proxy = sum_mean > 0 ? sum_max / sum_mean : 1.0;
+  return b;
+}
+
+int64_t count_layer_moves(const std::vector<std::vector<int32_t>>& from,
+                          const std::vector<std::vector<int32_t>>& to) {
+  int64_t moves = 0;
+  for (size_t r = 0; r < to.size(); ++r) {
+    std::vector<int32_t> had = r < from.size() ? from[r] : std::vector<int32_t>{};
+    for (int32_t e : to[r]) {
+      auto it = std::find(had.begin(), had.end(), e);
+      if (it == had.end())
+        ++moves;
+      else
+        had.erase(it);
+    }
+  }
+  return moves;
+}
+
+int64_t count_moves(const Placement& from, const Placement& to) {
+  int64_t moves = 0;
+  for (int64_t l = 0; l < to.num_layers(); ++l)
+    moves += count_layer_moves(l < from.num_layers() ? from.layers[l]
+                                                     : std::vector<std::vector<int32_t>>{},
+                               to.layers[l]);
+  return moves;
+}
+
+}  // namespace tandem::placement

@@ -1,0 +1,142 @@
+#include "placement/placement_format.h"
+
+#include "util/error.h"
+
+namespace tandem::placement {
+
+nlohmann::json placement_to_json(const Placement& p) {
+  nlohmann::json j = {{"format", "tandem-placement-v1"},
+                      {"ranks", p.ranks},
+                      {"experts", p.experts},
+                      {"layers", p.num_layers()}};
+  auto& rank_slots = j["rank_slots"] = nlohmann::json::array();
+  auto& phy2log = j["phy2log"] = nlohmann::json::array();
+  auto& log2phy = j["log2phy"] = nlohmann::json::array();
+  auto& logcnt = j["logcnt"] = nlohmann::json::array();
+  for (int64_t l = 0; l < p.num_layers(); ++l) {
+    nlohmann::json slots = nlohmann::json::array();
+    for (const auto& r : p.layers[l]) slots.push_back(r.size());
+    rank_slots.push_back(std::move(slots));
+    phy2log.push_back(p.phy2log(l));
+    log2phy.push_back(p.log2phy(l));
+    logcnt.push_back(p.logcnt(l));
+  }
+  return j;
+}
+
+Placement placement_from_json(const std::string& text, const std::string& source) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(source + ": not valid JSON: " + e.what());
+  }
+  const auto need = [&](const char* key) -> const nlohmann::json& {
+    if (!j.is_object() || !j.contains(key)) throw Error(source + ": placement has no \"" + key + "\"");
+    return j[key];
+  };
+  const nlohmann::json& ranks = need("ranks");
+  const nlohmann::json& experts = need("experts");
+  const nlohmann::json& phy2log = need("phy2log");
+  if (!ranks.is_number_integer() || ranks.get<int64_t>() <= 0 || ranks.get<int64_t>() > (1 << 20))
+    throw Error(source + ": \"ranks\" must be a positive integer");
+  if (!experts.is_number_integer() || experts.get<int64_t>() <= 0 ||
+      experts.get<int64_t>() > (1 << 24))
+    throw Error(source + ": \"experts\" must be a positive integer");
+  if (!phy2log.is_array() || phy2log.empty())
+    throw Error(source + ": \"phy2log\" must be a non-empty array of per-layer arrays");
+  Placement p{ranks.get<int>(), experts.get<int64_t>(), {}};
+  const nlohmann::json* rank_slots = j.contains("rank_slots") ? &j["rank_slots"] : nullptr;
+  if (rank_slots && (!rank_slots->is_array() || rank_slots->size() != phy2log.size()))
+    throw Error(source + ": \"rank_slots\" must have one entry per layer of \"phy2log\"");
+  for (size_t l = 0; l < phy2log.size(); ++l) {
+    const std::string where = source + ": layer " + std::to_string(l);
+    const nlohmann::json& row = phy2log[l];
+    if (!row.is_array()) throw Error(where + " of \"phy2log\" is not an array");
+    std::vector<int64_t> slots;
+    if (rank_slots) {
+      const nlohmann::json& s = (*rank_slots)[l];
+      if (!s.is_array() || int64_t(s.size()) != p.ranks)
+        throw Error(where + " of \"rank_slots\" needs " + std::to_string(p.ranks) + " counts");
+      for (const auto& v : s) {
+        if (!v.is_number_integer() || v.get<int64_t>() < 0)
+          throw Error(where + " of \"rank_slots\" holds a count that is not a non-negative integer");
+        slots.push_back(v.get<int64_t>());
+      }
+    } else {
+      if (row.size() % size_t(p.ranks) != 0)
+        throw Error(where + ": " + std::to_string(row.size()) + " slots do not divide over " +
+                    std::to_string(p.ranks) + " ranks and no \"rank_slots\" say how they split");
+      slots.assign(p.ranks, int64_t(row.size()) / p.ranks);
+    }
+    int64_t total = 0;
+    for (int64_t s : slots) total += s;
+    if (total != int64_t(row.size()))
+      throw Error(where + ": \"rank_slots\" add up to " + std::to_string(total) + " but \"phy2log\" has " +
+                  std::to_string(row.size()) + " slots");
+    std::vector<std::vector<int32_t>> layer(p.ranks);
+    size_t i = 0;
+    for (int r = 0; r < p.ranks; ++r)
+      for (int64_t k = 0; k < slots[r]; ++k, ++i) {
+        if (!row[i].is_number_integer())
+          throw Error(where + ", slot " + std::to_string(i) + " of \"phy2log\" is not an expert id");
+        const int64_t e = row[i].get<int64_t>();
+        if (e < 0 || e >= p.experts)
+          throw Error(where + ", slot " + std::to_string(i) + ": expert id " + std::to_string(e) +
+                      " is outside [0, " + std::to_string(p.experts) + ")");
+        layer[r].push_back(int32_t(e));
+      }
+    p.layers.push_back(std::move(layer));
+  }
+  try {
+    validate(p, Constraints{.distinct_on_rank = false, .equal_rank_memory = false});
+  } catch (const Error& e) {
+    throw Error(source + ": " + e.what());
+  }
+  return p;
+}
+
+NpyArray placement_to_omni_pattern(const Placement& p) {
+  const int64_t layers = p.num_layers();
+  NpyArray a{{p.ranks, layers, p.experts}, std::vector<int64_t>(size_t(p.ranks) * layers * p.experts, 0), "<i4"};
+  for (int64_t l = 0; l < layers; ++l)
+    for (int r = 0; r < p.ranks; ++r)
+      for (int32_t e : p.layers[l][r]) {
+        int64_t& cell = a.values[(size_t(r) * layers + l) * p.experts + e];
+        if (cell)
+          throw Error("placement layer " + std::to_string(l) + ", rank " + std::to_string(r) +
+                      " holds two copies of expert " + std::to_string(e) +
+                      ", which an Omni pattern cannot express");
+        cell = 1;
+      }
+  return a;
+}
+
+Placement placement_from_omni_pattern(const NpyArray& a, const std::string& source) {
+  if (a.shape.size() != 3)
+    throw Error(source + ": an Omni placement pattern is a 3-D array [ranks, layers, experts], got " +
+                std::to_string(a.shape.size()) + " dimensions");
+  const int64_t ranks = a.shape[0], layers = a.shape[1], experts = a.shape[2];
+  if (ranks <= 0 || layers <= 0 || experts <= 0)
+    throw Error(source + ": an Omni placement pattern needs ranks, layers and experts");
+  Placement p{int(ranks), experts, std::vector<std::vector<std::vector<int32_t>>>(
+                                       layers, std::vector<std::vector<int32_t>>(ranks))};
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int64_t l = 0; l < layers; ++l)
+      for (int64_t e = 0; e < experts; ++e) {
+        const int64_t v = a.values[(r * layers + l) * experts + e];
+        if (v != 0 && v != 1)
+          throw Error(source + ": rank " + std::to_string(r) + ", layer " + std::to_string(l) +
+                      ", expert " + std::to_string(e) + " holds " + std::to_string(v) +
+                      " (an Omni pattern holds 0 or 1)");
+        if (v) p.layers[l][r].push_back(int32_t(e));
+      }
+  try {
+    validate(p, Constraints{.distinct_on_rank = true, .equal_rank_memory = false});
+  } catch (const Error& e) {
+    throw Error(source + ": " + e.what());
+  }
+  return p;
+}
+
+}  // namespace tandem::placement

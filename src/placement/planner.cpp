@@ -1,0 +1,438 @@
+#include "placement/planner.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <queue>
+
+#include "placement/eplb.h"
+#include "util/error.h"
+
+namespace tandem::placement {
+namespace {
+
+using RankLists = std::vector<std::vector<int32_t>>;
+
+// Copies per expert: each extra slot goes to the expert with the highest load per copy (lower
+// id on ties), at most one copy per rank. Kept as a heap so cost curves can add one at a time.
+class Replicator {
+ public:
+  Replicator(const double* loads, int64_t experts, int max_copies)
+      : loads_(loads), count_(experts, 1), max_copies_(max_copies) {
+    for (int64_t e = 0; e < experts; ++e) heap_.push({loads[e], -e});
+  }
+  bool add_one() {
+    while (!heap_.empty()) {
+      const auto [value, neg] = heap_.top();
+      heap_.pop();
+      const int64_t e = -neg;
+      if (count_[e] >= max_copies_) continue;
+      ++count_[e];
+      heap_.push({loads_[e] / double(count_[e]), neg});
+      (void)value;
+      return true;
+    }
+    return false;
+  }
+  const std::vector<int32_t>& count() const { return count_; }
+
+ private:
+  const double* loads_;
+  std::vector<int32_t> count_;
+  int max_copies_;
+  std::priority_queue<std::pair<double, int64_t>> heap_;
+};
+
+// A layer being packed: which rank holds which copies, and each rank's load.
+struct LayerState {
+  const double* loads;
+  int64_t experts;
+  std::vector<int64_t> capacity;
+  const std::vector<int>& host_of_rank;
+  std::vector<int32_t> count;
+  RankLists ranks;
+  std::vector<double> rank_load;
+  std::vector<uint8_t> holds;  // [rank, expert]
+
+  LayerState(const double* l, int64_t e, std::vector<int64_t> cap, const std::vector<int>& hosts,
+             std::vector<int32_t> c)
+      : loads(l), experts(e), capacity(std::move(cap)), host_of_rank(hosts), count(std::move(c)),
+        ranks(capacity.size()), rank_load(capacity.size(), 0.0),
+        holds(capacity.size() * size_t(e), 0) {}
+
+  int num_ranks() const { return int(capacity.size()); }
+  double per_copy(int32_t e) const { return loads[e] / double(count[e]); }
+  bool has(int r, int32_t e) const { return holds[size_t(r) * experts + e] != 0; }
+  int host(int r) const { return host_of_rank.empty() ? 0 : host_of_rank[r]; }
+  bool host_has(int h, int32_t e) const {
+    for (int r = 0; r < num_ranks(); ++r)
+      if (host(r) == h && has(r, e)) return true;
+    return false;
+  }
+  void put(int r, int32_t e) {
+    ranks[r].push_back(e);
+    rank_load[r] += per_copy(e);
+    holds[size_t(r) * experts + e] = 1;
+  }
+  void take(int r, int32_t e) {
+    auto it = std::find(ranks[r].begin(), ranks[r].end(), e);
+    ranks[r].erase(it);
+    rank_load[r] -= per_copy(e);
+    holds[size_t(r) * experts + e] = 0;
+  }
+  void recompute_loads() {
+    std::fill(rank_load.begin(), rank_load.end(), 0.0);
+    for (int r = 0; r < num_ranks(); ++r)
+      for (int32_t e : ranks[r]) rank_load[r] += per_copy(e);
+  }
+  double max_load() const { return *std::max_element(rank_load.begin(), rank_load.end()); }
+
+  // The least loaded rank with room that lacks `e`, on a host without `e` when one has room.
+  int choose_rank(int32_t e) const {
+    int best = -1, best_spread = -1;
+    for (int r = 0; r < num_ranks(); ++r) {
+      if (int64_t(ranks[r].size()) >= capacity[r] || has(r, e)) continue;
+      const int spread = host_of_rank.empty() ? 0 : (host_has(host(r), e) ? 0 : 1);
+      if (best < 0 || spread > best_spread ||
+          (spread == best_spread && rank_load[r] < rank_load[best])) {
+        best = r;
+        best_spread = spread;
+      }
+    }
+    return best;
+  }
+
+  // Every rank with room already holds `e`: move another copy off a rank without `e` into
+  // the room, and put `e` where it was.
+  void place_by_displacing(int32_t e) {
+    int room = -1;
+    for (int r = 0; r < num_ranks() && room < 0; ++r)
+      if (int64_t(ranks[r].size()) < capacity[r]) room = r;
+    int best_rank = -1;
+    int32_t best_item = -1;
+    double best_load = std::numeric_limits<double>::infinity();
+    for (int r = 0; r < num_ranks(); ++r) {
+      if (r == room || has(r, e)) continue;
+      for (int32_t y : ranks[r]) {
+        if (has(room, y)) continue;
+        const double after = rank_load[r] - per_copy(y) + per_copy(e);
+        if (after < best_load) best_load = after, best_rank = r, best_item = y;
+      }
+    }
+    if (room < 0 || best_rank < 0)
+      throw Error("placement: no rank can take another copy of expert " + std::to_string(e));
+    take(best_rank, best_item);
+    put(room, best_item);
+    put(best_rank, e);
+  }
+
+  void place(int32_t e) {
+    const int r = choose_rank(e);
+    if (r >= 0)
+      put(r, e);
+    else
+      place_by_displacing(e);
+  }
+
+  // Whether moving `e` from rank `from` to rank `to` keeps host spreading no worse.
+  bool host_allows(int32_t e, int from, int to) const {
+    if (host_of_rank.empty() || host(from) == host(to)) return true;
+    return !host_has(host(to), e);
+  }
+
+  // Pairwise swaps between the busiest rank and lighter ones while the busier of the two
+  // gets lighter: LPT leaves a few percent that such swaps recover.
+  void refine(double stop_at = 0) {
+    for (int iteration = 0; iteration < 4096; ++iteration) {
+      const int m = int(std::max_element(rank_load.begin(), rank_load.end()) - rank_load.begin());
+      const double top = rank_load[m];
+      if (top <= stop_at) return;
+      double best_max = top * (1 - 1e-12);
+      int best_s = -1;
+      int32_t best_x = -1, best_y = -1;
+      for (int32_t x : ranks[m]) {
+        const double a = per_copy(x);
+        for (int s = 0; s < num_ranks(); ++s) {
+          if (s == m || rank_load[s] >= top || has(s, x)) continue;
+          for (int32_t y : ranks[s]) {
+            const double b = per_copy(y);
+            if (b >= a || has(m, y)) continue;
+            const double after = std::max(top - a + b, rank_load[s] - b + a);
+            if (after < best_max && host_allows(x, m, s) && host_allows(y, s, m)) {
+              best_max = after;
+              best_s = s, best_x = x, best_y = y;
+            }
+          }
+        }
+      }
+      if (best_s < 0) return;
+      take(m, best_x);
+      take(best_s, best_y);
+      put(m, best_y);
+      put(best_s, best_x);
+    }
+  }
+};
+
+std::vector<std::pair<double, int32_t>> copies_heaviest_first(const LayerState& s) {
+  std::vector<std::pair<double, int32_t>> items;
+  for (int64_t e = 0; e < s.experts; ++e)
+    for (int32_t c = 0; c < s.count[e]; ++c) items.push_back({s.per_copy(int32_t(e)), int32_t(e)});
+  std::stable_sort(items.begin(), items.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  return items;
+}
+
+LayerState pack(const double* loads, int64_t experts, const std::vector<int64_t>& capacity,
+                const std::vector<int>& hosts, std::vector<int32_t> count, bool refine) {
+  LayerState s(loads, experts, capacity, hosts, std::move(count));
+  for (const auto& [load, e] : copies_heaviest_first(s)) s.place(e);
+  if (refine) s.refine();
+  return s;
+}
+
+std::vector<int64_t> even_capacity(int64_t slots, int ranks) {
+  std::vector<int64_t> cap(ranks, slots / ranks);
+  for (int64_t r = 0; r < slots % ranks; ++r) ++cap[r];
+  return cap;
+}
+
+// Busiest rank's load for 0..max_extra redundant slots (LPT only, no swaps: a cost curve).
+std::vector<double> cost_curve(const double* loads, int64_t experts, int ranks, int64_t max_extra,
+                               const std::vector<int>& hosts) {
+  std::vector<double> curve;
+  Replicator rep(loads, experts, ranks);
+  for (int64_t r = 0; r <= max_extra; ++r) {
+    if (r > 0 && !rep.add_one()) {
+      curve.push_back(curve.back());
+      continue;
+    }
+    LayerState s = pack(loads, experts, even_capacity(experts + r, ranks), hosts, rep.count(), false);
+    curve.push_back(s.max_load());
+  }
+  return curve;
+}
+
+void check_options(const ExpertLoads& loads, const PlanOptions& o) {
+  validate(loads, "expert loads");
+  if (o.ranks <= 0) throw Error("placement: ranks must be positive");
+  if (o.redundant_slots < 0) throw Error("placement: redundant slots must not be negative");
+  if (loads.experts < o.ranks)
+    throw Error("placement: " + std::to_string(loads.experts) + " experts cannot fill " +
+                std::to_string(o.ranks) + " ranks (every rank needs an expert in every layer)");
+  if (!o.host_of_rank.empty() && int(o.host_of_rank.size()) != o.ranks)
+    throw Error("placement: hosts are given for " + std::to_string(o.host_of_rank.size()) +
+                " ranks, want " + std::to_string(o.ranks));
+  const int64_t total = loads.layers * loads.experts + o.redundant_slots;
+  if (total % o.ranks != 0)
+    throw Error("placement: " + std::to_string(total) + " expert slots over all layers do not divide over " +
+                std::to_string(o.ranks) + " ranks (every rank needs the same expert memory); use a "
+                "redundant budget that makes layers x experts + budget a multiple of the ranks");
+  if (o.redundant_slots > loads.layers * loads.experts * (int64_t(o.ranks) - 1))
+    throw Error("placement: " + std::to_string(o.redundant_slots) +
+                " redundant slots exceed one copy of every expert on every rank");
+}
+
+}  // namespace
+
+std::vector<std::vector<int32_t>> plan_layer(const double* loads, int64_t experts,
+                                             const std::vector<int64_t>& capacity,
+                                             const std::vector<int>& host_of_rank, bool refine) {
+  const int ranks = int(capacity.size());
+  const int64_t slots = std::accumulate(capacity.begin(), capacity.end(), int64_t(0));
+  if (slots < experts)
+    throw Error("placement: " + std::to_string(slots) + " slots cannot hold " +
+                std::to_string(experts) + " experts");
+  Replicator rep(loads, experts, ranks);
+  for (int64_t i = experts; i < slots; ++i)
+    if (!rep.add_one())
+      throw Error("placement: " + std::to_string(slots) + " slots exceed one copy of each of " +
+                  std::to_string(experts) + " experts on each of " + std::to_string(ranks) + " ranks");
+  return pack(loads, experts, capacity, host_of_rank, rep.count(), refine).ranks;
+}
+
+std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOptions& o) {
+  check_options(loads, o);
+  const int64_t layers = loads.layers, budget = o.redundant_slots;
+  const int64_t per_layer_cap = loads.experts * (int64_t(o.ranks) - 1);
+  std::vector<int64_t> out(layers, 0);
+  switch (o.allocation) {
+    case Allocation::kEven:
+      for (int64_t l = 0; l < layers; ++l) out[l] = budget / layers + (l < budget % layers ? 1 : 0);
+      return out;
+    case Allocation::kWorstLayers: {
+      std::vector<double> ratio(layers);
+      for (int64_t l = 0; l < layers; ++l) {
+        const auto ranks = plan_layer(loads.row(l), loads.experts, even_capacity(loads.experts, o.ranks),
+                                      o.host_of_rank, false);
+        ratio[l] = layer_balance(loads.row(l), ranks, loads.experts).ratio();
+      }
+      std::vector<int64_t> order(layers);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ratio[a] > ratio[b]; });
+      int64_t left = budget;
+      for (int64_t pass = 0; left > 0; ++pass)
+        for (int64_t i = 0; i < layers && left > 0; ++i) {
+          const int64_t give = std::min<int64_t>({left, o.ranks, per_layer_cap - out[order[i]]});
+          out[order[i]] += give;
+          left -= give;
+        }
+      return out;
+    }
+    case Allocation::kLayerWise: {
+      // Minimise the sum over layers of the busiest rank's load with exactly `budget` extra
+      // slots: a knapsack over per-layer cost curves.
+      const int64_t even = (budget + layers - 1) / layers;
+      const int64_t cap = std::min({budget, per_layer_cap, std::max<int64_t>(4 * o.ranks, 8 * even)});
+      std::vector<std::vector<double>> curve(layers);
+      for (int64_t l = 0; l < layers; ++l)
+        curve[l] = cost_curve(loads.row(l), loads.experts, o.ranks, cap, o.host_of_rank);
+      const double inf = std::numeric_limits<double>::infinity();
+      std::vector<double> best(budget + 1, inf), next(budget + 1);
+      best[0] = 0;
+      std::vector<std::vector<int32_t>> choice(layers, std::vector<int32_t>(budget + 1, -1));
+      for (int64_t l = 0; l < layers; ++l) {
+        std::fill(next.begin(), next.end(), inf);
+        for (int64_t b = 0; b <= budget; ++b) {
+          if (best[b] == inf) continue;
+          for (int64_t r = 0; r <= cap && b + r <= budget; ++r) {
+            const double v = best[b] + curve[l][r];
+            if (v < next[b + r]) {
+              next[b + r] = v;
+              choice[l][b + r] = int32_t(r);
+            }
+          }
+        }
+        best.swap(next);
+      }
+      if (best[budget] == inf) throw Error("placement: the redundant budget cannot be allocated");
+      for (int64_t l = layers - 1, b = budget; l >= 0; --l) {
+        out[l] = choice[l][b];
+        b -= out[l];
+      }
+      return out;
+    }
+  }
+  return out;
+}
+
+Plan plan(const ExpertLoads& loads, const PlanOptions& o) {
+  Plan result;
+  result.redundant_per_layer = allocate_redundancy(loads, o);
+  Placement& p = result.placement;
+  p.ranks = o.ranks;
+  p.experts = loads.experts;
+  // The extra slot of a layer whose slots do not divide over the ranks goes to the next ranks in
+  // turn, so every rank ends with the same total.
+  int64_t cursor = 0;
+  for (int64_t l = 0; l < loads.layers; ++l) {
+    const int64_t slots = loads.experts + result.redundant_per_layer[l];
+    std::vector<int64_t> capacity(o.ranks, slots / o.ranks);
+    for (int64_t i = 0; i < slots % o.ranks; ++i) ++capacity[(cursor + i) % o.ranks];
+    cursor = (cursor + slots % o.ranks) % o.ranks;
+    p.layers.push_back(plan_layer(loads.row(l), loads.experts, capacity, o.host_of_rank, o.refine));
+  }
+  return result;
+}
+
+namespace {
+
+// Relabels the ranks of `fresh` (within capacity and host) so it keeps as much of `current` as
+// it can: ranks are interchangeable to a plan, not to the weights already loaded.
+RankLists align_to(const RankLists& current, RankLists fresh, const std::vector<int>& hosts,
+                   int64_t experts) {
+  const int n = int(current.size());
+  std::vector<std::tuple<int, int, int>> pairs;  // (-overlap, fresh rank, current rank)
+  for (int f = 0; f < n; ++f) {
+    std::vector<uint8_t> in(experts, 0);
+    for (int32_t e : fresh[f]) in[e] = 1;
+    for (int c = 0; c < n; ++c) {
+      if (current[c].size() != fresh[f].size()) continue;
+      if (!hosts.empty() && hosts[c] != hosts[f]) continue;
+      int overlap = 0;
+      for (int32_t e : current[c]) overlap += in[e];
+      pairs.push_back({-overlap, f, c});
+    }
+  }
+  std::sort(pairs.begin(), pairs.end());
+  std::vector<int> target(n, -1);
+  std::vector<uint8_t> taken(n, 0);
+  for (const auto& [neg, f, c] : pairs)
+    if (target[f] < 0 && !taken[c]) target[f] = c, taken[c] = 1;
+  RankLists out(n);
+  for (int f = 0; f < n; ++f) out[target[f]] = std::move(fresh[f]);
+  return out;
+}
+
+}  // namespace
+
+IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& current,
+                                 const std::vector<int>& hosts, const IncrementalOptions& o) {
+  validate(loads, "expert loads");
+  validate(current, Constraints{.distinct_on_rank = false, .equal_rank_memory = false});
+  if (loads.layers != current.num_layers() || loads.experts != current.experts)
+    throw Error("placement: the loads are [" + std::to_string(loads.layers) + ", " +
+                std::to_string(loads.experts) + "] but the current placement has " +
+                std::to_string(current.num_layers()) + " layers of " + std::to_string(current.experts) +
+                " experts");
+  IncrementalPlan result{current, 0, 0};
+  for (int64_t l = 0; l < loads.layers; ++l) {
+    const RankLists& now = current.layers[l];
+    std::vector<int64_t> capacity;
+    for (const auto& r : now) capacity.push_back(int64_t(r.size()));
+    const RankLists fresh = plan_layer(loads.row(l), loads.experts, capacity, hosts, true);
+    const double fresh_max = layer_balance(loads.row(l), fresh, loads.experts).max_rank_load;
+    const double now_max = layer_balance(loads.row(l), now, loads.experts).max_rank_load;
+    if (now_max <= fresh_max || (now_max - fresh_max) <= o.min_gain * now_max) continue;
+
+    // Repair: keep every copy the fresh plan's copy counts still want, drop the surplus from
+    // the busiest ranks, place the missing copies, then swap off the busiest rank.
+    std::vector<int32_t> want(loads.experts, 0);
+    for (const auto& r : fresh)
+      for (int32_t e : r) ++want[e];
+    LayerState s(loads.row(l), loads.experts, capacity, hosts, want);
+    std::vector<int32_t> have(loads.experts, 0);
+    for (int r = 0; r < int(now.size()); ++r)
+      for (int32_t e : now[r])
+        if (!s.has(r, e)) {  // a second copy on one rank (EPLB allows it) is dropped
+          s.put(r, e);
+          ++have[e];
+        }
+    for (int64_t e = 0; e < loads.experts; ++e) {
+      for (int32_t extra = have[e] - want[e]; extra > 0; --extra) {
+        int from = -1;
+        for (int r = 0; r < s.num_ranks(); ++r)
+          if (s.has(r, int32_t(e)) && (from < 0 || s.rank_load[r] > s.rank_load[from])) from = r;
+        s.take(from, int32_t(e));
+      }
+    }
+    std::vector<std::pair<double, int32_t>> missing;
+    for (int64_t e = 0; e < loads.experts; ++e) {
+      int32_t placed = 0;
+      for (int r = 0; r < s.num_ranks(); ++r) placed += s.has(r, int32_t(e));
+      for (int32_t c = placed; c < want[e]; ++c) missing.push_back({s.per_copy(int32_t(e)), int32_t(e)});
+    }
+    std::stable_sort(missing.begin(), missing.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& [load, e] : missing) s.place(e);
+    s.recompute_loads();
+    s.refine(fresh_max * (1 + o.tolerance));
+    const int64_t repair_moves = count_layer_moves(now, s.ranks);
+    const bool repaired_ok = s.max_load() <= fresh_max * (1 + o.tolerance);
+
+    RankLists aligned = align_to(now, fresh, hosts, loads.experts);
+    const int64_t fresh_moves = count_layer_moves(now, aligned);
+    RankLists& chosen = result.placement.layers[l];
+    if (repaired_ok && repair_moves <= fresh_moves) {
+      chosen = s.ranks;
+      result.moves += repair_moves;
+    } else {
+      chosen = std::move(aligned);
+      result.moves += fresh_moves;
+    }
+    if (count_layer_moves(now, chosen) > 0) ++result.layers_changed;
+  }
+  return result;
+}
+
+}  // namespace tandem::placement

@@ -1,0 +1,267 @@
+// Placement planners: EPLB reproduced from its README, constraints and balance properties of the
+// Omni planner on random loads, incremental rebalancing, the file formats.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <random>
+
+#include "placement/eplb.h"
+#include "placement/placement_format.h"
+#include "placement/planner.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::placement {
+namespace {
+
+ExpertLoads zipf_loads(int64_t layers, int64_t experts, uint32_t seed, double alpha_lo,
+                       double alpha_hi) {
+  std::mt19937 rng(seed);
+  ExpertLoads loads{layers, experts, {}};
+  for (int64_t l = 0; l < layers; ++l) {
+    const double alpha = alpha_lo + (alpha_hi - alpha_lo) * double(l) / double(std::max<int64_t>(1, layers - 1));
+    std::vector<int64_t> perm(experts);
+    for (int64_t e = 0; e < experts; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<double> row(experts);
+    for (int64_t e = 0; e < experts; ++e) row[perm[e]] = std::floor(10000.0 / std::pow(double(e + 1), alpha));
+    loads.values.insert(loads.values.end(), row.begin(), row.end());
+  }
+  return loads;
+}
+
+TEST(Eplb, ReproducesTheReadmeExample) {
+  const ExpertLoads loads{2, 12, {90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86,
+                                  20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27}};
+  const Placement p = eplb_rebalance(loads, {.replicas = 16, .groups = 4, .nodes = 2, .gpus = 8});
+  EXPECT_EQ(p.phy2log(0), (std::vector<int32_t>{5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1}));
+  EXPECT_EQ(p.phy2log(1), (std::vector<int32_t>{7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1}));
+  EXPECT_EQ(p.logcnt(0), (std::vector<int32_t>{1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1}));
+}
+
+TEST(Eplb, FallsBackToTheGlobalPolicyWhenNodesDoNotDivideGroups) {
+  const ExpertLoads loads = zipf_loads(3, 24, 7, 1.0, 1.0);
+  const Placement global = eplb_rebalance(loads, {.replicas = 32, .groups = 3, .nodes = 2, .gpus = 8});
+  const Placement one = eplb_rebalance(loads, {.replicas = 32, .groups = 1, .nodes = 1, .gpus = 8});
+  EXPECT_EQ(global.layers, one.layers);
+  validate(global, Constraints{.distinct_on_rank = false});
+}
+
+TEST(Eplb, RejectsSlotsThatDoNotDivideOverRanks) {
+  const ExpertLoads loads = zipf_loads(1, 16, 1, 1.0, 1.0);
+  EXPECT_THROW(eplb_rebalance(loads, {.replicas = 18, .gpus = 4}), Error);
+  EXPECT_THROW(eplb_rebalance(loads, {.replicas = 8, .gpus = 4}), Error);
+}
+
+TEST(Planner, EveryAllocationKeepsTheConstraintsOnRandomLoads) {
+  for (uint32_t seed = 1; seed <= 6; ++seed) {
+    const ExpertLoads loads = zipf_loads(6, 64, seed, 0.4, 1.6);
+    for (Allocation a : {Allocation::kLayerWise, Allocation::kEven, Allocation::kWorstLayers}) {
+      const int ranks = seed % 2 ? 8 : 16;
+      const Plan plan_result =
+          plan(loads, {.ranks = ranks, .redundant_slots = 3 * ranks + ranks / 2 * 2, .allocation = a});
+      SCOPED_TRACE("seed " + std::to_string(seed) + " allocation " + std::to_string(int(a)));
+      EXPECT_NO_THROW(validate(plan_result.placement));
+      int64_t total = 0;
+      for (int64_t r : plan_result.redundant_per_layer) total += r;
+      EXPECT_EQ(total, 3 * ranks + ranks / 2 * 2);
+      const Balance none = evaluate(loads, no_redundancy(6, 64, ranks));
+      EXPECT_LE(evaluate(loads, plan_result.placement).step_proxy, none.step_proxy);
+    }
+  }
+}
+
+TEST(Planner, UnevenLayerSlotsStillGiveEveryRankTheSameMemory) {
+  const ExpertLoads loads = zipf_loads(5, 32, 3, 0.5, 1.5);
+  // 5 * 32 + 12 = 172 slots over 4 ranks: some layers have slots that do not divide evenly.
+  const Plan p = plan(loads, {.ranks = 4, .redundant_slots = 12});
+  const std::vector<int64_t> per_rank = p.placement.slots_per_rank();
+  for (int64_t s : per_rank) EXPECT_EQ(s, 43);
+  EXPECT_NO_THROW(validate(p.placement));
+}
+
+TEST(Planner, LayerWiseAllocationGivesTheSkewedLayersTheBudget) {
+  ExpertLoads loads = zipf_loads(4, 32, 5, 0.0, 0.0);  // flat layers
+  const ExpertLoads hot = zipf_loads(1, 32, 9, 1.4, 1.4);
+  std::copy(hot.values.begin(), hot.values.end(), loads.values.begin() + 2 * 32);
+  const Plan p = plan(loads, {.ranks = 8, .redundant_slots = 16});
+  EXPECT_EQ(p.redundant_per_layer[2], 16);
+  const Plan even = plan(loads, {.ranks = 8, .redundant_slots = 16, .allocation = Allocation::kEven});
+  EXPECT_LT(evaluate(loads, p.placement).step_proxy, evaluate(loads, even.placement).step_proxy);
+}
+
+TEST(Planner, NeverWorseThanEvenOnUniformSkew) {
+  const ExpertLoads loads = zipf_loads(8, 64, 11, 1.0, 1.0);
+  const Plan wise = plan(loads, {.ranks = 8, .redundant_slots = 64});
+  const Plan even = plan(loads, {.ranks = 8, .redundant_slots = 64, .allocation = Allocation::kEven});
+  EXPECT_LE(evaluate(loads, wise.placement).step_proxy, evaluate(loads, even.placement).step_proxy * 1.005);
+}
+
+TEST(Planner, HostsGetDistinctCopiesFirst) {
+  const ExpertLoads loads = zipf_loads(2, 32, 4, 1.5, 1.5);
+  const std::vector<int> hosts = {0, 0, 0, 0, 1, 1, 1, 1};
+  const Plan p = plan(loads, {.ranks = 8, .redundant_slots = 16, .host_of_rank = hosts});
+  for (const auto& layer : p.placement.layers)
+    for (int32_t e = 0; e < 32; ++e) {
+      int copies = 0, host0 = 0;
+      for (int r = 0; r < 8; ++r)
+        for (int32_t x : layer[r])
+          if (x == e) ++copies, host0 += hosts[r] == 0;
+      if (copies == 2) {
+        EXPECT_EQ(host0, 1) << "expert " << e;
+      }
+    }
+}
+
+TEST(Planner, IsDeterministic) {
+  const ExpertLoads loads = zipf_loads(6, 64, 21, 0.6, 1.4);
+  const PlanOptions o{.ranks = 16, .redundant_slots = 32};
+  EXPECT_EQ(plan(loads, o).placement.layers, plan(loads, o).placement.layers);
+}
+
+TEST(Planner, MatchesEplbBalanceWithTheSameSlotsPerLayer) {
+  const ExpertLoads loads = zipf_loads(10, 64, 2, 0.6, 1.4);
+  const Placement eplb = eplb_rebalance(loads, {.replicas = 80, .gpus = 16});
+  const Plan ours = plan(loads, {.ranks = 16, .redundant_slots = 160, .allocation = Allocation::kEven});
+  EXPECT_LE(evaluate(loads, ours.placement).step_proxy, evaluate(loads, eplb).step_proxy * 1.01);
+}
+
+TEST(Planner, RejectsBadInputNamingTheField) {
+  const ExpertLoads loads = zipf_loads(2, 16, 1, 1.0, 1.0);
+  EXPECT_THROW(plan(loads, {.ranks = 32}), Error);                        // more ranks than experts
+  EXPECT_THROW(plan(loads, {.ranks = 4, .redundant_slots = 3}), Error);  // uneven rank memory
+  ExpertLoads negative = loads;
+  negative.values[5] = -1;
+  try {
+    plan(negative, {.ranks = 4});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 5"), std::string::npos) << e.what();
+  }
+  ExpertLoads short_loads = loads;
+  short_loads.values.pop_back();
+  EXPECT_THROW(plan(short_loads, {.ranks = 4}), Error);
+}
+
+TEST(Incremental, MovesNoMoreThanAFreshPlanAndStaysWithinTolerance) {
+  for (uint32_t seed = 1; seed <= 5; ++seed) {
+    const ExpertLoads before = zipf_loads(6, 64, seed, 0.6, 1.4);
+    const ExpertLoads after = zipf_loads(6, 64, seed + 100, 0.6, 1.4);
+    const PlanOptions o{.ranks = 16, .redundant_slots = 6 * 16, .allocation = Allocation::kEven};
+    const Placement current = plan(before, o).placement;
+    const Placement fresh = plan(after, o).placement;
+    const IncrementalPlan inc = plan_incremental(after, current, {});
+    EXPECT_NO_THROW(validate(inc.placement));
+    EXPECT_EQ(inc.moves, count_moves(current, inc.placement));
+    EXPECT_LE(inc.moves, count_moves(current, fresh));
+    EXPECT_GT(inc.layers_changed, 0);
+    const Balance b = evaluate(after, inc.placement), f = evaluate(after, fresh);
+    for (int64_t l = 0; l < 6; ++l)
+      EXPECT_LE(b.layers[l].max_rank_load, f.layers[l].max_rank_load * 1.021) << "layer " << l;
+  }
+}
+
+TEST(Incremental, LeavesABalancedPlacementAlone) {
+  const ExpertLoads loads = zipf_loads(4, 32, 3, 1.0, 1.0);
+  const Placement current = plan(loads, {.ranks = 8, .redundant_slots = 32}).placement;
+  const IncrementalPlan inc = plan_incremental(loads, current, {});
+  EXPECT_EQ(inc.moves, 0);
+  EXPECT_EQ(inc.placement.layers, current.layers);
+}
+
+TEST(Format, JsonRoundTripsWithEplbShapes) {
+  const ExpertLoads loads = zipf_loads(3, 16, 8, 1.2, 1.2);
+  const Placement p = plan(loads, {.ranks = 4, .redundant_slots = 4}).placement;
+  const nlohmann::json j = placement_to_json(p);
+  EXPECT_EQ(j["phy2log"][0].size(), size_t(p.slots(0)));
+  EXPECT_EQ(j["logcnt"][1].size(), 16u);
+  const Placement back = placement_from_json(j.dump(), "test.json");
+  EXPECT_EQ(back.layers, p.layers);
+  // log2phy lists every copy's slot, padded with -1.
+  const auto log2phy = p.log2phy(0);
+  const auto phy2log = p.phy2log(0);
+  for (int32_t e = 0; e < 16; ++e)
+    for (int32_t s : log2phy[e])
+      if (s >= 0) {
+        EXPECT_EQ(phy2log[s], e);
+      }
+}
+
+TEST(Format, JsonErrorsNameTheField) {
+  const auto message = [](const std::string& text) {
+    try {
+      placement_from_json(text, "p.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(R"({"ranks":2,"experts":4})").find("phy2log"), std::string::npos);
+  EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2,2]]})").find("expert 3"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2,9]]})").find("expert id 9"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2]]})").find("do not divide"),
+            std::string::npos);
+}
+
+TEST(Format, OmniPatternRoundTripsThroughNpy) {
+  const ExpertLoads loads = zipf_loads(3, 16, 8, 1.2, 1.2);
+  const Placement p = plan(loads, {.ranks = 4, .redundant_slots = 8}).placement;
+  const NpyArray a = placement_to_omni_pattern(p);
+  const NpyArray parsed = parse_npy(encode_npy(a.shape, a.values, true), "p.npy");
+  EXPECT_EQ(parsed.dtype, "<i4");
+  const Placement back = placement_from_omni_pattern(parsed, "p.npy");
+  for (int64_t l = 0; l < 3; ++l)
+    for (int r = 0; r < 4; ++r) {
+      auto a_sorted = p.layers[l][r], b_sorted = back.layers[l][r];
+      std::sort(a_sorted.begin(), a_sorted.end());
+      EXPECT_EQ(a_sorted, b_sorted);
+    }
+}
+
+TEST(Format, OmniPatternErrorsNameTheCell) {
+  NpyArray a{{2, 1, 2}, {1, 0, 0, 0}, "<i4"};  // expert 1 nowhere
+  EXPECT_THROW(placement_from_omni_pattern(a, "p.npy"), Error);
+  a.values = {1, 2, 0, 1};
+  try {
+    placement_from_omni_pattern(a, "p.npy");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 1 holds 2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(placement_from_omni_pattern({{4, 2}, std::vector<int64_t>(8, 1), "<i4"}, "p.npy"), Error);
+}
+
+// The pattern Omni Placement produced for DeepSeek-V3 GSM8K decode on 32 dies (see
+// tests/data/placement/README.md): 10 layers carry 32 redundant experts, one per rank.
+TEST(Format, ReadsTheOmniDeepSeekV3Pattern) {
+  const std::filesystem::path path = std::filesystem::path(TANDEM_SOURCE_DIR) / "tests/data/placement" /
+                                     "omni_dsv3_gsm8k_decode_32ranks.npy";
+  const Placement p = placement_from_omni_pattern(read_npy(path), path.string());
+  EXPECT_EQ(p.ranks, 32);
+  EXPECT_EQ(p.experts, 256);
+  ASSERT_EQ(p.num_layers(), 58);
+  std::vector<int64_t> redundant_layers;
+  for (int64_t l = 0; l < 58; ++l) {
+    if (p.slots(l) == 288) redundant_layers.push_back(l);
+    else EXPECT_EQ(p.slots(l), 256);
+    for (int r = 0; r < 32; ++r) EXPECT_EQ(int64_t(p.layers[l][r].size()), p.slots(l) / 32);
+  }
+  EXPECT_EQ(redundant_layers, (std::vector<int64_t>{0, 1, 2, 4, 8, 12, 24, 45, 47, 55}));
+  EXPECT_NO_THROW(validate(p));
+}
+
+TEST(Npy, RejectsOtherDtypesAndTruncation) {
+  std::string bytes = encode_npy({2, 3}, {1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(parse_npy(bytes, "a.npy").values, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  std::string f = bytes;
+  f.replace(f.find("<i8"), 3, "<f8");
+  EXPECT_THROW(parse_npy(f, "a.npy"), Error);
+  EXPECT_THROW(parse_npy(bytes.substr(0, bytes.size() - 1), "a.npy"), Error);
+  EXPECT_THROW(parse_npy("hello", "a.npy"), Error);
+  EXPECT_EQ(bytes.find('\n') + 1, 128u);  // data 64-byte aligned, as NumPy writes it
+}
+
+}  // namespace
+}  // namespace tandem::placement
