@@ -29,6 +29,8 @@ struct EngineOptions {
   int64_t block_size = 16, num_blocks = 0;
   double kv_cache_gb = 1.0;
   std::string kv_cache_dtype = "auto", mla_rescale = "multiply";
+  int64_t expert_load_window = 1024;
+  std::string expert_load_dump;
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048;
   std::string scheduling_policy = "fcfs";
   bool no_prefix_caching = false;
@@ -129,6 +131,8 @@ void run(const EngineOptions& o) {
                 "'");
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
+  config.expert_load_window = o.expert_load_window;
+  config.expert_load_dump = o.expert_load_dump;
   config.kv_events_config = o.kv_events_config;
   config.role = engine::parse_engine_role(o.role);
   engine::KvTransferConfig transfer;
@@ -248,6 +252,13 @@ void add_engine_command(CLI::App& app) {
                   "float32 or bfloat16")
       ->capture_default_str()
       ->transform(CLI::IsMember(kKvCacheTypes));
+  cmd->add_option("--expert-load-window", o->expert_load_window,
+                  "steps in the sliding window of expert load statistics (GET /expert_load)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--expert-load-dump", o->expert_load_dump,
+                  "folder for expert load snapshots: expert_load_<steps>.npy/.json every window "
+                  "([MoE layers, experts] int64) and expert_load_cumulative.npy/.json at exit");
   cmd->add_option("--mla-rescale", o->mla_rescale,
                   "decode attention's softmax rescale: multiply or amla (exponent add)")
       ->capture_default_str()

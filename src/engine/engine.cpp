@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <random>
 
 #include "util/error.h"
@@ -114,6 +115,24 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       registry.gauge("tandem:num_requests_waiting_for_kv",
                      "Decode requests waiting for their prompt's KV from a prefill engine",
                      model)});
+  const ExecutorInfo& info = executor_->info();
+  if (info.routed_experts > 0) {
+    expert_load_ = std::make_unique<ExpertLoadStats>(info.moe_layers, info.routed_experts,
+                                                     config_.expert_load_window);
+    auto& family = registry.gauge_family(
+        "tandem:expert_load_imbalance",
+        "Busiest expert's routed tokens over the mean, per MoE layer, in the expert-load window",
+        {"layer"}, model);
+    for (int64_t layer : info.moe_layers)
+      expert_imbalance_.push_back(&family.labels({std::to_string(layer)}));
+    if (!config_.expert_load_dump.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(config_.expert_load_dump, ec);
+      if (ec)
+        throw Error("--expert-load-dump: cannot create " + config_.expert_load_dump.string() +
+                    ": " + ec.message());
+    }
+  }
   if (config_.transfer) {
     TcpTransportOptions tcp;
     tcp.io_timeout =
@@ -143,7 +162,15 @@ void Engine::stop() {
     stopping_ = true;
   }
   wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  const bool was_running = thread_.joinable();
+  if (was_running) thread_.join();
+  if (was_running && expert_load_ && !config_.expert_load_dump.empty()) {
+    try {
+      expert_load_->snapshot().write(config_.expert_load_dump / "expert_load_cumulative", true);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "engine: expert load dump: %s\n", e.what());
+    }
+  }
   // Transfers end first (their tasks are dropped): nothing touches the cache after this, and
   // nothing is left to wait for.
   agent_.reset();
@@ -396,6 +423,7 @@ void Engine::step() {
     return;
   }
   const double done = now_seconds();
+  if (expert_load_) record_expert_load(result.expert_tokens);
   std::vector<SequenceUpdate> updates = scheduler_.update_from_output(out, result.sampled, done);
   const uint64_t index = recent_steps_.empty() ? 1 : recent_steps_.back().index + 1;
   recent_steps_.push_back({index, static_cast<int64_t>(out.scheduled.size()), step_tokens,
@@ -469,6 +497,27 @@ void Engine::drop(const std::string& id) {
 void Engine::publish_events() {
   auto events = kv_.take_events();
   if (publisher_ && !events.empty()) publisher_->publish({unix_time(), std::move(events), {}});
+}
+
+void Engine::record_expert_load(std::span<const int64_t> step) {
+  expert_load_->record(step);
+  const ExpertLoadSnapshot s = expert_load_->snapshot();
+  const std::vector<double> imbalance = s.window_imbalance();
+  for (size_t i = 0; i < imbalance.size(); ++i) expert_imbalance_[i]->set(imbalance[i]);
+  if (config_.expert_load_dump.empty() || s.steps % uint64_t(expert_load_->window_steps()) != 0)
+    return;
+  char name[64];
+  std::snprintf(name, sizeof name, "expert_load_%08llu", static_cast<unsigned long long>(s.steps));
+  try {
+    s.write(config_.expert_load_dump / name);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "engine: expert load dump: %s\n", e.what());
+  }
+}
+
+std::optional<ExpertLoadSnapshot> Engine::expert_load() const {
+  if (!expert_load_) return std::nullopt;
+  return expert_load_->snapshot();
 }
 
 void Engine::update_gauges() {

@@ -5,9 +5,11 @@
 // load report up to date.
 #include <atomic>
 #include <condition_variable>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -18,6 +20,7 @@
 #include "api/load_report.h"
 #include "api/prefill_work.h"
 #include "engine/executor/executor.h"
+#include "engine/expert_load.h"
 #include "engine/kv/kv_cache_manager.h"
 #include "engine/kv/kv_events.h"
 #include "engine/scheduler/scheduler.h"
@@ -43,6 +46,11 @@ struct EngineConfig {
   // KV transfer runs when `transfer` is set (with a server unless its port is -1).
   EngineRole role = EngineRole::kBoth;
   std::optional<KvTransferConfig> transfer;
+  // Expert load statistics (executors that report routing): the sliding window in steps, and a
+  // folder that receives a snapshot every window (expert_load_<steps>.npy/.json) and the
+  // cumulative counts at stop (expert_load_cumulative.npy/.json); empty: no files.
+  int64_t expert_load_window = 1024;
+  std::filesystem::path expert_load_dump;
 };
 
 // A snapshot for the gateway's load-aware routing (JSON at /load).
@@ -70,6 +78,8 @@ class Engine final : private PdHost {
   void abort(const std::string& id);
 
   LoadReport load() const;
+  // Thread-safe. Tokens routed per (MoE layer, expert); nullopt when the executor reports none.
+  std::optional<ExpertLoadSnapshot> expert_load() const;
   const ExecutorInfo& executor_info() const { return executor_->info(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   EngineRole role() const { return config_.role; }
@@ -92,6 +102,7 @@ class Engine final : private PdHost {
               bool notified = false, int error_status = 500);
   void publish_events();
   void update_gauges();
+  void record_expert_load(std::span<const int64_t> step);
   // Posted by KV transfer threads, run on the engine thread.
   void post(std::function<void()> task);
   // PdHost: what the P/D coordinator does to sequences (engine thread).
@@ -109,6 +120,8 @@ class Engine final : private PdHost {
   Scheduler scheduler_;
   std::unique_ptr<ZmqKvEventPublisher> publisher_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<ExpertLoadStats> expert_load_;
+  std::vector<metrics::Gauge*> expert_imbalance_;  // per MoE layer
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;

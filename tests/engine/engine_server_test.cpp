@@ -21,6 +21,7 @@
 #include "engine/tiny_model_fixture.h"
 #include "net/http_client.h"
 #include "text/chat_template.h"
+#include "util/npy.h"
 
 namespace tandem::engine {
 namespace {
@@ -192,6 +193,63 @@ TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
       post("/generate", R"({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})");
   EXPECT_EQ(ok.status, 200) << ok.body;
   EXPECT_EQ(json::parse(ok.body)["meta_info"]["completion_tokens"], 2);
+}
+
+// /expert_load counts what the model routed: the same counts as the single-sequence generate
+// loop's forward passes over the same tokens, top-k routes per token in every MoE layer, and the
+// same numbers in the dumped snapshots.
+TEST_F(EngineServer, ExpertLoadCountsTheRoutesTheForwardPassesTook) {
+  const std::filesystem::path dump = test::temp_path("expert-load-dump");
+  testing::EngineProcess engine(
+      engine_args({"--expert-load-window", "8", "--expert-load-dump", dump.string()}));
+  const json idle = get_json(engine.port(), "/expert_load");
+  EXPECT_EQ(idle["steps"], 0);
+  EXPECT_EQ(idle["layer_ids"], json::array({1, 2}));  // tiny-v3: layer 0 is dense
+  std::vector<int32_t> prompt;
+  for (int k = 0; k < 20; ++k) prompt.push_back(700 + 13 * k);
+  const int64_t max_tokens = 16;
+  json body = {
+      {"prompt", prompt}, {"max_tokens", max_tokens}, {"temperature", 0}, {"ignore_eos", true}};
+  auto resp = testing::post_json(engine.port(), "/v1/completions", body);
+  ASSERT_EQ(resp.status, 200) << resp.body;
+  ASSERT_TRUE(wait_idle(engine.port()));
+
+  const auto before = model_->expert_counts();
+  greedy(prompt, max_tokens);
+  const auto after = model_->expert_counts();
+  const json load = get_json(engine.port(), "/expert_load");
+  // One prefill step, then a step per generated token but the last (never fed back).
+  EXPECT_EQ(load["steps"], max_tokens);
+  const int64_t tokens = int64_t(prompt.size()) + max_tokens - 1;
+  const int64_t top_k = model_->config().num_experts_per_tok;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t layer = load["layer_ids"][i];
+    int64_t routed = 0;
+    for (int64_t e = 0; e < 8; ++e) {
+      EXPECT_EQ(load["cumulative"][i][e].get<int64_t>(), int64_t(after[layer][e] - before[layer][e]))
+          << "layer " << layer << " expert " << e;
+      routed += load["cumulative"][i][e].get<int64_t>();
+    }
+    EXPECT_EQ(routed, tokens * top_k) << "layer " << layer;
+  }
+  // The window is the last 8 steps: decode steps only, one token each.
+  EXPECT_EQ(load["window_steps"], 8);
+  int64_t window_routes = 0;
+  for (const auto& row : load["window"])
+    for (const auto& v : row) window_routes += v.get<int64_t>();
+  EXPECT_EQ(window_routes, 2 * 8 * top_k);
+  EXPECT_GE(metric(engine.port(), "tandem:expert_load_imbalance"), 1.0);
+
+  // Snapshots every 8 steps, the cumulative counts at exit.
+  EXPECT_EQ(engine.stop(), 0);
+  const NpyArray last = read_npy(dump / "expert_load_00000016.npy");
+  EXPECT_EQ(last.shape, (std::vector<int64_t>{2, 8}));
+  for (int64_t i = 0; i < 16; ++i) EXPECT_EQ(last.values[i], load["window"][i / 8][i % 8].get<int64_t>());
+  const NpyArray total = read_npy(dump / "expert_load_cumulative.npy");
+  for (int64_t i = 0; i < 16; ++i)
+    EXPECT_EQ(total.values[i], load["cumulative"][i / 8][i % 8].get<int64_t>());
+  EXPECT_TRUE(std::filesystem::exists(dump / "expert_load_00000008.json"));
+  std::filesystem::remove_all(dump);
 }
 
 TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {

@@ -42,6 +42,12 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
           ", latent " + std::to_string(shape.latent_dim) + "+" + std::to_string(shape.rope_dim) +
           " " + model::latent_type_name(shape.type) + ")",
       c.num_hidden_layers, options.block_size, shape.entry_bytes()};
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+    if (c.is_moe_layer(layer)) info_.moe_layers.push_back(layer);
+  if (!info_.moe_layers.empty()) info_.routed_experts = c.n_routed_experts;
+  for (int64_t layer : info_.moe_layers)
+    for (int64_t e = 0; e < info_.routed_experts; ++e)
+      seen_.push_back(model_->expert_counts()[layer][e]);
   for (int64_t id = 0; id < c.vocab_size; ++id)
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text_.push_back(static_cast<int32_t>(id));
@@ -66,6 +72,21 @@ void CpuExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::by
   std::memcpy(cache_.block_layer(block, layer), bytes.data(), bytes.size());
 }
 
+void CpuExecutor::routed_this_step(std::vector<int64_t>& out) {
+  // The model counts routes since it was loaded; a step's are the difference.
+  const auto& counts = model_->expert_counts();
+  const int64_t experts = info_.routed_experts;
+  if (experts == 0) return;
+  out.resize(info_.moe_layers.size() * experts);
+  for (size_t i = 0; i < info_.moe_layers.size(); ++i)
+    for (int64_t e = 0; e < experts; ++e) {
+      const uint64_t now = counts[info_.moe_layers[i]][e];
+      uint64_t& seen = seen_[i * experts + e];
+      out[i * experts + e] = int64_t(now - seen);
+      seen = now;
+    }
+}
+
 ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
   std::vector<model::SequenceStep> steps;
   steps.reserve(batch.size());
@@ -73,6 +94,7 @@ ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook
   auto out = model_->forward(steps, cache_, on_layer);
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
+  routed_this_step(result.expert_tokens);
   result.sampled.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& item = batch[i];

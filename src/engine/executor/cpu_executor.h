@@ -33,6 +33,10 @@ class CpuExecutor : public Executor {
   ExecutorInfo info_;
   model::LatentCache cache_;
   std::vector<int32_t> no_text_;  // LM-head rows without a token (padded vocabularies)
+  // The model's route counts after the previous step, [moe layers, experts]. Assumes no other
+  // executor runs steps on the same model object concurrently.
+  std::vector<uint64_t> seen_;
+  void routed_this_step(std::vector<int64_t>& out);
 };
 
 }  // namespace tandem::engine

@@ -31,6 +31,9 @@ struct ExecItem {
 struct ExecResult {
   // Per item with sample = true, in batch order; empty entries for the others.
   std::vector<TokenLogprob> sampled;
+  // Tokens routed to each (MoE layer, logical expert) in this step, [moe layers, experts]
+  // row-major; empty when the executor has no expert routing to report.
+  std::vector<int64_t> expert_tokens;
 };
 
 // How an executor's KV cache looks to KV transfer: `layers` layers of `token_bytes` bytes per
@@ -53,6 +56,10 @@ struct ExecutorInfo {
   int64_t num_blocks = 0;  // KV blocks the executor's cache holds
   int64_t block_size = 0;
   KvLayout kv_layout;
+  // The model layer index of each MoE layer whose routing execute() reports, and the routed
+  // experts per layer (both empty/0 when it reports none).
+  std::vector<int64_t> moe_layers;
+  int64_t routed_experts = 0;
 };
 
 class Executor {
