@@ -8,6 +8,7 @@
 #include "cli/gateway_command.h"
 #include "cli/generate_command.h"
 #include "cli/model_commands.h"
+#include "cli/place_command.h"
 #include "cli/serve_command.h"
 #include "cli/text_commands.h"
 #include "util/error.h"
@@ -23,6 +24,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_gateway_command(app);
   tandem::cli::add_serve_command(app);
   tandem::cli::add_bench_command(app);
+  tandem::cli::add_place_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -50,6 +50,7 @@ struct LayerState {
   std::vector<int64_t> capacity;
   const std::vector<int>& host_of_rank;
   std::vector<int32_t> count;
+  std::vector<double> weight;  // per copy: an expert's load over its copies
   RankLists ranks;
   std::vector<double> rank_load;
   std::vector<uint8_t> holds;  // [rank, expert]
@@ -58,10 +59,13 @@ struct LayerState {
              std::vector<int32_t> c)
       : loads(l), experts(e), capacity(std::move(cap)), host_of_rank(hosts), count(std::move(c)),
         ranks(capacity.size()), rank_load(capacity.size(), 0.0),
-        holds(capacity.size() * size_t(e), 0) {}
+        holds(capacity.size() * size_t(e), 0) {
+    weight.resize(e);
+    for (int64_t x = 0; x < e; ++x) weight[x] = loads[x] / double(count[x]);
+  }
 
   int num_ranks() const { return int(capacity.size()); }
-  double per_copy(int32_t e) const { return loads[e] / double(count[e]); }
+  double per_copy(int32_t e) const { return weight[e]; }
   bool has(int r, int32_t e) const { return holds[size_t(r) * experts + e] != 0; }
   int host(int r) const { return host_of_rank.empty() ? 0 : host_of_rank[r]; }
   bool host_has(int h, int32_t e) const {
@@ -142,22 +146,51 @@ struct LayerState {
 
   // Pairwise swaps between the busiest rank and lighter ones while the busier of the two
   // gets lighter: LPT leaves a few percent that such swaps recover.
+  // Stops within kRefineSlack of the lower bound (the mean rank load, or the heaviest copy),
+  // where further swaps buy nothing a step would notice.
+  static constexpr double kRefineSlack = 1e-3;
+  static constexpr size_t kFirstLook = 8;
+  std::vector<int> lightest_first_;
   void refine(double stop_at = 0) {
-    for (int iteration = 0; iteration < 4096; ++iteration) {
+    double total = 0, heaviest = 0;
+    for (int r = 0; r < num_ranks(); ++r)
+      for (int32_t e : ranks[r]) total += per_copy(e), heaviest = std::max(heaviest, per_copy(e));
+    const double mean = total / num_ranks();
+    stop_at = std::max(stop_at, std::max(mean, heaviest) * (1 + kRefineSlack));
+    // A swap must lower the busiest rank by a visible amount, not by rounding dust.
+    const double step = kRefineSlack * mean;
+    for (int iteration = 0; iteration < 64 * num_ranks(); ++iteration) {
       const int m = int(std::max_element(rank_load.begin(), rank_load.end()) - rank_load.begin());
       const double top = rank_load[m];
       if (top <= stop_at) return;
-      double best_max = top * (1 - 1e-12);
+      double best_max = top - step;
       int best_s = -1;
       int32_t best_x = -1, best_y = -1;
-      for (int32_t x : ranks[m]) {
-        const double a = per_copy(x);
-        for (int s = 0; s < num_ranks(); ++s) {
-          if (s == m || rank_load[s] >= top || has(s, x)) continue;
+      const uint8_t* on_m = holds.data() + size_t(m) * experts;
+      // Only the kFirstLook lightest ranks: the best swap is almost always with one of them,
+      // and searching all ranks doubles the planning time for a few hundredths of a percent.
+      std::vector<int>& order = lightest_first_;
+      order.resize(num_ranks());
+      std::iota(order.begin(), order.end(), 0);
+      const auto lighter = [&](int a, int b) {
+        return rank_load[a] < rank_load[b] || (rank_load[a] == rank_load[b] && a < b);
+      };
+      const size_t first = std::min(kFirstLook, order.size());
+      std::partial_sort(order.begin(), order.begin() + first, order.end(), lighter);
+      for (size_t i = 0; i < order.size(); ++i) {
+        if (i == first) break;
+        const int s = order[i];
+        // Only a rank lighter by more than a step can take load off the busiest one.
+        if (s == m || rank_load[s] >= top - step) break;
+        const uint8_t* on_s = holds.data() + size_t(s) * experts;
+        const double gap = top - rank_load[s];
+        for (int32_t x : ranks[m]) {
+          if (on_s[x]) continue;
+          const double a = weight[x];
           for (int32_t y : ranks[s]) {
-            const double b = per_copy(y);
-            if (b >= a || has(m, y)) continue;
-            const double after = std::max(top - a + b, rank_load[s] - b + a);
+            const double d = a - weight[y];  // load moved from m to s
+            if (d <= 0 || d >= gap || on_m[y]) continue;
+            const double after = std::max(top - d, rank_load[s] + d);
             if (after < best_max && host_allows(x, m, s) && host_allows(y, s, m)) {
               best_max = after;
               best_s = s, best_x = x, best_y = y;
@@ -186,7 +219,38 @@ std::vector<std::pair<double, int32_t>> copies_heaviest_first(const LayerState& 
 LayerState pack(const double* loads, int64_t experts, const std::vector<int64_t>& capacity,
                 const std::vector<int>& hosts, std::vector<int32_t> count, bool refine) {
   LayerState s(loads, experts, capacity, hosts, std::move(count));
-  for (const auto& [load, e] : copies_heaviest_first(s)) s.place(e);
+  if (!hosts.empty()) {
+    for (const auto& [load, e] : copies_heaviest_first(s)) s.place(e);
+  } else {
+    // Without hosts the lightest rank with room comes off a heap (ties to the lower rank, as
+    // the scan in choose_rank would pick); ranks already holding the expert are set aside.
+    using Entry = std::pair<double, int>;
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> lightest;
+    for (int r = 0; r < s.num_ranks(); ++r)
+      if (capacity[r] > 0) lightest.push({0.0, r});
+    std::vector<Entry> aside;
+    for (const auto& [load, e] : copies_heaviest_first(s)) {
+      while (!lightest.empty() && s.has(lightest.top().second, e)) {
+        aside.push_back(lightest.top());
+        lightest.pop();
+      }
+      if (lightest.empty()) {
+        s.place_by_displacing(e);
+        // Displacing changed two ranks' loads: rebuild the heap.
+        lightest = {};
+        aside.clear();
+        for (int r = 0; r < s.num_ranks(); ++r)
+          if (int64_t(s.ranks[r].size()) < capacity[r]) lightest.push({s.rank_load[r], r});
+        continue;
+      }
+      const int r = lightest.top().second;
+      lightest.pop();
+      s.put(r, e);
+      if (int64_t(s.ranks[r].size()) < capacity[r]) lightest.push({s.rank_load[r], r});
+      for (const Entry& x : aside) lightest.push(x);
+      aside.clear();
+    }
+  }
   if (refine) s.refine();
   return s;
 }
@@ -202,10 +266,14 @@ std::vector<double> cost_curve(const double* loads, int64_t experts, int ranks, 
                                const std::vector<int>& hosts) {
   std::vector<double> curve;
   Replicator rep(loads, experts, ranks);
+  double total = 0;
+  for (int64_t e = 0; e < experts; ++e) total += loads[e];
+  const double floor = total / ranks * (1 + 1e-3);
   for (int64_t r = 0; r <= max_extra; ++r) {
-    if (r > 0 && !rep.add_one()) {
-      curve.push_back(curve.back());
-      continue;
+    // Past balance (or past one copy per rank) more slots buy nothing.
+    if ((r > 0 && !rep.add_one()) || (!curve.empty() && curve.back() <= floor)) {
+      curve.resize(max_extra + 1, curve.back());
+      break;
     }
     LayerState s = pack(loads, experts, even_capacity(experts + r, ranks), hosts, rep.count(), false);
     curve.push_back(s.max_load());
@@ -316,9 +384,11 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
   return out;
 }
 
-Plan plan(const ExpertLoads& loads, const PlanOptions& o) {
+namespace {
+
+Plan plan_allocation(const ExpertLoads& loads, const PlanOptions& o, std::vector<int64_t> allocation) {
   Plan result;
-  result.redundant_per_layer = allocate_redundancy(loads, o);
+  result.redundant_per_layer = std::move(allocation);
   Placement& p = result.placement;
   p.ranks = o.ranks;
   p.experts = loads.experts;
@@ -333,6 +403,26 @@ Plan plan(const ExpertLoads& loads, const PlanOptions& o) {
     p.layers.push_back(plan_layer(loads.row(l), loads.experts, capacity, o.host_of_rank, o.refine));
   }
   return result;
+}
+
+double sum_of_busiest(const ExpertLoads& loads, const Placement& p) {
+  double sum = 0;
+  for (const LayerBalance& b : evaluate(loads, p).layers) sum += b.max_rank_load;
+  return sum;
+}
+
+}  // namespace
+
+Plan plan(const ExpertLoads& loads, const PlanOptions& o) {
+  Plan chosen = plan_allocation(loads, o, allocate_redundancy(loads, o));
+  if (o.allocation != Allocation::kLayerWise) return chosen;
+  // The knapsack works on cost curves without swaps; the even spread is kept when its
+  // finished plan turns out no worse, so layer-wise never loses to it.
+  PlanOptions even = o;
+  even.allocation = Allocation::kEven;
+  Plan other = plan_allocation(loads, o, allocate_redundancy(loads, even));
+  return sum_of_busiest(loads, other.placement) < sum_of_busiest(loads, chosen.placement) ? other
+                                                                                         : chosen;
 }
 
 namespace {
@@ -359,12 +449,24 @@ RankLists align_to(const RankLists& current, RankLists fresh, const std::vector<
   std::vector<uint8_t> taken(n, 0);
   for (const auto& [neg, f, c] : pairs)
     if (target[f] < 0 && !taken[c]) target[f] = c, taken[c] = 1;
+  // Slot counts that differ rank by rank (another allocation) leave no relabeling to make.
+  if (std::find(target.begin(), target.end(), -1) != target.end()) return fresh;
   RankLists out(n);
   for (int f = 0; f < n; ++f) out[target[f]] = std::move(fresh[f]);
   return out;
 }
 
 }  // namespace
+
+Placement align_to_current(const Placement& current, Placement fresh,
+                           const std::vector<int>& host_of_rank) {
+  if (current.num_layers() != fresh.num_layers() || current.ranks != fresh.ranks)
+    throw Error("placement: cannot align plans of different layers or ranks");
+  for (int64_t l = 0; l < fresh.num_layers(); ++l)
+    fresh.layers[l] = align_to(current.layers[l], std::move(fresh.layers[l]), host_of_rank,
+                               fresh.experts);
+  return fresh;
+}
 
 IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& current,
                                  const std::vector<int>& hosts, const IncrementalOptions& o) {

@@ -56,6 +56,12 @@ struct IncrementalPlan {
   int64_t layers_changed = 0;  // layers with at least one move
 };
 
+// `fresh` with its ranks relabeled (within equal slot counts and hosts) to keep as many of
+// `current`'s copies where they are as it can: ranks are interchangeable to a plan, not to the
+// weights already loaded.
+Placement align_to_current(const Placement& current, Placement fresh,
+                           const std::vector<int>& host_of_rank = {});
+
 // Starts from `current` (same ranks and slots per rank and layer) and changes as few slots as it
 // can to come within `tolerance` of a fresh plan of every layer worth changing.
 IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& current,

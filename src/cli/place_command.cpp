@@ -1,0 +1,420 @@
+#include "cli/place_command.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+
+#include "placement/eplb.h"
+#include "placement/placement_format.h"
+#include "placement/planner.h"
+#include "util/error.h"
+#include "util/file.h"
+#include "util/npy.h"
+
+namespace tandem::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace tandem::placement;
+
+bool is_npy(const fs::path& p) { return p.extension() == ".npy"; }
+
+// Load snapshots from a 2-D .npy, a 3-D .npy [snapshots, layers, experts], an /expert_load JSON,
+// or a folder of --expert-load-dump snapshots (the cumulative one left out).
+std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
+  std::vector<ExpertLoads> out;
+  if (fs::is_directory(path)) {
+    std::vector<fs::path> files;
+    for (const auto& entry : fs::directory_iterator(path))
+      if (is_npy(entry.path()) && entry.path().stem() != "expert_load_cumulative")
+        files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+    if (files.empty()) throw Error(path.string() + ": no .npy load snapshots in this folder");
+    for (const auto& f : files) out.push_back(loads_from_npy(read_npy(f), f.string()));
+    return out;
+  }
+  if (!is_npy(path)) {
+    out.push_back(loads_from_json(read_file(path), path.string()));
+    return out;
+  }
+  const NpyArray a = read_npy(path);
+  if (a.shape.size() != 3) {
+    out.push_back(loads_from_npy(a, path.string()));
+    return out;
+  }
+  const int64_t layers = a.shape[1], experts = a.shape[2], per = layers * experts;
+  for (int64_t t = 0; t < a.shape[0]; ++t) {
+    NpyArray one{{layers, experts},
+                 std::vector<int64_t>(a.values.begin() + t * per, a.values.begin() + (t + 1) * per),
+                 a.dtype};
+    out.push_back(loads_from_npy(one, path.string() + " [" + std::to_string(t) + "]"));
+  }
+  return out;
+}
+
+ExpertLoads read_loads(const fs::path& path) {
+  const std::vector<ExpertLoads> all = read_load_snapshots(path);
+  if (all.size() == 1) return all[0];
+  // Several snapshots: plan for their sum.
+  ExpertLoads sum = all[0];
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (all[i].layers != sum.layers || all[i].experts != sum.experts)
+      throw Error(path.string() + ": snapshot " + std::to_string(i) + " has another shape");
+    for (size_t k = 0; k < sum.values.size(); ++k) sum.values[k] += all[i].values[k];
+  }
+  return sum;
+}
+
+Placement read_placement(const fs::path& path) {
+  if (is_npy(path)) return placement_from_omni_pattern(read_npy(path), path.string());
+  return placement_from_json(read_file(path), path.string());
+}
+
+struct Shape {
+  int ranks = 0;
+  int64_t slots = 0;      // physical slots per layer (EPLB's num_replicas); 0: experts
+  int64_t redundant = -1;  // over all layers; -1: from slots
+  int groups = 1;          // hosts
+  int64_t expert_groups = 8;
+};
+
+std::vector<int> hosts_of(const Shape& s) {
+  if (s.groups <= 1) return {};
+  if (s.ranks % s.groups != 0)
+    throw Error("--groups " + std::to_string(s.groups) + " does not divide --ranks " +
+                std::to_string(s.ranks));
+  std::vector<int> host(s.ranks);
+  for (int r = 0; r < s.ranks; ++r) host[r] = r / (s.ranks / s.groups);
+  return host;
+}
+
+int64_t redundant_total(const Shape& s, const ExpertLoads& loads) {
+  if (s.redundant >= 0) return s.redundant;
+  const int64_t slots = s.slots > 0 ? s.slots : loads.experts;
+  if (slots < loads.experts)
+    throw Error("--slots " + std::to_string(slots) + " cannot hold the " +
+                std::to_string(loads.experts) + " experts of a layer");
+  return (slots - loads.experts) * loads.layers;
+}
+
+// One algorithm: the placement it makes for these loads.
+using Planner = std::function<Placement(const ExpertLoads&, const Shape&)>;
+
+Placement plan_omni(const ExpertLoads& loads, const Shape& s, Allocation allocation) {
+  PlanOptions o;
+  o.ranks = s.ranks;
+  o.redundant_slots = redundant_total(s, loads);
+  o.host_of_rank = hosts_of(s);
+  o.allocation = allocation;
+  return plan(loads, o).placement;
+}
+
+Placement plan_eplb(const ExpertLoads& loads, const Shape& s, bool hierarchical) {
+  const int64_t total = redundant_total(s, loads);
+  if (total % loads.layers != 0)
+    throw Error("EPLB places the same slots in every layer: a redundant budget of " +
+                std::to_string(total) + " does not divide over " + std::to_string(loads.layers) +
+                " layers");
+  EplbOptions o;
+  o.replicas = loads.experts + total / loads.layers;
+  o.gpus = s.ranks;
+  if (hierarchical) {
+    o.groups = s.expert_groups;
+    o.nodes = s.groups;
+  }
+  return eplb_rebalance(loads, o);
+}
+
+const std::map<std::string, Planner>& planners() {
+  static const std::map<std::string, Planner> table = {
+      {"omni", [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kLayerWise); }},
+      {"omni-even", [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kEven); }},
+      {"omni-worst-layers",
+       [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kWorstLayers); }},
+      {"eplb", [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, false); }},
+      {"eplb-hierarchical", [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, true); }},
+      {"none", [](const ExpertLoads& l, const Shape& s) { return no_redundancy(l.layers, l.experts, s.ranks); }},
+  };
+  return table;
+}
+
+std::string algorithm_names() {
+  std::string names;
+  for (const auto& [name, fn] : planners()) {
+    if (!names.empty()) names += ", ";
+    names += name;
+  }
+  return names;
+}
+
+const Planner& planner(const std::string& name) {
+  auto it = planners().find(name);
+  if (it == planners().end())
+    throw Error("--algorithm: '" + name + "' is not one of " + algorithm_names());
+  return it->second;
+}
+
+// EPLB's plans may hold two copies of an expert on one rank; the others never do.
+Constraints constraints_of(const std::string& algorithm) {
+  Constraints c;
+  c.distinct_on_rank = algorithm.rfind("eplb", 0) != 0;
+  return c;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+void print_balance_table(const Balance& before, const Balance& after, const Placement& from,
+                         const Placement& to) {
+  std::printf("%-6s %6s %16s %16s %6s\n", "layer", "slots", "before max/mean", "after max/mean",
+              "moves");
+  for (int64_t l = 0; l < to.num_layers(); ++l)
+    std::printf("%-6lld %6lld %16.3f %16.3f %6lld\n", static_cast<long long>(l),
+                static_cast<long long>(to.slots(l)), before.layers[l].ratio(),
+                after.layers[l].ratio(),
+                static_cast<long long>(count_layer_moves(from.layers[l], to.layers[l])));
+}
+
+void print_summary(const char* what, const Balance& b) {
+  std::printf("%s: step proxy %.4f, mean max/mean %.4f, worst layer %lld at %.3f\n", what,
+              b.step_proxy, b.mean_ratio, static_cast<long long>(b.worst_layer), b.worst_ratio);
+}
+
+void write_outputs(const Placement& p, const std::string& json_out, const std::string& npy_out) {
+  if (!json_out.empty()) {
+    write_file_atomically(json_out, placement_to_json(p).dump() + "\n");
+    std::printf("wrote %s (phy2log, log2phy, logcnt, rank_slots per layer)\n", json_out.c_str());
+  }
+  if (!npy_out.empty()) {
+    const NpyArray a = placement_to_omni_pattern(p);
+    write_npy(npy_out, a.shape, a.values, /*int32=*/true);
+    std::printf("wrote %s (Omni pattern [%lld ranks, %lld layers, %lld experts] int32)\n",
+                npy_out.c_str(), static_cast<long long>(a.shape[0]),
+                static_cast<long long>(a.shape[1]), static_cast<long long>(a.shape[2]));
+  }
+}
+
+struct PlanArgs {
+  Shape shape;
+  std::string loads, current, algorithm = "omni", out, omni_out;
+  bool fresh = false;
+};
+
+void run_plan(const PlanArgs& a) {
+  const ExpertLoads loads = read_loads(a.loads);
+  const Planner& chosen = planner(a.algorithm);
+  std::optional<Placement> current;
+  if (!a.current.empty()) {
+    current = read_placement(a.current);
+    if (current->num_layers() != loads.layers || current->experts != loads.experts ||
+        current->ranks != a.shape.ranks)
+      throw Error(a.current + ": the current placement has " + std::to_string(current->num_layers()) +
+                  " layers of " + std::to_string(current->experts) + " experts on " +
+                  std::to_string(current->ranks) + " ranks; the loads are [" +
+                  std::to_string(loads.layers) + ", " + std::to_string(loads.experts) +
+                  "] and --ranks is " + std::to_string(a.shape.ranks));
+  }
+  const Placement before = current ? *current : no_redundancy(loads.layers, loads.experts, a.shape.ranks);
+  const auto start = std::chrono::steady_clock::now();
+  Placement after;
+  int64_t moves = 0;
+  const bool incremental = current && !a.fresh && a.algorithm.rfind("omni", 0) == 0;
+  if (incremental) {
+    IncrementalPlan inc = plan_incremental(loads, *current, hosts_of(a.shape));
+    after = std::move(inc.placement);
+    moves = inc.moves;
+  } else {
+    after = chosen(loads, a.shape);
+    moves = count_moves(before, after);
+  }
+  const double took = seconds_since(start);
+  validate(after, constraints_of(a.algorithm));
+
+  std::printf("place plan: %s%s, %lld layers x %lld experts on %d ranks%s, %lld slots over all "
+              "layers (%lld redundant)\n",
+              a.algorithm.c_str(), incremental ? " (incremental from --current)" : "",
+              static_cast<long long>(loads.layers), static_cast<long long>(loads.experts),
+              a.shape.ranks,
+              a.shape.groups > 1 ? (" in " + std::to_string(a.shape.groups) + " hosts").c_str() : "",
+              static_cast<long long>(loads.layers * loads.experts + (after.slots_per_rank()[0] * a.shape.ranks - loads.layers * loads.experts)),
+              static_cast<long long>(after.slots_per_rank()[0] * a.shape.ranks - loads.layers * loads.experts));
+  const Balance b0 = evaluate(loads, before), b1 = evaluate(loads, after);
+  print_balance_table(b0, b1, before, after);
+  print_summary(current ? "before (--current)" : "before (no redundancy)", b0);
+  print_summary("after", b1);
+  std::printf("moves: %lld expert copies loaded onto ranks that did not hold them\n",
+              static_cast<long long>(moves));
+  std::printf("planning time: %.2f ms\n", took * 1e3);
+  write_outputs(after, a.out, a.omni_out);
+}
+
+struct ShowArgs {
+  std::string placement, loads, out, omni_out;
+};
+
+void run_show(const ShowArgs& a) {
+  const Placement p = read_placement(a.placement);
+  std::printf("%s: %d ranks, %lld layers, %lld experts\n", a.placement.c_str(), p.ranks,
+              static_cast<long long>(p.num_layers()), static_cast<long long>(p.experts));
+  std::map<int64_t, std::vector<int64_t>> layers_by_slots;
+  for (int64_t l = 0; l < p.num_layers(); ++l) layers_by_slots[p.slots(l)].push_back(l);
+  for (const auto& [slots, layers] : layers_by_slots) {
+    std::string list;
+    for (int64_t l : layers) {
+      if (!list.empty()) list += ',';
+      list += std::to_string(l);
+    }
+    std::printf("  %zu layers with %lld slots (%lld redundant): %s\n", layers.size(),
+                static_cast<long long>(slots), static_cast<long long>(slots - p.experts),
+                list.c_str());
+  }
+  const std::vector<int64_t> per_rank = p.slots_per_rank();
+  const auto [lo, hi] = std::minmax_element(per_rank.begin(), per_rank.end());
+  std::printf("  expert slots per rank over all layers: %lld..%lld%s\n", static_cast<long long>(*lo),
+              static_cast<long long>(*hi), *lo == *hi ? " (equal memory on every rank)" : "");
+  int32_t most = 0;
+  for (int64_t l = 0; l < p.num_layers(); ++l)
+    for (int32_t c : p.logcnt(l)) most = std::max(most, c);
+  std::printf("  copies per expert: at most %d\n", most);
+  validate(p, Constraints{.distinct_on_rank = false, .equal_rank_memory = false});
+  if (!a.loads.empty()) {
+    const ExpertLoads loads = read_loads(a.loads);
+    const Balance none = evaluate(loads, no_redundancy(loads.layers, loads.experts, p.ranks));
+    const Balance b = evaluate(loads, p);
+    print_balance_table(none, b, p, p);
+    print_summary("no redundancy", none);
+    print_summary("this placement", b);
+  }
+  write_outputs(p, a.out, a.omni_out);
+}
+
+struct SimulateArgs {
+  Shape shape;
+  std::string loads, algorithm = "omni";
+  int64_t every = 1;
+  double min_gain = 0.02;
+};
+
+void run_simulate(const SimulateArgs& a) {
+  const std::vector<ExpertLoads> snaps = read_load_snapshots(a.loads);
+  if (snaps.size() < 2) throw Error(a.loads + ": simulate needs at least two load snapshots");
+  if (a.every < 1) throw Error("--every must be at least 1");
+  const Planner& chosen = planner(a.algorithm);
+  const std::vector<int> hosts = hosts_of(a.shape);
+  // The placement of each period is planned from the snapshot before it (what a live system
+  // knows), then judged on the loads the period actually had.
+  const Placement initial = chosen(snaps[0], a.shape);
+  Placement fixed = initial, fresh = initial, incremental = initial;
+  int64_t fresh_moves = 0, aligned_moves = 0, incremental_moves = 0, rebalances = 0;
+  double sum_fixed = 0, sum_fresh = 0, sum_incremental = 0, sum_none = 0;
+  std::printf("%-9s %12s %12s %12s %12s %11s %13s %11s\n", "snapshot", "none", "static",
+              "fresh", "incremental", "fresh moves", "aligned moves", "incr. moves");
+  for (size_t t = 1; t < snaps.size(); ++t) {
+    int64_t fm = 0, am = 0, im = 0;
+    if ((t - 1) % size_t(a.every) == 0 && t > 1) {
+      const ExpertLoads& seen = snaps[t - 1];
+      Placement next = chosen(seen, a.shape);
+      fm = count_moves(fresh, next);
+      am = count_moves(fresh, align_to_current(fresh, next, hosts));
+      fresh = std::move(next);
+      IncrementalOptions io;
+      io.min_gain = a.min_gain;
+      IncrementalPlan inc = plan_incremental(seen, incremental, hosts, io);
+      im = inc.moves;
+      incremental = std::move(inc.placement);
+      ++rebalances;
+    }
+    const double none = evaluate(snaps[t], no_redundancy(snaps[t].layers, snaps[t].experts, a.shape.ranks)).step_proxy;
+    const double pf = evaluate(snaps[t], fixed).step_proxy;
+    const double pr = evaluate(snaps[t], fresh).step_proxy;
+    const double pi = evaluate(snaps[t], incremental).step_proxy;
+    sum_none += none, sum_fixed += pf, sum_fresh += pr, sum_incremental += pi;
+    fresh_moves += fm, aligned_moves += am, incremental_moves += im;
+    std::printf("%-9zu %12.4f %12.4f %12.4f %12.4f %11lld %13lld %11lld\n", t, none, pf, pr, pi,
+                static_cast<long long>(fm), static_cast<long long>(am), static_cast<long long>(im));
+  }
+  const double n = double(snaps.size() - 1);
+  std::printf("mean step proxy: none %.4f, static %.4f, fresh %.4f, incremental %.4f\n",
+              sum_none / n, sum_fixed / n, sum_fresh / n, sum_incremental / n);
+  std::printf("moves over %lld rebalances: fresh %lld (%lld with ranks relabeled), incremental %lld\n",
+              static_cast<long long>(rebalances), static_cast<long long>(fresh_moves),
+              static_cast<long long>(aligned_moves), static_cast<long long>(incremental_moves));
+}
+
+void add_shape_options(CLI::App* cmd, Shape& s) {
+  cmd->add_option("--ranks", s.ranks, "expert-parallel ranks")->required()->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--slots", s.slots,
+                  "physical expert slots per layer, EPLB's num_replicas (default: experts, "
+                  "no redundancy); the redundant ones may be spread unevenly over layers")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--redundant", s.redundant,
+                  "redundant slots over all layers (instead of --slots), e.g. 320 for the Omni "
+                  "pattern's 10 layers x 32")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--groups", s.groups, "hosts: ranks split into this many equal groups")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--expert-groups", s.expert_groups,
+                  "expert groups of group-limited routing, for eplb-hierarchical")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+}
+
+}  // namespace
+
+void add_place_command(CLI::App& app) {
+  auto* place = app.add_subcommand(
+      "place", "Omni Placement: plan where experts live across expert-parallel ranks");
+  place->require_subcommand(1);
+
+  auto p = std::make_shared<PlanArgs>();
+  auto* plan_cmd = place->add_subcommand(
+      "plan", "Plan a placement for expert loads; print balance before and after, moves, time");
+  plan_cmd->add_option("--loads", p->loads,
+                       "loads: .npy [layers, experts] (or [snapshots, layers, experts], summed), "
+                       "an /expert_load JSON, or an --expert-load-dump folder")
+      ->required();
+  add_shape_options(plan_cmd, p->shape);
+  plan_cmd->add_option("--current", p->current,
+                       "the placement in use (.json or Omni .npy): moves are counted from it, and "
+                       "omni algorithms rebalance it incrementally")
+      ->check(CLI::ExistingFile);
+  plan_cmd->add_flag("--fresh", p->fresh, "with --current: plan from scratch, not incrementally");
+  plan_cmd->add_option("--algorithm", p->algorithm, "one of " + algorithm_names())
+      ->capture_default_str();
+  plan_cmd->add_option("--out", p->out, "write the placement as JSON (phy2log/log2phy/logcnt)");
+  plan_cmd->add_option("--omni-out", p->omni_out,
+                       "write the placement as Omni's [ranks, layers, experts] 0/1 .npy");
+  plan_cmd->callback([p] { run_plan(*p); });
+
+  auto s = std::make_shared<ShowArgs>();
+  auto* show_cmd = place->add_subcommand("show", "Read a placement (.json or Omni .npy) and describe it");
+  show_cmd->add_option("placement", s->placement, "placement file")->required()->check(CLI::ExistingFile);
+  show_cmd->add_option("--loads", s->loads, "also show its balance under these loads");
+  show_cmd->add_option("--out", s->out, "write it as JSON");
+  show_cmd->add_option("--omni-out", s->omni_out, "write it as an Omni .npy pattern");
+  show_cmd->callback([s] { run_show(*s); });
+
+  auto m = std::make_shared<SimulateArgs>();
+  auto* sim_cmd = place->add_subcommand(
+      "simulate", "Replay load snapshots with periodic rebalancing: imbalance and moves over time");
+  sim_cmd->add_option("--loads", m->loads,
+                      "snapshots: a folder of .npy files, or a .npy [snapshots, layers, experts]")
+      ->required();
+  add_shape_options(sim_cmd, m->shape);
+  sim_cmd->add_option("--algorithm", m->algorithm, "planner of the fresh plans: " + algorithm_names())
+      ->capture_default_str();
+  sim_cmd->add_option("--every", m->every, "rebalance every this many snapshots")->capture_default_str();
+  sim_cmd->add_option("--min-gain", m->min_gain,
+                      "incremental: leave a layer alone unless a fresh plan lowers its busiest "
+                      "rank by more than this share")
+      ->capture_default_str();
+  sim_cmd->callback([m] { run_simulate(*m); });
+}
+
+}  // namespace tandem::cli
