@@ -9,8 +9,8 @@
 // Metrics: mean over layers of max/mean rank load, the worst layer, the step proxy (sum over
 // layers of the busiest rank's load over the sum of mean rank loads; 1.0 is perfect).
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -20,7 +20,10 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "engine/executor/sim_expert_parallel.h"
+#include "engine/executor/sim_latency.h"
 #include "placement/eplb.h"
+#include "placement/files.h"
 #include "placement/placement_format.h"
 #include "placement/planner.h"
 #include "placement/routing_skew.h"
@@ -56,8 +59,6 @@ struct Shape {
 };
 const Shape kShapes[] = {{32, 32}, {32, 64}, {64, 64}};
 
-ExpertLoads to_loads(const NpyArray& a, const std::string& src) { return loads_from_npy(a, src); }
-
 std::vector<int64_t> rounded(const ExpertLoads& l) {
   std::vector<int64_t> v;
   for (double x : l.values) v.push_back(int64_t(std::llround(x)));
@@ -67,8 +68,6 @@ std::vector<int64_t> rounded(const ExpertLoads& l) {
 void write_loads(const fs::path& path, const ExpertLoads& l) {
   write_npy(path, {l.layers, l.experts}, rounded(l));
 }
-
-ExpertLoads read_loads(const fs::path& path) { return to_loads(read_npy(path), path.string()); }
 
 SkewOptions skew_of(const std::string& set, uint64_t seed) {
   SkewOptions o;
@@ -95,7 +94,8 @@ std::vector<EplbCase> eplb_cases(const fs::path& dir) {
   std::vector<EplbCase> cases;
   for (const std::string& set : load_set_names(dir))
     for (const Shape& s : kShapes) {
-      const std::string base = set + "/" + std::to_string(s.ranks) + "r+" + std::to_string(s.redundant_per_layer);
+      const std::string base =
+          set + "/" + std::to_string(s.ranks) + "r+" + std::to_string(s.redundant_per_layer);
       const std::string loads = (dir / (set + ".npy")).string();
       const int64_t experts = set == "recorded" ? read_loads(loads).experts : kExperts;
       const int64_t replicas = experts + s.redundant_per_layer;
@@ -150,15 +150,19 @@ void phase_write(const fs::path& dir, const std::string& recorded) {
     all.insert(all.end(), v.begin(), v.end());
   }
   write_npy(dir / "drift.npy", {snapshots, kLayers, kExperts}, all);
-  if (!recorded.empty()) fs::copy_file(recorded, dir / "recorded.npy", fs::copy_options::overwrite_existing);
+  if (!recorded.empty())
+    fs::copy_file(recorded, dir / "recorded.npy", fs::copy_options::overwrite_existing);
   json cases = json::array();
   for (const EplbCase& c : eplb_cases(dir))
-    cases.push_back({{"name", c.name}, {"loads", c.loads}, {"replicas", c.replicas},
-                     {"groups", c.groups}, {"nodes", c.nodes}, {"gpus", c.gpus}});
+    cases.push_back({{"name", c.name},
+                     {"loads", c.loads},
+                     {"replicas", c.replicas},
+                     {"groups", c.groups},
+                     {"nodes", c.nodes},
+                     {"gpus", c.gpus}});
   write_file_atomically(dir / "cases.json", json{{"cases", cases}}.dump(1));
   std::printf("wrote load sets and %zu EPLB cases to %s\n", cases.size(), dir.c_str());
 }
-
 
 void phase_time(const fs::path& dir, int round) {
   json out = json::object();
@@ -211,10 +215,12 @@ void report_same_slots(const fs::path& dir) {
       }
     }
   }
-  std::printf("\n## Same slots in every layer as EPLB (planning times: medians of alternating rounds)\n");
+  std::printf(
+      "\n## Same slots in every layer as EPLB (planning times: medians of alternating rounds)\n");
   if (eplb_rounds == 0)
-    std::printf("EPLB REFERENCE ABSENT: no eplb.py results (see bench/placement.sh); rows marked "
-                "eplb.py are missing\n");
+    std::printf(
+        "EPLB REFERENCE ABSENT: no eplb.py results (see bench/placement.sh); rows marked "
+        "eplb.py are missing\n");
   else
     std::printf("eplb.py: %d rounds, PyTorch %s, one thread\n", eplb_rounds, torch.c_str());
   std::printf("%-34s %-22s %10s %10s %8s %10s %9s %9s\n", "case", "planner", "step proxy",
@@ -253,7 +259,8 @@ void report_same_slots(const fs::path& dir) {
       }
       agree = std::to_string(same) + "/" + std::to_string(loads.layers);
     }
-    const double eplb_ms = median(ours_eplb[c.name]) * 1e3, omni_ms = median(ours_omni[c.name]) * 1e3;
+    const double eplb_ms = median(ours_eplb[c.name]) * 1e3,
+                 omni_ms = median(ours_omni[c.name]) * 1e3;
     const auto speed = [&](double ms) {
       if (!ref || ms <= 0) return std::string("-");
       char b[32];
@@ -264,15 +271,17 @@ void report_same_slots(const fs::path& dir) {
     const Balance bo = evaluate(loads, omni);
     row("omni, same slots", bo, omni_ms, speed(omni_ms), "");
     if (ref)
-      std::printf("%-34s omni / eplb.py step proxy %.4f (target <= 1.01), plan %.2f ms (target <= 10)\n",
-                  "", bo.step_proxy / evaluate(loads, *ref).step_proxy, omni_ms);
+      std::printf(
+          "%-34s omni / eplb.py step proxy %.4f (target <= 1.01), plan %.2f ms (target <= 10)\n",
+          "", bo.step_proxy / evaluate(loads, *ref).step_proxy, omni_ms);
   }
 }
 
 void report_layer_wise(const fs::path& dir) {
-  std::printf("\n## Same total memory: the redundant budget layer-wise, evenly, or to the worst layers\n");
-  std::printf("%-16s %5s %8s %6s %12s %12s %12s %10s %10s %8s\n", "loads", "ranks", "budget", "share",
-              "even", "worst-layers", "layer-wise", "vs even", "vs worst", "plan ms");
+  std::printf(
+      "\n## Same total memory: the redundant budget layer-wise, evenly, or to the worst layers\n");
+  std::printf("%-16s %5s %8s %6s %12s %12s %12s %10s %10s %8s\n", "loads", "ranks", "budget",
+              "share", "even", "worst-layers", "layer-wise", "vs even", "vs worst", "plan ms");
   for (const std::string& set : load_set_names(dir)) {
     const ExpertLoads loads = read_loads(dir / (set + ".npy"));
     const int64_t base = loads.layers * loads.experts;
@@ -281,12 +290,14 @@ void report_layer_wise(const fs::path& dir) {
         // Rounded to whole slots per rank (equal expert memory on every rank).
         int64_t budget = int64_t(std::llround(share * double(base) / ranks)) * ranks;
         budget -= (base + budget) % ranks;
-        if (share == 0.02 && ranks == 32 && loads.experts == kExperts) budget = 320;  // Omni's pattern
+        if (share == 0.02 && ranks == 32 && loads.experts == kExperts)
+          budget = 320;  // Omni's pattern
         PlanOptions o;
         o.ranks = ranks;
         o.redundant_slots = budget;
         double proxy[3], ms = 0;
-        const Allocation order[3] = {Allocation::kEven, Allocation::kWorstLayers, Allocation::kLayerWise};
+        const Allocation order[3] = {Allocation::kEven, Allocation::kWorstLayers,
+                                     Allocation::kLayerWise};
         for (int i = 0; i < 3; ++i) {
           o.allocation = order[i];
           Placement p;
@@ -301,22 +312,18 @@ void report_layer_wise(const fs::path& dir) {
                     100.0 * (1 - proxy[2] / proxy[0]), 100.0 * (1 - proxy[2] / proxy[1]), ms);
       }
   }
-  std::printf("(vs even / vs worst: how much lower the layer-wise step proxy is; target >= 5%% on "
-              "skew that differs by layer, >= 0 on uniform skew)\n");
+  std::printf(
+      "(vs even / vs worst: how much lower the layer-wise step proxy is; target >= 5%% on "
+      "skew that differs by layer, >= 0 on uniform skew)\n");
 }
 
 void report_drift(const fs::path& dir) {
-  std::printf("\n## Rebalancing under drift (routed-by-layer loads, 24 snapshots; every %lld, a "
-              "quarter of the 32 hottest experts of each layer change; each period is planned from "
-              "the snapshot before it)\n", static_cast<long long>(kDriftEvery));
-  const NpyArray a = read_npy(dir / "drift.npy");
-  std::vector<ExpertLoads> snaps;
-  const int64_t per = a.shape[1] * a.shape[2];
-  for (int64_t t = 0; t < a.shape[0]; ++t)
-    snaps.push_back(to_loads({{a.shape[1], a.shape[2]},
-                              std::vector<int64_t>(a.values.begin() + t * per, a.values.begin() + (t + 1) * per),
-                              a.dtype},
-                             "drift"));
+  std::printf(
+      "\n## Rebalancing under drift (routed-by-layer loads, 24 snapshots; every %lld, a "
+      "quarter of the 32 hottest experts of each layer change; each period is planned from "
+      "the snapshot before it)\n",
+      static_cast<long long>(kDriftEvery));
+  const std::vector<ExpertLoads> snaps = read_load_snapshots(dir / "drift.npy");
   std::printf("%5s %8s %12s %12s %12s %12s %14s %12s\n", "ranks", "budget", "proxy fresh",
               "proxy incr.", "moves fresh", "moves relab.", "moves incr.", "fewer moves");
   for (int ranks : {32, 64}) {
@@ -341,11 +348,58 @@ void report_drift(const fs::path& dir) {
     }
     const double n = double(snaps.size() - 2);
     std::printf("%5d %8lld %12.4f %12.4f %12lld %12lld %14lld %11.0f%%\n", ranks,
-                static_cast<long long>(o.redundant_slots), pf / n, pi / n, static_cast<long long>(mf),
-                static_cast<long long>(ma), static_cast<long long>(mi), 100.0 * (1 - double(mi) / double(mf)));
+                static_cast<long long>(o.redundant_slots), pf / n, pi / n,
+                static_cast<long long>(mf), static_cast<long long>(ma), static_cast<long long>(mi),
+                100.0 * (1 - double(mi) / double(mf)));
   }
-  std::printf("(target: >= 50%% fewer moves than re-planning from scratch, proxy no more than 1%% "
-              "worse; 'relab.' is the fresh plan with its ranks relabeled to keep what they hold)\n");
+  std::printf(
+      "(target: >= 50%% fewer moves than re-planning from scratch, proxy no more than 1%% "
+      "worse; 'relab.' is the fresh plan with its ranks relabeled to keep what they hold)\n");
+}
+
+void report_simulated_decode() {
+  std::printf(
+      "\n## Simulated decode step (sim:deepseek-v3-h800, 32 expert-parallel ranks, 64 sequences "
+      "at 4K context, MoE half of a balanced step, routed-by-layer skew)\n");
+  const auto model = tandem::engine::SimLatencyModel::preset("deepseek-v3-h800");
+  tandem::engine::StepShape shape;
+  shape.decode_seqs = shape.decode_tokens = 64;
+  shape.decode_context_tokens = 64 * 4096;
+  const double balanced = model.step_seconds(shape);
+  // Placements planned from a window of 8192 routed tokens of the same skew, judged on 200
+  // decode steps of fresh routes.
+  const SkewOptions skew = skew_of("routed-by-layer", 21);
+  RoutingSkew window_model(kLayers, kExperts, skew);
+  std::mt19937_64 rng(5);
+  const ExpertLoads window = window_model.sample(kTokens, rng);
+  PlanOptions layer_wise;
+  layer_wise.ranks = 32;
+  layer_wise.redundant_slots = 32 * kLayers;
+  const std::pair<const char*, std::optional<Placement>> placements[] = {
+      {"no placement (experts in order)", std::nullopt},
+      {"EPLB, 288 slots per layer", eplb_rebalance(window, {.replicas = 288, .gpus = 32})},
+      {"Omni, same total slots", plan(window, layer_wise).placement},
+  };
+  std::printf("%-34s %12s %12s\n", "placement", "step ms", "imbalance");
+  for (const auto& [name, p] : placements) {
+    tandem::engine::SimExpertParallelOptions o;
+    o.ranks = 32;
+    o.skew = skew;
+    o.placement = p;
+    tandem::engine::SimExpertParallel ep(kLayers, kExperts, o);
+    double factor = 0, imbalance = 0;
+    const int steps = 200;
+    for (int i = 0; i < steps; ++i) {
+      const auto s = ep.step(64);
+      factor += s.factor;
+      imbalance += s.imbalance;
+    }
+    std::printf("%-34s %12.2f %12.3f\n", name, 1e3 * balanced * factor / steps, imbalance / steps);
+  }
+  std::printf(
+      "(balanced: %.2f ms; 64 tokens per step route 512 times per layer over 256 experts, "
+      "so even a perfect placement sees sampling noise)\n",
+      1e3 * balanced);
 }
 
 }  // namespace
@@ -368,6 +422,7 @@ int main(int argc, char** argv) {
       report_same_slots(dir);
       report_layer_wise(dir);
       report_drift(dir);
+      report_simulated_decode();
     } else
       throw tandem::Error("--phase: want write, time or report");
   } catch (const std::exception& e) {

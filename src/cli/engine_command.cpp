@@ -17,6 +17,7 @@
 #include "engine/executor/latency_probe.h"
 #include "engine/executor/sim_executor.h"
 #include "engine/output_processor.h"
+#include "placement/files.h"
 #include "util/error.h"
 #include "util/progress.h"
 
@@ -40,6 +41,9 @@ struct EngineOptions {
   uint64_t sim_seed = 0;
   double sim_time_scale = 1.0;
   int64_t sim_kv_token_bytes = 0;
+  int sim_expert_parallel = 0;
+  std::string sim_placement, sim_routing_skew = "1.0";
+  double sim_moe_share = 0.5;
   int64_t max_model_len = 0;
   std::string role = "both";
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
@@ -101,6 +105,26 @@ void run(const EngineOptions& o) {
     so.seed = o.sim_seed;
     so.time_scale = o.sim_time_scale;
     so.kv_token_bytes = o.sim_kv_token_bytes;
+    if (o.sim_expert_parallel > 0) {
+      auto& ep = so.expert_parallel;
+      ep.ranks = o.sim_expert_parallel;
+      ep.moe_share = o.sim_moe_share;
+      ep.seed = o.sim_seed;
+      ep.skew.seed = o.sim_seed + 1;
+      const auto colon = o.sim_routing_skew.find(':');
+      try {
+        ep.skew.alpha_lo = std::stod(o.sim_routing_skew.substr(0, colon));
+        ep.skew.alpha_hi = colon == std::string::npos
+                               ? ep.skew.alpha_lo
+                               : std::stod(o.sim_routing_skew.substr(colon + 1));
+      } catch (const std::exception&) {
+        throw Error("--sim-routing-skew: want ALPHA or LOW:HIGH (Zipf exponents), got '" +
+                    o.sim_routing_skew + "'");
+      }
+      if (!o.sim_placement.empty()) ep.placement = placement::read_placement(o.sim_placement);
+    } else if (!o.sim_placement.empty()) {
+      throw Error("--sim-placement needs --sim-expert-parallel N");
+    }
     so.max_model_len = o.max_model_len;
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
@@ -291,6 +315,19 @@ void add_engine_command(CLI::App& app) {
                   "bytes per token and layer a simulated engine's KV transfers move (default: "
                   "the model's real size)")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--sim-expert-parallel", o->sim_expert_parallel,
+                  "simulated expert-parallel ranks: a step's MoE time follows the busiest rank's "
+                  "routes (0: balanced, the latency model as it is)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--sim-placement", o->sim_placement,
+                  "where experts live for --sim-expert-parallel (.json from `tandem place plan` "
+                  "or an Omni .npy); default: every expert once, in order");
+  cmd->add_option("--sim-routing-skew", o->sim_routing_skew,
+                  "Zipf exponent of the simulated routing, or LOW:HIGH spread over the MoE layers")
+      ->capture_default_str();
+  cmd->add_option("--sim-moe-share", o->sim_moe_share,
+                  "share of a balanced simulated step that MoE layers take")
+      ->capture_default_str();
   cmd->add_option("--role", o->role, "prefill, decode or both (prefill/decode disaggregation)")
       ->capture_default_str()
       ->check(CLI::IsMember({"prefill", "decode", "both"}));

@@ -1,5 +1,7 @@
 #include "cli/place_command.h"
 
+#include "placement/files.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,62 +23,9 @@ namespace {
 namespace fs = std::filesystem;
 using namespace tandem::placement;
 
-bool is_npy(const fs::path& p) { return p.extension() == ".npy"; }
-
-// Load snapshots from a 2-D .npy, a 3-D .npy [snapshots, layers, experts], an /expert_load JSON,
-// or a folder of --expert-load-dump snapshots (the cumulative one left out).
-std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
-  std::vector<ExpertLoads> out;
-  if (fs::is_directory(path)) {
-    std::vector<fs::path> files;
-    for (const auto& entry : fs::directory_iterator(path))
-      if (is_npy(entry.path()) && entry.path().stem() != "expert_load_cumulative")
-        files.push_back(entry.path());
-    std::sort(files.begin(), files.end());
-    if (files.empty()) throw Error(path.string() + ": no .npy load snapshots in this folder");
-    for (const auto& f : files) out.push_back(loads_from_npy(read_npy(f), f.string()));
-    return out;
-  }
-  if (!is_npy(path)) {
-    out.push_back(loads_from_json(read_file(path), path.string()));
-    return out;
-  }
-  const NpyArray a = read_npy(path);
-  if (a.shape.size() != 3) {
-    out.push_back(loads_from_npy(a, path.string()));
-    return out;
-  }
-  const int64_t layers = a.shape[1], experts = a.shape[2], per = layers * experts;
-  for (int64_t t = 0; t < a.shape[0]; ++t) {
-    NpyArray one{{layers, experts},
-                 std::vector<int64_t>(a.values.begin() + t * per, a.values.begin() + (t + 1) * per),
-                 a.dtype};
-    out.push_back(loads_from_npy(one, path.string() + " [" + std::to_string(t) + "]"));
-  }
-  return out;
-}
-
-ExpertLoads read_loads(const fs::path& path) {
-  const std::vector<ExpertLoads> all = read_load_snapshots(path);
-  if (all.size() == 1) return all[0];
-  // Several snapshots: plan for their sum.
-  ExpertLoads sum = all[0];
-  for (size_t i = 1; i < all.size(); ++i) {
-    if (all[i].layers != sum.layers || all[i].experts != sum.experts)
-      throw Error(path.string() + ": snapshot " + std::to_string(i) + " has another shape");
-    for (size_t k = 0; k < sum.values.size(); ++k) sum.values[k] += all[i].values[k];
-  }
-  return sum;
-}
-
-Placement read_placement(const fs::path& path) {
-  if (is_npy(path)) return placement_from_omni_pattern(read_npy(path), path.string());
-  return placement_from_json(read_file(path), path.string());
-}
-
 struct Shape {
   int ranks = 0;
-  int64_t slots = 0;      // physical slots per layer (EPLB's num_replicas); 0: experts
+  int64_t slots = 0;       // physical slots per layer (EPLB's num_replicas); 0: experts
   int64_t redundant = -1;  // over all layers; -1: from slots
   int groups = 1;          // hosts
   int64_t expert_groups = 8;
@@ -131,13 +80,19 @@ Placement plan_eplb(const ExpertLoads& loads, const Shape& s, bool hierarchical)
 
 const std::map<std::string, Planner>& planners() {
   static const std::map<std::string, Planner> table = {
-      {"omni", [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kLayerWise); }},
-      {"omni-even", [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kEven); }},
+      {"omni", [](const ExpertLoads& l,
+                  const Shape& s) { return plan_omni(l, s, Allocation::kLayerWise); }},
+      {"omni-even",
+       [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kEven); }},
       {"omni-worst-layers",
-       [](const ExpertLoads& l, const Shape& s) { return plan_omni(l, s, Allocation::kWorstLayers); }},
+       [](const ExpertLoads& l, const Shape& s) {
+         return plan_omni(l, s, Allocation::kWorstLayers);
+       }},
       {"eplb", [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, false); }},
-      {"eplb-hierarchical", [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, true); }},
-      {"none", [](const ExpertLoads& l, const Shape& s) { return no_redundancy(l.layers, l.experts, s.ranks); }},
+      {"eplb-hierarchical",
+       [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, true); }},
+      {"none", [](const ExpertLoads& l,
+                  const Shape& s) { return no_redundancy(l.layers, l.experts, s.ranks); }},
   };
   return table;
 }
@@ -213,13 +168,15 @@ void run_plan(const PlanArgs& a) {
     current = read_placement(a.current);
     if (current->num_layers() != loads.layers || current->experts != loads.experts ||
         current->ranks != a.shape.ranks)
-      throw Error(a.current + ": the current placement has " + std::to_string(current->num_layers()) +
-                  " layers of " + std::to_string(current->experts) + " experts on " +
+      throw Error(a.current + ": the current placement has " +
+                  std::to_string(current->num_layers()) + " layers of " +
+                  std::to_string(current->experts) + " experts on " +
                   std::to_string(current->ranks) + " ranks; the loads are [" +
                   std::to_string(loads.layers) + ", " + std::to_string(loads.experts) +
                   "] and --ranks is " + std::to_string(a.shape.ranks));
   }
-  const Placement before = current ? *current : no_redundancy(loads.layers, loads.experts, a.shape.ranks);
+  const Placement before =
+      current ? *current : no_redundancy(loads.layers, loads.experts, a.shape.ranks);
   const auto start = std::chrono::steady_clock::now();
   Placement after;
   int64_t moves = 0;
@@ -235,14 +192,17 @@ void run_plan(const PlanArgs& a) {
   const double took = seconds_since(start);
   validate(after, constraints_of(a.algorithm));
 
-  std::printf("place plan: %s%s, %lld layers x %lld experts on %d ranks%s, %lld slots over all "
-              "layers (%lld redundant)\n",
-              a.algorithm.c_str(), incremental ? " (incremental from --current)" : "",
-              static_cast<long long>(loads.layers), static_cast<long long>(loads.experts),
-              a.shape.ranks,
-              a.shape.groups > 1 ? (" in " + std::to_string(a.shape.groups) + " hosts").c_str() : "",
-              static_cast<long long>(loads.layers * loads.experts + (after.slots_per_rank()[0] * a.shape.ranks - loads.layers * loads.experts)),
-              static_cast<long long>(after.slots_per_rank()[0] * a.shape.ranks - loads.layers * loads.experts));
+  std::printf(
+      "place plan: %s%s, %lld layers x %lld experts on %d ranks%s, %lld slots over all "
+      "layers (%lld redundant)\n",
+      a.algorithm.c_str(), incremental ? " (incremental from --current)" : "",
+      static_cast<long long>(loads.layers), static_cast<long long>(loads.experts), a.shape.ranks,
+      a.shape.groups > 1 ? (" in " + std::to_string(a.shape.groups) + " hosts").c_str() : "",
+      static_cast<long long>(
+          loads.layers * loads.experts +
+          (after.slots_per_rank()[0] * a.shape.ranks - loads.layers * loads.experts)),
+      static_cast<long long>(after.slots_per_rank()[0] * a.shape.ranks -
+                             loads.layers * loads.experts));
   const Balance b0 = evaluate(loads, before), b1 = evaluate(loads, after);
   print_balance_table(b0, b1, before, after);
   print_summary(current ? "before (--current)" : "before (no redundancy)", b0);
@@ -275,8 +235,9 @@ void run_show(const ShowArgs& a) {
   }
   const std::vector<int64_t> per_rank = p.slots_per_rank();
   const auto [lo, hi] = std::minmax_element(per_rank.begin(), per_rank.end());
-  std::printf("  expert slots per rank over all layers: %lld..%lld%s\n", static_cast<long long>(*lo),
-              static_cast<long long>(*hi), *lo == *hi ? " (equal memory on every rank)" : "");
+  std::printf("  expert slots per rank over all layers: %lld..%lld%s\n",
+              static_cast<long long>(*lo), static_cast<long long>(*hi),
+              *lo == *hi ? " (equal memory on every rank)" : "");
   int32_t most = 0;
   for (int64_t l = 0; l < p.num_layers(); ++l)
     for (int32_t c : p.logcnt(l)) most = std::max(most, c);
@@ -312,8 +273,8 @@ void run_simulate(const SimulateArgs& a) {
   Placement fixed = initial, fresh = initial, incremental = initial;
   int64_t fresh_moves = 0, aligned_moves = 0, incremental_moves = 0, rebalances = 0;
   double sum_fixed = 0, sum_fresh = 0, sum_incremental = 0, sum_none = 0;
-  std::printf("%-9s %12s %12s %12s %12s %11s %13s %11s\n", "snapshot", "none", "static",
-              "fresh", "incremental", "fresh moves", "aligned moves", "incr. moves");
+  std::printf("%-9s %12s %12s %12s %12s %11s %13s %11s\n", "snapshot", "none", "static", "fresh",
+              "incremental", "fresh moves", "aligned moves", "incr. moves");
   for (size_t t = 1; t < snaps.size(); ++t) {
     int64_t fm = 0, am = 0, im = 0;
     if ((t - 1) % size_t(a.every) == 0 && t > 1) {
@@ -329,7 +290,9 @@ void run_simulate(const SimulateArgs& a) {
       incremental = std::move(inc.placement);
       ++rebalances;
     }
-    const double none = evaluate(snaps[t], no_redundancy(snaps[t].layers, snaps[t].experts, a.shape.ranks)).step_proxy;
+    const double none =
+        evaluate(snaps[t], no_redundancy(snaps[t].layers, snaps[t].experts, a.shape.ranks))
+            .step_proxy;
     const double pf = evaluate(snaps[t], fixed).step_proxy;
     const double pr = evaluate(snaps[t], fresh).step_proxy;
     const double pi = evaluate(snaps[t], incremental).step_proxy;
@@ -341,13 +304,16 @@ void run_simulate(const SimulateArgs& a) {
   const double n = double(snaps.size() - 1);
   std::printf("mean step proxy: none %.4f, static %.4f, fresh %.4f, incremental %.4f\n",
               sum_none / n, sum_fixed / n, sum_fresh / n, sum_incremental / n);
-  std::printf("moves over %lld rebalances: fresh %lld (%lld with ranks relabeled), incremental %lld\n",
-              static_cast<long long>(rebalances), static_cast<long long>(fresh_moves),
-              static_cast<long long>(aligned_moves), static_cast<long long>(incremental_moves));
+  std::printf(
+      "moves over %lld rebalances: fresh %lld (%lld with ranks relabeled), incremental %lld\n",
+      static_cast<long long>(rebalances), static_cast<long long>(fresh_moves),
+      static_cast<long long>(aligned_moves), static_cast<long long>(incremental_moves));
 }
 
 void add_shape_options(CLI::App* cmd, Shape& s) {
-  cmd->add_option("--ranks", s.ranks, "expert-parallel ranks")->required()->check(CLI::Range(1, 1 << 16));
+  cmd->add_option("--ranks", s.ranks, "expert-parallel ranks")
+      ->required()
+      ->check(CLI::Range(1, 1 << 16));
   cmd->add_option("--slots", s.slots,
                   "physical expert slots per layer, EPLB's num_replicas (default: experts, "
                   "no redundancy); the redundant ones may be spread unevenly over layers")
@@ -375,14 +341,16 @@ void add_place_command(CLI::App& app) {
   auto p = std::make_shared<PlanArgs>();
   auto* plan_cmd = place->add_subcommand(
       "plan", "Plan a placement for expert loads; print balance before and after, moves, time");
-  plan_cmd->add_option("--loads", p->loads,
-                       "loads: .npy [layers, experts] (or [snapshots, layers, experts], summed), "
-                       "an /expert_load JSON, or an --expert-load-dump folder")
+  plan_cmd
+      ->add_option("--loads", p->loads,
+                   "loads: .npy [layers, experts] (or [snapshots, layers, experts], summed), "
+                   "an /expert_load JSON, or an --expert-load-dump folder")
       ->required();
   add_shape_options(plan_cmd, p->shape);
-  plan_cmd->add_option("--current", p->current,
-                       "the placement in use (.json or Omni .npy): moves are counted from it, and "
-                       "omni algorithms rebalance it incrementally")
+  plan_cmd
+      ->add_option("--current", p->current,
+                   "the placement in use (.json or Omni .npy): moves are counted from it, and "
+                   "omni algorithms rebalance it incrementally")
       ->check(CLI::ExistingFile);
   plan_cmd->add_flag("--fresh", p->fresh, "with --current: plan from scratch, not incrementally");
   plan_cmd->add_option("--algorithm", p->algorithm, "one of " + algorithm_names())
@@ -393,8 +361,11 @@ void add_place_command(CLI::App& app) {
   plan_cmd->callback([p] { run_plan(*p); });
 
   auto s = std::make_shared<ShowArgs>();
-  auto* show_cmd = place->add_subcommand("show", "Read a placement (.json or Omni .npy) and describe it");
-  show_cmd->add_option("placement", s->placement, "placement file")->required()->check(CLI::ExistingFile);
+  auto* show_cmd =
+      place->add_subcommand("show", "Read a placement (.json or Omni .npy) and describe it");
+  show_cmd->add_option("placement", s->placement, "placement file")
+      ->required()
+      ->check(CLI::ExistingFile);
   show_cmd->add_option("--loads", s->loads, "also show its balance under these loads");
   show_cmd->add_option("--out", s->out, "write it as JSON");
   show_cmd->add_option("--omni-out", s->omni_out, "write it as an Omni .npy pattern");
@@ -403,16 +374,20 @@ void add_place_command(CLI::App& app) {
   auto m = std::make_shared<SimulateArgs>();
   auto* sim_cmd = place->add_subcommand(
       "simulate", "Replay load snapshots with periodic rebalancing: imbalance and moves over time");
-  sim_cmd->add_option("--loads", m->loads,
-                      "snapshots: a folder of .npy files, or a .npy [snapshots, layers, experts]")
+  sim_cmd
+      ->add_option("--loads", m->loads,
+                   "snapshots: a folder of .npy files, or a .npy [snapshots, layers, experts]")
       ->required();
   add_shape_options(sim_cmd, m->shape);
-  sim_cmd->add_option("--algorithm", m->algorithm, "planner of the fresh plans: " + algorithm_names())
+  sim_cmd
+      ->add_option("--algorithm", m->algorithm, "planner of the fresh plans: " + algorithm_names())
       ->capture_default_str();
-  sim_cmd->add_option("--every", m->every, "rebalance every this many snapshots")->capture_default_str();
-  sim_cmd->add_option("--min-gain", m->min_gain,
-                      "incremental: leave a layer alone unless a fresh plan lowers its busiest "
-                      "rank by more than this share")
+  sim_cmd->add_option("--every", m->every, "rebalance every this many snapshots")
+      ->capture_default_str();
+  sim_cmd
+      ->add_option("--min-gain", m->min_gain,
+                   "incremental: leave a layer alone unless a fresh plan lowers its busiest "
+                   "rank by more than this share")
       ->capture_default_str();
   sim_cmd->callback([m] { run_simulate(*m); });
 }

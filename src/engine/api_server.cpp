@@ -168,17 +168,16 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   server_.route("GET", "/load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     ex->respond(200, api::to_json(engine_.load()));
   });
-  server_.route("GET", "/expert_load",
-                [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-                  if (auto load = engine_.expert_load()) {
-                    ex->respond(200, load->to_json().dump());
-                    return;
-                  }
-                  ex->respond(404, api::openai_error_body(
-                                       "this engine's executor reports no expert routing "
-                                       "(a model without MoE layers)",
-                                       "invalid_request_error", "not_found"));
-                });
+  server_.route(
+      "GET", "/expert_load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+        if (auto load = engine_.expert_load()) {
+          ex->respond(200, load->to_json().dump());
+          return;
+        }
+        ex->respond(404, api::openai_error_body("this engine's executor reports no expert routing "
+                                                "(a model without MoE layers)",
+                                                "invalid_request_error", "not_found"));
+      });
   auto generation = [this](int kind) {
     return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
       handle_generation(kind, req, std::move(ex));

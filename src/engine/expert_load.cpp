@@ -26,14 +26,10 @@ nlohmann::json ExpertLoadSnapshot::to_json() const {
       out.push_back(std::vector<int64_t>(v.begin() + l * experts, v.begin() + (l + 1) * experts));
     return out;
   };
-  return {{"layers", layer_ids.size()},
-          {"experts", experts},
-          {"layer_ids", layer_ids},
-          {"steps", steps},
-          {"window_steps", window_steps},
-          {"imbalance", window_imbalance()},
-          {"window", rows(window)},
-          {"cumulative", rows(cumulative)}};
+  return {{"layers", layer_ids.size()},   {"experts", experts},
+          {"layer_ids", layer_ids},       {"steps", steps},
+          {"window_steps", window_steps}, {"imbalance", window_imbalance()},
+          {"window", rows(window)},       {"cumulative", rows(cumulative)}};
 }
 
 void ExpertLoadSnapshot::write(const std::filesystem::path& stem, bool cumulative_npy) const {

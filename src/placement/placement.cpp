@@ -38,7 +38,8 @@ std::vector<std::vector<int32_t>> Placement::log2phy(int64_t layer) const {
 
 std::vector<int32_t> Placement::rank_of_slot(int64_t layer) const {
   std::vector<int32_t> out;
-  for (size_t r = 0; r < layers[layer].size(); ++r) out.insert(out.end(), layers[layer][r].size(), int32_t(r));
+  for (size_t r = 0; r < layers[layer].size(); ++r)
+    out.insert(out.end(), layers[layer][r].size(), int32_t(r));
   return out;
 }
 
@@ -65,8 +66,7 @@ void validate(const Placement& p, const Constraints& constraints) {
         if (e < 0 || e >= p.experts)
           throw Error(where + ", rank " + std::to_string(r) + ": expert id " + std::to_string(e) +
                       " is outside [0, " + std::to_string(p.experts) + ")");
-        if (constraints.distinct_on_rank &&
-            std::find(seen.begin(), seen.end(), e) != seen.end())
+        if (constraints.distinct_on_rank && std::find(seen.begin(), seen.end(), e) != seen.end())
           throw Error(where + ", rank " + std::to_string(r) + " holds two copies of expert " +
                       std::to_string(e));
         seen.push_back(e);
@@ -153,9 +153,8 @@ int64_t count_layer_moves(const std::vector<std::vector<int32_t>>& from,
 int64_t count_moves(const Placement& from, const Placement& to) {
   int64_t moves = 0;
   for (int64_t l = 0; l < to.num_layers(); ++l)
-    moves += count_layer_moves(l < from.num_layers() ? from.layers[l]
-                                                     : std::vector<std::vector<int32_t>>{},
-                               to.layers[l]);
+    moves += count_layer_moves(
+        l < from.num_layers() ? from.layers[l] : std::vector<std::vector<int32_t>>{}, to.layers[l]);
   return moves;
 }
 

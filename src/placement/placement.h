@@ -31,7 +31,8 @@ struct Placement {
 };
 
 struct Constraints {
-  bool distinct_on_rank = true;  // no two copies of one expert on one rank (EPLB does not promise it)
+  bool distinct_on_rank =
+      true;  // no two copies of one expert on one rank (EPLB does not promise it)
   bool equal_rank_memory = true;
 };
 
@@ -56,10 +57,10 @@ struct Balance {
 };
 
 // Loads of an expert split evenly over its copies (how tokens are spread over replicas).
-std::vector<double> rank_loads(const double* expert_loads, const std::vector<std::vector<int32_t>>& ranks,
-                               int64_t experts);
-LayerBalance layer_balance(const double* expert_loads, const std::vector<std::vector<int32_t>>& ranks,
-                           int64_t experts);
+std::vector<double> rank_loads(const double* expert_loads,
+                               const std::vector<std::vector<int32_t>>& ranks, int64_t experts);
+LayerBalance layer_balance(const double* expert_loads,
+                           const std::vector<std::vector<int32_t>>& ranks, int64_t experts);
 Balance evaluate(const ExpertLoads& loads, const Placement& placement);
 
 // Expert copies that must be loaded onto a rank that did not hold them (slot order within a

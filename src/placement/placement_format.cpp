@@ -32,7 +32,8 @@ Placement placement_from_json(const std::string& text, const std::string& source
     throw Error(source + ": not valid JSON: " + e.what());
   }
   const auto need = [&](const char* key) -> const nlohmann::json& {
-    if (!j.is_object() || !j.contains(key)) throw Error(source + ": placement has no \"" + key + "\"");
+    if (!j.is_object() || !j.contains(key))
+      throw Error(source + ": placement has no \"" + key + "\"");
     return j[key];
   };
   const nlohmann::json& ranks = need("ranks");
@@ -60,7 +61,8 @@ Placement placement_from_json(const std::string& text, const std::string& source
         throw Error(where + " of \"rank_slots\" needs " + std::to_string(p.ranks) + " counts");
       for (const auto& v : s) {
         if (!v.is_number_integer() || v.get<int64_t>() < 0)
-          throw Error(where + " of \"rank_slots\" holds a count that is not a non-negative integer");
+          throw Error(where +
+                      " of \"rank_slots\" holds a count that is not a non-negative integer");
         slots.push_back(v.get<int64_t>());
       }
     } else {
@@ -72,14 +74,15 @@ Placement placement_from_json(const std::string& text, const std::string& source
     int64_t total = 0;
     for (int64_t s : slots) total += s;
     if (total != int64_t(row.size()))
-      throw Error(where + ": \"rank_slots\" add up to " + std::to_string(total) + " but \"phy2log\" has " +
-                  std::to_string(row.size()) + " slots");
+      throw Error(where + ": \"rank_slots\" add up to " + std::to_string(total) +
+                  " but \"phy2log\" has " + std::to_string(row.size()) + " slots");
     std::vector<std::vector<int32_t>> layer(p.ranks);
     size_t i = 0;
     for (int r = 0; r < p.ranks; ++r)
       for (int64_t k = 0; k < slots[r]; ++k, ++i) {
         if (!row[i].is_number_integer())
-          throw Error(where + ", slot " + std::to_string(i) + " of \"phy2log\" is not an expert id");
+          throw Error(where + ", slot " + std::to_string(i) +
+                      " of \"phy2log\" is not an expert id");
         const int64_t e = row[i].get<int64_t>();
         if (e < 0 || e >= p.experts)
           throw Error(where + ", slot " + std::to_string(i) + ": expert id " + std::to_string(e) +
@@ -98,7 +101,9 @@ Placement placement_from_json(const std::string& text, const std::string& source
 
 NpyArray placement_to_omni_pattern(const Placement& p) {
   const int64_t layers = p.num_layers();
-  NpyArray a{{p.ranks, layers, p.experts}, std::vector<int64_t>(size_t(p.ranks) * layers * p.experts, 0), "<i4"};
+  NpyArray a{{p.ranks, layers, p.experts},
+             std::vector<int64_t>(size_t(p.ranks) * layers * p.experts, 0),
+             "<i4"};
   for (int64_t l = 0; l < layers; ++l)
     for (int r = 0; r < p.ranks; ++r)
       for (int32_t e : p.layers[l][r]) {
@@ -114,13 +119,15 @@ NpyArray placement_to_omni_pattern(const Placement& p) {
 
 Placement placement_from_omni_pattern(const NpyArray& a, const std::string& source) {
   if (a.shape.size() != 3)
-    throw Error(source + ": an Omni placement pattern is a 3-D array [ranks, layers, experts], got " +
+    throw Error(source +
+                ": an Omni placement pattern is a 3-D array [ranks, layers, experts], got " +
                 std::to_string(a.shape.size()) + " dimensions");
   const int64_t ranks = a.shape[0], layers = a.shape[1], experts = a.shape[2];
   if (ranks <= 0 || layers <= 0 || experts <= 0)
     throw Error(source + ": an Omni placement pattern needs ranks, layers and experts");
-  Placement p{int(ranks), experts, std::vector<std::vector<std::vector<int32_t>>>(
-                                       layers, std::vector<std::vector<int32_t>>(ranks))};
+  Placement p{int(ranks), experts,
+              std::vector<std::vector<std::vector<int32_t>>>(
+                  layers, std::vector<std::vector<int32_t>>(ranks))};
   for (int64_t r = 0; r < ranks; ++r)
     for (int64_t l = 0; l < layers; ++l)
       for (int64_t e = 0; e < experts; ++e) {

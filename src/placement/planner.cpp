@@ -57,8 +57,13 @@ struct LayerState {
 
   LayerState(const double* l, int64_t e, std::vector<int64_t> cap, const std::vector<int>& hosts,
              std::vector<int32_t> c)
-      : loads(l), experts(e), capacity(std::move(cap)), host_of_rank(hosts), count(std::move(c)),
-        ranks(capacity.size()), rank_load(capacity.size(), 0.0),
+      : loads(l),
+        experts(e),
+        capacity(std::move(cap)),
+        host_of_rank(hosts),
+        count(std::move(c)),
+        ranks(capacity.size()),
+        rank_load(capacity.size(), 0.0),
         holds(capacity.size() * size_t(e), 0) {
     weight.resize(e);
     for (int64_t x = 0; x < e; ++x) weight[x] = loads[x] / double(count[x]);
@@ -159,7 +164,7 @@ struct LayerState {
     stop_at = std::max(stop_at, std::max(mean, heaviest) * (1 + kRefineSlack));
     // A swap must lower the busiest rank by a visible amount, not by rounding dust.
     const double step = kRefineSlack * mean;
-    for (int iteration = 0; iteration < 64 * num_ranks(); ++iteration) {
+    for (int iteration = 0; iteration < 4 * num_ranks(); ++iteration) {
       const int m = int(std::max_element(rank_load.begin(), rank_load.end()) - rank_load.begin());
       const double top = rank_load[m];
       if (top <= stop_at) return;
@@ -275,7 +280,8 @@ std::vector<double> cost_curve(const double* loads, int64_t experts, int ranks, 
       curve.resize(max_extra + 1, curve.back());
       break;
     }
-    LayerState s = pack(loads, experts, even_capacity(experts + r, ranks), hosts, rep.count(), false);
+    LayerState s =
+        pack(loads, experts, even_capacity(experts + r, ranks), hosts, rep.count(), false);
     curve.push_back(s.max_load());
   }
   return curve;
@@ -293,8 +299,9 @@ void check_options(const ExpertLoads& loads, const PlanOptions& o) {
                 " ranks, want " + std::to_string(o.ranks));
   const int64_t total = loads.layers * loads.experts + o.redundant_slots;
   if (total % o.ranks != 0)
-    throw Error("placement: " + std::to_string(total) + " expert slots over all layers do not divide over " +
-                std::to_string(o.ranks) + " ranks (every rank needs the same expert memory); use a "
+    throw Error("placement: " + std::to_string(total) +
+                " expert slots over all layers do not divide over " + std::to_string(o.ranks) +
+                " ranks (every rank needs the same expert memory); use a "
                 "redundant budget that makes layers x experts + budget a multiple of the ranks");
   if (o.redundant_slots > loads.layers * loads.experts * (int64_t(o.ranks) - 1))
     throw Error("placement: " + std::to_string(o.redundant_slots) +
@@ -315,7 +322,8 @@ std::vector<std::vector<int32_t>> plan_layer(const double* loads, int64_t expert
   for (int64_t i = experts; i < slots; ++i)
     if (!rep.add_one())
       throw Error("placement: " + std::to_string(slots) + " slots exceed one copy of each of " +
-                  std::to_string(experts) + " experts on each of " + std::to_string(ranks) + " ranks");
+                  std::to_string(experts) + " experts on each of " + std::to_string(ranks) +
+                  " ranks");
   return pack(loads, experts, capacity, host_of_rank, rep.count(), refine).ranks;
 }
 
@@ -331,13 +339,14 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
     case Allocation::kWorstLayers: {
       std::vector<double> ratio(layers);
       for (int64_t l = 0; l < layers; ++l) {
-        const auto ranks = plan_layer(loads.row(l), loads.experts, even_capacity(loads.experts, o.ranks),
-                                      o.host_of_rank, false);
+        const auto ranks = plan_layer(loads.row(l), loads.experts,
+                                      even_capacity(loads.experts, o.ranks), o.host_of_rank, false);
         ratio[l] = layer_balance(loads.row(l), ranks, loads.experts).ratio();
       }
       std::vector<int64_t> order(layers);
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ratio[a] > ratio[b]; });
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int64_t a, int64_t b) { return ratio[a] > ratio[b]; });
       int64_t left = budget;
       for (int64_t pass = 0; left > 0; ++pass)
         for (int64_t i = 0; i < layers && left > 0; ++i) {
@@ -351,7 +360,8 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
       // Minimise the sum over layers of the busiest rank's load with exactly `budget` extra
       // slots: a knapsack over per-layer cost curves.
       const int64_t even = (budget + layers - 1) / layers;
-      const int64_t cap = std::min({budget, per_layer_cap, std::max<int64_t>(4 * o.ranks, 8 * even)});
+      const int64_t cap =
+          std::min({budget, per_layer_cap, std::max<int64_t>(4 * o.ranks, 8 * even)});
       std::vector<std::vector<double>> curve(layers);
       for (int64_t l = 0; l < layers; ++l)
         curve[l] = cost_curve(loads.row(l), loads.experts, o.ranks, cap, o.host_of_rank);
@@ -386,7 +396,8 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
 
 namespace {
 
-Plan plan_allocation(const ExpertLoads& loads, const PlanOptions& o, std::vector<int64_t> allocation) {
+Plan plan_allocation(const ExpertLoads& loads, const PlanOptions& o,
+                     std::vector<int64_t> allocation) {
   Plan result;
   result.redundant_per_layer = std::move(allocation);
   Placement& p = result.placement;
@@ -422,7 +433,7 @@ Plan plan(const ExpertLoads& loads, const PlanOptions& o) {
   even.allocation = Allocation::kEven;
   Plan other = plan_allocation(loads, o, allocate_redundancy(loads, even));
   return sum_of_busiest(loads, other.placement) < sum_of_busiest(loads, chosen.placement) ? other
-                                                                                         : chosen;
+                                                                                          : chosen;
 }
 
 namespace {
@@ -463,8 +474,8 @@ Placement align_to_current(const Placement& current, Placement fresh,
   if (current.num_layers() != fresh.num_layers() || current.ranks != fresh.ranks)
     throw Error("placement: cannot align plans of different layers or ranks");
   for (int64_t l = 0; l < fresh.num_layers(); ++l)
-    fresh.layers[l] = align_to(current.layers[l], std::move(fresh.layers[l]), host_of_rank,
-                               fresh.experts);
+    fresh.layers[l] =
+        align_to(current.layers[l], std::move(fresh.layers[l]), host_of_rank, fresh.experts);
   return fresh;
 }
 
@@ -475,8 +486,8 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
   if (loads.layers != current.num_layers() || loads.experts != current.experts)
     throw Error("placement: the loads are [" + std::to_string(loads.layers) + ", " +
                 std::to_string(loads.experts) + "] but the current placement has " +
-                std::to_string(current.num_layers()) + " layers of " + std::to_string(current.experts) +
-                " experts");
+                std::to_string(current.num_layers()) + " layers of " +
+                std::to_string(current.experts) + " experts");
   IncrementalPlan result{current, 0, 0};
   for (int64_t l = 0; l < loads.layers; ++l) {
     const RankLists& now = current.layers[l];
@@ -512,7 +523,8 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
     for (int64_t e = 0; e < loads.experts; ++e) {
       int32_t placed = 0;
       for (int r = 0; r < s.num_ranks(); ++r) placed += s.has(r, int32_t(e));
-      for (int32_t c = placed; c < want[e]; ++c) missing.push_back({s.per_copy(int32_t(e)), int32_t(e)});
+      for (int32_t c = placed; c < want[e]; ++c)
+        missing.push_back({s.per_copy(int32_t(e)), int32_t(e)});
     }
     std::stable_sort(missing.begin(), missing.end(),
                      [](const auto& a, const auto& b) { return a.first > b.first; });

@@ -18,8 +18,9 @@ RoutingSkew::RoutingSkew(int64_t layers, int64_t experts, const SkewOptions& o)
     throw Error("routing skew: want 0 <= alpha_lo <= alpha_hi");
   std::mt19937_64 rng(o.seed);
   for (int64_t l = 0; l < layers; ++l)
-    alpha_.push_back(layers == 1 ? o.alpha_lo
-                                 : o.alpha_lo + (o.alpha_hi - o.alpha_lo) * double(l) / double(layers - 1));
+    alpha_.push_back(layers == 1
+                         ? o.alpha_lo
+                         : o.alpha_lo + (o.alpha_hi - o.alpha_lo) * double(l) / double(layers - 1));
   std::shuffle(alpha_.begin(), alpha_.end(), rng);
   order_.resize(layers);
   cdf_.resize(layers);
@@ -75,7 +76,8 @@ void RoutingSkew::estimate_expected() {
 ExpertLoads RoutingSkew::expected(int64_t tokens) const {
   ExpertLoads out{layers_, experts_, std::vector<double>(layers_ * experts_)};
   for (int64_t l = 0; l < layers_; ++l)
-    for (int64_t e = 0; e < experts_; ++e) out.values[l * experts_ + e] = share_[l][e] * double(tokens);
+    for (int64_t e = 0; e < experts_; ++e)
+      out.values[l * experts_ + e] = share_[l][e] * double(tokens);
   return out;
 }
 

@@ -25,7 +25,8 @@ constexpr IntType kIntTypes[] = {{"<i1", 1, true},  {"|i1", 1, true},  {"<i2", 2
 int64_t load_le(const unsigned char* p, const IntType& t, const std::string& source) {
   uint64_t u = 0;
   for (int i = t.bytes - 1; i >= 0; --i) u = (u << 8) | p[i];
-  if (t.is_signed && t.bytes < 8 && (u >> (t.bytes * 8 - 1)) & 1) u |= ~uint64_t(0) << (t.bytes * 8);
+  if (t.is_signed && t.bytes < 8 && (u >> (t.bytes * 8 - 1)) & 1)
+    u |= ~uint64_t(0) << (t.bytes * 8);
   if (!t.is_signed && t.bytes == 8 && u > uint64_t(std::numeric_limits<int64_t>::max()))
     throw Error(source + ": uint64 value " + std::to_string(u) + " does not fit int64");
   return int64_t(u);
@@ -62,13 +63,14 @@ NpyArray parse_npy(std::string_view bytes, const std::string& source) {
   array.dtype = m[1];
   if (!std::regex_search(header, m, order_re))
     throw Error(source + ": .npy header has no 'fortran_order'");
-  if (m[1] == "True") throw Error(source + ": Fortran-order arrays are not supported (want C order)");
+  if (m[1] == "True")
+    throw Error(source + ": Fortran-order arrays are not supported (want C order)");
   if (!std::regex_search(header, m, shape_re)) throw Error(source + ": .npy header has no 'shape'");
   const std::string dims = m[1];
   static const std::regex dim_re(R"(\s*(\d+)\s*,?)");
   uint64_t count = 1;
-  for (auto it = std::sregex_iterator(dims.begin(), dims.end(), dim_re); it != std::sregex_iterator();
-       ++it) {
+  for (auto it = std::sregex_iterator(dims.begin(), dims.end(), dim_re);
+       it != std::sregex_iterator(); ++it) {
     const std::string d = (*it)[1];
     if (d.size() > 12) throw Error(source + ": .npy dimension " + d + " is too large");
     array.shape.push_back(std::stoll(d));
@@ -88,7 +90,8 @@ NpyArray parse_npy(std::string_view bytes, const std::string& source) {
                 " bytes, the shape and dtype need " + std::to_string(want));
   array.values.resize(count);
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data() + offset);
-  for (uint64_t i = 0; i < count; ++i) array.values[i] = load_le(p + i * type->bytes, *type, source);
+  for (uint64_t i = 0; i < count; ++i)
+    array.values[i] = load_le(p + i * type->bytes, *type, source);
   return array;
 }
 
@@ -99,7 +102,10 @@ NpyArray read_npy(const std::filesystem::path& path) {
 std::string encode_npy(const std::vector<int64_t>& shape, const std::vector<int64_t>& values,
                        bool int32) {
   std::string dims;  // as NumPy writes it: "(3,)" and "(3, 4)"
-  for (size_t i = 0; i < shape.size(); ++i) dims += (i ? ", " : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) dims += ", ";
+    dims += std::to_string(shape[i]);
+  }
   if (shape.size() == 1) dims += ",";
   std::string header = std::string("{'descr': '") + (int32 ? "<i4" : "<i8") +
                        "', 'fortran_order': False, 'shape': (" + dims + "), }";
@@ -116,7 +122,8 @@ std::string encode_npy(const std::vector<int64_t>& shape, const std::vector<int6
   const int width = int32 ? 4 : 8;
   out.reserve(out.size() + values.size() * width);
   for (int64_t v : values) {
-    if (int32 && (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max()))
+    if (int32 &&
+        (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max()))
       throw Error("value " + std::to_string(v) + " does not fit an int32 .npy array");
     uint64_t u = uint64_t(v);
     for (int i = 0; i < width; ++i, u >>= 8) out += char(u & 0xff);

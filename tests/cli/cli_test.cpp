@@ -2,6 +2,7 @@
 // error and a non-zero exit status, never a crash.
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include <gmock/gmock.h>
@@ -11,6 +12,7 @@
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
+#include "util/npy.h"
 
 namespace tandem {
 namespace {
@@ -100,11 +102,80 @@ TEST(Cli, BadInputsGiveClearErrors) {
 }
 
 TEST(Cli, EverySubcommandHasHelp) {
-  for (const char* sub : {"", "tokenize", "detokenize"}) {
+  for (const char* sub :
+       {"", "tokenize", "detokenize", "place", "place plan", "place show", "place simulate"}) {
     auto r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.status, 0) << sub;
     EXPECT_THAT(r.output, HasSubstr("Usage:")) << sub;
   }
+}
+
+// A temporary .npy file (temp_path names end in .json).
+std::string write_npy_file(const std::string& stem, const std::string& bytes) {
+  const std::string path = test::temp_path(stem).replace_extension(".npy").string();
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path;
+}
+
+const std::string kOmniPattern =
+    std::string(TANDEM_SOURCE_DIR) + "/tests/data/placement/omni_dsv3_gsm8k_decode_32ranks.npy";
+
+TEST(Cli, PlaceShowReadsTheOmniPattern) {
+  auto r = run("place show " + kOmniPattern);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("32 ranks, 58 layers, 256 experts"));
+  EXPECT_THAT(r.output,
+              HasSubstr("10 layers with 288 slots (32 redundant): 0,1,2,4,8,12,24,45,47,55"));
+  EXPECT_THAT(r.output, HasSubstr("(equal memory on every rank)"));
+}
+
+TEST(Cli, PlacePlanWritesAPlacementThatReadsBack) {
+  std::vector<int64_t> loads;
+  for (int l = 0; l < 4; ++l)
+    for (int e = 0; e < 32; ++e) loads.push_back(1000 / (1 + ((e * 7 + l) % 32)));
+  const auto npy = write_npy_file("loads", encode_npy({4, 32}, loads));
+  const auto out = test::temp_path("plan").string();
+  const auto pattern = test::temp_path("pattern").replace_extension(".npy").string();
+  auto r = run("place plan --loads " + npy + " --ranks 8 --slots 40 --out " + out + " --omni-out " +
+               pattern);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("after: step proxy"));
+  auto shown = run("place show " + out + " --loads " + npy);
+  ASSERT_EQ(shown.status, 0) << shown.output;
+  EXPECT_THAT(shown.output, HasSubstr("4 layers with 40 slots (8 redundant)"));
+  auto again = run("place show " + pattern);
+  EXPECT_EQ(again.status, 0) << again.output;
+  // Incremental from itself: nothing to move.
+  auto inc = run("place plan --loads " + npy + " --ranks 8 --slots 40 --current " + out);
+  ASSERT_EQ(inc.status, 0) << inc.output;
+  EXPECT_THAT(inc.output, HasSubstr("moves: 0 "));
+  for (const auto& f : {npy, out, pattern}) std::filesystem::remove(f);
+}
+
+TEST(Cli, PlaceRejectsBadInputNamingTheFileAndWritesNothing) {
+  const auto out = test::temp_path("never").string();
+  const auto expect_error = [&](const std::string& args, const std::string& message) {
+    auto r = run("place plan " + args + " --out " + out);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_THAT(r.output, HasSubstr(message)) << args;
+    EXPECT_FALSE(std::filesystem::exists(out)) << args;
+  };
+  const auto negative =
+      write_npy_file("neg", encode_npy({2, 8}, {1, 2, 3, -4, 5, 6, 7, 8, 1, 1, 1, 1, 1, 1, 1, 1}));
+  expect_error("--loads " + negative + " --ranks 2", "layer 0, expert 3");
+  const auto flat = write_npy_file("flat", encode_npy({16}, std::vector<int64_t>(16, 1)));
+  expect_error("--loads " + flat + " --ranks 2", "2-D array [layers, experts]");
+  std::string floats = encode_npy({2, 8}, std::vector<int64_t>(16, 1));
+  floats.replace(floats.find("<i8"), 3, "<f8");
+  const auto f8 = write_npy_file("f8", floats);
+  expect_error("--loads " + f8 + " --ranks 2", "'<f8' is not supported");
+  const auto ok = write_npy_file("ok", encode_npy({2, 8}, std::vector<int64_t>(16, 1)));
+  expect_error("--loads " + ok + " --ranks 16", "8 experts cannot cover 16 ranks");
+  expect_error("--loads " + ok + " --ranks 2 --slots 4", "cannot hold");
+  const auto wrong =
+      write_temp("wrong.json", R"({"ranks":2,"experts":8,"phy2log":[[0,1,2,3,4,5,6,6]]})");
+  expect_error("--loads " + ok + " --ranks 2 --current " + wrong, "expert 7 has no copy");
+  for (const auto& f : {negative, flat, f8, ok, wrong}) std::filesystem::remove(f);
 }
 
 }  // namespace

@@ -226,7 +226,8 @@ TEST_F(EngineServer, ExpertLoadCountsTheRoutesTheForwardPassesTook) {
     const int64_t layer = load["layer_ids"][i];
     int64_t routed = 0;
     for (int64_t e = 0; e < 8; ++e) {
-      EXPECT_EQ(load["cumulative"][i][e].get<int64_t>(), int64_t(after[layer][e] - before[layer][e]))
+      EXPECT_EQ(load["cumulative"][i][e].get<int64_t>(),
+                int64_t(after[layer][e] - before[layer][e]))
           << "layer " << layer << " expert " << e;
       routed += load["cumulative"][i][e].get<int64_t>();
     }
@@ -244,12 +245,29 @@ TEST_F(EngineServer, ExpertLoadCountsTheRoutesTheForwardPassesTook) {
   EXPECT_EQ(engine.stop(), 0);
   const NpyArray last = read_npy(dump / "expert_load_00000016.npy");
   EXPECT_EQ(last.shape, (std::vector<int64_t>{2, 8}));
-  for (int64_t i = 0; i < 16; ++i) EXPECT_EQ(last.values[i], load["window"][i / 8][i % 8].get<int64_t>());
+  for (int64_t i = 0; i < 16; ++i)
+    EXPECT_EQ(last.values[i], load["window"][i / 8][i % 8].get<int64_t>());
   const NpyArray total = read_npy(dump / "expert_load_cumulative.npy");
   for (int64_t i = 0; i < 16; ++i)
     EXPECT_EQ(total.values[i], load["cumulative"][i / 8][i % 8].get<int64_t>());
   EXPECT_TRUE(std::filesystem::exists(dump / "expert_load_00000008.json"));
   std::filesystem::remove_all(dump);
+}
+
+// A simulated expert-parallel engine reports the routes its skew model drew.
+TEST_F(EngineServer, SimulatedExpertParallelEngineReportsItsRoutes) {
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--sim-time-scale", "0",
+                                 "--sim-expert-parallel", "4", "--sim-routing-skew", "1.2"});
+  json body = {{"prompt", std::vector<int32_t>(10, 1000)}, {"max_tokens", 5}, {"ignore_eos", true}};
+  auto resp = testing::post_json(engine.port(), "/v1/completions", body);
+  ASSERT_EQ(resp.status, 200) << resp.body;
+  ASSERT_TRUE(wait_idle(engine.port()));
+  const json load = get_json(engine.port(), "/expert_load");
+  EXPECT_EQ(load["layer_ids"], json::array({1}));  // the tiny model's one MoE layer
+  int64_t routes = 0;
+  for (const auto& v : load["cumulative"][0]) routes += v.get<int64_t>();
+  EXPECT_EQ(routes, (10 + 5 - 1) * 2);  // every computed token, top-2
 }
 
 TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {

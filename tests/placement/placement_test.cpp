@@ -19,29 +19,33 @@ ExpertLoads zipf_loads(int64_t layers, int64_t experts, uint32_t seed, double al
   std::mt19937 rng(seed);
   ExpertLoads loads{layers, experts, {}};
   for (int64_t l = 0; l < layers; ++l) {
-    const double alpha = alpha_lo + (alpha_hi - alpha_lo) * double(l) / double(std::max<int64_t>(1, layers - 1));
+    const double alpha =
+        alpha_lo + (alpha_hi - alpha_lo) * double(l) / double(std::max<int64_t>(1, layers - 1));
     std::vector<int64_t> perm(experts);
     for (int64_t e = 0; e < experts; ++e) perm[e] = e;
     std::shuffle(perm.begin(), perm.end(), rng);
     std::vector<double> row(experts);
-    for (int64_t e = 0; e < experts; ++e) row[perm[e]] = std::floor(10000.0 / std::pow(double(e + 1), alpha));
+    for (int64_t e = 0; e < experts; ++e)
+      row[perm[e]] = std::floor(10000.0 / std::pow(double(e + 1), alpha));
     loads.values.insert(loads.values.end(), row.begin(), row.end());
   }
   return loads;
 }
 
 TEST(Eplb, ReproducesTheReadmeExample) {
-  const ExpertLoads loads{2, 12, {90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86,
-                                  20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27}};
+  const ExpertLoads loads{2, 12, {90, 132, 40,  61, 104, 165, 39,  4,   73,  56, 183, 86,
+                                  20, 107, 104, 64, 19,  197, 187, 157, 172, 86, 16,  27}};
   const Placement p = eplb_rebalance(loads, {.replicas = 16, .groups = 4, .nodes = 2, .gpus = 8});
-  EXPECT_EQ(p.phy2log(0), (std::vector<int32_t>{5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1}));
+  EXPECT_EQ(p.phy2log(0),
+            (std::vector<int32_t>{5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1}));
   EXPECT_EQ(p.phy2log(1), (std::vector<int32_t>{7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1}));
   EXPECT_EQ(p.logcnt(0), (std::vector<int32_t>{1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1}));
 }
 
 TEST(Eplb, FallsBackToTheGlobalPolicyWhenNodesDoNotDivideGroups) {
   const ExpertLoads loads = zipf_loads(3, 24, 7, 1.0, 1.0);
-  const Placement global = eplb_rebalance(loads, {.replicas = 32, .groups = 3, .nodes = 2, .gpus = 8});
+  const Placement global =
+      eplb_rebalance(loads, {.replicas = 32, .groups = 3, .nodes = 2, .gpus = 8});
   const Placement one = eplb_rebalance(loads, {.replicas = 32, .groups = 1, .nodes = 1, .gpus = 8});
   EXPECT_EQ(global.layers, one.layers);
   validate(global, Constraints{.distinct_on_rank = false});
@@ -58,8 +62,8 @@ TEST(Planner, EveryAllocationKeepsTheConstraintsOnRandomLoads) {
     const ExpertLoads loads = zipf_loads(6, 64, seed, 0.4, 1.6);
     for (Allocation a : {Allocation::kLayerWise, Allocation::kEven, Allocation::kWorstLayers}) {
       const int ranks = seed % 2 ? 8 : 16;
-      const Plan plan_result =
-          plan(loads, {.ranks = ranks, .redundant_slots = 3 * ranks + ranks / 2 * 2, .allocation = a});
+      const Plan plan_result = plan(
+          loads, {.ranks = ranks, .redundant_slots = 3 * ranks + ranks / 2 * 2, .allocation = a});
       SCOPED_TRACE("seed " + std::to_string(seed) + " allocation " + std::to_string(int(a)));
       EXPECT_NO_THROW(validate(plan_result.placement));
       int64_t total = 0;
@@ -86,15 +90,18 @@ TEST(Planner, LayerWiseAllocationGivesTheSkewedLayersTheBudget) {
   std::copy(hot.values.begin(), hot.values.end(), loads.values.begin() + 2 * 32);
   const Plan p = plan(loads, {.ranks = 8, .redundant_slots = 16});
   EXPECT_EQ(p.redundant_per_layer[2], 16);
-  const Plan even = plan(loads, {.ranks = 8, .redundant_slots = 16, .allocation = Allocation::kEven});
+  const Plan even =
+      plan(loads, {.ranks = 8, .redundant_slots = 16, .allocation = Allocation::kEven});
   EXPECT_LT(evaluate(loads, p.placement).step_proxy, evaluate(loads, even.placement).step_proxy);
 }
 
 TEST(Planner, NeverWorseThanEvenOnUniformSkew) {
   const ExpertLoads loads = zipf_loads(8, 64, 11, 1.0, 1.0);
   const Plan wise = plan(loads, {.ranks = 8, .redundant_slots = 64});
-  const Plan even = plan(loads, {.ranks = 8, .redundant_slots = 64, .allocation = Allocation::kEven});
-  EXPECT_LE(evaluate(loads, wise.placement).step_proxy, evaluate(loads, even.placement).step_proxy * 1.005);
+  const Plan even =
+      plan(loads, {.ranks = 8, .redundant_slots = 64, .allocation = Allocation::kEven});
+  EXPECT_LE(evaluate(loads, wise.placement).step_proxy,
+            evaluate(loads, even.placement).step_proxy * 1.005);
 }
 
 TEST(Planner, HostsGetDistinctCopiesFirst) {
@@ -122,13 +129,14 @@ TEST(Planner, IsDeterministic) {
 TEST(Planner, MatchesEplbBalanceWithTheSameSlotsPerLayer) {
   const ExpertLoads loads = zipf_loads(10, 64, 2, 0.6, 1.4);
   const Placement eplb = eplb_rebalance(loads, {.replicas = 80, .gpus = 16});
-  const Plan ours = plan(loads, {.ranks = 16, .redundant_slots = 160, .allocation = Allocation::kEven});
+  const Plan ours =
+      plan(loads, {.ranks = 16, .redundant_slots = 160, .allocation = Allocation::kEven});
   EXPECT_LE(evaluate(loads, ours.placement).step_proxy, evaluate(loads, eplb).step_proxy * 1.01);
 }
 
 TEST(Planner, RejectsBadInputNamingTheField) {
   const ExpertLoads loads = zipf_loads(2, 16, 1, 1.0, 1.0);
-  EXPECT_THROW(plan(loads, {.ranks = 32}), Error);                        // more ranks than experts
+  EXPECT_THROW(plan(loads, {.ranks = 32}), Error);                       // more ranks than experts
   EXPECT_THROW(plan(loads, {.ranks = 4, .redundant_slots = 3}), Error);  // uneven rank memory
   ExpertLoads negative = loads;
   negative.values[5] = -1;
@@ -230,22 +238,25 @@ TEST(Format, OmniPatternErrorsNameTheCell) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("expert 1 holds 2"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(placement_from_omni_pattern({{4, 2}, std::vector<int64_t>(8, 1), "<i4"}, "p.npy"), Error);
+  EXPECT_THROW(placement_from_omni_pattern({{4, 2}, std::vector<int64_t>(8, 1), "<i4"}, "p.npy"),
+               Error);
 }
 
 // The pattern Omni Placement produced for DeepSeek-V3 GSM8K decode on 32 dies (see
 // tests/data/placement/README.md): 10 layers carry 32 redundant experts, one per rank.
 TEST(Format, ReadsTheOmniDeepSeekV3Pattern) {
-  const std::filesystem::path path = std::filesystem::path(TANDEM_SOURCE_DIR) / "tests/data/placement" /
-                                     "omni_dsv3_gsm8k_decode_32ranks.npy";
+  const std::filesystem::path path = std::filesystem::path(TANDEM_SOURCE_DIR) /
+                                     "tests/data/placement" / "omni_dsv3_gsm8k_decode_32ranks.npy";
   const Placement p = placement_from_omni_pattern(read_npy(path), path.string());
   EXPECT_EQ(p.ranks, 32);
   EXPECT_EQ(p.experts, 256);
   ASSERT_EQ(p.num_layers(), 58);
   std::vector<int64_t> redundant_layers;
   for (int64_t l = 0; l < 58; ++l) {
-    if (p.slots(l) == 288) redundant_layers.push_back(l);
-    else EXPECT_EQ(p.slots(l), 256);
+    if (p.slots(l) == 288)
+      redundant_layers.push_back(l);
+    else
+      EXPECT_EQ(p.slots(l), 256);
     for (int r = 0; r < 32; ++r) EXPECT_EQ(int64_t(p.layers[l][r].size()), p.slots(l) / 32);
   }
   EXPECT_EQ(redundant_layers, (std::vector<int64_t>{0, 1, 2, 4, 8, 12, 24, 45, 47, 55}));

@@ -13,14 +13,17 @@ namespace {
 // (524,288 tokens, ~34 GiB) is what one 80 GB H800 rank keeps for KV after its share of the
 // expert-parallel weights, and 163,840 is the model's max_position_embeddings.
 // The tiny preset stands for a small MLA model (2 layers, 32 + 16 float32 values per token).
+// MoE shape: DeepSeek-V3's 58 MoE layers (after 3 dense ones) of 256 routed experts, 8 per
+// token; the tiny model's one MoE layer of 8 experts, 2 per token.
 struct Capacity {
   int64_t num_blocks_16, max_model_len;
   int64_t layers, token_bytes;
+  int64_t first_moe_layer, routed_experts, experts_per_token;
 };
 
 Capacity capacity_of(const std::string& name) {
-  if (name == "tiny") return {2048, 4096, 2, 48 * 4};
-  return {32768, 163840, 61, 576 * 2};
+  if (name == "tiny") return {2048, 4096, 2, 48 * 4, 1, 8, 2};
+  return {32768, 163840, 61, 576 * 2, 3, 256, 8};
 }
 
 SimLatencyModel load_model(const std::string& preset) {
@@ -53,6 +56,13 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   if (options.kv_token_bytes < 0) throw Error("sim: KV bytes per token must be >= 0");
   const int64_t token_bytes = options.kv_token_bytes > 0 ? options.kv_token_bytes : cap.token_bytes;
   info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, token_bytes};
+  if (options.expert_parallel.ranks > 0) {
+    SimExpertParallelOptions ep = options.expert_parallel;
+    ep.skew.top_k = cap.experts_per_token;
+    expert_parallel_.emplace(cap.layers - cap.first_moe_layer, cap.routed_experts, ep);
+    for (int64_t l = cap.first_moe_layer; l < cap.layers; ++l) info_.moe_layers.push_back(l);
+    info_.routed_experts = cap.routed_experts;
+  }
   pattern_.resize(size_t(options.block_size * token_bytes));
   for (size_t i = 0; i < pattern_.size(); ++i) pattern_[i] = std::byte(i * 131 + 7);
 }
@@ -94,7 +104,14 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook
         out.top.emplace_back(ordinary_[(h + k) % ordinary_.size()], -static_cast<float>(k));
     }
   }
-  const double seconds = model_.step_seconds(shape) * options_.time_scale;
+  double seconds = model_.step_seconds(shape) * options_.time_scale;
+  if (expert_parallel_) {
+    int64_t tokens = shape.decode_tokens;
+    for (const PrefillPart& p : shape.prefills) tokens += p.new_tokens;
+    SimExpertParallel::Step moe = expert_parallel_->step(tokens);
+    seconds *= moe.factor;
+    result.expert_tokens = std::move(moe.routes);
+  }
   if (on_layer) {
     // Layers complete evenly over the step, as KV transfer would see them on a GPU.
     const int64_t layers = info_.kv_layout.layers;

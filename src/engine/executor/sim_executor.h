@@ -11,10 +11,12 @@
 // max_tokens or a stop string/id. Logprobs are placeholders (0 for the sampled token, -1, -2, ...
 // for the alternatives) since there is no model distribution.
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "engine/executor/executor.h"
+#include "engine/executor/sim_expert_parallel.h"
 #include "engine/executor/sim_latency.h"
 #include "text/tokenizer.h"
 
@@ -31,6 +33,9 @@ struct SimExecutorOptions {
   // Bytes per token and layer that KV transfers move; 0: the preset model's real size. Smaller
   // values let many simulated engines share one machine's loopback (scheduling experiments).
   int64_t kv_token_bytes = 0;
+  // Expert parallelism (ranks > 0): a step's MoE time follows the busiest rank's routes under
+  // a placement; the executor then also reports its routes (GET /expert_load).
+  SimExpertParallelOptions expert_parallel;
 };
 
 class SimExecutor : public Executor {
@@ -50,6 +55,7 @@ class SimExecutor : public Executor {
   SimExecutorOptions options_;
   std::vector<int32_t> ordinary_;   // ids the simulated model emits
   std::vector<std::byte> pattern_;  // what kv_bytes() shows: one block and layer
+  std::optional<SimExpertParallel> expert_parallel_;
 };
 
 }  // namespace tandem::engine

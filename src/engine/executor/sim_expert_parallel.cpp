@@ -1,0 +1,40 @@
+#include "engine/executor/sim_expert_parallel.h"
+
+#include <cmath>
+
+#include "placement/eplb.h"
+#include "util/error.h"
+
+namespace tandem::engine {
+
+SimExpertParallel::SimExpertParallel(int64_t layers, int64_t experts,
+                                     const SimExpertParallelOptions& o)
+    : placement_(o.placement ? *o.placement : placement::no_redundancy(layers, experts, o.ranks)),
+      skew_(layers, experts, o.skew),
+      moe_share_(o.moe_share),
+      rng_(o.seed) {
+  if (o.ranks < 1) throw Error("--sim-expert-parallel must be at least 1");
+  if (!(o.moe_share >= 0 && o.moe_share <= 1)) throw Error("--sim-moe-share must be in [0, 1]");
+  if (placement_.ranks != o.ranks || placement_.experts != experts ||
+      placement_.num_layers() != layers)
+    throw Error("--sim-placement: the placement has " + std::to_string(placement_.num_layers()) +
+                " layers of " + std::to_string(placement_.experts) + " experts on " +
+                std::to_string(placement_.ranks) + " ranks; the simulated model has " +
+                std::to_string(layers) + " MoE layers of " + std::to_string(experts) +
+                " experts and --sim-expert-parallel is " + std::to_string(o.ranks));
+  placement::validate(placement_, {.distinct_on_rank = false, .equal_rank_memory = false});
+}
+
+SimExpertParallel::Step SimExpertParallel::step(int64_t tokens) {
+  Step s;
+  if (tokens <= 0) return s;
+  const placement::ExpertLoads loads =
+      tokens <= kSampleLimit ? skew_.sample(tokens, rng_) : skew_.expected(tokens);
+  s.imbalance = placement::evaluate(loads, placement_).step_proxy;
+  s.factor = (1 - moe_share_) + moe_share_ * s.imbalance;
+  s.routes.reserve(loads.values.size());
+  for (double v : loads.values) s.routes.push_back(int64_t(std::llround(v)));
+  return s;
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,72 @@
+#include "placement/files.h"
+
+#include <algorithm>
+
+#include "placement/placement_format.h"
+#include "util/error.h"
+#include "util/file.h"
+#include "util/npy.h"
+
+namespace tandem::placement {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool is_npy(const fs::path& p) {
+  return p.extension() == ".npy";
+}
+
+}  // namespace
+
+// Load snapshots from a 2-D .npy, a 3-D .npy [snapshots, layers, experts], an /expert_load JSON,
+// or a folder of --expert-load-dump snapshots (the cumulative one left out).
+std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
+  std::vector<ExpertLoads> out;
+  if (fs::is_directory(path)) {
+    std::vector<fs::path> files;
+    for (const auto& entry : fs::directory_iterator(path))
+      if (is_npy(entry.path()) && entry.path().stem() != "expert_load_cumulative")
+        files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+    if (files.empty()) throw Error(path.string() + ": no .npy load snapshots in this folder");
+    for (const auto& f : files) out.push_back(loads_from_npy(read_npy(f), f.string()));
+    return out;
+  }
+  if (!is_npy(path)) {
+    out.push_back(loads_from_json(read_file(path), path.string()));
+    return out;
+  }
+  const NpyArray a = read_npy(path);
+  if (a.shape.size() != 3) {
+    out.push_back(loads_from_npy(a, path.string()));
+    return out;
+  }
+  const int64_t layers = a.shape[1], experts = a.shape[2], per = layers * experts;
+  for (int64_t t = 0; t < a.shape[0]; ++t) {
+    NpyArray one{{layers, experts},
+                 std::vector<int64_t>(a.values.begin() + t * per, a.values.begin() + (t + 1) * per),
+                 a.dtype};
+    out.push_back(loads_from_npy(one, path.string() + " [" + std::to_string(t) + "]"));
+  }
+  return out;
+}
+
+ExpertLoads read_loads(const fs::path& path) {
+  const std::vector<ExpertLoads> all = read_load_snapshots(path);
+  if (all.size() == 1) return all[0];
+  // Several snapshots: plan for their sum.
+  ExpertLoads sum = all[0];
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (all[i].layers != sum.layers || all[i].experts != sum.experts)
+      throw Error(path.string() + ": snapshot " + std::to_string(i) + " has another shape");
+    for (size_t k = 0; k < sum.values.size(); ++k) sum.values[k] += all[i].values[k];
+  }
+  return sum;
+}
+
+Placement read_placement(const fs::path& path) {
+  if (is_npy(path)) return placement_from_omni_pattern(read_npy(path), path.string());
+  return placement_from_json(read_file(path), path.string());
+}
+
+}  // namespace tandem::placement
