@@ -359,46 +359,56 @@ void report_drift(const fs::path& dir) {
 
 void report_simulated_decode() {
   std::printf(
-      "\n## Simulated decode step (sim:deepseek-v3-h800, 32 expert-parallel ranks, 64 sequences "
-      "at 4K context, MoE half of a balanced step, routed-by-layer skew)\n");
+      "\n## Simulated decode step (sim:deepseek-v3-h800, 32 expert-parallel ranks of 64 sequences "
+      "at 4K context, MoE half of a balanced step)\n");
   const auto model = tandem::engine::SimLatencyModel::preset("deepseek-v3-h800");
   tandem::engine::StepShape shape;
   shape.decode_seqs = shape.decode_tokens = 64;
   shape.decode_context_tokens = 64 * 4096;
   const double balanced = model.step_seconds(shape);
-  // Placements planned from a window of 8192 routed tokens of the same skew, judged on 200
-  // decode steps of fresh routes.
-  const SkewOptions skew = skew_of("routed-by-layer", 21);
-  RoutingSkew window_model(kLayers, kExperts, skew);
-  std::mt19937_64 rng(5);
-  const ExpertLoads window = window_model.sample(kTokens, rng);
-  PlanOptions layer_wise;
-  layer_wise.ranks = 32;
-  layer_wise.redundant_slots = 32 * kLayers;
-  const std::pair<const char*, std::optional<Placement>> placements[] = {
-      {"no placement (experts in order)", std::nullopt},
-      {"EPLB, 288 slots per layer", eplb_rebalance(window, {.replicas = 288, .gpus = 32})},
-      {"Omni, same total slots", plan(window, layer_wise).placement},
-  };
-  std::printf("%-34s %12s %12s\n", "placement", "step ms", "imbalance");
-  for (const auto& [name, p] : placements) {
-    tandem::engine::SimExpertParallelOptions o;
-    o.ranks = 32;
-    o.skew = skew;
-    o.placement = p;
-    tandem::engine::SimExpertParallel ep(kLayers, kExperts, o);
-    double factor = 0, imbalance = 0;
-    const int steps = 200;
-    for (int i = 0; i < steps; ++i) {
-      const auto s = ep.step(64);
-      factor += s.factor;
-      imbalance += s.imbalance;
+  std::printf("%-16s %-44s %10s %10s\n", "skew", "placement", "step ms", "imbalance");
+  for (const char* set : {"zipf-by-layer", "routed-by-layer"}) {
+    // Placements planned from a window of 8192 tokens of the skew, judged on 100 decode steps
+    // of fresh routes (the group's 32 x 64 tokens each).
+    const SkewOptions skew = skew_of(set, 21);
+    RoutingSkew window_model(kLayers, kExperts, skew);
+    std::mt19937_64 rng(5);
+    const ExpertLoads window = window_model.sample(kTokens, rng);
+    const auto omni = [&](int64_t redundant) {
+      PlanOptions o;
+      o.ranks = 32;
+      o.redundant_slots = redundant;
+      return plan(window, o).placement;
+    };
+    const std::pair<const char*, std::optional<Placement>> placements[] = {
+        {"none (experts in order)", std::nullopt},
+        {"EPLB, 256 slots per layer (rearranged)",
+         eplb_rebalance(window, {.replicas = 256, .gpus = 32})},
+        {"Omni, 320 redundant slots in all (2.2%)", omni(320)},
+        {"EPLB, 288 slots per layer (1856 redundant)",
+         eplb_rebalance(window, {.replicas = 288, .gpus = 32})},
+        {"Omni, 1856 redundant slots in all", omni(32 * kLayers)},
+    };
+    for (const auto& [name, p] : placements) {
+      tandem::engine::SimExpertParallelOptions o;
+      o.ranks = 32;
+      o.skew = skew;
+      o.placement = p;
+      tandem::engine::SimExpertParallel ep(kLayers, kExperts, o);
+      double factor = 0, imbalance = 0;
+      const int steps = 100;
+      for (int i = 0; i < steps; ++i) {
+        const auto s = ep.step(64);
+        factor += s.factor;
+        imbalance += s.imbalance;
+      }
+      std::printf("%-16s %-44s %10.2f %10.3f\n", set, name, 1e3 * balanced * factor / steps,
+                  imbalance / steps);
     }
-    std::printf("%-34s %12.2f %12.3f\n", name, 1e3 * balanced * factor / steps, imbalance / steps);
   }
   std::printf(
-      "(balanced: %.2f ms; 64 tokens per step route 512 times per layer over 256 experts, "
-      "so even a perfect placement sees sampling noise)\n",
+      "(balanced step: %.2f ms; a step's routes are the group's, 32 ranks x 64 tokens x 8, "
+      "with the noise of multinomial counts)\n",
       1e3 * balanced);
 }
 

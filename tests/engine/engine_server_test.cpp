@@ -254,7 +254,8 @@ TEST_F(EngineServer, ExpertLoadCountsTheRoutesTheForwardPassesTook) {
   std::filesystem::remove_all(dump);
 }
 
-// A simulated expert-parallel engine reports the routes its skew model drew.
+// A simulated expert-parallel engine reports the routes its skew model drew for its group (it
+// stands for one of 4 data-parallel ranks with similar batches).
 TEST_F(EngineServer, SimulatedExpertParallelEngineReportsItsRoutes) {
   testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
                                  "127.0.0.1", "--port", "0", "--sim-time-scale", "0",
@@ -267,7 +268,7 @@ TEST_F(EngineServer, SimulatedExpertParallelEngineReportsItsRoutes) {
   EXPECT_EQ(load["layer_ids"], json::array({1}));  // the tiny model's one MoE layer
   int64_t routes = 0;
   for (const auto& v : load["cumulative"][0]) routes += v.get<int64_t>();
-  EXPECT_EQ(routes, (10 + 5 - 1) * 2);  // every computed token, top-2
+  EXPECT_EQ(routes, (10 + 5 - 1) * 2 * 4);  // every computed token, top-2, on each of 4 ranks
 }
 
 TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {

@@ -24,14 +24,14 @@ TEST(SimExpertParallel, StepFactorIsTheMoeShareScaledByTheImbalance) {
   SimExpertParallelOptions o = skewed(8);
   o.moe_share = 0.4;
   SimExpertParallel ep(4, 32, o);
-  const auto s = ep.step(64);
+  const auto s = ep.step(64);  // 512 tokens over the group: sampled
   EXPECT_GT(s.imbalance, 1.0);
   EXPECT_DOUBLE_EQ(s.factor, 0.6 + 0.4 * s.imbalance);
   ASSERT_EQ(s.routes.size(), 4u * 32u);
   for (int l = 0; l < 4; ++l) {
     int64_t sum = 0;
     for (int e = 0; e < 32; ++e) sum += s.routes[l * 32 + e];
-    EXPECT_EQ(sum, 64 * 4) << "layer " << l;
+    EXPECT_EQ(sum, 64 * 4 * 8) << "layer " << l;  // the group's: 8 ranks of 64 tokens
   }
   EXPECT_EQ(ep.step(0).factor, 1.0);
 }
@@ -49,7 +49,7 @@ TEST(SimExpertParallel, APlacementForTheSkewShortensSteps) {
   SimExpertParallel none(4, 32, o), omni(4, 32, planned), by_eplb(4, 32, eplb);
   double f_none = 0, f_omni = 0, f_eplb = 0;
   for (int i = 0; i < 20; ++i) {
-    f_none += none.step(2048).factor;  // expected routes: no sampling noise
+    f_none += none.step(2048).factor;  // expected routes with noise
     f_omni += omni.step(2048).factor;
     f_eplb += by_eplb.step(2048).factor;
   }

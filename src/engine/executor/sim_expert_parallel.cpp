@@ -1,5 +1,6 @@
 #include "engine/executor/sim_expert_parallel.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "placement/eplb.h"
@@ -12,6 +13,7 @@ SimExpertParallel::SimExpertParallel(int64_t layers, int64_t experts,
     : placement_(o.placement ? *o.placement : placement::no_redundancy(layers, experts, o.ranks)),
       skew_(layers, experts, o.skew),
       moe_share_(o.moe_share),
+      ranks_(o.ranks),
       rng_(o.seed) {
   if (o.ranks < 1) throw Error("--sim-expert-parallel must be at least 1");
   if (!(o.moe_share >= 0 && o.moe_share <= 1)) throw Error("--sim-moe-share must be in [0, 1]");
@@ -28,8 +30,15 @@ SimExpertParallel::SimExpertParallel(int64_t layers, int64_t experts,
 SimExpertParallel::Step SimExpertParallel::step(int64_t tokens) {
   Step s;
   if (tokens <= 0) return s;
-  const placement::ExpertLoads loads =
-      tokens <= kSampleLimit ? skew_.sample(tokens, rng_) : skew_.expected(tokens);
+  const int64_t group = tokens * ranks_;
+  placement::ExpertLoads loads;
+  if (group <= kSampleLimit) {
+    loads = skew_.sample(group, rng_);
+  } else {
+    loads = skew_.expected(group);
+    std::normal_distribution<double> noise(0.0, 1.0);
+    for (double& v : loads.values) v = std::max(0.0, std::round(v + std::sqrt(v) * noise(rng_)));
+  }
   s.imbalance = placement::evaluate(loads, placement_).step_proxy;
   s.factor = (1 - moe_share_) + moe_share_ * s.imbalance;
   s.routes.reserve(loads.values.size());

@@ -1,8 +1,11 @@
 #pragma once
 // Expert parallelism in the simulated executor: the MoE part of a step waits for the busiest
 // expert-parallel rank, so a step's modelled time grows with the imbalance of that step's routes
-// under the placement in use. Routes come from a routing-skew model (placement/routing_skew.h),
-// sampled per step for small steps and taken as expected counts for large ones.
+// under the placement in use. A simulated engine stands for one attention-data-parallel rank
+// whose peers run similar batches, so a step's routes are those of `ranks` times its tokens (the
+// whole group's). Routes come from a routing-skew model (placement/routing_skew.h): sampled
+// token by token for small steps, expected counts plus Gaussian noise of the same variance
+// (multinomial counts' normal approximation) for large ones.
 //
 //   time = t_balanced * ((1 - moe_share) + moe_share * imbalance)
 //   imbalance = sum over MoE layers of the busiest rank's routes / sum of the mean rank's routes
@@ -37,9 +40,9 @@ class SimExpertParallel {
   struct Step {
     double factor = 1;            // multiplies the balanced step time
     double imbalance = 1;         // busiest rank over mean rank, summed over layers
-    std::vector<int64_t> routes;  // [layers, experts]: this step's routes
+    std::vector<int64_t> routes;  // [layers, experts]: the group's routes in this step
   };
-  // The step of `tokens` new tokens (drafts included).
+  // The step of `tokens` new tokens of this rank (drafts included).
   Step step(int64_t tokens);
 
   const placement::Placement& placement() const { return placement_; }
@@ -49,6 +52,7 @@ class SimExpertParallel {
   placement::Placement placement_;
   placement::RoutingSkew skew_;
   double moe_share_;
+  int ranks_;
   std::mt19937_64 rng_;
 };
 
