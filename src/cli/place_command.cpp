@@ -192,17 +192,17 @@ void run_plan(const PlanArgs& a) {
   const double took = seconds_since(start);
   validate(after, constraints_of(a.algorithm));
 
+  int64_t slots = 0;
+  for (int64_t l = 0; l < after.num_layers(); ++l) slots += after.slots(l);
+  const std::string hosts =
+      a.shape.groups > 1 ? " in " + std::to_string(a.shape.groups) + " hosts" : "";
   std::printf(
       "place plan: %s%s, %lld layers x %lld experts on %d ranks%s, %lld slots over all "
       "layers (%lld redundant)\n",
       a.algorithm.c_str(), incremental ? " (incremental from --current)" : "",
       static_cast<long long>(loads.layers), static_cast<long long>(loads.experts), a.shape.ranks,
-      a.shape.groups > 1 ? (" in " + std::to_string(a.shape.groups) + " hosts").c_str() : "",
-      static_cast<long long>(
-          loads.layers * loads.experts +
-          (after.slots_per_rank()[0] * a.shape.ranks - loads.layers * loads.experts)),
-      static_cast<long long>(after.slots_per_rank()[0] * a.shape.ranks -
-                             loads.layers * loads.experts));
+      hosts.c_str(), static_cast<long long>(slots),
+      static_cast<long long>(slots - loads.layers * loads.experts));
   const Balance b0 = evaluate(loads, before), b1 = evaluate(loads, after);
   print_balance_table(b0, b1, before, after);
   print_summary(current ? "before (--current)" : "before (no redundancy)", b0);

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "util/error.h"
+#include "util/json.h"
 
 namespace tandem::placement {
 
@@ -36,12 +37,7 @@ ExpertLoads loads_from_npy(const NpyArray& array, const std::string& source) {
 }
 
 ExpertLoads loads_from_json(const std::string& text, const std::string& source) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(source + ": not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json_document(text, source);
   const nlohmann::json* rows = &j;
   if (j.is_object()) {
     const char* key = j.contains("window") ? "window" : "cumulative";

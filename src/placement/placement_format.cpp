@@ -1,6 +1,7 @@
 #include "placement/placement_format.h"
 
 #include "util/error.h"
+#include "util/json.h"
 
 namespace tandem::placement {
 
@@ -25,12 +26,7 @@ nlohmann::json placement_to_json(const Placement& p) {
 }
 
 Placement placement_from_json(const std::string& text, const std::string& source) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(source + ": not valid JSON: " + e.what());
-  }
+  const nlohmann::json j = parse_json_document(text, source);
   const auto need = [&](const char* key) -> const nlohmann::json& {
     if (!j.is_object() || !j.contains(key))
       throw Error(source + ": placement has no \"" + key + "\"");

@@ -23,13 +23,11 @@ class Replicator {
   }
   bool add_one() {
     while (!heap_.empty()) {
-      const auto [value, neg] = heap_.top();
+      const int64_t e = -heap_.top().second;
       heap_.pop();
-      const int64_t e = -neg;
-      if (count_[e] >= max_copies_) continue;
+      if (count_[e] >= max_copies_) continue;  // a copy on every rank already
       ++count_[e];
-      heap_.push({loads_[e] / double(count_[e]), neg});
-      (void)value;
+      heap_.push({loads_[e] / double(count_[e]), -e});
       return true;
     }
     return false;
@@ -117,6 +115,8 @@ struct LayerState {
     int room = -1;
     for (int r = 0; r < num_ranks() && room < 0; ++r)
       if (int64_t(ranks[r].size()) < capacity[r]) room = r;
+    if (room < 0)
+      throw Error("placement: no rank has room for another copy of expert " + std::to_string(e));
     int best_rank = -1;
     int32_t best_item = -1;
     double best_load = std::numeric_limits<double>::infinity();
@@ -128,7 +128,7 @@ struct LayerState {
         if (after < best_load) best_load = after, best_rank = r, best_item = y;
       }
     }
-    if (room < 0 || best_rank < 0)
+    if (best_rank < 0)
       throw Error("placement: no rank can take another copy of expert " + std::to_string(e));
     take(best_rank, best_item);
     put(room, best_item);

@@ -31,4 +31,12 @@ nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth) {
   }
 }
 
+nlohmann::json parse_json_document(std::string_view text, const std::string& source) {
+  try {
+    return parse_untrusted_json(text);
+  } catch (const Error& e) {
+    throw Error(source + ": " + e.what());
+  }
+}
+
 }  // namespace tandem
