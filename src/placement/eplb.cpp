@@ -117,6 +117,10 @@ Placement eplb_rebalance(const ExpertLoads& loads, const EplbOptions& options) {
   if (o.replicas < loads.experts)
     throw Error(why + std::to_string(o.replicas) + " physical slots cannot hold " +
                 std::to_string(loads.experts) + " experts");
+  if (o.replicas > loads.experts * o.gpus)
+    throw Error(
+        why + std::to_string(o.replicas) + " physical slots per layer exceed one copy of each of " +
+        std::to_string(loads.experts) + " experts on each of " + std::to_string(o.gpus) + " ranks");
   if (o.replicas % o.gpus != 0)
     throw Error(why + "physical slots per layer (" + std::to_string(o.replicas) +
                 ") must be a multiple of the ranks (" + std::to_string(o.gpus) + ")");

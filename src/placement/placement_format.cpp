@@ -25,6 +25,11 @@ nlohmann::json placement_to_json(const Placement& p) {
   return j;
 }
 
+namespace {
+constexpr int64_t kMaxRanks = 1 << 16, kMaxExperts = 1 << 16;
+constexpr uint64_t kMaxRankLayers = uint64_t(1) << 24;
+}  // namespace
+
 Placement placement_from_json(const std::string& text, const std::string& source) {
   const nlohmann::json j = parse_json_document(text, source);
   const auto need = [&](const char* key) -> const nlohmann::json& {
@@ -35,13 +40,20 @@ Placement placement_from_json(const std::string& text, const std::string& source
   const nlohmann::json& ranks = need("ranks");
   const nlohmann::json& experts = need("experts");
   const nlohmann::json& phy2log = need("phy2log");
-  if (!ranks.is_number_integer() || ranks.get<int64_t>() <= 0 || ranks.get<int64_t>() > (1 << 20))
-    throw Error(source + ": \"ranks\" must be a positive integer");
+  // Bounds far above any deployment (DeepSeek-V3: 58 layers, 256 experts, hundreds of ranks)
+  // keep a hostile file from asking for gigabytes of empty rank lists.
+  if (!ranks.is_number_integer() || ranks.get<int64_t>() <= 0 || ranks.get<int64_t>() > kMaxRanks)
+    throw Error(source + ": \"ranks\" must be an integer in [1, " + std::to_string(kMaxRanks) +
+                "]");
   if (!experts.is_number_integer() || experts.get<int64_t>() <= 0 ||
-      experts.get<int64_t>() > (1 << 24))
-    throw Error(source + ": \"experts\" must be a positive integer");
+      experts.get<int64_t>() > kMaxExperts)
+    throw Error(source + ": \"experts\" must be an integer in [1, " + std::to_string(kMaxExperts) +
+                "]");
   if (!phy2log.is_array() || phy2log.empty())
     throw Error(source + ": \"phy2log\" must be a non-empty array of per-layer arrays");
+  if (phy2log.size() * ranks.get<uint64_t>() > kMaxRankLayers)
+    throw Error(source + ": " + std::to_string(phy2log.size()) + " layers of " +
+                std::to_string(ranks.get<int64_t>()) + " ranks is more than a placement may hold");
   Placement p{ranks.get<int>(), experts.get<int64_t>(), {}};
   const nlohmann::json* rank_slots = j.contains("rank_slots") ? &j["rank_slots"] : nullptr;
   if (rank_slots && (!rank_slots->is_array() || rank_slots->size() != phy2log.size()))
@@ -121,6 +133,10 @@ Placement placement_from_omni_pattern(const NpyArray& a, const std::string& sour
   const int64_t ranks = a.shape[0], layers = a.shape[1], experts = a.shape[2];
   if (ranks <= 0 || layers <= 0 || experts <= 0)
     throw Error(source + ": an Omni placement pattern needs ranks, layers and experts");
+  if (ranks > kMaxRanks || experts > kMaxExperts || uint64_t(ranks * layers) > kMaxRankLayers)
+    throw Error(source + ": a pattern of " + std::to_string(ranks) + " ranks, " +
+                std::to_string(layers) + " layers and " + std::to_string(experts) +
+                " experts is more than a placement may hold");
   Placement p{int(ranks), experts,
               std::vector<std::vector<std::vector<int32_t>>>(
                   layers, std::vector<std::vector<int32_t>>(ranks))};

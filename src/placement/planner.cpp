@@ -287,6 +287,9 @@ std::vector<double> cost_curve(const double* loads, int64_t experts, int ranks, 
   return curve;
 }
 
+// A layer being packed keeps a byte per (rank, expert).
+constexpr int64_t kMaxRankExperts = int64_t(1) << 28;
+
 void check_options(const ExpertLoads& loads, const PlanOptions& o) {
   validate(loads, "expert loads");
   if (o.ranks <= 0) throw Error("placement: ranks must be positive");
@@ -294,6 +297,9 @@ void check_options(const ExpertLoads& loads, const PlanOptions& o) {
   if (loads.experts < o.ranks)
     throw Error("placement: " + std::to_string(loads.experts) + " experts cannot fill " +
                 std::to_string(o.ranks) + " ranks (every rank needs an expert in every layer)");
+  if (int64_t(o.ranks) * loads.experts > kMaxRankExperts)
+    throw Error("placement: " + std::to_string(o.ranks) + " ranks x " +
+                std::to_string(loads.experts) + " experts is more than the planner handles");
   if (!o.host_of_rank.empty() && int(o.host_of_rank.size()) != o.ranks)
     throw Error("placement: hosts are given for " + std::to_string(o.host_of_rank.size()) +
                 " ranks, want " + std::to_string(o.ranks));
@@ -488,6 +494,9 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
                 std::to_string(loads.experts) + "] but the current placement has " +
                 std::to_string(current.num_layers()) + " layers of " +
                 std::to_string(current.experts) + " experts");
+  if (int64_t(current.ranks) * current.experts > kMaxRankExperts)
+    throw Error("placement: " + std::to_string(current.ranks) + " ranks x " +
+                std::to_string(current.experts) + " experts is more than the planner handles");
   IncrementalPlan result{current, 0, 0};
   for (int64_t l = 0; l < loads.layers; ++l) {
     const RankLists& now = current.layers[l];
