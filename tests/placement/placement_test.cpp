@@ -211,6 +211,11 @@ TEST(Format, JsonErrorsNameTheField) {
             std::string::npos);
   EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2]]})").find("do not divide"),
             std::string::npos);
+  // Hostile sizes are refused before anything is allocated for them.
+  EXPECT_NE(message(R"({"ranks":100000000,"experts":4,"phy2log":[[0]]})").find("\"ranks\""),
+            std::string::npos);
+  EXPECT_NE(message(R"({"ranks":4,"experts":4000000000,"phy2log":[[0]]})").find("\"experts\""),
+            std::string::npos);
 }
 
 TEST(Format, OmniPatternRoundTripsThroughNpy) {
