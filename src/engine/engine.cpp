@@ -501,11 +501,17 @@ void Engine::publish_events() {
 
 void Engine::record_expert_load(std::span<const int64_t> step) {
   expert_load_->record(step);
+  ++expert_load_steps_;
+  const bool dump = !config_.expert_load_dump.empty() &&
+                    expert_load_steps_ % uint64_t(expert_load_->window_steps()) == 0;
+  // The gauges every few steps: a snapshot copies [layers, experts] twice.
+  if (!dump && expert_load_steps_ % kExpertGaugeSteps != 0 &&
+      expert_load_steps_ > kExpertGaugeSteps)
+    return;
   const ExpertLoadSnapshot s = expert_load_->snapshot();
   const std::vector<double> imbalance = s.window_imbalance();
   for (size_t i = 0; i < imbalance.size(); ++i) expert_imbalance_[i]->set(imbalance[i]);
-  if (config_.expert_load_dump.empty() || s.steps % uint64_t(expert_load_->window_steps()) != 0)
-    return;
+  if (!dump) return;
   char name[64];
   std::snprintf(name, sizeof name, "expert_load_%08llu", static_cast<unsigned long long>(s.steps));
   try {

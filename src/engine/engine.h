@@ -122,6 +122,8 @@ class Engine final : private PdHost {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ExpertLoadStats> expert_load_;
   std::vector<metrics::Gauge*> expert_imbalance_;  // per MoE layer
+  uint64_t expert_load_steps_ = 0;                 // engine thread
+  static constexpr uint64_t kExpertGaugeSteps = 8;
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;

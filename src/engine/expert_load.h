@@ -29,8 +29,9 @@ struct ExpertLoadSnapshot {
 
 class ExpertLoadStats {
  public:
-  // The window is kept as kBuckets buckets of window_steps / kBuckets steps (rounded up), so it
-  // covers between window_steps - window_steps / kBuckets and window_steps steps.
+  // The window is kept as kBuckets buckets of window_steps / kBuckets steps (rounded up, so
+  // window_steps() may exceed what was asked); it covers between 7/8 of window_steps() and all
+  // of it, and exactly window_steps() right after every multiple of it.
   static constexpr int kBuckets = 8;
   ExpertLoadStats(std::vector<int64_t> layer_ids, int64_t experts, int64_t window_steps);
 

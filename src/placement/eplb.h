@@ -17,7 +17,8 @@ struct EplbOptions {
 
 // EPLB's rebalance_experts: hierarchical (pack expert groups to nodes, replicate within nodes,
 // pack replicas to GPUs) when nodes divide groups, else global (one group, one node). Loads are
-// rounded to float32 and ties broken towards the lower index, as the reference does on CPU.
+// rounded to float32 as in the reference; ties go to the lower index (the reference's unstable
+// sort may order experts of equal load otherwise: the ranks then carry the same loads).
 // EPLB may put two copies of one expert on one GPU; validate such plans with
 // Constraints{.distinct_on_rank = false}.
 Placement eplb_rebalance(const ExpertLoads& loads, const EplbOptions& options);

@@ -53,6 +53,7 @@ std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
 
 ExpertLoads read_loads(const fs::path& path) {
   const std::vector<ExpertLoads> all = read_load_snapshots(path);
+  if (all.empty()) throw Error(path.string() + ": holds no load snapshot");
   if (all.size() == 1) return all[0];
   // Several snapshots: plan for their sum.
   ExpertLoads sum = all[0];

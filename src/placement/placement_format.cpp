@@ -27,7 +27,7 @@ nlohmann::json placement_to_json(const Placement& p) {
 
 namespace {
 constexpr int64_t kMaxRanks = 1 << 16, kMaxExperts = 1 << 16;
-constexpr uint64_t kMaxRankLayers = uint64_t(1) << 24;
+constexpr uint64_t kMaxRankLayers = uint64_t(1) << 22;
 }  // namespace
 
 Placement placement_from_json(const std::string& text, const std::string& source) {
@@ -62,15 +62,18 @@ Placement placement_from_json(const std::string& text, const std::string& source
     const std::string where = source + ": layer " + std::to_string(l);
     const nlohmann::json& row = phy2log[l];
     if (!row.is_array()) throw Error(where + " of \"phy2log\" is not an array");
+    if (row.size() < size_t(p.experts))
+      throw Error(where + " has " + std::to_string(row.size()) + " slots for " +
+                  std::to_string(p.experts) + " experts (every expert needs one)");
     std::vector<int64_t> slots;
     if (rank_slots) {
       const nlohmann::json& s = (*rank_slots)[l];
       if (!s.is_array() || int64_t(s.size()) != p.ranks)
         throw Error(where + " of \"rank_slots\" needs " + std::to_string(p.ranks) + " counts");
       for (const auto& v : s) {
-        if (!v.is_number_integer() || v.get<int64_t>() < 0)
-          throw Error(where +
-                      " of \"rank_slots\" holds a count that is not a non-negative integer");
+        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<uint64_t>() > row.size())
+          throw Error(where + " of \"rank_slots\" holds a count that is not an integer in [0, " +
+                      std::to_string(row.size()) + "]");
         slots.push_back(v.get<int64_t>());
       }
     } else {

@@ -371,6 +371,9 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
       std::vector<std::vector<double>> curve(layers);
       for (int64_t l = 0; l < layers; ++l)
         curve[l] = cost_curve(loads.row(l), loads.experts, o.ranks, cap, o.host_of_rank);
+      if (double(layers) * double(budget + 1) * double(cap + 1) > 4e9)
+        throw Error("placement: a redundant budget of " + std::to_string(budget) +
+                    " slots is too large for the layer-wise allocation; use omni-even");
       const double inf = std::numeric_limits<double>::infinity();
       std::vector<double> best(budget + 1, inf), next(budget + 1);
       best[0] = 0;
@@ -479,6 +482,9 @@ Placement align_to_current(const Placement& current, Placement fresh,
                            const std::vector<int>& host_of_rank) {
   if (current.num_layers() != fresh.num_layers() || current.ranks != fresh.ranks)
     throw Error("placement: cannot align plans of different layers or ranks");
+  if (!host_of_rank.empty() && int(host_of_rank.size()) != fresh.ranks)
+    throw Error("placement: hosts are given for " + std::to_string(host_of_rank.size()) +
+                " ranks, want " + std::to_string(fresh.ranks));
   for (int64_t l = 0; l < fresh.num_layers(); ++l)
     fresh.layers[l] =
         align_to(current.layers[l], std::move(fresh.layers[l]), host_of_rank, fresh.experts);
@@ -494,6 +500,9 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
                 std::to_string(loads.experts) + "] but the current placement has " +
                 std::to_string(current.num_layers()) + " layers of " +
                 std::to_string(current.experts) + " experts");
+  if (!hosts.empty() && int(hosts.size()) != current.ranks)
+    throw Error("placement: hosts are given for " + std::to_string(hosts.size()) + " ranks, want " +
+                std::to_string(current.ranks));
   if (int64_t(current.ranks) * current.experts > kMaxRankExperts)
     throw Error("placement: " + std::to_string(current.ranks) + " ranks x " +
                 std::to_string(current.experts) + " experts is more than the planner handles");
@@ -505,7 +514,13 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
     const RankLists fresh = plan_layer(loads.row(l), loads.experts, capacity, hosts, true);
     const double fresh_max = layer_balance(loads.row(l), fresh, loads.experts).max_rank_load;
     const double now_max = layer_balance(loads.row(l), now, loads.experts).max_rank_load;
-    if (now_max <= fresh_max || (now_max - fresh_max) <= o.min_gain * now_max) continue;
+    // A layer with two copies of one expert on a rank (an EPLB plan) is always repaired.
+    bool doubled = false;
+    for (const auto& r : now)
+      for (size_t i = 0; i < r.size() && !doubled; ++i)
+        doubled = std::find(r.begin() + i + 1, r.end(), r[i]) != r.end();
+    if (!doubled && (now_max <= fresh_max || (now_max - fresh_max) <= o.min_gain * now_max))
+      continue;
 
     // Repair: keep every copy the fresh plan's copy counts still want, drop the surplus from
     // the busiest ranks, place the missing copies, then swap off the busiest rank.

@@ -49,17 +49,42 @@ ExpertLoads RoutingSkew::sample(int64_t tokens, std::mt19937_64& rng) const {
     for (int64_t t = 0; t < tokens; ++t) {
       picked.clear();
       // Without replacement: draw again on a repeat (the hot experts repeat often, but a
-      // token's top_k is small next to the experts).
+      // token's top_k is small next to the experts); after kMaxRedraws repeats in a row the
+      // next pick walks the probabilities left over (steep skews leave the tail nearly zero).
+      int redraws = 0;
       while (int64_t(picked.size()) < top_k_) {
-        const int64_t r = std::min<int64_t>(
+        int64_t r = std::min<int64_t>(
             experts_ - 1, std::lower_bound(cdf.begin(), cdf.end(), u(rng)) - cdf.begin());
-        if (!distinct_ || std::find(picked.begin(), picked.end(), r) == picked.end())
-          picked.push_back(r);
+        const auto taken = [&](int64_t x) {
+          return std::find(picked.begin(), picked.end(), x) != picked.end();
+        };
+        if (distinct_ && taken(r)) {
+          if (++redraws < kMaxRedraws) continue;
+          r = pick_untaken(l, picked, u(rng));
+        }
+        picked.push_back(r);
+        redraws = 0;
       }
       for (int64_t r : picked) out.values[l * experts_ + order_[l][r]] += 1.0;
     }
   }
   return out;
+}
+
+int64_t RoutingSkew::pick_untaken(int64_t l, const std::vector<int64_t>& picked, double u) const {
+  const std::vector<double>& cdf = cdf_[l];
+  const auto p = [&](int64_t r) { return cdf[r] - (r ? cdf[r - 1] : 0.0); };
+  double left = 0;
+  int64_t last = -1;
+  for (int64_t r = 0; r < experts_; ++r)
+    if (std::find(picked.begin(), picked.end(), r) == picked.end()) left += p(r), last = r;
+  double at = u * left;
+  for (int64_t r = 0; r < experts_; ++r) {
+    if (std::find(picked.begin(), picked.end(), r) != picked.end()) continue;
+    at -= p(r);
+    if (at < 0) return r;
+  }
+  return last;  // rounding left `at` a hair above zero: the last untaken one
 }
 
 void RoutingSkew::estimate_expected() {

@@ -40,6 +40,8 @@ class RoutingSkew {
 
  private:
   void build_cdf(int64_t layer);
+  static constexpr int kMaxRedraws = 32;
+  int64_t pick_untaken(int64_t layer, const std::vector<int64_t>& picked, double u) const;
   void estimate_expected();
   int64_t layers_, experts_, top_k_;
   bool distinct_;

@@ -11,6 +11,8 @@ namespace tandem {
 namespace {
 
 constexpr std::string_view kMagic = "\x93NUMPY";
+constexpr size_t kMaxHeader = 4096;
+constexpr uint64_t kMaxElements = uint64_t(1) << 34;
 
 struct IntType {
   const char* descr;
@@ -50,6 +52,11 @@ NpyArray parse_npy(std::string_view bytes, const std::string& source) {
   } else {
     throw Error(source + ": unsupported .npy format version " + std::to_string(major));
   }
+  // NumPy writes headers of a hundred bytes for integer arrays; a longer one is not ours to read
+  // (and would cost the regex engine stack).
+  if (header_len > kMaxHeader)
+    throw Error(source + ": .npy header of " + std::to_string(header_len) +
+                " bytes is longer than " + std::to_string(kMaxHeader));
   if (bytes.size() < offset + header_len) throw Error(source + ": truncated .npy header");
   const std::string header(bytes.substr(offset, header_len));
   offset += header_len;
@@ -73,9 +80,12 @@ NpyArray parse_npy(std::string_view bytes, const std::string& source) {
        it != std::sregex_iterator(); ++it) {
     const std::string d = (*it)[1];
     if (d.size() > 12) throw Error(source + ": .npy dimension " + d + " is too large");
-    array.shape.push_back(std::stoll(d));
-    count *= uint64_t(array.shape.back());
-    if (count > (uint64_t(1) << 34)) throw Error(source + ": .npy array is too large");
+    const uint64_t dim = std::stoull(d);
+    // Checked before multiplying, so the element count cannot wrap around.
+    if (dim > kMaxElements || (dim > 0 && count > kMaxElements / dim))
+      throw Error(source + ": .npy array is too large");
+    array.shape.push_back(int64_t(dim));
+    count *= dim;
   }
 
   const IntType* type = nullptr;

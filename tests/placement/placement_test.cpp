@@ -8,6 +8,7 @@
 #include "placement/eplb.h"
 #include "placement/placement_format.h"
 #include "placement/planner.h"
+#include "placement/routing_skew.h"
 #include "util/error.h"
 #include "util/file.h"
 
@@ -108,6 +109,7 @@ TEST(Planner, HostsGetDistinctCopiesFirst) {
   const ExpertLoads loads = zipf_loads(2, 32, 4, 1.5, 1.5);
   const std::vector<int> hosts = {0, 0, 0, 0, 1, 1, 1, 1};
   const Plan p = plan(loads, {.ranks = 8, .redundant_slots = 16, .host_of_rank = hosts});
+  int doubled = 0;
   for (const auto& layer : p.placement.layers)
     for (int32_t e = 0; e < 32; ++e) {
       int copies = 0, host0 = 0;
@@ -116,8 +118,10 @@ TEST(Planner, HostsGetDistinctCopiesFirst) {
           if (x == e) ++copies, host0 += hosts[r] == 0;
       if (copies == 2) {
         EXPECT_EQ(host0, 1) << "expert " << e;
+        ++doubled;
       }
     }
+  EXPECT_GT(doubled, 0);
 }
 
 TEST(Planner, IsDeterministic) {
@@ -209,8 +213,14 @@ TEST(Format, JsonErrorsNameTheField) {
             std::string::npos);
   EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2,9]]})").find("expert id 9"),
             std::string::npos);
-  EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2]]})").find("do not divide"),
+  EXPECT_NE(message(R"({"ranks":2,"experts":2,"phy2log":[[0,1,1]]})").find("do not divide"),
             std::string::npos);
+  EXPECT_NE(message(R"({"ranks":2,"experts":4,"phy2log":[[0,1,2]]})").find("3 slots for 4 experts"),
+            std::string::npos);
+  EXPECT_NE(
+      message(R"({"ranks":2,"experts":2,"phy2log":[[0,1]],"rank_slots":[[9223372036854775807,2]]})")
+          .find("rank_slots"),
+      std::string::npos);
   // Hostile sizes are refused before anything is allocated for them.
   EXPECT_NE(message(R"({"ranks":100000000,"experts":4,"phy2log":[[0]]})").find("\"ranks\""),
             std::string::npos);
@@ -266,6 +276,38 @@ TEST(Format, ReadsTheOmniDeepSeekV3Pattern) {
   }
   EXPECT_EQ(redundant_layers, (std::vector<int64_t>{0, 1, 2, 4, 8, 12, 24, 45, 47, 55}));
   EXPECT_NO_THROW(validate(p));
+}
+
+TEST(RoutingSkew, SteepSkewsStillPickDistinctExperts) {
+  // Alpha 30: past the first few experts the popularity is below double rounding, so redrawing
+  // alone would never find an eighth distinct expert.
+  RoutingSkew skew(2, 16, {.alpha_lo = 30, .alpha_hi = 30, .top_k = 8, .seed = 1});
+  std::mt19937_64 rng(2);
+  const ExpertLoads one = skew.sample(1, rng);
+  for (int64_t l = 0; l < 2; ++l) {
+    double routes = 0;
+    for (int64_t e = 0; e < 16; ++e) {
+      EXPECT_LE(one.at(l, e), 1.0);
+      routes += one.at(l, e);
+    }
+    EXPECT_EQ(routes, 8.0);
+  }
+}
+
+TEST(Npy, RejectsShapesWhoseElementCountWouldWrapAround) {
+  // 2^32 x 2^32 elements wrap a 64-bit count to 0, which an empty data section would match.
+  const std::string header =
+      "{'descr': '<i8', 'fortran_order': False, 'shape': (4294967296, 4294967296), }\n";
+  std::string bytes = std::string("\x93NUMPY\x01\x00", 8);
+  bytes += char(header.size() & 0xff);
+  bytes += char(header.size() >> 8);
+  bytes += header;
+  try {
+    parse_npy(bytes, "a.npy");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("too large"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Npy, RejectsOtherDtypesAndTruncation) {
