@@ -51,7 +51,8 @@ struct LayerState {
   std::vector<double> weight;  // per copy: an expert's load over its copies
   RankLists ranks;
   std::vector<double> rank_load;
-  std::vector<uint8_t> holds;  // [rank, expert]
+  std::vector<uint8_t> holds;         // [rank, expert]
+  std::vector<uint16_t> host_copies;  // [host, expert], with hosts only
 
   LayerState(const double* l, int64_t e, std::vector<int64_t> cap, const std::vector<int>& hosts,
              std::vector<int32_t> c)
@@ -65,6 +66,9 @@ struct LayerState {
         holds(capacity.size() * size_t(e), 0) {
     weight.resize(e);
     for (int64_t x = 0; x < e; ++x) weight[x] = loads[x] / double(count[x]);
+    if (!host_of_rank.empty())
+      host_copies.assign(
+          size_t(*std::max_element(host_of_rank.begin(), host_of_rank.end()) + 1) * e, 0);
   }
 
   int num_ranks() const { return int(capacity.size()); }
@@ -72,20 +76,20 @@ struct LayerState {
   bool has(int r, int32_t e) const { return holds[size_t(r) * experts + e] != 0; }
   int host(int r) const { return host_of_rank.empty() ? 0 : host_of_rank[r]; }
   bool host_has(int h, int32_t e) const {
-    for (int r = 0; r < num_ranks(); ++r)
-      if (host(r) == h && has(r, e)) return true;
-    return false;
+    return !host_copies.empty() && host_copies[size_t(h) * experts + e] > 0;
   }
   void put(int r, int32_t e) {
     ranks[r].push_back(e);
     rank_load[r] += per_copy(e);
     holds[size_t(r) * experts + e] = 1;
+    if (!host_copies.empty()) ++host_copies[size_t(host(r)) * experts + e];
   }
   void take(int r, int32_t e) {
     auto it = std::find(ranks[r].begin(), ranks[r].end(), e);
     ranks[r].erase(it);
     rank_load[r] -= per_copy(e);
     holds[size_t(r) * experts + e] = 0;
+    if (!host_copies.empty()) --host_copies[size_t(host(r)) * experts + e];
   }
   void recompute_loads() {
     std::fill(rank_load.begin(), rank_load.end(), 0.0);
@@ -300,6 +304,9 @@ void check_options(const ExpertLoads& loads, const PlanOptions& o) {
   if (int64_t(o.ranks) * loads.experts > kMaxRankExperts)
     throw Error("placement: " + std::to_string(o.ranks) + " ranks x " +
                 std::to_string(loads.experts) + " experts is more than the planner handles");
+  for (int h : o.host_of_rank)
+    if (h < 0 || h >= o.ranks)
+      throw Error("placement: host ids must be in [0, ranks), got " + std::to_string(h));
   if (!o.host_of_rank.empty() && int(o.host_of_rank.size()) != o.ranks)
     throw Error("placement: hosts are given for " + std::to_string(o.host_of_rank.size()) +
                 " ranks, want " + std::to_string(o.ranks));
@@ -500,6 +507,9 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
                 std::to_string(loads.experts) + "] but the current placement has " +
                 std::to_string(current.num_layers()) + " layers of " +
                 std::to_string(current.experts) + " experts");
+  for (int h : hosts)
+    if (h < 0 || h >= current.ranks)
+      throw Error("placement: host ids must be in [0, ranks), got " + std::to_string(h));
   if (!hosts.empty() && int(hosts.size()) != current.ranks)
     throw Error("placement: hosts are given for " + std::to_string(hosts.size()) + " ranks, want " +
                 std::to_string(current.ranks));
