@@ -13,7 +13,7 @@ struct Packing {
 };
 
 // Items heaviest first, each to the lightest pack that still has room (n/m items per pack).
-Packing balanced_packing(const std::vector<float>& weight, int64_t packs) {
+Packing pack_evenly(const std::vector<float>& weight, int64_t packs) {
   const int64_t n = int64_t(weight.size()), per_pack = n / packs;
   Packing out{std::vector<int64_t>(n), std::vector<int64_t>(n, 0)};
   if (per_pack == 1) {
@@ -42,7 +42,7 @@ struct Replication {
 };
 
 // Each extra replica goes to the expert with the highest load per replica.
-Replication replicate_experts(const std::vector<float>& weight, int64_t num_phy) {
+Replication add_replicas(const std::vector<float>& weight, int64_t num_phy) {
   const int64_t num_log = int64_t(weight.size());
   Replication out;
   out.phy2log.resize(num_phy);
@@ -78,7 +78,7 @@ std::vector<int64_t> rebalance_layer(const std::vector<float>& weight, const Epl
   // 1. Expert groups to nodes.
   std::vector<float> group_tokens(o.groups, 0.0f);
   for (int64_t e = 0; e < experts; ++e) group_tokens[e / group_size] += weight[e];
-  const Packing groups = balanced_packing(group_tokens, o.nodes);
+  const Packing groups = pack_evenly(group_tokens, o.nodes);
   std::vector<int64_t> log2mlog(experts);
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t g = e / group_size;
@@ -92,12 +92,12 @@ std::vector<int64_t> rebalance_layer(const std::vector<float>& weight, const Epl
     // 2. Replicas within the node.
     std::vector<float> tokens(per_node);
     for (int64_t j = 0; j < per_node; ++j) tokens[j] = weight[mlog2log[node * per_node + j]];
-    const Replication rep = replicate_experts(tokens, phy_per_node);
+    const Replication rep = add_replicas(tokens, phy_per_node);
     // 3. Replicas to the node's GPUs.
     std::vector<float> phy_tokens(phy_per_node);
     for (int64_t p = 0; p < phy_per_node; ++p)
       phy_tokens[p] = tokens[rep.phy2log[p]] / float(rep.logcnt[rep.phy2log[p]]);
-    const Packing gpus = balanced_packing(phy_tokens, gpus_per_node);
+    const Packing gpus = pack_evenly(phy_tokens, gpus_per_node);
     for (int64_t p = 0; p < phy_per_node; ++p) {
       const int64_t slot = node * phy_per_node + gpus.pack[p] * phy_per_gpu + gpus.rank_in_pack[p];
       phy2log[slot] = mlog2log[rep.phy2log[p] + node * per_node];
