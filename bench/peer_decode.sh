@@ -34,12 +34,8 @@ rounds="${ROUNDS:-3}"
 contexts="${CONTEXTS:-4096,16384,32768}"
 threads="${THREADS:-2}"
 
-if [ -f "$build/CMakeCache.txt" ]; then
-  cmake -S "$root" -B "$build" -DTANDEM_BUILD_BENCH=ON >/dev/null
-else
-  cmake -S "$root" -B "$build" -G Ninja -DTANDEM_BUILD_BENCH=ON >/dev/null
-fi
-cmake --build "$build" --target tandem tandem-bench-engine >/dev/null
+. "$root/bench/lib.sh"
+build_bench_targets "$root" "$build" tandem tandem-bench-engine
 [ -d "$int8_dir" ] || "$build/tandem" quantize --in "$model" --out "$int8_dir" --dtype int8
 
 bench="$peer/build/bin/llama-bench"

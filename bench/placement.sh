@@ -23,12 +23,8 @@ eplb="${EPLB:-$HOME/.cache/peers/EPLB}"
 rounds="${ROUNDS:-3}"
 recorded="${RECORDED:-}"
 
-if [ -f "$build/CMakeCache.txt" ]; then
-  cmake -S "$root" -B "$build" -DTANDEM_BUILD_BENCH=ON >/dev/null
-else
-  cmake -S "$root" -B "$build" -G Ninja -DTANDEM_BUILD_BENCH=ON >/dev/null
-fi
-cmake --build "$build" --target tandem tandem-bench-placement >/dev/null
+. "$root/bench/lib.sh"
+build_bench_targets "$root" "$build" tandem tandem-bench-placement
 bench="$build/bench/tandem-bench-placement"
 work="$(mktemp -d)"
 engine_pid=""
