@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <optional>
@@ -16,6 +17,8 @@
 #include "engine/executor/cpu_executor.h"
 #include "engine/executor/latency_probe.h"
 #include "engine/executor/sim_executor.h"
+#include "engine/expert_parallel/ep_executor.h"
+#include "engine/expert_parallel/rank_process.h"
 #include "engine/output_processor.h"
 #include "placement/files.h"
 #include "util/error.h"
@@ -41,6 +44,8 @@ struct EngineOptions {
   uint64_t sim_seed = 0;
   double sim_time_scale = 1.0;
   int64_t sim_kv_token_bytes = 0;
+  int expert_parallel = 1;
+  std::string expert_placement;
   int sim_expert_parallel = 0;
   std::string sim_placement, sim_routing_skew = "1.0";
   double sim_moe_share = 0.5;
@@ -97,6 +102,10 @@ void run(const EngineOptions& o) {
 
   std::unique_ptr<engine::Executor> executor;
   std::vector<int32_t> eos;
+  if (sim && o.expert_parallel > 1)
+    throw Error(
+        "--expert-parallel runs a real model's experts; a sim: model takes "
+        "--sim-expert-parallel");
   if (sim) {
     engine::SimExecutorOptions so;
     so.preset = o.model.substr(kSimPrefix.size());
@@ -129,7 +138,24 @@ void run(const EngineOptions& o) {
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
     eos = engine::eos_ids(*tokenizer, std::nullopt);
+  } else if (o.expert_parallel > 1) {
+    engine::ep::EpExecutorOptions eo;
+    eo.ranks = o.expert_parallel;
+    eo.model_dir = o.model;
+    eo.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
+    eo.mla_rescale = kMlaRescales.at(o.mla_rescale);
+    eo.cache.block_size = o.block_size;
+    eo.cache.num_blocks = o.num_blocks;
+    eo.cache.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
+    eo.cache.kv_cache_type = kKvCacheTypes.at(o.kv_cache_dtype);
+    eo.max_tokens = o.max_num_batched_tokens;
+    eo.max_items = o.max_num_seqs;
+    if (!o.expert_placement.empty()) eo.placement = placement::read_placement(o.expert_placement);
+    std::fprintf(stderr, "tandem engine: starting %d expert-parallel ranks\n", o.expert_parallel);
+    executor = std::make_unique<engine::ep::EpExecutor>(eo, *tokenizer);
+    eos = engine::eos_ids(*tokenizer, model::ModelConfig::load(o.model).eos_token_id);
   } else {
+    if (!o.expert_placement.empty()) throw Error("--expert-placement needs --expert-parallel N");
     std::shared_ptr<model::DeepSeekModel> m;
     {
       ProgressBar bar("loading " + o.model);
@@ -238,6 +264,17 @@ void run_sim_fit(const SimFitOptions& o) {
 }  // namespace
 
 void add_engine_command(CLI::App& app) {
+  auto r = std::make_shared<engine::ep::RankProcessOptions>();
+  auto* rank = app.add_subcommand("ep-rank", "(internal) one rank of an expert-parallel engine");
+  rank->group("");  // started by `tandem engine --expert-parallel`, not by people
+  rank->add_option("--fd", r->fd)->required();
+  rank->add_option("--rank", r->rank)->required()->check(CLI::PositiveNumber);
+  rank->add_option("--model", r->model_dir)->required();
+  rank->add_option("--mla-rescale", r->mla_rescale);
+  rank->add_option("--threads", r->threads);
+  rank->add_option("--parent", r->parent)->required();
+  rank->callback([r] { std::exit(engine::ep::serve_rank(*r)); });
+
   auto f = std::make_shared<SimFitOptions>();
   auto* fit = app.add_subcommand(
       "sim-fit", "Measure the CPU executor on representative steps and fit a sim latency model");
@@ -283,6 +320,15 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--expert-load-dump", o->expert_load_dump,
                   "folder for expert load snapshots: expert_load_<steps>.npy/.json every window "
                   "([MoE layers, experts] int64) and expert_load_cumulative.npy/.json at exit");
+  cmd->add_option("--expert-parallel", o->expert_parallel,
+                  "rank processes the routed experts are spread over (expert parallelism on this "
+                  "host; attention runs data-parallel, MoE layers exchange tokens through shared "
+                  "memory)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--expert-placement", o->expert_placement,
+                  "where experts live with --expert-parallel (.json from `tandem place plan` or an "
+                  "Omni .npy; redundant copies allowed); default: every expert once, in order");
   cmd->add_option("--mla-rescale", o->mla_rescale,
                   "decode attention's softmax rescale: multiply or amla (exponent add)")
       ->capture_default_str()

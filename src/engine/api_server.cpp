@@ -147,9 +147,14 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
     chat_template_.emplace(engine_.tokenizer().chat_template());
   const ExecutorInfo& info = engine_.executor_info();
 
-  server_.route("GET", "/health", [](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-    ex->respond(200, "", "text/plain");
-  });
+  server_.route("GET", "/health",
+                [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+                  if (auto why = engine_.executor_failure(); !why.empty()) {
+                    ex->respond(503, api::openai_error_body(why, "server_error"));
+                    return;
+                  }
+                  ex->respond(200, "", "text/plain");
+                });
   server_.route("GET", "/v1/models",
                 [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
                   json model = {{"id", info.model_name},

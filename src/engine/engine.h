@@ -81,6 +81,8 @@ class Engine final : private PdHost {
   // Thread-safe. Tokens routed per (MoE layer, expert); nullopt when the executor reports none.
   std::optional<ExpertLoadSnapshot> expert_load() const;
   const ExecutorInfo& executor_info() const { return executor_->info(); }
+  // Thread-safe. Why the executor can no longer run steps (empty while it can).
+  std::string executor_failure() const { return executor_->failure(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   EngineRole role() const { return config_.role; }
   // Thread-safe. Tells a prefill engine to free a transfer this engine will not pull (its

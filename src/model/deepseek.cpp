@@ -29,9 +29,10 @@ DeepSeekModel::DeepSeekModel(ModelConfig config, Weights weights)
 }
 
 DeepSeekModel DeepSeekModel::load(const std::filesystem::path& dir,
-                                  const std::function<void(size_t, size_t)>& progress) {
+                                  const std::function<void(size_t, size_t)>& progress,
+                                  const WeightLoadOptions& options) {
   ModelConfig config = ModelConfig::load(dir);
-  Weights weights = Weights::load(dir, config, progress);
+  Weights weights = Weights::load(dir, config, progress, options);
   return DeepSeekModel(std::move(config), std::move(weights));
 }
 
@@ -218,8 +219,24 @@ void DeepSeekModel::mlp(const MlpWeights& w, const float* xn, const uint16_t* xb
   matmul(w.down, g.data(), n, out);
 }
 
+void DeepSeekModel::expert_forward(const MlpWeights& e, const float* rows, int64_t m,
+                                   float* out) const {
+  // As the single-process MoE layer decides: BF16 activations where its BF16 GEMM takes them
+  // (rounding is elementwise, so rounding the gathered rows equals gathering rounded rows).
+  if (e.gate.type == kernels::WeightType::kBF16 && kernels::bf16_gemm_available() &&
+      kernels::gemm_takes_bf16(e.gate, m)) {
+    thread_local std::vector<uint16_t> in;
+    in.resize(m * config_.hidden_size);
+    kernels::to_bf16(rows, m * config_.hidden_size, in.data());
+    mlp(e, nullptr, in.data(), m, out);
+  } else {
+    mlp(e, rows, nullptr, m, out);
+  }
+}
+
 void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
-                        std::vector<float>& out, std::vector<float>& margins) const {
+                        std::vector<float>& out, std::vector<float>& margins,
+                        ExpertExchange* exchange) const {
   const ModelConfig& c = config_;
   const int64_t h = c.hidden_size, e_count = c.n_routed_experts;
   std::optional<PartTimer> timer(std::in_place, profile_, StepPart::kRouting);
@@ -236,11 +253,24 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
     margins[t] = std::min(margins[t], r.margin);
     for (size_t k = 0; k < r.experts.size(); ++k) {
       ++expert_counts_[layer][r.experts[k]];
-      by_slot[w.slot_of_expert[r.experts[k]]].emplace_back(t, r.weights[k]);
+      if (!exchange) by_slot[w.slot_of_expert[r.experts[k]]].emplace_back(t, r.weights[k]);
     }
   }
   timer.emplace(profile_, StepPart::kRoutedExperts);
   out.assign(n * h, 0.0f);
+  if (exchange) {
+    exchange->routed_experts(layer, xn.data(), n, routes, out.data());
+    if (!w.has_shared) return;
+    timer.emplace(profile_, StepPart::kSharedExperts);
+    thread_local std::vector<float> shared_rows;
+    shared_rows.resize(n * h);
+    mlp(w.shared, xn.data(), nullptr, n, shared_rows.data());
+    for (int64_t i = 0; i < n * h; ++i) out[i] += shared_rows[i];
+    return;
+  }
+  if (w.experts.empty())
+    throw Error("forward: layer " + std::to_string(layer) +
+                " was loaded without its routed experts and runs without an expert exchange");
   // BF16 experts on a CPU with BF16 GEMMs: every token's activations rounded once, gathered per
   // expert as BF16 (elsewhere the products keep float32 activations and need no rounded copy).
   const bool bf16 =
@@ -302,7 +332,7 @@ void DeepSeekModel::moe(const MoeWeights& w, int64_t layer, const std::vector<fl
   const float* shared = shared_buf.data();
   // Summed in expert order, then the shared experts, so the result does not depend on which
   // thread ran which expert; threads take column ranges.
-  constexpr int64_t kColumns = 256;
+  constexpr int64_t kColumns = kRoutedSumColumns;
 #pragma omp parallel for schedule(static) if (n > 16)
   for (int64_t c0 = 0; c0 < h; c0 += kColumns) {
     const int64_t width = std::min(kColumns, h - c0);
@@ -422,7 +452,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
 void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
                                   std::span<const SequenceStep> batch,
                                   const std::vector<TokenInfo>& tokens, std::vector<float>& x,
-                                  LatentCache& cache, std::vector<float>& margins) const {
+                                  LatentCache& cache, std::vector<float>& margins,
+                                  ExpertExchange* exchange) const {
   const int64_t n = static_cast<int64_t>(tokens.size()), h = config_.hidden_size;
   // Reused per thread: fresh buffers of megabytes cost page faults on every layer.
   thread_local std::vector<float> xn, attn, proj;
@@ -438,7 +469,7 @@ void DeepSeekModel::layer_forward(const LayerWeights& w, int64_t cache_layer,
 
   rmsnorm(x.data(), w.post_attention_norm.data(), n, h, config_.rms_norm_eps, xn.data());
   if (w.is_moe) {
-    moe(w.moe, cache_layer, xn, n, proj, margins);
+    moe(w.moe, cache_layer, xn, n, proj, margins, exchange);
   } else {
     PartTimer timer(profile_, StepPart::kDenseMlp);
     mlp(w.dense, xn.data(), nullptr, n, proj.data());
@@ -471,7 +502,8 @@ StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vecto
 }
 
 StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCache& cache,
-                                  const std::function<void(int64_t)>& after_layer) const {
+                                  const std::function<void(int64_t)>& after_layer,
+                                  ExpertExchange* exchange) const {
   check_batch(config_, batch, cache);
   const int64_t h = config_.hidden_size;
   std::vector<TokenInfo> tokens;
@@ -484,7 +516,7 @@ StepOutput DeepSeekModel::forward(std::span<const SequenceStep> batch, LatentCac
     for (auto id : step.tokens) kernels::matrix_row(weights_.embed, id, x.data() + (t++) * h);
   std::vector<float> margins(tokens.size(), std::numeric_limits<float>::infinity());
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    layer_forward(weights_.layers[l], l, batch, tokens, x, cache, margins);
+    layer_forward(weights_.layers[l], l, batch, tokens, x, cache, margins, exchange);
     if (after_layer) after_layer(l + 1);
   }
   return finish(batch, std::move(x), std::move(margins), weights_.final_norm, weights_.lm_head);
@@ -517,7 +549,7 @@ StepOutput DeepSeekModel::forward_mtp(std::span<const SequenceStep> batch, const
   }
   matmul(m.eh_proj, cat.data(), n, x.data());
   std::vector<float> margins(tokens.size(), std::numeric_limits<float>::infinity());
-  layer_forward(m.layer, config_.num_hidden_layers + k, batch, tokens, x, cache, margins);
+  layer_forward(m.layer, config_.num_hidden_layers + k, batch, tokens, x, cache, margins, nullptr);
   return finish(batch, std::move(x), std::move(margins), m.final_norm, m.head);
 }
 

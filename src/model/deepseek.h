@@ -16,6 +16,7 @@
 
 #include "kernels/cpu/mla_attention.h"
 #include "model/config.h"
+#include "model/expert_exchange.h"
 #include "model/latent_cache.h"
 #include "model/rope.h"
 #include "model/step_profile.h"
@@ -43,7 +44,8 @@ class DeepSeekModel {
  public:
   DeepSeekModel(ModelConfig config, Weights weights);
   static DeepSeekModel load(const std::filesystem::path& dir,
-                            const std::function<void(size_t, size_t)>& progress = {});
+                            const std::function<void(size_t, size_t)>& progress = {},
+                            const WeightLoadOptions& options = {});
 
   const ModelConfig& config() const { return config_; }
   const Weights& weights() const { return weights_; }
@@ -53,9 +55,15 @@ class DeepSeekModel {
   // float32 for float32 checkpoints, BF16 for the others (BF16, INT8, FP8).
   LatentType default_cache_type() const;
 
-  // `after_layer(n)`, when given, runs once layers [0, n) of every step are in the cache.
+  // `after_layer(n)`, when given, runs once layers [0, n) of every step are in the cache. With an
+  // `exchange` (expert parallelism), MoE layers run their routed experts through it; the model's
+  // own routed experts may then be absent (WeightLoadOptions::routed_experts).
   StepOutput forward(std::span<const SequenceStep> batch, LatentCache& cache,
-                     const std::function<void(int64_t)>& after_layer = {}) const;
+                     const std::function<void(int64_t)>& after_layer = {},
+                     ExpertExchange* exchange = nullptr) const;
+  // One routed expert on m gathered rows [m, hidden] of normalised inputs: out [m, hidden]. The
+  // same arithmetic as the expert's part of a single-process MoE layer on the same rows.
+  void expert_forward(const MlpWeights& expert, const float* rows, int64_t m, float* out) const;
 
   // MTP module `k`: step i of a sequence predicts the token after next. `tokens` of each step
   // are the next tokens (t[i+1]) of positions start..; `hidden` holds the main model's hidden
@@ -80,12 +88,13 @@ class DeepSeekModel {
   };
   void layer_forward(const LayerWeights& w, int64_t cache_layer,
                      std::span<const SequenceStep> batch, const std::vector<TokenInfo>& tokens,
-                     std::vector<float>& x, LatentCache& cache, std::vector<float>& margins) const;
+                     std::vector<float>& x, LatentCache& cache, std::vector<float>& margins,
+                     ExpertExchange* exchange) const;
   void attention(const AttentionWeights& w, int64_t cache_layer,
                  std::span<const SequenceStep> batch, const std::vector<TokenInfo>& tokens,
                  const std::vector<float>& xn, std::vector<float>& out, LatentCache& cache) const;
   void moe(const MoeWeights& w, int64_t layer, const std::vector<float>& xn, int64_t n,
-           std::vector<float>& out, std::vector<float>& margins) const;
+           std::vector<float>& out, std::vector<float>& margins, ExpertExchange* exchange) const;
   // `xb`, when not null, holds xn rounded to BF16 (used where the products run in BF16).
   void mlp(const MlpWeights& w, const float* xn, const uint16_t* xb, int64_t n, float* out) const;
   StepOutput finish(std::span<const SequenceStep> batch, std::vector<float> x,

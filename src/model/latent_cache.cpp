@@ -19,6 +19,15 @@ LatentCache::LatentCache(const LatentCacheShape& shape, int64_t num_blocks)
     throw Error("latent cache: layers, block size, entry size and block count must be positive");
   const auto bytes = static_cast<size_t>(shape.block_bytes() * num_blocks);
   storage_.assign((bytes + sizeof(float) - 1) / sizeof(float), 0.0f);
+  data_ = reinterpret_cast<std::byte*>(storage_.data());
+}
+
+LatentCache::LatentCache(const LatentCacheShape& shape, int64_t num_blocks, std::byte* memory)
+    : shape_(shape), num_blocks_(num_blocks), data_(memory) {
+  if (shape.layers <= 0 || shape.block_size <= 0 || shape.entry() <= 0 || num_blocks <= 0)
+    throw Error("latent cache: layers, block size, entry size and block count must be positive");
+  if (!memory || reinterpret_cast<uintptr_t>(memory) % alignof(float) != 0)
+    throw Error("latent cache: the memory of a cache view must be float-aligned");
 }
 
 void LatentCache::store(int64_t block, int64_t layer, int64_t slot, const float* values) {

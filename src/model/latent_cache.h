@@ -36,16 +36,19 @@ const char* latent_type_name(LatentType type);
 class LatentCache {
  public:
   LatentCache(const LatentCacheShape& shape, int64_t num_blocks);
+  // A view of `num_blocks` blocks in memory the caller owns and keeps alive (expert parallelism:
+  // a shared-memory segment every rank maps), float-aligned, shape.block_bytes() * num_blocks.
+  LatentCache(const LatentCacheShape& shape, int64_t num_blocks, std::byte* memory);
+  LatentCache(LatentCache&&) = default;
+  LatentCache& operator=(LatentCache&&) = default;
 
   const LatentCacheShape& shape() const { return shape_; }
   int64_t num_blocks() const { return num_blocks_; }
 
   // The block_size x entry() values of one block and layer, of shape().type.
-  std::byte* block_layer(int64_t block, int64_t layer) {
-    return reinterpret_cast<std::byte*>(storage_.data()) + offset(block, layer);
-  }
+  std::byte* block_layer(int64_t block, int64_t layer) { return data_ + offset(block, layer); }
   const std::byte* block_layer(int64_t block, int64_t layer) const {
-    return reinterpret_cast<const std::byte*>(storage_.data()) + offset(block, layer);
+    return data_ + offset(block, layer);
   }
 
   // Stores entry() values at token `slot` of a block and layer (rounding them for BF16).
@@ -61,7 +64,8 @@ class LatentCache {
     return (block * shape_.layers + layer) * shape_.block_size * shape_.entry_bytes();
   }
 
-  std::vector<float> storage_;  // the blocks' bytes, float-aligned
+  std::vector<float> storage_;  // the blocks' bytes, float-aligned (empty for a view)
+  std::byte* data_ = nullptr;   // storage_'s bytes or the caller's memory
 };
 
 }  // namespace tandem::model

@@ -11,8 +11,12 @@ namespace {
 class Binder {
  public:
   Binder(const Checkpoint& ckpt, const ModelConfig& config,
-         const std::function<void(size_t, size_t)>& progress)
-      : ckpt_(ckpt), config_(config), progress_(progress), total_(ckpt.tensors().size()) {}
+         const std::function<void(size_t, size_t)>& progress, const WeightLoadOptions& options = {})
+      : ckpt_(ckpt),
+        config_(config),
+        progress_(progress),
+        options_(options),
+        total_(ckpt.tensors().size()) {}
 
   std::vector<float> vector(const std::string& name, int64_t n) {
     const TensorInfo& t = take(name, {n});
@@ -76,6 +80,11 @@ class Binder {
     return m;
   }
 
+  MlpWeights expert(int64_t layer, int64_t e) {
+    return mlp("model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(e),
+               config_.moe_intermediate_size);
+  }
+
   LayerWeights layer(int64_t index, bool is_moe) {
     const ModelConfig& c = config_;
     const std::string p = "model.layers." + std::to_string(index);
@@ -118,8 +127,8 @@ class Binder {
     }
     if (c.uses_correction_bias())
       m.correction_bias = vector(p + ".mlp.gate.e_score_correction_bias", c.n_routed_experts);
-    for (int64_t e = 0; e < c.n_routed_experts; ++e) {
-      m.experts.push_back(mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size));
+    for (int64_t e = 0; options_.routed_experts && e < c.n_routed_experts; ++e) {
+      m.experts.push_back(expert(index, e));
       m.slot_of_expert.push_back(static_cast<int32_t>(e));
     }
     if (c.n_shared_experts > 0) {
@@ -158,16 +167,28 @@ class Binder {
   const Checkpoint& ckpt_;
   const ModelConfig& config_;
   const std::function<void(size_t, size_t)>& progress_;
+  WeightLoadOptions options_;
   size_t done_ = 0, total_;
 };
 
 }  // namespace
 
+MlpWeights load_expert(const Checkpoint& checkpoint, const ModelConfig& config, int64_t layer,
+                       int64_t expert) {
+  if (layer < 0 || layer >= config.num_hidden_layers + config.num_nextn_predict_layers ||
+      !config.is_moe_layer(layer) || expert < 0 || expert >= config.n_routed_experts)
+    throw Error("load_expert: layer " + std::to_string(layer) + " has no routed expert " +
+                std::to_string(expert));
+  Binder b(checkpoint, config, {});
+  return b.expert(layer, expert);
+}
+
 Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& config,
-                      const std::function<void(size_t, size_t)>& progress) {
+                      const std::function<void(size_t, size_t)>& progress,
+                      const WeightLoadOptions& options) {
   Weights w{Checkpoint::open(dir), {}, {}, {}, {}, {}};
   validate_checkpoint(w.checkpoint, config);
-  Binder b(w.checkpoint, config, progress);
+  Binder b(w.checkpoint, config, progress, options);
   const int64_t h = config.hidden_size;
   w.embed = b.matrix("model.embed_tokens", config.vocab_size, h);
   for (int64_t i = 0; i < config.num_hidden_layers; ++i)

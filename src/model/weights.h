@@ -58,6 +58,12 @@ struct MtpWeights {
   Matrix head;
 };
 
+struct WeightLoadOptions {
+  // False: MoE layers get no routed experts (an expert-parallel rank loads its own slots with
+  // load_expert); the router, shared experts and everything else load as usual.
+  bool routed_experts = true;
+};
+
 struct Weights {
   Checkpoint checkpoint;  // keeps the mapped tensors alive
   Matrix embed;
@@ -69,7 +75,13 @@ struct Weights {
   // Checks every tensor's presence, shape and dtype against the config, then binds them.
   // `progress` (optional) receives tensors done / total.
   static Weights load(const std::filesystem::path& dir, const ModelConfig& config,
-                      const std::function<void(size_t, size_t)>& progress = {});
+                      const std::function<void(size_t, size_t)>& progress = {},
+                      const WeightLoadOptions& options = {});
 };
+
+// Routed expert `expert` of model layer `layer`, bound from the checkpoint (mapped, so only the
+// pages of experts a process loads become resident) and packed as Weights::load packs it.
+MlpWeights load_expert(const Checkpoint& checkpoint, const ModelConfig& config, int64_t layer,
+                       int64_t expert);
 
 }  // namespace tandem::model

@@ -48,6 +48,23 @@ void ChildProcess::signal(int sig) {
   if (pid_ > 0) kill(pid_, sig);
 }
 
+namespace {
+int exit_status(int st) {
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+}  // namespace
+
+std::optional<int> ChildProcess::exited() {
+  if (pid_ <= 0) return status_;
+  int st = 0;
+  if (waitpid(pid_, &st, WNOHANG) != pid_) return std::nullopt;
+  pid_ = -1;
+  if (out_) fclose(out_);
+  out_ = nullptr;
+  status_ = exit_status(st);
+  return status_;
+}
+
 int ChildProcess::stop() {
   if (pid_ <= 0) return status_;
   kill(pid_, SIGTERM);
@@ -56,7 +73,7 @@ int ChildProcess::stop() {
   pid_ = -1;
   if (out_) fclose(out_);
   out_ = nullptr;
-  status_ = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  status_ = exit_status(st);
   return status_;
 }
 

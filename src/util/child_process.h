@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,10 @@ class ChildProcess {
   // The next line the child printed, newline included; empty at the end of its output.
   std::string read_line();
   void signal(int sig);  // no-op once stopped
+  // The exit status (as stop() reports it) once the child has ended, without waiting; nullopt
+  // while it runs. Reaps it: later calls and stop() return the same status.
+  std::optional<int> exited();
+  pid_t pid() const { return pid_; }
   // SIGTERM, then waits; returns the exit status (128 + signal when killed by one). Idempotent.
   int stop();
 

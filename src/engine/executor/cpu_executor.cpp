@@ -1,14 +1,13 @@
 #include "engine/executor/cpu_executor.h"
 
 #include <cstring>
-#include <limits>
+
+#include "engine/executor/model_executor.h"
 
 #include "util/error.h"
 
 namespace tandem::engine {
-namespace {
-
-int64_t blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
+int64_t kv_blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
   if (o.block_size < 1) throw Error("block size must be at least 1");
   if (o.num_blocks > 0) return o.num_blocks;
   const auto block_bytes =
@@ -20,37 +19,18 @@ int64_t blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
   return n;
 }
 
-}  // namespace
-
 CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
                          const text::Tokenizer& tokenizer, std::string model_name,
                          const CpuExecutorOptions& options)
     : model_(std::move(model)),
       cache_(model_->cache_shape(options.block_size, options.kv_cache_type),
-             blocks_for(*model_, options)) {
+             kv_blocks_for(*model_, options)) {
   const auto& c = model_->config();
-  info_.model_name = std::move(model_name);
-  info_.vocab_size = c.vocab_size;
-  info_.max_model_len = c.max_position_embeddings;
-  info_.num_blocks = cache_.num_blocks();
-  info_.block_size = options.block_size;
-  // Only the main layers: the engine does not run the MTP modules, so their cache stays unused.
-  const auto shape = cache_.shape();
-  info_.kv_layout = {
-      "deepseek(" + c.architecture + ", layers " + std::to_string(c.num_hidden_layers) +
-          ", hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
-          ", latent " + std::to_string(shape.latent_dim) + "+" + std::to_string(shape.rope_dim) +
-          " " + model::latent_type_name(shape.type) + ")",
-      c.num_hidden_layers, options.block_size, shape.entry_bytes()};
-  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
-    if (c.is_moe_layer(layer)) info_.moe_layers.push_back(layer);
-  if (!info_.moe_layers.empty()) info_.routed_experts = c.n_routed_experts;
+  info_ = model_executor_info(*model_, std::move(model_name), cache_.shape(), cache_.num_blocks());
   for (int64_t layer : info_.moe_layers)
     for (int64_t e = 0; e < info_.routed_experts; ++e)
       seen_.push_back(model_->expert_counts()[layer][e]);
-  for (int64_t id = 0; id < c.vocab_size; ++id)
-    if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
-      no_text_.push_back(static_cast<int32_t>(id));
+  no_text_ = ids_without_text(tokenizer, c.vocab_size);
 }
 
 const std::byte* CpuExecutor::kv_bytes(int32_t block, int64_t layer) const {
@@ -95,20 +75,9 @@ ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
   routed_this_step(result.expert_tokens);
-  result.sampled.resize(batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const auto& item = batch[i];
-    if (!item.sample) continue;
-    std::span<float> logits(out.logits.data() + out.first_row[i] * vocab, size_t(vocab));
-    for (auto id : no_text_) logits[id] = -std::numeric_limits<float>::infinity();
-    std::vector<float> raw;
-    if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
-    const int32_t token = item.sampler->sample(logits, item.prompt, item.generated);
-    if (item.logprobs >= 0)
-      result.sampled[i] = token_logprobs(raw, token, item.logprobs);
-    else
-      result.sampled[i].token = token;
-  }
+  sample_items(
+      batch, [&](size_t i) { return out.logits.data() + out.first_row[i] * vocab; }, vocab,
+      no_text_, result.sampled);
   return result;
 }
 

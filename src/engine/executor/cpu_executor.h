@@ -18,6 +18,9 @@ struct CpuExecutorOptions {
   std::optional<model::LatentType> kv_cache_type;
 };
 
+// KV blocks of the options' budget (or their explicit count); throws when none fits.
+int64_t kv_blocks_for(const model::DeepSeekModel& model, const CpuExecutorOptions& options);
+
 class CpuExecutor : public Executor {
  public:
   CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model, const text::Tokenizer& tokenizer,

@@ -75,6 +75,9 @@ class Executor {
   // Where write_kv would store them, for receiving in place; nullptr when the executor has no
   // such memory (then KV transfer receives into a buffer and calls write_kv).
   virtual std::byte* kv_bytes_mutable(int32_t, int64_t) { return nullptr; }
+  // Empty while the executor can run steps; else why it cannot (a rank process died). Thread-safe;
+  // the engine then reports unhealthy.
+  virtual std::string failure() const { return {}; }
 };
 
 }  // namespace tandem::engine

@@ -1,0 +1,55 @@
+#include "engine/executor/model_executor.h"
+
+#include <limits>
+
+namespace tandem::engine {
+
+ExecutorInfo model_executor_info(const model::DeepSeekModel& model, std::string model_name,
+                                 const model::LatentCacheShape& shape, int64_t num_blocks) {
+  const auto& c = model.config();
+  ExecutorInfo info;
+  info.model_name = std::move(model_name);
+  info.vocab_size = c.vocab_size;
+  info.max_model_len = c.max_position_embeddings;
+  info.num_blocks = num_blocks;
+  info.block_size = shape.block_size;
+  // Only the main layers: the engine does not run the MTP modules, so their cache stays unused.
+  info.kv_layout = {
+      "deepseek(" + c.architecture + ", layers " + std::to_string(c.num_hidden_layers) +
+          ", hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
+          ", latent " + std::to_string(shape.latent_dim) + "+" + std::to_string(shape.rope_dim) +
+          " " + model::latent_type_name(shape.type) + ")",
+      c.num_hidden_layers, shape.block_size, shape.entry_bytes()};
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+    if (c.is_moe_layer(layer)) info.moe_layers.push_back(layer);
+  if (!info.moe_layers.empty()) info.routed_experts = c.n_routed_experts;
+  return info;
+}
+
+std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size) {
+  std::vector<int32_t> out;
+  for (int64_t id = 0; id < vocab_size; ++id)
+    if (!tokenizer.id_to_token(static_cast<int32_t>(id))) out.push_back(static_cast<int32_t>(id));
+  return out;
+}
+
+void sample_items(std::span<const ExecItem> batch, const std::function<float*(size_t)>& logits_of,
+                  int64_t vocab, std::span<const int32_t> no_text,
+                  std::vector<TokenLogprob>& sampled) {
+  sampled.resize(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const auto& item = batch[i];
+    if (!item.sample) continue;
+    std::span<float> logits(logits_of(i), size_t(vocab));
+    for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+    std::vector<float> raw;
+    if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
+    const int32_t token = item.sampler->sample(logits, item.prompt, item.generated);
+    if (item.logprobs >= 0)
+      sampled[i] = token_logprobs(raw, token, item.logprobs);
+    else
+      sampled[i].token = token;
+  }
+}
+
+}  // namespace tandem::engine

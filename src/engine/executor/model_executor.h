@@ -1,0 +1,29 @@
+#pragma once
+// What the executors that run the real model share: the ExecutorInfo a DeepSeek model and its
+// cache give, the tokens a padded vocabulary has no text for, and sampling a step's items from
+// their logits rows.
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/executor/executor.h"
+#include "model/deepseek.h"
+#include "text/tokenizer.h"
+
+namespace tandem::engine {
+
+ExecutorInfo model_executor_info(const model::DeepSeekModel& model, std::string model_name,
+                                 const model::LatentCacheShape& cache, int64_t num_blocks);
+
+// Vocabulary ids of LM-head rows without a token (padded vocabularies); never sampled.
+std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size);
+
+// Samples every item with sample = true from its logits row (vocab floats, changed in place:
+// ids without text are masked first), with logprobs when the item asks for them.
+void sample_items(std::span<const ExecItem> batch, const std::function<float*(size_t)>& logits_of,
+                  int64_t vocab, std::span<const int32_t> no_text,
+                  std::vector<TokenLogprob>& sampled);
+
+}  // namespace tandem::engine

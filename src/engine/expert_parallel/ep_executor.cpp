@@ -1,0 +1,261 @@
+#include "engine/expert_parallel/ep_executor.h"
+
+#include <fcntl.h>
+#include <omp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "engine/executor/model_executor.h"
+#include "placement/eplb.h"
+#include "util/error.h"
+
+namespace tandem::engine::ep {
+namespace {
+
+int default_threads(int ranks) {
+  const auto cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cores / ranks);
+}
+
+std::filesystem::path own_executable() {
+  std::error_code ec;
+  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw Error("expert parallelism: cannot find this program's path to start ranks");
+  return p;
+}
+
+}  // namespace
+
+EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokenizer) {
+  if (o.ranks < 2)
+    throw Error("--expert-parallel: needs at least 2 ranks, got " + std::to_string(o.ranks));
+  auto loaded = std::make_shared<model::DeepSeekModel>(
+      model::DeepSeekModel::load(o.model_dir, {}, model::WeightLoadOptions{false}));
+  loaded->set_mla_rescale(o.mla_rescale);
+  model_ = loaded;
+  const auto& c = model_->config();
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.is_moe_layer(l) ? 1 : 0;
+  if (moe_layers == 0) throw Error("--expert-parallel: the model has no MoE layers");
+  if (c.n_routed_experts < o.ranks)
+    throw Error("--expert-parallel " + std::to_string(o.ranks) + ": the model has only " +
+                std::to_string(c.n_routed_experts) + " routed experts per layer");
+  placement::Placement placement =
+      o.placement ? *o.placement
+                  : placement::no_redundancy(moe_layers, c.n_routed_experts, o.ranks);
+  placement::validate(placement, {.distinct_on_rank = true, .equal_rank_memory = false});
+
+  const auto cache_shape = model_->cache_shape(o.cache.block_size, o.cache.kv_cache_type);
+  const int64_t blocks = kv_blocks_for(*model_, o.cache);
+  EpShape shape;
+  shape.ranks = o.ranks;
+  shape.cache_type = static_cast<int32_t>(cache_shape.type);
+  shape.hidden = c.hidden_size;
+  shape.top_k = c.num_experts_per_tok;
+  shape.experts = c.n_routed_experts;
+  shape.moe_layers = moe_layers;
+  shape.max_tokens = o.max_tokens;
+  shape.max_items = o.max_items;
+  const int64_t table_max =
+      (c.max_position_embeddings + o.cache.block_size - 1) / o.cache.block_size;
+  shape.max_block_refs = o.max_items * std::min(blocks, table_max);
+  shape.vocab = c.vocab_size;
+  int64_t slots = o.max_slots > 0 ? o.max_slots : 2 * c.n_routed_experts;
+  for (int64_t l = 0; l < placement.num_layers(); ++l) slots = std::max(slots, placement.slots(l));
+  shape.max_slots = slots;
+  shape.block_size = o.cache.block_size;
+  shape.cache_blocks = blocks;
+  shape.cache_block_bytes = cache_shape.block_bytes();
+  memory_ = SharedSegment::create(EpSegment::bytes(shape), "tandem-ep");
+  segment_ = EpSegment::format(memory_, shape);
+  write_placement(segment_->table(0), shape, placement);
+
+  const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : default_threads(o.ranks);
+  omp_set_num_threads(threads);
+  rank0_ = std::make_unique<EpRank>(*segment_, 0, model_);
+  rank0_->set_poll([this] { poll(); });
+  rank0_->load_placement();
+
+  const std::string program = (o.rank_program.empty() ? own_executable() : o.rank_program).string();
+  const int fd = memory_.fd();
+  const pid_t parent = getpid();
+  for (int r = 1; r < o.ranks; ++r) {
+    const std::vector<std::string> argv = {
+        program,         "ep-rank",
+        "--fd",          std::to_string(fd),
+        "--rank",        std::to_string(r),
+        "--model",       o.model_dir.string(),
+        "--mla-rescale", std::to_string(static_cast<int>(o.mla_rescale)),
+        "--threads",     std::to_string(threads),
+        "--parent",      std::to_string(parent)};
+    children_.push_back(std::make_unique<ChildProcess>(program, argv, [fd] {
+      // Between fork and exec: only async-signal-safe calls.
+      fcntl(fd, F_SETFD, 0);             // the rank inherits the segment
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // and dies with the engine, however it ends
+      signal(SIGINT, SIG_IGN);           // Ctrl-C stops the engine, which stops its ranks
+    }));
+  }
+  for (size_t i = 0; i < children_.size(); ++i) {
+    const std::string line = children_[i]->read_line();
+    if (line.rfind("ready", 0) != 0) {
+      const int status = children_[i]->stop();
+      throw Error("expert parallelism: rank " + std::to_string(i + 1) +
+                  " did not start (exit status " + std::to_string(status) +
+                  "; its messages are above)");
+    }
+  }
+  info_ = model_executor_info(*model_, o.model_name, cache_shape, blocks);
+  no_text_ = ids_without_text(tokenizer, c.vocab_size);
+}
+
+EpExecutor::~EpExecutor() {
+  if (failure().empty()) post(Command::kShutdown);
+  std::lock_guard lock(mutex_);
+  for (auto& child : children_) {
+    for (int i = 0; i < 1000 && !child->exited(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    child->stop();
+  }
+}
+
+void EpExecutor::post(Command command) {
+  Header& h = segment_->header();
+  h.command.store(static_cast<uint32_t>(command), std::memory_order_relaxed);
+  h.posted.fetch_add(1, std::memory_order_acq_rel);
+  wake_all(h.posted);
+}
+
+void EpExecutor::fail(const std::string& why) {
+  std::lock_guard lock(mutex_);
+  if (failure_.empty()) failure_ = why;
+  Header& h = segment_->header();
+  h.abort.store(1, std::memory_order_release);
+  wake_all(h.barrier.generation);
+  wake_all(h.posted);
+  for (auto& child : children_) {
+    child->signal(SIGKILL);
+    child->stop();
+  }
+}
+
+void EpExecutor::poll() {
+  std::string why;
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t i = 0; i < children_.size() && why.empty(); ++i)
+      if (auto status = children_[i]->exited())
+        why = "expert-parallel rank " + std::to_string(i + 1) + " exited (status " +
+              std::to_string(*status) + ")";
+    if (why.empty() && segment_->header().abort.load(std::memory_order_acquire))
+      why = failure_.empty() ? "expert parallelism: a rank failed its step" : failure_;
+  }
+  if (why.empty()) return;
+  fail(why);
+  throw Error(failure());
+}
+
+std::string EpExecutor::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
+}
+
+placement::Placement EpExecutor::placement() const {
+  const Header& h = segment_->header();
+  return read_placement(segment_->table(h.table.load(std::memory_order_acquire)),
+                        segment_->shape());
+}
+
+void EpExecutor::check_batch(std::span<const ExecItem> batch) const {
+  const EpShape& s = segment_->shape();
+  int64_t tokens = 0, refs = 0;
+  for (const auto& item : batch) {
+    tokens += int64_t(item.tokens.size());
+    refs += int64_t(item.blocks.size());
+    if (item.tokens.empty()) throw Error("expert parallelism: a sequence with no new tokens");
+    for (auto t : item.tokens)
+      if (t < 0 || t >= s.vocab)
+        throw Error("forward: token id " + std::to_string(t) + " is outside the vocabulary");
+    const int64_t end = item.start + int64_t(item.tokens.size());
+    if (item.start < 0 || int64_t(item.blocks.size()) * s.block_size < end)
+      throw Error("forward: a block table covers fewer positions than its sequence needs");
+    for (auto b : item.blocks)
+      if (b < 0 || b >= s.cache_blocks)
+        throw Error("forward: block " + std::to_string(b) + " is outside the cache");
+  }
+  if (int64_t(batch.size()) > s.max_items || tokens > s.max_tokens || refs > s.max_block_refs)
+    throw Error("expert parallelism: a step of " + std::to_string(batch.size()) +
+                " sequences and " + std::to_string(tokens) + " tokens exceeds the " +
+                std::to_string(s.max_items) + " and " + std::to_string(s.max_tokens) +
+                " the engine was started with");
+}
+
+ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
+  if (auto why = failure(); !why.empty()) throw Error(why);
+  check_batch(batch);
+  const EpShape& s = segment_->shape();
+  int64_t total = 0;
+  for (const auto& item : batch) total += int64_t(item.tokens.size());
+  // Contiguous runs of sequences of about equal new tokens: rank order is batch order.
+  int64_t before = 0, token_at = 0, block_at = 0;
+  segment_->item_count() = int64_t(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ExecItem& item = batch[i];
+    ItemDesc& d = segment_->items()[i];
+    d.rank =
+        int32_t(std::min<int64_t>(s.ranks - 1, before * s.ranks / std::max<int64_t>(total, 1)));
+    d.sample = item.sample ? 1 : 0;
+    d.start = item.start;
+    d.first_token = token_at;
+    d.tokens = int64_t(item.tokens.size());
+    d.first_block = block_at;
+    d.blocks = int64_t(item.blocks.size());
+    std::memcpy(segment_->tokens() + token_at, item.tokens.data(), item.tokens.size_bytes());
+    std::memcpy(segment_->blocks() + block_at, item.blocks.data(), item.blocks.size_bytes());
+    token_at += d.tokens;
+    block_at += d.blocks;
+    before += d.tokens;
+  }
+  post(Command::kStep);
+  try {
+    rank0_->run_step(on_layer);
+  } catch (const std::exception& e) {
+    fail(e.what());
+    throw Error(failure());
+  }
+  ExecResult result;
+  sample_items(
+      batch, [&](size_t i) { return segment_->logits(int64_t(i)); }, s.vocab, no_text_,
+      result.sampled);
+  result.expert_tokens.assign(size_t(s.moe_layers * s.experts), 0);
+  for (int r = 0; r < s.ranks; ++r) {
+    const int64_t* routed = segment_->rank(r).routed;
+    for (size_t k = 0; k < result.expert_tokens.size(); ++k) result.expert_tokens[k] += routed[k];
+  }
+  return result;
+}
+
+const std::byte* EpExecutor::kv_bytes(int32_t block, int64_t layer) const {
+  return rank0_->cache().block_layer(block, layer);
+}
+
+std::byte* EpExecutor::kv_bytes_mutable(int32_t block, int64_t layer) {
+  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers)
+    return nullptr;
+  return rank0_->cache().block_layer(block, layer);
+}
+
+void EpExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {
+  const auto& k = info_.kv_layout;
+  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= k.layers ||
+      bytes.size() > size_t(k.block_size * k.token_bytes) || bytes.size() % k.token_bytes != 0)
+    throw Error("write_kv: block " + std::to_string(block) + " layer " + std::to_string(layer) +
+                " of " + std::to_string(bytes.size()) + " bytes is outside the cache");
+  std::memcpy(rank0_->cache().block_layer(block, layer), bytes.data(), bytes.size());
+}
+
+}  // namespace tandem::engine::ep

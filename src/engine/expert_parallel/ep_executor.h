@@ -1,0 +1,82 @@
+#pragma once
+// The executor of `tandem engine --expert-parallel N`: one engine backed by N ranks on this host.
+// Rank 0 runs inside the engine process; ranks 1..N-1 are `tandem ep-rank` child processes that
+// map the engine's one shared segment (ep_segment.h). The scheduler, KV cache manager, KV events,
+// KV transfer and API see an ordinary executor: the latent cache lives in the segment, so KV
+// transfer reads and writes it as it does a single process's.
+//
+// Failure: when a rank dies (or a step fails on any rank) the executor aborts every wait, kills
+// the other ranks and fails this and every later step with the reason, which failure() reports
+// (the engine's /health then answers 503). The segment is a memfd: nothing outlives the
+// processes, however they end; ranks die with the engine process (PR_SET_PDEATHSIG).
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/executor/cpu_executor.h"
+#include "engine/expert_parallel/ep_rank.h"
+#include "engine/expert_parallel/shared_memory.h"
+#include "placement/placement.h"
+#include "text/tokenizer.h"
+#include "util/child_process.h"
+
+namespace tandem::engine::ep {
+
+struct EpExecutorOptions {
+  int ranks = 2;
+  std::filesystem::path model_dir;
+  std::string model_name;
+  kernels::MlaRescale mla_rescale = kernels::MlaRescale::kMultiply;
+  CpuExecutorOptions cache;   // block size, budget or block count, cache type
+  int64_t max_tokens = 2048;  // new tokens per step (the scheduler's budget)
+  int64_t max_items = 64;     // sequences per step
+  // Where the experts live; default: every expert once, rank r holding [r*E/N, (r+1)*E/N).
+  std::optional<placement::Placement> placement;
+  // Physical slots per layer the segment has room for (live remaps may add copies up to it);
+  // 0: twice the routed experts.
+  int64_t max_slots = 0;
+  // The `tandem` binary that runs `ep-rank` (default: this process's own executable).
+  std::filesystem::path rank_program;
+  int threads_per_rank = 0;  // 0: this machine's cores / ranks, at least 1
+};
+
+class EpExecutor final : public Executor {
+ public:
+  EpExecutor(const EpExecutorOptions& options, const text::Tokenizer& tokenizer);
+  ~EpExecutor() override;  // asks the ranks to exit and waits for them
+
+  const ExecutorInfo& info() const override { return info_; }
+  ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer = {}) override;
+  const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
+  void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
+  std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override;
+  std::string failure() const override;
+
+  int ranks() const { return int(children_.size()) + 1; }
+  placement::Placement placement() const;
+  // Rank 0's exchange figures (every rank takes part in every exchange, so its layer count is
+  // everyone's).
+  const ExchangeStats& exchange_stats() const { return rank0_->stats(); }
+
+ private:
+  // Throws (after failing the executor) when a rank has died or the segment says abort.
+  void poll();
+  void fail(const std::string& why);
+  void post(Command command);
+  void check_batch(std::span<const ExecItem> batch) const;
+
+  std::shared_ptr<const model::DeepSeekModel> model_;
+  SharedSegment memory_;
+  std::optional<EpSegment> segment_;
+  std::unique_ptr<EpRank> rank0_;
+  ExecutorInfo info_;
+  std::vector<int32_t> no_text_;
+  mutable std::mutex mutex_;  // children_ and failure_: health checks come from other threads
+  std::vector<std::unique_ptr<ChildProcess>> children_;
+  std::string failure_;
+};
+
+}  // namespace tandem::engine::ep

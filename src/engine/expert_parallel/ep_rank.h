@@ -1,0 +1,92 @@
+#pragma once
+// One rank of an expert-parallel engine: the model's attention, dense and shared-expert weights,
+// the routed experts of the physical slots the placement in force gives it, and its part of every
+// step. The front runs rank 0 inside the engine process; ranks 1..N-1 are `tandem ep-rank`
+// processes (rank_process.h). All of them map the same segment (ep_segment.h).
+//
+// Attention is data-parallel: the front gives each rank a contiguous run of the step's sequences
+// (about equal new tokens), so rank order is batch order. At every MoE layer each rank routes its
+// own tokens and the exchange below runs them through the experts wherever they live:
+//   dispatch  - the rank writes its tokens' normalised rows once and one entry per (token, expert)
+//               naming the physical copy: a copy on the rank itself if there is one, else the one
+//               this rank has sent fewest tokens to in this layer;       barrier
+//   experts   - each rank gathers, per slot it holds, the rows every rank sent there (in rank
+//               order, hence in batch order, as the single process gathers them), runs the expert
+//               and writes the results into its own area, telling each sender where;  barrier
+//   combine   - each rank sums its tokens' results in ascending expert order.
+// Ranks without tokens in a step still take part in every exchange.
+//
+// What a network transport would need to replace the segment: the dispatch entries and rows sent
+// to the rank owning each slot (all-to-all), the results sent back (all-to-all), a barrier per
+// phase (or per-peer completion counters), a per-rank KV cache with sticky sequence ownership
+// (here every rank maps one cache, so a step may give a sequence to any rank), and the step's
+// command broadcast from the front.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "engine/executor/executor.h"
+#include "engine/expert_parallel/ep_segment.h"
+#include "model/deepseek.h"
+
+namespace tandem::engine::ep {
+
+// Time and bytes of the exchange summed over the MoE layers of the steps so far (this rank).
+struct ExchangeStats {
+  int64_t layers = 0;
+  int64_t bytes = 0;  // rows dispatched plus results gathered
+  double dispatch_s = 0, wait_s = 0, experts_s = 0, combine_s = 0;
+  int64_t expert_rows = 0;  // rows this rank's experts computed
+};
+
+class EpRank final : public model::ExpertExchange {
+ public:
+  EpRank(const EpSegment& segment, int rank, std::shared_ptr<const model::DeepSeekModel> model);
+
+  // Loads the routed experts of this rank's slots in the placement table in force (keeping the
+  // ones it already holds) and drops the others.
+  void load_placement();
+  // Called while waiting at a barrier; throws to abandon the step.
+  void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
+  // This rank's part of the step the front posted: its sequences' forward pass, their sampled
+  // rows' logits and the step's routes into the segment, then the end-of-step barrier. Rank 0
+  // hears through `on_layer` when layers [0, n) of every rank's sequences are in the cache.
+  void run_step(const LayerHook& on_layer = {});
+
+  void routed_experts(int64_t layer, const float* xn, int64_t n,
+                      std::span<const model::Routing> routes, float* out) override;
+
+  const model::LatentCache& cache() const { return cache_; }
+  model::LatentCache& cache() { return cache_; }
+  const ExchangeStats& stats() const { return stats_; }
+  // Slots this rank holds in each MoE layer (their global ids).
+  std::vector<std::vector<int32_t>> held_slots() const;
+
+ private:
+  struct LayerSlots {
+    std::vector<int32_t> slot_rank;            // every slot of the layer -> its rank
+    std::vector<std::vector<int32_t>> copies;  // logical expert -> its slots
+    std::vector<int32_t> local;                // slot -> index in `weights`, -1 elsewhere
+    std::vector<int32_t> held;                 // this rank's slots
+    std::vector<int32_t> held_expert;          // their logical experts
+    std::vector<model::MlpWeights> weights;    // their weights
+  };
+  void barrier();
+
+  EpSegment segment_;
+  int rank_;
+  std::shared_ptr<const model::DeepSeekModel> model_;
+  model::LatentCache cache_;
+  std::vector<int64_t> moe_index_;  // model layer -> MoE layer index, -1 for dense layers
+  std::vector<int64_t> moe_layers_;
+  std::vector<LayerSlots> layers_;
+  std::vector<uint64_t> seen_;  // the model's route counts after the previous step
+  std::function<void()> poll_;
+  const LayerHook* on_layer_ = nullptr;
+  int64_t layers_reported_ = 0;
+  ExchangeStats stats_;
+};
+
+}  // namespace tandem::engine::ep

@@ -1,0 +1,111 @@
+#include "engine/expert_parallel/shared_memory.h"
+
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+
+#include "util/error.h"
+
+namespace tandem::engine::ep {
+namespace {
+
+std::string os_error() {
+  return std::strerror(errno);
+}
+
+}  // namespace
+
+SharedSegment SharedSegment::create(size_t bytes, const std::string& name) {
+  const int fd = static_cast<int>(syscall(SYS_memfd_create, name.c_str(), MFD_CLOEXEC));
+  if (fd < 0) throw Error("shared memory: memfd_create failed: " + os_error());
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const std::string why = os_error();
+    close(fd);
+    throw Error("shared memory: cannot size a segment of " + std::to_string(bytes) +
+                " bytes: " + why);
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    const std::string why = os_error();
+    close(fd);
+    throw Error("shared memory: cannot map " + std::to_string(bytes) + " bytes: " + why);
+  }
+  return SharedSegment(fd, static_cast<std::byte*>(p), bytes);
+}
+
+SharedSegment SharedSegment::attach(int fd) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || st.st_size <= 0)
+    throw Error("shared memory: descriptor " + std::to_string(fd) + " is not a segment");
+  const auto bytes = static_cast<size_t>(st.st_size);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw Error("shared memory: cannot map descriptor " + std::to_string(fd));
+  return SharedSegment(fd, static_cast<std::byte*>(p), bytes);
+}
+
+SharedSegment::SharedSegment(SharedSegment&& other) noexcept
+    : fd_(other.fd_), data_(other.data_), size_(other.size_) {
+  other.fd_ = -1;
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+
+SharedSegment& SharedSegment::operator=(SharedSegment&& other) noexcept {
+  if (this != &other) {
+    this->~SharedSegment();
+    new (this) SharedSegment(std::move(other));
+  }
+  return *this;
+}
+
+SharedSegment::~SharedSegment() {
+  if (data_) munmap(data_, size_);
+  if (fd_ >= 0) close(fd_);
+  data_ = nullptr;
+  fd_ = -1;
+}
+
+void wait_while_equal(std::atomic<uint32_t>& word, uint32_t expected, int timeout_ms) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
+  timespec t{timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+  // Not FUTEX_PRIVATE: the word is in memory other processes map.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, expected, &t, nullptr, 0);
+}
+
+void wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr,
+          0);
+}
+
+void SharedBarrier::arrive_and_wait(uint32_t parties, const std::function<void()>& poll) {
+  const uint32_t gen = generation.load(std::memory_order_acquire);
+  if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == parties) {
+    arrived.store(0, std::memory_order_relaxed);
+    generation.fetch_add(1, std::memory_order_acq_rel);
+    wake_all(generation);
+    return;
+  }
+  // A short spin catches peers that arrive within microseconds (the common case when every rank
+  // has work); then sleep, since on a machine with fewer cores than ranks a spinner takes the
+  // core its peer needs.
+  constexpr int kSpins = 2000;
+  for (int i = 0; i < kSpins; ++i) {
+    if (generation.load(std::memory_order_acquire) != gen) return;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  while (generation.load(std::memory_order_acquire) == gen) {
+    wait_while_equal(generation, gen, 20);
+    if (generation.load(std::memory_order_acquire) != gen) return;
+    if (poll) poll();
+  }
+}
+
+}  // namespace tandem::engine::ep

@@ -1,0 +1,56 @@
+#pragma once
+// Memory shared by the processes of one engine on one host, and the two ways they wait for each
+// other in it.
+//
+// A segment is an anonymous memfd: it has no name in /dev/shm, children inherit its descriptor,
+// and the kernel frees it when the last process mapping it exits, however it exits (kill -9
+// included), so no segment is ever left behind.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace tandem::engine::ep {
+
+class SharedSegment {
+ public:
+  // A new zero-filled segment of `bytes` (pages are allocated as they are first written). The
+  // descriptor is close-on-exec; a child that should inherit it clears that flag.
+  static SharedSegment create(size_t bytes, const std::string& name);
+  // Maps the segment behind an inherited descriptor (takes ownership of it).
+  static SharedSegment attach(int fd);
+
+  SharedSegment() = default;
+  SharedSegment(SharedSegment&& other) noexcept;
+  SharedSegment& operator=(SharedSegment&& other) noexcept;
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+  ~SharedSegment();
+
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  int fd() const { return fd_; }
+
+ private:
+  SharedSegment(int fd, std::byte* data, size_t size) : fd_(fd), data_(data), size_(size) {}
+  int fd_ = -1;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Blocks while *word == expected, for at most timeout_ms (process-shared futex; returns early on
+// a wake, a change or a signal).
+void wait_while_equal(std::atomic<uint32_t>& word, uint32_t expected, int timeout_ms);
+void wake_all(std::atomic<uint32_t>& word);
+
+// A reusable barrier for `parties` processes, living in a shared segment (zero-initialised is
+// ready). Waiters spin briefly, then sleep on a futex; every 20 ms asleep they call `poll`, which
+// throws to give up (a peer died, the engine is aborting).
+struct alignas(64) SharedBarrier {
+  std::atomic<uint32_t> arrived{0};
+  std::atomic<uint32_t> generation{0};
+  void arrive_and_wait(uint32_t parties, const std::function<void()>& poll);
+};
+
+}  // namespace tandem::engine::ep
