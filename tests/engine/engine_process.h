@@ -28,6 +28,7 @@ class EngineProcess {
   }
 
   uint16_t port() const { return port_; }
+  pid_t pid() const { return child_.pid(); }
   // The next line the engine printed (empty at end of output).
   std::string next_line() { return child_.read_line(); }
   // Kills the engine at once (SIGKILL), as a crashed node.

@@ -1,0 +1,326 @@
+// `tandem engine --expert-parallel N` end to end: the same greedy tokens as the single-process
+// engine on tiny-v3 and tiny-v2-lite with 2 and 4 ranks (concurrent requests, so mixed batches
+// of prefill chunks and decodes; chunked prefill; preemption), float32 logprobs within 1e-5,
+// redundant expert copies, a placement that does not fit refused, and failure handling: a rank
+// killed with SIGKILL fails the requests in flight with OpenAI errors and makes /health answer
+// 503, and no rank outlives its engine (the shared segment is a memfd, freed with them).
+#include <dirent.h>
+#include <signal.h>
+
+#include <fstream>
+#include <future>
+#include <map>
+#include <sstream>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_http.h"
+#include "engine/engine_process.h"
+#include "net/http_client.h"
+#include "text/oracle_support.h"
+
+namespace tandem::engine {
+namespace {
+
+using nlohmann::json;
+
+// The pids whose parent is `parent`, from /proc.
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  DIR* d = opendir("/proc");
+  if (!d) return out;
+  while (dirent* e = readdir(d)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // pid (comm) state ppid ...: comm may hold spaces, so parse after the last ')'.
+    std::istringstream rest(line.substr(line.rfind(')') + 1));
+    std::string state;
+    pid_t ppid = 0;
+    rest >> state >> ppid;
+    if (ppid == parent && state != "Z") out.push_back(pid);
+  }
+  closedir(d);
+  return out;
+}
+
+// Running (not a zombie, not gone).
+bool running(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  std::istringstream rest(line.substr(line.rfind(')') + 1));
+  std::string state;
+  rest >> state;
+  return state != "Z" && state != "X";
+}
+
+std::vector<int32_t> prompt(int n, int base) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(base + (i * 7919) % 5000);
+  return t;
+}
+
+// A placement in `tandem place`'s JSON: per layer, each rank's experts in slot order.
+json placement_json(int ranks, int experts,
+                    const std::vector<std::vector<std::vector<int>>>& layers) {
+  json phy2log = json::array(), rank_slots = json::array();
+  for (const auto& layer : layers) {
+    json row = json::array(), counts = json::array();
+    for (const auto& rank : layer) {
+      counts.push_back(rank.size());
+      for (int e : rank) row.push_back(e);
+    }
+    phy2log.push_back(row);
+    rank_slots.push_back(counts);
+  }
+  return {{"format", "tandem-placement-v1"},
+          {"ranks", ranks},
+          {"experts", experts},
+          {"phy2log", phy2log},
+          {"rank_slots", rank_slots}};
+}
+
+struct Answer {
+  std::string text;
+  std::vector<double> logprobs;  // of the chosen tokens
+  std::vector<std::map<std::string, double>> top;
+};
+
+class ExpertParallel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = new std::filesystem::path(test::temp_path("expert-parallel").replace_extension());
+    for (const auto& [name, preset, dtype] :
+         {std::tuple{"v3-bf16", "tiny-v3", "bf16"}, std::tuple{"v3-f32", "tiny-v3", "f32"},
+          std::tuple{"v2-lite-bf16", "tiny-v2-lite", "bf16"}}) {
+      const auto dir = *root_ / name;
+      ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " make-model --preset " + preset +
+                                  " --dtype " + dtype + " --out " + test::quote(dir) +
+                                  " >/dev/null 2>&1"),
+                0);
+    }
+  }
+  static void TearDownTestSuite() {
+    std::filesystem::remove_all(*root_);
+    delete root_;
+  }
+
+  static std::vector<std::string> args(const std::string& model, int ranks,
+                                       std::vector<std::string> extra = {}) {
+    std::vector<std::string> a = {TANDEM_BINARY,
+                                  "engine",
+                                  "--model",
+                                  (*root_ / model).string(),
+                                  "--served-model-name",
+                                  "tiny",
+                                  "--host",
+                                  "127.0.0.1",
+                                  "--port",
+                                  "0",
+                                  "--expert-parallel",
+                                  std::to_string(ranks)};
+    if (std::find(extra.begin(), extra.end(), "--num-kv-blocks") == extra.end())
+      a.insert(a.end(), {"--num-kv-blocks", "512"});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+
+  // Eight requests at once (prompts of 1 to 70 tokens): steps mix prefill chunks and decodes.
+  static std::vector<Answer> ask_all(uint16_t port, int top_logprobs = 0) {
+    std::vector<std::future<Answer>> futures;
+    for (int i = 0; i < 8; ++i)
+      futures.push_back(std::async(std::launch::async, [=] {
+        json body = {{"prompt", prompt(1 + i * 10, 300 + 41 * i)},
+                     {"max_tokens", 10 + i},
+                     {"temperature", 0},
+                     {"ignore_eos", true},
+                     {"logprobs", top_logprobs}};
+        auto r = testing::post_json(port, "/v1/completions", body);
+        EXPECT_EQ(r.status, 200) << r.body;
+        Answer a;
+        if (r.status != 200) return a;
+        const json c = json::parse(r.body)["choices"][0];
+        a.text = c["text"];
+        for (const auto& lp : c["logprobs"]["token_logprobs"]) a.logprobs.push_back(lp);
+        for (const auto& top : c["logprobs"]["top_logprobs"])
+          a.top.push_back(top.is_object() ? top.get<std::map<std::string, double>>()
+                                          : std::map<std::string, double>{});
+        return a;
+      }));
+    std::vector<Answer> out;
+    for (auto& f : futures) out.push_back(f.get());
+    return out;
+  }
+
+  static void expect_same_texts(const std::vector<Answer>& want, const std::vector<Answer>& got,
+                                const std::string& what) {
+    ASSERT_EQ(want.size(), got.size());
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_EQ(got[i].text, want[i].text) << what << ", request " << i;
+  }
+
+  static std::string run_and_capture(const std::vector<std::string>& a, int* status) {
+    std::string cmd;
+    for (const auto& s : a) cmd += test::quote(s) + " ";
+    const auto out = test::temp_path("ep-output");
+    *status = test::run_command(cmd + "> " + test::quote(out) + " 2>&1");
+    std::ifstream in(out);
+    std::stringstream text;
+    text << in.rdbuf();
+    std::filesystem::remove(out);
+    return text.str();
+  }
+
+  inline static std::filesystem::path* root_ = nullptr;
+};
+
+TEST_F(ExpertParallel, TwoAndFourRanksGiveTheSingleProcessTokensOnBothTinyModels) {
+  for (const std::string model : {"v3-bf16", "v2-lite-bf16"}) {
+    // A 16-token step budget: the longer prompts are prefilled in chunks beside decodes.
+    const std::vector<std::string> chunked = {"--max-num-batched-tokens", "16"};
+    std::vector<Answer> want;
+    {
+      testing::EngineProcess single(args(model, 1, chunked));
+      want = ask_all(single.port());
+    }
+    for (int ranks : {2, 4}) {
+      testing::EngineProcess ep(args(model, ranks, chunked));
+      expect_same_texts(want, ask_all(ep.port()),
+                        model + " with " + std::to_string(ranks) + " ranks");
+      // Routes are counted on every rank and summed: 8 prompts and their outputs.
+      const json load = testing::get_json(ep.port(), "/expert_load");
+      int64_t routed = 0;
+      for (const auto& row : load["cumulative"])
+        for (const auto& v : row) routed += v.get<int64_t>();
+      EXPECT_GT(routed, 0);
+      EXPECT_EQ(routed % load["layers"].get<int64_t>(), 0);
+    }
+  }
+}
+
+TEST_F(ExpertParallel, FloatLogprobsAgreeWithOneProcessWithinOneHundredThousandth) {
+  std::vector<Answer> want;
+  {
+    testing::EngineProcess single(args("v3-f32", 1));
+    want = ask_all(single.port(), 3);
+  }
+  for (int ranks : {2, 4}) {
+    testing::EngineProcess ep(args("v3-f32", ranks));
+    const auto got = ask_all(ep.port(), 3);
+    expect_same_texts(want, got, "f32");
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i].logprobs.size(), want[i].logprobs.size());
+      for (size_t k = 0; k < want[i].logprobs.size(); ++k) {
+        EXPECT_NEAR(got[i].logprobs[k], want[i].logprobs[k], 1e-5) << "request " << i;
+        for (const auto& [token, lp] : want[i].top[k])
+          if (got[i].top[k].count(token)) {
+            EXPECT_NEAR(got[i].top[k].at(token), lp, 1e-5);
+          }
+      }
+    }
+  }
+}
+
+TEST_F(ExpertParallel, RedundantCopiesAndPreemptionKeepTheAnswers) {
+  // Layer 0: every expert on both ranks (tokens stay on their own rank); layer 1: experts 0-2
+  // on both ranks, so tokens of one expert split between two copies.
+  const json placement = placement_json(2, 8,
+                                        {{{0, 1, 2, 3, 4, 5, 6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}},
+                                         {{0, 1, 2, 3, 4}, {5, 6, 7, 0, 1, 2}}});
+  const auto file = test::temp_path("ep-placement");
+  std::ofstream(file) << placement.dump();
+  // 24 blocks of 8 tokens for eight requests of up to 88 tokens: they wait, get preempted and
+  // are recomputed.
+  const std::vector<std::string> tight = {
+      "--block-size", "8", "--num-kv-blocks", "24", "--max-num-batched-tokens", "32"};
+  std::vector<Answer> want;
+  {
+    testing::EngineProcess single(args("v3-bf16", 1, tight));
+    want = ask_all(single.port());
+  }
+  auto with_placement = tight;
+  with_placement.insert(with_placement.end(), {"--expert-placement", file.string()});
+  testing::EngineProcess ep(args("v3-bf16", 2, with_placement));
+  expect_same_texts(want, ask_all(ep.port()), "redundant copies");
+  EXPECT_GT(testing::metric(ep.port(), "vllm:num_preemptions_total"), 0);
+  std::filesystem::remove(file);
+}
+
+TEST_F(ExpertParallel, APlacementThatDoesNotFitIsRefusedNamingWhatIsWrong) {
+  const auto file = test::temp_path("ep-bad-placement");
+  const std::vector<std::pair<json, std::string>> cases = {
+      // Expert 7 has no copy in layer 1.
+      {placement_json(2, 8, {{{0, 1, 2, 3}, {4, 5, 6, 7}}, {{0, 1, 2, 3}, {4, 5, 6, 5}}}),
+       "expert 7"},
+      // One layer for a model with two MoE layers.
+      {placement_json(2, 8, {{{0, 1, 2, 3}, {4, 5, 6, 7}}}), "layers"},
+      // Four ranks for an engine of two.
+      {placement_json(4, 8, {{{0, 1}, {2, 3}, {4, 5}, {6, 7}}, {{0, 1}, {2, 3}, {4, 5}, {6, 7}}}),
+       "ranks"}};
+  for (const auto& [placement, field] : cases) {
+    std::ofstream(file) << placement.dump();
+    int status = 0;
+    const std::string out =
+        run_and_capture(args("v3-bf16", 2, {"--expert-placement", file.string()}), &status);
+    EXPECT_NE(status, 0) << out;
+    EXPECT_NE(out.find(field), std::string::npos) << out;
+  }
+  std::filesystem::remove(file);
+}
+
+TEST_F(ExpertParallel, AKilledRankFailsTheRequestsInFlightAndTheEngineReportsUnhealthy) {
+  testing::EngineProcess ep(args("v3-bf16", 2));
+  const auto ranks = children_of(ep.pid());
+  ASSERT_EQ(ranks.size(), 1u);
+  EXPECT_EQ(net::http_request("127.0.0.1", ep.port(), "GET", "/health").status, 200);
+  // A long stream, cut by the rank's death: it must end with an error event and [DONE].
+  auto stream = std::async(std::launch::async, [&] {
+    return testing::post_json(ep.port(), "/v1/completions",
+                              {{"prompt", "Once upon a time"},
+                               {"max_tokens", 4000},
+                               {"ignore_eos", true},
+                               {"stream", true}});
+  });
+  ASSERT_TRUE(testing::eventually(
+      [&] { return testing::get_json(ep.port(), "/load")["running"].get<int>() == 1; }));
+  kill(ranks[0], SIGKILL);
+  const auto sse = stream.get();
+  EXPECT_EQ(sse.status, 200);
+  EXPECT_NE(sse.body.find("\"error\""), std::string::npos) << sse.body.substr(0, 300);
+  EXPECT_NE(sse.body.find("expert-parallel rank 1"), std::string::npos);
+  EXPECT_NE(sse.body.find("data: [DONE]"), std::string::npos);
+  const auto health = net::http_request("127.0.0.1", ep.port(), "GET", "/health");
+  EXPECT_EQ(health.status, 503);
+  EXPECT_NE(health.body.find("rank 1"), std::string::npos) << health.body;
+  // Later requests fail at once with an OpenAI error instead of hanging.
+  const auto later =
+      testing::post_json(ep.port(), "/v1/completions", {{"prompt", "hello"}, {"max_tokens", 4}});
+  EXPECT_GE(later.status, 500);
+  EXPECT_NE(later.body.find("\"error\""), std::string::npos) << later.body;
+  EXPECT_EQ(ep.stop(), 0);
+  EXPECT_FALSE(running(ranks[0]));
+}
+
+TEST_F(ExpertParallel, NoRankOutlivesItsEngineHoweverItStops) {
+  {
+    testing::EngineProcess ep(args("v3-bf16", 4));
+    const auto ranks = children_of(ep.pid());
+    ASSERT_EQ(ranks.size(), 3u);
+    EXPECT_EQ(ep.stop(), 0);  // SIGTERM: an orderly shutdown
+    for (pid_t r : ranks) EXPECT_FALSE(running(r));
+  }
+  {
+    testing::EngineProcess ep(args("v3-bf16", 4));
+    const auto ranks = children_of(ep.pid());
+    ASSERT_EQ(ranks.size(), 3u);
+    ep.kill_now();  // SIGKILL of the front: its ranks die with it (and with them the segment)
+    for (pid_t r : ranks) EXPECT_TRUE(testing::eventually([&] { return !running(r); }));
+  }
+}
+
+}  // namespace
+}  // namespace tandem::engine
