@@ -24,7 +24,7 @@ struct ServeOptions {
   bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "tandem",
               access_log, admin_api_key;
-  int port = 8080, prefill = 1, decode = 1;
+  int port = 8080, prefill = 1, decode = 1, expert_parallel = 1;
   bool gateway_tokenizer = true;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
@@ -128,6 +128,8 @@ void run(const ServeOptions& o) {
     std::vector<std::string> a = {"tandem", "engine", "--model", model,    "--host",
                                   o.host,   "--port", "0",       "--role", role};
     if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    if (o.expert_parallel > 1)
+      a.insert(a.end(), {"--expert-parallel", std::to_string(o.expert_parallel)});
     if (o.kv_events)  // any free ports; the gateway's prefix index subscribes
       a.insert(a.end(), {"--kv-events-config",
                          R"({"enable_kv_cache_events": true, "publisher": "zmq", )"
@@ -205,6 +207,11 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefill", o->prefill, "prefill engines")->capture_default_str();
   cmd->add_option("--decode", o->decode, "decode engines")->capture_default_str();
+  cmd->add_option("--expert-parallel", o->expert_parallel,
+                  "rank processes per engine, its routed experts spread over them (see `tandem "
+                  "engine --expert-parallel`)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--engine-arg", o->engine_args,
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");

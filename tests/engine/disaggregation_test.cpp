@@ -190,6 +190,30 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
   expect_no_leak(d);
 }
 
+TEST_F(Disaggregation, ExpertParallelEnginesOnBothLegsGiveTheSameAnswers) {
+  // KV leaves a prefill engine's shared-memory cache layer by layer while its ranks compute, and
+  // lands in a decode engine's; both dialects.
+  Engine single = start("both");
+  Engine p = start("prefill", {"--expert-parallel", "2"});
+  Engine d = start("decode", {"--expert-parallel", "2"});
+  uint64_t room = 5000;
+  int base = 700;
+  for (int n : {1, 17, 40}) {
+    for (bool seq : {true, false}) {
+      const json body = {{"prompt", tokens(n, base += 31)},
+                         {"max_tokens", 10},
+                         {"temperature", 0},
+                         {"ignore_eos", true}};
+      const json want = parse(post_json(single.port(), "/v1/completions", body));
+      const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
+      EXPECT_EQ(text_of(got), text_of(want)) << (seq ? "sequential" : "parallel") << " n=" << n;
+    }
+  }
+  EXPECT_EQ(metric(d.port(), "tandem:kv_transfers_total", "result=\"error\""), 0);
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
 TEST_F(Disaggregation, DecodeWithACachedPrefixPullsOnlyTheMissingBlocks) {
   Engine single = start("both");
   Engine p = start("prefill");

@@ -207,12 +207,13 @@ TEST_F(GatewayStack, UpstreamFailuresAreOpenAIErrors) {
 }
 
 TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
-  for (const std::string mode : {"sequential", "parallel"}) {
+  // Plain engines, and engines of two expert-parallel ranks each: the same text.
+  for (const auto& [mode, ranks] : {std::pair{"sequential", "1"}, std::pair{"parallel", "2"}}) {
     SCOPED_TRACE(mode);
     EngineProcess serve({TANDEM_BINARY, "serve", "--model", dir_->string(), "--host", "127.0.0.1",
-                         "--port", "0", "--mode", mode, "--engine-arg=--num-kv-blocks",
-                         "--engine-arg=256", "--engine-arg=--served-model-name",
-                         "--engine-arg=tiny"});
+                         "--port", "0", "--mode", mode, "--expert-parallel", ranks,
+                         "--engine-arg=--num-kv-blocks", "--engine-arg=256",
+                         "--engine-arg=--served-model-name", "--engine-arg=tiny"});
     std::vector<uint16_t> engines;
     for (int i = 0; i < 2; ++i) {
       const std::string line = serve.next_line();
