@@ -46,6 +46,7 @@ struct EngineOptions {
   int64_t sim_kv_token_bytes = 0;
   int expert_parallel = 1;
   std::string expert_placement;
+  int64_t rebalance_interval = 0;
   int sim_expert_parallel = 0;
   std::string sim_placement, sim_routing_skew = "1.0";
   double sim_moe_share = 0.5;
@@ -182,6 +183,7 @@ void run(const EngineOptions& o) {
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.expert_load_window = o.expert_load_window;
+  config.rebalance_interval = o.rebalance_interval;
   config.expert_load_dump = o.expert_load_dump;
   config.kv_events_config = o.kv_events_config;
   config.role = engine::parse_engine_role(o.role);
@@ -329,6 +331,12 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--expert-placement", o->expert_placement,
                   "where experts live with --expert-parallel (.json from `tandem place plan` or an "
                   "Omni .npy; redundant copies allowed); default: every expert once, in order");
+  cmd->add_option("--rebalance-interval", o->rebalance_interval,
+                  "with --expert-parallel: every this many steps, re-plan the placement from the "
+                  "expert-load window (Omni planner, incremental) and switch to it live when it "
+                  "moves any copy (0: only POST /admin/expert_placement)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--mla-rescale", o->mla_rescale,
                   "decode attention's softmax rescale: multiply or amla (exponent add)")
       ->capture_default_str()

@@ -10,6 +10,7 @@
 #include "api/request.h"
 #include "api/response.h"
 #include "net/sse.h"
+#include "placement/placement_format.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/random_id.h"
@@ -183,6 +184,41 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                                                 "(a model without MoE layers)",
                                                 "invalid_request_error", "not_found"));
       });
+  // Where experts live (expert-parallel engines) and live changes of it.
+  server_.route("GET", "/admin/expert_placement",
+                [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+                  const auto current = engine_.expert_placement();
+                  const auto status = engine_.expert_remap_status();
+                  if (!current || !status) {
+                    ex->respond(404, api::openai_error_body(
+                                         "this engine does not place experts (start it with "
+                                         "--expert-parallel N)",
+                                         "invalid_request_error", "not_found"));
+                    return;
+                  }
+                  json j = status->to_json();
+                  j["placement"] = placement::placement_to_json(*current);
+                  ex->respond(200, j.dump());
+                });
+  server_.route("POST", "/admin/expert_placement",
+                [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+                  const auto status = engine_.expert_remap_status();
+                  if (status && status->loading) {
+                    ex->respond(409, api::openai_error_body(
+                                         "a placement change is already underway; retry when "
+                                         "GET /admin/expert_placement says idle"));
+                    return;
+                  }
+                  try {
+                    const placement::Placement next =
+                        placement::placement_from_json(req.body, "expert placement");
+                    engine_.change_expert_placement(next);
+                  } catch (const std::exception& e) {
+                    ex->respond(400, api::openai_error_body(e.what()));
+                    return;
+                  }
+                  ex->respond(202, json{{"state", "loading"}}.dump());
+                });
   auto generation = [this](int kind) {
     return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
       handle_generation(kind, req, std::move(ex));

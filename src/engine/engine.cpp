@@ -125,6 +125,12 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
         {"layer"}, model);
     for (int64_t layer : info.moe_layers)
       expert_imbalance_.push_back(&family.labels({std::to_string(layer)}));
+    if (executor_->expert_placement())
+      remapper_ = std::make_unique<ExpertRemapper>(
+          *executor_, config_.rebalance_interval, registry,
+          [this](std::function<void()> task) { post(std::move(task)); });
+    else if (config_.rebalance_interval > 0)
+      throw Error("--rebalance-interval needs an engine that places experts (--expert-parallel N)");
     if (!config_.expert_load_dump.empty()) {
       std::error_code ec;
       std::filesystem::create_directories(config_.expert_load_dump, ec);
@@ -502,6 +508,7 @@ void Engine::publish_events() {
 void Engine::record_expert_load(std::span<const int64_t> step) {
   expert_load_->record(step);
   ++expert_load_steps_;
+  if (remapper_) remapper_->after_step(expert_load_steps_, *expert_load_);
   const bool dump = !config_.expert_load_dump.empty() &&
                     expert_load_steps_ % uint64_t(expert_load_->window_steps()) == 0;
   // The gauges every few steps: a snapshot copies [layers, experts] twice.
@@ -519,6 +526,17 @@ void Engine::record_expert_load(std::span<const int64_t> step) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "engine: expert load dump: %s\n", e.what());
   }
+}
+
+void Engine::change_expert_placement(const placement::Placement& next) {
+  if (!remapper_)
+    throw Error("this engine does not place experts (start it with --expert-parallel N)");
+  remapper_->change(next);
+}
+
+std::optional<ExpertRemapStatus> Engine::expert_remap_status() const {
+  if (!remapper_) return std::nullopt;
+  return remapper_->status();
 }
 
 std::optional<ExpertLoadSnapshot> Engine::expert_load() const {

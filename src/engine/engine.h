@@ -21,6 +21,7 @@
 #include "api/prefill_work.h"
 #include "engine/executor/executor.h"
 #include "engine/expert_load.h"
+#include "engine/expert_remap.h"
 #include "engine/kv/kv_cache_manager.h"
 #include "engine/kv/kv_events.h"
 #include "engine/scheduler/scheduler.h"
@@ -51,6 +52,9 @@ struct EngineConfig {
   // cumulative counts at stop (expert_load_cumulative.npy/.json); empty: no files.
   int64_t expert_load_window = 1024;
   std::filesystem::path expert_load_dump;
+  // Executors that place experts: every this many steps, re-plan from the load window and switch
+  // live when the plan moves anything (0: only on request).
+  int64_t rebalance_interval = 0;
 };
 
 // A snapshot for the gateway's load-aware routing (JSON at /load).
@@ -80,6 +84,14 @@ class Engine final : private PdHost {
   LoadReport load() const;
   // Thread-safe. Tokens routed per (MoE layer, expert); nullopt when the executor reports none.
   std::optional<ExpertLoadSnapshot> expert_load() const;
+  // Thread-safe. A new expert placement, switched in live once its copies are loaded (throws
+  // tandem::Error naming what does not fit, or when the executor places no experts).
+  void change_expert_placement(const placement::Placement& next);
+  // Where experts live and the state of live changes; nullopt when the executor places none.
+  std::optional<placement::Placement> expert_placement() const {
+    return executor_->expert_placement();
+  }
+  std::optional<ExpertRemapStatus> expert_remap_status() const;
   const ExecutorInfo& executor_info() const { return executor_->info(); }
   // Thread-safe. Why the executor can no longer run steps (empty while it can).
   std::string executor_failure() const { return executor_->failure(); }
@@ -124,6 +136,7 @@ class Engine final : private PdHost {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ExpertLoadStats> expert_load_;
   std::vector<metrics::Gauge*> expert_imbalance_;  // per MoE layer
+  std::unique_ptr<ExpertRemapper> remapper_;       // executors that place experts
   uint64_t expert_load_steps_ = 0;                 // engine thread
   static constexpr uint64_t kExpertGaugeSteps = 8;
 

@@ -272,6 +272,101 @@ TEST_F(ExpertParallel, APlacementThatDoesNotFitIsRefusedNamingWhatIsWrong) {
   std::filesystem::remove(file);
 }
 
+TEST_F(ExpertParallel, LiveRemapsUnderTrafficLoseNothingAndChangeNoAnswer) {
+  std::vector<Answer> want;
+  {
+    testing::EngineProcess single(args("v3-bf16", 1));
+    want = ask_all(single.port());
+  }
+  testing::EngineProcess ep(args("v3-bf16", 2));
+  const json start = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_EQ(start["state"], "idle");
+  EXPECT_EQ(start["placement"]["rank_slots"], json::parse("[[4,4],[4,4]]"));
+  const std::vector<json> placements = {
+      // Every expert of layer 0 on both ranks; layer 1 with two experts copied.
+      placement_json(2, 8,
+                     {{{0, 1, 2, 3, 4, 5, 6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}},
+                      {{4, 5, 6, 7, 0}, {0, 1, 2, 3, 5}}}),
+      // The ranks' halves swapped.
+      placement_json(2, 8, {{{4, 5, 6, 7}, {0, 1, 2, 3}}, {{4, 5, 6, 7}, {0, 1, 2, 3}}}),
+      // Uneven: six experts on rank 0, two on rank 1.
+      placement_json(2, 8, {{{0, 1, 2, 3, 4, 5}, {6, 7}}, {{0, 1}, {2, 3, 4, 5, 6, 7}}})};
+  // Traffic all along: three rounds of eight concurrent requests.
+  auto traffic = std::async(std::launch::async, [&] {
+    std::vector<std::vector<Answer>> rounds;
+    for (int r = 0; r < 3; ++r) rounds.push_back(ask_all(ep.port()));
+    return rounds;
+  });
+  for (size_t i = 0; i < placements.size(); ++i) {
+    const auto r = testing::post_json(ep.port(), "/admin/expert_placement", placements[i]);
+    ASSERT_EQ(r.status, 202) << r.body;
+    ASSERT_TRUE(testing::eventually([&] {
+      return testing::get_json(ep.port(), "/admin/expert_placement")["remaps"] == int(i + 1);
+    })) << "placement "
+        << i << " never switched in";
+  }
+  for (const auto& round : traffic.get()) expect_same_texts(want, round, "during remaps");
+  const json done = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_EQ(done["state"], "idle");
+  EXPECT_EQ(done["placement"]["phy2log"], placements.back()["phy2log"]);
+  EXPECT_GT(done["last"]["moves"].get<int>(), 0);
+  EXPECT_GE(done["last"]["pause_seconds"].get<double>(), 0.0);
+  EXPECT_EQ(testing::metric(ep.port(), "tandem:expert_remaps_total"), 3);
+  // And after the last switch, the answers still match.
+  expect_same_texts(want, ask_all(ep.port()), "after remaps");
+}
+
+TEST_F(ExpertParallel, BadPlacementsGet400NamingTheFieldAndTheOldOneStays) {
+  testing::EngineProcess ep(args("v3-bf16", 2));
+  const json before = testing::get_json(ep.port(), "/admin/expert_placement")["placement"];
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {placement_json(2, 8, {{{0, 1, 2, 3}, {4, 5, 6, 7}}, {{0, 1, 2, 3}, {4, 5, 6, 5}}}).dump(),
+       "expert 7"},
+      {placement_json(2, 8, {{{0, 1, 2, 3}, {4, 5, 6, 7}}}).dump(), "layers"},
+      {placement_json(3, 8, {{{0, 1, 2}, {3, 4, 5}, {6, 7}}, {{0, 1, 2}, {3, 4, 5}, {6, 7}}})
+           .dump(),
+       "ranks"},
+      // Slot counts per rank that do not add up to the layer's slots.
+      {R"({"ranks":2,"experts":8,"phy2log":[[0,1,2,3,4,5,6,7],[0,1,2,3,4,5,6,7]],)"
+       R"("rank_slots":[[4,3],[4,4]]})",
+       "slots"},
+      {"{not json", "JSON"}};
+  for (const auto& [body, field] : cases) {
+    const auto r =
+        net::http_request("127.0.0.1", ep.port(), "POST", "/admin/expert_placement", body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_NE(r.body.find(field), std::string::npos) << r.body;
+    EXPECT_NE(r.body.find("\"error\""), std::string::npos) << r.body;
+  }
+  const json after = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_EQ(after["placement"], before);
+  EXPECT_EQ(after["remaps"], 0);
+  EXPECT_EQ(after["state"], "idle");
+  // An engine of one process places no experts.
+  testing::EngineProcess single(args("v3-bf16", 1));
+  EXPECT_EQ(net::http_request("127.0.0.1", single.port(), "GET", "/admin/expert_placement").status,
+            404);
+  EXPECT_EQ(net::http_request("127.0.0.1", single.port(), "POST", "/admin/expert_placement",
+                              placement_json(2, 8, {{{0, 1, 2, 3}, {4, 5, 6, 7}}}).dump())
+                .status,
+            400);
+}
+
+TEST_F(ExpertParallel, RebalancesItselfFromItsOwnExpertLoad) {
+  std::vector<Answer> want;
+  {
+    testing::EngineProcess single(args("v3-bf16", 1));
+    want = ask_all(single.port());
+  }
+  testing::EngineProcess ep(args("v3-bf16", 2, {"--rebalance-interval", "4"}));
+  for (int r = 0; r < 2; ++r) expect_same_texts(want, ask_all(ep.port()), "rebalancing");
+  ASSERT_TRUE(testing::eventually(
+      [&] { return testing::get_json(ep.port(), "/admin/expert_placement")["state"] == "idle"; }));
+  const json status = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_GE(status["automatic_remaps"].get<int>(), 1) << status.dump();
+  EXPECT_EQ(status["remaps"], status["automatic_remaps"]);
+}
+
 TEST_F(ExpertParallel, AKilledRankFailsTheRequestsInFlightAndTheEngineReportsUnhealthy) {
   testing::EngineProcess ep(args("v3-bf16", 2));
   const auto ranks = children_of(ep.pid());

@@ -8,12 +8,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "engine/sampler.h"
 #include "engine/scheduler/sequence.h"
+#include "placement/placement.h"
 
 namespace tandem::engine {
 
@@ -49,6 +51,13 @@ struct KvLayout {
 // the cache (KV transfer streams them while later layers still compute).
 using LayerHook = std::function<void(int64_t layers_done)>;
 
+// What a live change of expert placement did.
+struct PlacementSwitch {
+  int64_t moves = 0;         // expert copies loaded onto ranks that did not hold them
+  double load_seconds = 0;   // from staging until every rank held its new copies (background)
+  double pause_seconds = 0;  // what the switch itself added between two steps
+};
+
 struct ExecutorInfo {
   std::string model_name;
   int64_t vocab_size = 0;
@@ -78,6 +87,19 @@ class Executor {
   // Empty while the executor can run steps; else why it cannot (a rank process died). Thread-safe;
   // the engine then reports unhealthy.
   virtual std::string failure() const { return {}; }
+
+  // Expert placement, for executors that run experts on several ranks (nullopt: not one).
+  // Thread-safe.
+  virtual std::optional<placement::Placement> expert_placement() const { return std::nullopt; }
+  // Checks `next` against the executor (throws tandem::Error naming what does not fit; the
+  // current placement stays) and starts loading its new expert copies in the background;
+  // `loaded` runs (on another thread) once every rank holds them. Any thread; one change at a
+  // time (throws while one is underway).
+  virtual void stage_expert_placement(const placement::Placement& next,
+                                      std::function<void()> loaded);
+  // Engine thread, between steps, after `loaded`: every rank switches to the staged placement
+  // and frees the copies it no longer holds.
+  virtual PlacementSwitch switch_expert_placement();
 };
 
 }  // namespace tandem::engine

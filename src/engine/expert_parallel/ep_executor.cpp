@@ -114,6 +114,8 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
 }
 
 EpExecutor::~EpExecutor() {
+  stopping_ = true;
+  if (loader_.joinable()) loader_.join();
   if (failure().empty()) post(Command::kShutdown);
   std::lock_guard lock(mutex_);
   for (auto& child : children_) {
@@ -164,10 +166,77 @@ std::string EpExecutor::failure() const {
   return failure_;
 }
 
-placement::Placement EpExecutor::placement() const {
+std::optional<placement::Placement> EpExecutor::expert_placement() const {
+  std::lock_guard lock(remap_mutex_);
   const Header& h = segment_->header();
   return read_placement(segment_->table(h.table.load(std::memory_order_acquire)),
                         segment_->shape());
+}
+
+void EpExecutor::stage_expert_placement(const placement::Placement& next,
+                                        std::function<void()> loaded) {
+  if (auto why = failure(); !why.empty()) throw Error(why);
+  std::lock_guard lock(remap_mutex_);
+  if (remap_ != Remap::kNone) throw Error("a placement change is already underway");
+  const EpShape& s = segment_->shape();
+  Header& h = segment_->header();
+  const uint32_t active = h.table.load(std::memory_order_acquire), staged = active ^ 1u;
+  // The same checks, in the same words, as a placement given at start.
+  if (next.ranks != s.ranks)
+    throw Error("placement: \"ranks\" is " + std::to_string(next.ranks) + ", the engine has " +
+                std::to_string(s.ranks) + " ranks");
+  placement::validate(next, {.distinct_on_rank = true, .equal_rank_memory = false});
+  write_placement(segment_->table(staged), s, next);
+  if (loader_.joinable()) loader_.join();
+  staged_ = {};
+  staged_.moves = placement::count_moves(read_placement(segment_->table(active), s), next);
+  remap_ = Remap::kLoading;
+  h.prepared.store(0, std::memory_order_release);
+  h.staged.fetch_add(1, std::memory_order_acq_rel);
+  wake_all(h.staged);
+  loader_ = std::thread([this, staged, loaded = std::move(loaded)] {
+    const auto t0 = std::chrono::steady_clock::now();
+    Header& hd = segment_->header();
+    try {
+      rank0_->prepare_placement(staged);
+    } catch (const std::exception& e) {
+      fail(std::string("expert placement: loading experts: ") + e.what());
+      return;
+    }
+    hd.prepared.fetch_add(1, std::memory_order_acq_rel);
+    for (uint32_t n; (n = hd.prepared.load(std::memory_order_acquire)) < uint32_t(ranks());) {
+      if (stopping_ || !failure().empty() || hd.abort.load()) return;
+      wait_while_equal(hd.prepared, n, 50);
+    }
+    {
+      std::lock_guard lock(remap_mutex_);
+      staged_.load_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      remap_ = Remap::kLoaded;
+    }
+    if (loaded) loaded();
+  });
+}
+
+PlacementSwitch EpExecutor::switch_expert_placement() {
+  if (auto why = failure(); !why.empty()) throw Error(why);
+  std::lock_guard lock(remap_mutex_);
+  if (remap_ != Remap::kLoaded) throw Error("no staged expert placement is loaded yet");
+  Header& h = segment_->header();
+  const uint32_t next = h.table.load(std::memory_order_acquire) ^ 1u;
+  const auto t0 = std::chrono::steady_clock::now();
+  post(Command::kSwitchPlacement);
+  try {
+    rank0_->switch_placement_with_all(next);
+  } catch (const std::exception& e) {
+    fail(e.what());
+    throw Error(failure());
+  }
+  h.table.store(next, std::memory_order_release);
+  staged_.pause_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  remap_ = Remap::kNone;
+  return staged_;
 }
 
 void EpExecutor::check_batch(std::span<const ExecItem> batch) const {

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/executor/cpu_executor.h"
@@ -54,9 +55,12 @@ class EpExecutor final : public Executor {
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
   std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override;
   std::string failure() const override;
+  std::optional<placement::Placement> expert_placement() const override;
+  void stage_expert_placement(const placement::Placement& next,
+                              std::function<void()> loaded) override;
+  PlacementSwitch switch_expert_placement() override;
 
   int ranks() const { return int(children_.size()) + 1; }
-  placement::Placement placement() const;
   // Rank 0's exchange figures (every rank takes part in every exchange, so its layer count is
   // everyone's).
   const ExchangeStats& exchange_stats() const { return rank0_->stats(); }
@@ -77,6 +81,14 @@ class EpExecutor final : public Executor {
   mutable std::mutex mutex_;  // children_ and failure_: health checks come from other threads
   std::vector<std::unique_ptr<ChildProcess>> children_;
   std::string failure_;
+
+  // A live placement change: staged (new copies loading in the background) -> loaded -> switched.
+  enum class Remap { kNone, kLoading, kLoaded };
+  mutable std::mutex remap_mutex_;  // the tables and these
+  Remap remap_ = Remap::kNone;
+  PlacementSwitch staged_;
+  std::thread loader_;
+  std::atomic<bool> stopping_{false};
 };
 
 }  // namespace tandem::engine::ep

@@ -55,38 +55,74 @@ EpRank::EpRank(const EpSegment& segment, int rank,
 }
 
 void EpRank::load_placement() {
+  const uint32_t table = segment_.header().table.load(std::memory_order_acquire);
+  prepare_placement(table);
+  switch_placement(table);
+}
+
+void EpRank::prepare_placement(uint32_t which) {
   const EpShape& s = segment_.shape();
-  const PlacementTable table =
-      segment_.table(segment_.header().table.load(std::memory_order_acquire));
+  const PlacementTable table = segment_.table(which);
   const auto& checkpoint = model_->weights().checkpoint;
+  prepared_.assign(layers_.size(), {});
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const LayerSlots& now = layers_[li];
+    for (int32_t slot = 0; slot < table.slot_count[li]; ++slot) {
+      if (table.slot_rank[li * s.max_slots + slot] != rank_) continue;
+      const int32_t e = table.slot_expert[li * s.max_slots + slot];
+      if (std::find(now.held_expert.begin(), now.held_expert.end(), e) != now.held_expert.end())
+        continue;
+      prepared_[li].emplace_back(
+          e, model::load_expert(checkpoint, model_->config(), moe_layers_[li], e));
+    }
+  }
+}
+
+void EpRank::switch_placement(uint32_t which) {
+  const EpShape& s = segment_.shape();
+  const PlacementTable table = segment_.table(which);
+  if (prepared_.size() != layers_.size()) prepared_.assign(layers_.size(), {});
   for (size_t li = 0; li < layers_.size(); ++li) {
     LayerSlots next;
     const int32_t slots = table.slot_count[li];
     next.slot_rank.assign(table.slot_rank + li * s.max_slots,
                           table.slot_rank + li * s.max_slots + slots);
-    next.copies.resize(s.experts);
-    next.local.assign(slots, -1);
+    next.copies.resize(size_t(s.experts));
+    next.local.assign(size_t(slots), -1);
     LayerSlots& old = layers_[li];
+    auto& ready = prepared_[li];
     for (int32_t slot = 0; slot < slots; ++slot) {
       const int32_t e = table.slot_expert[li * s.max_slots + slot];
-      next.copies[e].push_back(slot);
-      if (next.slot_rank[slot] != rank_) continue;
-      next.local[slot] = int32_t(next.held.size());
+      next.copies[size_t(e)].push_back(slot);
+      if (next.slot_rank[size_t(slot)] != rank_) continue;
+      next.local[size_t(slot)] = int32_t(next.held.size());
       next.held.push_back(slot);
       next.held_expert.push_back(e);
-      // An expert this rank already holds keeps its weights (no reload, no repack).
+      // Weights move (no copy): from the experts in use, else from the prepared ones.
       const auto was = std::find(old.held_expert.begin(), old.held_expert.end(), e);
-      if (was != old.held_expert.end() &&
-          old.weights[size_t(was - old.held_expert.begin())].gate.data) {
-        next.weights.push_back(std::move(old.weights[size_t(was - old.held_expert.begin())]));
-        old.weights[size_t(was - old.held_expert.begin())] = {};
-      } else {
-        next.weights.push_back(
-            model::load_expert(checkpoint, model_->config(), moe_layers_[li], e));
+      if (was != old.held_expert.end()) {
+        const auto i = size_t(was - old.held_expert.begin());
+        next.weights.push_back(std::move(old.weights[i]));
+        old.held_expert[i] = -1;  // taken
+        continue;
       }
+      const auto got =
+          std::find_if(ready.begin(), ready.end(), [&](const auto& p) { return p.first == e; });
+      if (got == ready.end())
+        throw Error("expert placement: rank " + std::to_string(rank_) +
+                    " was not prepared for expert " + std::to_string(e) + " of MoE layer " +
+                    std::to_string(li));
+      next.weights.push_back(std::move(got->second));
+      got->first = -1;  // taken
     }
-    layers_[li] = std::move(next);
+    layers_[li] = std::move(next);  // frees the experts this rank no longer holds
+    ready.clear();
   }
+}
+
+void EpRank::switch_placement_with_all(uint32_t table) {
+  switch_placement(table);
+  barrier();
 }
 
 std::vector<std::vector<int32_t>> EpRank::held_slots() const {

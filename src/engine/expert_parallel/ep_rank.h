@@ -45,9 +45,16 @@ class EpRank final : public model::ExpertExchange {
  public:
   EpRank(const EpSegment& segment, int rank, std::shared_ptr<const model::DeepSeekModel> model);
 
-  // Loads the routed experts of this rank's slots in the placement table in force (keeping the
-  // ones it already holds) and drops the others.
+  // Loads the routed experts of this rank's slots in the placement table in force.
   void load_placement();
+  // Loads the experts placement table `table` gives this rank that it does not hold yet, beside
+  // the ones in use (may run on another thread while steps run; not beside switch_placement).
+  void prepare_placement(uint32_t table);
+  // Installs table `table`: keeps the experts this rank holds in both, takes the prepared ones,
+  // frees the rest. Between steps.
+  void switch_placement(uint32_t table);
+  // switch_placement, then the barrier every rank's switch ends with.
+  void switch_placement_with_all(uint32_t table);
   // Called while waiting at a barrier; throws to abandon the step.
   void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
   // This rank's part of the step the front posted: its sequences' forward pass, their sampled
@@ -82,6 +89,8 @@ class EpRank final : public model::ExpertExchange {
   std::vector<int64_t> moe_index_;  // model layer -> MoE layer index, -1 for dense layers
   std::vector<int64_t> moe_layers_;
   std::vector<LayerSlots> layers_;
+  // Per MoE layer, experts loaded for the next placement: (logical expert, weights).
+  std::vector<std::vector<std::pair<int32_t, model::MlpWeights>>> prepared_;
   std::vector<uint64_t> seen_;  // the model's route counts after the previous step
   std::function<void()> poll_;
   const LayerHook* on_layer_ = nullptr;

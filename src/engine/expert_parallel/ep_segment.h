@@ -29,7 +29,7 @@ struct EpShape {
   bool operator==(const EpShape&) const = default;
 };
 
-enum class Command : uint32_t { kNone = 0, kStep = 1, kShutdown = 2 };
+enum class Command : uint32_t { kNone = 0, kStep = 1, kShutdown = 2, kSwitchPlacement = 3 };
 
 struct alignas(64) Header {
   uint64_t magic = 0;
@@ -38,6 +38,11 @@ struct alignas(64) Header {
   std::atomic<uint32_t> command{0};  // Command
   std::atomic<uint32_t> abort{0};    // set once a rank failed: every wait gives up
   std::atomic<uint32_t> table{0};    // the placement table in force (0 or 1)
+  // A live remap: the front writes the other table, bumps `staged` (a futex word); each rank's
+  // loader loads its new copies in the background and bumps `prepared` (a futex word); then
+  // the front posts kSwitchPlacement between two steps.
+  std::atomic<uint32_t> staged{0};
+  std::atomic<uint32_t> prepared{0};
   SharedBarrier barrier;
 };
 

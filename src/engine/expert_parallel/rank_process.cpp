@@ -3,7 +3,9 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
+#include <thread>
 
 #include "engine/expert_parallel/ep_rank.h"
 #include "util/error.h"
@@ -33,6 +35,38 @@ int serve_rank(const RankProcessOptions& o) {
   });
   rank.load_placement();
 
+  // The loader: new expert copies of a staged placement load beside the steps.
+  std::atomic<bool> stopping{false};
+  // Read before "ready": the front stages nothing before it, so no change is missed.
+  const uint32_t staged_at_start = header.staged.load(std::memory_order_acquire);
+  std::thread loader([&, staged_at_start] {
+    uint32_t staged = staged_at_start;
+    while (!stopping.load()) {
+      wait_while_equal(header.staged, staged, 100);
+      const uint32_t now = header.staged.load(std::memory_order_acquire);
+      if (now == staged) continue;
+      staged = now;
+      try {
+        rank.prepare_placement(header.table.load(std::memory_order_acquire) ^ 1u);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tandem ep-rank %d: loading experts: %s\n", o.rank, e.what());
+        header.abort.store(1, std::memory_order_release);
+        wake_all(header.barrier.generation);
+        return;
+      }
+      header.prepared.fetch_add(1, std::memory_order_acq_rel);
+      wake_all(header.prepared);
+    }
+  });
+  struct JoinLoader {
+    std::atomic<bool>& stopping;
+    std::thread& loader;
+    ~JoinLoader() {
+      stopping = true;
+      loader.join();
+    }
+  } join_loader{stopping, loader};
+
   uint32_t seen = header.posted.load(std::memory_order_acquire);
   std::printf("ready\n");
   std::fflush(stdout);
@@ -45,7 +79,10 @@ int serve_rank(const RankProcessOptions& o) {
     const auto command = static_cast<Command>(header.command.load(std::memory_order_relaxed));
     if (command == Command::kShutdown) return 0;
     try {
-      rank.run_step();
+      if (command == Command::kSwitchPlacement)
+        rank.switch_placement_with_all(header.table.load(std::memory_order_acquire) ^ 1u);
+      else
+        rank.run_step();
     } catch (const Abandoned&) {
       return 3;
     } catch (const std::exception& e) {

@@ -1,0 +1,101 @@
+#include "engine/expert_remap.h"
+
+#include <cstdio>
+
+#include "placement/planner.h"
+#include "util/error.h"
+
+namespace tandem::engine {
+
+nlohmann::json ExpertRemapStatus::to_json() const {
+  nlohmann::json j = {{"state", loading ? "loading" : "idle"},
+                      {"remaps", remaps},
+                      {"automatic_remaps", automatic},
+                      {"last", nullptr}};
+  if (last)
+    j["last"] = {{"moves", last->moves},
+                 {"load_seconds", last->load_seconds},
+                 {"pause_seconds", last->pause_seconds}};
+  if (!last_error.empty()) j["last_error"] = last_error;
+  return j;
+}
+
+ExpertRemapper::ExpertRemapper(Executor& executor, int64_t rebalance_interval,
+                               metrics::Registry& registry,
+                               std::function<void(std::function<void()>)> post)
+    : executor_(executor),
+      interval_(rebalance_interval),
+      post_(std::move(post)),
+      remaps_(registry.int_counter("tandem:expert_remaps_total",
+                                   "Live expert placement changes switched in")),
+      pause_(registry.gauge("tandem:expert_remap_pause_seconds",
+                            "What the last placement switch added between two steps")),
+      load_(registry.gauge("tandem:expert_remap_load_seconds",
+                           "How long the last placement's new copies took to load (background)")) {}
+
+void ExpertRemapper::change(const placement::Placement& next) {
+  stage(next, false);
+}
+
+void ExpertRemapper::stage(const placement::Placement& next, bool automatic) {
+  {
+    std::lock_guard lock(mutex_);
+    if (status_.loading) throw Error("a placement change is already underway");
+    status_.loading = true;
+  }
+  try {
+    executor_.stage_expert_placement(
+        next, [this, automatic] { post_([this, automatic] { switch_now(automatic); }); });
+  } catch (...) {
+    std::lock_guard lock(mutex_);
+    status_.loading = false;
+    throw;
+  }
+}
+
+void ExpertRemapper::switch_now(bool automatic) {
+  try {
+    const PlacementSwitch s = executor_.switch_expert_placement();
+    std::lock_guard lock(mutex_);
+    status_.loading = false;
+    status_.last = s;
+    ++status_.remaps;
+    if (automatic) ++status_.automatic;
+    remaps_.inc();
+    pause_.set(s.pause_seconds);
+    load_.set(s.load_seconds);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "engine: expert placement switch failed: %s\n", e.what());
+    std::lock_guard lock(mutex_);
+    status_.loading = false;
+    status_.last_error = e.what();
+  }
+}
+
+void ExpertRemapper::after_step(uint64_t steps, const ExpertLoadStats& load) {
+  if (interval_ <= 0 || steps % uint64_t(interval_) != 0) return;
+  {
+    std::lock_guard lock(mutex_);
+    if (status_.loading) return;
+  }
+  const auto current = executor_.expert_placement();
+  if (!current) return;
+  const ExpertLoadSnapshot snap = load.snapshot();
+  placement::ExpertLoads loads{int64_t(snap.layer_ids.size()), snap.experts,
+                               std::vector<double>(snap.window.begin(), snap.window.end())};
+  const placement::IncrementalPlan plan = placement::plan_incremental(loads, *current, {});
+  if (plan.moves == 0) return;
+  try {
+    stage(plan.placement, true);
+  } catch (const std::exception& e) {
+    std::lock_guard lock(mutex_);
+    status_.last_error = e.what();
+  }
+}
+
+ExpertRemapStatus ExpertRemapper::status() const {
+  std::lock_guard lock(mutex_);
+  return status_;
+}
+
+}  // namespace tandem::engine

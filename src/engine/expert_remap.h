@@ -1,0 +1,59 @@
+#pragma once
+// Live expert remapping for engines whose executor places experts (expert parallelism): a new
+// placement from an operator (POST /admin/expert_placement) or from the engine's own expert load
+// every --rebalance-interval steps (the Omni planner's incremental mode, which moves as few
+// copies as it can). New copies load in the background; the switch runs on the engine thread
+// between two steps; the pause it adds is reported.
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/executor/executor.h"
+#include "engine/expert_load.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+
+struct ExpertRemapStatus {
+  bool loading = false;   // a staged placement's copies are loading
+  int64_t remaps = 0;     // switches done
+  int64_t automatic = 0;  // of them, planned by the engine itself
+  std::optional<PlacementSwitch> last;
+  std::string last_error;  // of the last attempt that failed, if any
+  nlohmann::json to_json() const;
+};
+
+class ExpertRemapper {
+ public:
+  // `post` runs a task on the engine thread between steps.
+  ExpertRemapper(Executor& executor, int64_t rebalance_interval, metrics::Registry& registry,
+                 std::function<void(std::function<void()>)> post);
+
+  // Any thread. Checks `next` and starts loading it (throws tandem::Error naming what does not
+  // fit, or that a change is underway; the placement in force stays).
+  void change(const placement::Placement& next);
+  // Engine thread, after a step's routes were recorded (`steps` so far): every
+  // rebalance_interval steps, plans from the load window and stages the plan when it moves
+  // any copy.
+  void after_step(uint64_t steps, const ExpertLoadStats& load);
+  ExpertRemapStatus status() const;
+
+ private:
+  void stage(const placement::Placement& next, bool automatic);
+  void switch_now(bool automatic);  // engine thread
+
+  Executor& executor_;
+  const int64_t interval_;
+  std::function<void(std::function<void()>)> post_;
+  metrics::IntCounter& remaps_;
+  metrics::Gauge& pause_;
+  metrics::Gauge& load_;
+  mutable std::mutex mutex_;
+  ExpertRemapStatus status_;
+};
+
+}  // namespace tandem::engine
