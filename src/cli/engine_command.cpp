@@ -56,7 +56,11 @@ struct EngineOptions {
   std::string kv_transfer_host, advertise_host, engine_id;
   double kv_transfer_timeout = 120;
   bool kv_transfer_checksum = false;
+  std::string kv_transport = "shm";
 };
+
+const std::map<std::string, engine::KvTransportKind> kKvTransports = {
+    {"shm", engine::KvTransportKind::kShm}, {"tcp", engine::KvTransportKind::kTcp}};
 
 const std::map<std::string, std::optional<model::LatentType>> kKvCacheTypes = {
     {"auto", std::nullopt},
@@ -197,6 +201,7 @@ void run(const EngineOptions& o) {
   transfer.advertise_host =
       o.advertise_host.empty() ? advertised_host(transfer.listen_host) : o.advertise_host;
   transfer.timeout_s = o.kv_transfer_timeout;
+  transfer.transport = kKvTransports.at(o.kv_transport);
   transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
   config.transfer = transfer;
 
@@ -399,6 +404,11 @@ void add_engine_command(CLI::App& app) {
                   "I/O may take")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-transport", o->kv_transport,
+                  "KV transfer transport: shm (shared memory with engines on this host, TCP with "
+                  "others) or tcp")
+      ->capture_default_str()
+      ->transform(CLI::IsMember(kKvTransports));
   cmd->add_flag("--kv-transfer-checksum", o->kv_transfer_checksum,
                 "checksum every transferred layer (always on in debug builds)");
   cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");

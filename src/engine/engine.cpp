@@ -143,8 +143,10 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
     TcpTransportOptions tcp;
     tcp.io_timeout =
         std::chrono::milliseconds(static_cast<int64_t>(config_.transfer->timeout_s * 1000));
+    auto transport = config_.transfer->transport == KvTransportKind::kTcp ? make_tcp_transport(tcp)
+                                                                          : make_shm_transport(tcp);
     agent_ = std::make_unique<KvTransferAgent>(
-        *config_.transfer, *executor_, make_tcp_transport(tcp), registry,
+        *config_.transfer, *executor_, std::move(transport), registry,
         [this](std::function<void()> t) { post(std::move(t)); });
     PdHost& host = *this;  // a private base: converted here, where it is accessible
     pd_ = std::make_unique<PdCoordinator>(*agent_, kv_, host, config_.transfer->timeout_s);

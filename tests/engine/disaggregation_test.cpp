@@ -186,6 +186,9 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
 
   EXPECT_EQ(metric(d.port(), "tandem:kv_transfers_total", "result=\"error\""), 0);
   EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_expired_total"), 0);
+  // Engines on one host move KV through shared memory (the default transport).
+  EXPECT_GT(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"shm\""), 0);
+  EXPECT_EQ(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"tcp\""), 0);
   expect_no_leak(p);
   expect_no_leak(d);
 }
@@ -210,6 +213,23 @@ TEST_F(Disaggregation, ExpertParallelEnginesOnBothLegsGiveTheSameAnswers) {
     }
   }
   EXPECT_EQ(metric(d.port(), "tandem:kv_transfers_total", "result=\"error\""), 0);
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
+TEST_F(Disaggregation, TcpTransportStillServesEnginesOnOneHost) {
+  Engine single = start("both");
+  Engine p = start("prefill", {"--kv-transport", "tcp"});
+  Engine d = start("decode", {"--kv-transport", "tcp"});
+  uint64_t room = 9000;
+  for (bool seq : {true, false}) {
+    const json body = {
+        {"prompt", tokens(40, 4321)}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
+    const json want = parse(post_json(single.port(), "/v1/completions", body));
+    const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
+    EXPECT_EQ(text_of(got), text_of(want));
+  }
+  EXPECT_EQ(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"tcp\""), 2);
   expect_no_leak(p);
   expect_no_leak(d);
 }

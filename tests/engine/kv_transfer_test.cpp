@@ -81,10 +81,17 @@ struct Pair {
   std::unique_ptr<KvConnection> client, server;
 };
 
+// The transports under test: TCP, and shared memory (which also listens on TCP).
+std::unique_ptr<KvTransport> make_transport(const std::string& kind,
+                                            std::chrono::milliseconds io_timeout) {
+  return kind == "shm" ? make_shm_transport({io_timeout}) : make_tcp_transport({io_timeout});
+}
+
 // A connected client/server pair over loopback.
-std::unique_ptr<Pair> connect_pair(std::chrono::milliseconds io_timeout = 5000ms) {
+std::unique_ptr<Pair> connect_pair(const std::string& kind,
+                                   std::chrono::milliseconds io_timeout = 5000ms) {
   auto p = std::make_unique<Pair>();
-  p->transport = make_tcp_transport({io_timeout});
+  p->transport = make_transport(kind, io_timeout);
   p->listener = p->transport->listen("127.0.0.1", 0);
   std::thread acceptor([&] { p->server = p->listener->accept(); });
   try {
@@ -127,8 +134,12 @@ class RawSocket {
   bool connected_ = false;
 };
 
-TEST(KvTransport, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
-  auto p = connect_pair();
+class KvTransports : public ::testing::TestWithParam<std::string> {};
+INSTANTIATE_TEST_SUITE_P(Kinds, KvTransports, ::testing::Values("tcp", "shm"),
+                         [](const auto& info) { return info.param; });
+
+TEST_P(KvTransports, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
+  auto p = connect_pair(GetParam());
   const std::string a = "{\"transfer_id\":", empty, c = "\"x-1\"}";
   const std::span<const std::byte> parts[] = {bytes_of(a), bytes_of(empty), bytes_of(c)};
   p->client->send(KvFrameType::kPull, parts);
@@ -154,6 +165,14 @@ TEST(KvTransport, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
   sender.join();
   EXPECT_EQ(f.type, KvFrameType::kLayer);
   EXPECT_TRUE(f.payload == big);
+  // And towards the server, three times the shared-memory ring of that direction: it wraps.
+  std::thread client_sender([&] {
+    const std::span<const std::byte> whole[] = {std::span(big)};
+    p->client->send(KvFrameType::kLayer, whole);
+  });
+  f = p->server->receive(big.size());
+  client_sender.join();
+  EXPECT_TRUE(f.payload == big);
 
   // One buffer reused for several frames takes each frame's size.
   send_text(*p->server, KvFrameType::kAccept, "{\"layers\":3}");
@@ -165,26 +184,32 @@ TEST(KvTransport, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
   EXPECT_TRUE(buffer.empty());
 
   EXPECT_THAT(p->client->peer(), HasSubstr("127.0.0.1:" + std::to_string(p->listener->port())));
-  EXPECT_THAT(p->server->peer(), HasSubstr("127.0.0.1:"));
+  if (GetParam() == "shm") {  // on one host, shared memory, whoever connects
+    EXPECT_THAT(p->client->peer(), HasSubstr("shared memory"));
+    EXPECT_THAT(p->server->peer(), HasSubstr("shared memory"));
+  } else {
+    EXPECT_THAT(p->server->peer(), HasSubstr("127.0.0.1:"));
+  }
 }
 
-TEST(KvTransport, OversizePayloadIsRejected) {
-  auto p = connect_pair();
+TEST_P(KvTransports, OversizePayloadIsRejected) {
+  auto p = connect_pair(GetParam());
   send_text(*p->client, KvFrameType::kLayer, std::string(100, 'x'));
   const std::string e = error_of([&] { p->server->receive(99); });
   EXPECT_THAT(e, HasSubstr("100 bytes exceeds the limit of 99"));
 }
 
-TEST(KvTransport, ReceiveTimesOutWhenThePeerSendsNothing) {
-  auto p = connect_pair(200ms);
+TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {
+  auto p = connect_pair(GetParam(), 200ms);
   const std::string e = error_of([&] { p->client->receive(1024); });
   EXPECT_THAT(e, HasSubstr("timed out receiving after 200 ms"));
   // The connection is unusable afterwards, and says so.
   EXPECT_FALSE(error_of([&] { p->client->receive(1024); }).empty());
 }
 
-TEST(KvTransport, ShutdownFromAnotherThreadUnblocksAReceive) {
-  auto p = connect_pair(30000ms);  // far longer than the test: only shutdown() can end it
+TEST_P(KvTransports, ShutdownFromAnotherThreadUnblocksAReceive) {
+  auto p =
+      connect_pair(GetParam(), 30000ms);  // far longer than the test: only shutdown() can end it
   std::promise<std::string> outcome;
   auto future = outcome.get_future();
   std::thread reader([&] { outcome.set_value(error_of([&] { p->client->receive(1024); })); });
@@ -201,8 +226,8 @@ TEST(KvTransport, ShutdownFromAnotherThreadUnblocksAReceive) {
               HasSubstr("shut down"));
 }
 
-TEST(KvTransport, BytesThatAreNotATandemFrameAreAnError) {
-  auto transport = make_tcp_transport({5000ms});
+TEST_P(KvTransports, BytesThatAreNotATandemFrameAreAnError) {
+  auto transport = make_transport(GetParam(), 5000ms);
   auto listener = transport->listen("127.0.0.1", 0);
   {
     // Someone points an HTTP client at the KV port.
@@ -239,14 +264,14 @@ TEST(KvTransport, BytesThatAreNotATandemFrameAreAnError) {
   }
 }
 
-TEST(KvTransport, APeerThatLeavesEndsTheReceive) {
-  auto p = connect_pair();
+TEST_P(KvTransports, APeerThatLeavesEndsTheReceive) {
+  auto p = connect_pair(GetParam());
   p->server.reset();
   EXPECT_THAT(error_of([&] { p->client->receive(1024); }), HasSubstr("connection closed by peer"));
 }
 
-TEST(KvTransport, ConnectingToAClosedPortFails) {
-  auto transport = make_tcp_transport({5000ms});
+TEST_P(KvTransports, ConnectingToAClosedPortFails) {
+  auto transport = make_transport(GetParam(), 5000ms);
   uint16_t port = 0;
   {
     auto listener = transport->listen("127.0.0.1", 0);
@@ -256,8 +281,8 @@ TEST(KvTransport, ConnectingToAClosedPortFails) {
               HasSubstr("cannot connect to 127.0.0.1:" + std::to_string(port)));
 }
 
-TEST(KvTransport, CloseUnblocksAccept) {
-  auto transport = make_tcp_transport({5000ms});
+TEST_P(KvTransports, CloseUnblocksAccept) {
+  auto transport = make_transport(GetParam(), 5000ms);
   auto listener = transport->listen("127.0.0.1", 0);
   EXPECT_NE(listener->port(), 0);
   auto accepted = std::async(std::launch::async, [&] { return listener->accept(); });

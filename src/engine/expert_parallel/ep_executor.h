@@ -19,10 +19,10 @@
 
 #include "engine/executor/cpu_executor.h"
 #include "engine/expert_parallel/ep_rank.h"
-#include "engine/expert_parallel/shared_memory.h"
 #include "placement/placement.h"
 #include "text/tokenizer.h"
 #include "util/child_process.h"
+#include "util/shared_memory.h"
 
 namespace tandem::engine::ep {
 

@@ -11,8 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "engine/expert_parallel/shared_memory.h"
 #include "placement/placement.h"
+#include "util/shared_memory.h"
 
 namespace tandem::engine::ep {
 

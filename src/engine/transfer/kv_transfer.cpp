@@ -170,6 +170,7 @@ struct KvTransferAgent::Metrics {
   metrics::IntCounter& expired;
   metrics::Gauge& held_blocks;
   metrics::Histogram& fetch_seconds;
+  metrics::Family<metrics::IntCounter>& fetch_connections;
 };
 
 KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& executor,
@@ -200,7 +201,11 @@ KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& execu
       registry.histogram("tandem:kv_transfer_seconds",
                          "Decode side: from asking for a prompt's KV to having all of it",
                          {0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
-                         model)});
+                         model),
+      registry.int_counter_family("tandem:kv_transfer_connections_total",
+                                  "Decode side: connections to prefill engines, by transport "
+                                  "(shm on this host, tcp otherwise)",
+                                  {"transport"}, model)});
   if (config_.port >= 0) {
     if (config_.port > 65535) throw Error("--kv-transfer-port must be at most 65535");
     listener_ = transport_->listen(config_.listen_host, static_cast<uint16_t>(config_.port));
@@ -744,6 +749,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       if (slot->cancelled || stopping_) throw Error("cancelled");
     }
     std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port));
+    metrics_->fetch_connections.labels({conn->kind()}).inc();
     {
       std::lock_guard lock(mutex_);
       slot->conn = conn;

@@ -41,12 +41,16 @@
 
 namespace tandem::engine {
 
+// Shared memory with engines on this host (TCP with the others), or TCP with every engine.
+enum class KvTransportKind { kShm, kTcp };
+
 struct KvTransferConfig {
   std::string engine_id;  // this engine, as remote_engine_id in the responses
   std::string listen_host = "0.0.0.0";
   int port = -1;               // -1: no server (a decode-only engine); 0: any free port
   std::string advertise_host;  // what decode engines connect to (remote_host)
   double timeout_s = 120;      // held blocks, a room's wait for its other leg, each I/O
+  KvTransportKind transport = KvTransportKind::kShm;
 #ifdef NDEBUG
   bool checksum = false;  // XXH3-64 per layer; always on in debug builds
 #else

@@ -57,6 +57,8 @@ class KvConnection {
   // Thread-safe: makes blocked and later send/receive calls fail promptly.
   virtual void shutdown() = 0;
   virtual std::string peer() const = 0;
+  // What carries the bytes: "tcp" or "shm".
+  virtual const char* kind() const = 0;
 };
 
 class KvListener {
@@ -80,6 +82,15 @@ class KvTransport {
 struct TcpTransportOptions {
   std::chrono::milliseconds io_timeout{30000};  // connect, and each send or receive
 };
+
+// Shared memory between engines on one host, TCP for the others. The listener takes TCP as
+// make_tcp_transport does and also a Unix socket in the abstract namespace named after its
+// address; connect() to an address of this host tries that socket first: the connecting side
+// creates a memfd with one ring per direction and passes it over the socket, which then only
+// tells each side that its peer is still there. Frames are the TCP ones, copied into the ring
+// by the sender and out of it (scattered into cache blocks) by the receiver; waits sleep on
+// futexes in the segment. Nothing outlives the two processes (the segment is a memfd).
+std::unique_ptr<KvTransport> make_shm_transport(const TcpTransportOptions& options = {});
 
 // TCP on the project's own sockets (net/socket.h, poll() for the timeouts); frames are [u32
 // type][u32 zero][u64 payload bytes] little-endian + payload.

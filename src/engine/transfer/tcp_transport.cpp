@@ -19,6 +19,7 @@
 #include <mutex>
 #include <thread>
 
+#include "engine/transfer/kv_frame.h"
 #include "engine/transfer/kv_transport.h"
 #include "net/socket.h"
 #include "util/error.h"
@@ -28,7 +29,6 @@ namespace tandem::engine {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kHeaderBytes = 16;
 
 std::string peer_text(int fd) {
   std::string address;
@@ -62,9 +62,7 @@ class TcpConnection : public KvConnection {
   void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) override {
     uint64_t total = 0;
     for (auto p : parts) total += p.size();
-    std::array<std::byte, kHeaderBytes> header{};
-    put_le(header.data(), static_cast<uint32_t>(type), 4);
-    put_le(header.data() + 8, total, 8);
+    auto header = kv_frame_header(type, total);
     std::vector<iovec> iov;
     iov.reserve(parts.size() + 1);
     iov.push_back({header.data(), header.size()});
@@ -74,18 +72,10 @@ class TcpConnection : public KvConnection {
   }
 
   KvFrameType receive_header(uint64_t& size, size_t max_payload) override {
-    std::array<std::byte, kHeaderBytes> header{};
+    std::array<std::byte, kKvFrameHeaderBytes> header{};
     std::vector<iovec> iov = {{header.data(), header.size()}};
     transfer(iov, /*sending=*/false);
-    const uint64_t type = get_le(header.data(), 4);
-    size = get_le(header.data() + 8, 8);
-    if (type < 1 || type > 6 || get_le(header.data() + 4, 4) != 0)
-      throw Error("KV transfer from " + peer_ + ": not a Tandem KV frame (type " +
-                  std::to_string(type) + ")");
-    if (size > max_payload)
-      throw Error("KV transfer from " + peer_ + ": frame of " + std::to_string(size) +
-                  " bytes exceeds the limit of " + std::to_string(max_payload));
-    return static_cast<KvFrameType>(type);
+    return parse_kv_frame_header(header.data(), size, max_payload, peer_);
   }
 
   void receive_payload(std::span<const std::span<std::byte>> parts) override {
@@ -102,6 +92,7 @@ class TcpConnection : public KvConnection {
   }
 
   std::string peer() const override { return peer_; }
+  const char* kind() const override { return "tcp"; }
 
  private:
   // Sends or receives all of `iov` (consumed as it goes) within one I/O timeout.

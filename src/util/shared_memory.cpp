@@ -1,4 +1,4 @@
-#include "engine/expert_parallel/shared_memory.h"
+#include "util/shared_memory.h"
 
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -12,7 +12,7 @@
 
 #include "util/error.h"
 
-namespace tandem::engine::ep {
+namespace tandem {
 namespace {
 
 std::string os_error() {
@@ -108,4 +108,4 @@ void SharedBarrier::arrive_and_wait(uint32_t parties, const std::function<void()
   }
 }
 
-}  // namespace tandem::engine::ep
+}  // namespace tandem

@@ -1,8 +1,9 @@
 #pragma once
-// Memory shared by the processes of one engine on one host, and the two ways they wait for each
-// other in it.
+// Memory shared by processes on one host (an expert-parallel engine's ranks, a prefill and a
+// decode engine moving KV), and the ways they wait for each other in it.
 //
-// A segment is an anonymous memfd: it has no name in /dev/shm, children inherit its descriptor,
+// A segment is an anonymous memfd: it has no name in /dev/shm, children inherit its descriptor
+// (or receive it over a Unix socket),
 // and the kernel frees it when the last process mapping it exits, however it exits (kill -9
 // included), so no segment is ever left behind.
 #include <atomic>
@@ -11,7 +12,7 @@
 #include <functional>
 #include <string>
 
-namespace tandem::engine::ep {
+namespace tandem {
 
 class SharedSegment {
  public:
@@ -53,4 +54,4 @@ struct alignas(64) SharedBarrier {
   void arrive_and_wait(uint32_t parties, const std::function<void()>& poll);
 };
 
-}  // namespace tandem::engine::ep
+}  // namespace tandem
