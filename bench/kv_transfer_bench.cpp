@@ -1,10 +1,11 @@
 // KV transfer benchmark, two parts:
 //
-//  transport  Two KvTransferAgents in this process over loopback TCP, with DeepSeek-V3's cache
-//             layout (61 layers x 1,152 bytes per token, blocks of 16): a prefill holds a prompt's
-//             blocks, a decode pulls them. Throughput (GB/s) per prompt length, next to the
-//             reference measured in the same run: the same bytes through a plain loopback TCP
-//             socket pair (blocking write/read of one buffer per layer, no protocol).
+//  transport  KvTransferAgents in this process with DeepSeek-V3's cache layout (61 layers x
+//             1,152 bytes per token, blocks of 16): a prefill holds a prompt's blocks, a decode
+//             pulls them, once over the TCP transport and once over the shared-memory one, in
+//             alternating rounds with the references: the same bytes through a plain loopback
+//             TCP socket pair (one buffer per layer, no protocol) and a bare memcpy of the same
+//             blocks from one cache to the other (one thread, as a receive is). Medians.
 //  serving    With --single-port/--prefill-port/--decode-port (engines started by
 //             bench/kv_transfer.sh): request latency of a single engine versus the sequential and
 //             the parallel P/D flows, per prompt length: the latency disaggregation adds.
@@ -118,12 +119,29 @@ double raw_tcp_seconds(size_t bytes, int layers) {
   return s;
 }
 
+// Layer by layer, block by block: the copy a transfer makes from one cache to the other.
+double memcpy_seconds(const MemoryExecutor& from, MemoryExecutor& to, int64_t tokens) {
+  const auto t0 = Clock::now();
+  for (int64_t layer = 0; layer < kLayers; ++layer)
+    for (int64_t first = 0; first < tokens; first += kBlock) {
+      const auto n = size_t(std::min(kBlock, tokens - first) * kTokenBytes);
+      const auto block = int32_t(first / kBlock);
+      std::memcpy(to.kv_bytes_mutable(block, layer), from.kv_bytes(block, layer), n);
+    }
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 void transport_part(const std::vector<int64_t>& lengths, int repeats) {
   const int64_t max_len = *std::max_element(lengths.begin(), lengths.end());
   const int64_t blocks = (max_len + kBlock - 1) / kBlock + 1;
   MemoryExecutor prefill_exec(blocks), decode_exec(blocks);
   TaskQueue tasks;
-  metrics::Registry reg_p, reg_d;
+  metrics::Registry reg[4];
   engine::KvTransferConfig pc;
   pc.listen_host = "127.0.0.1";
   pc.port = 0;
@@ -132,47 +150,65 @@ void transport_part(const std::vector<int64_t>& lengths, int repeats) {
   engine::KvTransferConfig dc = pc;
   dc.port = -1;
   auto post = [&](std::function<void()> t) { tasks.post(std::move(t)); };
-  engine::KvTransferAgent prefill(pc, prefill_exec, engine::make_tcp_transport(), reg_p, post);
-  engine::KvTransferAgent decode(dc, decode_exec, engine::make_tcp_transport(), reg_d, post);
-  std::printf("KV transfer over loopback TCP, DeepSeek-V3 layout (61 layers x 1152 B/token)\n");
-  std::printf("%8s %12s %12s %12s %12s %8s\n", "prompt", "bytes", "transfer ms", "GB/s",
-              "raw TCP GB/s", "ratio");
+  struct Pair {
+    const char* name;
+    std::unique_ptr<engine::KvTransferAgent> prefill, decode;
+  };
+  Pair pairs[] = {{"tcp",
+                   std::make_unique<engine::KvTransferAgent>(
+                       pc, prefill_exec, engine::make_tcp_transport(), reg[0], post),
+                   std::make_unique<engine::KvTransferAgent>(
+                       dc, decode_exec, engine::make_tcp_transport(), reg[1], post)},
+                  {"shm",
+                   std::make_unique<engine::KvTransferAgent>(
+                       pc, prefill_exec, engine::make_shm_transport(), reg[2], post),
+                   std::make_unique<engine::KvTransferAgent>(
+                       dc, decode_exec, engine::make_shm_transport(), reg[3], post)}};
+  std::printf(
+      "KV transfer on one host, DeepSeek-V3 layout (61 layers x 1152 B/token), medians of %d "
+      "alternating rounds\n",
+      repeats);
+  std::printf("%8s %10s %9s %9s %9s %9s %9s %10s\n", "prompt", "MB", "tcp GB/s", "shm GB/s",
+              "raw tcp", "memcpy", "shm/tcp", "shm/memcpy");
   for (int64_t len : lengths) {
     std::vector<int32_t> ids;
     for (int64_t b = 0; b < (len + kBlock - 1) / kBlock; ++b) ids.push_back(int32_t(b));
-    double best = 1e30, best_raw = 1e30;
     const size_t bytes = size_t((len - 1) * kLayers * kTokenBytes);
+    std::vector<double> times[4];  // tcp, shm, raw tcp, memcpy
     for (int r = 0; r < repeats; ++r) {
-      const std::string id = prefill.hold(ids, 42, len, [] {});
-      engine::KvFetch f;
-      f.request_id = "bench";
-      f.host = "127.0.0.1";
-      f.port = prefill.port();
-      f.engine_id = prefill.config().engine_id;
-      f.transfer_id = id;
-      f.remote_blocks = ids;
-      f.prompt_hash = 42;  // what the hold was given: this bench moves bytes, not a prompt
-      f.prompt_tokens = len;
-      f.num_tokens = len - 1;
-      f.local_blocks.assign(ids.begin(), ids.begin() + (len - 1 + kBlock - 1) / kBlock);
-      bool done = false;
-      std::string error;
-      const auto t0 = Clock::now();
-      decode.fetch(f, [&](const engine::KvFetchResult& res) {
-        done = true;
-        if (!res.ok) error = res.error;
-      });
-      tasks.run_until([&] { return done; });
-      best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
-      if (!error.empty()) {
-        std::fprintf(stderr, "transfer failed: %s\n", error.c_str());
-        return;
+      for (int k = 0; k < 2; ++k) {
+        Pair& p = pairs[k];
+        const std::string id = p.prefill->hold(ids, 42, len, [] {});
+        engine::KvFetch f;
+        f.request_id = "bench";
+        f.host = "127.0.0.1";
+        f.port = p.prefill->port();
+        f.engine_id = p.prefill->config().engine_id;
+        f.transfer_id = id;
+        f.remote_blocks = ids;
+        f.prompt_hash = 42;  // what the hold was given: this bench moves bytes, not a prompt
+        f.prompt_tokens = len;
+        f.num_tokens = len - 1;
+        f.local_blocks.assign(ids.begin(), ids.begin() + (len - 1 + kBlock - 1) / kBlock);
+        bool done = false;
+        std::string error;
+        const auto t0 = Clock::now();
+        p.decode->fetch(f, [&](const engine::KvFetchResult& res) {
+          done = true;
+          if (!res.ok) error = res.error;
+        });
+        tasks.run_until([&] { return done; });
+        times[k].push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        if (!error.empty()) throw Error(std::string(p.name) + " transfer failed: " + error);
       }
-      best_raw = std::min(best_raw, raw_tcp_seconds(bytes, int(kLayers)));
+      times[2].push_back(raw_tcp_seconds(bytes, int(kLayers)));
+      times[3].push_back(memcpy_seconds(prefill_exec, decode_exec, len - 1));
     }
-    const double gbs = double(bytes) / best / 1e9, raw = double(bytes) / best_raw / 1e9;
-    std::printf("%8lld %12zu %12.2f %12.2f %12.2f %7.0f%%\n", static_cast<long long>(len), bytes,
-                best * 1e3, gbs, raw, 100 * gbs / raw);
+    double gbs[4];
+    for (int k = 0; k < 4; ++k) gbs[k] = double(bytes) / median_of(times[k]) / 1e9;
+    std::printf("%8lld %10.1f %9.2f %9.2f %9.2f %9.2f %8.1fx %9.0f%%\n",
+                static_cast<long long>(len), double(bytes) / 1e6, gbs[0], gbs[1], gbs[2], gbs[3],
+                gbs[1] / gbs[0], 100 * gbs[1] / gbs[3]);
   }
 }
 
@@ -241,7 +277,7 @@ int main(int argc, char** argv) {
   int repeats = 5;
   int single = 0, prefill = 0, decode = 0, kv_port = 0;
   app.add_option("--lengths", lengths, "prompt lengths (tokens)")->delimiter(',');
-  app.add_option("--repeats", repeats, "runs per length (best / median reported)");
+  app.add_option("--repeats", repeats, "alternating rounds per length (medians reported)");
   app.add_option("--single-port", single, "a --role both engine (serving part)");
   app.add_option("--prefill-port", prefill, "a --role prefill engine (serving part)");
   app.add_option("--decode-port", decode, "a --role decode engine (serving part)");

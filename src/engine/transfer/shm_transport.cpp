@@ -28,10 +28,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Bytes of the ring each way: KV flows prefill -> decode (the server's), requests the other way.
+// Small enough to stay in cache and to cost few page faults on a new connection's segment.
 constexpr size_t kToServerBytes = 1 << 20;
-constexpr size_t kToClientBytes = 64 << 20;
-// A sender publishes at most this much at a time, so the receiver copies while it writes.
-constexpr size_t kChunk = 1 << 20;
+constexpr size_t kToClientBytes = 2 << 20;
+// A sender publishes what it wrote every this many bytes (and at the end of a frame), so the
+// receiver copies while it writes without a wake-up per block.
+constexpr size_t kChunk = 128 << 10;
 constexpr char kHello = 'S', kWelcome = 'A';
 
 struct alignas(64) RingHead {
@@ -39,6 +41,8 @@ struct alignas(64) RingHead {
   alignas(64) std::atomic<uint64_t> read{0};  // bytes ever read (the consumer's)
   alignas(64) std::atomic<uint32_t> data{0};  // futex words: bumped after writing / reading
   std::atomic<uint32_t> space{0};
+  // Sides asleep on `data` / `space`: a wake-up (a system call) only when someone sleeps.
+  std::atomic<uint32_t> data_sleepers{0}, space_sleepers{0};
 };
 
 // The abstract Unix socket a listener on host:port also accepts on.
@@ -145,6 +149,7 @@ class ShmConnection : public KvConnection {
     const auto deadline = start("sending");
     write(header.data(), header.size(), deadline);
     for (auto p : parts) write(p.data(), p.size(), deadline);
+    publish();
   }
 
   KvFrameType receive_header(uint64_t& size, size_t max_payload) override {
@@ -163,6 +168,8 @@ class ShmConnection : public KvConnection {
     ::shutdown(socket_, SHUT_RDWR);  // the peer sees it, and our own waits below check the flag
     wake_all(in_.head->data);
     wake_all(out_.head->space);
+    wake_all(out_.head->data);
+    wake_all(in_.head->space);
   }
 
   std::string peer() const override { return peer_; }
@@ -188,8 +195,9 @@ class ShmConnection : public KvConnection {
 
   // Blocks while `word` == seen: a short spin, then futex sleeps; every sleep checks our own
   // shutdown, the peer's socket (closed when its process ends) and the deadline.
-  void wait(std::atomic<uint32_t>& word, uint32_t seen, Clock::time_point deadline) {
-    for (int i = 0; i < 200; ++i) {
+  void wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers, uint32_t seen,
+            Clock::time_point deadline) {
+    for (int i = 0; i < 2000; ++i) {
       if (word.load(std::memory_order_acquire) != seen) return;
 #if defined(__x86_64__)
       __builtin_ia32_pause();
@@ -204,28 +212,46 @@ class ShmConnection : public KvConnection {
       if (Clock::now() >= deadline)
         fail(std::string("timed out ") + what_ + " after " + std::to_string(timeout_.count()) +
              " ms");
-      wait_while_equal(word, seen, 20);
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (word.load(std::memory_order_seq_cst) == seen) wait_while_equal(word, seen, 20);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
+  }
+
+  // Bumps `word` and wakes the other side if it sleeps on it.
+  static void signal(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers) {
+    word.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers.load(std::memory_order_seq_cst) > 0) wake_all(word);
+  }
+
+  // Makes what write() copied visible to the reader.
+  void publish() {
+    if (unpublished_ == 0) return;
+    RingHead& h = *out_.head;
+    h.written.store(h.written.load(std::memory_order_relaxed) + unpublished_,
+                    std::memory_order_release);
+    unpublished_ = 0;
+    signal(h.data, h.data_sleepers);
   }
 
   void write(const std::byte* p, size_t n, Clock::time_point deadline) {
     RingHead& h = *out_.head;
     while (n > 0) {
       const uint32_t seen = h.space.load(std::memory_order_acquire);
-      const uint64_t written = h.written.load(std::memory_order_relaxed);
+      const uint64_t written = h.written.load(std::memory_order_relaxed) + unpublished_;
       const uint64_t free = out_.capacity - (written - h.read.load(std::memory_order_acquire));
       if (free == 0) {
-        wait(h.space, seen, deadline);
+        publish();
+        wait(h.space, h.space_sleepers, seen, deadline);
         continue;
       }
-      const size_t take = std::min({n, size_t(free), kChunk});
+      const size_t take = std::min({n, size_t(free), kChunk - unpublished_});
       const size_t at = size_t(written % out_.capacity);
       const size_t first = std::min(take, out_.capacity - at);
       std::memcpy(out_.bytes + at, p, first);
       std::memcpy(out_.bytes, p + first, take - first);
-      h.written.store(written + take, std::memory_order_release);
-      h.data.fetch_add(1, std::memory_order_release);
-      wake_all(h.data);
+      unpublished_ += take;
+      if (unpublished_ >= kChunk) publish();
       p += take;
       n -= take;
     }
@@ -238,17 +264,16 @@ class ShmConnection : public KvConnection {
       const uint64_t read = h.read.load(std::memory_order_relaxed);
       const uint64_t ready = h.written.load(std::memory_order_acquire) - read;
       if (ready == 0) {
-        wait(h.data, seen, deadline);
+        wait(h.data, h.data_sleepers, seen, deadline);
         continue;
       }
-      const size_t take = std::min({n, size_t(ready), kChunk});
+      const size_t take = std::min(n, size_t(ready));
       const size_t at = size_t(read % in_.capacity);
       const size_t first = std::min(take, in_.capacity - at);
       std::memcpy(p, in_.bytes + at, first);
       std::memcpy(p + first, in_.bytes, take - first);
       h.read.store(read + take, std::memory_order_release);
-      h.space.fetch_add(1, std::memory_order_release);
-      wake_all(h.space);
+      signal(h.space, h.space_sleepers);
       p += take;
       n -= take;
     }
@@ -260,6 +285,7 @@ class ShmConnection : public KvConnection {
   const std::string peer_;
   Ring out_, in_;
   const char* what_ = "";
+  size_t unpublished_ = 0;  // bytes written to the ring, not yet visible to the reader
   std::atomic<bool> stopped_{false};
   bool broken_ = false;
 };
