@@ -400,6 +400,20 @@ TEST_F(ExpertParallel, AKilledRankFailsTheRequestsInFlightAndTheEngineReportsUnh
   EXPECT_FALSE(running(ranks[0]));
 }
 
+TEST_F(ExpertParallel, ARankThatDiesWhileIdleMakesTheEngineUnhealthy) {
+  testing::EngineProcess ep(args("v3-bf16", 2));
+  const auto ranks = children_of(ep.pid());
+  ASSERT_EQ(ranks.size(), 1u);
+  kill(ranks[0], SIGKILL);
+  EXPECT_TRUE(testing::eventually(
+      [&] { return net::http_request("127.0.0.1", ep.port(), "GET", "/health").status == 503; }));
+  const auto r =
+      testing::post_json(ep.port(), "/v1/completions", {{"prompt", "hello"}, {"max_tokens", 4}});
+  EXPECT_GE(r.status, 500);
+  EXPECT_NE(r.body.find("rank 1"), std::string::npos) << r.body;
+  EXPECT_EQ(ep.stop(), 0);
+}
+
 TEST_F(ExpertParallel, NoRankOutlivesItsEngineHoweverItStops) {
   {
     testing::EngineProcess ep(args("v3-bf16", 4));

@@ -163,6 +163,16 @@ void EpExecutor::poll() {
 
 std::string EpExecutor::failure() const {
   std::lock_guard lock(mutex_);
+  // A rank may die between steps: health checks notice it then, not only the next step.
+  for (size_t i = 0; i < children_.size() && failure_.empty(); ++i)
+    if (auto status = children_[i]->exited()) {
+      failure_ = "expert-parallel rank " + std::to_string(i + 1) + " exited (status " +
+                 std::to_string(*status) + ")";
+      Header& h = segment_->header();
+      h.abort.store(1, std::memory_order_release);
+      wake_all(h.barrier.generation);
+      wake_all(h.posted);
+    }
   return failure_;
 }
 
@@ -306,6 +316,12 @@ ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook&
     for (size_t k = 0; k < result.expert_tokens.size(); ++k) result.expert_tokens[k] += routed[k];
   }
   return result;
+}
+
+std::vector<ExchangeStats> EpExecutor::exchange_stats() const {
+  std::vector<ExchangeStats> out;
+  for (int r = 0; r < segment_->shape().ranks; ++r) out.push_back(*segment_->rank(r).stats);
+  return out;
 }
 
 const std::byte* EpExecutor::kv_bytes(int32_t block, int64_t layer) const {

@@ -61,9 +61,8 @@ class EpExecutor final : public Executor {
   PlacementSwitch switch_expert_placement() override;
 
   int ranks() const { return int(children_.size()) + 1; }
-  // Rank 0's exchange figures (every rank takes part in every exchange, so its layer count is
-  // everyone's).
-  const ExchangeStats& exchange_stats() const { return rank0_->stats(); }
+  // Every rank's exchange figures as of the last step (engine thread, between steps).
+  std::vector<ExchangeStats> exchange_stats() const;
 
  private:
   // Throws (after failing the executor) when a rank has died or the segment says abort.
@@ -78,9 +77,10 @@ class EpExecutor final : public Executor {
   std::unique_ptr<EpRank> rank0_;
   ExecutorInfo info_;
   std::vector<int32_t> no_text_;
-  mutable std::mutex mutex_;  // children_ and failure_: health checks come from other threads
-  std::vector<std::unique_ptr<ChildProcess>> children_;
-  std::string failure_;
+  // children_ and failure_: health checks (other threads) reap ranks that died between steps.
+  mutable std::mutex mutex_;
+  mutable std::vector<std::unique_ptr<ChildProcess>> children_;
+  mutable std::string failure_;
 
   // A live placement change: staged (new copies loading in the background) -> loaded -> switched.
   enum class Remap { kNone, kLoading, kLoaded };

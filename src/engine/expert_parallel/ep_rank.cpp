@@ -305,6 +305,7 @@ void EpRank::run_step(const LayerHook& on_layer) {
       me.routed[li * size_t(s.experts) + size_t(e)] = int64_t(now - seen);
       seen = now;
     }
+  *me.stats = stats_;
   barrier();
 }
 

@@ -33,14 +33,6 @@
 
 namespace tandem::engine::ep {
 
-// Time and bytes of the exchange summed over the MoE layers of the steps so far (this rank).
-struct ExchangeStats {
-  int64_t layers = 0;
-  int64_t bytes = 0;  // rows dispatched plus results gathered
-  double dispatch_s = 0, wait_s = 0, experts_s = 0, combine_s = 0;
-  int64_t expert_rows = 0;  // rows this rank's experts computed
-};
-
 class EpRank final : public model::ExpertExchange {
  public:
   EpRank(const EpSegment& segment, int rank, std::shared_ptr<const model::DeepSeekModel> model);

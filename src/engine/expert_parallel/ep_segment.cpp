@@ -16,7 +16,7 @@ size_t round_up(size_t n) {
 // Byte sizes of the parts, in segment order; one definition for format, open and bytes.
 struct Sizes {
   size_t header, items, tokens, blocks, table, rank, logits, cache;
-  size_t entries, result_rows, rows, results, routed;
+  size_t entries, result_rows, rows, results, routed, stats;
   explicit Sizes(const EpShape& s) {
     header = round_up(sizeof(Header));
     items = round_up(sizeof(int64_t) + sizeof(ItemDesc) * size_t(s.max_items));
@@ -29,7 +29,8 @@ struct Sizes {
     rows = round_up(sizeof(float) * size_t(s.max_tokens * s.hidden));
     results = round_up(sizeof(float) * max_entries * size_t(s.hidden));
     routed = round_up(sizeof(int64_t) * size_t(s.moe_layers * s.experts));
-    rank = 64 + entries + result_rows + rows + results + routed;
+    stats = round_up(sizeof(ExchangeStats));
+    rank = 64 + entries + result_rows + rows + results + routed + stats;
     logits = round_up(sizeof(float) * size_t(s.max_items * s.vocab));
     cache = size_t(s.cache_blocks * s.cache_block_bytes);
   }
@@ -74,8 +75,8 @@ EpSegment::EpSegment(std::byte* base) {
 }
 
 EpSegment EpSegment::format(const SharedSegment& memory, const EpShape& shape) {
-  if (memory.size() < bytes(shape))
-    throw Error("expert parallelism: the segment is smaller than its layout");
+  if (memory.size() != bytes(shape))
+    throw Error("expert parallelism: the segment's size is not its layout's");
   auto* h = new (memory.data()) Header();
   h->shape = shape;
   h->magic = kMagic;
@@ -89,8 +90,11 @@ EpSegment EpSegment::open(const SharedSegment& memory) {
   if (h->magic != kMagic)
     throw Error("expert parallelism: the shared segment is not an EP segment");
   check_shape(h->shape);
-  if (memory.size() < bytes(h->shape))
-    throw Error("expert parallelism: the shared segment is smaller than its layout");
+  // Equal, not just large enough: a rank from another build would lay the segment out otherwise.
+  if (memory.size() != bytes(h->shape))
+    throw Error(
+        "expert parallelism: the shared segment's layout differs from this program's "
+        "(the engine and its ranks must be the same build)");
   return EpSegment(memory.data());
 }
 
@@ -115,6 +119,8 @@ RankArea EpSegment::rank(int r) const {
   a.results = reinterpret_cast<float*>(p);
   p += z.results;
   a.routed = reinterpret_cast<int64_t*>(p);
+  p += z.routed;
+  a.stats = reinterpret_cast<ExchangeStats*>(p);
   return a;
 }
 
