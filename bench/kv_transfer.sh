@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# KV transfer benchmark: throughput over loopback (in-process agents vs a raw TCP socket, same
-# run) and the latency prefill/decode disaggregation adds per request, in both dialects, on
-# simulated DeepSeek-V3 engines with zero compute time (so only transfer and HTTP remain).
+# KV transfer benchmark: throughput on one host (in-process agents over the shared-memory and the
+# TCP transports, next to a raw TCP socket and a bare memcpy, alternating rounds, medians) and the
+# latency prefill/decode disaggregation adds per request, in both dialects, on simulated
+# DeepSeek-V3 engines with zero compute time (so only transfer and HTTP remain), with the P/D
+# engines moving KV over shared memory (the default) and over TCP.
 # Usage: bench/kv_transfer.sh [BUILD_DIR]   (after scripts/test.sh or a build)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,10 +31,15 @@ port_of() { sed -n 's/.*listening on http:\/\/[^:]*:\([0-9]*\).*/\1/p' "$1" | he
 
 dir="$(mktemp -d)"
 start "$dir/single" --role both
-start "$dir/prefill" --role prefill --kv-transfer-port 0
-start "$dir/decode" --role decode
-kv_port="$(sed -n 's/.*KV transfer on [^:]*:\([0-9]*\).*/\1/p' "$dir/prefill" | head -1)"
-"$build/bench/tandem-bench-kv-transfer" --lengths "$lengths" \
-  --single-port "$(port_of "$dir/single")" --prefill-port "$(port_of "$dir/prefill")" \
-  --decode-port "$(port_of "$dir/decode")" --kv-port "$kv_port"
+for t in shm tcp; do
+  start "$dir/prefill-$t" --role prefill --kv-transfer-port 0 --kv-transport "$t"
+  start "$dir/decode-$t" --role decode --kv-transport "$t"
+done
+"$build/bench/tandem-bench-kv-transfer" --lengths "$lengths"
+for t in shm tcp; do
+  kv_port="$(sed -n 's/.*KV transfer on [^:]*:\([0-9]*\).*/\1/p' "$dir/prefill-$t" | head -1)"
+  "$build/bench/tandem-bench-kv-transfer" --lengths "$lengths" --serving-only --label "$t" \
+    --single-port "$(port_of "$dir/single")" --prefill-port "$(port_of "$dir/prefill-$t")" \
+    --decode-port "$(port_of "$dir/decode-$t")" --kv-port "$kv_port"
+done
 rm -rf "$dir"

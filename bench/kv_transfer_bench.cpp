@@ -220,8 +220,9 @@ double timed_post(uint16_t port, const json& body) {
 }
 
 void serving_part(uint16_t single, uint16_t prefill, uint16_t decode, uint16_t kv_port,
-                  const std::vector<int64_t>& lengths, int repeats) {
-  std::printf("\nRequest latency (max_tokens 2), simulated engines with zero compute time\n");
+                  const std::vector<int64_t>& lengths, int repeats, const std::string& label) {
+  std::printf("\nRequest latency (max_tokens 2), simulated engines with zero compute time%s%s\n",
+              label.empty() ? "" : ", P/D over ", label.c_str());
   std::printf("%8s %12s %14s %14s %14s %14s\n", "prompt", "single ms", "sequential ms", "added ms",
               "parallel ms", "added ms");
   uint64_t room = 1;
@@ -276,18 +277,22 @@ int main(int argc, char** argv) {
   std::vector<int64_t> lengths = {256, 1024, 4096, 8192};
   int repeats = 5;
   int single = 0, prefill = 0, decode = 0, kv_port = 0;
+  bool serving_only = false;
+  std::string label;
   app.add_option("--lengths", lengths, "prompt lengths (tokens)")->delimiter(',');
   app.add_option("--repeats", repeats, "alternating rounds per length (medians reported)");
   app.add_option("--single-port", single, "a --role both engine (serving part)");
   app.add_option("--prefill-port", prefill, "a --role prefill engine (serving part)");
   app.add_option("--decode-port", decode, "a --role decode engine (serving part)");
   app.add_option("--kv-port", kv_port, "the prefill engine's KV transfer port (serving part)");
+  app.add_flag("--serving-only", serving_only, "skip the transport part");
+  app.add_option("--label", label, "what the P/D engines' transfers run over (printed)");
   CLI11_PARSE(app, argc, argv);
   try {
-    transport_part(lengths, repeats);
+    if (!serving_only) transport_part(lengths, repeats);
     if (single && prefill && decode && kv_port)
       serving_part(uint16_t(single), uint16_t(prefill), uint16_t(decode), uint16_t(kv_port),
-                   lengths, repeats);
+                   lengths, repeats, label);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
