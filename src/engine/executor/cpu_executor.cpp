@@ -38,18 +38,11 @@ const std::byte* CpuExecutor::kv_bytes(int32_t block, int64_t layer) const {
 }
 
 std::byte* CpuExecutor::kv_bytes_mutable(int32_t block, int64_t layer) {
-  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers)
-    return nullptr;
-  return cache_.block_layer(block, layer);
+  return kv_block_or_null(cache_, info_, block, layer);
 }
 
 void CpuExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {
-  const auto& k = info_.kv_layout;
-  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= k.layers ||
-      bytes.size() > size_t(k.block_size * k.token_bytes) || bytes.size() % k.token_bytes != 0)
-    throw Error("write_kv: block " + std::to_string(block) + " layer " + std::to_string(layer) +
-                " of " + std::to_string(bytes.size()) + " bytes is outside the cache");
-  std::memcpy(cache_.block_layer(block, layer), bytes.data(), bytes.size());
+  write_kv_block(cache_, info_, block, layer, bytes);
 }
 
 void CpuExecutor::routed_this_step(std::vector<int64_t>& out) {

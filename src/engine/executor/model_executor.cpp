@@ -1,6 +1,9 @@
 #include "engine/executor/model_executor.h"
 
+#include <cstring>
 #include <limits>
+
+#include "util/error.h"
 
 namespace tandem::engine {
 
@@ -24,6 +27,23 @@ ExecutorInfo model_executor_info(const model::DeepSeekModel& model, std::string 
     if (c.is_moe_layer(layer)) info.moe_layers.push_back(layer);
   if (!info.moe_layers.empty()) info.routed_experts = c.n_routed_experts;
   return info;
+}
+
+std::byte* kv_block_or_null(model::LatentCache& cache, const ExecutorInfo& info, int32_t block,
+                            int64_t layer) {
+  if (block < 0 || block >= info.num_blocks || layer < 0 || layer >= info.kv_layout.layers)
+    return nullptr;
+  return cache.block_layer(block, layer);
+}
+
+void write_kv_block(model::LatentCache& cache, const ExecutorInfo& info, int32_t block,
+                    int64_t layer, std::span<const std::byte> bytes) {
+  const auto& k = info.kv_layout;
+  if (block < 0 || block >= info.num_blocks || layer < 0 || layer >= k.layers ||
+      bytes.size() > size_t(k.block_size * k.token_bytes) || bytes.size() % k.token_bytes != 0)
+    throw Error("write_kv: block " + std::to_string(block) + " layer " + std::to_string(layer) +
+                " of " + std::to_string(bytes.size()) + " bytes is outside the cache");
+  std::memcpy(cache.block_layer(block, layer), bytes.data(), bytes.size());
 }
 
 std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size) {

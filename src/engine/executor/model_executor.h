@@ -17,6 +17,14 @@ namespace tandem::engine {
 ExecutorInfo model_executor_info(const model::DeepSeekModel& model, std::string model_name,
                                  const model::LatentCacheShape& cache, int64_t num_blocks);
 
+// KV transfer's access to a latent cache (Executor::kv_bytes_mutable and write_kv): the block
+// and layer's bytes, or nullptr / tandem::Error naming them when they are outside the cache
+// (write_kv_block also when the bytes are not a whole number of tokens of one block).
+std::byte* kv_block_or_null(model::LatentCache& cache, const ExecutorInfo& info, int32_t block,
+                            int64_t layer);
+void write_kv_block(model::LatentCache& cache, const ExecutorInfo& info, int32_t block,
+                    int64_t layer, std::span<const std::byte> bytes);
+
 // Vocabulary ids of LM-head rows without a token (padded vocabularies); never sampled.
 std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size);
 

@@ -132,13 +132,27 @@ void EpExecutor::post(Command command) {
   wake_all(h.posted);
 }
 
-void EpExecutor::fail(const std::string& why) {
-  std::lock_guard lock(mutex_);
-  if (failure_.empty()) failure_ = why;
+void EpExecutor::abort_waits() const {
   Header& h = segment_->header();
   h.abort.store(1, std::memory_order_release);
   wake_all(h.barrier.generation);
   wake_all(h.posted);
+}
+
+void EpExecutor::collective(Command command, const std::function<void()>& rank0_part) {
+  post(command);
+  try {
+    rank0_part();
+  } catch (const std::exception& e) {
+    fail(e.what());
+    throw Error(failure());
+  }
+}
+
+void EpExecutor::fail(const std::string& why) {
+  std::lock_guard lock(mutex_);
+  if (failure_.empty()) failure_ = why;
+  abort_waits();
   for (auto& child : children_) {
     child->signal(SIGKILL);
     child->stop();
@@ -168,10 +182,7 @@ std::string EpExecutor::failure() const {
     if (auto status = children_[i]->exited()) {
       failure_ = "expert-parallel rank " + std::to_string(i + 1) + " exited (status " +
                  std::to_string(*status) + ")";
-      Header& h = segment_->header();
-      h.abort.store(1, std::memory_order_release);
-      wake_all(h.barrier.generation);
-      wake_all(h.posted);
+      abort_waits();
     }
   return failure_;
 }
@@ -235,13 +246,7 @@ PlacementSwitch EpExecutor::switch_expert_placement() {
   Header& h = segment_->header();
   const uint32_t next = h.table.load(std::memory_order_acquire) ^ 1u;
   const auto t0 = std::chrono::steady_clock::now();
-  post(Command::kSwitchPlacement);
-  try {
-    rank0_->switch_placement_with_all(next);
-  } catch (const std::exception& e) {
-    fail(e.what());
-    throw Error(failure());
-  }
+  collective(Command::kSwitchPlacement, [&] { rank0_->switch_placement_with_all(next); });
   h.table.store(next, std::memory_order_release);
   staged_.pause_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -299,13 +304,7 @@ ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook&
     block_at += d.blocks;
     before += d.tokens;
   }
-  post(Command::kStep);
-  try {
-    rank0_->run_step(on_layer);
-  } catch (const std::exception& e) {
-    fail(e.what());
-    throw Error(failure());
-  }
+  collective(Command::kStep, [&] { rank0_->run_step(on_layer); });
   ExecResult result;
   sample_items(
       batch, [&](size_t i) { return segment_->logits(int64_t(i)); }, s.vocab, no_text_,
@@ -329,18 +328,11 @@ const std::byte* EpExecutor::kv_bytes(int32_t block, int64_t layer) const {
 }
 
 std::byte* EpExecutor::kv_bytes_mutable(int32_t block, int64_t layer) {
-  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= info_.kv_layout.layers)
-    return nullptr;
-  return rank0_->cache().block_layer(block, layer);
+  return kv_block_or_null(rank0_->cache(), info_, block, layer);
 }
 
 void EpExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {
-  const auto& k = info_.kv_layout;
-  if (block < 0 || block >= info_.num_blocks || layer < 0 || layer >= k.layers ||
-      bytes.size() > size_t(k.block_size * k.token_bytes) || bytes.size() % k.token_bytes != 0)
-    throw Error("write_kv: block " + std::to_string(block) + " layer " + std::to_string(layer) +
-                " of " + std::to_string(bytes.size()) + " bytes is outside the cache");
-  std::memcpy(rank0_->cache().block_layer(block, layer), bytes.data(), bytes.size());
+  write_kv_block(rank0_->cache(), info_, block, layer, bytes);
 }
 
 }  // namespace tandem::engine::ep

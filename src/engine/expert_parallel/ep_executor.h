@@ -10,6 +10,7 @@
 // (the engine's /health then answers 503). The segment is a memfd: nothing outlives the
 // processes, however they end; ranks die with the engine process (PR_SET_PDEATHSIG).
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -68,7 +69,11 @@ class EpExecutor final : public Executor {
   // Throws (after failing the executor) when a rank has died or the segment says abort.
   void poll();
   void fail(const std::string& why);
+  void abort_waits() const;  // every rank's waits give up
   void post(Command command);
+  // Posts `command` to ranks 1..N-1 and runs rank 0's part of it here; a failure anywhere fails
+  // the executor.
+  void collective(Command command, const std::function<void()>& rank0_part);
   void check_batch(std::span<const ExecItem> batch) const;
 
   std::shared_ptr<const model::DeepSeekModel> model_;

@@ -125,12 +125,6 @@ void EpRank::switch_placement_with_all(uint32_t table) {
   barrier();
 }
 
-std::vector<std::vector<int32_t>> EpRank::held_slots() const {
-  std::vector<std::vector<int32_t>> out;
-  for (const auto& l : layers_) out.push_back(l.held);
-  return out;
-}
-
 void EpRank::barrier() {
   segment_.header().barrier.arrive_and_wait(uint32_t(segment_.shape().ranks), poll_);
 }

@@ -59,9 +59,6 @@ class EpRank final : public model::ExpertExchange {
 
   const model::LatentCache& cache() const { return cache_; }
   model::LatentCache& cache() { return cache_; }
-  const ExchangeStats& stats() const { return stats_; }
-  // Slots this rank holds in each MoE layer (their global ids).
-  std::vector<std::vector<int32_t>> held_slots() const;
 
  private:
   struct LayerSlots {
