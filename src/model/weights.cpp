@@ -179,7 +179,8 @@ MlpWeights load_expert(const Checkpoint& checkpoint, const ModelConfig& config, 
       !config.is_moe_layer(layer) || expert < 0 || expert >= config.n_routed_experts)
     throw Error("load_expert: layer " + std::to_string(layer) + " has no routed expert " +
                 std::to_string(expert));
-  Binder b(checkpoint, config, {});
+  const std::function<void(size_t, size_t)> no_progress;  // the binder keeps a reference
+  Binder b(checkpoint, config, no_progress);
   return b.expert(layer, expert);
 }
 

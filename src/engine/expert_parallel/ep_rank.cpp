@@ -143,7 +143,7 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
   if (n > s.max_tokens)
     throw Error("expert exchange: " + std::to_string(n) + " tokens, the segment holds " +
                 std::to_string(s.max_tokens));
-  std::memcpy(me.rows, xn, sizeof(float) * size_t(n * h));
+  if (n > 0) std::memcpy(me.rows, xn, sizeof(float) * size_t(n * h));
   std::vector<int64_t> sent(L.slot_rank.size(), 0);
   std::vector<int64_t> first_entry(static_cast<size_t>(n) + 1, 0);
   int64_t j = 0;
