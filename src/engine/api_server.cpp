@@ -198,6 +198,14 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                   }
                   json j = status->to_json();
                   j["placement"] = placement::placement_to_json(*current);
+                  j["ranks"] = json::array();
+                  for (const RankWork& w : engine_.rank_work())
+                    j["ranks"].push_back({{"expert_rows", w.expert_rows},
+                                          {"moe_layers", w.moe_layers},
+                                          {"exchange_bytes", w.exchange_bytes},
+                                          {"copy_seconds", w.copy_seconds},
+                                          {"wait_seconds", w.wait_seconds},
+                                          {"expert_seconds", w.expert_seconds}});
                   ex->respond(200, j.dump());
                 });
   server_.route("POST", "/admin/expert_placement",

@@ -92,6 +92,7 @@ class Engine final : private PdHost {
     return executor_->expert_placement();
   }
   std::optional<ExpertRemapStatus> expert_remap_status() const;
+  std::vector<RankWork> rank_work() const { return executor_->rank_work(); }
   const ExecutorInfo& executor_info() const { return executor_->info(); }
   // Thread-safe. Why the executor can no longer run steps (empty while it can).
   std::string executor_failure() const { return executor_->failure(); }

@@ -198,6 +198,12 @@ TEST_F(ExpertParallel, TwoAndFourRanksGiveTheSingleProcessTokensOnBothTinyModels
         for (const auto& v : row) routed += v.get<int64_t>();
       EXPECT_GT(routed, 0);
       EXPECT_EQ(routed % load["layers"].get<int64_t>(), 0);
+      // Every route ran exactly once, on some rank: the ranks' expert rows add up to the routes.
+      const json ranks_work = testing::get_json(ep.port(), "/admin/expert_placement")["ranks"];
+      ASSERT_EQ(ranks_work.size(), size_t(ranks));
+      int64_t rows = 0;
+      for (const auto& w : ranks_work) rows += w["expert_rows"].get<int64_t>();
+      EXPECT_EQ(rows, routed);
     }
   }
 }
@@ -312,6 +318,11 @@ TEST_F(ExpertParallel, LiveRemapsUnderTrafficLoseNothingAndChangeNoAnswer) {
   EXPECT_GT(done["last"]["moves"].get<int>(), 0);
   EXPECT_GE(done["last"]["pause_seconds"].get<double>(), 0.0);
   EXPECT_EQ(testing::metric(ep.port(), "tandem:expert_remaps_total"), 3);
+  // Both ranks computed routed rows and went through the same MoE layers (collectives).
+  ASSERT_EQ(done["ranks"].size(), 2u);
+  EXPECT_GT(done["ranks"][0]["expert_rows"].get<int64_t>(), 0);
+  EXPECT_GT(done["ranks"][1]["expert_rows"].get<int64_t>(), 0);
+  EXPECT_EQ(done["ranks"][0]["moe_layers"], done["ranks"][1]["moe_layers"]);
   // And after the last switch, the answers still match.
   expect_same_texts(want, ask_all(ep.port()), "after remaps");
 }

@@ -58,6 +58,15 @@ struct PlacementSwitch {
   double pause_seconds = 0;  // what the switch itself added between two steps
 };
 
+// One expert-parallel rank's work since start: routed rows its experts computed, and the time its
+// MoE layers spent in the exchange's copies, waiting at its barriers and in its experts.
+struct RankWork {
+  int64_t expert_rows = 0;
+  int64_t moe_layers = 0;      // MoE layers it went through (all steps)
+  int64_t exchange_bytes = 0;  // rows it dispatched plus results it gathered
+  double copy_seconds = 0, wait_seconds = 0, expert_seconds = 0;
+};
+
 struct ExecutorInfo {
   std::string model_name;
   int64_t vocab_size = 0;
@@ -100,6 +109,8 @@ class Executor {
   // Engine thread, between steps, after `loaded`: every rank switches to the staged placement
   // and frees the copies it no longer holds.
   virtual PlacementSwitch switch_expert_placement();
+  // Thread-safe. Per rank, as of the last step; empty for executors without ranks.
+  virtual std::vector<RankWork> rank_work() const { return {}; }
 };
 
 }  // namespace tandem::engine

@@ -310,11 +310,25 @@ ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook&
       batch, [&](size_t i) { return segment_->logits(int64_t(i)); }, s.vocab, no_text_,
       result.sampled);
   result.expert_tokens.assign(size_t(s.moe_layers * s.experts), 0);
+  std::vector<RankWork> work;
   for (int r = 0; r < s.ranks; ++r) {
-    const int64_t* routed = segment_->rank(r).routed;
-    for (size_t k = 0; k < result.expert_tokens.size(); ++k) result.expert_tokens[k] += routed[k];
+    const RankArea area = segment_->rank(r);
+    for (size_t k = 0; k < result.expert_tokens.size(); ++k)
+      result.expert_tokens[k] += area.routed[k];
+    const ExchangeStats& x = *area.stats;
+    work.push_back(
+        {x.expert_rows, x.layers, x.bytes, x.dispatch_s + x.combine_s, x.wait_s, x.experts_s});
+  }
+  {
+    std::lock_guard lock(mutex_);
+    rank_work_ = std::move(work);
   }
   return result;
+}
+
+std::vector<RankWork> EpExecutor::rank_work() const {
+  std::lock_guard lock(mutex_);
+  return rank_work_;
 }
 
 std::vector<ExchangeStats> EpExecutor::exchange_stats() const {

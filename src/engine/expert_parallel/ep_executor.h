@@ -60,6 +60,7 @@ class EpExecutor final : public Executor {
   void stage_expert_placement(const placement::Placement& next,
                               std::function<void()> loaded) override;
   PlacementSwitch switch_expert_placement() override;
+  std::vector<RankWork> rank_work() const override;
 
   int ranks() const { return int(children_.size()) + 1; }
   // Every rank's exchange figures as of the last step (engine thread, between steps).
@@ -86,6 +87,7 @@ class EpExecutor final : public Executor {
   mutable std::mutex mutex_;
   mutable std::vector<std::unique_ptr<ChildProcess>> children_;
   mutable std::string failure_;
+  std::vector<RankWork> rank_work_;  // under mutex_, copied from the segment after each step
 
   // A live placement change: staged (new copies loading in the background) -> loaded -> switched.
   enum class Remap { kNone, kLoading, kLoaded };
