@@ -76,6 +76,7 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   write_placement(segment_->table(0), shape, placement);
 
   const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : default_threads(o.ranks);
+  threads_ = threads;
   omp_set_num_threads(threads);
   rank0_ = std::make_unique<EpRank>(*segment_, 0, model_);
   rank0_->set_poll([this] { poll(); });
@@ -281,6 +282,8 @@ void EpExecutor::check_batch(std::span<const ExecItem> batch) const {
 ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
   if (auto why = failure(); !why.empty()) throw Error(why);
   check_batch(batch);
+  // OpenMP's thread count is per calling thread: steps run on the engine's thread.
+  omp_set_num_threads(threads_);
   const EpShape& s = segment_->shape();
   int64_t total = 0;
   for (const auto& item : batch) total += int64_t(item.tokens.size());

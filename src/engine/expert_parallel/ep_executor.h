@@ -83,6 +83,7 @@ class EpExecutor final : public Executor {
   std::unique_ptr<EpRank> rank0_;
   ExecutorInfo info_;
   std::vector<int32_t> no_text_;
+  int threads_ = 1;  // OpenMP threads of every rank, rank 0 included
   // children_ and failure_: health checks (other threads) reap ranks that died between steps.
   mutable std::mutex mutex_;
   mutable std::vector<std::unique_ptr<ChildProcess>> children_;
