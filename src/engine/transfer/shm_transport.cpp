@@ -425,7 +425,13 @@ class ShmTransport : public KvTransport {
       ::close(fd);
       return nullptr;
     }
-    SharedSegment segment = SharedSegment::create(ShmConnection::segment_bytes(), "tandem-kv");
+    SharedSegment segment;
+    try {
+      segment = SharedSegment::create(ShmConnection::segment_bytes(), "tandem-kv");
+    } catch (const Error&) {
+      ::close(fd);  // no shared memory here (memfd refused): TCP still works
+      return nullptr;
+    }
     char welcome = 0;
     if (!send_byte(fd, kHello, segment.fd()) ||
         !receive_byte(fd, welcome, nullptr, Clock::now() + options_.io_timeout) ||
