@@ -172,6 +172,7 @@ void Engine::stop() {
   wake_.notify_all();
   const bool was_running = thread_.joinable();
   if (was_running) thread_.join();
+  executor_->stop_background();  // a placement loading must not post to an engine that is going
   if (was_running && expert_load_ && !config_.expert_load_dump.empty()) {
     try {
       expert_load_->snapshot().write(config_.expert_load_dump / "expert_load_cumulative", true);

@@ -109,6 +109,9 @@ class Executor {
   // Engine thread, between steps, after `loaded`: every rank switches to the staged placement
   // and frees the copies it no longer holds.
   virtual PlacementSwitch switch_expert_placement();
+  // Ends background work (a placement loading) and waits for it: no callback runs after this.
+  // The engine calls it when it stops, before its own members go.
+  virtual void stop_background() {}
   // Thread-safe. Per rank, as of the last step; empty for executors without ranks.
   virtual std::vector<RankWork> rank_work() const { return {}; }
 };

@@ -114,9 +114,13 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   no_text_ = ids_without_text(tokenizer, c.vocab_size);
 }
 
-EpExecutor::~EpExecutor() {
+void EpExecutor::stop_background() {
   stopping_ = true;
   if (loader_.joinable()) loader_.join();
+}
+
+EpExecutor::~EpExecutor() {
+  stop_background();
   if (failure().empty()) post(Command::kShutdown);
   std::lock_guard lock(mutex_);
   for (auto& child : children_) {
@@ -199,6 +203,7 @@ void EpExecutor::stage_expert_placement(const placement::Placement& next,
                                         std::function<void()> loaded) {
   if (auto why = failure(); !why.empty()) throw Error(why);
   std::lock_guard lock(remap_mutex_);
+  if (stopping_) throw Error("the engine is stopping");
   if (remap_ != Remap::kNone) throw Error("a placement change is already underway");
   const EpShape& s = segment_->shape();
   Header& h = segment_->header();

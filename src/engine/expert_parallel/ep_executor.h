@@ -61,6 +61,7 @@ class EpExecutor final : public Executor {
                               std::function<void()> loaded) override;
   PlacementSwitch switch_expert_placement() override;
   std::vector<RankWork> rank_work() const override;
+  void stop_background() override;
 
   int ranks() const { return int(children_.size()) + 1; }
   // Every rank's exchange figures as of the last step (engine thread, between steps).
