@@ -4,10 +4,12 @@
 # latency prefill/decode disaggregation adds per request, in both dialects, on simulated
 # DeepSeek-V3 engines with zero compute time (so only transfer and HTTP remain), with the P/D
 # engines moving KV over shared memory (the default) and over TCP.
-# Usage: bench/kv_transfer.sh [BUILD_DIR]   (after scripts/test.sh or a build)
+# Usage: bench/kv_transfer.sh [BUILD_DIR]   (configures it with the benchmarks on and builds)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
+. "$root/bench/lib.sh"
+build_bench_targets "$root" "$build" tandem tandem-bench-kv-transfer
 lengths="${LENGTHS:-256,1024,4096,8192}"
 
 pids=()
