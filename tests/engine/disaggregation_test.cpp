@@ -111,6 +111,22 @@ class Disaggregation : public test::TinyModelTest<kF32> {
     return answer;
   }
 
+  // Prompts of the given lengths through both flows answer as the single engine does.
+  static void expect_both_flows_match(const Engine& single, const Engine& p, const Engine& d,
+                                      std::initializer_list<int> lengths, int base, uint64_t room) {
+    for (int n : lengths) {
+      for (bool seq : {true, false}) {
+        const json body = {{"prompt", tokens(n, base += 31)},
+                           {"max_tokens", 10},
+                           {"temperature", 0},
+                           {"ignore_eos", true}};
+        const json want = parse(post_json(single.port(), "/v1/completions", body));
+        const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
+        EXPECT_EQ(text_of(got), text_of(want)) << (seq ? "sequential" : "parallel") << " n=" << n;
+      }
+    }
+  }
+
   // Nothing left in use: no block referenced (cached ones are free), nothing held for transfer.
   static void expect_no_leak(const Engine& e) {
     EXPECT_TRUE(eventually([&] {
@@ -199,19 +215,7 @@ TEST_F(Disaggregation, ExpertParallelEnginesOnBothLegsGiveTheSameAnswers) {
   Engine single = start("both");
   Engine p = start("prefill", {"--expert-parallel", "2"});
   Engine d = start("decode", {"--expert-parallel", "2"});
-  uint64_t room = 5000;
-  int base = 700;
-  for (int n : {1, 17, 40}) {
-    for (bool seq : {true, false}) {
-      const json body = {{"prompt", tokens(n, base += 31)},
-                         {"max_tokens", 10},
-                         {"temperature", 0},
-                         {"ignore_eos", true}};
-      const json want = parse(post_json(single.port(), "/v1/completions", body));
-      const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
-      EXPECT_EQ(text_of(got), text_of(want)) << (seq ? "sequential" : "parallel") << " n=" << n;
-    }
-  }
+  expect_both_flows_match(single, p, d, {1, 17, 40}, 700, 5000);
   EXPECT_EQ(metric(d.port(), "tandem:kv_transfers_total", "result=\"error\""), 0);
   expect_no_leak(p);
   expect_no_leak(d);
@@ -221,14 +225,7 @@ TEST_F(Disaggregation, TcpTransportStillServesEnginesOnOneHost) {
   Engine single = start("both");
   Engine p = start("prefill", {"--kv-transport", "tcp"});
   Engine d = start("decode", {"--kv-transport", "tcp"});
-  uint64_t room = 9000;
-  for (bool seq : {true, false}) {
-    const json body = {
-        {"prompt", tokens(40, 4321)}, {"max_tokens", 8}, {"temperature", 0}, {"ignore_eos", true}};
-    const json want = parse(post_json(single.port(), "/v1/completions", body));
-    const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
-    EXPECT_EQ(text_of(got), text_of(want));
-  }
+  expect_both_flows_match(single, p, d, {40}, 4321, 9000);
   EXPECT_EQ(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"tcp\""), 2);
   expect_no_leak(p);
   expect_no_leak(d);
