@@ -62,48 +62,50 @@ Replication add_replicas(const std::vector<float>& weight, int64_t num_phy) {
   return out;
 }
 
-std::vector<int64_t> inverse(const std::vector<int64_t>& perm) {
-  std::vector<int64_t> inv(perm.size());
-  for (size_t i = 0; i < perm.size(); ++i) inv[perm[i]] = int64_t(i);
-  return inv;
+// position -> item for a permutation given as item -> position.
+std::vector<int64_t> items_by_position(const std::vector<int64_t>& position_of) {
+  std::vector<int64_t> item(position_of.size());
+  for (size_t i = 0; i < position_of.size(); ++i) item[size_t(position_of[i])] = int64_t(i);
+  return item;
 }
 
-// One layer of EPLB's hierarchical policy; returns phy2log over gpus * slots_per_gpu slots.
+// One layer of the hierarchical policy; returns the expert in each of gpus * slots_per_gpu slots.
 std::vector<int64_t> rebalance_layer(const std::vector<float>& weight, const EplbOptions& o) {
   const int64_t experts = int64_t(weight.size()), group_size = experts / o.groups;
   const int64_t groups_per_node = o.groups / o.nodes, per_node = experts / o.nodes;
-  const int64_t phy_per_node = o.replicas / o.nodes, gpus_per_node = o.gpus / o.nodes;
-  const int64_t phy_per_gpu = o.replicas / o.gpus;
+  const int64_t slots_per_node = o.replicas / o.nodes, gpus_per_node = o.gpus / o.nodes;
+  const int64_t slots_per_gpu = o.replicas / o.gpus;
 
-  // 1. Expert groups to nodes.
-  std::vector<float> group_tokens(o.groups, 0.0f);
-  for (int64_t e = 0; e < experts; ++e) group_tokens[e / group_size] += weight[e];
-  const Packing groups = pack_evenly(group_tokens, o.nodes);
-  std::vector<int64_t> log2mlog(experts);
+  // Whole expert groups go to nodes, balancing the nodes' loads; experts are then numbered
+  // node by node (node_order[e]: expert e's place in that order).
+  std::vector<float> group_load(o.groups, 0.0f);
+  for (int64_t e = 0; e < experts; ++e) group_load[e / group_size] += weight[e];
+  const Packing groups = pack_evenly(group_load, o.nodes);
+  std::vector<int64_t> node_order(experts);
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t g = e / group_size;
-    log2mlog[e] =
+    node_order[e] =
         (groups.pack[g] * groups_per_node + groups.rank_in_pack[g]) * group_size + e % group_size;
   }
-  const std::vector<int64_t> mlog2log = inverse(log2mlog);
+  const std::vector<int64_t> expert_at = items_by_position(node_order);
 
-  std::vector<int64_t> phy2log(o.replicas);
+  std::vector<int64_t> slot_expert(o.replicas);
   for (int64_t node = 0; node < o.nodes; ++node) {
-    // 2. Replicas within the node.
-    std::vector<float> tokens(per_node);
-    for (int64_t j = 0; j < per_node; ++j) tokens[j] = weight[mlog2log[node * per_node + j]];
-    const Replication rep = add_replicas(tokens, phy_per_node);
-    // 3. Replicas to the node's GPUs.
-    std::vector<float> phy_tokens(phy_per_node);
-    for (int64_t p = 0; p < phy_per_node; ++p)
-      phy_tokens[p] = tokens[rep.phy2log[p]] / float(rep.logcnt[rep.phy2log[p]]);
-    const Packing gpus = pack_evenly(phy_tokens, gpus_per_node);
-    for (int64_t p = 0; p < phy_per_node; ++p) {
-      const int64_t slot = node * phy_per_node + gpus.pack[p] * phy_per_gpu + gpus.rank_in_pack[p];
-      phy2log[slot] = mlog2log[rep.phy2log[p] + node * per_node];
+    // Within a node: extra copies for its heaviest experts, then the copies over its GPUs.
+    std::vector<float> load(per_node);
+    for (int64_t j = 0; j < per_node; ++j) load[j] = weight[expert_at[node * per_node + j]];
+    const Replication copies = add_replicas(load, slots_per_node);
+    std::vector<float> copy_load(slots_per_node);
+    for (int64_t c = 0; c < slots_per_node; ++c)
+      copy_load[c] = load[copies.phy2log[c]] / float(copies.logcnt[copies.phy2log[c]]);
+    const Packing gpus = pack_evenly(copy_load, gpus_per_node);
+    for (int64_t c = 0; c < slots_per_node; ++c) {
+      const int64_t slot =
+          node * slots_per_node + gpus.pack[c] * slots_per_gpu + gpus.rank_in_pack[c];
+      slot_expert[slot] = expert_at[node * per_node + copies.phy2log[c]];
     }
   }
-  return phy2log;
+  return slot_expert;
 }
 
 }  // namespace
@@ -136,9 +138,9 @@ Placement eplb_rebalance(const ExpertLoads& loads, const EplbOptions& options) {
   for (int64_t l = 0; l < loads.layers; ++l) {
     // The reference works on float32 loads.
     std::vector<float> weight(loads.row(l), loads.row(l) + loads.experts);
-    const std::vector<int64_t> phy2log = rebalance_layer(weight, o);
+    const std::vector<int64_t> slot_expert = rebalance_layer(weight, o);
     std::vector<std::vector<int32_t>> ranks(o.gpus);
-    for (int64_t s = 0; s < o.replicas; ++s) ranks[s / per_gpu].push_back(int32_t(phy2log[s]));
+    for (int64_t s = 0; s < o.replicas; ++s) ranks[s / per_gpu].push_back(int32_t(slot_expert[s]));
     p.layers.push_back(std::move(ranks));
   }
   return p;
