@@ -14,6 +14,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <functional>
 #include <mutex>
 #include <numeric>
 
@@ -46,7 +47,9 @@ struct Run {
 };
 
 // B sequences: one prefill step of P tokens each, then D decode steps; greedy.
-Run run_steps(engine::Executor& ex, int64_t batch, int64_t prompt, int64_t decode, int seed) {
+// `after_prefill`, when given, runs between the prefill step and the decode steps.
+Run run_steps(engine::Executor& ex, int64_t batch, int64_t prompt, int64_t decode, int seed,
+              const std::function<void()>& after_prefill = {}) {
   const int64_t bs = ex.info().block_size;
   const int64_t per_seq = (prompt + decode + bs) / bs;
   std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(batch)),
@@ -80,36 +83,35 @@ Run run_steps(engine::Executor& ex, int64_t batch, int64_t prompt, int64_t decod
   auto t0 = Clock::now();
   step(true);
   r.prefill_s = seconds_since(t0);
+  if (after_prefill) after_prefill();
   t0 = Clock::now();
   for (int64_t d = 0; d < decode; ++d) step(false);
   r.decode_step_s = seconds_since(t0) / double(decode);
   return r;
 }
 
-engine::ep::ExchangeStats sum(const std::vector<engine::ep::ExchangeStats>& v) {
-  engine::ep::ExchangeStats s;
+engine::RankWork sum(const std::vector<engine::RankWork>& v) {
+  engine::RankWork s;
   for (const auto& r : v) {
-    s.bytes += r.bytes;
-    s.dispatch_s += r.dispatch_s;
-    s.wait_s += r.wait_s;
-    s.experts_s += r.experts_s;
-    s.combine_s += r.combine_s;
+    s.exchange_bytes += r.exchange_bytes;
+    s.copy_seconds += r.copy_seconds;
+    s.wait_seconds += r.wait_seconds;
+    s.expert_seconds += r.expert_seconds;
     s.expert_rows += r.expert_rows;
-    s.layers = std::max(s.layers, r.layers);
+    s.moe_layers = std::max(s.moe_layers, r.moe_layers);
   }
   return s;
 }
 
-std::vector<engine::ep::ExchangeStats> minus(const std::vector<engine::ep::ExchangeStats>& a,
-                                             const std::vector<engine::ep::ExchangeStats>& b) {
-  std::vector<engine::ep::ExchangeStats> d(a.size());
+std::vector<engine::RankWork> minus(const std::vector<engine::RankWork>& a,
+                                    const std::vector<engine::RankWork>& b) {
+  std::vector<engine::RankWork> d(a.size());
   for (size_t i = 0; i < a.size(); ++i) {
-    d[i].layers = a[i].layers - b[i].layers;
-    d[i].bytes = a[i].bytes - b[i].bytes;
-    d[i].dispatch_s = a[i].dispatch_s - b[i].dispatch_s;
-    d[i].wait_s = a[i].wait_s - b[i].wait_s;
-    d[i].experts_s = a[i].experts_s - b[i].experts_s;
-    d[i].combine_s = a[i].combine_s - b[i].combine_s;
+    d[i].moe_layers = a[i].moe_layers - b[i].moe_layers;
+    d[i].exchange_bytes = a[i].exchange_bytes - b[i].exchange_bytes;
+    d[i].copy_seconds = a[i].copy_seconds - b[i].copy_seconds;
+    d[i].wait_seconds = a[i].wait_seconds - b[i].wait_seconds;
+    d[i].expert_seconds = a[i].expert_seconds - b[i].expert_seconds;
     d[i].expert_rows = a[i].expert_rows - b[i].expert_rows;
   }
   return d;
@@ -177,7 +179,7 @@ int main(int argc, char** argv) {
         static_cast<long long>(decode), static_cast<long long>(batch));
 
     std::vector<double> pre1, dec1, preN, decN;
-    std::vector<engine::ep::ExchangeStats> prefill_x;  // EP N, summed over ranks
+    std::vector<engine::RankWork> prefill_x;  // EP N, summed over ranks
     // EP 1 uses every core; EP N one thread per rank (rank 0 runs on this thread).
     const int cores = omp_get_num_procs();
     for (int r = 0; r < rounds; ++r) {
@@ -186,17 +188,17 @@ int main(int argc, char** argv) {
       omp_set_num_threads(1);
       pre1.push_back(a.prefill_s);
       dec1.push_back(a.decode_step_s);
-      // EP N with the exchange figures of the prefill step and of the decode steps apart.
-      const auto before = ep.exchange_stats();
-      const Run b = run_steps(ep, batch, prompt, decode, r);
+      // EP N, with the exchange figures of its prefill step.
+      const auto before = ep.rank_work();
+      const Run b = run_steps(ep, batch, prompt, decode, r,
+                              [&] { prefill_x.push_back(sum(minus(ep.rank_work(), before))); });
       preN.push_back(b.prefill_s);
       decN.push_back(b.decode_step_s);
-      prefill_x.push_back(sum(minus(ep.exchange_stats(), before)));
     }
     // Decode alone, for per-step exchange figures.
-    const auto before = ep.exchange_stats();
+    const auto before = ep.rank_work();
     run_steps(ep, batch, 1, decode, 99);
-    const auto dx = sum(minus(ep.exchange_stats(), before));
+    const auto dx = sum(minus(ep.rank_work(), before));
 
     const double p1 = median(pre1), pN = median(preN), d1 = median(dec1), dN = median(decN);
     const std::string ep_name = "EP " + std::to_string(ranks);
@@ -208,24 +210,24 @@ int main(int argc, char** argv) {
     std::printf("%-22s %12.2f %12.2f\n", "decode step ms", d1 * 1e3, dN * 1e3);
 
     // Per MoE layer of one decode step, averaged over ranks.
-    const double layer_steps = double(dx.layers);  // MoE layers x steps each rank went through
-    const double per = 1e6 / layer_steps / ranks;  // µs per layer per rank
+    const double layer_steps = double(dx.moe_layers);  // MoE layers x steps each rank went through
+    const double per = 1e6 / layer_steps / ranks;      // µs per layer per rank
     std::printf("\nexchange per MoE layer and decode step (batch %lld, mean over ranks):\n",
                 static_cast<long long>(batch));
     std::printf("  bytes %.0f (rows out + results in, all ranks)\n",
-                double(dx.bytes) / layer_steps);
+                double(dx.exchange_bytes) / layer_steps);
     std::printf("  copies (dispatch + combine) %.1f us, barrier waits %.1f us, experts %.1f us\n",
-                (dx.dispatch_s + dx.combine_s) * per, dx.wait_s * per, dx.experts_s * per);
+                dx.copy_seconds * per, dx.wait_seconds * per, dx.expert_seconds * per);
     std::printf("  the same bytes over a link: %.1f us at 1 GB/s (divide by the link's GB/s)\n",
-                double(dx.bytes) / layer_steps / 1e3);
+                double(dx.exchange_bytes) / layer_steps / 1e3);
     const auto px = prefill_x.back();
-    const double pl = double(px.layers);
+    const double pl = double(px.moe_layers);
     std::printf(
         "exchange per MoE layer of the %lld-token prefill step: %.0f bytes, copies %.1f "
         "us, waits %.1f us, experts %.1f us\n",
-        static_cast<long long>(batch * prompt), double(px.bytes) / pl,
-        (px.dispatch_s + px.combine_s) * 1e6 / pl / ranks, px.wait_s * 1e6 / pl / ranks,
-        px.experts_s * 1e6 / pl / ranks);
+        static_cast<long long>(batch * prompt), double(px.exchange_bytes) / pl,
+        px.copy_seconds * 1e6 / pl / ranks, px.wait_seconds * 1e6 / pl / ranks,
+        px.expert_seconds * 1e6 / pl / ranks);
 
     // Skew and a live rebalance. The loads: the routes of the steps so far.
     std::vector<int64_t> counts(size_t(moe_layers * c.n_routed_experts), 0);
@@ -248,9 +250,9 @@ int main(int argc, char** argv) {
       skewed.layers.push_back(layer);
     }
     auto rows_per_rank = [&](const placement::Placement& p, const char* name) {
-      const auto s0 = ep.exchange_stats();
+      const auto s0 = ep.rank_work();
       run_steps(ep, batch, prompt, decode, 7);
-      const auto s = minus(ep.exchange_stats(), s0);
+      const auto s = minus(ep.rank_work(), s0);
       int64_t most = 0, total = 0;
       std::printf("  %-34s", name);
       for (const auto& r : s) {

@@ -96,6 +96,16 @@ struct SimFitOptions {
 
 constexpr std::string_view kSimPrefix = "sim:";
 
+// The latent cache a real model's executor (one process or expert-parallel) gets.
+engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
+  engine::CpuExecutorOptions co;
+  co.block_size = o.block_size;
+  co.num_blocks = o.num_blocks;
+  co.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
+  co.kv_cache_type = kKvCacheTypes.at(o.kv_cache_dtype);
+  return co;
+}
+
 void run(const EngineOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
 
@@ -149,10 +159,7 @@ void run(const EngineOptions& o) {
     eo.model_dir = o.model;
     eo.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     eo.mla_rescale = kMlaRescales.at(o.mla_rescale);
-    eo.cache.block_size = o.block_size;
-    eo.cache.num_blocks = o.num_blocks;
-    eo.cache.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
-    eo.cache.kv_cache_type = kKvCacheTypes.at(o.kv_cache_dtype);
+    eo.cache = cache_options(o);
     eo.max_tokens = o.max_num_batched_tokens;
     eo.max_items = o.max_num_seqs;
     if (!o.expert_placement.empty()) eo.placement = placement::read_placement(o.expert_placement);
@@ -168,14 +175,10 @@ void run(const EngineOptions& o) {
           model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
     }
     m->set_mla_rescale(kMlaRescales.at(o.mla_rescale));
-    engine::CpuExecutorOptions co;
-    co.block_size = o.block_size;
-    co.num_blocks = o.num_blocks;
-    co.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
-    co.kv_cache_type = kKvCacheTypes.at(o.kv_cache_dtype);
     eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
     executor = std::make_unique<engine::CpuExecutor>(
-        m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name, co);
+        m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
+        cache_options(o));
   }
 
   engine::EngineConfig config;

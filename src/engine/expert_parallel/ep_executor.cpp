@@ -110,6 +110,7 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
                   "; its messages are above)");
     }
   }
+  rank_work_.assign(size_t(o.ranks), RankWork{});
   info_ = model_executor_info(*model_, o.model_name, cache_shape, blocks);
   no_text_ = ids_without_text(tokenizer, c.vocab_size);
 }
@@ -323,9 +324,7 @@ ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook&
     const RankArea area = segment_->rank(r);
     for (size_t k = 0; k < result.expert_tokens.size(); ++k)
       result.expert_tokens[k] += area.routed[k];
-    const ExchangeStats& x = *area.stats;
-    work.push_back(
-        {x.expert_rows, x.layers, x.bytes, x.dispatch_s + x.combine_s, x.wait_s, x.experts_s});
+    work.push_back(*area.work);
   }
   {
     std::lock_guard lock(mutex_);
@@ -337,12 +336,6 @@ ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook&
 std::vector<RankWork> EpExecutor::rank_work() const {
   std::lock_guard lock(mutex_);
   return rank_work_;
-}
-
-std::vector<ExchangeStats> EpExecutor::exchange_stats() const {
-  std::vector<ExchangeStats> out;
-  for (int r = 0; r < segment_->shape().ranks; ++r) out.push_back(*segment_->rank(r).stats);
-  return out;
 }
 
 const std::byte* EpExecutor::kv_bytes(int32_t block, int64_t layer) const {

@@ -64,8 +64,6 @@ class EpExecutor final : public Executor {
   void stop_background() override;
 
   int ranks() const { return int(children_.size()) + 1; }
-  // Every rank's exchange figures as of the last step (engine thread, between steps).
-  std::vector<ExchangeStats> exchange_stats() const;
 
  private:
   // Throws (after failing the executor) when a rank has died or the segment says abort.

@@ -168,12 +168,12 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
   }
   first_entry[size_t(n)] = j;
   me.entry_count->store(j, std::memory_order_release);
-  stats_.dispatch_s += since(t0);
-  stats_.bytes += int64_t(sizeof(float)) * n * h;
+  work_.copy_seconds += since(t0);
+  work_.exchange_bytes += int64_t(sizeof(float)) * n * h;
 
   t0 = Clock::now();
   barrier();
-  stats_.wait_s += since(t0);
+  work_.wait_seconds += since(t0);
   // Every rank's attention of this layer is done: layers [0, layer] are in the cache.
   if (on_layer_ && *on_layer_ && layer + 1 > layers_reported_) {
     layers_reported_ = layer + 1;
@@ -222,12 +222,12 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
     }
     model_->expert_forward(L.weights[i], in.data(), m, me.results + first_row[i] * h);
   }
-  stats_.expert_rows += first_row.back();
-  stats_.experts_s += since(t0);
+  work_.expert_rows += first_row.back();
+  work_.expert_seconds += since(t0);
 
   t0 = Clock::now();
   barrier();
-  stats_.wait_s += since(t0);
+  work_.wait_seconds += since(t0);
 
   // Combine, in the single process's order: per column chunk, each token's experts ascending.
   t0 = Clock::now();
@@ -255,9 +255,9 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
       for (const Part& part : pp[t])
         kernels::axpy(part.weight, part.result + c0, out + t * h + c0, width);
   }
-  stats_.bytes += int64_t(sizeof(float)) * j * h;
-  stats_.combine_s += since(t0);
-  ++stats_.layers;
+  work_.exchange_bytes += int64_t(sizeof(float)) * j * h;
+  work_.copy_seconds += since(t0);
+  ++work_.moe_layers;
 }
 
 void EpRank::run_step(const LayerHook& on_layer) {
@@ -299,7 +299,7 @@ void EpRank::run_step(const LayerHook& on_layer) {
       me.routed[li * size_t(s.experts) + size_t(e)] = int64_t(now - seen);
       seen = now;
     }
-  *me.stats = stats_;
+  *me.work = work_;
   barrier();
 }
 

@@ -84,7 +84,7 @@ class EpRank final : public model::ExpertExchange {
   std::function<void()> poll_;
   const LayerHook* on_layer_ = nullptr;
   int64_t layers_reported_ = 0;
-  ExchangeStats stats_;
+  RankWork work_;
 };
 
 }  // namespace tandem::engine::ep

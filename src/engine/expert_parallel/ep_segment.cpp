@@ -16,7 +16,7 @@ size_t round_up(size_t n) {
 // Byte sizes of the parts, in segment order; one definition for format, open and bytes.
 struct Sizes {
   size_t header, items, tokens, blocks, table, rank, logits, cache;
-  size_t entries, result_rows, rows, results, routed, stats;
+  size_t entries, result_rows, rows, results, routed, work;
   explicit Sizes(const EpShape& s) {
     header = round_up(sizeof(Header));
     items = round_up(sizeof(int64_t) + sizeof(ItemDesc) * size_t(s.max_items));
@@ -29,8 +29,8 @@ struct Sizes {
     rows = round_up(sizeof(float) * size_t(s.max_tokens * s.hidden));
     results = round_up(sizeof(float) * max_entries * size_t(s.hidden));
     routed = round_up(sizeof(int64_t) * size_t(s.moe_layers * s.experts));
-    stats = round_up(sizeof(ExchangeStats));
-    rank = 64 + entries + result_rows + rows + results + routed + stats;
+    work = round_up(sizeof(RankWork));
+    rank = 64 + entries + result_rows + rows + results + routed + work;
     logits = round_up(sizeof(float) * size_t(s.max_items * s.vocab));
     cache = size_t(s.cache_blocks * s.cache_block_bytes);
   }
@@ -120,7 +120,7 @@ RankArea EpSegment::rank(int r) const {
   p += z.results;
   a.routed = reinterpret_cast<int64_t*>(p);
   p += z.routed;
-  a.stats = reinterpret_cast<ExchangeStats*>(p);
+  a.work = reinterpret_cast<RankWork*>(p);
   return a;
 }
 

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "engine/executor/executor.h"
 #include "placement/placement.h"
 #include "util/shared_memory.h"
 
@@ -61,15 +62,6 @@ struct Entry {  // one token's use of one expert
   float weight = 0;
 };
 
-// A rank's exchange figures since it started, summed over the MoE layers of every step; each
-// rank copies its own into its area at the end of each step.
-struct ExchangeStats {
-  int64_t layers = 0;
-  int64_t bytes = 0;  // rows dispatched plus results gathered
-  double dispatch_s = 0, wait_s = 0, experts_s = 0, combine_s = 0;
-  int64_t expert_rows = 0;  // rows this rank's experts computed
-};
-
 struct PlacementTable {
   int32_t* slot_count;   // [moe_layers]
   int32_t* slot_rank;    // [moe_layers][max_slots]
@@ -83,7 +75,7 @@ struct RankArea {
   float* rows;          // [max_tokens, hidden]
   float* results;       // [max_tokens * top_k, hidden]
   int64_t* routed;      // [moe_layers, experts] this step
-  ExchangeStats* stats;
+  RankWork* work;       // the rank's figures since it started, copied in at the end of each step
 };
 
 class EpSegment {
