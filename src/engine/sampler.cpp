@@ -15,8 +15,8 @@ Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed)
   params_.validate();
 }
 
-int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt,
-                        std::span<const int32_t> output) {
+Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const int32_t> prompt,
+                                        std::span<const int32_t> output) const {
   const auto vocab = static_cast<int64_t>(logits.size());
   for (auto ids : {prompt, output})
     for (auto t : ids)
@@ -37,8 +37,11 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
     for (auto [t, n] : counts)
       logits[t] -= static_cast<float>(params_.frequency_penalty * n + params_.presence_penalty);
   }
-  if (params_.temperature < 1e-5) {
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  Candidates c;
+  if (greedy()) {
+    c.argmax =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    return c;
   }
   const auto inv_t = static_cast<float>(1.0 / params_.temperature);
   for (auto& l : logits) l *= inv_t;
@@ -46,7 +49,8 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
   // Candidates, best first when a filter needs the order: top-k keeps a sorted prefix, top-p
   // sorts; plain temperature sampling (and min-p, which needs only the maximum) skips the sort,
   // which would otherwise cost more than the rest of a small model's step.
-  std::vector<int32_t> order(vocab);
+  std::vector<int32_t>& order = c.order;
+  order.resize(vocab);
   std::iota(order.begin(), order.end(), 0);
   auto by_logit = [&](int32_t a, int32_t b) {
     return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
@@ -57,8 +61,10 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
   } else if (params_.top_p < 1.0) {
     std::sort(order.begin(), order.end(), by_logit);
   }
-  int64_t keep = static_cast<int64_t>(order.size());
-  std::vector<double> probs(keep);
+  int64_t& keep = c.keep;
+  keep = static_cast<int64_t>(order.size());
+  std::vector<double>& probs = c.probs;
+  probs.resize(keep);
   float top = -std::numeric_limits<float>::infinity();
   for (auto id : order) top = std::max(top, logits[id]);
   double sum = 0;
@@ -83,8 +89,60 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
     }
     keep = w;
   }
-  std::discrete_distribution<int64_t> pick(probs.begin(), probs.begin() + keep);
-  return order[pick(rng_)];
+  return c;
+}
+
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt,
+                        std::span<const int32_t> output) {
+  const Candidates c = candidates(logits, prompt, output);
+  if (greedy()) return c.argmax;
+  std::discrete_distribution<int64_t> pick(c.probs.begin(), c.probs.begin() + c.keep);
+  return c.order[pick(rng_)];
+}
+
+void Sampler::dense(const Candidates& c, std::vector<float>& out) {
+  std::fill(out.begin(), out.end(), 0.0f);
+  double sum = 0;
+  for (int64_t i = 0; i < c.keep; ++i) sum += c.probs[i];
+  for (int64_t i = 0; i < c.keep; ++i) out[c.order[i]] = static_cast<float>(c.probs[i] / sum);
+}
+
+int32_t Sampler::propose(std::span<float> logits, std::span<const int32_t> prompt,
+                         std::span<const int32_t> output, std::vector<float>& q) {
+  const Candidates c = candidates(logits, prompt, output);
+  if (greedy()) return c.argmax;
+  q.resize(logits.size());
+  dense(c, q);
+  // Drawn from q itself (not from c.probs), so the token and the q verify() divides by agree
+  // to the last bit.
+  std::discrete_distribution<int64_t> pick(q.begin(), q.end());
+  return static_cast<int32_t>(pick(rng_));
+}
+
+int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt,
+                        std::span<const int32_t> output, int32_t draft, std::span<const float> q) {
+  const Candidates c = candidates(logits, prompt, output);
+  if (greedy()) return c.argmax;
+  const auto vocab = static_cast<int64_t>(logits.size());
+  if (draft < 0 || draft >= vocab || static_cast<int64_t>(q.size()) != vocab || !(q[draft] > 0))
+    throw Error("sampler: draft token " + std::to_string(draft) +
+                " comes without the distribution it was drawn from");
+  std::vector<float> p(static_cast<size_t>(vocab));
+  dense(c, p);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  if (unit(rng_) * q[draft] < p[draft]) return draft;  // u < p(d) / q(d)
+  // Rejected: p(d) < q(d) here, so the residual gives d no mass.
+  std::vector<double> residual(static_cast<size_t>(vocab));
+  double mass = 0;
+  for (int64_t i = 0; i < vocab; ++i) mass += (residual[i] = std::max(0.0f, p[i] - q[i]));
+  if (!(mass > 0)) {
+    // p equals q (up to rounding) everywhere but at d: draw from p without d.
+    p[draft] = 0;
+    std::discrete_distribution<int64_t> pick(p.begin(), p.end());
+    return static_cast<int32_t>(pick(rng_));
+  }
+  std::discrete_distribution<int64_t> pick(residual.begin(), residual.end());
+  return static_cast<int32_t>(pick(rng_));
 }
 
 }  // namespace tandem::engine

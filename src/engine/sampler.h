@@ -3,6 +3,13 @@
 // penalty (prompt and output tokens), frequency and presence penalties (output tokens), then
 // temperature; then top-k, top-p and min-p filtering; then a draw from the seeded generator.
 // Temperature 0 is greedy (argmax, lowest id on ties).
+//
+// Speculative decoding (engine/speculative) uses the same transformed distribution twice: a
+// draft token is proposed from the draft model's logits, then verified against the target
+// model's logits by rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accepted with
+// probability min(1, p(d) / q(d)), else replaced by a draw from max(0, p - q) renormalised. The
+// accepted-or-replaced token is distributed exactly as sample() on the target logits; greedy
+// requests accept exactly when the draft is the argmax.
 #include <cstdint>
 #include <optional>
 #include <random>
@@ -27,7 +34,33 @@ class Sampler {
   int32_t sample(std::span<float> logits, std::span<const int32_t> prompt,
                  std::span<const int32_t> output);
 
+  bool greedy() const { return params_.temperature < kGreedyTemperature; }
+  // A draft token from draft logits[vocab] (modified in place) with the same transforms as
+  // sample(); unless greedy, `q` receives the whole distribution it was drawn from [vocab].
+  int32_t propose(std::span<float> logits, std::span<const int32_t> prompt,
+                  std::span<const int32_t> output, std::vector<float>& q);
+  // Verifies `draft` against target logits[vocab] (modified in place): returns `draft` when it is
+  // accepted, else the token that replaces it. `q` is what propose() returned for it (unused when
+  // greedy).
+  int32_t verify(std::span<float> logits, std::span<const int32_t> prompt,
+                 std::span<const int32_t> output, int32_t draft, std::span<const float> q);
+
+  static constexpr double kGreedyTemperature = 1e-5;
+
  private:
+  // The candidates sample() draws from: ids (best first when a filter needed the order) and
+  // their probabilities, `keep` of them; empty for greedy requests, whose choice is `argmax`.
+  struct Candidates {
+    std::vector<int32_t> order;
+    std::vector<double> probs;
+    int64_t keep = 0;
+    int32_t argmax = -1;
+  };
+  Candidates candidates(std::span<float> logits, std::span<const int32_t> prompt,
+                        std::span<const int32_t> output) const;
+  // candidates() as a dense distribution over the vocabulary.
+  static void dense(const Candidates& c, std::vector<float>& out);
+
   SamplingParams params_;
   std::mt19937_64 rng_;
 };

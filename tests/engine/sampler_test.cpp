@@ -2,6 +2,7 @@
 // should, penalties move the logits they should, and a seed makes draws reproducible.
 #include "engine/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -117,6 +118,133 @@ TEST(Sampler, InvalidParametersAreNamed) {
   p = {};
   p.stop = {""};
   EXPECT_NE(error_of(p).find("stop"), std::string::npos);
+}
+
+// Speculative sampling is lossless: a token proposed from a draft distribution and then verified
+// (accepted or replaced) against the target logits is distributed as a plain draw from the target
+// logits, with every filter and penalty. Two-sample chi-square over a small vocabulary, fixed
+// seeds (deterministic); the bound is the 0.1% critical value for the bins' degrees of freedom.
+double two_sample_chi_square(const std::vector<int64_t>& a, const std::vector<int64_t>& b,
+                             int64_t& bins) {
+  double chi = 0;
+  bins = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] + b[i] == 0) continue;
+    const double d = static_cast<double>(a[i] - b[i]);
+    chi += d * d / static_cast<double>(a[i] + b[i]);
+    ++bins;
+  }
+  return chi;
+}
+
+double chi_square_bound(int64_t degrees) {  // p = 0.001
+  static const double kBound[] = {0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12};
+  return kBound[std::clamp<int64_t>(degrees, 1, 8)];
+}
+
+struct SpeculativeCase {
+  const char* name;
+  SamplingParams params;
+  std::vector<int32_t> prompt, output;
+};
+
+std::vector<SpeculativeCase> speculative_cases() {
+  std::vector<SpeculativeCase> cases;
+  SamplingParams p;
+  p.temperature = 0.8;
+  cases.push_back({"temperature", p, {}, {}});
+  p.top_k = 4;
+  cases.push_back({"top_k", p, {}, {}});
+  p = {};
+  p.top_p = 0.85;
+  cases.push_back({"top_p", p, {}, {}});
+  p = {};
+  p.min_p = 0.08;
+  p.temperature = 1.3;
+  cases.push_back({"min_p", p, {}, {}});
+  p = {};
+  p.repetition_penalty = 1.7;
+  p.frequency_penalty = 0.4;
+  p.presence_penalty = 0.3;
+  cases.push_back({"penalties", p, {1, 5}, {2, 2, 7}});
+  return cases;
+}
+
+// Target and draft logits over 8 tokens: the draft agrees on some tokens, not on others.
+const std::vector<float> kTarget = {1.0f, 2.5f, 0.2f, 2.0f, -1.0f, 1.7f, 0.5f, 2.2f};
+const std::vector<float> kDraft = {2.0f, 1.0f, 0.2f, 3.0f, 0.5f, 1.7f, -2.0f, 0.1f};
+
+std::vector<int64_t> plain_counts(const SpeculativeCase& c, int64_t draws) {
+  Sampler s(c.params, 11);
+  std::vector<int64_t> counts(kTarget.size(), 0);
+  for (int64_t i = 0; i < draws; ++i) {
+    auto l = kTarget;
+    ++counts[size_t(s.sample(l, c.prompt, c.output))];
+  }
+  return counts;
+}
+
+TEST(SpeculativeSampling, VerifiedDraftsAreDistributedAsPlainDraws) {
+  constexpr int64_t kDraws = 40000;
+  for (const auto& c : speculative_cases()) {
+    Sampler s(c.params, 23);
+    std::vector<int64_t> counts(kTarget.size(), 0);
+    int64_t accepted = 0;
+    std::vector<float> q;
+    for (int64_t i = 0; i < kDraws; ++i) {
+      auto d = kDraft;
+      const int32_t draft = s.propose(d, c.prompt, c.output, q);
+      auto t = kTarget;
+      const int32_t token = s.verify(t, c.prompt, c.output, draft, q);
+      accepted += token == draft;
+      ++counts[size_t(token)];
+    }
+    int64_t bins = 0;
+    const double chi = two_sample_chi_square(plain_counts(c, kDraws), counts, bins);
+    EXPECT_LT(chi, chi_square_bound(bins - 1)) << c.name;
+    // The draft differs from the target: some drafts must have been rejected, most accepted.
+    EXPECT_GT(accepted, kDraws / 4) << c.name;
+    EXPECT_LT(accepted, kDraws) << c.name;
+  }
+}
+
+TEST(SpeculativeSampling, TheChiSquareCheckRejectsDraftsTakenUnverified) {
+  // The test above can fail: tokens drawn from the draft alone are told apart from the target's.
+  const auto c = speculative_cases().front();
+  constexpr int64_t kDraws = 40000;
+  Sampler s(c.params, 23);
+  std::vector<int64_t> counts(kTarget.size(), 0);
+  std::vector<float> q;
+  for (int64_t i = 0; i < kDraws; ++i) {
+    auto d = kDraft;
+    ++counts[size_t(s.propose(d, c.prompt, c.output, q))];
+  }
+  int64_t bins = 0;
+  const double chi = two_sample_chi_square(plain_counts(c, kDraws), counts, bins);
+  EXPECT_GT(chi, chi_square_bound(bins - 1));
+}
+
+TEST(SpeculativeSampling, GreedyAcceptsExactlyTheArgmax) {
+  SamplingParams p;
+  p.temperature = 0;
+  Sampler s(p, 1);
+  std::vector<float> q;
+  auto d = kDraft;
+  const int32_t draft = s.propose(d, {}, {}, q);
+  EXPECT_EQ(draft, 3);
+  EXPECT_TRUE(q.empty());
+  auto t = kTarget;
+  EXPECT_EQ(s.verify(t, {}, {}, draft, q), 1);  // rejected: the target's argmax replaces it
+  t = kTarget;
+  EXPECT_EQ(s.verify(t, {}, {}, 1, q), 1);  // accepted
+}
+
+TEST(SpeculativeSampling, AVerifyWithoutTheDraftDistributionIsAnError) {
+  SamplingParams p;
+  p.temperature = 1;
+  Sampler s(p, 1);
+  auto t = kTarget;
+  EXPECT_THROW(s.verify(t, {}, {}, 2, {}), Error);
 }
 
 }  // namespace
