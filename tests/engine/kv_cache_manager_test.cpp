@@ -66,6 +66,27 @@ TEST(KvCacheManagerTest, AllocateGrowAndFree) {
   m.check_invariants();
 }
 
+TEST(KvCacheManagerTest, TruncateReleasesTheBlocksOfRejectedTokensOnly) {
+  KvCacheManager m(10, 4, true, with_events());
+  const auto tokens = iota_tokens(100, 8);
+  admit_and_compute(m, "a", tokens);  // two full blocks, registered
+  ASSERT_TRUE(m.allocate("a", 8 + 6));  // drafts: two more blocks
+  const int32_t third = m.block_table("a")[2];
+  m.truncate("a", 9);  // one draft accepted: the third block stays, the fourth goes
+  ASSERT_EQ(m.block_table("a").size(), 3u);
+  EXPECT_EQ(m.block_table("a")[2], third);
+  EXPECT_EQ(m.num_free_blocks(), 7);
+  m.truncate("a", 12);  // covers no fewer blocks: nothing changes
+  EXPECT_EQ(m.block_table("a").size(), 3u);
+  EXPECT_THROW(m.truncate("a", 4), Error);  // would drop a registered block
+  EXPECT_THROW(m.truncate("nobody", 0), Error);
+  EXPECT_EQ(m.num_cached_blocks(), 2);  // no hash for anything past the verified tokens
+  m.check_invariants();
+  // A released block is handed out first (it held nothing reusable).
+  ASSERT_TRUE(m.allocate("b", 1));
+  m.check_invariants();
+}
+
 TEST(KvCacheManagerTest, FailedAllocationChangesNothing) {
   KvCacheManager m(4, 4, true, with_events());
   admit_and_compute(m, "a", iota_tokens(1, 8));  // two cached blocks

@@ -228,19 +228,37 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
   request.num_registered = full;
 }
 
+void KvCacheManager::release(int32_t b) {
+  Block& block = blocks_[b];
+  if (--block.ref > 0) return;
+  if (block.cached)
+    push_back(b);
+  else
+    push_front(b);  // holds nothing reusable: hand it out first
+}
+
+void KvCacheManager::truncate(const std::string& request_id, int64_t num_tokens) {
+  const auto it = requests_.find(request_id);
+  if (it == requests_.end()) throw Error("truncate: unknown request '" + request_id + "'");
+  Request& request = it->second;
+  const auto keep = static_cast<size_t>(std::max<int64_t>(0, num_tokens + block_size_ - 1) /
+                                        block_size_);
+  if (keep >= request.blocks.size()) return;
+  if (keep < request.num_registered || keep < request.hashes.size())
+    throw Error("truncate: request '" + request_id + "' would lose registered blocks (keeps " +
+                std::to_string(keep) + " of " + std::to_string(request.num_registered) + ")");
+  while (request.blocks.size() > keep) {
+    release(request.blocks.back());
+    request.blocks.pop_back();
+  }
+}
+
 void KvCacheManager::free(const std::string& request_id) {
   const auto it = requests_.find(request_id);
   if (it == requests_.end()) return;
   const std::vector<int32_t>& table = it->second.blocks;
   // Reverse order, so that a sequence's tail is evicted before its head.
-  for (auto b = table.rbegin(); b != table.rend(); ++b) {
-    Block& block = blocks_[*b];
-    if (--block.ref > 0) continue;
-    if (block.cached)
-      push_back(*b);
-    else
-      push_front(*b);  // holds nothing reusable: hand it out first
-  }
+  for (auto b = table.rbegin(); b != table.rend(); ++b) release(*b);
   requests_.erase(it);
 }
 

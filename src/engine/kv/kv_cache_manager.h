@@ -84,6 +84,12 @@ class KvCacheManager {
   // for an unknown request or more tokens than the block table covers.
   void cache_full_blocks(const std::string& request_id, std::span<const int32_t> tokens);
 
+  // Rolls a request back to its first `num_tokens` tokens (speculative decoding: the KV of
+  // rejected draft tokens): blocks of its table past those covering them are released as free()
+  // releases them. Registered (prefix-cached) blocks are never dropped; asking to is an error, as
+  // is an unknown request. No-op when the table covers no more.
+  void truncate(const std::string& request_id, int64_t num_tokens);
+
   // Drops the request's references; blocks nobody else references return to the free queue, and
   // cached ones stay findable until evicted. Unknown ids are ignored (free is idempotent).
   void free(const std::string& request_id);
@@ -133,6 +139,7 @@ class KvCacheManager {
   void push_back(int32_t b);
   void unlink(int32_t b);
   int32_t pop_front();
+  void release(int32_t b);  // drops one table's reference
   void record(KvEvent event);
 
   int64_t block_size_;
