@@ -178,7 +178,7 @@ void long_context_decode(const DeepSeekModel& model, const tandem::bench::Machin
   int32_t tok = 1000;
   const double t0 = now();
   for (int64_t i = 0; i < steps; ++i) {
-    SequenceStep d{std::span(&tok, 1), context + i, table, false};
+    SequenceStep d{std::span(&tok, 1), context + i, table};
     auto out = model.forward(std::span(&d, 1), cache);
     tok = argmax(out.logits.data(), c.vocab_size);
   }
@@ -227,7 +227,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   std::vector<double> times;
   for (int rep = 0; rep < prefill_runs; ++rep) {
     LatentCache cache(model.cache_shape(block), blocks);
-    SequenceStep step{prompt, 0, table, false};
+    SequenceStep step{prompt, 0, table};
     double t0 = now();
     model.forward(std::span(&step, 1), cache);
     times.push_back(now() - t0);
@@ -265,13 +265,13 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   {
     double dram = tandem::bench::measure_dram_gbs();
     LatentCache cache(model.cache_shape(block), blocks);
-    SequenceStep step{prompt, 0, table, false};
+    SequenceStep step{prompt, 0, table};
     auto out = model.forward(std::span(&step, 1), cache);
     int32_t tok = argmax(out.logits.data(), c.vocab_size);
     double t0 = now();
     double kv_bytes = 0;
     for (int64_t i = 0; i < decode_steps; ++i) {
-      SequenceStep d{std::span(&tok, 1), prompt_len + i, table, false};
+      SequenceStep d{std::span(&tok, 1), prompt_len + i, table};
       out = model.forward(std::span(&d, 1), cache);
       tok = argmax(out.logits.data(), c.vocab_size);
       kv_bytes += static_cast<double>(prompt_len + i + 1) * entry_bytes * layers;
@@ -290,7 +290,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     tandem::model::StepProfile profile;
     model.set_profile(&profile);
     for (int64_t i = 0; i < decode_steps; ++i) {
-      SequenceStep d{std::span(&tok, 1), prompt_len + decode_steps + i, table, false};
+      SequenceStep d{std::span(&tok, 1), prompt_len + decode_steps + i, table};
       out = model.forward(std::span(&d, 1), cache);
       tok = argmax(out.logits.data(), c.vocab_size);
     }
@@ -313,7 +313,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
       std::vector<int32_t> t(per_seq);
       std::iota(t.begin(), t.end(), static_cast<int32_t>(s * per_seq));
       tables.push_back(t);
-      SequenceStep step{prompts[s], 0, tables[s], false};
+      SequenceStep step{prompts[s], 0, tables[s]};
       auto out = model.forward(std::span(&step, 1), cache);
       next[s] = argmax(out.logits.data(), c.vocab_size);
     }
@@ -323,7 +323,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     for (int64_t i = 0; i < decode_steps; ++i) {
       std::vector<SequenceStep> steps;
       for (int64_t s = 0; s < batch; ++s)
-        steps.push_back({std::span(&next[s], 1), plen + i, tables[s], false});
+        steps.push_back({std::span(&next[s], 1), plen + i, tables[s]});
       auto out = model.forward(steps, cache);
       for (int64_t s = 0; s < batch; ++s)
         next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
@@ -351,7 +351,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     for (int64_t i = 0; i < decode_steps; ++i) {
       std::vector<SequenceStep> steps;
       for (int64_t s = 0; s < batch; ++s)
-        steps.push_back({std::span(&next[s], 1), plen + decode_steps + i, tables[s], false});
+        steps.push_back({std::span(&next[s], 1), plen + decode_steps + i, tables[s]});
       auto out = model.forward(steps, cache);
       for (int64_t s = 0; s < batch; ++s)
         next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);

@@ -77,7 +77,8 @@ Run run_steps(engine::Executor& ex, int64_t batch, int64_t prompt, int64_t decod
       items.push_back(item);
     }
     const auto out = ex.execute(items);
-    for (int64_t s = 0; s < batch; ++s) tokens[size_t(s)].push_back(out.sampled[size_t(s)].token);
+    for (int64_t s = 0; s < batch; ++s)
+      tokens[size_t(s)].push_back(out.sampled[size_t(s)].tokens.front().token);
   };
   Run r;
   auto t0 = Clock::now();

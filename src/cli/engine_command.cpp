@@ -57,6 +57,7 @@ struct EngineOptions {
   double kv_transfer_timeout = 120;
   bool kv_transfer_checksum = false;
   std::string kv_transport = "shm";
+  int64_t speculative_tokens = 0;
 };
 
 const std::map<std::string, engine::KvTransportKind> kKvTransports = {
@@ -103,6 +104,7 @@ engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
   co.num_blocks = o.num_blocks;
   co.kv_cache_bytes = o.kv_cache_gb * double(1ull << 30);
   co.kv_cache_type = kKvCacheTypes.at(o.kv_cache_dtype);
+  co.speculative_tokens = o.speculative_tokens;
   return co;
 }
 
@@ -121,6 +123,10 @@ void run(const EngineOptions& o) {
     throw Error(
         "--expert-parallel runs a real model's experts; a sim: model takes "
         "--sim-expert-parallel");
+  if (o.speculative_tokens > 0 && (sim || o.expert_parallel > 1))
+    throw Error(std::string("--speculative-tokens: speculative decoding runs a real model's MTP "
+                            "module in one process; not with ") +
+                (sim ? "a sim: model" : "--expert-parallel"));
   if (sim) {
     engine::SimExecutorOptions so;
     so.preset = o.model.substr(kSimPrefix.size());
@@ -345,6 +351,11 @@ void add_engine_command(CLI::App& app) {
                   "moves any copy (0: only POST /admin/expert_placement)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--speculative-tokens", o->speculative_tokens,
+                  "speculative decoding: draft tokens per step from the model's MTP module "
+                  "(applied recursively past the first), verified in the next step (0: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 8));
   cmd->add_option("--mla-rescale", o->mla_rescale,
                   "decode attention's softmax rescale: multiply or amla (exponent add)")
       ->capture_default_str()

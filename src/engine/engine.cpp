@@ -49,6 +49,11 @@ struct Engine::Metrics {
   metrics::Histogram& e2e;
   metrics::Histogram& queue_time;
   metrics::Gauge& waiting_for_kv;
+  // Speculative decoding, as vLLM names it.
+  metrics::IntCounter& spec_drafts;
+  metrics::IntCounter& spec_draft_tokens;
+  metrics::IntCounter& spec_accepted_tokens;
+  metrics::Family<metrics::IntCounter>& spec_accepted_per_position;
 };
 
 namespace {
@@ -56,6 +61,12 @@ namespace {
 constexpr std::pair<EngineRole, const char*> kRoles[] = {{EngineRole::kBoth, "both"},
                                                          {EngineRole::kPrefill, "prefill"},
                                                          {EngineRole::kDecode, "decode"}};
+
+// The executor's draft passes need room past a sampled sequence's tokens.
+SchedulerConfig scheduler_config(SchedulerConfig c, const ExecutorInfo& info) {
+  c.speculative_lookahead = info.speculative_lookahead();
+  return c;
+}
 
 }  // namespace
 
@@ -81,7 +92,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       events_config_(parse_events(config)),
       kv_(executor_->info().num_blocks, executor_->info().block_size, config.enable_prefix_caching,
           kv_options(events_config_)),
-      scheduler_(config.scheduler, kv_),
+      scheduler_(scheduler_config(config.scheduler, executor_->info()), kv_),
       seed_base_(std::random_device{}()) {
   if (events_config_ && events_config_->enable_kv_cache_events &&
       events_config_->publisher == "zmq")
@@ -113,8 +124,16 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       registry.histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling",
                          metrics::vllm_request_latency_buckets(), model),
       registry.gauge("tandem:num_requests_waiting_for_kv",
-                     "Decode requests waiting for their prompt's KV from a prefill engine",
-                     model)});
+                     "Decode requests waiting for their prompt's KV from a prefill engine", model),
+      registry.int_counter("vllm:spec_decode_num_drafts_total",
+                           "Speculative steps: a sequence's drafts verified together", model),
+      registry.int_counter("vllm:spec_decode_num_draft_tokens_total", "Draft tokens verified",
+                           model),
+      registry.int_counter("vllm:spec_decode_num_accepted_tokens_total", "Draft tokens accepted",
+                           model),
+      registry.int_counter_family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                  "Draft tokens accepted, by position in their step's drafts",
+                                  {"position"}, model)});
   const ExecutorInfo& info = executor_->info();
   if (info.routed_experts > 0) {
     expert_load_ = std::make_unique<ExpertLoadStats>(info.moe_layers, info.routed_experts,
@@ -387,7 +406,7 @@ void Engine::step() {
     }
     ExecItem item;
     item.tokens = std::span<const int32_t>(seq->tokens)
-                      .subspan(size_t(seq->num_computed), size_t(s.num_new_tokens));
+                      .subspan(size_t(seq->num_computed), size_t(s.num_new_tokens - s.num_drafts));
     item.start = seq->num_computed;
     item.blocks = kv_.block_table(seq->request.id);
     item.sample = s.sample;
@@ -395,6 +414,8 @@ void Engine::step() {
     item.prompt = seq->prompt();
     item.generated = seq->generated();
     item.logprobs = seq->request.logprobs;
+    item.drafts = std::span<const int32_t>(seq->drafts).first(size_t(s.num_drafts));
+    item.draft_probs = seq->draft_probs;
     items.push_back(item);
   }
   // Prefills for a bootstrap room that complete their prompt in this step stream each layer to
@@ -433,6 +454,7 @@ void Engine::step() {
   }
   const double done = now_seconds();
   if (expert_load_) record_expert_load(result.expert_tokens);
+  count_speculation(out, result.sampled);
   std::vector<SequenceUpdate> updates = scheduler_.update_from_output(out, result.sampled, done);
   const uint64_t index = recent_steps_.empty() ? 1 : recent_steps_.back().index + 1;
   recent_steps_.push_back({index, static_cast<int64_t>(out.scheduled.size()), step_tokens,
@@ -445,9 +467,11 @@ void Engine::step() {
       metrics_->ttft.observe(done - seq->arrival_time);
       metrics_->prompt_tokens.inc(static_cast<uint64_t>(seq->num_prompt));
     } else if (u.since_last_token_s >= 0) {
-      metrics_->tpot.observe(u.since_last_token_s);
+      // A step that yields several tokens (accepted drafts) spent its time on all of them.
+      for (size_t k = 0; k < o.tokens.size(); ++k)
+        metrics_->tpot.observe(u.since_last_token_s / double(o.tokens.size()));
     }
-    metrics_->generation_tokens.inc();
+    metrics_->generation_tokens.inc(o.tokens.size());
     const std::string reason = o.finish_reason;
     if (o.finished && pd_ && pd_->defer_final_output(seq, o)) {
       finish(seq, reason, {}, /*notified=*/true);  // answered when its room's transfer ends
@@ -459,6 +483,19 @@ void Engine::step() {
   }
   publish_events();
   update_gauges();
+}
+
+void Engine::count_speculation(const SchedulerOutput& out, std::span<const StepTokens> sampled) {
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    const int64_t drafts = out.scheduled[i].num_drafts;
+    if (drafts == 0) continue;
+    const auto accepted = static_cast<int64_t>(sampled[i].tokens.size()) - 1;
+    metrics_->spec_drafts.inc();
+    metrics_->spec_draft_tokens.inc(uint64_t(drafts));
+    metrics_->spec_accepted_tokens.inc(uint64_t(accepted));
+    for (int64_t k = 0; k < accepted; ++k)
+      metrics_->spec_accepted_per_position.labels({std::to_string(k)}).inc();
+  }
 }
 
 void Engine::finish(Sequence* seq, const std::string& reason, const std::string& error,

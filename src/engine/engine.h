@@ -118,6 +118,7 @@ class Engine final : private PdHost {
   void publish_events();
   void update_gauges();
   void record_expert_load(std::span<const int64_t> step);
+  void count_speculation(const SchedulerOutput& out, std::span<const StepTokens> sampled);
   // Posted by KV transfer threads, run on the engine thread.
   void post(std::function<void()> task);
   // PdHost: what the P/D coordinator does to sequences (engine thread).

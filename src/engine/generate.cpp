@@ -41,7 +41,7 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
 
   auto clock = std::chrono::steady_clock::now;
   auto t0 = clock();
-  model::SequenceStep step{prompt, 0, table, false};
+  model::SequenceStep step{prompt, 0, table};
   auto out = model.forward(std::span(&step, 1), cache);
   result.prefill_seconds = std::chrono::duration<double>(clock() - t0).count();
   t0 = clock();
@@ -57,7 +57,7 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
       break;
     }
     std::span<const int32_t> one(&result.tokens.back(), 1);
-    model::SequenceStep decode{one, position++, table, false};
+    model::SequenceStep decode{one, position++, table};
     out = model.forward(std::span(&decode, 1), cache);
   }
   result.text = output.text();

@@ -488,7 +488,10 @@ StepOutput DeepSeekModel::finish(std::span<const SequenceStep> batch, std::vecto
   for (const auto& step : batch) {
     out.first_row.push_back(static_cast<int64_t>(rows.size()));
     const int64_t count = static_cast<int64_t>(step.tokens.size());
-    for (int64_t i = step.all_logits ? 0 : count - 1; i < count; ++i) rows.push_back(t + i);
+    const int64_t first = step.logits == LogitRows::kAll    ? 0
+                          : step.logits == LogitRows::kLast ? count - 1
+                                                            : count;
+    for (int64_t i = first; i < count; ++i) rows.push_back(t + i);
     t += count;
   }
   std::vector<float> normed(rows.size() * h);

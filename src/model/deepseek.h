@@ -24,16 +24,20 @@
 
 namespace tandem::model {
 
+// Which of a step's new tokens get logits: the last one (the next token), every one (verifying
+// speculative drafts) or none (a prefill chunk that does not reach the prompt's end).
+enum class LogitRows { kLast, kAll, kNone };
+
 struct SequenceStep {
   std::span<const int32_t> tokens;  // the new tokens
   int64_t start = 0;                // position of tokens[0]; earlier positions are in the cache
   std::span<const int32_t> blocks;  // block table covering start + tokens.size() positions
-  bool all_logits = false;          // logits for every new token, else for the last one only
+  LogitRows logits = LogitRows::kLast;
 };
 
 struct StepOutput {
   std::vector<float> logits;       // [rows, vocab_size]
-  std::vector<int64_t> first_row;  // per sequence, its first row in `logits`
+  std::vector<int64_t> first_row;  // per sequence, its first row in `logits` (if it has rows)
   std::vector<float> hidden;       // [new tokens, hidden_size], before the final norm (MTP input)
   // Per new token, the smallest MoE routing margin over its layers (see Routing::margin);
   // infinity for models without MoE layers.

@@ -11,6 +11,14 @@
 namespace tandem::engine {
 namespace {
 
+// What a sampled item yields: these tokens (accepted drafts, then the sampled one) and drafts.
+StepTokens tokens(std::vector<int32_t> ids, std::vector<int32_t> drafts = {}) {
+  StepTokens s;
+  for (auto id : ids) s.tokens.push_back({id, 0, {}});
+  s.drafts = std::move(drafts);
+  return s;
+}
+
 struct Fixture {
   KvCacheManager kv;
   Scheduler sched;
@@ -35,7 +43,7 @@ struct Fixture {
   // max_tokens finish.
   SchedulerOutput step(double now = 0) {
     auto out = sched.schedule();
-    const std::vector<TokenLogprob> sampled(out.scheduled.size(), TokenLogprob{7, 0, {}});
+    const std::vector<StepTokens> sampled(out.scheduled.size(), tokens({7}));
     for (const auto& u : sched.update_from_output(out, sampled, now))
       if (u.output.finished) sched.remove(u.seq);
     kv.check_invariants();
@@ -57,8 +65,9 @@ TEST(Scheduler, UpdateFromOutputAppliesTokensAndReportsFinishes) {
   Sequence* a = f.add(iota_tokens(5), 2);
   Sequence* b = f.add(iota_tokens(15, 100), 1);  // its prefill takes two steps (7 + 8)
   auto out = f.sched.schedule();
-  std::vector<TokenLogprob> sampled(out.scheduled.size());
-  for (size_t i = 0; i < sampled.size(); ++i) sampled[i].token = static_cast<int32_t>(50 + i);
+  std::vector<StepTokens> sampled;
+  for (size_t i = 0; i < out.scheduled.size(); ++i)
+    sampled.push_back(tokens({static_cast<int32_t>(50 + i)}));
   auto updates = f.sched.update_from_output(out, sampled, 10.0);
   ASSERT_EQ(updates.size(), 1u);  // b's chunk stopped short of its prompt's end
   EXPECT_EQ(updates[0].seq, a);
@@ -73,7 +82,7 @@ TEST(Scheduler, UpdateFromOutputAppliesTokensAndReportsFinishes) {
   EXPECT_EQ(b->num_generated(), 0);
 
   out = f.sched.schedule();
-  sampled.assign(out.scheduled.size(), TokenLogprob{60, 0, {}});
+  sampled.assign(out.scheduled.size(), tokens({60}));
   updates = f.sched.update_from_output(out, sampled, 10.5);
   ASSERT_EQ(updates.size(), 2u);
   for (const auto& u : updates) {
@@ -85,6 +94,48 @@ TEST(Scheduler, UpdateFromOutputAppliesTokensAndReportsFinishes) {
   EXPECT_DOUBLE_EQ(ua.since_last_token_s, 0.5);
   EXPECT_EQ(ua.output.completion_tokens, 2);
   EXPECT_DOUBLE_EQ(b->first_token_time, 10.5);
+}
+
+// Speculative decoding: drafts ride with the decode token; the step's accepted drafts and its
+// sampled token are appended; the rejected drafts' KV is not counted as computed, their blocks
+// go back and no prefix-cache hash ever covers them.
+TEST(Scheduler, RejectedDraftsLeaveNoBlockAndNoCachedHash) {
+  Fixture f(32, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64, .speculative_lookahead = 2});
+  Sequence* a = f.add(iota_tokens(7), 20);
+  auto out = f.sched.schedule();  // the prompt; room for the draft passes past it
+  ASSERT_EQ(out.scheduled[0].num_new_tokens, 7);
+  EXPECT_EQ(f.kv.block_table("0").size(), 3u);  // 7 + 2 positions
+  f.sched.update_from_output(out, std::vector{tokens({100}, {101, 102, 103})}, 0);
+  EXPECT_EQ(a->num_computed, 7);
+  EXPECT_EQ(a->drafts, (std::vector<int32_t>{101, 102, 103}));
+  EXPECT_EQ(f.kv.block_table("0").size(), 2u);  // the scratch block went back
+  f.kv.check_invariants();
+
+  out = f.sched.schedule();  // 100 and its three drafts, positions 7..10, + 2 of lookahead
+  ASSERT_EQ(out.scheduled[0].num_new_tokens, 4);
+  EXPECT_EQ(out.scheduled[0].num_drafts, 3);
+  EXPECT_EQ(f.kv.block_table("0").size(), 4u);  // 13 positions
+  // 101 accepted, 102 rejected (replaced by 55): 103 is dropped.
+  auto updates = f.sched.update_from_output(out, std::vector{tokens({101, 55}, {56, 57, 58})}, 1);
+  ASSERT_EQ(updates.size(), 1u);
+  EXPECT_EQ(updates[0].output.tokens, (std::vector<int32_t>{101, 55}));
+  EXPECT_EQ(a->tokens, (std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 100, 101, 55}));
+  EXPECT_EQ(a->num_computed, 9);                // 100 and 101 are in the cache; 55 is next
+  EXPECT_EQ(f.kv.block_table("0").size(), 3u);  // 10 tokens; the rest went back
+  EXPECT_EQ(f.kv.num_cached_blocks(), 2);       // blocks of 1..4 and 5..8, nothing of a draft
+  EXPECT_EQ(f.kv.num_free_blocks(), 29);
+  f.kv.check_invariants();
+
+  // A step that stops mid-run (max_tokens) drops what follows and finishes.
+  a->request.sampling.max_tokens = 5;
+  out = f.sched.schedule();
+  EXPECT_EQ(out.scheduled[0].num_drafts, 1);  // 3 generated, 2 to go: one draft is enough
+  updates = f.sched.update_from_output(out, std::vector{tokens({56, 70})}, 2);
+  EXPECT_TRUE(updates[0].output.finished);
+  EXPECT_EQ(a->num_generated(), 5);
+  EXPECT_TRUE(a->drafts.empty());
+  f.sched.remove(a);
+  EXPECT_EQ(f.kv.num_free_blocks(), 32);
 }
 
 TEST(Scheduler, ChunkedPrefillRespectsTokenBudget) {

@@ -142,7 +142,7 @@ TEST_P(Numerics, MatchesPyTorchReference) {
         if (done[s] == seqs[s].size()) continue;
         size_t n = std::min(chunk, seqs[s].size() - done[s]);
         batch.push_back({std::span(seqs[s]).subspan(done[s], n), static_cast<int64_t>(done[s]),
-                         tables[s], true});
+                         tables[s], model::LogitRows::kAll});
         who.push_back(s);
       }
       if (batch.empty()) break;
@@ -187,7 +187,7 @@ TEST_P(Numerics, MatchesPyTorchReference) {
     std::vector<size_t> who;
     for (size_t s = 0; s < seqs.size(); ++s) {
       if (seqs[s].size() < 2) continue;
-      batch.push_back({std::span(seqs[s]).subspan(1), 0, tables[s], true});
+      batch.push_back({std::span(seqs[s]).subspan(1), 0, tables[s], model::LogitRows::kAll});
       hidden_in.insert(hidden_in.end(), hidden[s].begin(), hidden[s].end() - cfg.hidden_size);
       who.push_back(s);
     }

@@ -31,6 +31,10 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
     for (int64_t e = 0; e < info_.routed_experts; ++e)
       seen_.push_back(model_->expert_counts()[layer][e]);
   no_text_ = ids_without_text(tokenizer, c.vocab_size);
+  if (options.speculative_tokens > 0) {
+    drafter_.emplace(*model_, options.speculative_tokens, no_text_);
+    info_.speculative_tokens = options.speculative_tokens;
+  }
 }
 
 const std::byte* CpuExecutor::kv_bytes(int32_t block, int64_t layer) const {
@@ -63,14 +67,38 @@ void CpuExecutor::routed_this_step(std::vector<int64_t>& out) {
 ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
   std::vector<model::SequenceStep> steps;
   steps.reserve(batch.size());
-  for (const auto& item : batch) steps.push_back({item.tokens, item.start, item.blocks, false});
+  std::vector<std::vector<int32_t>> with_drafts(batch.size());  // tokens, then drafts
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ExecItem& item = batch[i];
+    if (!item.drafts.empty() && !item.sample)
+      throw Error("execute: item " + std::to_string(i) + " has drafts but samples nothing");
+    if (!item.drafts.empty() && !drafter_)
+      throw Error("execute: item " + std::to_string(i) +
+                  " has drafts and the executor does not speculate");
+    std::span<const int32_t> tokens = item.tokens;
+    if (!item.drafts.empty()) {
+      with_drafts[i].assign(item.tokens.begin(), item.tokens.end());
+      with_drafts[i].insert(with_drafts[i].end(), item.drafts.begin(), item.drafts.end());
+      tokens = with_drafts[i];
+    }
+    // Logits for each draft's verification, or only for the next token; none for prefill chunks
+    // that stop short of their prompt's end.
+    const auto rows = !item.sample          ? model::LogitRows::kNone
+                      : item.drafts.empty() ? model::LogitRows::kLast
+                                            : model::LogitRows::kAll;
+    steps.push_back({tokens, item.start, item.blocks, rows});
+  }
   auto out = model_->forward(steps, cache_, on_layer);
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
   routed_this_step(result.expert_tokens);
   sample_items(
-      batch, [&](size_t i) { return out.logits.data() + out.first_row[i] * vocab; }, vocab,
-      no_text_, result.sampled);
+      batch,
+      [&](size_t i, size_t row) {
+        return out.logits.data() + (out.first_row[i] + static_cast<int64_t>(row)) * vocab;
+      },
+      vocab, no_text_, result.sampled);
+  if (drafter_) drafter_->run(batch, out, cache_, result.sampled);
   return result;
 }
 

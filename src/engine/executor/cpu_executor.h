@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "engine/executor/executor.h"
+#include "engine/speculative/mtp_drafter.h"
 #include "model/deepseek.h"
 #include "text/tokenizer.h"
 
@@ -16,6 +17,8 @@ struct CpuExecutorOptions {
   int64_t num_blocks = 0;              // overrides the budget when > 0
   // Element type of the latent cache; unset: the model's default (BF16 unless float32 weights).
   std::optional<model::LatentType> kv_cache_type;
+  // Speculative decoding: draft tokens per step from the model's MTP module (0: off).
+  int64_t speculative_tokens = 0;
 };
 
 // KV blocks of the options' budget (or their explicit count); throws when none fits.
@@ -36,6 +39,7 @@ class CpuExecutor : public Executor {
   ExecutorInfo info_;
   model::LatentCache cache_;
   std::vector<int32_t> no_text_;  // LM-head rows without a token (padded vocabularies)
+  std::optional<MtpDrafter> drafter_;
   // The model's route counts after the previous step, [moe layers, experts]. Assumes no other
   // executor runs steps on the same model object concurrently.
   std::vector<uint64_t> seen_;

@@ -5,6 +5,7 @@
 // at their last known token it samples the next one. Two implementations: the CPU model and a
 // simulated executor (a latency model and deterministic tokens) that lets one small machine
 // stand in for a cluster of large GPUs. The scheduler, cache, events and API are the same for both.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -28,11 +29,27 @@ struct ExecItem {
   Sampler* sampler = nullptr;
   std::span<const int32_t> prompt, generated;
   int32_t logprobs = -1;  // -1: none, else also return the k most likely tokens
+  // Speculative decoding: draft tokens that follow `tokens` (which end at the sequence's last
+  // known token), verified in this step; only with sample = true. `draft_probs` holds the
+  // distribution each was drawn from, [drafts, vocab] (empty for greedy requests).
+  std::span<const int32_t> drafts;
+  std::span<const float> draft_probs;
+};
+
+// What one sampled item yields in a step.
+struct StepTokens {
+  // The accepted drafts, then one sampled token (the first rejected draft's replacement, or the
+  // token after the last accepted one); each with its logprobs when the item asked for them.
+  std::vector<TokenLogprob> tokens;
+  // Executors that speculate: drafts for the next step, after tokens.back(), and their
+  // distributions [drafts, vocab] (empty for greedy requests).
+  std::vector<int32_t> drafts;
+  std::vector<float> draft_probs;
 };
 
 struct ExecResult {
   // Per item with sample = true, in batch order; empty entries for the others.
-  std::vector<TokenLogprob> sampled;
+  std::vector<StepTokens> sampled;
   // Tokens routed to each (MoE layer, logical expert) in this step, [moe layers, experts]
   // row-major; empty when the executor has no expert routing to report.
   std::vector<int64_t> expert_tokens;
@@ -78,6 +95,11 @@ struct ExecutorInfo {
   // experts per layer (both empty/0 when it reports none).
   std::vector<int64_t> moe_layers;
   int64_t routed_experts = 0;
+  // Draft tokens it proposes per sampled item (speculative decoding with the model's MTP
+  // module); 0: none. Items then need blocks for speculative_lookahead() positions past their
+  // new tokens and drafts.
+  int64_t speculative_tokens = 0;
+  int64_t speculative_lookahead() const { return std::max<int64_t>(speculative_tokens - 1, 0); }
 };
 
 class Executor {

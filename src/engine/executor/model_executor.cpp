@@ -53,22 +53,41 @@ std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t 
   return out;
 }
 
-void sample_items(std::span<const ExecItem> batch, const std::function<float*(size_t)>& logits_of,
-                  int64_t vocab, std::span<const int32_t> no_text,
-                  std::vector<TokenLogprob>& sampled) {
-  sampled.resize(batch.size());
+void sample_items(std::span<const ExecItem> batch,
+                  const std::function<float*(size_t item, size_t row)>& logits_of, int64_t vocab,
+                  std::span<const int32_t> no_text, std::vector<StepTokens>& sampled) {
+  sampled.assign(batch.size(), {});
+  std::vector<float> raw;
+  std::vector<int32_t> output;  // generated tokens with the ones accepted in this step
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& item = batch[i];
     if (!item.sample) continue;
-    std::span<float> logits(logits_of(i), size_t(vocab));
-    for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
-    std::vector<float> raw;
-    if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
-    const int32_t token = item.sampler->sample(logits, item.prompt, item.generated);
-    if (item.logprobs >= 0)
-      sampled[i] = token_logprobs(raw, token, item.logprobs);
-    else
-      sampled[i].token = token;
+    const size_t drafts = item.drafts.size();
+    if (!item.draft_probs.empty() && item.draft_probs.size() != drafts * size_t(vocab))
+      throw Error("sample: item " + std::to_string(i) + " has " + std::to_string(drafts) +
+                  " drafts and " + std::to_string(item.draft_probs.size()) +
+                  " draft probabilities");
+    if (drafts > 0) output.assign(item.generated.begin(), item.generated.end());
+    auto& tokens = sampled[i].tokens;
+    for (size_t j = 0; j <= drafts; ++j) {
+      std::span<float> logits(logits_of(i, j), size_t(vocab));
+      for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+      if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
+      const std::span<const int32_t> history = drafts > 0 ? output : item.generated;
+      const int32_t token =
+          j < drafts ? item.sampler->verify(
+                           logits, item.prompt, history, item.drafts[j],
+                           item.draft_probs.empty()
+                               ? std::span<const float>()
+                               : item.draft_probs.subspan(j * size_t(vocab), size_t(vocab)))
+                     : item.sampler->sample(logits, item.prompt, history);
+      if (item.logprobs >= 0)
+        tokens.push_back(token_logprobs(raw, token, item.logprobs));
+      else
+        tokens.push_back({token, 0, {}});
+      if (j == drafts || token != item.drafts[j]) break;
+      output.push_back(token);
+    }
   }
 }
 

@@ -28,10 +28,13 @@ void write_kv_block(model::LatentCache& cache, const ExecutorInfo& info, int32_t
 // Vocabulary ids of LM-head rows without a token (padded vocabularies); never sampled.
 std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size);
 
-// Samples every item with sample = true from its logits row (vocab floats, changed in place:
-// ids without text are masked first), with logprobs when the item asks for them.
-void sample_items(std::span<const ExecItem> batch, const std::function<float*(size_t)>& logits_of,
-                  int64_t vocab, std::span<const int32_t> no_text,
-                  std::vector<TokenLogprob>& sampled);
+// Verifies and samples every item with sample = true. Its rows logits_of(item, j), j = 0..drafts
+// (vocab floats each, changed in place: ids without text are masked first) predict the token
+// after its last new token and after each of its drafts: drafts are taken while the sampler
+// accepts them, then one token is sampled (the first rejected draft's replacement, or the token
+// after the last draft). Logprobs, when the item asks for them, come from each row's raw logits.
+void sample_items(std::span<const ExecItem> batch,
+                  const std::function<float*(size_t item, size_t row)>& logits_of, int64_t vocab,
+                  std::span<const int32_t> no_text, std::vector<StepTokens>& sampled);
 
 }  // namespace tandem::engine

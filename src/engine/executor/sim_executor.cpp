@@ -90,12 +90,15 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook
   result.sampled.resize(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& item = batch[i];
+    if (!item.drafts.empty())
+      throw Error("the simulated executor does not speculate: item " + std::to_string(i) +
+                  " has drafts");
     if (!item.sample) continue;
     const auto position = static_cast<uint64_t>(item.start) + item.tokens.size();
     const uint64_t h =
         hash_u64(options_.seed ^ hash_u64(position * 0x9e3779b97f4a7c15ULL ^
                                           static_cast<uint32_t>(item.tokens.back())));
-    TokenLogprob& out = result.sampled[i];
+    TokenLogprob& out = result.sampled[i].tokens.emplace_back();
     out.token = ordinary_[h % ordinary_.size()];
     out.logprob = 0;
     if (item.logprobs > 0) {

@@ -268,6 +268,8 @@ void EpExecutor::check_batch(std::span<const ExecItem> batch) const {
     tokens += int64_t(item.tokens.size());
     refs += int64_t(item.blocks.size());
     if (item.tokens.empty()) throw Error("expert parallelism: a sequence with no new tokens");
+    if (!item.drafts.empty())
+      throw Error("expert parallelism: speculative decoding is not supported yet");
     for (auto t : item.tokens)
       if (t < 0 || t >= s.vocab)
         throw Error("forward: token id " + std::to_string(t) + " is outside the vocabulary");
@@ -316,7 +318,7 @@ ExecResult EpExecutor::execute(std::span<const ExecItem> batch, const LayerHook&
   collective(Command::kStep, [&] { rank0_->run_step(on_layer); });
   ExecResult result;
   sample_items(
-      batch, [&](size_t i) { return segment_->logits(int64_t(i)); }, s.vocab, no_text_,
+      batch, [&](size_t i, size_t) { return segment_->logits(int64_t(i)); }, s.vocab, no_text_,
       result.sampled);
   result.expert_tokens.assign(size_t(s.moe_layers * s.experts), 0);
   std::vector<RankWork> work;

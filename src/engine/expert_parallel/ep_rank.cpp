@@ -271,7 +271,7 @@ void EpRank::run_step(const LayerHook& on_layer) {
     mine.push_back(i);
     steps.push_back(
         {std::span<const int32_t>(segment_.tokens() + d.first_token, size_t(d.tokens)), d.start,
-         std::span<const int32_t>(segment_.blocks() + d.first_block, size_t(d.blocks)), false});
+         std::span<const int32_t>(segment_.blocks() + d.first_block, size_t(d.blocks))});
   }
   on_layer_ = &on_layer;
   layers_reported_ = 0;

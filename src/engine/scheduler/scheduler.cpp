@@ -45,6 +45,8 @@ Sequence* Scheduler::preemption_victim() const {
 void Scheduler::preempt(Sequence* seq) {
   kv_.free(seq->request.id);
   seq->num_computed = 0;
+  seq->drafts.clear();
+  seq->draft_probs.clear();
   ++seq->num_preemptions;
   std::erase(running_, seq);
   insert_waiting(seq, true);
@@ -53,18 +55,38 @@ void Scheduler::preempt(Sequence* seq) {
 SchedulerOutput Scheduler::schedule() {
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
-  auto schedule_one = [&](Sequence* seq, int64_t n) {
-    const bool last = seq->num_computed + n == static_cast<int64_t>(seq->tokens.size());
-    out.scheduled.push_back({seq, n, last});
+  auto schedule_one = [&](Sequence* seq, int64_t n, int64_t drafts) {
+    const bool last = seq->num_computed + n - drafts == static_cast<int64_t>(seq->tokens.size());
+    out.scheduled.push_back({seq, n, last, drafts});
     out.num_tokens += n;
     budget -= n;
+  };
+  // A sampled sequence's room for the executor's draft passes, when the cache has it (never at
+  // anyone's expense: without it the executor proposes fewer drafts).
+  auto reserve_lookahead = [&](Sequence* seq, int64_t n) {
+    if (config_.speculative_lookahead > 0 &&
+        seq->num_computed + n >= static_cast<int64_t>(seq->tokens.size()))
+      kv_.allocate(seq->request.id, seq->num_computed + n + config_.speculative_lookahead);
   };
 
   // Running sequences first, in admission order.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Sequence* seq = running_[i];
-    const int64_t n =
+    int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - seq->num_computed, budget);
+    // Drafts ride along with a decode token while the budget and the cache allow (no one is
+    // preempted for them); the request never needs more than max_tokens.
+    int64_t drafts = 0;
+    if (n == 1 && !seq->drafts.empty()) {
+      drafts = std::min<int64_t>({static_cast<int64_t>(seq->drafts.size()), budget - 1,
+                                  seq->request.sampling.max_tokens - seq->num_generated() - 1});
+      if (drafts > 0 && !kv_.allocate(seq->request.id, seq->num_computed + 1 + drafts)) drafts = 0;
+      drafts = std::max<int64_t>(drafts, 0);
+      if (!seq->draft_probs.empty())
+        seq->draft_probs.resize(seq->draft_probs.size() / seq->drafts.size() * size_t(drafts));
+      seq->drafts.resize(size_t(drafts));
+      n += drafts;
+    }
     bool ok = n <= 0 || kv_.allocate(seq->request.id, seq->num_computed + n);
     while (!ok) {
       Sequence* victim = preemption_victim();
@@ -85,7 +107,10 @@ SchedulerOutput Scheduler::schedule() {
       ok = kv_.allocate(seq->request.id, seq->num_computed + n);
     }
     if (!ok) continue;  // `seq` itself was preempted; running_[i] is now the next one
-    if (n > 0) schedule_one(seq, n);
+    if (n > 0) {
+      reserve_lookahead(seq, n);
+      schedule_one(seq, n, drafts);
+    }
     ++i;
   }
 
@@ -116,50 +141,69 @@ SchedulerOutput Scheduler::schedule() {
     if (!seq->admitted_once && !has_blocks) seq->num_cached = computed;
     seq->status = SequenceStatus::kRunning;
     running_.push_back(seq);
-    schedule_one(seq, n);
+    reserve_lookahead(seq, n);
+    schedule_one(seq, n, 0);
   }
   return out;
 }
 
 std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput& out,
-                                                          std::span<const TokenLogprob> sampled,
+                                                          std::span<const StepTokens> sampled,
                                                           double now) {
-  for (const auto& s : out.scheduled) {
-    Sequence* seq = s.seq;
-    seq->num_computed += s.num_new_tokens;
-    kv_.cache_full_blocks(seq->request.id,
-                          std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
-  }
   std::vector<SequenceUpdate> updates;
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const auto& s = out.scheduled[i];
-    if (!s.sample) continue;
     Sequence* seq = s.seq;
-    const TokenLogprob& token = sampled[i];
+    if (!s.sample) {
+      seq->num_computed += s.num_new_tokens;
+      continue;
+    }
+    const StepTokens& step = sampled[i];
+    if (step.tokens.empty() || static_cast<int64_t>(step.tokens.size()) > s.num_drafts + 1)
+      throw Error("scheduler: sequence '" + seq->request.id + "' got " +
+                  std::to_string(step.tokens.size()) + " tokens for " +
+                  std::to_string(s.num_drafts) + " drafts");
+    // The KV of its new tokens and of the drafts it accepted (their inputs were those tokens).
+    const int64_t accepted = static_cast<int64_t>(step.tokens.size()) - 1;
+    seq->num_computed += s.num_new_tokens - (s.num_drafts - accepted);
     SequenceUpdate u;
     u.seq = seq;
     u.first_token = seq->num_generated() == 0;
     if (!u.first_token && seq->last_token_time >= 0)
       u.since_last_token_s = now - seq->last_token_time;
-    seq->tokens.push_back(token.token);
     if (u.first_token) seq->first_token_time = now;
     seq->last_token_time = now;
     RequestOutput& o = u.output;
-    o.tokens.push_back(token.token);
-    if (seq->request.logprobs >= 0) o.logprobs.push_back(token);
-    if (seq->output) {
-      OutputDelta delta = seq->output->push(token.token);
-      o.text = std::move(delta.text);
-      o.finished = delta.finished;
-      o.finish_reason = std::move(delta.finish_reason);
-    } else if (seq->num_generated() >= seq->request.sampling.max_tokens) {
-      o.finished = true;
-      o.finish_reason = "length";
+    for (const TokenLogprob& token : step.tokens) {
+      seq->tokens.push_back(token.token);
+      o.tokens.push_back(token.token);
+      if (seq->request.logprobs >= 0) o.logprobs.push_back(token);
+      if (seq->output) {
+        OutputDelta delta = seq->output->push(token.token);
+        o.text += delta.text;
+        o.finished = delta.finished;
+        o.finish_reason = std::move(delta.finish_reason);
+      } else if (seq->num_generated() >= seq->request.sampling.max_tokens) {
+        o.finished = true;
+        o.finish_reason = "length";
+      }
+      if (o.finished) break;  // what follows a finish is not part of the answer
     }
+    seq->drafts = o.finished ? std::vector<int32_t>() : step.drafts;
+    seq->draft_probs = o.finished ? std::vector<float>() : step.draft_probs;
     o.prompt_tokens = seq->num_prompt;
     o.completion_tokens = seq->num_generated();
     o.cached_tokens = seq->num_cached;
     updates.push_back(std::move(u));
+  }
+  for (const auto& s : out.scheduled) {
+    Sequence* seq = s.seq;
+    const auto verified = std::min<int64_t>(seq->num_computed, int64_t(seq->tokens.size()));
+    kv_.cache_full_blocks(seq->request.id,
+                          std::span<const int32_t>(seq->tokens).first(size_t(verified)));
+    // Blocks that held only rejected drafts or draft-pass scratch go back.
+    if (s.sample && (s.num_drafts > 0 || config_.speculative_lookahead > 0))
+      kv_.truncate(seq->request.id, int64_t(seq->tokens.size()));
   }
   return updates;
 }

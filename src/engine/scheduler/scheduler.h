@@ -1,12 +1,13 @@
 #pragma once
 // Continuous batching with chunked prefill, in the manner of vLLM v1: every step, running
-// sequences get their next tokens first (one for decode, the rest of the prompt up to the token
-// budget for prefill), then waiting sequences are admitted while the token budget, the running
-// limit and the KV cache allow, reusing cached prefix blocks. When a running sequence needs a
-// block and none is free, the newest running sequence (or the lowest-priority one) is preempted:
-// its blocks are freed and it is recomputed later from its tokens so far. Nothing is dropped.
-// A sequence added with blocks already allocated and num_computed set (KV received from a
-// prefill engine) is admitted without a prefix lookup and continues from there.
+// sequences get their next tokens first (one for decode, plus its draft tokens when speculating,
+// the rest of the prompt up to the token budget for prefill), then waiting sequences are admitted
+// while the token budget, the running limit and the KV cache allow, reusing cached prefix blocks.
+// When a running sequence needs a block and none is free, the newest running sequence (or the
+// lowest-priority one) is preempted: its blocks are freed and it is recomputed later from its
+// tokens so far. Nothing is dropped. A sequence added with blocks already allocated and
+// num_computed set (KV received from a prefill engine) is admitted without a prefix lookup and
+// continues from there.
 //
 // Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <span>
 #include <vector>
 
+#include "engine/executor/executor.h"
 #include "engine/kv/kv_cache_manager.h"
 #include "engine/scheduler/sequence.h"
 
@@ -23,12 +25,17 @@ struct SchedulerConfig {
   int64_t max_num_seqs = 64;              // running sequences at most
   int64_t max_num_batched_tokens = 2048;  // new tokens per step (the chunked-prefill budget)
   bool priority = false;                  // order waiting sequences by (priority, arrival)
+  // Speculative decoding: a sampled sequence's block table also covers this many positions past
+  // its new tokens and drafts when the cache allows (the executor's later draft passes write
+  // there; ExecutorInfo::speculative_lookahead()).
+  int64_t speculative_lookahead = 0;
 };
 
 struct ScheduledSequence {
   Sequence* seq = nullptr;
-  int64_t num_new_tokens = 0;
-  bool sample = false;  // the step reaches the sequence's last token: sample the next one
+  int64_t num_new_tokens = 0;  // its drafts included
+  bool sample = false;         // the step reaches the sequence's last token: sample the next one
+  int64_t num_drafts = 0;      // the sequence's first drafts, verified in this step
 };
 
 struct SchedulerOutput {
@@ -54,15 +61,17 @@ class Scheduler {
 
   void add(Sequence* seq);
   SchedulerOutput schedule();
-  // After the executor ran `out`: advances the sequences' computed tokens, registers newly filled
-  // blocks with the prefix cache, then applies the step's tokens (`sampled[i]` for
-  // out.scheduled[i] where it samples): each is appended to its sequence and goes through its
-  // output processor (text, stop ids and strings, max_tokens; without one, max_tokens alone ends
-  // it). Returns one update per sampled sequence, in order. Finished sequences stay in the
+  // After the executor ran `out`: applies the step's tokens (`sampled[i]` for out.scheduled[i]
+  // where it samples: accepted drafts, then one sampled token): each is appended to its sequence
+  // and goes through its output processor (text, stop ids and strings, max_tokens; without one,
+  // max_tokens alone ends it; tokens after a finish are dropped) and the next drafts replace the
+  // old. Advances the computed tokens (rejected drafts' KV is not computed: the blocks that held
+  // only such positions are released), and registers newly filled blocks with the prefix cache.
+  // Returns one update per sampled sequence, in order. Finished sequences stay in the
   // queues: the engine decides what happens to their blocks (remove()). `now`: seconds, the
   // engine's clock, for the token times.
   std::vector<SequenceUpdate> update_from_output(const SchedulerOutput& out,
-                                                 std::span<const TokenLogprob> sampled, double now);
+                                                 std::span<const StepTokens> sampled, double now);
   // A finished or aborted sequence leaves the queues and gives back its blocks (unless
   // `keep_blocks`: KV transfer still needs them; the engine frees them later).
   void remove(Sequence* seq, bool keep_blocks = false);

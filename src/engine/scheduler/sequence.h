@@ -80,6 +80,11 @@ struct Sequence {
   SequenceStatus status = SequenceStatus::kWaiting;
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<OutputProcessor> output;
+  // Speculative decoding: tokens proposed after tokens.back(), verified by the next step (never
+  // in `tokens`, the prefix cache or the counts until accepted), and the distribution each was
+  // drawn from, [drafts, vocab] (empty for greedy requests).
+  std::vector<int32_t> drafts;
+  std::vector<float> draft_probs;
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
   // A transfer writes into its blocks (it may have been cancelled, and still runs).
