@@ -24,7 +24,7 @@ struct ServeOptions {
   bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "tandem",
               access_log, admin_api_key;
-  int port = 8080, prefill = 1, decode = 1, expert_parallel = 1;
+  int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0;
   bool gateway_tokenizer = true;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
@@ -130,6 +130,8 @@ void run(const ServeOptions& o) {
     if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
     if (o.expert_parallel > 1)
       a.insert(a.end(), {"--expert-parallel", std::to_string(o.expert_parallel)});
+    if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
+      a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
     if (o.kv_events)  // any free ports; the gateway's prefix index subscribes
       a.insert(a.end(), {"--kv-events-config",
                          R"({"enable_kv_cache_events": true, "publisher": "zmq", )"
@@ -212,6 +214,11 @@ void add_serve_command(CLI::App& app) {
                   "engine --expert-parallel`)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  cmd->add_option("--speculative-tokens", o->speculative_tokens,
+                  "MTP draft tokens per step for every engine (see `tandem engine "
+                  "--speculative-tokens`)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 8));
   cmd->add_option("--engine-arg", o->engine_args,
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");

@@ -221,6 +221,34 @@ TEST_F(Disaggregation, ExpertParallelEnginesOnBothLegsGiveTheSameAnswers) {
   expect_no_leak(d);
 }
 
+TEST_F(Disaggregation, SpeculatingEnginesMoveTheMtpLayerAndAnswerAsOneEngine) {
+  // The decode engine's drafts need the MTP module's cache of the whole prompt: it travels as
+  // one more layer. Greedy answers stay those of one plain engine, in both dialects.
+  Engine single = start("both");
+  Engine p = start("prefill", {"--speculative-tokens", "2"});
+  Engine d = start("decode", {"--speculative-tokens", "2"});
+  expect_both_flows_match(single, p, d, {1, 17, 40}, 1700, 7000);
+  const auto& c = model_->config();
+  const double token_bytes = double(c.kv_lora_rank + c.qk_rope_head_dim) * sizeof(float);
+  const double before = received(d);
+  sequential(p, d, {{"prompt", tokens(40, 3100)}, {"max_tokens", 3}, {"temperature", 0}});
+  EXPECT_EQ(received(d) - before, 39 * double(c.num_hidden_layers + 1) * token_bytes);
+  EXPECT_GT(metric(d.port(), "vllm:spec_decode_num_drafts_total"), 0);
+  // A plain prefill engine's layout lacks the layer: refused, naming it.
+  Engine plain = start("prefill");
+  json pre = {{"prompt", tokens(20, 50)},
+              {"max_tokens", 1},
+              {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  json dec = {{"prompt", tokens(20, 50)}, {"max_tokens", 3}};
+  dec["kv_transfer_params"] =
+      parse(post_json(plain.port(), "/v1/completions", pre))["kv_transfer_params"];
+  const auto r = post_json(d.port(), "/v1/completions", dec);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(r.body.find("MTP layer"), std::string::npos) << r.body;
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
 TEST_F(Disaggregation, TcpTransportStillServesEnginesOnOneHost) {
   Engine single = start("both");
   Engine p = start("prefill", {"--kv-transport", "tcp"});

@@ -34,6 +34,10 @@ CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,
   if (options.speculative_tokens > 0) {
     drafter_.emplace(*model_, options.speculative_tokens, no_text_);
     info_.speculative_tokens = options.speculative_tokens;
+    // The MTP layer's cache travels with the main layers' in P/D: a decode engine's drafts then
+    // see the whole prompt. Both legs must speculate (the layouts say so when they do not).
+    info_.kv_layout.layers += 1;
+    info_.kv_layout.model += " with its MTP layer";
   }
 }
 

@@ -16,7 +16,7 @@ ExecutorInfo model_executor_info(const model::DeepSeekModel& model, std::string 
   info.max_model_len = c.max_position_embeddings;
   info.num_blocks = num_blocks;
   info.block_size = shape.block_size;
-  // Only the main layers: the engine does not run the MTP modules, so their cache stays unused.
+  // Only the main layers; an executor that runs the MTP module adds its layer.
   info.kv_layout = {
       "deepseek(" + c.architecture + ", layers " + std::to_string(c.num_hidden_layers) +
           ", hidden " + std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
