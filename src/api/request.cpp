@@ -51,6 +51,14 @@ SamplingParams sampling_from(const json& body, const char* max_tokens_name, int6
   }
   if (const json* b = field(body, "logit_bias"); b && !b->empty())
     fail("logit_bias", "'logit_bias' is not supported");
+  // Speculation is a property of the engine (its MTP module, its cache layout in P/D), not of a
+  // request: asking for it per request would otherwise be silently ignored.
+  for (const char* name :
+       {"speculative_config", "num_speculative_tokens", "speculative_tokens", "speculative_model"})
+    if (field(body, name))
+      fail(name, std::string("'") + name +
+                     "' is not supported per request: speculative decoding is set per engine "
+                     "(tandem engine --speculative-tokens)");
   try {
     p.validate();
   } catch (const Error& e) {

@@ -105,6 +105,11 @@ TEST(Protocol, BadRequestsNameTheField) {
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"max_tokens", 1.5}}).param, "max_tokens");
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"stop", {1}}}).param, "stop");
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"logit_bias", {{"1", 5}}}}).param, "logit_bias");
+  EXPECT_EQ(bad(json{{"prompt", "x"}, {"num_speculative_tokens", 3}}).param,
+            "num_speculative_tokens");
+  EXPECT_NE(bad(json{{"prompt", "x"}, {"speculative_config", {{"method", "mtp"}}}})
+                .message.find("--speculative-tokens"),
+            std::string::npos);
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"n", 0}}).param, "n");
   EXPECT_NE(bad(json{{"prompt", "x"}, {"max_tokens", 0}}).message.find("max_tokens"),
             std::string::npos);
