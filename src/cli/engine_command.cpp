@@ -20,6 +20,7 @@
 #include "engine/expert_parallel/ep_executor.h"
 #include "engine/expert_parallel/rank_process.h"
 #include "engine/output_processor.h"
+#include "kernels/cpu/ops.h"
 #include "placement/files.h"
 #include "util/error.h"
 #include "util/progress.h"
@@ -58,6 +59,7 @@ struct EngineOptions {
   bool kv_transfer_checksum = false;
   std::string kv_transport = "shm";
   int64_t speculative_tokens = 0;
+  bool batch_invariant = false;
 };
 
 const std::map<std::string, engine::KvTransportKind> kKvTransports = {
@@ -117,6 +119,8 @@ void run(const EngineOptions& o) {
   auto tokenizer =
       std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
 
+  // Before the model loads: the kernels' numerics mode is process-wide.
+  kernels::set_batch_invariant(o.batch_invariant);
   std::unique_ptr<engine::Executor> executor;
   std::vector<int32_t> eos;
   if (sim && o.expert_parallel > 1)
@@ -288,6 +292,7 @@ void add_engine_command(CLI::App& app) {
   rank->add_option("--model", r->model_dir)->required();
   rank->add_option("--mla-rescale", r->mla_rescale);
   rank->add_option("--threads", r->threads);
+  rank->add_option("--batch-invariant", r->batch_invariant);
   rank->add_option("--parent", r->parent)->required();
   rank->callback([r] { std::exit(engine::ep::serve_rank(*r)); });
 
@@ -356,6 +361,11 @@ void add_engine_command(CLI::App& app) {
                   "(applied recursively past the first), verified in the next step (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 8));
+  cmd->add_flag("--batch-invariant", o->batch_invariant,
+                "batch-invariant numerics: a token's logits do not depend on the other tokens of "
+                "its step, on how its prompt was chunked, or on whether its prefix came from the "
+                "cache or a KV transfer (the same kernels and reduction order for any token "
+                "count; slower prefill, see docs/benchmarks.md)");
   cmd->add_option("--mla-rescale", o->mla_rescale,
                   "decode attention's softmax rescale: multiply or amla (exponent add)")
       ->capture_default_str()

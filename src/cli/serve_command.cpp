@@ -25,7 +25,7 @@ struct ServeOptions {
   std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "tandem",
               access_log, admin_api_key;
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0;
-  bool gateway_tokenizer = true;
+  bool gateway_tokenizer = true, batch_invariant = false;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
 
@@ -132,6 +132,7 @@ void run(const ServeOptions& o) {
       a.insert(a.end(), {"--expert-parallel", std::to_string(o.expert_parallel)});
     if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
       a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
+    if (o.batch_invariant) a.push_back("--batch-invariant");
     if (o.kv_events)  // any free ports; the gateway's prefix index subscribes
       a.insert(a.end(), {"--kv-events-config",
                          R"({"enable_kv_cache_events": true, "publisher": "zmq", )"
@@ -219,6 +220,8 @@ void add_serve_command(CLI::App& app) {
                   "--speculative-tokens`)")
       ->capture_default_str()
       ->check(CLI::Range(0, 8));
+  cmd->add_flag("--batch-invariant", o->batch_invariant,
+                "batch-invariant numerics in every engine (see `tandem engine --batch-invariant`)");
   cmd->add_option("--engine-arg", o->engine_args,
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");

@@ -400,7 +400,8 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   int64_t first_token = 0;
   for (const auto& step : batch) {
     const int64_t count = static_cast<int64_t>(step.tokens.size());
-    if (count <= kAbsorbedMaxTokens) {
+    // Batch-invariant numerics: one form for every step, whatever its length.
+    if (count <= kAbsorbedMaxTokens || kernels::batch_invariant()) {
       absorbed_steps.push_back(&step);
       for (int64_t i = 0; i < count; ++i) absorbed_tokens.push_back(first_token + i);
     } else if (w.kv_b.type == kernels::WeightType::kF32 || !kernels::bf16_gemm_available()) {
@@ -441,7 +442,9 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
     row += count;
   }
   const kernels::MlaShape shape{heads, kvl, rd, bs, scale, cache.shape().type};
-  kernels::mla_decode(shape, absorbed, kernels::MlaOptions{mla_rescale_});
+  kernels::MlaOptions mla{mla_rescale_};
+  mla.fixed_chunks = kernels::batch_invariant();
+  kernels::mla_decode(shape, absorbed, mla);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t hd = 0; hd < heads; ++hd)
     for (int64_t i = 0; i < na; ++i)

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <future>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -30,6 +31,7 @@ using testing::metric;
 using testing::post_json;
 
 constexpr char kF32[] = "f32";
+constexpr char kBf16[] = "bf16";
 
 std::vector<int32_t> tokens(int n, int base) {
   std::vector<int32_t> t;
@@ -56,12 +58,14 @@ struct Engine {
   uint16_t port() const { return process->port(); }
 };
 
-class Disaggregation : public test::TinyModelTest<kF32> {
+// Engines on a tiny-v3 checkpoint of the given dtype and the two P/D flows through them.
+template <const char* Dtype>
+class PdTest : public test::TinyModelTest<Dtype> {
  protected:
   static Engine start(const std::string& role, std::vector<std::string> extra = {},
                       const std::string& model = {}) {
     std::vector<std::string> a = {TANDEM_BINARY, "engine", "--model",
-                                  model.empty() ? dir_->string() : model};
+                                  model.empty() ? PdTest::dir_->string() : model};
     a.insert(a.end(),
              {"--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "0", "--role", role});
     if (std::find(extra.begin(), extra.end(), "--num-kv-blocks") == extra.end())
@@ -110,7 +114,10 @@ class Disaggregation : public test::TinyModelTest<kF32> {
     EXPECT_EQ(pre.status, 200) << pre.body;
     return answer;
   }
+};
 
+class Disaggregation : public PdTest<kF32> {
+ protected:
   // Prompts of the given lengths through both flows answer as the single engine does.
   static void expect_both_flows_match(const Engine& single, const Engine& p, const Engine& d,
                                       std::initializer_list<int> lengths, int base, uint64_t room) {
@@ -623,6 +630,64 @@ TEST_F(Disaggregation, ARefusedDecodeLegReleasesThePrefillBlocksAtOnce) {
   EXPECT_EQ(post_json(d.port(), "/v1/completions", dec).status, 400);
   expect_no_leak(p);
   EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_expired_total"), 0);
+}
+
+// Batch-invariant numerics (--batch-invariant) in BF16, where plain kernels differ between a
+// token computed alone and inside a larger step: prompts of 1-100 tokens give the same greedy
+// text alone, again from the prefix cache, chunked among concurrent requests, with speculation,
+// and through both P/D flows, every logprob to the last bit.
+class BatchInvariance : public PdTest<kBf16> {};
+
+TEST_F(BatchInvariance, EveryPathGivesTheSameGreedyText) {
+  Engine single = start("both", {"--batch-invariant"});
+  Engine chunked = start("both", {"--batch-invariant", "--max-num-batched-tokens", "8"});
+  Engine spec = start("both", {"--batch-invariant", "--speculative-tokens", "2"});
+  Engine p = start("prefill", {"--batch-invariant"});
+  Engine d = start("decode", {"--batch-invariant"});
+  const std::vector<int> lengths = {1, 2, 3, 5, 8, 13, 16, 21, 34, 55, 89, 100};
+  auto body_of = [](int n) {
+    return json{{"prompt", tokens(n, 300 + 17 * n)},
+                {"max_tokens", 8},
+                {"temperature", 0},
+                {"ignore_eos", true},
+                {"logprobs", 0}};
+  };
+  // The text and every token's logprob, to the last bit.
+  auto answer = [](const json& a) {
+    return a.is_null() ? "<error>"
+                       : text_of(a) + a["choices"][0]["logprobs"]["token_logprobs"].dump();
+  };
+  std::map<int, std::string> want;
+  for (int n : lengths)
+    want[n] = answer(parse(post_json(single.port(), "/v1/completions", body_of(n))));
+  // All at once into the chunked engine: prefill chunks and decodes share its steps.
+  std::map<int, std::future<json>> mixed;
+  for (int n : lengths)
+    mixed[n] = std::async(std::launch::async, [&, n] {
+      return parse(post_json(chunked.port(), "/v1/completions", body_of(n)));
+    });
+  uint64_t room = 900;
+  for (int n : lengths) {
+    const json body = body_of(n);
+    EXPECT_EQ(answer(parse(post_json(single.port(), "/v1/completions", body))), want[n])
+        << "prefix-cache hit, n=" << n;
+    EXPECT_EQ(answer(mixed[n].get()), want[n]) << "chunked, n=" << n;
+    EXPECT_EQ(answer(parse(post_json(spec.port(), "/v1/completions", body))), want[n])
+        << "speculative, n=" << n;
+    EXPECT_EQ(answer(sequential(p, d, body)), want[n]) << "sequential P/D, n=" << n;
+    EXPECT_EQ(answer(parallel(p, d, body, ++room)), want[n]) << "parallel P/D, n=" << n;
+  }
+  EXPECT_GT(metric(single.port(), "vllm:prefix_cache_hits_total"), 0);
+  // The example: the P/D pair and the single engine agree on it too.
+  const json fox = {{"prompt", "The quick brown fox jumps over the lazy dog. The quick brown fox"},
+                    {"max_tokens", 8},
+                    {"temperature", 0},
+                    {"logprobs", 1}};
+  const json alone = parse(post_json(single.port(), "/v1/completions", fox));
+  const json pd = sequential(p, d, fox);
+  EXPECT_EQ(text_of(pd), text_of(alone));
+  EXPECT_EQ(pd["choices"][0]["logprobs"]["token_logprobs"],
+            alone["choices"][0]["logprobs"]["token_logprobs"]);
 }
 
 }  // namespace

@@ -239,5 +239,43 @@ TEST(MlaDecode, ABatchEqualsItsSequencesOneByOne) {
   for (size_t i = 0; i < cs.size(); ++i) EXPECT_EQ(alone[i], batched[i]) << "sequence " << i;
 }
 
+// Batch-invariant numerics: with chunks at fixed positions, a query's output has the same bits
+// whether it is a decode step's only query (context ending at it) or one of a prefill chunk's
+// (context running past it, later positions masked), at any offset among the step's queries.
+TEST(MlaDecode, FixedChunksGiveAQueryTheSameBitsWhateverItsStep) {
+  for (const LatentType type : {LatentType::kBF16, LatentType::kF32}) {
+    const MlaShape shape{4, 64, 16, 16, 0.1f, type};
+    std::mt19937 rng(11);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    const Case full{4, 64, 16, 16, 1, 1400, type};
+    const auto cache =
+        make_cache(full, shape.entry(), rng, [&](int64_t, int64_t) { return normal(rng); });
+    const int64_t position = 1100;  // past the first fixed chunk
+    std::vector<float> q(shape.heads * shape.entry());
+    for (auto& x : q) x = static_cast<float>(normal(rng));
+    MlaOptions options;
+    options.fixed_chunks = true;
+    std::vector<float> alone(shape.heads * shape.latent);
+    const MlaSequence one{q.data(), 1, position + 1, cache.pages.data(), alone.data()};
+    mla_decode(shape, std::span(&one, 1), options);
+    for (const int64_t s_q : {2, 7, 40}) {
+      for (const int64_t at : {int64_t{0}, s_q / 2, s_q - 1}) {
+        // s_q queries at positions context - s_q .. context - 1, ours at index `at`.
+        const int64_t context = position - at + s_q;
+        std::vector<float> qs(s_q * shape.heads * shape.entry());
+        for (auto& x : qs) x = static_cast<float>(normal(rng));
+        std::copy(q.begin(), q.end(), qs.begin() + at * shape.heads * shape.entry());
+        std::vector<float> out(s_q * shape.heads * shape.latent);
+        const MlaSequence many{qs.data(), s_q, context, cache.pages.data(), out.data()};
+        mla_decode(shape, std::span(&many, 1), options);
+        const std::vector<float> mine(out.begin() + at * shape.heads * shape.latent,
+                                      out.begin() + (at + 1) * shape.heads * shape.latent);
+        EXPECT_EQ(mine, alone) << "s_q " << s_q << " at " << at
+                               << (type == LatentType::kBF16 ? " bf16" : " f32");
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem::kernels

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -397,6 +398,47 @@ TEST(Matvec, RowRangeProductsMatchReference) {
         mag += std::abs(xc[c] * wref[(first + r) * cols + c]);
       }
       ASSERT_NEAR(yr[r], ref, 1e-5 * mag + 1e-6) << "rows, type " << int(type) << " row " << r;
+    }
+  }
+}
+
+// Batch-invariant numerics: each token's row of a product has the same bits whatever the
+// number of tokens in it (the kernels switch at 4, 16 and 32 tokens otherwise).
+TEST(BatchInvariant, ATokensProductRowDoesNotDependOnTheTokenCount) {
+  set_batch_invariant(true);
+  struct Reset {
+    ~Reset() { set_batch_invariant(false); }
+  } reset;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t rows = 37, cols = 300, n = 40;
+  std::vector<float> x(n * cols), wf(rows * cols);
+  for (auto& v : x) v = normal(rng);
+  for (auto& v : wf) v = normal(rng) * 0.05f;
+  std::vector<uint16_t> wb(wf.size());
+  for (size_t i = 0; i < wf.size(); ++i) wb[i] = f32_to_bf16(wf[i]);
+  std::vector<int8_t> wi(wf.size());
+  for (size_t i = 0; i < wf.size(); ++i)
+    wi[i] = static_cast<int8_t>(std::clamp(std::lround(wf[i] * 600.0f), -127L, 127L));
+  for (const WeightType type : {WeightType::kF32, WeightType::kBF16, WeightType::kI8}) {
+    Matrix w = matrix_view(rows, cols, type,
+                           type == WeightType::kF32    ? static_cast<const void*>(wf.data())
+                           : type == WeightType::kBF16 ? static_cast<const void*>(wb.data())
+                                                       : static_cast<const void*>(wi.data()));
+    if (type == WeightType::kI8) {
+      w.row_scales.assign(rows, 1.0f / 600.0f);
+      set_int8_row_sums(w);
+    }
+    EXPECT_FALSE(gemm_takes_bf16(w, n));
+    std::vector<float> all(n * rows);
+    matmul(w, x.data(), n, all.data());
+    for (const int64_t m : {1, 2, 3, 5, 16, 33}) {
+      std::vector<float> part(m * rows);
+      for (int64_t t0 = 0; t0 + m <= n; t0 += 7) {
+        matmul(w, x.data() + t0 * cols, m, part.data());
+        for (int64_t i = 0; i < m * rows; ++i)
+          ASSERT_EQ(part[i], all[t0 * rows + i]) << "type " << int(type) << " m " << m;
+      }
     }
   }
 }

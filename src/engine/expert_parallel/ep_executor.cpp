@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "engine/executor/model_executor.h"
+#include "kernels/cpu/ops.h"
 #include "placement/eplb.h"
 #include "util/error.h"
 
@@ -87,13 +88,11 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   const pid_t parent = getpid();
   for (int r = 1; r < o.ranks; ++r) {
     const std::vector<std::string> argv = {
-        program,         "ep-rank",
-        "--fd",          std::to_string(fd),
-        "--rank",        std::to_string(r),
-        "--model",       o.model_dir.string(),
-        "--mla-rescale", std::to_string(static_cast<int>(o.mla_rescale)),
-        "--threads",     std::to_string(threads),
-        "--parent",      std::to_string(parent)};
+        program, "ep-rank", "--fd", std::to_string(fd), "--rank", std::to_string(r), "--model",
+        o.model_dir.string(), "--mla-rescale", std::to_string(static_cast<int>(o.mla_rescale)),
+        "--threads", std::to_string(threads), "--parent", std::to_string(parent),
+        // The numerics mode is per process: ranks follow the engine's.
+        "--batch-invariant", kernels::batch_invariant() ? "1" : "0"};
     children_.push_back(std::make_unique<ChildProcess>(program, argv, [fd] {
       // Between fork and exec: only async-signal-safe calls.
       fcntl(fd, F_SETFD, 0);             // the rank inherits the segment

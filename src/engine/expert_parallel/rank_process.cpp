@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "engine/expert_parallel/ep_rank.h"
+#include "kernels/cpu/ops.h"
 #include "util/error.h"
 
 namespace tandem::engine::ep {
@@ -23,6 +24,7 @@ int serve_rank(const RankProcessOptions& o) {
   const EpSegment segment = EpSegment::open(memory);
   Header& header = segment.header();
   omp_set_num_threads(std::max(1, o.threads));
+  kernels::set_batch_invariant(o.batch_invariant);
   auto loaded = std::make_shared<model::DeepSeekModel>(
       model::DeepSeekModel::load(o.model_dir, {}, model::WeightLoadOptions{false}));
   loaded->set_mla_rescale(static_cast<kernels::MlaRescale>(o.mla_rescale));

@@ -14,7 +14,8 @@ struct RankProcessOptions {
   std::filesystem::path model_dir;
   int mla_rescale = 0;  // kernels::MlaRescale
   int threads = 1;
-  int parent = 0;  // the engine's pid
+  int parent = 0;                // the engine's pid
+  bool batch_invariant = false;  // kernels::set_batch_invariant
 };
 
 // Returns the process exit status: 0 when the front asked it to stop, 3 when the step was

@@ -77,12 +77,12 @@ using DotBlock = void (*)(const W*, int64_t, const float*, float*, int64_t);
 // columns) stay in L1 while every token passes, so each weight is read from memory once.
 template <typename W>
 TANDEM_AVX2 void dot_rows_blocked(const W* w, int64_t rows, int64_t cols, const float* x, int64_t n,
-                                  float* y, int64_t ldy) {
+                                  float* y, int64_t ldy, bool one_row_kernel) {
   static constexpr DotBlock<W> kBlocks[3][4] = {
       {dot_block<1, 1, W>, dot_block<1, 2, W>, dot_block<1, 3, W>, dot_block<1, 4, W>},
       {dot_block<2, 1, W>, dot_block<2, 2, W>, dot_block<2, 3, W>, dot_block<2, 4, W>},
       {dot_block<3, 1, W>, dot_block<3, 2, W>, dot_block<3, 3, W>, dot_block<3, 4, W>}};
-  if (n == 1) {
+  if (n == 1 && one_row_kernel) {
     for (int64_t r = 0; r < rows; ++r) y[r] = dot_row(w + r * cols, cols, x);
     return;
   }
@@ -129,18 +129,18 @@ bool available() {
 }
 
 TANDEM_AVX2 void dot_rows_block_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* x,
-                                     int64_t n, float* y, int64_t ldy) {
-  dot_rows_blocked(w, rows, cols, x, n, y, ldy);
+                                     int64_t n, float* y, int64_t ldy, bool one_row_kernel) {
+  dot_rows_blocked(w, rows, cols, x, n, y, ldy, one_row_kernel);
 }
 
 TANDEM_AVX2 void dot_rows_block_i8(const int8_t* w, int64_t rows, int64_t cols, const float* x,
-                                   int64_t n, float* y, int64_t ldy) {
-  dot_rows_blocked(w, rows, cols, x, n, y, ldy);
+                                   int64_t n, float* y, int64_t ldy, bool one_row_kernel) {
+  dot_rows_blocked(w, rows, cols, x, n, y, ldy, one_row_kernel);
 }
 
 TANDEM_AVX2 void dot_rows_block_f32(const float* w, int64_t rows, int64_t cols, const float* x,
-                                    int64_t n, float* y, int64_t ldy) {
-  dot_rows_blocked(w, rows, cols, x, n, y, ldy);
+                                    int64_t n, float* y, int64_t ldy, bool one_row_kernel) {
+  dot_rows_blocked(w, rows, cols, x, n, y, ldy, one_row_kernel);
 }
 
 TANDEM_AVX2 void axpy_rows_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* a,

@@ -292,7 +292,11 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
       if (m[r] == kNegInf) continue;  // nothing visible yet: the row stays -inf, p = 0
       for (int64_t j = 0; j < visible; ++j) row[j] -= m[r];
     }
-    for (int64_t r = 0; r < rows; ++r) k.exp2(s.data() + r * kTile, n);
+    // Whole vectors even past n (rows are kTile wide; what lies there is never read): every
+    // probability then comes from the same exp2, however long the tile, so a query's weights do
+    // not depend on where its step's context ends (batch-invariant numerics).
+    const int64_t vector_n = std::min(kTile, (n + 7) / 8 * 8);
+    for (int64_t r = 0; r < rows; ++r) k.exp2(s.data() + r * kTile, vector_n);
     for (int64_t r = 0; r < rows; ++r) {
       float sum = 0;
       for (int64_t j = 0; j < n; ++j) sum += s[r * kTile + j];
@@ -321,7 +325,8 @@ void decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
         std::clamp<int64_t>((seq.context + kMinChunk - 1) / kMinChunk, 1, threads);
     // Chunk boundaries on tile boundaries, so every chunk but the last has whole tiles.
     const int64_t tiles = (seq.context + kTile - 1) / kTile;
-    const int64_t per = (tiles + pieces - 1) / pieces * kTile;
+    const int64_t per = options.fixed_chunks ? (kMinChunk + kTile - 1) / kTile * kTile
+                                             : (tiles + pieces - 1) / pieces * kTile;
     for (int64_t b = 0; b < seq.context; b += per) {
       chunks.push_back({i, b, std::min(b + per, seq.context), total_rows});
       total_rows += seq.s_q * shape.heads;

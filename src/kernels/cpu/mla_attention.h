@@ -50,6 +50,10 @@ struct MlaOptions {
   MlaRescale rescale = MlaRescale::kMultiply;
   // The AVX2 microkernels where the CPU has them; false runs the portable loops (tests).
   bool simd = true;
+  // Split a sequence's context into chunks at fixed positions (not into one chunk per thread
+  // over its length), so a query's sums take the same path whatever the step's context and
+  // query count are (batch-invariant numerics; ops.h).
+  bool fixed_chunks = false;
 };
 
 void mla_decode(const MlaShape& shape, std::span<const MlaSequence> sequences,

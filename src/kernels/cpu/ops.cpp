@@ -6,6 +6,7 @@
 #include "kernels/cpu/matvec_avx512.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -139,17 +140,18 @@ float row_dot(const Matrix& w, int64_t r, const float* x) {
 // scaled).
 void dot_rows_avx2(const Matrix& w, int64_t first, int64_t rows, const float* x, int64_t n,
                    float* y, int64_t ldy) {
+  const bool one = !batch_invariant();  // batch-invariant: one token sums as several do
   if (w.type == WeightType::kBF16) {
     avx2::dot_rows_block_bf16(static_cast<const uint16_t*>(w.data) + first * w.cols, rows, w.cols,
-                              x, n, y, ldy);
+                              x, n, y, ldy, one);
   } else if (w.type == WeightType::kI8) {
     avx2::dot_rows_block_i8(static_cast<const int8_t*>(w.data) + first * w.cols, rows, w.cols, x, n,
-                            y, ldy);
+                            y, ldy, one);
     for (int64_t t = 0; t < n; ++t)
       for (int64_t i = 0; i < rows; ++i) y[t * ldy + i] *= w.row_scales[first + i];
   } else {
     avx2::dot_rows_block_f32(static_cast<const float*>(w.data) + first * w.cols, rows, w.cols, x, n,
-                             y, ldy);
+                             y, ldy, one);
   }
 }
 
@@ -269,7 +271,23 @@ size_t Matrix::bytes() const {
   return static_cast<size_t>(rows * cols) * kernels_of(type).bytes;
 }
 
+namespace {
+std::atomic<bool> g_batch_invariant{false};
+}  // namespace
+
+void set_batch_invariant(bool on) {
+  g_batch_invariant.store(on, std::memory_order_relaxed);
+}
+
+bool batch_invariant() {
+  return g_batch_invariant.load(std::memory_order_relaxed);
+}
+
 void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
+  if (batch_invariant() && !(w.type == WeightType::kI8 && avx512::has_vnni())) {
+    matmul_f32_activations(w, x, n, y);
+    return;
+  }
   // Many tokens: compute-bound, oneDNN's GEMM. Few tokens: bandwidth-bound, stream each weight
   // row once and reuse it for up to four tokens.
   if (n >= kGemmMinTokens && (w.type == WeightType::kF32 || w.type == WeightType::kBF16) &&
@@ -301,7 +319,8 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
 }
 
 bool gemm_takes_bf16(const Matrix& w, int64_t n) {
-  return n >= kGemmMinTokens && w.type == WeightType::kBF16 && onednn_has_bf16_matmul();
+  return !batch_invariant() && n >= kGemmMinTokens && w.type == WeightType::kBF16 &&
+         onednn_has_bf16_matmul();
 }
 
 bool bf16_gemm_available() {
@@ -318,7 +337,9 @@ void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y) {
 }
 
 void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y) {
-  if (n >= kGemmMinTokens && w.type == WeightType::kF32 && onednn_matmul(w, x, n, y)) return;
+  if (!batch_invariant() && n >= kGemmMinTokens && w.type == WeightType::kF32 &&
+      onednn_matmul(w, x, n, y))
+    return;
   const bool fast = avx512::available();
   if (!fast && avx2::available()) {
     // Chunks of rows per thread; within one, every weight is read once for all n tokens.

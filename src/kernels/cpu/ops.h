@@ -51,6 +51,15 @@ void set_int8_row_sums(Matrix& w);
 // few-token kernels). Returns false, changing nothing, where oneDNN has no such kernel.
 bool pack_for_gemm(Matrix& w);
 
+// Batch-invariant numerics (process-wide; off by default): every product below computes each
+// token's row with the same kernel and the same reduction order whatever n is (the row kernels
+// with float32 activations; never oneDNN's GEMMs, whose blocking and BF16 rounding depend on
+// the shape), so a token's results do not depend on how many tokens share its step. INT8
+// products on VNNI CPUs are exact integer sums either way. Slower for many tokens: the price of
+// bit-identical outputs across batching, chunking, prefix-cache hits and KV transfers.
+void set_batch_invariant(bool on);
+bool batch_invariant();
+
 // y[t, r] = sum_c W[r, c] * x[t, c] for t < n. x is [n, cols], y is [n, rows]. With many tokens
 // and BF16 weights, activations are rounded to BF16 for the GEMM (where the CPU has BF16 GEMMs;
 // elsewhere the weights are widened to float32 in panels and activations stay float32). With INT8
