@@ -5,7 +5,7 @@
 // Also: resident memory after load against the checkpoint's bytes, and with --contexts, decode
 // at batch 1 after long contexts against the ideal time.
 // Usage: tandem-bench-engine --model DIR [--model DIR ...] [--prompt 512] [--decode 32]
-//        [--prefill-runs 3] [--prefill-only] [--contexts 4096,16384,32768]
+//        [--prefill-runs 3] [--prefill-only] [--contexts 4096,16384,32768] [--batch-invariant]
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -380,9 +380,13 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_flag("--prefill-only", prefill_only, "skip the decode measurements");
+  bool batch_invariant = false;
+  app.add_flag("--batch-invariant", batch_invariant,
+               "batch-invariant numerics (tandem engine --batch-invariant)");
   app.add_option("--prompt", prompt, "prefill prompt length")->capture_default_str();
   app.add_option("--decode", decode, "decode steps per measurement")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  tandem::kernels::set_batch_invariant(batch_invariant);
   try {
     const auto peaks = tandem::bench::measure_peaks();
     std::printf(
