@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding with the MTP module on a trained checkpoint (tools/train_tiny_deepseek.py,
-# built on first use into ~/.cache/tandem/models/tiny-trained-v3, about 30 minutes on 2 cores):
+# built on first use into ~/.cache/tandem/models/tiny-trained-v3, about 25 minutes on 2 cores):
 # tandem-bench-mtp prints, for batches 1, 4 and 16 and K = 0..3 draft tokens side by side (each
 # run a fresh process, rounds alternating the order of K, medians), decode tokens/s and the
 # acceptance per draft position; the cost of a verify step plus its draft passes over a plain
@@ -17,7 +17,7 @@ build_bench_targets "$root" "$build" tandem tandem-bench-mtp
 trainer="$root/tools/train_tiny_deepseek.py"
 model="${MODEL:-$HOME/.cache/tandem/models/tiny-trained-v3}"
 if [ ! -f "$model/config.json" ]; then
-  echo "training $model (once; about 30 minutes on 2 cores)" >&2
+  echo "training $model (once; about 25 minutes on 2 cores)" >&2
   /usr/bin/python3 "$trainer" train --out "$model" --tandem "$build/tandem" >&2
 fi
 work="$(mktemp -d)"

@@ -51,20 +51,29 @@ std::vector<int32_t> prompt_of(int n, int base) {
   return t;
 }
 
-// Hands out the inner executor's results with each sampled item's drafts replaced by the known
-// greedy continuation of its prompt, except at positions where `wrong(position)` holds (there
-// the draft is another token). Records what the inner executor proposed.
-class OracleDrafts : public Executor {
+// An executor that hands its steps to another and changes or records what comes back.
+class Wrapper : public Executor {
  public:
-  OracleDrafts(std::unique_ptr<Executor> inner,
-               std::map<std::vector<int32_t>, std::vector<int32_t>> continuations,
-               std::function<bool(int64_t)> wrong)
-      : inner_(std::move(inner)), continuations_(std::move(continuations)), wrong_(wrong) {}
+  explicit Wrapper(std::unique_ptr<Executor> inner) : inner_(std::move(inner)) {}
   const ExecutorInfo& info() const override { return inner_->info(); }
   const std::byte* kv_bytes(int32_t b, int64_t l) const override { return inner_->kv_bytes(b, l); }
   void write_kv(int32_t b, int64_t l, std::span<const std::byte> bytes) override {
     inner_->write_kv(b, l, bytes);
   }
+
+ protected:
+  std::unique_ptr<Executor> inner_;
+};
+
+// Hands out the inner executor's results with each sampled item's drafts replaced by the known
+// greedy continuation of its prompt, except at positions where `wrong(position)` holds (there
+// the draft is another token).
+class OracleDrafts : public Wrapper {
+ public:
+  OracleDrafts(std::unique_ptr<Executor> inner,
+               std::map<std::vector<int32_t>, std::vector<int32_t>> continuations,
+               std::function<bool(int64_t)> wrong)
+      : Wrapper(std::move(inner)), continuations_(std::move(continuations)), wrong_(wrong) {}
   ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer) override {
     ExecResult r = inner_->execute(batch, on_layer);
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -84,13 +93,12 @@ class OracleDrafts : public Executor {
   }
 
  private:
-  std::unique_ptr<Executor> inner_;
   std::map<std::vector<int32_t>, std::vector<int32_t>> continuations_;
   std::function<bool(int64_t)> wrong_;
 };
 
 // Records every draft the inner executor proposed, with the sequence it followed.
-class DraftRecorder : public Executor {
+class DraftRecorder : public Wrapper {
  public:
   struct Proposal {
     std::vector<int32_t> sequence;  // prompt, generated, the step's tokens
@@ -98,12 +106,7 @@ class DraftRecorder : public Executor {
   };
   using Log = std::vector<Proposal>;
   DraftRecorder(std::unique_ptr<Executor> inner, std::shared_ptr<Log> log)
-      : inner_(std::move(inner)), log_(std::move(log)) {}
-  const ExecutorInfo& info() const override { return inner_->info(); }
-  const std::byte* kv_bytes(int32_t b, int64_t l) const override { return inner_->kv_bytes(b, l); }
-  void write_kv(int32_t b, int64_t l, std::span<const std::byte> bytes) override {
-    inner_->write_kv(b, l, bytes);
-  }
+      : Wrapper(std::move(inner)), log_(std::move(log)) {}
   ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer) override {
     ExecResult r = inner_->execute(batch, on_layer);
     for (size_t i = 0; i < batch.size(); ++i) {
@@ -119,7 +122,6 @@ class DraftRecorder : public Executor {
   }
 
  private:
-  std::unique_ptr<Executor> inner_;
   std::shared_ptr<Log> log_;
 };
 
