@@ -323,39 +323,49 @@ TEST_F(Speculation, LogprobsOfAcceptedTokensAreThoseOfPlainDecoding) {
 }
 
 TEST_F(Speculation, DraftsAreTheMtpModulesPredictionOverTheWholeSequence) {
-  // One draft per step: the module's argmax after the step's last verified token, computed with
-  // its latent cache filled chunk by chunk and step by step, must be what the module predicts
-  // when it sees the whole sequence in one pass.
+  // Two drafts per step. The first: the module's argmax after the step's last verified token,
+  // computed with its latent cache filled chunk by chunk and step by step, must be what the
+  // module predicts when it sees the whole sequence in one pass. The second: the module once
+  // more, one position further, fed the first draft and its own hidden state.
   auto requests = mixed_requests(10);
   requests.resize(3);
   auto log = std::make_shared<DraftRecorder::Log>();
-  serve(std::make_unique<DraftRecorder>(executor(1), log), requests, /*max_batched_tokens=*/16);
+  serve(std::make_unique<DraftRecorder>(executor(2), log), requests, /*max_batched_tokens=*/16);
   const auto no_text = ids_without_text(*tok_, model_->config().vocab_size);
   const int64_t vocab = model_->config().vocab_size;
+  // The draft must be the argmax, or within float32 noise of it (a near-tie).
+  auto expect_argmax = [&](std::vector<float>& logits, int32_t draft, const std::string& what) {
+    for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+    const auto best = std::max_element(logits.begin(), logits.begin() + vocab);
+    if (draft != static_cast<int32_t>(best - logits.begin())) {
+      EXPECT_NEAR(logits[size_t(draft)], *best, 1e-4) << what;
+    }
+  };
   ASSERT_FALSE(log->empty());
   int64_t checked = 0;
   for (const auto& p : *log) {
-    ASSERT_EQ(p.drafts.size(), 1u);
-    const auto& seq = p.sequence;  // ends with the token the draft follows
+    ASSERT_EQ(p.drafts.size(), 2u);
+    const auto& seq = p.sequence;  // ends with the token the drafts follow
     const auto n = static_cast<int64_t>(seq.size());
-    model::LatentCache cache(model_->cache_shape(4), (n + 3) / 4);
+    const int64_t blocks = (n + 4) / 4;
+    model::LatentCache cache(model_->cache_shape(4), blocks);
     std::vector<int32_t> table;
-    for (int32_t b = 0; b < (n + 3) / 4; ++b) table.push_back(b);
+    for (int32_t b = 0; b < blocks; ++b) table.push_back(b);
     const std::span<const int32_t> main_tokens(seq.data(), size_t(n - 1));
     model::SequenceStep step{main_tokens, 0, table, model::LogitRows::kNone};
     const auto main = model_->forward(std::span(&step, 1), cache);
     model::SequenceStep mtp{std::span<const int32_t>(seq).subspan(1), 0, table,
                             model::LogitRows::kLast};
-    auto out = model_->forward_mtp(std::span(&mtp, 1), main.hidden.data(), cache);
-    for (auto id : no_text) out.logits[size_t(id)] = -std::numeric_limits<float>::infinity();
-    const auto best = std::max_element(out.logits.begin(), out.logits.begin() + vocab);
-    const auto expected = static_cast<int32_t>(best - out.logits.begin());
-    if (p.drafts[0] != expected) {  // only a near-tie may differ in float32
-      EXPECT_NEAR(out.logits[size_t(p.drafts[0])], *best, 1e-4) << "after " << n << " tokens";
-    }
+    auto first = model_->forward_mtp(std::span(&mtp, 1), main.hidden.data(), cache);
+    expect_argmax(first.logits, p.drafts[0], "first draft after " + std::to_string(n));
+    const int32_t fed = p.drafts[0];
+    model::SequenceStep again{std::span(&fed, 1), n - 1, table, model::LogitRows::kLast};
+    auto second = model_->forward_mtp(
+        std::span(&again, 1), first.hidden.data() + (n - 2) * model_->config().hidden_size, cache);
+    expect_argmax(second.logits, p.drafts[1], "second draft after " + std::to_string(n));
     ++checked;
   }
-  EXPECT_EQ(checked, 3 * 10);  // a draft after every sampled token
+  EXPECT_EQ(checked, 3 * 10);  // drafts after every sampled token
 }
 
 TEST_F(Speculation, SampledRequestsFinishWithSpeculation) {
