@@ -1,14 +1,17 @@
 #pragma once
-// Helpers for the model tests: temporary folders and raw file access.
+// Helpers for the model tests: temporary folders, raw file access, logits against a reference.
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <vector>
 
 namespace tandem::test {
 
@@ -60,6 +63,19 @@ inline CommandResult run_capture(const std::string& command) {
   const int rc = ::pclose(p);
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   return r;
+}
+
+// Largest |ours - ref| over the first `count` rows of logits [count, vocab], relative to the
+// reference's largest magnitude (at least 1).
+inline double logit_deviation(const std::vector<std::vector<float>>& ref, const float* ours,
+                              int64_t vocab, size_t count) {
+  double worst = 0, scale = 1;
+  for (size_t r = 0; r < count; ++r)
+    for (int64_t v = 0; v < vocab; ++v) {
+      worst = std::max(worst, std::fabs(static_cast<double>(ours[r * vocab + v]) - ref[r][v]));
+      scale = std::max(scale, std::fabs(static_cast<double>(ref[r][v])));
+    }
+  return worst / scale;
 }
 
 }  // namespace tandem::test

@@ -28,6 +28,7 @@
 
 #include "engine/generate.h"
 #include "model/deepseek.h"
+#include "model/model_test_support.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
 
@@ -76,18 +77,6 @@ class Numerics : public ::testing::TestWithParam<Case> {
     std::filesystem::remove(req);
     std::filesystem::remove(out);
     return doc;
-  }
-
-  // Max deviation relative to the reference's scale, over rows of logits.
-  static double deviation(const std::vector<std::vector<float>>& ref, const float* ours,
-                          int64_t vocab, size_t count) {
-    double worst = 0, scale = 1;
-    for (size_t r = 0; r < count; ++r)
-      for (int64_t v = 0; v < vocab; ++v) {
-        worst = std::max(worst, std::fabs(static_cast<double>(ours[r * vocab + v]) - ref[r][v]));
-        scale = std::max(scale, std::fabs(static_cast<double>(ref[r][v])));
-      }
-    return worst / scale;
   }
 };
 
@@ -166,7 +155,7 @@ TEST_P(Numerics, MatchesPyTorchReference) {
       ASSERT_EQ(expected.size(), seqs[s].size());
       stable[s] = 0;
       while (stable[s] < seqs[s].size() && margins[s][stable[s]] >= c.min_margin) ++stable[s];
-      const double dev = deviation(expected, rows[s].data(), vocab, stable[s]);
+      const double dev = test::logit_deviation(expected, rows[s].data(), vocab, stable[s]);
       EXPECT_LE(dev, c.tol) << "sequence " << s << " (length " << seqs[s].size() << "), feed "
                             << static_cast<int>(feed);
       compared += stable[s];
@@ -202,8 +191,8 @@ TEST_P(Numerics, MatchesPyTorchReference) {
       for (size_t i = 0; i < count; ++i)
         if (mtp.routing_margin[t + i] < c.min_margin) count = i;
       t += batch[b].tokens.size();
-      const double dev =
-          deviation(expected, mtp.logits.data() + mtp.first_row[b] * vocab, vocab, count);
+      const double dev = test::logit_deviation(
+          expected, mtp.logits.data() + mtp.first_row[b] * vocab, vocab, count);
       EXPECT_LE(dev, c.tol) << "MTP, sequence " << who[b];
       std::printf("[ %s/%s ] MTP over %zu positions: %zu compared, max relative deviation %.2e\n",
                   c.preset.c_str(), c.dtype.c_str(), batch[b].tokens.size(), count, dev);

@@ -95,18 +95,6 @@ class TrainedModel : public ::testing::Test {
     return doc;
   }
 
-  // Max deviation relative to the trainer's scale over the first `count` rows.
-  static double deviation(const std::vector<std::vector<float>>& ref, const float* ours,
-                          int64_t vocab, size_t count) {
-    double worst = 0, scale = 1;
-    for (size_t r = 0; r < count; ++r)
-      for (int64_t v = 0; v < vocab; ++v) {
-        worst = std::max(worst, std::fabs(static_cast<double>(ours[r * vocab + v]) - ref[r][v]));
-        scale = std::max(scale, std::fabs(static_cast<double>(ref[r][v])));
-      }
-    return worst / scale;
-  }
-
   static inline bool have_torch_ = false;
   static inline bool trained_ok_ = true;
   static inline test::TempDir* dir_ = nullptr;
@@ -189,7 +177,7 @@ TEST_F(TrainedModel, LogitsAndMtpMatchTheTrainer) {
       const auto expected = ref["sequences"][s]["logits"].get<std::vector<std::vector<float>>>();
       ASSERT_EQ(expected.size(), seqs[s].size());
       while (stable[s] < seqs[s].size() && margins[s][stable[s]] >= kMinMargin) ++stable[s];
-      const double dev = deviation(expected, rows[s].data(), vocab, stable[s]);
+      const double dev = test::logit_deviation(expected, rows[s].data(), vocab, stable[s]);
       EXPECT_LE(dev, kTol) << "sequence " << s << " (" << seqs[s].size() << " tokens), "
                            << (one_by_one ? "token by token" : "whole");
       std::printf(
@@ -222,8 +210,8 @@ TEST_F(TrainedModel, LogitsAndMtpMatchTheTrainer) {
       for (size_t i = 0; i < count; ++i)
         if (mtp.routing_margin[t + i] < kMinMargin) count = i;
       t += batch[b].tokens.size();
-      const double dev =
-          deviation(expected, mtp.logits.data() + mtp.first_row[b] * vocab, vocab, count);
+      const double dev = test::logit_deviation(
+          expected, mtp.logits.data() + mtp.first_row[b] * vocab, vocab, count);
       EXPECT_LE(dev, kTol) << "MTP, sequence " << who[b];
       EXPECT_GE(count, expected.size() / 2) << "MTP, sequence " << who[b];
       std::printf(
