@@ -6,6 +6,7 @@
 #include <numeric>
 #include <unordered_map>
 
+#include "kernels/cpu/ops.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -39,8 +40,7 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   }
   Candidates c;
   if (greedy()) {
-    c.argmax =
-        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    c.argmax = static_cast<int32_t>(kernels::argmax(logits.data(), vocab));
     return c;
   }
   const auto inv_t = static_cast<float>(1.0 / params_.temperature);

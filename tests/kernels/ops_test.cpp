@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <tuple>
 
@@ -441,6 +442,31 @@ TEST(BatchInvariant, ATokensProductRowDoesNotDependOnTheTokenCount) {
       }
     }
   }
+}
+
+// argmax is std::max_element's choice (the lowest index on ties) on every length, with -inf
+// entries (masked tokens) and ties at the ends of the vector loop and in its tail.
+TEST(Argmax, ChoosesWhatMaxElementChooses) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int64_t n : {1, 7, 8, 31, 32, 33, 100, 129280}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      std::vector<float> x(n);
+      for (auto& v : x) v = normal(rng);
+      if (trial == 1) x[size_t(n / 2)] = -std::numeric_limits<float>::infinity();
+      if (trial == 2) x.back() = x.front() = 9.0f;  // a tie: the first wins
+      if (trial == 3) std::fill(x.begin(), x.end(), 1.5f);
+      EXPECT_EQ(argmax(x.data(), n), std::max_element(x.begin(), x.end()) - x.begin())
+          << "n " << n << " trial " << trial;
+    }
+  }
+  std::vector<float> masked(40, -std::numeric_limits<float>::infinity());
+  masked[37] = -3.0f;
+  EXPECT_EQ(argmax(masked.data(), 40), 37);
+  std::vector<float> with_nan(20, 0.0f);
+  with_nan[3] = std::nanf("");
+  with_nan[11] = 2.0f;
+  EXPECT_EQ(argmax(with_nan.data(), 20), 11);
 }
 
 }  // namespace

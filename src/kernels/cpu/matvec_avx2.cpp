@@ -1,6 +1,7 @@
 #include "kernels/cpu/matvec_avx2.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "kernels/cpu/avx2_lanes.h"
 #include "kernels/cpu/bf16.h"
@@ -156,6 +157,26 @@ TANDEM_AVX2 void axpy_rows_i8(const int8_t* w, int64_t rows, int64_t cols, const
 TANDEM_AVX2 void axpy_rows_f32(const float* w, int64_t rows, int64_t cols, const float* a,
                                float* y) {
   axpy_rows(w, rows, cols, a, y);
+}
+
+TANDEM_AVX2 float max_value(const float* x, int64_t n) {
+  // Four independent maxima, so the loop is bound by loads rather than by the latency of one
+  // chain. _mm256_max_ps returns its second operand when either is NaN: x goes first, so a NaN
+  // in x leaves the running maximum as it was.
+  const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m[4] = {low, low, low, low};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int k = 0; k < 4; ++k) m[k] = _mm256_max_ps(_mm256_loadu_ps(x + i + 8 * k), m[k]);
+  for (; i + 8 <= n; i += 8) m[0] = _mm256_max_ps(_mm256_loadu_ps(x + i), m[0]);
+  const __m256 all = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, all);
+  float top = -std::numeric_limits<float>::infinity();
+  for (float v : lanes) top = std::max(top, v);
+  for (; i < n; ++i)
+    if (x[i] > top) top = x[i];
+  return top;
 }
 
 }  // namespace tandem::kernels::avx2

@@ -29,4 +29,7 @@ void axpy_rows_bf16(const uint16_t* w, int64_t rows, int64_t cols, const float* 
 void axpy_rows_i8(const int8_t* w, int64_t rows, int64_t cols, const float* a, float* y);
 void axpy_rows_f32(const float* w, int64_t rows, int64_t cols, const float* a, float* y);
 
+// The largest of x[0..n) (-inf for n = 0); NaNs are skipped.
+float max_value(const float* x, int64_t n);
+
 }  // namespace tandem::kernels::avx2

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 namespace tandem::kernels {
 namespace {
@@ -497,6 +498,19 @@ float dot(const float* a, const float* b, int64_t n) {
 void axpy(float a, const float* x, float* y, int64_t n) {
   if (avx512::available()) return avx512::axpy(a, x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+int64_t argmax(const float* x, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  if (avx2::available()) {
+    top = avx2::max_value(x, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      if (x[i] > top) top = x[i];
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;
 }
 
 }  // namespace tandem::kernels

@@ -107,6 +107,10 @@ void softmax(float* x, int64_t n);
 // row of attention probabilities). x is overwritten.
 void softmax_to_bf16(float* x, int64_t n, float scale, int64_t width, uint16_t* out);
 float dot(const float* a, const float* b, int64_t n);
+// Index of the largest of x[0..n), the lowest on ties (as std::max_element); NaNs are never
+// chosen unless every value is one (then 0). A vectorised maximum, then the first index holding
+// it: a greedy token over a 129K-token vocabulary in tens of microseconds, not hundreds.
+int64_t argmax(const float* x, int64_t n);
 // y += a * x
 void axpy(float a, const float* x, float* y, int64_t n);
 
