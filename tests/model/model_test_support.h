@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -63,6 +64,19 @@ inline CommandResult run_capture(const std::string& command) {
   const int rc = ::pclose(p);
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   return r;
+}
+
+// Block tables for sequences of these lengths in one cache: consecutive blocks, one run each.
+inline std::vector<std::vector<int32_t>> block_tables(const std::vector<std::vector<int32_t>>& seqs,
+                                                      int64_t block) {
+  std::vector<std::vector<int32_t>> tables;
+  int32_t next = 0;
+  for (const auto& s : seqs) {
+    std::vector<int32_t> t((static_cast<int64_t>(s.size()) + block - 1) / block);
+    for (auto& b : t) b = next++;
+    tables.push_back(t);
+  }
+  return tables;
 }
 
 // Largest |ours - ref| over the first `count` rows of logits [count, vocab], relative to the

@@ -111,13 +111,7 @@ TEST_P(Numerics, MatchesPyTorchReference) {
   for (Feed feed : {Feed::kWhole, Feed::kChunks, Feed::kTokens}) {
     const int64_t block = 4;
     LatentCache cache(model.cache_shape(block), 64);
-    std::vector<std::vector<int32_t>> tables;
-    int32_t next_block = 0;
-    for (const auto& s : seqs) {
-      std::vector<int32_t> t((s.size() + block - 1) / block);
-      for (auto& b : t) b = next_block++;
-      tables.push_back(t);
-    }
+    const auto tables = test::block_tables(seqs, block);
     // Logits rows of each sequence, assembled from however many steps the feed takes.
     std::vector<std::vector<float>> rows(seqs.size());
     std::vector<std::vector<float>> hidden(seqs.size());

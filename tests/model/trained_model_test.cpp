@@ -134,13 +134,7 @@ TEST_F(TrainedModel, LogitsAndMtpMatchTheTrainer) {
   for (bool one_by_one : {false, true}) {
     const int64_t block = 4;
     LatentCache cache(model.cache_shape(block), 64);
-    std::vector<std::vector<int32_t>> tables;
-    int32_t next_block = 0;
-    for (const auto& s : seqs) {
-      std::vector<int32_t> t((s.size() + block - 1) / block);
-      for (auto& b : t) b = next_block++;
-      tables.push_back(t);
-    }
+    const auto tables = test::block_tables(seqs, block);
     // Whole sequences in one mixed batch (expanded attention), or one token per sequence per
     // step (absorbed attention over the cache).
     std::vector<std::vector<float>> rows(seqs.size()), hidden(seqs.size()), margins(seqs.size());
