@@ -53,6 +53,10 @@ std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t 
   return out;
 }
 
+void mask_ids_without_text(std::span<float> logits, std::span<const int32_t> no_text) {
+  for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+}
+
 void sample_items(std::span<const ExecItem> batch,
                   const std::function<float*(size_t item, size_t row)>& logits_of, int64_t vocab,
                   std::span<const int32_t> no_text, std::vector<StepTokens>& sampled) {
@@ -71,7 +75,7 @@ void sample_items(std::span<const ExecItem> batch,
     auto& tokens = sampled[i].tokens;
     for (size_t j = 0; j <= drafts; ++j) {
       std::span<float> logits(logits_of(i, j), size_t(vocab));
-      for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+      mask_ids_without_text(logits, no_text);
       if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
       const std::span<const int32_t> history = drafts > 0 ? output : item.generated;
       const int32_t token =

@@ -27,6 +27,8 @@ void write_kv_block(model::LatentCache& cache, const ExecutorInfo& info, int32_t
 
 // Vocabulary ids of LM-head rows without a token (padded vocabularies); never sampled.
 std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size);
+// Sets those ids' logits to -inf, so neither sampling nor a draft proposal picks them.
+void mask_ids_without_text(std::span<float> logits, std::span<const int32_t> no_text);
 
 // Verifies and samples every item with sample = true. Its rows logits_of(item, j), j = 0..drafts
 // (vocab floats each, changed in place: ids without text are masked first) predict the token

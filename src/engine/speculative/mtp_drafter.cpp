@@ -1,7 +1,6 @@
 #include "engine/speculative/mtp_drafter.h"
 
-#include <limits>
-
+#include "engine/executor/model_executor.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -81,7 +80,7 @@ void MtpDrafter::run(std::span<const ExecItem> batch, const model::StepOutput& m
       const ExecItem& item = batch[i];
       if (!item.sample) continue;
       std::span<float> logits(out.logits.data() + out.first_row[k] * vocab, size_t(vocab));
-      for (auto id : no_text_) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+      mask_ids_without_text(logits, no_text_);
       std::vector<float> q;
       const int32_t draft = item.sampler->propose(logits, item.prompt, outputs[i], q);
       StepTokens& s = sampled[i];
