@@ -1,11 +1,11 @@
 #pragma once
-// The engine's HTTP front: OpenAI /v1/completions and /v1/chat/completions (streaming and not),
-// SGLang's tokens-in /generate, /v1/models, /health, /metrics (Prometheus) and /load (the JSON
-// load report the gateway polls). Requests go to the Engine; its outputs come back on the engine
-// thread, which hands them to the server's render thread: the response bodies and stream chunks
-// are built there and written to the client through the HTTP server's exchanges, so the step
-// loop never serializes JSON. A client that disconnects aborts its requests, which frees their KV
-// blocks.
+// The engine's HTTP front: the generation routes (generation_api.h: OpenAI /v1/completions and
+// /v1/chat/completions, SGLang's tokens-in /generate), /v1/models, /health, /metrics (Prometheus),
+// /load (the JSON load report the gateway polls) and the expert placement. The engine's outputs
+// come back on the engine thread, which hands them to the server's render thread: the response
+// bodies and stream chunks are built there and written to the client through the HTTP server's
+// exchanges, so the step loop never serializes JSON. A client that disconnects aborts its
+// requests, which frees their KV blocks.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -14,8 +14,8 @@
 #include <string>
 
 #include "engine/engine.h"
+#include "engine/generation_api.h"
 #include "net/http_server.h"
-#include "text/chat_template.h"
 #include "util/metrics.h"
 #include "util/task_thread.h"
 
@@ -32,17 +32,13 @@ class ApiServer {
   void stop();
 
  private:
-  void handle_generation(int kind, const net::HttpRequest& request,
-                         std::shared_ptr<net::Exchange> exchange);
-  void release_refused_decode_leg(const nlohmann::json& body);
-
   Engine& engine_;
   metrics::Registry& registry_;
   net::HttpServer server_;
-  std::optional<text::ChatTemplate> chat_template_;
   // Builds and writes responses from the engine's outputs, in the order they came. Shared with
   // the callbacks, which may outlive the server (an engine stopped later aborts its requests).
   std::shared_ptr<util::TaskThread> renderer_ = std::make_shared<util::TaskThread>("render");
+  GenerationApi generation_;
   int64_t created_;
 };
 

@@ -111,7 +111,7 @@ void FrontEnd::add_routes(net::HttpServer& server) {
 }
 
 void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-  RequestPtr r = prepare(req, std::make_shared<ExchangeReply>(ex));
+  RequestPtr r = prepare(req, std::make_shared<net::ExchangeReply>(ex));
   if (!r) return;
   r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
   exec_.post_batched([this, r] { dispatcher_.submit(r); });

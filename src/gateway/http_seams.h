@@ -1,7 +1,8 @@
 #pragma once
 // The running gateway's seams (seams.h) over its HTTP stack: engines are called with the
-// asynchronous HTTP client, clients are answered through the server's exchanges, and with one io
-// thread the scheduling runs on it (IoThreadExecutor).
+// asynchronous HTTP client, clients are answered through the server's exchanges
+// (net::ExchangeReply, net/reply.h), and with one io thread the scheduling runs on it
+// (IoThreadExecutor).
 #include <memory>
 
 #include "gateway/seams.h"
@@ -19,23 +20,6 @@ class HttpUpstream final : public Upstream {
 
  private:
   net::AsyncHttpClient& client_;
-};
-
-class ExchangeReply final : public ClientReply {
- public:
-  explicit ExchangeReply(std::shared_ptr<net::Exchange> exchange)
-      : exchange_(std::move(exchange)) {}
-  bool respond(int status, std::string body, std::string content_type) override;
-  bool send_error(int status, std::string_view message, std::string_view type,
-                  std::string_view code) override;
-  bool start_stream(int status, std::string content_type) override;
-  bool write(std::string_view chunk) override;
-  bool end() override;
-  void abort() override;
-  void on_close(std::function<void()> callback) override;
-
- private:
-  std::shared_ptr<net::Exchange> exchange_;
 };
 
 // The scheduling on the server's first io thread (net/loop_tasks.h): with one io thread the

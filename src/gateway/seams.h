@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "net/async_http_client.h"
+#include "net/reply.h"
 #include "util/inline_task.h"
 
 namespace tandem::gateway {
@@ -56,23 +57,7 @@ class Upstream {
   virtual void cancel(CallId id) = 0;  // unknown or finished ids are ignored
 };
 
-// The client's side of one request: what the gateway answers it. Methods that send return false
-// and do nothing once the client cannot take that call any more (gone, or already answered).
-// Thread-safe (net::Exchange's contract).
-class ClientReply {
- public:
-  virtual ~ClientReply() = default;
-  virtual bool respond(int status, std::string body, std::string content_type) = 0;
-  // An OpenAI error body (api/error.h) with this status, message, type and code.
-  virtual bool send_error(int status, std::string_view message, std::string_view type = {},
-                          std::string_view code = {}) = 0;
-  virtual bool start_stream(int status, std::string content_type) = 0;
-  virtual bool write(std::string_view chunk) = 0;
-  virtual bool end() = 0;    // the stream is complete
-  virtual void abort() = 0;  // cuts a stream (or answers 500 when nothing was sent)
-  // Runs once if the client goes away before the reply is complete (right away if it already
-  // has); quick and non-blocking, as it may run on an io thread.
-  virtual void on_close(std::function<void()> callback) = 0;
-};
+// The client's side of one request: what the gateway answers it (net/reply.h).
+using ClientReply = net::Reply;
 
 }  // namespace tandem::gateway

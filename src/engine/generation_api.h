@@ -1,0 +1,47 @@
+#pragma once
+// The engine's generation routes (OpenAI /v1/completions and /v1/chat/completions, streaming and
+// not, and SGLang's tokens-in /generate) over any net::Reply: the request body parsed and
+// checked, its choices submitted to the Engine as engine requests (with the P/D leg its
+// disaggregation fields and the engine's role make of it), and the engine's outputs rendered
+// into response bodies or SSE chunks. The HTTP server (api_server.h) serves it over sockets; the
+// cluster simulator (sim/) calls it directly in virtual time.
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "api/request.h"
+#include "engine/engine.h"
+#include "net/http.h"
+#include "net/reply.h"
+#include "text/chat_template.h"
+
+namespace tandem::engine {
+
+class GenerationApi {
+ public:
+  // Runs a rendering task: the engine's outputs are rendered there, in the order they came, so the
+  // step loop never serializes JSON (a thread of the server's; the simulator's clock).
+  using Post = std::function<void(std::function<void()>)>;
+  // Unique engine request ids (default: random).
+  using NewId = std::function<std::string()>;
+
+  // `engine` must outlive the API; `post` may be called from the engine thread.
+  GenerationApi(Engine& engine, Post post, NewId new_id = {});
+
+  // Answers one generation request through `reply`: an OpenAI error for a bad body, else the
+  // response as the engine produces it. A reply that closes early aborts its engine requests.
+  void handle(api::ApiKind kind, const net::HttpRequest& request,
+              std::shared_ptr<net::Reply> reply);
+
+ private:
+  void release_refused_decode_leg(const nlohmann::json& body);
+
+  Engine& engine_;
+  Post post_;
+  NewId new_id_;
+  std::optional<text::ChatTemplate> chat_template_;
+  int64_t created_;
+};
+
+}  // namespace tandem::engine
