@@ -15,18 +15,14 @@ std::optional<KvEventsConfig> parse_events(const EngineConfig& config) {
   return KvEventsConfig::parse(config.kv_events_config);
 }
 
-KvCacheOptions kv_options(const std::optional<KvEventsConfig>& events) {
+KvCacheOptions kv_options(const EngineConfig& config, const std::optional<KvEventsConfig>& events) {
   KvCacheOptions o;
-  o.enable_events = events && events->enable_kv_cache_events;
+  o.enable_events = (events && events->enable_kv_cache_events) || config.kv_event_sink;
   return o;
 }
 
 double unix_time() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -91,7 +87,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       eos_ids_(std::move(eos_ids)),
       events_config_(parse_events(config)),
       kv_(executor_->info().num_blocks, executor_->info().block_size, config.enable_prefix_caching,
-          kv_options(events_config_)),
+          kv_options(config, events_config_)),
       scheduler_(scheduler_config(config.scheduler, executor_->info()), kv_),
       seed_base_(std::random_device{}()) {
   if (events_config_ && events_config_->enable_kv_cache_events &&
@@ -290,7 +286,7 @@ LoadReport Engine::load() const {
   LoadReport r = load_;
   r.prefill_tokens += incoming;
   r.prefill_pairs += incoming_pairs;
-  if (r.step_seqs > 0) r.step_running_for_s = std::max(now_seconds() - step_started_, 0.0);
+  if (r.step_seqs > 0) r.step_running_for_s = std::max(now() - step_started_, 0.0);
   return r;
 }
 
@@ -317,6 +313,17 @@ std::string Engine::kv_events_replay_endpoint() const {
   return publisher_ ? publisher_->replay_endpoint() : std::string();
 }
 
+double Engine::now() const {
+  if (config_.clock) return config_.clock();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+bool Engine::has_work() const {
+  std::lock_guard lock(mutex_);
+  return !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
+         !scheduler_.running().empty() || !scheduler_.waiting().empty();
+}
+
 void Engine::loop() {
   while (true) {
     {
@@ -328,21 +335,28 @@ void Engine::loop() {
       });
       if (stopping_) return;
     }
-    admit_incoming();
-    if (pd_) {
-      pd_->start_fetches(now_seconds());
-      metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
-    }
-    if (!scheduler_.running().empty() || !scheduler_.waiting().empty()) {
-      step();
-    } else if (pd_ && pd_->has_fetch_to_start()) {
-      // Decodes wait for free blocks to receive their KV into: retry shortly.
+    if (run_once()) continue;
+    // Nothing could be scheduled (cannot happen while submit() checks that every request fits
+    // the cache alone), or decodes wait for free blocks to receive their KV into: never spin,
+    // retry shortly or at the next submission or abort.
+    if (!scheduler_.running().empty() || !scheduler_.waiting().empty() ||
+        (pd_ && pd_->has_fetch_to_start())) {
       std::unique_lock lock(mutex_);
       wake_.wait_for(lock, std::chrono::milliseconds(50), [&] {
         return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty();
       });
     }
   }
+}
+
+bool Engine::run_once() {
+  admit_incoming();
+  if (pd_) {
+    pd_->start_fetches(now());
+    metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
+  }
+  if (scheduler_.running().empty() && scheduler_.waiting().empty()) return false;
+  return step();
 }
 
 void Engine::admit_incoming() {
@@ -358,7 +372,7 @@ void Engine::admit_incoming() {
     tasks.swap(tasks_);
   }
   for (auto& t : tasks) t();
-  const double now = now_seconds();
+  const double now = this->now();
   for (auto& r : incoming) {
     auto seq = std::make_unique<Sequence>();
     seq->tokens = r.prompt;
@@ -385,17 +399,11 @@ void Engine::admit_incoming() {
   if (!incoming.empty() || !aborts.empty() || !tasks.empty()) update_gauges();
 }
 
-void Engine::step() {
+bool Engine::step() {
   SchedulerOutput out = scheduler_.schedule();
   metrics_->preemptions.inc(out.preempted.size());
-  if (out.empty()) {
-    // Nothing fits right now (cannot happen while submit() checks that every request fits the
-    // cache alone, but never spin): wait for the next submission or abort.
-    std::unique_lock lock(mutex_);
-    wake_.wait_for(lock, std::chrono::milliseconds(50));
-    return;
-  }
-  const double now = now_seconds();
+  if (out.empty()) return false;
+  const double now = this->now();
   std::vector<ExecItem> items;
   items.reserve(out.scheduled.size());
   for (const auto& s : out.scheduled) {
@@ -450,9 +458,9 @@ void Engine::step() {
     for (const auto& s : out.scheduled) finish(s.seq, "error", e.what());
     publish_events();
     update_gauges();
-    return;
+    return true;
   }
-  const double done = now_seconds();
+  const double done = this->now();
   if (expert_load_) record_expert_load(result.expert_tokens);
   count_speculation(out, result.sampled);
   std::vector<SequenceUpdate> updates = scheduler_.update_from_output(out, result.sampled, done);
@@ -483,6 +491,7 @@ void Engine::step() {
   }
   publish_events();
   update_gauges();
+  return true;
 }
 
 void Engine::count_speculation(const SchedulerOutput& out, std::span<const StepTokens> sampled) {
@@ -515,7 +524,7 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
     seq->request.on_output(o);
   }
   metrics_->success.labels({reason}).inc();
-  metrics_->e2e.observe(now_seconds() - seq->arrival_time);
+  metrics_->e2e.observe(now() - seq->arrival_time);
   if (pd_ && pd_->outlives_end(seq)) return;  // its fetch still runs: dropped when it ends
   drop(seq->request.id);
 }
@@ -542,7 +551,11 @@ void Engine::drop(const std::string& id) {
 
 void Engine::publish_events() {
   auto events = kv_.take_events();
-  if (publisher_ && !events.empty()) publisher_->publish({unix_time(), std::move(events), {}});
+  if (events.empty()) return;
+  if (config_.kv_event_sink)
+    config_.kv_event_sink({unix_time(), std::move(events), {}});
+  else if (publisher_)
+    publisher_->publish({unix_time(), std::move(events), {}});
 }
 
 void Engine::record_expert_load(std::span<const int64_t> step) {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -55,6 +56,12 @@ struct EngineConfig {
   // Executors that place experts: every this many steps, re-plan from the load window and switch
   // live when the plan moves anything (0: only on request).
   int64_t rebalance_interval = 0;
+  // Seams for running the engine in virtual time (the cluster simulator, sim/): the monotonic
+  // clock, in seconds, that every timestamp of the engine reads (empty: the steady clock), and
+  // where KV event batches go instead of a ZMQ publisher (set: events are on, whatever
+  // kv_events_config says).
+  std::function<double()> clock;
+  std::function<void(KvEventBatch)> kv_event_sink;
 };
 
 // A snapshot for the gateway's load-aware routing (JSON at /load).
@@ -72,6 +79,13 @@ class Engine final : private PdHost {
 
   void start();
   void stop();  // aborts what is still queued or running (callbacks get "abort")
+  // Virtual time, instead of start() (the cluster simulator): takes what was submitted, aborted
+  // or posted, and runs one step when a sequence can make progress. Returns whether a step ran;
+  // its outputs have then been handed to their callbacks. Never blocks.
+  bool run_once();
+  // Whether run_once() has anything to do (a submission, abort or task, or a sequence in the
+  // scheduler).
+  bool has_work() const;
 
   // Thread-safe. Checks what can be checked up front (ids in the vocabulary, prompt plus
   // max_tokens within the model's length and the KV cache) and throws tandem::Error with a
@@ -112,7 +126,8 @@ class Engine final : private PdHost {
   struct Metrics;
   void loop();
   void admit_incoming();
-  void step();
+  bool step();  // false when nothing could be scheduled
+  double now() const;
   void finish(Sequence* seq, const std::string& reason, const std::string& error = {},
               bool notified = false, int error_status = 500);
   void publish_events();

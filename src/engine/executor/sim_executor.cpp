@@ -115,16 +115,25 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook
     seconds *= moe.factor;
     result.expert_tokens = std::move(moe.routes);
   }
+  // The step's time passes (until `at` seconds into it), on the wall clock or the owner's.
+  double passed = 0;
+  auto pass_until = [&](double at) {
+    if (options_.wait) {
+      if (at > passed) options_.wait(at - passed);
+    } else {
+      std::this_thread::sleep_until(start + std::chrono::duration<double>(at));
+    }
+    passed = std::max(passed, at);
+  };
   if (on_layer) {
     // Layers complete evenly over the step, as KV transfer would see them on a GPU.
     const int64_t layers = info_.kv_layout.layers;
     for (int64_t l = 1; l <= layers; ++l) {
-      std::this_thread::sleep_until(
-          start + std::chrono::duration<double>(seconds * double(l) / double(layers)));
+      pass_until(seconds * double(l) / double(layers));
       on_layer(l);
     }
   }
-  std::this_thread::sleep_until(start + std::chrono::duration<double>(seconds));
+  pass_until(seconds);
   return result;
 }
 

@@ -11,6 +11,7 @@
 // max_tokens or a stop string/id. Logprobs are placeholders (0 for the sampled token, -1, -2, ...
 // for the alternatives) since there is no model distribution.
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +37,9 @@ struct SimExecutorOptions {
   // Expert parallelism (ranks > 0): a step's MoE time follows the busiest rank's routes under
   // a placement; the executor then also reports its routes (GET /expert_load).
   SimExpertParallelOptions expert_parallel;
+  // How a step's modelled time passes: empty, the step sleeps it; set, it is called with the
+  // seconds instead (the cluster simulator advances its virtual clock by them).
+  std::function<void(double seconds)> wait;
 };
 
 class SimExecutor : public Executor {
