@@ -8,9 +8,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/stream_measure.h"
 #include "net/async_http_client.h"
 #include "net/http_client.h"
-#include "net/sse.h"
 #include "util/error.h"
 
 namespace tandem::bench {
@@ -23,47 +23,9 @@ double seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
-// One request in flight: its measurements, filled on the client thread.
-struct Flight {
-  RequestResult result;
-  Clock::time_point sent;
-  Clock::time_point last_chunk;
-  bool first_chunk = false;
-  int status = 0;
-  std::string error_body;
-  net::SseParser parser;
-  int64_t usage_tokens = -1;
-  int64_t chunks = 0;
-};
-
-// A streamed chunk: vLLM's client counts any data event with a non-empty `choices` as a token
-// chunk, and takes the output token count from the `usage` one.
-void on_event(Flight& f, const std::string& data, Clock::time_point now) {
-  if (net::SseParser::is_done(data)) return;
-  json j;
-  try {
-    j = json::parse(data);
-  } catch (const std::exception&) {
-    return;  // not JSON: not a chunk the metrics count
-  }
-  if (!j.is_object()) return;
-  if (auto e = j.find("error"); e != j.end()) {
-    f.result.error = "error event: " + e->dump();
-    return;
-  }
-  if (auto c = j.find("choices"); c != j.end() && c->is_array() && !c->empty()) {
-    if (!f.first_chunk) {
-      f.first_chunk = true;
-      f.result.ttft_s = seconds(now - f.sent);
-    } else {
-      f.result.itl_s.push_back(seconds(now - f.last_chunk));
-    }
-    f.last_chunk = now;
-    ++f.chunks;
-  }
-  if (auto u = j.find("usage"); u != j.end() && u->is_object())
-    if (auto t = u->find("completion_tokens"); t != u->end() && t->is_number_integer())
-      f.usage_tokens = t->get<int64_t>();
+// Seconds of the monotonic clock, as StreamMeasurement takes them.
+double since(Clock::time_point origin, Clock::time_point t) {
+  return seconds(t - origin);
 }
 
 }  // namespace
@@ -96,7 +58,7 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
   std::mutex mutex;
   std::condition_variable cv;
   size_t in_flight = 0, done = 0;
-  std::vector<std::unique_ptr<Flight>> flights(requests.size());
+  std::vector<std::unique_ptr<StreamMeasurement>> flights(requests.size());
 
   const Clock::time_point origin = Clock::now();
   Clock::time_point last_end = origin;
@@ -110,11 +72,6 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
         cv.wait(lock, [&] { return static_cast<int64_t>(in_flight) < *options.max_concurrency; });
       ++in_flight;
     }
-    auto f = std::make_unique<Flight>();
-    Flight* flight = f.get();
-    flights[i] = std::move(f);
-    flight->result.prompt_tokens = static_cast<int64_t>(requests[i].prompt_ids.size());
-
     net::AsyncHttpRequest r;
     r.host = options.host;
     r.port = options.port;
@@ -124,31 +81,18 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
     r.headers.set("Content-Type", "application/json");
     if (!options.api_key.empty()) r.headers.set("Authorization", "Bearer " + options.api_key);
     r.timeout = options.timeout;
+    flights[i] = std::make_unique<StreamMeasurement>(
+        since(origin, Clock::now()), static_cast<int64_t>(requests[i].prompt_ids.size()));
+    StreamMeasurement* flight = flights[i].get();
     net::AsyncHttpHandlers h;
-    h.on_head = [flight](int status, const net::Headers&) { flight->status = status; };
-    h.on_body = [flight](std::string_view piece) {
-      const auto now = Clock::now();
-      if (flight->status != 200) {
-        if (flight->error_body.size() < 4096) flight->error_body += piece;
-        return true;
-      }
-      for (const auto& data : flight->parser.feed(piece)) on_event(*flight, data, now);
+    h.on_head = [flight](int status, const net::Headers&) { flight->head(status); };
+    h.on_body = [flight, origin](std::string_view piece) {
+      flight->body(piece, since(origin, Clock::now()));
       return true;
     };
     h.on_done = [&, flight, i](const std::string& error) {
       const auto now = Clock::now();
-      RequestResult& res = flight->result;
-      if (!error.empty()) {
-        res.error = error;
-      } else if (flight->status != 200) {
-        res.error = "HTTP " + std::to_string(flight->status) + ": " + flight->error_body;
-      } else if (res.error.empty() && !flight->first_chunk) {
-        res.error = "the stream ended without any token";
-      }
-      res.success = res.error.empty();
-      res.start_s = seconds(flight->sent - origin);
-      res.latency_s = seconds((flight->first_chunk ? flight->last_chunk : now) - flight->sent);
-      res.output_tokens = flight->usage_tokens >= 0 ? flight->usage_tokens : flight->chunks;
+      RequestResult res = flight->done(error, since(origin, now), 0);
       size_t finished;
       {
         std::lock_guard lock(mutex);
@@ -160,7 +104,6 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
       cv.notify_all();
       if (options.progress) options.progress(finished, requests.size());
     };
-    flight->sent = Clock::now();
     client.start(std::move(r), std::move(h));
   }
   {
@@ -171,19 +114,10 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
   return run;
 }
 
-std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string& host,
-                                                              uint16_t port) {
-  std::string text;
-  try {
-    auto r = net::http_request(host, port, "GET", "/metrics", {}, {}, std::chrono::seconds(5));
-    if (r.status != 200) return std::nullopt;
-    text = std::move(r.body);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
+std::optional<PrefixCacheCounters> parse_prefix_cache_counters(std::string_view metrics_text) {
   PrefixCacheCounters c;
   bool any = false;
-  std::istringstream in(text);
+  std::istringstream in{std::string(metrics_text)};
   for (std::string line; std::getline(in, line);) {
     if (line.empty() || line[0] == '#') continue;
     double* into = nullptr;
@@ -200,6 +134,17 @@ std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string&
   }
   if (!any) return std::nullopt;
   return c;
+}
+
+std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string& host,
+                                                              uint16_t port) {
+  try {
+    auto r = net::http_request(host, port, "GET", "/metrics", {}, {}, std::chrono::seconds(5));
+    if (r.status != 200) return std::nullopt;
+    return parse_prefix_cache_counters(r.body);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
 }
 
 }  // namespace tandem::bench

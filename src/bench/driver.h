@@ -9,6 +9,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/metrics.h"
@@ -55,5 +56,7 @@ struct PrefixCacheCounters {
 };
 std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string& host,
                                                               uint16_t port);
+// The same counters from a Prometheus text exposition.
+std::optional<PrefixCacheCounters> parse_prefix_cache_counters(std::string_view metrics_text);
 
 }  // namespace tandem::bench
