@@ -155,13 +155,13 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
 
 void EndpointTable::fill_cached_tokens(ClusterView& v,
                                        const std::vector<int32_t>& prompt_ids) const {
-  const bool known = !prompt_ids.empty() && !consumers_.empty();
+  const bool known = !prompt_ids.empty() && (!consumers_.empty() || !external_events_.empty());
   std::vector<PrefixMatch> matches;
   if (known) matches = prefix_index_.match(prompt_ids);
   for (auto* pool : {&v.prefill, &v.decode})
     for (auto& e : *pool) {
       e.cached_tokens = -1;
-      if (!known || !consumers_.count(e.id)) continue;
+      if (!known || !has_events(e.id)) continue;
       e.cached_tokens = 0;
       for (const auto& m : matches)
         if (m.engine == e.id) e.cached_tokens = m.tokens;
@@ -280,6 +280,7 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
 void EndpointTable::forget(int id) {
   endpoints_.erase(id);
   consumers_.erase(id);  // before the index forgets the engine: no event re-adds it
+  external_events_.erase(id);
   prefix_index_.remove_engine(id);
   if (on_forget_) on_forget_(id);
 }
@@ -346,7 +347,7 @@ json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const
             {"max_in_flight", e.max_in_flight},
             {"consecutive_failures", e.consecutive_failures},
             {"load_source", load_source_name(e.load_source)}};
-  if (consumers_.count(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
+  if (has_events(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
   j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight.tokens;
   if (e.load.known) {
     const LoadReport& r = e.load.report;

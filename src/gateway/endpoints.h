@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,9 @@ class EndpointTable {
   void on_forget(std::function<void(int id)> callback) { on_forget_ = std::move(callback); }
 
   int add(bool prefill, Endpoint endpoint);
+  // The engine's KV events reach the prefix index some other way (the cluster simulator applies
+  // them itself): its cached prefixes are known, as for an engine with a consumer.
+  void events_fed_externally(int id) { external_events_.insert(id); }
   EndpointState* find(int id);
   const EndpointState* find(int id) const;
   std::map<int, EndpointState>& all() { return endpoints_; }
@@ -121,6 +125,7 @@ class EndpointTable {
  private:
   void forget(int id);
   void update_ready();
+  bool has_events(int id) const { return consumers_.count(id) || external_events_.count(id); }
 
   const Topology& topo_;
   GatewayMetrics& metrics_;
@@ -129,6 +134,7 @@ class EndpointTable {
   std::map<int, EndpointState> endpoints_;
   // One KV-event consumer per engine that publishes events (their threads write the index).
   std::map<int, std::unique_ptr<KvEventsConsumer>> consumers_;
+  std::set<int> external_events_;
   int next_id_ = 0;
   std::atomic<bool> ready_{false};  // read by the io threads (GET /health)
   metrics::Gauge detached_gauge_;   // written by draining engines, never rendered

@@ -1,0 +1,236 @@
+#include "sim/cluster_simulation.h"
+
+#include <chrono>
+
+#include "api/error.h"
+#include "bench/driver.h"
+#include "bench/stream_measure.h"
+#include "engine/kv/kv_events.h"
+#include "gateway/dispatcher.h"
+#include "gateway/endpoints.h"
+#include "gateway/front_end.h"
+#include "gateway/gateway_metrics.h"
+#include "gateway/health.h"
+#include "gateway/kv_events_consumer.h"
+#include "gateway/policy.h"
+#include "gateway/prefix_index.h"
+#include "gateway/tokens_in.h"
+#include "gateway/virtual_executor.h"
+#include "sim/simulated_engine.h"
+#include "sim/virtual_upstream.h"
+#include "util/error.h"
+#include "util/metrics.h"
+
+namespace tandem::sim {
+namespace {
+
+using Clock = gateway::Executor::Clock;
+
+Clock::duration duration_of(double seconds) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+// A client of the gateway: it streams its answer and measures it as `tandem bench` does; it never
+// goes away before the answer is complete.
+class MeasuredClient final : public gateway::ClientReply {
+ public:
+  MeasuredClient(gateway::VirtualExecutor& clock, Clock::time_point origin, int64_t prompt_tokens,
+                 std::function<void(bench::RequestResult)> finished)
+      : clock_(clock),
+        origin_(origin),
+        measure_(seconds_between(origin, clock.now()), prompt_tokens),
+        finished_(std::move(finished)) {}
+
+  bool respond(int status, std::string body, std::string) override {
+    if (done_) return false;
+    measure_.head(status);
+    measure_.body(body, now());
+    finish({});
+    return true;
+  }
+  bool send_error(int status, std::string_view message, std::string_view type,
+                  std::string_view code) override {
+    return respond(status,
+                   api::openai_error_body(
+                       message, type.empty() ? api::default_error_type(status) : type, code),
+                   "application/json");
+  }
+  bool start_stream(int status, std::string) override {
+    if (done_) return false;
+    measure_.head(status);
+    return true;
+  }
+  bool write(std::string_view chunk) override {
+    if (done_) return false;
+    measure_.body(chunk, now());
+    return true;
+  }
+  bool end() override {
+    if (done_) return false;
+    finish({});
+    return true;
+  }
+  void abort() override {
+    if (!done_) finish("the gateway cut the response");
+  }
+  void on_close(std::function<void()>) override {}  // the client stays to the end
+
+ private:
+  double now() const { return seconds_between(origin_, clock_.now()); }
+  void finish(const std::string& error) {
+    done_ = true;
+    finished_(measure_.done(error, now(), 0));
+  }
+
+  gateway::VirtualExecutor& clock_;
+  Clock::time_point origin_;
+  bench::StreamMeasurement measure_;
+  std::function<void(bench::RequestResult)> finished_;
+  bool done_ = false;
+};
+
+// The simulator's engines get made-up addresses: the name is the host, all on one port.
+constexpr uint16_t kEnginePort = 8000;
+
+}  // namespace
+
+SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
+                       const SimulationOptions& options,
+                       std::shared_ptr<const text::Tokenizer> tokenizer) {
+  if (options.decode < 1) throw Error("the simulated cluster needs at least one decode engine");
+  if (options.prefill < 0) throw Error("--prefill: expected 0 or more engines");
+  if (options.gateway.mode != gateway::PdMode::kAggregated)
+    throw Error(
+        "the simulator runs the aggregated mode so far (prefill/decode transfers are not "
+        "simulated yet)");
+  if (options.prefill > 0) throw Error("aggregated mode has no prefill engines (--prefill 0)");
+
+  gateway::Topology topo = options.gateway;
+  topo.decode.dialect = gateway::Dialect::kTandem;
+  topo.decode.endpoints.clear();
+  topo.prefill.endpoints.clear();
+  for (int i = 0; i < options.decode; ++i) {
+    gateway::Endpoint e;
+    e.name = e.host = "decode-" + std::to_string(i);
+    e.port = kEnginePort;
+    topo.decode.endpoints.push_back(e);
+  }
+  gateway::validate(topo);
+
+  gateway::VirtualExecutor clock;
+  const Clock::time_point origin = clock.now();
+  VirtualUpstream upstream(clock);
+  gateway::PrefixIndex index;
+  metrics::Registry registry;
+  gateway::GatewayMetrics gateway_metrics(registry);
+  const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(
+      topo.policy,
+      {topo.scheduling.tandem, topo.scheduling.cache_aware, topo.scheduling.kv_router});
+  std::unique_ptr<gateway::PromptTokenizer> prompt_tokenizer;
+  if (!topo.model.empty())
+    prompt_tokenizer =
+        std::make_unique<gateway::PromptTokenizer>(topo.model, topo.served_model_name);
+  gateway::EndpointTable endpoints(topo, gateway_metrics, index);
+  gateway::Dispatcher dispatcher(topo, clock, upstream, *policy, endpoints, gateway_metrics,
+                                 nullptr);
+  gateway::HealthMonitor health(topo, clock, upstream, endpoints, [&] { dispatcher.dispatch(); });
+  gateway::FrontEnd front_end(topo, clock, upstream, dispatcher, endpoints, registry,
+                              prompt_tokenizer.get());
+
+  // The engines, each publishing its KV events to the index under its endpoint id.
+  std::vector<std::unique_ptr<SimulatedEngine>> engines;
+  std::vector<bool> engine_prefill;
+  for (const gateway::Endpoint& e : topo.decode.endpoints) {
+    const int id = endpoints.add(false, e);
+    endpoints.events_fed_externally(id);
+    SimulatedEngineOptions eo;
+    eo.name = e.name;
+    eo.config.scheduler = options.scheduler;
+    eo.config.enable_prefix_caching = options.prefix_caching;
+    eo.executor.preset = options.preset;
+    eo.executor.model_name = options.preset;
+    eo.executor.block_size = options.block_size;
+    eo.executor.num_blocks = options.num_blocks;
+    eo.executor.seed = options.seed;
+    auto events = [&clock, &index, id,
+                   delay = duration_of(options.kv_event_delay_s)](engine::KvEventBatch batch) {
+      // In the engines' wire format, as the ZMQ consumer receives it.
+      std::string payload = engine::encode_kv_event_batch(batch);
+      clock.at(clock.now() + delay, [&index, id, payload = std::move(payload)] {
+        gateway::apply_kv_event_batch(index, id, gateway::decode_kv_event_payload(payload));
+      });
+    };
+    engines.push_back(std::make_unique<SimulatedEngine>(clock, tokenizer, eo, events));
+    engine_prefill.push_back(false);
+    upstream.add(e.host, e.port, engines.back().get());
+  }
+  clock.post([&] { health.start(); });
+
+  // The clients, each at its arrival time.
+  SimulationRun run;
+  run.results.resize(requests.size());
+  size_t finished = 0;
+  Clock::time_point last_answer = origin;
+  bench::DriverOptions body_options;  // token-id prompts, streamed with usage, as tandem bench
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (!(requests[i].arrival_s >= 0))
+      throw Error("request " + std::to_string(i) + ": arrival time " +
+                  std::to_string(requests[i].arrival_s) + " s is not a time from the start");
+    clock.at(origin + duration_of(requests[i].arrival_s), [&, i] {
+      net::HttpRequest req;
+      req.method = "POST";
+      req.target = req.path = body_options.endpoint;
+      req.headers.set("Content-Type", "application/json");
+      req.headers.set("X-Request-Id", "sim-" + std::to_string(i));
+      req.body = bench::request_body(requests[i], body_options);
+      auto client = std::make_shared<MeasuredClient>(
+          clock, origin, static_cast<int64_t>(requests[i].prompt_ids.size()),
+          [&, i](bench::RequestResult r) {
+            run.results[i] = std::move(r);
+            ++finished;
+            last_answer = std::max(last_answer, clock.now());
+          });
+      if (gateway::RequestPtr r = front_end.prepare(req, client)) dispatcher.submit(r);
+    });
+  }
+
+  // Virtual time runs until every request has its answer. The gateway's own timers (probes, load
+  // polls) never stop, so the end is the answers, not an empty queue.
+  clock.run_ready();
+  Clock::time_point next;
+  while (finished < requests.size() && clock.next_timer(&next)) clock.advance_to(next);
+  if (finished < requests.size())
+    throw Error("the simulation stopped with " + std::to_string(requests.size() - finished) +
+                " requests unanswered and nothing left to happen");
+
+  run.duration_s = seconds_between(origin, last_answer);
+  run.virtual_end_s = seconds_between(origin, clock.now());
+  run.upstream_calls = upstream.calls();
+  run.indexed_blocks = index.stats().blocks;
+  for (size_t k = 0; k < engines.size(); ++k) {
+    SimulatedEngine& e = *engines[k];
+    EngineSummary s;
+    s.name = e.name();
+    s.prefill = engine_prefill[k];
+    s.steps = e.steps();
+    s.busy_s = e.busy_seconds();
+    if (auto c = bench::parse_prefix_cache_counters(e.registry().render())) {
+      s.prefix_queries = c->queries;
+      s.prefix_hits = c->hits;
+    }
+    const engine::LoadReport load = e.engine().load();
+    s.blocks_in_use = load.total_blocks - load.free_blocks;
+    run.prefix_queries += s.prefix_queries;
+    run.prefix_hits += s.prefix_hits;
+    run.engines.push_back(s);
+  }
+  dispatcher.stop();
+  front_end.stop();
+  return run;
+}
+
+}  // namespace tandem::sim

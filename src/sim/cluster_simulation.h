@@ -1,0 +1,72 @@
+#pragma once
+// `tandem simulate`'s core: a whole cluster in virtual time, from the gateway to the engines,
+// running their own code. The gateway's front end, dispatcher, policies, queue, relay and health
+// checks (gateway/) run on a virtual clock (gateway/virtual_executor.h) and reach the engines
+// through a virtual upstream (virtual_upstream.h); every engine is the serving engine with its
+// scheduler, KV cache manager and prefix cache, stepping in virtual time with the simulated
+// executor's latency model (simulated_engine.h); KV events reach the gateway's prefix index in
+// the engines' own wire format after a small delay. Clients send each request at its arrival
+// time and measure it as `tandem bench` does (bench/stream_measure.h). One thread, no sockets,
+// and the same result for the same inputs.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench/metrics.h"
+#include "bench/workload.h"
+#include "engine/scheduler/scheduler.h"
+#include "gateway/topology.h"
+#include "text/tokenizer.h"
+
+namespace tandem::sim {
+
+struct SimulationOptions {
+  // The gateway: its mode, pools and settings (policy, scheduling, health, timeouts). Endpoints
+  // are made up by the simulator: `prefill` and `decode` engines named prefill-0.., decode-0..
+  gateway::Topology gateway;
+  int prefill = 0, decode = 1;
+  // Every engine: the simulated executor's latency model (a preset name or a fitted JSON file),
+  // its KV blocks (0: the preset's), block size and scheduler limits.
+  std::string preset = "deepseek-v3-h800";
+  int64_t num_blocks = 0;
+  int64_t block_size = 16;
+  engine::SchedulerConfig scheduler = [] {
+    engine::SchedulerConfig c;
+    c.max_num_seqs = 64;  // `tandem engine`'s defaults
+    c.max_num_batched_tokens = 2048;
+    return c;
+  }();
+  bool prefix_caching = true;
+  uint64_t seed = 0;
+  // From an engine's step to the gateway's prefix index (the ZMQ hop), seconds.
+  double kv_event_delay_s = 0.001;
+};
+
+struct EngineSummary {
+  std::string name;
+  bool prefill = false;
+  int64_t steps = 0;
+  double busy_s = 0;                           // virtual seconds in steps
+  double prefix_queries = 0, prefix_hits = 0;  // tokens (vLLM's counters)
+  int64_t blocks_in_use = 0;                   // at the end (0 when every request ended)
+};
+
+struct SimulationRun {
+  std::vector<bench::RequestResult> results;  // in workload order
+  double duration_s = 0;                      // first send to last answer, virtual
+  std::vector<EngineSummary> engines;
+  double prefix_queries = 0, prefix_hits = 0;  // over every engine
+  int64_t upstream_calls = 0;
+  int64_t indexed_blocks = 0;  // distinct blocks in the gateway's prefix index at the end
+  double virtual_end_s = 0;    // when the simulation stopped, from the first send
+};
+
+// Runs the workload (arrival_s from the start). Throws tandem::Error for a topology that cannot
+// serve (no engines, an unknown policy) or an unknown latency model.
+SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
+                       const SimulationOptions& options,
+                       std::shared_ptr<const text::Tokenizer> tokenizer);
+
+}  // namespace tandem::sim

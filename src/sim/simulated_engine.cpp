@@ -1,0 +1,122 @@
+#include "sim/simulated_engine.h"
+
+#include "api/error.h"
+#include "api/load_report.h"
+#include "engine/output_processor.h"
+#include "util/error.h"
+
+namespace tandem::sim {
+namespace {
+
+double seconds_of(gateway::Executor::Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+// The generation routes, as the engine's HTTP server routes them (api_server.cpp).
+constexpr std::pair<const char*, api::ApiKind> kGenerationRoutes[] = {
+    {"/v1/completions", api::ApiKind::kCompletion},
+    {"/v1/chat/completions", api::ApiKind::kChat},
+    {"/generate", api::ApiKind::kGenerate}};
+
+}  // namespace
+
+SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
+                                 std::shared_ptr<const text::Tokenizer> tokenizer,
+                                 SimulatedEngineOptions options,
+                                 std::function<void(engine::KvEventBatch)> events)
+    : clock_(clock), name_(options.name) {
+  engine::SimExecutorOptions x = options.executor;
+  x.wait = [this](double s) {
+    if (step_offset_ == 0) step_load_ = engine_->load();  // as the step starts
+    step_offset_ += s;
+  };
+  engine::EngineConfig config = options.config;
+  config.clock = [this] { return now(); };
+  config.kv_event_sink = std::move(events);
+  config.transfer.reset();  // P/D transfers are not simulated yet
+  auto executor = std::make_unique<engine::SimExecutor>(*tokenizer, x);
+  const std::vector<int32_t> eos = engine::eos_ids(*tokenizer, std::nullopt);
+  engine_ =
+      std::make_unique<engine::Engine>(config, std::move(executor), tokenizer, eos, registry_);
+  api_ = std::make_unique<engine::GenerationApi>(
+      *engine_,
+      [this](std::function<void()> task) {
+        // Outputs of a step reach the gateway when the step ends; others (an abort's) now.
+        if (in_step_ || stepping_)
+          rendered_at_end_.push_back(std::move(task));
+        else
+          clock_.post(std::move(task));
+      },
+      [this] { return name_ + "-" + std::to_string(next_id_++); });
+}
+
+SimulatedEngine::~SimulatedEngine() = default;
+
+double SimulatedEngine::now() const {
+  return seconds_of(clock_.now()) + step_offset_;
+}
+
+void SimulatedEngine::call(const net::AsyncHttpRequest& request,
+                           std::shared_ptr<net::Reply> reply) {
+  if (request.method == "GET" && request.target == "/health") {
+    reply->respond(200, "", "text/plain");
+    return;
+  }
+  if (request.method == "GET" && request.target == "/load") {
+    engine::LoadReport r = engine_->load();
+    if (stepping_) {
+      r = step_load_;
+      r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
+    }
+    reply->respond(200, api::to_json(r), "application/json");
+    return;
+  }
+  for (const auto& [route, kind] : kGenerationRoutes) {
+    if (request.method != "POST" || request.target != route) continue;
+    net::HttpRequest req;
+    req.method = request.method;
+    req.target = req.path = request.target;
+    req.headers = request.headers;
+    req.body = request.body;
+    api_->handle(kind, req, reply);
+    reply->on_close([this] { kick(); });  // after the API's own, which aborts the requests
+    kick();
+    return;
+  }
+  reply->send_error(404, "no route " + request.method + " " + request.target + " on " + name_,
+                    "invalid_request_error", "not_found");
+}
+
+void SimulatedEngine::kick() {
+  if (step_pending_ || stepping_ || !engine_->has_work()) return;
+  step_pending_ = true;
+  clock_.post([this] { step(); });
+}
+
+void SimulatedEngine::step() {
+  step_pending_ = false;
+  step_started_ = seconds_of(clock_.now());
+  step_offset_ = 0;
+  in_step_ = true;
+  const bool ran = engine_->run_once();
+  in_step_ = false;
+  const double seconds = step_offset_;
+  step_offset_ = 0;
+  if (ran) {
+    ++steps_;
+    busy_seconds_ += seconds;
+  }
+  stepping_ = true;
+  clock_.at(clock_.now() + std::chrono::duration_cast<gateway::Executor::Clock::duration>(
+                               std::chrono::duration<double>(seconds)),
+            [this, ran] {
+              stepping_ = false;
+              auto tasks = std::move(rendered_at_end_);
+              rendered_at_end_.clear();
+              for (auto& t : tasks) t();
+              // A step that could schedule nothing waits for the next call or abort.
+              if (ran) kick();
+            });
+}
+
+}  // namespace tandem::sim

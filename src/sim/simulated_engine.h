@@ -1,0 +1,73 @@
+#pragma once
+// One engine of the cluster simulator: the serving engine itself (scheduler, paged KV blocks,
+// prefix cache, KV events, load report) and its generation API (engine/generation_api.h), run in
+// the simulator's virtual time instead of on a thread. The forward pass is the simulated
+// executor's latency model: a step runs at once when it starts, its modelled time passes on the
+// virtual clock, and what it produced (stream chunks, answers) reaches the gateway when it ends.
+// The next step starts then if there is work. KV events go to the simulator's callback.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/executor/sim_executor.h"
+#include "engine/generation_api.h"
+#include "gateway/virtual_executor.h"
+#include "net/async_http_client.h"
+#include "net/reply.h"
+#include "text/tokenizer.h"
+#include "util/metrics.h"
+
+namespace tandem::sim {
+
+struct SimulatedEngineOptions {
+  std::string name;                     // for errors and reports
+  engine::EngineConfig config;          // scheduler, prefix caching (the clock is the simulator's)
+  engine::SimExecutorOptions executor;  // the latency model (its wait is the simulator's)
+};
+
+class SimulatedEngine {
+ public:
+  // `clock` and `tokenizer` must outlive the engine. `events` receives its KV event batches
+  // (empty: none are produced).
+  SimulatedEngine(gateway::VirtualExecutor& clock, std::shared_ptr<const text::Tokenizer> tokenizer,
+                  SimulatedEngineOptions options, std::function<void(engine::KvEventBatch)> events);
+  ~SimulatedEngine();
+  SimulatedEngine(const SimulatedEngine&) = delete;
+  SimulatedEngine& operator=(const SimulatedEngine&) = delete;
+
+  // One HTTP call of the gateway's, answered through `reply` as the engine's HTTP server would
+  // answer it: GET /health, GET /load, and the generation routes; anything else is a 404.
+  void call(const net::AsyncHttpRequest& request, std::shared_ptr<net::Reply> reply);
+
+  const std::string& name() const { return name_; }
+  const engine::Engine& engine() const { return *engine_; }
+  metrics::Registry& registry() { return registry_; }
+  // Steps run, and the virtual seconds they took.
+  int64_t steps() const { return steps_; }
+  double busy_seconds() const { return busy_seconds_; }
+
+ private:
+  void kick();  // a step starts now if there is work and none runs
+  void step();
+  double now() const;
+
+  gateway::VirtualExecutor& clock_;
+  std::string name_;
+  metrics::Registry registry_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<engine::GenerationApi> api_;
+  // The running step: its modelled seconds so far (the engine's clock reads the start plus them),
+  // and the load report as it was while it ran (what a /load poll during it sees).
+  bool in_step_ = false, step_pending_ = false, stepping_ = false;
+  double step_offset_ = 0, step_started_ = 0;
+  engine::LoadReport step_load_;
+  // Rendering tasks of the running step's outputs, run when it ends.
+  std::vector<std::function<void()>> rendered_at_end_;
+  int64_t steps_ = 0, next_id_ = 0;
+  double busy_seconds_ = 0;
+};
+
+}  // namespace tandem::sim

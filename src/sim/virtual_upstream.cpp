@@ -1,0 +1,137 @@
+#include "sim/virtual_upstream.h"
+
+#include <vector>
+
+#include "api/error.h"
+
+namespace tandem::sim {
+
+// One call's answer: the engine's replies turned into the handlers' calls. It ends once (done,
+// cancelled or cut), and then forgets its call in the upstream.
+class VirtualUpstream::CallReply final : public net::Reply {
+ public:
+  CallReply(VirtualUpstream& owner, CallId id, net::AsyncHttpHandlers handlers)
+      : owner_(owner), id_(id), handlers_(std::move(handlers)) {}
+
+  bool respond(int status, std::string body, std::string content_type) override {
+    if (state_ != State::kOpen) return false;
+    head(status, content_type);
+    if (!body.empty() && handlers_.on_body && !handlers_.on_body(body)) {
+      close("cancelled");
+      return false;
+    }
+    finish({});
+    return true;
+  }
+  bool send_error(int status, std::string_view message, std::string_view type,
+                  std::string_view code) override {
+    return respond(status,
+                   api::openai_error_body(
+                       message, type.empty() ? api::default_error_type(status) : type, code),
+                   "application/json");
+  }
+  bool start_stream(int status, std::string content_type) override {
+    if (state_ != State::kOpen) return false;
+    head(status, content_type);
+    state_ = State::kStreaming;
+    return true;
+  }
+  bool write(std::string_view chunk) override {
+    if (state_ != State::kStreaming) return false;
+    if (!chunk.empty() && handlers_.on_body && !handlers_.on_body(chunk)) {
+      close("cancelled");
+      return false;
+    }
+    return true;
+  }
+  bool end() override {
+    if (state_ != State::kStreaming) return false;
+    finish({});
+    return true;
+  }
+  void abort() override {
+    if (state_ == State::kOpen) {
+      respond(500, api::openai_error_body("the engine gave up on this request", "server_error"),
+              "application/json");
+      return;
+    }
+    if (state_ == State::kStreaming) finish("the connection was closed mid-stream");
+  }
+  void on_close(std::function<void()> callback) override {
+    if (state_ == State::kClosed)
+      callback();
+    else if (state_ != State::kDone)
+      on_close_.push_back(std::move(callback));
+  }
+
+  // The caller gave up (Upstream::cancel, or its handler stopped reading).
+  void close(const std::string& why) {
+    if (state_ == State::kDone || state_ == State::kClosed) return;
+    state_ = State::kClosed;
+    auto callbacks = std::move(on_close_);
+    for (auto& c : callbacks) c();
+    done(why);
+  }
+
+ private:
+  enum class State { kOpen, kStreaming, kDone, kClosed };
+
+  void head(int status, const std::string& content_type) {
+    net::Headers h;
+    h.set("Content-Type", content_type);
+    if (handlers_.on_head) handlers_.on_head(status, h);
+  }
+  void finish(const std::string& error) {
+    state_ = State::kDone;
+    on_close_.clear();
+    done(error);
+  }
+  void done(const std::string& error) {
+    auto on_done = std::move(handlers_.on_done);
+    handlers_ = {};
+    owner_.open_.erase(id_);  // may destroy this object: nothing below touches it
+    if (on_done) on_done(error);
+  }
+
+  VirtualUpstream& owner_;
+  CallId id_;
+  net::AsyncHttpHandlers handlers_;
+  State state_ = State::kOpen;
+  std::vector<std::function<void()>> on_close_;
+};
+
+void VirtualUpstream::add(const std::string& host, uint16_t port, SimulatedEngine* engine) {
+  engines_[host + ":" + std::to_string(port)] = engine;
+}
+
+gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
+                                                 net::AsyncHttpHandlers handlers) {
+  const CallId id = ++next_;
+  ++calls_;
+  auto reply = std::make_shared<CallReply>(*this, id, std::move(handlers));
+  open_[id] = reply;
+  // As the HTTP client does, the call proceeds after start() returned.
+  clock_.post([this, id, request = std::move(request)] {
+    auto it = open_.find(id);
+    if (it == open_.end()) return;  // cancelled before it left
+    std::shared_ptr<CallReply> reply = it->second;
+    auto engine = engines_.find(request.host + ":" + std::to_string(request.port));
+    if (engine == engines_.end()) {
+      reply->close("connection refused: no simulated engine at " + request.host + ":" +
+                   std::to_string(request.port));
+      return;
+    }
+    engine->second->call(request, reply);
+  });
+  return id;
+}
+
+void VirtualUpstream::cancel(CallId id) {
+  auto it = open_.find(id);
+  if (it == open_.end()) return;
+  std::shared_ptr<CallReply> reply = it->second;
+  // on_done comes after cancel() returned, as with the HTTP client.
+  clock_.post([reply] { reply->close("cancelled"); });
+}
+
+}  // namespace tandem::sim

@@ -1,0 +1,38 @@
+#pragma once
+// The gateway's Upstream seam (gateway/seams.h) in the cluster simulator: a call to "HOST:PORT"
+// goes to the simulated engine registered under that address, in virtual time, and the engine's
+// answer comes back through the call's handlers as the HTTP client would deliver it (head, body
+// pieces, done). No sockets; calls to an unknown address fail as a refused connection would.
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "gateway/seams.h"
+#include "gateway/virtual_executor.h"
+#include "sim/simulated_engine.h"
+
+namespace tandem::sim {
+
+class VirtualUpstream final : public gateway::Upstream {
+ public:
+  explicit VirtualUpstream(gateway::VirtualExecutor& clock) : clock_(clock) {}
+
+  // `engine` answers calls to host:port; it must outlive the upstream's calls.
+  void add(const std::string& host, uint16_t port, SimulatedEngine* engine);
+
+  CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) override;
+  void cancel(CallId id) override;
+
+  int64_t calls() const { return calls_; }
+
+ private:
+  class CallReply;
+  gateway::VirtualExecutor& clock_;
+  std::map<std::string, SimulatedEngine*> engines_;  // by "host:port"
+  std::map<CallId, std::shared_ptr<CallReply>> open_;
+  CallId next_ = 0;
+  int64_t calls_ = 0;
+};
+
+}  // namespace tandem::sim
