@@ -10,6 +10,7 @@
 #include "cli/model_commands.h"
 #include "cli/place_command.h"
 #include "cli/serve_command.h"
+#include "cli/simulate_command.h"
 #include "cli/text_commands.h"
 #include "util/error.h"
 
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_gateway_command(app);
   tandem::cli::add_serve_command(app);
   tandem::cli::add_bench_command(app);
+  tandem::cli::add_simulate_command(app);
   tandem::cli::add_place_command(app);
   try {
     app.parse(argc, argv);

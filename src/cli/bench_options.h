@@ -1,0 +1,63 @@
+#pragma once
+// What `tandem bench` and `tandem simulate` share: the workload flags (vLLM's dataset names and
+// options, trace windows, arrival rates), the metric flags (percentiles, goodput SLOs), and the
+// outputs (vLLM's terminal table, result JSON, HTML report), so a simulated run reads exactly
+// like a live one.
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "bench/metrics.h"
+#include "bench/report.h"
+#include "bench/workload.h"
+#include "text/tokenizer.h"
+
+namespace tandem::cli {
+
+struct WorkloadCliOptions {
+  std::string dataset = "random", dataset_path, tokenizer;
+  int64_t num_prompts = 1000, random_input_len = 1024, random_output_len = 128;
+  double random_range_ratio = 0;
+  int64_t prefix_len = 256, suffix_len = 256, num_prefixes = 10, prefix_output_len = 128;
+  int64_t trace_start = 0, trace_limit = 0;
+  double time_scale = 1.0, request_rate = std::numeric_limits<double>::infinity(), burstiness = 1.0;
+  uint64_t seed = 0;
+
+  bool trace() const { return dataset == "mooncake" || dataset == "azure"; }
+};
+void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o);
+// The tokenizer the workload is built with (--tokenizer, default the DeepSeek-V3 one).
+std::string workload_tokenizer_dir(const WorkloadCliOptions& o);
+// The requests, with their arrival times. Throws tandem::Error naming the flag on bad values.
+std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
+                                                const text::Tokenizer& tokenizer);
+
+struct MetricsCliOptions {
+  std::string percentile_metrics = "ttft,tpot,itl", metric_percentiles = "99";
+  std::vector<std::string> goodput;
+};
+void add_metrics_options(CLI::App& cmd, MetricsCliOptions& o);
+bench::MetricsOptions metrics_options(const MetricsCliOptions& o);
+
+// A finished run written as `tandem bench` writes it: the table on stdout (with the prefix-cache
+// hit rate when known), and the result JSON and HTML report when asked for.
+struct RunOutputs {
+  std::string result_file, html;
+};
+struct RunDescription {
+  bench::ReportOptions report;  // the title, configuration rows, table context and access log
+  std::optional<double> prefix_cache_hit_rate;
+  nlohmann::json extra = nlohmann::json::object();  // more result keys (backend, dataset_name..)
+};
+void write_run(const bench::BenchSummary& summary, std::span<const bench::RequestResult> results,
+               const RunDescription& run, const RunOutputs& outputs, const char* program);
+
+std::vector<std::string> split(const std::string& s, char sep);
+
+}  // namespace tandem::cli

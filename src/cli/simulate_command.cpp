@@ -1,0 +1,158 @@
+#include "cli/simulate_command.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/metrics.h"
+#include "cli/bench_options.h"
+#include "gateway/topology.h"
+#include "sim/cluster_simulation.h"
+#include "text/tokenizer.h"
+#include "util/error.h"
+
+namespace tandem::cli {
+namespace {
+
+using nlohmann::json;
+
+struct SimulateCliOptions {
+  WorkloadCliOptions workload;
+  MetricsCliOptions metrics;
+  RunOutputs outputs;
+  std::string model = "sim:deepseek-v3-h800", mode, policy, topology;
+  int prefill = -1, decode = -1;  // -1: the topology file's count (else 0 and 1)
+  int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
+};
+
+constexpr std::string_view kSimPrefix = "sim:";
+
+void run(const SimulateCliOptions& o) {
+  sim::SimulationOptions so;
+  if (!o.topology.empty()) so.gateway = gateway::load_topology(o.topology);
+  if (!o.policy.empty()) so.gateway.policy = o.policy;
+  if (!o.mode.empty()) so.gateway.mode = gateway::parse_mode(o.mode);
+  so.prefill = o.prefill >= 0       ? o.prefill
+               : o.topology.empty() ? 0
+                                    : static_cast<int>(so.gateway.prefill.endpoints.size());
+  so.decode = o.decode >= 0        ? o.decode
+              : o.topology.empty() ? 1
+                                   : static_cast<int>(so.gateway.decode.endpoints.size());
+  if (o.model.rfind(kSimPrefix, 0) != 0)
+    throw Error(
+        "--model: the simulator runs simulated engines, sim:PRESET or sim:FITTED.json, got '" +
+        o.model + "'");
+  so.preset = o.model.substr(kSimPrefix.size());
+  so.scheduler.max_num_seqs = o.max_num_seqs;
+  so.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
+  so.num_blocks = o.num_blocks;
+  so.block_size = o.block_size;
+  so.seed = o.workload.seed;
+  const std::string tokenizer_dir = workload_tokenizer_dir(o.workload);
+  so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
+
+  auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
+  const bench::MetricsOptions mo = metrics_options(o.metrics);
+  const auto reqs = build_workload(o.workload, *tok);
+  if (reqs.empty()) throw Error("the workload has no requests");
+  const WorkloadCliOptions& w = o.workload;
+  std::fprintf(stderr,
+               "tandem simulate: %zu requests (%s), %s mode, %d prefill + %d decode engines "
+               "(%s), policy %s\n",
+               reqs.size(), w.dataset.c_str(), gateway::mode_name(so.gateway.mode), so.prefill,
+               so.decode, o.model.c_str(), so.gateway.policy.c_str());
+  const auto wall = std::chrono::steady_clock::now();
+  const sim::SimulationRun result = sim::simulate(reqs, so, tok);
+  const double wall_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wall).count();
+
+  const bench::BenchSummary summary = bench::summarize(result.results, result.duration_s, mo);
+  RunDescription run;
+  run.report.table.request_rate = w.request_rate;
+  if (result.prefix_queries > 0)
+    run.prefix_cache_hit_rate = result.prefix_hits / result.prefix_queries;
+  json engines = json::array();
+  for (const auto& e : result.engines)
+    engines.push_back({{"name", e.name},
+                       {"prefill", e.prefill},
+                       {"steps", e.steps},
+                       {"busy_s", e.busy_s},
+                       {"prefix_cache_queries", e.prefix_queries},
+                       {"prefix_cache_hits", e.prefix_hits}});
+  run.extra = {{"backend", "tandem-simulate"},
+               {"dataset_name", w.dataset},
+               {"num_prompts", reqs.size()},
+               {"request_rate", std::isfinite(w.request_rate) ? json(w.request_rate) : json("inf")},
+               {"burstiness", w.burstiness},
+               {"max_concurrency", nullptr},
+               {"model_id", o.model},
+               {"simulation",
+                {{"mode", gateway::mode_name(so.gateway.mode)},
+                 {"policy", so.gateway.policy},
+                 {"prefill", so.prefill},
+                 {"decode", so.decode},
+                 {"seed", so.seed},
+                 {"wall_seconds", wall_s},
+                 {"engines", engines}}}};
+  run.report.title = "tandem simulate: " + w.dataset + ", " + std::to_string(so.prefill) + "P + " +
+                     std::to_string(so.decode) + "D, " + so.gateway.policy;
+  run.report.config = {
+      {"model", o.model},
+      {"mode", gateway::mode_name(so.gateway.mode)},
+      {"engines",
+       std::to_string(so.prefill) + " prefill + " + std::to_string(so.decode) + " decode"},
+      {"policy", so.gateway.policy},
+      {"dataset", w.dataset + (w.dataset_path.empty() ? "" : " (" + w.dataset_path + ")")},
+      {"requests", std::to_string(reqs.size())},
+      {"request rate",
+       std::isfinite(w.request_rate) ? std::to_string(w.request_rate) : "inf / trace"},
+      {"seed", std::to_string(so.seed)}};
+  write_run(summary, result.results, run, o.outputs, "tandem simulate");
+  std::fprintf(stderr, "tandem simulate: %.1f s of virtual time in %.2f s of wall time\n",
+               result.virtual_end_s, wall_s);
+  for (const auto& e : result.engines)
+    std::fprintf(stderr, "  %-12s %8lld steps, busy %5.1f%%, prefix hits %5.1f%%\n", e.name.c_str(),
+                 static_cast<long long>(e.steps),
+                 result.duration_s > 0 ? 100 * e.busy_s / result.duration_s : 0.0,
+                 e.prefix_queries > 0 ? 100 * e.prefix_hits / e.prefix_queries : 0.0);
+}
+
+}  // namespace
+
+void add_simulate_command(CLI::App& app) {
+  auto o = std::make_shared<SimulateCliOptions>();
+  auto* cmd = app.add_subcommand(
+      "simulate",
+      "A workload through the gateway and simulated engines in virtual time (their own code, "
+      "no sockets); reported as tandem bench reports a live run");
+  add_workload_options(*cmd, o->workload);
+  cmd->add_option("--prefill", o->prefill, "prefill engines (default: the topology's, else 0)");
+  cmd->add_option("--decode", o->decode, "decode engines (default: the topology's, else 1)");
+  cmd->add_option("--mode", o->mode,
+                  "aggregated (the default; prefill/decode modes are not simulated yet)");
+  cmd->add_option("--policy", o->policy,
+                  "the gateway's scheduling policy (default: the topology's, else tandem)");
+  cmd->add_option("--topology", o->topology,
+                  "a gateway topology file: its settings (policy, scheduling, health, timeouts, "
+                  "queue) and engine counts; its addresses are not used");
+  cmd->add_option("--model", o->model, "sim:PRESET or sim:FITTED.json (tandem engine sim-fit)")
+      ->capture_default_str();
+  cmd->add_option("--max-num-seqs", o->max_num_seqs, "each engine's running sequences at most")
+      ->capture_default_str();
+  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
+                  "each engine's tokens per step at most")
+      ->capture_default_str();
+  cmd->add_option("--num-kv-blocks", o->num_blocks, "each engine's KV blocks (0: the preset's)")
+      ->capture_default_str();
+  cmd->add_option("--block-size", o->block_size, "tokens per KV block")->capture_default_str();
+  add_metrics_options(*cmd, o->metrics);
+  cmd->add_option("--result-file", o->outputs.result_file,
+                  "write the JSON result (vLLM's keys, and the simulation's) here");
+  cmd->add_option("--html", o->outputs.html, "write the HTML report here");
+  cmd->callback([o] { run(*o); });
+}
+
+}  // namespace tandem::cli
