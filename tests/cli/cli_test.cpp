@@ -102,8 +102,8 @@ TEST(Cli, BadInputsGiveClearErrors) {
 }
 
 TEST(Cli, EverySubcommandHasHelp) {
-  for (const char* sub :
-       {"", "tokenize", "detokenize", "place", "place plan", "place show", "place simulate"}) {
+  for (const char* sub : {"", "tokenize", "detokenize", "place", "place plan", "place show",
+                          "place simulate", "simulate"}) {
     auto r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.status, 0) << sub;
     EXPECT_THAT(r.output, HasSubstr("Usage:")) << sub;
@@ -176,6 +176,42 @@ TEST(Cli, PlaceRejectsBadInputNamingTheFileAndWritesNothing) {
       write_temp("wrong.json", R"({"ranks":2,"experts":8,"phy2log":[[0,1,2,3,4,5,6,6]]})");
   expect_error("--loads " + ok + " --ranks 2 --current " + wrong, "expert 7 has no copy");
   for (const auto& f : {negative, flat, f8, ok, wrong}) std::filesystem::remove(f);
+}
+
+TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
+  const auto result = test::temp_path("simulate_result");
+  auto r =
+      run("simulate --dataset-name random --num-prompts 12 --random-input-len 200 "
+          "--random-output-len 8 --request-rate 20 --decode 2 --policy least_load "
+          "--goodput ttft:500 --result-file " +
+          test::quote(result));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("Serving Benchmark Result"));
+  EXPECT_THAT(r.output, HasSubstr("Successful requests:                     12"));
+  const auto j = nlohmann::json::parse(std::ifstream(result));
+  EXPECT_EQ(j["completed"], 12);
+  EXPECT_EQ(j["failed"], 0);
+  EXPECT_EQ(j["backend"], "tandem-simulate");
+  EXPECT_EQ(j["total_output_tokens"], 12 * 8);
+  for (const char* key : {"mean_ttft_ms", "p99_tpot_ms", "request_goodput", "ttfts", "itls"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  EXPECT_EQ(j["simulation"]["engines"].size(), 2u);
+  EXPECT_EQ(j["simulation"]["policy"], "least_load");
+}
+
+TEST(Cli, SimulateRefusesWhatItCannotRunNamingTheFlag) {
+  auto r = run("simulate --num-prompts 2 --policy fastest");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("fastest"));
+  r = run("simulate --num-prompts 2 --model /some/folder");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--model"));
+  r = run("simulate --num-prompts 2 --mode sequential --prefill 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("not simulated yet"));
+  r = run("simulate --dataset-name mooncake");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--dataset-path"));
 }
 
 }  // namespace
