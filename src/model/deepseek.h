@@ -21,6 +21,7 @@
 #include "model/rope.h"
 #include "model/step_profile.h"
 #include "model/weights.h"
+#include "util/uninitialized_vector.h"
 
 namespace tandem::model {
 
@@ -36,7 +37,7 @@ struct SequenceStep {
 };
 
 struct StepOutput {
-  std::vector<float> logits;       // [rows, vocab_size]
+  util::UninitializedVector<float> logits;  // [rows, vocab_size]
   std::vector<int64_t> first_row;  // per sequence, its first row in `logits` (if it has rows)
   std::vector<float> hidden;       // [new tokens, hidden_size], before the final norm (MTP input)
   // Per new token, the smallest MoE routing margin over its layers (see Routing::margin);

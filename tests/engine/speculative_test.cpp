@@ -334,7 +334,7 @@ TEST_F(Speculation, DraftsAreTheMtpModulesPredictionOverTheWholeSequence) {
   const auto no_text = ids_without_text(*tok_, model_->config().vocab_size);
   const int64_t vocab = model_->config().vocab_size;
   // The draft must be the argmax, or within float32 noise of it (a near-tie).
-  auto expect_argmax = [&](std::vector<float>& logits, int32_t draft, const std::string& what) {
+  auto expect_argmax = [&](std::span<float> logits, int32_t draft, const std::string& what) {
     for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
     const auto best = std::max_element(logits.begin(), logits.begin() + vocab);
     if (draft != static_cast<int32_t>(best - logits.begin())) {

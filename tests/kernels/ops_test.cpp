@@ -445,17 +445,20 @@ TEST(BatchInvariant, ATokensProductRowDoesNotDependOnTheTokenCount) {
 }
 
 // argmax is std::max_element's choice (the lowest index on ties) on every length, with -inf
-// entries (masked tokens) and ties at the ends of the vector loop and in its tail.
+// entries (masked tokens), ties at the ends of the vector loop and in its tail, and around the
+// blocks it takes maxima over (1024 floats).
 TEST(Argmax, ChoosesWhatMaxElementChooses) {
   std::mt19937 rng(9);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (const int64_t n : {1, 7, 8, 31, 32, 33, 100, 129280}) {
-    for (int trial = 0; trial < 4; ++trial) {
+  for (const int64_t n : {1, 7, 8, 31, 32, 33, 100, 1023, 1024, 1025, 3000, 129280}) {
+    for (int trial = 0; trial < 6; ++trial) {
       std::vector<float> x(n);
       for (auto& v : x) v = normal(rng);
       if (trial == 1) x[size_t(n / 2)] = -std::numeric_limits<float>::infinity();
       if (trial == 2) x.back() = x.front() = 9.0f;  // a tie: the first wins
       if (trial == 3) std::fill(x.begin(), x.end(), 1.5f);
+      if (trial == 4) x.back() = 9.0f;  // the last block, maybe partial
+      if (trial == 5) x[size_t(n - 1) / 2] = x[size_t(n - 1)] = 9.0f;  // a tie across blocks
       EXPECT_EQ(argmax(x.data(), n), std::max_element(x.begin(), x.end()) - x.begin())
           << "n " << n << " trial " << trial;
     }

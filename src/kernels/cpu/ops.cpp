@@ -501,14 +501,24 @@ void axpy(float a, const float* x, float* y, int64_t n) {
 }
 
 int64_t argmax(const float* x, int64_t n) {
-  float top = -std::numeric_limits<float>::infinity();
-  if (avx2::available()) {
-    top = avx2::max_value(x, n);
-  } else {
-    for (int64_t i = 0; i < n; ++i)
+  // The maximum of each block, vectorised, then the first index holding the largest in the first
+  // block that has it: one pass over the row (an LM head's 129K logits) and one block, where a
+  // scalar search for the maximum's index would read half the row again, one float at a time.
+  constexpr int64_t kBlock = 1024;
+  auto block_max = [&](int64_t from, int64_t count) {
+    if (avx2::available()) return avx2::max_value(x + from, count);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t i = from; i < from + count; ++i)
       if (x[i] > top) top = x[i];
+    return top;
+  };
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t top_block = 0;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const float m = block_max(b, std::min(kBlock, n - b));
+    if (m > top) top = m, top_block = b;
   }
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = top_block; i < std::min(top_block + kBlock, n); ++i)
     if (x[i] == top) return i;
   return 0;
 }
