@@ -217,8 +217,23 @@ TEST_P(Numerics, GreedyContinuationMatchesFullRecomputation) {
     greedy.max_tokens = 32;
     greedy.ignore_eos = true;
     auto result = engine::generate(model, tok, prompts[s], greedy);
-    EXPECT_EQ(result.tokens, ref["sequences"][s]["greedy"].get<std::vector<int32_t>>())
-        << "prompt " << s;
+    const auto expected = ref["sequences"][s]["greedy"].get<std::vector<int32_t>>();
+    const auto margins = ref["sequences"][s]["greedy_margins"].get<std::vector<double>>();
+    ASSERT_EQ(result.tokens.size(), expected.size());
+    ASSERT_EQ(margins.size(), expected.size());
+    // Equal up to the first token where the reference itself hesitates: where its two best
+    // logits are closer than the logit tolerance, either may win in reduced precision (BF16's
+    // sums in another order on another CPU), and the continuations differ from there on.
+    size_t same = 0;
+    while (same < expected.size() && result.tokens[same] == expected[same]) ++same;
+    if (same < expected.size())
+      EXPECT_LE(margins[same], 2 * c.tol)
+          << "prompt " << s << ": token " << same << " is " << result.tokens[same]
+          << ", the reference chose " << expected[same] << " with a clear relative margin of "
+          << margins[same];
+    std::printf("[ %s/%s ] prompt %zu: %zu of %zu greedy tokens equal%s\n", c.preset.c_str(),
+                c.dtype.c_str(), s, same, expected.size(),
+                same < expected.size() ? " (then a near-tie of the reference)" : "");
   }
   std::filesystem::remove_all(dir);
 }

@@ -20,9 +20,13 @@ REQUEST.json:
      "attention": "naive",     # optional: "naive" (per-head K/V) or "absorbed" (latent MQA form)
      "mtp_mask_position0": false}  # optional: zero the MTP input embedding at position 0 as vLLM does
 OUT.json:
-    {"sequences": [{"logits": [[...], ...], "greedy": [ids], "mtp_logits": [[...], ...]}, ...]}
+    {"sequences": [{"logits": [[...], ...], "greedy": [ids], "greedy_margins": [m, ...],
+                    "mtp_logits": [[...], ...]}, ...]}
 "logits" has one row per requested position (all positions, or just the last); "greedy" is [] when
-greedy_tokens is 0; "mtp_logits" is [] when mtp is false (and for one-token sequences).
+greedy_tokens is 0; "greedy_margins" has, per greedy token, how clear its choice was: (top logit -
+second logit) / the largest |logit| of that row, so a caller with a relative logit tolerance can
+tell a near-tie, where reduced-precision arithmetic may legitimately choose the other token, from a
+wrong choice; "mtp_logits" is [] when mtp is false (and for one-token sequences).
 
 Errors go to stderr as one line naming the file, tensor or field, with a non-zero exit status;
 nothing is ever printed on stdout.
@@ -735,6 +739,14 @@ def greedy_argmax(row):
     return int(np.argmax(row.numpy()))
 
 
+def greedy_margin(row):
+    """(top logit - second logit) / largest |logit|: how clear the greedy choice of this row is."""
+    values = row.numpy().astype(np.float64)
+    top2 = np.sort(values)[-2:]
+    scale = float(np.max(np.abs(values)))
+    return float((top2[1] - top2[0]) / scale) if scale > 0 else 0.0
+
+
 def finite_rows(tensor, what):
     if not torch.isfinite(tensor).all():
         raise OracleError(f"{what} contain NaN or infinity")
@@ -772,15 +784,17 @@ def run_request(model, req):
         hidden = model.hidden(tokens, mode=mode)
         rows = hidden if all_logits else hidden[-1:]
         entry = {"logits": finite_rows(model.logits(rows), f"sequence {n}: logits"), "greedy": [],
-                 "mtp_logits": []}
+                 "greedy_margins": [], "mtp_logits": []}
         if greedy_n:
             ids = list(tokens)
-            nxt = greedy_argmax(model.logits(hidden[-1:])[0])
+            row = model.logits(hidden[-1:])[0]
             for step in range(greedy_n):
+                nxt = greedy_argmax(row)
                 ids.append(nxt)
                 entry["greedy"].append(nxt)
+                entry["greedy_margins"].append(greedy_margin(row))
                 if step + 1 < greedy_n:  # full recomputation over the whole sequence so far
-                    nxt = greedy_argmax(model.logits(model.hidden(ids, mode=mode)[-1:])[0])
+                    row = model.logits(model.hidden(ids, mode=mode)[-1:])[0]
         if want_mtp:
             entry["mtp_logits"] = finite_rows(model.mtp_logits(tokens, hidden, mode, mask0),
                                               f"sequence {n}: MTP logits")
@@ -798,7 +812,8 @@ def write_response(result, f):
     f.write('{"sequences":[')
     for n, seq in enumerate(result["sequences"]):
         f.write(("," if n else "") + '{"logits":' + matrix(seq["logits"]) + ',"greedy":'
-                + json.dumps(seq["greedy"]) + ',"mtp_logits":' + matrix(seq["mtp_logits"]) + "}")
+                + json.dumps(seq["greedy"]) + ',"greedy_margins":' + json.dumps(seq["greedy_margins"])
+                + ',"mtp_logits":' + matrix(seq["mtp_logits"]) + "}")
     f.write("]}\n")
 
 

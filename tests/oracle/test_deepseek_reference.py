@@ -702,6 +702,12 @@ class ModelProperties(TmpDirCase):
             model = ref.Model(folder)
             ext = model.logits(model.hidden(s + greedy[:-1]))
             self.assertEqual(greedy[1:], [int(np.argmax(ext[len(s) - 1 + j].numpy())) for j in range(1, 4)])
+            # each margin: the gap between the two largest logits of its row, over the largest |logit|
+            margins = out["greedy_margins"]
+            self.assertEqual(len(margins), 4)
+            first = np.sort(np.array(out["logits"][-1], dtype=np.float64))
+            self.assertAlmostEqual(margins[0], (first[-1] - first[-2]) / np.max(np.abs(first)), places=6)
+            self.assertTrue(all(m >= 0 for m in margins))
 
     def test_expert_renaming_changes_nothing(self):
         cfg = tiny_config()
