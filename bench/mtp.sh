@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Speculative decoding with the MTP module on a trained checkpoint (tools/train_tiny_deepseek.py,
 # built on first use into ~/.cache/tandem/models/tiny-trained-v3, about 25 minutes on 2 cores):
-# tandem-bench-mtp prints, for batches 1, 4 and 16 and K = 0..3 draft tokens side by side (each
-# run a fresh process, rounds alternating the order of K, medians), decode tokens/s and the
-# acceptance per draft position; the cost of a verify step plus its draft passes over a plain
-# step by part, the speedup that acceptance and cost allow next to the measured one; and a
-# projection to DeepSeek-V3's shape. Prompts are cut from the trainer's held-out files.
+# tandem-bench-mtp prints, for batches 1, 4 and 16 and K = 0..3 draft tokens side by side (one
+# fresh process per batch size; rounds alternating the order of K, each round's speedups over its
+# own plain run, medians over rounds), decode tokens/s and the acceptance per draft position; the
+# cost of a verify step plus its draft passes over a plain step by part, measured in every round,
+# the speedup that acceptance and cost allow next to the measured one; and a projection to
+# DeepSeek-V3's shape. Prompts are cut from the trainer's held-out files.
 # Usage: bench/mtp.sh [BUILD_DIR]
 # Environment: MODEL (a checkpoint with an MTP module), BATCHES (1,4,16), KS (0,1,2,3),
-#              ROUNDS (3), PROMPT (128), MAX_TOKENS (64).
+#              ROUNDS (5), PROMPT (128), MAX_TOKENS (64).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
@@ -24,5 +25,5 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 /usr/bin/python3 "$trainer" held-out --out "$work/held-out.txt" >&2
 "$build/bench/tandem-bench-mtp" --model "$model" --text "$work/held-out.txt" \
-  --batches "${BATCHES:-1,4,16}" --ks "${KS:-0,1,2,3}" --rounds "${ROUNDS:-3}" \
+  --batches "${BATCHES:-1,4,16}" --ks "${KS:-0,1,2,3}" --rounds "${ROUNDS:-5}" \
   --prompt "${PROMPT:-128}" --max-tokens "${MAX_TOKENS:-64}"

@@ -1,17 +1,18 @@
 // Speculative decoding with the MTP module (run by bench/mtp.sh on the trained checkpoint):
 //  1. the serving engine in process, greedy, prompts cut from held-out text: decode tokens/s and
 //     the acceptance per draft position for each batch size and K draft tokens, K = 0 (plain) in
-//     the same run, rounds alternating the order of K, medians;
-//  2. the cost curve: a verify step (1 + K query tokens per sequence) plus the draft passes over
-//     a plain step, split into the model's parts (the draft pass re-reads the LM head), and the
-//     speedup the measured acceptance and cost allow, (1 + accepted) / cost, next to the
-//     measured one;
+//     the same run, rounds alternating the order of K; the speedup is K's rate over the plain
+//     run of the same round, medians over rounds;
+//  2. the cost curve, measured in each round beside the engine runs: a verify step (1 + K query
+//     tokens per sequence) plus the draft passes over a plain step, split into the model's parts
+//     (the draft pass re-reads the LM head), and the speedup the round's acceptance and cost
+//     allow, (1 + accepted) / cost, next to the measured one;
 //  3. a projection to DeepSeek-V3's shape (61 layers, 58 MoE, one MTP layer, FP8 weights, BF16
 //     latent cache) at 80% acceptance of one draft: the bytes each part of a plain step, a
 //     verify step and the draft pass reads there, times the share of the allowed speedup this
 //     code path keeps here.
 // Usage: tandem-bench-mtp --model DIR --text FILE [--batches 1,4,16] [--ks 0,1,2,3]
-//        [--prompt 128] [--max-tokens 64] [--rounds 3] [--v3-context 4096]
+//        [--prompt 128] [--max-tokens 64] [--rounds 5] [--v3-context 4096]
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -20,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -55,6 +57,8 @@ struct EngineRun {
   double tokens_per_s = 0;
   double drafts = 0, draft_tokens = 0, accepted = 0;
   std::vector<double> accepted_at;  // per draft position
+  // Shares of the decode window spent in the executor's steps, and in the model's timed parts.
+  double execute_share = 0, model_share = 0;
 };
 
 double metric(const std::string& text, const std::string& name, const std::string& labels = {}) {
@@ -66,9 +70,39 @@ double metric(const std::string& text, const std::string& name, const std::strin
   return 0;
 }
 
-// Decode tokens/s: the tokens that arrive after every request has its first one, over the time
-// from then to the last.
-EngineRun run_engine(std::shared_ptr<const model::DeepSeekModel> m,
+// Decode tokens/s while the whole batch decodes: the tokens of the steps after the one that gave
+// the last request its first token, up to the step in which the first request finished, over the
+// time between those steps' outputs. With drafts, requests finish at different steps; the steps
+// after the first finish run a smaller batch than the cost curve measures (and, on this model,
+// cost nearly as much), which is the closed benchmark's tail, not the code path.
+// The CPU executor, timed: the seconds its steps took (forward passes, sampling, drafts), which
+// the engine's decode time is compared to.
+class TimedExecutor final : public engine::Executor {
+ public:
+  explicit TimedExecutor(std::unique_ptr<engine::Executor> inner) : inner_(std::move(inner)) {}
+  const engine::ExecutorInfo& info() const override { return inner_->info(); }
+  engine::ExecResult execute(std::span<const engine::ExecItem> batch,
+                             const engine::LayerHook& on_layer) override {
+    const auto start = Clock::now();
+    auto r = inner_->execute(batch, on_layer);
+    seconds_ += seconds_since(start);
+    return r;
+  }
+  const std::byte* kv_bytes(int32_t block, int64_t layer) const override {
+    return inner_->kv_bytes(block, layer);
+  }
+  void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override {
+    inner_->write_kv(block, layer, bytes);
+  }
+  // Engine thread.
+  double seconds() const { return seconds_; }
+
+ private:
+  std::unique_ptr<engine::Executor> inner_;
+  double seconds_ = 0;
+};
+
+EngineRun run_engine(std::shared_ptr<model::DeepSeekModel> m,
                      std::shared_ptr<const text::Tokenizer> tok,
                      const std::vector<std::vector<int32_t>>& prompts, int64_t k,
                      int64_t max_tokens) {
@@ -83,12 +117,19 @@ EngineRun run_engine(std::shared_ptr<const model::DeepSeekModel> m,
   engine::EngineConfig config;
   config.scheduler.max_num_seqs = b;
   config.scheduler.max_num_batched_tokens = 8192;
-  engine::Engine engine(config, std::make_unique<engine::CpuExecutor>(m, *tok, "bench", o), tok,
-                        engine::eos_ids(*tok, std::nullopt), registry);
+  auto timed =
+      std::make_unique<TimedExecutor>(std::make_unique<engine::CpuExecutor>(m, *tok, "bench", o));
+  TimedExecutor* executor = timed.get();
+  model::StepProfile profile;
+  m->set_profile(&profile);
+  engine::Engine engine(config, std::move(timed), tok, engine::eos_ids(*tok, std::nullopt),
+                        registry);
   engine.start();
   struct Arrival {
     Clock::time_point at;
     size_t tokens;
+    uint64_t step;              // the engine's steps before the one that produced it
+    double execute_s, model_s;  // the executor's and the model's seconds so far
   };
   std::mutex mu;
   std::vector<std::vector<Arrival>> arrivals(static_cast<size_t>(b));
@@ -103,7 +144,9 @@ EngineRun run_engine(std::shared_ptr<const model::DeepSeekModel> m,
     r.on_output = [&, i](const api::RequestOutput& out) {
       {
         std::lock_guard lock(mu);
-        arrivals[size_t(i)].push_back({Clock::now(), out.tokens.size()});
+        // Outputs come on the engine thread after their step, before it counts the step.
+        arrivals[size_t(i)].push_back({Clock::now(), out.tokens.size(), engine.load().steps,
+                                       executor->seconds(), profile.total()});
       }
       if (out.finished) done[size_t(i)].set_value();
     };
@@ -111,17 +154,29 @@ EngineRun run_engine(std::shared_ptr<const model::DeepSeekModel> m,
   }
   for (auto& d : done) d.get_future().wait();
   engine.stop();
-  Clock::time_point t0 = Clock::time_point::min(), end = Clock::time_point::min();
+  uint64_t first_step = 0, last_step = std::numeric_limits<uint64_t>::max();
   for (const auto& a : arrivals) {
-    t0 = std::max(t0, a.front().at);
-    end = std::max(end, a.back().at);
+    first_step = std::max(first_step, a.front().step);
+    last_step = std::min(last_step, a.back().step);
   }
-  size_t after = 0;
+  if (last_step <= first_step) throw Error("the batch never decoded together");
+  // Each window edge at the last output of its step.
+  Clock::time_point t0 = Clock::time_point::min(), end = Clock::time_point::min();
+  double execute0 = 0, execute1 = 0, model0 = 0, model1 = 0;
+  size_t tokens = 0;
   for (const auto& a : arrivals)
-    for (const auto& x : a)
-      if (x.at > t0) after += x.tokens;
+    for (const auto& x : a) {
+      if (x.step == first_step) t0 = std::max(t0, x.at), execute0 = x.execute_s, model0 = x.model_s;
+      if (x.step == last_step)
+        end = std::max(end, x.at), execute1 = x.execute_s, model1 = x.model_s;
+      if (x.step > first_step && x.step <= last_step) tokens += x.tokens;
+    }
   EngineRun r;
-  r.tokens_per_s = double(after) / std::chrono::duration<double>(end - t0).count();
+  const double window = std::chrono::duration<double>(end - t0).count();
+  r.tokens_per_s = double(tokens) / window;
+  r.execute_share = (execute1 - execute0) / window;
+  r.model_share = (model1 - model0) / window;
+  m->set_profile(nullptr);
   const std::string text = registry.render();
   r.drafts = metric(text, "vllm:spec_decode_num_drafts_total");
   r.draft_tokens = metric(text, "vllm:spec_decode_num_draft_tokens_total");
@@ -199,10 +254,16 @@ struct CostCurve {
   Timed plain, verify, draft;
 };
 
-CostCurve measure_cost(model::DeepSeekModel& m, const std::vector<std::vector<int32_t>>& prompts,
-                       int64_t k, int64_t accepted, int reps) {
-  const auto b = static_cast<int64_t>(prompts.size());
-  const int64_t bs = 16, context = int64_t(prompts[0].size());
+// `texts`: per sequence, held-out text of at least context + k + 2 tokens; its first context - 1
+// fill the cache and the next ones are the step's tokens, so that the 1 + k tokens a verify step
+// routes are distinct, as a real continuation's are (a repeated token would route every row to
+// the same experts).
+CostCurve measure_cost(model::DeepSeekModel& m, const std::vector<std::vector<int32_t>>& texts,
+                       int64_t context, int64_t k, int64_t accepted, int reps) {
+  const auto b = static_cast<int64_t>(texts.size());
+  const int64_t bs = 16;
+  for (const auto& t : texts)
+    if (int64_t(t.size()) < context + k + 2) throw Error("measure_cost: a text is too short");
   const int64_t per_seq = (context + 2 * k + 8 + bs - 1) / bs;
   model::LatentCache cache(m.cache_shape(bs), b * per_seq);
   std::vector<std::vector<int32_t>> tables(static_cast<size_t>(b));
@@ -211,13 +272,10 @@ CostCurve measure_cost(model::DeepSeekModel& m, const std::vector<std::vector<in
   {
     std::vector<model::SequenceStep> fill;
     for (int64_t s = 0; s < b; ++s)
-      fill.push_back({std::span(prompts[size_t(s)]).first(size_t(context - 1)), 0,
-                      tables[size_t(s)], model::LogitRows::kNone});
+      fill.push_back({std::span(texts[size_t(s)]).first(size_t(context - 1)), 0, tables[size_t(s)],
+                      model::LogitRows::kNone});
     m.forward(fill, cache);
   }
-  std::vector<std::vector<int32_t>> step_tokens(static_cast<size_t>(b));
-  for (int64_t s = 0; s < b; ++s)
-    step_tokens[size_t(s)].assign(prompts[size_t(s)].end() - 1, prompts[size_t(s)].end());
   // One run of f: its seconds and, through the profile, its parts.
   struct Samples {
     std::vector<double> seconds;
@@ -232,33 +290,36 @@ CostCurve measure_cost(model::DeepSeekModel& m, const std::vector<std::vector<in
     m.set_profile(nullptr);
     for (size_t i = 0; i < kParts; ++i) into.parts.seconds[i] += p.seconds[i];
   };
+  // The median run, split in the parts' shares of all runs (a mean part over a median total
+  // would show shares above 100% when a few runs are slow).
   auto summary = [&](const Samples& x) {
     Timed t{median(x.seconds), {}};
-    for (size_t i = 0; i < kParts; ++i) t.parts.seconds[i] = x.parts.seconds[i] / reps;
+    double total = 0;
+    for (double s : x.seconds) total += s;
+    for (size_t i = 0; i < kParts; ++i) t.parts.seconds[i] = x.parts.seconds[i] / total * t.seconds;
     return t;
   };
-  auto steps_of = [&](int64_t q, model::LogitRows rows, std::vector<std::vector<int32_t>>& ids) {
+  // q tokens of each text from `from`, at positions from `at`.
+  auto steps_of = [&](int64_t from, int64_t q, int64_t at, model::LogitRows rows) {
     std::vector<model::SequenceStep> steps;
-    for (int64_t s = 0; s < b; ++s) {
-      ids[size_t(s)].resize(size_t(q), step_tokens[size_t(s)][0]);
-      steps.push_back({ids[size_t(s)], context - 1, tables[size_t(s)], rows});
-    }
+    for (int64_t s = 0; s < b; ++s)
+      steps.push_back({std::span(texts[size_t(s)]).subspan(size_t(from), size_t(q)), at,
+                       tables[size_t(s)], rows});
     return steps;
   };
-  std::vector<std::vector<int32_t>> ids(static_cast<size_t>(b)), vids(static_cast<size_t>(b));
-  auto plain = steps_of(1, model::LogitRows::kLast, ids);
-  auto verify = steps_of(1 + k, model::LogitRows::kAll, vids);
+  const auto plain = steps_of(context - 1, 1, context - 1, model::LogitRows::kLast);
+  const auto verify = steps_of(context - 1, 1 + k, context - 1, model::LogitRows::kAll);
   model::StepOutput out = m.forward(verify, cache);
-  // The first draft pass covers the step's verified positions, the others one position each.
+  // The first draft pass covers the step's verified positions, fed the token after each; the
+  // others one position each.
   const int64_t h = m.config().hidden_size;
-  std::vector<std::vector<int32_t>> dids(static_cast<size_t>(b)), one(static_cast<size_t>(b));
-  auto first = steps_of(1 + accepted, model::LogitRows::kLast, dids);
+  const auto first = steps_of(context, 1 + accepted, context - 1, model::LogitRows::kLast);
   std::vector<float> hidden;
   for (int64_t s = 0; s < b; ++s)
     hidden.insert(hidden.end(), out.hidden.begin() + s * (1 + k) * h,
                   out.hidden.begin() + (s * (1 + k) + 1 + accepted) * h);
-  auto next = steps_of(1, model::LogitRows::kLast, one);
-  for (auto& st : next) st.start = context + accepted;
+  const auto next =
+      steps_of(context + accepted + 1, 1, context + accepted, model::LogitRows::kLast);
   // Interleaved, so the machine's drift touches the three alike.
   Samples p, v, d;
   for (int r = 0; r < reps; ++r) {
@@ -274,10 +335,12 @@ CostCurve measure_cost(model::DeepSeekModel& m, const std::vector<std::vector<in
   return c;
 }
 
-// Every measurement runs in a fresh process of this program, so each starts from the same state
-// (weights not yet touched, no other thread's OpenMP team waiting on the cores; on two cores a
-// team that spins beside a step slows it several times).
-std::vector<double> run_child(const std::string& args) {
+// Each batch size runs in a fresh process of this program (--child-batch), so each starts from
+// the same state: no other thread's OpenMP team waiting on the cores (on two cores a team that
+// spins beside a step slows it several times). Within it every run of the engine is paired with
+// the plain run and the cost curve of its own round: this VM's speed drifts by 20% between
+// processes minutes apart, which ratios of separate processes' medians did not survive.
+std::vector<std::string> run_child(const std::string& args) {
   // popen's shell would be /proc/self/exe by then: resolve our own path first.
   static const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string cmd = "'" + self + "' " + args;
@@ -287,8 +350,19 @@ std::vector<double> run_child(const std::string& args) {
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof buf, f)) out.append(buf, n);
   if (pclose(f) != 0) throw Error(cmd + " failed");
-  std::vector<double> v;
+  std::vector<std::string> lines;
   std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) lines.push_back(line);
+  return lines;
+}
+
+// The numbers of a child's line after its tag.
+std::vector<double> numbers(const std::string& line) {
+  std::istringstream in(line);
+  std::string tag;
+  in >> tag;
+  std::vector<double> v;
   double x;
   while (in >> x) v.push_back(x);
   return v;
@@ -319,10 +393,9 @@ Timed timed_from(const std::vector<double>& v, size_t at) {
 
 int main(int argc, char** argv) {
   CLI::App app{"Speculative decoding with the MTP module: acceptance, speedup, cost curve"};
-  std::string model_dir, text_file, batches_s = "1,4,16", ks_s = "0,1,2,3", child;
-  int64_t prompt_len = 128, max_tokens = 64, v3_context = 4096, batch = 1, k_child = 0;
-  double accepted_child = 0;
-  int rounds = 3;
+  std::string model_dir, text_file, batches_s = "1,4,16", ks_s = "0,1,2,3";
+  int64_t prompt_len = 128, max_tokens = 64, v3_context = 4096, child_batch = 0;
+  int rounds = 5;
   app.add_option("--model", model_dir, "checkpoint with an MTP module")->required();
   app.add_option("--text", text_file, "held-out text the prompts are cut from")->required();
   app.add_option("--batches", batches_s, "batch sizes");
@@ -331,10 +404,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-tokens", max_tokens, "tokens generated per request");
   app.add_option("--rounds", rounds, "rounds (the order of K alternates; medians)");
   app.add_option("--v3-context", v3_context, "context of the DeepSeek-V3 projection");
-  app.add_option("--child", child, "internal: run one measurement (engine or cost) and print it");
-  app.add_option("--batch", batch, "internal: the child's batch");
-  app.add_option("--k", k_child, "internal: the child's K");
-  app.add_option("--accepted", accepted_child, "internal: the child's drafts accepted per step");
+  app.add_option("--child-batch", child_batch,
+                 "internal: measure this batch size (every K, all rounds) and print the rounds");
   CLI11_PARSE(app, argc, argv);
   try {
     auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(model_dir));
@@ -343,125 +414,166 @@ int main(int argc, char** argv) {
     std::stringstream text;
     text << in.rdbuf();
     const auto ids = tok->encode(text.str(), false);
-    auto prompts_of = [&](int64_t b) {
-      if (int64_t(ids.size()) < b * prompt_len)
+    // b pieces of the text of `len` tokens, spread over it.
+    auto texts_of = [&](int64_t b, int64_t len) {
+      if (int64_t(ids.size()) < b * len)
         throw Error(text_file + ": " + std::to_string(ids.size()) + " tokens, need " +
-                    std::to_string(b * prompt_len));
+                    std::to_string(b * len));
       std::vector<std::vector<int32_t>> p;
       const int64_t stride = int64_t(ids.size()) / b;
       for (int64_t i = 0; i < b; ++i)
-        p.emplace_back(ids.begin() + i * stride, ids.begin() + i * stride + prompt_len);
+        p.emplace_back(ids.begin() + i * stride, ids.begin() + i * stride + len);
       return p;
     };
-    if (!child.empty()) {
-      auto m = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(model_dir));
-      if (child == "engine") {
-        const EngineRun r = run_engine(m, tok, prompts_of(batch), k_child, max_tokens);
-        std::printf("%.9g %.9g %.9g %.9g", r.tokens_per_s, r.drafts, r.draft_tokens, r.accepted);
-        for (double a : r.accepted_at) std::printf(" %.9g", a);
-      } else if (child == "cost") {
-        const auto c =
-            measure_cost(*m, prompts_of(batch), k_child, std::lround(accepted_child), 15);
-        print_timed(c.plain);
-        print_timed(c.verify);
-        print_timed(c.draft);
-      } else {
-        throw Error("--child: engine or cost, got '" + child + "'");
-      }
-      std::printf("\n");
-      return 0;
-    }
     const auto batches = parse_list(batches_s), ks = parse_list(ks_s);
     if (std::find(ks.begin(), ks.end(), 0) == ks.end())
       throw Error("--ks must include 0 (the plain decoding every speedup is measured against)");
+    if (child_batch > 0) {
+      // One batch size, every K, `rounds` rounds in this process: the engine runs (the order of
+      // K alternating), then the cost curve for each K at the acceptance just measured. A run
+      // and its plain twin, and the cost that judges them, are minutes apart at most, so the
+      // machine's drift touches them alike.
+      auto m = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(model_dir));
+      const auto prompts = texts_of(child_batch, prompt_len);
+      run_engine(m, tok, prompts, 0, max_tokens);  // warm-up: weights and caches touched once
+      // At the middle of the decode the engine runs (prompt + half the generated tokens).
+      const int64_t context = prompt_len + max_tokens / 2;
+      for (int r = 0; r < rounds; ++r) {
+        auto order = ks;
+        if (r % 2 == 1) std::reverse(order.begin(), order.end());
+        std::map<int64_t, double> accepted;
+        for (int64_t k : order) {
+          const EngineRun e = run_engine(m, tok, prompts, k, max_tokens);
+          accepted[k] = e.drafts > 0 ? e.accepted / e.drafts : 0;
+          std::printf("engine %d %lld %.9g %.9g %.9g %.9g %.9g %.9g", r, (long long)k,
+                      e.tokens_per_s, e.drafts, e.draft_tokens, e.accepted, e.execute_share,
+                      e.model_share);
+          for (double a : e.accepted_at) std::printf(" %.9g", a);
+          std::printf("\n");
+        }
+        for (int64_t k : ks) {
+          if (k == 0) continue;
+          const auto c = measure_cost(*m, texts_of(child_batch, context + k + 2), context, k,
+                                      std::lround(accepted[k]), 5);
+          std::printf("cost %d %lld", r, (long long)k);
+          print_timed(c.plain);
+          print_timed(c.verify);
+          print_timed(c.draft);
+          std::printf("\n");
+        }
+        std::fflush(stdout);
+      }
+      return 0;
+    }
     const model::ModelConfig config = model::ModelConfig::load(model_dir);
     const std::string common = "--model '" + model_dir + "' --text '" + text_file + "' --prompt " +
                                std::to_string(prompt_len) + " --max-tokens " +
-                               std::to_string(max_tokens);
+                               std::to_string(max_tokens) + " --ks " + ks_s + " --rounds " +
+                               std::to_string(rounds);
     std::printf("model %s: %lld layers, hidden %lld, %lld experts top-%lld, vocab %lld\n",
                 model_dir.c_str(), (long long)config.num_hidden_layers,
                 (long long)config.hidden_size, (long long)config.n_routed_experts,
                 (long long)config.num_experts_per_tok, (long long)config.vocab_size);
     std::printf(
-        "greedy, prompts of %lld tokens from %s, %lld tokens each, %d rounds, each run "
-        "in a fresh process\n\n",
+        "greedy, prompts of %lld tokens from %s, %lld tokens each; per batch size one fresh "
+        "process runs %d rounds of every K and its cost curve; medians over rounds\n\n",
         (long long)prompt_len, text_file.c_str(), (long long)max_tokens, rounds);
 
-    // 1. The engine.
-    std::map<std::pair<int64_t, int64_t>, std::vector<std::vector<double>>> runs;
-    for (int r = 0; r < rounds; ++r)
-      for (int64_t b : batches) {
-        auto order = ks;
-        if (r % 2 == 1) std::reverse(order.begin(), order.end());
-        for (int64_t k : order)
-          runs[{b, k}].push_back(run_child(common + " --child engine --batch " + std::to_string(b) +
-                                           " --k " + std::to_string(k)));
+    // Every batch size's rounds.
+    struct Round {
+      std::map<int64_t, std::vector<double>> engine;  // by K
+      std::map<int64_t, CostCurve> cost;              // by K > 0
+    };
+    std::map<int64_t, std::vector<Round>> by_batch;
+    for (int64_t b : batches) {
+      std::vector<Round> rs(static_cast<size_t>(rounds));
+      for (const std::string& line : run_child(common + " --child-batch " + std::to_string(b))) {
+        const std::vector<double> v = numbers(line);
+        const auto r = static_cast<size_t>(v.at(0));
+        const auto k = static_cast<int64_t>(v.at(1));
+        if (line.rfind("engine ", 0) == 0)
+          rs.at(r).engine[k].assign(v.begin() + 2, v.end());
+        else if (line.rfind("cost ", 0) == 0)
+          rs.at(r).cost[k] = {timed_from(v, 2), timed_from(v, 2 + 1 + kParts),
+                              timed_from(v, 2 + 2 * (1 + kParts))};
       }
-    std::printf("%5s %3s %10s %8s %9s  %s\n", "batch", "K", "tok/s", "speedup", "accepted",
-                "acceptance by draft position");
-    std::map<std::pair<int64_t, int64_t>, double> tok_s, mean_accepted;
+      by_batch[b] = std::move(rs);
+    }
+
+    // 1. The engine.
+    std::printf("%5s %3s %10s %8s %8s %9s  %s\n", "batch", "K", "tok/s", "speedup", "model",
+                "accepted", "acceptance by draft position");
+    std::map<std::pair<int64_t, int64_t>, double> mean_accepted;
     for (int64_t b : batches)
       for (int64_t k : ks) {
-        std::vector<double> t;
+        std::vector<double> t, speedup, model;
         double drafts = 0, accepted = 0;
         std::vector<double> at(static_cast<size_t>(k), 0.0);
-        for (const auto& x : runs[{b, k}]) {
+        for (const Round& r : by_batch[b]) {
+          const auto& x = r.engine.at(k);
           t.push_back(x.at(0));
+          speedup.push_back(x.at(0) / r.engine.at(0).at(0));
+          model.push_back(x.at(5));
           drafts += x.at(1);
           accepted += x.at(3);
-          for (int64_t p = 0; p < k; ++p) at[size_t(p)] += x.at(4 + size_t(p));
+          for (int64_t p = 0; p < k; ++p) at[size_t(p)] += x.at(6 + size_t(p));
         }
-        tok_s[{b, k}] = median(t);
         mean_accepted[{b, k}] = drafts > 0 ? accepted / drafts : 0;
-        std::printf("%5lld %3lld %10.1f %7.2fx %9.2f ", (long long)b, (long long)k, median(t),
-                    median(t) / tok_s[{b, 0}], mean_accepted[{b, k}]);
+        std::printf("%5lld %3lld %10.1f %7.2fx %7.0f%% %9.2f ", (long long)b, (long long)k,
+                    median(t), median(speedup), 100 * median(model), mean_accepted[{b, k}]);
         for (int64_t p = 0; p < k; ++p)
           std::printf(" %5.1f%%", drafts > 0 ? 100 * at[size_t(p)] / drafts : 0.0);
         std::printf("\n");
       }
 
-    // 2. The cost curve.
+    // 2. The cost curve, and what the engine kept of what it allows, round by round.
     std::printf(
-        "\ncost of a step over a plain one (model only, context %lld; medians of 15, "
-        "interleaved):\n",
-        (long long)prompt_len);
+        "(speedup: the median over rounds of K's tok/s over the plain run of the same round; "
+        "model: the share of the decode time in the model's timed passes, the rest being the "
+        "engine, sampling and drafting around them)\n"
+        "\ncost of a step over a plain one (model only, context %lld, the middle of the decode; "
+        "5 interleaved repetitions a round, medians over rounds):\n",
+        (long long)(prompt_len + max_tokens / 2));
     std::printf("%5s %3s %8s %8s %8s %7s %8s %9s %8s %10s\n", "batch", "K", "plain ms", "verify",
                 "draft", "cost", "LM head", "allowed", "measured", "of allowed");
-    std::map<int64_t, CostCurve> k1_curve;
+    std::map<int64_t, double> k1_kept;  // batch -> median share of the allowed speedup, K = 1
     for (int64_t b : batches)
       for (int64_t k : ks) {
         if (k == 0) continue;
-        const double acc = mean_accepted[{b, k}];
-        const auto v = run_child(common + " --child cost --batch " + std::to_string(b) + " --k " +
-                                 std::to_string(k) + " --accepted " + std::to_string(acc));
-        CostCurve c{timed_from(v, 0), timed_from(v, 1 + kParts), timed_from(v, 2 * (1 + kParts))};
-        if (k == 1) k1_curve[b] = c;
-        const double cost = (c.verify.seconds + c.draft.seconds) / c.plain.seconds;
-        const double head = (c.verify.parts.seconds[size_t(StepPart::kLmHead)] +
-                             c.draft.parts.seconds[size_t(StepPart::kLmHead)]) /
-                            (c.verify.seconds + c.draft.seconds);
-        const double allowed = (1 + acc) / cost, measured = tok_s[{b, k}] / tok_s[{b, 0}];
+        std::vector<double> plain, verify, draft, cost, head, allowed, measured, kept;
+        for (const Round& r : by_batch[b]) {
+          const CostCurve& c = r.cost.at(k);
+          const double x = (c.verify.seconds + c.draft.seconds) / c.plain.seconds;
+          const auto& e = r.engine.at(k);
+          const double acc = e.at(1) > 0 ? e.at(3) / e.at(1) : 0;
+          const double s = e.at(0) / r.engine.at(0).at(0);
+          plain.push_back(c.plain.seconds);
+          verify.push_back(c.verify.seconds / c.plain.seconds);
+          draft.push_back(c.draft.seconds / c.plain.seconds);
+          cost.push_back(x);
+          head.push_back((c.verify.parts.seconds[size_t(StepPart::kLmHead)] +
+                          c.draft.parts.seconds[size_t(StepPart::kLmHead)]) /
+                         (c.verify.seconds + c.draft.seconds));
+          allowed.push_back((1 + acc) / x);
+          measured.push_back(s);
+          kept.push_back(s / ((1 + acc) / x));
+        }
+        if (k == 1) k1_kept[b] = median(kept);
         std::printf("%5lld %3lld %8.2f %7.2fx %7.2fx %6.2fx %7.0f%% %8.2fx %7.2fx %9.0f%%\n",
-                    (long long)b, (long long)k, 1e3 * c.plain.seconds,
-                    c.verify.seconds / c.plain.seconds, c.draft.seconds / c.plain.seconds, cost,
-                    100 * head, allowed, measured, 100 * measured / allowed);
+                    (long long)b, (long long)k, 1e3 * median(plain), median(verify), median(draft),
+                    median(cost), 100 * median(head), median(allowed), median(measured),
+                    100 * median(kept));
       }
     std::printf(
         "(verify: 1 + K tokens per sequence, logits for all; draft: the MTP passes; cost "
         "= (verify + draft) / plain; allowed = (1 + mean accepted) / cost; LM head: its "
-        "share of verify + draft)\n");
+        "share of verify + draft; of allowed: measured / allowed, per round)\n");
     // 3. DeepSeek-V3. Its decode steps are bound by the bytes they read (weights and latent
     // cache); this model's are not (its LM head, 129K rows of 128, is compute-bound in the row
     // kernels), so its per-part seconds do not scale. The projection takes V3's bytes per part
     // and what this code path loses beyond its model passes, measured above (measured / allowed).
     std::vector<double> efficiency;
-    for (int64_t b : batches)
-      if (k1_curve.count(b)) {
-        const auto& c = k1_curve[b];
-        const double cost = (c.verify.seconds + c.draft.seconds) / c.plain.seconds;
-        efficiency.push_back(
-            std::min(1.0, tok_s[{b, 1}] / tok_s[{b, 0}] / ((1 + mean_accepted[{b, 1}]) / cost)));
-      }
+    for (const auto& [b, kept] : k1_kept) efficiency.push_back(std::min(1.0, kept));
     const double code_path = efficiency.empty() ? 1.0 : median(efficiency);
     const Shape v3 = deepseek_v3();
     const double ctx = double(v3_context);
