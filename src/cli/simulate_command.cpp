@@ -26,6 +26,7 @@ struct SimulateCliOptions {
   std::string model = "sim:deepseek-v3-h800", mode, policy, topology;
   int prefill = -1, decode = -1;  // -1: the topology file's count (else 0 and 1)
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
+  double kv_link_gb_per_s = 25, kv_link_latency_us = 50;
 };
 
 constexpr std::string_view kSimPrefix = "sim:";
@@ -51,6 +52,10 @@ void run(const SimulateCliOptions& o) {
   so.num_blocks = o.num_blocks;
   so.block_size = o.block_size;
   so.seed = o.workload.seed;
+  if (!(o.kv_link_gb_per_s > 0) || !(o.kv_link_latency_us >= 0))
+    throw Error("--kv-link-gb-per-s must be positive and --kv-link-latency-us not negative");
+  so.kv_link.bytes_per_s = o.kv_link_gb_per_s * 1e9;
+  so.kv_link.latency_s = o.kv_link_latency_us * 1e-6;
   const std::string tokenizer_dir = workload_tokenizer_dir(o.workload);
   so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
 
@@ -96,6 +101,8 @@ void run(const SimulateCliOptions& o) {
                  {"decode", so.decode},
                  {"seed", so.seed},
                  {"wall_seconds", wall_s},
+                 {"kv_transfers", result.kv_transfers},
+                 {"kv_transfer_bytes", result.kv_transfer_bytes},
                  {"engines", engines}}}};
   run.report.title = "tandem simulate: " + w.dataset + ", " + std::to_string(so.prefill) + "P + " +
                      std::to_string(so.decode) + "D, " + so.gateway.policy;
@@ -113,6 +120,9 @@ void run(const SimulateCliOptions& o) {
   write_run(summary, result.results, run, o.outputs, "tandem simulate");
   std::fprintf(stderr, "tandem simulate: %.1f s of virtual time in %.2f s of wall time\n",
                result.virtual_end_s, wall_s);
+  if (result.kv_transfers > 0)
+    std::fprintf(stderr, "  %lld KV transfers, %.2f GB\n",
+                 static_cast<long long>(result.kv_transfers), result.kv_transfer_bytes / 1e9);
   for (const auto& e : result.engines)
     std::fprintf(stderr, "  %-12s %8lld steps, busy %5.1f%%, prefix hits %5.1f%%\n", e.name.c_str(),
                  static_cast<long long>(e.steps),
@@ -132,7 +142,7 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--prefill", o->prefill, "prefill engines (default: the topology's, else 0)");
   cmd->add_option("--decode", o->decode, "decode engines (default: the topology's, else 1)");
   cmd->add_option("--mode", o->mode,
-                  "aggregated (the default; prefill/decode modes are not simulated yet)");
+                  "aggregated (the default), sequential (vLLM's P/D flow) or parallel (SGLang's)");
   cmd->add_option("--policy", o->policy,
                   "the gateway's scheduling policy (default: the topology's, else tandem)");
   cmd->add_option("--topology", o->topology,
@@ -148,6 +158,12 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--num-kv-blocks", o->num_blocks, "each engine's KV blocks (0: the preset's)")
       ->capture_default_str();
   cmd->add_option("--block-size", o->block_size, "tokens per KV block")->capture_default_str();
+  cmd->add_option("--kv-link-gb-per-s", o->kv_link_gb_per_s,
+                  "P/D: each prefill-decode link's bandwidth (GB/s)")
+      ->capture_default_str();
+  cmd->add_option("--kv-link-latency-us", o->kv_link_latency_us,
+                  "P/D: each link's one-way latency (microseconds)")
+      ->capture_default_str();
   add_metrics_options(*cmd, o->metrics);
   cmd->add_option("--result-file", o->outputs.result_file,
                   "write the JSON result (vLLM's keys, and the simulation's) here");

@@ -155,14 +155,19 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
     }
   }
   if (config_.transfer) {
-    TcpTransportOptions tcp;
-    tcp.io_timeout =
-        std::chrono::milliseconds(static_cast<int64_t>(config_.transfer->timeout_s * 1000));
-    auto transport = config_.transfer->transport == KvTransportKind::kTcp ? make_tcp_transport(tcp)
-                                                                          : make_shm_transport(tcp);
-    agent_ = std::make_unique<KvTransferAgent>(
-        *config_.transfer, *executor_, std::move(transport), registry,
-        [this](std::function<void()> t) { post(std::move(t)); });
+    KvTransfers::Post to_engine = [this](std::function<void()> t) { this->post(std::move(t)); };
+    if (config_.make_transfers) {
+      agent_ = config_.make_transfers(*executor_, std::move(to_engine));
+    } else {
+      TcpTransportOptions tcp;
+      tcp.io_timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(config_.transfer->timeout_s * 1000));
+      auto transport = config_.transfer->transport == KvTransportKind::kTcp
+                           ? make_tcp_transport(tcp)
+                           : make_shm_transport(tcp);
+      agent_ = std::make_unique<KvTransferAgent>(
+          *config_.transfer, *executor_, std::move(transport), registry, std::move(to_engine));
+    }
     PdHost& host = *this;  // a private base: converted here, where it is accessible
     pd_ = std::make_unique<PdCoordinator>(*agent_, kv_, host, config_.transfer->timeout_s);
   }
@@ -321,7 +326,8 @@ double Engine::now() const {
 bool Engine::has_work() const {
   std::lock_guard lock(mutex_);
   return !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
-         !scheduler_.running().empty() || !scheduler_.waiting().empty();
+         !scheduler_.running().empty() || !scheduler_.waiting().empty() ||
+         (pd_ && pd_->has_fetch_to_start());
 }
 
 void Engine::loop() {

@@ -62,6 +62,9 @@ struct EngineConfig {
   // kv_events_config says).
   std::function<double()> clock;
   std::function<void(KvEventBatch)> kv_event_sink;
+  // With `transfer`: what moves KV instead of a KvTransferAgent over TCP or shared memory (the
+  // simulator's virtual links), made with the executor and the engine's Post.
+  std::function<std::unique_ptr<KvTransfers>(Executor&, KvTransfers::Post)> make_transfers;
 };
 
 // A snapshot for the gateway's load-aware routing (JSON at /load).
@@ -83,8 +86,8 @@ class Engine final : private PdHost {
   // or posted, and runs one step when a sequence can make progress. Returns whether a step ran;
   // its outputs have then been handed to their callbacks. Never blocks.
   bool run_once();
-  // Whether run_once() has anything to do (a submission, abort or task, or a sequence in the
-  // scheduler).
+  // Whether run_once() has anything to do (a submission, abort or task, a sequence in the
+  // scheduler, or a decode leg's fetch waiting for blocks).
   bool has_work() const;
 
   // Thread-safe. Checks what can be checked up front (ids in the vocabulary, prompt plus
@@ -117,7 +120,7 @@ class Engine final : private PdHost {
   void release_remote_kv(const std::string& host, uint16_t port, const std::string& engine_id,
                          const std::string& transfer_id, std::vector<int32_t> blocks);
   // KV transfer (null when not configured): engine id, advertised host and port.
-  const KvTransferAgent* transfer() const { return agent_.get(); }
+  const KvTransfers* transfer() const { return agent_.get(); }
   // Where KV events go, when enabled (the bound endpoints, for tests and logs).
   std::string kv_events_endpoint() const;
   std::string kv_events_replay_endpoint() const;
@@ -174,8 +177,8 @@ class Engine final : private PdHost {
   uint64_t seed_base_;
   int64_t reported_queries_ = 0, reported_hits_ = 0;  // prefix-cache stats already in metrics
 
-  std::unique_ptr<KvTransferAgent> agent_;  // stop() ends it before the members it posts into
-  std::unique_ptr<PdCoordinator> pd_;       // with agent_: every P/D state of every sequence
+  std::unique_ptr<KvTransfers> agent_;  // stop() ends it before the members it posts into
+  std::unique_ptr<PdCoordinator> pd_;   // with agent_: every P/D state of every sequence
 
   // Load snapshot, written by the engine thread before and after each step.
   mutable std::mutex load_mutex_;

@@ -46,7 +46,7 @@ struct Call {
   std::vector<std::string> engine_ids;
   std::mutex mutex;
   bool failed = false;
-  const KvTransferAgent* transfer = nullptr;  // for a prefill leg's kv_transfer_params
+  const KvTransfers* transfer = nullptr;  // for a prefill leg's kv_transfer_params
 
   void on_output(size_t index, const RequestOutput& out) {
     std::lock_guard lock(mutex);

@@ -17,6 +17,7 @@
 #include "gateway/tokens_in.h"
 #include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
+#include "sim/virtual_kv_links.h"
 #include "sim/virtual_upstream.h"
 #include "util/error.h"
 #include "util/metrics.h"
@@ -93,8 +94,10 @@ class MeasuredClient final : public gateway::ClientReply {
   bool done_ = false;
 };
 
-// The simulator's engines get made-up addresses: the name is the host, all on one port.
+// The simulator's engines get made-up addresses: the name is the host, all on one port, and a
+// prefill engine's KV transfer server on another.
 constexpr uint16_t kEnginePort = 8000;
+constexpr uint16_t kTransferPort = 9000;
 
 }  // namespace
 
@@ -103,16 +106,26 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
                        std::shared_ptr<const text::Tokenizer> tokenizer) {
   if (options.decode < 1) throw Error("the simulated cluster needs at least one decode engine");
   if (options.prefill < 0) throw Error("--prefill: expected 0 or more engines");
-  if (options.gateway.mode != gateway::PdMode::kAggregated)
+  const bool pd = options.gateway.mode != gateway::PdMode::kAggregated;
+  if (pd && options.prefill < 1)
+    throw Error(std::string("the ") + gateway::mode_name(options.gateway.mode) +
+                " mode needs at least one prefill engine (--prefill)");
+  if (!pd && options.prefill > 0)
     throw Error(
-        "the simulator runs the aggregated mode so far (prefill/decode transfers are not "
-        "simulated yet)");
-  if (options.prefill > 0) throw Error("aggregated mode has no prefill engines (--prefill 0)");
+        "the aggregated mode has no prefill engines (--prefill 0, or --mode sequential "
+        "or parallel)");
 
   gateway::Topology topo = options.gateway;
-  topo.decode.dialect = gateway::Dialect::kTandem;
+  topo.decode.dialect = topo.prefill.dialect = gateway::Dialect::kTandem;
   topo.decode.endpoints.clear();
   topo.prefill.endpoints.clear();
+  for (int i = 0; i < options.prefill; ++i) {
+    gateway::Endpoint e;
+    e.name = e.host = "prefill-" + std::to_string(i);
+    e.port = kEnginePort;
+    if (topo.mode == gateway::PdMode::kParallel) e.bootstrap_port = kTransferPort;
+    topo.prefill.endpoints.push_back(e);
+  }
   for (int i = 0; i < options.decode; ++i) {
     gateway::Endpoint e;
     e.name = e.host = "decode-" + std::to_string(i);
@@ -141,16 +154,27 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   gateway::FrontEnd front_end(topo, clock, upstream, dispatcher, endpoints, registry,
                               prompt_tokenizer.get());
 
-  // The engines, each publishing its KV events to the index under its endpoint id.
+  // The engines, each publishing its KV events to the index under its endpoint id, and moving KV
+  // over the virtual links.
+  VirtualKvNetwork network(clock, options.kv_link);
   std::vector<std::unique_ptr<SimulatedEngine>> engines;
   std::vector<bool> engine_prefill;
-  for (const gateway::Endpoint& e : topo.decode.endpoints) {
-    const int id = endpoints.add(false, e);
+  auto add_engine = [&](bool prefill, const gateway::Endpoint& e) {
+    const int id = endpoints.add(prefill, e);
     endpoints.events_fed_externally(id);
     SimulatedEngineOptions eo;
     eo.name = e.name;
     eo.config.scheduler = options.scheduler;
     eo.config.enable_prefix_caching = options.prefix_caching;
+    if (pd) {
+      eo.config.role = prefill ? engine::EngineRole::kPrefill : engine::EngineRole::kDecode;
+      engine::KvTransferConfig t;
+      t.engine_id = e.name;
+      t.advertise_host = e.host;
+      t.port = prefill ? kTransferPort : -1;
+      t.timeout_s = options.kv_transfer_timeout_s;
+      eo.config.transfer = t;
+    }
     eo.executor.preset = options.preset;
     eo.executor.model_name = options.preset;
     eo.executor.block_size = options.block_size;
@@ -164,10 +188,12 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
         gateway::apply_kv_event_batch(index, id, gateway::decode_kv_event_payload(payload));
       });
     };
-    engines.push_back(std::make_unique<SimulatedEngine>(clock, tokenizer, eo, events));
-    engine_prefill.push_back(false);
+    engines.push_back(std::make_unique<SimulatedEngine>(clock, tokenizer, eo, events, &network));
+    engine_prefill.push_back(prefill);
     upstream.add(e.host, e.port, engines.back().get());
-  }
+  };
+  for (const gateway::Endpoint& e : topo.prefill.endpoints) add_engine(true, e);
+  for (const gateway::Endpoint& e : topo.decode.endpoints) add_engine(false, e);
   clock.post([&] { health.start(); });
 
   // The clients, each at its arrival time.
@@ -211,6 +237,8 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   run.virtual_end_s = seconds_between(origin, clock.now());
   run.upstream_calls = upstream.calls();
   run.indexed_blocks = index.stats().blocks;
+  run.kv_transfers = network.transfers();
+  run.kv_transfer_bytes = network.bytes();
   for (size_t k = 0; k < engines.size(); ++k) {
     SimulatedEngine& e = *engines[k];
     EngineSummary s;
@@ -224,8 +252,12 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
     }
     const engine::LoadReport load = e.engine().load();
     s.blocks_in_use = load.total_blocks - load.free_blocks;
-    run.prefix_queries += s.prefix_queries;
-    run.prefix_hits += s.prefix_hits;
+    // The engines that compute prompts: the prefill pool in P/D (a decode leg's lookups find the
+    // KV it is about to receive), every engine when aggregated.
+    if (s.prefill || !pd) {
+      run.prefix_queries += s.prefix_queries;
+      run.prefix_hits += s.prefix_hits;
+    }
     run.engines.push_back(s);
   }
   dispatcher.stop();

@@ -5,9 +5,10 @@
 // through a virtual upstream (virtual_upstream.h); every engine is the serving engine with its
 // scheduler, KV cache manager and prefix cache, stepping in virtual time with the simulated
 // executor's latency model (simulated_engine.h); KV events reach the gateway's prefix index in
-// the engines' own wire format after a small delay. Clients send each request at its arrival
-// time and measure it as `tandem bench` does (bench/stream_measure.h). One thread, no sockets,
-// and the same result for the same inputs.
+// the engines' own wire format after a small delay; in the P/D modes KV moves between prefill and
+// decode engines over virtual links (virtual_kv_links.h). Clients send each request at its
+// arrival time and measure it as `tandem bench` does (bench/stream_measure.h). One thread, no
+// sockets, and the same result for the same inputs.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -18,13 +19,15 @@
 #include "bench/workload.h"
 #include "engine/scheduler/scheduler.h"
 #include "gateway/topology.h"
+#include "sim/virtual_kv_links.h"
 #include "text/tokenizer.h"
 
 namespace tandem::sim {
 
 struct SimulationOptions {
-  // The gateway: its mode, pools and settings (policy, scheduling, health, timeouts). Endpoints
-  // are made up by the simulator: `prefill` and `decode` engines named prefill-0.., decode-0..
+  // The gateway: its mode (aggregated, sequential or parallel), pools and settings (policy,
+  // scheduling, health, timeouts). Endpoints are made up by the simulator: `prefill` and
+  // `decode` engines named prefill-0.., decode-0..
   gateway::Topology gateway;
   int prefill = 0, decode = 1;
   // Every engine: the simulated executor's latency model (a preset name or a fitted JSON file),
@@ -42,6 +45,10 @@ struct SimulationOptions {
   uint64_t seed = 0;
   // From an engine's step to the gateway's prefix index (the ZMQ hop), seconds.
   double kv_event_delay_s = 0.001;
+  // Prefill to decode KV transfers (P/D modes): every engine pair's link, and how long a hold or
+  // a bootstrap room waits for its other leg.
+  KvLinkModel kv_link;
+  double kv_transfer_timeout_s = 120;
 };
 
 struct EngineSummary {
@@ -57,10 +64,13 @@ struct SimulationRun {
   std::vector<bench::RequestResult> results;  // in workload order
   double duration_s = 0;                      // first send to last answer, virtual
   std::vector<EngineSummary> engines;
-  double prefix_queries = 0, prefix_hits = 0;  // over every engine
+  // Over the engines that compute prompts: the prefill pool in P/D, every engine aggregated.
+  double prefix_queries = 0, prefix_hits = 0;
   int64_t upstream_calls = 0;
   int64_t indexed_blocks = 0;  // distinct blocks in the gateway's prefix index at the end
-  double virtual_end_s = 0;    // when the simulation stopped, from the first send
+  int64_t kv_transfers = 0;    // P/D transfers completed
+  double kv_transfer_bytes = 0;
+  double virtual_end_s = 0;  // when the simulation stopped, from the first send
 };
 
 // Runs the workload (arrival_s from the start). Throws tandem::Error for a topology that cannot

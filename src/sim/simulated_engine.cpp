@@ -23,7 +23,8 @@ constexpr std::pair<const char*, api::ApiKind> kGenerationRoutes[] = {
 SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
                                  std::shared_ptr<const text::Tokenizer> tokenizer,
                                  SimulatedEngineOptions options,
-                                 std::function<void(engine::KvEventBatch)> events)
+                                 std::function<void(engine::KvEventBatch)> events,
+                                 VirtualKvNetwork* network)
     : clock_(clock), name_(options.name) {
   engine::SimExecutorOptions x = options.executor;
   x.wait = [this](double s) {
@@ -33,7 +34,14 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
   engine::EngineConfig config = options.config;
   config.clock = [this] { return now(); };
   config.kv_event_sink = std::move(events);
-  config.transfer.reset();  // P/D transfers are not simulated yet
+  if (config.transfer) {
+    if (!network) throw Error(name_ + ": KV transfer needs the simulator's network");
+    config.make_transfers = [this, network, transfer = *config.transfer](
+                                engine::Executor& executor, engine::KvTransfers::Post post) {
+      return network->make(
+          transfer, executor, std::move(post), [this] { return now(); }, [this] { wake(); });
+    };
+  }
   auto executor = std::make_unique<engine::SimExecutor>(*tokenizer, x);
   const std::vector<int32_t> eos = engine::eos_ids(*tokenizer, std::nullopt);
   engine_ =
@@ -79,16 +87,23 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
     req.headers = request.headers;
     req.body = request.body;
     api_->handle(kind, req, reply);
-    reply->on_close([this] { kick(); });  // after the API's own, which aborts the requests
-    kick();
+    reply->on_close([this] { wake(); });  // after the API's own, which aborts the requests
+    wake();
     return;
   }
   reply->send_error(404, "no route " + request.method + " " + request.target + " on " + name_,
                     "invalid_request_error", "not_found");
 }
 
+void SimulatedEngine::wake() {
+  if (in_step_ || stepping_)
+    woken_ = true;
+  else
+    kick();
+}
+
 void SimulatedEngine::kick() {
-  if (step_pending_ || stepping_ || !engine_->has_work()) return;
+  if (step_pending_ || in_step_ || stepping_ || !engine_->has_work()) return;
   step_pending_ = true;
   clock_.post([this] { step(); });
 }
@@ -114,8 +129,9 @@ void SimulatedEngine::step() {
               auto tasks = std::move(rendered_at_end_);
               rendered_at_end_.clear();
               for (auto& t : tasks) t();
-              // A step that could schedule nothing waits for the next call or abort.
-              if (ran) kick();
+              // A step that could schedule nothing waits for the next call, abort or transfer.
+              if (ran || woken_) kick();
+              woken_ = false;
             });
 }
 

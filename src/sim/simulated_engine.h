@@ -17,6 +17,7 @@
 #include "gateway/virtual_executor.h"
 #include "net/async_http_client.h"
 #include "net/reply.h"
+#include "sim/virtual_kv_links.h"
 #include "text/tokenizer.h"
 #include "util/metrics.h"
 
@@ -30,10 +31,11 @@ struct SimulatedEngineOptions {
 
 class SimulatedEngine {
  public:
-  // `clock` and `tokenizer` must outlive the engine. `events` receives its KV event batches
-  // (empty: none are produced).
+  // `clock`, `tokenizer` and `network` must outlive the engine. `events` receives its KV event
+  // batches (empty: none are produced). An engine with config.transfer moves KV over `network`.
   SimulatedEngine(gateway::VirtualExecutor& clock, std::shared_ptr<const text::Tokenizer> tokenizer,
-                  SimulatedEngineOptions options, std::function<void(engine::KvEventBatch)> events);
+                  SimulatedEngineOptions options, std::function<void(engine::KvEventBatch)> events,
+                  VirtualKvNetwork* network = nullptr);
   ~SimulatedEngine();
   SimulatedEngine(const SimulatedEngine&) = delete;
   SimulatedEngine& operator=(const SimulatedEngine&) = delete;
@@ -51,6 +53,7 @@ class SimulatedEngine {
 
  private:
   void kick();  // a step starts now if there is work and none runs
+  void wake();  // something arrived (a call, an abort, a transfer's outcome)
   void step();
   double now() const;
 
@@ -62,6 +65,7 @@ class SimulatedEngine {
   // The running step: its modelled seconds so far (the engine's clock reads the start plus them),
   // and the load report as it was while it ran (what a /load poll during it sees).
   bool in_step_ = false, step_pending_ = false, stepping_ = false;
+  bool woken_ = false;  // something arrived while a step ran: look for work when it ends
   double step_offset_ = 0, step_started_ = 0;
   engine::LoadReport step_load_;
   // Rendering tasks of the running step's outputs, run when it ends.

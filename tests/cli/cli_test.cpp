@@ -206,9 +206,9 @@ TEST(Cli, SimulateRefusesWhatItCannotRunNamingTheFlag) {
   r = run("simulate --num-prompts 2 --model /some/folder");
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--model"));
-  r = run("simulate --num-prompts 2 --mode sequential --prefill 1");
+  r = run("simulate --num-prompts 2 --mode parallel");
   EXPECT_EQ(r.status, 1);
-  EXPECT_THAT(r.output, HasSubstr("not simulated yet"));
+  EXPECT_THAT(r.output, HasSubstr("needs at least one prefill engine (--prefill)"));
   r = run("simulate --dataset-name mooncake");
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--dataset-path"));

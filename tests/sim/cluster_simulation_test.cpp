@@ -163,6 +163,65 @@ TEST(ClusterSimulation, KvEventsLeadARepeatedPrefixToTheEngineThatHoldsIt) {
   EXPECT_EQ(run.indexed_blocks, 32 + 6 * 2);
 }
 
+SimulationOptions pd_options(gateway::PdMode mode, int prefill, int decode,
+                             const std::string& preset) {
+  auto o = options(decode, preset);
+  o.gateway.mode = mode;
+  o.prefill = prefill;
+  return o;
+}
+
+class DisaggregatedSimulation : public ::testing::TestWithParam<gateway::PdMode> {};
+
+TEST_P(DisaggregatedSimulation, EveryRequestMovesItsKvOnceAndEndsWithEveryBlockFree) {
+  const auto reqs = random_requests(30, 7);
+  const auto run = simulate(reqs, pd_options(GetParam(), 2, 2, "deepseek-v3-h800"), tokenizer());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+    EXPECT_EQ(run.results[i].output_tokens, reqs[i].output_len) << i;
+  }
+  EXPECT_EQ(run.kv_transfers, int64_t(reqs.size()));
+  EXPECT_GT(run.kv_transfer_bytes, 0);
+  for (const auto& e : run.engines) {
+    EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+    EXPECT_GT(e.steps, 0) << e.name;
+  }
+}
+
+TEST_P(DisaggregatedSimulation, ASlowLinkDelaysTheFirstTokenByItsTransferTime) {
+  // 100 KB/s: the transfer of a 200-token prompt's cache (tens of MB for DeepSeek-V3's 61 layers)
+  // takes minutes, far longer than any step; the first token waits for it.
+  auto o = pd_options(GetParam(), 1, 1, "deepseek-v3-h800");
+  o.kv_link.bytes_per_s = 1e5;
+  o.kv_transfer_timeout_s = 1e6;
+  const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
+  ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+  ASSERT_EQ(run.kv_transfers, 1);
+  const double transfer_s = run.kv_transfer_bytes / 1e5;
+  EXPECT_GT(transfer_s, 60);
+  EXPECT_GE(run.results[0].ttft_s, transfer_s);
+  EXPECT_LT(run.results[0].ttft_s, transfer_s + 1.0);
+}
+
+TEST_P(DisaggregatedSimulation, TheSameInputsGiveTheSameRun) {
+  const auto reqs = random_requests(20, 9);
+  const auto o = pd_options(GetParam(), 2, 2, "deepseek-v3-h800");
+  const auto a = simulate(reqs, o, tokenizer());
+  const auto b = simulate(reqs, o, tokenizer());
+  for (size_t i = 0; i < a.results.size(); ++i) {
+    EXPECT_EQ(a.results[i].ttft_s, b.results[i].ttft_s) << i;
+    EXPECT_EQ(a.results[i].latency_s, b.results[i].latency_s) << i;
+  }
+  EXPECT_EQ(a.kv_transfer_bytes, b.kv_transfer_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DisaggregatedSimulation,
+                         ::testing::Values(gateway::PdMode::kSequential,
+                                           gateway::PdMode::kParallel),
+                         [](const auto& info) {
+                           return std::string(gateway::mode_name(info.param));
+                         });
+
 TEST(ClusterSimulation, BadInputIsACleanError) {
   auto o = options(1, "deepseek-v3-h800");
   o.gateway.policy = "fastest";

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "engine/executor/executor.h"
+#include "engine/transfer/kv_transfers.h"
 #include "engine/transfer/kv_transport.h"
 #include "util/error.h"
 #include "util/metrics.h"
@@ -90,29 +91,26 @@ class KvTransferError : public Error {
 // The hash both legs of a bootstrap room compare, so a room never joins different prompts.
 uint64_t kv_prompt_hash(std::span<const int32_t> prompt);
 
-class KvTransferAgent {
+// The KvTransfers of real engines: bytes over a KvTransport, on threads of its own.
+class KvTransferAgent final : public KvTransfers {
  public:
-  using Task = std::function<void()>;
-  using Post = std::function<void(Task)>;  // runs the task on the engine thread, in order
-  using RoomDone = std::function<void(bool ok, const std::string& error)>;
-
   // Starts the server when config.port >= 0 (throws tandem::Error if it cannot listen).
   KvTransferAgent(const KvTransferConfig& config, Executor& executor,
                   std::unique_ptr<KvTransport> transport, metrics::Registry& registry, Post post);
-  ~KvTransferAgent();  // shuts every connection and waits for the threads
+  ~KvTransferAgent() override;  // shuts every connection and waits for the threads
   KvTransferAgent(const KvTransferAgent&) = delete;
   KvTransferAgent& operator=(const KvTransferAgent&) = delete;
 
-  const KvTransferConfig& config() const { return config_; }
-  bool serving() const { return listener_ != nullptr; }
-  uint16_t port() const;  // the bound port (0 without a server)
+  const KvTransferConfig& config() const override { return config_; }
+  bool serving() const override { return listener_ != nullptr; }
+  uint16_t port() const override;  // the bound port (0 without a server)
 
   // --- prefill side, sequential: the finished prompt's blocks wait to be pulled. Returns the
   // transfer id. `release` is posted once, when the blocks may be freed (pulled or expired).
   // A pull must name the same prompt (kv_prompt_hash and length): KV never lands under another
   // prompt's tokens in the decode engine's prefix cache.
   std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
-                   Task release);
+                   Task release) override;
 
   // --- prefill side, parallel. open_room (engine thread, at admission) claims the room for a
   // prefill request and returns its claim (non-zero); 0 when the room is already claimed by
@@ -121,26 +119,27 @@ class KvTransferAgent {
   // KvTransferError when the room already failed (its decode engine was refused). The calls
   // below name the claim, so a late call from an earlier, failed claim of the same room number
   // never touches a newer one.
-  uint64_t open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens, RoomDone done);
+  uint64_t open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
+                     RoomDone done) override;
   // Engine thread, before the step that completes the prompt: the prompt's block table.
-  void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks);
+  void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks) override;
   // Engine thread, during or after that step: layers [0, layers) of the prompt are complete.
-  void room_layers_done(uint64_t room, uint64_t claim, int64_t layers);
+  void room_layers_done(uint64_t room, uint64_t claim, int64_t layers) override;
   // The prefill request failed or was aborted before it completed: tell the decode side.
-  void room_failed(uint64_t room, uint64_t claim, const std::string& reason);
+  void room_failed(uint64_t room, uint64_t claim, const std::string& reason) override;
 
   // --- decode side: `done` is posted once, with the outcome; until then the transfer may write
   // into f.local_blocks. cancel_fetch makes a running fetch fail promptly.
-  void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done);
-  void cancel_fetch(const std::string& request_id);
+  void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) override;
+  void cancel_fetch(const std::string& request_id) override;
   // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
   // zero tokens), in the background; failures are ignored (the hold expires anyway).
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
-                      const std::string& transfer_id, std::vector<int32_t> blocks);
+                      const std::string& transfer_id, std::vector<int32_t> blocks) override;
 
   // Blocks held for pulls or rooms right now: what the tandem:kv_transfer_held_blocks gauge
   // shows (refreshed by the reaper); tests read it to see that nothing stays held.
-  int64_t held_blocks() const;
+  int64_t held_blocks() const override;
 
  private:
   struct Held;

@@ -4,8 +4,7 @@
 
 namespace tandem::engine {
 
-PdCoordinator::PdCoordinator(KvTransferAgent& agent, KvCacheManager& kv, PdHost& host,
-                             double timeout_s)
+PdCoordinator::PdCoordinator(KvTransfers& agent, KvCacheManager& kv, PdHost& host, double timeout_s)
     : agent_(agent), kv_(kv), host_(host), timeout_s_(timeout_s) {}
 
 PdCoordinator::Admission PdCoordinator::admit(Sequence* seq) {

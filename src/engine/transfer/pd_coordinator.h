@@ -13,7 +13,7 @@
 //   ending      blocks a transfer still reads or writes outlive the sequence (parked, or a
 //               cancelled fetch that still runs).
 //
-// The engine is reached through PdHost; the transfers through KvTransferAgent.
+// The engine is reached through PdHost; the transfers through KvTransfers (kv_transfers.h).
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -44,7 +44,7 @@ class PdHost {
 class PdCoordinator {
  public:
   // `timeout_s`: how long a decode leg may wait for blocks to receive its KV into.
-  PdCoordinator(KvTransferAgent& agent, KvCacheManager& kv, PdHost& host, double timeout_s);
+  PdCoordinator(KvTransfers& agent, KvCacheManager& kv, PdHost& host, double timeout_s);
 
   enum class Admission {
     kSchedule,  // the sequence joins the scheduler as any other
@@ -84,7 +84,7 @@ class PdCoordinator {
   void on_fetch_done(const std::string& id, const KvFetchResult& result);
   void on_room_done(const std::string& id, bool ok, const std::string& error);
 
-  KvTransferAgent& agent_;
+  KvTransfers& agent_;
   KvCacheManager& kv_;
   PdHost& host_;
   const double timeout_s_;

@@ -1,0 +1,350 @@
+#include "sim/virtual_kv_links.h"
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+namespace tandem::sim {
+
+using engine::KvFetch;
+using engine::KvFetchResult;
+using engine::KvTransfers;
+
+namespace {
+
+gateway::Executor::Clock::time_point time_at(double seconds) {
+  return gateway::Executor::Clock::time_point(
+      std::chrono::duration_cast<gateway::Executor::Clock::duration>(
+          std::chrono::duration<double>(seconds)));
+}
+
+}  // namespace
+
+class VirtualKvNetwork::Endpoint final : public KvTransfers {
+ public:
+  Endpoint(VirtualKvNetwork& net, const engine::KvTransferConfig& config,
+           engine::Executor& executor, Post post, std::function<double()> now,
+           std::function<void()> wake)
+      : net_(net),
+        config_(config),
+        layout_(executor.info().kv_layout),
+        post_(std::move(post)),
+        now_(std::move(now)),
+        wake_(std::move(wake)) {
+    if (serving()) net_.servers_[address(config_.advertise_host, port())] = this;
+  }
+  ~Endpoint() override {
+    if (serving()) net_.servers_.erase(address(config_.advertise_host, port()));
+  }
+
+  const engine::KvTransferConfig& config() const override { return config_; }
+  bool serving() const override { return config_.port >= 0; }
+  uint16_t port() const override { return serving() ? static_cast<uint16_t>(config_.port) : 0; }
+
+  // ---- prefill side
+
+  std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
+                   Task release) override {
+    const std::string id = config_.engine_id + "-" + std::to_string(++next_id_);
+    Held& h = held_[id];
+    h.blocks = std::move(blocks);
+    h.prompt_hash = prompt_hash;
+    h.num_tokens = num_tokens;
+    h.release = std::move(release);
+    h.expiry = at(now_() + config_.timeout_s, [this, id] { release_held(id); });
+    return id;
+  }
+
+  uint64_t open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
+                     RoomDone done) override {
+    Room& r = rooms_[room];
+    if (r.claim != 0) return 0;  // another prefill request holds it
+    r.claim = ++next_claim_;
+    r.prompt_hash = prompt_hash;
+    r.prompt_tokens = prompt_tokens;
+    r.done = std::move(done);
+    r.layer_times.assign(size_t(layout_.layers), -1);
+    const uint64_t claim = r.claim;
+    if (!r.decode) {
+      arm_room_timeout(room);  // the decode leg has not registered yet
+    } else {
+      net_.clock_.cancel(r.timeout);
+      if (r.decode->prompt_hash != prompt_hash)
+        fail_room(room, "the decode leg's prompt differs from this prefill's (prompt hash)");
+    }
+    return claim;
+  }
+  void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks) override {
+    if (Room* r = find_room(room, claim)) r->blocks = std::move(blocks);
+  }
+  void room_layers_done(uint64_t room, uint64_t claim, int64_t layers) override {
+    Room* r = find_room(room, claim);
+    if (!r) return;
+    const double t = now_();
+    for (int64_t l = 0; l < std::min<int64_t>(layers, layout_.layers); ++l)
+      if (r->layer_times[size_t(l)] < 0) r->layer_times[size_t(l)] = t;
+    maybe_send(room);
+  }
+  void room_failed(uint64_t room, uint64_t claim, const std::string& reason) override {
+    if (find_room(room, claim)) fail_room(room, reason);
+  }
+
+  // ---- decode side
+
+  void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) override {
+    const std::string id = f.request_id;
+    fetches_[id] = {std::move(done)};
+    const double arrive = now_() + net_.link_.latency_s;
+    auto server = net_.servers_.find(address(f.host, f.port));
+    if (server == net_.servers_.end()) {
+      at(arrive + net_.link_.latency_s, [this, id, where = address(f.host, f.port)] {
+        finish_fetch(id, {false, "cannot connect to the KV transfer server at " + where, 0});
+      });
+      return;
+    }
+    Endpoint* prefill = server->second;
+    at(arrive, [this, prefill, f = std::move(f)]() mutable {
+      if (!fetches_.count(f.request_id)) return;  // cancelled on the way
+      if (f.pull)
+        prefill->serve_pull(std::move(f), this);
+      else
+        prefill->register_room(std::move(f), this);
+    });
+  }
+  void cancel_fetch(const std::string& request_id) override {
+    auto it = fetches_.find(request_id);
+    if (it == fetches_.end()) return;
+    // A room waiting for this decode leg learns it is gone, as a closed connection tells it.
+    for (auto& [room, endpoint] : registered_)
+      if (endpoint.first == request_id) endpoint.second->decode_gone(room, request_id);
+    finish_fetch(request_id, {false, "cancelled", 0});
+  }
+  void release_remote(const std::string& host, uint16_t port, const std::string&,
+                      const std::string& transfer_id, std::vector<int32_t>) override {
+    auto server = net_.servers_.find(address(host, port));
+    if (server == net_.servers_.end()) return;
+    Endpoint* prefill = server->second;
+    at(now_() + net_.link_.latency_s,
+       [prefill, transfer_id] { prefill->release_held(transfer_id); });
+  }
+
+  int64_t held_blocks() const override {
+    int64_t n = 0;
+    for (const auto& [id, h] : held_) n += static_cast<int64_t>(h.blocks.size());
+    for (const auto& [room, r] : rooms_) n += static_cast<int64_t>(r.blocks.size());
+    return n;
+  }
+
+ private:
+  struct Held {
+    std::vector<int32_t> blocks;
+    uint64_t prompt_hash = 0;
+    int64_t num_tokens = 0;
+    Task release;
+    gateway::Executor::TimerId expiry;
+  };
+  // The decode leg registered for a room.
+  struct Registration {
+    Endpoint* endpoint = nullptr;
+    std::string request_id;
+    uint64_t prompt_hash = 0;
+    int64_t tokens = 0;  // to send per layer
+    double registered = 0;
+  };
+  struct Room {
+    uint64_t claim = 0;  // 0: no prefill request yet
+    uint64_t prompt_hash = 0;
+    int64_t prompt_tokens = 0;
+    RoomDone done;
+    std::vector<int32_t> blocks;
+    std::vector<double> layer_times;  // when each layer was written; -1: not yet
+    std::optional<Registration> decode;
+    bool sending = false;
+    gateway::Executor::TimerId timeout;
+  };
+  struct Fetch {
+    std::function<void(const KvFetchResult&)> done;
+  };
+
+  static std::string address(const std::string& host, uint16_t port) {
+    return host + ":" + std::to_string(port);
+  }
+  gateway::Executor::TimerId at(double seconds, gateway::Executor::Task task) {
+    return net_.clock_.at(std::max(time_at(seconds), net_.clock_.now()), std::move(task));
+  }
+  void to_engine(Task task) {
+    post_(std::move(task));
+    wake_();
+  }
+  double bytes_for(int64_t tokens) const {
+    return double(tokens) * double(layout_.token_bytes) * double(layout_.layers);
+  }
+
+  // Prefill side: a hold ends (pulled, released or expired).
+  void release_held(const std::string& id) {
+    auto it = held_.find(id);
+    if (it == held_.end()) return;
+    net_.clock_.cancel(it->second.expiry);
+    Task release = std::move(it->second.release);
+    held_.erase(it);
+    to_engine(std::move(release));
+  }
+
+  void serve_pull(KvFetch f, Endpoint* decode) {
+    const double now = net_.clock_.now_ns() / 1e9;
+    auto it = held_.find(f.transfer_id);
+    std::string error;
+    if (it == held_.end())
+      error = "no KV transfer '" + f.transfer_id + "' is held here (pulled, released or expired)";
+    else if (it->second.prompt_hash != f.prompt_hash || it->second.num_tokens != f.prompt_tokens)
+      error = "transfer '" + f.transfer_id + "' holds another prompt";
+    if (!error.empty()) {
+      at(now + net_.link_.latency_s, [decode, id = f.request_id, error] {
+        decode->finish_fetch(id, {false, error, 0});
+      });
+      return;
+    }
+    const int64_t tokens = std::max<int64_t>(f.num_tokens - f.first_token, 0);
+    const double bytes = bytes_for(tokens);
+    const double end = now + bytes / net_.link_.bytes_per_s + net_.link_.latency_s;
+    at(end, [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
+      release_held(transfer);
+      ++net_.transfers_;
+      net_.bytes_ += bytes;
+      decode->finish_fetch(id, {true, "", static_cast<uint64_t>(bytes)});
+    });
+  }
+
+  void register_room(KvFetch f, Endpoint* decode) {
+    Room& r = rooms_[f.room];
+    if (r.decode) {
+      at(net_.clock_.now_ns() / 1e9 + net_.link_.latency_s, [decode, id = f.request_id,
+                                                             room = f.room] {
+        decode->finish_fetch(
+            id, {false, "bootstrap room " + std::to_string(room) + " already has a decode leg", 0});
+      });
+      return;
+    }
+    decode->registered_[f.room] = {f.request_id, this};
+    r.decode = Registration{decode, f.request_id, f.prompt_hash,
+                            std::max<int64_t>(f.num_tokens - f.first_token, 0),
+                            net_.clock_.now_ns() / 1e9};
+    if (r.claim == 0) {
+      if (r.layer_times.empty()) r.layer_times.assign(size_t(layout_.layers), -1);
+      arm_room_timeout(f.room);  // the prefill leg has not arrived yet
+      return;
+    }
+    net_.clock_.cancel(r.timeout);
+    if (r.prompt_hash != f.prompt_hash) {
+      fail_room(f.room, "the decode leg's prompt differs from this prefill's (prompt hash)");
+      return;
+    }
+    maybe_send(f.room);
+  }
+
+  // Both legs are there and every layer is written: the layers go over the link in order, each
+  // once written and once the one before has gone.
+  void maybe_send(uint64_t room) {
+    Room& r = rooms_[room];
+    if (r.sending || r.claim == 0 || !r.decode) return;
+    for (double t : r.layer_times)
+      if (t < 0) return;
+    r.sending = true;
+    const double layer_bytes = double(r.decode->tokens) * double(layout_.token_bytes);
+    double link_free = r.decode->registered;
+    for (double t : r.layer_times)
+      link_free = std::max(t, link_free) + layer_bytes / net_.link_.bytes_per_s;
+    const double end = link_free + net_.link_.latency_s;
+    const double bytes = layer_bytes * double(layout_.layers);
+    at(end, [this, room, bytes] {
+      auto it = rooms_.find(room);
+      if (it == rooms_.end()) return;  // failed meanwhile
+      Room done = std::move(it->second);
+      rooms_.erase(it);
+      ++net_.transfers_;
+      net_.bytes_ += bytes;
+      done.decode->endpoint->registered_.erase(room);
+      done.decode->endpoint->finish_fetch(done.decode->request_id,
+                                          {true, "", static_cast<uint64_t>(bytes)});
+      to_engine([d = std::move(done.done)] { d(true, ""); });
+    });
+  }
+
+  void arm_room_timeout(uint64_t room) {
+    Room& r = rooms_[room];
+    net_.clock_.cancel(r.timeout);
+    r.timeout = at(net_.clock_.now_ns() / 1e9 + config_.timeout_s, [this, room] {
+      fail_room(room, "bootstrap room " + std::to_string(room) +
+                          ": the other leg did not come within " +
+                          std::to_string(config_.timeout_s) + " s");
+    });
+  }
+
+  // The room ends badly: both legs hear why.
+  void fail_room(uint64_t room, const std::string& why) {
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) return;
+    Room r = std::move(it->second);
+    rooms_.erase(it);
+    net_.clock_.cancel(r.timeout);
+    if (r.decode) {
+      Endpoint* decode = r.decode->endpoint;
+      decode->registered_.erase(room);
+      at(net_.clock_.now_ns() / 1e9 + net_.link_.latency_s,
+         [decode, id = r.decode->request_id, why] {
+           decode->finish_fetch(id, {false, why, 0});
+         });
+    }
+    if (r.claim != 0 && r.done) to_engine([d = std::move(r.done), why] { d(false, why); });
+  }
+
+  // Prefill side: the decode leg of `room` went away.
+  void decode_gone(uint64_t room, const std::string& request_id) {
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || !it->second.decode || it->second.decode->request_id != request_id)
+      return;
+    fail_room(room, "the decode leg of bootstrap room " + std::to_string(room) + " went away");
+  }
+
+  Room* find_room(uint64_t room, uint64_t claim) {
+    auto it = rooms_.find(room);
+    return it == rooms_.end() || it->second.claim != claim ? nullptr : &it->second;
+  }
+
+  // Decode side: a fetch ends once.
+  void finish_fetch(const std::string& id, KvFetchResult result) {
+    auto it = fetches_.find(id);
+    if (it == fetches_.end()) return;
+    auto done = std::move(it->second.done);
+    fetches_.erase(it);
+    to_engine([done = std::move(done), result = std::move(result)] { done(result); });
+  }
+
+  VirtualKvNetwork& net_;
+  engine::KvTransferConfig config_;
+  engine::KvLayout layout_;
+  Post post_;
+  std::function<double()> now_;
+  std::function<void()> wake_;
+  std::map<std::string, Held> held_;
+  std::map<uint64_t, Room> rooms_;
+  std::map<std::string, Fetch> fetches_;                              // decode side, by request
+  std::map<uint64_t, std::pair<std::string, Endpoint*>> registered_;  // decode side, by room
+  uint64_t next_id_ = 0, next_claim_ = 0;
+};
+
+VirtualKvNetwork::VirtualKvNetwork(gateway::VirtualExecutor& clock, KvLinkModel link)
+    : clock_(clock), link_(link) {}
+
+VirtualKvNetwork::~VirtualKvNetwork() = default;
+
+std::unique_ptr<engine::KvTransfers> VirtualKvNetwork::make(const engine::KvTransferConfig& config,
+                                                            engine::Executor& executor,
+                                                            engine::KvTransfers::Post post,
+                                                            std::function<double()> now,
+                                                            std::function<void()> wake) {
+  return std::make_unique<Endpoint>(*this, config, executor, std::move(post), std::move(now),
+                                    std::move(wake));
+}
+
+}  // namespace tandem::sim
