@@ -1,16 +1,20 @@
 #include "cli/simulate_command.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
 #include "bench/metrics.h"
 #include "cli/bench_options.h"
+#include "gateway/policy.h"
 #include "gateway/topology.h"
 #include "sim/cluster_simulation.h"
+#include "sim/sweep.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 
@@ -27,9 +31,68 @@ struct SimulateCliOptions {
   int prefill = -1, decode = -1;  // -1: the topology file's count (else 0 and 1)
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
   double kv_link_gb_per_s = 25, kv_link_latency_us = 50;
+  std::vector<std::string> sweep;
 };
 
 constexpr std::string_view kSimPrefix = "sim:";
+
+// One simulation per grid point over the same workload: a row each (goodput, TTFT and TPOT
+// percentiles, prefix hit rate), and the points in the result JSON.
+void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
+               const std::vector<bench::BenchRequest>& reqs,
+               std::shared_ptr<const text::Tokenizer> tok, bench::MetricsOptions mo) {
+  if (!o.outputs.html.empty())
+    throw Error("--html: a sweep writes its table and --result-file, not a report (yet)");
+  const auto points = sim::sweep_points(o.sweep, {base.prefill, base.decode, base.gateway.policy});
+  for (const auto& p : points) gateway::make_policy(p.policy);  // an unknown name, before any run
+  // The percentiles the rows show, besides those asked for.
+  for (double q : {50.0, 90.0, 99.0})
+    if (std::find(mo.percentiles.begin(), mo.percentiles.end(), q) == mo.percentiles.end())
+      mo.percentiles.push_back(q);
+  auto pct = [](const bench::MetricStats& m, double q) {
+    for (const auto& [p, v] : m.percentiles_ms)
+      if (p == q) return v;
+    return 0.0;
+  };
+  std::fprintf(stderr, "tandem simulate: %zu requests (%s), %s mode, %zu points\n", reqs.size(),
+               o.workload.dataset.c_str(), gateway::mode_name(base.gateway.mode), points.size());
+  std::printf("%7s %6s %5s %-12s %9s %9s %9s %9s %9s %9s %9s %7s\n", "prefill", "decode", "P:D",
+              "policy", "goodput", "req/s", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50",
+              "TPOT p99", "hit %");
+  json rows = json::array();
+  for (const auto& p : points) {
+    sim::SimulationOptions so = base;
+    so.prefill = p.prefill;
+    so.decode = p.decode;
+    so.gateway.policy = p.policy;
+    const sim::SimulationRun r = sim::simulate(reqs, so, tok);
+    const bench::BenchSummary s = bench::summarize(r.results, r.duration_s, mo);
+    const double hit = r.prefix_queries > 0 ? r.prefix_hits / r.prefix_queries : 0;
+    const double ratio = p.decode > 0 ? double(p.prefill) / double(p.decode) : 0;
+    std::printf("%7d %6d %5.2f %-12s %9.3f %9.3f %9.0f %9.0f %9.0f %9.1f %9.1f %7.2f\n", p.prefill,
+                p.decode, ratio, p.policy.c_str(), s.request_goodput.value_or(0),
+                s.request_throughput, pct(s.ttft, 50), pct(s.ttft, 90), pct(s.ttft, 99),
+                pct(s.tpot, 50), pct(s.tpot, 99), 100 * hit);
+    std::fflush(stdout);
+    json row = bench::to_json(s);
+    row["prefill"] = p.prefill;
+    row["decode"] = p.decode;
+    row["policy"] = p.policy;
+    row["prefix_cache_hit_rate"] = hit;
+    row["kv_transfers"] = r.kv_transfers;
+    rows.push_back(row);
+  }
+  if (!o.outputs.result_file.empty()) {
+    std::ofstream f(o.outputs.result_file);
+    if (!f) throw Error("--result-file: cannot write " + o.outputs.result_file);
+    f << json{{"backend", "tandem-simulate"}, {"dataset_name", o.workload.dataset},
+              {"num_prompts", reqs.size()},   {"mode", gateway::mode_name(base.gateway.mode)},
+              {"model_id", o.model},          {"sweep", rows}}
+             .dump(2)
+      << "\n";
+    std::fprintf(stderr, "tandem simulate: results in %s\n", o.outputs.result_file.c_str());
+  }
+}
 
 void run(const SimulateCliOptions& o) {
   sim::SimulationOptions so;
@@ -64,6 +127,10 @@ void run(const SimulateCliOptions& o) {
   const auto reqs = build_workload(o.workload, *tok);
   if (reqs.empty()) throw Error("the workload has no requests");
   const WorkloadCliOptions& w = o.workload;
+  if (!o.sweep.empty()) {
+    run_sweep(o, so, reqs, tok, mo);
+    return;
+  }
   std::fprintf(stderr,
                "tandem simulate: %zu requests (%s), %s mode, %d prefill + %d decode engines "
                "(%s), policy %s\n",
@@ -164,6 +231,9 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--kv-link-latency-us", o->kv_link_latency_us,
                   "P/D: each link's one-way latency (microseconds)")
       ->capture_default_str();
+  cmd->add_option("--sweep", o->sweep,
+                  "a grid of runs: prefill=2..16 (doubling), decode=4..12/4 (steps), "
+                  "policy=tandem,kv_router (lists); repeatable, every combination");
   add_metrics_options(*cmd, o->metrics);
   cmd->add_option("--result-file", o->outputs.result_file,
                   "write the JSON result (vLLM's keys, and the simulation's) here");

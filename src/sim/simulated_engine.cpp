@@ -28,7 +28,8 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
     : clock_(clock), name_(options.name) {
   engine::SimExecutorOptions x = options.executor;
   x.wait = [this](double s) {
-    if (step_offset_ == 0) step_load_ = engine_->load();  // as the step starts
+    if (!step_timed_) step_load_ = engine_->load();  // as the step starts
+    step_timed_ = true;
     step_offset_ += s;
   };
   engine::EngineConfig config = options.config;
@@ -51,7 +52,7 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
       [this](std::function<void()> task) {
         // Outputs of a step reach the gateway when the step ends; others (an abort's) now.
         if (in_step_ || stepping_)
-          rendered_at_end_.push_back(std::move(task));
+          rendered_at_end_.push_back(std::move(task));  // run by the step's end
         else
           clock_.post(std::move(task));
       },
@@ -112,6 +113,7 @@ void SimulatedEngine::step() {
   step_pending_ = false;
   step_started_ = seconds_of(clock_.now());
   step_offset_ = 0;
+  step_timed_ = false;
   in_step_ = true;
   const bool ran = engine_->run_once();
   in_step_ = false;
@@ -121,18 +123,25 @@ void SimulatedEngine::step() {
     ++steps_;
     busy_seconds_ += seconds;
   }
-  stepping_ = true;
-  clock_.at(clock_.now() + std::chrono::duration_cast<gateway::Executor::Clock::duration>(
-                               std::chrono::duration<double>(seconds)),
-            [this, ran] {
-              stepping_ = false;
-              auto tasks = std::move(rendered_at_end_);
-              rendered_at_end_.clear();
-              for (auto& t : tasks) t();
-              // A step that could schedule nothing waits for the next call, abort or transfer.
-              if (ran || woken_) kick();
-              woken_ = false;
-            });
+  // The step's outputs reach the gateway when its modelled time has passed; meanwhile /load
+  // answers what the engine reported as the step began. A pass that ran no step, or a step of no
+  // modelled time, answers at once.
+  stepping_ = step_timed_;
+  auto end = [this, ran] {
+    stepping_ = false;
+    auto tasks = std::move(rendered_at_end_);
+    rendered_at_end_.clear();
+    for (auto& t : tasks) t();
+    // A pass that could schedule nothing waits for the next call, abort or transfer.
+    if (ran || woken_) kick();
+    woken_ = false;
+  };
+  if (step_timed_)
+    clock_.at(clock_.now() + std::chrono::duration_cast<gateway::Executor::Clock::duration>(
+                                 std::chrono::duration<double>(seconds)),
+              std::move(end));
+  else
+    clock_.post(std::move(end));
 }
 
 }  // namespace tandem::sim

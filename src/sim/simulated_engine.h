@@ -65,7 +65,8 @@ class SimulatedEngine {
   // The running step: its modelled seconds so far (the engine's clock reads the start plus them),
   // and the load report as it was while it ran (what a /load poll during it sees).
   bool in_step_ = false, step_pending_ = false, stepping_ = false;
-  bool woken_ = false;  // something arrived while a step ran: look for work when it ends
+  bool woken_ = false;       // something arrived while a step ran: look for work when it ends
+  bool step_timed_ = false;  // the running step has modelled time (and step_load_ its report)
   double step_offset_ = 0, step_started_ = 0;
   engine::LoadReport step_load_;
   // Rendering tasks of the running step's outputs, run when it ends.
