@@ -98,13 +98,14 @@ LoadReport parse_load_report(std::string_view body) {
     if (!steps->is_array()) throw Error("/load: recent_steps: expected an array");
     for (size_t i = 0; i < steps->size(); ++i) {
       const json& s = (*steps)[i];
-      const std::string where = "/load: recent_steps[" + std::to_string(i) + "]";
       if (!s.is_array() || (s.size() != 4 && s.size() != 5) || !s[0].is_number_unsigned() ||
           !s[1].is_number_unsigned() || !s[2].is_number_unsigned() || !s[3].is_number() ||
           !std::isfinite(s[3].get<double>()) || s[3].get<double>() < 0 ||
           (s.size() == 5 && !s[4].is_number_unsigned()))
-        throw Error(where + ": expected [index, seqs, tokens, seconds] or [index, seqs, tokens, " +
-                    "seconds, prefill_pairs], got " + s.dump());
+        throw Error("/load: recent_steps[" + std::to_string(i) +
+                    "]: expected [index, seqs, tokens, seconds] or [index, seqs, tokens, "
+                    "seconds, prefill_pairs], got " +
+                    s.dump());
       r.recent_steps.push_back({s[0].get<uint64_t>(), s[1].get<int64_t>(), s[2].get<int64_t>(),
                                 s[3].get<double>(), s.size() == 5 ? s[4].get<int64_t>() : -1});
     }
