@@ -55,10 +55,8 @@ class MeasuredClient final : public gateway::ClientReply {
   }
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override {
-    return respond(status,
-                   api::openai_error_body(
-                       message, type.empty() ? api::default_error_type(status) : type, code),
-                   "application/json");
+    net::HttpResponse r = api::openai_error_response(status, message, type, code);
+    return respond(r.status, std::move(r.body), std::move(r.content_type));
   }
   bool start_stream(int status, std::string) override {
     if (done_) return false;

@@ -25,10 +25,8 @@ class VirtualUpstream::CallReply final : public net::Reply {
   }
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override {
-    return respond(status,
-                   api::openai_error_body(
-                       message, type.empty() ? api::default_error_type(status) : type, code),
-                   "application/json");
+    net::HttpResponse r = api::openai_error_response(status, message, type, code);
+    return respond(r.status, std::move(r.body), std::move(r.content_type));
   }
   bool start_stream(int status, std::string content_type) override {
     if (state_ != State::kOpen) return false;
