@@ -31,7 +31,7 @@ struct SimulateCliOptions {
   int prefill = -1, decode = -1;  // -1: the topology file's count (else 0 and 1)
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
   double kv_link_gb_per_s = 25, kv_link_latency_us = 50;
-  std::vector<std::string> sweep;
+  std::vector<std::string> sweep, kill;
 };
 
 constexpr std::string_view kSimPrefix = "sim:";
@@ -119,6 +119,17 @@ void run(const SimulateCliOptions& o) {
     throw Error("--kv-link-gb-per-s must be positive and --kv-link-latency-us not negative");
   so.kv_link.bytes_per_s = o.kv_link_gb_per_s * 1e9;
   so.kv_link.latency_s = o.kv_link_latency_us * 1e-6;
+  for (const auto& k : o.kill) {
+    const auto at = k.find('@');
+    double seconds = -1;
+    try {
+      if (at != std::string::npos) seconds = std::stod(k.substr(at + 1));
+    } catch (const std::exception&) {
+    }
+    if (at == std::string::npos || at == 0 || !(seconds >= 0))
+      throw Error("--kill: expected ENGINE@SECONDS (e.g. decode-3@120), got '" + k + "'");
+    so.deaths.push_back({k.substr(0, at), seconds});
+  }
   const std::string tokenizer_dir = workload_tokenizer_dir(o.workload);
   so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
 
@@ -153,7 +164,8 @@ void run(const SimulateCliOptions& o) {
                        {"steps", e.steps},
                        {"busy_s", e.busy_s},
                        {"prefix_cache_queries", e.prefix_queries},
-                       {"prefix_cache_hits", e.prefix_hits}});
+                       {"prefix_cache_hits", e.prefix_hits},
+                       {"killed", e.died}});
   run.extra = {{"backend", "tandem-simulate"},
                {"dataset_name", w.dataset},
                {"num_prompts", reqs.size()},
@@ -169,6 +181,7 @@ void run(const SimulateCliOptions& o) {
                  {"seed", so.seed},
                  {"wall_seconds", wall_s},
                  {"kv_transfers", result.kv_transfers},
+                 {"retries", result.retries},
                  {"kv_transfer_bytes", result.kv_transfer_bytes},
                  {"engines", engines}}}};
   run.report.title = "tandem simulate: " + w.dataset + ", " + std::to_string(so.prefill) + "P + " +
@@ -187,14 +200,21 @@ void run(const SimulateCliOptions& o) {
   write_run(summary, result.results, run, o.outputs, "tandem simulate");
   std::fprintf(stderr, "tandem simulate: %.1f s of virtual time in %.2f s of wall time\n",
                result.virtual_end_s, wall_s);
+  if (!so.deaths.empty())
+    std::fprintf(
+        stderr,
+        "  faults: %zu engines killed; the gateway retried %lld legs, %lld requests failed\n",
+        so.deaths.size(), static_cast<long long>(result.retries),
+        static_cast<long long>(summary.failed));
   if (result.kv_transfers > 0)
     std::fprintf(stderr, "  %lld KV transfers, %.2f GB\n",
                  static_cast<long long>(result.kv_transfers), result.kv_transfer_bytes / 1e9);
   for (const auto& e : result.engines)
-    std::fprintf(stderr, "  %-12s %8lld steps, busy %5.1f%%, prefix hits %5.1f%%\n", e.name.c_str(),
-                 static_cast<long long>(e.steps),
+    std::fprintf(stderr, "  %-12s %8lld steps, busy %5.1f%%, prefix hits %5.1f%%%s\n",
+                 e.name.c_str(), static_cast<long long>(e.steps),
                  result.duration_s > 0 ? 100 * e.busy_s / result.duration_s : 0.0,
-                 e.prefix_queries > 0 ? 100 * e.prefix_hits / e.prefix_queries : 0.0);
+                 e.prefix_queries > 0 ? 100 * e.prefix_hits / e.prefix_queries : 0.0,
+                 e.died ? " (killed)" : "");
 }
 
 }  // namespace
@@ -231,6 +251,9 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--kv-link-latency-us", o->kv_link_latency_us,
                   "P/D: each link's one-way latency (microseconds)")
       ->capture_default_str();
+  cmd->add_option("--kill", o->kill,
+                  "a fault: ENGINE@SECONDS, e.g. decode-3@120 (the engine dies then: its streams "
+                  "are cut, its connections refused); repeatable");
   cmd->add_option("--sweep", o->sweep,
                   "a grid of runs: prefill=2..16 (doubling), decode=4..12/4 (steps), "
                   "policy=tandem,kv_router (lists); repeatable, every combination");

@@ -194,6 +194,24 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   for (const gateway::Endpoint& e : topo.decode.endpoints) add_engine(false, e);
   clock.post([&] { health.start(); });
 
+  // The faults, at their times.
+  for (const auto& d : options.deaths) {
+    const gateway::Endpoint* where = nullptr;
+    size_t index = 0;
+    for (const auto* pool : {&topo.prefill.endpoints, &topo.decode.endpoints})
+      for (const auto& e : *pool) {
+        if (e.name == d.engine) where = &e;
+        if (!where) ++index;
+      }
+    if (!where) throw Error("fault: no engine named '" + d.engine + "' (prefill-0.., decode-0..)");
+    if (!(d.at_s >= 0)) throw Error("fault: " + d.engine + " dies at a negative time");
+    clock.at(origin + duration_of(d.at_s), [&, e = *where, index] {
+      engines[index]->kill();
+      upstream.kill(e.host, e.port);
+      network.kill(e.name);
+    });
+  }
+
   // The clients, each at its arrival time.
   SimulationRun run;
   run.results.resize(requests.size());
@@ -234,6 +252,7 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   run.duration_s = seconds_between(origin, last_answer);
   run.virtual_end_s = seconds_between(origin, clock.now());
   run.upstream_calls = upstream.calls();
+  run.retries = static_cast<int64_t>(gateway_metrics.retries.value());
   run.indexed_blocks = index.stats().blocks;
   run.kv_transfers = network.transfers();
   run.kv_transfer_bytes = network.bytes();
@@ -250,6 +269,7 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
     }
     const engine::LoadReport load = e.engine().load();
     s.blocks_in_use = load.total_blocks - load.free_blocks;
+    s.died = e.dead();
     // The engines that compute prompts: the prefill pool in P/D (a decode leg's lookups find the
     // KV it is about to receive), every engine when aggregated.
     if (s.prefill || !pd) {

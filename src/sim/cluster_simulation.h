@@ -49,6 +49,13 @@ struct SimulationOptions {
   // a bootstrap room waits for its other leg.
   KvLinkModel kv_link;
   double kv_transfer_timeout_s = 120;
+  // Faults: engines that die (by name, e.g. "decode-3") at a time in seconds from the first send.
+  // The gateway's own failure handling (resets, retries, health checks) does the rest.
+  struct Death {
+    std::string engine;
+    double at_s = 0;
+  };
+  std::vector<Death> deaths;
 };
 
 struct EngineSummary {
@@ -58,6 +65,7 @@ struct EngineSummary {
   double busy_s = 0;                           // virtual seconds in steps
   double prefix_queries = 0, prefix_hits = 0;  // tokens (vLLM's counters)
   int64_t blocks_in_use = 0;                   // at the end (0 when every request ended)
+  bool died = false;                           // a fault killed it
 };
 
 struct SimulationRun {
@@ -68,6 +76,7 @@ struct SimulationRun {
   double prefix_queries = 0, prefix_hits = 0;
   int64_t upstream_calls = 0;
   int64_t indexed_blocks = 0;  // distinct blocks in the gateway's prefix index at the end
+  int64_t retries = 0;         // legs the gateway retried on another engine
   int64_t kv_transfers = 0;    // P/D transfers completed
   double kv_transfer_bytes = 0;
   double virtual_end_s = 0;  // when the simulation stopped, from the first send

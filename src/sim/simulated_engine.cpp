@@ -51,10 +51,13 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
       *engine_,
       [this](std::function<void()> task) {
         // Outputs of a step reach the gateway when the step ends; others (an abort's) now.
+        if (dead_) return;
         if (in_step_ || stepping_)
           rendered_at_end_.push_back(std::move(task));  // run by the step's end
         else
-          clock_.post(std::move(task));
+          clock_.post([this, task = std::move(task)] {
+            if (!dead_) task();
+          });
       },
       [this] { return name_ + "-" + std::to_string(next_id_++); });
 }
@@ -103,14 +106,20 @@ void SimulatedEngine::wake() {
     kick();
 }
 
+void SimulatedEngine::kill() {
+  dead_ = true;
+  rendered_at_end_.clear();
+}
+
 void SimulatedEngine::kick() {
-  if (step_pending_ || in_step_ || stepping_ || !engine_->has_work()) return;
+  if (dead_ || step_pending_ || in_step_ || stepping_ || !engine_->has_work()) return;
   step_pending_ = true;
   clock_.post([this] { step(); });
 }
 
 void SimulatedEngine::step() {
   step_pending_ = false;
+  if (dead_) return;
   step_started_ = seconds_of(clock_.now());
   step_offset_ = 0;
   step_timed_ = false;
@@ -129,6 +138,7 @@ void SimulatedEngine::step() {
   stepping_ = step_timed_;
   auto end = [this, ran] {
     stepping_ = false;
+    if (dead_) return;  // what the step produced died with the engine
     auto tasks = std::move(rendered_at_end_);
     rendered_at_end_.clear();
     for (auto& t : tasks) t();

@@ -43,6 +43,10 @@ class SimulatedEngine {
   // One HTTP call of the gateway's, answered through `reply` as the engine's HTTP server would
   // answer it: GET /health, GET /load, and the generation routes; anything else is a 404.
   void call(const net::AsyncHttpRequest& request, std::shared_ptr<net::Reply> reply);
+  // The engine dies (the fault the simulator injects): it never steps or answers again, and what
+  // its running step produced is lost. Its transfers' peers learn it from the network.
+  void kill();
+  bool dead() const { return dead_; }
 
   const std::string& name() const { return name_; }
   const engine::Engine& engine() const { return *engine_; }
@@ -65,8 +69,9 @@ class SimulatedEngine {
   // The running step: its modelled seconds so far (the engine's clock reads the start plus them),
   // and the load report as it was while it ran (what a /load poll during it sees).
   bool in_step_ = false, step_pending_ = false, stepping_ = false;
-  bool woken_ = false;       // something arrived while a step ran: look for work when it ends
-  bool step_timed_ = false;  // the running step has modelled time (and step_load_ its report)
+  bool woken_ = false;  // something arrived while a step ran: look for work when it ends
+  bool step_timed_ = false;
+  bool dead_ = false;  // the running step has modelled time (and step_load_ its report)
   double step_offset_ = 0, step_started_ = 0;
   engine::LoadReport step_load_;
   // Rendering tasks of the running step's outputs, run when it ends.

@@ -32,9 +32,29 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
         now_(std::move(now)),
         wake_(std::move(wake)) {
     if (serving()) net_.servers_[address(config_.advertise_host, port())] = this;
+    net_.endpoints_[config_.engine_id] = this;
   }
   ~Endpoint() override {
+    if (serving() && !dead_) net_.servers_.erase(address(config_.advertise_host, port()));
+    net_.endpoints_.erase(config_.engine_id);
+  }
+
+  // The engine died: no new connection reaches it, and every transfer it is part of fails on the
+  // other side as a reset connection would.
+  void die() {
+    if (dead_) return;
+    dead_ = true;
     if (serving()) net_.servers_.erase(address(config_.advertise_host, port()));
+    const double t = net_.clock_.now_ns() / 1e9 + net_.link_.latency_s;
+    for (auto& [room, r] : rooms_)
+      if (r.decode)
+        at(t, [decode = r.decode->endpoint, id = r.decode->request_id] {
+          decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
+        });
+    for (auto& [room, reg] : registered_) {
+      Endpoint* prefill = reg.second;
+      at(t, [prefill, room = room, id = reg.first] { prefill->decode_gone(room, id); });
+    }
   }
 
   const engine::KvTransferConfig& config() const override { return config_; }
@@ -208,6 +228,10 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     const double bytes = bytes_for(tokens);
     const double end = now + bytes / net_.link_.bytes_per_s + net_.link_.latency_s;
     at(end, [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
+      if (dead_) {
+        decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
+        return;
+      }
       release_held(transfer);
       ++net_.transfers_;
       net_.bytes_ += bytes;
@@ -258,7 +282,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     const double bytes = layer_bytes * double(layout_.layers);
     at(end, [this, room, bytes] {
       auto it = rooms_.find(room);
-      if (it == rooms_.end()) return;  // failed meanwhile
+      if (it == rooms_.end() || dead_) return;  // failed meanwhile (or told the decode leg)
       Room done = std::move(it->second);
       rooms_.erase(it);
       ++net_.transfers_;
@@ -331,7 +355,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   std::map<std::string, Fetch> fetches_;                              // decode side, by request
   std::map<uint64_t, std::pair<std::string, Endpoint*>> registered_;  // decode side, by room
   uint64_t next_id_ = 0, next_claim_ = 0;
+  bool dead_ = false;
 };
+
+void VirtualKvNetwork::kill(const std::string& engine_id) {
+  if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->die();
+}
 
 VirtualKvNetwork::VirtualKvNetwork(gateway::VirtualExecutor& clock, KvLinkModel link)
     : clock_(clock), link_(link) {}

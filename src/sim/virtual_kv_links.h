@@ -39,6 +39,10 @@ class VirtualKvNetwork {
                                             std::function<double()> now,
                                             std::function<void()> wake);
 
+  // The engine of this engine_id died: its server refuses connections, and transfers to or from it
+  // fail (a reset connection).
+  void kill(const std::string& engine_id);
+
   int64_t transfers() const { return transfers_; }  // completed
   double bytes() const { return bytes_; }           // that they moved
 
@@ -46,7 +50,8 @@ class VirtualKvNetwork {
   class Endpoint;
   gateway::VirtualExecutor& clock_;
   KvLinkModel link_;
-  std::map<std::string, Endpoint*> servers_;  // by "host:port"
+  std::map<std::string, Endpoint*> servers_;    // by "host:port"
+  std::map<std::string, Endpoint*> endpoints_;  // by engine id
   int64_t transfers_ = 0;
   double bytes_ = 0;
 };

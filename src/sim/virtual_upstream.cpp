@@ -62,6 +62,14 @@ class VirtualUpstream::CallReply final : public net::Reply {
       on_close_.push_back(std::move(callback));
   }
 
+  // The engine died: the call ends with this transport error, whatever it had sent.
+  void reset(const std::string& why) {
+    if (state_ == State::kDone || state_ == State::kClosed) return;
+    state_ = State::kDone;
+    on_close_.clear();
+    done(why);
+  }
+
   // The caller gave up (Upstream::cancel, or its handler stopped reading).
   void close(const std::string& why) {
     if (state_ == State::kDone || state_ == State::kClosed) return;
@@ -87,6 +95,7 @@ class VirtualUpstream::CallReply final : public net::Reply {
   void done(const std::string& error) {
     auto on_done = std::move(handlers_.on_done);
     handlers_ = {};
+    owner_.address_of_.erase(id_);
     owner_.open_.erase(id_);  // may destroy this object: nothing below touches it
     if (on_done) on_done(error);
   }
@@ -108,6 +117,7 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
   ++calls_;
   auto reply = std::make_shared<CallReply>(*this, id, std::move(handlers));
   open_[id] = reply;
+  address_of_[id] = request.host + ":" + std::to_string(request.port);
   // As the HTTP client does, the call proceeds after start() returned.
   clock_.post([this, id, request = std::move(request)] {
     auto it = open_.find(id);
@@ -122,6 +132,15 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
     engine->second->call(request, reply);
   });
   return id;
+}
+
+void VirtualUpstream::kill(const std::string& host, uint16_t port) {
+  const std::string address = host + ":" + std::to_string(port);
+  engines_.erase(address);
+  std::vector<std::shared_ptr<CallReply>> cut;
+  for (const auto& [id, where] : address_of_)
+    if (where == address) cut.push_back(open_.at(id));
+  for (auto& reply : cut) clock_.post([reply] { reply->reset("connection reset by peer"); });
 }
 
 void VirtualUpstream::cancel(CallId id) {

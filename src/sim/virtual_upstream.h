@@ -24,6 +24,10 @@ class VirtualUpstream final : public gateway::Upstream {
   CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) override;
   void cancel(CallId id) override;
 
+  // The engine at host:port died: its open calls end with a reset connection, and calls to it
+  // are refused from now on.
+  void kill(const std::string& host, uint16_t port);
+
   int64_t calls() const { return calls_; }
 
  private:
@@ -31,6 +35,7 @@ class VirtualUpstream final : public gateway::Upstream {
   gateway::VirtualExecutor& clock_;
   std::map<std::string, SimulatedEngine*> engines_;  // by "host:port"
   std::map<CallId, std::shared_ptr<CallReply>> open_;
+  std::map<CallId, std::string> address_of_;  // open calls' engine, "host:port"
   CallId next_ = 0;
   int64_t calls_ = 0;
 };

@@ -222,6 +222,50 @@ INSTANTIATE_TEST_SUITE_P(Modes, DisaggregatedSimulation,
                            return std::string(gateway::mode_name(info.param));
                          });
 
+TEST(ClusterSimulation, AnEngineThatDiesIsEjectedAndLaterRequestsGoToTheOthers) {
+  // 40 requests over 20 s on two engines; decode-0 dies at 5 s. Its streams are cut (those
+  // requests fail, as a live client would see), its health probes fail, and every request that
+  // arrives after the gateway ejected it is served by decode-1.
+  auto reqs = random_requests(40, 13);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].arrival_s = 0.5 * double(i);
+    reqs[i].output_len = 200;  // ~5 s of decode each: several stream on decode-0 when it dies
+  }
+  auto o = options(2, "deepseek-v3-h800");
+  o.gateway.policy = "round_robin";
+  o.deaths = {{"decode-0", 5.0}};
+  const auto run = simulate(reqs, o, tokenizer());
+  const double ejected_by = 5.0 + 3 * 2.0 + 2.0;  // three failed probes, 2 s apart, and slack
+  size_t failed = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (!run.results[i].success) ++failed;
+    if (reqs[i].arrival_s < 5.0 - 1e-9) continue;  // before the death: anything may have happened
+    if (reqs[i].arrival_s > ejected_by)
+      EXPECT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+  }
+  EXPECT_GT(failed, 0u);  // the streams it was sending, cut
+  EXPECT_LT(failed, reqs.size() / 2);
+  ASSERT_EQ(run.engines.size(), 2u);
+  EXPECT_TRUE(run.engines[0].died);
+  EXPECT_FALSE(run.engines[1].died);
+  EXPECT_EQ(run.engines[1].blocks_in_use, 0);
+}
+
+TEST(ClusterSimulation, APrefillEngineThatDiesLeavesItsRequestsToTheOtherPrefillEngine) {
+  auto reqs = random_requests(30, 17);
+  for (size_t i = 0; i < reqs.size(); ++i) reqs[i].arrival_s = 0.5 * double(i);
+  auto o = pd_options(gateway::PdMode::kParallel, 2, 2, "deepseek-v3-h800");
+  o.deaths = {{"prefill-1", 3.0}};
+  const auto run = simulate(reqs, o, tokenizer());
+  // Requests arriving once prefill-1 is ejected all succeed, on prefill-0.
+  for (size_t i = 0; i < reqs.size(); ++i)
+    if (reqs[i].arrival_s > 3.0 + 8.0)
+      EXPECT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+  EXPECT_TRUE(run.engines[1].died);  // prefill-1
+  for (const auto& e : run.engines)
+    if (!e.died) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+}
+
 TEST(ClusterSimulation, BadInputIsACleanError) {
   auto o = options(1, "deepseek-v3-h800");
   o.gateway.policy = "fastest";
