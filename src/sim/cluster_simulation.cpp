@@ -1,5 +1,6 @@
 #include "sim/cluster_simulation.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "api/error.h"
@@ -55,8 +56,7 @@ class MeasuredClient final : public gateway::ClientReply {
   }
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override {
-    net::HttpResponse r = api::openai_error_response(status, message, type, code);
-    return respond(r.status, std::move(r.body), std::move(r.content_type));
+    return respond_with_error(*this, status, message, type, code);
   }
   bool start_stream(int status, std::string) override {
     if (done_) return false;
@@ -156,7 +156,6 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   // over the virtual links.
   VirtualKvNetwork network(clock, options.kv_link);
   std::vector<std::unique_ptr<SimulatedEngine>> engines;
-  std::vector<bool> engine_prefill;
   auto add_engine = [&](bool prefill, const gateway::Endpoint& e) {
     const int id = endpoints.add(prefill, e);
     endpoints.events_fed_externally(id);
@@ -187,28 +186,23 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
       });
     };
     engines.push_back(std::make_unique<SimulatedEngine>(clock, tokenizer, eo, events, &network));
-    engine_prefill.push_back(prefill);
     upstream.add(e.host, e.port, engines.back().get());
   };
   for (const gateway::Endpoint& e : topo.prefill.endpoints) add_engine(true, e);
   for (const gateway::Endpoint& e : topo.decode.endpoints) add_engine(false, e);
   clock.post([&] { health.start(); });
 
-  // The faults, at their times.
+  // The faults, at their times. An engine's name is also its host (the made-up addresses).
   for (const auto& d : options.deaths) {
-    const gateway::Endpoint* where = nullptr;
-    size_t index = 0;
-    for (const auto* pool : {&topo.prefill.endpoints, &topo.decode.endpoints})
-      for (const auto& e : *pool) {
-        if (e.name == d.engine) where = &e;
-        if (!where) ++index;
-      }
-    if (!where) throw Error("fault: no engine named '" + d.engine + "' (prefill-0.., decode-0..)");
+    auto it = std::find_if(engines.begin(), engines.end(),
+                           [&](const auto& e) { return e->name() == d.engine; });
+    if (it == engines.end())
+      throw Error("fault: no engine named '" + d.engine + "' (prefill-0.., decode-0..)");
     if (!(d.at_s >= 0)) throw Error("fault: " + d.engine + " dies at a negative time");
-    clock.at(origin + duration_of(d.at_s), [&, e = *where, index] {
-      engines[index]->kill();
-      upstream.kill(e.host, e.port);
-      network.kill(e.name);
+    clock.at(origin + duration_of(d.at_s), [&, dying = it->get()] {
+      dying->kill();
+      upstream.kill(dying->name(), kEnginePort);
+      network.kill(dying->name());
     });
   }
 
@@ -256,11 +250,11 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   run.indexed_blocks = index.stats().blocks;
   run.kv_transfers = network.transfers();
   run.kv_transfer_bytes = network.bytes();
-  for (size_t k = 0; k < engines.size(); ++k) {
-    SimulatedEngine& e = *engines[k];
+  for (const auto& each : engines) {
+    const SimulatedEngine& e = *each;
     EngineSummary s;
     s.name = e.name();
-    s.prefill = engine_prefill[k];
+    s.prefill = e.engine().role() == engine::EngineRole::kPrefill;
     s.steps = e.steps();
     s.busy_s = e.busy_seconds();
     if (auto c = bench::parse_prefix_cache_counters(e.registry().render())) {

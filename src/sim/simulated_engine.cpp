@@ -28,8 +28,7 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
     : clock_(clock), name_(options.name) {
   engine::SimExecutorOptions x = options.executor;
   x.wait = [this](double s) {
-    if (!step_timed_) step_load_ = engine_->load();  // as the step starts
-    step_timed_ = true;
+    if (!step_load_) step_load_ = engine_->load();  // as the step starts
     step_offset_ += s;
   };
   engine::EngineConfig config = options.config;
@@ -51,12 +50,12 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
       *engine_,
       [this](std::function<void()> task) {
         // Outputs of a step reach the gateway when the step ends; others (an abort's) now.
-        if (dead_) return;
-        if (in_step_ || stepping_)
+        if (phase_ == Phase::kDead) return;
+        if (phase_ == Phase::kRunning || phase_ == Phase::kEnding)
           rendered_at_end_.push_back(std::move(task));  // run by the step's end
         else
           clock_.post([this, task = std::move(task)] {
-            if (!dead_) task();
+            if (phase_ != Phase::kDead) task();
           });
       },
       [this] { return name_ + "-" + std::to_string(next_id_++); });
@@ -76,8 +75,8 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
   }
   if (request.method == "GET" && request.target == "/load") {
     engine::LoadReport r = engine_->load();
-    if (stepping_) {
-      r = step_load_;
+    if (phase_ == Phase::kEnding && step_load_) {
+      r = *step_load_;
       r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
     }
     reply->respond(200, api::to_json(r), "application/json");
@@ -100,32 +99,30 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
 }
 
 void SimulatedEngine::wake() {
-  if (in_step_ || stepping_)
+  if (phase_ == Phase::kRunning || phase_ == Phase::kEnding)
     woken_ = true;
   else
     kick();
 }
 
 void SimulatedEngine::kill() {
-  dead_ = true;
+  phase_ = Phase::kDead;
   rendered_at_end_.clear();
 }
 
 void SimulatedEngine::kick() {
-  if (dead_ || step_pending_ || in_step_ || stepping_ || !engine_->has_work()) return;
-  step_pending_ = true;
+  if (phase_ != Phase::kIdle || !engine_->has_work()) return;
+  phase_ = Phase::kPosted;
   clock_.post([this] { step(); });
 }
 
 void SimulatedEngine::step() {
-  step_pending_ = false;
-  if (dead_) return;
+  if (phase_ == Phase::kDead) return;
+  phase_ = Phase::kRunning;
   step_started_ = seconds_of(clock_.now());
   step_offset_ = 0;
-  step_timed_ = false;
-  in_step_ = true;
+  step_load_.reset();
   const bool ran = engine_->run_once();
-  in_step_ = false;
   const double seconds = step_offset_;
   step_offset_ = 0;
   if (ran) {
@@ -134,11 +131,11 @@ void SimulatedEngine::step() {
   }
   // The step's outputs reach the gateway when its modelled time has passed; meanwhile /load
   // answers what the engine reported as the step began. A pass that ran no step, or a step of no
-  // modelled time, answers at once.
-  stepping_ = step_timed_;
+  // modelled time, ends at once.
+  phase_ = Phase::kEnding;
   auto end = [this, ran] {
-    stepping_ = false;
-    if (dead_) return;  // what the step produced died with the engine
+    if (phase_ == Phase::kDead) return;  // what the step produced died with the engine
+    phase_ = Phase::kIdle;
     auto tasks = std::move(rendered_at_end_);
     rendered_at_end_.clear();
     for (auto& t : tasks) t();
@@ -146,7 +143,7 @@ void SimulatedEngine::step() {
     if (ran || woken_) kick();
     woken_ = false;
   };
-  if (step_timed_)
+  if (step_load_)
     clock_.at(clock_.now() + std::chrono::duration_cast<gateway::Executor::Clock::duration>(
                                  std::chrono::duration<double>(seconds)),
               std::move(end));

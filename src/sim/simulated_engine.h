@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,11 +47,11 @@ class SimulatedEngine {
   // The engine dies (the fault the simulator injects): it never steps or answers again, and what
   // its running step produced is lost. Its transfers' peers learn it from the network.
   void kill();
-  bool dead() const { return dead_; }
+  bool dead() const { return phase_ == Phase::kDead; }
 
   const std::string& name() const { return name_; }
   const engine::Engine& engine() const { return *engine_; }
-  metrics::Registry& registry() { return registry_; }
+  const metrics::Registry& registry() const { return registry_; }
   // Steps run, and the virtual seconds they took.
   int64_t steps() const { return steps_; }
   double busy_seconds() const { return busy_seconds_; }
@@ -66,14 +67,16 @@ class SimulatedEngine {
   metrics::Registry registry_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<engine::GenerationApi> api_;
-  // The running step: its modelled seconds so far (the engine's clock reads the start plus them),
-  // and the load report as it was while it ran (what a /load poll during it sees).
-  bool in_step_ = false, step_pending_ = false, stepping_ = false;
+  // Where the engine is between steps. kRunning: inside Engine::run_once(); kEnding: its step's
+  // end is scheduled (after the modelled time, or at once when there is none).
+  enum class Phase { kIdle, kPosted, kRunning, kEnding, kDead };
+  Phase phase_ = Phase::kIdle;
   bool woken_ = false;  // something arrived while a step ran: look for work when it ends
-  bool step_timed_ = false;
-  bool dead_ = false;  // the running step has modelled time (and step_load_ its report)
+  // The running step: its modelled seconds so far (the engine's clock reads the start plus them),
+  // and the load report as the step began, set once modelled time passes (what a /load poll
+  // during it sees).
   double step_offset_ = 0, step_started_ = 0;
-  engine::LoadReport step_load_;
+  std::optional<engine::LoadReport> step_load_;
   // Rendering tasks of the running step's outputs, run when it ends.
   std::vector<std::function<void()>> rendered_at_end_;
   int64_t steps_ = 0, next_id_ = 0;

@@ -45,7 +45,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (dead_) return;
     dead_ = true;
     if (serving()) net_.servers_.erase(address(config_.advertise_host, port()));
-    const double t = net_.clock_.now_ns() / 1e9 + net_.link_.latency_s;
+    const double t = now_s() + net_.link_.latency_s;
     for (auto& [room, r] : rooms_)
       if (r.decode)
         at(t, [decode = r.decode->endpoint, id = r.decode->request_id] {
@@ -189,6 +189,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   static std::string address(const std::string& host, uint16_t port) {
     return host + ":" + std::to_string(port);
   }
+  double now_s() const { return double(net_.clock_.now_ns()) / 1e9; }  // the virtual clock
   gateway::Executor::TimerId at(double seconds, gateway::Executor::Task task) {
     return net_.clock_.at(std::max(time_at(seconds), net_.clock_.now()), std::move(task));
   }
@@ -211,7 +212,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   void serve_pull(KvFetch f, Endpoint* decode) {
-    const double now = net_.clock_.now_ns() / 1e9;
+    const double now = now_s();
     auto it = held_.find(f.transfer_id);
     std::string error;
     if (it == held_.end())
@@ -242,8 +243,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   void register_room(KvFetch f, Endpoint* decode) {
     Room& r = rooms_[f.room];
     if (r.decode) {
-      at(net_.clock_.now_ns() / 1e9 + net_.link_.latency_s, [decode, id = f.request_id,
-                                                             room = f.room] {
+      at(now_s() + net_.link_.latency_s, [decode, id = f.request_id, room = f.room] {
         decode->finish_fetch(
             id, {false, "bootstrap room " + std::to_string(room) + " already has a decode leg", 0});
       });
@@ -251,8 +251,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
     decode->registered_[f.room] = {f.request_id, this};
     r.decode = Registration{decode, f.request_id, f.prompt_hash,
-                            std::max<int64_t>(f.num_tokens - f.first_token, 0),
-                            net_.clock_.now_ns() / 1e9};
+                            std::max<int64_t>(f.num_tokens - f.first_token, 0), now_s()};
     if (r.claim == 0) {
       if (r.layer_times.empty()) r.layer_times.assign(size_t(layout_.layers), -1);
       arm_room_timeout(f.room);  // the prefill leg has not arrived yet
@@ -297,7 +296,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   void arm_room_timeout(uint64_t room) {
     Room& r = rooms_[room];
     net_.clock_.cancel(r.timeout);
-    r.timeout = at(net_.clock_.now_ns() / 1e9 + config_.timeout_s, [this, room] {
+    r.timeout = at(now_s() + config_.timeout_s, [this, room] {
       fail_room(room, "bootstrap room " + std::to_string(room) +
                           ": the other leg did not come within " +
                           std::to_string(config_.timeout_s) + " s");
@@ -314,10 +313,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (r.decode) {
       Endpoint* decode = r.decode->endpoint;
       decode->registered_.erase(room);
-      at(net_.clock_.now_ns() / 1e9 + net_.link_.latency_s,
-         [decode, id = r.decode->request_id, why] {
-           decode->finish_fetch(id, {false, why, 0});
-         });
+      at(now_s() + net_.link_.latency_s, [decode, id = r.decode->request_id, why] {
+        decode->finish_fetch(id, {false, why, 0});
+      });
     }
     if (r.claim != 0 && r.done) to_engine([d = std::move(r.done), why] { d(false, why); });
   }

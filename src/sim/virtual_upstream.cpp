@@ -6,6 +6,12 @@
 
 namespace tandem::sim {
 
+bool respond_with_error(net::Reply& reply, int status, std::string_view message,
+                        std::string_view type, std::string_view code) {
+  net::HttpResponse r = api::openai_error_response(status, message, type, code);
+  return reply.respond(r.status, std::move(r.body), std::move(r.content_type));
+}
+
 // One call's answer: the engine's replies turned into the handlers' calls. It ends once (done,
 // cancelled or cut), and then forgets its call in the upstream.
 class VirtualUpstream::CallReply final : public net::Reply {
@@ -25,8 +31,7 @@ class VirtualUpstream::CallReply final : public net::Reply {
   }
   bool send_error(int status, std::string_view message, std::string_view type,
                   std::string_view code) override {
-    net::HttpResponse r = api::openai_error_response(status, message, type, code);
-    return respond(r.status, std::move(r.body), std::move(r.content_type));
+    return respond_with_error(*this, status, message, type, code);
   }
   bool start_stream(int status, std::string content_type) override {
     if (state_ != State::kOpen) return false;

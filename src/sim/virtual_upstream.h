@@ -7,12 +7,18 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "gateway/seams.h"
 #include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
 
 namespace tandem::sim {
+
+// What a server answers when a handler sends an error: the OpenAI error response
+// (api::openai_error_response), through `reply`'s respond(). For Reply implementations here.
+bool respond_with_error(net::Reply& reply, int status, std::string_view message,
+                        std::string_view type, std::string_view code);
 
 class VirtualUpstream final : public gateway::Upstream {
  public:
