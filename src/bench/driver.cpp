@@ -1,5 +1,6 @@
 #include "bench/driver.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -114,26 +115,30 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
   return run;
 }
 
-std::optional<PrefixCacheCounters> parse_prefix_cache_counters(std::string_view metrics_text) {
-  PrefixCacheCounters c;
+std::optional<double> metric_sum(std::string_view metrics_text, std::string_view name) {
+  double sum = 0;
   bool any = false;
   std::istringstream in{std::string(metrics_text)};
   for (std::string line; std::getline(in, line);) {
     if (line.empty() || line[0] == '#') continue;
-    double* into = nullptr;
-    if (line.rfind("vllm:prefix_cache_queries", 0) == 0)
-      into = &c.queries;
-    else if (line.rfind("vllm:prefix_cache_hits", 0) == 0)
-      into = &c.hits;
-    if (!into || line.find("_created") != std::string::npos) continue;
+    const std::string_view sample(line.data(), std::min(line.find_first_of("{ "), line.size()));
+    if (sample != name && !(sample.starts_with(name) && sample.substr(name.size()) == "_total"))
+      continue;
     try {
-      *into += std::stod(line.substr(line.rfind(' ') + 1));
+      sum += std::stod(line.substr(line.rfind(' ') + 1));
       any = true;
     } catch (const std::exception&) {
     }
   }
   if (!any) return std::nullopt;
-  return c;
+  return sum;
+}
+
+std::optional<PrefixCacheCounters> parse_prefix_cache_counters(std::string_view metrics_text) {
+  const auto queries = metric_sum(metrics_text, "vllm:prefix_cache_queries");
+  const auto hits = metric_sum(metrics_text, "vllm:prefix_cache_hits");
+  if (!queries && !hits) return std::nullopt;
+  return PrefixCacheCounters{queries.value_or(0), hits.value_or(0)};
 }
 
 std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string& host,

@@ -58,5 +58,8 @@ std::optional<PrefixCacheCounters> read_prefix_cache_counters(const std::string&
                                                               uint16_t port);
 // The same counters from a Prometheus text exposition.
 std::optional<PrefixCacheCounters> parse_prefix_cache_counters(std::string_view metrics_text);
+// The sum of a Prometheus text's samples of the metric `name` (or `name`_total), over every label
+// set; nullopt when it has none.
+std::optional<double> metric_sum(std::string_view metrics_text, std::string_view name);
 
 }  // namespace tandem::bench

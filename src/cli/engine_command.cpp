@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cli/model_commands.h"
+#include "cli/sim_executor_flags.h"
 #include "cli/stop_signals.h"
 #include "engine/api_server.h"
 #include "engine/executor/cpu_executor.h"
@@ -42,15 +43,11 @@ struct EngineOptions {
   std::string kv_events_config;
   int http_threads = 1;
   int64_t max_body_bytes = 8 << 20;
-  uint64_t sim_seed = 0;
+  SimExecutorFlags sim;
   double sim_time_scale = 1.0;
-  int64_t sim_kv_token_bytes = 0;
   int expert_parallel = 1;
   std::string expert_placement;
   int64_t rebalance_interval = 0;
-  int sim_expert_parallel = 0;
-  std::string sim_placement, sim_routing_skew = "1.0";
-  double sim_moe_share = 0.5;
   int64_t max_model_len = 0;
   std::string role = "both";
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
@@ -127,38 +124,17 @@ void run(const EngineOptions& o) {
     throw Error(
         "--expert-parallel runs a real model's experts; a sim: model takes "
         "--sim-expert-parallel");
-  if (o.speculative_tokens > 0 && (sim || o.expert_parallel > 1))
-    throw Error(std::string("--speculative-tokens: speculative decoding runs a real model's MTP "
-                            "module in one process; not with ") +
-                (sim ? "a sim: model" : "--expert-parallel"));
+  if (o.speculative_tokens > 0 && o.expert_parallel > 1)
+    throw Error(
+        "--speculative-tokens: speculative decoding runs a real model's MTP module in one "
+        "process; not with --expert-parallel");
   if (sim) {
-    engine::SimExecutorOptions so;
-    so.preset = o.model.substr(kSimPrefix.size());
+    // A simulated model speculates with the acceptance model (--sim-mtp-acceptance).
+    engine::SimExecutorOptions so =
+        sim_executor_options(o.sim, o.model.substr(kSimPrefix.size()), o.speculative_tokens);
     so.block_size = o.block_size;
     so.num_blocks = o.num_blocks;
-    so.seed = o.sim_seed;
     so.time_scale = o.sim_time_scale;
-    so.kv_token_bytes = o.sim_kv_token_bytes;
-    if (o.sim_expert_parallel > 0) {
-      auto& ep = so.expert_parallel;
-      ep.ranks = o.sim_expert_parallel;
-      ep.moe_share = o.sim_moe_share;
-      ep.seed = o.sim_seed;
-      ep.skew.seed = o.sim_seed + 1;
-      const auto colon = o.sim_routing_skew.find(':');
-      try {
-        ep.skew.alpha_lo = std::stod(o.sim_routing_skew.substr(0, colon));
-        ep.skew.alpha_hi = colon == std::string::npos
-                               ? ep.skew.alpha_lo
-                               : std::stod(o.sim_routing_skew.substr(colon + 1));
-      } catch (const std::exception&) {
-        throw Error("--sim-routing-skew: want ALPHA or LOW:HIGH (Zipf exponents), got '" +
-                    o.sim_routing_skew + "'");
-      }
-      if (!o.sim_placement.empty()) ep.placement = placement::read_placement(o.sim_placement);
-    } else if (!o.sim_placement.empty()) {
-      throw Error("--sim-placement needs --sim-expert-parallel N");
-    }
     so.max_model_len = o.max_model_len;
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
@@ -389,28 +365,11 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--sim-seed", o->sim_seed, "seed of the simulated executor's tokens");
   cmd->add_option("--sim-time-scale", o->sim_time_scale,
                   "multiplies the simulated step times (0: do not sleep)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--sim-kv-token-bytes", o->sim_kv_token_bytes,
-                  "bytes per token and layer a simulated engine's KV transfers move (default: "
-                  "the model's real size)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--sim-expert-parallel", o->sim_expert_parallel,
-                  "simulated expert-parallel ranks: a step's MoE time follows the busiest rank's "
-                  "routes (0: balanced, the latency model as it is)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--sim-placement", o->sim_placement,
-                  "where experts live for --sim-expert-parallel (.json from `tandem place plan` "
-                  "or an Omni .npy); default: every expert once, in order");
-  cmd->add_option("--sim-routing-skew", o->sim_routing_skew,
-                  "Zipf exponent of the simulated routing, or LOW:HIGH spread over the MoE layers")
-      ->capture_default_str();
-  cmd->add_option("--sim-moe-share", o->sim_moe_share,
-                  "share of a balanced simulated step that MoE layers take")
-      ->capture_default_str();
+  add_sim_executor_flags(*cmd, o->sim);
   cmd->add_option("--role", o->role, "prefill, decode or both (prefill/decode disaggregation)")
       ->capture_default_str()
       ->check(CLI::IsMember({"prefill", "decode", "both"}));

@@ -5,12 +5,14 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
 #include "bench/metrics.h"
 #include "cli/bench_options.h"
+#include "cli/sim_executor_flags.h"
 #include "gateway/policy.h"
 #include "gateway/topology.h"
 #include "sim/cluster_simulation.h"
@@ -30,11 +32,64 @@ struct SimulateCliOptions {
   std::string model = "sim:deepseek-v3-h800", mode, policy, topology;
   int prefill = -1, decode = -1;  // -1: the topology file's count (else 0 and 1)
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
+  int64_t speculative_tokens = 0;
+  SimExecutorFlags sim;
   double kv_link_gb_per_s = 25, kv_link_latency_us = 50;
-  std::vector<std::string> sweep, kill;
+  std::vector<std::string> sweep, kill, stall, slow_link;
 };
 
 constexpr std::string_view kSimPrefix = "sim:";
+
+using Fault = sim::SimulationOptions::Fault;
+
+// The fault flags: the kind each makes, and the form it takes.
+struct FaultFlag {
+  Fault::Kind kind;
+  const char* form;
+  bool duration, factor;  // the form has +DURATION, :FACTOR
+};
+const std::map<std::string, FaultFlag> kFaultFlags = {
+    {"--kill", {Fault::Kind::kDeath, "ENGINE@SECONDS (e.g. decode-3@120)", false, false}},
+    {"--stall",
+     {Fault::Kind::kStall, "ENGINE@SECONDS+DURATION (e.g. decode-3@120+30)", true, false}},
+    {"--slow-link",
+     {Fault::Kind::kSlowLink, "ENGINE@SECONDS+DURATION:FACTOR (e.g. prefill-0@60+120:10)", true,
+      true}}};
+
+// A number that is the whole of `text`, or -1.
+double number_or_negative(const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    return used == text.size() ? v : -1;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+Fault parse_fault(const std::string& flag, const std::string& spec) {
+  const FaultFlag& form = kFaultFlags.at(flag);
+  Fault f;
+  f.kind = form.kind;
+  const auto at = spec.find('@');
+  const auto plus = form.duration ? spec.find('+', at) : std::string::npos;
+  const auto colon = form.factor ? spec.find(':', at) : std::string::npos;
+  bool ok = at != std::string::npos && at > 0 && (!form.duration || plus != std::string::npos) &&
+            (!form.factor || (colon != std::string::npos && colon > plus));
+  if (ok) {
+    f.engine = spec.substr(0, at);
+    f.at_s = number_or_negative(spec.substr(at + 1, (form.duration ? plus : spec.size()) - at - 1));
+    if (form.duration)
+      f.duration_s =
+          number_or_negative(spec.substr(plus + 1, (form.factor ? colon : spec.size()) - plus - 1));
+    if (form.factor) f.factor = number_or_negative(spec.substr(colon + 1));
+    ok = f.at_s >= 0 && f.duration_s >= 0 && (!form.factor || f.factor >= 1);
+  }
+  if (!ok)
+    throw Error(flag + ": expected " + form.form + (form.factor ? ", FACTOR >= 1" : "") +
+                ", got '" + spec + "'");
+  return f;
+}
 
 // One simulation per grid point over the same workload: a row each (goodput, TTFT and TPOT
 // percentiles, prefix hit rate), and the points in the result JSON.
@@ -109,27 +164,19 @@ void run(const SimulateCliOptions& o) {
     throw Error(
         "--model: the simulator runs simulated engines, sim:PRESET or sim:FITTED.json, got '" +
         o.model + "'");
-  so.preset = o.model.substr(kSimPrefix.size());
+  so.executor =
+      sim_executor_options(o.sim, o.model.substr(kSimPrefix.size()), o.speculative_tokens);
+  so.executor.num_blocks = o.num_blocks;
+  so.executor.block_size = o.block_size;
   so.scheduler.max_num_seqs = o.max_num_seqs;
   so.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  so.num_blocks = o.num_blocks;
-  so.block_size = o.block_size;
-  so.seed = o.workload.seed;
   if (!(o.kv_link_gb_per_s > 0) || !(o.kv_link_latency_us >= 0))
     throw Error("--kv-link-gb-per-s must be positive and --kv-link-latency-us not negative");
   so.kv_link.bytes_per_s = o.kv_link_gb_per_s * 1e9;
   so.kv_link.latency_s = o.kv_link_latency_us * 1e-6;
-  for (const auto& k : o.kill) {
-    const auto at = k.find('@');
-    double seconds = -1;
-    try {
-      if (at != std::string::npos) seconds = std::stod(k.substr(at + 1));
-    } catch (const std::exception&) {
-    }
-    if (at == std::string::npos || at == 0 || !(seconds >= 0))
-      throw Error("--kill: expected ENGINE@SECONDS (e.g. decode-3@120), got '" + k + "'");
-    so.deaths.push_back({k.substr(0, at), seconds});
-  }
+  for (const auto& [flag, specs] : {std::pair{"--kill", &o.kill}, std::pair{"--stall", &o.stall},
+                                    std::pair{"--slow-link", &o.slow_link}})
+    for (const std::string& spec : *specs) so.faults.push_back(parse_fault(flag, spec));
   const std::string tokenizer_dir = workload_tokenizer_dir(o.workload);
   so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
 
@@ -165,7 +212,8 @@ void run(const SimulateCliOptions& o) {
                        {"busy_s", e.busy_s},
                        {"prefix_cache_queries", e.prefix_queries},
                        {"prefix_cache_hits", e.prefix_hits},
-                       {"killed", e.died}});
+                       {"killed", e.died},
+                       {"healthy", e.healthy}});
   run.extra = {{"backend", "tandem-simulate"},
                {"dataset_name", w.dataset},
                {"num_prompts", reqs.size()},
@@ -178,11 +226,16 @@ void run(const SimulateCliOptions& o) {
                  {"policy", so.gateway.policy},
                  {"prefill", so.prefill},
                  {"decode", so.decode},
-                 {"seed", so.seed},
+                 {"seed", w.seed},
+                 {"sim_seed", so.executor.seed},
                  {"wall_seconds", wall_s},
                  {"kv_transfers", result.kv_transfers},
                  {"retries", result.retries},
+                 {"leg_failures", result.leg_failures},
+                 {"timeouts", result.timeouts},
                  {"kv_transfer_bytes", result.kv_transfer_bytes},
+                 {"mtp_draft_tokens", result.draft_tokens},
+                 {"mtp_accepted_tokens", result.accepted_tokens},
                  {"engines", engines}}}};
   run.report.title = "tandem simulate: " + w.dataset + ", " + std::to_string(so.prefill) + "P + " +
                      std::to_string(so.decode) + "D, " + so.gateway.policy;
@@ -196,16 +249,20 @@ void run(const SimulateCliOptions& o) {
       {"requests", std::to_string(reqs.size())},
       {"request rate",
        std::isfinite(w.request_rate) ? std::to_string(w.request_rate) : "inf / trace"},
-      {"seed", std::to_string(so.seed)}};
+      {"seed", std::to_string(w.seed)}};
   write_run(summary, result.results, run, o.outputs, "tandem simulate");
   std::fprintf(stderr, "tandem simulate: %.1f s of virtual time in %.2f s of wall time\n",
                result.virtual_end_s, wall_s);
-  if (!so.deaths.empty())
-    std::fprintf(
-        stderr,
-        "  faults: %zu engines killed; the gateway retried %lld legs, %lld requests failed\n",
-        so.deaths.size(), static_cast<long long>(result.retries),
-        static_cast<long long>(summary.failed));
+  if (!so.faults.empty())
+    std::fprintf(stderr,
+                 "  faults: %zu; %lld engine calls timed out (health probes and load polls "
+                 "included), %lld request legs failed, %lld retried, %lld requests failed\n",
+                 so.faults.size(), static_cast<long long>(result.timeouts),
+                 static_cast<long long>(result.leg_failures),
+                 static_cast<long long>(result.retries), static_cast<long long>(summary.failed));
+  if (result.draft_tokens > 0)
+    std::fprintf(stderr, "  MTP: %.1f%% of %.0f drafts accepted\n",
+                 100 * result.accepted_tokens / result.draft_tokens, result.draft_tokens);
   if (result.kv_transfers > 0)
     std::fprintf(stderr, "  %lld KV transfers, %.2f GB\n",
                  static_cast<long long>(result.kv_transfers), result.kv_transfer_bytes / 1e9);
@@ -214,7 +271,9 @@ void run(const SimulateCliOptions& o) {
                  e.name.c_str(), static_cast<long long>(e.steps),
                  result.duration_s > 0 ? 100 * e.busy_s / result.duration_s : 0.0,
                  e.prefix_queries > 0 ? 100 * e.prefix_hits / e.prefix_queries : 0.0,
-                 e.died ? " (killed)" : "");
+                 e.died       ? " (killed)"
+                 : !e.healthy ? " (ejected by the gateway)"
+                              : "");
 }
 
 }  // namespace
@@ -245,6 +304,12 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--num-kv-blocks", o->num_blocks, "each engine's KV blocks (0: the preset's)")
       ->capture_default_str();
   cmd->add_option("--block-size", o->block_size, "tokens per KV block")->capture_default_str();
+  cmd->add_option("--speculative-tokens", o->speculative_tokens,
+                  "MTP drafts per decode step on every engine, accepted as --sim-mtp-acceptance "
+                  "says (0: no speculation)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 16));
+  add_sim_executor_flags(*cmd, o->sim);
   cmd->add_option("--kv-link-gb-per-s", o->kv_link_gb_per_s,
                   "P/D: each prefill-decode link's bandwidth (GB/s)")
       ->capture_default_str();
@@ -254,6 +319,12 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--kill", o->kill,
                   "a fault: ENGINE@SECONDS, e.g. decode-3@120 (the engine dies then: its streams "
                   "are cut, its connections refused); repeatable");
+  cmd->add_option("--stall", o->stall,
+                  "a fault: ENGINE@SECONDS+DURATION, e.g. decode-3@120+30 (the engine hangs for "
+                  "that long: no step, no answer; calls wait or time out); repeatable");
+  cmd->add_option("--slow-link", o->slow_link,
+                  "a fault: ENGINE@SECONDS+DURATION:FACTOR, e.g. prefill-0@60+120:10 (the "
+                  "engine's KV links run FACTOR times slower for that long); repeatable");
   cmd->add_option("--sweep", o->sweep,
                   "a grid of runs: prefill=2..16 (doubling), decode=4..12/4 (steps), "
                   "policy=tandem,kv_router (lists); repeatable, every combination");

@@ -156,8 +156,10 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   // over the virtual links.
   VirtualKvNetwork network(clock, options.kv_link);
   std::vector<std::unique_ptr<SimulatedEngine>> engines;
+  std::vector<int> endpoint_ids;  // the gateway's id of each engine
   auto add_engine = [&](bool prefill, const gateway::Endpoint& e) {
     const int id = endpoints.add(prefill, e);
+    endpoint_ids.push_back(id);
     endpoints.events_fed_externally(id);
     SimulatedEngineOptions eo;
     eo.name = e.name;
@@ -172,11 +174,12 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
       t.timeout_s = options.kv_transfer_timeout_s;
       eo.config.transfer = t;
     }
-    eo.executor.preset = options.preset;
-    eo.executor.model_name = options.preset;
-    eo.executor.block_size = options.block_size;
-    eo.executor.num_blocks = options.num_blocks;
-    eo.executor.seed = options.seed;
+    eo.executor = options.executor;
+    eo.executor.model_name = options.executor.preset;
+    // Every engine serves the same model (the same hot experts: the skew's seed), with routes of
+    // its own steps drawn on their own.
+    eo.executor.expert_parallel.seed =
+        options.executor.expert_parallel.seed + 1000003 * uint64_t(engines.size());
     auto events = [&clock, &index, id,
                    delay = duration_of(options.kv_event_delay_s)](engine::KvEventBatch batch) {
       // In the engines' wire format, as the ZMQ consumer receives it.
@@ -193,17 +196,36 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   clock.post([&] { health.start(); });
 
   // The faults, at their times. An engine's name is also its host (the made-up addresses).
-  for (const auto& d : options.deaths) {
+  auto time_of = [&](double s) { return origin + duration_of(s); };
+  for (const auto& f : options.faults) {
     auto it = std::find_if(engines.begin(), engines.end(),
-                           [&](const auto& e) { return e->name() == d.engine; });
+                           [&](const auto& e) { return e->name() == f.engine; });
     if (it == engines.end())
-      throw Error("fault: no engine named '" + d.engine + "' (prefill-0.., decode-0..)");
-    if (!(d.at_s >= 0)) throw Error("fault: " + d.engine + " dies at a negative time");
-    clock.at(origin + duration_of(d.at_s), [&, dying = it->get()] {
-      dying->kill();
-      upstream.kill(dying->name(), kEnginePort);
-      network.kill(dying->name());
-    });
+      throw Error("fault: no engine named '" + f.engine + "' (prefill-0.., decode-0..)");
+    if (!(f.at_s >= 0)) throw Error("fault: " + f.engine + "'s fault starts at a negative time");
+    if (!(f.duration_s >= 0)) throw Error("fault: " + f.engine + "'s fault lasts a negative time");
+    SimulatedEngine* engine = it->get();
+    switch (f.kind) {
+      case SimulationOptions::Fault::Kind::kDeath:
+        clock.at(time_of(f.at_s), [&, engine] {
+          engine->kill();
+          upstream.kill(engine->name(), kEnginePort);
+          network.kill(engine->name());
+        });
+        break;
+      case SimulationOptions::Fault::Kind::kStall:
+        clock.at(time_of(f.at_s), [&, engine, end = time_of(f.at_s + f.duration_s)] {
+          engine->stall(std::chrono::duration<double>(end.time_since_epoch()).count());
+        });
+        break;
+      case SimulationOptions::Fault::Kind::kSlowLink:
+        if (!(f.factor >= 1))
+          throw Error("fault: " + f.engine + "'s links can only slow down (a factor >= 1)");
+        clock.at(time_of(f.at_s),
+                 [&, engine, factor = f.factor] { network.slow(engine->name(), factor); });
+        clock.at(time_of(f.at_s + f.duration_s), [&, engine] { network.slow(engine->name(), 1); });
+        break;
+    }
   }
 
   // The clients, each at its arrival time.
@@ -234,11 +256,17 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
     });
   }
 
-  // Virtual time runs until every request has its answer. The gateway's own timers (probes, load
-  // polls) never stop, so the end is the answers, not an empty queue.
+  // Virtual time runs until every request has its answer and every live engine has let go of
+  // its requests (a stalled one finds the gateway's aborts when it wakes). The gateway's own
+  // timers (probes, load polls) never stop, so the end is that, not an empty queue.
+  auto engines_busy = [&] {
+    return std::any_of(engines.begin(), engines.end(),
+                       [](const auto& e) { return !e->dead() && e->engine().has_work(); });
+  };
   clock.run_ready();
   Clock::time_point next;
-  while (finished < requests.size() && clock.next_timer(&next)) clock.advance_to(next);
+  while ((finished < requests.size() || engines_busy()) && clock.next_timer(&next))
+    clock.advance_to(next);
   if (finished < requests.size())
     throw Error("the simulation stopped with " + std::to_string(requests.size() - finished) +
                 " requests unanswered and nothing left to happen");
@@ -247,20 +275,30 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   run.virtual_end_s = seconds_between(origin, clock.now());
   run.upstream_calls = upstream.calls();
   run.retries = static_cast<int64_t>(gateway_metrics.retries.value());
+  run.timeouts = upstream.timeouts();
   run.indexed_blocks = index.stats().blocks;
   run.kv_transfers = network.transfers();
   run.kv_transfer_bytes = network.bytes();
-  for (const auto& each : engines) {
-    const SimulatedEngine& e = *each;
+  for (size_t i = 0; i < engines.size(); ++i) {
+    const SimulatedEngine& e = *engines[i];
+    const gateway::EndpointState* seen = endpoints.find(endpoint_ids[i]);
     EngineSummary s;
+    s.healthy = seen->healthy;
+    run.leg_failures += static_cast<int64_t>(seen->failures_total->value());
     s.name = e.name();
     s.prefill = e.engine().role() == engine::EngineRole::kPrefill;
     s.steps = e.steps();
     s.busy_s = e.busy_seconds();
-    if (auto c = bench::parse_prefix_cache_counters(e.registry().render())) {
+    const std::string metrics = e.registry().render();
+    if (auto c = bench::parse_prefix_cache_counters(metrics)) {
       s.prefix_queries = c->queries;
       s.prefix_hits = c->hits;
     }
+    s.draft_tokens = bench::metric_sum(metrics, "vllm:spec_decode_num_draft_tokens").value_or(0);
+    s.accepted_tokens =
+        bench::metric_sum(metrics, "vllm:spec_decode_num_accepted_tokens").value_or(0);
+    run.draft_tokens += s.draft_tokens;
+    run.accepted_tokens += s.accepted_tokens;
     const engine::LoadReport load = e.engine().load();
     s.blocks_in_use = load.total_blocks - load.free_blocks;
     s.died = e.dead();

@@ -17,6 +17,7 @@
 
 #include "bench/metrics.h"
 #include "bench/workload.h"
+#include "engine/executor/sim_executor.h"
 #include "engine/scheduler/scheduler.h"
 #include "gateway/topology.h"
 #include "sim/virtual_kv_links.h"
@@ -30,11 +31,16 @@ struct SimulationOptions {
   // `decode` engines named prefill-0.., decode-0..
   gateway::Topology gateway;
   int prefill = 0, decode = 1;
-  // Every engine: the simulated executor's latency model (a preset name or a fitted JSON file),
-  // its KV blocks (0: the preset's), block size and scheduler limits.
-  std::string preset = "deepseek-v3-h800";
-  int64_t num_blocks = 0;
-  int64_t block_size = 16;
+  // Every engine's simulated executor: its latency model (a preset name or a fitted JSON file),
+  // KV blocks (0: the preset's) and block size, KV bytes per token, expert parallelism under a
+  // placement and MTP acceptance (its seed: the tokens and routes). The name and the seed of the
+  // routes drawn are set per engine; its wait is the simulator's.
+  engine::SimExecutorOptions executor = [] {
+    engine::SimExecutorOptions x;
+    x.preset = "deepseek-v3-h800";
+    return x;
+  }();
+  // And its scheduler limits.
   engine::SchedulerConfig scheduler = [] {
     engine::SchedulerConfig c;
     c.max_num_seqs = 64;  // `tandem engine`'s defaults
@@ -42,30 +48,39 @@ struct SimulationOptions {
     return c;
   }();
   bool prefix_caching = true;
-  uint64_t seed = 0;
   // From an engine's step to the gateway's prefix index (the ZMQ hop), seconds.
   double kv_event_delay_s = 0.001;
   // Prefill to decode KV transfers (P/D modes): every engine pair's link, and how long a hold or
   // a bootstrap room waits for its other leg.
   KvLinkModel kv_link;
   double kv_transfer_timeout_s = 120;
-  // Faults: engines that die (by name, e.g. "decode-3") at a time in seconds from the first send.
-  // The gateway's own failure handling (resets, retries, health checks) does the rest.
-  struct Death {
+  // Faults, on engines by name (e.g. "decode-3") at times in seconds from the first send. The
+  // gateway's own failure handling (timeouts, resets, retries, health checks) does the rest.
+  struct Fault {
+    enum class Kind {
+      kDeath,     // the engine dies: its streams are reset, connections refused, transfers failed
+      kStall,     // for duration_s it neither steps nor answers (a hung engine loop); calls wait
+      kSlowLink,  // for duration_s its KV links run `factor` times slower (transfers that start)
+    };
+    Kind kind = Kind::kDeath;
     std::string engine;
     double at_s = 0;
+    double duration_s = 0;  // kStall, kSlowLink
+    double factor = 1;      // kSlowLink
   };
-  std::vector<Death> deaths;
+  std::vector<Fault> faults;
 };
 
 struct EngineSummary {
   std::string name;
   bool prefill = false;
   int64_t steps = 0;
-  double busy_s = 0;                           // virtual seconds in steps
-  double prefix_queries = 0, prefix_hits = 0;  // tokens (vLLM's counters)
-  int64_t blocks_in_use = 0;                   // at the end (0 when every request ended)
-  bool died = false;                           // a fault killed it
+  double busy_s = 0;                             // virtual seconds in steps
+  double prefix_queries = 0, prefix_hits = 0;    // tokens (vLLM's counters)
+  double draft_tokens = 0, accepted_tokens = 0;  // MTP drafts verified and accepted
+  int64_t blocks_in_use = 0;                     // at the end (0 when every request ended)
+  bool died = false;                             // a fault killed it
+  bool healthy = true;                           // as the gateway saw it at the end
 };
 
 struct SimulationRun {
@@ -74,9 +89,12 @@ struct SimulationRun {
   std::vector<EngineSummary> engines;
   // Over the engines that compute prompts: the prefill pool in P/D, every engine aggregated.
   double prefix_queries = 0, prefix_hits = 0;
+  double draft_tokens = 0, accepted_tokens = 0;  // MTP, over every engine
   int64_t upstream_calls = 0;
   int64_t indexed_blocks = 0;  // distinct blocks in the gateway's prefix index at the end
   int64_t retries = 0;         // legs the gateway retried on another engine
+  int64_t leg_failures = 0;    // request legs (engine calls) that failed, retried or not
+  int64_t timeouts = 0;        // engine calls that ended by their timeout (probes, polls too)
   int64_t kv_transfers = 0;    // P/D transfers completed
   double kv_transfer_bytes = 0;
   double virtual_end_s = 0;  // when the simulation stopped, from the first send

@@ -1,5 +1,7 @@
 #include "sim/simulated_engine.h"
 
+#include <algorithm>
+
 #include "api/error.h"
 #include "api/load_report.h"
 #include "engine/output_processor.h"
@@ -54,21 +56,44 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
         if (phase_ == Phase::kRunning || phase_ == Phase::kEnding)
           rendered_at_end_.push_back(std::move(task));  // run by the step's end
         else
-          clock_.post([this, task = std::move(task)] {
-            if (phase_ != Phase::kDead) task();
+          clock_.post([this, task = std::move(task)]() mutable {
+            if (phase_ == Phase::kDead) return;
+            gateway::Executor::Task run = std::move(task);
+            if (!defer_while_stalled(run)) run();
           });
       },
       [this] { return name_ + "-" + std::to_string(next_id_++); });
 }
 
-SimulatedEngine::~SimulatedEngine() = default;
+SimulatedEngine::~SimulatedEngine() {
+  // The engine ends what it still holds (a run may end with a stalled engine's aborted requests
+  // in it), reporting to the API, which must still be there; nothing it posts runs any more.
+  phase_ = Phase::kDead;
+  engine_.reset();
+}
 
 double SimulatedEngine::now() const {
   return seconds_of(clock_.now()) + step_offset_;
 }
 
+bool SimulatedEngine::defer_while_stalled(gateway::Executor::Task& task) {
+  if (seconds_of(clock_.now()) >= stalled_until_) return false;
+  clock_.at(gateway::Executor::Clock::time_point(
+                std::chrono::duration_cast<gateway::Executor::Clock::duration>(
+                    std::chrono::duration<double>(stalled_until_))),
+            std::move(task));
+  return true;
+}
+
+void SimulatedEngine::stall(double until_s) {
+  stalled_until_ = std::max(stalled_until_, until_s);
+}
+
 void SimulatedEngine::call(const net::AsyncHttpRequest& request,
                            std::shared_ptr<net::Reply> reply) {
+  if (phase_ == Phase::kDead) return;  // a call that waited out a stall; the reset reached it
+  gateway::Executor::Task later = [this, request, reply] { call(request, reply); };
+  if (defer_while_stalled(later)) return;
   if (request.method == "GET" && request.target == "/health") {
     reply->respond(200, "", "text/plain");
     return;
@@ -118,6 +143,8 @@ void SimulatedEngine::kick() {
 
 void SimulatedEngine::step() {
   if (phase_ == Phase::kDead) return;
+  gateway::Executor::Task later = [this] { step(); };
+  if (defer_while_stalled(later)) return;
   phase_ = Phase::kRunning;
   step_started_ = seconds_of(clock_.now());
   step_offset_ = 0;
@@ -133,22 +160,25 @@ void SimulatedEngine::step() {
   // answers what the engine reported as the step began. A pass that ran no step, or a step of no
   // modelled time, ends at once.
   phase_ = Phase::kEnding;
-  auto end = [this, ran] {
-    if (phase_ == Phase::kDead) return;  // what the step produced died with the engine
-    phase_ = Phase::kIdle;
-    auto tasks = std::move(rendered_at_end_);
-    rendered_at_end_.clear();
-    for (auto& t : tasks) t();
-    // A pass that could schedule nothing waits for the next call, abort or transfer.
-    if (ran || woken_) kick();
-    woken_ = false;
-  };
   if (step_load_)
     clock_.at(clock_.now() + std::chrono::duration_cast<gateway::Executor::Clock::duration>(
                                  std::chrono::duration<double>(seconds)),
-              std::move(end));
+              [this, ran] { end_step(ran); });
   else
-    clock_.post(std::move(end));
+    clock_.post([this, ran] { end_step(ran); });
+}
+
+void SimulatedEngine::end_step(bool ran) {
+  if (phase_ == Phase::kDead) return;  // what the step produced died with the engine
+  gateway::Executor::Task later = [this, ran] { end_step(ran); };
+  if (defer_while_stalled(later)) return;  // a hung engine loop reports nothing
+  phase_ = Phase::kIdle;
+  auto tasks = std::move(rendered_at_end_);
+  rendered_at_end_.clear();
+  for (auto& t : tasks) t();
+  // A pass that could schedule nothing waits for the next call, abort or transfer.
+  if (ran || woken_) kick();
+  woken_ = false;
 }
 
 }  // namespace tandem::sim

@@ -48,6 +48,10 @@ class SimulatedEngine {
   // its running step produced is lost. Its transfers' peers learn it from the network.
   void kill();
   bool dead() const { return phase_ == Phase::kDead; }
+  // The engine hangs until `until_s` (virtual seconds since the clock's epoch), as a stuck engine
+  // loop would: no step ends or starts and no call is answered before then; calls that arrive
+  // wait, and everything resumes in order afterwards (callers that gave up meanwhile are gone).
+  void stall(double until_s);
 
   const std::string& name() const { return name_; }
   const engine::Engine& engine() const { return *engine_; }
@@ -60,7 +64,10 @@ class SimulatedEngine {
   void kick();  // a step starts now if there is work and none runs
   void wake();  // something arrived (a call, an abort, a transfer's outcome)
   void step();
+  void end_step(bool ran);  // the running step's modelled time has passed
   double now() const;
+  // True while stalled, after arming `task` to run when the stall ends.
+  bool defer_while_stalled(gateway::Executor::Task& task);
 
   gateway::VirtualExecutor& clock_;
   std::string name_;
@@ -81,6 +88,7 @@ class SimulatedEngine {
   std::vector<std::function<void()>> rendered_at_end_;
   int64_t steps_ = 0, next_id_ = 0;
   double busy_seconds_ = 0;
+  double stalled_until_ = 0;  // virtual seconds since the clock's epoch
 };
 
 }  // namespace tandem::sim

@@ -57,6 +57,9 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
   }
 
+  // The engine's links run `factor` times slower from now on (a fault).
+  void slow_down(double factor) { slowdown_ = factor; }
+
   const engine::KvTransferConfig& config() const override { return config_; }
   bool serving() const override { return config_.port >= 0; }
   uint16_t port() const override { return serving() ? static_cast<uint16_t>(config_.port) : 0; }
@@ -197,6 +200,10 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     post_(std::move(task));
     wake_();
   }
+  // A link between this prefill engine and `decode`, at the slower end's speed.
+  double bytes_per_s(const Endpoint* decode) const {
+    return net_.link_.bytes_per_s / std::max(slowdown_, decode->slowdown_);
+  }
   double bytes_for(int64_t tokens) const {
     return double(tokens) * double(layout_.token_bytes) * double(layout_.layers);
   }
@@ -227,7 +234,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
     const int64_t tokens = std::max<int64_t>(f.num_tokens - f.first_token, 0);
     const double bytes = bytes_for(tokens);
-    const double end = now + bytes / net_.link_.bytes_per_s + net_.link_.latency_s;
+    const double end = now + bytes / bytes_per_s(decode) + net_.link_.latency_s;
     at(end, [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
       if (dead_) {
         decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
@@ -275,8 +282,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     r.sending = true;
     const double layer_bytes = double(r.decode->tokens) * double(layout_.token_bytes);
     double link_free = r.decode->registered;
-    for (double t : r.layer_times)
-      link_free = std::max(t, link_free) + layer_bytes / net_.link_.bytes_per_s;
+    const double speed = bytes_per_s(r.decode->endpoint);
+    for (double t : r.layer_times) link_free = std::max(t, link_free) + layer_bytes / speed;
     const double end = link_free + net_.link_.latency_s;
     const double bytes = layer_bytes * double(layout_.layers);
     at(end, [this, room, bytes] {
@@ -354,10 +361,15 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   std::map<uint64_t, std::pair<std::string, Endpoint*>> registered_;  // decode side, by room
   uint64_t next_id_ = 0, next_claim_ = 0;
   bool dead_ = false;
+  double slowdown_ = 1;  // this engine's links run this many times slower (a fault)
 };
 
 void VirtualKvNetwork::kill(const std::string& engine_id) {
   if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->die();
+}
+
+void VirtualKvNetwork::slow(const std::string& engine_id, double factor) {
+  if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->slow_down(factor);
 }
 
 VirtualKvNetwork::VirtualKvNetwork(gateway::VirtualExecutor& clock, KvLinkModel link)

@@ -42,6 +42,9 @@ class VirtualKvNetwork {
   // The engine of this engine_id died: its server refuses connections, and transfers to or from it
   // fail (a reset connection).
   void kill(const std::string& engine_id);
+  // From now on the links of this engine_id run `factor` times slower (1: as modelled): the
+  // transfers that start later take longer, those under way keep their times.
+  void slow(const std::string& engine_id, double factor);
 
   int64_t transfers() const { return transfers_; }  // completed
   double bytes() const { return bytes_; }           // that they moved

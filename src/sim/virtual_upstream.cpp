@@ -16,8 +16,12 @@ bool respond_with_error(net::Reply& reply, int status, std::string_view message,
 // cancelled or cut), and then forgets its call in the upstream.
 class VirtualUpstream::CallReply final : public net::Reply {
  public:
-  CallReply(VirtualUpstream& owner, CallId id, net::AsyncHttpHandlers handlers)
-      : owner_(owner), id_(id), handlers_(std::move(handlers)) {}
+  CallReply(VirtualUpstream& owner, CallId id, net::AsyncHttpHandlers handlers,
+            gateway::Executor::Clock::duration timeout)
+      : owner_(owner), id_(id), handlers_(std::move(handlers)), timeout_(timeout) {
+    deadline_ = owner_.clock_.now() + timeout_;
+    arm();
+  }
 
   bool respond(int status, std::string body, std::string content_type) override {
     if (state_ != State::kOpen) return false;
@@ -41,6 +45,7 @@ class VirtualUpstream::CallReply final : public net::Reply {
   }
   bool write(std::string_view chunk) override {
     if (state_ != State::kStreaming) return false;
+    deadline_ = owner_.clock_.now() + timeout_;  // each wait for the next piece is bounded
     if (!chunk.empty() && handlers_.on_body && !handlers_.on_body(chunk)) {
       close("cancelled");
       return false;
@@ -87,7 +92,24 @@ class VirtualUpstream::CallReply final : public net::Reply {
  private:
   enum class State { kOpen, kStreaming, kDone, kClosed };
 
+  // One timer per call, moved on lazily: it fires at the deadline it was armed for and re-arms
+  // when a piece has arrived since (cheaper than re-arming on every piece of a stream).
+  void arm() {
+    timer_ = owner_.clock_.at(deadline_, [owner = &owner_, id = id_] {
+      auto it = owner->open_.find(id);
+      if (it != owner->open_.end()) it->second->on_timer();
+    });
+  }
+  void on_timer() {
+    if (state_ == State::kDone || state_ == State::kClosed) return;
+    if (owner_.clock_.now() < deadline_) return arm();
+    ++owner_.timeouts_;
+    close(state_ == State::kOpen ? "cannot read the response header: timed out"
+                                 : "cannot read the response body: timed out");
+  }
+
   void head(int status, const std::string& content_type) {
+    deadline_ = owner_.clock_.now() + timeout_;
     net::Headers h;
     h.set("Content-Type", content_type);
     if (handlers_.on_head) handlers_.on_head(status, h);
@@ -98,6 +120,7 @@ class VirtualUpstream::CallReply final : public net::Reply {
     done(error);
   }
   void done(const std::string& error) {
+    owner_.clock_.cancel(timer_);
     auto on_done = std::move(handlers_.on_done);
     handlers_ = {};
     owner_.address_of_.erase(id_);
@@ -110,6 +133,9 @@ class VirtualUpstream::CallReply final : public net::Reply {
   net::AsyncHttpHandlers handlers_;
   State state_ = State::kOpen;
   std::vector<std::function<void()>> on_close_;
+  gateway::Executor::Clock::duration timeout_;
+  gateway::Executor::Clock::time_point deadline_;
+  gateway::Executor::TimerId timer_;
 };
 
 void VirtualUpstream::add(const std::string& host, uint16_t port, SimulatedEngine* engine) {
@@ -120,7 +146,7 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
                                                  net::AsyncHttpHandlers handlers) {
   const CallId id = ++next_;
   ++calls_;
-  auto reply = std::make_shared<CallReply>(*this, id, std::move(handlers));
+  auto reply = std::make_shared<CallReply>(*this, id, std::move(handlers), request.timeout);
   open_[id] = reply;
   address_of_[id] = request.host + ":" + std::to_string(request.port);
   // As the HTTP client does, the call proceeds after start() returned.

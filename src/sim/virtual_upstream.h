@@ -2,7 +2,9 @@
 // The gateway's Upstream seam (gateway/seams.h) in the cluster simulator: a call to "HOST:PORT"
 // goes to the simulated engine registered under that address, in virtual time, and the engine's
 // answer comes back through the call's handlers as the HTTP client would deliver it (head, body
-// pieces, done). No sockets; calls to an unknown address fail as a refused connection would.
+// pieces, done), within the request's timeout as the client bounds it (the wait for the head, and
+// each wait for the next piece of the body). No sockets; calls to an unknown address fail as a
+// refused connection would.
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -35,6 +37,7 @@ class VirtualUpstream final : public gateway::Upstream {
   void kill(const std::string& host, uint16_t port);
 
   int64_t calls() const { return calls_; }
+  int64_t timeouts() const { return timeouts_; }  // calls that ended by their timeout
 
  private:
   class CallReply;
@@ -43,7 +46,7 @@ class VirtualUpstream final : public gateway::Upstream {
   std::map<CallId, std::shared_ptr<CallReply>> open_;
   std::map<CallId, std::string> address_of_;  // open calls' engine, "host:port"
   CallId next_ = 0;
-  int64_t calls_ = 0;
+  int64_t calls_ = 0, timeouts_ = 0;
 };
 
 }  // namespace tandem::sim

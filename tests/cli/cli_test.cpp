@@ -212,6 +212,35 @@ TEST(Cli, SimulateRefusesWhatItCannotRunNamingTheFlag) {
   r = run("simulate --dataset-name mooncake");
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--dataset-path"));
+  for (const char* bad :
+       {"--kill decode-0", "--kill @3", "--stall decode-0@3", "--stall decode-0@3+x",
+        "--slow-link decode-0@3+5", "--slow-link decode-0@3+5:0.5", "--sim-mtp-acceptance 0.9,2",
+        "--sim-placement p.json"}) {
+    r = run(std::string("simulate --num-prompts 2 ") + bad);
+    EXPECT_EQ(r.status, 1) << bad;
+    const std::string flag(bad, std::string_view(bad).find(' '));
+    EXPECT_THAT(r.output, HasSubstr(flag)) << bad;
+  }
+}
+
+TEST(Cli, SimulateReportsFaultsAndMtp) {
+  const auto result = test::temp_path("simulate_faults");
+  auto r =
+      run("simulate --dataset-name random --num-prompts 30 --random-input-len 500 "
+          "--random-output-len 100 --request-rate 3 --decode 2 --policy round_robin "
+          "--stall decode-0@2+20 --speculative-tokens 2 --sim-mtp-acceptance 0.9,0.6 "
+          "--result-file " +
+          test::quote(result));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("faults: 1;"));
+  EXPECT_THAT(r.output, HasSubstr("drafts accepted"));
+  const auto j = nlohmann::json::parse(std::ifstream(result));
+  EXPECT_EQ(j["completed"], 30);
+  EXPECT_GT(j["simulation"]["timeouts"].get<int>(), 0);  // decode-0's probes
+  const double drafts = j["simulation"]["mtp_draft_tokens"];
+  const double accepted = j["simulation"]["mtp_accepted_tokens"];
+  // Two drafts at 0.9 then 0.6 given the first: 0.9 + 0.54 = 1.44 of 2 per step.
+  EXPECT_NEAR(accepted / drafts, 0.72, 0.06);
 }
 
 }  // namespace

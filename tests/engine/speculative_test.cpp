@@ -391,7 +391,8 @@ TEST_F(Speculation, SampledRequestsFinishWithSpeculation) {
 }
 
 TEST_F(Speculation, EnginesThatCannotSpeculateRefuseToStart) {
-  // tiny-v2-lite has no MTP module; simulated models have no module to run.
+  // tiny-v2-lite has no MTP module; a simulated model speculates with an acceptance model, which
+  // must be probabilities.
   const auto dir = test::temp_path("no-mtp").replace_extension();
   const auto log = test::temp_path("no-mtp-log");
   ASSERT_EQ(
@@ -399,9 +400,9 @@ TEST_F(Speculation, EnginesThatCannotSpeculateRefuseToStart) {
                         test::quote(dir) + " >/dev/null 2>&1"),
       0);
   auto refusal = [&](const std::string& model) {
-    const int status =
-        test::run_command(std::string(TANDEM_BINARY) + " engine --model " + model +
-                          " --port 0 --speculative-tokens 1 >" + test::quote(log) + " 2>&1");
+    const int status = test::run_command(
+        std::string(TANDEM_BINARY) + " engine --model " + model +
+        " --port 0 --speculative-tokens 1 --sim-mtp-acceptance 1.5 >" + test::quote(log) + " 2>&1");
     std::ifstream in(log);
     std::stringstream text;
     text << in.rdbuf();
@@ -409,7 +410,7 @@ TEST_F(Speculation, EnginesThatCannotSpeculateRefuseToStart) {
     return text.str();
   };
   EXPECT_NE(refusal(test::quote(dir)).find("MTP module"), std::string::npos);
-  EXPECT_NE(refusal("sim:tiny").find("--speculative-tokens"), std::string::npos);
+  EXPECT_NE(refusal("sim:tiny").find("--sim-mtp-acceptance"), std::string::npos);
   std::filesystem::remove_all(dir);
   std::filesystem::remove(log);
 }

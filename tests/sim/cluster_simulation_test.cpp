@@ -3,6 +3,7 @@
 // request ends with its blocks returned.
 #include "sim/cluster_simulation.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -14,6 +15,8 @@
 
 namespace tandem::sim {
 namespace {
+
+using Fault = SimulationOptions::Fault;
 
 std::shared_ptr<const text::Tokenizer> tokenizer() {
   static auto tok = std::make_shared<const text::Tokenizer>(
@@ -37,7 +40,7 @@ std::string hand_model() {
 SimulationOptions options(int engines, const std::string& preset) {
   SimulationOptions o;
   o.decode = engines;
-  o.preset = preset;
+  o.executor.preset = preset;
   o.gateway.model = test::lenml_model("deepseek_v3").string();
   return o;
 }
@@ -87,6 +90,40 @@ TEST(ClusterSimulation, OneRequestTakesTheStepTimesOfTheLatencyModel) {
   ASSERT_EQ(run.engines.size(), 1u);
   EXPECT_EQ(run.engines[0].steps, 5);
   EXPECT_NEAR(run.engines[0].busy_s, 0.150, 1e-9);
+}
+
+TEST(ClusterSimulation, MtpDraftsThatAreAlwaysRightHalveTheDecodeSteps) {
+  // One draft per step, always accepted, drafting free: the prefill step (10 + 100 ms) yields
+  // the first token, then every 10 ms decode step yields two.
+  auto o = options(1, hand_model());
+  o.executor.mtp.drafts = 1;
+  o.executor.mtp.acceptance = {1.0};
+  o.executor.mtp.draft_pass_share = 0;
+  const auto run = simulate({request(0, words(100, 1), 5)}, o, tokenizer());
+  const auto& r = run.results[0];
+  ASSERT_TRUE(r.success) << r.error;
+  EXPECT_NEAR(r.ttft_s, 0.110, 1e-9);
+  EXPECT_NEAR(r.latency_s, 0.130, 1e-9);  // tokens 2-3 at 120 ms, 4-5 at 130 ms
+  EXPECT_EQ(r.output_tokens, 5);
+  EXPECT_EQ(run.engines[0].steps, 3);
+  EXPECT_EQ(run.draft_tokens, 2);
+  EXPECT_EQ(run.accepted_tokens, 2);
+}
+
+TEST(ClusterSimulation, MtpDraftsThatAreNeverRightCostTheirDraftPassesAndNothingElse) {
+  // Rejected drafts leave one token per step; each step drafts one token at half its time.
+  auto o = options(1, hand_model());
+  o.executor.mtp.drafts = 1;
+  o.executor.mtp.acceptance = {0.0};
+  o.executor.mtp.draft_pass_share = 0.5;
+  const auto run = simulate({request(0, words(100, 1), 5)}, o, tokenizer());
+  const auto& r = run.results[0];
+  ASSERT_TRUE(r.success) << r.error;
+  EXPECT_NEAR(r.ttft_s, 0.165, 1e-9);
+  EXPECT_NEAR(r.latency_s, 0.165 + 4 * 0.015, 1e-9);
+  EXPECT_EQ(run.engines[0].steps, 5);
+  EXPECT_EQ(run.draft_tokens, 3);  // none in the last step: max_tokens leaves no room
+  EXPECT_EQ(run.accepted_tokens, 0);
 }
 
 TEST(ClusterSimulation, ARequestArrivingDuringAStepJoinsTheNextOne) {
@@ -233,15 +270,16 @@ TEST(ClusterSimulation, AnEngineThatDiesIsEjectedAndLaterRequestsGoToTheOthers) 
   }
   auto o = options(2, "deepseek-v3-h800");
   o.gateway.policy = "round_robin";
-  o.deaths = {{"decode-0", 5.0}};
+  o.faults = {{Fault::Kind::kDeath, "decode-0", 5.0}};
   const auto run = simulate(reqs, o, tokenizer());
   const double ejected_by = 5.0 + 3 * 2.0 + 2.0;  // three failed probes, 2 s apart, and slack
   size_t failed = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
     if (!run.results[i].success) ++failed;
     if (reqs[i].arrival_s < 5.0 - 1e-9) continue;  // before the death: anything may have happened
-    if (reqs[i].arrival_s > ejected_by)
+    if (reqs[i].arrival_s > ejected_by) {
       EXPECT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+    }
   }
   EXPECT_GT(failed, 0u);  // the streams it was sending, cut
   EXPECT_LT(failed, reqs.size() / 2);
@@ -255,15 +293,93 @@ TEST(ClusterSimulation, APrefillEngineThatDiesLeavesItsRequestsToTheOtherPrefill
   auto reqs = random_requests(30, 17);
   for (size_t i = 0; i < reqs.size(); ++i) reqs[i].arrival_s = 0.5 * double(i);
   auto o = pd_options(gateway::PdMode::kParallel, 2, 2, "deepseek-v3-h800");
-  o.deaths = {{"prefill-1", 3.0}};
+  o.faults = {{Fault::Kind::kDeath, "prefill-1", 3.0}};
   const auto run = simulate(reqs, o, tokenizer());
   // Requests arriving once prefill-1 is ejected all succeed, on prefill-0.
   for (size_t i = 0; i < reqs.size(); ++i)
-    if (reqs[i].arrival_s > 3.0 + 8.0)
+    if (reqs[i].arrival_s > 3.0 + 8.0) {
       EXPECT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+    }
   EXPECT_TRUE(run.engines[1].died);  // prefill-1
-  for (const auto& e : run.engines)
-    if (!e.died) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+  for (const auto& e : run.engines) {
+    if (!e.died) {
+      EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+    }
+  }
+}
+
+TEST(ClusterSimulation, AStalledEngineIsEjectedAndItsStreamsResumeWhenItWakes) {
+  // decode-0 hangs from 5 s to 35 s, shorter than the gateway's idle timeout (120 s): its probes
+  // time out and it is ejected, later requests go to decode-1, and the streams it held pause and
+  // then finish. Nothing is lost; it is healthy again at the end.
+  auto reqs = random_requests(60, 21);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].arrival_s = 0.5 * double(i);
+    reqs[i].output_len = 100;
+  }
+  auto o = options(2, "deepseek-v3-h800");
+  o.gateway.policy = "round_robin";
+  o.faults = {{Fault::Kind::kStall, "decode-0", 5.0, 30.0}};
+  const auto run = simulate(reqs, o, tokenizer());
+  size_t paused = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const auto& r = run.results[i];
+    ASSERT_TRUE(r.success) << i << ": " << r.error;
+    const double longest_gap =
+        r.itl_s.empty() ? 0 : *std::max_element(r.itl_s.begin(), r.itl_s.end());
+    if (longest_gap > 20 || r.ttft_s > 20) ++paused;
+    const double ejected_by = 5.0 + 3 * 2.0 + 2.0;
+    if (reqs[i].arrival_s > ejected_by && reqs[i].arrival_s < 35) {
+      EXPECT_LT(r.ttft_s + longest_gap, 5.0) << i << ": served by decode-1";
+    }
+  }
+  EXPECT_GT(paused, 0u);
+  EXPECT_GT(run.timeouts, 0);  // the probes
+  EXPECT_EQ(run.retries, 0);
+  for (const auto& e : run.engines) {
+    EXPECT_TRUE(e.healthy) << e.name;
+    EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+  }
+}
+
+TEST(ClusterSimulation, AStallLongerThanTheIdleTimeoutCutsItsStreamsByTheTimeout) {
+  auto reqs = random_requests(20, 23);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].arrival_s = 0.5 * double(i);
+    reqs[i].output_len = 200;
+  }
+  auto o = options(2, "deepseek-v3-h800");
+  o.gateway.policy = "round_robin";
+  o.gateway.timeouts.idle = o.gateway.timeouts.first_token = std::chrono::seconds(10);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 3.0, 60.0}};
+  const auto run = simulate(reqs, o, tokenizer());
+  size_t failed = 0;
+  for (const auto& r : run.results) failed += !r.success;
+  EXPECT_GT(failed, 0u);  // streams decode-0 was sending, cut after 10 s of silence
+  EXPECT_LT(failed, reqs.size());
+  EXPECT_GT(run.leg_failures, 0);
+  for (const auto& e : run.engines) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+}
+
+TEST(ClusterSimulation, ASlowLinkFaultDelaysTheTransfersThatStartWhileItLasts) {
+  // The links of prefill-0 run 10x slower from 0 to 200 s: the first request's transfer takes
+  // 10x as long; one sent after the fault ended takes the link's own time.
+  auto o = pd_options(gateway::PdMode::kParallel, 1, 1, "deepseek-v3-h800");
+  o.kv_link.bytes_per_s = 1e6;
+  o.kv_transfer_timeout_s = 1e6;
+  o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = std::chrono::seconds(10000);
+  o.faults = {{Fault::Kind::kSlowLink, "prefill-0", 0.0, 200.0, 10.0}};
+  const auto run =
+      simulate({request(0, words(200, 3), 4), request(300, words(200, 5), 4)}, o, tokenizer());
+  ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+  ASSERT_TRUE(run.results[1].success) << run.results[1].error;
+  ASSERT_EQ(run.kv_transfers, 2);
+  const double transfer_s = run.kv_transfer_bytes / 2 / 1e6;  // at full speed
+  EXPECT_GT(transfer_s, 5);
+  EXPECT_GE(run.results[0].ttft_s, 10 * transfer_s);
+  EXPECT_LT(run.results[0].ttft_s, 10 * transfer_s + 1.0);
+  EXPECT_GE(run.results[1].ttft_s, transfer_s);
+  EXPECT_LT(run.results[1].ttft_s, transfer_s + 1.0);
 }
 
 TEST(ClusterSimulation, BadInputIsACleanError) {
@@ -276,6 +392,16 @@ TEST(ClusterSimulation, BadInputIsACleanError) {
                Error);
   EXPECT_THROW(simulate({request(0, words(10, 1), 2)}, options(0, "deepseek-v3-h800"), tokenizer()),
                Error);
+  auto faulty = options(1, "deepseek-v3-h800");
+  faulty.faults = {{Fault::Kind::kStall, "decode-7", 1.0, 1.0}};
+  try {
+    simulate({request(0, words(10, 1), 2)}, faulty, tokenizer());
+    ADD_FAILURE() << "an unknown engine's fault was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("decode-7"), std::string::npos) << e.what();
+  }
+  faulty.faults = {{Fault::Kind::kStall, "decode-0", 1.0, -1.0}};
+  EXPECT_THROW(simulate({request(0, words(10, 1), 2)}, faulty, tokenizer()), Error);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "engine/executor/sim_executor.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "util/error.h"
@@ -63,8 +64,54 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
     for (int64_t l = cap.first_moe_layer; l < cap.layers; ++l) info_.moe_layers.push_back(l);
     info_.routed_experts = cap.routed_experts;
   }
+  const SimMtpOptions& mtp = options.mtp;
+  if (mtp.drafts < 0 || mtp.drafts > 16) throw Error("sim: MTP drafts must be 0..16");
+  if (mtp.acceptance.empty()) throw Error("sim: MTP acceptance: expected at least one probability");
+  for (double p : mtp.acceptance)
+    if (!(p >= 0 && p <= 1))
+      throw Error("sim: MTP acceptance " + std::to_string(p) + " is not a probability (0..1)");
+  if (!(mtp.draft_pass_share >= 0 && mtp.draft_pass_share < 1e6))
+    throw Error("sim: MTP draft pass share must be >= 0");
+  info_.speculative_tokens = mtp.drafts;
   pattern_.resize(size_t(options.block_size * token_bytes));
   for (size_t i = 0; i < pattern_.size(); ++i) pattern_[i] = std::byte(i * 131 + 7);
+}
+
+size_t SimExecutor::next_token(uint64_t position, int32_t previous) const {
+  const uint64_t h = hash_u64(
+      options_.seed ^ hash_u64(position * 0x9e3779b97f4a7c15ULL ^ static_cast<uint32_t>(previous)));
+  return h % ordinary_.size();
+}
+
+void SimExecutor::emit(size_t index, int32_t logprobs, StepTokens& out) const {
+  TokenLogprob& t = out.tokens.emplace_back();
+  t.token = ordinary_[index];
+  t.logprob = 0;
+  if (logprobs <= 0) return;
+  // Placeholder alternatives: the ordinary tokens after the sampled one.
+  t.top.emplace_back(t.token, 0.0f);
+  for (int32_t k = 1; k < logprobs; ++k)
+    t.top.emplace_back(ordinary_[(index + size_t(k)) % ordinary_.size()], -static_cast<float>(k));
+}
+
+void SimExecutor::propose_drafts(uint64_t position, int32_t last, int64_t count,
+                                 StepTokens& out) const {
+  const std::vector<double>& acceptance = options_.mtp.acceptance;
+  for (int64_t d = 0; d < count; ++d) {
+    ++position;
+    const size_t index = next_token(position, last);
+    const double p = acceptance[std::min(size_t(d), acceptance.size() - 1)];
+    // A uniform draw in [0, 1) from the seed, the position and the token before.
+    const uint64_t h =
+        hash_u64(options_.seed ^ 0x6d74702d64726166ULL ^
+                 hash_u64(position * 0xc2b2ae3d27d4eb4fULL ^ static_cast<uint32_t>(last)));
+    const bool right = double(h >> 11) * 0x1.0p-53 < p || ordinary_.size() == 1;
+    // A wrong draft is another ordinary token.
+    const size_t other =
+        (index + 1 + h % (ordinary_.size() - 1 + (ordinary_.size() == 1))) % ordinary_.size();
+    out.drafts.push_back(ordinary_[right ? index : other]);
+    last = ordinary_[index];
+  }
 }
 
 const std::byte* SimExecutor::kv_bytes(int32_t, int64_t) const {
@@ -80,7 +127,7 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook
     const auto n = static_cast<int64_t>(item.tokens.size());
     if (n == 1 && !item.generated.empty()) {
       ++shape.decode_seqs;
-      ++shape.decode_tokens;
+      shape.decode_tokens += 1 + static_cast<int64_t>(item.drafts.size());
       shape.decode_context_tokens += item.start;
     } else {
       shape.prefills.push_back({n, item.start});
@@ -88,26 +135,31 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook
   }
   ExecResult result;
   result.sampled.resize(batch.size());
+  int64_t draft_passes = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     const auto& item = batch[i];
-    if (!item.drafts.empty())
-      throw Error("the simulated executor does not speculate: item " + std::to_string(i) +
-                  " has drafts");
+    if (!item.drafts.empty() && info_.speculative_tokens == 0)
+      throw Error("the simulated executor speculates only with MTP drafts on: item " +
+                  std::to_string(i) + " has drafts");
     if (!item.sample) continue;
-    const auto position = static_cast<uint64_t>(item.start) + item.tokens.size();
-    const uint64_t h =
-        hash_u64(options_.seed ^ hash_u64(position * 0x9e3779b97f4a7c15ULL ^
-                                          static_cast<uint32_t>(item.tokens.back())));
-    TokenLogprob& out = result.sampled[i].tokens.emplace_back();
-    out.token = ordinary_[h % ordinary_.size()];
-    out.logprob = 0;
-    if (item.logprobs > 0) {
-      out.top.emplace_back(out.token, 0.0f);
-      for (int32_t k = 1; k < item.logprobs; ++k)
-        out.top.emplace_back(ordinary_[(h + k) % ordinary_.size()], -static_cast<float>(k));
+    // Verification: the drafts the sequence does continue with, up to the first that it does
+    // not, then the token after the last accepted one (or the rejected draft's replacement).
+    StepTokens& out = result.sampled[i];
+    uint64_t position = static_cast<uint64_t>(item.start) + item.tokens.size();
+    int32_t previous = item.tokens.back();
+    for (size_t d = 0;; ++d, ++position) {
+      const size_t index = next_token(position, previous);
+      emit(index, item.logprobs, out);
+      previous = ordinary_[index];
+      if (d == item.drafts.size() || item.drafts[d] != previous) break;
+    }
+    if (info_.speculative_tokens > 0) {
+      propose_drafts(position, out.tokens.back().token, info_.speculative_tokens, out);
+      draft_passes = info_.speculative_tokens;
     }
   }
   double seconds = model_.step_seconds(shape) * options_.time_scale;
+  seconds *= 1 + options_.mtp.draft_pass_share * double(draft_passes);
   if (expert_parallel_) {
     int64_t tokens = shape.decode_tokens;
     for (const PrefillPart& p : shape.prefills) tokens += p.new_tokens;

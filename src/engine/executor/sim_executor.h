@@ -10,6 +10,12 @@
 // always continues the same way and a generation never ends early on EOS: requests end at
 // max_tokens or a stop string/id. Logprobs are placeholders (0 for the sampled token, -1, -2, ...
 // for the alternatives) since there is no model distribution.
+//
+// Multi-token prediction (SimMtpOptions) is an acceptance model: the executor proposes drafts,
+// each of which is the token the sequence will continue with (with the draft position's
+// acceptance probability, given the drafts before it were) or another one, decided from the seed.
+// Verification accepts drafts up to the first wrong one, so answers are exactly those without
+// speculation and only the tokens per step change.
 #include <chrono>
 #include <functional>
 #include <optional>
@@ -22,6 +28,17 @@
 #include "text/tokenizer.h"
 
 namespace tandem::engine {
+
+struct SimMtpOptions {
+  int64_t drafts = 0;  // draft tokens per sampled sequence and step (0: no speculation)
+  // Per draft position, the probability that the draft is right given that the ones before it
+  // were; positions past the list repeat its last value. DeepSeek-V3's report: 0.85-0.9 for the
+  // second token (the first draft).
+  std::vector<double> acceptance = {0.85};
+  // A step that drafts costs this share of its modelled time more per draft pass (the MTP module
+  // is one more transformer layer next to DeepSeek-V3's 61).
+  double draft_pass_share = 1.0 / 61;
+};
 
 struct SimExecutorOptions {
   std::string preset;  // a SimLatencyModel preset name, or a path to a fitted model JSON
@@ -37,6 +54,7 @@ struct SimExecutorOptions {
   // Expert parallelism (ranks > 0): a step's MoE time follows the busiest rank's routes under
   // a placement; the executor then also reports its routes (GET /expert_load).
   SimExpertParallelOptions expert_parallel;
+  SimMtpOptions mtp;
   // How a step's modelled time passes: empty, the step sleeps it; set, it is called with the
   // seconds instead (the cluster simulator advances its virtual clock by them).
   std::function<void(double seconds)> wait;
@@ -54,6 +72,14 @@ class SimExecutor : public Executor {
   const SimLatencyModel& latency_model() const { return model_; }
 
  private:
+  // The token the sequence continues with at `position` after `previous`, as an index into
+  // ordinary_.
+  size_t next_token(uint64_t position, int32_t previous) const;
+  // Appends ordinary_[index] to `out`, with the placeholder logprobs when `logprobs` > 0.
+  void emit(size_t index, int32_t logprobs, StepTokens& out) const;
+  // Drafts for the positions after `position` (where `last` is), per the acceptance model.
+  void propose_drafts(uint64_t position, int32_t last, int64_t count, StepTokens& out) const;
+
   SimLatencyModel model_;
   ExecutorInfo info_;
   SimExecutorOptions options_;
