@@ -1,5 +1,6 @@
 #include "api/load_report.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -36,7 +37,33 @@ bool describes_an_engine(const LoadReport& r) {
   return r.total_blocks > 0 && r.block_size > 0;
 }
 
-std::string to_json(const LoadReport& r) {
+std::string load_target(uint64_t since_step) {
+  return since_step == 0 ? "/load" : "/load?since_step=" + std::to_string(since_step);
+}
+
+uint64_t load_since_step(std::string_view target) {
+  constexpr std::string_view kKey = "since_step=";
+  const auto query = target.find('?');
+  if (query == std::string_view::npos) return 0;
+  for (size_t at = query + 1; at < target.size();) {
+    const size_t end = std::min(target.find('&', at), target.size());
+    const std::string_view pair = target.substr(at, end - at);
+    if (pair.starts_with(kKey)) {
+      uint64_t n = 0;
+      const std::string_view digits = pair.substr(kKey.size());
+      if (digits.empty() || digits.size() > 19) return 0;
+      for (char c : digits) {
+        if (c < '0' || c > '9') return 0;
+        n = n * 10 + uint64_t(c - '0');
+      }
+      return n;
+    }
+    at = end + 1;
+  }
+  return 0;
+}
+
+std::string to_json(const LoadReport& r, uint64_t since_step) {
   json j = {{"running", r.running},
             {"waiting", r.waiting},
             {"free_blocks", r.free_blocks},
@@ -57,7 +84,10 @@ std::string to_json(const LoadReport& r) {
     j["step"] = nullptr;
   }
   json steps = json::array();
+  // Past the newest step: the asker knew an earlier life of this engine, and gets every step.
+  if (!r.recent_steps.empty() && since_step > r.recent_steps.back().index) since_step = 0;
   for (const auto& s : r.recent_steps) {
+    if (s.index <= since_step) continue;
     json row = {s.index, s.seqs, s.tokens, s.seconds};
     if (s.prefill_pairs >= 0) row.push_back(s.prefill_pairs);
     steps.push_back(std::move(row));

@@ -39,8 +39,15 @@ struct LoadReport {
   std::vector<StepRecord> recent_steps;  // oldest first
 };
 
-// The /load body.
-std::string to_json(const LoadReport& report);
+// The gateway's poll asks only for the steps it has not seen: GET /load?since_step=N (docs/
+// gateway.md). An engine answers with its recent steps after step N, or all of them when N is
+// beyond its newest (a restarted engine, whose indices start again); one that ignores the
+// parameter sends them all, which the gateway reads the same way.
+std::string load_target(uint64_t since_step);
+// The N of a /load target ("/load?since_step=N"); 0 when absent or not a number.
+uint64_t load_since_step(std::string_view target);
+// The /load body, with the recent steps after `since_step` as above.
+std::string to_json(const LoadReport& report, uint64_t since_step = 0);
 
 // Whether a parsed /load body describes an engine: every Tandem engine reports its KV cache. Other
 // servers answer GET /load with other objects (vLLM's {"server_load": N}, a proxy's fixed reply),

@@ -55,9 +55,10 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
       "GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
         ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
       });
-  server_.route("GET", "/load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-    ex->respond(200, api::to_json(engine_.load()));
-  });
+  server_.route("GET", "/load",
+                [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+                  ex->respond(200, api::to_json(engine_.load(), api::load_since_step(req.target)));
+                });
   server_.route(
       "GET", "/expert_load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
         if (auto load = engine_.expert_load()) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <memory>
 
+#include "api/load_report.h"
+
 namespace tandem::gateway {
 namespace {
 
@@ -25,11 +27,11 @@ void HealthMonitor::start() {
 }
 
 // A GET of the gateway's own (health, load) to an engine, bounded by the probe timeout.
-net::AsyncHttpRequest HealthMonitor::engine_get(const EndpointState& e, const char* target) const {
+net::AsyncHttpRequest HealthMonitor::engine_get(const EndpointState& e, std::string target) const {
   net::AsyncHttpRequest u;
   u.host = e.config.host;
   u.port = e.config.port;
-  u.target = target;
+  u.target = std::move(target);
   u.timeout = topo_.health.probe_timeout;
   u.connect_timeout = std::min(topo_.timeouts.connect, topo_.health.probe_timeout);
   return u;
@@ -79,7 +81,7 @@ void HealthMonitor::poll_loads() {
         if (endpoints_.load_result(id, launched, std::move(answer), exec_.now())) changed_();
       });
     };
-    upstream_.start(engine_get(e, "/load"), std::move(h));
+    upstream_.start(engine_get(e, api::load_target(e.load.last_step)), std::move(h));
   }
   exec_.at(exec_.now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
 }

@@ -5,6 +5,7 @@
 // (dialect auto). Calls go through the Upstream seam, timers through the Executor: tests drive
 // both without sockets or clocks.
 #include <functional>
+#include <string>
 
 #include "gateway/endpoints.h"
 #include "gateway/seams.h"
@@ -26,7 +27,7 @@ class HealthMonitor {
  private:
   void probe_all();
   void poll_loads();
-  net::AsyncHttpRequest engine_get(const EndpointState& e, const char* target) const;
+  net::AsyncHttpRequest engine_get(const EndpointState& e, std::string target) const;
 
   const Topology& topo_;
   Executor& exec_;

@@ -98,13 +98,13 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
     reply->respond(200, "", "text/plain");
     return;
   }
-  if (request.method == "GET" && request.target == "/load") {
+  if (request.method == "GET" && request.target.substr(0, request.target.find('?')) == "/load") {
     engine::LoadReport r = engine_->load();
     if (phase_ == Phase::kEnding && step_load_) {
       r = *step_load_;
       r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
     }
-    reply->respond(200, api::to_json(r), "application/json");
+    reply->respond(200, api::to_json(r, api::load_since_step(request.target)), "application/json");
     return;
   }
   for (const auto& [route, kind] : kGenerationRoutes) {

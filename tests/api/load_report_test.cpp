@@ -126,6 +126,34 @@ TEST(LoadReport, KvUsageAndCountsMustBeNumbers) {
 
 // Other servers answer GET /load too: vLLM's server-load tracking, or a proxy's fixed reply. They
 // parse, but describe no engine, so a gateway does not take them for an engine with nothing free.
+TEST(LoadReport, APollSinceAStepGetsOnlyTheStepsAfterIt) {
+  LoadReport r;
+  r.total_blocks = 10;
+  r.block_size = 16;
+  for (uint64_t i = 5; i <= 9; ++i) r.recent_steps.push_back({i, 1, 1, 0.01, -1});
+  auto indices = [](const LoadReport& report) {
+    std::vector<uint64_t> out;
+    for (const auto& s : report.recent_steps) out.push_back(s.index);
+    return out;
+  };
+  EXPECT_EQ(indices(parse_load_report(to_json(r))), (std::vector<uint64_t>{5, 6, 7, 8, 9}));
+  EXPECT_EQ(indices(parse_load_report(to_json(r, 7))), (std::vector<uint64_t>{8, 9}));
+  EXPECT_TRUE(parse_load_report(to_json(r, 9)).recent_steps.empty());
+  // Beyond the newest step the poller knew an earlier life of the engine: every step.
+  EXPECT_EQ(indices(parse_load_report(to_json(r, 40))), (std::vector<uint64_t>{5, 6, 7, 8, 9}));
+}
+
+TEST(LoadReport, ThePollTargetCarriesTheLastStepSeen) {
+  EXPECT_EQ(load_target(0), "/load");
+  EXPECT_EQ(load_target(123), "/load?since_step=123");
+  EXPECT_EQ(load_since_step(load_target(123)), 123u);
+  EXPECT_EQ(load_since_step("/load"), 0u);
+  EXPECT_EQ(load_since_step("/load?x=1&since_step=7"), 7u);
+  for (const char* bad : {"/load?since_step=", "/load?since_step=-3", "/load?since_step=1e3",
+                          "/load?since_step=99999999999999999999999", "/load?since=5"})
+    EXPECT_EQ(load_since_step(bad), 0u) << bad;
+}
+
 TEST(LoadReport, OnlyAnEnginesReportDescribesAnEngine) {
   EXPECT_FALSE(describes_an_engine(parse_load_report(R"({"server_load":3})")));
   EXPECT_FALSE(describes_an_engine(parse_load_report(R"({"id":"cmpl-1","choices":[]})")));

@@ -9,8 +9,10 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
 #include <nlohmann/json.hpp>
 
+#include "api/load_report.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
 #include "gateway/front_end.h"
@@ -56,16 +58,20 @@ class FakeEngines final : public Upstream {
   }
 
   // The calls not yet answered to `target` (e.g. "/v1/completions"), oldest first.
+  // A call's target without its query (a load poll asks for the steps after one it saw).
+  static std::string path_of(const std::string& target) {
+    return target.substr(0, target.find('?'));
+  }
   std::vector<std::shared_ptr<Call>> open(const std::string& target = {}) const {
     std::vector<std::shared_ptr<Call>> out;
     for (const auto& c : calls_)
-      if (!c->done && (target.empty() || c->request.target == target)) out.push_back(c);
+      if (!c->done && (target.empty() || path_of(c->request.target) == target)) out.push_back(c);
     return out;
   }
   std::vector<std::shared_ptr<Call>> all(const std::string& target) const {
     std::vector<std::shared_ptr<Call>> out;
     for (const auto& c : calls_)
-      if (c->request.target == target) out.push_back(c);
+      if (path_of(c->request.target) == target) out.push_back(c);
     return out;
   }
 
@@ -637,6 +643,26 @@ TEST(HealthMonitor, AnAutoEngineWithoutALoadReportIsRoutedByOwnCounts) {
   EXPECT_EQ(c.endpoint("a")["load_source"], "own_counts");
   c.clock.advance_by(milliseconds(1000));
   EXPECT_TRUE(c.engines.open("/load").empty());  // never asked again
+}
+
+TEST(HealthMonitor, ALoadPollAsksOnlyForTheStepsAfterTheLastOneSeen) {
+  Topology t = aggregated({engine("a")});
+  t.decode.dialect = Dialect::kTandem;
+  t.scheduling.load_interval = milliseconds(100);
+  Cluster c(t);
+  c.health.start();
+  auto polls = c.engines.open("/load");
+  ASSERT_EQ(polls.size(), 1u);
+  EXPECT_EQ(polls[0]->request.target, "/load");  // nothing seen yet
+  api::LoadReport r;
+  r.total_blocks = 100;
+  r.block_size = 16;
+  r.recent_steps = {{41, 1, 8, 0.02, -1}, {42, 1, 8, 0.02, -1}};
+  FakeEngines::answer(*polls[0], 200, api::to_json(r));
+  c.clock.advance_by(milliseconds(100));
+  polls = c.engines.open("/load");
+  ASSERT_EQ(polls.size(), 1u);
+  EXPECT_EQ(polls[0]->request.target, "/load?since_step=42");
 }
 
 TEST(HealthMonitor, AFailedLoadPollNeitherBlocksRequestsNorDecidesTheDialect) {
