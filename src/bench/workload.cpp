@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -344,6 +345,12 @@ std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, in
 
 BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& record,
                               int64_t block_size, uint64_t seed) {
+  return make_request(vocab, mooncake_prompt(vocab, record, block_size, seed),
+                      record.output_length);
+}
+
+std::vector<int32_t> mooncake_prompt(const TokenVocab& vocab, const MooncakeRecord& record,
+                                     int64_t block_size, uint64_t seed) {
   std::vector<int32_t> ids;
   ids.reserve(record.input_length);
   for (int64_t id : record.hash_ids) {
@@ -352,7 +359,7 @@ BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& rec
     if (take <= 0) break;
     ids.insert(ids.end(), block.begin(), block.begin() + take);
   }
-  return make_request(vocab, std::move(ids), record.output_length);
+  return ids;
 }
 
 std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const MooncakeOptions& o) {
@@ -365,6 +372,14 @@ std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const Moonc
     out.push_back(std::move(req));
   }
   return out;
+}
+
+LazyWorkload lazy(std::vector<BenchRequest> requests) {
+  LazyWorkload w;
+  for (const BenchRequest& r : requests) w.arrival_s.push_back(r.arrival_s);
+  auto all = std::make_shared<const std::vector<BenchRequest>>(std::move(requests));
+  w.make = [all](size_t i) { return all->at(i); };
+  return w;
 }
 
 // --- Azure ---------------------------------------------------------------------------------

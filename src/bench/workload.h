@@ -10,6 +10,7 @@
 // deterministic for a given seed, on every platform (bench/rng.h).
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -25,6 +26,17 @@ struct BenchRequest {
   std::string prompt_text;  // encodes (no BOS / special tokens) to exactly prompt_ids
   int64_t output_len = 0;   // tokens to generate (send with ignore_eos to force it)
 };
+
+// A workload whose requests are made when they are sent: the arrival times up front, each
+// request on demand, so a whole trace is never in memory at once. `make(i)` returns request i
+// with arrival_s[i]; its prompt_text may be empty (drivers that send ids need none).
+struct LazyWorkload {
+  std::vector<double> arrival_s;
+  std::function<BenchRequest(size_t)> make;
+  size_t size() const { return arrival_s.size(); }
+};
+// The requests as a LazyWorkload (copies on demand).
+LazyWorkload lazy(std::vector<BenchRequest> requests);
 
 // The text-safe token vocabulary of a tokenizer: ids whose bytes are ' ' followed by ASCII
 // letters only, that are not special, and that the tokenizer encodes back to that single id
@@ -145,9 +157,13 @@ std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, in
                                     uint64_t seed);
 // One record expanded as mooncake_workload expands it (arrival_s left 0). The whole
 // conversation trace is 145 M prompt tokens (~1.5 GB as ids plus text), so a driver replaying
-// all of it should read the records and expand each request shortly before sending it.
+// all of it should read the records and expand each request shortly before sending it
+// (LazyWorkload).
 BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& record,
                               int64_t block_size, uint64_t seed);
+// Its prompt's ids alone (no text).
+std::vector<int32_t> mooncake_prompt(const TokenVocab& vocab, const MooncakeRecord& record,
+                                     int64_t block_size, uint64_t seed);
 
 // Azure LLM inference trace (CSV: TIMESTAMP "YYYY-MM-DD HH:MM:SS.fffffff", ContextTokens,
 // GeneratedTokens). No prefix information: each prompt is random text-safe tokens.

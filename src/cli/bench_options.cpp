@@ -56,6 +56,36 @@ std::string workload_tokenizer_dir(const WorkloadCliOptions& o) {
   return o.tokenizer.empty() ? default_tokenizer().string() : o.tokenizer;
 }
 
+bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
+  if (o.dataset != "mooncake" || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
+  // A Mooncake trace is its records (a few hash ids each) until a request is sent.
+  bench::MooncakeOptions m;
+  m.path = o.dataset_path;
+  m.window = {o.trace_start, o.trace_limit, o.time_scale};
+  m.seed = o.seed;
+  auto records = std::make_shared<const std::vector<bench::MooncakeRecord>>(
+      bench::read_mooncake_trace(m.path, m.window, m.block_size));
+  bench::LazyWorkload w;
+  for (const auto& r : *records)
+    w.arrival_s.push_back((r.timestamp_ms - records->front().timestamp_ms) / 1000.0 * o.time_scale);
+  if (std::isfinite(o.request_rate)) {
+    bench::ArrivalOptions a;
+    a.request_rate = o.request_rate;
+    a.burstiness = o.burstiness;
+    a.seed = o.seed;
+    w.arrival_s = bench::rate_arrivals(records->size(), a);
+  }
+  auto vocab = std::make_shared<const bench::TokenVocab>(bench::TokenVocab::build(tok));
+  w.make = [records, vocab, m, arrivals = w.arrival_s](size_t i) {
+    bench::BenchRequest r;
+    r.arrival_s = arrivals.at(i);
+    r.prompt_ids = bench::mooncake_prompt(*vocab, records->at(i), m.block_size, m.seed);
+    r.output_len = records->at(i).output_length;
+    return r;
+  };
+  return w;
+}
+
 std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
                                                 const text::Tokenizer& tok) {
   const auto vocab = bench::TokenVocab::build(tok);

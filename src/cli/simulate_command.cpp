@@ -94,8 +94,8 @@ Fault parse_fault(const std::string& flag, const std::string& spec) {
 // One simulation per grid point over the same workload: a row each (goodput, TTFT and TPOT
 // percentiles, prefix hit rate), and the points in the result JSON.
 void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
-               const std::vector<bench::BenchRequest>& reqs,
-               std::shared_ptr<const text::Tokenizer> tok, bench::MetricsOptions mo) {
+               const bench::LazyWorkload& reqs, std::shared_ptr<const text::Tokenizer> tok,
+               bench::MetricsOptions mo) {
   if (!o.outputs.html.empty())
     throw Error("--html: a sweep writes its table and --result-file, not a report (yet)");
   const auto points = sim::sweep_points(o.sweep, {base.prefill, base.decode, base.gateway.policy});
@@ -182,8 +182,8 @@ void run(const SimulateCliOptions& o) {
 
   auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
   const bench::MetricsOptions mo = metrics_options(o.metrics);
-  const auto reqs = build_workload(o.workload, *tok);
-  if (reqs.empty()) throw Error("the workload has no requests");
+  const bench::LazyWorkload reqs = build_lazy_workload(o.workload, *tok);
+  if (reqs.size() == 0) throw Error("the workload has no requests");
   const WorkloadCliOptions& w = o.workload;
   if (!o.sweep.empty()) {
     run_sweep(o, so, reqs, tok, mo);

@@ -144,15 +144,17 @@ json member(const json& o, const char* name) {
 }  // namespace
 
 PromptTokenizer::PromptTokenizer(const std::filesystem::path& dir, std::string model_name,
-                                 int64_t max_model_len)
-    : tokenizer_(text::Tokenizer::from_dir(dir)) {
-  if (!tokenizer_.chat_template().empty())
-    chat_template_ = std::make_unique<text::ChatTemplate>(tokenizer_.chat_template());
+                                 int64_t max_model_len,
+                                 std::shared_ptr<const text::Tokenizer> loaded)
+    : tokenizer_(loaded ? std::move(loaded)
+                        : std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(dir))) {
+  if (!tokenizer_->chat_template().empty())
+    chat_template_ = std::make_unique<text::ChatTemplate>(tokenizer_->chat_template());
   limits_.model_name = std::move(model_name);
   // The engine's limits: the checkpoint's vocab_size and max_position_embeddings (CpuExecutor),
   // or the tokenizer's vocabulary (SimExecutor). Only these two fields are read: the gateway may
   // front engines of any architecture, whose config.json ModelConfig (DeepSeek's) would refuse.
-  limits_.vocab_size = static_cast<int64_t>(tokenizer_.vocab_size());
+  limits_.vocab_size = static_cast<int64_t>(tokenizer_->vocab_size());
   const auto config = dir / "config.json";
   if (std::filesystem::exists(config)) {
     json doc;
@@ -195,8 +197,8 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
   api::ApiRequest r;
   try {
     r = kind == ApiKind::kCompletion
-            ? api::parse_completion(body, tokenizer_, limits)
-            : api::parse_chat(body, tokenizer_, chat_template_.get(), limits);
+            ? api::parse_completion(body, *tokenizer_, limits)
+            : api::parse_chat(body, *tokenizer_, chat_template_.get(), limits);
   } catch (const Error& e) {
     throw ApiError{400, e.what(), ""};
   }

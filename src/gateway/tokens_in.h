@@ -44,9 +44,11 @@ class PromptTokenizer {
   // as the engine does, and the limits from DIR/config.json (`vocab_size`,
   // `max_position_embeddings`) when it exists. `model_name`: the model id clients must name
   // (others are answered 404, as the engine does); empty: any. `max_model_len` > 0 overrides the
-  // config's (engines started with --max-model-len). Throws tandem::Error for unreadable files.
+  // config's (engines started with --max-model-len). `loaded`: DIR's tokenizer when the caller
+  // has it already (it is not read again). Throws tandem::Error for unreadable files.
   explicit PromptTokenizer(const std::filesystem::path& dir, std::string model_name = {},
-                           int64_t max_model_len = 0);
+                           int64_t max_model_len = 0,
+                           std::shared_ptr<const text::Tokenizer> loaded = nullptr);
   ~PromptTokenizer();
 
   // For a request to `path` ("/v1/completions" or "/v1/chat/completions") with this body: the
@@ -55,12 +57,12 @@ class PromptTokenizer {
   // engine would refuse (the gateway answers it with its status, message and param).
   std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body) const;
 
-  const text::Tokenizer& tokenizer() const { return tokenizer_; }
+  const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   // 0 when neither config.json nor the constructor said.
   int64_t max_model_len() const { return limits_.max_model_len; }
 
  private:
-  text::Tokenizer tokenizer_;
+  std::shared_ptr<const text::Tokenizer> tokenizer_;
   std::unique_ptr<text::ChatTemplate> chat_template_;
   api::ModelLimits limits_;
 };

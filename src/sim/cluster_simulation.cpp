@@ -102,6 +102,11 @@ constexpr uint16_t kTransferPort = 9000;
 SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
                        const SimulationOptions& options,
                        std::shared_ptr<const text::Tokenizer> tokenizer) {
+  return simulate(bench::lazy(requests), options, std::move(tokenizer));
+}
+
+SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOptions& options,
+                       std::shared_ptr<const text::Tokenizer> tokenizer) {
   if (options.decode < 1) throw Error("the simulated cluster needs at least one decode engine");
   if (options.prefill < 0) throw Error("--prefill: expected 0 or more engines");
   const bool pd = options.gateway.mode != gateway::PdMode::kAggregated;
@@ -143,8 +148,8 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
       {topo.scheduling.tandem, topo.scheduling.cache_aware, topo.scheduling.kv_router});
   std::unique_ptr<gateway::PromptTokenizer> prompt_tokenizer;
   if (!topo.model.empty())
-    prompt_tokenizer =
-        std::make_unique<gateway::PromptTokenizer>(topo.model, topo.served_model_name);
+    prompt_tokenizer = std::make_unique<gateway::PromptTokenizer>(
+        topo.model, topo.served_model_name, 0, tokenizer);  // the engines' (the same folder)
   gateway::EndpointTable endpoints(topo, gateway_metrics, index);
   gateway::Dispatcher dispatcher(topo, clock, upstream, *policy, endpoints, gateway_metrics,
                                  nullptr);
@@ -228,25 +233,28 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
     }
   }
 
-  // The clients, each at its arrival time.
+  // The clients, each at its arrival time; a request is made when it is sent.
+  const size_t n = workload.size();
   SimulationRun run;
-  run.results.resize(requests.size());
+  run.results.resize(n);
   size_t finished = 0;
   Clock::time_point last_answer = origin;
   bench::DriverOptions body_options;  // token-id prompts, streamed with usage, as tandem bench
-  for (size_t i = 0; i < requests.size(); ++i) {
-    if (!(requests[i].arrival_s >= 0))
-      throw Error("request " + std::to_string(i) + ": arrival time " +
-                  std::to_string(requests[i].arrival_s) + " s is not a time from the start");
-    clock.at(origin + duration_of(requests[i].arrival_s), [&, i] {
+  for (size_t i = 0; i < n; ++i) {
+    const double at = workload.arrival_s[i];
+    if (!(at >= 0))
+      throw Error("request " + std::to_string(i) + ": arrival time " + std::to_string(at) +
+                  " s is not a time from the start");
+    clock.at(origin + duration_of(at), [&, i] {
+      const bench::BenchRequest request = workload.make(i);
       net::HttpRequest req;
       req.method = "POST";
       req.target = req.path = body_options.endpoint;
       req.headers.set("Content-Type", "application/json");
       req.headers.set("X-Request-Id", "sim-" + std::to_string(i));
-      req.body = bench::request_body(requests[i], body_options);
+      req.body = bench::request_body(request, body_options);
       auto client = std::make_shared<MeasuredClient>(
-          clock, origin, static_cast<int64_t>(requests[i].prompt_ids.size()),
+          clock, origin, static_cast<int64_t>(request.prompt_ids.size()),
           [&, i](bench::RequestResult r) {
             run.results[i] = std::move(r);
             ++finished;
@@ -265,10 +273,9 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   };
   clock.run_ready();
   Clock::time_point next;
-  while ((finished < requests.size() || engines_busy()) && clock.next_timer(&next))
-    clock.advance_to(next);
-  if (finished < requests.size())
-    throw Error("the simulation stopped with " + std::to_string(requests.size() - finished) +
+  while ((finished < n || engines_busy()) && clock.next_timer(&next)) clock.advance_to(next);
+  if (finished < n)
+    throw Error("the simulation stopped with " + std::to_string(n - finished) +
                 " requests unanswered and nothing left to happen");
 
   run.duration_s = seconds_between(origin, last_answer);

@@ -100,8 +100,12 @@ struct SimulationRun {
   double virtual_end_s = 0;  // when the simulation stopped, from the first send
 };
 
-// Runs the workload (arrival_s from the start). Throws tandem::Error for a topology that cannot
-// serve (no engines, an unknown policy) or an unknown latency model.
+// Runs the workload (arrival_s from the start), making each request as it is sent. `tokenizer`
+// is the engines' and the gateway's (options.gateway.model names its folder when the gateway
+// tokenizes). Throws tandem::Error for a topology that cannot serve (no engines, an unknown
+// policy), an unknown latency model, a fault on no engine, or an arrival time that is not one.
+SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOptions& options,
+                       std::shared_ptr<const text::Tokenizer> tokenizer);
 SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
                        const SimulationOptions& options,
                        std::shared_ptr<const text::Tokenizer> tokenizer);
