@@ -316,6 +316,15 @@ TEST_F(BenchData, MooncakeEqualHashIdsGiveIdenticalBlocks) {
 
   // One record expanded alone equals its place in the workload.
   EXPECT_EQ(mooncake_request(*vocab_, records[77], 512, o.seed).prompt_ids, w[77].prompt_ids);
+  EXPECT_EQ(mooncake_prompt(*vocab_, records[77], 512, o.seed), w[77].prompt_ids);
+  // And the workload made on demand is the same workload.
+  const LazyWorkload made = lazy(w);
+  ASSERT_EQ(made.size(), w.size());
+  for (size_t i : {size_t{0}, size_t{77}, w.size() - 1}) {
+    EXPECT_EQ(made.arrival_s[i], w[i].arrival_s);
+    EXPECT_EQ(made.make(i).prompt_ids, w[i].prompt_ids);
+    EXPECT_EQ(made.make(i).output_len, w[i].output_len);
+  }
 
   expect_round_trip(w, 40);  // 40 requests, ~500k tokens: enough for the concatenation rule
 }
