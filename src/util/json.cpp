@@ -1,34 +1,352 @@
 #include "util/json.h"
 
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
 #include "util/error.h"
 
 namespace tandem {
+namespace {
 
-nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth) {
-  size_t depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > max_depth)
-        throw Error("JSON nesting is deeper than " + std::to_string(max_depth) + " levels");
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
+using nlohmann::json;
+
+// One pass over the text, with an explicit stack of open containers (no recursion), building the
+// same document nlohmann::json::parse builds: integers as unsigned when non-negative, signed when
+// negative, floating point when they have a fraction or exponent or do not fit 64 bits; the last of
+// duplicate object keys wins; strings must be valid UTF-8 without raw control characters, and
+// \u escapes must pair their surrogates. Token-id prompts of many thousand integers are the
+// common large body, so integers take a path without strtoull.
+class Reader {
+ public:
+  Reader(std::string_view text, size_t max_depth)
+      : begin_(text.data()),
+        p_(text.data()),
+        end_(text.data() + text.size()),
+        max_depth_(max_depth) {}
+
+  json document() {
+    if (end_ - p_ >= 3 && p_[0] == '\xEF' && p_[1] == '\xBB' && p_[2] == '\xBF') p_ += 3;
+    skip_space();
+    if (p_ == end_) fail("empty input (expected a JSON value)");
+    json root;
+    json* slot = &root;  // where the next value goes
+    for (;;) {
+      skip_space();
+      if (p_ == end_) fail("unexpected end (expected a value)");
+      const char c = *p_;
+      bool value_done = true;
+      if (c == '{' || c == '[') {
+        ++p_;
+        if (stack_.size() >= max_depth_)
+          throw Error("JSON nesting is deeper than " + std::to_string(max_depth_) + " levels");
+        const bool object = c == '{';
+        *slot = object ? json::object() : json::array();
+        stack_.push_back({slot, object});
+        skip_space();
+        if (p_ != end_ && *p_ == (object ? '}' : ']')) {
+          ++p_;
+          stack_.pop_back();
+        } else if (!number_into_array(stack_.back())) {
+          slot = next_slot(stack_.back());
+          value_done = false;
+        }
+      } else {
+        scalar(*slot);
+      }
+      if (!value_done) continue;
+      // A value is complete: close what ends here, then find where the next one goes.
+      for (;;) {
+        if (stack_.empty()) {
+          skip_space();
+          if (p_ != end_) fail("unexpected content after the document");
+          return root;
+        }
+        skip_space();
+        const Open& open = stack_.back();
+        const char close = open.object ? '}' : ']';
+        if (p_ == end_) fail(std::string("unexpected end (expected ',' or '") + close + "')");
+        if (*p_ == ',') {
+          ++p_;
+          if (number_into_array(open)) continue;
+          slot = next_slot(open);
+          break;
+        }
+        if (*p_ != close) fail(std::string("expected ',' or '") + close + "'");
+        ++p_;
+        stack_.pop_back();
+      }
     }
   }
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(std::string("malformed JSON: ") + e.what());
+
+ private:
+  struct Open {
+    json* node;
+    bool object;
+  };
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error("malformed JSON at byte " + std::to_string(p_ - begin_) + ": " + what);
   }
+
+  void skip_space() {
+    while (p_ != end_ && (*p_ == ' ' || *p_ == '\n' || *p_ == '\r' || *p_ == '\t')) ++p_;
+  }
+
+  // The slot of the next element of `open`: an array's new last element, or an object's member
+  // after its key and colon.
+  json* next_slot(const Open& open) {
+    if (!open.object) {
+      auto& array = open.node->get_ref<json::array_t&>();
+      array.emplace_back();
+      return &array.back();
+    }
+    skip_space();
+    if (p_ == end_ || *p_ != '"') fail("expected a member name in double quotes");
+    std::string key = string();
+    skip_space();
+    if (p_ == end_ || *p_ != ':') fail("expected ':' after a member name");
+    ++p_;
+    return &(*open.node)[std::move(key)];
+  }
+
+  // The long arrays are of numbers: one goes straight to the end of an open array.
+  bool number_into_array(const Open& open) {
+    if (open.object) return false;
+    skip_space();
+    if (p_ == end_ || (*p_ != '-' && (*p_ < '0' || *p_ > '9'))) return false;
+    open.node->get_ref<json::array_t&>().push_back(number());
+    return true;
+  }
+
+  void scalar(json& out) {
+    const char c = *p_;
+    if (c == '"') {
+      out = string();
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      out = number();
+    } else if (literal("true")) {
+      out = true;
+    } else if (literal("false")) {
+      out = false;
+    } else if (literal("null")) {
+      out = nullptr;
+    } else {
+      fail("expected a value");
+    }
+  }
+
+  bool literal(std::string_view word) {
+    if (static_cast<size_t>(end_ - p_) < word.size() || std::string_view(p_, word.size()) != word)
+      return false;
+    p_ += word.size();
+    return true;
+  }
+
+  json number() {
+    const char* start = p_;
+    const bool negative = *p_ == '-';
+    if (negative) ++p_;
+    auto digits = [&] {
+      const char* from = p_;
+      while (p_ != end_ && *p_ >= '0' && *p_ <= '9') ++p_;
+      return p_ - from;
+    };
+    if (p_ == end_ || *p_ < '0' || *p_ > '9') fail("expected a digit");
+    const char* int_start = p_;
+    if (*p_ == '0') {
+      ++p_;
+    } else {
+      digits();
+    }
+    const char* int_end = p_;
+    bool integer = true;
+    if (p_ != end_ && *p_ == '.') {
+      ++p_;
+      if (digits() == 0) fail("expected a digit after the decimal point");
+      integer = false;
+    }
+    if (p_ != end_ && (*p_ == 'e' || *p_ == 'E')) {
+      ++p_;
+      if (p_ != end_ && (*p_ == '+' || *p_ == '-')) ++p_;
+      if (digits() == 0) fail("expected a digit in the exponent");
+      integer = false;
+    }
+    if (integer) {
+      uint64_t magnitude = 0;
+      bool fits = true;
+      for (const char* d = int_start; d != int_end && fits; ++d) {
+        const auto digit = static_cast<uint64_t>(*d - '0');
+        fits = magnitude <= (UINT64_MAX - digit) / 10;
+        magnitude = magnitude * 10 + digit;
+      }
+      if (fits && !negative) return json(magnitude);
+      if (fits && magnitude <= uint64_t{1} << 63)
+        return json(magnitude == uint64_t{1} << 63 ? INT64_MIN : -static_cast<int64_t>(magnitude));
+    }
+    double value = 0;
+    const auto [end, error] = std::from_chars(start, p_, value);
+    if (error == std::errc::result_out_of_range) {
+      // Underflow reads as (nearly) zero, as strtod has it; overflow is refused below.
+      value = std::strtod(std::string(start, p_).c_str(), nullptr);
+    } else if (error != std::errc() || end != p_) {
+      fail("not a number");
+    }
+    if (!std::isfinite(value)) fail("number overflow: " + std::string(start, p_));
+    return json(value);
+  }
+
+  // A string from its opening quote; p_ ends after the closing one.
+  std::string string() {
+    ++p_;
+    std::string s;
+    for (;;) {
+      const char* run = p_;
+      while (p_ != end_ && static_cast<unsigned char>(*p_) >= 0x20 && *p_ != '"' && *p_ != '\\' &&
+             static_cast<unsigned char>(*p_) < 0x80)
+        ++p_;
+      s.append(run, p_);
+      if (p_ == end_) fail("unterminated string");
+      const auto c = static_cast<unsigned char>(*p_);
+      if (c == '"') {
+        ++p_;
+        return s;
+      }
+      if (c == '\\') {
+        escape(s);
+      } else if (c < 0x20) {
+        fail("control character in a string (escape it)");
+      } else {
+        utf8(s);
+      }
+    }
+  }
+
+  void escape(std::string& s) {
+    ++p_;
+    if (p_ == end_) fail("unterminated escape");
+    const char c = *p_++;
+    switch (c) {
+      case '"':
+        s += '"';
+        return;
+      case '\\':
+        s += '\\';
+        return;
+      case '/':
+        s += '/';
+        return;
+      case 'b':
+        s += '\b';
+        return;
+      case 'f':
+        s += '\f';
+        return;
+      case 'n':
+        s += '\n';
+        return;
+      case 'r':
+        s += '\r';
+        return;
+      case 't':
+        s += '\t';
+        return;
+      case 'u':
+        break;
+      default:
+        --p_;
+        fail("invalid escape");
+    }
+    uint32_t code = hex4();
+    if (code >= 0xDC00 && code <= 0xDFFF) fail("a low surrogate \\u escape without a high one");
+    if (code >= 0xD800 && code <= 0xDBFF) {
+      if (end_ - p_ < 2 || p_[0] != '\\' || p_[1] != 'u')
+        fail("a high surrogate \\u escape must be followed by a low one");
+      p_ += 2;
+      const uint32_t low = hex4();
+      if (low < 0xDC00 || low > 0xDFFF)
+        fail("a high surrogate \\u escape must be followed by a low one");
+      code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
+    }
+    if (code < 0x80) {
+      s += static_cast<char>(code);
+    } else if (code < 0x800) {
+      s += static_cast<char>(0xC0 | (code >> 6));
+      s += static_cast<char>(0x80 | (code & 0x3F));
+    } else if (code < 0x10000) {
+      s += static_cast<char>(0xE0 | (code >> 12));
+      s += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (code & 0x3F));
+    } else {
+      s += static_cast<char>(0xF0 | (code >> 18));
+      s += static_cast<char>(0x80 | ((code >> 12) & 0x3F));
+      s += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
+      s += static_cast<char>(0x80 | (code & 0x3F));
+    }
+  }
+
+  uint32_t hex4() {
+    if (end_ - p_ < 4) fail("a \\u escape needs four hex digits");
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i, ++p_) {
+      const char c = *p_;
+      v <<= 4;
+      if (c >= '0' && c <= '9')
+        v |= uint32_t(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        v |= uint32_t(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        v |= uint32_t(c - 'A' + 10);
+      else
+        fail("a \\u escape needs four hex digits");
+    }
+    return v;
+  }
+
+  // One multi-byte UTF-8 sequence (RFC 3629: no overlong forms, no surrogates, up to U+10FFFF).
+  void utf8(std::string& s) {
+    const auto b0 = static_cast<unsigned char>(*p_);
+    int more = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+      more = 1;
+    } else if (b0 == 0xE0) {
+      more = 2, lo = 0xA0;
+    } else if ((b0 >= 0xE1 && b0 <= 0xEC) || b0 == 0xEE || b0 == 0xEF) {
+      more = 2;
+    } else if (b0 == 0xED) {
+      more = 2, hi = 0x9F;
+    } else if (b0 == 0xF0) {
+      more = 3, lo = 0x90;
+    } else if (b0 >= 0xF1 && b0 <= 0xF3) {
+      more = 3;
+    } else if (b0 == 0xF4) {
+      more = 3, hi = 0x8F;
+    } else {
+      fail("invalid UTF-8 in a string");
+    }
+    if (end_ - p_ <= more) fail("invalid UTF-8 in a string");
+    for (int i = 1; i <= more; ++i) {
+      const auto b = static_cast<unsigned char>(p_[i]);
+      if (b < (i == 1 ? lo : 0x80) || b > (i == 1 ? hi : 0xBF)) fail("invalid UTF-8 in a string");
+    }
+    s.append(p_, static_cast<size_t>(more + 1));
+    p_ += more + 1;
+  }
+
+  const char* begin_;
+  const char* p_;
+  const char* end_;
+  size_t max_depth_;
+  std::vector<Open> stack_;
+};
+
+}  // namespace
+
+nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth) {
+  return Reader(text, max_depth).document();
 }
 
 nlohmann::json parse_json_document(std::string_view text, const std::string& source) {

@@ -1,7 +1,11 @@
 #pragma once
-// Parsing JSON that arrives from the network. nlohmann's parser recurses once per nesting level,
-// so a hostile body of a few megabytes of '[' would exhaust the stack; the depth is checked with
-// a flat scan first.
+// Parsing JSON that arrives from the network, into nlohmann::json documents: our own reader
+// (util/json.cpp), iterative, so a hostile body of a few megabytes of '[' cannot exhaust the
+// stack, and faster than nlohmann's parser on the bodies that dominate (a prompt of 14K token ids:
+// 0.36 ms against 1.4 ms, then the same 0.4 ms in nlohmann's destructor; measured 2026-12-02 on
+// the AVX-512 VM). It accepts exactly what nlohmann's parser
+// accepts (RFC 8259, UTF-8 checked) and builds the same document (tests/util/json_test.cpp
+// compares the two on generated and mutated documents).
 #include <cstddef>
 #include <string>
 #include <string_view>
