@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "util/json.h"
+
 namespace tandem::bench {
 
 using nlohmann::json;
@@ -28,7 +30,7 @@ void StreamMeasurement::on_event(const std::string& data, double now_s) {
   if (net::SseParser::is_done(data)) return;
   json j;
   try {
-    j = json::parse(data);
+    j = parse_untrusted_json(data);
   } catch (const std::exception&) {
     return;  // not JSON: not a chunk the metrics count
   }

@@ -174,7 +174,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         r->prompt_ids = t->ids;
         if (first.tokens_in && topo_.decode.tokens_in) {
           r->translator = std::make_unique<ResponseTranslator>(t->client_kind);
-          body = tokens_in_body(body, *t);
+          body = tokens_in_body(std::move(body), *t);
           r->target = "/v1/completions";
           rewritten = true;
         }
@@ -195,8 +195,8 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       break;
     case PdMode::kSequential:
       api::strip_disaggregation_fields(body);
-      r->prefill_body = api::prefill_leg_body(body).dump();
       r->body = body.dump();
+      r->prefill_body = api::prefill_leg_body(std::move(body)).dump();
       break;
     case PdMode::kParallel:
       api::strip_disaggregation_fields(body);

@@ -211,7 +211,15 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
   return t;
 }
 
-nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn& request) {
+// A prompt that already is these ids (a client that sent token ids) is left as it is.
+static bool is_prompt(const json& prompt, const std::vector<int32_t>& ids) {
+  if (!prompt.is_array() || prompt.size() != ids.size()) return false;
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (!prompt[i].is_number_integer() || prompt[i].get<int64_t>() != ids[i]) return false;
+  return true;
+}
+
+nlohmann::json tokens_in_body(nlohmann::json client_body, const TokensIn& request) {
   json out;
   if (request.client_kind == ApiKind::kChat) {
     out = json::object();
@@ -225,9 +233,10 @@ nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn&
     }
     out["max_tokens"] = request.max_tokens;
   } else {
-    out = client_body;
+    out = std::move(client_body);
   }
-  out["prompt"] = request.ids;
+  if (auto p = out.find("prompt"); p == out.end() || !is_prompt(*p, request.ids))
+    out["prompt"] = request.ids;
   return out;
 }
 

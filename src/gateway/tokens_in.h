@@ -71,7 +71,7 @@ class PromptTokenizer {
 // fields with `prompt` replaced by the ids; a chat body also loses the fields the template
 // consumed (messages, chat_template_kwargs, ...), and its max_completion_tokens becomes
 // max_tokens with the chat default applied (completions would default to 16).
-nlohmann::json tokens_in_body(const nlohmann::json& client_body, const TokensIn& request);
+nlohmann::json tokens_in_body(nlohmann::json client_body, const TokensIn& request);
 
 // Turns the engine's answers to a tokens-in request back into the client's API. For a
 // completion client it is the identity. Anything that is not a completion answer (an error

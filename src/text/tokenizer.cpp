@@ -13,6 +13,7 @@
 #include "text/pretokenizer.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
 #include "util/utf8.h"
 
 namespace tandem::text {
@@ -149,17 +150,17 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   impl->origin = origin;
   json doc;
   try {
-    doc = json::parse(tokenizer_json);
-  } catch (const json::exception& e) {
-    throw Error(origin + ": malformed JSON: " + e.what());
+    doc = parse_untrusted_json(tokenizer_json, 256);
+  } catch (const Error& e) {
+    throw Error(origin + ": " + e.what());
   }
   json cfg = json::object();
   const std::string cfg_origin = "tokenizer_config.json beside " + origin;
   if (!config_json.empty()) {
     try {
-      cfg = json::parse(config_json);
-    } catch (const json::exception& e) {
-      throw Error(cfg_origin + ": malformed JSON: " + e.what());
+      cfg = parse_untrusted_json(config_json, 256);
+    } catch (const Error& e) {
+      throw Error(cfg_origin + ": " + e.what());
     }
     if (!cfg.is_object()) throw Error(cfg_origin + ": expected a JSON object");
   }
