@@ -17,7 +17,8 @@
 # caches (in P/D modes the decode engines receive the KV and compute nothing).
 #
 # Usage: bench/policy_comparison.sh [BUILD_DIR]
-# Environment: POLICIES ("least_load round_robin cache_aware kv_router tandem"), PREFILL (4),
+# Environment: DATASET (mooncake; or azure, with TRACE an Azure LLM inference CSV: no prefix
+#   reuse, so no bound), POLICIES ("least_load round_robin cache_aware kv_router tandem"), PREFILL (4),
 #   DECODE (4), MODE (parallel), LIMIT (300 records), START (0), TIME_SCALE (2), SIM_KV_BYTES
 #   (16), KV_TIMEOUT_S (600), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), TRACE (the Mooncake trace,
 #   ../shared/traces/mooncake_conversation_trace.jsonl beside the checkout), ENGINE_ARGS
@@ -55,7 +56,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-bound="$(python3 - "$trace" "$start" "$limit" <<'EOF'
+dataset="${DATASET:-mooncake}"
+bound=nan
+[ "$dataset" = mooncake ] && bound="$(python3 - "$trace" "$start" "$limit" <<'EOF'
 import json, sys
 path, start, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 seen, hit, total = set(), 0, 0
@@ -101,7 +104,7 @@ run_policy() {
     metrics+=(--metrics-url "$e")
     engines+=("$e")
   done
-  "$build/tandem" bench --base-url "$url" --model deepseek-v3-h800 --dataset-name mooncake \
+  "$build/tandem" bench --base-url "$url" --model deepseek-v3-h800 --dataset-name "$dataset" \
     --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" --time-scale "$scale" \
     "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
     --goodput "ttft:${SLO_TTFT_MS:-10000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \

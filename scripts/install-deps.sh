@@ -6,7 +6,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 debian_packages=(
   build-essential cmake ninja-build ccache pkg-config git curl
-  libboost-dev libpcre2-dev libicu-dev nlohmann-json3-dev libsimdjson-dev libxxhash-dev
+  libboost-dev libpcre2-dev libicu-dev nlohmann-json3-dev libabsl-dev libxxhash-dev
   libcli11-dev libfmt-dev libspdlog-dev libdnnl-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev libbenchmark-dev libyaml-cpp-dev libtcmalloc-minimal4
   nginx-light wrk chromium

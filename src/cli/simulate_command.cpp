@@ -34,7 +34,7 @@ struct SimulateCliOptions {
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
   int64_t speculative_tokens = 0;
   SimExecutorFlags sim;
-  double kv_link_gb_per_s = 25, kv_link_latency_us = 50;
+  double kv_link_gb_per_s = 25, kv_link_latency_us = 50, kv_transfer_timeout = 120;
   std::vector<std::string> sweep, kill, stall, slow_link;
 };
 
@@ -172,6 +172,8 @@ void run(const SimulateCliOptions& o) {
   so.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
   if (!(o.kv_link_gb_per_s > 0) || !(o.kv_link_latency_us >= 0))
     throw Error("--kv-link-gb-per-s must be positive and --kv-link-latency-us not negative");
+  if (!(o.kv_transfer_timeout > 0)) throw Error("--kv-transfer-timeout must be positive");
+  so.kv_transfer_timeout_s = o.kv_transfer_timeout;
   so.kv_link.bytes_per_s = o.kv_link_gb_per_s * 1e9;
   so.kv_link.latency_s = o.kv_link_latency_us * 1e-6;
   for (const auto& [flag, specs] : {std::pair{"--kill", &o.kill}, std::pair{"--stall", &o.stall},
@@ -319,6 +321,10 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--kill", o->kill,
                   "a fault: ENGINE@SECONDS, e.g. decode-3@120 (the engine dies then: its streams "
                   "are cut, its connections refused); repeatable");
+  cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
+                  "P/D: seconds a held prefill or a bootstrap room waits for its other leg "
+                  "(tandem engine's flag)")
+      ->capture_default_str();
   cmd->add_option("--stall", o->stall,
                   "a fault: ENGINE@SECONDS+DURATION, e.g. decode-3@120+30 (the engine hangs for "
                   "that long: no step, no answer; calls wait or time out); repeatable");

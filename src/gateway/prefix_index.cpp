@@ -7,6 +7,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include <absl/container/flat_hash_map.h>
+
 #include "api/block_hash.h"
 #include "util/error.h"
 
@@ -34,7 +36,7 @@ struct Entry {
 struct Engine {
   EngineKey key = 0;
   int64_t block_size = kDefaultKvBlockSize;
-  std::unordered_map<uint64_t, Entry> by_engine_hash;
+  absl::flat_hash_map<uint64_t, Entry> by_engine_hash;
   int64_t distinct = 0;  // distinct blocks held
   int64_t depth = 0;     // scratch for match()
 };
@@ -51,7 +53,7 @@ bool holds_other(const Node& node, const Engine* engine, size_t skip) {
 struct PrefixIndex::Impl {
   size_t max_blocks;
   mutable std::mutex mutex;
-  std::unordered_map<uint64_t, Node> nodes;
+  absl::flat_hash_map<uint64_t, Node> nodes;
   std::list<uint64_t> lru;                        // front: most recently used
   std::unordered_map<EngineKey, Engine> engines;  // node-based: Holder keeps Engine*
   std::vector<std::string> media;                 // interned medium names, bit = index (max 7)
@@ -72,13 +74,13 @@ struct PrefixIndex::Impl {
 
   void touch(Node& node) { lru.splice(lru.begin(), lru, node.where); }
 
-  void erase_node(std::unordered_map<uint64_t, Node>::iterator it) {
+  void erase_node(absl::flat_hash_map<uint64_t, Node>::iterator it) {
     lru.erase(it->second.where);
     nodes.erase(it);
   }
 
   // Drops one (engine, engine hash) entry and its holder.
-  void drop_entry(Engine& e, std::unordered_map<uint64_t, Entry>::iterator entry) {
+  void drop_entry(Engine& e, absl::flat_hash_map<uint64_t, Entry>::iterator entry) {
     const uint64_t engine_hash = entry->first;
     const auto node_it = nodes.find(entry->second.block);
     e.by_engine_hash.erase(entry);
@@ -134,7 +136,8 @@ struct PrefixIndex::Impl {
   }
 
   void clear(Engine& e) {
-    while (!e.by_engine_hash.empty()) drop_entry(e, e.by_engine_hash.begin());
+    // Erasing one entry leaves the others' iterators valid (and begin() of a flat map is a scan).
+    for (auto it = e.by_engine_hash.begin(); it != e.by_engine_hash.end();) drop_entry(e, it++);
   }
 };
 

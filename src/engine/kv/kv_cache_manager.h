@@ -32,6 +32,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <absl/container/flat_hash_map.h>
+
 #include "engine/kv/kv_events.h"
 
 namespace tandem::engine {
@@ -148,7 +150,7 @@ class KvCacheManager {
   std::vector<Block> blocks_;
   int32_t head_ = -1, tail_ = -1;
   int64_t num_free_ = 0;
-  std::unordered_map<uint64_t, int32_t> cached_;  // block hash -> block
+  absl::flat_hash_map<uint64_t, int32_t> cached_;  // block hash -> block
   std::unordered_map<std::string, Request> requests_;
   std::vector<KvEvent> events_;
   PrefixCacheStats stats_;
