@@ -13,6 +13,7 @@
 #include "net/async_http_client.h"
 #include "net/http_client.h"
 #include "util/error.h"
+#include "util/json.h"
 
 namespace tandem::bench {
 namespace {
@@ -33,6 +34,7 @@ double since(Clock::time_point origin, Clock::time_point t) {
 
 std::string request_body(const BenchRequest& request, const DriverOptions& options) {
   json body;
+  const ReleaseJsonOnExit release_body{body};  // the prompt's ids, freed cheaply
   if (!options.model.empty()) body["model"] = options.model;
   const bool chat = options.endpoint.find("chat") != std::string::npos;
   if (chat) {

@@ -165,6 +165,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   auto call = std::make_shared<Call>();
   KvTransferSpec kv_transfer;
   json body;
+  const ReleaseJsonOnExit release_body{body};  // a prompt's ids, freed cheaply
   try {
     body = parse_untrusted_json(req.body);
     switch (kind) {

@@ -147,6 +147,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   r->times.mark(Phase::kTokenizing, exec_.now_ns());
   const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_;
   json body;
+  const ReleaseJsonOnExit release_body{body};  // a prompt's ids, freed cheaply
   if (needs_json) {
     try {
       body = parse_untrusted_json(req.body);

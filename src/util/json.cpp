@@ -349,6 +349,32 @@ nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth) {
   return Reader(text, max_depth).document();
 }
 
+void release_json(json& doc) {
+  // Depth first with an explicit stack: a container is emptied once its children hold no
+  // containers any more (they were emptied before it).
+  std::vector<std::pair<json*, bool>> stack{{&doc, false}};  // (node, children pushed)
+  while (!stack.empty()) {
+    auto& [node, expanded] = stack.back();
+    if (!node->is_structured()) {
+      stack.pop_back();
+      continue;
+    }
+    if (!expanded) {
+      expanded = true;
+      json* parent = node;
+      for (auto& child : *parent)
+        if (child.is_structured()) stack.push_back({&child, false});
+      continue;
+    }
+    if (node->is_array())
+      node->get_ref<json::array_t&>().clear();
+    else
+      node->get_ref<json::object_t&>().clear();
+    stack.pop_back();
+  }
+  doc = nullptr;
+}
+
 nlohmann::json parse_json_document(std::string_view text, const std::string& source) {
   try {
     return parse_untrusted_json(text);

@@ -18,6 +18,17 @@ namespace tandem {
 // offset, or nesting deeper than `max_depth`).
 nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth = 64);
 
+// Frees a document's contents (it is null afterwards), leaves first. nlohmann's destructor moves
+// every element of every array onto a heap stack before freeing it (to avoid recursion), which
+// for a prompt of thousands of token ids costs as much as parsing it; emptying the innermost
+// containers first leaves it nothing to move.
+void release_json(nlohmann::json& doc);
+// release_json(doc) when the scope ends, whichever way.
+struct ReleaseJsonOnExit {
+  nlohmann::json& doc;
+  ~ReleaseJsonOnExit() { release_json(doc); }
+};
+
 // The same for a document read from `source` (a file name): errors start with it.
 nlohmann::json parse_json_document(std::string_view text, const std::string& source);
 

@@ -278,6 +278,24 @@ TEST(Json, NestingBeyondTheLimitIsRefusedWithoutRecursion) {
   }
 }
 
+TEST(Json, ReleasingADocumentEmptiesItWithoutRecursion) {
+  json doc = parse_untrusted_json(R"({"a": [1, [2, {"b": [3, 4]}], "x"], "c": {"d": {}}, "e": 5})");
+  release_json(doc);
+  EXPECT_TRUE(doc.is_null());
+  // 100,000 levels would overflow a recursive walk's stack.
+  json deep = json::array();
+  json* at = &deep;
+  for (int i = 0; i < 100000; ++i) {
+    at->push_back(json::array({i}));
+    at = &at->back();
+  }
+  release_json(deep);
+  EXPECT_TRUE(deep.is_null());
+  json scalar = 3;
+  { const ReleaseJsonOnExit release{scalar}; }
+  EXPECT_TRUE(scalar.is_null());
+}
+
 TEST(Json, ErrorsSayWhatAndWhere) {
   try {
     parse_untrusted_json("{\"a\": [1, 2,, 3]}");
