@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <absl/container/flat_hash_map.h>
+#include <absl/container/inlined_vector.h>
 
 #include "api/block_hash.h"
 #include "util/error.h"
@@ -24,8 +25,8 @@ struct Holder {
 };
 
 struct Node {
-  std::vector<Holder> holders;          // usually one per engine holding the block
-  std::list<uint64_t>::iterator where;  // position in the LRU list
+  absl::InlinedVector<Holder, 2> holders;  // usually one per engine holding the block
+  std::list<uint64_t>::iterator where;     // position in the LRU list
 };
 
 struct Entry {
