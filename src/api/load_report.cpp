@@ -1,6 +1,7 @@
 #include "api/load_report.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 
 #include <nlohmann/json.hpp>
@@ -63,37 +64,101 @@ uint64_t load_since_step(std::string_view target) {
   return 0;
 }
 
-std::string to_json(const LoadReport& r, uint64_t since_step) {
-  json j = {{"running", r.running},
-            {"waiting", r.waiting},
-            {"free_blocks", r.free_blocks},
-            {"total_blocks", r.total_blocks},
-            {"block_size", r.block_size},
-            {"tokens_in_flight", r.tokens_in_flight},
-            {"kv_usage", r.kv_usage},
-            {"cached_blocks", r.cached_blocks},
-            {"steps", r.steps},
-            {"prefill_tokens", r.prefill_tokens},
-            {"max_batch_tokens", r.max_batch_tokens}};
-  if (r.prefill_pairs >= 0) j["prefill_pairs"] = r.prefill_pairs;
-  if (r.step_seqs > 0) {
-    j["step"] = {
-        {"seqs", r.step_seqs}, {"tokens", r.step_tokens}, {"running_for_s", r.step_running_for_s}};
-    if (r.step_prefill_pairs >= 0) j["step"]["prefill_pairs"] = r.step_prefill_pairs;
-  } else {
-    j["step"] = nullptr;
+namespace {
+
+// The /load body is written directly: an engine answers a poll every 100 ms per gateway, and a
+// cluster simulator answers 48 engines' (a document of maps and strings cost more than the rest
+// of the answer).
+class ReportWriter {
+ public:
+  ReportWriter() { out_.reserve(512); }
+  void raw(std::string_view s) { out_ += s; }
+  void key(std::string_view k) {
+    out_ += '"';
+    out_ += k;
+    out_ += "\":";
   }
-  json steps = json::array();
+  template <class Int>
+  void integer(Int v) {
+    char buf[24];
+    out_.append(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+  }
+  void number(double v) {
+    if (!std::isfinite(v)) {
+      out_ += "null";  // as nlohmann writes it; the reader refuses it where a number is needed
+      return;
+    }
+    char buf[32];
+    out_.append(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+  }
+  template <class Int>
+  void field(std::string_view k, Int v) {
+    key(k);
+    integer(v);
+    out_ += ',';
+  }
+  std::string take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+}  // namespace
+
+std::string to_json(const LoadReport& r, uint64_t since_step) {
+  ReportWriter w;
+  w.raw("{");
+  w.field("running", r.running);
+  w.field("waiting", r.waiting);
+  w.field("free_blocks", r.free_blocks);
+  w.field("total_blocks", r.total_blocks);
+  w.field("block_size", r.block_size);
+  w.field("tokens_in_flight", r.tokens_in_flight);
+  w.key("kv_usage");
+  w.number(r.kv_usage);
+  w.raw(",");
+  w.field("cached_blocks", r.cached_blocks);
+  w.field("steps", r.steps);
+  w.field("prefill_tokens", r.prefill_tokens);
+  w.field("max_batch_tokens", r.max_batch_tokens);
+  if (r.prefill_pairs >= 0) w.field("prefill_pairs", r.prefill_pairs);
+  w.key("step");
+  if (r.step_seqs > 0) {
+    w.raw("{");
+    w.field("seqs", r.step_seqs);
+    w.field("tokens", r.step_tokens);
+    if (r.step_prefill_pairs >= 0) w.field("prefill_pairs", r.step_prefill_pairs);
+    w.key("running_for_s");
+    w.number(r.step_running_for_s);
+    w.raw("}");
+  } else {
+    w.raw("null");
+  }
+  w.raw(",");
+  w.key("recent_steps");
+  w.raw("[");
   // Past the newest step: the asker knew an earlier life of this engine, and gets every step.
   if (!r.recent_steps.empty() && since_step > r.recent_steps.back().index) since_step = 0;
+  bool first = true;
   for (const auto& s : r.recent_steps) {
     if (s.index <= since_step) continue;
-    json row = {s.index, s.seqs, s.tokens, s.seconds};
-    if (s.prefill_pairs >= 0) row.push_back(s.prefill_pairs);
-    steps.push_back(std::move(row));
+    w.raw(first ? "[" : ",[");
+    first = false;
+    w.integer(s.index);
+    w.raw(",");
+    w.integer(s.seqs);
+    w.raw(",");
+    w.integer(s.tokens);
+    w.raw(",");
+    w.number(s.seconds);
+    if (s.prefill_pairs >= 0) {
+      w.raw(",");
+      w.integer(s.prefill_pairs);
+    }
+    w.raw("]");
   }
-  j["recent_steps"] = std::move(steps);
-  return j.dump();
+  w.raw("]}");
+  return w.take();
 }
 
 LoadReport parse_load_report(std::string_view body) {
