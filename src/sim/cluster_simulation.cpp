@@ -139,7 +139,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
 
   gateway::VirtualExecutor clock;
   const Clock::time_point origin = clock.now();
-  VirtualUpstream upstream(clock);
+  VirtualUpstream upstream(clock, options.body_bytes_per_s);
   gateway::PrefixIndex index;
   metrics::Registry registry;
   gateway::GatewayMetrics gateway_metrics(registry);
@@ -240,6 +240,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   size_t finished = 0;
   Clock::time_point last_answer = origin;
   bench::DriverOptions body_options;  // token-id prompts, streamed with usage, as tandem bench
+  Clock::time_point client_free_at = origin;  // when the clients' sending thread is free
   for (size_t i = 0; i < n; ++i) {
     const double at = workload.arrival_s[i];
     if (!(at >= 0))
@@ -260,7 +261,17 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
             ++finished;
             last_answer = std::max(last_answer, clock.now());
           });
-      if (gateway::RequestPtr r = front_end.prepare(req, client)) dispatcher.submit(r);
+      // The body reaches the gateway after those sent before it and its own bytes.
+      if (options.body_bytes_per_s > 0)
+        client_free_at = std::max(client_free_at, clock.now()) +
+                         duration_of(double(req.body.size()) / options.body_bytes_per_s);
+      auto prepare = [&, req = std::move(req), client] {
+        if (gateway::RequestPtr r = front_end.prepare(req, client)) dispatcher.submit(r);
+      };
+      if (client_free_at > clock.now())
+        clock.at(client_free_at, std::move(prepare));
+      else
+        prepare();
     });
   }
 

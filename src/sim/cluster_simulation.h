@@ -50,6 +50,13 @@ struct SimulationOptions {
   bool prefix_caching = true;
   // From an engine's step to the gateway's prefix index (the ZMQ hop), seconds.
   double kv_event_delay_s = 0.001;
+  // Request bodies take time: the clients' requests reach the gateway one after another (one
+  // sending thread, as tandem bench's) and the gateway's reach each engine one after another
+  // (one HTTP thread), each after its body's bytes at this rate, written, sent and parsed (0: at
+  // once). Order is kept; what changes is that requests sent together (a trace's equal
+  // timestamps) arrive tens of milliseconds apart behind long prompts, as live. 60 MB/s: what
+  // the live stack showed between tandem bench and the gateway (docs/benchmarks.md).
+  double body_bytes_per_s = 60e6;
   // Prefill to decode KV transfers (P/D modes): every engine pair's link, and how long a hold or
   // a bootstrap room waits for its other leg.
   KvLinkModel kv_link;

@@ -1,5 +1,6 @@
 #include "sim/virtual_upstream.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "api/error.h"
@@ -149,8 +150,17 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
   auto reply = std::make_shared<CallReply>(*this, id, std::move(handlers), request.timeout);
   open_[id] = reply;
   address_of_[id] = request.host + ":" + std::to_string(request.port);
-  // As the HTTP client does, the call proceeds after start() returned.
-  clock_.post([this, id, request = std::move(request)] {
+  // As the HTTP client does, the call proceeds after start() returned; it reaches the engine
+  // after the requests before it and its own body.
+  const std::string address = request.host + ":" + std::to_string(request.port);
+  gateway::Executor::Clock::time_point& free = free_at_[address];
+  const gateway::Executor::Clock::time_point now = clock_.now();
+  if (body_bytes_per_s_ > 0 && !request.body.empty())
+    free = std::max(free, now) +
+           std::chrono::duration_cast<gateway::Executor::Clock::duration>(
+               std::chrono::duration<double>(double(request.body.size()) / body_bytes_per_s_));
+  const bool queued = free > now;
+  auto deliver = [this, id, request = std::move(request)] {
     auto it = open_.find(id);
     if (it == open_.end()) return;  // cancelled before it left
     std::shared_ptr<CallReply> reply = it->second;
@@ -161,7 +171,11 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
       return;
     }
     engine->second->call(request, reply);
-  });
+  };
+  if (queued)
+    clock_.at(free, std::move(deliver));
+  else
+    clock_.post(std::move(deliver));
   return id;
 }
 

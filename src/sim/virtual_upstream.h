@@ -24,7 +24,11 @@ bool respond_with_error(net::Reply& reply, int status, std::string_view message,
 
 class VirtualUpstream final : public gateway::Upstream {
  public:
-  explicit VirtualUpstream(gateway::VirtualExecutor& clock) : clock_(clock) {}
+  // Requests reach an engine one after another, each after its body's bytes at
+  // `body_bytes_per_s` (sending and parsing it on the engine's HTTP thread; 0: at once), as on a
+  // live engine, where a 100K-token prompt's JSON takes milliseconds and what follows waits.
+  explicit VirtualUpstream(gateway::VirtualExecutor& clock, double body_bytes_per_s = 0)
+      : clock_(clock), body_bytes_per_s_(body_bytes_per_s) {}
 
   // `engine` answers calls to host:port; it must outlive the upstream's calls.
   void add(const std::string& host, uint16_t port, SimulatedEngine* engine);
@@ -42,7 +46,9 @@ class VirtualUpstream final : public gateway::Upstream {
  private:
   class CallReply;
   gateway::VirtualExecutor& clock_;
-  std::map<std::string, SimulatedEngine*> engines_;  // by "host:port"
+  double body_bytes_per_s_;
+  std::map<std::string, gateway::Executor::Clock::time_point> free_at_;  // by "host:port"
+  std::map<std::string, SimulatedEngine*> engines_;                      // by "host:port"
   std::map<CallId, std::shared_ptr<CallReply>> open_;
   std::map<CallId, std::string> address_of_;  // open calls' engine, "host:port"
   CallId next_ = 0;

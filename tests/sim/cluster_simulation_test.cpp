@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include "bench/driver.h"
 #include "bench/workload.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -42,6 +43,7 @@ SimulationOptions options(int engines, const std::string& preset) {
   o.decode = engines;
   o.executor.preset = preset;
   o.gateway.model = test::lenml_model("deepseek_v3").string();
+  o.body_bytes_per_s = 0;  // bodies arrive at once: times are the latency model's alone
   return o;
 }
 
@@ -141,6 +143,27 @@ TEST(ClusterSimulation, ARequestArrivingDuringAStepJoinsTheNextOne) {
   EXPECT_NEAR(second.ttft_s, 0.120, 1e-9);
   EXPECT_NEAR(second.latency_s, 0.140, 1e-9);  // tokens at 120, 130 and 140 ms
   EXPECT_EQ(run.engines[0].steps, 4);
+}
+
+TEST(ClusterSimulation, RequestBodiesArriveInOrderAfterTheirBytes) {
+  // A 20K-token prompt and a short one leave the client together. The long body takes its time
+  // to reach the gateway and then the engine (twice its bytes at the rate, about 0.2 s each way
+  // at 1 MB/s), and the short one follows it on both hops: it never overtakes.
+  const std::vector<bench::BenchRequest> reqs = {request(0, words(20000, 1), 2),
+                                                 request(0, words(100, 2), 2)};
+  auto o = options(1, hand_model());
+  o.body_bytes_per_s = 1e6;
+  const auto run = simulate(reqs, o, tokenizer());
+  const auto instant = simulate(reqs, options(1, hand_model()), tokenizer());
+  ASSERT_TRUE(run.results[0].success && run.results[1].success);
+  const double long_body_s = double(bench::request_body(reqs[0], {}).size()) / 1e6;
+  EXPECT_GT(long_body_s, 0.05);
+  EXPECT_NEAR(run.results[0].ttft_s - instant.results[0].ttft_s, 2 * long_body_s,
+              0.1 * long_body_s);
+  // The short one waits behind the long one's chunks (its first token comes with the long one's
+  // last chunk at the earliest), with or without the bodies' time.
+  EXPECT_GE(run.results[1].ttft_s + 1e-9, run.results[0].ttft_s);
+  EXPECT_GE(instant.results[1].ttft_s + 1e-9, instant.results[0].ttft_s);
 }
 
 TEST(ClusterSimulation, TheSameInputsGiveTheSameRun) {
