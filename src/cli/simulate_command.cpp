@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/metrics.h"
+#include "bench/sweep_report.h"
 #include "cli/bench_options.h"
 #include "cli/sim_executor_flags.h"
 #include "gateway/policy.h"
@@ -96,8 +97,6 @@ Fault parse_fault(const std::string& flag, const std::string& spec) {
 void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
                const bench::LazyWorkload& reqs, std::shared_ptr<const text::Tokenizer> tok,
                bench::MetricsOptions mo) {
-  if (!o.outputs.html.empty())
-    throw Error("--html: a sweep writes its table and --result-file, not a report (yet)");
   const auto points = sim::sweep_points(o.sweep, {base.prefill, base.decode, base.gateway.policy});
   for (const auto& p : points) gateway::make_policy(p.policy);  // an unknown name, before any run
   // The percentiles the rows show, besides those asked for.
@@ -115,6 +114,7 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
               "policy", "goodput", "req/s", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50",
               "TPOT p99", "hit %");
   json rows = json::array();
+  std::vector<bench::SweepRow> report_rows;
   for (const auto& p : points) {
     sim::SimulationOptions so = base;
     so.prefill = p.prefill;
@@ -136,6 +136,33 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
     row["prefix_cache_hit_rate"] = hit;
     row["kv_transfers"] = r.kv_transfers;
     rows.push_back(row);
+    report_rows.push_back({p.prefill, p.decode, p.policy, s.request_goodput.value_or(0),
+                           s.request_throughput, pct(s.ttft, 50), pct(s.ttft, 90), pct(s.ttft, 99),
+                           pct(s.tpot, 50), pct(s.tpot, 99), hit});
+  }
+  if (!o.outputs.html.empty()) {
+    std::string sweeps;
+    for (const auto& sw : o.sweep) sweeps += (sweeps.empty() ? "" : " ") + sw;
+    const std::string html = bench::sweep_report(
+        report_rows,
+        "tandem simulate --sweep: " + o.workload.dataset + ", " +
+            gateway::mode_name(base.gateway.mode),
+        {{"model", o.model},
+         {"mode", gateway::mode_name(base.gateway.mode)},
+         {"dataset",
+          o.workload.dataset +
+              (o.workload.dataset_path.empty() ? "" : " (" + o.workload.dataset_path + ")")},
+         {"requests", std::to_string(reqs.size())},
+         {"sweep", sweeps},
+         {"goodput SLOs", o.metrics.goodput.empty() ? "none" : [&] {
+            std::string g;
+            for (const auto& x : o.metrics.goodput) g += (g.empty() ? "" : " ") + x;
+            return g;
+          }()}});
+    std::ofstream f(o.outputs.html);
+    if (!f) throw Error("--html: cannot write " + o.outputs.html);
+    f << html;
+    std::fprintf(stderr, "tandem simulate: report in %s\n", o.outputs.html.c_str());
   }
   if (!o.outputs.result_file.empty()) {
     std::ofstream f(o.outputs.result_file);
@@ -233,7 +260,7 @@ void run(const SimulateCliOptions& o) {
                  {"wall_seconds", wall_s},
                  {"kv_transfers", result.kv_transfers},
                  {"retries", result.retries},
-                 {"leg_failures", result.leg_failures},
+                 {"engine_failures", result.engine_failures},
                  {"timeouts", result.timeouts},
                  {"kv_transfer_bytes", result.kv_transfer_bytes},
                  {"mtp_draft_tokens", result.draft_tokens},
@@ -257,10 +284,11 @@ void run(const SimulateCliOptions& o) {
                result.virtual_end_s, wall_s);
   if (!so.faults.empty())
     std::fprintf(stderr,
-                 "  faults: %zu; %lld engine calls timed out (health probes and load polls "
-                 "included), %lld request legs failed, %lld retried, %lld requests failed\n",
+                 "  faults: %zu; %lld engine calls timed out (load polls included), %lld calls "
+                 "failed (request legs and health probes), %lld legs retried, %lld requests "
+                 "failed\n",
                  so.faults.size(), static_cast<long long>(result.timeouts),
-                 static_cast<long long>(result.leg_failures),
+                 static_cast<long long>(result.engine_failures),
                  static_cast<long long>(result.retries), static_cast<long long>(summary.failed));
   if (result.draft_tokens > 0)
     std::fprintf(stderr, "  MTP: %.1f%% of %.0f drafts accepted\n",
@@ -337,7 +365,9 @@ void add_simulate_command(CLI::App& app) {
   add_metrics_options(*cmd, o->metrics);
   cmd->add_option("--result-file", o->outputs.result_file,
                   "write the JSON result (vLLM's keys, and the simulation's) here");
-  cmd->add_option("--html", o->outputs.html, "write the HTML report here");
+  cmd->add_option("--html", o->outputs.html,
+                  "write the HTML report here (a sweep's: goodput and TTFT/TPOT percentiles "
+                  "against the P:D ratio)");
   cmd->callback([o] { run(*o); });
 }
 

@@ -276,15 +276,25 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   }
 
   // Virtual time runs until every request has its answer and every live engine has let go of
-  // its requests (a stalled one finds the gateway's aborts when it wakes). The gateway's own
-  // timers (probes, load polls) never stop, so the end is that, not an empty queue.
+  // its requests (a stalled one finds the gateway's aborts when it wakes) and of the blocks it
+  // held for transfers (a hold or a bootstrap room whose other leg never came ends by the
+  // transfer timeout). The gateway's own timers (probes, load polls) never stop, so the end is
+  // that, not an empty queue.
   auto engines_busy = [&] {
     return std::any_of(engines.begin(), engines.end(),
                        [](const auto& e) { return !e->dead() && e->engine().has_work(); });
   };
+  auto blocks_held = [&] {
+    return std::any_of(engines.begin(), engines.end(), [](const auto& e) {
+      const engine::LoadReport l = e->engine().load();
+      return !e->dead() && l.free_blocks < l.total_blocks;
+    });
+  };
   clock.run_ready();
   Clock::time_point next;
   while ((finished < n || engines_busy()) && clock.next_timer(&next)) clock.advance_to(next);
+  const Clock::time_point holds_end = clock.now() + duration_of(options.kv_transfer_timeout_s + 1);
+  while (blocks_held() && clock.next_timer(&next) && next <= holds_end) clock.advance_to(next);
   if (finished < n)
     throw Error("the simulation stopped with " + std::to_string(n - finished) +
                 " requests unanswered and nothing left to happen");
@@ -302,7 +312,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     const gateway::EndpointState* seen = endpoints.find(endpoint_ids[i]);
     EngineSummary s;
     s.healthy = seen->healthy;
-    run.leg_failures += static_cast<int64_t>(seen->failures_total->value());
+    run.engine_failures += static_cast<int64_t>(seen->failures_total->value());
     s.name = e.name();
     s.prefill = e.engine().role() == engine::EngineRole::kPrefill;
     s.steps = e.steps();

@@ -98,11 +98,11 @@ struct SimulationRun {
   double prefix_queries = 0, prefix_hits = 0;
   double draft_tokens = 0, accepted_tokens = 0;  // MTP, over every engine
   int64_t upstream_calls = 0;
-  int64_t indexed_blocks = 0;  // distinct blocks in the gateway's prefix index at the end
-  int64_t retries = 0;         // legs the gateway retried on another engine
-  int64_t leg_failures = 0;    // request legs (engine calls) that failed, retried or not
-  int64_t timeouts = 0;        // engine calls that ended by their timeout (probes, polls too)
-  int64_t kv_transfers = 0;    // P/D transfers completed
+  int64_t indexed_blocks = 0;   // distinct blocks in the gateway's prefix index at the end
+  int64_t retries = 0;          // legs the gateway retried on another engine
+  int64_t engine_failures = 0;  // calls to engines that failed: request legs and health probes
+  int64_t timeouts = 0;         // engine calls that ended by their timeout (probes, polls too)
+  int64_t kv_transfers = 0;     // P/D transfers completed
   double kv_transfer_bytes = 0;
   double virtual_end_s = 0;  // when the simulation stopped, from the first send
 };

@@ -137,9 +137,12 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   void cancel_fetch(const std::string& request_id) override {
     auto it = fetches_.find(request_id);
     if (it == fetches_.end()) return;
-    // A room waiting for this decode leg learns it is gone, as a closed connection tells it.
+    // A room waiting for this decode leg learns it is gone, as a closed connection tells it (which
+    // takes the room out of registered_: collect first).
+    std::vector<std::pair<uint64_t, Endpoint*>> gone;
     for (auto& [room, endpoint] : registered_)
-      if (endpoint.first == request_id) endpoint.second->decode_gone(room, request_id);
+      if (endpoint.first == request_id) gone.emplace_back(room, endpoint.second);
+    for (auto& [room, prefill] : gone) prefill->decode_gone(room, request_id);
     finish_fetch(request_id, {false, "cancelled", 0});
   }
   void release_remote(const std::string& host, uint16_t port, const std::string&,

@@ -17,6 +17,7 @@
 
 #include "bench/metrics.h"
 #include "bench/report.h"
+#include "bench/sweep_report.h"
 #include "util/error.h"
 
 namespace tandem::bench {
@@ -454,6 +455,58 @@ TEST(BenchReportChromium, RendersWithoutConsoleMessages) {
   EXPECT_THAT(r.dom, Not(HasSubstr("<script")));
   EXPECT_THAT(r.dom, HasSubstr("&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;"));
   EXPECT_THAT(r.dom, HasSubstr("data-key=\"max_concurrent_requests\""));
+}
+
+// A 3 x 2 P:D grid under two policies (one named with hostile text).
+std::vector<SweepRow> sample_sweep() {
+  std::vector<SweepRow> rows;
+  for (const std::string& policy : {std::string("tandem"), std::string(kHostile)})
+    for (int decode : {2, 4})
+      for (int prefill : {2, 4, 8}) {
+        SweepRow r;
+        r.prefill = prefill;
+        r.decode = decode;
+        r.policy = policy;
+        r.goodput = 0.1 * prefill;
+        r.request_rate = 1.2;
+        r.ttft_p50 = 1000.0 / prefill, r.ttft_p90 = 3000.0 / prefill, r.ttft_p99 = 9000.0 / prefill;
+        r.tpot_p50 = 25 + decode, r.tpot_p99 = 30 + decode;
+        r.hit_rate = 0.2;
+        rows.push_back(r);
+      }
+  return rows;
+}
+
+TEST(SweepReport, PlotsEveryLineAgainstTheRatioAndTablesEveryPoint) {
+  const std::string html = sweep_report(sample_sweep(), "sweep", {{"model", "sim:x"}});
+  EXPECT_EQ(count(html, "<svg "), 4u);  // goodput, TTFT, TPOT, hit rate
+  // Four lines (2 policies x 2 decode counts) in the single-metric plots, eight in the pairs.
+  EXPECT_EQ(count(html, "<polyline "), 4u + 8u + 8u + 4u);
+  EXPECT_EQ(count(html, "<tr><td>"), 12u);
+  EXPECT_THAT(html, HasSubstr("<td>0.50</td>"));  // P:D of 2 prefill : 4 decode
+  EXPECT_THAT(html, Not(HasSubstr(kHostile)));
+  EXPECT_THAT(html, HasSubstr("Content-Security-Policy"));
+  EXPECT_THAT(html, Not(HasSubstr("<script")));
+}
+
+TEST(SweepReport, RendersWithoutAPoint) {
+  const std::string html = sweep_report({}, "empty", {});
+  EXPECT_EQ(count(html, "no data"), 4u);
+}
+
+TEST(BenchReportChromium, TheSweepReportRendersWithoutConsoleMessages) {
+  const std::string chromium = find_chromium();
+  if (chromium.empty()) GTEST_SKIP() << "no `chromium` on PATH; the render check did not run";
+  TempDir dir;
+  const std::string html = sweep_report(sample_sweep(), "sweep", {{"model", "sim:x"}});
+  const auto page = dir.path() / "sweep.html";
+  write_text(page, html);
+  const Render r = render(chromium, page, dir.path());
+  ASSERT_EQ(r.status, 0) << r.stderr_text;
+  EXPECT_TRUE(r.console.empty()) << ::testing::PrintToString(r.console);
+  EXPECT_EQ(count(r.dom, "<polyline "), count(html, "<polyline "));
+  EXPECT_EQ(count(r.dom, "<section id="), 3u);
+  EXPECT_THAT(r.dom, Not(HasSubstr("<img")));
 }
 
 }  // namespace

@@ -380,7 +380,27 @@ TEST(ClusterSimulation, AStallLongerThanTheIdleTimeoutCutsItsStreamsByTheTimeout
   for (const auto& r : run.results) failed += !r.success;
   EXPECT_GT(failed, 0u);  // streams decode-0 was sending, cut after 10 s of silence
   EXPECT_LT(failed, reqs.size());
-  EXPECT_GT(run.leg_failures, 0);
+  EXPECT_GT(run.engine_failures, 0);
+  for (const auto& e : run.engines) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+}
+
+TEST(ClusterSimulation, ADecodeEngineStalledPastTheTimeoutsLetsGoOfItsBootstrapRooms) {
+  // Parallel P/D, decode-0 hangs for 60 s, longer than the gateway's first-token and idle
+  // timeouts (10 s here): its legs are cancelled while their rooms wait on the prefill engines,
+  // which must learn it (the rooms fail and free their blocks) without the run breaking.
+  auto reqs = random_requests(30, 29);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].arrival_s = 0.3 * double(i);
+    reqs[i].output_len = 100;
+  }
+  auto o = pd_options(gateway::PdMode::kParallel, 2, 2, "deepseek-v3-h800");
+  o.gateway.timeouts.idle = o.gateway.timeouts.first_token = std::chrono::seconds(10);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 2.0, 60.0}};
+  const auto run = simulate(reqs, o, tokenizer());
+  size_t failed = 0;
+  for (const auto& r : run.results) failed += !r.success;
+  EXPECT_LT(failed, reqs.size());
+  EXPECT_GT(run.timeouts, 0);
   for (const auto& e : run.engines) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
 }
 
