@@ -334,7 +334,8 @@ void add_engine_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--speculative-tokens", o->speculative_tokens,
                   "speculative decoding: draft tokens per step from the model's MTP module "
-                  "(applied recursively past the first), verified in the next step (0: off)")
+                  "(applied recursively past the first; a sim: model's acceptance model, "
+                  "--sim-mtp-acceptance), verified in the next step (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 8));
   cmd->add_flag("--batch-invariant", o->batch_invariant,

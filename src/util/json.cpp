@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem {
 namespace {
@@ -219,7 +220,7 @@ class Reader {
       } else if (c < 0x20) {
         fail("control character in a string (escape it)");
       } else {
-        utf8(s);
+        multibyte(s);
       }
     }
   }
@@ -270,21 +271,7 @@ class Reader {
         fail("a high surrogate \\u escape must be followed by a low one");
       code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
     }
-    if (code < 0x80) {
-      s += static_cast<char>(code);
-    } else if (code < 0x800) {
-      s += static_cast<char>(0xC0 | (code >> 6));
-      s += static_cast<char>(0x80 | (code & 0x3F));
-    } else if (code < 0x10000) {
-      s += static_cast<char>(0xE0 | (code >> 12));
-      s += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
-      s += static_cast<char>(0x80 | (code & 0x3F));
-    } else {
-      s += static_cast<char>(0xF0 | (code >> 18));
-      s += static_cast<char>(0x80 | ((code >> 12) & 0x3F));
-      s += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
-      s += static_cast<char>(0x80 | (code & 0x3F));
-    }
+    utf8::append(s, code);
   }
 
   uint32_t hex4() {
@@ -306,34 +293,12 @@ class Reader {
   }
 
   // One multi-byte UTF-8 sequence (RFC 3629: no overlong forms, no surrogates, up to U+10FFFF).
-  void utf8(std::string& s) {
-    const auto b0 = static_cast<unsigned char>(*p_);
-    int more = 0;
-    unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
-    if (b0 >= 0xC2 && b0 <= 0xDF) {
-      more = 1;
-    } else if (b0 == 0xE0) {
-      more = 2, lo = 0xA0;
-    } else if ((b0 >= 0xE1 && b0 <= 0xEC) || b0 == 0xEE || b0 == 0xEF) {
-      more = 2;
-    } else if (b0 == 0xED) {
-      more = 2, hi = 0x9F;
-    } else if (b0 == 0xF0) {
-      more = 3, lo = 0x90;
-    } else if (b0 >= 0xF1 && b0 <= 0xF3) {
-      more = 3;
-    } else if (b0 == 0xF4) {
-      more = 3, hi = 0x8F;
-    } else {
-      fail("invalid UTF-8 in a string");
-    }
-    if (end_ - p_ <= more) fail("invalid UTF-8 in a string");
-    for (int i = 1; i <= more; ++i) {
-      const auto b = static_cast<unsigned char>(p_[i]);
-      if (b < (i == 1 ? lo : 0x80) || b > (i == 1 ? hi : 0xBF)) fail("invalid UTF-8 in a string");
-    }
-    s.append(p_, static_cast<size_t>(more + 1));
-    p_ += more + 1;
+  void multibyte(std::string& s) {
+    const auto at = static_cast<size_t>(p_ - begin_);
+    const size_t len = utf8::valid_sequence_length(std::string_view(begin_, end_ - begin_), at);
+    if (len == 0) fail("invalid UTF-8 in a string");
+    s.append(p_, len);
+    p_ += len;
   }
 
   const char* begin_;
