@@ -19,6 +19,7 @@
 #include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
 #include "sim/virtual_kv_links.h"
+#include "sim/virtual_time.h"
 #include "sim/virtual_upstream.h"
 #include "util/error.h"
 #include "util/metrics.h"
@@ -27,10 +28,6 @@ namespace tandem::sim {
 namespace {
 
 using Clock = gateway::Executor::Clock;
-
-Clock::duration duration_of(double seconds) {
-  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
 
 double seconds_between(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double>(to - from).count();
@@ -240,7 +237,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   size_t finished = 0;
   Clock::time_point last_answer = origin;
   bench::DriverOptions body_options;  // token-id prompts, streamed with usage, as tandem bench
-  Clock::time_point client_free_at = origin;  // when the clients' sending thread is free
+  BodyLine client_line(options.body_bytes_per_s);  // the clients' sending thread
   for (size_t i = 0; i < n; ++i) {
     const double at = workload.arrival_s[i];
     if (!(at >= 0))
@@ -262,14 +259,12 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
             last_answer = std::max(last_answer, clock.now());
           });
       // The body reaches the gateway after those sent before it and its own bytes.
-      if (options.body_bytes_per_s > 0)
-        client_free_at = std::max(client_free_at, clock.now()) +
-                         duration_of(double(req.body.size()) / options.body_bytes_per_s);
+      const Clock::time_point arrives = client_line.done_at(clock.now(), req.body.size());
       auto prepare = [&, req = std::move(req), client] {
         if (gateway::RequestPtr r = front_end.prepare(req, client)) dispatcher.submit(r);
       };
-      if (client_free_at > clock.now())
-        clock.at(client_free_at, std::move(prepare));
+      if (arrives > clock.now())
+        clock.at(arrives, std::move(prepare));
       else
         prepare();
     });

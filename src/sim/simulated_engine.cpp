@@ -5,14 +5,11 @@
 #include "api/error.h"
 #include "api/load_report.h"
 #include "engine/output_processor.h"
+#include "sim/virtual_time.h"
 #include "util/error.h"
 
 namespace tandem::sim {
 namespace {
-
-double seconds_of(gateway::Executor::Clock::time_point t) {
-  return std::chrono::duration<double>(t.time_since_epoch()).count();
-}
 
 // The generation routes, as the engine's HTTP server routes them (api_server.cpp).
 constexpr std::pair<const char*, api::ApiKind> kGenerationRoutes[] = {
@@ -78,10 +75,7 @@ double SimulatedEngine::now() const {
 
 bool SimulatedEngine::defer_while_stalled(gateway::Executor::Task& task) {
   if (seconds_of(clock_.now()) >= stalled_until_) return false;
-  clock_.at(gateway::Executor::Clock::time_point(
-                std::chrono::duration_cast<gateway::Executor::Clock::duration>(
-                    std::chrono::duration<double>(stalled_until_))),
-            std::move(task));
+  clock_.at(time_at(stalled_until_), std::move(task));
   return true;
 }
 
@@ -161,9 +155,7 @@ void SimulatedEngine::step() {
   // modelled time, ends at once.
   phase_ = Phase::kEnding;
   if (step_load_)
-    clock_.at(clock_.now() + std::chrono::duration_cast<gateway::Executor::Clock::duration>(
-                                 std::chrono::duration<double>(seconds)),
-              [this, ran] { end_step(ran); });
+    clock_.at(clock_.now() + duration_of(seconds), [this, ran] { end_step(ran); });
   else
     clock_.post([this, ran] { end_step(ran); });
 }

@@ -4,21 +4,13 @@
 #include <optional>
 #include <vector>
 
+#include "sim/virtual_time.h"
+
 namespace tandem::sim {
 
 using engine::KvFetch;
 using engine::KvFetchResult;
 using engine::KvTransfers;
-
-namespace {
-
-gateway::Executor::Clock::time_point time_at(double seconds) {
-  return gateway::Executor::Clock::time_point(
-      std::chrono::duration_cast<gateway::Executor::Clock::duration>(
-          std::chrono::duration<double>(seconds)));
-}
-
-}  // namespace
 
 class VirtualKvNetwork::Endpoint final : public KvTransfers {
  public:

@@ -153,13 +153,10 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
   // As the HTTP client does, the call proceeds after start() returned; it reaches the engine
   // after the requests before it and its own body.
   const std::string address = request.host + ":" + std::to_string(request.port);
-  gateway::Executor::Clock::time_point& free = free_at_[address];
-  const gateway::Executor::Clock::time_point now = clock_.now();
-  if (body_bytes_per_s_ > 0 && !request.body.empty())
-    free = std::max(free, now) +
-           std::chrono::duration_cast<gateway::Executor::Clock::duration>(
-               std::chrono::duration<double>(double(request.body.size()) / body_bytes_per_s_));
-  const bool queued = free > now;
+  const VirtualClock::time_point arrives =
+      lines_.try_emplace(address, body_bytes_per_s_)
+          .first->second.done_at(clock_.now(), request.body.size());
+  const bool queued = arrives > clock_.now();
   auto deliver = [this, id, request = std::move(request)] {
     auto it = open_.find(id);
     if (it == open_.end()) return;  // cancelled before it left
@@ -173,7 +170,7 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
     engine->second->call(request, reply);
   };
   if (queued)
-    clock_.at(free, std::move(deliver));
+    clock_.at(arrives, std::move(deliver));
   else
     clock_.post(std::move(deliver));
   return id;

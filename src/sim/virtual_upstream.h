@@ -14,6 +14,7 @@
 #include "gateway/seams.h"
 #include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
+#include "sim/virtual_time.h"
 
 namespace tandem::sim {
 
@@ -47,8 +48,8 @@ class VirtualUpstream final : public gateway::Upstream {
   class CallReply;
   gateway::VirtualExecutor& clock_;
   double body_bytes_per_s_;
-  std::map<std::string, gateway::Executor::Clock::time_point> free_at_;  // by "host:port"
-  std::map<std::string, SimulatedEngine*> engines_;                      // by "host:port"
+  std::map<std::string, BodyLine> lines_;            // each engine's HTTP thread, by "host:port"
+  std::map<std::string, SimulatedEngine*> engines_;  // by "host:port"
   std::map<CallId, std::shared_ptr<CallReply>> open_;
   std::map<CallId, std::string> address_of_;  // open calls' engine, "host:port"
   CallId next_ = 0;
