@@ -366,11 +366,21 @@ std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const Moonc
   const auto records = read_mooncake_trace(o.path, o.window, o.block_size);
   std::vector<BenchRequest> out;
   out.reserve(records.size());
-  for (const MooncakeRecord& r : records) {
-    BenchRequest req = mooncake_request(vocab, r, o.block_size, o.seed);
-    req.arrival_s = (r.timestamp_ms - records.front().timestamp_ms) / 1000.0 * o.window.time_scale;
+  const std::vector<double> arrivals = mooncake_arrivals(records, o.window.time_scale);
+  for (size_t i = 0; i < records.size(); ++i) {
+    BenchRequest req = mooncake_request(vocab, records[i], o.block_size, o.seed);
+    req.arrival_s = arrivals[i];
     out.push_back(std::move(req));
   }
+  return out;
+}
+
+std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records,
+                                      double time_scale) {
+  std::vector<double> out;
+  out.reserve(records.size());
+  for (const MooncakeRecord& r : records)
+    out.push_back((r.timestamp_ms - records.front().timestamp_ms) / 1000.0 * time_scale);
   return out;
 }
 

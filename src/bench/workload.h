@@ -161,6 +161,10 @@ std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, in
 // (LazyWorkload).
 BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& record,
                               int64_t block_size, uint64_t seed);
+// The records' send times as mooncake_workload gives them: offsets from the first, in seconds,
+// times time_scale.
+std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records,
+                                      double time_scale);
 // Its prompt's ids alone (no text).
 std::vector<int32_t> mooncake_prompt(const TokenVocab& vocab, const MooncakeRecord& record,
                                      int64_t block_size, uint64_t seed);

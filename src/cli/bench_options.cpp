@@ -56,6 +56,19 @@ std::string workload_tokenizer_dir(const WorkloadCliOptions& o) {
   return o.tokenizer.empty() ? default_tokenizer().string() : o.tokenizer;
 }
 
+namespace {
+
+// The rate-driven arrivals the flags ask for (--request-rate, --burstiness, --seed).
+bench::ArrivalOptions arrival_options(const WorkloadCliOptions& o) {
+  bench::ArrivalOptions a;
+  a.request_rate = o.request_rate;
+  a.burstiness = o.burstiness;
+  a.seed = o.seed;
+  return a;
+}
+
+}  // namespace
+
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
   if (o.dataset != "mooncake" || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
   // A Mooncake trace is its records (a few hash ids each) until a request is sent.
@@ -66,15 +79,9 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
   auto records = std::make_shared<const std::vector<bench::MooncakeRecord>>(
       bench::read_mooncake_trace(m.path, m.window, m.block_size));
   bench::LazyWorkload w;
-  for (const auto& r : *records)
-    w.arrival_s.push_back((r.timestamp_ms - records->front().timestamp_ms) / 1000.0 * o.time_scale);
-  if (std::isfinite(o.request_rate)) {
-    bench::ArrivalOptions a;
-    a.request_rate = o.request_rate;
-    a.burstiness = o.burstiness;
-    a.seed = o.seed;
-    w.arrival_s = bench::rate_arrivals(records->size(), a);
-  }
+  w.arrival_s = std::isfinite(o.request_rate)
+                    ? bench::rate_arrivals(records->size(), arrival_options(o))
+                    : bench::mooncake_arrivals(*records, o.time_scale);
   auto vocab = std::make_shared<const bench::TokenVocab>(bench::TokenVocab::build(tok));
   w.make = [records, vocab, m, arrivals = w.arrival_s](size_t i) {
     bench::BenchRequest r;
@@ -139,13 +146,8 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
         o.dataset + "'");
   }
   // Traces keep their own timestamps unless a rate is given; the others follow the rate.
-  if (!o.trace() || std::isfinite(o.request_rate)) {
-    bench::ArrivalOptions a;
-    a.request_rate = o.request_rate;
-    a.burstiness = o.burstiness;
-    a.seed = o.seed;
-    bench::apply_arrivals(reqs, bench::rate_arrivals(reqs.size(), a));
-  }
+  if (!o.trace() || std::isfinite(o.request_rate))
+    bench::apply_arrivals(reqs, bench::rate_arrivals(reqs.size(), arrival_options(o)));
   return reqs;
 }
 
