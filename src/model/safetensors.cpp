@@ -250,6 +250,15 @@ void write_text(const fs::path& path, const std::string& text) {
 
 }  // namespace
 
+void release_pages(const void* data, size_t bytes) {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + page - 1) / page * page, end = (begin + bytes) / page * page;
+  // The mapping is private and never written, so dropping its pages loses nothing; a failure only
+  // leaves them resident.
+  if (end > first) ::madvise(reinterpret_cast<void*>(first), end - first, MADV_DONTNEED);
+}
+
 int64_t TensorInfo::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

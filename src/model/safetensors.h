@@ -52,6 +52,11 @@ class Checkpoint {
   std::unique_ptr<Impl> impl_;
 };
 
+// Gives back the resident pages wholly inside [data, data + bytes) of a mapped checkpoint: for
+// tensor bytes that were copied into another layout and are not read in place any more. Should
+// they be read after all, the pages come back from the file.
+void release_pages(const void* data, size_t bytes);
+
 struct TensorSpec {
   std::string name;
   DType dtype;

@@ -62,21 +62,35 @@ class Binder {
     return m;
   }
 
-  // Every matrix of a layer gets a packed copy for products of many tokens: an expert sees a few
-  // dozen tokens of a prompt (oneDNN would repack its weights on every call), the dense and
-  // attention matrices a whole prompt (exact-shape kernels on packed weights run at 93-97% of
-  // peak there, the runtime-shape gemm on plain weights at 76-91%).
-  MlpWeights mlp(const std::string& prefix, int64_t inter) {
-    const int64_t h = config_.hidden_size;
-    MlpWeights m{matrix(prefix + ".gate_proj", inter, h), matrix(prefix + ".up_proj", inter, h),
-                 matrix(prefix + ".down_proj", h, inter)};
-    for (auto* w : {&m.gate, &m.up, &m.down}) kernels::pack_for_gemm(*w);
+  // Every matrix of a layer is packed (kernels::pack_for_gemm): an expert sees a few dozen tokens
+  // of a prompt (oneDNN would repack its weights on every call), the dense and attention
+  // matrices a whole prompt (exact-shape kernels on packed weights run at 93-97% of peak there,
+  // the runtime-shape gemm on plain weights at 76-91%), and decode reads the same copy. The
+  // plain rows in the mapped checkpoint are then given back, so the model is resident once,
+  // unless something still reads them: `kKeep` matrices (absorbed attention's row ranges of
+  // kv_b) and batch-invariant numerics (row kernels for every product).
+  enum class PlainRows { kRelease, kKeep };
+
+  Matrix packed_matrix(const std::string& name, int64_t rows, int64_t cols,
+                       PlainRows plain = PlainRows::kRelease) {
+    Matrix m = matrix(name, rows, cols);
+    pack(m, plain);
     return m;
   }
 
-  Matrix packed_matrix(const std::string& name, int64_t rows, int64_t cols) {
-    Matrix m = matrix(name, rows, cols);
-    kernels::pack_for_gemm(m);
+  void pack(Matrix& m, PlainRows plain) {
+    if (!kernels::pack_for_gemm(m)) return;
+    // Converted weights (FP8 dequantised to BF16) live in `storage`, not in the mapping; they
+    // stay, as both copies of an FP8 checkpoint's matrices do.
+    if (plain == PlainRows::kRelease && m.storage.empty() && !kernels::batch_invariant())
+      release_pages(m.data, m.bytes());
+  }
+
+  MlpWeights mlp(const std::string& prefix, int64_t inter) {
+    const int64_t h = config_.hidden_size;
+    MlpWeights m{packed_matrix(prefix + ".gate_proj", inter, h),
+                 packed_matrix(prefix + ".up_proj", inter, h),
+                 packed_matrix(prefix + ".down_proj", h, inter)};
     return m;
   }
 
@@ -104,7 +118,7 @@ class Binder {
         packed_matrix(p + ".self_attn.kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, h);
     a.kv_a_norm = vector(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
     a.kv_b = packed_matrix(p + ".self_attn.kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim),
-                           c.kv_lora_rank);
+                           c.kv_lora_rank, PlainRows::kKeep);
     a.o = packed_matrix(p + ".self_attn.o_proj", h, heads * c.v_head_dim);
     l.is_moe = is_moe;
     if (!is_moe) {

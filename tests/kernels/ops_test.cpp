@@ -18,6 +18,7 @@
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/gemm_onednn.h"
 #include "kernels/cpu/matvec_avx512.h"
+#include "kernels/cpu/packed_matvec_avx512.h"
 
 namespace tandem::kernels {
 namespace {
@@ -135,6 +136,12 @@ std::vector<Case> cases() {
   // 256-token chunks of long products (256 + 64 + 44, 2 x 256 + 3 x 64 + 17).
   for (auto type : {WeightType::kBF16, WeightType::kI8})
     for (int64_t n : {16, 48, 64, 100, 150, 364, 721}) out.push_back({type, 96, 320, n, true});
+  // Packed weights at decode's token counts (the packed row kernels: four tokens per pass, and
+  // for INT8 several passes over column chunks), rows and columns that need padding.
+  for (auto type : {WeightType::kBF16, WeightType::kI8})
+    for (int64_t n : {1, 2, 3, 5, 9, 15})
+      for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 257}, {64, 5000}})
+        out.push_back({type, rows, cols, n, true});
   // Packed matrices of realistic size (4 MiB).
   out.push_back({WeightType::kBF16, 1024, 2048, 70, true});
   // Without native BF16/INT8 GEMMs, matrices are widened in panels of 4 MB (512 rows of 2048):
@@ -145,6 +152,80 @@ std::vector<Case> cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllKernels, MatmulTest, ::testing::ValuesIn(cases()));
+
+// The packed copy holds every weight where PackedLayout::offset says, zero in the padding: the
+// decode kernels and oneDNN's GEMMs read the same bytes.
+TEST(PackedWeights, LayoutOffsetsAddressEveryWeight) {
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 257}, {64, 64}, {7, 33}}) {
+    std::mt19937 rng(static_cast<uint32_t>(rows + cols));
+    std::vector<uint16_t> wb(static_cast<size_t>(rows * cols));
+    for (auto& v : wb) v = static_cast<uint16_t>(rng() | 1);  // no zero weights
+    std::vector<int8_t> wi(wb.size());
+    for (auto& v : wi) v = static_cast<int8_t>(1 + rng() % 100);
+    Matrix b = matrix_view(rows, cols, WeightType::kBF16, wb.data());
+    Matrix i = matrix_view(rows, cols, WeightType::kI8, wi.data());
+    i.row_scales.assign(static_cast<size_t>(rows), 1.0f);
+    set_int8_row_sums(i);
+    if (!pack_for_gemm(b) || !pack_for_gemm(i)) GTEST_SKIP() << "no packed layout on this CPU";
+    for (const Matrix* m : {&b, &i}) {
+      const PackedLayout& l = m->packed->layout;
+      ASSERT_EQ(l.rows, rows);
+      ASSERT_EQ(l.cols, cols);
+      ASSERT_EQ(l.rows_padded % PackedLayout::kBlockRows, 0);
+      ASSERT_GE(l.cols_padded, cols);
+      const size_t elem = m->type == WeightType::kBF16 ? 2 : 1;
+      ASSERT_EQ(m->packed->bytes, static_cast<size_t>(l.rows_padded * l.cols_padded) * elem);
+      std::vector<bool> seen(static_cast<size_t>(l.rows_padded * l.cols_padded), false);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t at = l.offset(r, c);
+          seen[at] = true;
+          if (m->type == WeightType::kBF16)
+            ASSERT_EQ(reinterpret_cast<const uint16_t*>(m->packed->data.get())[at],
+                      wb[r * cols + c]);
+          else
+            ASSERT_EQ(reinterpret_cast<const int8_t*>(m->packed->data.get())[at], wi[r * cols + c]);
+        }
+      for (size_t at = 0; at < seen.size(); ++at) {
+        if (seen[at]) continue;
+        for (size_t k = 0; k < elem; ++k) ASSERT_EQ(m->packed->data.get()[at * elem + k], 0);
+      }
+    }
+  }
+}
+
+// More than four tokens pass over a row block in column chunks (kept in L2 between the groups of
+// four): the BF16 kernel against exact sums of its BF16 inputs.
+TEST(PackedRows, ManyTokensOverLongRowsMatchReference) {
+  if (!avx512::has_bf16_dot()) GTEST_SKIP() << "no AVX-512 BF16";
+  const int64_t rows = 70, cols = 4500, n = 7;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> wb(static_cast<size_t>(rows * cols));
+  for (auto& v : wb) v = f32_to_bf16(normal(rng) * 0.05f);
+  Matrix w = matrix_view(rows, cols, WeightType::kBF16, wb.data());
+  if (!pack_for_gemm(w)) GTEST_SKIP() << "no packed layout on this CPU";
+  const int64_t stride = w.packed->layout.cols_padded;
+  std::vector<uint16_t> xb(static_cast<size_t>(n * stride), 0);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < cols; ++c) xb[t * stride + c] = f32_to_bf16(normal(rng));
+  const int64_t ldy = rows + 3;
+  std::vector<float> y(static_cast<size_t>(n * ldy), -1.0f);
+  avx512::packed_rows_bf16(*w.packed, 0, w.packed->layout.blocks(), xb.data(), stride, n, y.data(),
+                           ldy);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t r = 0; r < rows; ++r) {
+      double ref = 0, mag = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double p = double(bf16_value(wb[r * cols + c])) * bf16_value(xb[t * stride + c]);
+        ref += p;
+        mag += std::abs(p);
+      }
+      ASSERT_NEAR(y[t * ldy + r], ref, 1e-5 * mag + 1e-6) << "token " << t << " row " << r;
+    }
+    for (int64_t r = rows; r < ldy; ++r) ASSERT_EQ(y[t * ldy + r], -1.0f) << "wrote past the rows";
+  }
+}
 
 // The MoE layer runs one expert per thread: products called from inside a parallel region (each
 // thread its own matrix and shape) must give exactly what they give when called alone.

@@ -1,5 +1,6 @@
 #include "kernels/cpu/gemm_onednn.h"
 
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,18 +55,20 @@ constexpr size_t kMaxCachedPrimitives = 512;
 
 }  // namespace
 
-struct PackedGemmWeights {
-  memory::desc desc;  // the blocked layout, the same for every token count
-  memory data;        // owns the packed bytes
-};
-
 namespace {
+
+// The oneDNN descriptor of packed weights: the [cols, rows] operand in the blocked format
+// packed_weights.h describes.
+memory::desc packed_desc(const PackedLayout& l) {
+  return memory::desc({l.cols, l.rows}, l.group == 2 ? Type::bf16 : Type::s8,
+                      l.group == 2 ? Tag::BA16a64b2a : Tag::BA16a64b4a);
+}
 
 // The cached primitive for this product, created on first use; null if oneDNN has no kernel.
 // With `packed`, the primitive reads weights in that layout (exact token counts only).
 std::shared_ptr<Primitive> primitive(int64_t n, int64_t cols, int64_t rows, WeightType wtype,
                                      Type src_type, Type wei_type, Type dst_type,
-                                     const PackedGemmWeights* packed = nullptr) {
+                                     const PackedWeights* packed = nullptr) {
   Context& c = context();
   const int64_t key_tokens = n <= kExactShapeMaxTokens || packed ? n : DNNL_RUNTIME_DIM_VAL;
   const auto key =
@@ -84,12 +87,13 @@ std::shared_ptr<Primitive> primitive(int64_t n, int64_t cols, int64_t rows, Weig
   try {
     memory::desc src({key_tokens, cols}, src_type, Tag::ab);
     // W is [rows, cols] row-major, i.e. the [cols, rows] weights operand in "ba" order.
-    memory::desc wei = packed ? packed->desc : memory::desc({cols, rows}, wei_type, Tag::ba);
+    memory::desc wei =
+        packed ? packed_desc(packed->layout) : memory::desc({cols, rows}, wei_type, Tag::ba);
     memory::desc dst({key_tokens, rows}, dst_type, Tag::ab);
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei, dst), attr, c.engine);
-    if (packed && pd.weights_desc() != packed->desc) return nullptr;
+    if (packed && pd.weights_desc() != wei) return nullptr;
     auto p = std::make_shared<Primitive>();
     p->matmul = dnnl::matmul(pd);
     p->scratchpad_bytes = pd.scratchpad_desc().get_size();
@@ -125,13 +129,13 @@ int64_t packed_chunk(int64_t t, int64_t n) {
 // shape reading that one layout.
 template <typename Src, typename Dst>
 bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_type, Type dst_type) {
-  const PackedGemmWeights& packed = *w.packed;
+  const PackedWeights& packed = *w.packed;
   const dnnl::engine& engine = context().engine;
-  memory wei(packed.desc, engine, packed.data.get_data_handle());
+  const memory::desc desc = packed_desc(packed.layout);
+  memory wei(desc, engine, packed.data.get());
   for (int64_t t = 0, m = 0; t < n; t += m) {
     m = packed_chunk(t, n);
-    auto p =
-        primitive(m, w.cols, w.rows, w.type, src_type, packed.desc.data_type(), dst_type, &packed);
+    auto p = primitive(m, w.cols, w.rows, w.type, src_type, desc.data_type(), dst_type, &packed);
     if (!p) return false;
     memory src({{m, w.cols}, src_type, Tag::ab}, engine, const_cast<Src*>(x + t * w.cols));
     memory dst({{m, w.rows}, dst_type, Tag::ab}, engine, y + t * w.rows);
@@ -144,32 +148,43 @@ bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_ty
 
 bool pack_for_gemm(Matrix& w) {
   if (w.type != WeightType::kBF16 && w.type != WeightType::kI8) return false;
-  // Packed INT8 weights serve only the VNNI integer GEMM (matmul_int8_vnni); elsewhere oneDNN
-  // would still pack them (AVX2 has a u8s8 GEMM), and the copy would sit unused beside the rows.
+  // Packed INT8 weights serve the VNNI kernels (the integer GEMM and the decode rows); elsewhere
+  // oneDNN would still pack them (AVX2 has a u8s8 GEMM), and the copy would sit unused.
   if (w.type == WeightType::kI8 && !avx512::has_vnni()) return false;
+  if (w.type == WeightType::kBF16 && !avx512::has_bf16_dot()) return false;
   const bool bf16 = w.type == WeightType::kBF16;
-  const Type wei_type = bf16 ? Type::bf16 : Type::s8;
+  PackedLayout layout;
+  layout.rows = w.rows;
+  layout.cols = w.cols;
+  layout.group = bf16 ? 2 : 4;
   Context& c = context();
   try {
-    memory::desc src({kExactShapeMaxTokens, w.cols}, bf16 ? Type::bf16 : Type::u8, Tag::ab);
-    memory::desc any({w.cols, w.rows}, wei_type, Tag::any);
-    memory::desc dst({kExactShapeMaxTokens, w.rows}, bf16 ? Type::f32 : Type::s32, Tag::ab);
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, any, dst), c.engine);
-    const memory::desc plain({w.cols, w.rows}, wei_type, Tag::ba);
-    if (pd.weights_desc() == plain) return false;  // nothing to gain
-    // The large chunks must read the same layout (they do on every shape tried; if a oneDNN
-    // version disagrees, the weights stay plain rather than falling back to slow loops).
-    memory::desc src_large({kPackedLargeChunk, w.cols}, src.data_type(), Tag::ab);
-    memory::desc dst_large({kPackedLargeChunk, w.rows}, dst.data_type(), Tag::ab);
-    dnnl::matmul::primitive_desc large(dnnl::matmul::desc(src_large, pd.weights_desc(), dst_large),
-                                       c.engine);
-    if (large.weights_desc() != pd.weights_desc()) return false;
-    auto packed = std::make_shared<PackedGemmWeights>();
-    packed->desc = pd.weights_desc();
-    packed->data = memory(packed->desc, c.engine);
-    memory from(plain, c.engine, const_cast<void*>(w.data));
+    const memory::desc desc = packed_desc(layout);
+    // Only where oneDNN's own choice for its small-batch and large-chunk kernels is this layout
+    // (AVX-512 BF16 / VNNI brgemm): elsewhere its GEMMs would not read it.
+    for (int64_t tokens : {kExactShapeMaxTokens, kPackedLargeChunk}) {
+      memory::desc src({tokens, w.cols}, bf16 ? Type::bf16 : Type::u8, Tag::ab);
+      memory::desc any({w.cols, w.rows}, desc.data_type(), Tag::any);
+      memory::desc dst({tokens, w.rows}, bf16 ? Type::f32 : Type::s32, Tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, any, dst), c.engine);
+      if (pd.weights_desc() != desc) return false;
+    }
+    layout.cols_padded = desc.data.padded_dims[0];
+    layout.rows_padded = desc.data.padded_dims[1];
+    if (layout.rows_padded % PackedLayout::kBlockRows != 0 ||
+        layout.cols_padded % layout.group != 0)
+      return false;
+    auto packed = std::make_shared<PackedWeights>();
+    packed->layout = layout;
+    packed->bytes = desc.get_size();
+    packed->data.reset(
+        static_cast<uint8_t*>(std::aligned_alloc(64, (packed->bytes + 63) / 64 * 64)));
+    if (!packed->data) throw std::bad_alloc();
+    std::memset(packed->data.get(), 0, packed->bytes);  // the decode kernels read the padding
+    memory to(desc, c.engine, packed->data.get());
+    memory from({{w.cols, w.rows}, desc.data_type(), Tag::ba}, c.engine, const_cast<void*>(w.data));
     dnnl::stream stream(c.engine);
-    dnnl::reorder(from, packed->data).execute(stream, from, packed->data);
+    dnnl::reorder(from, to).execute(stream, from, to);
     stream.wait();
     w.packed = std::move(packed);
     return true;

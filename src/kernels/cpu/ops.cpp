@@ -4,6 +4,7 @@
 #include "kernels/cpu/gemm_onednn.h"
 #include "kernels/cpu/matvec_avx2.h"
 #include "kernels/cpu/matvec_avx512.h"
+#include "kernels/cpu/packed_matvec_avx512.h"
 
 #include <algorithm>
 #include <atomic>
@@ -221,6 +222,42 @@ void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool
   }
 }
 
+// Few tokens on packed weights (the decode kernels over the one packed copy): BF16 rows with
+// activations rounded to BF16, INT8 rows with activations quantised per token, as the GEMMs on
+// the same copy do. Threads take row blocks.
+void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
+  const PackedLayout& l = w.packed->layout;
+  const int64_t stride = l.cols_padded;
+  const bool parallel = w.rows * w.cols > (1 << 15);
+  if (w.type == WeightType::kBF16) {
+    thread_local std::vector<uint16_t> xb;
+    xb.resize(static_cast<size_t>(n * stride));
+    avx512::to_bf16_rows(x, w.cols, n, stride, xb.data());
+    const uint16_t* xbp = xb.data();
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t b = 0; b < l.blocks(); ++b)
+      avx512::packed_rows_bf16(*w.packed, b, 1, xbp, stride, n, y, w.rows);
+    return;
+  }
+  thread_local std::vector<uint8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> acc;
+  xq.resize(static_cast<size_t>(n * stride));
+  xs.resize(static_cast<size_t>(n));
+  acc.resize(static_cast<size_t>(n * w.rows));
+  avx512::quantize_u8_rows(x, w.cols, n, stride, xq.data(), xs.data());
+  const uint8_t* xqp = xq.data();
+  int32_t* a = acc.data();
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t b = 0; b < l.blocks(); ++b)
+    avx512::packed_rows_i8(*w.packed, b, 1, xqp, stride, n, a, w.rows);
+  const int32_t* sums = w.row_sums.data();
+  const float* scales = w.row_scales.data();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < w.rows; ++r)
+      y[t * w.rows + r] = static_cast<float>(a[t * w.rows + r] - 128 * sums[r]) * scales[r] * xs[t];
+}
+
 // The portable product behind gemm_bf16 and gemm_f32 where oneDNN has no kernel.
 template <typename T, typename Widen>
 void gemm_loops(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
@@ -294,6 +331,10 @@ void matmul(const Matrix& w, const float* x, int64_t n, float* y) {
   if (n >= kGemmMinTokens && (w.type == WeightType::kF32 || w.type == WeightType::kBF16) &&
       onednn_matmul(w, x, n, y))
     return;
+  if (w.packed && n < (w.type == WeightType::kI8 ? kInt8GemmMinTokens : kGemmMinTokens)) {
+    matmul_packed_rows(w, x, n, y);
+    return;
+  }
   if (n <= 4 && w.type == WeightType::kBF16 && avx512::has_bf16_dot()) {
     // Few tokens, BF16 weights: round the activations to BF16 too (as the GEMM does) and use
     // vdpbf16ps, 32 multiply-adds per instruction, so each core keeps up with DRAM.

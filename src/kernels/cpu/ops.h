@@ -7,12 +7,11 @@
 #include <memory>
 #include <vector>
 
+#include "kernels/cpu/packed_weights.h"
+
 namespace tandem::kernels {
 
 enum class WeightType { kF32, kBF16, kI8 };
-
-// A copy of a matrix in the blocked layout of oneDNN's small-batch GEMM kernels (gemm_onednn.cpp).
-struct PackedGemmWeights;
 
 // A dense weight matrix W [rows, cols], row-major: y = W x. `data` may point into a mapped
 // checkpoint or into `storage`; int8 weights carry one float scale per row.
@@ -25,8 +24,10 @@ struct Matrix {
   // (int8 + 128); this is what removes the offset again. Filled by set_int8_row_sums().
   std::vector<int32_t> row_sums;
   std::vector<uint8_t> storage;  // owned bytes when the weights were converted at load
-  // Set by pack_for_gemm(): products of many tokens read this copy instead of `data`.
-  std::shared_ptr<const PackedGemmWeights> packed;
+  // Set by pack_for_gemm(): every product reads this copy instead of `data` (GEMMs and the
+  // few-token decode kernels alike), so the plain rows are read only by row-range products
+  // (absorbed attention) and the batch-invariant kernels, and need not stay resident otherwise.
+  std::shared_ptr<const PackedWeights> packed;
   size_t bytes() const;
 };
 
@@ -43,12 +44,14 @@ inline Matrix matrix_view(int64_t rows, int64_t cols, WeightType type, const voi
 // Computes row_sums of an INT8 matrix (once, at load).
 void set_int8_row_sums(Matrix& w);
 
-// Adds a copy of a BF16 or INT8 matrix in oneDNN's blocked GEMM layout. Small-batch products
-// (an MoE expert sees a few dozen tokens of a prompt) then skip the repacking oneDNN otherwise
-// does on every call, which costs about a quarter of the time at 48 tokens; products of hundreds
-// of tokens run on exact-shape kernels in chunks of 256 tokens, faster than the runtime-shape
-// gemm the plain matrix gets. Doubles the memory of the matrix (the plain rows stay for the
-// few-token kernels). Returns false, changing nothing, where oneDNN has no such kernel.
+// Adds a copy of a BF16 or INT8 matrix in the blocked layout (packed_weights.h) of oneDNN's
+// AVX-512 BF16 / VNNI GEMMs, which the decode kernels read too. Small-batch products (an MoE
+// expert sees a few dozen tokens of a prompt) then skip the repacking oneDNN otherwise does on
+// every call, which costs about a quarter of the time at 48 tokens; products of hundreds of tokens
+// run on exact-shape kernels in chunks of 256 tokens, faster than the runtime-shape gemm the plain
+// matrix gets; decode streams each row block front to back. The caller may then release the plain
+// rows' memory (model::Weights drops their pages). Returns false, changing nothing, where oneDNN's
+// kernels would not read this layout (CPUs without AVX-512 BF16 / VNNI).
 bool pack_for_gemm(Matrix& w);
 
 // Batch-invariant numerics (process-wide; off by default): every product below computes each

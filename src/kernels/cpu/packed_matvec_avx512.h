@@ -1,0 +1,24 @@
+#pragma once
+// Products of a few tokens with packed weights (packed_weights.h), for decode steps: each row
+// block is streamed front to back once per step for up to four tokens, its 64 outputs per token
+// held in four vector registers, no horizontal sums. BF16 weights take BF16 activations
+// (vdpbf16ps, float32 sums), INT8 weights u8 activations (vpdpbusd, exact int32 sums), as the
+// GEMMs on the same copy do. Callers check avx512::has_bf16_dot() / has_vnni() first.
+#include <cstdint>
+
+#include "kernels/cpu/packed_weights.h"
+
+namespace tandem::kernels::avx512 {
+
+// y[t * ldy + r] = sum_c W[r, c] * xb[t * stride + c] for t < n and the rows of row blocks
+// [first_block, first_block + blocks) that exist (r < rows). xb: BF16 rows of `stride` >=
+// cols_padded elements, zero from cols on.
+void packed_rows_bf16(const PackedWeights& w, int64_t first_block, int64_t blocks,
+                      const uint16_t* xb, int64_t stride, int64_t n, float* y, int64_t ldy);
+
+// acc[t * ldacc + r] = sum_c W[r, c] * xq[t * stride + c] (INT8 weights, unscaled; xq holds
+// q + 128 as quantize_u8_rows writes it, `stride` >= cols_padded, padded with 128), exact.
+void packed_rows_i8(const PackedWeights& w, int64_t first_block, int64_t blocks, const uint8_t* xq,
+                    int64_t stride, int64_t n, int32_t* acc, int64_t ldacc);
+
+}  // namespace tandem::kernels::avx512

@@ -1,0 +1,115 @@
+// The engine holds one copy of the weights: a checkpoint loaded and run (prefill and decode, so
+// every matrix and expert is read) grows the process by at most 1.1x its tensor bytes plus the
+// latent cache it was given and a fixed allowance for buffers, at the end and at the peak of
+// loading (packing matrix by matrix never holds two copies of the model).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "model/deepseek.h"
+#include "model/latent_cache.h"
+#include "model/layout.h"
+#include "model/make_model.h"
+#include "model/safetensors.h"
+
+namespace tandem::model {
+namespace {
+
+namespace fs = std::filesystem;
+
+// VmRSS and VmHWM (peak) of this process, in bytes.
+struct Resident {
+  int64_t now = 0, peak = 0;
+};
+
+Resident resident() {
+  std::ifstream f("/proc/self/status");
+  Resident r;
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) r.now = std::stoll(line.substr(6)) * 1024;
+    if (line.rfind("VmHWM:", 0) == 0) r.peak = std::stoll(line.substr(6)) * 1024;
+  }
+  return r;
+}
+
+// The bench preset's widths (hidden 2048, experts of 1408) with few experts and a small
+// vocabulary: 250 MB, most of it in matrices that get packed.
+ModelConfig config() {
+  ModelConfig c = preset_config("bench");
+  c.vocab_size = 4096;
+  c.num_hidden_layers = 2;
+  c.intermediate_size = 2816;
+  c.n_routed_experts = 8;
+  c.bos_token_id = 0;
+  c.eos_token_id = 1;
+  return c;
+}
+
+// Small BF16 values from a counter-based generator (weights need not be meaningful here).
+void fill(const TensorSpec& spec, std::span<std::byte> out) {
+  uint64_t state = std::hash<std::string>{}(spec.name) | 1;
+  auto* v = reinterpret_cast<uint16_t*>(out.data());
+  for (size_t i = 0; i < out.size() / 2; ++i) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    const float x = (static_cast<float>(state >> 40) / (1 << 24) - 0.5f) * 0.05f;
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    v[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+TEST(ResidentMemory, OneCopyOfTheWeightsAfterLoadAndUse) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "tandem_resident_memory_model";
+  fs::remove_all(dir);
+  const ModelConfig c = config();
+  const std::vector<TensorSpec> specs = checkpoint_layout(c, DType::kBF16);
+  write_checkpoint(dir, specs, fill, size_t{64} << 20);
+  {
+    std::ofstream f(dir / "config.json");
+    f << c.to_json().dump(2);
+  }
+  int64_t tensor_bytes = 0;
+  for (const auto& s : specs) tensor_bytes += static_cast<int64_t>(s.nbytes());
+  ASSERT_GT(tensor_bytes, int64_t{200} << 20);
+
+  const Resident before = resident();
+  {
+    const DeepSeekModel model = DeepSeekModel::load(dir);
+    const Resident loaded = resident();
+    constexpr int64_t kBlock = 16, kBlocks = 4;
+    LatentCache cache(model.cache_shape(kBlock), kBlocks);
+    const int64_t cache_bytes = model.cache_shape(kBlock).block_bytes() * kBlocks;
+    std::vector<int32_t> prompt(40);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(7 + 97 * i % 4000);
+    const std::vector<int32_t> table = {0, 1, 2, 3};
+    SequenceStep step{prompt, 0, table};
+    model.forward(std::span(&step, 1), cache);
+    for (int64_t i = 0; i < 4; ++i) {
+      const int32_t token = static_cast<int32_t>(11 + i);
+      SequenceStep d{std::span(&token, 1), static_cast<int64_t>(prompt.size()) + i, table};
+      model.forward(std::span(&d, 1), cache);
+    }
+    const Resident used = resident();
+    // Activations of a 40-token prompt, thread buffers, oneDNN's compiled kernels.
+    constexpr int64_t kBuffers = int64_t{32} << 20;
+    const double limit = 1.1 * static_cast<double>(tensor_bytes) + cache_bytes + kBuffers;
+    const auto mb = [](double b) { return std::to_string(static_cast<int64_t>(b / 1e6)) + " MB"; };
+    const std::string figures = "checkpoint " + mb(tensor_bytes) + ", after load +" +
+                                mb(loaded.now - before.now) + ", after use +" +
+                                mb(used.now - before.now) + ", peak +" +
+                                mb(used.peak - before.now) + ", limit " + mb(limit);
+    RecordProperty("figures", figures);
+    EXPECT_LE(used.now - before.now, limit) << figures;
+    EXPECT_LE(used.peak - before.now, limit) << figures;
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tandem::model
