@@ -209,10 +209,12 @@ Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& confi
   for (int64_t i = 0; i < config.num_hidden_layers; ++i)
     w.layers.push_back(b.layer(i, config.is_moe_layer(i)));
   w.final_norm = b.vector("model.norm.weight", h);
+  // The LM head is packed like the layers' matrices (it is a quarter of what a decode token
+  // reads), unless it is the embedding, whose rows the lookup reads.
   if (config.tie_word_embeddings) {
     w.lm_head = b.matrix("model.embed_tokens", config.vocab_size, h);
   } else {
-    w.lm_head = b.matrix("lm_head", config.vocab_size, h);
+    w.lm_head = b.packed_matrix("lm_head", config.vocab_size, h);
   }
   for (int64_t k = 0; k < config.num_nextn_predict_layers; ++k) {
     const int64_t index = config.num_hidden_layers + k;
@@ -221,10 +223,10 @@ Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& confi
     m.embed = b.matrix(p + ".embed_tokens", config.vocab_size, h);
     m.enorm = b.vector(p + ".enorm.weight", h);
     m.hnorm = b.vector(p + ".hnorm.weight", h);
-    m.eh_proj = b.matrix(p + ".eh_proj", h, 2 * h);
+    m.eh_proj = b.packed_matrix(p + ".eh_proj", h, 2 * h);
     m.layer = b.layer(index, config.is_moe_layer(index));
     m.final_norm = b.vector(p + ".shared_head.norm.weight", h);
-    m.head = b.matrix(p + ".shared_head.head", config.vocab_size, h);
+    m.head = b.packed_matrix(p + ".shared_head.head", config.vocab_size, h);
     w.mtp.push_back(std::move(m));
   }
   return w;
