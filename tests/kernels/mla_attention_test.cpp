@@ -7,6 +7,13 @@
 // 576-wide rows carry relative errors near 1e-6, the exp2 polynomial 1.3e-7, the sums of up to a
 // few thousand probabilities another 1e-6; the largest error seen is 2.6e-6 (the portable loops,
 // which sum sequentially) and 8e-7 (AVX2), so the bound leaves a factor of four.
+//
+// BF16 products (BF16 caches on CPUs with AVX-512 BF16): the kernel rounds the scaled queries to
+// BF16, which the reference does too (that rounding is part of what the kernel computes), and the
+// probabilities, which it does not. The output is then a weighted mean of the values with every
+// weight off by a relative 2^-9 at most (the sum of the weights uses the same rounded values):
+// |out - reference| <= 2^-9 x 2 max|value| / (1 - 2^-9) < 4e-3 x max|value|; the largest error
+// seen is 1.2e-3 (four query tokens at DeepSeek's widths).
 #include "kernels/cpu/mla_attention.h"
 
 #include <gtest/gtest.h>
@@ -21,11 +28,14 @@
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/matvec_avx512.h"
 
 namespace tandem::kernels {
 namespace {
 
 constexpr double kBound = 1e-5;
+constexpr double kBoundBf16 = 4e-3;
+constexpr float kLog2e = 1.4426950408889634f;
 
 struct Case {
   int64_t heads, latent, rope, block_size, s_q, context;
@@ -86,9 +96,10 @@ PagedCache make_cache(const Case& c, int64_t entry, std::mt19937& rng,
   return cache;
 }
 
-// FP64 attention of every (query, head) row over its visible positions.
+// FP64 attention of every (query, head) row over its visible positions. With `bf16_queries`, the
+// queries as the BF16 kernels multiply them: scaled into the exp2 domain and rounded to BF16.
 std::vector<double> reference(const Case& c, float scale, const std::vector<float>& q,
-                              const PagedCache& cache) {
+                              const PagedCache& cache, bool bf16_queries = false) {
   const int64_t entry = c.latent + c.rope, rows = c.s_q * c.heads;
   std::vector<double> out(rows * c.latent, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
@@ -96,9 +107,13 @@ std::vector<double> reference(const Case& c, float scale, const std::vector<floa
     std::vector<double> s(visible);
     for (int64_t p = 0; p < visible; ++p) {
       double dot = 0;
-      for (int64_t e = 0; e < entry; ++e)
-        dot += static_cast<double>(q[r * entry + e]) * cache.values[p * entry + e];
-      s[p] = dot * scale;
+      for (int64_t e = 0; e < entry; ++e) {
+        const double qe = bf16_queries
+                              ? bf16_to_f32(f32_to_bf16(q[r * entry + e] * (scale * kLog2e)))
+                              : static_cast<double>(q[r * entry + e]);
+        dot += qe * cache.values[p * entry + e];
+      }
+      s[p] = bf16_queries ? dot * std::log(2.0) : dot * scale;
     }
     const double top = *std::max_element(s.begin(), s.end());
     double total = 0;
@@ -124,24 +139,39 @@ double relative_error(const std::vector<float>& got, const std::vector<double>& 
 
 struct Variant {
   MlaRescale rescale;
-  bool simd;
+  bool simd, bf16_dot;
   const char* name;
 };
-constexpr Variant kVariants[] = {{MlaRescale::kMultiply, true, "multiply/avx2"},
-                                 {MlaRescale::kAmla, true, "amla/avx2"},
-                                 {MlaRescale::kMultiply, false, "multiply/portable"},
-                                 {MlaRescale::kAmla, false, "amla/portable"}};
+constexpr Variant kVariants[] = {{MlaRescale::kMultiply, true, false, "multiply/avx2"},
+                                 {MlaRescale::kAmla, true, false, "amla/avx2"},
+                                 {MlaRescale::kMultiply, false, false, "multiply/portable"},
+                                 {MlaRescale::kAmla, false, false, "amla/portable"},
+                                 {MlaRescale::kMultiply, true, true, "multiply/bf16"},
+                                 {MlaRescale::kAmla, true, true, "amla/bf16"}};
+
+// Whether the variant runs the BF16 products on this case (a BF16 cache of widths they take, on a
+// CPU with AVX-512 BF16); elsewhere it is the float32 variant again.
+bool runs_bf16_products(const Case& c, const Variant& v) {
+  return v.bf16_dot && c.type == LatentType::kBF16 && avx512::has_bf16_dot() &&
+         c.latent % 32 == 0 && c.rope % 32 == 0;
+}
 
 // Runs every variant on one case and checks each against the reference.
 void expect_matches_reference(const Case& c, float scale, const std::vector<float>& q,
                               const PagedCache& cache) {
   const auto want = reference(c, scale, q, cache);
+  const auto want_bf16 = reference(c, scale, q, cache, /*bf16_queries=*/true);
   const MlaShape shape{c.heads, c.latent, c.rope, c.block_size, scale, c.type};
   for (const auto& v : kVariants) {
     std::vector<float> out(c.s_q * c.heads * c.latent, std::nanf(""));
     const MlaSequence seq{q.data(), c.s_q, c.context, cache.pages.data(), out.data()};
-    mla_decode(shape, std::span(&seq, 1), MlaOptions{v.rescale, v.simd});
-    EXPECT_LE(relative_error(out, want, cache), kBound) << v.name;
+    MlaOptions options{v.rescale, v.simd};
+    options.bf16_dot = v.bf16_dot;
+    mla_decode(shape, std::span(&seq, 1), options);
+    if (runs_bf16_products(c, v))
+      EXPECT_LE(relative_error(out, want_bf16, cache), kBoundBf16) << v.name;
+    else
+      EXPECT_LE(relative_error(out, want, cache), kBound) << v.name;
   }
 }
 
@@ -169,6 +199,8 @@ std::vector<Case> cases() {
     for (int64_t context : {4, 63, 130, 1100}) out.push_back({16, 512, 64, 16, 4, context, type});
     // Odd head counts and pages that do not divide the tile: every microkernel remainder.
     for (int64_t heads : {1, 3, 5, 7}) out.push_back({heads, 64, 16, 5, 2, 77, type});
+    // Widths the BF16 products take (multiples of 32) with odd head counts and odd tile lengths.
+    for (int64_t heads : {5, 7}) out.push_back({heads, 96, 32, 5, 3, 71, type});
     out.push_back({11, 40, 8, 7, 3, 600, type});
   }
   // Widths the AVX2 kernels do not take (not multiples of 8): the portable loops run for all.

@@ -13,6 +13,8 @@
 #include "kernels/cpu/avx2_lanes.h"
 #include "kernels/cpu/bf16.h"
 #include "kernels/cpu/matvec_avx2.h"
+#include "kernels/cpu/matvec_avx512.h"
+#include "kernels/cpu/mla_tiles_avx512.h"
 
 namespace tandem::kernels {
 namespace {
@@ -235,6 +237,55 @@ void shift_exponent(float* acc, int64_t n, int32_t shift) {
   }
 }
 
+// One tile's bookkeeping of the online softmax for every row (query token x head): masks what the
+// row may not see, raises its running maximum m (rescaling acc and l to it), and leaves the
+// scores relative to it in s (exp2 domain), ready for exp2.
+void rebase_tile(const MlaShape& shape, const MlaSequence& seq, int64_t t0, int64_t n,
+                 MlaRescale rescale, float* s, float* m, float* l, float* acc) {
+  const int64_t rows = seq.s_q * shape.heads, width = shape.latent;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * kTile;
+    // Causal: query i sees positions < context - s_q + i + 1.
+    const int64_t limit = seq.context - seq.s_q + r / shape.heads + 1;
+    const int64_t visible = std::clamp<int64_t>(limit - t0, 0, n);
+    std::fill(row + visible, row + n, kNegInf);
+    const float top = visible > 0 ? *std::max_element(row, row + visible) : kNegInf;
+    if (top > m[r]) {
+      if (rescale == MlaRescale::kMultiply) {
+        if (m[r] != kNegInf) {
+          const float factor = std::exp2(m[r] - top);
+          multiply(acc + r * width, width, factor);
+          l[r] *= factor;
+        }
+        m[r] = top;
+      } else if (m[r] == kNegInf) {
+        m[r] = std::ceil(top);  // AMLA keeps the maximum an integer
+      } else if (top - m[r] > 254.0f) {
+        // Every float32 weight so far would underflow: what the guard would leave, without
+        // a shift count that may not fit an int.
+        std::fill_n(acc + r * width, width, 0.0f);
+        l[r] = 0.0f;
+        m[r] = std::ceil(top);
+      } else {
+        const auto shift = static_cast<int32_t>(std::ceil(top - m[r]));
+        shift_exponent(acc + r * width, width, shift);
+        l[r] = std::ldexp(l[r], -shift);
+        m[r] += static_cast<float>(shift);
+      }
+    }
+    if (m[r] == kNegInf) continue;  // nothing visible yet: the row stays -inf, p = 0
+    for (int64_t j = 0; j < visible; ++j) row[j] -= m[r];
+  }
+}
+
+// Whole vectors even past n (rows are kTile wide; what lies there is never read): every
+// probability then comes from the same exp2, however long the tile, so a query's weights do not
+// depend on where its step's context ends (batch-invariant numerics).
+void exp2_tile(const TileKernels& k, int64_t rows, int64_t n, float* s) {
+  const int64_t vector_n = std::min(kTile, (n + 7) / 8 * 8);
+  for (int64_t r = 0; r < rows; ++r) k.exp2(s + r * kTile, vector_n);
+}
+
 // The unnormalised partial result of positions [begin, end) of a sequence: per row (query token
 // x head) its running maximum m (exp2 domain), the sum l of its probabilities and acc = sum p v.
 template <typename T>
@@ -259,44 +310,8 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
     const int64_t n = std::min(kTile, end - t0);
     tile_rows(shape, k, pages, t0, n, widened, pos.data());
     k.scores(q.data(), rows, d, pos.data(), n, s.data(), kTile);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = s.data() + r * kTile;
-      // Causal: query i sees positions < context - s_q + i + 1.
-      const int64_t limit = seq.context - seq.s_q + r / shape.heads + 1;
-      const int64_t visible = std::clamp<int64_t>(limit - t0, 0, n);
-      std::fill(row + visible, row + n, kNegInf);
-      const float top = visible > 0 ? *std::max_element(row, row + visible) : kNegInf;
-      if (top > m[r]) {
-        if (rescale == MlaRescale::kMultiply) {
-          if (m[r] != kNegInf) {
-            const float factor = std::exp2(m[r] - top);
-            multiply(acc + r * width, width, factor);
-            l[r] *= factor;
-          }
-          m[r] = top;
-        } else if (m[r] == kNegInf) {
-          m[r] = std::ceil(top);  // AMLA keeps the maximum an integer
-        } else if (top - m[r] > 254.0f) {
-          // Every float32 weight so far would underflow: what the guard would leave, without
-          // a shift count that may not fit an int.
-          std::fill_n(acc + r * width, width, 0.0f);
-          l[r] = 0.0f;
-          m[r] = std::ceil(top);
-        } else {
-          const auto shift = static_cast<int32_t>(std::ceil(top - m[r]));
-          shift_exponent(acc + r * width, width, shift);
-          l[r] = std::ldexp(l[r], -shift);
-          m[r] += static_cast<float>(shift);
-        }
-      }
-      if (m[r] == kNegInf) continue;  // nothing visible yet: the row stays -inf, p = 0
-      for (int64_t j = 0; j < visible; ++j) row[j] -= m[r];
-    }
-    // Whole vectors even past n (rows are kTile wide; what lies there is never read): every
-    // probability then comes from the same exp2, however long the tile, so a query's weights do
-    // not depend on where its step's context ends (batch-invariant numerics).
-    const int64_t vector_n = std::min(kTile, (n + 7) / 8 * 8);
-    for (int64_t r = 0; r < rows; ++r) k.exp2(s.data() + r * kTile, vector_n);
+    rebase_tile(shape, seq, t0, n, rescale, s.data(), m, l, acc);
+    exp2_tile(k, rows, n, s.data());
     for (int64_t r = 0; r < rows; ++r) {
       float sum = 0;
       for (int64_t j = 0; j < n; ++j) sum += s[r * kTile + j];
@@ -306,11 +321,56 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
   }
 }
 
+// attend_chunk for a BF16 cache with BF16 products (AVX-512 BF16): the cached rows are read as
+// they are, queries and probabilities rounded to BF16 (l sums the rounded probabilities, so the
+// weights still add up to one), float32 sums.
+void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t begin, int64_t end,
+                       const TileKernels& k, MlaRescale rescale, float* m, float* l, float* acc) {
+  const int64_t rows = seq.s_q * shape.heads, d = shape.entry(), width = shape.latent;
+  thread_local std::vector<float> q, s;
+  thread_local std::vector<uint16_t> qb, pb, paired;
+  thread_local std::vector<const uint16_t*> pos;
+  q.resize(rows * d);
+  qb.resize(rows * d);
+  s.resize(rows * kTile);
+  pb.resize(rows * kTile);
+  paired.resize(kTile * width);
+  pos.resize(kTile);
+  const float qscale = shape.scale * kLog2e;
+  for (int64_t i = 0; i < rows * d; ++i) q[i] = seq.q[i] * qscale;
+  avx512::to_bf16(q.data(), rows * d, qb.data());
+  std::fill_n(m, rows, kNegInf);
+  std::fill_n(l, rows, 0.0f);
+  std::fill_n(acc, rows * width, 0.0f);
+  const auto* pages = reinterpret_cast<const uint16_t* const*>(seq.pages);
+
+  for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+    const int64_t n = std::min(kTile, end - t0), even = (n + 1) / 2 * 2;
+    for (int64_t j = 0; j < n; ++j)
+      pos[j] = pages[(t0 + j) / shape.block_size] + ((t0 + j) % shape.block_size) * d;
+    avx512::mla_scores_bf16(qb.data(), rows, d, pos.data(), n, s.data(), kTile);
+    rebase_tile(shape, seq, t0, n, rescale, s.data(), m, l, acc);
+    exp2_tile(k, rows, n, s.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* p = pb.data() + r * kTile;
+      avx512::to_bf16(s.data() + r * kTile, n, p);
+      if (even > n) p[n] = 0;
+      float sum = 0;
+      for (int64_t j = 0; j < n; ++j) sum += bf16_to_f32(p[j]);
+      l[r] += sum;
+    }
+    avx512::mla_pair_values(pos.data(), n, width, paired.data());
+    avx512::mla_accumulate_bf16(pb.data(), rows, kTile, paired.data(), even / 2, width, acc);
+  }
+}
+
 template <typename T>
 void decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
             const MlaOptions& options) {
   const TileKernels k = tile_kernels(shape, options.simd);
   const int64_t width = shape.latent, threads = omp_get_max_threads();
+  const bool bf16_dot = std::is_same_v<T, uint16_t> && options.simd && options.bf16_dot &&
+                        avx512::has_bf16_dot() && shape.latent % 32 == 0 && shape.rope % 32 == 0;
   struct Chunk {
     size_t sequence;
     int64_t begin, end, offset;  // offset: first row of the chunk's partial sums
@@ -337,8 +397,12 @@ void decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
 #pragma omp parallel for schedule(dynamic, 1) if (chunks.size() > 1)
   for (size_t c = 0; c < chunks.size(); ++c) {
     const Chunk& ch = chunks[c];
-    attend_chunk<T>(shape, sequences[ch.sequence], ch.begin, ch.end, k, options.rescale,
-                    m.data() + ch.offset, l.data() + ch.offset, acc.data() + ch.offset * width);
+    if (bf16_dot)
+      attend_chunk_bf16(shape, sequences[ch.sequence], ch.begin, ch.end, k, options.rescale,
+                        m.data() + ch.offset, l.data() + ch.offset, acc.data() + ch.offset * width);
+    else
+      attend_chunk<T>(shape, sequences[ch.sequence], ch.begin, ch.end, k, options.rescale,
+                      m.data() + ch.offset, l.data() + ch.offset, acc.data() + ch.offset * width);
   }
   // Merge: every chunk's sums rescaled to the row's overall maximum, then normalised.
   for (size_t i = 0; i < sequences.size(); ++i) {

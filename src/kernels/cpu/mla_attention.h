@@ -50,6 +50,10 @@ struct MlaOptions {
   MlaRescale rescale = MlaRescale::kMultiply;
   // The AVX2 microkernels where the CPU has them; false runs the portable loops (tests).
   bool simd = true;
+  // BF16 caches on CPUs with AVX-512 BF16: BF16 products (mla_tiles_avx512.h) with queries and
+  // probabilities rounded to BF16 and float32 sums, twice the float32 rate; false widens the
+  // cached rows to float32 and keeps every product in float32 (tests compare the two).
+  bool bf16_dot = true;
   // Split a sequence's context into chunks at fixed positions (not into one chunk per thread
   // over its length), so a query's sums take the same path whatever the step's context and
   // query count are (batch-invariant numerics; ops.h).

@@ -73,33 +73,45 @@ TANDEM_PACKED void block_pass(const typename P::Weight* w, int64_t groups,
   constexpr int kSets = T == 1 ? 2 : 1;
   constexpr int64_t kStep = kRows * P::kGroup;  // elements of one column group
   typename P::Acc a[kSets][T][4];
+#pragma GCC unroll 16
   for (int s = 0; s < kSets; ++s)
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t)
+#pragma GCC unroll 16
       for (int j = 0; j < 4; ++j)
         a[s][t][j] = first || s > 0 ? P::zero() : P::load(acc + t * kRows + j * 16);
   int64_t g = 0;
   for (; g + kSets <= groups; g += kSets) {
+#pragma GCC unroll 16
     for (int s = 0; s < kSets; ++s) {
       const typename P::Weight* wg = w + (g + s) * kStep;
       __m512i wv[4];
+#pragma GCC unroll 16
       for (int j = 0; j < 4; ++j) wv[j] = _mm512_load_si512(wg + j * (kStep / 4));
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
         const __m512i xv = broadcast<P>(x[t] + (g + s) * P::kGroup);
+#pragma GCC unroll 16
         for (int j = 0; j < 4; ++j) a[s][t][j] = P::madd(a[s][t][j], wv[j], xv);
       }
     }
   }
   for (; g < groups; ++g) {
     const typename P::Weight* wg = w + g * kStep;
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       const __m512i xv = broadcast<P>(x[t] + g * P::kGroup);
+#pragma GCC unroll 16
       for (int j = 0; j < 4; ++j)
         a[0][t][j] = P::madd(a[0][t][j], _mm512_load_si512(wg + j * (kStep / 4)), xv);
     }
   }
+#pragma GCC unroll 16
   for (int t = 0; t < T; ++t)
+#pragma GCC unroll 16
     for (int j = 0; j < 4; ++j) {
       typename P::Acc v = a[0][t][j];
+#pragma GCC unroll 16
       for (int s = 1; s < kSets; ++s) v = P::add(v, a[s][t][j]);
       P::store(acc + t * kRows + j * 16, v);
     }

@@ -1,0 +1,183 @@
+#include "kernels/cpu/mla_tiles_avx512.h"
+
+// GCC 12 reports its own _mm512_undefined_* helpers (inside _mm512_reduce_add_ps) as
+// (maybe-)uninitialized at -O3.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace tandem::kernels::avx512 {
+namespace {
+
+#define TANDEM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// Lane pairs of a and b summed within each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] per lane.
+TANDEM_AVX512_BF16 inline __m512 pair_sums(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+// Four vectors' sums within each 128-bit lane: [a, b, c, d] per lane (from two pair_sums).
+TANDEM_AVX512_BF16 inline __m512 quad_sums(__m512 ab, __m512 cd) {
+  const __m512d x = _mm512_castps_pd(ab), y = _mm512_castps_pd(cd);
+  // Moved as pairs of floats (64-bit elements), added as floats.
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+// The sums of all lanes of 16 vectors: lane i of the result is the sum of x_i.
+TANDEM_AVX512_BF16 inline __m512 sum16(__m512 x0, __m512 x1, __m512 x2, __m512 x3, __m512 x4,
+                                       __m512 x5, __m512 x6, __m512 x7, __m512 x8, __m512 x9,
+                                       __m512 x10, __m512 x11, __m512 x12, __m512 x13, __m512 x14,
+                                       __m512 x15) {
+  const __m512 a = quad_sums(pair_sums(x0, x1), pair_sums(x2, x3));  // x0..x3, per 128-bit lane
+  const __m512 b = quad_sums(pair_sums(x4, x5), pair_sums(x6, x7));
+  const __m512 c = quad_sums(pair_sums(x8, x9), pair_sums(x10, x11));
+  const __m512 d = quad_sums(pair_sums(x12, x13), pair_sums(x14, x15));
+  // Then the four 128-bit lanes of each are added: lanes 0+1 and 2+3, then the two halves.
+  const __m512 ab =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  const __m512 cd =
+      _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x88), _mm512_shuffle_f32x4(c, d, 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+}
+
+// H query rows x J keys: every key vector loaded once feeds H products, every query vector J;
+// 16 accumulators at 4 x 4.
+template <int H, int J>
+TANDEM_AVX512_BF16 void score_block(const uint16_t* q, int64_t d, const uint16_t* const* keys,
+                                    float* s, int64_t lds) {
+  __m512 acc[H][J];
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512i k[J];
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) k[j] = _mm512_loadu_si512(keys[j] + c);
+#pragma GCC unroll 16
+    for (int h = 0; h < H; ++h) {
+      const __m512i qv = _mm512_loadu_si512(q + h * d + c);
+#pragma GCC unroll 16
+      for (int j = 0; j < J; ++j)
+        acc[h][j] = _mm512_dpbf16_ps(acc[h][j], (__m512bh)qv, (__m512bh)k[j]);
+    }
+  }
+  if constexpr (H == 4 && J == 4) {
+    // 16 sums at once: 45 shuffles and adds instead of 16 separate reductions (about 150).
+    const __m512 out = sum16(acc[0][0], acc[0][1], acc[0][2], acc[0][3], acc[1][0], acc[1][1],
+                             acc[1][2], acc[1][3], acc[2][0], acc[2][1], acc[2][2], acc[2][3],
+                             acc[3][0], acc[3][1], acc[3][2], acc[3][3]);
+    _mm_storeu_ps(s, _mm512_extractf32x4_ps(out, 0));
+    _mm_storeu_ps(s + lds, _mm512_extractf32x4_ps(out, 1));
+    _mm_storeu_ps(s + 2 * lds, _mm512_extractf32x4_ps(out, 2));
+    _mm_storeu_ps(s + 3 * lds, _mm512_extractf32x4_ps(out, 3));
+  } else {
+#pragma GCC unroll 16
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+      for (int j = 0; j < J; ++j) s[h * lds + j] = _mm512_reduce_add_ps(acc[h][j]);
+  }
+}
+
+using ScoreBlock = void (*)(const uint16_t*, int64_t, const uint16_t* const*, float*, int64_t);
+
+// H rows x V * 16 columns of the weighted sum held in registers over all pairs of positions
+// (24 accumulators at 6 x 4, four value vectors, one broadcast pair of probabilities).
+template <int H, int V>
+TANDEM_AVX512_BF16 void accumulate_block(const uint16_t* p, int64_t ldp, const uint16_t* paired,
+                                         int64_t pairs, int64_t width, int64_t c0, float* acc) {
+  __m512 a[H][V];
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) a[h][v] = _mm512_loadu_ps(acc + h * width + c0 + 16 * v);
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* row = paired + j * 2 * width + 2 * c0;
+    __m512i x[V];
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) x[v] = _mm512_loadu_si512(row + 32 * v);
+#pragma GCC unroll 16
+    for (int h = 0; h < H; ++h) {
+      int32_t both;
+      std::memcpy(&both, p + h * ldp + 2 * j, 4);
+      const __m512i w = _mm512_set1_epi32(both);
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) a[h][v] = _mm512_dpbf16_ps(a[h][v], (__m512bh)x[v], (__m512bh)w);
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + h * width + c0 + 16 * v, a[h][v]);
+}
+
+using AccumulateBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
+                                 int64_t, float*);
+
+}  // namespace
+
+TANDEM_AVX512_BF16 void mla_scores_bf16(const uint16_t* q, int64_t rows, int64_t d,
+                                        const uint16_t* const* keys, int64_t count, float* s,
+                                        int64_t lds) {
+  static constexpr ScoreBlock kBlocks[4][4] = {
+      {score_block<1, 1>, score_block<1, 2>, score_block<1, 3>, score_block<1, 4>},
+      {score_block<2, 1>, score_block<2, 2>, score_block<2, 3>, score_block<2, 4>},
+      {score_block<3, 1>, score_block<3, 2>, score_block<3, 3>, score_block<3, 4>},
+      {score_block<4, 1>, score_block<4, 2>, score_block<4, 3>, score_block<4, 4>}};
+  for (int64_t r = 0; r < rows; r += 4) {
+    const int64_t h = std::min<int64_t>(4, rows - r);
+    for (int64_t j = 0; j < count; j += 4) {
+      const int64_t n = std::min<int64_t>(4, count - j);
+      kBlocks[h - 1][n - 1](q + r * d, d, keys + j, s + r * lds + j, lds);
+    }
+  }
+}
+
+TANDEM_AVX512_BF16 void mla_pair_values(const uint16_t* const* vals, int64_t count, int64_t width,
+                                        uint16_t* out) {
+  // Word i of the result takes word i / 2 of the first row (even i) or of the second (odd i),
+  // from the low or the high 16 columns of a 32-column slice.
+  alignas(64) uint16_t lo[32], hi[32];
+  for (int i = 0; i < 32; ++i) {
+    lo[i] = static_cast<uint16_t>(i / 2 + (i % 2 ? 32 : 0));
+    hi[i] = static_cast<uint16_t>(16 + i / 2 + (i % 2 ? 32 : 0));
+  }
+  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
+  for (int64_t j = 0; j < count; j += 2) {
+    const uint16_t* a = vals[j];
+    const uint16_t* b = j + 1 < count ? vals[j + 1] : nullptr;
+    uint16_t* dst = out + (j / 2) * 2 * width;
+    for (int64_t c = 0; c < width; c += 32) {
+      const __m512i va = _mm512_loadu_si512(a + c);
+      const __m512i vb = b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(va, idx_lo, vb));
+      _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(va, idx_hi, vb));
+    }
+  }
+}
+
+TANDEM_AVX512_BF16 void mla_accumulate_bf16(const uint16_t* p, int64_t rows, int64_t ldp,
+                                            const uint16_t* paired, int64_t pairs, int64_t width,
+                                            float* acc) {
+  static constexpr AccumulateBlock kBlocks[6][2] = {
+      {accumulate_block<1, 2>, accumulate_block<1, 4>},
+      {accumulate_block<2, 2>, accumulate_block<2, 4>},
+      {accumulate_block<3, 2>, accumulate_block<3, 4>},
+      {accumulate_block<4, 2>, accumulate_block<4, 4>},
+      {accumulate_block<5, 2>, accumulate_block<5, 4>},
+      {accumulate_block<6, 2>, accumulate_block<6, 4>}};
+  // Columns outside, rows inside: a slice of the paired values stays in L1 for every row.
+  for (int64_t c = 0; c < width; c += 64) {
+    const int64_t v = std::min<int64_t>(64, width - c) / 32;  // 1: 32 columns, 2: 64
+    for (int64_t r = 0; r < rows; r += 6) {
+      const int64_t h = std::min<int64_t>(6, rows - r);
+      kBlocks[h - 1][v - 1](p + r * ldp, ldp, paired, pairs, width, c, acc + r * width);
+    }
+  }
+}
+
+}  // namespace tandem::kernels::avx512
