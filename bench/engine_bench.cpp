@@ -6,6 +6,7 @@
 // at batch 1 after long contexts against the ideal time.
 // Usage: tandem-bench-engine --model DIR [--model DIR ...] [--prompt 512] [--decode 32]
 //        [--prefill-runs 3] [--prefill-only] [--contexts 4096,16384,32768] [--batch-invariant]
+//        [--int8-lm-head]
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -202,13 +203,14 @@ void long_context_decode(const DeepSeekModel& model, const tandem::bench::Machin
 
 void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64_t prompt_len,
          int64_t decode_steps, int prefill_runs, bool prefill_only,
-         const std::vector<int64_t>& contexts) {
+         const std::vector<int64_t>& contexts, const tandem::model::WeightLoadOptions& load) {
   const double rss_before = resident_bytes();
-  auto model = DeepSeekModel::load(dir);
+  auto model = DeepSeekModel::load(dir, {}, load);
   const auto& c = model.config();
   const int64_t block = 16, entry_bytes = model.cache_shape(block).entry_bytes();
   const int64_t layers = c.num_hidden_layers;
-  // The attention output projection is quantised in INT8 checkpoints; the LM head never is.
+  // The attention output projection is quantised in INT8 checkpoints; the LM head only with
+  // --int8-lm-head.
   const auto type = model.weights().layers[0].attn.o.type;
   const std::string dtype = type == tandem::kernels::WeightType::kI8     ? "INT8"
                             : type == tandem::kernels::WeightType::kBF16 ? "BF16"
@@ -383,6 +385,9 @@ int main(int argc, char** argv) {
   bool batch_invariant = false;
   app.add_flag("--batch-invariant", batch_invariant,
                "batch-invariant numerics (tandem engine --batch-invariant)");
+  tandem::model::WeightLoadOptions load;
+  app.add_flag("--int8-lm-head", load.int8_lm_head,
+               "quantize the LM head to INT8 at load (tandem engine --int8-lm-head)");
   app.add_option("--prompt", prompt, "prefill prompt length")->capture_default_str();
   app.add_option("--decode", decode, "decode steps per measurement")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -395,7 +400,7 @@ int main(int argc, char** argv) {
         peaks.threads, peaks.fp32_gflops, peaks.bf16_gflops, peaks.dram_gbs_1, peaks.dram_gbs_all,
         peaks.threads);
     for (const auto& m : models)
-      run(m, peaks, prompt, decode, prefill_runs, prefill_only, contexts);
+      run(m, peaks, prompt, decode, prefill_runs, prefill_only, contexts, load);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -4,7 +4,9 @@
 # prints per-round figures, medians and the ratios the decode issue asks for:
 #   - decode batch 1, BF16 next to BF16 (peer with run-time repack -rtr 1), and Tandem's share of
 #     the read bandwidth measured in the same run;
-#   - decode batch 1, Tandem INT8 (W8A8 from `tandem quantize`) next to the peer's Q8_0;
+#   - decode batch 1, Tandem INT8 (W8A8 from `tandem quantize`) next to the peer's Q8_0, with the
+#     LM head as the checkpoint has it (BF16) and quantized at load (--int8-lm-head) as the
+#     peer's Q8_0 file has it;
 #   - decode at batch 1 after long contexts (CONTEXTS) next to the peer's -gp N,32 with its MLA
 #     and flash-attention options (-mla 3 -fa 1); Tandem's share of the ideal time;
 #   - prefill 512 (pp512), batch 16 next to batch 1, and resident memory (Tandem: after a prefill,
@@ -69,6 +71,10 @@ for r in $(seq 1 "$rounds"); do
   fi
   "$build/bench/tandem-bench-engine" --model "$int8_dir" --prompt 512 --decode 32 \
     --prefill-runs 3 >"$out/tandem-int8-$r.txt"
+  # The peer's Q8_0 file quantizes the LM head too; Tandem's W8A8 checkpoint keeps it in BF16
+  # unless the engine is told to quantize it at load.
+  "$build/bench/tandem-bench-engine" --model "$int8_dir" --prompt 16 --decode 32 \
+    --prefill-runs 1 --int8-lm-head >"$out/tandem-int8head-$r.txt"
   if [ "$have_peer" = 1 ]; then
     "$bench" -m "$gguf_q8" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
       >"$out/peer-q8-$r.json" 2>"$out/peer-q8-$r.err"
@@ -109,6 +115,7 @@ def med(xs):
 
 T = [tandem(f"{out}/tandem-bf16-{r}.txt") for r in range(1, rounds + 1)]
 T8 = [tandem(f"{out}/tandem-int8-{r}.txt") for r in range(1, rounds + 1)]
+T8H = [tandem(f"{out}/tandem-int8head-{r}.txt") for r in range(1, rounds + 1)]
 P = [peer(f"{out}/peer-bf16-{r}.json") for r in range(1, rounds + 1)] if have_peer else []
 P8 = [peer(f"{out}/peer-q8-{r}.json") for r in range(1, rounds + 1)] if have_peer else []
 rss = []
@@ -134,6 +141,7 @@ row("decode batch 1, BF16", "tg", T, P)
 print(f"{'  Tandem share of read bandwidth':<34} " + " / ".join(f"{t['tg_bw']:.0f}%" for t in T)
       + f"  median {med([t['tg_bw'] for t in T]):.0f}%")
 row("decode batch 1, INT8 vs Q8_0", "tg", T8, P8)
+row("  the same, LM head INT8 too", "tg", T8H, P8)
 row("prefill 512, BF16", "pp", T, P)
 for c in contexts:
     row(f"decode after {c}, BF16", f"ctx{c}", T, P)

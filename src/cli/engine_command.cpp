@@ -57,6 +57,7 @@ struct EngineOptions {
   std::string kv_transport = "shm";
   int64_t speculative_tokens = 0;
   bool batch_invariant = false;
+  bool int8_lm_head = false;
 };
 
 const std::map<std::string, engine::KvTransportKind> kKvTransports = {
@@ -157,8 +158,10 @@ void run(const EngineOptions& o) {
     std::shared_ptr<model::DeepSeekModel> m;
     {
       ProgressBar bar("loading " + o.model);
-      m = std::make_shared<model::DeepSeekModel>(
-          model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
+      model::WeightLoadOptions load;
+      load.int8_lm_head = o.int8_lm_head;
+      m = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(
+          o.model, [&](size_t d, size_t t) { bar.update(d, t); }, load));
     }
     m->set_mla_rescale(kMlaRescales.at(o.mla_rescale));
     eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
@@ -343,6 +346,10 @@ void add_engine_command(CLI::App& app) {
                 "its step, on how its prompt was chunked, or on whether its prefix came from the "
                 "cache or a KV transfer (the same kernels and reduction order for any token "
                 "count; slower prefill, see docs/benchmarks.md)");
+  cmd->add_flag("--int8-lm-head", o->int8_lm_head,
+                "quantize the LM head to INT8 at load (W8A8, per-row scales): half the bytes a "
+                "decode token reads there, as llama.cpp's Q8_0 files have it; W8A8 checkpoints "
+                "keep it in BF16");
   cmd->add_option("--mla-rescale", o->mla_rescale,
                   "decode attention's softmax rescale: multiply or amla (exponent add)")
       ->capture_default_str()

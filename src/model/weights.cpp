@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "model/layout.h"
+#include "model/quantize.h"
 #include "util/error.h"
 
 namespace tandem::model {
@@ -84,6 +85,43 @@ class Binder {
     // stay, as both copies of an FP8 checkpoint's matrices do.
     if (plain == PlainRows::kRelease && m.storage.empty() && !kernels::batch_invariant())
       release_pages(m.data, m.bytes());
+  }
+
+  // The weight `name` quantized to INT8 with one scale per row (the W8A8 rule of
+  // model/quantize.h), in chunks of rows so no float32 copy of a whole head is ever made.
+  Matrix int8_matrix(const std::string& name, int64_t rows, int64_t cols,
+                     PlainRows plain = PlainRows::kRelease) {
+    const TensorInfo& t = take(name + ".weight", {rows, cols});
+    if (t.dtype != DType::kBF16 && t.dtype != DType::kF32 && t.dtype != DType::kF16)
+      throw Error(name + ".weight: INT8 quantization at load needs BF16, F16 or F32 weights, not " +
+                  std::string(dtype_name(t.dtype)));
+    ModelConfig rule = config_;
+    rule.fp8.reset();
+    rule.int8 = Int8Quantization{};
+    Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    m.type = kernels::WeightType::kI8;
+    m.storage.resize(static_cast<size_t>(rows * cols));
+    m.row_scales.resize(static_cast<size_t>(rows));
+    constexpr int64_t kChunkRows = 1024;
+    std::vector<float> wide, scales;
+    const size_t element = dtype_size(t.dtype);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunkRows) {
+      const int64_t n = std::min(kChunkRows, rows - r0);
+      wide.resize(static_cast<size_t>(n * cols));
+      to_f32(t.dtype, t.data + static_cast<size_t>(r0 * cols) * element, wide.data(), n * cols);
+      quantize_weight(rule, wide, n, cols,
+                      reinterpret_cast<std::byte*>(m.storage.data()) + r0 * cols, scales);
+      std::copy(scales.begin(), scales.end(), m.row_scales.begin() + r0);
+    }
+    m.data = m.storage.data();
+    kernels::set_int8_row_sums(m);
+    // The INT8 rows stay beside the packed copy (products oneDNN has no kernel for read them);
+    // the source rows in the mapping are not read again, unless they are a tied embedding's.
+    kernels::pack_for_gemm(m);
+    if (plain == PlainRows::kRelease) release_pages(t.data, t.nbytes);
+    return m;
   }
 
   MlpWeights mlp(const std::string& prefix, int64_t inter) {
@@ -211,7 +249,12 @@ Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& confi
   w.final_norm = b.vector("model.norm.weight", h);
   // The LM head is packed like the layers' matrices (it is a quarter of what a decode token
   // reads), unless it is the embedding, whose rows the lookup reads.
-  if (config.tie_word_embeddings) {
+  if (options.int8_lm_head) {
+    // A tied embedding still looks its rows up in the mapping.
+    w.lm_head = config.tie_word_embeddings ? b.int8_matrix("model.embed_tokens", config.vocab_size,
+                                                           h, Binder::PlainRows::kKeep)
+                                           : b.int8_matrix("lm_head", config.vocab_size, h);
+  } else if (config.tie_word_embeddings) {
     w.lm_head = b.matrix("model.embed_tokens", config.vocab_size, h);
   } else {
     w.lm_head = b.packed_matrix("lm_head", config.vocab_size, h);
@@ -226,7 +269,8 @@ Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& confi
     m.eh_proj = b.packed_matrix(p + ".eh_proj", h, 2 * h);
     m.layer = b.layer(index, config.is_moe_layer(index));
     m.final_norm = b.vector(p + ".shared_head.norm.weight", h);
-    m.head = b.packed_matrix(p + ".shared_head.head", config.vocab_size, h);
+    m.head = options.int8_lm_head ? b.int8_matrix(p + ".shared_head.head", config.vocab_size, h)
+                                  : b.packed_matrix(p + ".shared_head.head", config.vocab_size, h);
     w.mtp.push_back(std::move(m));
   }
   return w;

@@ -62,6 +62,11 @@ struct WeightLoadOptions {
   // False: MoE layers get no routed experts (an expert-parallel rank loads its own slots with
   // load_expert); the router, shared experts and everything else load as usual.
   bool routed_experts = true;
+  // The LM head (and the MTP heads) quantized to INT8 at load, W8A8 like the checkpoint's INT8
+  // linears (per-row scales, activations per token): half the bytes a decode token reads there.
+  // W8A8 checkpoints keep the head in BF16 (its `ignore: ["lm_head"]`); llama.cpp's Q8_0 files
+  // quantize it. The head's BF16 rows are released; an embedding tied to it keeps its rows.
+  bool int8_lm_head = false;
 };
 
 struct Weights {

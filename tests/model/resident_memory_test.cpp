@@ -5,22 +5,18 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "model/deepseek.h"
 #include "model/latent_cache.h"
-#include "model/layout.h"
 #include "model/make_model.h"
-#include "model/safetensors.h"
+#include "model/model_test_support.h"
+#include "model/random_checkpoint.h"
 
 namespace tandem::model {
 namespace {
-
-namespace fs = std::filesystem;
 
 // VmRSS and VmHWM (peak) of this process, in bytes.
 struct Resident {
@@ -51,36 +47,14 @@ ModelConfig config() {
   return c;
 }
 
-// Small BF16 values from a counter-based generator (weights need not be meaningful here).
-void fill(const TensorSpec& spec, std::span<std::byte> out) {
-  uint64_t state = std::hash<std::string>{}(spec.name) | 1;
-  auto* v = reinterpret_cast<uint16_t*>(out.data());
-  for (size_t i = 0; i < out.size() / 2; ++i) {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    const float x = (static_cast<float>(state >> 40) / (1 << 24) - 0.5f) * 0.05f;
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    v[i] = static_cast<uint16_t>(bits >> 16);
-  }
-}
-
 TEST(ResidentMemory, OneCopyOfTheWeightsAfterLoadAndUse) {
-  const fs::path dir = fs::path(::testing::TempDir()) / "tandem_resident_memory_model";
-  fs::remove_all(dir);
-  const ModelConfig c = config();
-  const std::vector<TensorSpec> specs = checkpoint_layout(c, DType::kBF16);
-  write_checkpoint(dir, specs, fill, size_t{64} << 20);
-  {
-    std::ofstream f(dir / "config.json");
-    f << c.to_json().dump(2);
-  }
-  int64_t tensor_bytes = 0;
-  for (const auto& s : specs) tensor_bytes += static_cast<int64_t>(s.nbytes());
+  const test::TempDir dir("resident-memory");
+  const int64_t tensor_bytes = test::write_random_checkpoint(dir.path(), config());
   ASSERT_GT(tensor_bytes, int64_t{200} << 20);
 
   const Resident before = resident();
   {
-    const DeepSeekModel model = DeepSeekModel::load(dir);
+    const DeepSeekModel model = DeepSeekModel::load(dir.path());
     const Resident loaded = resident();
     constexpr int64_t kBlock = 16, kBlocks = 4;
     LatentCache cache(model.cache_shape(kBlock), kBlocks);
@@ -108,7 +82,6 @@ TEST(ResidentMemory, OneCopyOfTheWeightsAfterLoadAndUse) {
     EXPECT_LE(used.now - before.now, limit) << figures;
     EXPECT_LE(used.peak - before.now, limit) << figures;
   }
-  fs::remove_all(dir);
 }
 
 }  // namespace

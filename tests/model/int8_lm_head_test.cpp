@@ -1,0 +1,95 @@
+// --int8-lm-head: the LM head (and the MTP head) quantized at load, W8A8 like the checkpoint's
+// INT8 linears. Every logit must be exactly the W8A8 product of its token's normed hidden state:
+// the weights quantized by model/quantize.h's rule, the activations per token (scale
+// max|x| / 127, round to nearest), integer sums, then both scales (float32 rounding only).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "model/deepseek.h"
+#include "model/latent_cache.h"
+#include "model/make_model.h"
+#include "model/model_test_support.h"
+#include "model/quantize.h"
+#include "model/random_checkpoint.h"
+
+namespace tandem::model {
+namespace {
+
+ModelConfig config() {
+  ModelConfig c = preset_config("tiny-v3");
+  c.vocab_size = 3000;
+  c.bos_token_id = 0;
+  c.eos_token_id = 1;
+  return c;
+}
+
+// The checkpoint's BF16 tensor `name` [rows, cols] as float32.
+std::vector<float> tensor(const Checkpoint& ckpt, const std::string& name, int64_t rows,
+                          int64_t cols) {
+  const TensorInfo& t =
+      ckpt.get(name, cols > 0 ? std::vector<int64_t>{rows, cols} : std::vector<int64_t>{rows});
+  std::vector<float> out(static_cast<size_t>(rows * std::max<int64_t>(cols, 1)));
+  to_f32(t.dtype, t.data, out.data(), out.size());
+  return out;
+}
+
+void expect_w8a8_logits(const ModelConfig& c, const std::vector<float>& head,
+                        const std::vector<float>& norm, const StepOutput& out, int64_t tokens) {
+  const int64_t h = c.hidden_size, vocab = c.vocab_size;
+  ModelConfig rule = c;
+  rule.int8 = Int8Quantization{};
+  std::vector<std::byte> wq(static_cast<size_t>(vocab * h));
+  std::vector<float> w_scales;
+  quantize_weight(rule, head, vocab, h, wq.data(), w_scales);
+  ASSERT_EQ(static_cast<int64_t>(out.logits.size()), tokens * vocab);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<float> x(static_cast<size_t>(h));
+    kernels::rmsnorm(out.hidden.data() + t * h, norm.data(), 1, h, c.rms_norm_eps, x.data());
+    float amax = 0;
+    for (float v : x) amax = std::max(amax, std::abs(v));
+    const float x_scale = amax > 0 ? amax / 127.0f : 1.0f, inv = 1.0f / x_scale;
+    std::vector<int32_t> xq(x.size());
+    for (int64_t k = 0; k < h; ++k)
+      xq[k] = static_cast<int32_t>(std::clamp(std::nearbyint(x[k] * inv), -127.0f, 127.0f));
+    for (int64_t r = 0; r < vocab; ++r) {
+      int64_t sum = 0;
+      for (int64_t k = 0; k < h; ++k) sum += static_cast<int8_t>(wq[r * h + k]) * xq[k];
+      const float want = static_cast<float>(sum) * w_scales[r] * x_scale;
+      ASSERT_NEAR(out.logits[t * vocab + r], want, 1e-6f * std::abs(want) + 1e-9f)
+          << "token " << t << " logit " << r;
+    }
+  }
+}
+
+TEST(Int8LmHead, LogitsAreTheW8A8ProductOfTheNormedHiddenStates) {
+  const test::TempDir dir("int8-lm-head");
+  const ModelConfig c = config();
+  test::write_random_checkpoint(dir.path(), c);
+  WeightLoadOptions options;
+  options.int8_lm_head = true;
+  const DeepSeekModel model = DeepSeekModel::load(dir.path(), {}, options);
+  ASSERT_EQ(model.weights().lm_head.type, kernels::WeightType::kI8);
+  ASSERT_EQ(model.weights().mtp.at(0).head.type, kernels::WeightType::kI8);
+
+  const Checkpoint ckpt = Checkpoint::open(dir.path());
+  const auto head = tensor(ckpt, "lm_head.weight", c.vocab_size, c.hidden_size);
+  const auto norm = tensor(ckpt, "model.norm.weight", c.hidden_size, 0);
+  // Few tokens (the decode kernels) and many (the GEMM), every token's logits.
+  for (int64_t tokens : {3, 20}) {
+    LatentCache cache(model.cache_shape(16), 4);
+    std::vector<int32_t> prompt(static_cast<size_t>(tokens));
+    for (int64_t i = 0; i < tokens; ++i) prompt[i] = static_cast<int32_t>(5 + 37 * i);
+    const std::vector<int32_t> table = {0, 1};
+    SequenceStep step{prompt, 0, table, LogitRows::kAll};
+    const StepOutput out = model.forward(std::span(&step, 1), cache);
+    expect_w8a8_logits(c, head, norm, out, tokens);
+  }
+}
+
+}  // namespace
+}  // namespace tandem::model
