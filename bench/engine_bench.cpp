@@ -23,6 +23,10 @@
 
 namespace {
 
+// Untimed decode steps before each timed run, as llama-bench warms up before it times: the first
+// steps after a prefill grow per-thread buffers and touch pages a steady decode does not.
+constexpr int64_t kWarmupSteps = 2;
+
 using tandem::model::DeepSeekModel;
 using tandem::model::LatentCache;
 using tandem::model::LayerWeights;
@@ -160,7 +164,7 @@ double resident_bytes() {
 void long_context_decode(const DeepSeekModel& model, const tandem::bench::MachinePeaks& peaks,
                          int64_t context, int64_t steps, double weight_bytes) {
   const auto& c = model.config();
-  const int64_t block = 16, blocks = (context + steps + block - 1) / block + 1;
+  const int64_t block = 16, blocks = (context + kWarmupSteps + steps + block - 1) / block + 1;
   const auto shape = model.cache_shape(block);
   LatentCache cache(shape, blocks);
   std::vector<int32_t> table(blocks);
@@ -177,8 +181,12 @@ void long_context_decode(const DeepSeekModel& model, const tandem::bench::Machin
   }
   double dram = tandem::bench::measure_dram_gbs();
   int32_t tok = 1000;
+  for (int64_t i = 0; i < kWarmupSteps; ++i) {
+    SequenceStep d{std::span(&tok, 1), context + i, table};
+    tok = argmax(model.forward(std::span(&d, 1), cache).logits.data(), c.vocab_size);
+  }
   const double t0 = now();
-  for (int64_t i = 0; i < steps; ++i) {
+  for (int64_t i = kWarmupSteps; i < kWarmupSteps + steps; ++i) {
     SequenceStep d{std::span(&tok, 1), context + i, table};
     auto out = model.forward(std::span(&d, 1), cache);
     tok = argmax(out.logits.data(), c.vocab_size);
@@ -188,7 +196,7 @@ void long_context_decode(const DeepSeekModel& model, const tandem::bench::Machin
   const tandem::kernels::MlaShape mla{
       c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, block, 1.0f, shape.type};
   double kv_bytes = 0, flops = 0;
-  for (int64_t i = 0; i < steps; ++i) {
+  for (int64_t i = kWarmupSteps; i < kWarmupSteps + steps; ++i) {
     kv_bytes += static_cast<double>(context + i + 1) * shape.entry_bytes() * c.num_hidden_layers;
     flops += tandem::kernels::mla_decode_flops(mla, 1, context + i + 1) * c.num_hidden_layers;
   }
@@ -223,7 +231,8 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   // Prefill: one 512-token prompt, best of `prefill_runs` (the median too when there are more
   // than three: this VM's neighbours make single runs noisy).
   const auto prompt = random_tokens(prompt_len, 1);
-  const int64_t blocks = (prompt_len + decode_steps + block) / block + 1;
+  // The prompt, the warm-up and timed decode steps, and the profiled steps after them.
+  const int64_t blocks = (prompt_len + 2 * decode_steps + kWarmupSteps + block) / block + 1;
   std::vector<int32_t> table(blocks);
   std::iota(table.begin(), table.end(), 0);
   std::vector<double> times;
@@ -270,13 +279,19 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     SequenceStep step{prompt, 0, table};
     auto out = model.forward(std::span(&step, 1), cache);
     int32_t tok = argmax(out.logits.data(), c.vocab_size);
+    int64_t pos = prompt_len;
+    for (int64_t i = 0; i < kWarmupSteps; ++i, ++pos) {
+      SequenceStep d{std::span(&tok, 1), pos, table};
+      out = model.forward(std::span(&d, 1), cache);
+      tok = argmax(out.logits.data(), c.vocab_size);
+    }
     double t0 = now();
     double kv_bytes = 0;
     for (int64_t i = 0; i < decode_steps; ++i) {
-      SequenceStep d{std::span(&tok, 1), prompt_len + i, table};
+      SequenceStep d{std::span(&tok, 1), pos + i, table};
       out = model.forward(std::span(&d, 1), cache);
       tok = argmax(out.logits.data(), c.vocab_size);
-      kv_bytes += static_cast<double>(prompt_len + i + 1) * entry_bytes * layers;
+      kv_bytes += static_cast<double>(pos + i + 1) * entry_bytes * layers;
     }
     const double secs = now() - t0;
     // This VM's bandwidth drifts with its neighbours: compare with the better of the
@@ -292,7 +307,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     tandem::model::StepProfile profile;
     model.set_profile(&profile);
     for (int64_t i = 0; i < decode_steps; ++i) {
-      SequenceStep d{std::span(&tok, 1), prompt_len + decode_steps + i, table};
+      SequenceStep d{std::span(&tok, 1), pos + decode_steps + i, table};
       out = model.forward(std::span(&d, 1), cache);
       tok = argmax(out.logits.data(), c.vocab_size);
     }
@@ -306,7 +321,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   {
     double dram = tandem::bench::measure_dram_gbs();
     const int64_t batch = 16, plen = 64;
-    const int64_t per_seq = (plen + decode_steps + block) / block + 1;
+    const int64_t per_seq = (plen + kWarmupSteps + 2 * decode_steps + block) / block + 1;
     LatentCache cache(model.cache_shape(block), per_seq * batch);
     std::vector<std::vector<int32_t>> prompts, tables;
     std::vector<int32_t> next(batch);
@@ -319,23 +334,27 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
       auto out = model.forward(std::span(&step, 1), cache);
       next[s] = argmax(out.logits.data(), c.vocab_size);
     }
+    auto step_all = [&](int64_t pos) {
+      std::vector<SequenceStep> steps;
+      for (int64_t s = 0; s < batch; ++s) steps.push_back({std::span(&next[s], 1), pos, tables[s]});
+      auto out = model.forward(steps, cache);
+      for (int64_t s = 0; s < batch; ++s)
+        next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
+    };
+    for (int64_t i = 0; i < kWarmupSteps; ++i) step_all(plen + i);
+    const int64_t first = plen + kWarmupSteps;
     auto counts_before = model.expert_counts();
     double touched_expert_bytes = 0, kv_bytes = 0;
     double t0 = now();
     for (int64_t i = 0; i < decode_steps; ++i) {
-      std::vector<SequenceStep> steps;
-      for (int64_t s = 0; s < batch; ++s)
-        steps.push_back({std::span(&next[s], 1), plen + i, tables[s]});
-      auto out = model.forward(steps, cache);
-      for (int64_t s = 0; s < batch; ++s)
-        next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
+      step_all(first + i);
       // Experts read this step: those whose token count moved.
       const auto& counts = model.expert_counts();
       for (size_t l = 0; l < counts.size(); ++l)
         for (size_t e = 0; e < counts[l].size(); ++e)
           if (counts[l][e] != counts_before[l][e]) touched_expert_bytes += expert_bytes(model);
       counts_before = counts;
-      kv_bytes += static_cast<double>(batch) * (plen + i + 1) * entry_bytes * layers;
+      kv_bytes += static_cast<double>(batch) * (first + i + 1) * entry_bytes * layers;
     }
     const double secs = now() - t0;
     dram = std::max(dram, tandem::bench::measure_dram_gbs());
@@ -350,14 +369,7 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     // Again with the per-part timers (per step of 16 tokens; routed experts: those touched).
     tandem::model::StepProfile profile;
     model.set_profile(&profile);
-    for (int64_t i = 0; i < decode_steps; ++i) {
-      std::vector<SequenceStep> steps;
-      for (int64_t s = 0; s < batch; ++s)
-        steps.push_back({std::span(&next[s], 1), plen + decode_steps + i, tables[s]});
-      auto out = model.forward(steps, cache);
-      for (int64_t s = 0; s < batch; ++s)
-        next[s] = argmax(out.logits.data() + s * c.vocab_size, c.vocab_size);
-    }
+    for (int64_t i = 0; i < decode_steps; ++i) step_all(first + decode_steps + i);
     model.set_profile(nullptr);
     auto bytes = part_bytes(model, kv_bytes / decode_steps);
     bytes[static_cast<size_t>(StepPart::kRoutedExperts)] = touched_expert_bytes / decode_steps;

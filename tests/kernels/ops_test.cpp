@@ -426,8 +426,16 @@ TEST(Gemm, StridedProductsMatchReference) {
 // The two row-range products of absorbed attention (W_UK^T q over a head's rows, W_UV o over
 // another's), for every weight type, with a row count that is not a multiple of four and widths
 // that are not multiples of eight: float32 sums against a double reference.
-TEST(Matvec, RowRangeProductsMatchReference) {
-  const int64_t rows = 40, cols = 203, first = 9, count = 23;
+// Shapes: ragged ranges (the row kernels), and whole 64-row blocks of 520 columns (one 256-column
+// register chunk of the transposed product and a tail; the packed blocks for BF16 rows).
+struct RowRange {
+  int64_t rows, cols, first, count;
+};
+
+class Matvec : public ::testing::TestWithParam<RowRange> {};
+
+TEST_P(Matvec, RowRangeProductsMatchReference) {
+  const auto [rows, cols, first, count] = GetParam();
   std::mt19937 rng(9);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> wf(rows * cols), xr(count), xc(cols);
@@ -461,6 +469,12 @@ TEST(Matvec, RowRangeProductsMatchReference) {
     w.data = type == WeightType::kF32    ? static_cast<const void*>(wf.data())
              : type == WeightType::kBF16 ? static_cast<const void*>(wb.data())
                                          : static_cast<const void*>(wi.data());
+    // Packed BF16 rows over whole blocks take x rounded to BF16.
+    const bool rounded =
+        type == WeightType::kBF16 && pack_for_gemm(w) && first % 64 == 0 && count % 64 == 0;
+    std::vector<double> xcr(xc.begin(), xc.end());
+    if (rounded)
+      for (auto& v : xcr) v = bf16_value(f32_to_bf16(static_cast<float>(v)));
     std::vector<float> yt(cols, std::nanf("")), yr(count, std::nanf(""));
     matvec_transposed(w, first, count, xr.data(), yt.data());
     matvec_rows(w, first, count, xc.data(), yr.data());
@@ -476,13 +490,16 @@ TEST(Matvec, RowRangeProductsMatchReference) {
     for (int64_t r = 0; r < count; ++r) {
       double ref = 0, mag = 0;
       for (int64_t c = 0; c < cols; ++c) {
-        ref += xc[c] * wref[(first + r) * cols + c];
-        mag += std::abs(xc[c] * wref[(first + r) * cols + c]);
+        ref += xcr[c] * wref[(first + r) * cols + c];
+        mag += std::abs(xcr[c] * wref[(first + r) * cols + c]);
       }
       ASSERT_NEAR(yr[r], ref, 1e-5 * mag + 1e-6) << "rows, type " << int(type) << " row " << r;
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Ranges, Matvec,
+                         ::testing::Values(RowRange{40, 203, 9, 23}, RowRange{256, 520, 64, 128}));
 
 // Batch-invariant numerics: each token's row of a product has the same bits whatever the
 // number of tokens in it (the kernels switch at 4, 16 and 32 tokens otherwise).

@@ -292,6 +292,34 @@ TANDEM_AVX512 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t
   }
 }
 
+TANDEM_AVX512 void axpy_rows_bf16(const uint16_t* rows, int64_t count, int64_t cols, const float* x,
+                                  float* y) {
+  constexpr int kVectors = 16;  // 256 columns of y in registers
+  int64_t c0 = 0;
+  for (; c0 + 16 * kVectors <= cols; c0 += 16 * kVectors) {
+    __m512 acc[kVectors];
+#pragma GCC unroll 16
+    for (int v = 0; v < kVectors; ++v) acc[v] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < count; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r]);
+      const uint16_t* row = rows + r * cols + c0;
+#pragma GCC unroll 16
+      for (int v = 0; v < kVectors; ++v) {
+        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v))),
+            16));
+        acc[v] = _mm512_fmadd_ps(xr, w, acc[v]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(y + c0 + 16 * v, acc[v]);
+  }
+  if (c0 == cols) return;
+  std::fill(y + c0, y + cols, 0.0f);
+  for (int64_t r = 0; r < count; ++r) axpy_row_bf16(x[r], rows + r * cols + c0, y + c0, cols - c0);
+}
+
 TANDEM_AVX512 void axpy_row_i8(float a, const int8_t* row, float* y, int64_t cols) {
   const __m512 va = _mm512_set1_ps(a);
   for (int64_t c = 0; c < cols; c += 16) {

@@ -46,6 +46,9 @@ void axpy(float a, const float* x, float* y, int64_t n);
 
 // y[cols] += a * row, row in BF16: the building block of transposed products.
 void axpy_row_bf16(float a, const uint16_t* row, float* y, int64_t cols);
+// y[c] = sum_r x[r] * rows[r * cols + c] for c < cols, rows in BF16: the transposed product
+// with y held in registers 256 columns at a time (no load and store of y per row).
+void axpy_rows_bf16(const uint16_t* rows, int64_t count, int64_t cols, const float* x, float* y);
 // y[cols] += a * row, row in INT8 (the caller folds the row scale into a).
 void axpy_row_i8(float a, const int8_t* row, float* y, int64_t cols);
 

@@ -236,7 +236,7 @@ void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
     const uint16_t* xbp = xb.data();
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t b = 0; b < l.blocks(); ++b)
-      avx512::packed_rows_bf16(*w.packed, b, 1, xbp, stride, n, y, w.rows);
+      avx512::packed_rows_bf16(*w.packed, b, 1, xbp, stride, n, y + b * l.kBlockRows, w.rows);
     return;
   }
   thread_local std::vector<uint8_t> xq;
@@ -250,7 +250,7 @@ void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
   int32_t* a = acc.data();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t b = 0; b < l.blocks(); ++b)
-    avx512::packed_rows_i8(*w.packed, b, 1, xqp, stride, n, a, w.rows);
+    avx512::packed_rows_i8(*w.packed, b, 1, xqp, stride, n, a + b * l.kBlockRows, w.rows);
   const int32_t* sums = w.row_sums.data();
   const float* scales = w.row_scales.data();
   for (int64_t t = 0; t < n; ++t)
@@ -410,7 +410,7 @@ void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const floa
   std::fill(y, y + w.cols, 0.0f);
   if (w.type == WeightType::kBF16 && avx512::available()) {
     const auto* base = static_cast<const uint16_t*>(w.data) + first * w.cols;
-    for (int64_t r = 0; r < count; ++r) avx512::axpy_row_bf16(x[r], base + r * w.cols, y, w.cols);
+    avx512::axpy_rows_bf16(base, count, w.cols, x, y);
     return;
   }
   if (w.type == WeightType::kI8 && avx512::available()) {
@@ -443,6 +443,19 @@ void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const floa
 }
 
 void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, float* y) {
+  const int64_t block = PackedLayout::kBlockRows;
+  if (w.packed && w.type == WeightType::kBF16 && !batch_invariant() && first % block == 0 &&
+      count % block == 0) {
+    // Whole row blocks of the packed copy (absorbed attention's W_UV rows of a head): 64 outputs
+    // at a time without a reduction per row; x rounded to BF16 as every BF16 product rounds it.
+    const int64_t stride = w.packed->layout.cols_padded;
+    thread_local std::vector<uint16_t> xb;
+    xb.resize(static_cast<size_t>(stride));
+    avx512::to_bf16_rows(x, w.cols, 1, stride, xb.data());
+    avx512::packed_rows_bf16(*w.packed, first / block, count / block, xb.data(), stride, 1, y,
+                             count);
+    return;
+  }
   const bool fast = avx512::available();
   for (int64_t r = 0; r < count; ++r) row_dots(w, first + r, x, 1, y + r, fast);
 }

@@ -86,7 +86,8 @@ void matmul_f32_activations(const Matrix& w, const float* x, int64_t n, float* y
 void matrix_row(const Matrix& w, int64_t r, float* out);
 // y[cols] = sum_r x[r] * W[first + r, :] for r < count: a transposed product over a row range.
 void matvec_transposed(const Matrix& w, int64_t first, int64_t count, const float* x, float* y);
-// y[count] = W[first .. first + count) x: a product over a row range.
+// y[count] = W[first .. first + count) x: a product over a row range. On packed BF16 weights and
+// whole row blocks of 64 (outside batch-invariant numerics) x is rounded to BF16, as in matmul.
 void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, float* y);
 
 // C[m, n] = A[m, k] B, float32 sums: A row-major (row stride lda); B [k, n] row-major (ldb), or

@@ -156,7 +156,8 @@ TANDEM_PACKED void packed_rows(const PackedWeights& pw, int64_t first_block, int
       }
     }
     const int64_t rows = std::min(kRows, l.rows - b * kRows);
-    for (int64_t t = 0; t < n; ++t) std::copy_n(acc + t * kRows, rows, y + t * ldy + b * kRows);
+    for (int64_t t = 0; t < n; ++t)
+      std::copy_n(acc + t * kRows, rows, y + t * ldy + (b - first_block) * kRows);
   }
 }
 

@@ -10,14 +10,14 @@
 
 namespace tandem::kernels::avx512 {
 
-// y[t * ldy + r] = sum_c W[r, c] * xb[t * stride + c] for t < n and the rows of row blocks
-// [first_block, first_block + blocks) that exist (r < rows). xb: BF16 rows of `stride` >=
-// cols_padded elements, zero from cols on.
+// y[t * ldy + i] = sum_c W[r, c] * xb[t * stride + c] for t < n and the rows r = 64 *
+// first_block + i of row blocks [first_block, first_block + blocks) that exist (r < rows). xb:
+// BF16 rows of `stride` >= cols_padded elements, zero from cols on.
 void packed_rows_bf16(const PackedWeights& w, int64_t first_block, int64_t blocks,
                       const uint16_t* xb, int64_t stride, int64_t n, float* y, int64_t ldy);
 
-// acc[t * ldacc + r] = sum_c W[r, c] * xq[t * stride + c] (INT8 weights, unscaled; xq holds
-// q + 128 as quantize_u8_rows writes it, `stride` >= cols_padded, padded with 128), exact.
+// acc[t * ldacc + i] = sum_c W[r, c] * xq[t * stride + c], rows as above (INT8 weights, unscaled;
+// xq holds q + 128 as quantize_u8_rows writes it, `stride` >= cols_padded, padded with 128), exact.
 void packed_rows_i8(const PackedWeights& w, int64_t first_block, int64_t blocks, const uint8_t* xq,
                     int64_t stride, int64_t n, int32_t* acc, int64_t ldacc);
 
