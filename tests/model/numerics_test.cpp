@@ -226,11 +226,12 @@ TEST_P(Numerics, GreedyContinuationMatchesFullRecomputation) {
     // sums in another order on another CPU), and the continuations differ from there on.
     size_t same = 0;
     while (same < expected.size() && result.tokens[same] == expected[same]) ++same;
-    if (same < expected.size())
+    if (same < expected.size()) {
       EXPECT_LE(margins[same], 2 * c.tol)
           << "prompt " << s << ": token " << same << " is " << result.tokens[same]
           << ", the reference chose " << expected[same] << " with a clear relative margin of "
           << margins[same];
+    }
     std::printf("[ %s/%s ] prompt %zu: %zu of %zu greedy tokens equal%s\n", c.preset.c_str(),
                 c.dtype.c_str(), s, same, expected.size(),
                 same < expected.size() ? " (then a near-tie of the reference)" : "");
