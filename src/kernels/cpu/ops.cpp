@@ -175,6 +175,12 @@ void row_dots(const Matrix& w, int64_t r, const float* x, int64_t m, float* out,
   }
 }
 
+// An INT8 product's output from its exact sum of W_i8[r, :] times the activations stored as
+// q + 128: the offset removed (with the row's sum), then the row's and the token's scales.
+inline float int8_output(const Matrix& w, int64_t r, int32_t sum, float x_scale) {
+  return static_cast<float>(sum - 128 * w.row_sums[r]) * w.row_scales[r] * x_scale;
+}
+
 // INT8 weights times activations quantised per token: integer products (VNNI), then one scale
 // per row and token. Few tokens stream each weight row once for up to four of them; many go
 // to oneDNN's integer GEMM.
@@ -191,8 +197,6 @@ void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool
 #pragma omp parallel for schedule(static) if (n * w.cols > (1 << 16))
   for (int64_t t = 0; t < n; ++t)
     avx512::quantize_u8_rows(x + t * w.cols, w.cols, 1, stride, xqp + t * stride, xsp + t);
-  const int32_t* sums = w.row_sums.data();
-  const float* scales = w.row_scales.data();
   if (gemm) {
     acc.resize(static_cast<size_t>(n * w.rows));
     if (onednn_matmul_u8s8(w, xqp, n, acc.data())) {
@@ -200,8 +204,7 @@ void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool
 #pragma omp parallel for schedule(static) if (n * w.rows > (1 << 15))
       for (int64_t t = 0; t < n; ++t)
         for (int64_t r = 0; r < w.rows; ++r)
-          y[t * w.rows + r] =
-              static_cast<float>(a[t * w.rows + r] - 128 * sums[r]) * scales[r] * xsp[t];
+          y[t * w.rows + r] = int8_output(w, r, a[t * w.rows + r], xsp[t]);
       return;
     }
     // No oneDNN kernel: quantise again with the padded stride the row kernel expects.
@@ -216,10 +219,19 @@ void matmul_int8_vnni(const Matrix& w, const float* x, int64_t n, float* y, bool
       int32_t out[4];
       avx512::dot_rows_i8_vnni(base + r * w.cols, xqp + t * stride, w.cols, stride, m, out);
       for (int64_t i = 0; i < m; ++i)
-        y[(t + i) * w.rows + r] =
-            static_cast<float>(out[i] - 128 * sums[r]) * scales[r] * xsp[t + i];
+        y[(t + i) * w.rows + r] = int8_output(w, r, out[i], xsp[t + i]);
     }
   }
+}
+
+// x [n, w.cols] rounded to BF16 in rows of the packed copy's padded width (zeros past cols), as
+// the BF16 decode kernels take it; a per-thread buffer.
+const uint16_t* packed_bf16_activations(const Matrix& w, const float* x, int64_t n) {
+  const int64_t stride = w.packed->layout.cols_padded;
+  thread_local std::vector<uint16_t> xb;
+  xb.resize(static_cast<size_t>(n * stride));
+  avx512::to_bf16_rows(x, w.cols, n, stride, xb.data());
+  return xb.data();
 }
 
 // Few tokens on packed weights (the decode kernels over the one packed copy): BF16 rows with
@@ -230,10 +242,7 @@ void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
   const int64_t stride = l.cols_padded;
   const bool parallel = w.rows * w.cols > (1 << 15);
   if (w.type == WeightType::kBF16) {
-    thread_local std::vector<uint16_t> xb;
-    xb.resize(static_cast<size_t>(n * stride));
-    avx512::to_bf16_rows(x, w.cols, n, stride, xb.data());
-    const uint16_t* xbp = xb.data();
+    const uint16_t* xbp = packed_bf16_activations(w, x, n);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t b = 0; b < l.blocks(); ++b)
       avx512::packed_rows_bf16(*w.packed, b, 1, xbp, stride, n, y + b * l.kBlockRows, w.rows);
@@ -251,11 +260,9 @@ void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t b = 0; b < l.blocks(); ++b)
     avx512::packed_rows_i8(*w.packed, b, 1, xqp, stride, n, a + b * l.kBlockRows, w.rows);
-  const int32_t* sums = w.row_sums.data();
-  const float* scales = w.row_scales.data();
   for (int64_t t = 0; t < n; ++t)
     for (int64_t r = 0; r < w.rows; ++r)
-      y[t * w.rows + r] = static_cast<float>(a[t * w.rows + r] - 128 * sums[r]) * scales[r] * xs[t];
+      y[t * w.rows + r] = int8_output(w, r, a[t * w.rows + r], xs[t]);
 }
 
 // The portable product behind gemm_bf16 and gemm_f32 where oneDNN has no kernel.
@@ -448,11 +455,8 @@ void matvec_rows(const Matrix& w, int64_t first, int64_t count, const float* x, 
       count % block == 0) {
     // Whole row blocks of the packed copy (absorbed attention's W_UV rows of a head): 64 outputs
     // at a time without a reduction per row; x rounded to BF16 as every BF16 product rounds it.
-    const int64_t stride = w.packed->layout.cols_padded;
-    thread_local std::vector<uint16_t> xb;
-    xb.resize(static_cast<size_t>(stride));
-    avx512::to_bf16_rows(x, w.cols, 1, stride, xb.data());
-    avx512::packed_rows_bf16(*w.packed, first / block, count / block, xb.data(), stride, 1, y,
+    avx512::packed_rows_bf16(*w.packed, first / block, count / block,
+                             packed_bf16_activations(w, x, 1), w.packed->layout.cols_padded, 1, y,
                              count);
     return;
   }
