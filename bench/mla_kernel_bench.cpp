@@ -4,11 +4,13 @@
 // 16 heads (one sequence: memory-bound-ish, about 15 FLOP per cached byte in BF16) and
 // DeepSeek-V3's 128 heads (compute-bound: 128 heads share every cached row), one query token
 // and four (a token and three drafts).
-// Usage: tandem-bench-mla [--contexts 4096,16384,32768] [--repeats 5]
+// Usage: tandem-bench-mla [--contexts 4096,16384,32768] [--heads 16,128] [--queries 1,4]
+//                         [--caches bf16,f32] [--repeats 5]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -67,8 +69,18 @@ double time_kernel(const MlaShape& shape, int64_t s_q, int64_t context, MlaResca
 int main(int argc, char** argv) {
   CLI::App app{"MLA decode kernel: GFLOP/s vs the machine's measured peak"};
   std::vector<int64_t> contexts{4096, 16384, 32768};
+  std::vector<int64_t> head_counts{16, 128}, query_counts{1, 4};
+  std::vector<std::string> caches{"bf16", "f32"};
   int repeats = 5;
   app.add_option("--contexts", contexts, "context lengths")->delimiter(',')->capture_default_str();
+  app.add_option("--heads", head_counts, "attention heads")->delimiter(',')->capture_default_str();
+  app.add_option("--queries", query_counts, "query tokens per sequence (s_q)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--caches", caches, "latent cache types")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->capture_default_str();
   app.add_option("--repeats", repeats, "timed calls per figure (median)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -79,11 +91,12 @@ int main(int argc, char** argv) {
               peaks.dram_gbs_all);
   std::printf("%-6s %-5s %4s %7s %-9s %9s %8s %7s %8s\n", "cache", "heads", "s_q", "context",
               "rescale", "ms", "GFLOP/s", "% peak", "GB/s");
-  for (auto type : {LatentType::kBF16, LatentType::kF32})
-    for (int64_t heads : {16, 128})
-      for (int64_t s_q : {1, 4})
+  for (const auto& cache : caches)
+    for (int64_t heads : head_counts)
+      for (int64_t s_q : query_counts)
         for (int64_t context : contexts)
           for (auto rescale : {MlaRescale::kMultiply, MlaRescale::kAmla}) {
+            const auto type = cache == "bf16" ? LatentType::kBF16 : LatentType::kF32;
             const MlaShape shape{heads, 512, 64, 16, 0.1f, type};
             const double secs = time_kernel(shape, s_q, context, rescale, repeats);
             const double gflops = mla_decode_flops(shape, s_q, context) / secs / 1e9;
