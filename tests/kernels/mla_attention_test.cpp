@@ -202,6 +202,11 @@ std::vector<Case> cases() {
     // Widths the BF16 products take (multiples of 32) with odd head counts and odd tile lengths.
     for (int64_t heads : {5, 7}) out.push_back({heads, 96, 32, 5, 3, 71, type});
     out.push_back({11, 40, 8, 7, 3, 600, type});
+    // From 32 heads the BF16 path transposes the keys for the scores: DeepSeek-V3's 128 heads
+    // with partial tiles, and odd head counts with every row and position remainder.
+    out.push_back({128, 512, 64, 16, 1, 200, type});
+    out.push_back({128, 512, 64, 16, 2, 77, type});
+    for (int64_t heads : {37, 41}) out.push_back({heads, 96, 32, 5, 3, 71, type});
   }
   // Widths the AVX2 kernels do not take (not multiples of 8): the portable loops run for all.
   out.push_back({4, 20, 6, 4, 1, 33, LatentType::kF32});

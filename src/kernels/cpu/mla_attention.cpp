@@ -12,6 +12,7 @@
 
 #include "kernels/cpu/avx2_lanes.h"
 #include "kernels/cpu/bf16.h"
+#include "kernels/cpu/exp2_polynomial.h"
 #include "kernels/cpu/matvec_avx2.h"
 #include "kernels/cpu/matvec_avx512.h"
 #include "kernels/cpu/mla_tiles_avx512.h"
@@ -25,6 +26,11 @@ constexpr int64_t kTile = 64;
 // Contexts are split across threads in chunks of at least this many positions: below it, the
 // merge and the extra partial sums cost more than the parallelism gives.
 constexpr int64_t kMinChunk = 512;
+// BF16 path: tiles ahead whose rows are prefetched, and the head count from which the keys are
+// transposed for the scores (64 shuffles per 16 x 32 values, once per tile) rather than each
+// score summed across its vector (45 operations per 16 scores, once per head and position).
+constexpr int64_t kPrefetchTiles = 2;
+constexpr int64_t kTransposedScoreHeads = 32;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -163,21 +169,17 @@ TANDEM_AVX2 void accumulate_avx2(const float* p, int64_t rows, int64_t ldp,
   }
 }
 
-// 2^x: x = i + f with i an integer and |f| <= 1/2; 2^f from its Taylor series to degree 6
-// (relative error below 1.3e-7, under one float32 ulp), 2^i added to the exponent bits.
+// 2^x: x = i + f with i an integer and |f| <= 1/2; 2^f from kExp2Polynomial, 2^i added to the
+// exponent bits.
 // x < -126 (and -inf) gives 0, where float32 would leave the normal range.
 TANDEM_AVX2 inline __m256 exp2_8(__m256 x) {
   const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-126.0f)), _mm256_set1_ps(127.0f));
   const __m256 i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, i);
-  __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Polynomial[0]);
+#pragma GCC unroll 8
+  for (int k = 1; k < 7; ++k) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Polynomial[k]));
   const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
   const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
   return _mm256_andnot_ps(tiny, r);
@@ -237,6 +239,41 @@ void shift_exponent(float* acc, int64_t n, int32_t shift) {
   }
 }
 
+// Raises a row's running maximum m to a tile's largest score `top` (exp2 domain), rescaling its
+// sum l and accumulator acc[width] to it, by the chosen path.
+void raise_maximum(MlaRescale rescale, float top, int64_t width, float& m, float& l, float* acc) {
+  if (top <= m) return;
+  if (rescale == MlaRescale::kMultiply) {
+    if (m != kNegInf) {
+      const float factor = std::exp2(m - top);
+      multiply(acc, width, factor);
+      l *= factor;
+    }
+    m = top;
+  } else if (m == kNegInf) {
+    m = std::ceil(top);  // AMLA keeps the maximum an integer
+  } else if (top - m > 254.0f) {
+    // Every float32 weight so far would underflow: what the guard would leave, without a shift
+    // count that may not fit an int.
+    std::fill_n(acc, width, 0.0f);
+    l = 0.0f;
+    m = std::ceil(top);
+  } else {
+    const auto shift = static_cast<int32_t>(std::ceil(top - m));
+    shift_exponent(acc, width, shift);
+    l = std::ldexp(l, -shift);
+    m += static_cast<float>(shift);
+  }
+}
+
+// Causal: query token i of a sequence sees positions < context - s_q + i + 1; of the n positions
+// from t0, how many row r (query token x head) sees.
+int64_t visible_positions(const MlaShape& shape, const MlaSequence& seq, int64_t r, int64_t t0,
+                          int64_t n) {
+  const int64_t limit = seq.context - seq.s_q + r / shape.heads + 1;
+  return std::clamp<int64_t>(limit - t0, 0, n);
+}
+
 // One tile's bookkeeping of the online softmax for every row (query token x head): masks what the
 // row may not see, raises its running maximum m (rescaling acc and l to it), and leaves the
 // scores relative to it in s (exp2 domain), ready for exp2.
@@ -245,34 +282,10 @@ void rebase_tile(const MlaShape& shape, const MlaSequence& seq, int64_t t0, int6
   const int64_t rows = seq.s_q * shape.heads, width = shape.latent;
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * kTile;
-    // Causal: query i sees positions < context - s_q + i + 1.
-    const int64_t limit = seq.context - seq.s_q + r / shape.heads + 1;
-    const int64_t visible = std::clamp<int64_t>(limit - t0, 0, n);
+    const int64_t visible = visible_positions(shape, seq, r, t0, n);
     std::fill(row + visible, row + n, kNegInf);
     const float top = visible > 0 ? *std::max_element(row, row + visible) : kNegInf;
-    if (top > m[r]) {
-      if (rescale == MlaRescale::kMultiply) {
-        if (m[r] != kNegInf) {
-          const float factor = std::exp2(m[r] - top);
-          multiply(acc + r * width, width, factor);
-          l[r] *= factor;
-        }
-        m[r] = top;
-      } else if (m[r] == kNegInf) {
-        m[r] = std::ceil(top);  // AMLA keeps the maximum an integer
-      } else if (top - m[r] > 254.0f) {
-        // Every float32 weight so far would underflow: what the guard would leave, without
-        // a shift count that may not fit an int.
-        std::fill_n(acc + r * width, width, 0.0f);
-        l[r] = 0.0f;
-        m[r] = std::ceil(top);
-      } else {
-        const auto shift = static_cast<int32_t>(std::ceil(top - m[r]));
-        shift_exponent(acc + r * width, width, shift);
-        l[r] = std::ldexp(l[r], -shift);
-        m[r] += static_cast<float>(shift);
-      }
-    }
+    raise_maximum(rescale, top, width, m[r], l[r], acc + r * width);
     if (m[r] == kNegInf) continue;  // nothing visible yet: the row stays -inf, p = 0
     for (int64_t j = 0; j < visible; ++j) row[j] -= m[r];
   }
@@ -321,43 +334,63 @@ void attend_chunk(const MlaShape& shape, const MlaSequence& seq, int64_t begin, 
   }
 }
 
+// The first 64-byte boundary of v resized to hold n values from there.
+uint16_t* aligned64(std::vector<uint16_t>& v, int64_t n) {
+  v.resize(n + 32);
+  const auto address = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - address % 64) % 64) / 2;
+}
+
 // attend_chunk for a BF16 cache with BF16 products (AVX-512 BF16): the cached rows are read as
 // they are, queries and probabilities rounded to BF16 (l sums the rounded probabilities, so the
 // weights still add up to one), float32 sums.
 void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t begin, int64_t end,
-                       const TileKernels& k, MlaRescale rescale, float* m, float* l, float* acc) {
+                       MlaRescale rescale, float* m, float* l, float* acc) {
   const int64_t rows = seq.s_q * shape.heads, d = shape.entry(), width = shape.latent;
   thread_local std::vector<float> q, s;
-  thread_local std::vector<uint16_t> qb, pb, paired;
-  thread_local std::vector<const uint16_t*> pos;
+  thread_local std::vector<uint16_t> qb, pb, paired, transposed;
+  thread_local std::vector<const uint16_t*> pos, ahead;
+  ahead.resize(kPrefetchTiles * kTile);
   q.resize(rows * d);
-  qb.resize(rows * d);
+  uint16_t* qa = aligned64(qb, rows * d);
+  uint16_t* keys = aligned64(transposed, kTile * d);
   s.resize(rows * kTile);
   pb.resize(rows * kTile);
   paired.resize(kTile * width);
   pos.resize(kTile);
   const float qscale = shape.scale * kLog2e;
   for (int64_t i = 0; i < rows * d; ++i) q[i] = seq.q[i] * qscale;
-  avx512::to_bf16(q.data(), rows * d, qb.data());
+  avx512::to_bf16(q.data(), rows * d, qa);
   std::fill_n(m, rows, kNegInf);
   std::fill_n(l, rows, 0.0f);
   std::fill_n(acc, rows * width, 0.0f);
   const auto* pages = reinterpret_cast<const uint16_t* const*>(seq.pages);
 
+  const auto row_at = [&](int64_t t) {
+    return pages[t / shape.block_size] + (t % shape.block_size) * d;
+  };
   for (int64_t t0 = begin; t0 < end; t0 += kTile) {
     const int64_t n = std::min(kTile, end - t0), even = (n + 1) / 2 * 2;
-    for (int64_t j = 0; j < n; ++j)
-      pos[j] = pages[(t0 + j) / shape.block_size] + ((t0 + j) % shape.block_size) * d;
-    avx512::mla_scores_bf16(qb.data(), rows, d, pos.data(), n, s.data(), kTile);
-    rebase_tile(shape, seq, t0, n, rescale, s.data(), m, l, acc);
-    exp2_tile(k, rows, n, s.data());
+    for (int64_t j = 0; j < n; ++j) pos[j] = row_at(t0 + j);
+    // The rows kPrefetchTiles tiles ahead into L2 (a row is only 18 cache lines, too short a
+    // stream for the hardware prefetcher: the scores stalled on it), issued by the score
+    // functions a few rows at a time; the first tile issues the tiles before that as well.
+    const int64_t ahead_end = std::min(t0 + (kPrefetchTiles + 1) * kTile, end);
+    const int64_t ahead_begin = t0 == begin ? std::min(t0 + kTile, end) : ahead_end - kTile;
+    for (int64_t t = ahead_begin; t < ahead_end; ++t) ahead[t - ahead_begin] = row_at(t);
+    const avx512::RowPrefetch prefetch{ahead.data(), std::max<int64_t>(ahead_end - ahead_begin, 0),
+                                       d * 2};
+    if (shape.heads >= kTransposedScoreHeads) {
+      const int64_t padded = avx512::mla_transpose_keys(pos.data(), n, d, keys);
+      avx512::mla_scores_bf16_transposed(qa, rows, d, keys, padded, s.data(), kTile, prefetch);
+    } else {
+      avx512::mla_scores_bf16(qa, rows, d, pos.data(), n, s.data(), kTile, prefetch);
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* p = pb.data() + r * kTile;
-      avx512::to_bf16(s.data() + r * kTile, n, p);
-      if (even > n) p[n] = 0;
-      float sum = 0;
-      for (int64_t j = 0; j < n; ++j) sum += bf16_to_f32(p[j]);
-      l[r] += sum;
+      const float* row = s.data() + r * kTile;
+      const int64_t visible = visible_positions(shape, seq, r, t0, n);
+      raise_maximum(rescale, avx512::mla_row_max(row, visible), width, m[r], l[r], acc + r * width);
+      l[r] += avx512::mla_probabilities_bf16(row, visible, m[r], even, pb.data() + r * kTile);
     }
     avx512::mla_pair_values(pos.data(), n, width, paired.data());
     avx512::mla_accumulate_bf16(pb.data(), rows, kTile, paired.data(), even / 2, width, acc);
@@ -398,7 +431,7 @@ void decode(const MlaShape& shape, std::span<const MlaSequence> sequences,
   for (size_t c = 0; c < chunks.size(); ++c) {
     const Chunk& ch = chunks[c];
     if (bf16_dot)
-      attend_chunk_bf16(shape, sequences[ch.sequence], ch.begin, ch.end, k, options.rescale,
+      attend_chunk_bf16(shape, sequences[ch.sequence], ch.begin, ch.end, options.rescale,
                         m.data() + ch.offset, l.data() + ch.offset, acc.data() + ch.offset * width);
     else
       attend_chunk<T>(shape, sequences[ch.sequence], ch.begin, ch.end, k, options.rescale,

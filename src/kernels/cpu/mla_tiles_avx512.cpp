@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+
+#include "kernels/cpu/exp2_polynomial.h"
 
 namespace tandem::kernels::avx512 {
 namespace {
@@ -85,6 +88,70 @@ TANDEM_AVX512_BF16 void score_block(const uint16_t* q, int64_t d, const uint16_t
 
 using ScoreBlock = void (*)(const uint16_t*, int64_t, const uint16_t* const*, float*, int64_t);
 
+// r[0..16) rows of 16 32-bit words -> r[c] = column c (row i in word i).
+TANDEM_AVX512_BF16 inline void transpose16(__m512i r[16]) {
+  __m512i a[16], b[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // b[4g + k], 128-bit lane L: column 4L + k of rows 4g..4g+3.
+#pragma GCC unroll 16
+  for (int g = 0; g < 16; g += 4) {
+    b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+    b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+    b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+    b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
+  }
+  // Then lane L of the four row groups side by side: column 4L + k.
+#pragma GCC unroll 16
+  for (int k = 0; k < 4; ++k) {
+    const __m512i y0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xEE);
+    const __m512i y2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
+    const __m512i y3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(y0, y2, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(y0, y2, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(y1, y3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(y1, y3, 0xDD);
+  }
+}
+
+// H rows x V * 16 positions of scores over transposed keys (24 accumulators at 6 x 4).
+template <int H, int V>
+TANDEM_AVX512_BF16 void transposed_score_block(const uint16_t* q, int64_t d,
+                                               const uint16_t* transposed, int64_t padded,
+                                               int64_t j0, float* s, int64_t lds) {
+  __m512 acc[H][V];
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) acc[h][v] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 2) {
+    const uint16_t* column = transposed + c * padded + 2 * j0;
+    __m512i k[V];
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) k[v] = _mm512_loadu_si512(column + 32 * v);
+#pragma GCC unroll 16
+    for (int h = 0; h < H; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, q + h * d + c, 4);
+      const __m512i w = _mm512_set1_epi32(pair);
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v)
+        acc[h][v] = _mm512_dpbf16_ps(acc[h][v], (__m512bh)k[v], (__m512bh)w);
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(s + h * lds + j0 + 16 * v, acc[h][v]);
+}
+
+using TransposedScoreBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
+                                      float*, int64_t);
+
 // H rows x V * 16 columns of the weighted sum held in registers over all pairs of positions
 // (24 accumulators at 6 x 4, four value vectors, one broadcast pair of probabilities).
 template <int H, int V>
@@ -115,6 +182,24 @@ TANDEM_AVX512_BF16 void accumulate_block(const uint16_t* p, int64_t ldp, const u
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + h * width + c0 + 16 * v, a[h][v]);
 }
 
+// 2^x for 16 lanes, 0 below 2^-126 (see exp2_polynomial.h).
+TANDEM_AVX512_BF16 inline __m512 exp2_16(__m512 x) {
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-126.0f)), _mm512_set1_ps(127.0f));
+  const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, i);
+  __m512 p = _mm512_set1_ps(kExp2Polynomial[0]);
+#pragma GCC unroll 8
+  for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Polynomial[k]));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(i), 23);
+  return _mm512_maskz_mov_ps(normal,
+                             _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e)));
+}
+
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
 using AccumulateBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
                                  int64_t, float*);
 
@@ -122,17 +207,73 @@ using AccumulateBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int6
 
 TANDEM_AVX512_BF16 void mla_scores_bf16(const uint16_t* q, int64_t rows, int64_t d,
                                         const uint16_t* const* keys, int64_t count, float* s,
-                                        int64_t lds) {
+                                        int64_t lds, const RowPrefetch& ahead) {
   static constexpr ScoreBlock kBlocks[4][4] = {
       {score_block<1, 1>, score_block<1, 2>, score_block<1, 3>, score_block<1, 4>},
       {score_block<2, 1>, score_block<2, 2>, score_block<2, 3>, score_block<2, 4>},
       {score_block<3, 1>, score_block<3, 2>, score_block<3, 3>, score_block<3, 4>},
       {score_block<4, 1>, score_block<4, 2>, score_block<4, 3>, score_block<4, 4>}};
-  for (int64_t r = 0; r < rows; r += 4) {
-    const int64_t h = std::min<int64_t>(4, rows - r);
+  // Up to 16 query rows (18 KB at d = 576) and four keys stay in L1 together: each key block is
+  // read from L2 once per 16 rows, not once per 4.
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int64_t r1 = std::min<int64_t>(r0 + 16, rows);
     for (int64_t j = 0; j < count; j += 4) {
       const int64_t n = std::min<int64_t>(4, count - j);
-      kBlocks[h - 1][n - 1](q + r * d, d, keys + j, s + r * lds + j, lds);
+      if (r0 == 0) ahead.issue(j / 4, (count + 3) / 4);
+      for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t h = std::min<int64_t>(4, r1 - r);
+        kBlocks[h - 1][n - 1](q + r * d, d, keys + j, s + r * lds + j, lds);
+      }
+    }
+  }
+}
+
+void RowPrefetch::issue(int64_t part, int64_t parts) const {
+  for (int64_t r = count * part / parts; r < count * (part + 1) / parts; ++r)
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r]) + b, _MM_HINT_T1);
+}
+
+TANDEM_AVX512_BF16 int64_t mla_transpose_keys(const uint16_t* const* keys, int64_t count, int64_t d,
+                                              uint16_t* out) {
+  const int64_t padded = (count + 15) / 16 * 16;
+  for (int64_t j0 = 0; j0 < padded; j0 += 16)
+    for (int64_t c = 0; c < d; c += 32) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < count ? _mm512_loadu_si512(keys[j0 + i] + c) : _mm512_setzero_si512();
+      transpose16(r);
+      // Word i of r[w]: columns c + 2w, c + 2w + 1 of position j0 + i.
+#pragma GCC unroll 16
+      for (int w = 0; w < 16; ++w) _mm512_storeu_si512(out + (c + 2 * w) * padded + 2 * j0, r[w]);
+    }
+  return padded;
+}
+
+TANDEM_AVX512_BF16 void mla_scores_bf16_transposed(const uint16_t* q, int64_t rows, int64_t d,
+                                                   const uint16_t* transposed, int64_t padded,
+                                                   float* s, int64_t lds,
+                                                   const RowPrefetch& ahead) {
+  static constexpr TransposedScoreBlock kBlocks[6][4] = {
+      {transposed_score_block<1, 1>, transposed_score_block<1, 2>, transposed_score_block<1, 3>,
+       transposed_score_block<1, 4>},
+      {transposed_score_block<2, 1>, transposed_score_block<2, 2>, transposed_score_block<2, 3>,
+       transposed_score_block<2, 4>},
+      {transposed_score_block<3, 1>, transposed_score_block<3, 2>, transposed_score_block<3, 3>,
+       transposed_score_block<3, 4>},
+      {transposed_score_block<4, 1>, transposed_score_block<4, 2>, transposed_score_block<4, 3>,
+       transposed_score_block<4, 4>},
+      {transposed_score_block<5, 1>, transposed_score_block<5, 2>, transposed_score_block<5, 3>,
+       transposed_score_block<5, 4>},
+      {transposed_score_block<6, 1>, transposed_score_block<6, 2>, transposed_score_block<6, 3>,
+       transposed_score_block<6, 4>}};
+  for (int64_t j0 = 0; j0 < padded; j0 += 64) {
+    const int64_t v = std::min<int64_t>(64, padded - j0) / 16;
+    for (int64_t r = 0; r < rows; r += 6) {
+      const int64_t h = std::min<int64_t>(6, rows - r);
+      if (j0 == 0) ahead.issue(r / 6, (rows + 5) / 6);
+      kBlocks[h - 1][v - 1](q + r * d, d, transposed, padded, j0, s + r * lds, lds);
     }
   }
 }
@@ -178,6 +319,34 @@ TANDEM_AVX512_BF16 void mla_accumulate_bf16(const uint16_t* p, int64_t rows, int
       kBlocks[h - 1][v - 1](p + r * ldp, ldp, paired, pairs, width, c, acc + r * width);
     }
   }
+}
+
+TANDEM_AVX512_BF16 float mla_row_max(const float* s, int64_t n) {
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = none;
+  for (int64_t j = 0; j < n; j += 16)
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(none, lanes(n - j), s + j));
+  return _mm512_reduce_max_ps(top);
+}
+
+TANDEM_AVX512_BF16 float mla_probabilities_bf16(const float* s, int64_t n, float m, int64_t padded,
+                                                uint16_t* p) {
+  if (m == -std::numeric_limits<float>::infinity()) {
+    std::fill_n(p, padded, uint16_t{0});
+    return 0.0f;
+  }
+  const __m512 top = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 16) {
+    const __mmask16 in = lanes(n - j), out = lanes(padded - j);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + j), top);
+    // Probabilities lie in [2^-126, 1]: vcvtneps2bf16 rounds them to nearest even like
+    // f32_to_bf16 (it only differs on subnormals and NaNs).
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(in, exp2_16(x)));
+    _mm256_mask_storeu_epi16(p + j, out, b);
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 }  // namespace tandem::kernels::avx512
