@@ -21,7 +21,8 @@
 # Environment: PEER (ik_llama.cpp checkout with build/bin/llama-bench; default
 #              ~/.cache/peers/ik_llama.cpp), GGUF_BF16 (MODEL_DIR-bf16.gguf), GGUF_Q8
 #              (MODEL_DIR-q8_0.gguf), INT8_DIR (MODEL_DIR-int8, written by `tandem quantize` when
-#              missing), ROUNDS (3), CONTEXTS (4096,16384,32768), THREADS (2).
+#              missing), ROUNDS (3), CONTEXTS (4096,16384,32768), THREADS (2), KEEP (a
+#              folder that keeps every round's raw output; default: a temporary one, removed).
 # Without the peer (or its GGUFs) the script runs Tandem's side alone and says so.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,8 +56,13 @@ for g in "$gguf_bf16" "$gguf_q8"; do
   fi
 done
 
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
+if [ -n "${KEEP:-}" ]; then
+  out="$KEEP"  # the raw outputs of every round stay there
+  mkdir -p "$out"
+else
+  out="$(mktemp -d)"
+  trap 'rm -rf "$out"' EXIT
+fi
 export OMP_NUM_THREADS="$threads"
 for r in $(seq 1 "$rounds"); do
   echo "== round $r/$rounds"
