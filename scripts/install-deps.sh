@@ -8,7 +8,7 @@ debian_packages=(
   build-essential cmake ninja-build ccache pkg-config git curl
   libboost-dev libpcre2-dev libicu-dev nlohmann-json3-dev libabsl-dev libxxhash-dev
   libcli11-dev libfmt-dev libspdlog-dev libdnnl-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
-  libgtest-dev libgmock-dev libbenchmark-dev libyaml-cpp-dev libtcmalloc-minimal4
+  libgtest-dev libgmock-dev libbenchmark-dev libyaml-cpp-dev libtcmalloc-minimal4 libssl-dev
   nginx-light wrk chromium
   python3 python3-jinja2 python3-numpy python3-torch python3-msgpack python3-zmq python3-prometheus-client
 )

@@ -11,6 +11,7 @@
 #include "util/error.h"
 #include "util/json.h"
 #include "util/random_id.h"
+#include "util/secret.h"
 
 namespace tandem::gateway {
 namespace {
@@ -48,7 +49,11 @@ std::string bearer_token(const net::HttpRequest& req) {
 bool api_key_valid(const Topology& topo, const net::HttpRequest& req) {
   if (topo.api_keys.empty()) return true;
   const std::string key = bearer_token(req);
-  return std::find(topo.api_keys.begin(), topo.api_keys.end(), key) != topo.api_keys.end();
+  // Every key compared, each in constant time: how long the check takes says nothing about
+  // which key, or how much of one, a guess got right.
+  bool valid = false;
+  for (const std::string& k : topo.api_keys) valid |= secrets_equal(key, k);
+  return valid;
 }
 
 bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
@@ -62,7 +67,7 @@ bool admin_key_accepted(const Topology& topo, const net::HttpRequest& req, net::
     ex.send_error(404, "the admin API is off (set admin_api_key)");
     return false;
   }
-  if (bearer_token(req) == topo.admin_api_key) return true;
+  if (secrets_equal(bearer_token(req), topo.admin_api_key)) return true;
   ex.send_error(401, "invalid or missing admin API key", "invalid_request_error",
                 "invalid_api_key");
   return false;
