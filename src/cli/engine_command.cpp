@@ -4,6 +4,7 @@
 #include <ifaddrs.h>
 #include <netinet/in.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -24,6 +25,7 @@
 #include "kernels/cpu/ops.h"
 #include "placement/files.h"
 #include "util/error.h"
+#include "util/file.h"
 #include "util/progress.h"
 
 namespace tandem::cli {
@@ -55,6 +57,7 @@ struct EngineOptions {
   double kv_transfer_timeout = 120;
   bool kv_transfer_checksum = false;
   std::string kv_transport = "shm";
+  std::string kv_transfer_secret, kv_transfer_secret_file;
   int64_t speculative_tokens = 0;
   bool batch_invariant = false;
   bool int8_lm_head = false;
@@ -72,6 +75,20 @@ const std::map<std::string, kernels::MlaRescale> kMlaRescales = {
 
 // The address decode engines should connect to when we listen on every interface: the first
 // non-loopback IPv4 address, else loopback.
+// The flag, else the file, else the environment (kv_transfer.h); empty: no handshake.
+std::string kv_transfer_secret(const EngineOptions& o) {
+  if (!o.kv_transfer_secret.empty()) return o.kv_transfer_secret;
+  if (!o.kv_transfer_secret_file.empty()) {
+    std::string s = read_file(o.kv_transfer_secret_file);
+    while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.pop_back();
+    if (s.empty())
+      throw Error("--kv-transfer-secret-file " + o.kv_transfer_secret_file + " holds no secret");
+    return s;
+  }
+  const char* env = std::getenv(engine::kKvTransferSecretVariable);
+  return env ? env : "";
+}
+
 std::string advertised_host(const std::string& listen_host) {
   if (listen_host != "0.0.0.0" && listen_host != "::" && !listen_host.empty()) return listen_host;
   std::string found = "127.0.0.1";
@@ -195,6 +212,7 @@ void run(const EngineOptions& o) {
   transfer.timeout_s = o.kv_transfer_timeout;
   transfer.transport = kKvTransports.at(o.kv_transport);
   transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
+  transfer.secret = kv_transfer_secret(o);
   config.transfer = transfer;
 
   metrics::Registry registry;
@@ -400,6 +418,12 @@ void add_engine_command(CLI::App& app) {
                   "others) or tcp")
       ->capture_default_str()
       ->transform(CLI::IsMember(kKvTransports));
+  cmd->add_option("--kv-transfer-secret", o->kv_transfer_secret,
+                  "shared secret of the KV transfer handshake (every engine of a deployment "
+                  "the same; default: --kv-transfer-secret-file, else $" +
+                      std::string(engine::kKvTransferSecretVariable) + ", else no handshake)");
+  cmd->add_option("--kv-transfer-secret-file", o->kv_transfer_secret_file,
+                  "a file holding the KV transfer secret (trailing whitespace ignored)");
   cmd->add_flag("--kv-transfer-checksum", o->kv_transfer_checksum,
                 "checksum every transferred layer (always on in debug builds)");
   cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -11,11 +12,13 @@
 
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
+#include "engine/transfer/kv_transfer.h"
 #include "gateway/gateway.h"
 #include "model/make_model.h"
 #include "net/http_client.h"
 #include "util/child_process.h"
 #include "util/error.h"
+#include "util/secret.h"
 
 namespace tandem::cli {
 namespace {
@@ -100,6 +103,10 @@ void wait_healthy(const std::string& host, uint16_t port) {
 
 void run(const ServeOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
+  // One KV transfer secret for the deployment (unless the caller's environment has one): every
+  // engine started below inherits it, so only they move KV through each other's transfer ports.
+  if (const char* own = std::getenv(engine::kKvTransferSecretVariable); !own || !*own)
+    ::setenv(engine::kKvTransferSecretVariable, random_secret_hex().c_str(), 1);
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
   const std::string model = model_folder(o.model);

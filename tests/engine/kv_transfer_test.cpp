@@ -515,7 +515,10 @@ class KvTransferAgents : public ::testing::Test {
     p.advertise_host = "127.0.0.1";
     p.timeout_s = prefill_timeout_s;
     p.checksum = true;
-    prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_, make_tcp_transport({5000ms}),
+    p.secret = prefill_secret_;
+    p.handshake_timeout_s = handshake_timeout_s_;
+    prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_,
+                                                 make_tcp_transport({prefill_io_timeout_}),
                                                  prefill_metrics_, queue_.post());
     decode_ = make_decode(decode_exec_, decode_metrics_);
     ASSERT_TRUE(prefill_->serving());
@@ -530,9 +533,16 @@ class KvTransferAgents : public ::testing::Test {
     d.port = -1;
     d.timeout_s = 5;
     d.checksum = true;
+    d.secret = decode_secret_;
     return std::make_unique<KvTransferAgent>(d, exec, make_tcp_transport({5000ms}), registry,
                                              queue_.post());
   }
+
+  // Set before start(): the engines' KV transfer secrets (empty: no handshake), how long the
+  // prefill side waits for a connection's first frame, and its transport's I/O timeout.
+  std::string prefill_secret_, decode_secret_;
+  double handshake_timeout_s_ = 5;
+  std::chrono::milliseconds prefill_io_timeout_ = 5000ms;
 
   // open_room, remembering the claim for the room calls that follow.
   uint64_t open(uint64_t room, uint64_t hash, int64_t tokens, KvTransferAgent::RoomDone done) {
@@ -775,6 +785,7 @@ TEST_F(KvTransferAgents, ShuttingDownReturnsHeldBlocks) {
 // grows rather than queueing work behind blocked workers), also with a worker left idle by an
 // earlier transfer.
 TEST_F(KvTransferAgents, SilentConnectionsDoNotHoldUpATransfer) {
+  handshake_timeout_s_ = 60;  // they stay open while the transfer runs
   start();
   const auto hash = kv_prompt_hash(prompt_);
   const auto n = int64_t(prompt_.size());
@@ -829,6 +840,99 @@ TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {
   const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
   EXPECT_TRUE(r.ok) << r.error;
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+// ------------------------------------------------------------------------------- handshake
+
+TEST_F(KvTransferAgents, WithASecretBothSidesProveItAndTheTransferRuns) {
+  prefill_secret_ = decode_secret_ = "one deployment's secret";
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_refused_total"), 0);
+}
+
+TEST_F(KvTransferAgents, APeerWithoutTheSecretIsRefusedAndLearnsNothingOfTheModel) {
+  prefill_secret_ = "one deployment's secret";
+  start();  // the decode agent has no secret
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("KV transfer refused: not authenticated"));
+  // A stranger speaking the protocol by hand, with a request that names the right layout, gets
+  // the same single sentence: no model name, layers, block size or bytes per token.
+  auto transport = make_tcp_transport({5000ms});
+  auto conn = transport->connect("127.0.0.1", prefill_->port());
+  send_text(*conn, KvFrameType::kPull,
+            json{{"transfer_id", id},
+                 {"layout",
+                  {{"model", "fake-model"}, {"layers", 3}, {"block_size", 4}, {"token_bytes", 8}}}}
+                .dump());
+  const KvFrame f = conn->receive(1 << 20);
+  EXPECT_EQ(f.type, KvFrameType::kError);
+  EXPECT_EQ(text_of(f.payload),
+            json({{"message", "KV transfer refused: not authenticated"}}).dump());
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_refused_total"), 2);
+  // Nothing was taken: a decode engine holding the secret still gets the KV.
+  decode_secret_ = prefill_secret_;
+  FakeExecutor exec;
+  metrics::Registry registry;
+  auto trusted = make_decode(exec, registry);
+  const KvFetchResult ok = wait(fetch(*trusted, pull(id, 0, 10, local_, "req-2")));
+  ASSERT_TRUE(ok.ok) << ok.error;
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(exec.data() == expected.data());
+}
+
+TEST_F(KvTransferAgents, DifferentSecretsFailTheTransferAndTakeNothing) {
+  prefill_secret_ = "one deployment's secret";
+  decode_secret_ = "another deployment's secret";
+  start();
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("--kv-transfer-secret differs"));
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+  EXPECT_TRUE(queue_.run_until(
+      [&] { return sample(prefill_metrics_, "tandem:kv_transfer_refused_total") == 1; }));
+}
+
+TEST_F(KvTransferAgents, ADecodeWithASecretIsToldThatThePrefillHasNone) {
+  decode_secret_ = "one deployment's secret";
+  start();
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("does not authenticate KV transfers"));
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+}
+
+TEST_F(KvTransferAgents, ASilentConnectionIsClosedAfterTheHandshakeTimeout) {
+  // The transfer timeout (and the transport's I/O timeout) far beyond the hang guard: only the
+  // handshake timeout can close the connection within it.
+  handshake_timeout_s_ = 0.2;
+  prefill_io_timeout_ = 600s;
+  start(600);
+  RawSocket silent(prefill_->port());
+  ASSERT_TRUE(silent.connected());
+  EXPECT_TRUE(queue_.run_until([&] { return silent.heard_back(); }))
+      << "a connection that never sent a frame was kept open";
+  // The port still serves.
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_TRUE(r.ok) << r.error;
 }
 
 TEST_F(KvTransferAgents, CancelFetchEndsAWaitingFetch) {

@@ -15,6 +15,7 @@
 #include "engine/engine_process.h"
 #include "engine/generate.h"
 #include "engine/tiny_model_fixture.h"
+#include "engine/transfer/kv_transport.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -296,6 +297,24 @@ TEST(GatewayServe, ManySimulatedEnginesShareTheLoad) {
           [&] { return metric(serve.port(), "tandem:gateway_endpoint_in_flight", labels) == 0; }));
     }
     EXPECT_EQ(metric(serve.port(), "tandem:gateway_requests_total", "status=\"200\""), 30);
+    // The transfers above ran between engines that share the secret serve made for them; a
+    // stranger on a prefill engine's KV transfer port is refused, learning nothing of the model.
+    int refused = 0;
+    for (const auto& e : eps) {
+      if (!e.contains("bootstrap_port")) continue;
+      const auto transport = engine::make_tcp_transport({std::chrono::milliseconds(5000)});
+      const auto conn = transport->connect("127.0.0.1", e["bootstrap_port"].get<uint16_t>());
+      const std::string pull = R"({"transfer_id": "x", "block_ids": [0]})";
+      const std::span<const std::byte> parts[] = {std::as_bytes(std::span(pull))};
+      conn->send(engine::KvFrameType::kPull, parts);
+      const engine::KvFrame answer = conn->receive(1 << 20);
+      EXPECT_EQ(answer.type, engine::KvFrameType::kError);
+      EXPECT_EQ(
+          std::string(reinterpret_cast<const char*>(answer.payload.data()), answer.payload.size()),
+          R"({"message":"KV transfer refused: not authenticated"})");
+      ++refused;
+    }
+    EXPECT_EQ(refused, 2);
     EXPECT_EQ(serve.stop(), 0);
   }
 }

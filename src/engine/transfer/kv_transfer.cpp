@@ -1,6 +1,7 @@
 #include "engine/transfer/kv_transfer.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -10,6 +11,7 @@
 #include "util/error.h"
 #include "util/json.h"
 #include "util/little_endian.h"
+#include "util/secret.h"
 
 namespace tandem::engine {
 namespace {
@@ -52,6 +54,75 @@ json parse_control(const KvFrame& f, const std::string& what) {
   } catch (const std::exception& e) {
     throw Error(what + ": malformed JSON frame: " + e.what());
   }
+}
+
+// ---------------------------------------------------------------- the handshake (kv_transfer.h)
+
+// All an unauthenticated peer learns (nothing of the model or its cache layout).
+constexpr const char* kNotAuthenticated = "KV transfer refused: not authenticated";
+constexpr size_t kNonceHexMax = 128;
+
+std::string handshake_proof(const std::string& secret, const char* side, const std::string& first,
+                            const std::string& second) {
+  return hmac_sha256_hex(secret,
+                         std::string("tandem-kv-transfer ") + side + " " + first + " " + second);
+}
+
+// A handshake frame's string field, or empty when it is missing, not a string or oversized.
+std::string handshake_field(const KvFrame& f, const char* name) {
+  try {
+    const json j = parse_untrusted_json(
+        std::string_view(reinterpret_cast<const char*>(f.payload.data()), f.payload.size()));
+    if (!j.is_object() || !j.contains(name) || !j[name].is_string()) return {};
+    std::string v = j[name].get<std::string>();
+    return v.size() <= kNonceHexMax ? v : std::string();
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+// Decode side, right after connecting: proves that it holds the secret and checks that the
+// prefill engine does too. Throws KvTransferError when the prefill engine refuses or fails.
+void authenticate_to_prefill(KvConnection& conn, const std::string& secret,
+                             const std::string& where) {
+  const std::string mine = random_secret_hex(16);
+  send_json(conn, KvFrameType::kAuth, {{"nonce", mine}});
+  const KvFrame reply = conn.receive(kControlLimit);
+  if (reply.type == KvFrameType::kError)
+    throw KvTransferError("KV transfer from " + where + ": " + handshake_field(reply, "message"));
+  const std::string theirs = handshake_field(reply, "nonce");
+  if (reply.type != KvFrameType::kAuth || theirs.empty())
+    throw KvTransferError("KV transfer from " + where + ": no answer to the handshake");
+  if (!secrets_equal(handshake_field(reply, "proof"),
+                     handshake_proof(secret, "server", mine, theirs)))
+    throw KvTransferError("KV transfer from " + where +
+                          ": the prefill engine does not hold this engine's KV transfer secret "
+                          "(--kv-transfer-secret differs)");
+  send_json(conn, KvFrameType::kAuth, {{"proof", handshake_proof(secret, "client", theirs, mine)}});
+}
+
+// Prefill side, `first` being the connection's first frame: empty when the decode engine proved
+// that it holds the secret, else why not (for the log, not for the peer).
+std::string authenticate_decode(KvConnection& conn, const std::string& secret,
+                                const KvFrame& first) {
+  if (first.type != KvFrameType::kAuth)
+    return "no handshake (a decode engine without --kv-transfer-secret, or not an engine)";
+  const std::string theirs = handshake_field(first, "nonce");
+  if (theirs.empty()) return "a malformed handshake";
+  const std::string mine = random_secret_hex(16);
+  send_json(conn, KvFrameType::kAuth,
+            {{"nonce", mine}, {"proof", handshake_proof(secret, "server", theirs, mine)}});
+  KvFrame answer;
+  try {
+    answer = conn.receive(kControlLimit);
+  } catch (const std::exception&) {
+    return "the handshake was not completed (the peer left or stayed silent)";
+  }
+  if (answer.type != KvFrameType::kAuth) return "the handshake was not completed";
+  if (!secrets_equal(handshake_field(answer, "proof"),
+                     handshake_proof(secret, "client", mine, theirs)))
+    return "a wrong proof (a different --kv-transfer-secret)";
+  return {};
 }
 
 json layout_json(const KvLayout& k) {
@@ -171,6 +242,7 @@ struct KvTransferAgent::Metrics {
   metrics::Gauge& held_blocks;
   metrics::Histogram& fetch_seconds;
   metrics::Family<metrics::IntCounter>& fetch_connections;
+  metrics::IntCounter& refused;
 };
 
 KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& executor,
@@ -205,7 +277,12 @@ KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& execu
       registry.int_counter_family("tandem:kv_transfer_connections_total",
                                   "Decode side: connections to prefill engines, by transport "
                                   "(shm on this host, tcp otherwise)",
-                                  {"transport"}, model)});
+                                  {"transport"}, model),
+      registry.int_counter("tandem:kv_transfer_refused_total",
+                           "Prefill side: connections refused by the KV transfer handshake "
+                           "(no or a wrong --kv-transfer-secret)",
+                           model)});
+  if (!(config_.handshake_timeout_s > 0)) throw Error("the KV handshake timeout must be positive");
   if (config_.port >= 0) {
     if (config_.port > 65535) throw Error("--kv-transfer-port must be at most 65535");
     listener_ = transport_->listen(config_.listen_host, static_cast<uint16_t>(config_.port));
@@ -455,13 +532,7 @@ void KvTransferAgent::accept_loop() {
 
 void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn) {
   try {
-    KvFrame first = conn->receive(kControlLimit);
-    if (first.type == KvFrameType::kPull)
-      serve_pull(*conn, first.payload);
-    else if (first.type == KvFrameType::kRegister)
-      serve_register(*conn, first.payload);
-    else
-      send_error(*conn, "expected a pull or register frame");
+    serve_connection(*conn);
   } catch (const std::exception&) {
     // A connection that failed before or during its request: nothing of ours to undo here
     // (the handlers restore their own state).
@@ -469,6 +540,50 @@ void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn) {
   std::lock_guard lock(mutex_);
   --connections_;
   std::erase(serving_, conn);
+}
+
+void KvTransferAgent::serve_connection(KvConnection& conn) {
+  using std::chrono::milliseconds;
+  // Until the request has arrived (after the handshake), a silent peer is dropped quickly.
+  conn.set_timeout(milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
+  KvFrame first = conn.receive(kControlLimit);
+  if (!config_.secret.empty()) {
+    if (const std::string why = authenticate_decode(conn, config_.secret, first); !why.empty()) {
+      refused(conn.peer(), why);
+      send_error(conn, kNotAuthenticated);
+      return;
+    }
+    first = conn.receive(kControlLimit);
+  } else if (first.type == KvFrameType::kAuth) {
+    send_error(conn,
+               "this prefill engine does not authenticate KV transfers (no --kv-transfer-secret)");
+    return;
+  }
+  conn.set_timeout(milliseconds(static_cast<int64_t>(config_.timeout_s * 1000)));
+  if (first.type == KvFrameType::kPull)
+    serve_pull(conn, first.payload);
+  else if (first.type == KvFrameType::kRegister)
+    serve_register(conn, first.payload);
+  else
+    send_error(conn, "expected a pull or register frame");
+}
+
+void KvTransferAgent::refused(const std::string& peer, const std::string& why) {
+  metrics_->refused.inc();
+  // One line per interval at most: a flood of strangers must not flood the log.
+  std::lock_guard lock(mutex_);
+  const auto now = Clock::now();
+  if (now < next_refusal_log_) {
+    ++refusals_unlogged_;
+    return;
+  }
+  std::fprintf(stderr, "tandem engine: refused a KV transfer connection from %s: %s%s\n",
+               peer.c_str(), why.c_str(),
+               refusals_unlogged_ > 0
+                   ? (" (and " + std::to_string(refusals_unlogged_) + " more not logged)").c_str()
+                   : "");
+  refusals_unlogged_ = 0;
+  next_refusal_log_ = now + std::chrono::seconds(10);
 }
 
 void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>& blocks,
@@ -710,6 +825,8 @@ void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
   spawn([this, host, port, engine_id, transfer_id, blocks = std::move(blocks)] {
     try {
       auto conn = transport_->connect(host, port);
+      if (!config_.secret.empty())
+        authenticate_to_prefill(*conn, config_.secret, host + ":" + std::to_string(port));
       json req = {{"transfer_id", transfer_id},
                   {"engine_id", engine_id},
                   {"block_ids", blocks},
@@ -755,6 +872,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       slot->conn = conn;
       if (slot->cancelled || stopping_) conn->shutdown();
     }
+    if (!config_.secret.empty()) authenticate_to_prefill(*conn, config_.secret, where);
     json req = {{"first_token", f.first_token},
                 {"num_tokens", f.num_tokens},
                 {"layout", layout_json(layout_)}};

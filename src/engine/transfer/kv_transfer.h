@@ -18,6 +18,15 @@
 // decode engine always recomputes the prompt's last token (it needs its logits), so it asks for
 // tokens [first_token, prompt - 1), first_token being where its own prefix cache stops.
 //
+// With a secret (KvTransferConfig::secret, one per deployment) every connection starts with a
+// handshake in kAuth frames, before the request: the decode side sends {"nonce": Nd}, the
+// prefill side answers {"nonce": Np, "proof": HMAC(secret, "tandem-kv-transfer server Nd Np")},
+// the decode side checks it and sends {"proof": HMAC(secret, "tandem-kv-transfer client Np Nd")}
+// (HMAC-SHA256, lowercase hex; nonces 16 random bytes in hex). Both sides prove they hold the
+// secret and it never crosses the wire. A peer that fails gets one kError saying only that it
+// was not authenticated (the reason goes to the prefill engine's log), and a connection's first
+// frame must arrive within handshake_timeout_s: silent or idle strangers cannot hold the port.
+//
 // Threads: an accept thread, one thread per connection, one per fetch, one reaper for timeouts.
 // Blocks are only read or written by those threads while the engine keeps them allocated; every
 // callback to the engine goes through `post` (the engine runs it on its own thread).
@@ -42,6 +51,11 @@
 
 namespace tandem::engine {
 
+// The environment variable an engine reads its KV transfer secret from when no flag gives one:
+// `tandem serve` sets it for the engines it starts (one fresh secret per deployment), and an
+// environment, unlike a command line, is not shown to other users of the host.
+inline constexpr const char* kKvTransferSecretVariable = "TANDEM_KV_TRANSFER_SECRET";
+
 // Shared memory with engines on this host (TCP with the others), or TCP with every engine.
 enum class KvTransportKind { kShm, kTcp };
 
@@ -51,6 +65,10 @@ struct KvTransferConfig {
   int port = -1;               // -1: no server (a decode-only engine); 0: any free port
   std::string advertise_host;  // what decode engines connect to (remote_host)
   double timeout_s = 120;      // held blocks, a room's wait for its other leg, each I/O
+  // The deployment's shared secret (the handshake above); empty: no handshake, any peer that
+  // can connect may transfer.
+  std::string secret;
+  double handshake_timeout_s = 5;  // a connection's first frame arrives within this
   KvTransportKind transport = KvTransportKind::kShm;
 #ifdef NDEBUG
   bool checksum = false;  // XXH3-64 per layer; always on in debug builds
@@ -147,6 +165,8 @@ class KvTransferAgent final : public KvTransfers {
   struct Metrics;
   void accept_loop();
   void serve(std::shared_ptr<KvConnection> conn);
+  void serve_connection(KvConnection& conn);                      // the handshake, then the request
+  void refused(const std::string& peer, const std::string& why);  // counted, logged (rate-limited)
   void serve_pull(KvConnection& conn, const std::vector<std::byte>& request);
   void serve_register(KvConnection& conn, const std::vector<std::byte>& request);
   struct FetchSlot {
@@ -184,6 +204,8 @@ class KvTransferAgent final : public KvTransfers {
   uint64_t next_transfer_ = 0;
   uint64_t next_claim_ = 0;
   int64_t connections_ = 0;  // server connections being served
+  std::chrono::steady_clock::time_point next_refusal_log_{};
+  int64_t refusals_unlogged_ = 0;
   std::map<std::string, std::unique_ptr<Held>> held_;
   std::map<uint64_t, std::unique_ptr<Room>> rooms_;
   std::unordered_map<std::string, FetchSlot> fetches_;  // by request id

@@ -22,6 +22,7 @@ enum class KvFrameType : uint32_t {
   kLayer = 4,     // prefill -> decode: one layer of the requested tokens (binary)
   kDone = 5,      // prefill -> decode: all layers sent (JSON)
   kError = 6,     // either way: the transfer failed (JSON {"message"})
+  kAuth = 7,      // either way, before the request: the shared-secret handshake (JSON)
 };
 
 struct KvFrame {
@@ -54,6 +55,9 @@ class KvConnection {
     f.type = receive(f.payload, max_payload);
     return f;
   }
+  // The bound on each later send and receive (the transport's I/O timeout until then); the
+  // calling thread's, like the calls it bounds.
+  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
   // Thread-safe: makes blocked and later send/receive calls fail promptly.
   virtual void shutdown() = 0;
   virtual std::string peer() const = 0;

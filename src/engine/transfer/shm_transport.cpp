@@ -172,6 +172,7 @@ class ShmConnection : public KvConnection {
     wake_all(in_.head->space);
   }
 
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   std::string peer() const override { return peer_; }
   const char* kind() const override { return "shm"; }
 
@@ -281,7 +282,7 @@ class ShmConnection : public KvConnection {
 
   const int socket_;
   SharedSegment segment_;
-  const std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_;
   const std::string peer_;
   Ring out_, in_;
   const char* what_ = "";

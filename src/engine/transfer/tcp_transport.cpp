@@ -91,6 +91,7 @@ class TcpConnection : public KvConnection {
     ::shutdown(fd_, SHUT_RDWR);  // wakes a poll() blocked on the socket
   }
 
+  void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   std::string peer() const override { return peer_; }
   const char* kind() const override { return "tcp"; }
 
@@ -143,7 +144,7 @@ class TcpConnection : public KvConnection {
   }
 
   const int fd_;
-  const std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_;
   const std::string peer_;
   std::atomic<bool> stopped_{false};
   bool broken_ = false;  // the calling thread's: a failed or timed-out call left the stream
