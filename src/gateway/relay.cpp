@@ -106,6 +106,7 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   bool refused = false;  // the stream must not go on (an error first, a leg given up)
   l.parser.feed(piece, [&](std::string_view data) {
     if (refused) return;
+    if (net::SseParser::is_done(data)) l.stream_done = true;
     if (l.state != LegState::kRelaying) {
       if (is_error_event(data)) {  // failed before any token: the client has seen nothing
         l.body = std::string(data);
@@ -187,20 +188,36 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
   }
   if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
     // Once streaming, the gateway cancels the leg only because the client left (a failed
-    // write, or its connection closed): 499 however that news arrived first.
+    // write, or its connection closed): 499 however that news arrived first. A connection lost
+    // after the stream's [DONE] lost nothing.
     const bool client_left = l.gateway_cancelled.load();
+    if (!client_left && l.stream_done) reason.clear();
     Outcome outcome;
     if (!reason.empty()) {
       outcome.status = client_left ? 499 : 502;
       outcome.error = client_left ? "client closed the connection" : where + ": " + reason;
     }
+    const std::string cut = outcome.error;
     // Recorded first: cutting the stream closes the exchange, which reports a client gone.
     l.ended_request =
         dispatcher_.end_request(r, std::move(outcome), Dispatcher::Accounting::kWithLeg);
-    if (reason.empty())
+    if (reason.empty()) {
       r->reply->end();
-    else
+    } else if (client_left) {
       r->reply->abort();
+    } else {
+      // The client has a 200 and part of an answer; it must not take that for the whole one.
+      // As vLLM ends a stream that failed: an OpenAI error event (after ending an event the
+      // engine left half-sent), [DONE], and a proper end of the chunked body.
+      std::string tail = l.parser.mid_event() ? "\n\n" : "";
+      tail += "data: ";
+      tail += api::openai_error_body("the answer was cut: engine " + cut, "server_error");
+      tail += "\n\ndata: [DONE]\n\n";
+      if (r->reply->write(tail))
+        r->reply->end();
+      else
+        r->reply->abort();
+    }
     return;
   }
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error

@@ -73,6 +73,7 @@ struct Leg {
   bool streaming = false;  // an SSE answer
   std::string body;        // a non-streaming answer, or a stream's first event when it is an error
   net::SseParser parser;
+  bool stream_done = false;  // the stream's [DONE] arrived: the client has the whole answer
   // A verbatim relay (no translation): the stream's bytes before its first event completed,
   // held back until that event shows it is no error.
   std::string held;

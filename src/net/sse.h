@@ -51,6 +51,8 @@ class SseParser {
   void feed(std::string_view bytes, const std::function<void(std::string_view)>& on_event);
 
   static bool is_done(std::string_view data) { return data == "[DONE]"; }
+  // Bytes of an event that has not ended yet were fed (a stream cut now leaves it half-sent).
+  bool mid_event() const { return !line_.empty() || has_data_; }
 
  private:
   std::string line_;  // the incomplete last line

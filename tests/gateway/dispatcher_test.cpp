@@ -21,6 +21,7 @@
 #include "gateway/policy.h"
 #include "gateway/prefix_index.h"
 #include "gateway/virtual_executor.h"
+#include "net/sse.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
@@ -313,6 +314,64 @@ TEST(Dispatcher, RelaysAStreamVerbatimOnceItsFirstEventIsNoError) {
   EXPECT_TRUE(client->complete());
   EXPECT_FALSE(client->aborted);
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 1);
+}
+
+TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEventAndDone) {
+  Cluster c(aggregated({engine("a")}));
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"hello\"}]}\n\n"));
+  // The engine dies halfway through its second event.
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"te"));
+  FakeEngines::finish(*call, "connection closed by peer");
+  c.clock.run_ready();
+  // The half event is ended, so that the error event after it parses as one; the stream then
+  // ends properly: the client can tell a cut answer from a whole one.
+  const std::string prefix =
+      "data: {\"choices\":[{\"text\":\"hello\"}]}\n\ndata: {\"choices\":[{\"te\n\n";
+  ASSERT_EQ(client->streamed.substr(0, prefix.size()), prefix);
+  net::SseParser events;
+  const auto tail = events.feed(client->streamed.substr(prefix.size()));
+  ASSERT_EQ(tail.size(), 2u) << client->streamed;
+  const json error = json::parse(tail[0]).at("error");
+  EXPECT_EQ(error.at("type"), "server_error");
+  const std::string message = error.at("message");
+  EXPECT_EQ(message, "the answer was cut: engine a: connection closed by peer");
+  EXPECT_EQ(tail[1], "[DONE]");
+  EXPECT_TRUE(client->complete());
+  EXPECT_FALSE(client->aborted);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
+}
+
+TEST(Dispatcher, AStreamWholeUpToDoneIsCompleteThoughTheConnectionThenBroke) {
+  Cluster c(aggregated({engine("a")}));
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"));
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: [DONE]\n\n"));
+  FakeEngines::finish(*call, "connection closed by peer");
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed, "data: {\"choices\":[{\"text\":\"hi\"}]}\n\ndata: [DONE]\n\n");
+  EXPECT_TRUE(client->complete());
+  EXPECT_FALSE(client->aborted);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 1);
+}
+
+TEST(Dispatcher, AStreamWhoseClientLeftIsCutWithoutAnError) {
+  Cluster c(aggregated({engine("a")}));
+  auto client = c.send(true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"));
+  client->leave();
+  c.clock.run_ready();
+  FakeEngines::finish(*call, "cancelled");
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed, "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n");
+  EXPECT_TRUE(client->aborted);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"499\"}"), 1);
 }
 
 // ------------------------------------------------------------------------------- retries
