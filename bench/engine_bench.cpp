@@ -161,7 +161,7 @@ double resident_bytes() {
 // time depends on how many positions it attends to, not on their values, and a 32K prefill
 // would take minutes. Reports tokens/s and the share of the ideal: weight and cache bytes at the
 // measured read bandwidth plus the attention FLOPs at the measured peak.
-void long_context_decode(const DeepSeekModel& model, const tandem::bench::MachinePeaks& peaks,
+void long_context_decode(DeepSeekModel& model, const tandem::bench::MachinePeaks& peaks,
                          int64_t context, int64_t steps, double weight_bytes) {
   const auto& c = model.config();
   const int64_t block = 16, blocks = (context + kWarmupSteps + steps + block - 1) / block + 1;
@@ -207,6 +207,16 @@ void long_context_decode(const DeepSeekModel& model, const tandem::bench::Machin
       "cache)\n",
       static_cast<long>(context), steps / secs, 100 * ideal / secs, dram, peaks.bf16_reference(),
       tandem::model::latent_type_name(shape.type));
+
+  // The same steps again with the model's per-part timers on (the cache has room for them).
+  tandem::model::StepProfile profile;
+  model.set_profile(&profile);
+  for (int64_t i = kWarmupSteps; i < kWarmupSteps + steps; ++i) {
+    SequenceStep d{std::span(&tok, 1), context + i, table};
+    tok = argmax(model.forward(std::span(&d, 1), cache).logits.data(), c.vocab_size);
+  }
+  model.set_profile(nullptr);
+  print_breakdown(profile, steps, part_bytes(model, kv_bytes / static_cast<double>(steps)), dram);
 }
 
 void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64_t prompt_len,
