@@ -207,12 +207,13 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       r->reply->abort();
     } else {
       // The client has a 200 and part of an answer; it must not take that for the whole one.
-      // As vLLM ends a stream that failed: an OpenAI error event (after ending an event the
-      // engine left half-sent), [DONE], and a proper end of the chunked body.
+      // The stream's last event is an OpenAI error event (after ending an event the engine left
+      // half-sent; no [DONE] after it), then the chunked body ends properly: clients that read
+      // error events raise it, and those that wait for [DONE] see the answer incomplete.
       std::string tail = l.parser.mid_event() ? "\n\n" : "";
       tail += "data: ";
       tail += api::openai_error_body("the answer was cut: engine " + cut, "server_error");
-      tail += "\n\ndata: [DONE]\n\n";
+      tail += "\n\n";
       if (r->reply->write(tail))
         r->reply->end();
       else
