@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/avx512_lanes.h"
 #include "kernels/cpu/bf16.h"
 
 // glibc's AVX-512 expf for 16 lanes (libmvec); math.h declares it only under -ffast-math.
@@ -16,11 +17,6 @@ namespace tandem::kernels::avx512 {
 namespace {
 
 #define TANDEM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-
-// Mask of the lanes to load when `left` elements remain (all 16 when at least 16 do).
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-}
 
 // 16 floats -> BF16, rounding to nearest even exactly as f32_to_bf16 (NaN stays NaN, denormals
 // are kept: vcvtneps2bf16 would flush them).

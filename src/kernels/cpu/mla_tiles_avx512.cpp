@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/cpu/avx512_lanes.h"
 #include "kernels/cpu/exp2_polynomial.h"
 
 namespace tandem::kernels::avx512 {
@@ -194,10 +195,6 @@ TANDEM_AVX512_BF16 inline __m512 exp2_16(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(i), 23);
   return _mm512_maskz_mov_ps(normal,
                              _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e)));
-}
-
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
 }
 
 using AccumulateBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
