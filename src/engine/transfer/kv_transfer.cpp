@@ -68,17 +68,21 @@ std::string handshake_proof(const std::string& secret, const char* side, const s
                          std::string("tandem-kv-transfer ") + side + " " + first + " " + second);
 }
 
-// A handshake frame's string field, or empty when it is missing, not a string or oversized.
-std::string handshake_field(const KvFrame& f, const char* name) {
+// A handshake (or error) frame's JSON, parsed once; null when it is not JSON.
+json handshake_json(const KvFrame& f) {
   try {
-    const json j = parse_untrusted_json(
+    return parse_untrusted_json(
         std::string_view(reinterpret_cast<const char*>(f.payload.data()), f.payload.size()));
-    if (!j.is_object() || !j.contains(name) || !j[name].is_string()) return {};
-    std::string v = j[name].get<std::string>();
-    return v.size() <= kNonceHexMax ? v : std::string();
   } catch (const std::exception&) {
-    return {};
+    return nullptr;
   }
+}
+
+// A string field of that JSON, or empty when it is missing, not a string or oversized.
+std::string handshake_field(const json& j, const char* name) {
+  if (!j.is_object() || !j.contains(name) || !j[name].is_string()) return {};
+  std::string v = j[name].get<std::string>();
+  return v.size() <= kNonceHexMax ? v : std::string();
 }
 
 // Decode side, right after connecting: proves that it holds the secret and checks that the
@@ -88,12 +92,13 @@ void authenticate_to_prefill(KvConnection& conn, const std::string& secret,
   const std::string mine = random_secret_hex(16);
   send_json(conn, KvFrameType::kAuth, {{"nonce", mine}});
   const KvFrame reply = conn.receive(kControlLimit);
+  const json answer = handshake_json(reply);
   if (reply.type == KvFrameType::kError)
-    throw KvTransferError("KV transfer from " + where + ": " + handshake_field(reply, "message"));
-  const std::string theirs = handshake_field(reply, "nonce");
+    throw KvTransferError("KV transfer from " + where + ": " + handshake_field(answer, "message"));
+  const std::string theirs = handshake_field(answer, "nonce");
   if (reply.type != KvFrameType::kAuth || theirs.empty())
     throw KvTransferError("KV transfer from " + where + ": no answer to the handshake");
-  if (!secrets_equal(handshake_field(reply, "proof"),
+  if (!secrets_equal(handshake_field(answer, "proof"),
                      handshake_proof(secret, "server", mine, theirs)))
     throw KvTransferError("KV transfer from " + where +
                           ": the prefill engine does not hold this engine's KV transfer secret "
@@ -107,7 +112,7 @@ std::string authenticate_decode(KvConnection& conn, const std::string& secret,
                                 const KvFrame& first) {
   if (first.type != KvFrameType::kAuth)
     return "no handshake (a decode engine without --kv-transfer-secret, or not an engine)";
-  const std::string theirs = handshake_field(first, "nonce");
+  const std::string theirs = handshake_field(handshake_json(first), "nonce");
   if (theirs.empty()) return "a malformed handshake";
   const std::string mine = random_secret_hex(16);
   send_json(conn, KvFrameType::kAuth,
@@ -119,7 +124,7 @@ std::string authenticate_decode(KvConnection& conn, const std::string& secret,
     return "the handshake was not completed (the peer left or stayed silent)";
   }
   if (answer.type != KvFrameType::kAuth) return "the handshake was not completed";
-  if (!secrets_equal(handshake_field(answer, "proof"),
+  if (!secrets_equal(handshake_field(handshake_json(answer), "proof"),
                      handshake_proof(secret, "client", mine, theirs)))
     return "a wrong proof (a different --kv-transfer-secret)";
   return {};
