@@ -316,11 +316,21 @@ TEST(Dispatcher, RelaysAStreamVerbatimOnceItsFirstEventIsNoError) {
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 1);
 }
 
-TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEvent) {
-  Cluster c(aggregated({engine("a")}));
+// A streaming request on one engine that has sent its head: the client and the engine's call.
+struct OpenStream {
+  std::shared_ptr<FakeClient> client;
+  std::shared_ptr<FakeEngines::Call> call;
+};
+OpenStream open_stream(Cluster& c) {
   auto client = c.send(true);
   auto call = c.engines.open("/v1/completions").at(0);
   FakeEngines::head(*call, 200, "text/event-stream");
+  return {client, call};
+}
+
+TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEvent) {
+  Cluster c(aggregated({engine("a")}));
+  auto [client, call] = open_stream(c);
   ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"hello\"}]}\n\n"));
   // The engine dies halfway through its second event.
   ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"te"));
@@ -345,9 +355,7 @@ TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEvent) {
 
 TEST(Dispatcher, AStreamWholeUpToDoneIsCompleteThoughTheConnectionThenBroke) {
   Cluster c(aggregated({engine("a")}));
-  auto client = c.send(true);
-  auto call = c.engines.open("/v1/completions").at(0);
-  FakeEngines::head(*call, 200, "text/event-stream");
+  auto [client, call] = open_stream(c);
   ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"));
   ASSERT_TRUE(FakeEngines::piece(*call, "data: [DONE]\n\n"));
   FakeEngines::finish(*call, "connection closed by peer");
@@ -360,9 +368,7 @@ TEST(Dispatcher, AStreamWholeUpToDoneIsCompleteThoughTheConnectionThenBroke) {
 
 TEST(Dispatcher, AStreamWhoseClientLeftIsCutWithoutAnError) {
   Cluster c(aggregated({engine("a")}));
-  auto client = c.send(true);
-  auto call = c.engines.open("/v1/completions").at(0);
-  FakeEngines::head(*call, 200, "text/event-stream");
+  auto [client, call] = open_stream(c);
   ASSERT_TRUE(FakeEngines::piece(*call, "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"));
   client->leave();
   c.clock.run_ready();
