@@ -575,20 +575,12 @@ void KvTransferAgent::serve_connection(KvConnection& conn) {
 
 void KvTransferAgent::refused(const std::string& peer, const std::string& why) {
   metrics_->refused.inc();
-  // One line per interval at most: a flood of strangers must not flood the log.
-  std::lock_guard lock(mutex_);
-  const auto now = Clock::now();
-  if (now < next_refusal_log_) {
-    ++refusals_unlogged_;
-    return;
-  }
-  std::fprintf(stderr, "tandem engine: refused a KV transfer connection from %s: %s%s\n",
-               peer.c_str(), why.c_str(),
-               refusals_unlogged_ > 0
-                   ? (" (and " + std::to_string(refusals_unlogged_) + " more not logged)").c_str()
-                   : "");
-  refusals_unlogged_ = 0;
-  next_refusal_log_ = now + std::chrono::seconds(10);
+  std::optional<int64_t> held_back = refusal_log_.admit(LogThrottle::Clock::now());
+  if (!held_back) return;
+  std::fprintf(
+      stderr, "tandem engine: refused a KV transfer connection from %s: %s%s\n", peer.c_str(),
+      why.c_str(),
+      *held_back > 0 ? (" (and " + std::to_string(*held_back) + " more not logged)").c_str() : "");
 }
 
 void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>& blocks,

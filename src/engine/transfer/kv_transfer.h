@@ -47,6 +47,7 @@
 #include "engine/transfer/kv_transfers.h"
 #include "engine/transfer/kv_transport.h"
 #include "util/error.h"
+#include "util/log_throttle.h"
 #include "util/metrics.h"
 
 namespace tandem::engine {
@@ -204,8 +205,8 @@ class KvTransferAgent final : public KvTransfers {
   uint64_t next_transfer_ = 0;
   uint64_t next_claim_ = 0;
   int64_t connections_ = 0;  // server connections being served
-  std::chrono::steady_clock::time_point next_refusal_log_{};
-  int64_t refusals_unlogged_ = 0;
+  // A flood of strangers must not flood the log.
+  LogThrottle refusal_log_{std::chrono::seconds(10)};
   std::map<std::string, std::unique_ptr<Held>> held_;
   std::map<uint64_t, std::unique_ptr<Room>> rooms_;
   std::unordered_map<std::string, FetchSlot> fetches_;  // by request id
