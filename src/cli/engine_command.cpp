@@ -45,6 +45,7 @@ struct EngineOptions {
   std::string kv_events_config;
   int http_threads = 1;
   int64_t max_body_bytes = 8 << 20;
+  size_t max_connections = 0;
   SimExecutorFlags sim;
   double sim_time_scale = 1.0;
   int expert_parallel = 1;
@@ -222,6 +223,7 @@ void run(const EngineOptions& o) {
   http.port = static_cast<uint16_t>(o.port);
   http.threads = o.http_threads;
   http.max_body_bytes = static_cast<size_t>(o.max_body_bytes);
+  http.max_connections = o.max_connections;
   engine::ApiServer server(engine, registry, http);
   engine.start();
   server.start();
@@ -391,6 +393,10 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--max-connections", o->max_connections,
+                  "client connections held at once; past it new ones are closed at once "
+                  "(0: three quarters of the file descriptor limit)")
+      ->capture_default_str();
   cmd->add_option("--sim-time-scale", o->sim_time_scale,
                   "multiplies the simulated step times (0: do not sleep)")
       ->capture_default_str()

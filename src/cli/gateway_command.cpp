@@ -14,7 +14,7 @@ struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
                       model, served_model_name, admin_api_key, access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
-  size_t max_queue = 1024;
+  size_t max_queue = 1024, max_connections = 0;
   std::vector<std::string> prefill, decode, api_keys;
   double upstream_timeout = 300;
 };
@@ -50,12 +50,14 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t = gateway::load_topology(o.config);
     if (cmd.count("--host") > 0) t.host = o.host;
     if (cmd.count("--port") > 0) t.port = static_cast<uint16_t>(o.port);
+    if (cmd.count("--max-connections") > 0) t.max_connections = o.max_connections;
   } else {
     if (o.decode.empty()) throw Error("gateway: give --config FILE or at least one --decode");
     t = from_flags(o);
     t.host = o.host;
     t.port = static_cast<uint16_t>(o.port);
     t.io_threads = o.http_threads;
+    t.max_connections = o.max_connections;
   }
   const std::string mode = gateway::mode_name(t.mode);
   const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
@@ -109,6 +111,10 @@ void add_gateway_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefill-retries", o->prefill_retries,
                   "other engines tried when a prefill fails before the client got anything")
+      ->capture_default_str();
+  cmd->add_option("--max-connections", o->max_connections,
+                  "client connections held at once; past it new ones are closed at once "
+                  "(0: three quarters of the file descriptor limit)")
       ->capture_default_str();
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()

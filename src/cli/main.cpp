@@ -1,4 +1,6 @@
 // `tandem`: the single binary of the project; each part is a subcommand.
+#include <sys/resource.h>
+
 #include <cstdio>
 
 #include <CLI/CLI.hpp>
@@ -14,7 +16,23 @@
 #include "cli/text_commands.h"
 #include "util/error.h"
 
+namespace {
+
+// A server holds one descriptor per connection: lift the soft limit to the hard one (what the
+// operator allows), as servers commonly do, so that the default soft limit of 1024 does not cap
+// the gateway at a few hundred clients.
+void raise_file_limit() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &limit);
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  raise_file_limit();
   CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs",
                "tandem"};
   app.require_subcommand(1);

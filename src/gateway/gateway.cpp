@@ -88,6 +88,7 @@ class Gateway::Impl {
     o.port = topo_.port;
     o.threads = topo_.io_threads;
     o.max_body_bytes = topo_.max_body_bytes;
+    o.max_connections = topo_.max_connections;
     o.error_response = api::openai_error_response;
     return o;
   }

@@ -341,7 +341,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   Topology t;
   if (has("listen")) {
     const auto listen =
-        r.mapping(keys.at("listen"), "listen", {"host", "port", "io_threads", "max_body_bytes"});
+        r.mapping(keys.at("listen"), "listen",
+                  {"host", "port", "io_threads", "max_body_bytes", "max_connections"});
     if (listen.count("host"))
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
@@ -351,6 +352,9 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
       t.max_body_bytes = static_cast<size_t>(
           r.integer(listen.at("max_body_bytes"), "listen.max_body_bytes", 1,
                     std::numeric_limits<long long>::max(), "a size in bytes >= 1"));
+    if (listen.count("max_connections"))
+      t.max_connections =
+          static_cast<size_t>(r.count(listen.at("max_connections"), "listen.max_connections", 1));
   }
   if (has("prefill")) t.prefill = read_pool(r, keys.at("prefill"), "prefill", false);
   if (!has("decode")) r.fail("decode.endpoints", "a list of engines", "nothing");

@@ -86,6 +86,7 @@ struct Topology {
   uint16_t port = 8080;
   int io_threads = 2;
   size_t max_body_bytes = size_t{8} << 20;
+  size_t max_connections = 0;  // client connections held at once; 0: 3/4 of the fd limit
 
   PdMode mode = PdMode::kAggregated;
   Pool prefill, decode;

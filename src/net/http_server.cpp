@@ -1,6 +1,7 @@
 #include "net/http_server.h"
 
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "net/loop_group.h"
 #include "net/socket.h"
 #include "util/error.h"
+#include "util/log_throttle.h"
 
 namespace tandem::net {
 
@@ -33,6 +36,16 @@ constexpr size_t kReadChunk = 16384;
 constexpr std::chrono::milliseconds kDrainTime{2000};
 constexpr size_t kDrainBytes = size_t{1} << 20;
 
+// The connection cap when none is configured: three quarters of the file descriptor limit, so a
+// flood of connections leaves the process descriptors for its upstream connections and files.
+size_t default_max_connections() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return size_t{1} << 20;
+  }
+  return std::max<size_t>(16, static_cast<size_t>(limit.rlim_cur) / 4 * 3);
+}
+
 void check_status(int status) {
   if (status < 200 || status > 999) {
     throw Error("HTTP response status " + std::to_string(status) +
@@ -40,7 +53,10 @@ void check_status(int status) {
   }
 }
 
-void append_response(std::string& out, const HttpResponse& r, bool close, bool keep_alive_10) {
+// `head_only`: the answer to a HEAD request, whose head says what a GET would get but which
+// carries no body.
+void append_response(std::string& out, const HttpResponse& r, bool close, bool keep_alive_10,
+                     bool head_only = false) {
   std::string_view connection = close ? "close" : (keep_alive_10 ? "keep-alive" : "");
   if (!detail::status_has_body(r.status)) {
     detail::append_response_head(out, r.status, r.content_type, r.headers, detail::BodyKind::kNone,
@@ -49,7 +65,7 @@ void append_response(std::string& out, const HttpResponse& r, bool close, bool k
   }
   detail::append_response_head(out, r.status, r.content_type, r.headers, detail::BodyKind::kLength,
                                r.body.size(), connection);
-  out += r.body;
+  if (!head_only) out += r.body;
 }
 
 void append_error(std::string& out, ErrorFormatter format, int status, std::string_view message,
@@ -80,6 +96,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
         format_error(format_error),
         keep_alive_(keep_alive),
         http10_(this->request.version < 11),
+        head_only_(this->request.method == "HEAD"),
         loop_(&loop),
         connection_(&connection),
         out_(std::move(buffer)) {}
@@ -94,7 +111,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     Callbacks dropped;  // destroyed after the lock: they may hold the last exchange reference
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kIdle) return false;
-    append_response(out_, response, !keep_alive_, http10_ && keep_alive_);
+    append_response(out_, response, !keep_alive_, http10_ && keep_alive_, head_only_);
     phase_ = Phase::kComplete;
     close_after_ = !keep_alive_;
     dropped.swap(on_close_);
@@ -123,7 +140,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
   bool write(std::string_view chunk) {
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kStreaming) return false;
-    if (chunk.empty()) return true;  // an empty chunk would end a chunked body
+    if (chunk.empty() || head_only_) return true;  // an empty chunk would end a chunked body
     if (chunked_) {
       append_chunk(out_, chunk);
     } else {
@@ -137,7 +154,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     Callbacks dropped;
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kStreaming) return false;
-    if (chunked_) out_ += kLastChunk;
+    if (chunked_ && !head_only_) out_ += kLastChunk;
     phase_ = Phase::kComplete;
     dropped.swap(on_close_);
     wake_locked();
@@ -236,6 +253,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
 
   const bool keep_alive_;
   const bool http10_;
+  const bool head_only_;          // a HEAD request: the response's head goes out, its body does not
   EventLoop* const loop_;         // valid until detached
   Connection* const connection_;  // valid until detached; used on the loop only
 
@@ -330,6 +348,7 @@ class ServerImpl {
   void start();
   void stop();
   uint16_t port() const { return port_; }
+  size_t max_connections() const { return max_connections_; }
   LoopGroup& loops() { return loops_; }
 
   // --- for connections ---
@@ -342,15 +361,25 @@ class ServerImpl {
       std::fprintf(stderr, "tandem http: %s\n", message.c_str());
     }
   }
-  // Calls the handler for the request, or answers 404/405 itself.
+  // Calls the handler for the request, or answers 404/405/501 itself.
   void dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange);
   bool stopping() const { return stopping_.load(std::memory_order_acquire); }
+  // A connection was accepted: false (and the caller closes it) when the cap is reached.
+  bool admit_connection();
+  void connection_closed() { open_connections_.fetch_sub(1, std::memory_order_relaxed); }
+  // accept() failed with `error` (out of file descriptors and the like).
+  void accept_failed(int error);
 
  private:
   const HttpServerOptions options_;
   // Written before start() only, then read by every io thread.
   std::map<std::string, std::map<std::string, Handler>> routes_;  // path -> method -> handler
   std::atomic<uint16_t> port_{0};
+  size_t max_connections_ = 0;  // resolved at start()
+  std::atomic<size_t> open_connections_{0};
+  // Strangers can repeat these at will: at most one log line per interval each.
+  LogThrottle cap_log_{std::chrono::seconds(10)};
+  LogThrottle accept_log_{std::chrono::seconds(10)};
 
   LoopGroup loops_;
   std::vector<std::unique_ptr<ServerLoop>> server_loops_;
@@ -548,7 +577,7 @@ void Connection::process() {
         }
         if (!request_started_) {
           request_started_ = true;
-          timer_.arm(options.read_timeout);
+          timer_.arm(std::min(options.header_timeout, options.read_timeout));
         }
         Parse r = head_parser_.request(in_.view(), head_, error_);
         if (r == Parse::kError) return fail_request(error_);
@@ -621,6 +650,7 @@ void Connection::begin_request() {
   }
   body_parser_.start(head_, options.max_body_bytes, options.max_header_bytes);
   phase_ = Phase::kBody;
+  timer_.arm(options.read_timeout);
   if (head_.expect_continue && !body_parser_.done() && in_.empty()) {
     out_ += "HTTP/1.1 100 Continue\r\n\r\n";
     flush();
@@ -762,14 +792,14 @@ void ServerLoop::on_io(uint32_t) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       if (errno == EINTR || errno == ECONNABORTED) continue;
       // Out of file descriptors and the like: wait a little rather than spin.
-      server_.log(std::string("accept failed: ") + std::strerror(errno));
+      server_.accept_failed(errno);
       loop_.remove(listen_fd_);
       listening_ = false;
       if (!backoff_) backoff_ = std::make_unique<Timer>(loop_, *this);
       backoff_->arm(std::chrono::milliseconds(50));
       return;
     }
-    if (server_.stopping()) {
+    if (server_.stopping() || !server_.admit_connection()) {
       ::close(fd);
       continue;
     }
@@ -790,6 +820,7 @@ void ServerLoop::on_timer() {
 void ServerLoop::remove(Connection* c) {
   auto it = connections_.find(c);
   if (it == connections_.end()) return;
+  server_.connection_closed();
   loop_.retire(std::move(it->second));
   connections_.erase(it);
 }
@@ -817,16 +848,26 @@ void ServerImpl::route(std::string method, std::string path, Handler handler) {
 }
 
 void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange) {
+  // TRACE would echo credentials back, CONNECT would make this a tunnel; other methods are
+  // unknown to the server. Routes decide about the rest (404, 405).
+  static const std::set<std::string, std::less<>> kResourceMethods = {
+      "GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"};
+  if (!kResourceMethods.contains(request.method)) {
+    exchange->send_error(501, "Method " + request.method + " is not implemented by this server");
+    return;
+  }
   auto path = routes_.find(request.path);
   if (path == routes_.end()) {
     exchange->send_error(404, "Invalid URL (" + request.method + " " + request.path + ")");
     return;
   }
   auto method = path->second.find(request.method);
+  if (method == path->second.end() && request.method == "HEAD") method = path->second.find("GET");
   if (method == path->second.end()) {
     std::string allowed;
     for (const auto& [name, handler] : path->second) {
       allowed += (allowed.empty() ? "" : ", ") + name;
+      if (name == "GET" && !path->second.contains("HEAD")) allowed += ", HEAD";
     }
     HttpResponse r = options_.error_response(405,
                                              "Method " + request.method + " is not allowed for " +
@@ -839,12 +880,32 @@ void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exch
   method->second(request, exchange);
 }
 
+bool ServerImpl::admit_connection() {
+  if (open_connections_.fetch_add(1, std::memory_order_relaxed) < max_connections_) return true;
+  open_connections_.fetch_sub(1, std::memory_order_relaxed);
+  if (auto held_back = cap_log_.admit(LogThrottle::Clock::now())) {
+    log("connection cap reached (" + std::to_string(max_connections_) +
+        " connections): closing new connections" +
+        (*held_back > 0 ? " (" + std::to_string(*held_back) + " closed since the last line)" : ""));
+  }
+  return false;
+}
+
+void ServerImpl::accept_failed(int error) {
+  if (auto held_back = accept_log_.admit(LogThrottle::Clock::now())) {
+    log(std::string("accept failed: ") + std::strerror(error) +
+        (*held_back > 0 ? " (and " + std::to_string(*held_back) + " more failures)" : ""));
+  }
+}
+
 void ServerImpl::start() {
   std::lock_guard stop_lock(stop_mu_);
   if (started_) throw Error("HttpServer::start: the server was already started");
   if (options_.threads < 1) {
     throw Error("HttpServer: threads must be at least 1, got " + std::to_string(options_.threads));
   }
+  max_connections_ =
+      options_.max_connections > 0 ? options_.max_connections : default_max_connections();
   uint16_t bound = 0;
   listen_fd_ = listen_tcp(options_.host, options_.port, bound);
   port_ = bound;
@@ -893,6 +954,10 @@ void HttpServer::route(std::string method, std::string path, Handler handler) {
 
 void HttpServer::start() {
   impl_->start();
+}
+
+size_t HttpServer::max_connections() const {
+  return impl_->max_connections();
 }
 
 uint16_t HttpServer::port() const {

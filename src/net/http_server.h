@@ -99,15 +99,23 @@ struct HttpServerOptions {
   int threads = 1;    // io threads
   size_t max_body_bytes = size_t{8} << 20;
   size_t max_header_bytes = size_t{64} << 10;
-  // A request, once its first byte arrived, must be read completely within this time.
+  // A request's head must arrive completely within this time of its first byte, so that a client
+  // sending its head a byte at a time (slowloris) cannot hold a connection for long.
+  std::chrono::milliseconds header_timeout = std::chrono::seconds(10);
+  // A request's body, once its head arrived, must be read completely within this time.
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
   // A keep-alive connection waiting for its next request is closed after this time.
   std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);
   // One write (a response, or the chunks queued at that moment) must finish within this time,
   // otherwise the client is taken as gone. No timeout while the server waits for a handler.
   std::chrono::milliseconds write_timeout = std::chrono::seconds(60);
+  // Client connections held at once. Past it a new connection is closed as soon as it is
+  // accepted (and logged once per 10 s with a count), so the process keeps file descriptors for
+  // its own work and the connections it serves keep being served. 0: three quarters of the
+  // process's file descriptor limit (RLIMIT_NOFILE).
+  size_t max_connections = 0;
   // Where the server reports what only an operator can act on (handler exceptions, accept
-  // failures). Empty: standard error.
+  // failures, the connection cap). Empty: standard error.
   std::function<void(const std::string&)> log;
   // The body of every error the server sends (net/http.h).
   ErrorFormatter error_response = plain_error_response;
@@ -122,7 +130,9 @@ class HttpServer {
 
   // Registers `handler` for `method` (e.g. "POST") on `path` (exact match, e.g.
   // "/v1/completions"). Only before start(). A request for a known path with another method gets
-  // 405 with an Allow header.
+  // 405 with an Allow header; TRACE, CONNECT and unknown methods get 501. HEAD is answered
+  // by the GET handler where there is no HEAD route: the client gets the head of its response
+  // (status, fields, Content-Length), never the body.
   void route(std::string method, std::string path, Handler handler);
 
   // Binds, listens and starts the io threads; returns once the server accepts connections.
@@ -130,6 +140,8 @@ class HttpServer {
   void start();
   // The bound port (useful with port 0); 0 before start().
   uint16_t port() const;
+  // The connection cap in force (HttpServerOptions::max_connections, resolved); 0 before start().
+  size_t max_connections() const;
   // Closes the listener and every connection (pending exchanges become closed() and their
   // on_close callbacks run), then joins the io threads. Idempotent. Must not be called from a
   // handler or an on_close callback (it would join its own thread).

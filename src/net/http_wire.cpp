@@ -210,18 +210,13 @@ size_t HeadParser::find_end(std::string_view in, size_t from, ParseError& error,
   return pos + 4;
 }
 
-Parse HeadParser::request(std::string_view in, MessageHead& head, ParseError& error) {
-  size_t from = 0;
-  while (in.substr(from, 2) == kCrlf) from += 2;
-  bool failed = false;
-  size_t end = find_end(in, from, error, failed);
-  if (failed) return Parse::kError;
-  if (end == 0) return Parse::kNeedMore;
-  reset_head(head);
-  head.head_bytes = end;
-  std::string_view text = in.substr(from, end - from - 2);  // ends with the last line's CRLF
-  size_t line_end = text.find(kCrlf);
-  std::string_view line = text.substr(0, line_end);
+namespace {
+
+// A request line's method must be a short token: what the longest registered methods need.
+constexpr size_t kMaxMethod = 32;
+
+// The request line (without its CRLF) into head.method, head.target and head.version.
+Parse parse_request_line(std::string_view line, MessageHead& head, ParseError& error) {
   size_t sp1 = line.find(' ');
   size_t sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
   if (sp2 == std::string_view::npos) {
@@ -229,7 +224,7 @@ Parse HeadParser::request(std::string_view in, MessageHead& head, ParseError& er
   }
   head.method = line.substr(0, sp1);
   head.target = line.substr(sp1 + 1, sp2 - sp1 - 1);
-  if (!is_token(head.method)) {
+  if (!is_token(head.method) || head.method.size() > kMaxMethod) {
     return fail(error, 400, "malformed HTTP method '" + excerpt(head.method) + "'");
   }
   if (head.target.empty()) return fail(error, 400, "empty HTTP request target");
@@ -245,10 +240,69 @@ Parse HeadParser::request(std::string_view in, MessageHead& head, ParseError& er
                 "unsupported HTTP version '" + excerpt(line.substr(sp2 + 1)) +
                     "' (expected HTTP/1.1 or HTTP/1.0)");
   }
+  return Parse::kDone;
+}
+
+// RFC 9112 3.2: an HTTP/1.1 request carries exactly one Host field.
+Parse check_host(const MessageHead& head, ParseError& error) {
+  if (head.version < 11) return Parse::kDone;
+  int hosts = 0;
+  for (const HeadField& f : head.fields) hosts += iequals(f.name, "Host") ? 1 : 0;
+  if (hosts == 0) return fail(error, 400, "an HTTP/1.1 request needs a Host header");
+  if (hosts > 1) return fail(error, 400, "more than one Host header");
+  return Parse::kDone;
+}
+
+}  // namespace
+
+Parse HeadParser::check_start(std::string_view partial, ParseError& error) {
+  // A lone CR may be the start of a blank line before the request (skipped once complete).
+  if (start_checked_ || partial.empty() || partial == "\r") return Parse::kNeedMore;
+  if (partial.front() == 0x16) {
+    return fail(error, 400, "this port speaks plain HTTP, not TLS (use http://, not https://)");
+  }
+  // Searched from where the last call stopped, so a line sent a byte at a time costs linear time.
+  size_t line_end = partial.find(kCrlf, line_scanned_ > 0 ? line_scanned_ - 1 : 0);
+  line_scanned_ = partial.size();
+  if (line_end != std::string_view::npos) {
+    start_checked_ = true;
+    MessageHead scratch;
+    return parse_request_line(partial.substr(0, line_end), scratch, error) == Parse::kDone
+               ? Parse::kNeedMore
+               : Parse::kError;
+  }
+  std::string_view method = partial.substr(0, std::min(partial.find(' '), kMaxMethod + 1));
+  for (char c : method) {
+    if (!is_token_char(static_cast<unsigned char>(c))) {
+      return fail(error, 400,
+                  "not an HTTP request: it starts with '" + excerpt(partial.substr(0, 16)) + "'");
+    }
+  }
+  if (method.size() > kMaxMethod) {
+    return fail(error, 400, "malformed HTTP method '" + excerpt(method) + "...'");
+  }
+  return Parse::kNeedMore;
+}
+
+Parse HeadParser::request(std::string_view in, MessageHead& head, ParseError& error) {
+  size_t from = 0;
+  while (in.substr(from, 2) == kCrlf) from += 2;
+  bool failed = false;
+  size_t end = find_end(in, from, error, failed);
+  if (failed) return Parse::kError;
+  if (end == 0) return check_start(in.substr(from), error);
+  reset_head(head);
+  head.head_bytes = end;
+  std::string_view text = in.substr(from, end - from - 2);  // ends with the last line's CRLF
+  size_t line_end = text.find(kCrlf);
+  if (parse_request_line(text.substr(0, line_end), head, error) != Parse::kDone) {
+    return Parse::kError;
+  }
   if (parse_fields(text.substr(line_end + 2), head.fields, error) != Parse::kDone) {
     return Parse::kError;
   }
-  return derive_framing(head, true, error);
+  if (derive_framing(head, true, error) != Parse::kDone) return Parse::kError;
+  return check_host(head, error);
 }
 
 Parse HeadParser::response(std::string_view in, bool head_request, MessageHead& head,

@@ -56,19 +56,29 @@ class HeadParser {
 
   // kDone fills `head`; kError fills `error` (431 for a head over the limit, else 400 or 501).
   // Blank lines before a request line are skipped (RFC 9112 2.2) and counted in head_bytes.
+  // Bytes that cannot start a request (a TLS handshake, a method that is no token, a bad request
+  // line) are an error as soon as they arrive, before the head is complete.
   Parse request(std::string_view in, MessageHead& head, ParseError& error);
   // `head_request`: the response answers a HEAD request (no body whatever it declares).
   // Interim 1xx responses are returned like any other; the caller skips them.
   Parse response(std::string_view in, bool head_request, MessageHead& head, ParseError& error);
   // Before parsing the next message.
-  void reset() { scanned_ = 0; }
+  void reset() {
+    scanned_ = 0;
+    line_scanned_ = 0;
+    start_checked_ = false;
+  }
 
  private:
+  // Judges the request line of an incomplete head as far as it arrived.
+  Parse check_start(std::string_view partial, ParseError& error);
   // Offset just past the blank line ending the head, or 0 if it is not there yet.
   size_t find_end(std::string_view in, size_t from, ParseError& error, bool& failed);
 
   size_t max_;
   size_t scanned_ = 0;
+  size_t line_scanned_ = 0;     // check_start: bytes of the first line searched for its end
+  bool start_checked_ = false;  // check_start: the request line was complete and valid
 };
 
 // De-frames a body: Content-Length, chunked (trailers skipped), or until the connection closes.

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -108,6 +109,13 @@ class RawConnection {
   int fd_ = -1;
   bool eof_ = false;
 };
+
+// Hostile bytes printable in a failure message.
+std::string ascii_excerpt(std::string_view bytes) {
+  std::string out;
+  for (char ch : bytes.substr(0, 24)) out += (ch >= 0x20 && ch < 0x7f) ? ch : '?';
+  return out;
+}
 
 int status_of(const std::string& raw) {
   // "HTTP/1.1 404 Not Found\r\n..."
@@ -284,7 +292,7 @@ TEST(HttpServer, NotFoundAndMethodNotAllowed) {
   r = client.request("DELETE", "/v1/completions");
   EXPECT_EQ(r.status, 405);
   expect_openai_error(r.body, "invalid_request_error");
-  EXPECT_EQ(r.headers.get("Allow"), "GET, POST");
+  EXPECT_EQ(r.headers.get("Allow"), "GET, HEAD, POST");
   // Errors keep the connection usable.
   r = client.request("POST", "/v1/completions", "{}");
   EXPECT_EQ(r.status, 200);
@@ -345,9 +353,9 @@ TEST(HttpServer, MalformedRequestIs400AndHugeHeaderIs431) {
   server.route("GET", "/x",
                [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
   server.start();
-  for (std::string bad :
-       {"GARBAGE\r\n\r\n", "GET /x HTTP/9.9\r\n\r\n", "GET /x HTTP/1.1\r\nBad Header\r\n\r\n",
-        "POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n"}) {
+  for (std::string bad : {"GARBAGE\r\n\r\n", "GET /x HTTP/9.9\r\n\r\n",
+                          "GET /x HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n",
+                          "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: abc\r\n\r\n"}) {
     RawConnection c(server.port());
     c.send(bad);
     std::string raw = c.read_all();
@@ -355,7 +363,7 @@ TEST(HttpServer, MalformedRequestIs400AndHugeHeaderIs431) {
     expect_openai_error(body_of(raw), "invalid_request_error");
   }
   RawConnection c(server.port());
-  c.send("GET /x HTTP/1.1\r\nX-Big: " + std::string(4000, 'z') + "\r\n\r\n");
+  c.send("GET /x HTTP/1.1\r\nHost: a\r\nX-Big: " + std::string(4000, 'z') + "\r\n\r\n");
   std::string raw = c.read_all();
   EXPECT_EQ(status_of(raw), 431) << raw;
   expect_openai_error(body_of(raw), "invalid_request_error");
@@ -697,12 +705,13 @@ TEST(HttpServer, SmugglingAttemptsAndBadChunksAre400) {
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
   for (std::string bad : {
-           "POST /x HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-           "POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabcde",
-           "POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
-           "POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXX0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nTransfer-Encoding: "
+           "chunked\r\n\r\n0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\nContent-Length: 5\r\n\r\nabcde",
+           "POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXX0\r\n\r\n",
            "POST /x HTTP/1.1\r\nHost: a\r\n folded: x\r\nContent-Length: 0\r\n\r\n",
-           "POST /x HTTP/1.1\r\nX-A: 1\nX-B: 2\r\nContent-Length: 0\r\n\r\n",
+           "POST /x HTTP/1.1\r\nHost: a\r\nX-A: 1\nX-B: 2\r\nContent-Length: 0\r\n\r\n",
        }) {
     RawConnection c(server.port());
     c.send(bad);
@@ -713,7 +722,7 @@ TEST(HttpServer, SmugglingAttemptsAndBadChunksAre400) {
     expect_openai_error(body_of(raw), "invalid_request_error");
   }
   RawConnection c(server.port());
-  c.send("POST /x HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n");
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n");
   std::string raw = c.read_all();
   EXPECT_EQ(status_of(raw), 501) << raw;
   expect_openai_error(body_of(raw), "server_error");
@@ -737,9 +746,10 @@ TEST(HttpServer, PipelinedRequestsAreAnsweredInOrder) {
   server.start();
   RawConnection c(server.port());
   c.send(
-      "POST /slow HTTP/1.1\r\nContent-Length: 1\r\n\r\naPOST /fast HTTP/1.1\r\n"
+      "POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n\r\naPOST /fast HTTP/1.1\r\nHost: "
+      "a\r\n"
       "Transfer-Encoding: chunked\r\n\r\n1\r\nb\r\n0\r\n\r\n"
-      "POST /fast HTTP/1.1\r\nContent-Length: 1\r\nConnection: close\r\n\r\nc");
+      "POST /fast HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nConnection: close\r\n\r\nc");
   std::string raw = c.read_all();
   size_t a = raw.find("slow:a"), b = raw.find("fast:b"), d = raw.find("fast:c");
   ASSERT_NE(a, std::string::npos) << raw;
@@ -756,7 +766,7 @@ TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
   RawConnection c(server.port());
-  c.send("POST /x HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc");  // 7 bytes never come
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc");  // 7 bytes never come
   EXPECT_EQ(c.read_all(), "");
   EXPECT_TRUE(c.eof());
   EXPECT_EQ(calls.load(), 0);
@@ -781,6 +791,161 @@ TEST(HttpServer, ResponseHeadersCannotInjectLines) {
   EXPECT_FALSE(r.headers.contains("Set-Cookie"));
   auto f = threw.get_future();
   EXPECT_TRUE(get_within(f));
+}
+
+// Input that cannot be HTTP is refused as soon as it arrives, not after a timeout: the
+// timeouts here are an hour, the test's reads give up after 10 s.
+TEST(HttpServer, BytesThatCannotStartARequestAre400AtOnce) {
+  HttpServerOptions options = local_options();
+  options.header_timeout = options.read_timeout = std::chrono::hours(1);
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  const std::string tls_hello("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11);
+  for (const std::string& bad :
+       {tls_hello, std::string("\x00\x01\x02junk", 7), std::string("SSH-2.0-OpenSSH_9.2\r\n"),
+        std::string("GET /x HTTP/1.1 and more\r\n"), std::string(40, 'A')}) {
+    RawConnection c(server.port());
+    c.send(bad);
+    std::string raw = c.read_all();
+    EXPECT_TRUE(c.eof()) << ascii_excerpt(bad);
+    EXPECT_EQ(status_of(raw), 400) << ascii_excerpt(bad) << " -> " << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
+  }
+  RawConnection c(server.port());
+  c.send(tls_hello);
+  EXPECT_NE(c.read_all().find("not TLS"), std::string::npos);
+  EXPECT_EQ(calls.load(), 0);
+}
+
+TEST(HttpServer, AnHttp11RequestWithoutOneHostIs400) {
+  HttpServer server(local_options());
+  server.route("GET", "/x",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  for (std::string bad :
+       {"GET /x HTTP/1.1\r\n\r\n", "GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"}) {
+    RawConnection c(server.port());
+    c.send(bad);
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 400) << raw;
+    EXPECT_NE(body_of(raw).find("Host"), std::string::npos) << raw;
+  }
+  // HTTP/1.0 has no Host requirement.
+  RawConnection c(server.port());
+  c.send("GET /x HTTP/1.0\r\n\r\n");
+  EXPECT_EQ(status_of(c.read_all()), 200);
+}
+
+TEST(HttpServer, HeadIsAnsweredByTheGetHandlerWithTheHeadOnly) {
+  HttpServer server(local_options());
+  server.route("GET", "/x", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "hello", "text/plain");
+  });
+  server.route("GET", "/stream", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->start_stream();
+    ex->write("data: 1\n\n");
+    ex->end();
+  });
+  server.start();
+  {
+    RawConnection c(server.port());
+    c.send("HEAD /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 200) << raw;
+    EXPECT_NE(raw.find("Content-Length: 5\r\n"), std::string::npos) << raw;
+    EXPECT_EQ(body_of(raw), "") << raw;
+  }
+  {
+    // Keep-alive: the next request's answer follows the head directly.
+    RawConnection c(server.port());
+    c.send(
+        "HEAD /stream HTTP/1.1\r\nHost: a\r\n\r\nGET /x HTTP/1.1\r\nHost: a\r\nConnection: "
+        "close\r\n\r\n");
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 200) << raw;
+    size_t second = raw.find("HTTP/1.1", 1);
+    ASSERT_NE(second, std::string::npos) << raw;
+    EXPECT_EQ(raw.substr(second - 4, 4), "\r\n\r\n") << raw;  // the first head, nothing after it
+    EXPECT_EQ(raw.find("data:"), std::string::npos) << raw;
+    EXPECT_EQ(body_of(raw.substr(second)), "hello") << raw;
+  }
+  auto r = http_request("127.0.0.1", server.port(), "POST", "/x", "{}");
+  EXPECT_EQ(r.status, 405);
+  EXPECT_EQ(r.headers.get("Allow"), "GET, HEAD");
+}
+
+TEST(HttpServer, TraceConnectAndUnknownMethodsAre501) {
+  HttpServer server(local_options());
+  server.route("GET", "/x",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  for (std::string method : {"TRACE", "CONNECT", "BREW"}) {
+    RawConnection c(server.port());
+    c.send(method + " /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 501) << raw;
+    EXPECT_NE(body_of(raw).find(method), std::string::npos) << raw;
+  }
+}
+
+TEST(HttpServer, AHeadSentSlowlyIsClosedAfterTheHeaderTimeout) {
+  HttpServerOptions options = local_options();
+  options.header_timeout = 50ms;
+  options.read_timeout = std::chrono::hours(1);
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  RawConnection c(server.port());
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Le");  // the rest never comes
+  EXPECT_EQ(c.read_all(), "");
+  EXPECT_TRUE(c.eof());
+  EXPECT_EQ(calls.load(), 0);
+}
+
+TEST(HttpServer, ConnectionsPastTheCapAreClosedAndLoggedOnce) {
+  HttpServerOptions options = local_options();
+  options.threads = 1;
+  options.max_connections = 2;
+  std::mutex log_mu;
+  std::vector<std::string> logged;
+  options.log = [&](const std::string& line) {
+    std::lock_guard lock(log_mu);
+    logged.push_back(line);
+  };
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  EXPECT_EQ(server.max_connections(), 2u);
+  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
+  RawConnection a(server.port()), b(server.port());
+  std::string got;
+  a.send(post);
+  ASSERT_TRUE(a.read_until(got, "{}"));  // both are accepted and held
+  got.clear();
+  b.send(post);
+  ASSERT_TRUE(b.read_until(got, "{}"));
+  for (int i = 0; i < 3; ++i) {
+    RawConnection refused(server.port());
+    EXPECT_EQ(refused.read_all(), "");
+    EXPECT_TRUE(refused.eof());
+  }
+  got.clear();
+  a.send(post);  // the connections it holds are still served
+  EXPECT_TRUE(a.read_until(got, "{}"));
+  std::lock_guard lock(log_mu);
+  ASSERT_EQ(logged.size(), 1u);
+  EXPECT_NE(logged[0].find("connection cap reached (2 connections)"), std::string::npos);
+}
+
+TEST(HttpServer, TheDefaultConnectionCapIsThreeQuartersOfTheDescriptorLimit) {
+  HttpServer server(local_options());
+  server.start();
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  if (limit.rlim_cur != RLIM_INFINITY) {
+    EXPECT_EQ(server.max_connections(), std::max<size_t>(16, limit.rlim_cur / 4 * 3));
+  }
 }
 
 }  // namespace

@@ -54,28 +54,32 @@ TEST(HttpWire, ParsesARequestHead) {
   EXPECT_EQ(r.head.content_length, 5u);
   EXPECT_TRUE(r.head.keep_alive);
   std::string body;
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", 1024, &body), 0);
+  EXPECT_EQ(
+      request_status("POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\n\r\nhello", 1024, &body),
+      0);
   EXPECT_EQ(body, "hello");
 }
 
 TEST(HttpWire, KeepAliveFollowsVersionAndConnection) {
-  EXPECT_TRUE(parse_request("GET / HTTP/1.1\r\n\r\n").head.keep_alive);
-  EXPECT_FALSE(parse_request("GET / HTTP/1.1\r\nConnection: close\r\n\r\n").head.keep_alive);
+  EXPECT_TRUE(parse_request("GET / HTTP/1.1\r\nHost: h\r\n\r\n").head.keep_alive);
+  EXPECT_FALSE(
+      parse_request("GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n").head.keep_alive);
   EXPECT_FALSE(parse_request("GET / HTTP/1.0\r\n\r\n").head.keep_alive);
   EXPECT_TRUE(parse_request("GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n").head.keep_alive);
-  EXPECT_FALSE(
-      parse_request("GET / HTTP/1.1\r\nConnection: upgrade, CLOSE\r\n\r\n").head.keep_alive);
-  EXPECT_TRUE(parse_request("POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
+  EXPECT_FALSE(parse_request("GET / HTTP/1.1\r\nHost: h\r\nConnection: upgrade, CLOSE\r\n\r\n")
+                   .head.keep_alive);
+  EXPECT_TRUE(parse_request(
+                  "POST / HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
                   .head.expect_continue);
   EXPECT_FALSE(parse_request("POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
                    .head.expect_continue);
 }
 
 TEST(HttpWire, SkipsBlankLinesBeforeTheRequestLine) {
-  Result r = parse_request("\r\n\r\nGET /x HTTP/1.1\r\n\r\n");
+  Result r = parse_request("\r\n\r\nGET /x HTTP/1.1\r\nHost: h\r\n\r\n");
   ASSERT_EQ(r.parse, Parse::kDone);
   EXPECT_EQ(r.head.target, "/x");
-  EXPECT_EQ(r.head.head_bytes, 4 + 15u + 4);
+  EXPECT_EQ(r.head.head_bytes, 4 + 15u + 2 + 9 + 2);
 }
 
 TEST(HttpWire, IncompleteHeadNeedsMoreWhateverTheSplit) {
@@ -98,55 +102,62 @@ TEST(HttpWire, RefusesMalformedRequestHeads) {
            "GET /x\r\n\r\n",
            "GET /x HTTP/9.9\r\n\r\n",
            "GET /x HTTP/1.1 extra\r\n\r\n",
-           "G(T /x HTTP/1.1\r\n\r\n",
-           "GET /a\x01 HTTP/1.1\r\n\r\n",
-           "GET  /x HTTP/1.1\r\n\r\n",
-           "GET /x HTTP/1.1\r\nBad Header\r\n\r\n",
-           "GET /x HTTP/1.1\r\nName : value\r\n\r\n",
-           "GET /x HTTP/1.1\r\n: value\r\n\r\n",
-           "GET /x HTTP/1.1\r\nA: 1\r\n folded\r\n\r\n",  // obs-fold
-           "GET /x HTTP/1.1\r\nA: bare\nB: lf\r\n\r\n",   // a bare LF inside the head
-           "GET /x HTTP/1.1\r\nA: bare\rcr\r\n\r\n",      // a bare CR
-           "GET /x\nHTTP/1.1\r\n\r\n",
+           "G(T /x HTTP/1.1\r\nHost: h\r\n\r\n",
+           "GET /a\x01 HTTP/1.1\r\nHost: h\r\n\r\n",
+           "GET  /x HTTP/1.1\r\nHost: h\r\n\r\n",
+           "GET /x HTTP/1.1\r\nHost: h\r\nBad Header\r\n\r\n",
+           "GET /x HTTP/1.1\r\nHost: h\r\nName : value\r\n\r\n",
+           "GET /x HTTP/1.1\r\nHost: h\r\n: value\r\n\r\n",
+           "GET /x HTTP/1.1\r\nHost: h\r\nA: 1\r\n folded\r\n\r\n",  // obs-fold
+           "GET /x HTTP/1.1\r\nHost: h\r\nA: bare\nB: lf\r\n\r\n",   // a bare LF inside the head
+           "GET /x HTTP/1.1\r\nHost: h\r\nA: bare\rcr\r\n\r\n",      // a bare CR
+           "GET /x\nHTTP/1.1\r\nHost: h\r\n\r\n",
        }) {
     Result r = parse_request(bad);
     EXPECT_EQ(r.parse, Parse::kError) << bad;
     EXPECT_EQ(r.error.status, 400) << bad;
     EXPECT_FALSE(r.error.message.empty());
   }
-  static constexpr char kNul[] = "GET /x HTTP/1.1\r\nA: x\0y\r\n\r\n";
+  static constexpr char kNul[] = "GET /x HTTP/1.1\r\nHost: h\r\nA: x\0y\r\n\r\n";
   EXPECT_EQ(parse_request(std::string_view(kNul, sizeof kNul - 1)).error.status, 400);
 }
 
 TEST(HttpWire, RefusesAmbiguousFraming) {
   // Request smuggling needs two parsers that disagree on where a message ends.
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n"),
+  EXPECT_EQ(request_status(
+                "POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n"),
             400);
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 3\r\n"
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n"
                            "Transfer-Encoding: chunked\r\n\r\n"),
             400);
   EXPECT_EQ(request_status("POST /x HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n"), 400);
   for (std::string_view length :
        {"abc", "-1", "+5", "0x10", "1 2", "99999999999999999999", "", "5, 5"}) {
-    EXPECT_EQ(
-        request_status("POST /x HTTP/1.1\r\nContent-Length: " + std::string(length) + "\r\n\r\n"),
-        400)
+    EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: " +
+                             std::string(length) + "\r\n\r\n"),
+              400)
         << length;
   }
   // Equal repeated values are one length.
   std::string body;
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
-                           1024, &body),
+  EXPECT_EQ(request_status(
+                "POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+                1024, &body),
             0);
   EXPECT_EQ(body, "ok");
   // Codings we would have to decode are not implemented.
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"), 501);
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked, chunked\r\n\r\n"), 501);
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n"), 501);
+  EXPECT_EQ(
+      request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
+      501);
+  EXPECT_EQ(
+      request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked, chunked\r\n\r\n"),
+      501);
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: identity\r\n\r\n"),
+            501);
 }
 
 TEST(HttpWire, HeadLimitIs431) {
-  std::string big = "GET /x HTTP/1.1\r\nX: " + std::string(5000, 'a') + "\r\n\r\n";
+  std::string big = "GET /x HTTP/1.1\r\nHost: h\r\nX: " + std::string(5000, 'a') + "\r\n\r\n";
   Result r = parse_request(big, 4096);
   EXPECT_EQ(r.parse, Parse::kError);
   EXPECT_EQ(r.error.status, 431);
@@ -159,7 +170,7 @@ TEST(HttpWire, HeadLimitIs431) {
 
 TEST(HttpWire, ChunkedBodies) {
   std::string body;
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
                            "5\r\nhello\r\n1;ext=1\r\n \r\nA\r\n0123456789\r\n0\r\nTrail: x\r\n\r\n",
                            1024, &body),
             0);
@@ -186,7 +197,7 @@ TEST(HttpWire, ChunkedBodies) {
 }
 
 TEST(HttpWire, RefusesBadChunks) {
-  const std::string head = "POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n";
+  const std::string head = "POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n";
   for (std::string_view bad : {
            "x\r\n",                               // not hex
            "-5\r\nhello\r\n",                     // a sign
@@ -203,7 +214,7 @@ TEST(HttpWire, RefusesBadChunks) {
 }
 
 TEST(HttpWire, BodyLimitIs413) {
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
                            "258\r\n" +
                                std::string(600, 'b') + "\r\n258\r\n" + std::string(600, 'b') +
                                "\r\n0\r\n\r\n",
@@ -211,9 +222,10 @@ TEST(HttpWire, BodyLimitIs413) {
             413);
   // One chunk declaring more than the limit is refused before its data arrives.
   EXPECT_EQ(
-      request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nffffff\r\n", 1024),
+      request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\nffffff\r\n",
+                     1024),
       413);
-  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+  EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
                            "400\r\n" +
                                std::string(1024, 'c') + "\r\n0\r\n\r\n",
                            1024),
