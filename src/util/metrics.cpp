@@ -252,9 +252,12 @@ void Family<Metric>::render(std::string& out) const {
       append_sample(out, name_ + "_count", labels,
                     [&](std::string& o) { append_u64(o, snap.count); });
     } else if constexpr (std::is_same_v<Metric, IntCounter>) {
-      append_sample(out, name_, labels, [&](std::string& o) { append_u64(o, child->value()); });
+      // (The value is read before the lambda: clang 14 cannot capture a structured binding.)
+      const auto value = child->value();
+      append_sample(out, name_, labels, [&](std::string& o) { append_u64(o, value); });
     } else {
-      append_sample(out, name_, labels, [&](std::string& o) { append_double(o, child->value()); });
+      const auto value = child->value();
+      append_sample(out, name_, labels, [&](std::string& o) { append_double(o, value); });
     }
   }
 }
