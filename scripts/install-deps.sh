@@ -10,6 +10,7 @@ debian_packages=(
   libcli11-dev libfmt-dev libspdlog-dev libdnnl-dev libzmq3-dev cppzmq-dev libmsgpack-cxx-dev
   libgtest-dev libgmock-dev libbenchmark-dev libyaml-cpp-dev libtcmalloc-minimal4 libssl-dev
   nginx-light wrk chromium
+  clang libclang-rt-dev libomp-dev  # bench/fuzz.sh: libFuzzer (clang's OpenMP for the CMake configure)
   python3 python3-jinja2 python3-numpy python3-torch python3-msgpack python3-zmq python3-prometheus-client
 )
 # Node.js may come from Debian (nodejs + npm) or from NodeSource (nodejs alone, npm bundled).
