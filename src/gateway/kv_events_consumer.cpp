@@ -191,13 +191,20 @@ uint64_t read_be64(const zmq::message_t& m) {
 }
 
 constexpr uint64_t kReplayEnd = ~uint64_t{0};  // -1 as a signed 64-bit integer
+constexpr size_t kMaxDepth = 16;               // msgpack nesting a payload may have
 
 }  // namespace
 
 KvEventBatchRecord decode_kv_event_payload(std::string_view payload) {
   msgpack::object_handle handle;
   try {
-    handle = msgpack::unpack(payload.data(), payload.size());
+    // msgpack allocates an array's or a map's elements when it reads their count, before the
+    // elements: a 5-byte payload claiming 2^32 map entries would allocate 128 GB. Every element
+    // takes a byte at least, so no count can exceed the payload's size; the depth bounds how many
+    // such claims are open at once (an event batch nests a few levels deep).
+    const size_t n = payload.size();
+    const msgpack::unpack_limit limit(n, n, n, n, n, kMaxDepth);
+    handle = msgpack::unpack(payload.data(), payload.size(), nullptr, nullptr, limit);
   } catch (const std::exception& e) {
     throw Error(std::string("kv event batch: not valid msgpack: ") + e.what());
   }

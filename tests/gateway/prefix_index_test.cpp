@@ -454,6 +454,25 @@ TEST(KvEventDecoding, MalformedPayloadsThrow) {
   EXPECT_NE(message(view(no_events)).find("'events'"), std::string::npos);
 }
 
+// Found by fuzz/kv_events_fuzz.cpp: msgpack allocates a container's elements when it reads its
+// count, so a few bytes claiming 2^32 entries asked for 128 GB (std::bad_alloc, or the memory).
+// Counts beyond the payload's size and nesting beyond any batch's are malformed msgpack now.
+TEST(KvEventDecoding, ContainerCountsBeyondThePayloadThrow) {
+  for (const std::string_view payload :
+       {std::string_view("\xdf\xff\xff\xff\xff", 5), std::string_view("\xdd\xff\xff\xff\xff", 5),
+        std::string_view("\x92\xcb\x40\x00\x00\x00\x00\x00\x00\x00\xdd\x10\x00\x00\x00\x90", 16),
+        std::string_view("\xc6\xff\xff\xff\xff", 5)}) {
+    try {
+      decode_kv_event_payload(payload);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not valid msgpack"), std::string::npos) << e.what();
+    }
+  }
+  const std::string deep = std::string(64, '\x91') + '\xc0';
+  EXPECT_THROW(decode_kv_event_payload(deep), Error);
+}
+
 // ---- consumers against a scripted publisher ----
 
 // A publisher whose seqs the test chooses: it can skip a batch on the live socket (lost), keep
