@@ -1,6 +1,7 @@
 #include "api/body_fields.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "api/error.h"
 
@@ -30,6 +31,8 @@ int64_t integer(const json& body, const char* name, int64_t fallback) {
   if (!v) return fallback;
   if (!v->is_number_integer() && !v->is_number_unsigned())
     fail(name, std::string("'") + name + "' must be an integer");
+  if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t{INT64_MAX})
+    fail(name, std::string("'") + name + "' is too large: " + v->dump());
   return v->get<int64_t>();
 }
 
@@ -51,6 +54,9 @@ std::vector<int32_t> token_list(const json& v, const char* name, int64_t vocab_s
   for (const auto& t : v) {
     if (!t.is_number_integer() && !t.is_number_unsigned())
       fail(name, std::string("'") + name + "' must hold integer token ids");
+    if (t.is_number_unsigned() && t.get<uint64_t>() > uint64_t{INT64_MAX})
+      fail(name, "token id " + t.dump() + " is outside the vocabulary of " +
+                     std::to_string(vocab_size) + " ids");
     const auto id = t.get<int64_t>();
     if (id < 0 || id >= vocab_size)
       fail(name, "token id " + std::to_string(id) + " is outside the vocabulary of " +

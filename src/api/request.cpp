@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 
 #include "api/body_fields.h"
@@ -12,9 +13,25 @@ namespace {
 
 using nlohmann::json;
 
+// The request's max_tokens (under `name`, which differs between the dialects) within the operator's
+// limits; `dialect_default` when it is omitted and the operator set no default.
+int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_default,
+                      const ModelLimits& limits) {
+  const int64_t limit = limits.max_tokens_limit;
+  if (!field(body, name)) {
+    int64_t d = limits.default_max_tokens > 0 ? limits.default_max_tokens : dialect_default;
+    return limit > 0 ? std::min(d, limit) : d;
+  }
+  const int64_t asked = integer(body, name, 0);
+  if (limit > 0 && asked > limit)
+    fail(name, std::string("'") + name + "' is " + std::to_string(asked) +
+                   ", above this server's limit of " + std::to_string(limit) + " tokens");
+  return asked;
+}
+
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
-// sampling_params. `max_tokens_name` differs between the dialects.
-SamplingParams sampling_from(const json& body, const char* max_tokens_name, int64_t default_max) {
+// sampling_params; max_tokens from max_tokens_of.
+SamplingParams sampling_from(const json& body, int64_t max_tokens) {
   SamplingParams p;
   p.temperature = number(body, "temperature", 1.0);
   p.top_p = number(body, "top_p", 1.0);
@@ -23,12 +40,14 @@ SamplingParams sampling_from(const json& body, const char* max_tokens_name, int6
   p.repetition_penalty = number(body, "repetition_penalty", 1.0);
   p.presence_penalty = number(body, "presence_penalty", 0.0);
   p.frequency_penalty = number(body, "frequency_penalty", 0.0);
-  p.max_tokens = integer(body, max_tokens_name, default_max);
+  p.max_tokens = max_tokens;
+  p.min_tokens = integer(body, "min_tokens", 0);
   p.ignore_eos = boolean(body, "ignore_eos", false);
   if (const json* s = field(body, "seed")) {
     if (!s->is_number_integer() && !s->is_number_unsigned())
       fail("seed", "'seed' must be an integer");
-    p.seed = static_cast<uint64_t>(s->get<int64_t>());
+    p.seed =
+        s->is_number_unsigned() ? s->get<uint64_t>() : static_cast<uint64_t>(s->get<int64_t>());
   }
   if (const json* s = field(body, "stop")) {
     if (s->is_string()) {
@@ -46,6 +65,10 @@ SamplingParams sampling_from(const json& body, const char* max_tokens_name, int6
     if (!s->is_array()) fail("stop_token_ids", "'stop_token_ids' must be a list of token ids");
     for (const auto& e : *s) {
       if (!e.is_number_integer()) fail("stop_token_ids", "'stop_token_ids' must hold integers");
+      if (e.is_number_unsigned() ? e.get<uint64_t>() > INT32_MAX
+                                 : (e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX))
+        fail("stop_token_ids",
+             "'stop_token_ids' must hold token ids (0 to 2147483647), got " + e.dump());
       p.stop_token_ids.push_back(e.get<int32_t>());
     }
   }
@@ -82,8 +105,19 @@ void check_length(const ApiRequest& r, const ModelLimits& limits) {
 }
 
 // n > 1: the same prompt several times, each choice with its own seed when one was given.
-void expand_n(ApiRequest& r, int64_t n) {
-  if (n < 1 || n > 128) fail("n", "'n' must be between 1 and 128");
+// best_of (completions): more candidates than n, of which the best are returned, is not
+// supported; best_of equal to n asks for nothing more and is accepted.
+void expand_n(ApiRequest& r, int64_t n, const json& body) {
+  if (n < 1 || n > 128) fail("n", "'n' must be between 1 and 128, got " + std::to_string(n));
+  if (field(body, "best_of")) {
+    const int64_t best_of = integer(body, "best_of", 1);
+    if (best_of < n)
+      fail("best_of", "'best_of' must be at least 'n' (" + std::to_string(n) + "), got " +
+                          std::to_string(best_of));
+    if (best_of > n)
+      fail("best_of", "'best_of' greater than 'n' is not supported (got best_of " +
+                          std::to_string(best_of) + ", n " + std::to_string(n) + ")");
+  }
   r.n = n;
   if (n == 1) return;
   if (r.prompts.size() != 1) fail("n", "'n' > 1 needs a single prompt");
@@ -156,7 +190,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
-  r.sampling = sampling_from(body, "max_tokens", 16);
+  r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits));
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -166,7 +200,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     r.logprobs = lp->get<int32_t>();
   }
   r.priority = integer(body, "priority", 0);
-  expand_n(r, integer(body, "n", 1));
+  expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
@@ -225,7 +259,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.sampling = sampling_from(body, max_name, room);
+  r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits));
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -235,7 +269,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     r.logprobs = static_cast<int32_t>(top);
   }
   r.priority = integer(body, "priority", 0);
-  expand_n(r, integer(body, "n", 1));
+  if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");
+  expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
   check_length(r, limits);
   return r;
@@ -275,7 +310,8 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   if (sp && !sp->is_object()) fail("sampling_params", "'sampling_params' must be an object");
   static const json empty = json::object();
   // SGLang's default for max_new_tokens is 128.
-  r.sampling = sampling_from(sp ? *sp : empty, "max_new_tokens", 128);
+  r.sampling = sampling_from(sp ? *sp : empty,
+                             max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits));
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false))
     r.logprobs = static_cast<int32_t>(integer(body, "top_logprobs_num", 0));

@@ -38,6 +38,11 @@ struct ModelLimits {
   std::string model_name;
   int64_t max_model_len = 0;
   int64_t vocab_size = 0;
+  // The operator's limits on max_tokens: the most a request may ask for (0: what the context
+  // leaves), and what a request that omits it gets (0: the dialect's default; never above the
+  // limit).
+  int64_t max_tokens_limit = 0;
+  int64_t default_max_tokens = 0;
 };
 
 // Each throws ApiError for a malformed or unsupported request, naming the field.

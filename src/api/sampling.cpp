@@ -18,7 +18,11 @@ void SamplingParams::validate() const {
     fail("presence_penalty must be in [-2, 2]");
   if (!(frequency_penalty >= -2 && frequency_penalty <= 2))
     fail("frequency_penalty must be in [-2, 2]");
-  if (max_tokens < 1) fail("max_tokens must be at least 1");
+  if (max_tokens < 1) fail("max_tokens must be at least 1, got " + std::to_string(max_tokens));
+  if (min_tokens < 0) fail("min_tokens must be at least 0, got " + std::to_string(min_tokens));
+  if (min_tokens > max_tokens)
+    fail("min_tokens must be at most max_tokens (" + std::to_string(max_tokens) + "), got " +
+         std::to_string(min_tokens));
   for (const auto& s : stop)
     if (s.empty()) fail("stop strings must not be empty");
 }

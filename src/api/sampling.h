@@ -18,6 +18,9 @@ struct SamplingParams {
   double frequency_penalty = 0.0;
   std::optional<uint64_t> seed;
   int64_t max_tokens = 16;
+  // No end: EOS and stop_token_ids are not sampled, and stop strings not matched, before this
+  // many tokens were generated (vLLM's min_tokens).
+  int64_t min_tokens = 0;
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
   bool ignore_eos = false;

@@ -385,7 +385,7 @@ void Engine::admit_incoming() {
     seq->num_prompt = static_cast<int64_t>(r.prompt.size());
     seq->arrival_order = arrival_counter_++;
     seq->arrival_time = now;
-    seq->sampler = std::make_unique<Sampler>(r.sampling, seed_base_ + seq->arrival_order);
+    seq->sampler = std::make_unique<Sampler>(r.sampling, seed_base_ + seq->arrival_order, eos_ids_);
     seq->output = std::make_unique<OutputProcessor>(*tokenizer_, r.sampling, eos_ids_);
     seq->request = std::move(r);
     Sequence* raw = seq.get();

@@ -20,6 +20,7 @@
 
 #include "api/load_report.h"
 #include "api/prefill_work.h"
+#include "api/request.h"
 #include "engine/executor/executor.h"
 #include "engine/expert_load.h"
 #include "engine/expert_remap.h"
@@ -43,6 +44,10 @@ const char* engine_role_name(EngineRole role);
 
 struct EngineConfig {
   SchedulerConfig scheduler;
+  // The operator's limits on a request's max_tokens (api::ModelLimits): the most it may ask
+  // for, and what it gets when it asks for nothing (0: none; the API's defaults).
+  int64_t max_tokens_limit = 0;
+  int64_t default_max_tokens = 0;
   bool enable_prefix_caching = true;
   std::string kv_events_config;  // vLLM's --kv-events-config JSON; empty: no events
   // KV transfer runs when `transfer` is set (with a server unless its port is -1).
@@ -111,6 +116,12 @@ class Engine final : private PdHost {
   std::optional<ExpertRemapStatus> expert_remap_status() const;
   std::vector<RankWork> rank_work() const { return executor_->rank_work(); }
   const ExecutorInfo& executor_info() const { return executor_->info(); }
+  // What a request is validated against: the model's and the operator's limits.
+  api::ModelLimits request_limits() const {
+    const ExecutorInfo& info = executor_->info();
+    return {info.model_name, info.max_model_len, info.vocab_size, config_.max_tokens_limit,
+            config_.default_max_tokens};
+  }
   // Thread-safe. Why the executor can no longer run steps (empty while it can).
   std::string executor_failure() const { return executor_->failure(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }

@@ -35,8 +35,9 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
   for (int64_t id = 0; id < config.vocab_size; ++id)
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text.push_back(static_cast<int32_t>(id));
-  Sampler sampler(params, std::random_device{}());
-  OutputProcessor output(tokenizer, params, eos_ids(tokenizer, config.eos_token_id));
+  const std::vector<int32_t> eos = eos_ids(tokenizer, config.eos_token_id);
+  Sampler sampler(params, std::random_device{}(), eos);
+  OutputProcessor output(tokenizer, params, eos);
   GenerationResult result;
 
   auto clock = std::chrono::steady_clock::now;

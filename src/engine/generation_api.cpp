@@ -160,8 +160,7 @@ void GenerationApi::release_refused_decode_leg(const json& body) {
 
 void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
                            std::shared_ptr<net::Reply> ex) {
-  const ExecutorInfo& info = engine_.executor_info();
-  const ModelLimits limits{info.model_name, info.max_model_len, info.vocab_size};
+  const ModelLimits limits = engine_.request_limits();
   auto call = std::make_shared<Call>();
   KvTransferSpec kv_transfer;
   json body;

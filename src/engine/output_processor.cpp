@@ -22,10 +22,10 @@ size_t stop_holdback(std::string_view text, const std::vector<std::string>& stop
 OutputProcessor::OutputProcessor(const text::Tokenizer& tokenizer, const SamplingParams& params,
                                  const std::vector<int32_t>& eos)
     : detok_(tokenizer, /*skip_special_tokens=*/true),
-      stop_ids_(params.stop_token_ids),
+      stop_ids_(end_token_ids(params, eos)),
       stop_strings_(params.stop),
-      max_tokens_(params.max_tokens) {
-  if (!params.ignore_eos) stop_ids_.insert(stop_ids_.end(), eos.begin(), eos.end());
+      max_tokens_(params.max_tokens),
+      min_tokens_(params.min_tokens) {
   // An empty stop string would match everywhere; SamplingParams::validate rejects it, and the
   // engine validates before it gets here.
   std::erase_if(stop_strings_, [](const std::string& s) { return s.empty(); });
@@ -36,14 +36,24 @@ OutputDelta OutputProcessor::push(int32_t id) {
   if (finished_) return delta;
   ++num_tokens_;
   const size_t before = emitted_;
-  if (std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end()) {
+  // Before min_tokens nothing but max_tokens ends the sequence (the sampler does not draw stop
+  // ids then; a forced one counts as text).
+  const bool may_stop = num_tokens_ >= min_tokens_;
+  if (may_stop && std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end()) {
     text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
     finished_ = true;
     delta.finish_reason = "stop";
   } else {
     text_ += detok_.push(id);
     size_t hit = std::string::npos;
-    for (const auto& s : stop_strings_) hit = std::min(hit, text_.find(s));
+    if (may_stop) {
+      for (const auto& s : stop_strings_)
+        hit = std::min(
+            hit, text_.find(
+                     s, stop_search_from_ > s.size() - 1 ? stop_search_from_ - (s.size() - 1) : 0));
+    } else {
+      stop_search_from_ = text_.size();
+    }
     if (hit != std::string::npos) {
       text_.resize(hit);
       finished_ = true;

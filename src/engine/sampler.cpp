@@ -11,9 +11,17 @@
 
 namespace tandem::engine {
 
-Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed)
+std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids) {
+  std::vector<int32_t> ids = params.stop_token_ids;
+  if (!params.ignore_eos) ids.insert(ids.end(), eos_ids.begin(), eos_ids.end());
+  return ids;
+}
+
+Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed,
+                 std::span<const int32_t> eos_ids)
     : params_(params), rng_(params.seed.value_or(fallback_seed)) {
   params_.validate();
+  if (params_.min_tokens > 0) end_ids_ = end_token_ids(params_, eos_ids);
 }
 
 Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const int32_t> prompt,
@@ -24,6 +32,11 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
       if (t < 0 || t >= vocab)
         throw Error("sampler: token id " + std::to_string(t) + " is outside the vocabulary of " +
                     std::to_string(vocab));
+  if (static_cast<int64_t>(output.size()) < params_.min_tokens) {
+    // As vLLM does: the first min_tokens tokens cannot end the sequence.
+    for (int32_t id : end_ids_)
+      if (id >= 0 && id < vocab) logits[id] = -std::numeric_limits<float>::infinity();
+  }
   if (params_.repetition_penalty != 1.0) {
     std::vector<bool> seen(vocab, false);
     for (auto t : prompt) seen[t] = true;

@@ -24,11 +24,17 @@ namespace tandem::engine {
 
 using api::SamplingParams;
 
+// The ids that end a sequence: stop_token_ids, and the EOS ids unless ignore_eos. One rule for
+// the sampler (min_tokens) and the output processor (when to stop).
+std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids);
+
 class Sampler {
  public:
   // `fallback_seed` seeds the generator when the request has no seed (callers pass a random one
-  // unless they want unseeded runs to repeat).
-  Sampler(const SamplingParams& params, uint64_t fallback_seed);
+  // unless they want unseeded runs to repeat). `eos_ids`: the ids that end a sequence unless
+  // ignore_eos; with stop_token_ids they are never drawn before min_tokens.
+  Sampler(const SamplingParams& params, uint64_t fallback_seed,
+          std::span<const int32_t> eos_ids = {});
 
   // Picks the next token from logits[vocab] (modified in place).
   int32_t sample(std::span<float> logits, std::span<const int32_t> prompt,
@@ -62,6 +68,7 @@ class Sampler {
   static void dense(const Candidates& c, std::vector<float>& out);
 
   SamplingParams params_;
+  std::vector<int32_t> end_ids_;  // masked while the output is shorter than min_tokens
   std::mt19937_64 rng_;
 };
 

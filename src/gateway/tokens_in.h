@@ -57,6 +57,12 @@ class PromptTokenizer {
   // engine would refuse (the gateway answers it with its status, message and param).
   std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body) const;
 
+  // The operator's limits on max_tokens (api::ModelLimits); 0: none.
+  void limit_max_tokens(int64_t limit, int64_t default_value) {
+    limits_.max_tokens_limit = limit;
+    limits_.default_max_tokens = default_value;
+  }
+
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   // 0 when neither config.json nor the constructor said.
   int64_t max_model_len() const { return limits_.max_model_len; }

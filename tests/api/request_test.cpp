@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "text/chat_template.h"
 
 namespace tandem::api {
@@ -119,6 +121,67 @@ TEST(Protocol, BadRequestsNameTheField) {
   auto wrong_model = bad(json{{"prompt", "x"}, {"model", "other"}});
   EXPECT_EQ(wrong_model.status, 404);
   EXPECT_EQ(error_of([&] { parse_completion(json::array(), tokenizer(), kLimits); }).status, 400);
+}
+
+// What vLLM answers 400 to, answered 400 with a message that names the real problem.
+TEST(Protocol, MinTokensBestOfNAndOverflowingIntegersAreValidatedAsVllmDoes) {
+  auto bad = [](json body) {
+    body["prompt"] = "x";
+    return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
+  };
+  EXPECT_NE(bad(json{{"min_tokens", -1}}).message.find("min_tokens must be at least 0"),
+            std::string::npos);
+  EXPECT_NE(bad(json{{"max_tokens", 5}, {"min_tokens", 6}})
+                .message.find("min_tokens must be at most max_tokens (5)"),
+            std::string::npos);
+  EXPECT_EQ(bad(json{{"best_of", 0}}).param, "best_of");
+  EXPECT_EQ(bad(json{{"best_of", 1000}}).param, "best_of");
+  EXPECT_EQ(bad(json{{"n", 2}, {"best_of", 1}}).param, "best_of");
+  EXPECT_EQ(bad(json{{"n", 129}}).param, "n");
+  // 2^64 - 1 used to read as -1 ("token id -1 is outside the vocabulary").
+  const json huge = std::numeric_limits<uint64_t>::max();
+  auto too_large = bad(json{{"max_tokens", huge}});
+  EXPECT_EQ(too_large.param, "max_tokens");
+  EXPECT_NE(too_large.message.find("too large: 18446744073709551615"), std::string::npos);
+  EXPECT_NE(bad(json{{"stop_token_ids", {4294967297ull}}}).message.find("4294967297"),
+            std::string::npos);
+  auto id = error_of([&] { parse_completion(json{{"prompt", {1, huge}}}, tokenizer(), kLimits); });
+  EXPECT_NE(id.message.find("token id 18446744073709551615"), std::string::npos) << id.message;
+  // Accepted: min_tokens within max_tokens, best_of equal to n.
+  auto r = parse_completion(
+      json{{"prompt", "x"}, {"max_tokens", 8}, {"min_tokens", 8}, {"n", 2}, {"best_of", 2}},
+      tokenizer(), kLimits);
+  EXPECT_EQ(r.sampling.min_tokens, 8);
+  EXPECT_EQ(r.n, 2);
+}
+
+TEST(Protocol, TheOperatorCapsMaxTokensAndSetsItsDefault) {
+  ModelLimits limits = kLimits;
+  limits.max_tokens_limit = 100;
+  auto over = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"max_tokens", 101}}, tokenizer(), limits);
+  });
+  EXPECT_EQ(over.status, 400);
+  EXPECT_EQ(over.param, "max_tokens");
+  EXPECT_NE(over.message.find("above this server's limit of 100"), std::string::npos);
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"max_tokens", 100}}, tokenizer(), limits)
+                .sampling.max_tokens,
+            100);
+  // Omitted: the API's default, but never above the cap (chat's default is the context's room).
+  text::ChatTemplate tmpl(tokenizer().chat_template());
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}};
+  EXPECT_EQ(parse_chat(chat, tokenizer(), &tmpl, limits).sampling.max_tokens, 100);
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}}, tokenizer(), limits).sampling.max_tokens, 16);
+  limits.default_max_tokens = 40;
+  EXPECT_EQ(parse_chat(chat, tokenizer(), &tmpl, limits).sampling.max_tokens, 40);
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}}, tokenizer(), limits).sampling.max_tokens, 40);
+  EXPECT_EQ(parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits).sampling.max_tokens,
+            40);
+  auto sglang = error_of([&] {
+    parse_generate(json{{"input_ids", {1, 2}}, {"sampling_params", {{"max_new_tokens", 500}}}},
+                   tokenizer(), limits);
+  });
+  EXPECT_EQ(sglang.param, "max_new_tokens");
 }
 
 TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {

@@ -45,5 +45,29 @@ TEST_F(Generate, StreamAddsUpAndStopStringsCut) {
   EXPECT_EQ(streamed, cut.text);
 }
 
+// min_tokens: a stop string in the text of the first min_tokens tokens does not end the answer;
+// one after it does.
+TEST_F(Generate, MinTokensHoldsStopStringsOff) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = 40;
+  p.ignore_eos = true;
+  const auto prompt = tok_->encode("The quick brown fox", true);
+  const auto full = generate(*model_, *tok_, prompt, p);
+  p.max_tokens = 10;
+  const auto first10 = generate(*model_, *tok_, prompt, p);
+  ASSERT_GE(first10.text.size(), 4u);
+  const std::string stop = first10.text.substr(0, 2);
+  p.max_tokens = 40;
+  p.stop = {stop};
+  EXPECT_EQ(generate(*model_, *tok_, prompt, p).text, "");  // without min_tokens: cut at once
+  p.min_tokens = 10;
+  const auto held = generate(*model_, *tok_, prompt, p);
+  const size_t hit = full.text.find(stop, first10.text.size() - (stop.size() - 1));
+  EXPECT_EQ(held.text, hit == std::string::npos ? full.text : full.text.substr(0, hit));
+  EXPECT_EQ(held.finish_reason, hit == std::string::npos ? "length" : "stop");
+  EXPECT_GE(held.text.size(), first10.text.size() - (stop.size() - 1));
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -97,6 +97,31 @@ TEST(Sampler, PenaltiesMoveTheRightLogits) {
   EXPECT_FLOAT_EQ(l2[0], 2.0f - 0.5f * 2 - 0.25f);
 }
 
+// vLLM's min_tokens: EOS and stop_token_ids cannot be drawn before min_tokens tokens exist.
+TEST(Sampler, EndTokensAreNotDrawnBeforeMinTokens) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.min_tokens = 2;
+  p.stop_token_ids = {3};
+  const std::vector<int32_t> eos = {1};
+  Sampler s(p, 1, eos);
+  const std::vector<float> ends_best = {0.0f, 5.0f, 1.0f, 4.0f};  // EOS, then the stop id
+  auto l = ends_best;
+  EXPECT_EQ(s.sample(l, {}, {}), 2);
+  const std::vector<int32_t> one = {2}, two = {2, 2};
+  l = ends_best;
+  EXPECT_EQ(s.sample(l, {}, one), 2);
+  l = ends_best;
+  EXPECT_EQ(s.sample(l, {}, two), 1);  // min_tokens reached: EOS may come
+  // ignore_eos: EOS is an ordinary token, the stop ids are still held back.
+  p.ignore_eos = true;
+  Sampler keep_eos(p, 1, eos);
+  l = ends_best;
+  EXPECT_EQ(keep_eos.sample(l, {}, {}), 1);
+  l = {0.0f, 0.0f, 1.0f, 4.0f};
+  EXPECT_EQ(keep_eos.sample(l, {}, {}), 2);
+}
+
 TEST(Sampler, InvalidParametersAreNamed) {
   auto error_of = [](SamplingParams p) {
     try {
