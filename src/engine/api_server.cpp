@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "api/api_key.h"
 #include "api/error.h"
 #include "api/load_report.h"
 #include "net/reply.h"
@@ -20,9 +21,11 @@ int64_t unix_seconds() {
 
 }  // namespace
 
-ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options)
+ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options,
+                     std::vector<std::string> api_keys)
     : engine_(engine),
       registry_(registry),
+      api_keys_(std::move(api_keys)),
       server_([&] {
         options.error_response = api::openai_error_response;
         return std::move(options);
@@ -32,94 +35,108 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
       created_(unix_seconds()) {
   const ExecutorInfo& info = engine_.executor_info();
 
-  server_.route("GET", "/health",
-                [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-                  if (auto why = engine_.executor_failure(); !why.empty()) {
-                    ex->respond(503, api::openai_error_body(why, "server_error"));
-                    return;
-                  }
-                  ex->respond(200, "", "text/plain");
-                });
-  server_.route("GET", "/v1/models",
-                [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-                  json model = {{"id", info.model_name},
-                                {"object", "model"},
-                                {"created", created_},
-                                {"owned_by", "tandem"},
-                                {"root", info.model_name},
-                                {"parent", nullptr},
-                                {"max_model_len", info.max_model_len}};
-                  ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
-                });
-  server_.route(
-      "GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-        ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
-      });
-  server_.route("GET", "/load",
-                [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-                  ex->respond(200, api::to_json(engine_.load(), api::load_since_step(req.target)));
-                });
-  server_.route(
-      "GET", "/expert_load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-        if (auto load = engine_.expert_load()) {
-          ex->respond(200, load->to_json().dump());
-          return;
-        }
-        ex->respond(404, api::openai_error_body("this engine's executor reports no expert routing "
-                                                "(a model without MoE layers)",
-                                                "invalid_request_error", "not_found"));
-      });
+  route("GET", "/health", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    if (auto why = engine_.executor_failure(); !why.empty()) {
+      ex->respond(503, api::openai_error_body(why, "server_error"));
+      return;
+    }
+    ex->respond(200, "", "text/plain");
+  });
+  route("GET", "/v1/models",
+        [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+          json model = {{"id", info.model_name},
+                        {"object", "model"},
+                        {"created", created_},
+                        {"owned_by", "tandem"},
+                        {"root", info.model_name},
+                        {"parent", nullptr},
+                        {"max_model_len", info.max_model_len}};
+          ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
+        });
+  route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
+  });
+  route("GET", "/load", [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+    ex->respond(200, api::to_json(engine_.load(), api::load_since_step(req.target)));
+  });
+  route("GET", "/expert_load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    if (auto load = engine_.expert_load()) {
+      ex->respond(200, load->to_json().dump());
+      return;
+    }
+    ex->respond(404, api::openai_error_body("this engine's executor reports no expert routing "
+                                            "(a model without MoE layers)",
+                                            "invalid_request_error", "not_found"));
+  });
   // Where experts live (expert-parallel engines) and live changes of it.
-  server_.route("GET", "/admin/expert_placement",
-                [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-                  const auto current = engine_.expert_placement();
-                  const auto status = engine_.expert_remap_status();
-                  if (!current || !status) {
-                    ex->respond(404, api::openai_error_body(
-                                         "this engine does not place experts (start it with "
-                                         "--expert-parallel N)",
-                                         "invalid_request_error", "not_found"));
-                    return;
-                  }
-                  json j = status->to_json();
-                  j["placement"] = placement::placement_to_json(*current);
-                  j["ranks"] = json::array();
-                  for (const RankWork& w : engine_.rank_work())
-                    j["ranks"].push_back({{"expert_rows", w.expert_rows},
-                                          {"moe_layers", w.moe_layers},
-                                          {"exchange_bytes", w.exchange_bytes},
-                                          {"copy_seconds", w.copy_seconds},
-                                          {"wait_seconds", w.wait_seconds},
-                                          {"expert_seconds", w.expert_seconds}});
-                  ex->respond(200, j.dump());
-                });
-  server_.route("POST", "/admin/expert_placement",
-                [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-                  const auto status = engine_.expert_remap_status();
-                  if (status && status->loading) {
-                    ex->respond(409, api::openai_error_body(
-                                         "a placement change is already underway; retry when "
-                                         "GET /admin/expert_placement says idle"));
-                    return;
-                  }
-                  try {
-                    const placement::Placement next =
-                        placement::placement_from_json(req.body, "expert placement");
-                    engine_.change_expert_placement(next);
-                  } catch (const std::exception& e) {
-                    ex->respond(400, api::openai_error_body(e.what()));
-                    return;
-                  }
-                  ex->respond(202, json{{"state", "loading"}}.dump());
-                });
+  route("GET", "/admin/expert_placement",
+        [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+          const auto current = engine_.expert_placement();
+          const auto status = engine_.expert_remap_status();
+          if (!current || !status) {
+            ex->respond(404,
+                        api::openai_error_body("this engine does not place experts (start it with "
+                                               "--expert-parallel N)",
+                                               "invalid_request_error", "not_found"));
+            return;
+          }
+          json j = status->to_json();
+          j["placement"] = placement::placement_to_json(*current);
+          j["ranks"] = json::array();
+          for (const RankWork& w : engine_.rank_work())
+            j["ranks"].push_back({{"expert_rows", w.expert_rows},
+                                  {"moe_layers", w.moe_layers},
+                                  {"exchange_bytes", w.exchange_bytes},
+                                  {"copy_seconds", w.copy_seconds},
+                                  {"wait_seconds", w.wait_seconds},
+                                  {"expert_seconds", w.expert_seconds}});
+          ex->respond(200, j.dump());
+        });
+  route("POST", "/admin/expert_placement",
+        [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+          const auto status = engine_.expert_remap_status();
+          if (status && status->loading) {
+            ex->respond(409,
+                        api::openai_error_body("a placement change is already underway; retry when "
+                                               "GET /admin/expert_placement says idle"));
+            return;
+          }
+          try {
+            const placement::Placement next =
+                placement::placement_from_json(req.body, "expert placement");
+            engine_.change_expert_placement(next);
+          } catch (const std::exception& e) {
+            ex->respond(400, api::openai_error_body(e.what()));
+            return;
+          }
+          ex->respond(202, json{{"state", "loading"}}.dump());
+        });
   auto generation = [this](api::ApiKind kind) {
     return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
       generation_.handle(kind, req, std::make_shared<net::ExchangeReply>(std::move(ex)));
     };
   };
-  server_.route("POST", "/v1/completions", generation(api::ApiKind::kCompletion));
-  server_.route("POST", "/v1/chat/completions", generation(api::ApiKind::kChat));
-  server_.route("POST", "/generate", generation(api::ApiKind::kGenerate));
+  route("POST", "/v1/completions", generation(api::ApiKind::kCompletion));
+  route("POST", "/v1/chat/completions", generation(api::ApiKind::kChat));
+  route("POST", "/generate", generation(api::ApiKind::kGenerate));
+}
+
+void ApiServer::route(std::string method, std::string path, net::Handler handler) {
+  // /health and /metrics stay open, as vLLM's do: probes and Prometheus scrapers carry no key.
+  if (api_keys_.empty() || path == "/health" || path == "/metrics") {
+    server_.route(std::move(method), std::move(path), std::move(handler));
+    return;
+  }
+  server_.route(std::move(method), std::move(path),
+                [this, handler = std::move(handler)](const net::HttpRequest& req,
+                                                     std::shared_ptr<net::Exchange> ex) {
+                  if (!api::api_key_valid(api_keys_, req)) {
+                    ex->send_error(401, api::kInvalidApiKey, "invalid_request_error",
+                                   "invalid_api_key");
+                    return;
+                  }
+                  handler(req, std::move(ex));
+                });
 }
 
 ApiServer::~ApiServer() {

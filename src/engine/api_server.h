@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <string>
@@ -21,10 +22,17 @@
 
 namespace tandem::engine {
 
+// The environment variable an engine takes its API key from when --api-key is not given
+// (`tandem serve` hands its engines their key this way: command lines are visible to every user
+// of the host).
+inline constexpr const char* kEngineApiKeyVariable = "TANDEM_ENGINE_API_KEY";
+
 class ApiServer {
  public:
-  // `engine` and `registry` must outlive the server.
-  ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options);
+  // `engine` and `registry` must outlive the server. With `api_keys`, every route but /health and
+  // /metrics needs one of them as a Bearer token (401 otherwise).
+  ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options,
+            std::vector<std::string> api_keys = {});
   ~ApiServer();
 
   void start();
@@ -32,8 +40,12 @@ class ApiServer {
   void stop();
 
  private:
+  // server_.route behind the API keys (all routes but /health and /metrics).
+  void route(std::string method, std::string path, net::Handler handler);
+
   Engine& engine_;
   metrics::Registry& registry_;
+  const std::vector<std::string> api_keys_;
   net::HttpServer server_;
   // Builds and writes responses from the engine's outputs, in the order they came. Shared with
   // the callbacks, which may outlive the server (an engine stopped later aborts its requests).

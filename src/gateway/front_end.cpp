@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/api_key.h"
 #include "api/block_hash.h"
 #include "api/disaggregation.h"
 #include "api/request.h"
@@ -28,7 +29,7 @@ int64_t unix_ms() {
 // (tandem's miss spreading). The prefix index learns each engine's own block size from its events.
 constexpr int64_t kPrefixBlockTokens = 16;
 
-constexpr const char* kInvalidApiKey = "invalid or missing API key (Authorization: Bearer KEY)";
+using api::kInvalidApiKey;
 
 // A request id from the client is honoured when it is a plain token (it goes into logs, JSON and
 // engine headers).
@@ -39,25 +40,8 @@ bool usable_request_id(const std::string& id) {
 
 }  // namespace
 
-std::string bearer_token(const net::HttpRequest& req) {
-  const std::string auth = req.headers.get("Authorization");
-  if (auth.size() > 7 && net::iequals(std::string_view(auth).substr(0, 7), "Bearer "))
-    return auth.substr(7);
-  return {};
-}
-
-bool api_key_valid(const Topology& topo, const net::HttpRequest& req) {
-  if (topo.api_keys.empty()) return true;
-  const std::string key = bearer_token(req);
-  // Every key compared, each in constant time: how long the check takes says nothing about
-  // which key, or how much of one, a guess got right.
-  bool valid = false;
-  for (const std::string& k : topo.api_keys) valid |= secrets_equal(key, k);
-  return valid;
-}
-
 bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
-  if (api_key_valid(topo, req)) return true;
+  if (api::api_key_valid(topo.api_keys, req)) return true;
   ex.send_error(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key");
   return false;
 }
@@ -67,7 +51,7 @@ bool admin_key_accepted(const Topology& topo, const net::HttpRequest& req, net::
     ex.send_error(404, "the admin API is off (set admin_api_key)");
     return false;
   }
-  if (secrets_equal(bearer_token(req), topo.admin_api_key)) return true;
+  if (secrets_equal(api::bearer_token(req), topo.admin_api_key)) return true;
   ex.send_error(401, "invalid or missing admin API key", "invalid_request_error",
                 "invalid_api_key");
   return false;
@@ -146,7 +130,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
     dispatcher_.end_request(r, {status, logged.empty() ? message : std::move(logged)});
     return nullptr;
   };
-  if (!api_key_valid(topo_, req))
+  if (!api::api_key_valid(topo_.api_keys, req))
     return refuse(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key", "unauthorized");
 
   r->times.mark(Phase::kTokenizing, exec_.now_ns());

@@ -18,11 +18,8 @@
 
 namespace tandem::gateway {
 
-// The Bearer token of an Authorization header, or empty.
-std::string bearer_token(const net::HttpRequest& req);
-// Whether the request may use the API: no keys configured, or it carries one of them.
-bool api_key_valid(const Topology& topo, const net::HttpRequest& req);
-// api_key_valid(), answering 401 if not.
+// Whether the request may use the API (api::api_key_valid with the topology's keys), answering
+// 401 if not.
 bool api_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex);
 // Whether the request may use the admin API; answers 404 (admin off) or 401 if not.
 bool admin_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex);

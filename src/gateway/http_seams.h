@@ -14,12 +14,16 @@ namespace tandem::gateway {
 
 class HttpUpstream final : public Upstream {
  public:
-  explicit HttpUpstream(net::AsyncHttpClient& client) : client_(client) {}
+  // `engine_api_key`: sent as the Bearer token of every call (engines started with --api-key);
+  // empty: calls carry what their builder put (a client's own Authorization, or none).
+  explicit HttpUpstream(net::AsyncHttpClient& client, std::string engine_api_key = {})
+      : client_(client), engine_api_key_(std::move(engine_api_key)) {}
   CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) override;
   void cancel(CallId id) override;
 
  private:
   net::AsyncHttpClient& client_;
+  const std::string engine_api_key_;
 };
 
 // The scheduling on the server's first io thread (net/loop_tasks.h): with one io thread the

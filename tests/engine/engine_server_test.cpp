@@ -307,6 +307,47 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
 }
 
+// An engine with an API key answers only callers that carry it, except its health probe and
+// Prometheus metrics; and a request past the operator's max_tokens limit is refused naming it.
+TEST_F(EngineServer, AnApiKeyGuardsEveryRouteButHealthAndMetrics) {
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--num-kv-blocks", "64", "--api-key",
+                                 "k1", "--max-tokens-limit", "8"});
+  const json body = {{"prompt", "hi"}, {"max_tokens", 4}};
+  for (const auto& [method, path] : std::vector<std::pair<std::string, std::string>>{
+           {"GET", "/v1/models"}, {"GET", "/load"}, {"POST", "/v1/completions"}}) {
+    auto r = net::http_request("127.0.0.1", engine.port(), method, path,
+                               method == "POST" ? body.dump() : "");
+    EXPECT_EQ(r.status, 401) << path;
+    EXPECT_EQ(json::parse(r.body)["error"]["code"], "invalid_api_key") << r.body;
+  }
+  net::Headers wrong, right;
+  wrong.set("Authorization", "Bearer k2");
+  right.set("Authorization", "Bearer k1");
+  EXPECT_EQ(
+      net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump(), wrong)
+          .status,
+      401);
+  auto ok =
+      net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump(), right);
+  EXPECT_EQ(ok.status, 200) << ok.body;
+  EXPECT_EQ(net::http_request("127.0.0.1", engine.port(), "GET", "/health").status, 200);
+  EXPECT_EQ(net::http_request("127.0.0.1", engine.port(), "GET", "/metrics").status, 200);
+  EXPECT_EQ(net::http_request("127.0.0.1", engine.port(), "HEAD", "/health").status, 200);
+  const json too_many = {{"prompt", "hi"}, {"max_tokens", 9}};
+  auto refused = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions",
+                                   too_many.dump(), right);
+  EXPECT_EQ(refused.status, 400);
+  EXPECT_NE(refused.body.find("above this server's limit of 8"), std::string::npos) << refused.body;
+  // Omitted, max_tokens is the API's default within the limit.
+  auto chat = net::http_request(
+      "127.0.0.1", engine.port(), "POST", "/v1/chat/completions",
+      json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"ignore_eos", true}}.dump(),
+      right);
+  ASSERT_EQ(chat.status, 200) << chat.body;
+  EXPECT_EQ(json::parse(chat.body)["usage"]["completion_tokens"], 8);
+}
+
 // A request waiting behind the running one counts only the part of its prompt the prefix cache
 // does not hold: a cached continuation is little work, and a router must see it so. One sequence
 // runs at a time in 96-token steps; the 512-token prompt leaves 512 - 96k tokens (32 modulo 96),
