@@ -534,15 +534,18 @@ class KvTransferAgents : public ::testing::Test {
     d.timeout_s = 5;
     d.checksum = true;
     d.secret = decode_secret_;
-    return std::make_unique<KvTransferAgent>(d, exec, make_tcp_transport({5000ms}), registry,
-                                             queue_.post());
+    d.allow = decode_allow_;
+    return std::make_unique<KvTransferAgent>(d, exec, make_tcp_transport({decode_io_timeout_}),
+                                             registry, queue_.post());
   }
 
   // Set before start(): the engines' KV transfer secrets (empty: no handshake), how long the
   // prefill side waits for a connection's first frame, and its transport's I/O timeout.
   std::string prefill_secret_, decode_secret_;
+  std::vector<std::string> decode_allow_;  // the decode engine's --kv-transfer-allow
   double handshake_timeout_s_ = 5;
   std::chrono::milliseconds prefill_io_timeout_ = 5000ms;
+  std::chrono::milliseconds decode_io_timeout_ = 5000ms;
 
   // open_room, remembering the claim for the room calls that follow.
   uint64_t open(uint64_t room, uint64_t hash, int64_t tokens, KvTransferAgent::RoomDone done) {
@@ -755,6 +758,34 @@ TEST_F(KvTransferAgents, LayoutMismatchIsNamed) {
   }
   EXPECT_FALSE(released);
   EXPECT_EQ(prefill_->held_blocks(), 3);
+}
+
+TEST(KvPeerAllow, HostsMatchAsWrittenAndAddressesByIpv4Block) {
+  EXPECT_TRUE(kv_peer_allowed({}, "anywhere.example"));
+  const std::vector<std::string> allow = {"prefill-0.cluster", "10.1.0.0/16", "192.168.5.7"};
+  EXPECT_TRUE(kv_peer_allowed(allow, "prefill-0.cluster"));
+  EXPECT_TRUE(kv_peer_allowed(allow, "10.1.255.3"));
+  EXPECT_TRUE(kv_peer_allowed(allow, "192.168.5.7"));
+  EXPECT_FALSE(kv_peer_allowed(allow, "10.2.0.1"));
+  EXPECT_FALSE(kv_peer_allowed(allow, "192.168.5.8"));
+  EXPECT_FALSE(kv_peer_allowed(allow, "prefill-1.cluster"));
+  EXPECT_FALSE(kv_peer_allowed(allow, "localhost"));
+  EXPECT_TRUE(kv_peer_allowed({"0.0.0.0/0"}, "8.8.8.8"));
+  EXPECT_NO_THROW(check_kv_peer_allow(allow));
+  for (const std::string bad : {"10.0.0.0/33", "10.0.0/8", "10.0.0.0/", "10.0.0.0/x", ""})
+    EXPECT_THROW(check_kv_peer_allow({bad}), Error) << bad;
+}
+
+TEST_F(KvTransferAgents, ADecodeEngineConnectsOnlyToAllowedHosts) {
+  decode_allow_ = {"10.0.0.0/8"};
+  start();
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("127.0.0.1 refused: the host is not in --kv-transfer-allow"));
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_EQ(prefill_->held_blocks(), 3);  // nothing reached the prefill engine
 }
 
 TEST_F(KvTransferAgents, AHoldNobodyPullsExpires) {
@@ -1086,6 +1117,31 @@ TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
   ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
   EXPECT_TRUE(done.ok) << done.error;
   EXPECT_EQ(prefill_->held_blocks(), 0);
+}
+
+// A long prompt's prefill outlasts both sides' timeouts (1 s here), but each computed chunk
+// restarts them: the decode engine still gets its KV. A room whose prefill says nothing fails.
+TEST_F(KvTransferAgents, APrefillThatKeepsProgressingOutlastsTheTransferTimeouts) {
+  decode_io_timeout_ = 1000ms;
+  start(/*prefill_timeout_s=*/1);
+  RoomOutcome done, silent_done;
+  ASSERT_TRUE(open(7, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
+  ASSERT_TRUE(open(8, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(silent_done)));
+  Outcome o = fetch(enter_room(7, local_, "req-long"));
+  Outcome silent = fetch(enter_room(8, {10, 11, 12}, "req-silent"));
+  for (int64_t chunk = 1; chunk <= 25; ++chunk) {  // 2.5 s of prefill, a chunk every 100 ms
+    std::this_thread::sleep_for(100ms);
+    prefill_->room_progress(7, claims_[7], chunk);
+  }
+  prefill_->room_blocks(7, claims_[7], remote_);
+  prefill_->room_layers_done(7, claims_[7], kLayout.layers);
+  const KvFetchResult r = wait(o);
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  const KvFetchResult s = wait(silent);
+  EXPECT_FALSE(s.ok);
 }
 
 TEST_F(KvTransferAgents, DifferentPromptsInOneRoomFailBothLegs) {

@@ -1,5 +1,7 @@
 #include "engine/transfer/kv_transfer.h"
 
+#include <arpa/inet.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -230,6 +232,7 @@ struct KvTransferAgent::Room {
   RoomDone done;
   std::vector<int32_t> blocks;
   int64_t layers_ready = 0;
+  int64_t computed_tokens = 0;  // of the prompt so far (room_progress)
   // The decode engine's registration, once it arrived.
   bool registered = false;
   // Either side gave up; the other one learns it from here.
@@ -435,6 +438,19 @@ void KvTransferAgent::room_layers_done(uint64_t room, uint64_t claim, int64_t la
       return;
     it->second->layers_ready = layers;
     if (layers == layout_.layers) it->second->deadline = deadline();  // now waits for decode
+  }
+  changed_.notify_all();
+}
+
+void KvTransferAgent::room_progress(uint64_t room, uint64_t claim, int64_t computed_tokens) {
+  {
+    std::lock_guard lock(mutex_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || it->second->claim != claim ||
+        computed_tokens <= it->second->computed_tokens)
+      return;
+    it->second->computed_tokens = computed_tokens;
+    it->second->deadline = deadline();
   }
   changed_.notify_all();
 }
@@ -726,7 +742,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   }
   slot->registered = true;
   Room* r = slot.get();
-  int64_t sent = 0;
+  int64_t sent = 0, progress_told = 0;
   bool accepted = false;
   std::string failure;
   while (true) {
@@ -773,6 +789,20 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       if (sent == layout_.layers) break;
       continue;
     }
+    if (!accepted && r->computed_tokens > progress_told) {
+      // The decode engine waits with an I/O timeout: each progress frame restarts it.
+      progress_told = r->computed_tokens;
+      lock.unlock();
+      try {
+        send_json(conn, KvFrameType::kProgress, {{"computed_tokens", progress_told}});
+      } catch (const std::exception& e) {
+        lock.lock();
+        failure = std::string("sending to the decode engine failed: ") + e.what();
+        break;
+      }
+      lock.lock();
+      continue;
+    }
     if (Clock::now() >= r->deadline) {
       failure = r->has_prefill
                     ? "the prefill of bootstrap_room " + std::to_string(room) +
@@ -815,6 +845,7 @@ void KvTransferAgent::fetch(KvFetch f, std::function<void(const KvFetchResult&)>
 void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
                                      const std::string& engine_id, const std::string& transfer_id,
                                      std::vector<int32_t> blocks) {
+  if (!kv_peer_allowed(config_.allow, host)) return;
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return;
@@ -862,6 +893,9 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       std::lock_guard lock(mutex_);
       if (slot->cancelled || stopping_) throw Error("cancelled");
     }
+    if (!kv_peer_allowed(config_.allow, f.host))
+      throw Error("KV transfer from " + f.host +
+                  " refused: the host is not in --kv-transfer-allow");
     std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port));
     metrics_->fetch_connections.labels({conn->kind()}).inc();
     {
@@ -891,6 +925,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                   ", " + std::to_string(f.num_tokens) + ")");
     const size_t layer_bytes = size_t(tokens * tb);
     KvFrame accept = conn->receive(kControlLimit);
+    while (accept.type == KvFrameType::kProgress) accept = conn->receive(kControlLimit);
     if (accept.type == KvFrameType::kError)
       throw Error(get_field<std::string>(parse_control(accept, "error"), "message"));
     if (accept.type != KvFrameType::kAccept) throw Error("expected an accept frame");
@@ -967,6 +1002,51 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
   if (result.ok)
     metrics_->fetch_seconds.observe(std::chrono::duration<double>(Clock::now() - started).count());
   post_([done, result] { done(result); });
+}
+
+namespace {
+
+// "a.b.c.d/n" into the block's address (host order) and mask; false for anything else.
+bool parse_ipv4_block(const std::string& entry, uint32_t& network, uint32_t& mask) {
+  const size_t slash = entry.find('/');
+  if (slash == std::string::npos || slash + 1 >= entry.size() || entry.size() - slash > 3)
+    return false;
+  int bits = 0;
+  for (char c : entry.substr(slash + 1)) {
+    if (c < '0' || c > '9') return false;
+    bits = bits * 10 + (c - '0');
+  }
+  in_addr a{};
+  if (bits > 32 || ::inet_pton(AF_INET, entry.substr(0, slash).c_str(), &a) != 1) return false;
+  mask = bits == 0 ? 0 : ~uint32_t{0} << (32 - bits);
+  network = ntohl(a.s_addr) & mask;
+  return true;
+}
+
+}  // namespace
+
+bool kv_peer_allowed(const std::vector<std::string>& allow, std::string_view host) {
+  if (allow.empty()) return true;
+  in_addr address{};
+  const bool numeric = ::inet_pton(AF_INET, std::string(host).c_str(), &address) == 1;
+  for (const std::string& entry : allow) {
+    if (entry == host) return true;
+    uint32_t network = 0, mask = 0;
+    if (numeric && parse_ipv4_block(entry, network, mask) &&
+        (ntohl(address.s_addr) & mask) == network)
+      return true;
+  }
+  return false;
+}
+
+void check_kv_peer_allow(const std::vector<std::string>& allow) {
+  for (const std::string& entry : allow) {
+    uint32_t network = 0, mask = 0;
+    if (entry.empty() ||
+        (entry.find('/') != std::string::npos && !parse_ipv4_block(entry, network, mask)))
+      throw Error("--kv-transfer-allow: '" + entry +
+                  "' is neither a host nor an IPv4 block like 10.0.0.0/8");
+  }
 }
 
 }  // namespace tandem::engine

@@ -70,6 +70,10 @@ struct KvTransferConfig {
   // can connect may transfer.
   std::string secret;
   double handshake_timeout_s = 5;  // a connection's first frame arrives within this
+  // The prefill hosts a decode engine may connect to, as requests name them (kv_peer_allowed);
+  // empty: any. Requests name hosts, so an engine open to strangers would connect wherever they
+  // say.
+  std::vector<std::string> allow;
   KvTransportKind transport = KvTransportKind::kShm;
 #ifdef NDEBUG
   bool checksum = false;  // XXH3-64 per layer; always on in debug builds
@@ -77,6 +81,12 @@ struct KvTransferConfig {
   bool checksum = true;
 #endif
 };
+
+// Whether a decode engine with this allow list may connect to `host`: an entry equal to it, or an
+// IPv4 block (a.b.c.d/n) holding it. Names are compared as written, not resolved.
+bool kv_peer_allowed(const std::vector<std::string>& allow, std::string_view host);
+// Throws tandem::Error naming an entry that is neither a host nor a valid IPv4 block.
+void check_kv_peer_allow(const std::vector<std::string>& allow);
 
 // What a decode engine asks for.
 struct KvFetch {
@@ -146,6 +156,7 @@ class KvTransferAgent final : public KvTransfers {
   void room_layers_done(uint64_t room, uint64_t claim, int64_t layers) override;
   // The prefill request failed or was aborted before it completed: tell the decode side.
   void room_failed(uint64_t room, uint64_t claim, const std::string& reason) override;
+  void room_progress(uint64_t room, uint64_t claim, int64_t computed_tokens) override;
 
   // --- decode side: `done` is posted once, with the outcome; until then the transfer may write
   // into f.local_blocks. cancel_fetch makes a running fetch fail promptly.

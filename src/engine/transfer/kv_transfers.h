@@ -37,6 +37,10 @@ class KvTransfers {
                              RoomDone done) = 0;
   virtual void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks) = 0;
   virtual void room_layers_done(uint64_t room, uint64_t claim, int64_t layers) = 0;
+  // A chunk of the room's prompt was computed (`computed_tokens` so far): the room's deadline
+  // starts again, and the waiting decode engine hears of it, so that a long prompt whose prefill
+  // keeps progressing does not fail at the transfer timeout.
+  virtual void room_progress(uint64_t room, uint64_t claim, int64_t computed_tokens) = 0;
   virtual void room_failed(uint64_t room, uint64_t claim, const std::string& reason) = 0;
 
   // Decode side: `done` is posted once; until then the transfer may write into f.local_blocks.

@@ -23,6 +23,8 @@ enum class KvFrameType : uint32_t {
   kDone = 5,      // prefill -> decode: all layers sent (JSON)
   kError = 6,     // either way: the transfer failed (JSON {"message"})
   kAuth = 7,      // either way, before the request: the shared-secret handshake (JSON)
+  kProgress = 8,  // prefill -> decode, before kAccept: the room's prompt is still being computed
+                  // (JSON {"computed_tokens"}); each one restarts the decode side's I/O timeout
 };
 
 struct KvFrame {

@@ -116,13 +116,20 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
 
 LayerHook PdCoordinator::begin_step(const SchedulerOutput& out) {
   step_rooms_.clear();
-  for (const auto& s : out.scheduled)
-    if (s.sample && s.seq->request.kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom &&
-        s.seq->num_generated() == 0 && s.seq->kv_state == KvTransferState::kRoomOpen) {
-      step_rooms_.emplace_back(s.seq->request.kv_transfer.room, s.seq->room_claim);
-      agent_.room_blocks(step_rooms_.back().first, step_rooms_.back().second,
-                         kv_.block_table(s.seq->request.id));
+  for (const auto& s : out.scheduled) {
+    if (s.seq->request.kv_transfer.mode != KvTransferSpec::Mode::kPrefillForRoom ||
+        s.seq->num_generated() != 0 || s.seq->kv_state != KvTransferState::kRoomOpen)
+      continue;
+    if (!s.sample) {
+      // A chunk before the last: the prompt progresses, its KV comes with the last chunk.
+      agent_.room_progress(s.seq->request.kv_transfer.room, s.seq->room_claim,
+                           s.seq->num_computed + s.num_new_tokens);
+      continue;
     }
+    step_rooms_.emplace_back(s.seq->request.kv_transfer.room, s.seq->room_claim);
+    agent_.room_blocks(step_rooms_.back().first, step_rooms_.back().second,
+                       kv_.block_table(s.seq->request.id));
+  }
   if (step_rooms_.empty()) return {};
   return [this](int64_t layers) {
     for (auto [room, claim] : step_rooms_) agent_.room_layers_done(room, claim, layers);
