@@ -273,6 +273,7 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
   auto leg = std::make_shared<Leg>();
   auto ref = std::make_shared<std::weak_ptr<Leg>>(leg);  // the call's callbacks find it here
   leg->endpoint = endpoint_id;
+  leg->started = exec_.now();
   leg->attempt = r->attempt;
   leg->prefill = prefill;
   leg->prompt_tokens = r->prompt_tokens;
@@ -289,9 +290,16 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
     }
     const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
                        leg->engine_error;
-    exec_.post_batched([this, r, leg, fault] {
+    LegOutcome outcome = LegOutcome::kOk;
+    if (leg->status == 429 || leg->status == 503) {
+      outcome = LegOutcome::kBusy;
+    } else if (fault) {
+      std::lock_guard lock(r->mutex);  // cancel_reason: set by the deadline timer
+      outcome = leg->cancel_reason.empty() ? LegOutcome::kFailed : LegOutcome::kTimedOut;
+    }
+    exec_.post_batched([this, r, leg, outcome] {
       if (leg->ended_request) finished(r);
-      leg_done(*leg, !fault);
+      leg_done(*leg, outcome);
     });
   };
   // The first token may take first_token_ms (a decode leg waits for its prefill, a queue); the
@@ -324,11 +332,12 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
       });
 }
 
-void Dispatcher::leg_done(const Leg& leg, bool ok) {
+void Dispatcher::leg_done(const Leg& leg, LegOutcome outcome) {
   exec_.cancel(leg.deadline);
   // The policy hears first: a drained engine is forgotten (by the policy too) as its last leg ends.
-  if (endpoints_.find(leg.endpoint)) policy_.outcome(policy_state_, leg.endpoint, ok, exec_.now());
-  endpoints_.leg_finished(leg, ok);
+  if (endpoints_.find(leg.endpoint))
+    policy_.outcome(policy_state_, leg.endpoint, outcome == LegOutcome::kOk, exec_.now());
+  endpoints_.leg_finished(leg, outcome);
   dispatch();
 }
 

@@ -97,7 +97,7 @@ class Dispatcher {
   void start_leg(const RequestPtr& r, int endpoint_id, bool prefill, std::string body);
   net::AsyncHttpRequest upstream_request(const EndpointState& e, const Request& r, std::string body,
                                          std::chrono::milliseconds timeout) const;
-  void leg_done(const Leg& leg, bool ok);
+  void leg_done(const Leg& leg, LegOutcome outcome);
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message);
   void answer_error(const RequestPtr& r, int status, const std::string& message);

@@ -87,6 +87,7 @@ int EndpointTable::add(bool prefill, Endpoint endpoint) {
   s.healthy_gauge = &metrics_.endpoint_healthy.labels(labels);
   s.requests_total = &metrics_.endpoint_requests.labels(labels);
   s.failures_total = &metrics_.endpoint_failures.labels(labels);
+  s.overloaded_total = &metrics_.endpoint_overloaded.labels(labels);
   s.healthy_gauge->set(1);
   s.in_flight_gauge->set(0);
   const int id = s.id;
@@ -207,17 +208,32 @@ void EndpointTable::leg_started(EndpointState& e, const Leg& leg) {
   e.requests_total->inc();
 }
 
-void EndpointTable::leg_finished(const Leg& leg, bool ok) {
+void EndpointTable::leg_finished(const Leg& leg, LegOutcome outcome) {
   EndpointState* e = find(leg.endpoint);
   if (!e) return;
   --e->in_flight;
   e->tokens_in_flight -= leg.prompt_tokens;
   e->counts.uncached_in_flight -= leg.uncached;
   e->in_flight_gauge->set(static_cast<double>(e->in_flight));
-  if (ok)
-    e->consecutive_failures = 0;
-  else
-    failure(*e);
+  const bool alive_since_sent = e->probe_passed > leg.started;
+  switch (outcome) {
+    case LegOutcome::kOk:
+      e->consecutive_failures = 0;
+      break;
+    case LegOutcome::kBusy:
+      e->overloaded_total->inc();
+      break;
+    case LegOutcome::kTimedOut:
+      if (alive_since_sent) {
+        e->overloaded_total->inc();
+      } else {
+        failure(*e);
+      }
+      break;
+    case LegOutcome::kFailed:
+      failure(*e);
+      break;
+  }
   if (e->draining && e->in_flight == 0) forget(leg.endpoint);
 }
 
@@ -238,6 +254,7 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
     failure(*e);
     return false;
   }
+  e->probe_passed = now;
   e->consecutive_failures = 0;
   if (e->healthy) return false;
   e->healthy = true;

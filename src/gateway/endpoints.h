@@ -23,6 +23,15 @@ class PrefixIndex;
 class KvEventsConsumer;
 struct Leg;
 
+// How a leg ended, for the engine's health: an overloaded engine is alive, and ejecting it would
+// only pile its load onto the others (and under enough load eject every engine).
+enum class LegOutcome {
+  kOk,
+  kFailed,    // a transport error, a 5xx other than 503, an error event, a malformed answer
+  kBusy,      // the engine answered 429 or 503: it is full
+  kTimedOut,  // the gateway gave up waiting (prefill or first token)
+};
+
 // Where the gateway learns an engine's load: its GET /load reports (Tandem engines), or nothing
 // but the gateway's own counts (vLLM and SGLang engines, and engines of an `auto` pool that turned
 // out to have no reports). An `auto` engine is asked until it answers either way.
@@ -35,7 +44,8 @@ struct EndpointState {
   Endpoint config;
   int64_t max_in_flight = 0;
   bool healthy = true, draining = false, probing = false;
-  Clock::time_point readmitted{};  // when a probe last readmitted it (its limit ramps up since)
+  Clock::time_point readmitted{};    // when a probe last readmitted it (its limit ramps up since)
+  Clock::time_point probe_passed{};  // when a health probe last passed
   int consecutive_failures = 0;
   int64_t in_flight = 0, tokens_in_flight = 0;
   GatewayCounts counts;  // uncached prompt work launched / in flight (prefill)
@@ -47,6 +57,7 @@ struct EndpointState {
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::IntCounter* requests_total = nullptr;
   metrics::IntCounter* failures_total = nullptr;
+  metrics::IntCounter* overloaded_total = nullptr;
 
   bool eligible() const { return healthy && !draining; }
 };
@@ -100,7 +111,9 @@ class EndpointTable {
   // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends
   // (an engine already gone after its drain is skipped).
   void leg_started(EndpointState& e, const Leg& leg);
-  void leg_finished(const Leg& leg, bool ok);
+  // A busy engine (429/503), or one whose leg timed out but whose probe passed since the leg was
+  // sent, is overloaded: counted, never ejected for it. Other failures count toward ejection.
+  void leg_finished(const Leg& leg, LegOutcome outcome);
   // A failed leg or probe: ejects the engine after health.failures_to_eject in a row.
   void failure(EndpointState& e);
 

@@ -36,6 +36,11 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r)
                                              "Legs sent per engine.", {"pool", "endpoint"})),
       endpoint_failures(r.int_counter_family("tandem:gateway_endpoint_failures_total",
                                              "Failed legs and health probes per engine.",
-                                             {"pool", "endpoint"})) {}
+                                             {"pool", "endpoint"})),
+      endpoint_overloaded(r.int_counter_family(
+          "tandem:gateway_endpoint_overloaded_total",
+          "Legs an engine answered 429/503, or that timed out while it answered its health "
+          "probes: overload, not counted toward ejection.",
+          {"pool", "endpoint"})) {}
 
 }  // namespace tandem::gateway

@@ -17,6 +17,7 @@ struct GatewayMetrics {
   metrics::Family<metrics::Gauge>& endpoint_healthy;
   metrics::Family<metrics::IntCounter>& endpoint_requests;
   metrics::Family<metrics::IntCounter>& endpoint_failures;
+  metrics::Family<metrics::IntCounter>& endpoint_overloaded;
 };
 
 }  // namespace tandem::gateway

@@ -52,6 +52,7 @@ enum class LegState {
 
 struct Leg {
   int endpoint = -1;
+  Executor::Clock::time_point started{};  // scheduling clock, when it was sent
   int attempt = 0;
   bool prefill = false;
   Upstream::CallId call = 0;

@@ -693,6 +693,52 @@ TEST(HealthMonitor, EjectsAnEngineAfterFailedProbesAndReadmitsItWithSlowStart) {
   EXPECT_EQ(on_a, 1);
 }
 
+// An engine that answers 503 (it is full), or whose leg times out while it passes its health
+// probes, is overloaded, not broken: it is never ejected for that, so a load peak cannot eject
+// every engine. A timeout with no probe passed since the leg was sent counts as a failure.
+TEST(HealthMonitor, AnOverloadedEngineIsNotEjected) {
+  Topology t = aggregated({engine("a")});
+  t.health.failures_to_eject = 2;
+  t.health.probe_interval = milliseconds(1000);
+  t.timeouts.first_token = milliseconds(1500);
+  t.prefill_retries = 0;
+  Cluster c(t);
+  c.health.start();
+  auto answer_probes = [&] {
+    for (const auto& p : c.engines.open("/health")) FakeEngines::answer(*p, 200, "");
+    c.clock.run_ready();
+  };
+  answer_probes();
+  for (int i = 0; i < 3; ++i) {
+    auto client = c.send();
+    FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 503,
+                        R"({"error":{"message":"the engine's queue is full"}})");
+    c.clock.run_ready();
+    EXPECT_TRUE(client->complete());
+  }
+  for (int i = 0; i < 3; ++i) {
+    auto client = c.send(true);
+    c.clock.advance_by(milliseconds(1000));
+    answer_probes();  // alive while the leg waits
+    c.clock.advance_by(milliseconds(500));
+    EXPECT_TRUE(client->complete());
+  }
+  EXPECT_EQ(c.endpoint("a")["healthy"], true);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 0);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"decode\",endpoint=\"a\"}"),
+            6);
+
+  // A leg that times out with no probe passed since it was sent: a failure.
+  t.timeouts.first_token = milliseconds(500);
+  Cluster quiet(t);
+  quiet.health.start();
+  for (const auto& p : quiet.engines.open("/health")) FakeEngines::answer(*p, 200, "");
+  quiet.clock.run_ready();
+  quiet.send(true);
+  quiet.clock.advance_by(milliseconds(500));
+  EXPECT_EQ(quiet.endpoint("a")["consecutive_failures"], 1);
+}
+
 TEST(HealthMonitor, AnAutoEngineWithoutALoadReportIsRoutedByOwnCounts) {
   Topology t = aggregated({engine("a")});
   t.decode.dialect = Dialect::kAuto;
