@@ -52,6 +52,8 @@ struct EngineOptions {
   std::string expert_placement;
   int64_t rebalance_interval = 0;
   int64_t max_model_len = 0;
+  int64_t max_tokens_limit = 0, default_max_tokens = 0;
+  std::vector<std::string> api_keys;
   std::string role = "both";
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
   std::string kv_transfer_host, advertise_host, engine_id;
@@ -59,6 +61,7 @@ struct EngineOptions {
   bool kv_transfer_checksum = false;
   std::string kv_transport = "shm";
   std::string kv_transfer_secret, kv_transfer_secret_file;
+  std::vector<std::string> kv_transfer_allow;
   int64_t speculative_tokens = 0;
   bool batch_invariant = false;
   bool int8_lm_head = false;
@@ -196,6 +199,8 @@ void run(const EngineOptions& o) {
                 "'");
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
+  config.max_tokens_limit = o.max_tokens_limit;
+  config.default_max_tokens = o.default_max_tokens;
   config.expert_load_window = o.expert_load_window;
   config.rebalance_interval = o.rebalance_interval;
   config.expert_load_dump = o.expert_load_dump;
@@ -214,6 +219,8 @@ void run(const EngineOptions& o) {
   transfer.transport = kKvTransports.at(o.kv_transport);
   transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
   transfer.secret = kv_transfer_secret(o);
+  engine::check_kv_peer_allow(o.kv_transfer_allow);
+  transfer.allow = o.kv_transfer_allow;
   config.transfer = transfer;
 
   metrics::Registry registry;
@@ -224,7 +231,10 @@ void run(const EngineOptions& o) {
   http.threads = o.http_threads;
   http.max_body_bytes = static_cast<size_t>(o.max_body_bytes);
   http.max_connections = o.max_connections;
-  engine::ApiServer server(engine, registry, http);
+  std::vector<std::string> api_keys = o.api_keys;
+  if (const char* key = std::getenv(engine::kEngineApiKeyVariable); api_keys.empty() && key && *key)
+    api_keys.push_back(key);
+  engine::ApiServer server(engine, registry, http, api_keys);
   engine.start();
   server.start();
   const auto& info = engine.executor_info();
@@ -428,6 +438,9 @@ void add_engine_command(CLI::App& app) {
                   "shared secret of the KV transfer handshake (every engine of a deployment "
                   "the same; default: --kv-transfer-secret-file, else $" +
                       std::string(engine::kKvTransferSecretVariable) + ", else no handshake)");
+  cmd->add_option("--kv-transfer-allow", o->kv_transfer_allow,
+                  "a prefill host this decode engine may pull KV from: a name or address as "
+                  "requests give it, or an IPv4 block like 10.0.0.0/8 (repeatable; default: any)");
   cmd->add_option("--kv-transfer-secret-file", o->kv_transfer_secret_file,
                   "a file holding the KV transfer secret (trailing whitespace ignored)");
   cmd->add_flag("--kv-transfer-checksum", o->kv_transfer_checksum,
@@ -435,6 +448,21 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");
   cmd->add_option("--max-model-len", o->max_model_len,
                   "context length of a simulated model (default: the preset's)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--api-key", o->api_keys,
+                  "accepted API key (repeatable): every route but /health and /metrics needs one "
+                  "as a Bearer token (default: $" +
+                      std::string(engine::kEngineApiKeyVariable) + ", else open)");
+  cmd->add_option("--max-tokens-limit", o->max_tokens_limit,
+                  "the largest max_tokens a request may ask for; more is refused with 400 "
+                  "(0: what the context leaves)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--default-max-tokens", o->default_max_tokens,
+                  "max_tokens of a request that gives none (0: the API's default: 16 for "
+                  "completions, the context's room for chat, 128 for /generate; never above "
+                  "--max-tokens-limit)")
+      ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   cmd->callback([o] { run(*o); });
 }

@@ -12,9 +12,10 @@ namespace {
 
 struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
-                      model, served_model_name, admin_api_key, access_log;
+                      model, served_model_name, admin_api_key, engine_api_key, access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
   size_t max_queue = 1024, max_connections = 0;
+  int64_t max_tokens_limit = 0, default_max_tokens = 0;
   std::vector<std::string> prefill, decode, api_keys;
   double upstream_timeout = 300;
 };
@@ -30,8 +31,11 @@ gateway::Topology from_flags(const GatewayCliOptions& o) {
   t.served_model_name = o.served_model_name;
   t.api_keys = o.api_keys;
   t.admin_api_key = o.admin_api_key;
+  t.engine_api_key = o.engine_api_key;
   t.access_log = o.access_log;
   t.max_queue = o.max_queue;
+  t.max_tokens_limit = o.max_tokens_limit;
+  t.default_max_tokens = o.default_max_tokens;
   t.prefill_retries = o.prefill_retries;
   t.policy = o.policy;
   const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
@@ -51,6 +55,9 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     if (cmd.count("--host") > 0) t.host = o.host;
     if (cmd.count("--port") > 0) t.port = static_cast<uint16_t>(o.port);
     if (cmd.count("--max-connections") > 0) t.max_connections = o.max_connections;
+    if (cmd.count("--engine-api-key") > 0) t.engine_api_key = o.engine_api_key;
+    if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens_limit;
+    if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.default_max_tokens;
   } else {
     if (o.decode.empty()) throw Error("gateway: give --config FILE or at least one --decode");
     t = from_flags(o);
@@ -106,7 +113,16 @@ void add_gateway_command(CLI::App& app) {
                   "the model id of /v1/models (default: the engines')");
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables /admin/* and /debug/requests");
+  cmd->add_option("--engine-api-key", o->engine_api_key,
+                  "the key of engines started with --api-key, sent on every call to them");
   cmd->add_option("--access-log", o->access_log, "JSON line per request: a file, or - for stdout");
+  cmd->add_option("--max-tokens-limit", o->max_tokens_limit,
+                  "with --model: the largest max_tokens a request may ask for (0: none; give the "
+                  "engines the same)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--default-max-tokens", o->default_max_tokens,
+                  "with --model: max_tokens of a request that gives none (0: the API's default)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str();
   cmd->add_option("--prefill-retries", o->prefill_retries,

@@ -10,8 +10,10 @@
 #include <thread>
 #include <vector>
 
+#include "cli/engine_child.h"
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
+#include "engine/api_server.h"
 #include "engine/transfer/kv_transfer.h"
 #include "gateway/gateway.h"
 #include "model/make_model.h"
@@ -25,8 +27,9 @@ namespace {
 
 struct ServeOptions {
   bool kv_events = false;
-  std::string model = "tiny-v3", host = "127.0.0.1", mode = "parallel", policy = "tandem",
-              access_log, admin_api_key;
+  std::string model = "tiny-v3", host = "127.0.0.1", engine_host = "127.0.0.1", mode = "parallel",
+              policy = "tandem", access_log, admin_api_key;
+  int64_t max_tokens_limit = 0, default_max_tokens = 0;
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0;
   bool gateway_tokenizer = true, batch_invariant = false;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
@@ -42,49 +45,13 @@ std::string model_folder(const std::string& model) {
               "make-model presets (tiny-v3, tiny-v2-lite, bench)");
 }
 
-// One `tandem engine` child: started with --port 0, its ports read from its first lines.
-class Child {
- public:
-  // `kv_events`: the engine publishes KV events, announced on the line after its role line.
-  Child(const std::vector<std::string>& args, const StopSignals& stop_signals, bool kv_events)
-      : process_("/proc/self/exe", args, [&] { stop_signals.unblock(); }) {
-    bool role_seen = false;
-    for (std::string l = process_.read_line(); !l.empty(); l = process_.read_line()) {
-      if (auto at = l.find("listening on http://"); at != std::string::npos) {
-        port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
-      } else if (auto kv = l.find("KV transfer on "); kv != std::string::npos) {
-        kv_port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', kv + 15) + 1)));
-      }
-      if (auto ev = l.find("KV events on "); ev != std::string::npos) {
-        const auto replay = l.find("(replay ");
-        events_ = l.substr(ev + 13, l.find(' ', ev + 13) - ev - 13);
-        if (replay != std::string::npos)
-          events_replay_ = l.substr(replay + 8, l.find(')', replay) - replay - 8);
-      }
-      if (l.find("role ") != std::string::npos) role_seen = true;
-      if (role_seen && (!kv_events || !events_.empty())) return;  // every port known
-    }
-    throw Error("serve: an engine did not start (see its messages above)");
-  }
-  uint16_t port() const { return port_; }
-  uint16_t kv_port() const { return kv_port_; }
-  const std::string& events() const { return events_; }
-  const std::string& events_replay() const { return events_replay_; }
-  void terminate() { process_.signal(SIGTERM); }
-
- private:
-  ChildProcess process_;  // stopped (SIGTERM, wait) when the Child goes
-  uint16_t port_ = 0, kv_port_ = 0;
-  std::string events_, events_replay_;
-};
-
-gateway::Endpoint endpoint(const Child& c, const std::string& host, uint16_t bootstrap) {
+gateway::Endpoint endpoint(const EngineChild& c, const std::string& host, bool bootstrap) {
   gateway::Endpoint e;
   e.host = host;
-  e.port = c.port();
-  e.bootstrap_port = bootstrap;
-  e.kv_events = c.events();
-  e.kv_events_replay = c.events_replay();
+  e.port = c.ports().http;
+  e.bootstrap_port = bootstrap ? c.ports().kv_transfer : 0;
+  e.kv_events = c.ports().events;
+  e.kv_events_replay = c.ports().events_replay;
   return e;
 }
 
@@ -107,6 +74,12 @@ void run(const ServeOptions& o) {
   // engine started below inherits it, so only they move KV through each other's transfer ports.
   if (const char* own = std::getenv(engine::kKvTransferSecretVariable); !own || !*own)
     ::setenv(engine::kKvTransferSecretVariable, random_secret_hex().c_str(), 1);
+  // Likewise an API key for the engines, which the gateway sends on every call to them: clients
+  // reach the engines through the gateway only, with the gateway's keys.
+  const std::string engine_api_key = random_secret_hex();
+  ::setenv(engine::kEngineApiKeyVariable, engine_api_key.c_str(), 1);
+  // The gateway reaches engines listening on every address through the loopback one.
+  const std::string engine_address = o.engine_host == "0.0.0.0" ? "127.0.0.1" : o.engine_host;
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
   const std::string model = model_folder(o.model);
@@ -131,25 +104,38 @@ void run(const ServeOptions& o) {
     throw Error(
         "serve: needs at least one decode engine, and one prefill engine unless "
         "--mode aggregated");
-  auto engine_args = [&](const std::string& role) {
-    std::vector<std::string> a = {"tandem", "engine", "--model", model,    "--host",
-                                  o.host,   "--port", "0",       "--role", role};
-    if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+  // An engine's command line for its ports (0: any free one; a restarted engine gets its own
+  // again, so the gateway finds it where it was).
+  auto engine_args = [&](const std::string& role, const EnginePorts& ports) {
+    std::vector<std::string> a = {"tandem", "engine",      "--model", model,
+                                  "--host", o.engine_host, "--port",  std::to_string(ports.http),
+                                  "--role", role};
+    if (role == "prefill")
+      a.insert(a.end(), {"--kv-transfer-port", std::to_string(ports.kv_transfer)});
+    else if (o.engine_host != "0.0.0.0")  // its prefill engines: this address only
+      a.insert(a.end(), {"--kv-transfer-allow", o.engine_host});
     if (o.expert_parallel > 1)
       a.insert(a.end(), {"--expert-parallel", std::to_string(o.expert_parallel)});
     if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
       a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
     if (o.batch_invariant) a.push_back("--batch-invariant");
-    if (o.kv_events)  // any free ports; the gateway's prefix index subscribes
-      a.insert(a.end(), {"--kv-events-config",
-                         R"({"enable_kv_cache_events": true, "publisher": "zmq", )"
-                         R"("endpoint": "tcp://)" +
-                             o.host + R"(:*", "replay_endpoint": "tcp://)" + o.host + R"(:*"})"});
+    if (o.kv_events) {  // the gateway's prefix index subscribes
+      const std::string any = "tcp://" + o.engine_host + ":*";
+      a.insert(a.end(),
+               {"--kv-events-config",
+                R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ")" +
+                    (ports.events.empty() ? any : ports.events) + R"(", "replay_endpoint": ")" +
+                    (ports.events_replay.empty() ? any : ports.events_replay) + R"("})"});
+    }
+    if (o.max_tokens_limit > 0)
+      a.insert(a.end(), {"--max-tokens-limit", std::to_string(o.max_tokens_limit)});
+    if (o.default_max_tokens > 0)
+      a.insert(a.end(), {"--default-max-tokens", std::to_string(o.default_max_tokens)});
     a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
   };
-  std::vector<std::unique_ptr<Child>> children;
+  std::vector<std::unique_ptr<EngineChild>> children;
   gateway::Topology g;
   g.host = o.host;
   g.port = static_cast<uint16_t>(o.port);
@@ -159,21 +145,26 @@ void run(const ServeOptions& o) {
   g.admin_api_key = o.admin_api_key;
   g.served_model_name = served;
   g.policy = o.policy;
+  g.engine_api_key = engine_api_key;
+  g.max_tokens_limit = o.max_tokens_limit;
+  g.default_max_tokens = o.default_max_tokens;
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
   if (o.gateway_tokenizer)
     g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
   // Engines start one after another: each has its ports by the time the next one starts.
-  for (int i = 0; i < prefills; ++i) {
-    children.push_back(std::make_unique<Child>(engine_args("prefill"), stop_signals, o.kv_events));
-    g.prefill.endpoints.push_back(endpoint(*children.back(), o.host, children.back()->kv_port()));
-  }
-  for (int i = 0; i < o.decode; ++i) {
-    const std::string role = mode == gateway::PdMode::kAggregated ? "both" : "decode";
-    children.push_back(std::make_unique<Child>(engine_args(role), stop_signals, o.kv_events));
-    g.decode.endpoints.push_back(endpoint(*children.back(), o.host, 0));
-  }
+  auto start_engine = [&](const std::string& role) {
+    children.push_back(std::make_unique<EngineChild>(
+        role == "prefill" ? "prefill engine" : "decode engine",
+        [&engine_args, role](const EnginePorts& ports) { return engine_args(role, ports); },
+        stop_signals, o.kv_events));
+    return endpoint(*children.back(), engine_address, role == "prefill");
+  };
+  for (int i = 0; i < prefills; ++i) g.prefill.endpoints.push_back(start_engine("prefill"));
+  for (int i = 0; i < o.decode; ++i)
+    g.decode.endpoints.push_back(
+        start_engine(mode == gateway::PdMode::kAggregated ? "both" : "decode"));
   gateway::Gateway gw(g);
   gw.start();
   // Engines are listening (their first lines said so); wait until the gateway's own probes see
@@ -184,14 +175,26 @@ void run(const ServeOptions& o) {
       "engines of %s)\n",
       o.host.c_str(), static_cast<unsigned>(gw.port()), o.mode.c_str(), prefills, o.decode,
       model.c_str());
-  for (const auto& e : g.prefill.endpoints)
-    std::printf("tandem serve: prefill engine http://%s:%u (KV transfer port %u)\n", e.host.c_str(),
-                static_cast<unsigned>(e.port), static_cast<unsigned>(e.bootstrap_port));
-  for (const auto& e : g.decode.endpoints)
-    std::printf("tandem serve: decode engine http://%s:%u\n", e.host.c_str(),
-                static_cast<unsigned>(e.port));
+  for (size_t i = 0; i < children.size(); ++i) {
+    const bool prefill = i < static_cast<size_t>(prefills);
+    const gateway::Endpoint& e =
+        prefill ? g.prefill.endpoints[i] : g.decode.endpoints[i - static_cast<size_t>(prefills)];
+    std::printf("tandem serve: %s engine http://%s:%u (pid %d", prefill ? "prefill" : "decode",
+                e.host.c_str(), static_cast<unsigned>(e.port),
+                static_cast<int>(children[i]->pid()));
+    if (prefill) std::printf(", KV transfer port %u", static_cast<unsigned>(e.bootstrap_port));
+    std::printf(")\n");
+  }
   std::fflush(stdout);
-  const int sig = stop_signals.wait();
+  // Until a stop signal: engines that die are restarted (engine_child.h).
+  int sig = 0;
+  for (;;) {
+    if (auto s = stop_signals.wait_for(std::chrono::milliseconds(200))) {
+      sig = *s;
+      break;
+    }
+    for (auto& c : children) c->supervise(EngineChild::Clock::now());
+  }
   std::fprintf(stderr, "tandem serve: stopping (signal %d)\n", sig);
   gw.stop();
   for (auto& c : children) c->terminate();  // all at once, then wait for each
@@ -208,7 +211,10 @@ void add_serve_command(CLI::App& app) {
                   "model folder, a make-model preset (its checkpoint is written to ~/.cache/tandem "
                   "on first use), or sim:PRESET for simulated engines")
       ->capture_default_str();
-  cmd->add_option("--host", o->host, "address for the gateway and the engines")
+  cmd->add_option("--host", o->host, "the gateway's address")->capture_default_str();
+  cmd->add_option("--engine-host", o->engine_host,
+                  "the address the engines listen on (HTTP, KV transfer, KV events); loopback "
+                  "unless engines of other hosts must reach them")
       ->capture_default_str();
   cmd->add_option("--port", o->port, "gateway port (0: any free port)")
       ->capture_default_str()
@@ -241,6 +247,13 @@ void add_serve_command(CLI::App& app) {
                   "kv_router")
       ->capture_default_str();
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
+  cmd->add_option("--max-tokens-limit", o->max_tokens_limit,
+                  "the largest max_tokens a request may ask for, in the gateway and every engine "
+                  "(0: what the context leaves)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--default-max-tokens", o->default_max_tokens,
+                  "max_tokens of a request that gives none (0: the API's default)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
   cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");

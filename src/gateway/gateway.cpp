@@ -37,7 +37,7 @@ class Gateway::Impl {
                                              : std::make_unique<AccessLog>(topo_.access_log)),
         server_(server_options()),
         client_(server_),
-        upstream_(client_),
+        upstream_(client_, topo_.engine_api_key),
         executor_(make_executor()),
         endpoints_(topo_, metrics_, prefix_index_),
         dispatcher_(topo_, *executor_, upstream_, *policy_, endpoints_, metrics_,
@@ -46,6 +46,7 @@ class Gateway::Impl {
         front_end_(topo_, *executor_, upstream_, dispatcher_, endpoints_, registry_,
                    tokenizer_.get()),
         admin_(topo_, std::move(config_path), *executor_, dispatcher_) {
+    if (tokenizer_) tokenizer_->limit_max_tokens(topo_.max_tokens_limit, topo_.default_max_tokens);
     for (const auto& e : topo_.prefill.endpoints) endpoints_.add(true, e);
     for (const auto& e : topo_.decode.endpoints) endpoints_.add(false, e);
     front_end_.add_routes(server_);

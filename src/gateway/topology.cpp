@@ -332,11 +332,11 @@ void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions&
 }
 
 Topology read_topology(const Reader& r, const YAML::Node& root) {
-  const auto keys =
-      r.mapping(root, "",
-                {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key",
-                 "max_queue", "prefill_retries", "policy", "scheduling", "access_log", "health",
-                 "timeouts", "prefill", "decode"});
+  const auto keys = r.mapping(
+      root, "",
+      {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key", "max_queue",
+       "prefill_retries", "policy", "scheduling", "access_log", "health", "max_tokens_limit",
+       "default_max_tokens", "engine_api_key", "timeouts", "prefill", "decode"});
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
@@ -382,6 +382,13 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   }
   if (has("admin_api_key"))
     t.admin_api_key = r.non_empty_string(keys.at("admin_api_key"), "admin_api_key", "a key");
+  if (has("engine_api_key"))
+    t.engine_api_key = r.non_empty_string(keys.at("engine_api_key"), "engine_api_key", "a key");
+  for (auto [key, value] : {std::pair{"max_tokens_limit", &t.max_tokens_limit},
+                            std::pair{"default_max_tokens", &t.default_max_tokens}})
+    if (has(key))
+      *value = r.integer(keys.at(key), key, 0, std::numeric_limits<int32_t>::max(),
+                         "a number of tokens >= 0 (0: no limit)");
   if (has("max_queue"))
     t.max_queue = static_cast<size_t>(r.count(keys.at("max_queue"), "max_queue", 1));
   if (has("prefill_retries"))

@@ -94,7 +94,14 @@ struct Topology {
   std::string model;  // a model folder: the gateway tokenizes with its tokenizer; empty: no
   std::string served_model_name;      // the model id clients use; empty: the engines' own
   std::vector<std::string> api_keys;  // clients must send one as a Bearer token; empty: open
-  std::string admin_api_key;          // for /admin/*; empty: the admin API is off
+  // The operator's limits on max_tokens where the gateway tokenizes (`model`): the most a request
+  // may ask for and the value when it gives none (0: none, the API's defaults). Give the engines
+  // the same (`tandem engine --max-tokens-limit/--default-max-tokens`; `tandem serve` does).
+  // The key engines started with --api-key expect; the gateway sends it on every call to them.
+  std::string engine_api_key;
+  int64_t max_tokens_limit = 0;
+  int64_t default_max_tokens = 0;
+  std::string admin_api_key;  // for /admin/*; empty: the admin API is off
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
   int prefill_retries = 2;  // other prefill engines tried when one fails before any byte

@@ -5,6 +5,7 @@
 // single-sequence generate loop, and no engine may keep a KV block afterwards.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -317,6 +318,42 @@ TEST(GatewayServe, ManySimulatedEnginesShareTheLoad) {
     EXPECT_EQ(refused, 2);
     EXPECT_EQ(serve.stop(), 0);
   }
+}
+
+// `tandem serve` reaps an engine killed with SIGKILL, restarts it on the same port, and the
+// gateway serves through it again once its probe passes. Its engines answer only the gateway
+// (serve hands them a key), and listen on loopback.
+TEST(GatewayServe, AnEngineThatDiesIsRestartedOnItsPortAndServesAgain) {
+  EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--port", "0", "--mode",
+                       "sequential", "--prefill", "1", "--decode", "1"});
+  serve.next_line();  // the prefill engine
+  const std::string decode = serve.next_line();
+  const auto number_after = [](const std::string& line, const std::string& key) {
+    const size_t at = line.find(key);
+    return at == std::string::npos ? -1 : std::stoi(line.substr(at + key.size()));
+  };
+  const int port = number_after(decode, "http://127.0.0.1:");
+  const pid_t pid = number_after(decode, "(pid ");
+  ASSERT_GT(port, 0) << decode;
+  ASSERT_GT(pid, 0) << decode;
+  const json body = {{"prompt", "hello"}, {"max_tokens", 4}};
+  EXPECT_EQ(post_json(serve.port(), "/v1/completions", body).status, 200);
+  EXPECT_EQ(net::http_request("127.0.0.1", static_cast<uint16_t>(port), "GET", "/v1/models").status,
+            401);
+
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  const std::string restarted = serve.next_line();
+  EXPECT_NE(restarted.find("decode engine on port " + std::to_string(port) + " restarted"),
+            std::string::npos)
+      << restarted;
+  const pid_t new_pid = number_after(restarted, "(pid ");
+  EXPECT_GT(new_pid, 0);
+  EXPECT_NE(new_pid, pid);
+  EXPECT_EQ(::kill(pid, 0), -1) << "the dead engine is still a zombie";
+  EXPECT_EQ(errno, ESRCH);
+  EXPECT_TRUE(
+      eventually([&] { return post_json(serve.port(), "/v1/completions", body).status == 200; }));
+  EXPECT_EQ(serve.stop(), 0);
 }
 
 // The policy evaluation in small (bench/policy_comparison.sh replays a window of the Mooncake
