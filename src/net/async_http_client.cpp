@@ -18,6 +18,7 @@
 #include "net/http_wire.h"
 #include "net/loop_group.h"
 #include "net/socket.h"
+#include "util/task_thread.h"
 
 namespace tandem::net {
 
@@ -37,7 +38,7 @@ class ClientConn;
 // One call. Owned by shared_ptr: the client's call table, the connection serving it and queued
 // tasks. `cancelled` is set from any thread; everything else below it belongs to the home loop.
 struct Call final : Task, std::enable_shared_from_this<Call> {
-  enum Op { kStart, kCancel };
+  enum Op { kStart, kCancel, kResolved };
 
   AsyncHttpClient::CallId id = 0;
   AsyncHttpRequest request;
@@ -48,6 +49,9 @@ struct Call final : Task, std::enable_shared_from_this<Call> {
   ClientConn* conn = nullptr;
   bool done = false;
   bool retried = false;
+  // A host name's lookup, done on the client's resolver thread (kResolved brings it home).
+  std::vector<Address> addresses;
+  std::string resolve_error;
 
   void run(int op) override;
 };
@@ -75,16 +79,21 @@ class CallTable {
 // The client's part of one loop: its connections and the idle ones by host:port.
 class ClientLoop {
  public:
-  ClientLoop(CallTable& calls, EventLoop& loop, const AsyncHttpClientOptions& options)
-      : calls_(calls), loop_(loop), options_(options) {}
+  ClientLoop(CallTable& calls, EventLoop& loop, const AsyncHttpClientOptions& options,
+             util::TaskThread& resolver)
+      : calls_(calls), loop_(loop), options_(options), resolver_(resolver) {}
 
   EventLoop& loop() { return loop_; }
   const AsyncHttpClientOptions& options() const { return options_; }
 
   void begin(const std::shared_ptr<Call>& call);
   void cancel(Call& call);
-  // A new connection for `call` (after a stale reused one, or when none is idle).
+  // A new connection for `call` (after a stale reused one, or when none is idle). Numeric hosts
+  // and names looked up in the last kNameTtlMs connect at once; other names are looked up on
+  // the resolver thread first (getaddrinfo blocks, and the loop serves every other connection).
   void connect(const std::shared_ptr<Call>& call);
+  // The resolver's answer for `call` (kResolved).
+  void resolved(const std::shared_ptr<Call>& call);
   // Ends the call: on_done(error), exactly once.
   void finish(Call& call, const std::string& error);
   // The connection finished its call cleanly and may serve another.
@@ -95,9 +104,18 @@ class ClientLoop {
   void clear_idle();
 
  private:
+  static constexpr int64_t kNameTtlMs = 30000;
+  struct KnownName {
+    std::vector<Address> addresses;
+    int64_t expires_ms = 0;
+  };
+  void connect_to(const std::shared_ptr<Call>& call, std::vector<Address> addresses);
+
   CallTable& calls_;
   EventLoop& loop_;
   const AsyncHttpClientOptions& options_;
+  util::TaskThread& resolver_;
+  std::unordered_map<std::string, KnownName> names_;  // host:port -> its recent lookup
   std::unordered_map<std::string, std::vector<ClientConn*>> idle_;
   std::unordered_map<ClientConn*, std::unique_ptr<ClientConn>> conns_;
 };
@@ -196,12 +214,14 @@ class AsyncHttpClient::Impl : public detail::CallTable {
   explicit Impl(AsyncHttpClientOptions options)
       : options_(options), own_(std::make_unique<detail::LoopGroup>(1)), group_(*own_) {
     make_loops();
+    resolver_.start();
     own_->start({});
   }
 
   Impl(detail::LoopGroup& shared, AsyncHttpClientOptions options)
       : options_(options), group_(shared) {
     make_loops();
+    resolver_.start();
   }
 
   ~Impl() {
@@ -233,6 +253,8 @@ class AsyncHttpClient::Impl : public detail::CallTable {
       std::unique_lock lock(mu_);
       empty_cv_.wait(lock, [&] { return calls_.empty(); });
     }
+    // Lookups still running finish here; their answers find their calls ended.
+    resolver_.stop();
     // Idle connections belong to their loops: closed there, and waited for. A loop that does not
     // run (a server never started, or stopped) is closed from here: nothing else touches it.
     if (used_.load()) {
@@ -307,7 +329,7 @@ class AsyncHttpClient::Impl : public detail::CallTable {
  private:
   void make_loops() {
     for (size_t i = 0; i < group_.size(); ++i) {
-      loops_.push_back(std::make_unique<ClientLoop>(*this, group_.at(i), options_));
+      loops_.push_back(std::make_unique<ClientLoop>(*this, group_.at(i), options_, resolver_));
     }
   }
 
@@ -315,6 +337,7 @@ class AsyncHttpClient::Impl : public detail::CallTable {
   std::unique_ptr<detail::LoopGroup> own_;  // none when running on a server's threads
   detail::LoopGroup& group_;
   std::vector<std::unique_ptr<ClientLoop>> loops_;  // one per loop of group_
+  util::TaskThread resolver_{"resolve"};            // getaddrinfo, off the loops
   CallId next_id_ = 0;
   bool stopping_ = false, shut_down_ = false;
   std::atomic<bool> used_{false};  // a call was ever started
@@ -328,6 +351,8 @@ void Call::run(int op) {
   if (done) return;
   if (op == kStart) {
     home->begin(shared_from_this());
+  } else if (op == kResolved) {
+    home->resolved(shared_from_this());
   } else {
     home->cancel(*this);
   }
@@ -351,9 +376,30 @@ void ClientLoop::begin(const std::shared_ptr<Call>& call) {
 
 void ClientLoop::connect(const std::shared_ptr<Call>& call) {
   const AsyncHttpRequest& r = call->request;
-  std::string error;
-  std::vector<Address> addresses = resolve(r.host, r.port, false, error);
-  if (addresses.empty()) return finish(*call, "cannot resolve the host: " + error);
+  if (std::optional<Address> numeric = numeric_address(r.host, r.port))
+    return connect_to(call, {*numeric});
+  const std::string key = r.host + ":" + std::to_string(r.port);
+  if (auto it = names_.find(key); it != names_.end() && loop_.now_ms() < it->second.expires_ms)
+    return connect_to(call, it->second.addresses);
+  // The answer comes back as a task of this loop; shutdown() joins the resolver before the
+  // loops stop, so the task finds this loop.
+  resolver_.post([call] {
+    call->addresses = resolve(call->request.host, call->request.port, false, call->resolve_error);
+    call->home->loop().post(call, Call::kResolved);
+  });
+}
+
+void ClientLoop::resolved(const std::shared_ptr<Call>& call) {
+  const AsyncHttpRequest& r = call->request;
+  if (call->cancelled) return finish(*call, "cancelled");
+  if (call->addresses.empty())
+    return finish(*call, "cannot resolve the host: " + call->resolve_error);
+  names_[r.host + ":" + std::to_string(r.port)] = {call->addresses, loop_.now_ms() + kNameTtlMs};
+  connect_to(call, std::move(call->addresses));
+}
+
+void ClientLoop::connect_to(const std::shared_ptr<Call>& call, std::vector<Address> addresses) {
+  const AsyncHttpRequest& r = call->request;
   auto conn = std::make_unique<ClientConn>(*this, r.host + ":" + std::to_string(r.port));
   ClientConn* c = conn.get();
   conns_.emplace(c, std::move(conn));

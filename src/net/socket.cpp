@@ -14,27 +14,34 @@
 
 namespace tandem::net::detail {
 
-std::vector<Address> resolve(const std::string& host, uint16_t port, bool passive,
-                             std::string& error) {
-  std::vector<Address> out;
+std::optional<Address> numeric_address(const std::string& host, uint16_t port) {
   Address a;
-  // Numeric hosts, the usual case for engines, without getaddrinfo's cost.
   auto* v4 = reinterpret_cast<sockaddr_in*>(&a.storage);
   auto* v6 = reinterpret_cast<sockaddr_in6*>(&a.storage);
   if (::inet_pton(AF_INET, host.c_str(), &v4->sin_addr) == 1) {
     v4->sin_family = AF_INET;
     v4->sin_port = htons(port);
     a.length = sizeof(sockaddr_in);
-    out.push_back(a);
-    return out;
+    return a;
   }
   if (::inet_pton(AF_INET6, host.c_str(), &v6->sin6_addr) == 1) {
     v6->sin6_family = AF_INET6;
     v6->sin6_port = htons(port);
     a.length = sizeof(sockaddr_in6);
-    out.push_back(a);
+    return a;
+  }
+  return std::nullopt;
+}
+
+std::vector<Address> resolve(const std::string& host, uint16_t port, bool passive,
+                             std::string& error) {
+  std::vector<Address> out;
+  // Numeric hosts, the usual case for engines, without getaddrinfo's cost.
+  if (std::optional<Address> numeric = numeric_address(host, port)) {
+    out.push_back(*numeric);
     return out;
   }
+  Address a;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -14,8 +15,11 @@ struct Address {
   socklen_t length = 0;
 };
 
+// host:port when host is a numeric IPv4 or IPv6 address (no lookup); nullopt for a name.
+std::optional<Address> numeric_address(const std::string& host, uint16_t port);
+
 // The addresses of host:port, numeric hosts without a lookup. Names go through getaddrinfo,
-// which blocks: fine for /etc/hosts names and for connections that are then kept alive.
+// which blocks: callers on an event loop look names up on another thread.
 // Returns an empty list and sets `error` on failure.
 std::vector<Address> resolve(const std::string& host, uint16_t port, bool passive,
                              std::string& error);
