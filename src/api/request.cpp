@@ -225,8 +225,9 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     if (const json* c = field(m, "content"); c && c->is_array()) {
       std::string joined;
       for (const auto& part : *c) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string())
+        // (json::value would throw a type_error, a 500, for a "type" that is not a string.)
+        if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+            !part.contains("text") || !part["text"].is_string())
           fail("messages", "only text content parts are supported");
         joined += part["text"].get<std::string>();
       }

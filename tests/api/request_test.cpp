@@ -208,6 +208,20 @@ TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {
   EXPECT_EQ(parse_chat(body, tokenizer(), &tmpl, kLimits).logprobs, 3);
 }
 
+// Found by fuzz/request_body_fuzz.cpp: a content part whose "type" was not a string threw
+// nlohmann's type_error (the server answered 500) instead of the 400 for unsupported parts.
+TEST(Protocol, ChatContentPartsOfAnyTypeAre400s) {
+  text::ChatTemplate tmpl(tokenizer().chat_template());
+  for (const json& part :
+       {json{{"type", json::array({1})}, {"text", "x"}}, json{{"type", 5}},
+        json{{"type", nullptr}, {"text", "x"}}, json{{"text", "x"}}, json{{"type", "image_url"}}}) {
+    const json body = {{"messages", {{{"role", "user"}, {"content", {part}}}}}};
+    const ApiError e = error_of([&] { parse_chat(body, tokenizer(), &tmpl, kLimits); });
+    EXPECT_EQ(e.status, 400) << part.dump();
+    EXPECT_EQ(e.param, "messages") << part.dump();
+  }
+}
+
 TEST(Protocol, GenerateTakesInputIdsAndSamplingParams) {
   auto r = parse_generate(json{{"input_ids", {5, 6, 7}},
                                {"sampling_params", {{"max_new_tokens", 3}, {"temperature", 0}}},
