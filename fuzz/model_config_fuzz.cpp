@@ -1,8 +1,8 @@
 // Fuzzes a model's config.json as ModelConfig::load reads it (model/config.h): nlohmann's parser,
 // then ModelConfig::parse, then the derived values the engine computes from it and the
-// round trip through to_json. The documented errors: tandem::Error (a bad field) and
-// nlohmann::json::parse_error (load turns it into a tandem::Error); anything else escaping is a
-// finding.
+// round trip through to_json. The documented errors: tandem::Error (a bad field) and, from the
+// parser, nlohmann::json::exception (load turns it into a tandem::Error); anything else escaping
+// is a finding.
 #include <cstddef>
 #include <cstdint>
 
@@ -15,8 +15,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(data, data + size);
-  } catch (const nlohmann::json::parse_error&) {
-    return 0;
+  } catch (const nlohmann::json::exception&) {
+    return 0;  // parse_error, or out_of_range for a number too large (load catches both)
   }
   try {
     const auto config = tandem::model::ModelConfig::parse(doc, "config.json");
