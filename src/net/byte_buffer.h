@@ -42,6 +42,13 @@ class ByteBuffer {
     if (begin_ == end_) begin_ = end_ = 0;
   }
   void clear() { begin_ = end_ = 0; }
+  // Gives the memory back when nothing is unread (a connection going idle: thousands of idle
+  // keep-alive connections would otherwise hold a read buffer each).
+  void release_if_empty() {
+    if (!empty()) return;
+    data_.reset();
+    cap_ = begin_ = end_ = 0;
+  }
 
  private:
   std::unique_ptr<char[]> data_;

@@ -734,6 +734,14 @@ void Connection::end_exchange(bool close_after) {
   exchange_.reset();
   if (close_after || peer_eof_ || server_.stopping()) return close_gracefully();
   phase_ = Phase::kHead;
+  if (in_.empty()) {
+    // Idle until the next request, maybe for long: hold no buffers meanwhile (about 1 KiB per
+    // idle connection instead of 17; the next request allocates them again).
+    in_.release_if_empty();
+    spare_ = std::string();
+    out_ = std::string();
+    written_ = 0;
+  }
   timer_.arm(server_.options().idle_timeout);
   loop_.defer(this);  // a pipelined request may be buffered already
 }
