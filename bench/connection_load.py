@@ -153,7 +153,7 @@ async def main():
                                for _ in range(a.streams)))
     await asyncio.sleep(2)  # the streams are running: ordinary requests must still be served
     latencies, bad = await normal_requests(a.host, a.port, 20)
-    outcomes = await streams
+    outcomes = [o for o, _ in await streams]
     counts = {k: outcomes.count(k) for k in ("done", "error", "cut", "hung")}
     emit("streams", asked=a.streams, **counts, seconds=round(time.monotonic() - t, 1),
          idle_still_open=sum(1 for r, _ in idle if not r.at_eof()),

@@ -56,7 +56,9 @@ def is_openai_error(body):
 
 
 async def stream(host, port, max_tokens, timeout):
-    """'done' (data: [DONE] and the chunked end), 'error' (an OpenAI error), 'cut' or 'hung'."""
+    """(outcome, detail): 'done' (data: [DONE] and the chunked end), 'error' (an OpenAI error,
+    detail: the status and the start of its message), 'cut' (neither) or 'hung' (no end within
+    `timeout` seconds of silence)."""
     try:
         r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 30)
         w.write(request_bytes("POST", "/v1/completions",
@@ -65,14 +67,21 @@ async def stream(host, port, max_tokens, timeout):
         status, body = await read_response(r, timeout)
         w.close()
         if status != 200:
-            return "error" if is_openai_error(body) else "cut"
+            return ("error", error_detail(status, body)) if is_openai_error(body) else ("cut", "")
         events = [e for e in body.decode().split("\n\n") if e.startswith("data: ")]
         if events and events[-1] == "data: [DONE]":
-            return "done"
+            return "done", ""
         if events and is_openai_error(events[-1][6:]):
-            return "error"
-        return "cut"
+            return "error", error_detail(200, events[-1][6:])
+        return "cut", ""
     except asyncio.TimeoutError:
-        return "hung"
-    except Exception:
-        return "cut"
+        return "hung", ""
+    except Exception as e:
+        return "cut", type(e).__name__
+
+
+def error_detail(status, body):
+    """The status and the message's first words, with digits blanked, for counting."""
+    message = json.loads(body)["error"]["message"]
+    words = " ".join(message.split()[:7])
+    return f"{status} " + "".join("#" if c.isdigit() else c for c in words)
