@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/sim_executor_flags.h"
 #include "cli/stop_signals.h"
@@ -52,7 +53,7 @@ struct EngineOptions {
   std::string expert_placement;
   int64_t rebalance_interval = 0;
   int64_t max_model_len = 0;
-  int64_t max_tokens_limit = 0, default_max_tokens = 0;
+  MaxTokensFlags max_tokens;
   std::vector<std::string> api_keys;
   std::string role = "both";
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
@@ -199,8 +200,8 @@ void run(const EngineOptions& o) {
                 "'");
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
-  config.max_tokens_limit = o.max_tokens_limit;
-  config.default_max_tokens = o.default_max_tokens;
+  config.max_tokens_limit = o.max_tokens.limit;
+  config.default_max_tokens = o.max_tokens.default_value;
   config.expert_load_window = o.expert_load_window;
   config.rebalance_interval = o.rebalance_interval;
   config.expert_load_dump = o.expert_load_dump;
@@ -453,17 +454,7 @@ void add_engine_command(CLI::App& app) {
                   "accepted API key (repeatable): every route but /health and /metrics needs one "
                   "as a Bearer token (default: $" +
                       std::string(engine::kEngineApiKeyVariable) + ", else open)");
-  cmd->add_option("--max-tokens-limit", o->max_tokens_limit,
-                  "the largest max_tokens a request may ask for; more is refused with 400 "
-                  "(0: what the context leaves)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--default-max-tokens", o->default_max_tokens,
-                  "max_tokens of a request that gives none (0: the API's default: 16 for "
-                  "completions, the context's room for chat, 128 for /generate; never above "
-                  "--max-tokens-limit)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  add_max_tokens_flags(*cmd, o->max_tokens);
   cmd->callback([o] { run(*o); });
 }
 

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "cli/max_tokens_flags.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
 #include "util/error.h"
@@ -15,7 +16,7 @@ struct GatewayCliOptions {
                       model, served_model_name, admin_api_key, engine_api_key, access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
   size_t max_queue = 1024, max_connections = 0;
-  int64_t max_tokens_limit = 0, default_max_tokens = 0;
+  MaxTokensFlags max_tokens;
   std::vector<std::string> prefill, decode, api_keys;
   double upstream_timeout = 300;
 };
@@ -34,8 +35,8 @@ gateway::Topology from_flags(const GatewayCliOptions& o) {
   t.engine_api_key = o.engine_api_key;
   t.access_log = o.access_log;
   t.max_queue = o.max_queue;
-  t.max_tokens_limit = o.max_tokens_limit;
-  t.default_max_tokens = o.default_max_tokens;
+  t.max_tokens_limit = o.max_tokens.limit;
+  t.default_max_tokens = o.max_tokens.default_value;
   t.prefill_retries = o.prefill_retries;
   t.policy = o.policy;
   const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
@@ -56,8 +57,8 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     if (cmd.count("--port") > 0) t.port = static_cast<uint16_t>(o.port);
     if (cmd.count("--max-connections") > 0) t.max_connections = o.max_connections;
     if (cmd.count("--engine-api-key") > 0) t.engine_api_key = o.engine_api_key;
-    if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens_limit;
-    if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.default_max_tokens;
+    if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens.limit;
+    if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.max_tokens.default_value;
   } else {
     if (o.decode.empty()) throw Error("gateway: give --config FILE or at least one --decode");
     t = from_flags(o);
@@ -116,13 +117,7 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--engine-api-key", o->engine_api_key,
                   "the key of engines started with --api-key, sent on every call to them");
   cmd->add_option("--access-log", o->access_log, "JSON line per request: a file, or - for stdout");
-  cmd->add_option("--max-tokens-limit", o->max_tokens_limit,
-                  "with --model: the largest max_tokens a request may ask for (0: none; give the "
-                  "engines the same)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--default-max-tokens", o->default_max_tokens,
-                  "with --model: max_tokens of a request that gives none (0: the API's default)")
-      ->check(CLI::NonNegativeNumber);
+  add_max_tokens_flags(*cmd, o->max_tokens);
   cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str();
   cmd->add_option("--prefill-retries", o->prefill_retries,

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cli/engine_child.h"
+#include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
 #include "engine/api_server.h"
@@ -29,7 +30,7 @@ struct ServeOptions {
   bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", engine_host = "127.0.0.1", mode = "parallel",
               policy = "tandem", access_log, admin_api_key;
-  int64_t max_tokens_limit = 0, default_max_tokens = 0;
+  MaxTokensFlags max_tokens;
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0;
   bool gateway_tokenizer = true, batch_invariant = false;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
@@ -127,10 +128,10 @@ void run(const ServeOptions& o) {
                     (ports.events.empty() ? any : ports.events) + R"(", "replay_endpoint": ")" +
                     (ports.events_replay.empty() ? any : ports.events_replay) + R"("})"});
     }
-    if (o.max_tokens_limit > 0)
-      a.insert(a.end(), {"--max-tokens-limit", std::to_string(o.max_tokens_limit)});
-    if (o.default_max_tokens > 0)
-      a.insert(a.end(), {"--default-max-tokens", std::to_string(o.default_max_tokens)});
+    if (o.max_tokens.limit > 0)
+      a.insert(a.end(), {"--max-tokens-limit", std::to_string(o.max_tokens.limit)});
+    if (o.max_tokens.default_value > 0)
+      a.insert(a.end(), {"--default-max-tokens", std::to_string(o.max_tokens.default_value)});
     a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
@@ -146,8 +147,8 @@ void run(const ServeOptions& o) {
   g.served_model_name = served;
   g.policy = o.policy;
   g.engine_api_key = engine_api_key;
-  g.max_tokens_limit = o.max_tokens_limit;
-  g.default_max_tokens = o.default_max_tokens;
+  g.max_tokens_limit = o.max_tokens.limit;
+  g.default_max_tokens = o.max_tokens.default_value;
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
@@ -247,13 +248,7 @@ void add_serve_command(CLI::App& app) {
                   "kv_router")
       ->capture_default_str();
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
-  cmd->add_option("--max-tokens-limit", o->max_tokens_limit,
-                  "the largest max_tokens a request may ask for, in the gateway and every engine "
-                  "(0: what the context leaves)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--default-max-tokens", o->default_max_tokens,
-                  "max_tokens of a request that gives none (0: the API's default)")
-      ->check(CLI::NonNegativeNumber);
+  add_max_tokens_flags(*cmd, o->max_tokens);  // for the gateway and every engine
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
   cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
