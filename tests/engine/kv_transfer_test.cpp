@@ -12,6 +12,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -121,6 +122,11 @@ class RawSocket {
   bool connected() const { return connected_; }
   bool write(const void* data, size_t n) {
     return ::send(fd_, data, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n);
+  }
+  // Whether the server answers or closes this connection within `limit`.
+  bool hears_back_within(std::chrono::milliseconds limit) const {
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, static_cast<int>(limit.count())) > 0;
   }
   // Whether the server has answered or closed this connection (without waiting).
   bool heard_back() const {
@@ -832,6 +838,35 @@ TEST_F(KvTransferAgents, SilentConnectionsDoNotHoldUpATransfer) {
   ASSERT_TRUE(r.ok) << r.error;
   // Served while the silent ones still wait: none of them was answered or timed out first.
   for (const auto& s : silent) EXPECT_FALSE(s->heard_back());
+}
+
+// One address cannot hold more than 64 of the port's slots with connections that never get past
+// the handshake: reconnecting faster than the handshake timeout closes them no longer exhausts
+// the port (other addresses keep their slots; here every peer is 127.0.0.1, so the transfer is
+// refused too until the silent connections go).
+TEST_F(KvTransferAgents, OneAddressHoldsAtMost64ConnectionsInTheHandshake) {
+  handshake_timeout_s_ = 60;
+  start();
+  std::vector<std::unique_ptr<RawSocket>> silent;
+  for (int i = 0; i < 64; ++i) {
+    silent.push_back(std::make_unique<RawSocket>(prefill_->port()));
+    ASSERT_TRUE(silent.back()->connected());
+  }
+  RawSocket one_more(prefill_->port());
+  EXPECT_TRUE(one_more.hears_back_within(10000ms));
+  const auto hash = kv_prompt_hash(prompt_);
+  const std::string id = prefill_->hold(remote_, hash, int64_t(prompt_.size()), [] {});
+  const KvFetchResult refused = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(refused.ok);
+  EXPECT_THAT(refused.error, HasSubstr("too many KV transfer connections from this address"));
+  for (const auto& s : silent) EXPECT_FALSE(s->heard_back());
+  silent.clear();  // the server notices them go and frees their slots
+  bool ok = false;
+  for (int i = 0; i < 100 && !ok; ++i) {
+    ok = wait(fetch(pull(id, 0, 10, local_, "req-" + std::to_string(i)))).ok;
+    if (!ok) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(ok);
 }
 
 TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {

@@ -25,6 +25,11 @@ constexpr size_t kControlLimit = 1 << 20;  // JSON frames
 constexpr size_t kLayerHeader = 16;        // [u32 layer][u32 flags][u64 checksum]
 constexpr uint32_t kFlagChecksum = 1;
 constexpr int64_t kMaxConnections = 512;  // served at once; more are refused, not queued
+// Connections from one address still in their handshake (or, without a secret, before their
+// request): a host that keeps opening silent connections holds at most this many of the slots
+// above, so one stranger cannot exhaust the port by reconnecting faster than the handshake
+// timeout closes them. Decode engines finish their handshake in a round trip.
+constexpr int64_t kMaxHandshakesPerAddress = 64;
 // Worker threads at most: every connection served at once, plus room for the decode side's
 // fetches, which therefore never wait behind connections blocked on their transfers.
 constexpr int64_t kMaxWorkers = kMaxConnections + 128;
@@ -528,6 +533,9 @@ void KvTransferAgent::reap_loop() {
 void KvTransferAgent::accept_loop() {
   while (auto conn = listener_->accept()) {
     std::shared_ptr<KvConnection> shared(std::move(conn));
+    // The peer's address without its port (IPv6 addresses hold colons too).
+    const std::string peer = shared->peer();
+    const std::string address = peer.substr(0, peer.rfind(':'));
     {
       std::lock_guard lock(mutex_);
       if (stopping_) {
@@ -539,31 +547,51 @@ void KvTransferAgent::accept_loop() {
                                 "); try again");
         continue;
       }
+      if (handshaking_[address] >= kMaxHandshakesPerAddress) {
+        send_error(*shared, "too many KV transfer connections from this address; try again");
+        continue;
+      }
+      ++handshaking_[address];
       ++connections_;
       serving_.push_back(shared);
     }
-    if (!spawn([this, shared] { serve(shared); })) {
+    if (!spawn([this, shared, address] { serve(shared, address); })) {
       send_error(*shared, "the prefill engine cannot start a transfer thread; try again");
       std::lock_guard lock(mutex_);
       --connections_;
       std::erase(serving_, shared);
+      handshake_over(address);
     }
   }
 }
 
-void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn) {
+void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn, const std::string& address) {
+  bool handshaking = true;
+  const auto handshake_done = [&] {
+    if (!handshaking) return;
+    handshaking = false;
+    std::lock_guard lock(mutex_);
+    handshake_over(address);
+  };
   try {
-    serve_connection(*conn);
+    serve_connection(*conn, handshake_done);
   } catch (const std::exception&) {
     // A connection that failed before or during its request: nothing of ours to undo here
     // (the handlers restore their own state).
   }
+  handshake_done();
   std::lock_guard lock(mutex_);
   --connections_;
   std::erase(serving_, conn);
 }
 
-void KvTransferAgent::serve_connection(KvConnection& conn) {
+void KvTransferAgent::handshake_over(const std::string& address) {
+  auto it = handshaking_.find(address);
+  if (it != handshaking_.end() && --it->second <= 0) handshaking_.erase(it);
+}
+
+void KvTransferAgent::serve_connection(KvConnection& conn,
+                                       const std::function<void()>& handshake_done) {
   using std::chrono::milliseconds;
   // Until the request has arrived (after the handshake), a silent peer is dropped quickly.
   conn.set_timeout(milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
@@ -580,6 +608,7 @@ void KvTransferAgent::serve_connection(KvConnection& conn) {
                "this prefill engine does not authenticate KV transfers (no --kv-transfer-secret)");
     return;
   }
+  handshake_done();
   conn.set_timeout(milliseconds(static_cast<int64_t>(config_.timeout_s * 1000)));
   if (first.type == KvFrameType::kPull)
     serve_pull(conn, first.payload);

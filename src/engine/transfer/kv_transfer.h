@@ -176,8 +176,10 @@ class KvTransferAgent final : public KvTransfers {
   struct Room;
   struct Metrics;
   void accept_loop();
-  void serve(std::shared_ptr<KvConnection> conn);
-  void serve_connection(KvConnection& conn);                      // the handshake, then the request
+  void serve(std::shared_ptr<KvConnection> conn, const std::string& address);
+  // The handshake, then the request; `handshake_done` runs once the peer is past the handshake.
+  void serve_connection(KvConnection& conn, const std::function<void()>& handshake_done);
+  void handshake_over(const std::string& address);                // under mutex_
   void refused(const std::string& peer, const std::string& why);  // counted, logged (rate-limited)
   void serve_pull(KvConnection& conn, const std::vector<std::byte>& request);
   void serve_register(KvConnection& conn, const std::vector<std::byte>& request);
@@ -215,7 +217,8 @@ class KvTransferAgent final : public KvTransfers {
   std::condition_variable work_ready_;
   uint64_t next_transfer_ = 0;
   uint64_t next_claim_ = 0;
-  int64_t connections_ = 0;  // server connections being served
+  int64_t connections_ = 0;                               // server connections being served
+  std::unordered_map<std::string, int64_t> handshaking_;  // by peer address: not yet past it
   // A flood of strangers must not flood the log.
   LogThrottle refusal_log_{std::chrono::seconds(10)};
   std::map<std::string, std::unique_ptr<Held>> held_;
