@@ -185,6 +185,7 @@ class Renderer {
       throw RuntimeError{"cannot assign attribute on non-namespace object"};
     }
     ns->ns->set(target.attr, value);
+    if (assigned_.empty() || assigned_.back().lock() != ns->ns) assigned_.push_back(ns->ns);
   }
 
   Value make_macro(const Stmt& m, const FramePtr& defining) {
@@ -382,6 +383,20 @@ class Renderer {
   }
 
   int depth_ = 0;
+  // Namespaces are the only values a template can change after creating them, so only an
+  // assignment to one can close a reference cycle (`set ns.self = ns`, or through a list or
+  // another namespace). Nothing of a render outlives it: their attributes are dropped at its
+  // end, which breaks every cycle (they leaked a render's values before).
+  std::vector<std::weak_ptr<Namespace>> assigned_;
+
+ public:
+  Renderer() = default;
+  Renderer(const Renderer&) = delete;
+  Renderer& operator=(const Renderer&) = delete;
+  ~Renderer() {
+    for (const auto& weak : assigned_)
+      if (auto ns = weak.lock()) ns->attrs.clear();
+  }
 };
 
 }  // namespace
