@@ -230,9 +230,11 @@ void run_prefill(std::span<const uint8_t> frames, bool secret) {
       offer.changed.notify_all();
     }
     std::unique_lock lock(ending.mutex);
-    // A register for a room that no prefill request claims waits for one until the timeout;
-    // once the input is spent, stopping the agent ends that wait.
-    ending.changed.wait(lock, [&] { return ending.closed || ending.consumed; });
+    // A register for a room that no prefill request claims waits for one until the timeout,
+    // whether or not the input holds more frames (it reads none while it waits); stopping the
+    // agent ends that wait. Everything else ends its connection within a millisecond or two.
+    ending.changed.wait_for(lock, std::chrono::milliseconds(5),
+                            [&] { return ending.closed || ending.consumed; });
     if (!ending.closed)
       ending.changed.wait_for(lock, std::chrono::milliseconds(2), [&] { return ending.closed; });
   }  // the agent stops: shuts the connection, waits for its threads
