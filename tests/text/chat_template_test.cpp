@@ -591,6 +591,38 @@ TEST(ChatTemplate, NamespaceCyclesRenderAndAreFreed) {
   EXPECT_NE(error.find("boom"), std::string::npos) << error;
 }
 
+// Found by fuzz/jinja_fuzz.cpp: 1,700 unary '+' overflowed the stack (the parser and the
+// interpreter recurse per level). Nesting deeper than any real template is an error now; deep
+// but sane nesting still renders.
+TEST(ChatTemplate, NestingBeyondAnyRealTemplateIsAnError) {
+  const ordered_json context = {{"messages", ordered_json::array()}};
+  for (const std::string& source :
+       {"{{ " + std::string(5000, '+') + "1 }}",
+        "{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}",
+        [] {
+          std::string s = "{% if 0 %}";
+          for (int i = 0; i < 3000; ++i) s += "{% elif 0 %}";
+          return s + "{% endif %}";
+        }(),
+        [] {
+          std::string s;
+          for (int i = 0; i < 3000; ++i) s += "{% if 1 %}";
+          return s;
+        }()}) {
+    EXPECT_NE(error_of(source).find("the template nests too deeply"), std::string::npos)
+        << error_of(source).substr(0, 200);
+  }
+  EXPECT_EQ(ChatTemplate("{{ " + std::string(200, '-') + "1 }}").render(context), "1");
+  EXPECT_EQ(ChatTemplate("{{ " + std::string(100, '(') + "1" + std::string(100, ')') + " }}")
+                .render(context),
+            "1");
+  std::string blocks;
+  for (int i = 0; i < 100; ++i) blocks += "{% if 1 %}";
+  blocks += "x";
+  for (int i = 0; i < 100; ++i) blocks += "{% endif %}";
+  EXPECT_EQ(ChatTemplate(blocks).render(context), "x");
+}
+
 TEST(ChatTemplate, UnsupportedTagNamesTheLine) {
   EXPECT_EQ(error_of("line one\n{% if true %}\n{% extends 'base.html' %}\n{% endif %}"),
             "chat template line 3: unsupported tag 'extends'");

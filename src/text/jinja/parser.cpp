@@ -147,6 +147,7 @@ class Parser {
 
   // After the statement's own header: expects `%}`, parses the body up to one of `end_tags`.
   Body parse_statements(std::initializer_list<const char*> end_tags, bool drop_needle) {
+    const Nesting nesting(*this);
     expect_block_end();
     Body body = subparse(end_tags);
     if (cur().type == TokenType::kEnd) {
@@ -199,6 +200,7 @@ class Parser {
   }
 
   void parse_if(Stmt& s) {
+    const Nesting nesting(*this);  // an elif nests the next if in this one's else
     s.kind = StmtKind::kIf;
     s.expr = parse_tuple(false, false, {}, false);
     s.body = parse_statements({"elif", "else", "endif"}, false);
@@ -351,6 +353,7 @@ class Parser {
   }
 
   std::unique_ptr<Expr> parse_expression(bool with_condexpr) {
+    const Nesting nesting(*this);
     return with_condexpr ? parse_condexpr() : parse_or();
   }
 
@@ -394,6 +397,7 @@ class Parser {
   }
 
   std::unique_ptr<Expr> parse_not() {
+    const Nesting nesting(*this);
     int line = cur().line;
     if (skip_name("not")) {
       auto e = make(ExprKind::kNot, line);
@@ -475,6 +479,7 @@ class Parser {
   }
 
   std::unique_ptr<Expr> parse_unary(bool with_filter) {
+    const Nesting nesting(*this);
     int line = cur().line;
     std::unique_ptr<Expr> node;
     if (skip_op("-")) {
@@ -741,9 +746,27 @@ class Parser {
     return e;
   }
 
+  // Blocks, parentheses, brackets and unary operators nest by recursion, here and in the
+  // interpreter: a template nested deeper than any real one (a few thousand '(' or '-') would
+  // exhaust the stack. Each of the functions nesting passes through counts one level.
+  static constexpr int kMaxNesting = 500;
+  struct Nesting {
+    Parser& parser;
+    explicit Nesting(Parser& p) : parser(p) {
+      if (++parser.nesting_ > kMaxNesting) {
+        --parser.nesting_;
+        parser.fail("the template nests too deeply");
+      }
+    }
+    ~Nesting() { --parser.nesting_; }
+    Nesting(const Nesting&) = delete;
+    Nesting& operator=(const Nesting&) = delete;
+  };
+
   std::vector<Token> tokens_;
   size_t pos_ = 0;
   int loop_depth_ = 0;
+  int nesting_ = 0;
 };
 
 }  // namespace
