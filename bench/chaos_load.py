@@ -47,7 +47,6 @@ async def client(host, port, until, bound, pause, rng, counts, errors):
 
 
 async def fault_driver(log_path, until, interval, rng, faults):
-    stalled = []
     while time.monotonic() < until - 35:  # the last stall ends before the clients stop
         await asyncio.sleep(interval)
         running = engines(log_path)
@@ -63,7 +62,6 @@ async def fault_driver(log_path, until, interval, rng, faults):
             elif kind == "stall":
                 seconds = rng.uniform(5, 30)
                 os.kill(e["pid"], signal.SIGSTOP)
-                stalled.append(e["pid"])
                 asyncio.get_running_loop().call_later(seconds, lambda p=e["pid"]: resume(p))
             else:
                 subprocess.run(["ss", "-K", "-t", "state", "established",
