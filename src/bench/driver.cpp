@@ -113,6 +113,8 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
     std::unique_lock lock(mutex);
     cv.wait(lock, [&] { return done == requests.size(); });
   }
+  // The last on_done may still be notifying: let it end before its mutex and cv go.
+  client.shutdown();
   run.duration_s = seconds(last_end - origin);
   return run;
 }

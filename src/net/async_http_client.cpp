@@ -59,12 +59,17 @@ struct Call final : Task, std::enable_shared_from_this<Call> {
 // What every thread reaches: the calls in flight (for cancel and in_flight) and the counters.
 class CallTable {
  public:
-  // Forgets a call that ended; shutdown() waits for the table to empty.
+  // Forgets a call that ended, before its on_done runs (in_flight() is 0 once the caller learns
+  // it); done_calling() follows its on_done. shutdown() waits for both, so no on_done is still
+  // running when it returns. Notified under the lock: the waiter may destroy the table next.
   void erase(AsyncHttpClient::CallId id) {
-    {
-      std::lock_guard lock(mu_);
-      calls_.erase(id);
-    }
+    std::lock_guard lock(mu_);
+    calls_.erase(id);
+    ++calling_;
+  }
+  void done_calling() {
+    std::lock_guard lock(mu_);
+    --calling_;
     empty_cv_.notify_all();
   }
   void count_open() { ++opened_; }
@@ -73,6 +78,7 @@ class CallTable {
   std::atomic<uint64_t> opened_{0};
   mutable std::mutex mu_;
   std::condition_variable empty_cv_;
+  size_t calling_ = 0;  // under mu_: on_done callbacks of erased calls still running
   std::unordered_map<AsyncHttpClient::CallId, std::shared_ptr<Call>> calls_;
 };
 
@@ -251,7 +257,7 @@ class AsyncHttpClient::Impl : public detail::CallTable {
     calls.clear();
     {
       std::unique_lock lock(mu_);
-      empty_cv_.wait(lock, [&] { return calls_.empty(); });
+      empty_cv_.wait(lock, [&] { return calls_.empty() && calling_ == 0; });
     }
     // Lookups still running finish here; their answers find their calls ended.
     resolver_.stop();
@@ -299,7 +305,11 @@ class AsyncHttpClient::Impl : public detail::CallTable {
       // The loop is gone (its server stopped): the call cannot run.
       call->done = true;
       erase(id);
-      if (call->handlers.on_done) call->handlers.on_done("the client's io thread has stopped");
+      try {
+        if (call->handlers.on_done) call->handlers.on_done("the client's io thread has stopped");
+      } catch (const std::exception&) {
+      }
+      done_calling();
     }
     return id;
   }
@@ -416,7 +426,6 @@ void ClientLoop::finish(Call& call, const std::string& error) {
   if (call.done) return;
   call.done = true;
   call.conn = nullptr;
-  // Before on_done: in_flight() is 0 once the caller learns it.
   calls_.erase(call.id);
   try {
     if (call.handlers.on_done) call.handlers.on_done(error);
@@ -425,6 +434,7 @@ void ClientLoop::finish(Call& call, const std::string& error) {
   }
   // What the handlers hold (the caller's state) goes now, not when the last task lets go.
   call.handlers = AsyncHttpHandlers();
+  calls_.done_calling();
 }
 
 void ClientLoop::put_idle(ClientConn* c) {
