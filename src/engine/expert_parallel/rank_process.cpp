@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <mutex>
 #include <thread>
 
 #include "engine/expert_parallel/ep_rank.h"
@@ -37,8 +38,11 @@ int serve_rank(const RankProcessOptions& o) {
   });
   rank.load_placement();
 
-  // The loader: new expert copies of a staged placement load beside the steps.
+  // The loader: new expert copies of a staged placement load beside the steps. The front posts a
+  // switch only after every rank counted itself prepared, but that order passes through the
+  // front process; the mutex states it inside this one (it is never contended at a switch).
   std::atomic<bool> stopping{false};
+  std::mutex placement_mutex;
   // Read before "ready": the front stages nothing before it, so no change is missed.
   const uint32_t staged_at_start = header.staged.load(std::memory_order_acquire);
   std::thread loader([&, staged_at_start] {
@@ -49,6 +53,7 @@ int serve_rank(const RankProcessOptions& o) {
       if (now == staged) continue;
       staged = now;
       try {
+        std::lock_guard lock(placement_mutex);
         rank.prepare_placement(header.table.load(std::memory_order_acquire) ^ 1u);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "tandem ep-rank %d: loading experts: %s\n", o.rank, e.what());
@@ -81,10 +86,12 @@ int serve_rank(const RankProcessOptions& o) {
     const auto command = static_cast<Command>(header.command.load(std::memory_order_relaxed));
     if (command == Command::kShutdown) return 0;
     try {
-      if (command == Command::kSwitchPlacement)
+      if (command == Command::kSwitchPlacement) {
+        std::lock_guard lock(placement_mutex);
         rank.switch_placement_with_all(header.table.load(std::memory_order_acquire) ^ 1u);
-      else
+      } else {
         rank.run_step();
+      }
     } catch (const Abandoned&) {
       return 3;
     } catch (const std::exception& e) {
