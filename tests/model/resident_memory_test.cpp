@@ -48,6 +48,11 @@ ModelConfig config() {
 }
 
 TEST(ResidentMemory, OneCopyOfTheWeightsAfterLoadAndUse) {
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer keeps shadow and meta memory for every byte touched (about 5x resident), so
+  // resident memory says nothing about copies of the weights in that build.
+  GTEST_SKIP() << "resident memory is not measurable under ThreadSanitizer";
+#endif
   const test::TempDir dir("resident-memory");
   const int64_t tensor_bytes = test::write_random_checkpoint(dir.path(), config());
   ASSERT_GT(tensor_bytes, int64_t{200} << 20);
