@@ -299,6 +299,36 @@ TEST_F(AsyncClient, DestructionEndsCallsInFlight) {
   }
 }
 
+TEST_F(AsyncClient, ShutdownReturnsOnlyAfterEveryOnDoneReturned) {
+  // Callers free what on_done touches once shutdown() returns (the bench driver's mutex and
+  // condition variable): an on_done still running then is a use after free.
+  AsyncHttpClient client;
+  std::promise<void> entered, release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::atomic<bool> on_done_returned{false};
+  auto c = request("GET", "/stream");
+  c.port = 1;  // refused: on_done comes at once
+  AsyncHttpHandlers h;
+  h.on_done = [&, gate](const std::string&) {
+    entered.set_value();
+    gate.wait();
+    on_done_returned = true;
+  };
+  client.start(c, std::move(h));
+  entered.get_future().wait();
+  std::atomic<bool> seen_at_return{false};
+  std::thread closer([&] {
+    client.shutdown();
+    seen_at_return = on_done_returned.load();
+  });
+  // Give a shutdown that does not wait the chance to return while on_done is held; one that waits
+  // is released below either way, so this wait decides nothing by itself.
+  std::this_thread::sleep_for(100ms);
+  release.set_value();
+  closer.join();
+  EXPECT_TRUE(seen_at_return);
+}
+
 // A proxy on one server's threads: the handler starts an upstream call on the io thread it runs
 // on, the call's callbacks run on that same thread and relay into the handler's Exchange.
 TEST(AsyncClientOnServer, RelayStaysOnTheThreadThatStartedTheCall) {
