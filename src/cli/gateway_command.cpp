@@ -13,9 +13,10 @@ namespace {
 
 struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
-                      model, served_model_name, admin_api_key, engine_api_key, access_log;
+                      model, served_model_name, admin_api_key, metrics_api_key, engine_api_key,
+                      access_log;
   int port = 8080, http_threads = 2, prefill_retries = 2;
-  size_t max_queue = 1024, max_connections = 0;
+  size_t max_queue = 1024, max_connections = 0, max_connections_per_address = 0;
   MaxTokensFlags max_tokens;
   std::vector<std::string> prefill, decode, api_keys;
   double upstream_timeout = 300;
@@ -32,6 +33,7 @@ gateway::Topology from_flags(const GatewayCliOptions& o) {
   t.served_model_name = o.served_model_name;
   t.api_keys = o.api_keys;
   t.admin_api_key = o.admin_api_key;
+  t.metrics_api_key = o.metrics_api_key;
   t.engine_api_key = o.engine_api_key;
   t.access_log = o.access_log;
   t.max_queue = o.max_queue;
@@ -56,6 +58,8 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     if (cmd.count("--host") > 0) t.host = o.host;
     if (cmd.count("--port") > 0) t.port = static_cast<uint16_t>(o.port);
     if (cmd.count("--max-connections") > 0) t.max_connections = o.max_connections;
+    if (cmd.count("--max-connections-per-address") > 0)
+      t.max_connections_per_address = o.max_connections_per_address;
     if (cmd.count("--engine-api-key") > 0) t.engine_api_key = o.engine_api_key;
     if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens.limit;
     if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.max_tokens.default_value;
@@ -66,6 +70,7 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t.port = static_cast<uint16_t>(o.port);
     t.io_threads = o.http_threads;
     t.max_connections = o.max_connections;
+    t.max_connections_per_address = o.max_connections_per_address;
   }
   const std::string mode = gateway::mode_name(t.mode);
   const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
@@ -114,6 +119,8 @@ void add_gateway_command(CLI::App& app) {
                   "the model id of /v1/models (default: the engines')");
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables /admin/* and /debug/requests");
+  cmd->add_option("--metrics-api-key", o->metrics_api_key,
+                  "required as a Bearer token on /metrics (default: open)");
   cmd->add_option("--engine-api-key", o->engine_api_key,
                   "the key of engines started with --api-key, sent on every call to them");
   cmd->add_option("--access-log", o->access_log, "JSON line per request: a file, or - for stdout");
@@ -126,6 +133,10 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--max-connections", o->max_connections,
                   "client connections held at once; past it new ones are closed at once "
                   "(0: three quarters of the file descriptor limit)")
+      ->capture_default_str();
+  cmd->add_option("--max-connections-per-address", o->max_connections_per_address,
+                  "of those, held at once from one client address; past it its new ones are "
+                  "closed at once (0: no limit; leave it behind a proxy or load balancer)")
       ->capture_default_str();
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()

@@ -29,7 +29,7 @@ namespace {
 struct ServeOptions {
   bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", engine_host = "127.0.0.1", mode = "parallel",
-              policy = "tandem", access_log, admin_api_key;
+              policy = "tandem", access_log, admin_api_key, metrics_api_key;
   MaxTokensFlags max_tokens;
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0;
   bool gateway_tokenizer = true, batch_invariant = false;
@@ -144,6 +144,7 @@ void run(const ServeOptions& o) {
   g.access_log = o.access_log;
   g.api_keys = o.api_keys;
   g.admin_api_key = o.admin_api_key;
+  g.metrics_api_key = o.metrics_api_key;
   g.served_model_name = served;
   g.policy = o.policy;
   g.engine_api_key = engine_api_key;
@@ -250,6 +251,8 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
   add_max_tokens_flags(*cmd, o->max_tokens);  // for the gateway and every engine
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
+  cmd->add_option("--metrics-api-key", o->metrics_api_key,
+                  "required as a Bearer token on the gateway's /metrics (default: open)");
   cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
   cmd->callback([o] { run(*o); });

@@ -75,7 +75,13 @@ void FrontEnd::add_routes(net::HttpServer& server) {
     else
       ex->send_error(503, "no eligible engine", "server_error");
   });
-  server.route("GET", "/metrics", [this](const net::HttpRequest&, auto ex) {
+  server.route("GET", "/metrics", [this](const net::HttpRequest& req, auto ex) {
+    if (!topo_.metrics_api_key.empty() &&
+        !secrets_equal(api::bearer_token(req), topo_.metrics_api_key)) {
+      ex->send_error(401, "invalid or missing metrics API key", "invalid_request_error",
+                     "invalid_api_key");
+      return;
+    }
     ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
   });
   server.route("GET", "/v1/models", [this](const net::HttpRequest& req, auto ex) {

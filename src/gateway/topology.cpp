@@ -332,17 +332,18 @@ void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions&
 }
 
 Topology read_topology(const Reader& r, const YAML::Node& root) {
-  const auto keys = r.mapping(
-      root, "",
-      {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key", "max_queue",
-       "prefill_retries", "policy", "scheduling", "access_log", "health", "max_tokens_limit",
-       "default_max_tokens", "engine_api_key", "timeouts", "prefill", "decode"});
+  const auto keys =
+      r.mapping(root, "",
+                {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key",
+                 "metrics_api_key", "max_queue", "prefill_retries", "policy", "scheduling",
+                 "access_log", "health", "max_tokens_limit", "default_max_tokens", "engine_api_key",
+                 "timeouts", "prefill", "decode"});
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
-    const auto listen =
-        r.mapping(keys.at("listen"), "listen",
-                  {"host", "port", "io_threads", "max_body_bytes", "max_connections"});
+    const auto listen = r.mapping(keys.at("listen"), "listen",
+                                  {"host", "port", "io_threads", "max_body_bytes",
+                                   "max_connections", "max_connections_per_address"});
     if (listen.count("host"))
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
@@ -355,6 +356,9 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
     if (listen.count("max_connections"))
       t.max_connections =
           static_cast<size_t>(r.count(listen.at("max_connections"), "listen.max_connections", 1));
+    if (listen.count("max_connections_per_address"))
+      t.max_connections_per_address = static_cast<size_t>(r.count(
+          listen.at("max_connections_per_address"), "listen.max_connections_per_address", 0));
   }
   if (has("prefill")) t.prefill = read_pool(r, keys.at("prefill"), "prefill", false);
   if (!has("decode")) r.fail("decode.endpoints", "a list of engines", "nothing");
@@ -382,6 +386,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   }
   if (has("admin_api_key"))
     t.admin_api_key = r.non_empty_string(keys.at("admin_api_key"), "admin_api_key", "a key");
+  if (has("metrics_api_key"))
+    t.metrics_api_key = r.non_empty_string(keys.at("metrics_api_key"), "metrics_api_key", "a key");
   if (has("engine_api_key"))
     t.engine_api_key = r.non_empty_string(keys.at("engine_api_key"), "engine_api_key", "a key");
   for (auto [key, value] : {std::pair{"max_tokens_limit", &t.max_tokens_limit},

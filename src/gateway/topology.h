@@ -87,6 +87,7 @@ struct Topology {
   int io_threads = 2;
   size_t max_body_bytes = size_t{8} << 20;
   size_t max_connections = 0;  // client connections held at once; 0: 3/4 of the fd limit
+  size_t max_connections_per_address = 0;  // of those, from one peer address; 0: no limit
 
   PdMode mode = PdMode::kAggregated;
   Pool prefill, decode;
@@ -102,6 +103,8 @@ struct Topology {
   int64_t max_tokens_limit = 0;
   int64_t default_max_tokens = 0;
   std::string admin_api_key;  // for /admin/*; empty: the admin API is off
+  // For /metrics (which names every engine); empty: open, as vLLM's is.
+  std::string metrics_api_key;
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
   int prefill_retries = 2;  // other prefill engines tried when one fails before any byte

@@ -364,9 +364,10 @@ class ServerImpl {
   // Calls the handler for the request, or answers 404/405/501 itself.
   void dispatch(const HttpRequest& request, const std::shared_ptr<Exchange>& exchange);
   bool stopping() const { return stopping_.load(std::memory_order_acquire); }
-  // A connection was accepted: false (and the caller closes it) when the cap is reached.
-  bool admit_connection();
-  void connection_closed() { open_connections_.fetch_sub(1, std::memory_order_relaxed); }
+  // A connection from `address` was accepted: false (and the caller closes it) when the cap, or
+  // the address's own cap, is reached.
+  bool admit_connection(const std::string& address);
+  void connection_closed(const std::string& address);
   // accept() failed with `error` (out of file descriptors and the like).
   void accept_failed(int error);
 
@@ -377,8 +378,12 @@ class ServerImpl {
   std::atomic<uint16_t> port_{0};
   size_t max_connections_ = 0;  // resolved at start()
   std::atomic<size_t> open_connections_{0};
+  // Connections per peer address; kept only with max_connections_per_address.
+  std::mutex per_address_mu_;
+  std::unordered_map<std::string, size_t> per_address_;  // under per_address_mu_
   // Strangers can repeat these at will: at most one log line per interval each.
   LogThrottle cap_log_{std::chrono::seconds(10)};
+  LogThrottle address_cap_log_{std::chrono::seconds(10)};
   LogThrottle accept_log_{std::chrono::seconds(10)};
 
   LoopGroup loops_;
@@ -423,15 +428,15 @@ class ServerLoop : public IoHandler, public Timer::Target {
 // exchange produces, on its loop's thread only.
 class Connection : public IoHandler, public Deferred, public Timer::Target, public Retired {
  public:
-  Connection(ServerLoop& owner, int fd)
+  Connection(ServerLoop& owner, int fd, std::string remote_address, unsigned short remote_port)
       : owner_(owner),
         server_(owner.server()),
         loop_(owner.loop()),
         fd_(fd),
         head_parser_(server_.options().max_header_bytes),
-        timer_(loop_, *this) {
-    peer_of(fd_, remote_address_, remote_port_);
-  }
+        timer_(loop_, *this),
+        remote_address_(std::move(remote_address)),
+        remote_port_(remote_port) {}
   ~Connection() override {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -447,6 +452,7 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   void wake() { loop_.defer(this); }
   // The server stops: end everything now.
   void shutdown() { close_now(); }
+  const std::string& remote_address() const { return remote_address_; }
 
  private:
   enum class Phase { kHead, kBody, kExchange, kErrorSent, kDraining, kClosed };
@@ -807,12 +813,15 @@ void ServerLoop::on_io(uint32_t) {
       backoff_->arm(std::chrono::milliseconds(50));
       return;
     }
-    if (server_.stopping() || !server_.admit_connection()) {
+    std::string address;
+    unsigned short port = 0;
+    peer_of(fd, address, port);
+    if (server_.stopping() || !server_.admit_connection(address)) {
       ::close(fd);
       continue;
     }
     set_no_delay(fd);
-    auto connection = std::make_unique<Connection>(*this, fd);
+    auto connection = std::make_unique<Connection>(*this, fd, std::move(address), port);
     Connection* c = connection.get();
     connections_.emplace(c, std::move(connection));
     c->start();
@@ -828,7 +837,7 @@ void ServerLoop::on_timer() {
 void ServerLoop::remove(Connection* c) {
   auto it = connections_.find(c);
   if (it == connections_.end()) return;
-  server_.connection_closed();
+  server_.connection_closed(c->remote_address());
   loop_.retire(std::move(it->second));
   connections_.erase(it);
 }
@@ -888,15 +897,43 @@ void ServerImpl::dispatch(const HttpRequest& request, const std::shared_ptr<Exch
   method->second(request, exchange);
 }
 
-bool ServerImpl::admit_connection() {
-  if (open_connections_.fetch_add(1, std::memory_order_relaxed) < max_connections_) return true;
+bool ServerImpl::admit_connection(const std::string& address) {
+  if (open_connections_.fetch_add(1, std::memory_order_relaxed) >= max_connections_) {
+    open_connections_.fetch_sub(1, std::memory_order_relaxed);
+    if (auto held_back = cap_log_.admit(LogThrottle::Clock::now())) {
+      log("connection cap reached (" + std::to_string(max_connections_) +
+          " connections): closing new connections" +
+          (*held_back > 0 ? " (" + std::to_string(*held_back) + " closed since the last line)"
+                          : ""));
+    }
+    return false;
+  }
+  const size_t per_address = options_.max_connections_per_address;
+  if (per_address == 0) return true;
+  {
+    std::lock_guard lock(per_address_mu_);
+    size_t& held = per_address_[address];
+    if (held < per_address) {
+      ++held;
+      return true;
+    }
+  }
   open_connections_.fetch_sub(1, std::memory_order_relaxed);
-  if (auto held_back = cap_log_.admit(LogThrottle::Clock::now())) {
-    log("connection cap reached (" + std::to_string(max_connections_) +
-        " connections): closing new connections" +
+  // One line per interval whatever the address: a stranger must not be able to flood the log.
+  if (auto held_back = address_cap_log_.admit(LogThrottle::Clock::now())) {
+    log("per-address connection cap reached (" + std::to_string(per_address) + " from " + address +
+        "): closing its new connections" +
         (*held_back > 0 ? " (" + std::to_string(*held_back) + " closed since the last line)" : ""));
   }
   return false;
+}
+
+void ServerImpl::connection_closed(const std::string& address) {
+  open_connections_.fetch_sub(1, std::memory_order_relaxed);
+  if (options_.max_connections_per_address == 0) return;
+  std::lock_guard lock(per_address_mu_);
+  auto it = per_address_.find(address);
+  if (it != per_address_.end() && --it->second == 0) per_address_.erase(it);
 }
 
 void ServerImpl::accept_failed(int error) {

@@ -114,6 +114,11 @@ struct HttpServerOptions {
   // its own work and the connections it serves keep being served. 0: three quarters of the
   // process's file descriptor limit (RLIMIT_NOFILE).
   size_t max_connections = 0;
+  // Client connections held at once from one peer address, within max_connections; past it a
+  // new connection from that address is closed as it is accepted (logged like the cap), so one
+  // host cannot take every connection (slowloris from one machine). 0: no per-address limit,
+  // for servers behind a proxy or load balancer, where every client shares its address.
+  size_t max_connections_per_address = 0;
   // Where the server reports what only an operator can act on (handler exceptions, accept
   // failures, the connection cap). Empty: standard error.
   std::function<void(const std::string&)> log;

@@ -648,6 +648,34 @@ TEST_P(GatewayFailures, ApiKeysAreRequiredWhenConfigured) {
   net::Headers a;
   a.set("Authorization", "Bearer k1");
   EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/admin/endpoints", {}, a).status, 401);
+  // Without a metrics key, /metrics stays open (Prometheus scrapes it as vLLM's).
+  EXPECT_EQ(net::http_request("127.0.0.1", port(), "GET", "/metrics").status, 200);
+}
+
+TEST_P(GatewayFailures, MetricsTakeOnlyTheMetricsKeyWhenOneIsSet) {
+  FakeEngine engine("e");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  t.api_keys = {"k1"};
+  t.metrics_api_key = "scrape";
+  start(t);
+  net::Headers client;
+  client.set("Authorization", "Bearer k1");
+  ASSERT_EQ(post(completion(), client).status, 200);  // the engine now has samples
+  auto get = [&](const std::string& key) {
+    net::Headers h;
+    if (!key.empty()) h.set("Authorization", "Bearer " + key);
+    return net::http_request("127.0.0.1", port(), "GET", "/metrics", {}, h);
+  };
+  const auto none = get("");
+  EXPECT_EQ(none.status, 401);
+  EXPECT_EQ(json::parse(none.body)["error"]["code"], "invalid_api_key");
+  EXPECT_EQ(none.body.find("endpoint="), std::string::npos) << none.body;
+  EXPECT_EQ(get("k1").status, 401);
+  EXPECT_EQ(get("admin").status, 401);
+  const auto ok = get("scrape");
+  EXPECT_EQ(ok.status, 200);
+  EXPECT_NE(ok.body.find("endpoint=\"e\""), std::string::npos) << ok.body;
 }
 
 TEST_P(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {

@@ -136,10 +136,12 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.served_model_name, "tiny");
   EXPECT_EQ(t.api_keys, (std::vector<std::string>{"k1", "k2"}));
   EXPECT_EQ(t.admin_api_key, "secret");
+  EXPECT_EQ(t.metrics_api_key, "scrape-secret");
   EXPECT_EQ(t.engine_api_key, "engines-secret");
   EXPECT_EQ(t.max_tokens_limit, 8192);
   EXPECT_EQ(t.default_max_tokens, 1024);
   EXPECT_EQ(t.max_connections, 15000u);
+  EXPECT_EQ(t.max_connections_per_address, 1000u);
   EXPECT_EQ(t.max_queue, 1024u);
   EXPECT_EQ(t.prefill_retries, 2);
   EXPECT_EQ(t.access_log, "-");
@@ -214,6 +216,7 @@ TEST(TopologyYaml, OnlyDecodeEndpointsGiveTheDefaults) {
   EXPECT_EQ(t.served_model_name, "");
   EXPECT_TRUE(t.api_keys.empty());
   EXPECT_EQ(t.admin_api_key, "");
+  EXPECT_EQ(t.metrics_api_key, "");
   EXPECT_EQ(t.max_queue, defaults.max_queue);
   EXPECT_EQ(t.prefill_retries, defaults.prefill_retries);
   EXPECT_EQ(t.access_log, "");
@@ -305,9 +308,11 @@ TEST(TopologyYaml, LongFormEndpointsNeedOneAddress) {
 TEST(TopologyYaml, UnknownKeysAreErrors) {
   EXPECT_THAT(yaml_error(parallel_yaml("modes: parallel\n")),
               StartsWith("t.yaml: modes: expected one of listen, mode, model, "));
-  EXPECT_THAT(yaml_error(parallel_yaml("listen: {hots: a}\n")),
-              StartsWith("t.yaml: listen.hots: expected one of host, port, io_threads, "
-                         "max_body_bytes, max_connections, got an unknown key"));
+  EXPECT_THAT(
+      yaml_error(parallel_yaml("listen: {hots: a}\n")),
+      StartsWith(
+          "t.yaml: listen.hots: expected one of host, port, io_threads, "
+          "max_body_bytes, max_connections, max_connections_per_address, got an unknown key"));
   EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
               StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
   EXPECT_THAT(yaml_error(parallel_yaml("health: {interval_ms: 5}\n")),

@@ -54,10 +54,18 @@ void count_posts_to_x(HttpServer& server, std::atomic<int>& calls) {
 // bug fails the test instead of hanging it.
 class RawConnection {
  public:
-  explicit RawConnection(uint16_t port) {
+  // `from`: the loopback address to connect from (127.0.0.0/8 is all this host's).
+  explicit RawConnection(uint16_t port, const char* from = nullptr) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     timeval tv{10, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (from) {
+      sockaddr_in source{};
+      source.sin_family = AF_INET;
+      ::inet_pton(AF_INET, from, &source.sin_addr);
+      if (::bind(fd_, reinterpret_cast<sockaddr*>(&source), sizeof source) != 0)
+        throw std::runtime_error("bind failed");
+    }
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(port);
@@ -936,6 +944,58 @@ TEST(HttpServer, ConnectionsPastTheCapAreClosedAndLoggedOnce) {
   std::lock_guard lock(log_mu);
   ASSERT_EQ(logged.size(), 1u);
   EXPECT_NE(logged[0].find("connection cap reached (2 connections)"), std::string::npos);
+}
+
+TEST(HttpServer, OneAddressHoldsAtMostItsOwnCapAndOthersAreStillServed) {
+  HttpServerOptions options = local_options();
+  options.threads = 1;
+  options.max_connections_per_address = 2;
+  std::mutex log_mu;
+  std::vector<std::string> logged;
+  options.log = [&](const std::string& line) {
+    std::lock_guard lock(log_mu);
+    logged.push_back(line);
+  };
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  const std::string post = "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n";
+  auto served = [&](RawConnection& c) {
+    std::string got;
+    try {
+      c.send(post);
+    } catch (const std::runtime_error&) {
+      return false;  // already closed by the server
+    }
+    return c.read_until(got, "{}");
+  };
+  // Two connections from one address that send nothing (a slowloris's) are held.
+  auto a = std::make_unique<RawConnection>(server.port(), "127.0.0.1");
+  RawConnection b(server.port(), "127.0.0.1");
+  ASSERT_TRUE(served(b));
+  for (int i = 0; i < 3; ++i) {
+    RawConnection refused(server.port(), "127.0.0.1");
+    EXPECT_EQ(refused.read_all(), "");
+    EXPECT_TRUE(refused.eof());
+  }
+  // Another address is served, up to its own cap.
+  RawConnection other(server.port(), "127.0.0.2");
+  EXPECT_TRUE(served(other));
+  // A connection that closes gives its address a place back.
+  a.reset();
+  bool readmitted = false;
+  for (int i = 0; i < 200 && !readmitted; ++i) {  // the close reaches the server's loop first
+    RawConnection again(server.port(), "127.0.0.1");
+    readmitted = served(again);
+  }
+  EXPECT_TRUE(readmitted);
+  EXPECT_TRUE(served(b));
+  std::lock_guard lock(log_mu);
+  ASSERT_GE(logged.size(), 1u);
+  EXPECT_NE(logged[0].find("per-address connection cap reached (2 from 127.0.0.1)"),
+            std::string::npos)
+      << logged[0];
+  EXPECT_LE(logged.size(), 2u) << "refusals are logged once per interval, not each";
 }
 
 TEST(HttpServer, TheDefaultConnectionCapIsThreeQuartersOfTheDescriptorLimit) {
