@@ -8,9 +8,10 @@
 namespace tandem::api {
 
 std::string openai_error_body(std::string_view message, std::string_view type,
-                              std::string_view code) {
+                              std::string_view code, std::string_view param) {
   // ordered_json keeps OpenAI's field order, which people compare by eye.
   nlohmann::ordered_json error = {{"message", message}, {"type", type}, {"param", nullptr}};
+  if (!param.empty()) error["param"] = param;
   error["code"] = code.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(code);
   // Replace, not throw, on invalid UTF-8: messages may quote bytes a client sent.
   return nlohmann::ordered_json{{"error", std::move(error)}}.dump(
@@ -42,6 +43,11 @@ net::HttpResponse openai_error_response(int status, std::string_view message, st
   r.status = status;
   r.body = openai_error_body(message, type.empty() ? default_error_type(status) : type, code);
   return r;
+}
+
+std::string api_error_body(const ApiError& e) {
+  return openai_error_body(e.message, e.type.empty() ? default_error_type(e.status) : e.type, {},
+                           e.param);
 }
 
 }  // namespace tandem::api

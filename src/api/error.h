@@ -17,11 +17,11 @@ struct ApiError {
   std::string type = "invalid_request_error";
 };
 
-// {"error":{"message":...,"type":...,"param":null,"code":...}}, the error object of the OpenAI
-// API. An empty `code` is written as null.
+// {"error":{"message":...,"type":...,"param":...,"code":...}}, the error object of the OpenAI
+// API. An empty `code` or `param` is written as null.
 std::string openai_error_body(std::string_view message,
                               std::string_view type = "invalid_request_error",
-                              std::string_view code = {});
+                              std::string_view code = {}, std::string_view param = {});
 
 // The message of an OpenAI error body (error.message), or nullopt when `body` is not one.
 std::optional<std::string> openai_error_message(std::string_view body);
@@ -34,5 +34,8 @@ std::string_view default_error_type(int status);
 // error body, of default_error_type(status) when no type is named.
 net::HttpResponse openai_error_response(int status, std::string_view message, std::string_view type,
                                         std::string_view code);
+// The body of the answer to a request the parsers refused (status e.status): the field it
+// names as "param", as OpenAI does.
+std::string api_error_body(const ApiError& e);
 
 }  // namespace tandem::api

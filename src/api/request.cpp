@@ -29,9 +29,95 @@ int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_defaul
   return asked;
 }
 
+// Fields that change what an answer must look like, which Tandem does not do yet. Accepting them
+// would answer 200 with free text a client takes for what it asked; each gets a 400 naming it.
+// A field is refused when `refused` says so of its (non-null) value.
+struct Unsupported {
+  const char* name;
+  bool (*refused)(const json& value, const json& body);
+  const char* why;
+};
+bool always(const json&, const json&) {
+  return true;
+}
+constexpr Unsupported kUnsupported[] = {
+    {"tools",
+     [](const json& v, const json& body) {
+       // With tool_choice "none" the template may show the tools; the answer is text.
+       return !(v.is_array() && v.empty()) && body.value("tool_choice", json()) != "none";
+     },
+     "'tools' is not supported yet: tool calls are not parsed from the output"},
+    {"tool_choice", [](const json& v, const json&) { return v != "none"; },
+     "'tool_choice' other than \"none\" is not supported yet: tool calls are not parsed"},
+    {"functions", always,
+     "'functions' is not supported: tool calls are not parsed from the output"},
+    {"function_call", [](const json& v, const json&) { return v != "none"; },
+     "'function_call' other than \"none\" is not supported"},
+    {"response_format",
+     [](const json& v, const json&) {
+       return !(v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text");
+     },
+     "'response_format' other than {\"type\": \"text\"} is not supported yet: no constrained "
+     "decoding"},
+    {"guided_json", always, "'guided_json' is not supported yet"},
+    {"guided_regex", always, "'guided_regex' is not supported yet"},
+    {"guided_choice", always, "'guided_choice' is not supported yet"},
+    {"guided_grammar", always, "'guided_grammar' is not supported yet"},
+    {"structured_outputs", always, "'structured_outputs' is not supported yet"},
+    // As vLLM without --trust-request-chat-template: a template is code the server runs.
+    {"chat_template", always,
+     "'chat_template' from a request is not accepted: the model's own template is used"},
+    {"suffix", always, "'suffix' is not supported"},
+};
+
+void refuse_unsupported(const json& body) {
+  for (const Unsupported& u : kUnsupported)
+    if (const json* v = field(body, u.name); v && u.refused(*v, body)) fail(u.name, u.why);
+}
+
+// OpenAI's logit_bias: {"token id": bias}. As vLLM: biases are clamped to [-100, 100], and ids
+// outside the vocabulary are an error listing them.
+std::vector<std::pair<int32_t, float>> logit_bias_from(const json& b, int64_t vocab_size) {
+  if (b.is_null()) return {};
+  if (!b.is_object())
+    fail("logit_bias", "'logit_bias' must be an object mapping token ids to biases");
+  std::vector<std::pair<int32_t, float>> out;
+  std::vector<std::string> outside;
+  for (auto it = b.begin(); it != b.end(); ++it) {
+    const std::string& key = it.key();
+    int64_t id = -1;
+    const bool digits =
+        !key.empty() && key.size() <= 10 &&
+        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (digits) id = std::stoll(key);
+    if (!digits || id > INT32_MAX)
+      fail("logit_bias", "'logit_bias' keys must be token ids, got \"" + key.substr(0, 40) + "\"");
+    if (!it.value().is_number() || !std::isfinite(it.value().get<double>()))
+      fail("logit_bias", "'logit_bias' values must be numbers, got " +
+                             it.value().dump().substr(0, 40) + " for token " + key);
+    if (vocab_size > 0 && id >= vocab_size) {
+      if (outside.size() < 10) outside.push_back(key);
+      continue;
+    }
+    out.emplace_back(static_cast<int32_t>(id),
+                     static_cast<float>(std::clamp(it.value().get<double>(), -100.0, 100.0)));
+  }
+  if (!outside.empty()) {
+    std::string list;
+    for (const auto& k : outside) list += (list.empty() ? "" : ", ") + k;
+    fail("logit_bias", "token id(s) " + list + " in 'logit_bias' are outside the vocabulary of " +
+                           std::to_string(vocab_size) + " tokens");
+  }
+  std::sort(out.begin(), out.end());
+  for (size_t i = 1; i < out.size(); ++i)
+    if (out[i].first == out[i - 1].first)  // "7" and "07"
+      fail("logit_bias", "'logit_bias' names token " + std::to_string(out[i].first) + " twice");
+  return out;
+}
+
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
 // sampling_params; max_tokens from max_tokens_of.
-SamplingParams sampling_from(const json& body, int64_t max_tokens) {
+SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab_size) {
   SamplingParams p;
   p.temperature = number(body, "temperature", 1.0);
   p.top_p = number(body, "top_p", 1.0);
@@ -72,8 +158,7 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens) {
       p.stop_token_ids.push_back(e.get<int32_t>());
     }
   }
-  if (const json* b = field(body, "logit_bias"); b && !b->empty())
-    fail("logit_bias", "'logit_bias' is not supported");
+  if (const json* b = field(body, "logit_bias")) p.logit_bias = logit_bias_from(*b, vocab_size);
   // Speculation is a property of the engine (its MTP module, its cache layout in P/D), not of a
   // request: asking for it per request would otherwise be silently ignored.
   for (const char* name :
@@ -158,6 +243,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   ApiRequest r;
   r.kind = ApiKind::kCompletion;
   r.model = model_name(body, limits);
+  refuse_unsupported(body);
   const json* prompt = field(body, "prompt");
   if (!prompt) fail("prompt", "'prompt' is required");
   r.echo = boolean(body, "echo", false);
@@ -190,7 +276,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
-  r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits));
+  r.sampling =
+      sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), limits.vocab_size);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -212,6 +299,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   ApiRequest r;
   r.kind = ApiKind::kChat;
   r.model = model_name(body, limits);
+  refuse_unsupported(body);
   const json* messages = field(body, "messages");
   if (!messages || !messages->is_array() || messages->empty())
     fail("messages", "'messages' must be a non-empty list");
@@ -260,7 +348,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits));
+  r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), limits.vocab_size);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -312,7 +400,8 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   static const json empty = json::object();
   // SGLang's default for max_new_tokens is 128.
   r.sampling = sampling_from(sp ? *sp : empty,
-                             max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits));
+                             max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits),
+                             limits.vocab_size);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false))
     r.logprobs = static_cast<int32_t>(integer(body, "top_logprobs_num", 0));

@@ -25,6 +25,13 @@ void SamplingParams::validate() const {
          std::to_string(min_tokens));
   for (const auto& s : stop)
     if (s.empty()) fail("stop strings must not be empty");
+  for (size_t i = 0; i < logit_bias.size(); ++i) {
+    const auto [id, bias] = logit_bias[i];
+    if (id < 0) fail("logit_bias token ids must be >= 0, got " + std::to_string(id));
+    if (i > 0 && id <= logit_bias[i - 1].first) fail("logit_bias token ids must ascend, once each");
+    if (!(bias >= -100 && bias <= 100))
+      fail("logit_bias values must be in [-100, 100], got " + std::to_string(bias));
+  }
 }
 
 }  // namespace tandem::api

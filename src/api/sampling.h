@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tandem::api {
@@ -24,6 +25,9 @@ struct SamplingParams {
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
   bool ignore_eos = false;
+  // Added to the logits of these token ids before penalties and sampling (greedy included),
+  // as OpenAI's logit_bias: (token id, bias in [-100, 100]), ascending ids, each once.
+  std::vector<std::pair<int32_t, float>> logit_bias;
 
   // Throws tandem::Error naming the parameter when a value is out of range.
   void validate() const;

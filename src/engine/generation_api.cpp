@@ -189,7 +189,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     if (kv_transfer.mode == KvTransferSpec::Mode::kPrefillForPull) call->request.stream = false;
   } catch (const ApiError& e) {
     release_refused_decode_leg(body);
-    ex->send_error(e.status, e.message, e.type);
+    ex->respond(e.status, api::api_error_body(e), "application/json");
     return;
   } catch (const Error& e) {
     release_refused_decode_leg(body);

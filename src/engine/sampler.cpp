@@ -37,6 +37,9 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
     for (int32_t id : end_ids_)
       if (id >= 0 && id < vocab) logits[id] = -std::numeric_limits<float>::infinity();
   }
+  // As vLLM: the bias goes on the raw logits, before penalties and temperature.
+  for (const auto& [id, bias] : params_.logit_bias)
+    if (id < vocab) logits[id] += bias;
   if (params_.repetition_penalty != 1.0) {
     std::vector<bool> seen(vocab, false);
     for (auto t : prompt) seen[t] = true;

@@ -1,7 +1,8 @@
 #pragma once
-// Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM: repetition
-// penalty (prompt and output tokens), frequency and presence penalties (output tokens), then
-// temperature; then top-k, top-p and min-p filtering; then a draw from the seeded generator.
+// Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM: min_tokens'
+// mask and logit_bias on the raw logits, repetition penalty (prompt and output tokens), frequency
+// and presence penalties (output tokens), then temperature; then top-k, top-p and min-p
+// filtering; then a draw from the seeded generator.
 // Temperature 0 is greedy (argmax, lowest id on ties).
 //
 // Speculative decoding (engine/speculative) uses the same transformed distribution twice: a

@@ -22,6 +22,11 @@ const text::Tokenizer& tokenizer() {
   return tok;
 }
 
+const text::ChatTemplate& chat_template() {
+  static const text::ChatTemplate tmpl(tokenizer().chat_template());
+  return tmpl;
+}
+
 const ModelLimits kLimits{"m", 4096, 129280};
 
 ApiError error_of(const std::function<void()>& f) {
@@ -106,7 +111,7 @@ TEST(Protocol, BadRequestsNameTheField) {
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"temperature", "hot"}}).param, "temperature");
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"max_tokens", 1.5}}).param, "max_tokens");
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"stop", {1}}}).param, "stop");
-  EXPECT_EQ(bad(json{{"prompt", "x"}, {"logit_bias", {{"1", 5}}}}).param, "logit_bias");
+  EXPECT_EQ(bad(json{{"prompt", "x"}, {"logit_bias", {{"one", 5}}}}).param, "logit_bias");
   EXPECT_EQ(bad(json{{"prompt", "x"}, {"num_speculative_tokens", 3}}).param,
             "num_speculative_tokens");
   EXPECT_NE(bad(json{{"prompt", "x"}, {"speculative_config", {{"method", "mtp"}}}})
@@ -121,6 +126,92 @@ TEST(Protocol, BadRequestsNameTheField) {
   auto wrong_model = bad(json{{"prompt", "x"}, {"model", "other"}});
   EXPECT_EQ(wrong_model.status, 404);
   EXPECT_EQ(error_of([&] { parse_completion(json::array(), tokenizer(), kLimits); }).status, 400);
+}
+
+TEST(Protocol, LogitBiasIsParsedClampedAndCheckedAgainstTheVocabulary) {
+  auto parsed = [](json bias) {
+    json body = {{"prompt", "x"}, {"logit_bias", bias}};
+    return parse_completion(body, tokenizer(), kLimits).sampling.logit_bias;
+  };
+  using Bias = std::vector<std::pair<int32_t, float>>;
+  EXPECT_EQ(parsed({{"5", 3}, {"1", -200}, {"129279", 100.5}}),
+            (Bias{{1, -100.0f}, {5, 3.0f}, {129279, 100.0f}}));  // ascending, clamped as vLLM
+  EXPECT_EQ(parsed(json::object()), Bias{});
+  EXPECT_EQ(parsed(nullptr), Bias{});
+  // The same for chat and for SGLang's sampling_params.
+  json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"logit_bias", {{"7", 1}}}};
+  EXPECT_EQ(parse_chat(chat, tokenizer(), &chat_template(), kLimits).sampling.logit_bias,
+            (Bias{{7, 1.0f}}));
+  json generate = {{"text", "x"}, {"sampling_params", {{"logit_bias", {{"9", -1}}}}}};
+  EXPECT_EQ(parse_generate(generate, tokenizer(), kLimits).sampling.logit_bias, (Bias{{9, -1.0f}}));
+
+  auto bad = [](json bias) {
+    json body = {{"prompt", "x"}, {"logit_bias", bias}};
+    return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
+  };
+  for (const json& b :
+       {json{{"-1", 1}}, json{{"1.5", 1}}, json{{"", 1}}, json{{"1", "high"}}, json{{"1", nullptr}},
+        json::array({1, 2}), json("1"), json{{"99999999999", 1}}, json{{"7", 1}, {"07", 2}}}) {
+    SCOPED_TRACE(b.dump());
+    const ApiError e = bad(b);
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "logit_bias");
+  }
+  const ApiError outside = bad({{"129280", 1}, {"200000", 1}, {"3", 1}});
+  EXPECT_NE(outside.message.find("129280, 200000"), std::string::npos) << outside.message;
+  EXPECT_NE(outside.message.find("vocabulary of 129280"), std::string::npos) << outside.message;
+}
+
+// Fields that would change what the answer must look like are refused by name until they are
+// supported, rather than answered 200 with free text; their harmless values are accepted.
+TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
+  const json tool = {{"type", "function"},
+                     {"function", {{"name", "f"}, {"parameters", json::object()}}}};
+  auto chat_error = [&](json extra) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+    body.update(extra);
+    return error_of([&] { parse_chat(body, tokenizer(), &chat_template(), kLimits); });
+  };
+  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
+           {"tools", json::array({tool})},
+           {"tool_choice", "auto"},
+           {"tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}},
+           {"functions", json::array({tool["function"]})},
+           {"function_call", "auto"},
+           {"response_format", {{"type", "json_object"}}},
+           {"response_format", {{"type", 5}}},
+           {"response_format", "text"},
+           {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "s"}}}}},
+           {"guided_json", {{"type", "object"}}},
+           {"guided_regex", "a+"},
+           {"guided_choice", {"a", "b"}},
+           {"guided_grammar", "root ::= \"a\""},
+           {"structured_outputs", {{"json", {{"type", "object"}}}}},
+           {"chat_template", "{{ messages }}"}}) {
+    SCOPED_TRACE(field + " " + value.dump());
+    const ApiError e = chat_error({{field, value}});
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, field);
+  }
+  auto completion_error = [&](json extra) {
+    json body = {{"prompt", "x"}};
+    body.update(extra);
+    return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
+  };
+  EXPECT_EQ(completion_error({{"suffix", "end"}}).param, "suffix");
+  EXPECT_EQ(completion_error({{"response_format", {{"type", "json_object"}}}}).param,
+            "response_format");
+  EXPECT_EQ(completion_error({{"guided_regex", "a+"}}).param, "guided_regex");
+  // Values that ask for nothing are fine.
+  for (const json& extra :
+       {json{{"tools", json::array()}}, json{{"tool_choice", "none"}},
+        json{{"tools", json::array({tool})}, {"tool_choice", "none"}},
+        json{{"response_format", {{"type", "text"}}}}, json{{"response_format", nullptr}}}) {
+    SCOPED_TRACE(extra.dump());
+    json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+    body.update(extra);
+    EXPECT_NO_THROW(parse_chat(body, tokenizer(), &chat_template(), kLimits));
+  }
 }
 
 // What vLLM answers 400 to, answered 400 with a message that names the real problem.

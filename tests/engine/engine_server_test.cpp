@@ -98,6 +98,13 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
   EXPECT_EQ(r["stop"]["finish"], "stop");
 
+  ASSERT_TRUE(r.contains("logit_bias"));
+  const int32_t forced = r["logit_bias"]["token"];
+  const std::vector<int32_t> four(4, forced);
+  EXPECT_EQ(r["logit_bias"]["text"], tok_->decode(four, true));
+  EXPECT_EQ(r["tools"]["status"], 400);
+  EXPECT_EQ(r["tools"]["param"], "tools");
+
   // The client aborts after its second chunk; events already read in the same packet may still
   // be counted. What matters is that the engine frees the request (below).
   EXPECT_GE(r["abort"]["chunks"].get<int>(), 2);
@@ -181,6 +188,11 @@ TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
   check(post("/v1/completions", "{not json"), 400);
   check(post("/v1/completions", std::string(100, '[')), 400);
   check(post("/v1/completions", R"({"prompt": "x", "max_tokens": "many"})"), 400);
+  // The field is named as OpenAI names it: "param".
+  EXPECT_EQ(json::parse(post("/v1/completions", R"({"prompt": "x", "max_tokens": "many"})")
+                            .body)["error"]["param"],
+            "max_tokens");
+  EXPECT_EQ(json::parse(post("/v1/completions", "{not json").body)["error"]["param"], nullptr);
   check(post("/v1/completions", R"({"prompt": [1, 2, 99999999]})"), 400);
   check(post("/v1/chat/completions", R"({"messages": "hello"})"), 400);
   check(post("/v1/completions", R"({"prompt": "x", "model": "gpt-4"})"), 404);

@@ -97,6 +97,39 @@ TEST(Sampler, PenaltiesMoveTheRightLogits) {
   EXPECT_FLOAT_EQ(l2[0], 2.0f - 0.5f * 2 - 0.25f);
 }
 
+// OpenAI's logit_bias: added to the raw logits, so it decides greedy choices, and a bias of -100
+// keeps a token out of draws; penalties apply after it (vLLM's order).
+TEST(Sampler, LogitBiasMovesGreedyChoicesAndDraws) {
+  SamplingParams g;
+  g.temperature = 0;
+  g.logit_bias = {{2, 3.5f}};
+  Sampler greedy(g, 1);
+  auto l = logits_of({0.1f, 3.0f, -1.0f, 2.9f});
+  EXPECT_EQ(greedy.sample(l, {}, {}), 1);  // -1 + 3.5 = 2.5 < 3.0
+  EXPECT_FLOAT_EQ(l[2], 2.5f);
+  l = logits_of({0.1f, 2.0f, -1.0f, 1.9f});
+  EXPECT_EQ(greedy.sample(l, {}, {}), 2);  // 2.5 > 2.0
+
+  SamplingParams d;
+  d.temperature = 1.0;
+  d.logit_bias = {{1, -100.0f}};
+  Sampler draws(d, 7);
+  for (int i = 0; i < 2000; ++i) {
+    auto ld = logits_of({0.0f, 5.0f, 0.0f});  // token 1 would be drawn 98% of the time
+    ASSERT_NE(draws.sample(ld, {}, {}), 1);
+  }
+
+  SamplingParams r;
+  r.temperature = 0;
+  r.repetition_penalty = 2.0;
+  r.logit_bias = {{0, 2.0f}};
+  Sampler penalised(r, 1);
+  l = logits_of({2.0f, 1.5f});
+  const std::vector<int32_t> prompt = {0};
+  EXPECT_EQ(penalised.sample(l, prompt, {}), 0);  // (2 + 2) / 2 = 2.0 > 1.5
+  EXPECT_FLOAT_EQ(l[0], 2.0f);
+}
+
 // vLLM's min_tokens: EOS and stop_token_ids cannot be drawn before min_tokens tokens exist.
 TEST(Sampler, EndTokensAreNotDrawnBeforeMinTokens) {
   SamplingParams p;

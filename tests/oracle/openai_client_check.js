@@ -60,6 +60,21 @@ async function main() {
     out.stop = { stop, text: st.choices[0].text, finish: st.choices[0].finish_reason };
   }
 
+  // logit_bias: +100 on one token makes every greedy token that one.
+  const forced = ids[ids.length - 1];
+  const lb = await client.completions.create({ ...greedy, prompt, max_tokens: 4,
+                                               logit_bias: { [String(forced)]: 100 } });
+  out.logit_bias = { token: forced, text: lb.choices[0].text };
+
+  // What the server cannot honour yet is a 400 naming the field, not free text.
+  try {
+    await client.chat.completions.create({ model, messages, max_tokens: 4, tools: [
+      { type: 'function', function: { name: 'f', parameters: { type: 'object' } } }] });
+    out.tools = { status: 200 };
+  } catch (e) {
+    out.tools = { status: e.status, param: e.error && e.error.param };
+  }
+
   // Abort mid-stream: read two chunks, then cancel; the engine must free the request.
   const controller = new AbortController();
   const long = await client.completions.create(
