@@ -331,6 +331,7 @@ struct KvEventsConsumer::Impl {
     zmq::socket_t dealer(context, zmq::socket_type::dealer);
     dealer.set(zmq::sockopt::linger, 0);
     dealer.set(zmq::sockopt::rcvhwm, 0);
+    dealer.set(zmq::sockopt::maxmsgsize, options.max_message_bytes);
     dealer.connect(options.replay_endpoint);
     dealer.send(zmq::message_t(), zmq::send_flags::sndmore);
     dealer.send(zmq::buffer(be64(next_seq)), zmq::send_flags::none);
@@ -423,6 +424,7 @@ KvEventsConsumer::KvEventsConsumer(PrefixIndex& index, KvEventsConsumerOptions o
   s.sub.set(zmq::sockopt::linger, 0);
   s.sub.set(zmq::sockopt::rcvhwm,
             static_cast<int>(std::min<int64_t>(s.options.receive_hwm, 1 << 30)));
+  s.sub.set(zmq::sockopt::maxmsgsize, s.options.max_message_bytes);
   s.sub.set(zmq::sockopt::subscribe, s.options.topic);
   try {
     s.sub.connect(s.options.endpoint);

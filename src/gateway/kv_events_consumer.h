@@ -74,6 +74,10 @@ struct KvEventsConsumerOptions {
   int64_t block_size = kDefaultKvBlockSize;  // until events say otherwise
   int replay_timeout_ms = 2000;              // silence from the replay socket that ends a replay
   int64_t receive_hwm = 100000;              // batches the SUB socket may queue
+  // A message larger than this (live or replayed) makes ZMQ drop the connection it came on, so
+  // a hostile or broken publisher cannot make the gateway buffer without bound. ZMQ does not
+  // reconnect after it (a protocol error). A step's batch of a 128K-token prompt is about 1 MB.
+  int64_t max_message_bytes = int64_t{64} << 20;
 };
 
 struct KvEventsConsumerStats {

@@ -626,6 +626,36 @@ TEST(KvEventsConsumer, SkippedBatchIsFilledFromReplay) {
   EXPECT_EQ(index.block_size(3), 2);
 }
 
+// A batch past max_message_bytes is refused by ZMQ before it is buffered whole: it is never
+// applied, and the consumer still stops cleanly. (ZMQ takes it as a protocol error and does not
+// reconnect to that publisher: docs/gateway.md.)
+TEST(KvEventsConsumer, AnOversizedBatchIsNeverApplied) {
+  ScriptedPublisher pub;
+  PrefixIndex index;
+  KvEventsConsumerOptions options = options_for(pub, 3);
+  options.max_message_bytes = 4096;
+  options.replay_timeout_ms = 500;
+  auto consumer = std::make_unique<KvEventsConsumer>(index, options);
+  uint64_t seq = publish_until_live(pub, *consumer, 0);
+  const auto before = consumer->stats();
+
+  // 1,000 chained blocks: about 20 KB of msgpack, past the limit.
+  engine::BlockStored big;
+  for (int k = 0; k < 1000; ++k) {
+    big.block_hashes.push_back(700 + uint64_t(k));
+    big.token_ids.push_back(10 * k);
+    big.token_ids.push_back(10 * k + 1);
+  }
+  big.block_size = 2;
+  const std::string payload = engine::encode_kv_event_batch({1.0, {big}, {}});
+  ASSERT_GT(payload.size(), 4096u);
+  pub.publish(seq, payload);
+  EXPECT_FALSE(consumer->wait_for_seq(seq, 1000));
+  EXPECT_EQ(index.match_depth(3, chain_tokens(2)), 0);
+  EXPECT_EQ(consumer->stats().batches, before.batches);
+  consumer.reset();  // returns: the thread is not stuck on the refused message
+}
+
 TEST(KvEventsConsumer, LateConsumerWarmsUpFromReplay) {
   ScriptedPublisher pub;
   for (uint64_t k = 0; k < 5; ++k) {
