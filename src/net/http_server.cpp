@@ -397,7 +397,7 @@ class ServerImpl {
 
 // The server's part of one loop: its listener registration and its connections. Loop thread
 // only, except construction and destruction (before the thread starts, after it ended).
-class ServerLoop : public IoHandler, public Timer::Target {
+class ServerLoop final : public IoHandler, public Timer::Target {
  public:
   ServerLoop(ServerImpl& server, EventLoop& loop, int listen_fd)
       : server_(server), loop_(loop), listen_fd_(listen_fd) {}

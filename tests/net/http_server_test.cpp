@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -116,6 +117,25 @@ class RawConnection {
  private:
   int fd_ = -1;
   bool eof_ = false;
+};
+
+// What a server logged (HttpServerOptions::log), from any of its threads.
+class ServerLog {
+ public:
+  std::function<void(const std::string&)> sink() {
+    return [this](const std::string& line) {
+      std::lock_guard lock(mu_);
+      lines_.push_back(line);
+    };
+  }
+  std::vector<std::string> lines() {
+    std::lock_guard lock(mu_);
+    return lines_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> lines_;
 };
 
 // Hostile bytes printable in a failure message.
@@ -379,12 +399,8 @@ TEST(HttpServer, MalformedRequestIs400AndHugeHeaderIs431) {
 
 TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
   HttpServerOptions options = local_options();
-  std::mutex log_mu;
-  std::vector<std::string> logged;
-  options.log = [&](const std::string& line) {
-    std::lock_guard lock(log_mu);
-    logged.push_back(line);
-  };
+  ServerLog log;
+  options.log = log.sink();
   HttpServer server(options);
   server.route("GET", "/throw", [](const HttpRequest&, std::shared_ptr<Exchange>) {
     throw std::runtime_error("boom");
@@ -399,7 +415,7 @@ TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
   EXPECT_NE(r.body.find("boom"), std::string::npos);
   r = client.request("GET", "/ok");
   EXPECT_EQ(r.status, 200);
-  std::lock_guard lock(log_mu);
+  const auto logged = log.lines();
   ASSERT_EQ(logged.size(), 1u);
   EXPECT_NE(logged[0].find("boom"), std::string::npos);
 }
@@ -915,12 +931,8 @@ TEST(HttpServer, ConnectionsPastTheCapAreClosedAndLoggedOnce) {
   HttpServerOptions options = local_options();
   options.threads = 1;
   options.max_connections = 2;
-  std::mutex log_mu;
-  std::vector<std::string> logged;
-  options.log = [&](const std::string& line) {
-    std::lock_guard lock(log_mu);
-    logged.push_back(line);
-  };
+  ServerLog log;
+  options.log = log.sink();
   HttpServer server(options);
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
@@ -941,7 +953,7 @@ TEST(HttpServer, ConnectionsPastTheCapAreClosedAndLoggedOnce) {
   got.clear();
   a.send(post);  // the connections it holds are still served
   EXPECT_TRUE(a.read_until(got, "{}"));
-  std::lock_guard lock(log_mu);
+  const auto logged = log.lines();
   ASSERT_EQ(logged.size(), 1u);
   EXPECT_NE(logged[0].find("connection cap reached (2 connections)"), std::string::npos);
 }
@@ -950,12 +962,8 @@ TEST(HttpServer, OneAddressHoldsAtMostItsOwnCapAndOthersAreStillServed) {
   HttpServerOptions options = local_options();
   options.threads = 1;
   options.max_connections_per_address = 2;
-  std::mutex log_mu;
-  std::vector<std::string> logged;
-  options.log = [&](const std::string& line) {
-    std::lock_guard lock(log_mu);
-    logged.push_back(line);
-  };
+  ServerLog log;
+  options.log = log.sink();
   HttpServer server(options);
   std::atomic<int> calls{0};
   count_posts_to_x(server, calls);
@@ -990,7 +998,7 @@ TEST(HttpServer, OneAddressHoldsAtMostItsOwnCapAndOthersAreStillServed) {
   }
   EXPECT_TRUE(readmitted);
   EXPECT_TRUE(served(b));
-  std::lock_guard lock(log_mu);
+  const auto logged = log.lines();
   ASSERT_GE(logged.size(), 1u);
   EXPECT_NE(logged[0].find("per-address connection cap reached (2 from 127.0.0.1)"),
             std::string::npos)
