@@ -108,7 +108,7 @@ class FakeClient final : public ClientReply {
     if (complete_) return false;
     status = s;
     body = std::move(b);
-    complete_ = true;
+    finish();
     return true;
   }
   bool send_error(int s, std::string_view message, std::string_view type,
@@ -118,7 +118,7 @@ class FakeClient final : public ClientReply {
     error_message = std::string(message);
     error_type = std::string(type);
     error_code = std::string(code);
-    complete_ = true;
+    finish();
     return true;
   }
   bool start_stream(int s, std::string) override {
@@ -131,13 +131,19 @@ class FakeClient final : public ClientReply {
     streamed += chunk;
     return true;
   }
-  bool end() override { return complete_ = true; }
-  void abort() override { aborted = true; }
+  bool end() override {
+    finish();
+    return true;
+  }
+  void abort() override {
+    aborted = true;
+    close_ = nullptr;
+  }
   void on_close(std::function<void()> callback) override { close_ = std::move(callback); }
   // The client hangs up.
   void leave() {
     gone_ = true;
-    if (close_) close_();
+    if (auto close = std::move(close_)) close();
   }
 
   int status = 0;
@@ -146,6 +152,13 @@ class FakeClient final : public ClientReply {
   bool complete() const { return complete_; }
 
  private:
+  // As the server's exchange: a response that ended drops its close callback, which holds the
+  // request (the request holds this reply).
+  void finish() {
+    complete_ = true;
+    close_ = nullptr;
+  }
+
   bool complete_ = false, gone_ = false;
   std::function<void()> close_;
 };
@@ -203,9 +216,17 @@ class Cluster {
     for (const auto& e : topo.decode.endpoints) endpoints.add(false, e);
   }
 
+  // Requests still in flight at the end hold their client's close callback, which holds them;
+  // a server drops those callbacks when it closes its connections.
+  ~Cluster() {
+    for (const auto& c : clients_)
+      if (auto client = c.lock()) client->on_close(nullptr);
+  }
+
   // A client sends a completion request; it reaches the dispatcher as the front end prepares it.
   std::shared_ptr<FakeClient> send(bool stream = false, const std::string& id = {}) {
     auto client = std::make_shared<FakeClient>();
+    clients_.push_back(client);
     net::HttpRequest req;
     req.method = "POST";
     req.target = req.path = "/v1/completions";
@@ -250,6 +271,9 @@ class Cluster {
   Dispatcher dispatcher;
   HealthMonitor health;
   FrontEnd front_end;
+
+ private:
+  std::vector<std::weak_ptr<FakeClient>> clients_;
 };
 
 std::string host_of(const FakeEngines::Call& c) {
