@@ -176,9 +176,10 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         }
       }
     } catch (const api::ApiError& e) {
-      std::string message = e.message;
-      if (!e.param.empty()) message += " (param: " + e.param + ")";
-      return refuse(e.status, message, e.type);
+      // The field goes into OpenAI's "param", as the engines answer.
+      r->reply->respond(e.status, api::api_error_body(e), "application/json");
+      dispatcher_.end_request(r, {e.status, e.message});
+      return nullptr;
     } catch (const std::exception& e) {
       return refuse(400, std::string("cannot tokenize the request: ") + e.what());
     }

@@ -160,6 +160,12 @@ TEST_F(GatewayStack, EveryModeServesTheOpenAIClientLikeOneEngine) {
       }
       auto gw = gateway(mode, endpoints);
       check_with_openai_client(gw->port());
+      // A refused field is named in OpenAI's "param", whether the gateway (tokenizing) or the
+      // engine refuses it.
+      const auto bad =
+          post_json(gw->port(), "/v1/completions", {{"prompt", "x"}, {"max_tokens", "many"}});
+      EXPECT_EQ(bad.status, 400);
+      EXPECT_EQ(json::parse(bad.body)["error"]["param"], "max_tokens") << bad.body;
       // Concurrent requests of mixed lengths through the gateway.
       std::vector<std::future<std::string>> got;
       std::vector<std::vector<int32_t>> prompts;
