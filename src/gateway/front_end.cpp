@@ -1,6 +1,7 @@
 #include "gateway/front_end.h"
 
 #include <algorithm>
+#include <span>
 
 #include <nlohmann/json.hpp>
 
@@ -76,8 +77,9 @@ void FrontEnd::add_routes(net::HttpServer& server) {
       ex->send_error(503, "no eligible engine", "server_error");
   });
   server.route("GET", "/metrics", [this](const net::HttpRequest& req, auto ex) {
-    if (!topo_.metrics_api_key.empty() &&
-        !secrets_equal(api::bearer_token(req), topo_.metrics_api_key)) {
+    const std::span<const std::string> key(&topo_.metrics_api_key,
+                                           topo_.metrics_api_key.empty() ? 0 : 1);
+    if (!api::api_key_valid(key, req)) {
       ex->send_error(401, "invalid or missing metrics API key", "invalid_request_error",
                      "invalid_api_key");
       return;
@@ -130,11 +132,14 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   if (const auto* auth = req.headers.find("Authorization")) r->headers.set("Authorization", *auth);
   // The client's error: answered here, and recorded (`logged`: the access log's error, if not
   // the message).
+  auto ended = [&](int status, std::string logged) {
+    dispatcher_.end_request(r, {status, std::move(logged)});
+    return nullptr;
+  };
   auto refuse = [&](int status, const std::string& message, std::string_view type = {},
                     std::string_view code = {}, std::string logged = {}) {
     r->reply->send_error(status, message, type, code);
-    dispatcher_.end_request(r, {status, logged.empty() ? message : std::move(logged)});
-    return nullptr;
+    return ended(status, logged.empty() ? message : std::move(logged));
   };
   if (!api::api_key_valid(topo_.api_keys, req))
     return refuse(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key", "unauthorized");
@@ -178,8 +183,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
     } catch (const api::ApiError& e) {
       // The field goes into OpenAI's "param", as the engines answer.
       r->reply->respond(e.status, api::api_error_body(e), "application/json");
-      dispatcher_.end_request(r, {e.status, e.message});
-      return nullptr;
+      return ended(e.status, e.message);
     } catch (const std::exception& e) {
       return refuse(400, std::string("cannot tokenize the request: ") + e.what());
     }
