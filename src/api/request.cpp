@@ -1,7 +1,9 @@
 #include "api/request.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 
@@ -41,18 +43,9 @@ bool always(const json&, const json&) {
   return true;
 }
 constexpr Unsupported kUnsupported[] = {
-    {"tools",
-     [](const json& v, const json& body) {
-       // With tool_choice "none" the template may show the tools; the answer is text.
-       return !(v.is_array() && v.empty()) && body.value("tool_choice", json()) != "none";
-     },
-     "'tools' is not supported yet: tool calls are not parsed from the output"},
-    {"tool_choice", [](const json& v, const json&) { return v != "none"; },
-     "'tool_choice' other than \"none\" is not supported yet: tool calls are not parsed"},
-    {"functions", always,
-     "'functions' is not supported: tool calls are not parsed from the output"},
+    {"functions", always, "'functions' (deprecated by OpenAI) is not supported: use 'tools'"},
     {"function_call", [](const json& v, const json&) { return v != "none"; },
-     "'function_call' other than \"none\" is not supported"},
+     "'function_call' (deprecated by OpenAI) is not supported: use 'tool_choice'"},
     {"response_format",
      [](const json& v, const json&) {
        return !(v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text");
@@ -235,6 +228,58 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
          "disaggregated requests carry one prompt and n = 1: send one request per prompt");
 }
 
+// OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}].
+void check_tools(const json& tools) {
+  if (!tools.is_array()) fail("tools", "'tools' must be a list");
+  for (const auto& t : tools) {
+    if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
+        !t["function"].is_object())
+      fail("tools", "every tool needs \"type\": \"function\" and a 'function' object");
+    const json& f = t["function"];
+    const json* name = field(f, "name");
+    const bool name_ok =
+        name && name->is_string() && !name->get<std::string>().empty() &&
+        name->get<std::string>().size() <= 64 &&
+        std::all_of(name->get_ref<const std::string&>().begin(),
+                    name->get_ref<const std::string&>().end(), [](char c) {
+                      return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+                    });
+    if (!name_ok) fail("tools", "a function's 'name' must be 1 to 64 letters, digits, '_' or '-'");
+    if (const json* p = field(f, "parameters"); p && !p->is_object())
+      fail("tools", "a function's 'parameters' must be a JSON Schema object");
+  }
+}
+
+// Reads tools and tool_choice: the markup the answer is parsed with (kNone: plain text). When the
+// model's template does not show tools (DeepSeek-V3's), a system message after the client's own
+// describes them.
+ToolCallFormat read_tools(const json& body, const text::Tokenizer& tokenizer,
+                          nlohmann::ordered_json& messages) {
+  const json* tools = field(body, "tools");
+  if (tools) check_tools(*tools);
+  const bool have_tools = tools && !tools->empty();
+  json choice = have_tools ? json("auto") : json("none");
+  if (const json* c = field(body, "tool_choice")) choice = *c;
+  if (choice == "none") return ToolCallFormat::kNone;
+  if (!have_tools) fail("tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
+  if (choice != "auto")
+    fail("tool_choice",
+         "'tool_choice' must be \"none\" or \"auto\": forcing a call is not supported yet");
+  const ToolCallFormat format = tool_call_format_of(tokenizer);
+  if (format == ToolCallFormat::kNone)
+    fail("tools",
+         "this model's tokenizer has none of the tool-call markups Tandem reads (deepseek_v3, "
+         "hermes): its tool calls could not be parsed");
+  if (tokenizer.chat_template().find("tools") == std::string::npos) {
+    size_t at = 0;
+    while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
+    messages.insert(
+        messages.begin() + static_cast<std::ptrdiff_t>(at),
+        nlohmann::ordered_json{{"role", "system"}, {"content", tool_prompt(format, *tools)}});
+  }
+  return format;
+}
+
 }  // namespace
 
 ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
@@ -325,6 +370,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     }
     msgs.push_back(std::move(out));
   }
+  r.tool_calls = read_tools(body, tokenizer, msgs);
   nlohmann::ordered_json ctx = {
       {"messages", msgs},
       {"add_generation_prompt", boolean(body, "add_generation_prompt", true)},

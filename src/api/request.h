@@ -12,6 +12,7 @@
 #include "api/disaggregation.h"
 #include "api/error.h"
 #include "api/sampling.h"
+#include "api/tool_calls.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -32,6 +33,8 @@ struct ApiRequest {
   int64_t n = 1;           // choices per prompt
   std::string request_id;  // the client's (body "rid"/"request_id"), else empty
   DisaggregationParams disagg;
+  // Chat with tools: the markup the answer's tool calls are read from (kNone: the answer is text).
+  ToolCallFormat tool_calls = ToolCallFormat::kNone;
 };
 
 struct ModelLimits {

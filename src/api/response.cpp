@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "util/random_id.h"
 #include "util/utf8.h"
 
 namespace tandem::api {
@@ -49,13 +50,62 @@ json chat_content_delta(std::string text) {
   return {{"content", std::move(text)}};
 }
 
+json chat_tool_call_delta(int64_t index, const std::string* id, const std::string* name,
+                          std::string arguments) {
+  json call = {{"index", index}};
+  if (id) call["id"] = *id;
+  if (name) call["type"] = "function";
+  json function = json::object();
+  if (name) function["name"] = *name;
+  function["arguments"] = std::move(arguments);
+  call["function"] = std::move(function);
+  return {{"tool_calls", json::array({std::move(call)})}};
+}
+
 ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenizer& tokenizer,
                                  std::string id, int64_t created)
     : request_(request),
       tokenizer_(tokenizer),
       id_(std::move(id)),
       created_(created),
-      choices_(request.prompts.size()) {}
+      choices_(request.prompts.size()) {
+  if (request.kind == ApiKind::kChat && request.tool_calls != ToolCallFormat::kNone)
+    for (Choice& c : choices_) c.tool_parser = std::make_shared<ToolCallParser>(request.tool_calls);
+}
+
+std::string ResponseBuilder::chat_finish_reason(const Choice& c) {
+  return !c.calls.empty() && c.finish_reason == "stop" ? "tool_calls" : c.finish_reason;
+}
+
+std::vector<json> ResponseBuilder::read_tool_calls(Choice& c, const RequestOutput& out) {
+  std::vector<ToolCallDelta> deltas = c.tool_parser->feed(out.text);
+  if (out.finished) {
+    auto rest = c.tool_parser->finish();
+    deltas.insert(deltas.end(), std::make_move_iterator(rest.begin()),
+                  std::make_move_iterator(rest.end()));
+  }
+  std::vector<json> rendered;
+  for (auto& d : deltas) {
+    if (d.call < 0) {
+      c.content += d.content;
+      rendered.push_back(chat_content_delta(std::move(d.content)));
+      continue;
+    }
+    const auto k = static_cast<size_t>(d.call);
+    if (k >= c.calls.size()) c.calls.resize(k + 1);
+    Choice::Call& call = c.calls[k];
+    call.arguments += d.arguments;
+    if (d.name) {
+      call.name = *d.name;
+      call.id = "call_" + random_hex(2).substr(0, 24);
+      rendered.push_back(
+          chat_tool_call_delta(d.call, &call.id, &call.name, std::move(d.arguments)));
+    } else {
+      rendered.push_back(chat_tool_call_delta(d.call, nullptr, nullptr, std::move(d.arguments)));
+    }
+  }
+  return rendered;
+}
 
 bool ResponseBuilder::all_finished() const {
   return std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) { return c.finished; });
@@ -151,7 +201,10 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
     c.finish_reason = out.finish_reason;
   }
   std::vector<json> chunks;
-  if (!request_.stream) return chunks;
+  if (!request_.stream) {
+    if (c.tool_parser) read_tool_calls(c, out);
+    return chunks;
+  }
   const json finish = c.finished ? json(c.finish_reason) : json(nullptr);
   switch (request_.kind) {
     case ApiKind::kCompletion: {
@@ -188,8 +241,19 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
         chunks.push_back(chunk(chat_role_delta(), nullptr, nullptr));
         c.started = true;
       }
-      const json lp = request_.logprobs >= 0 ? chat_logprobs(c, first_lp) : json(nullptr);
-      if (!out.text.empty() || (request_.logprobs >= 0 && first_lp < c.logprobs.size()))
+      json lp = request_.logprobs >= 0 ? chat_logprobs(c, first_lp) : json(nullptr);
+      const bool new_logprobs = request_.logprobs >= 0 && first_lp < c.logprobs.size();
+      if (c.tool_parser) {
+        std::vector<json> deltas = read_tool_calls(c, out);
+        if (deltas.empty() && new_logprobs) deltas.push_back(chat_content_delta(""));
+        for (auto& d : deltas) {  // the update's logprobs go with its first delta
+          chunks.push_back(chunk(std::move(d), nullptr, lp));
+          lp = nullptr;
+        }
+        if (out.finished) chunks.push_back(chunk(json::object(), chat_finish_reason(c), nullptr));
+        break;
+      }
+      if (!out.text.empty() || new_logprobs)
         chunks.push_back(chunk(chat_content_delta(out.text), nullptr, lp));
       if (out.finished) chunks.push_back(chunk(json::object(), finish, nullptr));
       break;
@@ -233,9 +297,23 @@ json ResponseBuilder::final_body() const {
           request_.logprobs >= 0 ? completion_logprobs(c, 0, prefix.size()) : json(nullptr);
       choices.push_back(choice);
     } else {
-      choices.push_back(chat_message_choice(
-          int64_t(i), c.text, request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr),
-          c.finish_reason));
+      const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
+      if (!c.tool_parser) {
+        choices.push_back(chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason));
+        continue;
+      }
+      json choice = chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c));
+      if (!c.calls.empty()) {
+        json& message = choice["message"];
+        if (c.content.empty()) message["content"] = nullptr;  // as OpenAI answers a call
+        json calls = json::array();
+        for (const auto& call : c.calls)
+          calls.push_back({{"id", call.id},
+                           {"type", "function"},
+                           {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+        message["tool_calls"] = std::move(calls);
+      }
+      choices.push_back(std::move(choice));
     }
   }
   return {{"id", id_},

@@ -5,6 +5,7 @@
 // same chat shapes, so both sides write them in one place.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -36,6 +37,9 @@ nlohmann::json chat_chunk_choice(int64_t index, nlohmann::json delta, nlohmann::
 // an empty delta with the finish reason.
 nlohmann::json chat_role_delta();
 nlohmann::json chat_content_delta(std::string text);
+// A delta of tool call `index`: its first carries the id, type and name.
+nlohmann::json chat_tool_call_delta(int64_t index, const std::string* id, const std::string* name,
+                                    std::string arguments);
 
 // Accumulates the outputs of one API request (one engine request per choice) and renders them.
 class ResponseBuilder {
@@ -59,7 +63,18 @@ class ResponseBuilder {
     std::string finish_reason;
     bool finished = false, started = false;
     int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+    // Chat with tools: the answer read as content and calls.
+    std::shared_ptr<ToolCallParser> tool_parser;
+    std::string content;
+    struct Call {
+      std::string id, name, arguments;
+    };
+    std::vector<Call> calls;
   };
+  // A chat choice's finish reason: "tool_calls" for an answer that called tools and stopped.
+  static std::string chat_finish_reason(const Choice& c);
+  // Folds the update's tool-call deltas into the choice, and renders them as stream deltas.
+  std::vector<nlohmann::json> read_tool_calls(Choice& c, const RequestOutput& out);
   nlohmann::json usage() const;
   nlohmann::json completion_logprobs(const Choice& c, size_t first, size_t text_offset) const;
   nlohmann::json chat_logprobs(const Choice& c, size_t first) const;

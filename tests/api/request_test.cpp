@@ -173,9 +173,7 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
     return error_of([&] { parse_chat(body, tokenizer(), &chat_template(), kLimits); });
   };
   for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
-           {"tools", json::array({tool})},
-           {"tool_choice", "auto"},
-           {"tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}},
+           {"tool_choice", "auto"},  // without tools
            {"functions", json::array({tool["function"]})},
            {"function_call", "auto"},
            {"response_format", {{"type", "json_object"}}},
@@ -211,6 +209,53 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
     json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
     body.update(extra);
     EXPECT_NO_THROW(parse_chat(body, tokenizer(), &chat_template(), kLimits));
+  }
+}
+
+// Tools reach the prompt (DeepSeek-V3's template shows none, so a system message describes them
+// in the model's own markup) and the answer is read with the tokenizer's tool-call format.
+TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
+  const json tool = {
+      {"type", "function"},
+      {"function",
+       {{"name", "get_weather"},
+        {"description", "Weather of a city"},
+        {"parameters", {{"type", "object"}, {"properties", {{"city", {{"type", "string"}}}}}}}}}};
+  json body = {{"messages",
+                {{{"role", "system"}, {"content", "Be brief."}},
+                 {{"role", "user"}, {"content", "Weather in Paris?"}}}},
+               {"tools", json::array({tool})}};
+  const ApiRequest r = parse_chat(body, tokenizer(), &chat_template(), kLimits);
+  EXPECT_EQ(r.tool_calls, ToolCallFormat::kDeepSeekV3);
+  const std::string prompt = tokenizer().decode(r.prompts[0], false);
+  const size_t system = prompt.find("Be brief.");
+  const size_t tools = prompt.find("`get_weather`: Weather of a city");
+  const size_t user = prompt.find("Weather in Paris?");
+  ASSERT_NE(tools, std::string::npos) << prompt;
+  EXPECT_LT(system, tools);  // after the client's own system message, before the conversation
+  EXPECT_LT(tools, user);
+  // The markup the model is told to write is its own special token, one id.
+  const auto begin = tokenizer().token_to_id("<｜tool▁calls▁begin｜>");
+  ASSERT_TRUE(begin);
+  EXPECT_NE(std::find(r.prompts[0].begin(), r.prompts[0].end(), *begin), r.prompts[0].end());
+
+  body["tool_choice"] = "none";  // tools may be shown, the answer is text
+  EXPECT_EQ(parse_chat(body, tokenizer(), &chat_template(), kLimits).tool_calls,
+            ToolCallFormat::kNone);
+
+  for (const json& bad :
+       {json{{"tools", "f"}}, json{{"tools", {{{"type", "function"}}}}},
+        json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}},
+        json{{"tools", {{{"type", "function"}, {"function", {{"name", "a b"}}}}}}},
+        json{{"tools", {{{"type", "function"}, {"function", {{"name", std::string(65, 'a')}}}}}}},
+        json{{"tools",
+              {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", 3}}}}}}}}) {
+    SCOPED_TRACE(bad.dump());
+    json b = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+    b.update(bad);
+    const ApiError e = error_of([&] { parse_chat(b, tokenizer(), &chat_template(), kLimits); });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "tools");
   }
 }
 

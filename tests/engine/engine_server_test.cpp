@@ -102,8 +102,11 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   const int32_t forced = r["logit_bias"]["token"];
   const std::vector<int32_t> four(4, forced);
   EXPECT_EQ(r["logit_bias"]["text"], tok_->decode(four, true));
-  EXPECT_EQ(r["tools"]["status"], 400);
-  EXPECT_EQ(r["tools"]["param"], "tools");
+  EXPECT_EQ(r["tools_auto"]["finish"], "length");
+  EXPECT_EQ(r["tools_auto"]["calls"], 0);
+  EXPECT_TRUE(r["tools_auto"]["content"].is_string());
+  EXPECT_EQ(r["functions"]["status"], 400);
+  EXPECT_EQ(r["functions"]["param"], "functions");
 
   // The client aborts after its second chunk; events already read in the same packet may still
   // be counted. What matters is that the engine frees the request (below).

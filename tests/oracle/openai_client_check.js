@@ -66,13 +66,19 @@ async function main() {
                                                logit_bias: { [String(forced)]: 100 } });
   out.logit_bias = { token: forced, text: lb.choices[0].text };
 
-  // What the server cannot honour yet is a 400 naming the field, not free text.
+  // Tools with tool_choice "auto": the answer is read for calls (a random model writes text).
+  const weather = { type: 'function', function: { name: 'get_weather', description: 'Weather of a city',
+    parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } };
+  const ta = await client.chat.completions.create({ model, messages, max_tokens: 4, temperature: 0,
+                                                    tools: [weather] });
+  out.tools_auto = { finish: ta.choices[0].finish_reason, content: ta.choices[0].message.content,
+                     calls: (ta.choices[0].message.tool_calls || []).length };
+  // What the server cannot honour is a 400 naming the field, not free text.
   try {
-    await client.chat.completions.create({ model, messages, max_tokens: 4, tools: [
-      { type: 'function', function: { name: 'f', parameters: { type: 'object' } } }] });
-    out.tools = { status: 200 };
+    await client.chat.completions.create({ model, messages, max_tokens: 4, functions: [weather.function] });
+    out.functions = { status: 200 };
   } catch (e) {
-    out.tools = { status: e.status, param: e.error && e.error.param };
+    out.functions = { status: e.status, param: e.error && e.error.param };
   }
 
   // Abort mid-stream: read two chunks, then cancel; the engine must free the request.

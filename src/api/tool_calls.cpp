@@ -1,0 +1,380 @@
+#include "api/tool_calls.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+#include "util/json.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+using nlohmann::ordered_json;
+
+// DeepSeek-V3's markup (its chat template writes calls this way, and the model answers so):
+//   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```
+//   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+constexpr std::string_view kCallsBegin = "<｜tool▁calls▁begin｜>";
+constexpr std::string_view kCallsEnd = "<｜tool▁calls▁end｜>";
+constexpr std::string_view kCallBegin = "<｜tool▁call▁begin｜>";
+constexpr std::string_view kSeparator = "<｜tool▁sep｜>";
+constexpr std::string_view kArgumentsOpen = "\n```json\n";
+constexpr std::string_view kArgumentsClose = "\n```<｜tool▁call▁end｜>";
+// Hermes (Qwen2.5, Qwen3): <tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>
+constexpr std::string_view kHermesOpen = "<tool_call>";
+constexpr std::string_view kHermesClose = "</tool_call>";
+
+// Longer type or name fields than these are not markup but text that happened to contain it.
+constexpr size_t kMaxTypeBytes = 64, kMaxNameBytes = 256;
+
+struct Markup {
+  ToolCallFormat format;
+  std::string_view name;
+  std::string_view open;  // what starts the calls
+};
+constexpr Markup kMarkups[] = {
+    {ToolCallFormat::kDeepSeekV3, "deepseek_v3", kCallsBegin},
+    {ToolCallFormat::kHermes, "hermes", kHermesOpen},
+};
+
+const Markup* markup_of(ToolCallFormat format) {
+  for (const Markup& m : kMarkups)
+    if (m.format == format) return &m;
+  return nullptr;
+}
+
+// The length of the longest end of `text` that `marker` starts with (and is shorter than it): the
+// bytes that may still become the marker.
+size_t held_prefix(std::string_view text, std::string_view marker) {
+  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n)
+    if (marker.substr(0, n) == text.substr(text.size() - n)) return n;
+  return 0;
+}
+
+bool is_space(char c) {
+  return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
+
+std::string trim(std::string_view s) {
+  size_t b = 0, e = s.size();
+  while (b < e && is_space(s[b])) ++b;
+  while (e > b && is_space(s[e - 1])) --e;
+  return std::string(s.substr(b, e - b));
+}
+
+bool starts_with(std::string_view s, std::string_view prefix) {
+  return s.substr(0, prefix.size()) == prefix;
+}
+
+// Whether the markup read so far (white space before it aside) opened a block of calls of which
+// none was read yet (call_raw_ is emptied once a call's name is read).
+bool opens_block(std::string_view raw) {
+  size_t b = 0;
+  while (b < raw.size() && is_space(raw[b])) ++b;
+  return starts_with(raw.substr(b), kCallsBegin);
+}
+
+// A hermes call's body: {"name": string, "arguments": object} (arguments may be absent). The
+// arguments keep the model's key order.
+std::optional<ParsedToolCalls::Call> hermes_call(std::string_view body) {
+  json doc;
+  try {
+    doc = parse_untrusted_json(body);  // bounded depth, so the ordered parse below is safe
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  if (!doc.is_object() || !doc.contains("name") || !doc["name"].is_string()) return std::nullopt;
+  const ordered_json ordered = ordered_json::parse(body);
+  ParsedToolCalls::Call call;
+  call.name = ordered["name"].get<std::string>();
+  if (!ordered.contains("arguments")) {
+    call.arguments = "{}";
+  } else if (ordered["arguments"].is_object()) {
+    call.arguments =
+        ordered["arguments"].dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+  } else if (ordered["arguments"].is_string()) {  // some fine-tunes write the JSON as a string
+    call.arguments = ordered["arguments"].get<std::string>();
+  } else {
+    return std::nullopt;
+  }
+  return call;
+}
+
+}  // namespace
+
+std::string_view tool_call_format_name(ToolCallFormat format) {
+  const Markup* m = markup_of(format);
+  return m ? m->name : "none";
+}
+
+ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer) {
+  for (const Markup& m : kMarkups)
+    if (tokenizer.token_to_id(m.open)) return m.format;
+  return ToolCallFormat::kNone;
+}
+
+std::string tool_prompt(ToolCallFormat format, const json& tools) {
+  std::string out = "## Tools\n\nYou can call the functions below. ";
+  switch (format) {
+    case ToolCallFormat::kDeepSeekV3:
+      out += std::string("To call functions, answer with\n") + std::string(kCallsBegin) +
+             std::string(kCallBegin) + "function" + std::string(kSeparator) + "FUNCTION_NAME" +
+             std::string(kArgumentsOpen) + "ARGUMENTS" + std::string(kArgumentsClose) +
+             std::string(kCallsEnd) +
+             "\nwith one call per function you call, each in its own call markers, where "
+             "ARGUMENTS is a JSON object that follows the function's parameters.\n";
+      break;
+    case ToolCallFormat::kHermes:
+      out += std::string("To call a function, answer with\n") + std::string(kHermesOpen) +
+             "\n{\"name\": FUNCTION_NAME, \"arguments\": ARGUMENTS}\n" + std::string(kHermesClose) +
+             "\nonce per call, where ARGUMENTS is a JSON object that follows the function's "
+             "parameters.\n";
+      break;
+    case ToolCallFormat::kNone:
+      break;
+  }
+  out += "\n### Functions\n";
+  for (const auto& tool : tools) {
+    const json& f = tool.at("function");
+    out += "\n- `" + f.at("name").get<std::string>() + "`";
+    if (f.contains("description") && f["description"].is_string())
+      out += ": " + f["description"].get<std::string>();
+    out += "\n";
+    if (f.contains("parameters"))
+      out += "```json\n" + f["parameters"].dump(-1, ' ', false, json::error_handler_t::replace) +
+             "\n```\n";
+  }
+  return out;
+}
+
+ToolCallParser::ToolCallParser(ToolCallFormat format) : format_(format) {
+  if (!markup_of(format)) throw Error("ToolCallParser: a format with markup is needed");
+}
+
+void ToolCallParser::emit_content(std::vector<ToolCallDelta>& out, std::string text) {
+  // White space next to a call is layout, not content: it is held until other text follows it,
+  // and dropped when a call comes first.
+  if (after_call_) {
+    size_t b = 0;
+    while (b < text.size() && is_space(text[b])) ++b;
+    text.erase(0, b);
+    if (text.empty()) return;
+    after_call_ = false;
+  }
+  text.insert(0, whitespace_);
+  whitespace_.clear();
+  size_t e = text.size();
+  while (e > 0 && is_space(text[e - 1])) --e;
+  whitespace_ = text.substr(e);
+  text.resize(e);
+  if (text.empty()) return;
+  if (!out.empty() && out.back().call < 0) {
+    out.back().content += text;
+  } else {
+    ToolCallDelta d;
+    d.content = std::move(text);
+    out.push_back(std::move(d));
+  }
+}
+
+void ToolCallParser::emit_arguments(std::vector<ToolCallDelta>& out, std::string text) {
+  if (text.empty()) return;
+  if (!out.empty() && out.back().call == calls_ - 1) {
+    out.back().arguments += text;
+  } else {
+    ToolCallDelta d;
+    d.call = calls_ - 1;
+    d.arguments = std::move(text);
+    out.push_back(std::move(d));
+  }
+}
+
+void ToolCallParser::revert(std::vector<ToolCallDelta>& out) {
+  // Not a call after all: its markup so far is content, and the rest is read as text again.
+  state_ = State::kText;
+  emit_content(out, std::move(call_raw_));
+  call_raw_.clear();
+}
+
+bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
+  switch (state_) {
+    case State::kText: {
+      const std::string_view open = markup_of(format_)->open;
+      const size_t at = pending_.find(open);
+      if (at == std::string::npos) {
+        const size_t keep = held_prefix(pending_, open);
+        emit_content(out, pending_.substr(0, pending_.size() - keep));
+        pending_.erase(0, pending_.size() - keep);
+        return false;
+      }
+      emit_content(out, pending_.substr(0, at));
+      // Kept with the markup in case it is not a call after all.
+      call_raw_ = whitespace_ + std::string(open);
+      whitespace_.clear();
+      pending_.erase(0, at + open.size());
+      state_ = format_ == ToolCallFormat::kHermes ? State::kHermesCall : State::kBetweenCalls;
+      return true;
+    }
+    case State::kBetweenCalls: {
+      size_t b = 0;
+      while (b < pending_.size() && is_space(pending_[b])) ++b;
+      call_raw_ += pending_.substr(0, b);
+      pending_.erase(0, b);
+      if (starts_with(pending_, kCallBegin)) {
+        call_raw_ += kCallBegin;
+        pending_.erase(0, kCallBegin.size());
+        state_ = State::kCallType;
+        return true;
+      }
+      if (starts_with(pending_, kCallsEnd)) {
+        pending_.erase(0, kCallsEnd.size());
+        call_raw_.clear();
+        state_ = State::kText;
+        after_call_ = calls_ > 0;
+        return true;
+      }
+      if (pending_.empty() || starts_with(kCallBegin, pending_) || starts_with(kCallsEnd, pending_))
+        return false;
+      if (opens_block(call_raw_)) {  // calls began with no call: text after all
+        revert(out);
+        return true;
+      }
+      call_raw_.clear();  // the block ended without its end marker
+      state_ = State::kText;
+      after_call_ = true;
+      return true;
+    }
+    case State::kCallType: {
+      // (The bounds hold wherever the text was split, so a stream reads as the whole does.)
+      const size_t at = pending_.find(kSeparator);
+      if (at == std::string::npos ? pending_.size() >= kMaxTypeBytes + kSeparator.size()
+                                  : at > kMaxTypeBytes) {
+        revert(out);
+        return true;
+      }
+      if (at == std::string::npos) return false;
+      call_raw_ += pending_.substr(0, at + kSeparator.size());
+      pending_.erase(0, at + kSeparator.size());
+      state_ = State::kCallName;
+      return true;
+    }
+    case State::kCallName: {
+      const size_t at = pending_.find(kArgumentsOpen);
+      if (at == std::string::npos ? pending_.size() >= kMaxNameBytes + kArgumentsOpen.size()
+                                  : at > kMaxNameBytes) {
+        revert(out);
+        return true;
+      }
+      if (at == std::string::npos) return false;
+      std::string name = trim(std::string_view(pending_).substr(0, at));
+      if (name.empty()) {
+        revert(out);
+        return true;
+      }
+      pending_.erase(0, at + kArgumentsOpen.size());
+      call_raw_.clear();
+      ToolCallDelta d;
+      d.call = calls_++;
+      d.name = std::move(name);
+      out.push_back(std::move(d));
+      state_ = State::kCallArguments;
+      return true;
+    }
+    case State::kCallArguments: {
+      const size_t at = pending_.find(kArgumentsClose);
+      if (at == std::string::npos) {
+        const size_t keep = held_prefix(pending_, kArgumentsClose);
+        emit_arguments(out, pending_.substr(0, pending_.size() - keep));
+        pending_.erase(0, pending_.size() - keep);
+        return false;
+      }
+      emit_arguments(out, pending_.substr(0, at));
+      pending_.erase(0, at + kArgumentsClose.size());
+      state_ = State::kBetweenCalls;
+      return true;
+    }
+    case State::kHermesCall: {
+      const size_t at = pending_.find(kHermesClose);
+      if (at == std::string::npos) return false;
+      const std::string body = pending_.substr(0, at);
+      call_raw_ += pending_.substr(0, at + kHermesClose.size());
+      pending_.erase(0, at + kHermesClose.size());
+      if (auto call = hermes_call(body)) {
+        call_raw_.clear();
+        ToolCallDelta d;
+        d.call = calls_++;
+        d.name = std::move(call->name);
+        d.arguments = std::move(call->arguments);
+        out.push_back(std::move(d));
+        state_ = State::kText;
+        after_call_ = true;
+      } else {
+        revert(out);
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<ToolCallDelta> ToolCallParser::feed(std::string_view text) {
+  std::vector<ToolCallDelta> out;
+  pending_ += text;
+  while (step(out)) {
+  }
+  return out;
+}
+
+std::vector<ToolCallDelta> ToolCallParser::finish() {
+  std::vector<ToolCallDelta> out;
+  switch (state_) {
+    case State::kText:
+      emit_content(out, std::move(pending_));
+      break;
+    case State::kCallArguments:  // cut off in its arguments (max_tokens): what it got
+      emit_arguments(out, std::move(pending_));
+      break;
+    case State::kBetweenCalls:
+      if (!opens_block(call_raw_)) break;  // the calls' end marker is all that is missing
+      [[fallthrough]];
+    case State::kCallType:
+    case State::kCallName:
+    case State::kHermesCall:
+      call_raw_ += pending_;
+      revert(out);
+      break;
+  }
+  pending_.clear();
+  // Trailing white space after content is the answer's own.
+  if (!whitespace_.empty()) {
+    ToolCallDelta d;
+    d.content = std::move(whitespace_);
+    if (!out.empty() && out.back().call < 0)
+      out.back().content += d.content;
+    else
+      out.push_back(std::move(d));
+    whitespace_.clear();
+  }
+  return out;
+}
+
+ParsedToolCalls parse_tool_calls(ToolCallFormat format, std::string_view answer) {
+  ToolCallParser parser(format);
+  ParsedToolCalls result;
+  auto fold = [&](const std::vector<ToolCallDelta>& deltas) {
+    for (const auto& d : deltas) {
+      if (d.call < 0) {
+        result.content += d.content;
+        continue;
+      }
+      if (d.call >= static_cast<int>(result.calls.size())) result.calls.resize(d.call + 1);
+      if (d.name) result.calls[d.call].name = *d.name;
+      result.calls[d.call].arguments += d.arguments;
+    }
+  };
+  fold(parser.feed(answer));
+  fold(parser.finish());
+  return result;
+}
+
+}  // namespace tandem::api

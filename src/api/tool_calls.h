@@ -1,0 +1,79 @@
+#pragma once
+// Tool calls in a model's answer: the markup each model family writes when it calls a function
+// (DeepSeek-V3's special tokens, the "hermes" <tool_call> JSON of Qwen), read back into OpenAI's
+// tool_calls, update by update, as vLLM's --tool-call-parser deepseek_v3 / hermes do. One parser
+// serves streamed and whole answers: a whole answer is the fold of its stream, so both agree.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "text/tokenizer.h"
+
+namespace tandem::api {
+
+enum class ToolCallFormat { kNone, kDeepSeekV3, kHermes };
+
+std::string_view tool_call_format_name(ToolCallFormat format);
+
+// The markup a model's tokenizer speaks: the first format whose opening marker is a single token
+// of the vocabulary (models are trained to emit it as one token); kNone when there is none.
+ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer);
+
+// The system-prompt text that describes `tools` (OpenAI's list of {"type":"function",...}) and the
+// markup of `format`, for chat templates that do not render tools themselves (DeepSeek-V3's
+// template shows calls and results but never the tool list).
+std::string tool_prompt(ToolCallFormat format, const nlohmann::json& tools);
+
+// What became certain of the answer after one update: content text, or a piece of tool call
+// `call` (its name on the first piece, then parts of its JSON arguments).
+struct ToolCallDelta {
+  int call = -1;  // -1: content
+  std::string content;
+  std::optional<std::string> name;
+  std::string arguments;
+};
+
+class ToolCallParser {
+ public:
+  explicit ToolCallParser(ToolCallFormat format);
+
+  // The next text of the answer. Text that may still turn out to be markup is held back.
+  std::vector<ToolCallDelta> feed(std::string_view text);
+  // The answer ended: what was held back. A call cut off before its name is complete stays
+  // content, as written; one cut off in its arguments keeps the arguments it got.
+  std::vector<ToolCallDelta> finish();
+  int calls() const { return calls_; }
+
+ private:
+  enum class State { kText, kBetweenCalls, kCallType, kCallName, kCallArguments, kHermesCall };
+  // Moves through `pending_`, appending to `out`; returns false when more text is needed.
+  bool step(std::vector<ToolCallDelta>& out);
+  void emit_content(std::vector<ToolCallDelta>& out, std::string text);
+  void emit_arguments(std::vector<ToolCallDelta>& out, std::string text);
+  void revert(std::vector<ToolCallDelta>& out);
+
+  ToolCallFormat format_;
+  State state_ = State::kText;
+  std::string pending_;      // text not yet decided
+  std::string call_raw_;     // the markup of the call being read, for a call that is not one
+  std::string whitespace_;   // white space held back: it is dropped when a call follows
+  bool after_call_ = false;  // white space that follows a call is dropped too
+  int calls_ = 0;
+};
+
+// A whole answer read at once: its content (empty when it is only calls) and its calls as
+// OpenAI's {"id","type":"function","function":{"name","arguments"}} without ids.
+struct ParsedToolCalls {
+  std::string content;
+  struct Call {
+    std::string name, arguments;
+  };
+  std::vector<Call> calls;
+};
+ParsedToolCalls parse_tool_calls(ToolCallFormat format, std::string_view answer);
+
+}  // namespace tandem::api

