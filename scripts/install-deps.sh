@@ -12,6 +12,7 @@ debian_packages=(
   nginx-light wrk chromium
   clang libclang-rt-dev libomp-dev  # bench/fuzz.sh: libFuzzer (clang's OpenMP for the CMake configure)
   python3 python3-jinja2 python3-numpy python3-torch python3-msgpack python3-zmq python3-prometheus-client
+  python3-jsonschema  # structured outputs: answers validated against their schemas
 )
 # Node.js may come from Debian (nodejs + npm) or from NodeSource (nodejs alone, npm bundled).
 command -v npm >/dev/null 2>&1 || debian_packages+=(nodejs npm)

@@ -1,0 +1,216 @@
+#include "structured/grammar.h"
+
+#include <functional>
+#include <string>
+
+#include "util/error.h"
+
+namespace tandem::structured {
+
+Grammar::Symbol Grammar::new_rule() {
+  rules_.emplace_back();
+  return static_cast<Symbol>(rules_.size() - 1);
+}
+
+void Grammar::add(Symbol rule, Sequence alternative) {
+  symbols_ += alternative.size() + 1;
+  if (symbols_ > kMaxSymbols)
+    throw Error("the grammar is too large (over " + std::to_string(kMaxSymbols) + " symbols)");
+  rules_.at(size_t(rule)).push_back(std::move(alternative));
+}
+
+Grammar::Symbol Grammar::bytes(const ByteSet& set) {
+  const std::string key = set.to_string();
+  if (auto it = terminal_ids_.find(key); it != terminal_ids_.end()) return it->second;
+  terminals_.push_back(set);
+  const Symbol s = -static_cast<Symbol>(terminals_.size());
+  terminal_ids_.emplace(key, s);
+  return s;
+}
+
+Grammar::Symbol Grammar::byte(uint8_t c) {
+  ByteSet set;
+  set.set(c);
+  return bytes(set);
+}
+
+Grammar::Sequence Grammar::literal(std::string_view text) {
+  Sequence out;
+  for (char c : text) out.push_back(byte(static_cast<uint8_t>(c)));
+  return out;
+}
+
+Grammar::Symbol Grammar::any_of(std::vector<Sequence> alternatives) {
+  const Symbol r = new_rule();
+  for (auto& a : alternatives) add(r, std::move(a));
+  return r;
+}
+
+Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) {
+  if (min < 0 || (max >= 0 && max < min)) throw Error("repeat: bad bounds");
+  // The optional part: a right-recursive loop, or a chain of max - min optional items, built from
+  // its end so each link refers to the next.
+  Symbol tail = -1;
+  if (max < 0) {
+    tail = new_rule();
+    Sequence again = item;
+    again.push_back(tail);
+    add(tail, std::move(again));
+    add(tail, {});
+  } else {
+    for (int64_t k = max - min; k > 0; --k) {
+      const Symbol link = new_rule();
+      Sequence one = item;
+      if (tail >= 0) one.push_back(tail);
+      add(link, std::move(one));
+      add(link, {});
+      tail = link;
+    }
+  }
+  const Symbol r = new_rule();
+  Sequence all;
+  for (int64_t i = 0; i < min; ++i) all.insert(all.end(), item.begin(), item.end());
+  if (tail >= 0) all.push_back(tail);
+  add(r, std::move(all));
+  return r;
+}
+
+void Grammar::finish(Symbol root) {
+  root_ = root;
+  const size_t n = rules_.size();
+  for (size_t r = 0; r < n; ++r)
+    if (rules_[r].empty()) throw Error("grammar: rule " + std::to_string(r) + " has no alternative");
+  // Nullable rules (fixpoint), then left recursion: a rule reachable from itself through symbols
+  // that all may match nothing before it.
+  std::vector<bool> nullable(n, false);
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < n; ++r) {
+      if (nullable[r]) continue;
+      for (const auto& alt : rules_[r]) {
+        bool all = true;
+        for (Symbol s : alt) all = all && s >= 0 && nullable[size_t(s)];
+        if (all) {
+          nullable[r] = true;
+          changed = true;
+          break;
+        }
+      }
+    }
+  }
+  std::vector<std::vector<Symbol>> leading(n);
+  for (size_t r = 0; r < n; ++r)
+    for (const auto& alt : rules_[r])
+      for (Symbol s : alt) {
+        if (s < 0) break;
+        leading[r].push_back(s);
+        if (!nullable[size_t(s)]) break;
+      }
+  std::vector<uint8_t> mark(n, 0);  // 0 unseen, 1 on the path, 2 done
+  std::function<void(size_t)> visit = [&](size_t r) {
+    mark[r] = 1;
+    for (Symbol s : leading[r]) {
+      if (mark[size_t(s)] == 1) throw Error("grammar: left recursion through rule " + std::to_string(s));
+      if (mark[size_t(s)] == 0) visit(size_t(s));
+    }
+    mark[r] = 2;
+  };
+  for (size_t r = 0; r < n; ++r)
+    if (mark[r] == 0) visit(r);
+
+  code_.clear();
+  starts_.assign(n, {});
+  for (size_t r = 0; r < n; ++r)
+    for (const auto& alt : rules_[r]) {
+      starts_[r].push_back(static_cast<int32_t>(code_.size()));
+      code_.insert(code_.end(), alt.begin(), alt.end());
+      code_.push_back(kEnd);
+    }
+  rules_.clear();
+  rules_.shrink_to_fit();
+}
+
+namespace {
+
+// Code points of one encoded length, split into ranges whose bytes each form a contiguous range.
+void utf8_sequences(Grammar& g, uint32_t lo, uint32_t hi, std::vector<Grammar::Sequence>& out) {
+  static constexpr uint32_t kMaxOfLength[] = {0x7F, 0x7FF, 0xFFFF};
+  for (uint32_t max : kMaxOfLength)
+    if (lo <= max && max < hi) {
+      utf8_sequences(g, lo, max, out);
+      utf8_sequences(g, max + 1, hi, out);
+      return;
+    }
+  auto encode = [](uint32_t cp, uint8_t* b) -> int {
+    if (cp < 0x80) {
+      b[0] = uint8_t(cp);
+      return 1;
+    }
+    if (cp < 0x800) {
+      b[0] = uint8_t(0xC0 | (cp >> 6));
+      b[1] = uint8_t(0x80 | (cp & 0x3F));
+      return 2;
+    }
+    if (cp < 0x10000) {
+      b[0] = uint8_t(0xE0 | (cp >> 12));
+      b[1] = uint8_t(0x80 | ((cp >> 6) & 0x3F));
+      b[2] = uint8_t(0x80 | (cp & 0x3F));
+      return 3;
+    }
+    b[0] = uint8_t(0xF0 | (cp >> 18));
+    b[1] = uint8_t(0x80 | ((cp >> 12) & 0x3F));
+    b[2] = uint8_t(0x80 | ((cp >> 6) & 0x3F));
+    b[3] = uint8_t(0x80 | (cp & 0x3F));
+    return 4;
+  };
+  uint8_t a[4], b[4];
+  const int len = encode(lo, a);
+  encode(hi, b);
+  // Split where a lower byte does not span its whole range, so every position is a plain range.
+  for (int i = 1; i < len; ++i) {
+    const uint32_t m = (1u << (6 * i)) - 1;
+    if ((lo & ~m) != (hi & ~m)) {
+      if ((lo & m) != 0) {
+        utf8_sequences(g, lo, lo | m, out);
+        utf8_sequences(g, (lo | m) + 1, hi, out);
+        return;
+      }
+      if ((hi & m) != m) {
+        utf8_sequences(g, lo, (hi & ~m) - 1, out);
+        utf8_sequences(g, hi & ~m, hi, out);
+        return;
+      }
+    }
+  }
+  Grammar::Sequence seq;
+  for (int i = 0; i < len; ++i) {
+    ByteSet set;
+    for (int c = a[i]; c <= b[i]; ++c) set.set(size_t(c));
+    seq.push_back(g.bytes(set));
+  }
+  out.push_back(std::move(seq));
+}
+
+}  // namespace
+
+std::vector<Grammar::Sequence> utf8_range(Grammar& g, uint32_t lo, uint32_t hi) {
+  std::vector<Grammar::Sequence> out;
+  hi = std::min<uint32_t>(hi, 0x10FFFF);
+  if (lo > hi) return out;
+  // Surrogates are not characters.
+  if (lo < 0xD800 && hi > 0xDFFF) {
+    utf8_sequences(g, lo, 0xD7FF, out);
+    utf8_sequences(g, 0xE000, hi, out);
+  } else if (lo >= 0xD800 && hi <= 0xDFFF) {
+    return out;
+  } else if (lo < 0xD800 && hi >= 0xD800) {
+    utf8_sequences(g, lo, 0xD7FF, out);
+  } else if (lo <= 0xDFFF && hi > 0xDFFF) {
+    utf8_sequences(g, 0xE000, hi, out);
+  } else {
+    utf8_sequences(g, lo, hi, out);
+  }
+  return out;
+}
+
+}  // namespace tandem::structured

@@ -1,0 +1,63 @@
+#pragma once
+// Context-free grammars over bytes: what structured outputs (JSON schemas, JSON, regular
+// expressions, choices) compile to, and what the matcher (structured/matcher.h) walks one byte at
+// a time. Rules are lists of alternatives, alternatives are sequences of symbols, a symbol is a
+// byte set or another rule. Left recursion is refused (the matcher expands rules top-down).
+#include <bitset>
+#include <cstdint>
+#include <map>
+#include <string_view>
+#include <vector>
+
+namespace tandem::structured {
+
+using ByteSet = std::bitset<256>;
+
+class Grammar {
+ public:
+  // A symbol: >= 0 is a rule id, < 0 a terminal (byte set) -(index + 1).
+  using Symbol = int32_t;
+  using Sequence = std::vector<Symbol>;
+
+  // Building. A new rule has no alternatives until add() gives it some.
+  Symbol new_rule();
+  void add(Symbol rule, Sequence alternative);
+  Symbol bytes(const ByteSet& set);
+  Symbol byte(uint8_t c);
+  Sequence literal(std::string_view text);
+  // A rule with these alternatives.
+  Symbol any_of(std::vector<Sequence> alternatives);
+  // `item` at least `min` and at most `max` times (max < 0: no limit). `item` must not match the
+  // empty string.
+  Symbol repeat(const Sequence& item, int64_t min, int64_t max);
+  // Makes `rule` the start, flattens the grammar for matching and checks it: throws
+  // tandem::Error for left recursion, a rule without alternatives or a grammar too large.
+  void finish(Symbol root);
+
+  // Matching (after finish): code() holds every alternative's symbols followed by kEnd;
+  // alternatives(rule) are the offsets where that rule's alternatives start.
+  static constexpr Symbol kEnd = INT32_MIN;
+  Symbol root() const { return root_; }
+  const std::vector<Symbol>& code() const { return code_; }
+  const std::vector<int32_t>& alternatives(Symbol rule) const { return starts_[size_t(rule)]; }
+  const ByteSet& terminal(Symbol s) const { return terminals_[size_t(-s - 1)]; }
+  size_t size() const { return code_.size(); }
+
+  // Limits: grammars past them are refused with an error, not built.
+  static constexpr size_t kMaxSymbols = 4'000'000;
+
+ private:
+  std::vector<std::vector<Sequence>> rules_;
+  std::vector<ByteSet> terminals_;
+  std::map<std::string, Symbol> terminal_ids_;
+  std::vector<Symbol> code_;
+  std::vector<std::vector<int32_t>> starts_;
+  Symbol root_ = -1;
+  size_t symbols_ = 0;
+};
+
+// UTF-8 encoded code points as grammar sequences: the alternatives that match one code point in
+// [lo, hi] (well-formed UTF-8, no surrogates).
+std::vector<Grammar::Sequence> utf8_range(Grammar& g, uint32_t lo, uint32_t hi);
+
+}  // namespace tandem::structured

@@ -1,0 +1,361 @@
+#include "structured/json_schema.h"
+
+#include <array>
+#include <map>
+#include <set>
+#include <string>
+
+#include "util/error.h"
+
+namespace tandem::structured {
+namespace {
+
+using nlohmann::json;
+using Sequence = Grammar::Sequence;
+using Symbol = Grammar::Symbol;
+
+ByteSet byte_range(int lo, int hi) {
+  ByteSet s;
+  for (int c = lo; c <= hi; ++c) s.set(size_t(c));
+  return s;
+}
+
+// Keywords that only describe (they never constrain a value).
+const std::set<std::string> kAnnotations = {"title",    "description", "default",  "examples",
+                                            "$schema",  "$id",         "$comment", "deprecated",
+                                            "readOnly", "writeOnly",   "$defs",    "definitions"};
+// Keywords this compiler enforces.
+const std::set<std::string> kEnforced = {
+    "type",     "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+    "enum",     "const",      "anyOf",    "oneOf",                "allOf", "$ref",     "minLength",
+    "maxLength"};
+
+class SchemaCompiler {
+ public:
+  SchemaCompiler(Grammar& g, const json& root) : g_(g), root_(root) {}
+
+  Symbol value(const json& schema, const std::string& where) {
+    if (schema.is_boolean()) {
+      if (!schema.get<bool>()) fail(where, "the schema false matches nothing");
+      return any_value();
+    }
+    if (!schema.is_object()) fail(where, "a schema must be an object or a boolean");
+    for (auto it = schema.begin(); it != schema.end(); ++it)
+      if (!kAnnotations.count(it.key()) && !kEnforced.count(it.key()))
+        fail(where, "the keyword '" + it.key() +
+                        "' is not supported in structured outputs (it would not be enforced)");
+    if (schema.contains("$ref")) {
+      if (schema.size() > 1 + annotations(schema))
+        fail(where, "keywords beside '$ref' are not supported (only descriptions)");
+      return reference(schema, where);
+    }
+    if (schema.contains("const")) return literal_value(schema["const"]);
+    if (schema.contains("enum")) {
+      const json& e = schema["enum"];
+      if (!e.is_array() || e.empty()) fail(where + "/enum", "'enum' must be a non-empty list");
+      std::vector<Sequence> alts;
+      for (const auto& v : e) alts.push_back({literal_value(v)});
+      return g_.any_of(std::move(alts));
+    }
+    for (const char* k : {"anyOf", "oneOf"})
+      if (schema.contains(k)) {
+        const json& list = schema[k];
+        if (!list.is_array() || list.empty())
+          fail(where + "/" + k, std::string("'") + k + "' must be a non-empty list");
+        if (schema.contains("type") || schema.contains("properties"))
+          fail(where, std::string("'") + k + "' beside 'type' or 'properties' is not supported");
+        std::vector<Sequence> alts;
+        for (size_t i = 0; i < list.size(); ++i)
+          alts.push_back({value(list[i], where + "/" + k + "/" + std::to_string(i))});
+        return g_.any_of(std::move(alts));
+      }
+    if (schema.contains("allOf")) {
+      const json& list = schema["allOf"];
+      if (!list.is_array() || list.size() != 1 || schema.size() > 1 + annotations(schema))
+        fail(where + "/allOf", "'allOf' is supported with exactly one schema and nothing beside");
+      return value(list[0], where + "/allOf/0");
+    }
+    if (!schema.contains("type")) {
+      if (schema.contains("properties") || schema.contains("required") ||
+          schema.contains("additionalProperties"))
+        return object(schema, where);
+      if (schema.contains("items")) return array(schema, where);
+      if (schema.contains("minLength") || schema.contains("maxLength")) return string(schema, where);
+      return any_value();
+    }
+    const json& type = schema["type"];
+    if (type.is_string()) return typed(type.get<std::string>(), schema, where);
+    if (!type.is_array() || type.empty())
+      fail(where + "/type", "'type' must be a type name or a list of them");
+    std::vector<Sequence> alts;
+    for (const auto& t : type) {
+      if (!t.is_string()) fail(where + "/type", "'type' must list type names");
+      alts.push_back({typed(t.get<std::string>(), schema, where)});
+    }
+    return g_.any_of(std::move(alts));
+  }
+
+  Symbol any_value() {
+    if (any_value_ >= 0) return any_value_;
+    any_value_ = g_.new_rule();  // recursive: objects and arrays hold values
+    const Symbol obj = g_.new_rule();
+    {
+      Sequence member = {string_rule(0, -1), ws(), g_.byte(':'), ws(), any_value_};
+      Sequence more = {ws(), g_.byte(','), ws()};
+      more.insert(more.end(), member.begin(), member.end());
+      Sequence filled = {g_.byte('{'), ws()};
+      filled.insert(filled.end(), member.begin(), member.end());
+      filled.push_back(g_.repeat(more, 0, -1));
+      filled.insert(filled.end(), {ws(), g_.byte('}')});
+      g_.add(obj, std::move(filled));
+      g_.add(obj, {g_.byte('{'), ws(), g_.byte('}')});
+    }
+    const Symbol arr = g_.new_rule();
+    {
+      Sequence more = {ws(), g_.byte(','), ws(), any_value_};
+      g_.add(arr, {g_.byte('['), ws(), any_value_, g_.repeat(more, 0, -1), ws(), g_.byte(']')});
+      g_.add(arr, {g_.byte('['), ws(), g_.byte(']')});
+    }
+    any_object_ = obj;
+    for (Symbol s : {obj, arr, string_rule(0, -1), number(), boolean(), null()}) g_.add(any_value_, {s});
+    return any_value_;
+  }
+
+  Symbol any_object() {
+    any_value();
+    return any_object_;
+  }
+
+  Symbol ws() {
+    if (ws_ < 0) {
+      ByteSet s;
+      for (char c : {' ', '\t', '\n', '\r'}) s.set(static_cast<uint8_t>(c));
+      ws_ = g_.repeat({g_.bytes(s)}, 0, kMaxWhitespace);
+    }
+    return ws_;
+  }
+
+ private:
+  [[noreturn]] static void fail(const std::string& where, const std::string& what) {
+    throw Error("schema #" + where + ": " + what);
+  }
+
+  static size_t annotations(const json& schema) {
+    size_t n = 0;
+    for (auto it = schema.begin(); it != schema.end(); ++it) n += kAnnotations.count(it.key());
+    return n;
+  }
+
+  Symbol typed(const std::string& type, const json& schema, const std::string& where) {
+    if (type == "object") return object(schema, where);
+    if (type == "array") return array(schema, where);
+    if (type == "string") return string(schema, where);
+    if (type == "integer") return integer();
+    if (type == "number") return number();
+    if (type == "boolean") return boolean();
+    if (type == "null") return null();
+    fail(where + "/type", "unknown type '" + type + "'");
+  }
+
+  Symbol reference(const json& schema, const std::string& where) {
+    const json& ref = schema["$ref"];
+    if (!ref.is_string()) fail(where + "/$ref", "'$ref' must be a string");
+    const std::string r = ref.get<std::string>();
+    if (auto it = refs_.find(r); it != refs_.end()) return it->second;
+    const json* target = nullptr;
+    if (r == "#") {
+      target = &root_;
+    } else {
+      for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
+        const std::string p = prefix;
+        if (r.rfind(p, 0) != 0) continue;
+        const std::string name = r.substr(p.size());
+        const auto defs = root_.find(p.substr(2, p.size() - 3));
+        if (defs != root_.end() && defs->is_object() && defs->contains(name))
+          target = &(*defs)[name];
+      }
+    }
+    if (!target)
+      fail(where + "/$ref", "'" + r + "' does not name a schema of this document (#/$defs/...)");
+    // The rule exists before its body is compiled, so a schema may refer to itself.
+    const Symbol rule = g_.new_rule();
+    refs_.emplace(r, rule);
+    g_.add(rule, {value(*target, r.substr(1))});
+    return rule;
+  }
+
+  Symbol literal_value(const json& v) {
+    return g_.any_of({g_.literal(v.dump(-1, ' ', false, json::error_handler_t::strict))});
+  }
+
+  // A JSON string of min..max characters (max < 0: no limit).
+  Symbol string_rule(int64_t min, int64_t max) {
+    const auto key = std::make_pair(min, max);
+    if (auto it = strings_.find(key); it != strings_.end()) return it->second;
+    const Symbol s = g_.any_of({{g_.byte('"'), g_.repeat({character()}, min, max), g_.byte('"')}});
+    strings_.emplace(key, s);
+    return s;
+  }
+
+  Symbol string(const json& schema, const std::string& where) {
+    auto bound = [&](const char* k, int64_t dflt) {
+      if (!schema.contains(k)) return dflt;
+      const json& v = schema[k];
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > 100'000)
+        fail(where + "/" + k, std::string("'") + k + "' must be an integer from 0 to 100000");
+      return static_cast<int64_t>(v.get<uint64_t>());
+    };
+    const int64_t min = bound("minLength", 0), max = bound("maxLength", -1);
+    if (max >= 0 && max < min) fail(where, "'maxLength' is below 'minLength'");
+    return string_rule(min, max);
+  }
+
+  // One character of a JSON string: unescaped, or an escape sequence.
+  Symbol character() {
+    if (character_ >= 0) return character_;
+    ByteSet plain = byte_range(0x20, 0x7F);
+    plain.reset('"');
+    plain.reset('\\');
+    std::vector<Sequence> alts = {{g_.bytes(plain)}};
+    for (auto& seq : utf8_range(g_, 0x80, 0x10FFFF)) alts.push_back(std::move(seq));
+    ByteSet escaped;
+    for (char c : std::string("\"\\/bfnrt")) escaped.set(static_cast<uint8_t>(c));
+    alts.push_back({g_.byte('\\'), g_.bytes(escaped)});
+    ByteSet hex = byte_range('0', '9') | byte_range('a', 'f') | byte_range('A', 'F');
+    const Symbol h = g_.bytes(hex);
+    alts.push_back({g_.byte('\\'), g_.byte('u'), h, h, h, h});
+    character_ = g_.any_of(std::move(alts));
+    return character_;
+  }
+
+  Symbol integer() {
+    if (integer_ >= 0) return integer_;
+    const Symbol digit = g_.bytes(byte_range('0', '9'));
+    const Symbol sign = g_.repeat({g_.byte('-')}, 0, 1);
+    const Symbol magnitude = g_.any_of(
+        {{g_.byte('0')},
+         {g_.bytes(byte_range('1', '9')), g_.repeat({digit}, 0, kMaxIntegerDigits - 1)}});
+    integer_ = g_.any_of({{sign, magnitude}});
+    return integer_;
+  }
+
+  Symbol number() {
+    if (number_ >= 0) return number_;
+    const Symbol digit = g_.bytes(byte_range('0', '9'));
+    ByteSet e, pm;
+    e.set('e');
+    e.set('E');
+    pm.set('+');
+    pm.set('-');
+    const Symbol fraction =
+        g_.repeat({g_.byte('.'), g_.repeat({digit}, 1, kMaxFractionDigits)}, 0, 1);
+    const Symbol exponent = g_.repeat(
+        {g_.bytes(e), g_.repeat({g_.bytes(pm)}, 0, 1), g_.repeat({digit}, 1, kMaxExponentDigits)},
+        0, 1);
+    number_ = g_.any_of({{integer(), fraction, exponent}});
+    return number_;
+  }
+
+  Symbol boolean() { return g_.any_of({g_.literal("true"), g_.literal("false")}); }
+  Symbol null() { return g_.any_of({g_.literal("null")}); }
+
+  Symbol array(const json& schema, const std::string& where) {
+    auto bound = [&](const char* k, int64_t dflt) {
+      if (!schema.contains(k)) return dflt;
+      const json& v = schema[k];
+      if (!v.is_number_unsigned() || v.get<uint64_t>() > 10'000)
+        fail(where + "/" + k, std::string("'") + k + "' must be an integer from 0 to 10000");
+      return static_cast<int64_t>(v.get<uint64_t>());
+    };
+    const int64_t min = bound("minItems", 0), max = bound("maxItems", -1);
+    if (max >= 0 && max < min) fail(where, "'maxItems' is below 'minItems'");
+    const Symbol item =
+        schema.contains("items") ? value(schema["items"], where + "/items") : any_value();
+    const Symbol r = g_.new_rule();
+    if (max != 0) {
+      const Sequence more = {ws(), g_.byte(','), ws(), item};
+      g_.add(r, {g_.byte('['), ws(), item,
+                 g_.repeat(more, std::max<int64_t>(min - 1, 0), max < 0 ? -1 : max - 1), ws(),
+                 g_.byte(']')});
+    }
+    if (min == 0) g_.add(r, {g_.byte('['), ws(), g_.byte(']')});
+    return r;
+  }
+
+  Symbol object(const json& schema, const std::string& where) {
+    const json props = schema.value("properties", json::object());
+    if (!props.is_object()) fail(where + "/properties", "'properties' must be an object");
+    std::set<std::string> required;
+    if (schema.contains("required")) {
+      const json& req = schema["required"];
+      if (!req.is_array()) fail(where + "/required", "'required' must be a list of names");
+      for (const auto& n : req) {
+        if (!n.is_string() || !props.contains(n.get<std::string>()))
+          fail(where + "/required", "'required' names " + n.dump() +
+                                        ", which 'properties' does not describe");
+        required.insert(n.get<std::string>());
+      }
+    }
+    const json extra = schema.value("additionalProperties", json(true));
+    if (props.empty()) {
+      // No listed properties: any members, of the additionalProperties schema when one is given.
+      if (extra.is_boolean() && !extra.get<bool>())
+        return g_.any_of({{g_.byte('{'), ws(), g_.byte('}')}});
+      if (extra.is_boolean()) return any_object();
+      const Symbol v = value(extra, where + "/additionalProperties");
+      const Sequence member = {string_rule(0, -1), ws(), g_.byte(':'), ws(), v};
+      Sequence more = {ws(), g_.byte(','), ws()};
+      more.insert(more.end(), member.begin(), member.end());
+      Sequence filled = {g_.byte('{'), ws()};
+      filled.insert(filled.end(), member.begin(), member.end());
+      filled.insert(filled.end(), {g_.repeat(more, 0, -1), ws(), g_.byte('}')});
+      return g_.any_of({std::move(filled), {g_.byte('{'), ws(), g_.byte('}')}});
+    }
+    if (!extra.is_boolean() && !extra.is_object())
+      fail(where + "/additionalProperties", "'additionalProperties' must be a boolean or a schema");
+    // Members in the schema's order; optional ones may be left out. tail[i][w]: the members from
+    // i on, w: whether one was written already (then the next needs a comma).
+    std::vector<std::pair<std::string, Symbol>> members;
+    for (auto it = props.begin(); it != props.end(); ++it)
+      members.emplace_back(it.key(), value(it.value(), where + "/properties/" + it.key()));
+    const size_t n = members.size();
+    std::vector<std::array<Symbol, 2>> tail(n + 1);
+    tail[n] = {g_.any_of({{}}), g_.any_of({{}})};
+    for (size_t i = n; i-- > 0;) {
+      for (int written = 0; written < 2; ++written) {
+        Sequence take;
+        if (written) take = {ws(), g_.byte(','), ws()};
+        const Sequence key = g_.literal(json(members[i].first).dump());
+        take.insert(take.end(), key.begin(), key.end());
+        take.insert(take.end(), {ws(), g_.byte(':'), ws(), members[i].second, tail[i + 1][1]});
+        std::vector<Sequence> alts = {std::move(take)};
+        if (!required.count(members[i].first)) alts.push_back({tail[i + 1][size_t(written)]});
+        tail[i][size_t(written)] = g_.any_of(std::move(alts));
+      }
+    }
+    return g_.any_of({{g_.byte('{'), ws(), tail[0][0], ws(), g_.byte('}')}});
+  }
+
+  Grammar& g_;
+  const json& root_;
+  std::map<std::string, Symbol> refs_;
+  std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
+  Symbol any_value_ = -1, any_object_ = -1, ws_ = -1, character_ = -1, integer_ = -1,
+         number_ = -1;
+};
+
+}  // namespace
+
+Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::json& schema) {
+  SchemaCompiler c(g, schema);
+  const Symbol v = c.value(schema, "");
+  return g.any_of({{c.ws(), v, c.ws()}});
+}
+
+Grammar::Symbol json_object_rule(Grammar& g) {
+  SchemaCompiler c(g, nlohmann::json::object());
+  const Symbol v = c.any_object();
+  return g.any_of({{c.ws(), v, c.ws()}});
+}
+
+}  // namespace tandem::structured

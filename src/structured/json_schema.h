@@ -1,0 +1,25 @@
+#pragma once
+// JSON Schema (the subset structured outputs use: OpenAI's strict schemas, Pydantic's) and plain
+// JSON as grammars. The answers follow the schema's property order, write required properties
+// always and optional ones at will, and never add properties the schema does not list (still
+// valid where additionalProperties allows more). Keywords that constrain values in ways a grammar
+// here cannot (pattern, format, numeric bounds, ...) are refused by name, never ignored.
+#include <nlohmann/json.hpp>
+
+#include "structured/grammar.h"
+
+namespace tandem::structured {
+
+// Bounds that keep every answer finite; a model may still stop earlier.
+inline constexpr int kMaxWhitespace = 16;      // bytes of white space between tokens of JSON
+inline constexpr int kMaxIntegerDigits = 16;   // digits of an integer part
+inline constexpr int kMaxFractionDigits = 16;  // digits after the decimal point
+inline constexpr int kMaxExponentDigits = 3;
+
+// Adds to `g` a rule matching the JSON text of a value valid under `schema`, and returns it.
+// Throws tandem::Error naming the unsupported keyword and where it is.
+Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::json& schema);
+// A rule matching any JSON object (OpenAI's json_object).
+Grammar::Symbol json_object_rule(Grammar& g);
+
+}  // namespace tandem::structured

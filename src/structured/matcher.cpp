@@ -1,0 +1,163 @@
+#include "structured/matcher.h"
+
+#include <algorithm>
+
+#include "util/error.h"
+
+namespace tandem::structured {
+namespace {
+
+// Expansion depth past which a grammar is refused: only nesting that deep could get there (left
+// recursion is refused when the grammar is built).
+constexpr int kMaxExpansionDepth = 10'000;
+// Frames kept before unreachable ones are dropped.
+constexpr size_t kCompactAbove = 1 << 16;
+
+uint64_t pair_key(int32_t pos, int32_t rest) {
+  return (uint64_t(uint32_t(pos)) << 32) | uint32_t(rest);
+}
+
+}  // namespace
+
+GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar)
+    : grammar_(std::move(grammar)) {
+  for (int32_t start : grammar_->alternatives(grammar_->root())) expand(start, -1, stacks_, 0);
+  std::sort(stacks_.begin(), stacks_.end(),
+            [](const Stack& a, const Stack& b) { return pair_key(a.pos, a.rest) < pair_key(b.pos, b.rest); });
+  stacks_.erase(std::unique(stacks_.begin(), stacks_.end()), stacks_.end());
+}
+
+int32_t GrammarMatcher::frame(int32_t pos, int32_t rest) {
+  const uint64_t key = pair_key(pos, rest);
+  if (auto it = frame_ids_.find(key); it != frame_ids_.end()) return it->second;
+  const auto id = static_cast<int32_t>(frames_.size());
+  frames_.emplace_back(pos, rest);
+  frame_ids_.emplace(key, id);
+  return id;
+}
+
+// From symbol `pos` with return frame `rest`: every stack whose next symbol is a terminal.
+void GrammarMatcher::expand(int32_t pos, int32_t rest, Stacks& out, int depth) {
+  if (depth > kMaxExpansionDepth) throw Error("structured output: the grammar nests too deeply");
+  const auto& code = grammar_->code();
+  for (;;) {
+    const Grammar::Symbol s = code[size_t(pos)];
+    if (s == Grammar::kEnd) {  // the alternative ended: return to the caller
+      if (rest < 0) {
+        out.push_back({kAccepted, -1});
+        return;
+      }
+      std::tie(pos, rest) = frames_[size_t(rest)];
+      continue;
+    }
+    if (s < 0) {
+      out.push_back({pos, rest});
+      return;
+    }
+    // A rule: its alternatives, returning to what follows it (nothing to push when it is last).
+    const int32_t back = code[size_t(pos) + 1] == Grammar::kEnd ? rest : frame(pos + 1, rest);
+    for (int32_t start : grammar_->alternatives(s)) expand(start, back, out, depth + 1);
+    return;
+  }
+}
+
+void GrammarMatcher::step(const Stacks& from, uint8_t byte, Stacks& to) {
+  to.clear();
+  for (const Stack& st : from)
+    if (st.pos != kAccepted && grammar_->terminal(grammar_->code()[size_t(st.pos)]).test(byte))
+      expand(st.pos + 1, st.rest, to, 0);
+  if (to.size() > 1) {
+    std::sort(to.begin(), to.end(), [](const Stack& a, const Stack& b) {
+      return pair_key(a.pos, a.rest) < pair_key(b.pos, b.rest);
+    });
+    to.erase(std::unique(to.begin(), to.end()), to.end());
+  }
+}
+
+bool GrammarMatcher::advance(std::string_view bytes) {
+  Stacks cur = stacks_, next;
+  for (char c : bytes) {
+    step(cur, static_cast<uint8_t>(c), next);
+    if (next.empty()) return false;
+    cur.swap(next);
+  }
+  stacks_ = std::move(cur);
+  if (frames_.size() > kCompactAbove) compact();
+  return true;
+}
+
+bool GrammarMatcher::accepting() const {
+  return std::any_of(stacks_.begin(), stacks_.end(),
+                     [](const Stack& s) { return s.pos == kAccepted; });
+}
+
+bool GrammarMatcher::can_continue() const {
+  return std::any_of(stacks_.begin(), stacks_.end(),
+                     [](const Stack& s) { return s.pos != kAccepted; });
+}
+
+ByteSet GrammarMatcher::next_bytes() const {
+  ByteSet out;
+  for (const Stack& s : stacks_)
+    if (s.pos != kAccepted) out |= grammar_->terminal(grammar_->code()[size_t(s.pos)]);
+  return out;
+}
+
+std::string GrammarMatcher::key() const {
+  std::string k;
+  auto put = [&](int32_t v) { k.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  for (const Stack& s : stacks_) {
+    put(s.pos);
+    for (int32_t r = s.rest; r >= 0; r = frames_[size_t(r)].second) put(frames_[size_t(r)].first);
+    put(-2);
+  }
+  return k;
+}
+
+void GrammarMatcher::release(size_t mark) {
+  for (size_t i = mark; i < frames_.size(); ++i)
+    frame_ids_.erase(pair_key(frames_[i].first, frames_[i].second));
+  frames_.resize(mark);
+}
+
+void GrammarMatcher::compact() {
+  // Rebuilds the pool with only the frames the stacks reach (older ones belonged to bytes read).
+  std::vector<std::pair<int32_t, int32_t>> old;
+  old.swap(frames_);
+  frame_ids_.clear();
+  std::unordered_map<int32_t, int32_t> moved;
+  auto copy = [&](auto&& self, int32_t r) -> int32_t {
+    if (r < 0) return -1;
+    if (auto it = moved.find(r); it != moved.end()) return it->second;
+    const int32_t rest = self(self, old[size_t(r)].second);
+    const int32_t id = frame(old[size_t(r)].first, rest);
+    moved.emplace(r, id);
+    return id;
+  };
+  for (Stack& s : stacks_) s.rest = copy(copy, s.rest);
+}
+
+void GrammarMatcher::walk(const VocabularyTrie& trie, uint32_t node, size_t depth,
+                          std::vector<Stacks>& levels, std::vector<uint64_t>& allowed) {
+  const VocabularyTrie::Node& n = trie.nodes[node];
+  for (uint32_t c = n.first_child; c < n.first_child + n.num_children; ++c) {
+    const VocabularyTrie::Node& child = trie.nodes[c];
+    step(levels[depth], child.byte, levels[depth + 1]);
+    if (levels[depth + 1].empty()) continue;
+    for (uint32_t t = child.first_token; t < child.first_token + child.num_tokens; ++t) {
+      const auto id = static_cast<size_t>(trie.tokens[t]);
+      allowed[id / 64] |= uint64_t(1) << (id % 64);
+    }
+    if (child.num_children > 0) walk(trie, c, depth + 1, levels, allowed);
+  }
+}
+
+void GrammarMatcher::accepted_tokens(const VocabularyTrie& trie, std::vector<uint64_t>& allowed) {
+  const size_t mark = frames_.size();
+  std::vector<Stacks> levels(trie.max_depth + 1);
+  levels[0] = stacks_;
+  walk(trie, 0, 0, levels, allowed);
+  release(mark);
+}
+
+}  // namespace tandem::structured

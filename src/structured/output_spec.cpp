@@ -1,0 +1,48 @@
+#include "structured/output_spec.h"
+
+#include <nlohmann/json.hpp>
+
+#include "structured/json_schema.h"
+#include "structured/regex.h"
+#include "util/error.h"
+#include "util/json.h"
+
+namespace tandem::structured {
+
+std::string OutputSpec::key() const {
+  return std::to_string(static_cast<int>(kind)) + ":" + text;
+}
+
+std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
+  auto g = std::make_shared<Grammar>();
+  Grammar::Symbol root = -1;
+  switch (spec.kind) {
+    case OutputSpec::Kind::kJsonObject:
+      root = json_object_rule(*g);
+      break;
+    case OutputSpec::Kind::kJsonSchema:
+      root = json_schema_rule(*g, parse_untrusted_json(spec.text));
+      break;
+    case OutputSpec::Kind::kRegex:
+      if (spec.text.empty()) throw Error("the regex is empty");
+      root = regex_rule(*g, spec.text);
+      break;
+    case OutputSpec::Kind::kChoice: {
+      const nlohmann::json choices = parse_untrusted_json(spec.text);
+      if (!choices.is_array() || choices.empty())
+        throw Error("the choices must be a non-empty list of strings");
+      std::vector<Grammar::Sequence> alts;
+      for (const auto& c : choices) {
+        if (!c.is_string() || c.get<std::string>().empty())
+          throw Error("the choices must be non-empty strings");
+        alts.push_back(g->literal(c.get<std::string>()));
+      }
+      root = g->any_of(std::move(alts));
+      break;
+    }
+  }
+  g->finish(root);
+  return g;
+}
+
+}  // namespace tandem::structured

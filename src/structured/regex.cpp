@@ -1,0 +1,339 @@
+#include "structured/regex.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "util/error.h"
+
+namespace tandem::structured {
+namespace {
+
+using Sequence = Grammar::Sequence;
+using Symbol = Grammar::Symbol;
+// Code point ranges, inclusive.
+using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
+
+constexpr uint32_t kMaxCodePoint = 0x10FFFF;
+constexpr int64_t kMaxRepeat = 10'000;
+
+Ranges normalized(Ranges r) {
+  std::sort(r.begin(), r.end());
+  Ranges out;
+  for (const auto& [lo, hi] : r) {
+    if (!out.empty() && lo <= out.back().second + 1)
+      out.back().second = std::max(out.back().second, hi);
+    else
+      out.emplace_back(lo, hi);
+  }
+  return out;
+}
+
+Ranges complement(const Ranges& r) {
+  Ranges out;
+  uint32_t next = 0;
+  for (const auto& [lo, hi] : normalized(r)) {
+    if (lo > next) out.emplace_back(next, lo - 1);
+    next = hi + 1;
+  }
+  if (next <= kMaxCodePoint) out.emplace_back(next, kMaxCodePoint);
+  return out;
+}
+
+const Ranges kDigit = {{'0', '9'}};
+const Ranges kWord = {{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
+const Ranges kSpace = {{'\t', '\r'}, {' ', ' '}};
+
+class RegexCompiler {
+ public:
+  RegexCompiler(Grammar& g, std::string_view p) : g_(g), p_(p) {}
+
+  Symbol compile() {
+    if (peek('^')) ++i_;
+    auto [seq, nullable] = alternation();
+    (void)nullable;
+    if (i_ != p_.size()) fail("unbalanced ')'");
+    return g_.any_of({std::move(seq)});
+  }
+
+ private:
+  struct Piece {
+    Sequence seq;
+    bool nullable;
+  };
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error("regex at offset " + std::to_string(i_) + ": " + what);
+  }
+  bool peek(char c) const { return i_ < p_.size() && p_[i_] == c; }
+  bool at_end() const { return i_ >= p_.size(); }
+
+  Piece alternation() {
+    std::vector<Piece> alts = {concatenation()};
+    while (peek('|')) {
+      ++i_;
+      alts.push_back(concatenation());
+    }
+    if (alts.size() == 1) return std::move(alts[0]);
+    std::vector<Sequence> seqs;
+    bool nullable = false;
+    for (auto& a : alts) {
+      nullable = nullable || a.nullable;
+      seqs.push_back(std::move(a.seq));
+    }
+    return {{g_.any_of(std::move(seqs))}, nullable};
+  }
+
+  Piece concatenation() {
+    Piece out{{}, true};
+    while (!at_end() && !peek('|') && !peek(')')) {
+      if (peek('$') && i_ + 1 == p_.size()) {  // the end is implied
+        ++i_;
+        break;
+      }
+      Piece p = quantified();
+      out.seq.insert(out.seq.end(), p.seq.begin(), p.seq.end());
+      out.nullable = out.nullable && p.nullable;
+    }
+    return out;
+  }
+
+  Piece quantified() {
+    Piece atom_piece = atom();
+    for (;;) {
+      int64_t min = 0, max = -1;
+      if (peek('*')) {
+        ++i_;
+      } else if (peek('+')) {
+        ++i_;
+        min = 1;
+      } else if (peek('?')) {
+        ++i_;
+        max = 1;
+      } else if (peek('{') && braces(min, max)) {
+      } else {
+        return atom_piece;
+      }
+      if (peek('?')) ++i_;  // lazy: the same language
+      if (peek('+')) fail("possessive quantifiers are not supported");
+      if (atom_piece.nullable && (max < 0 || max > 1))
+        fail("a repeated part that may match nothing is not supported");
+      if (max > kMaxRepeat || min > kMaxRepeat)
+        fail("repetition counts above " + std::to_string(kMaxRepeat) + " are not supported");
+      const bool nullable = min == 0 || atom_piece.nullable;
+      atom_piece = {{g_.repeat(atom_piece.seq, min, max)}, nullable};
+    }
+  }
+
+  // {m}, {m,}, {m,n}; false (nothing read) when the brace is a literal.
+  bool braces(int64_t& min, int64_t& max) {
+    size_t j = i_ + 1;
+    auto number = [&](int64_t& v) {
+      const size_t from = j;
+      v = 0;
+      while (j < p_.size() && p_[j] >= '0' && p_[j] <= '9' && j - from < 9) v = v * 10 + (p_[j++] - '0');
+      return j > from;
+    };
+    if (!number(min)) return false;
+    if (j < p_.size() && p_[j] == '}') {
+      max = min;
+    } else if (j < p_.size() && p_[j] == ',') {
+      ++j;
+      if (!number(max)) max = -1;
+      if (j >= p_.size() || p_[j] != '}') return false;
+    } else {
+      return false;
+    }
+    if (max >= 0 && max < min) fail("a repetition's maximum is below its minimum");
+    i_ = j + 1;
+    return true;
+  }
+
+  Piece atom() {
+    const char c = p_[i_];
+    switch (c) {
+      case '(': {
+        ++i_;
+        if (peek('?')) {
+          if (i_ + 1 < p_.size() && p_[i_ + 1] == ':')
+            i_ += 2;
+          else
+            fail("only non-capturing groups (?:...) are supported among (? groups");
+        }
+        Piece inner = alternation();
+        if (!peek(')')) fail("missing ')'");
+        ++i_;
+        return {{g_.any_of({std::move(inner.seq)})}, inner.nullable};
+      }
+      case '[':
+        return {{ranges_rule(char_class())}, false};
+      case '.':
+        ++i_;
+        return {{ranges_rule(complement({{'\n', '\n'}}))}, false};
+      case '\\':
+        return {{ranges_rule(escape(false))}, false};
+      case '*':
+      case '+':
+      case '?':
+        fail("nothing to repeat");
+      case '^':
+        fail("'^' is only supported at the start");
+      case '$':
+        fail("'$' is only supported at the end");
+      default:
+        break;
+    }
+    const uint32_t cp = code_point();
+    return {{ranges_rule({{cp, cp}})}, false};
+  }
+
+  uint32_t code_point() {
+    const auto b = static_cast<uint8_t>(p_[i_]);
+    const int len = b < 0x80 ? 1 : b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 0;
+    if (len == 0 || i_ + size_t(len) > p_.size()) fail("invalid UTF-8");
+    uint32_t cp = len == 1 ? b : b & (0x7F >> len);
+    for (int k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<uint8_t>(p_[i_ + size_t(k)]) & 0x3F);
+    i_ += size_t(len);
+    return cp;
+  }
+
+  // After a backslash (i_ at the backslash): the code points it stands for.
+  Ranges escape(bool in_class) {
+    ++i_;
+    if (at_end()) fail("a pattern cannot end with a backslash");
+    const char c = p_[i_];
+    auto one = [&](uint32_t cp) {
+      ++i_;
+      return Ranges{{cp, cp}};
+    };
+    switch (c) {
+      case 'd':
+        ++i_;
+        return kDigit;
+      case 'D':
+        ++i_;
+        return complement(kDigit);
+      case 'w':
+        ++i_;
+        return kWord;
+      case 'W':
+        ++i_;
+        return complement(kWord);
+      case 's':
+        ++i_;
+        return kSpace;
+      case 'S':
+        ++i_;
+        return complement(kSpace);
+      case 'n':
+        return one('\n');
+      case 't':
+        return one('\t');
+      case 'r':
+        return one('\r');
+      case 'f':
+        return one('\f');
+      case 'v':
+        return one('\v');
+      case '0':
+        return one(0);
+      case 'x':
+      case 'u': {
+        const size_t digits = c == 'x' ? 2 : 4;
+        if (i_ + digits >= p_.size()) fail("a truncated \\" + std::string(1, c) + " escape");
+        uint32_t cp = 0;
+        for (size_t k = 1; k <= digits; ++k) {
+          const char h = p_[i_ + k];
+          const int v = h >= '0' && h <= '9'   ? h - '0'
+                        : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                        : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                               : -1;
+          if (v < 0) fail("a bad hex digit in an escape");
+          cp = cp * 16 + uint32_t(v);
+        }
+        i_ += digits + 1;
+        return {{cp, cp}};
+      }
+      case 'b':
+        if (in_class) return one('\b');
+        fail("word boundaries (\\b) are not supported");
+      default:
+        break;
+    }
+    if ((c >= '1' && c <= '9') || c == 'k') fail("backreferences are not supported");
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'))
+      fail(std::string("the escape \\") + c + " is not supported");
+    const uint32_t cp = code_point();
+    return {{cp, cp}};
+  }
+
+  // [...] (i_ at the '['): its code points.
+  Ranges char_class() {
+    ++i_;
+    bool negate = false;
+    if (peek('^')) {
+      negate = true;
+      ++i_;
+    }
+    Ranges r;
+    bool first = true;
+    while (!at_end() && (first || !peek(']'))) {
+      first = false;
+      Ranges item;
+      if (peek('\\')) {
+        item = escape(true);
+      } else if (peek('[') && i_ + 1 < p_.size() && p_[i_ + 1] == ':') {
+        fail("POSIX classes like [:alpha:] are not supported");
+      } else {
+        const uint32_t cp = code_point();
+        item = {{cp, cp}};
+      }
+      // A range a-z (a '-' before ']' is a literal).
+      if (item.size() == 1 && item[0].first == item[0].second && peek('-') &&
+          i_ + 1 < p_.size() && p_[i_ + 1] != ']') {
+        ++i_;
+        Ranges hi_item;
+        if (peek('\\'))
+          hi_item = escape(true);
+        else
+          hi_item = {{code_point(), 0}};
+        const uint32_t hi = hi_item[0].first;
+        if (hi_item.size() != 1 || hi < item[0].first) fail("a bad range in a class");
+        item = {{item[0].first, hi}};
+      }
+      r.insert(r.end(), item.begin(), item.end());
+    }
+    if (!peek(']')) fail("missing ']'");
+    ++i_;
+    r = negate ? complement(r) : normalized(r);
+    if (r.empty()) fail("a class that matches nothing");
+    return r;
+  }
+
+  // A rule matching one code point of `r`: the ASCII part as one byte set, the rest as UTF-8.
+  Symbol ranges_rule(const Ranges& r) {
+    std::vector<Sequence> alts;
+    ByteSet ascii;
+    for (const auto& [lo, hi] : normalized(r)) {
+      for (uint32_t c = lo; c <= std::min<uint32_t>(hi, 0x7F); ++c) ascii.set(c);
+      if (hi >= 0x80)
+        for (auto& s : utf8_range(g_, std::max<uint32_t>(lo, 0x80), hi)) alts.push_back(std::move(s));
+    }
+    if (ascii.any()) alts.insert(alts.begin(), Sequence{g_.bytes(ascii)});
+    if (alts.empty()) fail("a class that matches nothing");
+    return g_.any_of(std::move(alts));
+  }
+
+  Grammar& g_;
+  std::string_view p_;
+  size_t i_ = 0;
+};
+
+}  // namespace
+
+Grammar::Symbol regex_rule(Grammar& g, std::string_view pattern) {
+  return RegexCompiler(g, pattern).compile();
+}
+
+}  // namespace tandem::structured

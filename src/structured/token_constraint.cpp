@@ -1,0 +1,131 @@
+#include "structured/token_constraint.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "util/error.h"
+
+namespace tandem::structured {
+
+MaskVocabulary::MaskVocabulary(const text::Tokenizer& tokenizer) {
+  const size_t n = tokenizer.vocab_size();
+  bytes_.resize(n);
+  std::vector<std::pair<std::string, int32_t>> entries;
+  entries.reserve(n);
+  for (size_t id = 0; id < n; ++id) {
+    const auto t = static_cast<int32_t>(id);
+    if (!tokenizer.id_to_token(t) || tokenizer.is_special(t)) continue;
+    bytes_[id] = tokenizer.token_bytes(t);
+    entries.emplace_back(bytes_[id], t);
+  }
+  trie_ = VocabularyTrie::build(std::move(entries));
+}
+
+std::shared_ptr<const std::vector<uint64_t>> MaskCache::find(const std::string& state) {
+  std::lock_guard lock(mutex_);
+  auto it = entries_.find(state);
+  if (it == entries_.end()) return nullptr;
+  order_.splice(order_.begin(), order_, it->second.at);
+  return it->second.mask;
+}
+
+void MaskCache::put(const std::string& state, std::shared_ptr<const std::vector<uint64_t>> mask) {
+  std::lock_guard lock(mutex_);
+  if (entries_.count(state)) return;
+  order_.push_front(state);
+  entries_.emplace(state, Entry{std::move(mask), order_.begin()});
+  while (entries_.size() > capacity_) {
+    entries_.erase(order_.back());
+    order_.pop_back();
+  }
+}
+
+TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
+                                 std::shared_ptr<MaskCache> cache,
+                                 std::shared_ptr<const MaskVocabulary> vocabulary)
+    : matcher_(std::move(grammar)), cache_(std::move(cache)), vocabulary_(std::move(vocabulary)) {}
+
+const std::vector<uint64_t>& TokenConstraint::allowed() {
+  if (current_) return *current_;
+  const std::string state = matcher_.key();
+  current_ = cache_->find(state);
+  if (current_) {
+    ++stats_.masks_reused;
+    return *current_;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto mask = std::make_shared<std::vector<uint64_t>>((vocabulary_->size() + 63) / 64, 0);
+  matcher_.accepted_tokens(vocabulary_->trie(), *mask);
+  stats_.compute_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ++stats_.masks_computed;
+  cache_->put(state, mask);
+  current_ = std::move(mask);
+  return *current_;
+}
+
+void TokenConstraint::mask(std::span<float> logits, std::span<const int32_t> end_ids) {
+  const std::vector<uint64_t>& bits = allowed();
+  const bool may_end = ended_ || matcher_.accepting();
+  auto allowed_id = [&](size_t id) {
+    if (id < vocabulary_->size() && !ended_ && ((bits[id / 64] >> (id % 64)) & 1)) return true;
+    return may_end && std::find(end_ids.begin(), end_ids.end(), static_cast<int32_t>(id)) != end_ids.end();
+  };
+  bool any_finite = false;
+  for (size_t id = 0; id < logits.size(); ++id) {
+    if (!allowed_id(id))
+      logits[id] = -std::numeric_limits<float>::infinity();
+    else if (logits[id] > -std::numeric_limits<float>::infinity())
+      any_finite = true;
+  }
+  if (any_finite) return;
+  // Other masks removed everything the grammar allows: the grammar wins.
+  bool any = false;
+  for (size_t id = 0; id < logits.size(); ++id)
+    if (allowed_id(id)) {
+      logits[id] = 0.0f;
+      any = true;
+    }
+  if (!any) throw Error("structured output: no token can continue the answer");
+}
+
+void TokenConstraint::accept(int32_t token, std::span<const int32_t> end_ids) {
+  const bool is_end = std::find(end_ids.begin(), end_ids.end(), token) != end_ids.end();
+  if (is_end && (ended_ || matcher_.accepting())) {
+    ended_ = true;
+    return;
+  }
+  if (token < 0 || size_t(token) >= vocabulary_->size() || vocabulary_->bytes(token).empty() ||
+      ended_ || !matcher_.advance(vocabulary_->bytes(token)))
+    throw Error("structured output: token " + std::to_string(token) +
+                " does not continue the answer as its format requires");
+  current_.reset();
+}
+
+StructuredOutputs::StructuredOutputs(std::shared_ptr<const text::Tokenizer> tokenizer,
+                                     size_t max_grammars, size_t masks_per_grammar)
+    : tokenizer_(std::move(tokenizer)),
+      max_grammars_(max_grammars),
+      masks_per_grammar_(masks_per_grammar) {}
+
+std::unique_ptr<TokenConstraint> StructuredOutputs::start(const OutputSpec& spec) {
+  std::lock_guard lock(mutex_);
+  if (!vocabulary_) vocabulary_ = std::make_shared<const MaskVocabulary>(*tokenizer_);
+  const std::string key = spec.key();
+  auto it = grammars_.find(key);
+  if (it == grammars_.end()) {
+    Compiled c{compile(spec), std::make_shared<MaskCache>(masks_per_grammar_)};
+    order_.push_front(key);
+    it = grammars_.emplace(key, std::make_pair(std::move(c), order_.begin())).first;
+    while (grammars_.size() > max_grammars_) {
+      grammars_.erase(order_.back());
+      order_.pop_back();
+    }
+  } else {
+    order_.splice(order_.begin(), order_, it->second.second);
+  }
+  const Compiled& c = it->second.first;
+  return std::make_unique<TokenConstraint>(c.grammar, c.masks, vocabulary_);
+}
+
+}  // namespace tandem::structured

@@ -1,0 +1,109 @@
+#pragma once
+// Constrained decoding: per step, the tokens whose bytes keep the answer inside a grammar (a mask
+// over the vocabulary, computed by walking the vocabulary's trie from the matcher's state, and
+// cached per grammar and state, since answers revisit states: every character inside one JSON
+// string leaves the same state), and the state advanced by the token sampled.
+#include <chrono>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "structured/matcher.h"
+#include "structured/output_spec.h"
+#include "structured/vocabulary_trie.h"
+#include "text/tokenizer.h"
+
+namespace tandem::structured {
+
+// A vocabulary prepared for masks: the trie of every token with text (special tokens are never
+// allowed by a grammar; the end ids are allowed when the answer is complete).
+class MaskVocabulary {
+ public:
+  explicit MaskVocabulary(const text::Tokenizer& tokenizer);
+  const VocabularyTrie& trie() const { return trie_; }
+  const std::string& bytes(int32_t id) const { return bytes_[size_t(id)]; }
+  size_t size() const { return bytes_.size(); }
+
+ private:
+  VocabularyTrie trie_;
+  std::vector<std::string> bytes_;
+};
+
+// The masks met so far for one grammar, by state (bounded: the least recently used go).
+class MaskCache {
+ public:
+  explicit MaskCache(size_t capacity) : capacity_(capacity) {}
+  std::shared_ptr<const std::vector<uint64_t>> find(const std::string& state);
+  void put(const std::string& state, std::shared_ptr<const std::vector<uint64_t>> mask);
+
+ private:
+  std::mutex mutex_;
+  size_t capacity_;
+  std::list<std::string> order_;  // most recent first
+  struct Entry {
+    std::shared_ptr<const std::vector<uint64_t>> mask;
+    std::list<std::string>::iterator at;
+  };
+  std::unordered_map<std::string, Entry> entries_;
+};
+
+// What constrained decoding cost one request: masks computed and reused, and the time the
+// computed ones took.
+struct ConstraintStats {
+  int64_t masks_computed = 0, masks_reused = 0;
+  double compute_seconds = 0;
+};
+
+class TokenConstraint {
+ public:
+  TokenConstraint(std::shared_ptr<const Grammar> grammar, std::shared_ptr<MaskCache> cache,
+                  std::shared_ptr<const MaskVocabulary> vocabulary);
+
+  // Sets the logits of tokens the grammar refuses next to -infinity. `end_ids` (EOS, stop ids)
+  // stay when the answer is complete. Never leaves every logit at -infinity: when the other
+  // masks (min_tokens) removed all the grammar allows, its tokens get logit 0.
+  void mask(std::span<float> logits, std::span<const int32_t> end_ids);
+  // The token sampled: advances the state. Throws tandem::Error for a token the grammar refuses.
+  void accept(int32_t token, std::span<const int32_t> end_ids);
+  bool complete() const { return matcher_.accepting(); }
+  const ConstraintStats& stats() const { return stats_; }
+
+ private:
+  const std::vector<uint64_t>& allowed();
+
+  GrammarMatcher matcher_;
+  std::shared_ptr<MaskCache> cache_;
+  std::shared_ptr<const MaskVocabulary> vocabulary_;
+  std::shared_ptr<const std::vector<uint64_t>> current_;  // the mask of the current state
+  bool ended_ = false;                                    // an end id was accepted
+  ConstraintStats stats_;
+};
+
+// Compiled grammars by spec (bounded, least recently used go), each with its mask cache: what an
+// engine keeps so that requests with the same schema share the work.
+class StructuredOutputs {
+ public:
+  explicit StructuredOutputs(std::shared_ptr<const text::Tokenizer> tokenizer,
+                             size_t max_grammars = 32, size_t masks_per_grammar = 128);
+  // Throws tandem::Error for a spec that does not compile.
+  std::unique_ptr<TokenConstraint> start(const OutputSpec& spec);
+
+ private:
+  struct Compiled {
+    std::shared_ptr<const Grammar> grammar;
+    std::shared_ptr<MaskCache> masks;
+  };
+  std::shared_ptr<const text::Tokenizer> tokenizer_;
+  std::shared_ptr<const MaskVocabulary> vocabulary_;  // built on first use
+  size_t max_grammars_, masks_per_grammar_;
+  std::mutex mutex_;
+  std::list<std::string> order_;
+  std::unordered_map<std::string, std::pair<Compiled, std::list<std::string>::iterator>> grammars_;
+};
+
+}  // namespace tandem::structured

@@ -1,0 +1,272 @@
+// Structured outputs against independent judges: texts the regex grammars accept or refuse,
+// compared with Python's re (ASCII classes); answers produced by random walks over the token masks
+// of a real vocabulary (DeepSeek-V3's), validated by the jsonschema package. Every step of every
+// walk checks that the mask leaves a token (or the answer is complete).
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "structured/matcher.h"
+#include "structured/output_spec.h"
+#include "structured/token_constraint.h"
+#include "text/oracle_support.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::structured {
+namespace {
+
+using nlohmann::json;
+
+// Runs the Python oracle on `input`; its answer.
+json oracle(const json& input) {
+  const auto in = test::temp_path("structured-in"), out = test::temp_path("structured-out");
+  write_file_atomically(in, input.dump());
+  const int rc = test::run_command("/usr/bin/python3 " +
+                                   test::quote(test::oracle_dir() / "structured_output_oracle.py") +
+                                   " < " + test::quote(in) + " > " + test::quote(out));
+  EXPECT_EQ(rc, 0) << "the oracle needs Debian's python3-jsonschema (scripts/install-deps.sh)";
+  json result = rc == 0 ? json::parse(read_file(out)) : json();
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  return result;
+}
+
+bool full_match(const std::shared_ptr<const Grammar>& g, const std::string& text) {
+  GrammarMatcher m(g);
+  return m.advance(text) && m.accepting();
+}
+
+// A text the grammar accepts, byte by byte at random (nullopt when it grew past max_bytes).
+std::optional<std::string> random_sentence(const std::shared_ptr<const Grammar>& g,
+                                           std::mt19937& rng, size_t max_bytes) {
+  GrammarMatcher m(g);
+  std::string text;
+  while (text.size() < max_bytes) {
+    if (m.accepting() && (!m.can_continue() || rng() % 3 == 0)) return text;
+    const ByteSet next = m.next_bytes();
+    std::vector<uint8_t> choices;
+    for (int b = 0; b < 256; ++b)
+      if (next.test(size_t(b))) choices.push_back(uint8_t(b));
+    EXPECT_FALSE(choices.empty());
+    if (choices.empty()) return std::nullopt;
+    const char c = static_cast<char>(choices[rng() % choices.size()]);
+    EXPECT_TRUE(m.advance(std::string(1, c)));
+    text.push_back(c);
+  }
+  return std::nullopt;
+}
+
+// ASCII edits of a text (multi-byte characters are left whole, so it stays UTF-8).
+std::string mutate(std::string text, std::mt19937& rng) {
+  const std::string alphabet = "ab019-+._@ xe\\\n\xc3\xa9";
+  const int edits = 1 + int(rng() % 2);
+  for (int e = 0; e < edits; ++e) {
+    std::vector<size_t> ascii;
+    for (size_t i = 0; i < text.size(); ++i)
+      if (static_cast<unsigned char>(text[i]) < 0x80) ascii.push_back(i);
+    const size_t kind = rng() % 3;
+    const size_t at = ascii.empty() ? text.size() : ascii[rng() % ascii.size()];
+    const char c = alphabet[rng() % (alphabet.size() - 2)];
+    if (kind == 0 || ascii.empty())
+      text.insert(std::min(at, text.size()), 1, c);
+    else if (kind == 1)
+      text.erase(at, 1);
+    else
+      text[at] = c;
+  }
+  return text;
+}
+
+TEST(StructuredOutput, RegexGrammarsAcceptExactlyWhatPythonsReFullmatches) {
+  const std::vector<std::string> patterns = {
+      R"([a-z]+@[a-z]+\.(com|org))",
+      R"(\d{3}-\d{4})",
+      R"((?:ab|cd)*e?)",
+      R"([^0-9\s]{2,5}x)",
+      ".{0,3}\xc3\xa9+",
+      R"(\w+\s\W)",
+      R"(a|b|cc|)",
+      R"([\u00e0-\u00ff]{1,3}[-+]?\d+(\.\d+)?)",
+      R"(-?(0|[1-9]\d*))",
+      R"((a+b?)+c)",
+      R"([\]\\-]x[.])",
+      R"(^\x41\u00e9{2,}?z$)",
+      R"(colou?r|gr[ae]y)",
+  };
+  std::mt19937 rng(7);
+  json input = {{"regex", json::array()}};
+  std::vector<std::vector<bool>> ours;
+  for (const auto& p : patterns) {
+    SCOPED_TRACE(p);
+    const auto g = compile({OutputSpec::Kind::kRegex, p, "guided_regex"});
+    json texts = json::array();
+    std::vector<bool> got;
+    for (int i = 0; i < 40; ++i) {
+      auto s = random_sentence(g, rng, 64);
+      if (!s) continue;
+      EXPECT_TRUE(full_match(g, *s));
+      for (const std::string& t : {*s, mutate(*s, rng)}) {
+        texts.push_back(t);
+        got.push_back(full_match(g, t));
+      }
+    }
+    ASSERT_GT(texts.size(), 10u);
+    input["regex"].push_back({{"pattern", p}, {"texts", texts}});
+    ours.push_back(got);
+  }
+  input["ascii"] = true;
+  const json judged = oracle(input);
+  ASSERT_TRUE(judged.contains("regex"));
+  for (size_t i = 0; i < patterns.size(); ++i)
+    for (size_t j = 0; j < ours[i].size(); ++j)
+      EXPECT_EQ(ours[i][j], judged["regex"][i][j].get<bool>())
+          << "pattern " << patterns[i] << " text " << input["regex"][i]["texts"][j].dump();
+}
+
+const text::Tokenizer& deepseek_tokenizer() {
+  static const auto tok = std::make_shared<const text::Tokenizer>(
+      text::Tokenizer::from_dir(test::lenml_model("deepseek_v3")));
+  return *tok;
+}
+
+struct Walks {
+  std::vector<std::string> complete;
+  int cut_off = 0;
+};
+
+// Answers sampled uniformly among the tokens each mask allows (ending with EOS half the time
+// when the answer is complete), as a model with random weights would write them.
+Walks random_walks(StructuredOutputs& outputs, const OutputSpec& spec, int walks,
+                   size_t max_tokens, std::mt19937& rng) {
+  const text::Tokenizer& tok = deepseek_tokenizer();
+  const int32_t eos = *tok.eos_id();
+  const std::vector<int32_t> ends = {eos};
+  Walks w;
+  std::vector<float> logits(tok.vocab_size());
+  for (int i = 0; i < walks; ++i) {
+    auto c = outputs.start(spec);
+    std::string text;
+    bool ended = false;
+    for (size_t n = 0; n < max_tokens && !ended; ++n) {
+      std::fill(logits.begin(), logits.end(), 0.0f);
+      c->mask(logits, ends);
+      std::vector<int32_t> allowed;
+      for (size_t id = 0; id < logits.size(); ++id)
+        if (logits[id] == 0.0f) allowed.push_back(static_cast<int32_t>(id));
+      EXPECT_FALSE(allowed.empty()) << "the mask forbids every token after " << text;
+      if (allowed.empty()) break;
+      const bool eos_allowed = logits[size_t(eos)] == 0.0f;
+      EXPECT_EQ(eos_allowed, c->complete());
+      int32_t pick = allowed[rng() % allowed.size()];
+      if (eos_allowed && rng() % 2 == 0) pick = eos;
+      c->accept(pick, ends);
+      if (pick == eos)
+        ended = true;
+      else
+        text += tok.token_bytes(pick);
+    }
+    if (ended)
+      w.complete.push_back(text);
+    else
+      ++w.cut_off;
+  }
+  return w;
+}
+
+TEST(StructuredOutput, AnswersSampledThroughTheMasksValidateAgainstTheirSchemas) {
+  const std::vector<json> schemas = {
+      json::parse(R"({"type": "object", "title": "Person",
+        "properties": {"name": {"type": "string", "maxLength": 12, "description": "who"},
+                       "age": {"type": "integer"},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                "maxItems": 3},
+                       "ok": {"type": "boolean"}},
+        "required": ["name", "age"], "additionalProperties": false})"),
+      json::parse(R"({"type": "array", "items": {"enum": ["red", "green", 1, null]},
+                      "minItems": 1, "maxItems": 4})"),
+      json::parse(R"({"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 4},
+                                {"type": "null"}]})"),
+      json::parse(R"({"$defs": {"node": {"type": "object",
+          "properties": {"v": {"type": "integer"},
+                         "kids": {"type": "array", "items": {"$ref": "#/$defs/node"},
+                                  "maxItems": 2}},
+          "required": ["v"]}}, "$ref": "#/$defs/node"})"),
+      json::parse(R"({"type": "object", "properties": {"x": {"type": "number"},
+          "y": {"type": ["number", "null"]}, "s": {"const": "fixed \"q\" é"}},
+          "required": ["x", "y", "s"]})"),
+      json::parse(R"({"type": "string", "minLength": 2, "maxLength": 6})"),
+      json::parse(R"({"type": "object", "additionalProperties": {"type": "integer"}})"),
+  };
+  StructuredOutputs outputs(std::make_shared<const text::Tokenizer>(
+      text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"))));
+  std::mt19937 rng(11);
+  json input = {{"schema", json::array()}};
+  for (const auto& schema : schemas) {
+    SCOPED_TRACE(schema.dump());
+    const Walks w =
+        random_walks(outputs, {OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"},
+                     12, 200, rng);
+    EXPECT_FALSE(w.complete.empty()) << "no walk finished";
+    input["schema"].push_back({{"schema", schema}, {"answers", w.complete}});
+  }
+  const Walks objects =
+      random_walks(outputs, {OutputSpec::Kind::kJsonObject, "", "response_format"}, 12, 200, rng);
+  EXPECT_FALSE(objects.complete.empty());
+  input["schema"].push_back({{"schema", {{"type", "object"}}}, {"answers", objects.complete}});
+
+  const json judged = oracle(input);
+  ASSERT_TRUE(judged.contains("schema"));
+  size_t validated = 0;
+  for (size_t i = 0; i < input["schema"].size(); ++i)
+    for (size_t j = 0; j < input["schema"][i]["answers"].size(); ++j) {
+      EXPECT_TRUE(judged["schema"][i][j].is_null())
+          << input["schema"][i]["schema"].dump() << "\n  answer "
+          << input["schema"][i]["answers"][j].dump() << "\n  " << judged["schema"][i][j];
+      ++validated;
+    }
+  EXPECT_GT(validated, 40u);
+}
+
+TEST(StructuredOutput, ChoicesAreTheOnlyAnswers) {
+  const auto g = compile({OutputSpec::Kind::kChoice, R"(["yes", "no", "not sure"])", "guided_choice"});
+  for (const std::string t : {"yes", "no", "not sure"}) EXPECT_TRUE(full_match(g, t));
+  for (const std::string t : {"ye", "yes ", "not", "maybe", ""}) EXPECT_FALSE(full_match(g, t));
+}
+
+// What cannot be enforced is refused with the keyword and where it is, never ignored.
+TEST(StructuredOutput, UnsupportedSchemaKeywordsAndRegexConstructsAreNamed) {
+  auto error = [](OutputSpec::Kind kind, const std::string& text) {
+    try {
+      compile({kind, text, "f"});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(compiled)");
+  };
+  using K = OutputSpec::Kind;
+  EXPECT_NE(error(K::kJsonSchema, R"({"type": "string", "pattern": "a+"})").find("'pattern'"),
+            std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"properties": {"d": {"type": "string", "format": "date"}}})")
+                .find("#/properties/d: the keyword 'format'"),
+            std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"type": "integer", "minimum": 0})").find("'minimum'"),
+            std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"type": "object", "required": ["x"]})").find("required"),
+            std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"$ref": "#/$defs/missing"})").find("#/$defs/missing"),
+            std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"type": "strin"})").find("unknown type"), std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, "{not json").find("JSON"), std::string::npos);
+  EXPECT_NE(error(K::kRegex, R"((a)\1)").find("backreferences"), std::string::npos);
+  EXPECT_NE(error(K::kRegex, R"(a(?=b))").find("offset"), std::string::npos);
+  EXPECT_NE(error(K::kRegex, R"((a*)*)").find("may match nothing"), std::string::npos);
+  EXPECT_NE(error(K::kRegex, R"(a{3,1})").find("below its minimum"), std::string::npos);
+  EXPECT_NE(error(K::kRegex, "(ab").find("missing ')'"), std::string::npos);
+  EXPECT_NE(error(K::kChoice, R"([])").find("non-empty"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace tandem::structured
