@@ -46,17 +46,8 @@ constexpr Unsupported kUnsupported[] = {
     {"functions", always, "'functions' (deprecated by OpenAI) is not supported: use 'tools'"},
     {"function_call", [](const json& v, const json&) { return v != "none"; },
      "'function_call' (deprecated by OpenAI) is not supported: use 'tool_choice'"},
-    {"response_format",
-     [](const json& v, const json&) {
-       return !(v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text");
-     },
-     "'response_format' other than {\"type\": \"text\"} is not supported yet: no constrained "
-     "decoding"},
-    {"guided_json", always, "'guided_json' is not supported yet"},
-    {"guided_regex", always, "'guided_regex' is not supported yet"},
-    {"guided_choice", always, "'guided_choice' is not supported yet"},
-    {"guided_grammar", always, "'guided_grammar' is not supported yet"},
-    {"structured_outputs", always, "'structured_outputs' is not supported yet"},
+    {"guided_grammar", always,
+     "'guided_grammar' (EBNF) is not supported: use guided_json, guided_regex or guided_choice"},
     // As vLLM without --trust-request-chat-template: a template is code the server runs.
     {"chat_template", always,
      "'chat_template' from a request is not accepted: the model's own template is used"},
@@ -108,10 +99,102 @@ std::vector<std::pair<int32_t, float>> logit_bias_from(const json& b, int64_t vo
   return out;
 }
 
+// Structured outputs, in each dialect's fields: OpenAI's response_format, vLLM's guided_* and
+// structured_outputs, SGLang's sampling_params json_schema and regex. At most one.
+std::optional<structured::OutputSpec> structured_output_of(const json& body, bool sglang) {
+  using Kind = structured::OutputSpec::Kind;
+  std::optional<structured::OutputSpec> spec;
+  auto set = [&](Kind kind, std::string text, const std::string& name) {
+    if (spec)
+      fail(name,
+           "'" + name + "' and '" + spec->field + "' both constrain the answer: send one of them");
+    spec = structured::OutputSpec{kind, std::move(text), name};
+  };
+  // A schema given as an object or as JSON text.
+  auto schema_text = [](const json& v, const std::string& name) {
+    if (v.is_object() || v.is_boolean()) return v.dump();
+    if (v.is_string()) return v.get<std::string>();
+    fail(name, "'" + name + "' must be a JSON Schema (an object or its JSON text)");
+  };
+  auto text_of = [](const json& v, const std::string& name) {
+    if (!v.is_string()) fail(name, "'" + name + "' must be a string");
+    return v.get<std::string>();
+  };
+  auto choices_of = [](const json& v, const std::string& name) {
+    if (!v.is_array()) fail(name, "'" + name + "' must be a list of strings");
+    return v.dump();
+  };
+  if (sglang) {
+    if (const json* v = field(body, "json_schema"))
+      set(Kind::kJsonSchema, schema_text(*v, "json_schema"), "json_schema");
+    if (const json* v = field(body, "regex")) set(Kind::kRegex, text_of(*v, "regex"), "regex");
+    if (field(body, "ebnf"))
+      fail("ebnf", "'ebnf' grammars are not supported: use json_schema or regex");
+  } else {
+    if (const json* rf = field(body, "response_format")) {
+      if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string())
+        fail("response_format", "'response_format' must be an object with a 'type'");
+      const std::string type = (*rf)["type"].get<std::string>();
+      if (type == "json_object") {
+        set(Kind::kJsonObject, "", "response_format");
+      } else if (type == "json_schema") {
+        const json* js = field(*rf, "json_schema");
+        const json* schema = js && js->is_object() ? field(*js, "schema") : nullptr;
+        if (!schema)
+          fail("response_format", "'response_format' of type json_schema needs json_schema.schema");
+        set(Kind::kJsonSchema, schema_text(*schema, "response_format"), "response_format");
+      } else if (type != "text") {
+        fail("response_format",
+             "'response_format' type must be text, json_object or json_schema, "
+             "got '" +
+                 type.substr(0, 40) + "'");
+      }
+    }
+    if (const json* v = field(body, "guided_json"))
+      set(Kind::kJsonSchema, schema_text(*v, "guided_json"), "guided_json");
+    if (const json* v = field(body, "guided_regex"))
+      set(Kind::kRegex, text_of(*v, "guided_regex"), "guided_regex");
+    if (const json* v = field(body, "guided_choice"))
+      set(Kind::kChoice, choices_of(*v, "guided_choice"), "guided_choice");
+    if (const json* so = field(body, "structured_outputs")) {
+      if (!so->is_object()) fail("structured_outputs", "'structured_outputs' must be an object");
+      for (auto it = so->begin(); it != so->end(); ++it) {
+        const std::string& k = it.key();
+        const json& v = it.value();
+        if (v.is_null()) continue;
+        const std::string name = "structured_outputs." + k;
+        if (k == "json")
+          set(Kind::kJsonSchema, schema_text(v, name), name);
+        else if (k == "regex")
+          set(Kind::kRegex, text_of(v, name), name);
+        else if (k == "choice")
+          set(Kind::kChoice, choices_of(v, name), name);
+        else if (k == "json_object") {
+          if (v == true) set(Kind::kJsonObject, "", name);
+        } else if (k == "grammar" || k == "structural_tag")
+          fail(name, "'" + name + "' is not supported: use json, regex or choice");
+        else if (k != "disable_fallback" && k != "disable_any_whitespace" &&
+                 k != "disable_additional_properties" && k != "whitespace_pattern")
+          fail(name, "'" + name + "' is not a structured output Tandem knows");
+      }
+    }
+  }
+  if (spec) {
+    try {
+      structured::compile(*spec);
+    } catch (const Error& e) {
+      fail(spec->field, "'" + spec->field + "': " + e.what());
+    }
+  }
+  return spec;
+}
+
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
 // sampling_params; max_tokens from max_tokens_of.
-SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab_size) {
+SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab_size,
+                             bool sglang = false) {
   SamplingParams p;
+  p.structured_output = structured_output_of(body, sglang);
   p.temperature = number(body, "temperature", 1.0);
   p.top_p = number(body, "top_p", 1.0);
   p.top_k = integer(body, "top_k", 0);
@@ -250,34 +333,68 @@ void check_tools(const json& tools) {
   }
 }
 
-// Reads tools and tool_choice: the markup the answer is parsed with (kNone: plain text). When the
-// model's template does not show tools (DeepSeek-V3's), a system message after the client's own
-// describes them.
-ToolCallFormat read_tools(const json& body, const text::Tokenizer& tokenizer,
-                          nlohmann::ordered_json& messages) {
+// How a chat request uses tools: the markup its answer is read with (kNone: plain text) and,
+// when tool_choice forces calls, the structured output that makes the model write them.
+struct ToolUse {
+  ToolCallFormat format = ToolCallFormat::kNone;
+  std::optional<structured::OutputSpec> forced;
+  bool named = false;  // tool_choice named one function
+};
+
+// Reads tools and tool_choice. When the model's template does not show tools (DeepSeek-V3's), a
+// system message after the client's own describes them.
+ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
+                   nlohmann::ordered_json& messages) {
   const json* tools = field(body, "tools");
   if (tools) check_tools(*tools);
   const bool have_tools = tools && !tools->empty();
   json choice = have_tools ? json("auto") : json("none");
   if (const json* c = field(body, "tool_choice")) choice = *c;
-  if (choice == "none") return ToolCallFormat::kNone;
+  if (choice == "none") return {};
   if (!have_tools) fail("tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
-  if (choice != "auto")
-    fail("tool_choice",
-         "'tool_choice' must be \"none\" or \"auto\": forcing a call is not supported yet");
-  const ToolCallFormat format = tool_call_format_of(tokenizer);
-  if (format == ToolCallFormat::kNone)
+  ToolUse use;
+  use.format = tool_call_format_of(tokenizer);
+  if (use.format == ToolCallFormat::kNone)
     fail("tools",
          "this model's tokenizer has none of the tool-call markups Tandem reads (deepseek_v3, "
          "hermes): its tool calls could not be parsed");
+  const bool parallel = boolean(body, "parallel_tool_calls", true);
+  if (choice == "required") {
+    use.forced = forced_tool_calls(use.format, *tools, 1, parallel ? -1 : 1, "tool_choice");
+  } else if (choice.is_object()) {
+    const json* f =
+        choice.value("type", json()) == "function" ? field(choice, "function") : nullptr;
+    const json* name = f && f->is_object() ? field(*f, "name") : nullptr;
+    if (!name || !name->is_string())
+      fail("tool_choice",
+           "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+           "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    json chosen = json::array();
+    for (const auto& t : *tools)
+      if (t["function"]["name"] == *name) chosen.push_back(t);
+    if (chosen.empty())
+      fail("tool_choice",
+           "'tool_choice' names the function " + name->dump() + ", which 'tools' does not list");
+    use.forced = forced_tool_calls(use.format, chosen, 1, 1, "tool_choice");
+    use.named = true;
+  } else if (choice != "auto") {
+    fail("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or a function");
+  }
+  if (use.forced) {
+    try {
+      structured::compile(*use.forced);
+    } catch (const Error& e) {
+      fail("tools", std::string("'tools': ") + e.what());
+    }
+  }
   if (tokenizer.chat_template().find("tools") == std::string::npos) {
     size_t at = 0;
     while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
     messages.insert(
         messages.begin() + static_cast<std::ptrdiff_t>(at),
-        nlohmann::ordered_json{{"role", "system"}, {"content", tool_prompt(format, *tools)}});
+        nlohmann::ordered_json{{"role", "system"}, {"content", tool_prompt(use.format, *tools)}});
   }
-  return format;
+  return use;
 }
 
 }  // namespace
@@ -370,7 +487,9 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     }
     msgs.push_back(std::move(out));
   }
-  r.tool_calls = read_tools(body, tokenizer, msgs);
+  const ToolUse tools = read_tools(body, tokenizer, msgs);
+  r.tool_calls = tools.format;
+  r.tool_choice_named = tools.named;
   nlohmann::ordered_json ctx = {
       {"messages", msgs},
       {"add_generation_prompt", boolean(body, "add_generation_prompt", true)},
@@ -395,6 +514,13 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), limits.vocab_size);
+  if (tools.forced) {
+    if (r.sampling.structured_output)
+      fail("tool_choice", "'tool_choice' forces a call and '" +
+                              r.sampling.structured_output->field +
+                              "' constrains the answer too: send one of them");
+    r.sampling.structured_output = tools.forced;
+  }
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -447,7 +573,7 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   // SGLang's default for max_new_tokens is 128.
   r.sampling = sampling_from(sp ? *sp : empty,
                              max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits),
-                             limits.vocab_size);
+                             limits.vocab_size, /*sglang=*/true);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false))
     r.logprobs = static_cast<int32_t>(integer(body, "top_logprobs_num", 0));

@@ -35,6 +35,7 @@ struct ApiRequest {
   DisaggregationParams disagg;
   // Chat with tools: the markup the answer's tool calls are read from (kNone: the answer is text).
   ToolCallFormat tool_calls = ToolCallFormat::kNone;
+  bool tool_choice_named = false;  // tool_choice named a function: the answer is that call
 };
 
 struct ModelLimits {

@@ -73,8 +73,11 @@ ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenize
     for (Choice& c : choices_) c.tool_parser = std::make_shared<ToolCallParser>(request.tool_calls);
 }
 
-std::string ResponseBuilder::chat_finish_reason(const Choice& c) {
-  return !c.calls.empty() && c.finish_reason == "stop" ? "tool_calls" : c.finish_reason;
+std::string ResponseBuilder::chat_finish_reason(const Choice& c) const {
+  // As OpenAI: a call the client forced by name ends as "stop".
+  return !c.calls.empty() && c.finish_reason == "stop" && !request_.tool_choice_named
+             ? "tool_calls"
+             : c.finish_reason;
 }
 
 std::vector<json> ResponseBuilder::read_tool_calls(Choice& c, const RequestOutput& out) {

@@ -72,7 +72,7 @@ class ResponseBuilder {
     std::vector<Call> calls;
   };
   // A chat choice's finish reason: "tool_calls" for an answer that called tools and stopped.
-  static std::string chat_finish_reason(const Choice& c);
+  std::string chat_finish_reason(const Choice& c) const;
   // Folds the update's tool-call deltas into the choice, and renders them as stream deltas.
   std::vector<nlohmann::json> read_tool_calls(Choice& c, const RequestOutput& out);
   nlohmann::json usage() const;

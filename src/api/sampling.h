@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "structured/output_spec.h"
+
 namespace tandem::api {
 
 struct SamplingParams {
@@ -28,6 +30,10 @@ struct SamplingParams {
   // Added to the logits of these token ids before penalties and sampling (greedy included),
   // as OpenAI's logit_bias: (token id, bias in [-100, 100]), ascending ids, each once.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // What the answer must be (JSON of a schema, a regex, a choice, forced tool calls): decoded
+  // under a token mask (structured/token_constraint.h). Compiled when the request is parsed, so
+  // a spec that does not compile is a 400 naming its field.
+  std::optional<structured::OutputSpec> structured_output;
 
   // Throws tandem::Error naming the parameter when a value is out of range.
   void validate() const;

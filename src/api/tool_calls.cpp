@@ -147,6 +147,42 @@ std::string tool_prompt(ToolCallFormat format, const json& tools) {
   return out;
 }
 
+structured::OutputSpec forced_tool_calls(ToolCallFormat format, const json& tools,
+                                         int64_t min_calls, int64_t max_calls, std::string field) {
+  json calls;
+  switch (format) {
+    case ToolCallFormat::kDeepSeekV3:
+      calls = {{"open", kCallsBegin},
+               {"call_prefix", std::string(kCallBegin) + "function" + std::string(kSeparator)},
+               {"after_name", kArgumentsOpen},
+               {"call_suffix", kArgumentsClose},
+               {"between", "\n"},
+               {"close", kCallsEnd}};
+      break;
+    case ToolCallFormat::kHermes:
+      // Names are letters, digits, '_' and '-' (checked with the tools): no JSON escaping.
+      calls = {{"open", ""},
+               {"call_prefix", std::string(kHermesOpen) + "\n{\"name\": \""},
+               {"after_name", "\", \"arguments\": "},
+               {"call_suffix", "}\n" + std::string(kHermesClose)},
+               {"between", "\n"},
+               {"close", ""}};
+      break;
+    case ToolCallFormat::kNone:
+      throw Error("forced tool calls need a markup");
+  }
+  json functions = json::array();
+  for (const auto& t : tools) {
+    json f = {{"name", t.at("function").at("name")}};
+    if (t["function"].contains("parameters")) f["parameters"] = t["function"]["parameters"];
+    functions.push_back(std::move(f));
+  }
+  calls["functions"] = std::move(functions);
+  calls["min_calls"] = min_calls;
+  calls["max_calls"] = max_calls;
+  return {structured::OutputSpec::Kind::kToolCalls, calls.dump(), std::move(field)};
+}
+
 ToolCallParser::ToolCallParser(ToolCallFormat format) : format_(format) {
   if (!markup_of(format)) throw Error("ToolCallParser: a format with markup is needed");
 }

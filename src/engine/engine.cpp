@@ -85,6 +85,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       executor_(std::move(executor)),
       tokenizer_(std::move(tokenizer)),
       eos_ids_(std::move(eos_ids)),
+      structured_outputs_(tokenizer_),
       events_config_(parse_events(config)),
       kv_(executor_->info().num_blocks, executor_->info().block_size, config.enable_prefix_caching,
           kv_options(config, events_config_)),
@@ -390,6 +391,17 @@ void Engine::admit_incoming() {
     seq->request = std::move(r);
     Sequence* raw = seq.get();
     sequences_[raw->request.id] = std::move(seq);
+    if (const auto& spec = raw->request.sampling.structured_output) {
+      try {
+        if (!executor_->info().samples)
+          throw Error("structured outputs ('" + spec->field +
+                      "') need a model: a simulated engine's tokens are stand-ins");
+        raw->sampler->constrain(structured_outputs_.start(*spec));
+      } catch (const Error& e) {
+        finish(raw, "error", e.what(), false, 400);
+        continue;
+      }
+    }
     if (pd_) {
       const PdCoordinator::Admission admission = pd_->admit(raw);
       if (admission != PdCoordinator::Admission::kSchedule) continue;  // waits for KV, or refused

@@ -30,6 +30,7 @@
 #include "engine/scheduler/sequence.h"
 #include "engine/transfer/kv_transfer.h"
 #include "engine/transfer/pd_coordinator.h"
+#include "structured/token_constraint.h"
 #include "text/tokenizer.h"
 #include "util/metrics.h"
 
@@ -160,7 +161,8 @@ class Engine final : private PdHost {
   std::unique_ptr<Executor> executor_;
   std::shared_ptr<const text::Tokenizer> tokenizer_;
   std::vector<int32_t> eos_ids_;
-  std::optional<KvEventsConfig> events_config_;  // parsed --kv-events-config, if any
+  structured::StructuredOutputs structured_outputs_;  // grammars and masks, shared by requests
+  std::optional<KvEventsConfig> events_config_;       // parsed --kv-events-config, if any
   KvCacheManager kv_;
   Scheduler scheduler_;
   std::unique_ptr<ZmqKvEventPublisher> publisher_;

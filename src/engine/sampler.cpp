@@ -22,10 +22,22 @@ Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed,
     : params_(params), rng_(params.seed.value_or(fallback_seed)) {
   params_.validate();
   if (params_.min_tokens > 0) end_ids_ = end_token_ids(params_, eos_ids);
+  grammar_end_ids_ = end_token_ids(params_, eos_ids);
+  // With ignore_eos and no stop ids nothing ends the answer; EOS still marks a complete one.
+  if (grammar_end_ids_.empty()) grammar_end_ids_.assign(eos_ids.begin(), eos_ids.end());
+}
+
+void Sampler::constrain(std::unique_ptr<structured::TokenConstraint> constraint) {
+  constraint_ = std::move(constraint);
+}
+
+int32_t Sampler::commit(int32_t token) {
+  if (constraint_) constraint_->accept(token, grammar_end_ids_);
+  return token;
 }
 
 Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const int32_t> prompt,
-                                        std::span<const int32_t> output) const {
+                                        std::span<const int32_t> output, bool constrained) const {
   const auto vocab = static_cast<int64_t>(logits.size());
   for (auto ids : {prompt, output})
     for (auto t : ids)
@@ -40,6 +52,7 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   // As vLLM: the bias goes on the raw logits, before penalties and temperature.
   for (const auto& [id, bias] : params_.logit_bias)
     if (id < vocab) logits[id] += bias;
+  if (constrained && constraint_) constraint_->mask(logits, grammar_end_ids_);
   if (params_.repetition_penalty != 1.0) {
     std::vector<bool> seen(vocab, false);
     for (auto t : prompt) seen[t] = true;
@@ -110,10 +123,10 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
 
 int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt,
                         std::span<const int32_t> output) {
-  const Candidates c = candidates(logits, prompt, output);
-  if (greedy()) return c.argmax;
+  const Candidates c = candidates(logits, prompt, output, true);
+  if (greedy()) return commit(c.argmax);
   std::discrete_distribution<int64_t> pick(c.probs.begin(), c.probs.begin() + c.keep);
-  return c.order[pick(rng_)];
+  return commit(c.order[pick(rng_)]);
 }
 
 void Sampler::dense(const Candidates& c, std::vector<float>& out) {
@@ -125,7 +138,7 @@ void Sampler::dense(const Candidates& c, std::vector<float>& out) {
 
 int32_t Sampler::propose(std::span<float> logits, std::span<const int32_t> prompt,
                          std::span<const int32_t> output, std::vector<float>& q) {
-  const Candidates c = candidates(logits, prompt, output);
+  const Candidates c = candidates(logits, prompt, output, false);
   if (greedy()) return c.argmax;
   q.resize(logits.size());
   dense(c, q);
@@ -137,8 +150,8 @@ int32_t Sampler::propose(std::span<float> logits, std::span<const int32_t> promp
 
 int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt,
                         std::span<const int32_t> output, int32_t draft, std::span<const float> q) {
-  const Candidates c = candidates(logits, prompt, output);
-  if (greedy()) return c.argmax;
+  const Candidates c = candidates(logits, prompt, output, true);
+  if (greedy()) return commit(c.argmax);
   const auto vocab = static_cast<int64_t>(logits.size());
   if (draft < 0 || draft >= vocab || static_cast<int64_t>(q.size()) != vocab || !(q[draft] > 0))
     throw Error("sampler: draft token " + std::to_string(draft) +
@@ -146,7 +159,7 @@ int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt
   std::vector<float> p(static_cast<size_t>(vocab));
   dense(c, p);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
-  if (unit(rng_) * q[draft] < p[draft]) return draft;  // u < p(d) / q(d)
+  if (unit(rng_) * q[draft] < p[draft]) return commit(draft);  // u < p(d) / q(d)
   // Rejected: p(d) < q(d) here, so the residual gives d no mass.
   std::vector<double> residual(static_cast<size_t>(vocab));
   double mass = 0;
@@ -155,10 +168,10 @@ int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt
     // p equals q (up to rounding) everywhere but at d: draw from p without d.
     p[draft] = 0;
     std::discrete_distribution<int64_t> pick(p.begin(), p.end());
-    return static_cast<int32_t>(pick(rng_));
+    return commit(static_cast<int32_t>(pick(rng_)));
   }
   std::discrete_distribution<int64_t> pick(residual.begin(), residual.end());
-  return static_cast<int32_t>(pick(rng_));
+  return commit(static_cast<int32_t>(pick(rng_)));
 }
 
 }  // namespace tandem::engine

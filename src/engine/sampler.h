@@ -12,6 +12,7 @@
 // accepted-or-replaced token is distributed exactly as sample() on the target logits; greedy
 // requests accept exactly when the draft is the argmax.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
@@ -20,6 +21,7 @@
 
 #include "api/output.h"
 #include "api/sampling.h"
+#include "structured/token_constraint.h"
 
 namespace tandem::engine {
 
@@ -40,6 +42,13 @@ class Sampler {
   // Picks the next token from logits[vocab] (modified in place).
   int32_t sample(std::span<float> logits, std::span<const int32_t> prompt,
                  std::span<const int32_t> output);
+
+  // Constrains the answer to a grammar (structured outputs): sample() and verify() mask the
+  // logits with it, after the min_tokens mask and logit_bias, and advance it by the token they
+  // return. propose() ignores it: a draft it refuses has probability 0 in verify(), which rejects
+  // it, so the answer is distributed as without speculation.
+  void constrain(std::unique_ptr<structured::TokenConstraint> constraint);
+  const structured::TokenConstraint* constraint() const { return constraint_.get(); }
 
   bool greedy() const { return params_.temperature < kGreedyTemperature; }
   // A draft token from draft logits[vocab] (modified in place) with the same transforms as
@@ -64,12 +73,16 @@ class Sampler {
     int32_t argmax = -1;
   };
   Candidates candidates(std::span<float> logits, std::span<const int32_t> prompt,
-                        std::span<const int32_t> output) const;
+                        std::span<const int32_t> output, bool constrained) const;
+  // The token returned, after it advanced the constraint.
+  int32_t commit(int32_t token);
   // candidates() as a dense distribution over the vocabulary.
   static void dense(const Candidates& c, std::vector<float>& out);
 
   SamplingParams params_;
-  std::vector<int32_t> end_ids_;  // masked while the output is shorter than min_tokens
+  std::vector<int32_t> end_ids_;          // masked while the output is shorter than min_tokens
+  std::vector<int32_t> grammar_end_ids_;  // what ends a constrained answer once it is complete
+  std::unique_ptr<structured::TokenConstraint> constraint_;
   std::mt19937_64 rng_;
 };
 

@@ -79,7 +79,8 @@ void Grammar::finish(Symbol root) {
   root_ = root;
   const size_t n = rules_.size();
   for (size_t r = 0; r < n; ++r)
-    if (rules_[r].empty()) throw Error("grammar: rule " + std::to_string(r) + " has no alternative");
+    if (rules_[r].empty())
+      throw Error("grammar: rule " + std::to_string(r) + " has no alternative");
   // Nullable rules (fixpoint), then left recursion: a rule reachable from itself through symbols
   // that all may match nothing before it.
   std::vector<bool> nullable(n, false);
@@ -110,7 +111,8 @@ void Grammar::finish(Symbol root) {
   std::function<void(size_t)> visit = [&](size_t r) {
     mark[r] = 1;
     for (Symbol s : leading[r]) {
-      if (mark[size_t(s)] == 1) throw Error("grammar: left recursion through rule " + std::to_string(s));
+      if (mark[size_t(s)] == 1)
+        throw Error("grammar: left recursion through rule " + std::to_string(s));
       if (mark[size_t(s)] == 0) visit(size_t(s));
     }
     mark[r] = 2;

@@ -25,10 +25,10 @@ const std::set<std::string> kAnnotations = {"title",    "description", "default"
                                             "$schema",  "$id",         "$comment", "deprecated",
                                             "readOnly", "writeOnly",   "$defs",    "definitions"};
 // Keywords this compiler enforces.
-const std::set<std::string> kEnforced = {
-    "type",     "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "enum",     "const",      "anyOf",    "oneOf",                "allOf", "$ref",     "minLength",
-    "maxLength"};
+const std::set<std::string> kEnforced = {"type",  "properties", "required", "additionalProperties",
+                                         "items", "minItems",   "maxItems", "enum",
+                                         "const", "anyOf",      "oneOf",    "allOf",
+                                         "$ref",  "minLength",  "maxLength"};
 
 class SchemaCompiler {
  public:
@@ -80,7 +80,8 @@ class SchemaCompiler {
           schema.contains("additionalProperties"))
         return object(schema, where);
       if (schema.contains("items")) return array(schema, where);
-      if (schema.contains("minLength") || schema.contains("maxLength")) return string(schema, where);
+      if (schema.contains("minLength") || schema.contains("maxLength"))
+        return string(schema, where);
       return any_value();
     }
     const json& type = schema["type"];
@@ -117,7 +118,8 @@ class SchemaCompiler {
       g_.add(arr, {g_.byte('['), ws(), g_.byte(']')});
     }
     any_object_ = obj;
-    for (Symbol s : {obj, arr, string_rule(0, -1), number(), boolean(), null()}) g_.add(any_value_, {s});
+    for (Symbol s : {obj, arr, string_rule(0, -1), number(), boolean(), null()})
+      g_.add(any_value_, {s});
     return any_value_;
   }
 
@@ -232,9 +234,9 @@ class SchemaCompiler {
     if (integer_ >= 0) return integer_;
     const Symbol digit = g_.bytes(byte_range('0', '9'));
     const Symbol sign = g_.repeat({g_.byte('-')}, 0, 1);
-    const Symbol magnitude = g_.any_of(
-        {{g_.byte('0')},
-         {g_.bytes(byte_range('1', '9')), g_.repeat({digit}, 0, kMaxIntegerDigits - 1)}});
+    const Symbol magnitude =
+        g_.any_of({{g_.byte('0')},
+                   {g_.bytes(byte_range('1', '9')), g_.repeat({digit}, 0, kMaxIntegerDigits - 1)}});
     integer_ = g_.any_of({{sign, magnitude}});
     return integer_;
   }
@@ -291,8 +293,8 @@ class SchemaCompiler {
       if (!req.is_array()) fail(where + "/required", "'required' must be a list of names");
       for (const auto& n : req) {
         if (!n.is_string() || !props.contains(n.get<std::string>()))
-          fail(where + "/required", "'required' names " + n.dump() +
-                                        ", which 'properties' does not describe");
+          fail(where + "/required",
+               "'required' names " + n.dump() + ", which 'properties' does not describe");
         required.insert(n.get<std::string>());
       }
     }
@@ -340,8 +342,7 @@ class SchemaCompiler {
   const json& root_;
   std::map<std::string, Symbol> refs_;
   std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
-  Symbol any_value_ = -1, any_object_ = -1, ws_ = -1, character_ = -1, integer_ = -1,
-         number_ = -1;
+  Symbol any_value_ = -1, any_object_ = -1, ws_ = -1, character_ = -1, integer_ = -1, number_ = -1;
 };
 
 }  // namespace

@@ -22,8 +22,9 @@ uint64_t pair_key(int32_t pos, int32_t rest) {
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar)
     : grammar_(std::move(grammar)) {
   for (int32_t start : grammar_->alternatives(grammar_->root())) expand(start, -1, stacks_, 0);
-  std::sort(stacks_.begin(), stacks_.end(),
-            [](const Stack& a, const Stack& b) { return pair_key(a.pos, a.rest) < pair_key(b.pos, b.rest); });
+  std::sort(stacks_.begin(), stacks_.end(), [](const Stack& a, const Stack& b) {
+    return pair_key(a.pos, a.rest) < pair_key(b.pos, b.rest);
+  });
   stacks_.erase(std::unique(stacks_.begin(), stacks_.end()), stacks_.end());
 }
 

@@ -47,8 +47,8 @@ class GrammarMatcher {
   void step(const Stacks& from, uint8_t byte, Stacks& to);
   void release(size_t mark);  // drops frames made after `mark` (a mask's scratch)
   void compact();
-  void walk(const VocabularyTrie& trie, uint32_t node, size_t depth,
-            std::vector<Stacks>& levels, std::vector<uint64_t>& allowed);
+  void walk(const VocabularyTrie& trie, uint32_t node, size_t depth, std::vector<Stacks>& levels,
+            std::vector<uint64_t>& allowed);
 
   std::shared_ptr<const Grammar> grammar_;
   std::vector<std::pair<int32_t, int32_t>> frames_;  // (pos, rest)

@@ -4,6 +4,7 @@
 
 #include "structured/json_schema.h"
 #include "structured/regex.h"
+#include "structured/tool_call_grammar.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -40,6 +41,9 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       root = g->any_of(std::move(alts));
       break;
     }
+    case OutputSpec::Kind::kToolCalls:
+      root = tool_calls_rule(*g, parse_untrusted_json(spec.text));
+      break;
   }
   g->finish(root);
   return g;

@@ -9,9 +9,10 @@
 namespace tandem::structured {
 
 struct OutputSpec {
-  enum class Kind { kJsonObject, kJsonSchema, kRegex, kChoice };
+  enum class Kind { kJsonObject, kJsonSchema, kRegex, kChoice, kToolCalls };
   Kind kind = Kind::kJsonObject;
-  // kJsonSchema: the schema as JSON text; kRegex: the pattern; kChoice: a JSON list of strings.
+  // kJsonSchema: the schema as JSON text; kRegex: the pattern; kChoice: a JSON list of strings;
+  // kToolCalls: the markup and functions of forced tool calls (structured/tool_call_grammar.h).
   std::string text;
   // The request field it came from, for errors and logs.
   std::string field;

@@ -132,7 +132,8 @@ class RegexCompiler {
     auto number = [&](int64_t& v) {
       const size_t from = j;
       v = 0;
-      while (j < p_.size() && p_[j] >= '0' && p_[j] <= '9' && j - from < 9) v = v * 10 + (p_[j++] - '0');
+      while (j < p_.size() && p_[j] >= '0' && p_[j] <= '9' && j - from < 9)
+        v = v * 10 + (p_[j++] - '0');
       return j > from;
     };
     if (!number(min)) return false;
@@ -193,7 +194,8 @@ class RegexCompiler {
     const int len = b < 0x80 ? 1 : b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 0;
     if (len == 0 || i_ + size_t(len) > p_.size()) fail("invalid UTF-8");
     uint32_t cp = len == 1 ? b : b & (0x7F >> len);
-    for (int k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<uint8_t>(p_[i_ + size_t(k)]) & 0x3F);
+    for (int k = 1; k < len; ++k)
+      cp = (cp << 6) | (static_cast<uint8_t>(p_[i_ + size_t(k)]) & 0x3F);
     i_ += size_t(len);
     return cp;
   }
@@ -290,8 +292,8 @@ class RegexCompiler {
         item = {{cp, cp}};
       }
       // A range a-z (a '-' before ']' is a literal).
-      if (item.size() == 1 && item[0].first == item[0].second && peek('-') &&
-          i_ + 1 < p_.size() && p_[i_ + 1] != ']') {
+      if (item.size() == 1 && item[0].first == item[0].second && peek('-') && i_ + 1 < p_.size() &&
+          p_[i_ + 1] != ']') {
         ++i_;
         Ranges hi_item;
         if (peek('\\'))
@@ -318,7 +320,8 @@ class RegexCompiler {
     for (const auto& [lo, hi] : normalized(r)) {
       for (uint32_t c = lo; c <= std::min<uint32_t>(hi, 0x7F); ++c) ascii.set(c);
       if (hi >= 0x80)
-        for (auto& s : utf8_range(g_, std::max<uint32_t>(lo, 0x80), hi)) alts.push_back(std::move(s));
+        for (auto& s : utf8_range(g_, std::max<uint32_t>(lo, 0x80), hi))
+          alts.push_back(std::move(s));
     }
     if (ascii.any()) alts.insert(alts.begin(), Sequence{g_.bytes(ascii)});
     if (alts.empty()) fail("a class that matches nothing");

@@ -69,7 +69,8 @@ void TokenConstraint::mask(std::span<float> logits, std::span<const int32_t> end
   const bool may_end = ended_ || matcher_.accepting();
   auto allowed_id = [&](size_t id) {
     if (id < vocabulary_->size() && !ended_ && ((bits[id / 64] >> (id % 64)) & 1)) return true;
-    return may_end && std::find(end_ids.begin(), end_ids.end(), static_cast<int32_t>(id)) != end_ids.end();
+    return may_end &&
+           std::find(end_ids.begin(), end_ids.end(), static_cast<int32_t>(id)) != end_ids.end();
   };
   bool any_finite = false;
   for (size_t id = 0; id < logits.size(); ++id) {

@@ -21,7 +21,8 @@ VocabularyTrie VocabularyTrie::build(std::vector<std::pair<std::string, int32_t>
     size_t i = p.begin;
     t.nodes[p.node].first_token = static_cast<uint32_t>(t.tokens.size());
     while (i < p.end && entries[i].first.size() == p.depth) t.tokens.push_back(entries[i++].second);
-    t.nodes[p.node].num_tokens = static_cast<uint32_t>(t.tokens.size()) - t.nodes[p.node].first_token;
+    t.nodes[p.node].num_tokens =
+        static_cast<uint32_t>(t.tokens.size()) - t.nodes[p.node].first_token;
     t.nodes[p.node].first_child = static_cast<uint32_t>(t.nodes.size());
     while (i < p.end) {
       const auto b = static_cast<uint8_t>(entries[i].first[p.depth]);

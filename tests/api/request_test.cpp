@@ -162,8 +162,8 @@ TEST(Protocol, LogitBiasIsParsedClampedAndCheckedAgainstTheVocabulary) {
   EXPECT_NE(outside.message.find("vocabulary of 129280"), std::string::npos) << outside.message;
 }
 
-// Fields that would change what the answer must look like are refused by name until they are
-// supported, rather than answered 200 with free text; their harmless values are accepted.
+// Fields that would change what the answer must look like and cannot be honoured (or are
+// malformed) are refused by name, never answered 200 with free text; harmless values pass.
 TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
   const json tool = {{"type", "function"},
                      {"function", {{"name", "f"}, {"parameters", json::object()}}}};
@@ -176,20 +176,23 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
            {"tool_choice", "auto"},  // without tools
            {"functions", json::array({tool["function"]})},
            {"function_call", "auto"},
-           {"response_format", {{"type", "json_object"}}},
            {"response_format", {{"type", 5}}},
            {"response_format", "text"},
            {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "s"}}}}},
-           {"guided_json", {{"type", "object"}}},
-           {"guided_regex", "a+"},
-           {"guided_choice", {"a", "b"}},
+           {"response_format",
+            {{"type", "json_schema"},
+             {"json_schema", {{"schema", {{"type", "string"}, {"pattern", "a"}}}}}}},
+           {"guided_json", {{"type", "strin"}}},
+           {"guided_regex", "(a"},
+           {"guided_choice", "a"},
            {"guided_grammar", "root ::= \"a\""},
-           {"structured_outputs", {{"json", {{"type", "object"}}}}},
+           {"structured_outputs", {{"grammar", "root ::= \"a\""}}},
+           {"tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}},  // no tools
            {"chat_template", "{{ messages }}"}}) {
     SCOPED_TRACE(field + " " + value.dump());
     const ApiError e = chat_error({{field, value}});
     EXPECT_EQ(e.status, 400);
-    EXPECT_EQ(e.param, field);
+    EXPECT_EQ(e.param.substr(0, field.size()), field);  // "structured_outputs.grammar" too
   }
   auto completion_error = [&](json extra) {
     json body = {{"prompt", "x"}};
@@ -197,9 +200,9 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
     return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
   };
   EXPECT_EQ(completion_error({{"suffix", "end"}}).param, "suffix");
-  EXPECT_EQ(completion_error({{"response_format", {{"type", "json_object"}}}}).param,
-            "response_format");
-  EXPECT_EQ(completion_error({{"guided_regex", "a+"}}).param, "guided_regex");
+  EXPECT_EQ(completion_error({{"guided_regex", "a\\1"}}).param, "guided_regex");
+  EXPECT_EQ(completion_error({{"guided_regex", "a+"}, {"guided_choice", {"a"}}}).param,
+            "guided_choice");
   // Values that ask for nothing are fine.
   for (const json& extra :
        {json{{"tools", json::array()}}, json{{"tool_choice", "none"}},
@@ -257,6 +260,66 @@ TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
     EXPECT_EQ(e.status, 400);
     EXPECT_EQ(e.param, "tools");
   }
+}
+
+// Every dialect's structured-output fields become one spec, compiled when the request is parsed.
+TEST(Protocol, StructuredOutputsAreReadFromEveryDialect) {
+  using Kind = structured::OutputSpec::Kind;
+  const json schema = {{"type", "object"}, {"properties", {{"a", {{"type", "integer"}}}}}};
+  auto chat = [&](json extra) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+    body.update(extra);
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits).sampling.structured_output;
+  };
+  auto spec =
+      chat({{"response_format",
+             {{"type", "json_schema"}, {"json_schema", {{"name", "s"}, {"schema", schema}}}}}});
+  ASSERT_TRUE(spec);
+  EXPECT_EQ(spec->kind, Kind::kJsonSchema);
+  EXPECT_EQ(json::parse(spec->text), schema);
+  EXPECT_EQ(chat({{"response_format", {{"type", "json_object"}}}})->kind, Kind::kJsonObject);
+  EXPECT_FALSE(chat({{"response_format", {{"type", "text"}}}}));
+  EXPECT_EQ(chat({{"guided_json", schema.dump()}})->kind, Kind::kJsonSchema);
+  EXPECT_EQ(chat({{"guided_choice", {"x", "y"}}})->kind, Kind::kChoice);
+  EXPECT_EQ(chat({{"structured_outputs", {{"regex", "[ab]+"}}}})->text, "[ab]+");
+  const auto completion =
+      parse_completion(json{{"prompt", "x"}, {"guided_regex", "\\d+"}}, tokenizer(), kLimits);
+  EXPECT_EQ(completion.sampling.structured_output->kind, Kind::kRegex);
+  const auto generate =
+      parse_generate(json{{"text", "x"}, {"sampling_params", {{"json_schema", schema.dump()}}}},
+                     tokenizer(), kLimits);
+  EXPECT_EQ(generate.sampling.structured_output->field, "json_schema");
+}
+
+// tool_choice "required" or a named function forces calls in the model's own markup, which the
+// answer's parser then reads; a named call ends as "stop", as OpenAI's does.
+TEST(Protocol, ForcedToolChoicesBecomeAGrammarOfTheModelsMarkup) {
+  const json tools = {
+      {{"type", "function"}, {"function", {{"name", "a"}, {"parameters", {{"type", "object"}}}}}},
+      {{"type", "function"}, {"function", {{"name", "b"}, {"parameters", {{"type", "object"}}}}}}};
+  auto chat = [&](json choice) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                 {"tools", tools},
+                 {"tool_choice", choice}};
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits);
+  };
+  const ApiRequest named = chat({{"type", "function"}, {"function", {{"name", "b"}}}});
+  ASSERT_TRUE(named.sampling.structured_output);
+  EXPECT_EQ(named.sampling.structured_output->kind, structured::OutputSpec::Kind::kToolCalls);
+  EXPECT_TRUE(named.tool_choice_named);
+  EXPECT_EQ(named.tool_calls, ToolCallFormat::kDeepSeekV3);
+  const json calls = json::parse(named.sampling.structured_output->text);
+  ASSERT_EQ(calls["functions"].size(), 1u);
+  EXPECT_EQ(calls["functions"][0]["name"], "b");
+  EXPECT_EQ(calls["max_calls"], 1);
+  const ApiRequest required = chat("required");
+  EXPECT_FALSE(required.tool_choice_named);
+  EXPECT_EQ(json::parse(required.sampling.structured_output->text)["functions"].size(), 2u);
+  const ApiError unknown = error_of([&] {
+    chat({{"type", "function"}, {"function", {{"name", "c"}}}});
+  });
+  EXPECT_EQ(unknown.param, "tool_choice");
+  EXPECT_NE(unknown.message.find("\"c\""), std::string::npos);
 }
 
 // What vLLM answers 400 to, answered 400 with a message that names the real problem.

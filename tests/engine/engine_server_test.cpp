@@ -21,6 +21,8 @@
 #include "engine/tiny_model_fixture.h"
 #include "net/http_client.h"
 #include "text/chat_template.h"
+#include "text/oracle_support.h"
+#include "util/file.h"
 #include "util/npy.h"
 
 namespace tandem::engine {
@@ -29,6 +31,27 @@ namespace {
 using nlohmann::json;
 
 constexpr char kF32[] = "f32";
+
+// Whether `text` is JSON valid under `schema`, as the jsonschema package judges it.
+bool schema_valid(const json& schema, const json& text) {
+  if (!text.is_string()) return false;
+  const auto in = tandem::test::temp_path("schema-in"), out = tandem::test::temp_path("schema-out");
+  write_file_atomically(in, json{{"schema", {{{"schema", schema}, {"answers", {text}}}}}}.dump());
+  const int rc = tandem::test::run_command(
+      "/usr/bin/python3 " +
+      tandem::test::quote(tandem::test::oracle_dir() / "structured_output_oracle.py") + " < " +
+      tandem::test::quote(in) + " > " + tandem::test::quote(out));
+  const json verdict = rc == 0 ? json::parse(read_file(out)) : json();
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  if (rc != 0) {
+    ADD_FAILURE() << "the schema oracle failed (python3-jsonschema)";
+    return false;
+  }
+  const json& result = verdict["schema"][0][0];
+  if (!result.is_null()) ADD_FAILURE() << "invalid: " << result;
+  return result.is_null();
+}
 
 // float32 weights: batched and single-sequence runs then agree far below greedy near-ties.
 class EngineServer : public test::TinyModelTest<kF32> {
@@ -105,6 +128,48 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["tools_auto"]["finish"], "length");
   EXPECT_EQ(r["tools_auto"]["calls"], 0);
   EXPECT_TRUE(r["tools_auto"]["content"].is_string());
+  // Structured outputs: the answers parse and validate (python3-jsonschema judges the schema one).
+  ASSERT_TRUE(r.contains("json_schema"));
+  EXPECT_EQ(r["json_schema"]["finish"], "stop") << r["json_schema"].dump();
+  EXPECT_TRUE(schema_valid(r["json_schema"]["schema"], r["json_schema"]["content"]))
+      << r["json_schema"].dump();
+  // Any JSON object: a random model writes strings without end, so logit_bias makes closing
+  // quotes and braces likely (the grammar still decides where they may go), and the answers
+  // must parse whatever the seed.
+  json close_bias = json::object();
+  for (const char* t : {"\"", "}", "\",", "\"}"})
+    for (int32_t id : tok_->encode(t, false)) close_bias[std::to_string(id)] = 8;
+  for (int seed = 0; seed < 4; ++seed) {
+    const auto res = testing::post_json(engine.port(), "/v1/completions",
+                                        json{{"prompt", prompt},
+                                             {"max_tokens", 300},
+                                             {"seed", seed},
+                                             {"logit_bias", close_bias},
+                                             {"response_format", {{"type", "json_object"}}}});
+    ASSERT_EQ(res.status, 200) << res.body;
+    const json answer = json::parse(res.body)["choices"][0];
+    EXPECT_EQ(answer["finish_reason"], "stop") << answer.dump();
+    EXPECT_TRUE(schema_valid({{"type", "object"}}, answer["text"])) << answer.dump();
+  }
+  EXPECT_TRUE(r["guided_choice"]["content"] == "sunny" || r["guided_choice"]["content"] == "rainy")
+      << r["guided_choice"].dump();
+  // A call forced by name: parsed, its arguments follow the parameters, and it ends as "stop".
+  const json& named = r["tool_named"];
+  EXPECT_EQ(named["finish"], "stop") << named.dump();
+  EXPECT_TRUE(named["content"].is_null()) << named.dump();
+  ASSERT_EQ(named["calls"].size(), 1u) << named.dump();
+  EXPECT_EQ(named["calls"][0]["name"], "get_weather");
+  EXPECT_EQ(named["calls"][0]["type"], "function");
+  EXPECT_TRUE(schema_valid({{"type", "object"},
+                            {"properties", {{"city", {{"type", "string"}, {"maxLength", 12}}}}},
+                            {"required", {"city"}}},
+                           named["calls"][0]["arguments"].dump()))
+      << named.dump();
+  const json& required = r["tool_required_stream"];
+  EXPECT_EQ(required["finish"], "tool_calls") << required.dump();
+  ASSERT_EQ(required["calls"].size(), 1u) << required.dump();  // parallel_tool_calls false
+  EXPECT_EQ(required["calls"][0]["name"], "get_weather");
+  EXPECT_TRUE(required["calls"][0]["arguments"]["city"].is_string()) << required.dump();
   EXPECT_EQ(r["functions"]["status"], 400);
   EXPECT_EQ(r["functions"]["param"], "functions");
 

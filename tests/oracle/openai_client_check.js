@@ -73,6 +73,44 @@ async function main() {
                                                     tools: [weather] });
   out.tools_auto = { finish: ta.choices[0].finish_reason, content: ta.choices[0].message.content,
                      calls: (ta.choices[0].message.tool_calls || []).length };
+  // Structured outputs: whatever the (random) model prefers, the answer follows the schema.
+  const schema = { type: 'object', properties: {
+    name: { type: 'string', maxLength: 10 }, n: { type: 'integer' },
+    tags: { type: 'array', items: { enum: ['a', 'b'] }, maxItems: 2 } },
+    required: ['name', 'n'], additionalProperties: false };
+  const js = await client.chat.completions.create({ model, messages, max_tokens: 200, temperature: 0,
+    response_format: { type: 'json_schema', json_schema: { name: 'person', schema, strict: true } } });
+  out.json_schema = { schema, content: js.choices[0].message.content, finish: js.choices[0].finish_reason };
+  const choice = await client.chat.completions.create({ model, messages, max_tokens: 20, temperature: 0,
+                                                        guided_choice: ['sunny', 'rainy'] });
+  out.guided_choice = { content: choice.choices[0].message.content };
+  // A forced call, whole and streamed: parsed tool_calls whose arguments follow the parameters.
+  const city = { type: 'function', function: { name: 'get_weather', description: 'Weather of a city',
+    parameters: { type: 'object', properties: { city: { type: 'string', maxLength: 12 } },
+                  required: ['city'], additionalProperties: false } } };
+  const named = await client.chat.completions.create({ model, messages, max_tokens: 200, temperature: 0,
+    tools: [weather, city], tool_choice: { type: 'function', function: { name: 'get_weather' } } });
+  const nm = named.choices[0].message;
+  out.tool_named = { finish: named.choices[0].finish_reason, content: nm.content,
+                     calls: (nm.tool_calls || []).map((c) => ({ id: c.id, type: c.type, name: c.function.name,
+                                                                 arguments: JSON.parse(c.function.arguments) })) };
+  const rs = await client.chat.completions.create({ model, messages, max_tokens: 300, temperature: 0,
+    tools: [city], tool_choice: 'required', parallel_tool_calls: false, stream: true });
+  const streamed = [];
+  let rfinish = null;
+  for await (const chunk of rs) {
+    for (const ch of chunk.choices) {
+      if (ch.finish_reason) rfinish = ch.finish_reason;
+      for (const tc of (ch.delta.tool_calls || [])) {
+        if (!streamed[tc.index]) streamed[tc.index] = { id: tc.id, name: '', arguments: '' };
+        if (tc.function && tc.function.name) streamed[tc.index].name += tc.function.name;
+        if (tc.function && tc.function.arguments) streamed[tc.index].arguments += tc.function.arguments;
+      }
+    }
+  }
+  out.tool_required_stream = { finish: rfinish, calls: streamed.map((c) => ({ id: c.id, name: c.name,
+                                                                              arguments: JSON.parse(c.arguments) })) };
+
   // What the server cannot honour is a 400 naming the field, not free text.
   try {
     await client.chat.completions.create({ model, messages, max_tokens: 4, functions: [weather.function] });

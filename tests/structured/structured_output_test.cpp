@@ -139,8 +139,8 @@ struct Walks {
 
 // Answers sampled uniformly among the tokens each mask allows (ending with EOS half the time
 // when the answer is complete), as a model with random weights would write them.
-Walks random_walks(StructuredOutputs& outputs, const OutputSpec& spec, int walks,
-                   size_t max_tokens, std::mt19937& rng) {
+Walks random_walks(StructuredOutputs& outputs, const OutputSpec& spec, int walks, size_t max_tokens,
+                   std::mt19937& rng) {
   const text::Tokenizer& tok = deepseek_tokenizer();
   const int32_t eos = *tok.eos_id();
   const std::vector<int32_t> ends = {eos};
@@ -206,9 +206,8 @@ TEST(StructuredOutput, AnswersSampledThroughTheMasksValidateAgainstTheirSchemas)
   json input = {{"schema", json::array()}};
   for (const auto& schema : schemas) {
     SCOPED_TRACE(schema.dump());
-    const Walks w =
-        random_walks(outputs, {OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"},
-                     12, 200, rng);
+    const Walks w = random_walks(
+        outputs, {OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"}, 12, 200, rng);
     EXPECT_FALSE(w.complete.empty()) << "no walk finished";
     input["schema"].push_back({{"schema", schema}, {"answers", w.complete}});
   }
@@ -231,7 +230,8 @@ TEST(StructuredOutput, AnswersSampledThroughTheMasksValidateAgainstTheirSchemas)
 }
 
 TEST(StructuredOutput, ChoicesAreTheOnlyAnswers) {
-  const auto g = compile({OutputSpec::Kind::kChoice, R"(["yes", "no", "not sure"])", "guided_choice"});
+  const auto g =
+      compile({OutputSpec::Kind::kChoice, R"(["yes", "no", "not sure"])", "guided_choice"});
   for (const std::string t : {"yes", "no", "not sure"}) EXPECT_TRUE(full_match(g, t));
   for (const std::string t : {"ye", "yes ", "not", "maybe", ""}) EXPECT_FALSE(full_match(g, t));
 }

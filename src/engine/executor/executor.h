@@ -100,6 +100,9 @@ struct ExecutorInfo {
   // new tokens and drafts.
   int64_t speculative_tokens = 0;
   int64_t speculative_lookahead() const { return std::max<int64_t>(speculative_tokens - 1, 0); }
+  // Whether tokens come from the model's logits through each item's sampler; the simulator's
+  // stand-in tokens do not (so it cannot honour structured outputs).
+  bool samples = true;
 };
 
 class Executor {

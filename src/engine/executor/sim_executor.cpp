@@ -43,6 +43,7 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   if (!(options.time_scale >= 0)) throw Error("sim: time scale must be >= 0");
   const Capacity cap = capacity_of(model_.name());
   info_.model_name = options.model_name;
+  info_.samples = false;
   info_.vocab_size = static_cast<int64_t>(tokenizer.vocab_size());
   info_.max_model_len = options.max_model_len > 0 ? options.max_model_len : cap.max_model_len;
   info_.block_size = options.block_size;

@@ -1,0 +1,50 @@
+#include "structured/tool_call_grammar.h"
+
+#include <string>
+
+#include "structured/json_schema.h"
+#include "util/error.h"
+
+namespace tandem::structured {
+
+Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::json& calls) {
+  auto text = [&](const char* k) {
+    const auto it = calls.find(k);
+    if (it == calls.end() || !it->is_string())
+      throw Error(std::string("tool calls: '") + k + "' is missing");
+    return g.literal(it->get<std::string>());
+  };
+  const auto functions = calls.find("functions");
+  if (functions == calls.end() || !functions->is_array() || functions->empty())
+    throw Error("tool calls: no functions to call");
+  std::vector<Grammar::Sequence> one_call;
+  for (const auto& f : *functions) {
+    const std::string name = f.at("name").get<std::string>();
+    const nlohmann::json params =
+        f.contains("parameters") ? f["parameters"] : nlohmann::json::object();
+    Grammar::Symbol args;
+    try {
+      args = json_schema_rule(g, params);
+    } catch (const Error& e) {
+      throw Error("function '" + name + "' parameters: " + e.what());
+    }
+    Grammar::Sequence call = text("call_prefix");
+    for (Grammar::Symbol s : g.literal(name)) call.push_back(s);
+    for (Grammar::Symbol s : text("after_name")) call.push_back(s);
+    call.push_back(args);
+    for (Grammar::Symbol s : text("call_suffix")) call.push_back(s);
+    one_call.push_back(std::move(call));
+  }
+  const Grammar::Symbol call = g.any_of(std::move(one_call));
+  const int64_t min = calls.value("min_calls", 1), max = calls.value("max_calls", -1);
+  if (min < 1 || (max >= 0 && max < min)) throw Error("tool calls: bad call counts");
+  Grammar::Sequence more = text("between");
+  more.push_back(call);
+  Grammar::Sequence all = text("open");
+  all.push_back(call);
+  all.push_back(g.repeat(more, min - 1, max < 0 ? -1 : max - 1));
+  for (Grammar::Symbol s : text("close")) all.push_back(s);
+  return g.any_of({std::move(all)});
+}
+
+}  // namespace tandem::structured
