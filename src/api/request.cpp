@@ -99,9 +99,42 @@ std::vector<std::pair<int32_t, float>> logit_bias_from(const json& b, int64_t vo
   return out;
 }
 
+// The body's members in the client's key order (nlohmann::json sorts keys), for what must keep
+// it: a schema's properties are generated in their listed order, and tools are shown to the
+// model as given. Parsed from the body's text on first use; without the text (or for a member
+// it does not hold), the sorted document stands in.
+class OrderedBody {
+ public:
+  explicit OrderedBody(std::string_view raw) : raw_(raw) {}
+
+  nlohmann::ordered_json get(std::initializer_list<std::string_view> path, const json& sorted) {
+    if (!parsed_ && !raw_.empty()) {
+      parsed_ = true;
+      // The caller's reader accepted this text already (bounded depth).
+      doc_ = nlohmann::ordered_json::parse(raw_, nullptr, false);
+    }
+    const nlohmann::ordered_json* at = doc_.is_discarded() || doc_.is_null() ? nullptr : &doc_;
+    for (std::string_view key : path) {
+      if (!at || !at->is_object()) return convert(sorted);
+      const auto it = at->find(key);
+      at = it == at->end() ? nullptr : &*it;
+    }
+    return at ? *at : convert(sorted);
+  }
+
+ private:
+  static nlohmann::ordered_json convert(const json& v) {
+    return nlohmann::ordered_json::parse(v.dump());
+  }
+  std::string_view raw_;
+  bool parsed_ = false;
+  nlohmann::ordered_json doc_;
+};
+
 // Structured outputs, in each dialect's fields: OpenAI's response_format, vLLM's guided_* and
 // structured_outputs, SGLang's sampling_params json_schema and regex. At most one.
-std::optional<structured::OutputSpec> structured_output_of(const json& body, bool sglang) {
+std::optional<structured::OutputSpec> structured_output_of(const json& body, OrderedBody* ordered) {
+  const bool sglang = ordered == nullptr;
   using Kind = structured::OutputSpec::Kind;
   std::optional<structured::OutputSpec> spec;
   auto set = [&](Kind kind, std::string text, const std::string& name) {
@@ -111,8 +144,9 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, boo
     spec = structured::OutputSpec{kind, std::move(text), name};
   };
   // A schema given as an object or as JSON text.
-  auto schema_text = [](const json& v, const std::string& name) {
-    if (v.is_object() || v.is_boolean()) return v.dump();
+  auto schema_text = [&](const json& v, const std::string& name,
+                         std::initializer_list<std::string_view> path) {
+    if (v.is_object() || v.is_boolean()) return ordered ? ordered->get(path, v).dump() : v.dump();
     if (v.is_string()) return v.get<std::string>();
     fail(name, "'" + name + "' must be a JSON Schema (an object or its JSON text)");
   };
@@ -126,7 +160,7 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, boo
   };
   if (sglang) {
     if (const json* v = field(body, "json_schema"))
-      set(Kind::kJsonSchema, schema_text(*v, "json_schema"), "json_schema");
+      set(Kind::kJsonSchema, schema_text(*v, "json_schema", {}), "json_schema");
     if (const json* v = field(body, "regex")) set(Kind::kRegex, text_of(*v, "regex"), "regex");
     if (field(body, "ebnf"))
       fail("ebnf", "'ebnf' grammars are not supported: use json_schema or regex");
@@ -142,7 +176,9 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, boo
         const json* schema = js && js->is_object() ? field(*js, "schema") : nullptr;
         if (!schema)
           fail("response_format", "'response_format' of type json_schema needs json_schema.schema");
-        set(Kind::kJsonSchema, schema_text(*schema, "response_format"), "response_format");
+        set(Kind::kJsonSchema,
+            schema_text(*schema, "response_format", {"response_format", "json_schema", "schema"}),
+            "response_format");
       } else if (type != "text") {
         fail("response_format",
              "'response_format' type must be text, json_object or json_schema, "
@@ -151,7 +187,7 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, boo
       }
     }
     if (const json* v = field(body, "guided_json"))
-      set(Kind::kJsonSchema, schema_text(*v, "guided_json"), "guided_json");
+      set(Kind::kJsonSchema, schema_text(*v, "guided_json", {"guided_json"}), "guided_json");
     if (const json* v = field(body, "guided_regex"))
       set(Kind::kRegex, text_of(*v, "guided_regex"), "guided_regex");
     if (const json* v = field(body, "guided_choice"))
@@ -164,7 +200,7 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, boo
         if (v.is_null()) continue;
         const std::string name = "structured_outputs." + k;
         if (k == "json")
-          set(Kind::kJsonSchema, schema_text(v, name), name);
+          set(Kind::kJsonSchema, schema_text(v, name, {"structured_outputs", "json"}), name);
         else if (k == "regex")
           set(Kind::kRegex, text_of(v, name), name);
         else if (k == "choice")
@@ -191,10 +227,11 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, boo
 
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
 // sampling_params; max_tokens from max_tokens_of.
+// `ordered`: the OpenAI body's text (null for SGLang's sampling_params).
 SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab_size,
-                             bool sglang = false) {
+                             OrderedBody* ordered) {
   SamplingParams p;
-  p.structured_output = structured_output_of(body, sglang);
+  p.structured_output = structured_output_of(body, ordered);
   p.temperature = number(body, "temperature", 1.0);
   p.top_p = number(body, "top_p", 1.0);
   p.top_k = integer(body, "top_k", 0);
@@ -344,7 +381,7 @@ struct ToolUse {
 // Reads tools and tool_choice. When the model's template does not show tools (DeepSeek-V3's), a
 // system message after the client's own describes them.
 ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
-                   nlohmann::ordered_json& messages) {
+                   nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order) {
   const json* tools = field(body, "tools");
   if (tools) check_tools(*tools);
   const bool have_tools = tools && !tools->empty();
@@ -360,7 +397,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
          "hermes): its tool calls could not be parsed");
   const bool parallel = boolean(body, "parallel_tool_calls", true);
   if (choice == "required") {
-    use.forced = forced_tool_calls(use.format, *tools, 1, parallel ? -1 : 1, "tool_choice");
+    use.forced = forced_tool_calls(use.format, tools_in_order, 1, parallel ? -1 : 1, "tool_choice");
   } else if (choice.is_object()) {
     const json* f =
         choice.value("type", json()) == "function" ? field(choice, "function") : nullptr;
@@ -369,8 +406,8 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
       fail("tool_choice",
            "'tool_choice' must be \"none\", \"auto\", \"required\" or "
            "{\"type\": \"function\", \"function\": {\"name\": ...}}");
-    json chosen = json::array();
-    for (const auto& t : *tools)
+    nlohmann::ordered_json chosen = nlohmann::ordered_json::array();
+    for (const auto& t : tools_in_order)
       if (t["function"]["name"] == *name) chosen.push_back(t);
     if (chosen.empty())
       fail("tool_choice",
@@ -390,9 +427,9 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   if (tokenizer.chat_template().find("tools") == std::string::npos) {
     size_t at = 0;
     while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
-    messages.insert(
-        messages.begin() + static_cast<std::ptrdiff_t>(at),
-        nlohmann::ordered_json{{"role", "system"}, {"content", tool_prompt(use.format, *tools)}});
+    messages.insert(messages.begin() + static_cast<std::ptrdiff_t>(at),
+                    nlohmann::ordered_json{{"role", "system"},
+                                           {"content", tool_prompt(use.format, tools_in_order)}});
   }
   return use;
 }
@@ -400,7 +437,8 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
 }  // namespace
 
 ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
-                            const ModelLimits& limits) {
+                            const ModelLimits& limits, std::string_view raw_body) {
+  OrderedBody ordered(raw_body);
   if (!body.is_object()) fail("", "the request body must be a JSON object");
   ApiRequest r;
   r.kind = ApiKind::kCompletion;
@@ -438,8 +476,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
-  r.sampling =
-      sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), limits.vocab_size);
+  r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), limits.vocab_size,
+                             &ordered);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -456,7 +494,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
 }
 
 ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
-                      const text::ChatTemplate* chat_template, const ModelLimits& limits) {
+                      const text::ChatTemplate* chat_template, const ModelLimits& limits,
+                      std::string_view raw_body) {
   if (!body.is_object()) fail("", "the request body must be a JSON object");
   ApiRequest r;
   r.kind = ApiKind::kChat;
@@ -487,7 +526,11 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     }
     msgs.push_back(std::move(out));
   }
-  const ToolUse tools = read_tools(body, tokenizer, msgs);
+  OrderedBody ordered(raw_body);
+  const json* tools_field = field(body, "tools");
+  const nlohmann::ordered_json tools_in_order =
+      tools_field ? ordered.get({"tools"}, *tools_field) : nlohmann::ordered_json();
+  const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order);
   r.tool_calls = tools.format;
   r.tool_choice_named = tools.named;
   nlohmann::ordered_json ctx = {
@@ -495,8 +538,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
       {"add_generation_prompt", boolean(body, "add_generation_prompt", true)},
       {"bos_token", tokenizer.bos_token()},
       {"eos_token", tokenizer.eos_token()}};
-  if (const json* tools = field(body, "tools"))
-    ctx["tools"] = nlohmann::ordered_json::parse(tools->dump());
+  if (tools_field) ctx["tools"] = tools_in_order;
   if (const json* kw = field(body, "chat_template_kwargs")) {
     if (!kw->is_object()) fail("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     for (auto it = kw->begin(); it != kw->end(); ++it)
@@ -513,7 +555,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), limits.vocab_size);
+  r.sampling =
+      sampling_from(body, max_tokens_of(body, max_name, room, limits), limits.vocab_size, &ordered);
   if (tools.forced) {
     if (r.sampling.structured_output)
       fail("tool_choice", "'tool_choice' forces a call and '" +
@@ -573,7 +616,7 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   // SGLang's default for max_new_tokens is 128.
   r.sampling = sampling_from(sp ? *sp : empty,
                              max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits),
-                             limits.vocab_size, /*sglang=*/true);
+                             limits.vocab_size, nullptr);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false))
     r.logprobs = static_cast<int32_t>(integer(body, "top_logprobs_num", 0));

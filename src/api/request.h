@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -49,11 +50,14 @@ struct ModelLimits {
   int64_t default_max_tokens = 0;
 };
 
-// Each throws ApiError for a malformed or unsupported request, naming the field.
+// Each throws ApiError for a malformed or unsupported request, naming the field. `raw_body`, the
+// body's text when the caller has it, keeps the client's key order where it matters (schema
+// properties, tools); nlohmann::json sorts keys.
 ApiRequest parse_completion(const nlohmann::json& body, const text::Tokenizer& tokenizer,
-                            const ModelLimits& limits);
+                            const ModelLimits& limits, std::string_view raw_body = {});
 ApiRequest parse_chat(const nlohmann::json& body, const text::Tokenizer& tokenizer,
-                      const text::ChatTemplate* chat_template, const ModelLimits& limits);
+                      const text::ChatTemplate* chat_template, const ModelLimits& limits,
+                      std::string_view raw_body = {});
 ApiRequest parse_generate(const nlohmann::json& body, const text::Tokenizer& tokenizer,
                           const ModelLimits& limits);
 

@@ -113,7 +113,7 @@ ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer) {
   return ToolCallFormat::kNone;
 }
 
-std::string tool_prompt(ToolCallFormat format, const json& tools) {
+std::string tool_prompt(ToolCallFormat format, const ordered_json& tools) {
   std::string out = "## Tools\n\nYou can call the functions below. ";
   switch (format) {
     case ToolCallFormat::kDeepSeekV3:
@@ -135,21 +135,22 @@ std::string tool_prompt(ToolCallFormat format, const json& tools) {
   }
   out += "\n### Functions\n";
   for (const auto& tool : tools) {
-    const json& f = tool.at("function");
+    const ordered_json& f = tool.at("function");
     out += "\n- `" + f.at("name").get<std::string>() + "`";
     if (f.contains("description") && f["description"].is_string())
       out += ": " + f["description"].get<std::string>();
     out += "\n";
     if (f.contains("parameters"))
-      out += "```json\n" + f["parameters"].dump(-1, ' ', false, json::error_handler_t::replace) +
+      out += "```json\n" +
+             f["parameters"].dump(-1, ' ', false, ordered_json::error_handler_t::replace) +
              "\n```\n";
   }
   return out;
 }
 
-structured::OutputSpec forced_tool_calls(ToolCallFormat format, const json& tools,
+structured::OutputSpec forced_tool_calls(ToolCallFormat format, const ordered_json& tools,
                                          int64_t min_calls, int64_t max_calls, std::string field) {
-  json calls;
+  ordered_json calls;
   switch (format) {
     case ToolCallFormat::kDeepSeekV3:
       calls = {{"open", kCallsBegin},
@@ -171,9 +172,9 @@ structured::OutputSpec forced_tool_calls(ToolCallFormat format, const json& tool
     case ToolCallFormat::kNone:
       throw Error("forced tool calls need a markup");
   }
-  json functions = json::array();
+  ordered_json functions = ordered_json::array();
   for (const auto& t : tools) {
-    json f = {{"name", t.at("function").at("name")}};
+    ordered_json f = {{"name", t.at("function").at("name")}};
     if (t["function"].contains("parameters")) f["parameters"] = t["function"]["parameters"];
     functions.push_back(std::move(f));
   }

@@ -27,13 +27,13 @@ ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer);
 // The system-prompt text that describes `tools` (OpenAI's list of {"type":"function",...}) and the
 // markup of `format`, for chat templates that do not render tools themselves (DeepSeek-V3's
 // template shows calls and results but never the tool list).
-std::string tool_prompt(ToolCallFormat format, const nlohmann::json& tools);
+std::string tool_prompt(ToolCallFormat format, const nlohmann::ordered_json& tools);
 
 // The structured output that forces tool calls written in `format`'s markup: calls of the
 // functions in `tools` (OpenAI's list), between min_calls and max_calls of them (-1: no limit),
 // each with arguments valid under the function's parameters schema. `field` names the request
 // field for errors.
-structured::OutputSpec forced_tool_calls(ToolCallFormat format, const nlohmann::json& tools,
+structured::OutputSpec forced_tool_calls(ToolCallFormat format, const nlohmann::ordered_json& tools,
                                          int64_t min_calls, int64_t max_calls, std::string field);
 
 // What became certain of the answer after one update: content text, or a piece of tool call

@@ -169,11 +169,12 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     body = parse_untrusted_json(req.body);
     switch (kind) {
       case ApiKind::kCompletion:
-        call->request = api::parse_completion(body, engine_.tokenizer(), limits);
+        call->request = api::parse_completion(body, engine_.tokenizer(), limits, req.body);
         break;
       case ApiKind::kChat:
-        call->request = api::parse_chat(body, engine_.tokenizer(),
-                                        chat_template_ ? &*chat_template_ : nullptr, limits);
+        call->request =
+            api::parse_chat(body, engine_.tokenizer(), chat_template_ ? &*chat_template_ : nullptr,
+                            limits, req.body);
         break;
       case ApiKind::kGenerate:
         call->request = api::parse_generate(body, engine_.tokenizer(), limits);

@@ -26,6 +26,8 @@ constexpr std::array kChatPassThrough = {"tools",
                                          "function_call",
                                          "tool_choice",
                                          "response_format",
+                                         "guided_json",
+                                         "structured_outputs",
                                          "chat_template",
                                          "continue_final_message",
                                          "documents",
@@ -57,7 +59,13 @@ bool set(const json& body, const char* name) {
   return v && !(v->is_boolean() && !v->get<bool>());
 }
 
+// Fields whose JSON the engine must see in the client's key order (a schema's properties are
+// generated in their order); the tokens-in body is re-serialized with sorted keys.
+constexpr std::array kKeyOrderMatters = {"response_format", "guided_json", "structured_outputs"};
+
 bool completion_translatable(const json& body) {
+  for (const char* name : kKeyOrderMatters)
+    if (field(body, name)) return false;
   // Echo repeats the prompt as the client wrote it, which only the text-in request has.
   if (set(body, "echo")) return false;
   // Without BOS only engines that honour the flag tokenize as asked.

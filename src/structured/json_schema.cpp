@@ -10,7 +10,8 @@
 namespace tandem::structured {
 namespace {
 
-using nlohmann::json;
+// Ordered: properties are written in the order the schema lists them.
+using json = nlohmann::ordered_json;
 using Sequence = Grammar::Sequence;
 using Symbol = Grammar::Symbol;
 
@@ -347,14 +348,15 @@ class SchemaCompiler {
 
 }  // namespace
 
-Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::json& schema) {
+Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema) {
   SchemaCompiler c(g, schema);
   const Symbol v = c.value(schema, "");
   return g.any_of({{c.ws(), v, c.ws()}});
 }
 
 Grammar::Symbol json_object_rule(Grammar& g) {
-  SchemaCompiler c(g, nlohmann::json::object());
+  const json empty = json::object();
+  SchemaCompiler c(g, empty);
   const Symbol v = c.any_object();
   return g.any_of({{c.ws(), v, c.ws()}});
 }

@@ -18,7 +18,7 @@ inline constexpr int kMaxExponentDigits = 3;
 
 // Adds to `g` a rule matching the JSON text of a value valid under `schema`, and returns it.
 // Throws tandem::Error naming the unsupported keyword and where it is.
-Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::json& schema);
+Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema);
 // A rule matching any JSON object (OpenAI's json_object).
 Grammar::Symbol json_object_rule(Grammar& g);
 

@@ -14,6 +14,17 @@ std::string OutputSpec::key() const {
   return std::to_string(static_cast<int>(kind)) + ":" + text;
 }
 
+namespace {
+
+// Parsed keeping the key order (properties are generated in the schema's order), after our
+// reader checked it (bounded depth, so nlohmann's parse below cannot go deep).
+nlohmann::ordered_json parse_ordered(const std::string& text) {
+  parse_untrusted_json(text);
+  return nlohmann::ordered_json::parse(text);
+}
+
+}  // namespace
+
 std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
   auto g = std::make_shared<Grammar>();
   Grammar::Symbol root = -1;
@@ -22,7 +33,7 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       root = json_object_rule(*g);
       break;
     case OutputSpec::Kind::kJsonSchema:
-      root = json_schema_rule(*g, parse_untrusted_json(spec.text));
+      root = json_schema_rule(*g, parse_ordered(spec.text));
       break;
     case OutputSpec::Kind::kRegex:
       if (spec.text.empty()) throw Error("the regex is empty");
@@ -42,7 +53,7 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       break;
     }
     case OutputSpec::Kind::kToolCalls:
-      root = tool_calls_rule(*g, parse_untrusted_json(spec.text));
+      root = tool_calls_rule(*g, parse_ordered(spec.text));
       break;
   }
   g->finish(root);

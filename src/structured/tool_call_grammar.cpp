@@ -7,7 +7,7 @@
 
 namespace tandem::structured {
 
-Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::json& calls) {
+Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls) {
   auto text = [&](const char* k) {
     const auto it = calls.find(k);
     if (it == calls.end() || !it->is_string())
@@ -20,8 +20,8 @@ Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::json& calls) {
   std::vector<Grammar::Sequence> one_call;
   for (const auto& f : *functions) {
     const std::string name = f.at("name").get<std::string>();
-    const nlohmann::json params =
-        f.contains("parameters") ? f["parameters"] : nlohmann::json::object();
+    const nlohmann::ordered_json params =
+        f.contains("parameters") ? f["parameters"] : nlohmann::ordered_json::object();
     Grammar::Symbol args;
     try {
       args = json_schema_rule(g, params);

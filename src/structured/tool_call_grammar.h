@@ -15,6 +15,6 @@ namespace tandem::structured {
 //    "min_calls", "max_calls" (-1: no limit)}
 // The arguments follow each function's parameters schema (json_schema.h). Throws tandem::Error
 // naming what is wrong.
-Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::json& calls);
+Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls);
 
 }  // namespace tandem::structured

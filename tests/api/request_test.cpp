@@ -8,6 +8,7 @@
 
 #include <limits>
 
+#include "structured/matcher.h"
 #include "text/chat_template.h"
 
 namespace tandem::api {
@@ -289,6 +290,28 @@ TEST(Protocol, StructuredOutputsAreReadFromEveryDialect) {
       parse_generate(json{{"text", "x"}, {"sampling_params", {{"json_schema", schema.dump()}}}},
                      tokenizer(), kLimits);
   EXPECT_EQ(generate.sampling.structured_output->field, "json_schema");
+}
+
+// nlohmann::json sorts keys; schemas and tools keep the client's order, from the body's text: the
+// answer's properties come in the order the schema lists them, as OpenAI's strict mode writes.
+TEST(Protocol, SchemasAndToolsKeepTheClientsKeyOrder) {
+  const std::string raw = R"({"messages": [{"role": "user", "content": "hi"}],
+    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema":
+      {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+       "required": ["zeta", "alpha"]}}},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters":
+      {"type": "object", "properties": {"zulu": {"type": "string"}, "bravo": {"type": "string"}}}}}]})";
+  const ApiRequest r = parse_chat(json::parse(raw), tokenizer(), &chat_template(), kLimits, raw);
+  const auto& spec = r.sampling.structured_output;
+  ASSERT_TRUE(spec);
+  EXPECT_LT(spec->text.find("zeta"), spec->text.find("alpha"));
+  const auto grammar = structured::compile(*spec);
+  structured::GrammarMatcher in_order(grammar), reversed(grammar);
+  EXPECT_TRUE(in_order.advance(R"({"zeta": 1, "alpha": 2})"));
+  EXPECT_TRUE(in_order.accepting());
+  EXPECT_FALSE(reversed.advance(R"({"alpha": 2, "zeta": 1})"));
+  const std::string prompt = tokenizer().decode(r.prompts[0], false);
+  EXPECT_LT(prompt.find("zulu"), prompt.find("bravo")) << prompt;
 }
 
 // tool_choice "required" or a named function forces calls in the model's own markup, which the
