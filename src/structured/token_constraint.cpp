@@ -67,26 +67,33 @@ const std::vector<uint64_t>& TokenConstraint::allowed() {
 void TokenConstraint::mask(std::span<float> logits, std::span<const int32_t> end_ids) {
   const std::vector<uint64_t>& bits = allowed();
   const bool may_end = ended_ || matcher_.accepting();
-  auto allowed_id = [&](size_t id) {
-    if (id < vocabulary_->size() && !ended_ && ((bits[id / 64] >> (id % 64)) & 1)) return true;
-    return may_end &&
-           std::find(end_ids.begin(), end_ids.end(), static_cast<int32_t>(id)) != end_ids.end();
-  };
-  bool any_finite = false;
-  for (size_t id = 0; id < logits.size(); ++id) {
-    if (!allowed_id(id))
-      logits[id] = -std::numeric_limits<float>::infinity();
-    else if (logits[id] > -std::numeric_limits<float>::infinity())
-      any_finite = true;
+  constexpr float kOff = -std::numeric_limits<float>::infinity();
+  // The end ids' logits, which the grammar's mask (text tokens only) would drop.
+  std::vector<std::pair<size_t, float>> ends;
+  if (may_end)
+    for (int32_t id : end_ids)
+      if (id >= 0 && size_t(id) < logits.size()) ends.emplace_back(size_t(id), logits[size_t(id)]);
+  const size_t n = std::min(logits.size(), vocabulary_->size());
+  for (size_t w = 0; w * 64 < n; ++w) {
+    const uint64_t word = ended_ ? 0 : bits[w];
+    if (word == ~uint64_t(0)) continue;
+    for (size_t id = w * 64; id < std::min(n, w * 64 + 64); ++id)
+      if (!((word >> (id % 64)) & 1)) logits[id] = kOff;
   }
-  if (any_finite) return;
-  // Other masks removed everything the grammar allows: the grammar wins.
+  for (size_t id = n; id < logits.size(); ++id) logits[id] = kOff;
+  for (const auto& [id, v] : ends) logits[id] = v;
+  if (std::any_of(logits.begin(), logits.end(), [&](float v) { return v > kOff; })) return;
+  // Other masks (min_tokens) removed everything the grammar allows: the grammar wins.
   bool any = false;
-  for (size_t id = 0; id < logits.size(); ++id)
-    if (allowed_id(id)) {
+  for (size_t id = 0; id < n; ++id)
+    if (!ended_ && ((bits[id / 64] >> (id % 64)) & 1)) {
       logits[id] = 0.0f;
       any = true;
     }
+  for (const auto& e : ends) {
+    logits[e.first] = 0.0f;
+    any = true;
+  }
   if (!any) throw Error("structured output: no token can continue the answer");
 }
 
