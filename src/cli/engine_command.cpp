@@ -19,6 +19,7 @@
 #include "engine/api_server.h"
 #include "engine/executor/cpu_executor.h"
 #include "engine/executor/latency_probe.h"
+#include "engine/executor/qwen3_executor.h"
 #include "engine/executor/sim_executor.h"
 #include "engine/expert_parallel/ep_executor.h"
 #include "engine/expert_parallel/rank_process.h"
@@ -162,6 +163,20 @@ void run(const EngineOptions& o) {
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
     eos = engine::eos_ids(*tokenizer, std::nullopt);
+  } else if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
+    if (o.expert_parallel > 1 || !o.expert_placement.empty())
+      throw Error("--expert-parallel: expert parallelism runs DeepSeek-family models; " + o.model +
+                  " is a Qwen3-MoE model");
+    std::shared_ptr<model::Qwen3MoeModel> m;
+    {
+      ProgressBar bar("loading " + o.model);
+      m = std::make_shared<model::Qwen3MoeModel>(
+          model::Qwen3MoeModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
+    }
+    eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
+    executor = std::make_unique<engine::Qwen3Executor>(
+        m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
+        cache_options(o));
   } else if (o.expert_parallel > 1) {
     engine::ep::EpExecutorOptions eo;
     eo.ranks = o.expert_parallel;

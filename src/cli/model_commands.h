@@ -9,9 +9,10 @@ namespace tandem::cli {
 // `tandem make-model`: write a deterministic random-weight checkpoint in the Hugging Face layout.
 void add_model_commands(CLI::App& app);
 
-// The DeepSeek-V3 tokenizer that scripts/install-deps.sh installs with the test oracles: what
-// make-model ships by default and what simulated engines use unless given --tokenizer.
-std::filesystem::path default_tokenizer();
+// A tokenizer scripts/install-deps.sh installs with the test oracles ("deepseek_v3", "qwen3"):
+// what make-model ships by default (Qwen3's with the Qwen3 presets) and what simulated engines
+// use unless given --tokenizer.
+std::filesystem::path default_tokenizer(const std::string& family = "deepseek_v3");
 
 // The checkpoint of a make-model preset (seed 0, BF16) in the user's cache
 // ($XDG_CACHE_HOME or ~/.cache, then tandem/models/PRESET), written on first use: what

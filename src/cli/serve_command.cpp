@@ -43,7 +43,7 @@ std::string model_folder(const std::string& model) {
   for (const auto& p : model::model_presets())
     if (p == model) return preset_model_folder(model).string();
   throw Error("serve: --model '" + model + "' is neither a folder, a sim: preset nor one of the " +
-              "make-model presets (tiny-v3, tiny-v2-lite, bench)");
+              "make-model presets (tiny-v3, tiny-v2-lite, bench, tiny-qwen3-moe, bench-qwen3-moe)");
 }
 
 gateway::Endpoint endpoint(const EngineChild& c, const std::string& host, bool bootstrap) {

@@ -1,5 +1,7 @@
 #include "model/config.h"
 
+#include "model/config_fields.h"
+
 #include <cmath>
 #include <set>
 
@@ -13,137 +15,6 @@ using json = nlohmann::json;
 
 constexpr const char* kV3 = "DeepseekV3ForCausalLM";
 constexpr const char* kV2 = "DeepseekV2ForCausalLM";
-
-// Reads the fields of one JSON object, remembering which were read so that whatever is left is
-// reported as unknown. Every message names the origin and the field's path.
-class Fields {
- public:
-  Fields(const json& obj, std::string origin, std::string prefix = "")
-      : obj_(obj), origin_(std::move(origin)), prefix_(std::move(prefix)) {}
-
-  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw Error(origin_ + ": field '" + prefix_ + key + "' " + what);
-  }
-
-  // The value, or null when absent or JSON null.
-  const json* get(const std::string& key) {
-    seen_.insert(key);
-    auto it = obj_.find(key);
-    return it == obj_.end() || it->is_null() ? nullptr : &*it;
-  }
-  bool present(const std::string& key) const {
-    auto it = obj_.find(key);
-    return it != obj_.end() && !it->is_null();
-  }
-  const json& need(const std::string& key) {
-    const json* v = get(key);
-    if (!v) fail(key, "is required");
-    return *v;
-  }
-
-  int64_t integer(const std::string& key, const json& v) const {
-    if (!v.is_number_integer()) fail(key, "must be an integer, got " + v.dump());
-    return v.get<int64_t>();
-  }
-  int64_t integer(const std::string& key) { return integer(key, need(key)); }
-  int64_t integer_or(const std::string& key, int64_t fallback) {
-    const json* v = get(key);
-    return v ? integer(key, *v) : fallback;
-  }
-  std::optional<int64_t> optional_integer(const std::string& key) {
-    const json* v = get(key);
-    return v ? std::optional<int64_t>(integer(key, *v)) : std::nullopt;
-  }
-  double number(const std::string& key, const json& v) const {
-    if (!v.is_number()) fail(key, "must be a number, got " + v.dump());
-    return v.get<double>();
-  }
-  double number(const std::string& key) { return number(key, need(key)); }
-  double number_or(const std::string& key, double fallback) {
-    const json* v = get(key);
-    return v ? number(key, *v) : fallback;
-  }
-  bool boolean(const std::string& key, const json& v) const {
-    if (!v.is_boolean()) fail(key, "must be true or false, got " + v.dump());
-    return v.get<bool>();
-  }
-  bool boolean(const std::string& key) { return boolean(key, need(key)); }
-  bool boolean_or(const std::string& key, bool fallback) {
-    const json* v = get(key);
-    return v ? boolean(key, *v) : fallback;
-  }
-  std::string string(const std::string& key, const json& v) const {
-    if (!v.is_string()) fail(key, "must be a string, got " + v.dump());
-    return v.get<std::string>();
-  }
-  std::string string(const std::string& key) { return string(key, need(key)); }
-  std::string string_or(const std::string& key, const std::string& fallback) {
-    const json* v = get(key);
-    return v ? string(key, *v) : fallback;
-  }
-
-  // Accepted without effect on the model (training settings, bookkeeping).
-  void ignore(const std::string& key) { seen_.insert(key); }
-
-  void reject_unknown() const {
-    for (const auto& [key, value] : obj_.items())
-      if (!seen_.count(key)) fail(key, "is not a known field of this configuration");
-  }
-
- private:
-  const json& obj_;
-  std::string origin_, prefix_;
-  std::set<std::string> seen_;
-};
-
-std::string one_of(const std::string& got, std::initializer_list<const char*> allowed) {
-  std::string s = "must be one of";
-  bool first = true;
-  for (const char* a : allowed) {
-    s += first ? " \"" : ", \"";
-    s += a;
-    s += "\"";
-    first = false;
-  }
-  return s + "; got \"" + got + "\"";
-}
-
-// YaRN parameters of `rope_scaling` (transformers v4) or `rope_parameters` (transformers v5,
-// which also carries rope_theta). Returns false when the object selects plain RoPE.
-bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
-                YarnScaling& yarn, std::optional<double>& theta) {
-  if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
-  Fields f(obj, origin, field + ".");
-  std::string type;
-  if (f.present("type")) type = f.string("type");
-  if (f.present("rope_type")) {
-    const std::string t = f.string("rope_type");
-    if (!type.empty() && t != type) f.fail("rope_type", "contradicts type \"" + type + "\"");
-    type = t;
-  }
-  if (field == "rope_parameters" && f.present("rope_theta")) theta = f.number("rope_theta");
-  if (type.empty()) f.fail("type", "is required (\"yarn\")");
-  if (type == "default") {
-    f.reject_unknown();
-    return false;
-  }
-  if (type != "yarn")
-    f.fail("type",
-           "must be \"yarn\" (the only RoPE scaling of this model family); got \"" + type + "\"");
-  yarn.factor = f.number("factor");
-  if (!(yarn.factor >= 1.0)) f.fail("factor", "must be >= 1");
-  yarn.original_max_position_embeddings = f.integer_or("original_max_position_embeddings", 4096);
-  if (yarn.original_max_position_embeddings <= 0)
-    f.fail("original_max_position_embeddings", "must be positive");
-  yarn.beta_fast = f.number_or("beta_fast", 32.0);
-  yarn.beta_slow = f.number_or("beta_slow", 1.0);
-  if (!(yarn.beta_fast > yarn.beta_slow) || !(yarn.beta_slow > 0))
-    f.fail("beta_fast", "must exceed beta_slow, and both be positive");
-  yarn.mscale = f.number_or("mscale", 1.0);
-  yarn.mscale_all_dim = f.number_or("mscale_all_dim", 0.0);
-  f.reject_unknown();
-  return true;
-}
 
 void parse_quantization(const json& obj, const std::string& origin, ModelConfig& c) {
   if (!obj.is_object()) throw Error(origin + ": field 'quantization_config' must be an object");

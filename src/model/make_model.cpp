@@ -8,6 +8,7 @@
 
 #include "model/layout.h"
 #include "model/quantize.h"
+#include "model/qwen3_moe_config.h"
 #include "model/safetensors.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
@@ -114,6 +115,93 @@ ModelConfig bench() {
   return c;
 }
 
+// Qwen3-MoE: a tiny model with one dense layer (mlp_only_layers), and Qwen3-30B-A3B's widths.
+Qwen3MoeConfig tiny_qwen3_moe() {
+  Qwen3MoeConfig c;
+  c.vocab_size = 151936;
+  c.hidden_size = 64;
+  c.intermediate_size = 128;
+  c.moe_intermediate_size = 32;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.mlp_only_layers = {0};
+  c.norm_topk_prob = true;
+  c.rope_theta = 1000000.0;
+  c.max_position_embeddings = 40960;
+  return c;
+}
+
+Qwen3MoeConfig bench_qwen3_moe() {
+  Qwen3MoeConfig c;  // Qwen3-30B-A3B's config.json, with 2 of its 48 layers
+  c.vocab_size = 151936;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.moe_intermediate_size = 768;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 4;
+  c.head_dim = 128;
+  c.num_experts = 128;
+  c.num_experts_per_tok = 8;
+  c.norm_topk_prob = true;
+  c.rope_theta = 1000000.0;
+  c.max_position_embeddings = 40960;
+  return c;
+}
+
+struct Qwen3Preset {
+  const char* name;
+  Qwen3MoeConfig (*config)();
+};
+constexpr Qwen3Preset kQwen3Presets[] = {{"tiny-qwen3-moe", tiny_qwen3_moe},
+                                         {"bench-qwen3-moe", bench_qwen3_moe}};
+
+const Qwen3Preset* qwen3_preset(const std::string& name) {
+  for (const auto& p : kQwen3Presets)
+    if (name == p.name) return &p;
+  return nullptr;
+}
+
+// The tensors of a Qwen3MoeForCausalLM checkpoint, as Hugging Face names and shapes them.
+std::vector<TensorSpec> qwen3_moe_layout(const Qwen3MoeConfig& c, DType dtype) {
+  std::vector<TensorSpec> specs;
+  const int64_t h = c.hidden_size, hd = c.head_dim;
+  auto add = [&](std::string name, std::vector<int64_t> shape) {
+    specs.push_back({std::move(name), dtype, std::move(shape)});
+  };
+  add("model.embed_tokens.weight", {c.vocab_size, h});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i);
+    add(p + ".input_layernorm.weight", {h});
+    add(p + ".post_attention_layernorm.weight", {h});
+    add(p + ".self_attn.q_proj.weight", {c.num_attention_heads * hd, h});
+    add(p + ".self_attn.k_proj.weight", {c.num_key_value_heads * hd, h});
+    add(p + ".self_attn.v_proj.weight", {c.num_key_value_heads * hd, h});
+    add(p + ".self_attn.o_proj.weight", {h, c.num_attention_heads * hd});
+    add(p + ".self_attn.q_norm.weight", {hd});
+    add(p + ".self_attn.k_norm.weight", {hd});
+    auto mlp = [&](const std::string& prefix, int64_t inter) {
+      add(prefix + ".gate_proj.weight", {inter, h});
+      add(prefix + ".up_proj.weight", {inter, h});
+      add(prefix + ".down_proj.weight", {h, inter});
+    };
+    if (c.is_moe_layer(i)) {
+      add(p + ".mlp.gate.weight", {c.num_experts, h});
+      for (int64_t e = 0; e < c.num_experts; ++e)
+        mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size);
+    } else {
+      mlp(p + ".mlp", c.intermediate_size);
+    }
+  }
+  add("model.norm.weight", {h});
+  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, h});
+  return specs;
+}
+
 // splitmix64's output function.
 inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -138,10 +226,18 @@ bool ends_with(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// What the generator needs of a model: its width, whether the head is the embedding, and (in a
+// DeepSeek config) how weights are quantized.
+struct GeneratedModel {
+  int64_t hidden_size = 0;
+  bool tie_word_embeddings = false;
+  ModelConfig quantization;  // only fp8 / int8 are read
+};
+
 class WeightGenerator {
  public:
-  WeightGenerator(const ModelConfig& c, uint64_t seed, const std::vector<TensorSpec>& specs)
-      : c_(c), seed_(seed) {
+  WeightGenerator(GeneratedModel c, uint64_t seed, const std::vector<TensorSpec>& specs)
+      : c_(std::move(c)), seed_(seed) {
     for (const auto& s : specs) shapes_[s.name] = s.shape;
   }
 
@@ -209,10 +305,10 @@ class WeightGenerator {
     const int64_t rows = it->second[0], cols = it->second[1];
     std::vector<float> w(static_cast<size_t>(rows * cols));
     generate(init_for(name, it->second), 0, w.size(), w.data());
-    quantize_weight(c_, w, rows, cols, q, scales);
+    quantize_weight(c_.quantization, w, rows, cols, q, scales);
   }
 
-  const ModelConfig& c_;
+  GeneratedModel c_;
   uint64_t seed_;
   std::map<std::string, std::vector<int64_t>> shapes_;
 };
@@ -237,7 +333,83 @@ void copy_tokenizer(const fs::path& from, const fs::path& to) {
 }  // namespace
 
 std::vector<std::string> model_presets() {
-  return {"tiny-v3", "tiny-v2-lite", "bench"};
+  std::vector<std::string> names = {"tiny-v3", "tiny-v2-lite", "bench"};
+  for (const auto& p : kQwen3Presets) names.push_back(p.name);
+  return names;
+}
+
+bool is_qwen3_moe_preset(const std::string& name) {
+  return qwen3_preset(name) != nullptr;
+}
+
+Qwen3MoeConfig qwen3_moe_preset_config(const std::string& name) {
+  if (const Qwen3Preset* p = qwen3_preset(name)) return p->config();
+  throw Error("'" + name + "' is not a Qwen3-MoE preset");
+}
+
+Qwen3MoeConfig make_qwen3_moe_model(const MakeModelOptions& options,
+                                    const std::function<void(size_t, size_t)>& progress) {
+  Qwen3MoeConfig c = qwen3_moe_preset_config(options.preset);
+  if (options.layers < 0 || options.layers > kMaxLayers)
+    throw Error("make-model: --layers " + std::to_string(options.layers) + ": expected 1.." +
+                std::to_string(kMaxLayers) + " (or 0 for the preset's " +
+                std::to_string(c.num_hidden_layers) + ")");
+  if (options.layers > 0) {
+    c.num_hidden_layers = options.layers;
+    std::erase_if(c.mlp_only_layers, [&](int64_t l) { return l >= c.num_hidden_layers; });
+  }
+  switch (options.dtype) {
+    case DType::kF32:
+      c.torch_dtype = "float32";
+      break;
+    case DType::kF16:
+      c.torch_dtype = "float16";
+      break;
+    case DType::kBF16:
+      break;
+    case DType::kF8E4M3:
+    case DType::kI8:
+      throw Error("make-model: " + options.preset +
+                  " is written in f32, bf16 or f16 (quantized Qwen3-MoE checkpoints are not "
+                  "supported yet)");
+  }
+  std::error_code ec;
+  fs::create_directories(options.out, ec);
+  if (ec) throw Error(options.out.string() + ": cannot create folder: " + ec.message());
+  copy_tokenizer(options.tokenizer_dir, options.out);
+  const auto tok = text::Tokenizer::from_dir(options.out);
+  if (static_cast<int64_t>(tok.vocab_size()) > c.vocab_size)
+    throw Error("make-model: the tokenizer in " + options.tokenizer_dir.string() +
+                " has ids up to " + std::to_string(tok.vocab_size() - 1) + ", beyond preset " +
+                options.preset + "'s vocab_size " + std::to_string(c.vocab_size));
+  if (tok.bos_id()) c.bos_token_id = *tok.bos_id();
+  if (tok.eos_id()) c.eos_token_id = *tok.eos_id();
+  if (!(Qwen3MoeConfig::parse(nlohmann::json::parse(c.to_json().dump()),
+                              "preset " + options.preset) == c))
+    throw Error("make-model: preset " + options.preset +
+                " does not round-trip through config.json");
+  const std::vector<TensorSpec> specs = qwen3_moe_layout(c, options.dtype);
+  ModelConfig unquantized;
+  const WeightGenerator gen(GeneratedModel{c.hidden_size, c.tie_word_embeddings, unquantized},
+                            options.seed, specs);
+  const size_t shard = options.max_shard_bytes               ? options.max_shard_bytes
+                       : options.preset == "bench-qwen3-moe" ? kBenchShardBytes
+                                                             : kTinyShardBytes;
+  write_checkpoint(
+      options.out, specs,
+      [&](const TensorSpec& spec, std::span<std::byte> out) { gen.fill(spec, out); }, shard,
+      progress);
+  write_json(options.out / "config.json", c.to_json());
+  nlohmann::ordered_json gen_config;  // as Qwen3-30B-A3B's generation_config.json
+  if (c.bos_token_id) gen_config["bos_token_id"] = *c.bos_token_id;
+  gen_config["do_sample"] = true;
+  if (c.eos_token_id) gen_config["eos_token_id"] = *c.eos_token_id;
+  gen_config["temperature"] = 0.6;
+  gen_config["top_k"] = 20;
+  gen_config["top_p"] = 0.95;
+  gen_config["transformers_version"] = "4.51.0";
+  write_json(options.out / "generation_config.json", gen_config);
+  return c;
 }
 
 ModelConfig preset_config(const std::string& name) {
@@ -246,6 +418,8 @@ ModelConfig preset_config(const std::string& name) {
   if (name == "bench") return bench();
   std::string known;
   for (const auto& p : model_presets()) known += (known.empty() ? "" : ", ") + p;
+  if (is_qwen3_moe_preset(name))
+    throw Error("preset '" + name + "' is a Qwen3-MoE model (qwen3_moe_preset_config)");
   throw Error("unknown model preset '" + name + "' (presets: " + known + ")");
 }
 
@@ -291,7 +465,8 @@ ModelConfig make_model(const MakeModelOptions& options,
                 " does not round-trip through config.json");
 
   const std::vector<TensorSpec> specs = checkpoint_layout(c, options.dtype);
-  const WeightGenerator gen(c, options.seed, specs);
+  const WeightGenerator gen(GeneratedModel{c.hidden_size, c.tie_word_embeddings, c}, options.seed,
+                            specs);
   const size_t shard = options.max_shard_bytes
                            ? options.max_shard_bytes
                            : (options.preset == "bench" ? kBenchShardBytes : kTinyShardBytes);

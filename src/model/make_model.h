@@ -10,14 +10,21 @@
 
 #include "model/config.h"
 #include "model/dtype.h"
+#include "model/qwen3_moe_config.h"
 
 namespace tandem::model {
 
-// "tiny-v3", "tiny-v2-lite", "bench".
+// "tiny-v3", "tiny-v2-lite", "bench" (DeepSeek), "tiny-qwen3-moe", "bench-qwen3-moe".
 std::vector<std::string> model_presets();
 
-// A preset's architecture (BF16, no token ids yet). Throws naming the presets for an unknown name.
+// A DeepSeek preset's architecture (BF16, no token ids yet). Throws naming the presets for an
+// unknown name.
 ModelConfig preset_config(const std::string& name);
+
+// The Qwen3-MoE presets: tiny-qwen3-moe (hidden 64, GQA 4/2 heads, 8 experts top-2, layer 0
+// dense) and bench-qwen3-moe (Qwen3-30B-A3B's widths with 2 layers, ~3.7 GB in BF16).
+bool is_qwen3_moe_preset(const std::string& name);
+Qwen3MoeConfig qwen3_moe_preset_config(const std::string& name);
 
 struct MakeModelOptions {
   std::string preset;
@@ -40,5 +47,8 @@ struct MakeModelOptions {
 // not depend on the order tensors are written in. `progress` gets bytes written and the total.
 ModelConfig make_model(const MakeModelOptions& options,
                        const std::function<void(size_t, size_t)>& progress = {});
+// The same for a Qwen3-MoE preset (f32, bf16 or f16 weights).
+Qwen3MoeConfig make_qwen3_moe_model(const MakeModelOptions& options,
+                                    const std::function<void(size_t, size_t)>& progress = {});
 
 }  // namespace tandem::model

@@ -19,12 +19,22 @@ double correction_dim(double rotations, int64_t dim, double base, int64_t max_po
 }  // namespace
 
 Rope::Rope(const ModelConfig& c) {
-  const int64_t dim = c.qk_rope_head_dim;
-  const double base = c.rope_theta;
+  set_frequencies(c.qk_rope_head_dim, c.rope_theta, c.yarn);
+  if (c.yarn)
+    mscale_ = yarn_mscale(c.yarn->factor, c.yarn->mscale) /
+              yarn_mscale(c.yarn->factor, c.yarn->mscale_all_dim);
+}
+
+Rope::Rope(int64_t dim, double theta, const std::optional<YarnScaling>& yarn, double mscale)
+    : mscale_(mscale) {
+  set_frequencies(dim, theta, yarn);
+}
+
+void Rope::set_frequencies(int64_t dim, double base, const std::optional<YarnScaling>& yarn) {
   inv_freq_.resize(dim / 2);
   for (int64_t i = 0; i < dim / 2; ++i) inv_freq_[i] = 1.0 / std::pow(base, 2.0 * i / dim);
-  if (!c.yarn) return;
-  const YarnScaling& y = *c.yarn;
+  if (!yarn) return;
+  const YarnScaling& y = *yarn;
   double low =
       std::floor(correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings));
   double high =
@@ -38,7 +48,6 @@ Rope::Rope(const ModelConfig& c) {
     double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
     inv_freq_[i] = inv_freq_[i] / y.factor * ramp + inv_freq_[i] * (1.0 - ramp);
   }
-  mscale_ = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim);
 }
 
 void Rope::apply(float* x, int64_t position) const {
@@ -54,6 +63,24 @@ void Rope::apply(float* x, int64_t stride, int64_t count, int64_t position) cons
       const double a = v[2 * i], b = v[2 * i + 1];
       v[2 * i] = static_cast<float>(a * c - b * s);
       v[2 * i + 1] = static_cast<float>(a * s + b * c);
+    }
+  }
+}
+
+}  // namespace tandem::model
+
+namespace tandem::model {
+
+void Rope::apply_halves(float* x, int64_t stride, int64_t count, int64_t position) const {
+  const size_t half = inv_freq_.size();
+  for (size_t i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(position) * inv_freq_[i];
+    const double c = std::cos(angle) * mscale_, s = std::sin(angle) * mscale_;
+    for (int64_t k = 0; k < count; ++k) {
+      float* v = x + k * stride;
+      const double a = v[i], b = v[i + half];
+      v[i] = static_cast<float>(a * c - b * s);
+      v[i + half] = static_cast<float>(b * c + a * s);
     }
   }
 }

@@ -11,14 +11,11 @@
 #include "kernels/cpu/ops.h"
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "model/tensor_binder.h"
 
 namespace tandem::model {
 
 using kernels::Matrix;
-
-struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
-  Matrix gate, up, down;
-};
 
 struct MoeWeights {
   Matrix router;                       // [n_routed_experts, hidden]

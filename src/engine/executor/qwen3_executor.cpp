@@ -1,0 +1,101 @@
+#include "engine/executor/qwen3_executor.h"
+
+#include "engine/executor/model_executor.h"
+#include "util/error.h"
+
+namespace tandem::engine {
+namespace {
+
+int64_t blocks_for(const model::Qwen3MoeModel& m, const CpuExecutorOptions& o) {
+  if (o.block_size < 1) throw Error("block size must be at least 1");
+  if (o.num_blocks > 0) return o.num_blocks;
+  const auto block_bytes =
+      static_cast<double>(m.cache_shape(o.block_size, o.kv_cache_type).block_bytes());
+  const auto n = static_cast<int64_t>(o.kv_cache_bytes / block_bytes);
+  if (n < 1)
+    throw Error("the KV cache budget of " + std::to_string(o.kv_cache_bytes) +
+                " bytes holds no block of " + std::to_string(block_bytes) + " bytes");
+  return n;
+}
+
+}  // namespace
+
+Qwen3Executor::Qwen3Executor(std::shared_ptr<const model::Qwen3MoeModel> model,
+                             const text::Tokenizer& tokenizer, std::string model_name,
+                             const CpuExecutorOptions& options)
+    : model_(std::move(model)),
+      cache_(model_->cache_shape(options.block_size, options.kv_cache_type),
+             blocks_for(*model_, options)) {
+  if (options.speculative_tokens > 0)
+    throw Error("--speculative-tokens: Qwen3-MoE has no MTP module to draft with");
+  const auto& c = model_->config();
+  const auto& shape = cache_.shape();
+  info_.model_name = std::move(model_name);
+  info_.vocab_size = c.vocab_size;
+  info_.max_model_len = c.max_position_embeddings;
+  info_.num_blocks = cache_.num_blocks();
+  info_.block_size = shape.block_size;
+  // The layout says which cache this is: a decode engine of another model or cache refuses it.
+  info_.kv_layout = {"qwen3_moe(layers " + std::to_string(c.num_hidden_layers) + ", hidden " +
+                         std::to_string(c.hidden_size) + ", vocab " + std::to_string(c.vocab_size) +
+                         ", K|V " + std::to_string(c.num_key_value_heads) + "x" +
+                         std::to_string(c.head_dim) + " " + model::latent_type_name(shape.type) +
+                         ")",
+                     c.num_hidden_layers, shape.block_size, shape.entry_bytes()};
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+    if (c.is_moe_layer(layer)) info_.moe_layers.push_back(layer);
+  if (!info_.moe_layers.empty()) info_.routed_experts = c.num_experts;
+  seen_.assign(info_.moe_layers.size() * size_t(info_.routed_experts), 0);
+  no_text_ = ids_without_text(tokenizer, c.vocab_size);
+}
+
+const std::byte* Qwen3Executor::kv_bytes(int32_t block, int64_t layer) const {
+  return cache_.block_layer(block, layer);
+}
+
+std::byte* Qwen3Executor::kv_bytes_mutable(int32_t block, int64_t layer) {
+  return kv_block_or_null(cache_, info_, block, layer);
+}
+
+void Qwen3Executor::write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) {
+  write_kv_block(cache_, info_, block, layer, bytes);
+}
+
+ExecResult Qwen3Executor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
+  std::vector<model::SequenceStep> steps;
+  steps.reserve(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ExecItem& item = batch[i];
+    if (!item.drafts.empty())
+      throw Error("execute: item " + std::to_string(i) +
+                  " has drafts and the executor does not speculate");
+    steps.push_back({item.tokens, item.start, item.blocks,
+                     item.sample ? model::LogitRows::kLast : model::LogitRows::kNone});
+  }
+  auto out = model_->forward(steps, cache_);
+  // The whole step is in the cache now: streaming KV transfers may send every layer.
+  if (on_layer) on_layer(info_.kv_layout.layers);
+  const int64_t vocab = info_.vocab_size;
+  ExecResult result;
+  const int64_t experts = info_.routed_experts;
+  if (experts > 0) {
+    result.expert_tokens.resize(info_.moe_layers.size() * size_t(experts));
+    const auto& counts = model_->expert_counts();
+    for (size_t i = 0; i < info_.moe_layers.size(); ++i)
+      for (int64_t e = 0; e < experts; ++e) {
+        const uint64_t now = counts[size_t(info_.moe_layers[i])][size_t(e)];
+        uint64_t& seen = seen_[i * size_t(experts) + size_t(e)];
+        result.expert_tokens[i * size_t(experts) + size_t(e)] = int64_t(now - seen);
+        seen = now;
+      }
+  }
+  sample_items(
+      batch,
+      [&](size_t i, size_t row) {
+        return out.logits.data() + (out.first_row[i] + static_cast<int64_t>(row)) * vocab;
+      },
+      vocab, no_text_, result.sampled);
+  return result;
+}
+
+}  // namespace tandem::engine

@@ -1,0 +1,56 @@
+#include "model/config_fields.h"
+
+#include "util/error.h"
+
+namespace tandem::model {
+
+using json = nlohmann::json;
+
+std::string one_of(const std::string& got, std::initializer_list<const char*> allowed) {
+  std::string s = "must be one of";
+  bool first = true;
+  for (const char* a : allowed) {
+    s += first ? " \"" : ", \"";
+    s += a;
+    s += "\"";
+    first = false;
+  }
+  return s + "; got \"" + got + "\"";
+}
+
+bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
+                YarnScaling& yarn, std::optional<double>& theta) {
+  if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
+  Fields f(obj, origin, field + ".");
+  std::string type;
+  if (f.present("type")) type = f.string("type");
+  if (f.present("rope_type")) {
+    const std::string t = f.string("rope_type");
+    if (!type.empty() && t != type) f.fail("rope_type", "contradicts type \"" + type + "\"");
+    type = t;
+  }
+  if (field == "rope_parameters" && f.present("rope_theta")) theta = f.number("rope_theta");
+  if (type.empty()) f.fail("type", "is required (\"yarn\")");
+  if (type == "default") {
+    f.reject_unknown();
+    return false;
+  }
+  if (type != "yarn")
+    f.fail("type",
+           "must be \"yarn\" (the only RoPE scaling of this model family); got \"" + type + "\"");
+  yarn.factor = f.number("factor");
+  if (!(yarn.factor >= 1.0)) f.fail("factor", "must be >= 1");
+  yarn.original_max_position_embeddings = f.integer_or("original_max_position_embeddings", 4096);
+  if (yarn.original_max_position_embeddings <= 0)
+    f.fail("original_max_position_embeddings", "must be positive");
+  yarn.beta_fast = f.number_or("beta_fast", 32.0);
+  yarn.beta_slow = f.number_or("beta_slow", 1.0);
+  if (!(yarn.beta_fast > yarn.beta_slow) || !(yarn.beta_slow > 0))
+    f.fail("beta_fast", "must exceed beta_slow, and both be positive");
+  yarn.mscale = f.number_or("mscale", 1.0);
+  yarn.mscale_all_dim = f.number_or("mscale_all_dim", 0.0);
+  f.reject_unknown();
+  return true;
+}
+
+}  // namespace tandem::model

@@ -1,0 +1,109 @@
+#pragma once
+// Strict reading of Hugging Face config.json objects, shared by every model family's config:
+// each field read is remembered, whatever is left is an unknown field, and every message names
+// the file and the field's path. Also the `rope_scaling` YaRN block the families share.
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <set>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/config.h"
+#include "util/error.h"
+
+namespace tandem::model {
+
+// Reads the fields of one JSON object, remembering which were read so that whatever is left is
+// reported as unknown. Every message names the origin and the field's path.
+class Fields {
+ public:
+  using json = nlohmann::json;
+  Fields(const json& obj, std::string origin, std::string prefix = "")
+      : obj_(obj), origin_(std::move(origin)), prefix_(std::move(prefix)) {}
+
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+    throw Error(origin_ + ": field '" + prefix_ + key + "' " + what);
+  }
+
+  // The value, or null when absent or JSON null.
+  const json* get(const std::string& key) {
+    seen_.insert(key);
+    auto it = obj_.find(key);
+    return it == obj_.end() || it->is_null() ? nullptr : &*it;
+  }
+  bool present(const std::string& key) const {
+    auto it = obj_.find(key);
+    return it != obj_.end() && !it->is_null();
+  }
+  const json& need(const std::string& key) {
+    const json* v = get(key);
+    if (!v) fail(key, "is required");
+    return *v;
+  }
+
+  int64_t integer(const std::string& key, const json& v) const {
+    if (!v.is_number_integer()) fail(key, "must be an integer, got " + v.dump());
+    return v.get<int64_t>();
+  }
+  int64_t integer(const std::string& key) { return integer(key, need(key)); }
+  int64_t integer_or(const std::string& key, int64_t fallback) {
+    const json* v = get(key);
+    return v ? integer(key, *v) : fallback;
+  }
+  std::optional<int64_t> optional_integer(const std::string& key) {
+    const json* v = get(key);
+    return v ? std::optional<int64_t>(integer(key, *v)) : std::nullopt;
+  }
+  double number(const std::string& key, const json& v) const {
+    if (!v.is_number()) fail(key, "must be a number, got " + v.dump());
+    return v.get<double>();
+  }
+  double number(const std::string& key) { return number(key, need(key)); }
+  double number_or(const std::string& key, double fallback) {
+    const json* v = get(key);
+    return v ? number(key, *v) : fallback;
+  }
+  bool boolean(const std::string& key, const json& v) const {
+    if (!v.is_boolean()) fail(key, "must be true or false, got " + v.dump());
+    return v.get<bool>();
+  }
+  bool boolean(const std::string& key) { return boolean(key, need(key)); }
+  bool boolean_or(const std::string& key, bool fallback) {
+    const json* v = get(key);
+    return v ? boolean(key, *v) : fallback;
+  }
+  std::string string(const std::string& key, const json& v) const {
+    if (!v.is_string()) fail(key, "must be a string, got " + v.dump());
+    return v.get<std::string>();
+  }
+  std::string string(const std::string& key) { return string(key, need(key)); }
+  std::string string_or(const std::string& key, const std::string& fallback) {
+    const json* v = get(key);
+    return v ? string(key, *v) : fallback;
+  }
+
+  // Accepted without effect on the model (training settings, bookkeeping).
+  void ignore(const std::string& key) { seen_.insert(key); }
+
+  void reject_unknown() const {
+    for (const auto& [key, value] : obj_.items())
+      if (!seen_.count(key)) fail(key, "is not a known field of this configuration");
+  }
+
+ private:
+  const json& obj_;
+  std::string origin_, prefix_;
+  std::set<std::string> seen_;
+};
+
+// "must be one of "a", "b"; got "x"".
+std::string one_of(const std::string& got, std::initializer_list<const char*> allowed);
+
+// YaRN parameters of `rope_scaling` (transformers v4) or `rope_parameters` (transformers v5,
+// which also carries rope_theta). Returns false when the object selects plain RoPE.
+bool parse_rope(const nlohmann::json& obj, const std::string& origin, const std::string& field,
+                YarnScaling& yarn, std::optional<double>& theta);
+
+}  // namespace tandem::model

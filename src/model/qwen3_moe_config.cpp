@@ -1,0 +1,202 @@
+#include "model/qwen3_moe_config.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "model/config_fields.h"
+#include "util/error.h"
+#include "util/file.h"
+
+namespace tandem::model {
+
+using json = nlohmann::json;
+
+Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin) {
+  if (!doc.is_object()) throw Error(origin + ": expected a JSON object");
+  Fields f(doc, origin);
+  Qwen3MoeConfig c;
+  const json& arch = f.need("architectures");
+  if (!arch.is_array() || arch.size() != 1 || arch[0] != kQwen3MoeArchitecture)
+    f.fail("architectures",
+           std::string("must be [\"") + kQwen3MoeArchitecture + "\"], got " + arch.dump());
+  if (f.present("model_type") && f.string("model_type") != "qwen3_moe")
+    f.fail("model_type", one_of(doc["model_type"].get<std::string>(), {"qwen3_moe"}));
+  f.ignore("model_type");
+  c.vocab_size = f.integer("vocab_size");
+  c.hidden_size = f.integer("hidden_size");
+  c.intermediate_size = f.integer("intermediate_size");
+  c.moe_intermediate_size = f.integer("moe_intermediate_size");
+  c.num_hidden_layers = f.integer("num_hidden_layers");
+  c.num_attention_heads = f.integer("num_attention_heads");
+  c.num_key_value_heads = f.integer_or("num_key_value_heads", c.num_attention_heads);
+  c.head_dim = f.integer_or("head_dim",
+                            c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  c.num_experts = f.integer_or("num_experts", 0);
+  c.num_experts_per_tok = f.integer_or("num_experts_per_tok", 0);
+  c.decoder_sparse_step = f.integer_or("decoder_sparse_step", 1);
+  if (const json* m = f.get("mlp_only_layers")) {
+    if (!m->is_array()) f.fail("mlp_only_layers", "must be a list of layer indices");
+    for (const auto& v : *m) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c.num_hidden_layers)
+        f.fail("mlp_only_layers", "must hold layer indices below num_hidden_layers (" +
+                                      std::to_string(c.num_hidden_layers) + "), got " + v.dump());
+      c.mlp_only_layers.push_back(v.get<int64_t>());
+    }
+  }
+  c.norm_topk_prob = f.boolean_or("norm_topk_prob", false);
+  c.rms_norm_eps = f.number_or("rms_norm_eps", 1e-6);
+  c.max_position_embeddings = f.integer_or("max_position_embeddings", 32768);
+  c.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false);
+  c.bos_token_id = f.optional_integer("bos_token_id");
+  c.eos_token_id = f.optional_integer("eos_token_id");
+  c.torch_dtype = f.string_or("torch_dtype", "bfloat16");
+  std::optional<double> theta;
+  if (const json* rs = f.get("rope_scaling")) {
+    YarnScaling y;
+    if (parse_rope(*rs, origin, "rope_scaling", y, theta)) c.yarn = y;
+  }
+  c.rope_theta = f.number_or("rope_theta", 10000.0);
+  if (theta) c.rope_theta = *theta;
+
+  // What the engine does not run: refused by name rather than computed differently.
+  if (f.boolean_or("use_sliding_window", false))
+    f.fail("use_sliding_window", "is true: sliding-window attention is not supported");
+  f.ignore("sliding_window");     // used only with use_sliding_window
+  f.ignore("max_window_layers");  // likewise
+  if (f.boolean_or("attention_bias", false))
+    f.fail("attention_bias",
+           "is true: Qwen3-MoE's attention has no biases and this engine "
+           "runs none");
+  if (f.present("hidden_act") && f.string("hidden_act") != "silu")
+    f.fail("hidden_act", one_of(doc["hidden_act"].get<std::string>(), {"silu"}));
+  f.ignore("hidden_act");
+  if (f.present("quantization_config"))
+    f.fail("quantization_config",
+           "is not supported for Qwen3-MoE checkpoints yet (BF16, F16 or "
+           "F32 weights)");
+  // Training and bookkeeping.
+  for (const char* k : {"attention_dropout", "initializer_range", "output_router_logits",
+                        "router_aux_loss_coef", "transformers_version", "use_cache"})
+    f.ignore(k);
+  f.reject_unknown();
+
+  auto positive = [&](const char* k, int64_t v) {
+    if (v <= 0) f.fail(k, "must be positive, got " + std::to_string(v));
+  };
+  positive("vocab_size", c.vocab_size);
+  positive("hidden_size", c.hidden_size);
+  positive("num_hidden_layers", c.num_hidden_layers);
+  positive("num_attention_heads", c.num_attention_heads);
+  positive("num_key_value_heads", c.num_key_value_heads);
+  positive("head_dim", c.head_dim);
+  if (c.head_dim % 2 != 0) f.fail("head_dim", "must be even (RoPE rotates pairs)");
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    f.fail("num_key_value_heads", "must divide num_attention_heads (" +
+                                      std::to_string(c.num_attention_heads) + "), got " +
+                                      std::to_string(c.num_key_value_heads));
+  if (c.decoder_sparse_step < 1) f.fail("decoder_sparse_step", "must be at least 1");
+  if (c.num_experts < 0) f.fail("num_experts", "must not be negative");
+  bool any_moe = false, any_dense = false;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    (c.is_moe_layer(l) ? any_moe : any_dense) = true;
+  if (any_moe) {
+    positive("moe_intermediate_size", c.moe_intermediate_size);
+    if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)
+      f.fail("num_experts_per_tok", "must be between 1 and num_experts (" +
+                                        std::to_string(c.num_experts) + "), got " +
+                                        std::to_string(c.num_experts_per_tok));
+  }
+  if (any_dense) positive("intermediate_size", c.intermediate_size);
+  if (c.torch_dtype != "bfloat16" && c.torch_dtype != "float16" && c.torch_dtype != "float32")
+    f.fail("torch_dtype", one_of(c.torch_dtype, {"bfloat16", "float16", "float32"}));
+  return c;
+}
+
+Qwen3MoeConfig Qwen3MoeConfig::load(const std::filesystem::path& dir) {
+  const std::filesystem::path path = dir / "config.json";
+  json doc;
+  try {
+    doc = json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw Error(path.string() + ": malformed JSON: " + e.what());
+  }
+  return parse(doc, path.string());
+}
+
+bool Qwen3MoeConfig::is_moe_layer(int64_t layer) const {
+  return num_experts > 0 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) ==
+             mlp_only_layers.end() &&
+         (layer + 1) % decoder_sparse_step == 0;
+}
+
+double Qwen3MoeConfig::softmax_scale() const {
+  return 1.0 / std::sqrt(static_cast<double>(head_dim));
+}
+
+double Qwen3MoeConfig::rope_mscale() const {
+  // YaRN's attention temperature, folded into cos and sin (so q.k gains its square).
+  return yarn && yarn->factor > 1.0 ? 0.1 * std::log(yarn->factor) + 1.0 : 1.0;
+}
+
+nlohmann::ordered_json Qwen3MoeConfig::to_json() const {
+  nlohmann::ordered_json j;
+  j["architectures"] = {kQwen3MoeArchitecture};
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  if (bos_token_id) j["bos_token_id"] = *bos_token_id;
+  j["decoder_sparse_step"] = decoder_sparse_step;
+  if (eos_token_id) j["eos_token_id"] = *eos_token_id;
+  j["head_dim"] = head_dim;
+  j["hidden_act"] = "silu";
+  j["hidden_size"] = hidden_size;
+  j["initializer_range"] = 0.02;
+  j["intermediate_size"] = intermediate_size;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["max_window_layers"] = num_hidden_layers;
+  j["mlp_only_layers"] = mlp_only_layers;
+  j["model_type"] = "qwen3_moe";
+  j["moe_intermediate_size"] = moe_intermediate_size;
+  j["norm_topk_prob"] = norm_topk_prob;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_experts"] = num_experts;
+  j["num_experts_per_tok"] = num_experts_per_tok;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["output_router_logits"] = false;
+  j["rms_norm_eps"] = rms_norm_eps;
+  if (yarn) {
+    j["rope_scaling"] = {
+        {"factor", yarn->factor},
+        {"original_max_position_embeddings", yarn->original_max_position_embeddings},
+        {"rope_type", "yarn"}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["rope_theta"] = rope_theta;
+  j["router_aux_loss_coef"] = 0.001;
+  j["sliding_window"] = nullptr;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  j["torch_dtype"] = torch_dtype;
+  j["transformers_version"] = "4.51.0";
+  j["use_cache"] = true;
+  j["use_sliding_window"] = false;
+  j["vocab_size"] = vocab_size;
+  return j;
+}
+
+std::string architecture_of(const std::filesystem::path& dir) {
+  const std::filesystem::path path = dir / "config.json";
+  json doc;
+  try {
+    doc = json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw Error(path.string() + ": malformed JSON: " + e.what());
+  }
+  const auto it = doc.is_object() ? doc.find("architectures") : doc.end();
+  if (it == doc.end() || !it->is_array() || it->empty() || !(*it)[0].is_string())
+    throw Error(path.string() + ": field 'architectures' must name the model's architecture");
+  return (*it)[0].get<std::string>();
+}
+
+}  // namespace tandem::model

@@ -1,0 +1,157 @@
+#include "model/tensor_binder.h"
+
+#include "model/dtype.h"
+#include "model/layout.h"
+#include "model/quantize.h"
+#include "util/error.h"
+
+namespace tandem::model {
+
+using kernels::Matrix;
+
+TensorBinder::TensorBinder(const Checkpoint& checkpoint, std::optional<Fp8Quantization> fp8,
+                           const std::function<void(size_t, size_t)>& progress)
+    : checkpoint_(checkpoint),
+      fp8_(fp8),
+      progress_(progress),
+      total_(checkpoint.tensors().size()) {}
+
+std::vector<float> TensorBinder::vector(const std::string& name, int64_t n) {
+  const TensorInfo& t = take(name, {n});
+  std::vector<float> out(n);
+  to_f32(t.dtype, t.data, out.data(), n);
+  return out;
+}
+
+Matrix TensorBinder::matrix(const std::string& name, int64_t rows, int64_t cols) {
+  const TensorInfo& t = take(name + ".weight", {rows, cols});
+  Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  switch (t.dtype) {
+    case DType::kF32:
+      m.type = kernels::WeightType::kF32;
+      m.data = t.data;
+      break;
+    case DType::kBF16:
+      m.type = kernels::WeightType::kBF16;
+      m.data = t.data;
+      break;
+    case DType::kF16: {
+      m.type = kernels::WeightType::kF32;
+      m.storage.resize(static_cast<size_t>(rows * cols) * 4);
+      to_f32(t.dtype, t.data, reinterpret_cast<float*>(m.storage.data()), rows * cols);
+      m.data = m.storage.data();
+      break;
+    }
+    case DType::kF8E4M3:
+      dequantize_fp8(name, t, m);
+      break;
+    case DType::kI8: {
+      m.type = kernels::WeightType::kI8;
+      m.data = t.data;
+      const TensorInfo& s = take(name + ".weight_scale", {rows, 1});
+      m.row_scales.resize(rows);
+      to_f32(s.dtype, s.data, m.row_scales.data(), rows);
+      kernels::set_int8_row_sums(m);
+      break;
+    }
+  }
+  return m;
+}
+
+Matrix TensorBinder::packed_matrix(const std::string& name, int64_t rows, int64_t cols,
+                                   PlainRows plain) {
+  Matrix m = matrix(name, rows, cols);
+  pack(m, plain);
+  return m;
+}
+
+void TensorBinder::pack(Matrix& m, PlainRows plain) {
+  if (!kernels::pack_for_gemm(m)) return;
+  // Converted weights (FP8 dequantised to BF16) live in `storage`, not in the mapping; they
+  // stay, as both copies of an FP8 checkpoint's matrices do.
+  if (plain == PlainRows::kRelease && m.storage.empty() && !kernels::batch_invariant())
+    release_pages(m.data, m.bytes());
+}
+
+Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t cols,
+                                 PlainRows plain) {
+  const TensorInfo& t = take(name + ".weight", {rows, cols});
+  if (t.dtype != DType::kBF16 && t.dtype != DType::kF32 && t.dtype != DType::kF16)
+    throw Error(name + ".weight: INT8 quantization at load needs BF16, F16 or F32 weights, not " +
+                std::string(dtype_name(t.dtype)));
+  ModelConfig rule;  // only its quantization matters
+  rule.int8 = Int8Quantization{};
+  Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.type = kernels::WeightType::kI8;
+  m.storage.resize(static_cast<size_t>(rows * cols));
+  m.row_scales.resize(static_cast<size_t>(rows));
+  constexpr int64_t kChunkRows = 1024;
+  std::vector<float> wide, scales;
+  const size_t element = dtype_size(t.dtype);
+  for (int64_t r0 = 0; r0 < rows; r0 += kChunkRows) {
+    const int64_t n = std::min(kChunkRows, rows - r0);
+    wide.resize(static_cast<size_t>(n * cols));
+    to_f32(t.dtype, t.data + static_cast<size_t>(r0 * cols) * element, wide.data(), n * cols);
+    quantize_weight(rule, wide, n, cols, reinterpret_cast<std::byte*>(m.storage.data()) + r0 * cols,
+                    scales);
+    std::copy(scales.begin(), scales.end(), m.row_scales.begin() + r0);
+  }
+  m.data = m.storage.data();
+  kernels::set_int8_row_sums(m);
+  // The INT8 rows stay beside the packed copy (products oneDNN has no kernel for read them);
+  // the source rows in the mapping are not read again, unless they are a tied embedding's.
+  kernels::pack_for_gemm(m);
+  if (plain == PlainRows::kRelease) release_pages(t.data, t.nbytes);
+  return m;
+}
+
+MlpWeights TensorBinder::mlp(const std::string& prefix, int64_t hidden, int64_t inter) {
+  return {packed_matrix(prefix + ".gate_proj", inter, hidden),
+          packed_matrix(prefix + ".up_proj", inter, hidden),
+          packed_matrix(prefix + ".down_proj", hidden, inter)};
+}
+
+Matrix TensorBinder::router(const std::string& name, int64_t experts, int64_t hidden) {
+  Matrix m = matrix(name, experts, hidden);
+  if (m.type == kernels::WeightType::kBF16) {
+    // A new buffer: the BF16 bytes may live in `storage` (dequantised at load).
+    std::vector<uint8_t> wide(static_cast<size_t>(m.rows * m.cols) * 4);
+    to_f32(DType::kBF16, m.data, reinterpret_cast<float*>(wide.data()),
+           static_cast<size_t>(m.rows * m.cols));
+    m.storage = std::move(wide);
+    m.data = m.storage.data();
+    m.type = kernels::WeightType::kF32;
+  }
+  return m;
+}
+
+const TensorInfo& TensorBinder::take(const std::string& name, const std::vector<int64_t>& shape) {
+  taken_.insert(name);
+  const TensorInfo& t = checkpoint_.get(name, shape);
+  if (progress_) progress_(++done_, total_);
+  return t;
+}
+
+void TensorBinder::dequantize_fp8(const std::string& name, const TensorInfo& t, Matrix& m) {
+  const int64_t br = fp8_ ? fp8_->block_rows : 128;
+  const int64_t bc = fp8_ ? fp8_->block_cols : 128;
+  const int64_t sr = (m.rows + br - 1) / br, sc = (m.cols + bc - 1) / bc;
+  const TensorInfo& s = take(name + ".weight_scale_inv", {sr, sc});
+  std::vector<float> scales(sr * sc);
+  to_f32(s.dtype, s.data, scales.data(), sr * sc);
+  m.type = kernels::WeightType::kBF16;
+  m.storage.resize(static_cast<size_t>(m.rows * m.cols) * 2);
+  auto* out = reinterpret_cast<uint16_t*>(m.storage.data());
+  const auto* in = reinterpret_cast<const uint8_t*>(t.data);
+  for (int64_t r = 0; r < m.rows; ++r)
+    for (int64_t col = 0; col < m.cols; ++col)
+      out[r * m.cols + col] =
+          f32_to_bf16(f8e4m3_to_f32(in[r * m.cols + col]) * scales[(r / br) * sc + col / bc]);
+  m.data = m.storage.data();
+}
+
+}  // namespace tandem::model

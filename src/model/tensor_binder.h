@@ -1,0 +1,63 @@
+#pragma once
+// Binds a checkpoint's tensors to the forms the CPU forward passes use, for every model family:
+// vectors widened to float32; matrices used in place when they are F32, BF16 or INT8 (W8A8, with
+// their row scales), F16 widened, FP8 dequantised to BF16; matrices packed for the GEMM kernels
+// with the mapped rows given back when nothing reads them again. Shapes are checked as each
+// tensor is taken; `progress` counts them.
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/ops.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace tandem::model {
+
+struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
+  kernels::Matrix gate, up, down;
+};
+
+class TensorBinder {
+ public:
+  // `fp8`: the block shape of an FP8 checkpoint's scales.
+  TensorBinder(const Checkpoint& checkpoint, std::optional<Fp8Quantization> fp8,
+               const std::function<void(size_t, size_t)>& progress);
+
+  std::vector<float> vector(const std::string& name, int64_t n);
+  // NAME.weight [rows, cols] (and its scales).
+  kernels::Matrix matrix(const std::string& name, int64_t rows, int64_t cols);
+
+  // Whether the plain rows in the mapping may be given back after packing: not for matrices
+  // something still reads row by row (absorbed attention's kv_b; batch-invariant numerics).
+  enum class PlainRows { kRelease, kKeep };
+  kernels::Matrix packed_matrix(const std::string& name, int64_t rows, int64_t cols,
+                                PlainRows plain = PlainRows::kRelease);
+  // NAME.weight quantized to INT8 with one scale per row (model/quantize.h's W8A8 rule), in
+  // chunks of rows so no float32 copy of a whole matrix is ever made. BF16, F16 or F32 only.
+  kernels::Matrix int8_matrix(const std::string& name, int64_t rows, int64_t cols,
+                              PlainRows plain = PlainRows::kRelease);
+  // PREFIX.{gate,up,down}_proj, packed.
+  MlpWeights mlp(const std::string& prefix, int64_t hidden, int64_t inter);
+  // A router [experts, hidden] in float32 (its top-k must not flip on rounding; float32 weights
+  // also let a prompt's routing logits come from the float32 GEMM).
+  kernels::Matrix router(const std::string& name, int64_t experts, int64_t hidden);
+  // Whether a tensor of the checkpoint was bound (a model checks that every one was).
+  bool taken(const std::string& tensor) const { return taken_.count(tensor) > 0; }
+
+ private:
+  const TensorInfo& take(const std::string& name, const std::vector<int64_t>& shape);
+  void pack(kernels::Matrix& m, PlainRows plain);
+  void dequantize_fp8(const std::string& name, const TensorInfo& t, kernels::Matrix& m);
+
+  const Checkpoint& checkpoint_;
+  std::optional<Fp8Quantization> fp8_;
+  const std::function<void(size_t, size_t)>& progress_;
+  size_t done_ = 0, total_;
+  std::set<std::string> taken_;
+};
+
+}  // namespace tandem::model

@@ -1,0 +1,273 @@
+// Qwen3-MoE: the published configs parse and what the engine does not run is refused by name;
+// the CPU forward pass against the independent PyTorch reference (tests/oracle/
+// qwen3_moe_reference.py, float32, written from the published architecture): logits at every
+// position for sequences fed whole, in chunks and token by token through the paged K/V cache in
+// one mixed batch, and greedy continuations, in float32 and bfloat16 checkpoints. Tolerances and
+// the routing near-tie rule are numerics_test's (see there).
+#include <algorithm>
+#include <fstream>
+#include <random>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "model/model_test_support.h"
+#include "model/qwen3_moe.h"
+#include "text/oracle_support.h"
+#include "text/tokenizer.h"
+#include "util/error.h"
+
+namespace tandem::model {
+namespace {
+
+using nlohmann::json;
+
+// Qwen/Qwen3-30B-A3B's config.json as published on the Hugging Face Hub (Qwen3-235B-A22B's has
+// the same fields: hidden 4096, intermediate 12288, moe_intermediate 1536, 64 heads, 94 layers).
+const char* kQwen3_30B_A3B = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+  "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+  "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+  "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+  "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+  "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+  "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+  "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})";
+
+TEST(Qwen3MoeConfig, ThePublishedConfigsParse) {
+  const auto c = Qwen3MoeConfig::parse(json::parse(kQwen3_30B_A3B), "30B-A3B");
+  EXPECT_EQ(c.hidden_size, 2048);
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_TRUE(c.is_moe_layer(0));
+  EXPECT_TRUE(c.is_moe_layer(47));
+  EXPECT_EQ(*c.eos_token_id, 151645);
+  json big = json::parse(kQwen3_30B_A3B);
+  for (auto [k, v] : std::vector<std::pair<const char*, int>>{{"hidden_size", 4096},
+                                                              {"intermediate_size", 12288},
+                                                              {"max_window_layers", 94},
+                                                              {"moe_intermediate_size", 1536},
+                                                              {"num_attention_heads", 64},
+                                                              {"num_hidden_layers", 94}})
+    big[k] = v;
+  EXPECT_EQ(Qwen3MoeConfig::parse(big, "235B-A22B").num_hidden_layers, 94);
+  // YaRN as Qwen documents it for long contexts, and the 2507 releases' longer contexts.
+  big["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+  big["max_position_embeddings"] = 262144;
+  const auto yarn = Qwen3MoeConfig::parse(big, "yarn");
+  ASSERT_TRUE(yarn.yarn);
+  EXPECT_DOUBLE_EQ(yarn.yarn->factor, 4.0);
+  EXPECT_NEAR(yarn.rope_mscale(), 0.1 * std::log(4.0) + 1.0, 1e-12);
+  EXPECT_EQ(Qwen3MoeConfig::parse(json::parse(c.to_json().dump()), "round trip"), c);
+}
+
+TEST(Qwen3MoeConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
+  auto error = [](const std::function<void(json&)>& change) {
+    json doc = json::parse(kQwen3_30B_A3B);
+    change(doc);
+    try {
+      Qwen3MoeConfig::parse(doc, "config.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(parsed)");
+  };
+  EXPECT_NE(error([](json& d) { d["use_sliding_window"] = true; }).find("'use_sliding_window'"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) { d["attention_bias"] = true; }).find("'attention_bias'"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) { d["hidden_act"] = "gelu"; }).find("'hidden_act'"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) { d["num_key_value_heads"] = 5; }).find("'num_key_value_heads'"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) { d["num_experts_per_tok"] = 129; }).find("'num_experts_per_tok'"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) { d["mlp_only_layers"] = {48}; }).find("'mlp_only_layers'"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) { d["qkv_bias"] = true; }).find("'qkv_bias' is not a known field"),
+            std::string::npos);
+  EXPECT_NE(error([](json& d) {
+              d["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", 2.0}};
+            }).find("rope_scaling"),
+            std::string::npos);
+  EXPECT_NE(
+      error([](json& d) { d["architectures"] = {"Qwen3ForCausalLM"}; }).find("'architectures'"),
+      std::string::npos);
+  EXPECT_NE(error([](json& d) {
+              d["quantization_config"] = {{"quant_method", "fp8"}};
+            }).find("'quantization_config'"),
+            std::string::npos);
+}
+
+struct Case {
+  std::string dtype;
+  double tol;
+  float min_margin;
+};
+
+class Qwen3Numerics : public ::testing::TestWithParam<Case> {
+ protected:
+  static std::filesystem::path make(const Case& c) {
+    auto dir = test::temp_path("qwen3-" + c.dtype).replace_extension();
+    const std::string cmd = std::string(TANDEM_BINARY) +
+                            " make-model --preset tiny-qwen3-moe --dtype " + c.dtype +
+                            " --seed 5 --out " + test::quote(dir) + " 2>&1";
+    EXPECT_EQ(test::run_command(cmd), 0) << cmd;
+    return dir;
+  }
+
+  static json reference(const std::filesystem::path& model, const json& request) {
+    auto req = test::temp_path("qwen3-request"), out = test::temp_path("qwen3-out");
+    std::ofstream(req) << request.dump();
+    const std::string cmd = "/usr/bin/python3 " +
+                            test::quote(test::oracle_dir() / "qwen3_moe_reference.py") + " " +
+                            test::quote(model) + " " + test::quote(req) + " " + test::quote(out);
+    EXPECT_EQ(test::run_command(cmd), 0) << "reference failed: " << cmd;
+    std::ifstream in(out);
+    json doc = json::parse(in);
+    std::filesystem::remove(req);
+    std::filesystem::remove(out);
+    return doc;
+  }
+};
+
+TEST_P(Qwen3Numerics, LogitsOfEveryFeedMatchThePyTorchReference) {
+  const Case c = GetParam();
+  const auto dir = make(c);
+  const auto model = Qwen3MoeModel::load(dir);
+  const int64_t vocab = model.config().vocab_size;
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int32_t> id(0, 151000);
+  std::vector<std::vector<int32_t>> seqs;
+  for (int len : {1, 5, 18, 37}) {
+    seqs.emplace_back(len);
+    for (auto& t : seqs.back()) t = id(rng);
+  }
+  const json ref =
+      reference(dir, {{"sequences", seqs}, {"all_logits", true}, {"greedy_tokens", 0}});
+  ASSERT_EQ(ref["sequences"].size(), seqs.size());
+  size_t compared = 0, positions = 0;
+  for (size_t chunk : {size_t(1000), size_t(6), size_t(1)}) {  // whole, chunks, token by token
+    const int64_t block = 4;
+    LatentCache cache(model.cache_shape(block), 64);
+    const auto tables = test::block_tables(seqs, block);
+    std::vector<std::vector<float>> rows(seqs.size()), margins(seqs.size());
+    std::vector<size_t> done(seqs.size(), 0);
+    for (;;) {
+      std::vector<SequenceStep> batch;
+      std::vector<size_t> who;
+      for (size_t s = 0; s < seqs.size(); ++s) {
+        if (done[s] == seqs[s].size()) continue;
+        const size_t n = std::min(chunk, seqs[s].size() - done[s]);
+        batch.push_back({std::span(seqs[s]).subspan(done[s], n), static_cast<int64_t>(done[s]),
+                         tables[s], LogitRows::kAll});
+        who.push_back(s);
+      }
+      if (batch.empty()) break;
+      const auto out = model.forward(batch, cache);
+      size_t before = 0;
+      for (size_t b = 0; b < batch.size(); ++b) {
+        const size_t s = who[b], n = batch[b].tokens.size();
+        const float* first = out.logits.data() + out.first_row[b] * vocab;
+        rows[s].insert(rows[s].end(), first, first + n * vocab);
+        margins[s].insert(margins[s].end(), out.routing_margin.begin() + before,
+                          out.routing_margin.begin() + before + n);
+        before += n;
+        done[s] += n;
+      }
+    }
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      const auto expected = ref["sequences"][s]["logits"].get<std::vector<std::vector<float>>>();
+      ASSERT_EQ(expected.size(), seqs[s].size());
+      size_t stable = 0;  // positions before the first routing near-tie
+      while (stable < seqs[s].size() && margins[s][stable] >= c.min_margin) ++stable;
+      const double dev = test::logit_deviation(expected, rows[s].data(), vocab, stable);
+      EXPECT_LE(dev, c.tol) << "sequence " << s << ", chunks of " << chunk;
+      compared += stable;
+      positions += seqs[s].size();
+      if (chunk == 1000)
+        std::printf(
+            "[ qwen3/%s ] %zu tokens: %zu positions compared, max relative deviation %.2e\n",
+            c.dtype.c_str(), seqs[s].size(), stable, dev);
+    }
+  }
+  EXPECT_GE(compared, positions * 6 / 10) << "too many routing near-ties to compare";
+  std::filesystem::remove_all(dir);
+}
+
+TEST_P(Qwen3Numerics, GreedyContinuationsMatchFullRecomputation) {
+  const Case c = GetParam();
+  const auto dir = make(c);
+  const auto model = Qwen3MoeModel::load(dir);
+  const auto tok = text::Tokenizer::from_dir(dir);
+  const std::vector<std::vector<int32_t>> prompts = {tok.encode("The quick brown fox", false),
+                                                     tok.encode("你好，世界！Hello", false)};
+  constexpr int kTokens = 24;
+  const json ref =
+      reference(dir, {{"sequences", prompts}, {"all_logits", false}, {"greedy_tokens", kTokens}});
+  const int64_t vocab = model.config().vocab_size, block = 8;
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    LatentCache cache(model.cache_shape(block), 16);
+    std::vector<int32_t> table(16);
+    std::iota(table.begin(), table.end(), 0);
+    std::vector<int32_t> tokens = prompts[s], generated;
+    int64_t start = 0;
+    while (static_cast<int>(generated.size()) < kTokens) {
+      const std::span<const int32_t> fresh = std::span(tokens).subspan(size_t(start));
+      const SequenceStep step{fresh, start, table, LogitRows::kLast};
+      const auto out = model.forward(std::span(&step, 1), cache);
+      start = static_cast<int64_t>(tokens.size());
+      const auto next = static_cast<int32_t>(
+          std::max_element(out.logits.data(), out.logits.data() + vocab) - out.logits.data());
+      generated.push_back(next);
+      tokens.push_back(next);
+    }
+    const auto expected = ref["sequences"][s]["greedy"].get<std::vector<int32_t>>();
+    const auto margins = ref["sequences"][s]["greedy_margins"].get<std::vector<double>>();
+    ASSERT_EQ(expected.size(), generated.size());
+    size_t same = 0;
+    while (same < expected.size() && generated[same] == expected[same]) ++same;
+    if (same < expected.size()) {
+      EXPECT_LE(margins[same], 2 * c.tol)
+          << "prompt " << s << ": token " << same << " is " << generated[same]
+          << ", the reference chose " << expected[same] << " with a clear margin " << margins[same];
+    }
+    std::printf("[ qwen3/%s ] prompt %zu: %zu of %zu greedy tokens equal\n", c.dtype.c_str(), s,
+                same, expected.size());
+  }
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Checkpoints, Qwen3Numerics,
+                         ::testing::Values(Case{"f32", 1e-4, 1e-5f}, Case{"bf16", 1e-2, 0.02f}),
+                         [](const auto& info) { return info.param.dtype; });
+
+TEST(Qwen3MoeModel, ACheckpointMissingATensorIsRefusedNamingIt) {
+  test::TempDir dir("qwen3-extra");
+  const std::string cmd = std::string(TANDEM_BINARY) +
+                          " make-model --preset tiny-qwen3-moe --dtype f32 --out " +
+                          test::quote(dir.path()) + " 2>&1";
+  ASSERT_EQ(test::run_command(cmd), 0);
+  // Removing a tensor from the index: the loader names what is missing.
+  json index = json::parse(test::read_bytes(dir / "model.safetensors.index.json"));
+  index["weight_map"].erase("model.layers.1.self_attn.k_norm.weight");
+  test::write_bytes(dir / "model.safetensors.index.json", index.dump());
+  try {
+    Qwen3MoeModel::load(dir.path());
+    ADD_FAILURE() << "loaded without k_norm";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.1.self_attn.k_norm.weight"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tandem::model
