@@ -18,6 +18,7 @@
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
 #include "engine/tiny_model_fixture.h"
+#include "model/model_test_support.h"
 #include "text/oracle_support.h"
 
 namespace tandem::engine {
@@ -49,6 +50,15 @@ std::string text_of(const json& answer) {
   const json& c = answer["choices"][0];
   return c.contains("text") ? c["text"].get<std::string>()
                             : c["message"]["content"].get<std::string>();
+}
+
+// The message of an OpenAI error answer.
+std::string error_message(const net::HttpClientResponse& r) {
+  try {
+    return json::parse(r.body)["error"]["message"].get<std::string>();
+  } catch (const std::exception&) {
+    return "not an OpenAI error: " + r.body;
+  }
 }
 
 // An engine process plus the port of its KV transfer server (0 without one).
@@ -216,6 +226,60 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
   expect_no_leak(d);
 }
 
+// A second family with another cache: Qwen3-MoE's grouped-query K/V moves between engines in
+// both dialects and answers as one engine does; the layout in the transfer header keeps it from
+// landing in a DeepSeek engine's latent cache.
+TEST_F(Disaggregation, Qwen3MoeEnginesMoveTheirKvCacheAndAnswerAsOneEngine) {
+  test::TempDir qwen3("pd-qwen3");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype f32 --out " +
+                              test::quote(qwen3.path()) + " >/dev/null 2>&1"),
+            0);
+  const std::string q = qwen3.path().string();
+  Engine single = start("both", {}, q);
+  Engine p = start("prefill", {}, q);
+  Engine d = start("decode", {}, q);
+  uint64_t room = 7000;
+  int base = 900;
+  for (int n : {1, 15, 16, 17, 60}) {
+    for (bool seq : {true, false}) {
+      const json body = {{"prompt", tokens(n, base += 37)},
+                         {"max_tokens", 10},
+                         {"temperature", 0},
+                         {"ignore_eos", true}};
+      const json want = parse(post_json(single.port(), "/v1/completions", body));
+      const json got = seq ? sequential(p, d, body) : parallel(p, d, body, ++room);
+      EXPECT_EQ(text_of(got), text_of(want)) << (seq ? "sequential" : "parallel") << " n=" << n;
+    }
+  }
+  // Chat through Qwen3's own template, and a structured output on the decode leg.
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me about the sea."}}}},
+                     {"max_tokens", 10},
+                     {"temperature", 0},
+                     {"guided_choice", {"calm", "rough", "grey"}}};
+  const std::string want_chat =
+      text_of(parse(post_json(single.port(), "/v1/chat/completions", chat)));
+  EXPECT_TRUE(want_chat == "calm" || want_chat == "rough" || want_chat == "grey") << want_chat;
+  EXPECT_EQ(text_of(sequential(p, d, chat, "/v1/chat/completions")), want_chat);
+  EXPECT_EQ(text_of(parallel(p, d, chat, ++room, "/v1/chat/completions")), want_chat);
+  EXPECT_EQ(metric(d.port(), "tandem:kv_transfers_total", "result=\"error\""), 0);
+  EXPECT_GT(received(d), 0);
+  expect_no_leak(p);
+  expect_no_leak(d);
+
+  // A DeepSeek decode engine refuses a Qwen3 prefill's KV, naming the layout.
+  Engine deepseek = start("decode");
+  json pre = {{"prompt", tokens(40, 77)}, {"max_tokens", 1}};
+  pre["kv_transfer_params"] = {{"do_remote_decode", true}};
+  json dec = {{"prompt", tokens(40, 77)}, {"max_tokens", 4}};
+  dec["kv_transfer_params"] =
+      parse(post_json(p.port(), "/v1/completions", pre))["kv_transfer_params"];
+  const auto r = post_json(deepseek.port(), "/v1/completions", dec);
+  EXPECT_EQ(r.status, 502) << r.body;
+  EXPECT_NE(error_message(r).find("mismatch"), std::string::npos) << r.body;
+  expect_no_leak(deepseek);
+}
+
 TEST_F(Disaggregation, ExpertParallelEnginesOnBothLegsGiveTheSameAnswers) {
   // KV leaves a prefill engine's shared-memory cache layer by layer while its ranks compute, and
   // lands in a decode engine's; both dialects.
@@ -350,14 +414,6 @@ TEST_F(Disaggregation, ManyRequestsInFlightInBothDialects) {
 }
 
 // ------------------------------------------------------------------------------ failures
-
-std::string error_message(const net::HttpClientResponse& r) {
-  try {
-    return json::parse(r.body)["error"]["message"].get<std::string>();
-  } catch (const std::exception&) {
-    return "not an OpenAI error: " + r.body;
-  }
-}
 
 TEST_F(Disaggregation, UnpulledKvIsFreedAfterTheTimeoutAndCannotBePulledLater) {
   Engine p = start("prefill", {"--kv-transfer-timeout", "1"});

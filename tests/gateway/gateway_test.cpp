@@ -16,6 +16,7 @@
 #include "engine/engine_process.h"
 #include "engine/generate.h"
 #include "engine/tiny_model_fixture.h"
+#include "model/model_test_support.h"
 #include "engine/transfer/kv_transport.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
@@ -243,6 +244,61 @@ TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
           net::http_request("127.0.0.1", port, "GET", "/health", {}, {}, std::chrono::seconds(2)),
           Error)
           << "engine on port " << port << " still running";
+  }
+}
+
+// A Qwen3-MoE checkpoint behind `tandem serve` in both P/D modes: the gateway tokenizes chats with
+// Qwen3's tokenizer and template (tokens-in), and the answers equal one engine's; a forced tool
+// call (passed through to the engines) comes back parsed.
+TEST_F(GatewayStack, ServeRunsQwen3MoeInBothPdModesAsOneEngineAnswers) {
+  test::TempDir qwen3("serve-qwen3");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype f32 --out " +
+                              test::quote(qwen3.path()) + " >/dev/null 2>&1"),
+            0);
+  EngineProcess single({TANDEM_BINARY, "engine", "--model", qwen3.path().string(),
+                        "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "0",
+                        "--num-kv-blocks", "256"});
+  const json chat = {{"model", "tiny"},
+                     {"messages", {{{"role", "user"}, {"content", "Name a colour of the sea."}}}},
+                     {"max_tokens", 12},
+                     {"temperature", 0}};
+  const json tool = {
+      {"model", "tiny"},
+      {"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}},
+      {"max_tokens", 80},
+      {"temperature", 0},
+      {"tools",
+       {{{"type", "function"},
+         {"function",
+          {{"name", "get_weather"},
+           {"parameters",
+            {{"type", "object"},
+             {"properties", {{"city", {{"type", "string"}, {"maxLength", 8}}}}},
+             {"required", {"city"}}}}}}}}},
+      {"tool_choice", {{"type", "function"}, {"function", {{"name", "get_weather"}}}}}};
+  auto answer = [](uint16_t port, const json& body) {
+    const auto r = post_json(port, "/v1/chat/completions", body);
+    EXPECT_EQ(r.status, 200) << r.body;
+    return r.status == 200 ? json::parse(r.body)["choices"][0] : json();
+  };
+  const json want_chat = answer(single.port(), chat);
+  const json want_tool = answer(single.port(), tool);
+  ASSERT_EQ(want_tool["message"]["tool_calls"].size(), 1u) << want_tool.dump();
+  for (const std::string mode : {"sequential", "parallel"}) {
+    SCOPED_TRACE(mode);
+    EngineProcess serve({TANDEM_BINARY, "serve", "--model", qwen3.path().string(), "--host",
+                         "127.0.0.1", "--port", "0", "--mode", mode,
+                         "--engine-arg=--num-kv-blocks", "--engine-arg=256",
+                         "--engine-arg=--served-model-name", "--engine-arg=tiny"});
+    for (int i = 0; i < 2; ++i) serve.next_line();  // the engines' lines
+    EXPECT_EQ(answer(serve.port(), chat)["message"]["content"], want_chat["message"]["content"]);
+    const json got = answer(serve.port(), tool);
+    ASSERT_EQ(got["message"]["tool_calls"].size(), 1u) << got.dump();
+    EXPECT_EQ(got["message"]["tool_calls"][0]["function"],
+              want_tool["message"]["tool_calls"][0]["function"]);
+    EXPECT_EQ(got["finish_reason"], "stop");
+    EXPECT_EQ(serve.stop(), 0);
   }
 }
 
