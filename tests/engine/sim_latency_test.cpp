@@ -94,6 +94,23 @@ TEST(SimLatency, DeepSeekH20ReproducesItsSources) {
   EXPECT_LT(tput, 1300);
 }
 
+// An estimate from H100's published peaks and Qwen3-30B-A3B's published sizes (see the preset):
+// it must reproduce the anchors it was derived from.
+TEST(SimLatency, Qwen3H100ReproducesItsRooflineAnchors) {
+  const auto m = SimLatencyModel::preset("qwen3-30b-a3b-h100");
+  const double bandwidth = 3.35e12, compute = 0.6 * 989e12;
+  // Batch 1 reads the 3.3B active BF16 parameters; batch 64 nearly every weight plus compute.
+  expect_within(m.step_seconds(decode_batch(1, 1, 0)), 3.3e9 * 2 / bandwidth, 0.01, "batch 1");
+  expect_within(m.step_seconds(decode_batch(64, 1, 0)),
+                (1 - std::pow(120.0 / 128, 64)) * 61e9 / bandwidth + 64 * 6.6e9 / compute, 0.02,
+                "batch 64");
+  // Attention per cached token: its K and V over all layers at full bandwidth.
+  expect_within(m.params().decode_pair_s, 48.0 * 2 * 4 * 128 * 2 / bandwidth, 0.01, "pair");
+  expect_within(m.params().prefill_token_s, 6.6e9 / compute, 0.01, "prefill token");
+  expect_within(m.params().prefill_pair_s, 48.0 * 32 * 2 * 2 * 128 / compute, 0.01,
+                "prefill pair");
+}
+
 TEST(SimLatency, TinyIsFastButNotFree) {
   const auto m = SimLatencyModel::preset("tiny");
   const double prefill = m.step_seconds(prefill_batch(1, 100));
@@ -400,7 +417,7 @@ void expect_error(const std::function<void()>& fn, const std::string& fragment) 
 TEST(SimLatency, ErrorsNameTheFieldOrPreset) {
   expect_error([] { SimLatencyModel::preset("deepseek-v3-a100"); },
                "unknown latency model preset \"deepseek-v3-a100\" (expected one of: "
-               "deepseek-v3-h800, deepseek-v3-h20, tiny)");
+               "deepseek-v3-h800, deepseek-v3-h20, qwen3-30b-a3b-h100, tiny)");
 
   const std::string good =
       R"({"step_s": 1, "prefill_token_s": 0, "prefill_pair_s": 0, "decode_token_s": 0,

@@ -24,6 +24,9 @@ struct Capacity {
 
 Capacity capacity_of(const std::string& name) {
   if (name == "tiny") return {2048, 4096, 2, 48 * 4, 1, 8, 2};
+  // Qwen3-30B-A3B on an 80 GB H100: ~15 GB left for K/V after 61 GB of BF16 weights, at
+  // 48 layers x 16 tokens x 2,048 B (K|V of 4 heads of 128) per block.
+  if (name == "qwen3-30b-a3b-h100") return {9500, 40960, 48, 2 * 4 * 128 * 2, 0, 128, 8};
   return {32768, 163840, 61, 576 * 2, 3, 256, 8};
 }
 

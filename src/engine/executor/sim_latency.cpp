@@ -118,6 +118,32 @@ constexpr SimLatencyParams kDeepSeekV3H20 = {
     .decode_pair_s = 78.4e-9,
 };
 
+// qwen3-30b-a3b-h100: Qwen3-30B-A3B in BF16 on one H100 SXM (tensor parallel 1). An ESTIMATE
+// from published peak figures and the published architecture, not a measurement: H100 SXM's
+// 989 TFLOPS dense BF16 and 3.35 TB/s HBM3 (NVIDIA's datasheet); 48 layers, hidden 2048, 32
+// query heads and 4 KV heads of 128, 128 experts of 768 (8 per token); 3.3B active and 30.5B
+// total parameters (Qwen3 technical report), i.e. 6.6 GB read per token at batch 1 and 61 GB
+// once every expert is touched.
+//
+// decode_pair_s = 29.3 ns: a cached token's K and V over all layers, 48 x 2 x 4 x 128 x 2 B =
+//   98,304 B, read at 3.35 TB/s (GQA attention is memory-bound: 786 kFLOP per pair is 0.8 ns).
+// step_s and decode_token_s: the weights a decode step reads, through two anchors at 100% of
+//   the bandwidth: batch 1 reads the 3.3B active parameters (1.97 ms); batch 64 touches ~98% of
+//   each layer's experts (1 - (120/128)^64), ~60 GB (17.9 ms) plus 64 x 6.6 GFLOP at 60% of
+//   peak (0.71 ms). The line through (1, 1.97 ms) and (64, 18.6 ms): 1.71 ms fixed, 0.264 ms
+//   per token. (Expert coverage saturates, so the line overstates steps past 64 sequences.)
+// prefill_token_s = 11.1 us: 6.6 GFLOP per token at 60% of peak (593 TFLOPS).
+// prefill_pair_s = 1.33 ns: 48 x 32 heads x 2 x 2 x 128 = 786 kFLOP per causal pair at 593
+//   TFLOPS.
+constexpr SimLatencyParams kQwen3A3BH100 = {
+    .step_s = 1.71e-3,
+    .prefill_token_s = 11.1e-6,
+    .prefill_pair_s = 1.33e-9,
+    .decode_token_s = 264e-6,
+    .decode_seq_s = 0,
+    .decode_pair_s = 29.3e-9,
+};
+
 // tiny: for tests of the simulated executor. Not derived from hardware; small enough that tests
 // run fast (a 100-token prefill takes about 4 ms, a decode step of 4 short sequences about
 // 2.5 ms) and non-zero everywhere so that every kind of work costs something.
@@ -134,9 +160,10 @@ struct Preset {
   const char* name;
   SimLatencyParams params;
 };
-constexpr std::array<Preset, 3> kPresets = {{
+constexpr std::array<Preset, 4> kPresets = {{
     {"deepseek-v3-h800", kDeepSeekV3H800},
     {"deepseek-v3-h20", kDeepSeekV3H20},
+    {"qwen3-30b-a3b-h100", kQwen3A3BH100},
     {"tiny", kTiny},
 }};
 
