@@ -19,6 +19,7 @@
 #include "kernels/cpu/mla_attention.h"
 #include "machine_peaks.h"
 #include "model/deepseek.h"
+#include "model/qwen3_moe.h"
 #include "util/error.h"
 
 namespace {
@@ -389,6 +390,71 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
 
 }  // namespace
 
+// Qwen3-MoE: prefill of one prompt (best of `prefill_runs`) and batch-1 decode after it, with
+// the bytes a decode token reads (attention, the experts it routes to, the LM head) against the
+// measured read bandwidth.
+void run_qwen3(const std::string& dir, int64_t prompt_len, int64_t decode_steps, int prefill_runs) {
+  const double rss_before = resident_bytes();
+  const auto model = tandem::model::Qwen3MoeModel::load(dir);
+  const auto& c = model.config();
+  const int64_t block = 16;
+  const auto shape = model.cache_shape(block);
+  std::printf("\n== %s (Qwen3-MoE %s, %ld layers, hidden %ld, %ld experts top-%ld)\n", dir.c_str(),
+              c.torch_dtype.c_str(), static_cast<long>(c.num_hidden_layers),
+              static_cast<long>(c.hidden_size), static_cast<long>(c.num_experts),
+              static_cast<long>(c.num_experts_per_tok));
+  const auto prompt = random_tokens(prompt_len, 1);
+  const int64_t blocks = (prompt_len + decode_steps + kWarmupSteps + block) / block + 1;
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::vector<double> times;
+  for (int rep = 0; rep < prefill_runs; ++rep) {
+    LatentCache cache(shape, blocks);
+    SequenceStep step{prompt, 0, table};
+    const double t0 = now();
+    model.forward(std::span(&step, 1), cache);
+    times.push_back(now() - t0);
+  }
+  std::sort(times.begin(), times.end());
+  std::printf("resident after a prefill: %.2f GB\n", (resident_bytes() - rss_before) / 1e9);
+  std::printf("prefill %ld tokens:   %8.1f tokens/s (best of %d; median %.1f)\n",
+              static_cast<long>(prompt_len), prompt_len / times.front(), prefill_runs,
+              prompt_len / times[times.size() / 2]);
+  const double dram = tandem::bench::measure_dram_gbs();
+  LatentCache cache(shape, blocks);
+  SequenceStep step{prompt, 0, table};
+  auto out = model.forward(std::span(&step, 1), cache);
+  int32_t tok = argmax(out.logits.data(), c.vocab_size);
+  int64_t pos = prompt_len;
+  for (int64_t i = 0; i < kWarmupSteps; ++i, ++pos) {
+    SequenceStep d{std::span(&tok, 1), pos, table};
+    out = model.forward(std::span(&d, 1), cache);
+    tok = argmax(out.logits.data(), c.vocab_size);
+  }
+  const double t0 = now();
+  for (int64_t i = 0; i < decode_steps; ++i) {
+    SequenceStep d{std::span(&tok, 1), pos + i, table};
+    out = model.forward(std::span(&d, 1), cache);
+    tok = argmax(out.logits.data(), c.vocab_size);
+  }
+  const double secs = now() - t0;
+  // Weights a token reads: attention and norms of every layer, its experts, the LM head.
+  const double element = c.torch_dtype == "float32" ? 4 : 2;
+  const double h = double(c.hidden_size), hd = double(c.head_dim);
+  const double attention = h * hd * (2.0 * c.num_attention_heads + 2.0 * c.num_key_value_heads);
+  const double expert = 3.0 * h * double(c.moe_intermediate_size);
+  const double per_token =
+      element *
+          (double(c.num_hidden_layers) * (attention + double(c.num_experts_per_tok) * expert) +
+           double(c.vocab_size) * h) +
+      4.0 * double(c.num_hidden_layers) * double(c.num_experts) * h;  // float32 routers
+  const double gbs = per_token * decode_steps / secs / 1e9;
+  std::printf(
+      "decode batch 1:       %8.1f tokens/s  %7.1f GB/s     %5.1f%% of DRAM read bandwidth (%.1f "
+      "GB/s)\n",
+      decode_steps / secs, gbs, 100 * gbs / dram, dram);
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"CPU engine throughput: prefill and decode vs the machine's measured peaks"};
   std::vector<std::string> models;
@@ -421,8 +487,12 @@ int main(int argc, char** argv) {
         "thread), %.1f GB/s (%d threads)\n",
         peaks.threads, peaks.fp32_gflops, peaks.bf16_gflops, peaks.dram_gbs_1, peaks.dram_gbs_all,
         peaks.threads);
-    for (const auto& m : models)
-      run(m, peaks, prompt, decode, prefill_runs, prefill_only, contexts, load);
+    for (const auto& m : models) {
+      if (tandem::model::architecture_of(m) == tandem::model::kQwen3MoeArchitecture)
+        run_qwen3(m, prompt, decode, prefill_runs);
+      else
+        run(m, peaks, prompt, decode, prefill_runs, prefill_only, contexts, load);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

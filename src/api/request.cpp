@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <set>
 
 #include "api/body_fields.h"
 #include "util/error.h"
@@ -351,6 +352,7 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
 // OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}].
 void check_tools(const json& tools) {
   if (!tools.is_array()) fail("tools", "'tools' must be a list");
+  std::set<std::string> names;
   for (const auto& t : tools) {
     if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
         !t["function"].is_object())
@@ -365,6 +367,8 @@ void check_tools(const json& tools) {
                       return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
                     });
     if (!name_ok) fail("tools", "a function's 'name' must be 1 to 64 letters, digits, '_' or '-'");
+    if (!names.insert(name->get<std::string>()).second)
+      fail("tools", "'tools' names the function \"" + name->get<std::string>() + "\" twice");
     if (const json* p = field(f, "parameters"); p && !p->is_object())
       fail("tools", "a function's 'parameters' must be a JSON Schema object");
   }

@@ -252,8 +252,8 @@ TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
         json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}},
         json{{"tools", {{{"type", "function"}, {"function", {{"name", "a b"}}}}}}},
         json{{"tools", {{{"type", "function"}, {"function", {{"name", std::string(65, 'a')}}}}}}},
-        json{{"tools",
-              {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", 3}}}}}}}}) {
+        json{{"tools", {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", 3}}}}}}},
+        json{{"tools", {tool, tool}}}}) {
     SCOPED_TRACE(bad.dump());
     json b = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
     b.update(bad);

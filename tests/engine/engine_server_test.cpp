@@ -19,6 +19,7 @@
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
 #include "engine/tiny_model_fixture.h"
+#include "model/model_test_support.h"
 #include "net/http_client.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
@@ -51,6 +52,35 @@ bool schema_valid(const json& schema, const json& text) {
   const json& result = verdict["schema"][0][0];
   if (!result.is_null()) ADD_FAILURE() << "invalid: " << result;
   return result.is_null();
+}
+
+// What the official client got from the structured-output and tool cases of
+// openai_client_check.js, whatever the model family: schema-valid JSON (python3-jsonschema
+// judges), a guided choice, a call forced by name and a "required" one streamed, parsed.
+void expect_structured_answers(const json& r) {
+  ASSERT_TRUE(r.contains("json_schema"));
+  EXPECT_EQ(r["json_schema"]["finish"], "stop") << r["json_schema"].dump();
+  EXPECT_TRUE(schema_valid(r["json_schema"]["schema"], r["json_schema"]["content"]))
+      << r["json_schema"].dump();
+  EXPECT_TRUE(r["guided_choice"]["content"] == "sunny" || r["guided_choice"]["content"] == "rainy")
+      << r["guided_choice"].dump();
+  // A call forced by name: parsed, its arguments follow the parameters, and it ends as "stop".
+  const json& named = r["tool_named"];
+  EXPECT_EQ(named["finish"], "stop") << named.dump();
+  EXPECT_TRUE(named["content"].is_null()) << named.dump();
+  ASSERT_EQ(named["calls"].size(), 1u) << named.dump();
+  EXPECT_EQ(named["calls"][0]["name"], "get_weather");
+  EXPECT_EQ(named["calls"][0]["type"], "function");
+  EXPECT_TRUE(schema_valid({{"type", "object"},
+                            {"properties", {{"city", {{"type", "string"}, {"maxLength", 12}}}}},
+                            {"required", {"city"}}},
+                           named["calls"][0]["arguments"].dump()))
+      << named.dump();
+  const json& required = r["tool_required_stream"];
+  EXPECT_EQ(required["finish"], "tool_calls") << required.dump();
+  ASSERT_EQ(required["calls"].size(), 1u) << required.dump();  // parallel_tool_calls false
+  EXPECT_EQ(required["calls"][0]["name"], "get_weather");
+  EXPECT_TRUE(required["calls"][0]["arguments"]["city"].is_string()) << required.dump();
 }
 
 // float32 weights: batched and single-sequence runs then agree far below greedy near-ties.
@@ -128,11 +158,6 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["tools_auto"]["finish"], "length");
   EXPECT_EQ(r["tools_auto"]["calls"], 0);
   EXPECT_TRUE(r["tools_auto"]["content"].is_string());
-  // Structured outputs: the answers parse and validate (python3-jsonschema judges the schema one).
-  ASSERT_TRUE(r.contains("json_schema"));
-  EXPECT_EQ(r["json_schema"]["finish"], "stop") << r["json_schema"].dump();
-  EXPECT_TRUE(schema_valid(r["json_schema"]["schema"], r["json_schema"]["content"]))
-      << r["json_schema"].dump();
   // Any JSON object: a random model writes strings without end, so logit_bias makes closing
   // quotes and braces likely (the grammar still decides where they may go), and the answers
   // must parse whatever the seed.
@@ -151,25 +176,7 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
     EXPECT_EQ(answer["finish_reason"], "stop") << answer.dump();
     EXPECT_TRUE(schema_valid({{"type", "object"}}, answer["text"])) << answer.dump();
   }
-  EXPECT_TRUE(r["guided_choice"]["content"] == "sunny" || r["guided_choice"]["content"] == "rainy")
-      << r["guided_choice"].dump();
-  // A call forced by name: parsed, its arguments follow the parameters, and it ends as "stop".
-  const json& named = r["tool_named"];
-  EXPECT_EQ(named["finish"], "stop") << named.dump();
-  EXPECT_TRUE(named["content"].is_null()) << named.dump();
-  ASSERT_EQ(named["calls"].size(), 1u) << named.dump();
-  EXPECT_EQ(named["calls"][0]["name"], "get_weather");
-  EXPECT_EQ(named["calls"][0]["type"], "function");
-  EXPECT_TRUE(schema_valid({{"type", "object"},
-                            {"properties", {{"city", {{"type", "string"}, {"maxLength", 12}}}}},
-                            {"required", {"city"}}},
-                           named["calls"][0]["arguments"].dump()))
-      << named.dump();
-  const json& required = r["tool_required_stream"];
-  EXPECT_EQ(required["finish"], "tool_calls") << required.dump();
-  ASSERT_EQ(required["calls"].size(), 1u) << required.dump();  // parallel_tool_calls false
-  EXPECT_EQ(required["calls"][0]["name"], "get_weather");
-  EXPECT_TRUE(required["calls"][0]["arguments"]["city"].is_string()) << required.dump();
+  expect_structured_answers(r);
   EXPECT_EQ(r["functions"]["status"], 400);
   EXPECT_EQ(r["functions"]["param"], "functions");
 
@@ -240,6 +247,28 @@ TEST_F(EngineServer, TinyKvBudgetPreemptsAndStillAnswersEveryRequestCorrectly) {
   auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", huge.dump());
   EXPECT_EQ(resp.status, 400);
   EXPECT_NE(resp.body.find("KV cache"), std::string::npos) << resp.body;
+}
+
+// The second family through the official client: a Qwen3-MoE engine (hermes tool-call markup,
+// Qwen3's template and tokenizer) returns parsed tool_calls and schema-valid JSON too.
+TEST(EngineServerQwen3, OfficialClientGetsToolCallsAndSchemaValidJson) {
+  test::TempDir dir("engine-qwen3");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype f32 --out " +
+                              test::quote(dir.path()) + " >/dev/null 2>&1"),
+            0);
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", dir.path().string(),
+                                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port",
+                                 "0"});
+  const auto tok = text::Tokenizer::from_dir(dir.path());
+  const std::string prompt = "The quick brown fox";
+  const json r = testing::run_openai_client(engine.port(), prompt, tok.encode(prompt, false));
+  ASSERT_TRUE(r.contains("completion")) << r.dump();
+  EXPECT_EQ(r["models"], json::array({"tiny"}));
+  EXPECT_EQ(r["completion"]["text"], r["completion_stream"]["text"]);
+  EXPECT_EQ(r["chat"]["content"], r["chat_stream"]["content"]);
+  expect_structured_answers(r);
+  EXPECT_EQ(engine.stop(), 0);
 }
 
 TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {

@@ -67,7 +67,7 @@ async function main() {
   out.logit_bias = { token: forced, text: lb.choices[0].text };
 
   // Tools with tool_choice "auto": the answer is read for calls (a random model writes text).
-  const weather = { type: 'function', function: { name: 'get_weather', description: 'Weather of a city',
+  const weather = { type: 'function', function: { name: 'get_forecast', description: 'Forecast for a city',
     parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } };
   const ta = await client.chat.completions.create({ model, messages, max_tokens: 4, temperature: 0,
                                                     tools: [weather] });
