@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "kernels/cpu/ops.h"
+#include "model/moe_experts.h"
 #include "util/error.h"
 
 namespace tandem::model {
@@ -84,8 +85,11 @@ void Qwen3MoeModel::attention(const Qwen3LayerWeights& w, int64_t layer,
   const int64_t n = static_cast<int64_t>(positions.size());
   const int64_t hd = c.head_dim, heads = c.num_attention_heads, kv = c.num_key_value_heads;
   const int64_t group = heads / kv, bs = cache.shape().block_size;
-  std::vector<float> q(size_t(n * heads * hd)), kvv(size_t(n * 2 * kv * hd));
-  std::vector<float> k(size_t(n * kv * hd)), v(size_t(n * kv * hd));
+  // Reused per thread: fresh buffers would cost page faults on every layer.
+  thread_local std::vector<float> q, k, v, keys, values;
+  q.resize(size_t(n * heads * hd));
+  k.resize(size_t(n * kv * hd));
+  v.resize(size_t(n * kv * hd));
   kernels::matmul(w.q, x, n, q.data());
   kernels::matmul(w.k, x, n, k.data());
   kernels::matmul(w.v, x, n, v.data());
@@ -107,7 +111,6 @@ void Qwen3MoeModel::attention(const Qwen3LayerWeights& w, int64_t layer,
       cache.store(s.blocks[size_t(pos / bs)], layer, pos % bs, entry.data());
     }
   const float scale = static_cast<float>(c.softmax_scale());
-  std::vector<float> keys, values, scores;
   row = 0;
   for (const SequenceStep& s : batch) {
     const int64_t len = s.start + static_cast<int64_t>(s.tokens.size());
@@ -119,41 +122,41 @@ void Qwen3MoeModel::attention(const Qwen3LayerWeights& w, int64_t layer,
       cache.load(block, layer, p % bs, 0, kv * hd, keys.data() + p * kv * hd);
       cache.load(block, layer, p % bs, kv * hd, kv * hd, values.data() + p * kv * hd);
     }
-    for (size_t i = 0; i < s.tokens.size(); ++i, ++row) {
-      const int64_t visible = s.start + static_cast<int64_t>(i) + 1;  // causal
+    // Every (token, query head) of the sequence on its own: causal, over the group's K and V.
+    const auto count = static_cast<int64_t>(s.tokens.size());
+    // (Pointers, not the thread-local vectors: other threads have their own.)
+    const float* qp = q.data();
+    const float* kp = keys.data();
+    const float* vp = values.data();
+#pragma omp parallel for schedule(dynamic, 4) if (count * heads * len > (1 << 16))
+    for (int64_t job = 0; job < count * heads; ++job) {
+      const int64_t i = job / heads, hq = job % heads, g = hq / group;
+      const int64_t visible = s.start + i + 1;  // causal
+      thread_local std::vector<float> scores;
       scores.resize(size_t(visible));
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const int64_t g = hq / group;
-        const float* qh = q.data() + (row * heads + hq) * hd;
-        for (int64_t p = 0; p < visible; ++p)
-          scores[size_t(p)] = kernels::dot(qh, keys.data() + (p * kv + g) * hd, hd) * scale;
-        kernels::softmax(scores.data(), visible);
-        float* o = out + (row * heads + hq) * hd;
-        std::fill(o, o + hd, 0.0f);
-        for (int64_t p = 0; p < visible; ++p)
-          kernels::axpy(scores[size_t(p)], values.data() + (p * kv + g) * hd, o, hd);
-      }
+      const float* qh = qp + ((row + i) * heads + hq) * hd;
+      for (int64_t p = 0; p < visible; ++p)
+        scores[size_t(p)] = kernels::dot(qh, kp + (p * kv + g) * hd, hd) * scale;
+      kernels::softmax(scores.data(), visible);
+      float* o = out + ((row + i) * heads + hq) * hd;
+      std::fill(o, o + hd, 0.0f);
+      for (int64_t p = 0; p < visible; ++p)
+        kernels::axpy(scores[size_t(p)], vp + (p * kv + g) * hd, o, hd);
     }
+    row += count;
   }
 }
 
 void Qwen3MoeModel::feed_forward(const Qwen3LayerWeights& w, int64_t layer, const float* x,
                                  int64_t n, float* out, float* margins) const {
   const Qwen3MoeConfig& c = config_;
-  const int64_t h = c.hidden_size;
-  auto swiglu = [&](const MlpWeights& m, int64_t inter, const float* in, int64_t rows, float* y) {
-    std::vector<float> gate(size_t(rows * inter)), up(size_t(rows * inter));
-    kernels::matmul(m.gate, in, rows, gate.data());
-    kernels::matmul(m.up, in, rows, up.data());
-    kernels::silu_mul(gate.data(), up.data(), rows * inter, gate.data());
-    kernels::matmul(m.down, gate.data(), rows, y);
-  };
   if (!w.is_moe) {
-    swiglu(w.dense, c.intermediate_size, x, n, out);
+    swiglu(w.dense, x, nullptr, n, out);
     return;
   }
   const int64_t experts = c.num_experts, top = c.num_experts_per_tok;
-  std::vector<float> logits(size_t(n * experts));
+  thread_local std::vector<float> logits;
+  logits.resize(size_t(n * experts));
   kernels::matmul_f32_activations(w.router, x, n, logits.data());
   // Per expert, the rows routed to it and their weights.
   std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(experts));
@@ -177,19 +180,7 @@ void Qwen3MoeModel::feed_forward(const Qwen3LayerWeights& w, int64_t layer, cons
       ++expert_counts_[size_t(layer)][size_t(e)];
     }
   }
-  std::fill(out, out + n * h, 0.0f);
-  std::vector<float> rows, y;
-  for (int64_t e = 0; e < experts; ++e) {
-    const auto& r = routed[size_t(e)];
-    if (r.empty()) continue;
-    const auto m = static_cast<int64_t>(r.size());
-    rows.resize(size_t(m * h));
-    y.resize(size_t(m * h));
-    for (int64_t i = 0; i < m; ++i) std::copy_n(x + r[size_t(i)].first * h, h, rows.data() + i * h);
-    swiglu(w.experts[size_t(e)], c.moe_intermediate_size, rows.data(), m, y.data());
-    for (int64_t i = 0; i < m; ++i)
-      kernels::axpy(r[size_t(i)].second, y.data() + i * h, out + r[size_t(i)].first * h, h);
-  }
+  routed_experts(w.experts, routed, x, n, c.hidden_size, nullptr, out);
 }
 
 StepOutput Qwen3MoeModel::forward(std::span<const SequenceStep> batch, LatentCache& cache) const {
@@ -212,8 +203,11 @@ StepOutput Qwen3MoeModel::forward(std::span<const SequenceStep> batch, LatentCac
     }
   }
   const auto n = static_cast<int64_t>(ids.size());
-  std::vector<float> x(size_t(n * h)), normed(size_t(n * h)), delta(size_t(n * h));
-  std::vector<float> attn(size_t(n * c.num_attention_heads * c.head_dim));
+  thread_local std::vector<float> x, normed, delta, attn;
+  x.resize(size_t(n * h));
+  normed.resize(size_t(n * h));
+  delta.resize(size_t(n * h));
+  attn.resize(size_t(n * c.num_attention_heads * c.head_dim));
   for (int64_t t = 0; t < n; ++t) kernels::matrix_row(embed, ids[size_t(t)], x.data() + t * h);
   StepOutput out;
   out.routing_margin.assign(size_t(n), std::numeric_limits<float>::infinity());
