@@ -110,16 +110,23 @@ struct Case {
   std::string dtype;
   double tol;
   float min_margin;
+  bool yarn = false;  // rope_scaling YaRN, with a short original context so the ramp matters
 };
 
 class Qwen3Numerics : public ::testing::TestWithParam<Case> {
  protected:
   static std::filesystem::path make(const Case& c) {
-    auto dir = test::temp_path("qwen3-" + c.dtype).replace_extension();
+    auto dir = test::temp_path("qwen3-" + c.dtype + (c.yarn ? "-yarn" : "")).replace_extension();
     const std::string cmd = std::string(TANDEM_BINARY) +
                             " make-model --preset tiny-qwen3-moe --dtype " + c.dtype +
                             " --seed 5 --out " + test::quote(dir) + " 2>&1";
     EXPECT_EQ(test::run_command(cmd), 0) << cmd;
+    if (c.yarn) {
+      json config = json::parse(test::read_bytes(dir / "config.json"));
+      config["rope_scaling"] = {
+          {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 16}};
+      test::write_bytes(dir / "config.json", config.dump(2));
+    }
     return dir;
   }
 
@@ -246,8 +253,11 @@ TEST_P(Qwen3Numerics, GreedyContinuationsMatchFullRecomputation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Checkpoints, Qwen3Numerics,
-                         ::testing::Values(Case{"f32", 1e-4, 1e-5f}, Case{"bf16", 1e-2, 0.02f}),
-                         [](const auto& info) { return info.param.dtype; });
+                         ::testing::Values(Case{"f32", 1e-4, 1e-5f}, Case{"bf16", 1e-2, 0.02f},
+                                           Case{"f32", 1e-4, 1e-5f, true}),
+                         [](const auto& info) {
+                           return info.param.dtype + (info.param.yarn ? "_yarn" : "");
+                         });
 
 TEST(Qwen3MoeModel, ACheckpointMissingATensorIsRefusedNamingIt) {
   test::TempDir dir("qwen3-extra");

@@ -441,7 +441,7 @@ NUMPY_CASES = {
     "sparse step 2, tied, no renormalisation, mqa": dict(decoder_sparse_step=2, mlp_only_layers=[],
                                                          tie_word_embeddings=True, norm_topk_prob=False,
                                                          num_key_value_heads=1),
-    "top-1": dict(num_experts_per_tok=1, num_experts=5, mlp_only_layers=[0, 3]),
+    "top-1, large rms_norm_eps": dict(num_experts_per_tok=1, num_experts=5, mlp_only_layers=[0, 3], rms_norm_eps=0.05),
 }
 
 
