@@ -259,14 +259,7 @@ ModelConfig ModelConfig::parse(const nlohmann::ordered_json& doc, const std::str
 }
 
 ModelConfig ModelConfig::load(const std::filesystem::path& dir) {
-  const std::filesystem::path path = dir / "config.json";
-  json doc;
-  try {
-    doc = json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    throw Error(path.string() + ": malformed JSON: " + e.what());
-  }
-  return parse(doc, path.string());
+  return parse(read_config_json(dir), (dir / "config.json").string());
 }
 
 double ModelConfig::softmax_scale() const {

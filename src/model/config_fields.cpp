@@ -1,10 +1,20 @@
 #include "model/config_fields.h"
 
 #include "util/error.h"
+#include "util/file.h"
 
 namespace tandem::model {
 
 using json = nlohmann::json;
+
+json read_config_json(const std::filesystem::path& dir) {
+  const std::filesystem::path path = dir / "config.json";
+  try {
+    return json::parse(read_file(path));
+  } catch (const json::exception& e) {
+    throw Error(path.string() + ": malformed JSON: " + e.what());
+  }
+}
 
 std::string one_of(const std::string& got, std::initializer_list<const char*> allowed) {
   std::string s = "must be one of";

@@ -3,6 +3,7 @@
 // each field read is remembered, whatever is left is an unknown field, and every message names
 // the file and the field's path. Also the `rope_scaling` YaRN block the families share.
 #include <cstdint>
+#include <filesystem>
 #include <initializer_list>
 #include <optional>
 #include <set>
@@ -97,6 +98,9 @@ class Fields {
   std::string origin_, prefix_;
   std::set<std::string> seen_;
 };
+
+// DIR/config.json parsed; a malformed file is an error naming it.
+nlohmann::json read_config_json(const std::filesystem::path& dir);
 
 // "must be one of "a", "b"; got "x"".
 std::string one_of(const std::string& got, std::initializer_list<const char*> allowed);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "model/layout.h"
 #include "model/quantize.h"
@@ -330,6 +331,27 @@ void copy_tokenizer(const fs::path& from, const fs::path& to) {
   }
 }
 
+// The output folder with the tokenizer in it, checked against the preset's vocabulary; the
+// tokenizer's BOS and EOS ids, which the config records.
+struct TokenIds {
+  std::optional<int64_t> bos, eos;
+};
+TokenIds prepare_folder(const MakeModelOptions& options, int64_t vocab_size) {
+  std::error_code ec;
+  fs::create_directories(options.out, ec);
+  if (ec) throw Error(options.out.string() + ": cannot create folder: " + ec.message());
+  copy_tokenizer(options.tokenizer_dir, options.out);
+  const auto tok = text::Tokenizer::from_dir(options.out);
+  if (static_cast<int64_t>(tok.vocab_size()) > vocab_size)
+    throw Error("make-model: the tokenizer in " + options.tokenizer_dir.string() +
+                " has ids up to " + std::to_string(tok.vocab_size() - 1) + ", beyond preset " +
+                options.preset + "'s vocab_size " + std::to_string(vocab_size));
+  TokenIds ids;
+  if (tok.bos_id()) ids.bos = *tok.bos_id();
+  if (tok.eos_id()) ids.eos = *tok.eos_id();
+  return ids;
+}
+
 }  // namespace
 
 std::vector<std::string> model_presets() {
@@ -373,17 +395,9 @@ Qwen3MoeConfig make_qwen3_moe_model(const MakeModelOptions& options,
                   " is written in f32, bf16 or f16 (quantized Qwen3-MoE checkpoints are not "
                   "supported yet)");
   }
-  std::error_code ec;
-  fs::create_directories(options.out, ec);
-  if (ec) throw Error(options.out.string() + ": cannot create folder: " + ec.message());
-  copy_tokenizer(options.tokenizer_dir, options.out);
-  const auto tok = text::Tokenizer::from_dir(options.out);
-  if (static_cast<int64_t>(tok.vocab_size()) > c.vocab_size)
-    throw Error("make-model: the tokenizer in " + options.tokenizer_dir.string() +
-                " has ids up to " + std::to_string(tok.vocab_size() - 1) + ", beyond preset " +
-                options.preset + "'s vocab_size " + std::to_string(c.vocab_size));
-  if (tok.bos_id()) c.bos_token_id = *tok.bos_id();
-  if (tok.eos_id()) c.eos_token_id = *tok.eos_id();
+  const TokenIds ids = prepare_folder(options, c.vocab_size);
+  c.bos_token_id = ids.bos;
+  c.eos_token_id = ids.eos;
   if (!(Qwen3MoeConfig::parse(nlohmann::json::parse(c.to_json().dump()),
                               "preset " + options.preset) == c))
     throw Error("make-model: preset " + options.preset +
@@ -448,17 +462,9 @@ ModelConfig make_model(const MakeModelOptions& options,
       break;
   }
 
-  std::error_code ec;
-  fs::create_directories(options.out, ec);
-  if (ec) throw Error(options.out.string() + ": cannot create folder: " + ec.message());
-  copy_tokenizer(options.tokenizer_dir, options.out);
-  const auto tok = text::Tokenizer::from_dir(options.out);
-  if (static_cast<int64_t>(tok.vocab_size()) > c.vocab_size)
-    throw Error("make-model: the tokenizer in " + options.tokenizer_dir.string() +
-                " has ids up to " + std::to_string(tok.vocab_size() - 1) + ", beyond preset " +
-                options.preset + "'s vocab_size " + std::to_string(c.vocab_size));
-  if (tok.bos_id()) c.bos_token_id = *tok.bos_id();
-  if (tok.eos_id()) c.eos_token_id = *tok.eos_id();
+  const TokenIds ids = prepare_folder(options, c.vocab_size);
+  c.bos_token_id = ids.bos;
+  c.eos_token_id = ids.eos;
   // The config must survive a round trip through config.json exactly.
   if (!(ModelConfig::parse(c.to_json(), "preset " + options.preset) == c))
     throw Error("make-model: preset " + options.preset +

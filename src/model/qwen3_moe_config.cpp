@@ -113,14 +113,7 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
 }
 
 Qwen3MoeConfig Qwen3MoeConfig::load(const std::filesystem::path& dir) {
-  const std::filesystem::path path = dir / "config.json";
-  json doc;
-  try {
-    doc = json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    throw Error(path.string() + ": malformed JSON: " + e.what());
-  }
-  return parse(doc, path.string());
+  return parse(read_config_json(dir), (dir / "config.json").string());
 }
 
 bool Qwen3MoeConfig::is_moe_layer(int64_t layer) const {
@@ -186,16 +179,11 @@ nlohmann::ordered_json Qwen3MoeConfig::to_json() const {
 }
 
 std::string architecture_of(const std::filesystem::path& dir) {
-  const std::filesystem::path path = dir / "config.json";
-  json doc;
-  try {
-    doc = json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    throw Error(path.string() + ": malformed JSON: " + e.what());
-  }
+  const json doc = read_config_json(dir);
   const auto it = doc.is_object() ? doc.find("architectures") : doc.end();
   if (it == doc.end() || !it->is_array() || it->empty() || !(*it)[0].is_string())
-    throw Error(path.string() + ": field 'architectures' must name the model's architecture");
+    throw Error((dir / "config.json").string() +
+                ": field 'architectures' must name the model's architecture");
   return (*it)[0].get<std::string>();
 }
 

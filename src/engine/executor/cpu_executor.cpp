@@ -7,16 +7,19 @@
 #include "util/error.h"
 
 namespace tandem::engine {
-int64_t kv_blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
+int64_t kv_blocks_for(const model::LatentCacheShape& shape, const CpuExecutorOptions& o) {
   if (o.block_size < 1) throw Error("block size must be at least 1");
   if (o.num_blocks > 0) return o.num_blocks;
-  const auto block_bytes =
-      static_cast<double>(m.cache_shape(o.block_size, o.kv_cache_type).block_bytes());
+  const auto block_bytes = static_cast<double>(shape.block_bytes());
   const auto n = static_cast<int64_t>(o.kv_cache_bytes / block_bytes);
   if (n < 1)
     throw Error("the KV cache budget of " + std::to_string(o.kv_cache_bytes) +
                 " bytes holds no block of " + std::to_string(block_bytes) + " bytes");
   return n;
+}
+
+int64_t kv_blocks_for(const model::DeepSeekModel& m, const CpuExecutorOptions& o) {
+  return kv_blocks_for(m.cache_shape(o.block_size, o.kv_cache_type), o);
 }
 
 CpuExecutor::CpuExecutor(std::shared_ptr<const model::DeepSeekModel> model,

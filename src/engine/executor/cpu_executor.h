@@ -21,7 +21,9 @@ struct CpuExecutorOptions {
   int64_t speculative_tokens = 0;
 };
 
-// KV blocks of the options' budget (or their explicit count); throws when none fits.
+// KV blocks of the options' budget (or their explicit count) for a cache of this shape (block
+// size and type taken from the options); throws when none fits.
+int64_t kv_blocks_for(const model::LatentCacheShape& shape, const CpuExecutorOptions& options);
 int64_t kv_blocks_for(const model::DeepSeekModel& model, const CpuExecutorOptions& options);
 
 class CpuExecutor : public Executor {

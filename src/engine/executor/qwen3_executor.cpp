@@ -4,28 +4,14 @@
 #include "util/error.h"
 
 namespace tandem::engine {
-namespace {
-
-int64_t blocks_for(const model::Qwen3MoeModel& m, const CpuExecutorOptions& o) {
-  if (o.block_size < 1) throw Error("block size must be at least 1");
-  if (o.num_blocks > 0) return o.num_blocks;
-  const auto block_bytes =
-      static_cast<double>(m.cache_shape(o.block_size, o.kv_cache_type).block_bytes());
-  const auto n = static_cast<int64_t>(o.kv_cache_bytes / block_bytes);
-  if (n < 1)
-    throw Error("the KV cache budget of " + std::to_string(o.kv_cache_bytes) +
-                " bytes holds no block of " + std::to_string(block_bytes) + " bytes");
-  return n;
-}
-
-}  // namespace
 
 Qwen3Executor::Qwen3Executor(std::shared_ptr<const model::Qwen3MoeModel> model,
                              const text::Tokenizer& tokenizer, std::string model_name,
                              const CpuExecutorOptions& options)
     : model_(std::move(model)),
-      cache_(model_->cache_shape(options.block_size, options.kv_cache_type),
-             blocks_for(*model_, options)) {
+      cache_(
+          model_->cache_shape(options.block_size, options.kv_cache_type),
+          kv_blocks_for(model_->cache_shape(options.block_size, options.kv_cache_type), options)) {
   if (options.speculative_tokens > 0)
     throw Error("--speculative-tokens: Qwen3-MoE has no MTP module to draft with");
   const auto& c = model_->config();
