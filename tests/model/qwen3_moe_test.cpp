@@ -279,5 +279,23 @@ TEST(Qwen3MoeModel, ACheckpointMissingATensorIsRefusedNamingIt) {
   }
 }
 
+// make-model's Qwen3 presets: the same seed gives the same bytes, the layout is the one the
+// loader checks (it loads), and quantized weight types are refused by name.
+TEST(Qwen3MoeModel, MakeModelIsDeterministicAndRefusesQuantizedWeights) {
+  test::TempDir a("qwen3-a"), b("qwen3-b"), c("qwen3-c");
+  auto make = [](const std::filesystem::path& out, const std::string& extra) {
+    return test::run_command(std::string(TANDEM_BINARY) + " make-model --preset tiny-qwen3-moe " +
+                             extra + " --out " + test::quote(out) + " 2>/dev/null");
+  };
+  ASSERT_EQ(make(a.path(), "--seed 9"), 0);
+  ASSERT_EQ(make(b.path(), "--seed 9"), 0);
+  for (const auto& f : std::filesystem::directory_iterator(a.path()))
+    EXPECT_EQ(test::read_bytes(f.path()), test::read_bytes(b / f.path().filename().string()))
+        << f.path().filename();
+  EXPECT_NO_THROW(Qwen3MoeModel::load(a.path()));
+  EXPECT_NE(make(c.path(), "--dtype fp8"), 0);
+  EXPECT_NE(make(c.path(), "--dtype int8"), 0);
+}
+
 }  // namespace
 }  // namespace tandem::model
