@@ -271,6 +271,41 @@ TEST(EngineServerQwen3, OfficialClientGetsToolCallsAndSchemaValidJson) {
   EXPECT_EQ(engine.stop(), 0);
 }
 
+// Constrained decoding with speculation: drafts are proposed without the grammar and verified
+// under its mask, so answers still match (Python's re judges) while drafts are verified.
+TEST_F(EngineServer, GuidedRegexHoldsWithSpeculativeDecoding) {
+  testing::EngineProcess engine(engine_args({"--speculative-tokens", "2"}));
+  const std::string pattern = "[a-z]{3,8}( [a-z]{2,6}){2}\\.";
+  json texts = json::array();
+  for (int seed = 1; seed <= 4; ++seed) {
+    const auto res = testing::post_json(engine.port(), "/v1/completions",
+                                        json{{"prompt", "Hello " + std::to_string(seed)},
+                                             {"max_tokens", 60},
+                                             {"temperature", 0.9},
+                                             {"seed", seed},
+                                             {"guided_regex", pattern}});
+    ASSERT_EQ(res.status, 200) << res.body;
+    const json choice = json::parse(res.body)["choices"][0];
+    EXPECT_EQ(choice["finish_reason"], "stop") << choice.dump();
+    texts.push_back(choice["text"]);
+  }
+  EXPECT_GT(metric(engine.port(), "vllm:spec_decode_num_draft_tokens_total"), 0);
+  const auto in = tandem::test::temp_path("regex-in"), out = tandem::test::temp_path("regex-out");
+  write_file_atomically(
+      in, json{{"ascii", true}, {"regex", {{{"pattern", pattern}, {"texts", texts}}}}}.dump());
+  ASSERT_EQ(tandem::test::run_command(
+                "/usr/bin/python3 " +
+                tandem::test::quote(tandem::test::oracle_dir() / "structured_output_oracle.py") +
+                " < " + tandem::test::quote(in) + " > " + tandem::test::quote(out)),
+            0);
+  const json verdict = json::parse(read_file(out));
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  for (size_t i = 0; i < texts.size(); ++i)
+    EXPECT_TRUE(verdict["regex"][0][i].get<bool>()) << texts[i];
+  EXPECT_EQ(engine.stop(), 0);
+}
+
 TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
   testing::EngineProcess engine(engine_args({"--max-body-bytes", "4096"}));
   auto post = [&](const std::string& target, const std::string& body) {
