@@ -252,6 +252,13 @@ TEST_F(Disaggregation, Qwen3MoeEnginesMoveTheirKvCacheAndAnswerAsOneEngine) {
       EXPECT_EQ(text_of(got), text_of(want)) << (seq ? "sequential" : "parallel") << " n=" << n;
     }
   }
+  // The prefix cache of the grouped-query cache: a repeated prompt is served from it, same text.
+  const json repeat = {{"prompt", tokens(70, 4321)}, {"max_tokens", 6}, {"temperature", 0}};
+  const json first = parse(post_json(single.port(), "/v1/completions", repeat));
+  const json again = parse(post_json(single.port(), "/v1/completions", repeat));
+  EXPECT_EQ(text_of(again), text_of(first));
+  EXPECT_GE(again["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>(), 64)
+      << again.dump();
   // Chat through Qwen3's own template, and a structured output on the decode leg.
   const json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me about the sea."}}}},
                      {"max_tokens", 10},

@@ -111,12 +111,15 @@ struct Case {
   double tol;
   float min_margin;
   bool yarn = false;  // rope_scaling YaRN, with a short original context so the ramp matters
+  bool tied = false;  // tie_word_embeddings: the checkpoint has no lm_head, the embedding is it
 };
 
 class Qwen3Numerics : public ::testing::TestWithParam<Case> {
  protected:
   static std::filesystem::path make(const Case& c) {
-    auto dir = test::temp_path("qwen3-" + c.dtype + (c.yarn ? "-yarn" : "")).replace_extension();
+    auto dir =
+        test::temp_path("qwen3-" + c.dtype + (c.yarn ? "-yarn" : "") + (c.tied ? "-tied" : ""))
+            .replace_extension();
     const std::string cmd = std::string(TANDEM_BINARY) +
                             " make-model --preset tiny-qwen3-moe --dtype " + c.dtype +
                             " --seed 5 --out " + test::quote(dir) + " 2>&1";
@@ -126,6 +129,14 @@ class Qwen3Numerics : public ::testing::TestWithParam<Case> {
       config["rope_scaling"] = {
           {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 16}};
       test::write_bytes(dir / "config.json", config.dump(2));
+    }
+    if (c.tied) {
+      json config = json::parse(test::read_bytes(dir / "config.json"));
+      config["tie_word_embeddings"] = true;
+      test::write_bytes(dir / "config.json", config.dump(2));
+      json index = json::parse(test::read_bytes(dir / "model.safetensors.index.json"));
+      index["weight_map"].erase("lm_head.weight");
+      test::write_bytes(dir / "model.safetensors.index.json", index.dump());
     }
     return dir;
   }
@@ -254,9 +265,11 @@ TEST_P(Qwen3Numerics, GreedyContinuationsMatchFullRecomputation) {
 
 INSTANTIATE_TEST_SUITE_P(Checkpoints, Qwen3Numerics,
                          ::testing::Values(Case{"f32", 1e-4, 1e-5f}, Case{"bf16", 1e-2, 0.02f},
-                                           Case{"f32", 1e-4, 1e-5f, true}),
+                                           Case{"f32", 1e-4, 1e-5f, true},
+                                           Case{"f32", 1e-4, 1e-5f, false, true}),
                          [](const auto& info) {
-                           return info.param.dtype + (info.param.yarn ? "_yarn" : "");
+                           return info.param.dtype + (info.param.yarn ? "_yarn" : "") +
+                                  (info.param.tied ? "_tied" : "");
                          });
 
 TEST(Qwen3MoeModel, ACheckpointMissingATensorIsRefusedNamingIt) {
