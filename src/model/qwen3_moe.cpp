@@ -10,6 +10,12 @@
 #include "util/error.h"
 
 namespace tandem::model {
+namespace {
+
+// Query rows of a sequence from which attention runs as GEMMs rather than per-row dot products.
+constexpr int64_t kGemmAttentionRows = 16;
+
+}  // namespace
 
 using kernels::Matrix;
 
@@ -122,8 +128,32 @@ void Qwen3MoeModel::attention(const Qwen3LayerWeights& w, int64_t layer,
       cache.load(block, layer, p % bs, 0, kv * hd, keys.data() + p * kv * hd);
       cache.load(block, layer, p % bs, kv * hd, kv * hd, values.data() + p * kv * hd);
     }
-    // Every (token, query head) of the sequence on its own: causal, over the group's K and V.
     const auto count = static_cast<int64_t>(s.tokens.size());
+    if (count >= kGemmAttentionRows) {
+      // Many queries (a prefill chunk): per head, scores Q K^T and outputs P V as GEMMs over the
+      // group's K and V, the causal mask applied to the scores' rows.
+      thread_local std::vector<float> probs;
+      probs.resize(size_t(count * len));
+      float* pp = probs.data();  // (the thread-local vector, not the workers' own)
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const int64_t g = hq / group;
+        kernels::gemm_f32(count, len, hd, q.data() + (row * heads + hq) * hd, heads * hd,
+                          keys.data() + g * hd, kv * hd, /*b_transposed=*/true, pp, len);
+#pragma omp parallel for schedule(static) if (count * len > (1 << 14))
+        for (int64_t i = 0; i < count; ++i) {
+          float* r = pp + i * len;
+          const int64_t visible = s.start + i + 1;
+          for (int64_t j = 0; j < visible; ++j) r[j] *= scale;
+          kernels::softmax(r, visible);
+          std::fill(r + visible, r + len, 0.0f);
+        }
+        kernels::gemm_f32(count, hd, len, pp, len, values.data() + g * hd, kv * hd,
+                          /*b_transposed=*/false, out + (row * heads + hq) * hd, heads * hd);
+      }
+      row += count;
+      continue;
+    }
+    // Few queries (decode): every (token, query head) on its own over the group's K and V.
     // (Pointers, not the thread-local vectors: other threads have their own.)
     const float* qp = q.data();
     const float* kp = keys.data();
