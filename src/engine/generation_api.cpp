@@ -198,8 +198,12 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     return;
   }
   call->transfer = engine_.transfer();
+  // As vLLM: "cmpl-" / "chatcmpl-" before the client's X-Request-Id (the gateway sends its own),
+  // or before a random one.
+  const std::string prefix(api::response_id_prefix(kind));
   std::string id = req.headers.get("x-request-id");
-  if (id.empty()) id = std::string(api::response_id_prefix(kind)) + random_hex(2);
+  if (id.empty()) id = random_hex(2);
+  if (id.rfind(prefix, 0) != 0) id = prefix + id;
   call->builder =
       std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, created_);
   call->reply = ex;

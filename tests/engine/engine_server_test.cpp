@@ -306,6 +306,26 @@ TEST_F(EngineServer, GuidedRegexHoldsWithSpeculativeDecoding) {
   EXPECT_EQ(engine.stop(), 0);
 }
 
+// Response ids are named as vLLM names them, from the client's X-Request-Id when it sends one.
+TEST_F(EngineServer, ResponseIdsCarryTheirPrefixAndTheClientsRequestId) {
+  testing::EngineProcess engine(engine_args());
+  auto id_of = [&](const std::string& path, const json& body, const std::string& request_id) {
+    net::Headers h;
+    if (!request_id.empty()) h.set("X-Request-Id", request_id);
+    const auto r = net::http_request("127.0.0.1", engine.port(), "POST", path, body.dump(), h,
+                                     std::chrono::seconds(60));
+    EXPECT_EQ(r.status, 200) << r.body;
+    return json::parse(r.body).value("id", std::string());
+  };
+  const json completion = {{"prompt", "hi"}, {"max_tokens", 2}};
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
+  EXPECT_EQ(id_of("/v1/completions", completion, "abc"), "cmpl-abc");
+  EXPECT_EQ(id_of("/v1/chat/completions", chat, "abc"), "chatcmpl-abc");
+  EXPECT_EQ(id_of("/v1/completions", completion, "cmpl-xyz"), "cmpl-xyz");
+  EXPECT_EQ(id_of("/v1/chat/completions", chat, "").rfind("chatcmpl-", 0), 0u);
+  EXPECT_EQ(engine.stop(), 0);
+}
+
 TEST_F(EngineServer, BadRequestsGetOpenAIErrors) {
   testing::EngineProcess engine(engine_args({"--max-body-bytes", "4096"}));
   auto post = [&](const std::string& target, const std::string& body) {
