@@ -104,6 +104,18 @@ int32_t argmax(const float* l, int64_t n) {
   return static_cast<int32_t>(std::max_element(l, l + n) - l);
 }
 
+// `steps` greedy decode steps of one sequence, the first feeding `tok` at position `pos`: the
+// token the last one chose.
+template <typename Model>
+int32_t greedy_steps(const Model& model, LatentCache& cache, std::span<const int32_t> table,
+                     int32_t tok, int64_t pos, int64_t steps, int64_t vocab) {
+  for (int64_t i = 0; i < steps; ++i) {
+    SequenceStep d{std::span(&tok, 1), pos + i, table};
+    tok = argmax(model.forward(std::span(&d, 1), cache).logits.data(), vocab);
+  }
+  return tok;
+}
+
 // Weight (and cache) bytes one decode token reads in each part of the model.
 std::array<double, static_cast<size_t>(StepPart::kCount)> part_bytes(const DeepSeekModel& m,
                                                                      double kv_bytes) {
@@ -291,11 +303,8 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     auto out = model.forward(std::span(&step, 1), cache);
     int32_t tok = argmax(out.logits.data(), c.vocab_size);
     int64_t pos = prompt_len;
-    for (int64_t i = 0; i < kWarmupSteps; ++i, ++pos) {
-      SequenceStep d{std::span(&tok, 1), pos, table};
-      out = model.forward(std::span(&d, 1), cache);
-      tok = argmax(out.logits.data(), c.vocab_size);
-    }
+    tok = greedy_steps(model, cache, table, tok, pos, kWarmupSteps, c.vocab_size);
+    pos += kWarmupSteps;
     double t0 = now();
     double kv_bytes = 0;
     for (int64_t i = 0; i < decode_steps; ++i) {
@@ -426,17 +435,10 @@ void run_qwen3(const std::string& dir, int64_t prompt_len, int64_t decode_steps,
   auto out = model.forward(std::span(&step, 1), cache);
   int32_t tok = argmax(out.logits.data(), c.vocab_size);
   int64_t pos = prompt_len;
-  for (int64_t i = 0; i < kWarmupSteps; ++i, ++pos) {
-    SequenceStep d{std::span(&tok, 1), pos, table};
-    out = model.forward(std::span(&d, 1), cache);
-    tok = argmax(out.logits.data(), c.vocab_size);
-  }
+  tok = greedy_steps(model, cache, table, tok, pos, kWarmupSteps, c.vocab_size);
+  pos += kWarmupSteps;
   const double t0 = now();
-  for (int64_t i = 0; i < decode_steps; ++i) {
-    SequenceStep d{std::span(&tok, 1), pos + i, table};
-    out = model.forward(std::span(&d, 1), cache);
-    tok = argmax(out.logits.data(), c.vocab_size);
-  }
+  greedy_steps(model, cache, table, tok, pos, decode_steps, c.vocab_size);
   const double secs = now() - t0;
   // Weights a token reads: attention and norms of every layer, its experts, the LM head.
   const double element = c.torch_dtype == "float32" ? 4 : 2;

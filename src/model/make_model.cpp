@@ -331,6 +331,31 @@ void copy_tokenizer(const fs::path& from, const fs::path& to) {
   }
 }
 
+// The decoder layers to write: the preset's, or --layers when given (1..kMaxLayers).
+int64_t layers_of(const MakeModelOptions& options, int64_t preset_layers) {
+  if (options.layers < 0 || options.layers > kMaxLayers)
+    throw Error("make-model: --layers " + std::to_string(options.layers) + ": expected 1.." +
+                std::to_string(kMaxLayers) + " (or 0 for the preset's " +
+                std::to_string(preset_layers) + ")");
+  return options.layers > 0 ? options.layers : preset_layers;
+}
+
+// config.json's torch_dtype for unquantized weights; null for FP8 and INT8.
+const char* unquantized_torch_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF8E4M3:
+    case DType::kI8:
+      break;
+  }
+  return nullptr;
+}
+
 // The output folder with the tokenizer in it, checked against the preset's vocabulary; the
 // tokenizer's BOS and EOS ids, which the config records.
 struct TokenIds {
@@ -372,28 +397,14 @@ Qwen3MoeConfig qwen3_moe_preset_config(const std::string& name) {
 Qwen3MoeConfig make_qwen3_moe_model(const MakeModelOptions& options,
                                     const std::function<void(size_t, size_t)>& progress) {
   Qwen3MoeConfig c = qwen3_moe_preset_config(options.preset);
-  if (options.layers < 0 || options.layers > kMaxLayers)
-    throw Error("make-model: --layers " + std::to_string(options.layers) + ": expected 1.." +
-                std::to_string(kMaxLayers) + " (or 0 for the preset's " +
-                std::to_string(c.num_hidden_layers) + ")");
-  if (options.layers > 0) {
-    c.num_hidden_layers = options.layers;
-    std::erase_if(c.mlp_only_layers, [&](int64_t l) { return l >= c.num_hidden_layers; });
-  }
-  switch (options.dtype) {
-    case DType::kF32:
-      c.torch_dtype = "float32";
-      break;
-    case DType::kF16:
-      c.torch_dtype = "float16";
-      break;
-    case DType::kBF16:
-      break;
-    case DType::kF8E4M3:
-    case DType::kI8:
-      throw Error("make-model: " + options.preset +
-                  " is written in f32, bf16 or f16 (quantized Qwen3-MoE checkpoints are not "
-                  "supported yet)");
+  c.num_hidden_layers = layers_of(options, c.num_hidden_layers);
+  std::erase_if(c.mlp_only_layers, [&](int64_t l) { return l >= c.num_hidden_layers; });
+  if (const char* t = unquantized_torch_dtype(options.dtype)) {
+    c.torch_dtype = t;
+  } else {
+    throw Error("make-model: " + options.preset +
+                " is written in f32, bf16 or f16 (quantized Qwen3-MoE checkpoints are not "
+                "supported yet)");
   }
   const TokenIds ids = prepare_folder(options, c.vocab_size);
   c.bos_token_id = ids.bos;
@@ -440,27 +451,13 @@ ModelConfig preset_config(const std::string& name) {
 ModelConfig make_model(const MakeModelOptions& options,
                        const std::function<void(size_t, size_t)>& progress) {
   ModelConfig c = preset_config(options.preset);
-  if (options.layers < 0 || options.layers > kMaxLayers)
-    throw Error("make-model: --layers " + std::to_string(options.layers) + ": expected 1.." +
-                std::to_string(kMaxLayers) + " (or 0 for the preset's " +
-                std::to_string(c.num_hidden_layers) + ")");
-  if (options.layers > 0) c.num_hidden_layers = options.layers;
-  switch (options.dtype) {
-    case DType::kF32:
-      c.torch_dtype = "float32";
-      break;
-    case DType::kF16:
-      c.torch_dtype = "float16";
-      break;
-    case DType::kBF16:
-      break;
-    case DType::kF8E4M3:
-      c.fp8 = Fp8Quantization{};
-      break;
-    case DType::kI8:
-      c.int8 = Int8Quantization{};
-      break;
-  }
+  c.num_hidden_layers = layers_of(options, c.num_hidden_layers);
+  if (const char* t = unquantized_torch_dtype(options.dtype))
+    c.torch_dtype = t;
+  else if (options.dtype == DType::kF8E4M3)
+    c.fp8 = Fp8Quantization{};
+  else
+    c.int8 = Int8Quantization{};
 
   const TokenIds ids = prepare_folder(options, c.vocab_size);
   c.bos_token_id = ids.bos;

@@ -56,21 +56,6 @@ void CpuExecutor::write_kv(int32_t block, int64_t layer, std::span<const std::by
   write_kv_block(cache_, info_, block, layer, bytes);
 }
 
-void CpuExecutor::routed_this_step(std::vector<int64_t>& out) {
-  // The model counts routes since it was loaded; a step's are the difference.
-  const auto& counts = model_->expert_counts();
-  const int64_t experts = info_.routed_experts;
-  if (experts == 0) return;
-  out.resize(info_.moe_layers.size() * experts);
-  for (size_t i = 0; i < info_.moe_layers.size(); ++i)
-    for (int64_t e = 0; e < experts; ++e) {
-      const uint64_t now = counts[info_.moe_layers[i]][e];
-      uint64_t& seen = seen_[i * experts + e];
-      out[i * experts + e] = int64_t(now - seen);
-      seen = now;
-    }
-}
-
 ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook& on_layer) {
   std::vector<model::SequenceStep> steps;
   steps.reserve(batch.size());
@@ -98,7 +83,7 @@ ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook
   auto out = model_->forward(steps, cache_, on_layer);
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
-  routed_this_step(result.expert_tokens);
+  routes_this_step(model_->expert_counts(), info_, seen_, result.expert_tokens);
   sample_items(
       batch,
       [&](size_t i, size_t row) {

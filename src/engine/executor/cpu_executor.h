@@ -45,7 +45,6 @@ class CpuExecutor : public Executor {
   // The model's route counts after the previous step, [moe layers, experts]. Assumes no other
   // executor runs steps on the same model object concurrently.
   std::vector<uint64_t> seen_;
-  void routed_this_step(std::vector<int64_t>& out);
 };
 
 }  // namespace tandem::engine

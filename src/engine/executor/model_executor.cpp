@@ -29,6 +29,22 @@ ExecutorInfo model_executor_info(const model::DeepSeekModel& model, std::string 
   return info;
 }
 
+void routes_this_step(const std::vector<std::vector<uint64_t>>& counts, const ExecutorInfo& info,
+                      std::vector<uint64_t>& seen, std::vector<int64_t>& out) {
+  const int64_t experts = info.routed_experts;
+  if (experts == 0) return;
+  const size_t n = info.moe_layers.size() * size_t(experts);
+  seen.resize(n, 0);
+  out.resize(n);
+  for (size_t i = 0; i < info.moe_layers.size(); ++i)
+    for (int64_t e = 0; e < experts; ++e) {
+      const uint64_t now = counts[size_t(info.moe_layers[i])][size_t(e)];
+      uint64_t& before = seen[i * size_t(experts) + size_t(e)];
+      out[i * size_t(experts) + size_t(e)] = int64_t(now - before);
+      before = now;
+    }
+}
+
 std::byte* kv_block_or_null(model::LatentCache& cache, const ExecutorInfo& info, int32_t block,
                             int64_t layer) {
   if (block < 0 || block >= info.num_blocks || layer < 0 || layer >= info.kv_layout.layers)

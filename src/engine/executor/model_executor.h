@@ -25,6 +25,12 @@ std::byte* kv_block_or_null(model::LatentCache& cache, const ExecutorInfo& info,
 void write_kv_block(model::LatentCache& cache, const ExecutorInfo& info, int32_t block,
                     int64_t layer, std::span<const std::byte> bytes);
 
+// The tokens routed to each expert of each MoE layer in the step just run, [moe layers, experts]
+// into `out`: a model counts routes since it was loaded (`counts`, [layers][experts]), so a step's
+// are the difference from `seen` (the counts after the previous step, updated here).
+void routes_this_step(const std::vector<std::vector<uint64_t>>& counts, const ExecutorInfo& info,
+                      std::vector<uint64_t>& seen, std::vector<int64_t>& out);
+
 // Vocabulary ids of LM-head rows without a token (padded vocabularies); never sampled.
 std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t vocab_size);
 // Sets those ids' logits to -inf, so neither sampling nor a draft proposal picks them.

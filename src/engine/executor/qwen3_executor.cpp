@@ -31,7 +31,6 @@ Qwen3Executor::Qwen3Executor(std::shared_ptr<const model::Qwen3MoeModel> model,
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
     if (c.is_moe_layer(layer)) info_.moe_layers.push_back(layer);
   if (!info_.moe_layers.empty()) info_.routed_experts = c.num_experts;
-  seen_.assign(info_.moe_layers.size() * size_t(info_.routed_experts), 0);
   no_text_ = ids_without_text(tokenizer, c.vocab_size);
 }
 
@@ -63,18 +62,7 @@ ExecResult Qwen3Executor::execute(std::span<const ExecItem> batch, const LayerHo
   if (on_layer) on_layer(info_.kv_layout.layers);
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
-  const int64_t experts = info_.routed_experts;
-  if (experts > 0) {
-    result.expert_tokens.resize(info_.moe_layers.size() * size_t(experts));
-    const auto& counts = model_->expert_counts();
-    for (size_t i = 0; i < info_.moe_layers.size(); ++i)
-      for (int64_t e = 0; e < experts; ++e) {
-        const uint64_t now = counts[size_t(info_.moe_layers[i])][size_t(e)];
-        uint64_t& seen = seen_[i * size_t(experts) + size_t(e)];
-        result.expert_tokens[i * size_t(experts) + size_t(e)] = int64_t(now - seen);
-        seen = now;
-      }
-  }
+  routes_this_step(model_->expert_counts(), info_, seen_, result.expert_tokens);
   sample_items(
       batch,
       [&](size_t i, size_t row) {
