@@ -127,7 +127,8 @@ json ResponseBuilder::usage() const {
   json u = {{"prompt_tokens", prompt},
             {"completion_tokens", completion},
             {"total_tokens", prompt + completion}};
-  u["prompt_tokens_details"] = cached > 0 ? json{{"cached_tokens", cached}} : json(nullptr);
+  // Always an object, as OpenAI sends it: the gateway reads what the engine reused from it.
+  u["prompt_tokens_details"] = {{"cached_tokens", cached}};
   return u;
 }
 

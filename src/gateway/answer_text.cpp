@@ -20,11 +20,13 @@ bool looks_like_json_object(std::string_view body) {
   return first != std::string_view::npos && body[first] == '{' && body[last] == '}';
 }
 
-int64_t usage_completion_tokens(std::string_view body) {
-  constexpr std::string_view kKey = "\"completion_tokens\":";
-  const auto at = body.rfind(kKey);
+namespace {
+
+// The number after the last `"KEY":` in the text, or -1.
+int64_t last_integer_member(std::string_view body, std::string_view key) {
+  const auto at = body.rfind(key);
   if (at == std::string_view::npos) return -1;
-  size_t i = at + kKey.size();
+  size_t i = at + key.size();
   while (i < body.size() && body[i] == ' ') ++i;
   int64_t v = 0;
   bool any = false;
@@ -33,6 +35,16 @@ int64_t usage_completion_tokens(std::string_view body) {
     any = true;
   }
   return any ? v : -1;
+}
+
+}  // namespace
+
+int64_t usage_completion_tokens(std::string_view body) {
+  return last_integer_member(body, "\"completion_tokens\":");
+}
+
+int64_t usage_cached_tokens(std::string_view text) {
+  return last_integer_member(text, "\"cached_tokens\":");
 }
 
 bool is_error_event(std::string_view data) {

@@ -17,6 +17,10 @@ bool looks_like_json_object(std::string_view body);
 
 // usage.completion_tokens of a completion answer (its last "completion_tokens"), or -1.
 int64_t usage_completion_tokens(std::string_view body);
+// usage.prompt_tokens_details.cached_tokens of an answer, a stream's usage chunk or a whole
+// stream's text (its last "cached_tokens"), or -1 when it reports none (vLLM leaves
+// prompt_tokens_details null unless started with --enable-prompt-tokens-details).
+int64_t usage_cached_tokens(std::string_view text);
 
 // Of one streamed event's data: an OpenAI error object (checked on a stream's first event, which
 // decides whether the request can still be retried elsewhere).

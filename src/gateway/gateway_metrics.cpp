@@ -21,6 +21,10 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r)
       queue_time(r.histogram("vllm:request_queue_time_seconds",
                              "Seconds requests waited in the gateway for a free engine.",
                              metrics::vllm_request_latency_buckets())),
+      class_ttft(r.histogram_family("tandem:gateway_class_time_to_first_token_seconds",
+                                    "Time to first token per priority class (streaming "
+                                    "requests), seen at the gateway.",
+                                    {"class"}, metrics::vllm_ttft_buckets())),
       running(r.gauge("vllm:num_requests_running", "Requests being served by engines.")),
       waiting(r.gauge("vllm:num_requests_waiting", "Requests waiting in the gateway queue.")),
       requests(r.int_counter_family("tandem:gateway_requests_total",
@@ -41,6 +45,22 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r)
           "tandem:gateway_endpoint_overloaded_total",
           "Legs an engine answered 429/503, or that timed out while it answered its health "
           "probes: overload, not counted toward ejection.",
-          {"pool", "endpoint"})) {}
+          {"pool", "endpoint"})),
+      prefix_reuse_tokens(r.int_counter_family(
+          "tandem:gateway_prefix_reuse_tokens_total",
+          "Prompt tokens of measured requests cached on some engine of the computing pool "
+          "(split=available), on the engine chosen (chosen), and reused as that engine reported "
+          "(delivered).",
+          {"split"})),
+      prefix_reuse_available(prefix_reuse_tokens.labels({"available"})),
+      prefix_reuse_chosen(prefix_reuse_tokens.labels({"chosen"})),
+      prefix_reuse_delivered(prefix_reuse_tokens.labels({"delivered"})),
+      prefix_reuse_prompt_tokens(
+          r.int_counter("tandem:gateway_prefix_reuse_prompt_tokens_total",
+                        "Prompt tokens of the requests the prefix reuse split was measured for.")),
+      prefix_reuse_requests(
+          r.int_counter("tandem:gateway_prefix_reuse_requests_total",
+                        "Requests the prefix reuse split was measured for (tokenized, answered "
+                        "200, and the computing engine reported its cached_tokens).")) {}
 
 }  // namespace tandem::gateway

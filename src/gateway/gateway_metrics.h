@@ -10,6 +10,7 @@ struct GatewayMetrics {
 
   metrics::Family<metrics::Histogram>& phase_seconds;
   metrics::Histogram &ttft, &tpot, &itl, &e2e, &queue_time;
+  metrics::Family<metrics::Histogram>& class_ttft;  // {class}: with priority classes
   metrics::Gauge &running, &waiting;
   metrics::Family<metrics::IntCounter>& requests;
   metrics::IntCounter& retries;
@@ -18,6 +19,11 @@ struct GatewayMetrics {
   metrics::Family<metrics::IntCounter>& endpoint_requests;
   metrics::Family<metrics::IntCounter>& endpoint_failures;
   metrics::Family<metrics::IntCounter>& endpoint_overloaded;
+  // Routing quality (routing_quality.h) of the requests it was measured for.
+  metrics::Family<metrics::IntCounter>& prefix_reuse_tokens;  // {split}
+  metrics::IntCounter &prefix_reuse_available, &prefix_reuse_chosen, &prefix_reuse_delivered;
+  metrics::IntCounter& prefix_reuse_prompt_tokens;
+  metrics::IntCounter& prefix_reuse_requests;
 };
 
 }  // namespace tandem::gateway

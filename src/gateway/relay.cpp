@@ -19,11 +19,11 @@ net::AsyncHttpHandlers Relay::prefill_handlers(const RequestPtr& r, LegRef leg_r
   h.on_head = [leg_ref](int status, const net::Headers&) {
     if (auto l = leg_ref->lock()) l->status = status;
   };
-  // Sequential: the answer carries kv_transfer_params. Parallel: only an error is kept.
-  h.on_body = [leg_ref, keep = topo_.mode == PdMode::kSequential](std::string_view piece) {
+  // Sequential: the answer carries kv_transfer_params. Both modes: its usage says what the engine
+  // reused (a one-token answer: small).
+  h.on_body = [leg_ref](std::string_view piece) {
     auto l = leg_ref->lock();
-    if (l && (keep || l->status != 200) && l->body.size() < kMaxPrefillAnswerBytes)
-      l->body += piece;
+    if (l && l->body.size() < kMaxPrefillAnswerBytes) l->body += piece;
     return true;
   };
   h.on_done = [this, r, leg_ref, attempt, where = std::move(where),
@@ -51,7 +51,15 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
     return;
   }
   r->times.mark_prefill_done(exec_.now_ns());
-  if (topo_.mode != PdMode::kSequential) return;  // parallel: the decode leg answers
+  l.cached_tokens = usage_cached_tokens(l.body);
+  if (l.cached_tokens >= 0) {
+    std::lock_guard lock(r->mutex);
+    r->cached_tokens_reported = l.cached_tokens;
+  }
+  if (topo_.mode != PdMode::kSequential) {  // parallel: the decode leg answers
+    l.body = {};
+    return;
+  }
   std::string params;
   try {
     params = api::kv_transfer_params_member(l.body);
@@ -127,7 +135,12 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       r->outcome.status = 200;
       r->reply->start_stream(200, "text/event-stream");
     }
-    if (carries_tokens(data)) ++token_events;
+    if (carries_tokens(data)) {
+      ++token_events;
+    } else if (computes_prompt_) {  // the usage chunk says what the engine reused
+      const int64_t cached = usage_cached_tokens(data);
+      if (cached >= 0) l.cached_tokens = cached;
+    }
     if (verbatim) return;
     if (!is_error_event(data)) {
       for (const auto& d : r->translator->event(data)) {
@@ -184,6 +197,7 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     std::lock_guard lock(r->mutex);
     streamed = l.state == LegState::kRelaying;
     l.state = LegState::kFinished;
+    if (streamed && l.cached_tokens >= 0) r->cached_tokens_reported = l.cached_tokens;
     reason = l.cancel_reason.empty() ? error : l.cancel_reason;
   }
   if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
@@ -246,6 +260,7 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       if (r->client == ClientState::kEnded) return;
       r->client = ClientState::kAnswering;
       r->completion_tokens = tokens;
+      if (computes_prompt_) r->cached_tokens_reported = usage_cached_tokens(l.body);
       r->reply->respond(200, r->translator ? r->translator->body(l.body) : std::move(l.body),
                         "application/json");
     }

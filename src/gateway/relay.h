@@ -1,10 +1,11 @@
 #pragma once
 // The engines' answers on their way to the client, on the io threads that run the legs' calls:
-// a prefill leg's answer is collected (sequential: its kv_transfer_params feed the decode leg) or
-// drained (parallel); the answering leg's head is held back until its first event (or its whole
-// answer) arrived, so a failure before any token can still be retried elsewhere; then streams
-// stay streams (bytes passed verbatim, or translated back to chat when the gateway sent token
-// ids), and token timings are recorded. Failures and ends go back to the dispatcher.
+// a prefill leg's answer is collected (sequential: its kv_transfer_params feed the decode leg; both
+// P/D modes: the prompt tokens the engine reused, from its usage); the answering leg's head is held
+// back until its first event (or its whole answer) arrived, so a failure before any token can still
+// be retried elsewhere; then streams stay streams (bytes passed verbatim, or translated back to
+// chat when the gateway sent token ids), and token timings are recorded. Failures and ends go back
+// to the dispatcher.
 #include <memory>
 #include <string>
 
@@ -19,7 +20,10 @@ class Dispatcher;
 class Relay {
  public:
   Relay(const Topology& topology, Executor& executor, Dispatcher& dispatcher)
-      : topo_(topology), exec_(executor), dispatcher_(dispatcher) {}
+      : topo_(topology),
+        exec_(executor),
+        dispatcher_(dispatcher),
+        computes_prompt_(topology.mode == PdMode::kAggregated) {}
 
   // The handlers of a leg's call. `leg` is filled in before the call starts (the call's
   // callbacks find the leg through it and stop when it is gone); `where` names the engine.
@@ -39,6 +43,8 @@ class Relay {
   const Topology& topo_;
   Executor& exec_;
   Dispatcher& dispatcher_;
+  // The answering leg's engine computed the prompt (aggregated): its usage reports the reuse.
+  const bool computes_prompt_;
 };
 
 }  // namespace tandem::gateway

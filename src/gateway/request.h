@@ -12,6 +12,7 @@
 
 #include "api/prefill_work.h"
 #include "gateway/lifecycle.h"
+#include "gateway/routing_quality.h"
 #include "gateway/seams.h"
 #include "gateway/tokens_in.h"
 #include "net/http.h"
@@ -78,6 +79,9 @@ struct Leg {
   // A verbatim relay (no translation): the stream's bytes before its first event completed,
   // held back until that event shows it is no error.
   std::string held;
+  // The prompt tokens the engine reports it reused (usage.prompt_tokens_details.cached_tokens),
+  // -1 until an answer or usage chunk says.
+  int64_t cached_tokens = -1;
 
   bool running() const { return state == LegState::kRunning || state == LegState::kRelaying; }
 };
@@ -87,15 +91,17 @@ struct Request {
   std::string id, method, path, target, model;
   bool stream = false;
   std::shared_ptr<ClientReply> reply;
-  net::Headers headers;      // for the engines
-  std::string body;          // aggregated or decode leg (parallel: without bootstrap fields)
-  std::string prefill_body;  // sequential prefill leg
+  net::Headers headers;             // for the engines
+  std::string body;                 // aggregated or decode leg (parallel: without bootstrap fields)
+  std::string prefill_body;         // sequential prefill leg
+  bool prefill_asks_usage = false;  // parallel: the prefill leg adds stream_options.include_usage
   int64_t prompt_tokens = 0;
   bool tokens_known = false;
   std::vector<int32_t> prompt_ids;     // when the gateway tokenized it
   std::vector<uint64_t> block_hashes;  // of the prompt's ids, when the gateway tokenized it
   std::unique_ptr<ResponseTranslator> translator;  // tokens-in: the engine's answer -> client's
   int64_t received_unix_ms = 0;
+  int priority_class = 0;  // its index in the topology's priority classes (0 without classes)
   PhaseTimes times;
 
   // Scheduling thread only.
@@ -106,6 +112,9 @@ struct Request {
   std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   api::PrefillWork uncached;  // the prompt work the engine chosen to prefill it lacks in cache
+  // Routing quality at the decision that chose the engine computing its prompt (available and
+  // chosen; `delivered` is the shared `cached_tokens_reported` below).
+  PrefixReuse reuse;
   std::string prefill_name, decode_name;
   Executor::TimerId queue_timer;  // cancelled when it leaves the queue
   Executor::Clock::time_point queued_at;
@@ -117,8 +126,9 @@ struct Request {
   ClientState client = ClientState::kNothingSent;
   Outcome outcome;  // what the client got, once it ended
   int64_t output_events = 0, first_token_ns = 0, last_token_ns = 0;
-  int64_t completion_tokens = -1;  // from a usage object, when one was seen
-  std::vector<double> itl;         // inter-token gaps, seconds
+  int64_t completion_tokens = -1;       // from a usage object, when one was seen
+  int64_t cached_tokens_reported = -1;  // by the engine that computed the prompt, when it said
+  std::vector<double> itl;              // inter-token gaps, seconds
 
   bool ended() {
     std::lock_guard lock(mutex);
