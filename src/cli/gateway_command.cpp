@@ -14,8 +14,9 @@ namespace {
 struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
                       model, served_model_name, admin_api_key, metrics_api_key, engine_api_key,
-                      access_log;
+                      access_log, priority_classes;
   int port = 8080, http_threads = 2, prefill_retries = 2;
+  bool reuse_port = false;
   size_t max_queue = 1024, max_connections = 0, max_connections_per_address = 0;
   MaxTokensFlags max_tokens;
   std::vector<std::string> prefill, decode, api_keys;
@@ -72,6 +73,8 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t.max_connections = o.max_connections;
     t.max_connections_per_address = o.max_connections_per_address;
   }
+  if (o.reuse_port) t.reuse_port = true;
+  if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
   const std::string mode = gateway::mode_name(t.mode);
   const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
   const std::string host = t.host;
@@ -124,6 +127,11 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--engine-api-key", o->engine_api_key,
                   "the key of engines started with --api-key, sent on every call to them");
   cmd->add_option("--access-log", o->access_log, "JSON line per request: a file, or - for stdout");
+  cmd->add_flag("--reuse-port", o->reuse_port,
+                "share the port with other replicas of this gateway (SO_REUSEPORT; the kernel "
+                "spreads connections over them)");
+  cmd->add_option("--priority-classes", o->priority_classes,
+                  "priority classes file (YAML: classes, default, api_keys; see docs/gateway.md)");
   add_max_tokens_flags(*cmd, o->max_tokens);
   cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str();

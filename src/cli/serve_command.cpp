@@ -29,9 +29,10 @@ namespace {
 struct ServeOptions {
   bool kv_events = false;
   std::string model = "tiny-v3", host = "127.0.0.1", engine_host = "127.0.0.1", mode = "parallel",
-              policy = "tandem", access_log, admin_api_key, metrics_api_key;
+              policy = "tandem", access_log, admin_api_key, metrics_api_key, priority_classes;
   MaxTokensFlags max_tokens;
-  int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0;
+  int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
+      gateways = 1;
   bool gateway_tokenizer = true, batch_invariant = false;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
@@ -100,6 +101,8 @@ void run(const ServeOptions& o) {
     if (model.rfind("sim:", 0) == 0) served = model.substr(4);
     extra = {"--served-model-name", served};
   }
+  gateway::PriorityClasses classes;
+  if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
   const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
   if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
     throw Error(
@@ -120,6 +123,8 @@ void run(const ServeOptions& o) {
     if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
       a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
     if (o.batch_invariant) a.push_back("--batch-invariant");
+    // The gateway passes each request's class as its priority: the engines schedule by it.
+    if (classes.enabled()) a.insert(a.end(), {"--scheduling-policy", "priority"});
     if (o.kv_events) {  // the gateway's prefix index subscribes
       const std::string any = "tcp://" + o.engine_host + ":*";
       a.insert(a.end(),
@@ -150,6 +155,7 @@ void run(const ServeOptions& o) {
   g.engine_api_key = engine_api_key;
   g.max_tokens_limit = o.max_tokens.limit;
   g.default_max_tokens = o.max_tokens.default_value;
+  g.priority = classes;
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
@@ -167,16 +173,32 @@ void run(const ServeOptions& o) {
   for (int i = 0; i < o.decode; ++i)
     g.decode.endpoints.push_back(
         start_engine(mode == gateway::PdMode::kAggregated ? "both" : "decode"));
-  gateway::Gateway gw(g);
-  gw.start();
+  // Gateway replicas share the port (SO_REUSEPORT) and nothing else: each follows the engines'
+  // KV events and load reports itself. Each takes its share of the engines' in-flight limit, so
+  // together they send no engine more than one gateway would (plus one per extra replica).
+  std::vector<std::unique_ptr<gateway::Gateway>> gateways;
+  if (o.gateways > 1) {
+    g.reuse_port = true;
+    for (gateway::Pool* p : {&g.prefill, &g.decode})
+      p->max_in_flight = (p->max_in_flight + o.gateways - 1) / o.gateways;
+  }
+  for (int i = 0; i < o.gateways; ++i) {
+    gateway::Topology replica = g;
+    if (i > 0 && !g.access_log.empty() && g.access_log != "-")
+      replica.access_log += "." + std::to_string(i);  // one writer per file
+    gateways.push_back(std::make_unique<gateway::Gateway>(replica));
+    gateways.back()->start();
+    g.port = gateways.front()->port();  // the others join the first one's port
+  }
   // Engines are listening (their first lines said so); wait until the gateway's own probes see
   // them, so the printed URL answers at once.
-  wait_healthy(o.host, gw.port());
+  for (int i = 0; i < o.gateways; ++i) wait_healthy(o.host, g.port);
   std::printf(
-      "tandem serve: listening on http://%s:%u (gateway, mode %s, %d prefill + %d decode "
+      "tandem serve: listening on http://%s:%u (gateway%s, mode %s, %d prefill + %d decode "
       "engines of %s)\n",
-      o.host.c_str(), static_cast<unsigned>(gw.port()), o.mode.c_str(), prefills, o.decode,
-      model.c_str());
+      o.host.c_str(), static_cast<unsigned>(g.port),
+      o.gateways > 1 ? (" x" + std::to_string(o.gateways) + " replicas").c_str() : "",
+      o.mode.c_str(), prefills, o.decode, model.c_str());
   for (size_t i = 0; i < children.size(); ++i) {
     const bool prefill = i < static_cast<size_t>(prefills);
     const gateway::Endpoint& e =
@@ -198,7 +220,7 @@ void run(const ServeOptions& o) {
     for (auto& c : children) c->supervise(EngineChild::Clock::now());
   }
   std::fprintf(stderr, "tandem serve: stopping (signal %d)\n", sig);
-  gw.stop();
+  for (auto& gw : gateways) gw->stop();
   for (auto& c : children) c->terminate();  // all at once, then wait for each
   children.clear();
 }
@@ -240,7 +262,17 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--engine-arg", o->engine_args,
                   "an argument for every engine, e.g. --engine-arg=--kv-cache-gb "
                   "--engine-arg=0.25 (repeatable)");
-  cmd->add_option("--access-log", o->access_log, "gateway access log: a file, or - for stdout");
+  cmd->add_option("--access-log", o->access_log,
+                  "gateway access log: a file (replica k > 0 of --gateways writes FILE.k), or - "
+                  "for stdout");
+  cmd->add_option("--gateways", o->gateways,
+                  "gateway replicas behind the one port (SO_REUSEPORT), each with its share of "
+                  "the engines' in-flight limits")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--priority-classes", o->priority_classes,
+                  "priority classes file (YAML: classes, default, api_keys; docs/gateway.md); "
+                  "engines then schedule by priority");
   cmd->add_flag("--kv-events", o->kv_events,
                 "engines publish KV events and the gateway's prefix index follows them (for "
                 "the cache-aware policies: tandem, kv_router)");

@@ -34,7 +34,7 @@ Dispatcher::Dispatcher(const Topology& topology, Executor& executor, Upstream& u
       endpoints_(endpoints),
       metrics_(metrics),
       relay_(topology, executor, *this),
-      recorder_(metrics, access_log, topology.mode) {
+      recorder_(metrics, access_log, topology) {
   endpoints_.on_forget([this](int id) {
     policy_state_.prefill_tree.remove_tenant(id);
     policy_state_.decode_tree.remove_tenant(id);
@@ -142,7 +142,12 @@ void Dispatcher::dispatch(Clock::time_point now) {
   } else if (!first_stage.empty()) {
     std::vector<QueuedRequest> queued;
     queued.reserve(first_stage.size());
-    for (const auto& r : first_stage) queued.push_back({r->prompt_tokens, info(*r).arrived});
+    const auto& classes = topo_.priority.classes;
+    for (const auto& r : first_stage) {
+      QueuedRequest q{r->prompt_tokens, info(*r).arrived, r->priority_class, {}};
+      if (!classes.empty()) q.starvation_after = classes[r->priority_class].max_wait;
+      queued.push_back(q);
+    }
     for (size_t i : order(queued, now, topo_.scheduling.queue)) offer.push_back(first_stage[i]);
   }
   first_stage.clear();
@@ -190,6 +195,7 @@ void Dispatcher::dispatch(Clock::time_point now) {
       for (const auto& e : *pool)
         if (e.id == computes)
           r->uncached = PrefillWork::of_prompt(e.cached_tokens, r->prompt_tokens);
+    if (computes >= 0) r->reuse = reuse_at_decision(prefill >= 0 ? v.prefill : v.decode, computes);
     start(r, prefill, decode);
     policy_.record(policy_state_, ri, prefill, decode, now);
     apply_choice(v, ri, prefill, decode);
@@ -236,11 +242,15 @@ void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
       break;
     case PdMode::kParallel: {
       const EndpointState& p = *endpoints_.find(prefill);
-      const std::string body =
-          splice_fields(r->body, api::bootstrap_members(p.config.host, p.config.bootstrap_port,
-                                                        random_u64() & 0x7fffffffffffffffULL));
+      const std::string members = api::bootstrap_members(p.config.host, p.config.bootstrap_port,
+                                                         random_u64() & 0x7fffffffffffffffULL);
+      const std::string body = splice_fields(r->body, members);
       r->times.mark(Phase::kPrefilling, now);
-      start_leg(r, prefill, true, body);
+      start_leg(
+          r, prefill, true,
+          r->prefill_asks_usage
+              ? splice_fields(r->body, members + ",\"stream_options\":{\"include_usage\":true}")
+              : body);
       start_leg(r, decode, false, body);
       break;
     }
@@ -483,6 +493,39 @@ json Dispatcher::endpoints_json() const {
   const auto now = exec_.now();
   for (const auto& [id, e] : endpoints_.all()) list.push_back(endpoints_.to_json(e, now));
   return {{"mode", mode_name(topo_.mode)}, {"policy", policy_.name()}, {"endpoints", list}};
+}
+
+namespace {
+
+json histogram_json(const metrics::Histogram& h) {
+  const auto s = h.snapshot();
+  return {{"bounds", s.bounds}, {"cumulative", s.cumulative}, {"sum", s.sum}, {"count", s.count}};
+}
+
+}  // namespace
+
+json Dispatcher::dashboard_state() const {
+  json state = endpoints_json();
+  for (auto& e : state["endpoints"])
+    if (json reuse = recorder_.engine_reuse_json(e["name"].get<std::string>()); !reuse.is_null())
+      e["reuse"] = std::move(reuse);
+  state["time_unix_ms"] = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+  state["waiting"] = waiting_.size();
+  state["running"] = active_.size();
+  state.update(recorder_.dashboard_json());
+  state["histograms"] = {{"ttft", histogram_json(metrics_.ttft)},
+                         {"tpot", histogram_json(metrics_.tpot)},
+                         {"itl", histogram_json(metrics_.itl)},
+                         {"e2e", histogram_json(metrics_.e2e)}};
+  return state;
+}
+
+const EndpointState* Dispatcher::endpoint_named(const std::string& name) const {
+  for (const auto& [id, e] : endpoints_.all())
+    if (e.config.name == name && !e.draining) return &e;
+  return nullptr;
 }
 
 json Dispatcher::endpoint_json(int id) const {

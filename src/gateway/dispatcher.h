@@ -54,6 +54,11 @@ class Dispatcher {
   nlohmann::json endpoints_json() const;
   nlohmann::json endpoint_json(int id) const;  // null when there is none
   nlohmann::json debug_requests() const;
+  // GET /dashboard/state (dashboard.h): endpoints_json() with each engine's reported reuse, the
+  // queue, the recorder's recent requests and totals, and the latency histograms.
+  nlohmann::json dashboard_state() const;
+  // The engine of that name not being drained, or null.
+  const EndpointState* endpoint_named(const std::string& name) const;
   // An engine to relay GET /v1/models to: the policy's decode pick, or null.
   const EndpointState* models_endpoint() const;
 

@@ -10,6 +10,7 @@
 #include "api/disaggregation.h"
 #include "api/request.h"
 #include "gateway/http_seams.h"
+#include "gateway/priority.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/random_id.h"
@@ -145,7 +146,8 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
     return refuse(401, kInvalidApiKey, "invalid_request_error", "invalid_api_key", "unauthorized");
 
   r->times.mark(Phase::kTokenizing, exec_.now_ns());
-  const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_;
+  const bool classes = topo_.priority.enabled();
+  const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_ || classes;
   json body;
   const ReleaseJsonOnExit release_body{body};  // a prompt's ids, freed cheaply
   if (needs_json) {
@@ -159,6 +161,18 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       return refuse(400, "stream: expected a boolean", "invalid_request_error");
     r->stream = body.value("stream", false) == true;
     if (auto m = body.find("model"); m != body.end() && m->is_string()) r->model = *m;
+  }
+  if (classes) {
+    // The engines schedule by the class's priority, whatever the client asked.
+    const auto p = body.find("priority");
+    try {
+      r->priority_class = static_cast<int>(request_class(
+          topo_.priority, p == body.end() ? json(nullptr) : *p, api::bearer_token(req)));
+    } catch (const api::ApiError& e) {
+      r->reply->respond(e.status, api::api_error_body(e), "application/json");
+      return ended(e.status, e.message);
+    }
+    body["priority"] = topo_.priority.classes[static_cast<size_t>(r->priority_class)].priority;
   }
   // Without a tokenizer the prompt's length is estimated from the body's size (about four
   // bytes per token in English text).
@@ -192,7 +206,8 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
 
   switch (topo_.mode) {
     case PdMode::kAggregated:
-      r->body = rewritten ? body.dump() : req.body;  // else verbatim: the engine parses it
+      // Else verbatim: the engine parses it.
+      r->body = rewritten || classes ? body.dump() : req.body;
       break;
     case PdMode::kSequential:
       api::strip_disaggregation_fields(body);
@@ -201,6 +216,10 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       break;
     case PdMode::kParallel:
       api::strip_disaggregation_fields(body);
+      // The prefill leg's answer goes nowhere but to the gateway, which reads what the engine
+      // reused from its usage: a stream has one only when asked (a client's own stream_options
+      // stay as they are).
+      r->prefill_asks_usage = r->stream && !body.contains("stream_options");
       r->body = body.dump();
       break;
   }
@@ -220,20 +239,7 @@ void FrontEnd::relay_models(std::shared_ptr<net::Exchange> ex, net::Headers head
   u.target = "/v1/models";
   u.headers = std::move(headers);
   u.timeout = topo_.timeouts.connect;
-  auto answer = std::make_shared<std::pair<int, std::string>>();
-  net::AsyncHttpHandlers h;
-  h.on_head = [answer](int s, const net::Headers&) { answer->first = s; };
-  h.on_body = [answer](std::string_view p) {
-    answer->second += p;
-    return true;
-  };
-  h.on_done = [ex, answer](const std::string& error) {
-    if (error.empty())
-      ex->respond(answer->first, answer->second, "application/json");
-    else
-      ex->send_error(502, "engine failed: " + error, "server_error");
-  };
-  upstream_.start(std::move(u), std::move(h));
+  relay_engine_get(upstream_, std::move(u), std::move(ex));
 }
 
 }  // namespace tandem::gateway

@@ -6,6 +6,7 @@
 #include "api/error.h"
 #include "gateway/access_log.h"
 #include "gateway/admin_api.h"
+#include "gateway/dashboard.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
 #include "gateway/front_end.h"
@@ -45,12 +46,14 @@ class Gateway::Impl {
         health_(topo_, *executor_, upstream_, endpoints_, [this] { dispatcher_.dispatch(); }),
         front_end_(topo_, *executor_, upstream_, dispatcher_, endpoints_, registry_,
                    tokenizer_.get()),
-        admin_(topo_, std::move(config_path), *executor_, dispatcher_) {
+        admin_(topo_, std::move(config_path), *executor_, dispatcher_),
+        dashboard_(topo_, *executor_, upstream_, dispatcher_) {
     if (tokenizer_) tokenizer_->limit_max_tokens(topo_.max_tokens_limit, topo_.default_max_tokens);
     for (const auto& e : topo_.prefill.endpoints) endpoints_.add(true, e);
     for (const auto& e : topo_.decode.endpoints) endpoints_.add(false, e);
     front_end_.add_routes(server_);
     admin_.add_routes(server_);
+    dashboard_.add_routes(server_);
   }
 
   void start() {
@@ -88,6 +91,7 @@ class Gateway::Impl {
     o.host = topo_.host;
     o.port = topo_.port;
     o.threads = topo_.io_threads;
+    o.reuse_port = topo_.reuse_port;
     o.max_body_bytes = topo_.max_body_bytes;
     o.max_connections = topo_.max_connections;
     o.max_connections_per_address = topo_.max_connections_per_address;
@@ -117,6 +121,7 @@ class Gateway::Impl {
   HealthMonitor health_;
   FrontEnd front_end_;
   AdminApi admin_;
+  Dashboard dashboard_;
 };
 
 Gateway::Gateway(Topology topology, std::string config_path)

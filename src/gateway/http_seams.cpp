@@ -12,4 +12,23 @@ void HttpUpstream::cancel(CallId id) {
   client_.cancel(id);
 }
 
+void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
+                      std::shared_ptr<net::Exchange> ex) {
+  request.method = "GET";
+  auto answer = std::make_shared<std::pair<int, std::string>>();
+  net::AsyncHttpHandlers h;
+  h.on_head = [answer](int s, const net::Headers&) { answer->first = s; };
+  h.on_body = [answer](std::string_view p) {
+    answer->second += p;
+    return answer->second.size() <= (size_t{16} << 20);
+  };
+  h.on_done = [ex, answer](const std::string& error) {
+    if (error.empty())
+      ex->respond(answer->first, answer->second, "application/json");
+    else
+      ex->send_error(502, "engine failed: " + error, "server_error");
+  };
+  upstream.start(std::move(request), std::move(h));
+}
+
 }  // namespace tandem::gateway

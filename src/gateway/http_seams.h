@@ -26,6 +26,11 @@ class HttpUpstream final : public Upstream {
   const std::string engine_api_key_;
 };
 
+// One GET to an engine (`request`: host, port, target, headers, timeout) answered to `ex` as the
+// engine answered it (up to 16 MiB of body), or 502 when the call failed. Any thread.
+void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
+                      std::shared_ptr<net::Exchange> ex);
+
 // The scheduling on the server's first io thread (net/loop_tasks.h): with one io thread the
 // gateway then serves a request on that one thread, without waking a scheduling thread twice per
 // request; posts from the loop itself batch at the end of its iteration.

@@ -8,14 +8,14 @@ namespace tandem::gateway {
 
 using nlohmann::json;
 
-json access_log_line(const Request& r, PdMode mode, int64_t completed_ns) {
+json access_log_line(const Request& r, const Topology& topo, int64_t completed_ns) {
   const int64_t received = *r.times.at(Phase::kReceived);
   json line = {{"time_unix_ms", r.received_unix_ms},
                {"request_id", r.id},
                {"method", r.method},
                {"path", r.path},
                {"status", r.outcome.status},
-               {"mode", mode_name(mode)},
+               {"mode", mode_name(topo.mode)},
                {"stream", r.stream},
                {"attempts", r.attempt + 1},
                {"prompt_tokens", r.prompt_tokens},
@@ -31,14 +31,23 @@ json access_log_line(const Request& r, PdMode mode, int64_t completed_ns) {
     line["ttft_seconds"] = static_cast<double>(r.first_token_ns - received) * 1e-9;
   }
   if (r.completion_tokens >= 0) line["completion_tokens"] = r.completion_tokens;
+  if (r.reuse.available >= 0 || r.cached_tokens_reported >= 0)
+    line["prefix_reuse"] = {{"available", r.reuse.available},
+                            {"chosen", r.reuse.chosen},
+                            {"delivered", r.cached_tokens_reported}};
+  if (topo.priority.enabled())
+    line["priority_class"] = topo.priority.classes[static_cast<size_t>(r.priority_class)].name;
   if (!r.outcome.error.empty()) line["error"] = r.outcome.error;
   return line;
 }
 
-RequestRecorder::RequestRecorder(GatewayMetrics& metrics, AccessLog* log, PdMode mode)
-    : metrics_(metrics), log_(log), mode_(mode) {
+RequestRecorder::RequestRecorder(GatewayMetrics& metrics, AccessLog* log, const Topology& topology)
+    : metrics_(metrics), log_(log), topo_(topology) {
   for (int p = 0; p < kPhaseCount; ++p)
     phase_histograms_[p] = &metrics_.phase_seconds.labels({phase_name(static_cast<Phase>(p))});
+  by_class_.assign(topo_.priority.classes.size(), 0);
+  for (const auto& c : topo_.priority.classes)
+    class_ttft_.push_back(&metrics_.class_ttft.labels({c.name}));
 }
 
 void RequestRecorder::record(Request& r, int64_t now_ns) {
@@ -59,7 +68,11 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
   if (status == 200) {
     metrics_.e2e.observe(static_cast<double>(completed - received) * 1e-9);
     const int64_t events = r.output_events;
-    if (events > 0) metrics_.ttft.observe(static_cast<double>(r.first_token_ns - received) * 1e-9);
+    if (events > 0) {
+      const double ttft = static_cast<double>(r.first_token_ns - received) * 1e-9;
+      metrics_.ttft.observe(ttft);
+      if (!class_ttft_.empty()) class_ttft_[static_cast<size_t>(r.priority_class)]->observe(ttft);
+    }
     if (events > 1)
       metrics_.tpot.observe(static_cast<double>(r.last_token_ns - r.first_token_ns) * 1e-9 /
                             static_cast<double>(events - 1));
@@ -74,7 +87,63 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
     metrics_.itl.observe(0.0, together);
   }
   r.itl = {};
-  if (log_) log_->add(access_log_line(r, mode_, completed));
+  ++requests_;
+  ++by_status_[status];
+  if (!by_class_.empty()) ++by_class_[static_cast<size_t>(r.priority_class)];
+  if (status == 200) {
+    PrefixReuse reuse = r.reuse;
+    reuse.delivered = r.cached_tokens_reported;
+    if (reuse.measured()) {
+      reuse_.add(reuse, r.prompt_tokens);
+      metrics_.prefix_reuse_requests.inc();
+      metrics_.prefix_reuse_prompt_tokens.inc(static_cast<uint64_t>(r.prompt_tokens));
+      metrics_.prefix_reuse_available.inc(static_cast<uint64_t>(reuse.available));
+      metrics_.prefix_reuse_chosen.inc(static_cast<uint64_t>(reuse.chosen));
+      metrics_.prefix_reuse_delivered.inc(static_cast<uint64_t>(reuse.delivered));
+    }
+    const std::string& computed_on =
+        topo_.mode == PdMode::kAggregated ? r.decode_name : r.prefill_name;
+    if (reuse.delivered >= 0 && !computed_on.empty()) {
+      EngineReuse& e = engine_reuse_[computed_on];
+      ++e.requests;
+      e.prompt_tokens += r.prompt_tokens;
+      e.delivered += reuse.delivered;
+    }
+  }
+  json line = access_log_line(r, topo_, completed);
+  if (log_) log_->add(line);
+  recent_.push_back(std::move(line));
+  if (recent_.size() > kRecent) recent_.pop_front();
+}
+
+json RequestRecorder::dashboard_json() const {
+  json statuses = json::object();
+  for (const auto& [status, n] : by_status_) statuses[std::to_string(status)] = n;
+  json recent = json::array();
+  for (const auto& line : recent_) recent.push_back(line);
+  json totals = {{"requests", requests_},
+                 {"by_status", std::move(statuses)},
+                 {"prefix_reuse",
+                  {{"requests", reuse_.requests},
+                   {"prompt_tokens", reuse_.prompt_tokens},
+                   {"available", reuse_.available},
+                   {"chosen", reuse_.chosen},
+                   {"delivered", reuse_.delivered}}}};
+  if (!by_class_.empty()) {
+    json classes = json::object();
+    for (size_t i = 0; i < by_class_.size(); ++i)
+      classes[topo_.priority.classes[i].name] = by_class_[i];
+    totals["by_class"] = std::move(classes);
+  }
+  return {{"recent", std::move(recent)}, {"totals", std::move(totals)}};
+}
+
+json RequestRecorder::engine_reuse_json(const std::string& name) const {
+  const auto it = engine_reuse_.find(name);
+  if (it == engine_reuse_.end()) return nullptr;
+  return {{"requests", it->second.requests},
+          {"prompt_tokens", it->second.prompt_tokens},
+          {"delivered", it->second.delivered}};
 }
 
 }  // namespace tandem::gateway

@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <filesystem>
@@ -331,24 +332,88 @@ void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions&
   tokens("max_batch_tokens", s.tandem.max_batch_tokens, 1);
 }
 
+PriorityClasses read_priority_classes(const Reader& r, const YAML::Node& node,
+                                      const std::string& path) {
+  const auto keys = r.mapping(node, path, {"classes", "default", "api_keys"});
+  const auto sub = [&](const std::string& key) { return path.empty() ? key : path + "." + key; };
+  PriorityClasses pc;
+  if (!keys.count("classes")) r.fail(sub("classes"), "a list of classes", "nothing");
+  const YAML::Node& list = keys.at("classes");
+  if (!list.IsSequence() || list.size() == 0)
+    r.fail(sub("classes"), "a list of at least one class", Reader::describe(list));
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string item = at(sub("classes"), i);
+    const auto c = r.mapping(list[i], item, {"name", "priority", "max_wait_ms"});
+    PriorityClass k;
+    if (!c.count("name")) r.fail(item + ".name", "a class name", "nothing");
+    k.name = r.non_empty_string(c.at("name"), item + ".name", "a class name");
+    if (c.count("priority"))
+      k.priority =
+          r.integer(c.at("priority"), item + ".priority", std::numeric_limits<int32_t>::min(),
+                    std::numeric_limits<int32_t>::max(), "a whole number");
+    else
+      k.priority = static_cast<int64_t>(i);
+    if (c.count("max_wait_ms"))
+      k.max_wait = r.milliseconds(c.at("max_wait_ms"), item + ".max_wait_ms");
+    pc.classes.push_back(std::move(k));
+  }
+  const auto class_named = [&](const YAML::Node& n, const std::string& where) {
+    const std::string name = r.non_empty_string(n, where, "a class name");
+    for (size_t i = 0; i < pc.classes.size(); ++i)
+      if (pc.classes[i].name == name) return i;
+    r.fail(where, "the name of a class in " + sub("classes"), quoted(name));
+  };
+  if (keys.count("default")) pc.default_class = class_named(keys.at("default"), sub("default"));
+  if (keys.count("api_keys")) {
+    const YAML::Node& map = keys.at("api_keys");
+    if (!map.IsMap())
+      r.fail(sub("api_keys"), "a mapping of API key to class", Reader::describe(map));
+    // Paths name entries by position: an error message must not show a key.
+    size_t i = 0;
+    for (const auto& kv : map) {
+      const std::string where = sub("api_keys") + " (entry " + std::to_string(++i) + ")";
+      const std::string key = r.non_empty_string(kv.first, where, "an API key");
+      pc.api_keys[key] = class_named(kv.second, where);
+    }
+  }
+  return pc;
+}
+
 Topology read_topology(const Reader& r, const YAML::Node& root) {
-  const auto keys =
-      r.mapping(root, "",
-                {"listen", "mode", "model", "served_model_name", "api_keys", "admin_api_key",
-                 "metrics_api_key", "max_queue", "prefill_retries", "policy", "scheduling",
-                 "access_log", "health", "max_tokens_limit", "default_max_tokens", "engine_api_key",
-                 "timeouts", "prefill", "decode"});
+  const auto keys = r.mapping(root, "",
+                              {"listen",
+                               "mode",
+                               "model",
+                               "served_model_name",
+                               "api_keys",
+                               "admin_api_key",
+                               "metrics_api_key",
+                               "max_queue",
+                               "prefill_retries",
+                               "policy",
+                               "scheduling",
+                               "access_log",
+                               "health",
+                               "max_tokens_limit",
+                               "default_max_tokens",
+                               "engine_api_key",
+                               "timeouts",
+                               "prefill",
+                               "decode",
+                               "priority_classes"});
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
     const auto listen = r.mapping(keys.at("listen"), "listen",
-                                  {"host", "port", "io_threads", "max_body_bytes",
+                                  {"host", "port", "io_threads", "reuse_port", "max_body_bytes",
                                    "max_connections", "max_connections_per_address"});
     if (listen.count("host"))
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
     if (listen.count("io_threads"))
       t.io_threads = r.count(listen.at("io_threads"), "listen.io_threads", 1);
+    if (listen.count("reuse_port"))
+      t.reuse_port = r.boolean(listen.at("reuse_port"), "listen.reuse_port");
     if (listen.count("max_body_bytes"))
       t.max_body_bytes = static_cast<size_t>(
           r.integer(listen.at("max_body_bytes"), "listen.max_body_bytes", 1,
@@ -403,6 +468,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
     t.access_log = r.file_path(r.non_empty_string(keys.at("access_log"), "access_log",
                                                   "a file path or \"-\" (standard output)"));
   if (has("scheduling")) read_scheduling(r, keys.at("scheduling"), t.scheduling);
+  if (has("priority_classes"))
+    t.priority = read_priority_classes(r, keys.at("priority_classes"), "priority_classes");
   if (has("health")) {
     const auto health =
         r.mapping(keys.at("health"), "health",
@@ -560,6 +627,18 @@ Topology load_topology(const std::string& path) {
   return parse_topology_yaml(read_file(path), path);
 }
 
+PriorityClasses load_priority_classes(const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(read_file(path));
+  } catch (const YAML::Exception& e) {
+    throw Error(path + ":" + std::to_string(e.mark.line + 1) + ":" +
+                std::to_string(e.mark.column + 1) +
+                ": expected YAML, got a syntax error: " + e.msg);
+  }
+  return read_priority_classes(Reader(path), root, "");
+}
+
 void validate(Topology& t) {
   if (t.host.empty()) invalid("listen.host", "a host name or address", "nothing");
   // listen.port 0 is allowed: the system picks a free port (tests use that).
@@ -608,6 +687,26 @@ void validate(Topology& t) {
   if (pd) {
     check_groups(t.decode, "decode", t.prefill, "prefill");
     check_groups(t.prefill, "prefill", t.decode, "decode");
+  }
+
+  const auto& classes = t.priority.classes;
+  for (size_t i = 0; i < classes.size(); ++i)
+    for (size_t j = 0; j < i; ++j) {
+      const std::string path = at("priority_classes.classes", i);
+      if (classes[i].name == classes[j].name)
+        invalid(path + ".name", "a class name used once", quoted(classes[i].name) + " twice");
+      if (classes[i].priority == classes[j].priority)
+        invalid(path + ".priority", "a priority no other class has",
+                std::to_string(classes[i].priority) + ", as class " + quoted(classes[j].name));
+    }
+  if (t.priority.enabled() && t.priority.default_class >= classes.size())
+    invalid("priority_classes.default", "a class", "none");
+  for (const auto& [key, klass] : t.priority.api_keys) {
+    if (klass >= classes.size()) invalid("priority_classes.api_keys", "classes", "none");
+    if (!t.api_keys.empty() &&
+        std::find(t.api_keys.begin(), t.api_keys.end(), key) == t.api_keys.end())
+      invalid("priority_classes.api_keys", "keys the gateway accepts (listed in api_keys)",
+              "a key that is not");
   }
 
   std::map<std::string, std::string> names;  // name -> key path of its endpoint

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -81,10 +82,29 @@ struct Timeouts {
   std::chrono::milliseconds idle = std::chrono::seconds(120);  // between two pieces of a stream
 };
 
+// Priority classes (docs/gateway.md, "Priority classes"): requests are queued by class, first
+// class first, then by the queue's rule; each class has its own starvation bound.
+struct PriorityClass {
+  std::string name;
+  int64_t priority = 0;  // what the engines get as the request's `priority` (lower runs first)
+  // A request of this class that has waited this long goes before every request that has not
+  // waited its own class's bound, whatever their class (policies/queue_order.h).
+  std::chrono::milliseconds max_wait = std::chrono::seconds(2);
+};
+
+struct PriorityClasses {
+  std::vector<PriorityClass> classes;      // highest first; empty: no classes, `priority` as sent
+  size_t default_class = 0;                // of requests with neither a priority nor a mapped key
+  std::map<std::string, size_t> api_keys;  // API key -> its class
+
+  bool enabled() const { return !classes.empty(); }
+};
+
 struct Topology {
   std::string host = "0.0.0.0";
   uint16_t port = 8080;
   int io_threads = 2;
+  bool reuse_port = false;  // SO_REUSEPORT: replicas of this gateway may listen on the same port
   size_t max_body_bytes = size_t{8} << 20;
   size_t max_connections = 0;  // client connections held at once; 0: 3/4 of the fd limit
   size_t max_connections_per_address = 0;  // of those, from one peer address; 0: no limit
@@ -115,6 +135,7 @@ struct Topology {
   HealthOptions health;
   Timeouts timeouts;
   std::string access_log;  // a file path, "-" for standard output, empty for none
+  PriorityClasses priority;
 };
 
 // "HOST:PORT", "http://HOST:PORT" or, for a parallel-mode prefill engine,
@@ -132,10 +153,13 @@ const char* dialect_name(Dialect dialect);
 // Unknown keys are errors. The result is validated.
 Topology parse_topology_yaml(const std::string& text, const std::string& source);
 Topology load_topology(const std::string& path);
+// A file holding only the `priority_classes` section's mapping (`tandem serve --priority-classes`).
+PriorityClasses load_priority_classes(const std::string& path);
 
 // Throws tandem::Error for an inconsistent topology: no decode engine; a prefill pool in
 // aggregated mode or none in a P/D mode; a dialect that cannot serve the mode; a parallel-mode
-// prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits.
+// prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits;
+// priority classes with duplicate names or priorities, or keys the gateway does not accept.
 // Endpoints without a name get "HOST:PORT".
 void validate(Topology& topology);
 

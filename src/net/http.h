@@ -3,6 +3,7 @@
 // (net/http_client.h), and the OpenAI error body every HTTP error of Tandem carries.
 // Nothing of the wire code or the event loop here: this header is included by engine and gateway
 // code that should compile fast.
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -68,6 +69,10 @@ struct HttpResponse {
 
 // The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
 std::string_view status_reason(int status);
+
+// The value of `key` in a query string ("a=1&b=x%20y"), percent-decoded ('+' is a space); nullopt
+// when absent. A malformed escape is kept as it is.
+std::optional<std::string> query_param(std::string_view query, std::string_view key);
 
 // How a server words an error response: its own (unknown path, wrong method, a malformed or
 // oversized request, a handler that gave up) and Exchange::send_error's. `type` and `code` are

@@ -96,7 +96,10 @@ using Handler = std::function<void(const HttpRequest& request, std::shared_ptr<E
 struct HttpServerOptions {
   std::string host = "0.0.0.0";
   uint16_t port = 0;  // 0: an ephemeral port, see HttpServer::port()
-  int threads = 1;    // io threads
+  // SO_REUSEPORT: other servers (gateway replicas) may listen on the same port; the kernel
+  // spreads connections over them.
+  bool reuse_port = false;
+  int threads = 1;  // io threads
   size_t max_body_bytes = size_t{8} << 20;
   size_t max_header_bytes = size_t{64} << 10;
   // A request's head must arrive completely within this time of its first byte, so that a client

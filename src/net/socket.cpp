@@ -65,7 +65,7 @@ std::vector<Address> resolve(const std::string& host, uint16_t port, bool passiv
   return out;
 }
 
-int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port) {
+int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port, bool reuse_port) {
   std::string where = host + ":" + std::to_string(port);
   std::string error;
   std::vector<Address> addresses = resolve(host, port, true, error);
@@ -77,6 +77,11 @@ int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port) {
   if (fd < 0) throw Error("HttpServer: cannot listen on " + where + ": " + std::strerror(errno));
   int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (reuse_port && ::setsockopt(fd, SOL_SOCKET, SO_REUSEPORT, &one, sizeof one) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw Error("HttpServer: cannot share " + where + " (SO_REUSEPORT): " + std::strerror(e));
+  }
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&a.storage), a.length) != 0 ||
       ::listen(fd, SOMAXCONN) != 0) {
     int e = errno;

@@ -25,7 +25,10 @@ std::vector<Address> resolve(const std::string& host, uint16_t port, bool passiv
                              std::string& error);
 
 // A non-blocking, close-on-exec TCP listener bound to host:port. Throws tandem::Error.
-int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port);
+// `reuse_port`: SO_REUSEPORT, so several listeners (gateway replicas) share the port and the
+// kernel spreads new connections over them.
+int listen_tcp(const std::string& host, uint16_t port, uint16_t& bound_port,
+               bool reuse_port = false);
 
 // A non-blocking TCP socket with a connect to `address` started. Returns the fd (connected or
 // in progress) or -1 with errno set.

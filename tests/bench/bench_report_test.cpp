@@ -2,7 +2,6 @@
 // summary, escaping of hostile text, the access-log reader's errors, and a render in headless
 // Chromium (Debian's `chromium`; the test skips only when that binary is absent) that must log
 // no console message at all and keep every section and plot in the parsed DOM.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -19,6 +18,7 @@
 #include "bench/report.h"
 #include "bench/sweep_report.h"
 #include "util/error.h"
+#include "util/headless_chromium.h"
 
 namespace tandem::bench {
 namespace {
@@ -134,13 +134,6 @@ void write_text(const std::filesystem::path& p, const std::string& text) {
   std::ofstream out(p, std::ios::binary);
   out << text;
   ASSERT_TRUE(out.good()) << p;
-}
-
-std::string read_text(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 TEST(BenchReport, HasEverySectionAndPlot) {
@@ -371,50 +364,12 @@ TEST(BenchReport, ReadsTheAccessLogAndNamesABadLine) {
 
 // --- Headless Chromium ---------------------------------------------------------------------
 
-std::string find_chromium() {
-  for (const char* name : {"chromium", "chromium-browser"}) {
-    const std::string cmd = std::string("command -v ") + name + " 2>/dev/null";
-    FILE* p = ::popen(cmd.c_str(), "r");
-    if (!p) continue;
-    char buf[4096];
-    std::string out;
-    while (size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-    ::pclose(p);
-    while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-    if (!out.empty()) return out;
-  }
-  return {};
-}
+using testing::find_chromium;
 
-struct Render {
-  int status = -1;
-  std::string dom;
-  std::vector<std::string> console;  // every console message Chromium logged
-  std::string stderr_text;
-};
-
-// Opens `page` in headless Chromium, dumps the DOM after load and collects the console
-// messages, which Chromium logs to stderr as "...:CONSOLE:<line>] "message", source: ...".
-Render render(const std::string& chromium, const std::filesystem::path& page,
-              const std::filesystem::path& work) {
-  const auto dom = work / "dom.html", err = work / "stderr.txt";
-  const std::string cmd = "timeout 120 '" + chromium +
-                          "' --headless=new --disable-gpu --no-sandbox --no-first-run "
-                          "--user-data-dir='" +
-                          (work / "profile").string() +
-                          "' --enable-logging=stderr --v=0 --dump-dom 'file://" + page.string() +
-                          "' >'" + dom.string() + "' 2>'" + err.string() + "'";
-  Render r;
-  const int rc = std::system(cmd.c_str());
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  r.dom = read_text(dom);
-  r.stderr_text = read_text(err);
-  std::istringstream lines(r.stderr_text);
-  for (std::string line; std::getline(lines, line);) {
-    if (line.find(":CONSOLE") != std::string::npos || line.find("Uncaught") != std::string::npos)
-      r.console.push_back(line);
-  }
-  return r;
+// Opens `page` in headless Chromium (tests/util/headless_chromium.h).
+testing::ChromiumRender render(const std::string& chromium, const std::filesystem::path& page,
+                               const std::filesystem::path& work) {
+  return testing::render_in_chromium(chromium, "file://" + page.string(), work);
 }
 
 TEST(BenchReportChromium, RendersWithoutConsoleMessages) {
@@ -429,7 +384,7 @@ TEST(BenchReportChromium, RendersWithoutConsoleMessages) {
   write_text(broken,
              "<!DOCTYPE html><html><head><meta charset=\"utf-8\"></head><body><p>x</p>"
              "<script>throw new Error(\"report-test-canary\");</script></body></html>");
-  const Render control = render(chromium, broken, dir.path());
+  const auto control = render(chromium, broken, dir.path());
   ASSERT_EQ(control.status, 0) << control.stderr_text;
   ASSERT_FALSE(control.console.empty()) << control.stderr_text;
   EXPECT_THAT(control.console[0], HasSubstr("report-test-canary"));
@@ -438,7 +393,7 @@ TEST(BenchReportChromium, RendersWithoutConsoleMessages) {
   const std::string html = html_report(sample_summary(results), results, sample_options());
   const auto page = dir.path() / "report.html";
   write_text(page, html);
-  const Render r = render(chromium, page, dir.path());
+  const auto r = render(chromium, page, dir.path());
   ASSERT_EQ(r.status, 0) << r.stderr_text;
   EXPECT_TRUE(r.console.empty()) << ::testing::PrintToString(r.console);
 
@@ -501,7 +456,7 @@ TEST(BenchReportChromium, TheSweepReportRendersWithoutConsoleMessages) {
   const std::string html = sweep_report(sample_sweep(), "sweep", {{"model", "sim:x"}});
   const auto page = dir.path() / "sweep.html";
   write_text(page, html);
-  const Render r = render(chromium, page, dir.path());
+  const auto r = render(chromium, page, dir.path());
   ASSERT_EQ(r.status, 0) << r.stderr_text;
   EXPECT_TRUE(r.console.empty()) << ::testing::PrintToString(r.console);
   EXPECT_EQ(count(r.dom, "<polyline "), count(html, "<polyline "));

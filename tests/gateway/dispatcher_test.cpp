@@ -240,6 +240,55 @@ class Cluster {
     return client;
   }
 
+  // A client sends `body` (with an Authorization bearer `key` when given) to /v1/completions.
+  std::shared_ptr<FakeClient> send_body(const json& body, const std::string& key = {}) {
+    auto client = std::make_shared<FakeClient>();
+    clients_.push_back(client);
+    net::HttpRequest req;
+    req.method = "POST";
+    req.target = req.path = "/v1/completions";
+    req.body = body.dump();
+    if (!key.empty()) req.headers.set("Authorization", "Bearer " + key);
+    if (RequestPtr r = front_end.prepare(req, client)) {
+      r->reply->on_close([this, r] { dispatcher.client_gone(r); });
+      clock.post_batched([this, r] { dispatcher.submit(r); });
+    }
+    clock.run_ready();
+    return client;
+  }
+
+  // A request whose prompt the gateway tokenized (as a model folder would): `ids` decide what the
+  // engines' cached prefixes match.
+  std::shared_ptr<FakeClient> send_tokens(const std::vector<int32_t>& ids, bool stream = false) {
+    auto client = std::make_shared<FakeClient>();
+    clients_.push_back(client);
+    net::HttpRequest req;
+    req.method = "POST";
+    req.target = req.path = "/v1/completions";
+    req.body = json{{"model", "m"}, {"prompt", ids}, {"stream", stream}}.dump();
+    if (RequestPtr r = front_end.prepare(req, client)) {
+      r->prompt_ids = ids;
+      r->prompt_tokens = static_cast<int64_t>(ids.size());
+      r->tokens_known = true;
+      r->reply->on_close([this, r] { dispatcher.client_gone(r); });
+      clock.post_batched([this, r] { dispatcher.submit(r); });
+    }
+    clock.run_ready();
+    return client;
+  }
+
+  // The engine named `name` holds the first `tokens` ids of `ids` in its prefix cache (as its KV
+  // events would say; 16-token blocks).
+  void engine_caches(const std::string& name, const std::vector<int32_t>& ids, size_t tokens) {
+    for (const auto& [id, e] : endpoints.all())
+      if (e.config.name == name) {
+        endpoints.events_fed_externally(id);
+        std::vector<uint64_t> hashes;
+        for (size_t b = 0; b < tokens / 16; ++b) hashes.push_back(1000 * (id + 1) + b);
+        index.add_blocks(id, hashes, std::span(ids).first(tokens), std::nullopt);
+      }
+  }
+
   json endpoint(const std::string& name) const {
     const json all = dispatcher.endpoints_json();
     for (const auto& e : all.at("endpoints"))
@@ -624,6 +673,175 @@ TEST(Dispatcher, ParallelModeStartsBothLegsWithOneBootstrapRoom) {
   EXPECT_TRUE(legs[0]->cancelled);
   EXPECT_EQ(c.engines.open("/v1/completions").size(), 2u);
   EXPECT_FALSE(client->complete());
+}
+
+// ------------------------------------------------------------------------ routing quality
+
+std::string answer_with_cached(int64_t cached) {
+  json a = json::parse(completion_answer("ok"));
+  a["usage"]["prompt_tokens_details"] = {{"cached_tokens", cached}};
+  return a.dump();
+}
+
+std::vector<int32_t> prompt_ids(size_t n) {
+  std::vector<int32_t> ids(n);
+  for (size_t i = 0; i < n; ++i) ids[i] = static_cast<int32_t>(100 + i);
+  return ids;
+}
+
+TEST(Dispatcher, RecordsWhatWasAvailableChosenAndDeliveredOfAPrefix) {
+  Topology t = aggregated({engine("a"), engine("b")});  // least_load: a, the lower id, on a tie
+  Cluster c(t);
+  const auto ids = prompt_ids(100);
+  c.engine_caches("a", ids, 0);
+  c.engine_caches("b", ids, 64);
+  auto client = c.send_tokens(ids);
+  auto call = c.engines.open("/v1/completions").at(0);
+  EXPECT_EQ(host_of(*call), "a");  // the policy gave the cached prefix up
+  FakeEngines::answer(*call, 200, answer_with_cached(0));
+  c.clock.run_ready();
+  ASSERT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"available\"}"), 64);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"chosen\"}"), 0);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"), 0);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_prompt_tokens_total"), 100);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_requests_total"), 1);
+
+  // Now a holds a request: least_load picks b, whose cache the engine reports it used (48 of the
+  // 64 tokens: a block evicted in between).
+  auto busy = c.send_tokens(prompt_ids(20));
+  auto second = c.send_tokens(ids);
+  auto calls = c.engines.open("/v1/completions");
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(host_of(*calls[1]), "b");
+  FakeEngines::answer(*calls[1], 200, answer_with_cached(48));
+  FakeEngines::answer(*calls[0], 200, completion_answer("no usage details"));  // not measured
+  c.clock.run_ready();
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"available\"}"), 128);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"chosen\"}"), 64);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"), 48);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_requests_total"), 2);
+
+  // The dashboard's view: the split per request (newest last), the totals, each engine's reuse.
+  const json state = c.dispatcher.dashboard_state();
+  const json& recent = state.at("recent");
+  ASSERT_EQ(recent.size(), 3u);
+  EXPECT_EQ(recent[0]["prefix_reuse"], (json{{"available", 64}, {"chosen", 0}, {"delivered", 0}}));
+  EXPECT_EQ(recent[1]["prefix_reuse"],
+            (json{{"available", 64}, {"chosen", 64}, {"delivered", 48}}));
+  EXPECT_EQ(recent[2]["prefix_reuse"]["delivered"], -1);
+  EXPECT_EQ(state["totals"]["prefix_reuse"], (json{{"requests", 2},
+                                                   {"prompt_tokens", 200},
+                                                   {"available", 128},
+                                                   {"chosen", 64},
+                                                   {"delivered", 48}}));
+  EXPECT_EQ(state["totals"]["requests"], 3);
+  EXPECT_EQ(state["totals"]["by_status"]["200"], 3);
+  for (const auto& e : state["endpoints"]) {
+    if (e["name"] == "b") {
+      EXPECT_EQ(e["reuse"], (json{{"requests", 1}, {"prompt_tokens", 100}, {"delivered", 48}}));
+    }
+  }
+  EXPECT_EQ(state["histograms"]["e2e"]["count"], 3);
+  (void)busy;
+  (void)second;
+}
+
+TEST(Dispatcher, AStreamsUsageChunkSaysWhatTheEngineReused) {
+  Cluster c(aggregated({engine("a")}));
+  const auto ids = prompt_ids(40);
+  c.engine_caches("a", ids, 32);
+  auto client = c.send_tokens(ids, true);
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "text/event-stream");
+  FakeEngines::piece(*call,
+                     "data: {\"choices\":[{\"text\":\"x\"}]}\n\n"
+                     "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,"
+                     "\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n");
+  FakeEngines::finish(*call, "");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"), 32);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"chosen\"}"), 32);
+}
+
+TEST(Dispatcher, InPdModesThePrefillEnginesUsageCountsAndAStreamsPrefillLegAsksForIt) {
+  Cluster c(disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")}));
+  const auto ids = prompt_ids(64);
+  c.engine_caches("p", ids, 48);
+  c.engine_caches("d", ids, 64);  // the decode engine's cache computes nothing: not counted
+  auto client = c.send_tokens(ids, true);
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  const json p = json::parse(legs[0]->request.body), d = json::parse(legs[1]->request.body);
+  EXPECT_EQ(p["stream_options"], (json{{"include_usage", true}}));
+  EXPECT_FALSE(d.contains("stream_options"));  // the client gets what it asked for
+  FakeEngines::head(*legs[0], 200, "text/event-stream");
+  FakeEngines::piece(*legs[0],
+                     "data: {\"choices\":[{\"text\":\"x\"}]}\n\n"
+                     "data: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":"
+                     "{\"cached_tokens\":48}}}\n\ndata: [DONE]\n\n");
+  FakeEngines::finish(*legs[0], "");
+  FakeEngines::head(*legs[1], 200, "text/event-stream");
+  FakeEngines::piece(*legs[1], "data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n");
+  FakeEngines::finish(*legs[1], "");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"available\"}"), 48);
+  EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"), 48);
+  EXPECT_EQ(client->streamed.find("cached_tokens"), std::string::npos);
+}
+
+// ------------------------------------------------------------------------ priority classes
+
+Topology with_classes(Topology t) {
+  t.api_keys = {"k-batch", "k-chat"};
+  t.priority.classes = {{"interactive", 0, std::chrono::seconds(2)},
+                        {"batch", 10, std::chrono::seconds(30)}};
+  t.priority.api_keys = {{"k-batch", 1}};
+  return t;
+}
+
+TEST(Dispatcher, EnginesGetTheClassPriorityAndTheQueueServesAHigherClassFirst) {
+  Cluster c(with_classes(aggregated({engine("a", 0, 1)})));
+  const json body = {{"model", "m"}, {"prompt", "hi"}};
+  auto running = c.send_body(body, "k-chat");
+  auto batch = c.send_body(body, "k-batch");
+  json chat_body = body;
+  chat_body["priority"] = "interactive";
+  auto chat = c.send_body(chat_body, "k-chat");
+  auto calls = c.engines.open("/v1/completions");
+  ASSERT_EQ(calls.size(), 1u);  // the engine takes one at a time
+  EXPECT_EQ(json::parse(calls[0]->request.body)["priority"], 0);
+  FakeEngines::answer(*calls[0], 200, completion_answer("first"));
+  c.clock.run_ready();
+  calls = c.engines.open("/v1/completions");
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(json::parse(calls[0]->request.body)["priority"], 0);  // the interactive one
+  FakeEngines::answer(*calls[0], 200, completion_answer("second"));
+  c.clock.run_ready();
+  EXPECT_EQ(chat->status, 200);
+  EXPECT_FALSE(batch->complete());
+  calls = c.engines.open("/v1/completions");
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(json::parse(calls[0]->request.body)["priority"], 10);
+  FakeEngines::answer(*calls[0], 200, completion_answer("third"));
+  c.clock.run_ready();
+  EXPECT_EQ(batch->status, 200);
+  const json state = c.dispatcher.dashboard_state();
+  EXPECT_EQ(state["totals"]["by_class"], (json{{"batch", 1}, {"interactive", 2}}));
+  EXPECT_EQ(state["recent"][2]["priority_class"], "batch");
+  (void)running;
+}
+
+TEST(Dispatcher, AnUnknownPriorityIsA400NamingTheField) {
+  Cluster c(with_classes(aggregated({engine("a")})));
+  for (const json& bad : {json(3), json("urgent")}) {
+    auto client = c.send_body({{"model", "m"}, {"prompt", "hi"}, {"priority", bad}}, "k-chat");
+    EXPECT_EQ(client->status, 400);
+    EXPECT_EQ(json::parse(client->body)["error"]["param"], "priority");
+  }
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty());
 }
 
 // ------------------------------------------------------------------------ drain and reload

