@@ -4,8 +4,10 @@
 # publishing KV events into the gateway's prefix index) once per policy, with `tandem bench`.
 # Prints one row per policy: TTFT p50/p90/p95/p99 and mean, TPOT p50/p99, goodput under the SLOs,
 # prefix-cache hit rate next to the window's own upper bound (an infinite cache with the trace's
-# 512-token blocks), and load imbalance (largest over mean of the prompt tokens each prefill
-# engine computed).
+# 512-token blocks), the routing-quality split from the gateway's access log (of the measured
+# requests' prompt tokens: % cached on some computing engine when routed, on the engine chosen,
+# and reused as the engine reported; docs/gateway.md "Routing quality"), and load imbalance
+# (largest over mean of the prompt tokens each prefill engine computed).
 #
 # The engines keep the simulated H800's KV capacity (524,288 tokens each, what one 80 GB rank keeps
 # after its share of the weights) and its step times; only the bytes their KV transfers move are
@@ -112,13 +114,26 @@ run_policy() {
   for e in "${engines[@]}"; do curl -s "$e/metrics" >"$dir/engine-$policy-${e##*:}.txt"; done
   kill "$serve_pid" && wait "$serve_pid" 2>/dev/null || true
   rm -f "$dir/$policy.pid"
-  python3 - "$dir/$policy.json" "$policy" "$bound" "$dir"/engine-"$policy"-*.txt \
-    >"$dir/row-$policy.txt" <<'EOF'
+  python3 - "$dir/$policy.json" "$policy" "$bound" "$dir/access-$policy.jsonl" \
+    "$dir"/engine-"$policy"-*.txt >"$dir/row-$policy.txt" <<'EOF'
 import json, re, sys
 r = json.load(open(sys.argv[1]))
+# Routing quality from the gateway's access log: of the measured requests' prompt tokens, the
+# share cached on some computing engine (available), on the one chosen, and reused as reported.
+split = {"available": 0, "chosen": 0, "delivered": 0}
+prompt = 0
+for line in open(sys.argv[4]):
+    a = json.loads(line)
+    reuse = a.get("prefix_reuse")
+    if a.get("status") != 200 or not reuse or min(reuse.values()) < 0:
+        continue
+    prompt += a["prompt_tokens"]
+    for k in split:
+        split[k] += reuse[k]
+share = {k: 100.0 * v / prompt if prompt else float("nan") for k, v in split.items()}
 # Prompt tokens each computing engine really computed (queried minus found in its prefix cache).
 computed = []
-for path in sys.argv[4:]:
+for path in sys.argv[5:]:
     v = {}
     for line in open(path):
         m = re.match(r'(vllm:prefix_cache_(?:queries|hits)_total)\S* (\S+)', line)
@@ -132,6 +147,7 @@ print(f'{sys.argv[2]:<12} {r["p50_ttft_ms"]:9.0f} {r["p90_ttft_ms"]:9.0f} {r["p9
       f'{r["p99_ttft_ms"]:9.0f} {r["mean_ttft_ms"]:9.0f} {r["p50_tpot_ms"]:9.1f} '
       f'{r["p99_tpot_ms"]:9.1f} {r["request_goodput"] or 0:10.3f} '
       f'{(100 * hit if hit is not None else float("nan")):9.2f} {float(sys.argv[3]):9.2f} '
+      f'{share["available"]:8.2f} {share["chosen"]:8.2f} {share["delivered"]:8.2f} '
       f'{imbalance:9.2f}  ({r["completed"]} ok, {r["failed"]} failed)')
 EOF
 }
@@ -143,8 +159,9 @@ for policy in $policies; do
   run_policy "$policy" &
 done
 wait
-printf '%-12s %9s %9s %9s %9s %9s %9s %9s %10s %9s %9s %9s\n' policy ttft_p50 ttft_p90 \
-  ttft_p95 ttft_p99 ttft_mean tpot_p50 tpot_p99 goodput hit_% bound_% imbalance
+printf '%-12s %9s %9s %9s %9s %9s %9s %9s %10s %9s %9s %8s %8s %8s %9s\n' policy ttft_p50 \
+  ttft_p90 ttft_p95 ttft_p99 ttft_mean tpot_p50 tpot_p99 goodput hit_% bound_% avail_% \
+  chosen_% deliv_% imbalance
 for policy in $policies; do
   cat "$dir/row-$policy.txt" 2>/dev/null || echo "$policy: failed (see bench output)"
 done
