@@ -7,8 +7,8 @@
 # rounds; prints each run's interactive TTFT p50/p99 and batch TTFT p50/p99 and throughput, then
 # the medians and the interactive TTFT p99 ratio (without / with).
 # Usage: bench/priority_classes.sh [BUILD_DIR]
-# Environment: ROUNDS (3), BATCH_RATE (0.6 req/s), BATCH_LEN (3000 tokens), BATCH_N (50),
-#   CHAT_RATE (0.5 req/s), CHAT_LEN (800), CHAT_N (30), OUTPUT_LEN (16), MODEL
+# Environment: ROUNDS (3), BATCH_RATE (2.5 req/s), BATCH_LEN (3000 tokens), BATCH_N (150),
+#   CHAT_RATE (1 req/s), CHAT_LEN (800), CHAT_N (40), OUTPUT_LEN (16), MODEL
 #   (sim:deepseek-v3-h800).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,7 +27,7 @@ cleanup() {
 trap cleanup EXIT
 cat >"$dir/classes.yaml" <<YAML
 classes:
-  - {name: interactive, priority: 0, max_wait_ms: 2000}
+  - {name: interactive, priority: 0, max_wait_ms: 2000, hold_ms: 0}
   - {name: batch, priority: 10, max_wait_ms: 60000}
 api_keys: {sk-batch: batch}
 YAML
@@ -50,12 +50,12 @@ run() {
     --random-range-ratio 0.1 --random-output-len "${OUTPUT_LEN:-16}" --no-progress
     --percentile-metrics ttft --metric-percentiles 50,99)
   "$build/tandem" bench "${common[@]}" --api-key sk-batch --random-input-len "${BATCH_LEN:-3000}" \
-    --num-prompts "${BATCH_N:-50}" --request-rate "${BATCH_RATE:-0.6}" --seed "$round" \
+    --num-prompts "${BATCH_N:-150}" --request-rate "${BATCH_RATE:-2.5}" --seed "$round" \
     --result-file "$dir/$setting-$round-batch.json" >"$dir/bench-batch.out" 2>&1 &
   local batch=$!
   sleep 5  # the batch backlog builds up first
   "$build/tandem" bench "${common[@]}" --api-key sk-chat --random-input-len "${CHAT_LEN:-800}" \
-    --num-prompts "${CHAT_N:-30}" --request-rate "${CHAT_RATE:-0.5}" --seed "$((round + 100))" \
+    --num-prompts "${CHAT_N:-40}" --request-rate "${CHAT_RATE:-1}" --seed "$((round + 100))" \
     --result-file "$dir/$setting-$round-chat.json" >"$dir/bench-chat.out" 2>&1 ||
     { cat "$dir/bench-chat.out" >&2; exit 1; }
   wait "$batch" || { cat "$dir/bench-batch.out" >&2; exit 1; }

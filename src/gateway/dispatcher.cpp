@@ -51,6 +51,8 @@ RequestInfo Dispatcher::info(const Request& r) const {
   ri.excluded = r.excluded;
   ri.prompt_ids = r.prompt_ids;
   ri.block_hashes = r.block_hashes;
+  if (topo_.priority.enabled())
+    ri.max_hold = topo_.priority.classes[static_cast<size_t>(r.priority_class)].hold;
   return ri;
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -80,6 +81,10 @@ struct RequestInfo {
   std::span<const int32_t> prompt_ids{};
   std::span<const uint64_t> block_hashes{};  // api/block_hash.h hashes of its full blocks
   int64_t max_new_tokens = 0;                // 0: unknown
+  // How long tandem may hold this request for the engines' queued-token limits (its priority
+  // class's hold_ms): 0 never; none: the policy's max_hold. Engines that schedule by priority put
+  // a higher class ahead of the queue that limit measures.
+  std::optional<Clock::duration> max_hold;
 };
 
 struct Choice {

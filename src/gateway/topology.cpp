@@ -343,7 +343,7 @@ PriorityClasses read_priority_classes(const Reader& r, const YAML::Node& node,
     r.fail(sub("classes"), "a list of at least one class", Reader::describe(list));
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string item = at(sub("classes"), i);
-    const auto c = r.mapping(list[i], item, {"name", "priority", "max_wait_ms"});
+    const auto c = r.mapping(list[i], item, {"name", "priority", "max_wait_ms", "hold_ms"});
     PriorityClass k;
     if (!c.count("name")) r.fail(item + ".name", "a class name", "nothing");
     k.name = r.non_empty_string(c.at("name"), item + ".name", "a class name");
@@ -355,6 +355,10 @@ PriorityClasses read_priority_classes(const Reader& r, const YAML::Node& node,
       k.priority = static_cast<int64_t>(i);
     if (c.count("max_wait_ms"))
       k.max_wait = r.milliseconds(c.at("max_wait_ms"), item + ".max_wait_ms");
+    if (c.count("hold_ms"))
+      k.hold = std::chrono::milliseconds(r.integer(c.at("hold_ms"), item + ".hold_ms", 0,
+                                                   std::numeric_limits<int32_t>::max(),
+                                                   "a duration in milliseconds >= 0"));
     pc.classes.push_back(std::move(k));
   }
   const auto class_named = [&](const YAML::Node& n, const std::string& where) {

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,9 @@ struct PriorityClass {
   // A request of this class that has waited this long goes before every request that has not
   // waited its own class's bound, whatever their class (policies/queue_order.h).
   std::chrono::milliseconds max_wait = std::chrono::seconds(2);
+  // How long the tandem policy may hold a request of this class for the engines' queued-token
+  // limits (policy.h RequestInfo::max_hold): 0 never; none: scheduling.max_hold_ms.
+  std::optional<std::chrono::milliseconds> hold;
 };
 
 struct PriorityClasses {

@@ -796,8 +796,8 @@ TEST(Dispatcher, InPdModesThePrefillEnginesUsageCountsAndAStreamsPrefillLegAsksF
 
 Topology with_classes(Topology t) {
   t.api_keys = {"k-batch", "k-chat"};
-  t.priority.classes = {{"interactive", 0, std::chrono::seconds(2)},
-                        {"batch", 10, std::chrono::seconds(30)}};
+  t.priority.classes = {{"interactive", 0, std::chrono::seconds(2), std::nullopt},
+                        {"batch", 10, std::chrono::seconds(30), std::nullopt}};
   t.priority.api_keys = {{"k-batch", 1}};
   return t;
 }

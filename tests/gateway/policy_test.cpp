@@ -767,6 +767,25 @@ TEST(Tandem, HoldsAtMostMaxHoldThenGoesToTheSoonestEngine) {
             Choice::Kind::kSaturated);
 }
 
+// A priority class's own hold: 0 sends an interactive request on at once to the engine that
+// computes it soonest (its engine puts it ahead of the queue the limit measures); a longer one
+// holds it that long.
+TEST(Tandem, ARequestsOwnHoldReplacesThePolicys) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].queued_prefill_tokens = 50000;
+  v.prefill[1].queued_prefill_tokens = 40000;
+  RequestInfo interactive = req(1000);
+  interactive.max_hold = std::chrono::milliseconds(0);
+  EXPECT_EQ(p->choose_prefill(v, interactive, t0).endpoint, 1);
+  RequestInfo batch = req(1000);
+  batch.max_hold = seconds(10);
+  EXPECT_EQ(p->choose_prefill(v, batch, t0 + seconds(9)).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_prefill(v, batch, t0 + seconds(10)).endpoint, 1);
+  EXPECT_EQ(p->choose_prefill(v, req(1000), t0 + seconds(2)).endpoint, 1);  // the policy's 2 s
+}
+
 // A prompt that alone exceeds the queued-token limit on every engine is not held: no engine can
 // ever take it within the limit, and holding it would only let later, shorter requests ahead.
 TEST(Tandem, APromptLargerThanTheQueueLimitIsNotHeld) {

@@ -88,9 +88,9 @@ TEST(RoutingQuality, CachedTokensComeFromTheUsageOfAnAnswerOrAStream) {
 
 PriorityClasses classes() {
   PriorityClasses pc;
-  pc.classes = {{"interactive", 0, std::chrono::seconds(2)},
-                {"standard", 5, std::chrono::seconds(10)},
-                {"batch", 10, std::chrono::seconds(60)}};
+  pc.classes = {{"interactive", 0, std::chrono::seconds(2), std::nullopt},
+                {"standard", 5, std::chrono::seconds(10), std::nullopt},
+                {"batch", 10, std::chrono::seconds(60), std::nullopt}};
   pc.default_class = 1;
   pc.api_keys = {{"k-batch", 2}, {"k-chat", 0}};
   return pc;

@@ -604,7 +604,7 @@ TEST(TopologyYaml, PriorityClassesParseWithTheirKeysAndDefaults) {
       parallel_yaml("api_keys: [k-batch, k-chat]\n"
                     "priority_classes:\n"
                     "  classes:\n"
-                    "    - {name: interactive, priority: -5, max_wait_ms: 500}\n"
+                    "    - {name: interactive, priority: -5, max_wait_ms: 500, hold_ms: 0}\n"
                     "    - {name: batch, priority: 10}\n"
                     "  default: batch\n"
                     "  api_keys: {k-batch: batch, k-chat: interactive}\n"
@@ -616,6 +616,8 @@ TEST(TopologyYaml, PriorityClassesParseWithTheirKeysAndDefaults) {
   EXPECT_EQ(t.priority.classes[0].max_wait, 500ms);
   EXPECT_EQ(t.priority.classes[1].priority, 10);
   EXPECT_EQ(t.priority.classes[1].max_wait, 2000ms);  // the default bound
+  EXPECT_EQ(t.priority.classes[0].hold, 0ms);
+  EXPECT_FALSE(t.priority.classes[1].hold.has_value());  // the policy's max_hold
   EXPECT_EQ(t.priority.default_class, 1u);
   EXPECT_EQ(t.priority.api_keys.at("k-batch"), 1u);
   EXPECT_EQ(t.priority.api_keys.at("k-chat"), 0u);
@@ -652,6 +654,8 @@ TEST(TopologyYaml, PriorityClassMistakesNameTheKey) {
        "class 'a'"},
       {"api_keys: [k1]\npriority_classes: {classes: [{name: a}], api_keys: {secret-key: a}}",
        "priority_classes.api_keys: expected keys the gateway accepts"},
+      {"priority_classes: {classes: [{name: a, hold_ms: -1}]}",
+       "priority_classes.classes[0].hold_ms: expected a duration in milliseconds >= 0"},
       {"listen: {reuse_port: 1}", "listen.reuse_port: expected true or false"},
   };
   for (const auto& [line, expected] : cases) {

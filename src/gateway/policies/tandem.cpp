@@ -165,8 +165,10 @@ class TandemPolicy final : public Policy {
     return false;
   }
 
-  // True once the request has waited max_hold since it arrived: it is held no longer.
+  // True once the request has waited max_hold (its own, else the policy's) since it arrived: it
+  // is held no longer.
   bool held_long_enough(const RequestInfo& r, Clock::time_point now) const {
+    if (r.max_hold) return now - r.arrived >= *r.max_hold;
     return o_.max_hold.count() > 0 && now - r.arrived >= o_.max_hold;
   }
 
