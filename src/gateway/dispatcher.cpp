@@ -311,6 +311,10 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
     }
     exec_.post_batched([this, r, leg, outcome] {
       if (leg->ended_request) finished(r);
+      if (leg->prefill && r->record_pending) {
+        r->record_pending = false;
+        recorder_.record(*r, exec_.now_ns());
+      }
       leg_done(*leg, outcome);
     });
   };
@@ -460,7 +464,21 @@ void Dispatcher::finished(const RequestPtr& r) {
     exec_.set_busy(!active_.empty());
   }
   r->booking = Booking::kOutside;
+  // Parallel mode: the prefill leg may answer after the decode leg ended the request, and its
+  // usage says what the prefill engine reused, so the record waits for it (bounded by the
+  // prefill timeout); the start_leg completion records it then.
+  if (r->outcome.status == 200 && prefill_leg_running(*r)) {
+    r->record_pending = true;
+    return;
+  }
   recorder_.record(*r, exec_.now_ns());
+}
+
+bool Dispatcher::prefill_leg_running(Request& r) {
+  std::lock_guard lock(r.mutex);
+  for (const auto& l : r.legs)
+    if (l->prefill && l->attempt == r.attempt && l->running()) return true;
+  return false;
 }
 
 // ------------------------------------------------------------------------------ admin
@@ -506,7 +524,8 @@ json histogram_json(const metrics::Histogram& h) {
 
 }  // namespace
 
-json Dispatcher::dashboard_state() const {
+json Dispatcher::dashboard_state() {
+  recorder_.watch(exec_.now_ns());
   json state = endpoints_json();
   for (auto& e : state["endpoints"])
     if (json reuse = recorder_.engine_reuse_json(e["name"].get<std::string>()); !reuse.is_null())

@@ -55,8 +55,9 @@ class Dispatcher {
   nlohmann::json endpoint_json(int id) const;  // null when there is none
   nlohmann::json debug_requests() const;
   // GET /dashboard/state (dashboard.h): endpoints_json() with each engine's reported reuse, the
-  // queue, the recorder's recent requests and totals, and the latency histograms.
-  nlohmann::json dashboard_state() const;
+  // queue, the recorder's recent requests and totals, and the latency histograms. Starts (or
+  // extends) the recorder's watch, so the requests that end next are kept for it.
+  nlohmann::json dashboard_state();
   // The engine of that name not being drained, or null.
   const EndpointState* endpoint_named(const std::string& name) const;
   // An engine to relay GET /v1/models to: the policy's decode pick, or null.
@@ -107,6 +108,7 @@ class Dispatcher {
                       std::string body, std::string message);
   void answer_error(const RequestPtr& r, int status, const std::string& message);
   void finished(const RequestPtr& r);
+  static bool prefill_leg_running(Request& r);
   void cancel_calls(const std::vector<Upstream::CallId>& calls);
 
   const Topology& topo_;

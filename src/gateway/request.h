@@ -117,6 +117,7 @@ struct Request {
   PrefixReuse reuse;
   std::string prefill_name, decode_name;
   Executor::TimerId queue_timer;  // cancelled when it leaves the queue
+  bool record_pending = false;    // ended; its record waits for its prefill leg (parallel mode)
   Executor::Clock::time_point queued_at;
 
   // Shared by the io, client and scheduling threads, under `mutex`.

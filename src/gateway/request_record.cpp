@@ -110,10 +110,14 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
       e.delivered += reuse.delivered;
     }
   }
+  const bool watched = now_ns < watched_until_ns_;
+  if (!log_ && !watched) return;
   json line = access_log_line(r, topo_, completed);
-  if (log_) log_->add(line);
-  recent_.push_back(std::move(line));
-  if (recent_.size() > kRecent) recent_.pop_front();
+  if (watched) {
+    recent_.push_back(line);
+    if (recent_.size() > kRecent) recent_.pop_front();
+  }
+  if (log_) log_->add(std::move(line));
 }
 
 json RequestRecorder::dashboard_json() const {

@@ -32,12 +32,17 @@ class RequestRecorder {
   // Records `r`, which ended; `now_ns` stands in for its end if it was never stamped.
   void record(Request& r, int64_t now_ns);
 
-  // The dashboard's view: {"recent": the access log lines of the last kRecent requests, oldest
-  // first; "totals": requests, by_status, prefix_reuse (ReuseTotals), by_class (with priority
-  // classes)} and, per engine that
-  // computed prompts, what it reported reusing: {name: {requests, prompt_tokens, delivered}}.
+  // The dashboard's view: {"recent": the access log lines of the last kRecent requests that
+  // ended while it was watched, oldest first; "totals": requests, by_status, prefix_reuse
+  // (ReuseTotals), by_class (with priority classes)} and, per engine that computed prompts, what
+  // it reported reusing: {name: {requests, prompt_tokens, delivered}}.
   static constexpr size_t kRecent = 200;
   nlohmann::json dashboard_json() const;
+  // Someone looks at the dashboard at `now_ns`: requests ending within kWatch of it are kept for
+  // "recent" (building their lines costs the scheduling thread; nobody watching, nothing is built
+  // unless the access log is on).
+  static constexpr int64_t kWatch = int64_t{60} * 1'000'000'000;
+  void watch(int64_t now_ns) { watched_until_ns_ = now_ns + kWatch; }
   nlohmann::json engine_reuse_json(const std::string& name) const;  // null when none
 
  private:
@@ -49,6 +54,7 @@ class RequestRecorder {
   AccessLog* log_;
   const Topology& topo_;
   std::deque<nlohmann::json> recent_;
+  int64_t watched_until_ns_ = 0;
   int64_t requests_ = 0;
   std::map<int, int64_t> by_status_;
   std::vector<int64_t> by_class_;  // requests per priority class

@@ -82,6 +82,7 @@ std::string prompt() {
 
 TEST(RoutingQuality, TheSplitFollowsTheEnginesKvEventsAndWhatTheEngineReused) {
   Stack s;
+  s.state();  // the dashboard is open: the requests that end next are kept for it
   const std::string p = prompt();
   s.complete(p);
   // Once the prefill engine's KV events reached the gateway's index, the prefix is available.

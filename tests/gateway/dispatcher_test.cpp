@@ -692,6 +692,7 @@ std::vector<int32_t> prompt_ids(size_t n) {
 TEST(Dispatcher, RecordsWhatWasAvailableChosenAndDeliveredOfAPrefix) {
   Topology t = aggregated({engine("a"), engine("b")});  // least_load: a, the lower id, on a tie
   Cluster c(t);
+  c.dispatcher.dashboard_state();  // the dashboard is open: requests that end are kept for it
   const auto ids = prompt_ids(100);
   c.engine_caches("a", ids, 0);
   c.engine_caches("b", ids, 64);
@@ -747,6 +748,29 @@ TEST(Dispatcher, RecordsWhatWasAvailableChosenAndDeliveredOfAPrefix) {
   (void)second;
 }
 
+// Building a request's line costs the scheduling thread: without an access log it is built only
+// while someone watches the dashboard (a poll keeps the watch a minute); the totals always count.
+TEST(Dispatcher, RecentRequestsAreKeptOnlyWhileTheDashboardIsWatched) {
+  Cluster c(aggregated({engine("a")}));
+  auto finish_one = [&] {
+    c.send();
+    c.answer_all();
+  };
+  finish_one();
+  json state = c.dispatcher.dashboard_state();  // the first poll: the watch starts now
+  EXPECT_TRUE(state["recent"].empty());
+  EXPECT_EQ(state["totals"]["requests"], 1);
+  finish_one();
+  c.clock.advance_by(std::chrono::seconds(59));
+  finish_one();
+  EXPECT_EQ(c.dispatcher.dashboard_state()["recent"].size(), 2u);  // and the watch goes on
+  c.clock.advance_by(std::chrono::seconds(61));
+  finish_one();
+  state = c.dispatcher.dashboard_state();
+  EXPECT_EQ(state["recent"].size(), 2u);
+  EXPECT_EQ(state["totals"]["requests"], 4);
+}
+
 TEST(Dispatcher, AStreamsUsageChunkSaysWhatTheEngineReused) {
   Cluster c(aggregated({engine("a")}));
   const auto ids = prompt_ids(40);
@@ -776,17 +800,22 @@ TEST(Dispatcher, InPdModesThePrefillEnginesUsageCountsAndAStreamsPrefillLegAsksF
   const json p = json::parse(legs[0]->request.body), d = json::parse(legs[1]->request.body);
   EXPECT_EQ(p["stream_options"], (json{{"include_usage", true}}));
   EXPECT_FALSE(d.contains("stream_options"));  // the client gets what it asked for
+  // The decode leg may end the request before the prefill leg's answer arrives: the record waits
+  // for it.
+  FakeEngines::head(*legs[1], 200, "text/event-stream");
+  FakeEngines::piece(*legs[1], "data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n");
+  FakeEngines::finish(*legs[1], "");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 0);
   FakeEngines::head(*legs[0], 200, "text/event-stream");
   FakeEngines::piece(*legs[0],
                      "data: {\"choices\":[{\"text\":\"x\"}]}\n\n"
                      "data: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":"
                      "{\"cached_tokens\":48}}}\n\ndata: [DONE]\n\n");
   FakeEngines::finish(*legs[0], "");
-  FakeEngines::head(*legs[1], 200, "text/event-stream");
-  FakeEngines::piece(*legs[1], "data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n");
-  FakeEngines::finish(*legs[1], "");
   c.clock.run_ready();
-  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 1);
   EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"available\"}"), 48);
   EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"), 48);
   EXPECT_EQ(client->streamed.find("cached_tokens"), std::string::npos);
@@ -804,6 +833,7 @@ Topology with_classes(Topology t) {
 
 TEST(Dispatcher, EnginesGetTheClassPriorityAndTheQueueServesAHigherClassFirst) {
   Cluster c(with_classes(aggregated({engine("a", 0, 1)})));
+  c.dispatcher.dashboard_state();
   const json body = {{"model", "m"}, {"prompt", "hi"}};
   auto running = c.send_body(body, "k-chat");
   auto batch = c.send_body(body, "k-batch");
