@@ -44,4 +44,19 @@ class EngineProcess {
   uint16_t port_ = 0;
 };
 
+// The ZMQ endpoints of an engine started with --kv-events-config, from the line it prints after
+// "listening": "KV events on ENDPOINT (replay REPLAY)". Throws when there is none.
+struct KvEventsEndpoints {
+  std::string events, replay;
+};
+inline KvEventsEndpoints read_kv_events_line(EngineProcess& engine) {
+  for (std::string line = engine.next_line(); !line.empty(); line = engine.next_line()) {
+    const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
+    if (on == std::string::npos || replay_at == std::string::npos) continue;
+    return {line.substr(on + 13, line.find(' ', on + 13) - on - 13),
+            line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8)};
+  }
+  throw std::runtime_error("the engine printed no KV events line");
+}
+
 }  // namespace tandem::testing

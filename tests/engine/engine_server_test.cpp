@@ -646,12 +646,7 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
   testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
                                  "127.0.0.1", "--port", "0", "--block-size", "4", "--num-kv-blocks",
                                  "10", "--kv-events-config", config});
-  std::string line = engine.next_line();  // after the role line
-  while (!line.empty() && line.find("KV events on ") == std::string::npos)
-    line = engine.next_line();
-  const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
-  ASSERT_NE(on, std::string::npos) << line;
-  const std::string replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);
+  const std::string replay = testing::read_kv_events_line(engine).replay;
 
   // Four requests of 10 prompt tokens and 3 new ones: 12 computed tokens = 3 full blocks each,
   // 12 blocks in all for a cache of 10, so the last request evicts two of the first one's.

@@ -42,14 +42,9 @@ struct EngineWithEvents {
                  "--port", "0", "--kv-events-config",
                  R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": )"
                  R"("tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})"}) {
-    for (std::string line = process.next_line(); !line.empty(); line = process.next_line()) {
-      const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
-      if (on == std::string::npos || replay_at == std::string::npos) continue;
-      events = line.substr(on + 13, line.find(' ', on + 13) - on - 13);
-      replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);
-      return;
-    }
-    throw std::runtime_error("the engine printed no KV events line");
+    const auto endpoints = tandem::testing::read_kv_events_line(process);
+    events = endpoints.events;
+    replay = endpoints.replay;
   }
 };
 

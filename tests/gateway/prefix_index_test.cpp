@@ -744,14 +744,9 @@ struct EngineWithEvents {
   }
 
   EngineWithEvents() : process(args()) {
-    for (std::string line = process.next_line(); !line.empty(); line = process.next_line()) {
-      const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
-      if (on == std::string::npos || replay_at == std::string::npos) continue;
-      endpoint = line.substr(on + 13, line.find(' ', on + 13) - on - 13);
-      replay = line.substr(replay_at + 8, line.find(')', replay_at) - replay_at - 8);
-      return;
-    }
-    throw std::runtime_error("the engine printed no KV events line");
+    const auto endpoints = testing::read_kv_events_line(process);
+    endpoint = endpoints.events;
+    replay = endpoints.replay;
   }
 
   std::vector<int32_t> generate(const std::vector<int32_t>& prompt) {
