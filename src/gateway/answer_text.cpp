@@ -1,5 +1,7 @@
 #include "gateway/answer_text.h"
 
+#include "gateway/tokens_in.h"
+
 namespace tandem::gateway {
 
 std::string splice_fields(const std::string& object_text, const std::string& members) {
@@ -52,12 +54,7 @@ bool is_error_event(std::string_view data) {
 }
 
 bool carries_tokens(std::string_view data) {
-  if (data == "[DONE]") return false;
-  // Not a usage chunk ("choices":[]). '[' is rare in a chunk and '"' frequent, so look for "[]".
-  constexpr std::string_view kKey = "\"choices\":";
-  for (size_t at = data.find("[]"); at != std::string_view::npos; at = data.find("[]", at + 2))
-    if (at >= kKey.size() && data.substr(at - kKey.size(), kKey.size()) == kKey) return false;
-  return true;
+  return data != "[DONE]" && !is_usage_chunk(data);
 }
 
 }  // namespace tandem::gateway

@@ -206,6 +206,12 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
 
   switch (topo_.mode) {
     case PdMode::kAggregated:
+      // The engine's usage chunk says what it reused (routing_quality.h): asked for when the
+      // client did not, and dropped from what the client gets (only a translated stream can).
+      if (rewritten && r->stream && !body.contains("stream_options")) {
+        body["stream_options"] = {{"include_usage", true}};
+        r->translator->drop_usage_chunks();
+      }
       // Else verbatim: the engine parses it.
       r->body = rewritten || classes ? body.dump() : req.body;
       break;

@@ -248,6 +248,14 @@ nlohmann::json tokens_in_body(nlohmann::json client_body, const TokensIn& reques
   return out;
 }
 
+bool is_usage_chunk(std::string_view data) {
+  // '[' is rare in a chunk and '"' frequent, so look for "[]".
+  constexpr std::string_view kKey = "\"choices\":";
+  for (size_t at = data.find("[]"); at != std::string_view::npos; at = data.find("[]", at + 2))
+    if (at >= kKey.size() && data.substr(at - kKey.size(), kKey.size()) == kKey) return true;
+  return false;
+}
+
 ResponseTranslator::ResponseTranslator(api::ApiKind client_kind)
     : chat_(client_kind == ApiKind::kChat) {}
 
@@ -271,6 +279,7 @@ std::string ResponseTranslator::body(std::string_view completion_json) const {
 }
 
 std::vector<std::string> ResponseTranslator::event(std::string_view data) {
+  if (drop_usage_ && is_usage_chunk(data)) return {};
   if (!chat_ || data == "[DONE]") return {std::string(data)};
   const auto answer = completion_answer(data);
   if (!answer) return {std::string(data)};

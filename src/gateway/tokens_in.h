@@ -79,12 +79,20 @@ class PromptTokenizer {
 // max_tokens with the chat default applied (completions would default to 16).
 nlohmann::json tokens_in_body(nlohmann::json client_body, const TokensIn& request);
 
+// Whether one streamed event's data is a usage chunk ("choices":[], the usage-only chunk that ends
+// a stream asked for stream_options.include_usage).
+bool is_usage_chunk(std::string_view data);
+
 // Turns the engine's answers to a tokens-in request back into the client's API. For a
 // completion client it is the identity. Anything that is not a completion answer (an error
 // body or event, text that is not JSON) goes through unchanged.
 class ResponseTranslator {
  public:
   explicit ResponseTranslator(api::ApiKind client_kind);
+
+  // The gateway asked the engine for a usage chunk the client did not ask for (to read what the
+  // engine reused): event() drops it.
+  void drop_usage_chunks() { drop_usage_ = true; }
 
   // A whole non-streaming response body.
   std::string body(std::string_view completion_json) const;
@@ -94,6 +102,7 @@ class ResponseTranslator {
 
  private:
   bool chat_ = false;
+  bool drop_usage_ = false;
   std::set<int64_t> started_;  // choices whose first (role) chunk was sent
 };
 

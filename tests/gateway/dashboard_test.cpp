@@ -121,6 +121,35 @@ TEST(RoutingQuality, TheSplitFollowsTheEnginesKvEventsAndWhatTheEngineReused) {
             static_cast<double>(delivered));
 }
 
+// Aggregated mode: a client's stream without stream_options is measured too (the gateway asks the
+// engine for its usage chunk and keeps it from the client).
+TEST(RoutingQuality, AnAggregatedStreamIsMeasuredWithoutTheClientSeeingTheUsageChunk) {
+  test::TempDir dir("aggregated-split");
+  testing::EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--host",
+                                "127.0.0.1", "--port", "0", "--mode", "aggregated", "--kv-events"});
+  const std::string p = prompt();
+  for (int i = 0; i < 2; ++i) {
+    const auto r =
+        testing::post_json(serve.port(), "/v1/completions",
+                           {{"model", "tiny"}, {"prompt", p}, {"max_tokens", 3}, {"stream", true}});
+    ASSERT_EQ(r.status, 200) << r.body;
+    EXPECT_THAT(r.body, HasSubstr("data: [DONE]"));
+    EXPECT_THAT(r.body, ::testing::Not(HasSubstr("\"choices\":[]"))) << r.body;
+    // The client's own request for usage is honoured.
+    const auto own = testing::post_json(serve.port(), "/v1/completions",
+                                        {{"model", "tiny"},
+                                         {"prompt", "short " + std::to_string(i)},
+                                         {"max_tokens", 2},
+                                         {"stream", true},
+                                         {"stream_options", {{"include_usage", true}}}});
+    EXPECT_THAT(own.body, HasSubstr("\"choices\":[]"));
+  }
+  ASSERT_TRUE(testing::eventually(
+      [&] { return metric(serve.port(), "tandem:gateway_prefix_reuse_requests_total") == 4; }));
+  EXPECT_GT(metric(serve.port(), "tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"),
+            0);
+}
+
 TEST(Dashboard, DataRoutesNeedTheAdminKeyThePageDoesNot) {
   Stack s;
   const auto page = s.get("/dashboard", false);

@@ -441,6 +441,28 @@ TEST(ResponseTranslator, CompletionsAndForeignPayloadsPassUnchanged) {
   EXPECT_EQ(chat.event("[DONE]"), std::vector<std::string>{"[DONE]"});
 }
 
+// The gateway asks an aggregated engine for a usage chunk the client did not ask for (it says
+// what the engine reused): the chunk is dropped, every other event passes.
+TEST(ResponseTranslator, DropsTheUsageChunkOnlyWhenTheGatewayAskedForIt) {
+  const std::string token =
+      R"({"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"[]"}]})";
+  const std::string usage =
+      R"({"id":"cmpl-1","object":"text_completion","choices":[],"usage":{"prompt_tokens":5,)"
+      R"("prompt_tokens_details":{"cached_tokens":0}}})";
+  EXPECT_TRUE(is_usage_chunk(usage));
+  EXPECT_FALSE(is_usage_chunk(token));
+  EXPECT_FALSE(is_usage_chunk("[DONE]"));
+  for (ApiKind kind : {ApiKind::kCompletion, ApiKind::kChat}) {
+    ResponseTranslator kept(kind);
+    EXPECT_EQ(kept.event(usage).size(), 1u);
+    ResponseTranslator dropping(kind);
+    dropping.drop_usage_chunks();
+    EXPECT_TRUE(dropping.event(usage).empty());
+    EXPECT_FALSE(dropping.event(token).empty());
+    EXPECT_EQ(dropping.event("[DONE]"), std::vector<std::string>{"[DONE]"});
+  }
+}
+
 TEST(ResponseTranslator, KeepsOtherEnginesFields) {
   // vLLM adds stop_reason per choice and kv_transfer_params / system_fingerprint at the top.
   ResponseTranslator chat(ApiKind::kChat);
