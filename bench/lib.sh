@@ -11,3 +11,28 @@ build_bench_targets() {
   fi
   cmake --build "$build" --target "$@" >/dev/null
 }
+
+# ik_llama.cpp's llama-bench for the peer comparisons, built outside the repository: sets `bench`
+# (PEER_DIR/build/bin/llama-bench) and `have_peer` (1; or 0 after saying plainly what is missing,
+# the binary or a GGUF, which WRITER writes).
+#   find_peer_bench PEER_DIR WRITER GGUF...
+find_peer_bench() {
+  local peer="$1" writer="$2" g
+  shift 2
+  bench="$peer/build/bin/llama-bench"
+  have_peer=1
+  if [ ! -x "$bench" ]; then
+    echo "PEER ABSENT: no $bench. Build ik_llama.cpp outside the repository (see"
+    echo "  ../shared/tools/README.md): cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON"
+    echo "  -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-bench. Running Tandem alone."
+    have_peer=0
+    return
+  fi
+  for g in "$@"; do
+    if [ ! -f "$g" ]; then
+      echo "PEER ABSENT: no $g ($writer writes it). Running Tandem alone."
+      have_peer=0
+      return
+    fi
+  done
+}

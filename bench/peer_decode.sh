@@ -41,20 +41,7 @@ threads="${THREADS:-2}"
 build_bench_targets "$root" "$build" tandem tandem-bench-engine
 [ -d "$int8_dir" ] || "$build/tandem" quantize --in "$model" --out "$int8_dir" --dtype int8
 
-bench="$peer/build/bin/llama-bench"
-have_peer=1
-if [ ! -x "$bench" ]; then
-  echo "PEER ABSENT: no $bench. Build ik_llama.cpp outside the repository (see"
-  echo "  ../shared/tools/README.md): cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON"
-  echo "  -DLLAMA_CURL=OFF && cmake --build build -j2 --target llama-bench. Running Tandem alone."
-  have_peer=0
-fi
-for g in "$gguf_bf16" "$gguf_q8"; do
-  if [ "$have_peer" = 1 ] && [ ! -f "$g" ]; then
-    echo "PEER ABSENT: no $g (../shared/tools/hf2gguf_deepseek.py writes it). Running Tandem alone."
-    have_peer=0
-  fi
-done
+find_peer_bench "$peer" ../shared/tools/hf2gguf_deepseek.py "$gguf_bf16" "$gguf_q8"
 
 if [ -n "${KEEP:-}" ]; then
   out="$KEEP"  # the raw outputs of every round stay there

@@ -26,16 +26,7 @@ threads="${THREADS:-2}"
 . "$root/bench/lib.sh"
 build_bench_targets "$root" "$build" tandem-bench-engine
 
-bench="$peer/build/bin/llama-bench"
-have_peer=1
-if [ ! -x "$bench" ]; then
-  echo "PEER ABSENT: no $bench. Build ik_llama.cpp outside the repository (see"
-  echo "  ../shared/tools/README.md). Running Tandem alone."
-  have_peer=0
-elif [ ! -f "$gguf" ]; then
-  echo "PEER ABSENT: no $gguf (../shared/tools/hf2gguf_qwen3moe.py writes it). Running Tandem alone."
-  have_peer=0
-fi
+find_peer_bench "$peer" ../shared/tools/hf2gguf_qwen3moe.py "$gguf"
 
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
