@@ -59,4 +59,27 @@ inline KvEventsEndpoints read_kv_events_line(EngineProcess& engine) {
   throw std::runtime_error("the engine printed no KV events line");
 }
 
+// An engine `tandem serve` started, from the line it prints for it after "listening":
+// "tandem serve: ROLE engine http://HOST:PORT (pid ...".
+struct ServeEngine {
+  std::string role;     // "prefill" or "decode"
+  std::string address;  // "HOST:PORT", the gateway's name for it
+  uint16_t port = 0;
+};
+// The next `count` engine lines of `serve`. Throws on any other line.
+inline std::vector<ServeEngine> read_serve_engines(EngineProcess& serve, int count) {
+  std::vector<ServeEngine> engines;
+  for (int i = 0; i < count; ++i) {
+    const std::string line = serve.next_line();
+    const auto at = line.find(" engine http://");
+    if (at == std::string::npos) throw std::runtime_error("unexpected serve output: " + line);
+    ServeEngine e;
+    e.role = line.substr(line.rfind(' ', at - 1) + 1, at - line.rfind(' ', at - 1) - 1);
+    e.address = line.substr(at + 15, line.find(' ', at + 15) - at - 15);
+    e.port = static_cast<uint16_t>(std::stoi(e.address.substr(e.address.rfind(':') + 1)));
+    engines.push_back(std::move(e));
+  }
+  return engines;
+}
+
 }  // namespace tandem::testing

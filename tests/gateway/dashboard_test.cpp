@@ -39,12 +39,7 @@ struct Stack {
       : serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0",
                "--mode", "sequential", "--kv-events", "--admin-api-key", kAdminKey, "--access-log",
                (dir / "access.jsonl").string()}) {
-    for (int i = 0; i < 2; ++i) {
-      const std::string line = serve.next_line();
-      const auto at = line.find("engine http://");
-      if (at == std::string::npos) throw std::runtime_error("unexpected serve output: " + line);
-      engines.push_back(line.substr(at + 14, line.find(' ', at + 14) - at - 14));
-    }
+    for (const auto& e : testing::read_serve_engines(serve, 2)) engines.push_back(e.address);
   }
 
   net::HttpClientResponse get(const std::string& target, bool with_key = true) {

@@ -31,6 +31,7 @@ using testing::EngineProcess;
 using testing::eventually;
 using testing::metric;
 using testing::post_json;
+using testing::read_serve_engines;
 
 constexpr char kF32[] = "f32";
 
@@ -224,12 +225,7 @@ TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
                          "--engine-arg=--num-kv-blocks", "--engine-arg=256",
                          "--engine-arg=--served-model-name", "--engine-arg=tiny"});
     std::vector<uint16_t> engines;
-    for (int i = 0; i < 2; ++i) {
-      const std::string line = serve.next_line();
-      const auto at = line.find("engine http://");
-      ASSERT_NE(at, std::string::npos) << line;
-      engines.push_back(static_cast<uint16_t>(std::stoi(line.substr(line.find(':', at + 14) + 1))));
-    }
+    for (const auto& e : read_serve_engines(serve, 2)) engines.push_back(e.port);
     std::vector<int32_t> prompt;
     for (int k = 0; k < 40; ++k) prompt.push_back(3000 + 7 * k);
     const json body = {
@@ -447,14 +443,8 @@ TEST(GatewayServe, MooncakeReplayThroughTheTandemPolicy) {
                        "--engine-arg=--sim-time-scale=0.01",
                        "--engine-arg=--sim-kv-token-bytes=16"});
   std::vector<std::string> prefill_urls;
-  for (int i = 0; i < 4; ++i) {
-    const std::string line = serve.next_line();
-    const auto at = line.find("prefill engine http://");
-    if (at != std::string::npos) {
-      const auto url = line.substr(at + 15);
-      prefill_urls.push_back(url.substr(0, url.find(' ')));
-    }
-  }
+  for (const auto& e : read_serve_engines(serve, 4))
+    if (e.role == "prefill") prefill_urls.push_back("http://" + e.address);
   ASSERT_EQ(prefill_urls.size(), 2u);
   const auto trace = std::filesystem::path(TANDEM_SOURCE_DIR) /
                      "tests/data/bench/mooncake_conversation_head200.jsonl";

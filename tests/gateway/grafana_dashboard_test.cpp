@@ -64,12 +64,7 @@ TEST(GrafanaDashboard, EveryExpressionNamesMetricsAndLabelsTheStackExports) {
                                 "127.0.0.1", "--port", "0", "--mode", "sequential",
                                 "--engine-arg=--served-model-name", "--engine-arg=tiny"});
   std::vector<uint16_t> engines;
-  for (int i = 0; i < 2; ++i) {
-    const std::string line = serve.next_line();
-    const auto at = line.find("engine http://");
-    ASSERT_NE(at, std::string::npos) << line;
-    engines.push_back(static_cast<uint16_t>(std::stoi(line.substr(line.find(':', at + 14) + 1))));
-  }
+  for (const auto& e : testing::read_serve_engines(serve, 2)) engines.push_back(e.port);
   const auto r =
       testing::post_json(serve.port(), "/v1/completions",
                          json{{"model", "tiny"}, {"prompt", "hello"}, {"max_tokens", 4}});
