@@ -467,7 +467,7 @@ void Dispatcher::finished(const RequestPtr& r) {
   // Parallel mode: the prefill leg may answer after the decode leg ended the request, and its
   // usage says what the prefill engine reused, so the record waits for it (bounded by the
   // prefill timeout); the start_leg completion records it then.
-  if (r->outcome.status == 200 && prefill_leg_running(*r)) {
+  if (topo_.mode == PdMode::kParallel && r->outcome.status == 200 && prefill_leg_running(*r)) {
     r->record_pending = true;
     return;
   }
