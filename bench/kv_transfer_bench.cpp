@@ -39,10 +39,12 @@ using nlohmann::json;
 
 constexpr int64_t kLayers = 61, kTokenBytes = 1152, kBlock = 16;
 
-// A cache in memory with DeepSeek-V3's layout (what the GPU engine would expose).
+// A cache in shared memory with DeepSeek-V3's layout, as the engines keep theirs.
 class MemoryExecutor : public engine::Executor {
  public:
-  explicit MemoryExecutor(int64_t blocks) : data_(size_t(blocks * kLayers * kBlock * kTokenBytes)) {
+  explicit MemoryExecutor(int64_t blocks)
+      : memory_(SharedSegment::create(size_t(blocks * kLayers * kBlock * kTokenBytes), "bench")),
+        data_(memory_.data(), memory_.size()) {
     info_.num_blocks = blocks;
     info_.block_size = kBlock;
     info_.model_name = "bench";
@@ -62,13 +64,15 @@ class MemoryExecutor : public engine::Executor {
   std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override {
     return data_.data() + at(block, layer);
   }
+  SharedView kv_shared_memory() const override { return memory_.view(); }
 
  private:
   size_t at(int32_t block, int64_t layer) const {
     return size_t((block * kLayers + layer) * kBlock * kTokenBytes);
   }
   engine::ExecutorInfo info_;
-  std::vector<std::byte> data_;
+  SharedSegment memory_;
+  std::span<std::byte> data_;
 };
 
 // Runs posted tasks on the calling thread (the agents' "engine thread").
@@ -131,6 +135,17 @@ double memcpy_seconds(const MemoryExecutor& from, MemoryExecutor& to, int64_t to
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// A counter's value in the registry's exposition (0 when it has none yet).
+double counter_value(const metrics::Registry& registry, const std::string& name) {
+  const std::string text = registry.render();
+  for (size_t at = text.find(name); at != std::string::npos; at = text.find(name, at + 1)) {
+    if (at > 0 && text[at - 1] != '\n') continue;  // a comment line naming it
+    const size_t space = text.find(' ', at), end = text.find('\n', at);
+    return std::stod(text.substr(space + 1, end - space - 1));
+  }
+  return 0;
+}
+
 double median_of(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -168,13 +183,14 @@ void transport_part(const std::vector<int64_t>& lengths, int repeats) {
       "KV transfer on one host, DeepSeek-V3 layout (61 layers x 1152 B/token), medians of %d "
       "alternating rounds\n",
       repeats);
-  std::printf("%8s %10s %9s %9s %9s %9s %9s %10s\n", "prompt", "MB", "tcp GB/s", "shm GB/s",
-              "raw tcp", "memcpy", "shm/tcp", "shm/memcpy");
+  std::printf("%8s %10s %9s %9s %9s %9s %9s %10s %10s\n", "prompt", "MB", "tcp GB/s", "shm GB/s",
+              "raw tcp", "memcpy", "shm/tcp", "shm/memcpy", "in place");
   for (int64_t len : lengths) {
     std::vector<int32_t> ids;
     for (int64_t b = 0; b < (len + kBlock - 1) / kBlock; ++b) ids.push_back(int32_t(b));
     const size_t bytes = size_t((len - 1) * kLayers * kTokenBytes);
     std::vector<double> times[4];  // tcp, shm, raw tcp, memcpy
+    const double in_place_before = counter_value(reg[2], "tandem:kv_transfer_in_place_bytes_total");
     for (int r = 0; r < repeats; ++r) {
       for (int k = 0; k < 2; ++k) {
         Pair& p = pairs[k];
@@ -206,9 +222,11 @@ void transport_part(const std::vector<int64_t>& lengths, int repeats) {
     }
     double gbs[4];
     for (int k = 0; k < 4; ++k) gbs[k] = double(bytes) / median_of(times[k]) / 1e9;
-    std::printf("%8lld %10.1f %9.2f %9.2f %9.2f %9.2f %8.1fx %9.0f%%\n",
+    const double in_place = counter_value(reg[2], "tandem:kv_transfer_in_place_bytes_total");
+    std::printf("%8lld %10.1f %9.2f %9.2f %9.2f %9.2f %8.1fx %9.0f%% %9.0f%%\n",
                 static_cast<long long>(len), double(bytes) / 1e6, gbs[0], gbs[1], gbs[2], gbs[3],
-                gbs[1] / gbs[0], 100 * gbs[1] / gbs[3]);
+                gbs[1] / gbs[0], 100 * gbs[1] / gbs[3],
+                100 * (in_place - in_place_before) / double(bytes * size_t(repeats)));
   }
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/mla_attention.h"
+#include "util/shared_memory.h"
 
 namespace tandem::model {
 
@@ -35,6 +36,9 @@ const char* latent_type_name(LatentType type);
 
 class LatentCache {
  public:
+  // Zero-filled blocks in a shared-memory segment of their own (pages allocated as first
+  // written), so that a decode engine on this host can read a prompt's KV straight from a
+  // prefill engine's cache; private memory where the system has no memfd.
   LatentCache(const LatentCacheShape& shape, int64_t num_blocks);
   // A view of `num_blocks` blocks in memory the caller owns and keeps alive (expert parallelism:
   // a shared-memory segment every rank maps), float-aligned, shape.block_bytes() * num_blocks.
@@ -44,6 +48,8 @@ class LatentCache {
 
   const LatentCacheShape& shape() const { return shape_; }
   int64_t num_blocks() const { return num_blocks_; }
+  // The segment holding the blocks; empty for a view or private memory.
+  SharedView shared() const { return shared_.view(); }
 
   // The block_size x entry() values of one block and layer, of shape().type.
   std::byte* block_layer(int64_t block, int64_t layer) { return data_ + offset(block, layer); }
@@ -64,8 +70,9 @@ class LatentCache {
     return (block * shape_.layers + layer) * shape_.block_size * shape_.entry_bytes();
   }
 
-  std::vector<float> storage_;  // the blocks' bytes, float-aligned (empty for a view)
-  std::byte* data_ = nullptr;   // storage_'s bytes or the caller's memory
+  SharedSegment shared_;        // the blocks' bytes (empty for a view or private memory)
+  std::vector<float> storage_;  // private memory, float-aligned, where memfd is refused
+  std::byte* data_ = nullptr;   // shared_'s, storage_'s or the caller's bytes
 };
 
 }  // namespace tandem::model

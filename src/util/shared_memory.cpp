@@ -1,5 +1,6 @@
 #include "util/shared_memory.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -22,9 +23,11 @@ std::string os_error() {
 }  // namespace
 
 SharedSegment SharedSegment::create(size_t bytes, const std::string& name) {
-  const int fd = static_cast<int>(syscall(SYS_memfd_create, name.c_str(), MFD_CLOEXEC));
+  const int fd =
+      static_cast<int>(syscall(SYS_memfd_create, name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd < 0) throw Error("shared memory: memfd_create failed: " + os_error());
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0 ||
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
     const std::string why = os_error();
     close(fd);
     throw Error("shared memory: cannot size a segment of " + std::to_string(bytes) +
@@ -39,13 +42,24 @@ SharedSegment SharedSegment::create(size_t bytes, const std::string& name) {
   return SharedSegment(fd, static_cast<std::byte*>(p), bytes);
 }
 
-SharedSegment SharedSegment::attach(int fd) {
+SharedSegment SharedSegment::attach(int fd, SharedAccess access) {
   struct stat st {};
+  std::string problem;
   if (fstat(fd, &st) != 0 || st.st_size <= 0)
-    throw Error("shared memory: descriptor " + std::to_string(fd) + " is not a segment");
+    problem = "is not a segment";
+  else if ((fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK) == 0)
+    problem = "is not a sealed segment (its owner could shrink it under this mapping)";
+  if (!problem.empty()) {
+    close(fd);
+    throw Error("shared memory: descriptor " + std::to_string(fd) + " " + problem);
+  }
   const auto bytes = static_cast<size_t>(st.st_size);
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) throw Error("shared memory: cannot map descriptor " + std::to_string(fd));
+  const int protection = access == SharedAccess::kReadOnly ? PROT_READ : PROT_READ | PROT_WRITE;
+  void* p = mmap(nullptr, bytes, protection, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    throw Error("shared memory: cannot map descriptor " + std::to_string(fd));
+  }
   return SharedSegment(fd, static_cast<std::byte*>(p), bytes);
 }
 

@@ -5,7 +5,8 @@
 // A segment is an anonymous memfd: it has no name in /dev/shm, children inherit its descriptor
 // (or receive it over a Unix socket),
 // and the kernel frees it when the last process mapping it exits, however it exits (kill -9
-// included), so no segment is ever left behind.
+// included), so no segment is ever left behind. Its size is sealed at creation: a process it is
+// shared with cannot shrink it under another's mapping (which would fault on the lost pages).
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -14,13 +15,28 @@
 
 namespace tandem {
 
+// A segment as the rest of a process reaches it: its descriptor and its mapping (not owned).
+struct SharedView {
+  int fd = -1;
+  const std::byte* data = nullptr;
+  size_t size = 0;
+  explicit operator bool() const { return fd >= 0; }
+  bool contains(const void* p, size_t n) const {
+    const auto* b = static_cast<const std::byte*>(p);
+    return fd >= 0 && b >= data && n <= size && size_t(b - data) <= size - n;
+  }
+};
+
+enum class SharedAccess { kReadWrite, kReadOnly };
+
 class SharedSegment {
  public:
   // A new zero-filled segment of `bytes` (pages are allocated as they are first written). The
   // descriptor is close-on-exec; a child that should inherit it clears that flag.
   static SharedSegment create(size_t bytes, const std::string& name);
-  // Maps the segment behind an inherited descriptor (takes ownership of it).
-  static SharedSegment attach(int fd);
+  // Maps the segment behind an inherited or received descriptor (takes ownership of it). Throws
+  // tandem::Error, closing it, when it is not a segment whose size is sealed.
+  static SharedSegment attach(int fd, SharedAccess access = SharedAccess::kReadWrite);
 
   SharedSegment() = default;
   SharedSegment(SharedSegment&& other) noexcept;
@@ -32,6 +48,7 @@ class SharedSegment {
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
   int fd() const { return fd_; }
+  SharedView view() const { return {fd_, data_, size_}; }
 
  private:
   SharedSegment(int fd, std::byte* data, size_t size) : fd_(fd), data_(data), size_(size) {}

@@ -222,6 +222,8 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
   // Engines on one host move KV through shared memory (the default transport).
   EXPECT_GT(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"shm\""), 0);
   EXPECT_EQ(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"tcp\""), 0);
+  // Layers of the longer prompts went in place: copied once, from the prefill engine's cache.
+  EXPECT_GT(metric(p.port(), "tandem:kv_transfer_in_place_bytes_total"), 0);
   expect_no_leak(p);
   expect_no_leak(d);
 }
@@ -333,6 +335,7 @@ TEST_F(Disaggregation, TcpTransportStillServesEnginesOnOneHost) {
   Engine d = start("decode", {"--kv-transport", "tcp"});
   expect_both_flows_match(single, p, d, {40}, 4321, 9000);
   EXPECT_EQ(metric(d.port(), "tandem:kv_transfer_connections_total", "transport=\"tcp\""), 2);
+  EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_in_place_bytes_total"), 0);
   expect_no_leak(p);
   expect_no_leak(d);
 }

@@ -14,12 +14,14 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <optional>
@@ -34,8 +36,10 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/transfer/kv_transport.h"
+#include "engine/transfer/shm_pieces.h"
 #include "util/error.h"
 #include "util/metrics.h"
+#include "util/shared_memory.h"
 
 namespace tandem::engine {
 namespace {
@@ -299,16 +303,207 @@ TEST_P(KvTransports, CloseUnblocksAccept) {
   EXPECT_EQ(listener->accept(), nullptr);
 }
 
+// ------------------------------------------------------------------- shared memory, in place
+
+// A prefill engine's cache in a segment with a pattern no two offsets share within 251 bytes.
+SharedSegment patterned_segment(size_t bytes, const std::string& name = "test-send-memory") {
+  SharedSegment s = SharedSegment::create(bytes, name);
+  for (size_t i = 0; i < bytes; ++i) s.data()[i] = std::byte((i * 13 + i / 251) & 0xff);
+  return s;
+}
+
+// A connected pair whose listener lets peers read `memory` in place.
+std::unique_ptr<Pair> connect_pair_sharing(const std::string& kind, const SharedSegment& memory,
+                                           std::chrono::milliseconds io_timeout = 5000ms) {
+  auto p = std::make_unique<Pair>();
+  p->transport = make_transport(kind, io_timeout);
+  p->listener = p->transport->listen("127.0.0.1", 0, memory.view());
+  std::thread acceptor([&] { p->server = p->listener->accept(); });
+  p->client = p->transport->connect("127.0.0.1", p->listener->port());
+  acceptor.join();
+  return p;
+}
+
+std::span<const std::byte> at(const SharedSegment& s, size_t offset, size_t n) {
+  return {s.data() + offset, n};
+}
+
+TEST_P(KvTransports, FramesGatheredFromTheSharedCacheArriveIntact) {
+  const SharedSegment memory = patterned_segment(1 << 20);
+  auto p = connect_pair_sharing(GetParam(), memory);
+  // A layer frame as KV transfer sends one: a small header of its own, then blocks of the
+  // cache, two of them neighbours, in no particular order.
+  const std::string header = "layer-header-24-bytes...";
+  const std::span<const std::byte> parts[] = {bytes_of(header), at(memory, 500000, 40000),
+                                              at(memory, 4096, 30000), at(memory, 34096, 30000),
+                                              at(memory, 900001, 7)};
+  std::vector<std::byte> expected;
+  for (auto part : parts) expected.insert(expected.end(), part.begin(), part.end());
+  const int frames = 3;
+  std::thread sender([&] {
+    for (int i = 0; i < frames; ++i) p->server->send(KvFrameType::kLayer, parts);
+    send_text(*p->server, KvFrameType::kDone, "{}");
+  });
+  for (int i = 0; i < frames; ++i) {
+    // Scattered over targets that split the frame's parts differently.
+    std::vector<std::byte> a(1000), b(expected.size() - 1000, std::byte{0xEE});
+    uint64_t size = 0;
+    ASSERT_EQ(p->client->receive_header(size, 1 << 20), KvFrameType::kLayer);
+    ASSERT_EQ(size, expected.size());
+    const std::span<std::byte> targets[] = {a, b};
+    p->client->receive_payload(targets);
+    a.insert(a.end(), b.begin(), b.end());
+    EXPECT_TRUE(a == expected) << "frame " << i;
+  }
+  EXPECT_EQ(p->client->receive(1024).type, KvFrameType::kDone);
+  sender.join();
+  // Over shared memory the cache's parts took one copy, the header went through the ring.
+  EXPECT_EQ(p->server->bytes_sent_in_place(),
+            GetParam() == "shm" ? uint64_t(frames) * (expected.size() - header.size()) : 0u);
+}
+
+TEST(ShmInPlace, PartsOutsideTheSharedCacheGoThroughTheRing) {
+  const SharedSegment memory = patterned_segment(1 << 20);
+  auto p = connect_pair_sharing("shm", memory);
+  std::vector<std::byte> own(100000, std::byte{7});  // too much of it to travel inline
+  const std::span<const std::byte> parts[] = {own, at(memory, 0, 100000)};
+  std::thread sender([&] { p->server->send(KvFrameType::kLayer, parts); });
+  const KvFrame f = p->client->receive(1 << 20);
+  sender.join();
+  ASSERT_EQ(f.payload.size(), 200000u);
+  EXPECT_TRUE(std::equal(own.begin(), own.end(), f.payload.begin()));
+  EXPECT_TRUE(std::equal(memory.data(), memory.data() + 100000, f.payload.begin() + 100000));
+  EXPECT_EQ(p->server->bytes_sent_in_place(), 0u);
+}
+
+TEST(ShmInPlace, TheNextFrameNotInPlaceWaitsUntilThePeerHasCopied) {
+  SharedSegment memory = patterned_segment(1 << 20);
+  auto p = connect_pair_sharing("shm", memory);
+  const std::vector<std::byte> original(memory.data(), memory.data() + 200000);
+  const std::span<const std::byte> parts[] = {at(memory, 0, 200000)};
+  std::atomic<bool> done_sent{false};
+  std::thread sender([&] {
+    p->server->send(KvFrameType::kLayer, parts);  // returns before the peer copied
+    send_text(*p->server, KvFrameType::kDone, "{}");
+    done_sent = true;
+    // Only now may the sender reuse its blocks (a prefill engine releases them here).
+    std::memset(memory.data(), 0xFF, 200000);
+  });
+  uint64_t size = 0;
+  ASSERT_EQ(p->client->receive_header(size, 1 << 20), KvFrameType::kLayer);
+  std::this_thread::sleep_for(50ms);  // give the sender every chance to run ahead
+  EXPECT_FALSE(done_sent) << "the done frame went before the layer was copied";
+  std::vector<std::byte> got(size);
+  const std::span<std::byte> whole[] = {got};
+  p->client->receive_payload(whole);
+  EXPECT_EQ(p->client->receive(1024).type, KvFrameType::kDone);
+  sender.join();
+  EXPECT_TRUE(got == original);
+}
+
+TEST(ShmInPlace, AReceiverThatLeavesFailsTheSendersNextFrame) {
+  const SharedSegment memory = patterned_segment(1 << 20);
+  auto p = connect_pair_sharing("shm", memory);
+  const std::span<const std::byte> parts[] = {at(memory, 0, 200000)};
+  p->server->send(KvFrameType::kLayer, parts);
+  p->client.reset();  // the decode engine dies before copying
+  EXPECT_THAT(error_of([&] { send_text(*p->server, KvFrameType::kDone, "{}"); }),
+              HasSubstr("connection closed by peer"));
+}
+
+// How many mappings of segments named `name` this process has.
+int mappings_of(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);)
+    if (line.find("memfd:" + name) != std::string::npos) ++n;
+  return n;
+}
+
+TEST(ShmInPlace, TheReceiverKeepsAPeersMappingAcrossConnectionsUntilThatPeerExits) {
+  int to_parent[2], to_child[2];
+  ASSERT_EQ(::pipe(to_parent), 0);
+  ASSERT_EQ(::pipe(to_child), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // A prefill engine in a process of its own: two transfers, then it exits when told to.
+    const SharedSegment memory = patterned_segment(1 << 20, "test-peer-cache");
+    auto transport = make_shm_transport({5000ms});
+    auto listener = transport->listen("127.0.0.1", 0, memory.view());
+    const uint16_t port = listener->port();
+    if (::write(to_parent[1], &port, sizeof port) != sizeof port) ::_exit(2);
+    const std::span<const std::byte> parts[] = {at(memory, 4096, 100000)};
+    for (int i = 0; i < 2; ++i) {
+      auto conn = listener->accept();
+      if (!conn) ::_exit(3);
+      conn->send(KvFrameType::kLayer, parts);
+      conn->send(KvFrameType::kDone, {});
+    }
+    char c;
+    if (::read(to_child[0], &c, 1) != 1) ::_exit(4);
+    ::_exit(0);
+  }
+  uint16_t port = 0;
+  ASSERT_EQ(::read(to_parent[0], &port, sizeof port), ssize_t(sizeof port));
+  auto transport = make_shm_transport({5000ms});
+  for (int i = 0; i < 2; ++i) {
+    auto conn = transport->connect("127.0.0.1", port);
+    const KvFrame f = conn->receive(1 << 20);
+    ASSERT_EQ(f.payload.size(), 100000u);
+    EXPECT_EQ(f.payload[0], std::byte((4096 * 13 + 4096 / 251) & 0xff));
+    EXPECT_EQ(conn->receive(16).type, KvFrameType::kDone);
+    EXPECT_EQ(mappings_of("test-peer-cache"), 1) << "connection " << i;
+  }
+  ASSERT_EQ(::write(to_child[1], "x", 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  // The next connection (to anyone on this host) lets go of the dead peer's memory.
+  auto other = make_shm_transport({5000ms});
+  auto listener = other->listen("127.0.0.1", 0);
+  std::thread acceptor([&] { auto c = listener->accept(); });
+  auto conn = transport->connect("127.0.0.1", listener->port());
+  acceptor.join();
+  EXPECT_EQ(mappings_of("test-peer-cache"), 0);
+  for (int fd : {to_parent[0], to_parent[1], to_child[0], to_child[1]}) ::close(fd);
+}
+
+TEST(ShmPieces, ADescriptionMustCoverTheFrameExactlyWithinTheSegment) {
+  const ShmPiece in_line{ShmPiece::kInline, 24};
+  EXPECT_EQ(check_shm_pieces(std::vector<ShmPiece>{in_line, {0, 1000}, {5000, 76}}, 1100, 8192),
+            "");
+  EXPECT_EQ(check_shm_pieces({}, 0, 0), "");
+  EXPECT_THAT(check_shm_pieces(std::vector<ShmPiece>{{0, 1000}}, 1100, 8192),
+              HasSubstr("pieces of 1000 bytes for a frame of 1100"));
+  EXPECT_THAT(check_shm_pieces(std::vector<ShmPiece>{{0, 1000}, {0, 200}}, 1100, 8192),
+              HasSubstr("piece 1 runs past the frame's 1100 bytes"));
+  EXPECT_THAT(check_shm_pieces(std::vector<ShmPiece>{{8000, 200}}, 200, 8192),
+              HasSubstr("piece 0 (200 bytes at 8000) lies outside the sender's segment of 8192"));
+  // Offsets chosen to overflow a naive offset + length check.
+  EXPECT_THAT(check_shm_pieces(std::vector<ShmPiece>{{~uint64_t(0) - 10, 100}}, 100, 8192),
+              HasSubstr("lies outside"));
+  EXPECT_THAT(check_shm_pieces(std::vector<ShmPiece>{{0, ~uint64_t(0)}, {0, 2}}, 1, 8192),
+              HasSubstr("runs past"));
+  EXPECT_THAT(check_shm_pieces(std::vector<ShmPiece>(kMaxShmPieces + 1, in_line), 1, 8192),
+              HasSubstr("at most"));
+}
+
 // ------------------------------------------------------------------------------- fake engines
 
 const KvLayout kLayout{"fake", 3, 4, 8};  // 3 layers, 4 tokens a block, 8 bytes a token
 constexpr std::byte kUntouched{0xEE};
 
 // An executor that only has a KV cache: num_blocks * layers blocks of block_size * token_bytes
-// bytes, all kUntouched at first. It counts writes per layer so tests can wait for them.
+// bytes, all kUntouched at first, in a shared-memory segment as the engines' caches are. It
+// counts writes per layer so tests can wait for them.
 class FakeExecutor : public Executor {
  public:
-  explicit FakeExecutor(KvLayout layout = kLayout, int64_t num_blocks = 16) {
+  explicit FakeExecutor(KvLayout layout = kLayout, int64_t num_blocks = 16)
+      : memory_(SharedSegment::create(
+            size_t(num_blocks * layout.layers * layout.block_size * layout.token_bytes),
+            "fake-kv-cache")),
+        data_(memory_.data(), memory_.size()) {
     info_.model_name = "fake-model";
     info_.vocab_size = 1000;
     info_.max_model_len = 1024;
@@ -316,7 +511,7 @@ class FakeExecutor : public Executor {
     info_.block_size = layout.block_size;
     info_.kv_layout = layout;
     block_bytes_ = size_t(layout.block_size * layout.token_bytes);
-    data_.assign(size_t(num_blocks * layout.layers) * block_bytes_, kUntouched);
+    std::fill(data_.begin(), data_.end(), kUntouched);
     writes_.assign(size_t(layout.layers), 0);
   }
 
@@ -359,7 +554,8 @@ class FakeExecutor : public Executor {
   std::span<std::byte> block(int32_t b, int64_t layer) {
     return {data_.data() + offset(b, layer), block_bytes_};
   }
-  const std::vector<std::byte>& data() const { return data_; }
+  std::vector<std::byte> data() const { return {data_.begin(), data_.end()}; }
+  SharedView kv_shared_memory() const override { return memory_.view(); }
 
   // Tokens [first, num) of `remote` blocks (a whole prompt's table) of `from`, copied into
   // `local` blocks (the table from first on) of this cache: what a transfer should do.
@@ -421,7 +617,8 @@ class FakeExecutor : public Executor {
 
   ExecutorInfo info_;
   size_t block_bytes_ = 0;
-  std::vector<std::byte> data_;
+  SharedSegment memory_;
+  std::span<std::byte> data_;
   mutable std::mutex mutex_;
   mutable std::condition_variable written_;
   std::vector<int64_t> writes_;
@@ -524,7 +721,7 @@ class KvTransferAgents : public ::testing::Test {
     p.secret = prefill_secret_;
     p.handshake_timeout_s = handshake_timeout_s_;
     prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_,
-                                                 make_tcp_transport({prefill_io_timeout_}),
+                                                 make_transport(transport_, prefill_io_timeout_),
                                                  prefill_metrics_, queue_.post());
     decode_ = make_decode(decode_exec_, decode_metrics_);
     ASSERT_TRUE(prefill_->serving());
@@ -541,9 +738,14 @@ class KvTransferAgents : public ::testing::Test {
     d.checksum = true;
     d.secret = decode_secret_;
     d.allow = decode_allow_;
-    return std::make_unique<KvTransferAgent>(d, exec, make_tcp_transport({decode_io_timeout_}),
-                                             registry, queue_.post());
+    return std::make_unique<KvTransferAgent>(
+        d, exec, make_transport(transport_, decode_io_timeout_), registry, queue_.post());
   }
+
+  KvTransferAgents() = default;
+  // Engines with caches of `layout` over `transport` ("tcp" or "shm").
+  KvTransferAgents(KvLayout layout, std::string transport)
+      : prefill_exec_(layout), decode_exec_(layout), transport_(std::move(transport)) {}
 
   // Set before start(): the engines' KV transfer secrets (empty: no handshake), how long the
   // prefill side waits for a connection's first frame, and its transport's I/O timeout.
@@ -620,6 +822,7 @@ class KvTransferAgents : public ::testing::Test {
   // Declared first: destroyed after the agents, which post while shutting down.
   TaskQueue queue_;
   FakeExecutor prefill_exec_, decode_exec_;
+  const std::string transport_ = "tcp";
   metrics::Registry prefill_metrics_, decode_metrics_;
   std::unique_ptr<KvTransferAgent> prefill_, decode_;
   uint16_t port_override_ = 0;  // a fake prefill server instead of prefill_
@@ -1122,6 +1325,56 @@ TEST_F(KvTransferAgents, RoomOpenedFirstStreamsEachLayerAsItCompletes) {
   EXPECT_FALSE(other.called);
   EXPECT_EQ(prefill_->held_blocks(), 0);
   EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfers_total", "result=\"ok\""), 1);
+}
+
+// Engines whose layer frames are large enough to go in place over shared memory (8 KiB a block
+// and layer): the decode side copies the prompt's blocks straight from the prefill's cache.
+class KvTransferInPlace : public KvTransferAgents {
+ protected:
+  static constexpr KvLayout kBigLayout{"fake", 3, 4, 2048};
+  KvTransferInPlace() : KvTransferAgents(kBigLayout, "shm") {}
+};
+
+TEST_F(KvTransferInPlace, APullCopiesThePromptStraightFromThePrefillCache) {
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected(kBigLayout);
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  ASSERT_TRUE(queue_.run_until([&] { return released; }));
+  const double bytes = 10.0 * 2048 * 3;
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_bytes_total", "direction=\"sent\""),
+            bytes);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_in_place_bytes_total"), bytes);
+  EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfer_connections_total", "transport=\"shm\""),
+            1);
+}
+
+TEST_F(KvTransferInPlace, ARoomStreamsEachLayerInPlaceAsItCompletes) {
+  start();
+  RoomOutcome done;
+  ASSERT_TRUE(open(7, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
+  Outcome o = fetch(enter_room(7, local_, "req-room"));
+  prefill_->room_blocks(7, claims_[7], remote_);
+  for (int64_t layers = 1; layers <= kBigLayout.layers; ++layers) {
+    prefill_->room_layers_done(7, claims_[7], layers);
+    ASSERT_TRUE(decode_exec_.wait_for_write(layers - 1)) << "layer " << layers - 1;
+    if (layers < kBigLayout.layers) {
+      EXPECT_EQ(decode_exec_.writes(layers), 0);
+    }
+  }
+  const KvFetchResult r = wait(o);
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected(kBigLayout);
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_TRUE(done.ok) << done.error;
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_in_place_bytes_total"), 10.0 * 2048 * 3);
 }
 
 // Two registrations of one room: whichever the server reads second is refused as a duplicate,

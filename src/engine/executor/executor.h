@@ -17,6 +17,7 @@
 #include "engine/sampler.h"
 #include "engine/scheduler/sequence.h"
 #include "placement/placement.h"
+#include "util/shared_memory.h"
 
 namespace tandem::engine {
 
@@ -118,6 +119,9 @@ class Executor {
   // Where write_kv would store them, for receiving in place; nullptr when the executor has no
   // such memory (then KV transfer receives into a buffer and calls write_kv).
   virtual std::byte* kv_bytes_mutable(int32_t, int64_t) { return nullptr; }
+  // The shared-memory segment kv_bytes() points into, if the cache lives in one: a decode engine
+  // on this host may then read a prompt's KV straight from it (KvTransport::listen). Empty: none.
+  virtual SharedView kv_shared_memory() const { return {}; }
   // Empty while the executor can run steps; else why it cannot (a rank process died). Thread-safe;
   // the engine then reports unhealthy.
   virtual std::string failure() const { return {}; }

@@ -22,6 +22,7 @@ class Qwen3Executor : public Executor {
   const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
   std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override;
+  SharedView kv_shared_memory() const override { return cache_.shared(); }
 
  private:
   std::shared_ptr<const model::Qwen3MoeModel> model_;

@@ -55,6 +55,7 @@ class EpExecutor final : public Executor {
   const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
   std::byte* kv_bytes_mutable(int32_t block, int64_t layer) override;
+  SharedView kv_shared_memory() const override { return memory_.view(); }
   std::string failure() const override;
   std::optional<placement::Placement> expert_placement() const override;
   void stage_expert_placement(const placement::Placement& next,

@@ -256,6 +256,7 @@ struct KvTransferAgent::Metrics {
   metrics::Histogram& fetch_seconds;
   metrics::Family<metrics::IntCounter>& fetch_connections;
   metrics::IntCounter& refused;
+  metrics::IntCounter& bytes_in_place;
 };
 
 KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& executor,
@@ -294,11 +295,16 @@ KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& execu
       registry.int_counter("tandem:kv_transfer_refused_total",
                            "Prefill side: connections refused by the KV transfer handshake "
                            "(no or a wrong --kv-transfer-secret)",
+                           model),
+      registry.int_counter("tandem:kv_transfer_in_place_bytes_total",
+                           "Prefill side: KV bytes a decode engine on this host copied straight "
+                           "from this engine's cache (shared memory, one copy)",
                            model)});
   if (!(config_.handshake_timeout_s > 0)) throw Error("the KV handshake timeout must be positive");
   if (config_.port >= 0) {
     if (config_.port > 65535) throw Error("--kv-transfer-port must be at most 65535");
-    listener_ = transport_->listen(config_.listen_host, static_cast<uint16_t>(config_.port));
+    listener_ = transport_->listen(config_.listen_host, static_cast<uint16_t>(config_.port),
+                                   executor_.kv_shared_memory());
     accept_thread_ = std::thread([this] { accept_loop(); });
   }
   reap_thread_ = std::thread([this] { reap_loop(); });
@@ -642,8 +648,10 @@ void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>
     }
     const auto data = std::span<const std::span<const std::byte>>(parts).subspan(1);
     encode({uint64_t(layer), config_.checksum, config_.checksum ? checksum(data) : 0}, header);
+    const uint64_t in_place = conn.bytes_sent_in_place();
     conn.send(KvFrameType::kLayer, parts);
     metrics_->bytes.labels({"sent"}).inc(uint64_t((num_tokens - first_token) * tb));
+    metrics_->bytes_in_place.inc(conn.bytes_sent_in_place() - in_place);
   }
 }
 

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "util/shared_memory.h"
+
 namespace tandem::engine {
 
 enum class KvFrameType : uint32_t {
@@ -35,7 +37,11 @@ struct KvFrame {
 class KvConnection {
  public:
   virtual ~KvConnection() = default;
-  // Sends one frame whose payload is the concatenation of `parts` (gathered, not copied).
+  // Sends one frame whose payload is the concatenation of `parts` (gathered, not copied). Parts
+  // that lie in the listener's send_memory may still be read by the peer after this returns:
+  // they must stay unchanged until the next frame without such parts was sent (the transport
+  // waits for the peer's copies there) or the connection is gone (the peer then fails before
+  // that next frame, so a protocol that ends with one never uses what it read).
   virtual void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) = 0;
   // A frame in two calls, so that its payload can land where it belongs (KV straight into cache
   // blocks): the header first (its type; `size` gets the payload's bytes, over `max_payload` is
@@ -65,6 +71,9 @@ class KvConnection {
   virtual std::string peer() const = 0;
   // What carries the bytes: "tcp" or "shm".
   virtual const char* kind() const = 0;
+  // Payload bytes of frames sent so far that the peer copied straight from this side's memory
+  // (the listener's send_memory; shared memory only).
+  virtual uint64_t bytes_sent_in_place() const { return 0; }
 };
 
 class KvListener {
@@ -80,8 +89,12 @@ class KvTransport {
  public:
   virtual ~KvTransport() = default;
   virtual std::string name() const = 0;
-  // Port 0 picks a free port (see KvListener::port()).
-  virtual std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port) = 0;
+  // Port 0 picks a free port (see KvListener::port()). `send_memory`: the shared segment the
+  // frames its connections send are mostly gathered from (the prefill engine's KV cache); a
+  // transport that can (shared memory, to a peer of the same user, after the peer's request)
+  // lets the peer copy those parts straight from it instead of through the wire.
+  virtual std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
+                                             SharedView send_memory = {}) = 0;
   virtual std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) = 0;
 };
 
@@ -96,6 +109,14 @@ struct TcpTransportOptions {
 // tells each side that its peer is still there. Frames are the TCP ones, copied into the ring
 // by the sender and out of it (scattered into cache blocks) by the receiver; waits sleep on
 // futexes in the segment. Nothing outlives the two processes (the segment is a memfd).
+//
+// Large frames whose parts lie in the listener's send_memory take one copy instead of two: the
+// listener passes that segment's descriptor over the socket (to a peer of its own user, with the
+// first such frame, which the KV protocol sends only after the peer's request was accepted) and
+// puts only the parts' offsets in the ring; the receiver copies them from its read-only mapping
+// straight into its targets (streaming stores) and acknowledges; the sender's next frame
+// that is not in place (the KV protocol's done frame) waits for that. The receiver keeps each
+// peer's mapping across connections (its pages stay mapped) until that peer process exits.
 std::unique_ptr<KvTransport> make_shm_transport(const TcpTransportOptions& options = {});
 
 // TCP on the project's own sockets (net/socket.h, poll() for the timeouts); frames are [u32

@@ -1,5 +1,6 @@
 // KvTransport over shared memory on one host (see make_shm_transport in kv_transport.h).
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -19,8 +20,12 @@
 
 #include "engine/transfer/kv_frame.h"
 #include "engine/transfer/kv_transport.h"
+#include "engine/transfer/shm_peer_segments.h"
+#include "engine/transfer/shm_pieces.h"
 #include "util/error.h"
+#include "util/little_endian.h"
 #include "util/shared_memory.h"
+#include "util/split_copier.h"
 
 namespace tandem::engine {
 namespace {
@@ -34,7 +39,16 @@ constexpr size_t kToClientBytes = 2 << 20;
 // A sender publishes what it wrote every this many bytes (and at the end of a frame), so the
 // receiver copies while it writes without a wake-up per block.
 constexpr size_t kChunk = 128 << 10;
-constexpr char kHello = 'S', kWelcome = 'A';
+// Hello without / with the offer to copy large frames from the sender's segment; the segment's
+// descriptor comes with a kSegment byte.
+constexpr char kHello = 'S', kHelloInPlace = 'P', kWelcome = 'A', kSegment = 'M';
+// Frames from this size on go in place when they can; parts outside the segment (a layer's
+// header) travel inline, up to this many bytes.
+constexpr size_t kInPlaceMin = 4 << 10, kInlineMax = 64 << 10;
+// The second word of an in-place frame's header (zero in every other frame).
+constexpr uint32_t kInPlaceFlag = 1;
+// Copies from this size on are split with a second thread.
+constexpr size_t kSplitMin = 4 << 20;
 
 struct alignas(64) RingHead {
   std::atomic<uint64_t> written{0};           // bytes ever written (the producer's)
@@ -43,6 +57,9 @@ struct alignas(64) RingHead {
   std::atomic<uint32_t> space{0};
   // Sides asleep on `data` / `space`: a wake-up (a system call) only when someone sleeps.
   std::atomic<uint32_t> data_sleepers{0}, space_sleepers{0};
+  // In-place frames the consumer has finished copying (futex word), and the producer asleep on it.
+  alignas(64) std::atomic<uint32_t> copied{0};
+  std::atomic<uint32_t> copied_sleepers{0};
 };
 
 // The abstract Unix socket a listener on host:port also accepts on.
@@ -122,12 +139,51 @@ bool send_byte(int fd, char byte, int passed_fd) {
   return ::sendmsg(fd, &m, MSG_NOSIGNAL) == 1;
 }
 
+// A descriptor closed with its last owner.
+struct OwnedFd {
+  int fd = -1;
+  explicit OwnedFd(int f) : fd(f) {}
+  OwnedFd(const OwnedFd&) = delete;
+  OwnedFd& operator=(const OwnedFd&) = delete;
+  ~OwnedFd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// A read-only descriptor of the segment behind `memory` (a peer given it cannot map it writable),
+// with the mapping's view; empty where there is none (no /proc: no in-place frames).
+struct SendMemory {
+  SharedView view;
+  std::shared_ptr<const OwnedFd> read_only;
+  explicit operator bool() const { return read_only != nullptr; }
+  static SendMemory of(SharedView memory) {
+    if (!memory) return {};
+    const std::string path = "/proc/self/fd/" + std::to_string(memory.fd);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return {};
+    return {memory, std::make_shared<const OwnedFd>(fd)};
+  }
+};
+
+// What a connection needs for in-place frames: as a sender, the segment its peer may read
+// (empty: not allowed); as a receiver, where its peers' mappings live.
+struct InPlace {
+  SendMemory send_memory;
+  std::shared_ptr<PeerSegments> peers;  // null: this side did not offer to read in place
+  std::shared_ptr<SplitCopier> copier;
+  pid_t peer_pid = 0;
+};
+
 class ShmConnection : public KvConnection {
  public:
   // `client`: the connecting side, which writes the to-server ring.
   ShmConnection(int socket, SharedSegment segment, bool client, std::chrono::milliseconds timeout,
-                std::string peer)
-      : socket_(socket), segment_(std::move(segment)), timeout_(timeout), peer_(std::move(peer)) {
+                std::string peer, InPlace in_place)
+      : socket_(socket),
+        segment_(std::move(segment)),
+        timeout_(timeout),
+        peer_(std::move(peer)),
+        in_place_(std::move(in_place)) {
     auto* base = segment_.data();
     auto* to_server = reinterpret_cast<RingHead*>(base);
     auto* to_client = reinterpret_cast<RingHead*>(base + sizeof(RingHead));
@@ -145,8 +201,12 @@ class ShmConnection : public KvConnection {
   void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) override {
     uint64_t total = 0;
     for (auto p : parts) total += p.size();
-    const auto header = kv_frame_header(type, total);
     const auto deadline = start("sending");
+    if (in_place_.send_memory && total >= kInPlaceMin &&
+        send_in_place(type, parts, total, deadline))
+      return;
+    await_copies(deadline);
+    const auto header = kv_frame_header(type, total);
     write(header.data(), header.size(), deadline);
     for (auto p : parts) write(p.data(), p.size(), deadline);
     publish();
@@ -155,13 +215,23 @@ class ShmConnection : public KvConnection {
   KvFrameType receive_header(uint64_t& size, size_t max_payload) override {
     std::array<std::byte, kKvFrameHeaderBytes> header{};
     read(header.data(), header.size(), start("receiving"));
-    return parse_kv_frame_header(header.data(), size, max_payload, peer_);
+    in_place_frame_ = in_place_.peers && get_le(header.data() + 4, 4) == kInPlaceFlag;
+    if (in_place_frame_) put_le(header.data() + 4, 0, 4);
+    const KvFrameType type = parse_kv_frame_header(header.data(), size, max_payload, peer_);
+    frame_bytes_ = size;
+    return type;
   }
 
   void receive_payload(std::span<const std::span<std::byte>> parts) override {
     const auto deadline = start("receiving");
+    if (in_place_frame_) {
+      in_place_frame_ = false;
+      return receive_in_place(parts, deadline);
+    }
     for (auto p : parts) read(p.data(), p.size(), deadline);
   }
+
+  uint64_t bytes_sent_in_place() const override { return bytes_in_place_; }
 
   void shutdown() override {
     stopped_ = true;
@@ -170,6 +240,7 @@ class ShmConnection : public KvConnection {
     wake_all(out_.head->space);
     wake_all(out_.head->data);
     wake_all(in_.head->space);
+    wake_all(out_.head->copied);
   }
 
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
@@ -280,6 +351,118 @@ class ShmConnection : public KvConnection {
     }
   }
 
+  // The frame as a description of its parts (kv_frame_header with kInPlaceFlag, the piece count,
+  // the pieces, the inline parts' bytes). The receiver copies the segment's parts later: the
+  // next frame that is not in place waits for that (await_copies). False (nothing sent) when the
+  // parts outside the segment are too many bytes for this.
+  bool send_in_place(KvFrameType type, std::span<const std::span<const std::byte>> parts,
+                     uint64_t total, Clock::time_point deadline) {
+    const SharedView& memory = in_place_.send_memory.view;
+    std::vector<ShmPiece> pieces;
+    size_t inline_bytes = 0;
+    for (auto p : parts) {
+      if (p.empty()) continue;
+      if (!memory.contains(p.data(), p.size())) {
+        inline_bytes += p.size();
+        if (inline_bytes > kInlineMax) return false;
+        pieces.push_back({ShmPiece::kInline, p.size()});
+        continue;
+      }
+      const auto offset = uint64_t(p.data() - memory.data);
+      if (!pieces.empty() && pieces.back().offset != ShmPiece::kInline &&
+          pieces.back().offset + pieces.back().length == offset)
+        pieces.back().length += p.size();  // neighbouring blocks: one piece
+      else
+        pieces.push_back({offset, p.size()});
+    }
+    if (pieces.size() > kMaxShmPieces) return false;
+    if (!segment_sent_) {
+      if (!send_byte(socket_, kSegment, in_place_.send_memory.read_only->fd))
+        fail(std::string(what_) + " failed: connection closed by peer");
+      segment_sent_ = true;
+    }
+    auto header = kv_frame_header(type, total);
+    put_le(header.data() + 4, kInPlaceFlag, 4);
+    write(header.data(), header.size(), deadline);
+    std::byte word[16];
+    put_le(word, pieces.size(), 8);
+    write(word, 8, deadline);
+    for (const ShmPiece& piece : pieces) {
+      put_le(word, piece.offset, 8);
+      put_le(word + 8, piece.length, 8);
+      write(word, 16, deadline);
+    }
+    for (auto p : parts)
+      if (!p.empty() && !memory.contains(p.data(), p.size())) write(p.data(), p.size(), deadline);
+    ++frames_in_place_;
+    publish();
+    bytes_in_place_ += total - inline_bytes;
+    return true;
+  }
+
+  // Until the receiver has copied every in-place frame sent so far.
+  void await_copies(Clock::time_point deadline) {
+    RingHead& h = *out_.head;
+    for (uint32_t seen; (seen = h.copied.load(std::memory_order_acquire)) != frames_in_place_;)
+      wait(h.copied, h.copied_sleepers, seen, deadline);
+  }
+
+  // The rest of an in-place frame (see send_in_place), scattered over `parts`.
+  void receive_in_place(std::span<const std::span<std::byte>> parts, Clock::time_point deadline) {
+    uint64_t capacity = 0;
+    for (auto p : parts) capacity += p.size();
+    if (capacity != frame_bytes_)
+      fail("receiving a frame of " + std::to_string(frame_bytes_) + " bytes into " +
+           std::to_string(capacity));
+    std::byte word[16];
+    read(word, 8, deadline);
+    const uint64_t count = get_le(word, 8);
+    if (count > kMaxShmPieces)
+      fail("in-place frame of " + std::to_string(count) + " pieces (at most " +
+           std::to_string(kMaxShmPieces) + ")");
+    std::vector<ShmPiece> pieces(count);
+    for (ShmPiece& piece : pieces) {
+      read(word, 16, deadline);
+      piece = {get_le(word, 8), get_le(word + 8, 8)};
+    }
+    if (!peer_segment_) {
+      char byte = 0;
+      int fd = -1;
+      if (!receive_byte(socket_, byte, &fd, deadline) || byte != kSegment || fd < 0) {
+        if (fd >= 0) ::close(fd);
+        fail("an in-place frame came without the sender's segment");
+      }
+      try {
+        peer_segment_ = in_place_.peers->get(fd, in_place_.peer_pid);
+      } catch (const Error& e) {
+        fail(std::string("the sender's segment: ") + e.what());
+      }
+    }
+    if (const std::string why = check_shm_pieces(pieces, frame_bytes_, peer_segment_->size());
+        !why.empty())
+      fail("in-place frame: " + why);
+    std::vector<CopyRange> copies;
+    size_t part = 0, at = 0;  // where the next byte lands
+    for (const ShmPiece& piece : pieces) {
+      for (uint64_t done = 0; done < piece.length;) {
+        while (at == parts[part].size()) {
+          ++part;
+          at = 0;
+        }
+        const size_t n = size_t(std::min<uint64_t>(piece.length - done, parts[part].size() - at));
+        std::byte* to = parts[part].data() + at;
+        if (piece.offset == ShmPiece::kInline)
+          read(to, n, deadline);
+        else
+          copies.push_back({to, peer_segment_->data() + piece.offset + done, n});
+        done += n;
+        at += n;
+      }
+    }
+    in_place_.copier->run(std::move(copies));
+    signal(in_.head->copied, in_.head->copied_sleepers);
+  }
+
   const int socket_;
   SharedSegment segment_;
   std::chrono::milliseconds timeout_;
@@ -289,15 +472,30 @@ class ShmConnection : public KvConnection {
   size_t unpublished_ = 0;  // bytes written to the ring, not yet visible to the reader
   std::atomic<bool> stopped_{false};
   bool broken_ = false;
+  const InPlace in_place_;
+  bool segment_sent_ = false;                          // sender: the descriptor went over
+  uint32_t frames_in_place_ = 0;                       // sender: in-place frames so far
+  std::atomic<uint64_t> bytes_in_place_{0};            // sender: their bytes, inline ones not
+  std::shared_ptr<const SharedSegment> peer_segment_;  // receiver: the sender's, once it came
+  bool in_place_frame_ = false;                        // receiver: the frame being received is
+  uint64_t frame_bytes_ = 0;                           // receiver: its payload bytes
 };
+
+// Whose process is at the other end of a Unix socket.
+ucred peer_credentials(int fd) {
+  ucred c{};
+  socklen_t length = sizeof c;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &c, &length) != 0) c.pid = 0, c.uid = uid_t(-1);
+  return c;
+}
 
 // Accepts on the TCP listener and on the Unix socket, each in a thread of its own; accept()
 // hands out whichever connection comes first.
 class ShmListener : public KvListener {
  public:
   ShmListener(std::unique_ptr<KvListener> tcp, const std::string& host,
-              std::chrono::milliseconds timeout)
-      : tcp_(std::move(tcp)), timeout_(timeout) {
+              std::chrono::milliseconds timeout, SharedView send_memory)
+      : tcp_(std::move(tcp)), timeout_(timeout), send_memory_(SendMemory::of(send_memory)) {
     unix_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     socklen_t length = 0;
     const sockaddr_un a = socket_address(host, tcp_->port(), length);
@@ -371,7 +569,8 @@ class ShmListener : public KvListener {
       int segment_fd = -1;
       const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(
                                                timeout_, std::chrono::milliseconds(1000));
-      if (!receive_byte(fd, hello, &segment_fd, deadline) || hello != kHello || segment_fd < 0) {
+      if (!receive_byte(fd, hello, &segment_fd, deadline) ||
+          (hello != kHello && hello != kHelloInPlace) || segment_fd < 0) {
         if (segment_fd >= 0) ::close(segment_fd);
         ::close(fd);
         continue;
@@ -380,8 +579,13 @@ class ShmListener : public KvListener {
         SharedSegment segment = SharedSegment::attach(segment_fd);
         if (segment.size() < ShmConnection::segment_bytes() || !send_byte(fd, kWelcome, -1))
           throw Error("bad segment");
+        // Only a process of this user may read the segment (it could read this one's memory
+        // anyway); it receives the descriptor only with a frame the protocol sends it.
+        InPlace in_place;
+        if (hello == kHelloInPlace && peer_credentials(fd).uid == ::geteuid())
+          in_place.send_memory = send_memory_;
         push(std::make_unique<ShmConnection>(fd, std::move(segment), false, timeout_,
-                                             "shared memory (local peer)"));
+                                             "shared memory (local peer)", std::move(in_place)));
       } catch (const std::exception&) {
         ::close(fd);
       }
@@ -390,6 +594,7 @@ class ShmListener : public KvListener {
 
   std::unique_ptr<KvListener> tcp_;
   const std::chrono::milliseconds timeout_;
+  const SendMemory send_memory_;
   int unix_fd_ = -1;
   std::mutex mutex_;
   std::condition_variable ready_;
@@ -404,8 +609,10 @@ class ShmTransport : public KvTransport {
       : options_(options), tcp_(make_tcp_transport(options)) {}
   std::string name() const override { return "shm"; }
 
-  std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port) override {
-    return std::make_unique<ShmListener>(tcp_->listen(host, port), host, options_.io_timeout);
+  std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
+                                     SharedView send_memory) override {
+    return std::make_unique<ShmListener>(tcp_->listen(host, port), host, options_.io_timeout,
+                                         send_memory);
   }
 
   std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) override {
@@ -433,8 +640,9 @@ class ShmTransport : public KvTransport {
       ::close(fd);  // no shared memory here (memfd refused): TCP still works
       return nullptr;
     }
+    peers_->forget_exited();
     char welcome = 0;
-    if (!send_byte(fd, kHello, segment.fd()) ||
+    if (!send_byte(fd, kHelloInPlace, segment.fd()) ||
         !receive_byte(fd, welcome, nullptr, Clock::now() + options_.io_timeout) ||
         welcome != kWelcome) {
       ::close(fd);
@@ -442,14 +650,41 @@ class ShmTransport : public KvTransport {
                   std::to_string(port) + " failed");
     }
     return std::make_unique<ShmConnection>(fd, std::move(segment), true, options_.io_timeout,
-                                           "shared memory to " + host + ":" + std::to_string(port));
+                                           "shared memory to " + host + ":" + std::to_string(port),
+                                           InPlace{{}, peers_, copier_, peer_credentials(fd).pid});
   }
 
   TcpTransportOptions options_;
   std::unique_ptr<KvTransport> tcp_;
+  const std::shared_ptr<PeerSegments> peers_ = std::make_shared<PeerSegments>();
+  const std::shared_ptr<SplitCopier> copier_ = std::make_shared<SplitCopier>(kSplitMin);
 };
 
 }  // namespace
+
+std::string check_shm_pieces(std::span<const ShmPiece> pieces, uint64_t frame_bytes,
+                             uint64_t segment_bytes) {
+  if (pieces.size() > kMaxShmPieces)
+    return std::to_string(pieces.size()) + " pieces (at most " + std::to_string(kMaxShmPieces) +
+           ")";
+  uint64_t total = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const ShmPiece& p = pieces[i];
+    if (p.length > frame_bytes - total)
+      return "piece " + std::to_string(i) + " runs past the frame's " +
+             std::to_string(frame_bytes) + " bytes";
+    total += p.length;
+    if (p.offset != ShmPiece::kInline &&
+        (p.offset > segment_bytes || p.length > segment_bytes - p.offset))
+      return "piece " + std::to_string(i) + " (" + std::to_string(p.length) + " bytes at " +
+             std::to_string(p.offset) + ") lies outside the sender's segment of " +
+             std::to_string(segment_bytes) + " bytes";
+  }
+  if (total != frame_bytes)
+    return "pieces of " + std::to_string(total) + " bytes for a frame of " +
+           std::to_string(frame_bytes);
+  return {};
+}
 
 std::unique_ptr<KvTransport> make_shm_transport(const TcpTransportOptions& options) {
   return std::make_unique<ShmTransport>(options);

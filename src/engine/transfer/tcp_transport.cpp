@@ -222,7 +222,7 @@ class TcpTransport : public KvTransport {
   explicit TcpTransport(const TcpTransportOptions& options) : options_(options) {}
   std::string name() const override { return "tcp"; }
 
-  std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port) override {
+  std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port, SharedView) override {
     return std::make_unique<TcpListener>(host, port, options_.io_timeout);
   }
 

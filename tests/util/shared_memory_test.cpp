@@ -1,0 +1,90 @@
+// Shared-memory segments: sealed sizes, read-only attachment, descriptors that are refused.
+#include "util/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "util/error.h"
+
+namespace tandem {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no tandem::Error thrown";
+  return {};
+}
+
+// A second descriptor of the same segment, as a peer would receive it.
+int reopen(int fd, int flags) {
+  return ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), flags | O_CLOEXEC);
+}
+
+TEST(SharedSegment, ItsSizeIsSealedSoNoSharerCanShrinkIt) {
+  SharedSegment s = SharedSegment::create(1 << 16, "test-sealed");
+  EXPECT_NE(::ftruncate(s.fd(), 4096), 0);
+  EXPECT_NE(::ftruncate(s.fd(), 1 << 20), 0);
+  std::memset(s.data(), 5, s.size());  // still fully usable
+  SharedSegment other = SharedSegment::attach(::dup(s.fd()));
+  EXPECT_EQ(other.size(), s.size());
+  EXPECT_EQ(other.data()[(1 << 16) - 1], std::byte{5});
+}
+
+TEST(SharedSegment, AReadOnlyAttachmentSeesTheOwnersWritesAndCannotWrite) {
+  SharedSegment s = SharedSegment::create(8192, "test-read-only");
+  const int read_only = reopen(s.fd(), O_RDONLY);
+  ASSERT_GE(read_only, 0);
+  SharedSegment view = SharedSegment::attach(read_only, SharedAccess::kReadOnly);
+  s.data()[100] = std::byte{42};
+  EXPECT_EQ(view.data()[100], std::byte{42});
+  // The pages are mapped without write permission.
+  EXPECT_NE(::mprotect(view.data(), 4096, PROT_READ | PROT_WRITE), 0);
+  // A read-only descriptor cannot be attached for writing.
+  EXPECT_THAT(error_of([&] { SharedSegment::attach(reopen(s.fd(), O_RDONLY)); }),
+              HasSubstr("cannot map"));
+}
+
+TEST(SharedSegment, DescriptorsThatAreNotSealedSegmentsAreRefused) {
+  // A memfd whose owner could still shrink it under our mapping.
+  const int unsealed = static_cast<int>(::syscall(SYS_memfd_create, "unsealed", MFD_CLOEXEC));
+  ASSERT_GE(unsealed, 0);
+  ASSERT_EQ(::ftruncate(unsealed, 4096), 0);
+  EXPECT_THAT(error_of([&] { SharedSegment::attach(unsealed); }),
+              HasSubstr("is not a sealed segment"));
+  // An empty file.
+  const int empty = static_cast<int>(::syscall(SYS_memfd_create, "empty", MFD_CLOEXEC));
+  ASSERT_GE(empty, 0);
+  EXPECT_THAT(error_of([&] { SharedSegment::attach(empty); }), HasSubstr("is not a segment"));
+}
+
+TEST(SharedView, ContainsOnlyRangesWhollyInside) {
+  SharedSegment s = SharedSegment::create(4096, "test-view");
+  const SharedView v = s.view();
+  EXPECT_TRUE(v);
+  EXPECT_TRUE(v.contains(s.data(), 4096));
+  EXPECT_TRUE(v.contains(s.data() + 4000, 96));
+  EXPECT_TRUE(v.contains(s.data() + 4096, 0));
+  EXPECT_FALSE(v.contains(s.data() + 4000, 97));
+  EXPECT_FALSE(v.contains(s.data() - 1, 1));
+  EXPECT_FALSE(v.contains(s.data() + 1, ~size_t(0)));
+  EXPECT_FALSE(SharedView{}.contains(s.data(), 1));
+  EXPECT_FALSE(SharedView{});
+}
+
+}  // namespace
+}  // namespace tandem
