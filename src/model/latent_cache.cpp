@@ -18,13 +18,8 @@ LatentCache::LatentCache(const LatentCacheShape& shape, int64_t num_blocks)
   if (shape.layers <= 0 || shape.block_size <= 0 || shape.entry() <= 0 || num_blocks <= 0)
     throw Error("latent cache: layers, block size, entry size and block count must be positive");
   const auto bytes = static_cast<size_t>(shape.block_bytes() * num_blocks);
-  try {
-    shared_ = SharedSegment::create(bytes, "tandem-kv-cache");
-    data_ = shared_.data();
-  } catch (const Error&) {  // no memfd here (a sandbox): private memory, KV transfer copies twice
-    storage_.assign((bytes + sizeof(float) - 1) / sizeof(float), 0.0f);
-    data_ = reinterpret_cast<std::byte*>(storage_.data());
-  }
+  memory_ = SharableBuffer(bytes, "tandem-kv-cache");
+  data_ = memory_.data();
 }
 
 LatentCache::LatentCache(const LatentCacheShape& shape, int64_t num_blocks, std::byte* memory)

@@ -49,7 +49,7 @@ class LatentCache {
   const LatentCacheShape& shape() const { return shape_; }
   int64_t num_blocks() const { return num_blocks_; }
   // The segment holding the blocks; empty for a view or private memory.
-  SharedView shared() const { return shared_.view(); }
+  SharedView shared() const { return memory_.shared(); }
 
   // The block_size x entry() values of one block and layer, of shape().type.
   std::byte* block_layer(int64_t block, int64_t layer) { return data_ + offset(block, layer); }
@@ -70,9 +70,8 @@ class LatentCache {
     return (block * shape_.layers + layer) * shape_.block_size * shape_.entry_bytes();
   }
 
-  SharedSegment shared_;        // the blocks' bytes (empty for a view or private memory)
-  std::vector<float> storage_;  // private memory, float-aligned, where memfd is refused
-  std::byte* data_ = nullptr;   // shared_'s, storage_'s or the caller's bytes
+  SharableBuffer memory_;      // the blocks' bytes (empty for a view)
+  std::byte* data_ = nullptr;  // memory_'s or the caller's bytes
 };
 
 }  // namespace tandem::model

@@ -85,6 +85,16 @@ SharedSegment::~SharedSegment() {
   fd_ = -1;
 }
 
+SharableBuffer::SharableBuffer(size_t bytes, const std::string& name) : size_(bytes) {
+  try {
+    segment_ = SharedSegment::create(bytes, name);
+    data_ = segment_.data();
+  } catch (const Error&) {
+    private_.reset(new std::byte[bytes]());
+    data_ = private_.get();
+  }
+}
+
 void wait_while_equal(std::atomic<uint32_t>& word, uint32_t expected, int timeout_ms) {
   static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
   timespec t{timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 namespace tandem {
@@ -53,6 +54,24 @@ class SharedSegment {
  private:
   SharedSegment(int fd, std::byte* data, size_t size) : fd_(fd), data_(data), size_(size) {}
   int fd_ = -1;
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// `bytes` zero-filled bytes in a segment of their own (pages allocated as first written), or in
+// private memory where the system refuses memfd (a sandbox); shared() is empty then. For memory
+// another process on this host may be given to read (an engine's KV cache).
+class SharableBuffer {
+ public:
+  SharableBuffer() = default;
+  SharableBuffer(size_t bytes, const std::string& name);
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+  SharedView shared() const { return segment_.view(); }
+
+ private:
+  SharedSegment segment_;
+  std::unique_ptr<std::byte[]> private_;
   std::byte* data_ = nullptr;
   size_t size_ = 0;
 };

@@ -77,8 +77,8 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   if (!(mtp.draft_pass_share >= 0 && mtp.draft_pass_share < 1e6))
     throw Error("sim: MTP draft pass share must be >= 0");
   info_.speculative_tokens = mtp.drafts;
-  pattern_.resize(size_t(options.block_size * token_bytes));
-  for (size_t i = 0; i < pattern_.size(); ++i) pattern_[i] = std::byte(i * 131 + 7);
+  pattern_ = SharableBuffer(size_t(options.block_size * token_bytes), "tandem-sim-kv");
+  for (size_t i = 0; i < pattern_.size(); ++i) pattern_.data()[i] = std::byte(i * 131 + 7);
 }
 
 size_t SimExecutor::next_token(uint64_t position, int32_t previous) const {

@@ -68,6 +68,7 @@ class SimExecutor : public Executor {
   // No cache memory: reads see a fixed pattern, writes are dropped (transfers still move the
   // modelled model's number of bytes).
   const std::byte* kv_bytes(int32_t block, int64_t layer) const override;
+  SharedView kv_shared_memory() const override { return pattern_.shared(); }
   void write_kv(int32_t block, int64_t layer, std::span<const std::byte> bytes) override;
   const SimLatencyModel& latency_model() const { return model_; }
 
@@ -83,8 +84,10 @@ class SimExecutor : public Executor {
   SimLatencyModel model_;
   ExecutorInfo info_;
   SimExecutorOptions options_;
-  std::vector<int32_t> ordinary_;   // ids the simulated model emits
-  std::vector<std::byte> pattern_;  // what kv_bytes() shows: one block and layer
+  std::vector<int32_t> ordinary_;  // ids the simulated model emits
+  // What kv_bytes() shows for every block and layer; shared, so that a decode engine on this
+  // host copies it in place as it would a real cache.
+  SharableBuffer pattern_;
   std::optional<SimExpertParallel> expert_parallel_;
 };
 
