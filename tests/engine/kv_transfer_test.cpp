@@ -38,6 +38,7 @@
 #include "engine/transfer/kv_transport.h"
 #include "engine/transfer/shm_pieces.h"
 #include "util/error.h"
+#include "util/error_of.h"
 #include "util/metrics.h"
 #include "util/shared_memory.h"
 
@@ -47,6 +48,7 @@ namespace {
 using namespace std::chrono_literals;
 using nlohmann::json;
 using ::testing::AnyOf;
+using testing::error_of;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -60,17 +62,6 @@ std::span<const std::byte> bytes_of(const std::string& s) {
 
 std::string text_of(const std::vector<std::byte>& b) {
   return std::string(reinterpret_cast<const char*>(b.data()), b.size());
-}
-
-// The message of the tandem::Error that f throws.
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no tandem::Error thrown";
-  return {};
 }
 
 void send_text(KvConnection& conn, KvFrameType type, const std::string& text) {
@@ -796,6 +787,21 @@ class KvTransferAgents : public ::testing::Test {
     return f;
   }
 
+  // Gives the room its blocks and finishes its layers one by one: each layer reaches the decode
+  // cache before the next one is computed, and none leaves before it is complete.
+  void finish_room_layer_by_layer(uint64_t room) {
+    prefill_->room_blocks(room, claims_[room], remote_);
+    EXPECT_EQ(prefill_->held_blocks(), int64_t(remote_.size()));
+    const int64_t layers = prefill_exec_.info().kv_layout.layers;
+    for (int64_t done = 1; done <= layers; ++done) {
+      prefill_->room_layers_done(room, claims_[room], done);
+      ASSERT_TRUE(decode_exec_.wait_for_write(done - 1)) << "layer " << done - 1;
+      if (done < layers) {
+        EXPECT_EQ(decode_exec_.writes(done), 0);
+      }
+    }
+  }
+
   uint16_t prefill_port() const { return port_override_ ? port_override_ : prefill_->port(); }
 
   Outcome fetch(KvTransferAgent& agent, KvFetch f) {
@@ -1301,17 +1307,7 @@ TEST_F(KvTransferAgents, RoomOpenedFirstStreamsEachLayerAsItCompletes) {
   EXPECT_FALSE(open(42, kv_prompt_hash(prompt_), 11, room_done(other)));
 
   Outcome o = fetch(enter_room(42, local_, "req-room"));
-  prefill_->room_blocks(42, claims_[42], remote_);
-  EXPECT_EQ(prefill_->held_blocks(), 3);
-  for (int64_t layers = 1; layers <= kLayout.layers; ++layers) {
-    prefill_->room_layers_done(42, claims_[42], layers);
-    // Layer layers-1 reaches the decode cache before the next one is computed, and no layer
-    // leaves before it is complete.
-    ASSERT_TRUE(decode_exec_.wait_for_write(layers - 1)) << "layer " << layers - 1;
-    if (layers < kLayout.layers) {
-      EXPECT_EQ(decode_exec_.writes(layers), 0);
-    }
-  }
+  finish_room_layer_by_layer(42);
   const KvFetchResult r = wait(o);
   ASSERT_TRUE(r.ok) << r.error;
   EXPECT_EQ(r.bytes, 10u * 8 * 3);
@@ -1359,14 +1355,7 @@ TEST_F(KvTransferInPlace, ARoomStreamsEachLayerInPlaceAsItCompletes) {
   RoomOutcome done;
   ASSERT_TRUE(open(7, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
   Outcome o = fetch(enter_room(7, local_, "req-room"));
-  prefill_->room_blocks(7, claims_[7], remote_);
-  for (int64_t layers = 1; layers <= kBigLayout.layers; ++layers) {
-    prefill_->room_layers_done(7, claims_[7], layers);
-    ASSERT_TRUE(decode_exec_.wait_for_write(layers - 1)) << "layer " << layers - 1;
-    if (layers < kBigLayout.layers) {
-      EXPECT_EQ(decode_exec_.writes(layers), 0);
-    }
-  }
+  finish_room_layer_by_layer(7);
   const KvFetchResult r = wait(o);
   ASSERT_TRUE(r.ok) << r.error;
   FakeExecutor expected(kBigLayout);

@@ -14,21 +14,13 @@
 #include <gtest/gtest.h>
 
 #include "util/error.h"
+#include "util/error_of.h"
 
 namespace tandem {
 namespace {
 
+using testing::error_of;
 using ::testing::HasSubstr;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no tandem::Error thrown";
-  return {};
-}
 
 // A second descriptor of the same segment, as a peer would receive it.
 int reopen(int fd, int flags) {
