@@ -284,16 +284,21 @@ void Engine::abort(const std::string& id) {
 }
 
 LoadReport Engine::load() const {
+  LoadReport r;
+  {
+    std::lock_guard lock(load_mutex_);
+    r = load_;
+    if (r.step_seqs > 0) r.step_running_for_s = std::max(now() - step_started_, 0.0);
+  }
+  return with_incoming(std::move(r));
+}
+
+LoadReport Engine::with_incoming(LoadReport snapshot) const {
   // Requests submitted since the snapshot (it is written between steps, and a step may take
   // seconds) are queued prefill work already: a router must not see the engine as idle.
-  const int64_t incoming = incoming_prompt_tokens_.load();
-  const int64_t incoming_pairs = incoming_prompt_pairs_.load();
-  std::lock_guard lock(load_mutex_);
-  LoadReport r = load_;
-  r.prefill_tokens += incoming;
-  r.prefill_pairs += incoming_pairs;
-  if (r.step_seqs > 0) r.step_running_for_s = std::max(now() - step_started_, 0.0);
-  return r;
+  snapshot.prefill_tokens += incoming_prompt_tokens_.load();
+  snapshot.prefill_pairs += incoming_prompt_pairs_.load();
+  return snapshot;
 }
 
 // Prompt work this engine still has to do for a sequence (none while its KV is fetched). One

@@ -105,6 +105,9 @@ class Engine final : private PdHost {
   void abort(const std::string& id);
 
   LoadReport load() const;
+  // `snapshot` (a report taken earlier in this step) plus the prompts submitted since, which the
+  // engine has not admitted yet: what load() adds to the step's own snapshot. Thread-safe.
+  LoadReport with_incoming(LoadReport snapshot) const;
   // Thread-safe. Tokens routed per (MoE layer, expert); nullopt when the executor reports none.
   std::optional<ExpertLoadSnapshot> expert_load() const;
   // Thread-safe. A new expert placement, switched in live once its copies are loaded (throws

@@ -95,7 +95,9 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
   if (request.method == "GET" && request.target.substr(0, request.target.find('?')) == "/load") {
     engine::LoadReport r = engine_->load();
     if (phase_ == Phase::kEnding && step_load_) {
-      r = *step_load_;
+      // What the engine reported as the step began, and the requests that came since (a live
+      // engine counts those too: its HTTP thread submits them while the step runs).
+      r = engine_->with_incoming(*step_load_);
       r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
     }
     reply->respond(200, api::to_json(r, api::load_since_step(request.target)), "application/json");
@@ -151,8 +153,8 @@ void SimulatedEngine::step() {
     busy_seconds_ += seconds;
   }
   // The step's outputs reach the gateway when its modelled time has passed; meanwhile /load
-  // answers what the engine reported as the step began. A pass that ran no step, or a step of no
-  // modelled time, ends at once.
+  // answers what the engine reported as the step began, plus requests submitted since. A pass that
+  // ran no step, or a step of no modelled time, ends at once.
   phase_ = Phase::kEnding;
   if (step_load_)
     clock_.at(clock_.now() + duration_of(seconds), [this, ran] { end_step(ran); });

@@ -10,9 +10,13 @@
 #include <fstream>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include "api/load_report.h"
 #include "bench/driver.h"
 #include "bench/workload.h"
+#include "sim/simulated_engine.h"
+#include "sim/virtual_upstream.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
 
@@ -148,6 +152,52 @@ TEST(ClusterSimulation, ARequestArrivingDuringAStepJoinsTheNextOne) {
   EXPECT_NEAR(second.ttft_s, 0.120, 1e-9);
   EXPECT_NEAR(second.latency_s, 0.140, 1e-9);  // tokens at 120, 130 and 140 ms
   EXPECT_EQ(run.engines[0].steps, 4);
+}
+
+TEST(ClusterSimulation, ALoadReportDuringAStepCountsThePromptsSubmittedSinceItBegan) {
+  // A live engine's HTTP thread submits requests while a step runs, and GET /load counts them
+  // as queued prefill work; the simulated engine must too, or the gateway sends the next request
+  // to an engine that looks idle behind a long prompt.
+  gateway::VirtualExecutor clock;
+  VirtualUpstream upstream(clock);
+  SimulatedEngineOptions eo;
+  eo.name = "engine-0";
+  eo.executor.preset = eo.executor.model_name = hand_model();
+  SimulatedEngine engine(clock, tokenizer(), eo, {});
+  upstream.add("engine-0", 1, &engine);
+  auto post = [&](size_t tokens, size_t from) {
+    net::AsyncHttpRequest r;
+    r.host = "engine-0";
+    r.port = 1;
+    r.method = "POST";
+    r.target = "/v1/completions";
+    r.body = nlohmann::json{{"prompt", words(tokens, from)}, {"max_tokens", 1}}.dump();
+    upstream.start(std::move(r), {});
+  };
+  auto queued_prefill = [&] {
+    net::AsyncHttpRequest r;
+    r.host = "engine-0";
+    r.port = 1;
+    r.target = "/load";
+    std::string body;
+    net::AsyncHttpHandlers h;
+    h.on_body = [&](std::string_view piece) {
+      body.append(piece);
+      return true;
+    };
+    upstream.start(std::move(r), std::move(h));
+    clock.run_ready();
+    return api::parse_load_report(body).prefill_tokens;
+  };
+  post(1000, 1);  // its prefill step runs 10 + 1000 ms
+  clock.run_ready();
+  clock.advance_by(std::chrono::milliseconds(100));
+  EXPECT_EQ(queued_prefill(), 0);  // the running step's work is not queued work
+  post(500, 2);
+  clock.run_ready();
+  EXPECT_EQ(queued_prefill(), 500);
+  clock.advance_by(std::chrono::seconds(5));
+  EXPECT_EQ(queued_prefill(), 0);
 }
 
 TEST(ClusterSimulation, RequestBodiesArriveInOrderAfterTheirBytes) {
