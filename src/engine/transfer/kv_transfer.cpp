@@ -501,9 +501,18 @@ void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& err
 
 void KvTransferAgent::reap_loop() {
   std::unique_lock lock(mutex_);
+  auto peers_checked = Clock::now();
   while (!stopping_) {
     changed_.wait_for(lock, std::chrono::milliseconds(50));
     const auto now = Clock::now();
+    if (now - peers_checked >= std::chrono::seconds(1)) {
+      // A dead prefill engine's cache, still mapped here, is freed within a second.
+      peers_checked = now;
+      lock.unlock();
+      transport_->forget_exited_peers();
+      lock.lock();
+      if (stopping_) break;
+    }
     metrics_->held_blocks.set(static_cast<double>(held_blocks_locked()));
     for (auto it = held_.begin(); it != held_.end();) {
       Held& h = *it->second;

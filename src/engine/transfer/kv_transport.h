@@ -96,6 +96,10 @@ class KvTransport {
   virtual std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
                                              SharedView send_memory = {}) = 0;
   virtual std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) = 0;
+  // Lets go of what the transport keeps for peers whose process has ended (shared memory: their
+  // mapped segments, which keep that memory alive). Thread-safe and cheap; KV transfer calls it
+  // about once a second.
+  virtual void forget_exited_peers() {}
 };
 
 struct TcpTransportOptions {

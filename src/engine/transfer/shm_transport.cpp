@@ -615,6 +615,8 @@ class ShmTransport : public KvTransport {
                                          send_memory);
   }
 
+  void forget_exited_peers() override { peers_->forget_exited(); }
+
   std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) override {
     if (is_this_host(host))
       for (const std::string& name : {host, std::string("0.0.0.0")})
