@@ -767,6 +767,34 @@ TEST(Tandem, HoldsAtMostMaxHoldThenGoesToTheSoonestEngine) {
             Choice::Kind::kSaturated);
 }
 
+// Held for an engine whose cached prefix makes it sooner, a request that reached max_hold goes to
+// the engine that computes it soonest, busy or free: not to a free engine that is much later
+// (the Mooncake windows: a 38K-token prompt waited 38 s instead of 21 s that way).
+TEST(Tandem, AfterMaxHoldASoonerBusyEngineBeatsALaterFreeOne) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0), ep(1)};
+  v.prefill[0].cached_tokens = 20000;          // of a 38000-token prompt
+  v.prefill[0].queued_prefill_tokens = 33000;  // over the limit: 51000 to compute
+  v.prefill[1].queued_prefill_tokens = 31000;  // under it, but 69000 to compute
+  EXPECT_EQ(p->choose_prefill(v, req(38000), t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_prefill(v, req(38000), t0 + seconds(2)).endpoint, 0);
+  v.decode = {ep(10)};
+  EXPECT_EQ(p->choose_together(v, req(38000), t0 + seconds(1)).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_together(v, req(38000), t0 + seconds(2)).prefill, 0);
+  // When the free engine is the sooner one, it still goes there.
+  v.prefill[1].queued_prefill_tokens = 1000;
+  EXPECT_EQ(p->choose_prefill(v, req(38000), t0 + seconds(2)).endpoint, 1);
+  // Aggregated mode alike.
+  ClusterView a;
+  a.decode = {ep(10), ep(11)};
+  a.decode[0].cached_tokens = 20000;
+  a.decode[0].queued_prefill_tokens = 33000;
+  a.decode[1].queued_prefill_tokens = 31000;
+  EXPECT_EQ(p->choose_decode(a, req(38000), -1, t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_decode(a, req(38000), -1, t0 + seconds(2)).endpoint, 10);
+}
+
 // A priority class's own hold: 0 sends an interactive request on at once to the engine that
 // computes it soonest (its engine puts it ahead of the queue the limit measures); a longer one
 // holds it that long.

@@ -39,8 +39,9 @@ class TandemPolicy final : public Policy {
   Choice choose_prefill(const ClusterView& view, const RequestInfo& request,
                         Clock::time_point now) const override {
     const Candidates c = prefill_candidates(view.prefill, request, -1);
-    if (c.free.empty()) {
-      const auto released = release_to(c.busy, request, now);
+    if (c.free.empty() || held_long_enough(request, now)) {
+      auto released = release_to(c.busy, request, now);
+      released.insert(released.end(), c.free.begin(), c.free.end());
       if (released.empty()) return c.none();
       return {Choice::Kind::kChosen, pick_prefill(released, request, nullptr)->id};
     }
@@ -64,8 +65,9 @@ class TandemPolicy final : public Policy {
       std::vector<const EndpointLoad*> busy;  // only those busy prefilling, with decode room
       for (const auto* e : c.busy)
         if (!decode_overloaded(*e, request)) busy.push_back(e);
-      if (c.free.empty()) {
-        const auto released = release_to(busy, request, now);
+      if (c.free.empty() || held_long_enough(request, now)) {
+        auto released = release_to(busy, request, now);
+        released.insert(released.end(), c.free.begin(), c.free.end());
         if (released.empty()) return c.none();
         return {Choice::Kind::kChosen, pick_prefill(released, request, nullptr)->id};
       }
@@ -109,7 +111,8 @@ class TandemPolicy final : public Policy {
     const bool held = held_long_enough(request, now);
     // A prefill engine that recently failed a request pairs only when no other one can now.
     detail::prefer_not_recently_failed(pairs, [](const Pair& p) { return p.prefill; });
-    if (pairs.empty()) {
+    // Held long enough, the request goes where it is computed soonest, over a queue limit too.
+    if (pairs.empty() || held) {
       const auto released = release_to(prefills_of(busy), request, now);
       for (const auto& pair : busy)
         if (std::find(released.begin(), released.end(), pair.prefill) != released.end())
