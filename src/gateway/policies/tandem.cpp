@@ -40,10 +40,8 @@ class TandemPolicy final : public Policy {
                         Clock::time_point now) const override {
     const Candidates c = prefill_candidates(view.prefill, request, -1);
     if (c.free.empty() || held_long_enough(request, now)) {
-      auto released = release_to(c.busy, request, now);
-      released.insert(released.end(), c.free.begin(), c.free.end());
-      if (released.empty()) return c.none();
-      return {Choice::Kind::kChosen, pick_prefill(released, request, nullptr)->id};
+      const EndpointLoad* e = pick_unheld(c.free, c.busy, request, now);
+      return e ? Choice{Choice::Kind::kChosen, e->id} : c.none();
     }
     const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
     if (!held_long_enough(request, now) &&
@@ -66,10 +64,8 @@ class TandemPolicy final : public Policy {
       for (const auto* e : c.busy)
         if (!decode_overloaded(*e, request)) busy.push_back(e);
       if (c.free.empty() || held_long_enough(request, now)) {
-        auto released = release_to(busy, request, now);
-        released.insert(released.end(), c.free.begin(), c.free.end());
-        if (released.empty()) return c.none();
-        return {Choice::Kind::kChosen, pick_prefill(released, request, nullptr)->id};
+        const EndpointLoad* e = pick_unheld(c.free, busy, request, now);
+        return e ? Choice{Choice::Kind::kChosen, e->id} : c.none();
       }
       const EndpointLoad* best = pick_prefill(c.free, request, nullptr);
       if (!held_long_enough(request, now) &&
@@ -191,6 +187,16 @@ class TandemPolicy final : public Policy {
       if (detail::uncached_tokens(*e, r) < o_.max_queued_prefill_tokens) oversized = false;
     if (!oversized && !held_long_enough(r, now)) out.clear();
     return out;
+  }
+
+  // For a request that is not held (no engine is free, or it was held max_hold): the soonest of
+  // the free engines and the busy ones release_to lets it go to; null when there is none yet.
+  const EndpointLoad* pick_unheld(const std::vector<const EndpointLoad*>& free,
+                                  const std::vector<const EndpointLoad*>& busy,
+                                  const RequestInfo& r, Clock::time_point now) const {
+    std::vector<const EndpointLoad*> out = release_to(busy, r, now);
+    out.insert(out.end(), free.begin(), free.end());
+    return out.empty() ? nullptr : pick_prefill(out, r, nullptr);
   }
 
   bool prefill_overloaded(const EndpointLoad& e) const {
