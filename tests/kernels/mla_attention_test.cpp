@@ -25,6 +25,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/bf16.h"
@@ -279,12 +280,15 @@ TEST(MlaDecode, ABatchEqualsItsSequencesOneByOne) {
 // Batch-invariant numerics: with chunks at fixed positions, a query's output has the same bits
 // whether it is a decode step's only query (context ending at it) or one of a prefill chunk's
 // (context running past it, later positions masked), at any offset among the step's queries.
+// Both BF16 score layouts: rows of positions (4 heads) and heads in lanes (16).
 TEST(MlaDecode, FixedChunksGiveAQueryTheSameBitsWhateverItsStep) {
-  for (const LatentType type : {LatentType::kBF16, LatentType::kF32}) {
-    const MlaShape shape{4, 64, 16, 16, 0.1f, type};
+  for (const auto& [type, heads] :
+       {std::pair{LatentType::kBF16, int64_t{4}}, std::pair{LatentType::kBF16, int64_t{16}},
+        std::pair{LatentType::kF32, int64_t{4}}}) {
+    const MlaShape shape{heads, 64, 32, 16, 0.1f, type};
     std::mt19937 rng(11);
     std::normal_distribution<double> normal(0.0, 1.0);
-    const Case full{4, 64, 16, 16, 1, 1400, type};
+    const Case full{heads, 64, 32, 16, 1, 1400, type};
     const auto cache =
         make_cache(full, shape.entry(), rng, [&](int64_t, int64_t) { return normal(rng); });
     const int64_t position = 1100;  // past the first fixed chunk
@@ -307,7 +311,7 @@ TEST(MlaDecode, FixedChunksGiveAQueryTheSameBitsWhateverItsStep) {
         mla_decode(shape, std::span(&many, 1), options);
         const std::vector<float> mine(out.begin() + at * shape.heads * shape.latent,
                                       out.begin() + (at + 1) * shape.heads * shape.latent);
-        EXPECT_EQ(mine, alone) << "s_q " << s_q << " at " << at
+        EXPECT_EQ(mine, alone) << "s_q " << s_q << " at " << at << " heads " << heads
                                << (type == LatentType::kBF16 ? " bf16" : " f32");
       }
     }

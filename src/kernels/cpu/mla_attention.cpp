@@ -31,6 +31,11 @@ constexpr int64_t kMinChunk = 512;
 // score summed across its vector (45 operations per 16 scores, once per head and position).
 constexpr int64_t kPrefetchTiles = 2;
 constexpr int64_t kTransposedScoreHeads = 32;
+// At 16 heads (DeepSeek-V2-Lite, or V3's 128 over 8 ranks) each query token's heads take the
+// lanes of one vector (mla_scores_bf16_lanes): no sums across vectors, keys read as they are.
+constexpr bool lane_layout(int64_t heads) {
+  return heads == avx512::kMlaLaneHeads;
+}
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -348,7 +353,7 @@ void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t be
                        MlaRescale rescale, float* m, float* l, float* acc) {
   const int64_t rows = seq.s_q * shape.heads, d = shape.entry(), width = shape.latent;
   thread_local std::vector<float> q, s;
-  thread_local std::vector<uint16_t> qb, pb, paired, transposed;
+  thread_local std::vector<uint16_t> qb, lane_q, pb, paired, transposed;
   thread_local std::vector<const uint16_t*> pos, ahead;
   ahead.resize(kPrefetchTiles * kTile);
   q.resize(rows * d);
@@ -361,6 +366,13 @@ void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t be
   const float qscale = shape.scale * kLog2e;
   for (int64_t i = 0; i < rows * d; ++i) q[i] = seq.q[i] * qscale;
   avx512::to_bf16(q.data(), rows * d, qa);
+  const bool lanes = lane_layout(shape.heads);
+  if (lanes) {  // each query token's heads transposed once for the whole chunk
+    uint16_t* qt = aligned64(lane_q, rows * d);
+    for (int64_t g = 0; g < seq.s_q; ++g)
+      avx512::mla_transpose_query16(qa + g * shape.heads * d, d, qt + g * shape.heads * d);
+    qa = qt;
+  }
   std::fill_n(m, rows, kNegInf);
   std::fill_n(l, rows, 0.0f);
   std::fill_n(acc, rows * width, 0.0f);
@@ -380,6 +392,27 @@ void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t be
     for (int64_t t = ahead_begin; t < ahead_end; ++t) ahead[t - ahead_begin] = row_at(t);
     const avx512::RowPrefetch prefetch{ahead.data(), std::max<int64_t>(ahead_end - ahead_begin, 0),
                                        d * 2};
+    if (lanes) {
+      avx512::mla_pair_values(pos.data(), n, width, paired.data());
+      // Per query token: its 16 heads' scores [position][head], probabilities in pairs of
+      // positions by head, and the weighted sum.
+      for (int64_t g = 0; g < seq.s_q; ++g) {
+        const int64_t r0 = g * shape.heads;
+        float* sg = s.data() + r0 * kTile;
+        uint16_t* pg = pb.data() + r0 * kTile;
+        avx512::mla_scores_bf16_lanes(qa + r0 * d, d, pos.data(), n, sg,
+                                      g == 0 ? prefetch : avx512::RowPrefetch{});
+        const int64_t visible = visible_positions(shape, seq, r0, t0, n);
+        float top[avx512::kMlaLaneHeads];
+        avx512::mla_lane_max(sg, visible, top);
+        for (int64_t h = 0; h < shape.heads; ++h)
+          raise_maximum(rescale, top[h], width, m[r0 + h], l[r0 + h], acc + (r0 + h) * width);
+        avx512::mla_probabilities_bf16_lanes(sg, visible, m + r0, even, pg, l + r0);
+        avx512::mla_accumulate_bf16(pg, shape.heads, 2, 2 * shape.heads, paired.data(), even / 2,
+                                    width, acc + r0 * width);
+      }
+      continue;  // with the next tile
+    }
     if (shape.heads >= kTransposedScoreHeads) {
       const int64_t padded = avx512::mla_transpose_keys(pos.data(), n, d, keys);
       avx512::mla_scores_bf16_transposed(qa, rows, d, keys, padded, s.data(), kTile, prefetch);
@@ -393,8 +426,9 @@ void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t be
       l[r] += avx512::mla_probabilities_bf16(row, visible, m[r], even, pb.data() + r * kTile);
     }
     avx512::mla_pair_values(pos.data(), n, width, paired.data());
-    avx512::mla_accumulate_bf16(pb.data(), rows, kTile, paired.data(), even / 2, width, acc);
+    avx512::mla_accumulate_bf16(pb.data(), rows, kTile, 2, paired.data(), even / 2, width, acc);
   }
+  avx512::mla_unpermute_columns(acc, rows, width);
 }
 
 template <typename T>

@@ -16,6 +16,10 @@
 namespace tandem::kernels::avx512 {
 namespace {
 
+// Columns per block of the paired values (mla_pair_values), what mla_accumulate_bf16 keeps in
+// registers for a few rows at a time.
+constexpr int64_t kPairedBlock = 64;
+
 #define TANDEM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // Lane pairs of a and b summed within each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] per lane.
@@ -156,22 +160,25 @@ using TransposedScoreBlock = void (*)(const uint16_t*, int64_t, const uint16_t*,
 // H rows x V * 16 columns of the weighted sum held in registers over all pairs of positions
 // (24 accumulators at 6 x 4, four value vectors, one broadcast pair of probabilities).
 template <int H, int V>
-TANDEM_AVX512_BF16 void accumulate_block(const uint16_t* p, int64_t ldp, const uint16_t* paired,
-                                         int64_t pairs, int64_t width, int64_t c0, float* acc) {
+TANDEM_AVX512_BF16 void accumulate_block(const uint16_t* p, int64_t row_stride, int64_t pair_stride,
+                                         const uint16_t* paired, int64_t pairs, int64_t width,
+                                         int64_t c0, float* acc) {
   __m512 a[H][V];
 #pragma GCC unroll 16
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 16
     for (int v = 0; v < V; ++v) a[h][v] = _mm512_loadu_ps(acc + h * width + c0 + 16 * v);
+  // The column block's pairs lie together (mla_pair_values), 32 * V values each.
+  const uint16_t* block = paired + c0 * 2 * pairs;
   for (int64_t j = 0; j < pairs; ++j) {
-    const uint16_t* row = paired + j * 2 * width + 2 * c0;
+    const uint16_t* row = block + j * 32 * V;
     __m512i x[V];
 #pragma GCC unroll 16
     for (int v = 0; v < V; ++v) x[v] = _mm512_loadu_si512(row + 32 * v);
 #pragma GCC unroll 16
     for (int h = 0; h < H; ++h) {
       int32_t both;
-      std::memcpy(&both, p + h * ldp + 2 * j, 4);
+      std::memcpy(&both, p + h * row_stride + j * pair_stride, 4);
       const __m512i w = _mm512_set1_epi32(both);
 #pragma GCC unroll 16
       for (int v = 0; v < V; ++v) a[h][v] = _mm512_dpbf16_ps(a[h][v], (__m512bh)x[v], (__m512bh)w);
@@ -197,8 +204,45 @@ TANDEM_AVX512_BF16 inline __m512 exp2_16(__m512 x) {
                              _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e)));
 }
 
-using AccumulateBlock = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
-                                 int64_t, float*);
+using AccumulateBlock = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+                                 int64_t, int64_t, float*);
+
+// P positions x 16 heads of lane scores: 16 pairs of query columns (one per head and lane) in
+// registers, each multiplied by a broadcast pair of every key's values; P independent sums.
+// Also brings rows ahead[0..n_ahead) into L2, one cache line of each per 32 columns (a row of
+// d BF16 values has d / 32 lines): spread over the block's products, not in bursts that fill
+// the core's miss buffers.
+template <int P>
+TANDEM_AVX512_BF16 void lane_score_block(const uint16_t* qt, int64_t d, const uint16_t* const* keys,
+                                         float* s, const uint16_t* const* ahead, int64_t n_ahead) {
+  __m512 acc[P];
+#pragma GCC unroll 16
+  for (int j = 0; j < P; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    for (int64_t a = 0; a < n_ahead; ++a)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead[a] + c), _MM_HINT_T1);
+    __m512i q[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) q[i] = _mm512_loadu_si512(qt + (c / 2 + i) * 32);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < P; ++j) {
+        // The key pair as vdpbf16ps's broadcast memory operand (GCC would load it into a
+        // register with a separate broadcast first).
+        asm("vdpbf16ps %[k]%{1to16%}, %[q], %[acc]"
+            : [acc] "+v"(acc[j])
+            : [q] "v"(q[i]), [k] "m"(*reinterpret_cast<const int32_t*>(keys[j] + c + 2 * i)));
+      }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < P; ++j) _mm512_storeu_ps(s + j * 16, acc[j]);
+}
+
+using LaneScoreBlock = void (*)(const uint16_t*, int64_t, const uint16_t* const*, float*,
+                                const uint16_t* const*, int64_t);
+
+constexpr int kLaneScorePositions = 8;
 
 }  // namespace
 
@@ -275,32 +319,105 @@ TANDEM_AVX512_BF16 void mla_scores_bf16_transposed(const uint16_t* q, int64_t ro
   }
 }
 
+TANDEM_AVX512_BF16 void mla_transpose_query16(const uint16_t* q, int64_t d, uint16_t* out) {
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512i r[16];
+#pragma GCC unroll 16
+    for (int h = 0; h < 16; ++h) r[h] = _mm512_loadu_si512(q + h * d + c);
+    transpose16(r);
+    // Word h of r[w]: columns c + 2w, c + 2w + 1 of head h.
+#pragma GCC unroll 16
+    for (int w = 0; w < 16; ++w) _mm512_storeu_si512(out + (c / 2 + w) * 32, r[w]);
+  }
+}
+
+TANDEM_AVX512_BF16 void mla_scores_bf16_lanes(const uint16_t* qt, int64_t d,
+                                              const uint16_t* const* keys, int64_t count, float* s,
+                                              const RowPrefetch& ahead) {
+  static constexpr LaneScoreBlock kBlocks[kLaneScorePositions] = {
+      lane_score_block<1>, lane_score_block<2>, lane_score_block<3>, lane_score_block<4>,
+      lane_score_block<5>, lane_score_block<6>, lane_score_block<7>, lane_score_block<8>};
+  const int64_t blocks = (count + kLaneScorePositions - 1) / kLaneScorePositions;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t j = b * kLaneScorePositions;
+    const int64_t n = std::min<int64_t>(kLaneScorePositions, count - j);
+    const int64_t first = ahead.count * b / blocks, last = ahead.count * (b + 1) / blocks;
+    kBlocks[n - 1](qt, d, keys + j, s + j * 16, ahead.rows + first, last - first);
+  }
+}
+
+TANDEM_AVX512_BF16 void mla_lane_max(const float* s, int64_t n, float* top) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; ++j) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j * 16));
+  _mm512_storeu_ps(top, m);
+}
+
+TANDEM_AVX512_BF16 void mla_probabilities_bf16_lanes(const float* s, int64_t n, const float* m,
+                                                     int64_t padded, uint16_t* p, float* sums) {
+  // Word h of a pair: head h's probabilities of the two positions (from the low 16 words of
+  // each operand).
+  alignas(64) uint16_t index[32];
+  for (int i = 0; i < 32; ++i) index[i] = static_cast<uint16_t>(i / 2 + (i % 2 ? 32 : 0));
+  const __m512i interleave = _mm512_load_si512(index);
+  const __m512 top = _mm512_loadu_ps(m);
+  // One position's rounded probabilities (BF16 in 16 words) and their float32 values.
+  const auto probabilities = [&](int64_t j, __m512& sum) TANDEM_AVX512_BF16 {
+    if (j >= n) return _mm256_setzero_si256();
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j * 16), top);
+    // As in mla_probabilities_bf16: vcvtneps2bf16 rounds like f32_to_bf16 on [2^-126, 1].
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(exp2_16(x));
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    return b;
+  };
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 2) {
+    const __m256i even = probabilities(j, sum);
+    const __m256i odd = probabilities(j + 1, sum);
+    _mm512_storeu_si512(p + (j / 2) * 32,
+                        _mm512_permutex2var_epi16(_mm512_castsi256_si512(even), interleave,
+                                                  _mm512_castsi256_si512(odd)));
+  }
+  _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), sum));
+}
+
 TANDEM_AVX512_BF16 void mla_pair_values(const uint16_t* const* vals, int64_t count, int64_t width,
                                         uint16_t* out) {
-  // Word i of the result takes word i / 2 of the first row (even i) or of the second (odd i),
-  // from the low or the high 16 columns of a 32-column slice.
-  alignas(64) uint16_t lo[32], hi[32];
-  for (int i = 0; i < 32; ++i) {
-    lo[i] = static_cast<uint16_t>(i / 2 + (i % 2 ? 32 : 0));
-    hi[i] = static_cast<uint16_t>(16 + i / 2 + (i % 2 ? 32 : 0));
-  }
-  const __m512i idx_lo = _mm512_load_si512(lo), idx_hi = _mm512_load_si512(hi);
-  for (int64_t j = 0; j < count; j += 2) {
-    const uint16_t* a = vals[j];
-    const uint16_t* b = j + 1 < count ? vals[j + 1] : nullptr;
-    uint16_t* dst = out + (j / 2) * 2 * width;
-    for (int64_t c = 0; c < width; c += 32) {
-      const __m512i va = _mm512_loadu_si512(a + c);
-      const __m512i vb = b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(va, idx_lo, vb));
-      _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(va, idx_hi, vb));
+  // Within 128-bit lanes (one cycle each, where a permutation across the whole vector costs
+  // several): the low and the high four columns of each group of eight, interleaved.
+  const int64_t pairs = (count + 1) / 2;
+  for (int64_t c0 = 0; c0 < width; c0 += kPairedBlock) {
+    const int64_t block = std::min(kPairedBlock, width - c0);
+    uint16_t* dst = out + c0 * 2 * pairs;
+    for (int64_t j = 0; j < count; j += 2, dst += 2 * block) {
+      const uint16_t* a = vals[j];
+      const uint16_t* b = j + 1 < count ? vals[j + 1] : nullptr;
+      for (int64_t c = 0; c < block; c += 32) {
+        const __m512i va = _mm512_loadu_si512(a + c0 + c);
+        const __m512i vb = b ? _mm512_loadu_si512(b + c0 + c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(va, vb));
+        _mm512_storeu_si512(dst + 2 * c + 32, _mm512_unpackhi_epi16(va, vb));
+      }
     }
   }
 }
 
-TANDEM_AVX512_BF16 void mla_accumulate_bf16(const uint16_t* p, int64_t rows, int64_t ldp,
-                                            const uint16_t* paired, int64_t pairs, int64_t width,
-                                            float* acc) {
+TANDEM_AVX512_BF16 void mla_unpermute_columns(float* acc, int64_t rows, int64_t width) {
+  // natural[k] = x[i] where mla_paired_column(i) = k.
+  alignas(64) int32_t from[32];
+  for (int i = 0; i < 32; ++i) from[mla_paired_column(i)] = i;
+  const __m512i lo = _mm512_load_si512(from), hi = _mm512_load_si512(from + 16);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < width; c += 32) {
+      float* x = acc + r * width + c;
+      const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+      _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, lo, b));
+      _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, hi, b));
+    }
+}
+
+TANDEM_AVX512_BF16 void mla_accumulate_bf16(const uint16_t* p, int64_t rows, int64_t row_stride,
+                                            int64_t pair_stride, const uint16_t* paired,
+                                            int64_t pairs, int64_t width, float* acc) {
   static constexpr AccumulateBlock kBlocks[6][2] = {
       {accumulate_block<1, 2>, accumulate_block<1, 4>},
       {accumulate_block<2, 2>, accumulate_block<2, 4>},
@@ -308,12 +425,14 @@ TANDEM_AVX512_BF16 void mla_accumulate_bf16(const uint16_t* p, int64_t rows, int
       {accumulate_block<4, 2>, accumulate_block<4, 4>},
       {accumulate_block<5, 2>, accumulate_block<5, 4>},
       {accumulate_block<6, 2>, accumulate_block<6, 4>}};
-  // Columns outside, rows inside: a slice of the paired values stays in L1 for every row.
-  for (int64_t c = 0; c < width; c += 64) {
-    const int64_t v = std::min<int64_t>(64, width - c) / 32;  // 1: 32 columns, 2: 64
+  // Columns outside, rows inside: a column block of the paired values (contiguous, so that it
+  // does not crowd a few L1 sets as rows 2 KB apart would) stays in L1 for every row.
+  for (int64_t c = 0; c < width; c += kPairedBlock) {
+    const int64_t v = std::min(kPairedBlock, width - c) / 32;  // 1: 32 columns, 2: 64
     for (int64_t r = 0; r < rows; r += 6) {
       const int64_t h = std::min<int64_t>(6, rows - r);
-      kBlocks[h - 1][v - 1](p + r * ldp, ldp, paired, pairs, width, c, acc + r * width);
+      kBlocks[h - 1][v - 1](p + r * row_stride, row_stride, pair_stride, paired, pairs, width, c,
+                            acc + r * width);
     }
   }
 }
