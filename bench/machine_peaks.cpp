@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "util/huge_pages.h"
+
 namespace tandem::bench {
 namespace {
 
@@ -131,11 +133,11 @@ bool has_avx512() {
 double dram_gbs(int threads) {
   if (!has_avx512() && !__builtin_cpu_supports("avx2")) return 0;
   const size_t n = size_t{1} << 28;  // 1 GiB of floats
-  auto* data = static_cast<float*>(std::aligned_alloc(64, n * sizeof(float)));
+  // On huge pages, as the packed weights it is compared with (4 KB pages read ~20% less here).
+  util::HugePageBuffer buffer(n * sizeof(float));
+  auto* data = reinterpret_cast<float*>(buffer.get());
   std::memset(data, 1, n * sizeof(float));
-  const double gbs = has_avx512() ? read_gbs(data, n, threads) : read_gbs_avx2(data, n, threads);
-  std::free(data);
-  return gbs;
+  return has_avx512() ? read_gbs(data, n, threads) : read_gbs_avx2(data, n, threads);
 }
 
 }  // namespace

@@ -177,10 +177,7 @@ bool pack_for_gemm(Matrix& w) {
     auto packed = std::make_shared<PackedWeights>();
     packed->layout = layout;
     packed->bytes = desc.get_size();
-    packed->data.reset(
-        static_cast<uint8_t*>(std::aligned_alloc(64, (packed->bytes + 63) / 64 * 64)));
-    if (!packed->data) throw std::bad_alloc();
-    std::memset(packed->data.get(), 0, packed->bytes);  // the decode kernels read the padding
+    packed->data = util::HugePageBuffer(packed->bytes);  // zeroed: the decode kernels read padding
     memory to(desc, c.engine, packed->data.get());
     memory from({{w.cols, w.rows}, desc.data_type(), Tag::ba}, c.engine, const_cast<void*>(w.data));
     dnnl::stream stream(c.engine);

@@ -10,8 +10,8 @@
 //   (r / 64) * 64 * cols_padded + (c / group) * 64 * group + (r % 64) * group + c % group,
 // so a decode kernel streams one row block front to back, 64 outputs in four vector registers.
 #include <cstdint>
-#include <cstdlib>
-#include <memory>
+
+#include "util/huge_pages.h"
 
 namespace tandem::kernels {
 
@@ -30,12 +30,10 @@ struct PackedLayout {
 };
 
 struct PackedWeights {
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
   PackedLayout layout;
   size_t bytes = 0;
-  std::unique_ptr<uint8_t, Free> data;  // 64-byte aligned, padding zeroed
+  // On huge pages (decode streams it front to back every token), padding zeroed.
+  util::HugePageBuffer data;
 };
 
 }  // namespace tandem::kernels
