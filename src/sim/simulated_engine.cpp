@@ -93,13 +93,11 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
     return;
   }
   if (request.method == "GET" && request.target.substr(0, request.target.find('?')) == "/load") {
-    engine::LoadReport r = engine_->load();
-    if (phase_ == Phase::kEnding && step_load_) {
-      // What the engine reported as the step began, and the requests that came since (a live
-      // engine counts those too: its HTTP thread submits them while the step runs).
-      r = engine_->with_incoming(*step_load_);
-      r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
-    }
+    // During a step: what the engine reported as the step began, and the requests that came
+    // since (a live engine counts those too: its HTTP thread submits them while the step runs).
+    const bool in_step = phase_ == Phase::kEnding && step_load_;
+    engine::LoadReport r = in_step ? engine_->with_incoming(*step_load_) : engine_->load();
+    if (in_step) r.step_running_for_s = seconds_of(clock_.now()) - step_started_;
     reply->respond(200, api::to_json(r, api::load_since_step(request.target)), "application/json");
     return;
   }

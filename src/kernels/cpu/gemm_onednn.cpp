@@ -1,6 +1,5 @@
 #include "kernels/cpu/gemm_onednn.h"
 
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
