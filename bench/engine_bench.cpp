@@ -157,6 +157,53 @@ void print_breakdown(StepProfile& profile, int64_t steps,
   }
 }
 
+// FLOPs of each part of a prefill of `p` tokens, as prefill_flops counts them.
+std::array<double, static_cast<size_t>(StepPart::kCount)> part_flops(const ModelConfig& c,
+                                                                     const DeepSeekModel& m,
+                                                                     int64_t p) {
+  std::array<double, static_cast<size_t>(StepPart::kCount)> f{};
+  auto at = [&](StepPart part) -> double& { return f[static_cast<size_t>(part)]; };
+  const double h = c.hidden_size, heads = c.num_attention_heads, n = static_cast<double>(p);
+  for (const auto& l : m.weights().layers) {
+    const auto& a = l.attn;
+    at(StepPart::kAttentionProjections) +=
+        2.0 * n *
+        static_cast<double>(a.q_a.rows * a.q_a.cols + a.q_b.rows * a.q_b.cols +
+                            a.q.rows * a.q.cols + a.kv_a.rows * a.kv_a.cols + a.o.rows * a.o.cols);
+    at(StepPart::kAttentionCore) +=
+        2.0 * n * static_cast<double>(a.kv_b.rows * a.kv_b.cols) +
+        2.0 * heads * (n * (n + 1) / 2.0) * static_cast<double>(c.qk_head_dim() + c.v_head_dim);
+    if (l.is_moe) {
+      at(StepPart::kRouting) += 2.0 * n * h * static_cast<double>(c.n_routed_experts);
+      at(StepPart::kRoutedExperts) += 2.0 * n * static_cast<double>(c.num_experts_per_tok) * 3 * h *
+                                      static_cast<double>(c.moe_intermediate_size);
+      if (l.moe.has_shared)
+        at(StepPart::kSharedExperts) +=
+            2.0 * n * 3 * h * static_cast<double>(l.moe.shared.gate.rows);
+    } else {
+      at(StepPart::kDenseMlp) += 2.0 * n * 3 * h * static_cast<double>(l.dense.gate.rows);
+    }
+  }
+  at(StepPart::kLmHead) = 2.0 * h * static_cast<double>(c.vocab_size);
+  return f;
+}
+
+// Where a prefill's time goes: milliseconds and the share of the BF16 (or FP32) peak per part.
+void print_prefill_breakdown(StepProfile& profile,
+                             const std::array<double, static_cast<size_t>(StepPart::kCount)>& flops,
+                             double peak) {
+  const double total = profile.total();
+  std::printf("  by part (model timers; %.1f ms in timed parts):\n", 1e3 * total);
+  for (size_t i = 0; i < flops.size(); ++i) {
+    const auto part = static_cast<StepPart>(i);
+    const double secs = profile[part];
+    const double gflops = secs > 0 ? flops[i] / secs / 1e9 : 0.0;
+    std::printf("    %-22s %8.1f ms %5.1f%%  %7.1f GFLOP  %6.1f GFLOP/s (%3.0f%% of peak)\n",
+                StepProfile::name(part), 1e3 * secs, 100 * secs / total, flops[i] / 1e9, gflops,
+                100 * gflops / peak);
+  }
+}
+
 // Resident memory of this process now (VmRSS), bytes.
 double resident_bytes() {
   std::FILE* f = std::fopen("/proc/self/status", "r");
@@ -285,6 +332,16 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
                 times.size(), prompt_len / median, flops / median / 1e9,
                 100 * flops / median / 1e9 / peaks.bf16_reference(),
                 peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA");
+  }
+  {
+    // Once more with the per-part timers on (timers add a little; the figures above have none).
+    StepProfile profile;
+    model.set_profile(&profile);
+    LatentCache cache(model.cache_shape(block), blocks);
+    SequenceStep step{prompt, 0, table};
+    model.forward(std::span(&step, 1), cache);
+    model.set_profile(nullptr);
+    print_prefill_breakdown(profile, part_flops(c, model, prompt_len), peaks.bf16_reference());
   }
   if (prefill_only) return;
   int64_t moe_layers = 0;

@@ -194,12 +194,14 @@ TEST(PackedWeights, LayoutOffsetsAddressEveryWeight) {
   }
 }
 
-// More than four tokens pass over a row block in column chunks (kept in L2 between the groups of
-// four): the BF16 kernel against exact sums of its BF16 inputs.
-TEST(PackedRows, ManyTokensOverLongRowsMatchReference) {
+// More than six tokens pass over a row block in column chunks (kept in L2 between the passes of
+// up to six, split evenly): the BF16 kernel against exact sums of its BF16 inputs.
+class PackedRowsTokens : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(PackedRowsTokens, ManyTokensOverLongRowsMatchReference) {
   if (!avx512::has_bf16_dot()) GTEST_SKIP() << "no AVX-512 BF16";
-  const int64_t rows = 70, cols = 4500, n = 7;
-  std::mt19937 rng(7);
+  const int64_t rows = 70, cols = 4500, n = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(n));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<uint16_t> wb(static_cast<size_t>(rows * cols));
   for (auto& v : wb) v = f32_to_bf16(normal(rng) * 0.05f);
@@ -226,6 +228,9 @@ TEST(PackedRows, ManyTokensOverLongRowsMatchReference) {
     for (int64_t r = rows; r < ldy; ++r) ASSERT_EQ(y[t * ldy + r], -1.0f) << "wrote past the rows";
   }
 }
+
+// One pass of 6; 7 = 4 + 3; 8 = 4 + 4; 13 = 5 + 4 + 4; 47 = 7 x 6 + 5.
+INSTANTIATE_TEST_SUITE_P(PassSplits, PackedRowsTokens, ::testing::Values(6, 7, 8, 13, 47));
 
 // The MoE layer runs one expert per thread: products called from inside a parallel region (each
 // thread its own matrix and shape) must give exactly what they give when called alone.

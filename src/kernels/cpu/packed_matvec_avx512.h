@@ -1,7 +1,8 @@
 #pragma once
-// Products of a few tokens with packed weights (packed_weights.h), for decode steps: each row
-// block is streamed front to back once per step for up to four tokens, its 64 outputs per token
-// held in four vector registers, no horizontal sums. BF16 weights take BF16 activations
+// Products of up to a few hundred tokens with packed weights (packed_weights.h): decode steps and
+// the MoE experts of a prompt. Each row block is streamed front to back once for up to six tokens,
+// their 64 outputs per token held in four vector registers each, no horizontal sums; more tokens
+// pass over L2-sized column chunks of the block several times. BF16 weights take BF16 activations
 // (vdpbf16ps, float32 sums), INT8 weights u8 activations (vpdpbusd, exact int32 sums), as the
 // GEMMs on the same copy do. Callers check avx512::has_bf16_dot() / has_vnni() first.
 #include <cstdint>
