@@ -132,6 +132,7 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       }
       l.state = LegState::kRelaying;
       r->client = ClientState::kAnswering;
+      r->streamed = true;
       r->outcome.status = 200;
       r->reply->start_stream(200, "text/event-stream");
     }

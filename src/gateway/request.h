@@ -125,7 +125,8 @@ struct Request {
   std::vector<std::shared_ptr<Leg>> legs;
   std::string decode_body;  // sequential: body plus the prefill's kv_transfer_params
   ClientState client = ClientState::kNothingSent;
-  Outcome outcome;  // what the client got, once it ended
+  bool streamed = false;  // the client's answer went out as an event stream
+  Outcome outcome;        // what the client got, once it ended
   int64_t output_events = 0, first_token_ns = 0, last_token_ns = 0;
   int64_t completion_tokens = -1;       // from a usage object, when one was seen
   int64_t cached_tokens_reported = -1;  // by the engine that computed the prompt, when it said

@@ -16,7 +16,9 @@ json access_log_line(const Request& r, const Topology& topo, int64_t completed_n
                {"path", r.path},
                {"status", r.outcome.status},
                {"mode", mode_name(topo.mode)},
-               {"stream", r.stream},
+               // What the client asked for, or got: an aggregated gateway without a tokenizer
+               // relays bodies unparsed and learns it from the answer.
+               {"stream", r.stream || r.streamed},
                {"attempts", r.attempt + 1},
                {"prompt_tokens", r.prompt_tokens},
                {"prompt_tokens_estimated", !r.tokens_known},
