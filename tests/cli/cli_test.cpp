@@ -36,7 +36,7 @@ Result run(const std::string& args) {
 }
 
 std::string write_temp(const std::string& stem, const std::string& content) {
-  auto path = test::temp_path(stem);
+  auto path = test::scratch_path(stem);
   std::ofstream(path) << content;
   return path.string();
 }
@@ -110,9 +110,9 @@ TEST(Cli, EverySubcommandHasHelp) {
   }
 }
 
-// A temporary .npy file (temp_path names end in .json).
+// A temporary .npy file.
 std::string write_npy_file(const std::string& stem, const std::string& bytes) {
-  const std::string path = test::temp_path(stem).replace_extension(".npy").string();
+  const std::string path = test::scratch_path(stem, ".npy").string();
   std::ofstream(path, std::ios::binary) << bytes;
   return path;
 }
@@ -179,7 +179,7 @@ TEST(Cli, PlaceRejectsBadInputNamingTheFileAndWritesNothing) {
 }
 
 TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
-  const auto result = test::temp_path("simulate_result");
+  const auto result = test::scratch_path("simulate_result");
   auto r =
       run("simulate --dataset-name random --num-prompts 12 --random-input-len 200 "
           "--random-output-len 8 --request-rate 20 --decode 2 --policy least_load "
@@ -224,7 +224,7 @@ TEST(Cli, SimulateRefusesWhatItCannotRunNamingTheFlag) {
 }
 
 TEST(Cli, SimulateReportsFaultsAndMtp) {
-  const auto result = test::temp_path("simulate_faults");
+  const auto result = test::scratch_path("simulate_faults");
   auto r =
       run("simulate --dataset-name random --num-prompts 30 --random-input-len 500 "
           "--random-output-len 100 --request-rate 3 --decode 2 --policy round_robin "

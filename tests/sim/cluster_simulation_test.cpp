@@ -3,8 +3,6 @@
 // request ends with its blocks returned.
 #include "sim/cluster_simulation.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -38,10 +36,9 @@ const bench::TokenVocab& vocab() {
 
 // A latency model with round numbers: 10 ms per step, plus 1 ms per prefill token.
 std::string hand_model() {
-  // One file per test process: ctest runs the tests of this binary in parallel processes, and a
-  // shared path let one read the file while another rewrote it.
-  const auto path = std::filesystem::temp_directory_path() /
-                    ("tandem_sim_hand_model_" + std::to_string(::getpid()) + ".json");
+  // One file per call: ctest runs the tests of this binary in parallel processes, and a shared
+  // path let one read the file while another rewrote it.
+  const auto path = test::scratch_path("tandem_sim_hand_model");
   std::ofstream(path) << R"({"name": "hand", "step_s": 0.01, "prefill_token_s": 0.001,
     "prefill_pair_s": 0, "decode_token_s": 0, "decode_seq_s": 0, "decode_pair_s": 0})";
   return path.string();

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -30,6 +31,20 @@ inline std::filesystem::path temp_path(const std::string& stem) {
   static int counter = 0;
   return std::filesystem::temp_directory_path() /
          (stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + ".json");
+}
+
+// A temp_path that is removed (file or folder) when the test program exits, whether its tests
+// passed or stopped at a failed assertion: for files a test leaves behind.
+inline std::filesystem::path scratch_path(const std::string& stem,
+                                          const std::string& extension = ".json") {
+  static struct Scratch {
+    std::vector<std::filesystem::path> paths;
+    ~Scratch() {
+      std::error_code ec;
+      for (const auto& p : paths) std::filesystem::remove_all(p, ec);
+    }
+  } scratch;
+  return scratch.paths.emplace_back(temp_path(stem).replace_extension(extension));
 }
 
 // Runs a shell command; returns its exit status (0 on success).
