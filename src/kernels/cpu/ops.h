@@ -45,11 +45,12 @@ inline Matrix matrix_view(int64_t rows, int64_t cols, WeightType type, const voi
 void set_int8_row_sums(Matrix& w);
 
 // Adds a copy of a BF16 or INT8 matrix in the blocked layout (packed_weights.h) of oneDNN's
-// AVX-512 BF16 / VNNI GEMMs, which the decode kernels read too. Small-batch products (an MoE
-// expert sees a few dozen tokens of a prompt) then skip the repacking oneDNN otherwise does on
-// every call, which costs about a quarter of the time at 48 tokens; products of hundreds of tokens
-// run on exact-shape kernels in chunks of 256 tokens, faster than the runtime-shape gemm the plain
-// matrix gets; decode streams each row block front to back. The caller may then release the plain
+// AVX-512 BF16 / VNNI GEMMs, which our row-block kernels (packed_matvec_avx512.h) read too. BF16
+// products of fewer than 256 tokens (decode steps, an MoE expert's few dozen tokens of a prompt)
+// and INT8 ones of few tokens stream each row block front to back for up to six tokens at a time,
+// without the repacking oneDNN does on every call of a plain matrix (a quarter of the time at 48
+// tokens); products of hundreds of tokens run oneDNN's exact-shape kernels on this copy in chunks
+// of 256 tokens, faster than the runtime-shape gemm the plain matrix gets. The caller may then release the plain
 // rows' memory (model::Weights drops their pages). Returns false, changing nothing, where oneDNN's
 // kernels would not read this layout (CPUs without AVX-512 BF16 / VNNI).
 bool pack_for_gemm(Matrix& w);
