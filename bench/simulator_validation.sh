@@ -87,4 +87,28 @@ for p in policies:
         cells.append(f'{fmt.format(a * scale)}/{fmt.format(b * scale)} ({err:+.0f}%)')
     print(f"{p:<12} " + " ".join(f"{c:>22}" for c in cells) + ("  yes" if ok else "  NO"))
 print("(live/simulated, simulated error relative to live)")
+
+# Request by request: the same trace record live and simulated. Aggregate percentiles can move
+# while most requests agree; the arrivals where they disagree most show where to look.
+print("\nper request (TTFT, simulated against live):")
+for p in policies:
+    live_path = os.path.join(d, "live", f"{p}.json")
+    if not os.path.exists(live_path):
+        continue
+    live = json.load(open(live_path))
+    sim = json.load(open(os.path.join(d, f"sim-{p}.json")))
+    pairs = [(t, a, b) for t, a, b in zip(live.get("start_times", []), live.get("ttfts", []),
+                                           sim.get("ttfts", [])) if a and b and a > 0 and b > 0]
+    if not pairs:
+        print(f"{p:<12} no per-request TTFTs in the results")
+        continue
+    ratios = sorted(b / a for _, a, b in pairs)
+    close = sum(1 for _, a, b in pairs if abs(b - a) <= max(0.10 * a, 0.5))
+    by_arrival = {}
+    for t, a, b in pairs:
+        by_arrival.setdefault(round(t), []).append(b - a)
+    worst = sorted(by_arrival.items(), key=lambda kv: -sum(abs(x) for x in kv[1]))[:3]
+    print(f"{p:<12} median ratio {ratios[len(ratios) // 2]:.2f}; within 10% or 0.5 s: "
+          f"{close} of {len(pairs)}; largest differences at arrivals "
+          + ", ".join(f"{t} s ({len(v)} requests, {sum(v) / len(v):+.1f} s mean)" for t, v in worst))
 EOF
