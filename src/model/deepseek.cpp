@@ -333,12 +333,18 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   float* o_lat = o_lat_buf.data();
   const int64_t* at = absorbed_tokens.data();
   // Heads outside, tokens inside: a head's W_UK (and below W_UV) rows stay in L2 for all tokens.
+  // W_UK from its transposed packed copy (the query rounded to BF16, as every BF16 product rounds
+  // its activations); batch-invariant numerics keep the float32 product over kv_b's rows.
+  const bool k_up_rows = w.k_up_t.packed && !kernels::batch_invariant();
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t hd = 0; hd < heads; ++hd)
     for (int64_t i = 0; i < na; ++i) {
       const float* qh = q + (at[i] * heads + hd) * qk;
       float* dst = q_abs + (i * heads + hd) * entry;
-      kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, dst);
+      if (k_up_rows)
+        kernels::matvec_rows(w.k_up_t, hd * kvl, kvl, qh, dst);
+      else
+        kernels::matvec_transposed(w.kv_b, hd * head_rows, nope, qh, dst);
       std::copy_n(qh + nope, rd, dst + kvl);
     }
   std::vector<kernels::MlaSequence> absorbed;

@@ -40,7 +40,7 @@ ModelConfig tiny_v3() {
   c.num_hidden_layers = 3;
   c.num_attention_heads = 4;
   c.q_lora_rank = 48;
-  c.kv_lora_rank = 32;
+  c.kv_lora_rank = 64;  // a whole 64-row block per head: the packed W_UK copy runs (weights.h)
   c.qk_nope_head_dim = 16;
   c.qk_rope_head_dim = 8;
   c.v_head_dim = 16;

@@ -9,6 +9,27 @@
 namespace tandem::model {
 namespace {
 
+// W_UK of every head transposed and packed (AttentionWeights::k_up_t): rows h * latent + c hold
+// kv_b[h * (nope + v) + r, c] for r < nope. The plain copy is dropped once packed (only the packed
+// row kernels read it); empty where kv_b is not BF16 or the packed kernels do not apply.
+Matrix transposed_key_up(const Matrix& kv_b, int64_t heads, int64_t nope, int64_t v,
+                         int64_t latent) {
+  Matrix t;
+  if (kv_b.type != kernels::WeightType::kBF16 || latent % kernels::PackedLayout::kBlockRows != 0)
+    return t;
+  std::vector<uint8_t> plain(static_cast<size_t>(heads * latent * nope) * sizeof(uint16_t));
+  auto* dst = reinterpret_cast<uint16_t*>(plain.data());
+  const auto* src = static_cast<const uint16_t*>(kv_b.data);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t r = 0; r < nope; ++r)
+      for (int64_t c = 0; c < latent; ++c)
+        dst[(h * latent + c) * nope + r] = src[(h * (nope + v) + r) * latent + c];
+  t = kernels::matrix_view(heads * latent, nope, kernels::WeightType::kBF16, plain.data());
+  if (!kernels::pack_for_gemm(t)) return Matrix{};
+  t.data = nullptr;  // nothing reads the plain rows (see DeepSeekModel::attention)
+  return t;
+}
+
 // The DeepSeek tensors of a checkpoint, by their Hugging Face names.
 class Binder : public TensorBinder {
  public:
@@ -41,6 +62,7 @@ class Binder : public TensorBinder {
     a.kv_a_norm = vector(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
     a.kv_b = packed_matrix(p + ".self_attn.kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim),
                            c.kv_lora_rank, PlainRows::kKeep);
+    a.k_up_t = transposed_key_up(a.kv_b, heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
     a.o = packed_matrix(p + ".self_attn.o_proj", h, heads * c.v_head_dim);
     l.is_moe = is_moe;
     if (!is_moe) {

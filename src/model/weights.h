@@ -36,6 +36,12 @@ struct AttentionWeights {
   std::vector<float> kv_a_norm;
   Matrix kv_b;  // [heads * (nope + v), kv_lora_rank]
   Matrix o;     // [hidden, heads * v]
+  // W_UK (kv_b's key rows) transposed per head, [heads * kv_lora_rank, nope] with head h's rows
+  // from h * kv_lora_rank, packed only: absorbed attention folds it into a decode query with the
+  // row-block kernels, which stream it at the bandwidth, where a transposed product over kv_b's
+  // rows read half of each row per pass (~0.3 ms a layer for its 2 MB). Empty where kv_b is not
+  // BF16 or cannot be packed.
+  Matrix k_up_t;
 };
 
 struct LayerWeights {
