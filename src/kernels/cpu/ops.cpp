@@ -239,9 +239,6 @@ const uint16_t* packed_bf16_activations(const Matrix& w, const float* x, int64_t
   return xb.data();
 }
 
-// Few tokens on packed weights (the decode kernels over the one packed copy): BF16 rows with
-// activations rounded to BF16, INT8 rows with activations quantised per token, as the GEMMs on
-// the same copy do. Threads take row blocks.
 // BF16 activations in rows of the packed copy's padded width (the rows of `x` themselves where
 // that is their width) times packed BF16 weights; threads take row blocks.
 void packed_rows_bf16_parallel(const Matrix& w, const uint16_t* xb, int64_t n, float* y) {
@@ -257,6 +254,9 @@ bool takes_packed_bf16_rows(const Matrix& w, int64_t n) {
          !batch_invariant() && avx512::has_bf16_dot();
 }
 
+// Few tokens on packed weights (the row kernels over the one packed copy; BF16 up to a few
+// hundred): BF16 rows with activations rounded to BF16, INT8 rows with activations quantised per
+// token, as the GEMMs on the same copy do. Threads take row blocks.
 void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
   const PackedLayout& l = w.packed->layout;
   const int64_t stride = l.cols_padded;
