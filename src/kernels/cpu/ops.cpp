@@ -399,15 +399,11 @@ bool bf16_gemm_available() {
 }
 
 void matmul_bf16(const Matrix& w, const uint16_t* x, int64_t n, float* y) {
-  if (gemm_takes_bf16(w, n) && takes_packed_bf16_rows(w, n)) {
-    const PackedLayout& l = w.packed->layout;
-    if (l.cols_padded == w.cols) return packed_rows_bf16_parallel(w, x, n, y);
-    thread_local std::vector<uint16_t> padded;
-    padded.assign(static_cast<size_t>(n * l.cols_padded), 0);
-    for (int64_t t = 0; t < n; ++t)
-      std::copy_n(x + t * w.cols, w.cols, padded.data() + t * l.cols_padded);
-    return packed_rows_bf16_parallel(w, padded.data(), n, y);
-  }
+  // The row kernels read x in place where its rows are as wide as the packed copy's (every model
+  // matrix's); padded widths keep oneDNN's GEMM.
+  if (gemm_takes_bf16(w, n) && takes_packed_bf16_rows(w, n) &&
+      w.packed->layout.cols_padded == w.cols)
+    return packed_rows_bf16_parallel(w, x, n, y);
   if (gemm_takes_bf16(w, n) && onednn_matmul_bf16(w, x, n, y)) return;
   // Widening is exact, and matmul rounds these values back to the same BF16 ones.
   thread_local std::vector<float> wide;

@@ -50,9 +50,9 @@ void set_int8_row_sums(Matrix& w);
 // and INT8 ones of few tokens stream each row block front to back for up to six tokens at a time,
 // without the repacking oneDNN does on every call of a plain matrix (a quarter of the time at 48
 // tokens); products of hundreds of tokens run oneDNN's exact-shape kernels on this copy in chunks
-// of 256 tokens, faster than the runtime-shape gemm the plain matrix gets. The caller may then release the plain
-// rows' memory (model::Weights drops their pages). Returns false, changing nothing, where oneDNN's
-// kernels would not read this layout (CPUs without AVX-512 BF16 / VNNI).
+// of 256 tokens, faster than the runtime-shape gemm the plain matrix gets. The caller may then
+// release the plain rows' memory (model::Weights drops their pages). Returns false, changing
+// nothing, where oneDNN's kernels would not read this layout (CPUs without AVX-512 BF16 / VNNI).
 bool pack_for_gemm(Matrix& w);
 
 // Batch-invariant numerics (process-wide; off by default): every product below computes each
