@@ -333,10 +333,11 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   float* o_lat = o_lat_buf.data();
   const int64_t* at = absorbed_tokens.data();
   // Heads outside, tokens inside: a head's W_UK (and below W_UV) rows stay in L2 for all tokens.
+  // Threads claim heads one at a time (a vCPU slowed by its neighbours takes fewer).
   // W_UK from its transposed packed copy (the query rounded to BF16, as every BF16 product rounds
   // its activations); batch-invariant numerics keep the float32 product over kv_b's rows.
   const bool k_up_rows = w.k_up_t.packed && !kernels::batch_invariant();
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
   for (int64_t hd = 0; hd < heads; ++hd)
     for (int64_t i = 0; i < na; ++i) {
       const float* qh = q + (at[i] * heads + hd) * qk;
@@ -363,7 +364,7 @@ void DeepSeekModel::attention(const AttentionWeights& w, int64_t layer,
   kernels::MlaOptions mla{mla_rescale_};
   mla.fixed_chunks = kernels::batch_invariant();
   kernels::mla_decode(shape, absorbed, mla);
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)
   for (int64_t hd = 0; hd < heads; ++hd)
     for (int64_t i = 0; i < na; ++i)
       kernels::matvec_rows(w.kv_b, hd * head_rows + nope, vd, o_lat + (i * heads + hd) * kvl,

@@ -27,6 +27,12 @@ constexpr int64_t kInt8GemmMinTokens = 16;
 // batched decode.
 constexpr int64_t kPackedRowsMaxTokens = 256;
 constexpr int64_t kWidenMinTokens = 32;
+// Threads claim the row blocks of a streamed product a few at a time (OpenMP's dynamic schedule),
+// not in one static half each: on a VM one vCPU often runs slower than the other for a while,
+// and a static split then waits for the slow half, where claimed blocks let the faster thread
+// take more (batch-1 decode was faster so in 8 of 9 alternating pairs of runs on this VM). Four
+// blocks of 64 rows keep the claims few.
+constexpr int kRowBlocksPerClaim = 4;
 
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__)
 #define TANDEM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -243,7 +249,7 @@ const uint16_t* packed_bf16_activations(const Matrix& w, const float* x, int64_t
 // that is their width) times packed BF16 weights; threads take row blocks.
 void packed_rows_bf16_parallel(const Matrix& w, const uint16_t* xb, int64_t n, float* y) {
   const PackedLayout& l = w.packed->layout;
-#pragma omp parallel for schedule(static) if (w.rows * w.cols > (1 << 15))
+#pragma omp parallel for schedule(dynamic, kRowBlocksPerClaim) if (w.rows * w.cols > (1 << 15))
   for (int64_t b = 0; b < l.blocks(); ++b)
     avx512::packed_rows_bf16(*w.packed, b, 1, xb, l.cols_padded, n, y + b * l.kBlockRows, w.rows);
 }
@@ -274,7 +280,7 @@ void matmul_packed_rows(const Matrix& w, const float* x, int64_t n, float* y) {
   avx512::quantize_u8_rows(x, w.cols, n, stride, xq.data(), xs.data());
   const uint8_t* xqp = xq.data();
   int32_t* a = acc.data();
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(dynamic, kRowBlocksPerClaim) if (parallel)
   for (int64_t b = 0; b < l.blocks(); ++b)
     avx512::packed_rows_i8(*w.packed, b, 1, xqp, stride, n, a + b * l.kBlockRows, w.rows);
   for (int64_t t = 0; t < n; ++t)
