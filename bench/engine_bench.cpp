@@ -5,8 +5,10 @@
 // Also: resident memory after load against the checkpoint's bytes, and with --contexts, decode
 // at batch 1 after long contexts against the ideal time.
 // Usage: tandem-bench-engine --model DIR [--model DIR ...] [--prompt 512] [--decode 32]
-//        [--prefill-runs 3] [--prefill-only] [--contexts 4096,16384,32768] [--batch-invariant]
-//        [--int8-lm-head]
+//        [--prefill-runs 3] [--prefill-only | --decode-only] [--contexts 4096,16384,32768]
+//        [--batch-invariant] [--int8-lm-head]
+// --decode-only measures batch-1 decode after a short prompt and nothing else: a few seconds
+// after load, so that bench/peer_decode.sh can alternate it tightly with the peer's decode.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -204,17 +206,45 @@ void print_prefill_breakdown(StepProfile& profile,
   }
 }
 
-// Resident memory of this process now (VmRSS), bytes.
-double resident_bytes() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
+// A "Name: N kB" field of a /proc file of this process, bytes (0 where absent).
+double proc_kb_field(const char* file, const char* format) {
+  std::FILE* f = std::fopen(file, "r");
   if (!f) return 0;
   char line[256];
   double kb = 0;
   while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "VmRSS: %lf kB", &kb) == 1) break;
+    if (std::sscanf(line, format, &kb) == 1) break;
   std::fclose(f);
   return kb * 1024;
 }
+
+// Resident memory of this process now (VmRSS), bytes.
+double resident_bytes() {
+  return proc_kb_field("/proc/self/status", "VmRSS: %lf kB");
+}
+
+// Of it, anonymous memory on transparent huge pages: decode streams the packed weights, and on
+// 4 KB pages this VM reads them ~20% slower (TLB walks), so a round short of huge pages is slow.
+double huge_page_bytes() {
+  return proc_kb_field("/proc/self/smaps_rollup", "AnonHugePages: %lf kB");
+}
+
+// Resident growth since `before` against the checkpoint's tensor bytes, and how much of the
+// process is on huge pages.
+void print_resident(double before, const DeepSeekModel& model, const char* after) {
+  const double growth = resident_bytes() - before;
+  std::printf(
+      "resident after %s: %.2f GB = %.3fx the checkpoint's tensor bytes; %.2f GB on huge pages\n",
+      after, growth / 1e9, growth / model.weights().checkpoint.total_bytes(),
+      huge_page_bytes() / 1e9);
+}
+
+// Which measurements a run makes.
+enum class Phases {
+  kAll,
+  kPrefillOnly,
+  kDecodeOnly,  // batch 1 after a short prompt only
+};
 
 // Decode at batch 1 after `context` cached positions. The cache is filled with random latents
 // (normal, like the normalised latents a prefill writes) instead of a prefill: a decode step's
@@ -280,7 +310,7 @@ void long_context_decode(DeepSeekModel& model, const tandem::bench::MachinePeaks
 }
 
 void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64_t prompt_len,
-         int64_t decode_steps, int prefill_runs, bool prefill_only,
+         int64_t decode_steps, int prefill_runs, Phases phases,
          const std::vector<int64_t>& contexts, const tandem::model::WeightLoadOptions& load) {
   const double rss_before = resident_bytes();
   auto model = DeepSeekModel::load(dir, {}, load);
@@ -305,52 +335,53 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
   const int64_t blocks = (prompt_len + 2 * decode_steps + kWarmupSteps + block) / block + 1;
   std::vector<int32_t> table(blocks);
   std::iota(table.begin(), table.end(), 0);
-  std::vector<double> times;
-  for (int rep = 0; rep < prefill_runs; ++rep) {
-    LatentCache cache(model.cache_shape(block), blocks);
-    SequenceStep step{prompt, 0, table};
-    double t0 = now();
-    model.forward(std::span(&step, 1), cache);
-    times.push_back(now() - t0);
+  if (phases != Phases::kDecodeOnly) {
+    std::vector<double> times;
+    for (int rep = 0; rep < prefill_runs; ++rep) {
+      LatentCache cache(model.cache_shape(block), blocks);
+      SequenceStep step{prompt, 0, table};
+      double t0 = now();
+      model.forward(std::span(&step, 1), cache);
+      times.push_back(now() - t0);
+    }
+    // Every weight has been read by now (a 512-token prompt routes to every expert); the prefill's
+    // cache is freed. Mapped weights count once they are read, copies made at load at once.
+    print_resident(rss_before, model, "a prefill");
+    std::sort(times.begin(), times.end());
+    const double flops = prefill_flops(c, model, prompt_len);
+    const double best = times.front(), gflops = flops / best / 1e9;
+    std::printf(
+        "prefill %ld tokens:   %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of %s peak (%.0f GFLOP/s)\n",
+        static_cast<long>(prompt_len), prompt_len / best, gflops,
+        100 * gflops / peaks.bf16_reference(), peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA",
+        peaks.bf16_reference());
+    if (times.size() > 3) {
+      const double median = times[times.size() / 2];
+      std::printf("prefill median of %zu: %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of %s peak\n",
+                  times.size(), prompt_len / median, flops / median / 1e9,
+                  100 * flops / median / 1e9 / peaks.bf16_reference(),
+                  peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA");
+    }
+    {
+      // Once more with the per-part timers on (timers add a little; the figures above have none).
+      StepProfile profile;
+      model.set_profile(&profile);
+      LatentCache cache(model.cache_shape(block), blocks);
+      SequenceStep step{prompt, 0, table};
+      model.forward(std::span(&step, 1), cache);
+      model.set_profile(nullptr);
+      print_prefill_breakdown(profile, part_flops(c, model, prompt_len), peaks.bf16_reference());
+    }
   }
-  // Every weight has been read by now (a 512-token prompt routes to every expert); the prefill's
-  // cache is freed. Mapped weights count once they are read, copies made at load at once.
-  const double rss_growth = resident_bytes() - rss_before;
-  std::printf("resident after a prefill: %.2f GB = %.3fx the checkpoint's tensor bytes\n",
-              rss_growth / 1e9, rss_growth / model.weights().checkpoint.total_bytes());
-  std::sort(times.begin(), times.end());
-  const double flops = prefill_flops(c, model, prompt_len);
-  const double best = times.front(), gflops = flops / best / 1e9;
-  std::printf(
-      "prefill %ld tokens:   %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of %s peak (%.0f GFLOP/s)\n",
-      static_cast<long>(prompt_len), prompt_len / best, gflops,
-      100 * gflops / peaks.bf16_reference(), peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA",
-      peaks.bf16_reference());
-  if (times.size() > 3) {
-    const double median = times[times.size() / 2];
-    std::printf("prefill median of %zu: %8.1f tokens/s  %7.1f GFLOP/s  %5.1f%% of %s peak\n",
-                times.size(), prompt_len / median, flops / median / 1e9,
-                100 * flops / median / 1e9 / peaks.bf16_reference(),
-                peaks.bf16_gflops > 0 ? "BF16" : "FP32 FMA");
-  }
-  {
-    // Once more with the per-part timers on (timers add a little; the figures above have none).
-    StepProfile profile;
-    model.set_profile(&profile);
-    LatentCache cache(model.cache_shape(block), blocks);
-    SequenceStep step{prompt, 0, table};
-    model.forward(std::span(&step, 1), cache);
-    model.set_profile(nullptr);
-    print_prefill_breakdown(profile, part_flops(c, model, prompt_len), peaks.bf16_reference());
-  }
-  if (prefill_only) return;
+  if (phases == Phases::kPrefillOnly) return;
   int64_t moe_layers = 0;
   for (const auto& l : model.weights().layers) moe_layers += l.is_moe;
   const double token_weight_bytes =
       fixed_bytes(model) +
       static_cast<double>(moe_layers * c.num_experts_per_tok) * expert_bytes(model);
-  for (int64_t context : contexts)
-    long_context_decode(model, peaks, context, decode_steps, token_weight_bytes);
+  if (phases == Phases::kAll)
+    for (int64_t context : contexts)
+      long_context_decode(model, peaks, context, decode_steps, token_weight_bytes);
 
   // Decode, batch 1, after the prompt.
   {
@@ -392,6 +423,11 @@ void run(const std::string& dir, const tandem::bench::MachinePeaks& peaks, int64
     const double kv_token = static_cast<double>(prompt_len + decode_steps * 3 / 2) * entry_bytes *
                             static_cast<double>(layers);
     print_breakdown(profile, decode_steps, part_bytes(model, kv_token), dram);
+  }
+
+  if (phases == Phases::kDecodeOnly) {
+    print_resident(rss_before, model, "decode");
+    return;
   }
 
   // Decode, batch 16: sixteen 64-token prompts, then steps of one token each.
@@ -519,7 +555,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> models;
   int64_t prompt = 512, decode = 32;
   int prefill_runs = 3;
-  bool prefill_only = false;
+  bool prefill_only = false, decode_only = false;
   std::vector<int64_t> contexts;
   app.add_option("--model", models, "model folder (repeatable)")->required();
   app.add_option("--contexts", contexts,
@@ -528,7 +564,10 @@ int main(int argc, char** argv) {
   app.add_option("--prefill-runs", prefill_runs, "prefill measurements (best and median)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_flag("--prefill-only", prefill_only, "skip the decode measurements");
+  auto* prefill_flag = app.add_flag("--prefill-only", prefill_only, "skip the decode measurements");
+  app.add_flag("--decode-only", decode_only,
+               "batch-1 decode after a short prompt only (no prefill timing, contexts, batch 16)")
+      ->excludes(prefill_flag);
   bool batch_invariant = false;
   app.add_flag("--batch-invariant", batch_invariant,
                "batch-invariant numerics (tandem engine --batch-invariant)");
@@ -539,6 +578,9 @@ int main(int argc, char** argv) {
   app.add_option("--decode", decode, "decode steps per measurement")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   tandem::kernels::set_batch_invariant(batch_invariant);
+  const Phases phases = prefill_only  ? Phases::kPrefillOnly
+                        : decode_only ? Phases::kDecodeOnly
+                                      : Phases::kAll;
   try {
     const auto peaks = tandem::bench::measure_peaks();
     std::printf(
@@ -550,7 +592,7 @@ int main(int argc, char** argv) {
       if (tandem::model::architecture_of(m) == tandem::model::kQwen3MoeArchitecture)
         run_qwen3(m, prompt, decode, prefill_runs);
       else
-        run(m, peaks, prompt, decode, prefill_runs, prefill_only, contexts, load);
+        run(m, peaks, prompt, decode, prefill_runs, phases, contexts, load);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -11,6 +11,11 @@
 #     and flash-attention options (-mla 3 -fa 1); Tandem's share of the ideal time;
 #   - prefill 512 (pp512), batch 16 next to batch 1, and resident memory (Tandem: after a prefill,
 #     against the checkpoint's bytes; peer: its peak RSS).
+# Then batch-1 decode alone, DECODE_PAIRS times, each Tandem run followed at once by the peer's
+# (BF16, then INT8 with the INT8 LM head next to Q8_0, whose head is Q8_0 too). A round above
+# puts minutes of prefill between the two engines' decode figures, and this VM's bandwidth moves
+# in that time; these pairs are seconds apart, and their median ratio is the batch-1 figure the
+# targets are judged on (the rounds' figures stay printed beside it).
 # Tandem's long-context rows fill the cache with random latents instead of prefilling (decode
 # time depends on the context length, not the values); the peer prefills for real, untimed.
 # Tandem's prefill figure is the best of three runs: the first reads the mapped weights from the
@@ -21,8 +26,9 @@
 # Environment: PEER (ik_llama.cpp checkout with build/bin/llama-bench; default
 #              ~/.cache/peers/ik_llama.cpp), GGUF_BF16 (MODEL_DIR-bf16.gguf), GGUF_Q8
 #              (MODEL_DIR-q8_0.gguf), INT8_DIR (MODEL_DIR-int8, written by `tandem quantize` when
-#              missing), ROUNDS (3), CONTEXTS (4096,16384,32768), THREADS (2), KEEP (a
-#              folder that keeps every round's raw output; default: a temporary one, removed).
+#              missing), ROUNDS (3), DECODE_PAIRS (5), CONTEXTS (4096,16384,32768), THREADS (2),
+#              KEEP (a folder that keeps every round's raw output; default: a temporary one,
+#              removed).
 # Without the peer (or its GGUFs) the script runs Tandem's side alone and says so.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,6 +40,7 @@ gguf_bf16="${GGUF_BF16:-$model-bf16.gguf}"
 gguf_q8="${GGUF_Q8:-$model-q8_0.gguf}"
 int8_dir="${INT8_DIR:-$model-int8}"
 rounds="${ROUNDS:-3}"
+pairs="${DECODE_PAIRS:-5}"
 contexts="${CONTEXTS:-4096,16384,32768}"
 threads="${THREADS:-2}"
 
@@ -73,21 +80,41 @@ for r in $(seq 1 "$rounds"); do
       >"$out/peer-q8-$r.json" 2>"$out/peer-q8-$r.err"
   fi
 done
+for i in $(seq 1 "$pairs"); do
+  echo "== decode pair $i/$pairs"
+  "$build/bench/tandem-bench-engine" --model "$model" --prompt 16 --decode 32 --decode-only \
+    >"$out/pair-tandem-bf16-$i.txt"
+  if [ "$have_peer" = 1 ]; then
+    "$bench" -m "$gguf_bf16" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
+      >"$out/pair-peer-bf16-$i.json" 2>"$out/pair-peer-bf16-$i.err"
+  fi
+  "$build/bench/tandem-bench-engine" --model "$int8_dir" --prompt 16 --decode 32 --decode-only \
+    --int8-lm-head >"$out/pair-tandem-int8head-$i.txt"
+  if [ "$have_peer" = 1 ]; then
+    "$bench" -m "$gguf_q8" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
+      >"$out/pair-peer-q8-$i.json" 2>"$out/pair-peer-q8-$i.err"
+  fi
+done
 
-/usr/bin/python3 - "$out" "$rounds" "$have_peer" "$contexts" "$model" <<'PYEOF'
+/usr/bin/python3 - "$out" "$rounds" "$have_peer" "$contexts" "$model" "$pairs" <<'PYEOF'
 import json, re, statistics, sys, os
 out, rounds, have_peer, contexts, model = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", \
     [int(c) for c in sys.argv[4].split(",") if c], sys.argv[5]
+pairs = int(sys.argv[6])
 
 def tandem(path):
     text = open(path).read()
     f = {}
-    m = re.search(r"prefill (\d+) tokens:\s+([\d.]+) tokens/s", text); f["pp"] = float(m.group(2))
+    m = re.search(r"prefill (\d+) tokens:\s+([\d.]+) tokens/s", text)
+    if m: f["pp"] = float(m.group(2))
     m = re.search(r"decode batch 1:\s+([\d.]+) tokens/s\s+([\d.]+) GB/s\s+([\d.]+)%", text)
     f["tg"], f["tg_bw"] = float(m.group(1)), float(m.group(3))
-    m = re.search(r"decode batch 16:\s+([\d.]+) tokens/s", text); f["b16"] = float(m.group(1))
+    m = re.search(r"decode batch 16:\s+([\d.]+) tokens/s", text)
+    if m: f["b16"] = float(m.group(1))
     m = re.search(r"resident after a prefill:\s+([\d.]+) GB = ([\d.]+)x", text)
     if m: f["rss"] = float(m.group(2))
+    m = re.search(r"([\d.]+) GB on huge pages", text)
+    if m: f["huge"] = float(m.group(1))
     for c, tps, ideal in re.findall(r"decode at\s+(\d+):\s+([\d.]+) tokens/s\s+([\d.]+)% of ideal", text):
         f[f"ctx{c}"], f[f"ideal{c}"] = float(tps), float(ideal)
     return f
@@ -119,14 +146,14 @@ if have_peer:
         kb = open(f"{out}/peer-rss-{r}.txt").read().split()[-1]
         rss.append(float(kb) * 1024 / ckpt)
 
-def row(name, key, tand, peers, unit="tok/s"):
+def row(name, key, tand, peers, unit="tok/s", of="rounds"):
     tv = [t.get(key) for t in tand]
     line = f"{name:<34} tandem " + " / ".join(f"{v:.2f}" if v else "-" for v in tv)
     if peers:
         pv = [p.get(key) for p in peers]
         line += "   ik " + " / ".join(f"{v:.2f}" if v else "-" for v in pv)
         ratios = [t / p for t, p in zip(tv, pv) if t and p]
-        line += f"   ratio (median of rounds) {med(ratios):.2f}x"
+        line += f"   ratio (median of {of}) {med(ratios):.2f}x"
     print(line + f"  [{unit}]")
 
 print(f"\n{rounds} alternating rounds, medians of per-round ratios:")
@@ -145,6 +172,24 @@ if any("rss" in t for t in T):
     print(f"{'resident / checkpoint bytes':<34} tandem " + " / ".join(
         f"{t['rss']:.3f}x" for t in T if "rss" in t)
           + ("   ik peak " + " / ".join(f"{x:.3f}x" for x in rss) if rss else ""))
+if any("huge" in t for t in T):
+    print(f"{'  Tandem on huge pages (GB)':<34} " + " / ".join(
+        f"{t['huge']:.2f}" for t in T if "huge" in t))
+
+if pairs > 0:
+    D = [tandem(f"{out}/pair-tandem-bf16-{i}.txt") for i in range(1, pairs + 1)]
+    D8 = [tandem(f"{out}/pair-tandem-int8head-{i}.txt") for i in range(1, pairs + 1)]
+    DP = [peer(f"{out}/pair-peer-bf16-{i}.json") for i in range(1, pairs + 1)] if have_peer else []
+    DP8 = [peer(f"{out}/pair-peer-q8-{i}.json") for i in range(1, pairs + 1)] if have_peer else []
+    print(f"\nbatch-1 decode alone, {pairs} pairs (Tandem, then the peer at once), medians of "
+          "per-pair ratios:")
+    row("decode batch 1, BF16", "tg", D, DP, of="pairs")
+    print(f"{'  Tandem share of read bandwidth':<34} " + " / ".join(f"{t['tg_bw']:.0f}%" for t in D)
+          + f"  median {med([t['tg_bw'] for t in D]):.0f}%")
+    row("decode batch 1, INT8 (INT8 head) vs Q8_0", "tg", D8, DP8, of="pairs")
+    if any("huge" in t for t in D):
+        print(f"{'  Tandem BF16 on huge pages (GB)':<34} " + " / ".join(
+            f"{t.get('huge', 0):.2f}" for t in D))
 if not have_peer:
     print("\nPEER ABSENT: no ratios (see above).")
 PYEOF
