@@ -20,7 +20,7 @@ size_t round_up(size_t n, size_t to) {
 HugePageBuffer::HugePageBuffer(size_t bytes) : size_(bytes) {
   const size_t whole = bytes / kHugePage * kHugePage;
   const size_t tail = bytes - whole;
-  const bool round_tail = tail > 0 && kHugePage - tail <= bytes / 16;
+  const bool round_tail = tail > 0 && kHugePage - tail <= bytes / 8;
   const size_t advised = round_tail ? whole + kHugePage : whole;
   mapped_ = std::max(round_up(bytes, kPage), advised);
   // Mapped with a huge page of slack, then trimmed to a 2 MB boundary at the front.

@@ -60,14 +60,20 @@ TEST(HugePageBuffer, IsAlignedZeroedAndWritableOverItsWholeSize) {
 TEST(HugePageBuffer, WholeHugePagesAreAdvisedAndAWastefulTailIsNot) {
   if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"))
     GTEST_SKIP() << "this kernel has no transparent huge pages";
-  // 3 MiB: the 1 MiB tail would waste 1 MiB, more than a sixteenth of 3 MiB.
+  // 3 MiB: the 1 MiB tail would waste 1 MiB, more than an eighth of 3 MiB.
   HugePageBuffer b(3 * kMiB);
   EXPECT_TRUE(advised_huge(b.get()));
   EXPECT_TRUE(advised_huge(b.get() + 2 * kMiB - 1));
   EXPECT_FALSE(advised_huge(b.get() + 2 * kMiB));
-  // 31.9 MiB: rounding the tail up wastes 0.1 MiB, within a sixteenth: advised to the end.
+  // 31.9 MiB: rounding the tail up wastes 0.1 MiB, within an eighth: advised to the end.
   HugePageBuffer c(32 * kMiB - kMiB / 10);
   EXPECT_TRUE(advised_huge(c.get() + c.size() - 1));
+  // 5.5 MiB (a DeepSeek-V2-Lite BF16 expert matrix): wastes 0.5 MiB, within an eighth.
+  HugePageBuffer e(5 * kMiB + kMiB / 2);
+  EXPECT_TRUE(advised_huge(e.get() + e.size() - 1));
+  // 2.75 MiB (the same matrix in INT8): would waste 1.25 MiB, more than an eighth.
+  HugePageBuffer f(2 * kMiB + 3 * kMiB / 4);
+  EXPECT_FALSE(advised_huge(f.get() + f.size() - 1));
   // Below one huge page and wasteful to round up: small pages only.
   HugePageBuffer d(kMiB);
   EXPECT_FALSE(advised_huge(d.get()));
