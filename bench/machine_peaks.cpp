@@ -76,7 +76,8 @@ double gflops(Loop loop, double flops_per_iter, int threads) {
 
 // Floats a thread claims at a time while reading (2 MB): claimed, not split in static halves,
 // as the decode products claim row blocks, so that a vCPU slowed by its neighbours does not hold
-// the measurement back (static halves read 20-30% less than the decode itself in such periods).
+// the measurement back. (On the development VM this still reads less than decode itself moves;
+// docs/benchmarks.md, "The read benchmark under-reports here".)
 constexpr size_t kReadClaim = size_t{1} << 19;
 
 // Best of four timed passes of `pass` (one read of n floats by `threads` threads), in GB/s.

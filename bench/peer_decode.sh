@@ -58,6 +58,11 @@ else
   trap 'rm -rf "$out"' EXIT
 fi
 export OMP_NUM_THREADS="$threads"
+# The peer's batch-1 decode alone: 64 tokens from an empty context, raw output to PREFIX.json/.err.
+peer_decode() {
+  "$bench" -m "$1" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json >"$2.json" \
+    2>"$2.err"
+}
 for r in $(seq 1 "$rounds"); do
   echo "== round $r/$rounds"
   "$build/bench/tandem-bench-engine" --model "$model" --prompt 512 --decode 32 --prefill-runs 3 \
@@ -75,25 +80,16 @@ for r in $(seq 1 "$rounds"); do
   # unless the engine is told to quantize it at load.
   "$build/bench/tandem-bench-engine" --model "$int8_dir" --prompt 16 --decode 32 \
     --prefill-runs 1 --int8-lm-head >"$out/tandem-int8head-$r.txt"
-  if [ "$have_peer" = 1 ]; then
-    "$bench" -m "$gguf_q8" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
-      >"$out/peer-q8-$r.json" 2>"$out/peer-q8-$r.err"
-  fi
+  if [ "$have_peer" = 1 ]; then peer_decode "$gguf_q8" "$out/peer-q8-$r"; fi
 done
 for i in $(seq 1 "$pairs"); do
   echo "== decode pair $i/$pairs"
   "$build/bench/tandem-bench-engine" --model "$model" --prompt 16 --decode 32 --decode-only \
     >"$out/pair-tandem-bf16-$i.txt"
-  if [ "$have_peer" = 1 ]; then
-    "$bench" -m "$gguf_bf16" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
-      >"$out/pair-peer-bf16-$i.json" 2>"$out/pair-peer-bf16-$i.err"
-  fi
+  if [ "$have_peer" = 1 ]; then peer_decode "$gguf_bf16" "$out/pair-peer-bf16-$i"; fi
   "$build/bench/tandem-bench-engine" --model "$int8_dir" --prompt 16 --decode 32 --decode-only \
     --int8-lm-head >"$out/pair-tandem-int8head-$i.txt"
-  if [ "$have_peer" = 1 ]; then
-    "$bench" -m "$gguf_q8" -p 0 -n 64 -t "$threads" -r 1 -rtr 1 -mla 3 -fa 1 -o json \
-      >"$out/pair-peer-q8-$i.json" 2>"$out/pair-peer-q8-$i.err"
-  fi
+  if [ "$have_peer" = 1 ]; then peer_decode "$gguf_q8" "$out/pair-peer-q8-$i"; fi
 done
 
 /usr/bin/python3 - "$out" "$rounds" "$have_peer" "$contexts" "$model" "$pairs" <<'PYEOF'
@@ -156,25 +152,26 @@ def row(name, key, tand, peers, unit="tok/s", of="rounds"):
         line += f"   ratio (median of {of}) {med(ratios):.2f}x"
     print(line + f"  [{unit}]")
 
-print(f"\n{rounds} alternating rounds, medians of per-round ratios:")
-row("decode batch 1, BF16", "tg", T, P)
-print(f"{'  Tandem share of read bandwidth':<34} " + " / ".join(f"{t['tg_bw']:.0f}%" for t in T)
-      + f"  median {med([t['tg_bw'] for t in T]):.0f}%")
-row("decode batch 1, INT8 vs Q8_0", "tg", T8, P8)
-row("  the same, LM head INT8 too", "tg", T8H, P8)
-row("prefill 512, BF16", "pp", T, P)
-for c in contexts:
-    row(f"decode after {c}, BF16", f"ctx{c}", T, P)
-    print(f"{'  Tandem share of the ideal':<34} " + " / ".join(
-        f"{t.get(f'ideal{c}', float('nan')):.0f}%" for t in T))
-print(f"{'decode batch 16 / batch 1':<34} " + " / ".join(f"{t['b16'] / t['tg']:.2f}x" for t in T))
-if any("rss" in t for t in T):
-    print(f"{'resident / checkpoint bytes':<34} tandem " + " / ".join(
-        f"{t['rss']:.3f}x" for t in T if "rss" in t)
-          + ("   ik peak " + " / ".join(f"{x:.3f}x" for x in rss) if rss else ""))
-if any("huge" in t for t in T):
-    print(f"{'  Tandem on huge pages (GB)':<34} " + " / ".join(
-        f"{t['huge']:.2f}" for t in T if "huge" in t))
+if rounds > 0:
+    print(f"\n{rounds} alternating rounds, medians of per-round ratios:")
+    row("decode batch 1, BF16", "tg", T, P)
+    print(f"{'  Tandem share of read bandwidth':<34} " + " / ".join(f"{t['tg_bw']:.0f}%" for t in T)
+          + f"  median {med([t['tg_bw'] for t in T]):.0f}%")
+    row("decode batch 1, INT8 vs Q8_0", "tg", T8, P8)
+    row("  the same, LM head INT8 too", "tg", T8H, P8)
+    row("prefill 512, BF16", "pp", T, P)
+    for c in contexts:
+        row(f"decode after {c}, BF16", f"ctx{c}", T, P)
+        print(f"{'  Tandem share of the ideal':<34} " + " / ".join(
+            f"{t.get(f'ideal{c}', float('nan')):.0f}%" for t in T))
+    print(f"{'decode batch 16 / batch 1':<34} " + " / ".join(f"{t['b16'] / t['tg']:.2f}x" for t in T))
+    if any("rss" in t for t in T):
+        print(f"{'resident / checkpoint bytes':<34} tandem " + " / ".join(
+            f"{t['rss']:.3f}x" for t in T if "rss" in t)
+              + ("   ik peak " + " / ".join(f"{x:.3f}x" for x in rss) if rss else ""))
+    if any("huge" in t for t in T):
+        print(f"{'  Tandem on huge pages (GB)':<34} " + " / ".join(
+            f"{t['huge']:.2f}" for t in T if "huge" in t))
 
 if pairs > 0:
     D = [tandem(f"{out}/pair-tandem-bf16-{i}.txt") for i in range(1, pairs + 1)]
