@@ -68,7 +68,7 @@ Matrix TensorBinder::packed_matrix(const std::string& name, int64_t rows, int64_
 }
 
 void TensorBinder::pack(Matrix& m, PlainRows plain) {
-  if (!kernels::pack_for_gemm(m)) return;
+  if (!kernels::pack_for_gemm(m, &arena_)) return;
   // Converted weights (FP8 dequantised to BF16) live in `storage`, not in the mapping; they
   // stay, as both copies of an FP8 checkpoint's matrices do.
   if (plain == PlainRows::kRelease && m.storage.empty() && !kernels::batch_invariant())
@@ -104,7 +104,7 @@ Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t 
   kernels::set_int8_row_sums(m);
   // The INT8 rows stay beside the packed copy (products oneDNN has no kernel for read them);
   // the source rows in the mapping are not read again, unless they are a tied embedding's.
-  kernels::pack_for_gemm(m);
+  kernels::pack_for_gemm(m, &arena_);
   if (plain == PlainRows::kRelease) release_pages(t.data, t.nbytes);
   return m;
 }

@@ -47,6 +47,9 @@ class TensorBinder {
   kernels::Matrix router(const std::string& name, int64_t experts, int64_t hidden);
   // Whether a tensor of the checkpoint was bound (a model checks that every one was).
   bool taken(const std::string& tensor) const { return taken_.count(tensor) > 0; }
+  // Where packed copies are carved (matrices a model derives at load are packed here too); the
+  // binder's destruction, at the end of a load, collapses them onto huge pages.
+  util::HugePageArena& arena() { return arena_; }
 
  private:
   const TensorInfo& take(const std::string& name, const std::vector<int64_t>& shape);
@@ -58,6 +61,7 @@ class TensorBinder {
   const std::function<void(size_t, size_t)>& progress_;
   size_t done_ = 0, total_;
   std::set<std::string> taken_;
+  util::HugePageArena arena_;
 };
 
 }  // namespace tandem::model

@@ -13,7 +13,7 @@ namespace {
 // kv_b[h * (nope + v) + r, c] for r < nope. The plain copy is dropped once packed (only the packed
 // row kernels read it); empty where kv_b is not BF16 or the packed kernels do not apply.
 Matrix transposed_key_up(const Matrix& kv_b, int64_t heads, int64_t nope, int64_t v,
-                         int64_t latent) {
+                         int64_t latent, util::HugePageArena& arena) {
   Matrix t;
   if (kv_b.type != kernels::WeightType::kBF16 || latent % kernels::PackedLayout::kBlockRows != 0)
     return t;
@@ -25,7 +25,7 @@ Matrix transposed_key_up(const Matrix& kv_b, int64_t heads, int64_t nope, int64_
       for (int64_t c = 0; c < latent; ++c)
         dst[(h * latent + c) * nope + r] = src[(h * (nope + v) + r) * latent + c];
   t = kernels::matrix_view(heads * latent, nope, kernels::WeightType::kBF16, plain.data());
-  if (!kernels::pack_for_gemm(t)) return Matrix{};
+  if (!kernels::pack_for_gemm(t, &arena)) return Matrix{};
   t.data = nullptr;  // nothing reads the plain rows (see DeepSeekModel::attention)
   return t;
 }
@@ -62,7 +62,8 @@ class Binder : public TensorBinder {
     a.kv_a_norm = vector(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
     a.kv_b = packed_matrix(p + ".self_attn.kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim),
                            c.kv_lora_rank, PlainRows::kKeep);
-    a.k_up_t = transposed_key_up(a.kv_b, heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
+    a.k_up_t = transposed_key_up(a.kv_b, heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank,
+                                   arena());
     a.o = packed_matrix(p + ".self_attn.o_proj", h, heads * c.v_head_dim);
     l.is_moe = is_moe;
     if (!is_moe) {

@@ -15,6 +15,22 @@ constexpr size_t kPage = 4096;
 size_t round_up(size_t n, size_t to) {
   return (n + to - 1) / to * to;
 }
+
+constexpr size_t kSliceAlignment = 64;  // a cache line: what oneDNN and the AVX-512 loads want
+
+// Asks the kernel to put the whole huge pages of [data, data + bytes) on huge pages now, copying
+// what it could not give as huge pages at fault time (a partial last one is left: it may reach
+// past what was advised). Best effort: older kernels (EINVAL) and failed compaction (EAGAIN,
+// ENOMEM) leave the pages as they were, which is correct, only slower to stream.
+void collapse(uint8_t* data, size_t bytes) {
+#ifdef MADV_COLLAPSE
+  const size_t whole = bytes / kHugePage * kHugePage;
+  if (whole > 0) madvise(data, whole, MADV_COLLAPSE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
 }  // namespace
 
 HugePageBuffer::HugePageBuffer(size_t bytes) : size_(bytes) {
@@ -37,6 +53,14 @@ HugePageBuffer::HugePageBuffer(size_t bytes) : size_(bytes) {
   if (advised > 0) madvise(data_, advised, MADV_HUGEPAGE);
 }
 
+void HugePageBuffer::shrink_to(size_t bytes) {
+  const size_t keep = std::max(round_up(bytes, kHugePage), kHugePage);  // never the whole mapping
+  if (keep >= mapped_) return;
+  munmap(data_ + keep, mapped_ - keep);
+  mapped_ = keep;
+  size_ = std::min(size_, keep);
+}
+
 HugePageBuffer::~HugePageBuffer() {
   if (data_) munmap(data_, mapped_);
 }
@@ -54,6 +78,42 @@ HugePageBuffer& HugePageBuffer::operator=(HugePageBuffer&& other) noexcept {
     mapped_ = std::exchange(other.mapped_, 0);
   }
   return *this;
+}
+
+HugePageSlice::HugePageSlice(HugePageBuffer whole)
+    : owner_(std::make_shared<const HugePageBuffer>(std::move(whole))),
+      data_(owner_->get()),
+      size_(owner_->size()) {}
+
+HugePageArena::HugePageArena(size_t chunk_bytes)
+    : chunk_bytes_(round_up(std::max<size_t>(chunk_bytes, 1), kHugePage)) {}
+
+HugePageArena::~HugePageArena() {
+  for (Chunk& c : chunks_) {
+    c.buffer->shrink_to(c.used);
+    collapse(c.buffer->get(), c.used);
+  }
+}
+
+HugePageSlice HugePageArena::allocate(size_t bytes) {
+  bytes = std::max<size_t>(bytes, 1);
+  Chunk* c = nullptr;
+  if (bytes > chunk_bytes_) {
+    chunks_.push_back({std::make_shared<HugePageBuffer>(bytes), 0});
+    c = &chunks_.back();
+  } else {
+    if (!open_ || chunks_[*open_].used + bytes > chunk_bytes_) {
+      chunks_.push_back({std::make_shared<HugePageBuffer>(chunk_bytes_), 0});
+      open_ = chunks_.size() - 1;
+    }
+    c = &chunks_[*open_];
+  }
+  HugePageSlice slice;
+  slice.owner_ = c->buffer;
+  slice.data_ = c->buffer->get() + c->used;
+  slice.size_ = bytes;
+  c->used = round_up(c->used + bytes, kSliceAlignment);
+  return slice;
 }
 
 }  // namespace tandem::util

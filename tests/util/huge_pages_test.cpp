@@ -1,5 +1,6 @@
 // HugePageBuffer: its own mapping, aligned and zeroed, advised for huge pages where the rule
-// says (read back from the kernel's VmFlags), and given back when destroyed.
+// says (read back from the kernel's VmFlags), and given back when destroyed. HugePageArena: buffers
+// carved back to back from shared mappings that live as long as any of their slices.
 #include "util/huge_pages.h"
 
 #include <sys/mman.h>
@@ -93,6 +94,74 @@ TEST(HugePageBuffer, IsGivenBackWhenDestroyedAndMovesWithItsOwnership) {
     EXPECT_TRUE(mapped(address));
   }
   EXPECT_FALSE(mapped(address));
+}
+
+TEST(HugePageArena, CarvesZeroedSlicesBackToBackOnCacheLines) {
+  HugePageArena arena(8 * kMiB);
+  HugePageSlice a = arena.allocate(3 * kMiB + 1);
+  HugePageSlice b = arena.allocate(100);
+  HugePageSlice c = arena.allocate(64);
+  ASSERT_TRUE(a && b && c);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.get()) % (2 * kMiB), 0u);
+  EXPECT_EQ(b.get(), a.get() + 3 * kMiB + 64);  // the next cache line after a's last byte
+  EXPECT_EQ(c.get(), b.get() + 128);
+  EXPECT_EQ(a.size(), 3 * kMiB + 1);
+  EXPECT_EQ(b.size(), 100u);
+  for (size_t i = 0; i < a.size(); i += 4093) ASSERT_EQ(a.get()[i], 0) << i;
+  for (size_t i = 0; i < b.size(); ++i) ASSERT_EQ(b.get()[i], 0) << i;
+  a.get()[a.size() - 1] = 1;
+  b.get()[0] = 2;
+  EXPECT_EQ(a.get()[a.size() - 1], 1);
+  EXPECT_EQ(b.get()[0], 2);
+}
+
+TEST(HugePageArena, OpensAChunkWhenTheSliceDoesNotFitAndMapsAnOversizedOneOnItsOwn) {
+  HugePageArena arena(4 * kMiB);
+  HugePageSlice a = arena.allocate(3 * kMiB);
+  HugePageSlice b = arena.allocate(2 * kMiB);  // does not fit after a: a new chunk
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b.get()) % (2 * kMiB), 0u);
+  HugePageSlice big = arena.allocate(9 * kMiB);  // larger than a chunk: a mapping of its own
+  HugePageSlice c = arena.allocate(kMiB);         // still carved from b's chunk
+  EXPECT_EQ(c.get(), b.get() + 2 * kMiB);
+  EXPECT_EQ(big.size(), 9 * kMiB);
+  big.get()[big.size() - 1] = 3;
+  EXPECT_EQ(big.get()[big.size() - 1], 3);
+}
+
+TEST(HugePageArena, ChunksAreAdvisedForHugePagesToTheirEnd) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"))
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  HugePageArena arena(8 * kMiB);
+  // Three INT8 V2-Lite-width expert matrices (2.75 MiB each): on buffers of their own each
+  // would end in 0.75 MiB of small pages; here only the chunk's last huge page is partly empty.
+  HugePageSlice a = arena.allocate(2 * kMiB + 3 * kMiB / 4);
+  HugePageSlice b = arena.allocate(2 * kMiB + 3 * kMiB / 4);
+  EXPECT_TRUE(advised_huge(a.get() + a.size() - 1));
+  EXPECT_TRUE(advised_huge(b.get() + b.size() - 1));
+}
+
+TEST(HugePageArena, SlicesOutliveTheArenaWhichGivesBackWhatWasNeverCarved) {
+  uint8_t* first = nullptr;
+  HugePageSlice kept;
+  {
+    HugePageArena arena(16 * kMiB);
+    kept = arena.allocate(3 * kMiB);
+    first = kept.get();
+    kept.get()[0] = 9;
+    EXPECT_TRUE(mapped(first + 8 * kMiB));  // the chunk's uncarved rest, still mapped
+  }
+  EXPECT_EQ(kept.get()[0], 9);
+  EXPECT_TRUE(mapped(first + 3 * kMiB));   // the huge page a's last byte is in
+  EXPECT_FALSE(mapped(first + 4 * kMiB));  // past it, given back
+  kept = HugePageSlice();
+  EXPECT_FALSE(mapped(first));  // the last slice gone: the mapping too
+}
+
+TEST(HugePageArena, ASliceOfItsOwnHoldsAWholeBuffer) {
+  HugePageSlice s(HugePageBuffer(3 * kMiB));
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s.size(), 3 * kMiB);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(s.get()) % (2 * kMiB), 0u);
 }
 
 }  // namespace

@@ -145,7 +145,7 @@ bool packed_matmul(const Matrix& w, const Src* x, int64_t n, Dst* y, Type src_ty
 
 }  // namespace
 
-bool pack_for_gemm(Matrix& w) {
+bool pack_for_gemm(Matrix& w, util::HugePageArena* arena) {
   if (w.type != WeightType::kBF16 && w.type != WeightType::kI8) return false;
   // Packed INT8 weights serve the VNNI kernels (the integer GEMM and the decode rows); elsewhere
   // oneDNN would still pack them (AVX2 has a u8s8 GEMM), and the copy would sit unused.
@@ -176,7 +176,9 @@ bool pack_for_gemm(Matrix& w) {
     auto packed = std::make_shared<PackedWeights>();
     packed->layout = layout;
     packed->bytes = desc.get_size();
-    packed->data = util::HugePageBuffer(packed->bytes);  // zeroed: the decode kernels read padding
+    // Zeroed: the decode kernels read the padding.
+    packed->data = arena ? arena->allocate(packed->bytes)
+                         : util::HugePageSlice(util::HugePageBuffer(packed->bytes));
     memory to(desc, c.engine, packed->data.get());
     memory from({{w.cols, w.rows}, desc.data_type(), Tag::ba}, c.engine, const_cast<void*>(w.data));
     dnnl::stream stream(c.engine);

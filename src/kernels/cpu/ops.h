@@ -53,7 +53,9 @@ void set_int8_row_sums(Matrix& w);
 // of 256 tokens, faster than the runtime-shape gemm the plain matrix gets. The caller may then
 // release the plain rows' memory (model::Weights drops their pages). Returns false, changing
 // nothing, where oneDNN's kernels would not read this layout (CPUs without AVX-512 BF16 / VNNI).
-bool pack_for_gemm(Matrix& w);
+// With an arena, the copy is carved from it (a loader's many matrices share huge pages);
+// without, it gets a mapping of its own.
+bool pack_for_gemm(Matrix& w, util::HugePageArena* arena = nullptr);
 
 // Batch-invariant numerics (process-wide; off by default): every product below computes each
 // token's row with the same kernel and the same reduction order whatever n is (the row kernels

@@ -32,8 +32,9 @@ struct PackedLayout {
 struct PackedWeights {
   PackedLayout layout;
   size_t bytes = 0;
-  // On huge pages (decode streams it front to back every token), padding zeroed.
-  util::HugePageBuffer data;
+  // On huge pages (decode streams it front to back every token), padding zeroed; a loader's
+  // matrices share an arena's mappings (see HugePageArena).
+  util::HugePageSlice data;
 };
 
 }  // namespace tandem::kernels
