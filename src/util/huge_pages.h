@@ -85,8 +85,8 @@ class HugePageArena {
     size_t used = 0;
   };
   size_t chunk_bytes_;
-  std::vector<Chunk> chunks_;    // every mapping made, shrunk and collapsed at destruction
-  std::optional<size_t> open_;   // the chunk carved next
+  std::vector<Chunk> chunks_;   // every mapping made, shrunk and collapsed at destruction
+  std::optional<size_t> open_;  // the chunk carved next
 };
 
 }  // namespace tandem::util
