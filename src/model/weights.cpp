@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "kernels/cpu/bf16.h"
 #include "model/layout.h"
 #include "model/tensor_binder.h"
 #include "util/error.h"
@@ -10,21 +11,30 @@ namespace tandem::model {
 namespace {
 
 // W_UK of every head transposed and packed (AttentionWeights::k_up_t): rows h * latent + c hold
-// kv_b[h * (nope + v) + r, c] for r < nope. The plain copy is dropped once packed (only the packed
-// row kernels read it); empty where kv_b is not BF16 or the packed kernels do not apply.
-Matrix transposed_key_up(const Matrix& kv_b, int64_t heads, int64_t nope, int64_t v,
-                         int64_t latent, util::HugePageArena& arena) {
-  Matrix t;
-  if (kv_b.type != kernels::WeightType::kBF16 || latent % kernels::PackedLayout::kBlockRows != 0)
-    return t;
+// kv_b[h * (nope + v) + r, c] for r < nope, in BF16 (an INT8 kv_b's values times their row scale,
+// rounded to BF16: a transposed INT8 copy would need a scale per column). The plain copy is
+// dropped once packed (only the packed row kernels read it); empty where kv_b is F32 or the
+// packed kernels do not apply.
+Matrix transposed_key_up(const Matrix& kv_b, int64_t heads, int64_t nope, int64_t v, int64_t latent,
+                         util::HugePageArena& arena) {
+  const bool int8 = kv_b.type == kernels::WeightType::kI8;
+  if ((kv_b.type != kernels::WeightType::kBF16 && !int8) ||
+      latent % kernels::PackedLayout::kBlockRows != 0)
+    return Matrix{};
   std::vector<uint8_t> plain(static_cast<size_t>(heads * latent * nope) * sizeof(uint16_t));
   auto* dst = reinterpret_cast<uint16_t*>(plain.data());
-  const auto* src = static_cast<const uint16_t*>(kv_b.data);
   for (int64_t h = 0; h < heads; ++h)
-    for (int64_t r = 0; r < nope; ++r)
-      for (int64_t c = 0; c < latent; ++c)
-        dst[(h * latent + c) * nope + r] = src[(h * (nope + v) + r) * latent + c];
-  t = kernels::matrix_view(heads * latent, nope, kernels::WeightType::kBF16, plain.data());
+    for (int64_t r = 0; r < nope; ++r) {
+      const int64_t row = h * (nope + v) + r;
+      for (int64_t c = 0; c < latent; ++c) {
+        const int64_t at = row * latent + c;
+        dst[(h * latent + c) * nope + r] =
+            int8 ? kernels::f32_to_bf16(static_cast<const int8_t*>(kv_b.data)[at] *
+                                        kv_b.row_scales[row])
+                 : static_cast<const uint16_t*>(kv_b.data)[at];
+      }
+    }
+  Matrix t = kernels::matrix_view(heads * latent, nope, kernels::WeightType::kBF16, plain.data());
   if (!kernels::pack_for_gemm(t, &arena)) return Matrix{};
   t.data = nullptr;  // nothing reads the plain rows (see DeepSeekModel::attention)
   return t;
@@ -62,8 +72,8 @@ class Binder : public TensorBinder {
     a.kv_a_norm = vector(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
     a.kv_b = packed_matrix(p + ".self_attn.kv_b_proj", heads * (c.qk_nope_head_dim + c.v_head_dim),
                            c.kv_lora_rank, PlainRows::kKeep);
-    a.k_up_t = transposed_key_up(a.kv_b, heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank,
-                                   arena());
+    a.k_up_t =
+        transposed_key_up(a.kv_b, heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank, arena());
     a.o = packed_matrix(p + ".self_attn.o_proj", h, heads * c.v_head_dim);
     l.is_moe = is_moe;
     if (!is_moe) {
