@@ -23,6 +23,7 @@
 #include "model/deepseek.h"
 #include "model/qwen3_moe.h"
 #include "util/error.h"
+#include "util/huge_pages.h"
 
 namespace {
 
@@ -223,12 +224,6 @@ double resident_bytes() {
   return proc_kb_field("/proc/self/status", "VmRSS: %lf kB");
 }
 
-// Of it, anonymous memory on transparent huge pages: decode streams the packed weights, and on
-// 4 KB pages this VM reads them ~20% slower (TLB walks), so a round short of huge pages is slow.
-double huge_page_bytes() {
-  return proc_kb_field("/proc/self/smaps_rollup", "AnonHugePages: %lf kB");
-}
-
 // Resident growth since `before` against the checkpoint's tensor bytes, and how much of the
 // process is on huge pages.
 void print_resident(double before, const DeepSeekModel& model, const char* after) {
@@ -236,7 +231,7 @@ void print_resident(double before, const DeepSeekModel& model, const char* after
   std::printf(
       "resident after %s: %.2f GB = %.3fx the checkpoint's tensor bytes; %.2f GB on huge pages\n",
       after, growth / 1e9, growth / model.weights().checkpoint.total_bytes(),
-      huge_page_bytes() / 1e9);
+      static_cast<double>(tandem::util::anon_huge_page_bytes()) / 1e9);
 }
 
 // Which measurements a run makes.

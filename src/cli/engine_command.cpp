@@ -28,6 +28,7 @@
 #include "placement/files.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/huge_pages.h"
 #include "util/progress.h"
 
 namespace tandem::cli {
@@ -200,6 +201,10 @@ void run(const EngineOptions& o) {
       m = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(
           o.model, [&](size_t d, size_t t) { bar.update(d, t); }, load));
     }
+    if (const std::string w =
+            util::small_pages_warning(m->weights().packed_bytes, util::anon_huge_page_bytes());
+        !w.empty())
+      std::fprintf(stderr, "tandem engine: %s\n", w.c_str());
     m->set_mla_rescale(kMlaRescales.at(o.mla_rescale));
     eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
     executor = std::make_unique<engine::CpuExecutor>(

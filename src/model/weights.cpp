@@ -116,7 +116,7 @@ MlpWeights load_expert(const Checkpoint& checkpoint, const ModelConfig& config, 
 Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& config,
                       const std::function<void(size_t, size_t)>& progress,
                       const WeightLoadOptions& options) {
-  Weights w{Checkpoint::open(dir), {}, {}, {}, {}, {}};
+  Weights w{Checkpoint::open(dir), {}, {}, {}, {}, {}, 0};
   validate_checkpoint(w.checkpoint, config);
   Binder b(w.checkpoint, config, progress, options);
   const int64_t h = config.hidden_size;
@@ -150,6 +150,7 @@ Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& confi
                                   : b.packed_matrix(p + ".shared_head.head", config.vocab_size, h);
     w.mtp.push_back(std::move(m));
   }
+  w.packed_bytes = b.arena().carved();
   return w;
 }
 

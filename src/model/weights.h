@@ -81,6 +81,7 @@ struct Weights {
   std::vector<float> final_norm;
   Matrix lm_head;  // the embedding when tied
   std::vector<MtpWeights> mtp;
+  size_t packed_bytes = 0;  // of the packed copies made at load (what decode streams)
 
   // Checks every tensor's presence, shape and dtype against the config, then binds them.
   // `progress` (optional) receives tensors done / total.

@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <new>
 #include <utility>
 
@@ -113,7 +115,31 @@ HugePageSlice HugePageArena::allocate(size_t bytes) {
   slice.data_ = c->buffer->get() + c->used;
   slice.size_ = bytes;
   c->used = round_up(c->used + bytes, kSliceAlignment);
+  carved_ += bytes;
   return slice;
+}
+
+size_t anon_huge_page_bytes(const std::filesystem::path& rollup) {
+  std::ifstream f(rollup);
+  std::string line;
+  while (std::getline(f, line)) {
+    unsigned long long kb = 0;
+    if (std::sscanf(line.c_str(), "AnonHugePages: %llu kB", &kb) == 1)
+      return static_cast<size_t>(kb) * 1024;
+  }
+  return 0;
+}
+
+std::string small_pages_warning(size_t packed, size_t huge) {
+  if (packed == 0 || huge >= packed / 10 * 9) return "";
+  char text[512];
+  std::snprintf(text, sizeof text,
+                "warning: only %.2f GB of the %.2f GB of packed weights are on transparent huge "
+                "pages; decode streams weights on 4 KB pages up to 45%% slower. Check that "
+                "/sys/kernel/mm/transparent_hugepage/enabled is [madvise] or [always] and that "
+                "memory is not fragmented (free the page cache, or load earlier)",
+                static_cast<double>(huge) / 1e9, static_cast<double>(packed) / 1e9);
+  return text;
 }
 
 }  // namespace tandem::util

@@ -5,8 +5,10 @@
 // read 54-56 GB/s (same loop, alternating runs).
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace tandem::util {
@@ -78,6 +80,8 @@ class HugePageArena {
 
   // `bytes` of zeroed memory, 64-byte aligned; larger than a chunk: a mapping of its own.
   HugePageSlice allocate(size_t bytes);
+  // What allocate() handed out, in bytes.
+  size_t carved() const { return carved_; }
 
  private:
   struct Chunk {
@@ -87,6 +91,16 @@ class HugePageArena {
   size_t chunk_bytes_;
   std::vector<Chunk> chunks_;   // every mapping made, shrunk and collapsed at destruction
   std::optional<size_t> open_;  // the chunk carved next
+  size_t carved_ = 0;
 };
+
+// Anonymous memory of this process on transparent huge pages: the AnonHugePages field of
+// `rollup` (the process's /proc/self/smaps_rollup), in bytes; 0 where the file or field is absent.
+size_t anon_huge_page_bytes(const std::filesystem::path& rollup = "/proc/self/smaps_rollup");
+
+// What to tell the user after a load when less than 90% of its `packed` bytes (the weights decode
+// streams every token) can be on huge pages, `huge` being the process's bytes on them: on 4 KB
+// pages the development VM streamed them 20-45% slower. Empty when there is nothing to say.
+std::string small_pages_warning(size_t packed, size_t huge);
 
 }  // namespace tandem::util

@@ -4,9 +4,11 @@
 #include "util/huge_pages.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -121,7 +123,7 @@ TEST(HugePageArena, OpensAChunkWhenTheSliceDoesNotFitAndMapsAnOversizedOneOnItsO
   HugePageSlice b = arena.allocate(2 * kMiB);  // does not fit after a: a new chunk
   EXPECT_EQ(reinterpret_cast<uintptr_t>(b.get()) % (2 * kMiB), 0u);
   HugePageSlice big = arena.allocate(9 * kMiB);  // larger than a chunk: a mapping of its own
-  HugePageSlice c = arena.allocate(kMiB);         // still carved from b's chunk
+  HugePageSlice c = arena.allocate(kMiB);        // still carved from b's chunk
   EXPECT_EQ(c.get(), b.get() + 2 * kMiB);
   EXPECT_EQ(big.size(), 9 * kMiB);
   big.get()[big.size() - 1] = 3;
@@ -162,6 +164,38 @@ TEST(HugePageArena, ASliceOfItsOwnHoldsAWholeBuffer) {
   ASSERT_TRUE(s);
   EXPECT_EQ(s.size(), 3 * kMiB);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(s.get()) % (2 * kMiB), 0u);
+}
+
+TEST(HugePageArena, CountsTheBytesItHandedOut) {
+  HugePageArena arena(4 * kMiB);
+  arena.allocate(100);
+  arena.allocate(3 * kMiB);
+  arena.allocate(5 * kMiB);
+  EXPECT_EQ(arena.carved(), 100 + 8 * kMiB);
+}
+
+TEST(AnonHugePageBytes, ReadsTheRollupsFieldAndZeroWhereAbsent) {
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto rollup = dir / ("tandem-rollup-" + std::to_string(::getpid()));
+  std::ofstream(rollup) << "55d0c0de0000-7ffc00000000 ---p 00000000 00:00 0 [rollup]\n"
+                           "Rss:             9437184 kB\n"
+                           "AnonHugePages:   8388608 kB\n"
+                           "ShmemHugePages:        0 kB\n";
+  EXPECT_EQ(anon_huge_page_bytes(rollup), size_t{8388608} * 1024);
+  std::ofstream(rollup) << "Rss: 12 kB\n";
+  EXPECT_EQ(anon_huge_page_bytes(rollup), 0u);
+  std::filesystem::remove(rollup);
+  EXPECT_EQ(anon_huge_page_bytes(rollup), 0u);
+}
+
+TEST(SmallPagesWarning, SpeaksOnlyWhenMoreThanATenthOfThePackedBytesCannotBeOnHugePages) {
+  const size_t gb = size_t{1} << 30;
+  EXPECT_EQ(small_pages_warning(10 * gb, 10 * gb), "");
+  EXPECT_EQ(small_pages_warning(10 * gb, 9 * gb), "");
+  EXPECT_EQ(small_pages_warning(0, 0), "");  // nothing packed (no AVX-512 BF16): nothing to say
+  const std::string w = small_pages_warning(10 * gb, 6 * gb);
+  EXPECT_NE(w.find("only 6.44 GB of the 10.74 GB of packed weights"), std::string::npos) << w;
+  EXPECT_NE(w.find("transparent_hugepage/enabled"), std::string::npos) << w;
 }
 
 }  // namespace
