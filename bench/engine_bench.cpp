@@ -24,6 +24,7 @@
 #include "model/qwen3_moe.h"
 #include "util/error.h"
 #include "util/huge_pages.h"
+#include "util/proc_fields.h"
 
 namespace {
 
@@ -207,21 +208,9 @@ void print_prefill_breakdown(StepProfile& profile,
   }
 }
 
-// A "Name: N kB" field of a /proc file of this process, bytes (0 where absent).
-double proc_kb_field(const char* file, const char* format) {
-  std::FILE* f = std::fopen(file, "r");
-  if (!f) return 0;
-  char line[256];
-  double kb = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, format, &kb) == 1) break;
-  std::fclose(f);
-  return kb * 1024;
-}
-
 // Resident memory of this process now (VmRSS), bytes.
 double resident_bytes() {
-  return proc_kb_field("/proc/self/status", "VmRSS: %lf kB");
+  return static_cast<double>(tandem::util::proc_kb_field("/proc/self/status", "VmRSS"));
 }
 
 // Resident growth since `before` against the checkpoint's tensor bytes, and how much of the

@@ -4,9 +4,10 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <new>
 #include <utility>
+
+#include "util/proc_fields.h"
 
 namespace tandem::util {
 
@@ -120,14 +121,7 @@ HugePageSlice HugePageArena::allocate(size_t bytes) {
 }
 
 size_t anon_huge_page_bytes(const std::filesystem::path& rollup) {
-  std::ifstream f(rollup);
-  std::string line;
-  while (std::getline(f, line)) {
-    unsigned long long kb = 0;
-    if (std::sscanf(line.c_str(), "AnonHugePages: %llu kB", &kb) == 1)
-      return static_cast<size_t>(kb) * 1024;
-  }
-  return 0;
+  return proc_kb_field(rollup, "AnonHugePages");
 }
 
 std::string small_pages_warning(size_t packed, size_t huge) {
