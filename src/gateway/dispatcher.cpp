@@ -530,9 +530,7 @@ json Dispatcher::dashboard_state() {
   for (auto& e : state["endpoints"])
     if (json reuse = recorder_.engine_reuse_json(e["name"].get<std::string>()); !reuse.is_null())
       e["reuse"] = std::move(reuse);
-  state["time_unix_ms"] = std::chrono::duration_cast<std::chrono::milliseconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
+  state["time_unix_ms"] = exec_.unix_ms();
   state["waiting"] = waiting_.size();
   state["running"] = active_.size();
   state.update(recorder_.dashboard_json());

@@ -21,12 +21,6 @@ namespace {
 
 using nlohmann::json;
 
-int64_t unix_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 // Prompt blocks the gateway hashes its ids in (api/block_hash.h): the policies' prompt identity
 // (tandem's miss spreading). The prefix index learns each engine's own block size from its events.
 constexpr int64_t kPrefixBlockTokens = 16;
@@ -92,7 +86,7 @@ void FrontEnd::add_routes(net::HttpServer& server) {
     if (!topo_.served_model_name.empty()) {
       json m = {{"id", topo_.served_model_name},
                 {"object", "model"},
-                {"created", unix_ms() / 1000},
+                {"created", exec_.unix_ms() / 1000},
                 {"owned_by", "tandem"}};
       ex->respond(200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
       return;
@@ -122,7 +116,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   }
   auto r = std::make_shared<Request>();
   r->times.mark(Phase::kReceived, exec_.now_ns());
-  r->received_unix_ms = unix_ms();
+  r->received_unix_ms = exec_.unix_ms();
   r->method = req.method;
   r->path = req.path;
   r->target = req.target;

@@ -44,6 +44,13 @@ class Executor {
   int64_t now_ns() const {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(now().time_since_epoch()).count();
   }
+  // The time logs and answers carry (Unix milliseconds): the system clock's, except where the
+  // executor keeps its own time (a virtual clock's runs are then logged in that time).
+  virtual int64_t unix_ms() const {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
 };
 
 // The engines, as the gateway calls them: one HTTP call per leg, probe or poll. Callbacks may run

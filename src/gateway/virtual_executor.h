@@ -17,6 +17,11 @@ class VirtualExecutor final : public Executor {
   explicit VirtualExecutor(Clock::time_point start = Clock::time_point(std::chrono::hours(1)));
 
   Clock::time_point now() const override { return now_; }
+  // Virtual time read as Unix time (the default start is 1970-01-01 01:00), so that what a run
+  // logs is the same on every replay and its time stamps are the run's own.
+  int64_t unix_ms() const override {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(now_.time_since_epoch()).count();
+  }
   void post(Task task) override;
   void post_batched(Task task) override;
   void set_busy(bool busy) override { busy_ = busy; }

@@ -7,6 +7,7 @@
 #include "bench/driver.h"
 #include "bench/stream_measure.h"
 #include "engine/kv/kv_events.h"
+#include "gateway/access_log.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
 #include "gateway/front_end.h"
@@ -148,8 +149,12 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     prompt_tokenizer = std::make_unique<gateway::PromptTokenizer>(
         topo.model, topo.served_model_name, 0, tokenizer);  // the engines' (the same folder)
   gateway::EndpointTable endpoints(topo, gateway_metrics, index);
+  // The topology's access log, as the live gateway writes it (times are virtual): how each
+  // request was routed, for comparing a simulated run with a live one line by line.
+  const std::unique_ptr<gateway::AccessLog> access_log =
+      topo.access_log.empty() ? nullptr : std::make_unique<gateway::AccessLog>(topo.access_log);
   gateway::Dispatcher dispatcher(topo, clock, upstream, *policy, endpoints, gateway_metrics,
-                                 nullptr);
+                                 access_log.get());
   gateway::HealthMonitor health(topo, clock, upstream, endpoints, [&] { dispatcher.dispatch(); });
   gateway::FrontEnd front_end(topo, clock, upstream, dispatcher, endpoints, registry,
                               prompt_tokenizer.get());

@@ -100,6 +100,38 @@ TEST(ClusterSimulation, OneRequestTakesTheStepTimesOfTheLatencyModel) {
   EXPECT_NEAR(run.engines[0].busy_s, 0.150, 1e-9);
 }
 
+TEST(ClusterSimulation, TheAccessLogHasALinePerRequestInVirtualTime) {
+  // Two requests 5 s apart, each one prefill step of 10 + 100 ms: the log says where each went
+  // and when, in the run's own time, the same on every replay.
+  const std::vector<bench::BenchRequest> reqs{request(0.5, words(100, 1), 3),
+                                              request(5.5, words(100, 9), 3)};
+  auto read_lines = [&] {
+    auto o = options(1, hand_model());
+    const auto path = test::scratch_path("tandem_sim_access", ".log");
+    o.gateway.access_log = path.string();
+    const auto run = simulate(reqs, o, tokenizer());
+    for (const auto& r : run.results) EXPECT_TRUE(r.success) << r.error;
+    std::vector<nlohmann::json> lines;
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
+    std::sort(lines.begin(), lines.end(), [](const auto& a, const auto& b) {
+      return a["time_unix_ms"].template get<int64_t>() < b["time_unix_ms"].template get<int64_t>();
+    });
+    return lines;
+  };
+  const auto lines = read_lines();
+  ASSERT_EQ(lines.size(), 2u);
+  for (const auto& line : lines) {
+    EXPECT_EQ(line["status"], 200);
+    EXPECT_EQ(line["decode"], "decode-0");
+    EXPECT_EQ(line["prompt_tokens"], 100);
+    EXPECT_NEAR(line["ttft_seconds"].get<double>(), 0.110, 1e-6);
+  }
+  EXPECT_EQ(lines[1]["time_unix_ms"].get<int64_t>() - lines[0]["time_unix_ms"].get<int64_t>(),
+            5000);
+  EXPECT_EQ(read_lines(), lines);
+}
+
 TEST(ClusterSimulation, MtpDraftsThatAreAlwaysRightHalveTheDecodeSteps) {
   // One draft per step, always accepted, drafting free: the prefill step (10 + 100 ms) yields
   // the first token, then every 10 ms decode step yields two.
