@@ -5,7 +5,7 @@
 // DeepSeek-V3's 128 heads (compute-bound: 128 heads share every cached row), one query token
 // and four (a token and three drafts).
 // Usage: tandem-bench-mla [--contexts 4096,16384,32768] [--heads 16,128] [--queries 1,4]
-//                         [--caches bf16,f32] [--repeats 5]
+//                         [--caches bf16,f32] [--repeats 5] [--layers 1] [--block-size 16]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -27,11 +27,16 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Median time of `repeats` calls of one sequence's attention.
+// Median time of `repeats` passes of one sequence's attention over `layers` layers, each a call,
+// divided by `layers`. The pool is laid out as the engine's latent cache is: each page of
+// block_size positions holds those positions for every layer, so with more than one layer a
+// layer's pages are not adjacent and a pass streams every layer's rows from memory, as a decode
+// step does (one layer alone, repeated, may be served from the last-level cache).
 double time_kernel(const MlaShape& shape, int64_t s_q, int64_t context, MlaRescale rescale,
-                   int repeats) {
+                   int repeats, int64_t layers) {
   const int64_t pages = (context + shape.block_size - 1) / shape.block_size;
-  const int64_t elements = pages * shape.block_size * shape.entry();
+  const int64_t page_values = shape.block_size * shape.entry();
+  const int64_t elements = pages * layers * page_values;
   std::mt19937 rng(1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> pool_f32;
@@ -47,18 +52,24 @@ double time_kernel(const MlaShape& shape, int64_t s_q, int64_t context, MlaResca
   const char* base = shape.type == LatentType::kBF16
                          ? reinterpret_cast<const char*>(pool_bf16.data())
                          : reinterpret_cast<const char*>(pool_f32.data());
-  std::vector<const void*> table(pages);
-  for (int64_t p = 0; p < pages; ++p)
-    table[p] = base + p * shape.block_size * shape.entry() * bytes_per_value;
+  std::vector<std::vector<const void*>> tables(layers, std::vector<const void*>(pages));
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t p = 0; p < pages; ++p)
+      tables[l][p] = base + ((p * layers + l) * page_values) * bytes_per_value;
   std::vector<float> q(s_q * shape.heads * shape.entry()), out(s_q * shape.heads * shape.latent);
   for (auto& x : q) x = normal(rng);
-  const MlaSequence seq{q.data(), s_q, context, table.data(), out.data()};
+  auto pass = [&] {
+    for (int64_t l = 0; l < layers; ++l) {
+      const MlaSequence seq{q.data(), s_q, context, tables[l].data(), out.data()};
+      mla_decode(shape, std::span(&seq, 1), {rescale, true});
+    }
+  };
   std::vector<double> times;
-  mla_decode(shape, std::span(&seq, 1), {rescale, true});  // warm-up
+  pass();  // warm-up
   for (int r = 0; r < repeats; ++r) {
     const double t0 = now();
-    mla_decode(shape, std::span(&seq, 1), {rescale, true});
-    times.push_back(now() - t0);
+    pass();
+    times.push_back((now() - t0) / static_cast<double>(layers));
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
@@ -72,6 +83,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> head_counts{16, 128}, query_counts{1, 4};
   std::vector<std::string> caches{"bf16", "f32"};
   int repeats = 5;
+  int64_t layers = 1, block_size = 16;
   app.add_option("--contexts", contexts, "context lengths")->delimiter(',')->capture_default_str();
   app.add_option("--heads", head_counts, "attention heads")->delimiter(',')->capture_default_str();
   app.add_option("--queries", query_counts, "query tokens per sequence (s_q)")
@@ -82,6 +94,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "f32"}))
       ->capture_default_str();
   app.add_option("--repeats", repeats, "timed calls per figure (median)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--layers", layers,
+                 "layers per pass, laid out as the engine's cache (figures are per layer)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--block-size", block_size, "cached positions per page")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -97,8 +116,8 @@ int main(int argc, char** argv) {
         for (int64_t context : contexts)
           for (auto rescale : {MlaRescale::kMultiply, MlaRescale::kAmla}) {
             const auto type = cache == "bf16" ? LatentType::kBF16 : LatentType::kF32;
-            const MlaShape shape{heads, 512, 64, 16, 0.1f, type};
-            const double secs = time_kernel(shape, s_q, context, rescale, repeats);
+            const MlaShape shape{heads, 512, 64, block_size, 0.1f, type};
+            const double secs = time_kernel(shape, s_q, context, rescale, repeats, layers);
             const double gflops = mla_decode_flops(shape, s_q, context) / secs / 1e9;
             const double bytes =
                 static_cast<double>(context) * shape.entry() * (type == LatentType::kBF16 ? 2 : 4);
