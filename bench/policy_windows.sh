@@ -7,7 +7,9 @@
 # in TTFT p99 and goodput on average, never more than 2% behind).
 #
 # Usage: bench/policy_windows.sh [BUILD_DIR]
-# Environment: TRACE, WINDOW (300), WINDOWS (0: all), TIME_SCALES ("4 8"), SEEDS ("0"),
+# Environment: TRACE, WINDOW (300), WINDOWS (0: all), TIME_SCALES ("4 8"), SEEDS ("0": each is
+#   both the workload's --seed and --sim-seed), SPREAD (1: --trace-spread, the records sharing a
+#   timestamp arrive spread up to the next one, drawn from the seed),
 #   PREFILL (4), DECODE (4), MODE (parallel), POLICIES ("tandem kv_router": the first against the
 #   second), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), JOBS (2 runs at once), OUT (keep results).
 set -euo pipefail
@@ -36,12 +38,13 @@ for ((w = 0; w < count; ++w)); do
       done
     done
   done
-done | xargs -P "${JOBS:-2}" -L 1 sh -c '
+done | SPREAD_FLAG="$([ "${SPREAD:-0}" = 1 ] && echo --trace-spread)" xargs -P "${JOBS:-2}" -L 1 sh -c '
   # $1..$9: the fixed settings; ${10}..${13}: start, time scale, seed, policy from the line.
   "$1" simulate --dataset-name mooncake --dataset-path "$2" --trace-limit "$3" --mode "$4" \
     --prefill "$5" --decode "$6" --goodput ttft:"$7" --goodput tpot:"$8" \
     --metric-percentiles 50,99 --trace-start "${10}" --time-scale "${11}" --sim-seed "${12}" \
-    --policy "${13}" --result-file "$9/${10}-${11}-${12}-${13}.json" >/dev/null 2>&1 ||
+    --seed "${12}" ${SPREAD_FLAG} --policy "${13}" \
+    --result-file "$9/${10}-${11}-${12}-${13}.json" >/dev/null 2>&1 ||
     echo "run failed: start ${10}, time scale ${11}, seed ${12}, policy ${13}" >&2
 ' run "$build/tandem" "$trace" "$window" "${MODE:-parallel}" "${PREFILL:-4}" "${DECODE:-4}" \
   "${SLO_TTFT_MS:-10000}" "${SLO_TPOT_MS:-100}" "$dir"

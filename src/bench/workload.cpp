@@ -1,5 +1,6 @@
 #include "bench/workload.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <memory>
@@ -366,7 +367,8 @@ std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const Moonc
   const auto records = read_mooncake_trace(o.path, o.window, o.block_size);
   std::vector<BenchRequest> out;
   out.reserve(records.size());
-  const std::vector<double> arrivals = mooncake_arrivals(records, o.window.time_scale);
+  const std::vector<double> arrivals =
+      mooncake_arrivals(records, o.window.time_scale, o.spread, o.seed);
   for (size_t i = 0; i < records.size(); ++i) {
     BenchRequest req = mooncake_request(vocab, records[i], o.block_size, o.seed);
     req.arrival_s = arrivals[i];
@@ -375,12 +377,25 @@ std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const Moonc
   return out;
 }
 
-std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records,
-                                      double time_scale) {
+std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records, double time_scale,
+                                      bool spread, uint64_t seed) {
   std::vector<double> out;
   out.reserve(records.size());
   for (const MooncakeRecord& r : records)
     out.push_back((r.timestamp_ms - records.front().timestamp_ms) / 1000.0 * time_scale);
+  if (!spread) return out;
+  Rng rng(seed ^ 0x6d6f6f6e63616b65ULL);  // its own stream: the prompts draw from the seed too
+  double gap = 0;                         // the last run's: the gap before it
+  for (size_t begin = 0; begin < out.size();) {
+    size_t end = begin + 1;
+    while (end < out.size() && out[end] == out[begin]) ++end;
+    if (end < out.size() && out[end] > out[begin]) gap = out[end] - out[begin];
+    std::vector<double> offsets(end - begin);
+    for (double& x : offsets) x = gap * rng.uniform();
+    std::sort(offsets.begin(), offsets.end());
+    for (size_t i = begin; i < end; ++i) out[i] += offsets[i - begin];
+    begin = end;
+  }
   return out;
 }
 

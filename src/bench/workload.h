@@ -149,6 +149,9 @@ struct MooncakeOptions {
   TraceWindow window;
   int64_t block_size = 512;
   uint64_t seed = 0;
+  // The published traces round timestamps to 3 s, so ~10 requests share each one; replayed as
+  // they are, every group arrives at one instant. With `spread`, mooncake_arrivals spreads them.
+  bool spread = false;
 };
 std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab,
                                             const MooncakeOptions& options);
@@ -162,9 +165,12 @@ std::vector<int32_t> mooncake_block(const TokenVocab& vocab, int64_t hash_id, in
 BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& record,
                               int64_t block_size, uint64_t seed);
 // The records' send times as mooncake_workload gives them: offsets from the first, in seconds,
-// times time_scale.
-std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records,
-                                      double time_scale);
+// times time_scale. With `spread`, the records of a run of equal timestamps arrive at uniform
+// random times (drawn from `seed`, sorted, so arrivals keep the file's order) between their
+// timestamp and the next distinct one (the last run: over the gap before it); without it, at
+// their timestamp.
+std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records, double time_scale,
+                                      bool spread = false, uint64_t seed = 0);
 // Its prompt's ids alone (no text).
 std::vector<int32_t> mooncake_prompt(const TokenVocab& vocab, const MooncakeRecord& record,
                                      int64_t block_size, uint64_t seed);

@@ -44,6 +44,9 @@ void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
   cmd.add_option("--time-scale", o.time_scale,
                  "traces: multiply timestamps (0.5 replays twice as fast)")
       ->capture_default_str();
+  cmd.add_flag("--trace-spread", o.trace_spread,
+               "mooncake: the records sharing a timestamp (the trace rounds them to 3 s) arrive at "
+               "random times (--seed) up to the next one, not all at once");
   cmd.add_option("--request-rate", o.request_rate,
                  "requests/s (Poisson or gamma); default inf (all at once; traces: their "
                  "timestamps)");
@@ -76,12 +79,13 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
   m.path = o.dataset_path;
   m.window = {o.trace_start, o.trace_limit, o.time_scale};
   m.seed = o.seed;
+  m.spread = o.trace_spread;
   auto records = std::make_shared<const std::vector<bench::MooncakeRecord>>(
       bench::read_mooncake_trace(m.path, m.window, m.block_size));
   bench::LazyWorkload w;
   w.arrival_s = std::isfinite(o.request_rate)
                     ? bench::rate_arrivals(records->size(), arrival_options(o))
-                    : bench::mooncake_arrivals(*records, o.time_scale);
+                    : bench::mooncake_arrivals(*records, o.time_scale, m.spread, m.seed);
   auto vocab = std::make_shared<const bench::TokenVocab>(bench::TokenVocab::build(tok));
   w.make = [records, vocab, m, arrivals = w.arrival_s](size_t i) {
     bench::BenchRequest r;
@@ -98,6 +102,8 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
   const auto vocab = bench::TokenVocab::build(tok);
   if ((o.trace() || o.dataset == "sharegpt") && o.dataset_path.empty())
     throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
+  if (o.trace_spread && o.dataset != "mooncake")
+    throw Error("--trace-spread applies to --dataset-name mooncake, not " + o.dataset);
   bench::TraceWindow window;
   window.start = o.trace_start;
   window.limit = o.trace_limit;
@@ -132,6 +138,7 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
     m.path = o.dataset_path;
     m.window = window;
     m.seed = o.seed;
+    m.spread = o.trace_spread;
     reqs = bench::mooncake_workload(vocab, m);
   } else if (o.dataset == "azure") {
     bench::AzureOptions a;

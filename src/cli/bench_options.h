@@ -28,6 +28,7 @@ struct WorkloadCliOptions {
   int64_t trace_start = 0, trace_limit = 0;
   double time_scale = 1.0, request_rate = std::numeric_limits<double>::infinity(), burstiness = 1.0;
   uint64_t seed = 0;
+  bool trace_spread = false;  // Mooncake: spread the records sharing a timestamp (--seed)
 
   bool trace() const { return dataset == "mooncake" || dataset == "azure"; }
 };

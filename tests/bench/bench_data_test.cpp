@@ -4,6 +4,7 @@
 // python3-numpy; a missing package is a failure, not a skip). Token content is checked with the
 // real DeepSeek-V3 tokenizer (npm oracle package); the traces are heads of the real Mooncake and
 // Azure files (tests/data/bench/README.md).
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -344,6 +345,39 @@ TEST_F(BenchData, MooncakeWindowAndTimeScale) {
   // A window past the end is empty.
   o.window = {.start = 500, .limit = 0, .time_scale = 1};
   EXPECT_TRUE(mooncake_workload(*vocab_, o).empty());
+}
+
+TEST(MooncakeArrivals, SpreadPutsEachRunOfEqualTimestampsBetweenItAndTheNext) {
+  // Runs of 3, 2 and 2 records at 0, 3000 and 4000 ms, replayed at time scale 2.
+  std::vector<MooncakeRecord> records(7);
+  const double ms[] = {0, 0, 0, 3000, 3000, 4000, 4000};
+  for (size_t i = 0; i < records.size(); ++i) records[i].timestamp_ms = ms[i];
+  EXPECT_EQ(mooncake_arrivals(records, 2), (std::vector<double>{0, 0, 0, 6, 6, 8, 8}));
+  const auto a = mooncake_arrivals(records, 2, true, 1);
+  ASSERT_EQ(a.size(), records.size());
+  EXPECT_TRUE(std::is_sorted(a.begin(), a.end()));
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(a[i] >= 0 && a[i] < 6) << i;
+  for (size_t i = 3; i < 5; ++i) EXPECT_TRUE(a[i] >= 6 && a[i] < 8) << i;
+  for (size_t i = 5; i < 7; ++i) EXPECT_TRUE(a[i] >= 8 && a[i] < 10) << i;  // the gap before
+  EXPECT_NE(a[0], a[1]);
+  EXPECT_EQ(mooncake_arrivals(records, 2, true, 1), a);
+  EXPECT_NE(mooncake_arrivals(records, 2, true, 2), a);
+}
+
+TEST(MooncakeArrivals, SpreadOverTheRealTraceKeepsItsRateAndEndsTheBursts) {
+  const auto records = read_mooncake_trace(mooncake_path(), {});
+  const auto plain = mooncake_arrivals(records, 1);
+  const auto spread = mooncake_arrivals(records, 1, true, 0);
+  ASSERT_EQ(spread.size(), plain.size());
+  size_t distinct_plain = 1, distinct_spread = 1;
+  for (size_t i = 1; i < plain.size(); ++i) {
+    distinct_plain += plain[i] != plain[i - 1];
+    distinct_spread += spread[i] != spread[i - 1];
+    EXPECT_GE(spread[i], plain[i]) << i;
+  }
+  EXPECT_LT(distinct_plain, plain.size() / 4);  // the trace's bursts: ~10 records a timestamp
+  EXPECT_EQ(distinct_spread, spread.size());
+  EXPECT_LT(spread.back() - plain.back(), 3.01);  // at most one 3 s step later
 }
 
 TEST_F(BenchData, MooncakeErrorsNameTheLine) {

@@ -99,6 +99,10 @@ TEST(Cli, BadInputsGiveClearErrors) {
   r = run("tokenize --model " + kModel);
   EXPECT_NE(r.status, 0);
   EXPECT_THAT(r.output, HasSubstr("one of --text, --text-file or --chat-file is required"));
+
+  r = run("simulate --dataset-name random --num-prompts 2 --trace-spread");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--trace-spread applies to --dataset-name mooncake, not random"));
 }
 
 TEST(Cli, EverySubcommandHasHelp) {
