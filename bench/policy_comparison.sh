@@ -26,13 +26,16 @@
 #   ../shared/traces/mooncake_conversation_trace.jsonl beside the checkout), ENGINE_ARGS
 #   (more engine flags, e.g. "--num-kv-blocks=4096"), JOBS (1: policies run one after another;
 #   N: N at once, each with its own engines, which fits when the machine has cores to spare),
-#   OUT (a folder to keep every run's bench results, serve logs and engine metrics in).
+#   SPREAD (1: --trace-spread, a Mooncake timestamp's records spread up to the next one, drawn
+#   from SEED, 0), OUT (a folder to keep every run's bench results, serve logs and engine metrics in).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
 policies="${POLICIES:-least_load round_robin cache_aware kv_router tandem}"
 trace="${TRACE:-$root/../shared/traces/mooncake_conversation_trace.jsonl}"
 limit="${LIMIT:-300}" start="${START:-0}" scale="${TIME_SCALE:-2}"
+spread=()
+[ "${SPREAD:-0}" = 1 ] && spread=(--trace-spread --seed "${SEED:-0}")
 if [ ! -f "$trace" ]; then
   # The trace is public data kept outside the repository: say where it comes from.
   cat >&2 <<EOF
@@ -108,7 +111,7 @@ run_policy() {
   done
   "$build/tandem" bench --base-url "$url" --model deepseek-v3-h800 --dataset-name "$dataset" \
     --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" --time-scale "$scale" \
-    "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
+    "${spread[@]}" "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
     --goodput "ttft:${SLO_TTFT_MS:-10000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \
     --result-file "$dir/$policy.json" --no-progress >"$dir/bench-$policy.out" 2>&1
   for e in "${engines[@]}"; do curl -s "$e/metrics" >"$dir/engine-$policy-${e##*:}.txt"; done

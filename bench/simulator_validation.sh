@@ -13,7 +13,8 @@
 #
 # Usage: bench/simulator_validation.sh [BUILD_DIR]
 # Environment: as bench/policy_comparison.sh (DATASET mooncake|azure, TRACE, POLICIES, PREFILL,
-#   DECODE, MODE, LIMIT, START, TIME_SCALE, SIM_KV_BYTES, KV_TIMEOUT_S, SLO_TTFT_MS, SLO_TPOT_MS),
+#   DECODE, MODE, LIMIT, START, TIME_SCALE, SIM_KV_BYTES, KV_TIMEOUT_S, SLO_TTFT_MS, SLO_TPOT_MS,
+#   SPREAD, SEED),
 #   plus LINK_GB_PER_S (5), LINK_LATENCY_US (50) and OUT (keep the live and simulated results).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,6 +44,7 @@ echo "== simulated: tandem simulate" >&2
 for policy in $policies; do
   "$build/tandem" simulate --dataset-name "$dataset" --dataset-path "$TRACE" \
     --trace-start "${START:-0}" --trace-limit "${LIMIT:-300}" --time-scale "${TIME_SCALE:-2}" \
+    $([ "${SPREAD:-0}" = 1 ] && echo "--trace-spread --seed ${SEED:-0}") \
     --mode "${MODE:-parallel}" --prefill "${PREFILL:-4}" --decode "${DECODE:-4}" \
     --policy "$policy" --model sim:deepseek-v3-h800 \
     --sim-kv-token-bytes "${SIM_KV_BYTES:-16}" --kv-transfer-timeout "${KV_TIMEOUT_S:-600}" \
