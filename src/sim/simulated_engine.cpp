@@ -48,9 +48,11 @@ SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
   api_ = std::make_unique<engine::GenerationApi>(
       *engine_,
       [this](std::function<void()> task) {
-        // Outputs of a step reach the gateway when the step ends; others (an abort's) now.
+        // Outputs of a step's forward pass reach the gateway when the step ends. What the engine
+        // answers before its forward pass (a prefill whose KV transfer finished, an abort) goes
+        // now, as a live engine's loop sends it before it runs the pass.
         if (phase_ == Phase::kDead) return;
-        if (phase_ == Phase::kRunning || phase_ == Phase::kEnding)
+        if (phase_ == Phase::kEnding || (phase_ == Phase::kRunning && step_load_))
           rendered_at_end_.push_back(std::move(task));  // run by the step's end
         else
           clock_.post([this, task = std::move(task)]() mutable {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -357,6 +358,29 @@ TEST_P(DisaggregatedSimulation, TheSameInputsGiveTheSameRun) {
     EXPECT_EQ(a.results[i].latency_s, b.results[i].latency_s) << i;
   }
   EXPECT_EQ(a.kv_transfer_bytes, b.kv_transfer_bytes);
+}
+
+TEST(ClusterSimulation, AParallelPrefillIsAnsweredWhenTheEngineNextLoopsNotAfterItsNextPass) {
+  // SGLang's flow: the prefill leg is answered once the KV has left. A (100 tokens) prefills
+  // 0-0.110 s and its KV leaves; B (500) prefills 0.110-0.620 s, and A's transfer ends during that
+  // step; C (200) arrives meanwhile and runs 0.620-0.830 s. A live engine's loop takes A's finished
+  // transfer in at 0.620 and answers A's prefill leg then, before C's forward pass; it does not
+  // wait for that pass to end.
+  auto o = pd_options(gateway::PdMode::kParallel, 1, 1, hand_model());
+  const auto path = test::scratch_path("tandem_sim_prefill_answer", ".log");
+  o.gateway.access_log = path.string();
+  const auto run = simulate({request(0, words(100, 1), 2), request(0.05, words(500, 5), 2),
+                             request(0.2, words(200, 9), 2)},
+                            o, tokenizer());
+  for (const auto& r : run.results) ASSERT_TRUE(r.success) << r.error;
+  std::ifstream in(path);
+  std::optional<double> prefill_done;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["prompt_tokens"] == 100) prefill_done = j["phases"]["prefill_done"].get<double>();
+  }
+  ASSERT_TRUE(prefill_done.has_value());
+  EXPECT_NEAR(*prefill_done, 0.620, 0.005);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DisaggregatedSimulation,
