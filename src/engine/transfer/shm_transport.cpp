@@ -279,8 +279,12 @@ class ShmConnection : public KvConnection {
       if (stopped_) fail("connection shut down");
       char c;
       const ssize_t n = ::recv(socket_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        // A sender publishes its last frame and then closes: when that happened between the
+        // check above and the peek, the frame is in the ring and must still be read.
+        if (word.load(std::memory_order_acquire) != seen) return;
         fail(std::string(what_) + " failed: connection closed by peer");
+      }
       if (Clock::now() >= deadline)
         fail(std::string("timed out ") + what_ + " after " + std::to_string(timeout_.count()) +
              " ms");
