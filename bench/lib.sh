@@ -36,3 +36,11 @@ find_peer_bench() {
     fi
   done
 }
+
+# The workload flags of SPREAD=1 (a Mooncake timestamp's records spread up to the next one,
+# drawn from SEED, default 0), for both sides of a live-vs-simulated comparison; none otherwise.
+#   read -r -a spread <<<"$(trace_spread_args)"
+trace_spread_args() {
+  [ "${SPREAD:-0}" = 1 ] && echo "--trace-spread --seed ${SEED:-0}"
+  return 0
+}

@@ -34,8 +34,8 @@ build="${1:-$root/build}"
 policies="${POLICIES:-least_load round_robin cache_aware kv_router tandem}"
 trace="${TRACE:-$root/../shared/traces/mooncake_conversation_trace.jsonl}"
 limit="${LIMIT:-300}" start="${START:-0}" scale="${TIME_SCALE:-2}"
-spread=()
-[ "${SPREAD:-0}" = 1 ] && spread=(--trace-spread --seed "${SEED:-0}")
+. "$root/bench/lib.sh"
+read -r -a spread <<<"$(trace_spread_args)"
 if [ ! -f "$trace" ]; then
   # The trace is public data kept outside the repository: say where it comes from.
   cat >&2 <<EOF

@@ -19,6 +19,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
+. "$root/bench/lib.sh"
 dataset="${DATASET:-mooncake}"
 if [ "$dataset" = azure ]; then
   default_trace="$root/../shared/traces/AzureLLMInferenceTrace_code_2023.csv"
@@ -44,7 +45,7 @@ echo "== simulated: tandem simulate" >&2
 for policy in $policies; do
   "$build/tandem" simulate --dataset-name "$dataset" --dataset-path "$TRACE" \
     --trace-start "${START:-0}" --trace-limit "${LIMIT:-300}" --time-scale "${TIME_SCALE:-2}" \
-    $([ "${SPREAD:-0}" = 1 ] && echo "--trace-spread --seed ${SEED:-0}") \
+    $(trace_spread_args) \
     --mode "${MODE:-parallel}" --prefill "${PREFILL:-4}" --decode "${DECODE:-4}" \
     --policy "$policy" --model sim:deepseek-v3-h800 \
     --sim-kv-token-bytes "${SIM_KV_BYTES:-16}" --kv-transfer-timeout "${KV_TIMEOUT_S:-600}" \
