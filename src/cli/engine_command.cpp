@@ -413,7 +413,8 @@ void add_engine_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--scheduling-policy", o->scheduling_policy,
-                  "fcfs or priority (lower value first)")
+                  "fcfs, or priority: prefills, running or waiting, by the requests' priority "
+                  "(lower first), then arrival")
       ->capture_default_str();
   cmd->add_flag("--no-enable-prefix-caching", o->no_prefix_caching,
                 "turn automatic prefix caching off");

@@ -209,6 +209,38 @@ TEST(Scheduler, PriorityPolicyAdmitsLowerValuesFirstAndPreemptsTheLowestPriority
   EXPECT_EQ(out.scheduled[0].seq, urgent);
 }
 
+TEST(Scheduler, ByPriorityAnUrgentPromptTakesTheBudgetFromALongPrefillPartWayThrough) {
+  Fixture f(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 10, .priority = true});
+  Sequence* decoding = f.add(iota_tokens(3, 100), 5, /*priority=*/9);
+  f.step();  // prefilled, first token sampled: decoding from now on
+  Sequence* long_prompt = f.add(iota_tokens(40), 1, /*priority=*/5);
+  f.step();  // the decode token and 9 of the long prompt's 40
+  EXPECT_EQ(long_prompt->num_computed, 9);
+  Sequence* urgent = f.add(iota_tokens(6, 50), 1, /*priority=*/1);
+  auto out = f.step();
+  // The decode token first whatever its priority, then the urgent prompt whole, then the rest of
+  // the budget to the long prompt, which kept its blocks.
+  ASSERT_EQ(out.scheduled.size(), 3u);
+  EXPECT_EQ(out.scheduled[0].seq, decoding);
+  EXPECT_EQ(out.scheduled[1].seq, urgent);
+  EXPECT_EQ(out.scheduled[1].num_new_tokens, 6);
+  EXPECT_EQ(out.scheduled[2].seq, long_prompt);
+  EXPECT_EQ(out.scheduled[2].num_new_tokens, 3);
+  EXPECT_EQ(long_prompt->num_computed, 12);
+  EXPECT_EQ(urgent->num_generated(), 1);
+}
+
+TEST(Scheduler, FirstComeFirstServedARunningPrefillKeepsTheBudget) {
+  Fixture f(64, 4, {.max_num_seqs = 4, .max_num_batched_tokens = 10});
+  Sequence* long_prompt = f.add(iota_tokens(40), 1);
+  f.step();
+  Sequence* later = f.add(iota_tokens(6, 50), 1);
+  auto out = f.step();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].seq, long_prompt);
+  EXPECT_EQ(later->num_computed, 0);
+}
+
 TEST(Scheduler, ReusesCachedPrefixBlocks) {
   Fixture f(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100});
   auto shared = iota_tokens(12);

@@ -69,9 +69,8 @@ SchedulerOutput Scheduler::schedule() {
       kv_.allocate(seq->request.id, seq->num_computed + n + config_.speculative_lookahead);
   };
 
-  // Running sequences first, in admission order.
-  for (size_t i = 0; i < running_.size() && budget > 0;) {
-    Sequence* seq = running_[i];
+  // A running sequence's next tokens; false when it was preempted (itself) for lack of blocks.
+  auto run = [&](Sequence* seq) {
     int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - seq->num_computed, budget);
     // Drafts ride along with a decode token while the budget and the cache allow (no one is
@@ -97,35 +96,33 @@ SchedulerOutput Scheduler::schedule() {
         budget += s.num_new_tokens;
         return true;
       });
-      const bool self = victim == seq;
-      const size_t victim_index =
-          std::find(running_.begin(), running_.end(), victim) - running_.begin();
       preempt(victim);
       out.preempted.push_back(victim);
-      if (victim_index < i) --i;
-      if (self) break;
+      if (victim == seq) return false;
       ok = kv_.allocate(seq->request.id, seq->num_computed + n);
     }
-    if (!ok) continue;  // `seq` itself was preempted; running_[i] is now the next one
     if (n > 0) {
       reserve_lookahead(seq, n);
       schedule_one(seq, n, drafts);
     }
-    ++i;
-  }
+    return true;
+  };
 
-  // Then waiting sequences, in order, while nothing had to be preempted in this step (vLLM's
-  // rule: memory is short, do not admit more).
-  // Sequences that hold blocks already (KV received from a prefill engine) need none to be
-  // admitted: they pass a head that does not fit, or they would wait for blocks they hold.
+  // A waiting sequence is admitted while nothing had to be preempted in this step (vLLM's rule:
+  // memory is short, do not admit more). Sequences that hold blocks already (KV received from a
+  // prefill engine) need none to be admitted: they pass a head that does not fit, or they would
+  // wait for blocks they hold. `i` moves past a sequence that stays waiting.
   bool head_blocked = false;
-  for (size_t i = 0; out.preempted.empty() && budget > 0 && i < waiting_.size() &&
-                     static_cast<int64_t>(running_.size()) < config_.max_num_seqs;) {
+  auto can_admit = [&] {
+    return out.preempted.empty() && budget > 0 &&
+           static_cast<int64_t>(running_.size()) < config_.max_num_seqs;
+  };
+  auto admit = [&](size_t& i) {
     Sequence* seq = waiting_[i];
     const bool has_blocks = kv_.has_request(seq->request.id);  // KV received from elsewhere
     if (head_blocked && !has_blocks) {
       ++i;
-      continue;
+      return;
     }
     const PrefixHit hit = has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens);
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
@@ -134,7 +131,7 @@ SchedulerOutput Scheduler::schedule() {
     if (!kv_.allocate(seq->request.id, computed + n, hit)) {
       head_blocked = true;
       ++i;
-      continue;
+      return;
     }
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     seq->num_computed = computed;
@@ -143,6 +140,40 @@ SchedulerOutput Scheduler::schedule() {
     running_.push_back(seq);
     reserve_lookahead(seq, n);
     schedule_one(seq, n, 0);
+  };
+  auto prefilling = [](const Sequence* s) {
+    return static_cast<int64_t>(s->tokens.size()) - s->num_computed > 1;
+  };
+
+  // Running sequences first, in admission order; by priority, those still prefilling compete with
+  // the waiting ones instead (below). A snapshot, since preemption removes from running_.
+  const std::vector<Sequence*> running = running_;
+  std::vector<Sequence*> later;  // by priority: the running sequences still prefilling
+  for (Sequence* seq : running) {
+    if (budget <= 0) break;
+    if (seq->status != SequenceStatus::kRunning) continue;  // preempted in this step
+    if (config_.priority && prefilling(seq))
+      later.push_back(seq);
+    else
+      run(seq);
+  }
+
+  // Then waiting sequences in their order; by priority, merged with the running prefills in
+  // (priority, arrival) order, so that a more urgent prompt takes the chunk budget from a less
+  // urgent one that is part-way through its prefill (it keeps its blocks and resumes later).
+  auto key = [](const Sequence* s) { return std::pair(s->request.priority, s->arrival_order); };
+  std::stable_sort(later.begin(), later.end(),
+                   [&](const Sequence* a, const Sequence* b) { return key(a) < key(b); });
+  size_t r = 0, i = 0;
+  while (budget > 0) {
+    while (r < later.size() && later[r]->status != SequenceStatus::kRunning) ++r;
+    const bool waiting_next = can_admit() && i < waiting_.size();
+    if (r < later.size() && (!waiting_next || key(later[r]) <= key(waiting_[i])))
+      run(later[r++]);
+    else if (waiting_next)
+      admit(i);
+    else
+      break;
   }
   return out;
 }

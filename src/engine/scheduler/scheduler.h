@@ -5,9 +5,11 @@
 // while the token budget, the running limit and the KV cache allow, reusing cached prefix blocks.
 // When a running sequence needs a block and none is free, the newest running sequence (or the
 // lowest-priority one) is preempted: its blocks are freed and it is recomputed later from its
-// tokens so far. Nothing is dropped. A sequence added with blocks already allocated and
-// num_computed set (KV received from a prefill engine) is admitted without a prefix lookup and
-// continues from there.
+// tokens so far. Nothing is dropped. Scheduling by priority, the prompts still being prefilled,
+// running or waiting, share the budget left after decoding in (priority, arrival) order: a more
+// urgent prompt overtakes a long one at its next chunk (which keeps its blocks and resumes). A
+// sequence added with blocks already allocated and num_computed set (KV received from a prefill
+// engine) is admitted without a prefix lookup and continues from there.
 //
 // Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
 #include <cstdint>
@@ -24,7 +26,7 @@ namespace tandem::engine {
 struct SchedulerConfig {
   int64_t max_num_seqs = 64;              // running sequences at most
   int64_t max_num_batched_tokens = 2048;  // new tokens per step (the chunked-prefill budget)
-  bool priority = false;                  // order waiting sequences by (priority, arrival)
+  bool priority = false;  // order prefills, waiting or running, by (priority, arrival)
   // Speculative decoding: a sampled sequence's block table also covers this many positions past
   // its new tokens and drafts when the cache allows (the executor's later draft passes write
   // there; ExecutorInfo::speculative_lookahead()).
