@@ -121,6 +121,7 @@ std::string to_json(const LoadReport& r, uint64_t since_step) {
   w.field("steps", r.steps);
   w.field("prefill_tokens", r.prefill_tokens);
   w.field("max_batch_tokens", r.max_batch_tokens);
+  if (r.schedules_by_priority) w.raw("\"scheduling_policy\":\"priority\",");
   if (r.prefill_pairs >= 0) w.field("prefill_pairs", r.prefill_pairs);
   w.key("step");
   if (r.step_seqs > 0) {
@@ -182,6 +183,10 @@ LoadReport parse_load_report(std::string_view body) {
   r.prefill_tokens = count_field(j, "prefill_tokens", 0);
   r.prefill_pairs = count_field(j, "prefill_pairs", -1);
   r.max_batch_tokens = count_field(j, "max_batch_tokens", 0);
+  if (const auto p = j.find("scheduling_policy"); p != j.end()) {
+    if (!p->is_string()) throw Error("/load: scheduling_policy: expected a string");
+    r.schedules_by_priority = *p == "priority";
+  }
   if (const auto step = j.find("step"); step != j.end() && !step->is_null()) {
     if (!step->is_object()) throw Error("/load: step: expected an object or null");
     r.step_seqs = count_field(*step, "seqs", 0);

@@ -31,7 +31,8 @@ struct LoadReport {
   // that runs now: the prefill work queued behind it, and its attention pairs (-1: not reported).
   int64_t prefill_tokens = 0;
   int64_t prefill_pairs = -1;
-  int64_t max_batch_tokens = 0;  // the engine's chunked-prefill budget; 0: not said
+  int64_t max_batch_tokens = 0;        // the engine's chunked-prefill budget; 0: not said
+  bool schedules_by_priority = false;  // it orders prefills by the requests' `priority`
   // The step that runs now (step_seqs 0: none): its size and how long it has run.
   int64_t step_seqs = 0, step_tokens = 0;
   int64_t step_prefill_pairs = -1;  // -1: not reported

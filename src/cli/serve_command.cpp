@@ -103,6 +103,7 @@ void run(const ServeOptions& o) {
   }
   gateway::PriorityClasses classes;
   if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
+  const bool deadlines = gateway::make_policy(o.policy)->sets_prefill_deadlines();
   const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
   if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
     throw Error(
@@ -123,8 +124,10 @@ void run(const ServeOptions& o) {
     if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
       a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
     if (o.batch_invariant) a.push_back("--batch-invariant");
-    // The gateway passes each request's class as its priority: the engines schedule by it.
-    if (classes.enabled()) a.insert(a.end(), {"--scheduling-policy", "priority"});
+    // The gateway passes each request's class as its priority, or the policy's deadline to the
+    // engine that computes the prompt: the engines schedule by it.
+    if (classes.enabled() || (deadlines && role != "decode"))
+      a.insert(a.end(), {"--scheduling-policy", "priority"});
     if (o.kv_events) {  // the gateway's prefix index subscribes
       const std::string any = "tcp://" + o.engine_host + ":*";
       a.insert(a.end(),

@@ -650,6 +650,7 @@ void Engine::update_gauges() {
   metrics_->kv_usage.set(r.kv_usage);
   metrics_->gpu_usage.set(r.kv_usage);
   r.max_batch_tokens = scheduler_.config().max_num_batched_tokens;
+  r.schedules_by_priority = scheduler_.config().priority;
   r.recent_steps = recent_steps_;
   std::lock_guard lock(load_mutex_);
   r.steps = load_.steps + 1;

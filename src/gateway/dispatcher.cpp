@@ -193,10 +193,15 @@ void Dispatcher::dispatch(Clock::time_point now) {
     // The engine that computes the prompt: the prefill engine, or an aggregated decode engine.
     const int computes = prefill >= 0 ? prefill : (topo_.mode == PdMode::kAggregated ? decode : -1);
     r->uncached = {};
+    r->prefill_priority.reset();
     for (const auto* pool : {&v.prefill, &v.decode})
       for (const auto& e : *pool)
-        if (e.id == computes)
+        if (e.id == computes) {
           r->uncached = PrefillWork::of_prompt(e.cached_tokens, r->prompt_tokens);
+          if (sets_prefill_deadlines())
+            if (const auto due = policy_.prefill_deadline(e, ri))
+              r->prefill_priority = r->received_unix_ms + due->count();
+        }
     if (computes >= 0) r->reuse = reuse_at_decision(prefill >= 0 ? v.prefill : v.decode, computes);
     start(r, prefill, decode);
     policy_.record(policy_state_, ri, prefill, decode, now);
@@ -224,15 +229,21 @@ void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
     r->times.mark(Phase::kDecodeScheduled, now);
     if (topo_.mode == PdMode::kAggregated) r->times.mark(Phase::kPrefillScheduled, now);
   }
+  // The leg that computes the prompt carries the policy's priority for it.
+  auto prioritised = [&](const std::string& body) {
+    return r->prefill_priority
+               ? splice_fields(body, "\"priority\":" + std::to_string(*r->prefill_priority))
+               : body;
+  };
   switch (topo_.mode) {
     case PdMode::kAggregated:
       r->times.mark(Phase::kPrefilling, now);
-      start_leg(r, decode, false, r->body);
+      start_leg(r, decode, false, prioritised(r->body));
       break;
     case PdMode::kSequential:
       if (r->stage == Stage::kFirst) {
         r->times.mark(Phase::kPrefilling, now);
-        start_leg(r, prefill, true, r->prefill_body);
+        start_leg(r, prefill, true, prioritised(r->prefill_body));
       } else {
         std::string body;
         {
@@ -248,11 +259,11 @@ void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
                                                          random_u64() & 0x7fffffffffffffffULL);
       const std::string body = splice_fields(r->body, members);
       r->times.mark(Phase::kPrefilling, now);
-      start_leg(
-          r, prefill, true,
-          r->prefill_asks_usage
-              ? splice_fields(r->body, members + ",\"stream_options\":{\"include_usage\":true}")
-              : body);
+      start_leg(r, prefill, true,
+                prioritised(r->prefill_asks_usage
+                                ? splice_fields(r->body, members + ",\"stream_options\":{"
+                                                                   "\"include_usage\":true}")
+                                : body));
       start_leg(r, decode, false, body);
       break;
     }

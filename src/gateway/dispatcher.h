@@ -62,6 +62,11 @@ class Dispatcher {
   const EndpointState* endpoint_named(const std::string& name) const;
   // An engine to relay GET /v1/models to: the policy's decode pick, or null.
   const EndpointState* models_endpoint() const;
+  // Whether engines get the policy's prefill deadlines (Policy::prefill_deadline) in the field
+  // `priority`, which the gateway then owns; priority classes, when configured, set it instead.
+  bool sets_prefill_deadlines() const {
+    return policy_.sets_prefill_deadlines() && !topo_.priority.enabled();
+  }
 
   size_t waiting() const { return waiting_.size(); }
   size_t active() const { return active_.size(); }

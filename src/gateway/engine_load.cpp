@@ -54,6 +54,7 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   load.total_kv_blocks = r.total_blocks;
   if (r.block_size > 0) load.kv_block_size = r.block_size;
   if (r.max_batch_tokens > 0) load.max_batch_tokens = r.max_batch_tokens;
+  load.schedules_by_priority = r.schedules_by_priority;
   if (state.batch_time.observations > 0) load.batch_time = &state.batch_time;
   load.time_until_free_s = 0;
   if (r.step_seqs > 0) {

@@ -141,7 +141,12 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
 
   r->times.mark(Phase::kTokenizing, exec_.now_ns());
   const bool classes = topo_.priority.enabled();
-  const bool needs_json = topo_.mode != PdMode::kAggregated || tokenizer_ || classes;
+  // The gateway sets `priority` for deadlines: a client's is dropped (found without parsing, so
+  // that an aggregated gateway without a tokenizer still relays other bodies verbatim).
+  const bool drop_priority =
+      dispatcher_.sets_prefill_deadlines() && req.body.find("\"priority\"") != std::string::npos;
+  const bool needs_json =
+      topo_.mode != PdMode::kAggregated || tokenizer_ || classes || drop_priority;
   json body;
   const ReleaseJsonOnExit release_body{body};  // a prompt's ids, freed cheaply
   if (needs_json) {
@@ -168,6 +173,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
     }
     body["priority"] = topo_.priority.classes[static_cast<size_t>(r->priority_class)].priority;
   }
+  if (drop_priority) body.erase("priority");  // the dispatcher adds the policy's deadline
   // Without a tokenizer the prompt's length is estimated from the body's size (about four
   // bytes per token in English text).
   r->prompt_tokens = static_cast<int64_t>(req.body.size() / 4);
@@ -207,7 +213,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         r->translator->drop_usage_chunks();
       }
       // Else verbatim: the engine parses it.
-      r->body = rewritten || classes ? body.dump() : req.body;
+      r->body = rewritten || classes || drop_priority ? body.dump() : req.body;
       break;
     case PdMode::kSequential:
       api::strip_disaggregation_fields(body);

@@ -69,6 +69,11 @@ void Policy::outcome(PolicyState& state, int endpoint, bool ok, Clock::time_poin
     state.last_failure[endpoint] = now;
 }
 
+std::optional<std::chrono::milliseconds> Policy::prefill_deadline(const EndpointLoad&,
+                                                                  const RequestInfo&) const {
+  return std::nullopt;
+}
+
 bool recently_failed(const PolicyState& state, int endpoint, Clock::time_point now) {
   auto it = state.last_failure.find(endpoint);
   return it != state.last_failure.end() && now - it->second < state.failure_memory;

@@ -56,6 +56,8 @@ struct EndpointLoad {
   // A request it served failed within PolicyState::failure_memory (Policy::outcome): every
   // policy uses it only when no other engine is free now.
   bool recently_failed = false;
+  // The engine orders its prefills by the requests' priority (it says so in its load report).
+  bool schedules_by_priority = false;
 };
 
 // An engine readmitted `since` ago after being ejected takes a growing share of its in-flight
@@ -127,6 +129,14 @@ class Policy {
   // the last failure per engine (PolicyState::last_failure), which makes the engine
   // recently_failed in the views the caller builds (recently_failed()).
   virtual void outcome(PolicyState& state, int endpoint, bool ok, Clock::time_point now) const;
+  // When the prompt's prefill is due, after the request arrived, on `engine` (the one chosen to
+  // compute it): engines that schedule by priority get the due time (the gateway's Unix time in
+  // ms) as the request's `priority` and compute prefills earliest deadline first. None: the
+  // request goes as it came. Only a policy that sets_prefill_deadlines() gives deadlines, and only
+  // for engines that say they schedule by priority (EndpointLoad::schedules_by_priority).
+  virtual bool sets_prefill_deadlines() const { return false; }
+  virtual std::optional<std::chrono::milliseconds> prefill_deadline(
+      const EndpointLoad& engine, const RequestInfo& request) const;
 };
 
 // Whether `endpoint` failed a pick within state.failure_memory before `now`.
@@ -189,6 +199,12 @@ struct TandemOptions {
   // Decode KV need: the prompt plus this many generated tokens (max_new_tokens if smaller).
   int64_t decode_kv_reserve_tokens = 256;
   BatchTimeOptions prior;  // batch durations of engines without an estimator
+  // Prefill deadlines (Policy::prefill_deadline): a prompt is due this many times its own
+  // expected compute time after it arrived, counting at most prefill_deadline_cap_s of it, so on
+  // engines that compute prefills earliest deadline first a short prompt passes long ones at
+  // their next chunk, and prompts longer than the cap keep their arrival order. 0: no deadlines.
+  double prefill_deadline_slack = 8;
+  double prefill_deadline_cap_s = 5;
 };
 std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,9 @@ struct Request {
   std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   api::PrefillWork uncached;  // the prompt work the engine chosen to prefill it lacks in cache
+  // The prompt's deadline there (Policy::prefill_deadline, as Unix ms), sent as the `priority` of
+  // the leg that computes the prompt; none: the body goes as it is.
+  std::optional<int64_t> prefill_priority;
   // Routing quality at the decision that chose the engine computing its prompt (available and
   // chosen; `delivered` is the shared `cached_tokens_reported` below).
   PrefixReuse reuse;

@@ -301,10 +301,11 @@ void read_kv_router(const Reader& r, const YAML::Node& node, KvRouterOptions& o)
 }
 
 void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions& s) {
-  const auto keys = r.mapping(node, "scheduling",
-                              {"queue_length_weight", "queue_wait_weight", "starvation_ms",
-                               "load_interval_ms", "max_queued_prefill_tokens", "max_prefill_seqs",
-                               "max_batch_tokens", "max_hold_ms", "cache_aware", "kv_router"});
+  const auto keys =
+      r.mapping(node, "scheduling",
+                {"queue_length_weight", "queue_wait_weight", "starvation_ms", "load_interval_ms",
+                 "max_queued_prefill_tokens", "max_prefill_seqs", "max_batch_tokens", "max_hold_ms",
+                 "prefill_deadline_slack", "prefill_deadline_cap_s", "cache_aware", "kv_router"});
   if (keys.count("cache_aware")) read_cache_aware(r, keys.at("cache_aware"), s.cache_aware);
   if (keys.count("kv_router")) read_kv_router(r, keys.at("kv_router"), s.kv_router);
   auto weight = [&](const char* key, double& out) {
@@ -313,6 +314,8 @@ void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions&
   };
   weight("queue_length_weight", s.queue.length_weight);
   weight("queue_wait_weight", s.queue.wait_weight);
+  weight("prefill_deadline_slack", s.tandem.prefill_deadline_slack);
+  weight("prefill_deadline_cap_s", s.tandem.prefill_deadline_cap_s);
   auto ms = [&](const char* key) {
     return std::chrono::milliseconds(r.integer(keys.at(key), std::string("scheduling.") + key, 0,
                                                std::numeric_limits<int32_t>::max(),

@@ -171,6 +171,9 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     SimulatedEngineOptions eo;
     eo.name = e.name;
     eo.config.scheduler = options.scheduler;
+    // Engines schedule by the priority the gateway sends them, as `tandem serve` starts them.
+    if (topo.priority.enabled() || dispatcher.sets_prefill_deadlines())
+      eo.config.scheduler.priority = true;
     eo.config.enable_prefix_caching = options.prefix_caching;
     if (pd) {
       eo.config.role = prefill ? engine::EngineRole::kPrefill : engine::EngineRole::kDecode;

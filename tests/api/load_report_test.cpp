@@ -77,6 +77,7 @@ TEST(LoadReport, WhatTheEngineWritesReadsBackTheSame) {
   r.prefill_tokens = 8000;
   r.prefill_pairs = 32004000;
   r.max_batch_tokens = 2048;
+  r.schedules_by_priority = true;
   r.step_seqs = 4;
   r.step_tokens = 2051;
   r.step_prefill_pairs = 2098176;
@@ -95,6 +96,7 @@ TEST(LoadReport, WhatTheEngineWritesReadsBackTheSame) {
   EXPECT_EQ(back.prefill_tokens, 8000);
   EXPECT_EQ(back.prefill_pairs, 32004000);
   EXPECT_EQ(back.max_batch_tokens, 2048);
+  EXPECT_TRUE(back.schedules_by_priority);
   EXPECT_EQ(back.step_seqs, 4);
   EXPECT_EQ(back.step_tokens, 2051);
   EXPECT_EQ(back.step_prefill_pairs, 2098176);
@@ -116,12 +118,14 @@ TEST(LoadReport, AnIdleEngineWritesNoStepAndUnreportedPairsStayUnreported) {
   EXPECT_EQ(back.step_seqs, 0);
   EXPECT_EQ(back.prefill_pairs, -1);
   EXPECT_EQ(back.step_prefill_pairs, -1);
+  EXPECT_FALSE(back.schedules_by_priority);  // first come first served unless it says otherwise
 }
 
 TEST(LoadReport, KvUsageAndCountsMustBeNumbers) {
   EXPECT_NE(error_of(R"({"kv_usage":"half"})").find("kv_usage"), std::string::npos);
   EXPECT_NE(error_of(R"({"cached_blocks":-3})").find("cached_blocks"), std::string::npos);
   EXPECT_NE(error_of(R"({"steps":1.5})").find("steps"), std::string::npos);
+  EXPECT_NE(error_of(R"({"scheduling_policy":1})").find("scheduling_policy"), std::string::npos);
 }
 
 // Other servers answer GET /load too: vLLM's server-load tracking, or a proxy's fixed reply. They

@@ -675,6 +675,42 @@ TEST(Dispatcher, ParallelModeStartsBothLegsWithOneBootstrapRoom) {
   EXPECT_FALSE(client->complete());
 }
 
+TEST(Dispatcher, ThePromptsLegCarriesItsDeadlineOnlyToAnEngineThatSchedulesByPriority) {
+  for (const bool by_priority : {true, false}) {
+    Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")});
+    t.policy = "tandem";
+    t.prefill.dialect = t.decode.dialect = Dialect::kTandem;
+    t.scheduling.load_interval = milliseconds(100);
+    Cluster c(t);
+    c.health.start();
+    for (const auto& poll : c.engines.open("/load")) {
+      api::LoadReport r;
+      r.total_blocks = r.free_blocks = 1000;
+      r.block_size = 16;
+      r.schedules_by_priority = by_priority && host_of(*poll) == "p";
+      FakeEngines::answer(*poll, 200, api::to_json(r));
+    }
+    c.clock.run_ready();
+    const int64_t sent_ms = c.clock.unix_ms();
+    auto client = c.send_body({{"model", "m"}, {"prompt", "hello there"}, {"priority", 7}});
+    const auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 2u);
+    ASSERT_EQ(host_of(*legs[0]), "p");
+    const json p = json::parse(legs[0]->request.body), d = json::parse(legs[1]->request.body);
+    // The gateway owns the field: the client's priority reaches neither engine.
+    EXPECT_FALSE(d.contains("priority"));
+    if (!by_priority) {
+      EXPECT_FALSE(p.contains("priority"));
+      continue;
+    }
+    // Due 8 times its own compute after it arrived: a short prompt, well within the 5 s cap.
+    ASSERT_TRUE(p.contains("priority"));
+    EXPECT_GT(p["priority"].get<int64_t>(), sent_ms);
+    EXPECT_LT(p["priority"].get<int64_t>(), sent_ms + 8 * 5000);
+    (void)client;
+  }
+}
+
 // ------------------------------------------------------------------------ routing quality
 
 std::string answer_with_cached(int64_t cached) {

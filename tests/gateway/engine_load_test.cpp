@@ -76,6 +76,7 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   EXPECT_EQ(fresh.total_kv_blocks, 1024);
   EXPECT_EQ(fresh.kv_block_size, 16);
   EXPECT_EQ(fresh.max_batch_tokens, 2048);
+  EXPECT_FALSE(fresh.schedules_by_priority);  // the sample does not say it does
   EXPECT_EQ(fresh.batch_time, &s.batch_time);
   // The running step takes 0.25 s, has run 0.05 s at the report and 0.05 s since.
   EXPECT_NEAR(fresh.time_until_free_s, 0.15, 1e-9);

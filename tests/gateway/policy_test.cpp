@@ -643,6 +643,45 @@ TEST(Tandem, UsesLearnedBatchTimesAndTimeUntilFree) {
   EXPECT_EQ(p->choose_prefill(v, req(1000), t0).endpoint, 0);
 }
 
+TEST(Tandem, APromptIsDueItsSlackTimesItsOwnComputeAtMostTheCap) {
+  TandemOptions o;
+  o.prefill_deadline_slack = 8;
+  o.prefill_deadline_cap_s = 5;
+  const auto p = make_tandem_policy(o);
+  ASSERT_TRUE(p->sets_prefill_deadlines());
+  BatchTimeEstimator learned;
+  for (int i = 0; i < 10; ++i) learned = observe(learned, 1, 1000, 0.1);
+  EndpointLoad e = ep(0);
+  e.batch_time = &learned;
+  e.schedules_by_priority = true;
+  auto due_ms = [&](int64_t tokens) {
+    return std::llround(8 * estimate_work_s(learned, tokens, 2048) * 1e3);
+  };
+  // Its own compute, not the engine's queue: a busy engine gives the same deadline.
+  EXPECT_EQ(p->prefill_deadline(e, req(1000)), milliseconds(due_ms(1000)));
+  e.queued_prefill_tokens = 50000;
+  EXPECT_EQ(p->prefill_deadline(e, req(1000)), milliseconds(due_ms(1000)));
+  // Only the uncached part counts.
+  e.cached_tokens = 600;
+  EXPECT_EQ(p->prefill_deadline(e, req(1000)), milliseconds(due_ms(400)));
+  // A prompt of more than 5 s of compute is due 8 x 5 s after it arrived, as any longer one.
+  e.cached_tokens = 0;
+  ASSERT_GT(estimate_work_s(learned, 100000, 2048), 5.0);
+  EXPECT_EQ(p->prefill_deadline(e, req(100000)), milliseconds(40000));
+  EXPECT_EQ(p->prefill_deadline(e, req(500000)), milliseconds(40000));
+  // An engine that does not schedule by priority gets none (a vLLM engine would refuse one).
+  e.schedules_by_priority = false;
+  EXPECT_FALSE(p->prefill_deadline(e, req(1000)).has_value());
+  // Without slack the policy sets none at all; the others never do.
+  o.prefill_deadline_slack = 0;
+  EXPECT_FALSE(make_tandem_policy(o)->sets_prefill_deadlines());
+  for (const auto& name : policy_names()) {
+    if (name != "tandem") {
+      EXPECT_FALSE(make_policy(name)->sets_prefill_deadlines()) << name;
+    }
+  }
+}
+
 // Two engines with the same queued tokens: one has the tail of a 100K-token prompt queued, the
 // other many short prompts. With reported pairs and a learned pairs model, the policy sees that
 // the first is busy for far longer; without pairs it could not tell them apart.

@@ -161,6 +161,8 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.scheduling.kv_router.overlap_score_weight, 2);
   EXPECT_EQ(t.scheduling.kv_router.block_size, 32);
   EXPECT_EQ(t.scheduling.tandem.max_hold, 2000ms);
+  EXPECT_EQ(t.scheduling.tandem.prefill_deadline_slack, 4);
+  EXPECT_EQ(t.scheduling.tandem.prefill_deadline_cap_s, 2.5);
   EXPECT_EQ(t.health.probe_interval, 2000ms);
   EXPECT_EQ(t.health.probe_timeout, 1000ms);
   EXPECT_EQ(t.health.failures_to_eject, 3);
@@ -397,6 +399,8 @@ TEST(TopologyYaml, LimitsAreChecked) {
       {"scheduling: {max_hold_ms: -5}", "scheduling.max_hold_ms: expected a duration"},
       {"scheduling: {max_batch_tokens: 0}",
        "scheduling.max_batch_tokens: expected a whole number >= 1"},
+      {"scheduling: {prefill_deadline_slack: -1}",
+       "scheduling.prefill_deadline_slack: expected a number >= 0"},
       {"scheduling: {max_queued: 5}", "scheduling.max_queued: expected one of"},
       {"scheduling: {cache_aware: {cache_threshold: 1.5}}",
        "scheduling.cache_aware.cache_threshold: expected a fraction 0..1"},

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 
 #include <gtest/gtest.h>
@@ -236,10 +237,14 @@ TEST(ClusterSimulation, RequestBodiesArriveInOrderAfterTheirBytes) {
   // at 1 MB/s), and the short one follows it on both hops: it never overtakes.
   const std::vector<bench::BenchRequest> reqs = {request(0, words(20000, 1), 2),
                                                  request(0, words(100, 2), 2)};
-  auto o = options(1, hand_model());
+  // First come first served on the engine: no prefill deadlines, which would let the short one
+  // pass the long one there (AShortPromptPassesALongOneAtItsNextChunkByDeadline).
+  auto fcfs = options(1, hand_model());
+  fcfs.gateway.scheduling.tandem.prefill_deadline_slack = 0;
+  auto o = fcfs;
   o.body_bytes_per_s = 1e6;
   const auto run = simulate(reqs, o, tokenizer());
-  const auto instant = simulate(reqs, options(1, hand_model()), tokenizer());
+  const auto instant = simulate(reqs, fcfs, tokenizer());
   ASSERT_TRUE(run.results[0].success && run.results[1].success);
   const double long_body_s = double(bench::request_body(reqs[0], {}).size()) / 1e6;
   EXPECT_GT(long_body_s, 0.05);
@@ -381,6 +386,29 @@ TEST(ClusterSimulation, AParallelPrefillIsAnsweredWhenTheEngineNextLoopsNotAfter
   }
   ASSERT_TRUE(prefill_done.has_value());
   EXPECT_NEAR(*prefill_done, 0.620, 0.005);
+}
+
+TEST(ClusterSimulation, AShortPromptPassesALongOneAtItsNextChunkByDeadline) {
+  // One prefill engine, chunks of 2048 tokens at 10 ms + 1 ms per token a step. A 6000-token
+  // prompt arrives at 0 s and a 100-token one at 0.5 s, during the long one's first step
+  // (0-2.058 s). By deadline (the tandem policy's default) the short prompt is due first and takes
+  // 100 tokens of the second step, which ends at 4.116 s; the long one goes on with 1948 and
+  // ends in the third (2004 tokens: 6.130 s). First come first served (no slack) the long one
+  // keeps the budget and the short one fits beside its last 1904 tokens in the third step. A
+  // first token comes a decode step (10 ms) and a KV transfer (about 1 ms) after its prefill.
+  for (const double slack : {8.0, 0.0}) {
+    auto o = pd_options(gateway::PdMode::kParallel, 1, 1, hand_model());
+    o.gateway.scheduling.tandem.prefill_deadline_slack = slack;
+    const auto run =
+        simulate({request(0, words(6000, 1), 2), request(0.5, words(100, 5), 2)}, o, tokenizer());
+    for (const auto& r : run.results) ASSERT_TRUE(r.success) << r.error;
+    EXPECT_NEAR(run.results[1].ttft_s, (slack > 0 ? 4.116 : 6.130) + 0.011 - 0.5, 0.003)
+        << "slack " << slack;
+    // The long one is computed by 6.130 s either way (its first token may also wait for the
+    // short one's decode step).
+    EXPECT_GT(run.results[0].ttft_s, 6.130) << "slack " << slack;
+    EXPECT_LT(run.results[0].ttft_s, 6.130 + 0.025) << "slack " << slack;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, DisaggregatedSimulation,

@@ -3,6 +3,7 @@
 // decode load within the prefill's group; in parallel mode both together. Exact rule:
 // docs/gateway.md, "Scheduling policies".
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 
@@ -128,6 +129,22 @@ class TandemPolicy final : public Policy {
     if (!held && worth_waiting(prefills_of(busy), request, prefill_cost(*best, request)))
       return {Choice::Kind::kSaturated, -1, -1};
     return {Choice::Kind::kChosen, best->id, decode_of(best)->id};
+  }
+
+  bool sets_prefill_deadlines() const override { return o_.prefill_deadline_slack > 0; }
+
+  // The slack times the prompt's own compute on `e` (its uncached part, no queue), at most the
+  // cap: among prompts that arrive close together the shorter is due first, while one that
+  // arrived long enough before keeps its place.
+  std::optional<std::chrono::milliseconds> prefill_deadline(const EndpointLoad& e,
+                                                            const RequestInfo& r) const override {
+    if (!sets_prefill_deadlines() || !e.schedules_by_priority) return std::nullopt;
+    double own_s =
+        estimate_work_s(estimator(e), detail::uncached_tokens(e, r),
+                        e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens,
+                        e.queued_prefill_pairs >= 0 ? detail::uncached_pairs(e, r) : int64_t{-1});
+    if (o_.prefill_deadline_cap_s > 0) own_s = std::min(own_s, o_.prefill_deadline_cap_s);
+    return std::chrono::milliseconds(std::llround(o_.prefill_deadline_slack * own_s * 1e3));
   }
 
  private:
