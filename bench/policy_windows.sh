@@ -11,7 +11,9 @@
 #   both the workload's --seed and --sim-seed), SPREAD (1: --trace-spread, the records sharing a
 #   timestamp arrive spread up to the next one, drawn from the seed),
 #   PREFILL (4), DECODE (4), MODE (parallel), POLICIES ("tandem kv_router": the first against the
-#   second), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), JOBS (2 runs at once), OUT (keep results).
+#   second), SLO_TTFT_MS (10000), SLO_TPOT_MS (100), JOBS (2 runs at once), OUT (keep results),
+#   TOPOLOGY (a topology file for every run: its `scheduling` section tunes the policies),
+#   PEER_RUNS (a folder OUT kept: the second policy's runs found there are not run again).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
@@ -34,16 +36,22 @@ for ((w = 0; w < count; ++w)); do
   for ts in ${TIME_SCALES:-4 8}; do
     for seed in ${SEEDS:-0}; do
       for p in "${policies[@]}"; do
-        echo "$((w * window)) $ts $seed $p"
+        kept="${PEER_RUNS:-}/$((w * window))-$ts-$seed-$p.json"
+        if [ "$p" = "${policies[1]}" ] && [ -n "${PEER_RUNS:-}" ] && [ -f "$kept" ]; then
+          cp "$kept" "$dir/"
+        else
+          echo "$((w * window)) $ts $seed $p"
+        fi
       done
     done
   done
-done | SPREAD_FLAG="$([ "${SPREAD:-0}" = 1 ] && echo --trace-spread)" xargs -P "${JOBS:-2}" -L 1 sh -c '
+done | SPREAD_FLAG="$([ "${SPREAD:-0}" = 1 ] && echo --trace-spread)" \
+  TOPOLOGY_FLAG="${TOPOLOGY:+--topology $TOPOLOGY}" xargs -P "${JOBS:-2}" -L 1 sh -c '
   # $1..$9: the fixed settings; ${10}..${13}: start, time scale, seed, policy from the line.
   "$1" simulate --dataset-name mooncake --dataset-path "$2" --trace-limit "$3" --mode "$4" \
     --prefill "$5" --decode "$6" --goodput ttft:"$7" --goodput tpot:"$8" \
     --metric-percentiles 50,99 --trace-start "${10}" --time-scale "${11}" --sim-seed "${12}" \
-    --seed "${12}" ${SPREAD_FLAG} --policy "${13}" \
+    --seed "${12}" ${SPREAD_FLAG} ${TOPOLOGY_FLAG} --policy "${13}" \
     --result-file "$9/${10}-${11}-${12}-${13}.json" >/dev/null 2>&1 ||
     echo "run failed: start ${10}, time scale ${11}, seed ${12}, policy ${13}" >&2
 ' run "$build/tandem" "$trace" "$window" "${MODE:-parallel}" "${PREFILL:-4}" "${DECODE:-4}" \
