@@ -61,6 +61,17 @@ std::string workload_tokenizer_dir(const WorkloadCliOptions& o) {
 
 namespace {
 
+// --trace-spread: for the Mooncake trace's own arrivals only (a rate replaces them).
+void check_trace_spread(const WorkloadCliOptions& o) {
+  if (!o.trace_spread) return;
+  if (o.dataset != "mooncake")
+    throw Error("--trace-spread applies to --dataset-name mooncake, not " + o.dataset);
+  if (std::isfinite(o.request_rate))
+    throw Error(
+        "--trace-spread spreads the trace's own arrivals, which --request-rate replaces: give "
+        "one of the two");
+}
+
 // The rate-driven arrivals the flags ask for (--request-rate, --burstiness, --seed).
 bench::ArrivalOptions arrival_options(const WorkloadCliOptions& o) {
   bench::ArrivalOptions a;
@@ -73,6 +84,7 @@ bench::ArrivalOptions arrival_options(const WorkloadCliOptions& o) {
 }  // namespace
 
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
+  check_trace_spread(o);
   if (o.dataset != "mooncake" || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
   // A Mooncake trace is its records (a few hash ids each) until a request is sent.
   bench::MooncakeOptions m;
@@ -102,8 +114,7 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
   const auto vocab = bench::TokenVocab::build(tok);
   if ((o.trace() || o.dataset == "sharegpt") && o.dataset_path.empty())
     throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
-  if (o.trace_spread && o.dataset != "mooncake")
-    throw Error("--trace-spread applies to --dataset-name mooncake, not " + o.dataset);
+  check_trace_spread(o);
   bench::TraceWindow window;
   window.start = o.trace_start;
   window.limit = o.trace_limit;

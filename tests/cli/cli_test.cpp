@@ -103,6 +103,14 @@ TEST(Cli, BadInputsGiveClearErrors) {
   r = run("simulate --dataset-name random --num-prompts 2 --trace-spread");
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--trace-spread applies to --dataset-name mooncake, not random"));
+
+  // A rate replaces the trace's arrivals, so there is nothing left to spread.
+  r =
+      run("simulate --dataset-name mooncake --dataset-path trace.jsonl --trace-spread "
+          "--request-rate 5");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--trace-spread spreads the trace's own arrivals, which "
+                                  "--request-rate replaces"));
 }
 
 TEST(Cli, EverySubcommandHasHelp) {
