@@ -30,6 +30,9 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   // cost is read in tokens only while theirs counts attention.
   load.queued_prefill_tokens = std::max<int64_t>(counts.uncached_in_flight.tokens, 0);
   load.queued_prefill_pairs = std::max<int64_t>(counts.uncached_in_flight.pairs, 0);
+  // How the engine schedules is a property of its process, not of the load: a late report still
+  // says it (without it a request would go with no priority, which such an engine runs first).
+  load.schedules_by_priority = state.known && state.report.schedules_by_priority;
   if (!state.known || now - state.received > max_age) return;
   const LoadReport& r = state.report;
   // The report's queue plus what was launched after its poll left, less the legs that finished
@@ -54,7 +57,6 @@ void fill_load(EndpointLoad& load, const EngineLoadState& state, const GatewayCo
   load.total_kv_blocks = r.total_blocks;
   if (r.block_size > 0) load.kv_block_size = r.block_size;
   if (r.max_batch_tokens > 0) load.max_batch_tokens = r.max_batch_tokens;
-  load.schedules_by_priority = r.schedules_by_priority;
   if (state.batch_time.observations > 0) load.batch_time = &state.batch_time;
   load.time_until_free_s = 0;
   if (r.step_seqs > 0) {

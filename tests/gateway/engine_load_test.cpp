@@ -109,6 +109,12 @@ TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   EXPECT_EQ(stale.queued_prefill_tokens, 9000);
   EXPECT_EQ(stale.running_seqs, -1);
   EXPECT_EQ(stale.batch_time, nullptr);
+  // How the engine schedules still holds: its next report would say if that changed.
+  EngineLoadState by_priority = s;
+  by_priority.report.schedules_by_priority = true;
+  EndpointLoad stale_by_priority;
+  fill_load(stale_by_priority, by_priority, counts, t0 + milliseconds(401), milliseconds(400));
+  EXPECT_TRUE(stale_by_priority.schedules_by_priority);
 }
 
 // Engines report attention pairs: of the queue, of the running step and of each recent step. The
