@@ -140,8 +140,7 @@ class TandemPolicy final : public Policy {
                                                             const RequestInfo& r) const override {
     if (!sets_prefill_deadlines() || !e.schedules_by_priority) return std::nullopt;
     double own_s =
-        estimate_work_s(estimator(e), detail::uncached_tokens(e, r),
-                        e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens,
+        estimate_work_s(estimator(e), detail::uncached_tokens(e, r), batch_tokens(e),
                         e.queued_prefill_pairs >= 0 ? detail::uncached_pairs(e, r) : int64_t{-1});
     if (o_.prefill_deadline_cap_s > 0) own_s = std::min(own_s, o_.prefill_deadline_cap_s);
     return std::chrono::milliseconds(std::llround(o_.prefill_deadline_slack * own_s * 1e3));
@@ -154,6 +153,10 @@ class TandemPolicy final : public Policy {
   const BatchTimeEstimator& estimator(const EndpointLoad& e) const {
     return e.batch_time ? *e.batch_time : prior_;
   }
+  // The engine's prefill tokens per batch: as it reports, else the option.
+  int64_t batch_tokens(const EndpointLoad& e) const {
+    return e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens;
+  }
 
   // Seconds until this engine would have computed the request's prompt: its queued work plus
   // the request's uncached part, in tokens and, when the engine reports them, attention pairs.
@@ -162,9 +165,9 @@ class TandemPolicy final : public Policy {
     const int64_t pairs = e.queued_prefill_pairs >= 0
                               ? e.queued_prefill_pairs + detail::uncached_pairs(e, r)
                               : int64_t{-1};
-    return wait + estimate_work_s(
-                      estimator(e), detail::queued_prefill(e) + detail::uncached_tokens(e, r),
-                      e.max_batch_tokens > 0 ? e.max_batch_tokens : o_.max_batch_tokens, pairs);
+    return wait + estimate_work_s(estimator(e),
+                                  detail::queued_prefill(e) + detail::uncached_tokens(e, r),
+                                  batch_tokens(e), pairs);
   }
 
   // True when an engine that cannot take the request now would still compute it sooner than
