@@ -5,6 +5,14 @@
 #include "util/error.h"
 
 namespace tandem::engine {
+namespace {
+
+// The order of sequences when scheduling by priority: lower priority values first, then arrival.
+std::pair<int64_t, uint64_t> priority_order(const Sequence* s) {
+  return {s->request.priority, s->arrival_order};
+}
+
+}  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config, KvCacheManager& kv) : config_(config), kv_(kv) {
   if (config.max_num_seqs < 1) throw Error("max_num_seqs must be at least 1");
@@ -15,10 +23,9 @@ void Scheduler::insert_waiting(Sequence* seq, bool front) {
   seq->status = SequenceStatus::kWaiting;
   if (config_.priority) {
     // Ordered by (priority, arrival): a preempted sequence keeps its place by arrival.
-    auto key = [](const Sequence* s) { return std::pair(s->request.priority, s->arrival_order); };
-    auto it =
-        std::upper_bound(waiting_.begin(), waiting_.end(), seq,
-                         [&](const Sequence* a, const Sequence* b) { return key(a) < key(b); });
+    auto it = std::upper_bound(
+        waiting_.begin(), waiting_.end(), seq,
+        [](const Sequence* a, const Sequence* b) { return priority_order(a) < priority_order(b); });
     waiting_.insert(it, seq);
   } else if (front) {
     waiting_.push_front(seq);
@@ -35,11 +42,9 @@ Sequence* Scheduler::preemption_victim() const {
   if (running_.empty()) return nullptr;
   if (!config_.priority) return running_.back();
   // The lowest priority (highest value), the latest arrival among equals.
-  return *std::max_element(running_.begin(), running_.end(),
-                           [](const Sequence* a, const Sequence* b) {
-                             return std::pair(a->request.priority, a->arrival_order) <
-                                    std::pair(b->request.priority, b->arrival_order);
-                           });
+  return *std::max_element(
+      running_.begin(), running_.end(),
+      [](const Sequence* a, const Sequence* b) { return priority_order(a) < priority_order(b); });
 }
 
 void Scheduler::preempt(Sequence* seq) {
@@ -161,14 +166,15 @@ SchedulerOutput Scheduler::schedule() {
   // Then waiting sequences in their order; by priority, merged with the running prefills in
   // (priority, arrival) order, so that a more urgent prompt takes the chunk budget from a less
   // urgent one that is part-way through its prefill (it keeps its blocks and resumes later).
-  auto key = [](const Sequence* s) { return std::pair(s->request.priority, s->arrival_order); };
-  std::stable_sort(later.begin(), later.end(),
-                   [&](const Sequence* a, const Sequence* b) { return key(a) < key(b); });
+  std::stable_sort(later.begin(), later.end(), [](const Sequence* a, const Sequence* b) {
+    return priority_order(a) < priority_order(b);
+  });
   size_t r = 0, i = 0;
   while (budget > 0) {
     while (r < later.size() && later[r]->status != SequenceStatus::kRunning) ++r;
     const bool waiting_next = can_admit() && i < waiting_.size();
-    if (r < later.size() && (!waiting_next || key(later[r]) <= key(waiting_[i])))
+    if (r < later.size() &&
+        (!waiting_next || priority_order(later[r]) <= priority_order(waiting_[i])))
       run(later[r++]);
     else if (waiting_next)
       admit(i);
