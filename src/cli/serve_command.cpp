@@ -17,6 +17,7 @@
 #include "engine/api_server.h"
 #include "engine/transfer/kv_transfer.h"
 #include "gateway/gateway.h"
+#include "gateway/priority.h"
 #include "model/make_model.h"
 #include "net/http_client.h"
 #include "util/child_process.h"
@@ -103,7 +104,7 @@ void run(const ServeOptions& o) {
   }
   gateway::PriorityClasses classes;
   if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
-  const bool deadlines = gateway::make_policy(o.policy)->sets_prefill_deadlines();
+  const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(o.policy);
   const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
   if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
     throw Error(
@@ -126,7 +127,7 @@ void run(const ServeOptions& o) {
     if (o.batch_invariant) a.push_back("--batch-invariant");
     // The gateway passes each request's class as its priority, or the policy's deadline to the
     // engine that computes the prompt: the engines schedule by it.
-    if (classes.enabled() || (deadlines && role != "decode"))
+    if (gateway::engine_schedules_by_priority(classes, *policy, role != "decode"))
       a.insert(a.end(), {"--scheduling-policy", "priority"});
     if (o.kv_events) {  // the gateway's prefix index subscribes
       const std::string any = "tcp://" + o.engine_host + ":*";

@@ -49,4 +49,9 @@ size_t request_class(const PriorityClasses& pc, const nlohmann::json& priority,
   return asked ? std::max(requested, mapped->second) : mapped->second;
 }
 
+bool engine_schedules_by_priority(const PriorityClasses& classes, const Policy& policy,
+                                  bool computes_prompts) {
+  return classes.enabled() || (computes_prompts && policy.sets_prefill_deadlines());
+}
+
 }  // namespace tandem::gateway

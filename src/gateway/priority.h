@@ -21,4 +21,10 @@ namespace tandem::gateway {
 size_t request_class(const PriorityClasses& classes, const nlohmann::json& priority,
                      std::string_view api_key);
 
+// Whether an engine should schedule by the requests' priority (`--scheduling-policy priority`):
+// every engine when there are classes (each request carries its class's), else an engine that
+// computes prompts (prefill, or aggregated) when the policy sets prefill deadlines.
+bool engine_schedules_by_priority(const PriorityClasses& classes, const Policy& policy,
+                                  bool computes_prompts);
+
 }  // namespace tandem::gateway

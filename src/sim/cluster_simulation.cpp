@@ -16,6 +16,7 @@
 #include "gateway/kv_events_consumer.h"
 #include "gateway/policy.h"
 #include "gateway/prefix_index.h"
+#include "gateway/priority.h"
 #include "gateway/tokens_in.h"
 #include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
@@ -172,7 +173,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     eo.name = e.name;
     eo.config.scheduler = options.scheduler;
     // Engines schedule by the priority the gateway sends them, as `tandem serve` starts them.
-    if (topo.priority.enabled() || dispatcher.sets_prefill_deadlines())
+    if (gateway::engine_schedules_by_priority(topo.priority, *policy, prefill || !pd))
       eo.config.scheduler.priority = true;
     eo.config.enable_prefix_caching = options.prefix_caching;
     if (pd) {

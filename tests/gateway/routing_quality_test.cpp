@@ -112,6 +112,17 @@ TEST(PriorityClass, AMappedKeyDecidesAndARequestMayOnlyLowerIt) {
   EXPECT_EQ(request_class(pc, json("batch"), "k-chat"), 2u);  // may go lower
 }
 
+TEST(PriorityClass, EnginesScheduleByPriorityWithClassesOrWhereTheyComputeDeadlinedPrompts) {
+  const auto tandem = make_policy("tandem");  // sets prefill deadlines by default
+  const auto kv_router = make_policy("kv_router");
+  const PriorityClasses none;
+  EXPECT_TRUE(engine_schedules_by_priority(none, *tandem, /*computes_prompts=*/true));
+  EXPECT_FALSE(engine_schedules_by_priority(none, *tandem, /*computes_prompts=*/false));
+  EXPECT_FALSE(engine_schedules_by_priority(none, *kv_router, true));
+  for (const bool computes : {true, false})
+    EXPECT_TRUE(engine_schedules_by_priority(classes(), *kv_router, computes));
+}
+
 TEST(PriorityClass, UnknownValuesAndNamesAre400sNamingTheField) {
   const PriorityClasses pc = classes();
   for (const json& bad : {json(3), json("urgent"), json(1.5), json::array({0}), json(true)}) {
