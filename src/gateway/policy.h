@@ -185,8 +185,9 @@ std::unique_ptr<Policy> make_kv_router_policy(KvRouterOptions options = {});
 // by expected decode load within the prefill's group.
 struct TandemOptions {
   int64_t max_batch_tokens = 2048;  // an engine's prefill tokens per batch, when it does not say
-  int64_t max_queued_prefill_tokens = 32000;  // overload: more queued prefill tokens (0: no limit)
-  int64_t max_prefill_seqs = 32;              // overload: more requests in flight (0: no limit)
+  // Overload: more queued prefill tokens (0: no limit); not on engines given deadlines (below).
+  int64_t max_queued_prefill_tokens = 32000;
+  int64_t max_prefill_seqs = 32;  // overload: more requests in flight (0: no limit)
   // A request is held for the queue limit above at most this long after it arrived; then it goes
   // to the engine that computes it soonest, over that engine's queued-token limit (never over
   // the in-flight limits). 0: no bound.
@@ -203,7 +204,7 @@ struct TandemOptions {
   // expected compute time after it arrived, counting at most prefill_deadline_cap_s of it, so on
   // engines that compute prefills earliest deadline first a short prompt passes long ones at
   // their next chunk, and prompts longer than the cap keep their arrival order. 0: no deadlines.
-  double prefill_deadline_slack = 8;
+  double prefill_deadline_slack = 12;
   double prefill_deadline_cap_s = 5;
 };
 std::unique_ptr<Policy> make_tandem_policy(TandemOptions options = {});

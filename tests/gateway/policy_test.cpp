@@ -765,6 +765,29 @@ TEST(Tandem, HoldsTheRequestWhileEveryEngineIsOverloaded) {
   EXPECT_EQ(p->choose_prefill(v, req(100), t0).kind, Choice::Kind::kNoneEligible);
 }
 
+// An engine that orders its prefills by the policy's deadlines lets a short prompt pass its
+// queue itself, so the gateway does not hold requests for its queued tokens; the request limit
+// (max_prefill_seqs, 32) still holds.
+TEST(Tandem, DoesNotHoldForTheQueuedTokensOfAnEngineThatTakesDeadlines) {
+  const auto p = make_policy("tandem");
+  ASSERT_TRUE(p->sets_prefill_deadlines());
+  ClusterView v;
+  v.prefill = {ep(0, 0, 1, 64)};
+  v.prefill[0].queued_prefill_tokens = 40000;  // over the 32000-token limit
+  EXPECT_EQ(p->choose_prefill(v, req(100), t0).kind, Choice::Kind::kSaturated);
+  v.prefill[0].schedules_by_priority = true;
+  EXPECT_EQ(p->choose_prefill(v, req(100), t0).endpoint, 0);
+  v.decode = {ep(10)};
+  EXPECT_EQ(p->choose_together(v, req(100), t0).prefill, 0);
+  v.prefill[0].in_flight = 32;
+  EXPECT_EQ(p->choose_prefill(v, req(100), t0).kind, Choice::Kind::kSaturated);
+  // A policy without deadlines holds for the queued tokens of any engine.
+  TandemOptions o;
+  o.prefill_deadline_slack = 0;
+  v.prefill[0].in_flight = 1;
+  EXPECT_EQ(make_tandem_policy(o)->choose_prefill(v, req(100), t0).kind, Choice::Kind::kSaturated);
+}
+
 // The hold is bounded: after max_hold (2 s) since arrival, a request goes to the engine that
 // computes it soonest among those only over their queued-token limit, in every mode.
 TEST(Tandem, HoldsAtMostMaxHoldThenGoesToTheSoonestEngine) {

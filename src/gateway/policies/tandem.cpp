@@ -138,7 +138,7 @@ class TandemPolicy final : public Policy {
   // arrived long enough before keeps its place.
   std::optional<std::chrono::milliseconds> prefill_deadline(const EndpointLoad& e,
                                                             const RequestInfo& r) const override {
-    if (!sets_prefill_deadlines() || !e.schedules_by_priority) return std::nullopt;
+    if (!gets_deadlines(e)) return std::nullopt;
     double own_s =
         estimate_work_s(estimator(e), detail::uncached_tokens(e, r), batch_tokens(e),
                         e.queued_prefill_pairs >= 0 ? detail::uncached_pairs(e, r) : int64_t{-1});
@@ -149,6 +149,11 @@ class TandemPolicy final : public Policy {
  private:
   TandemOptions o_;
   BatchTimeEstimator prior_;
+
+  // The engine orders its prefills by the deadlines this policy gives.
+  bool gets_deadlines(const EndpointLoad& e) const {
+    return sets_prefill_deadlines() && e.schedules_by_priority;
+  }
 
   const BatchTimeEstimator& estimator(const EndpointLoad& e) const {
     return e.batch_time ? *e.batch_time : prior_;
@@ -225,8 +230,12 @@ class TandemPolicy final : public Policy {
 
   // Over the policy's own prefill limits, whose cause (the queued work) the cost counts; an
   // engine at the gateway's in-flight limit or without decode room may stay so for any time.
+  // The queued-token limit holds requests only for engines that compute first come, first
+  // served: one that orders its prefills by deadline already lets a short prompt pass the queued
+  // ones, and a second, arrival-ordered queue in the gateway only delays it.
   bool queue_overloaded(const EndpointLoad& e) const {
     if (o_.max_prefill_seqs > 0 && e.in_flight >= o_.max_prefill_seqs) return true;
+    if (gets_deadlines(e)) return false;
     const int64_t queued = detail::queued_prefill(e);
     return o_.max_queued_prefill_tokens > 0 && queued > 0 && queued >= o_.max_queued_prefill_tokens;
   }
