@@ -28,8 +28,7 @@ class Gateway::Impl {
  public:
   Impl(Topology topology, std::string config_path)
       : topo_((validate(topology), std::move(topology))),
-        policy_(make_policy(topo_.policy, {topo_.scheduling.tandem, topo_.scheduling.cache_aware,
-                                           topo_.scheduling.kv_router})),
+        policy_(make_policy(topo_.policy, policy_options(topo_))),
         metrics_(registry_),
         tokenizer_(topo_.model.empty()
                        ? nullptr

@@ -646,6 +646,12 @@ PriorityClasses load_priority_classes(const std::string& path) {
   return read_priority_classes(Reader(path), root, "");
 }
 
+PolicyOptions policy_options(const Topology& t) {
+  PolicyOptions o{t.scheduling.tandem, t.scheduling.cache_aware, t.scheduling.kv_router};
+  if (t.priority.enabled()) o.tandem.prefill_deadline_slack = 0;
+  return o;
+}
+
 void validate(Topology& t) {
   if (t.host.empty()) invalid("listen.host", "a host name or address", "nothing");
   // listen.port 0 is allowed: the system picks a free port (tests use that).

@@ -160,6 +160,11 @@ Topology load_topology(const std::string& path);
 // A file holding only the `priority_classes` section's mapping (`tandem serve --priority-classes`).
 PriorityClasses load_priority_classes(const std::string& path);
 
+// The policies' options from the `scheduling` section. With priority classes each request's class
+// is its `priority` on the engines, so the tandem policy sets no prefill deadlines (and holds
+// requests for the engines' queued tokens, as for engines without deadlines).
+PolicyOptions policy_options(const Topology& topology);
+
 // Throws tandem::Error for an inconsistent topology: no decode engine; a prefill pool in
 // aggregated mode or none in a P/D mode; a dialect that cannot serve the mode; a parallel-mode
 // prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits;

@@ -142,9 +142,8 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   gateway::PrefixIndex index;
   metrics::Registry registry;
   gateway::GatewayMetrics gateway_metrics(registry);
-  const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(
-      topo.policy,
-      {topo.scheduling.tandem, topo.scheduling.cache_aware, topo.scheduling.kv_router});
+  const std::unique_ptr<gateway::Policy> policy =
+      gateway::make_policy(topo.policy, gateway::policy_options(topo));
   std::unique_ptr<gateway::PromptTokenizer> prompt_tokenizer;
   if (!topo.model.empty())
     prompt_tokenizer = std::make_unique<gateway::PromptTokenizer>(

@@ -206,7 +206,7 @@ class Cluster {
  public:
   explicit Cluster(Topology topology)
       : topo(std::move(topology)),
-        policy(make_policy(topo.policy)),
+        policy(make_policy(topo.policy, policy_options(topo))),
         metrics(registry),
         endpoints(topo, metrics, index),
         dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr),

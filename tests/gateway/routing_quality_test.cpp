@@ -123,6 +123,28 @@ TEST(PriorityClass, EnginesScheduleByPriorityWithClassesOrWhereTheyComputeDeadli
     EXPECT_TRUE(engine_schedules_by_priority(classes(), *kv_router, computes));
 }
 
+// With classes the class is the priority: the tandem policy then sets no deadlines, so it holds
+// requests for the queued tokens of engines that schedule by priority (by class), as before
+// deadlines, instead of treating them as engines that take its deadlines.
+TEST(PriorityClass, WithClassesTheTandemPolicyGivesNoDeadlinesAndHoldsForQueuedTokens) {
+  Topology t;
+  t.scheduling.tandem.prefill_deadline_slack = 12;
+  EXPECT_EQ(policy_options(t).tandem.prefill_deadline_slack, 12);
+  t.priority = classes();
+  const auto tandem = make_policy("tandem", policy_options(t));
+  EXPECT_FALSE(tandem->sets_prefill_deadlines());
+  ClusterView v;
+  v.prefill.resize(1);
+  v.prefill[0].max_in_flight = 64;
+  v.prefill[0].in_flight = 1;
+  v.prefill[0].queued_prefill_tokens = 40000;  // over the 32000-token limit
+  v.prefill[0].schedules_by_priority = true;
+  RequestInfo r;
+  r.prompt_tokens = 100;
+  EXPECT_EQ(tandem->choose_prefill(v, r, Clock::time_point{}).kind, Choice::Kind::kSaturated);
+  EXPECT_FALSE(tandem->prefill_deadline(v.prefill[0], r).has_value());
+}
+
 TEST(PriorityClass, UnknownValuesAndNamesAre400sNamingTheField) {
   const PriorityClasses pc = classes();
   for (const json& bad : {json(3), json("urgent"), json(1.5), json::array({0}), json(true)}) {
