@@ -16,6 +16,7 @@ REQUEST.json:
     {"sequences": [[token ids], ...],
      "all_logits": false,      # true: logits at every position; false: only at the last position
      "greedy_tokens": 0,       # greedy continuation of N tokens per sequence, by full recomputation
+     "greedy_masked": [],      # optional: ids the greedy continuation never chooses
      "mtp": false,             # MTP logits for positions 0..len-2 (draft of token i+2, fed token i+1)
      "attention": "naive",     # optional: "naive" (per-head K/V) or "absorbed" (latent MQA form)
      "mtp_mask_position0": false}  # optional: zero the MTP input embedding at position 0 as vLLM does
@@ -734,14 +735,17 @@ class Model:
 # requests
 # ------------------------------------------------------------------------------------------------
 
-def greedy_argmax(row):
-    """Index of the largest logit; ties go to the lowest index."""
-    return int(np.argmax(row.numpy()))
+def greedy_argmax(row, masked):
+    """Index of the largest logit outside `masked`; ties go to the lowest index."""
+    values = row.numpy().copy()
+    values[masked] = -np.inf
+    return int(np.argmax(values))
 
 
-def greedy_margin(row):
-    """(top logit - second logit) / largest |logit|: how clear the greedy choice of this row is."""
-    values = row.numpy().astype(np.float64)
+def greedy_margin(row, masked):
+    """(top logit - second logit) / largest |logit|, outside `masked`: how clear the greedy choice
+    of this row is."""
+    values = np.delete(row.numpy().astype(np.float64), masked)
     top2 = np.sort(values)[-2:]
     scale = float(np.max(np.abs(values)))
     return float((top2[1] - top2[0]) / scale) if scale > 0 else 0.0
@@ -756,7 +760,8 @@ def finite_rows(tensor, what):
 def parse_request(req):
     if not isinstance(req, dict):
         raise OracleError("request: top level is not a JSON object")
-    known = {"sequences", "all_logits", "greedy_tokens", "mtp", "attention", "mtp_mask_position0"}
+    known = {"sequences", "all_logits", "greedy_tokens", "greedy_masked", "mtp", "attention",
+             "mtp_mask_position0"}
     unknown = sorted(set(req) - known)
     if unknown:
         raise OracleError(f"request: unknown field(s) {unknown}")
@@ -769,15 +774,22 @@ def parse_request(req):
     greedy = req.get("greedy_tokens", 0)
     if isinstance(greedy, bool) or not isinstance(greedy, int) or greedy < 0:
         raise OracleError("request: greedy_tokens must be a non-negative integer")
+    masked = req.get("greedy_masked", [])
+    if not isinstance(masked, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in masked):
+        raise OracleError("request: greedy_masked must be a list of non-negative token ids")
     mode = req.get("attention", "naive")
     if mode not in ("naive", "absorbed"):
         raise OracleError(f"request: attention {mode!r} is not naive or absorbed")
-    return (seqs, req.get("all_logits", False), greedy, req.get("mtp", False), mode,
+    return (seqs, req.get("all_logits", False), greedy, masked, req.get("mtp", False), mode,
             req.get("mtp_mask_position0", False))
 
 
 def run_request(model, req):
-    seqs, all_logits, greedy_n, want_mtp, mode, mask0 = parse_request(req)
+    seqs, all_logits, greedy_n, masked, want_mtp, mode, mask0 = parse_request(req)
+    if any(i >= model.cfg.vocab_size for i in masked):
+        raise OracleError(f"request: greedy_masked holds an id beyond the vocabulary of "
+                          f"{model.cfg.vocab_size}")
     out = []
     for n, tokens in enumerate(seqs):
         model.check_tokens(tokens)
@@ -789,10 +801,10 @@ def run_request(model, req):
             ids = list(tokens)
             row = model.logits(hidden[-1:])[0]
             for step in range(greedy_n):
-                nxt = greedy_argmax(row)
+                nxt = greedy_argmax(row, masked)
                 ids.append(nxt)
                 entry["greedy"].append(nxt)
-                entry["greedy_margins"].append(greedy_margin(row))
+                entry["greedy_margins"].append(greedy_margin(row, masked))
                 if step + 1 < greedy_n:  # full recomputation over the whole sequence so far
                     row = model.logits(model.hidden(ids, mode=mode)[-1:])[0]
         if want_mtp:
