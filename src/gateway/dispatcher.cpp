@@ -198,9 +198,8 @@ void Dispatcher::dispatch(Clock::time_point now) {
       for (const auto& e : *pool)
         if (e.id == computes) {
           r->uncached = PrefillWork::of_prompt(e.cached_tokens, r->prompt_tokens);
-          if (sets_prefill_deadlines())
-            if (const auto due = policy_.prefill_deadline(e, ri))
-              r->prefill_priority = r->received_unix_ms + due->count();
+          if (const auto due = policy_.prefill_deadline(e, ri))
+            r->prefill_priority = r->received_unix_ms + due->count();
         }
     if (computes >= 0) r->reuse = reuse_at_decision(prefill >= 0 ? v.prefill : v.decode, computes);
     start(r, prefill, decode);

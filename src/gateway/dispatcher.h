@@ -33,6 +33,7 @@ class AccessLog;
 class Dispatcher {
  public:
   // Everything is owned by the caller and outlives the dispatcher; `access_log` may be null.
+  // `policy` is made with the topology's policy_options.
   Dispatcher(const Topology& topology, Executor& executor, Upstream& upstream, const Policy& policy,
              EndpointTable& endpoints, GatewayMetrics& metrics, AccessLog* access_log);
   Dispatcher(const Dispatcher&) = delete;
@@ -63,10 +64,9 @@ class Dispatcher {
   // An engine to relay GET /v1/models to: the policy's decode pick, or null.
   const EndpointState* models_endpoint() const;
   // Whether engines get the policy's prefill deadlines (Policy::prefill_deadline) in the field
-  // `priority`, which the gateway then owns; priority classes, when configured, set it instead.
-  bool sets_prefill_deadlines() const {
-    return policy_.sets_prefill_deadlines() && !topo_.priority.enabled();
-  }
+  // `priority`, which the gateway then owns. The policy is made with policy_options(topology),
+  // which turns deadlines off where priority classes set the field instead.
+  bool sets_prefill_deadlines() const { return policy_.sets_prefill_deadlines(); }
 
   size_t waiting() const { return waiting_.size(); }
   size_t active() const { return active_.size(); }
