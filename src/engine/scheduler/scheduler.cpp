@@ -152,9 +152,10 @@ SchedulerOutput Scheduler::schedule() {
 
   // Running sequences first, in admission order; by priority, those still prefilling compete with
   // the waiting ones instead (below). A snapshot, since preemption removes from running_.
-  const std::vector<Sequence*> running = running_;
-  std::vector<Sequence*> later;  // by priority: the running sequences still prefilling
-  for (Sequence* seq : running) {
+  step_running_.assign(running_.begin(), running_.end());
+  std::vector<Sequence*>& later = step_prefilling_;  // by priority: the running ones prefilling
+  later.clear();
+  for (Sequence* seq : step_running_) {
     if (budget <= 0) break;
     if (seq->status != SequenceStatus::kRunning) continue;  // preempted in this step
     if (config_.priority && prefilling(seq))

@@ -91,6 +91,9 @@ class Scheduler {
   KvCacheManager& kv_;
   std::vector<Sequence*> running_;  // in admission order
   std::deque<Sequence*> waiting_;
+  // schedule()'s working lists, kept so that a step does not allocate: the running sequences
+  // when it began, and (by priority) those of them still prefilling.
+  std::vector<Sequence*> step_running_, step_prefilling_;
 };
 
 }  // namespace tandem::engine
