@@ -25,6 +25,7 @@
 #include "sim/virtual_upstream.h"
 #include "util/error.h"
 #include "util/metrics.h"
+#include "util/random_id.h"
 
 namespace tandem::sim {
 namespace {
@@ -136,6 +137,8 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   }
   gateway::validate(topo);
 
+  // The gateway's random ids (request ids, bootstrap rooms) are made on this thread.
+  seed_random_ids(options.executor.seed);
   gateway::VirtualExecutor clock;
   const Clock::time_point origin = clock.now();
   VirtualUpstream upstream(clock, options.body_bytes_per_s);

@@ -33,8 +33,8 @@ struct SimulationOptions {
   int prefill = 0, decode = 1;
   // Every engine's simulated executor: its latency model (a preset name or a fitted JSON file),
   // KV blocks (0: the preset's) and block size, KV bytes per token, expert parallelism under a
-  // placement and MTP acceptance (its seed: the tokens and routes). The name and the seed of the
-  // routes drawn are set per engine; its wait is the simulator's.
+  // placement and MTP acceptance (its seed: the tokens and routes, and the gateway's random ids).
+  // The name and the seed of the routes drawn are set per engine; its wait is the simulator's.
   engine::SimExecutorOptions executor = [] {
     engine::SimExecutorOptions x;
     x.preset = "deepseek-v3-h800";

@@ -4,9 +4,21 @@
 
 namespace tandem {
 
-uint64_t random_u64() {
+namespace {
+
+std::mt19937_64& generator() {
   thread_local std::mt19937_64 rng(std::random_device{}());
-  return rng();
+  return rng;
+}
+
+}  // namespace
+
+uint64_t random_u64() {
+  return generator()();
+}
+
+void seed_random_ids(uint64_t seed) {
+  generator().seed(seed);
 }
 
 std::string random_hex(int words) {

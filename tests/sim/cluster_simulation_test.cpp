@@ -365,6 +365,23 @@ TEST_P(DisaggregatedSimulation, TheSameInputsGiveTheSameRun) {
   EXPECT_EQ(a.kv_transfer_bytes, b.kv_transfer_bytes);
 }
 
+TEST(ClusterSimulation, ARunRepeatsWhenBodiesTakeTimeByTheirBytes) {
+  // One request at a time on idle engines: each first token waits for its bodies' bytes, among
+  // them the bootstrap room's decimal digits, which the gateway draws at random (18 or 19 digits).
+  auto reqs = random_requests(40, 11);
+  for (size_t i = 0; i < reqs.size(); ++i) reqs[i].arrival_s = 5.0 * double(i);
+  auto o = pd_options(gateway::PdMode::kParallel, 1, 1, "deepseek-v3-h800");
+  o.body_bytes_per_s = 1e6;
+  const auto a = simulate(reqs, o, tokenizer());
+  const auto b = simulate(reqs, o, tokenizer());
+  ASSERT_EQ(a.results.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(a.results[i].success) << i << ": " << a.results[i].error;
+    EXPECT_EQ(a.results[i].ttft_s, b.results[i].ttft_s) << i;
+    EXPECT_EQ(a.results[i].latency_s, b.results[i].latency_s) << i;
+  }
+}
+
 TEST(ClusterSimulation, AParallelPrefillIsAnsweredWhenTheEngineNextLoopsNotAfterItsNextPass) {
   // SGLang's flow: the prefill leg is answered once the KV has left. A (100 tokens) prefills
   // 0-0.110 s and its KV leaves; B (500) prefills 0.110-0.620 s, and A's transfer ends during that
