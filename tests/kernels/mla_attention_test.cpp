@@ -207,6 +207,9 @@ std::vector<Case> cases() {
     // with partial tiles, and odd head counts with every row and position remainder.
     out.push_back({128, 512, 64, 16, 1, 200, type});
     out.push_back({128, 512, 64, 16, 2, 77, type});
+    // 32 and 64 heads take the lanes in groups of 16 (of one query token each).
+    out.push_back({32, 512, 64, 16, 3, 200, type});
+    out.push_back({64, 512, 64, 16, 2, 130, type});
     for (int64_t heads : {37, 41}) out.push_back({heads, 96, 32, 5, 3, 71, type});
   }
   // Widths the AVX2 kernels do not take (not multiples of 8): the portable loops run for all.
@@ -280,10 +283,12 @@ TEST(MlaDecode, ABatchEqualsItsSequencesOneByOne) {
 // Batch-invariant numerics: with chunks at fixed positions, a query's output has the same bits
 // whether it is a decode step's only query (context ending at it) or one of a prefill chunk's
 // (context running past it, later positions masked), at any offset among the step's queries.
-// Both BF16 score layouts: rows of positions (4 heads) and heads in lanes (16).
+// Every BF16 score layout: rows of positions (4 heads), heads in lanes (16, and 32 in two groups)
+// and transposed keys (48).
 TEST(MlaDecode, FixedChunksGiveAQueryTheSameBitsWhateverItsStep) {
   for (const auto& [type, heads] :
        {std::pair{LatentType::kBF16, int64_t{4}}, std::pair{LatentType::kBF16, int64_t{16}},
+        std::pair{LatentType::kBF16, int64_t{32}}, std::pair{LatentType::kBF16, int64_t{48}},
         std::pair{LatentType::kF32, int64_t{4}}}) {
     const MlaShape shape{heads, 64, 32, 16, 0.1f, type};
     std::mt19937 rng(11);

@@ -31,10 +31,16 @@ constexpr int64_t kMinChunk = 512;
 // score summed across its vector (45 operations per 16 scores, once per head and position).
 constexpr int64_t kPrefetchTiles = 2;
 constexpr int64_t kTransposedScoreHeads = 32;
-// At 16 heads (DeepSeek-V2-Lite, or V3's 128 over 8 ranks) each query token's heads take the
-// lanes of one vector (mla_scores_bf16_lanes): no sums across vectors, keys read as they are.
+// At 16, 32 or 64 heads (DeepSeek-V2-Lite; V3's 128 over 8, 4 or 2 ranks) each group of 16 heads
+// of a query token takes the lanes of one vector (mla_scores_bf16_lanes): no sums across vectors,
+// keys read as they are. Measured at 16K positions, 2 threads, % of the BF16 peak, transposed
+// keys against lanes: 32 heads 39-45 / 55-58 (one query token), 51 / 64-67 (two), 53-63 / 65-69
+// (four); 64 heads 35-52 / 63-66, 53-59 / 65-67, 67-72 / 66-69; 128 heads 48-62 / 62-68,
+// 69-72 / 67-69, 76-85 / 68-76. The choice depends on the head count alone, not on the query
+// tokens, so that a query's result has the same bits in any step (the two paths sum a row's
+// probabilities in different orders).
 constexpr bool lane_layout(int64_t heads) {
-  return heads == avx512::kMlaLaneHeads;
+  return heads % avx512::kMlaLaneHeads == 0 && heads <= 4 * avx512::kMlaLaneHeads;
 }
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -367,10 +373,11 @@ void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t be
   for (int64_t i = 0; i < rows * d; ++i) q[i] = seq.q[i] * qscale;
   avx512::to_bf16(q.data(), rows * d, qa);
   const bool lanes = lane_layout(shape.heads);
-  if (lanes) {  // each query token's heads transposed once for the whole chunk
+  if (lanes) {  // each group of 16 heads transposed once for the whole chunk
     uint16_t* qt = aligned64(lane_q, rows * d);
-    for (int64_t g = 0; g < seq.s_q; ++g)
-      avx512::mla_transpose_query16(qa + g * shape.heads * d, d, qt + g * shape.heads * d);
+    for (int64_t g = 0; g < rows / avx512::kMlaLaneHeads; ++g)
+      avx512::mla_transpose_query16(qa + g * avx512::kMlaLaneHeads * d, d,
+                                    qt + g * avx512::kMlaLaneHeads * d);
     qa = qt;
   }
   std::fill_n(m, rows, kNegInf);
@@ -396,22 +403,25 @@ void attend_chunk_bf16(const MlaShape& shape, const MlaSequence& seq, int64_t be
       // The paths below pair the values after their scores: the transposed one measured slower
       // with them paired first (128 heads: 67% against 74% of the peak).
       avx512::mla_pair_values(pos.data(), n, width, paired.data());
-      // Per query token: its 16 heads' scores [position][head], probabilities in pairs of
-      // positions by head, and the weighted sum.
-      for (int64_t g = 0; g < seq.s_q; ++g) {
-        const int64_t r0 = g * shape.heads;
+      // Per group of 16 heads (of one query token): their scores [position][head],
+      // probabilities in pairs of positions by head, and the weighted sum.
+      constexpr int64_t kLane = avx512::kMlaLaneHeads;
+      for (int64_t g = 0; g < rows / kLane; ++g) {
+        const int64_t r0 = g * kLane;
         float* sg = s.data() + r0 * kTile;
-        uint16_t* pg = pb.data() + r0 * kTile;
         avx512::mla_scores_bf16_lanes(qa + r0 * d, d, pos.data(), n, sg,
                                       g == 0 ? prefetch : avx512::RowPrefetch{});
         const int64_t visible = visible_positions(shape, seq, r0, t0, n);
-        float top[avx512::kMlaLaneHeads];
+        float top[kLane];
         avx512::mla_lane_max(sg, visible, top);
-        for (int64_t h = 0; h < shape.heads; ++h)
+        for (int64_t h = 0; h < kLane; ++h)
           raise_maximum(rescale, top[h], width, m[r0 + h], l[r0 + h], acc + (r0 + h) * width);
+        uint16_t* pg = pb.data() + r0 * kTile;
         avx512::mla_probabilities_bf16_lanes(sg, visible, m + r0, even, pg, l + r0);
-        avx512::mla_accumulate_bf16(pg, shape.heads, 2, 2 * shape.heads, paired.data(), even / 2,
-                                    width, acc + r0 * width);
+        // Per group (its sums still in L1 from the rescale): one call for all groups, reading
+        // each block of values once, measured slower (128 heads: 47-50% against 62-65%).
+        avx512::mla_accumulate_bf16(pg, kLane, 2, 2 * kLane, paired.data(), even / 2, width,
+                                    acc + r0 * width);
       }
       continue;  // with the next tile
     }
