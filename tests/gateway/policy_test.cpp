@@ -963,6 +963,24 @@ TEST(Tandem, DecodeAvoidsEnginesWithoutKvRoomAndWeighsKvPressure) {
   EXPECT_EQ(p->choose_decode(v, req(1000), 0, t0).endpoint, 10);
 }
 
+TEST(Tandem, ARequestNoEngineCouldEverHoldIsSentForTheEngineToRefuse) {
+  const auto p = make_policy("tandem");
+  ClusterView v;
+  v.prefill = {ep(0)};
+  v.decode = {ep(10)};
+  v.decode[0].total_kv_blocks = 1000;  // 16,000 tokens in blocks of 16
+  v.decode[0].free_kv_blocks = 10;
+  // 1000 + 256 tokens fit the engine once others finish: the request waits for room.
+  EXPECT_EQ(p->choose_decode(v, req(1000), 0, t0).kind, Choice::Kind::kSaturated);
+  EXPECT_EQ(p->choose_together(v, req(1000), t0).kind, Choice::Kind::kSaturated);
+  // 50,000 never fit: waiting would end in the queue timeout, so it goes and the engine answers
+  // why it cannot take it.
+  EXPECT_EQ(p->choose_decode(v, req(50000), 0, t0).endpoint, 10);
+  const PairChoice c = p->choose_together(v, req(50000), t0);
+  ASSERT_EQ(c.kind, Choice::Kind::kChosen);
+  EXPECT_EQ(c.decode, 10);
+}
+
 TEST(Tandem, ParallelModeChoosesAPairInOneGroup) {
   const auto p = make_policy("tandem");
   ClusterView v;

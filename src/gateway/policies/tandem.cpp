@@ -247,9 +247,14 @@ class TandemPolicy final : public Policy {
     return detail::ceil_div(std::max<int64_t>(r.prompt_tokens, 0) + generation, bs);
   }
 
+  // Without KV room for the request now, it waits for some to free up. A request that even an
+  // empty engine could not hold would wait for nothing but its queue timeout (a 503 that blames
+  // the load): it goes, and the engine says why it cannot take it (a 400).
   bool decode_overloaded(const EndpointLoad& e, const RequestInfo& r) const {
     if (detail::at_in_flight_limit(e)) return true;
-    return e.free_kv_blocks >= 0 && e.free_kv_blocks < decode_blocks_needed(e, r);
+    const int64_t needed = decode_blocks_needed(e, r);
+    if (e.total_kv_blocks > 0 && needed > e.total_kv_blocks) return false;
+    return e.free_kv_blocks >= 0 && e.free_kv_blocks < needed;
   }
 
   // Expected decode load after adding the request, in sequences.
