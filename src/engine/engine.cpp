@@ -223,7 +223,7 @@ void Engine::stop() {
   for (auto* s : live) finish(s, "abort");
 }
 
-void Engine::submit(EngineRequest request) {
+void Engine::check(const EngineRequest& request) const {
   const auto& info = executor_->info();
   if (request.prompt.empty()) throw Error("the prompt has no tokens");
   for (auto t : request.prompt)
@@ -242,12 +242,16 @@ void Engine::submit(EngineRequest request) {
     throw Error("prompt plus max_tokens (" + std::to_string(total) +
                 " tokens) exceeds the KV cache of this engine (" +
                 std::to_string(info.num_blocks * info.block_size) + " tokens)");
-  KvTransferSpec& kt = request.kv_transfer;
-  if (kt.prefill()) request.sampling.max_tokens = 1;  // a prefill leg computes one token
+  const KvTransferSpec& kt = request.kv_transfer;
   if (kt.mode != KvTransferSpec::Mode::kNone && !agent_)
     throw Error("this engine was started without KV transfer (--role both/prefill/decode)");
   if (kt.prefill() && !agent_->serving())
     throw Error("this engine has no KV transfer server, so it cannot serve prefill legs");
+}
+
+void Engine::submit(EngineRequest request) {
+  check(request);
+  if (request.kv_transfer.prefill()) request.sampling.max_tokens = 1;  // computes one token
   {
     std::lock_guard lock(mutex_);
     if (stopping_) throw Error("the engine is shutting down");

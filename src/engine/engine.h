@@ -96,10 +96,14 @@ class Engine final : private PdHost {
   // scheduler, or a decode leg's fetch waiting for blocks).
   bool has_work() const;
 
-  // Thread-safe. Checks what can be checked up front (ids in the vocabulary, prompt plus
-  // max_tokens within the model's length and the KV cache) and throws tandem::Error with a
-  // client-facing message otherwise; then queues the request. Its outputs arrive through
-  // request.on_output on the engine thread. Request ids must be unique among live requests.
+  // Thread-safe. What can be checked up front about a request alone (ids in the vocabulary,
+  // prompt plus max_tokens within the model's length and the KV cache, a KV transfer this engine
+  // can serve): throws tandem::Error with a client-facing message when it cannot be served. For
+  // an HTTP answer that must still be able to say 400 (before a stream starts).
+  void check(const EngineRequest& request) const;
+  // Thread-safe. check(), then queues the request (throws too when the engine is stopping or the
+  // id is live). Its outputs arrive through request.on_output on the engine thread. Request ids
+  // must be unique among live requests.
   void submit(EngineRequest request);
   // Thread-safe. Finishes the request with "abort" and frees its blocks; unknown ids are ignored.
   void abort(const std::string& id);

@@ -212,9 +212,9 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   const auto& prompts = call->request.prompts;
   for (size_t i = 0; i < prompts.size(); ++i)
     call->engine_ids.push_back(base + "-" + std::to_string(i));
-  if (call->request.stream) ex->start_stream(200, "text/event-stream");
+  std::vector<EngineRequest> requests(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
-    EngineRequest er;
+    EngineRequest& er = requests[i];
     er.id = call->engine_ids[i];
     er.prompt = prompts[i];
     er.sampling = call->request.sampling;
@@ -225,9 +225,22 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     er.on_output = [call, i, post = post_](const RequestOutput& out) {
       post([call, i, out] { call->on_output(i, out); });
     };
+  }
+  // What the engine refuses for the request itself (too long for its KV cache, say) is a 400,
+  // also for a stream: one that started with a 200 and an error event made the gateway take the
+  // refusal for an engine failure (a 502, counted towards ejecting the engine).
+  try {
+    for (const auto& er : requests) engine_.check(er);
+  } catch (const Error& e) {
+    release_refused_decode_leg(body);
+    ex->send_error(400, e.what());
+    return;
+  }
+  if (call->request.stream) ex->start_stream(200, "text/event-stream");
+  for (size_t i = 0; i < requests.size(); ++i) {
     try {
-      engine_.submit(std::move(er));
-    } catch (const Error& e) {
+      engine_.submit(std::move(requests[i]));
+    } catch (const Error& e) {  // the engine stopping meanwhile
       release_refused_decode_leg(body);
       for (size_t k = 0; k < i; ++k) engine_.abort(call->engine_ids[k]);
       std::lock_guard lock(call->mutex);

@@ -247,6 +247,11 @@ TEST_F(EngineServer, TinyKvBudgetPreemptsAndStillAnswersEveryRequestCorrectly) {
   auto resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", huge.dump());
   EXPECT_EQ(resp.status, 400);
   EXPECT_NE(resp.body.find("KV cache"), std::string::npos) << resp.body;
+  // Streamed too: a 400 before any stream, not a 200 whose first event is the error.
+  huge["stream"] = true;
+  resp = net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", huge.dump());
+  EXPECT_EQ(resp.status, 400) << resp.body;
+  EXPECT_NE(resp.body.find("KV cache"), std::string::npos) << resp.body;
 }
 
 // The second family through the official client: a Qwen3-MoE engine (hermes tool-call markup,

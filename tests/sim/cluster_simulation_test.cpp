@@ -382,6 +382,27 @@ TEST(ClusterSimulation, ARunRepeatsWhenBodiesTakeTimeByTheirBytes) {
   }
 }
 
+TEST_P(DisaggregatedSimulation, ARequestNoEngineCanHoldIsRefusedAtOnceAndEjectsNoEngine) {
+  // 64 blocks of 16 tokens: a 2000-token prompt fits no engine, even an idle one.
+  auto o = pd_options(GetParam(), 1, 1, "deepseek-v3-h800");
+  o.executor.num_blocks = 64;
+  std::vector<bench::BenchRequest> reqs;
+  reqs.push_back(request(0.0, words(2000, 1), 8));
+  for (int i = 0; i < 4; ++i) reqs.push_back(request(0.5 + 0.5 * i, words(100, 50 + 10 * i), 8));
+  const auto run = simulate(reqs, o, tokenizer());
+  ASSERT_FALSE(run.results[0].success);
+  // The engine's own answer (a 400 that says why), not a hold until the queue timeout (503) nor
+  // an engine failure (502).
+  EXPECT_NE(run.results[0].error.find("HTTP 400"), std::string::npos) << run.results[0].error;
+  EXPECT_NE(run.results[0].error.find("KV cache"), std::string::npos) << run.results[0].error;
+  EXPECT_LT(run.results[0].latency_s, 1.0);
+  for (size_t i = 1; i < reqs.size(); ++i)
+    EXPECT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+  EXPECT_EQ(run.engine_failures, 0);
+  EXPECT_EQ(run.retries, 0);
+  for (const auto& e : run.engines) EXPECT_TRUE(e.healthy) << e.name;
+}
+
 TEST(ClusterSimulation, AParallelPrefillIsAnsweredWhenTheEngineNextLoopsNotAfterItsNextPass) {
   // SGLang's flow: the prefill leg is answered once the KV has left. A (100 tokens) prefills
   // 0-0.110 s and its KV leaves; B (500) prefills 0.110-0.620 s, and A's transfer ends during that
