@@ -9,6 +9,7 @@
 #include "api/block_hash.h"
 #include "api/disaggregation.h"
 #include "api/request.h"
+#include "gateway/choice_fan_out.h"
 #include "gateway/http_seams.h"
 #include "gateway/priority.h"
 #include "util/error.h"
@@ -103,17 +104,57 @@ void FrontEnd::add_routes(net::HttpServer& server) {
 }
 
 void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-  RequestPtr r = prepare(req, std::make_shared<net::ExchangeReply>(ex));
+  auto reply = std::make_shared<net::ExchangeReply>(std::move(ex));
+  if (topo_.mode != PdMode::kAggregated && may_ask_several_choices(req.body) &&
+      receive_choices(req, reply))
+    return;
+  start(prepare(req, std::move(reply)));
+}
+
+void FrontEnd::start(const RequestPtr& r) {
   if (!r) return;
   r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
   exec_.post_batched([this, r] { dispatcher_.submit(r); });
 }
 
-RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) {
-  if (stopping_.load()) {
-    reply->send_error(503, "the gateway is shutting down", "server_error");
-    return nullptr;
+bool FrontEnd::receive_choices(const net::HttpRequest& req,
+                               const std::shared_ptr<ClientReply>& reply) {
+  if (stopping_.load() || !api::api_key_valid(topo_.api_keys, req)) return false;
+  ChoiceRequests split;
+  try {
+    split = split_choices(req.path, parse_untrusted_json(req.body));
+  } catch (const api::ApiError& e) {
+    const RequestPtr r = new_request(req, reply);
+    r->reply->respond(e.status, api::api_error_body(e), "application/json");
+    dispatcher_.end_request(r, {e.status, e.message});
+    return true;
+  } catch (const std::exception&) {
+    return false;  // not JSON: answered as any request
   }
+  if (split.bodies.empty()) return false;
+  const auto merger = ChoiceMerger::create(reply, split.bodies.size(), split.repeats);
+  std::string id = req.headers.get("X-Request-Id");
+  if (!usable_request_id(id)) id = random_hex(2);
+  net::HttpRequest one;
+  one.method = req.method;
+  one.target = req.target;
+  one.path = req.path;
+  one.query = req.query;
+  one.version = req.version;
+  one.headers = req.headers;
+  one.remote_address = req.remote_address;
+  one.remote_port = req.remote_port;
+  // A choice refused here (a bad field) answers for all: the rest are not started.
+  for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
+    one.body = std::move(split.bodies[i]);
+    one.headers.set("X-Request-Id", id + "-" + std::to_string(i));
+    start(prepare(one, merger->reply(i)));
+  }
+  return true;
+}
+
+RequestPtr FrontEnd::new_request(const net::HttpRequest& req,
+                                 std::shared_ptr<ClientReply> reply) const {
   auto r = std::make_shared<Request>();
   r->times.mark(Phase::kReceived, exec_.now_ns());
   r->received_unix_ms = exec_.unix_ms();
@@ -125,6 +166,15 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   if (!usable_request_id(r->id)) r->id = random_hex(2);
   r->headers.set("X-Request-Id", r->id);
   if (const auto* auth = req.headers.find("Authorization")) r->headers.set("Authorization", *auth);
+  return r;
+}
+
+RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) {
+  if (stopping_.load()) {
+    reply->send_error(503, "the gateway is shutting down", "server_error");
+    return nullptr;
+  }
+  const RequestPtr r = new_request(req, std::move(reply));
   // The client's error: answered here, and recorded (`logged`: the access log's error, if not
   // the message).
   auto ended = [&](int status, std::string logged) {

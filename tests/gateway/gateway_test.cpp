@@ -1,7 +1,7 @@
 // `tandem gateway` end to end: engines and gateways as separate processes on the tiny model, in
 // the three modes (aggregated, sequential as vLLM's proxy, parallel as SGLang's router). The
 // official `openai` npm client talks to each gateway (completions and chat, streamed and not,
-// token-id prompts, stop strings, abort mid-stream, a 400), answers must equal the
+// token-id prompts, several choices, stop strings, abort mid-stream, a 400), answers must equal the
 // single-sequence generate loop, and no engine may keep a KV block afterwards.
 #include <gtest/gtest.h>
 
@@ -16,8 +16,8 @@
 #include "engine/engine_process.h"
 #include "engine/generate.h"
 #include "engine/tiny_model_fixture.h"
-#include "model/model_test_support.h"
 #include "engine/transfer/kv_transport.h"
+#include "model/model_test_support.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -112,6 +112,23 @@ class GatewayStack : public test::TinyModelTest<kF32> {
     const std::string chat_expected = greedy(chat_ids, 10);
     EXPECT_EQ(r["chat"]["content"], chat_expected);
     EXPECT_EQ(r["chat_stream"]["content"], chat_expected);
+    // Several choices (n, a list of prompts), which the P/D modes send as a request per choice:
+    // what one engine answers, in order, with one id and the usage of one request.
+    const json& several = r["several"];
+    const auto hello = tok_->encode("Hello world", true);
+    const std::string first = greedy(ids, 6), second = greedy(hello, 6);
+    EXPECT_EQ(several["n"]["texts"], json::array({first, first, first}));
+    EXPECT_EQ(several["n"]["indexes"], json::array({0, 1, 2}));
+    EXPECT_EQ(several["n"]["usage"]["prompt_tokens"], ids.size());  // the prompt counted once
+    EXPECT_EQ(several["n"]["usage"]["completion_tokens"], 18);
+    EXPECT_EQ(several["list"]["texts"], json::array({first, second}));
+    EXPECT_EQ(several["list"]["indexes"], json::array({0, 1}));
+    EXPECT_EQ(several["list"]["usage"]["prompt_tokens"], ids.size() + hello.size());
+    EXPECT_EQ(several["list_stream"]["texts"], json::array({first, second}));
+    EXPECT_EQ(several["list_stream"]["ids"], 1);
+    EXPECT_EQ(several["list_stream"]["usage"]["completion_tokens"], 12);
+    EXPECT_EQ(several["list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
+    EXPECT_EQ(several["chat_stream"]["contents"], json::array({chat_expected, chat_expected}));
     ASSERT_TRUE(r.contains("stop"));
     const std::string stop = r["stop"]["stop"];
     EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
@@ -284,9 +301,9 @@ TEST_F(GatewayStack, ServeRunsQwen3MoeInBothPdModesAsOneEngineAnswers) {
   for (const std::string mode : {"sequential", "parallel"}) {
     SCOPED_TRACE(mode);
     EngineProcess serve({TANDEM_BINARY, "serve", "--model", qwen3.path().string(), "--host",
-                         "127.0.0.1", "--port", "0", "--mode", mode,
-                         "--engine-arg=--num-kv-blocks", "--engine-arg=256",
-                         "--engine-arg=--served-model-name", "--engine-arg=tiny"});
+                         "127.0.0.1", "--port", "0", "--mode", mode, "--engine-arg=--num-kv-blocks",
+                         "--engine-arg=256", "--engine-arg=--served-model-name",
+                         "--engine-arg=tiny"});
     for (int i = 0; i < 2; ++i) serve.next_line();  // the engines' lines
     EXPECT_EQ(answer(serve.port(), chat)["message"]["content"], want_chat["message"]["content"]);
     const json got = answer(serve.port(), tool);

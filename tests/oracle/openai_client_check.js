@@ -52,6 +52,35 @@ async function main() {
   }
   out.chat_stream = { content, role, finish: cfinish };
 
+  // Several choices: n, and a list of prompts, whole and streamed. A prefill-decode gateway
+  // makes each choice a request of its own; the client must not be able to tell.
+  const several = {};
+  const nw = await client.completions.create({ ...greedy, prompt, max_tokens: 6, n: 3 });
+  several.n = { texts: nw.choices.map((x) => x.text), indexes: nw.choices.map((x) => x.index),
+                usage: nw.usage };
+  const prompts = [prompt, 'Hello world'];
+  const lw = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6 });
+  several.list = { texts: lw.choices.map((x) => x.text), indexes: lw.choices.map((x) => x.index),
+                   usage: lw.usage };
+  const ls = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, stream: true,
+                                               stream_options: { include_usage: true } });
+  const ltexts = ['', ''], lids = new Set();
+  let lusage = null;
+  for await (const chunk of ls) {
+    lids.add(chunk.id);
+    if (chunk.usage) lusage = chunk.usage;
+    for (const ch of chunk.choices) ltexts[ch.index] += ch.text;
+  }
+  several.list_stream = { texts: ltexts, ids: lids.size, usage: lusage };
+  const cn = await client.chat.completions.create({ model, messages, temperature: 0, max_tokens: 10,
+                                                   ignore_eos: true, n: 2, stream: true });
+  const contents = ['', ''];
+  for await (const chunk of cn) {
+    for (const ch of chunk.choices) if (ch.delta.content) contents[ch.index] += ch.delta.content;
+  }
+  several.chat_stream = { contents };
+  out.several = several;
+
   // Stop string: cut the greedy completion at a piece of its own text.
   const full = out.completion.text;
   const stop = full.length >= 4 ? full.slice(Math.floor(full.length / 2), Math.floor(full.length / 2) + 2) : null;

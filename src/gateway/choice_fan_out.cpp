@@ -1,0 +1,410 @@
+#include "gateway/choice_fan_out.h"
+
+#include <optional>
+
+#include "api/error.h"
+
+namespace tandem::gateway {
+
+using nlohmann::json;
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view tail) {
+  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+}
+
+size_t skip_space(std::string_view s, size_t at) {
+  while (at < s.size() && (s[at] == ' ' || s[at] == '\t' || s[at] == '\n' || s[at] == '\r')) ++at;
+  return at;
+}
+
+// A "prompt" key whose value is a list of strings or of lists (several prompts), as the bytes
+// look: a false yes costs a parse, no request that has one is missed.
+bool may_hold_prompt_list(std::string_view body) {
+  constexpr std::string_view kKey = "\"prompt\"";
+  for (size_t at = body.find(kKey); at != std::string_view::npos; at = body.find(kKey, at + 1)) {
+    size_t i = skip_space(body, at + kKey.size());
+    if (i >= body.size() || body[i] != ':') continue;
+    i = skip_space(body, i + 1);
+    if (i >= body.size() || body[i] != '[') continue;
+    i = skip_space(body, i + 1);
+    if (i < body.size() && (body[i] == '"' || body[i] == '[')) return true;
+  }
+  return false;
+}
+
+// A JSON integer's value, or nullopt for anything else (a huge unsigned one as the largest).
+std::optional<int64_t> integer_of(const json& v) {
+  if (v.is_number_unsigned())
+    return v.get<uint64_t>() > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(v.get<uint64_t>());
+  if (v.is_number_integer()) return v.get<int64_t>();
+  return std::nullopt;
+}
+
+// The answer id of choice i's request without the "-i" its request id ends with (the front end
+// names the choices' requests so): the id of the request the client sent.
+std::string request_answer_id(std::string id, size_t i) {
+  std::string tail = "-";  // appended, not "-" + ...: GCC 12 warns (-Wrestrict) about that
+  tail += std::to_string(i);
+  if (id.size() > tail.size() && id.compare(id.size() - tail.size(), tail.size(), tail) == 0)
+    id.resize(id.size() - tail.size());
+  return id;
+}
+
+int64_t count_of(const json& usage, const char* key) {
+  const auto it = usage.find(key);
+  return it != usage.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
+}
+
+}  // namespace
+
+bool may_ask_several_choices(std::string_view body) {
+  return body.find("\"n\"") != std::string_view::npos || may_hold_prompt_list(body);
+}
+
+ChoiceRequests split_choices(std::string_view path, const json& body) {
+  ChoiceRequests out;
+  const bool chat = ends_with(path, "/chat/completions");
+  const bool completions = !chat && ends_with(path, "/completions");
+  if ((!chat && !completions) || !body.is_object()) return out;
+  int64_t n = 1;
+  if (const auto it = body.find("n"); it != body.end() && !it->is_null()) {
+    const auto v = integer_of(*it);
+    if (!v || *v < 1 || *v > int64_t(kMaxFanOut)) return out;  // the engine names the field
+    n = *v;
+  }
+  if (const auto it = body.find("best_of"); it != body.end() && !it->is_null())
+    if (integer_of(*it) != n) return out;
+  const json* prompts = nullptr;
+  if (completions)
+    if (const auto it = body.find("prompt"); it != body.end() && it->is_array() && it->size() > 1 &&
+                                             ((*it)[0].is_string() || (*it)[0].is_array()))
+      prompts = &*it;
+  if (prompts && n > 1) return out;  // the engine says n > 1 needs a single prompt
+  const size_t count = prompts ? prompts->size() : static_cast<size_t>(n);
+  if (count <= 1) return out;
+  if (count > kMaxFanOut)
+    throw api::ApiError{400,
+                        "at most " + std::to_string(kMaxFanOut) +
+                            " prompts in one request in the prefill-decode modes, got " +
+                            std::to_string(count),
+                        "prompt"};
+  std::optional<uint64_t> seed;
+  if (const auto it = body.find("seed"); it != body.end()) {
+    if (it->is_number_unsigned()) seed = it->get<uint64_t>();
+    if (it->is_number_integer() && !it->is_number_unsigned())
+      seed = static_cast<uint64_t>(it->get<int64_t>());  // as the engine reads it
+  }
+  json base = json::object();
+  for (const auto& [key, value] : body.items())
+    if (key != "n" && key != "best_of" && !(prompts && key == "prompt")) base[key] = value;
+  for (size_t i = 0; i < count; ++i) {
+    json one = base;
+    if (prompts) one["prompt"] = (*prompts)[i];
+    if (seed && i > 0) one["seed"] = *seed + i;
+    out.bodies.push_back(one.dump());
+  }
+  out.repeats = prompts ? 1 : static_cast<size_t>(n);
+  return out;
+}
+
+// ------------------------------------------------------------------------------ merging
+
+class ChoiceMerger::Part final : public net::Reply {
+ public:
+  Part(std::shared_ptr<ChoiceMerger> merger, size_t i) : merger_(std::move(merger)), i_(i) {}
+  bool respond(int status, std::string body, std::string content_type) override {
+    return merger_->respond(i_, status, std::move(body), std::move(content_type));
+  }
+  bool send_error(int status, std::string_view message, std::string_view type,
+                  std::string_view code) override {
+    return respond(status,
+                   api::openai_error_body(
+                       message, type.empty() ? api::default_error_type(status) : type, code),
+                   "application/json");
+  }
+  bool start_stream(int status, std::string content_type) override {
+    return merger_->start_stream(i_, status, std::move(content_type));
+  }
+  bool write(std::string_view chunk) override { return merger_->write(i_, chunk); }
+  bool end() override { return merger_->end(i_); }
+  void abort() override { merger_->abort(i_); }
+  void on_close(std::function<void()> callback) override {
+    merger_->on_close(i_, std::move(callback));
+  }
+
+ private:
+  std::shared_ptr<ChoiceMerger> merger_;
+  size_t i_;
+};
+
+std::shared_ptr<ChoiceMerger> ChoiceMerger::create(std::shared_ptr<net::Reply> client,
+                                                   size_t choices, size_t repeats) {
+  std::shared_ptr<ChoiceMerger> m(new ChoiceMerger(std::move(client), choices, repeats));
+  std::weak_ptr<ChoiceMerger> weak = m;
+  m->client_->on_close([weak] {
+    if (auto merger = weak.lock()) merger->client_gone();
+  });
+  return m;
+}
+
+ChoiceMerger::ChoiceMerger(std::shared_ptr<net::Reply> client, size_t choices, size_t repeats)
+    : client_(std::move(client)), parts_(choices), repeats_(repeats > 0 ? repeats : 1) {}
+
+std::shared_ptr<net::Reply> ChoiceMerger::reply(size_t i) {
+  return std::make_shared<Part>(shared_from_this(), i);
+}
+
+bool ChoiceMerger::ended() const {
+  std::lock_guard lock(mutex_);
+  return ended_;
+}
+
+namespace {
+
+void run(std::vector<std::function<void()>>& callbacks) {
+  for (auto& f : callbacks) f();
+}
+
+}  // namespace
+
+bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string content_type) {
+  std::vector<std::function<void()>> later, dropped;
+  {
+    std::lock_guard lock(mutex_);
+    PartData& p = parts_.at(i);
+    if (ended_ || p.state != PartState::kWaiting) return false;
+    if (status == 200 && started_) {  // the others stream: a whole body cannot join them
+      status = 502;
+      body = api::openai_error_body("an engine answered a streamed choice with a whole body",
+                                    "server_error");
+    }
+    if (status != 200) {
+      later = fail(i, status, std::move(body), std::move(content_type));
+    } else {
+      p.state = PartState::kAnswered;
+      p.body = std::move(body);
+      if (++finished_ == parts_.size()) {
+        ended_ = true;
+        dropped = drop_callbacks();
+        std::string merged = merged_body();
+        if (merged.empty())
+          client_->send_error(502, "an engine's answer to one of the choices is not a completion",
+                              "server_error");
+        else
+          client_->respond(200, std::move(merged), "application/json");
+      }
+    }
+  }
+  run(later);
+  return true;
+}
+
+bool ChoiceMerger::start_stream(size_t i, int status, std::string content_type) {
+  std::lock_guard lock(mutex_);
+  PartData& p = parts_.at(i);
+  if (ended_ || p.state != PartState::kWaiting) return false;
+  p.state = PartState::kStreaming;
+  if (!started_) {
+    started_ = true;
+    client_->start_stream(status, std::move(content_type));
+  }
+  return true;
+}
+
+bool ChoiceMerger::write(size_t i, std::string_view chunk) {
+  std::vector<std::function<void()>> later;
+  {
+    std::lock_guard lock(mutex_);
+    PartData& p = parts_.at(i);
+    if (ended_ || p.state != PartState::kStreaming) return false;
+    p.parser.feed(chunk, [&](std::string_view data) {
+      if (!ended_) forward_event(i, data, later);
+    });
+  }
+  run(later);
+  return true;
+}
+
+void ChoiceMerger::forward_event(size_t i, std::string_view data,
+                                 std::vector<std::function<void()>>& later) {
+  PartData& p = parts_[i];
+  if (net::SseParser::is_done(data)) {
+    p.saw_done = true;
+    return;
+  }
+  json event = json::parse(data, nullptr, false);
+  if (!event.is_object()) {
+    client_->write(net::sse_event(data));
+    return;
+  }
+  if (event.contains("error")) {  // this choice failed mid-stream: so did the answer
+    client_->write(net::sse_event(data));
+    client_->end();
+    ended_ = true;
+    p.state = PartState::kEnded;
+    later = take_callbacks(i);
+    return;
+  }
+  const auto choices = event.find("choices");
+  if (choices != event.end() && choices->is_array() && choices->empty()) {
+    // A usage chunk: the merged one goes last, before [DONE].
+    if (const auto u = event.find("usage"); u != event.end() && u->is_object()) {
+      add_usage(*u);
+      usage_seen_ = true;
+    }
+    return;
+  }
+  if (choices != event.end() && choices->is_array())
+    for (auto& c : *choices)
+      if (c.is_object()) c["index"] = i;
+  if (const auto id = event.find("id"); id != event.end() && id->is_string()) {
+    if (id_.empty()) id_ = request_answer_id(id->get<std::string>(), i);
+    *id = id_;
+    if (!chunk_template_.is_object()) chunk_template_ = event;
+  }
+  client_->write(net::sse_event(event.dump()));
+}
+
+bool ChoiceMerger::end(size_t i) {
+  std::vector<std::function<void()>> later, dropped;
+  {
+    std::lock_guard lock(mutex_);
+    PartData& p = parts_.at(i);
+    if (ended_ || p.state != PartState::kStreaming) return false;
+    p.state = PartState::kEnded;
+    if (!p.saw_done) {  // cut without its [DONE]: the client must not take the rest for all
+      client_->write(net::sse_event(api::openai_error_body(
+          "the answer was cut: choice " + std::to_string(i) + " ended without its end",
+          "server_error")));
+      client_->end();
+      ended_ = true;
+      later = take_callbacks(i);
+    } else if (++finished_ == parts_.size()) {
+      ended_ = true;
+      dropped = drop_callbacks();
+      if (usage_seen_) {
+        json u = chunk_template_.is_object() ? chunk_template_ : json::object();
+        u["choices"] = json::array();
+        u["usage"] = merged_usage();
+        client_->write(net::sse_event(u.dump()));
+      }
+      client_->write(net::kSseDone);
+      client_->end();
+    }
+  }
+  run(later);
+  return true;
+}
+
+void ChoiceMerger::abort(size_t i) {
+  std::vector<std::function<void()>> later;
+  {
+    std::lock_guard lock(mutex_);
+    if (ended_) return;
+    ended_ = true;
+    client_->abort();
+    later = take_callbacks(i);
+  }
+  run(later);
+}
+
+void ChoiceMerger::on_close(size_t i, std::function<void()> callback) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!gone_) {
+      parts_.at(i).on_close = std::move(callback);
+      return;
+    }
+  }
+  callback();  // the answer already failed or the client left: this request is not wanted
+}
+
+void ChoiceMerger::client_gone() {
+  std::vector<std::function<void()>> later;
+  {
+    std::lock_guard lock(mutex_);
+    if (gone_) return;
+    ended_ = true;
+    later = take_callbacks(parts_.size());
+  }
+  run(later);
+}
+
+std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std::string body,
+                                                      std::string content_type) {
+  ended_ = true;
+  parts_[i].state = PartState::kEnded;
+  if (!started_) {
+    client_->respond(status, std::move(body), std::move(content_type));
+  } else {  // the client has a 200 and some choices: the stream's last event says what failed
+    client_->write(net::sse_event(
+        api::openai_error_body("choice " + std::to_string(i) +
+                                   " failed: " + api::openai_error_message(body).value_or(body),
+                               "server_error")));
+    client_->end();
+  }
+  return take_callbacks(i);
+}
+
+std::vector<std::function<void()>> ChoiceMerger::take_callbacks(size_t except) {
+  gone_ = true;
+  std::vector<std::function<void()>> out;
+  for (size_t k = 0; k < parts_.size(); ++k) {
+    PartData& p = parts_[k];
+    const bool unfinished = p.state == PartState::kWaiting || p.state == PartState::kStreaming;
+    if (k != except && unfinished && p.on_close) out.push_back(std::move(p.on_close));
+    p.on_close = nullptr;
+  }
+  return out;
+}
+
+std::vector<std::function<void()>> ChoiceMerger::drop_callbacks() {
+  std::vector<std::function<void()>> out;
+  for (auto& p : parts_)
+    if (p.on_close) out.push_back(std::move(p.on_close));
+  for (auto& p : parts_) p.on_close = nullptr;
+  return out;
+}
+
+void ChoiceMerger::add_usage(const json& usage) {
+  prompt_tokens_ += count_of(usage, "prompt_tokens");
+  completion_tokens_ += count_of(usage, "completion_tokens");
+  if (const auto d = usage.find("prompt_tokens_details"); d != usage.end() && d->is_object())
+    cached_tokens_ += count_of(*d, "cached_tokens");
+}
+
+json ChoiceMerger::merged_usage() const {
+  const auto r = static_cast<int64_t>(repeats_);
+  const int64_t prompt = prompt_tokens_ / r;
+  return {{"prompt_tokens", prompt},
+          {"completion_tokens", completion_tokens_},
+          {"total_tokens", prompt + completion_tokens_},
+          {"prompt_tokens_details", {{"cached_tokens", cached_tokens_ / r}}}};
+}
+
+std::string ChoiceMerger::merged_body() {
+  json out;
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    json b = json::parse(parts_[i].body, nullptr, false);
+    if (!b.is_object()) return {};
+    const auto choices = b.find("choices");
+    if (choices == b.end() || !choices->is_array()) return {};
+    if (i == 0) {
+      out = b;
+      out["choices"] = json::array();
+      if (const auto id = out.find("id"); id != out.end() && id->is_string())
+        *id = request_answer_id(id->get<std::string>(), 0);
+    }
+    for (auto& c : *choices) {
+      if (c.is_object()) c["index"] = i;
+      out["choices"].push_back(std::move(c));
+    }
+    if (const auto u = b.find("usage"); u != b.end() && u->is_object()) add_usage(*u);
+  }
+  out["usage"] = merged_usage();
+  return out.dump();
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,103 @@
+#pragma once
+// Several choices in the P/D modes. A disaggregated leg carries one sequence (one bootstrap room,
+// one KV transfer), so a request for n > 1 choices, or a completions request with a list of
+// prompts, becomes one request per choice, each scheduled on its own (they may go to different
+// engines), and their answers are merged into the one the client asked for: the choices in
+// order with their indexes, one id (the request's: the choices' requests are named <id>-<i>), the
+// usage summed (a repeated prompt counted once, as an engine counts it). Choice i of a request with
+// a seed gets seed + i, as an engine seeds its choices, so the answer is the one an aggregated
+// engine gives.
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "net/reply.h"
+#include "net/sse.h"
+
+namespace tandem::gateway {
+
+// Whether `body` may ask for several choices, so is worth parsing to find out: cheap, and never
+// false for a body that does.
+bool may_ask_several_choices(std::string_view body);
+
+// The most choices one request may fan out to (OpenAI's n goes to 128).
+inline constexpr size_t kMaxFanOut = 128;
+
+struct ChoiceRequests {
+  std::vector<std::string> bodies;  // one per choice, in the choices' order
+  size_t repeats = 1;               // n: the prompt each body repeats (counted once in usage)
+};
+
+// The requests, one per choice, that answer `body` (of the route `path`) together; no bodies when
+// it asks for one choice or is not a request this can split (an invalid n, a list of prompts
+// with n > 1, best_of other than n): the engine then answers it, and names the field. Throws
+// api::ApiError (400) for more than kMaxFanOut choices.
+ChoiceRequests split_choices(std::string_view path, const nlohmann::json& body);
+
+// Merges the answers of the requests of one split into the client's reply. Thread-safe: each
+// choice's reply may be called from any thread.
+class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
+ public:
+  static std::shared_ptr<ChoiceMerger> create(std::shared_ptr<net::Reply> client, size_t choices,
+                                              size_t repeats);
+  // The reply that choice i's request answers through.
+  std::shared_ptr<net::Reply> reply(size_t i);
+  // The client has its answer, or an error, or is gone: requests not started yet need not be.
+  bool ended() const;
+
+ private:
+  class Part;
+  enum class PartState { kWaiting, kStreaming, kAnswered, kEnded };
+  struct PartData {
+    PartState state = PartState::kWaiting;
+    std::string body;  // a whole answer's
+    net::SseParser parser;
+    bool saw_done = false;
+    std::function<void()> on_close;
+  };
+
+  ChoiceMerger(std::shared_ptr<net::Reply> client, size_t choices, size_t repeats);
+
+  bool respond(size_t i, int status, std::string body, std::string content_type);
+  bool start_stream(size_t i, int status, std::string content_type);
+  bool write(size_t i, std::string_view chunk);
+  bool end(size_t i);
+  void abort(size_t i);
+  void on_close(size_t i, std::function<void()> callback);
+  void client_gone();
+
+  // Ends the client's answer with choice i's failure and lets go of the other choices' requests
+  // (their close callbacks, returned for running after the lock).
+  std::vector<std::function<void()>> fail(size_t i, int status, std::string body,
+                                          std::string content_type);
+  std::vector<std::function<void()>> take_callbacks(size_t except);
+  // Every close callback, not to run (the answer is complete), for dropping after the lock: each
+  // holds its request, which holds its reply, which holds this.
+  std::vector<std::function<void()>> drop_callbacks();
+  // One event of choice i's stream, rewritten for the client (or kept back: usage, [DONE]).
+  void forward_event(size_t i, std::string_view data, std::vector<std::function<void()>>& later);
+  void add_usage(const nlohmann::json& usage);
+  nlohmann::json merged_usage() const;
+  std::string merged_body();
+
+  mutable std::mutex mutex_;
+  std::shared_ptr<net::Reply> client_;
+  std::vector<PartData> parts_;
+  size_t repeats_;
+  bool started_ = false;           // the client's stream
+  bool ended_ = false;             // answered, failed or gone
+  bool gone_ = false;              // failed or gone: the unfinished choices' requests are let go
+  size_t finished_ = 0;            // parts answered or ended with [DONE]
+  std::string id_;                 // the first chunk's id, which every chunk then carries
+  nlohmann::json chunk_template_;  // that chunk, the frame of the merged usage chunk
+  bool usage_seen_ = false;
+  int64_t prompt_tokens_ = 0, completion_tokens_ = 0, cached_tokens_ = 0;
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,297 @@
+// Several choices in the P/D modes: one request per choice (split_choices), their answers merged
+// into the one the client asked for (ChoiceMerger), whole or streamed, and every failure ending
+// the client's answer once and letting go of the other choices' requests.
+#include "gateway/choice_fan_out.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "api/error.h"
+#include "net/sse.h"
+
+namespace tandem::gateway {
+namespace {
+
+using nlohmann::json;
+
+std::vector<json> parsed(const ChoiceRequests& split) {
+  std::vector<json> out;
+  for (const auto& b : split.bodies) out.push_back(json::parse(b));
+  return out;
+}
+
+TEST(SplitChoices, NChoicesBecomeOneRequestEachWithTheEnginesSeeds) {
+  const json body = {{"model", "m"}, {"prompt", "hi"}, {"n", 3}, {"best_of", 3}, {"seed", 5}};
+  const ChoiceRequests split = split_choices("/v1/completions", body);
+  const auto bodies = parsed(split);
+  ASSERT_EQ(bodies.size(), 3u);
+  EXPECT_EQ(split.repeats, 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(bodies[i]["prompt"], "hi");
+    EXPECT_EQ(bodies[i]["seed"], 5 + i) << "choice " << i;  // an engine seeds choice i so
+    EXPECT_FALSE(bodies[i].contains("n"));
+    EXPECT_FALSE(bodies[i].contains("best_of"));
+    EXPECT_EQ(bodies[i]["model"], "m");
+  }
+  // A negative seed wraps as the engine reads it (an unsigned 64-bit number).
+  const auto negative = parsed(
+      split_choices("/v1/chat/completions", {{"messages", json::array()}, {"n", 2}, {"seed", -1}}));
+  ASSERT_EQ(negative.size(), 2u);
+  EXPECT_EQ(negative[0]["seed"], -1);
+  EXPECT_EQ(negative[1]["seed"].get<uint64_t>(), 0u);
+}
+
+TEST(SplitChoices, AListOfPromptsBecomesOneRequestPerPrompt) {
+  const json body = {{"prompt", {"a", "b c"}}, {"max_tokens", 4}};
+  const ChoiceRequests split = split_choices("/v1/completions", body);
+  const auto bodies = parsed(split);
+  ASSERT_EQ(bodies.size(), 2u);
+  EXPECT_EQ(split.repeats, 1u);
+  EXPECT_EQ(bodies[0]["prompt"], "a");
+  EXPECT_EQ(bodies[1]["prompt"], "b c");
+  EXPECT_EQ(bodies[1]["max_tokens"], 4);
+  EXPECT_FALSE(bodies[1].contains("seed"));
+  const auto ids = parsed(split_choices("/v1/completions", {{"prompt", {{1, 2}, {3}}}}));
+  ASSERT_EQ(ids.size(), 2u);
+  EXPECT_EQ(ids[1]["prompt"], json::array({3}));
+}
+
+TEST(SplitChoices, OneChoiceOrWhatTheEngineMustRefuseIsNotSplit) {
+  for (const json& body :
+       {json{{"prompt", "x"}}, json{{"prompt", "x"}, {"n", 1}},
+        json{{"prompt", {1, 2, 3}}},          // one prompt of ids
+        json{{"prompt", {"only"}}},           // a list of one
+        json{{"prompt", "x"}, {"n", 0}},      // the engine names 'n'
+        json{{"prompt", "x"}, {"n", 200}},    // too many: the engine says so
+        json{{"prompt", "x"}, {"n", "two"}},  // not a number
+        json{{"prompt", "x"}, {"n", 2}, {"best_of", 3}}, json{{"prompt", {"a", "b"}}, {"n", 2}}})
+    EXPECT_TRUE(split_choices("/v1/completions", body).bodies.empty()) << body.dump();
+  // Chat has no list of prompts; other routes are not split.
+  EXPECT_TRUE(split_choices("/v1/chat/completions", {{"prompt", {"a", "b"}}}).bodies.empty());
+  EXPECT_TRUE(split_choices("/v1/embeddings", {{"input", "x"}, {"n", 2}}).bodies.empty());
+}
+
+TEST(SplitChoices, MoreThanTheLimitIsTheClientsError) {
+  json prompts = json::array();
+  for (size_t i = 0; i <= kMaxFanOut; ++i) prompts.push_back("p");
+  try {
+    split_choices("/v1/completions", {{"prompt", prompts}});
+    FAIL() << "expected an error";
+  } catch (const api::ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "prompt");
+  }
+}
+
+TEST(SplitChoices, TheCheapLookNeverMissesARequestWithSeveralChoices) {
+  EXPECT_TRUE(may_ask_several_choices(R"({"prompt": "x", "n": 2})"));
+  EXPECT_TRUE(may_ask_several_choices(R"({"prompt" : [ "a", "b"]})"));
+  EXPECT_TRUE(may_ask_several_choices(R"({"prompt":[[1,2],[3]]})"));
+  EXPECT_FALSE(may_ask_several_choices(R"({"prompt": [1, 2, 3], "max_tokens": 5})"));
+  EXPECT_FALSE(may_ask_several_choices(R"({"messages": [{"role": "user", "content": "x"}]})"));
+}
+
+// The client's side, as the server's exchange behaves: an answer that ended drops its close
+// callback.
+class Client final : public net::Reply {
+ public:
+  bool respond(int s, std::string b, std::string) override {
+    if (complete) return false;
+    status = s;
+    body = std::move(b);
+    complete = true;
+    close = nullptr;
+    return true;
+  }
+  bool send_error(int s, std::string_view message, std::string_view, std::string_view) override {
+    return respond(s, api::openai_error_body(message), "application/json");
+  }
+  bool start_stream(int s, std::string) override {
+    status = s;
+    return true;
+  }
+  bool write(std::string_view chunk) override {
+    streamed += chunk;
+    return !complete;
+  }
+  bool end() override {
+    complete = true;
+    close = nullptr;
+    return true;
+  }
+  void abort() override { aborted = true; }
+  void on_close(std::function<void()> callback) override { close = std::move(callback); }
+  void leave() {
+    if (auto c = std::move(close)) c();
+  }
+
+  int status = 0;
+  std::string body, streamed;
+  bool complete = false, aborted = false;
+  std::function<void()> close;
+};
+
+std::string answer(const std::string& id, const std::string& text, int prompt, int completion) {
+  return json{{"id", id},
+              {"object", "text_completion"},
+              {"choices", {{{"index", 0}, {"text", text}, {"finish_reason", "length"}}}},
+              {"usage",
+               {{"prompt_tokens", prompt},
+                {"completion_tokens", completion},
+                {"total_tokens", prompt + completion},
+                {"prompt_tokens_details", {{"cached_tokens", prompt / 2}}}}}}
+      .dump();
+}
+
+std::string chunk(const std::string& id, const std::string& text) {
+  return net::sse_event(
+      json{{"id", id}, {"object", "text_completion"}, {"choices", {{{"index", 0}, {"text", text}}}}}
+          .dump());
+}
+
+std::string usage_chunk(const std::string& id, int prompt, int completion) {
+  return net::sse_event(json{{"id", id},
+                             {"choices", json::array()},
+                             {"usage",
+                              {{"prompt_tokens", prompt},
+                               {"completion_tokens", completion},
+                               {"total_tokens", prompt + completion}}}}
+                            .dump());
+}
+
+// The data of a client's stream, event by event.
+std::vector<std::string> events(const std::string& streamed) {
+  net::SseParser parser;
+  return parser.feed(streamed);
+}
+
+TEST(ChoiceMerger, WholeAnswersMergeInChoiceOrderWithTheRepeatedPromptCountedOnce) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, /*repeats=*/2);
+  auto first = merger->reply(0), second = merger->reply(1);
+  EXPECT_TRUE(second->respond(200, answer("cmpl-r-1", "world", 10, 3), "application/json"));
+  EXPECT_FALSE(client->complete);
+  EXPECT_TRUE(first->respond(200, answer("cmpl-r-0", "hello", 10, 4), "application/json"));
+  ASSERT_TRUE(client->complete);
+  EXPECT_EQ(client->status, 200);
+  const json merged = json::parse(client->body);
+  ASSERT_EQ(merged["choices"].size(), 2u);
+  EXPECT_EQ(merged["choices"][0]["index"], 0);
+  EXPECT_EQ(merged["choices"][0]["text"], "hello");
+  EXPECT_EQ(merged["choices"][1]["index"], 1);
+  EXPECT_EQ(merged["choices"][1]["text"], "world");
+  EXPECT_EQ(merged["id"], "cmpl-r");
+  EXPECT_EQ(merged["usage"]["prompt_tokens"], 10);
+  EXPECT_EQ(merged["usage"]["completion_tokens"], 7);
+  EXPECT_EQ(merged["usage"]["total_tokens"], 17);
+  EXPECT_EQ(merged["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
+  EXPECT_TRUE(merger->ended());
+}
+
+TEST(ChoiceMerger, StreamsInterleaveWithIndexesOneIdOneUsageChunkAndOneDone) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, /*repeats=*/1);
+  auto a = merger->reply(0), b = merger->reply(1);
+  ASSERT_TRUE(b->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(a->start_stream(200, "text/event-stream"));
+  // Bytes arrive in any split, events of the two choices interleaved.
+  const std::string b1 = chunk("cmpl-x-1", "B1");
+  ASSERT_TRUE(b->write(b1.substr(0, 7)));
+  ASSERT_TRUE(a->write(chunk("cmpl-x-0", "A1")));
+  ASSERT_TRUE(b->write(b1.substr(7) + chunk("cmpl-x-1", "B2") + usage_chunk("cmpl-x-1", 3, 2)));
+  ASSERT_TRUE(b->write(std::string(net::kSseDone)));
+  ASSERT_TRUE(b->end());
+  EXPECT_FALSE(client->complete);
+  ASSERT_TRUE(a->write(usage_chunk("cmpl-x-0", 4, 1) + std::string(net::kSseDone)));
+  ASSERT_TRUE(a->end());
+  ASSERT_TRUE(client->complete);
+  const auto got = events(client->streamed);
+  ASSERT_EQ(got.size(), 5u) << client->streamed;
+  std::vector<std::pair<int, std::string>> texts;
+  for (size_t k = 0; k < 3; ++k) {
+    const json e = json::parse(got[k]);
+    EXPECT_EQ(e["id"], "cmpl-x") << got[k];
+    texts.emplace_back(e["choices"][0]["index"].get<int>(), e["choices"][0]["text"]);
+  }
+  // B1 was not whole before A1 came.
+  EXPECT_EQ(texts, (std::vector<std::pair<int, std::string>>{{0, "A1"}, {1, "B1"}, {1, "B2"}}));
+  const json usage = json::parse(got[3]);
+  EXPECT_EQ(usage["id"], "cmpl-x");
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], 7);
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
+  EXPECT_TRUE(net::SseParser::is_done(got[4]));
+}
+
+TEST(ChoiceMerger, AChoiceRefusedBeforeAnyAnswerIsTheAnswerAndTheOthersAreLetGo) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 3, 1);
+  auto a = merger->reply(0), b = merger->reply(1), c = merger->reply(2);
+  int a_closed = 0, b_closed = 0;
+  a->on_close([&] { ++a_closed; });
+  b->on_close([&] { ++b_closed; });
+  ASSERT_TRUE(b->respond(400, api::openai_error_body("bad field"), "application/json"));
+  EXPECT_EQ(client->status, 400);
+  EXPECT_EQ(api::openai_error_message(client->body), "bad field");
+  EXPECT_EQ(a_closed, 1);  // let go
+  EXPECT_EQ(b_closed, 0);  // its own request ended with the error
+  EXPECT_TRUE(merger->ended());
+  // What the others send now goes nowhere; a choice not started yet is told at once.
+  EXPECT_FALSE(a->respond(200, answer("cmpl-r-0", "late", 1, 1), "application/json"));
+  int c_closed = 0;
+  c->on_close([&] { ++c_closed; });
+  EXPECT_EQ(c_closed, 1);
+  client->leave();  // already complete: nothing runs twice
+  EXPECT_EQ(a_closed, 1);
+}
+
+TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithoutDone) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, 1);
+  auto a = merger->reply(0), b = merger->reply(1);
+  int a_closed = 0;
+  a->on_close([&] { ++a_closed; });
+  ASSERT_TRUE(a->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(b->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(a->write(chunk("cmpl-y-0", "A1")));
+  // The gateway's own tail for a cut stream: an error event, then the end without [DONE].
+  ASSERT_TRUE(b->write(net::sse_event(api::openai_error_body("engine died", "server_error"))));
+  EXPECT_FALSE(b->end());
+  EXPECT_TRUE(client->complete);
+  EXPECT_EQ(a_closed, 1);
+  const auto got = events(client->streamed);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(api::openai_error_message(got[1]), "engine died");
+  EXPECT_FALSE(a->write(chunk("cmpl-y-0", "A2")));
+  // A stream that ends without [DONE] and without an error event is cut too.
+  auto client2 = std::make_shared<Client>();
+  auto merger2 = ChoiceMerger::create(client2, 2, 1);
+  auto c = merger2->reply(0);
+  ASSERT_TRUE(c->start_stream(200, "text/event-stream"));
+  ASSERT_TRUE(c->write(chunk("cmpl-z-0", "C1")));
+  ASSERT_TRUE(c->end());
+  EXPECT_TRUE(client2->complete);
+  const auto cut = events(client2->streamed);
+  ASSERT_EQ(cut.size(), 2u);
+  EXPECT_TRUE(api::openai_error_message(cut[1]).has_value());
+}
+
+TEST(ChoiceMerger, AClientThatLeavesLetsGoOfTheUnfinishedChoicesOnce) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 3, 1);
+  auto a = merger->reply(0), b = merger->reply(1), c = merger->reply(2);
+  int closed[3] = {0, 0, 0};
+  a->on_close([&] { ++closed[0]; });
+  b->on_close([&] { ++closed[1]; });
+  c->on_close([&] { ++closed[2]; });
+  ASSERT_TRUE(a->respond(200, answer("cmpl-r-0", "done", 1, 1), "application/json"));
+  client->leave();
+  client->leave();
+  EXPECT_EQ(closed[0], 0);  // answered already
+  EXPECT_EQ(closed[1], 1);
+  EXPECT_EQ(closed[2], 1);
+  EXPECT_TRUE(merger->ended());
+}
+
+}  // namespace
+}  // namespace tandem::gateway
