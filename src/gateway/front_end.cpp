@@ -134,7 +134,8 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   if (split.bodies.empty()) return false;
   const auto merger = ChoiceMerger::create(reply, split.bodies.size(), split.repeats);
   std::string id = req.headers.get("X-Request-Id");
-  if (!usable_request_id(id)) id = random_hex(2);
+  // Room for the choice's "-i" within the 256 bytes a request id may have.
+  if (!usable_request_id(id) || id.size() > 250) id = random_hex(2);
   net::HttpRequest one;
   one.method = req.method;
   one.target = req.target;
