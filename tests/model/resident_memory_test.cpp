@@ -47,6 +47,12 @@ TEST(ResidentMemory, OneCopyOfTheWeightsAfterLoadAndUse) {
   // resident memory says nothing about copies of the weights in that build.
   GTEST_SKIP() << "resident memory is not measurable under ThreadSanitizer";
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer pads every allocation and keeps freed memory in quarantine (256 MB by
+  // default) instead of giving it back: the run's freed activations stayed resident (+388 MB
+  // against a limit of 359 MB for a 296 MB checkpoint in the ASan build).
+  GTEST_SKIP() << "resident memory is not measurable under AddressSanitizer";
+#endif
   const test::TempDir dir("resident-memory");
   const int64_t tensor_bytes = test::write_random_checkpoint(dir.path(), config());
   ASSERT_GT(tensor_bytes, int64_t{200} << 20);
