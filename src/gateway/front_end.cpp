@@ -136,15 +136,7 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   std::string id = req.headers.get("X-Request-Id");
   // Room for the choice's "-i" within the 256 bytes a request id may have.
   if (!usable_request_id(id) || id.size() > 250) id = random_hex(2);
-  net::HttpRequest one;
-  one.method = req.method;
-  one.target = req.target;
-  one.path = req.path;
-  one.query = req.query;
-  one.version = req.version;
-  one.headers = req.headers;
-  one.remote_address = req.remote_address;
-  one.remote_port = req.remote_port;
+  net::HttpRequest one = req;  // its body is replaced by each choice's
   // A choice refused here (a bad field) answers for all: the rest are not started.
   for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
     one.body = std::move(split.bodies[i]);
