@@ -37,7 +37,8 @@ constexpr char kF32[] = "f32";
 
 class GatewayStack : public test::TinyModelTest<kF32> {
  protected:
-  static std::unique_ptr<EngineProcess> engine(const std::string& role, uint16_t* kv_port) {
+  static std::unique_ptr<EngineProcess> engine(const std::string& role, uint16_t* kv_port,
+                                               const std::vector<std::string>& extra = {}) {
     std::vector<std::string> a = {TANDEM_BINARY,
                                   "engine",
                                   "--model",
@@ -53,6 +54,7 @@ class GatewayStack : public test::TinyModelTest<kF32> {
                                   "--role",
                                   role};
     if (role == "prefill") a.insert(a.end(), {"--kv-transfer-port", "0"});
+    a.insert(a.end(), extra.begin(), extra.end());
     auto e = std::make_unique<EngineProcess>(a);
     const std::string line = e->next_line();
     if (kv_port) {
@@ -207,6 +209,41 @@ TEST_F(GatewayStack, EveryModeServesTheOpenAIClientLikeOneEngine) {
       expect_idle(*prefill);
       expect_idle(*decode);
     }
+}
+
+TEST_F(GatewayStack, SampledChoicesThroughPdAreOneEnginesWithBatchInvariantNumerics) {
+  // With batch-invariant numerics a prompt's logits do not depend on how it was computed (whole,
+  // or its last token again on the decode engine), so seeded sampling through P/D must give what
+  // one engine gives for the same request: choice i of n is seeded seed + i on both sides.
+  const std::vector<std::string> invariant = {"--batch-invariant"};
+  uint16_t kv_port = 0;
+  auto single = engine("both", nullptr, invariant);
+  auto prefill = engine("prefill", &kv_port, invariant);
+  auto decode = engine("decode", nullptr, invariant);
+  auto gw = gateway("parallel",
+                    {"--prefill", endpoint(*prefill, kv_port), "--decode", endpoint(*decode)});
+  const json sampled = {{"temperature", 1}, {"seed", 7}, {"max_tokens", 6}, {"ignore_eos", true}};
+  auto texts = [](const net::HttpClientResponse& r) {
+    EXPECT_EQ(r.status, 200) << r.body;
+    std::vector<std::string> out;
+    if (r.status != 200) return out;
+    const json answer = json::parse(r.body);
+    for (const auto& c : answer["choices"]) out.push_back(c["text"]);
+    return out;
+  };
+  json n = sampled;
+  n["prompt"] = "The quick brown fox";
+  n["n"] = 3;
+  const auto one_engine = texts(post_json(single->port(), "/v1/completions", n));
+  ASSERT_EQ(one_engine.size(), 3u);
+  EXPECT_NE(one_engine[0], one_engine[1]);  // sampled, seeded apart
+  EXPECT_EQ(texts(post_json(gw->port(), "/v1/completions", n)), one_engine);
+  json list = sampled;
+  list["prompt"] = {"The quick brown fox", "Hello world"};
+  EXPECT_EQ(texts(post_json(gw->port(), "/v1/completions", list)),
+            texts(post_json(single->port(), "/v1/completions", list)));
+  expect_idle(*prefill);
+  expect_idle(*decode);
 }
 
 TEST_F(GatewayStack, UpstreamFailuresAreOpenAIErrors) {
