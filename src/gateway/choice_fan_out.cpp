@@ -10,10 +10,6 @@ using nlohmann::json;
 
 namespace {
 
-bool ends_with(std::string_view s, std::string_view tail) {
-  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
-}
-
 size_t skip_space(std::string_view s, size_t at) {
   while (at < s.size() && (s[at] == ' ' || s[at] == '\t' || s[at] == '\n' || s[at] == '\r')) ++at;
   return at;
@@ -65,8 +61,8 @@ bool may_ask_several_choices(std::string_view body) {
 
 ChoiceRequests split_choices(std::string_view path, const json& body) {
   ChoiceRequests out;
-  const bool chat = ends_with(path, "/chat/completions");
-  const bool completions = !chat && ends_with(path, "/completions");
+  const bool chat = path.ends_with("/chat/completions");
+  const bool completions = !chat && path.ends_with("/completions");
   if ((!chat && !completions) || !body.is_object()) return out;
   int64_t n = 1;
   if (const auto it = body.find("n"); it != body.end() && !it->is_null()) {
@@ -158,7 +154,13 @@ std::shared_ptr<net::Reply> ChoiceMerger::reply(size_t i) {
 
 bool ChoiceMerger::ended() const {
   std::lock_guard lock(mutex_);
-  return ended_;
+  return outcome_ != Outcome::kOpen;
+}
+
+bool ChoiceMerger::all_done() const {
+  for (const auto& p : parts_)
+    if (p.state != PartState::kDone) return false;
+  return true;
 }
 
 namespace {
@@ -174,7 +176,7 @@ bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string c
   {
     std::lock_guard lock(mutex_);
     PartData& p = parts_.at(i);
-    if (ended_ || p.state != PartState::kWaiting) return false;
+    if (outcome_ != Outcome::kOpen || p.state != PartState::kWaiting) return false;
     if (status == 200 && started_) {  // the others stream: a whole body cannot join them
       status = 502;
       body = api::openai_error_body("an engine answered a streamed choice with a whole body",
@@ -183,10 +185,10 @@ bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string c
     if (status != 200) {
       later = fail(i, status, std::move(body), std::move(content_type));
     } else {
-      p.state = PartState::kAnswered;
+      p.state = PartState::kDone;
       p.body = std::move(body);
-      if (++finished_ == parts_.size()) {
-        ended_ = true;
+      if (all_done()) {
+        outcome_ = Outcome::kComplete;
         dropped = drop_callbacks();
         std::string merged = merged_body();
         if (merged.empty())
@@ -204,7 +206,7 @@ bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string c
 bool ChoiceMerger::start_stream(size_t i, int status, std::string content_type) {
   std::lock_guard lock(mutex_);
   PartData& p = parts_.at(i);
-  if (ended_ || p.state != PartState::kWaiting) return false;
+  if (outcome_ != Outcome::kOpen || p.state != PartState::kWaiting) return false;
   p.state = PartState::kStreaming;
   if (!started_) {
     started_ = true;
@@ -218,9 +220,9 @@ bool ChoiceMerger::write(size_t i, std::string_view chunk) {
   {
     std::lock_guard lock(mutex_);
     PartData& p = parts_.at(i);
-    if (ended_ || p.state != PartState::kStreaming) return false;
+    if (outcome_ != Outcome::kOpen || p.state != PartState::kStreaming) return false;
     p.parser.feed(chunk, [&](std::string_view data) {
-      if (!ended_) forward_event(i, data, later);
+      if (outcome_ == Outcome::kOpen) forward_event(i, data, later);
     });
   }
   run(later);
@@ -242,8 +244,8 @@ void ChoiceMerger::forward_event(size_t i, std::string_view data,
   if (event.contains("error")) {  // this choice failed mid-stream: so did the answer
     client_->write(net::sse_event(data));
     client_->end();
-    ended_ = true;
-    p.state = PartState::kEnded;
+    outcome_ = Outcome::kAbandoned;
+    p.state = PartState::kFailed;
     later = take_callbacks(i);
     return;
   }
@@ -272,17 +274,17 @@ bool ChoiceMerger::end(size_t i) {
   {
     std::lock_guard lock(mutex_);
     PartData& p = parts_.at(i);
-    if (ended_ || p.state != PartState::kStreaming) return false;
-    p.state = PartState::kEnded;
+    if (outcome_ != Outcome::kOpen || p.state != PartState::kStreaming) return false;
+    p.state = p.saw_done ? PartState::kDone : PartState::kFailed;
     if (!p.saw_done) {  // cut without its [DONE]: the client must not take the rest for all
       client_->write(net::sse_event(api::openai_error_body(
           "the answer was cut: choice " + std::to_string(i) + " ended without its end",
           "server_error")));
       client_->end();
-      ended_ = true;
+      outcome_ = Outcome::kAbandoned;
       later = take_callbacks(i);
-    } else if (++finished_ == parts_.size()) {
-      ended_ = true;
+    } else if (all_done()) {
+      outcome_ = Outcome::kComplete;
       dropped = drop_callbacks();
       if (usage_seen_) {
         json u = chunk_template_.is_object() ? chunk_template_ : json::object();
@@ -302,8 +304,8 @@ void ChoiceMerger::abort(size_t i) {
   std::vector<std::function<void()>> later;
   {
     std::lock_guard lock(mutex_);
-    if (ended_) return;
-    ended_ = true;
+    if (outcome_ != Outcome::kOpen) return;
+    outcome_ = Outcome::kAbandoned;
     client_->abort();
     later = take_callbacks(i);
   }
@@ -313,10 +315,11 @@ void ChoiceMerger::abort(size_t i) {
 void ChoiceMerger::on_close(size_t i, std::function<void()> callback) {
   {
     std::lock_guard lock(mutex_);
-    if (!gone_) {
+    if (outcome_ == Outcome::kOpen) {
       parts_.at(i).on_close = std::move(callback);
       return;
     }
+    if (outcome_ == Outcome::kComplete) return;  // dropped after the lock: nothing to let go
   }
   callback();  // the answer already failed or the client left: this request is not wanted
 }
@@ -325,8 +328,8 @@ void ChoiceMerger::client_gone() {
   std::vector<std::function<void()>> later;
   {
     std::lock_guard lock(mutex_);
-    if (gone_) return;
-    ended_ = true;
+    if (outcome_ != Outcome::kOpen) return;
+    outcome_ = Outcome::kAbandoned;
     later = take_callbacks(parts_.size());
   }
   run(later);
@@ -334,8 +337,8 @@ void ChoiceMerger::client_gone() {
 
 std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std::string body,
                                                       std::string content_type) {
-  ended_ = true;
-  parts_[i].state = PartState::kEnded;
+  outcome_ = Outcome::kAbandoned;
+  parts_[i].state = PartState::kFailed;
   if (!started_) {
     client_->respond(status, std::move(body), std::move(content_type));
   } else {  // the client has a 200 and some choices: the stream's last event says what failed
@@ -349,7 +352,6 @@ std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std:
 }
 
 std::vector<std::function<void()>> ChoiceMerger::take_callbacks(size_t except) {
-  gone_ = true;
   std::vector<std::function<void()>> out;
   for (size_t k = 0; k < parts_.size(); ++k) {
     PartData& p = parts_[k];

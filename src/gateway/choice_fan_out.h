@@ -53,7 +53,17 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
 
  private:
   class Part;
-  enum class PartState { kWaiting, kStreaming, kAnswered, kEnded };
+  enum class PartState {
+    kWaiting,    // nothing from its request yet
+    kStreaming,  // its stream runs
+    kDone,       // answered whole, or its stream ended with [DONE]
+    kFailed,     // refused, or its stream failed or was cut
+  };
+  enum class Outcome {
+    kOpen,       // choices still to come
+    kComplete,   // every choice done: the client has the merged answer
+    kAbandoned,  // a choice failed or the client left: the unfinished choices are let go
+  };
   struct PartData {
     PartState state = PartState::kWaiting;
     std::string body;  // a whole answer's
@@ -77,6 +87,7 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   std::vector<std::function<void()>> fail(size_t i, int status, std::string body,
                                           std::string content_type);
   std::vector<std::function<void()>> take_callbacks(size_t except);
+  bool all_done() const;
   // Every close callback, not to run (the answer is complete), for dropping after the lock: each
   // holds its request, which holds its reply, which holds this.
   std::vector<std::function<void()>> drop_callbacks();
@@ -90,10 +101,8 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   std::shared_ptr<net::Reply> client_;
   std::vector<PartData> parts_;
   size_t repeats_;
-  bool started_ = false;           // the client's stream
-  bool ended_ = false;             // answered, failed or gone
-  bool gone_ = false;              // failed or gone: the unfinished choices' requests are let go
-  size_t finished_ = 0;            // parts answered or ended with [DONE]
+  bool started_ = false;  // the client's stream
+  Outcome outcome_ = Outcome::kOpen;
   std::string id_;                 // the first chunk's id, which every chunk then carries
   nlohmann::json chunk_template_;  // that chunk, the frame of the merged usage chunk
   bool usage_seen_ = false;
