@@ -56,20 +56,25 @@ RequestInfo Dispatcher::info(const Request& r) const {
   return ri;
 }
 
-void Dispatcher::submit(const RequestPtr& r) {
-  if (r->ended()) return;
-  if (waiting_.size() >= topo_.max_queue) {
-    answer_error(r, 429,
-                 "the gateway queue is full (" + std::to_string(topo_.max_queue) +
-                     " requests waiting); retry later");
-    return;
+void Dispatcher::submit(std::span<const RequestPtr> group) {
+  const bool full = waiting_.size() >= topo_.max_queue;
+  bool queued = false;
+  for (const RequestPtr& r : group) {
+    if (r->ended()) continue;
+    if (full) {
+      answer_error(r, 429,
+                   "the gateway queue is full (" + std::to_string(topo_.max_queue) +
+                       " requests waiting); retry later");
+      continue;
+    }
+    active_.emplace(r.get(), r);
+    enqueue(r, false);
+    queued = true;
   }
-  active_.emplace(r.get(), r);
-  r->booking = Booking::kRunning;
+  if (!queued) return;
   metrics_.running.set(static_cast<double>(active_.size()));
   exec_.set_busy(true);
-  enqueue(r, false);
-  dispatch(r->queued_at);
+  dispatch(waiting_.back()->queued_at);
 }
 
 void Dispatcher::enqueue(const RequestPtr& r, bool front) {

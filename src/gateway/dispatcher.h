@@ -10,6 +10,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -42,7 +43,11 @@ class Dispatcher {
   // ---- scheduling thread
 
   // A prepared request (front_end.h) joins the queue; it starts as soon as engines are free.
-  void submit(const RequestPtr& r);
+  void submit(const RequestPtr& r) { submit(std::span(&r, 1)); }
+  // Requests admitted together, the choices of one client request (choice_fan_out.h): all join
+  // the queue, even past max_queue, or, when it is full, all are refused (429); a client never
+  // has some of its choices computed and the rest refused. Requests already ended are skipped.
+  void submit(std::span<const RequestPtr> group);
   // Starts every waiting request an engine is free for (after anything that frees one).
   void dispatch();
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <span>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -113,8 +114,12 @@ void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchang
 
 void FrontEnd::start(const RequestPtr& r) {
   if (!r) return;
-  r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
+  cancel_when_gone(r);
   exec_.post_batched([this, r] { dispatcher_.submit(r); });
+}
+
+void FrontEnd::cancel_when_gone(const RequestPtr& r) {
+  r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
 }
 
 bool FrontEnd::receive_choices(const net::HttpRequest& req,
@@ -137,12 +142,17 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   // Room for the choice's "-i" within the 256 bytes a request id may have.
   if (!usable_request_id(id) || id.size() > 250) id = random_hex(2);
   net::HttpRequest one = req;  // its body is replaced by each choice's
-  // A choice refused here (a bad field) answers for all: the rest are not started.
+  // A choice refused here (a bad field) answers for all: none is submitted, and those prepared
+  // before it end as their client left (their close callbacks run when registered).
+  std::vector<RequestPtr> choices;
   for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
     one.body = std::move(split.bodies[i]);
     one.headers.set("X-Request-Id", id + "-" + std::to_string(i));
-    start(prepare(one, merger->reply(i)));
+    if (RequestPtr r = prepare(one, merger->reply(i))) choices.push_back(std::move(r));
   }
+  for (const RequestPtr& r : choices) cancel_when_gone(r);
+  if (!merger->ended())
+    exec_.post_batched([this, choices = std::move(choices)] { dispatcher_.submit(choices); });
   return true;
 }
 

@@ -240,6 +240,27 @@ class Cluster {
     return client;
   }
 
+  // `count` requests submitted together, as the choices of one client request are.
+  std::vector<std::shared_ptr<FakeClient>> send_together(size_t count) {
+    std::vector<std::shared_ptr<FakeClient>> clients;
+    std::vector<RequestPtr> group;
+    for (size_t i = 0; i < count; ++i) {
+      clients.push_back(std::make_shared<FakeClient>());
+      clients_.push_back(clients.back());
+      net::HttpRequest req;
+      req.method = "POST";
+      req.target = req.path = "/v1/completions";
+      req.body = json{{"model", "m"}, {"prompt", "hello there"}}.dump();
+      if (RequestPtr r = front_end.prepare(req, clients.back())) {
+        r->reply->on_close([this, r] { dispatcher.client_gone(r); });
+        group.push_back(std::move(r));
+      }
+    }
+    clock.post_batched([this, group] { dispatcher.submit(group); });
+    clock.run_ready();
+    return clients;
+  }
+
   // A client sends `body` (with an Authorization bearer `key` when given) to /v1/completions.
   std::shared_ptr<FakeClient> send_body(const json& body, const std::string& key = {}) {
     auto client = std::make_shared<FakeClient>();
@@ -604,6 +625,34 @@ TEST(Dispatcher, AFullQueueAnswers429) {
   auto refused = c.send();
   EXPECT_EQ(refused->status, 429);
   EXPECT_EQ(refused->error_code, "rate_limit_exceeded");
+}
+
+TEST(Dispatcher, RequestsSubmittedTogetherAreAllRefusedWhenTheQueueIsFull) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.max_queue = 1;
+  Cluster c(t);
+  c.send();
+  c.send();  // waits: the queue is full
+  for (const auto& client : c.send_together(3)) EXPECT_EQ(client->status, 429);
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  EXPECT_EQ(c.engines.open().size(), 1u);
+}
+
+TEST(Dispatcher, RequestsSubmittedTogetherAllJoinAQueueWithRoomForOneMore) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.max_queue = 2;
+  Cluster c(t);
+  auto first = c.send();
+  c.send();  // waits
+  const auto together = c.send_together(3);
+  for (const auto& client : together) EXPECT_EQ(client->status, 0);  // no answer yet
+  EXPECT_EQ(c.dispatcher.waiting(), 4u);  // past max_queue: the group is admitted whole
+  auto refused = c.send();                // the queue is full now for anyone else
+  EXPECT_EQ(refused->status, 429);
+  for (int i = 0; i < 5; ++i) c.answer_all();  // one at a time through the one slot
+  EXPECT_EQ(first->status, 200);
+  for (const auto& client : together) EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
 }
 
 // --------------------------------------------------------------------------- client leaves
