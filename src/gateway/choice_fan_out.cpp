@@ -1,5 +1,6 @@
 #include "gateway/choice_fan_out.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "api/error.h"
@@ -204,15 +205,34 @@ bool ChoiceMerger::respond(size_t i, int status, std::string body, std::string c
 }
 
 bool ChoiceMerger::start_stream(size_t i, int status, std::string content_type) {
-  std::lock_guard lock(mutex_);
-  PartData& p = parts_.at(i);
-  if (outcome_ != Outcome::kOpen || p.state != PartState::kWaiting) return false;
-  p.state = PartState::kStreaming;
-  if (!started_) {
-    started_ = true;
-    client_->start_stream(status, std::move(content_type));
+  std::vector<std::function<void()>> later;
+  bool streaming = false;
+  {
+    std::lock_guard lock(mutex_);
+    PartData& p = parts_.at(i);
+    if (outcome_ != Outcome::kOpen || p.state != PartState::kWaiting) return false;
+    const auto whole = std::find_if(parts_.begin(), parts_.end(),
+                                    [](const PartData& q) { return q.state == PartState::kDone; });
+    if (!started_ && whole != parts_.end()) {
+      // A choice answered whole cannot join a stream (as respond() refuses the converse): the
+      // answer would lack it, silently.
+      const size_t k = static_cast<size_t>(whole - parts_.begin());
+      later = fail(k, 502,
+                   api::openai_error_body("an engine answered choice " + std::to_string(k) +
+                                              " of a streamed request with a whole body",
+                                          "server_error"),
+                   "application/json");
+    } else {
+      p.state = PartState::kStreaming;
+      streaming = true;
+      if (!started_) {
+        started_ = true;
+        client_->start_stream(status, std::move(content_type));
+      }
+    }
   }
-  return true;
+  run(later);
+  return streaming;
 }
 
 bool ChoiceMerger::write(size_t i, std::string_view chunk) {
@@ -244,7 +264,7 @@ void ChoiceMerger::forward_event(size_t i, std::string_view data,
   if (event.contains("error")) {  // this choice failed mid-stream: so did the answer
     client_->write(net::sse_event(data));
     client_->end();
-    outcome_ = Outcome::kAbandoned;
+    abandon(i, 502);
     p.state = PartState::kFailed;
     later = take_callbacks(i);
     return;
@@ -281,7 +301,7 @@ bool ChoiceMerger::end(size_t i) {
           "the answer was cut: choice " + std::to_string(i) + " ended without its end",
           "server_error")));
       client_->end();
-      outcome_ = Outcome::kAbandoned;
+      abandon(i, 502);
       later = take_callbacks(i);
     } else if (all_done()) {
       outcome_ = Outcome::kComplete;
@@ -305,7 +325,7 @@ void ChoiceMerger::abort(size_t i) {
   {
     std::lock_guard lock(mutex_);
     if (outcome_ != Outcome::kOpen) return;
-    outcome_ = Outcome::kAbandoned;
+    abandon(i, 502);
     client_->abort();
     later = take_callbacks(i);
   }
@@ -337,7 +357,7 @@ void ChoiceMerger::client_gone() {
 
 std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std::string body,
                                                       std::string content_type) {
-  outcome_ = Outcome::kAbandoned;
+  abandon(i, status);
   parts_[i].state = PartState::kFailed;
   if (!started_) {
     client_->respond(status, std::move(body), std::move(content_type));
@@ -349,6 +369,16 @@ std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std:
     client_->end();
   }
   return take_callbacks(i);
+}
+
+void ChoiceMerger::abandon(size_t i, int status) {
+  outcome_ = Outcome::kAbandoned;
+  failure_ = Failure{status, i};
+}
+
+std::optional<ChoiceMerger::Failure> ChoiceMerger::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
 }
 
 std::vector<std::function<void()>> ChoiceMerger::take_callbacks(size_t except) {

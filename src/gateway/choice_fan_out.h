@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,6 +51,14 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   std::shared_ptr<net::Reply> reply(size_t i);
   // The client has its answer, or an error, or is gone: requests not started yet need not be.
   bool ended() const;
+  // Why the unfinished choices were let go, when a choice failed: the status the client got
+  // for it (502 for a stream cut after its 200). None while open, once complete, or when the
+  // client left.
+  struct Failure {
+    int status = 0;
+    size_t choice = 0;
+  };
+  std::optional<Failure> failure() const;
 
  private:
   class Part;
@@ -82,6 +91,8 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   void on_close(size_t i, std::function<void()> callback);
   void client_gone();
 
+  // The answer failed because of choice i (the client got `status`).
+  void abandon(size_t i, int status);
   // Ends the client's answer with choice i's failure and lets go of the other choices' requests
   // (their close callbacks, returned for running after the lock).
   std::vector<std::function<void()>> fail(size_t i, int status, std::string body,
@@ -103,8 +114,9 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   size_t repeats_;
   bool started_ = false;  // the client's stream
   Outcome outcome_ = Outcome::kOpen;
-  std::string id_;                 // the first chunk's id, which every chunk then carries
-  nlohmann::json chunk_template_;  // that chunk, the frame of the merged usage chunk
+  std::optional<Failure> failure_;  // set with kAbandoned, unless the client left
+  std::string id_;                  // the first chunk's id, which every chunk then carries
+  nlohmann::json chunk_template_;   // that chunk, the frame of the merged usage chunk
   bool usage_seen_ = false;
   int64_t prompt_tokens_ = 0, completion_tokens_ = 0, cached_tokens_ = 0;
 };

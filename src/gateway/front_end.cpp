@@ -114,12 +114,8 @@ void FrontEnd::receive(const net::HttpRequest& req, std::shared_ptr<net::Exchang
 
 void FrontEnd::start(const RequestPtr& r) {
   if (!r) return;
-  cancel_when_gone(r);
-  exec_.post_batched([this, r] { dispatcher_.submit(r); });
-}
-
-void FrontEnd::cancel_when_gone(const RequestPtr& r) {
   r->reply->on_close([this, r] { dispatcher_.client_gone(r); });
+  exec_.post_batched([this, r] { dispatcher_.submit(r); });
 }
 
 bool FrontEnd::receive_choices(const net::HttpRequest& req,
@@ -143,14 +139,24 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   if (!usable_request_id(id) || id.size() > 250) id = random_hex(2);
   net::HttpRequest one = req;  // its body is replaced by each choice's
   // A choice refused here (a bad field) answers for all: none is submitted, and those prepared
-  // before it end as their client left (their close callbacks run when registered).
+  // before it end with its failure (their close callbacks run when registered).
   std::vector<RequestPtr> choices;
   for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
     one.body = std::move(split.bodies[i]);
     one.headers.set("X-Request-Id", id + "-" + std::to_string(i));
     if (RequestPtr r = prepare(one, merger->reply(i))) choices.push_back(std::move(r));
   }
-  for (const RequestPtr& r : choices) cancel_when_gone(r);
+  // A choice let go because another failed ends with that failure, not as a client that left.
+  for (const RequestPtr& r : choices)
+    r->reply->on_close([this, r, weak = std::weak_ptr<ChoiceMerger>(merger)] {
+      const auto m = weak.lock();
+      const auto failure = m ? m->failure() : std::nullopt;
+      if (failure)
+        dispatcher_.end_request(r, {failure->status, "choice " + std::to_string(failure->choice) +
+                                                         " of the request failed"});
+      else
+        dispatcher_.client_gone(r);
+    });
   if (!merger->ended())
     exec_.post_batched([this, choices = std::move(choices)] { dispatcher_.submit(choices); });
   return true;

@@ -43,8 +43,6 @@ class FrontEnd {
   void receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex);
   // Submits a prepared request (null: it was answered) and cancels it if the client goes.
   void start(const RequestPtr& r);
-  // The request ends (499) when its client goes.
-  void cancel_when_gone(const RequestPtr& r);
   // P/D modes: a request for several choices, as one request per choice whose answers are
   // merged (choice_fan_out.h); false when it is not one, for prepare() to answer as any.
   bool receive_choices(const net::HttpRequest& req, const std::shared_ptr<ClientReply>& reply);

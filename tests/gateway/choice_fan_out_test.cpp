@@ -236,6 +236,11 @@ TEST(ChoiceMerger, AChoiceRefusedBeforeAnyAnswerIsTheAnswerAndTheOthersAreLetGo)
   EXPECT_EQ(a_closed, 1);  // let go
   EXPECT_EQ(b_closed, 0);  // its own request ended with the error
   EXPECT_TRUE(merger->ended());
+  // The let-go choices' requests end with the failure that let them go, not as a client leaving.
+  const auto failure = merger->failure();
+  ASSERT_TRUE(failure.has_value());
+  EXPECT_EQ(failure->status, 400);
+  EXPECT_EQ(failure->choice, 1u);
   // What the others send now goes nowhere; a choice not started yet is told at once.
   EXPECT_FALSE(a->respond(200, answer("cmpl-r-0", "late", 1, 1), "application/json"));
   int c_closed = 0;
@@ -259,6 +264,9 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithoutDone) {
   EXPECT_FALSE(b->end());
   EXPECT_TRUE(client->complete);
   EXPECT_EQ(a_closed, 1);
+  ASSERT_TRUE(merger->failure().has_value());
+  EXPECT_EQ(merger->failure()->status, 502);  // after the stream's 200: the gateway's 502
+  EXPECT_EQ(merger->failure()->choice, 1u);
   const auto got = events(client->streamed);
   ASSERT_EQ(got.size(), 2u);
   EXPECT_EQ(api::openai_error_message(got[1]), "engine died");
@@ -291,6 +299,34 @@ TEST(ChoiceMerger, AClientThatLeavesLetsGoOfTheUnfinishedChoicesOnce) {
   EXPECT_EQ(closed[1], 1);
   EXPECT_EQ(closed[2], 1);
   EXPECT_TRUE(merger->ended());
+  EXPECT_FALSE(merger->failure().has_value());  // no choice failed: the client left
+}
+
+TEST(ChoiceMerger, AStreamCannotStartAfterAChoiceWasAnsweredWhole) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, 1);
+  auto a = merger->reply(0), b = merger->reply(1);
+  int b_closed = 0;
+  b->on_close([&] { ++b_closed; });
+  ASSERT_TRUE(a->respond(200, answer("cmpl-w-0", "whole", 1, 1), "application/json"));
+  // The other engine streams: the client's answer cannot hold both, and must not drop choice 0.
+  EXPECT_FALSE(b->start_stream(200, "text/event-stream"));
+  EXPECT_TRUE(client->complete);
+  EXPECT_EQ(client->status, 502);
+  EXPECT_TRUE(client->streamed.empty());
+  EXPECT_EQ(b_closed, 1);  // let go, with the failure of choice 0
+  ASSERT_TRUE(merger->failure().has_value());
+  EXPECT_EQ(merger->failure()->choice, 0u);
+  EXPECT_FALSE(b->write(chunk("cmpl-w-1", "B1")));
+}
+
+TEST(ChoiceMerger, ACompleteAnswerHasNoFailure) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 1, 1);
+  EXPECT_FALSE(merger->failure().has_value());
+  ASSERT_TRUE(merger->reply(0)->respond(200, answer("cmpl-c-0", "ok", 1, 1), "application/json"));
+  EXPECT_EQ(client->status, 200);
+  EXPECT_FALSE(merger->failure().has_value());
 }
 
 }  // namespace
