@@ -324,7 +324,7 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--topology", o->topology,
                   "a gateway topology file: its settings (policy, scheduling, health, timeouts, "
                   "queue) and engine counts; its addresses are not used");
-  cmd->add_option("--model", o->model, "sim:PRESET or sim:FITTED.json (tandem engine sim-fit)")
+  cmd->add_option("--model", o->model, "sim:PRESET or sim:FITTED.json (tandem sim-fit)")
       ->capture_default_str();
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "each engine's running sequences at most")
       ->capture_default_str();
