@@ -54,6 +54,22 @@ int64_t count_of(const json& usage, const char* key) {
   return it != usage.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
 }
 
+// Adds the whole numbers of `from` into `into`, field by field and through nested objects (the
+// details an engine reports: cached, reasoning tokens); other values stay as they came first.
+void sum_into(json& into, const json& from) {
+  for (auto it = from.begin(); it != from.end(); ++it) {
+    json& slot = into[it.key()];
+    if (it->is_number_integer() && (slot.is_null() || slot.is_number_integer())) {
+      slot = (slot.is_null() ? 0 : slot.get<int64_t>()) + it->get<int64_t>();
+    } else if (it->is_object() && (slot.is_null() || slot.is_object())) {
+      if (slot.is_null()) slot = json::object();
+      sum_into(slot, *it);
+    } else if (slot.is_null()) {
+      slot = *it;
+    }
+  }
+}
+
 }  // namespace
 
 bool may_ask_several_choices(std::string_view body) {
@@ -401,19 +417,22 @@ std::vector<std::function<void()>> ChoiceMerger::drop_callbacks() {
 }
 
 void ChoiceMerger::add_usage(const json& usage) {
-  prompt_tokens_ += count_of(usage, "prompt_tokens");
-  completion_tokens_ += count_of(usage, "completion_tokens");
-  if (const auto d = usage.find("prompt_tokens_details"); d != usage.end() && d->is_object())
-    cached_tokens_ += count_of(*d, "cached_tokens");
+  sum_into(usage_, usage);
 }
 
 json ChoiceMerger::merged_usage() const {
+  // Each of the n choices of one prompt counted it (and its cached part); the client sent it once.
   const auto r = static_cast<int64_t>(repeats_);
-  const int64_t prompt = prompt_tokens_ / r;
-  return {{"prompt_tokens", prompt},
-          {"completion_tokens", completion_tokens_},
-          {"total_tokens", prompt + completion_tokens_},
-          {"prompt_tokens_details", {{"cached_tokens", cached_tokens_ / r}}}};
+  json u = usage_;
+  const int64_t prompt = count_of(u, "prompt_tokens") / r;
+  const int64_t completion = count_of(u, "completion_tokens");
+  u["prompt_tokens"] = prompt;
+  u["completion_tokens"] = completion;
+  u["total_tokens"] = prompt + completion;
+  if (const auto d = u.find("prompt_tokens_details"); d != u.end() && d->is_object())
+    for (auto& v : *d)
+      if (v.is_number_integer()) v = v.get<int64_t>() / r;
+  return u;
 }
 
 std::string ChoiceMerger::merged_body() {

@@ -118,7 +118,7 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
   std::string id_;                  // the first chunk's id, which every chunk then carries
   nlohmann::json chunk_template_;   // that chunk, the frame of the merged usage chunk
   bool usage_seen_ = false;
-  int64_t prompt_tokens_ = 0, completion_tokens_ = 0, cached_tokens_ = 0;
+  nlohmann::json usage_ = nlohmann::json::object();  // the choices' usage, summed field by field
 };
 
 }  // namespace tandem::gateway

@@ -139,7 +139,8 @@ std::string answer(const std::string& id, const std::string& text, int prompt, i
                {{"prompt_tokens", prompt},
                 {"completion_tokens", completion},
                 {"total_tokens", prompt + completion},
-                {"prompt_tokens_details", {{"cached_tokens", prompt / 2}}}}}}
+                {"prompt_tokens_details", {{"cached_tokens", prompt / 2}}},
+                {"completion_tokens_details", {{"reasoning_tokens", completion - 1}}}}}}
       .dump();
 }
 
@@ -185,6 +186,8 @@ TEST(ChoiceMerger, WholeAnswersMergeInChoiceOrderWithTheRepeatedPromptCountedOnc
   EXPECT_EQ(merged["usage"]["completion_tokens"], 7);
   EXPECT_EQ(merged["usage"]["total_tokens"], 17);
   EXPECT_EQ(merged["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
+  // Details the engines report are summed too; only the prompt's are counted once.
+  EXPECT_EQ(merged["usage"]["completion_tokens_details"]["reasoning_tokens"], 5);
   EXPECT_TRUE(merger->ended());
 }
 
@@ -220,6 +223,8 @@ TEST(ChoiceMerger, StreamsInterleaveWithIndexesOneIdOneUsageChunkAndOneDone) {
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["prompt_tokens"], 7);
   EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(usage["usage"]["total_tokens"], 10);
+  EXPECT_FALSE(usage["usage"].contains("prompt_tokens_details"));  // none reported, none made up
   EXPECT_TRUE(net::SseParser::is_done(got[4]));
 }
 
