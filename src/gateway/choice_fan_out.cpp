@@ -352,12 +352,12 @@ void ChoiceMerger::on_close(size_t i, std::function<void()> callback) {
   {
     std::lock_guard lock(mutex_);
     if (outcome_ == Outcome::kOpen) {
-      parts_.at(i).on_close = std::move(callback);
+      if (callback) parts_.at(i).on_close.push_back(std::move(callback));
       return;
     }
     if (outcome_ == Outcome::kComplete) return;  // dropped after the lock: nothing to let go
   }
-  callback();  // the answer already failed or the client left: this request is not wanted
+  if (callback) callback();  // the answer already failed or the client left: not wanted
 }
 
 void ChoiceMerger::client_gone() {
@@ -402,17 +402,19 @@ std::vector<std::function<void()>> ChoiceMerger::take_callbacks(size_t except) {
   for (size_t k = 0; k < parts_.size(); ++k) {
     PartData& p = parts_[k];
     const bool unfinished = p.state == PartState::kWaiting || p.state == PartState::kStreaming;
-    if (k != except && unfinished && p.on_close) out.push_back(std::move(p.on_close));
-    p.on_close = nullptr;
+    if (k != except && unfinished)
+      for (auto& f : p.on_close) out.push_back(std::move(f));
+    p.on_close.clear();
   }
   return out;
 }
 
 std::vector<std::function<void()>> ChoiceMerger::drop_callbacks() {
   std::vector<std::function<void()>> out;
-  for (auto& p : parts_)
-    if (p.on_close) out.push_back(std::move(p.on_close));
-  for (auto& p : parts_) p.on_close = nullptr;
+  for (auto& p : parts_) {
+    for (auto& f : p.on_close) out.push_back(std::move(f));
+    p.on_close.clear();
+  }
   return out;
 }
 

@@ -78,7 +78,7 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
     std::string body;  // a whole answer's
     net::SseParser parser;
     bool saw_done = false;
-    std::function<void()> on_close;
+    std::vector<std::function<void()>> on_close;  // every one registered, as a server's reply
   };
 
   ChoiceMerger(std::shared_ptr<net::Reply> client, size_t choices, size_t repeats);

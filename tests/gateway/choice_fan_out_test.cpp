@@ -307,6 +307,21 @@ TEST(ChoiceMerger, AClientThatLeavesLetsGoOfTheUnfinishedChoicesOnce) {
   EXPECT_FALSE(merger->failure().has_value());  // no choice failed: the client left
 }
 
+TEST(ChoiceMerger, EveryCloseCallbackOfAChoiceRunsOnce) {
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 2, 1);
+  auto a = merger->reply(0);
+  int first = 0, second = 0;
+  a->on_close([&] { ++first; });
+  a->on_close(nullptr);  // nothing to run, and no harm
+  a->on_close([&] { ++second; });
+  client->leave();
+  client->leave();
+  EXPECT_EQ(first, 1);
+  EXPECT_EQ(second, 1);
+  a->on_close(nullptr);  // after the end too
+}
+
 TEST(ChoiceMerger, AStreamCannotStartAfterAChoiceWasAnsweredWhole) {
   auto client = std::make_shared<Client>();
   auto merger = ChoiceMerger::create(client, 2, 1);
