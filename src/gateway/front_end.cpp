@@ -141,10 +141,12 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   // A choice refused here (a bad field) answers for all: none is submitted, and those prepared
   // before it end with its failure (their close callbacks run when registered).
   std::vector<RequestPtr> choices;
+  SamePrompt same_prompt;  // n choices of one prompt: tokenized once
   for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
     one.body = std::move(split.bodies[i]);
     one.headers.set("X-Request-Id", id + "-" + std::to_string(i));
-    if (RequestPtr r = prepare(one, merger->reply(i))) choices.push_back(std::move(r));
+    if (RequestPtr r = prepare(one, merger->reply(i), split.repeats > 1 ? &same_prompt : nullptr))
+      choices.push_back(std::move(r));
   }
   // A choice let go because another failed ends with that failure, not as a client that left.
   for (const RequestPtr& r : choices)
@@ -178,7 +180,8 @@ RequestPtr FrontEnd::new_request(const net::HttpRequest& req,
   return r;
 }
 
-RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) {
+RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply,
+                             SamePrompt* same_prompt) {
   if (stopping_.load()) {
     reply->send_error(503, "the gateway is shutting down", "server_error");
     return nullptr;
@@ -239,7 +242,14 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   bool rewritten = false;
   if (tokenizer_) {
     try {
-      if (auto t = tokenizer_->tokenize(req.path, body)) {
+      std::optional<TokensIn> tokenized;
+      if (same_prompt && same_prompt->tokenized) {
+        tokenized = same_prompt->tokens;
+      } else {
+        tokenized = tokenizer_->tokenize(req.path, body);
+        if (same_prompt) *same_prompt = {true, tokenized};
+      }
+      if (auto& t = tokenized) {
         const Pool& first = topo_.mode == PdMode::kAggregated ? topo_.decode : topo_.prefill;
         r->prompt_tokens = static_cast<int64_t>(t->ids.size()) * t->n;
         r->tokens_known = true;

@@ -6,6 +6,7 @@
 // are answered here; the rest goes to the dispatcher.
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "gateway/dispatcher.h"
@@ -37,7 +38,14 @@ class FrontEnd {
 
   // The request the client sent, prepared for the dispatcher; null when it was answered here
   // (a missing API key or another error of the client's, recorded; or the gateway stopping).
-  RequestPtr prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply);
+  // `same_prompt`: shared by the choices of one prompt (they differ in their seed only), which
+  // is then tokenized once, by the first of them.
+  struct SamePrompt {
+    bool tokenized = false;
+    std::optional<TokensIn> tokens;  // what the first choice's tokenization gave
+  };
+  RequestPtr prepare(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply,
+                     SamePrompt* same_prompt = nullptr);
 
  private:
   void receive(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex);
