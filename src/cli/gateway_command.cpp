@@ -152,7 +152,10 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--upstream-timeout", o->upstream_timeout,
                   "seconds for a prefill, for the first token, and between two pieces of a stream")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::PositiveNumber)
+      // The topology's bound on durations (about 24.8 days); beyond it the conversion to
+      // milliseconds could overflow before validation sees the value.
+      ->check(CLI::Range(0.0, 2147483.647));
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 

@@ -23,6 +23,16 @@ constexpr const char* kEndpointForms = "HOST:PORT, http://HOST:PORT or HOST:PORT
 constexpr const char* kModes = "aggregated, sequential (vllm) or parallel (sglang)";
 constexpr const char* kDialects = "auto, tandem, vllm or sglang";
 
+// Timers add durations to steady_clock's now(): a duration past this would overflow that sum
+// into a time already due (a probe re-armed for the past spins its thread, a first-token
+// deadline in the past times every request out at once). 2^31 - 1 ms is about 24.8 days.
+constexpr int64_t kMaxMilliseconds = std::numeric_limits<int32_t>::max();
+
+std::string duration_expected(int64_t min) {
+  return "a duration in milliseconds " + std::to_string(min) + ".." +
+         std::to_string(kMaxMilliseconds) + " (at most about 24.8 days)";
+}
+
 std::string quoted(const std::string& text) {
   return "'" + text + "'";
 }
@@ -174,9 +184,11 @@ class Reader {
     return static_cast<uint16_t>(integer(node, path, 1, 65535, "a port 1..65535"));
   }
 
-  std::chrono::milliseconds milliseconds(const YAML::Node& node, const std::string& path) const {
-    return std::chrono::milliseconds(integer(node, path, 1, std::numeric_limits<int64_t>::max(),
-                                             "a duration in milliseconds > 0"));
+  // A duration setting: min (0 or 1) ..kMaxMilliseconds.
+  std::chrono::milliseconds milliseconds(const YAML::Node& node, const std::string& path,
+                                         int64_t min = 1) const {
+    return std::chrono::milliseconds(
+        integer(node, path, min, kMaxMilliseconds, duration_expected(min)));
   }
 
   bool boolean(const YAML::Node& node, const std::string& path) const {
@@ -317,9 +329,7 @@ void read_scheduling(const Reader& r, const YAML::Node& node, SchedulingOptions&
   weight("prefill_deadline_slack", s.tandem.prefill_deadline_slack);
   weight("prefill_deadline_cap_s", s.tandem.prefill_deadline_cap_s);
   auto ms = [&](const char* key) {
-    return std::chrono::milliseconds(r.integer(keys.at(key), std::string("scheduling.") + key, 0,
-                                               std::numeric_limits<int32_t>::max(),
-                                               "a duration in milliseconds >= 0"));
+    return r.milliseconds(keys.at(key), std::string("scheduling.") + key, 0);
   };
   if (keys.count("starvation_ms")) s.queue.starvation_after = ms("starvation_ms");
   if (keys.count("load_interval_ms")) s.load_interval = ms("load_interval_ms");
@@ -358,10 +368,7 @@ PriorityClasses read_priority_classes(const Reader& r, const YAML::Node& node,
       k.priority = static_cast<int64_t>(i);
     if (c.count("max_wait_ms"))
       k.max_wait = r.milliseconds(c.at("max_wait_ms"), item + ".max_wait_ms");
-    if (c.count("hold_ms"))
-      k.hold = std::chrono::milliseconds(r.integer(c.at("hold_ms"), item + ".hold_ms", 0,
-                                                   std::numeric_limits<int32_t>::max(),
-                                                   "a duration in milliseconds >= 0"));
+    if (c.count("hold_ms")) k.hold = r.milliseconds(c.at("hold_ms"), item + ".hold_ms", 0);
     pc.classes.push_back(std::move(k));
   }
   const auto class_named = [&](const YAML::Node& n, const std::string& where) {
@@ -491,9 +498,7 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
       t.health.failures_to_eject =
           r.count(health.at("failures_to_eject"), "health.failures_to_eject", 1);
     if (health.count("slow_start_ms"))
-      t.health.slow_start = std::chrono::milliseconds(
-          r.integer(health.at("slow_start_ms"), "health.slow_start_ms", 0,
-                    std::numeric_limits<int32_t>::max(), "a duration in milliseconds >= 0"));
+      t.health.slow_start = r.milliseconds(health.at("slow_start_ms"), "health.slow_start_ms", 0);
   }
   if (has("timeouts")) {
     const auto timeouts =
@@ -520,9 +525,11 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   throw Error(path + ": expected " + expected + ", got " + got);
 }
 
-void check_positive(std::chrono::milliseconds value, const std::string& path) {
-  if (value.count() <= 0)
-    invalid(path, "a duration in milliseconds > 0", std::to_string(value.count()));
+void check_duration(std::chrono::nanoseconds value, const std::string& path, int64_t min = 1) {
+  using std::chrono::milliseconds;
+  if (value < milliseconds(min) || value > milliseconds(kMaxMilliseconds))
+    invalid(path, duration_expected(min),
+            std::to_string(std::chrono::duration_cast<milliseconds>(value).count()));
 }
 
 void check_at_least(long long value, long long min, const std::string& path) {
@@ -659,14 +666,21 @@ void validate(Topology& t) {
   if (t.max_body_bytes == 0) invalid("listen.max_body_bytes", "a size in bytes >= 1", "0");
   if (t.max_queue == 0) invalid("max_queue", "a whole number >= 1", "0");
   check_at_least(t.prefill_retries, 0, "prefill_retries");
-  check_positive(t.health.probe_interval, "health.probe_interval_ms");
-  check_positive(t.health.probe_timeout, "health.probe_timeout_ms");
+  // Every duration, also of topologies built from flags or in code: each ends up in a timer.
+  check_duration(t.health.probe_interval, "health.probe_interval_ms");
+  check_duration(t.health.probe_timeout, "health.probe_timeout_ms");
+  check_duration(t.health.slow_start, "health.slow_start_ms", 0);
   check_at_least(t.health.failures_to_eject, 1, "health.failures_to_eject");
-  check_positive(t.timeouts.queue, "timeouts.queue_ms");
-  check_positive(t.timeouts.connect, "timeouts.connect_ms");
-  check_positive(t.timeouts.prefill, "timeouts.prefill_ms");
-  check_positive(t.timeouts.first_token, "timeouts.first_token_ms");
-  check_positive(t.timeouts.idle, "timeouts.idle_ms");
+  check_duration(t.timeouts.queue, "timeouts.queue_ms");
+  check_duration(t.timeouts.connect, "timeouts.connect_ms");
+  check_duration(t.timeouts.prefill, "timeouts.prefill_ms");
+  check_duration(t.timeouts.first_token, "timeouts.first_token_ms");
+  check_duration(t.timeouts.idle, "timeouts.idle_ms");
+  check_duration(t.scheduling.queue.starvation_after, "scheduling.starvation_ms", 0);
+  check_duration(t.scheduling.load_interval, "scheduling.load_interval_ms", 0);
+  check_duration(t.scheduling.tandem.max_hold, "scheduling.max_hold_ms", 0);
+  check_duration(t.scheduling.cache_aware.eviction_interval,
+                 "scheduling.cache_aware.eviction_interval_ms");
 
   if (t.decode.endpoints.empty()) invalid("decode.endpoints", "at least one decode engine", "none");
   const bool pd = t.mode != PdMode::kAggregated;
@@ -703,6 +717,11 @@ void validate(Topology& t) {
   }
 
   const auto& classes = t.priority.classes;
+  for (size_t i = 0; i < classes.size(); ++i) {
+    check_duration(classes[i].max_wait, at("priority_classes.classes", i) + ".max_wait_ms");
+    if (classes[i].hold)
+      check_duration(*classes[i].hold, at("priority_classes.classes", i) + ".hold_ms", 0);
+  }
   for (size_t i = 0; i < classes.size(); ++i)
     for (size_t j = 0; j < i; ++j) {
       const std::string path = at("priority_classes.classes", i);

@@ -568,6 +568,17 @@ TEST_P(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   std::ofstream(file) << "decode: {endpoints: [\"no-port\"]}\n";
   EXPECT_EQ(admin("POST", "/admin/reload").status, 400);
   EXPECT_EQ(post(completion()).status, 200);
+  // So does a duration past the bound a file is checked against at start (about 24.8 days).
+  std::ofstream(file) << "mode: aggregated\nadmin_api_key: admin\n"
+                      << "health: {probe_interval_ms: 10000000000000}\n"
+                      << "decode: {endpoints: [\"" << b.address() << "\"]}\n";
+  const auto refused = admin("POST", "/admin/reload");
+  EXPECT_EQ(refused.status, 400);
+  EXPECT_NE(refused.body.find("health.probe_interval_ms: expected a duration in milliseconds "
+                              "1..2147483647"),
+            std::string::npos)
+      << refused.body;
+  EXPECT_EQ(post(completion()).status, 200);
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 

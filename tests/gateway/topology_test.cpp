@@ -344,7 +344,8 @@ TEST(TopologyYaml, WrongTypesAreErrors) {
   EXPECT_EQ(yaml_error(parallel_yaml("max_queue: [1]\n")),
             "t.yaml: max_queue: expected a whole number >= 1, got a list");
   EXPECT_EQ(yaml_error(parallel_yaml("timeouts: {idle_ms: 2s}\n")),
-            "t.yaml: timeouts.idle_ms: expected a duration in milliseconds > 0, got 2s");
+            "t.yaml: timeouts.idle_ms: expected a duration in milliseconds 1..2147483647 (at most "
+            "about 24.8 days), got 2s");
   EXPECT_EQ(yaml_error(parallel_yaml("api_keys: k1\n")),
             "t.yaml: api_keys: expected a list of keys, got k1");
   EXPECT_EQ(yaml_error(parallel_yaml("api_keys: [k1, {k: 2}]\n")),
@@ -529,6 +530,36 @@ TEST(TopologyValidate, EveryGroupHasEnginesInBothPools) {
   EXPECT_NO_THROW(parse_topology_yaml("decode: {endpoints: [{url: \"d:2\", group: 5}]}", "t.yaml"));
 }
 
+// A duration is added to the clock's now() by the timers: one past 2^31 - 1 ms would overflow
+// that sum into a time already due (a probe re-armed for the past spins the scheduling thread;
+// a first-token deadline in the past times every request out at once).
+TEST(TopologyYaml, DurationsPastAboutTwentyFiveDaysAreErrorsNamingTheFieldAndTheLimit) {
+  EXPECT_EQ(yaml_error(parallel_yaml("health: {probe_interval_ms: 10000000000000}\n")),
+            "t.yaml: health.probe_interval_ms: expected a duration in milliseconds 1..2147483647 "
+            "(at most about 24.8 days), got 10000000000000");
+  const std::string lines[] = {
+      "timeouts: {first_token_ms: 2147483648}",
+      "timeouts: {queue_ms: 9223372036854775807}",
+      "health: {probe_timeout_ms: 2147483648}",
+      "health: {slow_start_ms: 2147483648}",
+      "scheduling: {starvation_ms: 2147483648}",
+      "scheduling: {cache_aware: {eviction_interval_ms: 2147483648}}",
+      "priority_classes: {classes: [{name: a, max_wait_ms: 2147483648}]}",
+      "priority_classes: {classes: [{name: a, hold_ms: 2147483648}]}",
+  };
+  for (const auto& line : lines) {
+    const std::string message = yaml_error(parallel_yaml(line + "\n"));
+    EXPECT_THAT(message, HasSubstr("..2147483647 (at most about 24.8 days), got ")) << line;
+  }
+  EXPECT_THAT(yaml_error(parallel_yaml("priority_classes: {classes: [{name: a, "
+                                       "max_wait_ms: 2147483648}]}\n")),
+              StartsWith("t.yaml: priority_classes.classes[0].max_wait_ms: expected "));
+  // The limit itself is accepted.
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("timeouts: {first_token_ms: 2147483647}\n"), "t.yaml")
+                .timeouts.first_token,
+            2147483647ms);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Consistency (validate), on a topology built in code as from flags
 
@@ -555,7 +586,20 @@ TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
   t = flag_topology();
   t.timeouts.first_token = -1ms;
   EXPECT_EQ(error_of([&] { validate(t); }),
-            "timeouts.first_token_ms: expected a duration in milliseconds > 0, got -1");
+            "timeouts.first_token_ms: expected a duration in milliseconds 1..2147483647 (at most "
+            "about 24.8 days), got -1");
+  t = flag_topology();
+  t.timeouts.first_token = 10'000'000'000'000ms;  // would overflow now() + first_token
+  EXPECT_THAT(error_of([&] { validate(t); }),
+              StartsWith("timeouts.first_token_ms: expected a duration in milliseconds "
+                         "1..2147483647"));
+  t = flag_topology();
+  t.health.probe_interval = 2147483648ms;
+  EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("health.probe_interval_ms: expected "));
+  t = flag_topology();
+  t.priority.classes = {PriorityClass{"c", 0, 2147483648ms, std::nullopt}};
+  EXPECT_THAT(error_of([&] { validate(t); }),
+              StartsWith("priority_classes.classes[0].max_wait_ms: expected "));
   t = flag_topology();
   t.max_body_bytes = 0;
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("listen.max_body_bytes: "));
@@ -659,7 +703,7 @@ TEST(TopologyYaml, PriorityClassMistakesNameTheKey) {
       {"api_keys: [k1]\npriority_classes: {classes: [{name: a}], api_keys: {secret-key: a}}",
        "priority_classes.api_keys: expected keys the gateway accepts"},
       {"priority_classes: {classes: [{name: a, hold_ms: -1}]}",
-       "priority_classes.classes[0].hold_ms: expected a duration in milliseconds >= 0"},
+       "priority_classes.classes[0].hold_ms: expected a duration in milliseconds 0..2147483647"},
       {"listen: {reuse_port: 1}", "listen.reuse_port: expected true or false"},
   };
   for (const auto& [line, expected] : cases) {
