@@ -11,19 +11,8 @@ namespace tandem::gateway {
 using nlohmann::json;
 
 Endpoint endpoint_from_json(const json& j) {
-  if (j.is_string()) return parse_endpoint(j.get<std::string>());
-  if (!j.is_object()) throw Error("endpoint: expected \"HOST:PORT[@BOOTSTRAP]\" or an object");
-  Endpoint e;
-  if (auto u = j.find("url"); u != j.end()) e = parse_endpoint(u->get<std::string>());
-  if (auto h = j.find("host"); h != j.end()) e.host = h->get<std::string>();
-  if (auto p = j.find("port"); p != j.end()) e.port = p->get<uint16_t>();
-  if (auto b = j.find("bootstrap_port"); b != j.end()) e.bootstrap_port = b->get<uint16_t>();
-  e.group = j.value("group", 0);
-  e.max_in_flight = j.value("max_in_flight", 0);
-  e.name = j.value("name", std::string());
-  if (e.host.empty() || e.port == 0) throw Error("endpoint: host and port are required");
-  if (e.name.empty()) e.name = e.host + ":" + std::to_string(e.port);
-  return e;
+  // The topology file's reader: one set of checks for engines however they arrive.
+  return parse_endpoint_entry(j.dump(), "endpoint");
 }
 
 AdminApi::AdminApi(const Topology& topology, std::string config_path, Executor& executor,
@@ -61,9 +50,15 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
   Endpoint e;
   try {
     const json body = parse_untrusted_json(req.body);
-    const std::string pool = body.at("pool").get<std::string>();
-    if (pool != "prefill" && pool != "decode") throw Error("pool: expected prefill or decode");
-    prefill = pool == "prefill";
+    if (!body.is_object()) throw Error("expected an object with pool and endpoint");
+    for (const auto& [key, value] : body.items())
+      if (key != "pool" && key != "endpoint")
+        throw Error(key + ": expected one of pool, endpoint, got an unknown key");
+    const auto pool = body.find("pool");
+    if (pool == body.end() || !pool->is_string() || (*pool != "prefill" && *pool != "decode"))
+      throw Error("pool: expected prefill or decode");
+    prefill = *pool == "prefill";
+    if (!body.contains("endpoint")) throw Error("endpoint: expected an engine, got nothing");
     e = endpoint_from_json(body.at("endpoint"));
   } catch (const std::exception& err) {
     ex->send_error(400, std::string("admin: ") + err.what());

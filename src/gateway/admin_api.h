@@ -14,8 +14,10 @@
 
 namespace tandem::gateway {
 
-// An endpoint as the admin API takes it: "HOST:PORT[@BOOTSTRAP]" or an object with url or
-// host/port, bootstrap_port, group, max_in_flight, name. Throws tandem::Error naming the field.
+// An endpoint as the admin API takes it: an entry of a topology file's `endpoints` list in JSON
+// ("HOST:PORT[@BOOTSTRAP]" or an object with url or host and port, bootstrap_port, group, name,
+// max_in_flight, kv_events, kv_events_replay), checked as the file's are (parse_endpoint_entry).
+// Throws tandem::Error naming the field.
 Endpoint endpoint_from_json(const nlohmann::json& j);
 
 class AdminApi {

@@ -323,6 +323,14 @@ std::string EndpointTable::admission_error(bool prefill, const Endpoint& e) cons
     return "a parallel-mode prefill engine needs bootstrap_port";
   for (const auto& [id, x] : endpoints_)
     if (!x.draining && x.config.name == e.name) return "an endpoint named '" + e.name + "' exists";
+  // A prefill engine's requests decode in its group: without a decode engine there, each would
+  // be prefilled for nothing. A decode engine may come first (a new group starts with it).
+  if (prefill && topo_.mode != PdMode::kAggregated &&
+      std::none_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
+        return !kv.second.prefill && !kv.second.draining && kv.second.config.group == e.group;
+      }))
+    return "group " + std::to_string(e.group) +
+           " has no decode engine; add one to the group before its prefill engines";
   return {};
 }
 

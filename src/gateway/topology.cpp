@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <initializer_list>
 #include <limits>
@@ -35,6 +36,31 @@ std::string duration_expected(int64_t min) {
 
 std::string quoted(const std::string& text) {
   return "'" + text + "'";
+}
+
+constexpr const char* kHostExpected =
+    "a host name or address (letters, digits and . - _ : %; IPv6 without brackets)";
+
+bool is_host_char(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+         c == '-' || c == '_' || c == ':' || c == '%';
+}
+
+// A host goes into the Host header of every call to its engine: only the characters of names
+// and addresses (IPv6 with a zone included), so that none can end that header and start another.
+bool valid_host(std::string_view host) {
+  return !host.empty() && std::all_of(host.begin(), host.end(), is_host_char);
+}
+
+// How an invalid host appears in an error: its first offending character, escaped, since
+// echoing control characters would carry the very injection the check refuses.
+std::string describe_host(std::string_view host) {
+  const auto bad = std::find_if_not(host.begin(), host.end(), is_host_char);
+  if (bad == host.end()) return "nothing";
+  const auto c = static_cast<unsigned char>(*bad);
+  char text[8] = {static_cast<char>(c), 0};
+  if (c < 0x20 || c >= 0x7f) std::snprintf(text, sizeof text, "\\x%02x", c);
+  return std::string("a host with '") + text + "' in it";
 }
 
 // A whole decimal number, nothing else (no sign other than '-', no spaces, no suffix).
@@ -76,7 +102,7 @@ Endpoint parse_endpoint_as(const std::string& text, const std::string& what) {
     e.host = e.host.substr(1, e.host.size() - 2);
   else if (e.host.find(':') != std::string::npos)
     throw malformed();
-  if (e.host.empty() || e.host.find_first_of(" \t/[]@") != std::string::npos) throw malformed();
+  if (!valid_host(e.host)) throw malformed();
   e.port = parse_port(rest.substr(colon + 1), what, text);
   return e;
 }
@@ -111,7 +137,12 @@ class Reader {
 
   [[noreturn]] void fail(const std::string& path, const std::string& expected,
                          const std::string& got) const {
-    throw Error(source_ + ": " + path + ": expected " + expected + ", got " + got);
+    throw Error(where(path) + ": expected " + expected + ", got " + got);
+  }
+
+  // A key path as errors give it: after the source, when there is one.
+  std::string where(const std::string& path) const {
+    return source_.empty() ? path : source_ + ": " + path;
   }
 
   // How a node looks in an error message.
@@ -222,7 +253,7 @@ std::string at(const std::string& path, size_t index) {
 }
 
 Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::string& path) {
-  if (node.IsScalar()) return parse_endpoint_as(r.string(node, path), r.source() + ": " + path);
+  if (node.IsScalar()) return parse_endpoint_as(r.string(node, path), r.where(path));
   const auto keys = r.mapping(node, path,
                               {"url", "host", "port", "bootstrap_port", "group", "name",
                                "max_in_flight", "kv_events", "kv_events_replay"});
@@ -231,12 +262,12 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     if (keys.count("host") || keys.count("port"))
       r.fail(path + "." + (keys.count("host") ? "host" : "port"), "either url or host and port",
              "both");
-    e = parse_endpoint_as(r.string(keys.at("url"), path + ".url"),
-                          r.source() + ": " + path + ".url");
+    e = parse_endpoint_as(r.string(keys.at("url"), path + ".url"), r.where(path + ".url"));
   } else {
     if (!keys.count("host") || !keys.count("port"))
       r.fail(path, "url, or host and port", keys.count("host") ? "no port" : "no host");
-    e.host = r.non_empty_string(keys.at("host"), path + ".host", "a host name or address");
+    e.host = r.non_empty_string(keys.at("host"), path + ".host", kHostExpected);
+    if (!valid_host(e.host)) r.fail(path + ".host", kHostExpected, describe_host(e.host));
     e.port = r.port(keys.at("port"), path + ".port");
   }
   if (keys.count("kv_events"))
@@ -555,7 +586,7 @@ void validate_pool(Pool& pool, const std::string& path, PdMode mode) {
   for (size_t i = 0; i < pool.endpoints.size(); ++i) {
     Endpoint& e = pool.endpoints[i];
     const std::string e_path = at(path + ".endpoints", i);
-    if (e.host.empty()) invalid(e_path + ".host", "a host name or address", "nothing");
+    if (!valid_host(e.host)) invalid(e_path + ".host", kHostExpected, describe_host(e.host));
     if (e.port == 0) invalid(e_path + ".port", "a port 1..65535", "0");
     check_at_least(e.group, 0, e_path + ".group");
     check_at_least(e.max_in_flight, 0, e_path + ".max_in_flight");
@@ -582,6 +613,18 @@ void check_groups(const Pool& from, const std::string& from_path, const Pool& ot
 
 Endpoint parse_endpoint(const std::string& text) {
   return parse_endpoint_as(text, "endpoint");
+}
+
+Endpoint parse_endpoint_entry(const std::string& text, const std::string& path) {
+  YAML::Node node;
+  try {
+    node = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw Error(path + ": expected YAML or JSON, got a syntax error: " + e.msg);
+  }
+  Endpoint e = read_endpoint(Reader(""), node, path);
+  if (e.name.empty()) e.name = host_port(e);
+  return e;
 }
 
 PdMode parse_mode(const std::string& text) {

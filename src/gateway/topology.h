@@ -145,6 +145,13 @@ struct Topology {
 // "HOST:PORT", "http://HOST:PORT" or, for a parallel-mode prefill engine,
 // "HOST:PORT@BOOTSTRAP_PORT". Throws tandem::Error naming the text otherwise.
 Endpoint parse_endpoint(const std::string& text);
+// One engine as an entry of a topology file's `endpoints` list (a string as above, or a mapping
+// with url or host and port, bootstrap_port, group, name, max_in_flight, kv_events,
+// kv_events_replay), from its YAML or JSON text (JSON is YAML): the admin API reads new engines
+// with it, so they get the file's checks (ranges, unknown keys, the host's characters). `path`
+// starts errors ("endpoint.port: expected a port 1..65535, got 65616"). Without a name it is
+// "HOST:PORT".
+Endpoint parse_endpoint_entry(const std::string& text, const std::string& path);
 // "aggregated", "sequential" (alias "vllm") or "parallel" (alias "sglang").
 PdMode parse_mode(const std::string& text);
 // "auto", "tandem", "vllm" or "sglang".

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "api/load_report.h"
+#include "gateway/admin_api.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
 #include "gateway/front_end.h"
@@ -22,6 +23,7 @@
 #include "gateway/prefix_index.h"
 #include "gateway/virtual_executor.h"
 #include "net/sse.h"
+#include "util/error.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
@@ -1010,6 +1012,41 @@ TEST(Dispatcher, AdmissionRefusesADuplicateNameAndAPrefillEngineInAggregatedMode
             std::string::npos);
   EXPECT_EQ(c.dispatcher.add_endpoint(false, engine("b")), "");
   EXPECT_EQ(c.endpoint("b")["pool"], "decode");
+}
+
+TEST(Dispatcher, AdmissionRefusesAPrefillEngineWhoseGroupHasNoDecodeEngine) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  EXPECT_EQ(c.dispatcher.add_endpoint(true, engine("p1", 1)),
+            "group 1 has no decode engine; add one to the group before its prefill engines");
+  EXPECT_EQ(c.dispatcher.add_endpoint(false, engine("d1", 1)), "");
+  EXPECT_EQ(c.dispatcher.add_endpoint(true, engine("p1", 1)), "");
+}
+
+// The admin API reads an engine as the topology file does: what wrapped, overflowed or reached
+// the upstream Host header raw before is refused naming the field.
+TEST(AdminApi, ReadsAnEngineWithTheTopologyFilesChecks) {
+  auto error = [](const json& j) {
+    try {
+      endpoint_from_json(j);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(error({{"host", "a"}, {"port", 65616}}),
+            "endpoint.port: expected a port 1..65535, got 65616");
+  EXPECT_EQ(error({{"url", "a:1"}, {"bootstrap_port", 65616}}),
+            "endpoint.bootstrap_port: expected a port 1..65535, got 65616");
+  EXPECT_EQ(error({{"url", "a:1"}, {"group", 1e300}}),
+            "endpoint.group: expected a whole number >= 0, got 1e+300");
+  EXPECT_EQ(error({{"host", "a\r\nX-Injected: 1"}, {"port", 80}}).substr(0, 50),
+            "endpoint.host: expected a host name or address (le");
+  EXPECT_EQ(error({{"url", "a:1"}, {"max_inflight", 3}}).substr(0, 47),
+            "endpoint.max_inflight: expected one of url, hos");
+  const Endpoint e = endpoint_from_json({{"host", "a"}, {"port", 80}, {"max_in_flight", 4}});
+  EXPECT_EQ(e.name, "a:80");
+  EXPECT_EQ(e.max_in_flight, 4);
+  EXPECT_EQ(endpoint_from_json("b:81@82").bootstrap_port, 82);
 }
 
 // ------------------------------------------------------------------------------- health

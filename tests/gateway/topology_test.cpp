@@ -304,6 +304,62 @@ TEST(TopologyYaml, LongFormEndpointsNeedOneAddress) {
               StartsWith("t.yaml: decode.endpoints[1]: expected HOST:PORT"));
 }
 
+// The host goes into the Host header of every call to the engine.
+TEST(TopologyYaml, HostsWithCharactersOfNoNameOrAddressAreErrors) {
+  EXPECT_EQ(yaml_error("decode: {endpoints: [{host: \"d\\r\\nX-Injected: 1\", port: 1}]}"),
+            "t.yaml: decode.endpoints[0].host: expected a host name or address (letters, digits "
+            "and . - _ : %; IPv6 without brackets), got a host with '\\x0d' in it");
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{url: \"http://d\\r\\nX: 1:80\"}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].url: expected HOST:PORT"));
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{host: \"d e\", port: 1}]}"),
+              HasSubstr("got a host with ' ' in it"));
+  Topology t = parse_topology_yaml(
+      "decode: {endpoints: [{host: \"fe80::1%eth0\", port: 1}, {host: my_engine-2.local, "
+      "port: 2}]}",
+      "t.yaml");
+  EXPECT_EQ(t.decode.endpoints[0].host, "fe80::1%eth0");
+  EXPECT_EQ(t.decode.endpoints[1].host, "my_engine-2.local");
+}
+
+// The admin API's engines: JSON read by the file's reader, with the file's checks.
+TEST(ParseEndpointEntry, ReadsJsonAsTheFileReadsAnEndpointsEntry) {
+  Endpoint e = parse_endpoint_entry(
+      R"({"host":"10.0.0.9","port":8100,"bootstrap_port":8998,"group":2,"max_in_flight":7,)"
+      R"("kv_events":"tcp://10.0.0.9:5557"})",
+      "endpoint");
+  EXPECT_EQ(e.host, "10.0.0.9");
+  EXPECT_EQ(e.port, 8100);
+  EXPECT_EQ(e.bootstrap_port, 8998);
+  EXPECT_EQ(e.group, 2);
+  EXPECT_EQ(e.max_in_flight, 7);
+  EXPECT_EQ(e.kv_events, "tcp://10.0.0.9:5557");
+  EXPECT_EQ(e.name, "10.0.0.9:8100");
+  e = parse_endpoint_entry(R"("[::1]:8000@9")", "endpoint");
+  EXPECT_EQ(e.host, "::1");
+  EXPECT_EQ(e.name, "[::1]:8000");
+  EXPECT_EQ(parse_endpoint_entry(R"({"url":"http://a:1","name":"a"})", "endpoint").name, "a");
+
+  auto error = [](const std::string& json) {
+    return error_of([&] { parse_endpoint_entry(json, "endpoint"); });
+  };
+  EXPECT_EQ(error(R"({"host":"a","port":65616})"),
+            "endpoint.port: expected a port 1..65535, got 65616");
+  EXPECT_EQ(error(R"({"host":"a","port":"80"})"),
+            "endpoint.port: expected a port 1..65535, got \"80\" (a quoted string)");
+  EXPECT_EQ(error(R"({"url":"a:1","bootstrap_port":65616})"),
+            "endpoint.bootstrap_port: expected a port 1..65535, got 65616");
+  EXPECT_EQ(error(R"({"url":"a:1","group":1e+300})"),
+            "endpoint.group: expected a whole number >= 0, got 1e+300");
+  EXPECT_EQ(error(R"({"url":"a:1","group":4294967296})"),
+            "endpoint.group: expected a whole number >= 0, got 4294967296");
+  EXPECT_THAT(error(R"({"url":"a:1","grop":1})"),
+              StartsWith("endpoint.grop: expected one of url, host, port, "));
+  EXPECT_THAT(error(R"({"host":"a\r\nX-Injected: 1","port":80})"),
+              StartsWith("endpoint.host: expected a host name or address"));
+  EXPECT_THAT(error(R"({"host":"a"})"), StartsWith("endpoint: expected url, or host and port"));
+  EXPECT_THAT(error("[1, 2"), StartsWith("endpoint: expected YAML or JSON, got a syntax error"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // The file: errors name the key path
 
@@ -428,6 +484,36 @@ TEST(TopologyYaml, LimitsAreChecked) {
               StartsWith("t.yaml: decode.endpoints[0].port: expected a port 1..65535, got 0"));
 }
 
+// A duration is added to the clock's now() by the timers: one past 2^31 - 1 ms would overflow
+// that sum into a time already due (a probe re-armed for the past spins the scheduling thread;
+// a first-token deadline in the past times every request out at once).
+TEST(TopologyYaml, DurationsPastAboutTwentyFiveDaysAreErrorsNamingTheFieldAndTheLimit) {
+  EXPECT_EQ(yaml_error(parallel_yaml("health: {probe_interval_ms: 10000000000000}\n")),
+            "t.yaml: health.probe_interval_ms: expected a duration in milliseconds 1..2147483647 "
+            "(at most about 24.8 days), got 10000000000000");
+  const std::string lines[] = {
+      "timeouts: {first_token_ms: 2147483648}",
+      "timeouts: {queue_ms: 9223372036854775807}",
+      "health: {probe_timeout_ms: 2147483648}",
+      "health: {slow_start_ms: 2147483648}",
+      "scheduling: {starvation_ms: 2147483648}",
+      "scheduling: {cache_aware: {eviction_interval_ms: 2147483648}}",
+      "priority_classes: {classes: [{name: a, max_wait_ms: 2147483648}]}",
+      "priority_classes: {classes: [{name: a, hold_ms: 2147483648}]}",
+  };
+  for (const auto& line : lines) {
+    const std::string message = yaml_error(parallel_yaml(line + "\n"));
+    EXPECT_THAT(message, HasSubstr("..2147483647 (at most about 24.8 days), got ")) << line;
+  }
+  EXPECT_THAT(yaml_error(parallel_yaml("priority_classes: {classes: [{name: a, "
+                                       "max_wait_ms: 2147483648}]}\n")),
+              StartsWith("t.yaml: priority_classes.classes[0].max_wait_ms: expected "));
+  // The limit itself is accepted.
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("timeouts: {first_token_ms: 2147483647}\n"), "t.yaml")
+                .timeouts.first_token,
+            2147483647ms);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Consistency (validate), through the file
 
@@ -528,36 +614,6 @@ TEST(TopologyValidate, EveryGroupHasEnginesInBothPools) {
                           "t.yaml"));
   // Aggregated mode has no prefill legs, so decode groups need no partner.
   EXPECT_NO_THROW(parse_topology_yaml("decode: {endpoints: [{url: \"d:2\", group: 5}]}", "t.yaml"));
-}
-
-// A duration is added to the clock's now() by the timers: one past 2^31 - 1 ms would overflow
-// that sum into a time already due (a probe re-armed for the past spins the scheduling thread;
-// a first-token deadline in the past times every request out at once).
-TEST(TopologyYaml, DurationsPastAboutTwentyFiveDaysAreErrorsNamingTheFieldAndTheLimit) {
-  EXPECT_EQ(yaml_error(parallel_yaml("health: {probe_interval_ms: 10000000000000}\n")),
-            "t.yaml: health.probe_interval_ms: expected a duration in milliseconds 1..2147483647 "
-            "(at most about 24.8 days), got 10000000000000");
-  const std::string lines[] = {
-      "timeouts: {first_token_ms: 2147483648}",
-      "timeouts: {queue_ms: 9223372036854775807}",
-      "health: {probe_timeout_ms: 2147483648}",
-      "health: {slow_start_ms: 2147483648}",
-      "scheduling: {starvation_ms: 2147483648}",
-      "scheduling: {cache_aware: {eviction_interval_ms: 2147483648}}",
-      "priority_classes: {classes: [{name: a, max_wait_ms: 2147483648}]}",
-      "priority_classes: {classes: [{name: a, hold_ms: 2147483648}]}",
-  };
-  for (const auto& line : lines) {
-    const std::string message = yaml_error(parallel_yaml(line + "\n"));
-    EXPECT_THAT(message, HasSubstr("..2147483647 (at most about 24.8 days), got ")) << line;
-  }
-  EXPECT_THAT(yaml_error(parallel_yaml("priority_classes: {classes: [{name: a, "
-                                       "max_wait_ms: 2147483648}]}\n")),
-              StartsWith("t.yaml: priority_classes.classes[0].max_wait_ms: expected "));
-  // The limit itself is accepted.
-  EXPECT_EQ(parse_topology_yaml(parallel_yaml("timeouts: {first_token_ms: 2147483647}\n"), "t.yaml")
-                .timeouts.first_token,
-            2147483647ms);
 }
 
 // ---------------------------------------------------------------------------------------------
