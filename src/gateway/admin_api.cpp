@@ -99,8 +99,7 @@ void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
   Topology next;
   try {
     next = load_topology(config_path_);
-    if (next.mode != topo_.mode)
-      throw Error("reload cannot change the mode (restart the gateway for that)");
+    if (const std::string why = reload_refusal(topo_, next); !why.empty()) throw Error(why);
   } catch (const std::exception& err) {
     ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());
     return;

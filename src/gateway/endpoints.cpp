@@ -30,7 +30,8 @@ LoadSource initial_load_source(Dialect d) {
 bool same_endpoint(const Endpoint& a, const Endpoint& b) {
   return a.name == b.name && a.host == b.host && a.port == b.port &&
          a.bootstrap_port == b.bootstrap_port && a.group == b.group &&
-         a.max_in_flight == b.max_in_flight;
+         a.max_in_flight == b.max_in_flight && a.kv_events == b.kv_events &&
+         a.kv_events_replay == b.kv_events_replay;
 }
 
 }  // namespace
@@ -70,7 +71,11 @@ LoadAnswer read_load_answer(const std::string& error, int status, const std::str
 }
 
 EndpointTable::EndpointTable(const Topology& topology, GatewayMetrics& metrics, PrefixIndex& index)
-    : topo_(topology), metrics_(metrics), prefix_index_(index) {}
+    : topo_(topology),
+      prefill_pool_(settings_of(topology.prefill)),
+      decode_pool_(settings_of(topology.decode)),
+      metrics_(metrics),
+      prefix_index_(index) {}
 
 EndpointTable::~EndpointTable() = default;
 
@@ -78,8 +83,9 @@ int EndpointTable::add(bool prefill, Endpoint endpoint) {
   EndpointState s;
   s.id = next_id_++;
   s.prefill = prefill;
-  const Pool& pool = prefill ? topo_.prefill : topo_.decode;
-  s.max_in_flight = endpoint.max_in_flight > 0 ? endpoint.max_in_flight : pool.max_in_flight;
+  const PoolSettings& pool = prefill ? prefill_pool_ : decode_pool_;
+  s.max_in_flight = limit_of(endpoint, pool);
+  s.dialect = pool.dialect;
   s.load_source = initial_load_source(pool.dialect);
   s.config = std::move(endpoint);
   const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
@@ -260,8 +266,7 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   e->healthy = true;
   e->readmitted = now;
   // What answers there now may be another server: an auto engine is asked again.
-  const Pool& pool = e->prefill ? topo_.prefill : topo_.decode;
-  if (pool.dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;
+  if (e->dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;
   if (!e->draining) e->healthy_gauge->set(1);
   update_ready();
   return true;
@@ -337,19 +342,26 @@ std::string EndpointTable::admission_error(bool prefill, const Endpoint& e) cons
 EndpointTable::ReloadResult EndpointTable::reload(const Topology& next) {
   ReloadResult result;
   for (bool prefill : {true, false}) {
-    const auto& wanted = (prefill ? next.prefill : next.decode).endpoints;
+    const Pool& next_pool = prefill ? next.prefill : next.decode;
+    PoolSettings& pool = prefill ? prefill_pool_ : decode_pool_;
+    pool = settings_of(next_pool);
+    const auto& wanted = next_pool.endpoints;
+    // What the engine would be if it joined now: a new pool dialect or limit changes it too.
+    auto same = [&](const Endpoint& w, const EndpointState& e) {
+      return same_endpoint(w, e.config) && e.dialect == pool.dialect &&
+             e.max_in_flight == limit_of(w, pool);
+    };
     std::vector<int> drop;
     for (const auto& [id, e] : endpoints_) {
       if (e.prefill != prefill || e.draining) continue;
-      const bool keep = std::any_of(wanted.begin(), wanted.end(),
-                                    [&](const Endpoint& w) { return same_endpoint(w, e.config); });
+      const bool keep =
+          std::any_of(wanted.begin(), wanted.end(), [&](const Endpoint& w) { return same(w, e); });
       if (!keep) drop.push_back(id);
     }
     for (int id : drop) result.removed += drain(id) ? 1 : 0;
     for (const auto& w : wanted) {
       const bool have = std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
-        return kv.second.prefill == prefill && !kv.second.draining &&
-               same_endpoint(w, kv.second.config);
+        return kv.second.prefill == prefill && !kv.second.draining && same(w, kv.second);
       });
       if (!have) {
         add(prefill, w);

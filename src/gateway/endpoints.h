@@ -42,6 +42,8 @@ struct EndpointState {
   int id = 0;
   bool prefill = false;
   Endpoint config;
+  // Its pool's dialect when it joined (a reload that changes the pool's replaces it).
+  Dialect dialect = Dialect::kAuto;
   int64_t max_in_flight = 0;
   bool healthy = true, draining = false, probing = false;
   Clock::time_point readmitted{};    // when a probe last readmitted it (its limit ramps up since)
@@ -87,6 +89,7 @@ class EndpointTable {
   // Called with an engine's id when it leaves (after its drain), so policy state can forget it.
   void on_forget(std::function<void(int id)> callback) { on_forget_ = std::move(callback); }
 
+  // With the pool's dialect and max_in_flight as last loaded (the topology's, or a reload's).
   int add(bool prefill, Endpoint endpoint);
   // The engine's KV events reach the prefix index some other way (the cluster simulator applies
   // them itself): its cached prefixes are known, as for an engine with a consumer.
@@ -126,8 +129,9 @@ class EndpointTable {
   bool drain(int id);
   // Why `endpoint` cannot join a pool now (empty: it can), by the rules of validate().
   std::string admission_error(bool prefill, const Endpoint& endpoint) const;
-  // Endpoints are matched by name and settings: unchanged ones stay (with their load), changed
-  // or missing ones are drained, new ones are added.
+  // Endpoints are matched by name and settings (their own, and their pool's dialect and
+  // max_in_flight as they apply to them): unchanged ones stay (with their load), changed or
+  // missing ones are drained, new ones are added. The pools' settings apply to later adds too.
   struct ReloadResult {
     int added = 0, removed = 0;
   };
@@ -140,7 +144,18 @@ class EndpointTable {
   void update_ready();
   bool has_events(int id) const { return consumers_.count(id) || external_events_.count(id); }
 
+  // A pool's settings that apply to its engines as they join.
+  struct PoolSettings {
+    Dialect dialect = Dialect::kAuto;
+    int64_t max_in_flight = 0;
+  };
+  static PoolSettings settings_of(const Pool& pool) { return {pool.dialect, pool.max_in_flight}; }
+  static int64_t limit_of(const Endpoint& e, const PoolSettings& pool) {
+    return e.max_in_flight > 0 ? e.max_in_flight : pool.max_in_flight;
+  }
+
   const Topology& topo_;
+  PoolSettings prefill_pool_, decode_pool_;
   GatewayMetrics& metrics_;
   PrefixIndex& prefix_index_;
   std::function<void(int)> on_forget_;

@@ -696,6 +696,16 @@ PriorityClasses load_priority_classes(const std::string& path) {
   return read_priority_classes(Reader(path), root, "");
 }
 
+std::string reload_refusal(const Topology& current, const Topology& next) {
+  const auto restart = [](const std::string& what) {
+    return "reload cannot change " + what + " (restart the gateway for that)";
+  };
+  if (next.mode != current.mode) return restart("the mode");
+  if (next.prefill.tokens_in != current.prefill.tokens_in) return restart("prefill.tokens_in");
+  if (next.decode.tokens_in != current.decode.tokens_in) return restart("decode.tokens_in");
+  return {};
+}
+
 PolicyOptions policy_options(const Topology& t) {
   PolicyOptions o{t.scheduling.tandem, t.scheduling.cache_aware, t.scheduling.kv_router};
   if (t.priority.enabled()) o.tandem.prefill_deadline_slack = 0;

@@ -172,6 +172,12 @@ PriorityClasses load_priority_classes(const std::string& path);
 // requests for the engines' queued tokens, as for engines without deadlines).
 PolicyOptions policy_options(const Topology& topology);
 
+// Why POST /admin/reload cannot apply `next` to a gateway started with `current` (empty: it
+// can): a different mode, or a pool's tokens_in (read as requests are prepared, at start). What
+// a reload applies is each pool's engines, dialect and max_in_flight; other settings wait for a
+// restart (docs/gateway.md, "Admin API").
+std::string reload_refusal(const Topology& current, const Topology& next);
+
 // Throws tandem::Error for an inconsistent topology: no decode engine; a prefill pool in
 // aggregated mode or none in a P/D mode; a dialect that cannot serve the mode; a parallel-mode
 // prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits;

@@ -1005,6 +1005,37 @@ TEST(Dispatcher, ReloadKeepsUnchangedEnginesDrainsChangedOnesAndAddsNewOnes) {
   EXPECT_EQ(c.dispatcher.reload(next).added, 0);  // idempotent
 }
 
+// A reload applies what the file says of each engine as it would join now: its pool's limit and
+// dialect, and where its KV events come from; engines added later join with them too.
+TEST(Dispatcher, AReloadAppliesThePoolsLimitAndDialectAndTheEnginesKvEvents) {
+  Cluster c(aggregated({engine("a"), engine("b", 0, 5)}));
+  Topology next = aggregated({engine("a"), engine("b", 0, 5)});
+  next.decode.max_in_flight = 3;
+  auto result = c.dispatcher.reload(next);
+  EXPECT_EQ(result.added, 1);  // a, with the pool's new limit; b keeps a limit of its own
+  EXPECT_EQ(result.removed, 1);
+  EXPECT_EQ(c.endpoint("a")["max_in_flight"], 3);
+  EXPECT_EQ(c.endpoint("b")["max_in_flight"], 5);
+  EXPECT_EQ(c.endpoint("a")["load_source"], "own_counts");
+
+  next.decode.dialect = Dialect::kTandem;
+  result = c.dispatcher.reload(next);
+  EXPECT_EQ(result.added, 2);
+  EXPECT_EQ(result.removed, 2);
+  EXPECT_EQ(c.endpoint("a")["load_source"], "reports");
+
+  next.decode.endpoints[0].kv_events = "inproc://kv-events-of-a";
+  result = c.dispatcher.reload(next);
+  EXPECT_EQ(result.added, 1);
+  EXPECT_EQ(result.removed, 1);
+  EXPECT_TRUE(c.endpoint("a").contains("prefix_blocks"));  // a consumer feeds the index now
+  EXPECT_EQ(c.dispatcher.reload(next).added, 0);           // idempotent
+
+  ASSERT_EQ(c.dispatcher.add_endpoint(false, engine("c")), "");
+  EXPECT_EQ(c.endpoint("c")["max_in_flight"], 3);
+  EXPECT_EQ(c.endpoint("c")["load_source"], "reports");
+}
+
 TEST(Dispatcher, AdmissionRefusesADuplicateNameAndAPrefillEngineInAggregatedMode) {
   Cluster c(aggregated({engine("a")}));
   EXPECT_NE(c.dispatcher.add_endpoint(false, engine("a")).find("exists"), std::string::npos);

@@ -671,6 +671,22 @@ TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
   EXPECT_NO_THROW(validate(t));
 }
 
+// What a reload would silently leave as it was is refused instead.
+TEST(ReloadRefusal, NamesTheModeAndTokensInWhichOnlyARestartChanges) {
+  const Topology now = parse_topology_yaml(parallel_yaml(), "t.yaml");
+  Topology next = now;
+  next.prefill.max_in_flight = 3;
+  next.decode.dialect = Dialect::kTandem;
+  EXPECT_EQ(reload_refusal(now, next), "");
+  next.mode = PdMode::kSequential;
+  EXPECT_EQ(reload_refusal(now, next),
+            "reload cannot change the mode (restart the gateway for that)");
+  next = now;
+  next.decode.tokens_in = false;
+  EXPECT_EQ(reload_refusal(now, next),
+            "reload cannot change decode.tokens_in (restart the gateway for that)");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Files
 
