@@ -11,9 +11,11 @@
 #include "engine/transfer/kv_transfer.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +23,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <mutex>
@@ -35,8 +38,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "engine/transfer/kv_frame.h"
 #include "engine/transfer/kv_transport.h"
 #include "engine/transfer/shm_pieces.h"
+#include "engine/transfer/shm_ring.h"
 #include "util/error.h"
 #include "util/error_of.h"
 #include "util/metrics.h"
@@ -292,6 +297,151 @@ TEST_P(KvTransports, CloseUnblocksAccept) {
   ASSERT_EQ(accepted.wait_for(kHangGuard), std::future_status::ready);
   EXPECT_EQ(accepted.get(), nullptr);
   EXPECT_EQ(listener->accept(), nullptr);
+}
+
+// ------------------------------------------------------- shared memory: a hostile local peer
+
+// A process posing as a prefill engine on this host: it holds the shared-memory socket name of
+// 127.0.0.1:port (as shm_ring.h defines it) and speaks the segment handshake by hand.
+class FakeShmListener {
+ public:
+  explicit FakeShmListener(uint16_t port, int backlog = 8)
+      : fd_(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) {
+    socklen_t length = 0;
+    const sockaddr_un a = shm::socket_address("127.0.0.1", port, length);
+    bound_ = fd_ >= 0 && ::bind(fd_, reinterpret_cast<const sockaddr*>(&a), length) == 0 &&
+             ::listen(fd_, backlog) == 0;
+  }
+  ~FakeShmListener() {
+    for (int c : accepted_) ::close(c);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  bool bound() const { return bound_; }
+  // A client has connected and waits to be accepted (and welcomed).
+  bool has_pending_connection() const {
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
+  }
+
+  // Accepts one client, maps the segment its hello brings and welcomes it, attaching `extra_fd`
+  // to the welcome when given (a descriptor the client never asked for).
+  SharedSegment accept_and_welcome(int extra_fd = -1) {
+    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    EXPECT_GE(c, 0);
+    accepted_.push_back(c);
+    char hello = 0;
+    iovec iov{&hello, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = control;
+    m.msg_controllen = sizeof control;
+    EXPECT_EQ(::recvmsg(c, &m, MSG_CMSG_CLOEXEC), 1);
+    int segment_fd = -1;
+    if (cmsghdr* h = CMSG_FIRSTHDR(&m); h && h->cmsg_type == SCM_RIGHTS)
+      std::memcpy(&segment_fd, CMSG_DATA(h), sizeof(int));
+    SharedSegment segment = SharedSegment::attach(segment_fd);
+    char welcome = shm::kWelcome;
+    iovec out{&welcome, 1};
+    msghdr w{};
+    w.msg_iov = &out;
+    w.msg_iovlen = 1;
+    alignas(cmsghdr) char extra[CMSG_SPACE(sizeof(int))] = {};
+    if (extra_fd >= 0) {
+      w.msg_control = extra;
+      w.msg_controllen = sizeof extra;
+      cmsghdr* h = CMSG_FIRSTHDR(&w);
+      h->cmsg_level = SOL_SOCKET;
+      h->cmsg_type = SCM_RIGHTS;
+      h->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(h), &extra_fd, sizeof(int));
+    }
+    EXPECT_EQ(::sendmsg(c, &w, MSG_NOSIGNAL), 1);
+    return segment;
+  }
+
+ private:
+  int fd_;
+  bool bound_ = false;
+  std::vector<int> accepted_;
+};
+
+// Descriptors this process has open.
+size_t open_descriptors() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+// A shared-memory client of the fake above, connected (the fake accepts on this thread).
+struct FakeShmPair {
+  std::unique_ptr<KvTransport> tcp = make_tcp_transport({5000ms});
+  // Holds the port, so that no other listener takes its shared-memory name; never accepts.
+  std::unique_ptr<KvListener> reserved = tcp->listen("127.0.0.1", 0);
+  FakeShmListener fake{reserved->port()};
+  std::unique_ptr<KvTransport> transport = make_shm_transport({5000ms});
+  std::unique_ptr<KvConnection> client;
+  SharedSegment segment;
+
+  void connect(int extra_fd = -1) {
+    ASSERT_TRUE(fake.bound());
+    std::thread t([&] { client = transport->connect("127.0.0.1", reserved->port()); });
+    segment = fake.accept_and_welcome(extra_fd);
+    t.join();
+    ASSERT_TRUE(client);
+    ASSERT_STREQ(client->kind(), "shm");
+  }
+};
+
+TEST(ShmPeer, ARingClaimingMoreBytesThanItHoldsIsAnErrorNotAReadPastIt) {
+  FakeShmPair p;
+  ASSERT_NO_FATAL_FAILURE(p.connect());
+  // A layer frame of 8 MiB announced in the to-client ring, and all of it claimed written at
+  // once: four times what the ring holds.
+  constexpr uint64_t kClaimed = 8 << 20;
+  std::byte* ring = p.segment.data() + shm::kToClientData;
+  const auto header = kv_frame_header(KvFrameType::kLayer, kClaimed);
+  std::memcpy(ring, header.data(), header.size());
+  auto* head = reinterpret_cast<shm::RingHead*>(p.segment.data() + shm::kToClientHead);
+  head->written.store(header.size() + kClaimed);
+  head->data.fetch_add(1);
+  EXPECT_THAT(error_of([&] { p.client->receive(kClaimed); }),
+              HasSubstr("corrupt shared-memory ring"));
+}
+
+TEST(ShmPeer, ADescriptorThePeerSendsUnaskedIsClosedNotLeaked) {
+  const int extra = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(extra, 0);
+  const size_t before = open_descriptors();
+  {
+    FakeShmPair p;
+    ASSERT_NO_FATAL_FAILURE(p.connect(extra));
+  }
+  EXPECT_EQ(open_descriptors(), before);
+  ::close(extra);
+}
+
+TEST(ShmPeer, ConnectingToAListenerWithAFullBacklogCanBeAbandoned) {
+  auto tcp = make_tcp_transport({5000ms});
+  auto reserved = tcp->listen("127.0.0.1", 0);
+  FakeShmListener full(reserved->port(), 0);  // never accepts: its one queue slot is taken
+  ASSERT_TRUE(full.bound());
+  const int filler = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  socklen_t length = 0;
+  const sockaddr_un a = shm::socket_address("127.0.0.1", reserved->port(), length);
+  ASSERT_EQ(::connect(filler, reinterpret_cast<const sockaddr*>(&a), length), 0);
+  // The I/O timeout far beyond the hang guard: only giving up can end the attempt.
+  auto transport = make_shm_transport({600s});
+  int asked = 0;
+  auto attempt = std::async(std::launch::async, [&] {
+    return error_of(
+        [&] { transport->connect("127.0.0.1", reserved->port(), [&] { return ++asked >= 3; }); });
+  });
+  ASSERT_EQ(attempt.wait_for(kHangGuard), std::future_status::ready);
+  EXPECT_THAT(attempt.get(), HasSubstr("abandoned"));
+  EXPECT_EQ(asked, 3);
+  ::close(filler);
 }
 
 // ------------------------------------------------------------------- shared memory, in place
@@ -705,7 +855,7 @@ class KvTransferAgents : public ::testing::Test {
     p.port = 0;
     p.advertise_host = "127.0.0.1";
     p.timeout_s = prefill_timeout_s;
-    p.checksum = true;
+    p.checksum = prefill_checksum_;
     p.secret = prefill_secret_;
     p.handshake_timeout_s = handshake_timeout_s_;
     prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_,
@@ -723,7 +873,8 @@ class KvTransferAgents : public ::testing::Test {
     d.engine_id = "decode-0";
     d.port = -1;
     d.timeout_s = 5;
-    d.checksum = true;
+    d.checksum = decode_checksum_;
+    d.handshake_timeout_s = handshake_timeout_s_;
     d.secret = decode_secret_;
     d.allow = decode_allow_;
     return std::make_unique<KvTransferAgent>(
@@ -739,6 +890,7 @@ class KvTransferAgents : public ::testing::Test {
   // prefill side waits for a connection's first frame, and its transport's I/O timeout.
   std::string prefill_secret_, decode_secret_;
   std::vector<std::string> decode_allow_;  // the decode engine's --kv-transfer-allow
+  bool prefill_checksum_ = true, decode_checksum_ = true;  // their --kv-transfer-checksum
   double handshake_timeout_s_ = 5;
   std::chrono::milliseconds prefill_io_timeout_ = 5000ms;
   std::chrono::milliseconds decode_io_timeout_ = 5000ms;
@@ -1089,7 +1241,15 @@ TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {
     send_text(*conn, KvFrameType::kDone, "{}");
     const KvFrame f = conn->receive(1 << 20);
     EXPECT_EQ(f.type, KvFrameType::kError);
-    EXPECT_THAT(text_of(f.payload), HasSubstr("expected a pull or register frame"));
+    EXPECT_THAT(text_of(f.payload),
+                HasSubstr("expected a pull or register frame, got a done frame of 2 bytes"));
+  }
+  for (const KvFrameType type : {KvFrameType::kPull, KvFrameType::kRegister}) {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, type, "{\"room\": ");
+    const KvFrame f = conn->receive(1 << 20);
+    EXPECT_EQ(f.type, KvFrameType::kError) << "the peer learns why, not just a closed connection";
+    EXPECT_THAT(text_of(f.payload), HasSubstr("malformed JSON frame"));
   }
   {
     auto conn = transport->connect("127.0.0.1", prefill_->port());
@@ -1218,6 +1378,63 @@ TEST_F(KvTransferAgents, CancelFetchEndsAWaitingFetch) {
   EXPECT_THAT(r.error, AnyOf(HasSubstr("cancelled"), HasSubstr("shut down")));
   EXPECT_THAT(r.error, Not(HasSubstr("arrived within")));
   EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+// A shared-memory listener of this host that accepts nobody (an engine stopped with SIGSTOP,
+// say): a fetch still connecting to it ends when it is cancelled.
+class KvTransferOverShm : public KvTransferAgents {
+ protected:
+  KvTransferOverShm() : KvTransferAgents(KvLayout{"fake", 3, 4, 8}, "shm") {}
+};
+
+TEST_F(KvTransferOverShm, CancelFetchEndsAFetchStillConnecting) {
+  decode_io_timeout_ = 600s;  // far beyond the hang guard: only the cancel can end it
+  start();
+  auto tcp = make_tcp_transport({5000ms});
+  auto reserved = tcp->listen("127.0.0.1", 0);
+  FakeShmListener stalled(reserved->port());
+  ASSERT_TRUE(stalled.bound());
+  port_override_ = reserved->port();
+  Outcome o = fetch(pull("prefill-0-0", 0, 10, local_, "req-stuck"));
+  ASSERT_TRUE(queue_.run_until([&] { return stalled.has_pending_connection(); }));
+  decode_->cancel_fetch("req-stuck");
+  const KvFetchResult r = wait(o);
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error,
+              HasSubstr("handshake with 127.0.0.1:" + std::to_string(port_override_) + " failed"));
+}
+
+// A client may name any host in a decode leg that is then refused; each refusal asks that host
+// to release the hold. Against a host that accepts and never answers, those releases are
+// bounded in number, and the engine still shuts down at once.
+TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
+  decode_io_timeout_ = 600s;
+  handshake_timeout_s_ = 600;  // what bounds a release: only the shutdown can end them here
+  start();
+  auto silent = make_tcp_transport({600s});
+  auto listener = silent->listen("127.0.0.1", 0);
+  std::mutex m;
+  std::vector<std::unique_ptr<KvConnection>> accepted;
+  std::thread acceptor([&] {
+    while (auto c = listener->accept()) {
+      std::lock_guard lock(m);
+      accepted.push_back(std::move(c));
+    }
+  });
+  for (int i = 0; i < 40; ++i)
+    decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-" + std::to_string(i),
+                            {1, 2});
+  const auto count = [&] {
+    std::lock_guard lock(m);
+    return accepted.size();
+  };
+  EXPECT_TRUE(queue_.run_until([&] { return count() >= 16; }));
+  auto shutdown = std::async(std::launch::async, [&] { decode_.reset(); });
+  EXPECT_EQ(shutdown.wait_for(kHangGuard), std::future_status::ready)
+      << "the engine waited for releases nobody answers";
+  EXPECT_EQ(count(), 16u);
+  listener->close();
+  acceptor.join();
 }
 
 TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
@@ -1637,8 +1854,10 @@ void send_accept(KvConnection& conn) {
 }
 
 TEST_F(KvTransferAgents, ThePullRequestCarriesTheDocumentedFields) {
+  decode_checksum_ = false;  // then layers may come with or without a checksum
   start();
   FakePrefill fake([&](KvConnection& conn, const json& req) {
+    EXPECT_FALSE(req.contains("checksum"));
     EXPECT_EQ(req.at("transfer_id"), "prefill-0-3");
     EXPECT_EQ(req.at("engine_id"), "prefill-0");
     EXPECT_EQ(req.at("block_ids"), json({5, 2, 9}));
@@ -1665,6 +1884,36 @@ TEST_F(KvTransferAgents, ThePullRequestCarriesTheDocumentedFields) {
     EXPECT_TRUE(
         std::all_of(b3.begin() + 16, b3.end(), [](std::byte x) { return x == kUntouched; }));
   }
+}
+
+TEST_F(KvTransferAgents, ADecodeEngineThatChecksumsAsksForChecksumsAndRefusesALayerWithout) {
+  start();
+  FakePrefill fake([&](KvConnection& conn, const json& req) {
+    EXPECT_EQ(req.value("checksum", false), true);
+    send_accept(conn);
+    send_bytes(conn, KvFrameType::kLayer, layer_payload(0, layer_data(0), false));
+    send_text(conn, KvFrameType::kDone, "{}");
+  });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("layer 0 came without a checksum"));
+}
+
+TEST_F(KvTransferAgents, APrefillEngineChecksumsWhenTheDecodeEngineAsks) {
+  prefill_checksum_ = false;  // only the decode engine was started with --kv-transfer-checksum
+  start();
+  RoomOutcome room;
+  open(41, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(room));
+  Outcome o = fetch(enter_room(41, local_, "req-room"));
+  finish_room_layer_by_layer(41);
+  const KvFetchResult r = wait(o);
+  EXPECT_TRUE(r.ok) << r.error;
+  // The same through a pull.
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult rp = wait(fetch(pull(id, 0, 10, local_, "req-pull")));
+  EXPECT_TRUE(rp.ok) << rp.error;
 }
 
 TEST_F(KvTransferAgents, AWrongChecksumIsDetectedBeforeAnythingIsWritten) {
@@ -1737,7 +1986,10 @@ TEST_F(KvTransferAgents, MalformedLayerFramesAreRejected) {
        },
        "prefill engine overloaded"},
       {"done before the layers", [](KvConnection& c) { send_text(c, KvFrameType::kDone, "{}"); },
-       "expected a layer frame"},
+       "expected a layer frame of 96 bytes, got a done frame of 2 bytes"},
+      {"an error without a message",
+       [](KvConnection& c) { send_text(c, KvFrameType::kError, "{}"); },
+       "the peer reported an error without a message"},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);

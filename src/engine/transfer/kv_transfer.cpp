@@ -33,6 +33,9 @@ constexpr int64_t kMaxHandshakesPerAddress = 64;
 // Worker threads at most: every connection served at once, plus room for the decode side's
 // fetches, which therefore never wait behind connections blocked on their transfers.
 constexpr int64_t kMaxWorkers = kMaxConnections + 128;
+// release_remote calls at once (each is a connection and a worker for up to the handshake
+// timeout); the prefill engine frees a hold nobody releases when it expires anyway.
+constexpr int64_t kMaxReleases = 16;
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
 
@@ -61,6 +64,20 @@ json parse_control(const KvFrame& f, const std::string& what) {
   } catch (const std::exception& e) {
     throw Error(what + ": malformed JSON frame: " + e.what());
   }
+}
+
+// The message of a peer's error frame; a frame without one still says that the peer failed.
+std::string error_message(const KvFrame& f) {
+  const json j = parse_control(f, "error");
+  if (j.is_object() && j.contains("message") && j["message"].is_string())
+    return j["message"].get<std::string>();
+  return "the peer reported an error without a message";
+}
+
+// "a layer frame of 4112 bytes": what arrived, for errors about the unexpected.
+std::string frame_text(KvFrameType type, uint64_t bytes) {
+  return std::string("a ") + kv_frame_type_name(type) + " frame of " + std::to_string(bytes) +
+         " bytes";
 }
 
 // ---------------------------------------------------------------- the handshake (kv_transfer.h)
@@ -318,6 +335,7 @@ KvTransferAgent::~KvTransferAgent() {
     for (auto& [id, slot] : fetches_)
       if (slot.conn) conns.push_back(slot.conn);
     conns.insert(conns.end(), serving_.begin(), serving_.end());
+    conns.insert(conns.end(), releases_.begin(), releases_.end());
   }
   changed_.notify_all();
   work_ready_.notify_all();  // idle workers end; busy ones finish what is queued first
@@ -534,9 +552,16 @@ void KvTransferAgent::reap_loop() {
                   "no decode engine registered bootstrap_room " + std::to_string(id) + " within " +
                       seconds_text(config_.timeout_s) + " s");
   }
-  // Shutting down: everything held goes back to the engine.
-  for (auto& [id, h] : held_) post_(std::move(h->release));
-  held_.clear();
+  // Shutting down: everything held goes back to the engine, except what a connection is still
+  // reading (its blocks must stay until it stops: serve_pull releases them then).
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->second->pulling) {
+      ++it;
+      continue;
+    }
+    post_(std::move(it->second->release));
+    it = held_.erase(it);
+  }
   std::vector<uint64_t> rooms;
   for (const auto& [id, r] : rooms_)
     if (!r->registered) rooms.push_back(id);
@@ -630,7 +655,8 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
   else if (first.type == KvFrameType::kRegister)
     serve_register(conn, first.payload);
   else
-    send_error(conn, "expected a pull or register frame");
+    send_error(conn, "expected a pull or register frame, got " +
+                         frame_text(first.type, first.payload.size()));
 }
 
 void KvTransferAgent::refused(const std::string& peer, const std::string& why) {
@@ -645,7 +671,7 @@ void KvTransferAgent::refused(const std::string& peer, const std::string& why) {
 
 void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>& blocks,
                                   int64_t first_token, int64_t num_tokens, int64_t from_layer,
-                                  int64_t to_layer) {
+                                  int64_t to_layer, bool with_checksum) {
   const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
   for (int64_t layer = from_layer; layer < to_layer; ++layer) {
     std::vector<std::span<const std::byte>> parts;
@@ -656,7 +682,7 @@ void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>
       parts.emplace_back(executor_.kv_bytes(blocks[size_t(t / bs)], layer), size_t(n * tb));
     }
     const auto data = std::span<const std::span<const std::byte>>(parts).subspan(1);
-    encode({uint64_t(layer), config_.checksum, config_.checksum ? checksum(data) : 0}, header);
+    encode({uint64_t(layer), with_checksum, with_checksum ? checksum(data) : 0}, header);
     const uint64_t in_place = conn.bytes_sent_in_place();
     conn.send(KvFrameType::kLayer, parts);
     metrics_->bytes.labels({"sent"}).inc(uint64_t((num_tokens - first_token) * tb));
@@ -665,11 +691,16 @@ void KvTransferAgent::send_layers(KvConnection& conn, const std::vector<int32_t>
 }
 
 void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte>& payload) {
-  KvFrame f{KvFrameType::kPull, payload};
-  const json req = parse_control(f, "pull");
+  json req;
+  try {
+    req = parse_control(KvFrame{KvFrameType::kPull, payload}, "pull");
+  } catch (const std::exception& e) {
+    return send_error(conn, e.what());
+  }
   std::string id;
   std::vector<int32_t> blocks;
   int64_t first = 0, num = 0;
+  bool checksum = config_.checksum;
   std::string problem;
   {
     std::lock_guard lock(mutex_);
@@ -681,6 +712,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
       num = get_field<int64_t>(req, "num_tokens");
       const auto prompt_hash = get_field<uint64_t>(req, "prompt_hash");
       const auto prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
+      checksum = config_.checksum || req.value("checksum", false);
       auto it = held_.find(id);
       problem = layout_mismatch(req.value("layout", json()), layout_);
       if (!problem.empty()) {
@@ -722,7 +754,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
   try {
     send_json(conn, KvFrameType::kAccept,
               {{"layers", layout_.layers}, {"first_token", first}, {"num_tokens", num}});
-    send_layers(conn, blocks, first, num, 0, layout_.layers);
+    send_layers(conn, blocks, first, num, 0, layout_.layers, checksum);
     send_json(conn, KvFrameType::kDone, json::object());
     ok = true;
   } catch (const std::exception&) {
@@ -731,7 +763,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
   metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
   auto it = held_.find(id);
   if (it == held_.end()) return;
-  if (!ok) {
+  if (!ok && !stopping_) {
     // The decode engine may try again until the hold expires.
     it->second->pulling = false;
     return;
@@ -741,8 +773,13 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
 }
 
 void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::byte>& payload) {
-  KvFrame f{KvFrameType::kRegister, payload};
-  const json req = parse_control(f, "register");
+  json req;
+  try {
+    req = parse_control(KvFrame{KvFrameType::kRegister, payload}, "register");
+  } catch (const std::exception& e) {
+    return send_error(conn, e.what());
+  }
+  const bool checksum = config_.checksum || req.value("checksum", false);
   uint64_t room = 0;
   int64_t first = 0, num = 0, prompt_tokens = 0;
   uint64_t hash = 0;
@@ -823,7 +860,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
                     {{"layers", layout_.layers}, {"first_token", first}, {"num_tokens", num}});
           accepted = true;
         }
-        send_layers(conn, blocks, first, num, sent, upto);
+        send_layers(conn, blocks, first, num, sent, upto, checksum);
         sent = upto;
         if (sent == layout_.layers) send_json(conn, KvFrameType::kDone, json::object());
       } catch (const std::exception& e) {
@@ -894,11 +931,23 @@ void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
   if (!kv_peer_allowed(config_.allow, host)) return;
   {
     std::lock_guard lock(mutex_);
-    if (stopping_) return;
+    if (stopping_ || releasing_ >= kMaxReleases) return;
+    ++releasing_;
   }
-  spawn([this, host, port, engine_id, transfer_id, blocks = std::move(blocks)] {
+  auto release = [this, host, port, engine_id, transfer_id, blocks = std::move(blocks)] {
+    std::shared_ptr<KvConnection> conn;
     try {
-      auto conn = transport_->connect(host, port);
+      conn = transport_->connect(host, port, [this] {
+        std::lock_guard lock(mutex_);
+        return stopping_;
+      });
+      {
+        std::lock_guard lock(mutex_);
+        if (stopping_) throw Error("stopping");
+        releases_.push_back(conn);
+      }
+      conn->set_timeout(
+          std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
       if (!config_.secret.empty())
         authenticate_to_prefill(*conn, config_.secret, host + ":" + std::to_string(port));
       json req = {{"transfer_id", transfer_id},
@@ -918,7 +967,14 @@ void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
     } catch (const std::exception&) {
       // Best effort: the prefill engine's timeout frees the blocks otherwise.
     }
-  });
+    std::lock_guard lock(mutex_);
+    --releasing_;
+    if (conn) std::erase(releases_, conn);
+  };
+  if (!spawn(std::move(release))) {
+    std::lock_guard lock(mutex_);
+    --releasing_;
+  }
 }
 
 void KvTransferAgent::cancel_fetch(const std::string& request_id) {
@@ -942,7 +998,10 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     if (!kv_peer_allowed(config_.allow, f.host))
       throw Error("KV transfer from " + f.host +
                   " refused: the host is not in --kv-transfer-allow");
-    std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port));
+    std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port, [this, slot] {
+      std::lock_guard lock(mutex_);
+      return slot->cancelled || stopping_;
+    }));
     metrics_->fetch_connections.labels({conn->kind()}).inc();
     {
       std::lock_guard lock(mutex_);
@@ -955,6 +1014,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                 {"layout", layout_json(layout_)}};
     req["prompt_hash"] = f.prompt_hash;
     req["prompt_tokens"] = f.prompt_tokens;
+    if (config_.checksum) req["checksum"] = true;  // the prefill engine checksums its layers then
     if (f.pull) {
       req["transfer_id"] = f.transfer_id;
       req["engine_id"] = f.engine_id;
@@ -972,9 +1032,10 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     const size_t layer_bytes = size_t(tokens * tb);
     KvFrame accept = conn->receive(kControlLimit);
     while (accept.type == KvFrameType::kProgress) accept = conn->receive(kControlLimit);
-    if (accept.type == KvFrameType::kError)
-      throw Error(get_field<std::string>(parse_control(accept, "error"), "message"));
-    if (accept.type != KvFrameType::kAccept) throw Error("expected an accept frame");
+    if (accept.type == KvFrameType::kError) throw Error(error_message(accept));
+    if (accept.type != KvFrameType::kAccept)
+      throw Error("expected an accept frame, got " +
+                  frame_text(accept.type, accept.payload.size()));
     // Layers land straight in the cache blocks when the executor has them in memory (one copy
     // fewer), else in one reused buffer handed to write_kv.
     std::vector<std::span<std::byte>> targets;
@@ -998,11 +1059,12 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
         KvFrame e{type, std::vector<std::byte>(size)};
         const std::span<std::byte> whole(e.payload);
         conn->receive_payload(std::span(&whole, 1));
-        throw Error(get_field<std::string>(parse_control(e, "error"), "message"));
+        throw Error(error_message(e));
       }
       if (type != KvFrameType::kLayer || size != kLayerHeader + layer_bytes)
         throw Error("layer " + std::to_string(layer) + ": expected a layer frame of " +
-                    std::to_string(kLayerHeader + layer_bytes) + " bytes");
+                    std::to_string(kLayerHeader + layer_bytes) + " bytes, got " +
+                    frame_text(type, size));
       std::vector<std::span<std::byte>> parts = {std::span<std::byte>(header, kLayerHeader)};
       if (in_place) {
         for (size_t b = 0; b < targets.size(); ++b)
@@ -1017,6 +1079,10 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
         throw Error("expected layer " + std::to_string(layer) + ", got " +
                     std::to_string(got.layer));
       const auto data = std::span<const std::span<std::byte>>(parts).subspan(1);
+      if (config_.checksum && !got.has_checksum)
+        throw Error("layer " + std::to_string(layer) +
+                    " came without a checksum, which this engine asked for "
+                    "(--kv-transfer-checksum; a prefill engine of an older version?)");
       if (got.has_checksum && checksum(data) != got.checksum)
         throw Error("layer " + std::to_string(layer) + ": checksum mismatch (corrupted transfer)");
       if (!in_place)
@@ -1032,9 +1098,9 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       metrics_->bytes.labels({"received"}).inc(layer_bytes);
     }
     KvFrame end = conn->receive(kControlLimit);
-    if (end.type == KvFrameType::kError)
-      throw Error(get_field<std::string>(parse_control(end, "error"), "message"));
-    if (end.type != KvFrameType::kDone) throw Error("expected a done frame");
+    if (end.type == KvFrameType::kError) throw Error(error_message(end));
+    if (end.type != KvFrameType::kDone)
+      throw Error("expected a done frame, got " + frame_text(end.type, end.payload.size()));
     result.ok = true;
   } catch (const std::exception& e) {
     result.ok = false;

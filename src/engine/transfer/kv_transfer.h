@@ -163,7 +163,9 @@ class KvTransferAgent final : public KvTransfers {
   void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) override;
   void cancel_fetch(const std::string& request_id) override;
   // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
-  // zero tokens), in the background; failures are ignored (the hold expires anyway).
+  // zero tokens), in the background; failures are ignored (the hold expires anyway). At most
+  // kMaxReleases run at once, each bounded by the handshake timeout; more are dropped (a
+  // client naming a silent host in many refused requests must not tie up the transfer threads).
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
 
@@ -189,7 +191,7 @@ class KvTransferAgent final : public KvTransfers {
   };
   void run_fetch(KvFetch f, FetchSlot* slot, const std::function<void(const KvFetchResult&)>& done);
   void send_layers(KvConnection& conn, const std::vector<int32_t>& blocks, int64_t first_token,
-                   int64_t num_tokens, int64_t from_layer, int64_t to_layer);
+                   int64_t num_tokens, int64_t from_layer, int64_t to_layer, bool with_checksum);
   void finish_room(uint64_t room, bool ok, const std::string& error);  // under mutex_
   void reap_loop();  // also refreshes the held-blocks gauge
   int64_t held_blocks_locked() const;
@@ -223,8 +225,10 @@ class KvTransferAgent final : public KvTransfers {
   LogThrottle refusal_log_{std::chrono::seconds(10)};
   std::map<std::string, std::unique_ptr<Held>> held_;
   std::map<uint64_t, std::unique_ptr<Room>> rooms_;
-  std::unordered_map<std::string, FetchSlot> fetches_;  // by request id
-  std::vector<std::shared_ptr<KvConnection>> serving_;  // open server sides
+  std::unordered_map<std::string, FetchSlot> fetches_;   // by request id
+  std::vector<std::shared_ptr<KvConnection>> serving_;   // open server sides
+  int64_t releasing_ = 0;                                // release_remote calls running
+  std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
   std::thread accept_thread_, reap_thread_;
 };
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -28,6 +29,28 @@ enum class KvFrameType : uint32_t {
   kProgress = 8,  // prefill -> decode, before kAccept: the room's prompt is still being computed
                   // (JSON {"computed_tokens"}); each one restarts the decode side's I/O timeout
 };
+
+inline const char* kv_frame_type_name(KvFrameType t) {
+  switch (t) {
+    case KvFrameType::kPull:
+      return "pull";
+    case KvFrameType::kRegister:
+      return "register";
+    case KvFrameType::kAccept:
+      return "accept";
+    case KvFrameType::kLayer:
+      return "layer";
+    case KvFrameType::kDone:
+      return "done";
+    case KvFrameType::kError:
+      return "error";
+    case KvFrameType::kAuth:
+      return "auth";
+    case KvFrameType::kProgress:
+      return "progress";
+  }
+  return "unknown";
+}
 
 struct KvFrame {
   KvFrameType type = KvFrameType::kError;
@@ -95,7 +118,15 @@ class KvTransport {
   // lets the peer copy those parts straight from it instead of through the wire.
   virtual std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
                                              SharedView send_memory = {}) = 0;
-  virtual std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) = 0;
+  // Asked every few tens of milliseconds while connecting (and during a transport's own
+  // handshake): true abandons the attempt with an error, so a cancelled transfer or an engine
+  // shutting down does not wait out the I/O timeout for a peer that does not answer.
+  using GiveUp = std::function<bool()>;
+  virtual std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                                const GiveUp& give_up) = 0;
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) {
+    return connect(host, port, {});
+  }
   // Lets go of what the transport keeps for peers whose process has ended (shared memory: their
   // mapped segments, which keep that memory alive). Thread-safe and cheap; KV transfer calls it
   // about once a second.

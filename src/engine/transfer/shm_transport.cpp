@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include "engine/transfer/kv_transport.h"
 #include "engine/transfer/shm_peer_segments.h"
 #include "engine/transfer/shm_pieces.h"
+#include "engine/transfer/shm_ring.h"
 #include "util/error.h"
 #include "util/little_endian.h"
 #include "util/shared_memory.h"
@@ -32,16 +34,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Bytes of the ring each way: KV flows prefill -> decode (the server's), requests the other way.
-// Small enough to stay in cache and to cost few page faults on a new connection's segment.
-constexpr size_t kToServerBytes = 1 << 20;
-constexpr size_t kToClientBytes = 2 << 20;
+using namespace shm;  // the segment's layout and the socket's name (shm_ring.h)
+
 // A sender publishes what it wrote every this many bytes (and at the end of a frame), so the
 // receiver copies while it writes without a wake-up per block.
 constexpr size_t kChunk = 128 << 10;
-// Hello without / with the offer to copy large frames from the sender's segment; the segment's
-// descriptor comes with a kSegment byte.
-constexpr char kHello = 'S', kHelloInPlace = 'P', kWelcome = 'A', kSegment = 'M';
 // Frames from this size on go in place when they can; parts outside the segment (a layer's
 // header) travel inline, up to this many bytes.
 constexpr size_t kInPlaceMin = 4 << 10, kInlineMax = 64 << 10;
@@ -49,29 +46,8 @@ constexpr size_t kInPlaceMin = 4 << 10, kInlineMax = 64 << 10;
 constexpr uint32_t kInPlaceFlag = 1;
 // Copies from this size on are split with a second thread.
 constexpr size_t kSplitMin = 4 << 20;
-
-struct alignas(64) RingHead {
-  std::atomic<uint64_t> written{0};           // bytes ever written (the producer's)
-  alignas(64) std::atomic<uint64_t> read{0};  // bytes ever read (the consumer's)
-  alignas(64) std::atomic<uint32_t> data{0};  // futex words: bumped after writing / reading
-  std::atomic<uint32_t> space{0};
-  // Sides asleep on `data` / `space`: a wake-up (a system call) only when someone sleeps.
-  std::atomic<uint32_t> data_sleepers{0}, space_sleepers{0};
-  // In-place frames the consumer has finished copying (futex word), and the producer asleep on it.
-  alignas(64) std::atomic<uint32_t> copied{0};
-  std::atomic<uint32_t> copied_sleepers{0};
-};
-
-// The abstract Unix socket a listener on host:port also accepts on.
-sockaddr_un socket_address(const std::string& host, uint16_t port, socklen_t& length) {
-  sockaddr_un a{};
-  a.sun_family = AF_UNIX;
-  const std::string name = "tandem-kv-" + host + "-" + std::to_string(port);
-  const size_t n = std::min(name.size(), sizeof(a.sun_path) - 2);
-  std::memcpy(a.sun_path + 1, name.data(), n);  // sun_path[0] = 0: the abstract namespace
-  length = socklen_t(offsetof(sockaddr_un, sun_path) + 1 + n);
-  return a;
-}
+// How often a wait outside the ring (connecting, the handshake) asks whether to give up.
+constexpr auto kGiveUpPoll = std::chrono::milliseconds(50);
 
 bool is_this_host(const std::string& host) {
   if (host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0) return true;
@@ -93,14 +69,16 @@ bool is_this_host(const std::string& host) {
   return found;
 }
 
-// Waits for one byte (and maybe a descriptor) on a Unix socket until `deadline`.
-bool receive_byte(int fd, char& byte, int* passed_fd, Clock::time_point deadline) {
+// Waits for one byte (and maybe a descriptor) on a Unix socket until `deadline`, or until
+// `give_up` (asked every kGiveUpPoll) says to stop.
+bool receive_byte(int fd, char& byte, int* passed_fd, Clock::time_point deadline,
+                  const KvTransport::GiveUp& give_up = {}) {
   for (;;) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) return false;
+    if (left <= 0 || (give_up && give_up())) return false;
     pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, int(std::min<int64_t>(left, 1 << 30))) <= 0) continue;
+    if (::poll(&p, 1, int(std::min<int64_t>(left, kGiveUpPoll.count()))) <= 0) continue;
     iovec iov{&byte, 1};
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
     msghdr m{};
@@ -110,12 +88,24 @@ bool receive_byte(int fd, char& byte, int* passed_fd, Clock::time_point deadline
     m.msg_controllen = sizeof control;
     const ssize_t n = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n != 1) return false;
-    if (passed_fd) {
-      *passed_fd = -1;
-      for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
-        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-          std::memcpy(passed_fd, CMSG_DATA(c), sizeof(int));
+    // Every descriptor that came is ours to close: the one asked for goes to the caller, any
+    // other (a peer sending what was not asked for) is closed here rather than leaked.
+    int got = -1;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+        for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+          int fd = -1;
+          std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+          if (got < 0 && passed_fd)
+            got = fd;
+          else
+            ::close(fd);
+        }
+    if (passed_fd) *passed_fd = got;
+    if (n != 1) {
+      if (got >= 0) ::close(got);
+      if (passed_fd) *passed_fd = -1;
+      return false;
     }
     return true;
   }
@@ -185,18 +175,16 @@ class ShmConnection : public KvConnection {
         peer_(std::move(peer)),
         in_place_(std::move(in_place)) {
     auto* base = segment_.data();
-    auto* to_server = reinterpret_cast<RingHead*>(base);
-    auto* to_client = reinterpret_cast<RingHead*>(base + sizeof(RingHead));
-    std::byte* server_bytes = base + 2 * sizeof(RingHead);
-    std::byte* client_bytes = server_bytes + kToServerBytes;
+    auto* to_server = reinterpret_cast<RingHead*>(base + kToServerHead);
+    auto* to_client = reinterpret_cast<RingHead*>(base + kToClientHead);
+    std::byte* server_bytes = base + kToServerData;
+    std::byte* client_bytes = base + kToClientData;
     out_ = client ? Ring{to_server, server_bytes, kToServerBytes}
                   : Ring{to_client, client_bytes, kToClientBytes};
     in_ = client ? Ring{to_client, client_bytes, kToClientBytes}
                  : Ring{to_server, server_bytes, kToServerBytes};
   }
   ~ShmConnection() override { ::close(socket_); }
-
-  static size_t segment_bytes() { return 2 * sizeof(RingHead) + kToServerBytes + kToClientBytes; }
 
   void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) override {
     uint64_t total = 0;
@@ -315,7 +303,10 @@ class ShmConnection : public KvConnection {
     while (n > 0) {
       const uint32_t seen = h.space.load(std::memory_order_acquire);
       const uint64_t written = h.written.load(std::memory_order_relaxed) + unpublished_;
-      const uint64_t free = out_.capacity - (written - h.read.load(std::memory_order_acquire));
+      const uint64_t unread = written - h.read.load(std::memory_order_acquire);
+      if (unread > out_.capacity)
+        fail("corrupt shared-memory ring: the peer claims to have read past what was written");
+      const uint64_t free = out_.capacity - unread;
       if (free == 0) {
         publish();
         wait(h.space, h.space_sleepers, seen, deadline);
@@ -343,6 +334,11 @@ class ShmConnection : public KvConnection {
         wait(h.data, h.data_sleepers, seen, deadline);
         continue;
       }
+      // The counters live in memory the peer writes: a hostile or corrupt one could claim more
+      // than the ring holds, and the copy below would read past it.
+      if (ready > in_.capacity)
+        fail("corrupt shared-memory ring: the peer claims " + std::to_string(ready) +
+             " bytes ready in a ring of " + std::to_string(in_.capacity));
       const size_t take = std::min(n, size_t(ready));
       const size_t at = size_t(read % in_.capacity);
       const size_t first = std::min(take, in_.capacity - at);
@@ -505,7 +501,13 @@ class ShmListener : public KvListener {
     const sockaddr_un a = socket_address(host, tcp_->port(), length);
     if (unix_fd_ >= 0 && (::bind(unix_fd_, reinterpret_cast<const sockaddr*>(&a), length) != 0 ||
                           ::listen(unix_fd_, SOMAXCONN) != 0)) {
-      // Another listener of this host already has the name: this one serves TCP only.
+      // Abstract names vanish with their process, and the TCP port is ours: another process
+      // holds the name on purpose. Engines of this user do not connect to it (they check the
+      // listener's user), but the operator should know why transfers here use TCP.
+      std::fprintf(stderr,
+                   "tandem engine: warning: another process holds the shared-memory KV socket "
+                   "'@%s' (%s); KV transfers to this engine use TCP\n",
+                   a.sun_path + 1, std::strerror(errno));
       ::close(unix_fd_);
       unix_fd_ = -1;
     }
@@ -581,15 +583,18 @@ class ShmListener : public KvListener {
       }
       try {
         SharedSegment segment = SharedSegment::attach(segment_fd);
-        if (segment.size() < ShmConnection::segment_bytes() || !send_byte(fd, kWelcome, -1))
+        if (segment.size() < kSegmentBytes || !send_byte(fd, kWelcome, -1))
           throw Error("bad segment");
         // Only a process of this user may read the segment (it could read this one's memory
         // anyway); it receives the descriptor only with a frame the protocol sends it.
+        const ucred peer = peer_credentials(fd);
         InPlace in_place;
-        if (hello == kHelloInPlace && peer_credentials(fd).uid == ::geteuid())
-          in_place.send_memory = send_memory_;
-        push(std::make_unique<ShmConnection>(fd, std::move(segment), false, timeout_,
-                                             "shared memory (local peer)", std::move(in_place)));
+        if (hello == kHelloInPlace && peer.uid == ::geteuid()) in_place.send_memory = send_memory_;
+        // Named by process: the per-address limits of KV transfer count each peer on its own.
+        push(std::make_unique<ShmConnection>(
+            fd, std::move(segment), false, timeout_,
+            "shared memory (local peer, pid " + std::to_string(peer.pid) + ")",
+            std::move(in_place)));
       } catch (const std::exception&) {
         ::close(fd);
       }
@@ -621,27 +626,54 @@ class ShmTransport : public KvTransport {
 
   void forget_exited_peers() override { peers_->forget_exited(); }
 
-  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) override {
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                        const GiveUp& give_up) override {
     if (is_this_host(host))
       for (const std::string& name : {host, std::string("0.0.0.0")})
-        if (auto c = connect_local(name, port)) return c;
-    return tcp_->connect(host, port);
+        if (auto c = connect_local(name, port, give_up)) return c;
+    return tcp_->connect(host, port, give_up);
   }
 
  private:
-  // nullptr when no local listener has that name (then TCP).
-  std::unique_ptr<KvConnection> connect_local(const std::string& host, uint16_t port) {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return nullptr;
+  // A connected Unix socket to the listener of that name, else -1 (none: then TCP). A listener
+  // whose backlog is full (a stopped or stalled engine) is retried until the I/O timeout, or
+  // until `give_up`, rather than blocking in connect() beyond anyone's reach.
+  int connect_unix(const std::string& host, uint16_t port, const GiveUp& give_up) {
     socklen_t length = 0;
     const sockaddr_un a = socket_address(host, port, length);
-    if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), length) != 0) {
+    const auto deadline = Clock::now() + options_.io_timeout;
+    for (;;) {
+      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+      if (fd < 0) return -1;
+      if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), length) == 0) return fd;
+      const int error = errno;
+      ::close(fd);
+      if (error != EAGAIN && error != EINTR) return -1;
+      if (Clock::now() >= deadline)
+        throw Error("KV transfer: connecting to " + host + ":" + std::to_string(port) +
+                    " over shared memory timed out (the engine accepts no connections)");
+      if (give_up && give_up())
+        throw Error("KV transfer: connecting to " + host + ":" + std::to_string(port) +
+                    " abandoned");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  // nullptr when no local listener of this user has that name (then TCP).
+  std::unique_ptr<KvConnection> connect_local(const std::string& host, uint16_t port,
+                                              const GiveUp& give_up) {
+    const int fd = connect_unix(host, port, give_up);
+    if (fd < 0) return nullptr;
+    // Abstract socket names carry no permissions: any process may hold one. The segment and the
+    // KV that comes back are trusted only from a process of this user (which could read this
+    // one's memory anyway); another user's listener is ignored, and TCP reaches the engine.
+    if (peer_credentials(fd).uid != ::geteuid()) {
       ::close(fd);
       return nullptr;
     }
     SharedSegment segment;
     try {
-      segment = SharedSegment::create(ShmConnection::segment_bytes(), "tandem-kv");
+      segment = SharedSegment::create(kSegmentBytes, "tandem-kv");
     } catch (const Error&) {
       ::close(fd);  // no shared memory here (memfd refused): TCP still works
       return nullptr;
@@ -649,7 +681,7 @@ class ShmTransport : public KvTransport {
     peers_->forget_exited();
     char welcome = 0;
     if (!send_byte(fd, kHelloInPlace, segment.fd()) ||
-        !receive_byte(fd, welcome, nullptr, Clock::now() + options_.io_timeout) ||
+        !receive_byte(fd, welcome, nullptr, Clock::now() + options_.io_timeout, give_up) ||
         welcome != kWelcome) {
       ::close(fd);
       throw Error("KV transfer: the shared-memory handshake with " + host + ":" +

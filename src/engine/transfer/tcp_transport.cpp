@@ -38,14 +38,18 @@ std::string peer_text(int fd) {
   return address + ":" + std::to_string(port);
 }
 
-// Waits until `fd` is ready for `events` or `deadline` passes. Returns false on timeout.
-bool wait_ready(int fd, short events, Clock::time_point deadline) {
+// Waits until `fd` is ready for `events` or `deadline` passes. Returns false on timeout. With
+// `give_up`, polls in short slices and throws once it says to stop.
+bool wait_ready(int fd, short events, Clock::time_point deadline,
+                const KvTransport::GiveUp& give_up = {}) {
   for (;;) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) return false;
+    if (give_up && give_up()) throw Error("abandoned");
     pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)));
+    const int64_t slice = give_up ? 50 : int64_t{1} << 30;
+    const int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), slice)));
     if (n > 0) return true;  // ready, or an error/hangup the next call reports
     if (n < 0 && errno != EINTR) return true;
   }
@@ -226,7 +230,8 @@ class TcpTransport : public KvTransport {
     return std::make_unique<TcpListener>(host, port, options_.io_timeout);
   }
 
-  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port) override {
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                        const GiveUp& give_up) override {
     const std::string where = host + ":" + std::to_string(port);
     std::string error;
     const auto addresses = net::detail::resolve(host, port, /*passive=*/false, error);
@@ -240,7 +245,14 @@ class TcpTransport : public KvTransport {
         last = std::strerror(errno);
         continue;
       }
-      if (!wait_ready(fd, POLLOUT, deadline)) {
+      bool ready = false;
+      try {
+        ready = wait_ready(fd, POLLOUT, deadline, give_up);
+      } catch (const Error&) {
+        ::close(fd);
+        throw Error("KV transfer: connecting to " + where + " abandoned");
+      }
+      if (!ready) {
         ::close(fd);
         throw Error("KV transfer: connecting to " + where + " timed out");
       }
