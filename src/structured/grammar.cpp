@@ -1,6 +1,5 @@
 #include "structured/grammar.h"
 
-#include <functional>
 #include <string>
 
 #include "util/error.h"
@@ -107,18 +106,29 @@ void Grammar::finish(Symbol root) {
         leading[r].push_back(s);
         if (!nullable[size_t(s)]) break;
       }
-  std::vector<uint8_t> mark(n, 0);  // 0 unseen, 1 on the path, 2 done
-  std::function<void(size_t)> visit = [&](size_t r) {
-    mark[r] = 1;
-    for (Symbol s : leading[r]) {
-      if (mark[size_t(s)] == 1)
-        throw Error("grammar: left recursion through rule " + std::to_string(s));
-      if (mark[size_t(s)] == 0) visit(size_t(s));
+  // Depth-first, with an explicit stack: a chain of rules (nested groups, $refs) may be as long
+  // as the grammar, too long for the thread's stack.
+  std::vector<uint8_t> mark(n, 0);              // 0 unseen, 1 on the path, 2 done
+  std::vector<std::pair<size_t, size_t>> path;  // (rule, next of its leading symbols)
+  for (size_t root = 0; root < n; ++root) {
+    if (mark[root] != 0) continue;
+    mark[root] = 1;
+    path.emplace_back(root, 0);
+    while (!path.empty()) {
+      auto& [r, next] = path.back();
+      if (next == leading[r].size()) {
+        mark[r] = 2;
+        path.pop_back();
+        continue;
+      }
+      const auto s = size_t(leading[r][next++]);
+      if (mark[s] == 1) throw Error("grammar: left recursion through rule " + std::to_string(s));
+      if (mark[s] == 0) {
+        mark[s] = 1;
+        path.emplace_back(s, 0);
+      }
     }
-    mark[r] = 2;
-  };
-  for (size_t r = 0; r < n; ++r)
-    if (mark[r] == 0) visit(r);
+  }
 
   code_.clear();
   starts_.assign(n, {});

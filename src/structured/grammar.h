@@ -45,6 +45,10 @@ class Grammar {
 
   // Limits: grammars past them are refused with an error, not built.
   static constexpr size_t kMaxSymbols = 4'000'000;
+  // How deep the compilers may nest (regex groups; nested schemas and the $refs followed to reach
+  // one). They recurse once per level, and at this depth they use well under 1 MiB of stack (the
+  // tests compile at the limit on a thread of 1 MiB), less than any thread that compiles.
+  static constexpr int kMaxNesting = 1000;
 
  private:
   std::vector<std::vector<Sequence>> rules_;

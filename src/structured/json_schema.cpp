@@ -36,6 +36,15 @@ class SchemaCompiler {
   SchemaCompiler(Grammar& g, const json& root) : g_(g), root_(root) {}
 
   Symbol value(const json& schema, const std::string& where) {
+    // Nesting in the document is bounded by its parser, but a chain of $refs is not.
+    if (depth_ >= Grammar::kMaxNesting)
+      fail(where, "schemas nest deeper than " + std::to_string(Grammar::kMaxNesting) +
+                      " levels (nested schemas and the $refs followed to reach them)");
+    ++depth_;
+    struct Leave {
+      int& depth;
+      ~Leave() { --depth; }
+    } leave{depth_};
     if (schema.is_boolean()) {
       if (!schema.get<bool>()) fail(where, "the schema false matches nothing");
       return any_value();
@@ -343,6 +352,7 @@ class SchemaCompiler {
   const json& root_;
   std::map<std::string, Symbol> refs_;
   std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
+  int depth_ = 0;  // value() calls under way
   Symbol any_value_ = -1, any_object_ = -1, ws_ = -1, character_ = -1, integer_ = -1, number_ = -1;
 };
 

@@ -1,15 +1,17 @@
 #include "structured/matcher.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "util/error.h"
 
 namespace tandem::structured {
 namespace {
 
-// Expansion depth past which a grammar is refused: only nesting that deep could get there (left
-// recursion is refused when the grammar is built).
-constexpr int kMaxExpansionDepth = 10'000;
+// Rules entered in one step before each (rule, return frame) is entered once only: an ambiguous
+// grammar (optional parts one after another) reaches the same ones along many paths, which
+// costs quadratic or exponential time. Below it, a set would only slow the usual small steps.
+constexpr size_t kEntriesBeforeDedup = 256;
 // Frames kept before unreachable ones are dropped.
 constexpr size_t kCompactAbove = 1 << 16;
 
@@ -21,7 +23,8 @@ uint64_t pair_key(int32_t pos, int32_t rest) {
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar)
     : grammar_(std::move(grammar)) {
-  for (int32_t start : grammar_->alternatives(grammar_->root())) expand(start, -1, stacks_, 0);
+  new_step();
+  for (int32_t start : grammar_->alternatives(grammar_->root())) expand(start, -1, stacks_);
   std::sort(stacks_.begin(), stacks_.end(), [](const Stack& a, const Stack& b) {
     return pair_key(a.pos, a.rest) < pair_key(b.pos, b.rest);
   });
@@ -38,35 +41,52 @@ int32_t GrammarMatcher::frame(int32_t pos, int32_t rest) {
 }
 
 // From symbol `pos` with return frame `rest`: every stack whose next symbol is a terminal.
-void GrammarMatcher::expand(int32_t pos, int32_t rest, Stacks& out, int depth) {
-  if (depth > kMaxExpansionDepth) throw Error("structured output: the grammar nests too deeply");
+// Iterative: a chain of rules entered without reading a byte (nested groups, optional parts one
+// after another) may be as long as the grammar. The order of `out` is the callers' to fix.
+void GrammarMatcher::expand(int32_t pos, int32_t rest, Stacks& out) {
   const auto& code = grammar_->code();
-  for (;;) {
-    const Grammar::Symbol s = code[size_t(pos)];
-    if (s == Grammar::kEnd) {  // the alternative ended: return to the caller
-      if (rest < 0) {
-        out.push_back({kAccepted, -1});
-        return;
+  todo_.clear();
+  todo_.push_back({pos, rest});
+  while (!todo_.empty()) {
+    pos = todo_.back().pos;
+    rest = todo_.back().rest;
+    todo_.pop_back();
+    for (;;) {
+      const Grammar::Symbol s = code[size_t(pos)];
+      if (s == Grammar::kEnd) {  // the alternative ended: return to the caller
+        if (rest < 0) {
+          out.push_back({kAccepted, -1});
+          break;
+        }
+        std::tie(pos, rest) = frames_[size_t(rest)];
+        continue;
       }
-      std::tie(pos, rest) = frames_[size_t(rest)];
-      continue;
+      if (s < 0) {
+        out.push_back({pos, rest});
+        break;
+      }
+      // A rule: its alternatives, returning to what follows it (nothing to push when it is last).
+      const int32_t back = code[size_t(pos) + 1] == Grammar::kEnd ? rest : frame(pos + 1, rest);
+      if (++entries_ > kEntriesBeforeDedup && !entered_.insert(pair_key(s, back)).second) break;
+      const auto& starts = grammar_->alternatives(s);
+      for (auto it = starts.rbegin(); it != starts.rend(); ++it) todo_.push_back({*it, back});
+      break;
     }
-    if (s < 0) {
-      out.push_back({pos, rest});
-      return;
-    }
-    // A rule: its alternatives, returning to what follows it (nothing to push when it is last).
-    const int32_t back = code[size_t(pos) + 1] == Grammar::kEnd ? rest : frame(pos + 1, rest);
-    for (int32_t start : grammar_->alternatives(s)) expand(start, back, out, depth + 1);
-    return;
   }
+}
+
+void GrammarMatcher::new_step() {
+  // The pairs entered say what this step's output holds already: a new step starts empty.
+  if (entries_ > kEntriesBeforeDedup) entered_.clear();
+  entries_ = 0;
 }
 
 void GrammarMatcher::step(const Stacks& from, uint8_t byte, Stacks& to) {
   to.clear();
+  new_step();
   for (const Stack& st : from)
     if (st.pos != kAccepted && grammar_->terminal(grammar_->code()[size_t(st.pos)]).test(byte))
-      expand(st.pos + 1, st.rest, to, 0);
+      expand(st.pos + 1, st.rest, to);
   if (to.size() > 1) {
     std::sort(to.begin(), to.end(), [](const Stack& a, const Stack& b) {
       return pair_key(a.pos, a.rest) < pair_key(b.pos, b.rest);
@@ -127,15 +147,24 @@ void GrammarMatcher::compact() {
   old.swap(frames_);
   frame_ids_.clear();
   std::unordered_map<int32_t, int32_t> moved;
-  auto copy = [&](auto&& self, int32_t r) -> int32_t {
-    if (r < 0) return -1;
-    if (auto it = moved.find(r); it != moved.end()) return it->second;
-    const int32_t rest = self(self, old[size_t(r)].second);
-    const int32_t id = frame(old[size_t(r)].first, rest);
-    moved.emplace(r, id);
-    return id;
-  };
-  for (Stack& s : stacks_) s.rest = copy(copy, s.rest);
+  std::vector<int32_t> chain;  // a stack's frames not moved yet, innermost first
+  for (Stack& s : stacks_) {
+    // Iterative: a chain is as long as the answer nests (a recursive schema's "[[[[...").
+    chain.clear();
+    int32_t below = -1;  // the new id of the frame under the chain
+    for (int32_t r = s.rest; r >= 0; r = old[size_t(r)].second) {
+      if (auto it = moved.find(r); it != moved.end()) {
+        below = it->second;
+        break;
+      }
+      chain.push_back(r);
+    }
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      below = frame(old[size_t(*it)].first, below);
+      moved.emplace(*it, below);
+    }
+    s.rest = below;
+  }
 }
 
 void GrammarMatcher::walk(const VocabularyTrie& trie, uint32_t node, size_t depth,

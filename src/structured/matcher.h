@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "structured/grammar.h"
@@ -43,7 +44,8 @@ class GrammarMatcher {
   using Stacks = std::vector<Stack>;
 
   int32_t frame(int32_t pos, int32_t rest);
-  void expand(int32_t pos, int32_t rest, Stacks& out, int depth);
+  void expand(int32_t pos, int32_t rest, Stacks& out);
+  void new_step();
   void step(const Stacks& from, uint8_t byte, Stacks& to);
   void release(size_t mark);  // drops frames made after `mark` (a mask's scratch)
   void compact();
@@ -54,6 +56,9 @@ class GrammarMatcher {
   std::vector<std::pair<int32_t, int32_t>> frames_;  // (pos, rest)
   std::unordered_map<uint64_t, int32_t> frame_ids_;
   Stacks stacks_;
+  Stacks todo_;                           // expand()'s work list, kept for its capacity
+  size_t entries_ = 0;                    // rules expand() entered in this step
+  std::unordered_set<uint64_t> entered_;  // (rule, return frame) pairs, past kEntriesBeforeDedup
 };
 
 }  // namespace tandem::structured

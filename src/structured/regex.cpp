@@ -162,7 +162,10 @@ class RegexCompiler {
           else
             fail("only non-capturing groups (?:...) are supported among (? groups");
         }
+        if (++depth_ > Grammar::kMaxNesting)
+          fail("groups nest deeper than " + std::to_string(Grammar::kMaxNesting) + " levels");
         Piece inner = alternation();
+        --depth_;
         if (!peek(')')) fail("missing ')'");
         ++i_;
         return {{g_.any_of({std::move(inner.seq)})}, inner.nullable};
@@ -331,6 +334,7 @@ class RegexCompiler {
   Grammar& g_;
   std::string_view p_;
   size_t i_ = 0;
+  int depth_ = 0;  // groups open around i_
 };
 
 }  // namespace

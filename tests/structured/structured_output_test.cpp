@@ -3,7 +3,10 @@
 // of a real vocabulary (DeepSeek-V3's), validated by the jsonschema package. Every step of every
 // walk checks that the mask leaves a token (or the answer is complete).
 #include <gtest/gtest.h>
+#include <pthread.h>
 
+#include <exception>
+#include <functional>
 #include <random>
 
 #include <nlohmann/json.hpp>
@@ -78,6 +81,130 @@ std::string mutate(std::string text, std::mt19937& rng) {
       text[at] = c;
   }
   return text;
+}
+
+// Runs `f` on a thread with a 1 MiB stack (an eighth of the usual default), so that recursion
+// that grows with the input crashes the test instead of passing on a roomy main thread.
+void on_small_stack(const std::function<void()>& f) {
+  struct Call {
+    const std::function<void()>* f;
+    std::exception_ptr error;
+  } call{&f, nullptr};
+  pthread_attr_t attr;
+  pthread_attr_init(&attr);
+  // Sanitizers' frames are several times larger; the limits are judged on the plain build.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  pthread_attr_setstacksize(&attr, 16u << 20);
+#else
+  pthread_attr_setstacksize(&attr, 1u << 20);
+#endif
+  pthread_t thread;
+  ASSERT_EQ(pthread_create(
+                &thread, &attr,
+                [](void* arg) -> void* {
+                  auto* c = static_cast<Call*>(arg);
+                  try {
+                    (*c->f)();
+                  } catch (...) {
+                    c->error = std::current_exception();
+                  }
+                  return nullptr;
+                },
+                &call),
+            0);
+  pthread_join(thread, nullptr);
+  pthread_attr_destroy(&attr);
+  if (call.error) std::rethrow_exception(call.error);
+}
+
+std::string compile_error(OutputSpec::Kind kind, const std::string& text) {
+  std::string error = "(compiled)";
+  on_small_stack([&] {
+    try {
+      compile({kind, text, "f"});
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  });
+  return error;
+}
+
+std::string nested_groups(int depth) {
+  return std::string(size_t(depth), '(') + "a" + std::string(size_t(depth), ')');
+}
+
+// {"$ref": "#/$defs/a0"}, each a<i> a $ref to a<i+1>, the last a string.
+std::string ref_chain(int length) {
+  auto name = [](int i) {
+    std::string n = "a";
+    n += std::to_string(i);
+    return n;
+  };
+  json defs = json::object();
+  for (int i = 0; i < length; ++i) defs[name(i)] = {{"$ref", "#/$defs/" + name(i + 1)}};
+  defs[name(length)] = {{"type", "string"}};
+  return json{{"$defs", defs}, {"$ref", "#/$defs/a0"}}.dump();
+}
+
+// The compilers recurse once per level of nesting: past the limit they refuse the spec (a 400
+// for the request) instead of running off the end of the thread's stack.
+TEST(StructuredOutput, NestingPastTheLimitIsRefusedWhereTheLimitFitsASmallStack) {
+  using K = OutputSpec::Kind;
+  const int limit = Grammar::kMaxNesting;
+  EXPECT_EQ(compile_error(K::kRegex, nested_groups(limit)), "(compiled)");
+  EXPECT_EQ(compile_error(K::kJsonSchema, ref_chain(limit - 2)), "(compiled)");
+  for (int depth : {limit + 1, 200'000}) {
+    const std::string regex = compile_error(K::kRegex, nested_groups(depth));
+    EXPECT_NE(regex.find("groups nest deeper than 1000 levels"), std::string::npos) << regex;
+  }
+  // (Longer chains cost quadratic time in the ordered JSON parser's key lookups.)
+  for (int length : {limit + 1, 5000}) {
+    const std::string schema = compile_error(K::kJsonSchema, ref_chain(length));
+    EXPECT_NE(schema.find("schemas nest deeper than 1000 levels"), std::string::npos) << schema;
+  }
+  // Sibling groups and a $ref used many times are not nesting.
+  std::string siblings;
+  for (int i = 0; i < 3 * limit; ++i) siblings += "(a)";
+  EXPECT_EQ(compile_error(K::kRegex, siblings), "(compiled)");
+}
+
+// Chains of rules longer than any stack: the left-recursion check and the matcher's expansion
+// walk them without recursing.
+TEST(StructuredOutput, LongChainsOfRulesAreCheckedAndMatchedWithoutRecursion) {
+  on_small_stack([] {
+    auto g = std::make_shared<Grammar>();
+    Grammar::Symbol next = g->any_of({{g->byte('x')}});
+    for (int i = 0; i < 50'000; ++i) next = g->any_of({{next}, {g->byte('y'), next}});
+    g->finish(next);
+    EXPECT_TRUE(full_match(g, "x"));
+    EXPECT_TRUE(full_match(g, "yyx"));
+    EXPECT_FALSE(full_match(g, "xy"));
+  });
+  // Optional parts one after another: each is entered without reading a byte, so reading 'b'
+  // used to nest one expansion per part and fail the answer ("nests too deeply") mid-decoding.
+  std::string optional_parts = "b";
+  for (int i = 0; i < 6000; ++i) optional_parts += "a?";
+  const auto g = compile({OutputSpec::Kind::kRegex, optional_parts, "f"});
+  on_small_stack([&] {
+    EXPECT_TRUE(full_match(g, "b"));
+    EXPECT_TRUE(full_match(g, "baaa"));
+    EXPECT_FALSE(full_match(g, "b" + std::string(6001, 'a')));
+  });
+}
+
+// A recursive schema lets an answer nest as deep as it is long (a client's logit_bias can make
+// the model write "[[[[..."): its parse stack grows with it, and dropping the frames it left
+// behind must not recurse along it.
+TEST(StructuredOutput, AnAnswerNestedAsDeepAsItIsLongIsMatched) {
+  const auto g = compile({OutputSpec::Kind::kJsonSchema,
+                          R"({"type": "array", "items": {"$ref": "#"}})", "guided_json"});
+  on_small_stack([&] {
+    GrammarMatcher m(g);
+    for (int i = 0; i < 100; ++i) ASSERT_TRUE(m.advance(std::string(1000, '[')));
+    EXPECT_TRUE(m.advance("[]]"));
+    EXPECT_FALSE(m.accepting());
+    EXPECT_FALSE(m.advance("}"));
+  });
 }
 
 TEST(StructuredOutput, RegexGrammarsAcceptExactlyWhatPythonsReFullmatches) {
