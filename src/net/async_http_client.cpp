@@ -192,6 +192,9 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   bool got_bytes_ = false;  // a byte of the current response arrived
   bool eof_ = false;
   bool read_more_ = false;  // the last read stopped at the buffer cap, not at a drained socket
+  // The peer closed its side (EPOLLRDHUP/EPOLLHUP): reads go on until recv says EOF, since the
+  // FIN came with the data's edge and no later event will tell of it.
+  bool peer_closed_ = false;
   int read_errno_ = 0;
   bool head_request_ = false;
 
@@ -505,7 +508,9 @@ void ClientConn::on_io(uint32_t events) {
       return;
     case Phase::kConnecting:
       if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) connected();
-      return;
+      // A server that answered and closed at once did so in this same edge: read it now.
+      if (phase_ == Phase::kConnecting || phase_ == Phase::kClosed) return;
+      break;
     case Phase::kIdle:
       // The server closed the idle connection (or sent what nobody asked for): drop it now,
       // rather than find out when the next call tries it.
@@ -518,6 +523,7 @@ void ClientConn::on_io(uint32_t events) {
     default:
       break;
   }
+  if (events & (EPOLLRDHUP | EPOLLHUP)) peer_closed_ = true;
   if ((events & EPOLLOUT) && want_write_) flush();
   if (phase_ == Phase::kClosed) return;
   if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
@@ -582,7 +588,8 @@ void ClientConn::read_input() {
       got_bytes_ = true;
       // A short read drained the socket; a full one may have left more. Parsing comes first
       // either way when enough is buffered, so a fast server cannot grow the buffer unbounded.
-      if (static_cast<size_t>(n) < room) return;
+      // Drained with the peer closed, only the next recv sees the EOF.
+      if (static_cast<size_t>(n) < room && !peer_closed_) return;
       if (in_.size() >= 4 * kReadChunk) {
         read_more_ = true;  // edge-triggered: nothing tells us again about what is left
         return;

@@ -4,11 +4,16 @@
 // with calls in flight. Every server binds port 0 on 127.0.0.1.
 #include "net/async_http_client.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <future>
 #include <mutex>
 #include <string>
@@ -274,6 +279,103 @@ TEST_F(AsyncClient, TimeoutsAndRefusedConnectionsAreErrors) {
   client.start(c, refused.handlers());
   ASSERT_TRUE(refused.wait());
   EXPECT_NE(refused.error.find("cannot connect"), std::string::npos) << refused.error;
+}
+
+// A server of one connection on 127.0.0.1, driven by the test: it reads a request head, then
+// writes what it is told and closes.
+class RawServer {
+ public:
+  RawServer() {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof a;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::listen(listener_, 4) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &length) != 0)
+      ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
+    port_ = ntohs(a.sin_port);
+  }
+  ~RawServer() {
+    if (conn_ >= 0) ::close(conn_);
+    ::close(listener_);
+  }
+  uint16_t port() const { return port_; }
+  // Blocks until a client connected and sent a whole request head.
+  void read_request_head() {
+    conn_ = ::accept(listener_, nullptr, nullptr);
+    std::string head;
+    char buf[1024];
+    while (head.find("\r\n\r\n") == std::string::npos) {
+      const ssize_t n = ::recv(conn_, buf, sizeof buf, 0);
+      if (n <= 0) return;
+      head.append(buf, static_cast<size_t>(n));
+    }
+  }
+  // Writes `bytes` and closes the connection: the FIN right behind the data.
+  void write_and_close(const std::string& bytes) {
+    size_t sent = 0;
+    while (sent < bytes.size()) {
+      const ssize_t n = ::send(conn_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) break;
+      sent += static_cast<size_t>(n);
+    }
+    ::close(conn_);
+    conn_ = -1;
+  }
+
+ private:
+  int listener_ = -1, conn_ = -1;
+  uint16_t port_ = 0;
+};
+
+// A one-shot signal between threads.
+struct Signal {
+  std::promise<void> promise;
+  std::shared_future<void> future = promise.get_future().share();
+  void raise() { promise.set_value(); }
+  void wait() const { future.wait(); }
+};
+
+// An engine that dies mid-answer: the last data and the FIN reach the client in one edge of its
+// edge-triggered epoll, and the client must see the EOF then, not at its idle timeout (set to a
+// day here: without the fix this test hangs until ctest's timeout ends it).
+TEST_F(AsyncClient, AnAnswerCutWithItsLastBytesIsSeenCutAtOnce) {
+  AsyncHttpClient client;  // one io thread: both calls below run on it
+  RawServer engine;
+  Outcome cut;
+  AsyncHttpRequest r = request("GET", "/answer");
+  r.port = engine.port();
+  r.timeout = std::chrono::hours(24);
+  client.start(r, cut.handlers());
+  engine.read_request_head();
+
+  // The client's thread is held in another call's callback while the engine writes and
+  // closes, so both arrive before the client looks again: one edge for the two.
+  Signal in_callback, engine_closed;
+  Outcome holder;
+  AsyncHttpHandlers h = holder.handlers();
+  auto on_head = h.on_head;
+  h.on_head = [&, on_head](int status, const Headers& headers) {
+    on_head(status, headers);
+    in_callback.raise();
+    engine_closed.wait();
+  };
+  client.start(request("POST", "/echo"), std::move(h));
+  in_callback.wait();
+  engine.write_and_close("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial");
+  engine_closed.raise();
+
+  {
+    std::unique_lock lock(cut.m);
+    cut.cv.wait(lock, [&] { return cut.dones > 0; });  // bounded by ctest, not by a clock
+  }
+  EXPECT_EQ(cut.status, 200);
+  EXPECT_EQ(cut.body, "partial");
+  EXPECT_EQ(cut.error, "cannot read the response body: connection closed by the server");
+  ASSERT_TRUE(holder.wait());
+  EXPECT_EQ(holder.error, "");
 }
 
 TEST_F(AsyncClient, DestructionEndsCallsInFlight) {
