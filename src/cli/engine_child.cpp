@@ -1,7 +1,11 @@
 #include "cli/engine_child.h"
 
+#include <sys/prctl.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 
 #include "util/error.h"
 
@@ -23,8 +27,14 @@ pid_t EngineChild::pid() const {
 }
 
 void EngineChild::start() {
-  auto process = std::make_unique<ChildProcess>("/proc/self/exe", args_(ports_),
-                                                [this] { stop_signals_.unblock(); });
+  const pid_t parent = ::getpid();
+  auto process = std::make_unique<ChildProcess>("/proc/self/exe", args_(ports_), [this, parent] {
+    stop_signals_.unblock();
+    // The engine ends with serve however serve ends (a stop signal while it starts, a crash):
+    // an orphaned engine would hold its ports and memory with nobody to stop it.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) std::_Exit(1);  // serve was already gone
+  });
   EnginePorts seen;
   bool role_seen = false;
   for (std::string l = process->read_line(); !l.empty(); l = process->read_line()) {

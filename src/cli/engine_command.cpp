@@ -134,6 +134,7 @@ engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
 
 void run(const EngineOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
+  std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;
@@ -275,6 +276,7 @@ void run(const EngineOptions& o) {
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());
   std::fflush(stdout);
+  starting.reset();
   const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem engine: stopping (signal %d)\n", sig);
   server.stop();

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -73,6 +74,9 @@ void wait_healthy(const std::string& host, uint16_t port) {
 
 void run(const ServeOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
+  // Until the stack answers, a stop signal ends serve at once; its engines die with it
+  // (EngineChild: PR_SET_PDEATHSIG), the loading ones too.
+  std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem serve");
   // One KV transfer secret for the deployment (unless the caller's environment has one): every
   // engine started below inherits it, so only they move KV through each other's transfer ports.
   if (const char* own = std::getenv(engine::kKvTransferSecretVariable); !own || !*own)
@@ -214,6 +218,7 @@ void run(const ServeOptions& o) {
     std::printf(")\n");
   }
   std::fflush(stdout);
+  starting.reset();
   // Until a stop signal: engines that die are restarted (engine_child.h).
   int sig = 0;
   for (;;) {

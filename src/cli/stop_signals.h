@@ -1,10 +1,14 @@
 #pragma once
 // SIGINT and SIGTERM for the long-running subcommands (engine, gateway, serve): blocked before
 // any thread starts, so that only wait() sees them and the command shuts down in order.
+#include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <optional>
+#include <thread>
 
 namespace tandem::cli {
 
@@ -35,6 +39,40 @@ class StopSignals {
 
  private:
   sigset_t set_;
+};
+
+// While a command starts (a model loading for minutes, engines a stack waits for), a stop
+// signal ends the process at once, exit status 128 + the signal: nothing runs yet that must shut
+// down in order, and an operator's SIGTERM must not wait for the load to finish. Once this is
+// destroyed, the command's own wait() takes the signals again (one that came just before stays
+// pending for it).
+class StopWhileStarting {
+ public:
+  StopWhileStarting(const StopSignals& signals, const char* who)
+      : thread_([this, &signals, who] {
+          // At least one look, also when the start is over before this thread first runs: a
+          // signal that came during it ends the process as it would have then.
+          for (;;) {
+            const bool last = started_.load();
+            const auto wait = last ? std::chrono::milliseconds(0) : std::chrono::milliseconds(100);
+            if (const auto sig = signals.wait_for(wait)) {
+              std::fprintf(stderr, "%s: stopping while starting (signal %d)\n", who, *sig);
+              std::fflush(stderr);
+              std::_Exit(128 + *sig);
+            }
+            if (last) return;
+          }
+        }) {}
+  ~StopWhileStarting() {
+    started_ = true;
+    thread_.join();
+  }
+  StopWhileStarting(const StopWhileStarting&) = delete;
+  StopWhileStarting& operator=(const StopWhileStarting&) = delete;
+
+ private:
+  std::atomic<bool> started_{false};
+  std::thread thread_;
 };
 
 }  // namespace tandem::cli

@@ -1,9 +1,15 @@
 // The `tandem` binary end to end: outputs agree with the library, and bad input gives a clear
 // error and a non-zero exit status, never a crash.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <array>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -33,6 +39,34 @@ Result run(const std::string& args) {
   int rc = pclose(p);
   r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
   return r;
+}
+
+// `tandem args...` started with SIGTERM already pending: blocked and sent before exec, it stays
+// pending across exec, so the command meets it at its very start, deterministically.
+Result run_with_pending_stop(std::vector<std::string> args) {
+  const std::string out = test::scratch_path("pending-stop.txt").string();
+  args.insert(args.begin(), TANDEM_BINARY);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    ::sigprocmask(SIG_BLOCK, &set, nullptr);
+    ::kill(::getpid(), SIGTERM);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::ifstream in(out);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+          std::string(std::istreambuf_iterator<char>(in), {})};
 }
 
 std::string write_temp(const std::string& stem, const std::string& content) {
@@ -111,6 +145,18 @@ TEST(Cli, BadInputsGiveClearErrors) {
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--trace-spread spreads the trace's own arrivals, which "
                                   "--request-rate replaces"));
+}
+
+// A model can take minutes to load; an operator's SIGTERM then must not wait for it.
+TEST(Cli, AStopSignalWhileAnEngineOrAStackStartsEndsItAtOnce) {
+  const Result engine = run_with_pending_stop(
+      {"engine", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0"});
+  EXPECT_EQ(engine.status, 128 + SIGTERM) << engine.output;
+  EXPECT_THAT(engine.output, HasSubstr("tandem engine: stopping while starting (signal 15)"));
+  const Result serve =
+      run_with_pending_stop({"serve", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0"});
+  EXPECT_EQ(serve.status, 128 + SIGTERM) << serve.output;
+  EXPECT_THAT(serve.output, HasSubstr("tandem serve: stopping while starting (signal 15)"));
 }
 
 TEST(Cli, EverySubcommandHasHelp) {
