@@ -1,5 +1,7 @@
 #include "gateway/answer_text.h"
 
+#include <nlohmann/json.hpp>
+
 #include "gateway/tokens_in.h"
 
 namespace tandem::gateway {
@@ -20,6 +22,10 @@ bool looks_like_json_object(std::string_view body) {
   const auto first = body.find_first_not_of(" \t\r\n");
   const auto last = body.find_last_not_of(" \t\r\n");
   return first != std::string_view::npos && body[first] == '{' && body[last] == '}';
+}
+
+bool is_json_object(std::string_view body) {
+  return looks_like_json_object(body) && nlohmann::json::accept(body);
 }
 
 namespace {

@@ -14,6 +14,9 @@ std::string splice_fields(const std::string& object_text, const std::string& mem
 
 // Whether the text starts with '{' and ends with '}' (surrounding white space aside).
 bool looks_like_json_object(std::string_view body);
+// Whether the text is one whole JSON object (a full parse, without building it): for answers
+// whose end nothing but the connection's close marked, where a cut one can still end in '}'.
+bool is_json_object(std::string_view body);
 
 // usage.completion_tokens of a completion answer (its last "completion_tokens"), or -1.
 int64_t usage_completion_tokens(std::string_view body);

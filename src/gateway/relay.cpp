@@ -1,5 +1,7 @@
 #include "gateway/relay.h"
 
+#include <cctype>
+
 #include "api/disaggregation.h"
 #include "api/error.h"
 #include "gateway/answer_text.h"
@@ -10,6 +12,12 @@ namespace {
 
 constexpr size_t kMaxPrefillAnswerBytes = size_t{16} << 20;
 constexpr size_t kMaxAnswerBytes = size_t{64} << 20;
+
+bool is_chunked(std::string transfer_encoding) {
+  for (char& c : transfer_encoding)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return transfer_encoding.find("chunked") != std::string::npos;
+}
 
 }  // namespace
 
@@ -84,6 +92,7 @@ net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_re
     if (!l) return;
     l->status = status;
     l->streaming = status == 200 && hs.get("Content-Type").rfind("text/event-stream", 0) == 0;
+    l->until_close = hs.get("Content-Length").empty() && !is_chunked(hs.get("Transfer-Encoding"));
   };
   h.on_body = [this, r, leg_ref](std::string_view piece) {
     auto l = leg_ref->lock();
@@ -207,6 +216,12 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     // after the stream's [DONE] lost nothing.
     const bool client_left = l.gateway_cancelled.load();
     if (!client_left && l.stream_done) reason.clear();
+    // Only [DONE] says the answer is whole (as for the choice merger's streams): a stream that
+    // ends cleanly without it was cut all the same (a body delimited by the connection's close).
+    if (!client_left && !l.stream_done && reason.empty()) {
+      reason = "the stream ended without its [DONE]";
+      l.engine_error = true;
+    }
     Outcome outcome;
     if (!reason.empty()) {
       outcome.status = client_left ? 499 : 502;
@@ -248,8 +263,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     if (topo_.mode == PdMode::kAggregated) r->times.mark_prefill_done(now);
     // The answer is relayed as the engine sent it; the gateway only checks it is a JSON
     // object and reads the completion tokens for its statistics (a full parse would cost
-    // more than the rest of the relay).
-    if (!looks_like_json_object(l.body)) {
+    // more than the rest of the relay). An answer delimited by the connection's close has no
+    // other proof that it is whole: that one is parsed.
+    if (l.until_close ? !is_json_object(l.body) : !looks_like_json_object(l.body)) {
       l.engine_error = true;
       dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
                              "engine " + where + " sent a malformed answer (not a JSON object)");

@@ -74,7 +74,10 @@ struct Leg {
   // The relay's view of the answer (the io thread running its call).
   int status = 0;
   bool streaming = false;  // an SSE answer
-  std::string body;        // a non-streaming answer, or a stream's first event when it is an error
+  // Neither Content-Length nor chunked: the body ends when the connection does, so an answer cut
+  // short arrives as if whole, and only its own syntax can tell.
+  bool until_close = false;
+  std::string body;  // a non-streaming answer, or a stream's first event when it is an error
   net::SseParser parser;
   bool stream_done = false;  // the stream's [DONE] arrived: the client has the whole answer
   // A verbatim relay (no translation): the stream's bytes before its first event completed,

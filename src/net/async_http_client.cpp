@@ -652,7 +652,8 @@ void ClientConn::parse() {
     if (r == Parse::kError) return fail("cannot read the response body: " + error_.message);
     if (r == Parse::kDone) return complete();
     if (eof_) {
-      if (head_.body == BodyKind::kUntilClose) return complete();
+      // A close ends such a body; a reset or read error cut it.
+      if (head_.body == BodyKind::kUntilClose && read_errno_ == 0) return complete();
       return fail(std::string("cannot read the response body: ") +
                   (read_errno_ ? std::strerror(read_errno_) : "connection closed by the server"));
     }

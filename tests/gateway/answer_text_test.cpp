@@ -23,6 +23,15 @@ TEST(AnswerText, SplicedMembersJoinTheObject) {
   EXPECT_EQ(splice_fields("not an object", R"("x":1)"), "not an object");
 }
 
+// An answer cut short can still end in '}': only a parse tells.
+TEST(AnswerText, AWholeJsonObjectIsTellableFromOneCutShort) {
+  EXPECT_TRUE(is_json_object(" {\"a\":{\"b\":1}}\n"));
+  EXPECT_FALSE(is_json_object("{\"a\":{\"b\":1}"));
+  EXPECT_TRUE(looks_like_json_object("{\"a\":{\"b\":1}"));
+  EXPECT_FALSE(is_json_object("[1]"));
+  EXPECT_FALSE(is_json_object(""));
+}
+
 TEST(AnswerText, AJsonObjectIsRecognisedByItsBraces) {
   EXPECT_TRUE(looks_like_json_object(" {\"a\":1}\n"));
   EXPECT_FALSE(looks_like_json_object("[1]"));

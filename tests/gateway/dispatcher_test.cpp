@@ -475,6 +475,46 @@ TEST(Dispatcher, AStreamWhoseClientLeftIsCutWithoutAnError) {
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"499\"}"), 1);
 }
 
+// Only [DONE] says a stream is whole: one that ends cleanly without it (a body delimited by the
+// connection's close, cut there) was cut, as the choice merger also has it.
+TEST(Dispatcher, AStreamThatEndsWithoutItsDoneIsCut) {
+  Cluster c(aggregated({engine("a")}));
+  auto [client, call] = open_stream(c);
+  const std::string first = "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n";
+  ASSERT_TRUE(FakeEngines::piece(*call, first));
+  FakeEngines::finish(*call, "");
+  c.clock.run_ready();
+  ASSERT_EQ(client->streamed.substr(0, first.size()), first);
+  net::SseParser events;
+  const auto tail = events.feed(client->streamed.substr(first.size()));
+  ASSERT_EQ(tail.size(), 1u) << client->streamed;
+  EXPECT_EQ(json::parse(tail[0]).at("error").at("message"),
+            "the answer was cut: engine a: the stream ended without its [DONE]");
+  EXPECT_TRUE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 0);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+}
+
+// A whole answer that only the connection's close delimited is parsed: cut short, it may still
+// end in '}'. It is a failed leg, not a 200.
+TEST(Dispatcher, AWholeAnswerCutBeforeTheCloseThatDelimitsItIsAFailedLeg) {
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 0;
+  Cluster c(t);
+  auto client = c.send();
+  const std::string answer = completion_answer("hi");
+  ASSERT_EQ(answer.substr(answer.size() - 2), "}}");
+  // The fake engine's head has neither Content-Length nor chunked encoding: until close.
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200,
+                      answer.substr(0, answer.size() - 1));
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(client->error_type, "server_error");
+  EXPECT_EQ(client->error_message, "engine a sent a malformed answer (not a JSON object)");
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
+}
+
 // ------------------------------------------------------------------------------- retries
 
 TEST(Dispatcher, RetriesAFailedAttemptOnAnotherEngine) {
