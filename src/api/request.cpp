@@ -260,6 +260,13 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab
     } else {
       fail("stop", "'stop' must be a string or a list of strings");
     }
+    try {
+      SamplingParams only_stop;
+      only_stop.stop = p.stop;
+      only_stop.validate();
+    } catch (const Error& e) {
+      fail("stop", std::string("'stop': ") + e.what());
+    }
   }
   if (const json* s = field(body, "stop_token_ids")) {
     if (!s->is_array()) fail("stop_token_ids", "'stop_token_ids' must be a list of token ids");
@@ -292,11 +299,13 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab
 void check_length(const ApiRequest& r, const ModelLimits& limits) {
   for (const auto& ids : r.prompts) {
     if (ids.empty()) fail("prompt", "the prompt is empty");
-    const auto total = static_cast<int64_t>(ids.size()) + r.sampling.max_tokens;
-    if (total > limits.max_model_len)
+    // Compared without adding: max_tokens near 2^63 made the sum wrap negative and pass.
+    const auto prompt = static_cast<int64_t>(ids.size());
+    if (r.sampling.max_tokens > limits.max_model_len - prompt)
       fail("max_tokens", "This model's maximum context length is " +
                              std::to_string(limits.max_model_len) +
-                             " tokens. However, you requested " + std::to_string(total) +
+                             " tokens. However, you requested " +
+                             std::to_string(uint64_t(prompt) + uint64_t(r.sampling.max_tokens)) +
                              " tokens (" + std::to_string(ids.size()) + " in the prompt, " +
                              std::to_string(r.sampling.max_tokens) +
                              " in the completion). Please reduce the prompt or max_tokens.");
@@ -545,6 +554,14 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (tools_field) ctx["tools"] = tools_in_order;
   if (const json* kw = field(body, "chat_template_kwargs")) {
     if (!kw->is_object()) fail("chat_template_kwargs", "'chat_template_kwargs' must be an object");
+    // These are the validated request (messages, tools) and the tokenizer's own tokens: a kwarg
+    // would replace them unchecked (tools then neither parsed nor forced as the request says).
+    for (const char* reserved :
+         {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+      if (kw->contains(reserved))
+        fail("chat_template_kwargs",
+             std::string("'chat_template_kwargs' cannot set '") + reserved +
+                 "': it is the request's own (send it as the request's field)");
     for (auto it = kw->begin(); it != kw->end(); ++it)
       ctx[it.key()] = nlohmann::ordered_json::parse(it.value().dump());
   }
@@ -622,8 +639,13 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
                              max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits),
                              limits.vocab_size, nullptr);
   r.stream = boolean(body, "stream", false);
-  if (boolean(body, "return_logprob", false))
-    r.logprobs = static_cast<int32_t>(integer(body, "top_logprobs_num", 0));
+  if (boolean(body, "return_logprob", false)) {
+    const int64_t top = integer(body, "top_logprobs_num", 0);
+    if (top < 0 || top > 20)
+      fail("top_logprobs_num",
+           "'top_logprobs_num' must be between 0 and 20, got " + std::to_string(top));
+    r.logprobs = static_cast<int32_t>(top);
+  }
   if (const json* rid = field(body, "rid")) {
     if (!rid->is_string()) fail("rid", "'rid' must be a string");
     r.request_id = rid->get<std::string>();

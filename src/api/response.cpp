@@ -220,7 +220,10 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
         offset += request_.prompt_texts[index].size();
       }
       c.started = true;
-      if (piece.empty() && !out.finished) break;
+      // Tokens that add no text yet (held back for a stop string, half a character, a special
+      // token) still send their logprobs: the next chunk's start after them.
+      const bool new_logprobs = request_.logprobs >= 0 && first_lp < c.logprobs.size();
+      if (piece.empty() && !out.finished && !new_logprobs) break;
       json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
       choice["logprobs"] =
           request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset) : json(nullptr);

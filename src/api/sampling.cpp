@@ -23,8 +23,15 @@ void SamplingParams::validate() const {
   if (min_tokens > max_tokens)
     fail("min_tokens must be at most max_tokens (" + std::to_string(max_tokens) + "), got " +
          std::to_string(min_tokens));
-  for (const auto& s : stop)
+  if (stop.size() > kMaxStopStrings)
+    fail("at most " + std::to_string(kMaxStopStrings) + " stop strings are accepted, got " +
+         std::to_string(stop.size()));
+  for (const auto& s : stop) {
     if (s.empty()) fail("stop strings must not be empty");
+    if (s.size() > kMaxStopStringBytes)
+      fail("stop strings must be at most " + std::to_string(kMaxStopStringBytes) +
+           " bytes long, got one of " + std::to_string(s.size()));
+  }
   for (size_t i = 0; i < logit_bias.size(); ++i) {
     const auto [id, bias] = logit_bias[i];
     if (id < 0) fail("logit_bias token ids must be >= 0, got " + std::to_string(id));

@@ -26,6 +26,10 @@ struct SamplingParams {
   int64_t min_tokens = 0;
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
+  // Every generated token is checked against every stop string: bounded, so a request cannot
+  // make each step of the engine's loop slow for everyone (OpenAI allows 4 strings).
+  static constexpr size_t kMaxStopStrings = 64;
+  static constexpr size_t kMaxStopStringBytes = 256;
   bool ignore_eos = false;
   // Added to the logits of these token ids before penalties and sampling (greedy included),
   // as OpenAI's logit_bias: (token id, bias in [-100, 100]), ascending ids, each once.

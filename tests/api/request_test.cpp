@@ -531,6 +531,115 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   EXPECT_EQ(choice["logprobs"]["top_logprobs"][0].size(), 1u);
 }
 
+// A token that adds no text yet (held back for a stop string, half a character) still streams
+// its logprobs, in a chunk of empty text: the streamed answer has as many as the whole one.
+TEST(Protocol, StreamedCompletionLogprobsCountEveryTokenAsTheWholeAnswerDoes) {
+  ApiRequest req;
+  req.kind = ApiKind::kCompletion;
+  req.model = "m";
+  req.prompts = {{1, 2}};
+  req.prompt_texts = {""};
+  req.logprobs = 0;
+  auto step = [](int32_t id, std::string text, bool finished) {
+    RequestOutput o = output({id}, std::move(text), finished, finished ? "length" : "");
+    TokenLogprob lp;
+    lp.token = id;
+    lp.logprob = -0.5f;
+    o.logprobs = {lp};
+    return o;
+  };
+  const std::vector<RequestOutput> steps = {step(10, "", false), step(11, "", false),
+                                            step(12, "ab", false), step(13, "c", true)};
+  ResponseBuilder whole(req, tokenizer(), "cmpl-1", 1);
+  req.stream = true;
+  ResponseBuilder streamed(req, tokenizer(), "cmpl-1", 1);
+  std::vector<int32_t> streamed_tokens;
+  std::string streamed_text;
+  for (const auto& o : steps) {
+    whole.on_output(0, o);
+    for (const json& chunk : streamed.on_output(0, o)) {
+      const json& choice = chunk["choices"][0];
+      streamed_text += choice["text"].get<std::string>();
+      EXPECT_EQ(choice["logprobs"]["tokens"].size(), 1u) << chunk.dump();
+      streamed_tokens.push_back(static_cast<int32_t>(streamed_tokens.size()));
+    }
+  }
+  const json body = whole.final_body();
+  EXPECT_EQ(body["choices"][0]["logprobs"]["token_logprobs"].size(), steps.size());
+  EXPECT_EQ(streamed_tokens.size(), steps.size());
+  EXPECT_EQ(streamed_text, body["choices"][0]["text"]);
+}
+
+// What the engine would otherwise take unchecked: nesting past the compilers' limit, max_tokens
+// that wraps the context check, template kwargs that replace the request, logprob counts and
+// stop lists past their bounds. Each a 400 naming its field and the limit.
+TEST(Protocol, FieldsPastTheEnginesLimitsAre400sNamingTheLimit) {
+  auto completion = [](json body) {
+    body["prompt"] = "x";
+    return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
+  };
+  const std::string deep = std::string(20'000, '(') + "a" + std::string(20'000, ')');
+  const ApiError nested = completion({{"guided_regex", deep}});
+  EXPECT_EQ(nested.status, 400);
+  EXPECT_EQ(nested.param, "guided_regex");
+  EXPECT_NE(nested.message.find("nest deeper than 1000 levels"), std::string::npos)
+      << nested.message;
+  // max_tokens near 2^63: the sum with the prompt wrapped negative and passed.
+  for (int64_t huge : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 1,
+                       int64_t(1) << 62}) {
+    const ApiError e = completion({{"max_tokens", huge}});
+    EXPECT_EQ(e.param, "max_tokens") << huge;
+    EXPECT_NE(e.message.find("maximum context length is 4096"), std::string::npos) << e.message;
+    EXPECT_NE(e.message.find(std::to_string(huge) + " in the completion"), std::string::npos);
+  }
+  const json chat_messages = {{{"role", "user"}, {"content", "Hi"}}};
+  const ApiError huge_chat = error_of([&] {
+    parse_chat(json{{"messages", chat_messages},
+                    {"max_completion_tokens", std::numeric_limits<int64_t>::max()}},
+               tokenizer(), &chat_template(), kLimits);
+  });
+  EXPECT_EQ(huge_chat.param, "max_tokens");
+  // chat_template_kwargs may add variables, not replace the validated request.
+  for (const char* reserved :
+       {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}) {
+    const ApiError e = error_of([&] {
+      parse_chat(
+          json{{"messages", chat_messages}, {"chat_template_kwargs", {{reserved, json::array()}}}},
+          tokenizer(), &chat_template(), kLimits);
+    });
+    EXPECT_EQ(e.param, "chat_template_kwargs");
+    EXPECT_NE(e.message.find(std::string("'") + reserved + "'"), std::string::npos) << e.message;
+  }
+  EXPECT_NO_THROW(parse_chat(
+      json{{"messages", chat_messages}, {"chat_template_kwargs", {{"enable_thinking", false}}}},
+      tokenizer(), &chat_template(), kLimits));
+  // /generate's top_logprobs_num: 0 to 20 as the other dialects' counts.
+  for (int64_t top : {int64_t(-1), int64_t(21), int64_t(4294967297)}) {
+    const ApiError e = error_of([&] {
+      parse_generate(
+          json{{"input_ids", {1, 2}}, {"return_logprob", true}, {"top_logprobs_num", top}},
+          tokenizer(), kLimits);
+    });
+    EXPECT_EQ(e.param, "top_logprobs_num") << top;
+    EXPECT_NE(e.message.find("between 0 and 20, got " + std::to_string(top)), std::string::npos);
+  }
+  EXPECT_EQ(parse_generate(
+                json{{"input_ids", {1, 2}}, {"return_logprob", true}, {"top_logprobs_num", 20}},
+                tokenizer(), kLimits)
+                .logprobs,
+            20);
+  // Stop strings: at most 64, of at most 256 bytes each.
+  const ApiError many = completion({{"stop", std::vector<std::string>(65, "x")}});
+  EXPECT_EQ(many.param, "stop");
+  EXPECT_NE(many.message.find("at most 64 stop strings"), std::string::npos) << many.message;
+  const ApiError long_stop = completion({{"stop", std::string(257, 'x')}});
+  EXPECT_EQ(long_stop.param, "stop");
+  EXPECT_NE(long_stop.message.find("at most 256 bytes"), std::string::npos) << long_stop.message;
+  EXPECT_NO_THROW(parse_completion(
+      json{{"prompt", "x"}, {"stop", std::vector<std::string>(64, std::string(256, 'x'))}},
+      tokenizer(), kLimits));
+}
+
 // ------------------------------------------------------------------ prefill/decode disaggregation
 
 TEST(Protocol, DisaggregationPrefillLegAsksForRemoteDecode) {
