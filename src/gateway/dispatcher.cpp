@@ -420,7 +420,8 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
   }
   {
     std::lock_guard lock(r->mutex);
-    if (r->client == ClientState::kEnded) return;
+    // As in the first section: between the two, another leg may have begun answering.
+    if (r->client != ClientState::kNothingSent) return;
     r->client = ClientState::kAnswering;
     if (!body.empty() && status >= 400) {
       r->reply->respond(status, body, "application/json");

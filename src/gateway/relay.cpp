@@ -274,7 +274,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     const int64_t tokens = usage_completion_tokens(l.body);
     {
       std::lock_guard lock(r->mutex);
-      if (r->client == ClientState::kEnded) return;
+      // A leg the gateway gave up on (a retry, the other leg failed) must not answer, as it may
+      // not start a stream (relay_piece).
+      if (r->client != ClientState::kNothingSent || l.gateway_cancelled.load()) return;
       r->client = ClientState::kAnswering;
       r->completion_tokens = tokens;
       if (computes_prompt_) r->cached_tokens_reported = usage_cached_tokens(l.body);

@@ -56,9 +56,15 @@ class FakeEngines final : public Upstream {
     for (auto& c : calls_)
       if (c->id == id && !c->done) {
         c->cancelled = true;
-        finish(*c, "cancelled");
+        if (answer_crossing_cancel.empty())
+          finish(*c, "cancelled");
+        else
+          answer(*c, 200, answer_crossing_cancel);
       }
   }
+  // When set, a call the gateway cancels had its whole answer on the way already: the call ends
+  // with that answer (the answer and the cancel crossed, as they may on the real client).
+  std::string answer_crossing_cancel;
 
   // The calls not yet answered to `target` (e.g. "/v1/completions"), oldest first.
   // A call's target without its query (a load poll asks for the steps after one it saw).
@@ -764,6 +770,35 @@ TEST(Dispatcher, ParallelModeStartsBothLegsWithOneBootstrapRoom) {
   EXPECT_TRUE(legs[0]->cancelled);
   EXPECT_EQ(c.engines.open("/v1/completions").size(), 2u);
   EXPECT_FALSE(client->complete());
+}
+
+// A leg the gateway gave up on (its pair's other leg failed) must not answer the client, even
+// when its answer crossed the cancel: the request is retried, or answered with the failure.
+TEST(Dispatcher, AnAnswerThatCrossedTheGatewaysCancelIsNotRelayed) {
+  for (const int retries : {1, 0}) {
+    Topology t = disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d")});
+    t.prefill_retries = retries;
+    Cluster c(t);
+    auto client = c.send();
+    auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 2u);
+    ASSERT_EQ(host_of(*legs[1]), "d");
+    c.engines.answer_crossing_cancel = completion_answer("from the cancelled leg");
+    FakeEngines::finish(*legs[0], "connection reset");  // the prefill leg fails
+    c.clock.run_ready();
+    c.engines.answer_crossing_cancel.clear();
+    EXPECT_TRUE(legs[1]->cancelled);
+    if (retries == 0) {
+      EXPECT_EQ(client->status, 502) << client->body;
+      EXPECT_NE(client->error_message.find("connection reset"), std::string::npos);
+      continue;
+    }
+    EXPECT_FALSE(client->complete()) << client->body;
+    ASSERT_EQ(c.engines.open("/v1/completions").size(), 2u);  // the pair, retried
+    c.answer_all("from the retry");
+    EXPECT_EQ(client->status, 200);
+    EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "from the retry");
+  }
 }
 
 TEST(Dispatcher, ThePromptsLegCarriesItsDeadlineOnlyToAnEngineThatSchedulesByPriority) {
