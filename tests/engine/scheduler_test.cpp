@@ -57,6 +57,35 @@ std::vector<int32_t> iota_tokens(int n, int first = 1) {
   return v;
 }
 
+// Drafts take blocks only while the cache has room for them: a sequence served after them that
+// needs a block gets the drafts' block back, and no one is preempted.
+TEST(Scheduler, AnotherSequencesDraftsGiveBackTheBlockBeforeAnyoneIsPreempted) {
+  Fixture f(3, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  Sequence* a = f.add(iota_tokens(3), 20);
+  Sequence* b = f.add(iota_tokens(4, 100), 20);
+  auto out = f.sched.schedule();  // both prompts: a block each, one left
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  f.sched.update_from_output(out, std::vector{tokens({7}, {8, 9, 10}), tokens({11})}, 0);
+  ASSERT_EQ(a->drafts.size(), 3u);
+  // a (served first) would put its three drafts in the last block; b's next token needs it.
+  out = f.sched.schedule();
+  EXPECT_TRUE(out.preempted.empty());
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].seq, a);
+  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
+  EXPECT_EQ(out.scheduled[0].num_drafts, 0);
+  EXPECT_TRUE(a->drafts.empty());
+  EXPECT_EQ(out.scheduled[1].seq, b);
+  EXPECT_EQ(out.scheduled[1].num_new_tokens, 1);
+  EXPECT_EQ(out.num_tokens, 2);
+  EXPECT_EQ(f.kv.block_table("0").size(), 1u);
+  EXPECT_EQ(f.kv.block_table("1").size(), 2u);
+  f.sched.update_from_output(out, std::vector{tokens({12}), tokens({13})}, 1);
+  EXPECT_EQ(a->num_computed, 4);
+  EXPECT_EQ(b->num_computed, 5);
+  f.kv.check_invariants();
+}
+
 // update_from_output applies a step's tokens: sequences that sampled get their token appended and
 // one update each (the token, counts, first-token flag, time since their previous token, the
 // finish at max_tokens); a prefill chunk that does not reach the prompt's end gets none.

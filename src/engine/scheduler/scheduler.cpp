@@ -74,6 +74,26 @@ SchedulerOutput Scheduler::schedule() {
       kv_.allocate(seq->request.id, seq->num_computed + n + config_.speculative_lookahead);
   };
 
+  // What the sequences scheduled so far took for speculation (their drafts, the draft passes'
+  // room) goes back; true when a block did. It was taken only because the cache had room, so a
+  // sequence served later that needs a block gets it before anyone is preempted.
+  auto reclaim_speculation = [&] {
+    const int64_t free_before = kv_.num_free_blocks();
+    for (ScheduledSequence& s : out.scheduled) {
+      Sequence* other = s.seq;
+      if (s.num_drafts > 0) {
+        out.num_tokens -= s.num_drafts;
+        budget += s.num_drafts;
+        s.num_new_tokens -= s.num_drafts;
+        s.num_drafts = 0;
+        other->drafts.clear();
+        other->draft_probs.clear();
+      }
+      kv_.truncate(other->request.id, other->num_computed + s.num_new_tokens);
+    }
+    return kv_.num_free_blocks() > free_before;
+  };
+
   // A running sequence's next tokens; false when it was preempted (itself) for lack of blocks.
   auto run = [&](Sequence* seq) {
     int64_t n =
@@ -92,6 +112,7 @@ SchedulerOutput Scheduler::schedule() {
       n += drafts;
     }
     bool ok = n <= 0 || kv_.allocate(seq->request.id, seq->num_computed + n);
+    if (!ok && reclaim_speculation()) ok = kv_.allocate(seq->request.id, seq->num_computed + n);
     while (!ok) {
       Sequence* victim = preemption_victim();
       // A victim already scheduled in this step keeps its slot in `out`: drop that too.
