@@ -46,14 +46,14 @@ OutputDelta OutputProcessor::push(int32_t id) {
   } else {
     text_ += detok_.push(id);
     size_t hit = std::string::npos;
-    if (may_stop) {
+    if (may_stop)
       for (const auto& s : stop_strings_)
         hit = std::min(
             hit, text_.find(
                      s, stop_search_from_ > s.size() - 1 ? stop_search_from_ - (s.size() - 1) : 0));
-    } else {
-      stop_search_from_ = text_.size();
-    }
+    // Text before it was searched already (or made within min_tokens): each step searches its
+    // new text and the bytes a stop string may start in before it, not the whole answer again.
+    stop_search_from_ = text_.size();
     if (hit != std::string::npos) {
       text_.resize(hit);
       finished_ = true;

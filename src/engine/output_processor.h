@@ -39,7 +39,7 @@ class OutputProcessor {
   std::vector<std::string> stop_strings_;
   int64_t max_tokens_;
   int64_t min_tokens_;
-  size_t stop_search_from_ = 0;  // text before it was made within min_tokens: no stop there
+  size_t stop_search_from_ = 0;  // where the text not searched for stop strings yet begins
   std::string text_;
   size_t emitted_ = 0;
   int64_t num_tokens_ = 0;
