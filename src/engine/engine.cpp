@@ -231,15 +231,18 @@ void Engine::check(const EngineRequest& request) const {
       throw Error("token id " + std::to_string(t) + " is outside the vocabulary of " +
                   std::to_string(info.vocab_size) + " ids");
   request.sampling.validate();
-  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
-  if (total > info.max_model_len)
-    throw Error("prompt (" + std::to_string(request.prompt.size()) + " tokens) plus max_tokens (" +
-                std::to_string(request.sampling.max_tokens) +
-                ") exceeds the model's maximum context length of " +
+  // Compared without adding: max_tokens near 2^63 made the sum wrap negative and pass, and the
+  // request then grew until it filled the cache.
+  const auto prompt = static_cast<int64_t>(request.prompt.size());
+  const int64_t max_tokens = request.sampling.max_tokens;
+  if (max_tokens > info.max_model_len - prompt)
+    throw Error("prompt (" + std::to_string(prompt) + " tokens) plus max_tokens (" +
+                std::to_string(max_tokens) + ") exceeds the model's maximum context length of " +
                 std::to_string(info.max_model_len));
   // A request that cannot fit the whole cache alone would be preempted forever.
-  if (total > info.num_blocks * info.block_size)
-    throw Error("prompt plus max_tokens (" + std::to_string(total) +
+  if (max_tokens > info.num_blocks * info.block_size - prompt)
+    throw Error("prompt plus max_tokens (" +
+                std::to_string(uint64_t(prompt) + uint64_t(max_tokens)) +
                 " tokens) exceeds the KV cache of this engine (" +
                 std::to_string(info.num_blocks * info.block_size) + " tokens)");
   const KvTransferSpec& kt = request.kv_transfer;
@@ -498,6 +501,11 @@ bool Engine::step() {
   for (SequenceUpdate& u : updates) {
     Sequence* seq = u.seq;
     RequestOutput& o = u.output;
+    if (const std::string& why = seq->sampler->failure(); !why.empty()) {
+      // Its format could not go on (its tokens this step are stand-ins): a 400 for it alone.
+      finish(seq, "error", why, /*notified=*/false, 400);
+      continue;
+    }
     if (u.first_token) {
       metrics_->ttft.observe(done - seq->arrival_time);
       metrics_->prompt_tokens.inc(static_cast<uint64_t>(seq->num_prompt));

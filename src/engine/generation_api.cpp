@@ -47,15 +47,20 @@ struct Call {
   std::mutex mutex;
   bool failed = false;
   const KvTransfers* transfer = nullptr;  // for a prefill leg's kv_transfer_params
+  Engine* engine = nullptr;
 
   void on_output(size_t index, const RequestOutput& out) {
     std::lock_guard lock(mutex);
     if (failed) return;
     if (out.finish_reason == "error") {
       failed = true;
+      // The reply ends here, and with it the connection's close callback: the other choices
+      // would otherwise run to max_tokens for nobody.
+      for (const auto& id : engine_ids) engine->abort(id);
       const std::string msg = "generation failed: " + out.error;
       if (request.stream) {
-        reply->write(net::sse_event(api::openai_error_body(msg, "server_error")));
+        reply->write(net::sse_event(api::openai_error_body(
+            msg, out.error_status < 500 ? "invalid_request_error" : "server_error")));
         reply->write(net::kSseDone);
         reply->end();
       } else {
@@ -198,6 +203,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     return;
   }
   call->transfer = engine_.transfer();
+  call->engine = &engine_;
   // As vLLM: "cmpl-" / "chatcmpl-" before the client's X-Request-Id (the gateway sends its own),
   // or before a random one.
   const std::string prefix(api::response_id_prefix(kind));

@@ -121,12 +121,25 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   return c;
 }
 
+template <typename Draw>
+int32_t Sampler::guarded(Draw draw) {
+  if (!failure_.empty()) return 0;
+  try {
+    return draw();
+  } catch (const structured::ConstraintError& e) {
+    failure_ = e.what();
+    return 0;
+  }
+}
+
 int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt,
                         std::span<const int32_t> output) {
-  const Candidates c = candidates(logits, prompt, output, true);
-  if (greedy()) return commit(c.argmax);
-  std::discrete_distribution<int64_t> pick(c.probs.begin(), c.probs.begin() + c.keep);
-  return commit(c.order[pick(rng_)]);
+  return guarded([&] {
+    const Candidates c = candidates(logits, prompt, output, true);
+    if (greedy()) return commit(c.argmax);
+    std::discrete_distribution<int64_t> pick(c.probs.begin(), c.probs.begin() + c.keep);
+    return commit(static_cast<int32_t>(c.order[pick(rng_)]));
+  });
 }
 
 void Sampler::dense(const Candidates& c, std::vector<float>& out) {
@@ -150,28 +163,30 @@ int32_t Sampler::propose(std::span<float> logits, std::span<const int32_t> promp
 
 int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt,
                         std::span<const int32_t> output, int32_t draft, std::span<const float> q) {
-  const Candidates c = candidates(logits, prompt, output, true);
-  if (greedy()) return commit(c.argmax);
-  const auto vocab = static_cast<int64_t>(logits.size());
-  if (draft < 0 || draft >= vocab || static_cast<int64_t>(q.size()) != vocab || !(q[draft] > 0))
-    throw Error("sampler: draft token " + std::to_string(draft) +
-                " comes without the distribution it was drawn from");
-  std::vector<float> p(static_cast<size_t>(vocab));
-  dense(c, p);
-  std::uniform_real_distribution<double> unit(0.0, 1.0);
-  if (unit(rng_) * q[draft] < p[draft]) return commit(draft);  // u < p(d) / q(d)
-  // Rejected: p(d) < q(d) here, so the residual gives d no mass.
-  std::vector<double> residual(static_cast<size_t>(vocab));
-  double mass = 0;
-  for (int64_t i = 0; i < vocab; ++i) mass += (residual[i] = std::max(0.0f, p[i] - q[i]));
-  if (!(mass > 0)) {
-    // p equals q (up to rounding) everywhere but at d: draw from p without d.
-    p[draft] = 0;
-    std::discrete_distribution<int64_t> pick(p.begin(), p.end());
+  return guarded([&]() -> int32_t {
+    const Candidates c = candidates(logits, prompt, output, true);
+    if (greedy()) return commit(c.argmax);
+    const auto vocab = static_cast<int64_t>(logits.size());
+    if (draft < 0 || draft >= vocab || static_cast<int64_t>(q.size()) != vocab || !(q[draft] > 0))
+      throw Error("sampler: draft token " + std::to_string(draft) +
+                  " comes without the distribution it was drawn from");
+    std::vector<float> p(static_cast<size_t>(vocab));
+    dense(c, p);
+    std::uniform_real_distribution<double> unit(0.0, 1.0);
+    if (unit(rng_) * q[draft] < p[draft]) return commit(draft);  // u < p(d) / q(d)
+    // Rejected: p(d) < q(d) here, so the residual gives d no mass.
+    std::vector<double> residual(static_cast<size_t>(vocab));
+    double mass = 0;
+    for (int64_t i = 0; i < vocab; ++i) mass += (residual[i] = std::max(0.0f, p[i] - q[i]));
+    if (!(mass > 0)) {
+      // p equals q (up to rounding) everywhere but at d: draw from p without d.
+      p[draft] = 0;
+      std::discrete_distribution<int64_t> pick(p.begin(), p.end());
+      return commit(static_cast<int32_t>(pick(rng_)));
+    }
+    std::discrete_distribution<int64_t> pick(residual.begin(), residual.end());
     return commit(static_cast<int32_t>(pick(rng_)));
-  }
-  std::discrete_distribution<int64_t> pick(residual.begin(), residual.end());
-  return commit(static_cast<int32_t>(pick(rng_)));
+  });
 }
 
 }  // namespace tandem::engine

@@ -49,6 +49,10 @@ class Sampler {
   // it, so the answer is distributed as without speculation.
   void constrain(std::unique_ptr<structured::TokenConstraint> constraint);
   const structured::TokenConstraint* constraint() const { return constraint_.get(); }
+  // Why the constraint could not go on (empty while it can). A failed sampler's sample() and
+  // verify() return the stand-in token 0, which the engine drops: it ends the request with this
+  // error rather than failing the step of every request batched with it.
+  const std::string& failure() const { return failure_; }
 
   bool greedy() const { return params_.temperature < kGreedyTemperature; }
   // A draft token from draft logits[vocab] (modified in place) with the same transforms as
@@ -76,6 +80,9 @@ class Sampler {
                         std::span<const int32_t> output, bool constrained) const;
   // The token returned, after it advanced the constraint.
   int32_t commit(int32_t token);
+  // sample() or verify(), with a constraint's error recorded as failure().
+  template <typename Draw>
+  int32_t guarded(Draw draw);
   // candidates() as a dense distribution over the vocabulary.
   static void dense(const Candidates& c, std::vector<float>& out);
 
@@ -83,6 +90,7 @@ class Sampler {
   std::vector<int32_t> end_ids_;          // masked while the output is shorter than min_tokens
   std::vector<int32_t> grammar_end_ids_;  // what ends a constrained answer once it is complete
   std::unique_ptr<structured::TokenConstraint> constraint_;
+  std::string failure_;
   std::mt19937_64 rng_;
 };
 

@@ -94,7 +94,7 @@ void TokenConstraint::mask(std::span<float> logits, std::span<const int32_t> end
     logits[e.first] = 0.0f;
     any = true;
   }
-  if (!any) throw Error("structured output: no token can continue the answer");
+  if (!any) throw ConstraintError("structured output: no token can continue the answer");
 }
 
 void TokenConstraint::accept(int32_t token, std::span<const int32_t> end_ids) {
@@ -105,8 +105,8 @@ void TokenConstraint::accept(int32_t token, std::span<const int32_t> end_ids) {
   }
   if (token < 0 || size_t(token) >= vocabulary_->size() || vocabulary_->bytes(token).empty() ||
       ended_ || !matcher_.advance(vocabulary_->bytes(token)))
-    throw Error("structured output: token " + std::to_string(token) +
-                " does not continue the answer as its format requires");
+    throw ConstraintError("structured output: token " + std::to_string(token) +
+                          " does not continue the answer as its format requires");
   current_.reset();
 }
 

@@ -17,8 +17,16 @@
 #include "structured/output_spec.h"
 #include "structured/vocabulary_trie.h"
 #include "text/tokenizer.h"
+#include "util/error.h"
 
 namespace tandem::structured {
+
+// What the constraint throws when the answer cannot go on as its format requires: an error of
+// one request's format, which ends that request alone.
+class ConstraintError : public Error {
+ public:
+  using Error::Error;
+};
 
 // A vocabulary prepared for masks: the trie of every token with text (special tokens are never
 // allowed by a grammar; the end ids are allowed when the answer is complete).
@@ -66,9 +74,11 @@ class TokenConstraint {
 
   // Sets the logits of tokens the grammar refuses next to -infinity. `end_ids` (EOS, stop ids)
   // stay when the answer is complete. Never leaves every logit at -infinity: when the other
-  // masks (min_tokens) removed all the grammar allows, its tokens get logit 0.
+  // masks (min_tokens) removed all the grammar allows, its tokens get logit 0. Throws
+  // ConstraintError when no token (nor an end) may follow.
   void mask(std::span<float> logits, std::span<const int32_t> end_ids);
-  // The token sampled: advances the state. Throws tandem::Error for a token the grammar refuses.
+  // The token sampled: advances the state. Throws ConstraintError for a token the grammar
+  // refuses.
   void accept(int32_t token, std::span<const int32_t> end_ids);
   bool complete() const { return matcher_.accepting(); }
   const ConstraintStats& stats() const { return stats_; }

@@ -390,6 +390,84 @@ TEST_F(Speculation, SampledRequestsFinishWithSpeculation) {
   }
 }
 
+// A request whose format cannot go on (here: its one choice is written and, with no end ids in
+// this engine, nothing may follow) fails alone, with a 400; the request batched with it, in every
+// step, answers as if alone. With and without drafts (verify() as well as sample()).
+TEST_F(Speculation, AFormatThatCannotGoOnFailsItsRequestAloneNotItsBatch) {
+  for (int64_t k : {0, 1}) {
+    SCOPED_TRACE("speculative tokens " + std::to_string(k));
+    metrics::Registry registry;
+    Engine engine(EngineConfig{}, executor(k), tokenizer(), /*eos_ids=*/{}, registry);
+    struct Outcome {
+      std::string text, finish_reason, error;
+      int status = 0;
+      std::promise<void> done;
+    };
+    Outcome constrained, plain;
+    auto request = [](std::string id, std::vector<int32_t> prompt, SamplingParams sampling,
+                      Outcome& outcome) {
+      EngineRequest r;
+      r.id = std::move(id);
+      r.prompt = std::move(prompt);
+      r.sampling = std::move(sampling);
+      r.on_output = [&outcome](const RequestOutput& o) {
+        outcome.text += o.text;
+        if (!o.finished) return;
+        outcome.finish_reason = o.finish_reason;
+        outcome.error = o.error;
+        outcome.status = o.error_status;
+        outcome.done.set_value();
+      };
+      return r;
+    };
+    SamplingParams choice = greedy_params(20);
+    choice.structured_output = structured::OutputSpec{structured::OutputSpec::Kind::kChoice,
+                                                      R"(["yes"])", "guided_choice"};
+    // Submitted before the loop starts: both are in every step until the first one fails.
+    engine.submit(request("constrained", prompt_of(5, 100), choice, constrained));
+    engine.submit(request("plain", prompt_of(7, 300), greedy_params(16), plain));
+    engine.start();
+    constrained.done.get_future().wait();
+    plain.done.get_future().wait();
+    engine.stop();
+    EXPECT_EQ(constrained.finish_reason, "error");
+    EXPECT_NE(constrained.error.find("no token can continue the answer"), std::string::npos)
+        << constrained.error;
+    EXPECT_EQ(constrained.status, 400);
+    EXPECT_EQ(constrained.text, "yes");  // what was written before it failed
+    EXPECT_EQ(plain.finish_reason, "length") << plain.error;
+    EXPECT_EQ(plain.text, plain_greedy(prompt_of(7, 300), 16));
+  }
+}
+
+// The engine's own check (what the API does not see: a request made in process, a P/D leg):
+// the prompt plus max_tokens near 2^63 wrapped negative and passed, and the request then grew
+// until the cache was full.
+TEST_F(Speculation, MaxTokensNearTheLargestIntegerIsRefusedNotWrapped) {
+  metrics::Registry registry;
+  Engine engine(EngineConfig{}, executor(0), tokenizer(), eos_ids(*tok_, std::nullopt), registry);
+  auto refusal = [&](int64_t max_tokens) {
+    EngineRequest r;
+    r.id = "r";
+    r.prompt = prompt_of(5, 100);
+    r.sampling = greedy_params(max_tokens);
+    try {
+      engine.check(r);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  for (int64_t huge : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 4,
+                       int64_t(1) << 62})
+    EXPECT_NE(refusal(huge).find("exceeds the model's maximum context length"), std::string::npos)
+        << huge;
+  const int64_t cache = engine.executor_info().num_blocks * engine.executor_info().block_size;
+  if (cache - 5 < engine.executor_info().max_model_len - 5)
+    EXPECT_NE(refusal(cache - 4).find("exceeds the KV cache"), std::string::npos);
+  EXPECT_EQ(refusal(std::min(cache, engine.executor_info().max_model_len) - 5), "(accepted)");
+}
+
 TEST_F(Speculation, EnginesThatCannotSpeculateRefuseToStart) {
   // tiny-v2-lite has no MTP module; a simulated model speculates with an acceptance model, which
   // must be probabilities.

@@ -105,7 +105,7 @@ void sample_items(std::span<const ExecItem> batch,
         tokens.push_back(token_logprobs(raw, token, item.logprobs));
       else
         tokens.push_back({token, 0, {}});
-      if (j == drafts || token != item.drafts[j]) break;
+      if (j == drafts || token != item.drafts[j] || !item.sampler->failure().empty()) break;
       output.push_back(token);
     }
   }
