@@ -171,7 +171,12 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
     if (!as_size(entry["data_offsets"][0], begin) || !as_size(entry["data_offsets"][1], end) ||
         begin > end)
       throw Error(at + ": 'data_offsets' must be non-negative integers with begin <= end");
-    const uint64_t expected = numel * dtype_size(*dtype);
+    // The element cap alone still lets a 4-byte dtype reach 2^64 bytes, which wraps to a small
+    // (even zero) size that a crafted data_offsets span could match.
+    uint64_t expected = 0;
+    if (__builtin_mul_overflow(numel, uint64_t{dtype_size(*dtype)}, &expected))
+      throw Error(at + ": shape " + shape_string(info.shape) + " of " + dtype_str +
+                  " is too large (its byte size overflows 64 bits)");
     if (end - begin != expected)
       throw Error(at + ": shape " + shape_string(info.shape) + " of " + dtype_str + " needs " +
                   std::to_string(expected) + " bytes but data_offsets [" + std::to_string(begin) +

@@ -280,6 +280,18 @@ TEST(SafetensorsErrors, ShapeDoesNotMatchBytes) {
                     HasSubstr("needs 12 bytes"), HasSubstr("span 10")));
 }
 
+TEST(SafetensorsErrors, ShapeWhoseByteSizeOverflowsIsRejectedNotWrappedToZero) {
+  test::TempDir dir("st-overflow");
+  // 2^31 * 2^31 elements of 4 bytes is 2^64 bytes: wrapped to 0 it would match [0, 0].
+  test::write_bytes(dir / "model.safetensors",
+                    safetensors_bytes(R"({"huge.weight":{"dtype":"F32",)"
+                                      R"("shape":[2147483648,2147483648],"data_offsets":[0,0]}})",
+                                      ""));
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("'huge.weight'"),
+                    HasSubstr("[2147483648, 2147483648]"), HasSubstr("too large")));
+}
+
 TEST(SafetensorsErrors, MalformedHeaders) {
   test::TempDir dir("st-json");
   test::write_bytes(dir / "model.safetensors", safetensors_bytes(R"({"x": )", ""));
