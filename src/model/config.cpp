@@ -37,8 +37,10 @@ void parse_quantization(const json& obj, const std::string& origin, ModelConfig&
              "is required (per-tensor FP8 is not supported, only block scales)");
     if (!block->is_array() || block->size() != 2 || !(*block)[0].is_number_integer() ||
         !(*block)[1].is_number_integer() || (*block)[0].get<int64_t>() <= 0 ||
-        (*block)[1].get<int64_t>() <= 0)
-      f.fail("weight_block_size", "must be two positive integers, got " + block->dump());
+        (*block)[1].get<int64_t>() <= 0 || (*block)[0].get<int64_t>() > kMaxDimension ||
+        (*block)[1].get<int64_t>() > kMaxDimension)
+      f.fail("weight_block_size", "must be two positive integers up to " +
+                                      std::to_string(kMaxDimension) + ", got " + block->dump());
     c.fp8 = Fp8Quantization{(*block)[0].get<int64_t>(), (*block)[1].get<int64_t>()};
   } else if (method == "w8a8_int8") {
     if (f.present("activation_scheme") && f.string("activation_scheme") != "dynamic")
@@ -88,40 +90,39 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   }
   f.ignore("model_type");
 
-  auto positive = [&](const std::string& key) {
+  auto positive = [&](const std::string& key, int64_t limit = kMaxDimension) {
     const int64_t v = f.integer(key);
-    if (v <= 0) f.fail(key, "must be positive, got " + std::to_string(v));
+    f.positive_at_most(key, v, limit);
     return v;
   };
   c.vocab_size = positive("vocab_size");
   c.hidden_size = positive("hidden_size");
-  c.num_hidden_layers = positive("num_hidden_layers");
+  c.num_hidden_layers = positive("num_hidden_layers", kMaxLayers);
   c.num_attention_heads = positive("num_attention_heads");
   c.kv_lora_rank = positive("kv_lora_rank");
   c.qk_nope_head_dim = positive("qk_nope_head_dim");
   c.qk_rope_head_dim = positive("qk_rope_head_dim");
   if (c.qk_rope_head_dim % 2 != 0) f.fail("qk_rope_head_dim", "must be even (RoPE rotates pairs)");
   c.v_head_dim = positive("v_head_dim");
-  c.max_position_embeddings = positive("max_position_embeddings");
+  c.max_position_embeddings = positive("max_position_embeddings", kMaxPositions);
   if (!f.present("q_lora_rank") && !doc.contains("q_lora_rank"))
     f.fail("q_lora_rank", "is required (null when queries have no low-rank projection)");
   c.q_lora_rank = f.integer_or("q_lora_rank", int64_t{0});
   if (f.present("q_lora_rank") && c.q_lora_rank <= 0)
     f.fail("q_lora_rank", "must be positive, or null for no q-LoRA");
+  f.at_most("q_lora_rank", c.q_lora_rank, kMaxDimension);
   c.intermediate_size = f.integer("intermediate_size");
   if (c.intermediate_size < 0) f.fail("intermediate_size", "must not be negative");
+  f.at_most("intermediate_size", c.intermediate_size, kMaxDimension);
   c.rms_norm_eps = f.number("rms_norm_eps");
-  if (!(c.rms_norm_eps > 0)) f.fail("rms_norm_eps", "must be positive");
   c.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false);
   c.num_nextn_predict_layers = f.integer_or("num_nextn_predict_layers", int64_t{0});
   if (c.num_nextn_predict_layers < 0) f.fail("num_nextn_predict_layers", "must not be negative");
+  // MTP layers are decoder layers too (numbered after the others), so they share the limit.
+  f.at_most("num_nextn_predict_layers", c.num_nextn_predict_layers,
+            kMaxLayers - c.num_hidden_layers);
   c.bos_token_id = f.optional_integer("bos_token_id");
   c.eos_token_id = f.optional_integer("eos_token_id");
-  for (const char* key : {"bos_token_id", "eos_token_id"}) {
-    const auto& id = std::string(key) == "bos_token_id" ? c.bos_token_id : c.eos_token_id;
-    if (id && (*id < 0 || *id >= c.vocab_size))
-      f.fail(key, "must be a token id below vocab_size " + std::to_string(c.vocab_size));
-  }
 
   // RoPE: rope_theta + rope_scaling (transformers v4), or rope_parameters (v5).
   std::optional<double> theta;
@@ -142,13 +143,15 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   }
   if (!theta) f.fail("rope_theta", "is required");
   c.rope_theta = *theta;
-  if (!(c.rope_theta > 0)) f.fail("rope_theta", "must be positive");
+  check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.max_position_embeddings,
+                          c.bos_token_id, c.eos_token_id});
 
   // Mixture of experts.
   c.n_routed_experts = f.integer_or("n_routed_experts", int64_t{0});
   if (!f.present("n_routed_experts") && !doc.contains("n_routed_experts"))
     f.fail("n_routed_experts", "is required (null for a dense model)");
   if (c.n_routed_experts < 0) f.fail("n_routed_experts", "must not be negative");
+  f.at_most("n_routed_experts", c.n_routed_experts, kMaxExperts);
   const bool moe = c.n_routed_experts > 0;
   auto moe_integer = [&](const std::string& key, int64_t fallback) {
     return moe ? f.integer(key) : f.integer_or(key, fallback);
@@ -174,8 +177,9 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
       f.fail("num_experts_per_tok", "must be between 1 and n_routed_experts (" +
                                         std::to_string(c.n_routed_experts) + "), got " +
                                         std::to_string(c.num_experts_per_tok));
-    if (c.moe_intermediate_size <= 0) f.fail("moe_intermediate_size", "must be positive");
+    f.positive_at_most("moe_intermediate_size", c.moe_intermediate_size, kMaxDimension);
     if (c.n_shared_experts < 0) f.fail("n_shared_experts", "must not be negative");
+    f.at_most("n_shared_experts", c.n_shared_experts, kMaxExperts);
     if (c.first_k_dense_replace < 0 || c.first_k_dense_replace > c.num_hidden_layers)
       f.fail("first_k_dense_replace", "must be between 0 and num_hidden_layers (" +
                                           std::to_string(c.num_hidden_layers) + ")");
@@ -208,6 +212,14 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
       f.fail("n_group",
              "leaves fewer than 2 experts per group, but noaux_tc scores a group by "
              "its top-2 experts");
+    int64_t moe_layers = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l)
+      moe_layers += c.is_moe_layer(l);
+    if (moe_layers > kMaxExpertMlps / c.n_routed_experts)
+      f.fail("n_routed_experts", "(" + std::to_string(c.n_routed_experts) + ") times the " +
+                                     std::to_string(moe_layers) +
+                                     " MoE layers exceeds this engine's limit of " +
+                                     std::to_string(kMaxExpertMlps) + " routed experts in all");
     const bool has_dense = c.first_k_dense_replace > 0 || c.moe_layer_freq > 1;
     if (has_dense && c.intermediate_size <= 0)
       f.fail("intermediate_size", "must be positive: some layers are dense");

@@ -28,6 +28,19 @@ std::string one_of(const std::string& got, std::initializer_list<const char*> al
   return s + "; got \"" + got + "\"";
 }
 
+void check_shared_fields(const Fields& f, const SharedFields& s) {
+  // JSON has no NaN or infinity, so "> 0" is the whole check of a number.
+  if (!(s.rms_norm_eps > 0)) f.fail("rms_norm_eps", "must be positive");
+  if (!(s.rope_theta > 0)) f.fail("rope_theta", "must be positive");
+  f.positive_at_most("max_position_embeddings", s.max_position_embeddings, kMaxPositions);
+  for (const char* key : {"bos_token_id", "eos_token_id"}) {
+    const auto& id = std::string(key) == "bos_token_id" ? s.bos_token_id : s.eos_token_id;
+    if (id && (*id < 0 || *id >= s.vocab_size))
+      f.fail(key, "must be a token id below vocab_size " + std::to_string(s.vocab_size) + ", got " +
+                      std::to_string(*id));
+  }
+}
+
 bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
                 YarnScaling& yarn, std::optional<double>& theta) {
   if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
@@ -51,8 +64,8 @@ bool parse_rope(const json& obj, const std::string& origin, const std::string& f
   yarn.factor = f.number("factor");
   if (!(yarn.factor >= 1.0)) f.fail("factor", "must be >= 1");
   yarn.original_max_position_embeddings = f.integer_or("original_max_position_embeddings", 4096);
-  if (yarn.original_max_position_embeddings <= 0)
-    f.fail("original_max_position_embeddings", "must be positive");
+  f.positive_at_most("original_max_position_embeddings", yarn.original_max_position_embeddings,
+                     kMaxPositions);
   yarn.beta_fast = f.number_or("beta_fast", 32.0);
   yarn.beta_slow = f.number_or("beta_slow", 1.0);
   if (!(yarn.beta_fast > yarn.beta_slow) || !(yarn.beta_slow > 0))

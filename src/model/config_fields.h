@@ -16,6 +16,17 @@
 
 namespace tandem::model {
 
+// This engine's limits on what a config.json may declare. Each is far above any released model
+// (DeepSeek-V3: 61 layers, 256 experts, vocabulary 129,280; Qwen3-235B-A22B: 94 layers, 128
+// experts; context lengths up to 10M), yet low enough that the per-layer and per-expert work a
+// config implies (validating a checkpoint builds the list of every tensor it must hold) stays
+// bounded and that products of sizes fit in 64 bits. README.md lists them.
+inline constexpr int64_t kMaxLayers = 4096;                 // num_hidden_layers (+ MTP layers)
+inline constexpr int64_t kMaxExperts = 65536;               // routed experts per layer
+inline constexpr int64_t kMaxExpertMlps = 1 << 20;          // routed experts summed over the layers
+inline constexpr int64_t kMaxDimension = int64_t{1} << 24;  // vocab, hidden, head, MLP sizes
+inline constexpr int64_t kMaxPositions = int64_t{1} << 30;  // max_position_embeddings
+
 // Reads the fields of one JSON object, remembering which were read so that whatever is left is
 // reported as unknown. Every message names the origin and the field's path.
 class Fields {
@@ -85,6 +96,18 @@ class Fields {
     return v ? string(key, *v) : fallback;
   }
 
+  // An integer field's value against this engine's limit (one of the kMax constants above).
+  void at_most(const std::string& key, int64_t v, int64_t limit) const {
+    if (v > limit)
+      fail(key,
+           "is " + std::to_string(v) + ", above this engine's limit of " + std::to_string(limit));
+  }
+  // An integer field that must lie in [1, limit].
+  void positive_at_most(const std::string& key, int64_t v, int64_t limit) const {
+    if (v <= 0) fail(key, "must be positive, got " + std::to_string(v));
+    at_most(key, v, limit);
+  }
+
   // Accepted without effect on the model (training settings, bookkeeping).
   void ignore(const std::string& key) { seen_.insert(key); }
 
@@ -98,6 +121,17 @@ class Fields {
   std::string origin_, prefix_;
   std::set<std::string> seen_;
 };
+
+// The checks every family makes on the fields they share: rms_norm_eps and rope_theta positive
+// (a negative epsilon makes RMSNorm NaN, a zero base makes RoPE's frequencies infinite),
+// max_position_embeddings in [1, kMaxPositions], and bos/eos token ids below vocab_size.
+struct SharedFields {
+  int64_t vocab_size;
+  double rms_norm_eps, rope_theta;
+  int64_t max_position_embeddings;
+  std::optional<int64_t> bos_token_id, eos_token_id;
+};
+void check_shared_fields(const Fields& f, const SharedFields& s);
 
 // DIR/config.json parsed; a malformed file is an error naming it.
 nlohmann::json read_config_json(const std::filesystem::path& dir);

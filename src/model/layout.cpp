@@ -1,5 +1,6 @@
 #include "model/layout.h"
 
+#include <functional>
 #include <set>
 
 #include "util/error.h"
@@ -15,12 +16,18 @@ int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
+// Produces the layout one tensor at a time, so that checking a checkpoint against it needs no
+// list of every expected tensor: memory follows the checkpoint, not what the config claims.
 class Builder {
  public:
-  Builder(const ModelConfig& c, DType weight_dtype)
-      : c_(c), weight_(weight_dtype), other_(c.quantized() ? DType::kBF16 : weight_dtype) {}
+  using Sink = std::function<void(TensorSpec&&)>;
+  Builder(const ModelConfig& c, DType weight_dtype, Sink sink)
+      : c_(c),
+        weight_(weight_dtype),
+        other_(c.quantized() ? DType::kBF16 : weight_dtype),
+        sink_(std::move(sink)) {}
 
-  std::vector<TensorSpec> build() {
+  void build() {
     const int64_t h = c_.hidden_size;
     add("model.embed_tokens.weight", other_, {c_.vocab_size, h});
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) layer(i);
@@ -38,12 +45,11 @@ class Builder {
       add(p + ".shared_head.norm.weight", other_, {h});
       add(p + ".shared_head.head.weight", other_, {c_.vocab_size, h});
     }
-    return std::move(out_);
   }
 
  private:
   void add(std::string name, DType dtype, std::vector<int64_t> shape) {
-    out_.push_back(TensorSpec{std::move(name), dtype, std::move(shape)});
+    sink_(TensorSpec{std::move(name), dtype, std::move(shape)});
   }
 
   // A linear layer that the checkpoint's quantization applies to.
@@ -97,12 +103,10 @@ class Builder {
 
   const ModelConfig& c_;
   DType weight_, other_;
-  std::vector<TensorSpec> out_;
+  Sink sink_;
 };
 
-}  // namespace
-
-std::vector<TensorSpec> checkpoint_layout(const ModelConfig& config, DType weight_dtype) {
+void check_weight_dtype(const ModelConfig& config, DType weight_dtype) {
   const std::string dt(dtype_name(weight_dtype));
   if (config.fp8 && weight_dtype != DType::kF8E4M3)
     throw Error("checkpoint layout: the config's quantization_config is fp8, but the weights are " +
@@ -115,7 +119,15 @@ std::vector<TensorSpec> checkpoint_layout(const ModelConfig& config, DType weigh
   if (!config.quantized() && !is_float_dtype(weight_dtype))
     throw Error("checkpoint layout: " + dt + " weights need a quantization_config in config.json " +
                 "(fp8 for F8_E4M3, w8a8_int8 for I8)");
-  return Builder(config, weight_dtype).build();
+}
+
+}  // namespace
+
+std::vector<TensorSpec> checkpoint_layout(const ModelConfig& config, DType weight_dtype) {
+  check_weight_dtype(config, weight_dtype);
+  std::vector<TensorSpec> out;
+  Builder(config, weight_dtype, [&](TensorSpec&& s) { out.push_back(std::move(s)); }).build();
+  return out;
 }
 
 DType checkpoint_weight_dtype(const Checkpoint& checkpoint, const ModelConfig& config) {
@@ -136,17 +148,25 @@ DType checkpoint_weight_dtype(const Checkpoint& checkpoint, const ModelConfig& c
 
 void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config) {
   const DType weight_dtype = checkpoint_weight_dtype(checkpoint, config);
-  const std::vector<TensorSpec> specs = checkpoint_layout(config, weight_dtype);
+  check_weight_dtype(config, weight_dtype);
+  // The first few problems are kept for the message and the rest only counted, so a config that
+  // expects millions of tensors the checkpoint lacks costs time, not memory.
+  constexpr size_t kShown = 4;
   std::vector<std::string> problems;
-  std::set<std::string> expected;
-  for (const TensorSpec& s : specs) {
-    expected.insert(s.name);
+  size_t problem_count = 0;
+  auto problem = [&](std::string msg) {
+    if (problems.size() < kShown) problems.push_back(std::move(msg));
+    ++problem_count;
+  };
+  std::set<const TensorInfo*> expected;
+  Builder(config, weight_dtype, [&](TensorSpec&& s) {
     const TensorInfo* t = checkpoint.find(s.name);
     const std::string want = describe(s.dtype, s.shape);
     if (!t) {
-      problems.push_back("missing tensor '" + s.name + "' (expected " + want + ")");
-      continue;
+      problem("missing tensor '" + s.name + "' (expected " + want + ")");
+      return;
     }
+    expected.insert(t);
     const bool dtype_ok =
         t->dtype == s.dtype || (is_float_dtype(t->dtype) && is_float_dtype(s.dtype));
     if (t->shape != s.shape || !dtype_ok) {
@@ -154,23 +174,22 @@ void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config
                         describe(t->dtype, t->shape) + ", expected " + want;
       if (!dtype_ok && !config.quantized() && !is_float_dtype(t->dtype))
         msg += " (config.json has no quantization_config)";
-      problems.push_back(msg);
+      problem(msg);
     }
-  }
+  }).build();
   for (const auto& [name, t] : checkpoint.tensors()) {
-    if (expected.count(name)) continue;
-    problems.push_back("unexpected tensor '" + name + "' in " + t.file + " (not part of a " +
-                       config.architecture + " checkpoint with " +
-                       std::to_string(config.num_hidden_layers) + " layers, " +
-                       std::to_string(config.num_nextn_predict_layers) + " MTP layers" +
-                       (config.tie_word_embeddings ? ", tied embeddings" : "") + " and " +
-                       std::string(dtype_name(weight_dtype)) + " weights)");
+    if (expected.count(&t)) continue;
+    problem("unexpected tensor '" + name + "' in " + t.file + " (not part of a " +
+            config.architecture + " checkpoint with " + std::to_string(config.num_hidden_layers) +
+            " layers, " + std::to_string(config.num_nextn_predict_layers) + " MTP layers" +
+            (config.tie_word_embeddings ? ", tied embeddings" : "") + " and " +
+            std::string(dtype_name(weight_dtype)) + " weights)");
   }
   if (problems.empty()) return;
   std::string msg = "checkpoint " + checkpoint.dir().string() + ": " + problems.front();
-  if (problems.size() > 1) {
-    msg += "; " + std::to_string(problems.size() - 1) + " more problem" +
-           (problems.size() > 2 ? "s" : "") + ", e.g. ";
+  if (problem_count > 1) {
+    msg += "; " + std::to_string(problem_count - 1) + " more problem" +
+           (problem_count > 2 ? "s" : "") + ", e.g. ";
     for (size_t i = 1; i < problems.size() && i < 4; ++i) msg += (i > 1 ? "; " : "") + problems[i];
   }
   throw Error(msg);

@@ -27,6 +27,8 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   c.intermediate_size = f.integer("intermediate_size");
   c.moe_intermediate_size = f.integer("moe_intermediate_size");
   c.num_hidden_layers = f.integer("num_hidden_layers");
+  // Bounded before anything loops over the layers (mlp_only_layers, is_moe_layer below).
+  f.positive_at_most("num_hidden_layers", c.num_hidden_layers, kMaxLayers);
   c.num_attention_heads = f.integer("num_attention_heads");
   c.num_key_value_heads = f.integer_or("num_key_value_heads", c.num_attention_heads);
   c.head_dim = f.integer_or("head_dim",
@@ -36,10 +38,15 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   c.decoder_sparse_step = f.integer_or("decoder_sparse_step", 1);
   if (const json* m = f.get("mlp_only_layers")) {
     if (!m->is_array()) f.fail("mlp_only_layers", "must be a list of layer indices");
+    std::vector<bool> listed(static_cast<size_t>(c.num_hidden_layers));
     for (const auto& v : *m) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c.num_hidden_layers)
         f.fail("mlp_only_layers", "must hold layer indices below num_hidden_layers (" +
                                       std::to_string(c.num_hidden_layers) + "), got " + v.dump());
+      // A repeat would only lengthen is_moe_layer's search, which runs once per layer.
+      if (listed[static_cast<size_t>(v.get<int64_t>())])
+        f.fail("mlp_only_layers", "lists layer " + v.dump() + " twice");
+      listed[static_cast<size_t>(v.get<int64_t>())] = true;
       c.mlp_only_layers.push_back(v.get<int64_t>());
     }
   }
@@ -85,10 +92,19 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   };
   positive("vocab_size", c.vocab_size);
   positive("hidden_size", c.hidden_size);
-  positive("num_hidden_layers", c.num_hidden_layers);
   positive("num_attention_heads", c.num_attention_heads);
   positive("num_key_value_heads", c.num_key_value_heads);
   positive("head_dim", c.head_dim);
+  for (const auto& [k, v] : {std::pair<const char*, int64_t>{"vocab_size", c.vocab_size},
+                             {"hidden_size", c.hidden_size},
+                             {"intermediate_size", c.intermediate_size},
+                             {"moe_intermediate_size", c.moe_intermediate_size},
+                             {"num_attention_heads", c.num_attention_heads},
+                             {"num_key_value_heads", c.num_key_value_heads},
+                             {"head_dim", c.head_dim}})
+    f.at_most(k, v, kMaxDimension);
+  check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.max_position_embeddings,
+                          c.bos_token_id, c.eos_token_id});
   if (c.head_dim % 2 != 0) f.fail("head_dim", "must be even (RoPE rotates pairs)");
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     f.fail("num_key_value_heads", "must divide num_attention_heads (" +
@@ -96,9 +112,21 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
                                       std::to_string(c.num_key_value_heads));
   if (c.decoder_sparse_step < 1) f.fail("decoder_sparse_step", "must be at least 1");
   if (c.num_experts < 0) f.fail("num_experts", "must not be negative");
-  bool any_moe = false, any_dense = false;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    (c.is_moe_layer(l) ? any_moe : any_dense) = true;
+  f.at_most("num_experts", c.num_experts, kMaxExperts);
+  bool any_dense = false;
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.is_moe_layer(l))
+      ++moe_layers;
+    else
+      any_dense = true;
+  }
+  const bool any_moe = moe_layers > 0;
+  if (any_moe && moe_layers > kMaxExpertMlps / c.num_experts)
+    f.fail("num_experts", "(" + std::to_string(c.num_experts) + ") times the " +
+                              std::to_string(moe_layers) +
+                              " MoE layers exceeds this engine's limit of " +
+                              std::to_string(kMaxExpertMlps) + " routed experts in all");
   if (any_moe) {
     positive("moe_intermediate_size", c.moe_intermediate_size);
     if (c.num_experts_per_tok < 1 || c.num_experts_per_tok > c.num_experts)

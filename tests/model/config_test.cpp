@@ -448,6 +448,35 @@ TEST(Config, ErrorsNameTheField) {
       {"negative layers",
        [](json& d) { d["num_nextn_predict_layers"] = -1; },
        {"'num_nextn_predict_layers'"}},
+      // Sizes no model has would otherwise make validating a checkpoint list every tensor they
+      // imply (1e12 layers: out of memory) before reading any.
+      {"layers beyond the limit",
+       [](json& d) { d["num_hidden_layers"] = int64_t{1'000'000'000'000}; },
+       {"'num_hidden_layers'", "limit of 4096"}},
+      {"experts beyond the limit",
+       [](json& d) { d["n_routed_experts"] = 1'000'000'000; },
+       {"'n_routed_experts'", "limit of 65536"}},
+      {"MTP layers beyond the limit",
+       [](json& d) { d["num_nextn_predict_layers"] = 1'000'000'000; },
+       {"'num_nextn_predict_layers'", "limit"}},
+      {"experts times layers beyond the limit",
+       [](json& d) { d["n_routed_experts"] = 65536; },
+       {"'n_routed_experts'", "59 MoE layers", "1048576"}},
+      {"vocabulary beyond the limit",
+       [](json& d) { d["vocab_size"] = int64_t{1} << 40; },
+       {"'vocab_size'", "limit"}},
+      {"fp8 block beyond the limit",
+       [](json& d) {
+         d["quantization_config"]["weight_block_size"] = {int64_t{1} << 62, 128};
+       },
+       {"'quantization_config.weight_block_size'"}},
+      {"negative rms_norm_eps",
+       [](json& d) { d["rms_norm_eps"] = -1e-6; },
+       {"'rms_norm_eps'", "positive"}},
+      {"zero rope_theta", [](json& d) { d["rope_theta"] = 0; }, {"'rope_theta'", "positive"}},
+      {"positions beyond the limit",
+       [](json& d) { d["max_position_embeddings"] = int64_t{1} << 40; },
+       {"'max_position_embeddings'", "limit"}},
   };
   for (const auto& c : cases) {
     json doc = json::parse(kV3);

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <random>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -104,6 +105,51 @@ TEST(Qwen3MoeConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
               d["quantization_config"] = {{"quant_method", "fp8"}};
             }).find("'quantization_config'"),
             std::string::npos);
+}
+
+// A config's sizes drive loops and allocations before any weight is read, so values no model has
+// are refused by name instead of hanging (a loop over 4e18 layers) or exhausting memory; the
+// numeric fields every family shares get DeepSeek's checks.
+TEST(Qwen3MoeConfig, ImplausibleSizesAndBrokenNumbersAreRefusedByName) {
+  auto error = [](const std::function<void(json&)>& change) {
+    json doc = json::parse(kQwen3_30B_A3B);
+    change(doc);
+    try {
+      Qwen3MoeConfig::parse(doc, "config.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(parsed)");
+  };
+  using ::testing::AllOf;
+  using ::testing::HasSubstr;
+  EXPECT_THAT(error([](json& d) { d["num_hidden_layers"] = int64_t{4'000'000'000'000'000'000}; }),
+              AllOf(HasSubstr("config.json"), HasSubstr("'num_hidden_layers'"),
+                    HasSubstr("limit of 4096")));
+  EXPECT_THAT(error([](json& d) { d["num_experts"] = 1'000'000'000; }),
+              AllOf(HasSubstr("'num_experts'"), HasSubstr("limit of 65536")));
+  // Each alone is allowed; 48 MoE layers of 65536 experts are 3M expert MLPs.
+  EXPECT_THAT(error([](json& d) { d["num_experts"] = 65536; }),
+              AllOf(HasSubstr("'num_experts'"), HasSubstr("48 MoE layers")));
+  EXPECT_THAT(error([](json& d) { d["vocab_size"] = int64_t{1} << 40; }),
+              AllOf(HasSubstr("'vocab_size'"), HasSubstr("limit")));
+  EXPECT_THAT(error([](json& d) {
+                d["mlp_only_layers"] = {3, 5, 3};
+              }),
+              AllOf(HasSubstr("'mlp_only_layers'"), HasSubstr("layer 3 twice")));
+  EXPECT_THAT(error([](json& d) { d["rms_norm_eps"] = -1e-6; }),
+              AllOf(HasSubstr("'rms_norm_eps'"), HasSubstr("positive")));
+  EXPECT_THAT(error([](json& d) { d["rope_theta"] = 0; }),
+              AllOf(HasSubstr("'rope_theta'"), HasSubstr("positive")));
+  EXPECT_THAT(error([](json& d) { d["max_position_embeddings"] = 0; }),
+              AllOf(HasSubstr("'max_position_embeddings'"), HasSubstr("positive")));
+  EXPECT_THAT(error([](json& d) { d["max_position_embeddings"] = int64_t{1} << 40; }),
+              AllOf(HasSubstr("'max_position_embeddings'"), HasSubstr("limit")));
+  EXPECT_THAT(error([](json& d) { d["eos_token_id"] = 151936; }),
+              AllOf(HasSubstr("'eos_token_id'"), HasSubstr("vocab_size 151936")));
+  EXPECT_THAT(error([](json& d) { d["bos_token_id"] = -1; }),
+              AllOf(HasSubstr("'bos_token_id'"), HasSubstr("vocab_size")));
+  EXPECT_EQ(error([](json& d) { d["mlp_only_layers"] = {3, 5}; }), "(parsed)");
 }
 
 struct Case {
