@@ -623,6 +623,68 @@ TEST(ChatTemplate, NestingBeyondAnyRealTemplateIsAnError) {
   EXPECT_EQ(ChatTemplate(blocks).render(context), "x");
 }
 
+// Python would repeat a string or list any number of times; a count that wrapped the size check
+// (4 bytes * 2^62 = 2^64 = 0) or an empty operand (2^62 passes over nothing) hung or exhausted
+// memory. Repetition now checks the size by division and makes empty results without looping.
+TEST(ChatTemplate, RepetitionIsBoundedWhateverTheCount) {
+  const ordered_json context = {{"messages", ordered_json::array()}};
+  EXPECT_EQ(ChatTemplate("[{{ '' * 4611686018427387904 }}]").render(context), "[]");
+  EXPECT_EQ(ChatTemplate("{{ ([] * 4611686018427387904) | length }}").render(context), "0");
+  EXPECT_EQ(ChatTemplate("{{ 'ab' * 3 }} {{ [1] * 3 }} {{ 'x' * -2 }}").render(context),
+            "ababab [1, 1, 1] ");
+  EXPECT_EQ(error_of("\n{{ 'aaaa' * 4611686018427387904 }}"),
+            "chat template line 2: unsupported string repetition beyond 64 MiB");
+  EXPECT_EQ(error_of("{{ ([1, 2] * 4611686018427387904) | length }}"),
+            "chat template line 1: unsupported list repetition beyond 4M items");
+}
+
+// Doubling a value in a loop reaches any size within a few dozen iterations.
+TEST(ChatTemplate, ConcatenationIsBounded) {
+  EXPECT_EQ(error_of("{% set ns = namespace(s='x' * 40000000) %}\n{% for i in range(100) %}"
+                     "{% set ns.s = ns.s + ns.s %}{% endfor %}"),
+            "chat template line 2: unsupported string concatenation beyond 64 MiB");
+  EXPECT_EQ(error_of("{% set s = 'x' * 40000000 %}{{ s ~ s }}"),
+            "chat template line 1: unsupported string concatenation beyond 64 MiB");
+  EXPECT_EQ(error_of("{% set l = [0] * 2097153 %}{{ (l + l) | length }}"),
+            "chat template line 1: unsupported list concatenation beyond 4M items");
+}
+
+// Nested loops over range(100000) are 10^10 iterations; the render stops at its step budget
+// instead, with the line, as other runtime errors do.
+TEST(ChatTemplate, RunawayLoopsStopAtTheStepBudget) {
+  const std::string error = error_of(
+      "ok\n{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+  EXPECT_EQ(error.rfind("chat template line 2: ", 0), 0u) << error;
+  EXPECT_NE(error.find("exceeded 10000000 evaluation steps"), std::string::npos) << error;
+}
+
+// A loop printing a large string would otherwise try to build terabytes; the rendered text and
+// captured blocks stop at 64 MiB, before the oversized string is allocated.
+TEST(ChatTemplate, OutputIsBounded) {
+  EXPECT_EQ(error_of("{% for i in range(100000) %}\n{{ 'x' * 60000000 }}{% endfor %}"),
+            "chat template line 2: the template's output exceeded 64 MiB");
+  EXPECT_EQ(error_of("{% set s %}{% for i in range(100000) %}{{ 'x' * 60000000 }}"
+                     "{% endfor %}{% endset %}"),
+            "chat template line 1: the template's output exceeded 64 MiB");
+}
+
+// indent(10**18) asked std::string for an exabyte (std::bad_alloc escaped the renderer).
+TEST(ChatTemplate, IndentWidthsAreBounded) {
+  const ordered_json context = {{"messages", ordered_json::array()}};
+  EXPECT_EQ(error_of("{{ 'a\\nb' | indent(1000000000000000000) }}"),
+            "chat template line 1: unsupported indent width beyond 4096 characters");
+  EXPECT_EQ(error_of("{{ ('\\n' * 10000000) | indent(4096) }}"),
+            "chat template line 1: unsupported indent result beyond 64 MiB");
+  EXPECT_EQ(error_of("{{ {'a': 1} | tojson(indent=1000000000000000000) }}"),
+            "chat template line 1: unsupported tojson indent beyond 4096 characters");
+  EXPECT_EQ(ChatTemplate("{{ 'a\\nb' | indent(2) }}").render(context), "a\n  b");
+}
+
+TEST(ChatTemplate, IteratingAHugeStringIsBounded) {
+  EXPECT_EQ(error_of("{% for c in 'x' * 5000000 %}{% endfor %}"),
+            "chat template line 1: unsupported iterating over a string beyond 4M characters");
+}
+
 TEST(ChatTemplate, UnsupportedTagNamesTheLine) {
   EXPECT_EQ(error_of("line one\n{% if true %}\n{% extends 'base.html' %}\n{% endif %}"),
             "chat template line 3: unsupported tag 'extends'");

@@ -27,6 +27,13 @@ namespace {
   throw UnsupportedError{"unsupported " + message};
 }
 
+void check_string_size(size_t bytes, const char* what) {
+  if (bytes > kMaxStringBytes) unsupported(std::string(what) + " beyond 64 MiB");
+}
+void check_list_size(size_t items, const char* what) {
+  if (items > kMaxListItems) unsupported(std::string(what) + " beyond 4M items");
+}
+
 // Using an Undefined in arithmetic, calls, attribute access etc. raises UndefinedError.
 void check_defined(const Value& v) {
   if (v.is_undefined()) throw RuntimeError{v.s};
@@ -1243,9 +1250,13 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     if (a.is_string() && b.is_string()) {
       if (a.markup != b.markup) {
         // markupsafe escapes the plain operand before concatenating.
-        return Value::string(
-            (a.markup ? a.s : html_escape(a.s)) + (b.markup ? b.s : html_escape(b.s)), true);
+        std::string joined =
+            (a.markup ? a.s : html_escape(a.s)) + (b.markup ? b.s : html_escape(b.s));
+        check_string_size(joined.size(), "string concatenation");
+        return Value::string(std::move(joined), true);
       }
+      // Doubling a string in a loop would reach any size in a few dozen steps.
+      check_string_size(a.s.size() + b.s.size(), "string concatenation");
       return Value::string(a.s + b.s, a.markup);
     }
     if (both_int) {
@@ -1256,6 +1267,7 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     if (both_num) return Value::floating(a.as_double() + b.as_double());
     if (a.kind == Kind::kSequence && b.kind == Kind::kSequence && a.seq->kind == b.seq->kind &&
         (a.seq->kind == SeqKind::kList || a.seq->kind == SeqKind::kTuple)) {
+      check_list_size(a.seq->items.size() + b.seq->items.size(), "list concatenation");
       std::vector<Value> items = a.seq->items;
       items.insert(items.end(), b.seq->items.begin(), b.seq->items.end());
       return Value::list(std::move(items), a.seq->kind);
@@ -1293,19 +1305,24 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     }
     if (seq && seq->is_string()) {
       if (seq->markup) unsupported("repeating a Markup string");
-      if (count->i > 0 && seq->s.size() * static_cast<uint64_t>(count->i) > (1u << 26)) {
+      // Checked by division: the product wraps for huge counts, and an empty string repeated
+      // 2^62 times must not loop 2^62 times to make nothing.
+      if (count->i <= 0 || seq->s.empty()) return Value::string("");
+      if (static_cast<uint64_t>(count->i) > kMaxStringBytes / seq->s.size())
         unsupported("string repetition beyond 64 MiB");
-      }
       std::string out;
+      out.reserve(seq->s.size() * static_cast<size_t>(count->i));
       for (int64_t k = 0; k < count->i; ++k) out += seq->s;
-      return Value::string(out);
+      return Value::string(std::move(out));
     }
     if (seq && (seq->is_seq(SeqKind::kList) || seq->is_seq(SeqKind::kTuple))) {
+      const auto& items = seq->seq->items;
+      if (count->i <= 0 || items.empty()) return Value::list({}, seq->seq->kind);
+      if (static_cast<uint64_t>(count->i) > kMaxListItems / items.size())
+        unsupported("list repetition beyond 4M items");
       std::vector<Value> out;
-      for (int64_t k = 0; k < count->i; ++k) {
-        out.insert(out.end(), seq->seq->items.begin(), seq->seq->items.end());
-        if (out.size() > (1u << 22)) unsupported("list repetition beyond 4M items");
-      }
+      out.reserve(items.size() * static_cast<size_t>(count->i));
+      for (int64_t k = 0; k < count->i; ++k) out.insert(out.end(), items.begin(), items.end());
       return Value::list(std::move(out), seq->seq->kind);
     }
     if (seq)
@@ -1702,8 +1719,12 @@ Value json_filter(const std::string& name, const Value& input, CallArgs& args) {
   if (!indent.is_none()) {
     o.has_indent = true;
     if (indent.is_string()) {
+      if (indent.s.size() > static_cast<size_t>(kMaxIndentWidth))
+        unsupported("tojson indent beyond " + std::to_string(kMaxIndentWidth) + " characters");
       o.indent = indent.s;
     } else if (indent.is_int_like()) {
+      if (indent.i > kMaxIndentWidth)
+        unsupported("tojson indent beyond " + std::to_string(kMaxIndentWidth) + " characters");
       o.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, indent.i)), ' ');
     } else {
       type_error("indent must be an int or str");
@@ -2074,9 +2095,14 @@ Value indent_filter(const std::string& name, const Value& input, CallArgs& args)
   bool first = truthy(p.get_or(1, Value::boolean(false)));
   bool blank = truthy(p.get_or(2, Value::boolean(false)));
   std::string indention;
+  // indent(10**18) would ask for an exabyte of spaces.
   if (width.is_string()) {
+    if (width.s.size() > static_cast<size_t>(kMaxIndentWidth))
+      unsupported("indent width beyond " + std::to_string(kMaxIndentWidth) + " characters");
     indention = width.s;
   } else if (width.is_int_like()) {
+    if (width.i > kMaxIndentWidth)
+      unsupported("indent width beyond " + std::to_string(kMaxIndentWidth) + " characters");
     indention = std::string(static_cast<size_t>(std::max<int64_t>(0, width.i)), ' ');
   } else {
     type_error("can't multiply sequence by non-int of type '" + type_name(width) + "'");
@@ -2085,6 +2111,8 @@ Value indent_filter(const std::string& name, const Value& input, CallArgs& args)
   if (!input.is_string())
     type_error("unsupported operand type(s) for +=: '" + type_name(input) + "' and 'str'");
   auto lines = py_splitlines(to_u32(input.s + "\n"), false);
+  // Many short lines each gain the whole indentation.
+  check_string_size(input.s.size() + lines.size() * (indention.size() + 1), "indent result");
   std::string rv;
   if (blank) {
     for (size_t k = 0; k < lines.size(); ++k) {

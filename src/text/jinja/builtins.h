@@ -1,6 +1,8 @@
 #pragma once
 // Python/Jinja2 semantics of operators, attribute and item access (as the immutable sandbox
 // performs them), filters, tests, string/dict methods and the globals transformers provides.
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -12,6 +14,14 @@ namespace tandem::text::jinja {
 struct RaisedError {
   std::string message;
 };
+
+// What one value of a render may grow to: far beyond any real chat template (a long conversation
+// with tool schemas renders a few MB), low enough that a template multiplying or doubling strings
+// and lists meets an error instead of exhausting memory. The rendered text has the same cap.
+inline constexpr size_t kMaxStringBytes = size_t{1} << 26;  // 64 MiB
+inline constexpr size_t kMaxListItems = size_t{1} << 22;    // 4M items
+// indent and tojson's indent: no template indents by more than a few spaces.
+inline constexpr int64_t kMaxIndentWidth = 4096;
 
 bool is_supported_filter(std::string_view name);
 bool is_supported_test(std::string_view name);

@@ -1,6 +1,8 @@
 #include "text/jinja/interpreter.h"
 
 #include <memory>
+#include <new>
+#include <stdexcept>
 
 #include "text/jinja/builtins.h"
 #include "text/jinja/lexer.h"
@@ -47,6 +49,12 @@ enum class Flow { kNormal, kBreak, kContinue };
 // Python allows about 1000 nested calls; stop runaway macro recursion well before the C++ stack.
 constexpr int kMaxMacroDepth = 200;
 
+// Work and output of one render. A real chat template takes well under 10^6 steps for a long
+// conversation with tools; nested loops over range(100000) would otherwise run for hours, and a
+// loop printing a large string would try to build terabytes.
+constexpr int64_t kMaxSteps = 10'000'000;  // statements executed plus expressions evaluated
+constexpr size_t kMaxOutputBytes = kMaxStringBytes;  // the rendered text, and any captured block
+
 class Renderer {
  public:
   std::string render(const Body& body, const nlohmann::ordered_json& context) {
@@ -73,6 +81,7 @@ class Renderer {
 
   Flow exec(const Stmt& s, const FramePtr& frame, std::string& out) {
     try {
+      step();
       return exec_inner(s, frame, out);
     } catch (const RuntimeError& e) {
       throw Error(line_message(s.line, e.message));
@@ -83,13 +92,27 @@ class Renderer {
     }
   }
 
+  void step() {
+    if (++steps_ > kMaxSteps)
+      throw RuntimeError{"the template exceeded " + std::to_string(kMaxSteps) +
+                         " evaluation steps (a runaway loop?)"};
+  }
+
+  // Checked before appending, so an oversized output is never allocated.
+  static void emit(std::string& out, const std::string& text) {
+    if (text.size() > kMaxOutputBytes - out.size())
+      throw RuntimeError{"the template's output exceeded " + std::to_string(kMaxOutputBytes >> 20) +
+                         " MiB"};
+    out += text;
+  }
+
   Flow exec_inner(const Stmt& s, const FramePtr& frame, std::string& out) {
     switch (s.kind) {
       case StmtKind::kData:
-        out += s.text;
+        emit(out, s.text);
         return Flow::kNormal;
       case StmtKind::kOutput:
-        out += py_str(eval(*s.expr, frame));
+        emit(out, py_str(eval(*s.expr, frame)));
         return Flow::kNormal;
       case StmtKind::kIf:
         return exec_body(truthy(eval(*s.expr, frame)) ? s.body : s.else_body, frame, out);
@@ -107,7 +130,7 @@ class Renderer {
       case StmtKind::kFilterBlock: {
         std::string captured;
         exec_body(s.body, child_of(frame), captured);
-        out += py_str(apply_filters(s.filters, Value::string(captured), frame));
+        emit(out, py_str(apply_filters(s.filters, Value::string(captured), frame)));
         return Flow::kNormal;
       }
       case StmtKind::kMacro:
@@ -152,6 +175,7 @@ class Renderer {
       loop.loop->depth = outer->loop->depth;  // non-recursive loops all have depth 1
     }
     for (size_t k = 0; k < items.size(); ++k) {
+      step();  // an iteration with an empty body still costs work
       loop.loop->index0 = k;
       auto f = child_of(frame);
       assign(*s.target, items[k], f);
@@ -254,6 +278,7 @@ class Renderer {
 
   Value eval(const Expr& e, const FramePtr& frame) {
     try {
+      step();
       return eval_inner(e, frame);
     } catch (const RuntimeError& err) {
       throw Error(line_message(e.line, err.message));
@@ -346,8 +371,13 @@ class Renderer {
       }
       case ExprKind::kConcat: {
         std::string s;
-        for (const auto& c : e.children) s += py_str(eval(*c, frame));
-        return Value::string(s);
+        for (const auto& c : e.children) {
+          const std::string part = py_str(eval(*c, frame));
+          if (part.size() > kMaxStringBytes - s.size())
+            throw UnsupportedError{"unsupported string concatenation beyond 64 MiB"};
+          s += part;
+        }
+        return Value::string(std::move(s));
       }
       case ExprKind::kCond: {
         if (truthy(eval(*e.children[0], frame))) return eval(*e.children[1], frame);
@@ -383,6 +413,7 @@ class Renderer {
   }
 
   int depth_ = 0;
+  int64_t steps_ = 0;
   // Namespaces are the only values a template can change after creating them, so only an
   // assignment to one can close a reference cycle (`set ns.self = ns`, or through a list or
   // another namespace). Nothing of a render outlives it: their attributes are dropped at its
@@ -402,7 +433,16 @@ class Renderer {
 }  // namespace
 
 std::string render_template(const Body& body, const nlohmann::ordered_json& context) {
-  return Renderer().render(body, context);
+  // The limits above bound what a template builds; this is the backstop for anything they miss,
+  // so a hostile template fails its request instead of ending the process.
+  try {
+    return Renderer().render(body, context);
+  } catch (const std::bad_alloc&) {
+    throw Error("chat template: rendering ran out of memory");
+  } catch (const std::length_error& e) {
+    throw Error(std::string("chat template: rendering needs a value larger than possible (") +
+                e.what() + ")");
+  }
 }
 
 }  // namespace tandem::text::jinja

@@ -530,8 +530,13 @@ std::vector<Value> py_iterate(const Value& v) {
     case Kind::kUndefined:
       return {};
     case Kind::kString: {
+      const std::u32string chars = to_u32(v.s);
+      // One value per character costs ~100x the string; builtins cap lists at 4M items too.
+      if (chars.size() > (size_t{1} << 22))
+        throw UnsupportedError{"unsupported iterating over a string beyond 4M characters"};
       std::vector<Value> out;
-      for (char32_t c : to_u32(v.s)) out.push_back(Value::string(from_u32(std::u32string(1, c))));
+      out.reserve(chars.size());
+      for (char32_t c : chars) out.push_back(Value::string(from_u32(std::u32string(1, c))));
       return out;
     }
     case Kind::kSequence: {
