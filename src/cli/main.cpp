@@ -2,6 +2,8 @@
 #include <sys/resource.h>
 
 #include <cstdio>
+#include <exception>
+#include <new>
 
 #include <CLI/CLI.hpp>
 
@@ -51,6 +53,14 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const tandem::Error& e) {
     std::fprintf(stderr, "tandem: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    // Uncaught, these would end the process with "terminate called" and SIGABRT.
+    std::fprintf(stderr, "tandem: out of memory (std::bad_alloc)\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem: internal error (unexpected exception, please report it): %s\n",
+                 e.what());
     return 1;
   }
   return 0;
