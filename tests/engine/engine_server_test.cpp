@@ -151,6 +151,16 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
   EXPECT_EQ(r["stop"]["finish"], "stop");
 
+  // Every piece held back until the end: one logprob entry per token, streamed as whole.
+  ASSERT_TRUE(r.contains("held_logprobs")) << "the greedy text is too long for a stop string";
+  const json& held = r["held_logprobs"];
+  EXPECT_EQ(held["whole_text"], greedy(ids, 6));
+  EXPECT_EQ(held["text"], held["whole_text"]);
+  EXPECT_EQ(held["whole_tokens"], 6);
+  EXPECT_EQ(held["whole"], 6);
+  EXPECT_EQ(held["stream_tokens"], 6);
+  EXPECT_EQ(held["stream"], 6) << held.dump();
+
   ASSERT_TRUE(r.contains("logit_bias"));
   const int32_t forced = r["logit_bias"]["token"];
   const std::vector<int32_t> four(4, forced);

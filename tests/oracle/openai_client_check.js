@@ -89,6 +89,29 @@ async function main() {
     out.stop = { stop, text: st.choices[0].text, finish: st.choices[0].finish_reason };
   }
 
+  // Logprobs of tokens whose text is held back: a stop string that the whole answer so far
+  // begins (and that never matches) holds every piece back until the answer ends, so the stream
+  // has one chunk of text; it must still carry one logprob entry per token, as the whole answer.
+  const six = { ...greedy, prompt, max_tokens: 6 };
+  const sixText = (await client.completions.create(six)).choices[0].text;
+  if (Buffer.byteLength(sixText) < 250) {
+    const held = { ...six, logprobs: 1, stop: [sixText + '\u0007'] };
+    const hw = await client.completions.create(held);
+    const hs = await client.completions.create({ ...held, stream: true,
+                                                 stream_options: { include_usage: true } });
+    let htext = '', hentries = 0, husage = null;
+    for await (const chunk of hs) {
+      if (chunk.usage) husage = chunk.usage;
+      for (const ch of chunk.choices) {
+        htext += ch.text;
+        if (ch.logprobs) hentries += ch.logprobs.tokens.length;
+      }
+    }
+    out.held_logprobs = { whole_text: hw.choices[0].text, whole: hw.choices[0].logprobs.tokens.length,
+                          whole_tokens: hw.usage.completion_tokens, text: htext, stream: hentries,
+                          stream_tokens: husage.completion_tokens };
+  }
+
   // logit_bias: +100 on one token makes every greedy token that one.
   const forced = ids[ids.length - 1];
   const lb = await client.completions.create({ ...greedy, prompt, max_tokens: 4,
