@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "bench/html_plot.h"
+#include "bench/workload.h"
 #include "util/error.h"
 
 namespace tandem::bench {
@@ -490,8 +491,8 @@ std::vector<json> read_access_log(const std::filesystem::path& path) {
   if (!in) throw Error("access log " + path.string() + ": cannot open the file");
   std::vector<json> out;
   std::string line;
-  for (size_t number = 1; std::getline(in, line); ++number) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
+  const std::string what = "access log " + path.string();
+  for (int64_t number = 1; read_line(in, line, what, number); ++number) {
     const std::string where = "access log " + path.string() + ":" + std::to_string(number) + ": ";
     json entry;
     try {

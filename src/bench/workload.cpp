@@ -55,6 +55,28 @@ int64_t get_int(const json& object, const char* field, const std::string& where)
   return it->get<int64_t>();
 }
 
+// A number as the user wrote it, near enough: no trailing zeros, no fixed six decimals.
+std::string number(double v) {
+  std::ostringstream out;
+  out.precision(15);
+  out << v;
+  return out.str();
+}
+
+// A cell as an error message quotes it: a line may be 64 MiB.
+std::string excerpt(const std::string& cell) {
+  return "\"" + (cell.size() <= 40 ? cell : cell.substr(0, 40) + "...") + "\"";
+}
+
+// A record `offset_s` after the window's first, replayed at the window's time scale, must be
+// sent within kMaxArrivalSeconds: the clocks that schedule it count int64 nanoseconds.
+void check_arrival(const std::string& at, double offset_s, const TraceWindow& w) {
+  require(offset_s * w.time_scale <= kMaxArrivalSeconds,
+          at + ": this record would be sent " + number(offset_s * w.time_scale) +
+              " s after the window's first (time scale " + number(w.time_scale) +
+              "); expected at most " + number(kMaxArrivalSeconds) + " s");
+}
+
 void validate_window(const TraceWindow& w, const std::string& what) {
   require(w.start >= 0, what + ": window start must be >= 0, got " + std::to_string(w.start));
   require(w.limit >= 0, what + ": window limit must be >= 0, got " + std::to_string(w.limit));
@@ -72,16 +94,37 @@ int64_t days_from_civil(int64_t y, int64_t m, int64_t d) {
   return era * 146097 + doe - 719468;
 }
 
-// "YYYY-MM-DD HH:MM:SS[.fffffff]" -> whole seconds since the epoch and the fraction, kept apart
-// so that offsets keep sub-microsecond precision.
-bool parse_timestamp(const std::string& s, int64_t& seconds, double& fraction) {
-  int y, mo, d, h, mi, sec, consumed = 0;
-  if (std::sscanf(s.c_str(), "%4d-%2d-%2d %2d:%2d:%2d%n", &y, &mo, &d, &h, &mi, &sec, &consumed) !=
-          6 ||
-      consumed != 19) {
-    return false;
+bool is_leap(int64_t y) {
+  return (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+}
+
+int64_t days_in_month(int64_t y, int64_t m) {
+  static constexpr int kDays[] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+  return m == 2 && is_leap(y) ? 29 : kDays[m - 1];
+}
+
+// The value of the `width` decimal digits at s[pos] (no sign, no space), or -1.
+int64_t digits_at(const std::string& s, size_t pos, size_t width) {
+  if (pos + width > s.size()) return -1;
+  int64_t v = 0;
+  for (size_t i = pos; i < pos + width; ++i) {
+    if (s[i] < '0' || s[i] > '9') return -1;
+    v = v * 10 + (s[i] - '0');
   }
-  if (mo < 1 || mo > 12 || d < 1 || d > 31 || h > 23 || mi > 59 || sec > 60) return false;
+  return v;
+}
+
+// "YYYY-MM-DD HH:MM:SS[.fffffff]" -> whole seconds since the epoch and the fraction, kept apart
+// so that offsets keep sub-microsecond precision. Every field has exactly its digits (sscanf's
+// %2d would take "-9" or " 9") and the date must exist.
+bool parse_timestamp(const std::string& s, int64_t& seconds, double& fraction) {
+  if (s.size() < 19 || s[4] != '-' || s[7] != '-' || s[10] != ' ' || s[13] != ':' || s[16] != ':')
+    return false;
+  const int64_t y = digits_at(s, 0, 4), mo = digits_at(s, 5, 2), d = digits_at(s, 8, 2),
+                h = digits_at(s, 11, 2), mi = digits_at(s, 14, 2), sec = digits_at(s, 17, 2);
+  if (y < 0 || mo < 1 || mo > 12 || d < 1 || d > days_in_month(y, mo) || h < 0 || h > 23 ||
+      mi < 0 || mi > 59 || sec < 0 || sec > 60)  // 60: a leap second
+    return false;
   seconds = days_from_civil(y, mo, d) * 86400 + h * 3600 + mi * 60 + sec;
   fraction = 0;
   if (s.size() > 19) {
@@ -118,6 +161,28 @@ bool parse_int(const std::string& s, int64_t& value) {
 }
 
 }  // namespace
+
+bool read_line(std::istream& in, std::string& line, const std::string& what, int64_t line_no) {
+  line.clear();
+  std::streambuf* buf = in.rdbuf();
+  bool any = false;
+  for (;;) {
+    const int c = buf->sbumpc();
+    if (c == std::char_traits<char>::eof()) {
+      in.setstate(std::ios::eofbit);
+      break;
+    }
+    any = true;
+    if (c == '\n') break;
+    // std::getline would grow the string until memory runs out on a file without newlines.
+    if (line.size() >= kMaxLineBytes)
+      throw Error(what + ":" + std::to_string(line_no) + ": line longer than " +
+                  std::to_string(kMaxLineBytes >> 20) + " MiB (a file of records, one per line?)");
+    line.push_back(static_cast<char>(c));
+  }
+  if (!line.empty() && line.back() == '\r') line.pop_back();
+  return any;
+}
 
 // --- TokenVocab ----------------------------------------------------------------------------
 
@@ -162,10 +227,17 @@ std::string TokenVocab::render(std::span<const int32_t> ids) const {
 // --- random --------------------------------------------------------------------------------
 
 std::vector<BenchRequest> random_workload(const TokenVocab& vocab, const RandomOptions& o) {
-  require(o.num_requests >= 0, "random workload: num_requests must be >= 0");
+  require(o.num_requests >= 0 && o.num_requests <= kMaxRequests,
+          "random workload: num_requests must be in 0.." + std::to_string(kMaxRequests) + ", got " +
+              std::to_string(o.num_requests));
   require(o.range_ratio >= 0.0 && o.range_ratio < 1.0,
           "random workload: range_ratio must be in [0, 1), got " + std::to_string(o.range_ratio));
-  require(o.output_len >= 0, "random workload: output_len must be >= 0");
+  require(o.input_len >= 0 && o.input_len <= kMaxRequestTokens,
+          "random workload: input_len must be in 1.." + std::to_string(kMaxRequestTokens) +
+              ", got " + std::to_string(o.input_len));
+  require(o.output_len >= 0 && o.output_len <= kMaxRequestTokens,
+          "random workload: output_len must be in 0.." + std::to_string(kMaxRequestTokens) +
+              ", got " + std::to_string(o.output_len));
   require(o.num_special_tokens >= 0, "random workload: num_special_tokens must be >= 0");
   const double input =
       static_cast<double>(std::max<int64_t>(0, o.input_len - o.num_special_tokens));
@@ -179,6 +251,10 @@ std::vector<BenchRequest> random_workload(const TokenVocab& vocab, const RandomO
   require(in_low >= 1, "random workload: input_len " + std::to_string(o.input_len) +
                            " leaves prompts of " + std::to_string(in_low) +
                            " tokens; expected at least 1");
+  require(in_high <= kMaxRequestTokens && out_high <= kMaxRequestTokens,
+          "random workload: with range_ratio " + std::to_string(o.range_ratio) +
+              " a request may have " + std::to_string(std::max(in_high, out_high)) +
+              " tokens; expected at most " + std::to_string(kMaxRequestTokens));
 
   Rng rng(o.seed);
   std::vector<BenchRequest> out;
@@ -199,9 +275,17 @@ std::vector<BenchRequest> random_workload(const TokenVocab& vocab, const RandomO
 std::vector<BenchRequest> prefix_repetition_workload(const TokenVocab& vocab,
                                                      const PrefixRepetitionOptions& o) {
   require(o.num_prefixes >= 1, "prefix_repetition workload: num_prefixes must be >= 1");
-  require(o.prefix_len >= 0 && o.suffix_len >= 0 && o.prefix_len + o.suffix_len >= 1,
-          "prefix_repetition workload: prefix_len and suffix_len must be >= 0, with a sum >= 1");
-  require(o.output_len >= 1, "prefix_repetition workload: output_len must be >= 1");
+  require(
+      o.num_requests <= kMaxRequests,
+      "prefix_repetition workload: num_requests must be at most " + std::to_string(kMaxRequests));
+  require(o.prefix_len >= 0 && o.suffix_len >= 0 && o.prefix_len <= kMaxRequestTokens &&
+              o.suffix_len <= kMaxRequestTokens && o.prefix_len + o.suffix_len >= 1 &&
+              o.prefix_len + o.suffix_len <= kMaxRequestTokens,
+          "prefix_repetition workload: prefix_len and suffix_len must be >= 0, with a sum in 1.." +
+              std::to_string(kMaxRequestTokens));
+  require(
+      o.output_len >= 1 && o.output_len <= kMaxRequestTokens,
+      "prefix_repetition workload: output_len must be in 1.." + std::to_string(kMaxRequestTokens));
   const int64_t per_prefix = o.num_requests / o.num_prefixes;
   require(per_prefix >= 1, "prefix_repetition workload: num_requests (" +
                                std::to_string(o.num_requests) + ") must be >= num_prefixes (" +
@@ -227,7 +311,10 @@ std::vector<BenchRequest> prefix_repetition_workload(const TokenVocab& vocab,
 std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
                                             const ShareGptOptions& o) {
   const std::string where = "sharegpt dataset " + o.path.string();
-  require(o.num_requests >= 0, where + ": num_requests must be >= 0");
+  require(o.num_requests >= 0 && o.num_requests <= kMaxRequests,
+          where + ": num_requests must be in 0.." + std::to_string(kMaxRequests));
+  require(!o.output_len || (*o.output_len >= 0 && *o.output_len <= kMaxRequestTokens),
+          where + ": output_len must be in 0.." + std::to_string(kMaxRequestTokens));
   json data;
   try {
     data = json::parse(read_file(o.path));
@@ -287,7 +374,8 @@ std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
 std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& path,
                                                 const TraceWindow& window, int64_t block_size) {
   const std::string what = "mooncake trace " + path.string();
-  require(block_size >= 1, what + ": block size must be >= 1");
+  require(block_size >= 1 && block_size <= kMaxRequestTokens,
+          what + ": block size must be in 1.." + std::to_string(kMaxRequestTokens));
   validate_window(window, what);
   std::ifstream in(path, std::ios::binary);
   require(in.good(), what + ": cannot open the file");
@@ -296,13 +384,12 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
   std::string line;
   int64_t record = 0;
   int64_t line_no = 0;
-  while (std::getline(in, line)) {
-    ++line_no;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
+  int64_t previous_line = 0;
+  while (read_line(in, line, what, ++line_no)) {
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
     const int64_t index = record++;
     if (index < window.start) continue;
-    if (window.limit > 0 && index >= window.start + window.limit) break;
+    if (window.limit > 0 && index - window.start >= window.limit) break;
     const std::string at = what + ":" + std::to_string(line_no);
     json j;
     try {
@@ -315,10 +402,25 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
     const auto ts = j.find("timestamp");
     require(ts != j.end() && ts->is_number(), at + ": field \"timestamp\" must be a number (ms)");
     r.timestamp_ms = ts->get<double>();
+    require(std::isfinite(r.timestamp_ms), at + ": timestamp must be a finite number (ms)");
+    if (!out.empty()) {
+      const MooncakeRecord& prev = out.back();
+      // Requests are sent in file order: one earlier than the record before it could only be
+      // sent late, so a file out of order is refused rather than replayed with other gaps.
+      require(r.timestamp_ms >= prev.timestamp_ms,
+              at + ": timestamp " + number(r.timestamp_ms) + " ms is before line " +
+                  std::to_string(previous_line) + "'s " + number(prev.timestamp_ms) +
+                  " ms; a trace must be in time order (sort it by timestamp)");
+      check_arrival(at, (r.timestamp_ms - out.front().timestamp_ms) / 1000.0, window);
+    }
     r.input_length = get_int(j, "input_length", at);
     r.output_length = get_int(j, "output_length", at);
-    require(r.input_length >= 1, at + ": input_length must be >= 1");
-    require(r.output_length >= 0, at + ": output_length must be >= 0");
+    require(r.input_length >= 1 && r.input_length <= kMaxRequestTokens,
+            at + ": input_length must be in 1.." + std::to_string(kMaxRequestTokens) + ", got " +
+                std::to_string(r.input_length));
+    require(r.output_length >= 0 && r.output_length <= kMaxRequestTokens,
+            at + ": output_length must be in 0.." + std::to_string(kMaxRequestTokens) + ", got " +
+                std::to_string(r.output_length));
     const auto h = j.find("hash_ids");
     require(h != j.end() && h->is_array(), at + ": field \"hash_ids\" must be a list");
     for (const json& id : *h) {
@@ -331,6 +433,7 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
                 std::to_string(r.input_length) + "; expected ceil(input_length / " +
                 std::to_string(block_size) + ") = " + std::to_string(blocks));
     out.push_back(std::move(r));
+    previous_line = line_no;
   }
   return out;
 }
@@ -416,8 +519,7 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   std::ifstream in(path, std::ios::binary);
   require(in.good(), what + ": cannot open the file");
   std::string line;
-  require(static_cast<bool>(std::getline(in, line)), what + ": empty file (expected a header)");
-  if (!line.empty() && line.back() == '\r') line.pop_back();
+  require(read_line(in, line, what, 1), what + ": empty file (expected a header)");
   const auto header = split_csv_line(line);
   int col_ts = -1, col_ctx = -1, col_gen = -1;
   for (size_t i = 0; i < header.size(); ++i) {
@@ -433,11 +535,13 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   bool have_first = false;
   int64_t first_s = 0;
   double first_frac = 0;
+  int64_t previous_s = 0;  // the row before, for the order check
+  double previous_frac = 0;
+  int64_t previous_line = 0;
+  std::string previous_text;
   int64_t record = 0;
   int64_t line_no = 1;
-  while (std::getline(in, line)) {
-    ++line_no;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
+  while (read_line(in, line, what, ++line_no)) {
     if (line.empty()) continue;
     const std::string at = what + ":" + std::to_string(line_no);
     const auto cells = split_csv_line(line);
@@ -446,22 +550,38 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
     int64_t s = 0;
     double frac = 0;
     require(parse_timestamp(cells[col_ts], s, frac),
-            at + ": TIMESTAMP \"" + cells[col_ts] +
-                "\" is not of the form YYYY-MM-DD HH:MM:SS[.fraction]");
+            at + ": TIMESTAMP " + excerpt(cells[col_ts]) +
+                " is not a date and time of the form YYYY-MM-DD HH:MM:SS[.fraction]");
     if (!have_first) {
       have_first = true;
       first_s = s;
       first_frac = frac;
+    } else {
+      // Requests are sent in file order: a row earlier than the one before it could only be
+      // sent late, so a file out of order is refused rather than replayed with other gaps.
+      require(s > previous_s || (s == previous_s && frac >= previous_frac),
+              at + ": TIMESTAMP " + excerpt(cells[col_ts]) + " is before line " +
+                  std::to_string(previous_line) + "'s " + excerpt(previous_text) +
+                  "; a trace must be in time order (sort it by TIMESTAMP)");
     }
+    previous_s = s;
+    previous_frac = frac;
+    previous_line = line_no;
+    previous_text = cells[col_ts];
     const int64_t index = record++;
     if (index < window.start) continue;
-    if (window.limit > 0 && index >= window.start + window.limit) break;
+    if (window.limit > 0 && index - window.start >= window.limit) break;
     AzureRecord r;
     r.offset_s = static_cast<double>(s - first_s) + (frac - first_frac);
-    require(parse_int(cells[col_ctx], r.context_tokens) && r.context_tokens >= 0,
-            at + ": ContextTokens must be an integer >= 0");
-    require(parse_int(cells[col_gen], r.generated_tokens) && r.generated_tokens >= 0,
-            at + ": GeneratedTokens must be an integer >= 0");
+    if (!out.empty()) check_arrival(at, r.offset_s - out.front().offset_s, window);
+    require(parse_int(cells[col_ctx], r.context_tokens) && r.context_tokens >= 0 &&
+                r.context_tokens <= kMaxRequestTokens,
+            at + ": ContextTokens must be an integer in 0.." + std::to_string(kMaxRequestTokens) +
+                ", got " + excerpt(cells[col_ctx]));
+    require(parse_int(cells[col_gen], r.generated_tokens) && r.generated_tokens >= 0 &&
+                r.generated_tokens <= kMaxRequestTokens,
+            at + ": GeneratedTokens must be an integer in 0.." + std::to_string(kMaxRequestTokens) +
+                ", got " + excerpt(cells[col_gen]));
     out.push_back(r);
   }
   return out;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <istream>
 #include <optional>
 #include <span>
 #include <string>
@@ -19,6 +20,22 @@
 #include "text/tokenizer.h"
 
 namespace tandem::bench {
+
+// Bounds on what a workload may ask for, so that a typo or a corrupt trace row is an error that
+// names it, not an allocation failure or a clock overflow far from it.
+// Tokens of one request's prompt or output (the largest context of any served model is ~1M).
+constexpr int64_t kMaxRequestTokens = 10'000'000;
+// Requests of a synthetic workload (--num-prompts).
+constexpr int64_t kMaxRequests = 10'000'000;
+// A send time, seconds from the start (~31 years); the clocks count int64 nanoseconds (~292).
+constexpr double kMaxArrivalSeconds = 1e9;
+// One line of a trace or an access log: far above any real record.
+constexpr size_t kMaxLineBytes = size_t{64} << 20;
+
+// One line of `in` without its '\n' (and '\r'). False at the end of the input; throws
+// tandem::Error naming `what` and the line number `line_no` (1-based) when the line is longer
+// than kMaxLineBytes or the read fails.
+bool read_line(std::istream& in, std::string& line, const std::string& what, int64_t line_no);
 
 struct BenchRequest {
   double arrival_s = 0;  // send time relative to the start of the run

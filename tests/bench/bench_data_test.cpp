@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -399,6 +400,83 @@ TEST_F(BenchData, MooncakeErrorsNameTheLine) {
   std::filesystem::remove(path);
 }
 
+// The message of the Error `read` throws (a test failure when it throws none).
+template <typename F>
+std::string error_of(F read) {
+  try {
+    read();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return {};
+}
+
+std::filesystem::path write_trace(const std::string& stem, const std::string& content) {
+  const auto path = test::scratch_path(stem);
+  std::ofstream(path, std::ios::binary) << content;
+  return path;
+}
+
+std::string mooncake_line(const std::string& timestamp, int64_t output_length = 4) {
+  return R"({"timestamp": )" + timestamp + R"(, "input_length": 100, "output_length": )" +
+         std::to_string(output_length) + R"(, "hash_ids": [7]})" + "\n";
+}
+
+TEST(MooncakeTrace, ARecordEarlierThanTheOneBeforeItIsRefusedNamingTheLine) {
+  // Sent in file order, it could only go late: a trace out of order is not replayed.
+  const auto path =
+      write_trace("mooncake-unsorted", mooncake_line("0") + mooncake_line("1000") +
+                                           mooncake_line("-3000") + mooncake_line("3000"));
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(path, {}); }),
+              HasSubstr(path.string() + ":3: timestamp -3000 ms is before line 2's 1000 ms"));
+  // Equal timestamps (the published traces round them to 3 s) are in order.
+  const auto equal = write_trace("mooncake-equal", mooncake_line("5") + mooncake_line("5"));
+  EXPECT_EQ(read_mooncake_trace(equal, {}).size(), 2u);
+}
+
+TEST(MooncakeTrace, ATimeNoClockCanCountIsRefusedNamingTheLine) {
+  // 1e13 ms is 317 years after the first record: its nanoseconds overflow int64, which sent it
+  // at time 0.
+  const auto far = write_trace("mooncake-far", mooncake_line("0") + mooncake_line("1e13"));
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(far, {}); }),
+              HasSubstr(far.string() + ":2: this record would be sent 10000000000 s after"));
+  const auto huge = write_trace("mooncake-huge", mooncake_line("0") + mooncake_line("1e400"));
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(huge, {}); }), HasSubstr(huge.string() + ":2:"));
+  // The time scale counts: an hour replayed a million times slower is out of range too.
+  const auto hour = write_trace("mooncake-hour", mooncake_line("0") + mooncake_line("3600000"));
+  EXPECT_EQ(read_mooncake_trace(hour, {}).size(), 2u);
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(hour, {.time_scale = 1e6}); }),
+              HasSubstr(hour.string() + ":2: this record would be sent 3600000000 s after"));
+}
+
+TEST(MooncakeTrace, ALengthNoRequestCanHaveIsRefusedNamingTheLineAndField) {
+  const auto path =
+      write_trace("mooncake-long", mooncake_line("0") + mooncake_line("1", 1000000000000000));
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(path, {}); }),
+              HasSubstr(path.string() + ":2: output_length must be in 0..10000000"));
+}
+
+TEST(MooncakeTrace, AWindowToTheLargestLimitEndsAtTheEndOfTheFile) {
+  const auto all = read_mooncake_trace(mooncake_path(), {});
+  const auto rest = read_mooncake_trace(mooncake_path(),
+                                        {.start = 1, .limit = std::numeric_limits<int64_t>::max()});
+  ASSERT_EQ(rest.size(), all.size() - 1);
+  EXPECT_EQ(rest[0].hash_ids, all[1].hash_ids);
+}
+
+TEST(MooncakeTrace, ALineLongerThanTheCapIsRefusedNamingTheLine) {
+  // A file without newlines would otherwise be read into memory whole, as one line.
+  std::string content = mooncake_line("0");
+  content += std::string(kMaxLineBytes + 1, ' ');
+  const auto path = write_trace("mooncake-line", content);
+  content.clear();
+  content.shrink_to_fit();
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(path, {}); }),
+              HasSubstr(path.string() + ":2: line longer than 64 MiB"));
+  std::filesystem::remove(path);
+}
+
 // --- Azure ---------------------------------------------------------------------------------
 
 TEST_F(BenchData, AzureTraceHead) {
@@ -445,6 +523,73 @@ TEST_F(BenchData, AzureErrorsNameTheField) {
   }
   EXPECT_THROW(read_azure_trace(path, {}), Error);
   std::filesystem::remove(path);
+}
+
+std::string azure_file(const std::vector<std::string>& rows) {
+  std::string out = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+  for (const auto& r : rows) out += r + "\n";
+  return out;
+}
+
+TEST(AzureTrace, TimestampsMustBeDatesAndTimesThatExist) {
+  auto error_for = [](const std::string& stamp) {
+    const auto path = write_trace("azure-stamp", azure_file({stamp + ",10,2"}));
+    return error_of([&] { read_azure_trace(path, {}); });
+  };
+  for (const char* bad :
+       {"2023-11-16 18:-9:-9", "2023-11-16 18:17:-1", "2023-02-31 18:17:05", "2023-02-29 00:00:00",
+        "2023-04-31 00:00:00", "2023-11-16 18: 7:05", "2023-11-16 24:00:00", "2023-11-16 18:17:05.",
+        "2023-11-16T18:17:05", "+023-11-16 18:17:05"})
+    EXPECT_THAT(error_for(bad), HasSubstr(":2: TIMESTAMP \"" + std::string(bad) + "\" is not"))
+        << bad;
+  const auto leap = write_trace(
+      "azure-leap", azure_file({"2024-02-29 23:59:59.5,10,2", "2024-03-01 00:00:00.25,10,2"}));
+  const auto records = read_azure_trace(leap, {});
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_DOUBLE_EQ(records[1].offset_s, 0.75);
+}
+
+TEST(AzureTrace, ARowEarlierThanTheOneBeforeItIsRefusedNamingTheLine) {
+  const auto path = write_trace(
+      "azure-unsorted", azure_file({"2023-11-16 18:17:03.5,10,2", "2023-11-16 18:17:03.25,10,2"}));
+  EXPECT_THAT(
+      error_of([&] { read_azure_trace(path, {}); }),
+      HasSubstr(path.string() + ":3: TIMESTAMP \"2023-11-16 18:17:03.25\" is before line 2's "
+                                "\"2023-11-16 18:17:03.5\""));
+}
+
+TEST(AzureTrace, ALengthNoRequestCanHaveIsRefusedNamingTheLineAndField) {
+  const auto path = write_trace("azure-long", azure_file({"2023-11-16 18:17:03,100,10",
+                                                          "2023-11-16 18:17:04,1000000000000,10"}));
+  EXPECT_THAT(
+      error_of([&] { read_azure_trace(path, {}); }),
+      HasSubstr(path.string() +
+                ":3: ContextTokens must be an integer in 0..10000000, got \"1000000000000\""));
+}
+
+TEST(AzureTrace, AWindowToTheLargestLimitEndsAtTheEndOfTheFile) {
+  const auto rest =
+      read_azure_trace(azure_path(), {.start = 1, .limit = std::numeric_limits<int64_t>::max()});
+  EXPECT_EQ(rest.size(), 199u);
+}
+
+TEST_F(BenchData, SyntheticCountsAndLengthsAreBoundedBeforeAnythingIsAllocated) {
+  RandomOptions r;
+  r.num_requests = int64_t{1} << 62;
+  EXPECT_THAT(error_of([&] { random_workload(*vocab_, r); }),
+              HasSubstr("num_requests must be in 0..10000000"));
+  r.num_requests = 1;
+  r.input_len = std::numeric_limits<int64_t>::max();
+  EXPECT_THAT(error_of([&] { random_workload(*vocab_, r); }),
+              HasSubstr("input_len must be in 1..10000000"));
+  r.input_len = 9'000'000;
+  r.range_ratio = 0.5;  // up to 13.5M tokens
+  EXPECT_THAT(error_of([&] { random_workload(*vocab_, r); }),
+              HasSubstr("a request may have 13500000 tokens"));
+  PrefixRepetitionOptions p;
+  p.prefix_len = std::numeric_limits<int64_t>::max();
+  EXPECT_THAT(error_of([&] { prefix_repetition_workload(*vocab_, p); }),
+              HasSubstr("with a sum in 1..10000000"));
 }
 
 // --- arrivals ------------------------------------------------------------------------------
