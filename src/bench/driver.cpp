@@ -55,6 +55,19 @@ std::string request_body(const BenchRequest& request, const DriverOptions& optio
 }
 
 DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOptions& options) {
+  // Checked before the first send: a time the clock cannot count would overflow the cast below
+  // (and be sent at once), and one earlier than the request before it would be sent late.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const double at = requests[i].arrival_s;
+    if (!(at >= 0 && at <= kMaxArrivalSeconds))
+      throw Error("request " + std::to_string(i) + ": arrival time " + std::to_string(at) +
+                  " s is not a time from the start (0.." +
+                  std::to_string(int64_t(kMaxArrivalSeconds)) + " s)");
+    if (i > 0 && at < requests[i - 1].arrival_s)
+      throw Error("request " + std::to_string(i) + ": arrival time " + std::to_string(at) +
+                  " s is before the " + std::to_string(requests[i - 1].arrival_s) +
+                  " s of the request before it; requests are sent in order");
+  }
   DriverRun run;
   run.results.resize(requests.size());
   net::AsyncHttpClient client;

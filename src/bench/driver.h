@@ -45,7 +45,9 @@ std::string request_body(const BenchRequest& request, const DriverOptions& optio
 
 // Sends every request at its arrival_s after the start (later when max_concurrency holds it
 // back) and waits for all answers. Failed requests are results with success false and the
-// error (HTTP status and body, or the transport error).
+// error (HTTP status and body, or the transport error). Throws tandem::Error, before sending
+// anything, when an arrival time is not in 0..kMaxArrivalSeconds or is before the one of the
+// request before it (requests are sent in workload order).
 DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOptions& options);
 
 // Prefix-cache counters of a server's /metrics (vLLM's names: vllm:prefix_cache_queries and

@@ -2,11 +2,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/workload.h"
 #include "util/json.h"
+#include "util/utf8.h"
 
 namespace tandem::bench {
 
 using nlohmann::json;
+
+// Enough of an error body to say what went wrong; a result file holds one per failed request.
+constexpr size_t kErrorBodyBytes = 4096;
 
 StreamMeasurement::StreamMeasurement(double sent_s, int64_t prompt_tokens) : sent_s_(sent_s) {
   result_.prompt_tokens = prompt_tokens;
@@ -18,7 +23,8 @@ void StreamMeasurement::head(int status) {
 
 void StreamMeasurement::body(std::string_view piece, double now_s) {
   if (status_ != 200) {
-    if (error_body_.size() < 4096) error_body_ += piece;
+    if (error_body_.size() < kErrorBodyBytes)
+      error_body_ += piece.substr(0, kErrorBodyBytes - error_body_.size());
     return;
   }
   for (const auto& data : parser_.feed(piece)) on_event(data, now_s);
@@ -50,8 +56,19 @@ void StreamMeasurement::on_event(const std::string& data, double now_s) {
     ++chunks_;
   }
   if (auto u = j.find("usage"); u != j.end() && u->is_object())
-    if (auto t = u->find("completion_tokens"); t != u->end() && t->is_number_integer())
-      usage_tokens_ = t->get<int64_t>();
+    if (auto t = u->find("completion_tokens"); t != u->end() && t->is_number_integer()) {
+      // A count no request can have would make the run's token totals (and throughputs)
+      // negative or absurd: the request fails instead, with the server's claim as its error.
+      const int64_t n = t->is_number_unsigned() && t->get<uint64_t>() > uint64_t(INT64_MAX)
+                            ? -1
+                            : t->get<int64_t>();
+      if (n < 0 || n > kMaxRequestTokens)
+        result_.error = "usage.completion_tokens " + t->dump() +
+                        " is not a token count (expected 0.." + std::to_string(kMaxRequestTokens) +
+                        ")";
+      else
+        usage_tokens_ = n;
+    }
 }
 
 RequestResult StreamMeasurement::done(const std::string& transport_error, double now_s,
@@ -64,6 +81,9 @@ RequestResult StreamMeasurement::done(const std::string& transport_error, double
   } else if (res.error.empty() && !first_chunk_) {
     res.error = "the stream ended without any token";
   }
+  // The error goes into the result JSON, whose writer refuses bytes that are not UTF-8: a
+  // server's error body (or anything a transport error quotes) may hold any bytes.
+  res.error = utf8::to_valid_lossy(res.error);
   res.success = res.error.empty();
   res.start_s = sent_s_ - origin_s;
   res.latency_s = (first_chunk_ ? last_chunk_s_ : now_s) - sent_s_;

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -21,12 +22,14 @@
 #include "bench/arrivals.h"
 #include "bench/driver.h"
 #include "bench/metrics.h"
+#include "bench/stream_measure.h"
 #include "bench/workload.h"
 #include "net/http_server.h"
 #include "net/sse.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
 #include "util/child_process.h"
+#include "util/error.h"
 
 namespace tandem::bench {
 namespace {
@@ -40,7 +43,9 @@ constexpr double kTtft = 0.060, kItl = 0.025;
 // usage chunk and [DONE]. Every `fail_every`-th request (1-based) gets HTTP 500 instead.
 class TimedServer {
  public:
-  explicit TimedServer(int fail_every = 0) : fail_every_(fail_every) {
+  // `fail_body`: what the failures answer instead of an OpenAI error, as it is (text/plain).
+  explicit TimedServer(int fail_every = 0, std::string fail_body = {})
+      : fail_every_(fail_every), fail_body_(std::move(fail_body)) {
     net::HttpServerOptions o;
     o.host = "127.0.0.1";
     o.threads = 2;
@@ -74,7 +79,10 @@ class TimedServer {
       n = static_cast<int>(bodies_.size());
     }
     if (fail_every_ > 0 && n % fail_every_ == 0) {
-      ex->send_error(500, "fake failure", "server_error");
+      if (fail_body_.empty())
+        ex->send_error(500, "fake failure", "server_error");
+      else
+        ex->respond(500, fail_body_, "text/plain");
       return;
     }
     const int64_t tokens = body.value("max_tokens", body.value("max_completion_tokens", 1));
@@ -102,6 +110,7 @@ class TimedServer {
   }
 
   int fail_every_;
+  std::string fail_body_;
   std::unique_ptr<net::HttpServer> server_;
   std::mutex mutex_;
   std::vector<json> bodies_;
@@ -203,6 +212,66 @@ TEST(BenchDriver, FailedRequestsAreCountedNotHidden) {
     EXPECT_FALSE(r.success);
     EXPECT_FALSE(r.error.empty());
   }
+}
+
+TEST(StreamMeasurement, AnErrorBodyThatIsNotUtf8IsKeptAsUtf8) {
+  StreamMeasurement m(0, 5);
+  m.head(500);
+  m.body("bad \xff\xfe <b>", 0.5);
+  const RequestResult r = m.done("", 0.5, 0);
+  EXPECT_FALSE(r.success);
+  EXPECT_EQ(r.error, "HTTP 500: bad \xef\xbf\xbd\xef\xbf\xbd <b>");  // U+FFFD each
+  // So the result JSON, which refuses bytes that are not UTF-8, can hold it.
+  const std::vector<RequestResult> results = {r};
+  EXPECT_NO_THROW(to_json(summarize(results, 1), results).dump());
+  // A transport error is kept as UTF-8 too.
+  StreamMeasurement t(0, 5);
+  EXPECT_EQ(t.done("reset by \xc3", 1, 0).error, "reset by \xef\xbf\xbd");
+}
+
+TEST(StreamMeasurement, AnErrorBodyIsKeptToItsFirstFourKilobytes) {
+  StreamMeasurement m(0, 5);
+  m.head(503);
+  m.body(std::string(3000, 'a'), 0.1);
+  m.body(std::string(1 << 20, 'b'), 0.2);
+  EXPECT_EQ(m.done("", 0.2, 0).error.size(), std::string("HTTP 503: ").size() + 4096);
+}
+
+TEST(StreamMeasurement, AUsageCountNoRequestCanHaveFailsTheRequest) {
+  // A negative or absurd count would make the run's token totals and throughputs so.
+  for (const char* count : {"-5", "18446744073709551615", "10000000001"}) {
+    StreamMeasurement m(0, 5);
+    m.head(200);
+    m.body(net::sse_event(R"({"choices": [{"index": 0, "text": " x"}]})"), 0.1);
+    m.body(net::sse_event(std::string(R"({"choices": [], "usage": {"completion_tokens": )") +
+                          count + "}}"),
+           0.2);
+    const RequestResult r = m.done("", 0.2, 0);
+    EXPECT_FALSE(r.success) << count;
+    EXPECT_NE(r.error.find(std::string("usage.completion_tokens ") + count), std::string::npos)
+        << r.error;
+    const std::vector<RequestResult> results = {r};
+    EXPECT_EQ(summarize(results, 1).total_output_tokens, 0) << count;
+  }
+  StreamMeasurement ok(0, 5);
+  ok.head(200);
+  ok.body(net::sse_event(R"({"choices": [{"index": 0, "text": " x"}]})"), 0.1);
+  ok.body(net::sse_event(R"({"choices": [], "usage": {"completion_tokens": 7}})"), 0.2);
+  EXPECT_EQ(ok.done("", 0.2, 0).output_tokens, 7);
+}
+
+TEST(BenchDriver, ArrivalTimesOutOfRangeOrOrderAreRefusedBeforeAnythingIsSent) {
+  TimedServer server;
+  DriverOptions o;
+  o.port = server.port();
+  for (const std::vector<double>& times :
+       {std::vector<double>{0, 1e10}, std::vector<double>{0, INFINITY}, std::vector<double>{0, NAN},
+        std::vector<double>{-1, 0}, std::vector<double>{0, 2, 1}}) {
+    auto reqs = uniform_requests(static_cast<int>(times.size()), 5, 1);
+    apply_arrivals(reqs, times);
+    EXPECT_THROW(run_workload(reqs, o), Error) << times.back();
+  }
+  EXPECT_TRUE(server.bodies().empty());
 }
 
 TEST(BenchDriver, RequestsAreSentAtTheirArrivalTimes) {
@@ -325,6 +394,26 @@ TEST(BenchDriver, TheCommandWritesVllmResultKeys) {
   const std::string page((std::istreambuf_iterator<char>(h)), std::istreambuf_iterator<char>());
   std::filesystem::remove(html);
   EXPECT_NE(page.find("<svg"), std::string::npos);
+}
+
+TEST(BenchDriver, AServerErrorThatIsNotUtf8IsWrittenToTheResultFile) {
+  TimedServer server(/*fail_every=*/1, "bad \xff\xfe <script>");
+  const auto file = test::scratch_path("bench-utf8-result", ".json");
+  std::ofstream(file) << "{\"an earlier run\": 1}\n";
+  ChildProcess p(
+      TANDEM_BINARY,
+      {"tandem", "bench", "--base-url", "http://127.0.0.1:" + std::to_string(server.port()),
+       "--num-prompts", "2", "--random-input-len", "30", "--random-output-len", "3",
+       "--result-file", file.string(), "--no-progress", "--tokenizer",
+       test::lenml_model("deepseek_v3").string()});
+  std::string out;
+  for (std::string l = p.read_line(); !l.empty(); l = p.read_line()) out += l;
+  EXPECT_EQ(p.stop(), 0) << out;
+  std::ifstream in(file);
+  const json r = json::parse(in);
+  EXPECT_EQ(r["failed"], 2);
+  ASSERT_EQ(r["errors"].size(), 2u);
+  EXPECT_EQ(r["errors"][0], "HTTP 500: bad \xef\xbf\xbd\xef\xbf\xbd <script>");
 }
 
 }  // namespace
