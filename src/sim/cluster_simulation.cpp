@@ -105,19 +105,10 @@ SimulationRun simulate(const std::vector<bench::BenchRequest>& requests,
   return simulate(bench::lazy(requests), options, std::move(tokenizer));
 }
 
-SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOptions& options,
-                       std::shared_ptr<const text::Tokenizer> tokenizer) {
-  if (options.decode < 1) throw Error("the simulated cluster needs at least one decode engine");
-  if (options.prefill < 0) throw Error("--prefill: expected 0 or more engines");
-  const bool pd = options.gateway.mode != gateway::PdMode::kAggregated;
-  if (pd && options.prefill < 1)
-    throw Error(std::string("the ") + gateway::mode_name(options.gateway.mode) +
-                " mode needs at least one prefill engine (--prefill)");
-  if (!pd && options.prefill > 0)
-    throw Error(
-        "the aggregated mode has no prefill engines (--prefill 0, or --mode sequential "
-        "or parallel)");
+namespace {
 
+// The gateway's topology with the made-up engines.
+gateway::Topology simulated_topology(const SimulationOptions& options) {
   gateway::Topology topo = options.gateway;
   topo.decode.dialect = topo.prefill.dialect = gateway::Dialect::kTandem;
   topo.decode.endpoints.clear();
@@ -135,7 +126,60 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     e.port = kEnginePort;
     topo.decode.endpoints.push_back(e);
   }
+  return topo;
+}
+
+}  // namespace
+
+void check_options(const SimulationOptions& options) {
+  if (options.decode < 1) throw Error("the simulated cluster needs at least one decode engine");
+  if (options.prefill < 0) throw Error("--prefill: expected 0 or more engines");
+  if (options.prefill > kMaxEngines || options.decode > kMaxEngines)
+    throw Error("the simulated cluster has at most " + std::to_string(kMaxEngines) +
+                " prefill and as many decode engines, got " + std::to_string(options.prefill) +
+                " and " + std::to_string(options.decode));
+  const bool pd = options.gateway.mode != gateway::PdMode::kAggregated;
+  if (pd && options.prefill < 1)
+    throw Error(std::string("the ") + gateway::mode_name(options.gateway.mode) +
+                " mode needs at least one prefill engine (--prefill)");
+  if (!pd && options.prefill > 0)
+    throw Error(
+        "the aggregated mode has no prefill engines (--prefill 0, or --mode sequential "
+        "or parallel)");
+  gateway::Topology topo = simulated_topology(options);
   gateway::validate(topo);
+  gateway::make_policy(topo.policy, gateway::policy_options(topo));  // an unknown name
+  for (const auto& f : options.faults) {
+    const auto named = [&](const std::vector<gateway::Endpoint>& pool) {
+      return std::any_of(pool.begin(), pool.end(),
+                         [&](const gateway::Endpoint& e) { return e.name == f.engine; });
+    };
+    if (!named(topo.prefill.endpoints) && !named(topo.decode.endpoints))
+      throw Error("fault: no engine named '" + f.engine + "' among " +
+                  std::to_string(options.prefill) + " prefill and " +
+                  std::to_string(options.decode) + " decode engines (prefill-0.., decode-0..)");
+    if (!(f.at_s >= 0 && f.at_s <= bench::kMaxArrivalSeconds))
+      throw Error("fault: " + f.engine + "'s fault starts at " + std::to_string(f.at_s) +
+                  " s; expected 0.." + std::to_string(int64_t(bench::kMaxArrivalSeconds)) + " s");
+    if (!(f.duration_s >= 0 && f.duration_s <= bench::kMaxArrivalSeconds))
+      throw Error("fault: " + f.engine + "'s fault lasts " + std::to_string(f.duration_s) +
+                  " s; expected 0.." + std::to_string(int64_t(bench::kMaxArrivalSeconds)) + " s");
+    if (f.kind == SimulationOptions::Fault::Kind::kSlowLink &&
+        !(f.factor >= 1 && f.factor <= kMaxSlowdown))
+      throw Error("fault: " + f.engine + "'s links can only slow down, by a factor in 1.." +
+                  std::to_string(int64_t(kMaxSlowdown)));
+  }
+  if (!(options.kv_transfer_timeout_s > 0 &&
+        options.kv_transfer_timeout_s <= bench::kMaxArrivalSeconds))
+    throw Error("--kv-transfer-timeout: expected seconds > 0 and at most " +
+                std::to_string(int64_t(bench::kMaxArrivalSeconds)));
+}
+
+SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOptions& options,
+                       std::shared_ptr<const text::Tokenizer> tokenizer) {
+  check_options(options);
+  const bool pd = options.gateway.mode != gateway::PdMode::kAggregated;
+  gateway::Topology topo = simulated_topology(options);
 
   // The gateway's random ids (request ids, bootstrap rooms) are made on this thread.
   seed_random_ids(options.executor.seed);
@@ -213,11 +257,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   for (const auto& f : options.faults) {
     auto it = std::find_if(engines.begin(), engines.end(),
                            [&](const auto& e) { return e->name() == f.engine; });
-    if (it == engines.end())
-      throw Error("fault: no engine named '" + f.engine + "' (prefill-0.., decode-0..)");
-    if (!(f.at_s >= 0)) throw Error("fault: " + f.engine + "'s fault starts at a negative time");
-    if (!(f.duration_s >= 0)) throw Error("fault: " + f.engine + "'s fault lasts a negative time");
-    SimulatedEngine* engine = it->get();
+    SimulatedEngine* engine = it->get();  // there is one: check_options
     switch (f.kind) {
       case SimulationOptions::Fault::Kind::kDeath:
         clock.at(time_of(f.at_s), [&, engine] {
@@ -232,8 +272,6 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
         });
         break;
       case SimulationOptions::Fault::Kind::kSlowLink:
-        if (!(f.factor >= 1))
-          throw Error("fault: " + f.engine + "'s links can only slow down (a factor >= 1)");
         clock.at(time_of(f.at_s),
                  [&, engine, factor = f.factor] { network.slow(engine->name(), factor); });
         clock.at(time_of(f.at_s + f.duration_s), [&, engine] { network.slow(engine->name(), 1); });
@@ -251,9 +289,10 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   BodyLine client_line(options.body_bytes_per_s);  // the clients' sending thread
   for (size_t i = 0; i < n; ++i) {
     const double at = workload.arrival_s[i];
-    if (!(at >= 0))
+    if (!(at >= 0 && at <= bench::kMaxArrivalSeconds))
       throw Error("request " + std::to_string(i) + ": arrival time " + std::to_string(at) +
-                  " s is not a time from the start");
+                  " s is not a time from the start (0.." +
+                  std::to_string(int64_t(bench::kMaxArrivalSeconds)) + " s)");
     clock.at(origin + duration_of(at), [&, i] {
       const bench::BenchRequest request = workload.make(i);
       net::HttpRequest req;

@@ -107,6 +107,16 @@ struct SimulationRun {
   double virtual_end_s = 0;  // when the simulation stopped, from the first send
 };
 
+// Engines of each pool at most (each is a whole engine in memory).
+inline constexpr int kMaxEngines = 10000;
+// The most a slow-link fault may slow an engine's links (a transfer's time must stay countable).
+inline constexpr double kMaxSlowdown = 1e6;
+
+// Throws tandem::Error for what simulate() would refuse before running anything: engine counts
+// the mode cannot serve, an invalid topology or unknown policy, a fault on an engine the counts
+// do not make, a fault time or slowdown out of range. A sweep checks every point with it first.
+void check_options(const SimulationOptions& options);
+
 // Runs the workload (arrival_s from the start), making each request as it is sent. `tokenizer`
 // is the engines' and the gateway's (options.gateway.model names its folder when the gateway
 // tokenizes). Throws tandem::Error for a topology that cannot serve (no engines, an unknown

@@ -1,5 +1,6 @@
 #include "sim/sweep.h"
 
+#include <cstdint>
 #include <set>
 #include <sstream>
 
@@ -47,8 +48,9 @@ std::vector<int> counts(const std::string& values, const std::string& spec) {
     const int to = count_of(rest, spec);
     if (to < from) throw Error("--sweep " + spec + ": the range descends");
     if (step == 0 && from < 1) throw Error("--sweep " + spec + ": a doubling range starts at 1");
-    for (int v = from; v <= to && out.size() <= kMaxPoints; v = step ? v + step : v * 2)
-      out.push_back(v);
+    // int64_t: near INT_MAX, v + step or v * 2 would overflow an int (and loop forever).
+    for (int64_t v = from; v <= to && out.size() <= kMaxPoints; v = step ? v + step : v * 2)
+      out.push_back(static_cast<int>(v));
   }
   if (out.empty()) throw Error("--sweep " + spec + ": no values");
   return out;

@@ -4,15 +4,28 @@
 // at a rate (the clients' sending thread, an engine's HTTP thread).
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 #include "gateway/seams.h"
+#include "util/error.h"
 
 namespace tandem::sim {
 
 using VirtualClock = gateway::Executor::Clock;
 
+// The clock counts int64 nanoseconds (~292 years); a time past this bound (or not a number)
+// would overflow the cast to something arbitrary, e.g. a fault meant for 1e10 s firing at 0.
+// Inputs are bounded well below it (bench::kMaxArrivalSeconds), so sums of them fit too.
+inline constexpr double kMaxVirtualSeconds = 4e9;
+
+// Throws tandem::Error for a NaN or a magnitude above kMaxVirtualSeconds.
 inline VirtualClock::duration duration_of(double seconds) {
+  if (!(std::abs(seconds) <= kMaxVirtualSeconds))
+    throw Error("virtual time: " + std::to_string(seconds) + " s is not a time the simulator " +
+                "can count (at most " + std::to_string(int64_t(kMaxVirtualSeconds)) + " s)");
   return std::chrono::duration_cast<VirtualClock::duration>(std::chrono::duration<double>(seconds));
 }
 // The time point `seconds` after the clock's epoch, and back.

@@ -4,8 +4,10 @@
 #include "sim/cluster_simulation.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -16,6 +18,7 @@
 #include "bench/driver.h"
 #include "bench/workload.h"
 #include "sim/simulated_engine.h"
+#include "sim/virtual_time.h"
 #include "sim/virtual_upstream.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -24,6 +27,9 @@ namespace tandem::sim {
 namespace {
 
 using Fault = SimulationOptions::Fault;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
 
 std::shared_ptr<const text::Tokenizer> tokenizer() {
   static auto tok = std::make_shared<const text::Tokenizer>(
@@ -619,6 +625,46 @@ TEST(ClusterSimulation, BadInputIsACleanError) {
   }
   faulty.faults = {{Fault::Kind::kStall, "decode-0", 1.0, -1.0}};
   EXPECT_THROW(simulate({request(0, words(10, 1), 2)}, faulty, tokenizer()), Error);
+  // Times no clock can count: their nanoseconds overflowed int64 and the fault came at 0.
+  for (const double at : {1e10, kInf, kNan}) {
+    faulty.faults = {{Fault::Kind::kDeath, "decode-0", at}};
+    EXPECT_THROW(simulate({request(0, words(10, 1), 2)}, faulty, tokenizer()), Error) << at;
+  }
+  faulty.faults = {{Fault::Kind::kStall, "decode-0", 1.0, 1e300}};
+  EXPECT_THROW(simulate({request(0, words(10, 1), 2)}, faulty, tokenizer()), Error);
+  EXPECT_THROW(
+      simulate({request(1e10, words(10, 1), 2)}, options(1, "deepseek-v3-h800"), tokenizer()),
+      Error);
+}
+
+TEST(ClusterSimulation, CheckOptionsRefusesWhatARunWouldBeforeAnyRuns) {
+  // What a sweep checks for every point before the first: the counts the mode can serve and
+  // the engines the faults name.
+  auto o = options(2, "deepseek-v3-h800");
+  o.faults = {{Fault::Kind::kDeath, "decode-1", 1.0}};
+  EXPECT_NO_THROW(check_options(o));
+  o.decode = 1;
+  try {
+    check_options(o);
+    ADD_FAILURE() << "a fault on decode-1 of one decode engine was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no engine named 'decode-1' among 0 prefill and 1 decode"),
+              std::string::npos)
+        << e.what();
+  }
+  o.faults.clear();
+  o.gateway.mode = gateway::PdMode::kSequential;
+  EXPECT_THROW(check_options(o), Error);  // no prefill engine
+  o.prefill = 1;
+  EXPECT_NO_THROW(check_options(o));
+  o.decode = kMaxEngines + 1;
+  EXPECT_THROW(check_options(o), Error);
+}
+
+TEST(VirtualTime, ATimeTheClockCannotCountIsAnErrorNotAnOverflow) {
+  EXPECT_EQ(duration_of(1.5), std::chrono::milliseconds(1500));
+  EXPECT_EQ(duration_of(-2), std::chrono::seconds(-2));
+  for (const double s : {1e10, -1e10, kInf, kNan}) EXPECT_THROW(duration_of(s), Error) << s;
 }
 
 }  // namespace

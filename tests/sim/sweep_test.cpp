@@ -34,6 +34,15 @@ TEST(Sweep, RangesDoubleOrStep) {
             (std::vector<std::string>{"1/4/p", "1/8/p", "1/12/p"}));
 }
 
+TEST(Sweep, RangesEndingNearTheLargestCountStopThere) {
+  // Doubling or stepping past INT_MAX overflowed an int (undefined; in practice it wrapped
+  // negative and the range went on until the point limit).
+  EXPECT_EQ(describe(sweep_points({"decode=1073741824..2147483647"}, {1, 0, "p"})),
+            (std::vector<std::string>{"1/1073741824/p"}));
+  EXPECT_EQ(describe(sweep_points({"decode=2147483640..2147483647/4"}, {1, 0, "p"})),
+            (std::vector<std::string>{"1/2147483640/p", "1/2147483644/p"}));
+}
+
 TEST(Sweep, BadSpecsNameTheSpec) {
   for (const std::string bad :
        {"prefill", "prefill=", "nodes=1,2", "prefill=x", "prefill=-1", "prefill=8..2",
