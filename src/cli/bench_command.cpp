@@ -56,6 +56,9 @@ void run(const BenchCliOptions& o) {
       o.prompt_format == "ids" ? bench::PromptFormat::kTokenIds : bench::PromptFormat::kText;
   d.ignore_eos = !o.no_ignore_eos;
   if (o.max_concurrency > 0) d.max_concurrency = o.max_concurrency;
+  if (!(o.timeout > 0 && o.timeout <= bench::kMaxArrivalSeconds))
+    throw Error("--timeout: expected seconds > 0 and at most " +
+                std::to_string(int64_t(bench::kMaxArrivalSeconds)));
   d.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
   d.api_key = o.api_key;
 

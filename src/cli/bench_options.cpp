@@ -2,12 +2,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "bench/arrivals.h"
 #include "cli/model_commands.h"
 #include "util/error.h"
+#include "util/file.h"
 
 namespace tandem::cli {
 
@@ -72,18 +74,48 @@ void check_trace_spread(const WorkloadCliOptions& o) {
         "one of the two");
 }
 
+void check_range(const char* flag, int64_t value, int64_t low, int64_t high) {
+  if (value < low || value > high)
+    throw Error(std::string(flag) + ": expected " + std::to_string(low) + ".." +
+                std::to_string(high) + ", got " + std::to_string(value));
+}
+
+// Every count and length the flags give, bounded before anything is made (vector::reserve of a
+// typo would otherwise end the run as an allocation failure that names nothing).
+void check_workload_flags(const WorkloadCliOptions& o) {
+  check_range("--num-prompts", o.num_prompts, 0, bench::kMaxRequests);
+  check_range("--random-input-len", o.random_input_len, 0, bench::kMaxRequestTokens);
+  check_range("--random-output-len", o.random_output_len, 0, bench::kMaxRequestTokens);
+  check_range("--prefix-repetition-prefix-len", o.prefix_len, 0, bench::kMaxRequestTokens);
+  check_range("--prefix-repetition-suffix-len", o.suffix_len, 0, bench::kMaxRequestTokens);
+  check_range("--prefix-repetition-num-prefixes", o.num_prefixes, 1, bench::kMaxRequests);
+  check_range("--prefix-repetition-output-len", o.prefix_output_len, 1, bench::kMaxRequestTokens);
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  check_range("--trace-start", o.trace_start, 0, max);
+  check_range("--trace-limit", o.trace_limit, 0, max);
+  if (!(std::isfinite(o.time_scale) && o.time_scale >= 0))
+    throw Error("--time-scale: expected a finite number >= 0");
+}
+
 // The rate-driven arrivals the flags ask for (--request-rate, --burstiness, --seed).
-bench::ArrivalOptions arrival_options(const WorkloadCliOptions& o) {
+std::vector<double> rate_arrivals(size_t n, const WorkloadCliOptions& o) {
   bench::ArrivalOptions a;
   a.request_rate = o.request_rate;
   a.burstiness = o.burstiness;
   a.seed = o.seed;
-  return a;
+  std::vector<double> t = bench::rate_arrivals(n, a);
+  // A rate near 0 puts the sends past what the drivers' clocks can count.
+  if (!t.empty() && !(t.back() <= bench::kMaxArrivalSeconds))
+    throw Error("--request-rate " + std::to_string(o.request_rate) + ": the last of " +
+                std::to_string(n) + " requests would be sent after " + std::to_string(t.back()) +
+                " s; expected at most " + std::to_string(bench::kMaxArrivalSeconds) + " s");
+  return t;
 }
 
 }  // namespace
 
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
+  check_workload_flags(o);
   check_trace_spread(o);
   if (o.dataset != "mooncake" || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
   // A Mooncake trace is its records (a few hash ids each) until a request is sent.
@@ -96,7 +128,7 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
       bench::read_mooncake_trace(m.path, m.window, m.block_size));
   bench::LazyWorkload w;
   w.arrival_s = std::isfinite(o.request_rate)
-                    ? bench::rate_arrivals(records->size(), arrival_options(o))
+                    ? rate_arrivals(records->size(), o)
                     : bench::mooncake_arrivals(*records, o.time_scale, m.spread, m.seed);
   auto vocab = std::make_shared<const bench::TokenVocab>(bench::TokenVocab::build(tok));
   w.make = [records, vocab, m, arrivals = w.arrival_s](size_t i) {
@@ -111,6 +143,7 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
 
 std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
                                                 const text::Tokenizer& tok) {
+  check_workload_flags(o);
   const auto vocab = bench::TokenVocab::build(tok);
   if ((o.trace() || o.dataset == "sharegpt") && o.dataset_path.empty())
     throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
@@ -165,7 +198,7 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
   }
   // Traces keep their own timestamps unless a rate is given; the others follow the rate.
   if (!o.trace() || std::isfinite(o.request_rate))
-    bench::apply_arrivals(reqs, bench::rate_arrivals(reqs.size(), arrival_options(o)));
+    bench::apply_arrivals(reqs, rate_arrivals(reqs.size(), o));
   return reqs;
 }
 
@@ -216,6 +249,31 @@ bench::MetricsOptions metrics_options(const MetricsCliOptions& o) {
   return m;
 }
 
+void write_output(const std::string& flag, const std::string& path, std::string_view bytes) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+    // A pipe or a device (/dev/stdout): nothing to replace, so written in place.
+    std::ofstream f(path, std::ios::binary);
+    f.write(bytes.data(), std::streamsize(bytes.size()));
+    f.flush();
+    if (!f) throw Error(flag + ": cannot write " + path);
+    return;
+  }
+  // A file is replaced whole: a failed write leaves the one before, never an emptied one.
+  try {
+    write_file_atomically(path, bytes);
+  } catch (const Error& e) {
+    throw Error(flag + ": " + e.what());
+  }
+}
+
+std::string result_json_text(const json& result) {
+  // Strings that came from outside (a server's errors, a flag's value) may hold bytes that are
+  // not UTF-8, which dump() would throw on after the run: they are written as U+FFFD instead.
+  return result.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
 void write_run(const bench::BenchSummary& summary, std::span<const bench::RequestResult> results,
                const RunDescription& run, const RunOutputs& outputs, const char* program) {
   std::string table = bench::summary_table(summary, run.report.table);
@@ -228,19 +286,19 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
     table += line;
   }
   for (const auto& [key, value] : run.extra.items()) out[key] = value;
+  // Everything is made before anything is written: a failure then costs no file.
+  const std::string html =
+      outputs.html.empty() ? "" : bench::html_report(summary, results, run.report);
+  const std::string result = outputs.result_file.empty() ? "" : result_json_text(out);
   std::fputs(table.c_str(), stdout);
   std::fflush(stdout);
-  if (!outputs.html.empty()) {
-    std::ofstream f(outputs.html);
-    if (!f) throw Error("--html: cannot write " + outputs.html);
-    f << bench::html_report(summary, results, run.report);
-    std::fprintf(stderr, "%s: report in %s\n", program, outputs.html.c_str());
-  }
   if (!outputs.result_file.empty()) {
-    std::ofstream f(outputs.result_file);
-    if (!f) throw Error("--result-file: cannot write " + outputs.result_file);
-    f << out.dump(2) << "\n";
+    write_output("--result-file", outputs.result_file, result);
     std::fprintf(stderr, "%s: results in %s\n", program, outputs.result_file.c_str());
+  }
+  if (!outputs.html.empty()) {
+    write_output("--html", outputs.html, html);
+    std::fprintf(stderr, "%s: report in %s\n", program, outputs.html.c_str());
   }
 }
 

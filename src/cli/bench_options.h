@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -62,6 +63,12 @@ struct RunDescription {
 };
 void write_run(const bench::BenchSummary& summary, std::span<const bench::RequestResult> results,
                const RunDescription& run, const RunOutputs& outputs, const char* program);
+
+// Writes an output file (`flag` names it in errors): a regular file is replaced whole, so a
+// failure leaves the one before; a pipe or device is written in place.
+void write_output(const std::string& flag, const std::string& path, std::string_view bytes);
+// A result JSON as the files hold it; bytes that are not UTF-8 become U+FFFD.
+std::string result_json_text(const nlohmann::json& result);
 
 std::vector<std::string> split(const std::string& s, char sep);
 

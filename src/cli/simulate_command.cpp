@@ -12,6 +12,7 @@
 
 #include "bench/metrics.h"
 #include "bench/sweep_report.h"
+#include "bench/workload.h"
 #include "cli/bench_options.h"
 #include "cli/sim_executor_flags.h"
 #include "gateway/policy.h"
@@ -84,21 +85,54 @@ Fault parse_fault(const std::string& flag, const std::string& spec) {
       f.duration_s =
           number_or_negative(spec.substr(plus + 1, (form.factor ? colon : spec.size()) - plus - 1));
     if (form.factor) f.factor = number_or_negative(spec.substr(colon + 1));
-    ok = f.at_s >= 0 && f.duration_s >= 0 && (!form.factor || f.factor >= 1);
+    // inf and 1e10 parse as numbers, but no clock counts that far: they would fire at 0.
+    const double most = bench::kMaxArrivalSeconds;
+    ok = f.at_s >= 0 && f.at_s <= most && f.duration_s >= 0 && f.duration_s <= most &&
+         (!form.factor || (f.factor >= 1 && f.factor <= sim::kMaxSlowdown));
   }
   if (!ok)
-    throw Error(flag + ": expected " + form.form + (form.factor ? ", FACTOR >= 1" : "") +
+    throw Error(flag + ": expected " + form.form + " with SECONDS" +
+                (form.duration ? " and DURATION" : "") + " in 0.." +
+                std::to_string(int64_t(bench::kMaxArrivalSeconds)) +
+                (form.factor ? ", FACTOR in 1.." + std::to_string(int64_t(sim::kMaxSlowdown))
+                             : std::string()) +
                 ", got '" + spec + "'");
   return f;
+}
+
+sim::SimulationOptions options_at(const sim::SimulationOptions& base, const sim::SweepPoint& p) {
+  sim::SimulationOptions so = base;
+  so.prefill = p.prefill;
+  so.decode = p.decode;
+  so.gateway.policy = p.policy;
+  return so;
+}
+
+std::string point_name(const sim::SweepPoint& p) {
+  return "--sweep point prefill=" + std::to_string(p.prefill) +
+         " decode=" + std::to_string(p.decode) + " policy=" + p.policy;
+}
+
+// The sweep's points, every one checked before the first runs (a policy, a mode's engine counts,
+// a fault's engine): a point that cannot run must not be found hours into the sweep.
+std::vector<sim::SweepPoint> checked_sweep_points(const SimulateCliOptions& o,
+                                                  const sim::SimulationOptions& base) {
+  const auto points = sim::sweep_points(o.sweep, {base.prefill, base.decode, base.gateway.policy});
+  for (const auto& p : points) {
+    try {
+      sim::check_options(options_at(base, p));
+    } catch (const Error& e) {
+      throw Error(point_name(p) + ": " + e.what());
+    }
+  }
+  return points;
 }
 
 // One simulation per grid point over the same workload: a row each (goodput, TTFT and TPOT
 // percentiles, prefix hit rate), and the points in the result JSON.
 void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
-               const bench::LazyWorkload& reqs, std::shared_ptr<const text::Tokenizer> tok,
-               bench::MetricsOptions mo) {
-  const auto points = sim::sweep_points(o.sweep, {base.prefill, base.decode, base.gateway.policy});
-  for (const auto& p : points) gateway::make_policy(p.policy);  // an unknown name, before any run
+               const std::vector<sim::SweepPoint>& points, const bench::LazyWorkload& reqs,
+               std::shared_ptr<const text::Tokenizer> tok, bench::MetricsOptions mo) {
   // The percentiles the rows show, besides those asked for.
   for (double q : {50.0, 90.0, 99.0})
     if (std::find(mo.percentiles.begin(), mo.percentiles.end(), q) == mo.percentiles.end())
@@ -115,12 +149,16 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
               "TPOT p99", "hit %");
   json rows = json::array();
   std::vector<bench::SweepRow> report_rows;
+  // A point that fails as it runs ends the sweep, but the points before it are still written.
+  std::string failure;
   for (const auto& p : points) {
-    sim::SimulationOptions so = base;
-    so.prefill = p.prefill;
-    so.decode = p.decode;
-    so.gateway.policy = p.policy;
-    const sim::SimulationRun r = sim::simulate(reqs, so, tok);
+    sim::SimulationRun r;
+    try {
+      r = sim::simulate(reqs, options_at(base, p), tok);
+    } catch (const Error& e) {
+      failure = point_name(p) + ": " + e.what();
+      break;
+    }
     const bench::BenchSummary s = bench::summarize(r.results, r.duration_s, mo);
     const double hit = r.prefix_queries > 0 ? r.prefix_hits / r.prefix_queries : 0;
     const double ratio = p.decode > 0 ? double(p.prefill) / double(p.decode) : 0;
@@ -140,10 +178,11 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
                            s.request_throughput, pct(s.ttft, 50), pct(s.ttft, 90), pct(s.ttft, 99),
                            pct(s.tpot, 50), pct(s.tpot, 99), hit});
   }
+  std::string html, result;
   if (!o.outputs.html.empty()) {
     std::string sweeps;
     for (const auto& sw : o.sweep) sweeps += (sweeps.empty() ? "" : " ") + sw;
-    const std::string html = bench::sweep_report(
+    html = bench::sweep_report(
         report_rows,
         "tandem simulate --sweep: " + o.workload.dataset + ", " +
             gateway::mode_name(base.gateway.mode),
@@ -159,20 +198,26 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
             for (const auto& x : o.metrics.goodput) g += (g.empty() ? "" : " ") + x;
             return g;
           }()}});
-    std::ofstream f(o.outputs.html);
-    if (!f) throw Error("--html: cannot write " + o.outputs.html);
-    f << html;
-    std::fprintf(stderr, "tandem simulate: report in %s\n", o.outputs.html.c_str());
   }
   if (!o.outputs.result_file.empty()) {
-    std::ofstream f(o.outputs.result_file);
-    if (!f) throw Error("--result-file: cannot write " + o.outputs.result_file);
-    f << json{{"backend", "tandem-simulate"}, {"dataset_name", o.workload.dataset},
+    json j = {{"backend", "tandem-simulate"}, {"dataset_name", o.workload.dataset},
               {"num_prompts", reqs.size()},   {"mode", gateway::mode_name(base.gateway.mode)},
-              {"model_id", o.model},          {"sweep", rows}}
-             .dump(2)
-      << "\n";
+              {"model_id", o.model},          {"sweep", rows}};
+    if (!failure.empty()) j["sweep_error"] = failure;
+    result = result_json_text(j);
+  }
+  if (!o.outputs.result_file.empty()) {
+    write_output("--result-file", o.outputs.result_file, result);
     std::fprintf(stderr, "tandem simulate: results in %s\n", o.outputs.result_file.c_str());
+  }
+  if (!o.outputs.html.empty()) {
+    write_output("--html", o.outputs.html, html);
+    std::fprintf(stderr, "tandem simulate: report in %s\n", o.outputs.html.c_str());
+  }
+  if (!failure.empty()) {
+    const bool written = !o.outputs.result_file.empty() || !o.outputs.html.empty();
+    throw Error(failure + " (the " + std::to_string(rows.size()) + " points before it are " +
+                (written ? "written" : "in the table above") + ")");
   }
 }
 
@@ -197,7 +242,8 @@ void run(const SimulateCliOptions& o) {
   so.executor.block_size = o.block_size;
   so.scheduler.max_num_seqs = o.max_num_seqs;
   so.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  if (!(o.kv_link_gb_per_s > 0) || !(o.kv_link_latency_us >= 0))
+  if (!(o.kv_link_gb_per_s > 0) || !(o.kv_link_latency_us >= 0) ||
+      !std::isfinite(o.kv_link_latency_us))
     throw Error("--kv-link-gb-per-s must be positive and --kv-link-latency-us not negative");
   if (!(o.kv_transfer_timeout > 0)) throw Error("--kv-transfer-timeout must be positive");
   so.kv_transfer_timeout_s = o.kv_transfer_timeout;
@@ -206,6 +252,12 @@ void run(const SimulateCliOptions& o) {
   for (const auto& [flag, specs] : {std::pair{"--kill", &o.kill}, std::pair{"--stall", &o.stall},
                                     std::pair{"--slow-link", &o.slow_link}})
     for (const std::string& spec : *specs) so.faults.push_back(parse_fault(flag, spec));
+  // Before the workload is read (a whole trace, maybe): a run that cannot start says so first.
+  std::vector<sim::SweepPoint> points;
+  if (o.sweep.empty())
+    sim::check_options(so);
+  else
+    points = checked_sweep_points(o, so);
   const std::string tokenizer_dir = workload_tokenizer_dir(o.workload);
   so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
 
@@ -215,7 +267,7 @@ void run(const SimulateCliOptions& o) {
   if (reqs.size() == 0) throw Error("the workload has no requests");
   const WorkloadCliOptions& w = o.workload;
   if (!o.sweep.empty()) {
-    run_sweep(o, so, reqs, tok, mo);
+    run_sweep(o, so, points, reqs, tok, mo);
     return;
   }
   std::fprintf(stderr,

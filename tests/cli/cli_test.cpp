@@ -273,12 +273,60 @@ TEST(Cli, SimulateRefusesWhatItCannotRunNamingTheFlag) {
   for (const char* bad :
        {"--kill decode-0", "--kill @3", "--stall decode-0@3", "--stall decode-0@3+x",
         "--slow-link decode-0@3+5", "--slow-link decode-0@3+5:0.5", "--sim-mtp-acceptance 0.9,2",
-        "--sim-placement p.json"}) {
+        "--sim-placement p.json",
+        // Numbers, but no clock counts that far: the fault fired at 0 instead.
+        "--kill decode-0@1e10", "--kill decode-0@inf", "--stall decode-0@3+1e300",
+        "--slow-link decode-0@3+5:inf"}) {
     r = run(std::string("simulate --num-prompts 2 ") + bad);
     EXPECT_EQ(r.status, 1) << bad;
     const std::string flag(bad, std::string_view(bad).find(' '));
     EXPECT_THAT(r.output, HasSubstr(flag)) << bad;
   }
+}
+
+TEST(Cli, ASweepChecksEveryPointBeforeTheFirstRuns) {
+  // decode-1 exists at the first point only: the sweep must not run it and then fail.
+  const auto result = test::scratch_path("sweep_checked", ".json");
+  auto r =
+      run("simulate --num-prompts 2 --random-input-len 50 --random-output-len 2 "
+          "--sweep decode=2,1 --kill decode-1@1 --result-file " +
+          test::quote(result));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--sweep point prefill=0 decode=1 policy=tandem: fault: no "
+                                  "engine named 'decode-1'"));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("TTFT p50")));  // no row: nothing ran
+  EXPECT_FALSE(std::filesystem::exists(result));
+  r = run("simulate --num-prompts 2 --sweep prefill=0,1 --mode sequential");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--sweep point prefill=0 decode=1"));
+  EXPECT_THAT(r.output, HasSubstr("needs at least one prefill engine"));
+}
+
+TEST(Cli, CountsAndLengthsBeyondTheirBoundsAreRefusedNamingTheFlag) {
+  // Each went to vector::reserve and ended as an allocation failure that named nothing.
+  for (const char* bad :
+       {"--num-prompts 4611686018427387904", "--random-input-len 9223372036854775807",
+        "--random-output-len -1", "--prefix-repetition-prefix-len 100000000", "--trace-limit -1"}) {
+    for (const char* command : {"simulate", "bench --no-progress"}) {
+      const auto r = run(std::string(command) + " " + bad);
+      EXPECT_EQ(r.status, 1) << command << " " << bad << ": " << r.output;
+      const std::string flag(bad, std::string_view(bad).find(' '));
+      EXPECT_THAT(r.output, HasSubstr(flag + ": expected ")) << command << " " << bad;
+    }
+  }
+  const auto r = run("bench --no-progress --num-prompts 2 --request-rate 1e-300");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--request-rate"));
+}
+
+TEST(Cli, SimulateNamesTheTraceLineOfARecordOutOfTimeOrder) {
+  const std::string record = R"(, "input_length": 100, "output_length": 4, "hash_ids": [0]})";
+  const auto trace =
+      write_temp("unsorted.jsonl", R"({"timestamp": 0)" + record + "\n" + R"({"timestamp": 1000)" +
+                                       record + "\n" + R"({"timestamp": -3000)" + record + "\n");
+  const auto r = run("simulate --dataset-name mooncake --dataset-path " + trace);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr(trace + ":3: timestamp -3000 ms is before line 2's 1000 ms"));
 }
 
 TEST(Cli, SimulateReportsFaultsAndMtp) {
