@@ -29,7 +29,15 @@ std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
         files.push_back(entry.path());
     std::sort(files.begin(), files.end());
     if (files.empty()) throw Error(path.string() + ": no .npy load snapshots in this folder");
-    for (const auto& f : files) out.push_back(loads_from_npy(read_npy(f), f.string()));
+    for (const auto& f : files) {
+      out.push_back(loads_from_npy(read_npy(f), f.string()));
+      // Every user of the snapshots compares or sums them layer by layer, expert by expert.
+      if (out.back().layers != out[0].layers || out.back().experts != out[0].experts)
+        throw Error(f.string() + ": a load snapshot of " + std::to_string(out.back().layers) +
+                    " layers x " + std::to_string(out.back().experts) + " experts, but " +
+                    files[0].string() + " has " + std::to_string(out[0].layers) + " x " +
+                    std::to_string(out[0].experts));
+    }
     return out;
   }
   if (!is_npy(path)) {
@@ -58,7 +66,7 @@ ExpertLoads read_loads(const fs::path& path) {
   // Several snapshots: plan for their sum.
   ExpertLoads sum = all[0];
   for (size_t i = 1; i < all.size(); ++i) {
-    if (all[i].layers != sum.layers || all[i].experts != sum.experts)
+    if (all[i].layers != sum.layers || all[i].experts != sum.experts)  // read_load_snapshots
       throw Error(path.string() + ": snapshot " + std::to_string(i) + " has another shape");
     for (size_t k = 0; k < sum.values.size(); ++k) sum.values[k] += all[i].values[k];
   }

@@ -2,15 +2,19 @@
 // Omni planner on random loads, incremental rebalancing, the file formats.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <random>
 
 #include "placement/eplb.h"
+#include "placement/files.h"
 #include "placement/placement_format.h"
 #include "placement/planner.h"
 #include "placement/routing_skew.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/npy.h"
 
 namespace tandem::placement {
 namespace {
@@ -276,6 +280,27 @@ TEST(Format, ReadsTheOmniDeepSeekV3Pattern) {
   }
   EXPECT_EQ(redundant_layers, (std::vector<int64_t>{0, 1, 2, 4, 8, 12, 24, 45, 47, 55}));
   EXPECT_NO_THROW(validate(p));
+}
+
+TEST(Format, LoadSnapshotsOfAnotherShapeAreRefusedNamingTheFile) {
+  // `place simulate` compares each snapshot with the one before, expert by expert.
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tandem-snapshots-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  write_npy(dir / "expert_load_0001.npy", {2, 4}, std::vector<int64_t>(8, 1));
+  write_npy(dir / "expert_load_0002.npy", {2, 4}, std::vector<int64_t>(8, 2));
+  EXPECT_EQ(read_load_snapshots(dir).size(), 2u);
+  write_npy(dir / "expert_load_0003.npy", {3, 4}, std::vector<int64_t>(12, 3));
+  try {
+    read_load_snapshots(dir);
+    ADD_FAILURE() << "snapshots of two shapes were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find((dir / "expert_load_0003.npy").string() +
+                                         ": a load snapshot of 3 layers x 4 experts, but "),
+              std::string::npos)
+        << e.what();
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(RoutingSkew, SteepSkewsStillPickDistinctExperts) {
