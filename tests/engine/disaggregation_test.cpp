@@ -698,6 +698,36 @@ TEST_F(Disaggregation, ARefusedDecodeLegReleasesThePrefillBlocksAtOnce) {
   EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_expired_total"), 0);
 }
 
+TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItsPullReleasesThePrefillBlocksAtOnce) {
+  // The decode engine has no room for the prompt while another request holds its cache, and
+  // gives up after its 1 s transfer timeout: the prefill engine must not hold the KV for its own
+  // 600 s. Simulated engines, the decode one slowed so that the other request stays.
+  Engine p = start("prefill", {"--kv-transfer-timeout", "600"}, "sim:tiny");
+  Engine d = start("decode",
+                   {"--num-kv-blocks", "8", "--kv-transfer-timeout", "1", "--sim-time-scale", "20"},
+                   "sim:tiny");
+  json pre = {{"prompt", tokens(100, 100)},
+              {"max_tokens", 1},
+              {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  const json params = parse(post_json(p.port(), "/v1/completions", pre))["kv_transfer_params"];
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 7; }));
+  auto other = std::async(std::launch::async, [&] {
+    return post_json(d.port(), "/v1/completions",
+                     {{"prompt", tokens(60, 300)}, {"max_tokens", 60}, {"ignore_eos", true}});
+  });
+  ASSERT_TRUE(eventually([&] { return metric(d.port(), "vllm:num_requests_running") == 1; }));
+  json dec = {{"prompt", tokens(100, 100)}, {"max_tokens", 4}, {"kv_transfer_params", params}};
+  const auto r = post_json(d.port(), "/v1/completions", dec);
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 0; }));
+  EXPECT_EQ(metric(p.port(), "tandem:kv_transfer_expired_total"), 0);
+  EXPECT_EQ(d.process->stop(), 0);
+  try {
+    other.get();
+  } catch (const std::exception&) {
+  }
+}
+
 // Batch-invariant numerics (--batch-invariant) in BF16, where plain kernels differ between a
 // token computed alone and inside a larger step: prompts of 1-100 tokens give the same greedy
 // text alone, again from the prefix cache, chunked among concurrent requests, with speculation,

@@ -166,7 +166,16 @@ bool PdCoordinator::ending(Sequence* seq, const std::string& why) {
     parked_[seq->request.id] = {};
     seq->kv_state = KvTransferState::kParked;
   }
-  std::erase(awaiting_kv_, seq);
+  if (const auto waiting = std::find(awaiting_kv_.begin(), awaiting_kv_.end(), seq);
+      waiting != awaiting_kv_.end()) {
+    // A pull that never ran (no room for the prompt here, the client left, a refusal at
+    // admission) or failed: only this engine can tell the prefill engine to let go of the blocks
+    // it holds for the leg, which would otherwise stay until its hold expires.
+    const KvTransferSpec& kt = seq->request.kv_transfer;
+    if (!seq->fetching() && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
+      agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
+    awaiting_kv_.erase(waiting);
+  }
   return seq->kv_state == KvTransferState::kParked || seq->fetching();
 }
 
