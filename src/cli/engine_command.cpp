@@ -259,6 +259,8 @@ void run(const EngineOptions& o) {
   engine::ApiServer server(engine, registry, http, api_keys);
   engine.start();
   server.start();
+  // Started: from the first line on, whoever read it may stop the engine in order.
+  starting.reset();
   const auto& info = engine.executor_info();
   // The first line on stdout names the port (tests and scripts start engines on port 0).
   std::printf(
@@ -276,7 +278,6 @@ void run(const EngineOptions& o) {
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());
   std::fflush(stdout);
-  starting.reset();
   const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem engine: stopping (signal %d)\n", sig);
   server.stop();

@@ -201,6 +201,7 @@ void run(const ServeOptions& o) {
   // Engines are listening (their first lines said so); wait until the gateway's own probes see
   // them, so the printed URL answers at once.
   for (int i = 0; i < o.gateways; ++i) wait_healthy(o.host, g.port);
+  starting.reset();  // before the first line: whoever read it may stop the stack in order
   std::printf(
       "tandem serve: listening on http://%s:%u (gateway%s, mode %s, %d prefill + %d decode "
       "engines of %s)\n",
@@ -218,7 +219,6 @@ void run(const ServeOptions& o) {
     std::printf(")\n");
   }
   std::fflush(stdout);
-  starting.reset();
   // Until a stop signal: engines that die are restarted (engine_child.h).
   int sig = 0;
   for (;;) {
