@@ -432,7 +432,12 @@ void Engine::admit_incoming() {
 bool Engine::step() {
   SchedulerOutput out = scheduler_.schedule();
   metrics_->preemptions.inc(out.preempted.size());
-  if (out.empty()) return false;
+  if (out.empty()) {
+    // A step that only preempted (a lone sequence giving way to blocks held for received KV)
+    // moved sequences back to waiting: the gauges say so, though nothing ran.
+    if (!out.preempted.empty()) update_gauges();
+    return false;
+  }
   const double now = this->now();
   std::vector<ExecItem> items;
   items.reserve(out.scheduled.size());
