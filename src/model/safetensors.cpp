@@ -77,6 +77,25 @@ std::unique_ptr<Mapping> map_file(const fs::path& path) {
   return m;
 }
 
+// JSON objects may repeat a key and nlohmann keeps the last; in a header or weight_map that would
+// silently drop a tensor's first entry, so a repeated key is an error naming it.
+template <typename It>
+json parse_rejecting_duplicates(It begin, It end, const std::string& where) {
+  std::vector<std::set<std::string>> open;
+  return json::parse(begin, end, [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      open.pop_back();
+    } else if (event == json::parse_event_t::key && !open.empty() &&
+               !open.back().insert(parsed.get<std::string>()).second) {
+      throw Error(where + ": key " + quote_name(parsed.get<std::string>()) +
+                  " appears twice in one object");
+    }
+    return true;
+  });
+}
+
 // Reads a non-negative integer from a JSON header value.
 bool as_size(const json& v, uint64_t& out) {
   if (v.is_number_unsigned()) {
@@ -115,7 +134,7 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
     throw Error(where + ": header does not start with '{' (not a safetensors file?)");
   json header;
   try {
-    header = json::parse(header_begin, header_begin + header_len);
+    header = parse_rejecting_duplicates(header_begin, header_begin + header_len, where);
   } catch (const json::exception& e) {
     throw Error(where + ": malformed header JSON: " + e.what());
   }
@@ -296,7 +315,8 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   if (fs::exists(index_path)) {
     json index;
     try {
-      index = json::parse(read_file(index_path));
+      const std::string text = read_file(index_path);
+      index = parse_rejecting_duplicates(text.begin(), text.end(), index_path.string());
     } catch (const json::exception& e) {
       throw Error(index_path.string() + ": malformed JSON: " + e.what());
     }

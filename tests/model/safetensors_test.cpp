@@ -292,6 +292,28 @@ TEST(SafetensorsErrors, ShapeWhoseByteSizeOverflowsIsRejectedNotWrappedToZero) {
                     HasSubstr("[2147483648, 2147483648]"), HasSubstr("too large")));
 }
 
+// nlohmann keeps the last of repeated keys: a header or weight_map listing a tensor twice would
+// silently lose one entry.
+TEST(SafetensorsErrors, ARepeatedKeyIsRefusedNamingIt) {
+  test::TempDir dir("st-dup");
+  test::write_bytes(dir / "model.safetensors",
+                    safetensors_bytes(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                      R"("w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                                      std::string(4, '\0')));
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("model.safetensors"), HasSubstr("'w'"), HasSubstr("twice")));
+
+  test::TempDir sharded("st-dup-index");
+  write_checkpoint(sharded.path(), {{"a", DType::kF32, {64}}, {"b", DType::kF32, {64}}},
+                   fill_pattern, 300);
+  const std::string first = "model-00001-of-00002.safetensors";
+  test::write_bytes(sharded / "model.safetensors.index.json",
+                    R"({"weight_map": {"a": ")" + first + R"(", "b": "model-00002-of-00002.)" +
+                        R"(safetensors", "a": ")" + first + R"("}})");
+  EXPECT_THAT(open_error(sharded.path()), AllOf(HasSubstr("model.safetensors.index.json"),
+                                                HasSubstr("'a'"), HasSubstr("twice")));
+}
+
 TEST(SafetensorsErrors, MalformedHeaders) {
   test::TempDir dir("st-json");
   test::write_bytes(dir / "model.safetensors", safetensors_bytes(R"({"x": )", ""));
