@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "kernels/cpu/ops.h"
+#include "model/dtype.h"
 #include "model/moe_experts.h"
 #include "util/error.h"
 
@@ -28,6 +29,14 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
                                   const std::function<void(size_t, size_t)>& progress) {
   Qwen3MoeModel m(Qwen3MoeConfig::load(dir), Checkpoint::open(dir));
   const Qwen3MoeConfig& c = m.config_;
+  // The binder checks shapes only; a quantized tensor would be widened as if it were a float
+  // (a norm) or taken for a scaled weight whose scales a Qwen3 checkpoint never has.
+  for (const auto& [name, info] : m.checkpoint_.tensors())
+    if (!is_float_dtype(info.dtype))
+      throw Error(m.checkpoint_.dir().string() + ": tensor '" + name + "' in " + info.file +
+                  " is " + std::string(dtype_name(info.dtype)) +
+                  ", expected F32, BF16 or F16 (quantized Qwen3-MoE checkpoints are not "
+                  "supported yet)");
   TensorBinder b(m.checkpoint_, std::nullopt, progress);
   const int64_t h = c.hidden_size, hd = c.head_dim;
   m.embed = b.matrix("model.embed_tokens", c.vocab_size, h);

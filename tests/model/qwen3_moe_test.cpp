@@ -5,6 +5,7 @@
 // one mixed batch, and greedy continuations, in float32 and bfloat16 checkpoints. Tolerances and
 // the routing near-tie rule are numerics_test's (see there).
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <random>
 
@@ -335,6 +336,35 @@ TEST(Qwen3MoeModel, ACheckpointMissingATensorIsRefusedNamingIt) {
     EXPECT_NE(std::string(e.what()).find("model.layers.1.self_attn.k_norm.weight"),
               std::string::npos)
         << e.what();
+  }
+}
+
+// The binder checks shapes only: an I8 norm of the right shape was widened as if it were a float.
+TEST(Qwen3MoeModel, AQuantizedTensorIsRefusedNamingIt) {
+  test::TempDir made("qwen3-src"), dir("qwen3-i8");
+  const std::string cmd = std::string(TANDEM_BINARY) +
+                          " make-model --preset tiny-qwen3-moe --dtype f32 --out " +
+                          test::quote(made.path()) + " 2>&1";
+  ASSERT_EQ(test::run_command(cmd), 0);
+  const Checkpoint source = Checkpoint::open(made.path());
+  const std::string target = "model.layers.1.self_attn.k_norm.weight";
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, info] : source.tensors())
+    specs.push_back({name, name == target ? DType::kI8 : info.dtype, info.shape});
+  write_checkpoint(
+      dir.path(), specs,
+      [&](const TensorSpec& s, std::span<std::byte> out) {
+        std::memcpy(out.data(), source.find(s.name)->data, out.size());
+      },
+      size_t{1} << 30);
+  std::filesystem::copy_file(made / "config.json", dir / "config.json");
+  try {
+    Qwen3MoeModel::load(dir.path());
+    ADD_FAILURE() << "loaded an I8 k_norm";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::AllOf(::testing::HasSubstr("'" + target + "'"),
+                                           ::testing::HasSubstr("is I8"),
+                                           ::testing::HasSubstr("expected F32, BF16 or F16")));
   }
 }
 
