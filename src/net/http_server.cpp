@@ -482,6 +482,7 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   HttpRequest request_;
   bool request_started_ = false;  // a byte of the current request arrived (read timeout runs)
   bool peer_eof_ = false;         // the client closed its side, or reading failed
+  bool peer_closed_ = false;      // epoll said so (EPOLLRDHUP): read on until recv sees the EOF
   bool read_paused_ = false;      // input left unread: enough is buffered
   size_t drained_ = 0;
 
@@ -523,6 +524,7 @@ void Connection::on_io(uint32_t events) {
     if (phase_ == Phase::kHead) loop_.defer(this);  // a pipelined request may be waiting
   }
   if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
+    if (events & (EPOLLRDHUP | EPOLLHUP)) peer_closed_ = true;
     read_input();
     process();
   }
@@ -559,7 +561,9 @@ void Connection::read_input() {
       } else {
         in_.commit(static_cast<size_t>(n));
       }
-      if (static_cast<size_t>(n) < room) return;  // drained: the next arrival is a new edge
+      // Drained: the next arrival is a new edge. Not so the peer's close when it came with this
+      // data's edge: only the next recv sees that EOF.
+      if (static_cast<size_t>(n) < room && !peer_closed_) return;
       continue;
     }
     if (n < 0 && errno == EINTR) continue;

@@ -605,6 +605,41 @@ TEST(HttpServer, ClientDisconnectWhileWaitingForResponse) {
   EXPECT_TRUE(late);
 }
 
+// A client that sends its request and closes at once: on the edge-triggered socket its close
+// comes in the same event as the request's bytes, and the server must still see it go (an
+// engine would otherwise compute the whole answer for nobody).
+TEST(HttpServer, AClientThatClosesRightAfterItsRequestIsSeenGone) {
+  HttpServerOptions options = local_options();
+  options.threads = 1;
+  HttpServer server(options);
+  std::promise<void> loop_held, release, closed;
+  std::shared_future<void> released = release.get_future().share();
+  server.route("POST", "/hold", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    loop_held.set_value();
+    released.wait();  // the server's only thread is busy while the other client sends and closes
+    ex->respond(200, "{}");
+  });
+  std::shared_ptr<Exchange> held;
+  server.route("POST", "/slow", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { closed.set_value(); });
+    held = ex;
+  });
+  server.start();
+  RawConnection busy(server.port());
+  busy.send("POST /hold HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
+  auto h = loop_held.get_future();
+  get_within(h);
+  {
+    RawConnection gone(server.port());
+    gone.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
+  }  // closed before the server read a byte of it
+  release.set_value();
+  auto f = closed.get_future();
+  get_within(f);
+  ASSERT_TRUE(held);
+  EXPECT_TRUE(held->closed());
+}
+
 TEST(HttpServer, IdleKeepAliveConnectionIsClosed) {
   HttpServerOptions options = local_options();
   options.idle_timeout = 50ms;
