@@ -1,5 +1,7 @@
 #include "structured/output_spec.h"
 
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "structured/json_schema.h"
@@ -16,10 +18,26 @@ std::string OutputSpec::key() const {
 
 namespace {
 
+// Keys one object of a schema or tool list may have. The order-keeping document below finds
+// each key by a linear search as it inserts, so an object of n keys costs n^2 / 2 comparisons:
+// 200K $defs took tens of seconds of the HTTP thread; 4096 take milliseconds.
+constexpr size_t kMaxObjectKeys = 4096;
+
 // Parsed keeping the key order (properties are generated in the schema's order), after our
-// reader checked it (bounded depth, so nlohmann's parse below cannot go deep).
+// reader checked it (bounded depth, so nlohmann's parse below cannot go deep; bounded objects,
+// so it cannot take quadratic time).
 nlohmann::ordered_json parse_ordered(const std::string& text) {
-  parse_untrusted_json(text);
+  const nlohmann::json doc = parse_untrusted_json(text);
+  std::vector<const nlohmann::json*> pending = {&doc};
+  while (!pending.empty()) {
+    const nlohmann::json* j = pending.back();
+    pending.pop_back();
+    if (j->is_object() && j->size() > kMaxObjectKeys)
+      throw Error("an object of " + std::to_string(j->size()) + " keys (at most " +
+                  std::to_string(kMaxObjectKeys) + ")");
+    if (j->is_structured())
+      for (const auto& child : *j) pending.push_back(&child);
+  }
   return nlohmann::ordered_json::parse(text);
 }
 

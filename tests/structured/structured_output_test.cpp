@@ -157,8 +157,8 @@ TEST(StructuredOutput, NestingPastTheLimitIsRefusedWhereTheLimitFitsASmallStack)
     const std::string regex = compile_error(K::kRegex, nested_groups(depth));
     EXPECT_NE(regex.find("groups nest deeper than 1000 levels"), std::string::npos) << regex;
   }
-  // (Longer chains cost quadratic time in the ordered JSON parser's key lookups.)
-  for (int length : {limit + 1, 5000}) {
+  // (Chains of more than 4096 $defs are refused for the size of that object, below.)
+  for (int length : {limit + 1, 4000}) {
     const std::string schema = compile_error(K::kJsonSchema, ref_chain(length));
     EXPECT_NE(schema.find("schemas nest deeper than 1000 levels"), std::string::npos) << schema;
   }
@@ -166,6 +166,27 @@ TEST(StructuredOutput, NestingPastTheLimitIsRefusedWhereTheLimitFitsASmallStack)
   std::string siblings;
   for (int i = 0; i < 3 * limit; ++i) siblings += "(a)";
   EXPECT_EQ(compile_error(K::kRegex, siblings), "(compiled)");
+}
+
+// An object of many keys would cost the order-keeping parse quadratic time on the HTTP thread:
+// past 4096 keys in one object the spec is refused (with the size), at 4096 it compiles.
+TEST(StructuredOutput, ASchemaObjectOfMoreThan4096KeysIsRefusedNamingItsSize) {
+  using K = OutputSpec::Kind;
+  auto schema_with_defs = [](int n) {
+    json defs = json::object();
+    for (int i = 0; i < n; ++i) defs["d" + std::to_string(i)] = {{"type", "string"}};
+    return json{{"$defs", defs}, {"type", "string"}}.dump();
+  };
+  EXPECT_EQ(compile_error(K::kJsonSchema, schema_with_defs(4096)), "(compiled)");
+  const std::string error = compile_error(K::kJsonSchema, schema_with_defs(200'000));
+  EXPECT_NE(error.find("an object of 200000 keys (at most 4096)"), std::string::npos) << error;
+  const std::string tools = compile_error(
+      K::kToolCalls,
+      json::array(
+          {{{"type", "function"},
+            {"function", {{"name", "f"}, {"parameters", json::parse(schema_with_defs(5000))}}}}})
+          .dump());
+  EXPECT_NE(tools.find("an object of 5000 keys"), std::string::npos) << tools;
 }
 
 // Chains of rules longer than any stack: the left-recursion check and the matcher's expansion
