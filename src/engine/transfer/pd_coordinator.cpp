@@ -105,6 +105,9 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     return;
   }
   if (!result.ok) {
+    // The hold stays on the prefill engine (a retry with the right parameters may still pull
+    // it, or it expires): out of awaiting_kv_ first, so that ending() does not release it.
+    std::erase(awaiting_kv_, seq);
     host_.fail(seq, result.error, 502);
     return;
   }
@@ -169,8 +172,8 @@ bool PdCoordinator::ending(Sequence* seq, const std::string& why) {
   if (const auto waiting = std::find(awaiting_kv_.begin(), awaiting_kv_.end(), seq);
       waiting != awaiting_kv_.end()) {
     // A pull that never ran (no room for the prompt here, the client left, a refusal at
-    // admission) or failed: only this engine can tell the prefill engine to let go of the blocks
-    // it holds for the leg, which would otherwise stay until its hold expires.
+    // admission): only this engine can tell the prefill engine to let go of the blocks it holds
+    // for the leg, which would otherwise stay until its hold expires.
     const KvTransferSpec& kt = seq->request.kv_transfer;
     if (!seq->fetching() && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
       agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
