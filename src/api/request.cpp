@@ -447,6 +447,13 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   return use;
 }
 
+// A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
+void check_prompt_count(const json& list, const char* name) {
+  if (list.size() > kMaxPromptsPerRequest)
+    fail(name, "at most " + std::to_string(kMaxPromptsPerRequest) +
+                   " prompts in one request, got " + std::to_string(list.size()));
+}
+
 }  // namespace
 
 ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
@@ -477,6 +484,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   } else if (is_token_list(*prompt)) {
     add_ids(*prompt);
   } else if (prompt->is_array() && !prompt->empty()) {
+    check_prompt_count(*prompt, "prompt");
     for (const auto& p : *prompt) {
       if (p.is_string())
         add_text(p.get<std::string>());
@@ -617,6 +625,7 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
     } else if (ids->is_array() && !ids->empty() &&
                std::all_of(ids->begin(), ids->end(),
                            [](const json& p) { return is_token_list(p); })) {
+      check_prompt_count(*ids, "input_ids");
       for (const auto& p : *ids) r.prompts.push_back(token_list(p, "input_ids", limits.vocab_size));
     } else {
       fail("input_ids", "'input_ids' must be a non-empty list of token ids or of such lists");
@@ -624,6 +633,7 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   } else if (text->is_string()) {
     r.prompts.push_back(tokenizer.encode(text->get<std::string>(), true));
   } else if (text->is_array() && !text->empty()) {
+    check_prompt_count(*text, "text");
     for (const auto& t : *text) {
       if (!t.is_string()) fail("text", "'text' must be a string or a list of strings");
       r.prompts.push_back(tokenizer.encode(t.get<std::string>(), true));

@@ -21,6 +21,10 @@ namespace tandem::api {
 
 enum class ApiKind { kCompletion, kChat, kGenerate };
 
+// The most prompts one request may list (each becomes an engine request, with its own
+// sequence and cache blocks): 1.6 million one-token prompts fit in an 8 MB body.
+inline constexpr size_t kMaxPromptsPerRequest = 1024;
+
 struct ApiRequest {
   ApiKind kind = ApiKind::kCompletion;
   std::string model;

@@ -112,6 +112,15 @@ ChoiceRequests split_choices(std::string_view path, const json& body) {
   json base = json::object();
   for (const auto& [key, value] : body.items())
     if (key != "n" && key != "best_of" && !(prompts && key == "prompt")) base[key] = value;
+  // Every choice carries the whole body (and each is parsed, held and sent again): 128 copies
+  // of an 8 MB body took gigabytes and seconds of an io thread.
+  if (const size_t bytes = base.dump().size(); bytes * count > kMaxFanOutBytes)
+    throw api::ApiError{400,
+                        "this request would fan out to " + std::to_string(count) + " bodies of " +
+                            std::to_string(bytes) + " bytes, more than " +
+                            std::to_string(kMaxFanOutBytes >> 20) +
+                            " MiB in all; send fewer choices or a smaller body",
+                        prompts ? "prompt" : "n"};
   for (size_t i = 0; i < count; ++i) {
     json one = base;
     if (prompts) one["prompt"] = (*prompts)[i];

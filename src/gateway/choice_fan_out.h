@@ -29,6 +29,8 @@ bool may_ask_several_choices(std::string_view body);
 
 // The most choices one request may fan out to (OpenAI's n goes to 128).
 inline constexpr size_t kMaxFanOut = 128;
+// The most bytes the choices' bodies may take together (each carries the client's whole body).
+inline constexpr size_t kMaxFanOutBytes = size_t{64} << 20;
 
 struct ChoiceRequests {
   std::vector<std::string> bodies;  // one per choice, in the choices' order

@@ -628,6 +628,27 @@ TEST(Protocol, FieldsPastTheEnginesLimitsAre400sNamingTheLimit) {
                 tokenizer(), kLimits)
                 .logprobs,
             20);
+  // Lists of prompts: at most 1024 (each becomes an engine request).
+  const ApiError prompts = error_of([&] {
+    parse_completion(json{{"prompt", std::vector<std::string>(1025, "x")}}, tokenizer(), kLimits);
+  });
+  EXPECT_EQ(prompts.param, "prompt");
+  EXPECT_NE(prompts.message.find("at most 1024 prompts in one request, got 1025"),
+            std::string::npos)
+      << prompts.message;
+  EXPECT_EQ(
+      parse_completion(json{{"prompt", std::vector<std::string>(1024, "x")}}, tokenizer(), kLimits)
+          .prompts.size(),
+      1024u);
+  const ApiError id_lists = error_of([&] {
+    parse_generate(json{{"input_ids", std::vector<std::vector<int32_t>>(1025, {1, 2})}},
+                   tokenizer(), kLimits);
+  });
+  EXPECT_EQ(id_lists.param, "input_ids");
+  const ApiError texts = error_of([&] {
+    parse_generate(json{{"text", std::vector<std::string>(1025, "x")}}, tokenizer(), kLimits);
+  });
+  EXPECT_EQ(texts.param, "text");
   // Stop strings: at most 64, of at most 256 bytes each.
   const ApiError many = completion({{"stop", std::vector<std::string>(65, "x")}});
   EXPECT_EQ(many.param, "stop");

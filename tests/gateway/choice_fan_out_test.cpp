@@ -83,6 +83,27 @@ TEST(SplitChoices, MoreThanTheLimitIsTheClientsError) {
   }
 }
 
+// Each choice carries the client's whole body: 128 of a large one are refused before any copy.
+TEST(SplitChoices, ChoicesWhoseBodiesTogetherPassTheByteLimitAreTheClientsError) {
+  const json body = {{"prompt", "p"}, {"user", std::string(1 << 20, 'x')}};
+  EXPECT_EQ(
+      split_choices("/v1/completions", {{"prompt", "p"}, {"n", 64}, {"user", "x"}}).bodies.size(),
+      64u);
+  json n64 = body;
+  n64["n"] = 64;  // 64 MiB and a little more
+  try {
+    split_choices("/v1/completions", n64);
+    FAIL() << "expected an error";
+  } catch (const api::ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "n");
+    EXPECT_NE(e.message.find("more than 64 MiB in all"), std::string::npos) << e.message;
+  }
+  json n32 = body;
+  n32["n"] = 32;
+  EXPECT_EQ(split_choices("/v1/completions", n32).bodies.size(), 32u);
+}
+
 TEST(SplitChoices, TheCheapLookNeverMissesARequestWithSeveralChoices) {
   EXPECT_TRUE(may_ask_several_choices(R"({"prompt": "x", "n": 2})"));
   EXPECT_TRUE(may_ask_several_choices(R"({"prompt" : [ "a", "b"]})"));
