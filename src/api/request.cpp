@@ -447,6 +447,15 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   return use;
 }
 
+// vLLM's cache_salt: a non-empty string when given.
+std::optional<std::string> cache_salt_of(const json& body) {
+  const json* salt = field(body, "cache_salt");
+  if (!salt || salt->is_null()) return std::nullopt;
+  if (!salt->is_string() || salt->get<std::string>().empty())
+    fail("cache_salt", "'cache_salt' must be a non-empty string if provided");
+  return salt->get<std::string>();
+}
+
 // A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
 void check_prompt_count(const json& list, const char* name) {
   if (list.size() > kMaxPromptsPerRequest)
@@ -508,6 +517,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     r.logprobs = lp->get<int32_t>();
   }
   r.priority = integer(body, "priority", 0);
+  r.cache_salt = cache_salt_of(body);
   expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
   check_length(r, limits);
@@ -602,6 +612,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     r.logprobs = static_cast<int32_t>(top);
   }
   r.priority = integer(body, "priority", 0);
+  r.cache_salt = cache_salt_of(body);
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");
   expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);

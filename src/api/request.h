@@ -35,6 +35,9 @@ struct ApiRequest {
   int32_t logprobs = -1;  // -1: none, else the number of top alternatives per token
   bool echo = false;
   int64_t priority = 0;
+  // vLLM's cache_salt: prefix-cache entries are shared only by requests with the same salt (one
+  // tenant cannot probe another's prompts by their cache hits).
+  std::optional<std::string> cache_salt;
   int64_t n = 1;           // choices per prompt
   std::string request_id;  // the client's (body "rid"/"request_id"), else empty
   DisaggregationParams disagg;

@@ -418,7 +418,8 @@ void Engine::admit_incoming() {
       const PdCoordinator::Admission admission = pd_->admit(raw);
       if (admission != PdCoordinator::Admission::kSchedule) continue;  // waits for KV, or refused
     }
-    raw->cached_on_arrival = kv_.find_cached_prefix(raw->tokens).num_tokens;
+    raw->cached_on_arrival =
+        kv_.find_cached_prefix(raw->tokens, raw->request.cache_salt).num_tokens;
     scheduler_.add(raw);
   }
   for (const auto& id : aborts) {

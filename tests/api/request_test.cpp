@@ -628,6 +628,18 @@ TEST(Protocol, FieldsPastTheEnginesLimitsAre400sNamingTheLimit) {
                 tokenizer(), kLimits)
                 .logprobs,
             20);
+  // cache_salt (vLLM's): a non-empty string, read by both OpenAI routes.
+  EXPECT_EQ(
+      parse_completion(json{{"prompt", "x"}, {"cache_salt", "tenant-a"}}, tokenizer(), kLimits)
+          .cache_salt,
+      "tenant-a");
+  EXPECT_EQ(parse_chat(json{{"messages", chat_messages}, {"cache_salt", "tenant-b"}}, tokenizer(),
+                       &chat_template(), kLimits)
+                .cache_salt,
+            "tenant-b");
+  EXPECT_FALSE(parse_completion(json{{"prompt", "x"}}, tokenizer(), kLimits).cache_salt);
+  for (const json& bad : {json(""), json(5)})
+    EXPECT_EQ(completion({{"cache_salt", bad}}).param, "cache_salt") << bad;
   // Lists of prompts: at most 1024 (each becomes an engine request).
   const ApiError prompts = error_of([&] {
     parse_completion(json{{"prompt", std::vector<std::string>(1025, "x")}}, tokenizer(), kLimits);

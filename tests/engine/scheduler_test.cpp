@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 #include <random>
 
 namespace tandem::engine {
@@ -26,11 +27,13 @@ struct Fixture {
   Fixture(int64_t blocks, int64_t block_size, SchedulerConfig cfg, bool prefix = true)
       : kv(blocks, block_size, prefix), sched(cfg, kv) {}
 
-  Sequence* add(std::vector<int32_t> prompt, int64_t max_tokens, int64_t priority = 0) {
+  Sequence* add(std::vector<int32_t> prompt, int64_t max_tokens, int64_t priority = 0,
+                std::optional<uint64_t> cache_salt = std::nullopt) {
     auto s = std::make_unique<Sequence>();
     s->request.id = std::to_string(seqs.size());
     s->request.sampling.max_tokens = max_tokens;
     s->request.priority = priority;
+    s->request.cache_salt = cache_salt;
     s->tokens = std::move(prompt);
     s->num_prompt = static_cast<int64_t>(s->tokens.size());
     s->arrival_order = seqs.size();
@@ -84,6 +87,23 @@ TEST(Scheduler, AnotherSequencesDraftsGiveBackTheBlockBeforeAnyoneIsPreempted) {
   EXPECT_EQ(a->num_computed, 4);
   EXPECT_EQ(b->num_computed, 5);
   f.kv.check_invariants();
+}
+
+// A cache salt (the API's cache_salt) keeps a request's cached blocks to requests of the same
+// salt: another salt, or none, finds nothing of them.
+TEST(Scheduler, OnlyRequestsWithTheSameCacheSaltShareCachedBlocks) {
+  Fixture f(32, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  f.add(iota_tokens(9), 1, 0, 7);
+  f.step();  // its two full blocks enter the cache under salt 7; it finishes
+  Sequence* other_salt = f.add(iota_tokens(9), 1, 0, 8);
+  f.step();
+  EXPECT_EQ(other_salt->num_cached, 0);
+  Sequence* no_salt = f.add(iota_tokens(9), 1);
+  f.step();
+  EXPECT_EQ(no_salt->num_cached, 0);
+  Sequence* same_salt = f.add(iota_tokens(9), 1, 0, 7);
+  f.step();
+  EXPECT_EQ(same_salt->num_cached, 8);
 }
 
 // update_from_output applies a step's tokens: sequences that sampled get their token appended and

@@ -150,7 +150,8 @@ SchedulerOutput Scheduler::schedule() {
       ++i;
       return;
     }
-    const PrefixHit hit = has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens);
+    const PrefixHit hit =
+        has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
     const int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);

@@ -42,7 +42,10 @@ struct EngineRequest {
   std::string id;
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  int64_t priority = 0;   // lower runs earlier when the engine schedules by priority
+  int64_t priority = 0;  // lower runs earlier when the engine schedules by priority
+  // Folded into the prefix cache's first block hash: only requests with the same salt share
+  // cached blocks (the API's cache_salt, hashed).
+  std::optional<uint64_t> cache_salt;
   int32_t logprobs = -1;  // -1: none; k >= 0: sampled token's logprob plus the k most likely
   KvTransferSpec kv_transfer;
   OutputCallback on_output;

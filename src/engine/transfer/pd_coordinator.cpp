@@ -56,7 +56,7 @@ void PdCoordinator::start_fetches(double now) {
     const int64_t need = seq->num_prompt - 1;
     // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
     // runs, empty: it tells the prefill engine to let go of its blocks.
-    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens);
+    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
     // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
     // needs a new block (a decode holding received KV must not wait behind a full cache).
     if (!kv_.allocate(id, seq->num_prompt, hit)) {
