@@ -70,17 +70,20 @@ TEST(Qwen3MoeConfig, ThePublishedConfigsParse) {
   EXPECT_EQ(Qwen3MoeConfig::parse(json::parse(c.to_json().dump()), "round trip"), c);
 }
 
+// Qwen3-30B-A3B's config.json changed by `change`: the parse error, or "(parsed)".
+std::string config_error(const std::function<void(json&)>& change) {
+  json doc = json::parse(kQwen3_30B_A3B);
+  change(doc);
+  try {
+    Qwen3MoeConfig::parse(doc, "config.json");
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return std::string("(parsed)");
+}
+
 TEST(Qwen3MoeConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
-  auto error = [](const std::function<void(json&)>& change) {
-    json doc = json::parse(kQwen3_30B_A3B);
-    change(doc);
-    try {
-      Qwen3MoeConfig::parse(doc, "config.json");
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(parsed)");
-  };
+  const auto& error = config_error;
   EXPECT_NE(error([](json& d) { d["use_sliding_window"] = true; }).find("'use_sliding_window'"),
             std::string::npos);
   EXPECT_NE(error([](json& d) { d["attention_bias"] = true; }).find("'attention_bias'"),
@@ -112,16 +115,7 @@ TEST(Qwen3MoeConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
 // are refused by name instead of hanging (a loop over 4e18 layers) or exhausting memory; the
 // numeric fields every family shares get DeepSeek's checks.
 TEST(Qwen3MoeConfig, ImplausibleSizesAndBrokenNumbersAreRefusedByName) {
-  auto error = [](const std::function<void(json&)>& change) {
-    json doc = json::parse(kQwen3_30B_A3B);
-    change(doc);
-    try {
-      Qwen3MoeConfig::parse(doc, "config.json");
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(parsed)");
-  };
+  const auto& error = config_error;
   using ::testing::AllOf;
   using ::testing::HasSubstr;
   EXPECT_THAT(error([](json& d) { d["num_hidden_layers"] = int64_t{4'000'000'000'000'000'000}; }),
