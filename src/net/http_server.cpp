@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -91,9 +92,10 @@ class Connection;
 class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeState> {
  public:
   ExchangeState(HttpRequest request, bool keep_alive, EventLoop& loop, Connection& connection,
-                std::string buffer, ErrorFormatter format_error)
+                std::string buffer, ErrorFormatter format_error, size_t max_unsent)
       : request(std::move(request)),
         format_error(format_error),
+        max_unsent_(max_unsent),
         keep_alive_(keep_alive),
         http10_(this->request.version < 11),
         head_only_(this->request.method == "HEAD"),
@@ -141,6 +143,17 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kStreaming) return false;
     if (chunk.empty() || head_only_) return true;  // an empty chunk would end a chunked body
+    const size_t unsent = out_.size() + sending_.load(std::memory_order_relaxed);
+    if (unsent > 0 && unsent + chunk.size() > max_unsent_) {
+      // The client does not read: holding more would let it pin the producer's whole output in
+      // our memory until the write timeout. Its connection is cut on its loop, where the
+      // callbacks run (the caller may hold locks they take).
+      stalled_ = true;
+      out_ = std::string();
+      wake_posted_ = false;  // the wake still queued may have been spent on a blocked write
+      wake_locked();
+      return false;
+    }
     if (chunked_) {
       append_chunk(out_, chunk);
     } else {
@@ -187,7 +200,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
   // that they take.
   void abort(std::string_view message) {
     std::lock_guard lock(mu_);
-    if (aborted_ || lost_ || phase_ == Phase::kComplete) return;
+    if (closed_locked() || phase_ == Phase::kComplete) return;
     aborted_ = true;
     if (phase_ == Phase::kIdle) {
       append_error(out_, format_error, 500, message, !keep_alive_, http10_ && keep_alive_);
@@ -212,12 +225,22 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     std::lock_guard lock(mu_);
     Pending p;
     bytes.swap(out_);
+    sending_.store(bytes.size(), std::memory_order_relaxed);
     p.complete = phase_ == Phase::kComplete;
     p.cut = aborted_ && phase_ != Phase::kComplete;
     p.close_after = close_after_;
     if (aborted_) p.callbacks.swap(on_close_);
     wake_posted_ = false;
     return p;
+  }
+
+  // The connection still has `bytes` of this exchange's output to write.
+  void sending(size_t bytes) { sending_.store(bytes, std::memory_order_relaxed); }
+
+  // A write went past max_unsent_bytes: the connection must be cut (then lose()).
+  bool stalled() const {
+    std::lock_guard lock(mu_);
+    return stalled_;
   }
 
   // The client is gone, a write failed or the server stops.
@@ -248,9 +271,10 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
  private:
   enum class Phase { kIdle, kStreaming, kComplete };
 
-  bool closed_locked() const { return lost_ || aborted_; }
+  bool closed_locked() const { return lost_ || aborted_ || stalled_; }
   void wake_locked();
 
+  const size_t max_unsent_;
   const bool keep_alive_;
   const bool http10_;
   const bool head_only_;          // a HEAD request: the response's head goes out, its body does not
@@ -263,9 +287,13 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
   bool close_after_ = false;
   bool aborted_ = false;
   bool lost_ = false;
+  bool stalled_ = false;  // the client read too slowly (max_unsent_bytes)
   bool detached_ = false;
   bool wake_posted_ = false;  // a wake is queued and take() has not run since
   std::string out_;
+  // Bytes the connection took and has not written yet: with out_, what the client has not got.
+  // Written by the connection (its loop), read by producers.
+  std::atomic<size_t> sending_{0};
   Callbacks on_close_;
 };
 
@@ -673,7 +701,8 @@ void Connection::dispatch() {
   if (!want_write_) timer_.disarm();  // no timeout while the server waits for its handler
   const bool keep_alive = head_.keep_alive && !server_.stopping();
   exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
-                                              std::move(spare_), server_.options().error_response);
+                                              std::move(spare_), server_.options().error_response,
+                                              server_.options().max_unsent_bytes);
   request_ = HttpRequest();
   {
     auto exchange = std::make_shared<Exchange>(exchange_);
@@ -695,6 +724,11 @@ void Connection::dispatch() {
 
 void Connection::pump() {
   while (phase_ == Phase::kExchange) {
+    // Before the flush: a stalled client's write would wait for EPOLLOUT, which never comes.
+    if (exchange_->stalled()) {
+      exchange_->lose();
+      return close_now();
+    }
     if (written_ < out_.size() && !flush()) return;  // closed, or waiting for EPOLLOUT
     ExchangeState::Pending p = exchange_->take(out_);
     run_callbacks(p.callbacks);
@@ -715,6 +749,7 @@ void Connection::pump() {
 bool Connection::flush() {
   if (const int err = send_pending(fd_, out_, written_)) {
     if (err == EAGAIN) {
+      if (exchange_) exchange_->sending(out_.size() - written_);
       if (!want_write_) {
         want_write_ = true;
         timer_.arm(server_.options().write_timeout);
@@ -728,6 +763,7 @@ bool Connection::flush() {
   }
   out_.clear();
   written_ = 0;
+  if (exchange_) exchange_->sending(0);
   if (want_write_) {
     want_write_ = false;
     timer_.disarm();

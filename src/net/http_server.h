@@ -69,7 +69,8 @@ class Exchange {
   bool end();
 
   // True once nothing more can reach the client: it disconnected (or half-closed its side), a
-  // write failed or timed out, or the server is stopping. Stays false after a response completed
+  // write failed or timed out, it read too slowly for a stream (HttpServerOptions::
+  // max_unsent_bytes), or the server is stopping. Stays false after a response completed
   // normally.
   bool closed() const;
   // `callback` runs once if the exchange closes (as closed()) before the response is complete.
@@ -112,6 +113,13 @@ struct HttpServerOptions {
   // One write (a response, or the chunks queued at that moment) must finish within this time,
   // otherwise the client is taken as gone. No timeout while the server waits for a handler.
   std::chrono::milliseconds write_timeout = std::chrono::seconds(60);
+  // The most response bytes one exchange may hold unsent (queued by its producer plus what its
+  // connection is still writing). A stream's write() that would go past it takes the client as
+  // stalled, as the write timeout does, but before the server holds a write timeout's worth of a
+  // fast producer's output: the exchange closes (its on_close callbacks run, so the producer stops
+  // its work) and write() returns false. A chunk written while nothing is unsent always goes,
+  // whatever its size. Complete responses (respond()) are not limited: their size is their own.
+  size_t max_unsent_bytes = size_t{16} << 20;
   // Client connections held at once. Past it a new connection is closed as soon as it is
   // accepted (and logged once per 10 s with a count), so the process keeps file descriptors for
   // its own work and the connections it serves keep being served. 0: three quarters of the

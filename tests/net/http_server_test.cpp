@@ -579,6 +579,44 @@ TEST(HttpServer, ClientDisconnectMidStreamReachesTheProducer) {
   EXPECT_GE(get_within(stopped), 3);
 }
 
+// A streaming client that never reads: without a bound the server would queue the producer's
+// whole output (an engine's stream at full speed) until the write timeout. Past the high-water
+// mark the client counts as stalled: the producer's write fails and the exchange closes, long
+// before the write timeout (an hour here).
+TEST(HttpServer, AStreamingClientThatNeverReadsIsCutAtTheHighWaterMark) {
+  HttpServerOptions options = local_options();
+  options.max_unsent_bytes = size_t{1} << 20;
+  options.write_timeout = std::chrono::hours(1);
+  Producer producer;
+  HttpServer server(options);
+  std::promise<void> callback_fired;
+  std::promise<size_t> producer_stopped;
+  std::shared_ptr<Exchange> held;
+  server.route("POST", "/stream", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { callback_fired.set_value(); });
+    held = ex;
+    producer.run([ex, &producer_stopped] {
+      ex->start_stream();
+      const std::string chunk(64 << 10, 'x');
+      // Far more than the kernel's socket buffers hold: without the mark, the test ends here.
+      constexpr size_t kGiveUp = size_t{256} << 20;
+      size_t sent = 0;
+      while (sent < kGiveUp && ex->write(chunk)) sent += chunk.size();
+      producer_stopped.set_value(sent);
+    });
+  });
+  server.start();
+  RawConnection client(server.port());
+  client.send("POST /stream HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
+  auto stopped = producer_stopped.get_future();
+  EXPECT_LT(get_within(stopped), size_t{256} << 20);
+  auto fired = callback_fired.get_future();
+  get_within(fired);
+  EXPECT_TRUE(held->closed());
+  EXPECT_FALSE(held->write("more"));
+  EXPECT_FALSE(held->end());
+}
+
 TEST(HttpServer, ClientDisconnectWhileWaitingForResponse) {
   HttpServer server(local_options());
   std::shared_ptr<Exchange> held;
