@@ -380,6 +380,24 @@ void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, i
   });
 }
 
+void Dispatcher::answer_refused(const RequestPtr& r, int attempt, int status, std::string message) {
+  exec_.post_batched([this, r, attempt, status, message = std::move(message)] {
+    if (attempt != r->attempt) return;
+    std::vector<Upstream::CallId> calls;
+    {
+      // As attempt_failed: checked, cancelled and answered under one lock, so no other leg of the
+      // attempt can start the client's stream meanwhile.
+      std::lock_guard lock(r->mutex);
+      if (r->client != ClientState::kNothingSent) return;
+      calls = mark_legs_cancelled(*r);
+      r->client = ClientState::kAnswering;
+      r->reply->send_error(status, message, "server_error", "answer_too_large");
+    }
+    cancel_calls(calls);
+    end_request(r, {status, message});
+  });
+}
+
 void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
   exec_.post_batched([this, r, attempt] {
     if (attempt != r->attempt || r->ended()) return;

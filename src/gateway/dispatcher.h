@@ -93,6 +93,11 @@ class Dispatcher {
   // retries remain, else answered with the engine's error or a 502.
   void leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status, std::string body,
                   std::string message);
+  // A leg of `attempt` brought an answer the gateway will not relay (Topology::max_answer_bytes):
+  // the gateway's own refusal, so no engine is blamed and none is asked again (each would compute
+  // the same answer); the client gets `status` with `message` (an OpenAI error, code
+  // answer_too_large) unless it already has an answer.
+  void answer_refused(const RequestPtr& r, int attempt, int status, std::string message);
   // Sequential mode: the prefill of `attempt` answered with its KV's whereabouts (decode_body is
   // set): the decode leg goes to the front of the queue.
   void prefill_answered(const RequestPtr& r, int attempt);

@@ -11,12 +11,25 @@ namespace tandem::gateway {
 namespace {
 
 constexpr size_t kMaxPrefillAnswerBytes = size_t{16} << 20;
-constexpr size_t kMaxAnswerBytes = size_t{64} << 20;
 
 bool is_chunked(std::string transfer_encoding) {
   for (char& c : transfer_encoding)
     c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return transfer_encoding.find("chunked") != std::string::npos;
+}
+
+std::string size_text(size_t bytes) {
+  if (bytes % (size_t{1} << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
+  return std::to_string(bytes) + " bytes";
+}
+
+// The leg is cut (on_body answers false) by the gateway's choice: no fault of the engine's.
+bool refuse_too_large(Leg& l) {
+  l.answer_too_large = true;
+  l.gateway_cancelled = true;
+  l.body = {};
+  l.held = {};
+  return false;
 }
 
 }  // namespace
@@ -107,7 +120,7 @@ net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_re
 
 bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   if (!l.streaming) {
-    if (l.body.size() + piece.size() > kMaxAnswerBytes) return false;
+    if (l.body.size() + piece.size() > topo_.max_answer_bytes) return refuse_too_large(l);
     l.body += piece;
     return true;
   }
@@ -182,7 +195,7 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   if (verbatim) {
     if (l.state != LegState::kRelaying) {  // no complete event yet: hold the bytes
       l.held += piece;
-      return l.held.size() <= kMaxAnswerBytes;
+      return l.held.size() <= topo_.max_answer_bytes || refuse_too_large(l);
     }
     if (!started && !l.held.empty()) {  // the bytes held back go first
       l.held += piece;
@@ -249,6 +262,17 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       else
         r->reply->abort();
     }
+    return;
+  }
+  if (l.answer_too_large) {
+    const std::string limit = size_text(topo_.max_answer_bytes);
+    dispatcher_.answer_refused(
+        r, attempt, 502,
+        l.streaming ? "the stream's first event from engine " + where + " is larger than " + limit +
+                          ", the most this gateway holds"
+                    : "the answer from engine " + where + " is larger than " + limit +
+                          ", the most this gateway holds for a whole answer; ask with "
+                          "\"stream\": true to receive it as it is generated");
     return;
   }
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error

@@ -64,6 +64,9 @@ struct Leg {
   // failed): not counted against the engine's health.
   std::atomic<bool> gateway_cancelled{false};
   bool engine_error = false;  // an error event, or a prefill answer without kv_transfer_params
+  // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
+  // not the engine's fault.
+  bool answer_too_large = false;
   // Its completion ended the request: the request's accounting runs in the same scheduler task
   // as the leg's, one post per request end instead of two.
   bool ended_request = false;

@@ -131,6 +131,10 @@ struct Topology {
   std::string metrics_api_key;
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
+  // The largest non-streamed answer the gateway holds to relay (it buffers a whole answer before
+  // any byte reaches the client, so a failure can still be retried); a larger one is refused with
+  // a 502 that asks for stream: true. Not read from the topology file; tests make it small.
+  size_t max_answer_bytes = size_t{64} << 20;
   int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
   // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
   // kv_router. Checked when the gateway is built.

@@ -521,6 +521,52 @@ TEST(Dispatcher, AWholeAnswerCutBeforeTheCloseThatDelimitsItIsAFailedLeg) {
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
 }
 
+// A whole answer is held until it is complete (so a failure can still be retried), up to a limit.
+// One past it is the gateway's refusal, not the engine's failure: no other engine is asked to
+// compute it again, the engine is not blamed, and the client is told to stream it.
+TEST(Dispatcher, AnAnswerLargerThanTheGatewayHoldsIsRefusedWithoutRetryOrBlame) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.max_answer_bytes = 1024;
+  Cluster c(t);
+  auto client = c.send();
+  auto call = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*call, 200, "application/json");
+  ASSERT_TRUE(FakeEngines::piece(*call, "{\"choices\":[{\"text\":\"" + std::string(1000, 'x')));
+  EXPECT_FALSE(FakeEngines::piece(*call, std::string(100, 'x')));
+  FakeEngines::finish(*call, "cancelled");  // as the real client ends a call its on_body refused
+  c.clock.run_ready();
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 1u);
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(client->error_code, "answer_too_large");
+  EXPECT_NE(client->error_message.find("larger than 1024 bytes"), std::string::npos)
+      << client->error_message;
+  EXPECT_NE(client->error_message.find("\"stream\": true"), std::string::npos)
+      << client->error_message;
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 0);
+  EXPECT_EQ(c.endpoint("a")["in_flight"], 0);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// The limit is on what the gateway holds, not on what it relays: a stream goes on past it.
+TEST(Dispatcher, AStreamLongerThanTheAnswerLimitIsRelayedWhole) {
+  Topology t = aggregated({engine("a")});
+  t.max_answer_bytes = 1024;
+  Cluster c(t);
+  auto [client, call] = open_stream(c);
+  const std::string event =
+      "data: {\"choices\":[{\"text\":\"" + std::string(500, 'x') + "\"}]}\n\n";
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(FakeEngines::piece(*call, event));
+  ASSERT_TRUE(FakeEngines::piece(*call, "data: [DONE]\n\n"));
+  FakeEngines::finish(*call, "");
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed.size(), 8 * event.size() + 14);
+  EXPECT_TRUE(client->complete());
+  EXPECT_FALSE(client->aborted);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 1);
+}
+
 // ------------------------------------------------------------------------------- retries
 
 TEST(Dispatcher, RetriesAFailedAttemptOnAnotherEngine) {
