@@ -468,8 +468,10 @@ void add_engine_command(CLI::App& app) {
                   "requests give it, or an IPv4 block like 10.0.0.0/8 (repeatable; default: any)");
   cmd->add_option("--kv-transfer-secret-file", o->kv_transfer_secret_file,
                   "a file holding the KV transfer secret (trailing whitespace ignored)");
-  cmd->add_flag("--kv-transfer-checksum", o->kv_transfer_checksum,
-                "checksum every transferred layer (always on in debug builds)");
+  cmd->add_flag(
+      "--kv-transfer-checksum", o->kv_transfer_checksum,
+      "checksum every transferred layer (a decode engine asks its prefill engines for them and "
+      "refuses layers without; always on in debug builds)");
   cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");
   cmd->add_option("--max-model-len", o->max_model_len,
                   "context length of a simulated model (default: the preset's)")
