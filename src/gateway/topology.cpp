@@ -556,11 +556,14 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   throw Error(path + ": expected " + expected + ", got " + got);
 }
 
-void check_duration(std::chrono::nanoseconds value, const std::string& path, int64_t min = 1) {
-  using std::chrono::milliseconds;
-  if (value < milliseconds(min) || value > milliseconds(kMaxMilliseconds))
-    invalid(path, duration_expected(min),
-            std::to_string(std::chrono::duration_cast<milliseconds>(value).count()));
+// In whole milliseconds, never converting to a finer unit: a field of 10^13 ms is what this
+// refuses, and as nanoseconds it would overflow first.
+template <class Rep, class Period>
+void check_duration(std::chrono::duration<Rep, Period> value, const std::string& path,
+                    int64_t min = 1) {
+  static_assert(Period::num == 1 && Period::den >= 1000, "milliseconds or finer");
+  const int64_t ms = std::chrono::duration_cast<std::chrono::milliseconds>(value).count();
+  if (ms < min || ms > kMaxMilliseconds) invalid(path, duration_expected(min), std::to_string(ms));
 }
 
 void check_at_least(long long value, long long min, const std::string& path) {
