@@ -5,6 +5,8 @@
 #include <netinet/in.h>
 
 #include <cctype>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -52,6 +54,7 @@ struct EngineOptions {
   SimExecutorFlags sim;
   double sim_time_scale = 1.0;
   int expert_parallel = 1;
+  double expert_parallel_stall_timeout = 300;
   std::string expert_placement;
   int64_t rebalance_interval = 0;
   int64_t max_model_len = 0;
@@ -188,6 +191,8 @@ void run(const EngineOptions& o) {
     eo.cache = cache_options(o);
     eo.max_tokens = o.max_num_batched_tokens;
     eo.max_items = o.max_num_seqs;
+    eo.stall_timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(std::llround(o.expert_parallel_stall_timeout * 1000)));
     if (!o.expert_placement.empty()) eo.placement = placement::read_placement(o.expert_placement);
     std::fprintf(stderr, "tandem engine: starting %d expert-parallel ranks\n", o.expert_parallel);
     executor = std::make_unique<engine::ep::EpExecutor>(eo, *tokenizer);
@@ -380,6 +385,13 @@ void add_engine_command(CLI::App& app) {
                   "memory)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  cmd->add_option("--expert-parallel-stall-timeout", o->expert_parallel_stall_timeout,
+                  "with --expert-parallel: seconds a step waits at one MoE exchange for a rank "
+                  "that is alive but does not get there (stopped, frozen, deadlocked) before the "
+                  "engine fails as it does when a rank dies (0: wait forever, e.g. to debug a "
+                  "rank)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 604800.0));
   cmd->add_option("--expert-placement", o->expert_placement,
                   "where experts live with --expert-parallel (.json from `tandem place plan` or an "
                   "Omni .npy; redundant copies allowed); default: every expert once, in order");

@@ -431,6 +431,23 @@ TEST_F(ExpertParallel, ARankThatDiesWhileIdleMakesTheEngineUnhealthy) {
   EXPECT_EQ(ep.stop(), 0);
 }
 
+TEST_F(ExpertParallel, ARankThatStopsMidStepFailsTheStepNamingItAndTheEngineReportsUnhealthy) {
+  testing::EngineProcess ep(args("v3-bf16", 2, {"--expert-parallel-stall-timeout", "1"}));
+  const auto ranks = children_of(ep.pid());
+  ASSERT_EQ(ranks.size(), 1u);
+  // Alive but making no progress: its process does not exit, so only the front's wait can tell.
+  kill(ranks[0], SIGSTOP);
+  const auto r =
+      testing::post_json(ep.port(), "/v1/completions", {{"prompt", "hello"}, {"max_tokens", 4}});
+  EXPECT_GE(r.status, 500);
+  EXPECT_NE(r.body.find("expert-parallel rank 1 stalled"), std::string::npos) << r.body;
+  const auto health = net::http_request("127.0.0.1", ep.port(), "GET", "/health");
+  EXPECT_EQ(health.status, 503);
+  EXPECT_NE(health.body.find("rank 1 stalled"), std::string::npos) << health.body;
+  EXPECT_EQ(ep.stop(), 0);
+  EXPECT_TRUE(testing::eventually([&] { return !running(ranks[0]); }));  // killed, not left stopped
+}
+
 TEST_F(ExpertParallel, NoRankOutlivesItsEngineHoweverItStops) {
   {
     testing::EngineProcess ep(args("v3-bf16", 4));

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -32,7 +33,8 @@ std::filesystem::path own_executable() {
 
 }  // namespace
 
-EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokenizer) {
+EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokenizer)
+    : stall_(o.stall_timeout) {
   if (o.ranks < 2)
     throw Error("--expert-parallel: needs at least 2 ranks, got " + std::to_string(o.ranks));
   auto loaded = std::make_shared<model::DeepSeekModel>(
@@ -175,9 +177,29 @@ void EpExecutor::poll() {
     if (why.empty() && segment_->header().abort.load(std::memory_order_acquire))
       why = failure_.empty() ? "expert parallelism: a rank failed its step" : failure_;
   }
+  if (why.empty()) why = stalled_ranks();
   if (why.empty()) return;
   fail(why);
   throw Error(failure());
+}
+
+std::string EpExecutor::stalled_ranks() {
+  const Header& h = segment_->header();
+  if (!stall_.stalled(h.barrier.generation.load(std::memory_order_acquire),
+                      StallWatch::Clock::now()))
+    return {};
+  std::vector<uint32_t> arrivals;
+  for (int r = 0; r < ranks(); ++r)
+    arrivals.push_back(segment_->rank(r).arrivals->load(std::memory_order_acquire));
+  const std::vector<int> behind = ranks_behind(arrivals, 0);
+  std::string names;
+  for (int r : behind) names += (names.empty() ? "" : ", ") + std::to_string(r);
+  const auto seconds = std::chrono::duration<double>(stall_.timeout()).count();
+  char limit[32];
+  std::snprintf(limit, sizeof limit, "%g s", seconds);
+  return "expert-parallel rank" + std::string(behind.size() > 1 ? "s " : " ") +
+         (names.empty() ? "?" : names) + " stalled: not at the step's exchange after " + limit +
+         " (alive but stopped, frozen or deadlocked; --expert-parallel-stall-timeout)";
 }
 
 std::string EpExecutor::failure() const {

@@ -7,8 +7,11 @@
 //
 // Failure: when a rank dies (or a step fails on any rank) the executor aborts every wait, kills
 // the other ranks and fails this and every later step with the reason, which failure() reports
-// (the engine's /health then answers 503). The segment is a memfd: nothing outlives the
-// processes, however they end; ranks die with the engine process (PR_SET_PDEATHSIG).
+// (the engine's /health then answers 503). So does a rank that is alive but stalled: one that
+// has not reached an exchange the front has waited at for `stall_timeout`. The segment is a memfd:
+// nothing outlives the processes, however they end; ranks die with the engine process
+// (PR_SET_PDEATHSIG).
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -20,6 +23,7 @@
 
 #include "engine/executor/cpu_executor.h"
 #include "engine/expert_parallel/ep_rank.h"
+#include "engine/expert_parallel/stall_watch.h"
 #include "placement/placement.h"
 #include "text/tokenizer.h"
 #include "util/child_process.h"
@@ -43,6 +47,9 @@ struct EpExecutorOptions {
   // The `tandem` binary that runs `ep-rank` (default: this process's own executable).
   std::filesystem::path rank_program;
   int threads_per_rank = 0;  // 0: this machine's cores / ranks, at least 1
+  // How long the front waits at one exchange for a rank that is alive but does not get there
+  // before the engine fails (stall_watch.h). One exchange is one MoE layer of one step.
+  std::chrono::milliseconds stall_timeout{300'000};
 };
 
 class EpExecutor final : public Executor {
@@ -67,8 +74,10 @@ class EpExecutor final : public Executor {
   int ranks() const { return int(children_.size()) + 1; }
 
  private:
-  // Throws (after failing the executor) when a rank has died or the segment says abort.
+  // Throws (after failing the executor) when a rank has died or stalled, or the segment says
+  // abort. Called by rank 0 while it waits at a barrier (on the engine's thread).
   void poll();
+  std::string stalled_ranks();  // empty while none has stalled
   void fail(const std::string& why);
   void abort_waits() const;  // every rank's waits give up
   void post(Command command);
@@ -83,7 +92,8 @@ class EpExecutor final : public Executor {
   std::unique_ptr<EpRank> rank0_;
   ExecutorInfo info_;
   std::vector<int32_t> no_text_;
-  int threads_ = 1;  // OpenMP threads of every rank, rank 0 included
+  int threads_ = 1;   // OpenMP threads of every rank, rank 0 included
+  StallWatch stall_;  // the engine's thread only (poll)
   // children_ and failure_: health checks (other threads) reap ranks that died between steps.
   mutable std::mutex mutex_;
   mutable std::vector<std::unique_ptr<ChildProcess>> children_;

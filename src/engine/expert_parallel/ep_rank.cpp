@@ -126,6 +126,7 @@ void EpRank::switch_placement_with_all(uint32_t table) {
 }
 
 void EpRank::barrier() {
+  segment_.rank(rank_).arrivals->fetch_add(1, std::memory_order_release);
   segment_.header().barrier.arrive_and_wait(uint32_t(segment_.shape().ranks), poll_);
 }
 

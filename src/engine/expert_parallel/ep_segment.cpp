@@ -108,7 +108,9 @@ RankArea EpSegment::rank(int r) const {
   const Sizes z(header_->shape);
   std::byte* p = ranks_ + z.rank * size_t(r);
   RankArea a{};
+  // Both counters in the area's first cache line.
   a.entry_count = reinterpret_cast<std::atomic<int64_t>*>(p);
+  a.arrivals = reinterpret_cast<std::atomic<uint32_t>*>(p + sizeof(std::atomic<int64_t>));
   p += 64;
   a.entries = reinterpret_cast<Entry*>(p);
   p += z.entries;

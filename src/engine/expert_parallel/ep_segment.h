@@ -70,6 +70,9 @@ struct PlacementTable {
 
 struct RankArea {
   std::atomic<int64_t>* entry_count;
+  // Barriers this rank has reached since it started: the front names a stalled rank by it
+  // (stall_watch.h).
+  std::atomic<uint32_t>* arrivals;
   Entry* entries;       // [max_tokens * top_k]
   int64_t* result_row;  // per entry: the row of its result in its slot's rank's `results`
   float* rows;          // [max_tokens, hidden]
