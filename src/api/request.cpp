@@ -270,6 +270,10 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab
   }
   if (const json* s = field(body, "stop_token_ids")) {
     if (!s->is_array()) fail("stop_token_ids", "'stop_token_ids' must be a list of token ids");
+    // Counted before anything is copied: a body may hold millions of ids.
+    if (s->size() > SamplingParams::kMaxStopTokenIds)
+      fail("stop_token_ids", "at most " + std::to_string(SamplingParams::kMaxStopTokenIds) +
+                                 " stop_token_ids are accepted, got " + std::to_string(s->size()));
     for (const auto& e : *s) {
       if (!e.is_number_integer()) fail("stop_token_ids", "'stop_token_ids' must hold integers");
       if (e.is_number_unsigned() ? e.get<uint64_t>() > INT32_MAX

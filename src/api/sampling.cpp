@@ -26,6 +26,9 @@ void SamplingParams::validate() const {
   if (stop.size() > kMaxStopStrings)
     fail("at most " + std::to_string(kMaxStopStrings) + " stop strings are accepted, got " +
          std::to_string(stop.size()));
+  if (stop_token_ids.size() > kMaxStopTokenIds)
+    fail("at most " + std::to_string(kMaxStopTokenIds) + " stop_token_ids are accepted, got " +
+         std::to_string(stop_token_ids.size()));
   for (const auto& s : stop) {
     if (s.empty()) fail("stop strings must not be empty");
     if (s.size() > kMaxStopStringBytes)

@@ -25,6 +25,10 @@ struct SamplingParams {
   // many tokens were generated (vLLM's min_tokens).
   int64_t min_tokens = 0;
   std::vector<int32_t> stop_token_ids;
+  // Bounded for the same reason as stop strings: every id is masked before min_tokens and each
+  // sampled token is looked up among them (vLLM's GPU sampler takes 128; lists of a model's
+  // special tokens stay well within this).
+  static constexpr size_t kMaxStopTokenIds = 1024;
   std::vector<std::string> stop;  // stop strings: output ends before the first occurrence
   // Every generated token is checked against every stop string: bounded, so a request cannot
   // make each step of the engine's loop slow for everyone (OpenAI allows 4 strings).

@@ -39,7 +39,7 @@ OutputDelta OutputProcessor::push(int32_t id) {
   // Before min_tokens nothing but max_tokens ends the sequence (the sampler does not draw stop
   // ids then; a forced one counts as text).
   const bool may_stop = num_tokens_ >= min_tokens_;
-  if (may_stop && std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end()) {
+  if (may_stop && std::binary_search(stop_ids_.begin(), stop_ids_.end(), id)) {
     text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
     finished_ = true;
     delta.finish_reason = "stop";

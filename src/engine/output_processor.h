@@ -35,7 +35,7 @@ class OutputProcessor {
 
  private:
   text::IncrementalDetokenizer detok_;
-  std::vector<int32_t> stop_ids_;
+  std::vector<int32_t> stop_ids_;  // end_token_ids(): sorted
   std::vector<std::string> stop_strings_;
   int64_t max_tokens_;
   int64_t min_tokens_;

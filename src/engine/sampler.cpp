@@ -14,6 +14,10 @@ namespace tandem::engine {
 std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids) {
   std::vector<int32_t> ids = params.stop_token_ids;
   if (!params.ignore_eos) ids.insert(ids.end(), eos_ids.begin(), eos_ids.end());
+  // Sorted once per request: each generated token is then looked up by binary search, and a
+  // client's repeated ids are masked once per step, not once per repetition.
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   return ids;
 }
 

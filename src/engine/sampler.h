@@ -28,7 +28,8 @@ namespace tandem::engine {
 using api::SamplingParams;
 
 // The ids that end a sequence: stop_token_ids, and the EOS ids unless ignore_eos. One rule for
-// the sampler (min_tokens) and the output processor (when to stop).
+// the sampler (min_tokens) and the output processor (when to stop). Sorted, each id once
+// (OutputProcessor looks ids up by binary search).
 std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids);
 
 class Sampler {

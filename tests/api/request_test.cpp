@@ -671,6 +671,18 @@ TEST(Protocol, FieldsPastTheEnginesLimitsAre400sNamingTheLimit) {
   EXPECT_NO_THROW(parse_completion(
       json{{"prompt", "x"}, {"stop", std::vector<std::string>(64, std::string(256, 'x'))}},
       tokenizer(), kLimits));
+  // Stop token ids: at most 1024 (each is masked and looked up on every step).
+  const ApiError many_ids = completion({{"stop_token_ids", std::vector<int32_t>(1025, 7)}});
+  EXPECT_EQ(many_ids.status, 400);
+  EXPECT_EQ(many_ids.param, "stop_token_ids");
+  EXPECT_NE(many_ids.message.find("at most 1024 stop_token_ids are accepted, got 1025"),
+            std::string::npos)
+      << many_ids.message;
+  std::vector<int32_t> ids(1024);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(ids.size() - i);
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"stop_token_ids", ids}}, tokenizer(), kLimits)
+                .sampling.stop_token_ids,
+            ids);
 }
 
 // ------------------------------------------------------------------ prefill/decode disaggregation

@@ -176,6 +176,23 @@ TEST(Sampler, InvalidParametersAreNamed) {
   p = {};
   p.stop = {""};
   EXPECT_NE(error_of(p).find("stop"), std::string::npos);
+  // In-process requests (the engine's own check) are bounded as the API's are.
+  p = {};
+  p.stop_token_ids.assign(SamplingParams::kMaxStopTokenIds + 1, 3);
+  EXPECT_NE(error_of(p).find("at most 1024 stop_token_ids"), std::string::npos) << error_of(p);
+  p.stop_token_ids.pop_back();
+  EXPECT_EQ(error_of(p), "");
+}
+
+// The end ids are sorted and each is kept once, so that a step looks a token up by binary search
+// and masks a client's repeated ids once.
+TEST(Sampler, EndTokenIdsAreSortedOnce) {
+  SamplingParams p;
+  p.stop_token_ids = {900, 5, 300, 5, 900, 2};
+  const std::vector<int32_t> eos = {7, 2};
+  EXPECT_EQ(end_token_ids(p, eos), (std::vector<int32_t>{2, 5, 7, 300, 900}));
+  p.ignore_eos = true;
+  EXPECT_EQ(end_token_ids(p, eos), (std::vector<int32_t>{2, 5, 300, 900}));
 }
 
 // Speculative sampling is lossless: a token proposed from a draft distribution and then verified
