@@ -567,6 +567,14 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   metrics_->success.labels({reason}).inc();
   metrics_->e2e.observe(now() - seq->arrival_time);
   if (pd_ && pd_->outlives_end(seq)) return;  // its fetch still runs: dropped when it ends
+  if (seq->kv_state == KvTransferState::kParked) {
+    // The cache keeps the parked blocks under this id, and the transfer frees them by it: a new
+    // request with the same id would have them in its block table, and lose its own blocks
+    // when the transfer ends. The id stays taken until then (release_id).
+    const std::string key = seq->request.id;
+    sequences_.erase(key);
+    return;
+  }
   drop(seq->request.id);
 }
 
@@ -586,8 +594,12 @@ void Engine::schedule(Sequence* seq) {
 void Engine::drop(const std::string& id) {
   const std::string key = id;  // `id` may be the sequence's own, gone with it
   sequences_.erase(key);
+  release_id(key);
+}
+
+void Engine::release_id(const std::string& id) {
   std::lock_guard lock(mutex_);
-  live_ids_.erase(key);
+  live_ids_.erase(id);
 }
 
 void Engine::publish_events() {

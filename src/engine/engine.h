@@ -103,7 +103,8 @@ class Engine final : private PdHost {
   void check(const EngineRequest& request) const;
   // Thread-safe. check(), then queues the request (throws too when the engine is stopping or the
   // id is live). Its outputs arrive through request.on_output on the engine thread. Request ids
-  // must be unique among live requests.
+  // must be unique among live requests; a finished P/D request whose blocks are parked for a
+  // transfer (a pull, a room) stays live until the transfer lets go of them.
   void submit(EngineRequest request);
   // Thread-safe. Finishes the request with "abort" and frees its blocks; unknown ids are ignored.
   void abort(const std::string& id);
@@ -163,6 +164,7 @@ class Engine final : private PdHost {
   void fail(Sequence* seq, const std::string& error, int status) override;
   void schedule(Sequence* seq) override;
   void drop(const std::string& id) override;
+  void release_id(const std::string& id) override;
 
   EngineConfig config_;
   std::unique_ptr<Executor> executor_;
@@ -184,8 +186,9 @@ class Engine final : private PdHost {
   std::condition_variable wake_;
   std::vector<EngineRequest> incoming_;
   std::vector<std::string> aborts_;
-  std::vector<std::function<void()>> tasks_;        // posted by KV transfer threads
-  std::unordered_set<std::string> live_ids_;        // submitted and not finished (under mutex_)
+  std::vector<std::function<void()>> tasks_;  // posted by KV transfer threads
+  // Submitted and not finished, or finished with blocks parked under the id (under mutex_).
+  std::unordered_set<std::string> live_ids_;
   std::atomic<int64_t> incoming_prompt_tokens_{0};  // prompt tokens in incoming_ (under mutex_)
   std::atomic<int64_t> incoming_prompt_pairs_{0};   // their attention pairs, as if uncached
   bool stopping_ = false;

@@ -15,8 +15,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/engine.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
+#include "engine/executor/sim_executor.h"
+#include "engine/output_processor.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "text/oracle_support.h"
@@ -726,6 +729,130 @@ TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItsPullReleasesThePrefillBlocksAt
     other.get();
   } catch (const std::exception&) {
   }
+}
+
+// A prefill engine in process (simulated executor), its KV transfers replaced by a fake that
+// records holds and rooms and lets the test end them: what the engine does with a request id
+// whose blocks stay parked after its request finished.
+class ParkedIds : public Disaggregation {
+ protected:
+  class FakeTransfers final : public KvTransfers {
+   public:
+    explicit FakeTransfers(Post post) : post(std::move(post)) {}
+    const KvTransferConfig& config() const override { return config_; }
+    bool serving() const override { return true; }
+    uint16_t port() const override { return 1; }
+    std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task release) override {
+      releases.push_back(std::move(release));
+      return std::to_string(releases.size());  // a transfer id
+    }
+    uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone done) override {
+      rooms.push_back(std::move(done));
+      return rooms.size();
+    }
+    void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
+    void room_layers_done(uint64_t, uint64_t, int64_t) override {}
+    void room_progress(uint64_t, uint64_t, int64_t) override {}
+    void room_failed(uint64_t, uint64_t, const std::string&) override {}
+    void fetch(KvFetch, std::function<void(const KvFetchResult&)>) override {}
+    void cancel_fetch(const std::string&) override {}
+    void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
+                        std::vector<int32_t>) override {}
+    int64_t held_blocks() const override { return 0; }
+
+    Post post;                    // runs a task on the engine thread (at its next run_once)
+    std::vector<Task> releases;   // of each hold, in order
+    std::vector<RoomDone> rooms;  // of each room opened, in order
+
+   private:
+    KvTransferConfig config_;
+  };
+
+  ParkedIds() {
+    SimExecutorOptions x;
+    x.preset = "tiny";
+    x.model_name = "tiny";
+    x.num_blocks = 64;
+    x.time_scale = 0;
+    EngineConfig config;
+    config.role = EngineRole::kPrefill;
+    config.transfer = KvTransferConfig{};
+    config.make_transfers = [this](Executor&, KvTransfers::Post post) {
+      auto t = std::make_unique<FakeTransfers>(std::move(post));
+      fake_ = t.get();
+      return t;
+    };
+    engine_ = std::make_unique<tandem::engine::Engine>(
+        config, std::make_unique<SimExecutor>(*tok_, x),
+        std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
+        eos_ids(*tok_, std::nullopt), registry_);
+  }
+
+  // Submits a prefill leg; its final output lands in `out` (finished stays false until then).
+  void submit(const std::string& id, int base, KvTransferSpec::Mode mode, RequestOutput& out) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = tokens(40, base);
+    r.sampling.max_tokens = 1;
+    r.kv_transfer.mode = mode;
+    r.kv_transfer.room = 7;
+    r.on_output = [&out](const RequestOutput& o) {
+      if (o.finished) out = o;
+    };
+    engine_->submit(std::move(r));
+  }
+  // Runs the engine (virtual time, this thread) until nothing is left to do.
+  void run() {
+    for (int i = 0; i < 1000 && engine_->has_work(); ++i) engine_->run_once();
+  }
+  std::string refusal(const std::string& id) {
+    try {
+      submit(id, 900, KvTransferSpec::Mode::kNone, accepted_);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  }
+
+  metrics::Registry registry_;
+  RequestOutput accepted_;  // of the request refusal() submitted when it was accepted
+  FakeTransfers* fake_ = nullptr;
+  std::unique_ptr<tandem::engine::Engine> engine_;
+};
+
+// The cache keeps parked blocks under the request id and the transfer frees them by it: a new
+// request with the id of a parked one got the parked blocks in its block table, and lost its
+// own blocks when the transfer let go. The id stays taken until then, in both dialects.
+TEST_F(ParkedIds, AnIdIsTakenUntilItsParkedBlocksAreFreed) {
+  RequestOutput pulled;
+  submit("r", 100, KvTransferSpec::Mode::kPrefillForPull, pulled);
+  run();
+  ASSERT_TRUE(pulled.finished) << "the prefill leg did not finish";
+  EXPECT_EQ(pulled.kv_blocks.size(), 3u);  // 40 tokens, 16 a block
+  ASSERT_EQ(fake_->releases.size(), 1u);
+  EXPECT_NE(refusal("r").find("request id 'r' is already in use"), std::string::npos);
+  fake_->post(std::move(fake_->releases[0]));  // pulled
+  run();
+  EXPECT_EQ(engine_->load().kv_usage, 0);
+  RequestOutput again;
+  submit("r", 200, KvTransferSpec::Mode::kNone, again);
+  run();
+  EXPECT_EQ(again.finish_reason, "length") << again.error;
+
+  // A room's prefill: its answer waits for the room's transfer, and so does its id.
+  RequestOutput roomed;
+  submit("q", 300, KvTransferSpec::Mode::kPrefillForRoom, roomed);
+  run();
+  EXPECT_FALSE(roomed.finished);
+  ASSERT_EQ(fake_->rooms.size(), 1u);
+  EXPECT_NE(refusal("q").find("request id 'q' is already in use"), std::string::npos);
+  fake_->post([done = fake_->rooms[0]] { done(true, ""); });
+  run();
+  EXPECT_EQ(roomed.finish_reason, "length") << roomed.error;
+  EXPECT_EQ(refusal("q"), "(accepted)");
+  run();
+  EXPECT_EQ(accepted_.finish_reason, "length") << accepted_.error;
+  EXPECT_EQ(engine_->load().kv_usage, 0);
 }
 
 // Batch-invariant numerics (--batch-invariant) in BF16, where plain kernels differ between a

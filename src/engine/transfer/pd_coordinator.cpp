@@ -149,8 +149,11 @@ bool PdCoordinator::defer_final_output(Sequence* seq, RequestOutput& o) {
     // The prompt's blocks wait for the decode engine's pull (vLLM's request_finished).
     o.kv_blocks = kv_.block_table(seq->request.id);
     const std::string id = seq->request.id;
-    o.kv_transfer_id = agent_.hold(o.kv_blocks, kv_prompt_hash(seq->prompt()), seq->num_prompt,
-                                   [this, id] { kv_.free(id); });
+    o.kv_transfer_id =
+        agent_.hold(o.kv_blocks, kv_prompt_hash(seq->prompt()), seq->num_prompt, [this, id] {
+          kv_.free(id);
+          host_.release_id(id);
+        });
     seq->kv_state = KvTransferState::kParked;
     return false;
   }
@@ -202,6 +205,7 @@ void PdCoordinator::on_room_done(const std::string& id, bool ok, const std::stri
   Parked p = std::move(it->second);
   parked_.erase(it);
   kv_.free(id);
+  host_.release_id(id);
   if (!p.deferred || !p.on_output) return;
   if (ok) {
     p.on_output(*p.deferred);

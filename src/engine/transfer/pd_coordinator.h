@@ -39,6 +39,9 @@ class PdHost {
   virtual void schedule(Sequence* seq) = 0;
   // The sequence is gone for good (its cancelled fetch ended): forget it.
   virtual void drop(const std::string& id) = 0;
+  // A finished sequence's parked blocks were freed (pulled, released, expired, or its room
+  // ended): nothing refers to its id any more, so a new request may take it.
+  virtual void release_id(const std::string& id) = 0;
 };
 
 class PdCoordinator {
