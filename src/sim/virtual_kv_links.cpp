@@ -148,6 +148,15 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
        [prefill, transfer_id] { prefill->release_held(transfer_id); });
   }
 
+  void abandon_room(const std::string& host, uint16_t port, uint64_t room, uint64_t prompt_hash,
+                    int64_t, const std::string& reason) override {
+    auto server = net_.servers_.find(address(host, port));
+    if (server == net_.servers_.end()) return;
+    Endpoint* prefill = server->second;
+    at(now_() + net_.link_.latency_s,
+       [prefill, room, prompt_hash, reason] { prefill->abandoned(room, prompt_hash, reason); });
+  }
+
   int64_t held_blocks() const override {
     int64_t n = 0;
     for (const auto& [id, h] : held_) n += static_cast<int64_t>(h.blocks.size());
@@ -322,6 +331,16 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       });
     }
     if (r.claim != 0 && r.done) to_engine([d = std::move(r.done), why] { d(false, why); });
+  }
+
+  // Prefill side: the decode leg of `room` ended before it registered. A prefill leg that has
+  // not come yet finds no room and waits out its timeout, as before.
+  void abandoned(uint64_t room, uint64_t prompt_hash, const std::string& reason) {
+    auto it = rooms_.find(room);
+    if (it == rooms_.end() || it->second.claim == 0 || it->second.decode ||
+        it->second.prompt_hash != prompt_hash)
+      return;
+    fail_room(room, reason);
   }
 
   // Prefill side: the decode leg of `room` went away.

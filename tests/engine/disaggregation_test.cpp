@@ -731,6 +731,49 @@ TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItsPullReleasesThePrefillBlocksAt
   }
 }
 
+TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItRegistersItsRoomFailsThePrefillLegAtOnce) {
+  // The same in parallel mode: the decode leg gives up without registering the room, and the
+  // prefill leg, computed and waiting for a decode engine, must not hold the KV (and its answer)
+  // for its 600 s: it fails now, naming why.
+  Engine p = start("prefill", {"--kv-transfer-timeout", "600"}, "sim:tiny");
+  Engine d = start("decode",
+                   {"--num-kv-blocks", "8", "--kv-transfer-timeout", "1", "--sim-time-scale", "20"},
+                   "sim:tiny");
+  const json body = {{"prompt", tokens(100, 100)},
+                     {"max_tokens", 4},
+                     {"bootstrap_host", "127.0.0.1"},
+                     {"bootstrap_port", p.kv_port},
+                     {"bootstrap_room", 21}};
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", body); });
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 7; }));
+  auto other = std::async(std::launch::async, [&] {
+    return post_json(d.port(), "/v1/completions",
+                     {{"prompt", tokens(60, 300)}, {"max_tokens", 60}, {"ignore_eos", true}});
+  });
+  ASSERT_TRUE(eventually([&] { return metric(d.port(), "vllm:num_requests_running") == 1; }));
+  const auto r = post_json(d.port(), "/v1/completions", body);
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 0; }));
+  EXPECT_EQ(p.process->stop(), 0);  // ends the prefill leg's wait if the room was not abandoned
+  try {
+    const auto pr = prefill.get();
+    EXPECT_EQ(pr.status, 502);
+    EXPECT_NE(error_message(pr).find(
+                  "the decode request of bootstrap_room 21 ended before it registered: no free "
+                  "KV blocks"),
+              std::string::npos)
+        << pr.body;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "the prefill leg got no answer: " << e.what();
+  }
+  EXPECT_EQ(d.process->stop(), 0);
+  try {
+    other.get();
+  } catch (const std::exception&) {
+  }
+}
+
 // A prefill engine in process (simulated executor), its KV transfers replaced by a fake that
 // records holds and rooms and lets the test end them: what the engine does with a request id
 // whose blocks stay parked after its request finished.
@@ -758,6 +801,8 @@ class ParkedIds : public Disaggregation {
     void cancel_fetch(const std::string&) override {}
     void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
                         std::vector<int32_t>) override {}
+    void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
+                      const std::string&) override {}
     int64_t held_blocks() const override { return 0; }
 
     Post post;                    // runs a task on the engine thread (at its next run_once)

@@ -1241,8 +1241,9 @@ TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {
     send_text(*conn, KvFrameType::kDone, "{}");
     const KvFrame f = conn->receive(1 << 20);
     EXPECT_EQ(f.type, KvFrameType::kError);
-    EXPECT_THAT(text_of(f.payload),
-                HasSubstr("expected a pull or register frame, got a done frame of 2 bytes"));
+    EXPECT_THAT(
+        text_of(f.payload),
+        HasSubstr("expected a pull, register or abandon frame, got a done frame of 2 bytes"));
   }
   for (const KvFrameType type : {KvFrameType::kPull, KvFrameType::kRegister}) {
     auto conn = transport->connect("127.0.0.1", prefill_->port());
@@ -1787,6 +1788,69 @@ TEST_F(KvTransferAgents, RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode)
   const KvFetchResult r = wait(fetch(enter_room(62, local_, "req-62")));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("aborted by the client"));
+}
+
+// A decode leg that ends before it registers (no free blocks for the prompt, its client gone)
+// abandons its room: the prefill leg fails at once with the reason and frees its blocks instead of
+// holding them for the timeout (600 s here), or, not arrived yet, is refused when it comes. An
+// abandonment naming another prompt leaves the room alone.
+TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOne) {
+  start(600);
+  const uint64_t hash = kv_prompt_hash(prompt_);
+  RoomOutcome done;
+  ASSERT_TRUE(open(90, hash, 11, room_done(done)));
+  prefill_->room_blocks(90, claims_[90], remote_);
+  prefill_->room_layers_done(90, claims_[90], kLayout.layers);
+  EXPECT_EQ(prefill_->held_blocks(), 3);
+  decode_->abandon_room("127.0.0.1", prefill_port(), 90, hash, 11,
+                        "the decode request ended before it registered: abort");
+  ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+  EXPECT_FALSE(done.ok);
+  EXPECT_EQ(done.error, "the decode request ended before it registered: abort");
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+
+  // By hand, so that the test knows when the prefill engine has read each one (its kDone).
+  auto transport = make_tcp_transport({5000ms});
+  auto abandon = [&](uint64_t room, uint64_t prompt_hash, const std::string& reason) {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(
+        *conn, KvFrameType::kAbandon,
+        json{
+            {"room", room}, {"prompt_hash", prompt_hash}, {"prompt_tokens", 11}, {"reason", reason}}
+            .dump());
+    return conn->receive(1 << 20).type;
+  };
+  RoomOutcome other;
+  ASSERT_TRUE(open(91, hash, 11, room_done(other)));
+  EXPECT_EQ(abandon(91, hash + 1, "another prompt's"), KvFrameType::kDone);
+  queue_.run_pending();
+  EXPECT_FALSE(other.called);
+  prefill_->room_failed(91, claims_[91], "test over");
+  ASSERT_TRUE(queue_.run_until([&] { return other.called; }));
+  EXPECT_EQ(other.error, "test over");
+
+  // Before the prefill leg: it is refused when it arrives, once.
+  EXPECT_EQ(abandon(92, hash, "the decode request ended before it registered: no free blocks"),
+            KvFrameType::kDone);
+  RoomOutcome late;
+  try {
+    open(92, hash, 11, room_done(late));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg was abandoned";
+  } catch (const KvTransferError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("ended before it registered: no free blocks"));
+  }
+  RoomOutcome again;
+  EXPECT_TRUE(open(92, hash, 11, room_done(again)));
+  prefill_->room_failed(92, claims_[92], "test over");
+  ASSERT_TRUE(queue_.run_until([&] { return again.called; }));
+  EXPECT_FALSE(late.called);
+
+  // Malformed: the peer learns why.
+  auto conn = transport->connect("127.0.0.1", prefill_->port());
+  send_text(*conn, KvFrameType::kAbandon, "{\"room\": 1}");
+  const KvFrame f = conn->receive(1 << 20);
+  EXPECT_EQ(f.type, KvFrameType::kError);
+  EXPECT_THAT(text_of(f.payload), HasSubstr("malformed abandon request"));
 }
 
 // ------------------------------------------------------------------------------- fake prefill

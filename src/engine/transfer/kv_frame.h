@@ -28,7 +28,7 @@ inline KvFrameType parse_kv_frame_header(const std::byte* h, uint64_t& size, siz
                                          const std::string& peer) {
   const uint64_t type = get_le(h, 4);
   size = get_le(h + 8, 8);
-  if (type < 1 || type > static_cast<uint64_t>(KvFrameType::kProgress) || get_le(h + 4, 4) != 0)
+  if (type < 1 || type > static_cast<uint64_t>(KvFrameType::kAbandon) || get_le(h + 4, 4) != 0)
     throw Error("KV transfer from " + peer + ": not a Tandem KV frame (type " +
                 std::to_string(type) + ")");
   if (size > max_payload)

@@ -33,8 +33,8 @@ constexpr int64_t kMaxHandshakesPerAddress = 64;
 // Worker threads at most: every connection served at once, plus room for the decode side's
 // fetches, which therefore never wait behind connections blocked on their transfers.
 constexpr int64_t kMaxWorkers = kMaxConnections + 128;
-// release_remote calls at once (each is a connection and a worker for up to the handshake
-// timeout); the prefill engine frees a hold nobody releases when it expires anyway.
+// release_remote and abandon_room calls at once (each is a connection and a worker for up to the
+// handshake timeout); the prefill engine frees what nobody releases when it expires anyway.
 constexpr int64_t kMaxReleases = 16;
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
@@ -654,8 +654,10 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
     serve_pull(conn, first.payload);
   else if (first.type == KvFrameType::kRegister)
     serve_register(conn, first.payload);
+  else if (first.type == KvFrameType::kAbandon)
+    serve_abandon(conn, first.payload);
   else
-    send_error(conn, "expected a pull or register frame, got " +
+    send_error(conn, "expected a pull, register or abandon frame, got " +
                          frame_text(first.type, first.payload.size()));
 }
 
@@ -903,6 +905,46 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   if (!ok) send_error(conn, failure);
 }
 
+void KvTransferAgent::serve_abandon(KvConnection& conn, const std::vector<std::byte>& payload) {
+  uint64_t room = 0, hash = 0;
+  int64_t prompt_tokens = 0;
+  std::string reason;
+  try {
+    const json req = parse_control(KvFrame{KvFrameType::kAbandon, payload}, "abandon");
+    room = get_field<uint64_t>(req, "room");
+    hash = get_field<uint64_t>(req, "prompt_hash");
+    prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
+    reason = get_field<std::string>(req, "reason");
+  } catch (const std::exception& e) {
+    return send_error(conn, std::string("malformed abandon request: ") + e.what());
+  }
+  {
+    std::lock_guard lock(mutex_);
+    auto it = rooms_.find(room);
+    if (it == rooms_.end()) {
+      // The prefill leg has not arrived: it is refused when it does (nobody would receive its
+      // KV); the marker expires after the timeout.
+      auto r = std::make_unique<Room>();
+      r->failed = true;
+      r->refuses_prefill = true;
+      r->error = reason;
+      r->deadline = deadline();
+      rooms_[room] = std::move(r);
+    } else if (const Room& r = *it->second; r.has_prefill && !r.registered &&
+                                            r.prompt_hash == hash &&
+                                            r.prompt_tokens == prompt_tokens) {
+      finish_room(room, false, reason);
+    }
+    // Otherwise a decode engine registered (its own connection tells how it ends), or the room
+    // holds another prompt, or already failed: nothing of this leg's to end.
+  }
+  changed_.notify_all();
+  try {
+    send_json(conn, KvFrameType::kDone, json::object());
+  } catch (const std::exception&) {
+  }
+}
+
 // ---------------------------------------------------------------- decode side
 
 void KvTransferAgent::fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) {
@@ -928,13 +970,37 @@ void KvTransferAgent::fetch(KvFetch f, std::function<void(const KvFetchResult&)>
 void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
                                      const std::string& engine_id, const std::string& transfer_id,
                                      std::vector<int32_t> blocks) {
+  // A pull of zero tokens: the prefill engine lets go of the hold without sending any KV.
+  const json req = {{"transfer_id", transfer_id},
+                    {"engine_id", engine_id},
+                    {"block_ids", blocks},
+                    {"first_token", 0},
+                    {"num_tokens", 0},
+                    {"prompt_hash", 0},
+                    {"prompt_tokens", 0},
+                    {"layout", layout_json(layout_)}};
+  tell_prefill(host, port, KvFrameType::kPull, req.dump());
+}
+
+void KvTransferAgent::abandon_room(const std::string& host, uint16_t port, uint64_t room,
+                                   uint64_t prompt_hash, int64_t prompt_tokens,
+                                   const std::string& reason) {
+  const json req = {{"room", room},
+                    {"prompt_hash", prompt_hash},
+                    {"prompt_tokens", prompt_tokens},
+                    {"reason", reason}};
+  tell_prefill(host, port, KvFrameType::kAbandon, req.dump());
+}
+
+void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFrameType type,
+                                   std::string request) {
   if (!kv_peer_allowed(config_.allow, host)) return;
   {
     std::lock_guard lock(mutex_);
     if (stopping_ || releasing_ >= kMaxReleases) return;
     ++releasing_;
   }
-  auto release = [this, host, port, engine_id, transfer_id, blocks = std::move(blocks)] {
+  auto release = [this, host, port, type, request = std::move(request)] {
     std::shared_ptr<KvConnection> conn;
     try {
       conn = transport_->connect(host, port, [this] {
@@ -950,15 +1016,8 @@ void KvTransferAgent::release_remote(const std::string& host, uint16_t port,
           std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
       if (!config_.secret.empty())
         authenticate_to_prefill(*conn, config_.secret, host + ":" + std::to_string(port));
-      json req = {{"transfer_id", transfer_id},
-                  {"engine_id", engine_id},
-                  {"block_ids", blocks},
-                  {"first_token", 0},
-                  {"num_tokens", 0},
-                  {"prompt_hash", 0},
-                  {"prompt_tokens", 0},
-                  {"layout", layout_json(layout_)}};
-      send_json(*conn, KvFrameType::kPull, req);
+      const std::span<const std::byte> parts[] = {bytes_of(request)};
+      conn->send(type, parts);
       std::vector<std::byte> payload;
       for (int frames = 0; frames < layout_.layers + 2; ++frames) {
         const KvFrameType t = conn->receive(payload, kControlLimit);

@@ -16,7 +16,9 @@
 // block; sent gathered from the cache and received scattered into it when the executor exposes
 // its memory), then kDone; kError (JSON {"message"}) ends a transfer early, on either side. The
 // decode engine always recomputes the prompt's last token (it needs its logits), so it asks for
-// tokens [first_token, prompt - 1), first_token being where its own prefix cache stops.
+// tokens [first_token, prompt - 1), first_token being where its own prefix cache stops. A decode
+// leg that ends before it registers its room sends one kAbandon frame instead (answered kDone):
+// the room's prefill leg then fails at once and frees its blocks, or is refused if it comes later.
 //
 // With a secret (KvTransferConfig::secret, one per deployment) every connection starts with a
 // handshake in kAuth frames, before the request: the decode side sends {"nonce": Nd}, the
@@ -168,6 +170,9 @@ class KvTransferAgent final : public KvTransfers {
   // client naming a silent host in many refused requests must not tie up the transfer threads).
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
+  // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).
+  void abandon_room(const std::string& host, uint16_t port, uint64_t room, uint64_t prompt_hash,
+                    int64_t prompt_tokens, const std::string& reason) override;
 
   // Blocks held for pulls or rooms right now: what the tandem:kv_transfer_held_blocks gauge
   // shows (refreshed by the reaper); tests read it to see that nothing stays held.
@@ -185,6 +190,10 @@ class KvTransferAgent final : public KvTransfers {
   void refused(const std::string& peer, const std::string& why);  // counted, logged (rate-limited)
   void serve_pull(KvConnection& conn, const std::vector<std::byte>& request);
   void serve_register(KvConnection& conn, const std::vector<std::byte>& request);
+  void serve_abandon(KvConnection& conn, const std::vector<std::byte>& request);
+  // release_remote and abandon_room: one JSON frame to a prefill engine, in the background,
+  // answered by kDone or kError (or nothing: failures are ignored).
+  void tell_prefill(const std::string& host, uint16_t port, KvFrameType type, std::string request);
   struct FetchSlot {
     std::shared_ptr<KvConnection> conn;
     bool cancelled = false;
@@ -227,7 +236,7 @@ class KvTransferAgent final : public KvTransfers {
   std::map<uint64_t, std::unique_ptr<Room>> rooms_;
   std::unordered_map<std::string, FetchSlot> fetches_;   // by request id
   std::vector<std::shared_ptr<KvConnection>> serving_;   // open server sides
-  int64_t releasing_ = 0;                                // release_remote calls running
+  int64_t releasing_ = 0;                                // tell_prefill calls running
   std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
   std::thread accept_thread_, reap_thread_;
 };

@@ -49,6 +49,12 @@ class KvTransfers {
   // Any thread: asks a prefill engine to free a held transfer without moving KV (best effort).
   virtual void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                               const std::string& transfer_id, std::vector<int32_t> blocks) = 0;
+  // Any thread: tells a prefill engine that the decode leg of `room` (for this prompt) ended
+  // before it registered, so that the room's prefill leg fails now instead of holding its blocks
+  // until the timeout, or is refused if it has not arrived yet (best effort).
+  virtual void abandon_room(const std::string& host, uint16_t port, uint64_t room,
+                            uint64_t prompt_hash, int64_t prompt_tokens,
+                            const std::string& reason) = 0;
 
   // Blocks held for pulls or rooms right now.
   virtual int64_t held_blocks() const = 0;

@@ -28,6 +28,8 @@ enum class KvFrameType : uint32_t {
   kAuth = 7,      // either way, before the request: the shared-secret handshake (JSON)
   kProgress = 8,  // prefill -> decode, before kAccept: the room's prompt is still being computed
                   // (JSON {"computed_tokens"}); each one restarts the decode side's I/O timeout
+  kAbandon = 9,   // decode -> prefill, instead of kRegister: the room's decode leg ended before it
+                  // registered (JSON {"room", "prompt_hash", "prompt_tokens", "reason"}); kDone
 };
 
 inline const char* kv_frame_type_name(KvFrameType t) {
@@ -48,6 +50,8 @@ inline const char* kv_frame_type_name(KvFrameType t) {
       return "auth";
     case KvFrameType::kProgress:
       return "progress";
+    case KvFrameType::kAbandon:
+      return "abandon";
   }
   return "unknown";
 }

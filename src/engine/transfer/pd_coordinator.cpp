@@ -174,12 +174,17 @@ bool PdCoordinator::ending(Sequence* seq, const std::string& why) {
   }
   if (const auto waiting = std::find(awaiting_kv_.begin(), awaiting_kv_.end(), seq);
       waiting != awaiting_kv_.end()) {
-    // A pull that never ran (no room for the prompt here, the client left, a refusal at
-    // admission): only this engine can tell the prefill engine to let go of the blocks it holds
-    // for the leg, which would otherwise stay until its hold expires.
+    // A pull that never ran, or a room never registered (no room for the prompt here, the
+    // client left, a refusal at admission): only this engine can tell the prefill engine to let
+    // go of the blocks it holds for the leg, which would otherwise stay until its timeout (and a
+    // room's prefill leg would answer only then).
     const KvTransferSpec& kt = seq->request.kv_transfer;
     if (!seq->fetching() && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
       agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
+    if (!seq->fetching() && kt.mode == KvTransferSpec::Mode::kDecodeByRoom)
+      agent_.abandon_room(kt.host, kt.port, kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                          "the decode request of bootstrap_room " + std::to_string(kt.room) +
+                              " ended before it registered: " + why);
     awaiting_kv_.erase(waiting);
   }
   return seq->kv_state == KvTransferState::kParked || seq->fetching();
