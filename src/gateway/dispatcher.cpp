@@ -51,6 +51,7 @@ RequestInfo Dispatcher::info(const Request& r) const {
   ri.excluded = r.excluded;
   ri.prompt_ids = r.prompt_ids;
   ri.block_hashes = r.block_hashes;
+  ri.cache_salt = r.cache_salt;
   if (topo_.priority.enabled())
     ri.max_hold = topo_.priority.classes[static_cast<size_t>(r.priority_class)].hold;
   return ri;
@@ -166,7 +167,7 @@ void Dispatcher::dispatch(Clock::time_point now) {
       continue;
     }
     const RequestInfo ri = info(*r);
-    endpoints_.fill_cached_tokens(v, r->prompt_ids);
+    endpoints_.fill_cached_tokens(v, r->prompt_ids, r->cache_salt);
     int prefill = -1, decode = -1;
     Choice::Kind kind = Choice::Kind::kChosen;
     if (topo_.mode == PdMode::kAggregated) {

@@ -160,11 +160,11 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
   return v;
 }
 
-void EndpointTable::fill_cached_tokens(ClusterView& v,
-                                       const std::vector<int32_t>& prompt_ids) const {
+void EndpointTable::fill_cached_tokens(ClusterView& v, const std::vector<int32_t>& prompt_ids,
+                                       std::optional<uint64_t> cache_salt) const {
   const bool known = !prompt_ids.empty() && (!consumers_.empty() || !external_events_.empty());
   std::vector<PrefixMatch> matches;
-  if (known) matches = prefix_index_.match(prompt_ids);
+  if (known) matches = prefix_index_.match(prompt_ids, cache_salt);
   for (auto* pool : {&v.prefill, &v.decode})
     for (auto& e : *pool) {
       e.cached_tokens = -1;

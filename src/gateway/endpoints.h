@@ -3,9 +3,11 @@
 // configuration, what is in flight there, their health and load reports, and the changes the
 // admin API and reloads make. Scheduling thread only (no locks); the clock is passed in.
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -106,7 +108,10 @@ class EndpointTable {
   ClusterView view(Clock::time_point now, const PolicyState* state) const;
   // Each engine's cached prefix of `prompt_ids` from the KV-event index: tokens it will not
   // recompute (0 when it holds none); -1 (unknown) without a prompt or for engines without events.
-  void fill_cached_tokens(ClusterView& view, const std::vector<int32_t>& prompt_ids) const;
+  // Blocks cached under another cache salt than the request's (`cache_salt`, hashed as the
+  // engines hash it) do not count: the engine would not reuse them for it.
+  void fill_cached_tokens(ClusterView& view, const std::vector<int32_t>& prompt_ids,
+                          std::optional<uint64_t> cache_salt = std::nullopt) const;
   // What the engines of the named pools were doing, for the 503 that says why none took a
   // request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit".
   std::string pools_state(const std::vector<bool>& prefill_pools) const;

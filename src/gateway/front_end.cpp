@@ -254,7 +254,8 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         r->prompt_tokens = static_cast<int64_t>(t->ids.size()) * t->n;
         r->tokens_known = true;
         r->times.mark(Phase::kPrefixMatching, exec_.now_ns());
-        r->block_hashes = api::block_hashes(t->ids, kPrefixBlockTokens);
+        r->cache_salt = t->cache_salt;
+        r->block_hashes = api::block_hashes(t->ids, kPrefixBlockTokens, t->cache_salt);
         r->prompt_ids = t->ids;
         if (first.tokens_in && topo_.decode.tokens_in) {
           r->translator = std::make_unique<ResponseTranslator>(t->client_kind);

@@ -82,7 +82,10 @@ struct RequestInfo {
   // into the caller's request, valid during the call. Empty when not tokenized.
   std::span<const int32_t> prompt_ids{};
   std::span<const uint64_t> block_hashes{};  // api/block_hash.h hashes of its full blocks
-  int64_t max_new_tokens = 0;                // 0: unknown
+  // Its cache salt as the engines fold it into the first block (TokensIn::cache_salt, salting
+  // block_hashes): only prompts with the same salt, or both none, share cached blocks.
+  std::optional<uint64_t> cache_salt;
+  int64_t max_new_tokens = 0;  // 0: unknown
   // How long tandem may hold this request for the engines' queued-token limits (its priority
   // class's hold_ms): 0 never; none: the policy's max_hold. Engines that schedule by priority put
   // a higher class ahead of the queue that limit measures.

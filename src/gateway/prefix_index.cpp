@@ -34,13 +34,46 @@ struct Entry {
   uint8_t media = 0;  // one bit per medium the engine reported the block on
 };
 
+// Whether an engine's block hashes are api/block_hash.h's (a Tandem engine's) or another
+// function's (vLLM's, SGLang's), as its stores showed (see PrefixIndex::add_blocks).
+enum class Hashing : uint8_t { kUnknown, kOurs, kForeign };
+
+// A lone first block stored while the engine's hashing was unknown.
+struct Pending {
+  uint64_t engine_hash;
+  std::vector<int32_t> tokens;
+};
+
+// Lone first blocks remembered per engine until its hashing is known; beyond, they keep the
+// engine's hash as their key (a lost hit at worst). An engine shows its hashing with its first
+// multi-block or extending store, so a few suffice.
+constexpr size_t kMaxPending = 1024;
+
 struct Engine {
   EngineKey key = 0;
   int64_t block_size = kDefaultKvBlockSize;
+  Hashing hashing = Hashing::kUnknown;
+  std::vector<Pending> pending;
   absl::flat_hash_map<uint64_t, Entry> by_engine_hash;
   int64_t distinct = 0;  // distinct blocks held
   int64_t depth = 0;     // scratch for match()
 };
+
+// What a store says about its engine's hash function. A block whose whole input is known, one
+// with a parent (the previous block's engine hash) or an unsalted first block, hashes to the
+// engine's hash under ours if and only if the engine uses ours. A first block that does not is
+// either salted (its salt is not in the event) or another function's: it tells nothing.
+Hashing hashing_shown_by(std::span<const uint64_t> engine_hashes,
+                         std::span<const int32_t> token_ids, std::optional<uint64_t> parent,
+                         size_t block_size) {
+  for (size_t i = 0; i < engine_hashes.size(); ++i) {
+    const std::optional<uint64_t> previous = i == 0 ? parent : engine_hashes[i - 1];
+    const uint64_t ours = api::block_hash(previous, token_ids.subspan(i * block_size, block_size));
+    if (ours == engine_hashes[i]) return Hashing::kOurs;
+    if (previous) return Hashing::kForeign;
+  }
+  return Hashing::kUnknown;
+}
 
 bool holds_other(const Node& node, const Engine* engine, size_t skip) {
   for (size_t i = 0; i < node.holders.size(); ++i) {
@@ -139,6 +172,25 @@ struct PrefixIndex::Impl {
   void clear(Engine& e) {
     // Erasing one entry leaves the others' iterators valid (and begin() of a flat map is a scan).
     for (auto it = e.by_engine_hash.begin(); it != e.by_engine_hash.end();) drop_entry(e, it++);
+    // What publishes there after a restart may be another engine: it shows its hashing again.
+    e.hashing = Hashing::kUnknown;
+    e.pending.clear();
+  }
+
+  // The engine showed how it hashes. Its lone first blocks were keyed by its own hashes, right
+  // for ours (salted or not); another function's are keyed by their tokens instead.
+  void learn(Engine& e, Hashing hashing) {
+    e.hashing = hashing;
+    std::vector<Pending> pending = std::move(e.pending);
+    e.pending.clear();
+    if (hashing != Hashing::kForeign) return;
+    for (const Pending& p : pending) {
+      const auto entry = e.by_engine_hash.find(p.engine_hash);
+      if (entry == e.by_engine_hash.end() || entry->second.block != p.engine_hash) continue;
+      const uint8_t media = entry->second.media;
+      drop_entry(e, entry);
+      insert(e, api::block_hash(std::nullopt, p.tokens), p.engine_hash, media);
+    }
   }
 };
 
@@ -176,6 +228,11 @@ bool PrefixIndex::add_blocks(EngineKey engine, std::span<const uint64_t> engine_
   Engine& e = s.engine(engine);
   const auto bs = static_cast<size_t>(e.block_size);
   if (token_ids.size() != engine_hashes.size() * bs) return false;
+  // Before the parent is looked up: an orphan shows the engine's hashing as well as any store.
+  if (e.hashing == Hashing::kUnknown && !engine_hashes.empty()) {
+    const Hashing shown = hashing_shown_by(engine_hashes, token_ids, parent, bs);
+    if (shown != Hashing::kUnknown) s.learn(e, shown);
+  }
   std::optional<uint64_t> chain;  // our hash of the block before the next one
   if (parent) {
     const auto it = e.by_engine_hash.find(*parent);
@@ -186,10 +243,20 @@ bool PrefixIndex::add_blocks(EngineKey engine, std::span<const uint64_t> engine_
     chain = it->second.block;
   }
   const std::optional<uint64_t> parent_block = chain;
-  std::vector<uint64_t> ours(engine_hashes.size());
-  for (size_t i = 0; i < ours.size(); ++i) {
-    chain = api::block_hash(chain, token_ids.subspan(i * bs, bs));
-    ours[i] = *chain;
+  std::vector<uint64_t> ours(engine_hashes.begin(), engine_hashes.end());
+  // An engine hashing as we do names a salted block by the hash a request with the same salt
+  // computes: its hashes are our keys. Another engine's are re-hashed from the tokens (unsalted:
+  // its salted stores carry extra_keys and were not indexed). While the engine's hashing is
+  // unknown (a lone first block not hashing as ours unsalted: salted, or another function's), its
+  // hash is the key too: right if salted, else a key no prompt hashes to, fixed by learn(). Keyed
+  // by its tokens it would stand for the unsalted prefix, which a salted block is not.
+  if (e.hashing == Hashing::kForeign) {
+    for (size_t i = 0; i < ours.size(); ++i) {
+      chain = api::block_hash(chain, token_ids.subspan(i * bs, bs));
+      ours[i] = *chain;
+    }
+  } else if (e.hashing == Hashing::kUnknown && !ours.empty() && e.pending.size() < kMaxPending) {
+    e.pending.push_back({engine_hashes[0], {token_ids.begin(), token_ids.end()}});
   }
   const uint8_t bit = s.medium_bit(medium);
   // Deepest first, then the parent: eviction takes a chain's tail before its prefix.
@@ -235,7 +302,8 @@ void PrefixIndex::remove_engine(EngineKey engine) {
   impl_->engines.erase(e);
 }
 
-std::vector<PrefixMatch> PrefixIndex::match(std::span<const int32_t> token_ids) {
+std::vector<PrefixMatch> PrefixIndex::match(std::span<const int32_t> token_ids,
+                                            std::optional<uint64_t> salt) {
   Impl& s = *impl_;
   std::vector<int64_t> sizes;
   {
@@ -249,7 +317,7 @@ std::vector<PrefixMatch> PrefixIndex::match(std::span<const int32_t> token_ids) 
   // Hash outside the lock: the consumers keep applying events meanwhile.
   std::vector<std::vector<uint64_t>> hashes;
   hashes.reserve(sizes.size());
-  for (const int64_t bs : sizes) hashes.push_back(api::block_hashes(token_ids, bs));
+  for (const int64_t bs : sizes) hashes.push_back(api::block_hashes(token_ids, bs, salt));
 
   std::vector<PrefixMatch> out;
   std::vector<Node*> walked;
@@ -283,8 +351,9 @@ std::vector<PrefixMatch> PrefixIndex::match(std::span<const int32_t> token_ids) 
   return out;
 }
 
-int64_t PrefixIndex::match_depth(EngineKey engine, std::span<const int32_t> token_ids) {
-  for (const PrefixMatch& m : match(token_ids)) {
+int64_t PrefixIndex::match_depth(EngineKey engine, std::span<const int32_t> token_ids,
+                                 std::optional<uint64_t> salt) {
+  for (const PrefixMatch& m : match(token_ids, salt)) {
     if (m.engine == engine) return m.blocks;
   }
   return 0;

@@ -3,10 +3,25 @@
 // the engines' KV events (kv_events_consumer.h), so the scheduler can ask "how many leading
 // blocks of this prompt does each engine already have?" in O(prompt blocks).
 //
-// Keys. A block is keyed by the gateway's own chained hash of the token ids that BlockStored
-// events carry (api/block_hash.h, no salt), never by the engine's hash: vLLM's hashes depend on
-// its hash algorithm and a per-process random seed, so two vLLM replicas disagree about the same
-// prefix. Each engine keeps a map from its own block hash to ours, so BlockRemoved events, which
+// Keys. A block is keyed by our chained hash (api/block_hash.h), salted as the engine salted
+// it, so a request matches only blocks its own cache_salt lets it use. Engines differ in how
+// they name blocks, and the index learns which kind each is from its stores (a block with a
+// parent, or an unsalted first block, hashes to the engine's hash under our function only if
+// the engine uses it):
+//  - ours (a Tandem engine): the engine's hashes are our keys. Salted blocks are named by their
+//    salted hashes, though the events carry no salt, so a request matches them only with the
+//    same salt, and an unsalted request never does.
+//  - foreign (vLLM, SGLang): their hashes depend on another algorithm and a per-process random
+//    seed, so two replicas disagree about the same prefix; blocks are keyed by our unsalted hash
+//    of the token ids the store carries (their salted stores name the salt in extra_keys and
+//    are not indexed, kv_events_consumer.h).
+//  - not yet known: a store of one lone first block that does not hash as ours unsalted is a
+//    salted store of an engine using our hash, or another function's. It is keyed by the
+//    engine's hash (right if salted; otherwise a key no prompt hashes to: a lost hit, never a
+//    false one) and re-keyed by its tokens if the engine's next store that shows its kind (any
+//    store of several blocks or with a parent) shows another function. A clear forgets the kind
+//    (a restart may bring another engine).
+// Each engine keeps a map from its own block hash to our key, so BlockRemoved events, which
 // carry engine hashes only, can be applied, and a BlockStored's parent (an engine hash) leads to
 // the chain hash its first block extends. A store whose parent the index does not know (never
 // seen, or evicted here) is skipped: a prompt could only reach its blocks through that parent.
@@ -74,8 +89,9 @@ class PrefixIndex {
   // The engine stored a run of consecutive full blocks: `engine_hashes[i]` names block i in the
   // engine's hashes, `token_ids` holds engine_hashes.size() * block_size ids in chain order, and
   // `parent` is the engine hash of the block before the first (nullopt: the run starts a
-  // sequence). Returns false, changing nothing, when the parent is unknown or the token count
-  // does not match (then the caller's block size is wrong).
+  // sequence). Returns false, changing nothing, when the parent is unknown, the token count
+  // does not match (then the caller's block size is wrong) or the run may be salted by an engine
+  // whose hashing is not yet known.
   bool add_blocks(EngineKey engine, std::span<const uint64_t> engine_hashes,
                   std::span<const int32_t> token_ids, std::optional<uint64_t> parent,
                   std::string_view medium = "");
@@ -89,10 +105,15 @@ class PrefixIndex {
 
   // For every engine holding at least the prompt's first full block: how many leading full
   // blocks of `token_ids` it holds, sorted by engine key. Engines absent from the result hold
-  // none. O(prompt blocks) per distinct block size; marks the walked blocks as recently used.
-  std::vector<PrefixMatch> match(std::span<const int32_t> token_ids);
+  // none. `salt`: the request's cache salt as the engines fold it into the first block
+  // (util/hash.h hash_bytes of its cache_salt); blocks stored under another salt, or none, do
+  // not match.
+  // O(prompt blocks) per distinct block size; marks the walked blocks as recently used.
+  std::vector<PrefixMatch> match(std::span<const int32_t> token_ids,
+                                 std::optional<uint64_t> salt = std::nullopt);
   // match() for one engine: its number of leading blocks held.
-  int64_t match_depth(EngineKey engine, std::span<const int32_t> token_ids);
+  int64_t match_depth(EngineKey engine, std::span<const int32_t> token_ids,
+                      std::optional<uint64_t> salt = std::nullopt);
 
   // Whether the engine holds the block whose chain hash (ours) is `block_hash`.
   bool holds(EngineKey engine, uint64_t block_hash) const;

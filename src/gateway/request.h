@@ -106,6 +106,7 @@ struct Request {
   bool tokens_known = false;
   std::vector<int32_t> prompt_ids;     // when the gateway tokenized it
   std::vector<uint64_t> block_hashes;  // of the prompt's ids, when the gateway tokenized it
+  std::optional<uint64_t> cache_salt;  // TokensIn::cache_salt: folded into block_hashes
   std::unique_ptr<ResponseTranslator> translator;  // tokens-in: the engine's answer -> client's
   int64_t received_unix_ms = 0;
   int priority_class = 0;  // its index in the topology's priority classes (0 without classes)

@@ -6,6 +6,7 @@
 #include "api/body_fields.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/hash.h"
 #include "util/json.h"
 
 namespace tandem::gateway {
@@ -216,6 +217,7 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
   t.max_tokens = r.sampling.max_tokens;
   t.n = r.n;
   t.stream = r.stream;
+  if (r.cache_salt) t.cache_salt = hash_bytes(*r.cache_salt);
   return t;
 }
 

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/block_hash.h"
 #include "api/load_report.h"
 #include "gateway/admin_api.h"
 #include "gateway/dispatcher.h"
@@ -306,15 +307,14 @@ class Cluster {
     return client;
   }
 
-  // The engine named `name` holds the first `tokens` ids of `ids` in its prefix cache (as its KV
-  // events would say; 16-token blocks).
+  // The engine named `name` holds the first `tokens` ids of `ids` in its prefix cache (as a
+  // Tandem engine's KV events would say: our hashes, 16-token blocks).
   void engine_caches(const std::string& name, const std::vector<int32_t>& ids, size_t tokens) {
     for (const auto& [id, e] : endpoints.all())
       if (e.config.name == name) {
         endpoints.events_fed_externally(id);
-        std::vector<uint64_t> hashes;
-        for (size_t b = 0; b < tokens / 16; ++b) hashes.push_back(1000 * (id + 1) + b);
-        index.add_blocks(id, hashes, std::span(ids).first(tokens), std::nullopt);
+        const auto cached = std::span(ids).first(tokens);
+        index.add_blocks(id, api::block_hashes(cached, 16), cached, std::nullopt);
       }
   }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -477,6 +478,35 @@ TEST_F(CacheAwareFixture, RoutedPromptsBuildTheTreeAndRepeatsFollowThem) {
   EXPECT_EQ(route(v, prompt(900, 40)).endpoint, 1);  // a new prompt: shortest queue
   EXPECT_EQ(state.prefill_tree.size(0), 40);
   EXPECT_EQ(state.prefill_tree.size(1), 40);
+}
+
+// The tree models the engines' prefix caches, which share blocks only between prompts with the
+// same cache_salt (or both none): a prompt routed with one salt is no hit for the same tokens
+// unsalted or with another salt, and is one for its own salt.
+TEST_F(CacheAwareFixture, APromptsSaltIsPartOfWhatTheTreeMatches) {
+  ClusterView v;
+  v.prefill = {ep(0, 0, 0, 1000), ep(1, 0, 0, 1000)};
+  v.state = &state;
+  auto route_salted = [&](std::optional<uint64_t> salt, bool record) {
+    RequestInfo r = req(40);
+    const auto p = prompt(100, 40);
+    r.prompt_ids = p;
+    r.cache_salt = salt;
+    const Choice c = policy->choose_prefill(v, r, t0);
+    if (record) policy->record(state, r, c.endpoint, -1, t0);
+    return c.endpoint;
+  };
+  v.prefill[0].in_flight = 5;  // engine 1, the shorter queue, takes what matches nothing
+  EXPECT_EQ(route_salted(7, true), 1);
+  v.prefill[0].in_flight = 0;
+  v.prefill[1].in_flight = 5;
+  EXPECT_EQ(route_salted(7, false), 1);             // its salt: the match wins
+  EXPECT_EQ(route_salted(std::nullopt, false), 0);  // without the fix: 1
+  EXPECT_EQ(route_salted(8, false), 0);
+  EXPECT_EQ(route_salted(std::nullopt, true), 0);
+  v.prefill[0].in_flight = 5;
+  v.prefill[1].in_flight = 0;
+  EXPECT_EQ(route_salted(std::nullopt, false), 0);  // the unsalted prompt is on 0 now
 }
 
 TEST(CacheAware, EvictsTheTreeBySizeOnItsInterval) {

@@ -31,6 +31,7 @@
 #include "gateway/prefix_index.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
+#include "util/hash.h"
 
 namespace tandem::gateway {
 namespace {
@@ -124,13 +125,16 @@ TEST(PrefixIndex, BlockHeldUntilRemovedFromEveryMedium) {
   PrefixIndex index;
   index.set_block_size(1, 2);
   const auto a = seq_tokens(1, 2);
-  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{5}, a, std::nullopt, "GPU"));
-  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{5}, a, std::nullopt, "CPU"));
-  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{5}, a, std::nullopt, "GPU"));  // again
+  // Our hash (a Tandem engine's): a lone first block under another may be salted, and matches
+  // no unsalted prompt until the engine shows how it hashes (PrefixIndex.SaltedStoresMatchOnly...).
+  const uint64_t h = api::block_hash(std::nullopt, a);
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{h}, a, std::nullopt, "GPU"));
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{h}, a, std::nullopt, "CPU"));
+  ASSERT_TRUE(index.add_blocks(1, std::vector<uint64_t>{h}, a, std::nullopt, "GPU"));  // again
   EXPECT_EQ(index.num_blocks(1), 1);
-  index.remove_blocks(1, std::vector<uint64_t>{5}, "GPU");
+  index.remove_blocks(1, std::vector<uint64_t>{h}, "GPU");
   EXPECT_EQ(index.match_depth(1, a), 1);  // still offloaded on CPU
-  index.remove_blocks(1, std::vector<uint64_t>{5}, "CPU");
+  index.remove_blocks(1, std::vector<uint64_t>{h}, "CPU");
   EXPECT_EQ(index.match_depth(1, a), 0);
   EXPECT_EQ(index.stats().blocks, 0);
 }
@@ -164,6 +168,76 @@ TEST(PrefixIndex, EnginesWithDifferentBlockSizes) {
   EXPECT_EQ(index.match_depth(2, a), 2);
   EXPECT_THROW(index.set_block_size(1, 0), Error);
   EXPECT_THROW(PrefixIndex(0), Error);
+}
+
+// vLLM's cache_salt. A Tandem engine folds the salt into a sequence's first block hash and
+// publishes its stores with those hashes but without the salt; the index must key them as a
+// request with that salt hashes its prompt, not as the unsalted prefix of their tokens (which
+// would steer unsalted requests, and requests with any salt, to blocks the engine keeps apart).
+TEST(PrefixIndex, SaltedStoresMatchOnlyTheirSalt) {
+  PrefixIndex index;
+  for (const EngineKey e : {1, 2, 3, 4, 5}) index.set_block_size(e, 4);
+  const auto a = seq_tokens(100, 12);
+  const uint64_t salt = hash_bytes("tenant-a"), other = hash_bytes("tenant-b");
+  // Engine 1 stores the prompt unsalted, engine 2 under the salt: each as a Tandem engine names
+  // its blocks (api/block_hash.h, the salt in the first block).
+  ASSERT_TRUE(index.add_blocks(1, api::block_hashes(a, 4), a, std::nullopt));
+  ASSERT_TRUE(index.add_blocks(2, api::block_hashes(a, 4, salt), a, std::nullopt));
+  EXPECT_EQ(index.match_depth(1, a), 3);
+  EXPECT_EQ(index.match_depth(2, a), 0);  // without the fix: 3
+  EXPECT_EQ(index.match_depth(2, a, salt), 3);
+  EXPECT_EQ(index.match_depth(1, a, salt), 0);
+  EXPECT_TRUE(index.match(a, other).empty());
+  EXPECT_EQ(index.stats().blocks, 6);  // the same tokens, two prefixes
+
+  // A salted run extending the salted chain (the engine names its parent): deeper with the salt.
+  const auto more = seq_tokens(300, 4);
+  const auto longer = concat(a, more);
+  const auto longer_hashes = api::block_hashes(longer, 4, salt);
+  ASSERT_TRUE(index.add_blocks(2, std::vector<uint64_t>{longer_hashes[3]}, more, longer_hashes[2]));
+  EXPECT_EQ(index.match_depth(2, longer, salt), 4);
+  EXPECT_EQ(index.match_depth(2, longer), 0);
+  // And its removal goes through the engine's hash as any other.
+  index.remove_blocks(2, std::vector<uint64_t>{longer_hashes[0]});
+  EXPECT_EQ(index.match_depth(2, longer, salt), 0);
+
+  // A lone salted first block tells nothing of how a new engine hashes (vLLM's hashes do not
+  // look like ours either): keyed as the engine named it, it matches its salt alone.
+  const auto first = slice(a, 0, 4);
+  const uint64_t salted_first = api::block_hash(std::nullopt, first, salt);
+  ASSERT_TRUE(index.add_blocks(3, std::vector<uint64_t>{salted_first}, first, std::nullopt));
+  EXPECT_EQ(index.match_depth(3, a, salt), 1);
+  EXPECT_EQ(index.match_depth(3, a), 0);  // without the fix: 1
+  EXPECT_EQ(index.match_depth(3, a, other), 0);
+  // Shown to hash as we do, the engine keeps it so.
+  const auto c = seq_tokens(700, 4);
+  ASSERT_TRUE(index.add_blocks(3, api::block_hashes(c, 4), c, std::nullopt));
+  EXPECT_EQ(index.match_depth(3, a, salt), 1);
+  EXPECT_EQ(index.match_depth(3, c), 1);
+
+  // An engine with another hash function (vLLM's) whose first store is a lone first block: keyed
+  // by its hash until a store shows the function is not ours, then by its tokens (unsalted).
+  ASSERT_TRUE(index.add_blocks(5, std::vector<uint64_t>{51}, first, std::nullopt));
+  EXPECT_EQ(index.match_depth(5, a), 0);
+  ASSERT_TRUE(index.add_blocks(5, std::vector<uint64_t>{52}, slice(a, 4, 4), 51));
+  EXPECT_EQ(index.match_depth(5, a), 2);
+  EXPECT_EQ(index.match_depth(5, a, salt), 0);
+  index.remove_blocks(5, std::vector<uint64_t>{51});  // its hash still names it
+  EXPECT_EQ(index.match_depth(5, a), 0);
+  // A clear forgets how an engine hashes (a restart may bring another).
+  index.clear(5);
+  ASSERT_TRUE(index.add_blocks(5, std::vector<uint64_t>{salted_first}, first, std::nullopt));
+  EXPECT_EQ(index.match_depth(5, a, salt), 1);
+  EXPECT_EQ(index.match_depth(5, a), 0);
+
+  // An engine with another hash function (vLLM's): keyed by the unsalted tokens, so a salted
+  // request does not match them (its salted stores carry extra_keys and are never indexed).
+  ASSERT_TRUE(index.add_blocks(4, std::vector<uint64_t>{41, 42, 43}, a, std::nullopt));
+  EXPECT_EQ(index.match_depth(4, a), 3);
+  EXPECT_EQ(index.match_depth(4, a, salt), 0);
+  // Once known, its lone first blocks are indexed (unsalted) too.
+  ASSERT_TRUE(index.add_blocks(4, std::vector<uint64_t>{44}, c, std::nullopt));
+  EXPECT_EQ(index.match_depth(4, c), 1);
 }
 
 TEST(PrefixIndex, EvictsLeastRecentlyUsedWithinTheBound) {
@@ -567,6 +641,13 @@ std::string store_payload(uint64_t h, std::optional<uint64_t> parent, int32_t t)
   return engine::encode_kv_event_batch({1.0, {s}, {}});
 }
 
+// A Tandem engine's hash of a first block [t, t+1]. A lone first block under another hash may be
+// salted and is no unsalted prompt's until the engine shows how it hashes (prefix_index.h); these
+// tests clear the engine, which forgets that.
+uint64_t our_first(int32_t t) {
+  return api::block_hash(std::nullopt, std::vector<int32_t>{t, t + 1});
+}
+
 std::string empty_payload() {
   return engine::encode_kv_event_batch({1.0, {}, {}});
 }
@@ -683,14 +764,14 @@ TEST(KvEventsConsumer, LostBatchesClearTheEngine) {
   PrefixIndex index;
   KvEventsConsumer consumer(index, options_for(pub, 2));
   uint64_t seq = publish_until_live(pub, consumer, 0);
-  pub.publish(seq, store_payload(500, std::nullopt, 0));
+  pub.publish(seq, store_payload(our_first(0), std::nullopt, 0));
   ASSERT_TRUE(consumer.wait_for_seq(seq, 10000));
   EXPECT_EQ(index.match_depth(2, chain_tokens(1)), 1);
 
   // seq+1 is neither live nor in the replay buffer: whatever it said is unknown.
-  pub.publish(seq + 1, store_payload(501, 500, 10), /*live=*/false, /*keep=*/false);
+  pub.publish(seq + 1, store_payload(501, our_first(0), 10), /*live=*/false, /*keep=*/false);
   pub.forget_history();
-  pub.publish(seq + 2, store_payload(700, std::nullopt, 100));
+  pub.publish(seq + 2, store_payload(our_first(100), std::nullopt, 100));
   ASSERT_TRUE(consumer.wait_for_seq(seq + 2, 10000));
   const auto s = consumer.stats();
   EXPECT_EQ(s.unfilled_gaps, 1);
@@ -703,13 +784,13 @@ TEST(KvEventsConsumer, PublisherRestartClearsTheEngine) {
   ScriptedPublisher pub;
   KvEventsConsumer consumer(index, options_for(pub, 5));
   uint64_t seq = publish_until_live(pub, consumer, 0);
-  pub.publish(seq, store_payload(500, std::nullopt, 0));
+  pub.publish(seq, store_payload(our_first(0), std::nullopt, 0));
   ASSERT_TRUE(consumer.wait_for_seq(seq, 10000));
   ASSERT_EQ(index.match_depth(5, chain_tokens(1)), 1);
 
   // Seqs start again at 0 (a restarted engine at the same address): the old blocks are gone.
   pub.forget_history();
-  pub.publish(0, store_payload(900, std::nullopt, 100));
+  pub.publish(0, store_payload(our_first(100), std::nullopt, 100));
   ASSERT_TRUE(testing::eventually([&] { return consumer.stats().restarts == 1; }));
   EXPECT_TRUE(testing::eventually([&] {
     return index.match_depth(5, std::vector<int32_t>{100, 101}) == 1;
@@ -811,6 +892,33 @@ TEST(PrefixIndexWithEngine, MatchDepthEqualsThePromptsBlocks) {
   EXPECT_EQ(index.num_blocks(7), late_index.num_blocks(7));
 }
 
+// A real engine's salted stores (cache_salt hashed by its API, folded into the first block by
+// its KV cache) are found by a request with the same salt as the gateway hashes it, and by no
+// other: the gateway's salt and hashes agree with the engine's.
+TEST(PrefixIndexWithEngine, SaltedPromptsMatchOnlyTheirSalt) {
+  EngineWithEvents engine;
+  PrefixIndex index;
+  KvEventsConsumer consumer(index, engine.options(7));
+  auto complete = [&](const std::vector<int32_t>& prompt, std::optional<std::string> salt) {
+    json body = {{"prompt", prompt}, {"max_tokens", 1}};
+    if (salt) body["cache_salt"] = *salt;
+    const auto r = testing::post_json(engine.process.port(), "/v1/completions", body);
+    EXPECT_EQ(r.status, 200) << r.body;
+  };
+  const auto a = seq_tokens(100, 18);  // 4 full blocks + 2 tokens
+  const uint64_t salt = hash_bytes("tenant-a");
+  complete(a, "tenant-a");
+  ASSERT_TRUE(testing::eventually([&] { return index.match_depth(7, a, salt) == 4; }))
+      << "depth " << index.match_depth(7, a, salt);
+  EXPECT_EQ(index.match_depth(7, a), 0);  // without the fix: 4
+  EXPECT_EQ(index.match_depth(7, a, hash_bytes("tenant-b")), 0);
+  // The same tokens unsalted: a prefix of their own, beside the salted one.
+  complete(a, std::nullopt);
+  ASSERT_TRUE(testing::eventually([&] { return index.match_depth(7, a) == 4; }));
+  EXPECT_EQ(index.match_depth(7, a, salt), 4);
+  EXPECT_EQ(index.num_blocks(7), 8);
+}
+
 // The index wired into the gateway: two engines publishing KV events behind a gateway that
 // tokenizes and schedules by cache overlap. Engine b alone has a prompt cached (it was sent to
 // b directly); its continuations through the gateway all go to b, where without the index the
@@ -885,6 +993,84 @@ void follows_the_cached_prefix(const std::string& policy) {
 TEST(PrefixIndexWithGateway, PoliciesFollowTheCachedPrefix) {
   follows_the_cached_prefix("kv_router");
   follows_the_cached_prefix("tandem");
+}
+
+// cache_salt through the whole gateway: engine b holds a prompt cached under a salt. Requests
+// with that salt follow it to b; the same prompt unsalted, or with another salt, cannot use it
+// (b's cache keeps them apart) and goes to a, the first of two otherwise equal engines, where
+// a gateway keying blocks by their tokens alone sent it to b.
+TEST(PrefixIndexWithGateway, OnlyRequestsWithTheSaltFollowASaltedPrefix) {
+  EngineWithEvents a, b;
+  Topology t;
+  t.host = "127.0.0.1";
+  t.port = 0;
+  t.mode = PdMode::kAggregated;
+  t.policy = "kv_router";
+  t.admin_api_key = "admin";
+  t.model = test::lenml_model("deepseek_v3").string();
+  for (auto* e : {&a, &b}) {
+    Endpoint ep = parse_endpoint("127.0.0.1:" + std::to_string(e->process.port()));
+    ep.name = e == &a ? "a" : "b";
+    ep.kv_events = e->endpoint;
+    ep.kv_events_replay = e->replay;
+    t.decode.endpoints.push_back(ep);
+  }
+  Gateway gw(t, {});
+  gw.start();
+  net::Headers admin;
+  admin.set("Authorization", "Bearer admin");
+  auto b_blocks = [&] {
+    const json eps =
+        json::parse(net::http_request("127.0.0.1", gw.port(), "GET", "/admin/endpoints", {}, admin)
+                        .body)["endpoints"];
+    for (const auto& e : eps)
+      if (e["name"] == "b") return e.value("prefix_blocks", int64_t{-1});
+    return int64_t{-1};
+  };
+  std::string base = "Tenants that set a cache salt share cached prompts only among themselves";
+  for (int i = 0; i < 50; ++i) base += " and the gateway routes each by the prefix it can use";
+  auto body = [&](int i, std::optional<std::string> salt) {
+    json j = {{"prompt", base + ", continuation number " + std::to_string(i)},
+              {"max_tokens", 2},
+              {"temperature", 0}};
+    if (salt) j["cache_salt"] = *salt;
+    return j;
+  };
+  const json warm = {{"prompt", base}, {"max_tokens", 2}, {"cache_salt", "tenant-b"}};
+  ASSERT_EQ(testing::post_json(b.process.port(), "/v1/completions", warm).status, 200);
+  ASSERT_TRUE(testing::eventually([&] { return b_blocks() > 10; }))
+      << "b's blocks did not reach the index";
+  // And b's load report after that request: one taken while it ran shows b busy, which the
+  // policy counts against b whatever its cache.
+  ASSERT_TRUE(testing::eventually([&] {
+    const json eps =
+        json::parse(net::http_request("127.0.0.1", gw.port(), "GET", "/admin/endpoints", {}, admin)
+                        .body)["endpoints"];
+    for (const auto& e : eps)
+      if (e["name"] == "b" && e.contains("load") && e["load"]["batch_observations"] > 0 &&
+          e["load"]["running"] == 0)
+        return true;
+    return false;
+  }));
+  auto sent_to = [&](const std::string& name) {
+    return testing::metric(gw.port(), "tandem:gateway_endpoint_requests_total",
+                           "endpoint=\"" + name + "\"");
+  };
+  // Unsalted first, then another tenant's: neither can use b's blocks.
+  EXPECT_EQ(testing::post_json(gw.port(), "/v1/completions", body(0, std::nullopt)).status, 200);
+  EXPECT_EQ(sent_to("a"), 1);  // without the fix: b
+  EXPECT_EQ(testing::post_json(gw.port(), "/v1/completions", body(1, "tenant-c")).status, 200);
+  EXPECT_EQ(sent_to("a"), 2);
+  EXPECT_EQ(sent_to("b"), 0);
+  // The salt's own requests follow it, though a now holds the same tokens (unsalted and salted
+  // otherwise).
+  for (int i = 2; i < 5; ++i) {
+    const auto r = testing::post_json(gw.port(), "/v1/completions", body(i, "tenant-b"));
+    EXPECT_EQ(r.status, 200) << r.body;
+  }
+  EXPECT_EQ(sent_to("b"), 3);
+  EXPECT_EQ(sent_to("a"), 2);
+  gw.stop();
 }
 
 }  // namespace

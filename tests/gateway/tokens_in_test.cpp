@@ -8,6 +8,7 @@
 
 #include "model/make_model.h"
 #include "text/oracle_support.h"
+#include "util/hash.h"
 
 namespace tandem::gateway {
 namespace {
@@ -263,6 +264,33 @@ TEST_F(TokensInTest, ClientErrorsAreTheEngines) {
   EXPECT_EQ(e.status, 400);
   e = error_of("/v1/completions", json{{"prompt", "x"}, {"max_tokens", 1 << 30}});
   EXPECT_EQ(e.param, "max_tokens");  // beyond the context length of config.json
+}
+
+// vLLM's cache_salt: kept in the tokens-in body for the engine, and hashed as the engine hashes
+// it (util/hash.h's hash_bytes, its generation API) for the gateway's prefix matching; a salt the
+// engine would refuse is refused naming the field.
+TEST_F(TokensInTest, CacheSaltIsKeptAndHashedAsTheEngineHashesIt) {
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                     {"max_tokens", 3},
+                     {"cache_salt", "tenant-a"}};
+  const json completion = {{"prompt", "hi"}, {"cache_salt", "tenant-a"}};
+  for (const auto& [path, body] :
+       {std::pair{"/v1/chat/completions", chat}, std::pair{"/v1/completions", completion}}) {
+    SCOPED_TRACE(path);
+    const auto t = gateway_->tokenize(path, body);
+    ASSERT_TRUE(t.has_value());
+    EXPECT_EQ(t->cache_salt, hash_bytes("tenant-a"));
+    const json sent = tokens_in_body(body, *t);
+    EXPECT_EQ(engine_completion(sent).cache_salt, "tenant-a");
+  }
+  EXPECT_FALSE(gateway_->tokenize("/v1/completions", json{{"prompt", "hi"}})->cache_salt);
+  try {
+    gateway_->tokenize("/v1/completions", json{{"prompt", "hi"}, {"cache_salt", ""}});
+    ADD_FAILURE() << "an empty cache_salt was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "cache_salt");
+  }
 }
 
 TEST(TokensIn, WithoutAConfigTheEnginesJudgeTheLength) {

@@ -2,7 +2,9 @@
 // Dynamo's KV-router cost. Rules and defaults: docs/gateway.md, "Scheduling policies".
 #include <algorithm>
 #include <limits>
+#include <span>
 #include <tuple>
+#include <vector>
 
 #include "gateway/policies/common.h"
 #include "gateway/policy.h"
@@ -59,6 +61,33 @@ const EndpointLoad* min_load(const std::vector<const EndpointLoad*>& free) {
   });
 }
 
+// A prompt as the cache_aware tree holds it. A salted prompt's ids follow two marks made from
+// its salt: token ids are never negative and the marks always are, so salted prompts share no
+// path with unsalted ones and prompts with different salts part at the first marks, as the
+// engines' prefix caches keep them apart (62 bits of the salt; the tree is a model anyway).
+class TreeKey {
+ public:
+  explicit TreeKey(const RequestInfo& r) : tokens_(r.prompt_ids) {
+    if (!r.cache_salt || r.prompt_ids.empty()) return;
+    const uint64_t s = *r.cache_salt;
+    salted_.reserve(r.prompt_ids.size() + kMarks);
+    salted_.push_back(-1 - static_cast<int32_t>(s >> 33));
+    salted_.push_back(-1 - static_cast<int32_t>(s & 0x7fffffff));
+    salted_.insert(salted_.end(), r.prompt_ids.begin(), r.prompt_ids.end());
+    tokens_ = salted_;
+    marks_ = kMarks;
+  }
+  std::span<const int32_t> tokens() const { return tokens_; }
+  // Prompt tokens of a tree match of `depth` key tokens (the marks are none of the prompt's).
+  int64_t prompt_depth(int64_t depth) const { return std::max<int64_t>(0, depth - marks_); }
+
+ private:
+  static constexpr int64_t kMarks = 2;
+  std::vector<int32_t> salted_;
+  std::span<const int32_t> tokens_;
+  int64_t marks_ = 0;
+};
+
 Choice cache_aware(const std::vector<EndpointLoad>& pool, const RequestInfo& request, int group,
                    const PrefixTree* tree, const CacheAwareOptions& o) {
   const Candidates c = usable(pool, request, group);
@@ -72,12 +101,13 @@ Choice cache_aware(const std::vector<EndpointLoad>& pool, const RequestInfo& req
       static_cast<double>(max_load) > static_cast<double>(min_load_v) * o.balance_rel_threshold;
   if (imbalanced || !tree || request.prompt_ids.empty())
     return {Choice::Kind::kChosen, shortest->id};
-  const std::map<int, int64_t> depth = tree->match(request.prompt_ids);
+  const TreeKey key(request);
+  const std::map<int, int64_t> depth = tree->match(key.tokens());
   const EndpointLoad* best = nullptr;
   int64_t best_depth = 0;
   for (const auto* e : c.free) {
     auto it = depth.find(e->id);
-    const int64_t d = it == depth.end() ? 0 : it->second;
+    const int64_t d = it == depth.end() ? 0 : key.prompt_depth(it->second);
     if (d == 0) continue;
     if (!best || d > best_depth ||
         (d == best_depth && std::tie(e->in_flight, e->id) < std::tie(best->in_flight, best->id))) {
@@ -114,8 +144,9 @@ class CacheAwarePolicy final : public Policy {
   void record(PolicyState& state, const RequestInfo& request, int prefill, int decode,
               Clock::time_point now) const override {
     if (!request.prompt_ids.empty()) {
-      if (prefill >= 0) state.prefill_tree.insert(request.prompt_ids, prefill, to_ms(now));
-      if (decode >= 0) state.decode_tree.insert(request.prompt_ids, decode, to_ms(now));
+      const TreeKey key(request);
+      if (prefill >= 0) state.prefill_tree.insert(key.tokens(), prefill, to_ms(now));
+      if (decode >= 0) state.decode_tree.insert(key.tokens(), decode, to_ms(now));
     }
     if (!state.evicted_once) {
       state.evicted_once = true;

@@ -23,11 +23,13 @@ uint64_t mix(uint64_t x) {  // splitmix64's finaliser
 }
 
 // What identifies the request's prompt for spreading: the hash of its last full block (which
-// names the whole prefix), else its token ids mixed; 0 when the gateway knows neither.
+// names the whole prefix, salt included), else its token ids and salt mixed; 0 when the gateway
+// knows neither.
 uint64_t spread_key(const RequestInfo& r) {
   if (!r.block_hashes.empty()) return r.block_hashes.back() | 1;
   if (r.prompt_ids.empty()) return 0;
   uint64_t h = 0x54616e64656dULL;
+  if (r.cache_salt) h = mix(h ^ *r.cache_salt);
   for (const int32_t t : r.prompt_ids) h = mix(h ^ static_cast<uint32_t>(t));
   return h | 1;
 }
