@@ -1,5 +1,6 @@
 #include "api/api_key.h"
 
+#include "util/error.h"
 #include "util/secret.h"
 
 namespace tandem::api {
@@ -14,9 +15,17 @@ std::string bearer_token(const net::HttpRequest& req) {
 bool api_key_valid(std::span<const std::string> keys, const net::HttpRequest& req) {
   if (keys.empty()) return true;
   const std::string key = bearer_token(req);
+  if (key.empty()) return false;
   bool valid = false;
   for (const std::string& k : keys) valid |= secrets_equal(key, k);
   return valid;
+}
+
+void check_api_keys(std::span<const std::string> keys, const std::string& option) {
+  for (const std::string& k : keys)
+    if (k.empty())
+      throw Error(option + ": an API key is empty (an unset variable?); give the key, or no " +
+                  option + " for an open server");
 }
 
 }  // namespace tandem::api

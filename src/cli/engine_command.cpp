@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "api/api_key.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/sim_executor_flags.h"
@@ -138,6 +139,7 @@ engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
 void run(const EngineOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
+  api::check_api_keys(o.api_keys, "--api-key");  // before minutes of loading
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;

@@ -130,6 +130,11 @@ TEST(Cli, BadInputsGiveClearErrors) {
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("token id 99999999 is not in the vocabulary"));
 
+  // An unset variable must not make an open engine that looks guarded.
+  r = run("engine --model sim:tiny --port 0 --api-key ''");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--api-key: an API key is empty"));
+
   r = run("tokenize --model " + kModel);
   EXPECT_NE(r.status, 0);
   EXPECT_THAT(r.output, HasSubstr("one of --text, --text-file or --chat-file is required"));
@@ -317,6 +322,21 @@ TEST(Cli, CountsAndLengthsBeyondTheirBoundsAreRefusedNamingTheFlag) {
   const auto r = run("bench --no-progress --num-prompts 2 --request-rate 1e-300");
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--request-rate"));
+}
+
+// The gateway's byte limits on what it holds for one client: whole numbers of bytes 1..16 GiB,
+// as their topology keys; anything else is refused before the gateway starts, naming the flag.
+TEST(Cli, GatewayByteLimitsOutOfRangeAreRefusedNamingTheFlag) {
+  for (const char* flag : {"--max-unsent-bytes", "--max-answer-bytes"}) {
+    for (const char* bad : {"0", "-1", "many", "1.5", "17179869185", "99999999999999999999"}) {
+      const auto r = run(std::string("gateway --decode 127.0.0.1:1 ") + flag + " " + bad);
+      EXPECT_NE(r.status, 0) << flag << " " << bad << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr(flag)) << flag << " " << bad;
+    }
+  }
+  const auto help = run("gateway --help");
+  EXPECT_THAT(help.output, HasSubstr("--max-unsent-bytes"));
+  EXPECT_THAT(help.output, HasSubstr("--max-answer-bytes"));
 }
 
 TEST(Cli, SimulateNamesTheTraceLineOfARecordOutOfTimeOrder) {
