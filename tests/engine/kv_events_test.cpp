@@ -374,6 +374,16 @@ TEST(KvEventsTest, ConfigParsing) {
       std::string::npos);
   EXPECT_NE(message(R"({"hwm":"10"})").find("'hwm'"), std::string::npos);
   EXPECT_NE(message(R"({"buffer_steps":0})").find("'buffer_steps'"), std::string::npos);
+  // hwm is a ZMQ int: 2^31 used to escape as an unexplained exception, and 2^32 wrapped to 0
+  // (no limit at all).
+  EXPECT_NE(message(R"({"hwm":2147483648})").find("'hwm' must be an integer from 0 to 2147483647"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"hwm":4294967296})").find("'hwm'"), std::string::npos);
+  EXPECT_NE(message(R"({"hwm":18446744073709551615})").find("'hwm'"), std::string::npos);
+  EXPECT_EQ(KvEventsConfig::parse(R"({"hwm":2147483647})").hwm, 2147483647);
+  EXPECT_NE(message(R"({"buffer_steps":4611686018427387904})").find("'buffer_steps'"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"max_queue_size":10000001})").find("'max_queue_size'"), std::string::npos);
   EXPECT_NE(message(R"({"publisher":"kafka"})").find("'publisher'"), std::string::npos);
   EXPECT_NE(message(R"({"enable_kv_cache_events":1})").find("'enable_kv_cache_events'"),
             std::string::npos);

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -121,15 +122,25 @@ std::string encode_kv_event_batch(const KvEventBatch& batch) {
 
 // ---- configuration ----
 
+// Steps of events kept for replay, or batches queued for the publisher: ten million is far past
+// any deployment (vLLM's defaults are 10,000 and 100,000) and keeps `2 * (n + 1)` in range.
+constexpr int64_t kMaxBuffered = 10'000'000;
+
 KvEventsConfig KvEventsConfig::parse(std::string_view json) {
   const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) throw Error("kv-events-config: not valid JSON");
   if (!j.is_object()) throw Error("kv-events-config: expected a JSON object");
   KvEventsConfig config;
   bool publisher_given = false;
-  const auto integer = [](const std::string& key, const nlohmann::json& v, int64_t min) {
-    if (!v.is_number_integer() || v.get<int64_t>() < min) {
-      throw Error("kv-events-config: '" + key + "' must be an integer >= " + std::to_string(min));
+  // Bounded above too: hwm is a ZMQ int (a larger value wrapped, and 2^32 became 0, which ZMQ
+  // reads as no limit), and the buffers are counts of batches kept in memory.
+  const auto integer = [](const std::string& key, const nlohmann::json& v, int64_t min,
+                          int64_t max) {
+    const bool in_range = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(max)
+                                                 : v.is_number_integer() && v.get<int64_t>() <= max;
+    if (!in_range || v.get<int64_t>() < min) {
+      throw Error("kv-events-config: '" + key + "' must be an integer from " + std::to_string(min) +
+                  " to " + std::to_string(max) + ", got " + v.dump());
     }
     return v.get<int64_t>();
   };
@@ -158,11 +169,11 @@ KvEventsConfig KvEventsConfig::parse(std::string_view json) {
       else
         config.replay_endpoint = string(key, v);
     } else if (key == "buffer_steps") {
-      config.buffer_steps = integer(key, v, 1);
+      config.buffer_steps = integer(key, v, 1, kMaxBuffered);
     } else if (key == "hwm") {
-      config.hwm = integer(key, v, 0);
+      config.hwm = integer(key, v, 0, INT32_MAX);
     } else if (key == "max_queue_size") {
-      config.max_queue_size = integer(key, v, 1);
+      config.max_queue_size = integer(key, v, 1, kMaxBuffered);
     } else if (key == "topic") {
       config.topic = string(key, v);
     } else {
