@@ -18,6 +18,8 @@ struct GatewayCliOptions {
   int port = 8080, http_threads = 2, prefill_retries = 2;
   bool reuse_port = false;
   size_t max_queue = 1024, max_connections = 0, max_connections_per_address = 0;
+  size_t max_unsent_bytes = gateway::Topology{}.max_unsent_bytes,
+         max_answer_bytes = gateway::Topology{}.max_answer_bytes;
   MaxTokensFlags max_tokens;
   std::vector<std::string> prefill, decode, api_keys;
   double upstream_timeout = 300;
@@ -61,6 +63,8 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     if (cmd.count("--max-connections") > 0) t.max_connections = o.max_connections;
     if (cmd.count("--max-connections-per-address") > 0)
       t.max_connections_per_address = o.max_connections_per_address;
+    if (cmd.count("--max-unsent-bytes") > 0) t.max_unsent_bytes = o.max_unsent_bytes;
+    if (cmd.count("--max-answer-bytes") > 0) t.max_answer_bytes = o.max_answer_bytes;
     if (cmd.count("--engine-api-key") > 0) t.engine_api_key = o.engine_api_key;
     if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens.limit;
     if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.max_tokens.default_value;
@@ -72,6 +76,8 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t.io_threads = o.http_threads;
     t.max_connections = o.max_connections;
     t.max_connections_per_address = o.max_connections_per_address;
+    t.max_unsent_bytes = o.max_unsent_bytes;
+    t.max_answer_bytes = o.max_answer_bytes;
   }
   if (o.reuse_port) t.reuse_port = true;
   if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
@@ -146,6 +152,17 @@ void add_gateway_command(CLI::App& app) {
                   "of those, held at once from one client address; past it its new ones are "
                   "closed at once (0: no limit; leave it behind a proxy or load balancer)")
       ->capture_default_str();
+  const auto held_bytes = CLI::Range(size_t{1}, gateway::kMaxHeldBytesLimit);
+  cmd->add_option("--max-unsent-bytes", o->max_unsent_bytes,
+                  "a streaming client this many bytes behind its stream is cut as stalled, and "
+                  "its engine legs cancelled (listen.max_unsent_bytes)")
+      ->capture_default_str()
+      ->check(held_bytes);
+  cmd->add_option("--max-answer-bytes", o->max_answer_bytes,
+                  "the largest non-streamed answer the gateway holds to relay; a larger one is "
+                  "refused with 502 answer_too_large (max_answer_bytes)")
+      ->capture_default_str()
+      ->check(held_bytes);
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));

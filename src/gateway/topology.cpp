@@ -127,6 +127,11 @@ std::string host_port(const Endpoint& e) {
   return (ipv6 ? "[" + e.host + "]" : e.host) + ":" + std::to_string(e.port);
 }
 
+std::string held_bytes_expected() {
+  return "a size in bytes 1.." + std::to_string(kMaxHeldBytesLimit) + " (at most " +
+         std::to_string(kMaxHeldBytesLimit >> 30) + " GiB)";
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reading the YAML tree. Every function takes the key path of the node it reads, so that every
 // error can say where it is; Reader::fail adds the source.
@@ -209,6 +214,12 @@ class Reader {
   int count(const YAML::Node& node, const std::string& path, int min) const {
     return static_cast<int>(integer(node, path, min, std::numeric_limits<int>::max(),
                                     "a whole number >= " + std::to_string(min)));
+  }
+
+  // A byte limit on what the gateway holds for one client: 1..kMaxHeldBytesLimit.
+  size_t held_bytes(const YAML::Node& node, const std::string& path) const {
+    return static_cast<size_t>(
+        integer(node, path, 1, static_cast<long long>(kMaxHeldBytesLimit), held_bytes_expected()));
   }
 
   uint16_t port(const YAML::Node& node, const std::string& path) const {
@@ -434,6 +445,7 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                                "admin_api_key",
                                "metrics_api_key",
                                "max_queue",
+                               "max_answer_bytes",
                                "prefill_retries",
                                "policy",
                                "scheduling",
@@ -449,9 +461,10 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
-    const auto listen = r.mapping(keys.at("listen"), "listen",
-                                  {"host", "port", "io_threads", "reuse_port", "max_body_bytes",
-                                   "max_connections", "max_connections_per_address"});
+    const auto listen =
+        r.mapping(keys.at("listen"), "listen",
+                  {"host", "port", "io_threads", "reuse_port", "max_body_bytes", "max_unsent_bytes",
+                   "max_connections", "max_connections_per_address"});
     if (listen.count("host"))
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
@@ -463,6 +476,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
       t.max_body_bytes = static_cast<size_t>(
           r.integer(listen.at("max_body_bytes"), "listen.max_body_bytes", 1,
                     std::numeric_limits<long long>::max(), "a size in bytes >= 1"));
+    if (listen.count("max_unsent_bytes"))
+      t.max_unsent_bytes = r.held_bytes(listen.at("max_unsent_bytes"), "listen.max_unsent_bytes");
     if (listen.count("max_connections"))
       t.max_connections =
           static_cast<size_t>(r.count(listen.at("max_connections"), "listen.max_connections", 1));
@@ -507,6 +522,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                          "a number of tokens >= 0 (0: no limit)");
   if (has("max_queue"))
     t.max_queue = static_cast<size_t>(r.count(keys.at("max_queue"), "max_queue", 1));
+  if (has("max_answer_bytes"))
+    t.max_answer_bytes = r.held_bytes(keys.at("max_answer_bytes"), "max_answer_bytes");
   if (has("prefill_retries"))
     t.prefill_retries = r.count(keys.at("prefill_retries"), "prefill_retries", 0);
   if (has("access_log"))
@@ -720,6 +737,10 @@ void validate(Topology& t) {
   // listen.port 0 is allowed: the system picks a free port (tests use that).
   check_at_least(t.io_threads, 1, "listen.io_threads");
   if (t.max_body_bytes == 0) invalid("listen.max_body_bytes", "a size in bytes >= 1", "0");
+  for (const auto& [value, path] : {std::pair{t.max_unsent_bytes, "listen.max_unsent_bytes"},
+                                    std::pair{t.max_answer_bytes, "max_answer_bytes"}})
+    if (value < 1 || value > kMaxHeldBytesLimit)
+      invalid(path, held_bytes_expected(), std::to_string(value));
   if (t.max_queue == 0) invalid("max_queue", "a whole number >= 1", "0");
   check_at_least(t.prefill_retries, 0, "prefill_retries");
   // Every duration, also of topologies built from flags or in code: each ends up in a timer.

@@ -104,12 +104,20 @@ struct PriorityClasses {
   bool enabled() const { return !classes.empty(); }
 };
 
+// The largest value of max_unsent_bytes and max_answer_bytes: each is memory held for one client,
+// and a bound past what a machine gives one client is a typo or a unit mistake, not a setting.
+inline constexpr size_t kMaxHeldBytesLimit = size_t{16} << 30;
+
 struct Topology {
   std::string host = "0.0.0.0";
   uint16_t port = 8080;
   int io_threads = 2;
   bool reuse_port = false;  // SO_REUSEPORT: replicas of this gateway may listen on the same port
   size_t max_body_bytes = size_t{8} << 20;
+  // The stream high-water mark (net::HttpServerOptions::max_unsent_bytes): a streaming client
+  // this far behind its stream is cut as stalled, and its engine legs cancelled. 1 to
+  // kMaxHeldBytesLimit.
+  size_t max_unsent_bytes = size_t{16} << 20;
   size_t max_connections = 0;  // client connections held at once; 0: 3/4 of the fd limit
   size_t max_connections_per_address = 0;  // of those, from one peer address; 0: no limit
 
@@ -133,7 +141,7 @@ struct Topology {
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
   // The largest non-streamed answer the gateway holds to relay (it buffers a whole answer before
   // any byte reaches the client, so a failure can still be retried); a larger one is refused with
-  // a 502 that asks for stream: true. Not read from the topology file; tests make it small.
+  // a 502 that asks for stream: true. 1 to kMaxHeldBytesLimit.
   size_t max_answer_bytes = size_t{64} << 20;
   int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
   // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
@@ -184,7 +192,8 @@ std::string reload_refusal(const Topology& current, const Topology& next);
 
 // Throws tandem::Error for an inconsistent topology: no decode engine; a prefill pool in
 // aggregated mode or none in a P/D mode; a dialect that cannot serve the mode; a parallel-mode
-// prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits;
+// prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits; byte
+// limits past kMaxHeldBytesLimit;
 // priority classes with duplicate names or priorities, or keys the gateway does not accept.
 // Endpoints without a name get "HOST:PORT".
 void validate(Topology& topology);

@@ -34,6 +34,9 @@ enum class Behaviour {
   kError400,    // HTTP 400 with an OpenAI error body (the engine refuses the request)
   kEmpty422,    // HTTP 422 with an empty body
   kSlowStream,  // a stream of one event every 50 ms for 2 s: a client can leave in the middle
+  // A stream of 12 MiB as fast as the gateway takes it (16 KiB events), stopping when the gateway
+  // gives the leg up: more than socket buffers hold, less than the default high-water mark.
+  kFloodStream,
 };
 
 // An engine as the gateway sees it: OpenAI endpoints, /health, the P/D fields.
@@ -156,6 +159,18 @@ class FakeEngine {
             std::this_thread::sleep_for(50ms);
             if (!ex->write(e)) return;  // the gateway gave up on the leg
           }
+          ex->write(net::kSseDone);
+          ex->end();
+        }).detach();
+        break;
+      }
+      case Behaviour::kFloodStream: {
+        ex->start_stream(200, "text/event-stream");
+        const std::string event = net::sse_event(
+            json{{"choices", {{{"index", 0}, {"text", std::string(16 << 10, 'x')}}}}}.dump());
+        std::thread([ex, event] {
+          for (size_t sent = 0; sent < (size_t{12} << 20); sent += event.size())
+            if (!ex->write(event)) return;  // the gateway gave up on the leg
           ex->write(net::kSseDone);
           ex->end();
         }).detach();

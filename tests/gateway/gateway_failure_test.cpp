@@ -4,7 +4,11 @@
 // dying mid-stream, client disconnects reaching both legs, health checks, bounded queues,
 // API keys, the admin API and config reload under traffic, and the lifecycle record (access
 // log, /debug/requests). After every scenario no engine may be left with requests in flight.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -349,6 +353,61 @@ TEST_P(GatewayFailures, AClientThatLeavesMidStreamIsLogged499) {
   }
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
   EXPECT_TRUE(eventually([&] { return e.closed_early() == 3; }));
+}
+
+// listen.max_unsent_bytes reaches the gateway's HTTP server. A streaming client that never
+// reads (its receive buffer shrunk, so the kernel holds little of the stream for it) is cut once
+// 256 KiB of its stream wait in the gateway: the engine's leg is cancelled and the request logged
+// 499. At the default 16 MiB the engine's whole 12 MiB stream would wait in the gateway for the
+// write timeout (60 s) instead.
+TEST_P(GatewayFailures, AStreamingClientThatNeverReadsIsCutAtTheTopologysHighWaterMark) {
+  FakeEngine e("e");
+  e.set(Behaviour::kFloodStream);
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(e, "e")};
+  t.max_unsent_bytes = size_t{256} << 10;
+  start(t);
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  const int small = 4096;
+  ASSERT_EQ(::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port());
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
+  const std::string body = completion(true).dump();
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  EXPECT_TRUE(eventually([&] { return e.closed_early() == 1; }, 20s))
+      << "the engine's leg was not cancelled";
+  ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
+  EXPECT_EQ(log_lines()[0]["status"], 499);
+  ::close(fd);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
+}
+
+// max_answer_bytes from the topology: a whole answer past it is the gateway's refusal (502,
+// answer_too_large, saying the limit; not retried), while a stream passes.
+TEST_P(GatewayFailures, AWholeAnswerPastTheTopologysLimitIsRefused) {
+  FakeEngine e("e");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(e, "e")};
+  t.max_answer_bytes = 100;  // the fake engine's answer is about 250 bytes
+  start(t);
+  const auto r = post(completion());
+  EXPECT_EQ(r.status, 502);
+  const json error = json::parse(r.body)["error"];
+  EXPECT_EQ(error["code"], "answer_too_large") << r.body;
+  EXPECT_NE(error["message"].get<std::string>().find("larger than 100 bytes"), std::string::npos)
+      << r.body;
+  EXPECT_EQ(e.requests(), 1);
+  EXPECT_EQ(post(completion(true)).status, 200);
+  EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
 TEST_P(GatewayFailures, HealthChecksEjectAndReadmitEngines) {

@@ -131,6 +131,8 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.port, 8080);
   EXPECT_EQ(t.io_threads, 2);
   EXPECT_EQ(t.max_body_bytes, 8388608u);
+  EXPECT_EQ(t.max_unsent_bytes, 8388608u);
+  EXPECT_EQ(t.max_answer_bytes, 33554432u);
   EXPECT_EQ(t.mode, PdMode::kParallel);
   EXPECT_EQ(t.model, "/srv/gateway/models/tiny-v3");
   EXPECT_EQ(t.served_model_name, "tiny");
@@ -214,6 +216,8 @@ TEST(TopologyYaml, OnlyDecodeEndpointsGiveTheDefaults) {
   EXPECT_EQ(t.port, defaults.port);
   EXPECT_EQ(t.io_threads, defaults.io_threads);
   EXPECT_EQ(t.max_body_bytes, defaults.max_body_bytes);
+  EXPECT_EQ(t.max_unsent_bytes, size_t{16} << 20);
+  EXPECT_EQ(t.max_answer_bytes, size_t{64} << 20);
   EXPECT_EQ(t.model, "");
   EXPECT_EQ(t.served_model_name, "");
   EXPECT_TRUE(t.api_keys.empty());
@@ -370,7 +374,8 @@ TEST(TopologyYaml, UnknownKeysAreErrors) {
       yaml_error(parallel_yaml("listen: {hots: a}\n")),
       StartsWith(
           "t.yaml: listen.hots: expected one of host, port, io_threads, reuse_port, "
-          "max_body_bytes, max_connections, max_connections_per_address, got an unknown key"));
+          "max_body_bytes, max_unsent_bytes, max_connections, max_connections_per_address, got an "
+          "unknown key"));
   EXPECT_THAT(yaml_error(parallel_yaml("timeouts: {queue: 5}\n")),
               StartsWith("t.yaml: timeouts.queue: expected one of queue_ms, "));
   EXPECT_THAT(yaml_error(parallel_yaml("health: {interval_ms: 5}\n")),
@@ -482,6 +487,34 @@ TEST(TopologyYaml, LimitsAreChecked) {
               StartsWith("t.yaml: decode.endpoints[0].group: expected a whole number >= 0"));
   EXPECT_THAT(yaml_error("decode: {endpoints: [{host: d, port: 0}]}"),
               StartsWith("t.yaml: decode.endpoints[0].port: expected a port 1..65535, got 0"));
+}
+
+// The two byte limits on what the gateway holds for one client: whole numbers of bytes from 1
+// to 16 GiB, anything else refused naming the key and the range.
+TEST(TopologyYaml, ByteLimitsOnWhatOneClientHoldsAreCheckedNamingTheKey) {
+  const std::string range = "expected a size in bytes 1..17179869184 (at most 16 GiB), got ";
+  const std::pair<std::string, std::string> cases[] = {
+      {"0", "0"},
+      {"-1", "-1"},
+      {"1.5", "1.5"},
+      {"16MiB", "16MiB"},
+      {"\"1024\"", "\"1024\" (a quoted string)"},
+      {"17179869185", "17179869185"},
+      {"99999999999999999999", "99999999999999999999"},
+      {"[1]", "a list"},
+  };
+  for (const auto& [value, got] : cases) {
+    EXPECT_EQ(yaml_error(parallel_yaml("listen: {max_unsent_bytes: " + value + "}\n")),
+              "t.yaml: listen.max_unsent_bytes: " + range + got)
+        << value;
+    EXPECT_EQ(yaml_error(parallel_yaml("max_answer_bytes: " + value + "\n")),
+              "t.yaml: max_answer_bytes: " + range + got)
+        << value;
+  }
+  const Topology t = parse_topology_yaml(
+      parallel_yaml("listen: {max_unsent_bytes: 1}\nmax_answer_bytes: 17179869184\n"), "t.yaml");
+  EXPECT_EQ(t.max_unsent_bytes, 1u);
+  EXPECT_EQ(t.max_answer_bytes, size_t{16} << 30);
 }
 
 // A duration is added to the clock's now() by the timers: one past 2^31 - 1 ms would overflow
@@ -659,6 +692,16 @@ TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
   t = flag_topology();
   t.max_body_bytes = 0;
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("listen.max_body_bytes: "));
+  t = flag_topology();
+  t.max_unsent_bytes = 0;
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "listen.max_unsent_bytes: expected a size in bytes 1..17179869184 (at most 16 GiB), "
+            "got 0");
+  t = flag_topology();
+  t.max_answer_bytes = kMaxHeldBytesLimit + 1;
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "max_answer_bytes: expected a size in bytes 1..17179869184 (at most 16 GiB), got "
+            "17179869185");
   t = flag_topology();
   t.decode.endpoints[0].max_in_flight = -1;
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("decode.endpoints[0].max_in_flight: "));
