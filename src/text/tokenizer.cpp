@@ -3,6 +3,7 @@
 #include <charconv>
 #include <deque>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -185,14 +186,15 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     }
     // transformers also registers tokens listed only in tokenizer_config.json.
     if (cfg.contains("added_tokens_decoder")) {
+      // A set, not a scan of `added` per entry: files list tens of thousands of added tokens.
+      std::unordered_set<TokenId> listed;
+      for (const auto& a : added) listed.insert(a.id);
       for (const auto& [id_str, t] : cfg["added_tokens_decoder"].items()) {
         TokenId id = 0;
         auto [end, ec] = std::from_chars(id_str.data(), id_str.data() + id_str.size(), id);
         if (ec != std::errc() || end != id_str.data() + id_str.size() || id < 0 || id >= (1 << 24))
           throw Error(cfg_origin + ": added_tokens_decoder key '" + id_str + "' is not a token id");
-        bool known = false;
-        for (const auto& a : added) known = known || a.id == id;
-        if (known) continue;
+        if (!listed.insert(id).second) continue;
         added.push_back(parse_added_token(t, id));
       }
     }

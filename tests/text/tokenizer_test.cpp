@@ -3,6 +3,8 @@
 #include "text/tokenizer.h"
 
 #include <fstream>
+#include <random>
+#include <set>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -143,6 +145,62 @@ TEST(Tokenizer, VeryLongInputsDoNotTruncate) {
   text += std::string(100000, ' ') + "end";
   auto ids = tok.encode(text, false);
   EXPECT_EQ(tok.decode(ids, false), text);
+}
+
+// tokenizer.json's added_tokens, then tokenizer_config.json's added_tokens_decoder entries whose
+// id the first list does not use: random lists with ids and contents shared within and across
+// them still register each content once, and nothing else.
+TEST(Tokenizer, AddedTokensInBothListsAreRegisteredOnce) {
+  const auto base = nlohmann::json::parse(qwen_json());
+  const size_t vocab = base["model"]["vocab"].size();
+  std::mt19937 rng(7);
+  for (int round = 0; round < 3; ++round) {
+    const int pool = 1500;  // contents drawn from a pool, so duplicates are common
+    auto content = [&] { return "<t" + std::to_string(rng() % pool) + ">"; };
+    auto doc = base;
+    doc["added_tokens"] = nlohmann::json::array();
+    std::vector<int> file_ids;
+    std::set<std::string> expected;
+    for (int i = 0; i < 1000; ++i) {
+      const int id = static_cast<int>(vocab) + static_cast<int>(rng() % 3000);
+      const auto c = content();
+      file_ids.push_back(id);
+      expected.insert(c);
+      doc["added_tokens"].push_back({{"id", id}, {"content", c}, {"special", true}});
+    }
+    nlohmann::json decoder = nlohmann::json::object();
+    std::set<std::string> ignored;
+    for (int i = 0; i < 1000; ++i) {
+      const int id = rng() % 2 ? file_ids[rng() % file_ids.size()]
+                               : static_cast<int>(vocab) + static_cast<int>(rng() % 6000);
+      decoder[std::to_string(id)] = {{"content", content()}, {"special", true}};
+    }
+    const std::set<int> file_id_set(file_ids.begin(), file_ids.end());
+    for (const auto& [key, t] : decoder.items()) {
+      if (file_id_set.count(std::stoi(key)))
+        ignored.insert(t["content"].get<std::string>());
+      else
+        expected.insert(t["content"].get<std::string>());
+    }
+    const nlohmann::json cfg = {{"added_tokens_decoder", decoder}};
+    const auto tok = Tokenizer::from_json(doc.dump(), cfg.dump(), "added.json");
+    EXPECT_EQ(tok.vocab_size(), vocab + expected.size()) << "round " << round;
+    std::set<TokenId> ids;
+    for (const auto& c : expected) {
+      const auto id = tok.token_to_id(c);
+      ASSERT_TRUE(id) << c;
+      EXPECT_TRUE(ids.insert(*id).second) << c << " shares id " << *id;
+      EXPECT_EQ(tok.id_to_token(*id), c);
+      EXPECT_EQ(tok.encode(c, false), std::vector<TokenId>{*id}) << c;
+    }
+    size_t unregistered = 0;
+    for (const auto& c : ignored) {
+      if (expected.count(c)) continue;
+      ++unregistered;
+      EXPECT_FALSE(tok.token_to_id(c)) << c << " was registered";
+    }
+    EXPECT_GT(unregistered, 0u);  // the draw exercises the rule
+  }
 }
 
 }  // namespace
