@@ -27,14 +27,26 @@ struct Framing {
   std::vector<TokenId> prefix, suffix;
 };
 
-void add_post_processor(const json& cfg, const std::string& where, Framing& f) {
+// A framing id outside the vocabulary would be added to every prompt and then refused by the
+// engine as if the client had sent it, so it is an error of the file, found when it loads.
+TokenId framing_id(const json& v, const std::string& field, const std::vector<std::string>& vocab) {
+  if (!v.is_number_integer()) throw Error(field + ": expected a token id, got " + v.dump());
+  const auto id = v.get<int64_t>();
+  if (id < 0 || static_cast<uint64_t>(id) >= vocab.size() || vocab[id].empty())
+    throw Error(field + " is token id " + std::to_string(id) +
+                ", which is not in the vocabulary (" + std::to_string(vocab.size()) + " ids)");
+  return static_cast<TokenId>(id);
+}
+
+void add_post_processor(const json& cfg, const std::string& where, Framing& f,
+                        const std::vector<std::string>& vocab) {
   if (cfg.is_null()) return;
   const auto type = cfg.value("type", std::string());
   if (type == "ByteLevel") return;  // only adjusts offsets, which Tandem does not track
   if (type == "Sequence") {
     const auto& list = cfg.at("processors");
     for (size_t i = 0; i < list.size(); ++i)
-      add_post_processor(list[i], where + ".processors[" + std::to_string(i) + "]", f);
+      add_post_processor(list[i], where + ".processors[" + std::to_string(i) + "]", f, vocab);
     return;
   }
   if (type == "TemplateProcessing") {
@@ -50,7 +62,11 @@ void add_post_processor(const json& cfg, const std::string& where, Framing& f) {
         if (!specials.contains(name))
           throw Error(where + ": template token '" + name + "' is not in special_tokens");
         auto& dst = seen_a ? f.suffix : f.prefix;
-        for (const auto& id : specials[name].at("ids")) dst.push_back(id.get<TokenId>());
+        const auto& ids = specials[name].at("ids");
+        for (size_t i = 0; i < ids.size(); ++i)
+          dst.push_back(framing_id(
+              ids[i], where + ": special_tokens['" + name + "'].ids[" + std::to_string(i) + "]",
+              vocab));
       } else {
         throw Error(where + ": unknown template item " + item.dump());
       }
@@ -59,8 +75,8 @@ void add_post_processor(const json& cfg, const std::string& where, Framing& f) {
     return;
   }
   if (type == "RobertaProcessing" || type == "BertProcessing") {
-    f.prefix.push_back(cfg.at("cls").at(1).get<TokenId>());
-    f.suffix.push_back(cfg.at("sep").at(1).get<TokenId>());
+    f.prefix.push_back(framing_id(cfg.at("cls").at(1), where + ": cls[1]", vocab));
+    f.suffix.push_back(framing_id(cfg.at("sep").at(1), where + ": sep[1]", vocab));
     return;
   }
   throw Error(where + ": post-processor type '" + type + "' is not supported");
@@ -272,7 +288,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
       if (add_eos) impl->framing.suffix.push_back(*impl->eos_id);
     } else {
       add_post_processor(doc.value("post_processor", json()), origin + ": post_processor",
-                         impl->framing);
+                         impl->framing, impl->id_to_token);
     }
 
     if (cfg.contains("chat_template")) {

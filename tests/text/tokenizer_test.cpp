@@ -147,6 +147,40 @@ TEST(Tokenizer, VeryLongInputsDoNotTruncate) {
   EXPECT_EQ(tok.decode(ids, false), text);
 }
 
+// The ids a post-processor frames every prompt with must be tokens: an id outside the
+// vocabulary was added to each prompt and the engine then refused every request, blaming it.
+TEST(Tokenizer, FramingIdsOutsideTheVocabularyAreNamedWhenLoading) {
+  const nlohmann::json tmpl = {
+      {"type", "TemplateProcessing"},
+      {"single",
+       {{{"SpecialToken", {{"id", "X"}, {"type_id", 0}}}},
+        {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+      {"pair", nlohmann::json::array()},
+      {"special_tokens", {{"X", {{"id", "X"}, {"ids", {151643, 5000000}}, {"tokens", {"X"}}}}}}};
+  EXPECT_THAT(error_with("post_processor", tmpl),
+              HasSubstr("patched.json: post_processor: special_tokens['X'].ids[1] is token id "
+                        "5000000, which is not in the vocabulary"));
+  EXPECT_THAT(error_with("post_processor", {{"type", "Sequence"},
+                                            {"processors",
+                                             {{{"type", "RobertaProcessing"},
+                                               {"cls", {"<|endoftext|>", 151643}},
+                                               {"sep", {"x", -1}}}}}}),
+              HasSubstr("post_processor.processors[0]: sep[1] is token id -1"));
+  EXPECT_THAT(error_with("post_processor", {{"type", "BertProcessing"},
+                                            {"cls", {"x", 5000000}},
+                                            {"sep", {"<|endoftext|>", 151643}}}),
+              HasSubstr("post_processor: cls[1] is token id 5000000"));
+  // In range, the same framing loads and frames.
+  auto doc = nlohmann::json::parse(qwen_json());
+  doc["post_processor"] = tmpl;
+  doc["post_processor"]["special_tokens"]["X"]["ids"] = {151643, 151644};
+  const auto tok = Tokenizer::from_json(doc.dump(), "", "patched.json");
+  const auto ids = tok.encode("hi", true);
+  ASSERT_GE(ids.size(), 3u);
+  EXPECT_EQ(ids[0], 151643);
+  EXPECT_EQ(ids[1], 151644);
+}
+
 // tokenizer.json's added_tokens, then tokenizer_config.json's added_tokens_decoder entries whose
 // id the first list does not use: random lists with ids and contents shared within and across
 // them still register each content once, and nothing else.
