@@ -115,7 +115,7 @@ struct Bpe::WordTable {
   }
 };
 
-Bpe::Bpe(const nlohmann::json& model, const std::string& origin) {
+Bpe::Bpe(const nlohmann::json& model, const std::string& origin, size_t added_tokens) {
   auto fail = [&](const std::string& what) { throw Error(origin + ": model: " + what); };
   if (!model.is_object()) fail("expected an object");
   if (model.value("type", std::string("BPE")) != "BPE")
@@ -135,15 +135,35 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin) {
   const auto vocab_it = model.find("vocab");
   if (vocab_it == model.end() || !vocab_it->is_object()) fail("'vocab' must be an object");
   const auto& vocab = *vocab_it;
-  vocab_ = std::make_unique<WordTable>(vocab.size());
-  std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
+  // Every table indexed by id (here and in the tokenizer) is as long as the largest id, so a few
+  // entries with huge ids would cost gigabytes: ids may leave holes, but not many more holes than
+  // there are tokens. Real vocabularies are dense (holes, if any, filled by added tokens); the
+  // slack keeps small hand-written ones with gaps loadable.
+  constexpr int64_t kIdSlack = 1 << 16;
+  const int64_t max_sparse_id =
+      2 * (static_cast<int64_t>(vocab.size()) + static_cast<int64_t>(added_tokens)) + kIdSlack;
+  int64_t largest = -1;
+  std::string largest_token;
   for (const auto& [token, id_json] : vocab.items()) {
     if (!id_json.is_number_integer() || id_json.get<int64_t>() < 0 ||
         id_json.get<int64_t>() >= kMaxVocabulary)
       fail("vocab entry '" + token + "' has an invalid id (ids are 0 to " +
            std::to_string(kMaxVocabulary - 1) + ")");
+    if (id_json.get<int64_t>() > largest) {
+      largest = id_json.get<int64_t>();
+      largest_token = token;
+    }
+  }
+  if (largest > max_sparse_id)
+    fail("vocab entry '" + largest_token + "' has id " + std::to_string(largest) + ", but the " +
+         std::to_string(vocab.size()) + " entries and " + std::to_string(added_tokens) +
+         " added tokens allow ids up to " + std::to_string(max_sparse_id) + " (2 x tokens + " +
+         std::to_string(kIdSlack) + "); ids must be nearly dense");
+  tokens_.resize(static_cast<size_t>(largest + 1));
+  vocab_ = std::make_unique<WordTable>(vocab.size());
+  std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
+  for (const auto& [token, id_json] : vocab.items()) {
     auto id = id_json.get<TokenId>();
-    if (static_cast<size_t>(id) >= tokens_.size()) tokens_.resize(id + 1);
     tokens_[id] = token;
     // Tokens outside the byte alphabet cannot be produced from bytes; they stay addressable by
     // id only (HF behaves the same: BPE never reaches them).

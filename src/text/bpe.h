@@ -17,8 +17,10 @@ using TokenId = int32_t;
 
 class Bpe {
  public:
-  // `model` is the tokenizer.json "model" object; errors name `origin`.
-  Bpe(const nlohmann::json& model, const std::string& origin);
+  // `model` is the tokenizer.json "model" object; errors name `origin`. `added_tokens` is how
+  // many added tokens the file lists besides the model: they may fill holes in the vocabulary's
+  // ids, so they count towards how sparse its ids may be.
+  Bpe(const nlohmann::json& model, const std::string& origin, size_t added_tokens = 0);
   ~Bpe();
 
   // Appends the tokens of one pre-tokenized piece (raw bytes).

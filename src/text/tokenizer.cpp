@@ -188,7 +188,12 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     impl->normalizer = std::make_unique<Normalizer>(doc.value("normalizer", json()), origin);
     impl->pre_tokenizer =
         std::make_unique<PreTokenizer>(doc.value("pre_tokenizer", json()), origin);
-    impl->bpe = std::make_unique<Bpe>(doc["model"], origin);
+    size_t listed_added = 0;
+    if (const auto it = doc.find("added_tokens"); it != doc.end() && it->is_array())
+      listed_added += it->size();
+    if (const auto it = cfg.find("added_tokens_decoder"); it != cfg.end() && it->is_object())
+      listed_added += it->size();
+    impl->bpe = std::make_unique<Bpe>(doc["model"], origin, listed_added);
     check_decoder(doc.value("decoder", json()), origin + ": decoder");
 
     // Vocabulary first, then added tokens (which may reuse or extend ids).

@@ -181,6 +181,37 @@ TEST(Tokenizer, FramingIdsOutsideTheVocabularyAreNamedWhenLoading) {
   EXPECT_EQ(ids[1], 151644);
 }
 
+nlohmann::json tiny_model(const nlohmann::json& vocab) {
+  return {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}},
+          {"pre_tokenizer",
+           {{"type", "ByteLevel"},
+            {"add_prefix_space", false},
+            {"trim_offsets", true},
+            {"use_regex", true}}},
+          {"decoder", {{"type", "ByteLevel"}}}};
+}
+
+// Tables indexed by id are as long as the largest id: one entry with id 2^24-1 cost 1.6 GB.
+TEST(Tokenizer, AVocabularyWithIdsFarBeyondItsSizeIsRefusedNamingTheId) {
+  try {
+    Tokenizer::from_json(tiny_model({{"a", 0}, {"b", 1}, {"HUGE", 16777215}}).dump(), "",
+                         "sparse/tokenizer.json");
+    FAIL() << "loaded";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("sparse/tokenizer.json: model: vocab entry 'HUGE' has id "
+                                    "16777215, but the 3 entries and 0 added tokens allow ids "
+                                    "up to 65542"));
+  }
+  // Holes are fine within the slack, and added tokens widen the bound.
+  auto gappy = tiny_model({{"a", 0}, {"b", 1}, {"c", 60000}});
+  EXPECT_EQ(Tokenizer::from_json(gappy.dump(), "", "gappy.json").id_to_token(60000), "c");
+  auto wide = tiny_model({{"a", 0}, {"b", 1}, {"c", 100000}});
+  EXPECT_THROW(Tokenizer::from_json(wide.dump(), "", "wide.json"), Error);
+  for (int i = 0; i < 20000; ++i)
+    wide["added_tokens"].push_back({{"id", 2 + i}, {"content", "<a" + std::to_string(i) + ">"}});
+  EXPECT_EQ(Tokenizer::from_json(wide.dump(), "", "wide.json").id_to_token(100000), "c");
+}
+
 // tokenizer.json's added_tokens, then tokenizer_config.json's added_tokens_decoder entries whose
 // id the first list does not use: random lists with ids and contents shared within and across
 // them still register each content once, and nothing else.
