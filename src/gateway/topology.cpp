@@ -742,6 +742,9 @@ void validate(Topology& t) {
     if (value < 1 || value > kMaxHeldBytesLimit)
       invalid(path, held_bytes_expected(), std::to_string(value));
   if (t.max_queue == 0) invalid("max_queue", "a whole number >= 1", "0");
+  // `--api-key "$UNSET"`: a guarded-looking gateway must not be meant open.
+  for (const std::string& key : t.api_keys)
+    if (key.empty()) invalid("api_keys (--api-key)", "non-empty keys", "an empty key");
   check_at_least(t.prefill_retries, 0, "prefill_retries");
   // Every duration, also of topologies built from flags or in code: each ends up in a timer.
   check_duration(t.health.probe_interval, "health.probe_interval_ms");

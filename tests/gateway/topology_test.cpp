@@ -690,6 +690,10 @@ TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
   EXPECT_THAT(error_of([&] { validate(t); }),
               StartsWith("priority_classes.classes[0].max_wait_ms: expected "));
   t = flag_topology();
+  t.api_keys = {"k1", ""};
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "api_keys (--api-key): expected non-empty keys, got an empty key");
+  t = flag_topology();
   t.max_body_bytes = 0;
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("listen.max_body_bytes: "));
   t = flag_topology();
