@@ -27,6 +27,10 @@ void put_tokens_le32(unsigned char* out, std::span<const int32_t> tokens) {
 
 }  // namespace
 
+uint64_t cache_salt_hash(std::string_view cache_salt) {
+  return hash_bytes(cache_salt);
+}
+
 uint64_t block_hash(std::optional<uint64_t> parent, std::span<const int32_t> block_tokens,
                     std::optional<uint64_t> salt) {
   if (parent && salt) {

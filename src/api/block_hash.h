@@ -12,7 +12,8 @@
 // where LE64/LE32 write an unsigned 64/32-bit integer as little-endian bytes, t_j are the
 // block's token ids as two's-complement 32-bit integers (ids are never negative in practice), n
 // is the number of tokens in the block, and the optional 64-bit salt (vLLM's cache_salt, for
-// tenant isolation) is appended to the first block's input only. Only full blocks are hashed.
+// tenant isolation, cache_salt_hash of its string) is appended to the first block's input only.
+// Only full blocks are hashed.
 //
 // Example: block_size 2, tokens [1, 2, 3, 4] without salt:
 //   h0 = XXH3_64(seed, 00..00 (8 zero bytes, the root) 01000000 02000000)
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace tandem::api {
@@ -28,6 +30,10 @@ namespace tandem::api {
 inline constexpr uint64_t kBlockHashSeed = 0x54616e64656d4b56ULL;
 // The parent value of a sequence's first block.
 inline constexpr uint64_t kBlockHashRoot = 0;
+
+// The 64-bit salt of a request's cache_salt string: XXH3_64bits of its UTF-8 bytes, seed 0. The
+// engine salts its cache with it and the gateway its prefix matching, so both must get it here.
+uint64_t cache_salt_hash(std::string_view cache_salt);
 
 // Hash of one block. `parent` is the previous block's hash, or nullopt for a sequence's first
 // block (which then uses kBlockHashRoot and appends `salt` if one is given). A salt with a parent

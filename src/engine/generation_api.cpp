@@ -4,12 +4,12 @@
 #include <limits>
 #include <mutex>
 
+#include "api/block_hash.h"
 #include "api/disaggregation.h"
 #include "api/error.h"
 #include "api/response.h"
 #include "net/sse.h"
 #include "util/error.h"
-#include "util/hash.h"
 #include "util/json.h"
 #include "util/random_id.h"
 
@@ -227,7 +227,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     er.sampling = call->request.sampling;
     if (er.sampling.seed && i > 0) er.sampling.seed = *er.sampling.seed + i;
     er.priority = call->request.priority;
-    if (call->request.cache_salt) er.cache_salt = hash_bytes(*call->request.cache_salt);
+    if (call->request.cache_salt) er.cache_salt = api::cache_salt_hash(*call->request.cache_salt);
     er.logprobs = call->request.logprobs;
     er.kv_transfer = kv_transfer;
     er.on_output = [call, i, post = post_](const RequestOutput& out) {

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <array>
 
+#include "api/block_hash.h"
 #include "api/body_fields.h"
 #include "util/error.h"
 #include "util/file.h"
-#include "util/hash.h"
 #include "util/json.h"
 
 namespace tandem::gateway {
@@ -217,7 +217,7 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
   t.max_tokens = r.sampling.max_tokens;
   t.n = r.n;
   t.stream = r.stream;
-  if (r.cache_salt) t.cache_salt = hash_bytes(*r.cache_salt);
+  if (r.cache_salt) t.cache_salt = api::cache_salt_hash(*r.cache_salt);
   return t;
 }
 

@@ -130,6 +130,12 @@ TEST(BlockHashTest, GoldenBytes) {
             XXH3_64bits_withSeed(salted, sizeof(salted), 0x54616e64656d4b56ULL));
 }
 
+// A cache_salt string becomes the salt as the header defines it, in the engine and the gateway.
+TEST(BlockHashTest, ACacheSaltIsTheXxh3OfItsBytes) {
+  EXPECT_EQ(cache_salt_hash("tenant-a"), XXH3_64bits_withSeed("tenant-a", 8, 0));
+  EXPECT_NE(cache_salt_hash("tenant-a"), cache_salt_hash("tenant-b"));
+}
+
 TEST(BlockHashTest, ChainingAndSensitivity) {
   std::vector<int32_t> tokens(64);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(1000 + i);
