@@ -14,18 +14,58 @@ namespace {
 using RankLists = std::vector<std::vector<int32_t>>;
 
 // Copies per expert: each extra slot goes to the expert with the highest load per copy (lower
-// id on ties), at most one copy per rank. Kept as a heap so cost curves can add one at a time.
+// id on ties), as long as the copies can still sit on the ranks with at most one copy of an
+// expert per rank. Kept as a heap so cost curves can add one at a time.
+//
+// Copies fit the ranks' slots exactly when, for every k, the k largest ranks' slots are at most
+// the sum over experts of min(copies, k) (Gale-Ryser). With m copies still to add, spreading
+// them over the experts with the fewest copies raises that sum by m for every k that needs it,
+// so slack[k] = sum min(copies, k) + m - (k largest ranks' slots) >= 0 for all k says the copies
+// so far can be completed. Another copy of an expert that has c lowers slack[1..c] by one.
 class Replicator {
  public:
-  Replicator(const double* loads, int64_t experts, int max_copies)
-      : loads_(loads), count_(experts, 1), max_copies_(max_copies) {
-    for (int64_t e = 0; e < experts; ++e) heap_.push({loads[e], -e});
+  Replicator(const double* loads, int64_t experts, const std::vector<int64_t>& capacity)
+      : loads_(loads), count_(experts, 1) {
+    set_capacity(capacity);
   }
+  // The slots per rank the copies must fit (the total may grow between add_one calls).
+  void set_capacity(std::vector<int64_t> capacity) {
+    std::sort(capacity.begin(), capacity.end(), std::greater<>());
+    while (!capacity.empty() && capacity.back() == 0) capacity.pop_back();
+    const int64_t experts = int64_t(count_.size());
+    int64_t slots = 0, copies = 0;
+    for (int64_t c : capacity) slots += c;
+    for (int32_t c : count_) copies += c;
+    // Copies beyond one per rank with slots, or a rank with more slots than there are experts,
+    // leave no slack: nothing more is added.
+    const size_t ranks = capacity.size();
+    slack_.assign(ranks + 1, 0);
+    std::vector<int64_t> at_least(ranks + 2, 0);  // experts with at least k copies
+    for (int32_t c : count_) ++at_least[std::min<size_t>(size_t(c), ranks + 1)];
+    for (size_t k = ranks; k-- > 0;) at_least[k] += at_least[k + 1];
+    int64_t sum_min = 0, largest = 0;
+    feasible_ = slots >= copies && (capacity.empty() || capacity.front() <= experts);
+    for (size_t k = 1; k <= ranks; ++k) {
+      sum_min += at_least[k];
+      largest += capacity[k - 1];
+      slack_[k] = sum_min + (slots - copies) - largest;
+      feasible_ = feasible_ && slack_[k] >= 0;
+    }
+    heap_ = {};
+    for (int64_t e = 0; e < experts; ++e) heap_.push({loads_[e] / double(count_[e]), -e});
+  }
+  // Whether the copies so far fit the slots (with those still to add).
+  bool feasible() const { return feasible_; }
   bool add_one() {
+    if (!feasible_) return false;
     while (!heap_.empty()) {
       const int64_t e = -heap_.top().second;
       heap_.pop();
-      if (count_[e] >= max_copies_) continue;  // a copy on every rank already
+      // Slack only shrinks, so an expert refused here stays refused until the slots change.
+      const int32_t c = count_[e];
+      if (size_t(c) >= slack_.size()) continue;
+      if (*std::min_element(slack_.begin() + 1, slack_.begin() + c + 1) < 1) continue;
+      for (int32_t k = 1; k <= c; ++k) --slack_[k];
       ++count_[e];
       heap_.push({loads_[e] / double(count_[e]), -e});
       return true;
@@ -37,7 +77,8 @@ class Replicator {
  private:
   const double* loads_;
   std::vector<int32_t> count_;
-  int max_copies_;
+  std::vector<int64_t> slack_;  // [1, ranks with slots]; index 0 unused
+  bool feasible_ = false;
   std::priority_queue<std::pair<double, int64_t>> heap_;
 };
 
@@ -114,7 +155,8 @@ struct LayerState {
   }
 
   // Every rank with room already holds `e`: move another copy off a rank without `e` into
-  // the room, and put `e` where it was.
+  // the room, and put `e` where it was (the move that leaves that rank lightest); when no single
+  // move does, a chain of moves through several ranks.
   void place_by_displacing(int32_t e) {
     int room = -1;
     for (int r = 0; r < num_ranks() && room < 0; ++r)
@@ -132,11 +174,59 @@ struct LayerState {
         if (after < best_load) best_load = after, best_rank = r, best_item = y;
       }
     }
-    if (best_rank < 0)
+    if (best_rank >= 0) {
+      take(best_rank, best_item);
+      put(room, best_item);
+      put(best_rank, e);
+      return;
+    }
+    if (!place_by_chain(e))
       throw Error("placement: no rank can take another copy of expert " + std::to_string(e));
-    take(best_rank, best_item);
-    put(room, best_item);
-    put(best_rank, e);
+  }
+
+  // A shortest chain: `e` onto a rank r0 without it, a copy y1 of r0 onto r1 without y1, ... a
+  // copy yk onto rk, which has room. Such a chain (an augmenting path of the copies-to-ranks
+  // flow) exists whenever the copy counts fit the slots with distinct copies on every rank,
+  // whatever the copies placed so far.
+  bool place_by_chain(int32_t e) {
+    const int n = num_ranks();
+    std::vector<int> parent(n, -2);  // -2 not reached, -1 a start (lacks `e`)
+    std::vector<int32_t> arrives(n, -1);
+    std::vector<int> queue;
+    const auto finish = [&](int to) {
+      for (; parent[to] != -1; to = parent[to]) {
+        take(parent[to], arrives[to]);
+        put(to, arrives[to]);
+      }
+      put(to, e);
+    };
+    for (int r = 0; r < n; ++r)
+      if (!has(r, e)) {
+        parent[r] = -1;
+        if (int64_t(ranks[r].size()) < capacity[r]) {
+          finish(r);
+          return true;
+        }
+        queue.push_back(r);
+      }
+    int found = -1;
+    for (size_t head = 0; head < queue.size() && found < 0; ++head) {
+      const int r = queue[head];
+      for (size_t i = 0; i < ranks[r].size() && found < 0; ++i)
+        for (int to = 0; to < n && found < 0; ++to) {
+          const int32_t y = ranks[r][i];
+          if (parent[to] != -2 || has(to, y)) continue;
+          parent[to] = r;
+          arrives[to] = y;
+          if (int64_t(ranks[to].size()) < capacity[to])
+            found = to;
+          else
+            queue.push_back(to);
+        }
+    }
+    if (found < 0) return false;
+    finish(found);
+    return true;
   }
 
   void place(int32_t e) {
@@ -274,12 +364,13 @@ std::vector<int64_t> even_capacity(int64_t slots, int ranks) {
 std::vector<double> cost_curve(const double* loads, int64_t experts, int ranks, int64_t max_extra,
                                const std::vector<int>& hosts) {
   std::vector<double> curve;
-  Replicator rep(loads, experts, ranks);
+  Replicator rep(loads, experts, even_capacity(experts, ranks));
   double total = 0;
   for (int64_t e = 0; e < experts; ++e) total += loads[e];
   const double floor = total / ranks * (1 + 1e-3);
   for (int64_t r = 0; r <= max_extra; ++r) {
     // Past balance (or past one copy per rank) more slots buy nothing.
+    if (r > 0) rep.set_capacity(even_capacity(experts + r, ranks));
     if ((r > 0 && !rep.add_one()) || (!curve.empty() && curve.back() <= floor)) {
       curve.resize(max_extra + 1, curve.back());
       break;
@@ -331,7 +422,11 @@ std::vector<std::vector<int32_t>> plan_layer(const double* loads, int64_t expert
   if (slots < experts)
     throw Error("placement: " + std::to_string(slots) + " slots cannot hold " +
                 std::to_string(experts) + " experts");
-  Replicator rep(loads, experts, ranks);
+  for (int64_t c : capacity)
+    if (c > experts)
+      throw Error("placement: a rank with " + std::to_string(c) + " slots cannot hold " +
+                  std::to_string(c) + " distinct experts of " + std::to_string(experts));
+  Replicator rep(loads, experts, capacity);
   for (int64_t i = experts; i < slots; ++i)
     if (!rep.add_one())
       throw Error("placement: " + std::to_string(slots) + " slots exceed one copy of each of " +
@@ -521,14 +616,20 @@ IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& curr
     const RankLists& now = current.layers[l];
     std::vector<int64_t> capacity;
     for (const auto& r : now) capacity.push_back(int64_t(r.size()));
+    // A rank with more slots than there are experts (copies doubled up, as EPLB may) cannot
+    // hold distinct copies: no plan keeps its slots, so the layer stays as it is.
+    if (*std::max_element(capacity.begin(), capacity.end()) > loads.experts) continue;
     const RankLists fresh = plan_layer(loads.row(l), loads.experts, capacity, hosts, true);
     const double fresh_max = layer_balance(loads.row(l), fresh, loads.experts).max_rank_load;
     const double now_max = layer_balance(loads.row(l), now, loads.experts).max_rank_load;
     // A layer with two copies of one expert on a rank (an EPLB plan) is always repaired.
     bool doubled = false;
-    for (const auto& r : now)
-      for (size_t i = 0; i < r.size() && !doubled; ++i)
-        doubled = std::find(r.begin() + i + 1, r.end(), r[i]) != r.end();
+    std::vector<int32_t> seen_on(loads.experts, -1);
+    for (int32_t r = 0; r < int32_t(now.size()); ++r)
+      for (int32_t e : now[r]) {
+        doubled = doubled || seen_on[e] == r;
+        seen_on[e] = r;
+      }
     if (!doubled && (now_max <= fresh_max || (now_max - fresh_max) <= o.min_gain * now_max))
       continue;
 

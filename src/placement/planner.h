@@ -38,7 +38,8 @@ Plan plan(const ExpertLoads& loads, const PlanOptions& options);
 // The redundant slots each layer gets under `options.allocation` (sums to the budget).
 std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOptions& options);
 
-// One layer: copies per expert for `capacity` slots per rank, packed onto ranks.
+// One layer: copies per expert for `capacity` slots per rank (any counts, each at most the
+// experts), packed onto ranks with distinct copies on every rank.
 std::vector<std::vector<int32_t>> plan_layer(const double* loads, int64_t experts,
                                              const std::vector<int64_t>& capacity,
                                              const std::vector<int>& host_of_rank, bool refine);
@@ -63,7 +64,9 @@ Placement align_to_current(const Placement& current, Placement fresh,
                            const std::vector<int>& host_of_rank = {});
 
 // Starts from `current` (same ranks and slots per rank and layer) and changes as few slots as it
-// can to come within `tolerance` of a fresh plan of every layer worth changing.
+// can to come within `tolerance` of a fresh plan of every layer worth changing. Any slot counts
+// per rank are planned (drained ranks, uneven ones), never with two copies of an expert on one
+// rank; a layer no such plan fits (a rank with more slots than experts) stays as it is.
 IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& current,
                                  const std::vector<int>& host_of_rank,
                                  const IncrementalOptions& options = {});

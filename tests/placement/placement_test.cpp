@@ -4,7 +4,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <numeric>
 #include <random>
 
 #include "placement/eplb.h"
@@ -183,6 +185,77 @@ TEST(Incremental, LeavesABalancedPlacementAlone) {
   const IncrementalPlan inc = plan_incremental(loads, current, {});
   EXPECT_EQ(inc.moves, 0);
   EXPECT_EQ(inc.placement.layers, current.layers);
+}
+
+// A random placement an engine accepts: distinct experts per rank, every expert somewhere, and
+// slot counts per rank that differ rank by rank and layer by layer (drained ranks included).
+Placement random_valid_placement(std::mt19937& rng, int ranks, int64_t experts, int64_t layers) {
+  Placement p{ranks, experts, {}};
+  std::uniform_int_distribution<int64_t> cap_of(0, experts);
+  for (int64_t l = 0; l < layers; ++l) {
+    std::vector<int64_t> cap(ranks);
+    int64_t total = 0;
+    do {
+      total = 0;
+      for (int64_t& c : cap) total += c = cap_of(rng);
+    } while (total < experts);
+    std::vector<std::vector<int32_t>> layer(ranks);
+    std::vector<int32_t> order(experts);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int32_t e : order) {  // one copy of each expert, on a random rank with room
+      std::vector<int> room;
+      for (int r = 0; r < ranks; ++r)
+        if (int64_t(layer[r].size()) < cap[r]) room.push_back(r);
+      layer[room[rng() % room.size()]].push_back(e);
+    }
+    for (int r = 0; r < ranks; ++r) {  // the rest of each rank's slots: experts it lacks
+      std::shuffle(order.begin(), order.end(), rng);
+      for (int32_t e : order)
+        if (int64_t(layer[r].size()) < cap[r] &&
+            std::find(layer[r].begin(), layer[r].end(), e) == layer[r].end())
+          layer[r].push_back(e);
+    }
+    p.layers.push_back(std::move(layer));
+  }
+  return p;
+}
+
+TEST(Incremental, PlansEveryValidPlacementWithUnevenSlotsPerRank) {
+  // The engine's own check of a placement (ep_executor): distinct on a rank, any slot counts.
+  const Constraints engine{.distinct_on_rank = true, .equal_rank_memory = false};
+  std::mt19937 rng(7);
+  int changed = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    const int ranks = 2 + int(rng() % 7);
+    const int64_t experts = 1 + int64_t(rng() % 12);
+    const int64_t layers = 1 + int64_t(rng() % 3);
+    const Placement current = random_valid_placement(rng, ranks, experts, layers);
+    ASSERT_NO_THROW(validate(current, engine));
+    ExpertLoads loads = zipf_loads(layers, experts, rng(), 0.0, 2.5);
+    if (trial % 5 == 0) loads.values.assign(loads.values.size(), 0.0);
+    std::vector<int> hosts;
+    if (trial % 3 == 0)
+      for (int r = 0; r < ranks; ++r) hosts.push_back(r % 2);
+    SCOPED_TRACE("trial " + std::to_string(trial) + ": " + std::to_string(ranks) + " ranks, " +
+                 std::to_string(experts) + " experts");
+    IncrementalPlan inc;
+    ASSERT_NO_THROW(inc = plan_incremental(loads, current, hosts));
+    ASSERT_NO_THROW(validate(inc.placement, engine));
+    ASSERT_EQ(inc.placement.num_layers(), layers);
+    for (int64_t l = 0; l < layers; ++l)
+      for (int r = 0; r < ranks; ++r)
+        ASSERT_EQ(inc.placement.layers[l][r].size(), current.layers[l][r].size())
+            << "layer " << l << " rank " << r;
+    EXPECT_EQ(inc.moves, count_moves(current, inc.placement));
+    // No layer ends busier than it was.
+    const Balance before = evaluate(loads, current), after = evaluate(loads, inc.placement);
+    for (int64_t l = 0; l < layers; ++l)
+      EXPECT_LE(after.layers[l].max_rank_load, before.layers[l].max_rank_load * (1 + 1e-9))
+          << "layer " << l;
+    changed += inc.moves > 0;
+  }
+  EXPECT_GT(changed, 100);  // the loads left most placements room to improve
 }
 
 TEST(Format, JsonRoundTripsWithEplbShapes) {
