@@ -78,18 +78,25 @@ void ExpertRemapper::after_step(uint64_t steps, const ExpertLoadStats& load) {
     std::lock_guard lock(mutex_);
     if (status_.loading) return;
   }
-  const auto current = executor_.expert_placement();
-  if (!current) return;
-  const ExpertLoadSnapshot snap = load.snapshot();
-  placement::ExpertLoads loads{int64_t(snap.layer_ids.size()), snap.experts,
-                               std::vector<double>(snap.window.begin(), snap.window.end())};
-  const placement::IncrementalPlan plan = placement::plan_incremental(loads, *current, {});
-  if (plan.moves == 0) return;
+  // This runs on the engine thread outside any step: a planner that throws here would end the
+  // engine. A plan that fails (or cannot be staged) leaves the placement in force and says why
+  // in the status; the next interval tries again.
   try {
+    const auto current = executor_.expert_placement();
+    if (!current) return;
+    const ExpertLoadSnapshot snap = load.snapshot();
+    placement::ExpertLoads loads{int64_t(snap.layer_ids.size()), snap.experts,
+                                 std::vector<double>(snap.window.begin(), snap.window.end())};
+    const placement::IncrementalPlan plan = placement::plan_incremental(loads, *current, {});
+    if (plan.moves == 0) return;
     stage(plan.placement, true);
   } catch (const std::exception& e) {
+    const std::string why = std::string("automatic rebalance: ") + e.what();
     std::lock_guard lock(mutex_);
-    status_.last_error = e.what();
+    // Every interval may fail the same way: the log gets each new reason once.
+    if (why != status_.last_error)
+      std::fprintf(stderr, "engine: expert placement %s\n", why.c_str());
+    status_.last_error = why;
   }
 }
 

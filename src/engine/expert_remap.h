@@ -38,7 +38,7 @@ class ExpertRemapper {
   void change(const placement::Placement& next);
   // Engine thread, after a step's routes were recorded (`steps` so far): every
   // rebalance_interval steps, plans from the load window and stages the plan when it moves
-  // any copy.
+  // any copy. Never throws: a plan that fails is the status's last_error, the placement stays.
   void after_step(uint64_t steps, const ExpertLoadStats& load);
   ExpertRemapStatus status() const;
 

@@ -384,6 +384,23 @@ TEST_F(ExpertParallel, RebalancesItselfFromItsOwnExpertLoad) {
   EXPECT_EQ(status["remaps"], status["automatic_remaps"]);
 }
 
+TEST_F(ExpertParallel, RebalancingAPlacementWithDrainedRanksKeepsServing) {
+  testing::EngineProcess ep(args("v3-bf16", 4, {"--rebalance-interval", "1"}));
+  // Ranks 2 and 3 drained: every expert on both of ranks 0 and 1. The planner once could not
+  // plan such slots and its throw ended the engine at the next step.
+  const std::vector<int> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  const json drained = placement_json(4, 8, {{all, all, {}, {}}, {all, all, {}, {}}});
+  const auto r = testing::post_json(ep.port(), "/admin/expert_placement", drained);
+  ASSERT_EQ(r.status, 202) << r.body;
+  ASSERT_TRUE(testing::eventually(
+      [&] { return testing::get_json(ep.port(), "/admin/expert_placement")["remaps"] == 1; }));
+  for (const Answer& a : ask_all(ep.port())) EXPECT_FALSE(a.text.empty());
+  EXPECT_EQ(net::http_request("127.0.0.1", ep.port(), "GET", "/health").status, 200);
+  const json status = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_FALSE(status.contains("last_error")) << status.dump();
+  EXPECT_EQ(status["placement"]["rank_slots"], drained["rank_slots"]);
+}
+
 TEST_F(ExpertParallel, AKilledRankFailsTheRequestsInFlightAndTheEngineReportsUnhealthy) {
   testing::EngineProcess ep(args("v3-bf16", 2));
   const auto ranks = children_of(ep.pid());
