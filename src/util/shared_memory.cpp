@@ -85,12 +85,22 @@ SharedSegment::~SharedSegment() {
   fd_ = -1;
 }
 
+void SharableBuffer::Unmap::operator()(std::byte* p) const {
+  munmap(p, size);
+}
+
 SharableBuffer::SharableBuffer(size_t bytes, const std::string& name) : size_(bytes) {
   try {
     segment_ = SharedSegment::create(bytes, name);
     data_ = segment_.data();
-  } catch (const Error&) {
-    private_.reset(new std::byte[bytes]());
+  } catch (const Error& e) {
+    // Anonymous pages, like the segment's, are zero until first written: a zero-filled new[]
+    // made every byte of a cache sized for the whole machine resident at start-up.
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw Error("cannot allocate " + std::to_string(bytes) + " bytes for " + name + ": " +
+                  os_error() + " (and no shared segment: " + e.what() + ")");
+    private_ = std::unique_ptr<std::byte, Unmap>(static_cast<std::byte*>(p), Unmap{bytes});
     data_ = private_.get();
   }
 }

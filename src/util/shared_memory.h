@@ -59,8 +59,9 @@ class SharedSegment {
 };
 
 // `bytes` zero-filled bytes in a segment of their own (pages allocated as first written), or in
-// private memory where the system refuses memfd (a sandbox); shared() is empty then. For memory
-// another process on this host may be given to read (an engine's KV cache).
+// private anonymous memory (also allocated as first written) where the system refuses memfd (a
+// sandbox); shared() is empty then. Throws tandem::Error naming `name` when neither can be
+// mapped. For memory another process on this host may be given to read (an engine's KV cache).
 class SharableBuffer {
  public:
   SharableBuffer() = default;
@@ -70,8 +71,12 @@ class SharableBuffer {
   SharedView shared() const { return segment_.view(); }
 
  private:
+  struct Unmap {
+    size_t size;  // unique_ptr value-initializes it; a default member initializer would not compile
+    void operator()(std::byte* p) const;
+  };
   SharedSegment segment_;
-  std::unique_ptr<std::byte[]> private_;
+  std::unique_ptr<std::byte, Unmap> private_;
   std::byte* data_ = nullptr;
   size_t size_ = 0;
 };

@@ -3,11 +3,14 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include <gmock/gmock.h>
@@ -76,6 +79,42 @@ TEST(SharedView, ContainsOnlyRangesWhollyInside) {
   EXPECT_FALSE(v.contains(s.data() + 1, ~size_t(0)));
   EXPECT_FALSE(SharedView{}.contains(s.data(), 1));
   EXPECT_FALSE(SharedView{});
+}
+
+// Resident pages of this process, from /proc/self/statm.
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * ::sysconf(_SC_PAGE_SIZE);
+}
+
+// Where memfd is refused, the buffer is private memory that is also allocated as it is written:
+// it was a zero-filled new[], making all of a cache sized for the machine resident at once.
+TEST(SharableBuffer, WithoutMemfdItsPrivateMemoryIsStillAllocatedAsWritten) {
+  constexpr size_t kBytes = size_t{1} << 30;
+  const int64_t before = resident_bytes();
+  ASSERT_GT(before, 0);
+  rlimit files{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &files), 0);
+  rlimit none = files;
+  none.rlim_cur = 0;  // memfd_create then fails (EMFILE), as in a sandbox that refuses it
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &none), 0);
+  std::optional<SharableBuffer> buffer;
+  std::string error;
+  try {
+    buffer.emplace(kBytes, "test-private");
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &files), 0);
+  ASSERT_TRUE(buffer) << error;
+  EXPECT_FALSE(buffer->shared());
+  EXPECT_EQ(buffer->size(), kBytes);
+  EXPECT_EQ(buffer->data()[0], std::byte{0});
+  EXPECT_EQ(buffer->data()[kBytes - 1], std::byte{0});
+  buffer->data()[kBytes / 2] = std::byte{7};
+  EXPECT_LT(resident_bytes() - before, int64_t{64} << 20);
 }
 
 }  // namespace
