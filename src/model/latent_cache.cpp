@@ -17,8 +17,11 @@ LatentCache::LatentCache(const LatentCacheShape& shape, int64_t num_blocks)
     : shape_(shape), num_blocks_(num_blocks) {
   if (shape.layers <= 0 || shape.block_size <= 0 || shape.entry() <= 0 || num_blocks <= 0)
     throw Error("latent cache: layers, block size, entry size and block count must be positive");
-  const auto bytes = static_cast<size_t>(shape.block_bytes() * num_blocks);
-  memory_ = SharableBuffer(bytes, "tandem-kv-cache");
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(shape.block_bytes(), num_blocks, &bytes))
+    throw Error("latent cache: " + std::to_string(num_blocks) + " blocks of " +
+                std::to_string(shape.block_bytes()) + " bytes overflow a 64-bit size");
+  memory_ = SharableBuffer(static_cast<size_t>(bytes), "tandem-kv-cache");
   data_ = memory_.data();
 }
 

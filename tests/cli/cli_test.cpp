@@ -24,6 +24,7 @@ namespace tandem {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Result {
   int status;
@@ -337,6 +338,24 @@ TEST(Cli, GatewayByteLimitsOutOfRangeAreRefusedNamingTheFlag) {
   const auto help = run("gateway --help");
   EXPECT_THAT(help.output, HasSubstr("--max-unsent-bytes"));
   EXPECT_THAT(help.output, HasSubstr("--max-answer-bytes"));
+}
+
+// A KV cache the machine cannot hold, or whose blocks outnumber int32 ids, is refused naming the
+// flag: it started (sparse pages, to die once filled) or ended in a bare std::bad_alloc.
+TEST(Cli, AnEngineRefusesAKvCacheBeyondTheMachineNamingTheFlag) {
+  const auto dir = test::temp_path("kv-sizing-model").replace_extension();
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --out " +
+                              test::quote(dir) + " >/dev/null 2>&1"),
+            0);
+  for (const char* bad : {"--kv-cache-gb 10000", "--kv-cache-gb 100000", "--kv-cache-gb 1e10",
+                          "--num-kv-blocks 3000000000"}) {
+    const auto r = run("engine --model " + test::quote(dir) + " --host 127.0.0.1 --port 0 " + bad);
+    EXPECT_EQ(r.status, 1) << bad << ": " << r.output;
+    const std::string flag(bad, std::string_view(bad).find(' '));
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag + " ")) << bad;
+    EXPECT_THAT(r.output, Not(HasSubstr("listening"))) << bad;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Cli, SimulateNamesTheTraceLineOfARecordOutOfTimeOrder) {

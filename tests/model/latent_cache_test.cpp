@@ -3,12 +3,17 @@
 // layers never overlap, and a BF16 block is half a float32 one.
 #include "model/latent_cache.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include "engine/executor/cpu_executor.h"
+#include "util/error.h"
+#include "util/error_of.h"
 
 namespace tandem::model {
 namespace {
@@ -85,6 +90,62 @@ TEST(LatentCache, BlocksAndLayersDoNotOverlap) {
   }
   EXPECT_EQ(shape_of(LatentType::kBF16).block_bytes() * 2,
             shape_of(LatentType::kF32).block_bytes());
+}
+
+// The cache's size from --kv-cache-gb / --num-kv-blocks. Every refusal happens before any memory
+// is taken and names the flag: an oversized cache used to start (sparse pages) and die once
+// filled, or end in a bare std::bad_alloc.
+TEST(KvCacheSizing, ACacheBeyondTheMachinesMemoryIsRefusedNamingTheFlagAndBothSizes) {
+  using ::testing::HasSubstr;
+  // DeepSeek-V3's cache: 61 layers of 512 + 64 BF16 values a token, 1,124,352 bytes a block.
+  const LatentCacheShape shape{61, 16, 512, 64, LatentType::kBF16};
+  const int64_t limit = engine::kv_cache_memory_limit();
+  ASSERT_GT(limit, 0);
+  engine::CpuExecutorOptions o;
+  o.kv_cache_bytes = 100000 * double(1ull << 30);
+  const int64_t blocks = (int64_t{100000} << 30) / shape.block_bytes();
+  const std::string by_budget = testing::error_of([&] { engine::kv_blocks_for(shape, o); });
+  EXPECT_THAT(by_budget, HasSubstr("--kv-cache-gb 100000: a KV cache of " + std::to_string(blocks) +
+                                   " blocks needs 100000.0 GiB (" +
+                                   std::to_string(blocks * shape.block_bytes()) +
+                                   " bytes), more than this machine's "));
+  EXPECT_THAT(by_budget, HasSubstr(std::to_string(limit) + " bytes) of physical memory"));
+
+  o.num_blocks = limit / shape.block_bytes() + 1;
+  EXPECT_THAT(testing::error_of([&] { engine::kv_blocks_for(shape, o); }),
+              HasSubstr("--num-kv-blocks " + std::to_string(o.num_blocks) + ": a KV cache of"));
+  // What fits is granted, in whole blocks.
+  o.num_blocks = limit / shape.block_bytes();
+  EXPECT_EQ(engine::kv_blocks_for(shape, o), o.num_blocks);
+  o.num_blocks = 0;
+  o.kv_cache_bytes = 64 << 20;
+  EXPECT_EQ(engine::kv_blocks_for(shape, o), (64 << 20) / shape.block_bytes());
+}
+
+TEST(KvCacheSizing, CountsBeyondInt32BlockIdsAndSizesBeyondInt64AreRefusedNamingTheFlag) {
+  using ::testing::HasSubstr;
+  engine::CpuExecutorOptions o;
+  o.num_blocks = 3000000000;
+  EXPECT_THAT(testing::error_of([&] { engine::kv_blocks_for(shape_of(LatentType::kBF16), o); }),
+              HasSubstr("--num-kv-blocks 3000000000: the KV cache would hold 3000000000 blocks; "
+                        "at most 2147483647"));
+  o.num_blocks = 0;
+  o.kv_cache_bytes = 1e10 * double(1ull << 30);
+  EXPECT_THAT(testing::error_of([&] { engine::kv_blocks_for(shape_of(LatentType::kBF16), o); }),
+              HasSubstr("--kv-cache-gb 1e+10: the KV cache would hold more than 2^31-1 blocks"));
+  o.kv_cache_bytes = 100;
+  EXPECT_THAT(testing::error_of([&] { engine::kv_blocks_for(shape_of(LatentType::kBF16), o); }),
+              HasSubstr("--kv-cache-gb 9.31323e-08: the KV cache budget holds no block of 576 "
+                        "bytes"));
+  // 2^54 bytes a block: 1024 blocks are 2^64 bytes.
+  const LatentCacheShape huge{int64_t{1} << 20, 4096, (int64_t{1} << 20) - 64, 64,
+                              LatentType::kF32};
+  o.num_blocks = 1024;
+  EXPECT_THAT(testing::error_of([&] { engine::kv_blocks_for(huge, o); }),
+              HasSubstr("--num-kv-blocks 1024: 1024 KV blocks of 18014398509481984 bytes "
+                        "overflow a 64-bit size"));
+  EXPECT_THAT(testing::error_of([&] { LatentCache cache(huge, 1024); }),
+              HasSubstr("latent cache: 1024 blocks of 18014398509481984 bytes overflow"));
 }
 
 }  // namespace

@@ -1,20 +1,91 @@
 #include "engine/executor/cpu_executor.h"
 
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <limits>
+#include <string>
 
 #include "engine/executor/model_executor.h"
 
 #include "util/error.h"
 
 namespace tandem::engine {
+namespace {
+
+std::string gib(double bytes) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / double(1ull << 30));
+  return buf;
+}
+
+// A cgroup's memory limit (v2 memory.max, else v1 memory.limit_in_bytes); 0 when unreadable or
+// unlimited ("max", or v1's near-2^63 sentinel).
+int64_t cgroup_memory_limit() {
+  for (const char* path :
+       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    std::string value;
+    if (!(in >> value) || value == "max") continue;
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
+    if (end != value.c_str() && *end == 0 && v > 0 && v < (1ull << 62))
+      return static_cast<int64_t>(v);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int64_t kv_cache_memory_limit() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  int64_t limit = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+  if (const int64_t cgroup = cgroup_memory_limit(); cgroup > 0 && (limit == 0 || cgroup < limit))
+    limit = cgroup;
+  return limit;
+}
+
 int64_t kv_blocks_for(const model::LatentCacheShape& shape, const CpuExecutorOptions& o) {
   if (o.block_size < 1) throw Error("block size must be at least 1");
-  if (o.num_blocks > 0) return o.num_blocks;
-  const auto block_bytes = static_cast<double>(shape.block_bytes());
-  const auto n = static_cast<int64_t>(o.kv_cache_bytes / block_bytes);
-  if (n < 1)
-    throw Error("the KV cache budget of " + std::to_string(o.kv_cache_bytes) +
-                " bytes holds no block of " + std::to_string(block_bytes) + " bytes");
+  const int64_t block_bytes = shape.block_bytes();
+  if (block_bytes < 1) throw Error("the KV cache's blocks have no bytes");
+  constexpr int64_t kMaxBlocks = std::numeric_limits<int32_t>::max();  // block ids are int32
+  char budget[64];
+  std::snprintf(budget, sizeof budget, "%g", o.kv_cache_bytes / double(1ull << 30));
+  const std::string flag = o.num_blocks > 0 ? "--num-kv-blocks " + std::to_string(o.num_blocks)
+                                            : std::string("--kv-cache-gb ") + budget;
+  int64_t n = o.num_blocks;
+  if (n <= 0) {
+    if (!std::isfinite(o.kv_cache_bytes) || o.kv_cache_bytes <= 0)
+      throw Error("--kv-cache-gb: expected a positive number of GiB");
+    const double fit = std::floor(o.kv_cache_bytes / static_cast<double>(block_bytes));
+    if (fit < 1)
+      throw Error(flag + ": the KV cache budget holds no block of " + std::to_string(block_bytes) +
+                  " bytes");
+    // Compared as a double: a cast of a budget like 1e10 GiB to int64 would overflow.
+    n = fit > static_cast<double>(kMaxBlocks) ? kMaxBlocks + 1 : static_cast<int64_t>(fit);
+  }
+  if (n > kMaxBlocks)
+    throw Error(flag + ": the KV cache would hold " +
+                (o.num_blocks > 0 ? std::to_string(n) : std::string("more than 2^31-1")) +
+                " blocks; at most " + std::to_string(kMaxBlocks) + " (block ids are 32-bit)");
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, block_bytes, &bytes))
+    throw Error(flag + ": " + std::to_string(n) + " KV blocks of " + std::to_string(block_bytes) +
+                " bytes overflow a 64-bit size");
+  // The cache is zero pages until written, so an oversized one starts and then dies (SIGBUS or
+  // the OOM killer) once requests fill it. It must fit the machine's physical memory (or its
+  // cgroup's limit, when lower); the weights and activations need memory too, which this does
+  // not try to estimate: the rule only refuses a cache that can never be filled.
+  const int64_t limit = kv_cache_memory_limit();
+  if (limit > 0 && bytes > limit)
+    throw Error(flag + ": a KV cache of " + std::to_string(n) + " blocks needs " + gib(bytes) +
+                " (" + std::to_string(bytes) + " bytes), more than this machine's " + gib(limit) +
+                " (" + std::to_string(limit) +
+                " bytes) of physical memory (or its cgroup's limit, when lower)");
   return n;
 }
 

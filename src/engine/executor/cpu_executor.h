@@ -22,9 +22,14 @@ struct CpuExecutorOptions {
 };
 
 // KV blocks of the options' budget (or their explicit count) for a cache of this shape (block
-// size and type taken from the options); throws when none fits.
+// size and type taken from the options). Throws, naming --kv-cache-gb or --num-kv-blocks, when
+// no block fits the budget, when the count exceeds 2^31-1 (block ids are int32) or when the
+// cache's bytes exceed kv_cache_memory_limit().
 int64_t kv_blocks_for(const model::LatentCacheShape& shape, const CpuExecutorOptions& options);
 int64_t kv_blocks_for(const model::DeepSeekModel& model, const CpuExecutorOptions& options);
+// The most memory a KV cache may take: the machine's physical memory, or the memory limit of
+// the process's cgroup when one is set and lower; 0 when neither can be read (no check).
+int64_t kv_cache_memory_limit();
 
 class CpuExecutor : public Executor {
  public:
