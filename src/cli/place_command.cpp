@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -41,13 +42,38 @@ std::vector<int> hosts_of(const Shape& s) {
   return host;
 }
 
+// a * b, or INT64_MAX where that does not fit: a bound no int64 flag value can pass.
+int64_t saturating_product(int64_t a, int64_t b) {
+  int64_t out = 0;
+  return __builtin_mul_overflow(a, b, &out) ? std::numeric_limits<int64_t>::max() : out;
+}
+
+// Checked against one copy of every expert on every rank before any product, which a huge
+// flag value would otherwise wrap around into a small (or negative) budget.
 int64_t redundant_total(const Shape& s, const ExpertLoads& loads) {
-  if (s.redundant >= 0) return s.redundant;
+  const int64_t ranks = std::max(s.ranks, 1);
+  if (s.redundant >= 0) {
+    const int64_t most =
+        saturating_product(saturating_product(loads.layers, loads.experts), ranks - 1);
+    if (s.redundant > most)
+      throw Error("--redundant " + std::to_string(s.redundant) +
+                  " exceeds one copy of every expert on every rank (at most " +
+                  std::to_string(most) + " for " + std::to_string(loads.layers) + " layers x " +
+                  std::to_string(loads.experts) + " experts on " + std::to_string(ranks) +
+                  " ranks)");
+    return s.redundant;
+  }
   const int64_t slots = s.slots > 0 ? s.slots : loads.experts;
   if (slots < loads.experts)
     throw Error("--slots " + std::to_string(slots) + " cannot hold the " +
                 std::to_string(loads.experts) + " experts of a layer");
-  return (slots - loads.experts) * loads.layers;
+  const int64_t most = saturating_product(loads.experts, ranks);
+  if (slots > most)
+    throw Error("--slots " + std::to_string(slots) +
+                " exceeds one copy of every expert on every rank (at most " + std::to_string(most) +
+                " for " + std::to_string(loads.experts) + " experts on " + std::to_string(ranks) +
+                " ranks)");
+  return saturating_product(slots - loads.experts, loads.layers);
 }
 
 // One algorithm: the placement it makes for these loads.

@@ -401,15 +401,20 @@ void check_options(const ExpertLoads& loads, const PlanOptions& o) {
   if (!o.host_of_rank.empty() && int(o.host_of_rank.size()) != o.ranks)
     throw Error("placement: hosts are given for " + std::to_string(o.host_of_rank.size()) +
                 " ranks, want " + std::to_string(o.ranks));
+  // Bounded before the sum below, which a huge budget would wrap around.
+  int64_t most = 0;
+  if (__builtin_mul_overflow(loads.layers * loads.experts, int64_t(o.ranks) - 1, &most))
+    most = std::numeric_limits<int64_t>::max();
+  if (o.redundant_slots > most)
+    throw Error("placement: " + std::to_string(o.redundant_slots) +
+                " redundant slots exceed one copy of every expert on every rank (at most " +
+                std::to_string(most) + ")");
   const int64_t total = loads.layers * loads.experts + o.redundant_slots;
   if (total % o.ranks != 0)
     throw Error("placement: " + std::to_string(total) +
                 " expert slots over all layers do not divide over " + std::to_string(o.ranks) +
                 " ranks (every rank needs the same expert memory); use a "
                 "redundant budget that makes layers x experts + budget a multiple of the ranks");
-  if (o.redundant_slots > loads.layers * loads.experts * (int64_t(o.ranks) - 1))
-    throw Error("placement: " + std::to_string(o.redundant_slots) +
-                " redundant slots exceed one copy of every expert on every rank");
 }
 
 }  // namespace

@@ -236,10 +236,19 @@ TEST(Cli, PlaceRejectsBadInputNamingTheFileAndWritesNothing) {
   const auto ok = write_npy_file("ok", encode_npy({2, 8}, std::vector<int64_t>(16, 1)));
   expect_error("--loads " + ok + " --ranks 16", "8 experts cannot cover 16 ranks");
   expect_error("--loads " + ok + " --ranks 2 --slots 4", "cannot hold");
+  // Past one copy of every expert on every rank, however large: a product of such a value once
+  // wrapped around into a small budget (planned silently) or a negative one.
+  expect_error("--loads " + ok + " --ranks 2 --slots 17", "--slots 17 exceeds one copy");
+  const auto small = write_temp("small.json", "[[1,2,3,4],[5,6,7,8],[9,10,11,12],[1,1,1,1]]");
+  expect_error("--loads " + small + " --ranks 2 --slots 4611686018427387908",
+               "--slots 4611686018427387908 exceeds one copy of every expert on every rank");
+  expect_error("--loads " + small + " --ranks 2 --redundant 9223372036854775807",
+               "--redundant 9223372036854775807 exceeds one copy of every expert on every rank");
+  expect_error("--loads " + small + " --ranks 2 --redundant 18", "(at most 16 for 4 layers");
   const auto wrong =
       write_temp("wrong.json", R"({"ranks":2,"experts":8,"phy2log":[[0,1,2,3,4,5,6,6]]})");
   expect_error("--loads " + ok + " --ranks 2 --current " + wrong, "expert 7 has no copy");
-  for (const auto& f : {negative, flat, f8, ok, wrong}) std::filesystem::remove(f);
+  for (const auto& f : {negative, flat, f8, ok, wrong, small}) std::filesystem::remove(f);
 }
 
 TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -159,6 +160,16 @@ TEST(Planner, RejectsBadInputNamingTheField) {
   ExpertLoads short_loads = loads;
   short_loads.values.pop_back();
   EXPECT_THROW(plan(short_loads, {.ranks = 4}), Error);
+  // A budget past one copy everywhere is named as such, not wrapped into a negative slot total.
+  try {
+    plan(loads, {.ranks = 2, .redundant_slots = std::numeric_limits<int64_t>::max()});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("exceed one copy of every expert on every rank (at most "
+                                         "32)"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Incremental, MovesNoMoreThanAFreshPlanAndStaysWithinTolerance) {
