@@ -60,16 +60,18 @@ void validate(const Placement& p, const Constraints& constraints) {
       throw Error(where + " has " + std::to_string(layer.size()) + " ranks, want " +
                   std::to_string(p.ranks));
     std::vector<int32_t> count(p.experts, 0);
+    // The last rank each expert was seen on: ranks are walked in order, so a second copy on one
+    // rank finds its own rank here (a search per copy made large layers quadratic).
+    std::vector<int64_t> last_rank(p.experts, -1);
     for (size_t r = 0; r < layer.size(); ++r) {
-      std::vector<int32_t> seen;
       for (int32_t e : layer[r]) {
         if (e < 0 || e >= p.experts)
           throw Error(where + ", rank " + std::to_string(r) + ": expert id " + std::to_string(e) +
                       " is outside [0, " + std::to_string(p.experts) + ")");
-        if (constraints.distinct_on_rank && std::find(seen.begin(), seen.end(), e) != seen.end())
+        if (constraints.distinct_on_rank && last_rank[e] == int64_t(r))
           throw Error(where + ", rank " + std::to_string(r) + " holds two copies of expert " +
                       std::to_string(e));
-        seen.push_back(e);
+        last_rank[e] = int64_t(r);
         ++count[e];
       }
     }
@@ -136,16 +138,28 @@ Balance evaluate(const ExpertLoads& loads, const Placement& p) {
 
 int64_t count_layer_moves(const std::vector<std::vector<int32_t>>& from,
                           const std::vector<std::vector<int32_t>>& to) {
+  // Copies each rank already had, counted per expert and cleared after the rank: linear in the
+  // slots (a search per copy made large layers quadratic).
+  int32_t ids = 0;
+  for (const auto* side : {&from, &to})
+    for (const auto& r : *side)
+      for (int32_t e : r) {
+        if (e < 0) throw Error("placement: expert id " + std::to_string(e) + " is negative");
+        ids = std::max(ids, e + 1);
+      }
+  std::vector<int32_t> had(size_t(ids), 0);
   int64_t moves = 0;
   for (size_t r = 0; r < to.size(); ++r) {
-    std::vector<int32_t> had = r < from.size() ? from[r] : std::vector<int32_t>{};
+    if (r < from.size())
+      for (int32_t e : from[r]) ++had[e];
     for (int32_t e : to[r]) {
-      auto it = std::find(had.begin(), had.end(), e);
-      if (it == had.end())
-        ++moves;
+      if (had[e] > 0)
+        --had[e];
       else
-        had.erase(it);
+        ++moves;
     }
+    if (r < from.size())
+      for (int32_t e : from[r]) had[e] = 0;
   }
   return moves;
 }

@@ -269,6 +269,39 @@ TEST(Incremental, PlansEveryValidPlacementWithUnevenSlotsPerRank) {
   EXPECT_GT(changed, 100);  // the loads left most placements room to improve
 }
 
+TEST(Placement, ChecksAndMoveCountsFollowEveryCopy) {
+  // A second copy far from the first on its rank is found; on another rank it is allowed.
+  Placement p{2, 4, {{{0, 1, 2, 0}, {3, 0}}}};
+  EXPECT_THROW(validate(p), Error);
+  EXPECT_NO_THROW(validate(p, {.distinct_on_rank = false, .equal_rank_memory = false}));
+  p.layers[0][0].back() = 3;
+  EXPECT_NO_THROW(validate(p, {.distinct_on_rank = true, .equal_rank_memory = false}));
+  // Slot order is free; each copy counts once (EPLB's doubled copies included); a rank the
+  // old placement lacks loads everything.
+  const std::vector<std::vector<int32_t>> from = {{0, 1, 1}, {2, 3}};
+  EXPECT_EQ(count_layer_moves(from, {{1, 0, 1}, {3, 2}}), 0);
+  EXPECT_EQ(count_layer_moves(from, {{1, 1, 1}, {3, 2}}), 1);
+  EXPECT_EQ(count_layer_moves(from, {{0, 2, 3}, {2, 3}}), 2);
+  EXPECT_EQ(count_layer_moves(from, {{0, 1, 1}, {2, 3}, {0, 1}}), 2);
+  EXPECT_EQ(count_layer_moves({{0}, {1}}, {{1}, {0}}), 2);
+}
+
+TEST(Placement, LargeLayersAreCheckedInLinearTime) {
+  // One rank holding 2^20 experts (an Omni pattern of one rank): a search per copy over the
+  // rank's copies so far would not finish within the test's time limit.
+  const int64_t experts = int64_t(1) << 20;
+  std::vector<int32_t> all(experts);
+  std::iota(all.begin(), all.end(), 0);
+  Placement p{1, experts, {{all}}};
+  EXPECT_NO_THROW(validate(p));
+  std::vector<int32_t> reversed(all.rbegin(), all.rend());
+  EXPECT_EQ(count_layer_moves(p.layers[0], {reversed}), 0);
+  reversed.back() = reversed.front();
+  EXPECT_EQ(count_layer_moves(p.layers[0], {reversed}), 1);
+  p.layers[0][0].push_back(experts / 2);
+  EXPECT_THROW(validate(p, {.distinct_on_rank = true, .equal_rank_memory = false}), Error);
+}
+
 TEST(Format, JsonRoundTripsWithEplbShapes) {
   const ExpertLoads loads = zipf_loads(3, 16, 8, 1.2, 1.2);
   const Placement p = plan(loads, {.ranks = 4, .redundant_slots = 4}).placement;
