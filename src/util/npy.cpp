@@ -74,11 +74,23 @@ NpyArray parse_npy(std::string_view bytes, const std::string& source) {
     throw Error(source + ": Fortran-order arrays are not supported (want C order)");
   if (!std::regex_search(header, m, shape_re)) throw Error(source + ": .npy header has no 'shape'");
   const std::string dims = m[1];
-  static const std::regex dim_re(R"(\s*(\d+)\s*,?)");
+  const auto bad_shape = [&] {
+    return Error(source + ": .npy 'shape' (" + dims +
+                 ") is not a tuple of non-negative integers such as (3,) or (2, 4)");
+  };
+  // Comma-separated integers, with a trailing comma allowed (NumPy's 1-tuples have one); each
+  // is checked whole, so a sign or any other character refuses the header.
   uint64_t count = 1;
-  for (auto it = std::sregex_iterator(dims.begin(), dims.end(), dim_re);
-       it != std::sregex_iterator(); ++it) {
-    const std::string d = (*it)[1];
+  size_t i = 0;
+  const auto skip_spaces = [&] {
+    while (i < dims.size() && (dims[i] == ' ' || dims[i] == '\t')) ++i;
+  };
+  skip_spaces();
+  while (i < dims.size()) {
+    const size_t start = i;
+    while (i < dims.size() && dims[i] >= '0' && dims[i] <= '9') ++i;
+    if (i == start) throw bad_shape();
+    const std::string d = dims.substr(start, i - start);
     if (d.size() > 12) throw Error(source + ": .npy dimension " + d + " is too large");
     const uint64_t dim = std::stoull(d);
     // Checked before multiplying, so the element count cannot wrap around.
@@ -86,6 +98,11 @@ NpyArray parse_npy(std::string_view bytes, const std::string& source) {
       throw Error(source + ": .npy array is too large");
     array.shape.push_back(int64_t(dim));
     count *= dim;
+    skip_spaces();
+    if (i == dims.size()) break;
+    if (dims[i] != ',') throw bad_shape();
+    ++i;
+    skip_spaces();
   }
 
   const IntType* type = nullptr;

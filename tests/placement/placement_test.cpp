@@ -452,6 +452,37 @@ TEST(Npy, RejectsShapesWhoseElementCountWouldWrapAround) {
   }
 }
 
+// A .npy of int64 zeros whose header's shape is written as `dims` (the text between the
+// parentheses), with as many values as `elements`.
+std::string npy_with_shape(const std::string& dims, size_t elements) {
+  const std::string header =
+      "{'descr': '<i8', 'fortran_order': False, 'shape': (" + dims + "), }\n";
+  std::string bytes = std::string("\x93NUMPY\x01\x00", 8);
+  bytes += char(header.size() & 0xff);
+  bytes += char(header.size() >> 8);
+  return bytes + header + std::string(elements * 8, '\0');
+}
+
+TEST(Npy, ShapesAreTuplesOfNonNegativeIntegers) {
+  for (const auto& [dims, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+           {"3,", {3}}, {"3", {3}}, {"2, 4", {2, 4}}, {" 2 ,4 , ", {2, 4}}, {"", {}}}) {
+    size_t elements = 1;
+    for (int64_t d : shape) elements *= size_t(d);
+    EXPECT_EQ(parse_npy(npy_with_shape(dims, elements), "a.npy").shape, shape) << dims;
+  }
+  // A sign was skipped: (2, -4) read as (2, 4).
+  for (const std::string dims : {"2, -4", "-8,", "2,,4", ",", "2 4", "2, 4L", "1e3,", "+8,"}) {
+    try {
+      parse_npy(npy_with_shape(dims, 8), "a.npy");
+      ADD_FAILURE() << dims << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("a.npy: .npy 'shape' (" + dims + ") is not a tuple"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(Npy, RejectsOtherDtypesAndTruncation) {
   std::string bytes = encode_npy({2, 3}, {1, 2, 3, 4, 5, 6});
   EXPECT_EQ(parse_npy(bytes, "a.npy").values, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
