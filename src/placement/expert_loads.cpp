@@ -16,14 +16,22 @@ void validate(const ExpertLoads& loads, const std::string& source) {
   if (int64_t(loads.values.size()) != loads.layers * loads.experts)
     throw Error(source + ": expert loads hold " + std::to_string(loads.values.size()) +
                 " values, [layers, experts] needs " + std::to_string(loads.layers * loads.experts));
-  for (int64_t l = 0; l < loads.layers; ++l)
+  // The planners add loads up (per rank, per layer, over layers): finite values whose sum is not
+  // would turn every comparison of those sums into inf against inf.
+  double total = 0;
+  for (int64_t l = 0; l < loads.layers; ++l) {
     for (int64_t e = 0; e < loads.experts; ++e) {
       const double v = loads.at(l, e);
       if (!std::isfinite(v) || v < 0)
         throw Error(source + ": load of layer " + std::to_string(l) + ", expert " +
                     std::to_string(e) + " is " + std::to_string(v) +
                     " (want a non-negative token count)");
+      total += v;
     }
+    if (!std::isfinite(total))
+      throw Error(source + ": expert loads up to layer " + std::to_string(l) +
+                  " sum past the largest double (want token counts)");
+  }
 }
 
 ExpertLoads loads_from_npy(const NpyArray& array, const std::string& source) {

@@ -70,6 +70,7 @@ ExpertLoads read_loads(const fs::path& path) {
       throw Error(path.string() + ": snapshot " + std::to_string(i) + " has another shape");
     for (size_t k = 0; k < sum.values.size(); ++k) sum.values[k] += all[i].values[k];
   }
+  validate(sum, path.string() + " (its snapshots summed)");
   return sum;
 }
 

@@ -145,6 +145,31 @@ TEST(Planner, MatchesEplbBalanceWithTheSameSlotsPerLayer) {
   EXPECT_LE(evaluate(loads, ours.placement).step_proxy, evaluate(loads, eplb).step_proxy * 1.01);
 }
 
+TEST(Planner, RefusesLoadsWhoseSumIsNotFiniteNamingTheSource) {
+  // Every load finite, their sum not: the knapsack once compared inf against inf and said the
+  // budget "cannot be allocated".
+  ExpertLoads huge{2, 4, {1e308, 1e308, 1, 1, 1, 1, 1, 1}};
+  try {
+    validate(huge, "loads.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("loads.json: expert loads up to layer 0 sum past the "
+                                         "largest double"),
+              std::string::npos)
+        << e.what();
+  }
+  huge.values = {1e308, 1, 1, 1, 1e308, 1, 1, 1};
+  EXPECT_THROW(validate(huge, "loads.json"), Error);
+  try {
+    plan(huge, {.ranks = 2, .redundant_slots = 2});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sum past the largest double"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(validate(ExpertLoads{1, 2, {1e307, 1e307}}, "loads.json"));
+}
+
 TEST(Planner, RejectsBadInputNamingTheField) {
   const ExpertLoads loads = zipf_loads(2, 16, 1, 1.0, 1.0);
   EXPECT_THROW(plan(loads, {.ranks = 32}), Error);                       // more ranks than experts
