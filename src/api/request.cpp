@@ -10,6 +10,7 @@
 
 #include "api/body_fields.h"
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem::api {
 namespace {
@@ -343,7 +344,8 @@ std::string model_name(const json& body, const ModelLimits& limits) {
   if (!m->is_string()) fail("model", "'model' must be a string");
   auto name = m->get<std::string>();
   if (name != limits.model_name)
-    throw ApiError{404, "The model `" + name + "` does not exist.", "model", "NotFoundError"};
+    throw ApiError{404, "The model `" + utf8::clip(name) + "` does not exist.", "model",
+                   "NotFoundError"};
   return name;
 }
 

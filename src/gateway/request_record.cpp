@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway/access_log.h"
+#include "util/utf8.h"
 
 namespace tandem::gateway {
 
@@ -10,6 +11,9 @@ using nlohmann::json;
 
 json access_log_line(const Request& r, const Topology& topo, int64_t completed_ns) {
   const int64_t received = *r.times.at(Phase::kReceived);
+  // The model, the error and the engines' reasons quote what the client sent (an engine's 404
+  // repeats the model): clipped, so that one request cannot make a line, or the dashboard's
+  // recent lines, huge.
   json line = {{"time_unix_ms", r.received_unix_ms},
                {"request_id", r.id},
                {"method", r.method},
@@ -24,10 +28,13 @@ json access_log_line(const Request& r, const Topology& topo, int64_t completed_n
                {"prompt_tokens_estimated", !r.tokens_known},
                {"phases", r.times.offsets()},
                {"e2e_seconds", static_cast<double>(completed_ns - received) * 1e-9}};
-  if (!r.model.empty()) line["model"] = r.model;
+  if (!r.model.empty()) line["model"] = utf8::clip(r.model);
   if (!r.prefill_name.empty()) line["prefill"] = r.prefill_name;
   if (!r.decode_name.empty()) line["decode"] = r.decode_name;
-  if (!r.retried_after.empty()) line["retried_after"] = r.retried_after;
+  if (!r.retried_after.empty()) {
+    json& retried = line["retried_after"] = json::array();
+    for (const auto& why : r.retried_after) retried.push_back(utf8::clip(why));
+  }
   if (r.output_events > 0) {
     line["output_events"] = r.output_events;
     line["ttft_seconds"] = static_cast<double>(r.first_token_ns - received) * 1e-9;
@@ -39,7 +46,7 @@ json access_log_line(const Request& r, const Topology& topo, int64_t completed_n
                             {"delivered", r.cached_tokens_reported}};
   if (topo.priority.enabled())
     line["priority_class"] = topo.priority.classes[static_cast<size_t>(r.priority_class)].name;
-  if (!r.outcome.error.empty()) line["error"] = r.outcome.error;
+  if (!r.outcome.error.empty()) line["error"] = utf8::clip(r.outcome.error);
   return line;
 }
 

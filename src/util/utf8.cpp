@@ -1,5 +1,7 @@
 #include "util/utf8.h"
 
+#include <algorithm>
+
 namespace tandem::utf8 {
 namespace {
 
@@ -108,6 +110,18 @@ size_t incomplete_tail_length(std::string_view s) {
     return 0;
   }
   return 0;
+}
+
+std::string clip(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return std::string(s);
+  size_t kept = 0;
+  while (kept < max_bytes) {
+    // Ill-formed bytes go one at a time (the JSON writer replaces them later).
+    const size_t len = std::max<size_t>(valid_sequence_length(s, kept), 1);
+    if (kept + len > max_bytes) break;
+    kept += len;
+  }
+  return std::string(s.substr(0, kept)) + "\u2026(+" + std::to_string(s.size() - kept) + " bytes)";
 }
 
 }  // namespace tandem::utf8

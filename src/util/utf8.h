@@ -1,5 +1,6 @@
 #pragma once
-// UTF-8 helpers shared by the tokenizer, the detokenizer and the chat-template interpreter.
+// UTF-8 helpers shared by the tokenizer, the detokenizer, the chat-template interpreter, and the
+// logs and error messages that quote what clients sent.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -23,5 +24,12 @@ std::string to_valid_lossy(std::string_view s);
 // Number of bytes at the end of s that form an incomplete (but so far valid) sequence prefix,
 // i.e. bytes a streaming decoder must hold back until more input arrives.
 size_t incomplete_tail_length(std::string_view s);
+
+// Client text quoted in a log line or an error message (a model name, an engine's error) is
+// clipped to its first kClipBytes bytes, never splitting a well-formed sequence, followed by
+// "…(+N bytes)" naming what was cut; shorter text is returned as it is. A client decides how
+// long its strings are, and a 7 MiB model name must not become a 7 MiB log line or 404.
+inline constexpr size_t kClipBytes = 256;
+std::string clip(std::string_view s, size_t max_bytes = kClipBytes);
 
 }  // namespace tandem::utf8

@@ -129,6 +129,19 @@ TEST(Protocol, BadRequestsNameTheField) {
   EXPECT_EQ(error_of([&] { parse_completion(json::array(), tokenizer(), kLimits); }).status, 400);
 }
 
+// The 404 quotes the model the client named, clipped: a 7 MiB name must not come back whole.
+TEST(Protocol, AnUnknownModelsNameIsClippedInThe404) {
+  const std::string name(7 << 20, 'q');
+  const ApiError e = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"model", name}}, tokenizer(), kLimits);
+  });
+  EXPECT_EQ(e.status, 404);
+  EXPECT_EQ(e.param, "model");
+  EXPECT_LT(e.message.size(), 400u);
+  EXPECT_EQ(e.message, "The model `" + std::string(256, 'q') + "\u2026(+" +
+                           std::to_string(name.size() - 256) + " bytes)` does not exist.");
+}
+
 TEST(Protocol, LogitBiasIsParsedClampedAndCheckedAgainstTheVocabulary) {
   auto parsed = [](json bias) {
     json body = {{"prompt", "x"}, {"logit_bias", bias}};

@@ -1,6 +1,6 @@
 // The access log's writer thread: every line added before the log is destroyed is written, each
 // adder's lines in its order; invalid UTF-8 is replaced, not thrown; a file that cannot be opened
-// is named.
+// is named. And the lines themselves: client text in them is clipped.
 #include "gateway/access_log.h"
 
 #include <gtest/gtest.h>
@@ -12,7 +12,10 @@
 #include <thread>
 #include <vector>
 
+#include "gateway/gateway_metrics.h"
+#include "gateway/request_record.h"
 #include "util/error.h"
+#include "util/metrics.h"
 
 namespace tandem::gateway {
 namespace {
@@ -83,6 +86,39 @@ TEST(AccessLog, AFileThatCannotBeOpenedIsNamed) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A client names the model (and an engine's 404 repeats it): the line, and the dashboard's copy
+// of it, quote it clipped, so 20 requests cannot make hundreds of megabytes of log.
+TEST(AccessLogLine, ClientTextIsClippedInTheLineAndTheDashboard) {
+  Topology topo;
+  Request r;
+  r.id = "req-1";
+  r.method = "POST";
+  r.path = "/v1/completions";
+  r.model = std::string(7 << 20, 'm');
+  r.times.mark(Phase::kReceived, 0);
+  r.outcome = {404, "The model `" + r.model + "` does not exist."};
+  r.retried_after = {"engine-a: " + r.model};
+  const std::string clipped =
+      std::string(256, 'm') + "\u2026(+" + std::to_string(r.model.size() - 256) + " bytes)";
+
+  const json line = access_log_line(r, topo, 1'000'000);
+  EXPECT_LT(line.dump().size(), size_t{2000});
+  EXPECT_EQ(line["model"], clipped);
+  EXPECT_EQ(line["error"].get<std::string>().rfind("The model `mmm", 0), 0u) << line["error"];
+  EXPECT_LT(line["error"].get<std::string>().size(), 300u);
+  EXPECT_LT(line["retried_after"][0].get<std::string>().size(), 300u);
+
+  metrics::Registry registry;
+  GatewayMetrics metrics(registry);
+  RequestRecorder recorder(metrics, nullptr, topo);
+  recorder.watch(0);
+  recorder.record(r, 1'000'000);
+  const json state = recorder.dashboard_json();
+  ASSERT_EQ(state["recent"].size(), 1u);
+  EXPECT_EQ(state["recent"][0]["model"], clipped);
+  EXPECT_LT(state.dump().size(), size_t{2000});
 }
 
 }  // namespace

@@ -52,5 +52,21 @@ TEST(Utf8, AppendRoundTrips) {
   }
 }
 
+// Client text quoted in logs and messages: bounded, never cutting a character, naming the cut.
+TEST(Utf8, ClipKeepsShortTextAndBoundsLongTextOnACharacterBoundary) {
+  EXPECT_EQ(clip("model-a"), "model-a");
+  EXPECT_EQ(clip(std::string(kClipBytes, 'm')), std::string(kClipBytes, 'm'));
+  const std::string long_name(7 << 20, 'm');
+  EXPECT_EQ(clip(long_name), std::string(kClipBytes, 'm') + "\u2026(+7339776 bytes)");
+  // "\xE4\xBD\xA0" (3 bytes) straddles byte 4: it is left out whole, and counted.
+  EXPECT_EQ(clip("abc\xE4\xBD\xA0"
+                 "def",
+                 4),
+            "abc\u2026(+6 bytes)");
+  EXPECT_EQ(clip("\xF0\x9F\x98\x80\xF0\x9F\x98\x80", 5), "\xF0\x9F\x98\x80\u2026(+4 bytes)");
+  // Ill-formed bytes count one each; the JSON writer replaces them.
+  EXPECT_EQ(clip("\xff\xfe\xfd", 2), "\xff\xfe\u2026(+1 bytes)");
+}
+
 }  // namespace
 }  // namespace tandem::utf8
