@@ -1,6 +1,7 @@
 // `tandem`: the single binary of the project; each part is a subcommand.
 #include <sys/resource.h>
 
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -35,6 +36,10 @@ void raise_file_limit() {
 
 int main(int argc, char** argv) {
   raise_file_limit();
+  // Sockets are written with MSG_NOSIGNAL; stdout is not. Whoever reads a server's first lines
+  // (a script, `| head`) may close the pipe, and the next status or access-log line must then be
+  // a failed write, not a SIGPIPE that ends the gateway, or `serve` and with it every engine.
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"Tandem: disaggregated prefill/decode serving for mixture-of-experts LLMs",
                "tandem"};
   app.require_subcommand(1);

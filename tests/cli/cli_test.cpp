@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "net/http_client.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
@@ -151,6 +152,50 @@ TEST(Cli, BadInputsGiveClearErrors) {
   EXPECT_EQ(r.status, 1);
   EXPECT_THAT(r.output, HasSubstr("--trace-spread spreads the trace's own arrivals, which "
                                   "--request-rate replaces"));
+}
+
+// Whoever reads a server's first line may then close the pipe (`| head -1`, a script that saw
+// the port). The server's next line to stdout (here an access-log line) must fail to be written,
+// not end the server with SIGPIPE: under `tandem serve` that took every engine down with it.
+TEST(Cli, AGatewayWhoseStdoutReaderHasGoneKeepsServingAndStopsCleanly) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  std::vector<std::string> args = {TANDEM_BINARY,  "gateway", "--host",   "127.0.0.1",
+                                   "--port",       "0",       "--decode", "127.0.0.1:9",
+                                   "--access-log", "-"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  FILE* reader = ::fdopen(out[0], "r");
+  std::array<char, 512> line{};
+  ASSERT_NE(std::fgets(line.data(), int(line.size()), reader), nullptr);
+  std::fclose(reader);  // the reader goes
+  const std::string first(line.data());
+  const size_t colon = first.find("127.0.0.1:");
+  ASSERT_NE(colon, std::string::npos) << first;
+  const auto port = static_cast<uint16_t>(std::stoi(first.substr(colon + 10)));
+  // Each completion is logged (here a 502 or 503: the engine does not exist); the stop below
+  // flushes whatever the writer still holds.
+  for (int i = 0; i < 3; ++i)
+    EXPECT_GE(net::http_request("127.0.0.1", port, "POST", "/v1/completions",
+                                R"({"model": "m", "prompt": "hi", "max_tokens": 2})")
+                  .status,
+              502);
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status)) << "ended by signal "
+                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0);
 }
 
 // A model can take minutes to load; an operator's SIGTERM then must not wait for it.
