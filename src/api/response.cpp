@@ -16,6 +16,11 @@ std::string token_text(const text::Tokenizer& tok, int32_t id) {
 
 }  // namespace
 
+bool usable_request_id(std::string_view id) {
+  return !id.empty() && id.size() <= 256 &&
+         std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
+}
+
 std::string_view response_id_prefix(ApiKind kind) {
   switch (kind) {
     case ApiKind::kCompletion:

@@ -28,6 +28,11 @@ inline constexpr std::string_view kChatChunkObject = "chat.completion.chunk";
 // SGLang's /generate has none.
 std::string_view response_id_prefix(ApiKind kind);
 
+// Whether a client's X-Request-Id may name its response: a plain token of at most 256 printable
+// ASCII characters. It goes into logs, JSON, engine headers and every streamed chunk, so the
+// gateway and the engines replace any other with a random id.
+bool usable_request_id(std::string_view id);
+
 // Chat choices: a whole message (non-streaming) and one stream chunk's delta.
 nlohmann::json chat_message_choice(int64_t index, std::string content, nlohmann::json logprobs,
                                    nlohmann::json finish_reason);

@@ -209,7 +209,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   // or before a random one.
   const std::string prefix(api::response_id_prefix(kind));
   std::string id = req.headers.get("x-request-id");
-  if (id.empty()) id = random_hex(2);
+  if (!api::usable_request_id(id)) id = random_hex(2);
   if (id.rfind(prefix, 0) != 0) id = prefix + id;
   call->builder =
       std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, created_);

@@ -10,6 +10,7 @@
 #include "api/block_hash.h"
 #include "api/disaggregation.h"
 #include "api/request.h"
+#include "api/response.h"
 #include "gateway/choice_fan_out.h"
 #include "gateway/http_seams.h"
 #include "gateway/priority.h"
@@ -28,13 +29,6 @@ using nlohmann::json;
 constexpr int64_t kPrefixBlockTokens = 16;
 
 using api::kInvalidApiKey;
-
-// A request id from the client is honoured when it is a plain token (it goes into logs, JSON and
-// engine headers).
-bool usable_request_id(const std::string& id) {
-  return !id.empty() && id.size() <= 256 &&
-         std::all_of(id.begin(), id.end(), [](char c) { return c > 0x20 && c < 0x7f; });
-}
 
 }  // namespace
 
@@ -136,7 +130,7 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   const auto merger = ChoiceMerger::create(reply, split.bodies.size(), split.repeats);
   std::string id = req.headers.get("X-Request-Id");
   // Room for the choice's "-i" within the 256 bytes a request id may have.
-  if (!usable_request_id(id) || id.size() > 250) id = random_hex(2);
+  if (!api::usable_request_id(id) || id.size() > 250) id = random_hex(2);
   net::HttpRequest one = req;  // its body is replaced by each choice's
   // A choice refused here (a bad field) answers for all: none is submitted, and those prepared
   // before it end with its failure (their close callbacks run when registered).
@@ -174,7 +168,7 @@ RequestPtr FrontEnd::new_request(const net::HttpRequest& req,
   r->target = req.target;
   r->reply = std::move(reply);
   r->id = req.headers.get("X-Request-Id");
-  if (!usable_request_id(r->id)) r->id = random_hex(2);
+  if (!api::usable_request_id(r->id)) r->id = random_hex(2);
   r->headers.set("X-Request-Id", r->id);
   if (const auto* auth = req.headers.find("Authorization")) r->headers.set("Authorization", *auth);
   return r;

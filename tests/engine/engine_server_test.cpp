@@ -338,6 +338,15 @@ TEST_F(EngineServer, ResponseIdsCarryTheirPrefixAndTheClientsRequestId) {
   EXPECT_EQ(id_of("/v1/chat/completions", chat, "abc"), "chatcmpl-abc");
   EXPECT_EQ(id_of("/v1/completions", completion, "cmpl-xyz"), "cmpl-xyz");
   EXPECT_EQ(id_of("/v1/chat/completions", chat, "").rfind("chatcmpl-", 0), 0u);
+  // An id that is not a plain token of at most 256 characters is replaced, as the gateway does:
+  // it would be repeated in every streamed chunk (60 KB of header per token).
+  const std::string huge(60000, 'x');
+  const std::string replaced = id_of("/v1/completions", completion, huge);
+  EXPECT_EQ(replaced.rfind("cmpl-", 0), 0u);
+  EXPECT_LT(replaced.size(), 64u);
+  EXPECT_EQ(id_of("/v1/completions", completion, std::string(256, 'y')),
+            "cmpl-" + std::string(256, 'y'));
+  EXPECT_EQ(id_of("/v1/completions", completion, "a\"b").find('"'), std::string::npos);
   EXPECT_EQ(engine.stop(), 0);
 }
 
