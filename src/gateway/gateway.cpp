@@ -34,7 +34,8 @@ class Gateway::Impl {
                        ? nullptr
                        : std::make_unique<PromptTokenizer>(topo_.model, topo_.served_model_name)),
         access_log_(topo_.access_log.empty() ? nullptr
-                                             : std::make_unique<AccessLog>(topo_.access_log)),
+                                             : std::make_unique<AccessLog>(
+                                                   topo_.access_log, &metrics_.access_log_dropped)),
         server_(server_options()),
         client_(server_),
         upstream_(client_, topo_.engine_api_key),

@@ -61,6 +61,10 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r)
       prefix_reuse_requests(
           r.int_counter("tandem:gateway_prefix_reuse_requests_total",
                         "Requests the prefix reuse split was measured for (tokenized, answered "
-                        "200, and the computing engine reported its cached_tokens).")) {}
+                        "200, and the computing engine reported its cached_tokens).")),
+      access_log_dropped(r.int_counter(
+          "tandem:gateway_access_log_dropped_lines_total",
+          "Access log lines not written: dropped while the lines waiting were at their cap, lost "
+          "to a failed write, or left when shutdown's deadline passed.")) {}
 
 }  // namespace tandem::gateway

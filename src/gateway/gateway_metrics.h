@@ -24,6 +24,7 @@ struct GatewayMetrics {
   metrics::IntCounter &prefix_reuse_available, &prefix_reuse_chosen, &prefix_reuse_delivered;
   metrics::IntCounter& prefix_reuse_prompt_tokens;
   metrics::IntCounter& prefix_reuse_requests;
+  metrics::IntCounter& access_log_dropped;  // lines the access log could not write (access_log.h)
 };
 
 }  // namespace tandem::gateway

@@ -199,7 +199,9 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   // The topology's access log, as the live gateway writes it (times are virtual): how each
   // request was routed, for comparing a simulated run with a live one line by line.
   const std::unique_ptr<gateway::AccessLog> access_log =
-      topo.access_log.empty() ? nullptr : std::make_unique<gateway::AccessLog>(topo.access_log);
+      topo.access_log.empty() ? nullptr
+                              : std::make_unique<gateway::AccessLog>(
+                                    topo.access_log, &gateway_metrics.access_log_dropped);
   gateway::Dispatcher dispatcher(topo, clock, upstream, *policy, endpoints, gateway_metrics,
                                  access_log.get());
   gateway::HealthMonitor health(topo, clock, upstream, endpoints, [&] { dispatcher.dispatch(); });

@@ -1,11 +1,20 @@
 // The access log's writer thread: every line added before the log is destroyed is written, each
 // adder's lines in its order; invalid UTF-8 is replaced, not thrown; a file that cannot be opened
-// is named. And the lines themselves: client text in them is clipped.
+// is named. A reader that does not read costs at most the cap's bytes (the rest is dropped and
+// counted) and cannot hold destruction past its deadline; failed writes are counted and said.
+// And the lines themselves: client text in them is clipped.
 #include "gateway/access_log.h"
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -88,6 +97,94 @@ TEST(AccessLog, AFileThatCannotBeOpenedIsNamed) {
   }
 }
 
+// A pipe whose reader never reads: `pipe()` gives both ends, and the log opens the write end by
+// its /proc name, as it would a FIFO's path.
+struct UnreadPipe {
+  int fds[2] = {-1, -1};
+  UnreadPipe() { EXPECT_EQ(::pipe2(fds, O_CLOEXEC), 0); }
+  ~UnreadPipe() {
+    ::close(fds[0]);
+    ::close(fds[1]);
+  }
+  std::string write_path() const { return "/proc/self/fd/" + std::to_string(fds[1]); }
+  size_t capacity() const { return static_cast<size_t>(::fcntl(fds[1], F_GETPIPE_SZ)); }
+  // What was written, read once the writer is gone.
+  std::string drain() const {
+    ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+    std::string out;
+    char buf[65536];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, size_t(n));
+    return out;
+  }
+};
+
+constexpr AccessLog::Limits kSmall{size_t{64} << 10, std::chrono::milliseconds(20)};
+
+json line_of(int i) {
+  return {{"i", i}, {"pad", std::string(1000, 'x')}};
+}
+
+TEST(AccessLog, AReaderThatDoesNotReadCostsAtMostTheCapAndDestructionReturns) {
+  UnreadPipe pipe;
+  metrics::Registry registry;
+  metrics::IntCounter& dropped = registry.int_counter("dropped_total", "test");
+  constexpr int kLines = 1000;  // about 1 MB: far more than the pipe and the cap hold
+  const size_t line_bytes = line_of(0).dump().size() + 1;
+  {
+    AccessLog log(pipe.write_path(), &dropped, kSmall);
+    for (int i = 0; i < kLines; ++i) log.add(line_of(i));
+    // Whatever the writer got into the pipe meanwhile, the pipe and the queue hold at most this.
+    const size_t kept_at_most = (pipe.capacity() + kSmall.max_queued_bytes) / line_bytes + 1;
+    EXPECT_GE(log.dropped_lines(), kLines - kept_at_most);
+    EXPECT_EQ(dropped.value(), log.dropped_lines());
+  }  // must return: the reader never reads
+  // Every line was either written whole or counted.
+  const std::string written = pipe.drain();
+  const auto whole = static_cast<uint64_t>(std::count(written.begin(), written.end(), '\n'));
+  EXPECT_GT(whole, 0u);
+  EXPECT_EQ(whole + dropped.value(), uint64_t{kLines});
+}
+
+// Standard output on a pipe: written without blocking through a descriptor of the log's own, and
+// standard output itself is left blocking (the shell may share it).
+TEST(AccessLog, StandardOutputOnAnUnreadPipeDoesNotHoldDestruction) {
+  UnreadPipe pipe;
+  std::fflush(stdout);
+  const int saved = ::dup(STDOUT_FILENO);
+  ASSERT_GE(saved, 0);
+  ASSERT_EQ(::dup2(pipe.fds[1], STDOUT_FILENO), STDOUT_FILENO);
+  uint64_t dropped = 0;
+  bool stdout_blocking = false;
+  {
+    AccessLog log("-", nullptr, kSmall);
+    for (int i = 0; i < 1000; ++i) log.add(line_of(i));
+    stdout_blocking = (::fcntl(STDOUT_FILENO, F_GETFL) & O_NONBLOCK) == 0;
+    dropped = log.dropped_lines();
+  }
+  ::dup2(saved, STDOUT_FILENO);
+  ::close(saved);
+  EXPECT_TRUE(stdout_blocking);
+  EXPECT_GT(dropped, 0u);
+}
+
+TEST(AccessLog, FailedWritesAreCountedAndSaidOnce) {
+  metrics::Registry registry;
+  metrics::IntCounter& dropped = registry.int_counter("dropped_total", "test");
+  ::testing::internal::CaptureStderr();
+  {
+    AccessLog log("/dev/full", &dropped);  // every write: ENOSPC
+    for (int i = 0; i < 3; ++i) log.add({{"i", i}});
+  }
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(dropped.value(), 3u);
+  EXPECT_NE(said.find("'/dev/full': write failed: " + std::string(std::strerror(ENOSPC))),
+            std::string::npos)
+      << said;
+  // One line for the failures (however many batches failed), one for the total at the end.
+  EXPECT_EQ(std::count(said.begin(), said.end(), '\n'), 2) << said;
+  EXPECT_NE(said.find("3 lines were not written"), std::string::npos) << said;
+}
+
 // A client names the model (and an engine's 404 repeats it): the line, and the dashboard's copy
 // of it, quote it clipped, so 20 requests cannot make hundreds of megabytes of log.
 TEST(AccessLogLine, ClientTextIsClippedInTheLineAndTheDashboard) {
@@ -104,7 +201,7 @@ TEST(AccessLogLine, ClientTextIsClippedInTheLineAndTheDashboard) {
       std::string(256, 'm') + "\u2026(+" + std::to_string(r.model.size() - 256) + " bytes)";
 
   const json line = access_log_line(r, topo, 1'000'000);
-  EXPECT_LT(line.dump().size(), size_t{2000});
+  ASSERT_LT(line.dump().size(), size_t{2000});  // before comparing what could be megabytes
   EXPECT_EQ(line["model"], clipped);
   EXPECT_EQ(line["error"].get<std::string>().rfind("The model `mmm", 0), 0u) << line["error"];
   EXPECT_LT(line["error"].get<std::string>().size(), 300u);
@@ -117,8 +214,8 @@ TEST(AccessLogLine, ClientTextIsClippedInTheLineAndTheDashboard) {
   recorder.record(r, 1'000'000);
   const json state = recorder.dashboard_json();
   ASSERT_EQ(state["recent"].size(), 1u);
+  ASSERT_LT(state.dump().size(), size_t{2000});
   EXPECT_EQ(state["recent"][0]["model"], clipped);
-  EXPECT_LT(state.dump().size(), size_t{2000});
 }
 
 }  // namespace
