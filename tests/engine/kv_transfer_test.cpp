@@ -858,6 +858,7 @@ class KvTransferAgents : public ::testing::Test {
     p.checksum = prefill_checksum_;
     p.secret = prefill_secret_;
     p.handshake_timeout_s = handshake_timeout_s_;
+    p.max_rooms = prefill_max_rooms_;
     prefill_ = std::make_unique<KvTransferAgent>(p, prefill_exec_,
                                                  make_transport(transport_, prefill_io_timeout_),
                                                  prefill_metrics_, queue_.post());
@@ -892,6 +893,7 @@ class KvTransferAgents : public ::testing::Test {
   std::vector<std::string> decode_allow_;  // the decode engine's --kv-transfer-allow
   bool prefill_checksum_ = true, decode_checksum_ = true;  // their --kv-transfer-checksum
   double handshake_timeout_s_ = 5;
+  size_t prefill_max_rooms_ = KvTransferConfig{}.max_rooms;
   std::chrono::milliseconds prefill_io_timeout_ = 5000ms;
   std::chrono::milliseconds decode_io_timeout_ = 5000ms;
 
@@ -1851,6 +1853,32 @@ TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOn
   const KvFrame f = conn->receive(1 << 20);
   EXPECT_EQ(f.type, KvFrameType::kError);
   EXPECT_THAT(text_of(f.payload), HasSubstr("malformed abandon request"));
+}
+
+// Peers leave refusals for rooms the prefill engine has not seen; a flood of them must not grow
+// its room table (and the reaper's scan of it) without bound: past max_rooms none is kept.
+TEST_F(KvTransferAgents, RefusalsLeftByPeersAreBoundedByTheRoomTable) {
+  prefill_max_rooms_ = 2;
+  start(600);
+  const uint64_t hash = kv_prompt_hash(prompt_);
+  auto transport = make_tcp_transport({5000ms});
+  auto abandon = [&](uint64_t room) {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, KvFrameType::kAbandon,
+              json{{"room", room}, {"prompt_hash", hash}, {"prompt_tokens", 11}, {"reason", "gone"}}
+                  .dump());
+    return conn->receive(1 << 20).type;
+  };
+  for (uint64_t room : {201, 202, 203}) EXPECT_EQ(abandon(room), KvFrameType::kDone);
+  // The first two were kept and refuse their prefill legs; the third found the table full.
+  for (uint64_t room : {201, 202}) {
+    RoomOutcome refused;
+    EXPECT_THROW(open(room, hash, 11, room_done(refused)), KvTransferError) << room;
+  }
+  RoomOutcome accepted;
+  EXPECT_TRUE(open(203, hash, 11, room_done(accepted)));
+  prefill_->room_failed(203, claims_[203], "test over");
+  ASSERT_TRUE(queue_.run_until([&] { return accepted.called; }));
 }
 
 // ------------------------------------------------------------------------------- fake prefill

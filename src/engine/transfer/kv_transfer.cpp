@@ -517,6 +517,16 @@ void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& err
   }
 }
 
+void KvTransferAgent::leave_refusal(uint64_t room, const std::string& error) {
+  if (rooms_.size() >= config_.max_rooms) return;
+  auto r = std::make_unique<Room>();
+  r->failed = true;
+  r->refuses_prefill = true;
+  r->error = error;
+  r->deadline = deadline();
+  rooms_[room] = std::move(r);
+}
+
 void KvTransferAgent::reap_loop() {
   std::unique_lock lock(mutex_);
   auto peers_checked = Clock::now();
@@ -804,12 +814,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     if (it != rooms_.end() && !it->second->registered) {
       finish_room(room, false, problem);
     } else if (it == rooms_.end()) {
-      auto r = std::make_unique<Room>();
-      r->failed = true;
-      r->refuses_prefill = true;
-      r->error = problem;
-      r->deadline = deadline();
-      rooms_[room] = std::move(r);
+      leave_refusal(room, problem);
     }
     lock.unlock();
     send_error(conn, problem);
@@ -924,12 +929,7 @@ void KvTransferAgent::serve_abandon(KvConnection& conn, const std::vector<std::b
     if (it == rooms_.end()) {
       // The prefill leg has not arrived: it is refused when it does (nobody would receive its
       // KV); the marker expires after the timeout.
-      auto r = std::make_unique<Room>();
-      r->failed = true;
-      r->refuses_prefill = true;
-      r->error = reason;
-      r->deadline = deadline();
-      rooms_[room] = std::move(r);
+      leave_refusal(room, reason);
     } else if (const Room& r = *it->second; r.has_prefill && !r.registered &&
                                             r.prompt_hash == hash &&
                                             r.prompt_tokens == prompt_tokens) {

@@ -77,6 +77,11 @@ struct KvTransferConfig {
   // say.
   std::vector<std::string> allow;
   KvTransportKind transport = KvTransportKind::kShm;
+  // Refusals a peer leaves for rooms this engine has not seen (an abandoned room, a decode
+  // engine of another layout) are kept until the timeout so the late prefill leg fails at once;
+  // past this many rooms none is left (that leg then waits out its timeout), so peers cannot
+  // grow the table, and the reaper's scan of it, without bound.
+  size_t max_rooms = 65536;
 #ifdef NDEBUG
   bool checksum = false;  // XXH3-64 per layer; always on in debug builds
 #else
@@ -181,6 +186,9 @@ class KvTransferAgent final : public KvTransfers {
  private:
   struct Held;
   struct Room;
+  // A refusal marker for `room`, unless the table is full (KvTransferConfig::max_rooms). Under
+  // mutex_.
+  void leave_refusal(uint64_t room, const std::string& error);
   struct Metrics;
   void accept_loop();
   void serve(std::shared_ptr<KvConnection> conn, const std::string& address);
