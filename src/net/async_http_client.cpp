@@ -625,6 +625,10 @@ void ClientConn::parse() {
         head_parser_.reset();
         continue;
       }
+      // A final answer that came before the whole request went out (an engine refusing a large
+      // body from its head): the rest is not sent (RFC 9112 9.3), and complete() will not reuse
+      // the connection, whose peer would read the next request as the rest of this body.
+      if (written_ < out_.size()) want_write_ = false;
       if (call_->handlers.on_head) {
         Headers headers;
         copy_fields(head_, headers);
@@ -666,7 +670,7 @@ void ClientConn::parse() {
 void ClientConn::complete() {
   std::shared_ptr<Call> call = std::move(call_);
   call->conn = nullptr;
-  const bool reuse = head_.keep_alive && in_.empty() && !eof_;
+  const bool reuse = head_.keep_alive && in_.empty() && !eof_ && written_ == out_.size();
   if (reuse) {
     home_.put_idle(this);
   } else {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <string>
@@ -330,6 +331,90 @@ class RawServer {
   uint16_t port_ = 0;
 };
 
+// A server on 127.0.0.1 that plays a script: `serve(fd, n)` runs for the n-th connection (from
+// 0), one connection at a time on the server's thread, and the connection closes when it returns.
+// What a misbehaving engine does to the client is written out in the script.
+class ScriptedServer {
+ public:
+  using Script = std::function<void(int fd, int connection)>;
+  explicit ScriptedServer(Script serve) : serve_(std::move(serve)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    // A small receive buffer, fixed (no autotuning): a client's large request stays mostly
+    // unsent until the script reads it, as with a busy engine across a network.
+    const int receive_buffer = 65536;
+    ::setsockopt(listener_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof a;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::listen(listener_, 4) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &length) != 0)
+      ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      for (int n = 0;; ++n) {
+        const int fd = ::accept(listener_, nullptr, nullptr);
+        if (fd < 0) return;  // the listener was shut down
+        serve_(fd, n);
+        ::close(fd);
+      }
+    });
+  }
+  // The client must be gone first: a script may be waiting for its next request.
+  ~ScriptedServer() {
+    ::shutdown(listener_, SHUT_RDWR);
+    thread_.join();
+    ::close(listener_);
+  }
+  uint16_t port() const { return port_; }
+
+  // Reads one request head (what is past it stays in `buffer`); empty when the connection ended.
+  static std::string read_head(int fd, std::string& buffer) {
+    char chunk[4096];
+    size_t end;
+    while ((end = buffer.find("\r\n\r\n")) == std::string::npos) {
+      const ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
+      if (n <= 0) return {};
+      buffer.append(chunk, static_cast<size_t>(n));
+    }
+    std::string head = buffer.substr(0, end + 4);
+    buffer.erase(0, end + 4);
+    return head;
+  }
+  static size_t content_length(const std::string& head) {
+    const size_t at = head.find("Content-Length: ");
+    return at == std::string::npos ? 0 : std::stoul(head.substr(at + 16));
+  }
+  // Reads `bytes` of body (the start of it may be in `buffer`); false when the connection ended
+  // first.
+  static bool read_body(int fd, std::string& buffer, size_t bytes) {
+    const size_t buffered = std::min(bytes, buffer.size());
+    buffer.erase(0, buffered);
+    bytes -= buffered;
+    char chunk[65536];
+    while (bytes > 0) {
+      const ssize_t n = ::recv(fd, chunk, std::min(bytes, sizeof chunk), 0);
+      if (n <= 0) return false;
+      bytes -= static_cast<size_t>(n);
+    }
+    return true;
+  }
+  static void write(int fd, std::string_view bytes) {
+    while (!bytes.empty()) {
+      const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+      if (n <= 0) return;
+      bytes.remove_prefix(static_cast<size_t>(n));
+    }
+  }
+
+ private:
+  Script serve_;
+  int listener_ = -1;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
 // A one-shot signal between threads.
 struct Signal {
   std::promise<void> promise;
@@ -525,6 +610,61 @@ TEST(AsyncClientOnServer, ShutdownAfterTheServerStoppedEndsTheCalls) {
   EXPECT_EQ(client.in_flight(), 0u);
   std::lock_guard lock(m);
   held.clear();
+}
+
+// An engine that refuses a large body from its head alone and keeps the connection (uvicorn
+// answers a 400 or 401 that way) has not read the rest of the request: were the connection
+// reused, the next request would be read as the rest of that body and its caller would get no
+// answer, or another caller's. The client stops sending once the answer came and closes.
+TEST(AsyncClientEarlyAnswer, AConnectionWhoseRequestWasNotAllSentIsNotReused) {
+  Signal answered;  // the client has the refusal: only then does the engine read on
+  std::atomic<int> bodies_read_whole{0};
+  ScriptedServer engine([&](int fd, int connection) {
+    std::string buffer;
+    for (;;) {
+      const std::string head = ScriptedServer::read_head(fd, buffer);
+      if (head.empty()) return;
+      if (head.rfind("POST", 0) == 0) {
+        ScriptedServer::write(fd, "HTTP/1.1 400 Bad Request\r\nContent-Length: 5\r\n\r\nearly");
+        answered.wait();
+        // As uvicorn: the body is read (and dropped) after the answer, then the next request.
+        if (!ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head))) return;
+        ++bodies_read_whole;
+        continue;
+      }
+      const std::string body = "second on connection " + std::to_string(connection);
+      ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " +
+                                    std::to_string(body.size()) + "\r\n\r\n" + body);
+    }
+  });
+  AsyncHttpClient client;
+  AsyncHttpRequest big;
+  big.host = "127.0.0.1";
+  big.port = engine.port();
+  big.method = "POST";
+  big.target = "/v1/completions";
+  big.body.assign(size_t{16} << 20, 'a');  // more than the socket buffers hold
+  Outcome refused;
+  client.start(big, refused.handlers());
+  const bool done = refused.wait();
+  answered.raise();
+  ASSERT_TRUE(done);
+  EXPECT_EQ(refused.error, "");
+  EXPECT_EQ(refused.status, 400);
+  EXPECT_EQ(refused.body, "early");
+
+  AsyncHttpRequest next = big;
+  next.method = "GET";
+  next.target = "/v1/models";
+  next.body.clear();
+  next.timeout = 10s;  // without the fix this call gets no answer: the engine reads it as body
+  Outcome second;
+  client.start(next, second.handlers());
+  ASSERT_TRUE(second.wait());
+  EXPECT_EQ(second.error, "");
+  EXPECT_EQ(second.body, "second on connection 1");
+  EXPECT_EQ(bodies_read_whole.load(), 0);
+  EXPECT_EQ(client.connections_opened(), 2u);
 }
 
 }  // namespace
