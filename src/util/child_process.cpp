@@ -1,8 +1,12 @@
 #include "util/child_process.h"
 
+#include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <utility>
 
 #include "util/error.h"
 
@@ -31,7 +35,7 @@ ChildProcess::ChildProcess(const std::string& program, const std::vector<std::st
     _exit(127);
   }
   close(fds[1]);
-  out_ = fdopen(fds[0], "r");
+  out_ = fds[0];
 }
 
 ChildProcess::~ChildProcess() {
@@ -39,9 +43,44 @@ ChildProcess::~ChildProcess() {
 }
 
 std::string ChildProcess::read_line() {
-  char line[4096];
-  if (!out_ || !std::fgets(line, sizeof line, out_)) return {};
-  return line;
+  for (;;)
+    if (auto line = poll_line(std::chrono::milliseconds(-1))) return *std::move(line);
+}
+
+std::optional<std::string> ChildProcess::poll_line(std::chrono::milliseconds wait) {
+  for (bool first = true;; first = false) {
+    if (const size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl + 1);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    if (out_ < 0) return std::exchange(buffer_, {});  // a last line without its newline, or ""
+    // Once something came, only what is there already: `wait` bounds the whole call.
+    if (!fill(first ? wait : std::chrono::milliseconds(0))) return std::nullopt;
+  }
+}
+
+bool ChildProcess::fill(std::chrono::milliseconds wait) {
+  pollfd p{out_, POLLIN, 0};
+  int ready = 0;
+  while ((ready = ::poll(&p, 1, static_cast<int>(wait.count()))) < 0 && errno == EINTR) {
+  }
+  if (ready <= 0) return false;
+  char chunk[4096];
+  ssize_t n = 0;
+  while ((n = ::read(out_, chunk, sizeof chunk)) < 0 && errno == EINTR) {
+  }
+  if (n <= 0) {
+    close_output();  // the end of its output (or a pipe that cannot be read: the same to callers)
+    return true;
+  }
+  buffer_.append(chunk, static_cast<size_t>(n));
+  return true;
+}
+
+void ChildProcess::close_output() {
+  if (out_ >= 0) close(out_);
+  out_ = -1;
 }
 
 void ChildProcess::signal(int sig) {
@@ -59,8 +98,8 @@ std::optional<int> ChildProcess::exited() {
   int st = 0;
   if (waitpid(pid_, &st, WNOHANG) != pid_) return std::nullopt;
   pid_ = -1;
-  if (out_) fclose(out_);
-  out_ = nullptr;
+  close_output();
+  buffer_.clear();
   status_ = exit_status(st);
   return status_;
 }
@@ -71,8 +110,8 @@ int ChildProcess::stop() {
   int st = 0;
   waitpid(pid_, &st, 0);
   pid_ = -1;
-  if (out_) fclose(out_);
-  out_ = nullptr;
+  close_output();
+  buffer_.clear();
   status_ = exit_status(st);
   return status_;
 }

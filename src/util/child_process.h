@@ -4,7 +4,7 @@
 // engines and by the tests for every process they start.
 #include <sys/types.h>
 
-#include <cstdio>
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
@@ -25,6 +25,9 @@ class ChildProcess {
 
   // The next line the child printed, newline included; empty at the end of its output.
   std::string read_line();
+  // The same without blocking past `wait`: nullopt while no whole line has come (the child may
+  // print it later), for a supervisor that must not stop at a child that hangs.
+  std::optional<std::string> poll_line(std::chrono::milliseconds wait = {});
   void signal(int sig);  // no-op once stopped
   // The exit status (as stop() reports it) once the child has ended, without waiting; nullopt
   // while it runs. Reaps it: later calls and stop() return the same status.
@@ -34,8 +37,14 @@ class ChildProcess {
   int stop();
 
  private:
+  // Reads what the pipe holds into buffer_, waiting at most `wait` (negative: as long as it
+  // takes) for something to come; returns false when nothing came.
+  bool fill(std::chrono::milliseconds wait);
+  void close_output();
+
   pid_t pid_ = -1;
-  FILE* out_ = nullptr;
+  int out_ = -1;        // the read end of the child's standard output; -1 once it ended
+  std::string buffer_;  // read from out_, not yet returned as lines
   int status_ = -1;
 };
 

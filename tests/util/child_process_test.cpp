@@ -1,0 +1,40 @@
+#include "util/child_process.h"
+
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+
+#include "engine/engine_http.h"
+
+namespace tandem {
+namespace {
+
+using testing::eventually;
+
+// A supervisor reads a child's lines as they come: a whole line once it is there, nothing (at
+// once) while the child has printed only part of one, however long the child then runs.
+TEST(ChildProcess, PollLineGivesWholeLinesAndNeverWaitsForTheRest) {
+  ChildProcess child("/bin/sh", {"sh", "-c", "printf 'one\\ntw'; exec sleep 1000"});
+  std::optional<std::string> line;
+  ASSERT_TRUE(eventually([&] { return (line = child.poll_line()).has_value(); }));
+  EXPECT_EQ(*line, "one\n");
+  // "tw" came without its newline: not a line yet, and the call returns without one.
+  EXPECT_EQ(child.poll_line(std::chrono::milliseconds(50)), std::nullopt);
+  EXPECT_EQ(child.stop(), 128 + SIGTERM);
+  EXPECT_EQ(child.poll_line(), "");  // stopped: the end of its output
+}
+
+// read_line blocks for a whole line as before; a last line without its newline comes as it is,
+// then the end.
+TEST(ChildProcess, ReadLineGivesEveryLineThenTheEnd) {
+  ChildProcess child("/bin/sh", {"sh", "-c", "printf 'a\\nb\\nlast'"});
+  EXPECT_EQ(child.read_line(), "a\n");
+  EXPECT_EQ(child.poll_line(std::chrono::milliseconds(-1)), "b\n");
+  EXPECT_EQ(child.read_line(), "last");
+  EXPECT_EQ(child.read_line(), "");
+  EXPECT_EQ(child.stop(), 0);
+}
+
+}  // namespace
+}  // namespace tandem
