@@ -3,6 +3,7 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -10,14 +11,60 @@
 #include "util/error.h"
 
 namespace tandem::cli {
+namespace {
 
-EngineChild::EngineChild(std::string name, Args args, const StopSignals& stop_signals,
-                         bool kv_events)
-    : name_(std::move(name)),
-      args_(std::move(args)),
-      stop_signals_(stop_signals),
-      kv_events_(kv_events) {
-  start();
+std::string trimmed(std::string line) {
+  while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+  return line;
+}
+
+std::string seconds(std::chrono::milliseconds d) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(d.count()) / 1000.0);
+  return text;
+}
+
+}  // namespace
+
+uint16_t engine_line_port(const std::string& line, const std::string& prefix) {
+  const auto fail = [&] {
+    return Error("cannot read a port after '" + prefix + "' in the engine's line '" +
+                 trimmed(line) + "' (expected HOST:PORT or [IPV6]:PORT)");
+  };
+  const size_t at = line.find(prefix);
+  if (at == std::string::npos) throw fail();
+  const size_t begin = at + prefix.size();
+  const size_t end = std::min(line.find_first_of(" \r\n", begin), line.size());
+  const std::string address = line.substr(begin, end - begin);
+  // The last ':' ends the host, bracketed or not: an IPv6 host's own colons come before it.
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size() ||
+      address.size() - colon - 1 > 5)
+    throw fail();
+  long port = 0;
+  for (char c : address.substr(colon + 1)) {
+    if (c < '0' || c > '9') throw fail();
+    port = port * 10 + (c - '0');
+  }
+  if (port < 1 || port > 65535) throw fail();
+  return static_cast<uint16_t>(port);
+}
+
+EngineChild::EngineChild(Options options, Args args, const StopSignals& stop_signals)
+    : options_(std::move(options)), args_(std::move(args)), stop_signals_(stop_signals) {
+  start(Clock::now());
+  try {
+    while (state_ == State::kStarting) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(start_deadline_ - Clock::now());
+      read_start(Clock::now(),
+                 std::clamp(left, std::chrono::milliseconds(0), std::chrono::milliseconds(1000)));
+    }
+  } catch (const std::exception& e) {
+    process_->signal(SIGKILL);  // one that hangs would not act on SIGTERM
+    process_.reset();
+    throw Error("serve: " + options_.name + " did not start: " + e.what());
+  }
 }
 
 EngineChild::~EngineChild() = default;
@@ -26,75 +73,114 @@ pid_t EngineChild::pid() const {
   return process_ ? process_->pid() : -1;
 }
 
-void EngineChild::start() {
+void EngineChild::start(Clock::time_point now) {
   const pid_t parent = ::getpid();
-  auto process = std::make_unique<ChildProcess>("/proc/self/exe", args_(ports_), [this, parent] {
+  process_ = std::make_unique<ChildProcess>(options_.program, args_(ports_), [this, parent] {
     stop_signals_.unblock();
     // The engine ends with serve however serve ends (a stop signal while it starts, a crash):
     // an orphaned engine would hold its ports and memory with nobody to stop it.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) std::_Exit(1);  // serve was already gone
   });
-  EnginePorts seen;
-  bool role_seen = false;
-  for (std::string l = process->read_line(); !l.empty(); l = process->read_line()) {
-    if (auto at = l.find("listening on http://"); at != std::string::npos) {
-      seen.http = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
-    } else if (auto kv = l.find("KV transfer on "); kv != std::string::npos) {
-      seen.kv_transfer = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', kv + 15) + 1)));
+  state_ = State::kStarting;
+  seen_ = {};
+  role_seen_ = false;
+  start_deadline_ = now + options_.start_timeout;
+}
+
+void EngineChild::read_start(Clock::time_point now, std::chrono::milliseconds wait) {
+  for (auto l = process_->poll_line(wait); l; l = process_->poll_line()) {
+    if (l->empty())
+      throw Error("its output ended before it named its ports (see its messages above)");
+    if (l->find("listening on http://") != std::string::npos) {
+      seen_.http = engine_line_port(*l, "listening on http://");
+    } else if (l->find("KV transfer on ") != std::string::npos) {
+      seen_.kv_transfer = engine_line_port(*l, "KV transfer on ");
     }
-    if (auto ev = l.find("KV events on "); ev != std::string::npos) {
-      const auto replay = l.find("(replay ");
-      seen.events = l.substr(ev + 13, l.find(' ', ev + 13) - ev - 13);
+    if (auto ev = l->find("KV events on "); ev != std::string::npos) {
+      const auto replay = l->find("(replay ");
+      seen_.events = l->substr(ev + 13, l->find(' ', ev + 13) - ev - 13);
       if (replay != std::string::npos)
-        seen.events_replay = l.substr(replay + 8, l.find(')', replay) - replay - 8);
+        seen_.events_replay = l->substr(replay + 8, l->find(')', replay) - replay - 8);
     }
-    if (l.find("role ") != std::string::npos) role_seen = true;
-    if (role_seen && (!kv_events_ || !seen.events.empty())) {  // every port known
-      ports_ = seen;
-      process_ = std::move(process);
-      started_at_ = Clock::now();
+    if (l->find("role ") != std::string::npos) role_seen_ = true;
+    if (role_seen_ && (!options_.kv_events || !seen_.events.empty())) {  // every port known
+      ports_ = seen_;
+      state_ = State::kRunning;
+      started_at_ = now;
       return;
     }
   }
-  throw Error("serve: " + name_ + " did not start (see its messages above)");
+  if (now >= start_deadline_)
+    throw Error("it named no ports within " + seconds(options_.start_timeout) +
+                " (--engine-start-timeout)");
+}
+
+void EngineChild::back_off(Clock::time_point now, const std::string& why) {
+  const pid_t pid = process_->pid();
+  process_->signal(SIGKILL);  // reaped at once: SIGKILL ends a hung or stopped process too
+  process_.reset();
+  const auto delay = backoff_.next_delay(std::chrono::milliseconds(0), quick_deaths_);
+  std::fprintf(stderr, "tandem serve: %s (pid %d) did not restart (%s); trying again in %s\n",
+               where().c_str(), static_cast<int>(pid), why.c_str(), seconds(delay).c_str());
+  state_ = State::kBackingOff;
+  restart_at_ = now + delay;
 }
 
 std::string EngineChild::where() const {
-  return name_ + " on port " + std::to_string(ports_.http);
+  return options_.name + " on port " + std::to_string(ports_.http);
 }
 
 void EngineChild::supervise(Clock::time_point now) {
-  if (process_) {
-    const pid_t pid = process_->pid();
-    const std::optional<int> status = process_->exited();  // reaps it: no zombie
-    if (!status) return;
-    const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(now - started_at_);
-    const auto delay = backoff_.next_delay(ran, quick_deaths_);
-    std::fprintf(stderr, "tandem serve: %s (pid %d) %s %d; restarting it in %.1f s\n",
-                 where().c_str(), static_cast<int>(pid),
-                 *status > 128 ? "was killed by signal" : "exited with status",
-                 *status > 128 ? *status - 128 : *status, delay.count() / 1000.0);
-    process_.reset();
-    restart_at_ = now + delay;
-    return;
+  switch (state_) {
+    case State::kRunning: {
+      const pid_t pid = process_->pid();
+      const std::optional<int> status = process_->exited();  // reaps it: no zombie
+      if (!status) return;
+      const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(now - started_at_);
+      const auto delay = backoff_.next_delay(ran, quick_deaths_);
+      std::fprintf(stderr, "tandem serve: %s (pid %d) %s %d; restarting it in %s\n",
+                   where().c_str(), static_cast<int>(pid),
+                   *status > 128 ? "was killed by signal" : "exited with status",
+                   *status > 128 ? *status - 128 : *status, seconds(delay).c_str());
+      process_.reset();
+      state_ = State::kBackingOff;
+      restart_at_ = now + delay;
+      return;
+    }
+    case State::kBackingOff:
+      if (now < restart_at_) return;
+      try {
+        start(now);
+      } catch (const std::exception& e) {  // no process: fork failed
+        const auto delay = backoff_.next_delay(std::chrono::milliseconds(0), quick_deaths_);
+        std::fprintf(stderr, "tandem serve: %s did not restart (%s); trying again in %s\n",
+                     where().c_str(), e.what(), seconds(delay).c_str());
+        restart_at_ = now + delay;
+        return;
+      }
+      std::printf("tandem serve: %s restarting (pid %d)\n", where().c_str(),
+                  static_cast<int>(pid()));
+      std::fflush(stdout);
+      [[fallthrough]];  // it may have named its ports already
+    case State::kStarting:
+      try {
+        read_start(now, std::chrono::milliseconds(0));
+      } catch (const std::exception& e) {
+        back_off(now, e.what());
+        return;
+      }
+      if (state_ == State::kRunning) {
+        std::printf("tandem serve: %s restarted (pid %d)\n", where().c_str(),
+                    static_cast<int>(pid()));
+        std::fflush(stdout);
+      }
+      return;
   }
-  if (now < restart_at_) return;
-  try {
-    start();
-  } catch (const std::exception& e) {
-    const auto delay = backoff_.next_delay(std::chrono::milliseconds(0), quick_deaths_);
-    std::fprintf(stderr, "tandem serve: %s did not restart (%s); trying again in %.1f s\n",
-                 where().c_str(), e.what(), delay.count() / 1000.0);
-    restart_at_ = Clock::now() + delay;
-    return;
-  }
-  std::printf("tandem serve: %s restarted (pid %d)\n", where().c_str(), static_cast<int>(pid()));
-  std::fflush(stdout);
 }
 
 void EngineChild::terminate() {
-  if (process_) process_->signal(SIGTERM);
+  if (process_) process_->signal(state_ == State::kStarting ? SIGKILL : SIGTERM);
 }
 
 }  // namespace tandem::cli

@@ -2,6 +2,11 @@
 // One `tandem engine` child of `tandem serve`: started on any free ports, which it reads from the
 // engine's first lines, and restarted on the same ports (with back-off) when it dies, so that the
 // gateway, which knows it by those ports, readmits it once its health probes pass.
+//
+// A restart never blocks serve: supervise() starts the engine and reads its lines as they come,
+// tick by tick, so that serve keeps acting on stop signals and supervising its other engines while
+// a restarted engine loads (minutes for a real model), and an engine that hangs before naming its
+// ports is killed at its start deadline and tried again after the back-off.
 #include <sys/types.h>
 
 #include <chrono>
@@ -23,39 +28,73 @@ struct EnginePorts {
   std::string events, events_replay;  // KV event endpoints, e.g. tcp://127.0.0.1:5557
 };
 
+// The port of the address that follows `prefix` in an engine's line: "HOST:PORT" or
+// "[V6HOST]:PORT" up to the next space, e.g. 44879 in "listening on http://[::1]:44879 (model
+// ...)". Also reads an unbracketed IPv6 host (the port follows the last ':'). Throws
+// tandem::Error quoting the line when there is no port there.
+uint16_t engine_line_port(const std::string& line, const std::string& prefix);
+
 class EngineChild {
  public:
   using Clock = std::chrono::steady_clock;
   // The engine's command line (argv[0] included) for these ports.
   using Args = std::function<std::vector<std::string>(const EnginePorts&)>;
 
-  // Starts the engine and waits until it names its ports; throws tandem::Error if it does not
-  // start. `name` is how the log calls it ("decode engine"); `kv_events`: it publishes KV events.
-  EngineChild(std::string name, Args args, const StopSignals& stop_signals, bool kv_events);
-  ~EngineChild();
+  enum class State {
+    kStarting,    // its process runs; its ports are not all named yet
+    kRunning,     // it named its ports
+    kBackingOff,  // it died (or did not start); restarted at restart_at_
+  };
+
+  struct Options {
+    std::string name;        // how the log calls it ("decode engine")
+    bool kv_events = false;  // it publishes KV events: it names their endpoints too
+    // From the start to the last port named; past it the engine is killed (and, restarting,
+    // tried again after the back-off).
+    std::chrono::milliseconds start_timeout = std::chrono::minutes(30);
+    std::string program = "/proc/self/exe";  // this `tandem`; tests run fake engines
+  };
+
+  // Starts the engine and waits until it names its ports (a stop signal meanwhile is serve's
+  // StopWhileStarting's to act on); throws tandem::Error if it does not start in time.
+  EngineChild(Options options, Args args, const StopSignals& stop_signals);
+  ~EngineChild();  // waits for the engine to end
 
   const EnginePorts& ports() const { return ports_; }
-  pid_t pid() const;
-  // Does not block unless it restarts the engine: reaps it if it died (logging why, on standard
-  // error) and, once its back-off delay has passed, starts it again on the same ports (a line on
-  // standard output says so, with the new pid).
+  State state() const { return state_; }
+  pid_t pid() const;  // -1 while backing off
+  // Never blocks (but to reap an engine killed at its start deadline): reaps the engine if it
+  // died (logging why, on standard error), starts it again on the same ports once its back-off
+  // delay has passed (a line on standard output says so, with the new pid), reads what a
+  // starting engine printed, and kills one whose start deadline has passed.
   void supervise(Clock::time_point now);
-  // SIGTERM; the destructor waits.
+  // Ends the engine; the destructor waits. A running one gets SIGTERM and shuts down in order; a
+  // starting one SIGKILL: it has nothing to shut down yet (on SIGTERM it would exit at once),
+  // and one that hangs or is stopped (SIGSTOP) would never act on SIGTERM, holding serve.
   void terminate();
 
  private:
-  void start();
+  void start(Clock::time_point now);
+  // Reads the lines a starting engine printed so far (waiting at most `wait` for the first);
+  // kRunning once every port is named. Throws tandem::Error when it cannot start: its output
+  // ended, a line could not be read, its deadline passed.
+  void read_start(Clock::time_point now, std::chrono::milliseconds wait);
+  // Kills a starting engine that failed (SIGKILL, reaped) and schedules its next try.
+  void back_off(Clock::time_point now, const std::string& why);
   std::string where() const;
 
-  const std::string name_;
+  const Options options_;
   const Args args_;
   const StopSignals& stop_signals_;
-  const bool kv_events_;
   const RestartBackoff backoff_;
-  std::unique_ptr<ChildProcess> process_;  // null while it is dead, waiting for its restart
+  State state_ = State::kStarting;
+  std::unique_ptr<ChildProcess> process_;  // null while backing off
   EnginePorts ports_;
-  Clock::time_point started_at_{};
-  Clock::time_point restart_at_{};
+  EnginePorts seen_;  // what a starting engine named so far
+  bool role_seen_ = false;
+  Clock::time_point started_at_{};      // kRunning since
+  Clock::time_point start_deadline_{};  // kStarting until
+  Clock::time_point restart_at_{};      // kBackingOff until
   int quick_deaths_ = 0;
 };
 

@@ -269,11 +269,14 @@ void run(const EngineOptions& o) {
   // Started: from the first line on, whoever read it may stop the engine in order.
   starting.reset();
   const auto& info = engine.executor_info();
-  // The first line on stdout names the port (tests and scripts start engines on port 0).
+  // The first line on stdout names the port (tests and scripts start engines on port 0), in a
+  // URL that works as written: an IPv6 host in brackets.
+  const bool ipv6 = o.host.find(':') != std::string::npos;
   std::printf(
       "tandem engine: listening on http://%s:%u (model %s, %lld KV blocks of %lld tokens)\n",
-      o.host.c_str(), static_cast<unsigned>(server.port()), info.model_name.c_str(),
-      static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
+      (ipv6 ? "[" + o.host + "]" : o.host).c_str(), static_cast<unsigned>(server.port()),
+      info.model_name.c_str(), static_cast<long long>(info.num_blocks),
+      static_cast<long long>(info.block_size));
   if (const auto* t = engine.transfer(); t && t->serving())
     std::printf("tandem engine: role %s, KV transfer on %s:%u (advertised as %s), engine id %s\n",
                 engine::engine_role_name(engine.role()), t->config().listen_host.c_str(),

@@ -1,5 +1,6 @@
 #include "cli/serve_command.h"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cli/engine_child.h"
@@ -34,7 +36,7 @@ struct ServeOptions {
               policy = "tandem", access_log, admin_api_key, metrics_api_key, priority_classes;
   MaxTokensFlags max_tokens;
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
-      gateways = 1;
+      gateways = 1, engine_start_timeout_s = 1800;
   bool gateway_tokenizer = true, batch_invariant = false;
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
@@ -59,20 +61,46 @@ gateway::Endpoint endpoint(const EngineChild& c, const std::string& host, bool b
   return e;
 }
 
+// A host as a URL names it: an IPv6 address in brackets.
+std::string url_host(const std::string& host) {
+  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
+}
+
+// The gateways answer /health once their listeners and scheduling threads run; their engines'
+// endpoints start healthy (the engines named their ports), so this waits for the gateway
+// itself, not for its probes. A deadline for the whole wait, each try bounded by what is left.
 void wait_healthy(const std::string& host, uint16_t port) {
-  for (int i = 0; i < 600; ++i) {
+  constexpr auto kLimit = std::chrono::seconds(30);
+  const auto deadline = std::chrono::steady_clock::now() + kLimit;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left <= std::chrono::milliseconds(0)) break;
     try {
-      if (net::http_request(host, port, "GET", "/health", {}, {}, std::chrono::seconds(1)).status ==
-          200)
+      if (net::http_request(host, port, "GET", "/health", {}, {},
+                            std::min<std::chrono::milliseconds>(left, std::chrono::seconds(1)))
+              .status == 200)
         return;
     } catch (const std::exception&) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  throw Error("serve: the gateway did not become healthy within 30 s");
+  throw Error("serve: the gateway on " + url_host(host) + ":" + std::to_string(port) +
+              " did not answer /health with 200 within " + std::to_string(kLimit.count()) + " s");
 }
 
 void run(const ServeOptions& o) {
+  // Addresses as a socket takes them; brackets belong to URLs (serve prints http://[::1]:PORT).
+  for (const auto& [flag, host] : {std::pair{"--host", &o.host}, {"--engine-host", &o.engine_host}})
+    if (host->find('[') != std::string::npos || host->find(']') != std::string::npos)
+      throw Error(std::string("serve: ") + flag + " '" + *host +
+                  "': an address without brackets, e.g. " + flag + " ::1 for IPv6 loopback");
+  // The engines' KV event publishers and the gateway's subscribers open IPv4 sockets only.
+  if (o.kv_events && o.engine_host.find(':') != std::string::npos)
+    throw Error(
+        "serve: --kv-events needs an IPv4 --engine-host (KV events travel over IPv4 only), "
+        "not '" +
+        o.engine_host + "'");
   const StopSignals stop_signals;  // before any thread starts
   // Until the stack answers, a stop signal ends serve at once; its engines die with it
   // (EngineChild: PR_SET_PDEATHSIG), the loading ones too.
@@ -86,7 +114,9 @@ void run(const ServeOptions& o) {
   const std::string engine_api_key = random_secret_hex();
   ::setenv(engine::kEngineApiKeyVariable, engine_api_key.c_str(), 1);
   // The gateway reaches engines listening on every address through the loopback one.
-  const std::string engine_address = o.engine_host == "0.0.0.0" ? "127.0.0.1" : o.engine_host;
+  const std::string engine_address = o.engine_host == "0.0.0.0" ? "127.0.0.1"
+                                     : o.engine_host == "::"    ? "::1"
+                                                                : o.engine_host;
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
   const std::string model = model_folder(o.model);
@@ -122,7 +152,7 @@ void run(const ServeOptions& o) {
                                   "--role", role};
     if (role == "prefill")
       a.insert(a.end(), {"--kv-transfer-port", std::to_string(ports.kv_transfer)});
-    else if (o.engine_host != "0.0.0.0")  // its prefill engines: this address only
+    else if (o.engine_host != "0.0.0.0" && o.engine_host != "::")  // its prefills: this address
       a.insert(a.end(), {"--kv-transfer-allow", o.engine_host});
     if (o.expert_parallel > 1)
       a.insert(a.end(), {"--expert-parallel", std::to_string(o.expert_parallel)});
@@ -171,10 +201,14 @@ void run(const ServeOptions& o) {
     g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
   // Engines start one after another: each has its ports by the time the next one starts.
   auto start_engine = [&](const std::string& role) {
+    EngineChild::Options child;
+    child.name = role == "prefill" ? "prefill engine" : "decode engine";
+    child.kv_events = o.kv_events;
+    child.start_timeout = std::chrono::seconds(o.engine_start_timeout_s);
     children.push_back(std::make_unique<EngineChild>(
-        role == "prefill" ? "prefill engine" : "decode engine",
+        std::move(child),
         [&engine_args, role](const EnginePorts& ports) { return engine_args(role, ports); },
-        stop_signals, o.kv_events));
+        stop_signals));
     return endpoint(*children.back(), engine_address, role == "prefill");
   };
   for (int i = 0; i < prefills; ++i) g.prefill.endpoints.push_back(start_engine("prefill"));
@@ -198,14 +232,14 @@ void run(const ServeOptions& o) {
     gateways.back()->start();
     g.port = gateways.front()->port();  // the others join the first one's port
   }
-  // Engines are listening (their first lines said so); wait until the gateway's own probes see
-  // them, so the printed URL answers at once.
+  // Engines are listening (their first lines said so) and the gateways' endpoints start healthy:
+  // once the gateways answer, so does the printed URL.
   for (int i = 0; i < o.gateways; ++i) wait_healthy(o.host, g.port);
   starting.reset();  // before the first line: whoever read it may stop the stack in order
   std::printf(
       "tandem serve: listening on http://%s:%u (gateway%s, mode %s, %d prefill + %d decode "
       "engines of %s)\n",
-      o.host.c_str(), static_cast<unsigned>(g.port),
+      url_host(o.host).c_str(), static_cast<unsigned>(g.port),
       o.gateways > 1 ? (" x" + std::to_string(o.gateways) + " replicas").c_str() : "",
       o.mode.c_str(), prefills, o.decode, model.c_str());
   for (size_t i = 0; i < children.size(); ++i) {
@@ -213,7 +247,7 @@ void run(const ServeOptions& o) {
     const gateway::Endpoint& e =
         prefill ? g.prefill.endpoints[i] : g.decode.endpoints[i - static_cast<size_t>(prefills)];
     std::printf("tandem serve: %s engine http://%s:%u (pid %d", prefill ? "prefill" : "decode",
-                e.host.c_str(), static_cast<unsigned>(e.port),
+                url_host(e.host).c_str(), static_cast<unsigned>(e.port),
                 static_cast<int>(children[i]->pid()));
     if (prefill) std::printf(", KV transfer port %u", static_cast<unsigned>(e.bootstrap_port));
     std::printf(")\n");
@@ -249,6 +283,12 @@ void add_serve_command(CLI::App& app) {
                   "the address the engines listen on (HTTP, KV transfer, KV events); loopback "
                   "unless engines of other hosts must reach them")
       ->capture_default_str();
+  cmd->add_option("--engine-start-timeout", o->engine_start_timeout_s,
+                  "seconds an engine may take to start (load its model) and name its ports; one "
+                  "that takes longer is killed: serve fails at its first start, or tries again "
+                  "after the restart back-off")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 7 * 24 * 3600));
   cmd->add_option("--port", o->port, "gateway port (0: any free port)")
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));

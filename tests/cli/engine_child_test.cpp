@@ -1,0 +1,163 @@
+#include "cli/engine_child.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/engine_http.h"
+#include "text/oracle_support.h"
+#include "util/error.h"
+
+namespace tandem::cli {
+namespace {
+
+using tandem::testing::eventually;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+TEST(EngineChildLines, PortsAreReadAfterIpv4AndIpv6Hosts) {
+  EXPECT_EQ(engine_line_port("tandem engine: listening on http://127.0.0.1:8000 (model m)\n",
+                             "listening on http://"),
+            8000);
+  EXPECT_EQ(engine_line_port("tandem engine: listening on http://[::1]:44879 (model m)\n",
+                             "listening on http://"),
+            44879);
+  // Engines before the brackets printed IPv6 hosts bare: the port follows the last ':'.
+  EXPECT_EQ(engine_line_port("tandem engine: listening on http://::1:44879 (model m)\n",
+                             "listening on http://"),
+            44879);
+  EXPECT_EQ(engine_line_port("tandem engine: role prefill, KV transfer on ::1:5555 (advertised as "
+                             "::1), engine id e\n",
+                             "KV transfer on "),
+            5555);
+  EXPECT_EQ(engine_line_port("listening on http://h:65535", "listening on http://"), 65535);
+}
+
+TEST(EngineChildLines, ALineWithoutAPortIsAnErrorQuotingIt) {
+  for (const std::string line :
+       {"tandem engine: listening on http://::1:x (model m)\n", "listening on http://[::1] (m)",
+        "listening on http://h:70000 (m)", "listening on http://h: (m)",
+        "listening on http://h:0 (m)", "listening on http://8000"}) {
+    try {
+      engine_line_port(line, "listening on http://");
+      ADD_FAILURE() << "no error for: " << line;
+    } catch (const Error& e) {
+      std::string quoted = line;
+      if (quoted.back() == '\n') quoted.pop_back();
+      EXPECT_THAT(e.what(), HasSubstr("'" + quoted + "' (expected HOST:PORT or [IPV6]:PORT)"));
+    }
+  }
+}
+
+// A fake engine (sh) that names its ports at its first start; a restart (its marker file exists)
+// hangs before naming any, as an engine whose load never ends.
+struct FakeEngine {
+  std::filesystem::path marker = test::temp_path("fake-engine-started");
+  ~FakeEngine() { std::filesystem::remove(marker); }
+  EngineChild::Args args() const {
+    return [m = marker.string()](const EnginePorts&) {
+      return std::vector<std::string>{
+          "sh", "-c",
+          "if [ -e \"$1\" ]; then exec sleep 1000; fi; : > \"$1\"; "
+          "echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+          "echo 'tandem engine: role both'; exec sleep 1000",
+          "sh", m};
+    };
+  }
+};
+
+EngineChild::Options options(std::chrono::milliseconds start_timeout) {
+  EngineChild::Options o;
+  o.name = "decode engine";
+  o.program = "/bin/sh";
+  o.start_timeout = start_timeout;
+  return o;
+}
+
+char process_state(pid_t pid) {  // /proc/PID/stat's third field: R, S, T (stopped), Z (zombie)
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(in)), {});
+  const size_t paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+}
+
+// A restart starts the engine and returns: its lines are read on later ticks. One that names no
+// ports by its deadline (the clock is the caller's) is killed, stopped or not, and backs off.
+TEST(EngineChild, ARestartDoesNotWaitForTheEngineAndEndsAtItsDeadline) {
+  const StopSignals signals;
+  FakeEngine fake;
+  const auto t0 = EngineChild::Clock::now();
+  EngineChild child(options(5min), fake.args(), signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  EXPECT_EQ(child.ports().http, 4321);
+  const pid_t first = child.pid();
+
+  ASSERT_EQ(::kill(first, SIGKILL), 0);
+  ASSERT_TRUE(eventually([&] {
+    child.supervise(t0);
+    return child.state() == EngineChild::State::kBackingOff;
+  }));
+  EXPECT_EQ(child.pid(), -1);
+  child.supervise(t0 + 1h);  // the back-off is over: starts it, and returns
+  ASSERT_EQ(child.state(), EngineChild::State::kStarting);
+  const pid_t stuck = child.pid();
+  ASSERT_GT(stuck, 0);
+  EXPECT_NE(stuck, first);
+  child.supervise(t0 + 1h + 4min);  // within its deadline
+  EXPECT_EQ(child.state(), EngineChild::State::kStarting);
+  ASSERT_EQ(::kill(stuck, SIGSTOP), 0);  // SIGTERM would not end it now
+  child.supervise(t0 + 1h + 5min);
+  EXPECT_EQ(child.state(), EngineChild::State::kBackingOff);
+  EXPECT_EQ(child.pid(), -1);
+  EXPECT_EQ(::kill(stuck, 0), -1) << "not killed and reaped at its deadline";
+
+  // terminate() while it starts: SIGKILL, which ends a stopped engine too (the destructor waits).
+  child.supervise(t0 + 2h);
+  ASSERT_EQ(child.state(), EngineChild::State::kStarting);
+  const pid_t starting = child.pid();
+  ASSERT_EQ(::kill(starting, SIGSTOP), 0);
+  child.terminate();
+  EXPECT_TRUE(eventually([&] { return process_state(starting) == 'Z'; }))
+      << "state " << process_state(starting);
+}
+
+// The first start fails with an error naming the engine and the line it could not read, rather
+// than an exception from deep inside (std::stoi's "stoi"), and leaves no engine behind.
+TEST(EngineChild, AnUnreadablePortLineFailsTheStartQuotingIt) {
+  const StopSignals signals;
+  const auto args = [](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c", "echo 'tandem engine: listening on http://::1:x (model m)'; exec sleep 1000"};
+  };
+  try {
+    EngineChild child(options(5min), args, signals);
+    ADD_FAILURE() << "started";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("serve: decode engine did not start: cannot read a port"));
+    EXPECT_THAT(e.what(), HasSubstr("'tandem engine: listening on http://::1:x (model m)'"));
+  }
+}
+
+// An engine that names no ports within its start timeout at the first start fails it.
+TEST(EngineChild, AFirstStartPastItsTimeoutFails) {
+  const StopSignals signals;
+  const auto args = [](const EnginePorts&) {
+    return std::vector<std::string>{"sh", "-c", "exec sleep 1000"};
+  };
+  try {
+    EngineChild child(options(100ms), args, signals);
+    ADD_FAILURE() << "started";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("decode engine did not start: it named no ports within 0.1 s "
+                                    "(--engine-start-timeout)"));
+  }
+}
+
+}  // namespace
+}  // namespace tandem::cli

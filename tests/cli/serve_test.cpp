@@ -1,0 +1,239 @@
+// `tandem serve`'s supervisor as a user meets it: the real binary, its real engines. An engine is
+// made to hang in its start on demand: every engine reads its KV transfer secret from a named
+// pipe (--kv-transfer-secret-file), so one starts only when the test writes the secret into it;
+// the first engine gets it, a restarted one waits in open() until the test writes again.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/engine_http.h"
+#include "net/http_client.h"
+#include "text/oracle_support.h"
+#include "util/child_process.h"
+
+namespace tandem {
+namespace {
+
+using testing::eventually;
+using ::testing::HasSubstr;
+
+// A serve process and what it printed; kills whatever a failed test leaves behind (serve and a
+// stopped engine), so that a failure is reported rather than hanging the test program.
+class Serve {
+ public:
+  explicit Serve(const std::vector<std::string>& flags) : process_(TANDEM_BINARY, argv(flags)) {}
+  ~Serve() {
+    for (pid_t pid : engines_) {  // only ours while serve has not reaped them
+      ::kill(pid, SIGKILL);
+      ::kill(pid, SIGCONT);
+    }
+    process_.signal(SIGKILL);
+  }
+
+  ChildProcess& process() { return process_; }
+  // Reads what serve printed until a line holds `text`, without waiting for a line that may never
+  // come; returns that line, or "" (all it printed in `output()`).
+  std::string line_with(const std::string& text) {
+    std::string found;
+    eventually([&] {
+      while (auto line = process_.poll_line()) {
+        if (line->empty()) return true;  // serve ended
+        output_ += *line;
+        if (line->find(text) != std::string::npos) {
+          found = *line;
+          return true;
+        }
+      }
+      return false;
+    });
+    return found;
+  }
+  const std::string& output() const { return output_; }
+  // An engine pid the destructor kills if the test fails before serve has reaped it.
+  void track(pid_t engine) { engines_.push_back(engine); }
+
+ private:
+  static std::vector<std::string> argv(const std::vector<std::string>& flags) {
+    std::vector<std::string> a = {TANDEM_BINARY, "serve"};
+    a.insert(a.end(), flags.begin(), flags.end());
+    return a;
+  }
+  ChildProcess process_;
+  std::string output_;
+  std::vector<pid_t> engines_;
+};
+
+int number_after(const std::string& line, const std::string& key) {
+  const size_t at = line.find(key);
+  return at == std::string::npos ? -1 : std::stoi(line.substr(at + key.size()));
+}
+
+// A named pipe every engine reads its secret from.
+class SecretPipe {
+ public:
+  SecretPipe() : path_(test::temp_path("serve-secret-pipe")) {
+    if (::mkfifo(path_.c_str(), 0600) != 0) throw std::runtime_error("mkfifo " + path_.string());
+  }
+  ~SecretPipe() { std::filesystem::remove(path_); }
+  const std::filesystem::path& path() const { return path_; }
+  std::string flag() const { return "--engine-arg=--kv-transfer-secret-file=" + path_.string(); }
+  // Lets the one engine that waits in open() start; false when none opened the pipe in time.
+  bool feed_one_engine() {
+    int fd = -1;  // O_NONBLOCK: fails (ENXIO) until an engine opens the pipe to read
+    if (!eventually([&] { return (fd = ::open(path_.c_str(), O_WRONLY | O_NONBLOCK)) >= 0; }))
+      return false;
+    const std::string secret = "serve-test-secret\n";
+    const bool written =
+        ::write(fd, secret.data(), secret.size()) == static_cast<ssize_t>(secret.size());
+    ::close(fd);  // the engine reads to the end
+    return written;
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Runs serve to its end (one that fails to start); returns its exit status, with its standard
+// output and error in `output`.
+int run_serve(const std::vector<std::string>& flags, std::string& output) {
+  std::string command = test::quote(TANDEM_BINARY);
+  command += " serve";
+  for (const auto& f : flags) command.append(" ").append(test::quote(f));
+  command += " 2>&1";
+  FILE* out = ::popen(command.c_str(), "r");
+  if (!out) throw std::runtime_error("popen " + command);
+  char chunk[4096];
+  while (size_t n = std::fread(chunk, 1, sizeof chunk, out)) output.append(chunk, n);
+  return ::pclose(out);
+}
+
+// The processes `pid`'s main thread started (serve starts its engines from its main thread).
+std::vector<pid_t> children_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+  std::vector<pid_t> children;
+  for (pid_t child = 0; in >> child;) children.push_back(child);
+  return children;
+}
+
+bool gone(pid_t pid) {
+  return ::kill(pid, 0) == -1 && errno == ESRCH;
+}
+
+const std::vector<std::string> kOneEngine = {"--model",  "sim:tiny", "--host", "127.0.0.1",
+                                             "--port",   "0",        "--mode", "aggregated",
+                                             "--decode", "1"};
+
+// The reviewer's case: the decode engine dies, its replacement hangs before naming its ports
+// (here in open(), and stopped with SIGSTOP so that it would not act on SIGTERM either), and the
+// operator stops serve. Serve acts on the signal at once, kills the starting engine and ends.
+TEST(ServeSupervisor, AStopSignalWhileARestartedEngineIsStuckStartingEndsServePromptly) {
+  SecretPipe pipe;
+  std::vector<std::string> flags = kOneEngine;
+  flags.push_back(pipe.flag());
+  Serve serve(flags);
+  ASSERT_TRUE(pipe.feed_one_engine()) << "no engine opened the secret pipe";
+  const std::string engine = serve.line_with(" engine http://");
+  const pid_t pid = number_after(engine, "(pid ");
+  ASSERT_GT(pid, 0) << serve.output();
+  serve.track(pid);
+
+  ASSERT_EQ(::kill(pid, SIGKILL), 0);
+  // Its replacement: serve's one child once it has reaped the dead one and restarted it.
+  pid_t stuck = -1;
+  EXPECT_TRUE(eventually([&] {
+    const std::vector<pid_t> children = children_of(serve.process().pid());
+    stuck = children.size() == 1 && children[0] != pid ? children[0] : -1;
+    return stuck > 0;
+  }));
+  ASSERT_GT(stuck, 0) << "serve restarted no engine; it printed:\n" << serve.output();
+  serve.track(stuck);
+  EXPECT_THAT(serve.line_with("restarting (pid "),
+              HasSubstr("decode engine on port " +
+                        std::to_string(number_after(engine, "http://127.0.0.1:")) +
+                        " restarting (pid " + std::to_string(stuck) + ")"));
+  ASSERT_EQ(::kill(stuck, SIGSTOP), 0);
+
+  ASSERT_EQ(::kill(serve.process().pid(), SIGTERM), 0);
+  std::optional<int> status;
+  ASSERT_TRUE(eventually([&] { return (status = serve.process().exited()).has_value(); }))
+      << "serve did not end on SIGTERM while its engine was starting";
+  EXPECT_EQ(*status, 0);
+  EXPECT_TRUE(eventually([&] { return gone(stuck); }))
+      << "the starting engine (pid " << stuck << ") outlived serve";
+}
+
+// An engine that names no ports within --engine-start-timeout at the stack's start fails serve,
+// naming the engine and the flag, and is killed with it. (Restarts past their deadline are killed
+// and tried again: engine_child_test, on its own clock.)
+TEST(ServeSupervisor, AnEngineThatNamesNoPortsInTimeFailsTheStartNamingTheFlag) {
+  SecretPipe pipe;  // never fed: the engine waits in open() for good
+  std::vector<std::string> flags = kOneEngine;
+  flags.insert(flags.end(), {pipe.flag(), "--engine-start-timeout", "1"});
+  std::string output;
+  EXPECT_NE(run_serve(flags, output), 0) << output;
+  EXPECT_THAT(output, HasSubstr("serve: decode engine did not start: it named no ports within "
+                                "1.0 s (--engine-start-timeout)"));
+  const int fd = ::open(pipe.path().c_str(), O_WRONLY | O_NONBLOCK);
+  EXPECT_EQ(fd, -1) << "an engine still has the pipe open";
+  EXPECT_EQ(errno, ENXIO);
+  if (fd >= 0) ::close(fd);
+}
+
+bool has_ipv6_loopback() {
+  const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  const bool ok = ::bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Engines on IPv6 loopback: they print their URLs with the host in brackets, serve reads their
+// ports from them, and requests (both legs, KV transfer included) pass through. The bracketed
+// form is refused naming the flag and the form to use.
+TEST(ServeSupervisor, EnginesListenOnAnIpv6EngineHost) {
+  if (!has_ipv6_loopback()) GTEST_SKIP() << "no IPv6 loopback on this machine";
+  Serve serve(
+      {"--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0", "--engine-host", "::1"});
+  const std::string listening = serve.line_with("tandem serve: listening on ");
+  ASSERT_FALSE(listening.empty()) << serve.output();
+  EXPECT_THAT(serve.line_with("prefill engine "), HasSubstr("prefill engine http://[::1]:"));
+  EXPECT_THAT(serve.line_with("decode engine "), HasSubstr("decode engine http://[::1]:"));
+  const uint16_t gateway = static_cast<uint16_t>(number_after(listening, "127.0.0.1:"));
+  EXPECT_EQ(
+      testing::post_json(gateway, "/v1/completions", {{"prompt", "hi"}, {"max_tokens", 2}}).status,
+      200);
+  EXPECT_EQ(serve.process().stop(), 0);
+
+  // The bracketed form is refused before anything starts, naming the flag and the form to use.
+  std::string refused;
+  FILE* out = ::popen(
+      (std::string(TANDEM_BINARY) + " serve --model sim:tiny --port 0 --engine-host '[::1]' 2>&1")
+          .c_str(),
+      "r");
+  ASSERT_NE(out, nullptr);
+  char chunk[4096];
+  while (size_t n = std::fread(chunk, 1, sizeof chunk, out)) refused.append(chunk, n);
+  EXPECT_NE(::pclose(out), 0) << refused;
+  EXPECT_THAT(refused, HasSubstr("--engine-host '[::1]': an address without brackets, e.g. "
+                                 "--engine-host ::1"));
+}
+
+}  // namespace
+}  // namespace tandem
