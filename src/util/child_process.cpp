@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <thread>
 #include <utility>
 
 #include "util/error.h"
@@ -104,11 +105,20 @@ std::optional<int> ChildProcess::exited() {
   return status_;
 }
 
-int ChildProcess::stop() {
+int ChildProcess::stop(std::chrono::milliseconds grace) {
   if (pid_ <= 0) return status_;
   kill(pid_, SIGTERM);
   int st = 0;
-  waitpid(pid_, &st, 0);
+  const auto until = std::chrono::steady_clock::now() + grace;
+  pid_t got = 0;
+  // Polled: a child that ends does so within milliseconds of the signal, and a parent that stops
+  // its children is shutting down, where a 10 ms step costs nothing.
+  while ((got = waitpid(pid_, &st, WNOHANG)) == 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (got == 0) {
+    kill(pid_, SIGKILL);  // also ends a stopped child: SIGKILL needs no SIGCONT
+    waitpid(pid_, &st, 0);
+  }
   pid_ = -1;
   close_output();
   buffer_.clear();

@@ -1,6 +1,7 @@
 #pragma once
 // A child process whose standard output is read line by line (Tandem's commands print their
-// ports there), stopped with SIGTERM and waited for when destroyed. Used by `tandem serve` for its
+// ports there), stopped with SIGTERM (SIGKILL after a grace period) and waited for when
+// destroyed. Used by `tandem serve` for its
 // engines and by the tests for every process they start.
 #include <sys/types.h>
 
@@ -33,8 +34,11 @@ class ChildProcess {
   // while it runs. Reaps it: later calls and stop() return the same status.
   std::optional<int> exited();
   pid_t pid() const { return pid_; }
-  // SIGTERM, then waits; returns the exit status (128 + signal when killed by one). Idempotent.
-  int stop();
+  // SIGTERM, then waits at most `grace` before SIGKILL (a stopped, frozen or hung child would
+  // otherwise hold its parent's shutdown forever); returns the exit status (128 + signal when
+  // killed by one). Idempotent.
+  int stop(std::chrono::milliseconds grace = kStopGrace);
+  static constexpr std::chrono::milliseconds kStopGrace{30'000};
 
  private:
   // Reads what the pipe holds into buffer_, waiting at most `wait` (negative: as long as it

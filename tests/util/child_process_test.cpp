@@ -36,5 +36,22 @@ TEST(ChildProcess, ReadLineGivesEveryLineThenTheEnd) {
   EXPECT_EQ(child.stop(), 0);
 }
 
+// A child that does not act on SIGTERM (it ignores it, or is stopped) is killed after the grace
+// period instead of holding its parent's shutdown forever.
+TEST(ChildProcess, StopKillsAChildThatOutlivesItsGracePeriod) {
+  ChildProcess deaf("/bin/sh", {"sh", "-c", "trap '' TERM; echo ready; while :; do sleep 1; done"});
+  ASSERT_EQ(deaf.read_line(), "ready\n");
+  EXPECT_EQ(deaf.stop(std::chrono::milliseconds(100)), 128 + SIGKILL);
+  EXPECT_EQ(deaf.stop(), 128 + SIGKILL);  // idempotent
+
+  // Stopped with a SIGTERM handler, as an engine has one (a signal it would die of unhandled
+  // ends even a stopped process).
+  ChildProcess stopped("/bin/sh",
+                       {"sh", "-c", "trap 'exit 0' TERM; echo ready; while :; do sleep 1; done"});
+  ASSERT_EQ(stopped.read_line(), "ready\n");
+  stopped.signal(SIGSTOP);
+  EXPECT_EQ(stopped.stop(std::chrono::milliseconds(100)), 128 + SIGKILL);
+}
+
 }  // namespace
 }  // namespace tandem
