@@ -154,6 +154,7 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   void fail(const std::string& error);
   // Closes an idle connection (or one whose call already ended).
   void close();
+  bool usable() const { return detail::idle_connection_usable(fd_); }
   void become_idle() {
     phase_ = Phase::kIdle;
     timer_.disarm();
@@ -174,7 +175,8 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   void parse();
   void complete();
   // An I/O failure during `step`: retried on a new connection when it looks like a reused
-  // connection the server had closed, else the call fails.
+  // connection the server had closed and sending again cannot run the request twice, else the
+  // call fails.
   void io_failed(const char* step, const std::string& why);
   // Runs a handler; an exception fails the call (it is the caller's bug, reported as the error).
   template <class F>
@@ -196,6 +198,7 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   // FIN came with the data's edge and no later event will tell of it.
   bool peer_closed_ = false;
   int read_errno_ = 0;
+  int send_errno_ = 0;  // the send of the request failed (its answer may still be readable)
   bool head_request_ = false;
 
   ByteBuffer in_;
@@ -378,11 +381,16 @@ void ClientLoop::begin(const std::shared_ptr<Call>& call) {
   const AsyncHttpRequest& r = call->request;
   std::string key = r.host + ":" + std::to_string(r.port);
   auto it = idle_.find(key);
-  if (it != idle_.end() && !it->second.empty()) {
+  while (it != idle_.end() && !it->second.empty()) {
     ClientConn* c = it->second.back();
     it->second.pop_back();
-    c->attach(call, true);
-    return;
+    // A connection the server closed since its last event: dropped now, because once a POST
+    // went out whole on it, it would not be sent again.
+    if (c->usable()) {
+      c->attach(call, true);
+      return;
+    }
+    c->close();
   }
   connect(call);
 }
@@ -487,6 +495,7 @@ void ClientConn::attach(const std::shared_ptr<Call>& call, bool reused) {
   call->conn = this;
   reused_ = reused;
   got_bytes_ = false;
+  send_errno_ = 0;
   const AsyncHttpRequest& r = call->request;
   head_request_ = r.method == "HEAD";
   out_.clear();
@@ -567,7 +576,16 @@ void ClientConn::flush() {
       want_write_ = true;
       return;
     }
-    return io_failed("cannot send the request", std::strerror(err));
+    want_write_ = false;
+    send_errno_ = err;
+    // A server that refused the request from its head may have answered, then closed without
+    // reading the rest: that answer is the call's outcome, not the failed send.
+    read_input();
+    parse();
+    if (call_ && (phase_ == Phase::kSending || phase_ == Phase::kHead)) {
+      io_failed("cannot send the request", std::strerror(err));
+    }
+    return;
   }
   want_write_ = false;
   if (phase_ == Phase::kSending) {
@@ -611,6 +629,7 @@ void ClientConn::parse() {
       if (r == Parse::kError) return fail("cannot read the response header: " + error_.message);
       if (r == Parse::kNeedMore) {
         if (eof_) {
+          if (send_errno_) return io_failed("cannot send the request", std::strerror(send_errno_));
           return io_failed(
               "cannot read the response header",
               read_errno_ ? std::strerror(read_errno_) : "connection closed by the server");
@@ -680,16 +699,21 @@ void ClientConn::complete() {
 }
 
 void ClientConn::io_failed(const char* step, const std::string& why) {
-  // A reused connection the server closed while it was idle fails before any response byte:
-  // then the request is sent once more on a new connection.
-  if (reused_ && !got_bytes_ && call_ && !call_->retried && !call_->cancelled) {
-    std::shared_ptr<Call> call = std::move(call_);
-    call->conn = nullptr;
-    call->retried = true;
-    close();
-    return home_.connect(call);
-  }
-  fail(std::string(step) + ": " + why);
+  // A reused connection the server closed while it was idle fails before any response byte. The
+  // request is sent once more on a new connection when the server cannot have got it whole (the
+  // send failed before its end) or getting it twice is harmless (an idempotent method). A POST
+  // that went out whole may have reached the engine even so (a send only fills the socket
+  // buffer): sent again it would generate twice, or prefill twice into one bootstrap room, past
+  // the gateway's counted retries. It fails instead, and the caller decides (the gateway retries
+  // it on another engine while --prefill-retries allow).
+  const bool resend = call_ && !call_->retried && !call_->cancelled && reused_ && !got_bytes_ &&
+                      (written_ < out_.size() || idempotent_method(call_->request.method));
+  if (!resend) return fail(std::string(step) + ": " + why);
+  std::shared_ptr<Call> call = std::move(call_);
+  call->conn = nullptr;
+  call->retried = true;
+  close();
+  home_.connect(call);
 }
 
 void ClientConn::on_timer() {

@@ -40,8 +40,12 @@ class HttpClient::Impl {
     out_.clear();
     detail::append_request(out_, method, target, host_, port_, headers, body);
     head_request_ = method == "HEAD";
+    idempotent_ = detail::idempotent_method(method);
     // A reused connection may have been closed by the server while idle (its keep-alive
-    // timeout); then the request never reached it and is sent again on a new connection.
+    // timeout): one whose close already arrived is not used, and one that fails before any
+    // answer is retried once on a new connection when that cannot run the request twice
+    // (exchange() throws StaleConnection only then).
+    if (fd_ >= 0 && !detail::idle_connection_usable(fd_)) close();
     const bool reused = fd_ >= 0;
     for (int attempt = 0;; ++attempt) {
       try {
@@ -122,7 +126,8 @@ class HttpClient::Impl {
         wait(POLLOUT, deadline, "cannot send the request");
         continue;
       }
-      if (!fresh && sent == 0) throw StaleConnection{};
+      // Not all of it went out: the server cannot have taken it for a whole request.
+      if (!fresh) throw StaleConnection{};
       fail("cannot send the request", std::strerror(errno));
     }
   }
@@ -164,7 +169,9 @@ class HttpClient::Impl {
       while ((r = head_parser_.response(in_.view(), head_request_, head_, error)) ==
              detail::Parse::kNeedMore) {
         if (!read_some(deadline, step)) {
-          if (!fresh && !got_bytes) throw StaleConnection{};
+          // The whole request went out: a POST may be running on the server, and is not sent
+          // twice (the caller decides).
+          if (!fresh && !got_bytes && idempotent_) throw StaleConnection{};
           fail(step, "connection closed by the server");
         }
         got_bytes = true;
@@ -217,6 +224,7 @@ class HttpClient::Impl {
   std::string what_;  // "METHOD url" for error messages
   int fd_ = -1;
   bool head_request_ = false;
+  bool idempotent_ = false;
   std::string out_;
   detail::ByteBuffer in_;
   detail::HeadParser head_parser_;

@@ -568,6 +568,11 @@ void append_request(std::string& out, std::string_view method, std::string_view 
   out += body;
 }
 
+bool idempotent_method(std::string_view method) {
+  return method == "GET" || method == "HEAD" || method == "OPTIONS" || method == "TRACE" ||
+         method == "PUT" || method == "DELETE";
+}
+
 void copy_fields(const MessageHead& head, Headers& out) {
   out.reserve(out.size() + head.fields.size());
   for (const HeadField& f : head.fields) out.add(std::string(f.name), std::string(f.value));

@@ -130,6 +130,10 @@ void append_request(std::string& out, std::string_view method, std::string_view 
                     std::string_view host, uint16_t port, const Headers& headers,
                     std::string_view body);
 
+// RFC 9110 9.2.2: sending such a request twice has the effect of sending it once, so a client may
+// send it again when it cannot know whether the first copy arrived.
+bool idempotent_method(std::string_view method);
+
 // Copies a parsed head's fields into Headers (names and values were validated by the parser).
 void copy_fields(const MessageHead& head, Headers& out);
 

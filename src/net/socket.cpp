@@ -151,4 +151,10 @@ int send_pending(int fd, const std::string& out, size_t& written) {
   return 0;
 }
 
+bool idle_connection_usable(int fd) {
+  char byte;
+  const ssize_t n = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
 }  // namespace tandem::net::detail

@@ -45,4 +45,9 @@ void set_no_delay(int fd);
 // wait for the socket to be writable, else the errno of the failure.
 int send_pending(int fd, const std::string& out, size_t& written);
 
+// Whether an idle keep-alive connection can take a request: the peer has neither closed it nor
+// sent anything unasked (a peek that would block). Checked right before reuse, since the close
+// of an idle connection may not have been seen yet.
+bool idle_connection_usable(int fd);
+
 }  // namespace tandem::net::detail

@@ -23,6 +23,7 @@
 
 #include "net/http_client.h"
 #include "net/http_server.h"
+#include "scripted_server.h"
 
 namespace tandem::net {
 namespace {
@@ -331,90 +332,6 @@ class RawServer {
   uint16_t port_ = 0;
 };
 
-// A server on 127.0.0.1 that plays a script: `serve(fd, n)` runs for the n-th connection (from
-// 0), one connection at a time on the server's thread, and the connection closes when it returns.
-// What a misbehaving engine does to the client is written out in the script.
-class ScriptedServer {
- public:
-  using Script = std::function<void(int fd, int connection)>;
-  explicit ScriptedServer(Script serve) : serve_(std::move(serve)) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    // A small receive buffer, fixed (no autotuning): a client's large request stays mostly
-    // unsent until the script reads it, as with a busy engine across a network.
-    const int receive_buffer = 65536;
-    ::setsockopt(listener_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof a;
-    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-        ::listen(listener_, 4) != 0 ||
-        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &length) != 0)
-      ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
-    port_ = ntohs(a.sin_port);
-    thread_ = std::thread([this] {
-      for (int n = 0;; ++n) {
-        const int fd = ::accept(listener_, nullptr, nullptr);
-        if (fd < 0) return;  // the listener was shut down
-        serve_(fd, n);
-        ::close(fd);
-      }
-    });
-  }
-  // The client must be gone first: a script may be waiting for its next request.
-  ~ScriptedServer() {
-    ::shutdown(listener_, SHUT_RDWR);
-    thread_.join();
-    ::close(listener_);
-  }
-  uint16_t port() const { return port_; }
-
-  // Reads one request head (what is past it stays in `buffer`); empty when the connection ended.
-  static std::string read_head(int fd, std::string& buffer) {
-    char chunk[4096];
-    size_t end;
-    while ((end = buffer.find("\r\n\r\n")) == std::string::npos) {
-      const ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
-      if (n <= 0) return {};
-      buffer.append(chunk, static_cast<size_t>(n));
-    }
-    std::string head = buffer.substr(0, end + 4);
-    buffer.erase(0, end + 4);
-    return head;
-  }
-  static size_t content_length(const std::string& head) {
-    const size_t at = head.find("Content-Length: ");
-    return at == std::string::npos ? 0 : std::stoul(head.substr(at + 16));
-  }
-  // Reads `bytes` of body (the start of it may be in `buffer`); false when the connection ended
-  // first.
-  static bool read_body(int fd, std::string& buffer, size_t bytes) {
-    const size_t buffered = std::min(bytes, buffer.size());
-    buffer.erase(0, buffered);
-    bytes -= buffered;
-    char chunk[65536];
-    while (bytes > 0) {
-      const ssize_t n = ::recv(fd, chunk, std::min(bytes, sizeof chunk), 0);
-      if (n <= 0) return false;
-      bytes -= static_cast<size_t>(n);
-    }
-    return true;
-  }
-  static void write(int fd, std::string_view bytes) {
-    while (!bytes.empty()) {
-      const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      if (n <= 0) return;
-      bytes.remove_prefix(static_cast<size_t>(n));
-    }
-  }
-
- private:
-  Script serve_;
-  int listener_ = -1;
-  uint16_t port_ = 0;
-  std::thread thread_;
-};
-
 // A one-shot signal between threads.
 struct Signal {
   std::promise<void> promise;
@@ -619,7 +536,7 @@ TEST(AsyncClientOnServer, ShutdownAfterTheServerStoppedEndsTheCalls) {
 TEST(AsyncClientEarlyAnswer, AConnectionWhoseRequestWasNotAllSentIsNotReused) {
   Signal answered;  // the client has the refusal: only then does the engine read on
   std::atomic<int> bodies_read_whole{0};
-  ScriptedServer engine([&](int fd, int connection) {
+  ScriptedServer engine([&](int& fd, int connection) {
     std::string buffer;
     for (;;) {
       const std::string head = ScriptedServer::read_head(fd, buffer);
@@ -665,6 +582,182 @@ TEST(AsyncClientEarlyAnswer, AConnectionWhoseRequestWasNotAllSentIsNotReused) {
   EXPECT_EQ(second.body, "second on connection 1");
   EXPECT_EQ(bodies_read_whole.load(), 0);
   EXPECT_EQ(client.connections_opened(), 2u);
+}
+
+// Answers one request on `fd` with `body`, keeping the connection.
+void answer(int fd, std::string_view body) {
+  ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
+                                "\r\n\r\n" + std::string(body));
+}
+
+// Reads one whole request (head and Content-Length body); false when the connection ended first.
+bool read_request(int fd, std::string& buffer, std::string* head_out = nullptr) {
+  const std::string head = ScriptedServer::read_head(fd, buffer);
+  if (head.empty()) return false;
+  if (head_out) *head_out = head;
+  return ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head));
+}
+
+AsyncHttpRequest request_to(uint16_t port, std::string method, std::string body = {}) {
+  AsyncHttpRequest r;
+  r.host = "127.0.0.1";
+  r.port = port;
+  r.method = std::move(method);
+  r.target = "/v1/completions";
+  r.body = std::move(body);
+  return r;
+}
+
+// An engine that dies after reading a POST on a reused connection may have started it: sent
+// again, it would generate twice (or prefill twice into one bootstrap room), past the gateway's
+// counted retries. The client reports the failure instead; the engine saw the POST once.
+TEST(AsyncClientResend, APostTheEngineReadWholeIsNotSentAgain) {
+  std::atomic<int> posts{0};
+  ScriptedServer engine([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++posts;
+      if (connection == 0 && posts == 2) return;  // read whole, then closed unanswered
+      answer(fd, "answer " + std::to_string(posts.load()));
+    }
+  });
+  AsyncHttpClient client;
+  Outcome first;
+  client.start(request_to(engine.port(), "POST", "{\"n\":1}"), first.handlers());
+  ASSERT_TRUE(first.wait());
+  EXPECT_EQ(first.body, "answer 1");
+
+  Outcome second;
+  client.start(request_to(engine.port(), "POST", "{\"n\":2}"), second.handlers());
+  ASSERT_TRUE(second.wait());
+  EXPECT_EQ(second.error, "cannot read the response header: connection closed by the server");
+  EXPECT_EQ(second.heads, 0);
+  EXPECT_EQ(posts.load(), 2);  // without the fix 3: the second POST ran again and was answered
+  EXPECT_EQ(client.connections_opened(), 1u);
+}
+
+// The same failure for a GET is the stale keep-alive connection it usually is: sending it again
+// is harmless, and the caller gets its answer.
+TEST(AsyncClientResend, AGetOnAConnectionClosedUnansweredIsSentAgain) {
+  std::atomic<int> gets{0};
+  ScriptedServer engine([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++gets;
+      if (connection == 0 && gets == 2) return;
+      answer(fd, "answer " + std::to_string(gets.load()));
+    }
+  });
+  AsyncHttpClient client;
+  for (int i = 0; i < 2; ++i) {
+    Outcome o;
+    client.start(request_to(engine.port(), "GET"), o.handlers());
+    ASSERT_TRUE(o.wait());
+    EXPECT_EQ(o.error, "");
+    EXPECT_EQ(o.body, i == 0 ? "answer 1" : "answer 3");
+  }
+  EXPECT_EQ(gets.load(), 3);
+  EXPECT_EQ(client.connections_opened(), 2u);
+}
+
+// An engine closes an idle keep-alive connection (its keep-alive timeout) while the loop that
+// holds it is busy: the close is not seen until that loop waits again, but the next call starts
+// before. Such a connection is dropped when picked, so a POST goes out on a new one instead of
+// failing (it is not sent twice once it went out whole).
+TEST(AsyncClientResend, AnIdleConnectionTheEngineClosedIsNotPicked) {
+  Signal loop_held, engine_closed;
+  std::atomic<int> posts{0};
+  ScriptedServer engine([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++posts;
+      answer(fd, "answer on connection " + std::to_string(connection));
+      if (connection == 0) {
+        loop_held.wait();
+        ::close(fd);  // on loopback the FIN is queued at the client when close returns
+        fd = -1;
+        engine_closed.raise();
+        return;
+      }
+    }
+  });
+  HttpServerOptions o;
+  o.host = "127.0.0.1";
+  o.threads = 1;  // the handler and the client's calls share this one loop
+  HttpServer proxy(o);
+  AsyncHttpClient client(proxy);
+  proxy.route("POST", "/relay", [&](const HttpRequest& r, std::shared_ptr<Exchange> ex) {
+    // The loop is held here, after its wait returned, until the engine closed its connection.
+    if (r.body == "second") {
+      loop_held.raise();
+      engine_closed.wait();
+    }
+    AsyncHttpHandlers h;
+    auto answer = std::make_shared<std::string>();
+    h.on_body = [answer](std::string_view piece) {
+      *answer += piece;
+      return true;
+    };
+    h.on_done = [ex, answer](const std::string& error) {
+      ex->respond(200, error.empty() ? *answer : "error: " + error, "text/plain");
+    };
+    client.start(request_to(engine.port(), "POST", r.body), std::move(h));
+  });
+  proxy.start();
+  HttpClient c("127.0.0.1", proxy.port());
+  EXPECT_EQ(c.request("POST", "/relay", "first").body, "answer on connection 0");
+  EXPECT_EQ(c.request("POST", "/relay", "second").body, "answer on connection 1");
+  EXPECT_EQ(posts.load(), 2);
+  client.shutdown();
+  proxy.stop();
+}
+
+// An engine that refuses a large body from its head, then resets the connection (closing with
+// the body unread): its answer and the reset reach the client together, while the client still
+// has body to send. The answer is the call's outcome, not the failed send.
+TEST(AsyncClientResend, AnAnswerBeforeAResetIsTheOutcomeNotTheFailedSend) {
+  Signal head_read, go, engine_reset;
+  ScriptedServer engine([&](int& fd, int) {
+    std::string buffer;
+    const bool got_head = !ScriptedServer::read_head(fd, buffer).empty();
+    head_read.raise();
+    go.wait();
+    if (got_head) {
+      ScriptedServer::write(fd,
+                            "HTTP/1.1 413 Content Too Large\r\nContent-Length: 8\r\n\r\ntoo long");
+    }
+    ::close(fd);  // with the body unread: a reset
+    fd = -1;
+    engine_reset.raise();
+  });
+  ScriptedServer other([&](int& fd, int) {
+    std::string buffer;
+    if (read_request(fd, buffer)) answer(fd, "other");
+  });
+  AsyncHttpClient client;  // one io thread, held below while the engine answers and resets
+  Outcome refused;
+  // More than the socket buffers hold: the client is still sending when the answer comes.
+  client.start(request_to(engine.port(), "POST", std::string(size_t{16} << 20, 'a')),
+               refused.handlers());
+  head_read.wait();
+  Signal in_callback;
+  Outcome holder;
+  AsyncHttpHandlers h = holder.handlers();
+  auto on_head = h.on_head;
+  h.on_head = [&, on_head](int status, const Headers& headers) {
+    on_head(status, headers);
+    in_callback.raise();
+    engine_reset.wait();
+  };
+  client.start(request_to(other.port(), "GET"), std::move(h));
+  in_callback.wait();
+  go.raise();
+  ASSERT_TRUE(refused.wait());
+  EXPECT_EQ(refused.error, "");  // without the fix: cannot send the request: Connection reset...
+  EXPECT_EQ(refused.status, 413);
+  EXPECT_EQ(refused.body, "too long");
+  ASSERT_TRUE(holder.wait());
+  EXPECT_EQ(holder.body, "other");
 }
 
 }  // namespace

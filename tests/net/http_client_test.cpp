@@ -1,0 +1,70 @@
+// The synchronous HTTP client against scripted servers: what it does when a kept-alive connection
+// fails, and how it ends bodies that a reset cuts. Every server binds port 0 on 127.0.0.1.
+#include "net/http_client.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <string>
+
+#include "scripted_server.h"
+#include "util/error.h"
+
+namespace tandem::net {
+namespace {
+
+void answer(int fd, std::string_view body) {
+  ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
+                                "\r\n\r\n" + std::string(body));
+}
+
+// Reads one whole request (head and Content-Length body); false when the connection ended first.
+bool read_request(int fd, std::string& buffer) {
+  const std::string head = ScriptedServer::read_head(fd, buffer);
+  return !head.empty() &&
+         ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head));
+}
+
+// A server that read a whole POST on a reused connection and closed without answering may have
+// run it: the client reports the failure rather than run it a second time.
+TEST(HttpClient, APostTheServerReadWholeIsNotSentAgain) {
+  std::atomic<int> posts{0};
+  ScriptedServer server([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++posts;
+      if (connection == 0 && posts == 2) return;  // read whole, then closed unanswered
+      answer(fd, "answer " + std::to_string(posts.load()));
+    }
+  });
+  HttpClient client("127.0.0.1", server.port());
+  EXPECT_EQ(client.request("POST", "/v1/completions", "{}").body, "answer 1");
+  try {
+    const HttpClientResponse r = client.request("POST", "/v1/completions", "{}");
+    ADD_FAILURE() << "sent again and answered: " << r.body;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("connection closed by the server"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(posts.load(), 2);
+}
+
+// A GET is sent again: the usual cause is a keep-alive connection the server closed.
+TEST(HttpClient, AGetOnAConnectionClosedUnansweredIsSentAgain) {
+  std::atomic<int> gets{0};
+  ScriptedServer server([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++gets;
+      if (connection == 0 && gets == 2) return;
+      answer(fd, "answer " + std::to_string(gets.load()));
+    }
+  });
+  HttpClient client("127.0.0.1", server.port());
+  EXPECT_EQ(client.request("GET", "/health").body, "answer 1");
+  EXPECT_EQ(client.request("GET", "/health").body, "answer 3");
+  EXPECT_EQ(gets.load(), 3);
+}
+
+}  // namespace
+}  // namespace tandem::net

@@ -1,0 +1,104 @@
+#pragma once
+// A scripted HTTP peer for client tests: what a misbehaving engine does on the wire (answers
+// early, closes unanswered, resets) written out as a function over a raw socket.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <thread>
+
+namespace tandem::net {
+
+// A server on 127.0.0.1 that plays a script: `serve(fd, n)` runs for the n-th connection (from
+// 0), one connection at a time on the server's thread, and the connection closes when it returns.
+class ScriptedServer {
+ public:
+  // A script may close the connection itself (setting fd to -1), to say when it did.
+  using Script = std::function<void(int& fd, int connection)>;
+  explicit ScriptedServer(Script serve) : serve_(std::move(serve)) {
+    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    // A small receive buffer, fixed (no autotuning): a client's large request stays mostly
+    // unsent until the script reads it, as with a busy engine across a network.
+    const int receive_buffer = 65536;
+    ::setsockopt(listener_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof a;
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+        ::listen(listener_, 4) != 0 ||
+        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &length) != 0)
+      ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] {
+      for (int n = 0;; ++n) {
+        int fd = ::accept(listener_, nullptr, nullptr);
+        if (fd < 0) return;  // the listener was shut down
+        serve_(fd, n);
+        if (fd >= 0) ::close(fd);
+      }
+    });
+  }
+  // The client must be gone first: a script may be waiting for its next request.
+  ~ScriptedServer() {
+    ::shutdown(listener_, SHUT_RDWR);
+    thread_.join();
+    ::close(listener_);
+  }
+  uint16_t port() const { return port_; }
+
+  // Reads one request head (what is past it stays in `buffer`); empty when the connection ended.
+  static std::string read_head(int fd, std::string& buffer) {
+    char chunk[4096];
+    size_t end;
+    while ((end = buffer.find("\r\n\r\n")) == std::string::npos) {
+      const ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
+      if (n <= 0) return {};
+      buffer.append(chunk, static_cast<size_t>(n));
+    }
+    std::string head = buffer.substr(0, end + 4);
+    buffer.erase(0, end + 4);
+    return head;
+  }
+  static size_t content_length(const std::string& head) {
+    const size_t at = head.find("Content-Length: ");
+    return at == std::string::npos ? 0 : std::stoul(head.substr(at + 16));
+  }
+  // Reads `bytes` of body (the start of it may be in `buffer`); false when the connection ended
+  // first.
+  static bool read_body(int fd, std::string& buffer, size_t bytes) {
+    const size_t buffered = std::min(bytes, buffer.size());
+    buffer.erase(0, buffered);
+    bytes -= buffered;
+    char chunk[65536];
+    while (bytes > 0) {
+      const ssize_t n = ::recv(fd, chunk, std::min(bytes, sizeof chunk), 0);
+      if (n <= 0) return false;
+      bytes -= static_cast<size_t>(n);
+    }
+    return true;
+  }
+  static void write(int fd, std::string_view bytes) {
+    while (!bytes.empty()) {
+      const ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+      if (n <= 0) return;
+      bytes.remove_prefix(static_cast<size_t>(n));
+    }
+  }
+
+ private:
+  Script serve_;
+  int listener_ = -1;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace tandem::net
