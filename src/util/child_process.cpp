@@ -1,5 +1,6 @@
 #include "util/child_process.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -20,7 +21,9 @@ ChildProcess::ChildProcess(const std::string& program, const std::vector<std::st
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   int fds[2];
-  if (pipe(fds) != 0) throw Error("cannot create a pipe for " + program);
+  // Close-on-exec: children started later must not inherit this one's pipe (dup2 below gives the
+  // child its own end without the flag).
+  if (pipe2(fds, O_CLOEXEC) != 0) throw Error("cannot create a pipe for " + program);
   pid_ = fork();
   if (pid_ < 0) {
     close(fds[0]);

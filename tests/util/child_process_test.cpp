@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <optional>
 #include <string>
 
@@ -51,6 +52,25 @@ TEST(ChildProcess, StopKillsAChildThatOutlivesItsGracePeriod) {
   ASSERT_EQ(stopped.read_line(), "ready\n");
   stopped.signal(SIGSTOP);
   EXPECT_EQ(stopped.stop(std::chrono::milliseconds(100)), 128 + SIGKILL);
+}
+
+// A child started later does not inherit an earlier child's pipe (it would keep the earlier
+// child writing into a pipe nobody reads after its parent stopped reading).
+TEST(ChildProcess, ALaterChildDoesNotHoldAnEarlierChildsPipe) {
+  ChildProcess first("/bin/sh", {"sh", "-c", "echo ready; exec sleep 1000"});
+  ASSERT_EQ(first.read_line(), "ready\n");
+  std::error_code ec;
+  const std::string pipe =
+      std::filesystem::read_symlink("/proc/" + std::to_string(first.pid()) + "/fd/1", ec).string();
+  ASSERT_FALSE(ec);
+  ASSERT_EQ(pipe.rfind("pipe:", 0), 0u) << pipe;
+  ChildProcess second("/bin/sh",
+                      {"sh", "-c", "for f in /proc/$$/fd/*; do readlink $f; done; echo end"});
+  std::string held;
+  for (std::string line = second.read_line(); line != "end\n" && !line.empty();
+       line = second.read_line())
+    held += line;
+  EXPECT_EQ(held.find(pipe), std::string::npos) << held;
 }
 
 }  // namespace
