@@ -28,6 +28,7 @@
 #include "engine/expert_parallel/rank_process.h"
 #include "engine/output_processor.h"
 #include "kernels/cpu/ops.h"
+#include "net/http.h"
 #include "placement/files.h"
 #include "util/error.h"
 #include "util/file.h"
@@ -271,17 +272,15 @@ void run(const EngineOptions& o) {
   const auto& info = engine.executor_info();
   // The first line on stdout names the port (tests and scripts start engines on port 0), in a
   // URL that works as written: an IPv6 host in brackets.
-  const bool ipv6 = o.host.find(':') != std::string::npos;
   std::printf(
       "tandem engine: listening on http://%s:%u (model %s, %lld KV blocks of %lld tokens)\n",
-      (ipv6 ? "[" + o.host + "]" : o.host).c_str(), static_cast<unsigned>(server.port()),
-      info.model_name.c_str(), static_cast<long long>(info.num_blocks),
-      static_cast<long long>(info.block_size));
+      net::url_host(o.host).c_str(), static_cast<unsigned>(server.port()), info.model_name.c_str(),
+      static_cast<long long>(info.num_blocks), static_cast<long long>(info.block_size));
   if (const auto* t = engine.transfer(); t && t->serving())
     std::printf("tandem engine: role %s, KV transfer on %s:%u (advertised as %s), engine id %s\n",
-                engine::engine_role_name(engine.role()), t->config().listen_host.c_str(),
-                static_cast<unsigned>(t->port()), t->config().advertise_host.c_str(),
-                t->config().engine_id.c_str());
+                engine::engine_role_name(engine.role()),
+                net::url_host(t->config().listen_host).c_str(), static_cast<unsigned>(t->port()),
+                t->config().advertise_host.c_str(), t->config().engine_id.c_str());
   else
     std::printf("tandem engine: role %s\n", engine::engine_role_name(engine.role()));
   if (!engine.kv_events_endpoint().empty())

@@ -22,6 +22,7 @@
 #include "gateway/gateway.h"
 #include "gateway/priority.h"
 #include "model/make_model.h"
+#include "net/http.h"
 #include "net/http_client.h"
 #include "util/child_process.h"
 #include "util/error.h"
@@ -61,11 +62,6 @@ gateway::Endpoint endpoint(const EngineChild& c, const std::string& host, bool b
   return e;
 }
 
-// A host as a URL names it: an IPv6 address in brackets.
-std::string url_host(const std::string& host) {
-  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
-}
-
 // The gateways answer /health once their listeners and scheduling threads run; their engines'
 // endpoints start healthy (the engines named their ports), so this waits for the gateway
 // itself, not for its probes. A deadline for the whole wait, each try bounded by what is left.
@@ -85,7 +81,7 @@ void wait_healthy(const std::string& host, uint16_t port) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  throw Error("serve: the gateway on " + url_host(host) + ":" + std::to_string(port) +
+  throw Error("serve: the gateway on " + net::url_host(host) + ":" + std::to_string(port) +
               " did not answer /health with 200 within " + std::to_string(kLimit.count()) + " s");
 }
 
@@ -239,7 +235,7 @@ void run(const ServeOptions& o) {
   std::printf(
       "tandem serve: listening on http://%s:%u (gateway%s, mode %s, %d prefill + %d decode "
       "engines of %s)\n",
-      url_host(o.host).c_str(), static_cast<unsigned>(g.port),
+      net::url_host(o.host).c_str(), static_cast<unsigned>(g.port),
       o.gateways > 1 ? (" x" + std::to_string(o.gateways) + " replicas").c_str() : "",
       o.mode.c_str(), prefills, o.decode, model.c_str());
   for (size_t i = 0; i < children.size(); ++i) {
@@ -247,7 +243,7 @@ void run(const ServeOptions& o) {
     const gateway::Endpoint& e =
         prefill ? g.prefill.endpoints[i] : g.decode.endpoints[i - static_cast<size_t>(prefills)];
     std::printf("tandem serve: %s engine http://%s:%u (pid %d", prefill ? "prefill" : "decode",
-                url_host(e.host).c_str(), static_cast<unsigned>(e.port),
+                net::url_host(e.host).c_str(), static_cast<unsigned>(e.port),
                 static_cast<int>(children[i]->pid()));
     if (prefill) std::printf(", KV transfer port %u", static_cast<unsigned>(e.bootstrap_port));
     std::printf(")\n");

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <utility>
 
+#include "net/http.h"
 #include "util/error.h"
 #include "util/file.h"
 
@@ -123,8 +124,7 @@ Dialect parse_dialect_as(const std::string& text, const std::string& what) {
 }
 
 std::string host_port(const Endpoint& e) {
-  const bool ipv6 = e.host.find(':') != std::string::npos;
-  return (ipv6 ? "[" + e.host + "]" : e.host) + ":" + std::to_string(e.port);
+  return net::url_host(e.host) + ":" + std::to_string(e.port);
 }
 
 std::string held_bytes_expected() {

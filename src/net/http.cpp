@@ -68,6 +68,11 @@ std::string Headers::get(std::string_view name, std::string_view fallback) const
   return value ? *value : std::string(fallback);
 }
 
+std::string url_host(std::string_view host) {
+  if (host.find(':') == std::string_view::npos) return std::string(host);
+  return "[" + std::string(host) + "]";
+}
+
 std::string_view status_reason(int status) {
   switch (status) {
     case 100:

@@ -67,6 +67,10 @@ struct HttpResponse {
   Headers headers;
 };
 
+// A host as a URL or a Host header names it: an IPv6 address in brackets ("::1" -> "[::1]"),
+// others as they are.
+std::string url_host(std::string_view host);
+
 // The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
 std::string_view status_reason(int status);
 
