@@ -23,10 +23,15 @@ void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
     return answer->second.size() <= (size_t{16} << 20);
   };
   h.on_done = [ex, answer](const std::string& error) {
-    if (error.empty())
-      ex->respond(answer->first, answer->second, "application/json");
-    else
+    if (!error.empty()) {
       ex->send_error(502, "engine failed: " + error, "server_error");
+    } else if (answer->first < 200 || answer->first > 599) {
+      // Not a status to pass on: the server would refuse a 1xx as final, and no client knows
+      // what a status past 599 means.
+      ex->send_error(502, "engine answered HTTP " + std::to_string(answer->first), "server_error");
+    } else {
+      ex->respond(answer->first, answer->second, "application/json");
+    }
   };
   upstream.start(std::move(request), std::move(h));
 }

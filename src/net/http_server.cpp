@@ -113,7 +113,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     Callbacks dropped;  // destroyed after the lock: they may hold the last exchange reference
     std::lock_guard lock(mu_);
     if (closed_locked() || phase_ != Phase::kIdle) return false;
-    append_response(out_, response, !keep_alive_, http10_ && keep_alive_, head_only_);
+    append_whole_locked(response);
     phase_ = Phase::kComplete;
     close_after_ = !keep_alive_;
     dropped.swap(on_close_);
@@ -203,7 +203,7 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
     if (closed_locked() || phase_ == Phase::kComplete) return;
     aborted_ = true;
     if (phase_ == Phase::kIdle) {
-      append_error(out_, format_error, 500, message, !keep_alive_, http10_ && keep_alive_);
+      append_whole_locked(format_error(500, message, {}, {}));
       phase_ = Phase::kComplete;
       close_after_ = !keep_alive_;
     }
@@ -273,6 +273,11 @@ class ExchangeState : public Task, public std::enable_shared_from_this<ExchangeS
 
   bool closed_locked() const { return lost_ || aborted_ || stalled_; }
   void wake_locked();
+  // Every whole response of the exchange goes through here, so that a HEAD gets no body on any
+  // path (a body would be read as the next response by a keep-alive client).
+  void append_whole_locked(const HttpResponse& response) {
+    append_response(out_, response, !keep_alive_, http10_ && keep_alive_, head_only_);
+  }
 
   const size_t max_unsent_;
   const bool keep_alive_;

@@ -25,6 +25,7 @@
 #include "api/load_report.h"
 #include "gateway/fake_engine.h"
 #include "gateway/gateway.h"
+#include "gateway/http_seams.h"
 #include "net/http_client.h"
 #include "net/http_server.h"
 #include "net/sse.h"
@@ -779,6 +780,43 @@ INSTANTIATE_TEST_SUITE_P(IoThreads, GatewayFailures, ::testing::Values(2, 1),
                            return info.param == 1 ? std::string("OneIoThread")
                                                   : std::string("SchedulingThread");
                          });
+
+// An engine's GET answered with a status that cannot be passed on as final (a 101, or one past
+// 599) is a 502 naming it: before, a 1xx made respond() throw, and the client got the server's
+// generic 500, and a 700 was relayed as it was.
+TEST(RelayEngineGet, AnEngineStatusOutsideTheFinalRangeIs502) {
+  struct Engine final : Upstream {
+    std::atomic<int> status{200};
+    CallId start(net::AsyncHttpRequest, net::AsyncHttpHandlers h) override {
+      h.on_head(status, {});
+      h.on_body("{}");
+      h.on_done("");
+      return 1;
+    }
+    void cancel(CallId) override {}
+  } engine;
+  net::HttpServerOptions o;
+  o.host = "127.0.0.1";
+  o.error_response = api::openai_error_response;
+  net::HttpServer server(o);
+  server.route("GET", "/v1/models", [&](const net::HttpRequest&, auto ex) {
+    relay_engine_get(engine, {}, std::move(ex));
+  });
+  server.start();
+  for (int status : {101, 700, 599, 200}) {
+    engine.status = status;
+    const auto r = net::http_request("127.0.0.1", server.port(), "GET", "/v1/models");
+    if (status == 200 || status == 599) {
+      EXPECT_EQ(r.status, status);
+      EXPECT_EQ(r.body, "{}");
+      continue;
+    }
+    EXPECT_EQ(r.status, 502) << status;
+    EXPECT_NE(r.body.find("engine answered HTTP " + std::to_string(status)), std::string::npos)
+        << r.body;
+  }
+  server.stop();
+}
 
 }  // namespace
 }  // namespace tandem::gateway

@@ -972,6 +972,31 @@ TEST(HttpServer, HeadIsAnsweredByTheGetHandlerWithTheHeadOnly) {
   EXPECT_EQ(r.headers.get("Allow"), "GET, HEAD");
 }
 
+// A HEAD whose GET handler throws or drops its exchange gets the 500 as a head only: a body
+// after it would be read by a keep-alive client as the start of its next response.
+TEST(HttpServer, AHeadAnsweredByTheAbortPathGetsTheHeadOnly) {
+  HttpServer server(local_options());
+  server.route("GET", "/throw", [](const HttpRequest&, std::shared_ptr<Exchange>) {
+    throw std::runtime_error("boom");
+  });
+  server.route("GET", "/forget", [](const HttpRequest&, std::shared_ptr<Exchange>) {});
+  server.route("GET", "/x", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "hello", "text/plain");
+  });
+  server.start();
+  for (const char* path : {"/throw", "/forget"}) {
+    RawConnection c(server.port());
+    c.send("HEAD " + std::string(path) +
+           " HTTP/1.1\r\nHost: a\r\n\r\nGET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+    std::string raw = c.read_all();
+    EXPECT_EQ(status_of(raw), 500) << raw;
+    EXPECT_NE(raw.find("Content-Length: "), std::string::npos) << raw;
+    const size_t second = raw.find("\r\n\r\n") + 4;
+    EXPECT_EQ(raw.compare(second, 12, "HTTP/1.1 200"), 0) << path << ": " << raw;
+    EXPECT_EQ(body_of(raw.substr(second)), "hello") << raw;
+  }
+}
+
 TEST(HttpServer, TraceConnectAndUnknownMethodsAre501) {
   HttpServer server(local_options());
   server.route("GET", "/x",
