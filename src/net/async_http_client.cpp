@@ -638,7 +638,10 @@ void ClientConn::parse() {
         read_input();
         continue;
       }
-      if (head_.status < 200 && head_.status != 101) {
+      // The client never asks for an upgrade: after a 101 the connection speaks something else,
+      // and no HTTP answer follows on it.
+      if (head_.status == 101) return fail("the server switched protocols (HTTP 101) unasked");
+      if (head_.status < 200) {
         // An interim response (100 Continue): the real one follows.
         in_.consume(head_.head_bytes);
         head_parser_.reset();

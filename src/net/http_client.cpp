@@ -177,7 +177,9 @@ class HttpClient::Impl {
         got_bytes = true;
       }
       if (r == detail::Parse::kError) fail(step, error.message);
-      if (head_.status >= 200 || head_.status == 101) break;
+      // Never asked for: after a 101 the connection speaks something other than HTTP.
+      if (head_.status == 101) fail(step, "the server switched protocols (HTTP 101) unasked");
+      if (head_.status >= 200) break;
       in_.consume(head_.head_bytes);  // an interim 1xx response
     }
     HttpClientResponse response;

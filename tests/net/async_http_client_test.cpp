@@ -760,5 +760,33 @@ TEST(AsyncClientResend, AnAnswerBeforeAResetIsTheOutcomeNotTheFailedSend) {
   EXPECT_EQ(holder.body, "other");
 }
 
+// The client never sends Upgrade: a 101 is no answer, and what follows on the connection is not
+// HTTP. The call fails and the connection is not reused.
+TEST(AsyncClientUpgrade, An101IsAnErrorAndItsConnectionIsClosed) {
+  ScriptedServer engine([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      if (connection == 0) {
+        ScriptedServer::write(
+            fd, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade\r\n\r\n");
+      } else {
+        answer(fd, "models");
+      }
+    }
+  });
+  AsyncHttpClient client;
+  Outcome upgraded;
+  client.start(request_to(engine.port(), "GET"), upgraded.handlers());
+  ASSERT_TRUE(upgraded.wait());
+  EXPECT_EQ(upgraded.error, "the server switched protocols (HTTP 101) unasked");
+  EXPECT_EQ(upgraded.heads, 0);
+  Outcome next;
+  client.start(request_to(engine.port(), "GET"), next.handlers());
+  ASSERT_TRUE(next.wait());
+  EXPECT_EQ(next.error, "");
+  EXPECT_EQ(next.body, "models");
+  EXPECT_EQ(client.connections_opened(), 2u);
+}
+
 }  // namespace
 }  // namespace tandem::net

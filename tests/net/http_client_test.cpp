@@ -66,5 +66,28 @@ TEST(HttpClient, AGetOnAConnectionClosedUnansweredIsSentAgain) {
   EXPECT_EQ(gets.load(), 3);
 }
 
+// A 101 the client never asked for is an error, and the connection is not used again.
+TEST(HttpClient, An101IsAnError) {
+  ScriptedServer server([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      if (connection == 0) {
+        ScriptedServer::write(
+            fd, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: Upgrade\r\n\r\n");
+      } else {
+        answer(fd, "models");
+      }
+    }
+  });
+  HttpClient client("127.0.0.1", server.port());
+  try {
+    const HttpClientResponse r = client.request("GET", "/v1/models");
+    ADD_FAILURE() << "taken as an answer: " << r.status;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("switched protocols"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(client.request("GET", "/v1/models").body, "models");
+}
+
 }  // namespace
 }  // namespace tandem::net
