@@ -126,7 +126,9 @@ Parse parse_fields(std::string_view lines, std::vector<HeadField>& fields, Parse
 
 // Framing and connection fields shared by requests and responses.
 Parse derive_framing(MessageHead& head, bool request, ParseError& error) {
-  bool chunked = false;
+  bool chunked = false;  // the last coding so far is chunked
+  bool misplaced_chunked = false;
+  bool unknown_coding = false;
   bool has_te = false;
   bool has_length = false;
   bool close = false;
@@ -144,16 +146,12 @@ Parse derive_framing(MessageHead& head, bool request, ParseError& error) {
       head.content_length = n;
     } else if (iequals(f.name, "Transfer-Encoding")) {
       has_te = true;
-      bool bad = false;
+      // The codings of every Transfer-Encoding field, in order (one list, RFC 9110 5.3).
       for_each_token(f.value, [&](std::string_view coding) {
-        // Only chunked, once, last: other codings would need decoding we do not do.
-        if (!iequals(coding, "chunked") || chunked) bad = true;
-        chunked = true;
+        if (chunked) misplaced_chunked = true;  // a coding after chunked, chunked again included
+        chunked = iequals(coding, "chunked");
+        if (!chunked) unknown_coding = true;
       });
-      if (bad || !chunked) {
-        return fail(error, 501,
-                    "Transfer-Encoding '" + excerpt(f.value) + "' is not supported (only chunked)");
-      }
     } else if (iequals(f.name, "Connection")) {
       for_each_token(f.value, [&](std::string_view option) {
         if (iequals(option, "close")) close = true;
@@ -169,6 +167,14 @@ Parse derive_framing(MessageHead& head, bool request, ParseError& error) {
   }
   if (has_te && head.version < 11) {
     return fail(error, 400, "Transfer-Encoding in an HTTP/1.0 message");
+  }
+  if (has_te && (misplaced_chunked || !chunked)) {
+    // RFC 9112 6.3: without chunked last, once, where the body ends cannot be known.
+    return fail(error, 400, "chunked must be the final transfer coding, once");
+  }
+  if (unknown_coding) {
+    // Before chunked, a coding we would have to decode (and do not): RFC 9112 6.1.
+    return fail(error, 501, "Transfer-Encoding: only chunked is supported");
   }
   head.keep_alive = head.version >= 11 ? !close : keep_alive && !close;
   if (has_te) {

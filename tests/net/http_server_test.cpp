@@ -819,7 +819,7 @@ TEST(HttpServer, SmugglingAttemptsAndBadChunksAre400) {
     expect_openai_error(body_of(raw), "invalid_request_error");
   }
   RawConnection c(server.port());
-  c.send("POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip\r\n\r\n");
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n");
   std::string raw = c.read_all();
   EXPECT_EQ(status_of(raw), 501) << raw;
   expect_openai_error(body_of(raw), "server_error");
