@@ -200,15 +200,16 @@ size_t HeadParser::find_end(std::string_view in, size_t from, ParseError& error,
   failed = false;
   size_t start = std::max(scanned_, from + 3) - 3;
   size_t pos = in.find("\r\n\r\n", start);
+  // Blank lines before a request count against the limit: else they could come without end.
   if (pos == std::string_view::npos) {
     scanned_ = in.size();
-    if (in.size() - from > max_) {
+    if (in.size() > max_) {
       failed = true;
       fail(error, 431, "the request header is larger than " + std::to_string(max_) + " bytes");
     }
     return 0;
   }
-  if (pos + 4 - from > max_) {
+  if (pos + 4 > max_) {
     failed = true;
     fail(error, 431, "the request header is larger than " + std::to_string(max_) + " bytes");
     return 0;
@@ -291,8 +292,10 @@ Parse HeadParser::check_start(std::string_view partial, ParseError& error) {
 }
 
 Parse HeadParser::request(std::string_view in, MessageHead& head, ParseError& error) {
-  size_t from = 0;
+  // Skipped once: rescanned on every call, a stream of blank lines cost quadratic time.
+  size_t from = skipped_;
   while (in.substr(from, 2) == kCrlf) from += 2;
+  skipped_ = from;
   bool failed = false;
   size_t end = find_end(in, from, error, failed);
   if (failed) return Parse::kError;

@@ -55,7 +55,8 @@ class HeadParser {
   explicit HeadParser(size_t max_head_bytes) : max_(max_head_bytes) {}
 
   // kDone fills `head`; kError fills `error` (431 for a head over the limit, else 400 or 501).
-  // Blank lines before a request line are skipped (RFC 9112 2.2) and counted in head_bytes.
+  // Blank lines before a request line are skipped (RFC 9112 2.2) and counted in head_bytes and
+  // against the limit.
   // Bytes that cannot start a request (a TLS handshake, a method that is no token, a bad request
   // line) are an error as soon as they arrive, before the head is complete.
   Parse request(std::string_view in, MessageHead& head, ParseError& error);
@@ -65,6 +66,7 @@ class HeadParser {
   // Before parsing the next message.
   void reset() {
     scanned_ = 0;
+    skipped_ = 0;
     line_scanned_ = 0;
     start_checked_ = false;
   }
@@ -77,6 +79,7 @@ class HeadParser {
 
   size_t max_;
   size_t scanned_ = 0;
+  size_t skipped_ = 0;          // request: bytes of blank lines before the request line
   size_t line_scanned_ = 0;     // check_start: bytes of the first line searched for its end
   bool start_checked_ = false;  // check_start: the request line was complete and valid
 };

@@ -82,6 +82,33 @@ TEST(HttpWire, SkipsBlankLinesBeforeTheRequestLine) {
   EXPECT_EQ(r.head.head_bytes, 4 + 15u + 2 + 9 + 2);
 }
 
+// Blank lines are skipped once (not rescanned on every read) and count against the head limit:
+// a client cannot send them without end.
+TEST(HttpWire, BlankLinesBeforeARequestCountAgainstTheLimit) {
+  const std::string request = "GET /x HTTP/1.1\r\nHost: h\r\n\r\n";
+  std::string in;
+  for (int i = 0; i < 100; ++i) in += "\r\n";
+  HeadParser parser(4096);
+  MessageHead head;
+  ParseError error;
+  // Arriving in pieces, a pair at a time, then the request.
+  for (size_t n = 2; n <= in.size(); n += 2) {
+    ASSERT_EQ(parser.request(std::string_view(in).substr(0, n), head, error), Parse::kNeedMore);
+  }
+  in += request;
+  ASSERT_EQ(parser.request(in, head, error), Parse::kDone);
+  EXPECT_EQ(head.head_bytes, in.size());
+
+  std::string flood;
+  for (int i = 0; i < 2049; ++i) flood += "\r\n";
+  Result over = parse_request(flood, 4096);
+  ASSERT_EQ(over.parse, Parse::kError);
+  EXPECT_EQ(over.error.status, 431);
+  over = parse_request(flood.substr(0, 4080) + request, 4096);  // fits without them
+  ASSERT_EQ(over.parse, Parse::kError);
+  EXPECT_EQ(over.error.status, 431);
+}
+
 TEST(HttpWire, IncompleteHeadNeedsMoreWhateverTheSplit) {
   const std::string full = "GET /x HTTP/1.1\r\nHost: a\r\nX-Y: z\r\n\r\n";
   HeadParser parser(4096);
