@@ -200,6 +200,19 @@ size_t HeadParser::find_end(std::string_view in, size_t from, ParseError& error,
   failed = false;
   size_t start = std::max(scanned_, from + 3) - 3;
   size_t pos = in.find("\r\n\r\n", start);
+  // A line ended by LF alone is refused as soon as it arrives: waiting for the CRLF that never
+  // comes held the connection until its timeout, and a parser that accepts bare LF would split
+  // the head differently from ours.
+  const size_t limit = pos == std::string_view::npos ? in.size() : pos + 4;
+  for (size_t lf = in.find('\n', std::max(lf_scanned_, from)); lf < limit;
+       lf = in.find('\n', lf + 1)) {
+    if (lf == from || in[lf - 1] != '\r') {
+      failed = true;
+      fail(error, 400, "bare LF line ending (lines must end with CRLF)");
+      return 0;
+    }
+  }
+  lf_scanned_ = limit;
   // Blank lines before a request count against the limit: else they could come without end.
   if (pos == std::string_view::npos) {
     scanned_ = in.size();
@@ -319,7 +332,10 @@ Parse HeadParser::response(std::string_view in, bool head_request, MessageHead& 
   bool failed = false;
   size_t end = find_end(in, 0, error, failed);
   if (failed) {
-    error.message = "the response header is larger than " + std::to_string(max_) + " bytes";
+    if (error.status == 431) {
+      error.message = "the response header is larger than " + std::to_string(max_) + " bytes";
+    }
+    error.status = 502;
     return Parse::kError;
   }
   if (end == 0) return Parse::kNeedMore;
@@ -398,11 +414,15 @@ Parse BodyParser::feed(std::string_view in, size_t& used, std::string& out, Pars
         break;
       }
       case State::kChunkSize: {
-        size_t end = rest.find(kCrlf);
+        size_t end = rest.find('\n');
         if (end == std::string_view::npos) {
           if (rest.size() > kMaxChunkLine) return fail(error, 400, "chunk header too long");
           return Parse::kNeedMore;
         }
+        if (end == 0 || rest[end - 1] != '\r') {
+          return fail(error, 400, "bare LF line ending in a chunk header");
+        }
+        --end;  // the line ends before its CR
         if (end > kMaxChunkLine) return fail(error, 400, "chunk header too long");
         std::string_view line = rest.substr(0, end);
         uint64_t size = 0;
@@ -431,13 +451,22 @@ Parse BodyParser::feed(std::string_view in, size_t& used, std::string& out, Pars
         break;
       }
       case State::kChunkEnd:
+        if (!rest.empty() && rest[0] != '\r') {
+          return fail(error, 400, "chunk data not followed by CRLF");
+        }
         if (rest.size() < 2) return Parse::kNeedMore;
         if (rest.substr(0, 2) != kCrlf) return fail(error, 400, "chunk data not followed by CRLF");
         used += 2;
         state_ = State::kChunkSize;
         break;
       case State::kTrailer: {
-        size_t end = rest.find(kCrlf);
+        size_t end = rest.find('\n');
+        if (end != std::string_view::npos) {
+          if (end == 0 || rest[end - 1] != '\r') {
+            return fail(error, 400, "bare LF line ending in a chunked trailer");
+          }
+          --end;
+        }
         if (end == std::string_view::npos || trailer_bytes_ + end > max_trailer_) {
           if (trailer_bytes_ + rest.size() > max_trailer_) {
             return fail(error, 431, "the chunked trailer section is too large");

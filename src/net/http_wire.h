@@ -67,6 +67,7 @@ class HeadParser {
   void reset() {
     scanned_ = 0;
     skipped_ = 0;
+    lf_scanned_ = 0;
     line_scanned_ = 0;
     start_checked_ = false;
   }
@@ -79,6 +80,7 @@ class HeadParser {
 
   size_t max_;
   size_t scanned_ = 0;
+  size_t lf_scanned_ = 0;       // find_end: bytes searched for a bare LF
   size_t skipped_ = 0;          // request: bytes of blank lines before the request line
   size_t line_scanned_ = 0;     // check_start: bytes of the first line searched for its end
   bool start_checked_ = false;  // check_start: the request line was complete and valid

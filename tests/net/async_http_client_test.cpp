@@ -788,5 +788,27 @@ TEST(AsyncClientUpgrade, An101IsAnErrorAndItsConnectionIsClosed) {
   EXPECT_EQ(client.connections_opened(), 2u);
 }
 
+// An engine whose answer ends its lines with LF alone fails the call when that answer arrives,
+// not at the call's timeout (an hour here: without the fix the test waits for ctest's limit).
+TEST(AsyncClientFraming, AnAnswerWithBareLineFeedsFailsAtOnce) {
+  ScriptedServer engine([&](int& fd, int) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ScriptedServer::write(fd, "HTTP/1.1 200 OK\nContent-Length: 2\n\nok");
+    }
+  });
+  AsyncHttpClient client;
+  Outcome o;
+  AsyncHttpRequest r = request_to(engine.port(), "GET");
+  r.timeout = std::chrono::hours(1);
+  client.start(r, o.handlers());
+  {
+    std::unique_lock lock(o.m);
+    o.cv.wait(lock, [&] { return o.dones > 0; });
+  }
+  EXPECT_EQ(o.error,
+            "cannot read the response header: bare LF line ending (lines must end with CRLF)");
+}
+
 }  // namespace
 }  // namespace tandem::net

@@ -941,6 +941,28 @@ TEST(HttpServer, EndlessBlankLinesBeforeARequestAre431) {
   EXPECT_EQ(calls.load(), 1);
 }
 
+// A head or chunk header with bare LF line endings gets 400 at once, not silence until the
+// header or read timeout (an hour here; the test's reads give up after 10 s).
+TEST(HttpServer, BareLineFeedsAre400AtOnce) {
+  HttpServerOptions options = local_options();
+  options.header_timeout = options.read_timeout = std::chrono::hours(1);
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  for (const std::string bad :
+       {"POST /x HTTP/1.1\nHost: a\nContent-Length: 2\n\n{}", "GET /x HTTP/1.1\r\nHost: a\n",
+        "POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n2\n{}\n0\n\n"}) {
+    RawConnection c(server.port());
+    c.send(bad);
+    std::string raw = c.read_all();
+    EXPECT_TRUE(c.eof()) << bad;
+    EXPECT_EQ(status_of(raw), 400) << bad << " -> " << raw;
+    EXPECT_NE(raw.find("bare LF line ending"), std::string::npos) << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
+  }
+  EXPECT_EQ(calls.load(), 0);
+}
+
 TEST(HttpServer, AnHttp11RequestWithoutOneHostIs400) {
   HttpServer server(local_options());
   server.route("GET", "/x",

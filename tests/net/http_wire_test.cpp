@@ -109,6 +109,29 @@ TEST(HttpWire, BlankLinesBeforeARequestCountAgainstTheLimit) {
   EXPECT_EQ(over.error.status, 431);
 }
 
+// A line ended by LF alone is refused as soon as it arrives, in a head (whole or not yet), a chunk
+// header or a trailer; before, the parser waited for a CRLF that never came.
+TEST(HttpWire, BareLineFeedsAreRefusedAtOnce) {
+  for (std::string_view bad : {"GET /x HTTP/1.1\nHost: h\n\n", "GET /x HTTP/1.1\nHost: h\n",
+                               "GET /x HTTP/1.1\r\nHost: h\nX: y\r\n\r\n", "\r\n\nGET /x",
+                               "GET /x HTTP/1.1\r\nHost: h\r\n\n"}) {
+    Result r = parse_request(bad);
+    ASSERT_EQ(r.parse, Parse::kError) << bad;
+    EXPECT_EQ(r.error.status, 400) << bad;
+    EXPECT_EQ(r.error.message, "bare LF line ending (lines must end with CRLF)") << bad;
+  }
+  const std::string head = "POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n";
+  for (std::string_view bad : {"5\nhello", "5\r\nhello\n", "0\r\nX: y\n"}) {
+    EXPECT_EQ(request_status(head + std::string(bad)), 400) << bad;
+  }
+  MessageHead response;
+  ParseError error;
+  HeadParser parser(4096);
+  EXPECT_EQ(parser.response("HTTP/1.1 200 OK\nContent-Length: 2\n\nok", false, response, error),
+            Parse::kError);
+  EXPECT_EQ(error.status, 502);
+}
+
 TEST(HttpWire, IncompleteHeadNeedsMoreWhateverTheSplit) {
   const std::string full = "GET /x HTTP/1.1\r\nHost: a\r\nX-Y: z\r\n\r\n";
   HeadParser parser(4096);
