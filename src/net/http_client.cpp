@@ -21,6 +21,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr size_t kReadChunk = 16384;
 constexpr size_t kMaxHeaderBytes = size_t{64} << 10;
+// A whole (not streamed) response is held in memory: a server cannot make it grow without end.
+constexpr size_t kMaxWholeBody = size_t{1} << 30;
 
 }  // namespace
 
@@ -147,13 +149,18 @@ class HttpClient::Impl {
         wait(POLLIN, deadline, step);
         continue;
       }
-      if (errno == ECONNRESET) return false;
+      if (errno == ECONNRESET) {
+        // An end, but not a clean one: a body delimited by the close is then cut, not whole.
+        reset_ = true;
+        return false;
+      }
       fail(step, std::strerror(errno));
     }
   }
 
   HttpClientResponse exchange(const BodyCallback* on_body) {
     const bool fresh = fd_ < 0;
+    reset_ = false;
     if (fresh) connect();
     send_all(fresh);
 
@@ -198,6 +205,9 @@ class HttpClient::Impl {
       detail::Parse r = body_parser_.feed(in_.view(), used, sink, error);
       in_.consume(used);
       if (r == detail::Parse::kError) fail(step, error.message);
+      if (!on_body && response.body.size() > kMaxWholeBody)
+        fail(step, "the response body is larger than " + std::to_string(kMaxWholeBody) +
+                       " bytes (read it as a stream)");
       if (on_body && !piece.empty()) {
         bool more = (*on_body)(piece);
         piece.clear();
@@ -209,11 +219,11 @@ class HttpClient::Impl {
       if (r == detail::Parse::kDone) break;
       if (on_body) deadline = Clock::now() + timeout_;
       if (!read_some(deadline, step)) {
-        if (kind == detail::BodyKind::kUntilClose) {
+        if (kind == detail::BodyKind::kUntilClose && !reset_) {
           close();
           return response;
         }
-        fail(step, "connection closed by the server");
+        fail(step, reset_ ? "connection reset by the server" : "connection closed by the server");
       }
     }
     if (!keep_alive || !in_.empty()) close();
@@ -227,6 +237,7 @@ class HttpClient::Impl {
   int fd_ = -1;
   bool head_request_ = false;
   bool idempotent_ = false;
+  bool reset_ = false;  // the last read ended with a reset (ECONNRESET), not a close
   std::string out_;
   detail::ByteBuffer in_;
   detail::HeadParser head_parser_;

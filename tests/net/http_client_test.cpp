@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "scripted_server.h"
 #include "util/error.h"
@@ -87,6 +89,35 @@ TEST(HttpClient, An101IsAnError) {
     EXPECT_NE(std::string(e.what()).find("switched protocols"), std::string::npos) << e.what();
   }
   EXPECT_EQ(client.request("GET", "/v1/models").body, "models");
+}
+
+// A body that ends with the connection is whole only if the connection closed; a reset cuts it,
+// and the client says so instead of handing back the part as if it were all.
+TEST(HttpClient, ABodyUntilCloseCutByAResetIsAnError) {
+  std::atomic<bool> got_part{false};
+  ScriptedServer server([&](int& fd, int) {
+    std::string buffer;
+    if (!read_request(fd, buffer)) return;
+    ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npart");
+    for (int i = 0; i < 5000 && !got_part; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const linger reset{1, 0};  // close with RST
+    ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+  });
+  HttpClient client("127.0.0.1", server.port());
+  std::string body;
+  try {
+    client.request_stream("GET", "/v1/models", {}, {}, [&](std::string_view piece) {
+      body += piece;
+      got_part = true;
+      return true;
+    });
+    ADD_FAILURE() << "a cut body came back as whole: " << body;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("connection reset by the server"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(body, "part");
 }
 
 }  // namespace
