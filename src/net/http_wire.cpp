@@ -254,6 +254,22 @@ Parse parse_request_line(std::string_view line, MessageHead& head, ParseError& e
       return fail(error, 400, "the HTTP request target has a space or control character");
     }
   }
+  // RFC 9112 section 3.2.2: a server must accept the absolute form (what clients send to a
+  // proxy); the resource is what follows the authority.
+  const std::string_view target = head.target;
+  for (std::string_view scheme : {"http://", "https://"}) {
+    if (target.size() < scheme.size() || !iequals(target.substr(0, scheme.size()), scheme))
+      continue;
+    const size_t end = target.find_first_of("/?", scheme.size());
+    if (end == std::string_view::npos) {
+      head.target = "/";
+    } else if (target[end] == '/') {
+      head.target = target.substr(end);
+    } else {
+      return fail(error, 400, "an absolute-form request target needs a path before its query");
+    }
+    break;
+  }
   head.version = parse_version(line.substr(sp2 + 1));
   if (head.version == 0) {
     return fail(error, 400,

@@ -60,6 +60,21 @@ TEST(HttpWire, ParsesARequestHead) {
   EXPECT_EQ(body, "hello");
 }
 
+// A client that talks to the gateway as to a proxy names the whole URL: the resource is its path.
+TEST(HttpWire, AnAbsoluteFormTargetIsItsPathAndQuery) {
+  for (const auto& [line, target] : std::vector<std::pair<std::string, std::string>>{
+           {"POST http://gw:8080/v1/completions?a=1 HTTP/1.1", "/v1/completions?a=1"},
+           {"GET HTTPS://gw/health HTTP/1.1", "/health"},
+           {"GET http://gw HTTP/1.1", "/"},
+           {"GET /http://x HTTP/1.1", "/http://x"}}) {
+    const std::string bytes = line + "\r\nHost: gw\r\n\r\n";  // the head views it
+    Result r = parse_request(bytes);
+    ASSERT_EQ(r.parse, Parse::kDone) << line << ": " << r.error.message;
+    EXPECT_EQ(r.head.target, target) << line;
+  }
+  EXPECT_EQ(parse_request("GET http://gw?a=1 HTTP/1.1\r\nHost: gw\r\n\r\n").error.status, 400);
+}
+
 TEST(HttpWire, KeepAliveFollowsVersionAndConnection) {
   EXPECT_TRUE(parse_request("GET / HTTP/1.1\r\nHost: h\r\n\r\n").head.keep_alive);
   EXPECT_FALSE(
