@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -31,6 +32,10 @@ struct Output {
   int fd = -1;
   bool owned = false;
   bool socket = false;
+  // Others may write to it too (gateway replicas of one `serve` share its standard output, and
+  // serve prints there): each line goes in a write of its own, which a pipe keeps whole (up to
+  // PIPE_BUF bytes) however writers interleave. A regular file takes whole batches.
+  bool line_writes = false;
 };
 
 Output open_output(const std::string& path) {
@@ -39,6 +44,7 @@ Output open_output(const std::string& path) {
     out.fd = STDOUT_FILENO;
     struct stat st {};
     if (::fstat(out.fd, &st) != 0 || S_ISREG(st.st_mode)) return out;
+    out.line_writes = true;
     if (S_ISSOCK(st.st_mode)) {
       out.socket = true;
       return out;
@@ -47,7 +53,10 @@ Output open_output(const std::string& path) {
     // terminal shares with us; a fresh open of the same pipe or terminal has a description of
     // its own. Without /proc, standard output is written as it is (and may block).
     const int fd = ::open("/proc/self/fd/1", O_WRONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd >= 0) out = {fd, true, false};
+    if (fd >= 0) {
+      out.fd = fd;
+      out.owned = true;
+    }
     return out;
   }
   out.fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
@@ -55,8 +64,10 @@ Output open_output(const std::string& path) {
     throw Error("access log '" + path + "': cannot open for append: " + std::strerror(errno));
   out.owned = true;
   struct stat st {};
-  if (::fstat(out.fd, &st) == 0 && !S_ISREG(st.st_mode))
+  if (::fstat(out.fd, &st) == 0 && !S_ISREG(st.st_mode)) {
     ::fcntl(out.fd, F_SETFL, ::fcntl(out.fd, F_GETFL) | O_NONBLOCK);  // our own description
+    out.line_writes = true;
+  }
   return out;
 }
 
@@ -90,7 +101,7 @@ struct AccessLog::Impl {
 
   // Writes text[*done..] until it is all written (true), or the deadline passes, or a write
   // fails (false).
-  bool write_all(const std::string& text, size_t* done) {
+  bool write_all(std::string_view text, size_t* done) {
     while (*done < text.size()) {
       const char* data = text.data() + *done;
       const size_t size = text.size() - *done;
@@ -153,7 +164,17 @@ struct AccessLog::Impl {
         lines.swap(queue_lines);
       }
       size_t done = 0;
-      const bool whole = write_all(batch, &done);
+      bool whole = true;
+      if (out.line_writes) {
+        for (size_t length : lines) {
+          size_t line_done = 0;
+          whole = write_all(std::string_view(batch).substr(done, length), &line_done);
+          done += line_done;
+          if (!whole) break;
+        }
+      } else {
+        whole = write_all(batch, &done);
+      }
       if (!whole) {
         // The lines not wholly written are lost (a line cut short at the deadline stays cut).
         size_t end = 0;

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -143,6 +144,42 @@ TEST(AccessLog, AReaderThatDoesNotReadCostsAtMostTheCapAndDestructionReturns) {
   const auto whole = static_cast<uint64_t>(std::count(written.begin(), written.end(), '\n'));
   EXPECT_GT(whole, 0u);
   EXPECT_EQ(whole + dropped.value(), uint64_t{kLines});
+}
+
+// Two logs on one pipe (gateway replicas of one `serve` share its standard output): however
+// their writes interleave, every line the reader gets is whole. Each log's lines pile up while the
+// pipe is full, so each writes a batch far larger than the pipe takes at once.
+TEST(AccessLog, LogsSharingAPipeNeverCutEachOthersLines) {
+  UnreadPipe pipe;
+  ::fcntl(pipe.fds[1], F_SETPIPE_SZ, 4096);
+  constexpr int kLines = 300;  // 300 KB per log, all within the cap below
+  constexpr AccessLog::Limits kRoomy{size_t{4} << 20, std::chrono::milliseconds(10000)};
+  std::string read;
+  {
+    AccessLog a(pipe.write_path(), nullptr, kRoomy), b(pipe.write_path(), nullptr, kRoomy);
+    for (int i = 0; i < kLines; ++i) {
+      a.add(line_of(i));
+      b.add(line_of(kLines + i));
+    }
+    std::thread reader([&] {
+      char buf[4096];
+      size_t newlines = 0;
+      while (newlines < 2 * kLines) {
+        const ssize_t n = ::read(pipe.fds[0], buf, sizeof buf);
+        if (n <= 0) break;
+        read.append(buf, size_t(n));
+        newlines += size_t(std::count(buf, buf + n, '\n'));
+      }
+    });
+    reader.join();
+  }
+  std::istringstream lines(read);
+  int count = 0;
+  for (std::string line; std::getline(lines, line); ++count) {
+    const json j = json::parse(line, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << "a cut line: " << line.substr(0, 80);
+  }
+  EXPECT_EQ(count, 2 * kLines);
 }
 
 // Standard output on a pipe: written without blocking through a descriptor of the log's own, and
