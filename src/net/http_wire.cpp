@@ -591,11 +591,7 @@ void append_request(std::string& out, std::string_view method, std::string_view 
   out += ' ';
   out += target;
   out += " HTTP/1.1\r\nHost: ";
-  // An IPv6 literal needs brackets in Host (RFC 9110 7.2).
-  bool v6 = host.find(':') != std::string_view::npos;
-  if (v6) out += '[';
-  out += host;
-  if (v6) out += ']';
+  out += url_host(host);  // an IPv6 literal in brackets (RFC 9110 7.2)
   out += ':';
   append_number(out, port);
   out += kCrlf;
