@@ -31,6 +31,9 @@ ChildProcess::ChildProcess(const std::string& program, const std::vector<std::st
     throw Error("cannot start " + program);
   }
   if (pid_ == 0) {
+    // Ignored signals stay ignored across exec: `tandem` ignores SIGPIPE for its own stdout, a
+    // program it starts gets the default.
+    ::signal(SIGPIPE, SIG_DFL);
     if (in_child) in_child();
     dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <csignal>
+#include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -71,6 +73,18 @@ TEST(ChildProcess, ALaterChildDoesNotHoldAnEarlierChildsPipe) {
        line = second.read_line())
     held += line;
   EXPECT_EQ(held.find(pipe), std::string::npos) << held;
+}
+
+// `tandem` ignores SIGPIPE; the programs it starts get the default action back.
+TEST(ChildProcess, AChildGetsTheDefaultSigpipeEvenWhenItsParentIgnoresIt) {
+  const auto before = ::signal(SIGPIPE, SIG_IGN);
+  ChildProcess child("/bin/cat", {"cat", "/proc/self/status"});
+  ::signal(SIGPIPE, before);
+  uint64_t ignored = ~uint64_t{0};
+  for (std::string line = child.read_line(); !line.empty(); line = child.read_line())
+    if (line.rfind("SigIgn:", 0) == 0) ignored = std::stoull(line.substr(7), nullptr, 16);
+  ASSERT_NE(ignored, ~uint64_t{0}) << "no SigIgn line";
+  EXPECT_EQ(ignored & (uint64_t{1} << (SIGPIPE - 1)), 0u);
 }
 
 }  // namespace
