@@ -183,4 +183,10 @@ void EngineChild::terminate() {
   if (process_) process_->signal(state_ == State::kStarting ? SIGKILL : SIGTERM);
 }
 
+void EngineChild::wait_until(Clock::time_point deadline) {
+  if (!process_) return;
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  process_->stop(std::max(left, std::chrono::milliseconds(0)));
+}
+
 }  // namespace tandem::cli

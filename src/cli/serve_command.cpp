@@ -261,6 +261,8 @@ void run(const ServeOptions& o) {
   std::fprintf(stderr, "tandem serve: stopping (signal %d)\n", sig);
   for (auto& gw : gateways) gw->stop();
   for (auto& c : children) c->terminate();  // all at once, then wait for each
+  const auto deadline = EngineChild::Clock::now() + ChildProcess::kStopGrace;
+  for (auto& c : children) c->wait_until(deadline);
   children.clear();
 }
 

@@ -127,6 +127,24 @@ TEST(EngineChild, ARestartDoesNotWaitForTheEngineAndEndsAtItsDeadline) {
       << "state " << process_state(starting);
 }
 
+// At serve's stop a running engine gets SIGTERM; one that does not act on it (it ignores it
+// here, as a hung one would) is killed at the deadline instead of holding serve's shutdown.
+TEST(EngineChild, ARunningEngineThatIgnoresTheStopIsKilledAtTheDeadline) {
+  const StopSignals signals;
+  const auto args = [](const EnginePorts&) {
+    return std::vector<std::string>{
+        "sh", "-c",
+        "trap '' TERM; echo 'tandem engine: listening on http://[::1]:4321 (model fake)'; "
+        "echo 'tandem engine: role both'; while :; do sleep 1; done"};
+  };
+  EngineChild child(options(5min), args, signals);
+  ASSERT_EQ(child.state(), EngineChild::State::kRunning);
+  const pid_t pid = child.pid();
+  child.terminate();
+  child.wait_until(EngineChild::Clock::now() + std::chrono::milliseconds(100));
+  EXPECT_EQ(::kill(pid, 0), -1) << "still there: state " << process_state(pid);
+}
+
 // The first start fails with an error naming the engine and the line it could not read, rather
 // than an exception from deep inside (std::stoi's "stoi"), and leaves no engine behind.
 TEST(EngineChild, AnUnreadablePortLineFailsTheStartQuotingIt) {
