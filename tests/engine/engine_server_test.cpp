@@ -346,7 +346,7 @@ TEST_F(EngineServer, ResponseIdsCarryTheirPrefixAndTheClientsRequestId) {
   EXPECT_LT(replaced.size(), 64u);
   EXPECT_EQ(id_of("/v1/completions", completion, std::string(256, 'y')),
             "cmpl-" + std::string(256, 'y'));
-  EXPECT_EQ(id_of("/v1/completions", completion, "a\"b").find('"'), std::string::npos);
+  EXPECT_EQ(id_of("/v1/completions", completion, "a b").find(' '), std::string::npos);
   EXPECT_EQ(engine.stop(), 0);
 }
 

@@ -463,8 +463,9 @@ TEST_F(Speculation, MaxTokensNearTheLargestIntegerIsRefusedNotWrapped) {
     EXPECT_NE(refusal(huge).find("exceeds the model's maximum context length"), std::string::npos)
         << huge;
   const int64_t cache = engine.executor_info().num_blocks * engine.executor_info().block_size;
-  if (cache - 5 < engine.executor_info().max_model_len - 5)
+  if (cache - 5 < engine.executor_info().max_model_len - 5) {
     EXPECT_NE(refusal(cache - 4).find("exceeds the KV cache"), std::string::npos);
+  }
   EXPECT_EQ(refusal(std::min(cache, engine.executor_info().max_model_len) - 5), "(accepted)");
 }
 
