@@ -1795,7 +1795,7 @@ TEST_F(KvTransferAgents, RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode)
 // A decode leg that ends before it registers (no free blocks for the prompt, its client gone)
 // abandons its room: the prefill leg fails at once with the reason and frees its blocks instead of
 // holding them for the timeout (600 s here), or, not arrived yet, is refused when it comes. An
-// abandonment naming another prompt leaves the room alone.
+// abandonment naming another prompt leaves the room alone, before its prefill leg too.
 TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOne) {
   start(600);
   const uint64_t hash = kv_prompt_hash(prompt_);
@@ -1813,13 +1813,15 @@ TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOn
 
   // By hand, so that the test knows when the prefill engine has read each one (its kDone).
   auto transport = make_tcp_transport({5000ms});
-  auto abandon = [&](uint64_t room, uint64_t prompt_hash, const std::string& reason) {
+  auto abandon = [&](uint64_t room, uint64_t prompt_hash, const std::string& reason,
+                     int64_t prompt_tokens = 11) {
     auto conn = transport->connect("127.0.0.1", prefill_->port());
-    send_text(
-        *conn, KvFrameType::kAbandon,
-        json{
-            {"room", room}, {"prompt_hash", prompt_hash}, {"prompt_tokens", 11}, {"reason", reason}}
-            .dump());
+    send_text(*conn, KvFrameType::kAbandon,
+              json{{"room", room},
+                   {"prompt_hash", prompt_hash},
+                   {"prompt_tokens", prompt_tokens},
+                   {"reason", reason}}
+                  .dump());
     return conn->receive(1 << 20).type;
   };
   RoomOutcome other;
@@ -1846,6 +1848,21 @@ TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOn
   prefill_->room_failed(92, claims_[92], "test over");
   ASSERT_TRUE(queue_.run_until([&] { return again.called; }));
   EXPECT_FALSE(late.called);
+
+  // Before the prefill leg, for another prompt (hash, or length): the leg that arrives is served.
+  EXPECT_EQ(abandon(93, hash + 1, "another prompt's"), KvFrameType::kDone);
+  EXPECT_EQ(abandon(94, hash, "a longer prompt's", 12), KvFrameType::kDone);
+  for (const uint64_t room : {93, 94}) {
+    RoomOutcome served;
+    uint64_t claim = 0;
+    EXPECT_NO_THROW(claim = open(room, hash, 11, room_done(served))) << "room " << room;
+    ASSERT_NE(claim, 0u) << "room " << room;
+    queue_.run_pending();
+    EXPECT_FALSE(served.called) << "room " << room;
+    prefill_->room_failed(room, claim, "test over");
+    ASSERT_TRUE(queue_.run_until([&] { return served.called; }));
+    EXPECT_EQ(served.error, "test over");
+  }
 
   // Malformed: the peer learns why.
   auto conn = transport->connect("127.0.0.1", prefill_->port());

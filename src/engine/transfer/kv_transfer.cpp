@@ -261,6 +261,9 @@ struct KvTransferAgent::Room {
   bool failed = false;
   bool refuses_prefill = false;  // a marker left by a refused decode engine (else a late
                                  // prefill leg may claim the room afresh)
+  // A marker that refuses only the prefill leg of prompt_hash and prompt_tokens: an abandonment
+  // names its prompt, and one for another prompt must not cost a room its prefill leg.
+  bool refuses_one_prompt = false;
   std::string error;
   Clock::time_point deadline;
 };
@@ -435,7 +438,9 @@ uint64_t KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t
     r = std::make_unique<Room>();
   } else if (r->has_prefill) {
     return 0;
-  } else if (r->failed && !r->registered && r->refuses_prefill) {
+  } else if (r->failed && !r->registered && r->refuses_prefill &&
+             (!r->refuses_one_prompt ||
+              (r->prompt_hash == prompt_hash && r->prompt_tokens == prompt_tokens))) {
     const std::string error = r->error;
     rooms_.erase(room);
     throw KvTransferError(error);
@@ -517,11 +522,15 @@ void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& err
   }
 }
 
-void KvTransferAgent::leave_refusal(uint64_t room, const std::string& error) {
+void KvTransferAgent::leave_refusal(uint64_t room, const std::string& error, uint64_t prompt_hash,
+                                    int64_t prompt_tokens) {
   if (rooms_.size() >= config_.max_rooms) return;
   auto r = std::make_unique<Room>();
   r->failed = true;
   r->refuses_prefill = true;
+  r->refuses_one_prompt = prompt_tokens >= 0;
+  r->prompt_hash = prompt_hash;
+  r->prompt_tokens = prompt_tokens;
   r->error = error;
   r->deadline = deadline();
   rooms_[room] = std::move(r);
@@ -814,6 +823,8 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     if (it != rooms_.end() && !it->second->registered) {
       finish_room(room, false, problem);
     } else if (it == rooms_.end()) {
+      // Any prompt's leg: as when it came first, when a decode engine of another prompt fails
+      // the room too (the prompts differ), the leg cannot succeed.
       leave_refusal(room, problem);
     }
     lock.unlock();
@@ -928,8 +939,8 @@ void KvTransferAgent::serve_abandon(KvConnection& conn, const std::vector<std::b
     auto it = rooms_.find(room);
     if (it == rooms_.end()) {
       // The prefill leg has not arrived: it is refused when it does (nobody would receive its
-      // KV); the marker expires after the timeout.
-      leave_refusal(room, reason);
+      // KV), if it is for this prompt; the marker expires after the timeout.
+      leave_refusal(room, reason, hash, prompt_tokens);
     } else if (const Room& r = *it->second; r.has_prefill && !r.registered &&
                                             r.prompt_hash == hash &&
                                             r.prompt_tokens == prompt_tokens) {

@@ -186,9 +186,11 @@ class KvTransferAgent final : public KvTransfers {
  private:
   struct Held;
   struct Room;
-  // A refusal marker for `room`, unless the table is full (KvTransferConfig::max_rooms). Under
-  // mutex_.
-  void leave_refusal(uint64_t room, const std::string& error);
+  // A refusal marker for `room`, unless the table is full (KvTransferConfig::max_rooms): a
+  // prefill leg that arrives later is refused with `error`, only for this prompt when
+  // `prompt_tokens` >= 0 (else for any). Under mutex_.
+  void leave_refusal(uint64_t room, const std::string& error, uint64_t prompt_hash = 0,
+                     int64_t prompt_tokens = -1);
   struct Metrics;
   void accept_loop();
   void serve(std::shared_ptr<KvConnection> conn, const std::string& address);
