@@ -72,6 +72,13 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
 
   uint64_t open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
                      RoomDone done) override {
+    if (auto refusal = refusals_.find(room); refusal != refusals_.end()) {
+      Refusal f = std::move(refusal->second);
+      refusals_.erase(refusal);
+      net_.clock_.cancel(f.expiry);
+      if (f.prompt_hash == prompt_hash && f.prompt_tokens == prompt_tokens)
+        throw engine::KvTransferError(f.error);
+    }
     Room& r = rooms_[room];
     if (r.claim != 0) return 0;  // another prefill request holds it
     r.claim = ++next_claim_;
@@ -149,12 +156,13 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   void abandon_room(const std::string& host, uint16_t port, uint64_t room, uint64_t prompt_hash,
-                    int64_t, const std::string& reason) override {
+                    int64_t prompt_tokens, const std::string& reason) override {
     auto server = net_.servers_.find(address(host, port));
     if (server == net_.servers_.end()) return;
     Endpoint* prefill = server->second;
-    at(now_() + net_.link_.latency_s,
-       [prefill, room, prompt_hash, reason] { prefill->abandoned(room, prompt_hash, reason); });
+    at(now_() + net_.link_.latency_s, [prefill, room, prompt_hash, prompt_tokens, reason] {
+      prefill->abandoned(room, prompt_hash, prompt_tokens, reason);
+    });
   }
 
   int64_t held_blocks() const override {
@@ -193,6 +201,13 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   };
   struct Fetch {
     std::function<void(const KvFetchResult&)> done;
+  };
+  // Left by an abandonment that came before its room's prefill leg: that leg is refused.
+  struct Refusal {
+    uint64_t prompt_hash = 0;
+    int64_t prompt_tokens = 0;
+    std::string error;
+    gateway::Executor::TimerId expiry;
   };
 
   static std::string address(const std::string& host, uint16_t port) {
@@ -333,12 +348,22 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (r.claim != 0 && r.done) to_engine([d = std::move(r.done), why] { d(false, why); });
   }
 
-  // Prefill side: the decode leg of `room` ended before it registered. A prefill leg that has
-  // not come yet finds no room and waits out its timeout, as before.
-  void abandoned(uint64_t room, uint64_t prompt_hash, const std::string& reason) {
+  // Prefill side: the decode leg of `room` ended before it registered. As the live engine: the
+  // room's prefill leg for this prompt fails, or is refused if it comes within the timeout.
+  void abandoned(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
+                 const std::string& reason) {
     auto it = rooms_.find(room);
-    if (it == rooms_.end() || it->second.claim == 0 || it->second.decode ||
-        it->second.prompt_hash != prompt_hash)
+    if (it == rooms_.end()) {
+      if (refusals_.count(room)) return;
+      Refusal& f = refusals_[room];
+      f.prompt_hash = prompt_hash;
+      f.prompt_tokens = prompt_tokens;
+      f.error = reason;
+      f.expiry = at(now_s() + config_.timeout_s, [this, room] { refusals_.erase(room); });
+      return;
+    }
+    if (it->second.claim == 0 || it->second.decode || it->second.prompt_hash != prompt_hash ||
+        it->second.prompt_tokens != prompt_tokens)
       return;
     fail_room(room, reason);
   }
@@ -373,6 +398,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   std::function<void()> wake_;
   std::map<std::string, Held> held_;
   std::map<uint64_t, Room> rooms_;
+  std::map<uint64_t, Refusal> refusals_;                              // prefill side, by room
   std::map<std::string, Fetch> fetches_;                              // decode side, by request
   std::map<uint64_t, std::pair<std::string, Endpoint*>> registered_;  // decode side, by room
   uint64_t next_id_ = 0, next_claim_ = 0;

@@ -1,0 +1,126 @@
+// The simulator's virtual KV links answer a bootstrap room's legs as the live engines' transfer
+// agents do (kv_transfer_test.cpp covers those), so that a simulated run takes the same paths.
+#include "sim/virtual_kv_links.h"
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "sim/virtual_time.h"
+
+namespace tandem::sim {
+namespace {
+
+using engine::KvTransferError;
+using engine::KvTransfers;
+
+// What the virtual links read of an engine: its KV layout.
+class LayoutOnly final : public engine::Executor {
+ public:
+  LayoutOnly() { info_.kv_layout = {"layout-only", 2, 4, 8}; }
+  const engine::ExecutorInfo& info() const override { return info_; }
+  engine::ExecResult execute(std::span<const engine::ExecItem>, const engine::LayerHook&) override {
+    throw Error("LayoutOnly runs no step");
+  }
+  const std::byte* kv_bytes(int32_t, int64_t) const override { return nullptr; }
+  void write_kv(int32_t, int64_t, std::span<const std::byte>) override {}
+
+ private:
+  engine::ExecutorInfo info_;
+};
+
+struct RoomEnd {
+  std::optional<bool> ok;
+  std::string error;
+};
+
+class VirtualKvLinks : public ::testing::Test {
+ protected:
+  VirtualKvLinks() {
+    engine::KvTransferConfig p;
+    p.engine_id = "prefill";
+    p.port = 1;
+    p.advertise_host = "prefill-host";
+    p.timeout_s = 30;
+    prefill_ = net_.make(p, executor_, post(), now(), [] {});
+    engine::KvTransferConfig d;
+    d.engine_id = "decode";
+    d.timeout_s = 30;
+    decode_ = net_.make(d, executor_, post(), now(), [] {});
+  }
+
+  KvTransfers::Post post() {
+    return [this](KvTransfers::Task t) { engine_tasks_.push_back(std::move(t)); };
+  }
+  std::function<double()> now() {
+    return [this] { return seconds_of(clock_.now()); };
+  }
+  // Delivers what is on the links, and runs what they posted to the engines.
+  void settle() {
+    gateway::Executor::Clock::time_point next;
+    while (clock_.next_timer(&next) && next <= clock_.now() + duration_of(1))
+      clock_.advance_to(next);
+    for (size_t i = 0; i < engine_tasks_.size(); ++i) engine_tasks_[i]();
+    engine_tasks_.clear();
+  }
+  KvTransfers::RoomDone room_end(RoomEnd& end) {
+    return [&end](bool ok, const std::string& error) {
+      end.ok = ok;
+      end.error = error;
+    };
+  }
+
+  gateway::VirtualExecutor clock_;
+  VirtualKvNetwork net_{clock_, KvLinkModel{}};
+  LayoutOnly executor_;
+  std::vector<KvTransfers::Task> engine_tasks_;
+  std::unique_ptr<KvTransfers> prefill_, decode_;
+};
+
+// An abandonment that comes before the room's prefill leg refuses that leg when it arrives, once,
+// and only the leg of the prompt it names (its hash and length); one for another prompt leaves
+// the room to its leg.
+TEST_F(VirtualKvLinks, AnAbandonedRoomRefusesALatePrefillLegOfItsPromptOnly) {
+  decode_->abandon_room("prefill-host", 1, 7, 1234, 11, "the decode request ended: no blocks");
+  decode_->abandon_room("prefill-host", 1, 8, 9999, 11, "another prompt's");
+  decode_->abandon_room("prefill-host", 1, 9, 1234, 12, "a longer prompt's");
+  settle();
+
+  RoomEnd refused;
+  try {
+    prefill_->open_room(7, 1234, 11, room_end(refused));
+    ADD_FAILURE() << "open_room accepted a room whose decode leg was abandoned";
+  } catch (const KvTransferError& e) {
+    EXPECT_EQ(std::string(e.what()), "the decode request ended: no blocks");
+  }
+  RoomEnd again;
+  EXPECT_NE(prefill_->open_room(7, 1234, 11, room_end(again)), 0u);  // the refusal was used up
+
+  for (const uint64_t room : {8, 9}) {
+    RoomEnd served;
+    uint64_t claim = 0;
+    EXPECT_NO_THROW(claim = prefill_->open_room(room, 1234, 11, room_end(served))) << room;
+    ASSERT_NE(claim, 0u) << room;
+    settle();
+    EXPECT_FALSE(served.ok.has_value()) << room;
+    prefill_->room_failed(room, claim, "test over");
+    settle();
+    EXPECT_EQ(served.ok, std::optional<bool>(false)) << room;
+    EXPECT_EQ(served.error, "test over") << room;
+  }
+  EXPECT_FALSE(refused.ok.has_value());
+}
+
+// A refusal lasts the transfer timeout: a prefill leg that comes later waits for its decode leg.
+TEST_F(VirtualKvLinks, AnAbandonmentsRefusalExpiresWithTheTimeout) {
+  decode_->abandon_room("prefill-host", 1, 7, 1234, 11, "gone");
+  settle();
+  clock_.advance_by(duration_of(31));
+  RoomEnd end;
+  EXPECT_NE(prefill_->open_room(7, 1234, 11, room_end(end)), 0u);
+}
+
+}  // namespace
+}  // namespace tandem::sim
