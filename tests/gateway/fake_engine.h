@@ -168,8 +168,10 @@ class FakeEngine {
         ex->start_stream(200, "text/event-stream");
         const std::string event = net::sse_event(
             json{{"choices", {{{"index", 0}, {"text", std::string(16 << 10, 'x')}}}}}.dump());
+        // Until the gateway gives up on the leg (1 GiB at most): a flood that ended by itself
+        // could finish (end()) before the gateway cut it, and the leg would not be cut at all.
         std::thread([ex, event] {
-          for (size_t sent = 0; sent < (size_t{12} << 20); sent += event.size())
+          for (size_t sent = 0; sent < (size_t{1} << 30); sent += event.size())
             if (!ex->write(event)) return;  // the gateway gave up on the leg
           ex->write(net::kSseDone);
           ex->end();
