@@ -89,9 +89,10 @@ class PrefixIndex {
   // The engine stored a run of consecutive full blocks: `engine_hashes[i]` names block i in the
   // engine's hashes, `token_ids` holds engine_hashes.size() * block_size ids in chain order, and
   // `parent` is the engine hash of the block before the first (nullopt: the run starts a
-  // sequence). Returns false, changing nothing, when the parent is unknown, the token count
-  // does not match (then the caller's block size is wrong) or the run may be salted by an engine
-  // whose hashing is not yet known.
+  // sequence). Returns false, changing nothing, when the parent is unknown or the token count
+  // does not match (then the caller's block size is wrong). A lone first block of an engine whose
+  // hashing is not yet known is keyed by the engine's hash (right if salted) and re-keyed by its
+  // tokens if the engine turns out to hash otherwise.
   bool add_blocks(EngineKey engine, std::span<const uint64_t> engine_hashes,
                   std::span<const int32_t> token_ids, std::optional<uint64_t> parent,
                   std::string_view medium = "");
@@ -106,7 +107,7 @@ class PrefixIndex {
   // For every engine holding at least the prompt's first full block: how many leading full
   // blocks of `token_ids` it holds, sorted by engine key. Engines absent from the result hold
   // none. `salt`: the request's cache salt as the engines fold it into the first block
-  // (util/hash.h hash_bytes of its cache_salt); blocks stored under another salt, or none, do
+  // (api::cache_salt_hash of its cache_salt); blocks stored under another salt, or none, do
   // not match.
   // O(prompt blocks) per distinct block size; marks the walked blocks as recently used.
   std::vector<PrefixMatch> match(std::span<const int32_t> token_ids,

@@ -36,9 +36,8 @@ struct TokensIn {
   int64_t max_tokens = 0;    // the completion budget of each choice (defaults applied)
   int64_t n = 1;             // choices
   bool stream = false;
-  // vLLM's cache_salt as the engines fold it into a prompt's first block (util/hash.h's
-  // hash_bytes, as the engine's generation API hashes it): the prefix-cache entries the prompt
-  // may share.
+  // vLLM's cache_salt as the engines fold it into a prompt's first block (api::cache_salt_hash,
+  // as the engine's generation API hashes it): the prefix-cache entries the prompt may share.
   std::optional<uint64_t> cache_salt;
 };
 

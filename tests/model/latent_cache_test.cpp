@@ -149,4 +149,23 @@ TEST(KvCacheSizing, CountsBeyondInt32BlockIdsAndSizesBeyondInt64AreRefusedNaming
 }
 
 }  // namespace
+// The limits that bind the process are its own cgroup's and every ancestor's, as
+// /proc/self/cgroup names them, for either cgroup version (v1 only under "memory").
+TEST(KvCacheSizing, TheCgroupLimitsReadAreTheProcessCgroupsAndItsAncestors) {
+  EXPECT_EQ(engine::cgroup_memory_limit_files("0::/system.slice/tandem.service\n"),
+            (std::vector<std::string>{"/sys/fs/cgroup/system.slice/tandem.service/memory.max",
+                                      "/sys/fs/cgroup/system.slice/memory.max",
+                                      "/sys/fs/cgroup/memory.max"}));
+  EXPECT_EQ(engine::cgroup_memory_limit_files("0::/\n"),
+            (std::vector<std::string>{"/sys/fs/cgroup/memory.max"}));
+  EXPECT_EQ(engine::cgroup_memory_limit_files("9:pids:/\n4:memory:/box/1\n1:cpu,cpuacct:/\n"),
+            (std::vector<std::string>{"/sys/fs/cgroup/memory/box/1/memory.limit_in_bytes",
+                                      "/sys/fs/cgroup/memory/box/memory.limit_in_bytes",
+                                      "/sys/fs/cgroup/memory/memory.limit_in_bytes"}));
+  EXPECT_EQ(engine::cgroup_memory_limit_files("5:cpu,memory:/x\n"),
+            (std::vector<std::string>{"/sys/fs/cgroup/memory/x/memory.limit_in_bytes",
+                                      "/sys/fs/cgroup/memory/memory.limit_in_bytes"}));
+  EXPECT_TRUE(engine::cgroup_memory_limit_files("garbage\n3:memoryx:/y\n").empty());
+}
+
 }  // namespace tandem::model

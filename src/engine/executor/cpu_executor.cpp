@@ -6,8 +6,11 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "engine/executor/model_executor.h"
 
@@ -22,23 +25,66 @@ std::string gib(double bytes) {
   return buf;
 }
 
-// A cgroup's memory limit (v2 memory.max, else v1 memory.limit_in_bytes); 0 when unreadable or
+// A cgroup's memory limit: the smallest of the files' values; 0 when none is readable or all say
 // unlimited ("max", or v1's near-2^63 sentinel).
 int64_t cgroup_memory_limit() {
-  for (const char* path :
-       {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+  std::ifstream self("/proc/self/cgroup");
+  const std::string membership((std::istreambuf_iterator<char>(self)), {});
+  int64_t limit = 0;
+  for (const std::string& path : cgroup_memory_limit_files(membership)) {
     std::ifstream in(path);
     std::string value;
     if (!(in >> value) || value == "max") continue;
     char* end = nullptr;
     const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
-    if (end != value.c_str() && *end == 0 && v > 0 && v < (1ull << 62))
-      return static_cast<int64_t>(v);
+    if (end != value.c_str() && *end == 0 && v > 0 && v < (1ull << 62) &&
+        (limit == 0 || static_cast<int64_t>(v) < limit))
+      limit = static_cast<int64_t>(v);
   }
-  return 0;
+  return limit;
 }
 
 }  // namespace
+
+std::vector<std::string> cgroup_memory_limit_files(std::string_view proc_self_cgroup) {
+  std::vector<std::string> files;
+  // The cgroup's own folder and every one above it: a limit set on a parent (a systemd slice, a
+  // container's) binds too.
+  auto with_ancestors = [&](const std::string& root, std::string_view path, const char* file) {
+    std::string dir(path);
+    for (;;) {
+      while (!dir.empty() && dir.back() == '/') dir.pop_back();
+      files.push_back(root + dir + "/" + file);
+      if (dir.empty()) return;
+      dir.erase(dir.rfind('/') == std::string::npos ? 0 : dir.rfind('/'));
+    }
+  };
+  size_t at = 0;
+  while (at < proc_self_cgroup.size()) {
+    size_t end = proc_self_cgroup.find('\n', at);
+    if (end == std::string_view::npos) end = proc_self_cgroup.size();
+    const std::string_view line = proc_self_cgroup.substr(at, end - at);
+    at = end + 1;
+    // "ID:CONTROLLERS:PATH": v2 is "0::PATH"; v1 names "memory" among its controllers.
+    const size_t first = line.find(':'), second = line.find(':', first + 1);
+    if (first == std::string_view::npos || second == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(first + 1, second - first - 1);
+    const std::string_view path = line.substr(second + 1);
+    if (path.empty() || path.front() != '/') continue;
+    if (controllers.empty()) {
+      with_ancestors("/sys/fs/cgroup", path, "memory.max");
+    } else {
+      for (size_t c = 0; c <= controllers.size();) {
+        size_t comma = controllers.find(',', c);
+        if (comma == std::string_view::npos) comma = controllers.size();
+        if (controllers.substr(c, comma - c) == "memory")
+          with_ancestors("/sys/fs/cgroup/memory", path, "memory.limit_in_bytes");
+        c = comma + 1;
+      }
+    }
+  }
+  return files;
+}
 
 int64_t kv_cache_memory_limit() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);

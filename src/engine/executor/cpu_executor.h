@@ -3,6 +3,9 @@
 // sized from a memory budget.
 #include <memory>
 #include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "engine/executor/executor.h"
 #include "engine/speculative/mtp_drafter.h"
@@ -30,6 +33,10 @@ int64_t kv_blocks_for(const model::DeepSeekModel& model, const CpuExecutorOption
 // The most memory a KV cache may take: the machine's physical memory, or the memory limit of
 // the process's cgroup when one is set and lower; 0 when neither can be read (no check).
 int64_t kv_cache_memory_limit();
+// The files that hold the memory limits binding this process, from /proc/self/cgroup's text:
+// for cgroup v2 ("0::/a/b") memory.max of /sys/fs/cgroup/a/b and of each folder above; for v1 (a
+// line naming "memory") memory.limit_in_bytes likewise under /sys/fs/cgroup/memory.
+std::vector<std::string> cgroup_memory_limit_files(std::string_view proc_self_cgroup);
 
 class CpuExecutor : public Executor {
  public:
