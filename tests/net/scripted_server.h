@@ -3,12 +3,15 @@
 // early, closes unanswered, resets) written out as a function over a raw socket.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -92,6 +95,18 @@ class ScriptedServer {
       if (n <= 0) return;
       bytes.remove_prefix(static_cast<size_t>(n));
     }
+  }
+  // Waits until the client's kernel acknowledged all that was written on `fd`, a FIN after
+  // shutdown(SHUT_WR) included: it is then in the client's socket, and what the client reads or
+  // peeks next sees it, however late the client's thread runs. False if not within 10 s.
+  static bool wait_acknowledged(int fd) {
+    for (int i = 0; i < 10000; ++i) {
+      int unacknowledged = 0;
+      if (::ioctl(fd, SIOCOUTQ, &unacknowledged) != 0) return false;
+      if (unacknowledged == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
   }
 
  private:
