@@ -91,6 +91,10 @@ class ClientLoop {
 
   EventLoop& loop() { return loop_; }
   const AsyncHttpClientOptions& options() const { return options_; }
+  std::chrono::steady_clock::time_point now() const {
+    if (options_.clock) return options_.clock();
+    return std::chrono::steady_clock::time_point(std::chrono::milliseconds(loop_.now_ms()));
+  }
 
   void begin(const std::shared_ptr<Call>& call);
   void cancel(Call& call);
@@ -155,10 +159,12 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   // Closes an idle connection (or one whose call already ended).
   void close();
   bool usable() const { return detail::idle_connection_usable(fd_); }
-  void become_idle() {
+  void become_idle(std::chrono::steady_clock::time_point now) {
     phase_ = Phase::kIdle;
+    idle_since_ = now;
     timer_.disarm();
   }
+  std::chrono::steady_clock::time_point idle_since() const { return idle_since_; }
 
   void on_io(uint32_t events) override;
   void on_timer() override;
@@ -200,6 +206,7 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   int read_errno_ = 0;
   int send_errno_ = 0;  // the send of the request failed (its answer may still be readable)
   bool head_request_ = false;
+  std::chrono::steady_clock::time_point idle_since_{};
 
   ByteBuffer in_;
   std::string out_;
@@ -384,9 +391,12 @@ void ClientLoop::begin(const std::shared_ptr<Call>& call) {
   while (it != idle_.end() && !it->second.empty()) {
     ClientConn* c = it->second.back();
     it->second.pop_back();
-    // A connection the server closed since its last event: dropped now, because once a POST
-    // went out whole on it, it would not be sent again.
-    if (c->usable()) {
+    // A connection the server closed since its last event, or may be closing about now (its
+    // keep-alive timeout): dropped, because once a POST went out whole on it, it would not be
+    // sent again. The peek sees a close that arrived; the age keeps clear of one on its way.
+    const bool young =
+        options_.max_idle_age.count() <= 0 || now() - c->idle_since() < options_.max_idle_age;
+    if (young && c->usable()) {
       c->attach(call, true);
       return;
     }
@@ -451,7 +461,7 @@ void ClientLoop::finish(Call& call, const std::string& error) {
 void ClientLoop::put_idle(ClientConn* c) {
   auto& list = idle_[c->key()];
   if (list.size() >= options_.max_idle_per_host) return c->close();
-  c->become_idle();
+  c->become_idle(now());
   list.push_back(c);
 }
 

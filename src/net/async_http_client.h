@@ -46,6 +46,13 @@ struct AsyncHttpHandlers {
 struct AsyncHttpClientOptions {
   size_t max_idle_per_host = 64;  // keep-alive connections kept for reuse, per host:port
   size_t max_header_bytes = size_t{64} << 10;
+  // A keep-alive connection idle this long is closed when a call would pick it (0: no limit).
+  // It stays below the keep-alive of common servers (uvicorn, under vLLM and SGLang, closes an
+  // idle connection after 5 s): a request sent as the server closes fails, and a POST that went
+  // out whole is not sent again, since it may be running.
+  std::chrono::milliseconds max_idle_age = std::chrono::seconds(2);
+  // The steady time idle ages are measured in; unset, the client's loop clock. For tests.
+  std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
 class HttpServer;

@@ -24,14 +24,25 @@ constexpr size_t kMaxHeaderBytes = size_t{64} << 10;
 // A whole (not streamed) response is held in memory: a server cannot make it grow without end.
 constexpr size_t kMaxWholeBody = size_t{1} << 30;
 
+HttpClientOptions with_timeout(std::chrono::milliseconds timeout) {
+  HttpClientOptions options;
+  options.timeout = timeout;
+  return options;
+}
+
 }  // namespace
 
 // The same wire code as the asynchronous client, over one non-blocking socket whose waits are
 // poll() calls bounded by the deadline of the step.
 class HttpClient::Impl {
  public:
-  Impl(std::string host, uint16_t port, std::chrono::milliseconds timeout)
-      : host_(std::move(host)), port_(port), timeout_(timeout), head_parser_(kMaxHeaderBytes) {}
+  Impl(std::string host, uint16_t port, HttpClientOptions options)
+      : host_(std::move(host)),
+        port_(port),
+        timeout_(options.timeout),
+        max_idle_age_(options.max_idle_age),
+        clock_(std::move(options.clock)),
+        head_parser_(kMaxHeaderBytes) {}
   ~Impl() { close(); }
 
   HttpClientResponse request(std::string_view method, std::string_view target,
@@ -44,10 +55,11 @@ class HttpClient::Impl {
     head_request_ = method == "HEAD";
     idempotent_ = detail::idempotent_method(method);
     // A reused connection may have been closed by the server while idle (its keep-alive
-    // timeout): one whose close already arrived is not used, and one that fails before any
-    // answer is retried once on a new connection when that cannot run the request twice
-    // (exchange() throws StaleConnection only then).
-    if (fd_ >= 0 && !detail::idle_connection_usable(fd_)) close();
+    // timeout): one whose close already arrived, or old enough for one to be on its way, is not
+    // used, and one that fails before any answer is retried once on a new connection when that
+    // cannot run the request twice (exchange() throws StaleConnection only then).
+    const bool young = max_idle_age_.count() <= 0 || now() - idle_since_ < max_idle_age_;
+    if (fd_ >= 0 && (!young || !detail::idle_connection_usable(fd_))) close();
     const bool reused = fd_ >= 0;
     for (int attempt = 0;; ++attempt) {
       try {
@@ -70,6 +82,8 @@ class HttpClient::Impl {
 
  private:
   struct StaleConnection {};
+
+  Clock::time_point now() const { return clock_ ? clock_() : Clock::now(); }
 
   [[noreturn]] void fail(std::string_view step, std::string_view why = {}) {
     close();
@@ -226,14 +240,21 @@ class HttpClient::Impl {
         fail(step, reset_ ? "connection reset by the server" : "connection closed by the server");
       }
     }
-    if (!keep_alive || !in_.empty()) close();
+    if (!keep_alive || !in_.empty()) {
+      close();
+    } else {
+      idle_since_ = now();
+    }
     return response;
   }
 
   const std::string host_;
   const uint16_t port_;
   const std::chrono::milliseconds timeout_;
-  std::string what_;  // "METHOD url" for error messages
+  const std::chrono::milliseconds max_idle_age_;
+  const std::function<Clock::time_point()> clock_;
+  Clock::time_point idle_since_{};  // when the open connection's last answer ended
+  std::string what_;                // "METHOD url" for error messages
   int fd_ = -1;
   bool head_request_ = false;
   bool idempotent_ = false;
@@ -245,8 +266,11 @@ class HttpClient::Impl {
   detail::MessageHead head_;
 };
 
+HttpClient::HttpClient(std::string host, uint16_t port, HttpClientOptions options)
+    : impl_(std::make_unique<Impl>(std::move(host), port, std::move(options))) {}
+
 HttpClient::HttpClient(std::string host, uint16_t port, std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>(std::move(host), port, timeout)) {}
+    : HttpClient(std::move(host), port, with_timeout(timeout)) {}
 
 HttpClient::~HttpClient() = default;
 

@@ -22,13 +22,25 @@ struct HttpClientResponse {
 // connection is then closed, which the server sees as a client that went away.
 using BodyCallback = std::function<bool(std::string_view piece)>;
 
+struct HttpClientOptions {
+  // Bounds connecting, sending the request, and receiving the whole response; for
+  // request_stream it bounds the wait for each piece instead of the whole body.
+  std::chrono::milliseconds timeout = std::chrono::seconds(30);
+  // A kept-alive connection idle this long is closed before the next request, not reused (0: no
+  // limit). It stays below the keep-alive of common servers (uvicorn, under vLLM and SGLang,
+  // closes an idle connection after 5 s): a POST sent as the server closes fails, since one that
+  // went out whole is not sent again.
+  std::chrono::milliseconds max_idle_age = std::chrono::seconds(2);
+  // The steady time idle ages are measured in; unset, std::chrono::steady_clock. For tests.
+  std::function<std::chrono::steady_clock::time_point()> clock;
+};
+
 // One keep-alive connection to host:port, opened on first use and reopened when the server
 // closed it. Not thread-safe: one request at a time. Failures (connect, timeout, malformed
 // response) throw tandem::Error; an HTTP error status is a normal response.
 class HttpClient {
  public:
-  // `timeout` bounds connecting, sending the request, and receiving the whole response; for
-  // request_stream it bounds the wait for each piece instead of the whole body.
+  HttpClient(std::string host, uint16_t port, HttpClientOptions options);
   HttpClient(std::string host, uint16_t port,
              std::chrono::milliseconds timeout = std::chrono::seconds(30));
   ~HttpClient();

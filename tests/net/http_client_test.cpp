@@ -15,6 +15,14 @@
 namespace tandem::net {
 namespace {
 
+// A client that reuses its connection however long the test pauses between requests: the tests
+// that need the reuse must not depend on the machine's speed.
+HttpClientOptions ageless() {
+  HttpClientOptions options;
+  options.max_idle_age = std::chrono::milliseconds(0);
+  return options;
+}
+
 void answer(int fd, std::string_view body) {
   ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
                                 "\r\n\r\n" + std::string(body));
@@ -39,7 +47,7 @@ TEST(HttpClient, APostTheServerReadWholeIsNotSentAgain) {
       answer(fd, "answer " + std::to_string(posts.load()));
     }
   });
-  HttpClient client("127.0.0.1", server.port());
+  HttpClient client("127.0.0.1", server.port(), ageless());
   EXPECT_EQ(client.request("POST", "/v1/completions", "{}").body, "answer 1");
   try {
     const HttpClientResponse r = client.request("POST", "/v1/completions", "{}");
@@ -62,10 +70,47 @@ TEST(HttpClient, AGetOnAConnectionClosedUnansweredIsSentAgain) {
       answer(fd, "answer " + std::to_string(gets.load()));
     }
   });
-  HttpClient client("127.0.0.1", server.port());
+  HttpClient client("127.0.0.1", server.port(), ageless());
   EXPECT_EQ(client.request("GET", "/health").body, "answer 1");
   EXPECT_EQ(client.request("GET", "/health").body, "answer 3");
   EXPECT_EQ(gets.load(), 3);
+}
+
+// A kept-alive connection idle for max_idle_age is not reused: the server may be closing it at
+// its keep-alive timeout (uvicorn's 5 s), and a POST that went out whole as it closed would not be
+// sent again. The test's clock stands still between requests unless the test moves it.
+TEST(HttpClient, AConnectionIdlePastTheMaxAgeIsNotReused) {
+  std::atomic<int> posts{0};
+  ScriptedServer server([&](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++posts;
+      // Closed at the keep-alive timeout as the third POST arrived: read whole, never answered.
+      if (connection == 0 && posts == 3) return;
+      answer(fd, "answer " + std::to_string(posts.load()) + " on connection " +
+                     std::to_string(connection));
+    }
+  });
+  std::atomic<int64_t> now_ms{0};
+  HttpClientOptions options;
+  options.max_idle_age = std::chrono::hours(1);
+  options.clock = [&] {
+    return std::chrono::steady_clock::time_point(std::chrono::milliseconds(now_ms.load()));
+  };
+  HttpClient client("127.0.0.1", server.port(), options);
+  const auto post_after = [&](std::chrono::milliseconds idle) {
+    now_ms += idle.count();
+    try {
+      return client.request("POST", "/v1/completions", "{}").body;
+    } catch (const Error& e) {
+      return std::string("error: ") + e.what();
+    }
+  };
+  EXPECT_EQ(post_after(std::chrono::milliseconds(0)), "answer 1 on connection 0");
+  EXPECT_EQ(post_after(std::chrono::minutes(59)), "answer 2 on connection 0");  // reused
+  // Without the fix: error: ... connection closed by the server.
+  EXPECT_EQ(post_after(std::chrono::hours(1)), "answer 3 on connection 1");
+  EXPECT_EQ(posts.load(), 3);
 }
 
 // A 101 the client never asked for is an error, and the connection is not used again.

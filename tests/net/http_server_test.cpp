@@ -213,7 +213,9 @@ TEST(HttpServer, KeepAliveServesSeveralRequestsOnOneConnection) {
   server.start();
   ASSERT_NE(server.port(), 0);
 
-  HttpClient client("127.0.0.1", server.port());
+  HttpClientOptions ageless;  // reused however long the test pauses between requests
+  ageless.max_idle_age = std::chrono::milliseconds(0);
+  HttpClient client("127.0.0.1", server.port(), ageless);
   std::set<int> ports;
   for (int i = 0; i < 5; ++i) {
     Headers h;
