@@ -128,7 +128,8 @@ class HttpClient::Impl {
     fail("cannot connect", std::strerror(last));
   }
 
-  void send_all(bool fresh) {
+  // Sends the request: 0, or the errno that stopped it before its end.
+  int send_all() {
     const auto deadline = Clock::now() + timeout_;
     size_t sent = 0;
     while (sent < out_.size()) {
@@ -142,14 +143,14 @@ class HttpClient::Impl {
         wait(POLLOUT, deadline, "cannot send the request");
         continue;
       }
-      // Not all of it went out: the server cannot have taken it for a whole request.
-      if (!fresh) throw StaleConnection{};
-      fail("cannot send the request", std::strerror(errno));
+      return n < 0 ? errno : EPIPE;
     }
+    return 0;
   }
 
-  // Reads what is there (waiting until something is); false at EOF.
-  bool read_some(Clock::time_point deadline, const char* step) {
+  // Reads what is there (waiting until something is, unless `wait_for_more` is false); false at
+  // EOF, or with nothing there and no waiting.
+  bool read_some(Clock::time_point deadline, const char* step, bool wait_for_more = true) {
     for (;;) {
       char* at = in_.prepare(kReadChunk);
       ssize_t n = ::recv(fd_, at, in_.room(), 0);
@@ -160,6 +161,7 @@ class HttpClient::Impl {
       if (n == 0) return false;
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (!wait_for_more) return false;
         wait(POLLIN, deadline, step);
         continue;
       }
@@ -176,7 +178,10 @@ class HttpClient::Impl {
     const bool fresh = fd_ < 0;
     reset_ = false;
     if (fresh) connect();
-    send_all(fresh);
+    // A server that refused the request from its head may have answered, then closed without
+    // reading the rest (a reset): that answer is the outcome, not the failed send. Only what
+    // already arrived is read then; the broken connection brings nothing more.
+    const int send_error = send_all();
 
     // For a plain request this deadline covers the whole response; a stream renews it for every
     // piece below.
@@ -189,7 +194,12 @@ class HttpClient::Impl {
       detail::Parse r;
       while ((r = head_parser_.response(in_.view(), head_request_, head_, error)) ==
              detail::Parse::kNeedMore) {
-        if (!read_some(deadline, step)) {
+        if (!read_some(deadline, step, send_error == 0)) {
+          if (send_error != 0) {
+            // Not all of it went out: the server cannot have taken it for a whole request.
+            if (!fresh && !got_bytes) throw StaleConnection{};
+            fail("cannot send the request", std::strerror(send_error));
+          }
           // The whole request went out: a POST may be running on the server, and is not sent
           // twice (the caller decides).
           if (!fresh && !got_bytes && idempotent_) throw StaleConnection{};
@@ -240,7 +250,9 @@ class HttpClient::Impl {
         fail(step, reset_ ? "connection reset by the server" : "connection closed by the server");
       }
     }
-    if (!keep_alive || !in_.empty()) {
+    // After a failed send the server did not read the whole request: the next one would be
+    // taken for the rest of it.
+    if (!keep_alive || !in_.empty() || send_error != 0) {
       close();
     } else {
       idle_since_ = now();

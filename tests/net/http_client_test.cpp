@@ -113,6 +113,32 @@ TEST(HttpClient, AConnectionIdlePastTheMaxAgeIsNotReused) {
   EXPECT_EQ(posts.load(), 3);
 }
 
+// A server that refuses a large body from its head answers, then closes with the body unread (a
+// reset), while the client is still sending. The answer is the outcome, not the failed send.
+TEST(HttpClient, AnAnswerBeforeAResetIsTheOutcomeNotTheFailedSend) {
+  std::atomic<int> connections{0};
+  ScriptedServer server([&](int& fd, int) {
+    ++connections;
+    std::string buffer;
+    if (ScriptedServer::read_head(fd, buffer).empty()) return;
+    ScriptedServer::write(fd,
+                          "HTTP/1.1 413 Content Too Large\r\nContent-Length: 8\r\n\r\ntoo long");
+    // In the client's socket before the reset, whenever the client looks.
+    EXPECT_TRUE(ScriptedServer::wait_acknowledged(fd));
+  });
+  HttpClient client("127.0.0.1", server.port(), std::chrono::seconds(10));
+  try {
+    // More than the socket buffers hold: the client is still sending when the reset comes.
+    const HttpClientResponse r =
+        client.request("POST", "/v1/completions", std::string(size_t{16} << 20, 'a'));
+    EXPECT_EQ(r.status, 413);
+    EXPECT_EQ(r.body, "too long");
+  } catch (const Error& e) {
+    ADD_FAILURE() << e.what();  // without the fix: cannot send the request: Connection reset...
+  }
+  EXPECT_EQ(connections.load(), 1);
+}
+
 // A 101 the client never asked for is an error, and the connection is not used again.
 TEST(HttpClient, An101IsAnError) {
   ScriptedServer server([&](int& fd, int connection) {
