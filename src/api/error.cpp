@@ -18,7 +18,10 @@ std::string openai_error_body(std::string_view message, std::string_view type,
       -1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
-std::optional<std::string> openai_error_message(std::string_view body) {
+namespace {
+
+// A string member of an OpenAI error body's error object.
+std::optional<std::string> error_member(std::string_view body, const char* name) {
   nlohmann::json doc;
   try {
     doc = parse_untrusted_json(body);
@@ -28,9 +31,19 @@ std::optional<std::string> openai_error_message(std::string_view body) {
   if (!doc.is_object()) return std::nullopt;
   const auto error = doc.find("error");
   if (error == doc.end() || !error->is_object()) return std::nullopt;
-  const auto message = error->find("message");
-  if (message == error->end() || !message->is_string()) return std::nullopt;
-  return message->get<std::string>();
+  const auto member = error->find(name);
+  if (member == error->end() || !member->is_string()) return std::nullopt;
+  return member->get<std::string>();
+}
+
+}  // namespace
+
+std::optional<std::string> openai_error_message(std::string_view body) {
+  return error_member(body, "message");
+}
+
+std::optional<std::string> openai_error_code(std::string_view body) {
+  return error_member(body, "code");
 }
 
 std::string_view default_error_type(int status) {

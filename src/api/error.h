@@ -25,6 +25,13 @@ std::string openai_error_body(std::string_view message,
 
 // The message of an OpenAI error body (error.message), or nullopt when `body` is not one.
 std::optional<std::string> openai_error_message(std::string_view body);
+// Its code (error.code), or nullopt when `body` is not one or the code is null.
+std::optional<std::string> openai_error_code(std::string_view body);
+
+// The code of a P/D prefill leg's error when its bootstrap room's decode leg ended before it
+// registered (a 502): the decode leg's own answer says why the request failed, so a gateway must
+// not count this one against the prefill engine.
+inline constexpr std::string_view kRoomAbandonedCode = "room_abandoned";
 
 // The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
 // 5xx (OpenAI's own names).

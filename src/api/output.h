@@ -24,6 +24,7 @@ struct RequestOutput {
   std::string error;          // for "error"
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   int error_status = 500;  // the HTTP status an "error" maps to
+  std::string error_code;  // its OpenAI error code, when it has one (api/error.h)
   // A prefill for a remote decode (the pull flow), in its final output: where the decode engine
   // pulls the prompt's KV from (api/disaggregation.h, PulledKv).
   std::string kv_transfer_id;

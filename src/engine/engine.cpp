@@ -549,7 +549,7 @@ void Engine::count_speculation(const SchedulerOutput& out, std::span<const StepT
 }
 
 void Engine::finish(Sequence* seq, const std::string& reason, const std::string& error,
-                    bool notified, int error_status) {
+                    bool notified, int error_status, const std::string& error_code) {
   // Blocks a transfer still reads or writes stay until it reports back.
   const bool keep_blocks = pd_ && pd_->ending(seq, error.empty() ? reason : error);
   scheduler_.remove(seq, keep_blocks);
@@ -559,6 +559,7 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
     o.finish_reason = reason;
     o.error = error;
     o.error_status = error_status;
+    o.error_code = error_code;
     o.prompt_tokens = seq->num_prompt;
     o.completion_tokens = seq->num_generated();
     o.cached_tokens = seq->num_cached;
@@ -583,8 +584,8 @@ Sequence* Engine::find_sequence(const std::string& id) {
   return it == sequences_.end() ? nullptr : it->second.get();
 }
 
-void Engine::fail(Sequence* seq, const std::string& error, int status) {
-  finish(seq, "error", error, false, status);
+void Engine::fail(Sequence* seq, const std::string& error, int status, const std::string& code) {
+  finish(seq, "error", error, false, status, code);
 }
 
 void Engine::schedule(Sequence* seq) {

@@ -152,7 +152,7 @@ class Engine final : private PdHost {
   bool step();  // false when nothing could be scheduled
   double now() const;
   void finish(Sequence* seq, const std::string& reason, const std::string& error = {},
-              bool notified = false, int error_status = 500);
+              bool notified = false, int error_status = 500, const std::string& error_code = {});
   void publish_events();
   void update_gauges();
   void record_expert_load(std::span<const int64_t> step);
@@ -161,7 +161,7 @@ class Engine final : private PdHost {
   void post(std::function<void()> task);
   // PdHost: what the P/D coordinator does to sequences (engine thread).
   Sequence* find_sequence(const std::string& id) override;
-  void fail(Sequence* seq, const std::string& error, int status) override;
+  void fail(Sequence* seq, const std::string& error, int status, const std::string& code) override;
   void schedule(Sequence* seq) override;
   void drop(const std::string& id) override;
   void release_id(const std::string& id) override;

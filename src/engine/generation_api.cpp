@@ -61,12 +61,14 @@ struct Call {
       const std::string msg = "generation failed: " + out.error;
       if (request.stream) {
         reply->write(net::sse_event(api::openai_error_body(
-            msg, out.error_status < 500 ? "invalid_request_error" : "server_error")));
+            msg, out.error_status < 500 ? "invalid_request_error" : "server_error",
+            out.error_code)));
         reply->write(net::kSseDone);
         reply->end();
       } else {
         reply->send_error(out.error_status, msg,
-                          out.error_status < 500 ? "invalid_request_error" : "server_error");
+                          out.error_status < 500 ? "invalid_request_error" : "server_error",
+                          out.error_code);
       }
       return;
     }

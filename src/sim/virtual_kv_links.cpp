@@ -77,7 +77,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       refusals_.erase(refusal);
       net_.clock_.cancel(f.expiry);
       if (f.prompt_hash == prompt_hash && f.prompt_tokens == prompt_tokens)
-        throw engine::KvTransferError(f.error);
+        throw engine::KvTransferError(f.error, true);
     }
     Room& r = rooms_[room];
     if (r.claim != 0) return 0;  // another prefill request holds it
@@ -317,7 +317,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       done.decode->endpoint->registered_.erase(room);
       done.decode->endpoint->finish_fetch(done.decode->request_id,
                                           {true, "", static_cast<uint64_t>(bytes)});
-      to_engine([d = std::move(done.done)] { d(true, ""); });
+      to_engine([d = std::move(done.done)] { d(true, "", false); });
     });
   }
 
@@ -331,8 +331,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     });
   }
 
-  // The room ends badly: both legs hear why.
-  void fail_room(uint64_t room, const std::string& why) {
+  // The room ends badly: both legs hear why (`abandoned`: the decode leg abandoned it).
+  void fail_room(uint64_t room, const std::string& why, bool abandoned = false) {
     auto it = rooms_.find(room);
     if (it == rooms_.end()) return;
     Room r = std::move(it->second);
@@ -345,7 +345,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
         decode->finish_fetch(id, {false, why, 0});
       });
     }
-    if (r.claim != 0 && r.done) to_engine([d = std::move(r.done), why] { d(false, why); });
+    if (r.claim != 0 && r.done)
+      to_engine([d = std::move(r.done), why, abandoned] { d(false, why, abandoned); });
   }
 
   // Prefill side: the decode leg of `room` ended before it registered. As the live engine: the
@@ -365,7 +366,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (it->second.claim == 0 || it->second.decode || it->second.prompt_hash != prompt_hash ||
         it->second.prompt_tokens != prompt_tokens)
       return;
-    fail_room(room, reason);
+    fail_room(room, reason, true);
   }
 
   // Prefill side: the decode leg of `room` went away.

@@ -27,6 +27,14 @@ TEST(OpenAiError, TheMessageReadsBackFromTheBody) {
   EXPECT_EQ(openai_error_message("[]"), std::nullopt);
 }
 
+TEST(OpenAiError, TheCodeReadsBackFromTheBody) {
+  EXPECT_EQ(openai_error_code(openai_error_body("gone", "server_error", kRoomAbandonedCode)),
+            "room_abandoned");
+  EXPECT_EQ(openai_error_code(openai_error_body("no code", "server_error")), std::nullopt);
+  EXPECT_EQ(openai_error_code(R"({"error":{"message":"m","code":7}})"), std::nullopt);
+  EXPECT_EQ(openai_error_code("not json"), std::nullopt);
+}
+
 TEST(OpenAiError, InvalidUtf8InTheMessageIsReplacedNotThrown) {
   const auto json = nlohmann::json::parse(openai_error_body("bad \xff byte"));
   EXPECT_EQ(json["error"]["message"], "bad \xef\xbf\xbd byte");

@@ -15,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/error.h"
 #include "engine/engine.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
@@ -764,6 +765,9 @@ TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItRegistersItsRoomFailsThePrefill
                   "KV blocks"),
               std::string::npos)
         << pr.body;
+    // Its code tells a gateway that the prefill engine is not at fault.
+    EXPECT_EQ(api::openai_error_code(pr.body), std::optional<std::string>("room_abandoned"))
+        << pr.body;
   } catch (const std::exception& e) {
     ADD_FAILURE() << "the prefill leg got no answer: " << e.what();
   }
@@ -891,7 +895,7 @@ TEST_F(ParkedIds, AnIdIsTakenUntilItsParkedBlocksAreFreed) {
   EXPECT_FALSE(roomed.finished);
   ASSERT_EQ(fake_->rooms.size(), 1u);
   EXPECT_NE(refusal("q").find("request id 'q' is already in use"), std::string::npos);
-  fake_->post([done = fake_->rooms[0]] { done(true, ""); });
+  fake_->post([done = fake_->rooms[0]] { done(true, "", false); });
   run();
   EXPECT_EQ(roomed.finish_reason, "length") << roomed.error;
   EXPECT_EQ(refusal("q"), "(accepted)");

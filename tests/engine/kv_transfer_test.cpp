@@ -833,7 +833,7 @@ double sample(const metrics::Registry& registry, const std::string& name,
 using Outcome = std::shared_ptr<std::optional<KvFetchResult>>;
 
 struct RoomOutcome {
-  bool called = false, ok = false;
+  bool called = false, ok = false, abandoned = false;
   std::string error;
   int calls = 0;
 };
@@ -968,10 +968,11 @@ class KvTransferAgents : public ::testing::Test {
   }
 
   KvTransferAgent::RoomDone room_done(RoomOutcome& out) {
-    return [&out](bool ok, const std::string& error) {
+    return [&out](bool ok, const std::string& error, bool abandoned) {
       out.called = true;
       out.ok = ok;
       out.error = error;
+      out.abandoned = abandoned;
       ++out.calls;
     };
   }
@@ -1754,6 +1755,7 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
   ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
   EXPECT_FALSE(done.ok);
   EXPECT_THAT(done.error, HasSubstr("block_size mismatch"));
+  EXPECT_FALSE(done.abandoned);
 
   // The decode leg first: the prefill leg that arrives later is refused with the reason.
   r = wait(fetch(*agent, enter_room(61, {1, 2}, "req-61")));
@@ -1765,6 +1767,7 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
     ADD_FAILURE() << "open_room accepted a room whose decode leg was refused";
   } catch (const KvTransferError& e) {
     EXPECT_THAT(e.what(), HasSubstr("block_size mismatch"));
+    EXPECT_FALSE(e.room_abandoned);
   }
   // Refused once; the room number is free again afterwards.
   RoomOutcome again;
@@ -1809,6 +1812,7 @@ TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOn
   ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
   EXPECT_FALSE(done.ok);
   EXPECT_EQ(done.error, "the decode request ended before it registered: abort");
+  EXPECT_TRUE(done.abandoned);  // the engine's answer says so (api::kRoomAbandonedCode)
   EXPECT_EQ(prefill_->held_blocks(), 0);
 
   // By hand, so that the test knows when the prefill engine has read each one (its kDone).
@@ -1832,6 +1836,7 @@ TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOn
   prefill_->room_failed(91, claims_[91], "test over");
   ASSERT_TRUE(queue_.run_until([&] { return other.called; }));
   EXPECT_EQ(other.error, "test over");
+  EXPECT_FALSE(other.abandoned);
 
   // Before the prefill leg: it is refused when it arrives, once.
   EXPECT_EQ(abandon(92, hash, "the decode request ended before it registered: no free blocks"),
@@ -1842,6 +1847,7 @@ TEST_F(KvTransferAgents, AnAbandonedRoomFailsItsPrefillLegAtOnceOrRefusesALateOn
     ADD_FAILURE() << "open_room accepted a room whose decode leg was abandoned";
   } catch (const KvTransferError& e) {
     EXPECT_THAT(e.what(), HasSubstr("ended before it registered: no free blocks"));
+    EXPECT_TRUE(e.room_abandoned);
   }
   RoomOutcome again;
   EXPECT_TRUE(open(92, hash, 11, room_done(again)));

@@ -34,6 +34,7 @@ class LayoutOnly final : public engine::Executor {
 struct RoomEnd {
   std::optional<bool> ok;
   std::string error;
+  bool abandoned = false;
 };
 
 class VirtualKvLinks : public ::testing::Test {
@@ -66,9 +67,10 @@ class VirtualKvLinks : public ::testing::Test {
     engine_tasks_.clear();
   }
   KvTransfers::RoomDone room_end(RoomEnd& end) {
-    return [&end](bool ok, const std::string& error) {
+    return [&end](bool ok, const std::string& error, bool abandoned) {
       end.ok = ok;
       end.error = error;
+      end.abandoned = abandoned;
     };
   }
 
@@ -94,6 +96,7 @@ TEST_F(VirtualKvLinks, AnAbandonedRoomRefusesALatePrefillLegOfItsPromptOnly) {
     ADD_FAILURE() << "open_room accepted a room whose decode leg was abandoned";
   } catch (const KvTransferError& e) {
     EXPECT_EQ(std::string(e.what()), "the decode request ended: no blocks");
+    EXPECT_TRUE(e.room_abandoned);
   }
   RoomEnd again;
   EXPECT_NE(prefill_->open_room(7, 1234, 11, room_end(again)), 0u);  // the refusal was used up
@@ -109,8 +112,21 @@ TEST_F(VirtualKvLinks, AnAbandonedRoomRefusesALatePrefillLegOfItsPromptOnly) {
     settle();
     EXPECT_EQ(served.ok, std::optional<bool>(false)) << room;
     EXPECT_EQ(served.error, "test over") << room;
+    EXPECT_FALSE(served.abandoned) << room;
   }
   EXPECT_FALSE(refused.ok.has_value());
+}
+
+// An abandonment of a room whose prefill leg is there fails that leg, saying the decode leg
+// abandoned it (the engine's answer then carries api::kRoomAbandonedCode).
+TEST_F(VirtualKvLinks, AnAbandonedRoomFailsItsPrefillLegAsAbandoned) {
+  RoomEnd end;
+  ASSERT_NE(prefill_->open_room(7, 1234, 11, room_end(end)), 0u);
+  decode_->abandon_room("prefill-host", 1, 7, 1234, 11, "the decode request ended: no blocks");
+  settle();
+  EXPECT_EQ(end.ok, std::optional<bool>(false));
+  EXPECT_EQ(end.error, "the decode request ended: no blocks");
+  EXPECT_TRUE(end.abandoned);
 }
 
 // A refusal lasts the transfer timeout: a prefill leg that comes later waits for its decode leg.

@@ -261,9 +261,10 @@ struct KvTransferAgent::Room {
   bool failed = false;
   bool refuses_prefill = false;  // a marker left by a refused decode engine (else a late
                                  // prefill leg may claim the room afresh)
-  // A marker that refuses only the prefill leg of prompt_hash and prompt_tokens: an abandonment
-  // names its prompt, and one for another prompt must not cost a room its prefill leg.
-  bool refuses_one_prompt = false;
+  // A marker left by an abandonment (serve_abandon): it refuses only the prefill leg of
+  // prompt_hash and prompt_tokens, since one for another prompt must not cost a room its prefill
+  // leg, and says the refusal is the decode leg's doing (KvTransferError::room_abandoned).
+  bool abandoned = false;
   std::string error;
   Clock::time_point deadline;
 };
@@ -439,11 +440,12 @@ uint64_t KvTransferAgent::open_room(uint64_t room, uint64_t prompt_hash, int64_t
   } else if (r->has_prefill) {
     return 0;
   } else if (r->failed && !r->registered && r->refuses_prefill &&
-             (!r->refuses_one_prompt ||
+             (!r->abandoned ||
               (r->prompt_hash == prompt_hash && r->prompt_tokens == prompt_tokens))) {
     const std::string error = r->error;
+    const bool abandoned = r->abandoned;
     rooms_.erase(room);
-    throw KvTransferError(error);
+    throw KvTransferError(error, abandoned);
   } else if (r->failed && !r->registered) {
     r = std::make_unique<Room>();  // a marker for a late decode engine: start afresh
   }
@@ -505,12 +507,14 @@ void KvTransferAgent::room_failed(uint64_t room, uint64_t claim, const std::stri
   changed_.notify_all();
 }
 
-void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& error) {
+void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& error,
+                                  bool abandoned) {
   auto it = rooms_.find(room);
   if (it == rooms_.end()) return;
   std::unique_ptr<Room> r = std::move(it->second);
   rooms_.erase(it);
-  if (r->has_prefill && r->done) post_([done = std::move(r->done), ok, error] { done(ok, error); });
+  if (r->has_prefill && r->done)
+    post_([done = std::move(r->done), ok, error, abandoned] { done(ok, error, abandoned); });
   if (!ok && r->has_prefill && !r->registered) {
     // A decode engine that registers later learns why at once instead of waiting out its
     // timeout; the marker itself expires after one.
@@ -522,13 +526,13 @@ void KvTransferAgent::finish_room(uint64_t room, bool ok, const std::string& err
   }
 }
 
-void KvTransferAgent::leave_refusal(uint64_t room, const std::string& error, uint64_t prompt_hash,
-                                    int64_t prompt_tokens) {
+void KvTransferAgent::leave_refusal(uint64_t room, const std::string& error, bool abandoned,
+                                    uint64_t prompt_hash, int64_t prompt_tokens) {
   if (rooms_.size() >= config_.max_rooms) return;
   auto r = std::make_unique<Room>();
   r->failed = true;
   r->refuses_prefill = true;
-  r->refuses_one_prompt = prompt_tokens >= 0;
+  r->abandoned = abandoned;
   r->prompt_hash = prompt_hash;
   r->prompt_tokens = prompt_tokens;
   r->error = error;
@@ -940,11 +944,11 @@ void KvTransferAgent::serve_abandon(KvConnection& conn, const std::vector<std::b
     if (it == rooms_.end()) {
       // The prefill leg has not arrived: it is refused when it does (nobody would receive its
       // KV), if it is for this prompt; the marker expires after the timeout.
-      leave_refusal(room, reason, hash, prompt_tokens);
+      leave_refusal(room, reason, true, hash, prompt_tokens);
     } else if (const Room& r = *it->second; r.has_prefill && !r.registered &&
                                             r.prompt_hash == hash &&
                                             r.prompt_tokens == prompt_tokens) {
-      finish_room(room, false, reason);
+      finish_room(room, false, reason, true);
     }
     // Otherwise a decode engine registered (its own connection tells how it ends), or the room
     // holds another prompt, or already failed: nothing of this leg's to end.

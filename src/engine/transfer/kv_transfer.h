@@ -122,6 +122,11 @@ struct KvFetchResult {
 class KvTransferError : public Error {
  public:
   using Error::Error;
+  KvTransferError(const std::string& message, bool room_abandoned)
+      : Error(message), room_abandoned(room_abandoned) {}
+  // A room refused because its decode leg abandoned it (KvTransfers::abandon_room): no fault of
+  // either engine's transfer.
+  bool room_abandoned = false;
 };
 
 // The hash both legs of a bootstrap room compare, so a room never joins different prompts.
@@ -187,10 +192,10 @@ class KvTransferAgent final : public KvTransfers {
   struct Held;
   struct Room;
   // A refusal marker for `room`, unless the table is full (KvTransferConfig::max_rooms): a
-  // prefill leg that arrives later is refused with `error`, only for this prompt when
-  // `prompt_tokens` >= 0 (else for any). Under mutex_.
-  void leave_refusal(uint64_t room, const std::string& error, uint64_t prompt_hash = 0,
-                     int64_t prompt_tokens = -1);
+  // prefill leg that arrives later is refused with `error`; when the room was `abandoned`, only
+  // the leg of that prompt. Under mutex_.
+  void leave_refusal(uint64_t room, const std::string& error, bool abandoned = false,
+                     uint64_t prompt_hash = 0, int64_t prompt_tokens = 0);
   struct Metrics;
   void accept_loop();
   void serve(std::shared_ptr<KvConnection> conn, const std::string& address);
@@ -211,7 +216,8 @@ class KvTransferAgent final : public KvTransfers {
   void run_fetch(KvFetch f, FetchSlot* slot, const std::function<void(const KvFetchResult&)>& done);
   void send_layers(KvConnection& conn, const std::vector<int32_t>& blocks, int64_t first_token,
                    int64_t num_tokens, int64_t from_layer, int64_t to_layer, bool with_checksum);
-  void finish_room(uint64_t room, bool ok, const std::string& error);  // under mutex_
+  // Under mutex_. `abandoned`: the decode leg abandoned the room (RoomDone).
+  void finish_room(uint64_t room, bool ok, const std::string& error, bool abandoned = false);
   void reap_loop();  // also refreshes the held-blocks gauge
   int64_t held_blocks_locked() const;
   // Runs `body` on the worker pool; false: no worker could be started.

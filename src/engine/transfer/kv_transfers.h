@@ -19,7 +19,9 @@ class KvTransfers {
  public:
   using Task = std::function<void()>;
   using Post = std::function<void(Task)>;  // runs the task on the engine thread, in order
-  using RoomDone = std::function<void(bool ok, const std::string& error)>;
+  // `abandoned`: the room failed because its decode leg ended before it registered
+  // (abandon_room), which is no fault of this engine's.
+  using RoomDone = std::function<void(bool ok, const std::string& error, bool abandoned)>;
 
   virtual ~KvTransfers() = default;
 
@@ -32,7 +34,8 @@ class KvTransfers {
   virtual std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
                            Task release) = 0;
   // Prefill side, parallel: claims the room (0 when another request holds it; throws
-  // KvTransferError when the room already failed); `done` is posted once with the outcome.
+  // KvTransferError when the room already failed, room_abandoned set when its decode leg
+  // abandoned it); `done` is posted once with the outcome.
   virtual uint64_t open_room(uint64_t room, uint64_t prompt_hash, int64_t prompt_tokens,
                              RoomDone done) = 0;
   virtual void room_blocks(uint64_t room, uint64_t claim, std::vector<int32_t> blocks) = 0;

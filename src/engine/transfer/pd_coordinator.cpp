@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "api/error.h"
+
 namespace tandem::engine {
 
 PdCoordinator::PdCoordinator(KvTransfers& agent, KvCacheManager& kv, PdHost& host, double timeout_s)
@@ -17,12 +19,13 @@ PdCoordinator::Admission PdCoordinator::admit(Sequence* seq) {
   // Claimed here, on the engine thread, so that the room's outcome (posted to this thread)
   // always finds the sequence.
   int status = 0;
-  std::string error;
+  std::string error, code;
   try {
     const std::string id = seq->request.id;
-    seq->room_claim =
-        agent_.open_room(kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
-                         [this, id](bool ok, const std::string& e) { on_room_done(id, ok, e); });
+    seq->room_claim = agent_.open_room(kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                                       [this, id](bool ok, const std::string& e, bool abandoned) {
+                                         on_room_done(id, ok, e, abandoned);
+                                       });
     if (seq->room_claim != 0) {
       seq->kv_state = KvTransferState::kRoomOpen;
       return Admission::kSchedule;
@@ -33,9 +36,10 @@ PdCoordinator::Admission PdCoordinator::admit(Sequence* seq) {
   } catch (const KvTransferError& e) {
     status = 502;
     error = e.what();
+    if (e.room_abandoned) code = api::kRoomAbandonedCode;
   }
   seq->kv_state = KvTransferState::kRoomClosed;
-  host_.fail(seq, error, status);
+  host_.fail(seq, error, status, code);
   return Admission::kRefused;
 }
 
@@ -65,7 +69,7 @@ void PdCoordinator::start_fetches(double now) {
         host_.fail(seq,
                    "no free KV blocks for the prompt's transfer within " +
                        std::to_string(timeout_s_) + " s",
-                   503);
+                   503, {});
         continue;
       }
       ++i;
@@ -108,7 +112,7 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // The hold stays on the prefill engine (a retry with the right parameters may still pull
     // it, or it expires): out of awaiting_kv_ first, so that ending() does not release it.
     std::erase(awaiting_kv_, seq);
-    host_.fail(seq, result.error, 502);
+    host_.fail(seq, result.error, 502, {});
     return;
   }
   std::erase(awaiting_kv_, seq);
@@ -198,11 +202,13 @@ bool PdCoordinator::outlives_end(Sequence* seq) {
   return true;
 }
 
-void PdCoordinator::on_room_done(const std::string& id, bool ok, const std::string& error) {
+void PdCoordinator::on_room_done(const std::string& id, bool ok, const std::string& error,
+                                 bool abandoned) {
+  const std::string code = abandoned ? std::string(api::kRoomAbandonedCode) : std::string();
   if (Sequence* seq = host_.find_sequence(id)) {
     // The room failed while the prefill still runs (e.g. the decode side gave up).
     seq->kv_state = KvTransferState::kRoomClosed;
-    host_.fail(seq, error, 502);
+    host_.fail(seq, error, 502, code);
     return;
   }
   auto it = parked_.find(id);
@@ -223,6 +229,7 @@ void PdCoordinator::on_room_done(const std::string& id, bool ok, const std::stri
   out.finish_reason = "error";
   out.error = error;
   out.error_status = 502;
+  out.error_code = code;
   p.on_output(out);
 }
 

@@ -33,8 +33,10 @@ class PdHost {
  public:
   virtual ~PdHost() = default;
   virtual Sequence* find_sequence(const std::string& id) = 0;
-  // Ends the sequence with an error its client sees (`status`: the HTTP status to answer).
-  virtual void fail(Sequence* seq, const std::string& error, int status) = 0;
+  // Ends the sequence with an error its client sees (`status`: the HTTP status to answer;
+  // `code`: its OpenAI error code, or empty).
+  virtual void fail(Sequence* seq, const std::string& error, int status,
+                    const std::string& code) = 0;
   // The sequence joins the scheduler.
   virtual void schedule(Sequence* seq) = 0;
   // The sequence is gone for good (its cancelled fetch ended): forget it.
@@ -85,7 +87,7 @@ class PdCoordinator {
 
  private:
   void on_fetch_done(const std::string& id, const KvFetchResult& result);
-  void on_room_done(const std::string& id, bool ok, const std::string& error);
+  void on_room_done(const std::string& id, bool ok, const std::string& error, bool abandoned);
 
   KvTransfers& agent_;
   KvCacheManager& kv_;
