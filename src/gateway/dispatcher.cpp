@@ -316,8 +316,9 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tandem gateway: a leg's completion failed: %s\n", e.what());
     }
-    const bool fault = (!error.empty() && !leg->gateway_cancelled.load()) || leg->status >= 500 ||
-                       leg->engine_error;
+    const bool fault =
+        !leg->room_abandoned && ((!error.empty() && !leg->gateway_cancelled.load()) ||
+                                 leg->status >= 500 || leg->engine_error);
     LegOutcome outcome = LegOutcome::kOk;
     if (leg->status == 429 || leg->status == 503) {
       outcome = LegOutcome::kBusy;

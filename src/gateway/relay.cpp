@@ -67,6 +67,15 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
                            "prefill engine " + where + " failed: " + reason);
     return;
   }
+  if (topo_.mode == PdMode::kParallel && l.status != 200 &&
+      api::openai_error_code(l.body) == api::kRoomAbandonedCode) {
+    // The decode leg ended before it joined the room, and its own answer (on its way, or here
+    // already) decides the attempt: failing it here would retry it without this healthy engine
+    // and name it in retried_after.
+    l.room_abandoned = true;
+    l.body = {};
+    return;
+  }
   if (l.status != 200) {
     dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {});
     return;

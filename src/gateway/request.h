@@ -64,6 +64,9 @@ struct Leg {
   // failed): not counted against the engine's health.
   std::atomic<bool> gateway_cancelled{false};
   bool engine_error = false;  // an error event, or a prefill answer without kv_transfer_params
+  // A parallel prefill leg failed because its decode leg abandoned the bootstrap room
+  // (api::kRoomAbandonedCode): the decode leg's failure, not the prefill engine's.
+  bool room_abandoned = false;
   // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
   // not the engine's fault.
   bool answer_too_large = false;

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "api/block_hash.h"
+#include "api/error.h"
 #include "api/load_report.h"
 #include "gateway/admin_api.h"
 #include "gateway/dispatcher.h"
@@ -60,12 +61,13 @@ class FakeEngines final : public Upstream {
         if (answer_crossing_cancel.empty())
           finish(*c, "cancelled");
         else
-          answer(*c, 200, answer_crossing_cancel);
+          answer(*c, answer_crossing_cancel_status, answer_crossing_cancel);
       }
   }
   // When set, a call the gateway cancels had its whole answer on the way already: the call ends
   // with that answer (the answer and the cancel crossed, as they may on the real client).
   std::string answer_crossing_cancel;
+  int answer_crossing_cancel_status = 200;
 
   // The calls not yet answered to `target` (e.g. "/v1/completions"), oldest first.
   // A call's target without its query (a load poll asks for the steps after one it saw).
@@ -845,6 +847,104 @@ TEST(Dispatcher, AnAnswerThatCrossedTheGatewaysCancelIsNotRelayed) {
     EXPECT_EQ(client->status, 200);
     EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "from the retry");
   }
+}
+
+// A room's prefill engine answers 502 room_abandoned when the decode leg ended before it joined
+// the room (the engine's abandon frame): the decode leg's own failure decides the attempt, so the
+// healthy prefill engine is neither excluded from the retry nor counted as failed.
+std::string room_abandoned_answer() {
+  return api::openai_error_body(
+      "generation failed: the decode request of bootstrap_room 7 ended before it registered: no "
+      "free KV blocks for the prompt's transfer within 120 s",
+      "server_error", api::kRoomAbandonedCode);
+}
+
+TEST(Dispatcher, AnAbandonedRoomsPrefillAnswerLeavesTheAttemptToItsDecodeLeg) {
+  Topology t =
+      disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")});
+  t.prefill_retries = 1;
+  Cluster c(t);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  ASSERT_EQ(host_of(*legs[1]), "d1");
+  // The prefill engine's answer comes first: nothing is retried, the decode leg goes on.
+  FakeEngines::answer(*legs[0], 502, room_abandoned_answer());
+  c.clock.run_ready();
+  EXPECT_FALSE(legs[1]->cancelled);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_FALSE(client->complete());
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+  // The decode leg's failure retries the pair, without d1 but with p1 (least_load's first pick).
+  FakeEngines::answer(*legs[1], 503, R"({"error":{"message":"no free KV blocks"}})");
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 2u);
+  EXPECT_EQ(host_of(*retry[0]), "p1");
+  EXPECT_EQ(host_of(*retry[1]), "d2");
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  c.answer_all("from the retry");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+  EXPECT_EQ(c.endpoint("p1")["in_flight"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+
+  // Without retries the client gets the decode leg's answer, not the prefill engine's.
+  t.prefill_retries = 0;
+  Cluster once(t);
+  auto alone = once.send();
+  legs = once.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  FakeEngines::answer(*legs[0], 502, room_abandoned_answer());
+  once.clock.run_ready();
+  EXPECT_FALSE(alone->complete());
+  FakeEngines::answer(*legs[1], 503, R"({"error":{"message":"no free KV blocks"}})");
+  once.clock.run_ready();
+  EXPECT_EQ(alone->status, 503);
+  EXPECT_EQ(alone->body, R"({"error":{"message":"no free KV blocks"}})");
+  EXPECT_EQ(once.endpoint("p1")["consecutive_failures"], 0);
+  EXPECT_EQ(once.dispatcher.active(), 0u);
+}
+
+// The other order: the decode leg's failure is handled first and the gateway cancels the prefill
+// leg, whose room_abandoned answer crossed the cancel. That 502 is not the engine's failure either.
+TEST(Dispatcher, AnAbandonedRoomsPrefillAnswerAfterTheDecodeLegsFailureIsNoFault) {
+  Topology t =
+      disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")});
+  t.prefill_retries = 1;
+  Cluster c(t);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  c.engines.answer_crossing_cancel = room_abandoned_answer();
+  c.engines.answer_crossing_cancel_status = 502;
+  FakeEngines::answer(*legs[1], 503, R"({"error":{"message":"no free KV blocks"}})");
+  c.clock.run_ready();
+  c.engines.answer_crossing_cancel.clear();
+  EXPECT_TRUE(legs[0]->cancelled);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  c.answer_all("from the retry");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+}
+
+// A room_abandoned code means nothing outside parallel mode (no rooms): it is an engine's failure.
+TEST(Dispatcher, ARoomAbandonedCodeOutsideParallelModeIsAFailure) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")});
+  t.prefill_retries = 1;
+  Cluster c(t);
+  auto client = c.send();
+  auto first = c.engines.open("/v1/completions");
+  ASSERT_EQ(first.size(), 1u);
+  FakeEngines::answer(*first[0], 502, room_abandoned_answer());
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "p2");
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+  EXPECT_FALSE(client->complete());
 }
 
 TEST(Dispatcher, ThePromptsLegCarriesItsDeadlineOnlyToAnEngineThatSchedulesByPriority) {
