@@ -592,20 +592,6 @@ TEST(AsyncClientEarlyAnswer, AConnectionWhoseRequestWasNotAllSentIsNotReused) {
   EXPECT_EQ(client.connections_opened(), 2u);
 }
 
-// Answers one request on `fd` with `body`, keeping the connection.
-void answer(int fd, std::string_view body) {
-  ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
-                                "\r\n\r\n" + std::string(body));
-}
-
-// Reads one whole request (head and Content-Length body); false when the connection ended first.
-bool read_request(int fd, std::string& buffer, std::string* head_out = nullptr) {
-  const std::string head = ScriptedServer::read_head(fd, buffer);
-  if (head.empty()) return false;
-  if (head_out) *head_out = head;
-  return ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head));
-}
-
 AsyncHttpRequest request_to(uint16_t port, std::string method, std::string body = {}) {
   AsyncHttpRequest r;
   r.host = "127.0.0.1";

@@ -23,18 +23,6 @@ HttpClientOptions ageless() {
   return options;
 }
 
-void answer(int fd, std::string_view body) {
-  ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
-                                "\r\n\r\n" + std::string(body));
-}
-
-// Reads one whole request (head and Content-Length body); false when the connection ended first.
-bool read_request(int fd, std::string& buffer) {
-  const std::string head = ScriptedServer::read_head(fd, buffer);
-  return !head.empty() &&
-         ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head));
-}
-
 // A server that read a whole POST on a reused connection and closed without answering may have
 // run it: the client reports the failure rather than run it a second time.
 TEST(HttpClient, APostTheServerReadWholeIsNotSentAgain) {

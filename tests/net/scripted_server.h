@@ -116,4 +116,18 @@ class ScriptedServer {
   std::thread thread_;
 };
 
+// A 200 answer with `body`, as an engine's.
+inline void answer(int fd, std::string_view body) {
+  ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) +
+                                "\r\n\r\n" + std::string(body));
+}
+
+// Reads one whole request (head and Content-Length body); false when the connection ended first.
+inline bool read_request(int fd, std::string& buffer, std::string* head_out = nullptr) {
+  const std::string head = ScriptedServer::read_head(fd, buffer);
+  if (head.empty()) return false;
+  if (head_out) *head_out = head;
+  return ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head));
+}
+
 }  // namespace tandem::net
