@@ -295,18 +295,7 @@ TEST_F(AsyncClient, TimeoutsAndRefusedConnectionsAreErrors) {
 // writes what it is told and closes.
 class RawServer {
  public:
-  RawServer() {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof a;
-    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-        ::listen(listener_, 4) != 0 ||
-        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &length) != 0)
-      ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
-    port_ = ntohs(a.sin_port);
-  }
+  RawServer() { listener_ = listen_on_loopback(port_); }
   ~RawServer() {
     if (conn_ >= 0) ::close(conn_);
     ::close(listener_);

@@ -20,6 +20,23 @@
 
 namespace tandem::net {
 
+// A listening socket on 127.0.0.1 at a free port (written to `port`); `receive_buffer` > 0 fixes
+// the receive buffer of the connections it accepts.
+inline int listen_on_loopback(uint16_t& port, int receive_buffer = 0) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (receive_buffer > 0)
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd, 4) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &length) != 0)
+    ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
 // A server on 127.0.0.1 that plays a script: `serve(fd, n)` runs for the n-th connection (from
 // 0), one connection at a time on the server's thread, and the connection closes when it returns.
 class ScriptedServer {
@@ -27,20 +44,9 @@ class ScriptedServer {
   // A script may close the connection itself (setting fd to -1), to say when it did.
   using Script = std::function<void(int& fd, int connection)>;
   explicit ScriptedServer(Script serve) : serve_(std::move(serve)) {
-    listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
     // A small receive buffer, fixed (no autotuning): a client's large request stays mostly
     // unsent until the script reads it, as with a busy engine across a network.
-    const int receive_buffer = 65536;
-    ::setsockopt(listener_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof a;
-    if (::bind(listener_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-        ::listen(listener_, 4) != 0 ||
-        ::getsockname(listener_, reinterpret_cast<sockaddr*>(&a), &length) != 0)
-      ADD_FAILURE() << "cannot listen: " << std::strerror(errno);
-    port_ = ntohs(a.sin_port);
+    listener_ = listen_on_loopback(port_, 65536);
     thread_ = std::thread([this] {
       for (int n = 0;; ++n) {
         int fd = ::accept(listener_, nullptr, nullptr);
