@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "engine/executor/model_executor.h"
+#include "engine/expert_parallel/rank_start.h"
 #include "kernels/cpu/ops.h"
 #include "placement/eplb.h"
 #include "util/error.h"
@@ -35,12 +36,16 @@ std::filesystem::path own_executable() {
 
 EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokenizer)
     : stall_(o.stall_timeout) {
+  const auto load_started = std::chrono::steady_clock::now();
   if (o.ranks < 2)
     throw Error("--expert-parallel: needs at least 2 ranks, got " + std::to_string(o.ranks));
   auto loaded = std::make_shared<model::DeepSeekModel>(
       model::DeepSeekModel::load(o.model_dir, {}, model::WeightLoadOptions{false}));
   loaded->set_mla_rescale(o.mla_rescale);
   model_ = loaded;
+  // Each rank loads the same model: give it as long as the front took, and the stall timeout.
+  const auto load_time = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - load_started);
   const auto& c = model_->config();
   int64_t moe_layers = 0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) moe_layers += c.is_moe_layer(l) ? 1 : 0;
@@ -102,15 +107,8 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
       signal(SIGINT, SIG_IGN);           // Ctrl-C stops the engine, which stops its ranks
     }));
   }
-  for (size_t i = 0; i < children_.size(); ++i) {
-    const std::string line = children_[i]->read_line();
-    if (line.rfind("ready", 0) != 0) {
-      const int status = children_[i]->stop();
-      throw Error("expert parallelism: rank " + std::to_string(i + 1) +
-                  " did not start (exit status " + std::to_string(status) +
-                  "; its messages are above)");
-    }
-  }
+  await_ranks_ready(children_,
+                    o.stall_timeout.count() > 0 ? o.stall_timeout + load_time : o.stall_timeout);
   rank_work_.assign(size_t(o.ranks), RankWork{});
   info_ = model_executor_info(*model_, o.model_name, cache_shape, blocks);
   no_text_ = ids_without_text(tokenizer, c.vocab_size);
