@@ -137,6 +137,24 @@ engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
   return co;
 }
 
+// From config.json alone, before the weights load: a KV cache that can never fit this machine is
+// refused at once. A DeepSeek model's "auto" cache type follows its weights, not known yet; the
+// check assumes the smaller one (BF16), so it refuses only what the check after loading refuses
+// too, which stays the exact one.
+void check_kv_cache_fits(const EngineOptions& o) {
+  const auto co = cache_options(o);
+  if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
+    engine::kv_blocks_for(model::qwen3_cache_shape(model::Qwen3MoeConfig::load(o.model),
+                                                   o.block_size, co.kv_cache_type),
+                          co);
+  } else {
+    engine::kv_blocks_for(
+        model::deepseek_cache_shape(model::ModelConfig::load(o.model), o.block_size,
+                                    co.kv_cache_type.value_or(model::LatentType::kBF16)),
+        co);
+  }
+}
+
 void run(const EngineOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
@@ -147,6 +165,41 @@ void run(const EngineOptions& o) {
   if (tokenizer_dir.empty()) tokenizer_dir = sim ? default_tokenizer().string() : o.model;
   auto tokenizer =
       std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
+
+  // Every setting is checked before minutes of loading: a typo must not cost a model load.
+  engine::EngineConfig config;
+  config.scheduler.max_num_seqs = o.max_num_seqs;
+  config.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
+  if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
+    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy +
+                "'");
+  config.scheduler.priority = o.scheduling_policy == "priority";
+  config.enable_prefix_caching = !o.no_prefix_caching;
+  config.max_tokens_limit = o.max_tokens.limit;
+  config.default_max_tokens = o.max_tokens.default_value;
+  config.expert_load_window = o.expert_load_window;
+  config.rebalance_interval = o.rebalance_interval;
+  config.expert_load_dump = o.expert_load_dump;
+  config.kv_events_config = o.kv_events_config;
+  if (!o.kv_events_config.empty()) engine::KvEventsConfig::parse(o.kv_events_config);
+  config.role = engine::parse_engine_role(o.role);
+  engine::KvTransferConfig transfer;
+  transfer.engine_id = o.engine_id;
+  transfer.listen_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
+  transfer.port = o.kv_transfer_port != -2 ? o.kv_transfer_port
+                  : o.role == "prefill"    ? 8998
+                  : o.role == "both"       ? 0
+                                           : -1;
+  transfer.advertise_host =
+      o.advertise_host.empty() ? advertised_host(transfer.listen_host) : o.advertise_host;
+  transfer.timeout_s = o.kv_transfer_timeout;
+  transfer.transport = kKvTransports.at(o.kv_transport);
+  transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
+  transfer.secret = kv_transfer_secret(o);
+  engine::check_kv_peer_allow(o.kv_transfer_allow);
+  transfer.allow = o.kv_transfer_allow;
+  config.transfer = transfer;
+  if (!sim) check_kv_cache_fits(o);
 
   // Before the model loads: the kernels' numerics mode is process-wide.
   kernels::set_batch_invariant(o.batch_invariant);
@@ -220,38 +273,6 @@ void run(const EngineOptions& o) {
         m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
         cache_options(o));
   }
-
-  engine::EngineConfig config;
-  config.scheduler.max_num_seqs = o.max_num_seqs;
-  config.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
-    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy +
-                "'");
-  config.scheduler.priority = o.scheduling_policy == "priority";
-  config.enable_prefix_caching = !o.no_prefix_caching;
-  config.max_tokens_limit = o.max_tokens.limit;
-  config.default_max_tokens = o.max_tokens.default_value;
-  config.expert_load_window = o.expert_load_window;
-  config.rebalance_interval = o.rebalance_interval;
-  config.expert_load_dump = o.expert_load_dump;
-  config.kv_events_config = o.kv_events_config;
-  config.role = engine::parse_engine_role(o.role);
-  engine::KvTransferConfig transfer;
-  transfer.engine_id = o.engine_id;
-  transfer.listen_host = o.kv_transfer_host.empty() ? o.host : o.kv_transfer_host;
-  transfer.port = o.kv_transfer_port != -2 ? o.kv_transfer_port
-                  : o.role == "prefill"    ? 8998
-                  : o.role == "both"       ? 0
-                                           : -1;
-  transfer.advertise_host =
-      o.advertise_host.empty() ? advertised_host(transfer.listen_host) : o.advertise_host;
-  transfer.timeout_s = o.kv_transfer_timeout;
-  transfer.transport = kKvTransports.at(o.kv_transport);
-  transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
-  transfer.secret = kv_transfer_secret(o);
-  engine::check_kv_peer_allow(o.kv_transfer_allow);
-  transfer.allow = o.kv_transfer_allow;
-  config.transfer = transfer;
 
   metrics::Registry registry;
   engine::Engine engine(config, std::move(executor), tokenizer, eos, registry);

@@ -43,11 +43,14 @@ LatentType DeepSeekModel::default_cache_type() const {
   return kv_b.type == kernels::WeightType::kF32 ? LatentType::kF32 : LatentType::kBF16;
 }
 
+LatentCacheShape deepseek_cache_shape(const ModelConfig& c, int64_t block_size, LatentType type) {
+  return LatentCacheShape{c.num_hidden_layers + c.num_nextn_predict_layers, block_size,
+                          c.kv_lora_rank, c.qk_rope_head_dim, type};
+}
+
 LatentCacheShape DeepSeekModel::cache_shape(int64_t block_size,
                                             std::optional<LatentType> type) const {
-  return LatentCacheShape{config_.num_hidden_layers + config_.num_nextn_predict_layers, block_size,
-                          config_.kv_lora_rank, config_.qk_rope_head_dim,
-                          type.value_or(default_cache_type())};
+  return deepseek_cache_shape(config_, block_size, type.value_or(default_cache_type()));
 }
 
 namespace {

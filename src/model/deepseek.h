@@ -26,6 +26,9 @@
 
 namespace tandem::model {
 
+// The cache a model of config `c` has, before its weights are loaded (cache_shape() below).
+LatentCacheShape deepseek_cache_shape(const ModelConfig& c, int64_t block_size, LatentType type);
+
 class DeepSeekModel {
  public:
   DeepSeekModel(ModelConfig config, Weights weights);

@@ -76,18 +76,23 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
 }
 
 LatentType Qwen3MoeModel::default_cache_type() const {
-  return config_.torch_dtype == "float32" ? LatentType::kF32 : LatentType::kBF16;
+  return qwen3_cache_shape(config_, 1).type;
+}
+
+LatentCacheShape qwen3_cache_shape(const Qwen3MoeConfig& c, int64_t block_size,
+                                   std::optional<LatentType> type) {
+  LatentCacheShape s;
+  s.layers = c.num_hidden_layers;
+  s.block_size = block_size;
+  s.latent_dim = 2 * c.num_key_value_heads * c.head_dim;  // K | V
+  s.rope_dim = 0;
+  s.type = type.value_or(c.torch_dtype == "float32" ? LatentType::kF32 : LatentType::kBF16);
+  return s;
 }
 
 LatentCacheShape Qwen3MoeModel::cache_shape(int64_t block_size,
                                             std::optional<LatentType> type) const {
-  LatentCacheShape s;
-  s.layers = config_.num_hidden_layers;
-  s.block_size = block_size;
-  s.latent_dim = 2 * config_.num_key_value_heads * config_.head_dim;  // K | V
-  s.rope_dim = 0;
-  s.type = type.value_or(default_cache_type());
-  return s;
+  return qwen3_cache_shape(config_, block_size, type);
 }
 
 // Queries, keys and values of the step's tokens; keys and values go to the cache, then each

@@ -34,6 +34,10 @@ struct Qwen3LayerWeights {
   std::vector<MlpWeights> experts;
 };
 
+// The cache a model of config `c` has, before its weights are loaded (cache_shape() below).
+LatentCacheShape qwen3_cache_shape(const Qwen3MoeConfig& c, int64_t block_size,
+                                   std::optional<LatentType> type = {});
+
 class Qwen3MoeModel {
  public:
   // Checks every tensor's presence, shape and dtype against the config and binds them.

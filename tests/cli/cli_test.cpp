@@ -412,6 +412,33 @@ TEST(Cli, AnEngineRefusesAKvCacheBeyondTheMachineNamingTheFlag) {
   std::filesystem::remove_all(dir);
 }
 
+// A mistyped setting must not cost a model load (minutes for a large checkpoint): every setting,
+// the KV cache's fit included (from config.json), is checked first. Shown on a checkpoint whose
+// weight files are empty: a setting checked only after loading would meet their error instead.
+TEST(Cli, AnEngineChecksItsSettingsBeforeLoadingTheModel) {
+  const auto dir = test::temp_path("settings-first-model").replace_extension();
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --out " +
+                              test::quote(dir) + " >/dev/null 2>&1"),
+            0);
+  for (const auto& f : std::filesystem::directory_iterator(dir))
+    if (f.path().extension() == ".safetensors") std::filesystem::resize_file(f.path(), 0);
+  const std::string engine = "engine --model " + test::quote(dir) + " --host 127.0.0.1 --port 0 ";
+  EXPECT_THAT(run(engine).output, HasSubstr("safetensors: file is 0 bytes"));  // the control
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--scheduling-policy lifo", "--scheduling-policy: expected fcfs or priority"},
+      {"--kv-cache-gb 100000", "--kv-cache-gb 100000: "},
+      {"--num-kv-blocks 3000000000", "--num-kv-blocks 3000000000: "},
+      {"--kv-events-config '{bad'", "kv-events-config: not valid JSON"},
+      {"--kv-transfer-secret-file " + test::quote(dir / "no-such-secret"), "no-such-secret"}};
+  for (const auto& [flags, error] : cases) {
+    const auto r = run(engine + flags);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(error)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("safetensors"))) << flags;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Cli, SimulateNamesTheTraceLineOfARecordOutOfTimeOrder) {
   const std::string record = R"(, "input_length": 100, "output_length": 4, "hash_ids": [0]})";
   const auto trace =
