@@ -294,6 +294,7 @@ void run(const SimulateCliOptions& o) {
                        {"prefix_cache_queries", e.prefix_queries},
                        {"prefix_cache_hits", e.prefix_hits},
                        {"killed", e.died},
+                       {"stalled", e.stalled},
                        {"healthy", e.healthy}});
   run.extra = {{"backend", "tandem-simulate"},
                {"dataset_name", w.dataset},
@@ -354,6 +355,7 @@ void run(const SimulateCliOptions& o) {
                  result.duration_s > 0 ? 100 * e.busy_s / result.duration_s : 0.0,
                  e.prefix_queries > 0 ? 100 * e.prefix_hits / e.prefix_queries : 0.0,
                  e.died       ? " (killed)"
+                 : e.stalled  ? " (stalled at the end)"
                  : !e.healthy ? " (ejected by the gateway)"
                               : "");
 }

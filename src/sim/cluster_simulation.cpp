@@ -322,14 +322,18 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     });
   }
 
-  // Virtual time runs until every request has its answer and every live engine has let go of
-  // its requests (a stalled one finds the gateway's aborts when it wakes) and of the blocks it
-  // held for transfers (a hold or a bootstrap room whose other leg never came ends by the
-  // transfer timeout). The gateway's own timers (probes, load polls) never stop, so the end is
-  // that, not an empty queue.
+  // Virtual time runs until every request has its answer and every live engine that is not
+  // stalled has let go of its requests, then on while blocks are held for transfers (a hold or a
+  // bootstrap room whose other leg never came ends by the transfer timeout), for at most that
+  // timeout: a stalled engine that wakes by then finds the gateway's aborts and lets go of its
+  // requests too. A longer stall is not waited out: the gateway probes and polls a hung engine
+  // for as long as it hangs, and a stall of 10^6 s took 1.5 million calls to simulate for no
+  // answer (that engine then ends with its blocks in use). The gateway's own timers never stop,
+  // so the end is that, not an empty queue.
   auto engines_busy = [&] {
-    return std::any_of(engines.begin(), engines.end(),
-                       [](const auto& e) { return !e->dead() && e->engine().has_work(); });
+    return std::any_of(engines.begin(), engines.end(), [](const auto& e) {
+      return !e->dead() && !e->stalled() && e->engine().has_work();
+    });
   };
   auto blocks_held = [&] {
     return std::any_of(engines.begin(), engines.end(), [](const auto& e) {
@@ -377,6 +381,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     const engine::LoadReport load = e.engine().load();
     s.blocks_in_use = load.total_blocks - load.free_blocks;
     s.died = e.dead();
+    s.stalled = e.stalled();
     // The engines that compute prompts: the prefill pool in P/D (a decode leg's lookups find the
     // KV it is about to receive), every engine when aggregated.
     if (s.prefill || !pd) {

@@ -87,6 +87,7 @@ struct EngineSummary {
   double draft_tokens = 0, accepted_tokens = 0;  // MTP drafts verified and accepted
   int64_t blocks_in_use = 0;                     // at the end (0 when every request ended)
   bool died = false;                             // a fault killed it
+  bool stalled = false;                          // the run ended during its stall
   bool healthy = true;                           // as the gateway saw it at the end
 };
 

@@ -19,7 +19,7 @@ constexpr std::pair<const char*, api::ApiKind> kGenerationRoutes[] = {
 
 }  // namespace
 
-SimulatedEngine::SimulatedEngine(gateway::VirtualExecutor& clock,
+SimulatedEngine::SimulatedEngine(gateway::Executor& clock,
                                  std::shared_ptr<const text::Tokenizer> tokenizer,
                                  SimulatedEngineOptions options,
                                  std::function<void(engine::KvEventBatch)> events,
@@ -75,10 +75,33 @@ double SimulatedEngine::now() const {
   return seconds_of(clock_.now()) + step_offset_;
 }
 
-bool SimulatedEngine::defer_while_stalled(gateway::Executor::Task& task) {
-  if (seconds_of(clock_.now()) >= stalled_until_) return false;
-  clock_.at(time_at(stalled_until_), std::move(task));
+bool SimulatedEngine::stalled() const {
+  return seconds_of(clock_.now()) < stalled_until_;
+}
+
+bool SimulatedEngine::defer_while_stalled(gateway::Executor::Task& task,
+                                          const std::shared_ptr<net::Reply>& reply) {
+  if (!stalled()) return false;
+  const uint64_t id = next_deferred_++;
+  deferred_.emplace(id, std::move(task));
+  // The reply keeps this callback until it ends; an answered reply never runs it.
+  if (reply) reply->on_close([this, id] { deferred_.erase(id); });
+  arm_resume();
   return true;
+}
+
+void SimulatedEngine::arm_resume() {
+  if (resume_armed_for_ == stalled_until_) return;
+  resume_armed_for_ = stalled_until_;
+  clock_.at(time_at(stalled_until_), [this] { resume(); });
+}
+
+void SimulatedEngine::resume() {
+  if (phase_ == Phase::kDead) return;
+  if (stalled()) return arm_resume();  // the stall was extended: its new end resumes
+  auto tasks = std::move(deferred_);
+  deferred_.clear();
+  for (auto& [id, task] : tasks) task();
 }
 
 void SimulatedEngine::stall(double until_s) {
@@ -89,7 +112,7 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
                            std::shared_ptr<net::Reply> reply) {
   if (phase_ == Phase::kDead) return;  // a call that waited out a stall; the reset reached it
   gateway::Executor::Task later = [this, request, reply] { call(request, reply); };
-  if (defer_while_stalled(later)) return;
+  if (defer_while_stalled(later, reply)) return;
   if (request.method == "GET" && request.target == "/health") {
     reply->respond(200, "", "text/plain");
     return;

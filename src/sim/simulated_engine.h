@@ -7,6 +7,7 @@
 // The next step starts then if there is work. KV events go to the simulator's callback.
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,7 +16,7 @@
 #include "engine/engine.h"
 #include "engine/executor/sim_executor.h"
 #include "engine/generation_api.h"
-#include "gateway/virtual_executor.h"
+#include "gateway/seams.h"
 #include "net/async_http_client.h"
 #include "net/reply.h"
 #include "sim/virtual_kv_links.h"
@@ -34,7 +35,7 @@ class SimulatedEngine {
  public:
   // `clock`, `tokenizer` and `network` must outlive the engine. `events` receives its KV event
   // batches (empty: none are produced). An engine with config.transfer moves KV over `network`.
-  SimulatedEngine(gateway::VirtualExecutor& clock, std::shared_ptr<const text::Tokenizer> tokenizer,
+  SimulatedEngine(gateway::Executor& clock, std::shared_ptr<const text::Tokenizer> tokenizer,
                   SimulatedEngineOptions options, std::function<void(engine::KvEventBatch)> events,
                   VirtualKvNetwork* network = nullptr);
   ~SimulatedEngine();
@@ -50,8 +51,14 @@ class SimulatedEngine {
   bool dead() const { return phase_ == Phase::kDead; }
   // The engine hangs until `until_s` (virtual seconds since the clock's epoch), as a stuck engine
   // loop would: no step ends or starts and no call is answered before then; calls that arrive
-  // wait, and everything resumes in order afterwards (callers that gave up meanwhile are gone).
+  // wait, and everything resumes in order afterwards. A call whose caller gave up meanwhile (its
+  // reply closed: a timed-out probe or poll) is dropped at once, as a live engine's server would
+  // find its connection gone: the gateway polls a hung engine every 100 ms, and kept, those
+  // calls grew without bound over a long stall.
   void stall(double until_s);
+  bool stalled() const;
+  // What waits for the stall to end: calls and the engine's own deferred work.
+  size_t deferred() const { return deferred_.size(); }
 
   const std::string& name() const { return name_; }
   const engine::Engine& engine() const { return *engine_; }
@@ -66,10 +73,14 @@ class SimulatedEngine {
   void step();
   void end_step(bool ran);  // the running step's modelled time has passed
   double now() const;
-  // True while stalled, after arming `task` to run when the stall ends.
-  bool defer_while_stalled(gateway::Executor::Task& task);
+  // True while stalled, after keeping `task` to run when the stall ends; a task for a call is
+  // dropped if the call's reply closes first.
+  bool defer_while_stalled(gateway::Executor::Task& task,
+                           const std::shared_ptr<net::Reply>& reply = nullptr);
+  void arm_resume();
+  void resume();  // a stall's end: what waited runs, in the order it came
 
-  gateway::VirtualExecutor& clock_;
+  gateway::Executor& clock_;
   std::string name_;
   metrics::Registry registry_;
   std::unique_ptr<engine::Engine> engine_;
@@ -89,6 +100,11 @@ class SimulatedEngine {
   int64_t steps_ = 0, next_id_ = 0;
   double busy_seconds_ = 0;
   double stalled_until_ = 0;  // virtual seconds since the clock's epoch
+  // What waits for the stall's end, by arrival; a closed call's entry is erased by its reply.
+  std::map<uint64_t, gateway::Executor::Task> deferred_;
+  uint64_t next_deferred_ = 0;
+  // A resume timer is armed for this stall end (a stall that is extended arms another).
+  double resume_armed_for_ = 0;
 };
 
 }  // namespace tandem::sim

@@ -415,7 +415,7 @@ void VirtualKvNetwork::slow(const std::string& engine_id, double factor) {
   if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->slow_down(factor);
 }
 
-VirtualKvNetwork::VirtualKvNetwork(gateway::VirtualExecutor& clock, KvLinkModel link)
+VirtualKvNetwork::VirtualKvNetwork(gateway::Executor& clock, KvLinkModel link)
     : clock_(clock), link_(link) {}
 
 VirtualKvNetwork::~VirtualKvNetwork() = default;

@@ -15,7 +15,7 @@
 #include "engine/executor/executor.h"
 #include "engine/transfer/kv_transfer.h"
 #include "engine/transfer/kv_transfers.h"
-#include "gateway/virtual_executor.h"
+#include "gateway/seams.h"
 
 namespace tandem::sim {
 
@@ -26,7 +26,7 @@ struct KvLinkModel {
 
 class VirtualKvNetwork {
  public:
-  VirtualKvNetwork(gateway::VirtualExecutor& clock, KvLinkModel link);
+  VirtualKvNetwork(gateway::Executor& clock, KvLinkModel link);
   ~VirtualKvNetwork();
 
   // The KvTransfers of one engine (EngineConfig::make_transfers): `now` is the engine's clock
@@ -51,7 +51,7 @@ class VirtualKvNetwork {
 
  private:
   class Endpoint;
-  gateway::VirtualExecutor& clock_;
+  gateway::Executor& clock_;
   KvLinkModel link_;
   std::map<std::string, Endpoint*> servers_;    // by "host:port"
   std::map<std::string, Endpoint*> endpoints_;  // by engine id

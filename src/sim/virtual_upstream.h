@@ -12,7 +12,6 @@
 #include <string_view>
 
 #include "gateway/seams.h"
-#include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
 #include "sim/virtual_time.h"
 
@@ -28,7 +27,7 @@ class VirtualUpstream final : public gateway::Upstream {
   // Requests reach an engine one after another, each after its body's bytes at
   // `body_bytes_per_s` (sending and parsing it on the engine's HTTP thread; 0: at once), as on a
   // live engine, where a 100K-token prompt's JSON takes milliseconds and what follows waits.
-  explicit VirtualUpstream(gateway::VirtualExecutor& clock, double body_bytes_per_s = 0)
+  explicit VirtualUpstream(gateway::Executor& clock, double body_bytes_per_s = 0)
       : clock_(clock), body_bytes_per_s_(body_bytes_per_s) {}
 
   // `engine` answers calls to host:port; it must outlive the upstream's calls.
@@ -46,7 +45,7 @@ class VirtualUpstream final : public gateway::Upstream {
 
  private:
   class CallReply;
-  gateway::VirtualExecutor& clock_;
+  gateway::Executor& clock_;
   double body_bytes_per_s_;
   std::map<std::string, BodyLine> lines_;            // each engine's HTTP thread, by "host:port"
   std::map<std::string, SimulatedEngine*> engines_;  // by "host:port"

@@ -17,6 +17,7 @@
 #include "api/load_report.h"
 #include "bench/driver.h"
 #include "bench/workload.h"
+#include "gateway/virtual_executor.h"
 #include "sim/simulated_engine.h"
 #include "sim/virtual_time.h"
 #include "sim/virtual_upstream.h"
@@ -543,6 +544,64 @@ TEST(ClusterSimulation, AStalledEngineIsEjectedAndItsStreamsResumeWhenItWakes) {
     EXPECT_TRUE(e.healthy) << e.name;
     EXPECT_EQ(e.blocks_in_use, 0) << e.name;
   }
+}
+
+TEST(ClusterSimulation, AStalledEngineDropsTheCallsWhoseCallersGaveUp) {
+  // A hung engine keeps a call until its stall ends only while its caller still waits: the
+  // gateway probes every 2 s and polls every 100 ms, each call timing out after a second, and
+  // kept, they grew without bound over a long stall.
+  gateway::VirtualExecutor clock;
+  VirtualUpstream upstream(clock);
+  SimulatedEngineOptions eo;
+  eo.name = "engine-0";
+  eo.executor.preset = eo.executor.model_name = hand_model();
+  SimulatedEngine engine(clock, tokenizer(), eo, {});
+  upstream.add("engine-0", 1, &engine);
+  engine.stall(seconds_of(clock.now()) + 1e6);
+  int answered = 0, timed_out = 0;
+  auto probe = [&](std::chrono::seconds timeout) {
+    net::AsyncHttpRequest r;
+    r.host = "engine-0";
+    r.port = 1;
+    r.target = "/health";
+    r.timeout = timeout;
+    net::AsyncHttpHandlers h;
+    h.on_done = [&](const std::string& error) { ++(error.empty() ? answered : timed_out); };
+    upstream.start(std::move(r), std::move(h));
+  };
+  for (int i = 0; i < 1000; ++i) {
+    probe(std::chrono::seconds(1));
+    clock.advance_by(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(timed_out, 991);          // those sent by 99 s
+  EXPECT_LE(engine.deferred(), 10u);  // those still waiting
+  EXPECT_LE(clock.pending_timers(), 20u);
+  // A caller that waits long enough is answered when the stall ends.
+  probe(std::chrono::seconds(2000000));
+  clock.advance_by(std::chrono::seconds(1000000));
+  EXPECT_EQ(answered, 1);
+  EXPECT_EQ(engine.deferred(), 0u);
+}
+
+TEST(ClusterSimulation, ARunEndsWithTheLastAnswerNotWithALongStall) {
+  // decode-0 hangs from 1 s for 10^6 s; its request fails by the gateway's timeouts and the
+  // others go to decode-1. The run ends then (plus at most the transfer timeout, for held
+  // blocks), not after the stall: the stalled engine is reported as such.
+  auto reqs = random_requests(8, 31);
+  auto o = options(2, "deepseek-v3-h800");
+  o.gateway.policy = "round_robin";
+  o.gateway.timeouts.idle = o.gateway.timeouts.first_token = std::chrono::seconds(10);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.1, 1e6}};
+  const auto run = simulate(reqs, o, tokenizer());
+  EXPECT_LT(run.virtual_end_s, 1000);
+  size_t failed = 0;
+  for (const auto& r : run.results) failed += !r.success;
+  EXPECT_GT(failed, 0u);
+  EXPECT_LT(failed, reqs.size());
+  ASSERT_EQ(run.engines.size(), 2u);
+  EXPECT_TRUE(run.engines[0].stalled);
+  EXPECT_FALSE(run.engines[1].stalled);
+  EXPECT_EQ(run.engines[1].blocks_in_use, 0);
 }
 
 TEST(ClusterSimulation, AStallLongerThanTheIdleTimeoutCutsItsStreamsByTheTimeout) {

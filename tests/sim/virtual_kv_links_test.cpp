@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "gateway/virtual_executor.h"
 #include "sim/virtual_time.h"
 
 namespace tandem::sim {
