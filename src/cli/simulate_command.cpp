@@ -315,6 +315,7 @@ void run(const SimulateCliOptions& o) {
                  {"retries", result.retries},
                  {"engine_failures", result.engine_failures},
                  {"timeouts", result.timeouts},
+                 {"idle_skipped_s", result.skipped_s},
                  {"kv_transfer_bytes", result.kv_transfer_bytes},
                  {"mtp_draft_tokens", result.draft_tokens},
                  {"mtp_accepted_tokens", result.accepted_tokens},
@@ -333,8 +334,10 @@ void run(const SimulateCliOptions& o) {
        std::isfinite(w.request_rate) ? std::to_string(w.request_rate) : "inf / trace"},
       {"seed", std::to_string(w.seed)}};
   write_run(summary, result.results, run, o.outputs, "tandem simulate");
-  std::fprintf(stderr, "tandem simulate: %.1f s of virtual time in %.2f s of wall time\n",
-               result.virtual_end_s, wall_s);
+  std::fprintf(stderr,
+               "tandem simulate: %.1f s of virtual time (%.1f s of it idle, skipped) in %.2f s "
+               "of wall time\n",
+               result.virtual_end_s, result.skipped_s, wall_s);
   if (!so.faults.empty())
     std::fprintf(stderr,
                  "  faults: %zu; %lld engine calls timed out (load polls included), %lld calls "

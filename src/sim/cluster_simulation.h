@@ -76,6 +76,10 @@ struct SimulationOptions {
     double factor = 1;      // kSlowLink
   };
   std::vector<Fault> faults;
+  // Idle gaps (nothing in flight, every engine idle) skip the gateway's probes and polls that
+  // would only repeat themselves (cluster_simulation.cpp): the same run, sooner. Off: every timer
+  // runs (for tests that compare the two).
+  bool skip_idle = true;
 };
 
 struct EngineSummary {
@@ -106,6 +110,7 @@ struct SimulationRun {
   int64_t kv_transfers = 0;     // P/D transfers completed
   double kv_transfer_bytes = 0;
   double virtual_end_s = 0;  // when the simulation stopped, from the first send
+  double skipped_s = 0;      // of it, idle virtual time skipped (SimulationOptions::skip_idle)
 };
 
 // Engines of each pool at most (each is a whole engine in memory).

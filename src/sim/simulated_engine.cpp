@@ -79,6 +79,10 @@ bool SimulatedEngine::stalled() const {
   return seconds_of(clock_.now()) < stalled_until_;
 }
 
+bool SimulatedEngine::quiet() const {
+  return phase_ == Phase::kIdle && !stalled() && deferred_.empty() && !engine_->has_work();
+}
+
 bool SimulatedEngine::defer_while_stalled(gateway::Executor::Task& task,
                                           const std::shared_ptr<net::Reply>& reply) {
   if (!stalled()) return false;

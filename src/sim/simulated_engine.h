@@ -57,6 +57,8 @@ class SimulatedEngine {
   // calls grew without bound over a long stall.
   void stall(double until_s);
   bool stalled() const;
+  // Nothing to do and nothing under way: no step, no work, no stall, nothing deferred.
+  bool quiet() const;
   // What waits for the stall to end: calls and the engine's own deferred work.
   size_t deferred() const { return deferred_.size(); }
 

@@ -664,6 +664,71 @@ TEST(ClusterSimulation, ASlowLinkFaultDelaysTheTransfersThatStartWhileItLasts) {
   EXPECT_LT(run.results[1].ttft_s, transfer_s + 1.0);
 }
 
+// Two runs of one workload agree in everything they report.
+void expect_same_run(const SimulationRun& a, const SimulationRun& b) {
+  ASSERT_EQ(a.results.size(), b.results.size());
+  for (size_t i = 0; i < a.results.size(); ++i) {
+    const auto &x = a.results[i], &y = b.results[i];
+    EXPECT_EQ(x.success, y.success) << i;
+    EXPECT_EQ(x.error, y.error) << i;
+    EXPECT_EQ(x.start_s, y.start_s) << i;
+    EXPECT_EQ(x.ttft_s, y.ttft_s) << i;
+    EXPECT_EQ(x.latency_s, y.latency_s) << i;
+    EXPECT_EQ(x.itl_s, y.itl_s) << i;
+    EXPECT_EQ(x.output_tokens, y.output_tokens) << i;
+  }
+  EXPECT_EQ(a.duration_s, b.duration_s);
+  EXPECT_EQ(a.virtual_end_s, b.virtual_end_s);
+  EXPECT_EQ(a.upstream_calls, b.upstream_calls);
+  EXPECT_EQ(a.timeouts, b.timeouts);
+  EXPECT_EQ(a.engine_failures, b.engine_failures);
+  EXPECT_EQ(a.retries, b.retries);
+  EXPECT_EQ(a.prefix_hits, b.prefix_hits);
+  EXPECT_EQ(a.indexed_blocks, b.indexed_blocks);
+  ASSERT_EQ(a.engines.size(), b.engines.size());
+  for (size_t i = 0; i < a.engines.size(); ++i) {
+    EXPECT_EQ(a.engines[i].steps, b.engines[i].steps) << i;
+    EXPECT_EQ(a.engines[i].busy_s, b.engines[i].busy_s) << i;
+    EXPECT_EQ(a.engines[i].healthy, b.engines[i].healthy) << i;
+    EXPECT_EQ(a.engines[i].died, b.engines[i].died) << i;
+  }
+}
+
+TEST(ClusterSimulation, IdleGapsAreSkippedAndTheRunIsTheSame) {
+  // Bursts of requests with idle gaps of minutes between them, a repeated prefix across the
+  // gaps, an engine stalled in a gap (ejected, then taken back) and one killed (its probes then
+  // fail every 2 s): skipping the gaps' probes and polls changes nothing reported, their calls
+  // and failures included.
+  std::vector<bench::BenchRequest> reqs;
+  for (int burst = 0; burst < 4; ++burst)
+    for (int i = 0; i < 5; ++i)
+      reqs.push_back(
+          request(400.0 * burst + 0.3 * i + (burst == 3 ? 0.0123 : 0), words(200, i), 8));
+  for (const bool pd : {false, true}) {
+    auto o = pd ? pd_options(gateway::PdMode::kParallel, 1, 3, "deepseek-v3-h800")
+                : options(3, "deepseek-v3-h800");
+    o.faults = {{Fault::Kind::kDeath, "decode-2", 650.0},
+                {Fault::Kind::kStall, "decode-0", 420.0, 30.0}};
+    const auto skipped = simulate(reqs, o, tokenizer());
+    o.skip_idle = false;
+    const auto whole = simulate(reqs, o, tokenizer());
+    SCOPED_TRACE(pd ? "parallel P/D" : "aggregated");
+    EXPECT_GT(skipped.skipped_s, 1000);
+    EXPECT_EQ(whole.skipped_s, 0);
+    EXPECT_GT(whole.engine_failures, 0);  // the killed engine's probes
+    expect_same_run(skipped, whole);
+  }
+}
+
+TEST(ClusterSimulation, AnIdleGapOfYearsIsSkipped) {
+  // 10^8 s between two requests: timer by timer, a million seconds took 46 s to simulate.
+  const auto run = simulate({request(0, words(100, 1), 4), request(1e8, words(100, 2), 4)},
+                            options(1, "deepseek-v3-h800"), tokenizer());
+  ASSERT_TRUE(run.results[1].success) << run.results[1].error;
+  EXPECT_EQ(run.results[1].start_s, 1e8);
+  EXPECT_GT(run.skipped_s, 0.99e8);
+}
+
 TEST(ClusterSimulation, BadInputIsACleanError) {
   auto o = options(1, "deepseek-v3-h800");
   o.gateway.policy = "fastest";
