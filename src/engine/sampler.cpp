@@ -8,8 +8,55 @@
 
 #include "kernels/cpu/ops.h"
 #include "util/error.h"
+#include "util/hash.h"
 
 namespace tandem::engine {
+namespace {
+
+// What a keyed draw decides at an output position: the token, or (rejection sampling) whether
+// a draft is accepted, or the token that replaces a rejected one.
+enum class Draw : uint64_t { kToken = 0, kAccept = 1, kResidual = 2 };
+
+uint64_t draw_key(uint64_t seed, size_t position, Draw draw) {
+  return hash_u64(hash_u64(seed) + uint64_t(position) * 4 + static_cast<uint64_t>(draw));
+}
+
+// Uniform in (0, 1), never 0 or 1, from 64 random bits.
+double unit(uint64_t bits) {
+  return (static_cast<double>(bits >> 11) + 0.5) * 0x1p-53;
+}
+
+double noise_unit(uint64_t key, int32_t token) {
+  return unit(hash_u64(key + static_cast<uint64_t>(token) * 0x9E3779B97F4A7C15ULL));
+}
+
+// The index i minimising E_i / weights[i], E_i = -log(u_i) with u_i keyed by (key, id of i): a
+// draw with probabilities proportional to `weights` (an exponential race) in which a token's noise
+// depends on the key and the token alone, not on which others compete or in what order. `ids`
+// empty: index i is token i. Zero weights never win; at least one weight must be positive.
+int64_t race(std::span<const int32_t> ids, std::span<const double> weights, uint64_t key) {
+  auto id = [&](int64_t i) { return ids.empty() ? static_cast<int32_t>(i) : ids[size_t(i)]; };
+  const auto n = static_cast<int64_t>(weights.size());
+  // The heaviest first: its score bounds the others, most of which then need no logarithm.
+  const int64_t first = std::max_element(weights.begin(), weights.end()) - weights.begin();
+  int64_t best = first;
+  double bound = -std::log(noise_unit(key, id(first))) / weights[size_t(first)];
+  for (int64_t i = 0; i < n; ++i) {
+    const double w = weights[size_t(i)];
+    if (i == first || !(w > 0)) continue;
+    const double u = noise_unit(key, id(i));
+    // E_i >= bound * w when u <= 1 - bound * w (as exp(-x) >= 1 - x): it cannot win.
+    if (u <= 1 - bound * w) continue;
+    const double score = -std::log(u) / w;
+    if (score < bound) {
+      bound = score;
+      best = i;
+    }
+  }
+  return best;
+}
+
+}  // namespace
 
 std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids) {
   std::vector<int32_t> ids = params.stop_token_ids;
@@ -23,7 +70,9 @@ std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const
 
 Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed,
                  std::span<const int32_t> eos_ids)
-    : params_(params), rng_(params.seed.value_or(fallback_seed)) {
+    : params_(params),
+      seed_(params.seed.value_or(fallback_seed)),
+      coupled_(params.seed.has_value()) {
   params_.validate();
   if (params_.min_tokens > 0) end_ids_ = end_token_ids(params_, eos_ids);
   grammar_end_ids_ = end_token_ids(params_, eos_ids);
@@ -79,9 +128,10 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   const auto inv_t = static_cast<float>(1.0 / params_.temperature);
   for (auto& l : logits) l *= inv_t;
 
-  // Candidates, best first when a filter needs the order: top-k keeps a sorted prefix, top-p
-  // sorts; plain temperature sampling (and min-p, which needs only the maximum) skips the sort,
-  // which would otherwise cost more than the rest of a small model's step.
+  // Candidates, best first when a filter needs the order: top-k keeps a sorted prefix, top-p a
+  // sorted head long enough to hold its mass; plain temperature sampling (and min-p, which needs
+  // only the maximum) skips the sort. A whole vocabulary's sort would cost more than the rest of
+  // a small model's step (~20 ms for 129k ids).
   std::vector<int32_t>& order = c.order;
   order.resize(vocab);
   std::iota(order.begin(), order.end(), 0);
@@ -91,18 +141,30 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   if (params_.top_k > 0 && params_.top_k < vocab) {
     std::partial_sort(order.begin(), order.begin() + params_.top_k, order.end(), by_logit);
     order.resize(params_.top_k);
-  } else if (params_.top_p < 1.0) {
-    std::sort(order.begin(), order.end(), by_logit);
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (auto id : order) top = std::max(top, logits[id]);
+  // The probabilities' denominator: over top-k's tokens, else the whole vocabulary.
+  double sum = 0;
+  for (auto id : order) sum += std::exp(logits[id] - top);
+  if (params_.top_p < 1.0 && static_cast<int64_t>(order.size()) == vocab) {
+    // The head the top-p cut can reach, found by sorting ever longer heads (the same order as a
+    // whole sort: by_logit is a strict total order).
+    auto head = std::min<int64_t>(vocab, 256);
+    for (;;) {
+      std::partial_sort(order.begin(), order.begin() + head, order.end(), by_logit);
+      double mass = 0;
+      for (int64_t i = 0; i < head; ++i) mass += std::exp(logits[order[i]] - top) / sum;
+      if (mass >= params_.top_p || head == vocab) break;
+      head = std::min<int64_t>(vocab, head * 8);
+    }
+    order.resize(head);
   }
   int64_t& keep = c.keep;
   keep = static_cast<int64_t>(order.size());
   std::vector<double>& probs = c.probs;
   probs.resize(keep);
-  float top = -std::numeric_limits<float>::infinity();
-  for (auto id : order) top = std::max(top, logits[id]);
-  double sum = 0;
-  for (int64_t i = 0; i < keep; ++i) sum += (probs[i] = std::exp(logits[order[i]] - top));
-  for (auto& p : probs) p /= sum;
+  for (int64_t i = 0; i < keep; ++i) probs[i] = std::exp(logits[order[i]] - top) / sum;
   if (params_.top_p < 1.0) {
     // Keep the smallest prefix whose mass reaches top_p (at least one token).
     double mass = 0;
@@ -141,9 +203,15 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> prompt
   return guarded([&] {
     const Candidates c = candidates(logits, prompt, output, true);
     if (greedy()) return commit(c.argmax);
-    std::discrete_distribution<int64_t> pick(c.probs.begin(), c.probs.begin() + c.keep);
-    return commit(static_cast<int32_t>(c.order[pick(rng_)]));
+    return commit(draw_token(c, output.size()));
   });
+}
+
+int32_t Sampler::draw_token(const Candidates& c, size_t position) const {
+  const auto keep = static_cast<size_t>(c.keep);
+  const int64_t i = race(std::span(c.order).first(keep), std::span(c.probs).first(keep),
+                         draw_key(seed_, position, Draw::kToken));
+  return c.order[size_t(i)];
 }
 
 void Sampler::dense(const Candidates& c, std::vector<float>& out) {
@@ -156,13 +224,16 @@ void Sampler::dense(const Candidates& c, std::vector<float>& out) {
 int32_t Sampler::propose(std::span<float> logits, std::span<const int32_t> prompt,
                          std::span<const int32_t> output, std::vector<float>& q) {
   const Candidates c = candidates(logits, prompt, output, false);
+  q.clear();
   if (greedy()) return c.argmax;
-  q.resize(logits.size());
-  dense(c, q);
-  // Drawn from q itself (not from c.probs), so the token and the q verify() divides by agree
-  // to the last bit.
-  std::discrete_distribution<int64_t> pick(q.begin(), q.end());
-  return static_cast<int32_t>(pick(rng_));
+  // With the noise sample() and verify() use at this position: a coupled draft is what the
+  // target's race picks whenever the two distributions agree enough.
+  const int32_t draft = draw_token(c, output.size());
+  if (!coupled_) {
+    q.resize(logits.size());
+    dense(c, q);
+  }
+  return draft;
 }
 
 int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt,
@@ -170,26 +241,27 @@ int32_t Sampler::verify(std::span<float> logits, std::span<const int32_t> prompt
   return guarded([&]() -> int32_t {
     const Candidates c = candidates(logits, prompt, output, true);
     if (greedy()) return commit(c.argmax);
+    // Coupled: the answer is sample()'s; the draft is accepted when it is that token.
+    if (coupled_) return commit(draw_token(c, output.size()));
     const auto vocab = static_cast<int64_t>(logits.size());
     if (draft < 0 || draft >= vocab || static_cast<int64_t>(q.size()) != vocab || !(q[draft] > 0))
       throw Error("sampler: draft token " + std::to_string(draft) +
                   " comes without the distribution it was drawn from");
     std::vector<float> p(static_cast<size_t>(vocab));
     dense(c, p);
-    std::uniform_real_distribution<double> unit(0.0, 1.0);
-    if (unit(rng_) * q[draft] < p[draft]) return commit(draft);  // u < p(d) / q(d)
+    const size_t position = output.size();
+    const double u = unit(hash_u64(draw_key(seed_, position, Draw::kAccept)));
+    if (u * q[draft] < p[draft]) return commit(draft);  // u < p(d) / q(d)
     // Rejected: p(d) < q(d) here, so the residual gives d no mass.
     std::vector<double> residual(static_cast<size_t>(vocab));
     double mass = 0;
     for (int64_t i = 0; i < vocab; ++i) mass += (residual[i] = std::max(0.0f, p[i] - q[i]));
     if (!(mass > 0)) {
       // p equals q (up to rounding) everywhere but at d: draw from p without d.
-      p[draft] = 0;
-      std::discrete_distribution<int64_t> pick(p.begin(), p.end());
-      return commit(static_cast<int32_t>(pick(rng_)));
+      for (int64_t i = 0; i < vocab; ++i) residual[i] = i == draft ? 0.0 : p[i];
     }
-    std::discrete_distribution<int64_t> pick(residual.begin(), residual.end());
-    return commit(static_cast<int32_t>(pick(rng_)));
+    return commit(
+        static_cast<int32_t>(race({}, residual, draw_key(seed_, position, Draw::kResidual))));
   });
 }
 

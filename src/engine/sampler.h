@@ -2,19 +2,28 @@
 // Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM: min_tokens'
 // mask and logit_bias on the raw logits, repetition penalty (prompt and output tokens), frequency
 // and presence penalties (output tokens), then temperature; then top-k, top-p and min-p
-// filtering; then a draw from the seeded generator.
-// Temperature 0 is greedy (argmax, lowest id on ties).
+// filtering; then a draw. Temperature 0 is greedy (argmax, lowest id on ties).
+//
+// Draws are keyed, not streamed: the noise of a draw is a function of the seed, the output
+// position it decides and the token (an exponential race, the Gumbel-max trick: the token that
+// minimises E / p, with E exponential noise keyed by (seed, position, token), is a draw from p).
+// So a seeded request's token at a position depends on its seed, that position and the logits,
+// never on how many draws came before: not on preemption, on how many drafts the scheduler let a
+// step verify, or on which engine of a P/D pair sampled the tokens before it.
 //
 // Speculative decoding (engine/speculative) uses the same transformed distribution twice: a
 // draft token is proposed from the draft model's logits, then verified against the target
-// model's logits by rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accepted with
-// probability min(1, p(d) / q(d)), else replaced by a draw from max(0, p - q) renormalised. The
-// accepted-or-replaced token is distributed exactly as sample() on the target logits; greedy
-// requests accept exactly when the draft is the argmax.
+// model's logits. A seeded request verifies by coupling: the draft is the race over the draft
+// distribution q with the position's noise, and the answer is the race over the target p with the
+// same noise, which is what sample() would give; the draft is accepted exactly when the two agree.
+// Its answer is then the plain run's, whatever the drafts, at a few points of acceptance. An
+// unseeded request, which asks for no repeatability, verifies by rejection sampling (Leviathan et
+// al. 2023, Chen et al. 2023), which accepts most: accepted with probability min(1, p(d) / q(d)),
+// else replaced by a draw from max(0, p - q) renormalised, distributed exactly as sample() on the
+// target logits. Greedy requests accept exactly when the draft is the argmax.
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -57,12 +66,13 @@ class Sampler {
 
   bool greedy() const { return params_.temperature < kGreedyTemperature; }
   // A draft token from draft logits[vocab] (modified in place) with the same transforms as
-  // sample(); unless greedy, `q` receives the whole distribution it was drawn from [vocab].
+  // sample(), for the position after `output`; when verify() will need it (an unseeded sampled
+  // request), `q` receives the whole distribution it was drawn from [vocab], else it is emptied.
   int32_t propose(std::span<float> logits, std::span<const int32_t> prompt,
                   std::span<const int32_t> output, std::vector<float>& q);
   // Verifies `draft` against target logits[vocab] (modified in place): returns `draft` when it is
   // accepted, else the token that replaces it. `q` is what propose() returned for it (unused when
-  // greedy).
+  // greedy or seeded).
   int32_t verify(std::span<float> logits, std::span<const int32_t> prompt,
                  std::span<const int32_t> output, int32_t draft, std::span<const float> q);
 
@@ -84,6 +94,8 @@ class Sampler {
   // sample() or verify(), with a constraint's error recorded as failure().
   template <typename Draw>
   int32_t guarded(Draw draw);
+  // The keyed draw from the candidates for output position `position` (not greedy).
+  int32_t draw_token(const Candidates& c, size_t position) const;
   // candidates() as a dense distribution over the vocabulary.
   static void dense(const Candidates& c, std::vector<float>& out);
 
@@ -92,7 +104,9 @@ class Sampler {
   std::vector<int32_t> grammar_end_ids_;  // what ends a constrained answer once it is complete
   std::unique_ptr<structured::TokenConstraint> constraint_;
   std::string failure_;
-  std::mt19937_64 rng_;
+  uint64_t seed_;
+  // Seeded: verify() couples (the answer is sample()'s whatever the draft), else rejection.
+  bool coupled_;
 };
 
 }  // namespace tandem::engine

@@ -173,7 +173,7 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   // must parse whatever the seed.
   json close_bias = json::object();
   for (const char* t : {"\"", "}", "\",", "\"}"})
-    for (int32_t id : tok_->encode(t, false)) close_bias[std::to_string(id)] = 8;
+    for (int32_t id : tok_->encode(t, false)) close_bias[std::to_string(id)] = 12;
   for (int seed = 0; seed < 4; ++seed) {
     const auto res = testing::post_json(engine.port(), "/v1/completions",
                                         json{{"prompt", prompt},

@@ -1,11 +1,14 @@
 // Sampling rules as properties: greedy picks the argmax, filters leave only the tokens they
-// should, penalties move the logits they should, and a seed makes draws reproducible.
+// should, penalties move the logits they should, and a draw is a function of the seed and the
+// position it decides. One sampler draws one token per position, so draws of a distribution are
+// taken over seeds (one sampler each) or over positions.
 #include "engine/sampler.h"
 
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
+#include <set>
 
 #include <gtest/gtest.h>
 
@@ -33,8 +36,8 @@ TEST(Sampler, TopKOneAndTinyTopPAndFullMinPAreGreedy) {
     if (variant == 0) p.top_k = 1;
     if (variant == 1) p.top_p = 1e-6;
     if (variant == 2) p.min_p = 1.0;
-    Sampler s(p, 42);
     for (int i = 0; i < 50; ++i) {
+      Sampler s(p, 42 + i);
       auto l = logits_of({0.5f, 0.2f, 0.7f, 0.69f});
       ASSERT_EQ(s.sample(l, {}, {}), 2) << variant;
     }
@@ -44,36 +47,101 @@ TEST(Sampler, TopKOneAndTinyTopPAndFullMinPAreGreedy) {
 TEST(Sampler, TopKNeverLeavesTheKBest) {
   SamplingParams p;
   p.top_k = 2;
-  Sampler s(p, 7);
   for (int i = 0; i < 500; ++i) {
+    Sampler s(p, 7 + i);
     auto l = logits_of({1.0f, 0.9f, 3.0f, 2.8f, 0.0f});
     int t = s.sample(l, {}, {});
     ASSERT_TRUE(t == 2 || t == 3);
   }
 }
 
-TEST(Sampler, DrawsFollowTheSoftmax) {
+// Top-p sorts only a head of the vocabulary, growing it until it holds top_p of the mass: the
+// nucleus must still be exactly the whole sort's. 600 equal tokens hold 93% of the mass (2400
+// others share the rest), so top_p 0.9 keeps ids 0..579 (ties by lowest id), past the first head.
+TEST(Sampler, TopPKeepsExactlyTheNucleusPastTheFirstSortedHead) {
+  std::vector<float> logits(3000, -4.0f);
+  std::fill(logits.begin(), logits.begin() + 600, 0.0f);
   SamplingParams p;
+  p.top_p = 0.9;
+  std::set<int32_t> drawn;
+  for (int i = 0; i < 20000; ++i) {
+    Sampler s(p, 1000 + i);
+    auto l = logits;
+    drawn.insert(s.sample(l, {}, {}));
+  }
+  EXPECT_EQ(*drawn.begin(), 0);
+  EXPECT_EQ(*drawn.rbegin(), 579);  // the last of the nucleus is drawn, nothing after it
+  EXPECT_GT(drawn.size(), 570u);
+}
+
+TEST(Sampler, DrawsFollowTheSoftmaxOverSeedsAndOverPositions) {
+  const int n = 20000;
+  std::map<int, int> over_seeds, over_positions;
+  SamplingParams p;
+  for (int i = 0; i < n; ++i) {
+    p.seed = 123 + i;
+    Sampler s(p, 0);
+    auto l = logits_of({0.0f, std::log(3.0f)});  // probabilities 1/4 and 3/4
+    ++over_seeds[s.sample(l, {}, {})];
+  }
   p.seed = 123;
   Sampler s(p, 0);
-  std::map<int, int> counts;
-  const int n = 20000;
+  std::vector<int32_t> output;
   for (int i = 0; i < n; ++i) {
-    auto l = logits_of({0.0f, std::log(3.0f)});  // probabilities 1/4 and 3/4
-    ++counts[s.sample(l, {}, {})];
+    auto l = logits_of({0.0f, std::log(3.0f)});
+    const int32_t t = s.sample(l, {}, output);
+    ++over_positions[t];
+    output.push_back(t);
   }
-  EXPECT_NEAR(counts[1] / double(n), 0.75, 0.02);
+  EXPECT_NEAR(over_seeds[1] / double(n), 0.75, 0.02);
+  EXPECT_NEAR(over_positions[1] / double(n), 0.75, 0.02);
 }
 
 TEST(Sampler, SeedMakesDrawsReproducible) {
   SamplingParams p;
   p.seed = 99;
   Sampler a(p, 1), b(p, 2);  // the request seed wins over the fallback
+  std::vector<int32_t> output;
   for (int i = 0; i < 100; ++i) {
     auto la = logits_of({0.1f, 0.2f, 0.3f, 0.4f, 0.5f});
     auto lb = la;
-    ASSERT_EQ(a.sample(la, {}, {}), b.sample(lb, {}, {}));
+    const int32_t t = a.sample(la, {}, output);
+    ASSERT_EQ(t, b.sample(lb, {}, output));
+    output.push_back(t);
   }
+}
+
+// What makes a seeded answer the same under any load: the token at a position is a function of
+// the seed, the position and the logits, not of the draws before it (preemption, drafts verified,
+// the other engine of a P/D pair).
+TEST(Sampler, ADrawDependsOnItsSeedAndPositionNotOnTheDrawsBefore) {
+  SamplingParams p;
+  p.seed = 5;
+  p.temperature = 1.0;
+  const std::vector<float> flat = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.0f, 0.3f, 0.1f};
+  Sampler in_order(p, 0);
+  std::vector<int32_t> output;
+  for (int i = 0; i < 64; ++i) {
+    auto l = flat;
+    output.push_back(in_order.sample(l, {}, output));
+  }
+  std::set<int32_t> seen(output.begin(), output.end());
+  EXPECT_GT(seen.size(), 4u);  // the positions' draws are not one token
+  for (size_t at : {size_t(0), size_t(17), size_t(63)}) {
+    Sampler fresh(p, 0);  // draws nothing before `at`
+    auto l = flat;
+    EXPECT_EQ(fresh.sample(l, {}, std::span(output).first(at)), output[at]) << at;
+    auto again = flat;  // and the same position asked twice answers the same
+    EXPECT_EQ(fresh.sample(again, {}, std::span(output).first(at)), output[at]) << at;
+  }
+  p.seed = 6;
+  Sampler other(p, 0);
+  int differ = 0;
+  for (size_t at = 0; at < output.size(); ++at) {
+    auto l = flat;
+    differ += other.sample(l, {}, std::span(output).first(at)) != output[at];
+  }
+  EXPECT_GT(differ, 16);  // another seed, other draws
 }
 
 TEST(Sampler, PenaltiesMoveTheRightLogits) {
@@ -113,8 +181,8 @@ TEST(Sampler, LogitBiasMovesGreedyChoicesAndDraws) {
   SamplingParams d;
   d.temperature = 1.0;
   d.logit_bias = {{1, -100.0f}};
-  Sampler draws(d, 7);
   for (int i = 0; i < 2000; ++i) {
+    Sampler draws(d, 7 + i);
     auto ld = logits_of({0.0f, 5.0f, 0.0f});  // token 1 would be drawn 98% of the time
     ASSERT_NE(draws.sample(ld, {}, {}), 1);
   }
@@ -249,37 +317,93 @@ std::vector<SpeculativeCase> speculative_cases() {
 const std::vector<float> kTarget = {1.0f, 2.5f, 0.2f, 2.0f, -1.0f, 1.7f, 0.5f, 2.2f};
 const std::vector<float> kDraft = {2.0f, 1.0f, 0.2f, 3.0f, 0.5f, 1.7f, -2.0f, 0.1f};
 
+// Draw i's sampler: unseeded requests get fallback seed `base + i` (rejection sampling);
+// seeded ones seed `base + i` themselves (coupling).
+Sampler sampler_for(SamplingParams params, bool seeded, uint64_t base, int64_t i) {
+  if (seeded) params.seed = base + uint64_t(i);
+  return Sampler(params, base + uint64_t(i));
+}
+
 std::vector<int64_t> plain_counts(const SpeculativeCase& c, int64_t draws) {
-  Sampler s(c.params, 11);
   std::vector<int64_t> counts(kTarget.size(), 0);
   for (int64_t i = 0; i < draws; ++i) {
+    Sampler s = sampler_for(c.params, false, 1'000'000, i);
     auto l = kTarget;
     ++counts[size_t(s.sample(l, c.prompt, c.output))];
   }
   return counts;
 }
 
+// The keyed race itself against the softmax it must draw from (its pruning skips a logarithm
+// only where a token cannot win): one-sample chi-square over 8 tokens at temperature 0.8.
+TEST(SpeculativeSampling, PlainDrawsFollowTheTargetSoftmax) {
+  const auto c = speculative_cases().front();  // temperature 0.8
+  constexpr int64_t kDraws = 40000;
+  const auto counts = plain_counts(c, kDraws);
+  double z = 0;
+  std::vector<double> p(kTarget.size());
+  for (size_t i = 0; i < p.size(); ++i) z += p[i] = std::exp(kTarget[i] / 0.8);
+  double chi = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const double expected = kDraws * p[i] / z;
+    chi += (counts[i] - expected) * (counts[i] - expected) / expected;
+  }
+  EXPECT_LT(chi, 24.32);  // p = 0.001 at 7 degrees of freedom
+}
+
+// Both ways of verifying: rejection sampling (unseeded) and coupling (seeded).
 TEST(SpeculativeSampling, VerifiedDraftsAreDistributedAsPlainDraws) {
   constexpr int64_t kDraws = 40000;
-  for (const auto& c : speculative_cases()) {
-    Sampler s(c.params, 23);
-    std::vector<int64_t> counts(kTarget.size(), 0);
-    int64_t accepted = 0;
-    std::vector<float> q;
-    for (int64_t i = 0; i < kDraws; ++i) {
-      auto d = kDraft;
-      const int32_t draft = s.propose(d, c.prompt, c.output, q);
-      auto t = kTarget;
-      const int32_t token = s.verify(t, c.prompt, c.output, draft, q);
-      accepted += token == draft;
-      ++counts[size_t(token)];
+  for (const bool seeded : {false, true}) {
+    for (const auto& c : speculative_cases()) {
+      std::vector<int64_t> counts(kTarget.size(), 0);
+      int64_t accepted = 0;
+      std::vector<float> q;
+      for (int64_t i = 0; i < kDraws; ++i) {
+        Sampler s = sampler_for(c.params, seeded, 23, i);
+        auto d = kDraft;
+        const int32_t draft = s.propose(d, c.prompt, c.output, q);
+        EXPECT_EQ(q.empty(), seeded);  // coupling needs no draft distribution
+        auto t = kTarget;
+        const int32_t token = s.verify(t, c.prompt, c.output, draft, q);
+        accepted += token == draft;
+        ++counts[size_t(token)];
+      }
+      int64_t bins = 0;
+      const double chi = two_sample_chi_square(plain_counts(c, kDraws), counts, bins);
+      EXPECT_LT(chi, chi_square_bound(bins - 1)) << c.name << (seeded ? " seeded" : "");
+      // The draft differs from the target: some drafts must have been rejected, most accepted.
+      EXPECT_GT(accepted, kDraws / 4) << c.name << (seeded ? " seeded" : "");
+      EXPECT_LT(accepted, kDraws) << c.name << (seeded ? " seeded" : "");
     }
-    int64_t bins = 0;
-    const double chi = two_sample_chi_square(plain_counts(c, kDraws), counts, bins);
-    EXPECT_LT(chi, chi_square_bound(bins - 1)) << c.name;
-    // The draft differs from the target: some drafts must have been rejected, most accepted.
-    EXPECT_GT(accepted, kDraws / 4) << c.name;
-    EXPECT_LT(accepted, kDraws) << c.name;
+  }
+}
+
+// Coupling: a seeded request's verified token is the one sample() draws at that position, so its
+// answer does not depend on whether, or how many, drafts a step verified.
+TEST(SpeculativeSampling, ASeededVerifyAnswersWhatSampleDrawsWhateverTheDraft) {
+  for (const auto& c : speculative_cases()) {
+    SamplingParams p = c.params;
+    p.seed = 31;
+    std::vector<int32_t> output = c.output;
+    int64_t accepted = 0;
+    for (int i = 0; i < 400; ++i) {
+      Sampler plain(p, 0), speculating(p, 0);
+      auto l = kTarget;
+      const int32_t want = plain.sample(l, c.prompt, output);
+      std::vector<float> q;
+      auto d = kDraft;
+      const int32_t draft = speculating.propose(d, c.prompt, output, q);
+      auto t = kTarget;
+      ASSERT_EQ(speculating.verify(t, c.prompt, output, draft, q), want) << c.name << " " << i;
+      // Any other draft, too: the answer is the target's draw.
+      auto t2 = kTarget;
+      Sampler other(p, 0);
+      ASSERT_EQ(other.verify(t2, c.prompt, output, (draft + 3) % 8, {}), want) << c.name;
+      accepted += draft == want;
+      output.push_back(want);
+    }
+    EXPECT_GT(accepted, 100) << c.name;
   }
 }
 
@@ -287,10 +411,10 @@ TEST(SpeculativeSampling, TheChiSquareCheckRejectsDraftsTakenUnverified) {
   // The test above can fail: tokens drawn from the draft alone are told apart from the target's.
   const auto c = speculative_cases().front();
   constexpr int64_t kDraws = 40000;
-  Sampler s(c.params, 23);
   std::vector<int64_t> counts(kTarget.size(), 0);
   std::vector<float> q;
   for (int64_t i = 0; i < kDraws; ++i) {
+    Sampler s = sampler_for(c.params, false, 23, i);
     auto d = kDraft;
     ++counts[size_t(s.propose(d, c.prompt, c.output, q))];
   }

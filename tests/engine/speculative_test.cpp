@@ -302,6 +302,45 @@ TEST_F(Speculation, PreemptionUnderATinyCacheStillAnswersExactly) {
   EXPECT_EQ(load.free_blocks, load.total_blocks);
 }
 
+// A seed asks for the same answer: seeded sampled requests under a tiny cache (preemption, and
+// steps that verify fewer drafts than asked) answer the tokens of plain decoding, with the random
+// module's drafts (mostly rejected) and with an oracle's (mostly accepted).
+TEST_F(Speculation, SeededSampledAnswersAreThePlainRunsUnderPreemptionWhateverTheDrafts) {
+  std::vector<RequestSpec> requests;
+  for (int i = 0; i < 3; ++i) {
+    SamplingParams p;
+    p.temperature = 0.9;
+    p.top_p = 0.95;
+    p.seed = 40 + i;
+    p.max_tokens = 12;
+    p.ignore_eos = true;
+    requests.push_back({prompt_of(14, 100 * (i + 1)), p});
+  }
+  const auto plain = serve(executor(0), requests);
+  std::map<std::vector<int32_t>, std::vector<int32_t>> continuations;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_EQ(plain[i].tokens.size(), 12u);
+    continuations[requests[i].prompt] = plain[i].tokens;
+  }
+  for (const bool oracle : {false, true}) {
+    SCOPED_TRACE(oracle ? "oracle drafts" : "the module's drafts");
+    metrics::Registry registry;
+    LoadReport load;
+    std::unique_ptr<Executor> ex = executor(3, /*num_blocks=*/14);
+    if (oracle)
+      ex = std::make_unique<OracleDrafts>(std::move(ex), continuations,
+                                          [](int64_t p) { return p % 5 == 2; });
+    const auto answers = serve(std::move(ex), requests, 2048, &load, &registry);
+    for (size_t i = 0; i < requests.size(); ++i)
+      EXPECT_EQ(answers[i].tokens, plain[i].tokens) << "#" << i;
+    EXPECT_GT(metric(registry, "vllm:num_preemptions_total"), 0);
+    if (oracle) {
+      EXPECT_GT(metric(registry, "vllm:spec_decode_num_accepted_tokens_total"), 10);
+    }
+    EXPECT_EQ(load.free_blocks, load.total_blocks);
+  }
+}
+
 TEST_F(Speculation, LogprobsOfAcceptedTokensAreThoseOfPlainDecoding) {
   const auto prompt = prompt_of(9, 1200);
   RequestSpec r{prompt, greedy_params(10), 3};
