@@ -487,6 +487,7 @@ std::string html_report(const BenchSummary& summary, std::span<const RequestResu
 }
 
 std::vector<json> read_access_log(const std::filesystem::path& path) {
+  check_input_file(path, "access log " + path.string());
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error("access log " + path.string() + ": cannot open the file");
   std::vector<json> out;

@@ -162,12 +162,29 @@ bool parse_int(const std::string& s, int64_t& value) {
 
 }  // namespace
 
+void check_input_file(const std::filesystem::path& path, const std::string& what) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(status))
+    throw Error(what + ": no such file" + (ec ? " (" + ec.message() + ")" : std::string()));
+  if (std::filesystem::is_directory(status)) throw Error(what + ": is a directory, not a file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(what + ": cannot open the file");
+}
+
 bool read_line(std::istream& in, std::string& line, const std::string& what, int64_t line_no) {
   line.clear();
   std::streambuf* buf = in.rdbuf();
   bool any = false;
   for (;;) {
-    const int c = buf->sbumpc();
+    int c = 0;
+    try {
+      c = buf->sbumpc();
+    } catch (const std::exception& e) {
+      // A stream buffer reports a failed read (EISDIR, EIO) by throwing, with the library's words.
+      throw Error(what + ":" + std::to_string(line_no) + ": cannot read the file (" + e.what() +
+                  ")");
+    }
     if (c == std::char_traits<char>::eof()) {
       in.setstate(std::ios::eofbit);
       break;
@@ -315,6 +332,7 @@ std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
           where + ": num_requests must be in 0.." + std::to_string(kMaxRequests));
   require(!o.output_len || (*o.output_len >= 0 && *o.output_len <= kMaxRequestTokens),
           where + ": output_len must be in 0.." + std::to_string(kMaxRequestTokens));
+  check_input_file(o.path, where);
   json data;
   try {
     data = json::parse(read_file(o.path));
@@ -377,6 +395,7 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
   require(block_size >= 1 && block_size <= kMaxRequestTokens,
           what + ": block size must be in 1.." + std::to_string(kMaxRequestTokens));
   validate_window(window, what);
+  check_input_file(path, what);
   std::ifstream in(path, std::ios::binary);
   require(in.good(), what + ": cannot open the file");
   // Only the window is parsed; lines before it are counted.
@@ -516,6 +535,7 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
                                           const TraceWindow& window) {
   const std::string what = "azure trace " + path.string();
   validate_window(window, what);
+  check_input_file(path, what);
   std::ifstream in(path, std::ios::binary);
   require(in.good(), what + ": cannot open the file");
   std::string line;

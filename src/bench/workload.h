@@ -36,6 +36,10 @@ constexpr size_t kMaxLineBytes = size_t{64} << 20;
 // tandem::Error naming `what` and the line number `line_no` (1-based) when the line is longer
 // than kMaxLineBytes or the read fails.
 bool read_line(std::istream& in, std::string& line, const std::string& what, int64_t line_no);
+// Throws tandem::Error "`what`: ..." unless `path` is something to read: it exists, is not a
+// directory (reading one failed deep in the stream library with a message naming nothing) and
+// opens. Pipes and devices pass: a trace may come through one.
+void check_input_file(const std::filesystem::path& path, const std::string& what);
 
 struct BenchRequest {
   double arrival_s = 0;  // send time relative to the start of the run

@@ -9,6 +9,7 @@
 #include "bench/driver.h"
 #include "bench/metrics.h"
 #include "bench/report.h"
+#include "bench/workload.h"
 #include "cli/bench_options.h"
 #include "gateway/topology.h"
 #include "text/tokenizer.h"
@@ -40,8 +41,10 @@ std::pair<std::string, uint16_t> split_url(const std::string& url) {
 
 void run(const BenchCliOptions& o) {
   const auto [host, port] = split_url(o.base_url);
+  bench::MetricsOptions mo = metrics_options(o.metrics);  // before anything runs
   const auto tok = text::Tokenizer::from_dir(workload_tokenizer_dir(o.workload));
-  bench::MetricsOptions mo = metrics_options(o.metrics);
+  // The access log is read after the run: one that cannot be read must say so before it.
+  if (!o.access_log.empty()) bench::check_input_file(o.access_log, "--access-log " + o.access_log);
   auto reqs = build_workload(o.workload, tok);
   if (reqs.empty()) throw Error("the workload has no requests");
 
@@ -117,8 +120,14 @@ void run(const BenchCliOptions& o) {
       {"request rate",
        std::isfinite(w.request_rate) ? std::to_string(w.request_rate) : "inf / trace"},
       {"max concurrency", o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : "none"}};
-  if (!o.access_log.empty() && !o.outputs.html.empty())
-    run.report.access_log = bench::read_access_log(o.access_log);
+  if (!o.access_log.empty())
+    run.access_log = [&] {
+      try {
+        return bench::read_access_log(o.access_log);
+      } catch (const Error& e) {
+        throw Error("--access-log: " + std::string(e.what()));
+      }
+    };
   write_run(summary, result.results, run, o.outputs, "tandem bench");
 }
 

@@ -1,9 +1,11 @@
 #include "cli/bench_options.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "bench/arrivals.h"
@@ -211,30 +213,49 @@ void add_metrics_options(CLI::App& cmd, MetricsCliOptions& o) {
   cmd.add_option("--goodput", o.goodput, "SLO KEY:MS (ttft, tpot, e2el, tbt); repeatable");
 }
 
+namespace {
+
+// `text` as a number, all of it ("5<b>" and "" are not), finite; nullopt otherwise.
+std::optional<double> whole_number(const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+constexpr const char* kPercentileMetrics[] = {"ttft", "tpot", "itl", "e2el", "tbt"};
+
+}  // namespace
+
+// Everything is checked here, before the run: summarize() would only refuse it after the run.
 bench::MetricsOptions metrics_options(const MetricsCliOptions& o) {
   bench::MetricsOptions m;
   m.percentile_metrics = split(o.percentile_metrics, ',');
+  for (const auto& name : m.percentile_metrics)
+    if (std::find(std::begin(kPercentileMetrics), std::end(kPercentileMetrics), name) ==
+        std::end(kPercentileMetrics))
+      throw Error("--percentile-metrics: unknown metric '" + name +
+                  "' (expected ttft, tpot, itl, e2el or tbt)");
   m.percentiles.clear();
   for (const auto& p : split(o.metric_percentiles, ',')) {
-    try {
-      m.percentiles.push_back(std::stod(p));
-    } catch (const std::exception&) {
-      throw Error("--metric-percentiles: '" + p + "' is not a number");
-    }
+    const std::optional<double> v = whole_number(p);
+    if (!v || *v < 0 || *v > 100)
+      throw Error("--metric-percentiles: expected numbers in 0..100, got '" + p + "'");
+    m.percentiles.push_back(*v);
   }
   for (const auto& g : o.goodput) {
     const auto colon = g.find(':');
-    double ms = 0;
-    if (colon != std::string::npos) {
-      try {
-        ms = std::stod(g.substr(colon + 1));
-      } catch (const std::exception&) {
-        ms = 0;
-      }
-    }
+    double ms = 0;  // not an SLO
+    if (colon != std::string::npos) ms = whole_number(g.substr(colon + 1)).value_or(0);
     const std::string key = g.substr(0, colon);
-    if (colon == std::string::npos || ms <= 0)
-      throw Error("--goodput: expected KEY:MS with KEY ttft, tpot, e2el or tbt, got '" + g + "'");
+    if (!(ms > 0))
+      throw Error(
+          "--goodput: expected KEY:MS with KEY ttft, tpot, e2el or tbt and MS a number > 0, got "
+          "'" +
+          g + "'");
     if (key == "ttft")
       m.goodput_ttft_ms = ms;
     else if (key == "tpot")
@@ -286,9 +307,6 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
     table += line;
   }
   for (const auto& [key, value] : run.extra.items()) out[key] = value;
-  // Everything is made before anything is written: a failure then costs no file.
-  const std::string html =
-      outputs.html.empty() ? "" : bench::html_report(summary, results, run.report);
   const std::string result = outputs.result_file.empty() ? "" : result_json_text(out);
   std::fputs(table.c_str(), stdout);
   std::fflush(stdout);
@@ -296,10 +314,13 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
     write_output("--result-file", outputs.result_file, result);
     std::fprintf(stderr, "%s: results in %s\n", program, outputs.result_file.c_str());
   }
-  if (!outputs.html.empty()) {
-    write_output("--html", outputs.html, html);
-    std::fprintf(stderr, "%s: report in %s\n", program, outputs.html.c_str());
-  }
+  if (outputs.html.empty()) return;
+  // The report reads the access log last: a log that went bad during the run costs the report
+  // alone, not the table and the result file.
+  bench::ReportOptions report = run.report;
+  if (run.access_log) report.access_log = run.access_log();
+  write_output("--html", outputs.html, bench::html_report(summary, results, report));
+  std::fprintf(stderr, "%s: report in %s\n", program, outputs.html.c_str());
 }
 
 }  // namespace tandem::cli

@@ -4,6 +4,7 @@
 // outputs (vLLM's terminal table, result JSON, HTML report), so a simulated run reads exactly
 // like a live one.
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <span>
@@ -49,6 +50,8 @@ struct MetricsCliOptions {
   std::vector<std::string> goodput;
 };
 void add_metrics_options(CLI::App& cmd, MetricsCliOptions& o);
+// Throws tandem::Error naming the flag for a percentile that is not a number in 0..100, an
+// unknown metric, or a goodput SLO that is not KEY:MS with MS a finite number > 0.
 bench::MetricsOptions metrics_options(const MetricsCliOptions& o);
 
 // A finished run written as `tandem bench` writes it: the table on stdout (with the prefix-cache
@@ -60,6 +63,9 @@ struct RunDescription {
   bench::ReportOptions report;  // the title, configuration rows, table context and access log
   std::optional<double> prefix_cache_hit_rate;
   nlohmann::json extra = nlohmann::json::object();  // more result keys (backend, dataset_name..)
+  // Reads the access log for the report (when there is one): after the table and the result file
+  // are written.
+  std::function<std::vector<nlohmann::json>()> access_log;
 };
 void write_run(const bench::BenchSummary& summary, std::span<const bench::RequestResult> results,
                const RunDescription& run, const RunOutputs& outputs, const char* program);

@@ -222,6 +222,7 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
 }
 
 void run(const SimulateCliOptions& o) {
+  const bench::MetricsOptions mo = metrics_options(o.metrics);  // before anything runs
   sim::SimulationOptions so;
   if (!o.topology.empty()) so.gateway = gateway::load_topology(o.topology);
   if (!o.policy.empty()) so.gateway.policy = o.policy;
@@ -262,7 +263,6 @@ void run(const SimulateCliOptions& o) {
   so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
 
   auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
-  const bench::MetricsOptions mo = metrics_options(o.metrics);
   const bench::LazyWorkload reqs = build_lazy_workload(o.workload, *tok);
   if (reqs.size() == 0) throw Error("the workload has no requests");
   const WorkloadCliOptions& w = o.workload;

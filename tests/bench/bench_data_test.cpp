@@ -477,6 +477,28 @@ TEST(MooncakeTrace, ALineLongerThanTheCapIsRefusedNamingTheLine) {
   std::filesystem::remove(path);
 }
 
+TEST_F(BenchData, ADirectoryForADatasetIsRefusedNamingIt) {
+  // Reading one failed inside the stream library ("basic_filebuf::underflow", an internal error
+  // naming nothing), and ShareGPT called it malformed JSON.
+  const auto dir = test::scratch_path("dataset-dir", "");
+  std::filesystem::create_directories(dir);
+  const std::string is_dir = dir.string() + ": is a directory, not a file";
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(dir, {}); }),
+              HasSubstr("mooncake trace " + is_dir));
+  EXPECT_THAT(error_of([&] { read_azure_trace(dir, {}); }), HasSubstr("azure trace " + is_dir));
+  ShareGptOptions s;
+  s.path = dir;
+  EXPECT_THAT(error_of([&] { sharegpt_workload(*tokenizer_, s); }),
+              HasSubstr("sharegpt dataset " + is_dir));
+  EXPECT_THAT(error_of([&] { check_input_file(dir / "missing", "--x"); }),
+              HasSubstr("--x: no such file"));
+  // A read that fails past the opening names the file and line, not the library.
+  std::ifstream in(dir, std::ios::binary);
+  std::string line;
+  EXPECT_THAT(error_of([&] { read_line(in, line, "trace " + dir.string(), 1); }),
+              HasSubstr("trace " + dir.string() + ":1: cannot read the file"));
+}
+
 // --- Azure ---------------------------------------------------------------------------------
 
 TEST_F(BenchData, AzureTraceHead) {

@@ -360,6 +360,13 @@ TEST(BenchReport, ReadsTheAccessLogAndNamesABadLine) {
   expect_error(lines[0] + "\n" + lines[1] + "\n{\"phases\": {\"received\": \"0\"}}\n",
                "phase \"received\" must be a number");
   EXPECT_THROW(read_access_log(dir.path() / "missing.jsonl"), Error);
+  // A directory: the stream library's "basic_filebuf::underflow" named nothing.
+  try {
+    read_access_log(dir.path());
+    ADD_FAILURE() << "a directory was read as an access log";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr(dir.path().string() + ": is a directory, not a file"));
+  }
 }
 
 // --- Headless Chromium ---------------------------------------------------------------------

@@ -439,6 +439,51 @@ TEST(Cli, AnEngineChecksItsSettingsBeforeLoadingTheModel) {
   std::filesystem::remove_all(dir);
 }
 
+// A metric flag the summary cannot take, or an access log that cannot be read, is refused before
+// the run, naming the flag: each was found only after the run, which was then lost.
+TEST(Cli, MetricFlagsAndTheAccessLogAreCheckedBeforeTheRun) {
+  // Port 1 refuses at once: a run that started prints its first line and its table.
+  const std::string bench = "bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--metric-percentiles 101", "--metric-percentiles: expected numbers in 0..100, got '101'"},
+      {"--metric-percentiles 50,9x", "--metric-percentiles: expected numbers in 0..100"},
+      {"--percentile-metrics ttft,foo", "--percentile-metrics: unknown metric 'foo'"},
+      {"--goodput ttft:nan", "--goodput: expected KEY:MS"},
+      {"--goodput 'ttft:5<b>'", "--goodput: expected KEY:MS"},
+      {"--goodput ttft:-1", "--goodput: expected KEY:MS"},
+      {"--access-log /nonexistent/access.jsonl", "--access-log /nonexistent/access.jsonl: no such"},
+      {"--access-log " + std::filesystem::temp_directory_path().string(),
+       "--access-log " + std::filesystem::temp_directory_path().string() +
+           ": is a directory, not a file"}};
+  for (const auto& [flags, error] : cases) {
+    for (const std::string& command : {bench, std::string("simulate --num-prompts 2 ")}) {
+      if (command != bench && flags.rfind("--access-log", 0) == 0) continue;  // bench's flag
+      const auto r = run(command + flags);
+      EXPECT_EQ(r.status, 1) << command << flags << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr("tandem: error: " + error)) << command << flags;
+      EXPECT_THAT(r.output, Not(HasSubstr("Serving Benchmark Result"))) << command << flags;
+    }
+  }
+}
+
+TEST(Cli, BenchWritesItsTableAndResultBeforeReadingTheAccessLog) {
+  // The log is read for the report after the run; a bad one costs the report, not the result.
+  const auto log = write_temp("bad-access.jsonl", "not json\n");
+  const auto result = test::scratch_path("bench_before_log", ".json");
+  const auto html = test::scratch_path("bench_before_log", ".html");
+  const auto r =
+      run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 --access-log " + log +
+          " --result-file " + test::quote(result) + " --html " + test::quote(html));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--access-log: access log " + log + ":1: not a JSON line"));
+  EXPECT_THAT(r.output, HasSubstr("Serving Benchmark Result"));
+  ASSERT_TRUE(std::filesystem::exists(result));
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(result))["failed"], 2);
+  EXPECT_FALSE(std::filesystem::exists(html));
+  std::filesystem::remove(log);
+  std::filesystem::remove(result);
+}
+
 TEST(Cli, SimulateNamesTheTraceLineOfARecordOutOfTimeOrder) {
   const std::string record = R"(, "input_length": 100, "output_length": 4, "hash_ids": [0]})";
   const auto trace =
