@@ -778,64 +778,127 @@ TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItRegistersItsRoomFailsThePrefill
   }
 }
 
-// A prefill engine in process (simulated executor), its KV transfers replaced by a fake that
-// records holds and rooms and lets the test end them: what the engine does with a request id
-// whose blocks stay parked after its request finished.
+// KV transfers that record every call, and keep holds' releases and rooms' outcomes for the test
+// to end.
+class FakeTransfers final : public KvTransfers {
+ public:
+  using Log = std::vector<std::string>;
+  FakeTransfers(Post post, std::shared_ptr<Log> log)
+      : post(std::move(post)), log_(std::move(log)) {}
+  ~FakeTransfers() override { log_->push_back("ended"); }
+  const KvTransferConfig& config() const override { return config_; }
+  bool serving() const override { return true; }
+  uint16_t port() const override { return 1; }
+  std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task release) override {
+    log_->push_back("hold");
+    releases.push_back(std::move(release));
+    return std::to_string(releases.size());  // a transfer id
+  }
+  uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone done) override {
+    log_->push_back("open_room");
+    rooms.push_back(std::move(done));
+    return rooms.size();
+  }
+  void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
+  void room_layers_done(uint64_t, uint64_t, int64_t) override {}
+  void room_progress(uint64_t, uint64_t, int64_t) override {}
+  void room_failed(uint64_t, uint64_t, const std::string&) override {
+    log_->push_back("room_failed");
+  }
+  void fetch(KvFetch, std::function<void(const KvFetchResult&)>) override {
+    log_->push_back("fetch");
+  }
+  void cancel_fetch(const std::string&) override { log_->push_back("cancel_fetch"); }
+  void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
+                      std::vector<int32_t>) override {
+    log_->push_back("release_remote");
+  }
+  void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
+                    const std::string&) override {
+    log_->push_back("abandon_room");
+  }
+  int64_t held_blocks() const override { return 0; }
+
+  Post post;                    // runs a task on the engine thread (at its next run_once)
+  std::vector<Task> releases;   // of each hold, in order
+  std::vector<RoomDone> rooms;  // of each room opened, in order
+
+ private:
+  KvTransferConfig config_;
+  std::shared_ptr<Log> log_;  // every call, and "ended" when the engine destroyed it
+};
+
+// An engine in process (simulated executor) whose KV transfers are a FakeTransfers.
+std::unique_ptr<tandem::engine::Engine> engine_with_fake_transfers(
+    EngineRole role, const text::Tokenizer& tok, metrics::Registry& registry,
+    std::shared_ptr<FakeTransfers::Log> log, FakeTransfers** fake) {
+  SimExecutorOptions x;
+  x.preset = "tiny";
+  x.model_name = "tiny";
+  x.num_blocks = 64;
+  x.time_scale = 0;
+  EngineConfig config;
+  config.role = role;
+  config.transfer = KvTransferConfig{};
+  config.make_transfers = [log, fake](Executor&, KvTransfers::Post post) {
+    auto t = std::make_unique<FakeTransfers>(std::move(post), log);
+    *fake = t.get();
+    return t;
+  };
+  return std::make_unique<tandem::engine::Engine>(
+      config, std::make_unique<SimExecutor>(tok, x),
+      std::shared_ptr<const text::Tokenizer>(&tok, [](const text::Tokenizer*) {}),
+      eos_ids(tok, std::nullopt), registry);
+}
+
+// Stopping a decode engine whose legs still wait for their prompt's KV (a pull in flight, a
+// room it has not joined): the legs end "abort" and nothing reaches the transfers once they have
+// ended. Ending such a leg used to ask the destroyed transfers to release the prefill engine's
+// blocks (a use after free at every shutdown with a fetch in flight; the simulator crashed at
+// the end of every P/D run that left one).
+TEST_F(Disaggregation, StoppingADecodeEngineWithLegsWaitingForKvTouchesNoEndedTransfers) {
+  auto log = std::make_shared<FakeTransfers::Log>();
+  metrics::Registry registry;
+  FakeTransfers* fake = nullptr;
+  auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
+  std::vector<RequestOutput> outs(2);
+  for (int i = 0; i < 2; ++i) {
+    EngineRequest r;
+    r.id = "leg" + std::to_string(i);
+    r.prompt = tokens(40, 100 + 50 * i);
+    r.sampling.max_tokens = 4;
+    KvTransferSpec& kt = r.kv_transfer;
+    kt.mode = i == 0 ? KvTransferSpec::Mode::kDecodeByPull : KvTransferSpec::Mode::kDecodeByRoom;
+    kt.host = "127.0.0.1";
+    kt.port = 1;
+    kt.engine_id = "prefill-0";
+    kt.transfer_id = "t0";
+    kt.remote_blocks = {0, 1, 2};
+    kt.room = 9;
+    r.on_output = [&outs, i](const RequestOutput& o) {
+      if (o.finished) outs[size_t(i)] = o;
+    };
+    engine->submit(std::move(r));
+  }
+  for (int i = 0; i < 10 && engine->has_work(); ++i) engine->run_once();
+  ASSERT_EQ(std::count(log->begin(), log->end(), "fetch"), 2) << "both legs wait for KV";
+  engine->stop();
+  for (const auto& o : outs) {
+    EXPECT_TRUE(o.finished);
+    EXPECT_EQ(o.finish_reason, "abort");
+  }
+  const auto ended = std::find(log->begin(), log->end(), "ended");
+  ASSERT_NE(ended, log->end());
+  EXPECT_EQ(std::vector<std::string>(ended + 1, log->end()), std::vector<std::string>{});
+}
+
+// A prefill engine in process with fake transfers: what the engine does with a request id whose
+// blocks stay parked after its request finished.
 class ParkedIds : public Disaggregation {
  protected:
-  class FakeTransfers final : public KvTransfers {
-   public:
-    explicit FakeTransfers(Post post) : post(std::move(post)) {}
-    const KvTransferConfig& config() const override { return config_; }
-    bool serving() const override { return true; }
-    uint16_t port() const override { return 1; }
-    std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task release) override {
-      releases.push_back(std::move(release));
-      return std::to_string(releases.size());  // a transfer id
-    }
-    uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone done) override {
-      rooms.push_back(std::move(done));
-      return rooms.size();
-    }
-    void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
-    void room_layers_done(uint64_t, uint64_t, int64_t) override {}
-    void room_progress(uint64_t, uint64_t, int64_t) override {}
-    void room_failed(uint64_t, uint64_t, const std::string&) override {}
-    void fetch(KvFetch, std::function<void(const KvFetchResult&)>) override {}
-    void cancel_fetch(const std::string&) override {}
-    void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
-                        std::vector<int32_t>) override {}
-    void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
-                      const std::string&) override {}
-    int64_t held_blocks() const override { return 0; }
-
-    Post post;                    // runs a task on the engine thread (at its next run_once)
-    std::vector<Task> releases;   // of each hold, in order
-    std::vector<RoomDone> rooms;  // of each room opened, in order
-
-   private:
-    KvTransferConfig config_;
-  };
-
-  ParkedIds() {
-    SimExecutorOptions x;
-    x.preset = "tiny";
-    x.model_name = "tiny";
-    x.num_blocks = 64;
-    x.time_scale = 0;
-    EngineConfig config;
-    config.role = EngineRole::kPrefill;
-    config.transfer = KvTransferConfig{};
-    config.make_transfers = [this](Executor&, KvTransfers::Post post) {
-      auto t = std::make_unique<FakeTransfers>(std::move(post));
-      fake_ = t.get();
-      return t;
-    };
-    engine_ = std::make_unique<tandem::engine::Engine>(
-        config, std::make_unique<SimExecutor>(*tok_, x),
-        std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
-        eos_ids(*tok_, std::nullopt), registry_);
-  }
+  ParkedIds()
+      : engine_(engine_with_fake_transfers(EngineRole::kPrefill, *tok_, registry_,
+                                           std::make_shared<FakeTransfers::Log>(), &fake_)) {}
 
   // Submits a prefill leg; its final output lands in `out` (finished stays false until then).
   void submit(const std::string& id, int base, KvTransferSpec::Mode mode, RequestOutput& out) {
@@ -866,7 +929,7 @@ class ParkedIds : public Disaggregation {
   metrics::Registry registry_;
   RequestOutput accepted_;  // of the request refusal() submitted when it was accepted
   FakeTransfers* fake_ = nullptr;
-  std::unique_ptr<tandem::engine::Engine> engine_;
+  std::unique_ptr<tandem::engine::Engine> engine_;  // after registry_ and fake_: built from them
 };
 
 // The cache keeps parked blocks under the request id and the transfer frees them by it: a new

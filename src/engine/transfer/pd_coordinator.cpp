@@ -239,6 +239,10 @@ void PdCoordinator::transfers_ended(
     if (seq->kv_state == KvTransferState::kFetching) seq->kv_state = KvTransferState::kNone;
     if (seq->kv_state == KvTransferState::kRoomOpen) seq->kv_state = KvTransferState::kRoomClosed;
   }
+  // Ending a leg that waits for KV asks the transfers to let the prefill engine's blocks go:
+  // there are none to ask any more (the prefill engine lets go at its own timeout).
+  awaiting_kv_.clear();
+  step_rooms_.clear();
   for (auto& [id, p] : parked_) {
     if (!p.deferred || !p.on_output) continue;
     RequestOutput out;

@@ -81,8 +81,9 @@ class PdCoordinator {
   // After the engine ended it: true when the sequence must live on until its fetch reports back.
   bool outlives_end(Sequence* seq);
 
-  // The transfers were stopped (the agent is gone): nothing runs any more. Deferred outputs are
-  // answered "abort".
+  // The transfers were stopped (the agent is gone): nothing runs any more, and nothing may call
+  // the agent: legs waiting for KV are no longer tracked (their prefill engines let go at their
+  // own timeout). Deferred outputs are answered "abort".
   void transfers_ended(std::unordered_map<std::string, std::unique_ptr<Sequence>>& sequences);
 
  private:
