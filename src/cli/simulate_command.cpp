@@ -243,9 +243,8 @@ void run(const SimulateCliOptions& o) {
   so.executor.block_size = o.block_size;
   so.scheduler.max_num_seqs = o.max_num_seqs;
   so.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  if (!(o.kv_link_gb_per_s > 0) || !(o.kv_link_latency_us >= 0) ||
-      !std::isfinite(o.kv_link_latency_us))
-    throw Error("--kv-link-gb-per-s must be positive and --kv-link-latency-us not negative");
+  // The links' bounds, the block size's, the KV bytes' and the blocks' are check_options' (each
+  // sweep point's too), which names these flags.
   if (!(o.kv_transfer_timeout > 0)) throw Error("--kv-transfer-timeout must be positive");
   so.kv_transfer_timeout_s = o.kv_transfer_timeout;
   so.kv_link.bytes_per_s = o.kv_link_gb_per_s * 1e9;
@@ -388,9 +387,11 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
                   "each engine's tokens per step at most")
       ->capture_default_str();
-  cmd->add_option("--num-kv-blocks", o->num_blocks, "each engine's KV blocks (0: the preset's)")
+  cmd->add_option("--num-kv-blocks", o->num_blocks,
+                  "each engine's KV blocks (0: the preset's; at most 10^8)")
       ->capture_default_str();
-  cmd->add_option("--block-size", o->block_size, "tokens per KV block")->capture_default_str();
+  cmd->add_option("--block-size", o->block_size, "tokens per KV block (1..4096)")
+      ->capture_default_str();
   cmd->add_option("--speculative-tokens", o->speculative_tokens,
                   "MTP drafts per decode step on every engine, accepted as --sim-mtp-acceptance "
                   "says (0: no speculation)")
@@ -398,10 +399,10 @@ void add_simulate_command(CLI::App& app) {
       ->check(CLI::Range(0, 16));
   add_sim_executor_flags(*cmd, o->sim);
   cmd->add_option("--kv-link-gb-per-s", o->kv_link_gb_per_s,
-                  "P/D: each prefill-decode link's bandwidth (GB/s)")
+                  "P/D: each prefill-decode link's bandwidth (GB/s, 0.0001..10^6)")
       ->capture_default_str();
   cmd->add_option("--kv-link-latency-us", o->kv_link_latency_us,
-                  "P/D: each link's one-way latency (microseconds)")
+                  "P/D: each link's one-way latency (microseconds, 0..10^9)")
       ->capture_default_str();
   cmd->add_option("--kill", o->kill,
                   "a fault: ENGINE@SECONDS, e.g. decode-3@120 (the engine dies then: its streams "

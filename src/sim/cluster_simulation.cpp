@@ -172,6 +172,32 @@ void check_options(const SimulationOptions& options) {
       throw Error("fault: " + f.engine + "'s links can only slow down, by a factor in 1.." +
                   std::to_string(int64_t(kMaxSlowdown)));
   }
+  const engine::SimExecutorOptions& x = options.executor;
+  if (x.block_size < 1 || x.block_size > kMaxBlockSize)
+    throw Error("--block-size: expected 1.." + std::to_string(kMaxBlockSize) + " tokens, got " +
+                std::to_string(x.block_size));
+  if (x.kv_token_bytes < 0 || x.kv_token_bytes > kMaxKvTokenBytes)
+    throw Error("--sim-kv-token-bytes: expected 0 (the model's) .. " +
+                std::to_string(kMaxKvTokenBytes) + " bytes per token and layer, got " +
+                std::to_string(x.kv_token_bytes));
+  // Both bounded above, so the products fit in int64.
+  const int64_t engines_total = int64_t{options.prefill} + options.decode;
+  if (x.kv_token_bytes * x.block_size * engines_total > kMaxKvBytesAllEngines)
+    throw Error("--sim-kv-token-bytes " + std::to_string(x.kv_token_bytes) + " x --block-size " +
+                std::to_string(x.block_size) + " x " + std::to_string(engines_total) +
+                " engines: every engine holds a block's bytes of a layer, " +
+                std::to_string(kMaxKvBytesAllEngines >> 30) + " GiB at most in all");
+  if (x.num_blocks < 0 || x.num_blocks > kMaxNumBlocks)
+    throw Error("--num-kv-blocks: expected 0 (the preset's) .. " + std::to_string(kMaxNumBlocks) +
+                ", got " + std::to_string(x.num_blocks));
+  const double gb_per_s = options.kv_link.bytes_per_s / 1e9;
+  if (!(gb_per_s >= kMinLinkGbPerS && gb_per_s <= kMaxLinkGbPerS))
+    throw Error("--kv-link-gb-per-s: expected " + std::to_string(kMinLinkGbPerS) + ".." +
+                std::to_string(int64_t(kMaxLinkGbPerS)) + " GB/s, got " + std::to_string(gb_per_s));
+  const double latency_us = options.kv_link.latency_s * 1e6;
+  if (!(latency_us >= 0 && latency_us <= kMaxLinkLatencyUs))
+    throw Error("--kv-link-latency-us: expected 0.." + std::to_string(int64_t(kMaxLinkLatencyUs)) +
+                " microseconds, got " + std::to_string(latency_us));
   if (!(options.kv_transfer_timeout_s > 0 &&
         options.kv_transfer_timeout_s <= bench::kMaxArrivalSeconds))
     throw Error("--kv-transfer-timeout: expected seconds > 0 and at most " +

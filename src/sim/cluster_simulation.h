@@ -117,10 +117,25 @@ struct SimulationRun {
 inline constexpr int kMaxEngines = 10000;
 // The most a slow-link fault may slow an engine's links (a transfer's time must stay countable).
 inline constexpr double kMaxSlowdown = 1e6;
+// Each engine's KV blocks: tokens per block as `tandem engine` takes them, and bytes per token and
+// layer a transfer moves (DeepSeek-V3's latent is 1,152; a dense model's with 128 KV heads of 128
+// BF16 values 64 KiB). Every simulated engine holds one block's bytes of a layer (the simulated
+// executor's KV pattern), so both are bounded, and so is that product over all engines.
+inline constexpr int64_t kMaxBlockSize = 4096;
+inline constexpr int64_t kMaxKvTokenBytes = int64_t{1} << 20;
+inline constexpr int64_t kMaxKvBytesAllEngines = int64_t{16} << 30;
+// KV blocks per engine (0: the preset's): the block manager keeps a record per block.
+inline constexpr int64_t kMaxNumBlocks = 100'000'000;
+// The KV links: a transfer takes the latency plus its bytes over the bandwidth, and its time must
+// stay countable on the virtual clock (virtual_time.h) with the slowest link and longest prompt.
+inline constexpr double kMinLinkGbPerS = 1e-4, kMaxLinkGbPerS = 1e6;  // 100 KB/s..
+inline constexpr double kMaxLinkLatencyUs = 1e9;                      // 1,000 s
 
 // Throws tandem::Error for what simulate() would refuse before running anything: engine counts
 // the mode cannot serve, an invalid topology or unknown policy, a fault on an engine the counts
-// do not make, a fault time or slowdown out of range. A sweep checks every point with it first.
+// do not make, a fault time or slowdown out of range, a block size, KV bytes per token, block
+// count or link out of the bounds above (named by their `tandem simulate` flags). A sweep checks
+// every point with it first.
 void check_options(const SimulationOptions& options);
 
 // Runs the workload (arrival_s from the start), making each request as it is sent. `tokenizer`

@@ -466,6 +466,17 @@ TEST(Cli, MetricFlagsAndTheAccessLogAreCheckedBeforeTheRun) {
   }
 }
 
+TEST(Cli, SimulateBoundsItsKvFlagsNamingThem) {
+  for (const char* bad :
+       {"--block-size 100000", "--sim-kv-token-bytes 99999999999", "--num-kv-blocks -1",
+        "--kv-link-gb-per-s 1e-300", "--kv-link-latency-us 1e300"}) {
+    const auto r = run(std::string("simulate --num-prompts 2 ") + bad);
+    EXPECT_EQ(r.status, 1) << bad << ": " << r.output;
+    const std::string flag(bad, std::string_view(bad).find(' '));
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag + ": expected")) << bad;
+  }
+}
+
 TEST(Cli, BenchWritesItsTableAndResultBeforeReadingTheAccessLog) {
   // The log is read for the report after the run; a bad one costs the report, not the result.
   const auto log = write_temp("bad-access.jsonl", "not json\n");

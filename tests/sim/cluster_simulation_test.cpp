@@ -7,10 +7,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -783,6 +785,46 @@ TEST(ClusterSimulation, CheckOptionsRefusesWhatARunWouldBeforeAnyRuns) {
   EXPECT_NO_THROW(check_options(o));
   o.decode = kMaxEngines + 1;
   EXPECT_THROW(check_options(o), Error);
+}
+
+TEST(ClusterSimulation, KvSizesAndLinksOutOfBoundsAreRefusedNamingTheFlag) {
+  // Every engine allocated block_size x token bytes unchecked (a typo took the machine's
+  // memory), a negative block count meant the preset's, and a link of 1e-300 GB/s or 1e300 us
+  // made a transfer's time no clock counts.
+  const auto refused = [](const std::function<void(SimulationOptions&)>& change,
+                          const std::string& flag) {
+    auto o = options(2, "deepseek-v3-h800");
+    EXPECT_NO_THROW(check_options(o));
+    change(o);
+    try {
+      check_options(o);
+      ADD_FAILURE() << flag << " accepted";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), ::testing::StartsWith(flag)) << e.what();
+    }
+  };
+  refused([](auto& o) { o.executor.block_size = 0; }, "--block-size: expected 1..4096");
+  refused([](auto& o) { o.executor.block_size = 4097; }, "--block-size");
+  refused([](auto& o) { o.executor.kv_token_bytes = -1; }, "--sim-kv-token-bytes: expected");
+  refused([](auto& o) { o.executor.kv_token_bytes = int64_t{1} << 40; }, "--sim-kv-token-bytes");
+  refused(
+      [](auto& o) {
+        o.decode = 5000;
+        o.executor.block_size = 4096;
+        o.executor.kv_token_bytes = 1 << 20;
+      },
+      "--sim-kv-token-bytes 1048576 x --block-size 4096 x 5000 engines");
+  refused([](auto& o) { o.executor.num_blocks = -1; }, "--num-kv-blocks: expected 0");
+  refused([](auto& o) { o.executor.num_blocks = kMaxNumBlocks + 1; }, "--num-kv-blocks");
+  refused([](auto& o) { o.kv_link.bytes_per_s = 1e-300; }, "--kv-link-gb-per-s");
+  refused([](auto& o) { o.kv_link.bytes_per_s = kInf; }, "--kv-link-gb-per-s");
+  refused([](auto& o) { o.kv_link.latency_s = 1e300; }, "--kv-link-latency-us");
+  refused([](auto& o) { o.kv_link.latency_s = kNan; }, "--kv-link-latency-us");
+  auto o = options(2, "deepseek-v3-h800");
+  o.executor.block_size = 4096;
+  o.executor.kv_token_bytes = 65536;
+  o.kv_link = {1e5, 1000};  // the slowest link and longest latency allowed
+  EXPECT_NO_THROW(check_options(o));
 }
 
 TEST(VirtualTime, ATimeTheClockCannotCountIsAnErrorNotAnOverflow) {
