@@ -48,10 +48,18 @@ uint64_t stream_seed(uint64_t seed, uint64_t kind, uint64_t index) {
 constexpr uint64_t kStreamMooncakeBlock = 1;
 constexpr uint64_t kStreamAzureRequest = 2;
 
-int64_t get_int(const json& object, const char* field, const std::string& where) {
+// A token count in 1..kMaxRequestTokens; an error quotes the number as written (a value past
+// int64, read back as one, said "got -1").
+int64_t get_length(const json& object, const char* field, const std::string& where) {
   const auto it = object.find(field);
   require(it != object.end() && it->is_number_integer(),
           where + ": field \"" + field + "\" must be an integer");
+  const bool fits = it->is_number_unsigned()
+                        ? it->get<uint64_t>() <= static_cast<uint64_t>(kMaxRequestTokens) &&
+                              it->get<uint64_t>() >= 1
+                        : it->get<int64_t>() >= 1 && it->get<int64_t>() <= kMaxRequestTokens;
+  require(fits, where + ": " + field + " must be in 1.." + std::to_string(kMaxRequestTokens) +
+                    ", got " + it->dump());
   return it->get<int64_t>();
 }
 
@@ -139,13 +147,22 @@ bool parse_timestamp(const std::string& s, int64_t& seconds, double& fraction) {
   return true;
 }
 
+// A CSV header's columns at most: a line of 64 MiB could hold 60 million empty ones, each a
+// string when split (3 GB), where the Azure traces have three.
+constexpr size_t kMaxCsvColumns = 1024;
+
+size_t csv_field_count(const std::string& line) {
+  return static_cast<size_t>(std::count(line.begin(), line.end(), ',')) + 1;
+}
+
+// The cells of a line whose field count was checked (bounded): the Azure traces hold plain
+// numbers and timestamps, no quoting to handle.
 std::vector<std::string> split_csv_line(const std::string& line) {
-  // The Azure traces hold plain numbers and timestamps: no quoting to handle.
   std::vector<std::string> cells;
-  std::string cell;
-  std::istringstream in(line);
-  while (std::getline(in, cell, ',')) cells.push_back(cell);
-  if (!line.empty() && line.back() == ',') cells.emplace_back();
+  size_t from = 0;
+  for (size_t comma; (comma = line.find(',', from)) != std::string::npos; from = comma + 1)
+    cells.push_back(line.substr(from, comma - from));
+  cells.push_back(line.substr(from));
   return cells;
 }
 
@@ -432,14 +449,9 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
                   " ms; a trace must be in time order (sort it by timestamp)");
       check_arrival(at, (r.timestamp_ms - out.front().timestamp_ms) / 1000.0, window);
     }
-    r.input_length = get_int(j, "input_length", at);
-    r.output_length = get_int(j, "output_length", at);
-    require(r.input_length >= 1 && r.input_length <= kMaxRequestTokens,
-            at + ": input_length must be in 1.." + std::to_string(kMaxRequestTokens) + ", got " +
-                std::to_string(r.input_length));
-    require(r.output_length >= 0 && r.output_length <= kMaxRequestTokens,
-            at + ": output_length must be in 0.." + std::to_string(kMaxRequestTokens) + ", got " +
-                std::to_string(r.output_length));
+    // At least 1 each: a request of no prompt or no output fails on every server.
+    r.input_length = get_length(j, "input_length", at);
+    r.output_length = get_length(j, "output_length", at);
     const auto h = j.find("hash_ids");
     require(h != j.end() && h->is_array(), at + ": field \"hash_ids\" must be a list");
     for (const json& id : *h) {
@@ -540,6 +552,10 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   require(in.good(), what + ": cannot open the file");
   std::string line;
   require(read_line(in, line, what, 1), what + ": empty file (expected a header)");
+  const size_t columns = csv_field_count(line);
+  require(columns <= kMaxCsvColumns, what + ":1: a header of " + std::to_string(columns) +
+                                         " columns; expected at most " +
+                                         std::to_string(kMaxCsvColumns));
   const auto header = split_csv_line(line);
   int col_ts = -1, col_ctx = -1, col_gen = -1;
   for (size_t i = 0; i < header.size(); ++i) {
@@ -549,7 +565,6 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   }
   require(col_ts >= 0 && col_ctx >= 0 && col_gen >= 0,
           what + ": header must name the columns TIMESTAMP, ContextTokens and GeneratedTokens");
-  const size_t needed = std::max({col_ts, col_ctx, col_gen}) + 1;
 
   std::vector<AzureRecord> out;
   bool have_first = false;
@@ -564,9 +579,12 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   while (read_line(in, line, what, ++line_no)) {
     if (line.empty()) continue;
     const std::string at = what + ":" + std::to_string(line_no);
+    // Counted before anything is split: a row of millions of commas is refused as it is.
+    const size_t fields = csv_field_count(line);
+    require(fields == columns, at + ": expected " + std::to_string(columns) +
+                                   " comma-separated fields, as the header has, got " +
+                                   std::to_string(fields));
     const auto cells = split_csv_line(line);
-    require(cells.size() >= needed,
-            at + ": expected " + std::to_string(header.size()) + " comma-separated fields");
     int64_t s = 0;
     double frac = 0;
     require(parse_timestamp(cells[col_ts], s, frac),
@@ -594,13 +612,14 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
     AzureRecord r;
     r.offset_s = static_cast<double>(s - first_s) + (frac - first_frac);
     if (!out.empty()) check_arrival(at, r.offset_s - out.front().offset_s, window);
-    require(parse_int(cells[col_ctx], r.context_tokens) && r.context_tokens >= 0 &&
+    // At least 1 each: a request of no prompt or no output fails on every server.
+    require(parse_int(cells[col_ctx], r.context_tokens) && r.context_tokens >= 1 &&
                 r.context_tokens <= kMaxRequestTokens,
-            at + ": ContextTokens must be an integer in 0.." + std::to_string(kMaxRequestTokens) +
+            at + ": ContextTokens must be an integer in 1.." + std::to_string(kMaxRequestTokens) +
                 ", got " + excerpt(cells[col_ctx]));
-    require(parse_int(cells[col_gen], r.generated_tokens) && r.generated_tokens >= 0 &&
+    require(parse_int(cells[col_gen], r.generated_tokens) && r.generated_tokens >= 1 &&
                 r.generated_tokens <= kMaxRequestTokens,
-            at + ": GeneratedTokens must be an integer in 0.." + std::to_string(kMaxRequestTokens) +
+            at + ": GeneratedTokens must be an integer in 1.." + std::to_string(kMaxRequestTokens) +
                 ", got " + excerpt(cells[col_gen]));
     out.push_back(r);
   }

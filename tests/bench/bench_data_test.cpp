@@ -454,7 +454,24 @@ TEST(MooncakeTrace, ALengthNoRequestCanHaveIsRefusedNamingTheLineAndField) {
   const auto path =
       write_trace("mooncake-long", mooncake_line("0") + mooncake_line("1", 1000000000000000));
   EXPECT_THAT(error_of([&] { read_mooncake_trace(path, {}); }),
-              HasSubstr(path.string() + ":2: output_length must be in 0..10000000"));
+              HasSubstr(path.string() + ":2: output_length must be in 1..10000000"));
+}
+
+TEST(MooncakeTrace, ALengthIsQuotedAsWrittenAndNoOutputIsRefused) {
+  // Past int64 it was read back as one and reported as "got -1"; an output of 0 tokens failed on
+  // every server.
+  const auto huge = write_trace(
+      "mooncake-u64",
+      mooncake_line("0") +
+          R"({"timestamp": 1, "input_length": 18446744073709551615, "output_length": 4,)"
+          R"( "hash_ids": [7]})"
+          "\n");
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(huge, {}); }),
+              HasSubstr(huge.string() +
+                        ":2: input_length must be in 1..10000000, got 18446744073709551615"));
+  const auto none = write_trace("mooncake-no-output", mooncake_line("0") + mooncake_line("1", 0));
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(none, {}); }),
+              HasSubstr(none.string() + ":2: output_length must be in 1..10000000, got 0"));
 }
 
 TEST(MooncakeTrace, AWindowToTheLargestLimitEndsAtTheEndOfTheFile) {
@@ -586,7 +603,37 @@ TEST(AzureTrace, ALengthNoRequestCanHaveIsRefusedNamingTheLineAndField) {
   EXPECT_THAT(
       error_of([&] { read_azure_trace(path, {}); }),
       HasSubstr(path.string() +
-                ":3: ContextTokens must be an integer in 0..10000000, got \"1000000000000\""));
+                ":3: ContextTokens must be an integer in 1..10000000, got \"1000000000000\""));
+}
+
+TEST(AzureTrace, ARowOfAnotherFieldCountThanTheHeaderIsRefusedUnsplit) {
+  // A row of 60 million commas was split into as many strings (3.1 GB) and accepted.
+  const auto many = write_trace(
+      "azure-commas", azure_file({"2023-11-16 18:17:03,100,10",
+                                  "2023-11-16 18:17:04,100,10" + std::string(1000000, ',')}));
+  EXPECT_THAT(error_of([&] { read_azure_trace(many, {}); }),
+              HasSubstr(many.string() +
+                        ":3: expected 3 comma-separated fields, as the header has, got 1000003"));
+  const auto few =
+      write_trace("azure-few", azure_file({"2023-11-16 18:17:03,100,10", "2023-11-16 18:17:04"}));
+  EXPECT_THAT(error_of([&] { read_azure_trace(few, {}); }),
+              HasSubstr(few.string() + ":3: expected 3 comma-separated fields"));
+  const auto header = write_trace(
+      "azure-header", "TIMESTAMP,ContextTokens,GeneratedTokens" + std::string(5000, ',') + "\n");
+  EXPECT_THAT(error_of([&] { read_azure_trace(header, {}); }),
+              HasSubstr(header.string() + ":1: a header of 5003 columns; expected at most 1024"));
+}
+
+TEST(AzureTrace, ARequestOfNoPromptOrNoOutputIsRefusedNamingTheLine) {
+  // Every such request failed on the server.
+  const auto prompt = write_trace(
+      "azure-no-prompt", azure_file({"2023-11-16 18:17:03,100,10", "2023-11-16 18:17:04,0,10"}));
+  EXPECT_THAT(error_of([&] { read_azure_trace(prompt, {}); }),
+              HasSubstr(prompt.string() + ":3: ContextTokens must be an integer in 1.."));
+  const auto output = write_trace(
+      "azure-no-output", azure_file({"2023-11-16 18:17:03,100,10", "2023-11-16 18:17:04,100,0"}));
+  EXPECT_THAT(error_of([&] { read_azure_trace(output, {}); }),
+              HasSubstr(output.string() + ":3: GeneratedTokens must be an integer in 1.."));
 }
 
 TEST(AzureTrace, AWindowToTheLargestLimitEndsAtTheEndOfTheFile) {
