@@ -82,6 +82,9 @@ void check_range(const char* flag, int64_t value, int64_t low, int64_t high) {
                 std::to_string(high) + ", got " + std::to_string(value));
 }
 
+// Prompt tokens of a synthetic workload in all (random, prefix-repetition): ~2.5 GB made.
+constexpr int64_t kMaxWorkloadPromptTokens = 100'000'000;
+
 // Every count and length the flags give, bounded before anything is made (vector::reserve of a
 // typo would otherwise end the run as an allocation failure that names nothing).
 void check_workload_flags(const WorkloadCliOptions& o) {
@@ -97,6 +100,25 @@ void check_workload_flags(const WorkloadCliOptions& o) {
   check_range("--trace-limit", o.trace_limit, 0, max);
   if (!(std::isfinite(o.time_scale) && o.time_scale >= 0))
     throw Error("--time-scale: expected a finite number >= 0");
+  // A synthetic workload is built whole, prompt ids and text (~25 bytes a token): 20,000 prompts
+  // of 1,024 tokens took 513 MB, and the largest counts and lengths above would need terabytes.
+  // Both factors are bounded, so the product fits.
+  const auto too_many = [&](const char* count_flag, const char* length_flag, int64_t length) {
+    if (o.num_prompts * length > kMaxWorkloadPromptTokens)
+      throw Error(std::string(count_flag) + " " + std::to_string(o.num_prompts) + " x " +
+                  length_flag + " " + std::to_string(length) + ": at most " +
+                  std::to_string(kMaxWorkloadPromptTokens) +
+                  " prompt tokens in all (the workload is made whole, text included)");
+  };
+  if (o.dataset == "random") {
+    // The longest a prompt may draw: ceil(L * (1 + r)).
+    const double r = std::clamp(o.random_range_ratio, 0.0, 1.0);
+    too_many("--num-prompts", "--random-input-len",
+             static_cast<int64_t>(std::ceil(double(o.random_input_len) * (1 + r))));
+  } else if (o.dataset == "prefix-repetition") {
+    too_many("--num-prompts", "--prefix-repetition-prefix-len + suffix-len",
+             o.prefix_len + o.suffix_len);
+  }
 }
 
 // The rate-driven arrivals the flags ask for (--request-rate, --burstiness, --seed).

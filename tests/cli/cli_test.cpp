@@ -429,6 +429,7 @@ TEST(Cli, AnEngineChecksItsSettingsBeforeLoadingTheModel) {
       {"--kv-cache-gb 100000", "--kv-cache-gb 100000: "},
       {"--num-kv-blocks 3000000000", "--num-kv-blocks 3000000000: "},
       {"--kv-events-config '{bad'", "kv-events-config: not valid JSON"},
+      {"--max-model-len 999999", "--max-model-len 999999 exceeds the model's context of"},
       {"--kv-transfer-secret-file " + test::quote(dir / "no-such-secret"), "no-such-secret"}};
   for (const auto& [flags, error] : cases) {
     const auto r = run(engine + flags);
@@ -474,6 +475,23 @@ TEST(Cli, SimulateBoundsItsKvFlagsNamingThem) {
     EXPECT_EQ(r.status, 1) << bad << ": " << r.output;
     const std::string flag(bad, std::string_view(bad).find(' '));
     EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag + ": expected")) << bad;
+  }
+}
+
+TEST(Cli, ASyntheticWorkloadTooLargeToMakeIsRefusedNamingTheFlags) {
+  // Made whole, text included: 10^7 prompts of 10^6 tokens each passed the flags' own bounds.
+  for (const char* command : {"simulate", "bench --no-progress"}) {
+    auto r = run(std::string(command) + " --num-prompts 10000000 --random-input-len 1000000");
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--num-prompts 10000000 x --random-input-len 1000000: at most "
+                                    "100000000 prompt tokens"))
+        << command;
+    r = run(std::string(command) +
+            " --dataset-name prefix-repetition --num-prompts 1000000 "
+            "--prefix-repetition-prefix-len 1000");
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--num-prompts 1000000 x --prefix-repetition-prefix-len"))
+        << command;
   }
 }
 
