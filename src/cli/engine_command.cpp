@@ -137,22 +137,29 @@ engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
   return co;
 }
 
-// From config.json alone, before the weights load: a KV cache that can never fit this machine is
-// refused at once. A DeepSeek model's "auto" cache type follows its weights, not known yet; the
-// check assumes the smaller one (BF16), so it refuses only what the check after loading refuses
-// too, which stays the exact one.
-void check_kv_cache_fits(const EngineOptions& o) {
+// From config.json alone, before the weights load: a KV cache that can never fit this machine,
+// or a --max-model-len past the model's context, is refused at once. A DeepSeek model's "auto"
+// cache type follows its weights, not known yet; the check assumes the smaller one (BF16), so it
+// refuses only what the check after loading refuses too, which stays the exact one.
+void check_against_model_config(const EngineOptions& o) {
   const auto co = cache_options(o);
+  int64_t context = 0;
   if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
-    engine::kv_blocks_for(model::qwen3_cache_shape(model::Qwen3MoeConfig::load(o.model),
-                                                   o.block_size, co.kv_cache_type),
-                          co);
+    const auto c = model::Qwen3MoeConfig::load(o.model);
+    context = c.max_position_embeddings;
+    engine::kv_blocks_for(model::qwen3_cache_shape(c, o.block_size, co.kv_cache_type), co);
   } else {
-    engine::kv_blocks_for(
-        model::deepseek_cache_shape(model::ModelConfig::load(o.model), o.block_size,
-                                    co.kv_cache_type.value_or(model::LatentType::kBF16)),
-        co);
+    const auto c = model::ModelConfig::load(o.model);
+    context = c.max_position_embeddings;
+    engine::kv_blocks_for(model::deepseek_cache_shape(
+                              c, o.block_size, co.kv_cache_type.value_or(model::LatentType::kBF16)),
+                          co);
   }
+  // As vLLM: a length past the model's context is refused, not believed.
+  if (o.max_model_len > context)
+    throw Error("--max-model-len " + std::to_string(o.max_model_len) +
+                " exceeds the model's context of " + std::to_string(context) +
+                " tokens (max_position_embeddings in config.json)");
 }
 
 void run(const EngineOptions& o) {
@@ -177,6 +184,7 @@ void run(const EngineOptions& o) {
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.max_tokens_limit = o.max_tokens.limit;
   config.default_max_tokens = o.max_tokens.default_value;
+  config.max_model_len = o.max_model_len;  // a sim: model's context is set by it instead
   config.expert_load_window = o.expert_load_window;
   config.rebalance_interval = o.rebalance_interval;
   config.expert_load_dump = o.expert_load_dump;
@@ -199,7 +207,7 @@ void run(const EngineOptions& o) {
   engine::check_kv_peer_allow(o.kv_transfer_allow);
   transfer.allow = o.kv_transfer_allow;
   config.transfer = transfer;
-  if (!sim) check_kv_cache_fits(o);
+  if (!sim) check_against_model_config(o);
 
   // Before the model loads: the kernels' numerics mode is process-wide.
   kernels::set_batch_invariant(o.batch_invariant);
@@ -308,6 +316,13 @@ void run(const EngineOptions& o) {
     std::printf("tandem engine: KV events on %s (replay %s)\n", engine.kv_events_endpoint().c_str(),
                 engine.kv_events_replay_endpoint().c_str());
   std::fflush(stdout);
+  if (engine.max_model_len() < info.max_model_len)
+    std::fprintf(
+        stderr, "tandem engine: the longest sequence is %lld tokens (of the model's %lld): %s\n",
+        static_cast<long long>(engine.max_model_len()), static_cast<long long>(info.max_model_len),
+        o.max_model_len > 0 && o.max_model_len == engine.max_model_len()
+            ? "--max-model-len"
+            : "what the KV cache holds; --kv-cache-gb or --num-kv-blocks sets it");
   const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem engine: stopping (signal %d)\n", sig);
   server.stop();
@@ -512,7 +527,9 @@ void add_engine_command(CLI::App& app) {
       "refuses layers without; always on in debug builds)");
   cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");
   cmd->add_option("--max-model-len", o->max_model_len,
-                  "context length of a simulated model (default: the preset's)")
+                  "the longest sequence (prompt plus output) a request may ask for, at most the "
+                  "model's context (default: the model's context, or a simulated model's "
+                  "preset's; either way no longer than the KV cache holds)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--api-key", o->api_keys,
                   "accepted API key (repeatable): every route but /health and /metrics needs one "

@@ -50,7 +50,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                         {"owned_by", "tandem"},
                         {"root", info.model_name},
                         {"parent", nullptr},
-                        {"max_model_len", info.max_model_len}};
+                        {"max_model_len", engine_.max_model_len()}};
           ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
         });
   route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {

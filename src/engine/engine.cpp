@@ -91,6 +91,19 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
           kv_options(config, events_config_)),
       scheduler_(scheduler_config(config.scheduler, executor_->info()), kv_),
       seed_base_(std::random_device{}()) {
+  {
+    const ExecutorInfo& info = executor_->info();
+    max_model_len_ = info.max_model_len;
+    max_model_len_source_ = "the model's maximum context length";
+    if (config_.max_model_len > 0 && config_.max_model_len < max_model_len_) {
+      max_model_len_ = config_.max_model_len;
+      max_model_len_source_ = "this engine's --max-model-len";
+    }
+    if (const int64_t cache = info.num_blocks * info.block_size; cache < max_model_len_) {
+      max_model_len_ = cache;
+      max_model_len_source_ = "this engine's KV cache (--kv-cache-gb, --num-kv-blocks)";
+    }
+  }
   if (events_config_ && events_config_->enable_kv_cache_events &&
       events_config_->publisher == "zmq")
     publisher_ = std::make_unique<ZmqKvEventPublisher>(*events_config_);
@@ -235,16 +248,10 @@ void Engine::check(const EngineRequest& request) const {
   // request then grew until it filled the cache.
   const auto prompt = static_cast<int64_t>(request.prompt.size());
   const int64_t max_tokens = request.sampling.max_tokens;
-  if (max_tokens > info.max_model_len - prompt)
+  if (max_tokens > max_model_len_ - prompt)
     throw Error("prompt (" + std::to_string(prompt) + " tokens) plus max_tokens (" +
-                std::to_string(max_tokens) + ") exceeds the model's maximum context length of " +
-                std::to_string(info.max_model_len));
-  // A request that cannot fit the whole cache alone would be preempted forever.
-  if (max_tokens > info.num_blocks * info.block_size - prompt)
-    throw Error("prompt plus max_tokens (" +
-                std::to_string(uint64_t(prompt) + uint64_t(max_tokens)) +
-                " tokens) exceeds the KV cache of this engine (" +
-                std::to_string(info.num_blocks * info.block_size) + " tokens)");
+                std::to_string(max_tokens) + ") exceeds " + max_model_len_source_ + " of " +
+                std::to_string(max_model_len_) + " tokens");
   const KvTransferSpec& kt = request.kv_transfer;
   if (kt.mode != KvTransferSpec::Mode::kNone && !agent_)
     throw Error("this engine was started without KV transfer (--role both/prefill/decode)");

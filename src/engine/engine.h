@@ -49,6 +49,9 @@ struct EngineConfig {
   // for, and what it gets when it asks for nothing (0: none; the API's defaults).
   int64_t max_tokens_limit = 0;
   int64_t default_max_tokens = 0;
+  // The longest sequence (prompt plus output) a request may ask for; 0: the model's context.
+  // Either way no longer than the KV cache holds (max_model_len() below).
+  int64_t max_model_len = 0;
   bool enable_prefix_caching = true;
   std::string kv_events_config;  // vLLM's --kv-events-config JSON; empty: no events
   // KV transfer runs when `transfer` is set (with a server unless its port is -1).
@@ -128,9 +131,15 @@ class Engine final : private PdHost {
   // What a request is validated against: the model's and the operator's limits.
   api::ModelLimits request_limits() const {
     const ExecutorInfo& info = executor_->info();
-    return {info.model_name, info.max_model_len, info.vocab_size, config_.max_tokens_limit,
+    return {info.model_name, max_model_len_, info.vocab_size, config_.max_tokens_limit,
             config_.default_max_tokens};
   }
+  // The longest sequence a request may ask for: the model's context, the operator's
+  // --max-model-len and the KV cache's size, whichever is least. A request that cannot fit the
+  // whole cache alone would be preempted forever; and a chat request without max_tokens, whose
+  // default is what is left of this length, would be refused for a cache smaller than the
+  // model's context (the 163,840 tokens of DeepSeek-V3 are ~11 GiB of BF16 latents).
+  int64_t max_model_len() const { return max_model_len_; }
   // Thread-safe. Why the executor can no longer run steps (empty while it can).
   std::string executor_failure() const { return executor_->failure(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -198,6 +207,8 @@ class Engine final : private PdHost {
   std::unordered_map<std::string, std::unique_ptr<Sequence>> sequences_;
   uint64_t arrival_counter_ = 0;
   uint64_t seed_base_;
+  int64_t max_model_len_ = 0;
+  std::string max_model_len_source_;  // why it is what it is, for the errors that cite it
   int64_t reported_queries_ = 0, reported_hits_ = 0;  // prefix-cache stats already in metrics
 
   std::unique_ptr<KvTransfers> agent_;  // stop() ends it before the members it posts into

@@ -499,13 +499,39 @@ TEST_F(Speculation, MaxTokensNearTheLargestIntegerIsRefusedNotWrapped) {
   };
   for (int64_t huge : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 4,
                        int64_t(1) << 62})
-    EXPECT_NE(refusal(huge).find("exceeds the model's maximum context length"), std::string::npos)
+    EXPECT_NE(refusal(huge).find("plus max_tokens (" + std::to_string(huge) + ") exceeds"),
+              std::string::npos)
         << huge;
+  // 256 blocks of 4 tokens: the cache, not the model's context, bounds a sequence, and the
+  // limits the API derives a chat request's default max_tokens from say so.
   const int64_t cache = engine.executor_info().num_blocks * engine.executor_info().block_size;
-  if (cache - 5 < engine.executor_info().max_model_len - 5) {
-    EXPECT_NE(refusal(cache - 4).find("exceeds the KV cache"), std::string::npos);
-  }
-  EXPECT_EQ(refusal(std::min(cache, engine.executor_info().max_model_len) - 5), "(accepted)");
+  ASSERT_LT(cache, engine.executor_info().max_model_len);
+  EXPECT_EQ(engine.max_model_len(), cache);
+  EXPECT_EQ(engine.request_limits().max_model_len, cache);
+  EXPECT_NE(refusal(cache - 4).find("exceeds this engine's KV cache (--kv-cache-gb, "
+                                    "--num-kv-blocks) of " +
+                                    std::to_string(cache) + " tokens"),
+            std::string::npos)
+      << refusal(cache - 4);
+  EXPECT_EQ(refusal(cache - 5), "(accepted)");
+}
+
+// The operator's --max-model-len lowers the longest sequence below the model's context and the
+// cache; it never raises it.
+TEST_F(Speculation, TheLongestSequenceIsTheLeastOfContextFlagAndCache) {
+  auto longest = [&](int64_t flag, int64_t blocks) {
+    metrics::Registry registry;
+    EngineConfig config;
+    config.max_model_len = flag;
+    Engine engine(config, executor(0, blocks), tokenizer(), eos_ids(*tok_, std::nullopt), registry);
+    return engine.max_model_len();
+  };
+  const int64_t context = model_->config().max_position_embeddings;
+  ASSERT_LT(context, 4 * 50000);
+  EXPECT_EQ(longest(0, 50000), context);
+  EXPECT_EQ(longest(100, 50000), 100);
+  EXPECT_EQ(longest(100, 16), 64);
+  EXPECT_EQ(longest(context + 1000, 50000), context);
 }
 
 TEST_F(Speculation, EnginesThatCannotSpeculateRefuseToStart) {
