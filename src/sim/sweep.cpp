@@ -56,6 +56,19 @@ std::vector<int> counts(const std::string& values, const std::string& spec) {
   return out;
 }
 
+// A value listed twice would run its points twice: refused, not deduplicated, since a repeated
+// value is more likely a typo for another one than meant.
+template <typename T>
+void refuse_repeats(const std::vector<T>& values, const std::string& spec) {
+  for (size_t i = 0; i < values.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (values[i] == values[j]) {
+        std::ostringstream v;
+        v << values[i];
+        throw Error("--sweep " + spec + ": " + v.str() + " is listed twice");
+      }
+}
+
 }  // namespace
 
 std::vector<SweepPoint> sweep_points(const std::vector<std::string>& specs,
@@ -71,11 +84,11 @@ std::vector<SweepPoint> sweep_points(const std::vector<std::string>& specs,
     if (!seen.insert(key).second) throw Error("--sweep " + spec + ": " + key + " is swept twice");
     const std::string values = spec.substr(eq + 1);
     if (key == "prefill")
-      prefill = counts(values, spec);
+      refuse_repeats(prefill = counts(values, spec), spec);
     else if (key == "decode")
-      decode = counts(values, spec);
+      refuse_repeats(decode = counts(values, spec), spec);
     else if (key == "policy")
-      policy = split(values, ',');
+      refuse_repeats(policy = split(values, ','), spec);
     else
       throw Error("--sweep " + spec + ": unknown key '" + key + "' (prefill, decode or policy)");
   }

@@ -55,6 +55,17 @@ TEST(Sweep, BadSpecsNameTheSpec) {
     }
   }
   EXPECT_THROW(sweep_points({"prefill=1", "prefill=2"}, {1, 1, "p"}), Error);
+  // A value listed twice ran its points twice.
+  for (const std::string twice : {"decode=1,1", "prefill=2,4,2", "policy=tandem,tandem"}) {
+    try {
+      sweep_points({twice}, {1, 1, "p"});
+      ADD_FAILURE() << twice << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--sweep " + twice + ": "), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find(" is listed twice"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_THROW(sweep_points({"prefill=1..64/1", "decode=1..64/1"}, {1, 1, "p"}), Error);
 }
 
