@@ -226,6 +226,15 @@ void run(const SimulateCliOptions& o) {
   sim::SimulationOptions so;
   if (!o.topology.empty()) so.gateway = gateway::load_topology(o.topology);
   if (!o.policy.empty()) so.gateway.policy = o.policy;
+  // A policy the topology file names is checked here, where the file can be named (the check
+  // below only names the policy).
+  if (!o.topology.empty() && o.policy.empty()) {
+    try {
+      gateway::make_policy(so.gateway.policy, gateway::policy_options(so.gateway));
+    } catch (const Error& e) {
+      throw Error("--topology " + o.topology + ": " + e.what());
+    }
+  }
   if (!o.mode.empty()) so.gateway.mode = gateway::parse_mode(o.mode);
   so.prefill = o.prefill >= 0       ? o.prefill
                : o.topology.empty() ? 0

@@ -495,6 +495,16 @@ TEST(Cli, ASyntheticWorkloadTooLargeToMakeIsRefusedNamingTheFlags) {
   }
 }
 
+TEST(Cli, SimulateNamesTheTopologyFileOfAnUnknownPolicy) {
+  const auto topology = write_temp("unknown-policy.yaml",
+                                   "policy: fastest\ndecode: {endpoints: [\"127.0.0.1:1\"]}\n");
+  const auto r = run("simulate --num-prompts 2 --topology " + topology);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--topology " + topology + ": "));
+  EXPECT_THAT(r.output, HasSubstr("fastest"));
+  std::filesystem::remove(topology);
+}
+
 TEST(Cli, BenchWritesItsTableAndResultBeforeReadingTheAccessLog) {
   // The log is read for the report after the run; a bad one costs the report, not the result.
   const auto log = write_temp("bad-access.jsonl", "not json\n");
