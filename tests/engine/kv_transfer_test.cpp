@@ -1409,8 +1409,9 @@ TEST_F(KvTransferOverShm, CancelFetchEndsAFetchStillConnecting) {
 }
 
 // A client may name any host in a decode leg that is then refused; each refusal asks that host
-// to release the hold. Against a host that accepts and never answers, those releases are
-// bounded in number, and the engine still shuts down at once.
+// to release the hold. Against a host that accepts and never answers, the releases sent at once
+// are bounded in number, those waiting their turn too (past that they are dropped and counted),
+// and the engine still shuts down at once.
 TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
   decode_io_timeout_ = 600s;
   handshake_timeout_s_ = 600;  // what bounds a release: only the shutdown can end them here
@@ -1425,7 +1426,7 @@ TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
       accepted.push_back(std::move(c));
     }
   });
-  for (int i = 0; i < 40; ++i)
+  for (int i = 0; i < 16 + 4096 + 3; ++i)
     decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-" + std::to_string(i),
                             {1, 2});
   const auto count = [&] {
@@ -1433,12 +1434,43 @@ TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
     return accepted.size();
   };
   EXPECT_TRUE(queue_.run_until([&] { return count() >= 16; }));
+  EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfer_releases_dropped_total"), 3);
   auto shutdown = std::async(std::launch::async, [&] { decode_.reset(); });
   EXPECT_EQ(shutdown.wait_for(kHangGuard), std::future_status::ready)
       << "the engine waited for releases nobody answers";
   EXPECT_EQ(count(), 16u);
   listener->close();
   acceptor.join();
+}
+
+// A burst of releases (a gateway cancelling many decode legs at once) beyond those sent at once
+// waits its turn instead of being dropped: every one reaches the prefill engine, which would
+// otherwise hold the blocks of all but the first 16 until its timeout.
+TEST_F(KvTransferAgents, ABurstOfReleasesIsSentInTurnNotDropped) {
+  start();
+  auto peer = make_tcp_transport({60s});
+  auto listener = peer->listen("127.0.0.1", 0);
+  std::mutex m;
+  size_t accepted = 0;
+  std::thread acceptor([&] {
+    // Answers each at once: the connection closes, which ends the release.
+    while (auto c = listener->accept()) {
+      std::lock_guard lock(m);
+      ++accepted;
+    }
+  });
+  for (int i = 0; i < 60; ++i)
+    decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-" + std::to_string(i),
+                            {1, 2});
+  EXPECT_TRUE(queue_.run_until([&] {
+    std::lock_guard lock(m);
+    return accepted >= 60;
+  }));
+  EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfer_releases_dropped_total"), 0);
+  decode_.reset();
+  listener->close();
+  acceptor.join();
+  EXPECT_EQ(accepted, 60u);
 }
 
 TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {

@@ -33,9 +33,13 @@ constexpr int64_t kMaxHandshakesPerAddress = 64;
 // Worker threads at most: every connection served at once, plus room for the decode side's
 // fetches, which therefore never wait behind connections blocked on their transfers.
 constexpr int64_t kMaxWorkers = kMaxConnections + 128;
-// release_remote and abandon_room calls at once (each is a connection and a worker for up to the
-// handshake timeout); the prefill engine frees what nobody releases when it expires anyway.
+// release_remote and abandon_room messages sent at once (each is a connection and a worker for up
+// to the handshake timeout), and waiting their turn beyond those. A burst (a gateway cancelling
+// hundreds of decode legs) is sent in turn rather than dropped: a dropped one holds a prefill
+// engine's blocks until its timeout, when it most needs them. Past the queue they are dropped and
+// counted; the prefill engine frees what nobody releases when it expires anyway.
 constexpr int64_t kMaxReleases = 16;
+constexpr size_t kMaxQueuedReleases = 4096;
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
 
@@ -278,6 +282,7 @@ struct KvTransferAgent::Metrics {
   metrics::Family<metrics::IntCounter>& fetch_connections;
   metrics::IntCounter& refused;
   metrics::IntCounter& bytes_in_place;
+  metrics::IntCounter& releases_dropped;
 };
 
 KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& executor,
@@ -320,6 +325,11 @@ KvTransferAgent::KvTransferAgent(const KvTransferConfig& config, Executor& execu
       registry.int_counter("tandem:kv_transfer_in_place_bytes_total",
                            "Prefill side: KV bytes a decode engine on this host copied straight "
                            "from this engine's cache (shared memory, one copy)",
+                           model),
+      registry.int_counter("tandem:kv_transfer_releases_dropped_total",
+                           "Decode side: messages letting a prefill engine's held KV go that were "
+                           "dropped, too many being queued (the prefill engine frees it at its "
+                           "timeout)",
                            model)});
   if (!(config_.handshake_timeout_s > 0)) throw Error("the KV handshake timeout must be positive");
   if (config_.port >= 0) {
@@ -1012,42 +1022,67 @@ void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFra
   if (!kv_peer_allowed(config_.allow, host)) return;
   {
     std::lock_guard lock(mutex_);
-    if (stopping_ || releasing_ >= kMaxReleases) return;
+    if (stopping_) return;
+    if (releasing_ >= kMaxReleases) {
+      if (queued_releases_.size() >= kMaxQueuedReleases) {
+        metrics_->releases_dropped.inc();
+        return;
+      }
+      queued_releases_.push_back({host, port, type, std::move(request)});
+      return;
+    }
     ++releasing_;
   }
-  auto release = [this, host, port, type, request = std::move(request)] {
-    std::shared_ptr<KvConnection> conn;
-    try {
-      conn = transport_->connect(host, port, [this] {
-        std::lock_guard lock(mutex_);
-        return stopping_;
-      });
-      {
-        std::lock_guard lock(mutex_);
-        if (stopping_) throw Error("stopping");
-        releases_.push_back(conn);
+  // One sender: this message, then the queued ones, until none is left.
+  auto sender = [this, first = QueuedRelease{host, port, type, std::move(request)}]() mutable {
+    std::optional<QueuedRelease> next = std::move(first);
+    while (next) {
+      send_release(*next);
+      std::lock_guard lock(mutex_);
+      next.reset();
+      if (!stopping_ && !queued_releases_.empty()) {
+        next = std::move(queued_releases_.front());
+        queued_releases_.pop_front();
+      } else {
+        --releasing_;
       }
-      conn->set_timeout(
-          std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
-      if (!config_.secret.empty())
-        authenticate_to_prefill(*conn, config_.secret, host + ":" + std::to_string(port));
-      const std::span<const std::byte> parts[] = {bytes_of(request)};
-      conn->send(type, parts);
-      std::vector<std::byte> payload;
-      for (int frames = 0; frames < layout_.layers + 2; ++frames) {
-        const KvFrameType t = conn->receive(payload, kControlLimit);
-        if (t == KvFrameType::kDone || t == KvFrameType::kError) break;
-      }
-    } catch (const std::exception&) {
-      // Best effort: the prefill engine's timeout frees the blocks otherwise.
     }
-    std::lock_guard lock(mutex_);
-    --releasing_;
-    if (conn) std::erase(releases_, conn);
   };
-  if (!spawn(std::move(release))) {
+  if (!spawn(std::move(sender))) {
     std::lock_guard lock(mutex_);
     --releasing_;
+  }
+}
+
+void KvTransferAgent::send_release(const QueuedRelease& r) {
+  std::shared_ptr<KvConnection> conn;
+  try {
+    conn = transport_->connect(r.host, r.port, [this] {
+      std::lock_guard lock(mutex_);
+      return stopping_;
+    });
+    {
+      std::lock_guard lock(mutex_);
+      if (stopping_) throw Error("stopping");
+      releases_.push_back(conn);
+    }
+    conn->set_timeout(
+        std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
+    if (!config_.secret.empty())
+      authenticate_to_prefill(*conn, config_.secret, r.host + ":" + std::to_string(r.port));
+    const std::span<const std::byte> parts[] = {bytes_of(r.request)};
+    conn->send(r.type, parts);
+    std::vector<std::byte> payload;
+    for (int frames = 0; frames < layout_.layers + 2; ++frames) {
+      const KvFrameType t = conn->receive(payload, kControlLimit);
+      if (t == KvFrameType::kDone || t == KvFrameType::kError) break;
+    }
+  } catch (const std::exception&) {
+    // Best effort: the prefill engine's timeout frees the blocks otherwise.
+  }
+  if (conn) {
+    std::lock_guard lock(mutex_);
+    std::erase(releases_, conn);
   }
 }
 

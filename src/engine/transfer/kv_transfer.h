@@ -209,6 +209,13 @@ class KvTransferAgent final : public KvTransfers {
   // release_remote and abandon_room: one JSON frame to a prefill engine, in the background,
   // answered by kDone or kError (or nothing: failures are ignored).
   void tell_prefill(const std::string& host, uint16_t port, KvFrameType type, std::string request);
+  struct QueuedRelease {
+    std::string host;
+    uint16_t port = 0;
+    KvFrameType type{};
+    std::string request;
+  };
+  void send_release(const QueuedRelease& r);  // on a worker; failures are ignored
   struct FetchSlot {
     std::shared_ptr<KvConnection> conn;
     bool cancelled = false;
@@ -252,8 +259,9 @@ class KvTransferAgent final : public KvTransfers {
   std::map<uint64_t, std::unique_ptr<Room>> rooms_;
   std::unordered_map<std::string, FetchSlot> fetches_;   // by request id
   std::vector<std::shared_ptr<KvConnection>> serving_;   // open server sides
-  int64_t releasing_ = 0;                                // tell_prefill calls running
+  int64_t releasing_ = 0;                                // tell_prefill senders running
   std::vector<std::shared_ptr<KvConnection>> releases_;  // and their open connections
+  std::deque<QueuedRelease> queued_releases_;            // waiting for a sender
   std::thread accept_thread_, reap_thread_;
 };
 
