@@ -21,6 +21,7 @@
 #include <zmq_addon.hpp>
 
 #include "util/error.h"
+#include "util/zmq_endpoint.h"
 
 namespace tandem::gateway {
 namespace {
@@ -329,6 +330,7 @@ struct KvEventsConsumer::Impl {
     // A fresh socket per request, so a late answer to an abandoned request cannot be mistaken
     // for the next one's.
     zmq::socket_t dealer(context, zmq::socket_type::dealer);
+    dealer.set(zmq::sockopt::ipv6, zmq_endpoint_is_ipv6(options.replay_endpoint) ? 1 : 0);
     dealer.set(zmq::sockopt::linger, 0);
     dealer.set(zmq::sockopt::rcvhwm, 0);
     dealer.set(zmq::sockopt::maxmsgsize, options.max_message_bytes);
@@ -421,6 +423,7 @@ KvEventsConsumer::KvEventsConsumer(PrefixIndex& index, KvEventsConsumerOptions o
   index.clear(s.options.engine);
   index.set_block_size(s.options.engine, s.options.block_size);
   s.sub = zmq::socket_t(s.context, zmq::socket_type::sub);
+  s.sub.set(zmq::sockopt::ipv6, zmq_endpoint_is_ipv6(s.options.endpoint) ? 1 : 0);
   s.sub.set(zmq::sockopt::linger, 0);
   s.sub.set(zmq::sockopt::rcvhwm,
             static_cast<int>(std::min<int64_t>(s.options.receive_hwm, 1 << 30)));
@@ -435,6 +438,7 @@ KvEventsConsumer::KvEventsConsumer(PrefixIndex& index, KvEventsConsumerOptions o
   if (!s.options.replay_endpoint.empty()) {
     // Validate now rather than on the thread: connect is lazy, so this only checks the address.
     zmq::socket_t probe(s.context, zmq::socket_type::dealer);
+    probe.set(zmq::sockopt::ipv6, zmq_endpoint_is_ipv6(s.options.replay_endpoint) ? 1 : 0);
     probe.set(zmq::sockopt::linger, 0);
     try {
       probe.connect(s.options.replay_endpoint);

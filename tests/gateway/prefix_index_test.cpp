@@ -707,6 +707,49 @@ TEST(KvEventsConsumer, SkippedBatchIsFilledFromReplay) {
   EXPECT_EQ(index.block_size(3), 2);
 }
 
+// Engines on IPv6 hosts: the engine's publisher binds tcp://[::1]:* and the gateway's consumer
+// follows it, live and from replay (ZMQ sockets are IPv4-only unless told; binding [::1] failed
+// with "No such device"). Skipped where this host has no IPv6 loopback.
+TEST(KvEventsConsumer, FollowsAnEngineOnAnIpv6Address) {
+  {
+    zmq::context_t probe_context;
+    zmq::socket_t probe(probe_context, zmq::socket_type::pub);
+    probe.set(zmq::sockopt::ipv6, 1);
+    try {
+      probe.bind("tcp://[::1]:*");
+    } catch (const zmq::error_t&) {
+      GTEST_SKIP() << "no IPv6 loopback on this host";
+    }
+  }
+  engine::ZmqKvEventPublisher pub(engine::KvEventsConfig::parse(
+      R"({"enable_kv_cache_events": true, "endpoint": "tcp://[::1]:*",
+          "replay_endpoint": "tcp://[::1]:*", "topic": "kv@"})"));
+  ASSERT_TRUE(pub.endpoint().starts_with("tcp://[::1]:")) << pub.endpoint();
+  PrefixIndex index;
+  KvEventsConsumerOptions o;
+  o.engine = 4;
+  o.endpoint = pub.endpoint();
+  o.replay_endpoint = pub.replay_endpoint();
+  o.topic = "kv@";
+  o.replay_timeout_ms = 5000;
+  KvEventsConsumer consumer(index, o);
+  engine::BlockStored first;
+  first.block_hashes = {our_first(0)};
+  first.token_ids = {0, 1};
+  first.block_size = 2;
+  pub.publish({1.0, {first}, {}});
+  pub.flush();
+  // Batch 0 arrives live or, when the subscription came up after it, from the replay socket.
+  uint64_t seq = 0;
+  while (!consumer.wait_for_seq(seq, 20) && seq < 2000) {
+    pub.publish({1.0, {}, {}});
+    pub.flush();
+    ++seq;
+  }
+  ASSERT_LT(seq, 2000u) << "nothing arrived over IPv6";
+  EXPECT_EQ(index.match_depth(4, std::vector<int32_t>{0, 1, 7}), 1);
+}
+
 // A batch past max_message_bytes is refused by ZMQ before it is buffered whole: it is never
 // applied, and the consumer still stops cleanly. (ZMQ takes it as a protocol error and does not
 // reconnect to that publisher: docs/gateway.md.)

@@ -24,6 +24,7 @@
 #include <zmq_addon.hpp>
 
 #include "util/error.h"
+#include "util/zmq_endpoint.h"
 
 namespace tandem::engine {
 namespace {
@@ -326,6 +327,7 @@ ZmqKvEventPublisher::ZmqKvEventPublisher(const KvEventsConfig& config, int64_t d
   const std::string endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank);
 
   s.pub = zmq::socket_t(s.context, zmq::socket_type::pub);
+  s.pub.set(zmq::sockopt::ipv6, zmq_endpoint_is_ipv6(endpoint) ? 1 : 0);
   s.pub.set(zmq::sockopt::sndhwm, static_cast<int>(config.hwm));
   // A short linger gives subscribers a moment to receive the last batches at shutdown without
   // letting a stuck peer hold the process.
@@ -345,6 +347,7 @@ ZmqKvEventPublisher::ZmqKvEventPublisher(const KvEventsConfig& config, int64_t d
   if (config.replay_endpoint) {
     const std::string replay = offset_endpoint_port(*config.replay_endpoint, data_parallel_rank);
     s.replay = zmq::socket_t(s.context, zmq::socket_type::router);
+    s.replay.set(zmq::sockopt::ipv6, zmq_endpoint_is_ipv6(replay) ? 1 : 0);
     s.replay.set(zmq::sockopt::linger, 0);
     // ROUTER drops replies beyond its high-water mark: leave room for one full replay.
     s.replay.set(zmq::sockopt::sndhwm,
