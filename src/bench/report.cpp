@@ -219,7 +219,9 @@ std::string timeline_section(std::span<const RequestResult> results) {
   std::string body =
       "<p>Completed requests, in 1 s buckets from the first send: output tokens (streamed "
       "chunks) per second, and requests in flight (the most at any instant of the second, and "
-      "the time average).</p><div class=\"grid2\">";
+      "the time average). A run longer than 2000 s is drawn in windows of whole seconds: the "
+      "busiest second and the most in flight of each window, and its time average.</p><div "
+      "class=\"grid2\">";
   if (!std::isfinite(origin)) {
     const Axis x = linear_axis(0, 1, "time since first send, s");
     body += "<figure id=\"throughput\">" +
@@ -259,23 +261,35 @@ std::string timeline_section(std::span<const RequestResult> results) {
       }
     }
   }
+  // Plotted in windows of whole seconds, at most kMaxWindows of them: a week-long trace's 1 s
+  // buckets made tens of megabytes of SVG. A window shows its busiest second and its most in
+  // flight (so the highest points stay the captions' figures) and its time average.
+  constexpr size_t kMaxWindows = 2000;
+  const size_t width = (buckets + kMaxWindows - 1) / kMaxWindows;
   Series tok{"output tokens/s", "#1f77b4", {}};
   Series most{"most in flight", "#d62728", {}};
   Series mean{"mean in flight", "#9467bd", {}, true};
   double max_tok = 0, max_peak = 0;
-  for (size_t k = 0; k < buckets; ++k) {
-    const auto a = static_cast<double>(k), b = a + 1;
-    tok.points.emplace_back(a, tokens[k]);
-    tok.points.emplace_back(b, tokens[k]);
-    most.points.emplace_back(a, peak[k]);
-    most.points.emplace_back(b, peak[k]);
+  for (size_t first = 0; first < buckets; first += width) {
+    const size_t last = std::min(buckets, first + width);
+    double window_tok = 0, window_peak = 0, window_area = 0;
+    for (size_t k = first; k < last; ++k) {
+      window_tok = std::max(window_tok, tokens[k]);
+      window_peak = std::max(window_peak, peak[k]);
+      window_area += area[k];
+    }
+    const auto a = static_cast<double>(first), b = static_cast<double>(last);
+    tok.points.emplace_back(a, window_tok);
+    tok.points.emplace_back(b, window_tok);
+    most.points.emplace_back(a, window_peak);
+    most.points.emplace_back(b, window_peak);
     // The last bucket usually extends past the run; average over the part inside it.
-    const double span = std::min(1.0, end - (origin + a));
-    const double avg = span > 0 ? area[k] / span : 0;
+    const double span = std::min(b - a, end - (origin + a));
+    const double avg = span > 0 ? window_area / span : 0;
     mean.points.emplace_back(a, avg);
     mean.points.emplace_back(b, avg);
-    max_tok = std::max(max_tok, tokens[k]);
-    max_peak = std::max(max_peak, peak[k]);
+    max_tok = std::max(max_tok, window_tok);
+    max_peak = std::max(max_peak, window_peak);
   }
   const Axis x = linear_axis(0, static_cast<double>(buckets), "time since first send, s");
   body +=

@@ -235,6 +235,36 @@ TEST(BenchReport, PlotsAgreeWithTheSummary) {
   caption("cdf-e2el", summary.e2el, 15);
 }
 
+// A run of a million seconds (a week-long trace) is drawn in at most 2000 windows per series:
+// its 1 s buckets made tens of megabytes of SVG. The captions keep the summary's busiest second
+// and peak concurrency, which a window's highest point still shows.
+TEST(BenchReport, ALongRunsTimelineStaysSmallAndKeepsItsPeaks) {
+  std::vector<RequestResult> results;
+  for (int i = 0; i < 40; ++i) {
+    RequestResult r;
+    r.success = true;
+    r.start_s = i < 20 ? 10.0 * i : 1e6 - 10.0 * i;  // two bursts a million seconds apart
+    r.prompt_tokens = 10;
+    r.ttft_s = 0.1;
+    r.output_tokens = 1 + i % 7;
+    r.latency_s = r.ttft_s;
+    for (int64_t k = 1; k < r.output_tokens; ++k) {
+      r.itl_s.push_back(0.01);
+      r.latency_s += 0.01;
+    }
+    results.push_back(r);
+  }
+  const BenchSummary summary = sample_summary(results);
+  const std::string html = html_report(summary, results, sample_options());
+  EXPECT_LT(html.size(), 2'000'000u);
+  EXPECT_THAT(html,
+              HasSubstr("busiest second <span class=\"stat\">" +
+                        std::to_string(static_cast<int64_t>(summary.max_output_tokens_per_s)) +
+                        "</span> tokens"));
+  EXPECT_THAT(html, HasSubstr("at most <span class=\"stat\">" +
+                              std::to_string(summary.max_concurrent_requests) + "</span> at once"));
+}
+
 TEST(BenchReport, EscapesEveryTextAndFetchesNothing) {
   const auto results = sample_results();
   const std::string html = html_report(sample_summary(results), results, sample_options());
