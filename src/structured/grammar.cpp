@@ -1,6 +1,8 @@
 #include "structured/grammar.h"
 
+#include <algorithm>
 #include <string>
+#include <tuple>
 
 #include "util/error.h"
 
@@ -43,6 +45,45 @@ Grammar::Symbol Grammar::any_of(std::vector<Sequence> alternatives) {
   const Symbol r = new_rule();
   for (auto& a : alternatives) add(r, std::move(a));
   return r;
+}
+
+Grammar::Symbol Grammar::one_of_texts(std::vector<std::string> texts) {
+  std::sort(texts.begin(), texts.end());
+  texts.erase(std::unique(texts.begin(), texts.end()), texts.end());
+  if (texts.empty()) throw Error("one_of_texts: no texts");
+  // A node: texts[begin, end) share their first `depth` bytes. Its alternatives are the empty one
+  // when texts[begin] ends there (a prefix sorts first), and per next byte the longest run the
+  // texts of that byte share, followed by their node when more than one text goes on. With an
+  // explicit work list: a text may be longer than any thread's stack is deep.
+  const Symbol top = new_rule();
+  std::vector<std::tuple<Symbol, size_t, size_t, size_t>> todo = {{top, 0, texts.size(), 0}};
+  while (!todo.empty()) {
+    auto [rule, begin, end, depth] = todo.back();
+    todo.pop_back();
+    if (texts[begin].size() == depth) {
+      add(rule, {});
+      ++begin;
+    }
+    while (begin < end) {
+      const char c = texts[begin][depth];
+      size_t group_end = begin + 1;
+      while (group_end < end && texts[group_end][depth] == c) ++group_end;
+      // The run: the common prefix of the group's first and last texts (sorted, so of all).
+      const std::string& first = texts[begin];
+      const std::string& last = texts[group_end - 1];
+      size_t run = depth + 1;
+      while (run < first.size() && run < last.size() && first[run] == last[run]) ++run;
+      Sequence alt = literal(std::string_view(first).substr(depth, run - depth));
+      if (group_end - begin > 1 || first.size() > run) {
+        const Symbol next = new_rule();
+        alt.push_back(next);
+        todo.emplace_back(next, begin, group_end, run);
+      }
+      add(rule, std::move(alt));
+      begin = group_end;
+    }
+  }
+  return top;
 }
 
 Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) {

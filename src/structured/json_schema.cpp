@@ -1,6 +1,5 @@
 #include "structured/json_schema.h"
 
-#include <array>
 #include <map>
 #include <set>
 #include <string>
@@ -63,9 +62,9 @@ class SchemaCompiler {
     if (schema.contains("enum")) {
       const json& e = schema["enum"];
       if (!e.is_array() || e.empty()) fail(where + "/enum", "'enum' must be a non-empty list");
-      std::vector<Sequence> alts;
-      for (const auto& v : e) alts.push_back({literal_value(v)});
-      return g_.any_of(std::move(alts));
+      std::vector<std::string> texts;
+      for (const auto& v : e) texts.push_back(literal_text(v));
+      return g_.one_of_texts(std::move(texts));
     }
     for (const char* k : {"anyOf", "oneOf"})
       if (schema.contains(k)) {
@@ -196,9 +195,10 @@ class SchemaCompiler {
     return rule;
   }
 
-  Symbol literal_value(const json& v) {
-    return g_.any_of({g_.literal(v.dump(-1, ' ', false, json::error_handler_t::strict))});
+  static std::string literal_text(const json& v) {
+    return v.dump(-1, ' ', false, json::error_handler_t::strict);
   }
+  Symbol literal_value(const json& v) { return g_.one_of_texts({literal_text(v)}); }
 
   // A JSON string of min..max characters (max < 0: no limit).
   Symbol string_rule(int64_t min, int64_t max) {
@@ -325,27 +325,35 @@ class SchemaCompiler {
     }
     if (!extra.is_boolean() && !extra.is_object())
       fail(where + "/additionalProperties", "'additionalProperties' must be a boolean or a schema");
-    // Members in the schema's order; optional ones may be left out. tail[i][w]: the members from
-    // i on, w: whether one was written already (then the next needs a comma).
+    // Members in the schema's order; optional ones may be left out. key[i]: member i or, when it
+    // is optional, any later one; after[i]: what may follow member i. The comma and white space
+    // before a member are read once, before the choice of key: as part of each key's alternative
+    // they held one parse stack per optional member left, stepped at every node of a mask's walk.
     std::vector<std::pair<std::string, Symbol>> members;
     for (auto it = props.begin(); it != props.end(); ++it)
       members.emplace_back(it.key(), value(it.value(), where + "/properties/" + it.key()));
     const size_t n = members.size();
-    std::vector<std::array<Symbol, 2>> tail(n + 1);
-    tail[n] = {g_.any_of({{}}), g_.any_of({{}})};
+    // optional_from[i]: members i.. are all optional (so the object may end before i).
+    std::vector<bool> optional_from(n + 1, true);
+    for (size_t i = n; i-- > 0;)
+      optional_from[i] = optional_from[i + 1] && !required.count(members[i].first);
+    std::vector<Symbol> key(n);
+    Symbol after = g_.any_of({{}});  // after the last member
     for (size_t i = n; i-- > 0;) {
-      for (int written = 0; written < 2; ++written) {
-        Sequence take;
-        if (written) take = {ws(), g_.byte(','), ws()};
-        const Sequence key = g_.literal(json(members[i].first).dump());
-        take.insert(take.end(), key.begin(), key.end());
-        take.insert(take.end(), {ws(), g_.byte(':'), ws(), members[i].second, tail[i + 1][1]});
-        std::vector<Sequence> alts = {std::move(take)};
-        if (!required.count(members[i].first)) alts.push_back({tail[i + 1][size_t(written)]});
-        tail[i][size_t(written)] = g_.any_of(std::move(alts));
+      Sequence take = g_.literal(json(members[i].first).dump());
+      take.insert(take.end(), {ws(), g_.byte(':'), ws(), members[i].second, after});
+      std::vector<Sequence> alts = {std::move(take)};
+      if (i + 1 < n && !required.count(members[i].first)) alts.push_back({key[i + 1]});
+      key[i] = g_.any_of(std::move(alts));
+      if (i > 0) {
+        std::vector<Sequence> next = {{ws(), g_.byte(','), ws(), key[i]}};
+        if (optional_from[i]) next.push_back({});
+        after = g_.any_of(std::move(next));
       }
     }
-    return g_.any_of({{g_.byte('{'), ws(), tail[0][0], ws(), g_.byte('}')}});
+    std::vector<Sequence> body = {{g_.byte('{'), ws(), key[0], ws(), g_.byte('}')}};
+    if (optional_from[0]) body.push_back({g_.byte('{'), ws(), g_.byte('}')});
+    return g_.any_of(std::move(body));
   }
 
   Grammar& g_;

@@ -23,6 +23,7 @@ uint64_t pair_key(int32_t pos, int32_t rest) {
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const Grammar> grammar)
     : grammar_(std::move(grammar)) {
+  work_ = 0;
   new_step();
   for (int32_t start : grammar_->alternatives(grammar_->root())) expand(start, -1, stacks_);
   std::sort(stacks_.begin(), stacks_.end(), [](const Stack& a, const Stack& b) {
@@ -63,10 +64,12 @@ void GrammarMatcher::expand(int32_t pos, int32_t rest, Stacks& out) {
       }
       if (s < 0) {
         out.push_back({pos, rest});
+        spend(1);
         break;
       }
       // A rule: its alternatives, returning to what follows it (nothing to push when it is last).
       const int32_t back = code[size_t(pos) + 1] == Grammar::kEnd ? rest : frame(pos + 1, rest);
+      spend(1);
       if (++entries_ > kEntriesBeforeDedup && !entered_.insert(pair_key(s, back)).second) break;
       const auto& starts = grammar_->alternatives(s);
       for (auto it = starts.rbegin(); it != starts.rend(); ++it) todo_.push_back({*it, back});
@@ -81,9 +84,20 @@ void GrammarMatcher::new_step() {
   entries_ = 0;
 }
 
+void GrammarMatcher::spend(size_t units) {
+  work_ += units;
+  if (work_ > kMaxWork)
+    throw ConstraintError(
+        "structured output: the format is too ambiguous to follow here (over " +
+        std::to_string(kMaxWork) +
+        " parse steps for one token; bounded repeats one after another, like '.{0,100}.{0,100}', "
+        "can be read in as many ways as the answer is long)");
+}
+
 void GrammarMatcher::step(const Stacks& from, uint8_t byte, Stacks& to) {
   to.clear();
   new_step();
+  spend(from.size());
   for (const Stack& st : from)
     if (st.pos != kAccepted && grammar_->terminal(grammar_->code()[size_t(st.pos)]).test(byte))
       expand(st.pos + 1, st.rest, to);
@@ -96,6 +110,7 @@ void GrammarMatcher::step(const Stacks& from, uint8_t byte, Stacks& to) {
 }
 
 bool GrammarMatcher::advance(std::string_view bytes) {
+  work_ = 0;
   Stacks cur = stacks_, next;
   for (char c : bytes) {
     step(cur, static_cast<uint8_t>(c), next);
@@ -183,10 +198,16 @@ void GrammarMatcher::walk(const VocabularyTrie& trie, uint32_t node, size_t dept
 }
 
 void GrammarMatcher::accepted_tokens(const VocabularyTrie& trie, std::vector<uint64_t>& allowed) {
+  work_ = 0;
   const size_t mark = frames_.size();
   std::vector<Stacks> levels(trie.max_depth + 1);
   levels[0] = stacks_;
-  walk(trie, 0, 0, levels, allowed);
+  try {
+    walk(trie, 0, 0, levels, allowed);
+  } catch (const ConstraintError&) {
+    release(mark);
+    throw;
+  }
   release(mark);
 }
 

@@ -12,14 +12,34 @@
 
 #include "structured/grammar.h"
 #include "structured/vocabulary_trie.h"
+#include "util/error.h"
 
 namespace tandem::structured {
 
+// What the constraint throws when the answer cannot go on as its format requires: an error of
+// one request's format, which ends that request alone.
+class ConstraintError : public Error {
+ public:
+  using Error::Error;
+};
+
 class GrammarMatcher {
  public:
+  // The most work one call (the constructor, advance(), accepted_tokens()) may do, counted in
+  // stacks stepped and rules entered. An ambiguous grammar (bounded repeats one after another:
+  // '.{0,100}.{0,100}') holds a stack per way of reading the text so far, as many as the text is
+  // long, and a mask steps every one at every node of the vocabulary's trie: past this the call
+  // throws ConstraintError instead of holding the engine's thread for seconds (a unit took 4 to 9
+  // ns on the test VM, so a mask stops within about 0.3 s). Unambiguous formats stay far below
+  // it: a mask inside a JSON string, where nearly every token of DeepSeek-V3's is allowed, is
+  // about 5 million.
+  static constexpr size_t kMaxWork = size_t(1) << 25;
+
+  // Throws ConstraintError past kMaxWork.
   explicit GrammarMatcher(std::shared_ptr<const Grammar> grammar);
 
-  // Reads `bytes`; false (and nothing read) when the grammar refuses them.
+  // Reads `bytes`; false (and nothing read) when the grammar refuses them. Throws
+  // ConstraintError (nothing read) past kMaxWork.
   bool advance(std::string_view bytes);
   // Whether the text read so far is complete: a sentence of the grammar.
   bool accepting() const;
@@ -31,8 +51,10 @@ class GrammarMatcher {
   std::string key() const;
 
   // Sets bit t of `allowed` (one bit per token id, 64 per word) for every token of the trie whose
-  // bytes the grammar accepts next. The state is unchanged.
+  // bytes the grammar accepts next. The state is unchanged. Throws ConstraintError past kMaxWork.
   void accepted_tokens(const VocabularyTrie& trie, std::vector<uint64_t>& allowed);
+  // The work the last of those calls did, in kMaxWork's units.
+  size_t work() const { return work_; }
 
  private:
   static constexpr int32_t kAccepted = -1;  // a stack that matched everything
@@ -46,6 +68,7 @@ class GrammarMatcher {
   int32_t frame(int32_t pos, int32_t rest);
   void expand(int32_t pos, int32_t rest, Stacks& out);
   void new_step();
+  void spend(size_t units);  // counts work, throws past kMaxWork
   void step(const Stacks& from, uint8_t byte, Stacks& to);
   void release(size_t mark);  // drops frames made after `mark` (a mask's scratch)
   void compact();
@@ -59,6 +82,7 @@ class GrammarMatcher {
   Stacks todo_;                           // expand()'s work list, kept for its capacity
   size_t entries_ = 0;                    // rules expand() entered in this step
   std::unordered_set<uint64_t> entered_;  // (rule, return frame) pairs, past kEntriesBeforeDedup
+  size_t work_ = 0;                       // spent by the call under way
 };
 
 }  // namespace tandem::structured

@@ -61,13 +61,13 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       const nlohmann::json choices = parse_untrusted_json(spec.text);
       if (!choices.is_array() || choices.empty())
         throw Error("the choices must be a non-empty list of strings");
-      std::vector<Grammar::Sequence> alts;
+      std::vector<std::string> texts;
       for (const auto& c : choices) {
         if (!c.is_string() || c.get<std::string>().empty())
           throw Error("the choices must be non-empty strings");
-        alts.push_back(g->literal(c.get<std::string>()));
+        texts.push_back(c.get<std::string>());
       }
-      root = g->any_of(std::move(alts));
+      root = g->one_of_texts(std::move(texts));
       break;
     }
     case OutputSpec::Kind::kToolCalls:

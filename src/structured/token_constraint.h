@@ -21,13 +21,6 @@
 
 namespace tandem::structured {
 
-// What the constraint throws when the answer cannot go on as its format requires: an error of
-// one request's format, which ends that request alone.
-class ConstraintError : public Error {
- public:
-  using Error::Error;
-};
-
 // A vocabulary prepared for masks: the trie of every token with text (special tokens are never
 // allowed by a grammar; the end ids are allowed when the answer is complete).
 class MaskVocabulary {

@@ -203,13 +203,15 @@ TEST(StructuredOutput, LongChainsOfRulesAreCheckedAndMatchedWithoutRecursion) {
   });
   // Optional parts one after another: each is entered without reading a byte, so reading 'b'
   // used to nest one expansion per part and fail the answer ("nests too deeply") mid-decoding.
+  // (Each 'a' may be read by any part: a byte costs about 6000^2 / 2 rules entered, so a few in
+  // one call pass GrammarMatcher::kMaxWork; see AnAmbiguousFormatFailsItsAnswer... below.)
   std::string optional_parts = "b";
   for (int i = 0; i < 6000; ++i) optional_parts += "a?";
   const auto g = compile({OutputSpec::Kind::kRegex, optional_parts, "f"});
   on_small_stack([&] {
     EXPECT_TRUE(full_match(g, "b"));
-    EXPECT_TRUE(full_match(g, "baaa"));
-    EXPECT_FALSE(full_match(g, "b" + std::string(6001, 'a')));
+    EXPECT_TRUE(full_match(g, "ba"));
+    EXPECT_FALSE(full_match(g, "bc"));
   });
 }
 
@@ -375,6 +377,66 @@ TEST(StructuredOutput, AnswersSampledThroughTheMasksValidateAgainstTheirSchemas)
       ++validated;
     }
   EXPECT_GT(validated, 40u);
+}
+
+// An ambiguous format (bounded repeats one after another) holds a parse stack per way of reading
+// the answer so far, and a mask steps each at every node of the vocabulary's trie: one mask of
+// '.{0,10000}.{0,10000}.{0,10000}' at byte 300 took 31 s of the engine's thread. Past
+// GrammarMatcher::kMaxWork the call throws ConstraintError, which fails that request alone
+// (Speculation.AFormatThatCannotGoOnFailsItsRequestAloneNotItsBatch). Formats that are not
+// ambiguous stay well below it in their costliest states, however many choices or properties.
+TEST(StructuredOutput, AnAmbiguousFormatFailsItsAnswerInsteadOfSlowingEveryMask) {
+  using K = OutputSpec::Kind;
+  StructuredOutputs outputs(std::make_shared<const text::Tokenizer>(
+      text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"))));
+  std::vector<float> logits(deepseek_tokenizer().vocab_size());
+  const std::vector<int32_t> ends = {*deepseek_tokenizer().eos_id()};
+  int32_t a = -1;  // the token "a"
+  for (int32_t id = 0; id < int32_t(logits.size()) && a < 0; ++id)
+    if (deepseek_tokenizer().token_bytes(id) == "a") a = id;
+  ASSERT_GE(a, 0);
+  for (const std::string regex : {".{0,10000}.{0,10000}", ".{0,10000}.{0,10000}.{0,10000}"}) {
+    SCOPED_TRACE(regex);
+    auto c = outputs.start({K::kRegex, regex, "guided_regex"});
+    for (int i = 0; i < 50; ++i) c->accept(a, ends);
+    try {
+      c->mask(logits, ends);
+      ADD_FAILURE() << "the mask was computed";
+    } catch (const ConstraintError& e) {
+      EXPECT_NE(std::string(e.what()).find("too ambiguous"), std::string::npos) << e.what();
+    }
+  }
+
+  const MaskVocabulary vocabulary(deepseek_tokenizer());
+  std::vector<uint64_t> allowed((vocabulary.size() + 63) / 64);
+  auto costliest_mask = [&](K kind, const std::string& text, const std::string& answer) {
+    GrammarMatcher matcher(compile({kind, text, "f"}));
+    size_t most = 0;
+    for (size_t i = 0; i <= answer.size(); ++i) {
+      if (i > 0) {
+        EXPECT_TRUE(matcher.advance(answer.substr(i - 1, 1))) << answer.substr(0, i);
+      }
+      matcher.accepted_tokens(vocabulary.trie(), allowed);
+      most = std::max(most, matcher.work());
+    }
+    return most;
+  };
+  json props = json::object();
+  for (int i = 0; i < 4000; ++i) props["p" + std::to_string(i)] = {{"type", "integer"}};
+  json choices = json::array();
+  for (int i = 0; i < 20000; ++i) choices.push_back("choice number " + std::to_string(i));
+  const std::pair<K, std::string> legitimate[][2] = {
+      {{K::kJsonSchema, R"({"type": "string", "maxLength": 1000})"}, {K::kJsonSchema, "\"abc"}},
+      {{K::kJsonObject, ""}, {K::kJsonObject, R"({"a": [1, "x)"}},
+      {{K::kJsonSchema, json{{"type", "object"}, {"properties", props}}.dump()},
+       {K::kJsonSchema, R"({ "p12": 5, "p3999": 1})"}},
+      {{K::kChoice, choices.dump()}, {K::kChoice, "choice number 123"}},
+      {{K::kRegex, R"(\w{0,20}\s?\w{0,20})"}, {K::kRegex, "abcdefghij klmnopqrst"}},
+  };
+  for (const auto& [spec, answer] : legitimate) {
+    SCOPED_TRACE(spec.second.substr(0, 60));
+    EXPECT_LT(costliest_mask(spec.first, spec.second, answer.second), GrammarMatcher::kMaxWork / 4);
+  }
 }
 
 TEST(StructuredOutput, ChoicesAreTheOnlyAnswers) {
