@@ -9,6 +9,7 @@
 #include <set>
 
 #include "api/body_fields.h"
+#include "structured/ordered_json.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
@@ -103,8 +104,9 @@ std::vector<std::pair<int32_t, float>> logit_bias_from(const json& b, int64_t vo
 
 // The body's members in the client's key order (nlohmann::json sorts keys), for what must keep
 // it: a schema's properties are generated in their listed order, and tools are shown to the
-// model as given. Parsed from the body's text on first use; without the text (or for a member
-// it does not hold), the sorted document stands in.
+// model as given. Parsed from the body's text on first use (in linear time, whatever the body
+// holds besides: structured/ordered_json.h); without the text (or for a member it does not
+// hold), the sorted document stands in.
 class OrderedBody {
  public:
   explicit OrderedBody(std::string_view raw) : raw_(raw) {}
@@ -112,10 +114,13 @@ class OrderedBody {
   nlohmann::ordered_json get(std::initializer_list<std::string_view> path, const json& sorted) {
     if (!parsed_ && !raw_.empty()) {
       parsed_ = true;
-      // The caller's reader accepted this text already (bounded depth).
-      doc_ = nlohmann::ordered_json::parse(raw_, nullptr, false);
+      try {
+        doc_ = structured::parse_ordered(raw_);
+      } catch (const Error&) {
+        doc_ = nullptr;  // the caller's reader accepted it: the sorted document stands in
+      }
     }
-    const nlohmann::ordered_json* at = doc_.is_discarded() || doc_.is_null() ? nullptr : &doc_;
+    const nlohmann::ordered_json* at = doc_.is_null() ? nullptr : &doc_;
     for (std::string_view key : path) {
       if (!at || !at->is_object()) return convert(sorted);
       const auto it = at->find(key);
@@ -126,7 +131,7 @@ class OrderedBody {
 
  private:
   static nlohmann::ordered_json convert(const json& v) {
-    return nlohmann::ordered_json::parse(v.dump());
+    return structured::parse_ordered(v.dump());
   }
   std::string_view raw_;
   bool parsed_ = false;
@@ -547,7 +552,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   for (const auto& m : *messages) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       fail("messages", "every message needs a string 'role'");
-    nlohmann::ordered_json out = nlohmann::ordered_json::parse(m.dump());
+    nlohmann::ordered_json out = structured::parse_ordered(m.dump());
     if (const json* c = field(m, "content"); c && c->is_array()) {
       std::string joined;
       for (const auto& part : *c) {
@@ -586,8 +591,13 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
         fail("chat_template_kwargs",
              std::string("'chat_template_kwargs' cannot set '") + reserved +
                  "': it is the request's own (send it as the request's field)");
+    // Each is set by name in the context, an ordered object (a linear search per key).
+    if (kw->size() > structured::kMaxObjectKeys)
+      fail("chat_template_kwargs", "'chat_template_kwargs' has " + std::to_string(kw->size()) +
+                                       " keys (at most " +
+                                       std::to_string(structured::kMaxObjectKeys) + ")");
     for (auto it = kw->begin(); it != kw->end(); ++it)
-      ctx[it.key()] = nlohmann::ordered_json::parse(it.value().dump());
+      ctx[it.key()] = structured::parse_ordered(it.value().dump());
   }
   std::string rendered;
   try {

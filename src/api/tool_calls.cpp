@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "structured/ordered_json.h"
 #include "util/error.h"
-#include "util/json.h"
 
 namespace tandem::api {
 namespace {
@@ -77,14 +77,15 @@ bool opens_block(std::string_view raw) {
 // A hermes call's body: {"name": string, "arguments": object} (arguments may be absent). The
 // arguments keep the model's key order.
 std::optional<ParsedToolCalls::Call> hermes_call(std::string_view body) {
-  json doc;
+  ordered_json ordered;
   try {
-    doc = parse_untrusted_json(body);  // bounded depth, so the ordered parse below is safe
+    // Linear in the keys (the model may write many): structured/ordered_json.h.
+    ordered = structured::parse_ordered(body);
   } catch (const Error&) {
     return std::nullopt;
   }
-  if (!doc.is_object() || !doc.contains("name") || !doc["name"].is_string()) return std::nullopt;
-  const ordered_json ordered = ordered_json::parse(body);
+  if (!ordered.is_object() || !ordered.contains("name") || !ordered["name"].is_string())
+    return std::nullopt;
   ParsedToolCalls::Call call;
   call.name = ordered["name"].get<std::string>();
   if (!ordered.contains("arguments")) {

@@ -297,12 +297,15 @@ class SchemaCompiler {
   Symbol object(const json& schema, const std::string& where) {
     const json props = schema.value("properties", json::object());
     if (!props.is_object()) fail(where + "/properties", "'properties' must be an object");
+    // By name in a set: an ordered object finds a key by a linear search.
+    std::set<std::string> names;
+    for (auto it = props.begin(); it != props.end(); ++it) names.insert(it.key());
     std::set<std::string> required;
     if (schema.contains("required")) {
       const json& req = schema["required"];
       if (!req.is_array()) fail(where + "/required", "'required' must be a list of names");
       for (const auto& n : req) {
-        if (!n.is_string() || !props.contains(n.get<std::string>()))
+        if (!n.is_string() || !names.count(n.get<std::string>()))
           fail(where + "/required",
                "'required' names " + n.dump() + ", which 'properties' does not describe");
         required.insert(n.get<std::string>());

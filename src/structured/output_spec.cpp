@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "structured/json_schema.h"
+#include "structured/ordered_json.h"
 #include "structured/regex.h"
 #include "structured/tool_call_grammar.h"
 #include "util/error.h"
@@ -18,27 +19,12 @@ std::string OutputSpec::key() const {
 
 namespace {
 
-// Keys one object of a schema or tool list may have. The order-keeping document below finds
-// each key by a linear search as it inserts, so an object of n keys costs n^2 / 2 comparisons:
-// 200K $defs took tens of seconds of the HTTP thread; 4096 take milliseconds.
-constexpr size_t kMaxObjectKeys = 4096;
-
-// Parsed keeping the key order (properties are generated in the schema's order), after our
-// reader checked it (bounded depth, so nlohmann's parse below cannot go deep; bounded objects,
-// so it cannot take quadratic time).
-nlohmann::ordered_json parse_ordered(const std::string& text) {
-  const nlohmann::json doc = parse_untrusted_json(text);
-  std::vector<const nlohmann::json*> pending = {&doc};
-  while (!pending.empty()) {
-    const nlohmann::json* j = pending.back();
-    pending.pop_back();
-    if (j->is_object() && j->size() > kMaxObjectKeys)
-      throw Error("an object of " + std::to_string(j->size()) + " keys (at most " +
-                  std::to_string(kMaxObjectKeys) + ")");
-    if (j->is_structured())
-      for (const auto& child : *j) pending.push_back(&child);
-  }
-  return nlohmann::ordered_json::parse(text);
+// In the client's key order (properties are generated in the schema's order), with each
+// object's size bounded for the compilers' lookups by name.
+nlohmann::ordered_json parse_checked(const std::string& text) {
+  nlohmann::ordered_json doc = parse_ordered(text);
+  check_object_sizes(doc);
+  return doc;
 }
 
 }  // namespace
@@ -51,7 +37,7 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       root = json_object_rule(*g);
       break;
     case OutputSpec::Kind::kJsonSchema:
-      root = json_schema_rule(*g, parse_ordered(spec.text));
+      root = json_schema_rule(*g, parse_checked(spec.text));
       break;
     case OutputSpec::Kind::kRegex:
       if (spec.text.empty()) throw Error("the regex is empty");
@@ -71,7 +57,7 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       break;
     }
     case OutputSpec::Kind::kToolCalls:
-      root = tool_calls_rule(*g, parse_ordered(spec.text));
+      root = tool_calls_rule(*g, parse_checked(spec.text));
       break;
   }
   g->finish(root);

@@ -327,6 +327,40 @@ TEST(Protocol, SchemasAndToolsKeepTheClientsKeyOrder) {
   EXPECT_LT(prompt.find("zulu"), prompt.find("bravo")) << prompt;
 }
 
+// Keeping key order used nlohmann::ordered_json's parser, which finds each key by a linear search:
+// a body of 200,000 unrelated keys beside a response_format held the HTTP thread for 48 to 103
+// s, and a message or chat_template_kwargs object as long. Now the order-keeping reads are
+// linear (these million-key bodies would take hours at the old quadratic cost), and kwargs,
+// which are set one by one in the template's ordered context, have at most 4096 keys.
+TEST(Protocol, BodiesOfManyKeysAreReadInOrderWithoutQuadraticCost) {
+  auto many_keys = [](size_t n) {
+    std::string o = "{";
+    for (size_t i = 0; i < n; ++i) o += (i ? ",\"k" : "\"k") + std::to_string(i) + "\": 1";
+    return o + "}";
+  };
+  const std::string big = many_keys(1'000'000);
+  const std::string schema =
+      R"({"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object",
+          "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}}}}})";
+  const std::string with_metadata = R"({"messages": [{"role": "user", "content": "hi"}],
+      "response_format": )" + schema +
+                                    R"(, "metadata": )" + big + "}";
+  const ApiRequest r =
+      parse_chat(json::parse(with_metadata), tokenizer(), &chat_template(), kLimits, with_metadata);
+  ASSERT_TRUE(r.sampling.structured_output);
+  EXPECT_LT(r.sampling.structured_output->text.find("zeta"),
+            r.sampling.structured_output->text.find("alpha"));
+  const std::string in_message =
+      R"({"messages": [{"role": "user", "content": "hi", "extra": )" + big + "}]}";
+  EXPECT_NO_THROW(
+      parse_chat(json::parse(in_message), tokenizer(), &chat_template(), kLimits, in_message));
+  const json kwargs = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                       {"chat_template_kwargs", json::parse(many_keys(5000))}};
+  const ApiError e = error_of([&] { parse_chat(kwargs, tokenizer(), &chat_template(), kLimits); });
+  EXPECT_EQ(e.param, "chat_template_kwargs");
+  EXPECT_NE(e.message.find("5000 keys (at most 4096)"), std::string::npos) << e.message;
+}
+
 // tool_choice "required" or a named function forces calls in the model's own markup, which the
 // answer's parser then reads; a named call ends as "stop", as OpenAI's does.
 TEST(Protocol, ForcedToolChoicesBecomeAGrammarOfTheModelsMarkup) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "structured/matcher.h"
+#include "structured/ordered_json.h"
 #include "structured/output_spec.h"
 #include "structured/token_constraint.h"
 #include "text/oracle_support.h"
@@ -437,6 +438,25 @@ TEST(StructuredOutput, AnAmbiguousFormatFailsItsAnswerInsteadOfSlowingEveryMask)
     SCOPED_TRACE(spec.second.substr(0, 60));
     EXPECT_LT(costliest_mask(spec.first, spec.second, answer.second), GrammarMatcher::kMaxWork / 4);
   }
+}
+
+// The linear order-keeping reader builds what nlohmann::ordered_json's parser builds (key order,
+// the last of duplicate keys in the first one's place, numbers, escapes), and refuses what it
+// refuses.
+TEST(StructuredOutput, OrderedParsingMatchesNlohmannsOrderedParser) {
+  for (const std::string text :
+       {R"({"z": 1, "a": [true, null, -2, 3.5e3, 18446744073709551615], "m": {"y": "\u00e9\n"}})",
+        R"({"b": 1, "a": 2, "b": {"c": 3}, "a": [4]})", R"([[], {}, "", 0])", "  7 ",
+        "\xEF\xBB\xBF{\"bom\": 1}"}) {
+    SCOPED_TRACE(text);
+    const nlohmann::ordered_json ours = parse_ordered(text);
+    const nlohmann::ordered_json theirs = nlohmann::ordered_json::parse(text);
+    EXPECT_EQ(ours.dump(), theirs.dump());
+  }
+  for (const std::string bad : {"{\"a\": }", "[1,]", "{\"a\": 1} x", "\"\xff\""})
+    EXPECT_THROW(parse_ordered(bad), Error) << bad;
+  EXPECT_THROW(parse_ordered(std::string(100, '[') + std::string(100, ']')), Error);
+  EXPECT_NO_THROW(parse_ordered(std::string(64, '[') + std::string(64, ']')));
 }
 
 TEST(StructuredOutput, ChoicesAreTheOnlyAnswers) {
