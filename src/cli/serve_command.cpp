@@ -91,12 +91,6 @@ void run(const ServeOptions& o) {
     if (host->find('[') != std::string::npos || host->find(']') != std::string::npos)
       throw Error(std::string("serve: ") + flag + " '" + *host +
                   "': an address without brackets, e.g. " + flag + " ::1 for IPv6 loopback");
-  // The engines' KV event publishers and the gateway's subscribers open IPv4 sockets only.
-  if (o.kv_events && o.engine_host.find(':') != std::string::npos)
-    throw Error(
-        "serve: --kv-events needs an IPv4 --engine-host (KV events travel over IPv4 only), "
-        "not '" +
-        o.engine_host + "'");
   const StopSignals stop_signals;  // before any thread starts
   // Until the stack answers, a stop signal ends serve at once; its engines die with it
   // (EngineChild: PR_SET_PDEATHSIG), the loading ones too.
@@ -160,7 +154,7 @@ void run(const ServeOptions& o) {
     if (gateway::engine_schedules_by_priority(classes, *policy, role != "decode"))
       a.insert(a.end(), {"--scheduling-policy", "priority"});
     if (o.kv_events) {  // the gateway's prefix index subscribes
-      const std::string any = "tcp://" + o.engine_host + ":*";
+      const std::string any = "tcp://" + net::url_host(o.engine_host) + ":*";
       a.insert(a.end(),
                {"--kv-events-config",
                 R"({"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ")" +

@@ -4,6 +4,10 @@
 // the admin key, and the page itself in headless Chromium (it renders the engines of the stack,
 // polls, reflects new requests, logs nothing to the console; a screenshot is left in the test's
 // output folder).
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -73,6 +77,38 @@ std::string prompt() {
   for (int i = 0; i < 40; ++i)
     p += "the gateway routes this shared prefix " + std::to_string(i) + " ";
   return p;
+}
+
+// Engines on an IPv6 host publish KV events the gateway follows (serve refused --kv-events with
+// an IPv6 --engine-host while ZMQ sockets were IPv4-only). Skipped without an IPv6 loopback.
+TEST(RoutingQuality, KvEventsReachTheGatewayFromEnginesOnAnIpv6Host) {
+  {
+    const int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+    sockaddr_in6 a{};
+    a.sin6_family = AF_INET6;
+    a.sin6_addr = in6addr_loopback;
+    const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    if (fd >= 0) ::close(fd);
+    if (!ok) GTEST_SKIP() << "no IPv6 loopback on this host";
+  }
+  testing::EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--host",
+                                "127.0.0.1", "--port", "0", "--engine-host", "::1", "--kv-events",
+                                "--admin-api-key", kAdminKey});
+  net::Headers h;
+  h.set("Authorization", std::string("Bearer ") + kAdminKey);
+  // Each request publishes more batches: a subscription that came up after the first one's
+  // catches up from the replay socket at the next.
+  EXPECT_TRUE(testing::eventually([&] {
+    const auto r = testing::post_json(serve.port(), "/v1/completions",
+                                      {{"model", "tiny"}, {"prompt", prompt()}, {"max_tokens", 3}});
+    EXPECT_EQ(r.status, 200) << r.body;
+    const auto got = net::http_request("127.0.0.1", serve.port(), "GET", "/dashboard/state", {}, h);
+    if (got.status != 200) return false;
+    const json state = json::parse(got.body);
+    for (const auto& e : state["endpoints"])
+      if (e.value("prefix_blocks", 0) > 0) return true;
+    return false;
+  }));
 }
 
 TEST(RoutingQuality, TheSplitFollowsTheEnginesKvEventsAndWhatTheEngineReused) {
