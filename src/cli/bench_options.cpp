@@ -100,6 +100,9 @@ void check_workload_flags(const WorkloadCliOptions& o) {
   check_range("--trace-limit", o.trace_limit, 0, max);
   if (!(std::isfinite(o.time_scale) && o.time_scale >= 0))
     throw Error("--time-scale: expected a finite number >= 0");
+  // Before the bound below uses it (NaN would reach an integer conversion).
+  if (!(o.random_range_ratio >= 0 && o.random_range_ratio < 1))
+    throw Error("--random-range-ratio: expected a number in [0, 1)");
   // A synthetic workload is built whole, prompt ids and text (~25 bytes a token): 20,000 prompts
   // of 1,024 tokens took 513 MB, and the largest counts and lengths above would need terabytes.
   // Both factors are bounded, so the product fits.
@@ -112,9 +115,9 @@ void check_workload_flags(const WorkloadCliOptions& o) {
   };
   if (o.dataset == "random") {
     // The longest a prompt may draw: ceil(L * (1 + r)).
-    const double r = std::clamp(o.random_range_ratio, 0.0, 1.0);
-    too_many("--num-prompts", "--random-input-len",
-             static_cast<int64_t>(std::ceil(double(o.random_input_len) * (1 + r))));
+    too_many(
+        "--num-prompts", "--random-input-len",
+        static_cast<int64_t>(std::ceil(double(o.random_input_len) * (1 + o.random_range_ratio))));
   } else if (o.dataset == "prefix-repetition") {
     too_many("--num-prompts", "--prefix-repetition-prefix-len + suffix-len",
              o.prefix_len + o.suffix_len);

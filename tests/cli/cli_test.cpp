@@ -478,6 +478,17 @@ TEST(Cli, SimulateBoundsItsKvFlagsNamingThem) {
   }
 }
 
+TEST(Cli, ARandomRangeRatioOutsideItsRangeIsRefusedNamingTheFlag) {
+  // NaN reached an integer conversion in the workload-size bound before the ratio was checked.
+  for (const char* ratio : {"nan", "-0.5", "1", "inf"}) {
+    const auto r = run(std::string("simulate --num-prompts 5 --random-input-len 10 "
+                                   "--random-range-ratio ") +
+                       ratio);
+    EXPECT_EQ(r.status, 1) << ratio << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--random-range-ratio: expected a number in [0, 1)")) << ratio;
+  }
+}
+
 TEST(Cli, ASyntheticWorkloadTooLargeToMakeIsRefusedNamingTheFlags) {
   // Made whole, text included: 10^7 prompts of 10^6 tokens each passed the flags' own bounds.
   for (const char* command : {"simulate", "bench --no-progress"}) {
