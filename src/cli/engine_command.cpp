@@ -428,8 +428,9 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--expert-parallel-stall-timeout", o->expert_parallel_stall_timeout,
                   "with --expert-parallel: seconds a step waits at one MoE exchange for a rank "
                   "that is alive but does not get there (stopped, frozen, deadlocked) before the "
-                  "engine fails as it does when a rank dies; at start, a rank gets this long plus "
-                  "the engine's own model load to say it is ready (0: wait forever, e.g. to "
+                  "engine fails as it does when a rank dies; at start, a rank gets this long (at "
+                  "least 60) plus the engine's own model load once per rank to say it is ready (0: "
+                  "wait forever, e.g. to "
                   "debug a rank)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 604800.0));

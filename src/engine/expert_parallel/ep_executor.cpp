@@ -43,7 +43,9 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
       model::DeepSeekModel::load(o.model_dir, {}, model::WeightLoadOptions{false}));
   loaded->set_mla_rescale(o.mla_rescale);
   model_ = loaded;
-  // Each rank loads the same model: give it as long as the front took, and the stall timeout.
+  // Each rank loads the same model, all of them at once on the same cores and disks: they get as
+  // long as the front took, once per rank, plus the stall timeout (at least a minute of it, as a
+  // stall timeout of seconds is meant for steps).
   const auto load_time = std::chrono::duration_cast<std::chrono::milliseconds>(
       std::chrono::steady_clock::now() - load_started);
   const auto& c = model_->config();
@@ -107,8 +109,11 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
       signal(SIGINT, SIG_IGN);           // Ctrl-C stops the engine, which stops its ranks
     }));
   }
-  await_ranks_ready(children_,
-                    o.stall_timeout.count() > 0 ? o.stall_timeout + load_time : o.stall_timeout);
+  await_ranks_ready(children_, o.stall_timeout.count() > 0
+                                   ? std::max<std::chrono::milliseconds>(o.stall_timeout,
+                                                                         std::chrono::minutes(1)) +
+                                         load_time * o.ranks
+                                   : o.stall_timeout);
   rank_work_.assign(size_t(o.ranks), RankWork{});
   info_ = model_executor_info(*model_, o.model_name, cache_shape, blocks);
   no_text_ = ids_without_text(tokenizer, c.vocab_size);

@@ -27,8 +27,8 @@ void await_ranks_ready(std::span<const std::unique_ptr<ChildProcess>> ranks,
       char seconds[32];
       std::snprintf(seconds, sizeof seconds, "%.1f", timeout.count() / 1000.0);
       throw Error(name + " did not say it was ready within " + seconds +
-                  " s of starting (--expert-parallel-stall-timeout, plus the time the engine "
-                  "took to load the model); it was stopped");
+                  " s of starting (--expert-parallel-stall-timeout, at least 60, plus the engine's "
+                  "own model load once per rank); it was killed");
     }
     if (line->rfind("ready", 0) != 0) {
       const int status = ranks[i]->stop();
