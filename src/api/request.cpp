@@ -224,7 +224,7 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
   }
   if (spec) {
     try {
-      structured::compile(*spec);
+      spec->compiled = structured::compile(*spec);  // here, not on the engine's thread
     } catch (const Error& e) {
       fail(spec->field, "'" + spec->field + "': " + e.what());
     }
@@ -443,7 +443,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   }
   if (use.forced) {
     try {
-      structured::compile(*use.forced);
+      use.forced->compiled = structured::compile(*use.forced);  // not on the engine's thread
     } catch (const Error& e) {
       fail("tools", std::string("'tools': ") + e.what());
     }

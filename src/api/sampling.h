@@ -40,7 +40,7 @@ struct SamplingParams {
   std::vector<std::pair<int32_t, float>> logit_bias;
   // What the answer must be (JSON of a schema, a regex, a choice, forced tool calls): decoded
   // under a token mask (structured/token_constraint.h). Compiled when the request is parsed, so
-  // a spec that does not compile is a 400 naming its field.
+  // a spec that does not compile is a 400 naming its field (and carried: OutputSpec::compiled).
   std::optional<structured::OutputSpec> structured_output;
 
   // Throws tandem::Error naming the parameter when a value is out of range.

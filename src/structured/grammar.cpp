@@ -115,6 +115,13 @@ Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) 
   return r;
 }
 
+size_t Grammar::bytes() const {
+  size_t n = sizeof(*this) + code_.capacity() * sizeof(Symbol) +
+             terminals_.capacity() * sizeof(ByteSet) + terminal_ids_.size() * (64 + 256);
+  for (const auto& s : starts_) n += sizeof(s) + s.capacity() * sizeof(int32_t);
+  return n;
+}
+
 void Grammar::finish(Symbol root) {
   root_ = root;
   const size_t n = rules_.size();

@@ -47,6 +47,8 @@ class Grammar {
   const std::vector<int32_t>& alternatives(Symbol rule) const { return starts_[size_t(rule)]; }
   const ByteSet& terminal(Symbol s) const { return terminals_[size_t(-s - 1)]; }
   size_t size() const { return code_.size(); }
+  // The memory it holds, about.
+  size_t bytes() const;
 
   // Limits: grammars past them are refused with an error, not built.
   static constexpr size_t kMaxSymbols = 4'000'000;

@@ -16,6 +16,9 @@ struct OutputSpec {
   std::string text;
   // The request field it came from, for errors and logs.
   std::string field;
+  // Its grammar, compiled where the request was parsed (off the engine's thread, which only looks
+  // it up or takes this); null: the engine compiles it.
+  std::shared_ptr<const Grammar> compiled = nullptr;
 
   // One string per distinct spec: the cache key of its grammar.
   std::string key() const;

@@ -122,11 +122,17 @@ std::unique_ptr<TokenConstraint> StructuredOutputs::start(const OutputSpec& spec
   const std::string key = spec.key();
   auto it = grammars_.find(key);
   if (it == grammars_.end()) {
-    Compiled c{compile(spec), std::make_shared<MaskCache>(masks_per_grammar_)};
+    Compiled c{spec.compiled ? spec.compiled : compile(spec),
+               std::make_shared<MaskCache>(masks_per_grammar_)};
+    grammar_bytes_ += c.grammar->bytes();
     order_.push_front(key);
     it = grammars_.emplace(key, std::make_pair(std::move(c), order_.begin())).first;
-    while (grammars_.size() > max_grammars_) {
-      grammars_.erase(order_.back());
+    // The newest stays (its request holds it anyway).
+    while (grammars_.size() > 1 &&
+           (grammars_.size() > max_grammars_ || grammar_bytes_ > kMaxGrammarBytes)) {
+      auto last = grammars_.find(order_.back());
+      grammar_bytes_ -= last->second.first.grammar->bytes();
+      grammars_.erase(last);
       order_.pop_back();
     }
   } else {

@@ -87,13 +87,17 @@ class TokenConstraint {
   ConstraintStats stats_;
 };
 
-// Compiled grammars by spec (bounded, least recently used go), each with its mask cache: what an
-// engine keeps so that requests with the same schema share the work.
+// Compiled grammars by spec (bounded in number and in bytes, least recently used go), each with
+// its mask cache: what an engine keeps so that requests with the same schema share the work.
 class StructuredOutputs {
  public:
+  // A grammar near Grammar::kMaxSymbols holds ~30 MB: 32 of them were ~1 GB.
+  static constexpr size_t kMaxGrammarBytes = size_t(256) << 20;
   explicit StructuredOutputs(std::shared_ptr<const text::Tokenizer> tokenizer,
                              size_t max_grammars = 32, size_t masks_per_grammar = 128);
-  // Throws tandem::Error for a spec that does not compile.
+  // Takes spec.compiled when the spec is not cached, else compiles it (a large grammar takes
+  // seconds: the API compiles it where it parses the request). Throws tandem::Error for a spec
+  // that does not compile.
   std::unique_ptr<TokenConstraint> start(const OutputSpec& spec);
 
  private:
@@ -104,6 +108,7 @@ class StructuredOutputs {
   std::shared_ptr<const text::Tokenizer> tokenizer_;
   std::shared_ptr<const MaskVocabulary> vocabulary_;  // built on first use
   size_t max_grammars_, masks_per_grammar_;
+  size_t grammar_bytes_ = 0;  // held by grammars_
   std::mutex mutex_;
   std::list<std::string> order_;
   std::unordered_map<std::string, std::pair<Compiled, std::list<std::string>::iterator>> grammars_;

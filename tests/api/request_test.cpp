@@ -318,7 +318,9 @@ TEST(Protocol, SchemasAndToolsKeepTheClientsKeyOrder) {
   const auto& spec = r.sampling.structured_output;
   ASSERT_TRUE(spec);
   EXPECT_LT(spec->text.find("zeta"), spec->text.find("alpha"));
-  const auto grammar = structured::compile(*spec);
+  // Compiled here, on the parsing thread, and carried to the engine (which would compile again).
+  ASSERT_TRUE(spec->compiled);
+  const auto grammar = spec->compiled;
   structured::GrammarMatcher in_order(grammar), reversed(grammar);
   EXPECT_TRUE(in_order.advance(R"({"zeta": 1, "alpha": 2})"));
   EXPECT_TRUE(in_order.accepting());
@@ -382,6 +384,7 @@ TEST(Protocol, ForcedToolChoicesBecomeAGrammarOfTheModelsMarkup) {
   ASSERT_EQ(calls["functions"].size(), 1u);
   EXPECT_EQ(calls["functions"][0]["name"], "b");
   EXPECT_EQ(calls["max_calls"], 1);
+  EXPECT_TRUE(named.sampling.structured_output->compiled);  // carried to the engine
   const ApiRequest required = chat("required");
   EXPECT_FALSE(required.tool_choice_named);
   EXPECT_EQ(json::parse(required.sampling.structured_output->text)["functions"].size(), 2u);

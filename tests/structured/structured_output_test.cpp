@@ -459,6 +459,27 @@ TEST(StructuredOutput, OrderedParsingMatchesNlohmannsOrderedParser) {
   EXPECT_NO_THROW(parse_ordered(std::string(64, '[') + std::string(64, ']')));
 }
 
+// A spec compiled where its request was parsed carries its grammar: the engine takes it instead
+// of compiling again on its own thread (a grammar near the size limit took ~1.8 s to compile).
+// Here the text no longer compiles, so only the carried grammar can have been used.
+TEST(StructuredOutput, AGrammarCompiledWhereTheRequestWasParsedIsNotCompiledAgain) {
+  StructuredOutputs outputs(std::make_shared<const text::Tokenizer>(
+      text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"))));
+  OutputSpec spec{OutputSpec::Kind::kChoice, R"(["yes"])", "guided_choice"};
+  spec.compiled = compile(spec);
+  spec.text = "[not json";
+  auto c = outputs.start(spec);
+  std::vector<float> logits(deepseek_tokenizer().vocab_size(), 0.0f);
+  c->mask(logits, {});
+  size_t allowed = 0;
+  for (size_t id = 0; id < logits.size(); ++id)
+    if (logits[id] == 0.0f) {
+      ++allowed;
+      EXPECT_EQ(std::string("yes").rfind(deepseek_tokenizer().token_bytes(int32_t(id)), 0), 0u);
+    }
+  EXPECT_GT(allowed, 0u);
+}
+
 TEST(StructuredOutput, ChoicesAreTheOnlyAnswers) {
   const auto g =
       compile({OutputSpec::Kind::kChoice, R"(["yes", "no", "not sure"])", "guided_choice"});
