@@ -197,6 +197,16 @@ TEST(BenchReport, SummaryTableHoldsExactlyTheResultKeys) {
   EXPECT_THAT(html, HasSubstr("Request rate configured (RPS):"));
 }
 
+// The timeline's captions: the summary's busiest second and peak concurrency.
+void expect_timeline_captions(const std::string& html, const BenchSummary& summary) {
+  EXPECT_THAT(html,
+              HasSubstr("busiest second <span class=\"stat\">" +
+                        std::to_string(static_cast<int64_t>(summary.max_output_tokens_per_s)) +
+                        "</span> tokens"));
+  EXPECT_THAT(html, HasSubstr("at most <span class=\"stat\">" +
+                              std::to_string(summary.max_concurrent_requests) + "</span> at once"));
+}
+
 TEST(BenchReport, PlotsAgreeWithTheSummary) {
   const auto results = sample_results();
   const BenchSummary summary = sample_summary(results);
@@ -204,12 +214,7 @@ TEST(BenchReport, PlotsAgreeWithTheSummary) {
   const std::string html = html_report(summary, results, sample_options());
   // The busiest second and the peak concurrency come from the same buckets and sweep as
   // summarize(), so they must agree exactly.
-  EXPECT_THAT(html,
-              HasSubstr("busiest second <span class=\"stat\">" +
-                        std::to_string(static_cast<int64_t>(summary.max_output_tokens_per_s)) +
-                        "</span> tokens"));
-  EXPECT_THAT(html, HasSubstr("at most <span class=\"stat\">" +
-                              std::to_string(summary.max_concurrent_requests) + "</span> at once"));
+  expect_timeline_captions(html, summary);
   const auto caption = [&](const char* id, const MetricStats& m, size_t n) {
     const size_t at = html.find(std::string("<figure id=\"") + id + "\">");
     EXPECT_NE(at, std::string::npos) << id;
@@ -257,12 +262,7 @@ TEST(BenchReport, ALongRunsTimelineStaysSmallAndKeepsItsPeaks) {
   const BenchSummary summary = sample_summary(results);
   const std::string html = html_report(summary, results, sample_options());
   EXPECT_LT(html.size(), 2'000'000u);
-  EXPECT_THAT(html,
-              HasSubstr("busiest second <span class=\"stat\">" +
-                        std::to_string(static_cast<int64_t>(summary.max_output_tokens_per_s)) +
-                        "</span> tokens"));
-  EXPECT_THAT(html, HasSubstr("at most <span class=\"stat\">" +
-                              std::to_string(summary.max_concurrent_requests) + "</span> at once"));
+  expect_timeline_captions(html, summary);
 }
 
 TEST(BenchReport, EscapesEveryTextAndFetchesNothing) {

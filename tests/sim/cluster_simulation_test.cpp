@@ -194,17 +194,28 @@ TEST(ClusterSimulation, ARequestArrivingDuringAStepJoinsTheNextOne) {
   EXPECT_EQ(run.engines[0].steps, 4);
 }
 
+// One simulated engine of the hand-checkable model, "engine-0" port 1 of a virtual upstream.
+struct OneEngine {
+  gateway::VirtualExecutor clock;
+  VirtualUpstream upstream{clock};
+  SimulatedEngine engine{clock,
+                         tokenizer(),
+                         [] {
+                           SimulatedEngineOptions eo;
+                           eo.name = "engine-0";
+                           eo.executor.preset = eo.executor.model_name = hand_model();
+                           return eo;
+                         }(),
+                         {}};
+  OneEngine() { upstream.add("engine-0", 1, &engine); }
+};
+
 TEST(ClusterSimulation, ALoadReportDuringAStepCountsThePromptsSubmittedSinceItBegan) {
   // A live engine's HTTP thread submits requests while a step runs, and GET /load counts them
   // as queued prefill work; the simulated engine must too, or the gateway sends the next request
   // to an engine that looks idle behind a long prompt.
-  gateway::VirtualExecutor clock;
-  VirtualUpstream upstream(clock);
-  SimulatedEngineOptions eo;
-  eo.name = "engine-0";
-  eo.executor.preset = eo.executor.model_name = hand_model();
-  SimulatedEngine engine(clock, tokenizer(), eo, {});
-  upstream.add("engine-0", 1, &engine);
+  OneEngine rig;
+  auto& [clock, upstream, engine] = rig;
   auto post = [&](size_t tokens, size_t from) {
     net::AsyncHttpRequest r;
     r.host = "engine-0";
@@ -555,13 +566,8 @@ TEST(ClusterSimulation, AStalledEngineDropsTheCallsWhoseCallersGaveUp) {
   // A hung engine keeps a call until its stall ends only while its caller still waits: the
   // gateway probes every 2 s and polls every 100 ms, each call timing out after a second, and
   // kept, they grew without bound over a long stall.
-  gateway::VirtualExecutor clock;
-  VirtualUpstream upstream(clock);
-  SimulatedEngineOptions eo;
-  eo.name = "engine-0";
-  eo.executor.preset = eo.executor.model_name = hand_model();
-  SimulatedEngine engine(clock, tokenizer(), eo, {});
-  upstream.add("engine-0", 1, &engine);
+  OneEngine rig;
+  auto& [clock, upstream, engine] = rig;
   engine.stall(seconds_of(clock.now()) + 1e6);
   int answered = 0, timed_out = 0;
   auto probe = [&](std::chrono::seconds timeout) {
