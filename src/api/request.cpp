@@ -10,6 +10,7 @@
 
 #include "api/body_fields.h"
 #include "structured/ordered_json.h"
+#include "structured/tool_call_grammar.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
@@ -373,7 +374,8 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
 void check_tools(const json& tools) {
   if (!tools.is_array()) fail("tools", "'tools' must be a list");
   std::set<std::string> names;
-  for (const auto& t : tools) {
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const json& t = tools[i];
     if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
         !t["function"].is_object())
       fail("tools", "every tool needs \"type\": \"function\" and a 'function' object");
@@ -389,8 +391,12 @@ void check_tools(const json& tools) {
     if (!name_ok) fail("tools", "a function's 'name' must be 1 to 64 letters, digits, '_' or '-'");
     if (!names.insert(name->get<std::string>()).second)
       fail("tools", "'tools' names the function \"" + name->get<std::string>() + "\" twice");
-    if (const json* p = field(f, "parameters"); p && !p->is_object())
-      fail("tools", "a function's 'parameters' must be a JSON Schema object");
+    // The arguments a model writes are a JSON object, which the parameters describe.
+    if (const json* p = field(f, "parameters"); p && !structured::is_object_schema(*p))
+      fail("tools[" + std::to_string(i) + "].function.parameters",
+           "a function's 'parameters' must be a JSON Schema of \"type\": \"object\" (or {}), "
+           "got " +
+               utf8::clip(p->dump()));
   }
 }
 

@@ -20,10 +20,14 @@ Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls)
   std::vector<Grammar::Sequence> one_call;
   for (const auto& f : *functions) {
     const std::string name = f.at("name").get<std::string>();
-    const nlohmann::ordered_json params =
-        f.contains("parameters") ? f["parameters"] : nlohmann::ordered_json::object();
+    // Arguments are always a JSON object (a parser reads them as one): without parameters, or
+    // with the empty schema, any object; a schema of another top level is refused.
+    nlohmann::ordered_json params = {{"type", "object"}};
+    if (f.contains("parameters") && !f["parameters"].empty()) params = f["parameters"];
     Grammar::Symbol args;
     try {
+      if (!is_object_schema(params))
+        throw Error("arguments are a JSON object: the schema needs \"type\": \"object\"");
       args = json_schema_rule(g, params);
     } catch (const Error& e) {
       throw Error("function '" + name + "' parameters: " + e.what());

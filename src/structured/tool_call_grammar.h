@@ -13,8 +13,19 @@ namespace tandem::structured {
 //    the name and the arguments, "call_suffix": text after the arguments, "between": text between
 //    calls, "close": text after the calls, "functions": [{"name", "parameters"}],
 //    "min_calls", "max_calls" (-1: no limit)}
-// The arguments follow each function's parameters schema (json_schema.h). Throws tandem::Error
-// naming what is wrong.
+// The arguments follow each function's parameters schema (json_schema.h), and are always a JSON
+// object: any object without parameters. Throws tandem::Error naming what is wrong.
 Grammar::Symbol tool_calls_rule(Grammar& g, const nlohmann::ordered_json& calls);
+
+// Whether a function's parameters describe objects only: the empty schema (any object, as no
+// parameters) or one whose top level says "type": "object".
+// (Either kind of nlohmann document: the API checks the sorted one.)
+template <class Json>
+bool is_object_schema(const Json& schema) {
+  if (!schema.is_object()) return false;
+  if (schema.empty()) return true;
+  const auto type = schema.find("type");
+  return type != schema.end() && *type == "object";
+}
 
 }  // namespace tandem::structured

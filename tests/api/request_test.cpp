@@ -265,7 +265,6 @@ TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
         json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}},
         json{{"tools", {{{"type", "function"}, {"function", {{"name", "a b"}}}}}}},
         json{{"tools", {{{"type", "function"}, {"function", {{"name", std::string(65, 'a')}}}}}}},
-        json{{"tools", {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", 3}}}}}}},
         json{{"tools", {tool, tool}}}}) {
     SCOPED_TRACE(bad.dump());
     json b = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
@@ -361,6 +360,50 @@ TEST(Protocol, BodiesOfManyKeysAreReadInOrderWithoutQuadraticCost) {
   const ApiError e = error_of([&] { parse_chat(kwargs, tokenizer(), &chat_template(), kLimits); });
   EXPECT_EQ(e.param, "chat_template_kwargs");
   EXPECT_NE(e.message.find("5000 keys (at most 4096)"), std::string::npos) << e.message;
+}
+
+// A forced call's arguments are a JSON object (what clients and the parsers read): a function
+// without parameters gets any object, where it got any JSON value ("x", 5); parameters whose top
+// level is not an object schema are a 400 naming them, where {"type": "string"} was accepted.
+TEST(Protocol, ForcedToolArgumentsAreAlwaysAJsonObject) {
+  auto body = [](json second_function) {
+    return json{{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                {"tools",
+                 {{{"type", "function"}, {"function", {{"name", "a"}}}},
+                  {{"type", "function"}, {"function", second_function}}}},
+                {"tool_choice", "required"}};
+  };
+  for (const json& parameters : {json{{"type", "string"}}, json(3), json{{"enum", {1, 2}}},
+                                 json{{"type", {"object", "null"}}}}) {
+    SCOPED_TRACE(parameters.dump());
+    const ApiError e = error_of([&] {
+      parse_chat(body({{"name", "b"}, {"parameters", parameters}}), tokenizer(), &chat_template(),
+                 kLimits);
+    });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "tools[1].function.parameters");
+  }
+  const ApiRequest r = parse_chat(body({{"name", "b"}, {"parameters", json::object()}}),
+                                  tokenizer(), &chat_template(), kLimits);
+  const auto& spec = r.sampling.structured_output;
+  ASSERT_TRUE(spec && spec->compiled);
+  const json markup = json::parse(spec->text);
+  auto call = [&](const std::string& name, const std::string& args) {
+    return markup["open"].get<std::string>() + markup["call_prefix"].get<std::string>() + name +
+           markup["after_name"].get<std::string>() + args +
+           markup["call_suffix"].get<std::string>() + markup["close"].get<std::string>();
+  };
+  for (const std::string name : {"a", "b"}) {
+    SCOPED_TRACE(name);
+    for (const std::string args : {R"({"x": [1]})", "{}"}) {
+      structured::GrammarMatcher m(spec->compiled);
+      EXPECT_TRUE(m.advance(call(name, args)) && m.accepting()) << args;
+    }
+    for (const std::string args : {R"("x")", "5", "[1]", "null"}) {
+      structured::GrammarMatcher m(spec->compiled);
+      EXPECT_FALSE(m.advance(call(name, args)) && m.accepting()) << args;
+    }
+  }
 }
 
 // tool_choice "required" or a named function forces calls in the model's own markup, which the
