@@ -56,6 +56,9 @@ constexpr Unsupported kUnsupported[] = {
     {"chat_template", always,
      "'chat_template' from a request is not accepted: the model's own template is used"},
     {"suffix", always, "'suffix' is not supported"},
+    {"guided_whitespace_pattern", always,
+     "'guided_whitespace_pattern' is not supported: answers may hold JSON white space between "
+     "tokens"},
 };
 
 void refuse_unsupported(const json& body) {
@@ -217,8 +220,12 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
           if (v == true) set(Kind::kJsonObject, "", name);
         } else if (k == "grammar" || k == "structural_tag")
           fail(name, "'" + name + "' is not supported: use json, regex or choice");
+        else if (k == "whitespace_pattern" || (k == "disable_any_whitespace" && v != false))
+          // The grammars allow JSON's white space, at most kMaxWhitespace bytes at a time.
+          fail(name,
+               "'" + name + "' is not supported: answers may hold JSON white space between tokens");
         else if (k != "disable_fallback" && k != "disable_any_whitespace" &&
-                 k != "disable_additional_properties" && k != "whitespace_pattern")
+                 k != "disable_additional_properties")
           fail(name, "'" + name + "' is not a structured output Tandem knows");
       }
     }

@@ -201,6 +201,10 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
            {"guided_choice", "a"},
            {"guided_grammar", "root ::= \"a\""},
            {"structured_outputs", {{"grammar", "root ::= \"a\""}}},
+           // vLLM's white space controls, which the grammars would not follow.
+           {"structured_outputs", {{"json_object", true}, {"disable_any_whitespace", true}}},
+           {"structured_outputs", {{"json_object", true}, {"whitespace_pattern", " ?"}}},
+           {"guided_whitespace_pattern", " ?"},
            {"tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}},  // no tools
            {"chat_template", "{{ messages }}"}}) {
     SCOPED_TRACE(field + " " + value.dump());
@@ -221,7 +225,8 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
   for (const json& extra :
        {json{{"tools", json::array()}}, json{{"tool_choice", "none"}},
         json{{"tools", json::array({tool})}, {"tool_choice", "none"}},
-        json{{"response_format", {{"type", "text"}}}}, json{{"response_format", nullptr}}}) {
+        json{{"response_format", {{"type", "text"}}}}, json{{"response_format", nullptr}},
+        json{{"structured_outputs", {{"json_object", true}, {"disable_any_whitespace", false}}}}}) {
     SCOPED_TRACE(extra.dump());
     json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
     body.update(extra);
