@@ -84,14 +84,19 @@ void GrammarMatcher::new_step() {
   entries_ = 0;
 }
 
+size_t GrammarMatcher::mask_limit(const VocabularyTrie& trie) {
+  return std::max(kMaxWork, kMaskStacks * 20 * trie.nodes.size());
+}
+
 void GrammarMatcher::spend(size_t units) {
   work_ += units;
-  if (work_ > kMaxWork)
+  if (work_ > limit_)
     throw ConstraintError(
         "structured output: the format is too ambiguous to follow here (over " +
-        std::to_string(kMaxWork) +
-        " parse steps for one token; bounded repeats one after another, like '.{0,100}.{0,100}', "
-        "can be read in as many ways as the answer is long)");
+        std::to_string(limit_) +
+        " parse steps for one token: the answer so far can be read in too many ways at once, "
+        "as with bounded repeats one after another, like '.{0,100}.{0,100}', or an anyOf of "
+        "many objects that begin alike)");
 }
 
 void GrammarMatcher::step(const Stacks& from, uint8_t byte, Stacks& to) {
@@ -111,6 +116,7 @@ void GrammarMatcher::step(const Stacks& from, uint8_t byte, Stacks& to) {
 
 bool GrammarMatcher::advance(std::string_view bytes) {
   work_ = 0;
+  limit_ = kMaxWork;
   Stacks cur = stacks_, next;
   for (char c : bytes) {
     step(cur, static_cast<uint8_t>(c), next);
@@ -199,6 +205,7 @@ void GrammarMatcher::walk(const VocabularyTrie& trie, uint32_t node, size_t dept
 
 void GrammarMatcher::accepted_tokens(const VocabularyTrie& trie, std::vector<uint64_t>& allowed) {
   work_ = 0;
+  limit_ = mask_limit(trie);
   const size_t mark = frames_.size();
   std::vector<Stacks> levels(trie.max_depth + 1);
   levels[0] = stacks_;

@@ -34,6 +34,13 @@ class GrammarMatcher {
   // it: a mask inside a JSON string, where nearly every token of DeepSeek-V3's is allowed, is
   // about 5 million.
   static constexpr size_t kMaxWork = size_t(1) << 25;
+  // A mask may do more: as much as kMaskStacks stacks stepping at every node of the trie (about
+  // 20 units a node a stack), so that a union of objects that begin alike (an anyOf of models
+  // sharing a "name" field holds a stack per variant inside that string: 8 of them are ~40
+  // million units with DeepSeek-V3's vocabulary) is followed, while a format whose stacks grow
+  // with the answer still fails within about 16 characters' worth of growth.
+  static constexpr size_t kMaskStacks = 16;
+  static size_t mask_limit(const VocabularyTrie& trie);
 
   // Throws ConstraintError past kMaxWork.
   explicit GrammarMatcher(std::shared_ptr<const Grammar> grammar);
@@ -51,7 +58,8 @@ class GrammarMatcher {
   std::string key() const;
 
   // Sets bit t of `allowed` (one bit per token id, 64 per word) for every token of the trie whose
-  // bytes the grammar accepts next. The state is unchanged. Throws ConstraintError past kMaxWork.
+  // bytes the grammar accepts next. The state is unchanged. Throws ConstraintError past
+  // mask_limit(trie).
   void accepted_tokens(const VocabularyTrie& trie, std::vector<uint64_t>& allowed);
   // The work the last of those calls did, in kMaxWork's units.
   size_t work() const { return work_; }
@@ -83,6 +91,7 @@ class GrammarMatcher {
   size_t entries_ = 0;                    // rules expand() entered in this step
   std::unordered_set<uint64_t> entered_;  // (rule, return frame) pairs, past kEntriesBeforeDedup
   size_t work_ = 0;                       // spent by the call under way
+  size_t limit_ = kMaxWork;               // of the call under way
 };
 
 }  // namespace tandem::structured

@@ -440,6 +440,34 @@ TEST(StructuredOutput, AnAmbiguousFormatFailsItsAnswerInsteadOfSlowingEveryMask)
   }
 }
 
+// A union of objects that begin alike holds a stack per variant while the answer is inside their
+// shared first property, a fixed number however long the answer: 12 such variants (Pydantic
+// models sharing "name") must be followed, not failed as ambiguous (they passed kMaxWork).
+TEST(StructuredOutput, AUnionOfObjectsThatBeginAlikeIsFollowed) {
+  json variants = json::array();
+  for (int k = 0; k < 12; ++k)
+    variants.push_back(
+        {{"type", "object"},
+         {"properties",
+          {{"name", {{"type", "string"}}}, {"v" + std::to_string(k), {{"type", "integer"}}}}},
+         {"required", {"name"}}});
+  GrammarMatcher matcher(compile(
+      {OutputSpec::Kind::kJsonSchema, json{{"anyOf", variants}}.dump(), "response_format"}));
+  const MaskVocabulary vocabulary(deepseek_tokenizer());
+  std::vector<uint64_t> allowed((vocabulary.size() + 63) / 64);
+  const std::string answer = R"({"name": "hello world", "v7": 3})";
+  size_t most = 0;
+  for (size_t i = 0; i <= answer.size(); ++i) {
+    if (i > 0) {
+      ASSERT_TRUE(matcher.advance(answer.substr(i - 1, 1))) << answer.substr(0, i);
+    }
+    ASSERT_NO_THROW(matcher.accepted_tokens(vocabulary.trie(), allowed)) << answer.substr(0, i);
+    most = std::max(most, matcher.work());
+  }
+  EXPECT_TRUE(matcher.accepting());
+  EXPECT_GT(most, GrammarMatcher::kMaxWork);  // what failed it before
+}
+
 // The linear order-keeping reader builds what nlohmann::ordered_json's parser builds (key order,
 // the last of duplicate keys in the first one's place, numbers, escapes), and refuses what it
 // refuses.
