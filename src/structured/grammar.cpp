@@ -122,12 +122,61 @@ size_t Grammar::bytes() const {
   return n;
 }
 
+std::vector<bool> Grammar::productive(size_t first) const {
+  // A work list, not a loop to a fixed point: a chain of rules each made before the one it holds
+  // ($refs, repeats) would take a pass over the whole grammar per link.
+  const size_t n = rules_.size() - first;
+  std::vector<bool> done(n, false);
+  // waiting[a]: rules of `first`.. alternative a holds that are not known productive yet (per
+  // occurrence); uses[rule]: the alternatives holding it, once per occurrence.
+  std::vector<size_t> waiting, owner;
+  std::vector<std::vector<size_t>> uses(n);
+  std::vector<size_t> ready;
+  for (size_t r = 0; r < n; ++r)
+    for (const auto& alt : rules_[first + r]) {
+      size_t count = 0;
+      for (Symbol s : alt)
+        if (s >= 0 && size_t(s) >= first) {
+          uses[size_t(s) - first].push_back(waiting.size());
+          ++count;
+        }
+      if (count == 0 && !done[r]) {
+        done[r] = true;
+        ready.push_back(r);
+      }
+      waiting.push_back(count);
+      owner.push_back(r);
+    }
+  while (!ready.empty()) {
+    const size_t r = ready.back();
+    ready.pop_back();
+    for (size_t a : uses[r])
+      if (--waiting[a] == 0 && !done[owner[a]]) {
+        done[owner[a]] = true;
+        ready.push_back(owner[a]);
+      }
+  }
+  return done;
+}
+
 void Grammar::finish(Symbol root) {
   root_ = root;
   const size_t n = rules_.size();
   for (size_t r = 0; r < n; ++r)
     if (rules_[r].empty())
       throw Error("grammar: rule " + std::to_string(r) + " has no alternative");
+  {
+    const std::vector<bool> finite = productive();
+    if (!finite[size_t(root)]) throw Error("grammar: the format matches no finite text");
+    for (auto& alts : rules_)
+      alts.erase(std::remove_if(alts.begin(), alts.end(),
+                                [&](const Sequence& alt) {
+                                  for (Symbol s : alt)
+                                    if (s >= 0 && !finite[size_t(s)]) return true;
+                                  return false;
+                                }),
+                 alts.end());
+  }
   // Nullable rules (fixpoint), then left recursion: a rule reachable from itself through symbols
   // that all may match nothing before it.
   std::vector<bool> nullable(n, false);

@@ -35,8 +35,15 @@ class Grammar {
   // `item` at least `min` and at most `max` times (max < 0: no limit). `item` must not match the
   // empty string.
   Symbol repeat(const Sequence& item, int64_t min, int64_t max);
+  // Rules made so far.
+  size_t rules() const { return rules_.size(); }
+  // For rules first.. (those before are taken to be): whether each matches some finite text,
+  // that is, has an alternative of terminals and such rules only.
+  std::vector<bool> productive(size_t first = 0) const;
   // Makes `rule` the start, flattens the grammar for matching and checks it: throws
-  // tandem::Error for left recursion, a rule without alternatives or a grammar too large.
+  // tandem::Error for left recursion, a rule without alternatives, a start that matches no
+  // finite text or a grammar too large. Alternatives that match no finite text are dropped (a
+  // matcher would let an answer into them and it could never end).
   void finish(Symbol root);
 
   // Matching (after finish): code() holds every alternative's symbols followed by kEnd;

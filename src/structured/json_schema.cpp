@@ -1,8 +1,11 @@
 #include "structured/json_schema.h"
 
+#include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "util/error.h"
 
@@ -58,12 +61,30 @@ class SchemaCompiler {
         fail(where, "keywords beside '$ref' are not supported (only descriptions)");
       return reference(schema, where);
     }
-    if (schema.contains("const")) return literal_value(schema["const"]);
+    // Each of these compiles to a grammar of its own values alone: a keyword beside it would be
+    // a second constraint that grammar does not enforce, so it is refused (a 'type' beside const
+    // or enum is checked against every value instead).
+    for (const char* k : {"const", "enum", "anyOf", "oneOf"})
+      if (schema.contains(k)) {
+        const bool literal = std::string(k) == "const" || std::string(k) == "enum";
+        for (auto it = schema.begin(); it != schema.end(); ++it)
+          if (it.key() != k && !kAnnotations.count(it.key()) && !(literal && it.key() == "type"))
+            fail(where, "the keyword '" + it.key() + "' beside '" + k +
+                            "' is not supported (it would not be enforced)");
+        break;
+      }
+    if (schema.contains("const")) {
+      check_type(schema, schema["const"], where, where + "/const");
+      return literal_value(schema["const"]);
+    }
     if (schema.contains("enum")) {
       const json& e = schema["enum"];
       if (!e.is_array() || e.empty()) fail(where + "/enum", "'enum' must be a non-empty list");
       std::vector<std::string> texts;
-      for (const auto& v : e) texts.push_back(literal_text(v));
+      for (size_t i = 0; i < e.size(); ++i) {
+        check_type(schema, e[i], where, where + "/enum/" + std::to_string(i));
+        texts.push_back(literal_text(e[i]));
+      }
       return g_.one_of_texts(std::move(texts));
     }
     for (const char* k : {"anyOf", "oneOf"})
@@ -71,8 +92,8 @@ class SchemaCompiler {
         const json& list = schema[k];
         if (!list.is_array() || list.empty())
           fail(where + "/" + k, std::string("'") + k + "' must be a non-empty list");
-        if (schema.contains("type") || schema.contains("properties"))
-          fail(where, std::string("'") + k + "' beside 'type' or 'properties' is not supported");
+        // The grammar is that of anyOf: it is oneOf's only where no value matches two schemas.
+        if (std::string(k) == "oneOf") check_disjoint(list, where + "/oneOf");
         std::vector<Sequence> alts;
         for (size_t i = 0; i < list.size(); ++i)
           alts.push_back({value(list[i], where + "/" + k + "/" + std::to_string(i))});
@@ -168,31 +189,211 @@ class SchemaCompiler {
     fail(where + "/type", "unknown type '" + type + "'");
   }
 
+  // The schema a $ref names (nullptr: none of this document).
+  const json* resolve(const std::string& r) const {
+    if (r == "#") return &root_;
+    for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
+      const std::string p = prefix;
+      if (r.rfind(p, 0) != 0) continue;
+      const std::string name = r.substr(p.size());
+      const auto defs = root_.find(p.substr(2, p.size() - 3));
+      if (defs != root_.end() && defs->is_object() && defs->contains(name)) return &(*defs)[name];
+    }
+    return nullptr;
+  }
+
   Symbol reference(const json& schema, const std::string& where) {
     const json& ref = schema["$ref"];
     if (!ref.is_string()) fail(where + "/$ref", "'$ref' must be a string");
     const std::string r = ref.get<std::string>();
+    // Also for a $ref compiled already: the cycle may close through it.
+    if (!leading_.empty()) leads_to_[leading_.back()].insert(r);
     if (auto it = refs_.find(r); it != refs_.end()) return it->second;
-    const json* target = nullptr;
-    if (r == "#") {
-      target = &root_;
-    } else {
-      for (const char* prefix : {"#/$defs/", "#/definitions/"}) {
-        const std::string p = prefix;
-        if (r.rfind(p, 0) != 0) continue;
-        const std::string name = r.substr(p.size());
-        const auto defs = root_.find(p.substr(2, p.size() - 3));
-        if (defs != root_.end() && defs->is_object() && defs->contains(name))
-          target = &(*defs)[name];
-      }
-    }
+    const json* target = resolve(r);
     if (!target)
       fail(where + "/$ref", "'" + r + "' does not name a schema of this document (#/$defs/...)");
     // The rule exists before its body is compiled, so a schema may refer to itself.
     const Symbol rule = g_.new_rule();
     refs_.emplace(r, rule);
+    leading_.push_back(r);
     g_.add(rule, {value(*target, r.substr(1))});
+    leading_.pop_back();
     return rule;
+  }
+
+ public:
+  // A $ref that leads to itself before any byte of its value is left recursion, which the
+  // grammar refuses by its internal rule numbers: this names the cycle of $refs instead.
+  void check_ref_cycles() const {
+    std::map<std::string, int> mark;  // absent: unseen, 1: on the path, 2: done
+    // Depth-first with an explicit stack: a chain of $refs may be 1000 long.
+    std::vector<std::pair<std::string, std::set<std::string>::const_iterator>> stack;
+    for (const auto& [start, _] : leads_to_) {
+      if (mark.count(start)) continue;
+      auto push = [&](const std::string& r) {
+        mark[r] = 1;
+        static const std::set<std::string> kNone;
+        const auto it = leads_to_.find(r);
+        stack.emplace_back(r, (it == leads_to_.end() ? kNone : it->second).begin());
+      };
+      push(start);
+      while (!stack.empty()) {
+        auto& [r, next] = stack.back();
+        const auto it = leads_to_.find(r);
+        if (it == leads_to_.end() || next == it->second.end()) {
+          mark[r] = 2;
+          stack.pop_back();
+          continue;
+        }
+        const std::string s = *next++;
+        if (mark.count(s) && mark[s] == 1) {
+          std::string cycle;
+          bool on = false;
+          for (const auto& frame : stack) {
+            on = on || frame.first == s;
+            if (on) cycle += frame.first + " -> ";
+          }
+          fail("", "'$ref' cycle: " + cycle + s +
+                       " reaches itself without consuming input (it would never write a byte)");
+        }
+        if (!mark.count(s)) push(s);
+      }
+    }
+  }
+
+ private:
+  // The types a value has (an integral number is an integer and a number, as in JSON Schema).
+  template <class Json>
+  static std::set<std::string> types_of(const Json& v) {
+    if (v.is_number()) {
+      const double d = v.template get<double>();
+      const bool integral = !v.is_number_float() || std::trunc(d) == d;
+      return integral ? std::set<std::string>{"integer", "number"}
+                      : std::set<std::string>{"number"};
+    }
+    if (v.is_string()) return {"string"};
+    if (v.is_boolean()) return {"boolean"};
+    if (v.is_null()) return {"null"};
+    return {v.is_array() ? "array" : "object"};
+  }
+
+  // The types `schema`'s 'type' names, with 'integer' where it names 'number' (a subset).
+  static std::set<std::string> declared_types(const json& schema, const std::string& where) {
+    static const std::set<std::string> kTypes = {"object", "array",   "string", "integer",
+                                                 "number", "boolean", "null"};
+    const json& type = schema["type"];
+    std::vector<json> names;
+    if (type.is_array() && !type.empty())
+      names.assign(type.begin(), type.end());
+    else
+      names.push_back(type);
+    std::set<std::string> out;
+    for (const auto& t : names) {
+      if (!t.is_string()) fail(where + "/type", "'type' must be a type name or a list of them");
+      if (!kTypes.count(t.get<std::string>()))
+        fail(where + "/type", "unknown type '" + t.get<std::string>() + "'");
+      out.insert(t.get<std::string>());
+    }
+    if (out.count("number")) out.insert("integer");
+    return out;
+  }
+
+  // A 'type' beside const or enum: every value must have it, else the value is refused by where
+  // it is (the grammar writes the values, so a type they lack would not be enforced).
+  static void check_type(const json& schema, const json& v, const std::string& where,
+                         const std::string& value_where) {
+    if (!schema.contains("type")) return;
+    const std::set<std::string> declared = declared_types(schema, where);
+    for (const auto& t : types_of(v))
+      if (declared.count(t)) return;
+    fail(value_where, v.dump() + " is not of the schema's 'type' (" + schema["type"].dump() + ")");
+  }
+
+  // What a schema may match, as far as telling oneOf's schemas apart needs: its literal values
+  // (const, enum) or else the types it allows (all of them when it does not say).
+  struct Kinds {
+    bool literal = false;
+    std::vector<nlohmann::json> values;  // unordered: objects equal whatever their key order
+    std::set<std::string> types;
+  };
+
+  Kinds kinds(const json& schema, int depth) const {
+    static const std::set<std::string> kAll = {"object", "array",   "string", "integer",
+                                               "number", "boolean", "null"};
+    Kinds k;
+    k.types = kAll;
+    // Past a few $refs (or a cycle of them), assume the worst.
+    if (depth > 32 || !schema.is_object()) return k;
+    if (schema.contains("$ref") && schema["$ref"].is_string()) {
+      const json* target = resolve(schema["$ref"].get<std::string>());
+      return target ? kinds(*target, depth + 1) : k;
+    }
+    auto literals = [&](const std::vector<json>& values) {
+      k.literal = true;
+      k.types.clear();
+      for (const auto& v : values) k.values.push_back(nlohmann::json::parse(v.dump()));
+      return k;
+    };
+    if (schema.contains("const")) return literals({schema["const"]});
+    if (schema.contains("enum") && schema["enum"].is_array())
+      return literals(std::vector<json>(schema["enum"].begin(), schema["enum"].end()));
+    for (const char* c : {"anyOf", "oneOf"})
+      if (schema.contains(c) && schema[c].is_array()) {
+        Kinds all;
+        for (const auto& branch : schema[c]) {
+          const Kinds b = kinds(branch, depth + 1);
+          for (const auto& v : b.values)
+            for (const auto& t : types_of(v)) all.types.insert(t);
+          all.types.insert(b.types.begin(), b.types.end());
+        }
+        return all;
+      }
+    if (schema.contains("allOf") && schema["allOf"].is_array() && schema["allOf"].size() == 1)
+      return kinds(schema["allOf"][0], depth + 1);
+    if (schema.contains("type") && (schema["type"].is_string() || schema["type"].is_array())) {
+      k.types.clear();
+      for (const auto& t : schema["type"])
+        if (t.is_string()) k.types.insert(t.get<std::string>());
+      if (k.types.count("number")) k.types.insert("integer");
+    }
+    return k;
+  }
+
+  static bool overlap(const Kinds& a, const Kinds& b) {
+    auto meets = [](const Kinds& literal, const std::set<std::string>& types) {
+      for (const auto& v : literal.values)
+        for (const auto& t : types_of(v))
+          if (types.count(t)) return true;
+      return false;
+    };
+    if (a.literal && b.literal) {
+      // nlohmann::json's order is JSON Schema's equality here: 1 and 1.0 are equivalent, objects
+      // compare by their members. A set: enums may hold many thousand values.
+      const std::set<nlohmann::json> theirs(b.values.begin(), b.values.end());
+      for (const auto& x : a.values)
+        if (theirs.count(x)) return true;
+      return false;
+    }
+    if (a.literal) return meets(a, b.types);
+    if (b.literal) return meets(b, a.types);
+    for (const auto& t : a.types)
+      if (b.types.count(t)) return true;
+    return false;
+  }
+
+  // oneOf compiles as anyOf: that is exact only when no value matches two of its schemas, which
+  // is checked here for what tells them apart without a doubt (distinct types, distinct values).
+  void check_disjoint(const json& list, const std::string& where) const {
+    std::vector<Kinds> branches;
+    for (const auto& b : list) branches.push_back(kinds(b, 0));
+    for (size_t i = 0; i < branches.size(); ++i)
+      for (size_t j = i + 1; j < branches.size(); ++j)
+        if (overlap(branches[i], branches[j]))
+          fail(where,
+               "'oneOf' is supported only where no value can match two of its schemas "
+               "(they allow distinct types or list distinct const/enum values); schemas " +
+                   std::to_string(i) + " and " + std::to_string(j) +
+                   " may both match a value (use 'anyOf' if that is meant)");
   }
 
   static std::string literal_text(const json& v) {
@@ -281,8 +482,11 @@ class SchemaCompiler {
     };
     const int64_t min = bound("minItems", 0), max = bound("maxItems", -1);
     if (max >= 0 && max < min) fail(where, "'maxItems' is below 'minItems'");
+    // After '[': a $ref in the items consumes a byte before it is reached.
+    const auto leading = std::exchange(leading_, {});
     const Symbol item =
         schema.contains("items") ? value(schema["items"], where + "/items") : any_value();
+    leading_ = leading;
     const Symbol r = g_.new_rule();
     if (max != 0) {
       const Sequence more = {ws(), g_.byte(','), ws(), item};
@@ -311,6 +515,12 @@ class SchemaCompiler {
         required.insert(n.get<std::string>());
       }
     }
+    // After '{': a $ref in a member's value consumes a byte before it is reached.
+    struct Restore {
+      std::vector<std::string>& leading;
+      std::vector<std::string> saved;
+      ~Restore() { leading = std::move(saved); }
+    } restore{leading_, std::exchange(leading_, {})};
     const json extra = schema.value("additionalProperties", json(true));
     if (props.empty()) {
       // No listed properties: any members, of the additionalProperties schema when one is given.
@@ -362,6 +572,10 @@ class SchemaCompiler {
   Grammar& g_;
   const json& root_;
   std::map<std::string, Symbol> refs_;
+  // $refs being compiled with no byte of their value read yet (the innermost last), and the
+  // $refs each reaches that way.
+  std::vector<std::string> leading_;
+  std::map<std::string, std::set<std::string>> leads_to_;
   std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
   int depth_ = 0;  // value() calls under way
   Symbol any_value_ = -1, any_object_ = -1, ws_ = -1, character_ = -1, integer_ = -1, number_ = -1;
@@ -370,8 +584,15 @@ class SchemaCompiler {
 }  // namespace
 
 Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema) {
+  const size_t first = g.rules();
   SchemaCompiler c(g, schema);
   const Symbol v = c.value(schema, "");
+  c.check_ref_cycles();
+  // Rules from before this schema's were checked with theirs.
+  if (!g.productive(first)[size_t(v) - first])
+    throw Error(
+        "schema #: the schema admits no finite value (each value it allows must hold another "
+        "value of the same schema, such as a required property whose schema refers back to it)");
   return g.any_of({{c.ws(), v, c.ws()}});
 }
 

@@ -349,6 +349,10 @@ TEST(StructuredOutput, AnswersSampledThroughTheMasksValidateAgainstTheirSchemas)
           "y": {"type": ["number", "null"]}, "s": {"const": "fixed \"q\" é"}},
           "required": ["x", "y", "s"]})"),
       json::parse(R"({"type": "string", "minLength": 2, "maxLength": 6})"),
+      json::parse(R"({"oneOf": [{"type": "integer"}, {"const": 0.5}, {"type": "string",
+          "enum": ["a", "b"]}, {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}],
+          "description": "oneOf whose schemas no value matches twice"})"),
+      json::parse(R"({"type": ["integer", "null"], "enum": [1, null, 7], "title": "n"})"),
       json::parse(R"({"type": "object", "additionalProperties": {"type": "integer"}})"),
   };
   StructuredOutputs outputs(std::make_shared<const text::Tokenizer>(
@@ -545,6 +549,110 @@ TEST(StructuredOutput, UnsupportedSchemaKeywordsAndRegexConstructsAreNamed) {
   EXPECT_NE(error(K::kRegex, R"(a{3,1})").find("below its minimum"), std::string::npos);
   EXPECT_NE(error(K::kRegex, "(ab").find("missing ')'"), std::string::npos);
   EXPECT_NE(error(K::kChoice, R"([])").find("non-empty"), std::string::npos);
+}
+
+// anyOf, oneOf, const and enum compile to a grammar of their own: a constraint beside them would
+// not be enforced, so it is refused by name (annotations and a 'type' every value has pass).
+TEST(StructuredOutput, ConstraintsBesideAnyOfOneOfConstOrEnumAreRefusedByName) {
+  using K = OutputSpec::Kind;
+  const std::pair<std::string, std::string> refused[] = {
+      {R"({"anyOf": [{"type": "string"}], "maxLength": 2})", "'maxLength' beside 'anyOf'"},
+      {R"({"anyOf": [{"type": "object"}], "required": ["a"], "additionalProperties": false})",
+       "'required' beside 'anyOf'"},
+      {R"({"oneOf": [{"type": "string"}], "items": {"type": "string"}})", "'items' beside 'oneOf'"},
+      {R"({"anyOf": [{"type": "string"}], "allOf": [{"type": "string"}]})",
+       "'allOf' beside 'anyOf'"},
+      {R"({"type": "string", "enum": ["a", 1]})", "#/enum/1: 1 is not of the schema's 'type'"},
+      {R"({"type": ["string", "null"], "const": 2.5})", "#/const: 2.5 is not of the schema's"},
+      {R"({"type": "integer", "enum": [1, 2.5]})", "#/enum/1: 2.5 is not of the schema's 'type'"},
+      {R"({"enum": ["a", "b"], "minLength": 2})", "'minLength' beside 'enum'"},
+      {R"({"const": [1], "maxItems": 0})", "'maxItems' beside 'const'"},
+      // 5 matches both, so it is not valid under oneOf; the grammar of anyOf would allow it.
+      {R"({"oneOf": [{"type": "integer"}, {"type": "number"}]})", "#/oneOf: 'oneOf'"},
+      {R"({"oneOf": [{"type": "string"}, {"enum": [1, "x"]}]})", "schemas 0 and 1 may both"},
+      {R"({"oneOf": [{"const": 1}, {"enum": [2, 1.0]}]})", "schemas 0 and 1 may both"},
+      {R"({"oneOf": [{"type": "object", "required": []}, {"type": "object"}]})",
+       "schemas 0 and 1 may both"},
+      {R"({"oneOf": [{"type": "null"}, {"description": "anything"}]})", "schemas 0 and 1"},
+  };
+  for (const auto& [schema, named] : refused) {
+    const std::string e = compile_error(K::kJsonSchema, schema);
+    EXPECT_NE(e.find(named), std::string::npos) << schema << "\n  " << e;
+  }
+  // Pydantic's optional fields and enums, and oneOf whose schemas no value matches twice.
+  const std::string accepted[] = {
+      R"({"anyOf": [{"type": "string"}, {"type": "null"}], "default": null, "title": "Name",
+          "description": "who", "examples": ["x"], "$comment": "optional"})",
+      R"({"enum": ["red", "green"], "title": "Color", "type": "string"})",
+      R"({"type": ["integer", "null"], "enum": [1, null, 2.0]})",
+      R"({"type": "number", "const": 3})",
+      R"({"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": ["null", "boolean"]}]})",
+      R"({"oneOf": [{"const": 1}, {"enum": [2, "1"]}, {"type": "string", "enum": ["x"]}]})",
+      R"({"oneOf": [{"type": "integer"}, {"const": 1.5}, {"$ref": "#/$defs/s"}],
+          "$defs": {"s": {"type": "string"}}})",
+  };
+  for (const auto& schema : accepted)
+    EXPECT_EQ(compile_error(K::kJsonSchema, schema), "(compiled)") << schema;
+}
+
+// A $ref that reaches itself before any byte of its value would be left recursion in the grammar;
+// the error names the cycle of $refs, not the grammar's rule numbers.
+TEST(StructuredOutput, RefCyclesThatConsumeNothingAreNamed) {
+  using K = OutputSpec::Kind;
+  const std::pair<std::string, std::string> cycles[] = {
+      {R"({"anyOf": [{"$ref": "#"}, {"type": "null"}]})", "'$ref' cycle: # -> # reaches itself"},
+      {R"({"$defs": {"a": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}},
+          "$ref": "#/$defs/a"})",
+       "'$ref' cycle: #/$defs/a -> #/$defs/a reaches itself without consuming input"},
+      {R"({"$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]},
+                      "b": {"anyOf": [{"type": "null"}, {"$ref": "#/definitions/c"}]}},
+          "definitions": {"c": {"$ref": "#/$defs/a"}},
+          "type": "array", "items": {"$ref": "#/$defs/a"}})",
+       "'$ref' cycle: #/$defs/a -> #/$defs/b -> #/definitions/c -> #/$defs/a"},
+      // z is being compiled when x refers to it from inside an array, where recursion is fine;
+      // z's own reference to x comes later and leads back to z without a byte.
+      {R"({"$defs": {"z": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/x"}},
+                                      {"$ref": "#/$defs/x"}]},
+                      "x": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/z"}]}},
+          "$ref": "#/$defs/z"})",
+       "'$ref' cycle: #/$defs/"},
+  };
+  for (const auto& [schema, named] : cycles) {
+    const std::string e = compile_error(K::kJsonSchema, schema);
+    EXPECT_NE(e.find(named), std::string::npos) << schema << "\n  " << e;
+    EXPECT_EQ(e.find("rule"), std::string::npos) << e;
+  }
+  // Recursion past a byte of the value is fine.
+  EXPECT_EQ(compile_error(K::kJsonSchema, R"({"anyOf": [{"type": "array", "items": {"$ref": "#"}},
+                                                        {"type": "null"}]})"),
+            "(compiled)");
+}
+
+// A schema every value of which must hold another value of it has no finite value: a grammar of
+// it could only ever go on, so it is refused. Where only some branches recurse without end, the
+// others are the answers.
+TEST(StructuredOutput, ASchemaWithoutAFiniteValueIsRefused) {
+  using K = OutputSpec::Kind;
+  for (const std::string schema : {
+           R"({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]})",
+           R"({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}, "minItems": 1}},
+               "type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]})",
+       }) {
+    const std::string e = compile_error(K::kJsonSchema, schema);
+    EXPECT_NE(e.find("schema #: the schema admits no finite value"), std::string::npos)
+        << schema << "\n  " << e;
+  }
+  const auto g = compile({K::kJsonSchema, R"({"anyOf": [{"type": "null"}, {"$ref": "#/$defs/x"}],
+      "$defs": {"x": {"type": "object", "properties": {"b": {"$ref": "#/$defs/x"}},
+                      "required": ["b"]}}})",
+                          "f"});
+  EXPECT_TRUE(full_match(g, "null"));
+  GrammarMatcher m(g);
+  EXPECT_FALSE(m.advance("{")) << "an object of x could never end";
+  // Optional recursion ends where the model leaves the property out.
+  EXPECT_EQ(
+      compile_error(K::kJsonSchema, R"({"type": "object", "properties": {"a": {"$ref": "#"}}})"),
+      "(compiled)");
 }
 
 }  // namespace
