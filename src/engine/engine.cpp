@@ -400,6 +400,12 @@ void Engine::admit_incoming() {
   for (auto& t : tasks) t();
   const double now = this->now();
   for (auto& r : incoming) {
+    // The grammar the API compiled goes to the cache, if it has none for the spec, and nowhere
+    // else: each copy of the sampling parameters below (sampler, output processor, the request)
+    // would keep it alive for as long as the request runs, ~30 MB each for a large one.
+    std::shared_ptr<const structured::Grammar> compiled;
+    if (r.sampling.structured_output)
+      compiled = std::exchange(r.sampling.structured_output->compiled, nullptr);
     auto seq = std::make_unique<Sequence>();
     seq->tokens = r.prompt;
     seq->num_prompt = static_cast<int64_t>(r.prompt.size());
@@ -415,7 +421,7 @@ void Engine::admit_incoming() {
         if (!executor_->info().samples)
           throw Error("structured outputs ('" + spec->field +
                       "') need a model: a simulated engine's tokens are stand-ins");
-        raw->sampler->constrain(structured_outputs_.start(*spec));
+        raw->sampler->constrain(structured_outputs_.start(*spec, std::move(compiled)));
       } catch (const Error& e) {
         finish(raw, "error", e.what(), false, 400);
         continue;

@@ -116,13 +116,15 @@ StructuredOutputs::StructuredOutputs(std::shared_ptr<const text::Tokenizer> toke
       max_grammars_(max_grammars),
       masks_per_grammar_(masks_per_grammar) {}
 
-std::unique_ptr<TokenConstraint> StructuredOutputs::start(const OutputSpec& spec) {
+std::unique_ptr<TokenConstraint> StructuredOutputs::start(const OutputSpec& spec,
+                                                          std::shared_ptr<const Grammar> compiled) {
   std::lock_guard lock(mutex_);
   if (!vocabulary_) vocabulary_ = std::make_shared<const MaskVocabulary>(*tokenizer_);
   const std::string key = spec.key();
   auto it = grammars_.find(key);
   if (it == grammars_.end()) {
-    Compiled c{spec.compiled ? spec.compiled : compile(spec),
+    if (!compiled) compiled = spec.compiled;
+    Compiled c{compiled ? std::move(compiled) : compile(spec),
                std::make_shared<MaskCache>(masks_per_grammar_)};
     grammar_bytes_ += c.grammar->bytes();
     order_.push_front(key);

@@ -95,10 +95,12 @@ class StructuredOutputs {
   static constexpr size_t kMaxGrammarBytes = size_t(256) << 20;
   explicit StructuredOutputs(std::shared_ptr<const text::Tokenizer> tokenizer,
                              size_t max_grammars = 32, size_t masks_per_grammar = 128);
-  // Takes spec.compiled when the spec is not cached, else compiles it (a large grammar takes
-  // seconds: the API compiles it where it parses the request). Throws tandem::Error for a spec
-  // that does not compile.
-  std::unique_ptr<TokenConstraint> start(const OutputSpec& spec);
+  // When the spec is not cached: takes `compiled` (the engine takes the API's grammar out of the
+  // request, so that the request's copies do not each keep one alive), else spec.compiled, else
+  // compiles it (a large grammar takes seconds: the API compiles it where it parses the
+  // request). Throws tandem::Error for a spec that does not compile.
+  std::unique_ptr<TokenConstraint> start(const OutputSpec& spec,
+                                         std::shared_ptr<const Grammar> compiled = nullptr);
 
  private:
   struct Compiled {

@@ -18,6 +18,7 @@
 #include "engine/generate.h"
 #include "engine/output_processor.h"
 #include "engine/tiny_model_fixture.h"
+#include "structured/token_constraint.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -477,6 +478,35 @@ TEST_F(Speculation, AFormatThatCannotGoOnFailsItsRequestAloneNotItsBatch) {
     EXPECT_EQ(plain.finish_reason, "length") << plain.error;
     EXPECT_EQ(plain.text, plain_greedy(prompt_of(7, 300), 16));
   }
+}
+
+// The grammar the API compiled with a request lives in the engine's cache or nowhere. A request of
+// a spec the cache has already kept its own grammar alive through its copies of the sampling
+// parameters (sampler, output processor, the request) for as long as it ran: ~30 MB each for a
+// large grammar, per request in flight.
+TEST_F(Speculation, AGrammarCompiledWithARequestIsKeptOnlyByTheEnginesCache) {
+  metrics::Registry registry;
+  Engine engine(EngineConfig{}, executor(0), tokenizer(), eos_ids(*tok_, std::nullopt), registry);
+  const structured::OutputSpec spec{structured::OutputSpec::Kind::kJsonObject, "",
+                                    "response_format"};
+  std::vector<std::weak_ptr<const structured::Grammar>> grammars;
+  for (int i = 0; i < 2; ++i) {
+    SamplingParams p = greedy_params(50);
+    p.structured_output = spec;
+    p.structured_output->compiled = structured::compile(spec);
+    grammars.push_back(p.structured_output->compiled);
+    EngineRequest r;
+    r.id = "r" + std::to_string(i);
+    r.prompt = prompt_of(5, 100 + 10 * i);
+    r.sampling = std::move(p);
+    r.on_output = [](const RequestOutput&) {};
+    engine.submit(std::move(r));
+  }
+  engine.run_once();  // admits both: the first one's grammar goes to the cache
+  ASSERT_EQ(engine.load().running + engine.load().waiting, 2);  // both still run
+  EXPECT_FALSE(grammars[0].expired());
+  EXPECT_TRUE(grammars[1].expired()) << "the second request keeps a grammar the cache has";
+  engine.stop();
 }
 
 // The engine's own check (what the API does not see: a request made in process, a P/D leg):
