@@ -166,6 +166,8 @@ void run(const EngineOptions& o) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
   api::check_api_keys(o.api_keys, "--api-key");  // before minutes of loading
+  net::check_socket_host("--host", o.host);
+  net::check_socket_host("--kv-transfer-host", o.kv_transfer_host);
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;

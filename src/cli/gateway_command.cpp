@@ -6,6 +6,7 @@
 #include "cli/max_tokens_flags.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
+#include "net/http.h"
 #include "util/error.h"
 
 namespace tandem::cli {
@@ -83,12 +84,14 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
   if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
   const std::string mode = gateway::mode_name(t.mode);
   const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
+  net::check_socket_host("--host", t.host);  // the flag's, or the topology file's
   const std::string host = t.host;
   gateway::Gateway gw(std::move(t), o.config);
   gw.start();
   // The first line on stdout names the port (scripts start gateways with --port 0).
   std::printf("tandem gateway: listening on http://%s:%u (mode %s, %zu prefill, %zu decode)\n",
-              host.c_str(), static_cast<unsigned>(gw.port()), mode.c_str(), prefills, decodes);
+              net::url_host(host).c_str(), static_cast<unsigned>(gw.port()), mode.c_str(), prefills,
+              decodes);
   std::fflush(stdout);
   const int sig = stop_signals.wait();
   std::fprintf(stderr, "tandem gateway: stopping (signal %d)\n", sig);

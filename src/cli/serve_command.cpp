@@ -86,11 +86,8 @@ void wait_healthy(const std::string& host, uint16_t port) {
 }
 
 void run(const ServeOptions& o) {
-  // Addresses as a socket takes them; brackets belong to URLs (serve prints http://[::1]:PORT).
-  for (const auto& [flag, host] : {std::pair{"--host", &o.host}, {"--engine-host", &o.engine_host}})
-    if (host->find('[') != std::string::npos || host->find(']') != std::string::npos)
-      throw Error(std::string("serve: ") + flag + " '" + *host +
-                  "': an address without brackets, e.g. " + flag + " ::1 for IPv6 loopback");
+  net::check_socket_host("--host", o.host);
+  net::check_socket_host("--engine-host", o.engine_host);
   const StopSignals stop_signals;  // before any thread starts
   // Until the stack answers, a stop signal ends serve at once; its engines die with it
   // (EngineChild: PR_SET_PDEATHSIG), the loading ones too.

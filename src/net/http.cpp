@@ -70,7 +70,20 @@ std::string Headers::get(std::string_view name, std::string_view fallback) const
 
 std::string url_host(std::string_view host) {
   if (host.find(':') == std::string_view::npos) return std::string(host);
-  return "[" + std::string(host) + "]";
+  // Appended, not "[" + host + "]": GCC 12 warns (-Wrestrict) on that inlined concatenation.
+  std::string out;
+  out.reserve(host.size() + 2);
+  out += '[';
+  out += host;
+  out += ']';
+  return out;
+}
+
+void check_socket_host(std::string_view flag, std::string_view host) {
+  if (host.find('[') != std::string_view::npos || host.find(']') != std::string_view::npos)
+    throw Error(std::string(flag) + " '" + std::string(host) +
+                "': an address without brackets, e.g. " + std::string(flag) +
+                " ::1 for IPv6 loopback");
 }
 
 std::string_view status_reason(int status) {

@@ -70,6 +70,9 @@ struct HttpResponse {
 // A host as a URL or a Host header names it: an IPv6 address in brackets ("::1" -> "[::1]"),
 // others as they are.
 std::string url_host(std::string_view host);
+// A listen address as a socket takes it (::1, not [::1]: brackets belong to URLs); throws
+// tandem::Error naming `flag` for one in brackets, which no resolver takes.
+void check_socket_host(std::string_view flag, std::string_view host);
 
 // The reason phrase of a status code ("Not Found"), or "Unknown" for codes without one.
 std::string_view status_reason(int status);

@@ -478,6 +478,18 @@ TEST(Cli, SimulateBoundsItsKvFlagsNamingThem) {
   }
 }
 
+// A listen address in brackets (as URLs write IPv6 hosts) is refused naming the flag: no resolver
+// takes it, and the errors named the HTTP server or the KV transfer, not the flag.
+TEST(Cli, ListenAddressesInBracketsAreRefusedNamingTheFlag) {
+  for (const std::string command : {"engine --model sim:tiny --port 0 --host [::1]",
+                                    "engine --model sim:tiny --port 0 --kv-transfer-host [::1]",
+                                    "gateway --port 0 --decode 127.0.0.1:1 --host [::1]"}) {
+    const auto r = run(command);
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("'[::1]': an address without brackets, e.g. ")) << command;
+  }
+}
+
 TEST(Cli, ARandomRangeRatioOutsideItsRangeIsRefusedNamingTheFlag) {
   // NaN reached an integer conversion in the workload-size bound before the ratio was checked.
   for (const char* ratio : {"nan", "-0.5", "1", "inf"}) {
