@@ -63,12 +63,22 @@ class SchemaCompiler {
     }
     // Each of these compiles to a grammar of its own values alone: a keyword beside it would be
     // a second constraint that grammar does not enforce, so it is refused (a 'type' beside const
-    // or enum is checked against every value instead).
+    // or enum is checked against every value instead, and an enum beside a const it holds, as
+    // Pydantic writes a one-value Literal, adds nothing).
     for (const char* k : {"const", "enum", "anyOf", "oneOf"})
       if (schema.contains(k)) {
         const bool literal = std::string(k) == "const" || std::string(k) == "enum";
+        auto redundant_enum = [&](const std::string& key) {
+          if (std::string(k) != "const" || key != "enum" || !schema["enum"].is_array())
+            return false;
+          const json& e = schema["enum"];
+          return std::any_of(e.begin(), e.end(), [&](const json& v) {
+            return nlohmann::json::parse(v.dump()) == nlohmann::json::parse(schema["const"].dump());
+          });
+        };
         for (auto it = schema.begin(); it != schema.end(); ++it)
-          if (it.key() != k && !kAnnotations.count(it.key()) && !(literal && it.key() == "type"))
+          if (it.key() != k && !kAnnotations.count(it.key()) && !(literal && it.key() == "type") &&
+              !redundant_enum(it.key()))
             fail(where, "the keyword '" + it.key() + "' beside '" + k +
                             "' is not supported (it would not be enforced)");
         break;
@@ -315,20 +325,29 @@ class SchemaCompiler {
     bool literal = false;
     std::vector<nlohmann::json> values;  // unordered: objects equal whatever their key order
     std::set<std::string> types;
+    // An object schema's required properties whose values are listed (const, enum): two object
+    // schemas whose lists for one such property share no value match no common object (a tagged
+    // union, as Pydantic writes one with a callable discriminator).
+    std::map<std::string, std::set<nlohmann::json>> tags;
   };
 
-  Kinds kinds(const json& schema, int depth) const {
+  // `budget`: what is left of the work one oneOf may cost (schemas visited and values copied);
+  // past it, assume the worst. Without it a few branches of $refs back to the root were
+  // branches^depth calls (six took over 8 s on the HTTP thread).
+  Kinds kinds(const json& schema, int depth, int64_t& budget) const {
     static const std::set<std::string> kAll = {"object", "array",   "string", "integer",
                                                "number", "boolean", "null"};
     Kinds k;
     k.types = kAll;
     // Past a few $refs (or a cycle of them), assume the worst.
-    if (depth > 32 || !schema.is_object()) return k;
+    if (depth > 32 || !schema.is_object() || --budget < 0) return k;
     if (schema.contains("$ref") && schema["$ref"].is_string()) {
       const json* target = resolve(schema["$ref"].get<std::string>());
-      return target ? kinds(*target, depth + 1) : k;
+      return target ? kinds(*target, depth + 1, budget) : k;
     }
     auto literals = [&](const std::vector<json>& values) {
+      budget -= static_cast<int64_t>(values.size());
+      if (budget < 0) return k;
       k.literal = true;
       k.types.clear();
       for (const auto& v : values) k.values.push_back(nlohmann::json::parse(v.dump()));
@@ -341,7 +360,7 @@ class SchemaCompiler {
       if (schema.contains(c) && schema[c].is_array()) {
         Kinds all;
         for (const auto& branch : schema[c]) {
-          const Kinds b = kinds(branch, depth + 1);
+          const Kinds b = kinds(branch, depth + 1, budget);
           for (const auto& v : b.values)
             for (const auto& t : types_of(v)) all.types.insert(t);
           all.types.insert(b.types.begin(), b.types.end());
@@ -349,12 +368,21 @@ class SchemaCompiler {
         return all;
       }
     if (schema.contains("allOf") && schema["allOf"].is_array() && schema["allOf"].size() == 1)
-      return kinds(schema["allOf"][0], depth + 1);
+      return kinds(schema["allOf"][0], depth + 1, budget);
     if (schema.contains("type") && (schema["type"].is_string() || schema["type"].is_array())) {
       k.types.clear();
       for (const auto& t : schema["type"])
         if (t.is_string()) k.types.insert(t.get<std::string>());
       if (k.types.count("number")) k.types.insert("integer");
+    }
+    if (k.types == std::set<std::string>{"object"} && schema.contains("properties") &&
+        schema["properties"].is_object() && schema.contains("required") &&
+        schema["required"].is_array()) {
+      for (const auto& name : schema["required"]) {
+        if (!name.is_string() || !schema["properties"].contains(name.get<std::string>())) continue;
+        const Kinds p = kinds(schema["properties"][name.get<std::string>()], depth + 1, budget);
+        if (p.literal) k.tags[name.get<std::string>()] = {p.values.begin(), p.values.end()};
+      }
     }
     return k;
   }
@@ -376,22 +404,35 @@ class SchemaCompiler {
     }
     if (a.literal) return meets(a, b.types);
     if (b.literal) return meets(b, a.types);
+    std::set<std::string> common;
     for (const auto& t : a.types)
-      if (b.types.count(t)) return true;
-    return false;
+      if (b.types.count(t)) common.insert(t);
+    if (common.empty()) return false;
+    if (common == std::set<std::string>{"object"}) {
+      for (const auto& [name, values] : a.tags) {
+        const auto theirs = b.tags.find(name);
+        if (theirs == b.tags.end()) continue;
+        if (std::none_of(values.begin(), values.end(),
+                         [&](const nlohmann::json& v) { return theirs->second.count(v) > 0; }))
+          return false;  // told apart by this property's value
+      }
+    }
+    return true;
   }
 
   // oneOf compiles as anyOf: that is exact only when no value matches two of its schemas, which
   // is checked here for what tells them apart without a doubt (distinct types, distinct values).
   void check_disjoint(const json& list, const std::string& where) const {
     std::vector<Kinds> branches;
-    for (const auto& b : list) branches.push_back(kinds(b, 0));
+    int64_t budget = 100'000;
+    for (const auto& b : list) branches.push_back(kinds(b, 0, budget));
     for (size_t i = 0; i < branches.size(); ++i)
       for (size_t j = i + 1; j < branches.size(); ++j)
         if (overlap(branches[i], branches[j]))
           fail(where,
                "'oneOf' is supported only where no value can match two of its schemas "
-               "(they allow distinct types or list distinct const/enum values); schemas " +
+               "(they allow distinct types, list distinct const/enum values, or are objects "
+               "with a required property whose listed values differ); schemas " +
                    std::to_string(i) + " and " + std::to_string(j) +
                    " may both match a value (use 'anyOf' if that is meant)");
   }

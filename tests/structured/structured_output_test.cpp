@@ -553,6 +553,17 @@ TEST(StructuredOutput, UnsupportedSchemaKeywordsAndRegexConstructsAreNamed) {
 
 // anyOf, oneOf, const and enum compile to a grammar of their own: a constraint beside them would
 // not be enforced, so it is refused by name (annotations and a 'type' every value has pass).
+// Telling oneOf's schemas apart is bounded work: eight branches that each refer back to the root
+// were 8^16 visits (six held an HTTP thread past 8 s and the engine's shutdown with it). Past the
+// bound the schemas are taken as overlapping, so this is refused, and promptly.
+TEST(StructuredOutput, TellingOneOfsSchemasApartIsBoundedWork) {
+  json branches = json::array();
+  for (int i = 0; i < 8; ++i) branches.push_back({{"$ref", "#"}});
+  const std::string e =
+      compile_error(OutputSpec::Kind::kJsonSchema, json{{"oneOf", branches}}.dump());
+  EXPECT_NE(e, "(compiled)");
+}
+
 TEST(StructuredOutput, ConstraintsBesideAnyOfOneOfConstOrEnumAreRefusedByName) {
   using K = OutputSpec::Kind;
   const std::pair<std::string, std::string> refused[] = {
@@ -574,6 +585,16 @@ TEST(StructuredOutput, ConstraintsBesideAnyOfOneOfConstOrEnumAreRefusedByName) {
       {R"({"oneOf": [{"type": "object", "required": []}, {"type": "object"}]})",
        "schemas 0 and 1 may both"},
       {R"({"oneOf": [{"type": "null"}, {"description": "anything"}]})", "schemas 0 and 1"},
+      // An enum beside a const it does not hold would be a second constraint.
+      {R"({"const": "cat", "enum": ["dog"]})", "'enum' beside 'const'"},
+      // Objects whose required tags share a value may both match.
+      {R"({"oneOf": [{"type": "object", "properties": {"t": {"enum": ["a", "b"]}}, "required": ["t"]},
+                     {"type": "object", "properties": {"t": {"const": "b"}}, "required": ["t"]}]})",
+       "schemas 0 and 1 may both"},
+      // A tag that is not required tells nothing apart.
+      {R"({"oneOf": [{"type": "object", "properties": {"t": {"const": "a"}}},
+                     {"type": "object", "properties": {"t": {"const": "b"}}}]})",
+       "schemas 0 and 1 may both"},
   };
   for (const auto& [schema, named] : refused) {
     const std::string e = compile_error(K::kJsonSchema, schema);
@@ -590,6 +611,16 @@ TEST(StructuredOutput, ConstraintsBesideAnyOfOneOfConstOrEnumAreRefusedByName) {
       R"({"oneOf": [{"const": 1}, {"enum": [2, "1"]}, {"type": "string", "enum": ["x"]}]})",
       R"({"oneOf": [{"type": "integer"}, {"const": 1.5}, {"$ref": "#/$defs/s"}],
           "$defs": {"s": {"type": "string"}}})",
+      // Pydantic's one-value Literal: a const with an enum of it (and its type).
+      R"({"type": "object", "properties": {"k": {"const": "cat", "enum": ["cat"], "type": "string",
+          "title": "Pet Type"}}})",
+      // A union tagged by a required property's values (Pydantic with a callable discriminator).
+      R"({"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+          "$defs": {"cat": {"type": "object", "properties": {"pet": {"const": "cat"},
+                                                             "meows": {"type": "integer"}},
+                            "required": ["pet"]},
+                    "dog": {"type": "object", "properties": {"pet": {"enum": ["dog", "wolf"]}},
+                            "required": ["pet"]}}})",
   };
   for (const auto& schema : accepted)
     EXPECT_EQ(compile_error(K::kJsonSchema, schema), "(compiled)") << schema;
