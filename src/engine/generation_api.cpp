@@ -3,6 +3,7 @@
 #include <chrono>
 #include <limits>
 #include <mutex>
+#include <utility>
 
 #include "api/block_hash.h"
 #include "api/disaggregation.h"
@@ -213,6 +214,12 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   std::string id = req.headers.get("x-request-id");
   if (!api::usable_request_id(id)) id = random_hex(2);
   if (id.rfind(prefix, 0) != 0) id = prefix + id;
+  // The grammar the parser compiled goes to the engine requests only (the engine hands it to its
+  // cache): the call and its builder live as long as the request and would keep it alive, ~30 MB
+  // for a large one, even when the cache has one for the spec.
+  std::shared_ptr<const structured::Grammar> compiled;
+  if (auto& spec = call->request.sampling.structured_output)
+    compiled = std::exchange(spec->compiled, nullptr);
   call->builder =
       std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, created_);
   call->reply = ex;
@@ -227,6 +234,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     er.id = call->engine_ids[i];
     er.prompt = prompts[i];
     er.sampling = call->request.sampling;
+    if (compiled) er.sampling.structured_output->compiled = compiled;
     if (er.sampling.seed && i > 0) er.sampling.seed = *er.sampling.seed + i;
     er.priority = call->request.priority;
     if (call->request.cache_salt) er.cache_salt = api::cache_salt_hash(*call->request.cache_salt);
