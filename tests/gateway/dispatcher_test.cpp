@@ -859,10 +859,16 @@ std::string room_abandoned_answer() {
       "server_error", api::kRoomAbandonedCode);
 }
 
-TEST(Dispatcher, AnAbandonedRoomsPrefillAnswerLeavesTheAttemptToItsDecodeLeg) {
+// Parallel P/D over p1, p2 and d1, d2, a failed pair tried once more.
+Topology parallel_pairs_with_one_retry() {
   Topology t =
       disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")});
   t.prefill_retries = 1;
+  return t;
+}
+
+TEST(Dispatcher, AnAbandonedRoomsPrefillAnswerLeavesTheAttemptToItsDecodeLeg) {
+  Topology t = parallel_pairs_with_one_retry();
   Cluster c(t);
   auto client = c.send();
   auto legs = c.engines.open("/v1/completions");
@@ -910,9 +916,7 @@ TEST(Dispatcher, AnAbandonedRoomsPrefillAnswerLeavesTheAttemptToItsDecodeLeg) {
 // The other order: the decode leg's failure is handled first and the gateway cancels the prefill
 // leg, whose room_abandoned answer crossed the cancel. That 502 is not the engine's failure either.
 TEST(Dispatcher, AnAbandonedRoomsPrefillAnswerAfterTheDecodeLegsFailureIsNoFault) {
-  Topology t =
-      disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")});
-  t.prefill_retries = 1;
+  Topology t = parallel_pairs_with_one_retry();
   Cluster c(t);
   auto client = c.send();
   auto legs = c.engines.open("/v1/completions");

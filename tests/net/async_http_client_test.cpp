@@ -596,14 +596,7 @@ AsyncHttpRequest request_to(uint16_t port, std::string method, std::string body 
 // counted retries. The client reports the failure instead; the engine saw the POST once.
 TEST(AsyncClientResend, APostTheEngineReadWholeIsNotSentAgain) {
   std::atomic<int> posts{0};
-  ScriptedServer engine([&](int& fd, int connection) {
-    std::string buffer;
-    while (read_request(fd, buffer)) {
-      ++posts;
-      if (connection == 0 && posts == 2) return;  // read whole, then closed unanswered
-      answer(fd, "answer " + std::to_string(posts.load()));
-    }
-  });
+  ScriptedServer engine(closes_first_connection_at(2, posts));
   AsyncHttpClient client(ageless());
   Outcome first;
   client.start(request_to(engine.port(), "POST", "{\"n\":1}"), first.handlers());
@@ -623,14 +616,7 @@ TEST(AsyncClientResend, APostTheEngineReadWholeIsNotSentAgain) {
 // is harmless, and the caller gets its answer.
 TEST(AsyncClientResend, AGetOnAConnectionClosedUnansweredIsSentAgain) {
   std::atomic<int> gets{0};
-  ScriptedServer engine([&](int& fd, int connection) {
-    std::string buffer;
-    while (read_request(fd, buffer)) {
-      ++gets;
-      if (connection == 0 && gets == 2) return;
-      answer(fd, "answer " + std::to_string(gets.load()));
-    }
-  });
+  ScriptedServer engine(closes_first_connection_at(2, gets));
   AsyncHttpClient client(ageless());
   for (int i = 0; i < 2; ++i) {
     Outcome o;
@@ -705,17 +691,7 @@ TEST(AsyncClientResend, AnIdleConnectionTheEngineClosedIsNotPicked) {
 // The test's clock stands still between calls unless the test moves it.
 TEST(AsyncClientIdleAge, AConnectionIdlePastTheMaxAgeIsNotPicked) {
   std::atomic<int> posts{0};
-  ScriptedServer engine([&](int& fd, int connection) {
-    std::string buffer;
-    while (read_request(fd, buffer)) {
-      ++posts;
-      // The engine closes the first connection at its keep-alive timeout as the third POST
-      // arrives on it: read whole, never answered.
-      if (connection == 0 && posts == 3) return;
-      answer(fd, "answer " + std::to_string(posts.load()) + " on connection " +
-                     std::to_string(connection));
-    }
-  });
+  ScriptedServer engine(closes_first_connection_at(3, posts, true));
   std::atomic<int64_t> now_ms{0};
   AsyncHttpClientOptions options;
   options.max_idle_age = std::chrono::hours(1);  // only the test's clock gets there

@@ -27,14 +27,7 @@ HttpClientOptions ageless() {
 // run it: the client reports the failure rather than run it a second time.
 TEST(HttpClient, APostTheServerReadWholeIsNotSentAgain) {
   std::atomic<int> posts{0};
-  ScriptedServer server([&](int& fd, int connection) {
-    std::string buffer;
-    while (read_request(fd, buffer)) {
-      ++posts;
-      if (connection == 0 && posts == 2) return;  // read whole, then closed unanswered
-      answer(fd, "answer " + std::to_string(posts.load()));
-    }
-  });
+  ScriptedServer server(closes_first_connection_at(2, posts));
   HttpClient client("127.0.0.1", server.port(), ageless());
   EXPECT_EQ(client.request("POST", "/v1/completions", "{}").body, "answer 1");
   try {
@@ -50,14 +43,7 @@ TEST(HttpClient, APostTheServerReadWholeIsNotSentAgain) {
 // A GET is sent again: the usual cause is a keep-alive connection the server closed.
 TEST(HttpClient, AGetOnAConnectionClosedUnansweredIsSentAgain) {
   std::atomic<int> gets{0};
-  ScriptedServer server([&](int& fd, int connection) {
-    std::string buffer;
-    while (read_request(fd, buffer)) {
-      ++gets;
-      if (connection == 0 && gets == 2) return;
-      answer(fd, "answer " + std::to_string(gets.load()));
-    }
-  });
+  ScriptedServer server(closes_first_connection_at(2, gets));
   HttpClient client("127.0.0.1", server.port(), ageless());
   EXPECT_EQ(client.request("GET", "/health").body, "answer 1");
   EXPECT_EQ(client.request("GET", "/health").body, "answer 3");
@@ -69,16 +55,7 @@ TEST(HttpClient, AGetOnAConnectionClosedUnansweredIsSentAgain) {
 // sent again. The test's clock stands still between requests unless the test moves it.
 TEST(HttpClient, AConnectionIdlePastTheMaxAgeIsNotReused) {
   std::atomic<int> posts{0};
-  ScriptedServer server([&](int& fd, int connection) {
-    std::string buffer;
-    while (read_request(fd, buffer)) {
-      ++posts;
-      // Closed at the keep-alive timeout as the third POST arrived: read whole, never answered.
-      if (connection == 0 && posts == 3) return;
-      answer(fd, "answer " + std::to_string(posts.load()) + " on connection " +
-                     std::to_string(connection));
-    }
-  });
+  ScriptedServer server(closes_first_connection_at(3, posts, true));
   std::atomic<int64_t> now_ms{0};
   HttpClientOptions options;
   options.max_idle_age = std::chrono::hours(1);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -134,6 +135,22 @@ inline bool read_request(int fd, std::string& buffer, std::string* head_out = nu
   if (head.empty()) return false;
   if (head_out) *head_out = head;
   return ScriptedServer::read_body(fd, buffer, ScriptedServer::content_length(head));
+}
+
+// An engine that answers each request "answer N" (N counts requests over all connections; with
+// `name_connection`, "answer N on connection C"), except the `unanswered`th: read whole on the
+// first connection, which it then closes without answering, as at a keep-alive timeout.
+inline ScriptedServer::Script closes_first_connection_at(int unanswered, std::atomic<int>& requests,
+                                                         bool name_connection = false) {
+  return [unanswered, &requests, name_connection](int& fd, int connection) {
+    std::string buffer;
+    while (read_request(fd, buffer)) {
+      ++requests;
+      if (connection == 0 && requests == unanswered) return;
+      answer(fd, "answer " + std::to_string(requests.load()) +
+                     (name_connection ? " on connection " + std::to_string(connection) : ""));
+    }
+  };
 }
 
 }  // namespace tandem::net
