@@ -705,11 +705,13 @@ TEST_F(Disaggregation, ARefusedDecodeLegReleasesThePrefillBlocksAtOnce) {
 TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItsPullReleasesThePrefillBlocksAtOnce) {
   // The decode engine has no room for the prompt while another request holds its cache, and
   // gives up after its 1 s transfer timeout: the prefill engine must not hold the KV for its own
-  // 600 s. Simulated engines, the decode one slowed so that the other request stays.
+  // 600 s. Simulated engines, the decode one slowed so that the other request stays (~25 s: far
+  // past the 1 s timeout however late a loaded machine sends this test's requests; stopping the
+  // engine ends it).
   Engine p = start("prefill", {"--kv-transfer-timeout", "600"}, "sim:tiny");
-  Engine d = start("decode",
-                   {"--num-kv-blocks", "8", "--kv-transfer-timeout", "1", "--sim-time-scale", "20"},
-                   "sim:tiny");
+  Engine d = start(
+      "decode", {"--num-kv-blocks", "8", "--kv-transfer-timeout", "1", "--sim-time-scale", "200"},
+      "sim:tiny");
   json pre = {{"prompt", tokens(100, 100)},
               {"max_tokens", 1},
               {"kv_transfer_params", {{"do_remote_decode", true}}}};
@@ -737,9 +739,9 @@ TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItRegistersItsRoomFailsThePrefill
   // prefill leg, computed and waiting for a decode engine, must not hold the KV (and its answer)
   // for its 600 s: it fails now, naming why.
   Engine p = start("prefill", {"--kv-transfer-timeout", "600"}, "sim:tiny");
-  Engine d = start("decode",
-                   {"--num-kv-blocks", "8", "--kv-transfer-timeout", "1", "--sim-time-scale", "20"},
-                   "sim:tiny");
+  Engine d = start(
+      "decode", {"--num-kv-blocks", "8", "--kv-transfer-timeout", "1", "--sim-time-scale", "200"},
+      "sim:tiny");
   const json body = {{"prompt", tokens(100, 100)},
                      {"max_tokens", 4},
                      {"bootstrap_host", "127.0.0.1"},
