@@ -5,6 +5,7 @@
 #include "api/api_key.h"
 #include "api/error.h"
 #include "api/load_report.h"
+#include "api/model_list.h"
 #include "net/reply.h"
 #include "placement/placement_format.h"
 
@@ -44,14 +45,8 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   });
   route("GET", "/v1/models",
         [this, info](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-          json model = {{"id", info.model_name},
-                        {"object", "model"},
-                        {"created", created_},
-                        {"owned_by", "tandem"},
-                        {"root", info.model_name},
-                        {"parent", nullptr},
-                        {"max_model_len", engine_.max_model_len()}};
-          ex->respond(200, json{{"object", "list"}, {"data", json::array({model})}}.dump());
+          ex->respond(200,
+                      api::model_list_json({info.model_name, created_, engine_.max_model_len()}));
         });
   route("GET", "/metrics", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));

@@ -123,13 +123,22 @@ bool EndpointTable::ready() const {
   return ready_.load();
 }
 
+int64_t EndpointTable::max_model_len() const {
+  return max_model_len_.load();
+}
+
+// Also the engines' longest sequence, which changes with the same events (an engine joins,
+// leaves, is ejected or readmitted) and with their answers to GET /v1/models.
 void EndpointTable::update_ready() {
   bool p = topo_.mode == PdMode::kAggregated, d = false;
+  int64_t length = 0;
   for (const auto& [id, e] : endpoints_) {
     if (!e.eligible()) continue;
     (e.prefill ? p : d) = true;
+    if (e.max_model_len > 0) length = length ? std::min(length, e.max_model_len) : e.max_model_len;
   }
   ready_ = p && d;
+  max_model_len_ = length;
 }
 
 ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state) const {
@@ -265,11 +274,26 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (e->healthy) return false;
   e->healthy = true;
   e->readmitted = now;
-  // What answers there now may be another server: an auto engine is asked again.
+  // What answers there now may be another server: an auto engine is asked again, and so is
+  // every engine's longest sequence.
   if (e->dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;
+  e->length_query = LengthQuery::kToAsk;
+  e->max_model_len = 0;
   if (!e->draining) e->healthy_gauge->set(1);
   update_ready();
   return true;
+}
+
+void EndpointTable::length_result(int id, std::optional<int64_t> max_model_len) {
+  EndpointState* e = find(id);
+  if (!e || e->length_query != LengthQuery::kAsking) return;  // readmitted since: asked again
+  if (!max_model_len) {
+    e->length_query = LengthQuery::kToAsk;
+    return;
+  }
+  e->length_query = LengthQuery::kAnswered;
+  e->max_model_len = *max_model_len;
+  update_ready();
 }
 
 bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer,
@@ -384,6 +408,7 @@ json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const
             {"max_in_flight", e.max_in_flight},
             {"consecutive_failures", e.consecutive_failures},
             {"load_source", load_source_name(e.load_source)}};
+  if (e.max_model_len > 0) j["max_model_len"] = e.max_model_len;
   if (has_events(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
   j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight.tokens;
   if (e.load.known) {

@@ -40,6 +40,12 @@ enum class LegOutcome {
 enum class LoadSource { kAsking, kReports, kOwnCounts };
 const char* load_source_name(LoadSource source);
 
+// Where the gateway stands on an engine's longest sequence, its GET /v1/models' max_model_len
+// (api/model_list.h): asked once the engine passes a health probe, and again after every
+// readmission (what answers there may have restarted with other settings). An engine whose call
+// failed is asked at its next probe; one that answered without the field is not asked again.
+enum class LengthQuery { kToAsk, kAsking, kAnswered };
+
 struct EndpointState {
   int id = 0;
   bool prefill = false;
@@ -57,6 +63,8 @@ struct EndpointState {
   LoadSource load_source = LoadSource::kOwnCounts;
   bool load_polling = false;
   PrefillWork launched_at_last_poll;  // counts.launched_total when the last poll left
+  LengthQuery length_query = LengthQuery::kToAsk;
+  int64_t max_model_len = 0;  // what its GET /v1/models said; 0: not known
   metrics::Gauge* in_flight_gauge = nullptr;
   metrics::Gauge* healthy_gauge = nullptr;
   metrics::IntCounter* requests_total = nullptr;
@@ -103,6 +111,9 @@ class EndpointTable {
 
   // Each pool the mode needs has an eligible engine. Any thread.
   bool ready() const;
+  // The least longest sequence of the eligible engines that said theirs (LengthQuery); 0: none
+  // did. Any thread.
+  int64_t max_model_len() const;
 
   // The policy's view at `now` (slow-start limits, load reports no older than four polls).
   ClusterView view(Clock::time_point now, const PolicyState* state) const;
@@ -129,6 +140,9 @@ class EndpointTable {
   // requests may now start (readmitted, or a fresher load report).
   bool probe_result(int id, bool ok, Clock::time_point now);
   bool load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer, Clock::time_point now);
+  // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a
+  // 5xx), else its max_model_len (0: an answer without one).
+  void length_result(int id, std::optional<int64_t> max_model_len);
 
   // Draining: no new requests; it leaves once its last leg finished. False if unknown/draining.
   bool drain(int id);
@@ -169,8 +183,9 @@ class EndpointTable {
   std::map<int, std::unique_ptr<KvEventsConsumer>> consumers_;
   std::set<int> external_events_;
   int next_id_ = 0;
-  std::atomic<bool> ready_{false};  // read by the io threads (GET /health)
-  metrics::Gauge detached_gauge_;   // written by draining engines, never rendered
+  std::atomic<bool> ready_{false};         // read by the io threads (GET /health)
+  std::atomic<int64_t> max_model_len_{0};  // read by the io threads (tokens-in requests)
+  metrics::Gauge detached_gauge_;          // written by draining engines, never rendered
 };
 
 }  // namespace tandem::gateway

@@ -9,6 +9,7 @@
 #include "api/api_key.h"
 #include "api/block_hash.h"
 #include "api/disaggregation.h"
+#include "api/model_list.h"
 #include "api/request.h"
 #include "api/response.h"
 #include "gateway/choice_fan_out.h"
@@ -80,11 +81,9 @@ void FrontEnd::add_routes(net::HttpServer& server) {
   server.route("GET", "/v1/models", [this](const net::HttpRequest& req, auto ex) {
     if (!api_key_accepted(topo_, req, *ex)) return;
     if (!topo_.served_model_name.empty()) {
-      json m = {{"id", topo_.served_model_name},
-                {"object", "model"},
-                {"created", exec_.unix_ms() / 1000},
-                {"owned_by", "tandem"}};
-      ex->respond(200, json{{"object", "list"}, {"data", json::array({m})}}.dump());
+      // With the engines' longest sequence once one said it (clients size requests by it).
+      ex->respond(200, api::model_list_json({topo_.served_model_name, exec_.unix_ms() / 1000,
+                                             endpoints_.max_model_len()}));
       return;
     }
     net::Headers headers;  // only what identifies the caller: no hop-by-hop fields
@@ -240,7 +239,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       if (same_prompt && same_prompt->tokenized) {
         tokenized = same_prompt->tokens;
       } else {
-        tokenized = tokenizer_->tokenize(req.path, body);
+        tokenized = tokenizer_->tokenize(req.path, body, endpoints_.max_model_len());
         if (same_prompt) *same_prompt = {true, tokenized};
       }
       if (auto& t = tokenized) {

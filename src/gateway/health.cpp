@@ -2,14 +2,17 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "api/load_report.h"
+#include "api/model_list.h"
 
 namespace tandem::gateway {
 namespace {
 
-// A /load answer is a few kilobytes; anything far larger is not one.
-constexpr size_t kMaxLoadReportBytes = size_t{1} << 20;
+// A /load answer is a few kilobytes, a model list less; anything far larger is not one.
+constexpr size_t kMaxAnswerBytes = size_t{1} << 20;
 
 }  // namespace
 
@@ -48,11 +51,41 @@ void HealthMonitor::probe_all() {
       const bool ok = error.empty() && *status == 200;
       exec_.post([this, id, ok] {
         if (endpoints_.probe_result(id, ok, exec_.now())) changed_();
+        if (ok) ask_length(id);
       });
     };
     upstream_.start(engine_get(e, "/health"), std::move(h));
   }
   exec_.at(exec_.now() + topo_.health.probe_interval, [this] { probe_all(); });
+}
+
+// GET /v1/models of an engine that passed a probe, if its longest sequence is to be asked.
+void HealthMonitor::ask_length(int id) {
+  EndpointState* e = endpoints_.find(id);
+  if (!e || e->length_query != LengthQuery::kToAsk) return;
+  e->length_query = LengthQuery::kAsking;
+  struct Reply {
+    int status = 0;
+    std::string body;
+  };
+  auto reply = std::make_shared<Reply>();
+  net::AsyncHttpHandlers h;
+  h.on_head = [reply](int s, const net::Headers&) { reply->status = s; };
+  h.on_body = [reply](std::string_view piece) {
+    reply->body.append(piece);
+    return reply->body.size() <= kMaxAnswerBytes;
+  };
+  h.on_done = [this, reply, id](const std::string& error) {
+    // A 4xx or a body without the field is an answer (a server that does not say); a transport
+    // error or a 5xx is none, and the next probe asks again.
+    std::optional<int64_t> length;
+    if (error.empty() && reply->status == 200)
+      length = api::max_model_len_of(reply->body).value_or(0);
+    else if (error.empty() && reply->status >= 400 && reply->status < 500)
+      length = 0;
+    exec_.post([this, id, length] { endpoints_.length_result(id, length); });
+  };
+  upstream_.start(engine_get(*e, "/v1/models"), std::move(h));
 }
 
 // One poll per engine at a time.
@@ -69,7 +102,7 @@ void HealthMonitor::poll_loads() {
     h.on_head = [reply](int s, const net::Headers&) { reply->status = s; };
     h.on_body = [reply](std::string_view piece) {
       reply->body.append(piece);
-      return reply->body.size() <= kMaxLoadReportBytes;
+      return reply->body.size() <= kMaxAnswerBytes;
     };
     // A leg launched shortly before this poll may still be on its way into the engine when it
     // answers: the report is taken to know only the legs launched before the previous poll.

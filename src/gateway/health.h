@@ -1,9 +1,10 @@
 #pragma once
 // The gateway's view of its engines over time, on the scheduling thread: a GET /health probe of
-// every engine each health.probe_interval (ejected engines are readmitted when one passes), and a
-// GET /load poll each scheduling.load_interval of the engines that report their load or may
-// (dialect auto). Calls go through the Upstream seam, timers through the Executor: tests drive
-// both without sockets or clocks.
+// every engine each health.probe_interval (ejected engines are readmitted when one passes), a
+// GET /v1/models of an engine whose longest sequence is to be asked (LengthQuery) when it passes
+// one, and a GET /load poll each scheduling.load_interval of the engines that report their load
+// or may (dialect auto). Calls go through the Upstream seam, timers through the Executor: tests
+// drive both without sockets or clocks.
 #include <functional>
 #include <string>
 
@@ -27,6 +28,7 @@ class HealthMonitor {
  private:
   void probe_all();
   void poll_loads();
+  void ask_length(int id);
   net::AsyncHttpRequest engine_get(const EndpointState& e, std::string target) const;
 
   const Topology& topo_;

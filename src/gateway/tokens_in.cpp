@@ -77,15 +77,15 @@ bool completion_translatable(const json& body) {
   return !(prompt && prompt->is_array() && !is_token_list(*prompt));
 }
 
-bool chat_translatable(const json& body, bool has_template, bool knows_length) {
+bool chat_translatable(const json& body, bool has_template, bool knows_engines_length) {
   if (!has_template) return false;
   for (const char* name : kChatPassThrough)
     if (field(body, name)) return false;
   if (set(body, "logprobs") || field(body, "top_logprobs") || set(body, "echo") ||
       set(body, "add_special_tokens"))
     return false;
-  // The chat default for max tokens is the room left in the context, which needs the length.
-  if (!knows_length && !field(body, "max_tokens") && !field(body, "max_completion_tokens"))
+  // The chat default for max tokens is the room the engines leave after the prompt.
+  if (!knows_engines_length && !field(body, "max_tokens") && !field(body, "max_completion_tokens"))
     return false;
   // Non-text content parts (images, audio) are for engines that take them.
   if (const json* messages = field(body, "messages"); messages && messages->is_array()) {
@@ -176,13 +176,23 @@ PromptTokenizer::PromptTokenizer(const std::filesystem::path& dir, std::string m
     if (const int64_t v = positive(doc, "vocab_size", config)) limits_.vocab_size = v;
     limits_.max_model_len = positive(doc, "max_position_embeddings", config);
   }
-  if (max_model_len > 0) limits_.max_model_len = max_model_len;
+  if (max_model_len > 0) {
+    limits_.max_model_len = max_model_len;
+    length_is_engines_ = true;
+  }
+}
+
+// The engines' word is the length they judge by. The model's context (config.json) bounds it
+// but may be far above it: a default computed from it is one the engines refuse.
+PromptTokenizer::Length PromptTokenizer::length(int64_t engines_max_model_len) const {
+  if (engines_max_model_len > 0) return {engines_max_model_len, true};
+  return {limits_.max_model_len, length_is_engines_};
 }
 
 PromptTokenizer::~PromptTokenizer() = default;
 
-std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
-                                                  const nlohmann::json& body) const {
+std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path, const nlohmann::json& body,
+                                                  int64_t engines_max_model_len) const {
   ApiKind kind;
   if (path == "/v1/completions")
     kind = ApiKind::kCompletion;
@@ -190,14 +200,15 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path,
     kind = ApiKind::kChat;
   else
     return std::nullopt;
-  const bool knows_length = limits_.max_model_len > 0;
+  const Length len = length(engines_max_model_len);
   // A body that is not an object goes on to the parser, which names the error.
-  if (body.is_object() && (kind == ApiKind::kCompletion
-                               ? !completion_translatable(body)
-                               : !chat_translatable(body, chat_template_ != nullptr, knows_length)))
+  if (body.is_object() &&
+      (kind == ApiKind::kCompletion
+           ? !completion_translatable(body)
+           : !chat_translatable(body, chat_template_ != nullptr, len.sets_chat_default)))
     return std::nullopt;
   api::ModelLimits limits = limits_;
-  if (!knows_length) limits.max_model_len = kUnknownLength;
+  limits.max_model_len = len.max_model_len > 0 ? len.max_model_len : kUnknownLength;
   if (limits.model_name.empty() && body.is_object()) {
     // Any name is accepted: the engines check it.
     if (const json* m = field(body, "model"); m && m->is_string())

@@ -47,8 +47,8 @@ class PromptTokenizer {
   // as the engine does, and the limits from DIR/config.json (`vocab_size`,
   // `max_position_embeddings`) when it exists. `model_name`: the model id clients must name
   // (others are answered 404, as the engine does); empty: any. `max_model_len` > 0 overrides the
-  // config's (engines started with --max-model-len). `loaded`: DIR's tokenizer when the caller
-  // has it already (it is not read again). Throws tandem::Error for unreadable files.
+  // config's (the simulator, which knows its engines' length). `loaded`: DIR's tokenizer when the
+  // caller has it already (it is not read again). Throws tandem::Error for unreadable files.
   explicit PromptTokenizer(const std::filesystem::path& dir, std::string model_name = {},
                            int64_t max_model_len = 0,
                            std::shared_ptr<const text::Tokenizer> loaded = nullptr);
@@ -58,7 +58,12 @@ class PromptTokenizer {
   // prompt's ids, or nullopt when the body must be passed through unchanged (another path, a
   // request that cannot be translated faithfully). Throws api::ApiError for a body the
   // engine would refuse (the gateway answers it with its status, message and param).
-  std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body) const;
+  // `engines_max_model_len` > 0: the longest sequence the engines said they take, which is what
+  // they judge by (an engine's KV cache or --max-model-len may hold less than the model's
+  // context). A chat without max_tokens needs it for its default (what the context leaves):
+  // without it, and without the constructor's, such a chat passes through.
+  std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body,
+                                   int64_t engines_max_model_len = 0) const;
 
   // The operator's limits on max_tokens (api::ModelLimits); 0: none.
   void limit_max_tokens(int64_t limit, int64_t default_value) {
@@ -71,9 +76,17 @@ class PromptTokenizer {
   int64_t max_model_len() const { return limits_.max_model_len; }
 
  private:
+  // The length a request is judged by, and whether the chat default may be computed from it.
+  struct Length {
+    int64_t max_model_len = 0;  // 0: unknown
+    bool sets_chat_default = false;
+  };
+  Length length(int64_t engines_max_model_len) const;
+
   std::shared_ptr<const text::Tokenizer> tokenizer_;
   std::unique_ptr<text::ChatTemplate> chat_template_;
   api::ModelLimits limits_;
+  bool length_is_engines_ = false;  // the constructor's max_model_len: the engines' own
 };
 
 // The tokens-in /v1/completions body for a client body that tokenize() accepted: the client's

@@ -4,6 +4,7 @@
 
 #include "api/error.h"
 #include "api/load_report.h"
+#include "api/model_list.h"
 #include "engine/output_processor.h"
 #include "sim/virtual_time.h"
 #include "util/error.h"
@@ -119,6 +120,14 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
   if (defer_while_stalled(later, reply)) return;
   if (request.method == "GET" && request.target == "/health") {
     reply->respond(200, "", "text/plain");
+    return;
+  }
+  if (request.method == "GET" && request.target == "/v1/models") {
+    const int64_t created = static_cast<int64_t>(seconds_of(clock_.now()));
+    reply->respond(200,
+                   api::model_list_json(
+                       {engine_->executor_info().model_name, created, engine_->max_model_len()}),
+                   "application/json");
     return;
   }
   if (request.method == "GET" && request.target.substr(0, request.target.find('?')) == "/load") {

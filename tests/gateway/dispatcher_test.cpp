@@ -15,6 +15,7 @@
 #include "api/block_hash.h"
 #include "api/error.h"
 #include "api/load_report.h"
+#include "api/model_list.h"
 #include "gateway/admin_api.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
@@ -1387,6 +1388,69 @@ TEST(HealthMonitor, AnOverloadedEngineIsNotEjected) {
   quiet.send(true);
   quiet.clock.advance_by(milliseconds(500));
   EXPECT_EQ(quiet.endpoint("a")["consecutive_failures"], 1);
+}
+
+// The engines' longest sequence (GET /v1/models' max_model_len) is what tokens-in chats take
+// their default max_tokens from: asked of each engine once it passes a probe, the least of the
+// eligible engines that said one, asked again after a failed call or a readmission, never again
+// of an engine that answered without it.
+TEST(HealthMonitor, LearnsTheEnginesLongestSequenceFromTheirModelLists) {
+  Topology t = aggregated({engine("a"), engine("b"), engine("c")});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  Cluster c(t);
+  c.health.start();
+  auto answer_probes = [&](const std::string& failing = {}) {
+    for (const auto& p : c.engines.open("/health")) {
+      if (host_of(*p) == failing)
+        FakeEngines::finish(*p, "connection refused");
+      else
+        FakeEngines::answer(*p, 200, "");
+    }
+    c.clock.run_ready();
+  };
+  auto model_list = [](int64_t length) { return api::model_list_json({"m", 1, length}); };
+  EXPECT_TRUE(c.engines.open("/v1/models").empty());  // only once a probe passed
+  answer_probes();
+  auto asked = c.engines.open("/v1/models");
+  ASSERT_EQ(asked.size(), 3u);
+  EXPECT_EQ(c.endpoints.max_model_len(), 0);
+  for (const auto& call : asked) {
+    if (host_of(*call) == "a") FakeEngines::answer(*call, 200, model_list(4096));
+    if (host_of(*call) == "b") FakeEngines::finish(*call, "connection reset");
+    if (host_of(*call) == "c") FakeEngines::answer(*call, 404, R"({"detail":"Not Found"})");
+  }
+  c.clock.run_ready();
+  EXPECT_EQ(c.endpoints.max_model_len(), 4096);
+  EXPECT_EQ(c.endpoint("a")["max_model_len"], 4096);
+
+  // The next probe asks b again (its call failed), not a (answered) nor c (answered without it).
+  c.clock.advance_by(milliseconds(1000));
+  answer_probes();
+  asked = c.engines.open("/v1/models");
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(host_of(*asked[0]), "b");
+  FakeEngines::answer(*asked[0], 200, model_list(1024));
+  c.clock.run_ready();
+  EXPECT_EQ(c.endpoints.max_model_len(), 1024);  // the least
+
+  // b is ejected: only eligible engines count. Readmitted, it is asked again (it may have
+  // restarted with another length).
+  c.clock.advance_by(milliseconds(1000));
+  answer_probes("b");
+  EXPECT_EQ(c.endpoint("b")["healthy"], false);
+  EXPECT_EQ(c.endpoints.max_model_len(), 4096);
+  EXPECT_TRUE(c.engines.open("/v1/models").empty());
+  c.clock.advance_by(milliseconds(1000));
+  answer_probes();
+  asked = c.engines.open("/v1/models");
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(host_of(*asked[0]), "b");
+  EXPECT_EQ(c.endpoints.max_model_len(), 4096);  // not known again until it answers
+  FakeEngines::answer(*asked[0], 200, model_list(8192));
+  c.clock.run_ready();
+  EXPECT_EQ(c.endpoints.max_model_len(), 4096);
+  EXPECT_EQ(c.endpoint("b")["max_model_len"], 8192);
 }
 
 TEST(HealthMonitor, AnAutoEngineWithoutALoadReportIsRoutedByOwnCounts) {

@@ -297,6 +297,41 @@ TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
   }
 }
 
+// Engines whose KV cache holds less than the model's context (256 tokens here, of 163,840): the
+// gateway learns their length from their GET /v1/models, reports it in its own, and a chat
+// without max_tokens gets what the engines leave after the prompt, as one engine answers it. The
+// gateway took the default from config.json's context, and every such chat was a 400 naming a
+// max_tokens the client never sent.
+TEST_F(GatewayStack, AChatWithoutMaxTokensGetsTheRoomTheEnginesLeave) {
+  EngineProcess single({TANDEM_BINARY, "engine", "--model", dir_->string(), "--served-model-name",
+                        "tiny", "--host", "127.0.0.1", "--port", "0", "--num-kv-blocks", "16"});
+  EngineProcess serve({TANDEM_BINARY, "serve", "--model", dir_->string(), "--host", "127.0.0.1",
+                       "--port", "0", "--mode", "parallel", "--engine-arg=--num-kv-blocks",
+                       "--engine-arg=16", "--engine-arg=--served-model-name", "--engine-arg=tiny"});
+  read_serve_engines(serve, 2);
+  json models;
+  EXPECT_TRUE(eventually([&] {
+    models = testing::get_json(serve.port(), "/v1/models");
+    return models["data"][0].contains("max_model_len");
+  })) << models.dump();
+  EXPECT_EQ(models["data"][0]["max_model_len"], 256);
+  const json chat = {{"model", "tiny"},
+                     {"messages", {{{"role", "user"}, {"content", "Tell me a long story."}}}},
+                     {"temperature", 0},
+                     {"ignore_eos", true}};
+  const auto want = post_json(single.port(), "/v1/chat/completions", chat);
+  ASSERT_EQ(want.status, 200) << want.body;
+  const auto got = post_json(serve.port(), "/v1/chat/completions", chat);
+  ASSERT_EQ(got.status, 200) << got.body;
+  const json w = json::parse(want.body), g = json::parse(got.body);
+  EXPECT_EQ(
+      g["usage"]["prompt_tokens"].get<int64_t>() + g["usage"]["completion_tokens"].get<int64_t>(),
+      256);
+  EXPECT_EQ(g["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(g["choices"][0]["message"]["content"], w["choices"][0]["message"]["content"]);
+  EXPECT_EQ(serve.stop(), 0);
+}
+
 // A Qwen3-MoE checkpoint behind `tandem serve` in both P/D modes: the gateway tokenizes chats with
 // Qwen3's tokenizer and template (tokens-in), and the answers equal one engine's; a forced tool
 // call (passed through to the engines) comes back parsed.

@@ -131,7 +131,9 @@ std::vector<json> chat_bodies() {
 TEST_F(TokensInTest, ChatIdsAreTheEngines) {
   for (const json& body : chat_bodies()) {
     SCOPED_TRACE(body.dump());
-    const auto t = gateway_->tokenize("/v1/chat/completions", body);
+    // The engines said their length (their GET /v1/models): the chat default comes from it.
+    const auto t =
+        gateway_->tokenize("/v1/chat/completions", body, config_->max_position_embeddings);
     ASSERT_TRUE(t.has_value());
     const ApiRequest engine = engine_chat(body);
     EXPECT_EQ(t->client_kind, ApiKind::kChat);
@@ -155,17 +157,38 @@ TEST_F(TokensInTest, ChatIdsAreTheEngines) {
   }
 }
 
-TEST_F(TokensInTest, ChatDefaultMaxTokensIsTheRoomLeft) {
+// The room the engines leave: their KV cache or --max-model-len may hold far less than the
+// model's context (config.json), and a default computed from the context is one they refuse.
+TEST_F(TokensInTest, ChatDefaultMaxTokensIsTheRoomTheEnginesLeave) {
   const json body = chat_bodies()[0];
-  const auto t = gateway_->tokenize("/v1/chat/completions", body);
+  const int64_t engines = 512;
+  ASSERT_GT(config_->max_position_embeddings, engines);
+  const auto t = gateway_->tokenize("/v1/chat/completions", body, engines);
   ASSERT_TRUE(t.has_value());
   // The folder's template was applied: it opens with BOS and ends with the assistant's turn.
   ASSERT_GT(t->ids.size(), 2u);
   EXPECT_EQ(t->ids.front(), engine_tok_->bos_id());
   EXPECT_EQ(engine_tok_->id_to_token(t->ids.back()), "<｜Assistant｜>");
-  EXPECT_EQ(t->max_tokens, config_->max_position_embeddings - int64_t(t->ids.size()));
+  EXPECT_EQ(t->max_tokens, engines - int64_t(t->ids.size()));
   // Completions would default to 16: the body says the chat's budget.
   EXPECT_EQ(tokens_in_body(body, *t)["max_tokens"], t->max_tokens);
+  // Before any engine said its length the chat passes through (its engine applies the default),
+  // although config.json has the model's context.
+  EXPECT_FALSE(gateway_->tokenize("/v1/chat/completions", body).has_value());
+  // Explicit budgets are judged by the engines' length, as they judge them.
+  json explicit_budget = body;
+  explicit_budget["max_tokens"] = engines;
+  try {
+    gateway_->tokenize("/v1/chat/completions", explicit_budget, engines);
+    ADD_FAILURE() << "max_tokens past the engines' length was accepted";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "max_tokens");
+    EXPECT_NE(e.message.find("maximum context length is 512 tokens"), std::string::npos)
+        << e.message;
+  }
+  explicit_budget["max_tokens"] = 8;
+  EXPECT_EQ(gateway_->tokenize("/v1/chat/completions", explicit_budget)->max_tokens, 8);
 }
 
 TEST_F(TokensInTest, CompletionIdsAreTheEngines) {
@@ -243,7 +266,7 @@ TEST_F(TokensInTest, PassThrough) {
 TEST_F(TokensInTest, ClientErrorsAreTheEngines) {
   auto error_of = [](std::string_view path, const json& body) {
     try {
-      gateway_->tokenize(path, body);
+      gateway_->tokenize(path, body, config_->max_position_embeddings);
     } catch (const ApiError& e) {
       return e;
     }

@@ -1,0 +1,26 @@
+#pragma once
+// GET /v1/models, which engines and the gateway both serve and the gateway reads: OpenAI's model
+// list with vLLM's `max_model_len`, the longest sequence (prompt and completion) the server
+// accepts. vLLM and SGLang report it there too; our engine reports its effective length (the
+// least of the model's context, --max-model-len and the KV cache).
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace tandem::api {
+
+struct ModelCard {
+  std::string id;
+  int64_t created = 0;        // Unix seconds
+  int64_t max_model_len = 0;  // 0: not said (the field is left out)
+};
+
+// The list body of one model.
+std::string model_list_json(const ModelCard& model);
+
+// The least `max_model_len` of a list body's models (an engine may serve several names); nullopt
+// when the body is not a model list or no model says one (an older or foreign server).
+std::optional<int64_t> max_model_len_of(std::string_view model_list_body);
+
+}  // namespace tandem::api
