@@ -7,6 +7,8 @@
 
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
+#include "util/utf8.h"
 
 namespace tandem::model {
 namespace {
@@ -22,7 +24,7 @@ void parse_quantization(const json& obj, const std::string& origin, ModelConfig&
   const std::string method = f.string("quant_method");
   if (method == "fp8") {
     if (f.present("fmt") && f.string("fmt") != "e4m3")
-      f.fail("fmt", "must be \"e4m3\"; got \"" + obj["fmt"].get<std::string>() + "\"");
+      f.fail("fmt", one_of(obj["fmt"].get<std::string>(), {"e4m3"}));
     f.ignore("fmt");
     if (f.present("activation_scheme") && f.string("activation_scheme") != "dynamic")
       f.fail("activation_scheme",
@@ -40,7 +42,8 @@ void parse_quantization(const json& obj, const std::string& origin, ModelConfig&
         (*block)[1].get<int64_t>() <= 0 || (*block)[0].get<int64_t>() > kMaxDimension ||
         (*block)[1].get<int64_t>() > kMaxDimension)
       f.fail("weight_block_size", "must be two positive integers up to " +
-                                      std::to_string(kMaxDimension) + ", got " + block->dump());
+                                      std::to_string(kMaxDimension) + ", got " +
+                                      json_excerpt(*block));
     c.fp8 = Fp8Quantization{(*block)[0].get<int64_t>(), (*block)[1].get<int64_t>()};
   } else if (method == "w8a8_int8") {
     if (f.present("activation_scheme") && f.string("activation_scheme") != "dynamic")
@@ -53,7 +56,8 @@ void parse_quantization(const json& obj, const std::string& origin, ModelConfig&
       if (!ignore->is_array()) f.fail("ignore", "must be a list");
       for (const auto& m : *ignore)
         if (!m.is_string() || m.get<std::string>() != "lm_head")
-          f.fail("ignore", "may only list \"lm_head\" (which is never quantized); got " + m.dump());
+          f.fail("ignore",
+                 "may only list \"lm_head\" (which is never quantized); got " + json_excerpt(m));
     }
     if (const json* packed = f.get("packed_modules_mapping"); packed && !packed->is_object())
       f.fail("packed_modules_mapping", "must be an object");
@@ -78,7 +82,7 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
 
   const json& archs = f.need("architectures");
   if (!archs.is_array() || archs.size() != 1 || !archs[0].is_string())
-    f.fail("architectures", "must be a list with one name, got " + archs.dump());
+    f.fail("architectures", "must be a list with one name, got " + json_excerpt(archs));
   c.architecture = archs[0].get<std::string>();
   if (c.architecture != kV3 && c.architecture != kV2)
     f.fail("architectures", one_of(c.architecture, {kV3, kV2}));
@@ -86,7 +90,8 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   if (f.present("model_type")) {
     const std::string mt = f.string("model_type");
     if (mt != (v3 ? "deepseek_v3" : "deepseek_v2"))
-      f.fail("model_type", "\"" + mt + "\" contradicts architectures " + c.architecture);
+      f.fail("model_type",
+             "\"" + utf8::clip(mt) + "\" contradicts architectures " + c.architecture);
   }
   f.ignore("model_type");
 
@@ -232,7 +237,8 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
 
   // Fields that must hold the values this model family uses.
   if (f.present("hidden_act") && f.string("hidden_act") != "silu")
-    f.fail("hidden_act", "must be \"silu\" (DeepSeek's SwiGLU); got " + doc["hidden_act"].dump());
+    f.fail("hidden_act",
+           "must be \"silu\" (DeepSeek's SwiGLU); got " + json_excerpt(doc["hidden_act"]));
   f.ignore("hidden_act");
   if (f.boolean_or("attention_bias", false)) f.fail("attention_bias", "must be false");
   if (f.boolean_or("mlp_bias", false)) f.fail("mlp_bias", "must be false");

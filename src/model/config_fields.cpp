@@ -2,6 +2,8 @@
 
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
+#include "util/utf8.h"
 
 namespace tandem::model {
 
@@ -9,11 +11,9 @@ using json = nlohmann::json;
 
 json read_config_json(const std::filesystem::path& dir) {
   const std::filesystem::path path = dir / "config.json";
-  try {
-    return json::parse(read_file(path));
-  } catch (const json::exception& e) {
-    throw Error(path.string() + ": malformed JSON: " + e.what());
-  }
+  // Our reader, not nlohmann's: its depth limit keeps a hostile config.json from exhausting the
+  // stack in a recursive walk (nlohmann's dump() or comparison) later.
+  return parse_json_document(read_file(path), path.string());
 }
 
 std::string one_of(const std::string& got, std::initializer_list<const char*> allowed) {
@@ -25,7 +25,7 @@ std::string one_of(const std::string& got, std::initializer_list<const char*> al
     s += "\"";
     first = false;
   }
-  return s + "; got \"" + got + "\"";
+  return s + "; got \"" + utf8::clip(got) + "\"";
 }
 
 void check_shared_fields(const Fields& f, const SharedFields& s) {

@@ -13,6 +13,7 @@
 
 #include "model/config.h"
 #include "util/error.h"
+#include "util/json.h"
 
 namespace tandem::model {
 
@@ -56,7 +57,7 @@ class Fields {
   }
 
   int64_t integer(const std::string& key, const json& v) const {
-    if (!v.is_number_integer()) fail(key, "must be an integer, got " + v.dump());
+    if (!v.is_number_integer()) fail(key, "must be an integer, got " + json_excerpt(v));
     return v.get<int64_t>();
   }
   int64_t integer(const std::string& key) { return integer(key, need(key)); }
@@ -69,7 +70,7 @@ class Fields {
     return v ? std::optional<int64_t>(integer(key, *v)) : std::nullopt;
   }
   double number(const std::string& key, const json& v) const {
-    if (!v.is_number()) fail(key, "must be a number, got " + v.dump());
+    if (!v.is_number()) fail(key, "must be a number, got " + json_excerpt(v));
     return v.get<double>();
   }
   double number(const std::string& key) { return number(key, need(key)); }
@@ -78,7 +79,7 @@ class Fields {
     return v ? number(key, *v) : fallback;
   }
   bool boolean(const std::string& key, const json& v) const {
-    if (!v.is_boolean()) fail(key, "must be true or false, got " + v.dump());
+    if (!v.is_boolean()) fail(key, "must be true or false, got " + json_excerpt(v));
     return v.get<bool>();
   }
   bool boolean(const std::string& key) { return boolean(key, need(key)); }
@@ -87,7 +88,7 @@ class Fields {
     return v ? boolean(key, *v) : fallback;
   }
   std::string string(const std::string& key, const json& v) const {
-    if (!v.is_string()) fail(key, "must be a string, got " + v.dump());
+    if (!v.is_string()) fail(key, "must be a string, got " + json_excerpt(v));
     return v.get<std::string>();
   }
   std::string string(const std::string& key) { return string(key, need(key)); }

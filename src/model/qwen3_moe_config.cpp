@@ -18,7 +18,7 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   const json& arch = f.need("architectures");
   if (!arch.is_array() || arch.size() != 1 || arch[0] != kQwen3MoeArchitecture)
     f.fail("architectures",
-           std::string("must be [\"") + kQwen3MoeArchitecture + "\"], got " + arch.dump());
+           std::string("must be [\"") + kQwen3MoeArchitecture + "\"], got " + json_excerpt(arch));
   if (f.present("model_type") && f.string("model_type") != "qwen3_moe")
     f.fail("model_type", one_of(doc["model_type"].get<std::string>(), {"qwen3_moe"}));
   f.ignore("model_type");
@@ -42,10 +42,11 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
     for (const auto& v : *m) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c.num_hidden_layers)
         f.fail("mlp_only_layers", "must hold layer indices below num_hidden_layers (" +
-                                      std::to_string(c.num_hidden_layers) + "), got " + v.dump());
+                                      std::to_string(c.num_hidden_layers) + "), got " +
+                                      json_excerpt(v));
       // A repeat would only lengthen is_moe_layer's search, which runs once per layer.
       if (listed[static_cast<size_t>(v.get<int64_t>())])
-        f.fail("mlp_only_layers", "lists layer " + v.dump() + " twice");
+        f.fail("mlp_only_layers", "lists layer " + std::to_string(v.get<int64_t>()) + " twice");
       listed[static_cast<size_t>(v.get<int64_t>())] = true;
       c.mlp_only_layers.push_back(v.get<int64_t>());
     }

@@ -348,4 +348,52 @@ nlohmann::json parse_json_document(std::string_view text, const std::string& sou
   }
 }
 
+std::string json_excerpt(const json& value, size_t max_bytes) {
+  std::string out;
+  // A key or string longer than the limit is cut before it is escaped, so its cost is bounded
+  // too; a sequence split by the cut is replaced rather than refused.
+  auto quoted = [&](const std::string& s) {
+    out += json(s.substr(0, max_bytes + 1)).dump(-1, ' ', false, json::error_handler_t::replace);
+  };
+  struct Open {
+    const json* node;
+    json::const_iterator next;
+  };
+  std::vector<Open> open;
+  const json* pending = &value;
+  // Every step writes at least one byte, so the loop ends soon after the limit.
+  while (out.size() <= max_bytes) {
+    if (pending) {
+      if (pending->is_structured()) {
+        out += pending->is_object() ? '{' : '[';
+        open.push_back({pending, pending->cbegin()});
+      } else if (pending->is_string()) {
+        quoted(pending->get_ref<const std::string&>());
+      } else {
+        out += pending->dump();
+      }
+      pending = nullptr;
+      continue;
+    }
+    if (open.empty()) return out;
+    Open& o = open.back();
+    if (o.next == o.node->cend()) {
+      out += o.node->is_object() ? '}' : ']';
+      open.pop_back();
+      continue;
+    }
+    if (o.next != o.node->cbegin()) out += ',';
+    if (o.node->is_object()) {
+      quoted(o.next.key());
+      out += ':';
+    }
+    pending = &*o.next;
+    ++o.next;
+  }
+  size_t cut = max_bytes;
+  while (cut > 0 && (static_cast<unsigned char>(out[cut]) & 0xC0) == 0x80) --cut;
+  out.resize(cut);
+  return out + "...";
+}
+
 }  // namespace tandem

@@ -32,4 +32,9 @@ struct ReleaseJsonOnExit {
 // The same for a document read from `source` (a file name): errors start with it.
 nlohmann::json parse_json_document(std::string_view text, const std::string& source);
 
+// A value quoted in an error message: its compact JSON text, cut after about `max_bytes` with
+// "..." marking the cut. nlohmann's dump() recurses (a value nested 100,000 deep overflows the
+// stack) and writes the whole value (a 10 MB list in a message); this stops at the limit.
+std::string json_excerpt(const nlohmann::json& value, size_t max_bytes = 100);
+
 }  // namespace tandem

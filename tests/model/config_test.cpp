@@ -332,6 +332,42 @@ TEST(Config, LoadNamesTheFile) {
   EXPECT_THROW(ModelConfig::load(dir / "absent"), Error);
 }
 
+// Messages quote a field's value. nlohmann's dump() recurses, so a value nested 100,000 deep (a
+// 200 KB config.json) crashed the loader with SIGSEGV; the file is now read with a depth limit and
+// quoted values are cut short, however deep or long.
+TEST(Config, DeepOrHugeValuesAreRefusedWithShortMessages) {
+  test::TempDir dir("config-deep");
+  json doc = json::parse(kV3);
+  doc["vocab_size"] = 0;
+  std::string text = doc.dump();
+  const std::string field = "\"vocab_size\":0";
+  ASSERT_NE(text.find(field), std::string::npos);
+  text.replace(text.find(field), field.size(),
+               "\"vocab_size\":" + std::string(100000, '[') + std::string(100000, ']'));
+  test::write_bytes(dir / "config.json", text);
+  try {
+    ModelConfig::load(dir.path());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("config.json"), HasSubstr("nesting")));
+  }
+
+  // The same values given to parse() as documents: only the field and the first bytes appear.
+  json deep = json::array();
+  json* at = &deep;
+  for (int i = 0; i < 100000; ++i) at = &at->emplace_back(json::array());
+  json wide = json::array();
+  for (int i = 0; i < 1000000; ++i) wide.push_back(i);
+  for (json* value : {&deep, &wide}) {
+    doc = json::parse(kV3);
+    doc["vocab_size"] = std::move(*value);
+    const std::string msg = parse_error(doc);
+    EXPECT_THAT(
+        msg, AllOf(HasSubstr("'vocab_size'"), HasSubstr("must be an integer"), HasSubstr("...")));
+    EXPECT_LT(msg.size(), 300u) << msg.substr(0, 300);
+  }
+}
+
 struct BadCase {
   const char* what;
   std::function<void(json&)> edit;

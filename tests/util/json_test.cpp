@@ -313,5 +313,22 @@ TEST(Json, ErrorsSayWhatAndWhere) {
   }
 }
 
+TEST(Json, ExcerptsAreTheJsonTextCutShort) {
+  EXPECT_EQ(json_excerpt(json::parse(R"({"a": [1, "x", null, {}], "b": 2.5})")),
+            R"({"a":[1,"x",null,{}],"b":2.5})");
+  EXPECT_EQ(json_excerpt(json::parse("[1, 2, 3, 4]"), 4), "[1,2...");
+  EXPECT_EQ(json_excerpt(json(std::string(1000, 'a')), 10), "\"aaaaaaaaa...");
+  // A cut never splits a UTF-8 sequence: "é" is two bytes, the cut at byte 2 falls inside it.
+  EXPECT_EQ(json_excerpt(json("\u00e9\u00e9"), 2), "\"...");
+  // nlohmann's dump() of 100,000 levels overflows the stack; an excerpt stops at its limit.
+  json deep = json::array();
+  json* at = &deep;
+  for (int i = 0; i < 100000; ++i) at = &at->emplace_back(json::array());
+  EXPECT_EQ(json_excerpt(deep, 5), "[[[[[...");
+  json wide = json::object();
+  for (int i = 0; i < 100000; ++i) wide[std::to_string(i)] = i;
+  EXPECT_EQ(json_excerpt(wide, 12), R"({"0":0,"1":1...)");
+}
+
 }  // namespace
 }  // namespace tandem
