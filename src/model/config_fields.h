@@ -58,6 +58,10 @@ class Fields {
 
   int64_t integer(const std::string& key, const json& v) const {
     if (!v.is_number_integer()) fail(key, "must be an integer, got " + json_excerpt(v));
+    // get<int64_t>() would wrap 2^64 - 1 to -1, and the message would name a value never given.
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX})
+      fail(key, "is " + std::to_string(v.get<uint64_t>()) + ", above the limit of " +
+                    std::to_string(INT64_MAX));
     return v.get<int64_t>();
   }
   int64_t integer(const std::string& key) { return integer(key, need(key)); }

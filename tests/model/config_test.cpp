@@ -501,6 +501,13 @@ TEST(Config, ErrorsNameTheField) {
       {"vocabulary beyond the limit",
        [](json& d) { d["vocab_size"] = int64_t{1} << 40; },
        {"'vocab_size'", "limit"}},
+      // Read as int64_t, 2^64 - 1 was reported as "must be positive, got -1".
+      {"vocabulary beyond 64-bit integers",
+       [](json& d) { d["vocab_size"] = UINT64_MAX; },
+       {"'vocab_size'", "is 18446744073709551615, above the limit of 9223372036854775807"}},
+      {"token id beyond 64-bit integers",
+       [](json& d) { d["bos_token_id"] = uint64_t{1} << 63; },
+       {"'bos_token_id'", "is 9223372036854775808, above the limit"}},
       {"fp8 block beyond the limit",
        [](json& d) {
          d["quantization_config"]["weight_block_size"] = {int64_t{1} << 62, 128};
