@@ -7,8 +7,10 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -21,6 +23,7 @@
 #include <zmq_addon.hpp>
 
 #include "util/error.h"
+#include "util/log_throttle.h"
 #include "util/zmq_endpoint.h"
 
 namespace tandem::gateway {
@@ -157,6 +160,12 @@ std::optional<KvEventRecord> decode_event(const object& o) {
     }
     if (const object* bs = f.get("block_size", 3); !is_nil(bs)) {
       e.block_size = as_int(*bs, "block_size");
+      // 0 (or less) is a placeholder, not indexed (apply_kv_event_batch); the batch's other
+      // events still apply.
+      if (e.block_size > kMaxKvEventBlockSize) {
+        throw Error("kv event: 'block_size' must be at most " +
+                    std::to_string(kMaxKvEventBlockSize) + ", got " + std::to_string(e.block_size));
+      }
     }
     if (const object* m = f.get("medium", 5); !is_nil(m)) e.medium = as_str(*m, "medium");
     if (!is_nil(f.get("lora_id", 4)) || !is_nil(f.get("lora_name", 6)) ||
@@ -234,7 +243,7 @@ int64_t apply_kv_event_batch(PrefixIndex& index, EngineKey engine,
     switch (e.kind) {
       case KvEventRecord::Kind::kBlockStored: {
         if (!e.indexable || e.block_size <= 0 || e.block_hashes.empty()) break;
-        if (e.token_ids.size() != e.block_hashes.size() * static_cast<size_t>(e.block_size)) break;
+        if (!tokens_fill_blocks(e.token_ids.size(), e.block_hashes.size(), e.block_size)) break;
         if (index.block_size(engine) != e.block_size) index.set_block_size(engine, e.block_size);
         if (index.add_blocks(engine, e.block_hashes, e.token_ids, e.parent_block_hash, e.medium)) {
           ++applied;
@@ -272,6 +281,7 @@ struct KvEventsConsumer::Impl {
   bool stopped = false;
 
   // Owned by the thread.
+  LogThrottle log_throttle{std::chrono::seconds(10)};
   uint64_t next_seq = 0;
   bool applied_any = false;
   std::optional<uint64_t> last_live;
@@ -304,12 +314,26 @@ struct KvEventsConsumer::Impl {
         s.events += n;
         s.last_seq = seq;
       });
-    } catch (const Error&) {
-      // A batch we cannot read is skipped, not retried: the seq is spent either way.
+    } catch (const std::exception& e) {
+      // A batch we cannot read or apply is skipped, not retried: the seq is spent either way.
+      // Any exception: one escaping this thread ends the whole gateway (std::terminate).
       update([&](KvEventsConsumerStats& s) {
         ++s.malformed;
         s.last_seq = seq;
       });
+      report("skipped batch " + std::to_string(seq), e.what());
+    }
+  }
+
+  // A publisher decides how often this happens: one line per 10 s at most, with a count.
+  void report(const std::string& what, const char* why) {
+    if (const auto held_back = log_throttle.admit(LogThrottle::Clock::now())) {
+      std::fprintf(stderr, "tandem gateway: KV events from %s: %s: %s%s\n",
+                   options.endpoint.c_str(), what.c_str(), why,
+                   *held_back > 0 ? (" (and " + std::to_string(*held_back) +
+                                     " more such errors since the last line)")
+                                        .c_str()
+                                  : "");
     }
   }
 
@@ -392,10 +416,34 @@ struct KvEventsConsumer::Impl {
     apply(seq, frames[2], /*replayed=*/false);
   }
 
+  // The thread's body. Nothing may escape it (the process would end): a message that cannot be
+  // handled is counted as malformed; a failure of the loop itself (sockets) ends this consumer
+  // only, leaving the index as it was for the engine.
   void run() {
+    try {
+      follow();
+    } catch (const std::exception& e) {
+      report("stopped following the engine", e.what());
+    } catch (...) {
+      report("stopped following the engine", "an unknown error");
+    }
+  }
+
+  // One message, whatever it holds: counted as malformed if handling it throws.
+  template <typename F>
+  void guarded(F&& handle) {
+    try {
+      handle();
+    } catch (const std::exception& e) {
+      update([](KvEventsConsumerStats& s) { ++s.malformed; });
+      report("skipped a message", e.what());
+    }
+  }
+
+  void follow() {
     // Subscribed before the warm-up, so nothing published after the replay's snapshot is lost;
     // what both deliver is applied once (by seq).
-    replay();
+    guarded([this] { replay(); });
     zmq_pollitem_t items[2] = {{sub.handle(), 0, ZMQ_POLLIN, 0}, {nullptr, wake_fd, ZMQ_POLLIN, 0}};
     while (!should_stop()) {
       try {
@@ -410,7 +458,7 @@ struct KvEventsConsumer::Impl {
         if (!zmq::recv_multipart(sub, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
           break;
         }
-        on_live(frames);
+        guarded([&] { on_live(frames); });
       }
     }
   }

@@ -34,6 +34,11 @@ namespace tandem::gateway {
 
 // ---- decoding (exposed for tests) ----
 
+// The largest block_size a BlockStored may name. Engines use 16..a few thousand tokens (vLLM's
+// hybrid models pad theirs to match a Mamba state's pages); each block's tokens are hashed in
+// one buffer, so a publisher naming 2^61 would have the gateway allocate that.
+inline constexpr int64_t kMaxKvEventBlockSize = int64_t{1} << 16;
+
 struct KvEventRecord {
   enum class Kind { kBlockStored, kBlockRemoved, kAllBlocksCleared };
   Kind kind = Kind::kAllBlocksCleared;
@@ -55,7 +60,8 @@ struct KvEventBatchRecord {
   std::optional<int64_t> data_parallel_rank;
 };
 
-// Decodes one msgpack payload. Throws tandem::Error naming what is malformed.
+// Decodes one msgpack payload. Throws tandem::Error naming what is malformed (a block_size
+// above kMaxKvEventBlockSize included).
 KvEventBatchRecord decode_kv_event_payload(std::string_view payload);
 
 // Applies a decoded batch to the index as engine `engine`'s events. A BlockStored whose
@@ -87,7 +93,7 @@ struct KvEventsConsumerStats {
   int64_t gaps = 0;                  // gaps seen (warm-up included)
   int64_t unfilled_gaps = 0;         // gaps replay could not fill (the engine was cleared)
   int64_t restarts = 0;              // engine restarts detected
-  int64_t malformed = 0;             // messages or payloads that could not be decoded
+  int64_t malformed = 0;             // messages or payloads that could not be decoded or applied
   std::optional<uint64_t> last_seq;  // the last seq applied
 };
 

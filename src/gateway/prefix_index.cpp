@@ -227,7 +227,7 @@ bool PrefixIndex::add_blocks(EngineKey engine, std::span<const uint64_t> engine_
   Impl& s = *impl_;
   Engine& e = s.engine(engine);
   const auto bs = static_cast<size_t>(e.block_size);
-  if (token_ids.size() != engine_hashes.size() * bs) return false;
+  if (!tokens_fill_blocks(token_ids.size(), engine_hashes.size(), e.block_size)) return false;
   // Before the parent is looked up: an orphan shows the engine's hashing as well as any store.
   if (e.hashing == Hashing::kUnknown && !engine_hashes.empty()) {
     const Hashing shown = hashing_shown_by(engine_hashes, token_ids, parent, bs);

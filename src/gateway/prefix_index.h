@@ -57,6 +57,13 @@ using EngineKey = int;
 
 inline constexpr int64_t kDefaultKvBlockSize = 16;
 
+// Whether `tokens` token ids are exactly `blocks` full blocks of `block_size` (>= 1). Divides
+// rather than multiplies: a publisher names the counts, and 8 blocks of 2^61 tokens wrap to 0.
+inline bool tokens_fill_blocks(size_t tokens, size_t blocks, int64_t block_size) {
+  const auto bs = static_cast<size_t>(block_size);
+  return block_size >= 1 && tokens % bs == 0 && tokens / bs == blocks;
+}
+
 struct PrefixMatch {
   EngineKey engine = 0;
   int64_t blocks = 0;  // leading full blocks of the prompt the engine holds

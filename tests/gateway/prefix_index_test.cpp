@@ -240,6 +240,19 @@ TEST(PrefixIndex, SaltedStoresMatchOnlyTheirSalt) {
   EXPECT_EQ(index.match_depth(4, c), 1);
 }
 
+// A store's token count is checked against its blocks without multiplying them: 8 blocks of
+// 2^61 tokens made 2^64, which wrapped to 0 and matched an empty token list, and hashing the
+// first block asked for a 2^63-byte buffer (std::length_error on the KV-event thread).
+TEST(PrefixIndex, AStoreWhoseBlocksWouldOverflowItsTokenCountIsRefused) {
+  PrefixIndex index;
+  index.set_block_size(1, int64_t{1} << 61);
+  EXPECT_FALSE(index.add_blocks(1, std::vector<uint64_t>(8, 5), {}, std::nullopt));
+  index.set_block_size(2, int64_t{1} << 62);
+  EXPECT_FALSE(index.add_blocks(2, std::vector<uint64_t>(4, 5), {}, std::nullopt));
+  EXPECT_EQ(index.num_blocks(1) + index.num_blocks(2), 0);
+  EXPECT_EQ(index.stats().entries, 0);
+}
+
 TEST(PrefixIndex, EvictsLeastRecentlyUsedWithinTheBound) {
   PrefixIndex index(4);
   index.set_block_size(1, 2);
@@ -528,6 +541,46 @@ TEST(KvEventDecoding, MalformedPayloadsThrow) {
   EXPECT_NE(message(view(no_events)).find("'events'"), std::string::npos);
 }
 
+// A BlockStored's block_size bounds the tokens each of its blocks hashes: one past any engine's
+// (vLLM's are 16..a few thousand) is a broken or hostile publisher's, and its batch is skipped.
+// 0 and less stay placeholders: decoded, not indexed.
+TEST(KvEventDecoding, ABlockSizeAbove65536IsMalformed) {
+  const auto store = [](int64_t block_size) {
+    engine::BlockStored s;
+    s.block_hashes = std::vector<uint64_t>(8, 5);
+    s.block_size = block_size;
+    return engine::encode_kv_event_batch({1.0, {s}, {}});
+  };
+  for (const int64_t bad : {int64_t{1} << 61, int64_t{1} << 62, int64_t{65537}}) {
+    try {
+      decode_kv_event_payload(store(bad));
+      ADD_FAILURE() << "block_size " << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'block_size'"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(decode_kv_event_payload(store(65536)).events.at(0).block_size, 65536);
+  PrefixIndex index;
+  for (const int64_t placeholder : {int64_t{0}, int64_t{-16}})
+    EXPECT_EQ(apply_kv_event_batch(index, 1, decode_kv_event_payload(store(placeholder))), 0);
+}
+
+// What decodes is applied only when its tokens fill its blocks, whatever the record says: a
+// wrapped product let 4 blocks of 2^62 tokens set that block size on the engine.
+TEST(KvEventDecoding, AStoreWhoseTokensDoNotFillItsBlocksIsNotApplied) {
+  PrefixIndex index;
+  for (const auto& [blocks, block_size] :
+       {std::pair{size_t{8}, int64_t{1} << 61}, std::pair{size_t{4}, int64_t{1} << 62}}) {
+    KvEventRecord e;
+    e.kind = KvEventRecord::Kind::kBlockStored;
+    e.block_hashes = std::vector<uint64_t>(blocks, 5);
+    e.block_size = block_size;
+    EXPECT_EQ(apply_kv_event_batch(index, 1, {1.0, {e}, {}}), 0);
+  }
+  EXPECT_EQ(index.block_size(1), kDefaultKvBlockSize);
+  EXPECT_EQ(index.num_blocks(1), 0);
+}
+
 // Found by fuzz/kv_events_fuzz.cpp: msgpack allocates a container's elements when it reads its
 // count, so a few bytes claiming 2^32 entries asked for 128 GB (std::bad_alloc, or the memory).
 // Counts beyond the payload's size and nesting beyond any batch's are malformed msgpack now.
@@ -778,6 +831,29 @@ TEST(KvEventsConsumer, AnOversizedBatchIsNeverApplied) {
   EXPECT_EQ(index.match_depth(3, chain_tokens(2)), 0);
   EXPECT_EQ(consumer->stats().batches, before.batches);
   consumer.reset();  // returns: the thread is not stuck on the refused message
+}
+
+// A batch that cannot be applied is counted and skipped, and the consumer goes on with the
+// next: the one above (8 blocks of 2^61 tokens) ended the consumer's thread with an exception,
+// which ended the gateway (std::terminate).
+TEST(KvEventsConsumer, AMalformedBatchIsCountedAndTheNextOneApplied) {
+  ScriptedPublisher pub;
+  PrefixIndex index;
+  KvEventsConsumer consumer(index, options_for(pub, 3));
+  uint64_t seq = publish_until_live(pub, consumer, 0);
+  const auto before = consumer.stats();
+
+  engine::BlockStored hostile;
+  hostile.block_hashes = std::vector<uint64_t>(8, 5);
+  hostile.block_size = int64_t{1} << 61;
+  pub.publish(seq, engine::encode_kv_event_batch({1.0, {hostile}, {}}));
+  pub.publish(seq + 1, store_payload(our_first(0), std::nullopt, 0));
+  ASSERT_TRUE(consumer.wait_for_seq(seq + 1, 10000));
+  const auto after = consumer.stats();
+  EXPECT_EQ(after.malformed, before.malformed + 1);
+  EXPECT_EQ(after.batches, before.batches + 1);
+  EXPECT_EQ(index.match_depth(3, chain_tokens(1)), 1);
+  EXPECT_EQ(index.block_size(3), 2);
 }
 
 TEST(KvEventsConsumer, LateConsumerWarmsUpFromReplay) {
