@@ -69,17 +69,24 @@ class SchedulingThread::Impl {
   bool on_thread() const { return std::this_thread::get_id() == thread_id_.load(); }
 
  private:
-  // Runs everything queued. A task that throws is reported and dropped: the thread that owns
-  // every decision must not die with it.
+  // A task that throws, posted or a timer's, is reported and dropped: the thread that owns every
+  // decision must not die with it (an exception leaving it ends the process).
+  static void run_reported(Task& task) {
+    try {
+      task();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "tandem gateway: a scheduling task failed: %s\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "tandem gateway: a scheduling task failed: an unknown error\n");
+    }
+  }
+
+  // Runs everything queued.
   void drain() {
     Task* t = nullptr;
     while (queue_.pop(t)) {
       std::unique_ptr<Task> owned(t);
-      try {
-        (*owned)();
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "tandem gateway: a scheduling task failed: %s\n", e.what());
-      }
+      run_reported(*owned);
     }
   }
 
@@ -94,7 +101,7 @@ class SchedulingThread::Impl {
         // Moved out before erasing: the task may arm or cancel timers.
         Task task = std::move(timers_.begin()->second);
         timers_.erase(timers_.begin());
-        task();
+        run_reported(task);
       }
       // Announce the park, then look once more: a post() that pushed before this check is
       // seen here, one that pushes after it sees sleeping_ and wakes us (both seq_cst).

@@ -8,6 +8,7 @@
 #include <future>
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -646,6 +647,31 @@ TEST(SchedulingThread, CancelledTimersNeverRunAndFreeTheirTasksAtOnce) {
   const auto got = result.get_future().get();
   s.stop();
   EXPECT_EQ(got, (std::vector<std::string>{"freed", "twin"}));
+}
+
+// A timer's task ran outside the guard posted tasks have: one that threw ended the scheduling
+// thread, and with it the gateway (std::terminate).
+TEST(SchedulingThread, TasksAndTimersThatThrowAreReportedAndTheThreadGoesOn) {
+  SchedulingThread s;
+  s.start();
+  std::promise<std::vector<std::string>> result;
+  std::vector<std::string> log;  // scheduling thread only
+  s.post([] { throw std::runtime_error("a posted task's failure"); });
+  s.post([&] {
+    const auto now = SchedClock::now();
+    s.at(now, [] { throw std::runtime_error("a timer's failure"); });
+    s.at(now, [] { throw 42; });  // not even a std::exception
+    s.at(now, [&] {
+      log.push_back("timer");
+      s.post([&] {
+        log.push_back("posted");
+        result.set_value(log);
+      });
+    });
+  });
+  const auto got = result.get_future().get();
+  s.stop();
+  EXPECT_EQ(got, (std::vector<std::string>{"timer", "posted"}));
 }
 
 TEST(SchedulingThread, StopDropsPendingTimers) {
