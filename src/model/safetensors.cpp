@@ -1,8 +1,6 @@
 #include "model/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -54,26 +52,14 @@ struct Mapping {
 };
 
 std::unique_ptr<Mapping> map_file(const fs::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(path.string() + ": cannot open: " + std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw Error(path.string() + ": cannot stat: " + std::strerror(err));
-  }
+  const RegularFile file(path);
   auto m = std::make_unique<Mapping>();
-  m->size = static_cast<size_t>(st.st_size);
+  m->size = static_cast<size_t>(file.size());
   if (m->size > 0) {
-    void* addr = ::mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (addr == MAP_FAILED) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(path.string() + ": cannot map: " + std::strerror(err));
-    }
+    void* addr = ::mmap(nullptr, m->size, PROT_READ, MAP_PRIVATE, file.fd(), 0);
+    if (addr == MAP_FAILED) throw Error(path.string() + ": cannot map: " + std::strerror(errno));
     m->addr = addr;
   }
-  ::close(fd);
   return m;
 }
 
@@ -315,7 +301,7 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   if (fs::exists(index_path)) {
     json index;
     try {
-      const std::string text = read_file(index_path);
+      const std::string text = read_regular_file(index_path);
       index = parse_rejecting_duplicates(text.begin(), text.end(), index_path.string());
     } catch (const json::exception& e) {
       throw Error(index_path.string() + ": malformed JSON: " + e.what());

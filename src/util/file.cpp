@@ -1,5 +1,9 @@
 #include "util/file.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -16,6 +20,65 @@ std::string read_file(const std::filesystem::path& path) {
   out << in.rdbuf();
   if (in.bad()) throw Error("error while reading " + path.string());
   return std::move(out).str();
+}
+
+namespace {
+
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "something else";
+}
+
+}  // namespace
+
+RegularFile::RegularFile(const std::filesystem::path& path) {
+  // O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd_ < 0) throw Error(path.string() + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    throw Error(path.string() + ": cannot stat: " + std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    throw Error(path.string() + ": not a regular file (it is " + kind_of(st.st_mode) + ")");
+  }
+  // Reads of a regular file ignore O_NONBLOCK on Linux, but not every file system promises it.
+  const int flags = ::fcntl(fd_, F_GETFL);
+  if (flags >= 0) ::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
+  size_ = static_cast<uint64_t>(st.st_size);
+}
+
+RegularFile::~RegularFile() {
+  ::close(fd_);
+}
+
+std::string read_regular_file(const std::filesystem::path& path, uint64_t max_bytes) {
+  const RegularFile file(path);
+  if (file.size() > max_bytes)
+    throw Error(path.string() + ": is " + std::to_string(file.size()) +
+                " bytes, above the limit of " + std::to_string(max_bytes));
+  std::string out;
+  out.reserve(static_cast<size_t>(file.size()));
+  char buffer[1 << 16];
+  // Up to end of file rather than the size fstat gave: a file may grow or shrink meanwhile, and
+  // some (those of /proc) report a size of 0.
+  for (;;) {
+    const ssize_t n = ::read(file.fd(), buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw Error(path.string() + ": cannot read: " + std::strerror(errno));
+    if (n == 0) return out;
+    if (out.size() + static_cast<size_t>(n) > max_bytes)
+      throw Error(path.string() + ": grew past the limit of " + std::to_string(max_bytes) +
+                  " bytes while being read");
+    out.append(buffer, static_cast<size_t>(n));
+  }
 }
 
 void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {

@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
@@ -7,6 +8,28 @@ namespace tandem {
 
 // Reads a whole file; throws tandem::Error naming the path when it cannot be read.
 std::string read_file(const std::filesystem::path& path);
+
+// A file opened for reading that is a regular file. A FIFO where a data file is expected would
+// block open() until some writer came, and reading or mapping a directory fails with a message
+// that names neither ("No such device"), so anything else is refused naming the path and its
+// kind. The open does not block, so there is no window between a check and a blocking open.
+class RegularFile {
+ public:
+  explicit RegularFile(const std::filesystem::path& path);
+  ~RegularFile();
+  RegularFile(const RegularFile&) = delete;
+  RegularFile& operator=(const RegularFile&) = delete;
+  int fd() const { return fd_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+// The whole of a regular file (RegularFile's checks) of at most `max_bytes`; throws
+// tandem::Error naming the path otherwise, before reading anything when the file is too large.
+std::string read_regular_file(const std::filesystem::path& path, uint64_t max_bytes = UINT64_MAX);
 
 // Writes `bytes` to a temporary file beside `path` and renames it into place, so a reader never
 // sees a half-written file; throws tandem::Error naming the path on failure.

@@ -10,6 +10,7 @@
 
 #include "model/model_test_support.h"
 #include "util/error.h"
+#include "util/fifo.h"
 
 namespace tandem::model {
 namespace {
@@ -330,6 +331,16 @@ TEST(Config, LoadNamesTheFile) {
     EXPECT_THAT(e.what(), AllOf(HasSubstr("config.json"), HasSubstr("malformed")));
   }
   EXPECT_THROW(ModelConfig::load(dir / "absent"), Error);
+  // A FIFO blocked the load until some writer came.
+  std::filesystem::remove(dir / "config.json");
+  const test::Fifo fifo(dir / "config.json");
+  try {
+    ModelConfig::load(dir.path());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              (dir / "config.json").string() + ": not a regular file (it is a FIFO)");
+  }
 }
 
 // Messages quote a field's value. nlohmann's dump() recurses, so a value nested 100,000 deep (a

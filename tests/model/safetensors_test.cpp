@@ -12,6 +12,7 @@
 #include "model/model_test_support.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
+#include "util/fifo.h"
 
 namespace tandem::model {
 namespace {
@@ -376,6 +377,38 @@ TEST(SafetensorsErrors, MissingShardAndIndexMismatches) {
   test::write_bytes(dir / "model.safetensors.index.json", "{\"weight_map\": [}");
   EXPECT_THAT(open_error(dir.path()),
               AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("malformed")));
+}
+
+// A FIFO in the model folder blocked the load in open() until some writer came, and a directory
+// as a shard was "cannot map: No such device".
+TEST(SafetensorsErrors, FilesThatAreNotRegularAreRefusedNamingThem) {
+  test::TempDir single("st-fifo");
+  {
+    const test::Fifo fifo(single / "model.safetensors");
+    EXPECT_EQ(open_error(single.path()),
+              (single / "model.safetensors").string() + ": not a regular file (it is a FIFO)");
+  }
+  test::TempDir dir("st-fifo-shards");
+  write_checkpoint(dir.path(), {{"a", DType::kF32, {64}}, {"b", DType::kF32, {64}}}, fill_pattern,
+                   300);
+  const std::string second = "model-00002-of-00002.safetensors";
+  const std::string index_text = test::read_bytes(dir / "model.safetensors.index.json");
+  fs::remove(dir / second);
+  {
+    const test::Fifo fifo(dir / second);
+    EXPECT_EQ(open_error(dir.path()),
+              (dir / second).string() + ": not a regular file (it is a FIFO)");
+  }
+  fs::remove(dir / second);
+  fs::create_directory(dir / second);
+  EXPECT_EQ(open_error(dir.path()),
+            (dir / second).string() + ": not a regular file (it is a directory)");
+  fs::remove(dir / "model.safetensors.index.json");
+  {
+    const test::Fifo fifo(dir / "model.safetensors.index.json");
+    EXPECT_EQ(open_error(dir.path()), (dir / "model.safetensors.index.json").string() +
+                                          ": not a regular file (it is a FIFO)");
+  }
 }
 
 TEST(SafetensorsErrors, NoCheckpoint) {
