@@ -590,34 +590,50 @@ TEST_F(EngineServer, LoadCountsAWaitingRequestWithoutItsCachedPrefix) {
 // a 512-token prompt prefilled in 64-token chunks shows as one 64-token step running with the
 // rest of the prompt queued (a multiple of the chunk), then as 8 recorded prefill steps.
 TEST_F(EngineServer, LoadReportsTheRunningStepQueuedPrefillAndStepDurations) {
-  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
-                                 "127.0.0.1", "--port", "0", "--max-num-batched-tokens", "64",
-                                 "--sim-time-scale", "50", "--no-enable-prefix-caching"});
-  const json idle = get_json(engine.port(), "/load");
-  EXPECT_TRUE(idle["step"].is_null());
-  EXPECT_EQ(idle["prefill_tokens"], 0);
-  EXPECT_EQ(idle["prefill_pairs"], 0);
   std::vector<int32_t> prompt;
   for (int i = 0; i < 512; ++i) prompt.push_back(1000 + i);
-  auto answer = std::async(std::launch::async, [&] {
-    json body = {{"prompt", prompt}, {"max_tokens", 2}, {"ignore_eos", true}};
-    return net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
-  });
-  json seen;
-  EXPECT_TRUE(testing::eventually([&] {
-    seen = get_json(engine.port(), "/load");
-    return !seen["step"].is_null() && seen["step"]["tokens"] == 64;
-  }));
-  EXPECT_EQ(seen["step"]["seqs"], 1);
-  EXPECT_GE(seen["step"]["running_for_s"].get<double>(), 0.0);
-  const int64_t queued = seen["prefill_tokens"];
-  EXPECT_LE(queued, 512 - 64);
-  EXPECT_EQ((512 - 64 - queued) % 64, 0) << seen.dump();
-  // Attention pairs: the queue is the prompt's tail, the running step the 64 tokens before it.
-  EXPECT_EQ(seen["prefill_pairs"], api::causal_pairs(512 - queued, 512)) << seen.dump();
-  EXPECT_EQ(seen["step"]["prefill_pairs"], api::causal_pairs(512 - queued - 64, 512 - queued))
-      << seen.dump();
-  EXPECT_EQ(answer.get().status, 200);
+  const json body = {{"prompt", prompt}, {"max_tokens", 2}, {"ignore_eos", true}};
+  {
+    // While it runs: an engine slowed so that a 64-token step takes ~1.6 s and the prompt's
+    // eight ~13 s, so that a poll lands in one however late a loaded machine sends it; stopping
+    // the engine ends the request.
+    testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                   "127.0.0.1", "--port", "0", "--max-num-batched-tokens", "64",
+                                   "--sim-time-scale", "500", "--no-enable-prefix-caching"});
+    const json idle = get_json(engine.port(), "/load");
+    EXPECT_TRUE(idle["step"].is_null());
+    EXPECT_EQ(idle["prefill_tokens"], 0);
+    EXPECT_EQ(idle["prefill_pairs"], 0);
+    auto answer = std::async(std::launch::async, [&] {
+      return net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+    });
+    json seen;
+    EXPECT_TRUE(testing::eventually([&] {
+      seen = get_json(engine.port(), "/load");
+      return !seen["step"].is_null() && seen["step"]["tokens"] == 64;
+    }));
+    EXPECT_EQ(seen["step"]["seqs"], 1);
+    EXPECT_GE(seen["step"]["running_for_s"].get<double>(), 0.0);
+    const int64_t queued = seen["prefill_tokens"];
+    EXPECT_LE(queued, 512 - 64);
+    EXPECT_EQ((512 - 64 - queued) % 64, 0) << seen.dump();
+    // Attention pairs: the queue is the prompt's tail, the running step the 64 tokens before it.
+    EXPECT_EQ(seen["prefill_pairs"], api::causal_pairs(512 - queued, 512)) << seen.dump();
+    EXPECT_EQ(seen["step"]["prefill_pairs"], api::causal_pairs(512 - queued - 64, 512 - queued))
+        << seen.dump();
+    EXPECT_EQ(engine.stop(), 0);
+    try {
+      answer.get();
+    } catch (const std::exception&) {
+    }
+  }
+  // Once done: the same request on an engine at the model's own speed, awaited to its end.
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--max-num-batched-tokens", "64",
+                                 "--no-enable-prefix-caching"});
+  const auto answer =
+      net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", body.dump());
+  EXPECT_EQ(answer.status, 200) << answer.body;
   ASSERT_TRUE(wait_idle(engine.port()));
   const json done = get_json(engine.port(), "/load");
   EXPECT_EQ(done["prefill_tokens"], 0);
