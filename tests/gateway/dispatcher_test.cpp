@@ -695,7 +695,9 @@ TEST(Dispatcher, ARequestNoEngineTakesWithinTheQueueTimeoutGets503SayingWhy) {
   c.clock.advance_by(milliseconds(1));
   EXPECT_EQ(waiting->status, 503);
   EXPECT_NE(waiting->error_message.find("queue timeout"), std::string::npos);
-  EXPECT_NE(waiting->error_message.find("1 at the in-flight limit"), std::string::npos);
+  EXPECT_NE(waiting->error_message.find("decode pool: 1 engine, 1 at the in-flight limit"),
+            std::string::npos)
+      << waiting->error_message;
   EXPECT_FALSE(running->complete());
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
 }
