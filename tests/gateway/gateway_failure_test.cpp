@@ -49,6 +49,44 @@ bool eventually(const std::function<bool()>& done, std::chrono::milliseconds lim
   return done();
 }
 
+// A client on a raw connection that has sent a POST of `body` to /v1/completions and reads
+// nothing: it leaves when the test says so (or is destroyed), not on a timer. receive_buffer > 0
+// shrinks its receive buffer first, so that the kernel holds little of the answer for it.
+class RawClient {
+ public:
+  RawClient(uint16_t port, const std::string& body, int receive_buffer = 0)
+      : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    if (fd_ < 0) throw Error("socket failed");
+    if (receive_buffer > 0 &&
+        ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer) != 0)
+      throw Error("setsockopt SO_RCVBUF failed");
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0)
+      throw Error("cannot connect to the gateway");
+    const std::string request =
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        "Content-Length: " +
+        std::to_string(body.size()) + "\r\n\r\n" + body;
+    if (::send(fd_, request.data(), request.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(request.size()))
+      throw Error("cannot send the request");
+  }
+  ~RawClient() { leave(); }
+  RawClient(const RawClient&) = delete;
+  RawClient& operator=(const RawClient&) = delete;
+  // Closes the connection: the client went away.
+  void leave() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
 // Each test runs twice: with two io threads the decisions run on a scheduling thread of their
 // own; with one, on the io thread itself (IoThreadExecutor).
 class GatewayFailures : public ::testing::TestWithParam<int> {
@@ -312,13 +350,7 @@ TEST_P(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
   t.prefill.endpoints = {endpoint_of(prefill, "p", 7001)};
   t.decode.endpoints = {endpoint_of(decode, "d")};
   start(t);
-  auto client = std::async(std::launch::async, [&] {
-    try {
-      net::http_request("127.0.0.1", port(), "POST", "/v1/completions", completion(true).dump(), {},
-                        500ms);
-    } catch (const Error&) {
-    }
-  });
+  RawClient client(port(), completion(true).dump());
   ASSERT_TRUE(eventually([&] { return prefill.held() == 1 && decode.held() == 1; }));
   // While both legs run, the request is listed with its phase.
   const json dbg = json::parse(admin("GET", "/debug/requests").body);
@@ -326,7 +358,7 @@ TEST_P(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
   // Parallel mode: prefilling while the decode leg waits for its first token.
   EXPECT_EQ(dbg["requests"][0]["phase"], "decode_scheduled");
   EXPECT_TRUE(dbg["requests"][0]["phases"].contains("prefilling"));
-  client.get();  // it gave up after 500 ms and closed its connection
+  client.leave();  // it closes its connection
   EXPECT_TRUE(
       eventually([&] { return prefill.closed_early() == 1 && decode.closed_early() == 1; }));
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
@@ -368,27 +400,12 @@ TEST_P(GatewayFailures, AStreamingClientThatNeverReadsIsCutAtTheTopologysHighWat
   t.decode.endpoints = {endpoint_of(e, "e")};
   t.max_unsent_bytes = size_t{256} << 10;
   start(t);
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  const int small = 4096;
-  ASSERT_EQ(::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port());
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr), 0);
-  const std::string body = completion(true).dump();
-  const std::string request =
-      "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-      "Content-Length: " +
-      std::to_string(body.size()) + "\r\n\r\n" + body;
-  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL),
-            static_cast<ssize_t>(request.size()));
+  RawClient client(port(), completion(true).dump(), 4096);
   EXPECT_TRUE(eventually([&] { return e.closed_early() == 1; }, 20s))
       << "the engine's leg was not cancelled";
   ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
   EXPECT_EQ(log_lines()[0]["status"], 499);
-  ::close(fd);
+  client.leave();
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
