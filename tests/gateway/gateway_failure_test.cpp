@@ -264,8 +264,10 @@ TEST_P(GatewayFailures, SlowEnginesHitThePhaseTimeouts) {
   auto t = topology(PdMode::kSequential);
   t.prefill.endpoints = {endpoint_of(slow, "slow"), endpoint_of(fast, "fast")};
   t.decode.endpoints = {endpoint_of(decode, "d")};
-  t.timeouts.prefill = 300ms;
-  t.timeouts.first_token = 300ms;
+  // Every leg has them, the retried prefill and the decode legs too: only the held legs may reach
+  // them, however slowly a loaded machine runs the others (each answers at once).
+  t.timeouts.prefill = 2s;
+  t.timeouts.first_token = 2s;
   start(t);
   // The first request lands on the slow prefill (lowest id); it times out and is retried.
   auto r = post(completion());
