@@ -33,7 +33,9 @@ enum class Behaviour {
   kErrorEvent,  // a stream whose first event is an error
   kError400,    // HTTP 400 with an OpenAI error body (the engine refuses the request)
   kEmpty422,    // HTTP 422 with an empty body
-  kSlowStream,  // a stream of one event every 50 ms for 2 s: a client can leave in the middle
+  // A stream of one event every 50 ms until the gateway gives the leg up (60 s at most): a client
+  // can leave in the middle however late it does.
+  kSlowStream,
   // A stream of 12 MiB as fast as the gateway takes it (16 KiB events), stopping when the gateway
   // gives the leg up: more than socket buffers hold, less than the default high-water mark.
   kFloodStream,
@@ -153,7 +155,7 @@ class FakeEngine {
         ex->start_stream(200, "text/event-stream");
         ex->write(net::sse_event(chunk(0)));
         std::vector<std::string> events;
-        for (int i = 1; i < 40; ++i) events.push_back(net::sse_event(chunk(i)));
+        for (int i = 1; i < 1200; ++i) events.push_back(net::sse_event(chunk(i)));
         std::thread([ex, events = std::move(events)] {
           for (const auto& e : events) {
             std::this_thread::sleep_for(50ms);
