@@ -114,7 +114,9 @@ class GatewayFailures : public ::testing::TestWithParam<int> {
     t.access_log = log_;
     t.admin_api_key = "admin";
     t.health.probe_interval = 100ms;
-    t.health.probe_timeout = 500ms;
+    // Only an engine that stops answering would reach it (none here does): two probes slowed past
+    // it by a loaded machine would eject a healthy fake engine.
+    t.health.probe_timeout = 3s;
     t.health.failures_to_eject = 2;
     t.timeouts.queue = 2s;
     t.timeouts.prefill = 5s;
