@@ -1814,7 +1814,9 @@ TEST_F(KvTransferAgents, ALayoutMismatchFailsTheRoomsPrefillLegInEitherOrder) {
 // When the prefill leg of a room fails before its decode engine registered, the room keeps the
 // reason (until the timeout) so a late registration fails at once with it.
 TEST_F(KvTransferAgents, RoomFailedBeforeTheDecodeRegistersReachesTheLateDecode) {
-  start(1.0);  // bounds the wait when the reason is lost
+  // The marker lasts for the timeout: however late the registration comes, it finds it. Were the
+  // reason lost, the decode side's 5 s I/O timeout would end the wait.
+  start(600);
   RoomOutcome done;
   ASSERT_TRUE(open(62, kv_prompt_hash(prompt_), 11, room_done(done)));
   prefill_->room_blocks(62, claims_[62], remote_);
