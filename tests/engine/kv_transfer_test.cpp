@@ -1647,17 +1647,18 @@ TEST_F(KvTransferAgents, DecodeRegisteringFirstAndADuplicateRegistration) {
   EXPECT_EQ(prefill_->held_blocks(), 0);
 }
 
-// A long prompt's prefill outlasts both sides' timeouts (1 s here), but each computed chunk
+// A long prompt's prefill outlasts both sides' timeouts (3 s here), but each computed chunk
 // restarts them: the decode engine still gets its KV. A room whose prefill says nothing fails.
+// The chunks come every 100 ms, however late a loaded machine wakes the test (up to 3 s).
 TEST_F(KvTransferAgents, APrefillThatKeepsProgressingOutlastsTheTransferTimeouts) {
-  decode_io_timeout_ = 1000ms;
-  start(/*prefill_timeout_s=*/1);
+  decode_io_timeout_ = 3000ms;
+  start(/*prefill_timeout_s=*/3);
   RoomOutcome done, silent_done;
   ASSERT_TRUE(open(7, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(done)));
   ASSERT_TRUE(open(8, kv_prompt_hash(prompt_), int64_t(prompt_.size()), room_done(silent_done)));
   Outcome o = fetch(enter_room(7, local_, "req-long"));
   Outcome silent = fetch(enter_room(8, {10, 11, 12}, "req-silent"));
-  for (int64_t chunk = 1; chunk <= 25; ++chunk) {  // 2.5 s of prefill, a chunk every 100 ms
+  for (int64_t chunk = 1; chunk <= 35; ++chunk) {  // 3.5 s of prefill at least
     std::this_thread::sleep_for(100ms);
     prefill_->room_progress(7, claims_[7], chunk);
   }
