@@ -1474,8 +1474,12 @@ TEST_F(KvTransferAgents, ABurstOfReleasesIsSentInTurnNotDropped) {
   EXPECT_EQ(accepted, 60u);
 }
 
+// A hold whose pull has begun outlives its timeout. The first pull must begin within the
+// timeout (2 s); then a hold made after it, which has a later deadline, expires: the reaper has
+// looked past the first one's deadline too, and kept it.
 TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
-  start(0.3);
+  decode_io_timeout_ = 60s;  // the first pull waits at the gate for the timeout and more
+  start(2);
   bool released = false;
   const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
                                         [&] { released = true; });
@@ -1487,9 +1491,12 @@ TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
   EXPECT_FALSE(second.ok);
   EXPECT_THAT(second.error, HasSubstr("is being pulled by another connection"));
 
-  // Past the hold's timeout (the reaper looks every 50 ms): a hold in transfer stays.
-  std::this_thread::sleep_for(450ms);
-  queue_.run_pending();
+  // Past the hold's timeout: a hold in transfer stays.
+  bool later_released = false;
+  prefill_->hold({20, 21, 22}, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                 [&] { later_released = true; });
+  EXPECT_TRUE(queue_.run_until([&] { return later_released; }));
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 1);
   EXPECT_FALSE(released);
   EXPECT_EQ(prefill_->held_blocks(), 3);
 
@@ -1500,7 +1507,7 @@ TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
   expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
   EXPECT_TRUE(decode_exec_.data() == expected.data());
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
-  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 0);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 1);  // the later one
 }
 
 TEST_F(KvTransferAgents, CancelFetchEndsATransferInProgress) {
