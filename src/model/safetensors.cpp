@@ -13,6 +13,7 @@
 
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
 
 namespace tandem::model {
 
@@ -34,6 +35,9 @@ constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 // The safetensors library refuses headers above 100 MB; so do we, before parsing anything.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// An index names each tensor once, in about 100 bytes: room for a million tensors, where released
+// checkpoints have under 100,000.
+constexpr uint64_t kMaxIndexBytes = 100'000'000;
 
 std::string quote_name(const std::string& s) {
   return "'" + s + "'";
@@ -63,23 +67,16 @@ std::unique_ptr<Mapping> map_file(const fs::path& path) {
   return m;
 }
 
-// JSON objects may repeat a key and nlohmann keeps the last; in a header or weight_map that would
-// silently drop a tensor's first entry, so a repeated key is an error naming it.
-template <typename It>
-json parse_rejecting_duplicates(It begin, It end, const std::string& where) {
-  std::vector<std::set<std::string>> open;
-  return json::parse(begin, end, [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) {
-      open.emplace_back();
-    } else if (event == json::parse_event_t::object_end) {
-      open.pop_back();
-    } else if (event == json::parse_event_t::key && !open.empty() &&
-               !open.back().insert(parsed.get<std::string>()).second) {
-      throw Error(where + ": key " + quote_name(parsed.get<std::string>()) +
-                  " appears twice in one object");
-    }
-    return true;
-  });
+// A header or weight_map that repeats a key would silently lose a tensor's first entry, so a
+// repeated key is an error naming it. util/json's reader finds a repeat as it inserts the key;
+// nlohmann's callback parser rescans an object's members at its end, which is quadratic in the
+// tensors (3 s for 10,000, hours for a header near the limit).
+json parse_rejecting_duplicates(std::string_view text, const std::string& where) {
+  try {
+    return parse_untrusted_json(text, 64, DuplicateKeys::kRefuse);
+  } catch (const Error& e) {
+    throw Error(where + ": " + e.what());
+  }
 }
 
 // Reads a non-negative integer from a JSON header value.
@@ -118,12 +115,8 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
   const char* header_begin = reinterpret_cast<const char*>(base + 8);
   if (header_len == 0 || header_begin[0] != '{')
     throw Error(where + ": header does not start with '{' (not a safetensors file?)");
-  json header;
-  try {
-    header = parse_rejecting_duplicates(header_begin, header_begin + header_len, where);
-  } catch (const json::exception& e) {
-    throw Error(where + ": malformed header JSON: " + e.what());
-  }
+  const json header =
+      parse_rejecting_duplicates(std::string_view(header_begin, header_len), where + ": header");
   if (!header.is_object()) throw Error(where + ": header is not a JSON object");
 
   const std::byte* data = base + 8 + header_len;
@@ -299,13 +292,8 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   const fs::path index_path = dir / kIndexFile;
   const fs::path single_path = dir / kSingleFile;
   if (fs::exists(index_path)) {
-    json index;
-    try {
-      const std::string text = read_regular_file(index_path);
-      index = parse_rejecting_duplicates(text.begin(), text.end(), index_path.string());
-    } catch (const json::exception& e) {
-      throw Error(index_path.string() + ": malformed JSON: " + e.what());
-    }
+    const json index = parse_rejecting_duplicates(read_regular_file(index_path, kMaxIndexBytes),
+                                                  index_path.string());
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
       throw Error(index_path.string() + ": expected an object with a \"weight_map\" object");
     if (index.contains("metadata") && !index["metadata"].is_object() &&

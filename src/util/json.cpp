@@ -22,11 +22,12 @@ using nlohmann::json;
 // common large body, so integers take a path without strtoull.
 class Reader {
  public:
-  Reader(std::string_view text, size_t max_depth)
+  Reader(std::string_view text, size_t max_depth, DuplicateKeys duplicates)
       : begin_(text.data()),
         p_(text.data()),
         end_(text.data() + text.size()),
-        max_depth_(max_depth) {}
+        max_depth_(max_depth),
+        duplicates_(duplicates) {}
 
   json document() {
     if (end_ - p_ >= 3 && p_[0] == '\xEF' && p_[1] == '\xBB' && p_[2] == '\xBF') p_ += 3;
@@ -110,7 +111,10 @@ class Reader {
     skip_space();
     if (p_ == end_ || *p_ != ':') fail("expected ':' after a member name");
     ++p_;
-    return &(*open.node)[std::move(key)];
+    if (duplicates_ == DuplicateKeys::kLastWins) return &(*open.node)[std::move(key)];
+    const auto [at, added] = open.node->get_ref<json::object_t&>().try_emplace(std::move(key));
+    if (!added) throw Error("key '" + utf8::clip(at->first) + "' appears twice in one object");
+    return &at->second;
   }
 
   // The long arrays are of numbers: one goes straight to the end of an open array.
@@ -305,13 +309,15 @@ class Reader {
   const char* p_;
   const char* end_;
   size_t max_depth_;
+  DuplicateKeys duplicates_;
   std::vector<Open> stack_;
 };
 
 }  // namespace
 
-nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth) {
-  return Reader(text, max_depth).document();
+nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth,
+                                    DuplicateKeys duplicates) {
+  return Reader(text, max_depth, duplicates).document();
 }
 
 void release_json(json& doc) {

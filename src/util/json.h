@@ -14,9 +14,15 @@
 
 namespace tandem {
 
+// What a key repeated in one object means: the last value wins (nlohmann's parsers, and what
+// RFC 8259 leaves to the reader), or the document is refused naming the key, where dropping the
+// earlier value would lose data silently (a safetensors header listing a tensor twice).
+enum class DuplicateKeys { kLastWins, kRefuse };
+
 // Parses `text`, or throws tandem::Error saying what is wrong (malformed JSON with the byte
-// offset, or nesting deeper than `max_depth`).
-nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth = 64);
+// offset, nesting deeper than `max_depth`, or a repeated key refused).
+nlohmann::json parse_untrusted_json(std::string_view text, size_t max_depth = 64,
+                                    DuplicateKeys duplicates = DuplicateKeys::kLastWins);
 
 // Frees a document's contents (it is null afterwards), leaves first. nlohmann's destructor moves
 // every element of every array onto a heap stack before freeing it (to avoid recursion), which

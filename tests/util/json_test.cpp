@@ -313,6 +313,26 @@ TEST(Json, ErrorsSayWhatAndWhere) {
   }
 }
 
+TEST(Json, RepeatedKeysAreRefusedByNameWhenAsked) {
+  const std::string text = R"({"a": {"x": 1, "y": 2}, "b": {"x": 3}, "a": 4})";
+  EXPECT_EQ(parse_untrusted_json(text), json::parse(text));  // the last wins by default
+  try {
+    parse_untrusted_json(text, 64, DuplicateKeys::kRefuse);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "key 'a' appears twice in one object");
+  }
+  // The same key in two objects is no repeat.
+  EXPECT_EQ(parse_untrusted_json(R"({"a": {"x": 1}, "b": {"x": 2}})", 64, DuplicateKeys::kRefuse),
+            json::parse(R"({"a": {"x": 1}, "b": {"x": 2}})"));
+  try {
+    parse_untrusted_json(R"([{"k": 1}, {"k": 2, "k": 3}])", 64, DuplicateKeys::kRefuse);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "key 'k' appears twice in one object");
+  }
+}
+
 TEST(Json, ExcerptsAreTheJsonTextCutShort) {
   EXPECT_EQ(json_excerpt(json::parse(R"({"a": [1, "x", null, {}], "b": 2.5})")),
             R"({"a":[1,"x",null,{}],"b":2.5})");
