@@ -10,6 +10,21 @@ namespace tandem::gateway {
 
 using nlohmann::json;
 
+namespace {
+
+// Runs an admin task on the scheduling thread. Whatever it throws is answered: an exception that
+// left the task unanswered made the server say 'the server did not produce a response'.
+template <typename F>
+void answered(net::Exchange& ex, F&& task) {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    ex.send_error(500, std::string("admin: ") + e.what());
+  }
+}
+
+}  // namespace
+
 Endpoint endpoint_from_json(const json& j) {
   // The topology file's reader: one set of checks for engines however they arrive.
   return parse_endpoint_entry(j.dump(), "endpoint");
@@ -26,13 +41,17 @@ void AdminApi::add_routes(net::HttpServer& server) {
   server.route("GET", "/debug/requests", [this](const net::HttpRequest& req, auto ex) {
     if (!admin_key_accepted(topo_, req, *ex)) return;
     exec_.post([this, ex] {
-      ex->respond(
-          200, dispatcher_.debug_requests().dump(-1, ' ', false, json::error_handler_t::replace));
+      answered(*ex, [&] {
+        ex->respond(
+            200, dispatcher_.debug_requests().dump(-1, ' ', false, json::error_handler_t::replace));
+      });
     });
   });
   server.route("GET", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
     if (!admin_key_accepted(topo_, req, *ex)) return;
-    exec_.post([this, ex] { ex->respond(200, dispatcher_.endpoints_json().dump()); });
+    exec_.post([this, ex] {
+      answered(*ex, [&] { ex->respond(200, dispatcher_.endpoints_json().dump()); });
+    });
   });
   server.route("POST", "/admin/endpoints", [this](const net::HttpRequest& req, auto ex) {
     if (admin_key_accepted(topo_, req, *ex)) add(req, ex);
@@ -65,12 +84,14 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
     return;
   }
   exec_.post([this, ex, prefill, e] {
-    int id = -1;
-    if (auto why = dispatcher_.add_endpoint(prefill, e, &id); !why.empty()) {
-      ex->send_error(400, "admin: " + why);
-      return;
-    }
-    ex->respond(201, dispatcher_.endpoint_json(id).dump());
+    answered(*ex, [&] {
+      int id = -1;
+      if (auto why = dispatcher_.add_endpoint(prefill, e, &id); !why.empty()) {
+        ex->send_error(400, "admin: " + why);
+        return;
+      }
+      ex->respond(201, dispatcher_.endpoint_json(id).dump());
+    });
   });
 }
 
@@ -83,11 +104,13 @@ void AdminApi::remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange
     return;
   }
   exec_.post([this, ex, name] {
-    int64_t in_flight = 0;
-    if (dispatcher_.remove_endpoint(name, &in_flight))
-      ex->respond(200, json{{"removed", name}, {"draining_requests", in_flight}}.dump());
-    else
-      ex->send_error(404, "admin: no endpoint named '" + name + "'");
+    answered(*ex, [&] {
+      int64_t in_flight = 0;
+      if (dispatcher_.remove_endpoint(name, &in_flight))
+        ex->respond(200, json{{"removed", name}, {"draining_requests", in_flight}}.dump());
+      else
+        ex->send_error(404, "admin: no endpoint named '" + name + "'");
+    });
   });
 }
 
@@ -105,8 +128,17 @@ void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
     return;
   }
   exec_.post([this, ex, next] {
-    const auto result = dispatcher_.reload(next);
-    ex->respond(200, json{{"added", result.added}, {"removed", result.removed}}.dump());
+    answered(*ex, [&] {
+      EndpointTable::ReloadResult result;
+      try {
+        result = dispatcher_.reload(next);
+      } catch (const std::exception& err) {
+        // A new engine that cannot join (its KV-event consumer): the reload changed nothing.
+        ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());
+        return;
+      }
+      ex->respond(200, json{{"added", result.added}, {"removed", result.removed}}.dump());
+    });
   });
 }
 

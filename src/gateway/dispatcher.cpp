@@ -521,7 +521,12 @@ bool Dispatcher::prefill_leg_running(Request& r) {
 
 std::string Dispatcher::add_endpoint(bool prefill, const Endpoint& endpoint, int* id) {
   if (auto why = endpoints_.admission_error(prefill, endpoint); !why.empty()) return why;
-  const int added = endpoints_.add(prefill, endpoint);
+  int added = -1;
+  try {
+    added = endpoints_.add(prefill, endpoint);
+  } catch (const std::exception& e) {
+    return e.what();  // its KV-event consumer: nothing was added
+  }
   if (id) *id = added;
   dispatch();
   return {};

@@ -56,6 +56,7 @@ class Dispatcher {
   std::string add_endpoint(bool prefill, const Endpoint& endpoint, int* id = nullptr);
   // Drains the endpoint of that name: false if there is none. `in_flight`: its requests then.
   bool remove_endpoint(const std::string& name, int64_t* in_flight);
+  // Throws, changing nothing, when a new engine cannot join (EndpointTable::reload).
   EndpointTable::ReloadResult reload(const Topology& next);
   nlohmann::json endpoints_json() const;
   nlohmann::json endpoint_json(int id) const;  // null when there is none

@@ -79,9 +79,33 @@ EndpointTable::EndpointTable(const Topology& topology, GatewayMetrics& metrics, 
 
 EndpointTable::~EndpointTable() = default;
 
+std::unique_ptr<KvEventsConsumer> EndpointTable::consumer_for(int id, const Endpoint& endpoint) {
+  if (endpoint.kv_events.empty()) return nullptr;
+  KvEventsConsumerOptions o;
+  o.engine = id;
+  o.endpoint = endpoint.kv_events;
+  o.replay_endpoint = endpoint.kv_events_replay;
+  try {
+    return std::make_unique<KvEventsConsumer>(prefix_index_, o);
+  } catch (...) {
+    prefix_index_.remove_engine(id);  // the constructor registered it before it failed
+    throw;
+  }
+}
+
 int EndpointTable::add(bool prefill, Endpoint endpoint) {
+  // The consumer first: the one step that can fail, before any metric series is labelled with
+  // the engine's name or an id is spent on it.
+  auto consumer = consumer_for(next_id_, endpoint);
+  const int id = next_id_++;
+  join(prefill, std::move(endpoint), id, std::move(consumer));
+  return id;
+}
+
+void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
+                         std::unique_ptr<KvEventsConsumer> consumer) {
   EndpointState s;
-  s.id = next_id_++;
+  s.id = id;
   s.prefill = prefill;
   const PoolSettings& pool = prefill ? prefill_pool_ : decode_pool_;
   s.max_in_flight = limit_of(endpoint, pool);
@@ -96,17 +120,9 @@ int EndpointTable::add(bool prefill, Endpoint endpoint) {
   s.overloaded_total = &metrics_.endpoint_overloaded.labels(labels);
   s.healthy_gauge->set(1);
   s.in_flight_gauge->set(0);
-  const int id = s.id;
-  if (!s.config.kv_events.empty()) {
-    KvEventsConsumerOptions o;
-    o.engine = id;
-    o.endpoint = s.config.kv_events;
-    o.replay_endpoint = s.config.kv_events_replay;
-    consumers_[id] = std::make_unique<KvEventsConsumer>(prefix_index_, o);
-  }
+  if (consumer) consumers_[id] = std::move(consumer);
   endpoints_.emplace(id, std::move(s));
   update_ready();
-  return id;
 }
 
 EndpointState* EndpointTable::find(int id) {
@@ -364,34 +380,60 @@ std::string EndpointTable::admission_error(bool prefill, const Endpoint& e) cons
 }
 
 EndpointTable::ReloadResult EndpointTable::reload(const Topology& next) {
-  ReloadResult result;
-  for (bool prefill : {true, false}) {
-    const Pool& next_pool = prefill ? next.prefill : next.decode;
-    PoolSettings& pool = prefill ? prefill_pool_ : decode_pool_;
-    pool = settings_of(next_pool);
-    const auto& wanted = next_pool.endpoints;
-    // What the engine would be if it joined now: a new pool dialect or limit changes it too.
-    auto same = [&](const Endpoint& w, const EndpointState& e) {
-      return same_endpoint(w, e.config) && e.dialect == pool.dialect &&
-             e.max_in_flight == limit_of(w, pool);
-    };
-    std::vector<int> drop;
-    for (const auto& [id, e] : endpoints_) {
-      if (e.prefill != prefill || e.draining) continue;
-      const bool keep =
-          std::any_of(wanted.begin(), wanted.end(), [&](const Endpoint& w) { return same(w, e); });
-      if (!keep) drop.push_back(id);
-    }
-    for (int id : drop) result.removed += drain(id) ? 1 : 0;
-    for (const auto& w : wanted) {
-      const bool have = std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
-        return kv.second.prefill == prefill && !kv.second.draining && same(w, kv.second);
-      });
-      if (!have) {
-        add(prefill, w);
-        ++result.added;
+  // Planned, and every new engine's consumer built, before anything changes: a consumer that
+  // cannot be built (an endpoint ZMQ refuses) used to throw after the engines it replaced were
+  // drained, leaving none.
+  struct Joining {
+    bool prefill;
+    Endpoint endpoint;
+    int id;
+    std::unique_ptr<KvEventsConsumer> consumer;
+  };
+  std::vector<int> drop;
+  std::vector<Joining> joining;
+  const int first_id = next_id_;
+  try {
+    for (bool prefill : {true, false}) {
+      const Pool& next_pool = prefill ? next.prefill : next.decode;
+      const PoolSettings pool = settings_of(next_pool);
+      const auto& wanted = next_pool.endpoints;
+      // What the engine would be if it joined now: a new pool dialect or limit changes it too.
+      auto same = [&](const Endpoint& w, const EndpointState& e) {
+        return same_endpoint(w, e.config) && e.dialect == pool.dialect &&
+               e.max_in_flight == limit_of(w, pool);
+      };
+      for (const auto& [id, e] : endpoints_) {
+        if (e.prefill != prefill || e.draining) continue;
+        const bool keep = std::any_of(wanted.begin(), wanted.end(),
+                                      [&](const Endpoint& w) { return same(w, e); });
+        if (!keep) drop.push_back(id);
+      }
+      for (const auto& w : wanted) {
+        const bool have = std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
+          return kv.second.prefill == prefill && !kv.second.draining && same(w, kv.second);
+        });
+        if (have) continue;
+        const int id = next_id_++;
+        joining.push_back({prefill, w, id, nullptr});
+        joining.back().consumer = consumer_for(id, w);
       }
     }
+  } catch (...) {
+    for (auto& j : joining) {
+      j.consumer.reset();
+      prefix_index_.remove_engine(j.id);
+    }
+    next_id_ = first_id;
+    throw;
+  }
+  prefill_pool_ = settings_of(next.prefill);
+  decode_pool_ = settings_of(next.decode);
+  // Drained before the newcomers join: one with a leaving engine's name takes over its gauges.
+  ReloadResult result;
+  for (int id : drop) result.removed += drain(id) ? 1 : 0;
+  for (auto& j : joining) {
+    join(j.prefill, std::move(j.endpoint), j.id, std::move(j.consumer));
+    ++result.added;
   }
   return result;
 }

@@ -100,6 +100,8 @@ class EndpointTable {
   void on_forget(std::function<void(int id)> callback) { on_forget_ = std::move(callback); }
 
   // With the pool's dialect and max_in_flight as last loaded (the topology's, or a reload's).
+  // Throws (changing nothing: no engine, metric series or id) when its KV-event consumer cannot
+  // be built, e.g. an endpoint ZMQ refuses.
   int add(bool prefill, Endpoint endpoint);
   // The engine's KV events reach the prefix index some other way (the cluster simulator applies
   // them itself): its cached prefixes are known, as for an engine with a consumer.
@@ -151,6 +153,7 @@ class EndpointTable {
   // Endpoints are matched by name and settings (their own, and their pool's dialect and
   // max_in_flight as they apply to them): unchanged ones stay (with their load), changed or
   // missing ones are drained, new ones are added. The pools' settings apply to later adds too.
+  // Throws, changing nothing, when a new engine's KV-event consumer cannot be built.
   struct ReloadResult {
     int added = 0, removed = 0;
   };
@@ -169,6 +172,11 @@ class EndpointTable {
     int64_t max_in_flight = 0;
   };
   static PoolSettings settings_of(const Pool& pool) { return {pool.dialect, pool.max_in_flight}; }
+  // The KV-event consumer engine `id` would have (null without kv_events). Throws when it cannot
+  // be built, leaving the index without the engine.
+  std::unique_ptr<KvEventsConsumer> consumer_for(int id, const Endpoint& endpoint);
+  // Adds an engine whose consumer, if any, is built already.
+  void join(bool prefill, Endpoint endpoint, int id, std::unique_ptr<KvEventsConsumer> consumer);
   static int64_t limit_of(const Endpoint& e, const PoolSettings& pool) {
     return e.max_in_flight > 0 ? e.max_in_flight : pool.max_in_flight;
   }

@@ -64,11 +64,64 @@ std::string describe_host(std::string_view host) {
   return std::string("a host with '") + text + "' in it";
 }
 
+constexpr const char* kZmqEndpointExpected =
+    "a ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME";
+
+// How a text that is not what was expected appears in an error: quoted, clipped, its control
+// bytes escaped (a value echoed raw could carry a line break into logs and answers).
+std::string describe_text(std::string_view text) {
+  constexpr size_t kShown = 80;
+  std::string out = "'";
+  for (size_t i = 0; i < text.size() && i < kShown; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c == 0x7f) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
+      out += escaped;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += "'";
+  if (text.size() > kShown) out += " (" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+
+bool has_control_bytes(std::string_view text) {
+  return std::any_of(text.begin(), text.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return c < 0x20 || c == 0x7f;
+  });
+}
+
 // A whole decimal number, nothing else (no sign other than '-', no spaces, no suffix).
 bool parse_integer(std::string_view text, long long& value) {
   const char* end = text.data() + text.size();
   const auto [ptr, ec] = std::from_chars(text.data(), end, value);
   return ec == std::errc() && ptr == end && !text.empty();
+}
+
+// Whether a KV-event consumer can connect to `text`. ZMQ would refuse a malformed endpoint only
+// as the engine joins, when a reload has already drained the engines it replaces; checked as the
+// file is read, a typo is an error with nothing changed. Stricter than ZMQ where it would accept
+// and then never connect: a wildcard host is a bind address (vLLM's default tcp://*:5557).
+bool valid_zmq_endpoint(std::string_view text) {
+  if (has_control_bytes(text)) return false;
+  if (text.starts_with("inproc://")) return text.size() > 9;
+  // A Unix socket's path is at most 107 bytes (sun_path); "@name" is an abstract one.
+  if (text.starts_with("ipc://")) return text.size() > 6 && text.size() - 6 < 108;
+  if (!text.starts_with("tcp://")) return false;
+  const std::string_view rest = text.substr(6);
+  const size_t colon = rest.rfind(':');
+  if (colon == std::string_view::npos) return false;
+  std::string_view host = rest.substr(0, colon);
+  long long port = 0;
+  if (!parse_integer(rest.substr(colon + 1), port) || port < 1 || port > 65535) return false;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  else if (host.find(':') != std::string_view::npos)
+    return false;
+  return valid_host(host);
 }
 
 uint16_t parse_port(const std::string& digits, const std::string& what, const std::string& text) {
@@ -281,11 +334,13 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     if (!valid_host(e.host)) r.fail(path + ".host", kHostExpected, describe_host(e.host));
     e.port = r.port(keys.at("port"), path + ".port");
   }
-  if (keys.count("kv_events"))
-    e.kv_events = r.non_empty_string(keys.at("kv_events"), path + ".kv_events", "a ZMQ endpoint");
-  if (keys.count("kv_events_replay"))
-    e.kv_events_replay = r.non_empty_string(keys.at("kv_events_replay"), path + ".kv_events_replay",
-                                            "a ZMQ endpoint");
+  for (const auto& [key, field] :
+       {std::pair{"kv_events", &e.kv_events}, std::pair{"kv_events_replay", &e.kv_events_replay}}) {
+    if (!keys.count(key)) continue;
+    const std::string key_path = path + "." + key;
+    *field = r.non_empty_string(keys.at(key), key_path, kZmqEndpointExpected);
+    if (!valid_zmq_endpoint(*field)) r.fail(key_path, kZmqEndpointExpected, describe_text(*field));
+  }
   if (keys.count("bootstrap_port")) {
     if (e.bootstrap_port != 0)
       r.fail(path + ".bootstrap_port", "one bootstrap port", "one in url as well");
@@ -610,6 +665,10 @@ void validate_pool(Pool& pool, const std::string& path, PdMode mode) {
     if (e.port == 0) invalid(e_path + ".port", "a port 1..65535", "0");
     check_at_least(e.group, 0, e_path + ".group");
     check_at_least(e.max_in_flight, 0, e_path + ".max_in_flight");
+    for (const auto& [key, value] : {std::pair{".kv_events", &e.kv_events},
+                                     std::pair{".kv_events_replay", &e.kv_events_replay}})
+      if (!value->empty() && !valid_zmq_endpoint(*value))
+        invalid(e_path + key, kZmqEndpointExpected, describe_text(*value));
     if (e.name.empty()) e.name = host_port(e);
   }
 }

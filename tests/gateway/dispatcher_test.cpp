@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -1262,6 +1263,48 @@ TEST(Dispatcher, AReloadAppliesThePoolsLimitAndDialectAndTheEnginesKvEvents) {
   ASSERT_EQ(c.dispatcher.add_endpoint(false, engine("c")), "");
   EXPECT_EQ(c.endpoint("c")["max_in_flight"], 3);
   EXPECT_EQ(c.endpoint("c")["load_source"], "reports");
+}
+
+// A new engine's KV-event consumer is built before the reload changes anything. It threw after
+// the engines it replaced were drained: with every engine changed, none was left (/health 503,
+// and POST /admin/reload answered 500 without an answer of its own).
+TEST(Dispatcher, AReloadWhoseNewEngineCannotFollowItsKvEventsChangesNothing) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  c.send();  // on a
+  Topology next = aggregated({engine("a"), engine("b", 0, 3), engine("c")});
+  next.decode.max_in_flight = 4;                 // every engine changes
+  next.decode.endpoints[2].kv_events = "bogus";  // ZMQ refuses it (the file's reader would too)
+  EXPECT_THROW(c.dispatcher.reload(next), Error);
+  for (const char* name : {"a", "b"}) {
+    EXPECT_EQ(c.endpoint(name)["draining"], false) << name;
+    EXPECT_EQ(c.endpoint(name)["max_in_flight"], 8) << name;
+  }
+  EXPECT_EQ(c.endpoint("a")["in_flight"], 1);
+  EXPECT_TRUE(c.endpoint("c").is_null());
+  EXPECT_TRUE(c.endpoints.ready());
+  EXPECT_EQ(c.registry.render().find("endpoint=\"c\""), std::string::npos);
+
+  next.decode.endpoints[2].kv_events = "inproc://kv-events-of-c";
+  const auto result = c.dispatcher.reload(next);
+  EXPECT_EQ(result.added, 3);
+  EXPECT_EQ(result.removed, 2);
+  EXPECT_TRUE(c.endpoint("c").contains("prefix_blocks"));
+}
+
+// An engine whose KV events cannot be followed is refused before it leaves a trace: its metric
+// series were labelled (healthy 1) and an id spent before the consumer threw.
+TEST(Dispatcher, AnEngineWhoseKvEventsCannotBeFollowedIsRefusedWithoutATrace) {
+  Cluster c(aggregated({engine("a")}));
+  Endpoint x = engine("x");
+  x.kv_events = "inproc://kv-events-of-x";
+  x.kv_events_replay = "bogus";
+  EXPECT_THAT(c.dispatcher.add_endpoint(false, x),
+              ::testing::HasSubstr("cannot connect to replay endpoint 'bogus'"));
+  EXPECT_TRUE(c.endpoint("x").is_null());
+  EXPECT_EQ(c.registry.render().find("endpoint=\"x\""), std::string::npos);
+  int id = -1;
+  ASSERT_EQ(c.dispatcher.add_endpoint(false, engine("y"), &id), "");
+  EXPECT_EQ(id, 1);  // the next id after a's
 }
 
 TEST(Dispatcher, AdmissionRefusesADuplicateNameAndAPrefillEngineInAggregatedMode) {

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "model/model_test_support.h"
 #include "util/error.h"
@@ -323,6 +324,43 @@ TEST(TopologyYaml, HostsWithCharactersOfNoNameOrAddressAreErrors) {
       "t.yaml");
   EXPECT_EQ(t.decode.endpoints[0].host, "fe80::1%eth0");
   EXPECT_EQ(t.decode.endpoints[1].host, "my_engine-2.local");
+}
+
+// A consumer connects to each engine's KV-event endpoints when the engine joins, and ZMQ refused
+// 'bogus' only then: on POST /admin/reload after the engines it replaced were drained (every
+// engine gone, /health 503). The file's reader refuses what no consumer could connect to.
+TEST(TopologyYaml, KvEventEndpointsAreOnesAConsumerCanConnectTo) {
+  const auto error = [](const std::string& key, const std::string& value) {
+    return yaml_error("decode: {endpoints: [{url: \"d:1\", " + key + ": \"" + value + "\"}]}");
+  };
+  const std::string expected =
+      "expected a ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME, got ";
+  EXPECT_EQ(error("kv_events", "bogus"),
+            "t.yaml: decode.endpoints[0].kv_events: " + expected + "'bogus'");
+  EXPECT_EQ(error("kv_events_replay", "tcp://10.0.0.5"),
+            "t.yaml: decode.endpoints[0].kv_events_replay: " + expected + "'tcp://10.0.0.5'");
+  EXPECT_EQ(error("kv_events", "tcp://e:1\\r\\nX: 1"),
+            "t.yaml: decode.endpoints[0].kv_events: " + expected + "'tcp://e:1\\x0d\\x0aX: 1'");
+  for (const std::string& bad : std::vector<std::string>{
+           "tcp://*:5557", "tcp://e:0", "tcp://e:65536", "tcp://e:*", "tcp://::1:5557",
+           "tcp://[]:5557", "tcp://e f:5557", "http://e:5557", "tcp://e:5557/", "ipc://",
+           "ipc://" + std::string(108, 'p'), "inproc://"})
+    EXPECT_THAT(error("kv_events", bad), HasSubstr(expected)) << bad;
+  EXPECT_THAT(error("kv_events", ""), HasSubstr("got an empty string"));
+
+  const Topology t = parse_topology_yaml(
+      "decode: {endpoints: [{url: \"a:1\", kv_events: \"tcp://10.0.0.5:5557\", "
+      "kv_events_replay: \"tcp://[fe80::1%eth0]:5558\"}, {url: \"b:1\", kv_events: "
+      "\"ipc:///run/engine-b/kv\"}, {url: \"c:1\", kv_events: \"inproc://c\"}, {url: \"e:1\", "
+      "kv_events: \"tcp://engine-e.local:5557\"}]}",
+      "t.yaml");
+  EXPECT_EQ(t.decode.endpoints[0].kv_events_replay, "tcp://[fe80::1%eth0]:5558");
+  EXPECT_EQ(t.decode.endpoints[1].kv_events, "ipc:///run/engine-b/kv");
+
+  // The admin API reads its engines with the same reader (built topologies: below).
+  EXPECT_EQ(
+      error_of([] { parse_endpoint_entry(R"({"url":"d:1","kv_events":"bogus"})", "endpoint"); }),
+      "endpoint.kv_events: " + expected + "'bogus'");
 }
 
 // The admin API's engines: JSON read by the file's reader, with the file's checks.
@@ -706,6 +744,11 @@ TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
   EXPECT_EQ(error_of([&] { validate(t); }),
             "max_answer_bytes: expected a size in bytes 1..17179869184 (at most 16 GiB), got "
             "17179869185");
+  t = flag_topology();
+  t.decode.endpoints[0].kv_events_replay = "tcp://*:5558";  // tandem serve's engines name theirs
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "decode.endpoints[0].kv_events_replay: expected a ZMQ endpoint to connect to: "
+            "tcp://HOST:PORT, ipc://PATH or inproc://NAME, got 'tcp://*:5558'");
   t = flag_topology();
   t.decode.endpoints[0].max_in_flight = -1;
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("decode.endpoints[0].max_in_flight: "));
