@@ -134,22 +134,30 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   if (f.present("rope_theta")) theta = f.number("rope_theta");
   f.ignore("rope_theta");
   YarnScaling yarn;
+  std::string yarn_field;
   if (const json* rs = f.get("rope_scaling")) {
-    if (parse_rope(*rs, origin, "rope_scaling", yarn, theta)) c.yarn = yarn;
+    if (parse_rope(*rs, origin, "rope_scaling", yarn, theta)) {
+      c.yarn = yarn;
+      yarn_field = "rope_scaling";
+    }
   }
   if (const json* rp = f.get("rope_parameters")) {
     if (f.present("rope_scaling"))
       f.fail("rope_parameters", "and 'rope_scaling' must not both be given");
     std::optional<double> inner;
-    if (parse_rope(*rp, origin, "rope_parameters", yarn, inner)) c.yarn = yarn;
+    if (parse_rope(*rp, origin, "rope_parameters", yarn, inner)) {
+      c.yarn = yarn;
+      yarn_field = "rope_parameters";
+    }
     if (inner && theta && *inner != *theta)
       f.fail("rope_parameters", "rope_theta contradicts the top-level rope_theta");
     if (inner) theta = inner;
   }
   if (!theta) f.fail("rope_theta", "is required");
   c.rope_theta = *theta;
-  check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.max_position_embeddings,
-                          c.bos_token_id, c.eos_token_id});
+  check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
+                          c.max_position_embeddings, c.bos_token_id, c.eos_token_id});
+  check_rope_numbers(f, Rope(c), c.softmax_scale(), yarn_field);
 
   // Mixture of experts.
   c.n_routed_experts = f.integer_or("n_routed_experts", int64_t{0});

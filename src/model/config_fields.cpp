@@ -1,5 +1,7 @@
 #include "model/config_fields.h"
 
+#include <cmath>
+
 #include "util/error.h"
 #include "util/file.h"
 #include "util/json.h"
@@ -32,6 +34,11 @@ void check_shared_fields(const Fields& f, const SharedFields& s) {
   // JSON has no NaN or infinity, so "> 0" is the whole check of a number.
   if (!(s.rms_norm_eps > 0)) f.fail("rms_norm_eps", "must be positive");
   if (!(s.rope_theta > 0)) f.fail("rope_theta", "must be positive");
+  if (s.yarn && !(s.rope_theta > 1))
+    f.fail("rope_theta",
+           "must exceed 1 with YaRN scaling (its correction range divides by "
+           "ln(rope_theta)), got " +
+               json(s.rope_theta).dump());
   f.positive_at_most("max_position_embeddings", s.max_position_embeddings, kMaxPositions);
   for (const char* key : {"bos_token_id", "eos_token_id"}) {
     const auto& id = std::string(key) == "bos_token_id" ? s.bos_token_id : s.eos_token_id;
@@ -39,6 +46,20 @@ void check_shared_fields(const Fields& f, const SharedFields& s) {
       f.fail(key, "must be a token id below vocab_size " + std::to_string(s.vocab_size) + ", got " +
                       std::to_string(*id));
   }
+}
+
+void check_rope_numbers(const Fields& f, const Rope& rope, double softmax_scale,
+                        const std::string& yarn_field) {
+  const std::string field = yarn_field.empty() ? "rope_theta" : yarn_field;
+  for (double v : rope.inv_freq())
+    if (!std::isfinite(v) || v < 0) f.fail(field, "gives RoPE frequencies that are not finite");
+  // Magnitude and softmax scale differ from their plain values only under YaRN.
+  const double m = rope.magnitude();
+  if (!std::isfinite(m) || !(m > 0))
+    f.fail(field, "gives a RoPE magnitude that is not a positive finite number");
+  const float scale = static_cast<float>(softmax_scale);
+  if (!std::isfinite(scale) || !(scale > 0))
+    f.fail(field, "gives an attention softmax scale that is not a positive finite number");
 }
 
 bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
@@ -72,6 +93,11 @@ bool parse_rope(const json& obj, const std::string& origin, const std::string& f
     f.fail("beta_fast", "must exceed beta_slow, and both be positive");
   yarn.mscale = f.number_or("mscale", 1.0);
   yarn.mscale_all_dim = f.number_or("mscale_all_dim", 0.0);
+  for (const auto& [key, v] : {std::pair<const char*, double>{"mscale", yarn.mscale},
+                               {"mscale_all_dim", yarn.mscale_all_dim}})
+    if (!(v >= 0 && v <= kMaxYarnMscale))
+      f.fail(key,
+             "must be between 0 and " + json(kMaxYarnMscale).dump() + ", got " + json(v).dump());
   f.reject_unknown();
   return true;
 }

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/config.h"
+#include "model/rope.h"
 #include "util/error.h"
 #include "util/json.h"
 
@@ -27,6 +28,10 @@ inline constexpr int64_t kMaxExperts = 65536;               // routed experts pe
 inline constexpr int64_t kMaxExpertMlps = 1 << 20;          // routed experts summed over the layers
 inline constexpr int64_t kMaxDimension = int64_t{1} << 24;  // vocab, hidden, head, MLP sizes
 inline constexpr int64_t kMaxPositions = int64_t{1} << 30;  // max_position_embeddings
+// YaRN's mscale and mscale_all_dim (published models: 0.707 and 1). Its attention temperature
+// 0.1 * mscale * ln(factor) + 1 divides the RoPE magnitude and is squared into DeepSeek's softmax
+// scale: a negative mscale can make it zero, a huge one infinite.
+inline constexpr double kMaxYarnMscale = 10.0;
 
 // Reads the fields of one JSON object, remembering which were read so that whatever is left is
 // reported as unknown. Every message names the origin and the field's path.
@@ -128,15 +133,26 @@ class Fields {
 };
 
 // The checks every family makes on the fields they share: rms_norm_eps and rope_theta positive
-// (a negative epsilon makes RMSNorm NaN, a zero base makes RoPE's frequencies infinite),
-// max_position_embeddings in [1, kMaxPositions], and bos/eos token ids below vocab_size.
+// (a negative epsilon makes RMSNorm NaN, a zero base makes RoPE's frequencies infinite), and
+// above 1 with YaRN (its correction range divides by ln(rope_theta)), max_position_embeddings in
+// [1, kMaxPositions], and bos/eos token ids below vocab_size.
 struct SharedFields {
   int64_t vocab_size;
   double rms_norm_eps, rope_theta;
+  bool yarn;
   int64_t max_position_embeddings;
   std::optional<int64_t> bos_token_id, eos_token_id;
 };
 void check_shared_fields(const Fields& f, const SharedFields& s);
+
+// What the RoPE and attention settings compute, as the model will: frequencies and magnitude of
+// `rope`, and the softmax scale (as the float the kernels take), must be finite, or every logit
+// is NaN and generation ends silently. The field checks above keep published configs far from
+// the edge; this catches the combinations they let through (a rope_theta so small its powers
+// overflow, YaRN betas so small their correction range is infinite). `yarn_field` names the
+// YaRN block when there is one ("rope_scaling" or "rope_parameters"), else is empty.
+void check_rope_numbers(const Fields& f, const Rope& rope, double softmax_scale,
+                        const std::string& yarn_field);
 
 // DIR/config.json parsed; a malformed file is an error naming it.
 nlohmann::json read_config_json(const std::filesystem::path& dir);

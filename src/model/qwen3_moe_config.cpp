@@ -104,9 +104,11 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
                              {"num_key_value_heads", c.num_key_value_heads},
                              {"head_dim", c.head_dim}})
     f.at_most(k, v, kMaxDimension);
-  check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.max_position_embeddings,
-                          c.bos_token_id, c.eos_token_id});
+  check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
+                          c.max_position_embeddings, c.bos_token_id, c.eos_token_id});
   if (c.head_dim % 2 != 0) f.fail("head_dim", "must be even (RoPE rotates pairs)");
+  check_rope_numbers(f, Rope(c.head_dim, c.rope_theta, c.yarn, c.rope_mscale()), c.softmax_scale(),
+                     c.yarn ? "rope_scaling" : "");
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     f.fail("num_key_value_heads", "must divide num_attention_heads (" +
                                       std::to_string(c.num_attention_heads) + "), got " +

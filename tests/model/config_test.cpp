@@ -528,6 +528,36 @@ TEST(Config, ErrorsNameTheField) {
        [](json& d) { d["rms_norm_eps"] = -1e-6; },
        {"'rms_norm_eps'", "positive"}},
       {"zero rope_theta", [](json& d) { d["rope_theta"] = 0; }, {"'rope_theta'", "positive"}},
+      // Each of these was accepted and made every logit NaN: generate exited 0 with no tokens.
+      // YaRN's correction range divides by ln(rope_theta).
+      {"rope_theta 1 with YaRN",
+       [](json& d) { d["rope_theta"] = 1.0; },
+       {"'rope_theta'", "must exceed 1 with YaRN", "got 1.0"}},
+      // The attention temperature, squared into the softmax scale: infinite.
+      {"huge mscale_all_dim",
+       [](json& d) { d["rope_scaling"]["mscale_all_dim"] = 1e200; },
+       {"'rope_scaling.mscale_all_dim'", "between 0 and 10.0", "got 1e+200"}},
+      // A temperature of zero divides the RoPE magnitude.
+      {"negative mscale_all_dim",
+       [](json& d) { d["rope_scaling"]["mscale_all_dim"] = -10 / std::log(40.0); },
+       {"'rope_scaling.mscale_all_dim'", "between 0"}},
+      {"negative mscale",
+       [](json& d) { d["rope_scaling"]["mscale"] = -1.0; },
+       {"'rope_scaling.mscale'", "between 0"}},
+      // Betas this small make YaRN's correction range infinite, and its ramp 0 / 0.
+      {"denormal YaRN betas",
+       [](json& d) {
+         d["rope_scaling"]["beta_fast"] = 2e-320;
+         d["rope_scaling"]["beta_slow"] = 1e-320;
+       },
+       {"'rope_scaling'", "frequencies that are not finite"}},
+      // Without YaRN any positive base is allowed, but the last frequency is 1 / base^(62/64).
+      {"rope_theta so small its frequencies overflow",
+       [](json& d) {
+         d.erase("rope_scaling");
+         d["rope_theta"] = 5e-324;
+       },
+       {"'rope_theta'", "frequencies that are not finite"}},
       {"positions beyond the limit",
        [](json& d) { d["max_position_embeddings"] = int64_t{1} << 40; },
        {"'max_position_embeddings'", "limit"}},

@@ -145,6 +145,19 @@ TEST(Qwen3MoeConfig, ImplausibleSizesAndBrokenNumbersAreRefusedByName) {
   EXPECT_THAT(error([](json& d) { d["bos_token_id"] = -1; }),
               AllOf(HasSubstr("'bos_token_id'"), HasSubstr("vocab_size")));
   EXPECT_EQ(error([](json& d) { d["mlp_only_layers"] = {3, 5}; }), "(parsed)");
+  // Each of these made every logit NaN (YaRN's correction range divides by ln(rope_theta); the
+  // last frequency is 1 / rope_theta^(126/128)).
+  EXPECT_THAT(error([](json& d) {
+                d["rope_theta"] = 1.0;
+                d["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+              }),
+              AllOf(HasSubstr("'rope_theta'"), HasSubstr("must exceed 1 with YaRN")));
+  EXPECT_THAT(error([](json& d) { d["rope_theta"] = 5e-324; }),
+              AllOf(HasSubstr("'rope_theta'"), HasSubstr("frequencies that are not finite")));
+  EXPECT_THAT(error([](json& d) {
+                d["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 1e200}};
+              }),
+              AllOf(HasSubstr("'rope_scaling.mscale'"), HasSubstr("between 0 and 10")));
 }
 
 struct Case {
