@@ -9,10 +9,57 @@
 #include "gateway/answer_text.h"
 #include "gateway/policies/queue_order.h"
 #include "util/random_id.h"
+#include "util/utf8.h"
 
 namespace tandem::gateway {
 
 using nlohmann::json;
+
+namespace {
+
+// An engine's error text as part of the gateway's message: each run of white space or control
+// bytes one space (an HTML page's lines; nothing that could break a log line), clipped as client
+// text is. Only the first KiB is read: the body may be as large as an answer.
+std::string quoted_error_text(std::string_view text) {
+  std::string out;
+  for (const char ch : text.substr(0, 4 * utf8::kClipBytes)) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c > 0x20 && c != 0x7f)
+      out += ch;
+    else if (!out.empty() && out.back() != ' ')
+      out += ' ';
+  }
+  if (!out.empty() && out.back() == ' ') out.pop_back();
+  return utf8::clip(out);
+}
+
+// What an engine's error answer (status >= 400) says: an OpenAI error, which is relayed as it is
+// (`relay`), or else the text to quote in the gateway's own OpenAI error. Relaying anything else
+// labelled it application/json: a proxy's HTML 502 page reached clients as JSON.
+struct EngineError {
+  bool relay = false;
+  std::string text;
+};
+EngineError read_engine_error(std::string_view body) {
+  if (looks_like_json_object(body)) {
+    // The top level is all that is read, and all that is built: no nesting to bound.
+    const json doc = json::parse(
+        body, [](int depth, json::parse_event_t, json&) { return depth <= 1; }, false);
+    if (doc.is_object()) {
+      const auto error = doc.find("error");
+      if (error != doc.end() && error->is_object()) return {true, {}};
+      if (error != doc.end() && error->is_string())
+        return {false, quoted_error_text(error->get<std::string>())};
+      // vLLM's and SGLang's other shape: {"object": "error", "message": ..., "code": 400}.
+      const auto message = doc.find("message");
+      if (message != doc.end() && message->is_string())
+        return {false, quoted_error_text(message->get<std::string>())};
+    }
+  }
+  return {false, quoted_error_text(body)};
+}
+
+}  // namespace
 
 std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
   std::vector<Upstream::CallId> calls;
@@ -409,9 +456,11 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
   });
 }
 
-// An engine's own client error (4xx) goes to the client as it is; anything else is retried on
-// other engines while retries remain (the failed engine is avoided), then answered 502 (or the
-// engine's 5xx). The decode leg of a sequential request is not retried: its KV is gone.
+// An engine's own client error (4xx) goes to the client, without retry; anything else is retried
+// on other engines while retries remain (the failed engine is avoided), then answered 502 (or the
+// engine's 5xx OpenAI error). An engine's error answer is relayed as it is only when it is an
+// OpenAI error; any other body is quoted in the gateway's own. The decode leg of a sequential
+// request is not retried: its KV is gone.
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                                 std::string body, std::string message) {
   if (attempt != r->attempt) return;
@@ -438,15 +487,21 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     dispatch();
     return;
   }
+  const EngineError said = status >= 400 ? read_engine_error(body) : EngineError{};
   {
     std::lock_guard lock(r->mutex);
     // As in the first section: between the two, another leg may have begun answering.
     if (r->client != ClientState::kNothingSent) return;
     r->client = ClientState::kAnswering;
-    if (!body.empty() && status >= 400) {
+    if (!body.empty() && said.relay) {
       r->reply->respond(status, body, "application/json");
     } else {  // an OpenAI error of our own: the engine's 4xx status, else 502
-      if (message.empty()) message = "engine answered HTTP " + std::to_string(status);
+      if (message.empty()) {
+        const EndpointState* e = endpoints_.find(endpoint_id);
+        message = (e ? "engine " + e->config.name : std::string("a removed engine")) +
+                  " answered HTTP " + std::to_string(status) +
+                  (said.text.empty() ? "" : ": " + said.text);
+      }
       if (!client_error) status = 502;
       r->reply->send_error(status, message, client_error ? "" : "server_error");
     }

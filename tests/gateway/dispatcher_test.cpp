@@ -634,6 +634,57 @@ TEST(Dispatcher, PassesAnEnginesClientErrorThroughWithoutRetrying) {
   EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
 }
 
+// Only an OpenAI error is relayed as the engine's answer. Any other body of an error status went
+// to the client labelled application/json as it was: a proxy's HTML page too.
+TEST(Dispatcher, AnEnginesErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
+  Topology t = aggregated({engine("a")});
+  t.prefill_retries = 0;
+  Cluster c(t);
+  const auto answered = [&](int status, const std::string& body, const std::string& type) {
+    auto client = c.send();
+    FakeEngines::answer(*c.engines.open("/v1/completions").at(0), status, body, type);
+    c.clock.run_ready();
+    return client;
+  };
+  auto page =
+      answered(500, "<html>\r\n<body>Internal  Server Error</body>\r\n</html>\n", "text/html");
+  EXPECT_EQ(page->status, 502);
+  EXPECT_EQ(page->error_type, "server_error");
+  EXPECT_EQ(page->error_message,
+            "engine a answered HTTP 500: <html> <body>Internal Server Error</body> </html>");
+  EXPECT_EQ(page->body, "");
+
+  auto forbidden = answered(403, "Forbidden", "text/plain");
+  EXPECT_EQ(forbidden->status, 403);
+  EXPECT_EQ(forbidden->error_message, "engine a answered HTTP 403: Forbidden");
+  EXPECT_EQ(forbidden->body, "");
+
+  // vLLM's and SGLang's other error shape: its message is quoted.
+  auto sglang =
+      answered(400, R"({"object":"error","message":"bad top_k","code":400})", "application/json");
+  EXPECT_EQ(sglang->status, 400);
+  EXPECT_EQ(sglang->error_message, "engine a answered HTTP 400: bad top_k");
+
+  // A long body is clipped, and control bytes never reach the message.
+  auto long_text = answered(502, std::string(5000, 'x') + "\x1b[31m", "text/plain");
+  EXPECT_EQ(long_text->status, 502);
+  EXPECT_THAT(
+      long_text->error_message,
+      ::testing::StartsWith("engine a answered HTTP 502: " + std::string(256, 'x') + "\u2026(+"));
+  EXPECT_EQ(long_text->error_message.find('\x1b'), std::string::npos);
+
+  auto empty = answered(404, "", "text/plain");
+  EXPECT_EQ(empty->status, 404);
+  EXPECT_EQ(empty->error_message, "engine a answered HTTP 404");
+
+  // An OpenAI error is relayed as it is, a 5xx one with its own status.
+  const std::string overloaded = R"({"error":{"message":"no KV left","type":"server_error"}})";
+  auto relayed = answered(503, overloaded, "application/json");
+  EXPECT_EQ(relayed->status, 503);
+  EXPECT_EQ(relayed->body, overloaded);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 TEST(Dispatcher, AnswersA502WhenRetriesRunOut) {
   Topology t = aggregated({engine("a"), engine("b")});
   t.prefill_retries = 1;
