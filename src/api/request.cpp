@@ -319,7 +319,7 @@ void check_length(const ApiRequest& r, const ModelLimits& limits) {
     if (ids.empty()) fail("prompt", "the prompt is empty");
     // Compared without adding: max_tokens near 2^63 made the sum wrap negative and pass.
     const auto prompt = static_cast<int64_t>(ids.size());
-    if (r.sampling.max_tokens > limits.max_model_len - prompt)
+    if (limits.max_model_len > 0 && r.sampling.max_tokens > limits.max_model_len - prompt)
       fail("max_tokens", "This model's maximum context length is " +
                              std::to_string(limits.max_model_len) +
                              " tokens. However, you requested " +

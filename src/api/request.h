@@ -48,6 +48,8 @@ struct ApiRequest {
 
 struct ModelLimits {
   std::string model_name;
+  // 0: not known (a gateway the engines have not told theirs): no length check, the engines
+  // judge; a chat then needs max_tokens, whose default is the room the length leaves.
   int64_t max_model_len = 0;
   int64_t vocab_size = 0;
   // The operator's limits on max_tokens: the most a request may ask for (0: what the context

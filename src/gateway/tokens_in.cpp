@@ -16,9 +16,6 @@ using api::ApiError;
 using api::ApiKind;
 using nlohmann::json;
 
-// Stands for "no limit known": the engines judge the length then.
-constexpr int64_t kUnknownLength = int64_t{1} << 40;
-
 // Chat fields whose effect the tokens-in completion cannot carry: they change the response's
 // shape (tool calls, structured output, chat logprobs) or the rendering in ways only the
 // serving engine knows (its own template, multimodal inputs). Their requests pass through.
@@ -207,8 +204,10 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path, const n
            ? !completion_translatable(body)
            : !chat_translatable(body, chat_template_ != nullptr, len.sets_chat_default)))
     return std::nullopt;
+  // No length known: none is checked (a stand-in for "no limit" was named in the 400 of a large
+  // max_tokens as the model's context length); the engines judge the request by their own.
   api::ModelLimits limits = limits_;
-  limits.max_model_len = len.max_model_len > 0 ? len.max_model_len : kUnknownLength;
+  limits.max_model_len = len.max_model_len;
   if (limits.model_name.empty() && body.is_object()) {
     // Any name is accepted: the engines check it.
     if (const json* m = field(body, "model"); m && m->is_string())

@@ -25,8 +25,10 @@
 #include "gateway/health.h"
 #include "gateway/policy.h"
 #include "gateway/prefix_index.h"
+#include "gateway/tokens_in.h"
 #include "gateway/virtual_executor.h"
 #include "net/sse.h"
+#include "text/oracle_support.h"
 #include "util/error.h"
 #include "util/metrics.h"
 
@@ -217,14 +219,15 @@ std::string completion_answer(const std::string& text) {
 // The gateway's scheduling parts wired as Gateway wires them, on a virtual clock.
 class Cluster {
  public:
-  explicit Cluster(Topology topology)
+  // `tokenizer`: the front end tokenizes with it, as with a model folder.
+  explicit Cluster(Topology topology, const PromptTokenizer* tokenizer = nullptr)
       : topo(std::move(topology)),
         policy(make_policy(topo.policy, policy_options(topo))),
         metrics(registry),
         endpoints(topo, metrics, index),
         dispatcher(topo, clock, engines, *policy, endpoints, metrics, nullptr),
         health(topo, clock, engines, endpoints, [this] { dispatcher.dispatch(); }),
-        front_end(topo, clock, engines, dispatcher, endpoints, registry, nullptr) {
+        front_end(topo, clock, engines, dispatcher, endpoints, registry, tokenizer) {
     for (const auto& e : topo.prefill.endpoints) endpoints.add(true, e);
     for (const auto& e : topo.decode.endpoints) endpoints.add(false, e);
   }
@@ -701,6 +704,29 @@ TEST(Dispatcher, AnswersA502WhenRetriesRunOut) {
   EXPECT_NE(client->error_message.find("connection refused"), std::string::npos);
   EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
   EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A gateway that tokenizes but knows no length (no config.json, and no engine said its own yet)
+// leaves the length to the engines. It judged by a stand-in for "no limit", and named it: "This
+// model's maximum context length is 1099511627776 tokens".
+TEST(Dispatcher, ATokenizingGatewayThatKnowsNoLengthLeavesItToTheEngines) {
+  const PromptTokenizer tokenizer(test::lenml_model("deepseek_v3"));
+  Cluster c(aggregated({engine("a")}), &tokenizer);
+  for (const int64_t max_tokens : {int64_t{1} << 40, int64_t{1} << 62}) {
+    auto client =
+        c.send_body({{"model", "m"}, {"prompt", "hello there"}, {"max_tokens", max_tokens}});
+    ASSERT_FALSE(client->complete()) << client->error_message;
+    auto call = c.engines.open("/v1/completions").at(0);
+    const json sent = json::parse(call->request.body);
+    EXPECT_TRUE(sent["prompt"].is_array());  // tokens in
+    EXPECT_EQ(sent["max_tokens"], max_tokens);
+    const std::string refusal =
+        R"({"error":{"message":"This model's maximum context length is 4096 tokens.","type":"BadRequestError"}})";
+    FakeEngines::answer(*call, 400, refusal);
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, 400);
+    EXPECT_EQ(client->body, refusal);
+  }
 }
 
 // ------------------------------------------------------------------------------- timeouts
