@@ -1,10 +1,11 @@
 // `tandem bench`'s driver against deterministic servers in-process: a fake engine that answers
 // each streamed request with a known timing (first token after 60 ms, then a token every 25 ms)
-// so the measured TTFT/TPOT/ITL and throughputs must match those values (never below them: the
-// server cannot be faster than its own sleeps; the upper bounds are generous); failed requests
-// are counted, never hidden; the concurrency cap holds; requests are never sent before their
-// arrival time; a Mooncake replay sent as text reproduces the trace's prefix sharing when the
-// server tokenizes what it received; and the CLI writes vLLM's result keys.
+// so the measured TTFT and latency are never below those values (the server cannot be faster
+// than its own sleeps; how much later a loaded machine reads each chunk is not bounded, so gaps
+// are checked on synthetic times in StreamMeasurement's tests); failed requests are counted,
+// never hidden; the concurrency cap holds; requests are never sent before their arrival time; a
+// Mooncake replay sent as text reproduces the trace's prefix sharing when the server tokenizes
+// what it received; and the CLI writes vLLM's result keys.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -137,22 +138,27 @@ TEST(BenchDriver, MeasuresAKnownServerAsVllmDefinesIt) {
   ASSERT_EQ(run.results.size(), 8u);
   for (const auto& r : run.results) {
     ASSERT_TRUE(r.success) << r.error;
+    // Only lower bounds: a chunk is never read before the server wrote it, but may be read late,
+    // which shortens the gap after it (StreamMeasurement.TimesAreVllmsTtftGapsAndLatency checks
+    // the gaps on synthetic times).
     EXPECT_GE(r.ttft_s, kTtft);
-    EXPECT_LT(r.ttft_s, kTtft + 1.0);
     ASSERT_EQ(r.itl_s.size(), static_cast<size_t>(out - 1));
-    for (double g : r.itl_s) EXPECT_GE(g, kItl * 0.8);  // a chunk may be read a little late
-    EXPECT_EQ(r.output_tokens, out);                    // from the usage chunk
+    EXPECT_EQ(r.output_tokens, out);  // from the usage chunk
     EXPECT_EQ(r.prompt_tokens, 20);
     EXPECT_GE(r.latency_s, kTtft + (out - 1) * kItl);
+    // One clock: the first token, then each gap, make the latency.
+    double sum = r.ttft_s;
+    for (double g : r.itl_s) {
+      EXPECT_GE(g, 0);
+      sum += g;
+    }
+    EXPECT_NEAR(sum, r.latency_s, 1e-9);
   }
   EXPECT_LE(server.max_in_flight(), 4);
   const BenchSummary s = summarize(run.results, run.duration_s);
   EXPECT_EQ(s.completed, 8);
   EXPECT_EQ(s.failed, 0);
   EXPECT_EQ(s.total_output_tokens, 8 * out);
-  // TPOT of a request is its mean gap: the server's 25 ms, give or take scheduling.
-  EXPECT_GE(s.tpot.mean_ms, kItl * 1000 * 0.95);
-  EXPECT_LT(s.tpot.mean_ms, kItl * 1000 + 50);
   EXPECT_GE(s.ttft.median_ms, kTtft * 1000);
   // Two waves of four requests: the run lasts at least two request lifetimes.
   EXPECT_GE(run.duration_s, 2 * (kTtft + (out - 1) * kItl));
@@ -227,6 +233,37 @@ TEST(StreamMeasurement, AnErrorBodyThatIsNotUtf8IsKeptAsUtf8) {
   // A transport error is kept as UTF-8 too.
   StreamMeasurement t(0, 5);
   EXPECT_EQ(t.done("reset by \xc3", 1, 0).error, "reset by \xef\xbf\xbd");
+}
+
+// vLLM's definitions on known times: TTFT at the first event with choices (an event counts when
+// its last byte arrives), one gap per later such event, latency at the last one (not at the usage
+// chunk, [DONE] or the end), output tokens from the usage chunk; TPOT is then (latency - TTFT)
+// over the output tokens after the first.
+TEST(StreamMeasurement, TimesAreVllmsTtftGapsAndLatency) {
+  const std::string chunk = net::sse_event(R"({"choices": [{"index": 0, "text": " x"}]})");
+  StreamMeasurement m(10.0, 20);
+  m.head(200);
+  m.body(": a comment, not an event\n\n", 10.01);
+  m.body(chunk, 10.06);
+  m.body(chunk, 10.085);
+  m.body(chunk.substr(0, 10), 10.1);  // this event arrives in two pieces: it counts at the second
+  m.body(chunk.substr(10) + chunk, 10.15);  // and a whole one in the same piece: a 0 s gap
+  m.body(net::sse_event(R"({"choices": [], "usage": {"completion_tokens": 5}})"), 10.3);
+  m.body(std::string(net::kSseDone), 10.4);
+  const RequestResult r = m.done("", 10.5, 9.0);
+  ASSERT_TRUE(r.success) << r.error;
+  EXPECT_NEAR(r.start_s, 1.0, 1e-9);
+  EXPECT_NEAR(r.ttft_s, 0.06, 1e-9);
+  ASSERT_EQ(r.itl_s.size(), 3u);
+  EXPECT_NEAR(r.itl_s[0], 0.025, 1e-9);
+  EXPECT_NEAR(r.itl_s[1], 0.065, 1e-9);
+  EXPECT_NEAR(r.itl_s[2], 0.0, 1e-9);
+  EXPECT_NEAR(r.latency_s, 0.15, 1e-9);
+  EXPECT_EQ(r.output_tokens, 5);
+  EXPECT_EQ(r.prompt_tokens, 20);
+  const std::vector<RequestResult> results = {r};
+  // (latency - TTFT) / (tokens - 1): 90 ms over 4 gaps.
+  EXPECT_NEAR(summarize(results, 1).tpot.mean_ms, 22.5, 1e-6);
 }
 
 TEST(StreamMeasurement, AnErrorBodyIsKeptToItsFirstFourKilobytes) {
