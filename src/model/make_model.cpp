@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <optional>
 
@@ -13,6 +12,7 @@
 #include "model/safetensors.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
+#include "util/file.h"
 #include "util/hash.h"
 
 namespace tandem::model {
@@ -315,9 +315,7 @@ class WeightGenerator {
 };
 
 void write_json(const fs::path& path, const nlohmann::ordered_json& doc) {
-  std::ofstream f(path, std::ios::binary);
-  f << doc.dump(2) << "\n";
-  if (!f) throw Error(path.string() + ": cannot write");
+  write_file_atomically(path, doc.dump(2) + "\n");
 }
 
 void copy_tokenizer(const fs::path& from, const fs::path& to) {

@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 
 #include <nlohmann/json.hpp>
 
 #include "model/layout.h"
 #include "model/safetensors.h"
 #include "util/error.h"
+#include "util/file.h"
 
 namespace tandem::model {
 namespace {
@@ -134,11 +134,7 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
       },
       o.max_shard_bytes, progress);
 
-  {
-    std::ofstream f(o.out / "config.json", std::ios::binary);
-    f << c.to_json().dump(2) << "\n";
-    if (!f) throw Error((o.out / "config.json").string() + ": cannot write");
-  }
+  write_file_atomically(o.out / "config.json", c.to_json().dump(2) + "\n");
   for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
     if (!fs::exists(o.in / file)) continue;
     fs::copy_file(o.in / file, o.out / file, fs::copy_options::overwrite_existing, ec);

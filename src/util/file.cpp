@@ -88,11 +88,14 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view b
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw Error("cannot write " + tmp.string() + ": " + std::strerror(errno));
     out.write(bytes.data(), std::streamsize(bytes.size()));
-    out.flush();
+    // Checked after closing, not after a flush: some file systems (NFS) report a failed write
+    // only when the file is closed.
+    out.close();
     if (!out) {
+      const int err = errno;
       std::error_code ignored;
       std::filesystem::remove(tmp, ignored);
-      throw Error("cannot write " + tmp.string() + ": " + std::strerror(errno));
+      throw Error("cannot write " + tmp.string() + ": " + std::strerror(err));
     }
   }
   std::error_code ec;

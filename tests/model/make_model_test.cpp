@@ -495,6 +495,22 @@ TEST(MakeModel, Errors) {
   EXPECT_THROW(make_model(o), Error);
 }
 
+// config.json and generation_config.json were checked for errors before the stream was closed,
+// so a failure to write their buffered bytes went unseen: generation_config.json as a link to
+// /dev/full (every write fails with ENOSPC) was reported written. They are now written beside
+// their place and renamed into it, so the failing file here is the temporary one.
+TEST(MakeModel, AFailedWriteOfItsJsonFilesIsAnError) {
+  test::TempDir dir("make-full");
+  for (const char* name : {"generation_config.json", "generation_config.json.tmp"})
+    fs::create_symlink("/dev/full", dir / name);
+  try {
+    make("tiny-v3", dir.path(), DType::kBF16);
+    FAIL() << "make_model reported success";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), AllOf(HasSubstr("generation_config.json"), HasSubstr("No space left")));
+  }
+}
+
 // ---- The CLI ----
 
 test::CommandResult tandem(const std::string& args) {
