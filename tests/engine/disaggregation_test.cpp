@@ -503,7 +503,10 @@ TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
 }
 
 TEST_F(Disaggregation, MismatchedBlockSizeIsRefusedOnBothLegs) {
-  Engine p = start("prefill", {"--kv-transfer-timeout", "2"});
+  // The timeout ends the sequential leg's hold, so it is what this test waits; it must also leave
+  // the decode legs time to reach the prefill engine (the pull, the parallel leg's registration)
+  // however slowly a loaded machine sends them.
+  Engine p = start("prefill", {"--kv-transfer-timeout", "5"});
   Engine d = start("decode", {"--block-size", "32"});
   const json body = {{"prompt", tokens(40, 500)}, {"max_tokens", 4}};
   // Sequential: the decode leg learns it from the pull; the prefill's hold expires.
@@ -535,9 +538,10 @@ TEST_F(Disaggregation, MismatchedBlockSizeIsRefusedOnBothLegs) {
 
 TEST_F(Disaggregation, ARoomMissingOneLegFailsTheOtherWithinTheTimeout) {
   Engine p = start("prefill", {"--kv-transfer-timeout", "1"});
-  // The decode engine waits longer than the prefill engine: each leg's error then comes from
-  // the engine that saw the other leg missing.
-  Engine d = start("decode", {"--kv-transfer-timeout", "3"});
+  // The decode engine waits far longer than the prefill engine (its I/O timeout): each leg's
+  // error then comes from the engine that saw the other leg missing, however late a loaded
+  // machine delivers the prefill engine's word.
+  Engine d = start("decode", {"--kv-transfer-timeout", "15"});
   json body = {{"prompt", tokens(30, 800)},
                {"max_tokens", 4},
                {"bootstrap_host", "127.0.0.1"},
