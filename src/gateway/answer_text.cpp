@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gateway/tokens_in.h"
+#include "util/utf8.h"
 
 namespace tandem::gateway {
 
@@ -29,6 +30,22 @@ bool is_json_object(std::string_view body) {
 }
 
 namespace {
+
+// An engine's error text as part of the gateway's message: each run of white space or control
+// bytes one space (an HTML page's lines; nothing that could break a log line), clipped as client
+// text is. Only the first KiB is read: the body may be as large as an answer.
+std::string quoted_error_text(std::string_view text) {
+  std::string out;
+  for (const char ch : text.substr(0, 4 * utf8::kClipBytes)) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c > 0x20 && c != 0x7f)
+      out += ch;
+    else if (!out.empty() && out.back() != ' ')
+      out += ' ';
+  }
+  if (!out.empty() && out.back() == ' ') out.pop_back();
+  return utf8::clip(out);
+}
 
 // The number after the last `"KEY":` in the text, or -1.
 int64_t last_integer_member(std::string_view body, std::string_view key) {
@@ -57,6 +74,29 @@ int64_t usage_cached_tokens(std::string_view text) {
 
 bool is_error_event(std::string_view data) {
   return data.substr(0, 16).find("\"error\"") != std::string_view::npos;
+}
+
+EngineError read_engine_error(std::string_view body) {
+  // An error object is a few hundred bytes. A larger body is quoted, not parsed: the callback
+  // parser's work grows with the square of the members it drops.
+  constexpr size_t kMaxErrorObjectBytes = size_t{64} << 10;
+  if (body.size() <= kMaxErrorObjectBytes && looks_like_json_object(body)) {
+    // The top level is all that is read, and all that is built: no nesting to bound.
+    const nlohmann::json doc = nlohmann::json::parse(
+        body, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) { return depth <= 1; },
+        false);
+    if (doc.is_object()) {
+      const auto error = doc.find("error");
+      if (error != doc.end() && error->is_object()) return {true, {}};
+      if (error != doc.end() && error->is_string())
+        return {false, quoted_error_text(error->get<std::string>())};
+      // vLLM's and SGLang's other shape: {"object": "error", "message": ..., "code": 400}.
+      const auto message = doc.find("message");
+      if (message != doc.end() && message->is_string())
+        return {false, quoted_error_text(message->get<std::string>())};
+    }
+  }
+  return {false, quoted_error_text(body)};
 }
 
 bool carries_tokens(std::string_view data) {

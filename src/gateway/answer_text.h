@@ -25,6 +25,16 @@ int64_t usage_completion_tokens(std::string_view body);
 // prompt_tokens_details null unless started with --enable-prompt-tokens-details).
 int64_t usage_cached_tokens(std::string_view text);
 
+// What an engine's error answer (status >= 400) says: an OpenAI error, which is relayed as it is
+// (`relay`), or else the text to quote in the gateway's own OpenAI error (white space and control
+// bytes folded to single spaces, clipped). Relaying anything else labelled it application/json: a
+// proxy's HTML 502 page reached clients as JSON.
+struct EngineError {
+  bool relay = false;
+  std::string text;
+};
+EngineError read_engine_error(std::string_view body);
+
 // Of one streamed event's data: an OpenAI error object (checked on a stream's first event, which
 // decides whether the request can still be retried elsewhere).
 bool is_error_event(std::string_view data);

@@ -9,57 +9,10 @@
 #include "gateway/answer_text.h"
 #include "gateway/policies/queue_order.h"
 #include "util/random_id.h"
-#include "util/utf8.h"
 
 namespace tandem::gateway {
 
 using nlohmann::json;
-
-namespace {
-
-// An engine's error text as part of the gateway's message: each run of white space or control
-// bytes one space (an HTML page's lines; nothing that could break a log line), clipped as client
-// text is. Only the first KiB is read: the body may be as large as an answer.
-std::string quoted_error_text(std::string_view text) {
-  std::string out;
-  for (const char ch : text.substr(0, 4 * utf8::kClipBytes)) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c > 0x20 && c != 0x7f)
-      out += ch;
-    else if (!out.empty() && out.back() != ' ')
-      out += ' ';
-  }
-  if (!out.empty() && out.back() == ' ') out.pop_back();
-  return utf8::clip(out);
-}
-
-// What an engine's error answer (status >= 400) says: an OpenAI error, which is relayed as it is
-// (`relay`), or else the text to quote in the gateway's own OpenAI error. Relaying anything else
-// labelled it application/json: a proxy's HTML 502 page reached clients as JSON.
-struct EngineError {
-  bool relay = false;
-  std::string text;
-};
-EngineError read_engine_error(std::string_view body) {
-  if (looks_like_json_object(body)) {
-    // The top level is all that is read, and all that is built: no nesting to bound.
-    const json doc = json::parse(
-        body, [](int depth, json::parse_event_t, json&) { return depth <= 1; }, false);
-    if (doc.is_object()) {
-      const auto error = doc.find("error");
-      if (error != doc.end() && error->is_object()) return {true, {}};
-      if (error != doc.end() && error->is_string())
-        return {false, quoted_error_text(error->get<std::string>())};
-      // vLLM's and SGLang's other shape: {"object": "error", "message": ..., "code": 400}.
-      const auto message = doc.find("message");
-      if (message != doc.end() && message->is_string())
-        return {false, quoted_error_text(message->get<std::string>())};
-    }
-  }
-  return {false, quoted_error_text(body)};
-}
-
-}  // namespace
 
 std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
   std::vector<Upstream::CallId> calls;

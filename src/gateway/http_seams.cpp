@@ -1,5 +1,7 @@
 #include "gateway/http_seams.h"
 
+#include "gateway/answer_text.h"
+
 namespace tandem::gateway {
 
 Upstream::CallId HttpUpstream::start(net::AsyncHttpRequest request,
@@ -29,8 +31,17 @@ void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
       // Not a status to pass on: the server would refuse a 1xx as final, and no client knows
       // what a status past 599 means.
       ex->send_error(502, "engine answered HTTP " + std::to_string(answer->first), "server_error");
-    } else {
+    } else if (answer->first < 400) {
       ex->respond(answer->first, answer->second, "application/json");
+    } else if (const EngineError said = read_engine_error(answer->second); said.relay) {
+      ex->respond(answer->first, answer->second, "application/json");
+    } else {
+      // As a leg's error answer: the gateway's own OpenAI error, quoting what the engine said.
+      const int status = answer->first < 500 ? answer->first : 502;
+      ex->send_error(status,
+                     "engine answered HTTP " + std::to_string(answer->first) +
+                         (said.text.empty() ? "" : ": " + said.text),
+                     status < 500 ? "" : "server_error");
     }
   };
   upstream.start(std::move(request), std::move(h));

@@ -28,7 +28,8 @@ class HttpUpstream final : public Upstream {
 
 // One GET to an engine (`request`: host, port, target, headers, timeout) answered to `ex` as the
 // engine answered it (up to 16 MiB of body), or 502 when the call failed or the engine's status
-// is outside 200..599. Any thread.
+// is outside 200..599. An error status with a body that is no OpenAI error is answered with the
+// gateway's own, quoting it (read_engine_error), as a request's error answer is. Any thread.
 void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
                       std::shared_ptr<net::Exchange> ex);
 

@@ -811,41 +811,87 @@ INSTANTIATE_TEST_SUITE_P(IoThreads, GatewayFailures, ::testing::Values(2, 1),
                                                   : std::string("SchedulingThread");
                          });
 
+// An engine that answers every call at once with `status` and `body`, behind a server whose
+// GET /v1/models relays to it.
+struct CannedEngine final : Upstream {
+  std::atomic<int> status{200};
+  std::string body = "{}";
+  CallId start(net::AsyncHttpRequest, net::AsyncHttpHandlers h) override {
+    h.on_head(status, {});
+    h.on_body(body);
+    h.on_done("");
+    return 1;
+  }
+  void cancel(CallId) override {}
+};
+
+class RelayEngineGet : public ::testing::Test {
+ protected:
+  RelayEngineGet() : server_(options()) {
+    server_.route("GET", "/v1/models", [this](const net::HttpRequest&, auto ex) {
+      relay_engine_get(engine_, {}, std::move(ex));
+    });
+    server_.start();
+  }
+  ~RelayEngineGet() override { server_.stop(); }
+  static net::HttpServerOptions options() {
+    net::HttpServerOptions o;
+    o.host = "127.0.0.1";
+    o.error_response = api::openai_error_response;
+    return o;
+  }
+  net::HttpClientResponse get(int status, const std::string& body = "{}") {
+    engine_.status = status;
+    engine_.body = body;
+    return net::http_request("127.0.0.1", server_.port(), "GET", "/v1/models");
+  }
+
+  CannedEngine engine_;
+  net::HttpServer server_;
+};
+
 // An engine's GET answered with a status that cannot be passed on as final (a 101, or one past
 // 599) is a 502 naming it: before, a 1xx made respond() throw, and the client got the server's
 // generic 500, and a 700 was relayed as it was.
-TEST(RelayEngineGet, AnEngineStatusOutsideTheFinalRangeIs502) {
-  struct Engine final : Upstream {
-    std::atomic<int> status{200};
-    CallId start(net::AsyncHttpRequest, net::AsyncHttpHandlers h) override {
-      h.on_head(status, {});
-      h.on_body("{}");
-      h.on_done("");
-      return 1;
-    }
-    void cancel(CallId) override {}
-  } engine;
-  net::HttpServerOptions o;
-  o.host = "127.0.0.1";
-  o.error_response = api::openai_error_response;
-  net::HttpServer server(o);
-  server.route("GET", "/v1/models", [&](const net::HttpRequest&, auto ex) {
-    relay_engine_get(engine, {}, std::move(ex));
-  });
-  server.start();
+TEST_F(RelayEngineGet, AnEngineStatusOutsideTheFinalRangeIs502) {
+  const std::string openai = R"({"error":{"message":"overloaded","type":"server_error"}})";
   for (int status : {101, 700, 599, 200}) {
-    engine.status = status;
-    const auto r = net::http_request("127.0.0.1", server.port(), "GET", "/v1/models");
+    const auto r = get(status, status >= 400 ? openai : "{}");
     if (status == 200 || status == 599) {
       EXPECT_EQ(r.status, status);
-      EXPECT_EQ(r.body, "{}");
+      EXPECT_EQ(r.body, status == 200 ? "{}" : openai);
       continue;
     }
     EXPECT_EQ(r.status, 502) << status;
     EXPECT_NE(r.body.find("engine answered HTTP " + std::to_string(status)), std::string::npos)
         << r.body;
   }
-  server.stop();
+}
+
+// GET /v1/models and the dashboard's expert loads relay an engine's answer; an error that is no
+// OpenAI error (a proxy's HTML page) reached clients labelled application/json. As a request's
+// error answer: an OpenAI error is relayed as it is, anything else quoted in the gateway's own
+// (the engine's 4xx status, 502 for a 5xx).
+TEST_F(RelayEngineGet, AnErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
+  const std::string page = "<html>\n<body>upstream\texploded</body></html>";
+  auto r = get(500, page);
+  EXPECT_EQ(r.status, 502);
+  EXPECT_EQ(r.headers.get("Content-Type"), "application/json");
+  EXPECT_EQ(api::openai_error_message(r.body),
+            "engine answered HTTP 500: <html> <body>upstream exploded</body></html>");
+  r = get(404, page);
+  EXPECT_EQ(r.status, 404);
+  EXPECT_EQ(api::openai_error_message(r.body),
+            "engine answered HTTP 404: <html> <body>upstream exploded</body></html>");
+  // vLLM's other error shape: its message is quoted.
+  r = get(400, R"({"object":"error","message":"bad","type":"BadRequestError","code":400})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(api::openai_error_message(r.body), "engine answered HTTP 400: bad");
+  const std::string openai =
+      R"({"error":{"message":"invalid key","type":"invalid_request_error"}})";
+  r = get(401, openai);
+  EXPECT_EQ(r.status, 401);
+  EXPECT_EQ(r.body, openai);
 }
 
 }  // namespace
