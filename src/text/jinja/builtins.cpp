@@ -36,7 +36,7 @@ void check_list_size(size_t items, const char* what) {
 
 // Using an Undefined in arithmetic, calls, attribute access etc. raises UndefinedError.
 void check_defined(const Value& v) {
-  if (v.is_undefined()) throw RuntimeError{v.s};
+  if (v.is_undefined()) throw RuntimeError{v.s.str()};
 }
 
 // ---- argument binding like a Python signature ----
@@ -151,19 +151,19 @@ void append_title(std::u32string& out, char32_t c) {
   }
 }
 
-std::string py_lower(const std::string& s) {
+std::string py_lower(std::string_view s) {
   std::u32string u = to_u32(s), out;
   for (size_t i = 0; i < u.size(); ++i) append_lower(out, u, i);
   return from_u32(out);
 }
 
-std::string py_upper(const std::string& s) {
+std::string py_upper(std::string_view s) {
   std::u32string out;
   for (char32_t c : to_u32(s)) append_upper(out, c);
   return from_u32(out);
 }
 
-std::string py_capitalize(const std::string& s) {
+std::string py_capitalize(std::string_view s) {
   std::u32string u = to_u32(s), out;
   for (size_t i = 0; i < u.size(); ++i) {
     if (i == 0) {
@@ -175,7 +175,7 @@ std::string py_capitalize(const std::string& s) {
   return from_u32(out);
 }
 
-std::string py_title(const std::string& s) {
+std::string py_title(std::string_view s) {
   std::u32string u = to_u32(s), out;
   bool previous_cased = false;
   for (size_t i = 0; i < u.size(); ++i) {
@@ -191,7 +191,7 @@ std::string py_title(const std::string& s) {
 
 // Jinja2's `title` filter: split on runs of [-\s({\[<], upper-case each piece's first
 // character and lower-case the rest.
-std::string jinja_title(const std::string& s) {
+std::string jinja_title(std::string_view s) {
   std::u32string u = to_u32(s), out;
   auto is_sep = [](char32_t c) {
     return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || py_isspace(c);
@@ -209,7 +209,7 @@ std::string jinja_title(const std::string& s) {
   return from_u32(out);
 }
 
-bool py_islower(const std::string& s) {
+bool py_islower(std::string_view s) {
   bool cased = false;
   for (char32_t c : to_u32(s)) {
     auto cp = static_cast<UChar32>(c);
@@ -219,7 +219,7 @@ bool py_islower(const std::string& s) {
   return cased;
 }
 
-bool py_isupper(const std::string& s) {
+bool py_isupper(std::string_view s) {
   bool cased = false;
   for (char32_t c : to_u32(s)) {
     auto cp = static_cast<UChar32>(c);
@@ -251,7 +251,7 @@ std::u32string strip_chars(const std::u32string& s, const Value& chars, bool lef
   return s.substr(b, e - b);
 }
 
-std::string py_strip(const std::string& s, const Value& chars, bool left, bool right) {
+std::string py_strip(std::string_view s, const Value& chars, bool left, bool right) {
   return from_u32(strip_chars(to_u32(s), chars, left, right));
 }
 
@@ -263,7 +263,7 @@ Value str_list(const std::vector<std::u32string>& parts) {
 }
 
 // str.split / str.rsplit.
-Value py_split(const std::string& str, const Value& sep, int64_t maxsplit, bool from_right) {
+Value py_split(std::string_view str, const Value& sep, int64_t maxsplit, bool from_right) {
   std::u32string s = to_u32(str);
   std::vector<std::u32string> parts;
   if (sep.is_none()) {
@@ -327,7 +327,7 @@ Value py_split(const std::string& str, const Value& sep, int64_t maxsplit, bool 
   return str_list(parts);
 }
 
-std::string py_replace(const std::string& str, const std::string& old_s, const std::string& new_s,
+std::string py_replace(std::string_view str, std::string_view old_s, std::string_view new_s,
                        int64_t count) {
   std::u32string s = to_u32(str), o = to_u32(old_s), n = to_u32(new_s), out;
   if (o.empty()) {
@@ -422,7 +422,7 @@ double py_floordiv(double x, double y) {
 }
 
 // Python's float(str): surrounding whitespace, underscores between digits, inf/nan words.
-std::optional<double> parse_py_float(const std::string& text) {
+std::optional<double> parse_py_float(std::string_view text) {
   std::string s = py_strip(text, Value::none(), true, true);
   std::string lower = py_lower(s);
   std::string body = lower;
@@ -454,7 +454,7 @@ std::optional<double> parse_py_float(const std::string& text) {
 }
 
 // Python's int(str, 10).
-std::optional<int64_t> parse_py_int(const std::string& text) {
+std::optional<int64_t> parse_py_int(std::string_view text) {
   std::string s = py_strip(text, Value::none(), true, true);
   size_t k = 0;
   bool neg = false;
@@ -513,7 +513,7 @@ std::vector<Value> attribute_parts(const Value& attribute) {
     parts.push_back(attribute);
     return parts;
   }
-  std::string s = attribute.s;
+  const std::string s = attribute.s.str();
   size_t i = 0;
   while (true) {
     size_t j = s.find('.', i);
@@ -543,11 +543,12 @@ Value get_path(Value item, const std::vector<Value>& parts, const Value* fallbac
 std::vector<std::vector<Value>> multi_attribute_parts(const Value& attribute) {
   std::vector<std::vector<Value>> out;
   if (attribute.is_string()) {
+    const std::string_view names = attribute.s;
     size_t i = 0;
     while (true) {
-      size_t j = attribute.s.find(',', i);
-      out.push_back(attribute_parts(Value::string(
-          attribute.s.substr(i, j == std::string::npos ? std::string::npos : j - i))));
+      size_t j = names.find(',', i);
+      out.push_back(attribute_parts(
+          Value::string(names.substr(i, j == std::string::npos ? std::string::npos : j - i))));
       if (j == std::string::npos) break;
       i = j + 1;
     }
@@ -569,7 +570,7 @@ Value sum_values(const Value& a, const Value& b) {
 
 // ---- str.format / printf-style formatting (the simple forms templates use) ----
 
-std::string py_format(const std::string& fmt, const CallArgs& call) {
+std::string py_format(std::string_view fmt, const CallArgs& call) {
   std::string out;
   size_t auto_index = 0;
   for (size_t i = 0; i < fmt.size(); ++i) {
@@ -582,7 +583,7 @@ std::string py_format(const std::string& fmt, const CallArgs& call) {
       }
       size_t j = fmt.find('}', i);
       if (j == std::string::npos) type_error("Single '{' encountered in format string");
-      std::string field = fmt.substr(i + 1, j - i - 1);
+      std::string field(fmt.substr(i + 1, j - i - 1));
       if (field.find_first_of("!:.[{") != std::string::npos)
         unsupported("str.format field '{" + field + "}'");
       const Value* v = nullptr;
@@ -613,7 +614,7 @@ std::string py_format(const std::string& fmt, const CallArgs& call) {
   return out;
 }
 
-std::string percent_format(const std::string& fmt, const Value& rhs) {
+std::string percent_format(std::string_view fmt, const Value& rhs) {
   if (rhs.kind == Kind::kDict) unsupported("%-formatting with a mapping");
   std::vector<Value> args;
   if (rhs.is_seq(SeqKind::kTuple)) {
@@ -683,7 +684,7 @@ struct MethodCall {
   const std::string& name;  // for argument errors, as Python names the method
   CallArgs& args;
 };
-using StrCall = MethodCall<std::string>;
+using StrCall = MethodCall<std::string_view>;
 using DictCall = MethodCall<Dict>;
 using ListCall = MethodCall<Sequence>;
 
@@ -743,7 +744,7 @@ Value str_replace(const StrCall& c) {
 }
 
 // str.upper / lower / title / capitalize
-template <std::string (*Convert)(const std::string&)>
+template <std::string (*Convert)(std::string_view)>
 Value str_case(const StrCall& c) {
   Params p(c.name, c.args, {});
   return Value::string(Convert(c.self));
@@ -808,7 +809,7 @@ Value str_join(const StrCall& c) {
     if (k++) out += c.self;
     out += item.s;
   }
-  return Value::string(out);
+  return Value::string(std::move(out));
 }
 
 Value str_splitlines(const StrCall& c) {
@@ -820,13 +821,12 @@ Value str_splitlines(const StrCall& c) {
 Value str_remove_affix(const StrCall& c, bool prefix) {
   Params p(c.name, c.args, {"affix"});
   const Value& x = p.get(0);
-  const std::string& s = c.self;
+  const std::string_view s = c.self;
   if (!x.is_string()) type_error(c.name + "() argument must be str, not " + type_name(x));
-  if (prefix && s.compare(0, x.s.size(), x.s) == 0 && s.size() >= x.s.size()) {
-    return Value::string(s.substr(x.s.size()));
-  }
-  if (!prefix && s.size() >= x.s.size() && s.compare(s.size() - x.s.size(), x.s.size(), x.s) == 0) {
-    return Value::string(s.substr(0, s.size() - x.s.size()));
+  const std::string_view a = x.s;
+  if (prefix && s.substr(0, a.size()) == a) return Value::string(s.substr(a.size()));
+  if (!prefix && s.size() >= a.size() && s.substr(s.size() - a.size()) == a) {
+    return Value::string(s.substr(0, s.size() - a.size()));
   }
   return Value::string(s);
 }
@@ -865,7 +865,7 @@ Value str_all_chars(const StrCall& c) {
 }
 
 // Every method Python's str has. A null entry is one this interpreter refuses.
-const std::unordered_map<std::string_view, MethodFn<std::string>> kStrMethods = {
+const std::unordered_map<std::string_view, MethodFn<std::string_view>> kStrMethods = {
     {"capitalize", str_case<py_capitalize>},
     {"casefold",
      [](const StrCall& c) -> Value {
@@ -1000,11 +1000,12 @@ const std::unordered_map<std::string_view, MethodFn<Sequence>> kListMethods = {
 };
 
 // `self.name`, bound; `body` is the table's entry for the name.
-Value str_method(const Value& self, const std::string& name, MethodFn<std::string> body) {
+Value str_method(const Value& self, const std::string& name, MethodFn<std::string_view> body) {
   if (self.markup) unsupported("method '" + name + "' on a Markup string");
   if (!body) unsupported("str method '" + name + "'");
   return method("str." + name, [s = self.s, name, body](CallArgs& a) {
-    return body(StrCall{s, name, a});
+    const std::string_view text = s;
+    return body(StrCall{text, name, a});
   });
 }
 
@@ -1171,8 +1172,9 @@ Value get_item(const Value& obj, const Value& key) {
   Value out;
   if (python_item(obj, key, out)) return out;
   if (key.is_string()) {
-    if (python_attr(obj, key.s, out)) return out;
-    return undefined_attribute(obj, key.s);
+    const std::string name = key.s.str();
+    if (python_attr(obj, name, out)) return out;
+    return undefined_attribute(obj, name);
   }
   return Value::undefined(object_type_repr(obj) + " has no element " + py_repr(key));
 }
@@ -1250,14 +1252,14 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     if (a.is_string() && b.is_string()) {
       if (a.markup != b.markup) {
         // markupsafe escapes the plain operand before concatenating.
-        std::string joined =
-            (a.markup ? a.s : html_escape(a.s)) + (b.markup ? b.s : html_escape(b.s));
+        std::string joined = a.markup ? a.s.str() : html_escape(a.s);
+        joined += b.markup ? b.s.str() : html_escape(b.s);
         check_string_size(joined.size(), "string concatenation");
         return Value::string(std::move(joined), true);
       }
       // Doubling a string in a loop would reach any size in a few dozen steps.
       check_string_size(a.s.size() + b.s.size(), "string concatenation");
-      return Value::string(a.s + b.s, a.markup);
+      return Value::string(Str::concat(a.s, b.s), a.markup);
     }
     if (both_int) {
       int64_t r;
@@ -1396,7 +1398,7 @@ bool contains(const Value& container, const Value& item) {
         check_defined(item);
         type_error("'in <string>' requires string as left operand, not " + type_name(item));
       }
-      return container.s.find(item.s) != std::string::npos;
+      return container.s.view().find(item.s.view()) != std::string::npos;
     case Kind::kDict:
       check_hashable(item);
       return container.dict->find(item) != nullptr;
@@ -1441,8 +1443,9 @@ Value strftime_now_global(CallArgs& a) {
   std::tm tm{};
   localtime_r(&now, &tm);
   char buf[512];
-  size_t n = std::strftime(buf, sizeof(buf), f.s.c_str(), &tm);
-  if (n == 0 && !f.s.empty()) unsupported("strftime format '" + f.s + "'");
+  const std::string format = f.s.str();
+  size_t n = std::strftime(buf, sizeof(buf), format.c_str(), &tm);
+  if (n == 0 && !format.empty()) unsupported("strftime format '" + format + "'");
   return Value::string(std::string(buf, n));
 }
 
@@ -1489,7 +1492,7 @@ Value namespace_global(CallArgs& a) {
   v.ns = std::make_shared<Namespace>();
   for (auto& [k, e] : items) {
     if (!k.is_string()) unsupported("namespace() with non-string keys");
-    v.ns->set(k.s, e);
+    v.ns->set(k.s.str(), e);
   }
   return v;
 }
@@ -1691,7 +1694,7 @@ std::vector<Value> select_items(const Value& input, CallArgs& args, bool select,
   if (has_test) {
     const Value& t = args.args[off];
     if (!t.is_string()) type_error(fn + ": test name must be a string");
-    test = t.s;
+    test = t.s.str();
     if (!is_supported_test(test)) unsupported("test '" + test + "'");
     test_args.args.assign(args.args.begin() + static_cast<std::ptrdiff_t>(off + 1),
                           args.args.end());
@@ -1721,7 +1724,7 @@ Value json_filter(const std::string& name, const Value& input, CallArgs& args) {
     if (indent.is_string()) {
       if (indent.s.size() > static_cast<size_t>(kMaxIndentWidth))
         unsupported("tojson indent beyond " + std::to_string(kMaxIndentWidth) + " characters");
-      o.indent = indent.s;
+      o.indent = indent.s.str();
     } else if (indent.is_int_like()) {
       if (indent.i > kMaxIndentWidth)
         unsupported("tojson indent beyond " + std::to_string(kMaxIndentWidth) + " characters");
@@ -1737,8 +1740,8 @@ Value json_filter(const std::string& name, const Value& input, CallArgs& args) {
         !seps.seq->items[0].is_string() || !seps.seq->items[1].is_string()) {
       type_error("separators must be a pair of strings");
     }
-    o.item_separator = seps.seq->items[0].s;
-    o.key_separator = seps.seq->items[1].s;
+    o.item_separator = seps.seq->items[0].s.str();
+    o.key_separator = seps.seq->items[1].s.str();
   }
   o.sort_keys = truthy(p.get_or(3, Value::boolean(false)));
   return Value::string(py_json_dumps(input, o));
@@ -1748,7 +1751,7 @@ Value round_filter(const std::string& name, const Value& input, CallArgs& args) 
   Params p(name, args, {"precision", "method"});
   int64_t precision = to_index(p.get_or(0, Value::integer(0)), "precision");
   Value method_v = p.get_or(1, Value::string("common"));
-  std::string m = method_v.is_string() ? method_v.s : "";
+  std::string m = method_v.is_string() ? method_v.s.str() : "";
   if (m != "common" && m != "ceil" && m != "floor")
     type_error("method must be common, ceil or floor");
   check_defined(input);
@@ -1816,7 +1819,7 @@ Value trim_filter(const std::string& name, const Value& input, CallArgs& args) {
 }
 
 // upper / lower / capitalize / title
-template <std::string (*Convert)(const std::string&)>
+template <std::string (*Convert)(std::string_view)>
 Value case_filter(const std::string& name, const Value& input, CallArgs& args) {
   Params p(name, args, {});
   return Value::string(Convert(py_str(input)));
@@ -1866,9 +1869,14 @@ Value join_filter(const std::string& name, const Value& input, CallArgs& args) {
   for (const auto& item : py_iterate(input)) {
     if (!first) out += sep;
     first = false;
-    out += py_str(attribute.is_none() ? item : get_path(item, parts, nullptr));
+    const Value& part = attribute.is_none() ? item : get_path(item, parts, nullptr);
+    if (part.is_string()) {
+      out += part.s;
+    } else {
+      out += py_str(part);
+    }
   }
-  return Value::string(out);
+  return Value::string(std::move(out));
 }
 
 Value items_filter(const std::string& name, const Value& input, CallArgs& args) {
@@ -1885,9 +1893,9 @@ Value dictsort_filter(const std::string& name, const Value& input, CallArgs& arg
   bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
   Value by = p.get_or(1, Value::string("key"));
   size_t pos;
-  if (by.is_string() && by.s == "key") {
+  if (by.is_string() && by.s.view() == "key") {
     pos = 0;
-  } else if (by.is_string() && by.s == "value") {
+  } else if (by.is_string() && by.s.view() == "value") {
     pos = 1;
   } else {
     type_error("You can only sort by either \"key\" or \"value\"");
@@ -2018,13 +2026,14 @@ Value map_filter(const std::string&, const Value& input, CallArgs& args) {
   }
   const Value& f = args.args[0];
   if (!f.is_string()) type_error("map: filter name must be a string");
-  if (!is_supported_filter(f.s)) unsupported("filter '" + f.s + "'");
+  const std::string filter = f.s.str();
+  if (!is_supported_filter(filter)) unsupported("filter '" + filter + "'");
   CallArgs rest;
   rest.args.assign(args.args.begin() + 1, args.args.end());
   rest.kwargs = args.kwargs;
   for (const auto& item : py_iterate(input)) {
     CallArgs a = rest;
-    out.push_back(apply_filter(f.s, item, a));
+    out.push_back(apply_filter(filter, item, a));
   }
   return generator(std::move(out));
 }
@@ -2041,8 +2050,9 @@ Value attr_filter(const std::string& name, const Value& input, CallArgs& args) {
   if (!n.is_string()) type_error("attribute name must be a string");
   check_defined(input);
   Value out;
-  if (python_attr(input, n.s, out)) return out;
-  return undefined_attribute(input, n.s);
+  const std::string attr = n.s.str();
+  if (python_attr(input, attr, out)) return out;
+  return undefined_attribute(input, attr);
 }
 
 Value int_filter(const std::string& name, const Value& input, CallArgs& args) {
@@ -2099,7 +2109,7 @@ Value indent_filter(const std::string& name, const Value& input, CallArgs& args)
   if (width.is_string()) {
     if (width.s.size() > static_cast<size_t>(kMaxIndentWidth))
       unsupported("indent width beyond " + std::to_string(kMaxIndentWidth) + " characters");
-    indention = width.s;
+    indention = width.s.str();
   } else if (width.is_int_like()) {
     if (width.i > kMaxIndentWidth)
       unsupported("indent width beyond " + std::to_string(kMaxIndentWidth) + " characters");
@@ -2110,7 +2120,7 @@ Value indent_filter(const std::string& name, const Value& input, CallArgs& args)
   check_defined(input);
   if (!input.is_string())
     type_error("unsupported operand type(s) for +=: '" + type_name(input) + "' and 'str'");
-  auto lines = py_splitlines(to_u32(input.s + "\n"), false);
+  auto lines = py_splitlines(to_u32(input.s.str() + "\n"), false);
   // Many short lines each gain the whole indentation.
   check_string_size(input.s.size() + lines.size() * (indention.size() + 1), "indent result");
   std::string rv;

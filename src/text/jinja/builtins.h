@@ -15,11 +15,6 @@ struct RaisedError {
   std::string message;
 };
 
-// What one value of a render may grow to: far beyond any real chat template (a long conversation
-// with tool schemas renders a few MB), low enough that a template multiplying or doubling strings
-// and lists meets an error instead of exhausting memory. The rendered text has the same cap.
-inline constexpr size_t kMaxStringBytes = size_t{1} << 26;  // 64 MiB
-inline constexpr size_t kMaxListItems = size_t{1} << 22;    // 4M items
 // indent and tojson's indent: no template indents by more than a few spaces.
 inline constexpr int64_t kMaxIndentWidth = 4096;
 

@@ -49,15 +49,13 @@ enum class Flow { kNormal, kBreak, kContinue };
 // Python allows about 1000 nested calls; stop runaway macro recursion well before the C++ stack.
 constexpr int kMaxMacroDepth = 200;
 
-// Work and output of one render. A real chat template takes well under 10^6 steps for a long
-// conversation with tools; nested loops over range(100000) would otherwise run for hours, and a
-// loop printing a large string would try to build terabytes.
-constexpr int64_t kMaxSteps = 10'000'000;  // statements executed plus expressions evaluated
-constexpr size_t kMaxOutputBytes = kMaxStringBytes;  // the rendered text, and any captured block
+// The rendered text, and any captured block. The render as a whole is bounded by its budget
+// (value.h): steps and bytes built.
+constexpr size_t kMaxOutputBytes = kMaxStringBytes;
 
 class Renderer {
  public:
-  std::string render(const Body& body, const nlohmann::ordered_json& context) {
+  std::string render(const Body& body, const nlohmann::ordered_json& context, RenderStats* stats) {
     auto root = std::make_shared<Frame>();
     if (!context.is_object()) throw Error("chat template context must be a JSON object");
     try {
@@ -65,8 +63,11 @@ class Renderer {
     } catch (const UnsupportedError& e) {
       throw Error("chat template context: " + e.message);
     }
+    // The request itself is not charged: its size has its own limits.
+    RenderBudget budget;
     std::string out;
     exec_body(body, root, out);
+    if (stats) *stats = budget.stats();
     return out;
   }
 
@@ -92,18 +93,24 @@ class Renderer {
     }
   }
 
-  void step() {
-    if (++steps_ > kMaxSteps)
-      throw RuntimeError{"the template exceeded " + std::to_string(kMaxSteps) +
-                         " evaluation steps (a runaway loop?)"};
-  }
+  static void step() { charge_steps(1); }
 
   // Checked before appending, so an oversized output is never allocated.
-  static void emit(std::string& out, const std::string& text) {
+  static void emit(std::string& out, std::string_view text) {
     if (text.size() > kMaxOutputBytes - out.size())
       throw RuntimeError{"the template's output exceeded " + std::to_string(kMaxOutputBytes >> 20) +
                          " MiB"};
+    charge_bytes(static_cast<int64_t>(text.size()));
     out += text;
+  }
+
+  // {{ v }}: a string is written from its buffer, not copied first.
+  static void emit_value(std::string& out, const Value& v) {
+    if (v.is_string()) {
+      emit(out, v.s);
+    } else {
+      emit(out, py_str(v));
+    }
   }
 
   Flow exec_inner(const Stmt& s, const FramePtr& frame, std::string& out) {
@@ -112,7 +119,7 @@ class Renderer {
         emit(out, s.text);
         return Flow::kNormal;
       case StmtKind::kOutput:
-        emit(out, py_str(eval(*s.expr, frame)));
+        emit_value(out, eval(*s.expr, frame));
         return Flow::kNormal;
       case StmtKind::kIf:
         return exec_body(truthy(eval(*s.expr, frame)) ? s.body : s.else_body, frame, out);
@@ -124,13 +131,14 @@ class Renderer {
       case StmtKind::kSetBlock: {
         std::string captured;
         exec_body(s.body, child_of(frame), captured);
-        assign(*s.target, apply_filters(s.filters, Value::string(captured), frame), frame);
+        assign(*s.target, apply_filters(s.filters, Value::string(std::move(captured)), frame),
+               frame);
         return Flow::kNormal;
       }
       case StmtKind::kFilterBlock: {
         std::string captured;
         exec_body(s.body, child_of(frame), captured);
-        emit(out, py_str(apply_filters(s.filters, Value::string(captured), frame)));
+        emit_value(out, apply_filters(s.filters, Value::string(std::move(captured)), frame));
         return Flow::kNormal;
       }
       case StmtKind::kMacro:
@@ -170,15 +178,16 @@ class Renderer {
     Value loop;
     loop.kind = Kind::kLoop;
     loop.loop = std::make_shared<LoopInfo>();
-    loop.loop->items = items;
+    loop.loop->items = std::move(items);
+    const std::vector<Value>& looped = loop.loop->items;  // never changed while it loops
     if (const Value* outer = frame->find("loop"); outer && outer->kind == Kind::kLoop) {
       loop.loop->depth = outer->loop->depth;  // non-recursive loops all have depth 1
     }
-    for (size_t k = 0; k < items.size(); ++k) {
+    for (size_t k = 0; k < looped.size(); ++k) {
       step();  // an iteration with an empty body still costs work
       loop.loop->index0 = k;
       auto f = child_of(frame);
-      assign(*s.target, items[k], f);
+      assign(*s.target, looped[k], f);
       f->set("loop", loop);
       if (exec_body(s.body, f, out) == Flow::kBreak) break;
     }
@@ -265,7 +274,7 @@ class Renderer {
       throw;
     }
     --depth_;
-    return Value::string(out);
+    return Value::string(std::move(out));
   }
 
   CallArgs eval_args(const Expr& e, size_t first, const FramePtr& frame) {
@@ -370,12 +379,21 @@ class Renderer {
         return Value::boolean(true);
       }
       case ExprKind::kConcat: {
-        std::string s;
+        // Joined with Str::concat, so `set ns.text = ns.text ~ piece` appends in place.
+        Str s;
+        bool first = true;
         for (const auto& c : e.children) {
-          const std::string part = py_str(eval(*c, frame));
-          if (part.size() > kMaxStringBytes - s.size())
-            throw UnsupportedError{"unsupported string concatenation beyond 64 MiB"};
-          s += part;
+          Value v = eval(*c, frame);
+          if (first && v.is_string()) {
+            s = v.s;
+          } else {
+            const std::string printed = v.is_string() ? std::string() : py_str(v);
+            const std::string_view part = v.is_string() ? v.s.view() : printed;
+            if (part.size() > kMaxStringBytes - s.size())
+              throw UnsupportedError{"unsupported string concatenation beyond 64 MiB"};
+            s = Str::concat(s, part);
+          }
+          first = false;
         }
         return Value::string(std::move(s));
       }
@@ -413,7 +431,6 @@ class Renderer {
   }
 
   int depth_ = 0;
-  int64_t steps_ = 0;
   // Namespaces are the only values a template can change after creating them, so only an
   // assignment to one can close a reference cycle (`set ns.self = ns`, or through a list or
   // another namespace). Nothing of a render outlives it: their attributes are dropped at its
@@ -432,11 +449,12 @@ class Renderer {
 
 }  // namespace
 
-std::string render_template(const Body& body, const nlohmann::ordered_json& context) {
+std::string render_template(const Body& body, const nlohmann::ordered_json& context,
+                            RenderStats* stats) {
   // The limits above bound what a template builds; this is the backstop for anything they miss,
   // so a hostile template fails its request instead of ending the process.
   try {
-    return Renderer().render(body, context);
+    return Renderer().render(body, context, stats);
   } catch (const std::bad_alloc&) {
     throw Error("chat template: rendering ran out of memory");
   } catch (const std::length_error& e) {

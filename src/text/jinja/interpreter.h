@@ -18,7 +18,9 @@
 namespace tandem::text::jinja {
 
 // Renders `body`; the context's top-level keys become template variables. Throws tandem::Error
-// naming the template line for runtime errors, including raise_exception().
-std::string render_template(const Body& body, const nlohmann::ordered_json& context);
+// naming the template line for runtime errors, including raise_exception() and a render that
+// spends its budget (value.h). `stats`, when given, receives what the render spent.
+std::string render_template(const Body& body, const nlohmann::ordered_json& context,
+                            RenderStats* stats = nullptr);
 
 }  // namespace tandem::text::jinja

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include <unicode/uchar.h>
 
@@ -11,7 +12,83 @@
 
 namespace tandem::text::jinja {
 
-Value Value::undefined(std::string message) {
+// ---- the render budget ----
+
+namespace {
+thread_local RenderBudget* current_budget = nullptr;
+}  // namespace
+
+RenderBudget::RenderBudget() : outer_(current_budget) {
+  current_budget = this;
+}
+
+RenderBudget::~RenderBudget() {
+  current_budget = outer_;
+}
+
+void charge_steps(int64_t n) {
+  RenderBudget* b = current_budget;
+  if (!b) return;
+  b->stats_.steps += n;
+  if (b->stats_.steps > kMaxRenderSteps)
+    throw RuntimeError{"the template exceeded " + std::to_string(kMaxRenderSteps) +
+                       " evaluation steps (a runaway loop?)"};
+}
+
+void charge_bytes(int64_t n) {
+  RenderBudget* b = current_budget;
+  if (!b) return;
+  b->stats_.bytes += n;
+  if (b->stats_.bytes > kMaxRenderBytes)
+    throw RuntimeError{"the template built more than " + std::to_string(kMaxRenderBytes >> 20) +
+                       " MiB of strings and lists, the limit of one render (a runaway loop?)"};
+}
+
+// ---- strings ----
+
+Str::Str(std::string text) {
+  if (text.empty()) return;
+  charge_bytes(static_cast<int64_t>(text.size()));
+  buf_ = std::make_shared<Buffer>();
+  buf_->text = std::move(text);
+  buf_->data = buf_->text.data();
+  buf_->size = buf_->text.size();
+  len_ = buf_->size;
+}
+
+Str::Str(std::string_view text) : Str(std::string(text)) {}
+
+Str Str::concat(const Str& a, std::string_view b) {
+  if (b.empty()) return a;
+  Str out;
+  Buffer* ab = a.buf_.get();
+  if (ab && ab->capacity && a.len_ == ab->size && ab->capacity - ab->size >= b.size()) {
+    // a ends where its buffer's text ends: write b after it. b may be a view of the same
+    // buffer; it lies before `size`, so the ranges do not overlap.
+    charge_bytes(static_cast<int64_t>(b.size()));
+    std::memcpy(ab->room.get() + ab->size, b.data(), b.size());
+    ab->size += b.size();
+    out.buf_ = a.buf_;
+    out.len_ = ab->size;
+    return out;
+  }
+  const size_t total = a.len_ + b.size();
+  // Twice what is needed: a string grown piece by piece is copied O(log n) times in all.
+  const size_t capacity = std::max<size_t>(2 * total, 64);
+  charge_bytes(static_cast<int64_t>(total));
+  auto nb = std::make_shared<Buffer>();
+  nb->room = std::make_unique_for_overwrite<char[]>(capacity);
+  nb->capacity = capacity;
+  nb->data = nb->room.get();
+  if (a.len_) std::memcpy(nb->room.get(), a.view().data(), a.len_);
+  std::memcpy(nb->room.get() + a.len_, b.data(), b.size());
+  nb->size = total;
+  out.buf_ = std::move(nb);
+  out.len_ = total;
+  return out;
+}
+
+Value Value::undefined(Str message) {
   Value v;
   v.kind = Kind::kUndefined;
   v.s = std::move(message);
@@ -46,7 +123,7 @@ Value Value::floating(double f) {
   return v;
 }
 
-Value Value::string(std::string s, bool markup) {
+Value Value::string(Str s, bool markup) {
   Value v;
   v.kind = Kind::kString;
   v.s = std::move(s);
@@ -117,7 +194,7 @@ double Value::as_double() const {
 const Value* Dict::find(const Value& key) const {
   for (const auto& [k, v] : items) {
     if (key.is_string() && k.is_string()) {
-      if (k.s == key.s) return &v;
+      if (k.s.view() == key.s.view()) return &v;
     } else if (py_equal(k, key)) {
       return &v;
     }
@@ -253,6 +330,16 @@ std::string from_u32(std::u32string_view s) {
   return out;
 }
 
+size_t code_points(std::string_view s) {
+  size_t n = 0;
+  for (size_t i = 0; i < s.size(); ++n) {
+    size_t len = utf8::valid_sequence_length(s, i);
+    if (len == 0) throw RuntimeError{"invalid UTF-8 in a template string"};
+    i += len;
+  }
+  return n;
+}
+
 bool py_isspace(char32_t c) {
   // Python's str.isspace(): bidirectional class WS/B/S or category Zs.
   switch (c) {
@@ -347,7 +434,7 @@ std::string hex(uint32_t v, int width) {
   return buf;
 }
 
-std::string repr_string(const std::string& s) {
+std::string repr_string(std::string_view s) {
   std::u32string u = to_u32(s);
   bool has_single = u.find(U'\'') != std::u32string::npos;
   bool has_double = u.find(U'"') != std::u32string::npos;
@@ -438,7 +525,7 @@ std::string py_str(const Value& v) {
     case Kind::kUndefined:
       return "";
     case Kind::kString:
-      return v.s;
+      return v.s.str();
     default:
       return py_repr(v);
   }
@@ -455,7 +542,7 @@ bool py_equal(const Value& a, const Value& b) {
     case Kind::kNone:
       return true;
     case Kind::kString:
-      return a.s == b.s;
+      return a.s.view() == b.s.view();
     case Kind::kSequence: {
       if (a.seq == b.seq) return true;
       if (a.seq->kind != b.seq->kind) return false;
@@ -486,18 +573,20 @@ bool py_equal(const Value& a, const Value& b) {
 }
 
 bool py_less(const Value& a, const Value& b) {
-  if (a.is_undefined()) throw RuntimeError{a.s};
-  if (b.is_undefined()) throw RuntimeError{b.s};
+  if (a.is_undefined()) throw RuntimeError{a.s.str()};
+  if (b.is_undefined()) throw RuntimeError{b.s.str()};
   if (a.is_number() && b.is_number()) {
     if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return a.as_double() < b.as_double();
     return a.i < b.i;
   }
-  if (a.is_string() && b.is_string()) return a.s < b.s;  // UTF-8 byte order = code point order
+  // UTF-8 byte order = code point order
+  if (a.is_string() && b.is_string()) return a.s.view() < b.s.view();
   if (a.kind == Kind::kSequence && b.kind == Kind::kSequence && a.seq->kind == b.seq->kind &&
       (a.seq->kind == SeqKind::kList || a.seq->kind == SeqKind::kTuple)) {
     const auto& x = a.seq->items;
     const auto& y = b.seq->items;
     for (size_t k = 0; k < x.size() && k < y.size(); ++k) {
+      charge_steps(1);
       if (!py_equal(x[k], y[k])) return py_less(x[k], y[k]);
     }
     return x.size() < y.size();
@@ -511,7 +600,7 @@ int64_t py_len(const Value& v) {
     case Kind::kUndefined:
       return 0;
     case Kind::kString:
-      return static_cast<int64_t>(to_u32(v.s).size());
+      return static_cast<int64_t>(code_points(v.s));
     case Kind::kSequence:
       if (v.seq->kind == SeqKind::kGenerator) break;
       return static_cast<int64_t>(v.seq->items.size());
@@ -564,7 +653,7 @@ std::vector<Value> py_iterate(const Value& v) {
 
 namespace {
 
-void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
+void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
   out += '"';
   for (char32_t c : to_u32(s)) {
     switch (c) {
@@ -616,7 +705,7 @@ std::string json_float(double d) {
 std::string json_key(const Value& k) {
   switch (k.kind) {
     case Kind::kString:
-      return k.s;
+      return k.s.str();
     case Kind::kFloat:
       return json_float(k.f);
     case Kind::kBool:

@@ -57,13 +57,52 @@ enum class SeqKind {
   kRange,      // range(): indexable like a tuple, printed as "range(a, b)"
 };
 
+// The text of a string value. Copies share one immutable buffer, so reading a variable, passing
+// a string to a filter or storing it copies a pointer, never the text. A buffer made by
+// concatenation keeps spare room at its end, and `a + b` writes b there when a reaches the end
+// of what the buffer holds (nothing has been appended after a since): the loop
+// `ns.text = ns.text + piece` (DeepSeek-V3's template runs it per system message) then costs
+// the piece, not the whole text so far, and doubling the room keeps the copies linear. The bytes
+// a Str covers never change and a buffer never moves, so views of them stay valid. Buffers with
+// room are made only while a template renders and belong to that render; text from the parser
+// (shared by renders on several threads) has none, so it is never written to.
+class Str {
+ public:
+  Str() = default;
+  Str(std::string text);       // NOLINT(google-explicit-constructor): any text is a Str
+  Str(std::string_view text);  // NOLINT(google-explicit-constructor)
+  Str(const char* text) : Str(std::string_view(text)) {}  // NOLINT(google-explicit-constructor)
+
+  std::string_view view() const {
+    return buf_ ? std::string_view(buf_->data, len_) : std::string_view();
+  }
+  operator std::string_view() const { return view(); }  // NOLINT(google-explicit-constructor)
+  size_t size() const { return len_; }
+  bool empty() const { return len_ == 0; }
+  std::string str() const { return std::string(view()); }
+
+  // a + b. Charges the bytes it writes to the render's budget.
+  static Str concat(const Str& a, std::string_view b);
+
+ private:
+  struct Buffer {
+    std::string text;              // what Str(std::string) adopted; never changed
+    std::unique_ptr<char[]> room;  // a concatenation's buffer, `capacity` bytes
+    const char* data = nullptr;    // text.data() or room.get()
+    size_t size = 0;               // bytes written (room) / text.size()
+    size_t capacity = 0;           // 0: nothing may be appended in place
+  };
+  std::shared_ptr<Buffer> buf_;
+  size_t len_ = 0;
+};
+
 struct Value {
   Kind kind = Kind::kUndefined;
   bool b = false;
   int64_t i = 0;
   double f = 0.0;
   // kString: UTF-8 text; kUndefined: the UndefinedError message raised when it is misused.
-  std::string s;
+  Str s;
   // markupsafe.Markup (from `safe`/`escape`): concatenation with plain str escapes the other side.
   bool markup = false;
   std::shared_ptr<Sequence> seq;
@@ -72,12 +111,12 @@ struct Value {
   std::shared_ptr<Callable> fn;
   std::shared_ptr<LoopInfo> loop;
 
-  static Value undefined(std::string message);
+  static Value undefined(Str message);
   static Value none();
   static Value boolean(bool v);
   static Value integer(int64_t v);
   static Value floating(double v);
-  static Value string(std::string v, bool markup = false);
+  static Value string(Str v, bool markup = false);
   static Value list(std::vector<Value> items, SeqKind kind = SeqKind::kList);
   static Value tuple(std::vector<Value> items);
   static Value from_json(const nlohmann::ordered_json& j);
@@ -125,6 +164,48 @@ struct LoopInfo {
   int depth = 1;
 };
 
+// ---- what one render may spend ----
+//
+// Work and memory of one render. A real chat template takes well under 10^6 steps and builds a
+// few times its output for a long conversation with tools. Steps are statements executed and
+// expressions evaluated; bytes are text written (concatenations, filters, the output), what was
+// allocated rather than what is still alive. Both only grow, so nested loops over range(100000)
+// or a loop that keeps copying a long string stop at an error long before they would exhaust the
+// time or the memory of the thread that renders.
+inline constexpr int64_t kMaxRenderSteps = 10'000'000;
+// What one value of a render may grow to: far beyond any real chat template (a long conversation
+// with tool schemas renders a few MB), low enough that a template multiplying or doubling strings
+// and lists meets an error instead of exhausting memory. The rendered text has the same cap.
+inline constexpr size_t kMaxStringBytes = size_t{1} << 26;    // 64 MiB
+inline constexpr size_t kMaxListItems = size_t{1} << 22;      // 4M items
+inline constexpr int64_t kMaxRenderBytes = int64_t{1} << 30;  // 1 GiB
+
+struct RenderStats {
+  int64_t steps = 0;
+  int64_t bytes = 0;
+};
+
+// Makes a render's budget the one this thread charges while the object lives (the interpreter
+// creates one per render). Without one, charging does nothing.
+class RenderBudget {
+ public:
+  RenderBudget();
+  ~RenderBudget();
+  RenderBudget(const RenderBudget&) = delete;
+  RenderBudget& operator=(const RenderBudget&) = delete;
+  const RenderStats& stats() const { return stats_; }
+
+ private:
+  friend void charge_steps(int64_t n);
+  friend void charge_bytes(int64_t n);
+  RenderStats stats_;
+  RenderBudget* outer_;
+};
+
+// Throw RuntimeError naming the limit once the render's total passes it.
+void charge_steps(int64_t n);
+void charge_bytes(int64_t n);
+
 // Python semantics.
 bool truthy(const Value& v);
 std::string type_name(const Value& v);         // Python's type(x).__name__
@@ -154,6 +235,7 @@ std::string py_json_dumps(const Value& v, const JsonOptions& options);
 // UTF-8 <-> code points (Python str indexing is by code point).
 std::u32string to_u32(std::string_view s);
 std::string from_u32(std::u32string_view s);
+size_t code_points(std::string_view s);  // len() of a str
 bool py_isspace(char32_t c);
 
 }  // namespace tandem::text::jinja
