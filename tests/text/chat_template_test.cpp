@@ -848,4 +848,63 @@ TEST(ChatTemplate, StringsSharingABufferStayDistinct) {
             "a,|ab,|bc,|c a,|ab,|bc, a,|ab,|bc,5 a,|ab,|bc,6 a,|ab,|bc, a,|ab,|bc,a,|ab,|bc,");
 }
 
+// Found by review: work done inside built-ins escaped the step budget, which counted only
+// statements and expressions. `range(99999)|list` 99,999 times took 644 s, and a list
+// concatenated with a list of itself 99,999 times held 23.6 GB when the OS killed it. Every item
+// a built-in puts into a list is charged now (a step, and its size in bytes when the list is
+// built), so such loops stop at the render's budget with an error naming it; the list that holds
+// itself also nests one level deeper per step and meets the nesting limit first.
+TEST(ChatTemplate, WorkInsideBuiltInsIsCharged) {
+  std::string error =
+      error_of("{% for i in range(99999) %}{{ range(99999)|list|length }}{% endfor %}");
+  EXPECT_EQ(error.rfind("chat template line 1: the template exceeded 10000000 evaluation steps", 0),
+            0u)
+      << error;
+  const std::string built = "MiB of strings and lists, the limit of one render";
+  error = error_of(
+      "{% set ns = namespace(l=[]) %}\n{% for i in range(99999) %}"
+      "{% set ns.l = ns.l + [i] %}{% endfor %}{{ ns.l|length }}");
+  EXPECT_EQ(error.rfind("chat template line 2: ", 0), 0u) << error;
+  EXPECT_NE(error.find(built), std::string::npos) << error;
+  EXPECT_EQ(error_of("{% set ns = namespace(l=[]) %}{% for i in range(99999) %}"
+                     "{% set ns.l = ns.l + [ns.l] %}{% endfor %}{{ ns.l|length }}"),
+            "chat template line 1: unsupported lists and dicts nested more than 512 deep");
+}
+
+// A list holding another twice, 60 times over, is tiny but prints as 2^60 elements. Printing,
+// serialising and comparing it count a step per element visited, and their text stops at
+// 64 MiB; comparing a list with itself stays immediate, as in Python.
+TEST(ChatTemplate, SharedListsPrintWithinTheBudget) {
+  const std::string doubled =
+      "{% set ns = namespace(l=[1], m=[1]) %}{% for i in range(60) %}"
+      "{% set ns.l = [ns.l, ns.l] %}{% set ns.m = [ns.m, ns.m] %}{% endfor %}";
+  for (const std::string& use :
+       {"{{ ns.l|tojson|length }}", "{{ ns.l|string|length }}", "{{ ns.l == ns.m }}"}) {
+    const std::string error = error_of(doubled + use);
+    EXPECT_NE(error.find("exceeded 10000000 evaluation steps"), std::string::npos)
+        << use << ": " << error;
+  }
+  EXPECT_EQ(ChatTemplate(doubled + "{{ ns.l == ns.l }} {{ ns.l in [ns.l] }}")
+                .render(ordered_json::object()),
+            "True True");
+}
+
+// `set l = [l]` 99,999 times nests lists 99,999 deep; printing, serialising and freeing them
+// recursed per level and overflowed the stack (the process crashed). Nesting is refused past 512
+// levels when the list or dict is built; Python's repr and json.dumps give up near 1000.
+TEST(ChatTemplate, DeepNestingIsRefusedWhenBuilt) {
+  for (const std::string& source :
+       {"{% set ns = namespace(l=[]) %}{% for i in range(99999) %}{% set ns.l = [ns.l] %}"
+        "{% endfor %}{{ ns.l|tojson|length }}",
+        "{% set ns = namespace(d={}) %}{% for i in range(99999) %}{% set ns.d = {'a': ns.d} %}"
+        "{% endfor %}{{ ns.d|string|length }}"}) {
+    EXPECT_EQ(error_of(source),
+              "chat template line 1: unsupported lists and dicts nested more than 512 deep");
+  }
+  EXPECT_EQ(ChatTemplate("{% set ns = namespace(l=[]) %}{% for i in range(500) %}"
+                         "{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l|tojson|length }}")
+                .render(ordered_json::object()),
+            "1002");
+}
+
 }  // namespace

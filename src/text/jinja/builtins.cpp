@@ -808,6 +808,8 @@ Value str_join(const StrCall& c) {
     }
     if (k++) out += c.self;
     out += item.s;
+    // A long separator between many items would multiply the size.
+    check_string_size(out.size(), "str.join result");
   }
   return Value::string(std::move(out));
 }
@@ -948,6 +950,7 @@ const std::unordered_map<std::string_view, MethodFn<Dict>> kDictMethods = {
     {"copy",
      [](const DictCall& c) {
        Params p(c.name, c.args, {});
+       charge_items(2 * c.self.items.size());
        Value v;
        v.kind = Kind::kDict;
        v.dict = std::make_shared<Dict>(c.self);
@@ -1844,6 +1847,11 @@ Value first_filter(const std::string& name, const Value& input, CallArgs& args) 
     if (sq.consumed < sq.items.size()) return sq.items[sq.consumed++];
     return Value::undefined("No first item, sequence was empty.");
   }
+  if (input.kind == Kind::kSequence && input.seq->kind != SeqKind::kDictView) {
+    // Without copying the list: `messages|first` inside a loop over the messages stays linear.
+    if (input.seq->items.empty()) return Value::undefined("No first item, sequence was empty.");
+    return input.seq->items.front();
+  }
   auto items = py_iterate(input);
   if (items.empty()) return Value::undefined("No first item, sequence was empty.");
   return items.front();
@@ -1851,8 +1859,12 @@ Value first_filter(const std::string& name, const Value& input, CallArgs& args) 
 
 Value last_filter(const std::string& name, const Value& input, CallArgs& args) {
   Params p(name, args, {});
-  if (input.is_seq(SeqKind::kGenerator) || input.is_seq(SeqKind::kDictView)) {
+  if (input.is_seq(SeqKind::kGenerator)) {
     type_error("'" + type_name(input) + "' object is not reversible");
+  }
+  if (input.kind == Kind::kSequence) {  // dict views are reversible since Python 3.8
+    if (input.seq->items.empty()) return Value::undefined("No last item, sequence was empty.");
+    return input.seq->items.back();
   }
   auto items = py_iterate(input);
   if (items.empty()) return Value::undefined("No last item, sequence was empty.");
@@ -1875,6 +1887,7 @@ Value join_filter(const std::string& name, const Value& input, CallArgs& args) {
     } else {
       out += py_str(part);
     }
+    check_string_size(out.size(), "join result");
   }
   return Value::string(std::move(out));
 }

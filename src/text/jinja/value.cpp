@@ -44,6 +44,11 @@ void charge_bytes(int64_t n) {
                        " MiB of strings and lists, the limit of one render (a runaway loop?)"};
 }
 
+void charge_items(size_t n) {
+  charge_steps(static_cast<int64_t>(n));
+  charge_bytes(static_cast<int64_t>(n * sizeof(Value)));
+}
+
 // ---- strings ----
 
 Str::Str(std::string text) {
@@ -86,6 +91,22 @@ Str Str::concat(const Str& a, std::string_view b) {
   out.buf_ = std::move(nb);
   out.len_ = total;
   return out;
+}
+
+namespace {
+
+void check_nesting(int depth) {
+  if (depth > kMaxNesting)
+    throw UnsupportedError{"unsupported lists and dicts nested more than " +
+                           std::to_string(kMaxNesting) + " deep"};
+}
+
+}  // namespace
+
+int nesting(const Value& v) {
+  if (v.kind == Kind::kSequence) return v.seq->depth;
+  if (v.kind == Kind::kDict) return v.dict->depth;
+  return 0;
 }
 
 Value Value::undefined(Str message) {
@@ -134,8 +155,13 @@ Value Value::string(Str s, bool markup) {
 Value Value::list(std::vector<Value> items, SeqKind kind) {
   Value v;
   v.kind = Kind::kSequence;
+  charge_items(items.size());
+  int depth = 1;
+  for (const auto& item : items) depth = std::max(depth, 1 + nesting(item));
+  check_nesting(depth);
   v.seq = std::make_shared<Sequence>();
   v.seq->kind = kind;
+  v.seq->depth = depth;
   v.seq->items = std::move(items);
   return v;
 }
@@ -175,7 +201,7 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
       v.dict = std::make_shared<Dict>();
       v.dict->items.reserve(j.size());
       // JSON object keys are unique strings, so they are appended without a lookup.
-      for (const auto& [k, e] : j.items()) v.dict->items.emplace_back(string(k), from_json(e));
+      for (const auto& [k, e] : j.items()) v.dict->append(string(k), from_json(e));
       return v;
     }
     default:
@@ -205,10 +231,19 @@ const Value* Dict::find(const Value& key) const {
 void Dict::set(Value key, Value value) {
   for (auto& [k, v] : items) {
     if (py_equal(k, key)) {
+      depth = std::max(depth, 1 + nesting(value));
+      check_nesting(depth);
       v = std::move(value);
       return;
     }
   }
+  append(std::move(key), std::move(value));
+}
+
+void Dict::append(Value key, Value value) {
+  depth = std::max({depth, 1 + nesting(key), 1 + nesting(value)});
+  check_nesting(depth);
+  charge_items(2);
   items.emplace_back(std::move(key), std::move(value));
 }
 
@@ -472,21 +507,39 @@ std::string repr_string(std::string_view s) {
 
 }  // namespace
 
-std::string py_repr(const Value& v) {
+namespace {
+
+// A list shared by many lists (`set l = [l, l]` in a loop) prints 2^n times over: every element
+// visited is a step of the render, and the text stops at the size of any one string.
+void check_built(const std::string& out, const char* what) {
+  if (out.size() > kMaxStringBytes)
+    throw UnsupportedError{std::string("unsupported ") + what + " beyond 64 MiB"};
+}
+
+void repr_into(std::string& out, const Value& v) {
   switch (v.kind) {
     case Kind::kUndefined:
-      return "Undefined";
+      out += "Undefined";
+      return;
     case Kind::kNone:
-      return "None";
+      out += "None";
+      return;
     case Kind::kBool:
-      return v.b ? "True" : "False";
+      out += v.b ? "True" : "False";
+      return;
     case Kind::kInt:
-      return std::to_string(v.i);
+      out += std::to_string(v.i);
+      return;
     case Kind::kFloat:
-      return float_repr(v.f);
+      out += float_repr(v.f);
+      return;
     case Kind::kString:
-      if (v.markup) return "Markup(" + repr_string(v.s) + ")";
-      return repr_string(v.s);
+      if (v.markup) {
+        out += "Markup(" + repr_string(v.s) + ")";
+      } else {
+        out += repr_string(v.s);
+      }
+      return;
     case Kind::kSequence: {
       const auto& sq = *v.seq;
       if (sq.kind == SeqKind::kGenerator || sq.kind == SeqKind::kDictView ||
@@ -495,29 +548,44 @@ std::string py_repr(const Value& v) {
                                " object (Python shows its address or type)"};
       }
       bool tuple = sq.kind == SeqKind::kTuple;
-      std::string out = tuple ? "(" : "[";
+      out += tuple ? "(" : "[";
       for (size_t k = 0; k < sq.items.size(); ++k) {
+        charge_steps(1);
         if (k) out += ", ";
-        out += py_repr(sq.items[k]);
+        repr_into(out, sq.items[k]);
+        check_built(out, "printing a list");
       }
       if (tuple && sq.items.size() == 1) out += ",";
       out += tuple ? ")" : "]";
-      return out;
+      return;
     }
     case Kind::kDict: {
-      std::string out = "{";
+      out += "{";
       bool first = true;
       for (const auto& [k, e] : v.dict->items) {
+        charge_steps(1);
         if (!first) out += ", ";
         first = false;
-        out += py_repr(k) + ": " + py_repr(e);
+        repr_into(out, k);
+        out += ": ";
+        repr_into(out, e);
+        check_built(out, "printing a dict");
       }
-      return out + "}";
+      out += "}";
+      return;
     }
     default:
       throw UnsupportedError{"unsupported: printing a " + type_name(v) +
                              " object (Python shows its address)"};
   }
+}
+
+}  // namespace
+
+std::string py_repr(const Value& v) {
+  std::string out;
+  repr_into(out, v);
+  return out;
 }
 
 std::string py_str(const Value& v) {
@@ -549,6 +617,7 @@ bool py_equal(const Value& a, const Value& b) {
       if (a.seq->kind != SeqKind::kList && a.seq->kind != SeqKind::kTuple) return false;
       if (a.seq->items.size() != b.seq->items.size()) return false;
       for (size_t k = 0; k < a.seq->items.size(); ++k) {
+        charge_steps(1);
         if (!py_equal(a.seq->items[k], b.seq->items[k])) return false;
       }
       return true;
@@ -556,6 +625,7 @@ bool py_equal(const Value& a, const Value& b) {
     case Kind::kDict: {
       if (a.dict->items.size() != b.dict->items.size()) return false;
       for (const auto& [k, e] : a.dict->items) {
+        charge_steps(1);
         const Value* other = b.dict->find(k);
         if (!other || !py_equal(e, *other)) return false;
       }
@@ -623,6 +693,7 @@ std::vector<Value> py_iterate(const Value& v) {
       // One value per character costs ~100x the string; builtins cap lists at 4M items too.
       if (chars.size() > (size_t{1} << 22))
         throw UnsupportedError{"unsupported iterating over a string beyond 4M characters"};
+      charge_items(chars.size());  // kept: each character is a new string
       std::vector<Value> out;
       out.reserve(chars.size());
       for (char32_t c : chars) out.push_back(Value::string(from_u32(std::u32string(1, c))));
@@ -632,14 +703,18 @@ std::vector<Value> py_iterate(const Value& v) {
       auto& sq = *v.seq;
       if (sq.kind == SeqKind::kGenerator) {
         // A generator yields its items once; later iterations see it exhausted.
+        charge_steps(static_cast<int64_t>(sq.items.size() - sq.consumed));
         std::vector<Value> out(sq.items.begin() + static_cast<std::ptrdiff_t>(sq.consumed),
                                sq.items.end());
         sq.consumed = sq.items.size();
         return out;
       }
+      // A copy for the caller to walk and drop: work, but no memory that stays.
+      charge_steps(static_cast<int64_t>(sq.items.size()));
       return sq.items;
     }
     case Kind::kDict: {
+      charge_steps(static_cast<int64_t>(v.dict->items.size()));
       std::vector<Value> out;
       out.reserve(v.dict->items.size());
       for (const auto& [k, e] : v.dict->items) out.push_back(k);
@@ -750,11 +825,13 @@ void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level
       out += '[';
       if (o.has_indent) newline(level + 1);
       for (size_t k = 0; k < items.size(); ++k) {
+        charge_steps(1);
         if (k) {
           out += o.item_separator;
           if (o.has_indent) newline(level + 1);
         }
         json_dump(out, items[k], o, level + 1);
+        check_built(out, "tojson output");
       }
       if (o.has_indent) newline(level);
       out += ']';
@@ -775,6 +852,7 @@ void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level
       if (o.has_indent) newline(level + 1);
       bool first = true;
       for (const auto* kv : items) {
+        charge_steps(1);
         if (!first) {
           out += o.item_separator;
           if (o.has_indent) newline(level + 1);
@@ -783,6 +861,7 @@ void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level
         json_string(out, json_key(kv->first), o.ensure_ascii);
         out += o.key_separator;
         json_dump(out, kv->second, o, level + 1);
+        check_built(out, "tojson output");
       }
       if (o.has_indent) newline(level);
       out += '}';

@@ -130,16 +130,29 @@ struct Value {
   double as_double() const;
 };
 
+// Lists and dicts inside each other deeper than this are refused when they are built: printing,
+// serialising, comparing and freeing them recurse per level (a loop doing `set l = [l]` would
+// otherwise overflow the stack of the thread that renders). Python's own repr and json.dumps
+// give up near 1000 levels; requests are parsed 64 levels deep at most.
+inline constexpr int kMaxNesting = 512;
+
+// 1 + the deepest list or dict in it; 0 for anything else.
+int nesting(const Value& v);
+
 struct Sequence {
   SeqKind kind = SeqKind::kList;
   std::vector<Value> items;
   size_t consumed = 0;  // generators: items already taken by an earlier iteration
+  int depth = 1;
 };
 
 struct Dict {
   std::vector<std::pair<Value, Value>> items;
+  int depth = 1;
   const Value* find(const Value& key) const;
   void set(Value key, Value value);
+  // Appends an entry the caller knows is not there yet.
+  void append(Value key, Value value);
 };
 
 struct Namespace {
@@ -167,11 +180,13 @@ struct LoopInfo {
 // ---- what one render may spend ----
 //
 // Work and memory of one render. A real chat template takes well under 10^6 steps and builds a
-// few times its output for a long conversation with tools. Steps are statements executed and
-// expressions evaluated; bytes are text written (concatenations, filters, the output), what was
-// allocated rather than what is still alive. Both only grow, so nested loops over range(100000)
-// or a loop that keeps copying a long string stop at an error long before they would exhaust the
-// time or the memory of the thread that renders.
+// few times its output for a long conversation with tools. Steps are statements executed,
+// expressions evaluated, items of lists built or walked and elements visited by comparisons and
+// serialisation; bytes are text written (concatenations, filters, the output) plus sizeof(Value)
+// per item of a list or dict built. Bytes count what was allocated, not what is still alive. Both
+// only grow, so nested loops over range(100000), a list that contains itself many times over or a
+// loop that doubles a string stop at an error long before they would exhaust the time or the memory
+// of the thread that renders.
 inline constexpr int64_t kMaxRenderSteps = 10'000'000;
 // What one value of a render may grow to: far beyond any real chat template (a long conversation
 // with tool schemas renders a few MB), low enough that a template multiplying or doubling strings
@@ -205,6 +220,8 @@ class RenderBudget {
 // Throw RuntimeError naming the limit once the render's total passes it.
 void charge_steps(int64_t n);
 void charge_bytes(int64_t n);
+// n values built into a list: a step and sizeof(Value) bytes each.
+void charge_items(size_t n);
 
 // Python semantics.
 bool truthy(const Value& v);
