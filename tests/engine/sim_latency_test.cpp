@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "util/error.h"
 
@@ -107,8 +108,7 @@ TEST(SimLatency, Qwen3H100ReproducesItsRooflineAnchors) {
   // Attention per cached token: its K and V over all layers at full bandwidth.
   expect_within(m.params().decode_pair_s, 48.0 * 2 * 4 * 128 * 2 / bandwidth, 0.01, "pair");
   expect_within(m.params().prefill_token_s, 6.6e9 / compute, 0.01, "prefill token");
-  expect_within(m.params().prefill_pair_s, 48.0 * 32 * 2 * 2 * 128 / compute, 0.01,
-                "prefill pair");
+  expect_within(m.params().prefill_pair_s, 48.0 * 32 * 2 * 2 * 128 / compute, 0.01, "prefill pair");
 }
 
 TEST(SimLatency, TinyIsFastButNotFree) {
@@ -440,6 +440,15 @@ TEST(SimLatency, ErrorsNameTheFieldOrPreset) {
             "decode_token_s": 0, "decode_seq_s": 0, "decode_pair_s": 0})");
       },
       "field \"step_s\" must be a non-negative finite number of seconds, got -1");
+  try {  // a value quoted in a message is an excerpt, however large
+    SimLatencyModel::from_json(R"({"step_s": )" +
+                               nlohmann::json(std::vector<int>(60000, 7)).dump() +
+                               R"(, "prefill_token_s": 0, "prefill_pair_s": 0, "decode_token_s": 0,
+                               "decode_seq_s": 0, "decode_pair_s": 0})");
+    ADD_FAILURE() << "a list of seconds was accepted";
+  } catch (const Error& e) {
+    EXPECT_LT(std::string(e.what()).size(), 300u) << e.what();
+  }
   expect_error(
       [] {
         SimLatencyModel::from_json(R"({"step_s": 1, "prefill_token_s": "fast",

@@ -9,6 +9,7 @@
 
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
 
 namespace tandem::engine {
 namespace {
@@ -423,7 +424,7 @@ SimLatencyModel SimLatencyModel::from_json(std::string_view text, std::string_vi
     const auto& v = doc[field.name];
     if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
       throw Error(where + ": field \"" + field.name +
-                  "\" must be a non-negative finite number of seconds, got " + v.dump());
+                  "\" must be a non-negative finite number of seconds, got " + json_excerpt(v));
     }
     params.*field.member = v.get<double>();
   }

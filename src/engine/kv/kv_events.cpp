@@ -24,6 +24,7 @@
 #include <zmq_addon.hpp>
 
 #include "util/error.h"
+#include "util/json.h"
 #include "util/zmq_endpoint.h"
 
 namespace tandem::engine {
@@ -141,7 +142,7 @@ KvEventsConfig KvEventsConfig::parse(std::string_view json) {
                                                  : v.is_number_integer() && v.get<int64_t>() <= max;
     if (!in_range || v.get<int64_t>() < min) {
       throw Error("kv-events-config: '" + key + "' must be an integer from " + std::to_string(min) +
-                  " to " + std::to_string(max) + ", got " + v.dump());
+                  " to " + std::to_string(max) + ", got " + json_excerpt(v));
     }
     return v.get<int64_t>();
   };
