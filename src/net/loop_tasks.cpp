@@ -1,12 +1,29 @@
 #include "net/loop_tasks.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <exception>
 
 #include "net/event_loop.h"
 #include "net/http_server.h"
 #include "net/loop_group.h"
 
 namespace tandem::net {
+namespace {
+
+// A task that throws is reported and dropped: the loop's other tasks and timers go on (a throw
+// left the rest of a batch to run again with the next one, and the due timers unarmed).
+void run_reported(LoopTasks::Task& task) {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem: a task on an io thread failed: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "tandem: a task on an io thread failed: an unknown error\n");
+  }
+}
+
+}  // namespace
 
 // The posted tasks wait in a queue of their own; the loop is handed one wake-up Task per batch,
 // so a burst of posts costs one hand-over to the loop.
@@ -36,7 +53,7 @@ class LoopTasks::Impl final : public detail::Task, public detail::Timer::Target 
       running_.swap(queue_);
       posted_ = false;
     }
-    for (auto& t : running_) t();
+    for (auto& t : running_) run_reported(t);
     running_.clear();
   }
 
@@ -56,7 +73,7 @@ class LoopTasks::Impl final : public detail::Task, public detail::Timer::Target 
       // Moved out before it runs: it may arm or cancel timers.
       LoopTasks::Task task = std::move(timers_.begin()->second);
       timers_.erase(timers_.begin());
-      task();
+      run_reported(task);
     }
     arm();
   }

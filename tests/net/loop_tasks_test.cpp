@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -74,6 +75,33 @@ TEST(LoopTasks, TimersFireInTimeOrderNeverEarlyAndCancelledOnesNever) {
   done.get_future().wait();
   EXPECT_EQ(fired, (std::vector<int>{1, 2}));
   EXPECT_FALSE(cancelled_ran.load());
+}
+
+// The gateway's scheduling runs on these tasks with one io thread: a throw must not rerun the
+// tasks before it nor starve those after it, nor leave due timers unarmed.
+TEST(LoopTasks, ATaskOrTimerThatThrowsIsDroppedAndTheOthersRunOnce) {
+  Running r;
+  std::vector<int> ran;
+  std::promise<void> done;
+  r.tasks->post([&] {
+    // Posted from the loop: the three run as one batch.
+    r.tasks->post([&] { ran.push_back(1); });
+    r.tasks->post([] { throw std::runtime_error("a failing task"); });
+    r.tasks->post([&] { ran.push_back(2); });
+    const auto now = Clock::now();
+    r.tasks->at(now, [] { throw std::runtime_error("a failing timer"); });
+    r.tasks->at(now + std::chrono::milliseconds(1), [&] { ran.push_back(3); });
+    r.tasks->at(now + std::chrono::milliseconds(20), [&] {
+      ran.push_back(4);
+      done.set_value();
+    });
+  });
+  // Bounded waits: without the fix the due timers were never armed again.
+  ASSERT_EQ(done.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  std::promise<void> after;
+  r.tasks->post([&] { after.set_value(); });  // a later batch runs nothing twice
+  ASSERT_EQ(after.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(ran, (std::vector<int>{1, 2, 3, 4}));
 }
 
 TEST(LoopTasks, PostsAfterTheServerStoppedAreDropped) {
