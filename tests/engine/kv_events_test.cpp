@@ -384,9 +384,15 @@ TEST(KvEventsTest, ConfigParsing) {
   EXPECT_NE(message(R"({"buffer_steps":4611686018427387904})").find("'buffer_steps'"),
             std::string::npos);
   EXPECT_NE(message(R"({"max_queue_size":10000001})").find("'max_queue_size'"), std::string::npos);
-  // A value quoted in a message is an excerpt: a 60,000-element list is not written out whole.
+  // A value quoted in a message is an excerpt: a 60,000-element list is not written out whole,
+  // a string past its 100 bytes neither, and deep nesting is refused as such (writing it out
+  // recursed once per level).
   EXPECT_LT(message(R"({"hwm":)" + nlohmann::json(std::vector<int>(60000, 7)).dump() + "}").size(),
             300u);
+  EXPECT_LT(message(R"({"publisher":")" + std::string(60000, 'k') + "\"}").size(), 300u);
+  EXPECT_NE(message(R"({"hwm":)" + std::string(100000, '[') + std::string(100000, ']') + "}")
+                .find("deeper than 64 levels"),
+            std::string::npos);
   EXPECT_NE(message(R"({"publisher":"kafka"})").find("'publisher'"), std::string::npos);
   EXPECT_NE(message(R"({"enable_kv_cache_events":1})").find("'enable_kv_cache_events'"),
             std::string::npos);

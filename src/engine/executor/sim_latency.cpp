@@ -396,8 +396,8 @@ SimLatencyModel SimLatencyModel::from_json(std::string_view text, std::string_vi
   const std::string where(origin);
   nlohmann::json doc;
   try {
-    doc = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+    doc = parse_untrusted_json(text);  // depth-bounded: a value may be quoted in an error
+  } catch (const Error& e) {
     throw Error(where + ": invalid JSON: " + e.what());
   }
   if (!doc.is_object()) throw Error(where + ": expected a JSON object");

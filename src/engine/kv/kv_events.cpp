@@ -129,8 +129,12 @@ std::string encode_kv_event_batch(const KvEventBatch& batch) {
 constexpr int64_t kMaxBuffered = 10'000'000;
 
 KvEventsConfig KvEventsConfig::parse(std::string_view json) {
-  const nlohmann::json j = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) throw Error("kv-events-config: not valid JSON");
+  nlohmann::json j;
+  try {
+    j = parse_untrusted_json(json);  // depth-bounded: a value may be quoted in an error
+  } catch (const Error& e) {
+    throw Error(std::string("kv-events-config: not valid JSON: ") + e.what());
+  }
   if (!j.is_object()) throw Error("kv-events-config: expected a JSON object");
   KvEventsConfig config;
   bool publisher_given = false;
@@ -159,8 +163,8 @@ KvEventsConfig KvEventsConfig::parse(std::string_view json) {
         config.publisher = string(key, v);
         publisher_given = true;
         if (config.publisher != "null" && config.publisher != "zmq") {
-          throw Error("kv-events-config: 'publisher' must be \"null\" or \"zmq\", got \"" +
-                      config.publisher + "\"");
+          throw Error("kv-events-config: 'publisher' must be \"null\" or \"zmq\", got " +
+                      json_excerpt(v));
         }
       }
     } else if (key == "endpoint") {
