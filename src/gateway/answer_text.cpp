@@ -31,12 +31,12 @@ bool is_json_object(std::string_view body) {
 
 namespace {
 
-// An engine's error text as part of the gateway's message: each run of white space or control
-// bytes one space (an HTML page's lines; nothing that could break a log line), clipped as client
-// text is. Only the first KiB is read: the body may be as large as an answer.
+// An engine's error text as part of the gateway's message: clipped as client text is (its note
+// counting the body's bytes cut), then each run of white space or control bytes one space (an
+// HTML page's lines; nothing that could break a log line).
 std::string quoted_error_text(std::string_view text) {
   std::string out;
-  for (const char ch : text.substr(0, 4 * utf8::kClipBytes)) {
+  for (const char ch : utf8::clip(text)) {
     const auto c = static_cast<unsigned char>(ch);
     if (c > 0x20 && c != 0x7f)
       out += ch;
@@ -44,7 +44,7 @@ std::string quoted_error_text(std::string_view text) {
       out += ' ';
   }
   if (!out.empty() && out.back() == ' ') out.pop_back();
-  return utf8::clip(out);
+  return out;
 }
 
 // The number after the last `"KEY":` in the text, or -1.

@@ -308,7 +308,7 @@ void FrontEnd::relay_models(std::shared_ptr<net::Exchange> ex, net::Headers head
   u.target = "/v1/models";
   u.headers = std::move(headers);
   u.timeout = topo_.timeouts.connect;
-  relay_engine_get(upstream_, std::move(u), std::move(ex));
+  relay_engine_get(upstream_, std::move(u), e->config.name, std::move(ex));
 }
 
 }  // namespace tandem::gateway

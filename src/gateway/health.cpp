@@ -7,6 +7,7 @@
 
 #include "api/load_report.h"
 #include "api/model_list.h"
+#include "gateway/engine_get.h"
 
 namespace tandem::gateway {
 namespace {
@@ -64,28 +65,17 @@ void HealthMonitor::ask_length(int id) {
   EndpointState* e = endpoints_.find(id);
   if (!e || e->length_query != LengthQuery::kToAsk) return;
   e->length_query = LengthQuery::kAsking;
-  struct Reply {
-    int status = 0;
-    std::string body;
-  };
-  auto reply = std::make_shared<Reply>();
-  net::AsyncHttpHandlers h;
-  h.on_head = [reply](int s, const net::Headers&) { reply->status = s; };
-  h.on_body = [reply](std::string_view piece) {
-    reply->body.append(piece);
-    return reply->body.size() <= kMaxAnswerBytes;
-  };
-  h.on_done = [this, reply, id](const std::string& error) {
-    // A 4xx or a body without the field is an answer (a server that does not say); a transport
-    // error or a 5xx is none, and the next probe asks again.
-    std::optional<int64_t> length;
-    if (error.empty() && reply->status == 200)
-      length = api::max_model_len_of(reply->body).value_or(0);
-    else if (error.empty() && reply->status >= 400 && reply->status < 500)
-      length = 0;
-    exec_.post([this, id, length] { endpoints_.length_result(id, length); });
-  };
-  upstream_.start(engine_get(*e, "/v1/models"), std::move(h));
+  get_whole_answer(upstream_, engine_get(*e, "/v1/models"), kMaxAnswerBytes,
+                   [this, id](const EngineAnswer& a) {
+                     // A 4xx or a body without the field is an answer (a server that does not
+                     // say); a transport error or a 5xx is none, and the next probe asks again.
+                     std::optional<int64_t> length;
+                     if (a.error.empty() && a.status == 200)
+                       length = api::max_model_len_of(a.body).value_or(0);
+                     else if (a.error.empty() && a.status >= 400 && a.status < 500)
+                       length = 0;
+                     exec_.post([this, id, length] { endpoints_.length_result(id, length); });
+                   });
 }
 
 // One poll per engine at a time.
@@ -93,28 +83,18 @@ void HealthMonitor::poll_loads() {
   for (auto& [id, e] : endpoints_.all()) {
     if (e.load_source == LoadSource::kOwnCounts || e.load_polling || e.draining) continue;
     e.load_polling = true;
-    struct Reply {
-      int status = 0;
-      std::string body;
-    };
-    auto reply = std::make_shared<Reply>();
-    net::AsyncHttpHandlers h;
-    h.on_head = [reply](int s, const net::Headers&) { reply->status = s; };
-    h.on_body = [reply](std::string_view piece) {
-      reply->body.append(piece);
-      return reply->body.size() <= kMaxAnswerBytes;
-    };
     // A leg launched shortly before this poll may still be on its way into the engine when it
     // answers: the report is taken to know only the legs launched before the previous poll.
     const PrefillWork launched = e.launched_at_last_poll;
     e.launched_at_last_poll = e.counts.launched_total;
-    h.on_done = [this, reply, id = id, launched](const std::string& error) {
-      LoadAnswer answer = read_load_answer(error, reply->status, reply->body);
-      exec_.post([this, id, launched, answer = std::move(answer)]() mutable {
-        if (endpoints_.load_result(id, launched, std::move(answer), exec_.now())) changed_();
-      });
-    };
-    upstream_.start(engine_get(e, api::load_target(e.load.last_step)), std::move(h));
+    get_whole_answer(upstream_, engine_get(e, api::load_target(e.load.last_step)), kMaxAnswerBytes,
+                     [this, id = id, launched](const EngineAnswer& a) {
+                       LoadAnswer answer = read_load_answer(a.error, a.status, a.body);
+                       exec_.post([this, id, launched, answer = std::move(answer)]() mutable {
+                         if (endpoints_.load_result(id, launched, std::move(answer), exec_.now()))
+                           changed_();
+                       });
+                     });
   }
   exec_.at(exec_.now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
 }

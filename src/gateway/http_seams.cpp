@@ -1,6 +1,7 @@
 #include "gateway/http_seams.h"
 
 #include "gateway/answer_text.h"
+#include "gateway/engine_get.h"
 
 namespace tandem::gateway {
 
@@ -15,36 +16,31 @@ void HttpUpstream::cancel(CallId id) {
 }
 
 void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
-                      std::shared_ptr<net::Exchange> ex) {
-  request.method = "GET";
-  auto answer = std::make_shared<std::pair<int, std::string>>();
-  net::AsyncHttpHandlers h;
-  h.on_head = [answer](int s, const net::Headers&) { answer->first = s; };
-  h.on_body = [answer](std::string_view p) {
-    answer->second += p;
-    return answer->second.size() <= (size_t{16} << 20);
-  };
-  h.on_done = [ex, answer](const std::string& error) {
-    if (!error.empty()) {
-      ex->send_error(502, "engine failed: " + error, "server_error");
-    } else if (answer->first < 200 || answer->first > 599) {
-      // Not a status to pass on: the server would refuse a 1xx as final, and no client knows
-      // what a status past 599 means.
-      ex->send_error(502, "engine answered HTTP " + std::to_string(answer->first), "server_error");
-    } else if (answer->first < 400) {
-      ex->respond(answer->first, answer->second, "application/json");
-    } else if (const EngineError said = read_engine_error(answer->second); said.relay) {
-      ex->respond(answer->first, answer->second, "application/json");
-    } else {
-      // As a leg's error answer: the gateway's own OpenAI error, quoting what the engine said.
-      const int status = answer->first < 500 ? answer->first : 502;
-      ex->send_error(status,
-                     "engine answered HTTP " + std::to_string(answer->first) +
-                         (said.text.empty() ? "" : ": " + said.text),
-                     status < 500 ? "" : "server_error");
-    }
-  };
-  upstream.start(std::move(request), std::move(h));
+                      const std::string& engine_name, std::shared_ptr<net::Exchange> ex) {
+  const std::string engine = "engine " + engine_name;
+  get_whole_answer(upstream, std::move(request), size_t{16} << 20,
+                   [ex, engine](const EngineAnswer& a) {
+                     if (!a.error.empty()) {
+                       ex->send_error(502, engine + " failed: " + a.error, "server_error");
+                     } else if (a.status < 200 || a.status > 599) {
+                       // Not a status to pass on: the server would refuse a 1xx as final, and no
+                       // client knows what a status past 599 means.
+                       ex->send_error(502, engine + " answered HTTP " + std::to_string(a.status),
+                                      "server_error");
+                     } else if (a.status < 400) {
+                       ex->respond(a.status, a.body, "application/json");
+                     } else if (const EngineError said = read_engine_error(a.body); said.relay) {
+                       ex->respond(a.status, a.body, "application/json");
+                     } else {
+                       // As a leg's error answer: the gateway's own OpenAI error, quoting what the
+                       // engine said.
+                       const int status = a.status < 500 ? a.status : 502;
+                       ex->send_error(status,
+                                      engine + " answered HTTP " + std::to_string(a.status) +
+                                          (said.text.empty() ? "" : ": " + said.text),
+                                      status < 500 ? "" : "server_error");
+                     }
+                   });
 }
 
 }  // namespace tandem::gateway

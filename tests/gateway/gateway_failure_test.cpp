@@ -829,7 +829,7 @@ class RelayEngineGet : public ::testing::Test {
  protected:
   RelayEngineGet() : server_(options()) {
     server_.route("GET", "/v1/models", [this](const net::HttpRequest&, auto ex) {
-      relay_engine_get(engine_, {}, std::move(ex));
+      relay_engine_get(engine_, {}, "a", std::move(ex));
     });
     server_.start();
   }
@@ -863,7 +863,7 @@ TEST_F(RelayEngineGet, AnEngineStatusOutsideTheFinalRangeIs502) {
       continue;
     }
     EXPECT_EQ(r.status, 502) << status;
-    EXPECT_NE(r.body.find("engine answered HTTP " + std::to_string(status)), std::string::npos)
+    EXPECT_NE(r.body.find("engine a answered HTTP " + std::to_string(status)), std::string::npos)
         << r.body;
   }
 }
@@ -878,15 +878,15 @@ TEST_F(RelayEngineGet, AnErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
   EXPECT_EQ(r.status, 502);
   EXPECT_EQ(r.headers.get("Content-Type"), "application/json");
   EXPECT_EQ(api::openai_error_message(r.body),
-            "engine answered HTTP 500: <html> <body>upstream exploded</body></html>");
+            "engine a answered HTTP 500: <html> <body>upstream exploded</body></html>");
   r = get(404, page);
   EXPECT_EQ(r.status, 404);
   EXPECT_EQ(api::openai_error_message(r.body),
-            "engine answered HTTP 404: <html> <body>upstream exploded</body></html>");
+            "engine a answered HTTP 404: <html> <body>upstream exploded</body></html>");
   // vLLM's other error shape: its message is quoted.
   r = get(400, R"({"object":"error","message":"bad","type":"BadRequestError","code":400})");
   EXPECT_EQ(r.status, 400);
-  EXPECT_EQ(api::openai_error_message(r.body), "engine answered HTTP 400: bad");
+  EXPECT_EQ(api::openai_error_message(r.body), "engine a answered HTTP 400: bad");
   const std::string openai =
       R"({"error":{"message":"invalid key","type":"invalid_request_error"}})";
   r = get(401, openai);

@@ -1,0 +1,23 @@
+#pragma once
+// A GET to an engine whose whole answer the gateway reads (a load report, a model list, what it
+// relays to a client): collected up to a size, then handed over at once.
+#include <cstddef>
+#include <functional>
+#include <string>
+
+#include "gateway/seams.h"
+
+namespace tandem::gateway {
+
+struct EngineAnswer {
+  std::string error;  // the call's transport error; empty: it answered
+  int status = 0;
+  std::string body;
+};
+
+// Starts `request` (its method is set to GET); `done` gets the answer once, on the thread that
+// ends the call. A body past `max_body` bytes ends the call with an error.
+Upstream::CallId get_whole_answer(Upstream& upstream, net::AsyncHttpRequest request,
+                                  size_t max_body, std::function<void(EngineAnswer)> done);
+
+}  // namespace tandem::gateway
