@@ -461,7 +461,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
       fail("tools", std::string("'tools': ") + e.what());
     }
   }
-  if (tokenizer.chat_template().find("tools") == std::string::npos) {
+  if (tokenizer.chat_template(/*with_tools=*/true).find("tools") == std::string::npos) {
     size_t at = 0;
     while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
     messages.insert(messages.begin() + static_cast<std::ptrdiff_t>(at),

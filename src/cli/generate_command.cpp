@@ -30,13 +30,15 @@ std::vector<int32_t> prompt_ids(const GenerateOptions& o, const text::Tokenizer&
     throw Error(o.chat_file + ": malformed JSON: " + e.what());
   }
   if (!messages.is_array()) throw Error(o.chat_file + ": expected a list of messages");
-  if (tok.chat_template().empty())
-    throw Error(o.model + ": tokenizer_config.json has no chat_template");
+  if (tok.chat_templates().empty())
+    throw Error(o.model +
+                ": the model has no chat template (chat_template.jinja or "
+                "tokenizer_config.json's chat_template)");
   nlohmann::ordered_json ctx = {{"messages", messages},
                                 {"add_generation_prompt", true},
                                 {"bos_token", tok.bos_token()},
                                 {"eos_token", tok.eos_token()}};
-  return tok.encode(text::ChatTemplate(tok.chat_template()).render(ctx), false);
+  return tok.encode(text::ChatTemplate(tok.chat_templates()).render(ctx), false);
 }
 
 void run(GenerateOptions& o) {

