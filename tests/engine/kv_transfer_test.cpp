@@ -1358,7 +1358,7 @@ TEST_F(KvTransferAgents, ASilentConnectionIsClosedAfterTheHandshakeTimeout) {
   // The transfer timeout (and the transport's I/O timeout) far beyond the hang guard: only the
   // handshake timeout can close the connection within it. It bounds the pull's handshake below
   // too (both sides have it), which a loaded machine must finish within it.
-  handshake_timeout_s_ = 1;
+  handshake_timeout_s_ = 3;
   prefill_io_timeout_ = 600s;
   start(600);
   RawSocket silent(prefill_->port());
@@ -1475,11 +1475,11 @@ TEST_F(KvTransferAgents, ABurstOfReleasesIsSentInTurnNotDropped) {
 }
 
 // A hold whose pull has begun outlives its timeout. The first pull must begin within the
-// timeout (2 s); then a hold made after it, which has a later deadline, expires: the reaper has
+// timeout (5 s); then a hold made after it, which has a later deadline, expires: the reaper has
 // looked past the first one's deadline too, and kept it.
 TEST_F(KvTransferAgents, AHoldBeingPulledIsNeitherPulledTwiceNorExpired) {
   decode_io_timeout_ = 60s;  // the first pull waits at the gate for the timeout and more
-  start(2);
+  start(5);
   bool released = false;
   const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
                                         [&] { released = true; });
