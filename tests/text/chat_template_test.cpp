@@ -878,7 +878,7 @@ TEST(ChatTemplate, SharedListsPrintWithinTheBudget) {
   const std::string doubled =
       "{% set ns = namespace(l=[1], m=[1]) %}{% for i in range(60) %}"
       "{% set ns.l = [ns.l, ns.l] %}{% set ns.m = [ns.m, ns.m] %}{% endfor %}";
-  for (const std::string& use :
+  for (const char* use :
        {"{{ ns.l|tojson|length }}", "{{ ns.l|string|length }}", "{{ ns.l == ns.m }}"}) {
     const std::string error = error_of(doubled + use);
     EXPECT_NE(error.find("exceeded 10000000 evaluation steps"), std::string::npos)
@@ -893,7 +893,7 @@ TEST(ChatTemplate, SharedListsPrintWithinTheBudget) {
 // recursed per level and overflowed the stack (the process crashed). Nesting is refused past 512
 // levels when the list or dict is built; Python's repr and json.dumps give up near 1000.
 TEST(ChatTemplate, DeepNestingIsRefusedWhenBuilt) {
-  for (const std::string& source :
+  for (const char* source :
        {"{% set ns = namespace(l=[]) %}{% for i in range(99999) %}{% set ns.l = [ns.l] %}"
         "{% endfor %}{{ ns.l|tojson|length }}",
         "{% set ns = namespace(d={}) %}{% for i in range(99999) %}{% set ns.d = {'a': ns.d} %}"
@@ -905,6 +905,35 @@ TEST(ChatTemplate, DeepNestingIsRefusedWhenBuilt) {
                          "{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l|tojson|length }}")
                 .render(ordered_json::object()),
             "1002");
+}
+
+// A request's JSON may hold integers above INT64_MAX (a tool schema's "maximum":
+// 18446744073709551615, which vLLM accepts); converting the context refused them ("unsupported:
+// integer ... beyond 64 bits", a 400 charged to 'messages'). They print, serialise and compare
+// exactly now (the expectation is Python Jinja2's), and mix with floats; integer arithmetic on
+// them, which Python would do exactly, is refused naming the number.
+TEST(ChatTemplate, IntegersBeyond64BitsFromJsonAreExact) {
+  const ordered_json context = ordered_json::parse(R"({"x": 18446744073709551615})");
+  EXPECT_EQ(ChatTemplate("{{ x }} {{ x|tojson }} {{ [x] }} {{ {'a': x} }} {{ x is integer }} "
+                         "{{ x > 9223372036854775807 }} {{ x|float }} {{ x + 0.5 }} {{ x / 2 }} "
+                         "{{ '%d' % x }} {{ {x: 1}|tojson }} {{ x == 18446744073709551615 }} "
+                         "{{ x|int }} {{ [x, 1]|max }} {{ -9223372036854775808 }}")
+                .render(context),
+            "18446744073709551615 18446744073709551615 [18446744073709551615] "
+            "{'a': 18446744073709551615} True True 1.8446744073709552e+19 1.8446744073709552e+19 "
+            "9.223372036854776e+18 18446744073709551615 {\"18446744073709551615\": 1} True "
+            "18446744073709551615 18446744073709551615 -9223372036854775808");
+  EXPECT_EQ(error_of("{{ x + 1 }}", context),
+            "chat template line 1: unsupported '+' with the integer 18446744073709551615, beyond "
+            "64 bits");
+  EXPECT_EQ(error_of("{{ [1, 2][:x] }}", context),
+            "chat template line 1: unsupported a slice with the integer 18446744073709551615, "
+            "beyond 64 bits");
+  // Ints and floats compare exactly, as in Python (2^53 + 1 is no double).
+  EXPECT_EQ(ChatTemplate("{{ 9007199254740993 == 9007199254740992.0 }} "
+                         "{{ 9007199254740993 > 9007199254740992.0 }}")
+                .render(context),
+            "False True");
 }
 
 }  // namespace

@@ -430,5 +430,20 @@ TEST(ChatTemplateSources, MalformedEntriesAndTemplatesAreNamed) {
   }
 }
 
+// A tool schema with an integer above INT64_MAX, as clients send for unsigned 64-bit fields, made
+// every such chat request a 400 ("unsupported: integer 18446744073709551615 beyond 64 bits",
+// charged to 'messages'); vLLM renders it. The template now prints it exactly.
+TEST(ChatTemplateSources, ToolSchemasWithIntegersBeyond64BitsRender) {
+  const auto tok = Tokenizer::from_dir(template_folder(
+      {{"chat_template.jinja", "{{ tools[0].function.parameters.properties.n.maximum }}"}}));
+  const ChatTemplate chat_template(tok.chat_templates());
+  const api::ModelLimits limits{"m", 4096, static_cast<int64_t>(tok.vocab_size())};
+  const std::string raw = R"({"messages": [{"role": "user", "content": "hi"}], "tools": [
+      {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+       "properties": {"n": {"type": "integer", "maximum": 18446744073709551615}}}}}]})";
+  const auto r = api::parse_chat(nlohmann::json::parse(raw), tok, &chat_template, limits, raw);
+  EXPECT_EQ(r.prompts[0], tok.encode("18446744073709551615", false));
+}
+
 }  // namespace
 }  // namespace tandem::text

@@ -73,7 +73,13 @@ class Params {
   std::vector<std::optional<Value>> values_;
 };
 
+// Integer arithmetic and indexing with an integer beyond int64 (from a request's JSON).
+[[noreturn]] void big_integer_unsupported(const Value& v, const std::string& use) {
+  unsupported(use + " with the integer " + std::to_string(v.big()) + ", beyond 64 bits");
+}
+
 int64_t to_index(const Value& v, const std::string& what) {
+  if (v.kind == Kind::kBigInt) big_integer_unsupported(v, what);
   if (!v.is_int_like()) {
     type_error("'" + type_name(v) + "' object cannot be interpreted as an integer (" + what + ")");
   }
@@ -647,6 +653,8 @@ std::string percent_format(std::string_view fmt, const Value& rhs) {
       check_defined(a);
       if (a.is_int_like()) {
         out += std::to_string(a.i);
+      } else if (a.kind == Kind::kBigInt) {
+        out += std::to_string(a.big());
       } else if (a.kind == Kind::kFloat) {
         out += std::to_string(float_to_int(std::trunc(a.f)).i);
       } else {
@@ -1106,6 +1114,7 @@ bool python_attr(const Value& obj, const std::string& name, Value& out) {
       return true;
     }
     case Kind::kInt:
+    case Kind::kBigInt:
     case Kind::kFloat:
     case Kind::kBool:
       if (name == "real" || name == "imag" || name == "numerator" || name == "denominator" ||
@@ -1187,6 +1196,7 @@ Value get_slice(const Value& obj, const Value& start, const Value& stop, const V
   auto idx = [](const Value& v, bool& given) -> int64_t {
     given = !(v.is_none() || v.is_undefined());
     if (!given) return 0;
+    if (v.kind == Kind::kBigInt) big_integer_unsupported(v, "a slice");
     if (!v.is_int_like()) type_error("slice indices must be integers or None");
     return v.i;
   };
@@ -1245,6 +1255,11 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     return Value::string(percent_format(a.s, b));
   }
   check_defined(b);
+  // Python computes with any integer; with one beyond int64 only what gives a float is done here
+  // (with a float operand, or `/`).
+  const bool gives_float = op == "/" || a.kind == Kind::kFloat || b.kind == Kind::kFloat;
+  if (a.kind == Kind::kBigInt && !gives_float) big_integer_unsupported(a, "'" + op + "'");
+  if (b.kind == Kind::kBigInt && !gives_float) big_integer_unsupported(b, "'" + op + "'");
   auto unsupported_operands = [&]() -> Value {
     type_error("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" +
                type_name(b) + "'");
@@ -1381,6 +1396,11 @@ Value negate(const Value& v) {
     if (v.i == INT64_MIN) unsupported("integer arithmetic beyond 64 bits");
     return Value::integer(-v.i);
   }
+  if (v.kind == Kind::kBigInt) {
+    // The literal -9223372036854775808 is 9223372036854775808 negated.
+    if (v.big() == uint64_t{1} << 63) return Value::integer(INT64_MIN);
+    big_integer_unsupported(v, "unary '-'");
+  }
   if (v.kind == Kind::kFloat) return Value::floating(-v.f);
   type_error("bad operand type for unary -: '" + type_name(v) + "'");
 }
@@ -1388,7 +1408,7 @@ Value negate(const Value& v) {
 Value unary_plus(const Value& v) {
   check_defined(v);
   if (v.is_int_like()) return Value::integer(v.i);
-  if (v.kind == Kind::kFloat) return v;
+  if (v.kind == Kind::kFloat || v.kind == Kind::kBigInt) return v;
   type_error("bad operand type for unary +: '" + type_name(v) + "'");
 }
 
@@ -1600,7 +1620,8 @@ const std::unordered_map<std::string_view, Test> kTests = {
     {"boolean", unary([](const Value& v) { return v.kind == Kind::kBool; })},
     {"true", unary([](const Value& v) { return v.kind == Kind::kBool && v.b; })},
     {"false", unary([](const Value& v) { return v.kind == Kind::kBool && !v.b; })},
-    {"integer", unary([](const Value& v) { return v.kind == Kind::kInt; })},
+    {"integer",
+     unary([](const Value& v) { return v.kind == Kind::kInt || v.kind == Kind::kBigInt; })},
     {"float", unary([](const Value& v) { return v.kind == Kind::kFloat; })},
     {"number", unary([](const Value& v) { return v.is_number(); })},
     {"string", unary([](const Value& v) { return v.is_string(); })},
@@ -1761,9 +1782,9 @@ Value round_filter(const std::string& name, const Value& input, CallArgs& args) 
   if (!input.is_number())
     type_error("type " + type_name(input) + " doesn't define __round__ method");
   if (m == "common") {
-    if (input.is_int_like()) {
+    if (input.is_int_like() || input.kind == Kind::kBigInt) {
       if (precision < 0) unsupported("round() of an integer to negative precision");
-      return Value::integer(input.i);
+      return input.kind == Kind::kBigInt ? input : Value::integer(input.i);
     }
     if (precision < 0) unsupported("round() to negative precision");
     if (!std::isfinite(input.f) || precision > 300) return input;
@@ -2075,6 +2096,7 @@ Value int_filter(const std::string& name, const Value& input, CallArgs& args) {
   if (!base.is_int_like() || base.i != 10) unsupported("int filter with a base other than 10");
   check_defined(input);
   if (input.is_int_like()) return Value::integer(input.i);
+  if (input.kind == Kind::kBigInt) return input;
   if (input.kind == Kind::kFloat) {
     if (std::isnan(input.f)) return fallback;
     return float_to_int(std::trunc(input.f));
@@ -2108,6 +2130,7 @@ Value abs_filter(const std::string& name, const Value& input, CallArgs& args) {
     if (input.i == INT64_MIN) unsupported("integer arithmetic beyond 64 bits");
     return Value::integer(input.i < 0 ? -input.i : input.i);
   }
+  if (input.kind == Kind::kBigInt) return input;
   if (input.kind == Kind::kFloat) return Value::floating(std::fabs(input.f));
   type_error("bad operand type for abs(): '" + type_name(input) + "'");
 }

@@ -533,8 +533,15 @@ class Parser {
       errno = 0;
       if (t.type == TokenType::kInteger) {
         long long v = std::strtoll(digits.c_str(), nullptr, 10);
-        if (errno == ERANGE) unsupported("integer literal out of 64-bit range");
-        e->value = Value::integer(v);
+        if (errno == ERANGE) {
+          // Up to 2^64 - 1 as a request's JSON can bring them; beyond, refused.
+          errno = 0;
+          unsigned long long u = std::strtoull(digits.c_str(), nullptr, 10);
+          if (errno == ERANGE) unsupported("integer literal out of 64-bit range");
+          e->value = Value::big_integer(u);
+        } else {
+          e->value = Value::integer(v);
+        }
       } else {
         e->value = Value::floating(std::strtod(digits.c_str(), nullptr));
       }

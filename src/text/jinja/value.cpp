@@ -137,6 +137,13 @@ Value Value::integer(int64_t i) {
   return v;
 }
 
+Value Value::big_integer(uint64_t u) {
+  Value v;
+  v.kind = Kind::kBigInt;
+  v.i = static_cast<int64_t>(u);
+  return v;
+}
+
 Value Value::floating(double f) {
   Value v;
   v.kind = Kind::kFloat;
@@ -180,9 +187,7 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
       return integer(j.get<int64_t>());
     case nlohmann::ordered_json::value_t::number_unsigned: {
       auto u = j.get<uint64_t>();
-      if (u > static_cast<uint64_t>(INT64_MAX)) {
-        throw UnsupportedError{"unsupported: integer " + std::to_string(u) + " beyond 64 bits"};
-      }
+      if (u > static_cast<uint64_t>(INT64_MAX)) return big_integer(u);
       return integer(static_cast<int64_t>(u));
     }
     case nlohmann::ordered_json::value_t::number_float:
@@ -214,6 +219,7 @@ bool Value::is_seq(SeqKind k) const {
 }
 
 double Value::as_double() const {
+  if (kind == Kind::kBigInt) return static_cast<double>(big());
   return kind == Kind::kFloat ? f : static_cast<double>(i);
 }
 
@@ -273,6 +279,8 @@ bool truthy(const Value& v) {
       return v.b;
     case Kind::kInt:
       return v.i != 0;
+    case Kind::kBigInt:
+      return true;
     case Kind::kFloat:
       return v.f != 0.0;
     case Kind::kString:
@@ -296,6 +304,7 @@ std::string type_name(const Value& v) {
     case Kind::kBool:
       return "bool";
     case Kind::kInt:
+    case Kind::kBigInt:
       return "int";
     case Kind::kFloat:
       return "float";
@@ -530,6 +539,9 @@ void repr_into(std::string& out, const Value& v) {
     case Kind::kInt:
       out += std::to_string(v.i);
       return;
+    case Kind::kBigInt:
+      out += std::to_string(v.big());
+      return;
     case Kind::kFloat:
       out += float_repr(v.f);
       return;
@@ -599,10 +611,22 @@ std::string py_str(const Value& v) {
   }
 }
 
+namespace {
+
+// Python compares ints and floats exactly. A long double holds every int64, uint64 and double
+// exactly (64-bit mantissa on x86-64, 113 bits on AArch64), so comparing there is exact.
+long double exact(const Value& v) {
+  if (v.kind == Kind::kFloat) return v.f;
+  if (v.kind == Kind::kBigInt) return static_cast<long double>(v.big());
+  return static_cast<long double>(v.i);
+}
+
+}  // namespace
+
 bool py_equal(const Value& a, const Value& b) {
   if (a.is_number() && b.is_number()) {
-    if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return a.as_double() == b.as_double();
-    return a.i == b.i;
+    if (a.is_int_like() && b.is_int_like()) return a.i == b.i;
+    return exact(a) == exact(b);
   }
   if (a.kind != b.kind) return false;
   switch (a.kind) {
@@ -646,8 +670,8 @@ bool py_less(const Value& a, const Value& b) {
   if (a.is_undefined()) throw RuntimeError{a.s.str()};
   if (b.is_undefined()) throw RuntimeError{b.s.str()};
   if (a.is_number() && b.is_number()) {
-    if (a.kind == Kind::kFloat || b.kind == Kind::kFloat) return a.as_double() < b.as_double();
-    return a.i < b.i;
+    if (a.is_int_like() && b.is_int_like()) return a.i < b.i;
+    return exact(a) < exact(b);
   }
   // UTF-8 byte order = code point order
   if (a.is_string() && b.is_string()) return a.s.view() < b.s.view();
@@ -789,6 +813,8 @@ std::string json_key(const Value& k) {
       return "null";
     case Kind::kInt:
       return std::to_string(k.i);
+    case Kind::kBigInt:
+      return std::to_string(k.big());
     default:
       throw RuntimeError{"keys must be str, int, float, bool or None, not " + type_name(k)};
   }
@@ -808,6 +834,9 @@ void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level
       return;
     case Kind::kInt:
       out += std::to_string(v.i);
+      return;
+    case Kind::kBigInt:
+      out += std::to_string(v.big());
       return;
     case Kind::kFloat:
       out += json_float(v.f);

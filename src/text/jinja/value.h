@@ -39,6 +39,10 @@ enum class Kind {
   kNone,
   kBool,
   kInt,
+  // An integer above INT64_MAX that a request's JSON brought (up to UINT64_MAX, in `i`'s bits; a
+  // tool schema's "maximum": 18446744073709551615). It prints and serialises exactly, compares
+  // exactly and mixes with floats; integer arithmetic on it is refused (Python would go on).
+  kBigInt,
   kFloat,
   kString,
   kSequence,
@@ -115,6 +119,7 @@ struct Value {
   static Value none();
   static Value boolean(bool v);
   static Value integer(int64_t v);
+  static Value big_integer(uint64_t v);  // v > INT64_MAX
   static Value floating(double v);
   static Value string(Str v, bool markup = false);
   static Value list(std::vector<Value> items, SeqKind kind = SeqKind::kList);
@@ -125,7 +130,8 @@ struct Value {
   bool is_none() const { return kind == Kind::kNone; }
   bool is_string() const { return kind == Kind::kString; }
   bool is_int_like() const { return kind == Kind::kInt || kind == Kind::kBool; }
-  bool is_number() const { return is_int_like() || kind == Kind::kFloat; }
+  bool is_number() const { return is_int_like() || kind == Kind::kFloat || kind == Kind::kBigInt; }
+  uint64_t big() const { return static_cast<uint64_t>(i); }  // kBigInt
   bool is_seq(SeqKind k) const;
   double as_double() const;
 };
