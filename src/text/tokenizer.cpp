@@ -184,8 +184,9 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   if (!std::filesystem::exists(tok_path))
     throw Error("no tokenizer.json in " + dir.string() + " (expected a Hugging Face model folder)");
   auto cfg_path = dir / "tokenizer_config.json";
-  std::string cfg = std::filesystem::exists(cfg_path) ? read_file(cfg_path) : std::string();
-  Tokenizer tok = from_json(read_file(tok_path), cfg, tok_path.string());
+  // Regular files only: a FIFO blocked the load in open() until some writer came.
+  std::string cfg = std::filesystem::exists(cfg_path) ? read_regular_file(cfg_path) : std::string();
+  Tokenizer tok = from_json(read_regular_file(tok_path), cfg, tok_path.string());
   // transformers' PreTrainedTokenizerBase._from_pretrained: template files win over the config's
   // field, all of it (save_pretrained has written only chat_template.jinja since 4.47).
   std::vector<NamedChatTemplate> files;

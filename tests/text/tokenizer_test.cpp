@@ -15,6 +15,7 @@
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
+#include "util/fifo.h"
 #include "util/file.h"
 
 namespace tandem::text {
@@ -73,6 +74,35 @@ TEST(Tokenizer, MissingFolderNamesTheFile) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("no tokenizer.json in /nonexistent-tandem-dir"));
   }
+}
+
+// A FIFO where a tokenizer file belongs blocked the load in open() until some writer came (the
+// model's own files were refused since 92fb807, the tokenizer's were not).
+TEST(Tokenizer, FilesThatAreNotRegularAreRefusedNamingThem) {
+  const auto dir = test::temp_path("tokenizer-fifo");
+  std::filesystem::create_directories(dir);
+  auto load_error = [&] {
+    try {
+      Tokenizer::from_dir(dir);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  {
+    const test::Fifo fifo(dir / "tokenizer.json");
+    EXPECT_EQ(load_error(),
+              (dir / "tokenizer.json").string() + ": not a regular file (it is a FIFO)");
+  }
+  std::filesystem::remove(dir / "tokenizer.json");
+  std::filesystem::copy_file(test::lenml_model("llama3") / "tokenizer.json",
+                             dir / "tokenizer.json");
+  {
+    const test::Fifo fifo(dir / "tokenizer_config.json");
+    EXPECT_EQ(load_error(),
+              (dir / "tokenizer_config.json").string() + ": not a regular file (it is a FIFO)");
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Tokenizer, MalformedJsonNamesTheFile) {
