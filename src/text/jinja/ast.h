@@ -73,6 +73,10 @@ struct Stmt {
   std::string name;                             // kMacro
   std::vector<std::string> params;              // kMacro
   std::vector<std::unique_ptr<Expr>> defaults;  // kMacro: one per param, null when none
+  // kMacro: the body reads `varargs` / `kwargs`, so extra positional / keyword arguments are
+  // collected into them instead of being an error.
+  bool catch_varargs = false;
+  bool catch_kwargs = false;
 };
 
 using Body = std::vector<std::unique_ptr<Stmt>>;

@@ -427,8 +427,24 @@ double py_floordiv(double x, double y) {
   return std::copysign(0.0, x / y);
 }
 
+// Python's int(str) and float(str) read any Unicode decimal digit (category Nd: "٣", "３") as
+// its ASCII digit. Everything else stays as it is.
+std::string ascii_digits(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char32_t c : to_u32(text)) {
+    if (c >= 0x80 && u_charType(static_cast<UChar32>(c)) == U_DECIMAL_DIGIT_NUMBER) {
+      out += static_cast<char>('0' + u_charDigitValue(static_cast<UChar32>(c)));
+    } else {
+      utf8::append(out, c);
+    }
+  }
+  return out;
+}
+
 // Python's float(str): surrounding whitespace, underscores between digits, inf/nan words.
-std::optional<double> parse_py_float(std::string_view text) {
+std::optional<double> parse_py_float(std::string_view raw) {
+  const std::string text = ascii_digits(raw);
   std::string s = py_strip(text, Value::none(), true, true);
   std::string lower = py_lower(s);
   std::string body = lower;
@@ -460,7 +476,8 @@ std::optional<double> parse_py_float(std::string_view text) {
 }
 
 // Python's int(str, 10).
-std::optional<int64_t> parse_py_int(std::string_view text) {
+std::optional<int64_t> parse_py_int(std::string_view raw) {
+  const std::string text = ascii_digits(raw);
   std::string s = py_strip(text, Value::none(), true, true);
   size_t k = 0;
   bool neg = false;

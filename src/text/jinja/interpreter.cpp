@@ -232,23 +232,25 @@ class Renderer {
     return v;
   }
 
+  // jinja2.runtime.Macro.__call__: positional arguments first; keyword arguments fill only the
+  // parameters left over (with every parameter given by position, a keyword naming one is
+  // extra); extra ones go to `kwargs` / `varargs` when the body reads those, else are an error.
   Value call_macro(const Stmt& m, const FramePtr& defining, CallArgs& a) {
-    if (a.args.size() > m.params.size()) {
-      throw RuntimeError{"macro '" + m.name + "' takes not more than " +
-                         std::to_string(m.params.size()) + " argument(s)"};
-    }
     auto f = child_of(defining);
+    const size_t n = m.params.size();
     std::vector<bool> used(a.kwargs.size(), false);
-    for (size_t k = 0; k < m.params.size(); ++k) {
+    for (size_t k = 0; k < n; ++k) {
       const std::string& p = m.params[k];
       std::optional<Value> value;
-      if (k < a.args.size()) value = a.args[k];
-      for (size_t j = 0; j < a.kwargs.size(); ++j) {
-        if (a.kwargs[j].first != p) continue;
-        if (value)
-          throw RuntimeError{"macro '" + m.name + "' got multiple values for argument '" + p + "'"};
-        value = a.kwargs[j].second;
-        used[j] = true;
+      if (k < a.args.size()) {
+        value = a.args[k];
+      } else {
+        for (size_t j = 0; j < a.kwargs.size(); ++j) {
+          if (used[j] || a.kwargs[j].first != p) continue;
+          value = a.kwargs[j].second;
+          used[j] = true;
+          break;
+        }
       }
       if (!value) {
         value = m.defaults[k] ? eval(*m.defaults[k], f)
@@ -256,11 +258,28 @@ class Renderer {
       }
       f->set(p, *value);
     }
-    for (size_t j = 0; j < a.kwargs.size(); ++j) {
-      if (!used[j]) {
-        throw RuntimeError{"macro '" + m.name + "' takes no keyword argument '" +
-                           a.kwargs[j].first + "'"};
+    if (m.catch_kwargs) {
+      Value kwargs;
+      kwargs.kind = Kind::kDict;
+      kwargs.dict = std::make_shared<Dict>();
+      for (size_t j = 0; j < a.kwargs.size(); ++j)
+        if (!used[j]) kwargs.dict->set(Value::string(a.kwargs[j].first), a.kwargs[j].second);
+      f->set("kwargs", kwargs);
+    } else {
+      for (size_t j = 0; j < a.kwargs.size(); ++j) {
+        if (!used[j]) {
+          throw RuntimeError{"macro '" + m.name + "' takes no keyword argument '" +
+                             a.kwargs[j].first + "'"};
+        }
       }
+    }
+    if (m.catch_varargs) {
+      std::vector<Value> extra;
+      for (size_t k = n; k < a.args.size(); ++k) extra.push_back(a.args[k]);
+      f->set("varargs", Value::tuple(std::move(extra)));
+    } else if (a.args.size() > n) {
+      throw RuntimeError{"macro '" + m.name + "' takes not more than " + std::to_string(n) +
+                         " argument(s)"};
     }
     if (++depth_ > kMaxMacroDepth) {
       --depth_;

@@ -3,7 +3,8 @@
 //
 // Supported subset: {{ }}, {% %}, {# #} with -/+ whitespace control; if/elif/else; for (loop.*
 // attributes, for-else, inline `if`, tuple unpacking, break/continue); set (plain, tuple, block
-// with filters, namespace attributes); macro (positional/keyword arguments, defaults); filter
+// with filters, namespace attributes); macro (positional/keyword arguments, defaults, varargs,
+// kwargs); filter
 // blocks; transformers' {% generation %}; the filters and tests listed in builtins.cpp; str,
 // dict and list methods templates use; Python operators, slicing, literals and truthiness.
 // Anything else (extends/include/import/call/raw, caller, recursive loops, filters or methods

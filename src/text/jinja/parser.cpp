@@ -19,6 +19,69 @@ const std::set<std::string, std::less<>> kUnsupportedTags = {
     "autoescape", "call",    "raw",           "do",      "trans",    "pluralize",
     "endblock",   "endwith", "endautoescape", "endcall", "endtrans", "debug"};
 
+// jinja2.compiler's find_undeclared(macro.body, ("varargs", "kwargs")): walking the body in
+// jinja2.nodes field order (nested macros included), a name whose first occurrence reads it is
+// undeclared; one assigned first, or a nested macro's parameter, is not.
+class UndeclaredNames {
+ public:
+  // 0: not seen yet; 1: read first; -1: assigned first.
+  int varargs = 0, kwargs = 0;
+
+  void body(const Body& b) {
+    for (const auto& s : b) stmt(*s);
+  }
+
+ private:
+  void name(const std::string& n, int how) {
+    if (n == "varargs" && varargs == 0) varargs = how;
+    if (n == "kwargs" && kwargs == 0) kwargs = how;
+  }
+  void expr(const Expr* e, bool store = false) {
+    if (!e) return;
+    if (e->kind == ExprKind::kName) return name(e->name, store ? -1 : 1);
+    if (e->kind == ExprKind::kNsRef) return;  // `ns.attr =`: no name node in jinja2 either
+    for (const auto& c : e->children) expr(c.get(), store && e->kind == ExprKind::kTuple);
+    for (const auto& [k, v] : e->kwargs) expr(v.get());
+  }
+  void stmt(const Stmt& s) {
+    switch (s.kind) {
+      case StmtKind::kData:
+      case StmtKind::kBreak:
+      case StmtKind::kContinue:
+        return;
+      case StmtKind::kOutput:
+        return expr(s.expr.get());
+      case StmtKind::kIf:  // If(test, body, elif_, else_)
+        expr(s.expr.get());
+        body(s.body);
+        return body(s.else_body);
+      case StmtKind::kFor:  // For(target, iter, body, else_, test)
+        expr(s.target.get(), true);
+        expr(s.expr.get());
+        body(s.body);
+        body(s.else_body);
+        return expr(s.filter.get());
+      case StmtKind::kSet:  // Assign(target, node)
+        expr(s.target.get(), true);
+        return expr(s.expr.get());
+      case StmtKind::kSetBlock:  // AssignBlock(target, filter, body)
+        expr(s.target.get(), true);
+        for (const auto& f : s.filters) expr(f.get());
+        return body(s.body);
+      case StmtKind::kMacro:  // Macro(name, args, defaults, body)
+        for (const auto& p : s.params) name(p, -1);
+        for (const auto& d : s.defaults) expr(d.get());
+        return body(s.body);
+      case StmtKind::kFilterBlock:  // FilterBlock(body, filter)
+        body(s.body);
+        for (const auto& f : s.filters) expr(f.get());
+        return;
+      case StmtKind::kScope:
+        return body(s.body);
+    }
+  }
+};
+
 class Parser {
  public:
   explicit Parser(std::vector<Token> tokens) : tokens_(std::move(tokens)) {}
@@ -271,6 +334,10 @@ class Parser {
     loop_depth_ = 0;  // break/continue cannot cross a macro boundary
     s.body = parse_statements({"endmacro"}, true);
     loop_depth_ = saved_loop_depth;
+    UndeclaredNames undeclared;
+    undeclared.body(s.body);
+    s.catch_varargs = undeclared.varargs == 1;
+    s.catch_kwargs = undeclared.kwargs == 1;
   }
 
   // `f(args) | g` after {% filter %} (start_inline) or `| f | g` after a block {% set x %}.
