@@ -61,7 +61,8 @@ size_t leading_space_length(std::string_view s) {
 
 }  // namespace
 
-AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens) : tokens_(std::move(tokens)) {
+AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens, bool skip_special)
+    : tokens_(std::move(tokens)), skip_special_(skip_special) {
   nodes_.emplace_back();
   for (size_t t = 0; t < tokens_.size(); ++t) {
     const auto& content = tokens_[t].content;
@@ -112,6 +113,10 @@ void AddedTokenMatcher::split(std::string_view text, std::vector<Segment>& out) 
     }
     const AddedToken& tok = tokens_[t];
     size_t start = i, stop = i + tok.content.size();
+    if (tok.special && skip_special_) {
+      i = stop;  // tokenizers' find_matches skips the match itself, nothing inside it
+      continue;
+    }
     if (tok.single_word && (is_word_char(last_char(text.substr(0, start))) ||
                             is_word_char(first_char(text.substr(stop))))) {
       i = stop;  // matches do not overlap: the search resumes after the rejected one, as in HF

@@ -25,7 +25,9 @@ struct AddedToken {
 class AddedTokenMatcher {
  public:
   AddedTokenMatcher() = default;
-  explicit AddedTokenMatcher(std::vector<AddedToken> tokens);
+  // `skip_special`: special tokens are found but left in the text, as tokenizers does with
+  // encode_special_tokens (transformers' split_special_tokens); the search resumes after them.
+  explicit AddedTokenMatcher(std::vector<AddedToken> tokens, bool skip_special = false);
 
   struct Segment {
     std::string_view text;  // the matched span (with stripped whitespace) or plain text
@@ -44,6 +46,7 @@ class AddedTokenMatcher {
   int32_t longest_at(std::string_view text, size_t at) const;
 
   std::vector<AddedToken> tokens_;
+  bool skip_special_ = false;
   std::vector<Node> nodes_;
   bool first_byte_[256] = {};
 };

