@@ -957,4 +957,21 @@ TEST(ChatTemplate, IntegersBeyond64BitsFromJsonAreExact) {
             "False True");
 }
 
+// Indexing a string decodes all of it, and `in`, `==` and `length` read all of it: `s[i]` in a
+// loop over a 4 MB string was 16 MB of work per step that no budget counted (100,000 steps ran
+// for minutes). The bytes decoded or scanned count toward the render's 1 GiB now.
+TEST(ChatTemplate, ScanningALongStringInALoopIsCharged) {
+  for (const char* use : {"{% set c = s[i] %}", "{% if 'y' in s %}{% endif %}",
+                          "{% if s == t %}{% endif %}", "{% set n = s|length %}"}) {
+    const std::string error =
+        error_of(std::string("{% set s = 'x' * 4000000 %}{% set t = 'x' * 4000000 %}"
+                             "{% for i in range(100000) %}") +
+                 use + "{% endfor %}");
+    EXPECT_EQ(error,
+              "chat template line 1: the template built or scanned more than 1024 MiB of strings "
+              "and lists, the limit of one render (a runaway loop?)")
+        << use;
+  }
+}
+
 }  // namespace

@@ -1438,6 +1438,7 @@ bool contains(const Value& container, const Value& item) {
         check_defined(item);
         type_error("'in <string>' requires string as left operand, not " + type_name(item));
       }
+      charge_bytes(static_cast<int64_t>(container.s.size()));  // scanned
       return container.s.view().find(item.s.view()) != std::string::npos;
     case Kind::kDict:
       check_hashable(item);

@@ -40,7 +40,8 @@ void charge_bytes(int64_t n) {
   if (!b) return;
   b->stats_.bytes += n;
   if (b->stats_.bytes > kMaxRenderBytes)
-    throw RuntimeError{"the template built more than " + std::to_string(kMaxRenderBytes >> 20) +
+    throw RuntimeError{"the template built or scanned more than " +
+                       std::to_string(kMaxRenderBytes >> 20) +
                        " MiB of strings and lists, the limit of one render (a runaway loop?)"};
 }
 
@@ -224,13 +225,22 @@ double Value::as_double() const {
 }
 
 const Value* Dict::find(const Value& key) const {
+  // A linear search: a step per key passed, so looking every key of a large dict up in a loop
+  // over it meets the step budget instead of running quadratically.
+  int64_t passed = 0;
   for (const auto& [k, v] : items) {
     if (key.is_string() && k.is_string()) {
-      if (k.s.view() == key.s.view()) return &v;
+      if (k.s.view() == key.s.view()) {
+        charge_steps(passed);
+        return &v;
+      }
     } else if (py_equal(k, key)) {
+      charge_steps(passed);
       return &v;
     }
+    ++passed;
   }
+  charge_steps(passed);
   return nullptr;
 }
 
@@ -355,6 +365,9 @@ std::string object_type_repr(const Value& v) {
 }
 
 std::u32string to_u32(std::string_view s) {
+  // Indexing, slicing and most str methods decode the whole string: `s[i]` in a loop over a
+  // long string is that string's size per step.
+  charge_bytes(static_cast<int64_t>(4 * s.size()));
   std::u32string out;
   out.reserve(s.size());
   size_t i = 0;
@@ -375,6 +388,7 @@ std::string from_u32(std::u32string_view s) {
 }
 
 size_t code_points(std::string_view s) {
+  charge_bytes(static_cast<int64_t>(s.size()));
   size_t n = 0;
   for (size_t i = 0; i < s.size(); ++n) {
     size_t len = utf8::valid_sequence_length(s, i);
@@ -634,6 +648,8 @@ bool py_equal(const Value& a, const Value& b) {
     case Kind::kNone:
       return true;
     case Kind::kString:
+      if (a.s.size() != b.s.size()) return false;
+      charge_bytes(static_cast<int64_t>(a.s.size()));  // scanned
       return a.s.view() == b.s.view();
     case Kind::kSequence: {
       if (a.seq == b.seq) return true;
@@ -674,7 +690,10 @@ bool py_less(const Value& a, const Value& b) {
     return exact(a) < exact(b);
   }
   // UTF-8 byte order = code point order
-  if (a.is_string() && b.is_string()) return a.s.view() < b.s.view();
+  if (a.is_string() && b.is_string()) {
+    charge_bytes(static_cast<int64_t>(std::min(a.s.size(), b.s.size())));  // scanned
+    return a.s.view() < b.s.view();
+  }
   if (a.kind == Kind::kSequence && b.kind == Kind::kSequence && a.seq->kind == b.seq->kind &&
       (a.seq->kind == SeqKind::kList || a.seq->kind == SeqKind::kTuple)) {
     const auto& x = a.seq->items;

@@ -188,8 +188,9 @@ struct LoopInfo {
 // Work and memory of one render. A real chat template takes well under 10^6 steps and builds a
 // few times its output for a long conversation with tools. Steps are statements executed,
 // expressions evaluated, items of lists built or walked and elements visited by comparisons and
-// serialisation; bytes are text written (concatenations, filters, the output) plus sizeof(Value)
-// per item of a list or dict built. Bytes count what was allocated, not what is still alive. Both
+// serialisation; bytes are text written (concatenations, filters, the output) or scanned
+// (comparisons, `in`, decoding for indexing and str methods) plus sizeof(Value) per item of a
+// list or dict built. Bytes count what was allocated or read, not what is still alive. Both
 // only grow, so nested loops over range(100000), a list that contains itself many times over or a
 // loop that doubles a string stop at an error long before they would exhaust the time or the memory
 // of the thread that renders.
