@@ -72,13 +72,7 @@ class SchedulingThread::Impl {
   // A task that throws, posted or a timer's, is reported and dropped: the thread that owns every
   // decision must not die with it (an exception leaving it ends the process).
   static void run_reported(Task& task) {
-    try {
-      task();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "tandem gateway: a scheduling task failed: %s\n", e.what());
-    } catch (...) {
-      std::fprintf(stderr, "tandem gateway: a scheduling task failed: an unknown error\n");
-    }
+    util::run_reported(task, "tandem gateway: a scheduling task");
   }
 
   // Runs everything queued.

@@ -14,13 +14,7 @@ namespace {
 // A task that throws is reported and dropped: the loop's other tasks and timers go on (a throw
 // left the rest of a batch to run again with the next one, and the due timers unarmed).
 void run_reported(LoopTasks::Task& task) {
-  try {
-    task();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "tandem: a task on an io thread failed: %s\n", e.what());
-  } catch (...) {
-    std::fprintf(stderr, "tandem: a task on an io thread failed: an unknown error\n");
-  }
+  util::run_reported(task, "tandem: a task on an io thread");
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 // extra allocation on the posting thread and a cross-thread free on the scheduler. Larger
 // closures still work: they go to the heap.
 #include <cstddef>
+#include <cstdio>
+#include <exception>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -83,5 +85,18 @@ class InlineTask {
   alignas(std::max_align_t) unsigned char storage_[kInlineBytes];
   const Ops* ops_ = nullptr;
 };
+
+// Runs `task`; one that throws is reported on stderr ("<who> failed: <why>") and dropped,
+// so the thread running it goes on with its other tasks (an exception leaving a thread ends the
+// process).
+inline void run_reported(InlineTask& task, const char* who) {
+  try {
+    task();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s failed: %s\n", who, e.what());
+  } catch (...) {
+    std::fprintf(stderr, "%s failed: an unknown error\n", who);
+  }
+}
 
 }  // namespace tandem::util
