@@ -928,6 +928,40 @@ TEST(ChatTemplate, DeepNestingIsRefusedWhenBuilt) {
             "1002");
 }
 
+// The nesting limit counts lists and dicts; namespaces, bound methods and loop objects hold
+// values too, and can be changed after they are built, so chains through them were never
+// counted: freeing a 300,000-long one recursed per link and overflowed the stack (SIGSEGV).
+// Values are freed iteratively now, so such chains render as in Python's Jinja2 (the expected
+// outputs are its, at 100,000 links).
+TEST(ChatTemplate, LongChainsThroughNamespacesMethodsAndLoopsAreFreed) {
+  const ordered_json context = ordered_json::object();
+  // The sandbox allows ranges of 100,000 at most.
+  const std::string loop = "{% for k in range(3) %}{% for i in range(100000) %}";
+  const std::string end = "{% endfor %}{% endfor %}";
+  EXPECT_EQ(ChatTemplate("{% set ns = namespace(v=none) %}" + loop +
+                         "{% set ns.v = namespace(v=ns.v) %}" + end + "{{ ns.v.v.v.v is defined }}")
+                .render(context),
+            "True");
+  EXPECT_EQ(ChatTemplate("{% set ns = namespace(v=none) %}" + loop +
+                         "{% set ns.v = [namespace(v=ns.v)] %}" + end + "{{ ns.v|length }}")
+                .render(context),
+            "1");
+  EXPECT_EQ(ChatTemplate("{% set ns = namespace(l=[]) %}" + loop + "{% set ns.l = [ns.l.count] %}" +
+                         end + "{{ ns.l|length }}")
+                .render(context),
+            "1");
+  EXPECT_EQ(ChatTemplate("{% set ns = namespace(v=none) %}" + loop +
+                         "{% for x in [ns.v] %}{% set ns.v = loop %}{% endfor %}" + end +
+                         "{{ ns.v.length }}")
+                .render(context),
+            "1");
+  // A render that fails part-way frees its chain too.
+  const std::string error =
+      error_of("{% set ns = namespace(v=none) %}" + loop + "{% set ns.v = namespace(v=ns.v) %}" +
+               end + "{{ raise_exception('boom') }}");
+  EXPECT_NE(error.find("boom"), std::string::npos) << error;
+}
+
 // A request's JSON may hold integers above INT64_MAX (a tool schema's "maximum":
 // 18446744073709551615, which vLLM accepts); converting the context refused them ("unsupported:
 // integer ... beyond 64 bits", a 400 charged to 'messages'). They print, serialise and compare

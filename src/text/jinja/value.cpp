@@ -263,6 +263,80 @@ void Dict::append(Value key, Value value) {
   items.emplace_back(std::move(key), std::move(value));
 }
 
+// ---- freeing ----
+//
+// Freeing a holder frees the values it holds, which may hold more: a chain of namespaces or
+// bound methods as long as a template's loop made it. Instead of recursing per link, the first
+// holder freed on a thread sweeps: holders freed while it runs hand it what they hold, and it
+// frees those one at a time, so the stack stays a link deep however long the chain is.
+
+namespace {
+
+struct Sweep {
+  std::vector<Value> values;
+  std::vector<std::function<Value(CallArgs&)>> functions;
+};
+thread_local Sweep* active_sweep = nullptr;
+
+void hand_over(Sweep& sweep, Value& v) {
+  if (v.seq || v.dict || v.ns || v.fn || v.loop) sweep.values.push_back(std::move(v));
+}
+
+// give(sweep) moves a holder's values into the sweep; the outermost holder then frees them.
+template <class Give>
+void sweep_out(Give give) {
+  if (active_sweep) {
+    give(*active_sweep);
+    return;
+  }
+  Sweep sweep;
+  active_sweep = &sweep;
+  give(sweep);
+  while (!sweep.values.empty() || !sweep.functions.empty()) {
+    if (!sweep.values.empty()) {
+      Value last = std::move(sweep.values.back());
+      sweep.values.pop_back();
+    } else {
+      auto last = std::move(sweep.functions.back());
+      sweep.functions.pop_back();
+    }
+  }
+  active_sweep = nullptr;
+}
+
+}  // namespace
+
+Sequence::~Sequence() {
+  sweep_out([this](Sweep& s) {
+    for (auto& v : items) hand_over(s, v);
+  });
+}
+
+Dict::~Dict() {
+  sweep_out([this](Sweep& s) {
+    for (auto& [k, v] : items) {
+      hand_over(s, k);
+      hand_over(s, v);
+    }
+  });
+}
+
+Namespace::~Namespace() {
+  sweep_out([this](Sweep& s) {
+    for (auto& [name, v] : attrs) hand_over(s, v);
+  });
+}
+
+Callable::~Callable() {
+  sweep_out([this](Sweep& s) { s.functions.push_back(std::move(fn)); });
+}
+
+LoopInfo::~LoopInfo() {
+  sweep_out([this](Sweep& s) {
+    for (auto& v : items) hand_over(s, v);
+  });
+}
+
 const Value* Namespace::find(std::string_view name) const {
   for (const auto& [k, v] : attrs) {
     if (k == name) return &v;

@@ -145,11 +145,16 @@ inline constexpr int kMaxNesting = 512;
 // 1 + the deepest list or dict in it; 0 for anything else.
 int nesting(const Value& v);
 
+// The objects that hold values free them iteratively (value.cpp, "freeing"): a template can
+// chain namespaces, bound methods and loop objects arbitrarily long (the nesting limit counts
+// only lists and dicts, which cannot change once built), and freeing such a chain one level
+// per call would overflow the stack of the thread that renders.
 struct Sequence {
   SeqKind kind = SeqKind::kList;
   std::vector<Value> items;
   size_t consumed = 0;  // generators: items already taken by an earlier iteration
   int depth = 1;
+  ~Sequence();
 };
 
 struct Dict {
@@ -159,12 +164,14 @@ struct Dict {
   void set(Value key, Value value);
   // Appends an entry the caller knows is not there yet.
   void append(Value key, Value value);
+  ~Dict();
 };
 
 struct Namespace {
   std::vector<std::pair<std::string, Value>> attrs;
   const Value* find(std::string_view name) const;
   void set(const std::string& name, Value value);
+  ~Namespace();
 };
 
 struct CallArgs {
@@ -174,13 +181,15 @@ struct CallArgs {
 
 struct Callable {
   std::string name;
-  std::function<Value(CallArgs&)> fn;
+  std::function<Value(CallArgs&)> fn;  // a bound method holds its object
+  ~Callable();
 };
 
 struct LoopInfo {
   std::vector<Value> items;
   size_t index0 = 0;
   int depth = 1;
+  ~LoopInfo();
 };
 
 // ---- what one render may spend ----
