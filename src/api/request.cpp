@@ -635,11 +635,14 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
-  if (boolean(body, "logprobs", false)) {
-    const int64_t top = integer(body, "top_logprobs", 0);
-    if (top < 0 || top > 20) fail("top_logprobs", "'top_logprobs' must be between 0 and 20");
+  // top_logprobs is checked whether or not logprobs is set: as OpenAI and vLLM, alternatives
+  // asked for without logprobs are an error, not an answer without them.
+  const int64_t top = integer(body, "top_logprobs", 0);
+  if (top < 0 || top > 20) fail("top_logprobs", "'top_logprobs' must be between 0 and 20");
+  if (boolean(body, "logprobs", false))
     r.logprobs = static_cast<int32_t>(top);
-  }
+  else if (top > 0)
+    fail("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true");
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");

@@ -528,6 +528,34 @@ TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {
   EXPECT_EQ(parse_chat(body, tokenizer(), &tmpl, kLimits).logprobs, 3);
 }
 
+// As OpenAI and vLLM: top_logprobs is range-checked whether or not logprobs is set, and asking
+// for alternatives without logprobs is an error naming top_logprobs, not an answer without them.
+TEST(Protocol, ChatTopLogprobsWithoutLogprobsIsA400) {
+  const json messages = {{{"role", "user"}, {"content", "Hi"}}};
+  auto parse = [&](json extra) {
+    json body = {{"messages", messages}};
+    body.update(extra);
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits);
+  };
+  for (const json& extra :
+       {json{{"top_logprobs", 3}}, json{{"top_logprobs", 3}, {"logprobs", false}},
+        json{{"top_logprobs", 50}}, json{{"top_logprobs", -1}},
+        json{{"top_logprobs", 21}, {"logprobs", true}}}) {
+    SCOPED_TRACE(extra.dump());
+    const ApiError e = error_of([&] { parse(extra); });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "top_logprobs");
+  }
+  EXPECT_NE(error_of([&] {
+              parse({{"top_logprobs", 3}});
+            }).message.find("when using `top_logprobs`, `logprobs` must be set to true"),
+            std::string::npos);
+  // 0 asks for no alternatives (vLLM accepts it alone); null is absent.
+  EXPECT_EQ(parse({{"top_logprobs", 0}}).logprobs, -1);
+  EXPECT_EQ(parse({{"top_logprobs", nullptr}}).logprobs, -1);
+  EXPECT_EQ(parse({{"top_logprobs", 0}, {"logprobs", true}}).logprobs, 0);
+}
+
 // Found by fuzz/request_body_fuzz.cpp: a content part whose "type" was not a string threw
 // nlohmann's type_error (the server answered 500) instead of the 400 for unsupported parts.
 TEST(Protocol, ChatContentPartsOfAnyTypeAre400s) {
