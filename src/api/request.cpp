@@ -241,10 +241,10 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
 }
 
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
-// sampling_params; max_tokens from max_tokens_of.
+// sampling_params; max_tokens from max_tokens_of, read from the field `max_name`.
 // `ordered`: the OpenAI body's text (null for SGLang's sampling_params).
-SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab_size,
-                             OrderedBody* ordered) {
+SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* max_name,
+                             int64_t vocab_size, OrderedBody* ordered) {
   SamplingParams p;
   p.structured_output = structured_output_of(body, ordered);
   p.temperature = number(body, "temperature", 1.0);
@@ -274,13 +274,6 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab
     } else {
       fail("stop", "'stop' must be a string or a list of strings");
     }
-    try {
-      SamplingParams only_stop;
-      only_stop.stop = p.stop;
-      only_stop.validate();
-    } catch (const Error& e) {
-      fail("stop", std::string("'stop': ") + e.what());
-    }
   }
   if (const json* s = field(body, "stop_token_ids")) {
     if (!s->is_array()) fail("stop_token_ids", "'stop_token_ids' must be a list of token ids");
@@ -307,26 +300,30 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, int64_t vocab
                      "' is not supported per request: speculative decoding is set per engine "
                      "(tandem engine --speculative-tokens)");
   try {
-    p.validate();
-  } catch (const Error& e) {
-    fail("", e.what());
+    p.validate(max_name);
+  } catch (const InvalidSamplingParam& e) {
+    fail(e.param, e.what());
   }
   return p;
 }
 
-void check_length(const ApiRequest& r, const ModelLimits& limits) {
+// A prompt with the tokens asked for must fit the context. The error names the max tokens field
+// under the client's name (`max_name`) when the request sent it, else the prompt's field: a
+// default max_tokens is not the client's to reduce.
+void check_length(const ApiRequest& r, const ModelLimits& limits, const json& body,
+                  const char* max_name, const char* prompt_name) {
   for (const auto& ids : r.prompts) {
-    if (ids.empty()) fail("prompt", "the prompt is empty");
+    if (ids.empty()) fail(prompt_name, "the prompt is empty");
     // Compared without adding: max_tokens near 2^63 made the sum wrap negative and pass.
     const auto prompt = static_cast<int64_t>(ids.size());
     if (limits.max_model_len > 0 && r.sampling.max_tokens > limits.max_model_len - prompt)
-      fail("max_tokens", "This model's maximum context length is " +
-                             std::to_string(limits.max_model_len) +
-                             " tokens. However, you requested " +
-                             std::to_string(uint64_t(prompt) + uint64_t(r.sampling.max_tokens)) +
-                             " tokens (" + std::to_string(ids.size()) + " in the prompt, " +
-                             std::to_string(r.sampling.max_tokens) +
-                             " in the completion). Please reduce the prompt or max_tokens.");
+      fail(field(body, max_name) ? max_name : prompt_name,
+           "This model's maximum context length is " + std::to_string(limits.max_model_len) +
+               " tokens. However, you requested " +
+               std::to_string(uint64_t(prompt) + uint64_t(r.sampling.max_tokens)) + " tokens (" +
+               std::to_string(ids.size()) + " in the prompt, " +
+               std::to_string(r.sampling.max_tokens) +
+               " in the completion). Please reduce the prompt or " + max_name + ".");
   }
 }
 
@@ -530,8 +527,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
-  r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), limits.vocab_size,
-                             &ordered);
+  r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), "max_tokens",
+                             limits.vocab_size, &ordered);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -544,7 +541,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   r.cache_salt = cache_salt_of(body);
   expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
-  check_length(r, limits);
+  check_length(r, limits, body, "max_tokens", "prompt");
   return r;
 }
 
@@ -623,8 +620,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.sampling =
-      sampling_from(body, max_tokens_of(body, max_name, room, limits), limits.vocab_size, &ordered);
+  r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), max_name,
+                             limits.vocab_size, &ordered);
   if (tools.forced) {
     if (r.sampling.structured_output)
       fail("tool_choice", "'tool_choice' forces a call and '" +
@@ -648,7 +645,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");
   expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
-  check_length(r, limits);
+  check_length(r, limits, body, max_name, "messages");
   return r;
 }
 
@@ -688,9 +685,9 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   if (sp && !sp->is_object()) fail("sampling_params", "'sampling_params' must be an object");
   static const json empty = json::object();
   // SGLang's default for max_new_tokens is 128.
-  r.sampling = sampling_from(sp ? *sp : empty,
-                             max_tokens_of(sp ? *sp : empty, "max_new_tokens", 128, limits),
-                             limits.vocab_size, nullptr);
+  const json& params = sp ? *sp : empty;
+  r.sampling = sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits),
+                             "max_new_tokens", limits.vocab_size, nullptr);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false)) {
     const int64_t top = integer(body, "top_logprobs_num", 0);
@@ -704,7 +701,7 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
     r.request_id = rid->get<std::string>();
   }
   read_disaggregation(body, r, limits);
-  check_length(r, limits);
+  check_length(r, limits, params, "max_new_tokens", ids ? "input_ids" : "text");
   return r;
 }
 

@@ -1,46 +1,71 @@
 #include "api/sampling.h"
 
 #include <cmath>
+#include <sstream>
 
 #include "util/error.h"
 
 namespace tandem::api {
 
-void SamplingParams::validate() const {
-  auto fail = [](const std::string& m) { throw Error(m); };
-  if (!(temperature >= 0) || !std::isfinite(temperature)) fail("temperature must be >= 0");
-  if (top_k < -1) fail("top_k must be -1, 0 (off) or positive");
-  if (!(top_p > 0 && top_p <= 1)) fail("top_p must be in (0, 1]");
-  if (!(min_p >= 0 && min_p <= 1)) fail("min_p must be in [0, 1]");
+namespace {
+
+std::string shown(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+}  // namespace
+
+void SamplingParams::validate(const std::string& max_tokens_name) const {
+  auto fail = [](const std::string& param, const std::string& message) {
+    throw InvalidSamplingParam(param, message);
+  };
+  if (!(temperature >= 0) || !std::isfinite(temperature))
+    fail("temperature", "'temperature' must be >= 0, got " + shown(temperature));
+  if (top_k < -1)
+    fail("top_k", "'top_k' must be -1, 0 (off) or positive, got " + std::to_string(top_k));
+  if (!(top_p > 0 && top_p <= 1)) fail("top_p", "'top_p' must be in (0, 1], got " + shown(top_p));
+  if (!(min_p >= 0 && min_p <= 1)) fail("min_p", "'min_p' must be in [0, 1], got " + shown(min_p));
   if (!(repetition_penalty > 0) || !std::isfinite(repetition_penalty))
-    fail("repetition_penalty must be > 0");
+    fail("repetition_penalty",
+         "'repetition_penalty' must be > 0, got " + shown(repetition_penalty));
   if (!(presence_penalty >= -2 && presence_penalty <= 2))
-    fail("presence_penalty must be in [-2, 2]");
+    fail("presence_penalty",
+         "'presence_penalty' must be in [-2, 2], got " + shown(presence_penalty));
   if (!(frequency_penalty >= -2 && frequency_penalty <= 2))
-    fail("frequency_penalty must be in [-2, 2]");
-  if (max_tokens < 1) fail("max_tokens must be at least 1, got " + std::to_string(max_tokens));
-  if (min_tokens < 0) fail("min_tokens must be at least 0, got " + std::to_string(min_tokens));
+    fail("frequency_penalty",
+         "'frequency_penalty' must be in [-2, 2], got " + shown(frequency_penalty));
+  if (max_tokens < 1)
+    fail(max_tokens_name,
+         "'" + max_tokens_name + "' must be at least 1, got " + std::to_string(max_tokens));
+  if (min_tokens < 0)
+    fail("min_tokens", "'min_tokens' must be at least 0, got " + std::to_string(min_tokens));
   if (min_tokens > max_tokens)
-    fail("min_tokens must be at most max_tokens (" + std::to_string(max_tokens) + "), got " +
-         std::to_string(min_tokens));
+    fail("min_tokens", "'min_tokens' must be at most '" + max_tokens_name + "' (" +
+                           std::to_string(max_tokens) + "), got " + std::to_string(min_tokens));
   if (stop.size() > kMaxStopStrings)
-    fail("at most " + std::to_string(kMaxStopStrings) + " stop strings are accepted, got " +
-         std::to_string(stop.size()));
+    fail("stop", "'stop': at most " + std::to_string(kMaxStopStrings) +
+                     " stop strings are accepted, got " + std::to_string(stop.size()));
   if (stop_token_ids.size() > kMaxStopTokenIds)
-    fail("at most " + std::to_string(kMaxStopTokenIds) + " stop_token_ids are accepted, got " +
-         std::to_string(stop_token_ids.size()));
+    fail("stop_token_ids", "'stop_token_ids': at most " + std::to_string(kMaxStopTokenIds) +
+                               " stop_token_ids are accepted, got " +
+                               std::to_string(stop_token_ids.size()));
   for (const auto& s : stop) {
-    if (s.empty()) fail("stop strings must not be empty");
+    if (s.empty()) fail("stop", "'stop': stop strings must not be empty");
     if (s.size() > kMaxStopStringBytes)
-      fail("stop strings must be at most " + std::to_string(kMaxStopStringBytes) +
-           " bytes long, got one of " + std::to_string(s.size()));
+      fail("stop", "'stop': stop strings must be at most " + std::to_string(kMaxStopStringBytes) +
+                       " bytes long, got one of " + std::to_string(s.size()));
   }
   for (size_t i = 0; i < logit_bias.size(); ++i) {
     const auto [id, bias] = logit_bias[i];
-    if (id < 0) fail("logit_bias token ids must be >= 0, got " + std::to_string(id));
-    if (i > 0 && id <= logit_bias[i - 1].first) fail("logit_bias token ids must ascend, once each");
+    if (id < 0)
+      fail("logit_bias", "'logit_bias': token ids must be >= 0, got " + std::to_string(id));
+    if (i > 0 && id <= logit_bias[i - 1].first)
+      fail("logit_bias", "'logit_bias': token ids must ascend, once each");
     if (!(bias >= -100 && bias <= 100))
-      fail("logit_bias values must be in [-100, 100], got " + std::to_string(bias));
+      fail("logit_bias",
+           "'logit_bias': values must be in [-100, 100], got " + std::to_string(bias));
   }
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "structured/output_spec.h"
+#include "util/error.h"
 
 namespace tandem::api {
 
@@ -43,8 +44,18 @@ struct SamplingParams {
   // a spec that does not compile is a 400 naming its field (and carried: OutputSpec::compiled).
   std::optional<structured::OutputSpec> structured_output;
 
-  // Throws tandem::Error naming the parameter when a value is out of range.
-  void validate() const;
+  // Throws InvalidSamplingParam when a value is out of range. `max_tokens_name` is what the
+  // request called max_tokens (max_completion_tokens, max_new_tokens): the error names the field
+  // the client sent.
+  void validate(const std::string& max_tokens_name = "max_tokens") const;
+};
+
+// A parameter out of range: `param` names it as the request did, and the message says why.
+class InvalidSamplingParam : public Error {
+ public:
+  InvalidSamplingParam(std::string param, const std::string& message)
+      : Error(message), param(std::move(param)) {}
+  std::string param;
 };
 
 }  // namespace tandem::api

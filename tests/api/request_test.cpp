@@ -449,10 +449,10 @@ TEST(Protocol, MinTokensBestOfNAndOverflowingIntegersAreValidatedAsVllmDoes) {
     body["prompt"] = "x";
     return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
   };
-  EXPECT_NE(bad(json{{"min_tokens", -1}}).message.find("min_tokens must be at least 0"),
+  EXPECT_NE(bad(json{{"min_tokens", -1}}).message.find("'min_tokens' must be at least 0"),
             std::string::npos);
   EXPECT_NE(bad(json{{"max_tokens", 5}, {"min_tokens", 6}})
-                .message.find("min_tokens must be at most max_tokens (5)"),
+                .message.find("'min_tokens' must be at most 'max_tokens' (5)"),
             std::string::npos);
   EXPECT_EQ(bad(json{{"best_of", 0}}).param, "best_of");
   EXPECT_EQ(bad(json{{"best_of", 1000}}).param, "best_of");
@@ -473,6 +473,79 @@ TEST(Protocol, MinTokensBestOfNAndOverflowingIntegersAreValidatedAsVllmDoes) {
       tokenizer(), kLimits);
   EXPECT_EQ(r.sampling.min_tokens, 8);
   EXPECT_EQ(r.n, 2);
+}
+
+// Every range error names the field the client sent: SamplingParams::validate's checks under
+// their own names, and max tokens under each dialect's name for it (a chat's
+// max_completion_tokens, SGLang's max_new_tokens), in the param and in the message.
+TEST(Protocol, RangeErrorsNameTheFieldTheClientSent) {
+  auto completion = [](json body) {
+    body["prompt"] = "x";
+    return error_of([&] { parse_completion(body, tokenizer(), kLimits); });
+  };
+  auto chat = [](json body) {
+    body["messages"] = {{{"role", "user"}, {"content", "Hi"}}};
+    return error_of([&] { parse_chat(body, tokenizer(), &chat_template(), kLimits); });
+  };
+  auto generate = [](json params) {
+    return error_of([&] {
+      parse_generate(json{{"input_ids", {1, 2}}, {"sampling_params", params}}, tokenizer(),
+                     kLimits);
+    });
+  };
+  const std::vector<std::pair<json, std::string>> cases = {
+      {{{"temperature", -1}}, "temperature"},
+      {{{"top_p", 1.5}}, "top_p"},
+      {{{"top_p", 0}}, "top_p"},
+      {{{"top_k", -5}}, "top_k"},
+      {{{"min_p", 2}}, "min_p"},
+      {{{"repetition_penalty", 0}}, "repetition_penalty"},
+      {{{"presence_penalty", 3}}, "presence_penalty"},
+      {{{"frequency_penalty", -3}}, "frequency_penalty"},
+      {{{"min_tokens", -1}}, "min_tokens"},
+      {{{"stop", {""}}}, "stop"},
+  };
+  for (const auto& [body, param] : cases) {
+    SCOPED_TRACE(body.dump());
+    for (const ApiError& e : {completion(body), chat(body), generate(body)}) {
+      EXPECT_EQ(e.status, 400);
+      EXPECT_EQ(e.param, param);
+      EXPECT_EQ(e.message.rfind("'" + param + "'", 0), 0u) << e.message;
+    }
+  }
+  // max tokens under each dialect's name.
+  auto names = [](const ApiError& e, const std::string& param) {
+    EXPECT_EQ(e.param, param) << e.message;
+    EXPECT_NE(e.message.find("'" + param + "'"), std::string::npos) << e.message;
+    if (param != "max_tokens") EXPECT_EQ(e.message.find("'max_tokens'"), std::string::npos);
+  };
+  names(completion({{"max_tokens", 0}}), "max_tokens");
+  names(chat({{"max_tokens", 0}}), "max_tokens");
+  names(chat({{"max_completion_tokens", 0}}), "max_completion_tokens");
+  names(generate({{"max_new_tokens", 0}}), "max_new_tokens");
+  const ApiError min_over = chat({{"max_completion_tokens", 4}, {"min_tokens", 5}});
+  EXPECT_EQ(min_over.param, "min_tokens");
+  EXPECT_NE(min_over.message.find("at most 'max_completion_tokens' (4)"), std::string::npos)
+      << min_over.message;
+  EXPECT_EQ(generate({{"max_new_tokens", 4}, {"min_tokens", 5}}).param, "min_tokens");
+  // The context length: the max tokens field the client sent, else the prompt's.
+  const ApiError over = chat({{"max_completion_tokens", 5000}});
+  EXPECT_EQ(over.param, "max_completion_tokens");
+  EXPECT_NE(over.message.find("Please reduce the prompt or max_completion_tokens"),
+            std::string::npos)
+      << over.message;
+  EXPECT_EQ(generate({{"max_new_tokens", 5000}}).param, "max_new_tokens");
+  const std::vector<int32_t> long_prompt(4090, 100);
+  EXPECT_EQ(error_of([&] {
+              parse_completion(json{{"prompt", long_prompt}}, tokenizer(), kLimits);
+            }).param,
+            "prompt");
+  EXPECT_EQ(error_of([&] {
+              parse_generate(
+                  json{{"input_ids", long_prompt}, {"sampling_params", {{"temperature", 0}}}},
+                  tokenizer(), kLimits);
+            }).param,
+            "input_ids");
 }
 
 TEST(Protocol, TheOperatorCapsMaxTokensAndSetsItsDefault) {
@@ -724,7 +797,7 @@ TEST(Protocol, FieldsPastTheEnginesLimitsAre400sNamingTheLimit) {
                     {"max_completion_tokens", std::numeric_limits<int64_t>::max()}},
                tokenizer(), &chat_template(), kLimits);
   });
-  EXPECT_EQ(huge_chat.param, "max_tokens");
+  EXPECT_EQ(huge_chat.param, "max_completion_tokens");
   // chat_template_kwargs may add variables, not replace the validated request.
   for (const char* reserved :
        {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}) {
