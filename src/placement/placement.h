@@ -40,6 +40,11 @@ struct Constraints {
 // out of range, two copies on one rank, ranks holding different slot totals.
 void validate(const Placement& placement, const Constraints& constraints = {});
 
+// What a placement file may hold and the engine serves: any slot counts per rank (uneven, or
+// none on a drained rank), and two copies of an expert on one rank, as EPLB packs them (the
+// engine holds such an expert's weights once).
+inline constexpr Constraints kServable{.distinct_on_rank = false, .equal_rank_memory = false};
+
 struct LayerBalance {
   double max_rank_load = 0;   // the busiest rank: what the layer's step waits for
   double mean_rank_load = 0;  // total load over ranks

@@ -103,7 +103,7 @@ Placement placement_from_json(const std::string& text, const std::string& source
     p.layers.push_back(std::move(layer));
   }
   try {
-    validate(p, Constraints{.distinct_on_rank = false, .equal_rank_memory = false});
+    validate(p, kServable);
   } catch (const Error& e) {
     throw Error(source + ": " + e.what());
   }

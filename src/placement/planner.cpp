@@ -601,7 +601,7 @@ Placement align_to_current(const Placement& current, Placement fresh,
 IncrementalPlan plan_incremental(const ExpertLoads& loads, const Placement& current,
                                  const std::vector<int>& hosts, const IncrementalOptions& o) {
   validate(loads, "expert loads");
-  validate(current, Constraints{.distinct_on_rank = false, .equal_rank_memory = false});
+  validate(current, kServable);
   if (loads.layers != current.num_layers() || loads.experts != current.experts)
     throw Error("placement: the loads are [" + std::to_string(loads.layers) + ", " +
                 std::to_string(loads.experts) + "] but the current placement has " +

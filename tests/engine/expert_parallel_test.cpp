@@ -262,6 +262,94 @@ TEST_F(ExpertParallel, RedundantCopiesAndPreemptionKeepTheAnswers) {
   std::filesystem::remove(file);
 }
 
+// `tandem place plan --algorithm eplb` packs copies onto ranks by load alone, so for one hot
+// expert per layer it puts two copies of it on one rank. The engine serves such a plan as the
+// placement with the second copy left out (one set of weights, the rows of both run together):
+// the answers and logprobs must be those of that single-copy placement, bit for bit
+// (batch-invariant numerics: which requests share a step depends on timing).
+TEST_F(ExpertParallel, AnEplbPlanWithTwoCopiesOnOneRankServesAsItsSingleCopies) {
+  const auto loads = test::temp_path("ep-loads").replace_extension(".json");
+  std::ofstream(loads) << "[[100,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,100]]";
+  const auto eplb = test::temp_path("ep-eplb").replace_extension(".json");
+  int status = 0;
+  const std::string planned =
+      run_and_capture({TANDEM_BINARY, "place", "plan", "--loads", loads.string(), "--ranks", "2",
+                       "--slots", "10", "--algorithm", "eplb", "--out", eplb.string()},
+                      &status);
+  ASSERT_EQ(status, 0) << planned;
+  const json doubled = json::parse(std::ifstream(eplb));
+  // The same placement with every copy of an expert after its first on a rank left out.
+  std::vector<std::vector<std::vector<int>>> single_layers;
+  bool has_double = false;
+  for (size_t l = 0; l < doubled["phy2log"].size(); ++l) {
+    auto& layer = single_layers.emplace_back();
+    size_t slot = 0;
+    for (const auto& count : doubled["rank_slots"][l]) {
+      auto& rank = layer.emplace_back();
+      for (int k = 0; k < count.get<int>(); ++k, ++slot) {
+        const int e = doubled["phy2log"][l][slot];
+        if (std::find(rank.begin(), rank.end(), e) == rank.end())
+          rank.push_back(e);
+        else
+          has_double = true;
+      }
+    }
+  }
+  ASSERT_TRUE(has_double) << doubled.dump();
+  const auto single_file = test::temp_path("ep-single").replace_extension(".json");
+  std::ofstream(single_file) << placement_json(2, 8, single_layers).dump();
+
+  const std::vector<std::string> invariant = {"--batch-invariant"};
+  const auto with = [&](const std::filesystem::path& file) {
+    auto a = invariant;
+    a.insert(a.end(), {"--expert-placement", file.string()});
+    return args("v3-bf16", 2, a);
+  };
+  std::vector<Answer> want;
+  {
+    testing::EngineProcess single(with(single_file));
+    want = ask_all(single.port(), 1);
+  }
+  const auto expect_same = [&](const std::vector<Answer>& got, const std::string& what) {
+    expect_same_texts(want, got, what);
+    for (size_t i = 0; i < want.size() && i < got.size(); ++i)
+      EXPECT_EQ(got[i].logprobs, want[i].logprobs) << what << ", request " << i;
+  };
+  testing::EngineProcess ep(with(eplb));
+  expect_same(ask_all(ep.port(), 1), "two copies on one rank");
+  const json shown = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_EQ(shown["placement"]["phy2log"], doubled["phy2log"]);
+  // Every route ran exactly once, though a rank lists some experts twice.
+  const json load = testing::get_json(ep.port(), "/expert_load");
+  int64_t routed = 0, rows = 0;
+  for (const auto& row : load["cumulative"])
+    for (const auto& v : row) routed += v.get<int64_t>();
+  for (const auto& w : shown["ranks"]) rows += w["expert_rows"].get<int64_t>();
+  EXPECT_EQ(rows, routed);
+  // Live: the ranks' halves swapped and a third copy on one rank (the copies loaded beside the
+  // running ones, each expert once).
+  json swapped = doubled;
+  for (size_t l = 0; l < swapped["phy2log"].size(); ++l) {
+    const json counts = swapped["rank_slots"][l];
+    const std::vector<int> row = swapped["phy2log"][l];
+    const std::vector<int> first(row.begin(), row.begin() + counts[0].get<int>()),
+        second(row.begin() + counts[0].get<int>(), row.end());
+    std::vector<int> next = second;
+    next.insert(next.end(), first.begin(), first.end());
+    next.push_back(next.front());
+    swapped["phy2log"][l] = next;
+    swapped["rank_slots"][l] = {counts[1].get<int>() + 1, counts[0]};
+  }
+  swapped.erase("log2phy");
+  swapped.erase("logcnt");
+  const auto r = testing::post_json(ep.port(), "/admin/expert_placement", swapped);
+  ASSERT_EQ(r.status, 202) << r.body;
+  ASSERT_TRUE(testing::eventually(
+      [&] { return testing::get_json(ep.port(), "/admin/expert_placement")["remaps"] == 1; }));
+  expect_same(ask_all(ep.port(), 1), "after a live switch to three copies on one rank");
+  for (const auto& f : {loads, eplb, single_file}) std::filesystem::remove(f);
+}
+
 TEST_F(ExpertParallel, APlacementThatDoesNotFitIsRefusedNamingWhatIsWrong) {
   const auto file = test::temp_path("ep-bad-placement");
   const std::vector<std::pair<json, std::string>> cases = {

@@ -258,7 +258,8 @@ Placement random_valid_placement(std::mt19937& rng, int ranks, int64_t experts, 
 }
 
 TEST(Incremental, PlansEveryValidPlacementWithUnevenSlotsPerRank) {
-  // The engine's own check of a placement (ep_executor): distinct on a rank, any slot counts.
+  // What the incremental planner promises for any slot counts: distinct copies on every rank
+  // (the engine would also serve two on one rank, as EPLB packs them).
   const Constraints engine{.distinct_on_rank = true, .equal_rank_memory = false};
   std::mt19937 rng(7);
   int changed = 0;

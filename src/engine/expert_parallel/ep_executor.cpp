@@ -58,7 +58,7 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   placement::Placement placement =
       o.placement ? *o.placement
                   : placement::no_redundancy(moe_layers, c.n_routed_experts, o.ranks);
-  placement::validate(placement, {.distinct_on_rank = true, .equal_rank_memory = false});
+  placement::validate(placement, placement::kServable);
 
   const auto cache_shape = model_->cache_shape(o.cache.block_size, o.cache.kv_cache_type);
   const int64_t blocks = kv_blocks_for(*model_, o.cache);
@@ -237,7 +237,7 @@ void EpExecutor::stage_expert_placement(const placement::Placement& next,
   if (next.ranks != s.ranks)
     throw Error("placement: \"ranks\" is " + std::to_string(next.ranks) + ", the engine has " +
                 std::to_string(s.ranks) + " ranks");
-  placement::validate(next, {.distinct_on_rank = true, .equal_rank_memory = false});
+  placement::validate(next, placement::kServable);
   write_placement(segment_->table(staged), s, next);
   if (loader_.joinable()) loader_.join();
   staged_ = {};

@@ -70,7 +70,10 @@ void EpRank::prepare_placement(uint32_t which) {
     for (int32_t slot = 0; slot < table.slot_count[li]; ++slot) {
       if (table.slot_rank[li * s.max_slots + slot] != rank_) continue;
       const int32_t e = table.slot_expert[li * s.max_slots + slot];
-      if (std::find(now.held_expert.begin(), now.held_expert.end(), e) != now.held_expert.end())
+      // A second copy on this rank shares the first's weights (switch_placement): loaded once.
+      if (std::find(now.held_expert.begin(), now.held_expert.end(), e) != now.held_expert.end() ||
+          std::any_of(prepared_[li].begin(), prepared_[li].end(),
+                      [&](const auto& p) { return p.first == e; }))
         continue;
       prepared_[li].emplace_back(
           e, model::load_expert(checkpoint, model_->config(), moe_layers_[li], e));
@@ -95,6 +98,15 @@ void EpRank::switch_placement(uint32_t which) {
       const int32_t e = table.slot_expert[li * s.max_slots + slot];
       next.copies[size_t(e)].push_back(slot);
       if (next.slot_rank[size_t(slot)] != rank_) continue;
+      // A second copy of an expert on this rank (EPLB packs copies by load alone and may put
+      // two on one rank) is the same expert: it shares the first copy's weights, and the rows
+      // sent to either run together, as they would with one copy. Dispatch still counts both
+      // slots, so ranks without a copy send this rank two shares, as EPLB's balance assumes.
+      if (const auto same = std::find(next.held_expert.begin(), next.held_expert.end(), e);
+          same != next.held_expert.end()) {
+        next.local[size_t(slot)] = int32_t(same - next.held_expert.begin());
+        continue;
+      }
       next.local[size_t(slot)] = int32_t(next.held.size());
       next.held.push_back(slot);
       next.held_expert.push_back(e);
@@ -181,7 +193,7 @@ void EpRank::routed_experts(int64_t layer, const float* xn, int64_t n,
     (*on_layer_)(layers_reported_);
   }
 
-  // Experts: per held slot, the rows every rank sent to it, in rank order.
+  // Experts: per expert held, the rows every rank sent to its slots, in rank order.
   t0 = Clock::now();
   struct Ref {
     int32_t rank;

@@ -10,7 +10,7 @@
 //   dispatch  - the rank writes its tokens' normalised rows once and one entry per (token, expert)
 //               naming the physical copy: a copy on the rank itself if there is one, else the one
 //               this rank has sent fewest tokens to in this layer;       barrier
-//   experts   - each rank gathers, per slot it holds, the rows every rank sent there (in rank
+//   experts   - each rank gathers, per expert it holds, the rows every rank sent there (in rank
 //               order, hence in batch order, as the single process gathers them), runs the expert
 //               and writes the results into its own area, telling each sender where;  barrier
 //   combine   - each rank sums its tokens' results in ascending expert order.
@@ -64,10 +64,11 @@ class EpRank final : public model::ExpertExchange {
   struct LayerSlots {
     std::vector<int32_t> slot_rank;            // every slot of the layer -> its rank
     std::vector<std::vector<int32_t>> copies;  // logical expert -> its slots
-    std::vector<int32_t> local;                // slot -> index in `weights`, -1 elsewhere
-    std::vector<int32_t> held;                 // this rank's slots
-    std::vector<int32_t> held_expert;          // their logical experts
-    std::vector<model::MlpWeights> weights;    // their weights
+    // slot -> index in `weights`, -1 elsewhere; every copy of an expert on this rank has one.
+    std::vector<int32_t> local;
+    std::vector<int32_t> held;               // the first slot of each expert on this rank
+    std::vector<int32_t> held_expert;        // their logical experts, each once
+    std::vector<model::MlpWeights> weights;  // their weights
   };
   void barrier();
 
