@@ -259,7 +259,16 @@ void run(const EngineOptions& o) {
     eo.max_items = o.max_num_seqs;
     eo.stall_timeout = std::chrono::milliseconds(
         static_cast<int64_t>(std::llround(o.expert_parallel_stall_timeout * 1000)));
-    if (!o.expert_placement.empty()) eo.placement = placement::read_placement(o.expert_placement);
+    if (!o.expert_placement.empty()) {
+      // Errors name the flag and the file, whether reading it or fitting it to the model failed
+      // (read_placement's start with the file's path).
+      eo.placement_source = "--expert-placement " + o.expert_placement;
+      try {
+        eo.placement = placement::read_placement(o.expert_placement);
+      } catch (const Error& e) {
+        throw Error("--expert-placement " + std::string(e.what()));
+      }
+    }
     std::fprintf(stderr, "tandem engine: starting %d expert-parallel ranks\n", o.expert_parallel);
     executor = std::make_unique<engine::ep::EpExecutor>(eo, *tokenizer);
     eos = engine::eos_ids(*tokenizer, model::ModelConfig::load(o.model).eos_token_id);

@@ -368,6 +368,8 @@ TEST_F(ExpertParallel, APlacementThatDoesNotFitIsRefusedNamingWhatIsWrong) {
         run_and_capture(args("v3-bf16", 2, {"--expert-placement", file.string()}), &status);
     EXPECT_NE(status, 0) << out;
     EXPECT_NE(out.find(field), std::string::npos) << out;
+    // Named as the flag and the file, whether reading it or fitting it to the model failed.
+    EXPECT_NE(out.find("--expert-placement " + file.string() + ": "), std::string::npos) << out;
   }
   std::filesystem::remove(file);
 }

@@ -58,7 +58,17 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   placement::Placement placement =
       o.placement ? *o.placement
                   : placement::no_redundancy(moe_layers, c.n_routed_experts, o.ranks);
-  placement::validate(placement, placement::kServable);
+  // A placement that does not fit the model is found only now, the model loaded: its errors
+  // name the file it came from.
+  const auto naming_source = [&](const std::function<void()>& check) {
+    try {
+      check();
+    } catch (const Error& e) {
+      if (o.placement_source.empty()) throw;
+      throw Error(o.placement_source + ": " + e.what());
+    }
+  };
+  naming_source([&] { placement::validate(placement, placement::kServable); });
 
   const auto cache_shape = model_->cache_shape(o.cache.block_size, o.cache.kv_cache_type);
   const int64_t blocks = kv_blocks_for(*model_, o.cache);
@@ -83,7 +93,7 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   shape.cache_block_bytes = cache_shape.block_bytes();
   memory_ = SharedSegment::create(EpSegment::bytes(shape), "tandem-ep");
   segment_ = EpSegment::format(memory_, shape);
-  write_placement(segment_->table(0), shape, placement);
+  naming_source([&] { write_placement(segment_->table(0), shape, placement); });
 
   const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : default_threads(o.ranks);
   threads_ = threads;

@@ -41,6 +41,8 @@ struct EpExecutorOptions {
   int64_t max_items = 64;     // sequences per step
   // Where the experts live; default: every expert once, rank r holding [r*E/N, (r+1)*E/N).
   std::optional<placement::Placement> placement;
+  // Where `placement` came from (e.g. "--expert-placement plan.json"), to name in its errors.
+  std::string placement_source;
   // Physical slots per layer the segment has room for (live remaps may add copies up to it);
   // 0: twice the routed experts.
   int64_t max_slots = 0;
