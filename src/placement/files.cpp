@@ -1,6 +1,8 @@
 #include "placement/files.h"
 
 #include <algorithm>
+#include <optional>
+#include <string>
 
 #include "placement/placement_format.h"
 #include "util/error.h"
@@ -16,6 +18,25 @@ bool is_npy(const fs::path& p) {
   return p.extension() == ".npy";
 }
 
+// Snapshot order: `--expert-load-dump` names files expert_load_%08llu.npy by step, and steps
+// past 99999999 have more digits, so by name step 100000000 would come before 99999998. A step
+// compares by its digits without leading zeros, shorter first; other names follow by name.
+bool before_in_steps(const fs::path& a, const fs::path& b) {
+  const auto step = [](const fs::path& p) -> std::optional<std::string> {
+    static const std::string prefix = "expert_load_";
+    const std::string stem = p.stem().string();
+    if (stem.size() <= prefix.size() || stem.compare(0, prefix.size(), prefix) != 0) return {};
+    std::string digits = stem.substr(prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos) return {};
+    digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size() - 1));
+    return digits;
+  };
+  const auto sa = step(a), sb = step(b);
+  if (sa && sb && *sa != *sb) return sa->size() != sb->size() ? sa->size() < sb->size() : *sa < *sb;
+  if (sa.has_value() != sb.has_value()) return sa.has_value();
+  return a < b;
+}
+
 }  // namespace
 
 // Load snapshots from a 2-D .npy, a 3-D .npy [snapshots, layers, experts], an /expert_load JSON,
@@ -27,7 +48,7 @@ std::vector<ExpertLoads> read_load_snapshots(const fs::path& path) {
     for (const auto& entry : fs::directory_iterator(path))
       if (is_npy(entry.path()) && entry.path().stem() != "expert_load_cumulative")
         files.push_back(entry.path());
-    std::sort(files.begin(), files.end());
+    std::sort(files.begin(), files.end(), before_in_steps);
     if (files.empty()) throw Error(path.string() + ": no .npy load snapshots in this folder");
     for (const auto& f : files) {
       out.push_back(loads_from_npy(read_npy(f), f.string()));

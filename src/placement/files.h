@@ -9,8 +9,9 @@
 namespace tandem::placement {
 
 // Load snapshots from a 2-D .npy [layers, experts], a 3-D .npy [snapshots, layers, experts], an
-// /expert_load JSON, or a folder of `tandem engine --expert-load-dump` snapshots (in name order;
-// the cumulative one left out). Every snapshot has the first one's shape. Errors name the file.
+// /expert_load JSON, or a folder of `tandem engine --expert-load-dump` snapshots (in step order,
+// expert_load_<step>.npy by the step's number; the cumulative one left out). Every snapshot has the
+// first one's shape. Errors name the file.
 std::vector<ExpertLoads> read_load_snapshots(const std::filesystem::path& path);
 // One set of loads: the snapshots of `path` summed (they must share a shape).
 ExpertLoads read_loads(const std::filesystem::path& path);

@@ -446,6 +446,23 @@ TEST(Format, LoadSnapshotsOfAnotherShapeAreRefusedNamingTheFile) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Format, DumpSnapshotsAreReadInStepOrderPastEightDigits) {
+  // `--expert-load-dump` names snapshots expert_load_%08llu.npy: step 100000000 has nine digits,
+  // so by name it would sort before step 99999998.
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tandem-steps-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  write_npy(dir / "expert_load_100000000.npy", {1, 2}, {3, 3});
+  write_npy(dir / "expert_load_99999999.npy", {1, 2}, {2, 2});
+  write_npy(dir / "expert_load_99999998.npy", {1, 2}, {1, 1});
+  write_npy(dir / "expert_load_00000007.npy", {1, 2}, {0, 0});
+  write_npy(dir / "expert_load_cumulative.npy", {1, 2}, {9, 9});
+  const std::vector<ExpertLoads> snaps = read_load_snapshots(dir);
+  ASSERT_EQ(snaps.size(), 4u);
+  for (size_t i = 0; i < snaps.size(); ++i) EXPECT_EQ(snaps[i].values[0], double(i)) << i;
+  std::filesystem::remove_all(dir);
+}
+
 TEST(RoutingSkew, SteepSkewsStillPickDistinctExperts) {
   // Alpha 30: past the first few experts the popularity is below double rounding, so redrawing
   // alone would never find an eighth distinct expert.
