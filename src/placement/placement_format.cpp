@@ -1,5 +1,7 @@
 #include "placement/placement_format.h"
 
+#include <algorithm>
+
 #include "util/error.h"
 #include "util/json.h"
 
@@ -28,6 +30,49 @@ nlohmann::json placement_to_json(const Placement& p) {
 namespace {
 constexpr int64_t kMaxRanks = 1 << 16, kMaxExperts = 1 << 16;
 constexpr uint64_t kMaxRankLayers = uint64_t(1) << 22;
+
+// "layers", "logcnt" and "log2phy" say again what phy2log says; a tool that reads one of them
+// (EPLB's own code reads log2phy and logcnt) must not find another placement than ours. EPLB pads
+// log2phy with -1 to its own width and may list an expert's slots in another order.
+void check_against_phy2log(const nlohmann::json& j, const Placement& p, const std::string& source) {
+  if (j.contains("layers") &&
+      (!j["layers"].is_number_integer() || j["layers"].get<int64_t>() != p.num_layers()))
+    throw Error(source + ": \"layers\" is " + j["layers"].dump() + " but \"phy2log\" has " +
+                std::to_string(p.num_layers()) + " layers");
+  for (const char* key : {"logcnt", "log2phy"})
+    if (j.contains(key) && (!j[key].is_array() || j[key].size() != size_t(p.num_layers())))
+      throw Error(source + ": \"" + key + "\" must have one entry per layer of \"phy2log\"");
+  for (int64_t l = 0; l < p.num_layers(); ++l) {
+    const std::string where = source + ": layer " + std::to_string(l);
+    if (j.contains("logcnt")) {
+      const nlohmann::json want = p.logcnt(l);
+      if (j["logcnt"][l] != want)
+        throw Error(where + " of \"logcnt\" is not the copies \"phy2log\" holds per expert (" +
+                    want.dump() + ")");
+    }
+    if (!j.contains("log2phy")) continue;
+    const nlohmann::json& rows = j["log2phy"][l];
+    if (!rows.is_array() || rows.size() != size_t(p.experts))
+      throw Error(where + " of \"log2phy\" needs one list of slots per expert (" +
+                  std::to_string(p.experts) + ")");
+    const std::vector<std::vector<int32_t>> want = p.log2phy(l);
+    for (int64_t e = 0; e < p.experts; ++e) {
+      std::vector<int64_t> got, slots;
+      bool ok = rows[e].is_array();
+      for (size_t k = 0; ok && k < rows[e].size(); ++k) {
+        ok = rows[e][k].is_number_integer();
+        if (ok && rows[e][k].get<int64_t>() != -1) got.push_back(rows[e][k].get<int64_t>());
+      }
+      for (int32_t s : want[e])
+        if (s >= 0) slots.push_back(s);
+      std::sort(got.begin(), got.end());
+      if (!ok || got != slots)
+        throw Error(where + " of \"log2phy\", expert " + std::to_string(e) + ": lists " +
+                    rows[e].dump() + ", but \"phy2log\" holds its copies in slots " +
+                    nlohmann::json(slots).dump());
+    }
+  }
+}
 }  // namespace
 
 Placement placement_from_json(const std::string& text, const std::string& source) {
@@ -107,6 +152,7 @@ Placement placement_from_json(const std::string& text, const std::string& source
   } catch (const Error& e) {
     throw Error(source + ": " + e.what());
   }
+  check_against_phy2log(j, p, source);
   return p;
 }
 

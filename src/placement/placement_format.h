@@ -12,7 +12,8 @@
 namespace tandem::placement {
 
 nlohmann::json placement_to_json(const Placement& placement);
-// Throws tandem::Error naming `source` and the field at fault; the result is validated.
+// Throws tandem::Error naming `source` and the field at fault; the result is validated, and
+// "layers", "logcnt" and "log2phy", where present, must say what "phy2log" says.
 Placement placement_from_json(const std::string& text, const std::string& source);
 
 // Shape {ranks, layers, experts}, values 0/1. A rank holding two copies of one expert cannot be

@@ -463,6 +463,38 @@ TEST(Format, DumpSnapshotsAreReadInStepOrderPastEightDigits) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Format, JsonFieldsThatContradictPhy2logAreRefusedNamingTheField) {
+  const auto message = [](const nlohmann::json& j) {
+    try {
+      placement_from_json(j.dump(), "p.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  Placement p{2, 4, {{{0, 1, 3}, {2, 3}}, {{0, 1}, {2, 3}}}};
+  const nlohmann::json good = placement_to_json(p);
+  EXPECT_EQ(message(good), "no error");
+  nlohmann::json j = good;
+  j["layers"] = 3;
+  EXPECT_NE(message(j).find("p.json: \"layers\" is 3"), std::string::npos) << message(j);
+  j = good;
+  j["logcnt"][0] = {1, 1, 1, 1};
+  EXPECT_NE(message(j).find("p.json: layer 0 of \"logcnt\""), std::string::npos) << message(j);
+  j = good;
+  j["logcnt"] = {{1, 1, 1, 2}};
+  EXPECT_NE(message(j).find("\"logcnt\" must have one entry per layer"), std::string::npos)
+      << message(j);
+  j = good;
+  j["log2phy"][0][3] = {2, 3};  // expert 3's copies are slots 2 and 4; slot 3 holds expert 2
+  EXPECT_NE(message(j).find("p.json: layer 0 of \"log2phy\", expert 3"), std::string::npos)
+      << message(j);
+  // EPLB pads log2phy wider, with -1, and may list an expert's copies in another order.
+  j = good;
+  j["log2phy"][0] = {{0, -1, -1}, {1, -1, -1}, {3, -1, -1}, {4, 2, -1}};
+  EXPECT_EQ(message(j), "no error");
+}
+
 TEST(RoutingSkew, SteepSkewsStillPickDistinctExperts) {
   // Alpha 30: past the first few experts the popularity is below double rounding, so redrawing
   // alone would never find an eighth distinct expert.
