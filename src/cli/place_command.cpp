@@ -186,6 +186,30 @@ struct PlanArgs {
   bool fresh = false;
 };
 
+// Incremental rebalancing keeps the slots every rank has in every layer of --current, so the
+// slot budget and its spread over layers come from there: flags that ask for others are refused
+// rather than ignored.
+void check_keeps_current(const PlanArgs& a, const Placement& current) {
+  int64_t slots = 0;
+  for (int64_t l = 0; l < current.num_layers(); ++l) slots += current.slots(l);
+  const int64_t redundant = slots - current.num_layers() * current.experts;
+  const std::string keeps = " disagrees with --current " + a.current + ", which holds " +
+                            std::to_string(redundant) + " redundant slots over its " +
+                            std::to_string(current.num_layers()) +
+                            " layers: rebalancing it incrementally keeps its slots (--fresh plans "
+                            "anew)";
+  if (a.shape.redundant >= 0 && a.shape.redundant != redundant)
+    throw Error("--redundant " + std::to_string(a.shape.redundant) + keeps);
+  if (a.shape.slots > 0 &&
+      saturating_product(a.shape.slots - current.experts, current.num_layers()) != redundant)
+    throw Error("--slots " + std::to_string(a.shape.slots) + keeps);
+  if (a.algorithm != "omni")
+    throw Error("--algorithm " + a.algorithm +
+                " spreads the redundant slots over layers its own way, but rebalancing --current " +
+                a.current +
+                " incrementally keeps its slots: use --algorithm omni, or --fresh to plan anew");
+}
+
 void run_plan(const PlanArgs& a) {
   const ExpertLoads loads = read_loads(a.loads);
   const Planner& chosen = planner(a.algorithm);
@@ -207,6 +231,7 @@ void run_plan(const PlanArgs& a) {
   Placement after;
   int64_t moves = 0;
   const bool incremental = current && !a.fresh && a.algorithm.rfind("omni", 0) == 0;
+  if (incremental) check_keeps_current(a, *current);
   if (incremental) {
     IncrementalPlan inc = plan_incremental(loads, *current, hosts_of(a.shape));
     after = std::move(inc.placement);
@@ -375,8 +400,10 @@ void add_place_command(CLI::App& app) {
   add_shape_options(plan_cmd, p->shape);
   plan_cmd
       ->add_option("--current", p->current,
-                   "the placement in use (.json or Omni .npy): moves are counted from it, and "
-                   "omni algorithms rebalance it incrementally")
+                   "the placement in use (.json or Omni .npy): moves are counted from it; "
+                   "--algorithm omni rebalances it incrementally, keeping every rank's slots "
+                   "in every layer (--slots/--redundant must agree; omni-even and "
+                   "omni-worst-layers need --fresh); eplb, eplb-hierarchical and none plan anew")
       ->check(CLI::ExistingFile);
   plan_cmd->add_flag("--fresh", p->fresh, "with --current: plan from scratch, not incrementally");
   plan_cmd->add_option("--algorithm", p->algorithm, "one of " + algorithm_names())

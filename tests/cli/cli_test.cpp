@@ -296,6 +296,33 @@ TEST(Cli, PlaceRejectsBadInputNamingTheFileAndWritesNothing) {
   for (const auto& f : {negative, flat, f8, ok, wrong, small}) std::filesystem::remove(f);
 }
 
+// Incremental rebalancing keeps the slots every rank has in each layer of --current: flags that
+// ask for other slots, or another spread of them over layers, are refused rather than ignored.
+TEST(Cli, PlacePlanWithCurrentRefusesSlotsItWouldNotUse) {
+  const auto loads = write_temp("inc-loads.json", "[[9,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,9]]");
+  const auto current = test::scratch_path("inc-current", ".json").string();
+  ASSERT_EQ(run("place plan --loads " + loads + " --ranks 2 --slots 10 --out " + current).status,
+            0);
+  const auto plan = [&](const std::string& extra) {
+    return run("place plan --loads " + loads + " --ranks 2 --current " + current + " " + extra);
+  };
+  auto r = plan("--slots 12");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--slots 12 disagrees with --current " + current));
+  r = plan("--redundant 6");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--redundant 6 disagrees with --current " + current));
+  r = plan("--algorithm omni-even");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--algorithm omni-even"));
+  // What --current already holds, or a fresh plan, is fine.
+  for (const char* ok : {"--slots 10", "--redundant 4", "--algorithm omni-even --fresh",
+                         "--slots 12 --fresh", "--algorithm eplb --slots 12"}) {
+    r = plan(ok);
+    EXPECT_EQ(r.status, 0) << ok << ": " << r.output;
+  }
+}
+
 TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
   const auto result = test::scratch_path("simulate_result");
   auto r =
