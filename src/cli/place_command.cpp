@@ -88,7 +88,16 @@ Placement plan_omni(const ExpertLoads& loads, const Shape& s, Allocation allocat
   return plan(loads, o).placement;
 }
 
+// An algorithm that places experts without regard to hosts refuses --groups rather than
+// ignoring it.
+void refuse_groups(const Shape& s, const std::string& algorithm, const std::string& instead) {
+  if (s.groups > 1)
+    throw Error("--groups " + std::to_string(s.groups) + ": --algorithm " + algorithm +
+                " does not place by hosts" + instead);
+}
+
 Placement plan_eplb(const ExpertLoads& loads, const Shape& s, bool hierarchical) {
+  if (!hierarchical) refuse_groups(s, "eplb", " (eplb-hierarchical does)");
   const int64_t total = redundant_total(s, loads);
   if (total % loads.layers != 0)
     throw Error("EPLB places the same slots in every layer: a redundant budget of " +
@@ -117,8 +126,14 @@ const std::map<std::string, Planner>& planners() {
       {"eplb", [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, false); }},
       {"eplb-hierarchical",
        [](const ExpertLoads& l, const Shape& s) { return plan_eplb(l, s, true); }},
-      {"none", [](const ExpertLoads& l,
-                  const Shape& s) { return no_redundancy(l.layers, l.experts, s.ranks); }},
+      {"none",
+       [](const ExpertLoads& l, const Shape& s) {
+         refuse_groups(s, "none", "");
+         if (const int64_t extra = redundant_total(s, l); extra > 0)
+           throw Error("--algorithm none places every expert once: --slots/--redundant ask for " +
+                       std::to_string(extra) + " redundant slots");
+         return no_redundancy(l.layers, l.experts, s.ranks);
+       }},
   };
   return table;
 }
@@ -365,15 +380,20 @@ void add_shape_options(CLI::App* cmd, Shape& s) {
   cmd->add_option("--ranks", s.ranks, "expert-parallel ranks")
       ->required()
       ->check(CLI::Range(1, 1 << 16));
-  cmd->add_option("--slots", s.slots,
-                  "physical expert slots per layer, EPLB's num_replicas (default: experts, "
-                  "no redundancy); the redundant ones may be spread unevenly over layers")
-      ->check(CLI::NonNegativeNumber);
+  auto* slots = cmd->add_option("--slots", s.slots,
+                                "physical expert slots per layer, EPLB's num_replicas (default: "
+                                "experts, no redundancy); the redundant ones may be spread "
+                                "unevenly over layers")
+                    ->check(CLI::NonNegativeNumber);
+  // Two budgets for one thing: given both, one would be ignored.
   cmd->add_option("--redundant", s.redundant,
                   "redundant slots over all layers (instead of --slots), e.g. 320 for the Omni "
                   "pattern's 10 layers x 32")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--groups", s.groups, "hosts: ranks split into this many equal groups")
+      ->check(CLI::NonNegativeNumber)
+      ->excludes(slots);
+  cmd->add_option("--groups", s.groups,
+                  "hosts: ranks split into this many equal groups (omni algorithms, "
+                  "eplb-hierarchical; eplb and none refuse it)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--expert-groups", s.expert_groups,

@@ -323,6 +323,30 @@ TEST(Cli, PlacePlanWithCurrentRefusesSlotsItWouldNotUse) {
   }
 }
 
+TEST(Cli, PlacePlanRefusesFlagsTheAlgorithmIgnores) {
+  const auto loads = write_temp("flags-loads.json", "[[9,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,9]]");
+  for (const char* sub : {"plan", "simulate"}) {
+    auto r = run(std::string("place ") + sub + " --loads " + loads +
+                 " --ranks 2 --slots 10 --redundant 4");
+    EXPECT_NE(r.status, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--slots excludes --redundant")) << sub;
+  }
+  for (const char* algorithm : {"eplb", "none"}) {
+    auto r = run("place plan --loads " + loads + " --ranks 2 --groups 2 --algorithm " + algorithm);
+    EXPECT_NE(r.status, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--groups 2")) << algorithm;
+    EXPECT_THAT(r.output, HasSubstr(algorithm)) << algorithm;
+  }
+  auto r = run("place plan --loads " + loads + " --ranks 2 --slots 10 --algorithm none");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--algorithm none"));
+  EXPECT_EQ(run("place plan --loads " + loads +
+                " --ranks 2 --groups 2 --algorithm "
+                "eplb-hierarchical --expert-groups 2")
+                .status,
+            0);
+}
+
 TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
   const auto result = test::scratch_path("simulate_result");
   auto r =
