@@ -154,13 +154,6 @@ const Planner& planner(const std::string& name) {
   return it->second;
 }
 
-// EPLB's plans may hold two copies of an expert on one rank; the others never do.
-Constraints constraints_of(const std::string& algorithm) {
-  Constraints c;
-  c.distinct_on_rank = algorithm.rfind("eplb", 0) != 0;
-  return c;
-}
-
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -230,7 +223,12 @@ void run_plan(const PlanArgs& a) {
   const Planner& chosen = planner(a.algorithm);
   std::optional<Placement> current;
   if (!a.current.empty()) {
-    current = read_placement(a.current);
+    // Checked as it is read (read_placement validates), before any planning, named as the flag.
+    try {
+      current = read_placement(a.current);
+    } catch (const Error& e) {
+      throw Error(std::string("--current ") + e.what());
+    }
     if (current->num_layers() != loads.layers || current->experts != loads.experts ||
         current->ranks != a.shape.ranks)
       throw Error(a.current + ": the current placement has " +
@@ -256,7 +254,9 @@ void run_plan(const PlanArgs& a) {
     moves = count_moves(before, after);
   }
   const double took = seconds_since(start);
-  validate(after, constraints_of(a.algorithm));
+  // By the rules its readers apply (place show, --current, the engine): a plan from a drained
+  // or uneven --current, or `none` over ranks the experts do not divide, is written like any.
+  validate(after, kServable);
 
   int64_t slots = 0;
   for (int64_t l = 0; l < after.num_layers(); ++l) slots += after.slots(l);
@@ -308,7 +308,7 @@ void run_show(const ShowArgs& a) {
   for (int64_t l = 0; l < p.num_layers(); ++l)
     for (int32_t c : p.logcnt(l)) most = std::max(most, c);
   std::printf("  copies per expert: at most %d\n", most);
-  validate(p, Constraints{.distinct_on_rank = false, .equal_rank_memory = false});
+  validate(p, kServable);
   if (!a.loads.empty()) {
     const ExpertLoads loads = read_loads(a.loads);
     const Balance none = evaluate(loads, no_redundancy(loads.layers, loads.experts, p.ranks));

@@ -347,6 +347,37 @@ TEST(Cli, PlacePlanRefusesFlagsTheAlgorithmIgnores) {
             0);
 }
 
+// `place plan` checks what it writes by the rules its readers (place show, --current, the
+// engine) apply: any slot count per rank, two copies of an expert on one rank allowed.
+TEST(Cli, PlacePlanWritesEveryPlacementItsReadersAccept) {
+  const auto loads = write_temp("rules-loads.json", "[[9,1,1,1],[1,1,1,9]]");
+  const auto out = test::scratch_path("rules-out", ".json").string();
+  // Rank 1 drained.
+  const auto drained = write_temp(
+      "drained.json",
+      R"({"ranks":2,"experts":4,"phy2log":[[0,1,2,3],[0,1,2,3]],"rank_slots":[[4,0],[4,0]]})");
+  auto r = run("place plan --loads " + loads + " --ranks 2 --current " + drained + " --out " + out);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(run("place show " + out).status, 0);
+  // The engine's default placement: 4 experts over 3 ranks.
+  r = run("place plan --loads " + loads + " --ranks 3 --algorithm none --out " + out);
+  EXPECT_EQ(r.status, 0) << r.output;
+  // Ranks with more slots than experts: the planner leaves such a layer as it is.
+  const auto one = write_temp("one-layer.json", "[[5,1]]");
+  const auto crowded =
+      write_temp("crowded.json", R"({"ranks":2,"experts":2,"phy2log":[[0,0,1,0,1,1]]})");
+  r = run("place plan --loads " + one + " --ranks 2 --current " + crowded + " --out " + out);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("moves: 0 "));
+  // A --current that does not hold is named as --current, before any planning.
+  const auto missing =
+      write_temp("missing.json", R"({"ranks":2,"experts":4,"phy2log":[[0,1,2,2]]})");
+  r = run("place plan --loads " + one + " --ranks 2 --current " + missing);
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--current " + missing + ": "));
+  EXPECT_THAT(r.output, Not(HasSubstr("place plan:")));
+}
+
 TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
   const auto result = test::scratch_path("simulate_result");
   auto r =
