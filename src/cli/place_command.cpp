@@ -175,12 +175,15 @@ void print_summary(const char* what, const Balance& b) {
 }
 
 void write_outputs(const Placement& p, const std::string& json_out, const std::string& npy_out) {
+  // Both converted before either is written: a plan one format cannot hold (two copies of an
+  // expert on one rank, in an Omni pattern) leaves no file behind.
+  const std::string json = json_out.empty() ? "" : placement_to_json(p).dump() + "\n";
+  const NpyArray a = npy_out.empty() ? NpyArray{} : placement_to_omni_pattern(p);
   if (!json_out.empty()) {
-    write_file_atomically(json_out, placement_to_json(p).dump() + "\n");
+    write_file_atomically(json_out, json);
     std::printf("wrote %s (phy2log, log2phy, logcnt, rank_slots per layer)\n", json_out.c_str());
   }
   if (!npy_out.empty()) {
-    const NpyArray a = placement_to_omni_pattern(p);
     write_npy(npy_out, a.shape, a.values, /*int32=*/true);
     std::printf("wrote %s (Omni pattern [%lld ranks, %lld layers, %lld experts] int32)\n",
                 npy_out.c_str(), static_cast<long long>(a.shape[0]),

@@ -378,6 +378,20 @@ TEST(Cli, PlacePlanWritesEveryPlacementItsReadersAccept) {
   EXPECT_THAT(r.output, Not(HasSubstr("place plan:")));
 }
 
+TEST(Cli, PlacePlanWritesNeitherFormatWhenOneCannotHoldThePlan) {
+  // EPLB puts two copies of the hot expert on one rank, which an Omni pattern cannot express.
+  const auto loads = write_temp("eplb-loads.json", "[[100,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,100]]");
+  const auto out = test::temp_path("eplb-out").replace_extension(".json");
+  const auto npy = test::temp_path("eplb-out").replace_extension(".npy");
+  auto r = run("place plan --loads " + loads + " --ranks 2 --slots 10 --algorithm eplb --out " +
+               out.string() + " --omni-out " + npy.string());
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("an Omni pattern cannot express"));
+  EXPECT_FALSE(std::filesystem::exists(out));
+  EXPECT_FALSE(std::filesystem::exists(npy));
+  std::filesystem::remove(out);
+}
+
 TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
   const auto result = test::scratch_path("simulate_result");
   auto r =
