@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -81,29 +82,57 @@ std::string read_regular_file(const std::filesystem::path& path, uint64_t max_by
   }
 }
 
-void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw Error("cannot write " + tmp.string() + ": " + std::strerror(errno));
-    out.write(bytes.data(), std::streamsize(bytes.size()));
-    // Checked after closing, not after a flush: some file systems (NFS) report a failed write
-    // only when the file is closed.
-    out.close();
-    if (!out) {
-      const int err = errno;
-      std::error_code ignored;
-      std::filesystem::remove(tmp, ignored);
-      throw Error("cannot write " + tmp.string() + ": " + std::strerror(err));
-    }
+namespace {
+
+// A temporary file of its own beside `path`: O_EXCL, so it is never one another writer (another
+// thread or process writing the same path) is still filling, nor a link someone left under the
+// name, which a plain open would follow and overwrite.
+int create_temporary(const std::filesystem::path& path, std::filesystem::path* tmp) {
+  static std::atomic<uint64_t> counter{0};
+  for (int attempt = 0;; ++attempt) {
+    *tmp = path;
+    *tmp += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    const int fd = ::open(tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0 || errno != EEXIST || attempt == 100) return fd;
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw Error(path.string() + ": cannot rename from " + tmp.string() + ": " + ec.message());
+}
+
+// 0, or the errno of the write that failed.
+int write_all(int fd, std::string_view bytes) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
+  return 0;
+}
+
+}  // namespace
+
+void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {
+  std::filesystem::path tmp;
+  const int fd = create_temporary(path, &tmp);
+  // Errors name the file asked for: the temporary one's name is of no use to the user.
+  if (fd < 0) {
+    const int err = errno;
+    throw Error("cannot write " + path.string() + ": " + std::strerror(err));
+  }
+  int err = write_all(fd, bytes);
+  // A file replaced keeps its permissions (the new one would otherwise get the umask's).
+  struct stat st {};
+  if (!err && ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode))
+    ::fchmod(fd, st.st_mode & 07777);
+  // Checked at close too: some file systems (NFS) report a failed write only then.
+  if (::close(fd) != 0 && !err) err = errno;
+  if (err) {
+    ::unlink(tmp.c_str());
+    throw Error("cannot write " + path.string() + ": " + std::strerror(err));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    err = errno;
+    ::unlink(tmp.c_str());
+    throw Error(path.string() + ": cannot rename from " + tmp.string() + ": " + std::strerror(err));
   }
 }
 

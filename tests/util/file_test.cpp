@@ -1,6 +1,16 @@
 // Reading files: read_regular_file's limit and its refusal, without blocking, of what is not a
-// regular file.
+// regular file. Writing them: write_file_atomically's temporary file.
 #include "util/file.h"
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <functional>
+#include <thread>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -44,6 +54,82 @@ TEST(ReadRegularFile, WhatIsNotARegularFileIsRefusedNamingItsKind) {
             "/dev/null: not a regular file (it is a character device)");
   EXPECT_THAT(error_of([&] { read_regular_file(dir / "absent"); }),
               AllOf(HasSubstr((dir / "absent").string()), HasSubstr("No such file")));
+}
+
+size_t entries_in(const std::filesystem::path& dir) {
+  return static_cast<size_t>(std::distance(std::filesystem::directory_iterator(dir),
+                                           std::filesystem::directory_iterator()));
+}
+
+// The temporary file was always `<path>.tmp`: a link left under that name was followed (a file
+// elsewhere overwritten), and two writers of one path shared it, so one renamed the other's
+// half-written bytes into place or failed to find it. Each write has a file of its own now,
+// made with O_EXCL.
+TEST(WriteFileAtomically, ALinkUnderTheOldTemporaryNameIsNotFollowed) {
+  test::TempDir dir("write-link");
+  test::write_bytes(dir / "victim", "keep");
+  std::filesystem::create_symlink(dir / "victim", dir / "out.json.tmp");
+  write_file_atomically(dir / "out.json", "new");
+  EXPECT_EQ(read_regular_file(dir / "victim"), "keep");
+  EXPECT_EQ(read_regular_file(dir / "out.json"), "new");
+}
+
+TEST(WriteFileAtomically, WritersOfOnePathNeverMixTheirBytes) {
+  test::TempDir dir("write-race");
+  const std::string a(1 << 20, 'a'), b(1 << 20, 'b');
+  for (int round = 0; round < 50; ++round) {
+    std::string error_a, error_b;
+    const auto write = [&](const std::string& bytes, std::string* error) {
+      try {
+        write_file_atomically(dir / "f", bytes);
+      } catch (const Error& e) {
+        *error = e.what();
+      }
+    };
+    std::thread ta(write, std::cref(a), &error_a);
+    std::thread tb(write, std::cref(b), &error_b);
+    ta.join();
+    tb.join();
+    EXPECT_EQ(error_a, "");
+    EXPECT_EQ(error_b, "");
+    const std::string got = read_regular_file(dir / "f");
+    ASSERT_TRUE(got == a || got == b) << "round " << round << ": " << got.size() << " bytes, "
+                                      << std::count(got.begin(), got.end(), 'a') << " of them a";
+  }
+  EXPECT_EQ(entries_in(dir.path()), 1u);  // no temporary file left behind
+}
+
+TEST(WriteFileAtomically, AReplacedFileKeepsItsPermissions) {
+  test::TempDir dir("write-mode");
+  test::write_bytes(dir / "secret", "old");
+  ASSERT_EQ(::chmod((dir / "secret").c_str(), 0600), 0);
+  write_file_atomically(dir / "secret", "new");
+  struct stat st {};
+  ASSERT_EQ(::stat((dir / "secret").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
+// A write that fails (here: past the file size limit, in a child so the limit stays there)
+// throws naming the file and leaves neither the target nor a temporary file.
+TEST(WriteFileAtomically, AFailedWriteLeavesNothingBehind) {
+  test::TempDir dir("write-fail");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::signal(SIGXFSZ, SIG_IGN);
+    const rlimit limit{100, 100};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    const std::string error =
+        error_of([&] { write_file_atomically(dir / "big", std::string(1000, 'x')); });
+    const bool named = error.find((dir / "big").string()) != std::string::npos &&
+                       error.find("File too large") != std::string::npos;
+    ::_exit(named && entries_in(dir.path()) == 0 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(entries_in(dir.path()), 0u);
 }
 
 }  // namespace
