@@ -184,8 +184,8 @@ BenchSummary summarize(std::span<const RequestResult> results, double duration_s
 
   // Peak output tokens per second and peak concurrency, from the run's timeline.
   const Timeline t = timeline(results);
-  if (!t.tokens_per_s.empty())
-    s.max_output_tokens_per_s = *std::max_element(t.tokens_per_s.begin(), t.tokens_per_s.end());
+  for (const auto& [second, tokens] : t.busy_seconds)
+    s.max_output_tokens_per_s = std::max(s.max_output_tokens_per_s, static_cast<double>(tokens));
   int64_t current = 0;
   for (const auto& e : t.in_flight_changes) {
     current += e.second;
@@ -205,14 +205,15 @@ Timeline timeline(std::span<const RequestResult> results) {
   if (!std::isfinite(min_start)) return t;
   t.origin = min_start;
   t.end = max_end;
-  const auto buckets = static_cast<int64_t>(std::ceil(max_end - min_start)) + 1;
-  t.tokens_per_s.assign(static_cast<size_t>(std::max<int64_t>(buckets, 0)), 0.0);
+  t.seconds = static_cast<int64_t>(std::ceil(max_end - min_start)) + 1;
+  // The bucket of every token, then counted: memory follows the tokens, not the run's span.
+  std::vector<int64_t> buckets;
   for (const RequestResult& r : results) {
     if (!r.success) continue;
     double at = r.start_s + r.ttft_s;
     const auto add = [&](double time) {
       const auto b = static_cast<int64_t>(time - min_start);  // int(): toward zero
-      if (b >= 0 && b < buckets) t.tokens_per_s[static_cast<size_t>(b)] += 1;
+      if (b >= 0 && b < t.seconds) buckets.push_back(b);
     };
     add(at);
     for (double gap : r.itl_s) {
@@ -221,6 +222,12 @@ Timeline timeline(std::span<const RequestResult> results) {
     }
     t.in_flight_changes.emplace_back(r.start_s, 1);
     t.in_flight_changes.emplace_back(r.start_s + r.latency_s, -1);
+  }
+  std::sort(buckets.begin(), buckets.end());
+  for (int64_t b : buckets) {
+    if (t.busy_seconds.empty() || t.busy_seconds.back().first != b)
+      t.busy_seconds.emplace_back(b, 0);
+    ++t.busy_seconds.back().second;
   }
   std::sort(t.in_flight_changes.begin(), t.in_flight_changes.end());
   return t;

@@ -83,9 +83,12 @@ double percentile(std::vector<double> values, double p);
 // and -1 at start + latency, sorted with ends before starts at equal times. Empty (no buckets,
 // no changes) when nothing completed.
 struct Timeline {
-  double origin = 0;  // earliest send
-  double end = 0;     // latest start + latency
-  std::vector<double> tokens_per_s;
+  double origin = 0;    // earliest send
+  double end = 0;       // latest start + latency
+  int64_t seconds = 0;  // the 1 s buckets from origin through end: ceil(end - origin) + 1
+  // (bucket, output tokens) of the buckets that have any, in bucket order. Only those: a trace's
+  // arrivals may lie up to 10^9 s apart, and a value for every second of that took gigabytes.
+  std::vector<std::pair<int64_t, int64_t>> busy_seconds;
   std::vector<std::pair<double, int>> in_flight_changes;
 };
 Timeline timeline(std::span<const RequestResult> results);

@@ -231,12 +231,23 @@ std::string timeline_section(std::span<const RequestResult> results) {
             "</figure></div>";
     return section("timeline", "Throughput and concurrency over time", body);
   }
-  const auto buckets = static_cast<size_t>(std::ceil(end - origin)) + 1;
-  // The same buckets as summarize(): tl.tokens_per_s has exactly `buckets` entries.
-  const std::vector<double>& tokens = tl.tokens_per_s;
-  std::vector<double> peak(buckets, 0.0), area(buckets, 0.0);
-  const auto bucket_of = [&](double t) {
-    return std::min(static_cast<size_t>(std::max(0.0, t - origin)), buckets - 1);
+  // Plotted in windows of whole seconds, at most kMaxWindows of them: a week-long trace's 1 s
+  // buckets made tens of megabytes of SVG. Each window is worked out whole, never a value per
+  // second: arrivals may lie 10^9 s apart, and arrays of that many seconds took gigabytes. A
+  // window shows its busiest second and its most in flight (so the highest points stay the
+  // captions' figures) and its time average.
+  constexpr int64_t kMaxWindows = 2000;
+  const int64_t buckets = tl.seconds;  // summarize()'s buckets
+  const int64_t width = (buckets + kMaxWindows - 1) / kMaxWindows;
+  const auto windows = static_cast<size_t>((buckets + width - 1) / width);
+  std::vector<double> tokens(windows, 0.0), peak(windows, 0.0), area(windows, 0.0);
+  for (const auto& [second, n] : tl.busy_seconds) {
+    double& w = tokens[static_cast<size_t>(second / width)];
+    w = std::max(w, static_cast<double>(n));
+  }
+  const auto window_of = [&](double t) {
+    return static_cast<size_t>(
+        std::min(static_cast<int64_t>(std::max(0.0, t - origin)), buckets - 1) / width);
   };
   const auto& events = tl.in_flight_changes;
   int64_t current = 0;
@@ -244,52 +255,43 @@ std::string timeline_section(std::span<const RequestResult> results) {
     const double t = events[i].first;
     current += events[i].second;
     const auto c = static_cast<double>(current);
-    const size_t b = bucket_of(t);
-    peak[b] = std::max(peak[b], c);
+    const size_t w = window_of(t);
+    peak[w] = std::max(peak[w], c);
     if (i + 1 == events.size()) break;
-    // Until the next event `current` requests are in flight: over the rest of this bucket,
-    // every bucket the interval crosses and the start of the bucket it ends in.
+    // Until the next event `current` requests are in flight: over the rest of this window,
+    // every window the interval crosses and the start of the window it ends in.
     const double t2 = events[i + 1].first;
     if (t2 <= t) continue;
-    const size_t b2 = bucket_of(t2);
-    for (size_t k = b; k <= b2; ++k) {
-      const double lo = std::max(t, origin + static_cast<double>(k));
-      const double hi = std::min(t2, origin + static_cast<double>(k + 1));
+    const size_t w2 = window_of(t2);
+    for (size_t k = w; k <= w2; ++k) {
+      const auto first = static_cast<int64_t>(k) * width;
+      const double lo = std::max(t, origin + static_cast<double>(first));
+      const double hi =
+          std::min(t2, origin + static_cast<double>(std::min(first + width, buckets)));
       if (hi > lo) {
         area[k] += c * (hi - lo);
         peak[k] = std::max(peak[k], c);
       }
     }
   }
-  // Plotted in windows of whole seconds, at most kMaxWindows of them: a week-long trace's 1 s
-  // buckets made tens of megabytes of SVG. A window shows its busiest second and its most in
-  // flight (so the highest points stay the captions' figures) and its time average.
-  constexpr size_t kMaxWindows = 2000;
-  const size_t width = (buckets + kMaxWindows - 1) / kMaxWindows;
   Series tok{"output tokens/s", "#1f77b4", {}};
   Series most{"most in flight", "#d62728", {}};
   Series mean{"mean in flight", "#9467bd", {}, true};
   double max_tok = 0, max_peak = 0;
-  for (size_t first = 0; first < buckets; first += width) {
-    const size_t last = std::min(buckets, first + width);
-    double window_tok = 0, window_peak = 0, window_area = 0;
-    for (size_t k = first; k < last; ++k) {
-      window_tok = std::max(window_tok, tokens[k]);
-      window_peak = std::max(window_peak, peak[k]);
-      window_area += area[k];
-    }
-    const auto a = static_cast<double>(first), b = static_cast<double>(last);
-    tok.points.emplace_back(a, window_tok);
-    tok.points.emplace_back(b, window_tok);
-    most.points.emplace_back(a, window_peak);
-    most.points.emplace_back(b, window_peak);
-    // The last bucket usually extends past the run; average over the part inside it.
+  for (size_t k = 0; k < windows; ++k) {
+    const auto a = static_cast<double>(static_cast<int64_t>(k) * width);
+    const auto b = static_cast<double>(std::min((static_cast<int64_t>(k) + 1) * width, buckets));
+    tok.points.emplace_back(a, tokens[k]);
+    tok.points.emplace_back(b, tokens[k]);
+    most.points.emplace_back(a, peak[k]);
+    most.points.emplace_back(b, peak[k]);
+    // The last window usually extends past the run; average over the part inside it.
     const double span = std::min(b - a, end - (origin + a));
-    const double avg = span > 0 ? window_area / span : 0;
+    const double avg = span > 0 ? area[k] / span : 0;
     mean.points.emplace_back(a, avg);
     mean.points.emplace_back(b, avg);
-    max_tok = std::max(max_tok, window_tok);
-    max_peak = std::max(max_peak, window_peak);
+    max_tok = std::max(max_tok, tokens[k]);
+    max_peak = std::max(max_peak, peak[k]);
   }
   const Axis x = linear_axis(0, static_cast<double>(buckets), "time since first send, s");
   body +=
