@@ -165,7 +165,7 @@ PromptTokenizer::PromptTokenizer(const std::filesystem::path& dir, std::string m
   if (std::filesystem::exists(config)) {
     json doc;
     try {
-      doc = parse_untrusted_json(read_regular_file(config));
+      doc = parse_untrusted_json(read_regular_file(config, kMaxModelConfigBytes));
     } catch (const Error& e) {
       throw Error(config.string() + ": " + e.what());
     }

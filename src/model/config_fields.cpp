@@ -15,7 +15,7 @@ json read_config_json(const std::filesystem::path& dir) {
   const std::filesystem::path path = dir / "config.json";
   // Our reader, not nlohmann's: its depth limit keeps a hostile config.json from exhausting the
   // stack in a recursive walk (nlohmann's dump() or comparison) later.
-  return parse_json_document(read_regular_file(path), path.string());
+  return parse_json_document(read_regular_file(path, kMaxModelConfigBytes), path.string());
 }
 
 std::string one_of(const std::string& got, std::initializer_list<const char*> allowed) {

@@ -185,13 +185,16 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
     throw Error("no tokenizer.json in " + dir.string() + " (expected a Hugging Face model folder)");
   auto cfg_path = dir / "tokenizer_config.json";
   // Regular files only: a FIFO blocked the load in open() until some writer came.
-  std::string cfg = std::filesystem::exists(cfg_path) ? read_regular_file(cfg_path) : std::string();
-  Tokenizer tok = from_json(read_regular_file(tok_path), cfg, tok_path.string());
+  std::string cfg = std::filesystem::exists(cfg_path)
+                        ? read_regular_file(cfg_path, kMaxModelConfigBytes)
+                        : std::string();
+  Tokenizer tok =
+      from_json(read_regular_file(tok_path, kMaxTokenizerBytes), cfg, tok_path.string());
   // transformers' PreTrainedTokenizerBase._from_pretrained: template files win over the config's
   // field, all of it (save_pretrained has written only chat_template.jinja since 4.47).
   std::vector<NamedChatTemplate> files;
   if (const auto path = dir / "chat_template.jinja"; std::filesystem::exists(path))
-    files.push_back({"default", read_regular_file(path)});
+    files.push_back({"default", read_regular_file(path, kMaxModelConfigBytes)});
   if (const auto extra = dir / "additional_chat_templates"; std::filesystem::is_directory(extra)) {
     std::vector<std::filesystem::path> paths;
     for (const auto& entry : std::filesystem::directory_iterator(extra))
@@ -201,7 +204,7 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
       const std::string name = path.stem().string();
       // An additional default.jinja replaces chat_template.jinja, as in transformers.
       std::erase_if(files, [&](const NamedChatTemplate& t) { return t.name == name; });
-      files.push_back({name, read_regular_file(path)});
+      files.push_back({name, read_regular_file(path, kMaxModelConfigBytes)});
     }
   }
   if (!files.empty()) {
@@ -211,7 +214,7 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
     // A processor's file (multimodal models saved before 4.47); vLLM renders with it too.
     json doc;
     try {
-      doc = parse_untrusted_json(read_regular_file(path), 16);
+      doc = parse_untrusted_json(read_regular_file(path, kMaxModelConfigBytes), 16);
     } catch (const Error& e) {
       throw Error(path.string() + ": " + e.what());
     }

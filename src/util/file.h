@@ -27,6 +27,13 @@ class RegularFile {
   uint64_t size_ = 0;
 };
 
+// Limits for the files of a model folder, so one of absurd size is refused naming it before it
+// is read, not read until memory runs out. Its JSON files and chat templates are kilobytes
+// (config.json, generation_config.json, tokenizer_config.json with its templates); tokenizer.json
+// is tens of megabytes for the largest vocabularies.
+inline constexpr uint64_t kMaxModelConfigBytes = uint64_t{64} << 20;
+inline constexpr uint64_t kMaxTokenizerBytes = uint64_t{1} << 30;
+
 // The whole of a regular file (RegularFile's checks) of at most `max_bytes`; throws
 // tandem::Error naming the path otherwise, before reading anything when the file is too large.
 std::string read_regular_file(const std::filesystem::path& path, uint64_t max_bytes = UINT64_MAX);

@@ -11,6 +11,7 @@
 #include "model/model_test_support.h"
 #include "util/error.h"
 #include "util/fifo.h"
+#include "util/file.h"
 
 namespace tandem::model {
 namespace {
@@ -340,6 +341,22 @@ TEST(Config, LoadNamesTheFile) {
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()),
               (dir / "config.json").string() + ": not a regular file (it is a FIFO)");
+  }
+}
+
+// config.json was read whole whatever its size (a wrong multi-gigabyte file copied in was read
+// until memory ran out); past the limit it is refused naming it, before anything is read.
+TEST(Config, AConfigOfAbsurdSizeIsRefusedUnread) {
+  test::TempDir dir("config-huge");
+  test::write_bytes(dir / "config.json", "");
+  std::filesystem::resize_file(dir / "config.json", kMaxModelConfigBytes + 1);  // sparse
+  try {
+    ModelConfig::load(dir.path());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              (dir / "config.json").string() + ": is " + std::to_string(kMaxModelConfigBytes + 1) +
+                  " bytes, above the limit of " + std::to_string(kMaxModelConfigBytes));
   }
 }
 

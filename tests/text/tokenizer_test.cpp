@@ -105,6 +105,33 @@ TEST(Tokenizer, FilesThatAreNotRegularAreRefusedNamingThem) {
   std::filesystem::remove_all(dir);
 }
 
+// A model folder's files were read whole whatever their size: a tokenizer_config.json or chat
+// template of many gigabytes (a wrong file copied in) was read until memory ran out. Past the
+// limits they are refused naming the file, before anything is read (the files here are sparse).
+TEST(Tokenizer, FilesOfAbsurdSizeAreRefusedNamingThem) {
+  const auto dir = test::temp_path("tokenizer-huge");
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(test::lenml_model("llama3") / "tokenizer.json",
+                             dir / "tokenizer.json");
+  const auto too_big = [](const std::filesystem::path& path) {
+    std::ofstream(path).close();
+    std::filesystem::resize_file(path, kMaxModelConfigBytes + 1);  // sparse
+    return path.string() + ": is " + std::to_string(kMaxModelConfigBytes + 1) +
+           " bytes, above the limit of " + std::to_string(kMaxModelConfigBytes);
+  };
+  for (const char* name : {"tokenizer_config.json", "chat_template.jinja", "chat_template.json"}) {
+    const std::string expected = too_big(dir / name);
+    try {
+      Tokenizer::from_dir(dir);
+      ADD_FAILURE() << name << " loaded";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    std::filesystem::remove(dir / name);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Tokenizer, MalformedJsonNamesTheFile) {
   try {
     Tokenizer::from_json("{\"model\": [1, 2", "", "broken/tokenizer.json");
