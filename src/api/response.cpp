@@ -14,6 +14,12 @@ std::string token_text(const text::Tokenizer& tok, int32_t id) {
   return utf8::to_valid_lossy(tok.token_bytes(id));
 }
 
+// A log-probability as OpenAI sends it: -inf (a token the constraints ruled out) is -9999, which
+// JSON can carry.
+double wire_logprob(float v) {
+  return std::max(static_cast<double>(v), -9999.0);
+}
+
 }  // namespace
 
 bool usable_request_id(std::string_view id) {
@@ -76,6 +82,9 @@ ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenize
       choices_(request.prompts.size()) {
   if (request.kind == ApiKind::kChat && request.tool_calls != ToolCallFormat::kNone)
     for (Choice& c : choices_) c.tool_parser = std::make_shared<ToolCallParser>(request.tool_calls);
+  if (request.kind == ApiKind::kCompletion && request.echo)
+    for (size_t i = 0; i < choices_.size(); ++i)
+      choices_[i].prompt_chars = utf8::code_points(request.prompt_texts.at(i));
 }
 
 std::string ResponseBuilder::chat_finish_reason(const Choice& c) const {
@@ -139,17 +148,22 @@ json ResponseBuilder::usage() const {
 
 json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t text_offset) const {
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  // Offsets count characters (code points), as the length of a Python str: vLLM's len(token).
   size_t offset = text_offset;
   for (size_t i = first; i < c.logprobs.size(); ++i) {
     const auto& lp = c.logprobs[i];
     const std::string t = token_text(tokenizer_, lp.token);
     tokens.push_back(t);
-    lps.push_back(lp.logprob);
+    lps.push_back(wire_logprob(lp.logprob));
     offsets.push_back(offset);
-    offset += t.size();
+    offset += utf8::code_points(t);
+    // The sampled token and then the alternatives, as OpenAI ("the API will always return the
+    // logprob of the sampled token, so there may be up to logprobs+1 elements") and vLLM: with
+    // logprobs 0 the sampled token alone. Tokens of the same text share an entry, the last one's.
     json top = json::object();
-    for (const auto& [id, v] : lp.top) top[token_text(tokenizer_, id)] = v;
-    tops.push_back(request_.logprobs > 0 ? top : json(nullptr));
+    top[t] = wire_logprob(lp.logprob);
+    for (const auto& [id, v] : lp.top) top[token_text(tokenizer_, id)] = wire_logprob(v);
+    tops.push_back(std::move(top));
   }
   return {{"tokens", tokens},
           {"token_logprobs", lps},
@@ -162,7 +176,8 @@ json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
     const std::string raw = tokenizer_.token_bytes(id);
     json bytes = json::array();
     for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
-    return json{{"token", utf8::to_valid_lossy(raw)}, {"logprob", v}, {"bytes", bytes}};
+    return json{
+        {"token", utf8::to_valid_lossy(raw)}, {"logprob", wire_logprob(v)}, {"bytes", bytes}};
   };
   json content = json::array();
   for (size_t i = first; i < c.logprobs.size(); ++i) {
@@ -198,8 +213,9 @@ json ResponseBuilder::generate_body(size_t index) const {
 std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& out) {
   Choice& c = choices_.at(index);
   const size_t first_lp = c.logprobs.size();
-  const size_t text_before = c.text.size();
+  const size_t chars_before = c.text_chars;
   c.text += out.text;
+  c.text_chars += utf8::code_points(out.text);
   c.tokens.insert(c.tokens.end(), out.tokens.begin(), out.tokens.end());
   c.logprobs.insert(c.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
   c.prompt_tokens = out.prompt_tokens;
@@ -218,12 +234,10 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
   switch (request_.kind) {
     case ApiKind::kCompletion: {
       std::string piece = out.text;
-      size_t offset = text_before;
-      if (request_.echo && !c.started) {
-        piece = request_.prompt_texts[index] + piece;
-      } else if (request_.echo) {
-        offset += request_.prompt_texts[index].size();
-      }
+      // The generated text starts after the echoed prompt, in the first chunk too (which
+      // carries the prompt): offsets are the answer's, as the whole body's are.
+      const size_t offset = chars_before + c.prompt_chars;
+      if (request_.echo && !c.started) piece = request_.prompt_texts[index] + piece;
       c.started = true;
       // Tokens that add no text yet (held back for a stop string, half a character, a special
       // token) still send their logprobs: the next chunk's start after them.
@@ -306,7 +320,7 @@ json ResponseBuilder::final_body() const {
       const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
       json choice = {{"index", i}, {"text", prefix + c.text}, {"finish_reason", c.finish_reason}};
       choice["logprobs"] =
-          request_.logprobs >= 0 ? completion_logprobs(c, 0, prefix.size()) : json(nullptr);
+          request_.logprobs >= 0 ? completion_logprobs(c, 0, c.prompt_chars) : json(nullptr);
       choices.push_back(choice);
     } else {
       const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);

@@ -63,6 +63,9 @@ class ResponseBuilder {
  private:
   struct Choice {
     std::string text;
+    // Characters (code points) in text, and in the echoed prompt before it (completions with
+    // echo): where text_offset counts from.
+    size_t text_chars = 0, prompt_chars = 0;
     std::vector<int32_t> tokens;
     std::vector<TokenLogprob> logprobs;
     std::string finish_reason;

@@ -98,6 +98,20 @@ std::string to_valid_lossy(std::string_view s) {
   return out;
 }
 
+size_t code_points(std::string_view s) {
+  size_t n = 0, i = 0;
+  while (i < s.size()) {
+    if (size_t len = valid_sequence_length(s, i); len > 0) {
+      i += len;
+    } else {
+      size_t need = expected_length(static_cast<unsigned char>(s[i]));
+      i += need == 0 ? 1 : valid_prefix(s, i, need);
+    }
+    ++n;
+  }
+  return n;
+}
+
 size_t incomplete_tail_length(std::string_view s) {
   // A sequence is at most 4 bytes, so only the last 3 bytes can start an incomplete one.
   size_t n = s.size();

@@ -21,6 +21,10 @@ void append(std::string& out, char32_t cp);
 // String::from_utf8_lossy (which Hugging Face tokenizers use when decoding).
 std::string to_valid_lossy(std::string_view s);
 
+// The number of code points in s as to_valid_lossy reads it (each replacement one): the length
+// a Python str of the text has, which OpenAI's completion text_offset counts in.
+size_t code_points(std::string_view s);
+
 // Number of bytes at the end of s that form an incomplete (but so far valid) sequence prefix,
 // i.e. bytes a streaming decoder must hold back until more input arrives.
 size_t incomplete_tail_length(std::string_view s);

@@ -6,10 +6,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "structured/matcher.h"
 #include "text/chat_template.h"
+#include "util/utf8.h"
 
 namespace tandem::api {
 namespace {
@@ -728,6 +730,67 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   EXPECT_EQ(choice["logprobs"]["token_logprobs"][0], -0.25);
   EXPECT_EQ(choice["logprobs"]["text_offset"][0], 3);
   EXPECT_EQ(choice["logprobs"]["top_logprobs"][0].size(), 1u);
+}
+
+// Completion logprobs as OpenAI and vLLM give them: top_logprobs always holds the sampled token
+// (up to logprobs + 1 entries; logprobs 0 gives it alone, not null), text_offset counts
+// characters as a Python str's len does (not UTF-8 bytes), and with echo the answer's offsets
+// start after the prompt in the stream's first chunk as in the whole body.
+TEST(Protocol, CompletionLogprobsHoldTheSampledTokenAndCountCharacters) {
+  const std::vector<int32_t> ids = tokenizer().encode("你好, wörld ☃☃!", false);
+  ASSERT_GE(ids.size(), 3u);
+  auto text_of = [](int32_t id) { return utf8::to_valid_lossy(tokenizer().token_bytes(id)); };
+  const std::string prompt = "Héllo wörld";  // 11 characters, 13 bytes
+  for (int32_t k : {0, 1}) {
+    for (bool echo : {false, true}) {
+      SCOPED_TRACE("logprobs " + std::to_string(k) + (echo ? " echo" : ""));
+      ApiRequest req;
+      req.kind = ApiKind::kCompletion;
+      req.model = "m";
+      req.prompts = {{1, 2}};
+      req.prompt_texts = {echo ? prompt : ""};
+      req.echo = echo;
+      req.logprobs = k;
+      std::vector<RequestOutput> steps;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const bool last = i + 1 == ids.size();
+        RequestOutput o = output({ids[i]}, text_of(ids[i]), last, last ? "length" : "");
+        TokenLogprob lp;
+        lp.token = ids[i];
+        lp.logprob = i == 0 ? -std::numeric_limits<float>::infinity() : -0.5f - float(i);
+        // An alternative that is not the sampled token (ids[0] differs from the others here).
+        if (k > 0) lp.top = {{i == 0 ? ids[1] : ids[0], -0.25f}};
+        o.logprobs = {lp};
+        steps.push_back(o);
+      }
+      ResponseBuilder whole(req, tokenizer(), "cmpl-1", 1);
+      req.stream = true;
+      ResponseBuilder streamed(req, tokenizer(), "cmpl-1", 1);
+      json streamed_offsets = json::array();
+      for (const auto& o : steps) {
+        whole.on_output(0, o);
+        for (const json& chunk : streamed.on_output(0, o))
+          for (const json& off : chunk["choices"][0]["logprobs"]["text_offset"])
+            streamed_offsets.push_back(off);
+      }
+      const json lp = whole.final_body()["choices"][0]["logprobs"];
+      size_t chars = echo ? 11 : 0;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        SCOPED_TRACE(i);
+        const std::string t = text_of(ids[i]);
+        EXPECT_EQ(lp["tokens"][i], t);
+        EXPECT_EQ(lp["text_offset"][i], chars);
+        chars += static_cast<size_t>(  // the lead bytes of valid UTF-8
+            std::count_if(t.begin(), t.end(), [](unsigned char b) { return (b & 0xC0) != 0x80; }));
+        const double sampled = i == 0 ? -9999.0 : -0.5 - double(i);  // -inf as OpenAI sends it
+        EXPECT_EQ(lp["token_logprobs"][i], sampled);
+        json top = {{t, sampled}};
+        if (k > 0) top[text_of(i == 0 ? ids[1] : ids[0])] = -0.25;
+        EXPECT_EQ(lp["top_logprobs"][i], top);
+      }
+      EXPECT_EQ(streamed_offsets, lp["text_offset"]);
+    }
+  }
 }
 
 // A token that adds no text yet (held back for a stop string, half a character) still streams

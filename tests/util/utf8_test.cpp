@@ -32,6 +32,20 @@ TEST(Utf8, LossyReplacesMaximalSubparts) {
   EXPECT_EQ(to_valid_lossy("\xF0\x9F\x98x"), kFffd + "x");
 }
 
+// Python's len() of the decoded text: one per code point, one per replacement.
+TEST(Utf8, CodePointsCountAsThePythonStrOfTheLossyText) {
+  for (const std::string s :
+       {"", "abc", "caf\xC3\xA9", "\xE4\xBD\xA0\xE5\xA5\xBD", "\xF0\x9F\x98\x80!",
+        "\x61\xF1\x80\x80\xE1\x80\xC2\x62\x80\x63\x80\xBF\x64", "\xF0\x9F\x98", "\xED\xA0\x80"}) {
+    const std::string lossy = to_valid_lossy(s);
+    size_t expected = 0;  // lead bytes of the valid text
+    for (unsigned char c : lossy) expected += (c & 0xC0) != 0x80;
+    EXPECT_EQ(code_points(s), expected) << s;
+  }
+  EXPECT_EQ(code_points("\xF0\x9F\x98\x80!"), 2u);
+  EXPECT_EQ(code_points("caf\xC3\xA9"), 4u);
+}
+
 TEST(Utf8, IncompleteTail) {
   EXPECT_EQ(incomplete_tail_length("ab"), 0u);
   EXPECT_EQ(incomplete_tail_length("a\xE4"), 1u);
