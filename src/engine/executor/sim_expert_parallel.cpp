@@ -24,7 +24,7 @@ SimExpertParallel::SimExpertParallel(int64_t layers, int64_t experts,
                 std::to_string(placement_.ranks) + " ranks; the simulated model has " +
                 std::to_string(layers) + " MoE layers of " + std::to_string(experts) +
                 " experts and --sim-expert-parallel is " + std::to_string(o.ranks));
-  placement::validate(placement_, {.distinct_on_rank = false, .equal_rank_memory = false});
+  placement::validate(placement_, placement::kServable);
 }
 
 SimExpertParallel::Step SimExpertParallel::step(int64_t tokens) {
