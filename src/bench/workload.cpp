@@ -85,6 +85,22 @@ void check_arrival(const std::string& at, double offset_s, const TraceWindow& w)
               "); expected at most " + number(kMaxArrivalSeconds) + " s");
 }
 
+// A trace window made whole holds every prompt at once: refused at the record whose prompt takes
+// the window past `max_tokens`, naming its line, before anything is made.
+template <typename Record, typename Tokens>
+void check_window_tokens(const std::string& what, const std::vector<Record>& records,
+                         Tokens tokens_of, int64_t max_tokens) {
+  int64_t total = 0;
+  for (size_t i = 0; i < records.size(); ++i) {
+    total += tokens_of(records[i]);  // each at most kMaxRequestTokens: no overflow
+    require(total <= max_tokens,
+            what + ":" + std::to_string(records[i].line) + ": the window's first " +
+                std::to_string(i + 1) + " records, up to this one, hold " + std::to_string(total) +
+                " prompt tokens; a workload made whole (ids and text in memory) holds at most " +
+                std::to_string(max_tokens) + ": replay a shorter window");
+  }
+}
+
 void validate_window(const TraceWindow& w, const std::string& what) {
   require(w.start >= 0, what + ": window start must be >= 0, got " + std::to_string(w.start));
   require(w.limit >= 0, what + ": window limit must be >= 0, got " + std::to_string(w.limit));
@@ -435,6 +451,7 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
     }
     require(j.is_object(), at + ": expected a JSON object");
     MooncakeRecord r;
+    r.line = line_no;
     const auto ts = j.find("timestamp");
     require(ts != j.end() && ts->is_number(), at + ": field \"timestamp\" must be a number (ms)");
     r.timestamp_ms = ts->get<double>();
@@ -499,6 +516,9 @@ std::vector<int32_t> mooncake_prompt(const TokenVocab& vocab, const MooncakeReco
 
 std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab, const MooncakeOptions& o) {
   const auto records = read_mooncake_trace(o.path, o.window, o.block_size);
+  check_window_tokens(
+      "mooncake trace " + o.path.string(), records,
+      [](const MooncakeRecord& r) { return r.input_length; }, o.max_prompt_tokens);
   std::vector<BenchRequest> out;
   out.reserve(records.size());
   const std::vector<double> arrivals =
@@ -610,6 +630,8 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
     if (index < window.start) continue;
     if (window.limit > 0 && index - window.start >= window.limit) break;
     AzureRecord r;
+    r.line = line_no;
+    r.index = index;
     r.offset_s = static_cast<double>(s - first_s) + (frac - first_frac);
     if (!out.empty()) check_arrival(at, r.offset_s - out.front().offset_s, window);
     // At least 1 each: a request of no prompt or no output fails on every server.
@@ -626,19 +648,36 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   return out;
 }
 
+std::vector<int32_t> azure_prompt(const TokenVocab& vocab, const AzureRecord& record,
+                                  uint64_t seed) {
+  // Seeded by the record's position in the file, so a window does not change its content.
+  Rng rng(stream_seed(seed, kStreamAzureRequest, static_cast<uint64_t>(record.index)));
+  std::vector<int32_t> ids;
+  ids.reserve(record.context_tokens);
+  append_random(vocab, rng, record.context_tokens, ids);
+  return ids;
+}
+
+std::vector<double> azure_arrivals(const std::vector<AzureRecord>& records, double time_scale) {
+  std::vector<double> out;
+  out.reserve(records.size());
+  for (const AzureRecord& r : records)
+    out.push_back((r.offset_s - records.front().offset_s) * time_scale);
+  return out;
+}
+
 std::vector<BenchRequest> azure_workload(const TokenVocab& vocab, const AzureOptions& o) {
   const auto records = read_azure_trace(o.path, o.window);
+  check_window_tokens(
+      "azure trace " + o.path.string(), records,
+      [](const AzureRecord& r) { return r.context_tokens; }, o.max_prompt_tokens);
+  const std::vector<double> arrivals = azure_arrivals(records, o.window.time_scale);
   std::vector<BenchRequest> out;
   out.reserve(records.size());
   for (size_t i = 0; i < records.size(); ++i) {
-    const AzureRecord& r = records[i];
-    // Seeded by the record's position in the file, so a window does not change its content.
-    Rng rng(stream_seed(o.seed, kStreamAzureRequest, static_cast<uint64_t>(o.window.start + i)));
-    std::vector<int32_t> ids;
-    ids.reserve(r.context_tokens);
-    append_random(vocab, rng, r.context_tokens, ids);
-    BenchRequest req = make_request(vocab, std::move(ids), r.generated_tokens);
-    req.arrival_s = (r.offset_s - records.front().offset_s) * o.window.time_scale;
+    BenchRequest req =
+        make_request(vocab, azure_prompt(vocab, records[i], o.seed), records[i].generated_tokens);
+    req.arrival_s = arrivals[i];
     out.push_back(std::move(req));
   }
   return out;

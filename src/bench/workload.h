@@ -31,6 +31,10 @@ constexpr int64_t kMaxRequests = 10'000'000;
 constexpr double kMaxArrivalSeconds = 1e9;
 // One line of a trace or an access log: far above any real record.
 constexpr size_t kMaxLineBytes = size_t{64} << 20;
+// Prompt tokens of a workload made whole, ids and text (~25 bytes a token: ~2.5 GB): a synthetic
+// one, or a trace window that `tandem bench` replays (100 Azure rows of 10^7 tokens ran 107 s
+// into an allocation failure). `tandem simulate` makes a trace's requests as it sends them.
+constexpr int64_t kMaxWorkloadPromptTokens = 100'000'000;
 
 // One line of `in` without its '\n' (and '\r'). False at the end of the input; throws
 // tandem::Error naming `what` and the line number `line_no` (1-based) when the line is longer
@@ -151,6 +155,7 @@ struct TraceWindow {
 // Mooncake FAST'25 trace (JSONL): {"timestamp": ms, "input_length", "output_length",
 // "hash_ids": [...]}, one hash id per block of block_size (512) prompt tokens.
 struct MooncakeRecord {
+  int64_t line = 0;  // in the file, 1-based
   double timestamp_ms = 0;
   int64_t input_length = 0;
   int64_t output_length = 0;
@@ -173,6 +178,8 @@ struct MooncakeOptions {
   // The published traces round timestamps to 3 s, so ~10 requests share each one; replayed as
   // they are, every group arrives at one instant. With `spread`, mooncake_arrivals spreads them.
   bool spread = false;
+  // The window's prompt tokens at most: it is made whole (the bound's line is named).
+  int64_t max_prompt_tokens = kMaxWorkloadPromptTokens;
 };
 std::vector<BenchRequest> mooncake_workload(const TokenVocab& vocab,
                                             const MooncakeOptions& options);
@@ -199,6 +206,8 @@ std::vector<int32_t> mooncake_prompt(const TokenVocab& vocab, const MooncakeReco
 // Azure LLM inference trace (CSV: TIMESTAMP "YYYY-MM-DD HH:MM:SS.fffffff", ContextTokens,
 // GeneratedTokens). No prefix information: each prompt is random text-safe tokens.
 struct AzureRecord {
+  int64_t line = 0;     // in the file, 1-based
+  int64_t index = 0;    // the record's place in the file, 0-based: it seeds the prompt
   double offset_s = 0;  // seconds since the first record of the file
   int64_t context_tokens = 0;
   int64_t generated_tokens = 0;
@@ -209,7 +218,14 @@ struct AzureOptions {
   std::filesystem::path path;
   TraceWindow window;
   uint64_t seed = 0;
+  // The window's prompt tokens at most: it is made whole (the bound's line is named).
+  int64_t max_prompt_tokens = kMaxWorkloadPromptTokens;
 };
 std::vector<BenchRequest> azure_workload(const TokenVocab& vocab, const AzureOptions& options);
+// One record's prompt ids as azure_workload makes them (for a driver that makes each request as
+// it sends it), and the records' send times: offsets from the first, times time_scale.
+std::vector<int32_t> azure_prompt(const TokenVocab& vocab, const AzureRecord& record,
+                                  uint64_t seed);
+std::vector<double> azure_arrivals(const std::vector<AzureRecord>& records, double time_scale);
 
 }  // namespace tandem::bench

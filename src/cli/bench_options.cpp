@@ -82,9 +82,6 @@ void check_range(const char* flag, int64_t value, int64_t low, int64_t high) {
                 std::to_string(high) + ", got " + std::to_string(value));
 }
 
-// Prompt tokens of a synthetic workload in all (random, prefix-repetition): ~2.5 GB made.
-constexpr int64_t kMaxWorkloadPromptTokens = 100'000'000;
-
 // Every count and length the flags give, bounded before anything is made (vector::reserve of a
 // typo would otherwise end the run as an allocation failure that names nothing).
 void check_workload_flags(const WorkloadCliOptions& o) {
@@ -107,10 +104,10 @@ void check_workload_flags(const WorkloadCliOptions& o) {
   // of 1,024 tokens took 513 MB, and the largest counts and lengths above would need terabytes.
   // Both factors are bounded, so the product fits.
   const auto too_many = [&](const char* count_flag, const char* length_flag, int64_t length) {
-    if (o.num_prompts * length > kMaxWorkloadPromptTokens)
+    if (o.num_prompts * length > bench::kMaxWorkloadPromptTokens)
       throw Error(std::string(count_flag) + " " + std::to_string(o.num_prompts) + " x " +
                   length_flag + " " + std::to_string(length) + ": at most " +
-                  std::to_string(kMaxWorkloadPromptTokens) +
+                  std::to_string(bench::kMaxWorkloadPromptTokens) +
                   " prompt tokens in all (the workload is made whole, text included)");
   };
   if (o.dataset == "random") {
@@ -144,25 +141,42 @@ std::vector<double> rate_arrivals(size_t n, const WorkloadCliOptions& o) {
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
   check_workload_flags(o);
   check_trace_spread(o);
-  if (o.dataset != "mooncake" || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
-  // A Mooncake trace is its records (a few hash ids each) until a request is sent.
-  bench::MooncakeOptions m;
-  m.path = o.dataset_path;
-  m.window = {o.trace_start, o.trace_limit, o.time_scale};
-  m.seed = o.seed;
-  m.spread = o.trace_spread;
-  auto records = std::make_shared<const std::vector<bench::MooncakeRecord>>(
-      bench::read_mooncake_trace(m.path, m.window, m.block_size));
-  bench::LazyWorkload w;
-  w.arrival_s = std::isfinite(o.request_rate)
-                    ? rate_arrivals(records->size(), o)
-                    : bench::mooncake_arrivals(*records, o.time_scale, m.spread, m.seed);
+  if (!o.trace() || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
+  // A trace is its records (a few numbers, or hash ids, each) until a request is sent, so a
+  // whole trace needs no bound on its prompt tokens in all (the Mooncake conversation trace has
+  // 145 M).
+  const bench::TraceWindow window{o.trace_start, o.trace_limit, o.time_scale};
   auto vocab = std::make_shared<const bench::TokenVocab>(bench::TokenVocab::build(tok));
-  w.make = [records, vocab, m, arrivals = w.arrival_s](size_t i) {
+  bench::LazyWorkload w;
+  if (o.dataset == "mooncake") {
+    bench::MooncakeOptions m;
+    m.path = o.dataset_path;
+    m.window = window;
+    m.seed = o.seed;
+    m.spread = o.trace_spread;
+    auto records = std::make_shared<const std::vector<bench::MooncakeRecord>>(
+        bench::read_mooncake_trace(m.path, m.window, m.block_size));
+    w.arrival_s = std::isfinite(o.request_rate)
+                      ? rate_arrivals(records->size(), o)
+                      : bench::mooncake_arrivals(*records, o.time_scale, m.spread, m.seed);
+    w.make = [records, vocab, m, arrivals = w.arrival_s](size_t i) {
+      bench::BenchRequest r;
+      r.arrival_s = arrivals.at(i);
+      r.prompt_ids = bench::mooncake_prompt(*vocab, records->at(i), m.block_size, m.seed);
+      r.output_len = records->at(i).output_length;
+      return r;
+    };
+    return w;
+  }
+  auto records = std::make_shared<const std::vector<bench::AzureRecord>>(
+      bench::read_azure_trace(o.dataset_path, window));
+  w.arrival_s = std::isfinite(o.request_rate) ? rate_arrivals(records->size(), o)
+                                              : bench::azure_arrivals(*records, o.time_scale);
+  w.make = [records, vocab, seed = o.seed, arrivals = w.arrival_s](size_t i) {
     bench::BenchRequest r;
     r.arrival_s = arrivals.at(i);
-    r.prompt_ids = bench::mooncake_prompt(*vocab, records->at(i), m.block_size, m.seed);
-    r.output_len = records->at(i).output_length;
+    r.prompt_ids = bench::azure_prompt(*vocab, records->at(i), seed);
+    r.output_len = records->at(i).generated_tokens;
     return r;
   };
   return w;

@@ -40,8 +40,9 @@ std::string workload_tokenizer_dir(const WorkloadCliOptions& o);
 // The requests, with their arrival times. Throws tandem::Error naming the flag on bad values.
 std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
                                                 const text::Tokenizer& tokenizer);
-// The same requests made as they are sent, without their text (token-id prompts): a Mooncake
-// trace is read as records and each request expanded on demand; other datasets are built whole.
+// The same requests made as they are sent, without their text (token-id prompts): a trace
+// (Mooncake or Azure) is read as records and each request made on demand, with no bound on its
+// prompt tokens in all; other datasets are built whole.
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o,
                                         const text::Tokenizer& tokenizer);
 

@@ -661,6 +661,53 @@ TEST_F(BenchData, SyntheticCountsAndLengthsAreBoundedBeforeAnythingIsAllocated) 
               HasSubstr("with a sum in 1..10000000"));
 }
 
+// A trace window made whole (tandem bench) is bounded as the synthetic workloads are, 10^8
+// prompt tokens in all, and refused at the record that crosses it, naming its line, before any
+// prompt is made: 100 Azure rows of 10^7 tokens ran 107 s into an allocation failure.
+TEST_F(BenchData, ATraceWindowMadeWholeIsBoundedInPromptTokensNamingTheLine) {
+  std::string csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+  for (int i = 0; i < 12; ++i) {
+    if (i == 3) csv += "\n";  // a blank line: lines and records differ
+    csv += "2023-11-16 18:17:" + std::to_string(10 + i) + ".0,10000000,5\n";
+  }
+  AzureOptions a;
+  a.path = write_trace("azure-huge", csv);
+  // The 11th row (line 13) takes the window to 110,000,000 tokens.
+  EXPECT_THAT(error_of([&] { azure_workload(*vocab_, a); }),
+              HasSubstr("azure trace " + a.path.string() +
+                        ":13: the window's first 11 records, up to this one, hold 110000000 "
+                        "prompt tokens; a workload made whole (ids and text in memory) holds at "
+                        "most 100000000"));
+  // Reading the records is not bounded: a driver that makes each request as it sends it (tandem
+  // simulate) replays the whole file, with the same prompts.
+  const auto records = read_azure_trace(a.path, {});
+  ASSERT_EQ(records.size(), 12u);
+  EXPECT_EQ(records[3].line, 6);
+  EXPECT_EQ(records[3].index, 3);
+  a.window = {.start = 2, .limit = 3};
+  a.max_prompt_tokens = 30'000'000;  // the window's three fit
+  const auto w = azure_workload(*vocab_, a);
+  ASSERT_EQ(w.size(), 3u);
+  EXPECT_EQ(w[1].prompt_ids, azure_prompt(*vocab_, records[3], a.seed));
+  a.window.limit = 4;
+  EXPECT_THAT(error_of([&] { azure_workload(*vocab_, a); }),
+              HasSubstr(":8: the window's first 4 records, up to this one, hold 40000000"));
+
+  // Mooncake alike, on the trace's head: its records 10.. (lines 11..) hold their input_lengths.
+  const auto head = read_mooncake_trace(mooncake_path(), {.start = 10, .limit = 5});
+  MooncakeOptions m;
+  m.path = mooncake_path();
+  m.window = {.start = 10, .limit = 5};
+  m.max_prompt_tokens = head[0].input_length + head[1].input_length + head[2].input_length - 1;
+  EXPECT_THAT(error_of([&] { mooncake_workload(*vocab_, m); }),
+              HasSubstr("mooncake trace " + mooncake_path().string() + ":" +
+                        std::to_string(head[2].line) + ": the window's first 3 records"));
+  EXPECT_EQ(head[2].line, 13);
+  m.max_prompt_tokens += 1;
+  m.window.limit = 3;
+  EXPECT_EQ(mooncake_workload(*vocab_, m).size(), 3u);
+}
+
 // --- arrivals ------------------------------------------------------------------------------
 
 struct GapStats {
