@@ -43,8 +43,10 @@ void run(const BenchCliOptions& o) {
   const auto [host, port] = split_url(o.base_url);
   bench::MetricsOptions mo = metrics_options(o.metrics);  // before anything runs
   const auto tok = text::Tokenizer::from_dir(workload_tokenizer_dir(o.workload));
-  // The access log is read after the run: one that cannot be read must say so before it.
+  // The access log is read and the outputs written after the run: one that cannot be read or
+  // written must say so before it.
   if (!o.access_log.empty()) bench::check_input_file(o.access_log, "--access-log " + o.access_log);
+  check_outputs(o.outputs);
   auto reqs = build_workload(o.workload, tok);
   if (reqs.empty()) throw Error("the workload has no requests");
 

@@ -1,8 +1,13 @@
 #include "cli/bench_options.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -326,6 +331,38 @@ void write_output(const std::string& flag, const std::string& path, std::string_
   } catch (const Error& e) {
     throw Error(flag + ": " + e.what());
   }
+}
+
+void check_output(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  const std::string what = flag + " " + path;
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (std::filesystem::is_directory(status)) throw Error(what + ": is a directory, not a file");
+  // A pipe or a device is written in place; opening a pipe now would wait for its reader.
+  if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) return;
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  const auto dir_status = std::filesystem::status(dir, ec);
+  if (!std::filesystem::exists(dir_status))
+    throw Error(what + ": no such directory " + dir.string());
+  if (!std::filesystem::is_directory(dir_status))
+    throw Error(what + ": " + dir.string() + " is not a directory");
+  // A file is made beside it and renamed over it (write_output): made and removed here the same
+  // way, which permissions, a read-only file system and a full inode table all answer for.
+  std::string probe = path + ".check-XXXXXX";
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) {
+    const int err = errno;
+    throw Error(what + ": cannot make a file in " + dir.string() + " (" + std::strerror(err) + ")");
+  }
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+void check_outputs(const RunOutputs& outputs) {
+  check_output("--result-file", outputs.result_file);
+  check_output("--html", outputs.html);
 }
 
 std::string result_json_text(const json& result) {

@@ -74,6 +74,11 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
 // Writes an output file (`flag` names it in errors): a regular file is replaced whole, so a
 // failure leaves the one before; a pipe or device is written in place.
 void write_output(const std::string& flag, const std::string& path, std::string_view bytes);
+// Throws tandem::Error "`flag` `path`: ..." unless write_output could write `path` (empty: no
+// file asked for): it is not a directory, and a file can be made in its directory. Called before
+// a run, so that a typo in a folder name does not cost the run's results.
+void check_output(const std::string& flag, const std::string& path);
+void check_outputs(const RunOutputs& outputs);
 // A result JSON as the files hold it; bytes that are not UTF-8 become U+FFFD.
 std::string result_json_text(const nlohmann::json& result);
 

@@ -261,7 +261,9 @@ void run(const SimulateCliOptions& o) {
   for (const auto& [flag, specs] : {std::pair{"--kill", &o.kill}, std::pair{"--stall", &o.stall},
                                     std::pair{"--slow-link", &o.slow_link}})
     for (const std::string& spec : *specs) so.faults.push_back(parse_fault(flag, spec));
-  // Before the workload is read (a whole trace, maybe): a run that cannot start says so first.
+  // Before the workload is read (a whole trace, maybe): a run that cannot start, or whose
+  // results could not be written, says so first.
+  check_outputs(o.outputs);
   std::vector<sim::SweepPoint> points;
   if (o.sweep.empty())
     sim::check_options(so);

@@ -6,8 +6,11 @@
 // never hidden; the concurrency cap holds; requests are never sent before their arrival time; a
 // Mooncake replay sent as text reproduces the trace's prefix sharing when the server tokenizes
 // what it received; and the CLI writes vLLM's result keys.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -451,6 +454,62 @@ TEST(BenchDriver, AServerErrorThatIsNotUtf8IsWrittenToTheResultFile) {
   EXPECT_EQ(r["failed"], 2);
   ASSERT_EQ(r["errors"].size(), 2u);
   EXPECT_EQ(r["errors"][0], "HTTP 500: bad \xef\xbf\xbd\xef\xbf\xbd <script>");
+}
+
+// --- the commands' checks before a run ----------------------------------------------------
+
+struct CommandResult {
+  int status;
+  std::string output;  // stdout and stderr together
+};
+
+// `tandem ARGS` through the shell (ARGS must be quoted for it), with the test tokenizer.
+CommandResult run_tandem(const std::string& args) {
+  const std::string cmd = std::string(TANDEM_BINARY) + " " + args + " --tokenizer " +
+                          test::lenml_model("deepseek_v3").string() + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  CommandResult r{-1, ""};
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), p)) > 0;)
+    r.output.append(buf.data(), n);
+  const int rc = ::pclose(p);
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return r;
+}
+
+// A small run of each command: bench against a port nothing listens on (every request fails at
+// once, and the table is still printed), simulate in virtual time.
+const char* const kSmallRuns[] = {
+    "bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 --random-input-len 20 "
+    "--random-output-len 2",
+    "simulate --num-prompts 2 --random-input-len 20 --random-output-len 2"};
+
+// An output that cannot be written is refused before the workload is built, not after the run,
+// whose results it would lose: the table must not have been printed.
+TEST(BenchCommands, AnOutputThatCannotBeWrittenIsRefusedBeforeTheRun) {
+  const auto dir = test::scratch_path("bench-outputs", "");
+  std::filesystem::create_directories(dir);
+  const std::string missing = (dir / "no-such-folder" / "out").string();
+  for (const char* command : kSmallRuns) {
+    for (const char* flag : {"--result-file", "--html"}) {
+      auto r = run_tandem(std::string(command) + " " + flag + " " + missing);
+      EXPECT_NE(r.status, 0) << command << flag;
+      EXPECT_THAT(r.output,
+                  ::testing::HasSubstr(std::string(flag) + " " + missing + ": no such directory " +
+                                       (dir / "no-such-folder").string()))
+          << command;
+      EXPECT_EQ(r.output.find("Serving Benchmark Result"), std::string::npos) << r.output;
+      r = run_tandem(std::string(command) + " " + flag + " " + dir.string());
+      EXPECT_NE(r.status, 0) << command << flag;
+      EXPECT_THAT(r.output, ::testing::HasSubstr(std::string(flag) + " " + dir.string() +
+                                                 ": is a directory, not a file"));
+      EXPECT_EQ(r.output.find("Serving Benchmark Result"), std::string::npos) << r.output;
+    }
+  }
+  // What the check makes to probe the folder, it removes.
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
