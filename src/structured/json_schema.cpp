@@ -1,10 +1,16 @@
 #include "structured/json_schema.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "util/error.h"
@@ -71,10 +77,14 @@ class SchemaCompiler {
         auto redundant_enum = [&](const std::string& key) {
           if (std::string(k) != "const" || key != "enum" || !schema["enum"].is_array())
             return false;
-          const json& e = schema["enum"];
-          return std::any_of(e.begin(), e.end(), [&](const json& v) {
-            return nlohmann::json::parse(v.dump()) == nlohmann::json::parse(schema["const"].dump());
-          });
+          std::string c, v;
+          canonical(schema["const"], c);
+          for (const auto& e : schema["enum"]) {
+            v.clear();
+            canonical(e, v);
+            if (v == c) return true;
+          }
+          return false;
         };
         for (auto it = schema.begin(); it != schema.end(); ++it)
           if (it.key() != k && !kAnnotations.count(it.key()) && !(literal && it.key() == "type") &&
@@ -272,39 +282,54 @@ class SchemaCompiler {
   }
 
  private:
+  // JSON Schema's types as bits, so that sets of them are compared in one step.
+  enum : uint8_t {
+    kObject = 1,
+    kArray = 2,
+    kString = 4,
+    kInteger = 8,
+    kNumber = 16,
+    kBoolean = 32,
+    kNull = 64,
+    kAllTypes = 127
+  };
+  static uint8_t type_bit(const std::string& name) {
+    static const std::map<std::string, uint8_t> kBits = {
+        {"object", kObject}, {"array", kArray},     {"string", kString}, {"integer", kInteger},
+        {"number", kNumber}, {"boolean", kBoolean}, {"null", kNull}};
+    const auto it = kBits.find(name);
+    return it == kBits.end() ? 0 : it->second;
+  }
+
   // The types a value has (an integral number is an integer and a number, as in JSON Schema).
-  template <class Json>
-  static std::set<std::string> types_of(const Json& v) {
+  static uint8_t types_of(const json& v) {
     if (v.is_number()) {
-      const double d = v.template get<double>();
+      const double d = v.get<double>();
       const bool integral = !v.is_number_float() || std::trunc(d) == d;
-      return integral ? std::set<std::string>{"integer", "number"}
-                      : std::set<std::string>{"number"};
+      return integral ? kInteger | kNumber : kNumber;
     }
-    if (v.is_string()) return {"string"};
-    if (v.is_boolean()) return {"boolean"};
-    if (v.is_null()) return {"null"};
-    return {v.is_array() ? "array" : "object"};
+    if (v.is_string()) return kString;
+    if (v.is_boolean()) return kBoolean;
+    if (v.is_null()) return kNull;
+    return v.is_array() ? kArray : kObject;
   }
 
   // The types `schema`'s 'type' names, with 'integer' where it names 'number' (a subset).
-  static std::set<std::string> declared_types(const json& schema, const std::string& where) {
-    static const std::set<std::string> kTypes = {"object", "array",   "string", "integer",
-                                                 "number", "boolean", "null"};
+  static uint8_t declared_types(const json& schema, const std::string& where) {
     const json& type = schema["type"];
     std::vector<json> names;
     if (type.is_array() && !type.empty())
       names.assign(type.begin(), type.end());
     else
       names.push_back(type);
-    std::set<std::string> out;
+    uint8_t out = 0;
     for (const auto& t : names) {
       if (!t.is_string()) fail(where + "/type", "'type' must be a type name or a list of them");
-      if (!kTypes.count(t.get<std::string>()))
+      if (!type_bit(t.get<std::string>()))
         fail(where + "/type", "unknown type '" + t.get<std::string>() + "'");
-      out.insert(t.get<std::string>());
+      out |= type_bit(t.get<std::string>());
     }
-    if (out.count("number")) out.insert("integer");
+    if (out & kNumber) out |= kInteger;
     return out;
   }
 
@@ -313,128 +338,257 @@ class SchemaCompiler {
   static void check_type(const json& schema, const json& v, const std::string& where,
                          const std::string& value_where) {
     if (!schema.contains("type")) return;
-    const std::set<std::string> declared = declared_types(schema, where);
-    for (const auto& t : types_of(v))
-      if (declared.count(t)) return;
+    if (types_of(v) & declared_types(schema, where)) return;
     fail(value_where, v.dump() + " is not of the schema's 'type' (" + schema["type"].dump() + ")");
+  }
+
+  // A value as text such that two values are equal in JSON Schema's sense exactly when their
+  // texts are: members sorted by key, a whole number written as an integer (1.0 equals 1),
+  // strings with their length so that no text is another's prefix. Hashable, so oneOf's value
+  // lists are compared by lookups. Recursive: parsed documents nest at most 64 levels.
+  static void canonical(const json& v, std::string& out) {
+    if (v.is_object()) {
+      std::vector<std::pair<const std::string*, const json*>> members;
+      for (auto it = v.begin(); it != v.end(); ++it) members.emplace_back(&it.key(), &it.value());
+      std::sort(members.begin(), members.end(),
+                [](const auto& a, const auto& b) { return *a.first < *b.first; });
+      out += '{';
+      for (const auto& [k, m] : members) {
+        out += std::to_string(k->size());
+        out += ':';
+        out += *k;
+        canonical(*m, out);
+      }
+      out += '}';
+    } else if (v.is_array()) {
+      out += '[';
+      for (const auto& e : v) canonical(e, out);
+      out += ']';
+    } else if (v.is_string()) {
+      const auto& s = v.get_ref<const std::string&>();
+      out += 's';
+      out += std::to_string(s.size());
+      out += ':';
+      out += s;
+    } else if (v.is_number_unsigned()) {
+      out += 'i';
+      out += std::to_string(v.get<uint64_t>());
+    } else if (v.is_number_integer()) {
+      out += 'i';
+      out += std::to_string(v.get<int64_t>());
+    } else if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (std::trunc(d) == d && d >= -9.2e18 && d <= 9.2e18) {
+        out += 'i';
+        out += std::to_string(static_cast<int64_t>(d));
+      } else if (std::trunc(d) == d && d >= 0 && d <= 1.8e19) {
+        out += 'i';
+        out += std::to_string(static_cast<uint64_t>(d));
+      } else {
+        char buf[40];
+        std::snprintf(buf, sizeof buf, "d%.17g", d);
+        out += buf;
+      }
+    } else {
+      out += v.is_null() ? "n" : v.get<bool>() ? "t" : "f";
+    }
   }
 
   // What a schema may match, as far as telling oneOf's schemas apart needs: its literal values
   // (const, enum) or else the types it allows (all of them when it does not say).
   struct Kinds {
     bool literal = false;
-    std::vector<nlohmann::json> values;  // unordered: objects equal whatever their key order
-    std::set<std::string> types;
+    std::unordered_set<std::string> values;  // canonical() texts
+    uint8_t value_types = 0;                 // the types the values have
+    uint8_t types = kAllTypes;               // none for a literal
     // An object schema's required properties whose values are listed (const, enum): two object
     // schemas whose lists for one such property share no value match no common object (a tagged
     // union, as Pydantic writes one with a callable discriminator).
-    std::map<std::string, std::set<nlohmann::json>> tags;
+    std::map<std::string, std::shared_ptr<const Kinds>> tags;
   };
+  using KindsPtr = std::shared_ptr<const Kinds>;
 
-  // `budget`: what is left of the work one oneOf may cost (schemas visited and values copied);
-  // past it, assume the worst. Without it a few branches of $refs back to the root were
-  // branches^depth calls (six took over 8 s on the HTTP thread).
-  Kinds kinds(const json& schema, int depth, int64_t& budget) const {
-    static const std::set<std::string> kAll = {"object", "array",   "string", "integer",
-                                               "number", "boolean", "null"};
-    Kinds k;
-    k.types = kAll;
-    // Past a few $refs (or a cycle of them), assume the worst.
-    if (depth > 32 || !schema.is_object() || --budget < 0) return k;
+  // The work telling every oneOf's schemas apart may cost, for the whole document: schemas
+  // visited, bytes of const/enum values read, pairs of object schemas compared. Each schema's
+  // Kinds is worked out once (a $ref to a 49,000-value enum beside an integer under 4000
+  // properties read the enum 4000 times: 138 s on the HTTP thread), and branches are compared by
+  // lookups, not pair by pair (a oneOf of 49,000 consts took 45 s).
+  static constexpr int64_t kMaxOneOfWork = 4'000'000;
+
+  void charge(int64_t units, const std::string& where) {
+    oneof_work_ += units;
+    if (oneof_work_ > kMaxOneOfWork)
+      fail(where, "telling the schemas of this document's 'oneOf's apart takes more than " +
+                      std::to_string(kMaxOneOfWork) +
+                      " steps (schemas visited, bytes of const/enum values, pairs of object "
+                      "schemas compared); use 'anyOf' where no value can match two schemas");
+  }
+
+  KindsPtr kinds(const json& schema, int depth, const std::string& where) {
+    static const KindsPtr kAny = std::make_shared<const Kinds>();
+    // Past a few $refs, or round a cycle of them, assume the worst.
+    if (depth > 32 || !schema.is_object()) return kAny;
+    charge(1, where);
+    if (auto it = kinds_.find(&schema); it != kinds_.end()) return it->second;
+    if (!kinds_open_.insert(&schema).second) return kAny;
+    KindsPtr k = kinds_of(schema, depth, where);
+    kinds_open_.erase(&schema);
+    kinds_.emplace(&schema, k);
+    return k;
+  }
+
+  KindsPtr kinds_of(const json& schema, int depth, const std::string& where) {
+    auto k = std::make_shared<Kinds>();
     if (schema.contains("$ref") && schema["$ref"].is_string()) {
       const json* target = resolve(schema["$ref"].get<std::string>());
-      return target ? kinds(*target, depth + 1, budget) : k;
+      return target ? kinds(*target, depth + 1, where) : k;
     }
-    auto literals = [&](const std::vector<json>& values) {
-      budget -= static_cast<int64_t>(values.size());
-      if (budget < 0) return k;
-      k.literal = true;
-      k.types.clear();
-      for (const auto& v : values) k.values.push_back(nlohmann::json::parse(v.dump()));
+    auto literals = [&](const json* begin, size_t n) {
+      k->literal = true;
+      k->types = 0;
+      for (size_t i = 0; i < n; ++i) {
+        std::string text;
+        canonical(begin[i], text);
+        charge(int64_t(text.size()), where);
+        k->value_types |= types_of(begin[i]);
+        k->values.insert(std::move(text));
+      }
       return k;
     };
-    if (schema.contains("const")) return literals({schema["const"]});
-    if (schema.contains("enum") && schema["enum"].is_array())
-      return literals(std::vector<json>(schema["enum"].begin(), schema["enum"].end()));
+    if (schema.contains("const")) return literals(&schema["const"], 1);
+    if (schema.contains("enum") && schema["enum"].is_array()) {
+      const auto& values = schema["enum"].get_ref<const json::array_t&>();
+      return literals(values.data(), values.size());
+    }
     for (const char* c : {"anyOf", "oneOf"})
       if (schema.contains(c) && schema[c].is_array()) {
-        Kinds all;
+        k->types = 0;
         for (const auto& branch : schema[c]) {
-          const Kinds b = kinds(branch, depth + 1, budget);
-          for (const auto& v : b.values)
-            for (const auto& t : types_of(v)) all.types.insert(t);
-          all.types.insert(b.types.begin(), b.types.end());
+          const KindsPtr b = kinds(branch, depth + 1, where);
+          k->types |= b->types | b->value_types;
         }
-        return all;
+        return k;
       }
     if (schema.contains("allOf") && schema["allOf"].is_array() && schema["allOf"].size() == 1)
-      return kinds(schema["allOf"][0], depth + 1, budget);
-    if (schema.contains("type") && (schema["type"].is_string() || schema["type"].is_array())) {
-      k.types.clear();
-      for (const auto& t : schema["type"])
-        if (t.is_string()) k.types.insert(t.get<std::string>());
-      if (k.types.count("number")) k.types.insert("integer");
+      return kinds(schema["allOf"][0], depth + 1, where);
+    if (schema.contains("type")) {
+      const json& type = schema["type"];
+      if (type.is_string()) {
+        k->types = type_bit(type.get<std::string>());
+      } else if (type.is_array()) {
+        k->types = 0;
+        for (const auto& t : type)
+          if (t.is_string()) k->types |= type_bit(t.get<std::string>());
+      }
+      if (k->types & kNumber) k->types |= kInteger;
     }
-    if (k.types == std::set<std::string>{"object"} && schema.contains("properties") &&
-        schema["properties"].is_object() && schema.contains("required") &&
-        schema["required"].is_array()) {
+    if (k->types == kObject && schema.contains("properties") && schema["properties"].is_object() &&
+        schema.contains("required") && schema["required"].is_array()) {
+      const json& props = schema["properties"];
       for (const auto& name : schema["required"]) {
-        if (!name.is_string() || !schema["properties"].contains(name.get<std::string>())) continue;
-        const Kinds p = kinds(schema["properties"][name.get<std::string>()], depth + 1, budget);
-        if (p.literal) k.tags[name.get<std::string>()] = {p.values.begin(), p.values.end()};
+        if (!name.is_string()) continue;
+        const auto p = props.find(name.get<std::string>());
+        if (p == props.end()) continue;
+        KindsPtr pk = kinds(*p, depth + 1, where);
+        if (pk->literal) k->tags[name.get<std::string>()] = std::move(pk);
       }
     }
     return k;
   }
 
-  static bool overlap(const Kinds& a, const Kinds& b) {
-    auto meets = [](const Kinds& literal, const std::set<std::string>& types) {
-      for (const auto& v : literal.values)
-        for (const auto& t : types_of(v))
-          if (types.count(t)) return true;
-      return false;
-    };
-    if (a.literal && b.literal) {
-      // nlohmann::json's order is JSON Schema's equality here: 1 and 1.0 are equivalent, objects
-      // compare by their members. A set: enums may hold many thousand values.
-      const std::set<nlohmann::json> theirs(b.values.begin(), b.values.end());
-      for (const auto& x : a.values)
-        if (theirs.count(x)) return true;
-      return false;
+  // Whether the listed values of a tag that both object schemas require tell them apart.
+  bool told_apart(const Kinds& a, const Kinds& b, const std::string& where) {
+    for (const auto& [name, values] : a.tags) {
+      const auto theirs = b.tags.find(name);
+      if (theirs == b.tags.end()) continue;
+      const auto& [few, many] = values->values.size() < theirs->second->values.size()
+                                    ? std::tie(values->values, theirs->second->values)
+                                    : std::tie(theirs->second->values, values->values);
+      charge(int64_t(few.size()), where);
+      if (std::none_of(few.begin(), few.end(), [&](const auto& v) { return many.count(v) > 0; }))
+        return true;
     }
-    if (a.literal) return meets(a, b.types);
-    if (b.literal) return meets(b, a.types);
-    std::set<std::string> common;
-    for (const auto& t : a.types)
-      if (b.types.count(t)) common.insert(t);
-    if (common.empty()) return false;
-    if (common == std::set<std::string>{"object"}) {
-      for (const auto& [name, values] : a.tags) {
-        const auto theirs = b.tags.find(name);
-        if (theirs == b.tags.end()) continue;
-        if (std::none_of(values.begin(), values.end(),
-                         [&](const nlohmann::json& v) { return theirs->second.count(v) > 0; }))
-          return false;  // told apart by this property's value
-      }
-    }
-    return true;
+    return false;
   }
 
   // oneOf compiles as anyOf: that is exact only when no value matches two of its schemas, which
   // is checked here for what tells them apart without a doubt (distinct types, distinct values).
-  void check_disjoint(const json& list, const std::string& where) const {
-    std::vector<Kinds> branches;
-    int64_t budget = 100'000;
-    for (const auto& b : list) branches.push_back(kinds(b, 0, budget));
+  void check_disjoint(const json& list, const std::string& where) {
+    std::vector<KindsPtr> branches;
+    for (const auto& b : list) branches.push_back(kinds(b, 0, where));
+    auto overlapping = [&](size_t i, size_t j) {
+      fail(where,
+           "'oneOf' is supported only where no value can match two of its schemas "
+           "(they allow distinct types, list distinct const/enum values, or are objects "
+           "with a required property whose listed values differ); schemas " +
+               std::to_string(std::min(i, j)) + " and " + std::to_string(std::max(i, j)) +
+               " may both match a value (use 'anyOf' if that is meant)");
+    };
+    constexpr size_t kNone = SIZE_MAX;
+    // Listed values: each looked up in the longest list (read once, where its schema's Kinds was
+    // made) and among the other lists' values.
+    size_t longest = kNone;
     for (size_t i = 0; i < branches.size(); ++i)
-      for (size_t j = i + 1; j < branches.size(); ++j)
-        if (overlap(branches[i], branches[j]))
-          fail(where,
-               "'oneOf' is supported only where no value can match two of its schemas "
-               "(they allow distinct types, list distinct const/enum values, or are objects "
-               "with a required property whose listed values differ); schemas " +
-                   std::to_string(i) + " and " + std::to_string(j) +
-                   " may both match a value (use 'anyOf' if that is meant)");
+      if (branches[i]->literal &&
+          (longest == kNone || branches[i]->values.size() > branches[longest]->values.size()))
+        longest = i;
+    std::unordered_map<std::string_view, size_t> listed;
+    for (size_t i = 0; i < branches.size(); ++i) {
+      if (!branches[i]->literal || i == longest) continue;
+      charge(int64_t(branches[i]->values.size()), where);
+      for (const auto& v : branches[i]->values) {
+        if (branches[longest]->values.count(v)) overlapping(i, longest);
+        if (const auto [at, added] = listed.emplace(v, i); !added) overlapping(at->second, i);
+      }
+    }
+    // Types: the first schema that allows each (object schemas may still be told apart by tags).
+    std::array<size_t, 7> first;
+    first.fill(kNone);
+    std::vector<size_t> objects;
+    for (size_t i = 0; i < branches.size(); ++i) {
+      if (branches[i]->literal) continue;
+      for (size_t t = 0; t < first.size(); ++t) {
+        if (!((branches[i]->types >> t) & 1)) continue;
+        if (uint8_t(1u << t) == kObject) {
+          objects.push_back(i);
+          continue;
+        }
+        if (first[t] != kNone) overlapping(first[t], i);
+        first[t] = i;
+      }
+    }
+    for (size_t i = 0; i < branches.size(); ++i) {
+      if (!branches[i]->literal) continue;
+      for (size_t t = 0; t < first.size(); ++t) {
+        if (!((branches[i]->value_types >> t) & 1)) continue;
+        if (first[t] != kNone) overlapping(first[t], i);
+        if (uint8_t(1u << t) == kObject && !objects.empty()) overlapping(objects[0], i);
+      }
+    }
+    if (objects.size() < 2) return;
+    // A tag every object schema requires whose lists share no value tells all of them apart at
+    // once (a discriminator); else they are compared pair by pair, as the budget allows.
+    for (const auto& [name, _] : branches[objects[0]]->tags) {
+      std::unordered_set<std::string_view> values;
+      bool apart = true;
+      for (size_t o : objects) {
+        const auto tag = branches[o]->tags.find(name);
+        if (tag == branches[o]->tags.end()) {
+          apart = false;
+          break;
+        }
+        charge(int64_t(tag->second->values.size()), where);
+        for (const auto& v : tag->second->values) apart = apart && values.insert(v).second;
+        if (!apart) break;
+      }
+      if (apart) return;
+    }
+    for (size_t a = 0; a < objects.size(); ++a)
+      for (size_t b = a + 1; b < objects.size(); ++b) {
+        charge(1, where);
+        if (!told_apart(*branches[objects[a]], *branches[objects[b]], where))
+          overlapping(objects[a], objects[b]);
+      }
   }
 
   static std::string literal_text(const json& v) {
@@ -619,6 +773,10 @@ class SchemaCompiler {
   std::map<std::string, std::set<std::string>> leads_to_;
   std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
   int depth_ = 0;  // value() calls under way
+  // kinds() of the schemas met so far, those under way, and the work it did (kMaxOneOfWork).
+  std::unordered_map<const json*, KindsPtr> kinds_;
+  std::unordered_set<const json*> kinds_open_;
+  int64_t oneof_work_ = 0;
   Symbol any_value_ = -1, any_object_ = -1, ws_ = -1, character_ = -1, integer_ = -1, number_ = -1;
 };
 
