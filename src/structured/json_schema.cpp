@@ -94,15 +94,16 @@ class SchemaCompiler {
         break;
       }
     if (schema.contains("const")) {
-      check_type(schema, schema["const"], where, where + "/const");
+      check_type(schema, declared_types(schema, where), schema["const"], where + "/const");
       return literal_value(schema["const"]);
     }
     if (schema.contains("enum")) {
       const json& e = schema["enum"];
       if (!e.is_array() || e.empty()) fail(where + "/enum", "'enum' must be a non-empty list");
+      const uint8_t declared = declared_types(schema, where);
       std::vector<std::string> texts;
       for (size_t i = 0; i < e.size(); ++i) {
-        check_type(schema, e[i], where, where + "/enum/" + std::to_string(i));
+        check_type(schema, declared, e[i], where + "/enum/" + std::to_string(i));
         texts.push_back(literal_text(e[i]));
       }
       return g_.one_of_texts(std::move(texts));
@@ -134,15 +135,10 @@ class SchemaCompiler {
         return string(schema, where);
       return any_value();
     }
-    const json& type = schema["type"];
-    if (type.is_string()) return typed(type.get<std::string>(), schema, where);
-    if (!type.is_array() || type.empty())
-      fail(where + "/type", "'type' must be a type name or a list of them");
+    const std::vector<std::string> types = type_names(schema, where);
+    if (types.size() == 1) return typed(types[0], schema, where);
     std::vector<Sequence> alts;
-    for (const auto& t : type) {
-      if (!t.is_string()) fail(where + "/type", "'type' must list type names");
-      alts.push_back({typed(t.get<std::string>(), schema, where)});
-    }
+    for (const auto& t : types) alts.push_back({typed(t, schema, where)});
     return g_.any_of(std::move(alts));
   }
 
@@ -314,31 +310,46 @@ class SchemaCompiler {
     return v.is_array() ? kArray : kObject;
   }
 
-  // The types `schema`'s 'type' names, with 'integer' where it names 'number' (a subset).
-  static uint8_t declared_types(const json& schema, const std::string& where) {
+  // The names 'type' gives (one, or a list), each a known type named once: JSON Schema wants a
+  // list's names unique, and a list of 16,000 'null's was checked against every enum value.
+  static std::vector<std::string> type_names(const json& schema, const std::string& where) {
     const json& type = schema["type"];
-    std::vector<json> names;
-    if (type.is_array() && !type.empty())
-      names.assign(type.begin(), type.end());
-    else
-      names.push_back(type);
-    uint8_t out = 0;
-    for (const auto& t : names) {
-      if (!t.is_string()) fail(where + "/type", "'type' must be a type name or a list of them");
-      if (!type_bit(t.get<std::string>()))
-        fail(where + "/type", "unknown type '" + t.get<std::string>() + "'");
-      out |= type_bit(t.get<std::string>());
+    if (type.is_string()) {
+      if (!type_bit(type.get<std::string>()))
+        fail(where + "/type", "unknown type '" + type.get<std::string>() + "'");
+      return {type.get<std::string>()};
     }
+    if (!type.is_array() || type.empty())
+      fail(where + "/type", "'type' must be a type name or a list of them");
+    std::vector<std::string> out;
+    uint8_t seen = 0;
+    for (const auto& t : type) {
+      if (!t.is_string()) fail(where + "/type", "'type' must list type names");
+      const uint8_t bit = type_bit(t.get<std::string>());
+      if (!bit) fail(where + "/type", "unknown type '" + t.get<std::string>() + "'");
+      if (seen & bit) fail(where + "/type", "'type' lists '" + t.get<std::string>() + "' twice");
+      seen |= bit;
+      out.push_back(t.get<std::string>());
+    }
+    return out;
+  }
+
+  // The types `schema`'s 'type' names (all when it has none), with 'integer' where it names
+  // 'number' (a subset).
+  static uint8_t declared_types(const json& schema, const std::string& where) {
+    if (!schema.contains("type")) return kAllTypes;
+    uint8_t out = 0;
+    for (const auto& t : type_names(schema, where)) out |= type_bit(t);
     if (out & kNumber) out |= kInteger;
     return out;
   }
 
   // A 'type' beside const or enum: every value must have it, else the value is refused by where
-  // it is (the grammar writes the values, so a type they lack would not be enforced).
-  static void check_type(const json& schema, const json& v, const std::string& where,
+  // it is (the grammar writes the values, so a type they lack would not be enforced). `declared`:
+  // declared_types(schema), worked out once for all the values.
+  static void check_type(const json& schema, uint8_t declared, const json& v,
                          const std::string& value_where) {
-    if (!schema.contains("type")) return;
-    if (types_of(v) & declared_types(schema, where)) return;
+    if (types_of(v) & declared) return;
     fail(value_where, v.dump() + " is not of the schema's 'type' (" + schema["type"].dump() + ")");
   }
 
