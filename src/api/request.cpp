@@ -59,6 +59,13 @@ constexpr Unsupported kUnsupported[] = {
     {"guided_whitespace_pattern", always,
      "'guided_whitespace_pattern' is not supported: answers may hold JSON white space between "
      "tokens"},
+    // vLLM's extensions that Tandem does not implement.
+    {"allowed_token_ids", always, "'allowed_token_ids' is not supported"},
+    {"bad_words", [](const json& v, const json&) { return !v.empty(); },
+     "'bad_words' is not supported"},
+    {"use_beam_search", [](const json& v, const json&) { return v != false; },
+     "'use_beam_search' is not supported: beam search is not implemented"},
+    {"prompt_logprobs", always, "'prompt_logprobs' is not supported"},
 };
 
 void refuse_unsupported(const json& body) {
@@ -257,6 +264,8 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
   p.max_tokens = max_tokens;
   p.min_tokens = integer(body, "min_tokens", 0);
   p.ignore_eos = boolean(body, "ignore_eos", false);
+  p.include_stop_str_in_output = boolean(body, "include_stop_str_in_output", false);
+  p.skip_special_tokens = boolean(body, "skip_special_tokens", true);
   if (const json* s = field(body, "seed")) {
     if (!s->is_number_integer() && !s->is_number_unsigned())
       fail("seed", "'seed' must be an integer");
@@ -497,9 +506,12 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   const json* prompt = field(body, "prompt");
   if (!prompt) fail("prompt", "'prompt' is required");
   r.echo = boolean(body, "echo", false);
+  // vLLM's: whether a text prompt gets the tokenizer's special tokens (BOS); ids are taken as
+  // given.
+  const bool add_special = boolean(body, "add_special_tokens", true);
   // prompt_texts stays aligned with prompts: the text as given, or the ids decoded (for echo).
   auto add_text = [&](const std::string& s) {
-    r.prompts.push_back(tokenizer.encode(s, true));
+    r.prompts.push_back(tokenizer.encode(s, add_special));
     r.prompt_texts.push_back(s);
   };
   auto add_ids = [&](const json& ids) {
@@ -615,7 +627,9 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   } catch (const Error& e) {
     fail("messages", e.what());
   }
-  r.prompts.push_back(tokenizer.encode(rendered, false));
+  // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
+  // tokenizer's (BOS) on top.
+  r.prompts.push_back(tokenizer.encode(rendered, boolean(body, "add_special_tokens", false)));
   const int64_t prompt_len = static_cast<int64_t>(r.prompts[0].size());
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =

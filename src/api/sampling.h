@@ -36,6 +36,10 @@ struct SamplingParams {
   static constexpr size_t kMaxStopStrings = 64;
   static constexpr size_t kMaxStopStringBytes = 256;
   bool ignore_eos = false;
+  // vLLM's: a stop string (or stop token's text) ends the answer with it rather than before it.
+  bool include_stop_str_in_output = false;
+  // vLLM's: special tokens (EOS, chat markup) add no text; with false their text is shown.
+  bool skip_special_tokens = true;
   // Added to the logits of these token ids before penalties and sampling (greedy included),
   // as OpenAI's logit_bias: (token id, bias in [-100, 100]), ascending ids, each once.
   std::vector<std::pair<int32_t, float>> logit_bias;

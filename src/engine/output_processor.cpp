@@ -21,9 +21,10 @@ size_t stop_holdback(std::string_view text, const std::vector<std::string>& stop
 
 OutputProcessor::OutputProcessor(const text::Tokenizer& tokenizer, const SamplingParams& params,
                                  const std::vector<int32_t>& eos)
-    : detok_(tokenizer, /*skip_special_tokens=*/true),
+    : detok_(tokenizer, params.skip_special_tokens),
       stop_ids_(end_token_ids(params, eos)),
       stop_strings_(params.stop),
+      include_stop_(params.include_stop_str_in_output),
       max_tokens_(params.max_tokens),
       min_tokens_(params.min_tokens) {
   // An empty stop string would match everywhere; SamplingParams::validate rejects it, and the
@@ -40,22 +41,27 @@ OutputDelta OutputProcessor::push(int32_t id) {
   // ids then; a forced one counts as text).
   const bool may_stop = num_tokens_ >= min_tokens_;
   if (may_stop && std::binary_search(stop_ids_.begin(), stop_ids_.end(), id)) {
+    if (include_stop_) text_ += detok_.push(id);
     text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
     finished_ = true;
     delta.finish_reason = "stop";
   } else {
     text_ += detok_.push(id);
-    size_t hit = std::string::npos;
+    size_t hit = std::string::npos, hit_size = 0;
     if (may_stop)
-      for (const auto& s : stop_strings_)
-        hit = std::min(
-            hit, text_.find(
-                     s, stop_search_from_ > s.size() - 1 ? stop_search_from_ - (s.size() - 1) : 0));
+      for (const auto& s : stop_strings_) {
+        const size_t at = text_.find(
+            s, stop_search_from_ > s.size() - 1 ? stop_search_from_ - (s.size() - 1) : 0);
+        if (at < hit) {
+          hit = at;
+          hit_size = s.size();
+        }
+      }
     // Text before it was searched already (or made within min_tokens): each step searches its
     // new text and the bytes a stop string may start in before it, not the whole answer again.
     stop_search_from_ = text_.size();
     if (hit != std::string::npos) {
-      text_.resize(hit);
+      text_.resize(include_stop_ ? hit + hit_size : hit);
       finished_ = true;
       delta.finish_reason = "stop";
     } else if (num_tokens_ >= max_tokens_) {

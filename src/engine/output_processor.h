@@ -1,9 +1,9 @@
 #pragma once
 // Turns one request's generated ids into streamed text and decides when the request ends: stop
 // token ids (the tokenizer's and the model's EOS unless ignore_eos), stop strings (the text ends
-// before the first match; bytes that could still grow into a stop string are held back until the
-// next token decides) and max_tokens. `tandem generate` and the serving engine share it, so both
-// stop at the same place.
+// before the first match, or after it with include_stop_str_in_output; bytes that could still grow
+// into a stop string are held back until the next token decides) and max_tokens. `tandem generate`
+// and the serving engine share it, so both stop at the same place.
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -27,7 +27,8 @@ class OutputProcessor {
   OutputProcessor(const text::Tokenizer& tokenizer, const SamplingParams& params,
                   const std::vector<int32_t>& eos_ids);
 
-  // Adds one generated id. A stop id is counted as generated but adds no text.
+  // Adds one generated id. A stop id is counted as generated but adds no text (its text with
+  // include_stop_str_in_output, as vLLM).
   OutputDelta push(int32_t id);
   bool finished() const { return finished_; }
   int64_t num_tokens() const { return num_tokens_; }
@@ -37,6 +38,7 @@ class OutputProcessor {
   text::IncrementalDetokenizer detok_;
   std::vector<int32_t> stop_ids_;  // end_token_ids(): sorted
   std::vector<std::string> stop_strings_;
+  bool include_stop_ = false;  // include_stop_str_in_output
   int64_t max_tokens_;
   int64_t min_tokens_;
   size_t stop_search_from_ = 0;  // where the text not searched for stop strings yet begins

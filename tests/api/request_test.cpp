@@ -236,6 +236,72 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
   }
 }
 
+// vLLM's extensions are honoured or refused by name, never accepted and ignored.
+TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
+  const json messages = {{{"role", "user"}, {"content", "Hi"}}};
+  // add_special_tokens: completions add the tokenizer's (BOS) by default, chats (whose template
+  // writes its own) do not; either way as the client asks.
+  EXPECT_EQ(parse_completion(json{{"prompt", "Hello"}}, tokenizer(), kLimits).prompts[0],
+            tokenizer().encode("Hello", true));
+  EXPECT_EQ(parse_completion(json{{"prompt", {"Hello", "Bye"}}, {"add_special_tokens", false}},
+                             tokenizer(), kLimits)
+                .prompts,
+            (std::vector<std::vector<int32_t>>{tokenizer().encode("Hello", false),
+                                               tokenizer().encode("Bye", false)}));
+  EXPECT_NE(tokenizer().encode("Hello", true), tokenizer().encode("Hello", false));
+  const auto plain =
+      parse_chat(json{{"messages", messages}}, tokenizer(), &chat_template(), kLimits);
+  const auto with_bos = parse_chat(json{{"messages", messages}, {"add_special_tokens", true}},
+                                   tokenizer(), &chat_template(), kLimits);
+  const std::string rendered = tokenizer().decode(plain.prompts[0], false);
+  EXPECT_EQ(plain.prompts[0], tokenizer().encode(rendered, false));
+  EXPECT_EQ(with_bos.prompts[0], tokenizer().encode(rendered, true));
+  EXPECT_EQ(parse_chat(json{{"messages", messages}, {"add_special_tokens", false}}, tokenizer(),
+                       &chat_template(), kLimits)
+                .prompts,
+            plain.prompts);
+  // Output text fields, read into the sampling parameters the engine's OutputProcessor follows.
+  const auto defaults = parse_completion(json{{"prompt", "x"}}, tokenizer(), kLimits).sampling;
+  EXPECT_FALSE(defaults.include_stop_str_in_output);
+  EXPECT_TRUE(defaults.skip_special_tokens);
+  const auto set = parse_chat(json{{"messages", messages},
+                                   {"include_stop_str_in_output", true},
+                                   {"skip_special_tokens", false}},
+                              tokenizer(), &chat_template(), kLimits)
+                       .sampling;
+  EXPECT_TRUE(set.include_stop_str_in_output);
+  EXPECT_FALSE(set.skip_special_tokens);
+  EXPECT_EQ(error_of([&] {
+              parse_completion(json{{"prompt", "x"}, {"skip_special_tokens", "no"}}, tokenizer(),
+                               kLimits);
+            }).param,
+            "skip_special_tokens");
+  // Not implemented: a 400 naming the field, in both dialects.
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"allowed_token_ids", {1, 2}},
+                                                 {"bad_words", {"x"}},
+                                                 {"use_beam_search", true},
+                                                 {"prompt_logprobs", 0}}) {
+    SCOPED_TRACE(field);
+    EXPECT_EQ(error_of([&] {
+                parse_completion(json{{"prompt", "x"}, {field, value}}, tokenizer(), kLimits);
+              }).param,
+              field);
+    EXPECT_EQ(error_of([&] {
+                parse_chat(json{{"messages", messages}, {field, value}}, tokenizer(),
+                           &chat_template(), kLimits);
+              }).param,
+              field);
+  }
+  // Their defaults ask for nothing.
+  EXPECT_NO_THROW(parse_completion(json{{"prompt", "x"},
+                                        {"bad_words", json::array()},
+                                        {"use_beam_search", false},
+                                        {"allowed_token_ids", nullptr},
+                                        {"prompt_logprobs", nullptr}},
+                                   tokenizer(), kLimits));
+}
+
 // Tools reach the prompt (DeepSeek-V3's template shows none, so a system message describes them
 // in the model's own markup) and the answer is read with the tokenizer's tool-call format.
 TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
