@@ -81,6 +81,30 @@ void check_trace_spread(const WorkloadCliOptions& o) {
         "one of the two");
 }
 
+// Flags the dataset does not use are refused as --trace-spread is above, not ignored: a run of
+// another workload than the one asked for costs its time and misleads. A flag at its default
+// reads as not given.
+void check_unused_flags(const WorkloadCliOptions& o) {
+  const WorkloadCliOptions defaults;
+  const bool synthetic = o.dataset == "random" || o.dataset == "prefix-repetition";
+  if (synthetic || o.dataset == "sharegpt") {
+    for (const auto& [flag, given] :
+         {std::pair{"--trace-start", o.trace_start != defaults.trace_start},
+          std::pair{"--trace-limit", o.trace_limit != defaults.trace_limit},
+          std::pair{"--time-scale", o.time_scale != defaults.time_scale}})
+      if (given)
+        throw Error(std::string(flag) +
+                    " applies to the traces (--dataset-name mooncake or azure), not " + o.dataset);
+    if (synthetic && !o.dataset_path.empty())
+      throw Error("--dataset-path: --dataset-name " + o.dataset +
+                  " reads no file (its prompts are made up)");
+  }
+  if (o.trace() && std::isfinite(o.request_rate) && o.time_scale != defaults.time_scale)
+    throw Error(
+        "--time-scale scales the trace's own arrivals, which --request-rate replaces: give one "
+        "of the two");
+}
+
 void check_range(const char* flag, int64_t value, int64_t low, int64_t high) {
   if (value < low || value > high)
     throw Error(std::string(flag) + ": expected " + std::to_string(low) + ".." +
@@ -146,6 +170,7 @@ std::vector<double> rate_arrivals(size_t n, const WorkloadCliOptions& o) {
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
   check_workload_flags(o);
   check_trace_spread(o);
+  check_unused_flags(o);
   if (!o.trace() || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
   // A trace is its records (a few numbers, or hash ids, each) until a request is sent, so a
   // whole trace needs no bound on its prompt tokens in all (the Mooncake conversation trace has
@@ -194,6 +219,7 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
   if ((o.trace() || o.dataset == "sharegpt") && o.dataset_path.empty())
     throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
   check_trace_spread(o);
+  check_unused_flags(o);
   bench::TraceWindow window;
   window.start = o.trace_start;
   window.limit = o.trace_limit;

@@ -512,5 +512,44 @@ TEST(BenchCommands, AnOutputThatCannotBeWrittenIsRefusedBeforeTheRun) {
   std::filesystem::remove_all(dir);
 }
 
+// A flag the dataset does not use is refused, as --trace-spread with --request-rate is, not
+// ignored: the run would be of another workload than the one asked for.
+TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
+  const std::string trace = test::source_dir().string() +
+                            "/tests/data/bench/mooncake_conversation_head200.jsonl --trace-limit 2";
+  const std::pair<std::string, std::string> cases[] = {
+      {"--trace-start 1",
+       "--trace-start applies to the traces (--dataset-name mooncake or azure), not random"},
+      {"--trace-limit 1", "--trace-limit applies to the traces"},
+      {"--time-scale 2", "--time-scale applies to the traces"},
+      {"--dataset-name prefix-repetition --time-scale 0",
+       "--time-scale applies to the traces (--dataset-name mooncake or azure), not "
+       "prefix-repetition"},
+      {"--dataset-name sharegpt --dataset-path x.json --trace-limit 5",
+       "--trace-limit applies to the traces (--dataset-name mooncake or azure), not sharegpt"},
+      {"--dataset-path x.json", "--dataset-path: --dataset-name random reads no file"},
+      {"--dataset-name prefix-repetition --dataset-path x.json",
+       "--dataset-path: --dataset-name prefix-repetition reads no file"},
+      {"--dataset-name mooncake --dataset-path " + trace + " --request-rate 5 --time-scale 2",
+       "--time-scale scales the trace's own arrivals, which --request-rate replaces"},
+  };
+  for (const char* command : kSmallRuns) {
+    for (const auto& [flags, error] : cases) {
+      const auto r = run_tandem(std::string(command) + " " + flags);
+      EXPECT_NE(r.status, 0) << command << " " << flags;
+      EXPECT_THAT(r.output, ::testing::HasSubstr(error)) << command << " " << flags;
+      EXPECT_EQ(r.output.find("Serving Benchmark Result"), std::string::npos) << r.output;
+    }
+  }
+  // At their defaults they read as not given; a trace takes them, and a rate without them.
+  for (const std::string flags :
+       {std::string("--trace-start 0 --trace-limit 0 --time-scale 1"),
+        "--dataset-name mooncake --dataset-path " + trace + " --trace-start 1 --time-scale 0.5",
+        "--dataset-name mooncake --dataset-path " + trace + " --request-rate 5"}) {
+    const auto r = run_tandem(std::string(kSmallRuns[1]) + " " + flags);
+    EXPECT_EQ(r.status, 0) << flags << "\n" << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace tandem::bench
