@@ -70,10 +70,17 @@ std::string sweep_report(const std::vector<SweepRow>& rows, const std::string& t
     cfg += "<tr><th>" + escape(k) + "</th><td>" + escape(v) + "</td></tr>";
   body += section("config", "Configuration", cfg + "</table>");
 
-  std::string plots = "<div class=\"grid2\">";
-  plots += plot(
-      rows, "Goodput (requests meeting every SLO)", "req/s",
-      [](const SweepRow& r) { return r.goodput; }, "", nullptr, "", false);
+  // Without an SLO there is no goodput: a line at 0 would read as no request meeting them.
+  const bool no_slo =
+      !rows.empty() && std::none_of(rows.begin(), rows.end(),
+                                    [](const SweepRow& r) { return r.goodput.has_value(); });
+  std::string plots = no_slo ? "<p>No goodput SLO was given (<code>--goodput</code>), so there is "
+                               "no goodput to plot.</p><div class=\"grid2\">"
+                             : "<div class=\"grid2\">";
+  if (!no_slo)
+    plots += plot(
+        rows, "Goodput (requests meeting every SLO)", "req/s",
+        [](const SweepRow& r) { return r.goodput.value_or(0); }, "", nullptr, "", false);
   plots += plot(
       rows, "TTFT p50 (solid) and p99 (dashed)", "ms", [](const SweepRow& r) { return r.ttft_p50; },
       " p50", [](const SweepRow& r) { return r.ttft_p99; }, " p99", true);
@@ -92,7 +99,7 @@ std::string sweep_report(const std::vector<SweepRow>& rows, const std::string& t
   for (const SweepRow& r : rows)
     table += "<tr><td>" + std::to_string(r.prefill) + "</td><td>" + std::to_string(r.decode) +
              "</td><td>" + fixed2(ratio(r)) + "</td><td>" + escape(r.policy) + "</td><td>" +
-             printf_string("%.3f", r.goodput) + "</td><td>" +
+             (r.goodput ? printf_string("%.3f", *r.goodput) : std::string("n/a")) + "</td><td>" +
              printf_string("%.3f", r.request_rate) + "</td><td>" +
              printf_string("%.0f", r.ttft_p50) + "</td><td>" + printf_string("%.0f", r.ttft_p90) +
              "</td><td>" + printf_string("%.0f", r.ttft_p99) + "</td><td>" +

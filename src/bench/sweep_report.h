@@ -3,6 +3,7 @@
 // many prefill and decode engines for an SLO at a rate, answered as plots of goodput and of
 // TTFT and TPOT percentiles against the P:D ratio (one line per policy and decode count), and
 // the grid's table. Self-contained like tandem bench's report (bench/html_plot.h).
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,7 +13,8 @@ namespace tandem::bench {
 struct SweepRow {
   int prefill = 0, decode = 0;
   std::string policy;
-  double goodput = 0, request_rate = 0;                                         // req/s
+  std::optional<double> goodput;  // req/s; none without an SLO (vLLM's null request_goodput)
+  double request_rate = 0;        // req/s
   double ttft_p50 = 0, ttft_p90 = 0, ttft_p99 = 0, tpot_p50 = 0, tpot_p99 = 0;  // ms
   double hit_rate = 0;                                                          // 0..1
 };

@@ -162,10 +162,12 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
     const bench::BenchSummary s = bench::summarize(r.results, r.duration_s, mo);
     const double hit = r.prefix_queries > 0 ? r.prefix_hits / r.prefix_queries : 0;
     const double ratio = p.decode > 0 ? double(p.prefill) / double(p.decode) : 0;
-    std::printf("%7d %6d %5.2f %-12s %9.3f %9.3f %9.0f %9.0f %9.0f %9.1f %9.1f %7.2f\n", p.prefill,
-                p.decode, ratio, p.policy.c_str(), s.request_goodput.value_or(0),
-                s.request_throughput, pct(s.ttft, 50), pct(s.ttft, 90), pct(s.ttft, 99),
-                pct(s.tpot, 50), pct(s.tpot, 99), 100 * hit);
+    // Without an SLO there is no goodput (null in the JSON): n/a, not 0.
+    char goodput[32] = "n/a";
+    if (s.request_goodput) std::snprintf(goodput, sizeof goodput, "%.3f", *s.request_goodput);
+    std::printf("%7d %6d %5.2f %-12s %9s %9.3f %9.0f %9.0f %9.0f %9.1f %9.1f %7.2f\n", p.prefill,
+                p.decode, ratio, p.policy.c_str(), goodput, s.request_throughput, pct(s.ttft, 50),
+                pct(s.ttft, 90), pct(s.ttft, 99), pct(s.tpot, 50), pct(s.tpot, 99), 100 * hit);
     std::fflush(stdout);
     json row = bench::to_json(s);
     row["prefill"] = p.prefill;
@@ -174,9 +176,9 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
     row["prefix_cache_hit_rate"] = hit;
     row["kv_transfers"] = r.kv_transfers;
     rows.push_back(row);
-    report_rows.push_back({p.prefill, p.decode, p.policy, s.request_goodput.value_or(0),
-                           s.request_throughput, pct(s.ttft, 50), pct(s.ttft, 90), pct(s.ttft, 99),
-                           pct(s.tpot, 50), pct(s.tpot, 99), hit});
+    report_rows.push_back({p.prefill, p.decode, p.policy, s.request_goodput, s.request_throughput,
+                           pct(s.ttft, 50), pct(s.ttft, 90), pct(s.ttft, 99), pct(s.tpot, 50),
+                           pct(s.tpot, 99), hit});
   }
   std::string html, result;
   if (!o.outputs.html.empty()) {

@@ -551,5 +551,18 @@ TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
   }
 }
 
+// A sweep without an SLO has no goodput: its rows say n/a, not 0.000 (and with one, a number).
+TEST(BenchCommands, ASweepWithoutAnSloSaysItsGoodputIsNotApplicable) {
+  const std::string sweep = std::string(kSmallRuns[1]) + " --sweep decode=1,2";
+  auto r = run_tandem(sweep);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\n      0      1  0.00 tandem\\s+n/a "));
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\n      0      2  0.00 tandem\\s+n/a "));
+  r = run_tandem(sweep + " --goodput ttft:1000000");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("\n      0      1  0.00 tandem\\s+[0-9.]+ "));
+  EXPECT_EQ(r.output.find("n/a"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace tandem::bench

@@ -511,6 +511,19 @@ TEST(SweepReport, PlotsEveryLineAgainstTheRatioAndTablesEveryPoint) {
   EXPECT_THAT(html, Not(HasSubstr("<script")));
 }
 
+// Without an SLO a sweep has no goodput (null in its JSON): the table says n/a and the goodput
+// plot is left out, where a line at 0 read as no request meeting the SLOs.
+TEST(SweepReport, WithoutAnSloTheGoodputIsNotApplicableNotZero) {
+  std::vector<SweepRow> rows = sample_sweep();
+  for (SweepRow& r : rows) r.goodput.reset();
+  const std::string html = sweep_report(rows, "sweep", {});
+  EXPECT_EQ(count(html, "<svg "), 3u);  // TTFT, TPOT, hit rate
+  EXPECT_THAT(html, Not(HasSubstr("Goodput (requests meeting every SLO)")));
+  EXPECT_THAT(html, HasSubstr("No goodput SLO was given"));
+  EXPECT_EQ(count(html, "<td>n/a</td>"), 12u);
+  EXPECT_THAT(html, Not(HasSubstr("<td>0.000</td>")));
+}
+
 TEST(SweepReport, RendersWithoutAPoint) {
   const std::string html = sweep_report({}, "empty", {});
   EXPECT_EQ(count(html, "no data"), 4u);
