@@ -486,6 +486,29 @@ std::optional<std::string> cache_salt_of(const json& body) {
   return salt->get<std::string>();
 }
 
+// vLLM's truncate_prompt_tokens: each prompt keeps its last k tokens (-1: as many as the context
+// holds). Echo shows the prompt the model saw.
+void truncate_prompts(const json& body, ApiRequest& r, const ModelLimits& limits,
+                      const text::Tokenizer& tokenizer) {
+  if (!field(body, "truncate_prompt_tokens")) return;
+  int64_t keep = integer(body, "truncate_prompt_tokens", 0);
+  if (keep == -1 && limits.max_model_len > 0) keep = limits.max_model_len;
+  if (keep == -1) return;  // the context is not known here: the engine judges the length
+  if (keep < 1)
+    fail("truncate_prompt_tokens",
+         "'truncate_prompt_tokens' must be -1 or at least 1, got " + std::to_string(keep));
+  if (limits.max_model_len > 0 && keep > limits.max_model_len)
+    fail("truncate_prompt_tokens",
+         "'truncate_prompt_tokens' (" + std::to_string(keep) + ") is greater than max_model_len (" +
+             std::to_string(limits.max_model_len) + "): select a smaller truncation size");
+  for (size_t i = 0; i < r.prompts.size(); ++i) {
+    auto& ids = r.prompts[i];
+    if (static_cast<int64_t>(ids.size()) <= keep) continue;
+    ids.erase(ids.begin(), ids.end() - keep);
+    if (r.echo) r.prompt_texts[i] = tokenizer.decode(ids, false);
+  }
+}
+
 // A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
 void check_prompt_count(const json& list, const char* name) {
   if (list.size() > kMaxPromptsPerRequest)
@@ -539,6 +562,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
+  truncate_prompts(body, r, limits, tokenizer);
   r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), "max_tokens",
                              limits.vocab_size, &ordered);
   r.stream = boolean(body, "stream", false);
@@ -549,6 +573,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
       fail("logprobs", "'logprobs' must be an integer between 0 and 20");
     r.logprobs = lp->get<int32_t>();
   }
+  r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
   expand_n(r, integer(body, "n", 1), body);
@@ -630,6 +655,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.
   r.prompts.push_back(tokenizer.encode(rendered, boolean(body, "add_special_tokens", false)));
+  truncate_prompts(body, r, limits, tokenizer);
   const int64_t prompt_len = static_cast<int64_t>(r.prompts[0].size());
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =
@@ -654,6 +680,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     r.logprobs = static_cast<int32_t>(top);
   else if (top > 0)
     fail("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true");
+  r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");

@@ -34,6 +34,9 @@ struct ApiRequest {
   bool stream = false, include_usage = false;
   int32_t logprobs = -1;  // -1: none, else the number of top alternatives per token
   bool echo = false;
+  // vLLM's return_tokens_as_token_ids: logprob tokens are shown as "token_id:N", which names
+  // tokens whose bytes are no text.
+  bool tokens_as_ids = false;
   int64_t priority = 0;
   // vLLM's cache_salt: prefix-cache entries are shared only by requests with the same salt (one
   // tenant cannot probe another's prompts by their cache hits).

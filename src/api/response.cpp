@@ -14,6 +14,11 @@ std::string token_text(const text::Tokenizer& tok, int32_t id) {
   return utf8::to_valid_lossy(tok.token_bytes(id));
 }
 
+// A logprob's token as the request asked to see it: its text, or "token_id:N".
+std::string shown_token(const ApiRequest& r, const text::Tokenizer& tok, int32_t id) {
+  return r.tokens_as_ids ? "token_id:" + std::to_string(id) : token_text(tok, id);
+}
+
 // A log-probability as OpenAI sends it: -inf (a token the constraints ruled out) is -9999, which
 // JSON can carry.
 double wire_logprob(float v) {
@@ -152,7 +157,7 @@ json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t 
   size_t offset = text_offset;
   for (size_t i = first; i < c.logprobs.size(); ++i) {
     const auto& lp = c.logprobs[i];
-    const std::string t = token_text(tokenizer_, lp.token);
+    const std::string t = shown_token(request_, tokenizer_, lp.token);
     tokens.push_back(t);
     lps.push_back(wire_logprob(lp.logprob));
     offsets.push_back(offset);
@@ -162,7 +167,7 @@ json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t 
     // logprobs 0 the sampled token alone. Tokens of the same text share an entry, the last one's.
     json top = json::object();
     top[t] = wire_logprob(lp.logprob);
-    for (const auto& [id, v] : lp.top) top[token_text(tokenizer_, id)] = wire_logprob(v);
+    for (const auto& [id, v] : lp.top) top[shown_token(request_, tokenizer_, id)] = wire_logprob(v);
     tops.push_back(std::move(top));
   }
   return {{"tokens", tokens},
@@ -173,7 +178,9 @@ json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t 
 
 json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
   auto entry = [&](int32_t id, float v) {
-    const std::string raw = tokenizer_.token_bytes(id);
+    // With token ids shown, bytes are the shown string's, as vLLM sends them.
+    const std::string raw =
+        request_.tokens_as_ids ? shown_token(request_, tokenizer_, id) : tokenizer_.token_bytes(id);
     json bytes = json::array();
     for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
     return json{

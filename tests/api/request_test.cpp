@@ -302,6 +302,46 @@ TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
                                    tokenizer(), kLimits));
 }
 
+// vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (-1: the context's worth).
+TEST(Protocol, TruncatePromptTokensKeepsTheLastTokens) {
+  const std::vector<int32_t> ids = tokenizer().encode("one two three four five six", true);
+  ASSERT_GT(ids.size(), 4u);
+  const std::vector<int32_t> last3(ids.end() - 3, ids.end());
+  auto r = parse_completion(json{{"prompt", {json(ids), json("one two three four five six")}},
+                                 {"truncate_prompt_tokens", 3},
+                                 {"echo", true}},
+                            tokenizer(), kLimits);
+  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{last3, last3}));
+  // Echo shows the prompt the model saw.
+  EXPECT_EQ(r.prompt_texts[1], tokenizer().decode(last3, false));
+  // Shorter prompts are kept whole; -1 keeps what the context holds.
+  EXPECT_EQ(
+      parse_completion(json{{"prompt", ids}, {"truncate_prompt_tokens", 100}}, tokenizer(), kLimits)
+          .prompts[0],
+      ids);
+  EXPECT_EQ(
+      parse_completion(json{{"prompt", ids}, {"truncate_prompt_tokens", -1}}, tokenizer(), kLimits)
+          .prompts[0],
+      ids);
+  // A chat's rendered prompt too, with the default max tokens the room it leaves.
+  const json messages = {{{"role", "user"}, {"content", "Hello there, how are you?"}}};
+  const auto whole =
+      parse_chat(json{{"messages", messages}}, tokenizer(), &chat_template(), kLimits);
+  const auto cut = parse_chat(json{{"messages", messages}, {"truncate_prompt_tokens", 4}},
+                              tokenizer(), &chat_template(), kLimits);
+  EXPECT_EQ(cut.prompts[0],
+            std::vector<int32_t>(whole.prompts[0].end() - 4, whole.prompts[0].end()));
+  EXPECT_EQ(cut.sampling.max_tokens, 4096 - 4);
+  for (const json& bad : {json(0), json(-2), json(5000), json("3")}) {
+    SCOPED_TRACE(bad.dump());
+    EXPECT_EQ(error_of([&] {
+                parse_completion(json{{"prompt", ids}, {"truncate_prompt_tokens", bad}},
+                                 tokenizer(), kLimits);
+              }).param,
+              "truncate_prompt_tokens");
+  }
+}
+
 // Tools reach the prompt (DeepSeek-V3's template shows none, so a system message describes them
 // in the model's own markup) and the answer is read with the tokenizer's tool-call format.
 TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
@@ -857,6 +897,47 @@ TEST(Protocol, CompletionLogprobsHoldTheSampledTokenAndCountCharacters) {
       EXPECT_EQ(streamed_offsets, lp["text_offset"]);
     }
   }
+}
+
+// vLLM's return_tokens_as_token_ids: logprob tokens as "token_id:N" (offsets count that text,
+// as vLLM's len(token); chat bytes are its bytes).
+TEST(Protocol, ReturnTokensAsTokenIdsNamesLogprobTokensByTheirIds) {
+  const json messages = {{{"role", "user"}, {"content", "Hi"}}};
+  EXPECT_TRUE(parse_completion(json{{"prompt", "x"}, {"return_tokens_as_token_ids", true}},
+                               tokenizer(), kLimits)
+                  .tokens_as_ids);
+  EXPECT_TRUE(parse_chat(json{{"messages", messages}, {"return_tokens_as_token_ids", true}},
+                         tokenizer(), &chat_template(), kLimits)
+                  .tokens_as_ids);
+  RequestOutput o = output({10, 11}, "ab", true, "length");
+  for (int32_t id : {10, 11}) {
+    TokenLogprob lp;
+    lp.token = id;
+    lp.logprob = -1;
+    lp.top = {{12, -0.5f}};
+    o.logprobs.push_back(lp);
+  }
+  ApiRequest req;
+  req.kind = ApiKind::kCompletion;
+  req.model = "m";
+  req.prompts = {{1, 2}};
+  req.prompt_texts = {""};
+  req.logprobs = 1;
+  req.tokens_as_ids = true;
+  ResponseBuilder completion(req, tokenizer(), "cmpl-1", 1);
+  completion.on_output(0, o);
+  const json lp = completion.final_body()["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"], json({"token_id:10", "token_id:11"}));
+  EXPECT_EQ(lp["text_offset"], json({0, 11}));
+  EXPECT_EQ(lp["top_logprobs"][1], json({{"token_id:11", -1.0}, {"token_id:12", -0.5}}));
+  req.kind = ApiKind::kChat;
+  ResponseBuilder chat(req, tokenizer(), "chatcmpl-1", 1);
+  chat.on_output(0, o);
+  const json content = chat.final_body()["choices"][0]["logprobs"]["content"];
+  EXPECT_EQ(content[0]["token"], "token_id:10");
+  const std::string shown = "token_id:10";
+  EXPECT_EQ(content[0]["bytes"], json(std::vector<int>(shown.begin(), shown.end())));
+  EXPECT_EQ(content[0]["top_logprobs"][0]["token"], "token_id:12");
 }
 
 // A token that adds no text yet (held back for a stop string, half a character) still streams
