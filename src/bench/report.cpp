@@ -515,7 +515,7 @@ std::vector<json> read_access_log(const std::filesystem::path& path) {
     try {
       entry = json::parse(line);
     } catch (const json::parse_error& e) {
-      throw Error(where + "not a JSON line (" + e.what() + ")");
+      throw Error(where + "not a JSON line (" + json_error_text(e) + ")");
     }
     if (std::string p = access_entry_problem(entry); !p.empty()) throw Error(where + p);
     out.push_back(std::move(entry));

@@ -71,11 +71,6 @@ std::string number(double v) {
   return out.str();
 }
 
-// A cell as an error message quotes it: a line may be 64 MiB.
-std::string excerpt(const std::string& cell) {
-  return "\"" + (cell.size() <= 40 ? cell : cell.substr(0, 40) + "...") + "\"";
-}
-
 // A record `offset_s` after the window's first, replayed at the window's time scale, must be
 // sent within kMaxArrivalSeconds: the clocks that schedule it count int64 nanoseconds.
 void check_arrival(const std::string& at, double offset_s, const TraceWindow& w) {
@@ -194,6 +189,29 @@ bool parse_int(const std::string& s, int64_t& value) {
 }
 
 }  // namespace
+
+std::string excerpt(std::string_view text) {
+  constexpr size_t kBytes = 40;
+  if (text.size() <= kBytes) return "\"" + std::string(text) + "\"";
+  size_t cut = kBytes;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return "\"" + std::string(text.substr(0, cut)) + "...\"";
+}
+
+std::string json_error_text(const std::exception& error) {
+  // nlohmann: "... parse error at line L, column C: syntax error while parsing value - <what>;
+  // last read: '<token>'", maybe followed by "; expected <a token type>".
+  const std::string what = error.what();
+  constexpr std::string_view kRead = "; last read: '";
+  const size_t read = what.find(kRead);
+  if (read == std::string::npos) return what.size() <= 400 ? what : what.substr(0, 400) + "...";
+  const size_t token = read + kRead.size();
+  size_t end = what.rfind("'; expected ");
+  if (end == std::string::npos || end < token || what.size() - end > 64) end = what.size() - 1;
+  return what.substr(0, read) +
+         "; last read: " + excerpt(std::string_view(what).substr(token, end - token)) +
+         what.substr(end + 1);
+}
 
 void check_input_file(const std::filesystem::path& path, const std::string& what) {
   std::error_code ec;
@@ -370,7 +388,7 @@ std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
   try {
     data = json::parse(read_file(o.path));
   } catch (const json::exception& e) {
-    throw Error(where + ": malformed JSON: " + e.what());
+    throw Error(where + ": malformed JSON: " + json_error_text(e));
   }
   require(data.is_array(), where + ": expected a JSON list of conversations");
 
@@ -447,7 +465,7 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
     try {
       j = json::parse(line);
     } catch (const json::exception& e) {
-      throw Error(at + ": malformed JSON: " + e.what());
+      throw Error(at + ": malformed JSON: " + json_error_text(e));
     }
     require(j.is_object(), at + ": expected a JSON object");
     MooncakeRecord r;

@@ -9,12 +9,14 @@
 // ids (tokens-in) or the text and the server sees the same prompt. Every generator is
 // deterministic for a given seed, on every platform (bench/rng.h).
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <istream>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "text/tokenizer.h"
@@ -35,6 +37,14 @@ constexpr size_t kMaxLineBytes = size_t{64} << 20;
 // one, or a trace window that `tandem bench` replays (100 Azure rows of 10^7 tokens ran 107 s
 // into an allocation failure). `tandem simulate` makes a trace's requests as it sends them.
 constexpr int64_t kMaxWorkloadPromptTokens = 100'000'000;
+
+// Text from a file as an error message quotes it: in double quotes, its first 40 bytes (cut at
+// a character boundary) and "..." when cut. A line may be 64 MiB.
+std::string excerpt(std::string_view text);
+// A JSON parser's error as an error message quotes it: its words and position (line, column)
+// whole, the text it last read cut as excerpt() cuts it. nlohmann's message holds the whole
+// token, so a line with a 50 MB string made a 50 MB error line.
+std::string json_error_text(const std::exception& error);
 
 // One line of `in` without its '\n' (and '\r'). False at the end of the input; throws
 // tandem::Error naming `what` and the line number `line_no` (1-based) when the line is longer

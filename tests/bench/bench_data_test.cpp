@@ -17,6 +17,7 @@
 
 #include "bench/arrivals.h"
 #include "bench/metrics.h"
+#include "bench/report.h"
 #include "bench/rng.h"
 #include "bench/workload.h"
 #include "text/oracle_support.h"
@@ -706,6 +707,43 @@ TEST_F(BenchData, ATraceWindowMadeWholeIsBoundedInPromptTokensNamingTheLine) {
   m.max_prompt_tokens += 1;
   m.window.limit = 3;
   EXPECT_EQ(mooncake_workload(*vocab_, m).size(), 3u);
+}
+
+// A malformed JSON line is quoted in the error as a cell of a CSV is, its first 40 bytes: the
+// parser's message held the whole token, and a line with a 50 MB string made a 50 MB error. Its
+// words and position (line, column) stay.
+TEST_F(BenchData, AMalformedJsonLineIsQuotedShortKeepingItsPosition) {
+  const std::string big(1'000'000, 'A');
+  const auto expect_short = [&](const std::string& error, const std::string& start) {
+    EXPECT_LT(error.size(), 600u) << error.substr(0, 600);
+    EXPECT_THAT(error, HasSubstr(start));
+    EXPECT_THAT(error, HasSubstr("missing closing quote; last read: \"\"AAAAAAAAAA"));
+    EXPECT_THAT(error, HasSubstr("AAA...\""));
+  };
+  const auto mooncake =
+      write_trace("json-error-mooncake", mooncake_line("0") + "{\"timestamp\": \"" + big + "\n");
+  expect_short(error_of([&] { read_mooncake_trace(mooncake, {}); }),
+               mooncake.string() + ":2: malformed JSON: [json.exception.parse_error.101] parse " +
+                   "error at line 1, column 1000016: syntax error while parsing value - invalid " +
+                   "string: missing closing quote; last read: ");
+  ShareGptOptions sharegpt;
+  sharegpt.path = write_trace("json-error-sharegpt", "[\n{\"conversations\": \"" + big);
+  expect_short(error_of([&] { sharegpt_workload(*tokenizer_, sharegpt); }),
+               "malformed JSON: [json.exception.parse_error.101] parse error at line 2, column " +
+                   std::to_string(big.size() + 20) + ": syntax error");
+  const auto log = write_trace("json-error-log", "\"" + big + "\n");
+  expect_short(error_of([&] { read_access_log(log); }),
+               "access log " + log.string() + ":1: not a JSON line ([json.exception.parse_error." +
+                   "101] parse error at line 1, column " + std::to_string(big.size() + 2));
+  // What follows the text read ("; expected ...") is kept.
+  const auto expected = write_trace("json-error-expected", R"({"a": 1 )" + big + "\n");
+  EXPECT_THAT(error_of([&] { read_mooncake_trace(expected, {}); }),
+              HasSubstr("column 9: syntax error while parsing object - invalid literal; last read: "
+                        "\"1 A\"; expected '}'"));
+  // A multi-byte character is not split by the cut.
+  EXPECT_EQ(excerpt(std::string(39, 'x') + "\xc3\xa9" + "yz"),
+            "\"" + std::string(39, 'x') + "...\"");
+  EXPECT_EQ(excerpt("short"), "\"short\"");
 }
 
 // --- arrivals ------------------------------------------------------------------------------
