@@ -24,18 +24,25 @@ int count_of(const std::string& text, const std::string& spec) {
   return v;
 }
 
-std::vector<std::string> split(const std::string& s, char sep) {
+// A list's values, each of them there: an empty one ("1,2," or "1,,2") is refused wherever it
+// is (std::getline dropped a trailing one, so "decode=1,2," passed as 1,2 while ",1,2" failed).
+std::vector<std::string> values_of(const std::string& list, const std::string& spec) {
   std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string part; std::getline(in, part, sep);) out.push_back(part);
-  return out;
+  for (size_t from = 0;;) {
+    const size_t comma = list.find(',', from);
+    out.push_back(list.substr(from, comma == std::string::npos ? std::string::npos : comma - from));
+    if (out.back().empty())
+      throw Error("--sweep " + spec + ": an empty value in the list (a comma too many?)");
+    if (comma == std::string::npos) return out;
+    from = comma + 1;
+  }
 }
 
 std::vector<int> counts(const std::string& values, const std::string& spec) {
   std::vector<int> out;
   const auto dots = values.find("..");
   if (dots == std::string::npos) {
-    for (const auto& v : split(values, ',')) out.push_back(count_of(v, spec));
+    for (const auto& v : values_of(values, spec)) out.push_back(count_of(v, spec));
   } else {
     const int from = count_of(values.substr(0, dots), spec);
     std::string rest = values.substr(dots + 2);
@@ -88,7 +95,7 @@ std::vector<SweepPoint> sweep_points(const std::vector<std::string>& specs,
     else if (key == "decode")
       refuse_repeats(decode = counts(values, spec), spec);
     else if (key == "policy")
-      refuse_repeats(policy = split(values, ','), spec);
+      refuse_repeats(policy = values_of(values, spec), spec);
     else
       throw Error("--sweep " + spec + ": unknown key '" + key + "' (prefill, decode or policy)");
   }

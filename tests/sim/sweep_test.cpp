@@ -69,5 +69,22 @@ TEST(Sweep, BadSpecsNameTheSpec) {
   EXPECT_THROW(sweep_points({"prefill=1..64/1", "decode=1..64/1"}, {1, 1, "p"}), Error);
 }
 
+// An empty value is refused wherever it is in a list: a trailing one ("decode=1,2,") passed as
+// if it were not there, while a leading one was refused.
+TEST(Sweep, AnEmptyValueInAListIsRefusedWhereverItIs) {
+  for (const std::string bad : {"decode=1,2,", "decode=,1,2", "decode=1,,2", "prefill=4,",
+                                "policy=tandem,", "policy=,tandem", "policy=a,,b", "decode=,"}) {
+    try {
+      sweep_points({bad}, {1, 1, "p"});
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                "--sweep " + bad + ": an empty value in the list (a comma too many?)");
+    }
+  }
+  EXPECT_EQ(describe(sweep_points({"decode=1,2", "policy=a"}, {1, 1, "p"})),
+            (std::vector<std::string>{"1/1/a", "1/2/a"}));
+}
+
 }  // namespace
 }  // namespace tandem::sim
