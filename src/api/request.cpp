@@ -11,6 +11,7 @@
 #include "api/body_fields.h"
 #include "structured/ordered_json.h"
 #include "structured/tool_call_grammar.h"
+#include "text/jinja/value.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
@@ -509,6 +510,37 @@ void truncate_prompts(const json& body, ApiRequest& r, const ModelLimits& limits
   }
 }
 
+// vLLM's continue_final_message, as transformers' apply_chat_template does it: the chat rendered
+// without a generation prompt is cut after the final message's content (the last text part of a
+// list), so the model continues that message. Python's str.strip() white space throughout.
+std::string continue_final(std::string rendered, const json& final_message) {
+  const json* content = field(final_message, "content");
+  std::string text;
+  if (content && content->is_string()) {
+    text = content->get<std::string>();
+  } else if (content && content->is_array() && !content->empty()) {
+    text = content->back()["text"].get<std::string>();  // parts were checked to be text
+  } else {
+    fail("continue_final_message", "'continue_final_message' needs a final message with content");
+  }
+  const std::u32string cps = text::jinja::to_u32(text);
+  size_t begin = 0, end = cps.size();
+  while (begin < end && text::jinja::py_isspace(cps[begin])) ++begin;
+  while (end > begin && text::jinja::py_isspace(cps[end - 1])) --end;
+  const std::string stripped = text::jinja::from_u32(cps.substr(begin, end - begin));
+  const size_t lstripped = text::jinja::from_u32(cps.substr(begin)).size();
+  const size_t at = rendered.rfind(stripped);
+  if (at == std::string::npos)
+    fail("continue_final_message",
+         "continue_final_message is set but the final message does not appear in the chat after "
+         "applying the chat template");
+  if (rendered.compare(at, lstripped, text) == 0 && lstripped == text.size())
+    rendered.resize(at + lstripped);  // the template kept the message's trailing space
+  else
+    rendered.resize(at + stripped.size());
+  return rendered;
+}
+
 // A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
 void check_prompt_count(const json& list, const char* name) {
   if (list.size() > kMaxPromptsPerRequest)
@@ -622,11 +654,16 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order);
   r.tool_calls = tools.format;
   r.tool_choice_named = tools.named;
-  nlohmann::ordered_json ctx = {
-      {"messages", msgs},
-      {"add_generation_prompt", boolean(body, "add_generation_prompt", true)},
-      {"bos_token", tokenizer.bos_token()},
-      {"eos_token", tokenizer.eos_token()}};
+  const bool add_generation_prompt = boolean(body, "add_generation_prompt", true);
+  const bool continue_final_message = boolean(body, "continue_final_message", false);
+  if (continue_final_message && add_generation_prompt)
+    fail("continue_final_message",
+         "Cannot set both `continue_final_message` and `add_generation_prompt` to True: send "
+         "\"add_generation_prompt\": false");
+  nlohmann::ordered_json ctx = {{"messages", msgs},
+                                {"add_generation_prompt", add_generation_prompt},
+                                {"bos_token", tokenizer.bos_token()},
+                                {"eos_token", tokenizer.eos_token()}};
   if (tools_field) ctx["tools"] = tools_in_order;
   if (const json* kw = field(body, "chat_template_kwargs")) {
     if (!kw->is_object()) fail("chat_template_kwargs", "'chat_template_kwargs' must be an object");
@@ -652,6 +689,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   } catch (const Error& e) {
     fail("messages", e.what());
   }
+  if (continue_final_message) rendered = continue_final(std::move(rendered), messages->back());
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.
   r.prompts.push_back(tokenizer.encode(rendered, boolean(body, "add_special_tokens", false)));

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "structured/matcher.h"
+#include "structured/ordered_json.h"
 #include "text/chat_template.h"
 #include "util/utf8.h"
 
@@ -339,6 +340,46 @@ TEST(Protocol, TruncatePromptTokensKeepsTheLastTokens) {
                                  tokenizer(), kLimits);
               }).param,
               "truncate_prompt_tokens");
+  }
+}
+
+// vLLM's continue_final_message (transformers' rule): the prompt is the chat rendered without a
+// generation prompt, up to the end of the final message's content, so the model continues it.
+TEST(Protocol, ContinueFinalMessageEndsThePromptInTheFinalMessage) {
+  for (const std::string answer : {"The answer is", "The answer is ", "  Leading"}) {
+    SCOPED_TRACE("'" + answer + "'");
+    const json messages = {{{"role", "user"}, {"content", "What is 6 x 7?"}},
+                           {{"role", "assistant"}, {"content", answer}}};
+    nlohmann::ordered_json ctx = {{"messages", structured::parse_ordered(messages.dump())},
+                                  {"add_generation_prompt", false},
+                                  {"bos_token", tokenizer().bos_token()},
+                                  {"eos_token", tokenizer().eos_token()}};
+    const std::string full = chat_template().render(ctx);
+    const auto r = parse_chat(json{{"messages", messages},
+                                   {"add_generation_prompt", false},
+                                   {"continue_final_message", true}},
+                              tokenizer(), &chat_template(), kLimits);
+    const std::string prompt = tokenizer().decode(r.prompts[0], false);
+    // A prefix of the whole chat that stops inside the final message, after its visible text.
+    EXPECT_EQ(full.rfind(prompt, 0), 0u) << prompt;
+    EXPECT_LT(prompt.size(), full.size());
+    const std::string visible = answer.substr(answer.find_first_not_of(' '));
+    const bool kept_space = full.find(answer) != std::string::npos && answer.back() == ' ';
+    const std::string ends_with =
+        kept_space ? visible : visible.substr(0, visible.find_last_not_of(' ') + 1);
+    ASSERT_GE(prompt.size(), ends_with.size());
+    EXPECT_EQ(prompt.substr(prompt.size() - ends_with.size()), ends_with);
+  }
+  const json messages = {{{"role", "user"}, {"content", "Hi"}},
+                         {{"role", "assistant"}, {"content", "Hel"}}};
+  // Both it and a generation prompt (the default) cannot be had.
+  for (const json& extra :
+       {json{{"continue_final_message", true}},
+        json{{"continue_final_message", true}, {"add_generation_prompt", true}}}) {
+    json body = {{"messages", messages}};
+    body.update(extra);
+    EXPECT_EQ(error_of([&] { parse_chat(body, tokenizer(), &chat_template(), kLimits); }).param,
+              "continue_final_message");
   }
 }
 
