@@ -640,9 +640,23 @@ class SchemaCompiler {
     ByteSet escaped;
     for (char c : std::string("\"\\/bfnrt")) escaped.set(static_cast<uint8_t>(c));
     alts.push_back({g_.byte('\\'), g_.bytes(escaped)});
+    // \uXXXX: a surrogate's escape only as a high one followed by a low one, and the pair is one
+    // character (as JSON Schema counts it: the string holds one code point); a lone surrogate is
+    // no character, and JSON parsers (nlohmann's among them) refuse it.
     ByteSet hex = byte_range('0', '9') | byte_range('a', 'f') | byte_range('A', 'F');
     const Symbol h = g_.bytes(hex);
-    alts.push_back({g_.byte('\\'), g_.byte('u'), h, h, h, h});
+    ByteSet not_d = hex;
+    not_d.reset('d');
+    not_d.reset('D');
+    const Symbol d = g_.bytes(byte_range('d', 'd') | byte_range('D', 'D'));
+    const Symbol low_half = g_.bytes(byte_range('0', '7'));
+    const Symbol high =
+        g_.bytes(byte_range('8', '9') | byte_range('a', 'b') | byte_range('A', 'B'));
+    const Symbol low = g_.bytes(byte_range('c', 'f') | byte_range('C', 'F'));
+    const Symbol u = g_.byte('u'), backslash = g_.byte('\\');
+    alts.push_back({backslash, u, g_.bytes(not_d), h, h, h});
+    alts.push_back({backslash, u, d, low_half, h, h});
+    alts.push_back({backslash, u, d, high, h, h, backslash, u, d, low, h, h});
     character_ = g_.any_of(std::move(alts));
     return character_;
   }

@@ -752,5 +752,42 @@ TEST(StructuredOutput, ATypeListNamesEachTypeOnce) {
       "(compiled)");
 }
 
+// A \uXXXX escape of a high surrogate must be followed by one of a low surrogate, and the pair is
+// one character (Python's jsonschema counts "\ud83d\ude00" as 1): it counted 2, and lone
+// surrogates, which JSON parsers such as nlohmann's refuse, were written.
+TEST(StructuredOutput, SurrogatePairEscapesAreOneCharacterAndLoneSurrogatesAreRefused) {
+  const json schema = {{"type", "string"}, {"minLength", 1}, {"maxLength", 2}};
+  const auto g = compile({OutputSpec::Kind::kJsonSchema, schema.dump(), "f"});
+  const std::string pair = R"(\ud83d\ude00)", other = R"(\uD834\uDD1E)";
+  const std::vector<std::string> texts = {
+      "\"" + pair + "\"",
+      "\"" + pair + pair + "\"",
+      "\"" + pair + pair + pair + "\"",
+      "\"" + other + "x\"",
+      "\"x" + pair + "y\"",
+      "\"\\u00e9\\uFFFF\"",
+      "\"\\u00e9\\uFFFFz\"",
+      "\"\"",
+      "\"\\u0041\"",
+      "\"" + pair + other + "\"",
+  };
+  json answers = json::array();
+  std::vector<bool> ours;
+  for (const auto& t : texts) {
+    answers.push_back(t);
+    ours.push_back(full_match(g, t));
+  }
+  const json judged = oracle({{"schema", {{{"schema", schema}, {"answers", answers}}}}});
+  ASSERT_TRUE(judged.contains("schema"));
+  for (size_t i = 0; i < texts.size(); ++i)
+    EXPECT_EQ(ours[i], judged["schema"][0][i].is_null())
+        << texts[i] << " " << judged["schema"][0][i];
+  for (const std::string lone :
+       {R"("\ud800")", R"("\uDBFFx")", R"("\ude00")", R"("\ud83d\u0041")", R"("\ud83d\ud83d")"}) {
+    EXPECT_THROW((void)json::parse(lone), json::parse_error) << lone;
+    EXPECT_FALSE(full_match(g, lone)) << lone;
+  }
+}
+
 }  // namespace
 }  // namespace tandem::structured
