@@ -43,7 +43,11 @@ Ranges complement(const Ranges& r) {
 
 const Ranges kDigit = {{'0', '9'}};
 const Ranges kWord = {{'0', '9'}, {'A', 'Z'}, {'_', '_'}, {'a', 'z'}};
-const Ranges kSpace = {{'\t', '\r'}, {' ', ' '}};
+// Python's re for str patterns: the code points str.isspace() holds (\S and [^\s] are their
+// complement; ASCII white space alone let U+00A0 and U+2003 through \S).
+const Ranges kSpace = {{'\t', '\r'},     {0x1C, 0x20},     {0x85, 0x85},     {0xA0, 0xA0},
+                       {0x1680, 0x1680}, {0x2000, 0x200A}, {0x2028, 0x2029}, {0x202F, 0x202F},
+                       {0x205F, 0x205F}, {0x3000, 0x3000}};
 
 class RegexCompiler {
  public:

@@ -1,7 +1,7 @@
 // Structured outputs against independent judges: texts the regex grammars accept or refuse,
-// compared with Python's re (ASCII classes); answers produced by random walks over the token masks
-// of a real vocabulary (DeepSeek-V3's), validated by the jsonschema package. Every step of every
-// walk checks that the mask leaves a token (or the answer is complete).
+// compared with Python's re (\d \w ASCII, \s Unicode); answers produced by random walks over
+// the token masks of a real vocabulary (DeepSeek-V3's), validated by the jsonschema package. Every
+// step of every walk checks that the mask leaves a token (or the answer is complete).
 #include <gtest/gtest.h>
 #include <pthread.h>
 
@@ -268,7 +268,7 @@ TEST(StructuredOutput, RegexGrammarsAcceptExactlyWhatPythonsReFullmatches) {
     input["regex"].push_back({{"pattern", p}, {"texts", texts}});
     ours.push_back(got);
   }
-  input["ascii"] = true;
+  input["flavour"] = "tandem";  // \d \w ASCII, \s Unicode
   const json judged = oracle(input);
   ASSERT_TRUE(judged.contains("regex"));
   for (size_t i = 0; i < patterns.size(); ++i)
@@ -787,6 +787,38 @@ TEST(StructuredOutput, SurrogatePairEscapesAreOneCharacterAndLoneSurrogatesAreRe
     EXPECT_THROW((void)json::parse(lone), json::parse_error) << lone;
     EXPECT_FALSE(full_match(g, lone)) << lone;
   }
+}
+
+// \s is the white space of Python's re for str patterns (Unicode: U+00A0, U+2003, U+001C, ...),
+// so \S and [^\s] exclude it: they were complements of ASCII white space and let U+00A0 through.
+// \d and \w stay ASCII (RegexGrammarsAcceptExactlyWhatPythonsReFullmatches).
+TEST(StructuredOutput, RegexWhiteSpaceIsUnicodeWhiteSpaceAsInPythonsRe) {
+  const std::vector<std::string> patterns = {R"(\S+)", R"(\s+)", R"(a[^\s]b)", R"(a\sb)",
+                                             R"([\s]?x)"};
+  const std::vector<std::string> fill = {
+      "\xc2\xa0", "\xe2\x80\x83", "\x1c", "\xc2\x85",     "\xe3\x80\x80", "\xef\xbb\xbf",
+      " ",        "\t",           "\x0b", "\xe2\x80\xa8", "\xe1\x9a\x80", "z",
+      "\xc3\xa9"};
+  json input = {{"regex", json::array()}, {"flavour", "tandem"}};
+  std::vector<std::vector<bool>> ours;
+  for (const auto& p : patterns) {
+    const auto g = compile({OutputSpec::Kind::kRegex, p, "guided_regex"});
+    json texts = json::array();
+    std::vector<bool> got;
+    for (const auto& f : fill)
+      for (const std::string& t : {f, f + f, "a" + f + "b", f + "x"}) {
+        texts.push_back(t);
+        got.push_back(full_match(g, t));
+      }
+    input["regex"].push_back({{"pattern", p}, {"texts", texts}});
+    ours.push_back(got);
+  }
+  const json judged = oracle(input);
+  ASSERT_TRUE(judged.contains("regex"));
+  for (size_t i = 0; i < patterns.size(); ++i)
+    for (size_t j = 0; j < ours[i].size(); ++j)
+      EXPECT_EQ(ours[i][j], judged["regex"][i][j].get<bool>())
+          << "pattern " << patterns[i] << " text " << input["regex"][i]["texts"][j].dump();
 }
 
 }  // namespace
