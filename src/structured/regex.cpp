@@ -133,11 +133,13 @@ class RegexCompiler {
   // {m}, {m,}, {m,n}; false (nothing read) when the brace is a literal.
   bool braces(int64_t& min, int64_t& max) {
     size_t j = i_ + 1;
+    // Every digit is read (ten of them were cut at nine and the brace taken as literal text);
+    // the value saturates past kMaxRepeat, which quantified() refuses.
     auto number = [&](int64_t& v) {
       const size_t from = j;
       v = 0;
-      while (j < p_.size() && p_[j] >= '0' && p_[j] <= '9' && j - from < 9)
-        v = v * 10 + (p_[j++] - '0');
+      while (j < p_.size() && p_[j] >= '0' && p_[j] <= '9')
+        v = std::min(v * 10 + (p_[j++] - '0'), kMaxRepeat + 1);
       return j > from;
     };
     if (!number(min)) return false;

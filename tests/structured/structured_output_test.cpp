@@ -821,5 +821,23 @@ TEST(StructuredOutput, RegexWhiteSpaceIsUnicodeWhiteSpaceAsInPythonsRe) {
           << "pattern " << patterns[i] << " text " << input["regex"][i]["texts"][j].dump();
 }
 
+// A repeat count of more digits than any allowed count is refused like any count past the limit
+// (a{1234567890} was read as 'a' then the literal text "{1234567890}").
+TEST(StructuredOutput, RepeatCountsOfManyDigitsAreRefused) {
+  for (const std::string p : {"a{1234567890}", "a{0,12345678901}", "a{1234567890,}", "a{99999}",
+                              "a{00000000000000000002}x"}) {
+    const std::string e = compile_error(OutputSpec::Kind::kRegex, p);
+    if (p.back() == 'x') {
+      EXPECT_EQ(e, "(compiled)") << p;  // leading zeros: the count is 2
+      continue;
+    }
+    EXPECT_NE(e.find("repetition counts above 10000 are not supported"), std::string::npos)
+        << p << "\n  " << e;
+  }
+  const auto g = compile({OutputSpec::Kind::kRegex, "a{00000000000000000002}x", "f"});
+  EXPECT_TRUE(full_match(g, "aax"));
+  EXPECT_FALSE(full_match(g, "ax"));
+}
+
 }  // namespace
 }  // namespace tandem::structured
