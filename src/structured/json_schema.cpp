@@ -607,6 +607,21 @@ class SchemaCompiler {
   }
   Symbol literal_value(const json& v) { return g_.one_of_texts({literal_text(v)}); }
 
+  // A count keyword's value (minLength, maxItems, ...): a whole number from 0 to `most`, however
+  // written (JSON Schema's integers include 5.0); `absent` when the schema has none.
+  static int64_t count(const json& schema, const char* k, int64_t most, int64_t absent,
+                       const std::string& where) {
+    if (!schema.contains(k)) return absent;
+    const json& v = schema[k];
+    const double d = v.is_number() ? v.get<double>() : -1;
+    if (!v.is_number() || (v.is_number_integer() && !v.is_number_unsigned()) || d < 0 ||
+        d > double(most) || std::trunc(d) != d)
+      fail(where + "/" + k,
+           std::string("'") + k + "' must be an integer from 0 to " + std::to_string(most));
+    return v.is_number_unsigned() ? static_cast<int64_t>(v.get<uint64_t>())
+                                  : static_cast<int64_t>(d);
+  }
+
   // A JSON string of min..max characters (max < 0: no limit).
   Symbol string_rule(int64_t min, int64_t max) {
     const auto key = std::make_pair(min, max);
@@ -617,14 +632,8 @@ class SchemaCompiler {
   }
 
   Symbol string(const json& schema, const std::string& where) {
-    auto bound = [&](const char* k, int64_t dflt) {
-      if (!schema.contains(k)) return dflt;
-      const json& v = schema[k];
-      if (!v.is_number_unsigned() || v.get<uint64_t>() > 100'000)
-        fail(where + "/" + k, std::string("'") + k + "' must be an integer from 0 to 100000");
-      return static_cast<int64_t>(v.get<uint64_t>());
-    };
-    const int64_t min = bound("minLength", 0), max = bound("maxLength", -1);
+    const int64_t min = count(schema, "minLength", 100'000, 0, where),
+                  max = count(schema, "maxLength", 100'000, -1, where);
     if (max >= 0 && max < min) fail(where, "'maxLength' is below 'minLength'");
     return string_rule(min, max);
   }
@@ -693,14 +702,8 @@ class SchemaCompiler {
   Symbol null() { return g_.any_of({g_.literal("null")}); }
 
   Symbol array(const json& schema, const std::string& where) {
-    auto bound = [&](const char* k, int64_t dflt) {
-      if (!schema.contains(k)) return dflt;
-      const json& v = schema[k];
-      if (!v.is_number_unsigned() || v.get<uint64_t>() > 10'000)
-        fail(where + "/" + k, std::string("'") + k + "' must be an integer from 0 to 10000");
-      return static_cast<int64_t>(v.get<uint64_t>());
-    };
-    const int64_t min = bound("minItems", 0), max = bound("maxItems", -1);
+    const int64_t min = count(schema, "minItems", 10'000, 0, where),
+                  max = count(schema, "maxItems", 10'000, -1, where);
     if (max >= 0 && max < min) fail(where, "'maxItems' is below 'minItems'");
     // After '[': a $ref in the items consumes a byte before it is reached.
     const auto leading = std::exchange(leading_, {});

@@ -839,5 +839,25 @@ TEST(StructuredOutput, RepeatCountsOfManyDigitsAreRefused) {
   EXPECT_FALSE(full_match(g, "ax"));
 }
 
+// JSON Schema counts are whole numbers, however written: maxLength 5.0 is 5 (it was a 400).
+TEST(StructuredOutput, CountKeywordsTakeWholeNumbersWrittenAsFloats) {
+  using K = OutputSpec::Kind;
+  const auto s =
+      compile({K::kJsonSchema, R"({"type": "string", "minLength": 2.0, "maxLength": 5.0})", "f"});
+  EXPECT_TRUE(full_match(s, R"("abcde")"));
+  EXPECT_FALSE(full_match(s, R"("abcdef")"));
+  EXPECT_FALSE(full_match(s, R"("a")"));
+  const auto a =
+      compile({K::kJsonSchema, R"({"type": "array", "minItems": 1e0, "maxItems": 2.0})", "f"});
+  EXPECT_TRUE(full_match(a, "[1, 2]"));
+  EXPECT_FALSE(full_match(a, "[]"));
+  EXPECT_FALSE(full_match(a, "[1, 2, 3]"));
+  for (const std::string bad : {R"({"maxLength": 2.5})", R"({"maxLength": -1.0})",
+                                R"({"maxLength": 1e6})", R"({"type": "array", "maxItems": "2"})"}) {
+    const std::string e = compile_error(K::kJsonSchema, bad);
+    EXPECT_NE(e.find("must be an integer from 0 to"), std::string::npos) << bad << "\n  " << e;
+  }
+}
+
 }  // namespace
 }  // namespace tandem::structured
