@@ -441,7 +441,8 @@ std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
 // --- Mooncake ------------------------------------------------------------------------------
 
 std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& path,
-                                                const TraceWindow& window, int64_t block_size) {
+                                                const TraceWindow& window, int64_t block_size,
+                                                int64_t* records_read) {
   const std::string what = "mooncake trace " + path.string();
   require(block_size >= 1 && block_size <= kMaxRequestTokens,
           what + ": block size must be in 1.." + std::to_string(kMaxRequestTokens));
@@ -501,6 +502,7 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
     out.push_back(std::move(r));
     previous_line = line_no;
   }
+  if (records_read) *records_read = record;
   return out;
 }
 
@@ -582,7 +584,7 @@ LazyWorkload lazy(std::vector<BenchRequest> requests) {
 // --- Azure ---------------------------------------------------------------------------------
 
 std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
-                                          const TraceWindow& window) {
+                                          const TraceWindow& window, int64_t* records_read) {
   const std::string what = "azure trace " + path.string();
   validate_window(window, what);
   check_input_file(path, what);
@@ -663,6 +665,7 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
                 ", got " + excerpt(cells[col_gen]));
     out.push_back(r);
   }
+  if (records_read) *records_read = record;
   return out;
 }
 

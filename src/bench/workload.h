@@ -173,9 +173,11 @@ struct MooncakeRecord {
 };
 // Reads the window's records (timestamps as in the file). Checks that
 // hash_ids.size() == ceil(input_length / block_size) and names line and field on any error.
+// `records_read`, when given, is set to the records counted: the file's all unless the window
+// ended before the file did (so always when the window comes out empty).
 std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& path,
-                                                const TraceWindow& window,
-                                                int64_t block_size = 512);
+                                                const TraceWindow& window, int64_t block_size = 512,
+                                                int64_t* records_read = nullptr);
 
 // Expands every hash id into a block of block_size text-safe tokens that depends only on
 // (seed, hash id): equal hash ids give identical blocks in every request, so the trace's prefix
@@ -222,8 +224,10 @@ struct AzureRecord {
   int64_t context_tokens = 0;
   int64_t generated_tokens = 0;
 };
+// `records_read` as read_mooncake_trace's.
 std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
-                                          const TraceWindow& window);
+                                          const TraceWindow& window,
+                                          int64_t* records_read = nullptr);
 struct AzureOptions {
   std::filesystem::path path;
   TraceWindow window;

@@ -165,6 +165,36 @@ std::vector<double> rate_arrivals(size_t n, const WorkloadCliOptions& o) {
   return t;
 }
 
+// Why a workload came out empty, naming the flag or the file: a bare "the workload has no
+// requests" left the user to guess between an empty file, a window past its end and filters.
+std::string empty_workload_reason(const WorkloadCliOptions& o) {
+  const std::string none = "the workload has no requests: ";
+  if (o.num_prompts == 0 && !o.trace()) return none + "--num-prompts 0";
+  if (o.dataset == "sharegpt") {
+    const bench::ShareGptOptions d;
+    return none + "no conversation of sharegpt dataset " + o.dataset_path +
+           " has two turns within the length filters (prompt and completion at least " +
+           std::to_string(d.min_len) + " tokens, the prompt at most " +
+           std::to_string(d.max_prompt_len) + ", both at most " + std::to_string(d.max_total_len) +
+           ")";
+  }
+  if (o.trace()) {
+    // A window past every record: the file's records are counted and none is parsed.
+    const bench::TraceWindow all{std::numeric_limits<int64_t>::max(), 0, 1};
+    int64_t records = 0;
+    if (o.dataset == "mooncake")
+      bench::read_mooncake_trace(o.dataset_path, all, bench::MooncakeOptions{}.block_size,
+                                 &records);
+    else
+      bench::read_azure_trace(o.dataset_path, all, &records);
+    const std::string what = o.dataset + " trace " + o.dataset_path;
+    if (records == 0) return none + what + ": no records";
+    return none + "--trace-start " + std::to_string(o.trace_start) + " is past the " +
+           std::to_string(records) + " records of " + what;
+  }
+  return "the workload has no requests";
+}
+
 }  // namespace
 
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
@@ -186,6 +216,7 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
     m.spread = o.trace_spread;
     auto records = std::make_shared<const std::vector<bench::MooncakeRecord>>(
         bench::read_mooncake_trace(m.path, m.window, m.block_size));
+    if (records->empty()) throw Error(empty_workload_reason(o));
     w.arrival_s = std::isfinite(o.request_rate)
                       ? rate_arrivals(records->size(), o)
                       : bench::mooncake_arrivals(*records, o.time_scale, m.spread, m.seed);
@@ -200,6 +231,7 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
   }
   auto records = std::make_shared<const std::vector<bench::AzureRecord>>(
       bench::read_azure_trace(o.dataset_path, window));
+  if (records->empty()) throw Error(empty_workload_reason(o));
   w.arrival_s = std::isfinite(o.request_rate) ? rate_arrivals(records->size(), o)
                                               : bench::azure_arrivals(*records, o.time_scale);
   w.make = [records, vocab, seed = o.seed, arrivals = w.arrival_s](size_t i) {
@@ -268,6 +300,7 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
         "got '" +
         o.dataset + "'");
   }
+  if (reqs.empty()) throw Error(empty_workload_reason(o));
   // Traces keep their own timestamps unless a rate is given; the others follow the rate.
   if (!o.trace() || std::isfinite(o.request_rate))
     bench::apply_arrivals(reqs, rate_arrivals(reqs.size(), o));

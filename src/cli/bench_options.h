@@ -37,7 +37,8 @@ struct WorkloadCliOptions {
 void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o);
 // The tokenizer the workload is built with (--tokenizer, default the DeepSeek-V3 one).
 std::string workload_tokenizer_dir(const WorkloadCliOptions& o);
-// The requests, with their arrival times. Throws tandem::Error naming the flag on bad values.
+// The requests, with their arrival times. Throws tandem::Error naming the flag on bad values,
+// and when there are none, saying why (the flag, the file and the window).
 std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
                                                 const text::Tokenizer& tokenizer);
 // The same requests made as they are sent, without their text (token-id prompts): a trace

@@ -275,8 +275,7 @@ void run(const SimulateCliOptions& o) {
   so.gateway.model = tokenizer_dir;  // the gateway tokenizes, as `tandem serve` has it do
 
   auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
-  const bench::LazyWorkload reqs = build_lazy_workload(o.workload, *tok);
-  if (reqs.size() == 0) throw Error("the workload has no requests");
+  const bench::LazyWorkload reqs = build_lazy_workload(o.workload, *tok);  // not empty
   const WorkloadCliOptions& w = o.workload;
   if (!o.sweep.empty()) {
     run_sweep(o, so, points, reqs, tok, mo);

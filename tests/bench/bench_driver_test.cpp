@@ -564,5 +564,37 @@ TEST(BenchCommands, ASweepWithoutAnSloSaysItsGoodputIsNotApplicable) {
   EXPECT_EQ(r.output.find("n/a"), std::string::npos) << r.output;
 }
 
+// An empty workload says why, naming the flag, or the file and the window.
+TEST(BenchCommands, AnEmptyWorkloadSaysWhy) {
+  const std::string head =
+      (test::source_dir() / "tests" / "data" / "bench" / "mooncake_conversation_head200.jsonl")
+          .string();
+  const auto empty = test::scratch_path("empty-trace", ".jsonl");
+  std::ofstream(empty) << "\n  \n";
+  const auto header_only = test::scratch_path("header-only", ".csv");
+  std::ofstream(header_only) << "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+  const std::pair<std::string, std::string> cases[] = {
+      {"--dataset-name mooncake --dataset-path " + head + " --trace-start 100000000",
+       "the workload has no requests: --trace-start 100000000 is past the 200 records of "
+       "mooncake trace " +
+           head},
+      {"--dataset-name mooncake --dataset-path " + empty.string(),
+       "the workload has no requests: mooncake trace " + empty.string() + ": no records"},
+      {"--dataset-name azure --dataset-path " + header_only.string(),
+       "the workload has no requests: azure trace " + header_only.string() + ": no records"},
+      {"--num-prompts 0", "the workload has no requests: --num-prompts 0"},
+  };
+  for (const char* command : kSmallRuns) {
+    for (const auto& [flags, error] : cases) {
+      // CLI11 refuses a flag given twice: the case's --num-prompts replaces the run's.
+      std::string run = command;
+      if (flags.rfind("--num-prompts", 0) == 0) run.replace(run.find("--num-prompts 2"), 15, "");
+      const auto r = run_tandem(run + " " + flags);
+      EXPECT_NE(r.status, 0) << command << " " << flags;
+      EXPECT_THAT(r.output, ::testing::HasSubstr(error)) << command << " " << flags;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem::bench
