@@ -249,10 +249,10 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
 }
 
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
-// sampling_params; max_tokens from max_tokens_of, read from the field `max_name`.
-// `ordered`: the OpenAI body's text (null for SGLang's sampling_params).
+// sampling_params; max_tokens from max_tokens_of, read from the field `max_name`, and min_tokens
+// from `min_name`. `ordered`: the OpenAI body's text (null for SGLang's sampling_params).
 SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* max_name,
-                             int64_t vocab_size, OrderedBody* ordered) {
+                             const char* min_name, int64_t vocab_size, OrderedBody* ordered) {
   SamplingParams p;
   p.structured_output = structured_output_of(body, ordered);
   p.temperature = number(body, "temperature", 1.0);
@@ -263,7 +263,7 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
   p.presence_penalty = number(body, "presence_penalty", 0.0);
   p.frequency_penalty = number(body, "frequency_penalty", 0.0);
   p.max_tokens = max_tokens;
-  p.min_tokens = integer(body, "min_tokens", 0);
+  p.min_tokens = integer(body, min_name, 0);
   p.ignore_eos = boolean(body, "ignore_eos", false);
   p.include_stop_str_in_output = boolean(body, "include_stop_str_in_output", false);
   p.skip_special_tokens = boolean(body, "skip_special_tokens", true);
@@ -310,7 +310,7 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
                      "' is not supported per request: speculative decoding is set per engine "
                      "(tandem engine --speculative-tokens)");
   try {
-    p.validate(max_name);
+    p.validate(max_name, min_name);
   } catch (const InvalidSamplingParam& e) {
     fail(e.param, e.what());
   }
@@ -596,7 +596,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
   truncate_prompts(body, r, limits, tokenizer);
   r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), "max_tokens",
-                             limits.vocab_size, &ordered);
+                             "min_tokens", limits.vocab_size, &ordered);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -699,7 +699,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), max_name,
-                             limits.vocab_size, &ordered);
+                             "min_tokens", limits.vocab_size, &ordered);
   if (tools.forced) {
     if (r.sampling.structured_output)
       fail("tool_choice", "'tool_choice' forces a call and '" +
@@ -765,8 +765,12 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   static const json empty = json::object();
   // SGLang's default for max_new_tokens is 128.
   const json& params = sp ? *sp : empty;
+  // SGLang's SamplingParams has no min_tokens (its name is min_new_tokens) and refuses the
+  // keyword; read as vLLM's, it would be honoured here and ignored by an SGLang engine.
+  if (field(params, "min_tokens"))
+    fail("min_tokens", "'min_tokens' is not an SGLang sampling parameter; use 'min_new_tokens'");
   r.sampling = sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits),
-                             "max_new_tokens", limits.vocab_size, nullptr);
+                             "max_new_tokens", "min_new_tokens", limits.vocab_size, nullptr);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false)) {
     const int64_t top = integer(body, "top_logprobs_num", 0);

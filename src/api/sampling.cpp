@@ -17,7 +17,8 @@ std::string shown(double v) {
 
 }  // namespace
 
-void SamplingParams::validate(const std::string& max_tokens_name) const {
+void SamplingParams::validate(const std::string& max_tokens_name,
+                              const std::string& min_tokens_name) const {
   auto fail = [](const std::string& param, const std::string& message) {
     throw InvalidSamplingParam(param, message);
   };
@@ -40,10 +41,11 @@ void SamplingParams::validate(const std::string& max_tokens_name) const {
     fail(max_tokens_name,
          "'" + max_tokens_name + "' must be at least 1, got " + std::to_string(max_tokens));
   if (min_tokens < 0)
-    fail("min_tokens", "'min_tokens' must be at least 0, got " + std::to_string(min_tokens));
+    fail(min_tokens_name,
+         "'" + min_tokens_name + "' must be at least 0, got " + std::to_string(min_tokens));
   if (min_tokens > max_tokens)
-    fail("min_tokens", "'min_tokens' must be at most '" + max_tokens_name + "' (" +
-                           std::to_string(max_tokens) + "), got " + std::to_string(min_tokens));
+    fail(min_tokens_name, "'" + min_tokens_name + "' must be at most '" + max_tokens_name + "' (" +
+                              std::to_string(max_tokens) + "), got " + std::to_string(min_tokens));
   if (stop.size() > kMaxStopStrings)
     fail("stop", "'stop': at most " + std::to_string(kMaxStopStrings) +
                      " stop strings are accepted, got " + std::to_string(stop.size()));

@@ -51,7 +51,10 @@ struct SamplingParams {
   // Throws InvalidSamplingParam when a value is out of range. `max_tokens_name` is what the
   // request called max_tokens (max_completion_tokens, max_new_tokens): the error names the field
   // the client sent.
-  void validate(const std::string& max_tokens_name = "max_tokens") const;
+  // Errors name max_tokens and min_tokens as the request's dialect does (SGLang's
+  // max_new_tokens and min_new_tokens).
+  void validate(const std::string& max_tokens_name = "max_tokens",
+                const std::string& min_tokens_name = "min_tokens") const;
 };
 
 // A parameter out of range: `param` names it as the request did, and the message says why.

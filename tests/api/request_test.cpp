@@ -627,6 +627,22 @@ TEST(Protocol, MinTokensBestOfNAndOverflowingIntegersAreValidatedAsVllmDoes) {
 // Every range error names the field the client sent: SamplingParams::validate's checks under
 // their own names, and max tokens under each dialect's name for it (a chat's
 // max_completion_tokens, SGLang's max_new_tokens), in the param and in the message.
+// SGLang's /generate names the least number of new tokens min_new_tokens; it was read as
+// vLLM's min_tokens, so an SGLang client's min_new_tokens was silently ignored (the answer could
+// end at once), and min_tokens, which SGLang refuses, was honoured.
+TEST(Protocol, GenerateReadsSGLangsMinNewTokens) {
+  const auto sampling = [](const json& params) {
+    return parse_generate(json{{"input_ids", {1, 2}}, {"sampling_params", params}}, tokenizer(),
+                          kLimits)
+        .sampling;
+  };
+  EXPECT_EQ(sampling({{"max_new_tokens", 8}, {"min_new_tokens", 5}}).min_tokens, 5);
+  EXPECT_EQ(sampling(json::object()).min_tokens, 0);
+  const ApiError e = error_of([&] { sampling({{"min_tokens", 5}}); });
+  EXPECT_EQ(e.param, "min_tokens");
+  EXPECT_NE(e.message.find("use 'min_new_tokens'"), std::string::npos) << e.message;
+}
+
 TEST(Protocol, RangeErrorsNameTheFieldTheClientSent) {
   auto completion = [](json body) {
     body["prompt"] = "x";
@@ -656,10 +672,18 @@ TEST(Protocol, RangeErrorsNameTheFieldTheClientSent) {
   };
   for (const auto& [body, param] : cases) {
     SCOPED_TRACE(body.dump());
-    for (const ApiError& e : {completion(body), chat(body), generate(body)}) {
+    // SGLang's name for min_tokens is min_new_tokens.
+    json sglang_body = body;
+    std::string sglang_param = param;
+    if (param == "min_tokens") {
+      sglang_body = {{"min_new_tokens", body["min_tokens"]}};
+      sglang_param = "min_new_tokens";
+    }
+    for (const auto& [e, name] : {std::pair{completion(body), param}, std::pair{chat(body), param},
+                                  std::pair{generate(sglang_body), sglang_param}}) {
       EXPECT_EQ(e.status, 400);
-      EXPECT_EQ(e.param, param);
-      EXPECT_EQ(e.message.rfind("'" + param + "'", 0), 0u) << e.message;
+      EXPECT_EQ(e.param, name);
+      EXPECT_EQ(e.message.rfind("'" + name + "'", 0), 0u) << e.message;
     }
   }
   // max tokens under each dialect's name.
@@ -676,7 +700,11 @@ TEST(Protocol, RangeErrorsNameTheFieldTheClientSent) {
   EXPECT_EQ(min_over.param, "min_tokens");
   EXPECT_NE(min_over.message.find("at most 'max_completion_tokens' (4)"), std::string::npos)
       << min_over.message;
-  EXPECT_EQ(generate({{"max_new_tokens", 4}, {"min_tokens", 5}}).param, "min_tokens");
+  const ApiError min_new_over = generate({{"max_new_tokens", 4}, {"min_new_tokens", 5}});
+  EXPECT_EQ(min_new_over.param, "min_new_tokens");
+  EXPECT_NE(min_new_over.message.find("'min_new_tokens' must be at most 'max_new_tokens' (4)"),
+            std::string::npos)
+      << min_new_over.message;
   // The context length: the max tokens field the client sent, else the prompt's.
   const ApiError over = chat({{"max_completion_tokens", 5000}});
   EXPECT_EQ(over.param, "max_completion_tokens");
