@@ -47,8 +47,12 @@ SharedSegment SharedSegment::attach(int fd, SharedAccess access) {
   std::string problem;
   if (fstat(fd, &st) != 0 || st.st_size <= 0)
     problem = "is not a segment";
-  else if ((fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK) == 0)
-    problem = "is not a sealed segment (its owner could shrink it under this mapping)";
+  else if (const int seals = fcntl(fd, F_GET_SEALS); seals < 0 || (seals & F_SEAL_SHRINK) == 0)
+    // F_GET_SEALS fails (-1, every bit set) on a file that is not a memfd: a regular file's
+    // owner can truncate it under the mapping as surely as an unsealed memfd's.
+    problem = seals < 0 ? "is not a sealed segment (not a memfd: its owner could truncate it "
+                          "under this mapping)"
+                        : "is not a sealed segment (its owner could shrink it under this mapping)";
   if (!problem.empty()) {
     close(fd);
     throw Error("shared memory: descriptor " + std::to_string(fd) + " " + problem);

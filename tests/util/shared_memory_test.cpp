@@ -61,6 +61,15 @@ TEST(SharedSegment, DescriptorsThatAreNotSealedSegmentsAreRefused) {
   ASSERT_EQ(::ftruncate(unsealed, 4096), 0);
   EXPECT_THAT(error_of([&] { SharedSegment::attach(unsealed); }),
               HasSubstr("is not a sealed segment"));
+  // A regular file, which has no seals at all (F_GET_SEALS fails with -1, all bits set): its
+  // owner could truncate it and fault every later read of a read-write mapping (SIGBUS).
+  char path[] = "/tmp/tandem-shm-test-XXXXXX";
+  const int file = ::mkstemp(path);
+  ASSERT_GE(file, 0);
+  ::unlink(path);
+  ASSERT_EQ(::ftruncate(file, 4096), 0);
+  EXPECT_THAT(error_of([&] { SharedSegment::attach(file); }),
+              HasSubstr("is not a sealed segment (not a memfd"));
   // An empty file.
   const int empty = static_cast<int>(::syscall(SYS_memfd_create, "empty", MFD_CLOEXEC));
   ASSERT_GE(empty, 0);

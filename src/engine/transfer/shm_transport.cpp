@@ -581,15 +581,22 @@ class ShmListener : public KvListener {
         ::close(fd);
         continue;
       }
+      // Only a process of this user may share a segment with this one (it could read and write
+      // this one's memory anyway). A client of another user takes TCP by itself (connect_local
+      // ignores a listener of another user), so only a hostile one arrives here: its segment is
+      // never mapped.
+      const ucred peer = peer_credentials(fd);
+      if (peer.uid != ::geteuid()) {
+        ::close(segment_fd);
+        ::close(fd);
+        continue;
+      }
       try {
         SharedSegment segment = SharedSegment::attach(segment_fd);
         if (segment.size() < kSegmentBytes || !send_byte(fd, kWelcome, -1))
           throw Error("bad segment");
-        // Only a process of this user may read the segment (it could read this one's memory
-        // anyway); it receives the descriptor only with a frame the protocol sends it.
-        const ucred peer = peer_credentials(fd);
         InPlace in_place;
-        if (hello == kHelloInPlace && peer.uid == ::geteuid()) in_place.send_memory = send_memory_;
+        if (hello == kHelloInPlace) in_place.send_memory = send_memory_;
         // Named by process: the per-address limits of KV transfer count each peer on its own.
         push(std::make_unique<ShmConnection>(
             fd, std::move(segment), false, timeout_,
