@@ -234,6 +234,58 @@ void ToolCallParser::revert(std::vector<ToolCallDelta>& out) {
   call_raw_.clear();
 }
 
+// Where the hermes call's end marker starts in pending_ (npos: not yet read). Valid JSON holds a
+// '<' only in its strings, and an argument may hold the marker's text there (code that prints
+// it; the forced grammar allows any string), so only a marker outside strings ends the call.
+// The scan resumes where it stopped, so a stream is read once however it was split.
+size_t ToolCallParser::find_hermes_close() {
+  for (; scan_ < pending_.size(); ++scan_) {
+    const char c = pending_[scan_];
+    if (c == '<') {
+      const std::string_view rest = std::string_view(pending_).substr(scan_);
+      if (starts_with(rest, kHermesClose)) {
+        if (!in_string_) return scan_;
+        if (first_close_ == std::string::npos) first_close_ = scan_;
+      } else if (starts_with(kHermesClose, rest)) {
+        return std::string::npos;  // may still become the marker
+      }
+    }
+    if (escaped_)
+      escaped_ = false;
+    else if (c == '\\')
+      escaped_ = in_string_;
+    else if (c == '"')
+      in_string_ = !in_string_;
+  }
+  return std::string::npos;
+}
+
+// The hermes call whose body ends at `at` in pending_, followed by its end marker: a call, or
+// content when its body is not one.
+void ToolCallParser::end_hermes_call(std::vector<ToolCallDelta>& out, size_t at) {
+  auto call = hermes_call(std::string_view(pending_).substr(0, at));
+  if (!call && first_close_ < at) {
+    // Not JSON up to the marker outside strings (a stray quote made the scan see the rest as a
+    // string): the call ends at its first marker, so the text after it is read again and a call
+    // there is still found.
+    at = first_close_;
+  }
+  call_raw_ += pending_.substr(0, at + kHermesClose.size());
+  pending_.erase(0, at + kHermesClose.size());
+  if (!call) {
+    revert(out);
+    return;
+  }
+  call_raw_.clear();
+  ToolCallDelta d;
+  d.call = calls_++;
+  d.name = std::move(call->name);
+  d.arguments = std::move(call->arguments);
+  out.push_back(std::move(d));
+  state_ = State::kText;
+  after_call_ = true;
+}
+
 bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
   switch (state_) {
     case State::kText: {
@@ -251,6 +303,9 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
       whitespace_.clear();
       pending_.erase(0, at + open.size());
       state_ = format_ == ToolCallFormat::kHermes ? State::kHermesCall : State::kBetweenCalls;
+      scan_ = 0;
+      in_string_ = escaped_ = false;
+      first_close_ = std::string::npos;
       return true;
     }
     case State::kBetweenCalls: {
@@ -332,23 +387,9 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
       return true;
     }
     case State::kHermesCall: {
-      const size_t at = pending_.find(kHermesClose);
+      const size_t at = find_hermes_close();
       if (at == std::string::npos) return false;
-      const std::string body = pending_.substr(0, at);
-      call_raw_ += pending_.substr(0, at + kHermesClose.size());
-      pending_.erase(0, at + kHermesClose.size());
-      if (auto call = hermes_call(body)) {
-        call_raw_.clear();
-        ToolCallDelta d;
-        d.call = calls_++;
-        d.name = std::move(call->name);
-        d.arguments = std::move(call->arguments);
-        out.push_back(std::move(d));
-        state_ = State::kText;
-        after_call_ = true;
-      } else {
-        revert(out);
-      }
+      end_hermes_call(out, at);
       return true;
     }
   }
@@ -365,6 +406,13 @@ std::vector<ToolCallDelta> ToolCallParser::feed(std::string_view text) {
 
 std::vector<ToolCallDelta> ToolCallParser::finish() {
   std::vector<ToolCallDelta> out;
+  // A call whose end marker came only inside strings (a stray quote) ends at its first one, and
+  // the text after it is read again.
+  while (state_ == State::kHermesCall && first_close_ != std::string::npos) {
+    end_hermes_call(out, first_close_);
+    while (step(out)) {
+    }
+  }
   switch (state_) {
     case State::kText:
       emit_content(out, std::move(pending_));

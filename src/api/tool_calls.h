@@ -63,6 +63,8 @@ class ToolCallParser {
   void emit_content(std::vector<ToolCallDelta>& out, std::string text);
   void emit_arguments(std::vector<ToolCallDelta>& out, std::string text);
   void revert(std::vector<ToolCallDelta>& out);
+  size_t find_hermes_close();
+  void end_hermes_call(std::vector<ToolCallDelta>& out, size_t at);
 
   ToolCallFormat format_;
   State state_ = State::kText;
@@ -71,6 +73,12 @@ class ToolCallParser {
   std::string whitespace_;   // white space held back: it is dropped when a call follows
   bool after_call_ = false;  // white space that follows a call is dropped too
   int calls_ = 0;
+  // A hermes call's scan for its end marker (find_hermes_close), kept across feeds: how far into
+  // pending_ it read, whether that is inside a JSON string (and just after its backslash), and
+  // where the marker first came inside a string.
+  size_t scan_ = 0;
+  bool in_string_ = false, escaped_ = false;
+  size_t first_close_ = std::string::npos;
 };
 
 // A whole answer read at once: its content (empty when it is only calls) and its calls as

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "api/response.h"
+#include "structured/matcher.h"
 #include "tool_call_recordings.h"
 
 namespace tandem::api {
@@ -111,10 +112,60 @@ TEST(ToolCalls, HermesCallsAreReadFromTheirJsonKeepingKeyOrder) {
   EXPECT_EQ(p.calls[1].arguments, "{}");
 }
 
+// A forced call's arguments may hold the end marker's text inside a string (the grammar allows any
+// string): the call ends at the marker outside strings. Each answer is one the forced grammar
+// accepts whole, so reading it as anything but calls would turn a forced call into content.
+TEST(ToolCalls, HermesEndMarkerInsideAStringArgumentStaysInTheCall) {
+  const auto tools = nlohmann::ordered_json::parse(
+      R"([{"type": "function", "function": {"name": "run", "parameters": {"type": "object",
+          "properties": {"code": {"type": "string"}}, "required": ["code"]}}}])");
+  const auto grammar =
+      structured::compile(forced_tool_calls(ToolCallFormat::kHermes, tools, 1, -1, "tool_choice"));
+  const std::string prints = R"J({"code": "print('</tool_call>')"})J",
+                    escaped = R"J({"code": "s = \"\\\"</tool_call>\\\\\"; t = '</tool_'"})J";
+  for (const std::string& args : {prints, escaped}) {
+    SCOPED_TRACE(args);
+    const std::string call =
+        "<tool_call>\n{\"name\": \"run\", \"arguments\": " + args + "}\n</tool_call>";
+    const std::string answer = call + "\n" + call;
+    structured::GrammarMatcher matcher(grammar);
+    ASSERT_TRUE(matcher.advance(answer) && matcher.accepting());
+    const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+    EXPECT_EQ(p.content, "");
+    ASSERT_EQ(p.calls.size(), 2u);
+    for (const auto& c : p.calls) {
+      EXPECT_EQ(c.name, "run");
+      EXPECT_EQ(json::parse(c.arguments), json::parse(args));
+    }
+  }
+  // Unforced, a valid call reads the same, and text around it stays content.
+  const ParsedToolCalls p =
+      parse_every_way(ToolCallFormat::kHermes,
+                      "Running it.\n<tool_call>\n{\"name\": \"run\", \"arguments\": " + prints +
+                          "}\n</tool_call>\nDone </tool_call>");
+  EXPECT_EQ(p.content, "Running it.Done </tool_call>");
+  ASSERT_EQ(p.calls.size(), 1u);
+  EXPECT_EQ(json::parse(p.calls[0].arguments), json::parse(prints));
+}
+
+// A stray quote makes the rest of the answer look like a string: such a call still ends at its
+// first marker, and the text after it is read again.
+TEST(ToolCalls, HermesCallWithAStrayQuoteEndsAtItsFirstMarker) {
+  const std::string broken =
+      "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": \"x}}\n</tool_call>";
+  const ParsedToolCalls p =
+      parse_every_way(ToolCallFormat::kHermes,
+                      broken + "\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>");
+  EXPECT_EQ(p.content, broken);
+  ASSERT_EQ(p.calls.size(), 1u);
+  EXPECT_EQ(p.calls[0].name, "g");
+}
+
 TEST(ToolCalls, TextWithoutCompleteMarkupIsContentByteForByte) {
   for (const std::string& answer :
        {std::string("plain answer, with < and <tool and </tool_call> and trailing space \n"),
         std::string("<tool_call>{not json}</tool_call> after"),
+        std::string("<tool_call>\"</tool_call> she said \"</tool_call> after"),
         std::string("<tool_call>\n{\"arguments\": {}}\n</tool_call>"),  // no name
         std::string("cut <tool_call>\n{\"name\": \"f\""),               // never closed
         std::string("<tool_")}) {
