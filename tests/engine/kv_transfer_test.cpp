@@ -1525,6 +1525,24 @@ TEST_F(KvTransferAgents, CancelFetchEndsATransferInProgress) {
   EXPECT_EQ(decode_exec_.writes(), 0);
 }
 
+// A decode leg cut off mid-pull (its client left): the prefill engine lets go of the blocks once
+// the broken pull ends, not at the hold's expiry (60 s here, past the hang guard).
+TEST_F(KvTransferAgents, APullThatBreaksMidTransferReleasesTheHold) {
+  start(60);
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  prefill_exec_.close_gate();
+  Outcome o = fetch(pull(id, 0, 10, local_, "req-cut"));
+  ASSERT_TRUE(prefill_exec_.wait_for_reader_at_gate());
+  decode_->cancel_fetch("req-cut");
+  EXPECT_FALSE(wait(o).ok);
+  prefill_exec_.open_gate();
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 0);
+}
+
 TEST_F(KvTransferAgents, ShuttingDownTheDecodeEngineEndsItsFetches) {
   start();
   Outcome o = fetch(enter_room(33, local_, "req-33"));  // waits for a prefill leg (5 s)

@@ -798,11 +798,9 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
   metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
   auto it = held_.find(id);
   if (it == held_.end()) return;
-  if (!ok && !stopping_) {
-    // The decode engine may try again until the hold expires.
-    it->second->pulling = false;
-    return;
-  }
+  // A pull that broke once accepted ends the hold as one that completed does: its decode leg
+  // failed or was cancelled (nothing retries it), and kept, the blocks would stay until expiry.
+  // (A refused pull, above, keeps it: the right parameters may still pull it.)
   post_(std::move(it->second->release));
   held_.erase(it);
 }
