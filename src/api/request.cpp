@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <set>
 
 #include "api/body_fields.h"
@@ -487,14 +488,13 @@ std::optional<std::string> cache_salt_of(const json& body) {
   return salt->get<std::string>();
 }
 
-// vLLM's truncate_prompt_tokens: each prompt keeps its last k tokens (-1: as many as the context
-// holds). Echo shows the prompt the model saw.
-void truncate_prompts(const json& body, ApiRequest& r, const ModelLimits& limits,
-                      const text::Tokenizer& tokenizer) {
-  if (!field(body, "truncate_prompt_tokens")) return;
+// vLLM's truncate_prompt_tokens: how many tokens each prompt keeps, its last (-1: as many as the
+// context holds); none when absent, or -1 with the context not known here (the engine judges).
+std::optional<int64_t> truncation_of(const json& body, const ModelLimits& limits) {
+  if (!field(body, "truncate_prompt_tokens")) return std::nullopt;
   int64_t keep = integer(body, "truncate_prompt_tokens", 0);
   if (keep == -1 && limits.max_model_len > 0) keep = limits.max_model_len;
-  if (keep == -1) return;  // the context is not known here: the engine judges the length
+  if (keep == -1) return std::nullopt;
   if (keep < 1)
     fail("truncate_prompt_tokens",
          "'truncate_prompt_tokens' must be -1 or at least 1, got " + std::to_string(keep));
@@ -502,27 +502,54 @@ void truncate_prompts(const json& body, ApiRequest& r, const ModelLimits& limits
     fail("truncate_prompt_tokens",
          "'truncate_prompt_tokens' (" + std::to_string(keep) + ") is greater than max_model_len (" +
              std::to_string(limits.max_model_len) + "): select a smaller truncation size");
-  for (size_t i = 0; i < r.prompts.size(); ++i) {
-    auto& ids = r.prompts[i];
-    if (static_cast<int64_t>(ids.size()) <= keep) continue;
-    ids.erase(ids.begin(), ids.end() - keep);
-    if (r.echo) r.prompt_texts[i] = tokenizer.decode(ids, false);
+  return keep;
+}
+
+// Ids given as ids keep their last `keep`.
+void keep_last(std::vector<int32_t>& ids, std::optional<int64_t> keep) {
+  if (keep && static_cast<int64_t>(ids.size()) > *keep) ids.erase(ids.begin(), ids.end() - *keep);
+}
+
+// A text encoded as vLLM does with truncation (the tokenizer called with truncation=True and
+// max_length=k, truncating on the left): the special tokens the tokenizer adds (BOS) stay, and
+// the text keeps its last k minus their count tokens.
+// `cut` (if given) says whether the text lost tokens.
+std::vector<int32_t> encode_keeping_last(const text::Tokenizer& tokenizer, const std::string& text,
+                                         bool add_special, std::optional<int64_t> keep,
+                                         bool* cut = nullptr) {
+  std::vector<int32_t> ids = tokenizer.encode(text, add_special);
+  if (cut) *cut = keep && static_cast<int64_t>(ids.size()) > *keep;
+  if (!keep || static_cast<int64_t>(ids.size()) <= *keep) return ids;
+  if (!add_special) {
+    keep_last(ids, keep);
+    return ids;
   }
+  const std::vector<int32_t> plain = tokenizer.encode(text, false);
+  const size_t specials = ids.size() - plain.size();
+  if (*keep < static_cast<int64_t>(specials))
+    fail("truncate_prompt_tokens", "'truncate_prompt_tokens' (" + std::to_string(*keep) +
+                                       ") is less than the " + std::to_string(specials) +
+                                       " special tokens the tokenizer adds to a prompt");
+  // Where the text's own ids sit among the special tokens (BOS before them, EOS after).
+  size_t front = 0;
+  while (front < specials && !std::equal(plain.begin(), plain.end(), ids.begin() + front)) ++front;
+  if (front == specials && !std::equal(plain.begin(), plain.end(), ids.begin() + front)) front = 0;
+  const size_t text_keep = static_cast<size_t>(*keep) - specials;
+  std::vector<int32_t> out(ids.begin(), ids.begin() + front);
+  out.insert(out.end(), plain.end() - text_keep, plain.end());
+  out.insert(out.end(), ids.begin() + front + plain.size(), ids.end());
+  return out;
 }
 
 // vLLM's continue_final_message, as transformers' apply_chat_template does it: the chat rendered
-// without a generation prompt is cut after the final message's content (the last text part of a
-// list), so the model continues that message. Python's str.strip() white space throughout.
-std::string continue_final(std::string rendered, const json& final_message) {
-  const json* content = field(final_message, "content");
-  std::string text;
-  if (content && content->is_string()) {
-    text = content->get<std::string>();
-  } else if (content && content->is_array() && !content->empty()) {
-    text = content->back()["text"].get<std::string>();  // parts were checked to be text
-  } else {
+// without a generation prompt is cut after the final message's content (as the template saw it:
+// text parts joined), so the model continues that message. Python's str.strip() white space
+// throughout.
+std::string continue_final(std::string rendered, const nlohmann::ordered_json& final_message) {
+  const auto content = final_message.find("content");
+  if (content == final_message.end() || !content->is_string())
     fail("continue_final_message", "'continue_final_message' needs a final message with content");
-  }
+  const std::string text = content->get<std::string>();
   const std::u32string cps = text::jinja::to_u32(text);
   size_t begin = 0, end = cps.size();
   while (begin < end && text::jinja::py_isspace(cps[begin])) ++begin;
@@ -564,13 +591,17 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   // vLLM's: whether a text prompt gets the tokenizer's special tokens (BOS); ids are taken as
   // given.
   const bool add_special = boolean(body, "add_special_tokens", true);
-  // prompt_texts stays aligned with prompts: the text as given, or the ids decoded (for echo).
+  const std::optional<int64_t> keep = truncation_of(body, limits);
+  // prompt_texts stays aligned with prompts: the text as given, or the ids decoded (for echo:
+  // the prompt the model saw, so a truncated text is its ids decoded too).
   auto add_text = [&](const std::string& s) {
-    r.prompts.push_back(tokenizer.encode(s, add_special));
-    r.prompt_texts.push_back(s);
+    bool cut = false;
+    r.prompts.push_back(encode_keeping_last(tokenizer, s, add_special, keep, &cut));
+    r.prompt_texts.push_back(cut && r.echo ? tokenizer.decode(r.prompts.back(), false) : s);
   };
   auto add_ids = [&](const json& ids) {
     r.prompts.push_back(token_list(ids, "prompt", limits.vocab_size));
+    keep_last(r.prompts.back(), keep);
     r.prompt_texts.push_back(r.echo ? tokenizer.decode(r.prompts.back(), false) : std::string());
   };
   const char* kPromptForms =
@@ -594,7 +625,6 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
-  truncate_prompts(body, r, limits, tokenizer);
   r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), "max_tokens",
                              "min_tokens", limits.vocab_size, &ordered);
   r.stream = boolean(body, "stream", false);
@@ -633,12 +663,15 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
       fail("messages", "every message needs a string 'role'");
     nlohmann::ordered_json out = structured::parse_ordered(m.dump());
     if (const json* c = field(m, "content"); c && c->is_array()) {
+      // One string, its parts joined by newlines, as vLLM gives a template that reads content as
+      // a string (DeepSeek's, Qwen's).
       std::string joined;
       for (const auto& part : *c) {
         // (json::value would throw a type_error, a 500, for a "type" that is not a string.)
         if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
             !part.contains("text") || !part["text"].is_string())
           fail("messages", "only text content parts are supported");
+        if (&part != &c->front()) joined += '\n';
         joined += part["text"].get<std::string>();
       }
       out["content"] = joined;
@@ -689,11 +722,13 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   } catch (const Error& e) {
     fail("messages", e.what());
   }
-  if (continue_final_message) rendered = continue_final(std::move(rendered), messages->back());
+  // The content the template saw: text parts joined.
+  if (continue_final_message) rendered = continue_final(std::move(rendered), msgs.back());
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.
-  r.prompts.push_back(tokenizer.encode(rendered, boolean(body, "add_special_tokens", false)));
-  truncate_prompts(body, r, limits, tokenizer);
+  r.prompts.push_back(encode_keeping_last(tokenizer, rendered,
+                                          boolean(body, "add_special_tokens", false),
+                                          truncation_of(body, limits)));
   const int64_t prompt_len = static_cast<int64_t>(r.prompts[0].size());
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =

@@ -303,18 +303,37 @@ TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
                                    tokenizer(), kLimits));
 }
 
-// vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (-1: the context's worth).
+// vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (-1: the context's worth). A
+// text prompt is tokenized as vLLM does it (truncation=True, max_length=k, from the left): the
+// BOS the tokenizer adds stays, and the text keeps its last k - 1 tokens.
 TEST(Protocol, TruncatePromptTokensKeepsTheLastTokens) {
-  const std::vector<int32_t> ids = tokenizer().encode("one two three four five six", true);
+  const std::string text = "one two three four five six";
+  const std::vector<int32_t> ids = tokenizer().encode(text, true);
+  const std::vector<int32_t> plain = tokenizer().encode(text, false);
+  ASSERT_EQ(ids.size(), plain.size() + 1);  // DeepSeek-V3's tokenizer adds a BOS
+  ASSERT_EQ(ids[0], tokenizer().encode("", true).at(0));
   ASSERT_GT(ids.size(), 4u);
   const std::vector<int32_t> last3(ids.end() - 3, ids.end());
-  auto r = parse_completion(json{{"prompt", {json(ids), json("one two three four five six")}},
-                                 {"truncate_prompt_tokens", 3},
-                                 {"echo", true}},
-                            tokenizer(), kLimits);
-  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{last3, last3}));
+  const std::vector<int32_t> bos_last2 = {ids[0], ids[ids.size() - 2], ids[ids.size() - 1]};
+  auto r = parse_completion(
+      json{{"prompt", {json(ids), json(text)}}, {"truncate_prompt_tokens", 3}, {"echo", true}},
+      tokenizer(), kLimits);
+  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{last3, bos_last2}));
   // Echo shows the prompt the model saw.
-  EXPECT_EQ(r.prompt_texts[1], tokenizer().decode(last3, false));
+  EXPECT_EQ(r.prompt_texts[0], tokenizer().decode(last3, false));
+  EXPECT_EQ(r.prompt_texts[1], tokenizer().decode(bos_last2, false));
+  // Without the tokenizer's special tokens a text keeps its plain last k.
+  EXPECT_EQ(
+      parse_completion(
+          json{{"prompt", text}, {"truncate_prompt_tokens", 3}, {"add_special_tokens", false}},
+          tokenizer(), kLimits)
+          .prompts[0],
+      std::vector<int32_t>(plain.end() - 3, plain.end()));
+  // k = 1 leaves the BOS alone (Hugging Face's truncation removes every text token).
+  EXPECT_EQ(
+      parse_completion(json{{"prompt", text}, {"truncate_prompt_tokens", 1}}, tokenizer(), kLimits)
+          .prompts[0],
+      std::vector<int32_t>{ids[0]});
   // Shorter prompts are kept whole; -1 keeps what the context holds.
   EXPECT_EQ(
       parse_completion(json{{"prompt", ids}, {"truncate_prompt_tokens", 100}}, tokenizer(), kLimits)
@@ -341,6 +360,20 @@ TEST(Protocol, TruncatePromptTokensKeepsTheLastTokens) {
               }).param,
               "truncate_prompt_tokens");
   }
+}
+
+// A message's text parts reach the template as one string joined by newlines, as vLLM passes
+// them to a template that reads content as a string (DeepSeek-V3's here); they were joined with
+// nothing between them, so a two-part message ran its parts together.
+TEST(Protocol, TextPartsAreJoinedByNewlinesAsVllmJoinsThem) {
+  const auto prompt = [](const json& content) {
+    return parse_chat(json{{"messages", {{{"role", "user"}, {"content", content}}}}}, tokenizer(),
+                      &chat_template(), kLimits)
+        .prompts[0];
+  };
+  EXPECT_EQ(prompt({{{"type", "text"}, {"text", "Hello"}}, {{"type", "text"}, {"text", "world"}}}),
+            prompt("Hello\nworld"));
+  EXPECT_EQ(prompt({{{"type", "text"}, {"text", "Hello"}}}), prompt("Hello"));
 }
 
 // vLLM's continue_final_message (transformers' rule): the prompt is the chat rendered without a
@@ -370,6 +403,25 @@ TEST(Protocol, ContinueFinalMessageEndsThePromptInTheFinalMessage) {
     ASSERT_GE(prompt.size(), ends_with.size());
     EXPECT_EQ(prompt.substr(prompt.size() - ends_with.size()), ends_with);
   }
+  // The final message's text parts are continued as the template saw them, joined: a last part
+  // of white space alone cut nothing (the turn's end stayed in the prompt).
+  const json parts = {
+      {{"role", "user"}, {"content", "Hi"}},
+      {{"role", "assistant"},
+       {"content", {{{"type", "text"}, {"text", "Sure,"}}, {{"type", "text"}, {"text", " "}}}}}};
+  const json joined = {{{"role", "user"}, {"content", "Hi"}},
+                       {{"role", "assistant"}, {"content", "Sure,\n "}}};
+  auto continued = [](const json& messages) {
+    return parse_chat(json{{"messages", messages},
+                           {"add_generation_prompt", false},
+                           {"continue_final_message", true}},
+                      tokenizer(), &chat_template(), kLimits)
+        .prompts[0];
+  };
+  EXPECT_EQ(continued(parts), continued(joined));
+  // DeepSeek-V3's template writes the content as it is, so the cut keeps its trailing space.
+  const std::string prompt = tokenizer().decode(continued(parts), false);
+  EXPECT_EQ(prompt.substr(prompt.size() - 7), "Sure,\n ") << prompt;
   const json messages = {{{"role", "user"}, {"content", "Hi"}},
                          {{"role", "assistant"}, {"content", "Hel"}}};
   // Both it and a generation prompt (the default) cannot be had.
@@ -762,7 +814,8 @@ TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {
          {"content",
           {{{"type", "text"}, {"text", "Hi "}}, {{"type", "text"}, {"text", "there"}}}}}}}};
   auto r = parse_chat(body, tokenizer(), &tmpl, kLimits);
-  nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", "Hi there"}}}},
+  // Parts joined by a newline, as vLLM joins them (TextPartsAreJoinedByNewlinesAsVllmJoinsThem).
+  nlohmann::ordered_json ctx = {{"messages", {{{"role", "user"}, {"content", "Hi \nthere"}}}},
                                 {"add_generation_prompt", true},
                                 {"bos_token", tokenizer().bos_token()},
                                 {"eos_token", tokenizer().eos_token()}};
