@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <new>
 
 #include <unicode/uchar.h>
 
@@ -279,7 +280,13 @@ struct Sweep {
 thread_local Sweep* active_sweep = nullptr;
 
 void hand_over(Sweep& sweep, Value& v) {
-  if (v.seq || v.dict || v.ns || v.fn || v.loop) sweep.values.push_back(std::move(v));
+  if (!(v.seq || v.dict || v.ns || v.fn || v.loop)) return;
+  try {
+    sweep.values.push_back(std::move(v));
+  } catch (const std::bad_alloc&) {
+    // Out of memory: freed here, recursing, rather than ending the process from a destructor.
+    Value gone = std::move(v);
+  }
 }
 
 // give(sweep) moves a holder's values into the sweep; the outermost holder then frees them.
@@ -328,7 +335,13 @@ Namespace::~Namespace() {
 }
 
 Callable::~Callable() {
-  sweep_out([this](Sweep& s) { s.functions.push_back(std::move(fn)); });
+  sweep_out([this](Sweep& s) {
+    try {
+      s.functions.push_back(std::move(fn));
+    } catch (const std::bad_alloc&) {
+      fn = nullptr;  // as in hand_over
+    }
+  });
 }
 
 LoopInfo::~LoopInfo() {
