@@ -453,6 +453,76 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     skipped_failures += periods * failures;
   };
 
+  // The same with requests in flight that nothing can move: every engine is idle, dead or
+  // stalled (a request waits on a hung engine, or in the queue for one), and the gateway's timers
+  // that would end the wait (its timeouts) or the stall's end are far off. With 1 ms probes and
+  // timeouts of 2^31 ms that wait was run one probe at a time, for hours. Timers armed before
+  // the period and still pending after it (a request's timeout, a stall's end) stay where they
+  // are; the skip ends a period before the first of them. The period runs timer by timer, and
+  // stops as the loop below would when a request ends, so that what follows is the same.
+  auto engines_frozen = [&] {
+    return std::all_of(engines.begin(), engines.end(),
+                       [](const auto& e) { return e->dead() || e->quiet() || e->stalled(); });
+  };
+  auto deferred = [&] {
+    std::vector<size_t> d;
+    for (const auto& e : engines) d.push_back(e->deferred());
+    return d;
+  };
+  auto run_or_skip_a_period_in_flight = [&](Clock::time_point until) {
+    const auto timers_before = clock.timers_from_now();
+    const uint64_t armed_before = clock.sequence();
+    const Counts before = counts();
+    const std::vector<size_t> deferred_before = deferred();
+    const size_t finished_before = finished;
+    const Clock::time_point end = clock.now() + period;
+    Clock::time_point t;
+    while (clock.next_timer(&t) && t <= end) {
+      clock.advance_to(t);
+      if (finished != finished_before || !engines_frozen()) return;
+    }
+    // The clock stays at the period's last timer unless it skips: as the loop below leaves it.
+    const Clock::duration to_end = end - clock.now();
+    if (clock.pending_tasks() > 0) return;
+    const Counts after = counts();
+    if (after.healthy != before.healthy || after.transfers != before.transfers ||
+        after.retries != before.retries || deferred() != deferred_before)
+      return;
+    int64_t failures = 0;
+    for (size_t i = 0; i < after.failures.size(); ++i) {
+      const int64_t more = after.failures[i] - before.failures[i];
+      if (more > 0 && after.healthy[i]) return;
+      failures += more;
+    }
+    // The timers of the period that fired must have been armed again, a period on; those older
+    // than the period that are still pending bound the skip, as a stall's end does.
+    const auto timers_after = clock.timers_from_now();
+    std::vector<uint64_t> pending;
+    for (const auto& [in, seq] : timers_after) pending.push_back(seq);
+    std::sort(pending.begin(), pending.end());
+    std::vector<Clock::duration> fired, armed;
+    for (const auto& [in, seq] : timers_before)
+      if (!std::binary_search(pending.begin(), pending.end(), seq)) fired.push_back(in);
+    for (const auto& [in, seq] : timers_after) {
+      if (seq > armed_before)
+        armed.push_back(in - to_end);
+      else
+        until = std::min(until, clock.now() + in);
+    }
+    if (fired != armed) return;
+    for (const auto& e : engines)
+      if (e->stalled()) until = std::min(until, time_at(e->stalled_until()));
+    if (until == Clock::time_point::max()) return;  // nothing would ever end the wait
+    const int64_t periods = (until - end) / period - 1;
+    if (periods < 1) return;
+    clock.advance_to(end);  // no timer is left before it
+    clock.skip(periods * period, armed_before);
+    run.skipped_s += std::chrono::duration<double>(periods * period).count();
+    skipped_calls += periods * (after.calls - before.calls);
+    skipped_timeouts += periods * (after.timeouts - before.timeouts);
+    skipped_failures += periods * failures;
+  };
+
   clock.run_ready();
   Clock::time_point next, scheduled;
   while ((finished < n || engines_busy()) && clock.next_timer(&next)) {
@@ -462,6 +532,14 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
         engines_quiet()) {
       run_or_skip_a_period(scheduled);
       continue;
+    }
+    if (options.skip_idle && period.count() > 0 && sent != finished && next > clock.now() &&
+        clock.pending_tasks() == 0 && engines_frozen()) {
+      if (!clock.next_scheduled(&scheduled)) scheduled = Clock::time_point::max();
+      if (scheduled - clock.now() >= 3 * period) {
+        run_or_skip_a_period_in_flight(scheduled);
+        continue;
+      }
     }
     clock.advance_to(next);
   }

@@ -76,9 +76,10 @@ struct SimulationOptions {
     double factor = 1;      // kSlowLink
   };
   std::vector<Fault> faults;
-  // Idle gaps (nothing in flight, every engine idle) skip the gateway's probes and polls that
-  // would only repeat themselves (cluster_simulation.cpp): the same run, sooner. Off: every timer
-  // runs (for tests that compare the two).
+  // Idle gaps (nothing in flight, every engine idle), and waits that nothing can end sooner
+  // (requests in flight, every engine idle, dead or stalled, their timeouts far off), skip the
+  // gateway's probes and polls that would only repeat themselves (cluster_simulation.cpp): the
+  // same run, sooner. Off: every timer runs (for tests that compare the two).
   bool skip_idle = true;
 };
 

@@ -64,10 +64,18 @@ std::vector<gateway::Executor::Clock::duration> EventClock::pattern() const {
   return out;
 }
 
-void EventClock::skip(Clock::duration span) {
+std::vector<std::pair<gateway::Executor::Clock::duration, uint64_t>> EventClock::timers_from_now()
+    const {
+  std::vector<std::pair<Clock::duration, uint64_t>> out;
+  for (const auto& [key, task] : timers_)
+    if (std::get<1>(key) != 0) out.emplace_back(std::get<0>(key) - now_, std::get<2>(key));
+  return out;
+}
+
+void EventClock::skip(Clock::duration span, uint64_t armed_after) {
   std::map<Key, Task> moved;
   for (auto it = timers_.begin(); it != timers_.end();) {
-    if (std::get<1>(it->first) == 0) {
+    if (std::get<1>(it->first) == 0 || std::get<2>(it->first) <= armed_after) {
       ++it;
       continue;
     }

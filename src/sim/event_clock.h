@@ -15,6 +15,7 @@
 #include <set>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "gateway/seams.h"
@@ -52,9 +53,14 @@ class EventClock final : public gateway::Executor {
   // The times from now of the timers that are not the schedule's, in firing order: equal at two
   // times a period apart when they only repeat.
   std::vector<Clock::duration> pattern() const;
-  // Moves now and every timer not of the schedule on by `span`, none of them firing. The caller
-  // makes sure nothing lies between (no posted task, no schedule timer before the moved ones).
-  void skip(Clock::duration span);
+  // The same with each timer's sequence number: a timer armed later has a larger one, and
+  // sequence() is the last armed. Tells the timers armed since a moment from those older.
+  std::vector<std::pair<Clock::duration, uint64_t>> timers_from_now() const;
+  uint64_t sequence() const { return seq_; }
+  // Moves now and every timer not of the schedule armed after `armed_after` (0: every one) on by
+  // `span`, none of them firing. The caller makes sure nothing lies between (no posted task, no
+  // schedule timer and no timer left in place before the moved ones).
+  void skip(Clock::duration span, uint64_t armed_after = 0);
 
  private:
   // Timers by (time, lane, sequence): lane 0 is the schedule's.

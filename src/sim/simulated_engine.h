@@ -57,6 +57,7 @@ class SimulatedEngine {
   // calls grew without bound over a long stall.
   void stall(double until_s);
   bool stalled() const;
+  double stalled_until() const { return stalled_until_; }  // 0 before any stall
   // Nothing to do and nothing under way: no step, no work, no stall, nothing deferred.
   bool quiet() const;
   // What waits for the stall to end: calls and the engine's own deferred work.

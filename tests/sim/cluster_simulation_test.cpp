@@ -731,6 +731,50 @@ TEST(ClusterSimulation, IdleGapsAreSkippedAndTheRunIsTheSame) {
   }
 }
 
+TEST(ClusterSimulation, RequestsWaitingOnAStalledEngineAreSkippedAndTheRunIsTheSame) {
+  // decode-0 hangs from 1 s to 601 s with requests on it; the gateway's timeouts outlast the
+  // stall, so they wait and then finish. Skipping the wait's probes and polls (requests in
+  // flight, but nothing to move them) changes nothing reported, its calls and timeouts included.
+  auto reqs = random_requests(6, 41);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].arrival_s = 0.2 * double(i) + (i == 5 ? 700.0 : 0.0);  // the last after the stall
+    reqs[i].output_len = 300;
+  }
+  for (const bool pd : {false, true}) {
+    auto o = pd ? pd_options(gateway::PdMode::kParallel, 1, 2, "deepseek-v3-h800")
+                : options(2, "deepseek-v3-h800");
+    o.gateway.timeouts.queue = o.gateway.timeouts.prefill = o.gateway.timeouts.first_token =
+        o.gateway.timeouts.idle = std::chrono::seconds(2000);
+    o.kv_transfer_timeout_s = 2000;
+    o.faults = {{Fault::Kind::kStall, "decode-0", 1.0, 600.0}};
+    const auto skipped = simulate(reqs, o, tokenizer());
+    o.skip_idle = false;
+    const auto whole = simulate(reqs, o, tokenizer());
+    SCOPED_TRACE(pd ? "parallel P/D" : "aggregated");
+    EXPECT_GT(skipped.skipped_s, 300);
+    EXPECT_EQ(whole.skipped_s, 0);
+    EXPECT_GT(whole.timeouts, 0);  // the stalled engine's probes and polls
+    for (const auto& r : whole.results) EXPECT_TRUE(r.success) << r.error;
+    expect_same_run(skipped, whole);
+  }
+}
+
+TEST(ClusterSimulation, AStallWithMillisecondProbesAndLongTimeoutsEnds) {
+  // 1 ms probes and timeouts of 2^31 ms with a request on an engine hung for 10^6 s: timer by
+  // timer that was 10^9 probes, hours of simulation. Skipped, the request is answered when the
+  // engine wakes.
+  auto o = options(1, "deepseek-v3-h800");
+  o.gateway.health.probe_interval = o.gateway.health.probe_timeout = std::chrono::milliseconds(1);
+  o.gateway.timeouts.queue = o.gateway.timeouts.prefill = o.gateway.timeouts.first_token =
+      o.gateway.timeouts.idle = std::chrono::milliseconds(2147483647);
+  o.faults = {{Fault::Kind::kStall, "decode-0", 0.01, 1e6}};
+  const auto run = simulate({request(0, words(100, 1), 50)}, o, tokenizer());
+  ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+  EXPECT_GT(run.results[0].latency_s, 1e6);
+  EXPECT_GT(run.skipped_s, 0.99e6);
+  EXPECT_GT(run.timeouts, 1e8);  // the skipped probes are counted
+}
+
 TEST(ClusterSimulation, AnIdleGapOfYearsIsSkipped) {
   // 10^8 s between two requests: timer by timer, a million seconds took 46 s to simulate.
   const auto run = simulate({request(0, words(100, 1), 4), request(1e8, words(100, 2), 4)},
