@@ -19,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -1442,6 +1443,47 @@ TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
   EXPECT_EQ(count(), 16u);
   listener->close();
   acceptor.join();
+}
+
+// A black-holed prefill host (its SYNs dropped: here a listener whose accept queue is full) holds
+// each release to it for the handshake timeout (1 s), not the I/O timeout (600 s): the 16 senders
+// all waiting on it held a release to a healthy engine queued behind them for that long.
+TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTimeout) {
+  decode_io_timeout_ = 600s;
+  handshake_timeout_s_ = 1;
+  start();
+  const int hole = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(hole, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof a;
+  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(hole, 0), 0);
+  ASSERT_EQ(::getsockname(hole, reinterpret_cast<sockaddr*>(&a), &length), 0);
+  // Fill its accept queue (never accepted): the kernel drops every later SYN.
+  std::vector<int> fillers;
+  for (int i = 0; i < 4; ++i) {
+    fillers.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    ::connect(fillers.back(), reinterpret_cast<sockaddr*>(&a), sizeof a);
+  }
+  auto peer = make_tcp_transport({60s});
+  auto healthy = peer->listen("127.0.0.1", 0);
+  std::atomic<bool> reached{false};
+  std::thread acceptor([&] {
+    while (auto c = healthy->accept()) reached = true;
+  });
+  for (int i = 0; i < 16; ++i)
+    decode_->release_remote("127.0.0.1", ntohs(a.sin_port), "prefill-9", "t-" + std::to_string(i),
+                            {1, 2});
+  decode_->release_remote("127.0.0.1", healthy->port(), "prefill-9", "t-healthy", {1, 2});
+  EXPECT_TRUE(queue_.run_until([&] { return reached.load(); }))
+      << "the release to the healthy engine waited behind the unreachable one";
+  decode_.reset();
+  healthy->close();
+  acceptor.join();
+  for (int fd : fillers) ::close(fd);
+  ::close(hole);
 }
 
 // A burst of releases (a gateway cancelling many decode legs at once) beyond those sent at once

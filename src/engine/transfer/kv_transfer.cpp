@@ -1054,8 +1054,14 @@ void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFra
 
 void KvTransferAgent::send_release(const QueuedRelease& r) {
   std::shared_ptr<KvConnection> conn;
+  const auto handshake =
+      std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000));
+  // The connect too is bounded by the handshake timeout, not the transport's I/O timeout: one
+  // unreachable host would otherwise hold every release queued behind it for that long.
+  const auto deadline = Clock::now() + handshake;
   try {
-    conn = transport_->connect(r.host, r.port, [this] {
+    conn = transport_->connect(r.host, r.port, [this, deadline] {
+      if (Clock::now() >= deadline) return true;
       std::lock_guard lock(mutex_);
       return stopping_;
     });
@@ -1064,8 +1070,7 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
       if (stopping_) throw Error("stopping");
       releases_.push_back(conn);
     }
-    conn->set_timeout(
-        std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
+    conn->set_timeout(handshake);
     if (!config_.secret.empty())
       authenticate_to_prefill(*conn, config_.secret, r.host + ":" + std::to_string(r.port));
     const std::span<const std::byte> parts[] = {bytes_of(r.request)};
