@@ -442,11 +442,17 @@ void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
     header_text.append((8 - header_text.size() % 8) % 8, ' ');
 
     const fs::path path = dir / file;
-    const fs::path tmp = dir / (file + ".tmp");
-    std::FILE* f = std::fopen(tmp.c_str(), "wb");
-    if (!f) throw Error(tmp.string() + ": cannot create: " + std::strerror(errno));
+    fs::path tmp;
+    const int fd = create_temporary_beside(path, &tmp);
+    std::FILE* f = ::fdopen(fd, "wb");
+    if (!f) {
+      const int err = errno;
+      ::close(fd);
+      fs::remove(tmp);
+      throw Error(path.string() + ": cannot write: " + std::strerror(err));
+    }
     auto fail = [&](const std::string& what) {
-      const std::string msg = tmp.string() + ": " + what + ": " + std::strerror(errno);
+      const std::string msg = path.string() + ": " + what + ": " + std::strerror(errno);
       std::fclose(f);
       fs::remove(tmp);
       throw Error(msg);
@@ -471,8 +477,9 @@ void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
       if (progress) progress(written, total);
     }
     if (std::fclose(f) != 0) {
+      const int err = errno;
       fs::remove(tmp);
-      throw Error(tmp.string() + ": cannot write: " + std::strerror(errno));
+      throw Error(path.string() + ": cannot write: " + std::strerror(err));
     }
     fs::rename(tmp, path, ec);
     if (ec)

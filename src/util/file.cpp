@@ -84,19 +84,6 @@ std::string read_regular_file(const std::filesystem::path& path, uint64_t max_by
 
 namespace {
 
-// A temporary file of its own beside `path`: O_EXCL, so it is never one another writer (another
-// thread or process writing the same path) is still filling, nor a link someone left under the
-// name, which a plain open would follow and overwrite.
-int create_temporary(const std::filesystem::path& path, std::filesystem::path* tmp) {
-  static std::atomic<uint64_t> counter{0};
-  for (int attempt = 0;; ++attempt) {
-    *tmp = path;
-    *tmp += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-    const int fd = ::open(tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd >= 0 || errno != EEXIST || attempt == 100) return fd;
-  }
-}
-
 // 0, or the errno of the write that failed.
 int write_all(int fd, std::string_view bytes) {
   while (!bytes.empty()) {
@@ -110,14 +97,24 @@ int write_all(int fd, std::string_view bytes) {
 
 }  // namespace
 
+int create_temporary_beside(const std::filesystem::path& path, std::filesystem::path* tmp) {
+  static std::atomic<uint64_t> counter{0};
+  for (int attempt = 0;; ++attempt) {
+    *tmp = path;
+    *tmp += ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+    const int fd = ::open(tmp->c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) return fd;
+    if (errno != EEXIST || attempt == 100) {
+      // Errors name the file asked for: the temporary one's name is of no use to the user.
+      const int err = errno;
+      throw Error("cannot write " + path.string() + ": " + std::strerror(err));
+    }
+  }
+}
+
 void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {
   std::filesystem::path tmp;
-  const int fd = create_temporary(path, &tmp);
-  // Errors name the file asked for: the temporary one's name is of no use to the user.
-  if (fd < 0) {
-    const int err = errno;
-    throw Error("cannot write " + path.string() + ": " + std::strerror(err));
-  }
+  const int fd = create_temporary_beside(path, &tmp);
   int err = write_all(fd, bytes);
   // A file replaced keeps its permissions (the new one would otherwise get the umask's).
   struct stat st {};

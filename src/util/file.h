@@ -38,6 +38,12 @@ inline constexpr uint64_t kMaxTokenizerBytes = uint64_t{1} << 30;
 // tandem::Error naming the path otherwise, before reading anything when the file is too large.
 std::string read_regular_file(const std::filesystem::path& path, uint64_t max_bytes = UINT64_MAX);
 
+// A new file beside `path`, open for writing, to be renamed onto it: created with O_EXCL under a
+// name of its own (the pid and a counter), so it is never a link someone left, which a plain open
+// would follow, nor a file another writer of `path` is filling. Returns the descriptor and sets
+// *tmp; throws tandem::Error naming `path`.
+int create_temporary_beside(const std::filesystem::path& path, std::filesystem::path* tmp);
+
 // Writes `bytes` to a temporary file beside `path` and renames it into place, so a reader never
 // sees a half-written file; throws tandem::Error naming the path on failure.
 void write_file_atomically(const std::filesystem::path& path, std::string_view bytes);

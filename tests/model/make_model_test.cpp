@@ -18,6 +18,7 @@
 #include "model/safetensors.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
+#include "util/file.h"
 
 namespace tandem::model {
 namespace {
@@ -508,6 +509,19 @@ TEST(MakeModel, AFailedWriteOfItsJsonFilesIsAnError) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr((dir / "generation_config.json").string() + ": cannot rename"));
   }
+}
+
+// Shards were written through `<shard>.tmp`, opened with fopen: a link left under that name was
+// followed and the file it named overwritten with tensor data, and two writers of one folder
+// shared it. They now go through util/file's temporary files (O_EXCL, a name of their own).
+TEST(MakeModel, ALinkUnderAShardsOldTemporaryNameIsNotFollowed) {
+  test::TempDir dir("make-link");
+  test::TempDir elsewhere("make-link-victim");
+  test::write_bytes(elsewhere / "victim", "keep");
+  fs::create_symlink(elsewhere / "victim", dir / "model-00001-of-00006.safetensors.tmp");
+  make("tiny-v3", dir.path(), DType::kBF16);
+  EXPECT_EQ(read_file(elsewhere / "victim"), "keep");
+  EXPECT_TRUE(fs::is_regular_file(dir / "model-00001-of-00006.safetensors"));
 }
 
 // ---- The CLI ----
