@@ -112,11 +112,14 @@ Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) 
   for (int64_t i = 0; i < min; ++i) all.insert(all.end(), item.begin(), item.end());
   if (tail >= 0) all.push_back(tail);
   add(r, std::move(all));
+  const int64_t links = max < 0 ? 0 : max - min;
+  if (!item.empty() && (min >= 2 || links >= 2))
+    built_.push_back({r, tail, links > 0 ? Symbol(r - links) : -1, min, links, item});
   return r;
 }
 
 size_t Grammar::bytes() const {
-  size_t n = sizeof(*this) + code_.capacity() * sizeof(Symbol) +
+  size_t n = sizeof(*this) + code_.capacity() * sizeof(Symbol) + runs_.capacity() * sizeof(Run) +
              terminals_.capacity() * sizeof(ByteSet) + terminal_ids_.size() * (64 + 256);
   for (const auto& s : starts_) n += sizeof(s) + s.capacity() * sizeof(int32_t);
   return n;
@@ -235,8 +238,65 @@ void Grammar::finish(Symbol root) {
       code_.insert(code_.end(), alt.begin(), alt.end());
       code_.push_back(kEnd);
     }
+  find_runs();
   rules_.clear();
   rules_.shrink_to_fit();
+}
+
+void Grammar::find_runs() {
+  // Only where the repeat's rules are still what repeat() made (finish() drops alternatives that
+  // match no finite text) and laid out as expected: elsewhere positions stay themselves, which is
+  // exact, only slower.
+  runs_.clear();
+  for (const Built& b : built_) {
+    const auto w = static_cast<int64_t>(b.item.size());
+    const auto& main = rules_[size_t(b.rule)];
+    if (b.min >= 2 && !main.empty() &&
+        main[0].size() == size_t(b.min * w) + (b.tail >= 0 ? 1 : 0)) {
+      bool same = true;
+      for (int64_t i = 0; i < b.min * w && same; ++i)
+        same = main[0][size_t(i)] == b.item[size_t(i % w)];
+      if (same) {
+        const int32_t begin = starts_[size_t(b.rule)][0];
+        runs_.push_back({begin, int32_t(b.min), int32_t(w), int32_t(w), b.min - 1, -1, begin});
+      }
+    }
+    // Links 1..links-1 (the last, with nothing after it, is never far from the bound): link k is
+    // rule last_link + links - k, item then link k + 1, or nothing; rules are laid out in order,
+    // so link k - 1 follows link k at a fixed stride.
+    if (b.links < 2) continue;
+    const int64_t n = b.links, stride = w + 3;
+    auto link = [&](int64_t k) { return size_t(b.last_link + n - k); };
+    const int32_t base = starts_[link(n - 1)].empty() ? -1 : starts_[link(n - 1)][0];
+    bool regular = base >= 0;
+    for (int64_t k = n - 1; k >= 1 && regular; --k) {
+      const auto& alts = rules_[link(k)];
+      regular = alts.size() == 2 && alts[1].empty() && alts[0].size() == size_t(w + 1) &&
+                alts[0].back() == Symbol(link(k + 1)) &&
+                std::equal(b.item.begin(), b.item.end(), alts[0].begin()) &&
+                starts_[link(k)][0] == base + (n - 1 - k) * stride;
+    }
+    if (regular)
+      runs_.push_back({base, int32_t(n - 1), int32_t(stride), int32_t(w + 1), 1, 1,
+                       int32_t(base + (n - 2) * stride)});
+  }
+  built_.clear();
+  built_.shrink_to_fit();
+  std::sort(runs_.begin(), runs_.end(),
+            [](const Run& a, const Run& b) { return a.begin < b.begin; });
+  runs_.shrink_to_fit();
+}
+
+int32_t Grammar::mask_position(int32_t pos, size_t longest) const {
+  auto it = std::upper_bound(runs_.begin(), runs_.end(), pos,
+                             [](int32_t p, const Run& r) { return p < r.begin; });
+  if (pos < 0 || it == runs_.begin()) return pos;
+  const Run& r = *--it;
+  const int64_t from = pos - r.begin;
+  if (from >= int64_t(r.count) * r.stride) return pos;
+  const int64_t j = from / r.stride, offset = from % r.stride;
+  if (offset >= r.width || r.left_first + r.left_step * j < int64_t(longest)) return pos;
+  return r.canonical + int32_t(offset);
 }
 
 namespace {

@@ -56,6 +56,15 @@ class Grammar {
   size_t size() const { return code_.size(); }
   // The memory it holds, about.
   size_t bytes() const;
+  // The position that stands for `pos` (in a parse stack or a return frame) in a key of the
+  // tokens that may follow, tokens of at most `longest` bytes. Which of them may follow depends
+  // only on the continuations of at most `longest` bytes, and inside a bounded repeat two
+  // positions at the same offset of the item have the same such continuations when both have at
+  // least `longest` items still required after theirs, or both are past the required ones with at
+  // least `longest` more allowed: items read a byte or more, so no continuation that short
+  // reaches the bound from either. Those share one position; any other stands for itself. Without
+  // this each character of a string of maxLength 2000 was a state, and a walk of the vocabulary.
+  int32_t mask_position(int32_t pos, size_t longest) const;
 
   // Limits: grammars past them are refused with an error, not built.
   static constexpr size_t kMaxSymbols = 4'000'000;
@@ -72,6 +81,27 @@ class Grammar {
   std::vector<std::vector<int32_t>> starts_;
   Symbol root_ = -1;
   size_t symbols_ = 0;
+  // The repeats built with runs of items (two or more required, or two or more optional ones),
+  // for finish() to find in code().
+  struct Built {
+    Symbol rule;         // item^min then tail
+    Symbol tail;         // the first link or the loop, -1 for none
+    Symbol last_link;    // links are rules last_link.. in order last to first
+    int64_t min, links;  // links: max - min
+    Sequence item;
+  };
+  std::vector<Built> built_;
+  // A run of a repeat's items in code(): `count` of them `stride` apart, each with `width`
+  // positions that mask_position() may replace. The item at j (from `begin`) has
+  // left_first + left_step * j items after it up to the bound the run ends at, and the run's
+  // positions that have at least `longest` become canonical + their offset in the item.
+  struct Run {
+    int32_t begin, count, stride, width;
+    int64_t left_first, left_step;
+    int32_t canonical;
+  };
+  std::vector<Run> runs_;  // by begin
+  void find_runs();
 };
 
 // UTF-8 encoded code points as grammar sequences: the alternatives that match one code point in

@@ -145,15 +145,25 @@ ByteSet GrammarMatcher::next_bytes() const {
   return out;
 }
 
-std::string GrammarMatcher::key() const {
+template <typename Position>
+std::string GrammarMatcher::key_of(Position position) const {
   std::string k;
   auto put = [&](int32_t v) { k.append(reinterpret_cast<const char*>(&v), sizeof v); };
   for (const Stack& s : stacks_) {
-    put(s.pos);
-    for (int32_t r = s.rest; r >= 0; r = frames_[size_t(r)].second) put(frames_[size_t(r)].first);
+    put(position(s.pos));
+    for (int32_t r = s.rest; r >= 0; r = frames_[size_t(r)].second)
+      put(position(frames_[size_t(r)].first));
     put(-2);
   }
   return k;
+}
+
+std::string GrammarMatcher::key() const {
+  return key_of([](int32_t pos) { return pos; });
+}
+
+std::string GrammarMatcher::mask_key(size_t longest) const {
+  return key_of([&](int32_t pos) { return grammar_->mask_position(pos, longest); });
 }
 
 void GrammarMatcher::release(size_t mark) {

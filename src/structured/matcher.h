@@ -56,6 +56,10 @@ class GrammarMatcher {
   ByteSet next_bytes() const;
   // The state as a string: equal for equal states, whichever matcher holds them.
   std::string key() const;
+  // A key of the tokens of at most `longest` bytes that may follow: key() with each position as
+  // Grammar::mask_position() has it, so states that differ only in how far a bounded repeat is
+  // from its bounds, beyond what one token can reach, share it (and their masks).
+  std::string mask_key(size_t longest) const;
 
   // Sets bit t of `allowed` (one bit per token id, 64 per word) for every token of the trie whose
   // bytes the grammar accepts next. The state is unchanged. Throws ConstraintError past
@@ -73,6 +77,8 @@ class GrammarMatcher {
   };
   using Stacks = std::vector<Stack>;
 
+  template <typename Position>
+  std::string key_of(Position position) const;
   int32_t frame(int32_t pos, int32_t rest);
   void expand(int32_t pos, int32_t rest, Stacks& out);
   void new_step();

@@ -10,14 +10,21 @@ namespace tandem::structured {
 MaskVocabulary::MaskVocabulary(const text::Tokenizer& tokenizer) {
   const size_t n = tokenizer.vocab_size();
   bytes_.resize(n);
-  std::vector<std::pair<std::string, int32_t>> entries;
-  entries.reserve(n);
   for (size_t id = 0; id < n; ++id) {
     const auto t = static_cast<int32_t>(id);
-    if (!tokenizer.id_to_token(t) || tokenizer.is_special(t)) continue;
-    bytes_[id] = tokenizer.token_bytes(t);
-    entries.emplace_back(bytes_[id], t);
+    if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) bytes_[id] = tokenizer.token_bytes(t);
   }
+  build_trie();
+}
+
+MaskVocabulary::MaskVocabulary(std::vector<std::string> bytes) : bytes_(std::move(bytes)) {
+  build_trie();
+}
+
+void MaskVocabulary::build_trie() {
+  std::vector<std::pair<std::string, int32_t>> entries;
+  entries.reserve(bytes_.size());
+  for (size_t id = 0; id < bytes_.size(); ++id) entries.emplace_back(bytes_[id], int32_t(id));
   trie_ = VocabularyTrie::build(std::move(entries));
 }
 
@@ -47,7 +54,7 @@ TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,
 
 const std::vector<uint64_t>& TokenConstraint::allowed() {
   if (current_) return *current_;
-  const std::string state = matcher_.key();
+  const std::string state = matcher_.mask_key(vocabulary_->trie().max_depth);
   current_ = cache_->find(state);
   if (current_) {
     ++stats_.masks_reused;

@@ -2,7 +2,8 @@
 // Constrained decoding: per step, the tokens whose bytes keep the answer inside a grammar (a mask
 // over the vocabulary, computed by walking the vocabulary's trie from the matcher's state, and
 // cached per grammar and state, since answers revisit states: every character inside one JSON
-// string leaves the same state), and the state advanced by the token sampled.
+// string leaves the same state, and those inside a bounded one the same as far as a token can
+// tell, GrammarMatcher::mask_key), and the state advanced by the token sampled.
 #include <chrono>
 #include <cstdint>
 #include <list>
@@ -26,11 +27,15 @@ namespace tandem::structured {
 class MaskVocabulary {
  public:
   explicit MaskVocabulary(const text::Tokenizer& tokenizer);
+  // Token id i has bytes[i] (empty: a token never allowed).
+  explicit MaskVocabulary(std::vector<std::string> bytes);
   const VocabularyTrie& trie() const { return trie_; }
   const std::string& bytes(int32_t id) const { return bytes_[size_t(id)]; }
   size_t size() const { return bytes_.size(); }
 
  private:
+  void build_trie();
+
   VocabularyTrie trie_;
   std::vector<std::string> bytes_;
 };

@@ -8,6 +8,8 @@
 #include <exception>
 #include <functional>
 #include <random>
+#include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -857,6 +859,155 @@ TEST(StructuredOutput, CountKeywordsTakeWholeNumbersWrittenAsFloats) {
     const std::string e = compile_error(K::kJsonSchema, bad);
     EXPECT_NE(e.find("must be an integer from 0 to"), std::string::npos) << bad << "\n  " << e;
   }
+}
+
+// A small vocabulary for masks: ASCII bytes JSON needs, runs of letters (up to the longest, so
+// that a mask tells apart every state a token's length from a bound), UTF-8 characters whole and
+// cut (byte-level tokenizers have tokens that end or begin inside a character), and tokens that
+// cross a repeat's end. Its longest tokens ("name": ", aaaaaaaaa) are 9 bytes.
+std::shared_ptr<const MaskVocabulary> small_vocabulary() {
+  // Split at '|', which no token holds.
+  const std::string listed =
+      "a|b|c|x|\"|\\|,|{|}|[|]|:| |0|1|5|-|.|e|n|u|l|t|r|f|s|v|k|i|d|m|ab|abc|aaaa|aaaaaaaa|ba|"
+      "aaaaaaaaa|aaaaaaab|aaaaaaaab|aaaaaaaa\"|"
+      "\",|\"}|\xC3\xA9|\xE6\x97\xA5|\xE6\x97\xA5\xE6\x9C\xAC|\xE6|\x97\xA5|\xC3|\xA9|\xA9\x61|"
+      "\"name\": \"|\"kids\": [|\"v\": |{\"|\\n|\\u00e9|null|true|, |\"]|}]";
+  std::vector<std::string> tokens(1);
+  for (char c : listed)
+    if (c == '|')
+      tokens.emplace_back();
+    else
+      tokens.back() += c;
+  return std::make_shared<const MaskVocabulary>(std::move(tokens));
+}
+
+// Masks are cached under GrammarMatcher::mask_key, which merges the states of a bounded repeat
+// that no token can tell apart. Each mask the cache gives must be the one a fresh walk of the
+// trie computes, and so must every state sharing a key, over random answers to formats with
+// repeats near and far from both bounds, nested, under recursion, in regexes, of UTF-8.
+TEST(StructuredOutput, MasksCachedByMaskKeyAreTheMasksOfAFreshWalk) {
+  using K = OutputSpec::Kind;
+  const auto vocabulary = small_vocabulary();
+  const size_t v = vocabulary->size(), longest = vocabulary->trie().max_depth;
+  ASSERT_EQ(longest, 9u);
+  const int32_t end = static_cast<int32_t>(v);  // an end id past the vocabulary
+  const std::vector<int32_t> ends = {end};
+  const std::pair<K, std::string> specs[] = {
+      {K::kJsonSchema, R"({"type": "string", "minLength": 15, "maxLength": 45})"},
+      {K::kRegex, "a{0,40}b"},
+      {K::kRegex, "a{30}b{0,30}"},
+      {K::kRegex, "(ab|c){12,30}x"},
+      {K::kRegex, "[a\u00e9]{25,}x"},
+      {K::kRegex, "(a{2,20}b){0,15}"},
+      {K::kRegex, "(\u65e5|\u00e9|ab){0,35}"},
+      {K::kRegex, "(\u65e5\u672c|a){14}b{0,30}"},
+      {K::kJsonSchema, R"({"$defs": {"node": {"type": "object", "properties": {
+          "name": {"type": "string", "maxLength": 30},
+          "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}},
+          "required": ["name"]}}, "$ref": "#/$defs/node"})"},
+      {K::kJsonSchema, R"({"type": "array", "items": {"type": "string", "maxLength": 14},
+          "minItems": 12, "maxItems": 25})"},
+      {K::kJsonSchema, R"({"anyOf": [
+          {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}},
+          {"type": "object", "properties": {"name": {"type": "string", "maxLength": 33}}},
+          {"type": "object", "properties": {"name": {"type": "string", "minLength": 12}}}]})"},
+  };
+  std::mt19937 rng(5);
+  for (const auto& [kind, text] : specs) {
+    SCOPED_TRACE(text);
+    const auto grammar = compile({kind, text, "f"});
+    const auto cache = std::make_shared<MaskCache>(size_t(1) << 16);
+    std::unordered_map<std::string, std::vector<uint64_t>> by_mask_key;
+    std::unordered_set<std::string> keys;
+    size_t states = 0, reused = 0;
+    for (int walk = 0; walk < 40; ++walk) {
+      TokenConstraint constraint(grammar, cache, vocabulary);
+      GrammarMatcher fresh(grammar);
+      std::string answer;
+      for (int n = 0; n < 120; ++n) {
+        std::vector<uint64_t> walked((v + 63) / 64, 0);
+        fresh.accepted_tokens(vocabulary->trie(), walked);
+        std::vector<float> logits(v + 1, 0.0f);
+        try {
+          constraint.mask(logits, ends);
+        } catch (const ConstraintError&) {
+          // A dead end of this vocabulary (bytes may follow, no token of them does).
+          EXPECT_TRUE(std::all_of(walked.begin(), walked.end(), [](uint64_t w) { return !w; }));
+          EXPECT_FALSE(fresh.accepting());
+          break;
+        }
+        std::vector<int32_t> allowed;
+        for (size_t id = 0; id < v; ++id) {
+          const bool bit = (walked[id / 64] >> (id % 64)) & 1;
+          ASSERT_EQ(logits[id] == 0.0f, bit) << "token " << id << " after " << answer;
+          if (bit) allowed.push_back(int32_t(id));
+        }
+        ASSERT_EQ(logits[size_t(end)] == 0.0f, fresh.accepting()) << answer;
+        ++states;
+        keys.insert(fresh.key());
+        const auto [it, added] = by_mask_key.emplace(fresh.mask_key(longest), walked);
+        ASSERT_TRUE(it->second == walked) << "a state sharing the mask key of another, " << answer;
+        reused += !added;
+        if (allowed.empty() || (fresh.accepting() && rng() % 8 == 0)) break;
+        // Half the time the longest, to go deep into repeats.
+        int32_t pick = allowed[rng() % allowed.size()];
+        if (rng() % 2 == 0)
+          for (int32_t t : allowed)
+            if (vocabulary->bytes(t).size() > vocabulary->bytes(pick).size()) pick = t;
+        constraint.accept(pick, ends);
+        ASSERT_TRUE(fresh.advance(vocabulary->bytes(pick)));
+        answer += vocabulary->bytes(pick);
+      }
+    }
+    // Not vacuous: the walks met states that differ (key) but share a mask key.
+    EXPECT_LT(by_mask_key.size(), keys.size()) << states << " states, " << reused << " reused";
+  }
+}
+
+// An answer inside a string of maxLength 400 is 400 states, all alike to a token until it is
+// within a token's length of the bound: the masks computed (trie walks) stay within a few per
+// byte of the longest token, however long the string may be. Each state had its own mask (a
+// walk of the whole vocabulary) before: 8 requests of maxLength 2000 decoded at 58 tokens/s, of
+// no maxLength at 441.
+TEST(StructuredOutput, ABoundedStringWalksTheVocabularyAboutOncePerByteOfItsLongestToken) {
+  const auto vocabulary = small_vocabulary();
+  const size_t longest = vocabulary->trie().max_depth;
+  const auto grammar =
+      compile({OutputSpec::Kind::kJsonSchema, R"({"type": "string", "maxLength": 400})", "f"});
+  const std::vector<int32_t> ends = {int32_t(vocabulary->size())};
+  auto id = [&](const std::string& bytes) {
+    for (size_t i = 0; i < vocabulary->size(); ++i)
+      if (vocabulary->bytes(int32_t(i)) == bytes) return int32_t(i);
+    ADD_FAILURE() << bytes;
+    return int32_t(-1);
+  };
+  const std::string cycle[] = {"abc", "a", "ab", "aaaa", "\xC3\xA9", "aaaaaaaa", "\\n"};
+  TokenConstraint constraint(grammar, std::make_shared<MaskCache>(128), vocabulary);
+  std::vector<float> logits(vocabulary->size() + 1);
+  auto step = [&](const std::string& token) {
+    std::fill(logits.begin(), logits.end(), 0.0f);
+    constraint.mask(logits, ends);
+    const int32_t t = id(token);
+    ASSERT_EQ(logits[size_t(t)], 0.0f) << token;
+    constraint.accept(t, ends);
+  };
+  step("\"");
+  size_t characters = 0, tokens = 1;
+  for (size_t i = 0; characters < 400; ++i) {
+    std::string token = cycle[i % std::size(cycle)];
+    const size_t length = token == "\xC3\xA9" || token == "\\n" ? 1 : token.size();
+    if (characters + length > 400) token = "a";
+    step(token);
+    characters += token == "a" ? 1 : length;
+    ++tokens;
+  }
+  step("\"");
+  ++tokens;
+  EXPECT_TRUE(constraint.complete());
+  const ConstraintStats& stats = constraint.stats();
+  EXPECT_EQ(size_t(stats.masks_computed + stats.masks_reused), tokens);
+  EXPECT_GT(tokens, 100u);
+  EXPECT_LE(size_t(stats.masks_computed), 2 * longest + 4);
 }
 
 }  // namespace
