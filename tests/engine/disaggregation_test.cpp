@@ -811,8 +811,9 @@ class FakeTransfers final : public KvTransfers {
   void room_failed(uint64_t, uint64_t, const std::string&) override {
     log_->push_back("room_failed");
   }
-  void fetch(KvFetch, std::function<void(const KvFetchResult&)>) override {
+  void fetch(KvFetch, std::function<void(const KvFetchResult&)> done) override {
     log_->push_back("fetch");
+    fetches.push_back(std::move(done));
   }
   void cancel_fetch(const std::string&) override { log_->push_back("cancel_fetch"); }
   void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
@@ -828,6 +829,7 @@ class FakeTransfers final : public KvTransfers {
   Post post;                    // runs a task on the engine thread (at its next run_once)
   std::vector<Task> releases;   // of each hold, in order
   std::vector<RoomDone> rooms;  // of each room opened, in order
+  std::vector<std::function<void(const KvFetchResult&)>> fetches;  // their ends, in order
 
  private:
   KvTransferConfig config_;
@@ -896,6 +898,39 @@ TEST_F(Disaggregation, StoppingADecodeEngineWithLegsWaitingForKvTouchesNoEndedTr
   const auto ended = std::find(log->begin(), log->end(), "ended");
   ASSERT_NE(ended, log->end());
   EXPECT_EQ(std::vector<std::string>(ended + 1, log->end()), std::vector<std::string>{});
+}
+
+// A decode leg whose client leaves while its pull is still connecting: the prefill engine never
+// got the pull, so only this engine can let go of its hold, once the cancelled fetch ends (its
+// request was already gone; the blocks stayed held until their expiry).
+TEST_F(Disaggregation, ACancelledPullReleasesThePrefillBlocksWhenItEnds) {
+  auto log = std::make_shared<FakeTransfers::Log>();
+  metrics::Registry registry;
+  FakeTransfers* fake = nullptr;
+  auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
+  EngineRequest r;
+  r.id = "leg";
+  r.prompt = tokens(40, 100);
+  r.sampling.max_tokens = 4;
+  KvTransferSpec& kt = r.kv_transfer;
+  kt.mode = KvTransferSpec::Mode::kDecodeByPull;
+  kt.host = "127.0.0.1";
+  kt.port = 1;
+  kt.engine_id = "prefill-0";
+  kt.transfer_id = "t0";
+  kt.remote_blocks = {0, 1, 2};
+  engine->submit(std::move(r));
+  for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
+  ASSERT_EQ(fake->fetches.size(), 1u);
+  engine->abort("leg");
+  for (int i = 0; i < 10 && std::count(log->begin(), log->end(), "cancel_fetch") == 0; ++i)
+    engine->run_once();
+  ASSERT_EQ(std::count(log->begin(), log->end(), "cancel_fetch"), 1);
+  EXPECT_EQ(std::count(log->begin(), log->end(), "release_remote"), 0) << "the fetch still runs";
+  fake->post([done = fake->fetches[0]] { done({false, "cancelled", 0}); });
+  for (int i = 0; i < 10 && engine->has_work(); ++i) engine->run_once();
+  EXPECT_EQ(std::count(log->begin(), log->end(), "release_remote"), 1);
+  engine->stop();
 }
 
 // A prefill engine in process with fake transfers: what the engine does with a request id whose

@@ -104,6 +104,11 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
   const bool cancelled = seq->kv_state == KvTransferState::kFetchCancelled;
   seq->kv_state = KvTransferState::kNone;
   if (cancelled) {
+    // A pull cancelled before the prefill engine accepted it leaves the hold there: release it.
+    // (One it had accepted ends with the broken pull, and this release then finds nothing.)
+    const KvTransferSpec& kt = seq->request.kv_transfer;
+    if (!result.ok && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
+      agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
     kv_.free(id);
     host_.drop(id);
     return;
