@@ -742,7 +742,9 @@ TEST(Protocol, RangeErrorsNameTheFieldTheClientSent) {
   auto names = [](const ApiError& e, const std::string& param) {
     EXPECT_EQ(e.param, param) << e.message;
     EXPECT_NE(e.message.find("'" + param + "'"), std::string::npos) << e.message;
-    if (param != "max_tokens") EXPECT_EQ(e.message.find("'max_tokens'"), std::string::npos);
+    if (param != "max_tokens") {
+      EXPECT_EQ(e.message.find("'max_tokens'"), std::string::npos);
+    }
   };
   names(completion({{"max_tokens", 0}}), "max_tokens");
   names(chat({{"max_tokens", 0}}), "max_tokens");
