@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <numeric>
+#include <optional>
 
 #include "api/error.h"
 #include "bench/driver.h"
@@ -428,6 +429,26 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     return c;
   };
   int64_t skipped_calls = 0, skipped_timeouts = 0, skipped_failures = 0;
+  // The engine failures of a period that repeat, or none when one counts towards ejecting an
+  // engine the gateway still takes as healthy: that is no repetition. Failures repeat only once
+  // it is ejected (a killed engine's probes).
+  auto repeated_failures = [](const Counts& before, const Counts& after) -> std::optional<int64_t> {
+    int64_t failures = 0;
+    for (size_t i = 0; i < after.failures.size(); ++i) {
+      const int64_t more = after.failures[i] - before.failures[i];
+      if (more > 0 && after.healthy[i]) return std::nullopt;
+      failures += more;
+    }
+    return failures;
+  };
+  // Periods skipped count as run: their calls, timeouts and failures.
+  auto count_skipped = [&](int64_t periods, const Counts& before, const Counts& after,
+                           int64_t failures) {
+    run.skipped_s += std::chrono::duration<double>(periods * period).count();
+    skipped_calls += periods * (after.calls - before.calls);
+    skipped_timeouts += periods * (after.timeouts - before.timeouts);
+    skipped_failures += periods * failures;
+  };
   auto run_or_skip_a_period = [&](Clock::time_point until) {
     const Counts before = counts();
     clock.advance_to(clock.now() + period);
@@ -436,21 +457,12 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     if (after.timers != before.timers || after.healthy != before.healthy ||
         after.transfers != before.transfers || after.retries != before.retries)
       return;
-    // A failure counts towards ejecting an engine the gateway still takes as healthy: that is
-    // no repetition. Failures repeat only once it is ejected (a killed engine's probes).
-    int64_t failures = 0;
-    for (size_t i = 0; i < after.failures.size(); ++i) {
-      const int64_t more = after.failures[i] - before.failures[i];
-      if (more > 0 && after.healthy[i]) return;
-      failures += more;
-    }
+    const std::optional<int64_t> failures = repeated_failures(before, after);
+    if (!failures) return;
     const int64_t periods = (until - clock.now()) / period - 1;
     if (periods < 1) return;
     clock.skip(periods * period);
-    run.skipped_s += std::chrono::duration<double>(periods * period).count();
-    skipped_calls += periods * (after.calls - before.calls);
-    skipped_timeouts += periods * (after.timeouts - before.timeouts);
-    skipped_failures += periods * failures;
+    count_skipped(periods, before, after, *failures);
   };
 
   // The same with requests in flight that nothing can move: every engine is idle, dead or
@@ -488,12 +500,8 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     if (after.healthy != before.healthy || after.transfers != before.transfers ||
         after.retries != before.retries || deferred() != deferred_before)
       return;
-    int64_t failures = 0;
-    for (size_t i = 0; i < after.failures.size(); ++i) {
-      const int64_t more = after.failures[i] - before.failures[i];
-      if (more > 0 && after.healthy[i]) return;
-      failures += more;
-    }
+    const std::optional<int64_t> failures = repeated_failures(before, after);
+    if (!failures) return;
     // The timers of the period that fired must have been armed again, a period on; those older
     // than the period that are still pending bound the skip, as a stall's end does.
     const auto timers_after = clock.timers_from_now();
@@ -517,10 +525,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     if (periods < 1) return;
     clock.advance_to(end);  // no timer is left before it
     clock.skip(periods * period, armed_before);
-    run.skipped_s += std::chrono::duration<double>(periods * period).count();
-    skipped_calls += periods * (after.calls - before.calls);
-    skipped_timeouts += periods * (after.timeouts - before.timeouts);
-    skipped_failures += periods * failures;
+    count_skipped(periods, before, after, *failures);
   };
 
   clock.run_ready();
