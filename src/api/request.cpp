@@ -525,6 +525,10 @@ std::vector<int32_t> encode_keeping_last(const text::Tokenizer& tokenizer, const
     return ids;
   }
   const std::vector<int32_t> plain = tokenizer.encode(text, false);
+  if (ids.size() < plain.size()) {  // no tokenizer does this; the plain last k if one did
+    keep_last(ids, keep);
+    return ids;
+  }
   const size_t specials = ids.size() - plain.size();
   if (*keep < static_cast<int64_t>(specials))
     fail("truncate_prompt_tokens", "'truncate_prompt_tokens' (" + std::to_string(*keep) +

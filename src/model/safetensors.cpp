@@ -482,8 +482,11 @@ void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
       throw Error(path.string() + ": cannot write: " + std::strerror(err));
     }
     fs::rename(tmp, path, ec);
-    if (ec)
+    if (ec) {
+      std::error_code ignored;
+      fs::remove(tmp, ignored);  // its name is this write's alone: nothing else would remove it
       throw Error(path.string() + ": cannot rename from " + tmp.string() + ": " + ec.message());
+    }
   }
   buffer = {};
   if (shards.size() > 1) {
