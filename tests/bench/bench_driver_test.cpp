@@ -8,9 +8,7 @@
 // what it received; and the CLI writes vLLM's result keys.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -28,6 +26,7 @@
 #include "bench/metrics.h"
 #include "bench/stream_measure.h"
 #include "bench/workload.h"
+#include "model/model_test_support.h"
 #include "net/http_server.h"
 #include "net/sse.h"
 #include "text/oracle_support.h"
@@ -458,24 +457,11 @@ TEST(BenchDriver, AServerErrorThatIsNotUtf8IsWrittenToTheResultFile) {
 
 // --- the commands' checks before a run ----------------------------------------------------
 
-struct CommandResult {
-  int status;
-  std::string output;  // stdout and stderr together
-};
-
-// `tandem ARGS` through the shell (ARGS must be quoted for it), with the test tokenizer.
-CommandResult run_tandem(const std::string& args) {
-  const std::string cmd = std::string(TANDEM_BINARY) + " " + args + " --tokenizer " +
-                          test::lenml_model("deepseek_v3").string() + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  CommandResult r{-1, ""};
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), p)) > 0;)
-    r.output.append(buf.data(), n);
-  const int rc = ::pclose(p);
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  return r;
+// `tandem ARGS` through the shell (ARGS must be quoted for it), with the test tokenizer; stdout
+// and stderr together.
+test::CommandResult run_tandem(const std::string& args) {
+  return test::run_capture(std::string(TANDEM_BINARY) + " " + args + " --tokenizer " +
+                           test::lenml_model("deepseek_v3").string() + " 2>&1");
 }
 
 // A small run of each command: bench against a port nothing listens on (every request fails at
@@ -542,7 +528,7 @@ TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
     }
   }
   // At their defaults they read as not given; a trace takes them, and a rate without them.
-  for (const std::string flags :
+  for (const std::string& flags :
        {std::string("--trace-start 0 --trace-limit 0 --time-scale 1"),
         "--dataset-name mooncake --dataset-path " + trace + " --trace-start 1 --time-scale 0.5",
         "--dataset-name mooncake --dataset-path " + trace + " --request-rate 5"}) {
