@@ -36,7 +36,20 @@ const NamedChatTemplate* pick_chat_template(const std::vector<NamedChatTemplate>
 
 struct ChatTemplate::Impl {
   std::vector<NamedChatTemplate> templates;  // all the model has, for pick_chat_template
-  std::vector<std::pair<std::string, jinja::Body>> parsed;  // those a request can select
+  struct Parsed {
+    std::string name;
+    jinja::Body body;
+    ContentFormat content_format;
+  };
+  std::vector<Parsed> parsed;  // those a request can select
+
+  const Parsed* pick(bool with_tools) const {
+    const NamedChatTemplate* t = pick_chat_template(templates, with_tools);
+    if (!t) return nullptr;
+    for (const auto& p : parsed)
+      if (p.name == t->name) return &p;
+    return nullptr;
+  }
 };
 
 ChatTemplate::ChatTemplate(const std::string& source)
@@ -49,10 +62,12 @@ ChatTemplate::ChatTemplate(const std::vector<NamedChatTemplate>& templates)
     const NamedChatTemplate* t = pick_chat_template(templates, with_tools);
     if (!t) continue;
     bool done = false;
-    for (const auto& [name, body] : impl_->parsed) done = done || name == t->name;
+    for (const auto& p : impl_->parsed) done = done || p.name == t->name;
     if (done) continue;
     try {
-      impl_->parsed.emplace_back(t->name, parse(t->source));
+      jinja::Body body = parse(t->source);
+      const ContentFormat format = jinja::detect_content_format(body);
+      impl_->parsed.push_back({t->name, std::move(body), format});
     } catch (const Error& e) {
       if (templates.size() == 1) throw;
       throw Error("the '" + t->name + "' " + e.what());
@@ -75,9 +90,14 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& context) const {
                 (with_tools ? " or 'tool_use'" : "") +
                 ", so none applies to this request (transformers refuses it too)");
   }
-  for (const auto& [name, body] : impl_->parsed)
-    if (name == t->name) return jinja::render_template(body, context);
-  throw Error("chat template '" + t->name + "' was not parsed");  // unreachable
+  const Impl::Parsed* parsed = impl_->pick(with_tools);
+  if (!parsed) throw Error("chat template '" + t->name + "' was not parsed");  // unreachable
+  return jinja::render_template(parsed->body, context);
+}
+
+ContentFormat ChatTemplate::content_format(bool with_tools) const {
+  const Impl::Parsed* parsed = impl_->pick(with_tools);
+  return parsed ? parsed->content_format : ContentFormat::kString;
 }
 
 }  // namespace tandem::text

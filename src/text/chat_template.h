@@ -8,7 +8,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "text/jinja/content_format.h"
+
 namespace tandem::text {
+
+using jinja::ContentFormat;
 
 // One of a model's chat templates. A model folder may bring several by name (a list in
 // tokenizer_config.json's `chat_template`, additional_chat_templates/NAME.jinja): "default" is
@@ -43,6 +47,10 @@ class ChatTemplate {
   // Python dicts do, which `tojson` and `items()` expose. Runtime errors (including
   // raise_exception, and a model whose templates offer none for the request) throw tandem::Error.
   std::string render(const nlohmann::ordered_json& context) const;
+
+  // The shape of `content` the template render() would pick expects (jinja/content_format.h):
+  // a request's messages are given to it that way. kString when no template applies.
+  ContentFormat content_format(bool with_tools) const;
 
  private:
   struct Impl;
