@@ -1,0 +1,64 @@
+#include "api/chat_messages.h"
+
+#include <string>
+#include <utility>
+
+#include "api/body_fields.h"
+#include "structured/ordered_json.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+using nlohmann::ordered_json;
+
+// The texts of a content given as a list of parts.
+std::vector<std::string> text_parts(const json& parts) {
+  std::vector<std::string> texts;
+  for (const auto& part : parts) {
+    // (json::value would throw a type_error, a 500, for a "type" that is not a string.)
+    if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+        !part.contains("text") || !part["text"].is_string())
+      fail("messages", "only text content parts are supported");
+    texts.push_back(part["text"].get<std::string>());
+  }
+  return texts;
+}
+
+std::string joined(const std::vector<std::string>& texts) {
+  std::string out;
+  for (size_t i = 0; i < texts.size(); ++i) out += (i ? "\n" : "") + texts[i];
+  return out;
+}
+
+ordered_json as_parts(const std::vector<std::string>& texts) {
+  ordered_json parts = ordered_json::array();
+  for (const auto& t : texts) parts.push_back({{"type", "text"}, {"text", t}});
+  return parts;
+}
+
+}  // namespace
+
+ordered_json template_messages(const json& messages, text::ContentFormat format) {
+  ordered_json out = ordered_json::array();
+  for (const auto& m : messages) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      fail("messages", "every message needs a string 'role'");
+    ordered_json message = structured::parse_ordered(m.dump());
+    const json* content = field(m, "content");
+    if (content && !content->is_string() && !content->is_array())
+      fail("messages", "message content must be a string or a list of text parts");
+    if (format == text::ContentFormat::kOpenAI) {
+      std::vector<std::string> texts;
+      if (content && content->is_array()) texts = text_parts(*content);
+      if (content && content->is_string()) texts.push_back(content->get<std::string>());
+      message["content"] = m["role"] == "tool" ? ordered_json(joined(texts)) : as_parts(texts);
+    } else if (content && content->is_array()) {
+      message["content"] = joined(text_parts(*content));
+    }
+    out.push_back(std::move(message));
+  }
+  return out;
+}
+
+}  // namespace tandem::api
