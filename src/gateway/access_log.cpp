@@ -59,14 +59,25 @@ Output open_output(const std::string& path) {
     }
     return out;
   }
-  out.fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  if (out.fd < 0)
-    throw Error("access log '" + path + "': cannot open for append: " + std::strerror(errno));
+  // Opened without blocking: a blocking open of a FIFO waits for a reader, for ever if none
+  // comes (and at start-up, with the stop signals blocked, nothing could end that wait). A FIFO
+  // without a reader fails at once (ENXIO) and is said as such.
+  out.fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+  if (out.fd < 0) {
+    const int error = errno;
+    if (error == ENXIO)
+      throw Error("access log '" + path +
+                  "': a FIFO (or socket) with no reader: start its reader before the gateway (" +
+                  std::strerror(error) + ")");
+    throw Error("access log '" + path + "': cannot open for append: " + std::strerror(error));
+  }
   out.owned = true;
   struct stat st {};
-  if (::fstat(out.fd, &st) == 0 && !S_ISREG(st.st_mode)) {
-    ::fcntl(out.fd, F_SETFL, ::fcntl(out.fd, F_GETFL) | O_NONBLOCK);  // our own description
-    out.line_writes = true;
+  if (::fstat(out.fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    // A regular file is written as it is (O_NONBLOCK means nothing to a disk; cleared anyway).
+    ::fcntl(out.fd, F_SETFL, ::fcntl(out.fd, F_GETFL) & ~O_NONBLOCK);
+  } else {
+    out.line_writes = true;  // the description is our own, and stays non-blocking
   }
   return out;
 }

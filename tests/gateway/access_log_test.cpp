@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -96,6 +98,61 @@ TEST(AccessLog, AFileThatCannotBeOpenedIsNamed) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A FIFO at a path, as `--access-log` may name one.
+struct FifoAt {
+  std::filesystem::path dir, path;
+  FifoAt() {
+    dir = std::filesystem::temp_directory_path() /
+          ("access-log-fifo-" + std::to_string(::getpid()) + "-" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    path = dir / "fifo";
+    EXPECT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  }
+  ~FifoAt() { std::filesystem::remove_all(dir); }
+};
+
+// A FIFO nobody reads yet: the log is refused at once, naming the path and what is missing,
+// instead of waiting in open() for a reader that may never come (the gateway would hang at
+// start, deaf to SIGTERM). Should open() block (the bug), the guard below lets it go by opening
+// the read end, so the test fails instead of hanging.
+TEST(AccessLog, AFifoWithoutAReaderIsRefusedAtOnceNamingThePath) {
+  FifoAt fifo;
+  auto opened = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      AccessLog log(fifo.path.string());
+      return "opened";
+    } catch (const Error& e) {
+      return e.what();
+    }
+  });
+  int rescue = -1;
+  if (opened.wait_for(std::chrono::seconds(30)) != std::future_status::ready)
+    rescue = ::open(fifo.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // hang guard only
+  const std::string said = opened.get();
+  if (rescue >= 0) ::close(rescue);
+  EXPECT_LT(rescue, 0) << "open() waited for a reader";
+  EXPECT_NE(said.find("'" + fifo.path.string() + "'"), std::string::npos) << said;
+  EXPECT_NE(said.find("no reader"), std::string::npos) << said;
+}
+
+// With its reader there, a FIFO is written like a pipe: every line arrives whole.
+TEST(AccessLog, AFifoWithAReaderGetsTheLines) {
+  FifoAt fifo;
+  const int reader = ::open(fifo.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  ASSERT_GE(reader, 0) << std::strerror(errno);
+  {
+    AccessLog log(fifo.path.string());
+    for (int i = 0; i < 3; ++i) log.add({{"i", i}});
+  }  // destruction writes what is queued (the FIFO has room for it)
+  std::string read;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(reader, buf, sizeof buf)) > 0;) read.append(buf, size_t(n));
+  ::close(reader);
+  EXPECT_EQ(read, "{\"i\":0}\n{\"i\":1}\n{\"i\":2}\n");
 }
 
 // A pipe whose reader never reads: `pipe()` gives both ends, and the log opens the write end by
