@@ -39,6 +39,14 @@ const std::set<std::string> kEnforced = {"type",  "properties", "required", "add
                                          "const", "anyOf",      "oneOf",    "allOf",
                                          "$ref",  "minLength",  "maxLength"};
 
+// The largest counts a schema may ask for, and each count keyword's.
+constexpr int64_t kMaxItems = 10'000;
+constexpr int64_t kMaxCharacters = 100'000;
+const std::pair<const char*, int64_t> kCounts[] = {{"minItems", kMaxItems},
+                                                   {"maxItems", kMaxItems},
+                                                   {"minLength", kMaxCharacters},
+                                                   {"maxLength", kMaxCharacters}};
+
 class SchemaCompiler {
  public:
   SchemaCompiler(Grammar& g, const json& root) : g_(g), root_(root) {}
@@ -126,11 +134,17 @@ class SchemaCompiler {
         fail(where + "/allOf", "'allOf' is supported with exactly one schema and nothing beside");
       return value(list[0], where + "/allOf/0");
     }
+    // A count keyword is checked wherever it stands, also where it does not apply (maxItems
+    // beside "type": "string"): a malformed schema is the client's mistake to hear of.
+    for (const auto& [k, most] : kCounts) count(schema, k, most, 0, where);
     if (!schema.contains("type")) {
       if (schema.contains("properties") || schema.contains("required") ||
           schema.contains("additionalProperties"))
         return object(schema, where);
-      if (schema.contains("items")) return array(schema, where);
+      // Item counts constrain only arrays, so any other value would satisfy them too; arrays
+      // alone are generated, or an unbounded value could break them.
+      if (schema.contains("items") || schema.contains("minItems") || schema.contains("maxItems"))
+        return array(schema, where);
       if (schema.contains("minLength") || schema.contains("maxLength"))
         return string(schema, where);
       return any_value();
@@ -632,8 +646,8 @@ class SchemaCompiler {
   }
 
   Symbol string(const json& schema, const std::string& where) {
-    const int64_t min = count(schema, "minLength", 100'000, 0, where),
-                  max = count(schema, "maxLength", 100'000, -1, where);
+    const int64_t min = count(schema, "minLength", kMaxCharacters, 0, where),
+                  max = count(schema, "maxLength", kMaxCharacters, -1, where);
     if (max >= 0 && max < min) fail(where, "'maxLength' is below 'minLength'");
     return string_rule(min, max);
   }
@@ -702,8 +716,8 @@ class SchemaCompiler {
   Symbol null() { return g_.any_of({g_.literal("null")}); }
 
   Symbol array(const json& schema, const std::string& where) {
-    const int64_t min = count(schema, "minItems", 10'000, 0, where),
-                  max = count(schema, "maxItems", 10'000, -1, where);
+    const int64_t min = count(schema, "minItems", kMaxItems, 0, where),
+                  max = count(schema, "maxItems", kMaxItems, -1, where);
     if (max >= 0 && max < min) fail(where, "'maxItems' is below 'minItems'");
     // After '[': a $ref in the items consumes a byte before it is reached.
     const auto leading = std::exchange(leading_, {});

@@ -862,6 +862,24 @@ TEST(StructuredOutput, CountKeywordsTakeWholeNumbersWrittenAsFloats) {
   }
 }
 
+// Item counts without "type" or "items" constrain arrays alone; they were ignored, so any value
+// (an array of one item under minItems 2) could be generated. Arrays are generated now. And a
+// count keyword is checked wherever it stands: {"maxItems": "2"} was accepted and ignored.
+TEST(StructuredOutput, ItemCountsWithoutATypeAreEnforced) {
+  using K = OutputSpec::Kind;
+  const auto a = compile({K::kJsonSchema, R"({"minItems": 2, "maxItems": 3})", "f"});
+  EXPECT_TRUE(full_match(a, R"([1, "x"])"));
+  EXPECT_TRUE(full_match(a, R"([{}, [], null])"));
+  EXPECT_FALSE(full_match(a, "[1]"));
+  EXPECT_FALSE(full_match(a, "[1, 2, 3, 4]"));
+  for (const std::string bad :
+       {R"({"maxItems": "2"})", R"({"type": "string", "maxItems": "2"})",
+        R"({"type": "integer", "minLength": -1})", R"({"properties": {}, "minItems": 0.5})"}) {
+    const std::string e = compile_error(K::kJsonSchema, bad);
+    EXPECT_NE(e.find("must be an integer from 0 to"), std::string::npos) << bad << "\n  " << e;
+  }
+}
+
 // A small vocabulary for masks: ASCII bytes JSON needs, runs of letters (up to the longest, so
 // that a mask tells apart every state a token's length from a bound), UTF-8 characters whole and
 // cut (byte-level tokenizers have tokens that end or begin inside a character), and tokens that
