@@ -6,11 +6,29 @@
 #include "api/error.h"
 #include "gateway/answer_text.h"
 #include "gateway/dispatcher.h"
+#include "net/sse.h"
 
 namespace tandem::gateway {
 namespace {
 
 constexpr size_t kMaxPrefillAnswerBytes = size_t{16} << 20;
+// An engine's error answer is held only as far as read_engine_error reads one (64 KiB), plus a
+// byte so that a longer one still reads as longer: the rest is dropped, whatever the answer limit.
+constexpr size_t kMaxErrorAnswerBytes = (size_t{64} << 10) + 1;
+
+bool is_event_stream(int status, const net::Headers& headers) {
+  return status == 200 && headers.get("Content-Type").rfind("text/event-stream", 0) == 0;
+}
+
+// The first error event of a stream's text, or empty.
+std::string first_error_event(std::string_view stream) {
+  std::string error;
+  net::SseParser events;
+  events.feed(stream, [&](std::string_view data) {
+    if (error.empty() && is_error_event(data)) error = std::string(data);
+  });
+  return error;
+}
 
 bool is_chunked(std::string transfer_encoding) {
   for (char& c : transfer_encoding)
@@ -37,8 +55,11 @@ bool refuse_too_large(Leg& l) {
 net::AsyncHttpHandlers Relay::prefill_handlers(const RequestPtr& r, LegRef leg_ref, int attempt,
                                                int endpoint_id, std::string where) {
   net::AsyncHttpHandlers h;
-  h.on_head = [leg_ref](int status, const net::Headers&) {
-    if (auto l = leg_ref->lock()) l->status = status;
+  h.on_head = [leg_ref](int status, const net::Headers& hs) {
+    if (auto l = leg_ref->lock()) {
+      l->status = status;
+      l->streaming = is_event_stream(status, hs);  // parallel mode, a streaming client
+    }
   };
   // Sequential: the answer carries kv_transfer_params. Both modes: its usage says what the engine
   // reused (a one-token answer: small).
@@ -67,8 +88,13 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
                            "prefill engine " + where + " failed: " + reason);
     return;
   }
-  if (topo_.mode == PdMode::kParallel && l.status != 200 &&
-      api::openai_error_code(l.body) == api::kRoomAbandonedCode) {
+  // A streamed prefill (parallel mode, for a streaming client) that fails says so in an error
+  // event under its 200: that is the engine's error answer as much as a non-200 one is.
+  const std::string error_event = l.streaming ? first_error_event(l.body) : std::string();
+  const bool failed = l.status != 200 || !error_event.empty();
+  if (topo_.mode == PdMode::kParallel && failed &&
+      api::openai_error_code(error_event.empty() ? l.body : error_event) ==
+          api::kRoomAbandonedCode) {
     // The decode leg ended before it joined the room, and its own answer (on its way, or here
     // already) decides the attempt: failing it here would retry it without this healthy engine
     // and name it in retried_after.
@@ -78,6 +104,14 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
   }
   if (l.status != 200) {
     dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {});
+    return;
+  }
+  if (!error_event.empty()) {
+    l.engine_error = true;
+    l.body = {};
+    dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
+                           "prefill engine " + where + " failed: " +
+                               api::openai_error_message(error_event).value_or(error_event));
     return;
   }
   r->times.mark_prefill_done(exec_.now_ns());
@@ -113,7 +147,7 @@ net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_re
     auto l = leg_ref->lock();
     if (!l) return;
     l->status = status;
-    l->streaming = status == 200 && hs.get("Content-Type").rfind("text/event-stream", 0) == 0;
+    l->streaming = is_event_stream(status, hs);
     l->until_close = hs.get("Content-Length").empty() && !is_chunked(hs.get("Transfer-Encoding"));
   };
   h.on_body = [this, r, leg_ref](std::string_view piece) {
@@ -129,6 +163,11 @@ net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_re
 
 bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   if (!l.streaming) {
+    if (l.status != 200) {  // an error answer: what it says is read from its start
+      if (l.body.size() < kMaxErrorAnswerBytes)
+        l.body.append(piece.substr(0, kMaxErrorAnswerBytes - l.body.size()));
+      return true;
+    }
     if (l.body.size() + piece.size() > topo_.max_answer_bytes) return refuse_too_large(l);
     l.body += piece;
     return true;
@@ -146,8 +185,9 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   l.parser.feed(piece, [&](std::string_view data) {
     if (refused) return;
     if (net::SseParser::is_done(data)) l.stream_done = true;
+    const bool error_event = is_error_event(data);
     if (l.state != LegState::kRelaying) {
-      if (is_error_event(data)) {  // failed before any token: the client has seen nothing
+      if (error_event) {  // failed before any token: the client has seen nothing
         l.body = std::string(data);
         l.engine_error = true;
         refused = true;
@@ -166,6 +206,11 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       r->streamed = true;
       r->outcome.status = 200;
       r->reply->start_stream(200, "text/event-stream");
+    } else if (error_event) {
+      // The engine failed after the client got tokens (our engines and vLLM then send an error
+      // event and [DONE]): relayed as it came, but the request failed, and so did the engine.
+      l.engine_error = true;
+      if (l.body.empty()) l.body = std::string(data);
     }
     if (carries_tokens(data)) {
       ++token_events;
@@ -174,7 +219,7 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       if (cached >= 0) l.cached_tokens = cached;
     }
     if (verbatim) return;
-    if (!is_error_event(data)) {
+    if (!error_event) {
       for (const auto& d : r->translator->event(data)) {
         out += "data: ";
         out += d;
@@ -248,6 +293,12 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     if (!reason.empty()) {
       outcome.status = client_left ? 499 : 502;
       outcome.error = client_left ? "client closed the connection" : where + ": " + reason;
+    } else if (l.engine_error) {
+      // The engine's own error event, then its [DONE]: the client has both as they came (the
+      // stream ends as the engine ended it), but the request failed.
+      outcome.status = 502;
+      outcome.error =
+          "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body);
     }
     const std::string cut = outcome.error;
     // Recorded first: cutting the stream closes the exchange, which reports a client gone.
@@ -319,7 +370,10 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     l.ended_request = dispatcher_.end_request(r, {}, Dispatcher::Accounting::kWithLeg);
     return;
   }
-  if (reason.empty() && l.streaming) reason = "the stream ended without an answer";
+  if (reason.empty() && l.streaming) {  // a 200 stream that brought no event: no answer either
+    reason = "the stream ended without an answer";
+    if (!l.gateway_cancelled.load()) l.engine_error = true;
+  }
   if (!reason.empty())
     dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
                            "engine " + where + " failed: " + reason);

@@ -509,6 +509,32 @@ TEST(Dispatcher, AStreamThatEndsWithoutItsDoneIsCut) {
   EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
 }
 
+// An engine whose generation fails after its first tokens says so in an error event, then ends
+// its stream with [DONE] (Tandem engines and vLLM do). The client gets the stream as it came, but
+// the request failed and so did the engine: recorded 502, the engine blamed.
+TEST(Dispatcher, AMidStreamErrorEventThenDoneIsRelayedButRecordedAsTheEnginesFailure) {
+  Topology t = aggregated({engine("a")});
+  t.health.failures_to_eject = 1;
+  Cluster c(t);
+  auto [client, call] = open_stream(c);
+  const std::string events =
+      "data: {\"choices\":[{\"text\":\"a\"}]}\n\n"
+      "data: {\"error\":{\"message\":\"generation failed: boom\",\"type\":\"server_error\"}}"
+      "\n\ndata: [DONE]\n\n";
+  ASSERT_TRUE(FakeEngines::piece(*call, events));
+  FakeEngines::finish(*call, "");
+  c.clock.run_ready();
+  EXPECT_EQ(client->streamed, events);  // nothing added: the engine ended its stream itself
+  EXPECT_TRUE(client->complete());
+  EXPECT_FALSE(client->aborted);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"200\"}"), 0);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("a")["healthy"], false);
+  EXPECT_EQ(c.endpoint("a")["in_flight"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // A whole answer that only the connection's close delimited is parsed: cut short, it may still
 // end in '}'. It is a failed leg, not a 200.
 TEST(Dispatcher, AWholeAnswerCutBeforeTheCloseThatDelimitsItIsAFailedLeg) {
@@ -622,6 +648,63 @@ TEST(Dispatcher, RetriesAStreamThatStartsWithAnErrorEvent) {
   auto second = c.engines.open("/v1/completions");
   ASSERT_EQ(second.size(), 1u);
   EXPECT_EQ(host_of(*second[0]), "b");
+}
+
+// A 200 event stream that ends cleanly without a single event brought no answer: the attempt is
+// retried elsewhere, and the engine that sent it failed.
+TEST(Dispatcher, AnEmptyStreamIsRetriedAndTheEngineBlamed) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.health.failures_to_eject = 1;
+  Cluster c(t);
+  auto client = c.send(true);
+  auto first = c.engines.open("/v1/completions").at(0);
+  ASSERT_EQ(host_of(*first), "a");
+  FakeEngines::head(*first, 200, "text/event-stream");
+  FakeEngines::finish(*first, "");
+  c.clock.run_ready();
+  auto second = c.engines.open("/v1/completions");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(host_of(*second[0]), "b");
+  EXPECT_FALSE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("a")["healthy"], false);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"decode\",endpoint=\"a\"}"), 1);
+}
+
+// The answer limit is on answers the gateway would relay whole. An error answer is read only as
+// far as what it says (its start): one past the limit is still the engine's failure, retried
+// elsewhere and, once retries run out, quoted in the gateway's 502, not refused as too large.
+TEST(Dispatcher, AnErrorAnswerLargerThanTheAnswerLimitIsTheEnginesFailure) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.max_answer_bytes = 1024;
+  t.prefill_retries = 1;
+  Cluster c(t);
+  auto client = c.send(true);  // a streaming client too: nothing streams before the first event
+  auto first = c.engines.open("/v1/completions").at(0);
+  ASSERT_EQ(host_of(*first), "a");
+  const std::string page = "<html>" + std::string(size_t{1} << 20, 'x');
+  FakeEngines::head(*first, 500, "text/html");
+  EXPECT_TRUE(FakeEngines::piece(*first, page));
+  EXPECT_TRUE(FakeEngines::piece(*first, page));
+  FakeEngines::finish(*first, "");
+  c.clock.run_ready();
+  auto second = c.engines.open("/v1/completions");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(host_of(*second[0]), "b");
+  EXPECT_FALSE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  FakeEngines::answer(*second[0], 500, page, "text/html");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_FALSE(client->streaming);
+  EXPECT_EQ(client->error_type, "server_error");
+  EXPECT_EQ(client->error_code, "");
+  EXPECT_EQ(client->error_message.rfind("engine b answered HTTP 500: <html>xxx", 0), 0u)
+      << client->error_message;
+  EXPECT_EQ(c.endpoint("b")["consecutive_failures"], 1);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 TEST(Dispatcher, PassesAnEnginesClientErrorThroughWithoutRetrying) {
@@ -1028,6 +1111,67 @@ TEST(Dispatcher, ARoomAbandonedCodeOutsideParallelModeIsAFailure) {
   ASSERT_EQ(retry.size(), 1u);
   EXPECT_EQ(host_of(*retry[0]), "p2");
   EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+  EXPECT_FALSE(client->complete());
+}
+
+// Parallel mode, a streaming client: the prefill leg streams too, and a prefill engine that fails
+// says so in an error event under its 200. That is its failure, as an error status is: the pair
+// is retried at once (the decode leg does not wait out first_token_ms) and the engine blamed.
+TEST(Dispatcher, AStreamedPrefillsErrorEventFailsTheAttempt) {
+  Topology t = parallel_pairs_with_one_retry();
+  t.health.failures_to_eject = 1;
+  Cluster c(t);
+  auto client = c.send(true);
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  ASSERT_EQ(json::parse(legs[0]->request.body).at("stream"), true);
+  FakeEngines::head(*legs[0], 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(*legs[0],
+                                 "data: {\"error\":{\"message\":\"generation failed: prefill "
+                                 "broke\",\"type\":\"server_error\"}}\n\ndata: [DONE]\n\n"));
+  FakeEngines::finish(*legs[0], "");
+  c.clock.run_ready();
+  EXPECT_TRUE(legs[1]->cancelled);
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 2u);
+  EXPECT_EQ(host_of(*retry[0]), "p2");
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("p1")["healthy"], false);
+  EXPECT_FALSE(client->complete());
+
+  // Without retries the client is told which engine failed, and why.
+  t.prefill_retries = 0;
+  Cluster once(t);
+  auto alone = once.send(true);
+  legs = once.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  FakeEngines::head(*legs[0], 200, "text/event-stream");
+  ASSERT_TRUE(FakeEngines::piece(
+      *legs[0], "data: {\"error\":{\"message\":\"prefill broke\"}}\n\ndata: [DONE]\n\n"));
+  FakeEngines::finish(*legs[0], "");
+  once.clock.run_ready();
+  EXPECT_EQ(alone->status, 502);
+  EXPECT_EQ(alone->error_message, "prefill engine p1 failed: prefill broke");
+  EXPECT_EQ(once.dispatcher.active(), 0u);
+}
+
+// ... and a streamed prefill's room_abandoned error event leaves the attempt to its decode leg, as
+// the same error status does.
+TEST(Dispatcher, AStreamedPrefillsAbandonedRoomLeavesTheAttemptToItsDecodeLeg) {
+  Cluster c(parallel_pairs_with_one_retry());
+  auto client = c.send(true);
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  FakeEngines::head(*legs[0], 200, "text/event-stream");
+  ASSERT_TRUE(
+      FakeEngines::piece(*legs[0], "data: " + room_abandoned_answer() + "\n\ndata: [DONE]\n\n"));
+  FakeEngines::finish(*legs[0], "");
+  c.clock.run_ready();
+  EXPECT_FALSE(legs[1]->cancelled);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
   EXPECT_FALSE(client->complete());
 }
 
