@@ -2,6 +2,8 @@
 
 #include <cstdio>
 #include <memory>
+#include <string>
+#include <tuple>
 
 #include "cli/max_tokens_flags.h"
 #include "cli/stop_signals.h"
@@ -53,6 +55,14 @@ gateway::Topology from_flags(const GatewayCliOptions& o) {
 void run(const GatewayCliOptions& o, const CLI::App& cmd) {
   const StopSignals stop_signals;  // before any thread starts
 
+  // Given empty, a key flag would read as not given: refused, as an empty --api-key is.
+  for (const auto& [flag, field, value] :
+       {std::tuple{"--admin-api-key", "admin_api_key", &o.admin_api_key},
+        std::tuple{"--metrics-api-key", "metrics_api_key", &o.metrics_api_key},
+        std::tuple{"--engine-api-key", "engine_api_key", &o.engine_api_key}})
+    if (cmd.count(flag) > 0) gateway::check_key_option(*value, field, flag);
+  for (const std::string& key : o.api_keys) gateway::check_key_option(key, "api_keys", "--api-key");
+
   gateway::Topology t;
   if (!o.config.empty()) {
     for (const char* flag : {"--prefill", "--decode", "--mode", "--model", "--dialect", "--policy"})
@@ -67,6 +77,10 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     if (cmd.count("--max-unsent-bytes") > 0) t.max_unsent_bytes = o.max_unsent_bytes;
     if (cmd.count("--max-answer-bytes") > 0) t.max_answer_bytes = o.max_answer_bytes;
     if (cmd.count("--engine-api-key") > 0) t.engine_api_key = o.engine_api_key;
+    // The key flags replace the file's keys (ignored, a flag meant to guard would guard nothing).
+    if (cmd.count("--api-key") > 0) t.api_keys = o.api_keys;
+    if (cmd.count("--admin-api-key") > 0) t.admin_api_key = o.admin_api_key;
+    if (cmd.count("--metrics-api-key") > 0) t.metrics_api_key = o.metrics_api_key;
     if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens.limit;
     if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.max_tokens.default_value;
   } else {

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -85,7 +86,14 @@ void wait_healthy(const std::string& host, uint16_t port) {
               " did not answer /health with 200 within " + std::to_string(kLimit.count()) + " s");
 }
 
-void run(const ServeOptions& o) {
+void run(const ServeOptions& o, const CLI::App& cmd) {
+  // Given empty, a key flag would read as not given: refused before any engine loads, as an
+  // empty --api-key is.
+  for (const auto& [flag, field, value] :
+       {std::tuple{"--admin-api-key", "admin_api_key", &o.admin_api_key},
+        std::tuple{"--metrics-api-key", "metrics_api_key", &o.metrics_api_key}})
+    if (cmd.count(flag) > 0) gateway::check_key_option(*value, field, flag);
+  for (const std::string& key : o.api_keys) gateway::check_key_option(key, "api_keys", "--api-key");
   net::check_socket_host("--host", o.host);
   net::check_socket_host("--engine-host", o.engine_host);
   const StopSignals stop_signals;  // before any thread starts
@@ -325,7 +333,7 @@ void add_serve_command(CLI::App& app) {
                   "required as a Bearer token on the gateway's /metrics (default: open)");
   cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
-  cmd->callback([o] { run(*o); });
+  cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 
 }  // namespace tandem::cli

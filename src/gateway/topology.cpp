@@ -791,6 +791,11 @@ PolicyOptions policy_options(const Topology& t) {
   return o;
 }
 
+void check_key_option(const std::string& value, const std::string& field,
+                      const std::string& option) {
+  if (value.empty()) invalid(field + " (" + option + ")", "a non-empty key", "an empty key");
+}
+
 void validate(Topology& t) {
   if (t.host.empty()) invalid("listen.host", "a host name or address", "nothing");
   // listen.port 0 is allowed: the system picks a free port (tests use that).

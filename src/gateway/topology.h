@@ -198,4 +198,11 @@ std::string reload_refusal(const Topology& current, const Topology& next);
 // Endpoints without a name get "HOST:PORT".
 void validate(Topology& topology);
 
+// A key flag given with an empty value (`--admin-api-key "$UNSET"`): refused as an empty
+// `--api-key` is (a gateway that looks guarded must not be meant open, nor an API meant on be
+// off), where the topology's empty key would read as not given. Throws tandem::Error:
+// "FIELD (OPTION): expected a non-empty key, got an empty key".
+void check_key_option(const std::string& value, const std::string& field,
+                      const std::string& option);
+
 }  // namespace tandem::gateway

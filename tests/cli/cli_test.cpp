@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <csignal>
 #include <cstdio>
@@ -196,6 +197,78 @@ TEST(Cli, AGatewayWhoseStdoutReaderHasGoneKeepsServingAndStopsCleanly) {
   EXPECT_TRUE(WIFEXITED(status)) << "ended by signal "
                                  << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
   EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0);
+}
+
+// A key flag given empty (`--admin-api-key "$UNSET"`) is refused naming it, as an empty
+// --api-key is, not read as not given (which left /metrics open and the admin API off). Each
+// command starts with SIGTERM pending: without the check it would start and stop cleanly (0).
+TEST(Cli, EveryKeyFlagGivenEmptyIsRefusedNamingIt) {
+  const auto config = write_temp("keys.yaml", "decode:\n  endpoints: [\"127.0.0.1:9\"]\n");
+  for (const std::string flag :
+       {"--api-key", "--admin-api-key", "--metrics-api-key", "--engine-api-key"}) {
+    const std::string field = flag == "--api-key" ? "api_keys" : flag.substr(2);
+    std::string snake = field;
+    std::replace(snake.begin(), snake.end(), '-', '_');
+    const std::string said = snake + " (" + flag + "): expected a non-empty key, got an empty key";
+    for (const std::vector<std::string>& start :
+         {std::vector<std::string>{"gateway", "--decode", "127.0.0.1:9"},
+          std::vector<std::string>{"gateway", "--config", config}}) {
+      std::vector<std::string> args = start;
+      args.insert(args.end(), {"--host", "127.0.0.1", "--port", "0", flag, ""});
+      const Result r = run_with_pending_stop(args);
+      EXPECT_EQ(r.status, 1) << start[1] << " " << flag << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr(said)) << start[1] << " " << flag;
+    }
+    if (flag == "--engine-api-key") continue;  // serve makes its engines' key itself
+    const Result serve = run_with_pending_stop(
+        {"serve", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0", flag, ""});
+    EXPECT_EQ(serve.status, 1) << flag << ": " << serve.output;
+    EXPECT_THAT(serve.output, HasSubstr(said)) << "serve " << flag;
+  }
+}
+
+// With --config, the key flags replace the file's keys, as --engine-api-key does (they were
+// ignored: `--config F --metrics-api-key K` left /metrics open).
+TEST(Cli, KeyFlagsApplyOverAConfigFile) {
+  const auto config = write_temp("keys-override.yaml",
+                                 "listen: {host: 127.0.0.1}\ndecode:\n  endpoints: "
+                                 "[\"127.0.0.1:9\"]\n");
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  std::vector<std::string> args = {TANDEM_BINARY, "gateway", "--config",          config,
+                                   "--port",      "0",       "--metrics-api-key", "m-key",
+                                   "--api-key",   "c-key"};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  FILE* reader = ::fdopen(out[0], "r");
+  std::array<char, 512> line{};
+  const bool got_line = std::fgets(line.data(), int(line.size()), reader) != nullptr;
+  const std::string first(line.data());
+  const size_t colon = first.find("127.0.0.1:");
+  if (got_line && colon != std::string::npos) {
+    const auto port = static_cast<uint16_t>(std::stoi(first.substr(colon + 10)));
+    EXPECT_EQ(net::http_request("127.0.0.1", port, "GET", "/metrics").status, 401);
+    net::Headers key;
+    key.add("Authorization", "Bearer m-key");
+    EXPECT_EQ(net::http_request("127.0.0.1", port, "GET", "/metrics", {}, key).status, 200);
+    EXPECT_EQ(net::http_request("127.0.0.1", port, "GET", "/v1/models").status, 401);
+  } else {
+    ADD_FAILURE() << "no listening line: " << first;
+  }
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::fclose(reader);
 }
 
 // A model can take minutes to load; an operator's SIGTERM then must not wait for it.
