@@ -362,9 +362,9 @@ void Engine::loop() {
       if (stopping_) return;
     }
     if (run_once()) continue;
-    // Nothing could be scheduled (cannot happen while submit() checks that every request fits
-    // the cache alone), or decodes wait for free blocks to receive their KV into: never spin,
-    // retry shortly or at the next submission or abort.
+    // Nothing could be scheduled (what waits needs blocks that KV transfers hold: the scheduler
+    // admits whatever fits, even in a step that preempted), or decodes wait for free blocks to
+    // receive their KV into: never spin, retry shortly or at the next submission or abort.
     if (!scheduler_.running().empty() || !scheduler_.waiting().empty() ||
         (pd_ && pd_->has_fetch_to_start())) {
       std::unique_lock lock(mutex_);
@@ -447,9 +447,17 @@ bool Engine::step() {
   SchedulerOutput out = scheduler_.schedule();
   metrics_->preemptions.inc(out.preempted.size());
   if (out.empty()) {
-    // A step that only preempted (a lone sequence giving way to blocks held for received KV)
-    // moved sequences back to waiting: the gauges say so, though nothing ran.
-    if (!out.preempted.empty()) update_gauges();
+    // A step that only preempted (a lone sequence giving way to blocks held elsewhere, and what
+    // waits does not fit either: the scheduler admitted what did) moved sequences back to
+    // waiting: the gauges say so, though nothing ran. The blocks it freed may take a decode
+    // leg's KV now: its fetch starts at once, not at the next outside event.
+    if (!out.preempted.empty()) {
+      if (pd_) {
+        pd_->start_fetches(now());
+        metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
+      }
+      update_gauges();
+    }
     return false;
   }
   const double now = this->now();

@@ -69,7 +69,7 @@ TEST(KvCacheManagerTest, AllocateGrowAndFree) {
 TEST(KvCacheManagerTest, TruncateReleasesTheBlocksOfRejectedTokensOnly) {
   KvCacheManager m(10, 4, true, with_events());
   const auto tokens = iota_tokens(100, 8);
-  admit_and_compute(m, "a", tokens);  // two full blocks, registered
+  admit_and_compute(m, "a", tokens);    // two full blocks, registered
   ASSERT_TRUE(m.allocate("a", 8 + 6));  // drafts: two more blocks
   const int32_t third = m.block_table("a")[2];
   m.truncate("a", 9);  // one draft accepted: the third block stays, the fourth goes
@@ -110,6 +110,37 @@ TEST(KvCacheManagerTest, FailedAllocationChangesNothing) {
   EXPECT_EQ(m.prefix_cache_stats().requests, 1);  // only "a" so far
   EXPECT_TRUE(m.allocate("d", 3 * 4, hit));       // 2 hit + 1 new
   EXPECT_EQ(m.num_free_blocks(), 0);
+  m.check_invariants();
+}
+
+// num_blocks_to_allocate says what allocate() would take from the free queue (new blocks and a
+// hit's unreferenced cached ones), so the scheduler can tell whether freeing some blocks would
+// let a request in before it frees them; a hit with num_query_tokens 0 is not counted as a
+// lookup (a preempted sequence readmitted).
+TEST(KvCacheManagerTest, BlocksToAllocateAndUncountedLookups) {
+  KvCacheManager m(4, 4, true);
+  admit_and_compute(m, "a", iota_tokens(1, 8));  // two cached blocks
+  m.free("a");
+  ASSERT_TRUE(m.allocate("b", 4));
+  EXPECT_EQ(m.num_blocks_to_allocate("b", 4), 0);
+  EXPECT_EQ(m.num_blocks_to_allocate("b", 5), 1);
+  EXPECT_EQ(m.num_blocks_to_allocate("b", 20), 4);
+  EXPECT_EQ(m.num_blocks_to_allocate("c", 16), 4);
+  PrefixHit hit = m.find_cached_prefix(iota_tokens(1, 9));
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  EXPECT_EQ(m.num_blocks_to_allocate("d", 16, hit), 4);  // 2 hit blocks in the free queue + 2
+  EXPECT_EQ(m.num_blocks_to_allocate("d", 12, hit), 3);
+  EXPECT_FALSE(m.allocate("d", 16, hit));
+  hit.num_query_tokens = 0;
+  const PrefixCacheStats before = m.prefix_cache_stats();
+  ASSERT_TRUE(m.allocate("d", 12, hit));
+  EXPECT_EQ(m.prefix_cache_stats().requests, before.requests);
+  EXPECT_EQ(m.prefix_cache_stats().queries, before.queries);
+  EXPECT_EQ(m.prefix_cache_stats().hits, before.hits);
+  // Referenced hit blocks are not taken from the free queue.
+  const PrefixHit shared = m.find_cached_prefix(iota_tokens(1, 9));
+  EXPECT_EQ(m.num_blocks_to_allocate("e", 9, shared), 1);
+  EXPECT_EQ(m.num_blocks_to_allocate("e", 8, shared), 0);
   m.check_invariants();
 }
 

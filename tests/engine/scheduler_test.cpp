@@ -249,6 +249,154 @@ TEST(Scheduler, PreemptsTheNewestWhenBlocksRunOut) {
   EXPECT_EQ(f.kv.num_free_blocks(), 4);
 }
 
+// A sequence added holding the blocks of its received KV, as a decode leg joins the scheduler
+// (PdCoordinator: allocated for the whole prompt, all but the last token computed).
+Sequence* add_with_received_kv(Fixture& f, std::vector<int32_t> prompt, int64_t max_tokens) {
+  auto s = std::make_unique<Sequence>();
+  s->request.id = std::to_string(f.seqs.size());
+  s->request.sampling.max_tokens = max_tokens;
+  s->tokens = std::move(prompt);
+  s->num_prompt = static_cast<int64_t>(s->tokens.size());
+  s->arrival_order = f.seqs.size();
+  EXPECT_TRUE(f.kv.allocate(s->request.id, s->num_prompt, f.kv.find_cached_prefix(s->tokens)));
+  s->num_computed = s->num_prompt - 1;
+  f.seqs.push_back(std::move(s));
+  f.sched.add(f.seqs.back().get());
+  return f.seqs.back().get();
+}
+
+// Runs steps until every sequence has finished; false if that takes more than `limit` steps or a
+// step schedules nothing.
+bool run_to_completion(Fixture& f, int limit = 200) {
+  for (int i = 0; i < limit; ++i) {
+    if (f.sched.running().empty() && f.sched.waiting().empty()) return true;
+    if (f.step().empty()) return false;
+  }
+  return false;
+}
+
+// The one running sequence needs a block and the last one holds a decode leg's received KV: the
+// running sequence gives way, and the decode leg, which needs no block, runs in that step. Before,
+// the step scheduled nothing (no admission after a preemption), and the engine waited for an
+// outside event with a sequence ready to run (the simulator never stepped again).
+TEST(Scheduler, ADecodeLegHoldingItsBlocksRunsInTheStepItsNeighbourGaveWayTo) {
+  Fixture f(3, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  Sequence* x = f.add(iota_tokens(8), 4);               // 12 tokens: its KV fits the cache
+  f.step();                                             // x: 9 tokens, 8 computed, in 2 blocks
+  Sequence* d = add_with_received_kv(f, {9, 9, 9}, 2);  // the third block
+  ASSERT_EQ(f.kv.num_free_blocks(), 0);
+  auto out = f.step();
+  ASSERT_EQ(out.preempted, std::vector<Sequence*>{x});
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].seq, d);
+  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
+  EXPECT_TRUE(out.scheduled[0].sample);
+  ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(x->num_generated(), 4);
+  EXPECT_EQ(d->num_generated(), 2);
+  EXPECT_EQ(f.kv.num_free_blocks(), 3);
+}
+
+// A preemption stops admissions for the step (memory is short), but not of a sequence that holds
+// every block it needs: it adds no pressure.
+TEST(Scheduler, AfterAPreemptionASequenceHoldingItsBlocksIsStillAdmitted) {
+  Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, /*prefix=*/false);
+  Sequence* x = f.add(iota_tokens(8), 6);
+  Sequence* y = f.add(iota_tokens(3, 50), 6);
+  f.step();                                             // x: 2 blocks, y: 1
+  Sequence* d = add_with_received_kv(f, {9, 9, 9}, 2);  // the fourth
+  auto out = f.step();  // x's ninth token needs a block: y, the newest, gives way
+  ASSERT_EQ(out.preempted, std::vector<Sequence*>{y});
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].seq, x);
+  EXPECT_EQ(out.scheduled[1].seq, d);
+  EXPECT_EQ(f.sched.waiting().front(), y);  // y itself waits for the next step
+  ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(f.kv.num_free_blocks(), 4);
+}
+
+// When every running sequence had to give way, the waiting ones are admitted in the same step
+// (as the next step would admit them): a step never schedules nothing while something fits.
+// By priority, a short urgent prompt that came meanwhile fits the blocks the preempted sequence
+// freed, while its own blocks elsewhere (a finished prefill's KV held for its transfer) stay.
+TEST(Scheduler, AStepWhoseOnlyRunningSequenceGaveWayAdmitsWhatFits) {
+  Fixture f(3, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64, .priority = true},
+            /*prefix=*/false);
+  ASSERT_TRUE(f.kv.allocate("held for a transfer", 4));
+  Sequence* x = f.add(iota_tokens(8), 4, /*priority=*/1);
+  f.step();  // x: 9 tokens, 8 computed, in 2 blocks
+  Sequence* urgent = f.add(iota_tokens(2, 50), 1, /*priority=*/0);
+  auto out = f.step();
+  ASSERT_EQ(out.preempted, std::vector<Sequence*>{x});
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].seq, urgent);
+  EXPECT_EQ(urgent->num_generated(), 1);
+  // x needs 3 blocks, 2 are free: it waits for the held block, scheduling nothing (no spin).
+  EXPECT_TRUE(f.step().empty());
+  f.kv.free("held for a transfer");
+  ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(x->num_generated(), 4);
+}
+
+// The speculation space of running sequences (their drafts, the draft passes' lookahead) gives
+// way to a new request it keeps out: the cache had room for it, so it was taken, never at a
+// waiting request's expense. Before, B waited until A finished (8 steps).
+TEST(Scheduler, SpeculationSpaceGivesWayToAnAdmissionItKeepsOut) {
+  Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64, .speculative_lookahead = 2});
+  Sequence* a = f.add(iota_tokens(3), 9);
+  auto out = f.sched.schedule();
+  f.sched.update_from_output(out, std::vector{tokens({4}, {50, 51, 52})}, 0);
+  Sequence* b = f.add(iota_tokens(5, 100), 1);  // 2 blocks
+  out = f.sched.schedule();
+  // a's token and drafts (positions 3..6) and lookahead (to 8) would take 3 blocks.
+  EXPECT_TRUE(out.preempted.empty());
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].seq, a);
+  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
+  EXPECT_EQ(out.scheduled[0].num_drafts, 0);
+  EXPECT_TRUE(a->drafts.empty());
+  EXPECT_EQ(out.scheduled[1].seq, b);
+  EXPECT_EQ(out.scheduled[1].num_new_tokens, 5);
+  EXPECT_EQ(out.num_tokens, 6);
+  EXPECT_EQ(f.kv.block_table("0").size(), 1u);
+  EXPECT_EQ(f.kv.block_table("1").size(), 2u);
+  f.sched.update_from_output(out, std::vector{tokens({5}), tokens({6})}, 1);
+  f.kv.check_invariants();
+}
+
+// ... but only when giving way lets the request in: one too large for the cache's free blocks
+// even then leaves the drafts alone.
+TEST(Scheduler, SpeculationSpaceStaysWhenGivingItUpWouldNotAdmitTheRequest) {
+  Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64, .speculative_lookahead = 2});
+  Sequence* a = f.add(iota_tokens(3), 9);
+  auto out = f.sched.schedule();
+  f.sched.update_from_output(out, std::vector{tokens({4}, {50, 51, 52})}, 0);
+  f.add(iota_tokens(13, 100), 1);  // 4 blocks: a holds 1 whatever happens
+  out = f.sched.schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].seq, a);
+  EXPECT_EQ(out.scheduled[0].num_drafts, 3);
+  EXPECT_EQ(f.kv.block_table("0").size(), 3u);
+}
+
+// The prefix-cache statistics (vllm:prefix_cache_queries/hits) count a request's lookup once: a
+// preempted sequence finding its own blocks again when readmitted is not a new query.
+TEST(Scheduler, APreemptedSequencesReadmissionIsNotCountedAsAPrefixCacheQuery) {
+  Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100});
+  Sequence* a = f.add(iota_tokens(6), 10);
+  Sequence* b = f.add(iota_tokens(6, 50), 10);
+  int64_t preempted = 0;
+  for (int i = 0; i < 100 && !(f.sched.running().empty() && f.sched.waiting().empty()); ++i)
+    preempted += static_cast<int64_t>(f.step().preempted.size());
+  ASSERT_GT(preempted, 0);
+  EXPECT_EQ(a->num_generated(), 10);
+  EXPECT_EQ(b->num_generated(), 10);
+  const PrefixCacheStats& stats = f.kv.prefix_cache_stats();
+  EXPECT_EQ(stats.requests, 2);
+  EXPECT_EQ(stats.queries, 12);
+  EXPECT_EQ(stats.hits, 0);
+}
+
 TEST(Scheduler, PriorityPolicyAdmitsLowerValuesFirstAndPreemptsTheLowestPriority) {
   Fixture f(64, 4, {.max_num_seqs = 1, .max_num_batched_tokens = 100, .priority = true});
   f.add(iota_tokens(3), 1, /*priority=*/5);

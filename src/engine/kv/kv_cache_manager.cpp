@@ -138,10 +138,7 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
     if (blocks_[b].ref == 0) ++hit_blocks_free;
   }
 
-  const int64_t have = is_new ? static_cast<int64_t>(hit.blocks.size())
-                              : static_cast<int64_t>(existing->second.blocks.size());
-  const int64_t needed = (num_tokens + block_size_ - 1) / block_size_;
-  const int64_t new_blocks = std::max<int64_t>(0, needed - have);
+  const int64_t new_blocks = num_blocks_to_allocate(request_id, num_tokens, hit) - hit_blocks_free;
   if (new_blocks + hit_blocks_free > num_free_) return false;
 
   Request& request = is_new ? requests_[request_id] : existing->second;
@@ -176,6 +173,21 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
   }
   if (!removed.block_hashes.empty()) record(std::move(removed));
   return true;
+}
+
+int64_t KvCacheManager::num_blocks_to_allocate(const std::string& request_id, int64_t num_tokens,
+                                               const PrefixHit& hit) const {
+  const auto existing = requests_.find(request_id);
+  int64_t have = 0, hit_blocks_free = 0;
+  if (existing != requests_.end()) {
+    have = static_cast<int64_t>(existing->second.blocks.size());
+  } else {
+    have = static_cast<int64_t>(hit.blocks.size());
+    for (const int32_t b : hit.blocks)
+      if (b >= 0 && b < num_blocks() && blocks_[b].ref == 0) ++hit_blocks_free;
+  }
+  const int64_t needed = (num_tokens + block_size_ - 1) / block_size_;
+  return std::max<int64_t>(0, needed - have) + hit_blocks_free;
 }
 
 void KvCacheManager::cache_full_blocks(const std::string& request_id,
@@ -241,8 +253,8 @@ void KvCacheManager::truncate(const std::string& request_id, int64_t num_tokens)
   const auto it = requests_.find(request_id);
   if (it == requests_.end()) throw Error("truncate: unknown request '" + request_id + "'");
   Request& request = it->second;
-  const auto keep = static_cast<size_t>(std::max<int64_t>(0, num_tokens + block_size_ - 1) /
-                                        block_size_);
+  const auto keep =
+      static_cast<size_t>(std::max<int64_t>(0, num_tokens + block_size_ - 1) / block_size_);
   if (keep >= request.blocks.size()) return;
   if (keep < request.num_registered || keep < request.hashes.size())
     throw Error("truncate: request '" + request_id + "' would lose registered blocks (keeps " +

@@ -43,7 +43,9 @@ struct PrefixHit {
   std::vector<int32_t> blocks;   // cached blocks holding the prefix, in order
   std::vector<uint64_t> hashes;  // their block hashes
   int64_t num_tokens = 0;        // tokens they hold: blocks.size() * block_size
-  int64_t num_query_tokens = 0;  // length of the sequence looked up (hit-rate statistics)
+  // Length of the sequence looked up, for the hit-rate statistics; 0: allocate() does not count
+  // the lookup (the scheduler's re-admission of a preempted sequence, as vLLM keeps those out).
+  int64_t num_query_tokens = 0;
   std::optional<uint64_t> cache_salt;
 };
 
@@ -79,6 +81,11 @@ class KvCacheManager {
   // later calls must pass no hit. Returns false, changing nothing, when there are not enough free
   // blocks. Throws tandem::Error on misuse (a stale hit, a hit for a known request, negative size).
   bool allocate(const std::string& request_id, int64_t num_tokens, const PrefixHit& hit = {});
+  // The free blocks that allocate(request_id, num_tokens, hit) would take (new blocks, and the
+  // hit's cached blocks that nobody references): it succeeds when this is at most
+  // num_free_blocks(). Changes nothing; does not validate the hit.
+  int64_t num_blocks_to_allocate(const std::string& request_id, int64_t num_tokens,
+                                 const PrefixHit& hit = {}) const;
 
   // Registers the request's full blocks that are now computed: `tokens` are all its tokens whose
   // KV is in the cache, from the start (the same prefix as in earlier calls). Records one

@@ -134,28 +134,52 @@ SchedulerOutput Scheduler::schedule() {
     return true;
   };
 
+  // The blocks reclaim_speculation() would give back: those past each scheduled sequence's
+  // tokens (all its own: a prefix hit never reaches past its computed tokens).
+  auto speculation_blocks = [&] {
+    const int64_t bs = kv_.block_size();
+    int64_t n = 0;
+    for (const ScheduledSequence& s : out.scheduled) {
+      const int64_t keep = (s.seq->num_computed + s.num_new_tokens - s.num_drafts + bs - 1) / bs;
+      n += std::max<int64_t>(
+          0, static_cast<int64_t>(kv_.block_table(s.seq->request.id).size()) - keep);
+    }
+    return n;
+  };
+
   // A waiting sequence is admitted while nothing had to be preempted in this step (vLLM's rule:
-  // memory is short, do not admit more). Sequences that hold blocks already (KV received from a
-  // prefill engine) need none to be admitted: they pass a head that does not fit, or they would
-  // wait for blocks they hold. `i` moves past a sequence that stays waiting.
-  bool head_blocked = false;
+  // memory is short, do not admit more), except one that holds every block it needs already (KV
+  // received from a prefill engine): it adds no memory pressure. Sequences that hold blocks need
+  // none to be admitted: they pass a head that does not fit, or they would wait for blocks they
+  // hold. The speculation space of the sequences scheduled so far gives way to an admission that
+  // it lets fit. `i` moves past a sequence that stays waiting. `after_preemption`: the rule is
+  // off (see the end of schedule()).
+  bool head_blocked = false, after_preemption = false;
   auto can_admit = [&] {
-    return out.preempted.empty() && budget > 0 &&
-           static_cast<int64_t>(running_.size()) < config_.max_num_seqs;
+    return budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs;
   };
   auto admit = [&](size_t& i) {
     Sequence* seq = waiting_[i];
     const bool has_blocks = kv_.has_request(seq->request.id);  // KV received from elsewhere
-    if (head_blocked && !has_blocks) {
+    const bool memory_short = !out.preempted.empty() && !after_preemption;
+    if ((head_blocked || memory_short) && !has_blocks) {
       ++i;
       return;
     }
-    const PrefixHit hit =
+    PrefixHit hit =
         has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
+    // A preempted sequence finds its own blocks again: not a lookup for the hit-rate statistics.
+    if (seq->num_preemptions > 0) hit.num_query_tokens = 0;
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
     const int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
-    if (!kv_.allocate(seq->request.id, computed + n, hit)) {
+    const int64_t needs = kv_.num_blocks_to_allocate(seq->request.id, computed + n, hit);
+    bool ok = !(memory_short && needs > 0);
+    if (ok && needs > kv_.num_free_blocks()) {
+      ok = needs <= kv_.num_free_blocks() + speculation_blocks();
+      if (ok) reclaim_speculation();
+    }
+    if (!ok || !kv_.allocate(seq->request.id, computed + n, hit)) {
       head_blocked = true;
       ++i;
       return;
@@ -203,6 +227,15 @@ SchedulerOutput Scheduler::schedule() {
       admit(i);
     else
       break;
+  }
+  // Every running sequence was preempted and nothing runs: memory is no longer short (nothing
+  // runs to need it), so the waiting sequences are admitted now, as the next step would admit
+  // them, rather than returning a step that runs nothing while there is work that could: the
+  // engine would wait for an outside event before it scheduled again.
+  if (out.scheduled.empty() && !out.preempted.empty()) {
+    after_preemption = true;
+    head_blocked = false;
+    for (i = 0; can_admit() && i < waiting_.size();) admit(i);
   }
   return out;
 }
