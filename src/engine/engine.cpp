@@ -61,6 +61,7 @@ constexpr std::pair<EngineRole, const char*> kRoles[] = {{EngineRole::kBoth, "bo
 // The executor's draft passes need room past a sampled sequence's tokens.
 SchedulerConfig scheduler_config(SchedulerConfig c, const ExecutorInfo& info) {
   c.speculative_lookahead = info.speculative_lookahead();
+  c.speculative = info.speculative_tokens > 0;
   return c;
 }
 

@@ -454,6 +454,39 @@ TEST(Scheduler, ReusesCachedPrefixBlocks) {
   EXPECT_EQ(f.kv.prefix_cache_stats().hits, 12);
 }
 
+// With MTP drafts, a prefix hit leaves its last block to recompute: the MTP layer's entry at the
+// block's last position was computed with the next token of the request that cached it, which no
+// block hash covers. The recomputed block is private (its hash stays with the cached copy), and
+// the blocks before it are shared as usual.
+TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
+  Fixture f(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100, .speculative = true});
+  auto shared = iota_tokens(12);
+  Sequence* a = f.add(shared, 1);
+  f.step();  // a's 3 full blocks are cached; it finishes
+  ASSERT_EQ(a->num_generated(), 1);
+  ASSERT_EQ(f.kv.num_cached_blocks(), 3);
+  auto prompt = shared;
+  prompt.push_back(99);
+  Sequence* b = f.add(prompt, 2);
+  auto out = f.sched.schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(b->num_cached, 8);
+  EXPECT_EQ(out.scheduled[0].num_new_tokens, 5);  // tokens 9..12 again, and 99
+  const auto& table = f.kv.block_table("1");
+  ASSERT_EQ(table.size(), 4u);
+  EXPECT_EQ(f.kv.ref_count(table[0]), 1);  // the block a cached, now b's
+  EXPECT_TRUE(f.kv.cached_hash(table[0]).has_value());
+  EXPECT_TRUE(f.kv.cached_hash(table[1]).has_value());
+  EXPECT_FALSE(f.kv.cached_hash(table[2]).has_value());  // private: recomputed here
+  EXPECT_EQ(f.kv.prefix_cache_stats().hits, 8);
+  f.sched.update_from_output(out, std::vector{tokens({7})}, 0);
+  EXPECT_FALSE(f.kv.cached_hash(table[2]).has_value());  // a's copy keeps the hash
+  EXPECT_EQ(f.kv.num_cached_blocks(), 3);
+  f.kv.check_invariants();
+  ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(f.kv.num_free_blocks(), 64);
+}
+
 TEST(Scheduler, RandomWorkloadsFinishEverySequence) {
   std::mt19937 rng(42);
   for (int round = 0; round < 20; ++round) {
