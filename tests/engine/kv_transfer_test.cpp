@@ -395,6 +395,70 @@ struct FakeShmPair {
   }
 };
 
+// How many mappings of segments named `name` this process has.
+int mappings_of(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);)
+    if (line.find("memfd:" + name) != std::string::npos) ++n;
+  return n;
+}
+
+// A process posing as a decode engine on this host: it connects to the shared-memory socket of
+// 127.0.0.1:port and, when told to, says hello with a segment of its own (which it may have
+// tampered with first) and waits to be welcomed.
+class FakeShmClient {
+ public:
+  explicit FakeShmClient(uint16_t port)
+      : fd_(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)),
+        segment_(SharedSegment::create(shm::kSegmentBytes, "test-fake-client")) {
+    socklen_t length = 0;
+    const sockaddr_un a = shm::socket_address("127.0.0.1", port, length);
+    connected_ = fd_ >= 0 && ::connect(fd_, reinterpret_cast<const sockaddr*>(&a), length) == 0;
+  }
+  ~FakeShmClient() { hang_up(); }
+  bool connected() const { return connected_; }
+  void hang_up() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+  // Claims to have read nothing of a full ring towards it: the listener's side finds no room
+  // for a single byte, ever.
+  void claim_a_full_ring() {
+    auto* head = reinterpret_cast<shm::RingHead*>(segment_.data() + shm::kToClientHead);
+    head->read.store(uint64_t(0) - shm::kToClientBytes);
+  }
+
+  // Sends the hello with the segment; true once the welcome came back.
+  bool hello() {
+    char byte = shm::kHello;
+    iovec iov{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr m{};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = control;
+    m.msg_controllen = sizeof control;
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    const int segment_fd = segment_.fd();
+    std::memcpy(CMSG_DATA(c), &segment_fd, sizeof(int));
+    if (::sendmsg(fd_, &m, MSG_NOSIGNAL) != 1) return false;
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, int(std::chrono::milliseconds(kHangGuard).count())) <= 0) return false;
+    char welcome = 0;
+    return ::recv(fd_, &welcome, 1, 0) == 1 && welcome == shm::kWelcome;
+  }
+
+ private:
+  int fd_;
+  SharedSegment segment_;
+  bool connected_ = false;
+};
+
 TEST(ShmPeer, ARingClaimingMoreBytesThanItHoldsIsAnErrorNotAReadPastIt) {
   FakeShmPair p;
   ASSERT_NO_FATAL_FAILURE(p.connect());
@@ -551,15 +615,6 @@ TEST(ShmInPlace, AReceiverThatLeavesFailsTheSendersNextFrame) {
   p->client.reset();  // the decode engine dies before copying
   EXPECT_THAT(error_of([&] { send_text(*p->server, KvFrameType::kDone, "{}"); }),
               HasSubstr("connection closed by peer"));
-}
-
-// How many mappings of segments named `name` this process has.
-int mappings_of(const std::string& name) {
-  std::ifstream maps("/proc/self/maps");
-  int n = 0;
-  for (std::string line; std::getline(maps, line);)
-    if (line.find("memfd:" + name) != std::string::npos) ++n;
-  return n;
 }
 
 TEST(ShmInPlace, TheReceiverKeepsAPeersMappingAcrossConnectionsUntilThatPeerExits) {
@@ -870,7 +925,9 @@ class KvTransferAgents : public ::testing::Test {
     EXPECT_EQ(decode_->port(), 0);
   }
 
-  std::unique_ptr<KvTransferAgent> make_decode(FakeExecutor& exec, metrics::Registry& registry) {
+  // Over `kind` ("tcp" or "shm"), by default the fixture's transport.
+  std::unique_ptr<KvTransferAgent> make_decode(FakeExecutor& exec, metrics::Registry& registry,
+                                               const std::string& kind = "") {
     KvTransferConfig d;
     d.engine_id = "decode-0";
     d.port = -1;
@@ -880,7 +937,8 @@ class KvTransferAgents : public ::testing::Test {
     d.secret = decode_secret_;
     d.allow = decode_allow_;
     return std::make_unique<KvTransferAgent>(
-        d, exec, make_transport(transport_, decode_io_timeout_), registry, queue_.post());
+        d, exec, make_transport(kind.empty() ? transport_ : kind, decode_io_timeout_), registry,
+        queue_.post());
   }
 
   KvTransferAgents() = default;
@@ -1408,6 +1466,40 @@ TEST_F(KvTransferOverShm, CancelFetchEndsAFetchStillConnecting) {
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error,
               HasSubstr("handshake with 127.0.0.1:" + std::to_string(port_override_) + " failed"));
+}
+
+// A refused connection (here a 65th in its handshake from one process) is told why without
+// waiting on the peer: a local peer whose ring claims to be full (it writes the ring's counters)
+// held the accept loop, and with it every other peer and the engine's shutdown, for the I/O
+// timeout.
+TEST_F(KvTransferOverShm, ARefusedPeerWhoseRingIsNeverFreeHoldsUpNothing) {
+  prefill_io_timeout_ = 600s;
+  handshake_timeout_s_ = 60;  // the silent peers stay in their handshake meanwhile
+  start();
+  std::vector<std::unique_ptr<FakeShmClient>> silent;
+  for (int i = 0; i < 64; ++i) {
+    silent.push_back(std::make_unique<FakeShmClient>(prefill_->port()));
+    ASSERT_TRUE(silent.back()->hello());
+  }
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  // A well-behaved peer refused is still told why.
+  const KvFetchResult refused = wait(fetch(pull(id, 0, 10, local_, "req-refused")));
+  EXPECT_FALSE(refused.ok);
+  EXPECT_THAT(refused.error, HasSubstr("too many KV transfer connections from this address"));
+  FakeShmClient hostile(prefill_->port());
+  hostile.claim_a_full_ring();
+  ASSERT_TRUE(hostile.hello());
+  // A decode engine of another address (over TCP) is served.
+  metrics::Registry registry;
+  auto over_tcp = make_decode(decode_exec_, registry, "tcp");
+  const KvFetchResult r = wait(fetch(*over_tcp, pull(id, 0, 10, local_)));
+  EXPECT_TRUE(r.ok) << r.error;
+  auto shutdown = std::async(std::launch::async, [&] { prefill_.reset(); });
+  if (shutdown.wait_for(kHangGuard) != std::future_status::ready) {
+    ADD_FAILURE() << "the prefill engine's shutdown waited on the refused peer";
+    hostile.hang_up();  // which ends the wait
+  }
 }
 
 // A client may name any host in a decode leg that is then refused; each refusal asks that host

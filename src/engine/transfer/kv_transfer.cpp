@@ -61,6 +61,14 @@ void send_error(KvConnection& conn, const std::string& message) {
   }
 }
 
+// Tells a connection that will not be served why, without waiting on its peer: the frame goes
+// only if it fits at once. The accept loop refuses, and nothing may hold it (nor the shutdown that
+// joins it): a local peer writes the counters of its shared-memory ring and can claim it full.
+void refuse(KvConnection& conn, const std::string& message) {
+  conn.set_timeout(std::chrono::milliseconds(0));
+  send_error(conn, message);
+}
+
 json parse_control(const KvFrame& f, const std::string& what) {
   try {
     return parse_untrusted_json(
@@ -609,6 +617,7 @@ void KvTransferAgent::accept_loop() {
     // The peer's address without its port (IPv6 addresses hold colons too).
     const std::string peer = shared->peer();
     const std::string address = peer.substr(0, peer.rfind(':'));
+    std::string refusal;  // told outside the lock
     {
       std::lock_guard lock(mutex_);
       if (stopping_) {
@@ -616,20 +625,22 @@ void KvTransferAgent::accept_loop() {
         break;
       }
       if (connections_ >= kMaxConnections) {
-        send_error(*shared, "too many KV transfer connections (" + std::to_string(kMaxConnections) +
-                                "); try again");
-        continue;
+        refusal =
+            "too many KV transfer connections (" + std::to_string(kMaxConnections) + "); try again";
+      } else if (handshaking_[address] >= kMaxHandshakesPerAddress) {
+        refusal = "too many KV transfer connections from this address; try again";
+      } else {
+        ++handshaking_[address];
+        ++connections_;
+        serving_.push_back(shared);
       }
-      if (handshaking_[address] >= kMaxHandshakesPerAddress) {
-        send_error(*shared, "too many KV transfer connections from this address; try again");
-        continue;
-      }
-      ++handshaking_[address];
-      ++connections_;
-      serving_.push_back(shared);
+    }
+    if (!refusal.empty()) {
+      refuse(*shared, refusal);
+      continue;
     }
     if (!spawn([this, shared, address] { serve(shared, address); })) {
-      send_error(*shared, "the prefill engine cannot start a transfer thread; try again");
+      refuse(*shared, "the prefill engine cannot start a transfer thread; try again");
       std::lock_guard lock(mutex_);
       --connections_;
       std::erase(serving_, shared);
