@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <optional>
 #include <set>
+#include <type_traits>
 
 #include "api/body_fields.h"
 #include "structured/ordered_json.h"
@@ -338,9 +339,10 @@ void check_length(const ApiRequest& r, const ModelLimits& limits, const json& bo
   }
 }
 
-// n > 1: the same prompt several times, each choice with its own seed when one was given.
-// best_of (completions): more candidates than n, of which the best are returned, is not
-// supported; best_of equal to n asks for nothing more and is accepted.
+// n > 1: each prompt n times, prompt-major (choice k answers prompt k / n, as OpenAI and vLLM
+// order them), each choice with its own seed when one was given. best_of (completions): more
+// candidates than n, of which the best are returned, is not supported; best_of equal to n asks for
+// nothing more and is accepted.
 void expand_n(ApiRequest& r, int64_t n, const json& body) {
   if (n < 1 || n > 128) fail("n", "'n' must be between 1 and 128, got " + std::to_string(n));
   if (field(body, "best_of")) {
@@ -354,9 +356,21 @@ void expand_n(ApiRequest& r, int64_t n, const json& body) {
   }
   r.n = n;
   if (n == 1) return;
-  if (r.prompts.size() != 1) fail("n", "'n' > 1 needs a single prompt");
-  r.prompts.assign(static_cast<size_t>(n), r.prompts[0]);
-  if (!r.prompt_texts.empty()) r.prompt_texts.assign(static_cast<size_t>(n), r.prompt_texts[0]);
+  const auto times = static_cast<size_t>(n);
+  // Each choice is an engine request with its own sequence: the choices are bounded as the
+  // prompts of a list are.
+  if (r.prompts.size() * times > kMaxPromptsPerRequest)
+    fail("n", "'n' (" + std::to_string(n) + ") times the " + std::to_string(r.prompts.size()) +
+                  " prompts is more than the " + std::to_string(kMaxPromptsPerRequest) +
+                  " choices one request may ask for");
+  auto repeat_each = [times](auto& v) {
+    std::remove_reference_t<decltype(v)> out;
+    out.reserve(v.size() * times);
+    for (auto& e : v) out.insert(out.end(), times, e);
+    v = std::move(out);
+  };
+  repeat_each(r.prompts);
+  repeat_each(r.prompt_texts);
 }
 
 std::string model_name(const json& body, const ModelLimits& limits) {
@@ -629,8 +643,12 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     fail("prompt", kPromptForms);
   }
   if (const json* s = field(body, "suffix"); s) fail("suffix", "'suffix' is not supported");
-  r.sampling = sampling_from(body, max_tokens_of(body, "max_tokens", 16, limits), "max_tokens",
-                             "min_tokens", limits.vocab_size, &ordered);
+  const int64_t max_tokens = max_tokens_of(body, "max_tokens", 16, limits);
+  // As vLLM: max_tokens 0 with echo answers the prompt alone (the engine runs one token, left
+  // out); without echo it is refused as any max_tokens below 1.
+  r.echo_only = r.echo && max_tokens == 0;
+  r.sampling = sampling_from(body, r.echo_only ? 1 : max_tokens, "max_tokens", "min_tokens",
+                             limits.vocab_size, &ordered);
   r.stream = boolean(body, "stream", false);
   if (const json* so = field(body, "stream_options"))
     r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
@@ -638,6 +656,13 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     if (!lp->is_number_integer() || lp->get<int64_t>() < 0 || lp->get<int64_t>() > 20)
       fail("logprobs", "'logprobs' must be an integer between 0 and 20");
     r.logprobs = lp->get<int32_t>();
+    // OpenAI and vLLM answer echo with logprobs with the prompt's tokens and logprobs first
+    // (lm-evaluation-harness scores prompts so). The engine computes logprobs of generated tokens
+    // only: an answer without the prompt's would be read as one with them.
+    if (r.echo)
+      fail("echo",
+           "'echo' with 'logprobs' is not supported: it asks for the prompt's logprobs, which "
+           "this server does not compute (send echo or logprobs, not both)");
   }
   r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);
   r.priority = integer(body, "priority", 0);

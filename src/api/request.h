@@ -28,12 +28,16 @@ inline constexpr size_t kMaxPromptsPerRequest = 1024;
 struct ApiRequest {
   ApiKind kind = ApiKind::kCompletion;
   std::string model;
-  std::vector<std::vector<int32_t>> prompts;  // one entry per choice
+  std::vector<std::vector<int32_t>> prompts;  // one entry per choice (each prompt n times)
   std::vector<std::string> prompt_texts;      // completions with echo: the prompt text per choice
   SamplingParams sampling;
   bool stream = false, include_usage = false;
   int32_t logprobs = -1;  // -1: none, else the number of top alternatives per token
   bool echo = false;
+  // Completions with echo and max_tokens 0 (OpenAI's and vLLM's): the answer is the prompt alone,
+  // finished by "length". As vLLM, the engine still runs the prompt and one token (its usage and
+  // cache as any request's), whose text the answer leaves out; sampling.max_tokens is then 1.
+  bool echo_only = false;
   // vLLM's return_tokens_as_token_ids: logprob tokens are shown as "token_id:N", which names
   // tokens whose bytes are no text.
   bool tokens_as_ids = false;
@@ -41,7 +45,9 @@ struct ApiRequest {
   // vLLM's cache_salt: prefix-cache entries are shared only by requests with the same salt (one
   // tenant cannot probe another's prompts by their cache hits).
   std::optional<std::string> cache_salt;
-  int64_t n = 1;           // choices per prompt
+  // Choices per prompt. With several prompts the choices are prompt-major, as OpenAI's and vLLM's:
+  // choice k answers prompt k / n.
+  int64_t n = 1;
   std::string request_id;  // the client's (body "rid"/"request_id"), else empty
   DisaggregationParams disagg;
   // Chat with tools: the markup the answer's tool calls are read from (kNone: the answer is text).

@@ -140,7 +140,7 @@ json ResponseBuilder::usage() const {
     completion += c.completion_tokens;
     cached += c.cached_tokens;
   }
-  // n > 1 repeats one prompt: count it once, as OpenAI does.
+  // n > 1 repeats each prompt n times: count each once, as OpenAI and vLLM do.
   prompt /= request_.n;
   cached /= request_.n;
   json u = {{"prompt_tokens", prompt},
@@ -218,6 +218,7 @@ json ResponseBuilder::generate_body(size_t index) const {
 }
 
 std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& out) {
+  if (request_.echo_only) return on_echo_only(index, out);
   Choice& c = choices_.at(index);
   const size_t first_lp = c.logprobs.size();
   const size_t chars_before = c.text_chars;
@@ -298,6 +299,27 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
       break;
   }
   return chunks;
+}
+
+// Echo with max_tokens 0: the engine's one token is left out (as vLLM leaves it); the answer is
+// the prompt, which ended at the length asked for. Streamed, it is one chunk at the end.
+std::vector<json> ResponseBuilder::on_echo_only(size_t index, const RequestOutput& out) {
+  Choice& c = choices_.at(index);
+  c.prompt_tokens = out.prompt_tokens;
+  c.cached_tokens = out.cached_tokens;
+  if (!out.finished || c.finished) return {};
+  c.finished = true;
+  c.finish_reason = out.finish_reason == "abort" ? out.finish_reason : "length";
+  if (!request_.stream) return {};
+  json choice = {{"index", index},
+                 {"text", request_.prompt_texts.at(index)},
+                 {"logprobs", nullptr},
+                 {"finish_reason", c.finish_reason}};
+  return {json{{"id", id_},
+               {"object", kCompletionObject},
+               {"created", created_},
+               {"model", request_.model},
+               {"choices", json::array({std::move(choice)})}}};
 }
 
 std::optional<json> ResponseBuilder::usage_chunk() const {

@@ -83,6 +83,8 @@ class ResponseBuilder {
   std::string chat_finish_reason(const Choice& c) const;
   // Folds the update's tool-call deltas into the choice, and renders them as stream deltas.
   std::vector<nlohmann::json> read_tool_calls(Choice& c, const RequestOutput& out);
+  // on_output for a completion with echo and max_tokens 0.
+  std::vector<nlohmann::json> on_echo_only(size_t index, const RequestOutput& out);
   nlohmann::json usage() const;
   nlohmann::json completion_logprobs(const Choice& c, size_t first, size_t text_offset) const;
   nlohmann::json chat_logprobs(const Choice& c, size_t first) const;

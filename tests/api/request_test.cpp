@@ -962,6 +962,161 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   EXPECT_EQ(choice["logprobs"]["top_logprobs"][0].size(), 1u);
 }
 
+// n > 1 with a list of prompts, as OpenAI and vLLM answer it: n choices of each prompt,
+// prompt-major (choice k answers prompt k / n: vLLM's index = prompt_idx * n + j), each echoing
+// its own prompt, seeded seed + k as the engine seeds choices, and each prompt counted once in
+// usage (vLLM sums len(prompt_token_ids) per prompt).
+TEST(Protocol, SeveralChoicesOfEachOfSeveralPromptsArePromptMajor) {
+  const json ids = {1000, 1001, 1002};
+  auto r = parse_completion(
+      json{{"prompt", {json("Hello"), ids}}, {"n", 2}, {"echo", true}, {"max_tokens", 3}},
+      tokenizer(), kLimits);
+  const auto hello = tokenizer().encode("Hello", true);
+  const std::vector<int32_t> listed = {1000, 1001, 1002};
+  const std::string listed_text = tokenizer().decode(listed, false);
+  EXPECT_EQ(r.n, 2);
+  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{hello, hello, listed, listed}));
+  EXPECT_EQ(r.prompt_texts, (std::vector<std::string>{"Hello", "Hello", listed_text, listed_text}));
+  // The choices are bounded as a list's prompts are: n times the prompts.
+  const json many(kMaxPromptsPerRequest / 2 + 1, "a");
+  const ApiError e = error_of([&] {
+    parse_completion(json{{"prompt", many}, {"n", 2}}, tokenizer(), kLimits);
+  });
+  EXPECT_EQ(e.param, "n");
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(parse_completion(json{{"prompt", json(kMaxPromptsPerRequest / 2, "a")}, {"n", 2}},
+                             tokenizer(), kLimits)
+                .prompts.size(),
+            kMaxPromptsPerRequest);
+
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    r.stream = stream;
+    r.include_usage = true;
+    ResponseBuilder b(r, tokenizer(), "cmpl-1", 1);
+    std::vector<std::string> texts(4);
+    std::vector<json> indexes;
+    // Finished in an order of their own, as engines finish them.
+    for (const size_t k : {3u, 0u, 2u, 1u}) {
+      RequestOutput o = output({7}, "c" + std::to_string(k), true, "length");
+      o.prompt_tokens = static_cast<int64_t>(r.prompts[k].size());
+      o.completion_tokens = 1;
+      for (const json& chunk : b.on_output(k, o))
+        for (const json& c : chunk["choices"]) {
+          indexes.push_back(c["index"]);
+          texts.at(c["index"].get<size_t>()) += c["text"].get<std::string>();
+        }
+    }
+    ASSERT_TRUE(b.all_finished());
+    const json usage = stream ? (*b.usage_chunk())["usage"] : b.final_body()["usage"];
+    EXPECT_EQ(usage["prompt_tokens"], hello.size() + listed.size());
+    EXPECT_EQ(usage["completion_tokens"], 4);
+    EXPECT_EQ(usage["total_tokens"], hello.size() + listed.size() + 4);
+    const std::vector<std::string> want = {"Helloc0", "Helloc1", listed_text + "c2",
+                                           listed_text + "c3"};
+    if (stream) {
+      EXPECT_EQ(indexes, (std::vector<json>{3, 0, 2, 1}));
+      EXPECT_EQ(texts, want);
+      continue;
+    }
+    const json body = b.final_body();
+    ASSERT_EQ(body["choices"].size(), 4u);
+    for (size_t k = 0; k < 4; ++k) {
+      EXPECT_EQ(body["choices"][k]["index"], k);
+      EXPECT_EQ(body["choices"][k]["text"], want[k]);
+    }
+  }
+}
+
+// echo with max_tokens 0, as vLLM answers it (serving_completion.py: "only return the prompt"):
+// the prompt as the text, finish_reason "length", nothing generated; the engine runs one token
+// (vLLM's SamplingParams get max_tokens 1), which the answer leaves out. Without echo,
+// max_tokens 0 stays a 400, as vLLM's "max_tokens must be at least 1".
+TEST(Protocol, EchoWithMaxTokensZeroAnswersThePromptAlone) {
+  auto r =
+      parse_completion(json{{"prompt", {"Hi there", "Bye"}}, {"echo", true}, {"max_tokens", 0}},
+                       tokenizer(), kLimits);
+  EXPECT_TRUE(r.echo_only);
+  EXPECT_EQ(r.sampling.max_tokens, 1);
+  EXPECT_FALSE(
+      parse_completion(json{{"prompt", "x"}, {"echo", true}}, tokenizer(), kLimits).echo_only);
+  const ApiError e = error_of([&] {
+    parse_completion(json{{"prompt", "x"}, {"echo", false}, {"max_tokens", 0}}, tokenizer(),
+                     kLimits);
+  });
+  EXPECT_EQ(e.param, "max_tokens");
+  EXPECT_EQ(e.status, 400);
+
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    r.stream = stream;
+    r.include_usage = true;
+    ResponseBuilder b(r, tokenizer(), "cmpl-1", 1);
+    std::vector<json> chunks;
+    for (size_t k = 0; k < 2; ++k) {
+      // The engine's one token ends the request at its max_tokens (1), or as a stop token.
+      RequestOutput o = output({42}, "zzz", true, k == 0 ? "length" : "stop");
+      o.prompt_tokens = static_cast<int64_t>(r.prompts[k].size());
+      o.completion_tokens = 1;
+      for (json& c : b.on_output(k, o)) chunks.push_back(std::move(c));
+    }
+    ASSERT_TRUE(b.all_finished());
+    const int64_t prompt_tokens = static_cast<int64_t>(r.prompts[0].size() + r.prompts[1].size());
+    if (stream) {
+      ASSERT_EQ(chunks.size(), 2u);
+      for (size_t k = 0; k < 2; ++k) {
+        const json& c = chunks[k]["choices"][0];
+        EXPECT_EQ(c["index"], k);
+        EXPECT_EQ(c["text"], k == 0 ? "Hi there" : "Bye");
+        EXPECT_EQ(c["finish_reason"], "length");
+        EXPECT_TRUE(c["logprobs"].is_null());
+      }
+      const json usage = (*b.usage_chunk())["usage"];
+      EXPECT_EQ(usage["completion_tokens"], 0);
+      EXPECT_EQ(usage["prompt_tokens"], prompt_tokens);
+      continue;
+    }
+    EXPECT_TRUE(chunks.empty());
+    const json body = b.final_body();
+    ASSERT_EQ(body["choices"].size(), 2u);
+    EXPECT_EQ(body["choices"][0]["text"], "Hi there");
+    EXPECT_EQ(body["choices"][1]["text"], "Bye");
+    for (const json& c : body["choices"]) {
+      EXPECT_EQ(c["finish_reason"], "length");
+      EXPECT_TRUE(c["logprobs"].is_null());
+    }
+    EXPECT_EQ(body["usage"]["completion_tokens"], 0);
+    EXPECT_EQ(body["usage"]["prompt_tokens"], prompt_tokens);
+    EXPECT_EQ(body["usage"]["total_tokens"], prompt_tokens);
+  }
+}
+
+// echo with logprobs asks for the prompt's logprobs first (OpenAI; vLLM sets prompt_logprobs to
+// logprobs with echo), which the engine does not compute: a 400 naming echo, not an answer whose
+// logprobs a client would align with the echoed prompt.
+TEST(Protocol, EchoWithLogprobsIsRefused) {
+  for (const json& logprobs : {json(0), json(1), json(5)})
+    for (const json& max_tokens : {json(0), json(4)}) {
+      const ApiError e = error_of([&] {
+        parse_completion(json{{"prompt", "Hello"},
+                              {"echo", true},
+                              {"logprobs", logprobs},
+                              {"max_tokens", max_tokens}},
+                         tokenizer(), kLimits);
+      });
+      EXPECT_EQ(e.param, "echo");
+      EXPECT_EQ(e.status, 400);
+      EXPECT_NE(e.message.find("logprobs"), std::string::npos) << e.message;
+    }
+  // Either alone is served; a null logprobs is none.
+  EXPECT_EQ(
+      parse_completion(json{{"prompt", "Hello"}, {"logprobs", 1}}, tokenizer(), kLimits).logprobs,
+      1);
+  EXPECT_TRUE(parse_completion(json{{"prompt", "Hello"}, {"echo", true}, {"logprobs", nullptr}},
+                               tokenizer(), kLimits)
+                  .echo);
+}
+
 // Completion logprobs as OpenAI and vLLM give them: top_logprobs always holds the sampled token
 // (up to logprobs + 1 entries; logprobs 0 gives it alone, not null), text_offset counts
 // characters as a Python str's len does (not UTF-8 bytes), and with echo the answer's offsets
