@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -58,6 +59,10 @@ RequestInfo Dispatcher::info(const Request& r) const {
 }
 
 void Dispatcher::submit(std::span<const RequestPtr> group) {
+  if (stopping_.load()) {
+    for (const RequestPtr& r : group) answer_shutting_down(r);
+    return;
+  }
   const bool full = waiting_.size() >= topo_.max_queue;
   bool queued = false;
   for (const RequestPtr& r : group) {
@@ -341,8 +346,13 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
   net::AsyncHttpRequest u = upstream_request(
       e, *r, std::move(body),
       prefill ? topo_.timeouts.prefill : std::max(topo_.timeouts.idle, topo_.timeouts.first_token));
-  std::lock_guard lock(r->mutex);
-  if (r->client == ClientState::kEnded || stopping_.load()) return;
+  std::unique_lock lock(r->mutex);
+  if (r->client == ClientState::kEnded) return;
+  if (stopping_.load()) {  // shut_down: no leg starts, and the request must not wait for one
+    lock.unlock();
+    answer_shutting_down(r);
+    return;
+  }
   endpoints_.leg_started(e, *leg);
   leg->state = LegState::kRunning;
   r->legs.push_back(leg);
@@ -425,6 +435,10 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     calls = mark_legs_cancelled(*r);
   }
   cancel_calls(calls);
+  if (stopping_.load()) {  // no retry once the gateway shuts down (nor blame: shut_down's cancel)
+    answer_shutting_down(r);
+    return;
+  }
   const bool client_error = status >= 400 && status < 500;
   const bool retryable =
       !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
@@ -464,6 +478,56 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
 
 void Dispatcher::cancel_calls(const std::vector<Upstream::CallId>& calls) {
   for (auto c : calls) upstream_.cancel(c);
+}
+
+// ------------------------------------------------------------------------------ shutdown
+
+void Dispatcher::when_idle(std::function<void()> idle) {
+  if (active_.empty()) {
+    idle();
+    return;
+  }
+  idle_ = std::move(idle);
+}
+
+void Dispatcher::shut_down() {
+  stopping_ = true;
+  idle_ = nullptr;
+  while (!waiting_.empty()) {
+    const RequestPtr r = waiting_.front();
+    remove_waiting(r);
+    answer_shutting_down(r);
+  }
+  std::vector<RequestPtr> running;
+  running.reserve(active_.size());
+  for (const auto& [key, r] : active_) running.push_back(r);
+  for (const RequestPtr& r : running) answer_shutting_down(r);
+}
+
+// The request ends as the gateway shuts down: its legs are cancelled with that reason (the
+// gateway's cancel: no engine blamed); a client with nothing yet gets 503, and a stream is cut by
+// its leg's relay (relay_done), which alone writes to it.
+void Dispatcher::answer_shutting_down(const RequestPtr& r) {
+  const std::string message(kShuttingDown);
+  std::vector<Upstream::CallId> calls;
+  bool answered = false;
+  {
+    std::lock_guard lock(r->mutex);
+    if (r->client == ClientState::kEnded) return;
+    for (const auto& l : r->legs)
+      if (l->running()) {
+        if (l->cancel_reason.empty()) l->cancel_reason = message;
+        l->gateway_cancelled = true;
+        calls.push_back(l->call);
+      }
+    if (r->client == ClientState::kNothingSent) {
+      r->client = ClientState::kAnswering;
+      r->reply->send_error(503, message, "server_error");
+      answered = true;
+    }
+  }
+  cancel_calls(calls);
+  if (answered) end_request(r, {503, message});
 }
 
 // ------------------------------------------------------------------------------ ending
@@ -506,6 +570,7 @@ void Dispatcher::finished(const RequestPtr& r) {
     active_.erase(r.get());
     metrics_.running.set(static_cast<double>(active_.size()));
     exec_.set_busy(!active_.empty());
+    if (idle_ && active_.empty()) std::exchange(idle_, nullptr)();
   }
   r->booking = Booking::kOutside;
   // Parallel mode: the prefill leg may answer after the decode leg ended the request, and its

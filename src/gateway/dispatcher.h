@@ -9,9 +9,11 @@
 // leg_failed() and prefill_answered() may be called from any thread (the relay's io threads).
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -30,6 +32,9 @@
 namespace tandem::gateway {
 
 class AccessLog;
+
+// What the requests a stopping gateway ends get (Dispatcher::shut_down): an OpenAI error, 503.
+inline constexpr std::string_view kShuttingDown = "the gateway is shutting down";
 
 class Dispatcher {
  public:
@@ -102,8 +107,17 @@ class Dispatcher {
   // Sequential mode: the prefill of `attempt` answered with its KV's whereabouts (decode_body is
   // set): the decode leg goes to the front of the queue.
   void prefill_answered(const RequestPtr& r, int attempt);
-  // No leg starts after this.
-  void stop() { stopping_ = true; }
+
+  // ---- shutdown (scheduling thread)
+
+  // The drain of a gateway that stops: `idle` runs once no request is waiting or running (at
+  // once when none is). Meanwhile requests go on as ever (legs start, failures are retried).
+  void when_idle(std::function<void()> idle);
+  // The drain is over: every request left ends now, the gateway's doing and no engine's (no
+  // retry, no engine blamed). A client that has nothing yet gets 503 (kShuttingDown, an OpenAI
+  // error); a stream is cut by its relay with that error event. Requests submitted after get 503
+  // too, and no leg starts.
+  void shut_down();
 
   Executor& executor() { return exec_; }
   const Topology& topology() const { return topo_; }
@@ -126,6 +140,7 @@ class Dispatcher {
   void finished(const RequestPtr& r);
   static bool prefill_leg_running(Request& r);
   void cancel_calls(const std::vector<Upstream::CallId>& calls);
+  void answer_shutting_down(const RequestPtr& r);
 
   const Topology& topo_;
   Executor& exec_;
@@ -136,6 +151,7 @@ class Dispatcher {
   GatewayMetrics& metrics_;
   Relay relay_;
   std::atomic<bool> stopping_{false};
+  std::function<void()> idle_;  // when_idle's
 
   std::deque<RequestPtr> waiting_;
   std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between

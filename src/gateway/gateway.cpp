@@ -1,7 +1,10 @@
 #include "gateway/gateway.h"
 
+#include <algorithm>
 #include <atomic>
+#include <future>
 #include <memory>
+#include <vector>
 
 #include "api/error.h"
 #include "gateway/access_log.h"
@@ -19,6 +22,7 @@
 #include "gateway/tokens_in.h"
 #include "net/async_http_client.h"
 #include "net/http_server.h"
+#include "net/loop_tasks.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
@@ -60,16 +64,39 @@ class Gateway::Impl {
     server_.start();  // first: the client runs on its threads
     if (sched_) sched_->start();
     executor_->post([this] { health_.start(); });
+    started_ = true;
   }
   uint16_t port() const { return server_.port(); }
-  void stop() {
-    // New requests get 503 and no new leg starts.
+  void stop(std::chrono::milliseconds drain) {
+    if (stopped_.exchange(true)) return;
+    // New requests get 503.
     front_end_.stop();
-    dispatcher_.stop();
+    if (started_) {
+      // The drain: the requests in flight may finish (legs still start, failures are retried).
+      if (drain > std::chrono::milliseconds::zero()) {
+        auto idle = std::make_shared<std::promise<void>>();
+        auto drained = idle->get_future();
+        executor_->post([this, idle] { dispatcher_.when_idle([idle] { idle->set_value(); }); });
+        drained.wait_for(drain);
+      }
+      // Those left end now, answered 503 (or their streams cut) rather than dropped; no leg
+      // starts after this.
+      auto done = std::make_shared<std::promise<void>>();
+      auto shut = done->get_future();
+      executor_->post([this, done] {
+        dispatcher_.shut_down();
+        done->set_value();
+      });
+      shut.wait();
+    }
     // The client runs on the server's io threads: its calls end (cancelled, their callbacks
-    // reporting to the scheduler) before the server stops those threads. Then the server closes
-    // the clients' connections, and the scheduler finishes what was posted.
+    // reporting to the scheduler and cutting streams) before the server stops those threads.
     client_.shutdown();
+    // The answers written above are flushed before the server closes the connections: it runs
+    // its shutdown as a task of each io thread, and a response's write waits for the end of the
+    // thread's iteration, so each thread first completes one iteration after the one that took
+    // the answers.
+    if (started_) io_threads_pass();
     server_.stop();
     if (sched_) sched_->stop();
   }
@@ -84,6 +111,18 @@ class Gateway::Impl {
     }
     sched_ = std::make_unique<SchedulingThread>();
     return sched_.get();
+  }
+
+  // Returns once every io thread has run a task posted now, then one posted after that.
+  void io_threads_pass() {
+    for (size_t i = 0; i < static_cast<size_t>(std::max(1, topo_.io_threads)); ++i) {
+      net::LoopTasks loop(server_, i);
+      for (int pass = 0; pass < 2; ++pass) {
+        std::promise<void> ran;
+        loop.post([&ran] { ran.set_value(); });
+        ran.get_future().wait();
+      }
+    }
   }
 
   net::HttpServerOptions server_options() const {
@@ -123,12 +162,13 @@ class Gateway::Impl {
   FrontEnd front_end_;
   AdminApi admin_;
   Dashboard dashboard_;
+  std::atomic<bool> started_{false}, stopped_{false};
 };
 
 Gateway::Gateway(Topology topology, std::string config_path)
     : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path))) {}
 Gateway::~Gateway() {
-  stop();
+  stop(std::chrono::milliseconds::zero());
 }
 void Gateway::start() {
   impl_->start();
@@ -136,8 +176,8 @@ void Gateway::start() {
 uint16_t Gateway::port() const {
   return impl_->port();
 }
-void Gateway::stop() {
-  impl_->stop();
+void Gateway::stop(std::chrono::milliseconds drain) {
+  impl_->stop(drain);
 }
 
 }  // namespace tandem::gateway

@@ -19,6 +19,7 @@
 // bootstrap_host/port/room). Endpoints can be added and removed at run time: a removed endpoint
 // takes no new request and leaves once its requests finished. docs/gateway.md describes the API,
 // metrics and log.
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,9 +37,17 @@ class Gateway {
   Gateway(const Gateway&) = delete;
   Gateway& operator=(const Gateway&) = delete;
 
+  // How long stop() lets the requests in flight finish, by default.
+  static constexpr std::chrono::milliseconds kDefaultDrain = std::chrono::seconds(30);
+
   void start();
   uint16_t port() const;
-  void stop();
+  // Stops in order: new requests get 503 at once; the requests in flight have up to `drain` to
+  // finish (legs still start and failures are still retried meanwhile); those left then end:
+  // a client that has nothing yet gets 503 "the gateway is shutting down" (an OpenAI error), a
+  // stream ends with that error event; no engine is blamed. Then the connections close. Returns
+  // once all is done; later calls do nothing. The destructor stops without a drain.
+  void stop(std::chrono::milliseconds drain = kDefaultDrain);
 
  private:
   class Impl;

@@ -269,19 +269,20 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
 void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::string& where,
                        int endpoint_id, const std::string& error) {
   std::string reason;
-  bool streamed;
+  bool streamed, shutting_down;
   {
     std::lock_guard lock(r->mutex);
     streamed = l.state == LegState::kRelaying;
+    shutting_down = l.cancel_reason == kShuttingDown;
     l.state = LegState::kFinished;
     if (streamed && l.cached_tokens >= 0) r->cached_tokens_reported = l.cached_tokens;
     reason = l.cancel_reason.empty() ? error : l.cancel_reason;
   }
   if (streamed) {  // the client has the head: finish or cut the stream, no retry possible
     // Once streaming, the gateway cancels the leg only because the client left (a failed
-    // write, or its connection closed): 499 however that news arrived first. A connection lost
-    // after the stream's [DONE] lost nothing.
-    const bool client_left = l.gateway_cancelled.load();
+    // write, or its connection closed): 499 however that news arrived first; or because it shuts
+    // down (Dispatcher::shut_down). A connection lost after the stream's [DONE] lost nothing.
+    const bool client_left = l.gateway_cancelled.load() && !shutting_down;
     if (!client_left && l.stream_done) reason.clear();
     // Only [DONE] says the answer is whole (as for the choice merger's streams): a stream that
     // ends cleanly without it was cut all the same (a body delimited by the connection's close).
@@ -290,7 +291,10 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       l.engine_error = true;
     }
     Outcome outcome;
-    if (!reason.empty()) {
+    if (!reason.empty() && shutting_down) {
+      outcome.status = 503;
+      outcome.error = reason;
+    } else if (!reason.empty()) {
       outcome.status = client_left ? 499 : 502;
       outcome.error = client_left ? "client closed the connection" : where + ": " + reason;
     } else if (l.engine_error) {
@@ -315,7 +319,8 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       // error events raise it, and those that wait for [DONE] see the answer incomplete.
       std::string tail = l.parser.mid_event() ? "\n\n" : "";
       tail += "data: ";
-      tail += api::openai_error_body("the answer was cut: engine " + cut, "server_error");
+      tail += api::openai_error_body(
+          "the answer was cut: " + (shutting_down ? cut : "engine " + cut), "server_error");
       tail += "\n\n";
       if (r->reply->write(tail))
         r->reply->end();

@@ -929,6 +929,99 @@ TEST(Dispatcher, AClientThatLeavesCancelsItsLegWithoutBlamingTheEngine) {
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"499\"}"), 1);
 }
 
+// ------------------------------------------------------------------------------ shutdown
+
+// A stopping gateway's drain: the requests in flight go on as ever (a failure is still retried)
+// and the gateway is idle once they all ended.
+TEST(Dispatcher, TheDrainWaitsForTheRequestsInFlightWhichGoOnAsEver) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  bool idle = false;
+  c.dispatcher.when_idle([&] { idle = true; });
+  EXPECT_TRUE(idle);  // nothing in flight: idle at once
+  idle = false;
+  auto client = c.send();
+  c.dispatcher.when_idle([&] { idle = true; });
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 500,
+                      R"({"error":{"message":"boom"}})");
+  c.clock.run_ready();
+  EXPECT_FALSE(idle);
+  ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);  // retried on b
+  c.answer_all("from b");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_TRUE(idle);
+}
+
+// Once the drain is over, every request left ends as the gateway's doing: a client with nothing
+// yet gets 503 in OpenAI error JSON (not a closed connection), a stream ends with that error
+// event, a waiting request gets 503; nothing is retried and no engine is blamed. Requests that
+// come after get 503 too.
+TEST(Dispatcher, ShutDownAnswersTheRequestsLeft503WithoutRetryOrBlame) {
+  Topology t = aggregated({engine("a", 0, 1), engine("b", 0, 1)});
+  t.health.failures_to_eject = 1;
+  Cluster c(t);
+  auto whole = c.send();
+  auto streaming = c.send(true);
+  const auto stream_call = c.engines.open("/v1/completions").at(1);
+  FakeEngines::head(*stream_call, 200, "text/event-stream");
+  const std::string first = "data: {\"choices\":[{\"text\":\"hi\"}]}\n\n";
+  ASSERT_TRUE(FakeEngines::piece(*stream_call, first));
+  auto waiting = c.send();
+  ASSERT_EQ(c.dispatcher.waiting(), 1u);
+  const auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+
+  c.dispatcher.shut_down();
+  c.clock.run_ready();
+  for (const auto& leg : legs) EXPECT_TRUE(leg->cancelled);
+  EXPECT_EQ(whole->status, 503);
+  EXPECT_EQ(whole->error_message, "the gateway is shutting down");
+  EXPECT_EQ(whole->error_type, "server_error");
+  EXPECT_EQ(waiting->status, 503);
+  EXPECT_EQ(waiting->error_message, "the gateway is shutting down");
+  ASSERT_EQ(streaming->streamed.substr(0, first.size()), first);
+  net::SseParser events;
+  const auto tail = events.feed(streaming->streamed.substr(first.size()));
+  ASSERT_EQ(tail.size(), 1u) << streaming->streamed;
+  EXPECT_EQ(json::parse(tail[0]).at("error").at("message"),
+            "the answer was cut: the gateway is shutting down");
+  EXPECT_TRUE(streaming->complete());
+  EXPECT_FALSE(streaming->aborted);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);  // no retry, no leg for the waiting one
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+  for (const char* name : {"a", "b"}) {
+    EXPECT_EQ(c.endpoint(name)["consecutive_failures"], 0) << name;
+    EXPECT_EQ(c.endpoint(name)["healthy"], true) << name;
+    EXPECT_EQ(c.endpoint(name)["in_flight"], 0) << name;
+  }
+  EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"503\"}"), 3);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+
+  auto late = c.send();
+  EXPECT_EQ(late->status, 503);
+  EXPECT_EQ(late->error_message, "the gateway is shutting down");
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// Parallel mode: both legs of a request are cancelled, neither engine blamed, and the prefill
+// leg's cancel retries nothing.
+TEST(Dispatcher, ShutDownEndsBothLegsOfAParallelRequest) {
+  Cluster c(
+      disaggregated(PdMode::kParallel, {engine("p1"), engine("p2")}, {engine("d1"), engine("d2")}));
+  auto client = c.send();
+  const auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  c.dispatcher.shut_down();
+  c.clock.run_ready();
+  EXPECT_TRUE(legs[0]->cancelled);
+  EXPECT_TRUE(legs[1]->cancelled);
+  EXPECT_EQ(client->status, 503);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+  EXPECT_EQ(c.endpoint("d1")["consecutive_failures"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 // -------------------------------------------------------------------------- P/D flows
 
 TEST(Dispatcher, SequentialModeSendsTheDecodeLegThePrefillsKvTransferParams) {

@@ -732,6 +732,74 @@ TEST_P(GatewayFailures, ThePolicyIsChosenByName) {
   EXPECT_EQ(b.requests(), 2);
 }
 
+// A stopping gateway refuses new requests (503) at once, and lets those in flight finish within
+// its drain: stop() returns once they have.
+TEST_P(GatewayFailures, StopLetsTheRequestsInFlightFinish) {
+  FakeEngine engine("e");
+  engine.set(Behaviour::kHold);
+  start_aggregated(engine, "e");
+  auto answer = std::async(std::launch::async, [&] { return post(completion()); });
+  ASSERT_TRUE(eventually([&] { return engine.held() == 1; }));
+  auto stopped = std::async(std::launch::async, [&] { gw_->stop(std::chrono::minutes(1)); });
+  // A new request is refused as soon as the stop began (a body that is no JSON: a 400 before).
+  ASSERT_TRUE(eventually([&] {
+    return net::http_request("127.0.0.1", port(), "POST", "/v1/completions", "{", {}, 10s).status ==
+           503;
+  }));
+  EXPECT_EQ(stopped.wait_for(0s), std::future_status::timeout);  // the held request drains
+  engine.release();
+  const auto r = answer.get();
+  EXPECT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["choices"][0]["text"].get<std::string>().rfind("e", 0), 0u)
+      << r.body;
+  stopped.get();
+}
+
+// Once the drain is over, the requests left are answered, not dropped: a client with nothing yet
+// gets 503 in OpenAI error JSON, a stream ends with that error event (and properly: a whole
+// HTTP answer). It was a connection closed without a response (curl: exit 52), and a stream cut
+// as its engine's failure ("engine e: cancelled").
+TEST_P(GatewayFailures, StopAnswersWhatIsLeftAfterTheDrain) {
+  FakeEngine engine("e");
+  engine.set(Behaviour::kHold);
+  start_aggregated(engine, "e");
+  auto whole = std::async(std::launch::async, [&] { return post(completion()); });
+  ASSERT_TRUE(eventually([&] { return engine.held() == 1; }));
+  engine.set(Behaviour::kSlowStream);
+  std::promise<void> first_event;
+  std::string got;
+  auto stream = std::async(std::launch::async, [&] {
+    bool told = false;
+    return net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
+                                    completion(true).dump(), {}, [&](std::string_view p) {
+                                      got += p;
+                                      if (!told && got.find("e0") != std::string::npos) {
+                                        told = true;
+                                        first_event.set_value();
+                                      }
+                                      return true;
+                                    });
+  });
+  first_event.get_future().wait();
+  gw_->stop(0ms);
+  const auto r = whole.get();
+  EXPECT_EQ(r.status, 503) << r.body;
+  const json error = json::parse(r.body).at("error");
+  EXPECT_EQ(error.at("message"), "the gateway is shutting down");
+  EXPECT_EQ(error.at("type"), "server_error");
+  const auto s = stream.get();
+  EXPECT_EQ(s.status, 200);
+  EXPECT_EQ(got.find("[DONE]"), std::string::npos) << got;
+  const size_t cut = got.rfind("data: {\"error\"");
+  ASSERT_NE(cut, std::string::npos) << got;
+  EXPECT_EQ(json::parse(got.substr(cut + 6)).at("error").at("message"),
+            "the answer was cut: the gateway is shutting down");
+  gw_.reset();  // the access log is written through
+  const auto lines = log_lines();
+  ASSERT_EQ(lines.size(), 2u);
+  for (const auto& line : lines) EXPECT_EQ(line["status"], 503) << line.dump();
+}
+
 TEST_P(GatewayFailures, AGatewayThatCannotStartFailsAtOnce) {
   FakeEngine d("d");
   auto t = topology(PdMode::kAggregated);
