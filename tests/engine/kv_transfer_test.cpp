@@ -509,6 +509,68 @@ TEST(ShmPeer, ConnectingToAListenerWithAFullBacklogCanBeAbandoned) {
   ::close(filler);
 }
 
+// Peers that connect to the shared-memory socket and never say hello do not hold up another one:
+// it is welcomed at once (the listener waited for each silent peer's hello in turn, up to a
+// second apiece, and everyone else waited behind them).
+TEST(ShmPeer, PeersThatNeverSayHelloDoNotHoldUpAnother) {
+  auto engine = make_shm_transport({600s});
+  auto listener = engine->listen("127.0.0.1", 0);
+  std::vector<std::unique_ptr<FakeShmClient>> silent;
+  for (int i = 0; i < 30; ++i) {
+    silent.push_back(std::make_unique<FakeShmClient>(listener->port()));
+    ASSERT_TRUE(silent.back()->connected());
+  }
+  auto transport = make_shm_transport({600s});
+  auto attempt = std::async(std::launch::async,
+                            [&] { return transport->connect("127.0.0.1", listener->port()); });
+  const bool connected = attempt.wait_for(kHangGuard) == std::future_status::ready;
+  silent.clear();  // lets a listener that waits on each of them in turn get through
+  ASSERT_TRUE(connected) << "the connect waited behind the silent peers";
+  auto client = attempt.get();
+  EXPECT_STREQ(client->kind(), "shm");
+  auto server = listener->accept();
+  ASSERT_TRUE(server);
+  EXPECT_STREQ(server->kind(), "shm");
+  send_text(*client, KvFrameType::kPull, "{}");
+  EXPECT_EQ(server->receive(16).type, KvFrameType::kPull);
+}
+
+// Only processes of one user share memory (these tests pose as another user through
+// shm_user). A listener drops a peer of another user before it can hand over a segment: it is
+// never mapped, and no connection comes of it.
+TEST(ShmPeer, AListenerDropsAPeerOfAnotherUserBeforeMappingItsSegment) {
+  TcpTransportOptions another_user{5000ms};
+  another_user.shm_user = int64_t(::geteuid()) + 1;
+  auto engine = make_shm_transport(another_user);
+  auto listener = engine->listen("127.0.0.1", 0);
+  auto transport = make_shm_transport({5000ms});  // connects to a listener of its own user
+  EXPECT_THAT(error_of([&] { transport->connect("127.0.0.1", listener->port()); }),
+              HasSubstr("shared-memory handshake with 127.0.0.1:" +
+                        std::to_string(listener->port()) + " failed"));
+  // The first connection the listener hands out is a later one over TCP.
+  auto tcp = make_tcp_transport({5000ms});
+  auto client = tcp->connect("127.0.0.1", listener->port());
+  auto server = listener->accept();
+  ASSERT_TRUE(server);
+  EXPECT_STREQ(server->kind(), "tcp");
+  EXPECT_EQ(mappings_of("tandem-kv"), 0);
+}
+
+// A decode engine ignores a listener of another user (which could feed it any KV, and hold the
+// name on purpose) and reaches the engine over TCP.
+TEST(ShmPeer, AClientTakesTcpToAListenerOfAnotherUser) {
+  auto engine = make_shm_transport({5000ms});
+  auto listener = engine->listen("127.0.0.1", 0);
+  TcpTransportOptions another_user{5000ms};
+  another_user.shm_user = int64_t(::geteuid()) + 1;
+  auto transport = make_shm_transport(another_user);
+  auto client = transport->connect("127.0.0.1", listener->port());
+  EXPECT_STREQ(client->kind(), "tcp");
+  auto server = listener->accept();
+  ASSERT_TRUE(server);
+  EXPECT_STREQ(server->kind(), "tcp");
+}
+
 // ------------------------------------------------------------------- shared memory, in place
 
 // A prefill engine's cache in a segment with a pattern no two offsets share within 251 bytes.

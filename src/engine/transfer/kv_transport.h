@@ -139,6 +139,10 @@ class KvTransport {
 
 struct TcpTransportOptions {
   std::chrono::milliseconds io_timeout{30000};  // connect, and each send or receive
+  // Shared memory only: the user whose processes this one shares memory with (a listener or a
+  // peer of any other user is refused); -1 is this process's effective user. Tests pose as
+  // another user with it.
+  int64_t shm_user = -1;
 };
 
 // Shared memory between engines on one host, TCP for the others. The listener takes TCP as

@@ -48,6 +48,15 @@ constexpr uint32_t kInPlaceFlag = 1;
 constexpr size_t kSplitMin = 4 << 20;
 // How often a wait outside the ring (connecting, the handshake) asks whether to give up.
 constexpr auto kGiveUpPoll = std::chrono::milliseconds(50);
+// A listener waits this long at most for an accepted peer's hello (a decode engine sends it right
+// after connecting), for this many peers at once; past that, the one waiting longest is dropped.
+constexpr auto kHelloWait = std::chrono::milliseconds(1000);
+constexpr size_t kMaxPendingHellos = 64;
+
+// The user whose processes may share memory with this one (TcpTransportOptions::shm_user).
+uid_t shm_user_of(const TcpTransportOptions& options) {
+  return options.shm_user >= 0 ? uid_t(options.shm_user) : ::geteuid();
+}
 
 bool is_this_host(const std::string& host) {
   if (host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0) return true;
@@ -69,45 +78,61 @@ bool is_this_host(const std::string& host) {
   return found;
 }
 
+enum class Received { kByte, kNotYet, kFailed };
+
+// One byte (and maybe a descriptor) on a Unix socket if it is there now, without waiting.
+Received receive_byte_now(int fd, char& byte, int* passed_fd) {
+  if (passed_fd) *passed_fd = -1;
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  m.msg_control = control;
+  m.msg_controllen = sizeof control;
+  const ssize_t n = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK))
+    return Received::kNotYet;
+  // Every descriptor that came is ours to close: the one asked for goes to the caller, any
+  // other (a peer sending what was not asked for) is closed here rather than leaked.
+  int got = -1;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+        int fd = -1;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        if (got < 0 && passed_fd)
+          got = fd;
+        else
+          ::close(fd);
+      }
+  if (n != 1) {
+    if (got >= 0) ::close(got);
+    return Received::kFailed;
+  }
+  if (passed_fd) *passed_fd = got;
+  return Received::kByte;
+}
+
 // Waits for one byte (and maybe a descriptor) on a Unix socket until `deadline`, or until
 // `give_up` (asked every kGiveUpPoll) says to stop.
 bool receive_byte(int fd, char& byte, int* passed_fd, Clock::time_point deadline,
                   const KvTransport::GiveUp& give_up = {}) {
+  if (passed_fd) *passed_fd = -1;
   for (;;) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0 || (give_up && give_up())) return false;
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, int(std::min<int64_t>(left, kGiveUpPoll.count()))) <= 0) continue;
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr m{};
-    m.msg_iov = &iov;
-    m.msg_iovlen = 1;
-    m.msg_control = control;
-    m.msg_controllen = sizeof control;
-    const ssize_t n = ::recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    // Every descriptor that came is ours to close: the one asked for goes to the caller, any
-    // other (a peer sending what was not asked for) is closed here rather than leaked.
-    int got = -1;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
-        for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
-          int fd = -1;
-          std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-          if (got < 0 && passed_fd)
-            got = fd;
-          else
-            ::close(fd);
-        }
-    if (passed_fd) *passed_fd = got;
-    if (n != 1) {
-      if (got >= 0) ::close(got);
-      if (passed_fd) *passed_fd = -1;
-      return false;
+    switch (receive_byte_now(fd, byte, passed_fd)) {
+      case Received::kByte:
+        return true;
+      case Received::kFailed:
+        return false;
+      case Received::kNotYet:
+        break;
     }
-    return true;
   }
 }
 
@@ -494,8 +519,11 @@ ucred peer_credentials(int fd) {
 class ShmListener : public KvListener {
  public:
   ShmListener(std::unique_ptr<KvListener> tcp, const std::string& host,
-              std::chrono::milliseconds timeout, SharedView send_memory)
-      : tcp_(std::move(tcp)), timeout_(timeout), send_memory_(SendMemory::of(send_memory)) {
+              const TcpTransportOptions& options, SharedView send_memory)
+      : tcp_(std::move(tcp)),
+        timeout_(options.io_timeout),
+        user_(shm_user_of(options)),
+        send_memory_(SendMemory::of(send_memory)) {
     unix_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     socklen_t length = 0;
     const sockaddr_un a = socket_address(host, tcp_->port(), length);
@@ -546,6 +574,13 @@ class ShmListener : public KvListener {
   }
 
  private:
+  // An accepted peer whose hello has not come yet.
+  struct Pending {
+    int fd;
+    pid_t pid;
+    Clock::time_point deadline;
+  };
+
   void push(std::unique_ptr<KvConnection> c) {
     {
       std::lock_guard lock(mutex_);
@@ -555,61 +590,109 @@ class ShmListener : public KvListener {
     ready_.notify_one();
   }
 
+  // One thread waits for new peers and for the hellos of those accepted, all at once: a peer that
+  // connects and says nothing holds up nobody (it is dropped after kHelloWait, or sooner when
+  // kMaxPendingHellos others wait).
   void accept_unix() {
+    std::deque<Pending> pending;  // in the order accepted: the first one's deadline is the next
+    std::vector<pollfd> polls;
     for (;;) {
       {
         std::lock_guard lock(mutex_);
-        if (closed_) return;
+        if (closed_) break;
       }
-      pollfd p{unix_fd_, POLLIN, 0};
-      if (::poll(&p, 1, 200) <= 0) continue;
+      polls.assign(1, pollfd{unix_fd_, POLLIN, 0});
+      for (const Pending& p : pending) polls.push_back({p.fd, POLLIN, 0});
+      auto wait = std::chrono::milliseconds(200);  // how often the loop sees close()
+      if (!pending.empty())
+        wait = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(
+                              pending.front().deadline - Clock::now()) +
+                              std::chrono::milliseconds(1),
+                          std::chrono::milliseconds(0), wait);
+      if (::poll(polls.data(), polls.size(), int(wait.count())) < 0 && errno != EINTR)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));  // out of memory: no spin
+      const auto now = Clock::now();
+      std::deque<Pending> still;
+      for (size_t i = 0; i < pending.size(); ++i) {
+        const Pending& p = pending[i];
+        if (polls[i + 1].revents != 0 && greet(p.fd, p.pid)) continue;
+        if (now >= p.deadline) {
+          ::close(p.fd);  // a stranger that said nothing
+          continue;
+        }
+        still.push_back(p);
+      }
+      pending.swap(still);
+      if (polls[0].revents != 0) accept_new(pending);
+    }
+    for (const Pending& p : pending) ::close(p.fd);
+  }
+
+  // The peers waiting in the backlog (a round's worth): each is greeted at once when its hello
+  // is there (a decode engine sends it right after connecting), else it waits in `pending`.
+  void accept_new(std::deque<Pending>& pending) {
+    for (size_t i = 0; i < kMaxPendingHellos; ++i) {
       const int fd = ::accept4(unix_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
-        if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        continue;
-      }
-      // The client's hello carries the segment; a stranger that sends nothing is dropped
-      // after a second, so it cannot stall this loop for long.
-      char hello = 0;
-      int segment_fd = -1;
-      const auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(
-                                               timeout_, std::chrono::milliseconds(1000));
-      if (!receive_byte(fd, hello, &segment_fd, deadline) ||
-          (hello != kHello && hello != kHelloInPlace) || segment_fd < 0) {
-        if (segment_fd >= 0) ::close(segment_fd);
-        ::close(fd);
-        continue;
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));  // out of descriptors
+        return;
       }
       // Only a process of this user may share a segment with this one (it could read and write
       // this one's memory anyway). A client of another user takes TCP by itself (connect_local
-      // ignores a listener of another user), so only a hostile one arrives here: its segment is
-      // never mapped.
+      // ignores a listener of another user), so only a hostile one arrives here: it is dropped
+      // before it can send a segment, which is never mapped.
       const ucred peer = peer_credentials(fd);
-      if (peer.uid != ::geteuid()) {
-        ::close(segment_fd);
+      if (peer.uid != user_) {
         ::close(fd);
         continue;
       }
-      try {
-        SharedSegment segment = SharedSegment::attach(segment_fd);
-        if (segment.size() < kSegmentBytes || !send_byte(fd, kWelcome, -1))
-          throw Error("bad segment");
-        InPlace in_place;
-        if (hello == kHelloInPlace) in_place.send_memory = send_memory_;
-        // Named by process: the per-address limits of KV transfer count each peer on its own.
-        push(std::make_unique<ShmConnection>(
-            fd, std::move(segment), false, timeout_,
-            "shared memory (local peer, pid " + std::to_string(peer.pid) + ")",
-            std::move(in_place)));
-      } catch (const std::exception&) {
-        ::close(fd);
+      if (greet(fd, peer.pid)) continue;
+      if (pending.size() >= kMaxPendingHellos) {
+        ::close(pending.front().fd);
+        pending.pop_front();
       }
+      pending.push_back(
+          {fd, peer.pid, Clock::now() + std::min<std::chrono::milliseconds>(timeout_, kHelloWait)});
     }
+  }
+
+  // The hello of an accepted peer, if it is there: false while it is not (the peer keeps its
+  // place); else true, the peer welcomed and its connection queued, or dropped.
+  bool greet(int fd, pid_t pid) {
+    char hello = 0;
+    int segment_fd = -1;
+    const Received got = receive_byte_now(fd, hello, &segment_fd);
+    if (got == Received::kNotYet) return false;
+    if (got == Received::kFailed || (hello != kHello && hello != kHelloInPlace) || segment_fd < 0) {
+      if (segment_fd >= 0) ::close(segment_fd);
+      ::close(fd);
+      return true;
+    }
+    std::unique_ptr<KvConnection> connection;
+    try {
+      SharedSegment segment = SharedSegment::attach(segment_fd);
+      // The socket's buffer is empty: the welcome goes at once.
+      if (segment.size() < kSegmentBytes || !send_byte(fd, kWelcome, -1))
+        throw Error("bad segment");
+      InPlace in_place;
+      if (hello == kHelloInPlace) in_place.send_memory = send_memory_;
+      // Named by process: the per-address limits of KV transfer count each peer on its own.
+      connection = std::make_unique<ShmConnection>(
+          fd, std::move(segment), false, timeout_,
+          "shared memory (local peer, pid " + std::to_string(pid) + ")", std::move(in_place));
+    } catch (const std::exception&) {
+      ::close(fd);
+      return true;
+    }
+    push(std::move(connection));
+    return true;
   }
 
   std::unique_ptr<KvListener> tcp_;
   const std::chrono::milliseconds timeout_;
+  const uid_t user_;
   const SendMemory send_memory_;
   int unix_fd_ = -1;
   std::mutex mutex_;
@@ -627,8 +710,7 @@ class ShmTransport : public KvTransport {
 
   std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
                                      SharedView send_memory) override {
-    return std::make_unique<ShmListener>(tcp_->listen(host, port), host, options_.io_timeout,
-                                         send_memory);
+    return std::make_unique<ShmListener>(tcp_->listen(host, port), host, options_, send_memory);
   }
 
   void forget_exited_peers() override { peers_->forget_exited(); }
@@ -674,7 +756,7 @@ class ShmTransport : public KvTransport {
     // Abstract socket names carry no permissions: any process may hold one. The segment and the
     // KV that comes back are trusted only from a process of this user (which could read this
     // one's memory anyway); another user's listener is ignored, and TCP reaches the engine.
-    if (peer_credentials(fd).uid != ::geteuid()) {
+    if (peer_credentials(fd).uid != shm_user_of(options_)) {
       ::close(fd);
       return nullptr;
     }
