@@ -595,7 +595,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     }
     run.engines.push_back(s);
   }
-  dispatcher.stop();
+  dispatcher.shut_down();
   front_end.stop();
   return run;
 }
