@@ -531,7 +531,8 @@ class ShmListener : public KvListener {
                           ::listen(unix_fd_, SOMAXCONN) != 0)) {
       // Abstract names vanish with their process, and the TCP port is ours: another process
       // holds the name on purpose. Engines of this user do not connect to it (they check the
-      // listener's user), but the operator should know why transfers here use TCP.
+      // listener's user, and leave a name that refuses connections for TCP), but the operator
+      // should know why transfers here use TCP.
       std::fprintf(stderr,
                    "tandem engine: warning: another process holds the shared-memory KV socket "
                    "'@%s' (%s); KV transfers to this engine use TCP\n",
@@ -724,34 +725,28 @@ class ShmTransport : public KvTransport {
   }
 
  private:
-  // A connected Unix socket to the listener of that name, else -1 (none: then TCP). A listener
-  // whose backlog is full (a stopped or stalled engine) is retried until the I/O timeout, or
-  // until `give_up`, rather than blocking in connect() beyond anyone's reach.
-  int connect_unix(const std::string& host, uint16_t port, const GiveUp& give_up) {
+  // A connected Unix socket to the listener of that name, else -1 (then TCP). A name that refuses
+  // connections (EAGAIN: its backlog is full) is left for TCP at once, not retried: any process
+  // may hold an abstract name first and never accept (the engine then listens on TCP alone), and
+  // an engine of ours that stalled is waited on over its TCP port as well, within the I/O timeout
+  // and until `give_up`.
+  static int connect_unix(const std::string& host, uint16_t port) {
     socklen_t length = 0;
     const sockaddr_un a = socket_address(host, port, length);
-    const auto deadline = Clock::now() + options_.io_timeout;
-    for (;;) {
-      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-      if (fd < 0) return -1;
-      if (::connect(fd, reinterpret_cast<const sockaddr*>(&a), length) == 0) return fd;
-      const int error = errno;
-      ::close(fd);
-      if (error != EAGAIN && error != EINTR) return -1;
-      if (Clock::now() >= deadline)
-        throw Error("KV transfer: connecting to " + host + ":" + std::to_string(port) +
-                    " over shared memory timed out (the engine accepts no connections)");
-      if (give_up && give_up())
-        throw Error("KV transfer: connecting to " + host + ":" + std::to_string(port) +
-                    " abandoned");
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    int r;
+    do r = ::connect(fd, reinterpret_cast<const sockaddr*>(&a), length);
+    while (r != 0 && errno == EINTR);
+    if (r == 0) return fd;
+    ::close(fd);
+    return -1;
   }
 
   // nullptr when no local listener of this user has that name (then TCP).
   std::unique_ptr<KvConnection> connect_local(const std::string& host, uint16_t port,
                                               const GiveUp& give_up) {
-    const int fd = connect_unix(host, port, give_up);
+    const int fd = connect_unix(host, port);
     if (fd < 0) return nullptr;
     // Abstract socket names carry no permissions: any process may hold one. The segment and the
     // KV that comes back are trusted only from a process of this user (which could read this
