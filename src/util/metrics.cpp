@@ -167,11 +167,17 @@ void Histogram::observe(double value) {
 
 void Histogram::observe(double value, uint64_t times) {
   if (times == 0) return;
-  // NaN compares false with every bound and lands in the +Inf bucket, as in the Python client.
-  const size_t bucket = std::lower_bound(bounds_.begin(), bounds_.end(), value) - bounds_.begin();
+  // NaN belongs in no finite bucket (it compares false with every bound; lower_bound would put
+  // it in the first): it is counted in the +Inf bucket, and kept out of the sum, which it would
+  // make NaN for good.
+  const bool nan = std::isnan(value);
+  const size_t bucket =
+      nan ? bounds_.size()
+          : static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), value) -
+                                bounds_.begin());
   std::lock_guard lock(mutex_);
   counts_[bucket] += times;
-  sum_ += value * static_cast<double>(times);
+  if (!nan) sum_ += value * static_cast<double>(times);
   count_ += times;
 }
 
@@ -217,6 +223,18 @@ Metric& Family<Metric>::labels(const std::vector<std::string>& values) {
   children_.emplace_back(values, std::move(child));
   index_.emplace(values, raw);
   return *raw;
+}
+
+template <class Metric>
+bool Family<Metric>::remove(const std::vector<std::string>& values) {
+  std::lock_guard lock(mutex_);
+  const auto it = index_.find(values);
+  if (it == index_.end()) return false;
+  const Metric* child = it->second;
+  index_.erase(it);
+  children_.erase(std::find_if(children_.begin(), children_.end(),
+                               [child](const auto& c) { return c.second.get() == child; }));
+  return true;
 }
 
 template <class Metric>

@@ -12,7 +12,8 @@
 // - Updates are lock-free atomics for counters and gauges and take a per-histogram mutex for
 //   histograms (so a scrape always sees `_count` equal to the `+Inf` bucket). Child lookup takes
 //   a per-family mutex: keep the returned reference instead of looking it up per event.
-// - References stay valid as long as the registry lives; metrics are never removed.
+// - References stay valid as long as the registry lives, unless their child is removed
+//   (`Family::remove`, for series whose subject is gone, e.g. an engine that left the gateway).
 // - Bad names, label names, label counts, bucket bounds or negative counter increments throw
 //   tandem::Error naming the metric and what was expected.
 #include <atomic>
@@ -73,6 +74,8 @@ class Gauge {
 };
 
 // Fixed buckets; a value v falls in the first bucket whose upper bound `le` satisfies v <= le.
+// NaN falls in the +Inf bucket only (it compares false with every bound) and is counted, but not
+// added to the sum, which it would make NaN for good.
 class Histogram {
  public:
   // `bounds`: finite upper bounds in strictly increasing order; a trailing +Inf is accepted and
@@ -118,6 +121,11 @@ class Family final : public detail::FamilyBase {
   // The child for `values` (one per label name, in order), created on first use. Throws
   // tandem::Error when the number of values differs from the number of label names.
   Metric& labels(const std::vector<std::string>& values);
+  // Removes the child for `values` (false if there is none): its series is rendered no more,
+  // and a later labels(values) makes a new child starting at 0 (for a counter, a reset, which
+  // Prometheus's rate() handles). References to the removed child dangle: call it only once
+  // nothing writes to that child any more.
+  bool remove(const std::vector<std::string>& values);
 
   const std::string& name() const { return name_; }
   const std::vector<std::string>& label_names() const { return label_names_; }

@@ -348,6 +348,68 @@ TEST(Metrics, HistogramBucketsAreUpperInclusive) {
   EXPECT_DOUBLE_EQ(snap.sum, -5 + 1 + 1.0000001 + 2 + 2.5);
 }
 
+// NaN (a duration computed from a missing stamp, say) is counted in the +Inf bucket only, and
+// the sum stays a number: it used to land in the first bucket, and _sum became NaN for good.
+TEST(Metrics, NanIsCountedInTheInfBucketOnlyAndLeavesTheSumANumber) {
+  Registry registry;
+  Histogram& h = registry.histogram("h", "test", {1, 2});
+  h.observe(0.5);
+  h.observe(NAN);
+  h.observe(NAN, 2);
+  h.observe(1.5);
+  const auto snap = h.snapshot();
+  EXPECT_EQ(snap.cumulative, (std::vector<uint64_t>{1, 2, 5}));
+  EXPECT_EQ(snap.count, 5u);
+  EXPECT_DOUBLE_EQ(snap.sum, 2.0);
+  const auto parsed = normalize_le(samples_of(parse_with_oracle(registry.render())));
+  EXPECT_EQ(parsed.at({"h_bucket", {{"le", "bound:" + std::to_string(1.0)}}}), 1);
+  EXPECT_EQ(parsed.at({"h_bucket", {{"le", "+Inf"}}}), 5);
+  EXPECT_EQ(parsed.at({"h_sum", {}}), 2.0);
+}
+
+// A removed child is rendered no more; the same labels later start a new child at 0. The other
+// children, and their order, stay.
+TEST(Metrics, ARemovedChildIsGoneAndItsLabelsStartAgainAtZero) {
+  for (int kind = 0; kind < 4; ++kind) {
+    Registry registry;
+    std::string name = "m" + std::to_string(kind);
+    auto check = [&](auto& family, auto bump, auto value_of) {
+      bump(family.labels({"a"}));
+      bump(family.labels({"b"}));
+      bump(family.labels({"c"}));
+      EXPECT_TRUE(family.remove({"b"}));
+      EXPECT_FALSE(family.remove({"b"}));
+      EXPECT_FALSE(family.remove({"never"}));
+      const std::string text = registry.render();
+      EXPECT_EQ(text.find("\"b\""), std::string::npos) << text;
+      EXPECT_LT(text.find("\"a\""), text.find("\"c\"")) << text;
+      parse_with_oracle(text);  // still well-formed
+      EXPECT_EQ(value_of(family.labels({"b"})), 0) << name;
+      EXPECT_NE(registry.render().find("\"b\""), std::string::npos);
+    };
+    auto value = [](auto& m) { return static_cast<double>(m.value()); };
+    switch (kind) {
+      case 0:
+        check(
+            registry.counter_family(name, "t", {"e"}), [](Counter& c) { c.inc(2); }, value);
+        break;
+      case 1:
+        check(
+            registry.int_counter_family(name, "t", {"e"}), [](IntCounter& c) { c.inc(2); }, value);
+        break;
+      case 2:
+        check(
+            registry.gauge_family(name, "t", {"e"}), [](Gauge& g) { g.set(2); }, value);
+        break;
+      case 3:
+        check(
+            registry.histogram_family(name, "t", {"e"}, {1}), [](Histogram& h) { h.observe(0.5); },
+            [](Histogram& h) { return static_cast<double>(h.snapshot().count); });
+        break;
+    }
+  }
+}
+
 TEST(Metrics, RepeatedObservationsEqualSingleOnes) {
   Histogram once({1, 2}), repeated({1, 2});
   for (int i = 0; i < 3; ++i) once.observe(1.5);
