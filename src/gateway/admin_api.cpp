@@ -98,9 +98,18 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
 void AdminApi::remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
   std::string name;
   try {
-    name = parse_untrusted_json(req.body).at("name").get<std::string>();
+    const json body = parse_untrusted_json(req.body);  // its error names the offset
+    if (!body.is_object()) throw Error("expected an object {\"name\": NAME}");
+    for (const auto& [key, value] : body.items())
+      if (key != "name") throw Error(key + ": expected only name, got an unknown key");
+    const auto it = body.find("name");
+    if (it == body.end()) throw Error("name: expected an engine's name, got nothing");
+    if (!it->is_string() || it->get_ref<const std::string&>().empty())
+      throw Error("name: expected an engine's name (a non-empty string), got " +
+                  std::string(it->is_string() ? "an empty string" : it->type_name()));
+    name = it->get<std::string>();
   } catch (const std::exception& err) {
-    ex->send_error(400, std::string("admin: expected {\"name\": ...}: ") + err.what());
+    ex->send_error(400, std::string("admin: ") + err.what());
     return;
   }
   exec_.post([this, ex, name] {

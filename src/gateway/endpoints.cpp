@@ -8,6 +8,7 @@
 #include "gateway/kv_events_consumer.h"
 #include "gateway/prefix_index.h"
 #include "gateway/request.h"
+#include "net/http.h"
 
 namespace tandem::gateway {
 namespace {
@@ -113,6 +114,13 @@ void EndpointTable::join(bool prefill, Endpoint endpoint, int id,
   s.load_source = initial_load_source(pool.dialect);
   s.config = std::move(endpoint);
   const std::vector<std::string> labels = {prefill ? "prefill" : "decode", s.config.name};
+  // An engine of this name still draining gives its gauges up to the newcomer (the series are
+  // the name's) and writes to a gauge of its own from now on.
+  for (auto& [other_id, other] : endpoints_)
+    if (other.draining && other.prefill == prefill && other.config.name == s.config.name) {
+      other.healthy_gauge = &detached_gauge_;
+      other.in_flight_gauge = &detached_gauge_;
+    }
   s.in_flight_gauge = &metrics_.endpoint_in_flight.labels(labels);
   s.healthy_gauge = &metrics_.endpoint_healthy.labels(labels);
   s.requests_total = &metrics_.endpoint_requests.labels(labels);
@@ -340,6 +348,22 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
 }
 
 void EndpointTable::forget(int id) {
+  if (const EndpointState* e = find(id)) {
+    // The engine's series go with it, unless an engine of the same pool and name (one added
+    // while it drained) holds them: a name that comes back later starts its series at 0.
+    const bool shared = std::any_of(endpoints_.begin(), endpoints_.end(), [&](const auto& kv) {
+      return kv.first != id && kv.second.prefill == e->prefill &&
+             kv.second.config.name == e->config.name;
+    });
+    if (!shared) {
+      const std::vector<std::string> labels = {e->prefill ? "prefill" : "decode", e->config.name};
+      metrics_.endpoint_in_flight.remove(labels);
+      metrics_.endpoint_healthy.remove(labels);
+      metrics_.endpoint_requests.remove(labels);
+      metrics_.endpoint_failures.remove(labels);
+      metrics_.endpoint_overloaded.remove(labels);
+    }
+  }
   endpoints_.erase(id);
   consumers_.erase(id);  // before the index forgets the engine: no event re-adds it
   external_events_.erase(id);
@@ -352,11 +376,9 @@ bool EndpointTable::drain(int id) {
   if (!e || e->draining) return false;
   e->draining = true;
   e->healthy_gauge->set(0);
-  e->in_flight_gauge->set(0);
-  // The name may come back (admin add, reload) before this one leaves: the labelled gauges
-  // then belong to the newcomer, so a draining engine writes to a gauge of its own.
-  e->healthy_gauge = &detached_gauge_;
-  e->in_flight_gauge = &detached_gauge_;
+  // Its in-flight gauge keeps counting the legs that still run, down to 0 as they end, unless
+  // the name comes back (admin add, reload) before it leaves: join() then gives the labelled
+  // gauges to the newcomer.
   if (e->in_flight == 0) forget(id);
   update_ready();
   return true;
@@ -368,6 +390,12 @@ std::string EndpointTable::admission_error(bool prefill, const Endpoint& e) cons
     return "a parallel-mode prefill engine needs bootstrap_port";
   for (const auto& [id, x] : endpoints_)
     if (!x.draining && x.config.name == e.name) return "an endpoint named '" + e.name + "' exists";
+  // One engine twice in a pool would take twice its in-flight limit.
+  for (const auto& [id, x] : endpoints_)
+    if (!x.draining && x.prefill == prefill && x.config.host == e.host && x.config.port == e.port)
+      return "endpoint.url: " + net::url_host(e.host) + ":" + std::to_string(e.port) +
+             " is already in the " + (prefill ? "prefill" : "decode") + " pool, as '" +
+             x.config.name + "'";
   // A prefill engine's requests decode in its group: without a decode engine there, each would
   // be prefilled for nothing. A decode engine may come first (a new group starts with it).
   if (prefill && topo_.mode != PdMode::kAggregated &&

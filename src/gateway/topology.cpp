@@ -17,6 +17,7 @@
 #include "net/http.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/utf8.h"
 
 namespace tandem::gateway {
 namespace {
@@ -175,6 +176,9 @@ Dialect parse_dialect_as(const std::string& text, const std::string& what) {
   if (text == "sglang") return Dialect::kSglang;
   throw Error(what + ": expected " + kDialects + ", got " + quoted(text));
 }
+
+constexpr const char* kEndpointNameExpected =
+    "a name of 1..256 bytes of UTF-8 text without control characters";
 
 std::string host_port(const Endpoint& e) {
   return net::url_host(e.host) + ":" + std::to_string(e.port);
@@ -347,7 +351,14 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     e.bootstrap_port = r.port(keys.at("bootstrap_port"), path + ".bootstrap_port");
   }
   if (keys.count("group")) e.group = r.count(keys.at("group"), path + ".group", 0);
-  if (keys.count("name")) e.name = r.non_empty_string(keys.at("name"), path + ".name", "a name");
+  if (keys.count("name")) {
+    // The name labels the engine's metric series and every mention of it (the dashboard, the
+    // access log): bounded, and text.
+    e.name = r.non_empty_string(keys.at("name"), path + ".name", kEndpointNameExpected);
+    if (e.name.size() > kMaxEndpointNameBytes || has_control_bytes(e.name) ||
+        utf8::to_valid_lossy(e.name) != e.name)
+      r.fail(path + ".name", kEndpointNameExpected, describe_text(e.name));
+  }
   if (keys.count("max_in_flight"))
     e.max_in_flight = r.count(keys.at("max_in_flight"), path + ".max_in_flight", 1);
   return e;

@@ -107,6 +107,9 @@ struct PriorityClasses {
 // The largest value of max_unsent_bytes and max_answer_bytes: each is memory held for one client,
 // and a bound past what a machine gives one client is a typo or a unit mistake, not a setting.
 inline constexpr size_t kMaxHeldBytesLimit = size_t{16} << 30;
+// The longest engine name (bytes) a topology file or the admin API accepts: the name labels the
+// engine's metric series.
+inline constexpr size_t kMaxEndpointNameBytes = 256;
 
 struct Topology {
   std::string host = "0.0.0.0";

@@ -1525,6 +1525,48 @@ TEST(Dispatcher, ADrainedEngineFinishesItsRequestsTakesNoNewOnesThenLeaves) {
   EXPECT_TRUE(c.endpoint("a").is_null());  // gone once its last leg finished
 }
 
+// A removed engine's series stay while it drains (its in-flight gauge counting the legs that
+// still run, not 0), and go once it left: a gateway whose engines come and go does not keep
+// every name it ever had in /metrics. The name, back later, starts its series at 0.
+TEST(Dispatcher, ARemovedEnginesSeriesGoOnceItHasDrained) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto held = c.send();
+  ASSERT_EQ(host_of(*c.engines.open().at(0)), "a");
+  const std::string in_flight = "tandem:gateway_endpoint_in_flight{pool=\"decode\",endpoint=\"a\"}";
+  const std::string requests =
+      "tandem:gateway_endpoint_requests_total{pool=\"decode\",endpoint=\"a\"}";
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("a", nullptr));
+  EXPECT_EQ(c.metric(in_flight), 1);  // its leg still runs
+  EXPECT_EQ(c.metric(requests), 1);
+  c.answer_all();
+  EXPECT_EQ(held->status, 200);
+  const std::string text = c.registry.render();
+  EXPECT_EQ(text.find("endpoint=\"a\""), std::string::npos) << text;
+  EXPECT_NE(text.find("endpoint=\"b\""), std::string::npos);
+  ASSERT_EQ(c.dispatcher.add_endpoint(false, engine("a")), "");
+  EXPECT_NE(c.registry.render().find(requests + " 0\n"), std::string::npos);
+}
+
+// The name comes back while the old engine still drains: the newcomer owns the name's series
+// (in flight 0, healthy 1), and they stay when the old one leaves.
+TEST(Dispatcher, ANameBackWhileItsEngineDrainsKeepsItsSeries) {
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto held = c.send();
+  ASSERT_EQ(host_of(*c.engines.open().at(0)), "a");
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("a", nullptr));
+  Endpoint back = engine("a");
+  back.port = 8001;  // the same name at a new address
+  ASSERT_EQ(c.dispatcher.add_endpoint(false, back), "");
+  const std::string labels = "{pool=\"decode\",endpoint=\"a\"}";
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_in_flight" + labels), 0);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_healthy" + labels), 1);
+  c.answer_all();  // the old a leaves
+  EXPECT_EQ(held->status, 200);
+  EXPECT_NE(c.registry.render().find("tandem:gateway_endpoint_in_flight" + labels + " 0\n"),
+            std::string::npos);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_healthy" + labels), 1);
+}
+
 TEST(Dispatcher, RequestsWaitingForARemovedPoolGet503) {
   Cluster c(aggregated({engine("a", 0, 1)}));
   c.send();
@@ -1629,6 +1671,23 @@ TEST(Dispatcher, AdmissionRefusesADuplicateNameAndAPrefillEngineInAggregatedMode
   EXPECT_EQ(c.endpoint("b")["pool"], "decode");
 }
 
+// One engine under two names would take twice its in-flight limit: the address is refused in
+// the pool that has it, naming the field and the engine there. Once that one drains, the address
+// may join again.
+TEST(Dispatcher, AdmissionRefusesAnAddressThePoolHasUnderAnotherName) {
+  Cluster c(aggregated({engine("a")}));
+  Endpoint twin = engine("a");
+  twin.name = "a-again";
+  EXPECT_EQ(c.dispatcher.add_endpoint(false, twin),
+            "endpoint.url: a.engines:8000 is already in the decode pool, as 'a'");
+  Endpoint other_port = twin;
+  other_port.name = "a-8001";
+  other_port.port = 8001;
+  EXPECT_EQ(c.dispatcher.add_endpoint(false, other_port), "");
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("a", nullptr));
+  EXPECT_EQ(c.dispatcher.add_endpoint(false, twin), "");
+}
+
 TEST(Dispatcher, AdmissionRefusesAPrefillEngineWhoseGroupHasNoDecodeEngine) {
   Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
   EXPECT_EQ(c.dispatcher.add_endpoint(true, engine("p1", 1)),
@@ -1662,6 +1721,19 @@ TEST(AdminApi, ReadsAnEngineWithTheTopologyFilesChecks) {
   EXPECT_EQ(e.name, "a:80");
   EXPECT_EQ(e.max_in_flight, 4);
   EXPECT_EQ(endpoint_from_json("b:81@82").bootstrap_port, 82);
+  // A name labels the engine's metric series: at most 256 bytes of text (a 7 MB name made every
+  // scrape 35 MB).
+  const std::string expected_name =
+      "endpoint.name: expected a name of 1..256 bytes of UTF-8 text without control characters, "
+      "got '";
+  EXPECT_EQ(
+      error({{"url", "a:1"}, {"name", std::string(257, 'x')}}).substr(0, expected_name.size()),
+      expected_name);
+  EXPECT_EQ(error({{"url", "a:1"}, {"name", "a\nb"}}), expected_name + "a\\x0ab'");
+  EXPECT_EQ(endpoint_from_json({{"url", "a:1"}, {"name", std::string(256, 'x')}}).name.size(),
+            256u);
+  EXPECT_EQ(endpoint_from_json({{"url", "a:1"}, {"name", "m\xc3\xbcnchen-1"}}).name,
+            "m\xc3\xbcnchen-1");
 }
 
 // ------------------------------------------------------------------------------- health

@@ -614,6 +614,19 @@ TEST_P(GatewayFailures, EndpointsAreAddedAndRemovedWithoutDroppingRequests) {
   // Once drained, a is gone.
   EXPECT_TRUE(eventually([&] { return endpoints().size() == 1; }));
   EXPECT_EQ(admin("POST", "/admin/endpoints/remove", json{{"name", "a"}}.dump()).status, 404);
+  // A malformed removal says what is wrong in the gateway's words, naming the field (it quoted
+  // nlohmann's exception text: "[json.exception.out_of_range.403] key 'name' not found").
+  for (const auto& [body, said] :
+       {std::pair{"[]", "admin: expected an object {\"name\": NAME}"},
+        std::pair{"{}", "admin: name: expected an engine's name, got nothing"},
+        std::pair{R"({"name": 3})",
+                  "admin: name: expected an engine's name (a non-empty string), got number"},
+        std::pair{R"({"name": "a", "drain": 1})",
+                  "admin: drain: expected only name, got an unknown key"}}) {
+    r = admin("POST", "/admin/endpoints/remove", body);
+    EXPECT_EQ(r.status, 400) << body;
+    EXPECT_EQ(json::parse(r.body)["error"]["message"], said) << body;
+  }
   EXPECT_EQ(
       admin("POST", "/admin/endpoints", json{{"pool", "decode"}, {"endpoint", "x"}}.dump()).status,
       400);
