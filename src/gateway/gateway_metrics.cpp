@@ -9,9 +9,14 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r)
       ttft(r.histogram("vllm:time_to_first_token_seconds",
                        "Time to first token (streaming requests), seen at the gateway.",
                        metrics::vllm_ttft_buckets())),
-      tpot(r.histogram("vllm:time_per_output_token_seconds",
-                       "Time per output token after the first (streaming requests).",
+      tpot(r.histogram("vllm:request_time_per_output_token_seconds",
+                       "Each stream's mean time per output token after the first: (last token "
+                       "event - first) / (events - 1), seen at the gateway.",
                        metrics::vllm_tpot_buckets())),
+      tpot_gaps(r.histogram("vllm:time_per_output_token_seconds",
+                            "Time per output token: every gap between two streamed token events, "
+                            "seen at the gateway.",
+                            metrics::vllm_tpot_buckets())),
       itl(r.histogram("vllm:inter_token_latency_seconds",
                       "Gaps between streamed token events, seen at the gateway.",
                       metrics::vllm_tpot_buckets())),

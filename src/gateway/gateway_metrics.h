@@ -9,7 +9,10 @@ struct GatewayMetrics {
   explicit GatewayMetrics(metrics::Registry& r);
 
   metrics::Family<metrics::Histogram>& phase_seconds;
-  metrics::Histogram &ttft, &tpot, &itl, &e2e, &queue_time;
+  // tpot: each stream's mean time per output token (vllm:request_time_per_output_token_seconds);
+  // tpot_gaps: every gap between its token events (vllm:time_per_output_token_seconds, observed
+  // per gap as vLLM and the engine observe it; the same gaps as itl).
+  metrics::Histogram &ttft, &tpot, &tpot_gaps, &itl, &e2e, &queue_time;
   metrics::Family<metrics::Histogram>& class_ttft;  // {class}: with priority classes
   metrics::Gauge &running, &waiting;
   metrics::Family<metrics::IntCounter>& requests;

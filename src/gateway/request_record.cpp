@@ -88,12 +88,15 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
     // Events that arrived together have gaps of 0, often most of them: observed in one go.
     uint64_t together = 0;
     for (double g : r.itl) {
-      if (g == 0.0)
+      if (g == 0.0) {
         ++together;
-      else
+      } else {
         metrics_.itl.observe(g);
+        metrics_.tpot_gaps.observe(g);
+      }
     }
     metrics_.itl.observe(0.0, together);
+    metrics_.tpot_gaps.observe(0.0, together);
   }
   r.itl = {};
   ++requests_;

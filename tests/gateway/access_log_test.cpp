@@ -312,5 +312,35 @@ TEST(AccessLogLine, ClientTextIsClippedInTheLineAndTheDashboard) {
   EXPECT_EQ(state["recent"][0]["model"], clipped);
 }
 
+// vllm:time_per_output_token_seconds is observed once per gap between token events, as vLLM
+// and the engine observe it (the gateway observed each stream's mean under it, once per request);
+// the mean goes to vLLM's per-request name, vllm:request_time_per_output_token_seconds.
+TEST(RequestRecorder, TpotIsPerGapAndThePerRequestMeanHasVllmsPerRequestName) {
+  Topology topo;
+  metrics::Registry registry;
+  GatewayMetrics metrics(registry);
+  RequestRecorder recorder(metrics, nullptr, topo);
+  Request r;
+  r.times.mark(Phase::kReceived, 0);
+  r.outcome = {200, ""};
+  r.output_events = 4;
+  r.first_token_ns = 100'000'000;
+  r.last_token_ns = 700'000'000;
+  r.itl = {0.1, 0.0, 0.5};
+  recorder.record(r, 1'000'000'000);
+  const std::string text = registry.render();
+  auto value = [&](const std::string& series) {
+    const size_t at = text.find("\n" + series + " ");
+    if (at == std::string::npos) return -1.0;
+    return std::stod(text.substr(at + series.size() + 2));
+  };
+  EXPECT_EQ(value("vllm:time_per_output_token_seconds_count"), 3) << text;
+  EXPECT_DOUBLE_EQ(value("vllm:time_per_output_token_seconds_sum"), 0.6);
+  EXPECT_EQ(value("vllm:time_per_output_token_seconds_bucket{le=\"0.01\"}"), 1);  // the 0 gap
+  EXPECT_EQ(value("vllm:request_time_per_output_token_seconds_count"), 1);
+  EXPECT_DOUBLE_EQ(value("vllm:request_time_per_output_token_seconds_sum"), 0.2);
+  EXPECT_EQ(value("vllm:inter_token_latency_seconds_count"), 3);
+}
+
 }  // namespace
 }  // namespace tandem::gateway
