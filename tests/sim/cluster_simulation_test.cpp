@@ -358,6 +358,26 @@ TEST_P(DisaggregatedSimulation, EveryRequestMovesItsKvOnceAndEndsWithEveryBlockF
   }
 }
 
+// A decode engine of 6 blocks of 16 tokens: X decodes in 3 of them (positions 32..47) when D's
+// prompt KV (3 blocks) arrives into the other 3, so X, at its next block boundary, must give way.
+// D arrives at every decode step's offset in turn; at one of them its KV joins the scheduler in
+// the very step X needs the block. Before, that step scheduled nothing (no admission after a
+// preemption), the simulated engine was never stepped again without an outside event, and at the
+// end of the trace X and D waited for the gateway's timeouts. Every request ends now.
+TEST_P(DisaggregatedSimulation, ADecodeLegWhoseKvFillsTheCacheAsItsNeighbourNeedsABlockRuns) {
+  for (int step = 0; step < 24; ++step) {
+    SCOPED_TRACE("D arrives at step " + std::to_string(step));
+    auto o = pd_options(GetParam(), 1, 1, hand_model());
+    o.executor.num_blocks = 6;
+    const auto run =
+        simulate({request(0, words(17, 1), 60), request(0.15 + 0.01 * step, words(48, 500), 4)}, o,
+                 tokenizer());
+    for (size_t i = 0; i < run.results.size(); ++i)
+      ASSERT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+    for (const auto& e : run.engines) EXPECT_EQ(e.blocks_in_use, 0) << e.name;
+  }
+}
+
 TEST_P(DisaggregatedSimulation, ASlowLinkDelaysTheFirstTokenByItsTransferTime) {
   // 100 KB/s: the transfer of a 200-token prompt's cache (tens of MB for DeepSeek-V3's 61 layers)
   // takes minutes, far longer than any step; the first token waits for it.
