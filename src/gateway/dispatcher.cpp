@@ -78,9 +78,16 @@ void Dispatcher::submit(std::span<const RequestPtr> group) {
     queued = true;
   }
   if (!queued) return;
-  metrics_.running.set(static_cast<double>(active_.size()));
+  publish_counts();
   exec_.set_busy(true);
   dispatch(waiting_.back()->queued_at);
+}
+
+// Every waiting request is active too (active_ holds every request from submit to its end):
+// running is what engines serve, without those waiting in the queue.
+void Dispatcher::publish_counts() {
+  metrics_.waiting.set(static_cast<double>(waiting_.size()));
+  metrics_.running.set(static_cast<double>(active_.size() - waiting_.size()));
 }
 
 void Dispatcher::enqueue(const RequestPtr& r, bool front) {
@@ -96,7 +103,7 @@ void Dispatcher::enqueue(const RequestPtr& r, bool front) {
     waiting_.push_front(r);
   else
     waiting_.push_back(r);
-  metrics_.waiting.set(static_cast<double>(waiting_.size()));
+  publish_counts();
   // Its queue timeout is armed by dispatch() if it is still waiting after the pass that
   // follows: most requests start at once, and a timer armed and cancelled per request costs.
 }
@@ -127,7 +134,7 @@ void Dispatcher::remove_waiting(const RequestPtr& r) {
   r->booking = Booking::kRunning;
   exec_.cancel(r->queue_timer);
   r->queue_timer = {};
-  metrics_.waiting.set(static_cast<double>(waiting_.size()));
+  publish_counts();
 }
 
 // ------------------------------------------------------------------------------ dispatch
@@ -568,7 +575,7 @@ void Dispatcher::finished(const RequestPtr& r) {
   if (r->booking == Booking::kQueued) remove_waiting(r);
   if (r->booking == Booking::kRunning) {
     active_.erase(r.get());
-    metrics_.running.set(static_cast<double>(active_.size()));
+    publish_counts();
     exec_.set_busy(!active_.empty());
     if (idle_ && active_.empty()) std::exchange(idle_, nullptr)();
   }
@@ -646,7 +653,7 @@ json Dispatcher::dashboard_state() {
       e["reuse"] = std::move(reuse);
   state["time_unix_ms"] = exec_.unix_ms();
   state["waiting"] = waiting_.size();
-  state["running"] = active_.size();
+  state["running"] = active_.size() - waiting_.size();
   state.update(recorder_.dashboard_json());
   state["histograms"] = {{"ttft", histogram_json(metrics_.ttft)},
                          {"tpot", histogram_json(metrics_.tpot)},

@@ -127,6 +127,8 @@ class Dispatcher {
   void enqueue(const RequestPtr& r, bool front);
   void arm_queue_timeout(const RequestPtr& r);
   void remove_waiting(const RequestPtr& r);
+  // vllm:num_requests_waiting and vllm:num_requests_running (the active ones not waiting).
+  void publish_counts();
   std::string pools_state(const Request& r) const;
   void dispatch(Clock::time_point now);
   void start(const RequestPtr& r, int prefill, int decode);

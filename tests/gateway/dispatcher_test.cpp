@@ -862,6 +862,28 @@ TEST(Dispatcher, ARequestNoEngineTakesWithinTheQueueTimeoutGets503SayingWhy) {
   EXPECT_EQ(c.dispatcher.waiting(), 0u);
 }
 
+// vllm:num_requests_running counts what engines serve, not the queue too (it counted every
+// request in the gateway); vllm:num_requests_waiting the queue. So does the dashboard's state.
+TEST(Dispatcher, RunningCountsWhatEnginesServeWithoutTheQueue) {
+  Cluster c(aggregated({engine("a", 0, 1)}));
+  auto first = c.send();
+  auto second = c.send();
+  auto third = c.send();
+  EXPECT_EQ(c.metric("vllm:num_requests_running"), 1);
+  EXPECT_EQ(c.metric("vllm:num_requests_waiting"), 2);
+  const json state = c.dispatcher.dashboard_state();
+  EXPECT_EQ(state["running"], 1);
+  EXPECT_EQ(state["waiting"], 2);
+  c.answer_all();  // the second starts
+  EXPECT_EQ(c.metric("vllm:num_requests_running"), 1);
+  EXPECT_EQ(c.metric("vllm:num_requests_waiting"), 1);
+  c.answer_all();
+  c.answer_all();
+  EXPECT_EQ(third->status, 200);
+  EXPECT_EQ(c.metric("vllm:num_requests_running"), 0);
+  EXPECT_EQ(c.metric("vllm:num_requests_waiting"), 0);
+}
+
 TEST(Dispatcher, AWaitingRequestStartsWhenAnEngineFrees) {
   Cluster c(aggregated({engine("a", 0, 1)}));
   auto first = c.send();
