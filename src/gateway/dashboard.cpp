@@ -9,10 +9,14 @@ namespace tandem::gateway {
 
 namespace {
 
-// Open when no admin key is set; otherwise the admin key as a bearer token, else 401.
+// With an admin key, that key as a bearer token; without one, a client key when the gateway
+// has client keys (the state names every engine and the last requests, and the expert loads are
+// fetched from the engines with the engines' key: a guarded gateway must not give them to anyone);
+// open only when the gateway itself is. Else 401.
 bool dashboard_key_accepted(const Topology& topo, const net::HttpRequest& req, net::Exchange& ex) {
-  if (topo.admin_api_key.empty()) return true;
-  return admin_key_accepted(topo, req, ex);
+  if (!topo.admin_api_key.empty()) return admin_key_accepted(topo, req, ex);
+  if (!topo.api_keys.empty()) return api_key_accepted(topo, req, ex);
+  return true;
 }
 
 }  // namespace

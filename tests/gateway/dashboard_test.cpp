@@ -212,6 +212,31 @@ TEST(Dashboard, DataRoutesNeedTheAdminKeyThePageDoesNot) {
         << h;
 }
 
+// Without an admin key, a gateway guarded by client keys guards the dashboard's data with them
+// (they were open to anyone: every engine, the last requests, and the engines' expert loads
+// fetched with the engines' own key); the page stays open. No engine is needed for the keys.
+TEST(Dashboard, WithoutAnAdminKeyTheDataRoutesNeedAClientKey) {
+  testing::EngineProcess gateway({TANDEM_BINARY, "gateway", "--host", "127.0.0.1", "--port", "0",
+                                  "--decode", "127.0.0.1:9", "--api-key", "client-key"});
+  auto get = [&](const std::string& target, const std::string& key) {
+    net::Headers h;
+    if (!key.empty()) h.set("Authorization", "Bearer " + key);
+    return net::http_request("127.0.0.1", gateway.port(), "GET", target, {}, h);
+  };
+  EXPECT_EQ(get("/dashboard", "").status, 200);
+  for (const std::string target :
+       {"/dashboard/state", "/dashboard/expert_load?endpoint=127.0.0.1:9"}) {
+    const auto refused = get(target, "");
+    EXPECT_EQ(refused.status, 401) << target << ": " << refused.body;
+    EXPECT_EQ(get(target, "wrong").status, 401) << target;
+  }
+  const auto state = get("/dashboard/state", "client-key");
+  EXPECT_EQ(state.status, 200) << state.body;
+  EXPECT_EQ(json::parse(state.body)["endpoints"].size(), 1u);
+  // With the key, the relay is reached (the engine is not there: not a 401).
+  EXPECT_NE(get("/dashboard/expert_load?endpoint=127.0.0.1:9", "client-key").status, 401);
+}
+
 int dom_attribute(const std::string& dom, const std::string& name) {
   std::smatch m;
   if (!std::regex_search(dom, m, std::regex(name + "=\"(\\d+)\""))) return -1;
