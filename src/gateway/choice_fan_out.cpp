@@ -94,15 +94,25 @@ ChoiceRequests split_choices(std::string_view path, const json& body) {
     if (const auto it = body.find("prompt"); it != body.end() && it->is_array() && it->size() > 1 &&
                                              ((*it)[0].is_string() || (*it)[0].is_array()))
       prompts = &*it;
-  if (prompts && n > 1) return out;  // the engine says n > 1 needs a single prompt
-  const size_t count = prompts ? prompts->size() : static_cast<size_t>(n);
+  // n choices of each prompt, prompt-major: choice k answers prompt k / n (OpenAI's and vLLM's
+  // order, and an engine's).
+  const size_t per_prompt = static_cast<size_t>(n);
+  const size_t prompt_count = prompts ? prompts->size() : 1;
+  if (prompt_count > kMaxFanOut)  // before multiplying: a body may list millions
+    throw api::ApiError{400,
+                        "at most " + std::to_string(kMaxFanOut) +
+                            " prompts in one request in the prefill-decode modes, got " +
+                            std::to_string(prompt_count),
+                        "prompt"};
+  const size_t count = prompt_count * per_prompt;
   if (count <= 1) return out;
   if (count > kMaxFanOut)
     throw api::ApiError{400,
                         "at most " + std::to_string(kMaxFanOut) +
-                            " prompts in one request in the prefill-decode modes, got " +
-                            std::to_string(count),
-                        "prompt"};
+                            " choices in one request in the prefill-decode modes, got " +
+                            std::to_string(count) + " ('n' " + std::to_string(n) + " times " +
+                            std::to_string(prompt_count) + " prompts)",
+                        "n"};
   std::optional<uint64_t> seed;
   if (const auto it = body.find("seed"); it != body.end()) {
     if (it->is_number_unsigned()) seed = it->get<uint64_t>();
@@ -123,11 +133,11 @@ ChoiceRequests split_choices(std::string_view path, const json& body) {
                         prompts ? "prompt" : "n"};
   for (size_t i = 0; i < count; ++i) {
     json one = base;
-    if (prompts) one["prompt"] = (*prompts)[i];
+    if (prompts) one["prompt"] = (*prompts)[i / per_prompt];
     if (seed && i > 0) one["seed"] = *seed + i;
     out.bodies.push_back(one.dump());
   }
-  out.repeats = prompts ? 1 : static_cast<size_t>(n);
+  out.repeats = per_prompt;
   return out;
 }
 

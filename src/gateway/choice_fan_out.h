@@ -1,12 +1,12 @@
 #pragma once
 // Several choices in the P/D modes. A disaggregated leg carries one sequence (one bootstrap room,
 // one KV transfer), so a request for n > 1 choices, or a completions request with a list of
-// prompts, becomes one request per choice, each scheduled on its own (they may go to different
-// engines), and their answers are merged into the one the client asked for: the choices in
-// order with their indexes, one id (the request's: the choices' requests are named <id>-<i>), the
-// usage summed (a repeated prompt counted once, as an engine counts it). Choice i of a request with
-// a seed gets seed + i, as an engine seeds its choices, so the answer is the one an aggregated
-// engine gives.
+// prompts (and n choices of each), becomes one request per choice, each scheduled on its own
+// (they may go to different engines), and their answers are merged into the one the client asked
+// for: the choices in order with their indexes (prompt-major: choice k answers prompt k / n), one
+// id (the request's: the choices' requests are named <id>-<k>), the usage summed (a repeated
+// prompt counted once, as an engine counts it). Choice k of a request with a seed gets seed + k,
+// as an engine seeds its choices, so the answer is the one an aggregated engine gives.
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -34,13 +34,15 @@ inline constexpr size_t kMaxFanOutBytes = size_t{64} << 20;
 
 struct ChoiceRequests {
   std::vector<std::string> bodies;  // one per choice, in the choices' order
-  size_t repeats = 1;               // n: the prompt each body repeats (counted once in usage)
+  // n: how many bodies in a row carry the same prompt (bodies k and j share one when
+  // k / repeats == j / repeats), which usage counts once.
+  size_t repeats = 1;
 };
 
 // The requests, one per choice, that answer `body` (of the route `path`) together; no bodies when
-// it asks for one choice or is not a request this can split (an invalid n, a list of prompts
-// with n > 1, best_of other than n): the engine then answers it, and names the field. Throws
-// api::ApiError (400) for more than kMaxFanOut choices.
+// it asks for one choice or is not a request this can split (an invalid n, best_of other than
+// n): the engine then answers it, and names the field. Throws api::ApiError (400) for more than
+// kMaxFanOut choices.
 ChoiceRequests split_choices(std::string_view path, const nlohmann::json& body);
 
 // Merges the answers of the requests of one split into the client's reply. Thread-safe: each

@@ -134,12 +134,13 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   // A choice refused here (a bad field) answers for all: none is submitted, and those prepared
   // before it end with its failure (their close callbacks run when registered).
   std::vector<RequestPtr> choices;
-  SamePrompt same_prompt;  // n choices of one prompt: tokenized once
+  // The n choices of each prompt (in a row): tokenized once.
+  std::vector<SamePrompt> same_prompt(split.bodies.size() / split.repeats);
   for (size_t i = 0; i < split.bodies.size() && !merger->ended(); ++i) {
     one.body = std::move(split.bodies[i]);
     one.headers.set("X-Request-Id", id + "-" + std::to_string(i));
-    if (RequestPtr r = prepare(one, merger->reply(i), split.repeats > 1 ? &same_prompt : nullptr))
-      choices.push_back(std::move(r));
+    SamePrompt* same = split.repeats > 1 ? &same_prompt[i / split.repeats] : nullptr;
+    if (RequestPtr r = prepare(one, merger->reply(i), same)) choices.push_back(std::move(r));
   }
   // A choice let go because another failed ends with that failure, not as a client that left.
   for (const RequestPtr& r : choices)

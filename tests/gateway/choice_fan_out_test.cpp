@@ -56,15 +56,43 @@ TEST(SplitChoices, AListOfPromptsBecomesOneRequestPerPrompt) {
   EXPECT_EQ(ids[1]["prompt"], json::array({3}));
 }
 
+// n choices of each prompt of a list, as OpenAI, vLLM and one engine order them: prompt-major
+// (choice k answers prompt k / n), choice k seeded seed + k as the engine seeds it.
+TEST(SplitChoices, NChoicesOfEachPromptOfAListArePromptMajor) {
+  const json body = {{"prompt", {"a", "b c", "d"}}, {"n", 2}, {"seed", 9}, {"max_tokens", 4}};
+  const ChoiceRequests split = split_choices("/v1/completions", body);
+  const auto bodies = parsed(split);
+  ASSERT_EQ(bodies.size(), 6u);
+  EXPECT_EQ(split.repeats, 2u);  // bodies 2p and 2p + 1 share prompt p
+  const std::vector<std::string> prompts = {"a", "a", "b c", "b c", "d", "d"};
+  for (size_t k = 0; k < 6; ++k) {
+    SCOPED_TRACE(k);
+    EXPECT_EQ(bodies[k]["prompt"], prompts[k]);
+    EXPECT_EQ(bodies[k]["seed"], 9 + k);
+    EXPECT_EQ(bodies[k]["max_tokens"], 4);
+    EXPECT_FALSE(bodies[k].contains("n"));
+  }
+  // n times the prompts is what is bounded.
+  try {
+    split_choices("/v1/completions", {{"prompt", json(43, "p")}, {"n", 3}});
+    FAIL() << "expected an error";
+  } catch (const api::ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "n");
+    EXPECT_NE(e.message.find("got 129"), std::string::npos) << e.message;
+  }
+  EXPECT_EQ(split_choices("/v1/completions", {{"prompt", json(64, "p")}, {"n", 2}}).bodies.size(),
+            kMaxFanOut);
+}
+
 TEST(SplitChoices, OneChoiceOrWhatTheEngineMustRefuseIsNotSplit) {
-  for (const json& body :
-       {json{{"prompt", "x"}}, json{{"prompt", "x"}, {"n", 1}},
-        json{{"prompt", {1, 2, 3}}},          // one prompt of ids
-        json{{"prompt", {"only"}}},           // a list of one
-        json{{"prompt", "x"}, {"n", 0}},      // the engine names 'n'
-        json{{"prompt", "x"}, {"n", 200}},    // too many: the engine says so
-        json{{"prompt", "x"}, {"n", "two"}},  // not a number
-        json{{"prompt", "x"}, {"n", 2}, {"best_of", 3}}, json{{"prompt", {"a", "b"}}, {"n", 2}}})
+  for (const json& body : {json{{"prompt", "x"}}, json{{"prompt", "x"}, {"n", 1}},
+                           json{{"prompt", {1, 2, 3}}},          // one prompt of ids
+                           json{{"prompt", {"only"}}},           // a list of one
+                           json{{"prompt", "x"}, {"n", 0}},      // the engine names 'n'
+                           json{{"prompt", "x"}, {"n", 200}},    // too many: the engine says so
+                           json{{"prompt", "x"}, {"n", "two"}},  // not a number
+                           json{{"prompt", "x"}, {"n", 2}, {"best_of", 3}}})
     EXPECT_TRUE(split_choices("/v1/completions", body).bodies.empty()) << body.dump();
   // Chat has no list of prompts; other routes are not split.
   EXPECT_TRUE(split_choices("/v1/chat/completions", {{"prompt", {"a", "b"}}}).bodies.empty());
@@ -247,6 +275,61 @@ TEST(ChoiceMerger, StreamsInterleaveWithIndexesOneIdOneUsageChunkAndOneDone) {
   EXPECT_EQ(usage["usage"]["total_tokens"], 10);
   EXPECT_FALSE(usage["usage"].contains("prompt_tokens_details"));  // none reported, none made up
   EXPECT_TRUE(net::SseParser::is_done(got[4]));
+}
+
+// Two prompts (10 and 6 tokens), n = 2: four choices, each reporting its own prompt's tokens;
+// the client's usage counts each prompt once (vLLM: the sum of the prompts' lengths), whole or
+// streamed, and the streamed chunks carry their choice's index k.
+TEST(ChoiceMerger, NChoicesOfSeveralPromptsCountEachPromptOnce) {
+  const int prompt_of[4] = {10, 10, 6, 6};
+  // Appended, not "t" + ...: GCC 12 warns (-Wrestrict) about that.
+  auto named = [](const char* prefix, size_t k) {
+    std::string s = prefix;
+    s += std::to_string(k);
+    return s;
+  };
+  {
+    auto client = std::make_shared<Client>();
+    auto merger = ChoiceMerger::create(client, 4, /*repeats=*/2);
+    for (const size_t k : {2u, 0u, 3u, 1u})
+      ASSERT_TRUE(merger->reply(k)->respond(
+          200, answer(named("cmpl-r-", k), named("t", k), prompt_of[k], 2), "application/json"));
+    ASSERT_TRUE(client->complete);
+    const json merged = json::parse(client->body);
+    ASSERT_EQ(merged["choices"].size(), 4u);
+    for (size_t k = 0; k < 4; ++k) {
+      EXPECT_EQ(merged["choices"][k]["index"], k);
+      EXPECT_EQ(merged["choices"][k]["text"], named("t", k));
+    }
+    EXPECT_EQ(merged["usage"]["prompt_tokens"], 16);
+    EXPECT_EQ(merged["usage"]["completion_tokens"], 8);
+    EXPECT_EQ(merged["usage"]["total_tokens"], 24);
+    EXPECT_EQ(merged["usage"]["prompt_tokens_details"]["cached_tokens"], 8);  // 5 and 3
+  }
+  auto client = std::make_shared<Client>();
+  auto merger = ChoiceMerger::create(client, 4, /*repeats=*/2);
+  for (const size_t k : {3u, 1u, 0u, 2u}) {
+    auto part = merger->reply(k);
+    const std::string id = named("cmpl-s-", k);
+    ASSERT_TRUE(part->start_stream(200, "text/event-stream"));
+    ASSERT_TRUE(part->write(chunk(id, named("t", k)) + usage_chunk(id, prompt_of[k], 3) +
+                            std::string(net::kSseDone)));
+    ASSERT_TRUE(part->end());
+  }
+  ASSERT_TRUE(client->complete);
+  const auto got = events(client->streamed);
+  ASSERT_EQ(got.size(), 6u) << client->streamed;
+  for (size_t e = 0; e < 4; ++e) {
+    const json event = json::parse(got[e]);
+    EXPECT_EQ(event["id"], "cmpl-s");
+    const std::string text = event["choices"][0]["text"];
+    EXPECT_EQ(event["choices"][0]["index"], std::stoi(text.substr(1))) << got[e];
+  }
+  const json usage = json::parse(got[4]);
+  EXPECT_EQ(usage["usage"]["prompt_tokens"], 16);
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(usage["usage"]["total_tokens"], 28);
+  EXPECT_TRUE(net::SseParser::is_done(got[5]));
 }
 
 TEST(ChoiceMerger, AChoiceRefusedBeforeAnyAnswerIsTheAnswerAndTheOthersAreLetGo) {

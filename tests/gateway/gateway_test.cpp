@@ -131,6 +131,27 @@ class GatewayStack : public test::TinyModelTest<kF32> {
     EXPECT_EQ(several["list_stream"]["usage"]["completion_tokens"], 12);
     EXPECT_EQ(several["list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
     EXPECT_EQ(several["chat_stream"]["contents"], json::array({chat_expected, chat_expected}));
+    // n choices of each prompt of a list: prompt-major, as one engine (and vLLM) answers.
+    EXPECT_EQ(several["n_list"]["texts"],
+              json::array({prompt + first, prompt + first, "Hello world" + second,
+                           "Hello world" + second}));
+    EXPECT_EQ(several["n_list"]["indexes"], json::array({0, 1, 2, 3}));
+    EXPECT_EQ(several["n_list"]["usage"]["prompt_tokens"], ids.size() + hello.size());
+    EXPECT_EQ(several["n_list"]["usage"]["completion_tokens"], 24);
+    EXPECT_EQ(several["n_list_stream"]["texts"], json::array({first, first, second, second}));
+    EXPECT_EQ(several["n_list_stream"]["ids"], 1);
+    EXPECT_EQ(several["n_list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
+    EXPECT_EQ(several["n_list_stream"]["usage"]["completion_tokens"], 24);
+    // echo with max_tokens 0: the prompts alone.
+    for (const char* key : {"echo_only", "echo_only_stream"}) {
+      SCOPED_TRACE(key);
+      EXPECT_EQ(r[key]["texts"], json::array({prompt, "Hello world"}));
+      EXPECT_EQ(r[key]["finishes"], json::array({"length", "length"}));
+      EXPECT_EQ(r[key]["usage"]["completion_tokens"], 0);
+      EXPECT_EQ(r[key]["usage"]["prompt_tokens"], ids.size() + hello.size());
+    }
+    EXPECT_EQ(r["echo_logprobs"]["status"], 400);
+    EXPECT_EQ(r["echo_logprobs"]["param"], "echo");
     ASSERT_TRUE(r.contains("stop"));
     const std::string stop = r["stop"]["stop"];
     EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));

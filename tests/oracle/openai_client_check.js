@@ -79,7 +79,46 @@ async function main() {
     for (const ch of chunk.choices) if (ch.delta.content) contents[ch.index] += ch.delta.content;
   }
   several.chat_stream = { contents };
+  // n choices of each prompt of a list: prompt-major (index = prompt * n + j), echoed whole.
+  const nl = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, n: 2,
+                                               echo: true });
+  several.n_list = { texts: nl.choices.map((x) => x.text), indexes: nl.choices.map((x) => x.index),
+                     usage: nl.usage };
+  const nls = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, n: 2,
+                                                stream: true, stream_options: { include_usage: true } });
+  const nltexts = ['', '', '', ''], nlids = new Set();
+  let nlusage = null;
+  for await (const chunk of nls) {
+    nlids.add(chunk.id);
+    if (chunk.usage) nlusage = chunk.usage;
+    for (const ch of chunk.choices) nltexts[ch.index] += ch.text;
+  }
+  several.n_list_stream = { texts: nltexts, ids: nlids.size, usage: nlusage };
   out.several = several;
+
+  // echo with max_tokens 0: the prompts alone, ended by "length", nothing generated.
+  const eo = await client.completions.create({ model, prompt: prompts, echo: true, max_tokens: 0 });
+  out.echo_only = { texts: eo.choices.map((x) => x.text), finishes: eo.choices.map((x) => x.finish_reason),
+                    usage: eo.usage };
+  const eos = await client.completions.create({ model, prompt: prompts, echo: true, max_tokens: 0,
+                                                stream: true, stream_options: { include_usage: true } });
+  const eotexts = ['', ''], eofinishes = [null, null];
+  let eousage = null;
+  for await (const chunk of eos) {
+    if (chunk.usage) eousage = chunk.usage;
+    for (const ch of chunk.choices) {
+      eotexts[ch.index] += ch.text;
+      if (ch.finish_reason) eofinishes[ch.index] = ch.finish_reason;
+    }
+  }
+  out.echo_only_stream = { texts: eotexts, finishes: eofinishes, usage: eousage };
+  // echo with logprobs asks for the prompt's logprobs, which are not computed: refused.
+  try {
+    await client.completions.create({ model, prompt, echo: true, logprobs: 1, max_tokens: 2 });
+    out.echo_logprobs = { status: 200 };
+  } catch (e) {
+    out.echo_logprobs = { status: e.status, param: e.error && e.error.param };
+  }
 
   // Stop string: cut the greedy completion at a piece of its own text.
   const full = out.completion.text;
