@@ -85,7 +85,7 @@ void run(const BenchCliOptions& o) {
   const WorkloadCliOptions& w = o.workload;
   std::fprintf(stderr, "tandem bench: %zu requests (%s) to %s%s, rate %s, max concurrency %s\n",
                reqs.size(), w.dataset.c_str(), o.base_url.c_str(), o.endpoint.c_str(),
-               std::isfinite(w.request_rate) ? std::to_string(w.request_rate).c_str()
+               std::isfinite(w.request_rate) ? number_text(w.request_rate).c_str()
                : w.trace()                   ? "trace"
                                              : "inf",
                o.max_concurrency > 0 ? std::to_string(o.max_concurrency).c_str() : "none");
@@ -118,8 +118,7 @@ void run(const BenchCliOptions& o) {
       {"model", o.model},
       {"dataset", w.dataset + (w.dataset_path.empty() ? "" : " (" + w.dataset_path + ")")},
       {"requests", std::to_string(reqs.size())},
-      {"request rate",
-       std::isfinite(w.request_rate) ? std::to_string(w.request_rate) : "inf / trace"},
+      {"request rate", std::isfinite(w.request_rate) ? number_text(w.request_rate) : "inf / trace"},
       {"max concurrency", o.max_concurrency > 0 ? std::to_string(o.max_concurrency) : "none"}};
   if (!o.access_log.empty())
     run.access_log = [&] {

@@ -30,22 +30,53 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
+std::string number_text(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.6g", v);
+  return text;
+}
+
 void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
   cmd.add_option("--dataset-name", o.dataset,
-                 "random, prefix-repetition, sharegpt, mooncake or azure")
-      ->capture_default_str();
+                 "random, prefix-repetition (vLLM's prefix_repetition too), sharegpt, mooncake "
+                 "or azure")
+      ->capture_default_str()
+      ->transform(CLI::Validator(
+          [](std::string& name) {
+            if (name == "prefix_repetition") name = "prefix-repetition";  // vLLM's spelling
+            return std::string();
+          },
+          "", "vLLM dataset names"));
   cmd.add_option("--dataset-path", o.dataset_path, "ShareGPT JSON, Mooncake JSONL or Azure CSV");
   cmd.add_option("--tokenizer", o.tokenizer,
                  "folder with tokenizer.json (default: the DeepSeek-V3 tokenizer)");
   cmd.add_option("--num-prompts", o.num_prompts, "requests (synthetic datasets, ShareGPT)")
       ->capture_default_str();
-  cmd.add_option("--random-input-len", o.random_input_len)->capture_default_str();
-  cmd.add_option("--random-output-len", o.random_output_len)->capture_default_str();
-  cmd.add_option("--random-range-ratio", o.random_range_ratio)->capture_default_str();
-  cmd.add_option("--prefix-repetition-prefix-len", o.prefix_len)->capture_default_str();
-  cmd.add_option("--prefix-repetition-suffix-len", o.suffix_len)->capture_default_str();
-  cmd.add_option("--prefix-repetition-num-prefixes", o.num_prefixes)->capture_default_str();
-  cmd.add_option("--prefix-repetition-output-len", o.prefix_output_len)->capture_default_str();
+  // The synthetic datasets' flags, as vLLM's bench names and means them.
+  cmd.add_option("--random-input-len", o.random_input_len,
+                 "random: prompt tokens per request (special tokens included)")
+      ->capture_default_str();
+  cmd.add_option("--random-output-len", o.random_output_len,
+                 "random: output tokens per request (max_tokens)")
+      ->capture_default_str();
+  cmd.add_option("--random-range-ratio", o.random_range_ratio,
+                 "random: each request's input and output lengths are drawn uniformly from "
+                 "[len * (1 - ratio), len * (1 + ratio)]; in [0, 1), 0: every request the same")
+      ->capture_default_str();
+  cmd.add_option("--prefix-repetition-prefix-len", o.prefix_len,
+                 "prefix-repetition: tokens of the prefix that requests share")
+      ->capture_default_str();
+  cmd.add_option("--prefix-repetition-suffix-len", o.suffix_len,
+                 "prefix-repetition: tokens after the prefix, unique to each request (a prompt is "
+                 "prefix + suffix tokens)")
+      ->capture_default_str();
+  cmd.add_option("--prefix-repetition-num-prefixes", o.num_prefixes,
+                 "prefix-repetition: distinct prefixes; --num-prompts / this many requests share "
+                 "each")
+      ->capture_default_str();
+  cmd.add_option("--prefix-repetition-output-len", o.prefix_output_len,
+                 "prefix-repetition: output tokens per request")
+      ->capture_default_str();
   cmd.add_option("--trace-start", o.trace_start, "traces: the first record to replay")
       ->capture_default_str();
   cmd.add_option("--trace-limit", o.trace_limit, "traces: records to replay (0: all)")
@@ -61,7 +92,10 @@ void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
                  "timestamps)");
   cmd.add_option("--burstiness", o.burstiness, "gamma shape of the gaps (1: Poisson)")
       ->capture_default_str();
-  cmd.add_option("--seed", o.seed)->capture_default_str();
+  cmd.add_option("--seed", o.seed,
+                 "random seed of the workload: the synthetic prompts and lengths, ShareGPT's "
+                 "sample, the traces' prompt tokens, the arrival times (same seed, same requests)")
+      ->capture_default_str();
 }
 
 std::string workload_tokenizer_dir(const WorkloadCliOptions& o) {
@@ -159,7 +193,7 @@ std::vector<double> rate_arrivals(size_t n, const WorkloadCliOptions& o) {
   std::vector<double> t = bench::rate_arrivals(n, a);
   // A rate near 0 puts the sends past what the drivers' clocks can count.
   if (!t.empty() && !(t.back() <= bench::kMaxArrivalSeconds))
-    throw Error("--request-rate " + std::to_string(o.request_rate) + ": the last of " +
+    throw Error("--request-rate " + number_text(o.request_rate) + ": the last of " +
                 std::to_string(n) + " requests would be sent after " + std::to_string(t.back()) +
                 " s; expected at most " + std::to_string(bench::kMaxArrivalSeconds) + " s");
   return t;
@@ -445,6 +479,20 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
   const std::string result = outputs.result_file.empty() ? "" : result_json_text(out);
   std::fputs(table.c_str(), stdout);
   std::fflush(stdout);
+  // A run whose every request failed measured nothing: its table of zeros must not pass for a
+  // result.
+  if (summary.completed == 0 && summary.failed > 0) {
+    std::string first;
+    for (const auto& r : results)
+      if (!r.success && !r.error.empty()) {
+        first = r.error;
+        break;
+      }
+    first = first.substr(0, std::min(first.find('\n'), size_t{300}));
+    std::fprintf(stderr, "%s: warning: all %lld requests failed: nothing was measured%s%s\n",
+                 program, static_cast<long long>(summary.failed),
+                 first.empty() ? "" : "; the first failed with: ", first.c_str());
+  }
   if (!outputs.result_file.empty()) {
     write_output("--result-file", outputs.result_file, result);
     std::fprintf(stderr, "%s: results in %s\n", program, outputs.result_file.c_str());

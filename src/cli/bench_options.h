@@ -85,4 +85,7 @@ std::string result_json_text(const nlohmann::json& result);
 
 std::vector<std::string> split(const std::string& s, char sep);
 
+// A number as a person writes it: 20, 0.5, 1e-07 (not std::to_string's 20.000000).
+std::string number_text(double v);
+
 }  // namespace tandem::cli

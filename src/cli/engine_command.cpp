@@ -240,7 +240,7 @@ void run(const EngineOptions& o) {
                   " is a Qwen3-MoE model");
     std::shared_ptr<model::Qwen3MoeModel> m;
     {
-      ProgressBar bar("loading " + o.model);
+      ProgressBar bar("loading " + o.model, "tensors");
       m = std::make_shared<model::Qwen3MoeModel>(
           model::Qwen3MoeModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
     }
@@ -276,7 +276,7 @@ void run(const EngineOptions& o) {
     if (!o.expert_placement.empty()) throw Error("--expert-placement needs --expert-parallel N");
     std::shared_ptr<model::DeepSeekModel> m;
     {
-      ProgressBar bar("loading " + o.model);
+      ProgressBar bar("loading " + o.model, "tensors");
       model::WeightLoadOptions load;
       load.int8_lm_head = o.int8_lm_head;
       m = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(
@@ -344,7 +344,7 @@ void run_sim_fit(const SimFitOptions& o) {
   const auto tokenizer = text::Tokenizer::from_dir(o.model);
   std::shared_ptr<const model::DeepSeekModel> m;
   {
-    ProgressBar bar("loading " + o.model);
+    ProgressBar bar("loading " + o.model, "tensors");
     m = std::make_shared<const model::DeepSeekModel>(
         model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
   }

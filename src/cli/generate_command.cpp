@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/generate.h"
+#include "model/qwen3_moe_config.h"
 #include "text/chat_template.h"
 #include "util/error.h"
 #include "util/file.h"
@@ -42,12 +43,19 @@ std::vector<int32_t> prompt_ids(const GenerateOptions& o, const text::Tokenizer&
 }
 
 void run(GenerateOptions& o) {
+  // generate runs the DeepSeek model alone; a Qwen3-MoE checkpoint is the engine's.
+  if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture)
+    throw Error("--model: " + o.model + " is a Qwen3-MoE checkpoint (" +
+                model::kQwen3MoeArchitecture +
+                "); tandem generate runs DeepSeek checkpoints only (DeepseekV3ForCausalLM, "
+                "DeepseekV2ForCausalLM). Serve Qwen3-MoE with `tandem engine --model " +
+                o.model + "` (or `tandem serve --model " + o.model + "`) and send it requests");
   if (o.seed_set) o.sampling.seed = o.seed;
   o.sampling.validate();
   const auto tok = text::Tokenizer::from_dir(o.model);
   std::unique_ptr<model::DeepSeekModel> model;
   {
-    ProgressBar bar("loading " + o.model);
+    ProgressBar bar("loading " + o.model, "tensors");
     model = std::make_unique<model::DeepSeekModel>(
         model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
   }
@@ -71,8 +79,11 @@ void run(GenerateOptions& o) {
 
 void add_generate_command(CLI::App& app) {
   auto o = std::make_shared<GenerateOptions>();
-  auto* cmd = app.add_subcommand("generate", "Generate text from a prompt with the CPU model");
-  cmd->add_option("--model", o->model, "model folder (config.json, safetensors, tokenizer)")
+  auto* cmd = app.add_subcommand("generate",
+                                 "Generate text from a prompt with the CPU model (DeepSeek "
+                                 "checkpoints; Qwen3-MoE is served with tandem engine)");
+  cmd->add_option("--model", o->model,
+                  "DeepSeek-V3/V2 model folder (config.json, safetensors, tokenizer)")
       ->required()
       ->check(CLI::ExistingDirectory);
   auto* prompt =

@@ -48,7 +48,7 @@ void write_model(const MakeModelArgs& a) {
                   "/tokenizer.json): run scripts/install-deps.sh, or pass --tokenizer DIR");
     throw Error("--tokenizer: " + o.tokenizer_dir.string() + " has no tokenizer.json");
   }
-  ProgressBar bar("make-model " + a.preset);
+  ProgressBar bar("make-model " + a.preset, "bytes");
   bool shown = false;
   const auto on_progress = [&](size_t done, size_t total) {
     // Only outputs that take a noticeable time get a bar.
@@ -83,7 +83,7 @@ void quantize(const QuantizeArgs& a) {
   o.dtype = parse_weight_dtype(a.dtype);
   if (o.dtype != model::DType::kI8 && o.dtype != model::DType::kF8E4M3)
     throw Error("--dtype: quantize writes int8 or fp8, not '" + a.dtype + "'");
-  ProgressBar bar("quantize " + a.dtype);
+  ProgressBar bar("quantize " + a.dtype, "bytes");
   const model::ModelConfig c =
       model::quantize_checkpoint(o, [&](size_t done, size_t total) { bar.update(done, total); });
   std::fprintf(stderr, "quantize: wrote %s (%s, %lld layers, %s weights)\n", a.out.c_str(),

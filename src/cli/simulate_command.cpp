@@ -226,7 +226,24 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
 void run(const SimulateCliOptions& o) {
   const bench::MetricsOptions mo = metrics_options(o.metrics);  // before anything runs
   sim::SimulationOptions so;
-  if (!o.topology.empty()) so.gateway = gateway::load_topology(o.topology);
+  if (!o.topology.empty()) {
+    so.gateway = gateway::load_topology(o.topology);
+    // The simulated clients send no key: a topology that wants one would refuse every request
+    // (401) and the run would measure nothing. A production topology still simulates, open.
+    if (!so.gateway.api_keys.empty()) {
+      std::fprintf(stderr,
+                   "tandem simulate: note: --topology %s sets api_keys; the simulated clients "
+                   "send no key, so the simulated gateway takes every request without one\n",
+                   o.topology.c_str());
+      so.gateway.api_keys.clear();
+    }
+    if (!so.gateway.priority.api_keys.empty())
+      std::fprintf(stderr,
+                   "tandem simulate: note: --topology %s maps API keys to priority classes; "
+                   "the simulated clients send no key, so every request is in the default "
+                   "class\n",
+                   o.topology.c_str());
+  }
   if (!o.policy.empty()) so.gateway.policy = o.policy;
   // A policy the topology file names is checked here, where the file can be named (the check
   // below only names the policy).
@@ -341,8 +358,7 @@ void run(const SimulateCliOptions& o) {
       {"policy", so.gateway.policy},
       {"dataset", w.dataset + (w.dataset_path.empty() ? "" : " (" + w.dataset_path + ")")},
       {"requests", std::to_string(reqs.size())},
-      {"request rate",
-       std::isfinite(w.request_rate) ? std::to_string(w.request_rate) : "inf / trace"},
+      {"request rate", std::isfinite(w.request_rate) ? number_text(w.request_rate) : "inf / trace"},
       {"seed", std::to_string(w.seed)}};
   write_run(summary, result.results, run, o.outputs, "tandem simulate");
   std::fprintf(stderr,
@@ -391,7 +407,8 @@ void add_simulate_command(CLI::App& app) {
                   "the gateway's scheduling policy (default: the topology's, else tandem)");
   cmd->add_option("--topology", o->topology,
                   "a gateway topology file: its settings (policy, scheduling, health, timeouts, "
-                  "queue) and engine counts; its addresses are not used");
+                  "queue) and engine counts; its addresses are not used, nor its api_keys (the "
+                  "simulated clients send no key)");
   cmd->add_option("--model", o->model, "sim:PRESET or sim:FITTED.json (tandem sim-fit)")
       ->capture_default_str();
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "each engine's running sequences at most")
@@ -408,7 +425,7 @@ void add_simulate_command(CLI::App& app) {
                   "MTP drafts per decode step on every engine, accepted as --sim-mtp-acceptance "
                   "says (0: no speculation)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 16));
+      ->check(CLI::Range(0, 8));  // as tandem engine and tandem serve take it
   add_sim_executor_flags(*cmd, o->sim);
   cmd->add_option("--kv-link-gb-per-s", o->kv_link_gb_per_s,
                   "P/D: each prefill-decode link's bandwidth (GB/s, 0.0001..10^6)")

