@@ -142,11 +142,11 @@ KvTransferSpec transfer_spec(const DisaggregationParams& d, EngineRole role) {
 
 }  // namespace
 
-GenerationApi::GenerationApi(Engine& engine, Post post, NewId new_id)
+GenerationApi::GenerationApi(Engine& engine, Post post, NewId new_id, UnixNow unix_now)
     : engine_(engine),
       post_(std::move(post)),
       new_id_(new_id ? std::move(new_id) : NewId([] { return random_hex(2); })),
-      created_(unix_seconds()) {
+      unix_now_(unix_now ? std::move(unix_now) : UnixNow(unix_seconds)) {
   if (!engine_.tokenizer().chat_templates().empty())
     chat_template_.emplace(engine_.tokenizer().chat_templates());
 }
@@ -220,8 +220,9 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   std::shared_ptr<const structured::Grammar> compiled;
   if (auto& spec = call->request.sampling.structured_output)
     compiled = std::exchange(spec->compiled, nullptr);
+  // As OpenAI and vLLM: when this request came, not when the engine started.
   call->builder =
-      std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, created_);
+      std::make_unique<ResponseBuilder>(call->request, engine_.tokenizer(), id, unix_now_());
   call->reply = ex;
   // Engine ids are ours and unique, whatever id the client chose.
   const std::string base = new_id_();

@@ -5,6 +5,7 @@
 // disaggregation fields and the engine's role make of it), and the engine's outputs rendered
 // into response bodies or SSE chunks. The HTTP server (api_server.h) serves it over sockets; the
 // cluster simulator (sim/) calls it directly in virtual time.
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -25,9 +26,12 @@ class GenerationApi {
   using Post = std::function<void(std::function<void()>)>;
   // Unique engine request ids (default: random).
   using NewId = std::function<std::string()>;
+  // The Unix time in seconds that each response's `created` carries, read as its request comes
+  // (default: the system clock).
+  using UnixNow = std::function<int64_t()>;
 
   // `engine` must outlive the API; `post` may be called from the engine thread.
-  GenerationApi(Engine& engine, Post post, NewId new_id = {});
+  GenerationApi(Engine& engine, Post post, NewId new_id = {}, UnixNow unix_now = {});
 
   // Answers one generation request through `reply`: an OpenAI error for a bad body, else the
   // response as the engine produces it. A reply that closes early aborts its engine requests.
@@ -40,8 +44,8 @@ class GenerationApi {
   Engine& engine_;
   Post post_;
   NewId new_id_;
+  UnixNow unix_now_;
   std::optional<text::ChatTemplate> chat_template_;
-  int64_t created_;
 };
 
 }  // namespace tandem::engine

@@ -16,8 +16,10 @@
 #include "api/prefill_work.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
+#include "engine/executor/sim_executor.h"
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
+#include "engine/generation_api.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "net/http_client.h"
@@ -145,6 +147,33 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["chat_stream"]["content"], chat_expected);
   EXPECT_EQ(r["chat_stream"]["role"], "assistant");
   EXPECT_EQ(r["chat_stream"]["finish"], "length");
+
+  // n choices of each prompt of a list: prompt-major (vLLM's index = prompt_idx * n + j), each
+  // echoing its own prompt; each prompt counted once in usage. Streamed too, with one id.
+  const json& several = r["several"];
+  const auto hello = tok_->encode("Hello world", true);
+  const std::string first = greedy(ids, 6), second = greedy(hello, 6);
+  EXPECT_EQ(several["n_list"]["texts"],
+            json::array(
+                {prompt + first, prompt + first, "Hello world" + second, "Hello world" + second}));
+  EXPECT_EQ(several["n_list"]["indexes"], json::array({0, 1, 2, 3}));
+  EXPECT_EQ(several["n_list"]["usage"]["prompt_tokens"], ids.size() + hello.size());
+  EXPECT_EQ(several["n_list"]["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(several["n_list_stream"]["texts"], json::array({first, first, second, second}));
+  EXPECT_EQ(several["n_list_stream"]["ids"], 1);
+  EXPECT_EQ(several["n_list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
+  EXPECT_EQ(several["n_list_stream"]["usage"]["completion_tokens"], 24);
+  // echo with max_tokens 0, as vLLM: the prompts alone, finished by "length", nothing generated.
+  for (const char* key : {"echo_only", "echo_only_stream"}) {
+    SCOPED_TRACE(key);
+    EXPECT_EQ(r[key]["texts"], json::array({prompt, "Hello world"}));
+    EXPECT_EQ(r[key]["finishes"], json::array({"length", "length"}));
+    EXPECT_EQ(r[key]["usage"]["completion_tokens"], 0);
+    EXPECT_EQ(r[key]["usage"]["prompt_tokens"], ids.size() + hello.size());
+  }
+  // echo with logprobs would need the prompt's logprobs: a 400 naming echo.
+  EXPECT_EQ(r["echo_logprobs"]["status"], 400);
+  EXPECT_EQ(r["echo_logprobs"]["param"], "echo");
 
   ASSERT_TRUE(r.contains("stop"));
   const std::string stop = r["stop"]["stop"];
@@ -762,6 +791,83 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
   EXPECT_GT(removed, 0);  // the cache is smaller than what the requests computed
   for (auto h : last_hashes)
     EXPECT_TRUE(state.count(h)) << "the newest blocks must still be cached";
+}
+
+// A Reply that keeps what the API answered.
+class KeptReply final : public net::Reply {
+ public:
+  bool respond(int s, std::string b, std::string) override {
+    status = s;
+    body = std::move(b);
+    done = true;
+    return true;
+  }
+  bool send_error(int s, std::string_view message, std::string_view, std::string_view) override {
+    return respond(s, std::string(message), "text/plain");
+  }
+  bool start_stream(int s, std::string) override {
+    status = s;
+    return true;
+  }
+  bool write(std::string_view chunk) override {
+    body += chunk;
+    return true;
+  }
+  bool end() override { return done = true; }
+  void abort() override { done = true; }
+  void on_close(std::function<void()>) override {}
+
+  int status = 0;
+  std::string body;
+  bool done = false;
+};
+
+// `created` is when each request came (as OpenAI and vLLM), read from the API's clock as the
+// request is handled, not the time the engine started.
+TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
+  SimExecutorOptions x;
+  x.preset = "tiny";
+  x.model_name = "tiny";
+  x.num_blocks = 64;
+  x.time_scale = 0;
+  metrics::Registry registry;
+  Engine engine(EngineConfig{}, std::make_unique<SimExecutor>(*tok_, x),
+                std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
+                eos_ids(*tok_, std::nullopt), registry);
+  int64_t unix_now = 1'700'000'000;
+  GenerationApi api(
+      engine, [](std::function<void()> task) { task(); }, {}, [&] { return unix_now; });
+  auto answer = [&](api::ApiKind kind, const json& body) {
+    net::HttpRequest req;
+    req.method = "POST";
+    req.body = body.dump();
+    auto reply = std::make_shared<KeptReply>();
+    api.handle(kind, req, reply);
+    for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+    EXPECT_TRUE(reply->done);
+    EXPECT_EQ(reply->status, 200) << reply->body;
+    return reply->body;
+  };
+  const json completion = {{"prompt", "hi"}, {"max_tokens", 2}};
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
+  unix_now += 5;
+  EXPECT_EQ(json::parse(answer(api::ApiKind::kCompletion, completion))["created"], unix_now);
+  unix_now += 7;
+  EXPECT_EQ(json::parse(answer(api::ApiKind::kChat, chat))["created"], unix_now);
+  // Every streamed chunk carries its own request's time.
+  unix_now += 3;
+  json streamed = chat;
+  streamed["stream"] = true;
+  const std::string events = answer(api::ApiKind::kChat, streamed);
+  int chunks = 0;
+  std::istringstream lines(events);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: {", 0) != 0) continue;
+    EXPECT_EQ(json::parse(line.substr(6))["created"], unix_now) << line;
+    ++chunks;
+  }
+  EXPECT_GT(chunks, 0) << events;
+  engine.stop();
 }
 
 }  // namespace
