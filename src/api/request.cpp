@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "api/body_fields.h"
+#include "api/chat_messages.h"
 #include "structured/ordered_json.h"
 #include "structured/tool_call_grammar.h"
 #include "text/jinja/value.h"
@@ -438,9 +439,10 @@ struct ToolUse {
 };
 
 // Reads tools and tool_choice. When the model's template does not show tools (DeepSeek-V3's), a
-// system message after the client's own describes them.
+// system message after the client's own describes them, its content in the template's `format`.
 ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
-                   nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order) {
+                   nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order,
+                   text::ContentFormat format) {
   const json* tools = field(body, "tools");
   if (tools) check_tools(*tools);
   const bool have_tools = tools && !tools->empty();
@@ -486,9 +488,10 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   if (tokenizer.chat_template(/*with_tools=*/true).find("tools") == std::string::npos) {
     size_t at = 0;
     while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
+    const json prompt =
+        json::array({{{"role", "system"}, {"content", tool_prompt(use.format, tools_in_order)}}});
     messages.insert(messages.begin() + static_cast<std::ptrdiff_t>(at),
-                    nlohmann::ordered_json{{"role", "system"},
-                                           {"content", tool_prompt(use.format, tools_in_order)}});
+                    template_messages(prompt, format)[0]);
   }
   return use;
 }
@@ -560,12 +563,15 @@ std::vector<int32_t> encode_keeping_last(const text::Tokenizer& tokenizer, const
 }
 
 // vLLM's continue_final_message, as transformers' apply_chat_template does it: the chat rendered
-// without a generation prompt is cut after the final message's content (as the template saw it:
-// text parts joined), so the model continues that message. Python's str.strip() white space
-// throughout.
+// without a generation prompt is cut after the final message's content as the template saw it
+// (text parts joined; given as parts, its last text part), so the model continues that message.
+// Python's str.strip() white space throughout.
 std::string continue_final(std::string rendered, const nlohmann::ordered_json& final_message) {
-  const auto content = final_message.find("content");
-  if (content == final_message.end() || !content->is_string())
+  const nlohmann::ordered_json* content =
+      final_message.contains("content") ? &final_message["content"] : nullptr;
+  if (content && content->is_array() && !content->empty() && content->back().contains("text"))
+    content = &content->back()["text"];
+  if (!content || !content->is_string())
     fail("continue_final_message", "'continue_final_message' needs a final message with content");
   const std::string text = content->get<std::string>();
   const std::u32string cps = text::jinja::to_u32(text);
@@ -685,35 +691,15 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (!messages || !messages->is_array() || messages->empty())
     fail("messages", "'messages' must be a non-empty list");
   if (!chat_template) fail("messages", "the model has no chat template; use /v1/completions");
-  // Templates expect string contents; text parts are joined, other parts are not supported.
-  nlohmann::ordered_json msgs = nlohmann::ordered_json::array();
-  for (const auto& m : *messages) {
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-      fail("messages", "every message needs a string 'role'");
-    nlohmann::ordered_json out = structured::parse_ordered(m.dump());
-    if (const json* c = field(m, "content"); c && c->is_array()) {
-      // One string, its parts joined by newlines, as vLLM gives a template that reads content as
-      // a string (DeepSeek's, Qwen's).
-      std::string joined;
-      for (const auto& part : *c) {
-        // (json::value would throw a type_error, a 500, for a "type" that is not a string.)
-        if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
-            !part.contains("text") || !part["text"].is_string())
-          fail("messages", "only text content parts are supported");
-        if (&part != &c->front()) joined += '\n';
-        joined += part["text"].get<std::string>();
-      }
-      out["content"] = joined;
-    } else if (c && !c->is_string()) {
-      fail("messages", "message content must be a string or a list of text parts");
-    }
-    msgs.push_back(std::move(out));
-  }
-  OrderedBody ordered(raw_body);
   const json* tools_field = field(body, "tools");
+  // The shape of content the template that renders this request reads (the tool-use template,
+  // when the request has tools and the model one).
+  const text::ContentFormat format = chat_template->content_format(tools_field != nullptr);
+  nlohmann::ordered_json msgs = template_messages(*messages, format);
+  OrderedBody ordered(raw_body);
   const nlohmann::ordered_json tools_in_order =
       tools_field ? ordered.get({"tools"}, *tools_field) : nlohmann::ordered_json();
-  const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order);
+  const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);
   r.tool_calls = tools.format;
   r.tool_choice_named = tools.named;
   const bool add_generation_prompt = boolean(body, "add_generation_prompt", true);
@@ -751,7 +737,6 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   } catch (const Error& e) {
     fail("messages", e.what());
   }
-  // The content the template saw: text parts joined.
   if (continue_final_message) rendered = continue_final(std::move(rendered), msgs.back());
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.

@@ -1651,5 +1651,35 @@ TEST(Protocol, DisaggregationNeedsOnePromptAndOneChoice) {
   EXPECT_EQ(ok.prompts.size(), 2u);
 }
 
+// A template that loops over a message's content (as multimodal ones do) is given each content
+// as a list of text parts, as vLLM gives it; one that prints content gets the parts joined. Before,
+// every template got strings, and this one iterated a string's characters.
+TEST(Protocol, ChatContentTakesTheShapeTheTemplateReads) {
+  const text::ChatTemplate loops(
+      "{% for m in messages %}<{{ m.role }}>{% if m.content is string %}S:{{ m.content }}"
+      "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}");
+  const text::ChatTemplate prints(
+      "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+      "{% endfor %}");
+  const json body = json::parse(R"({"messages": [
+      {"role": "system", "content": "a"},
+      {"role": "user", "content": [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]}],
+      "add_generation_prompt": false})");
+  EXPECT_EQ(parse_chat(body, tokenizer(), &loops, kLimits).prompts[0],
+            tokenizer().encode("<system>[a]<user>[b][c]", false));
+  EXPECT_EQ(parse_chat(body, tokenizer(), &prints, kLimits).prompts[0],
+            tokenizer().encode("<system>a<user>b\nc", false));
+
+  // continue_final_message cuts after the last text part the template printed (its trailing
+  // spaces kept, as the template kept them: transformers' rule).
+  const json cont = json::parse(R"({"messages": [
+      {"role": "user", "content": "q"},
+      {"role": "assistant", "content": [{"type": "text", "text": "x"},
+                                        {"type": "text", "text": "y  "}]}],
+      "add_generation_prompt": false, "continue_final_message": true})");
+  EXPECT_EQ(parse_chat(cont, tokenizer(), &loops, kLimits).prompts[0],
+            tokenizer().encode("<user>[q]<assistant>[x][y  ", false));
+}
+
 }  // namespace
 }  // namespace tandem::api
