@@ -181,7 +181,8 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   if (!verbatim) out.reserve(piece.size() + 16);
   const int64_t now = exec_.now_ns();
   int64_t token_events = 0;
-  bool refused = false;  // the stream must not go on (an error first, a leg given up)
+  int64_t completion_tokens = -1;  // a usage chunk's (stream_options.include_usage)
+  bool refused = false;            // the stream must not go on (an error first, a leg given up)
   l.parser.feed(piece, [&](std::string_view data) {
     if (refused) return;
     if (net::SseParser::is_done(data)) l.stream_done = true;
@@ -214,9 +215,13 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     }
     if (carries_tokens(data)) {
       ++token_events;
-    } else if (computes_prompt_) {  // the usage chunk says what the engine reused
-      const int64_t cached = usage_cached_tokens(data);
-      if (cached >= 0) l.cached_tokens = cached;
+    } else if (data != "[DONE]") {  // the usage chunk: what the engine generated, and reused
+      if (const int64_t tokens = usage_completion_tokens(data); tokens >= 0)
+        completion_tokens = tokens;
+      if (computes_prompt_) {
+        const int64_t cached = usage_cached_tokens(data);
+        if (cached >= 0) l.cached_tokens = cached;
+      }
     }
     if (verbatim) return;
     if (!error_event) {
@@ -232,6 +237,10 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     out += "\n\n";
   });
   if (refused) return false;
+  if (completion_tokens >= 0) {  // once a stream: only its relaying leg gets past its first event
+    std::lock_guard lock(r->mutex);
+    r->completion_tokens = completion_tokens;
+  }
   if (token_events > 0) {
     // One lock per piece: the events a piece completes arrived together (gaps of 0).
     std::lock_guard lock(r->mutex);

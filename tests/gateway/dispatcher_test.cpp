@@ -1440,6 +1440,38 @@ TEST(Dispatcher, AStreamsUsageChunkSaysWhatTheEngineReused) {
   EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"chosen\"}"), 32);
 }
 
+// The access log's completion_tokens: a whole answer's usage, and a stream's usage chunk (asked
+// for with stream_options.include_usage); a stream without one has none.
+TEST(Dispatcher, TheLinesCompletionTokensComeFromAStreamsUsageChunkAsFromAWholeAnswer) {
+  Cluster c(aggregated({engine("a")}));
+  c.dispatcher.dashboard_state();  // the dashboard is open: the requests' lines are kept
+  auto whole = c.send();
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200, completion_answer("ok"));
+  c.clock.run_ready();
+  auto streamed = open_stream(c);
+  FakeEngines::piece(*streamed.call,
+                     "data: {\"choices\":[{\"text\":\"x\"}]}\n\n"
+                     "data: {\"choices\":[{\"text\":\"y\"}]}\n\n"
+                     "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,"
+                     "\"completion_tokens\":7,\"total_tokens\":10}}\n\n");
+  FakeEngines::piece(*streamed.call, "data: [DONE]\n\n");
+  FakeEngines::finish(*streamed.call, "");
+  c.clock.run_ready();
+  auto bare = open_stream(c);
+  FakeEngines::piece(*bare.call, "data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n");
+  FakeEngines::finish(*bare.call, "");
+  c.clock.run_ready();
+  ASSERT_EQ(whole->status, 200);
+  ASSERT_TRUE(streamed.client->complete());
+  ASSERT_TRUE(bare.client->complete());
+  const json recent = c.dispatcher.dashboard_state().at("recent");
+  ASSERT_EQ(recent.size(), 3u);
+  EXPECT_EQ(recent[0].value("completion_tokens", -1), 2);
+  EXPECT_EQ(recent[1].value("completion_tokens", -1), 7);
+  EXPECT_EQ(recent[1].value("output_events", -1), 2);
+  EXPECT_FALSE(recent[2].contains("completion_tokens")) << recent[2];
+}
+
 TEST(Dispatcher, InPdModesThePrefillEnginesUsageCountsAndAStreamsPrefillLegAsksForIt) {
   Cluster c(disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")}));
   const auto ids = prompt_ids(64);
