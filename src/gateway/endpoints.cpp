@@ -334,11 +334,22 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
                    "tandem gateway: engine %s has no Tandem load report at GET /load (%s): "
                    "routing it by the gateway's own counts\n",
                    e->config.name.c_str(), answer.why.c_str());
-    } else {
-      std::fprintf(stderr, "tandem gateway: ignoring a load report of %s: %s\n",
+    } else if (answer.why != e->load_trouble) {
+      // Asked on every poll (its reports may come back; meanwhile its report grows stale and the
+      // gateway's own counts stand in), but said only when the reason is new: a `tandem` engine
+      // without GET /load used to log this line on every poll.
+      std::fprintf(stderr,
+                   "tandem gateway: engine %s answered GET /load without a Tandem load report "
+                   "(%s): routing it by the gateway's own counts until its reports resume\n",
                    e->config.name.c_str(), answer.why.c_str());
+      e->load_trouble = std::move(answer.why);
     }
     return false;
+  }
+  if (!e->load_trouble.empty()) {
+    std::fprintf(stderr, "tandem gateway: engine %s reports its load again at GET /load\n",
+                 e->config.name.c_str());
+    e->load_trouble.clear();
   }
   e->load_source = LoadSource::kReports;
   e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, now,
@@ -478,6 +489,7 @@ json EndpointTable::to_json(const EndpointState& e, Clock::time_point now) const
             {"max_in_flight", e.max_in_flight},
             {"consecutive_failures", e.consecutive_failures},
             {"load_source", load_source_name(e.load_source)}};
+  if (!e.load_trouble.empty()) j["load_error"] = e.load_trouble;
   if (e.max_model_len > 0) j["max_model_len"] = e.max_model_len;
   if (has_events(e.id)) j["prefix_blocks"] = prefix_index_.num_blocks(e.id);
   j["uncached_tokens_in_flight"] = e.counts.uncached_in_flight.tokens;

@@ -62,6 +62,9 @@ struct EndpointState {
   EngineLoadState load;  // its GET /load reports (tandem engines)
   LoadSource load_source = LoadSource::kOwnCounts;
   bool load_polling = false;
+  // Why its polls answer without a report although it is to report (a `tandem` engine, or an
+  // `auto` one that reported): said once per change of reason, cleared when a report comes.
+  std::string load_trouble;
   PrefillWork launched_at_last_poll;  // counts.launched_total when the last poll left
   LengthQuery length_query = LengthQuery::kToAsk;
   int64_t max_model_len = 0;  // what its GET /v1/models said; 0: not known

@@ -1953,6 +1953,56 @@ TEST(HealthMonitor, AnAutoEngineWithoutALoadReportIsRoutedByOwnCounts) {
   EXPECT_TRUE(c.engines.open("/load").empty());  // never asked again
 }
 
+size_t count_of(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+// An engine that is to report (a `tandem` one, or an `auto` one that reported) but answers
+// GET /load without a report is asked on every poll, and said once per reason: once when it
+// starts, again when the reason changes, and again after reports resumed and stopped anew.
+TEST(HealthMonitor, AnEngineWithoutLoadReportsIsSaidOncePerReasonNotOnEveryPoll) {
+  for (const Dialect dialect : {Dialect::kTandem, Dialect::kAuto}) {
+    SCOPED_TRACE(dialect == Dialect::kTandem ? "tandem" : "auto");
+    Topology t = aggregated({engine("a")});
+    t.decode.dialect = dialect;
+    t.scheduling.load_interval = milliseconds(100);
+    api::LoadReport report;
+    report.total_blocks = 100;
+    report.block_size = 16;
+    Cluster c(t);
+    ::testing::internal::CaptureStderr();
+    c.health.start();
+    // Answers the one poll open now, then lets the next one leave.
+    auto answer_poll = [&](int status, const std::string& body) {
+      auto polls = c.engines.open("/load");
+      ASSERT_EQ(polls.size(), 1u);
+      FakeEngines::answer(*polls[0], status, body);
+      c.clock.advance_by(milliseconds(100));
+    };
+    if (dialect == Dialect::kAuto) answer_poll(200, api::to_json(report));  // it reports
+    for (int i = 0; i < 20; ++i) answer_poll(404, R"({"detail":"Not Found"})");
+    const json a = c.endpoint("a");
+    EXPECT_EQ(a["load_source"], "reports");  // still asked: its reports may come back
+    EXPECT_EQ(a.value("load_error", ""), "it answered HTTP 404");
+    for (int i = 0; i < 5; ++i) answer_poll(200, R"({"server_load": 3})");  // another reason
+    answer_poll(200, api::to_json(report));
+    EXPECT_FALSE(c.endpoint("a").contains("load_error"));
+    for (int i = 0; i < 5; ++i) answer_poll(404, R"({"detail":"Not Found"})");
+    const std::string said = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(count_of(said,
+                       "engine a answered GET /load without a Tandem load report (it "
+                       "answered HTTP 404)"),
+              2u)
+        << said;
+    EXPECT_EQ(count_of(said, "without a Tandem load report (its answer names no KV cache"), 1u)
+        << said;
+    EXPECT_EQ(count_of(said, "engine a reports its load again"), 1u) << said;
+    EXPECT_EQ(count_of(said, "tandem gateway:"), 4u) << said;
+  }
+}
+
 TEST(HealthMonitor, ALoadPollAsksOnlyForTheStepsAfterTheLastOneSeen) {
   Topology t = aggregated({engine("a")});
   t.decode.dialect = Dialect::kTandem;
