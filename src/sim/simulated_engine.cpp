@@ -62,7 +62,10 @@ SimulatedEngine::SimulatedEngine(gateway::Executor& clock,
             if (!defer_while_stalled(run)) run();
           });
       },
-      [this] { return name_ + "-" + std::to_string(next_id_++); });
+      [this] { return name_ + "-" + std::to_string(next_id_++); },
+      // created: the virtual time the request came, read as Unix time (Executor::unix_ms), so
+      // that the same inputs give the same answers.
+      [this] { return clock_.unix_ms() / 1000; });
 }
 
 SimulatedEngine::~SimulatedEngine() {

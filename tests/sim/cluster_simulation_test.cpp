@@ -251,6 +251,41 @@ TEST(ClusterSimulation, ALoadReportDuringAStepCountsThePromptsSubmittedSinceItBe
   EXPECT_EQ(queued_prefill(), 0);
 }
 
+TEST(ClusterSimulation, AnAnswersCreatedIsTheVirtualTimeItsRequestCame) {
+  // The wall clock would make the same inputs give different answers from run to run.
+  OneEngine rig;
+  auto& [clock, upstream, engine] = rig;
+  std::vector<std::shared_ptr<std::string>> answers;
+  auto post = [&](const char* target, nlohmann::json body) {
+    net::AsyncHttpRequest r;
+    r.host = "engine-0";
+    r.port = 1;
+    r.method = "POST";
+    r.target = target;
+    r.body = body.dump();
+    auto answer = answers.emplace_back(std::make_shared<std::string>());
+    net::AsyncHttpHandlers h;
+    h.on_body = [answer](std::string_view piece) {
+      answer->append(piece);
+      return true;
+    };
+    upstream.start(std::move(r), std::move(h));
+  };
+  clock.advance_by(std::chrono::seconds(42));
+  const int64_t first_came = clock.unix_ms() / 1000;
+  post("/v1/completions", {{"prompt", words(10, 1)}, {"max_tokens", 2}});
+  clock.advance_by(std::chrono::seconds(60));
+  post("/v1/chat/completions",
+       {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}});
+  clock.advance_by(std::chrono::seconds(60));
+  ASSERT_EQ(answers.size(), 2u);
+  const auto first = nlohmann::json::parse(*answers[0]);
+  const auto second = nlohmann::json::parse(*answers[1]);
+  EXPECT_EQ(first.value("created", int64_t{-1}), first_came) << *answers[0];
+  EXPECT_EQ(second.value("created", int64_t{-1}), first_came + 60) << *answers[1];
+  EXPECT_LT(first_came, 86400);  // the virtual clock's day one, not the wall clock's
+}
+
 TEST(ClusterSimulation, RequestBodiesArriveInOrderAfterTheirBytes) {
   // A 20K-token prompt and a short one leave the client together. The long body takes its time
   // to reach the gateway and then the engine (twice its bytes at the rate, about 0.2 s each way
