@@ -286,6 +286,22 @@ template class Family<Gauge>;
 template class Family<Histogram>;
 
 Registry::Registry() = default;
+
+Registry::Registry(LabelPairs const_labels) : const_labels_(std::move(const_labels)) {
+  std::set<std::string> seen;
+  for (const auto& [label, value] : const_labels_) {
+    if (!valid_label_name(label)) {
+      throw Error("metrics registry: label name \"" + label +
+                  "\" is invalid: expected [a-zA-Z_][a-zA-Z0-9_]* not starting with __");
+    }
+    if (label == "le") {
+      throw Error("metrics registry: label name \"le\" is reserved for histogram buckets");
+    }
+    if (!seen.insert(label).second) {
+      throw Error("metrics registry: label name \"" + label + "\" appears twice");
+    }
+  }
+}
 Registry::~Registry() = default;
 
 template <class Metric>
@@ -308,6 +324,8 @@ Family<Metric>& Registry::add_family(std::string name, std::string help,
       throw Error("metric " + name + ": label name \"" + label + "\" appears twice");
     }
   };
+  // The registry's own constant labels come first on every sample.
+  const_labels.insert(const_labels.begin(), const_labels_.begin(), const_labels_.end());
   for (const auto& [label, value] : const_labels) check_label(label);
   for (const auto& label : label_names) check_label(label);
   if constexpr (std::is_same_v<Metric, Histogram>) {

@@ -6,9 +6,11 @@
 // - Names are used verbatim, so vLLM's names work unchanged (`vllm:num_requests_running`,
 //   `vllm:prompt_tokens_total`); by Prometheus convention counter names end in `_total`.
 // - Every metric belongs to a family: a name, help text, optional constant labels (rendered on
-//   every sample) and label names. `Family::labels(values)` returns the child for one set of
-//   label values, created on first use; the unlabeled helpers (`Registry::counter` ...) return the
-//   single child of a family without label names.
+//   every sample) and label names. A registry may have constant labels of its own, rendered
+//   first on every sample of every family (e.g. {gateway_replica="1"} for replicas that share a
+//   port, so that their series stay apart). `Family::labels(values)` returns the child for one set
+//   of label values, created on first use; the unlabeled helpers (`Registry::counter` ...) return
+//   the single child of a family without label names.
 // - Updates are lock-free atomics for counters and gauges and take a per-histogram mutex for
 //   histograms (so a scrape always sees `_count` equal to the `+Inf` bucket). Child lookup takes
 //   a per-family mutex: keep the returned reference instead of looking it up per event.
@@ -152,6 +154,10 @@ class Registry {
   static constexpr std::string_view kContentType = "text/plain; version=0.0.4; charset=utf-8";
 
   Registry();
+  // `const_labels`: on every sample of every family, before the family's own labels. Throws
+  // tandem::Error for an invalid or repeated label name; a family that names one of them too
+  // is refused when it registers.
+  explicit Registry(LabelPairs const_labels);
   ~Registry();
   Registry(const Registry&) = delete;
   Registry& operator=(const Registry&) = delete;
@@ -187,6 +193,7 @@ class Registry {
                              std::vector<std::string> label_names, LabelPairs const_labels,
                              std::vector<double> bounds);
 
+  const LabelPairs const_labels_;
   mutable std::mutex mutex_;
   std::vector<std::unique_ptr<detail::FamilyBase>> families_;
   std::set<std::string> sample_names_;  // every sample name in use, to refuse collisions

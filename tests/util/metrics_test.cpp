@@ -413,6 +413,65 @@ TEST(Metrics, ARemovedChildIsGoneAndItsLabelsStartAgainAtZero) {
   }
 }
 
+// A registry's constant labels go first on every sample of every family, of every kind
+// (gateway replicas behind one port: {gateway_replica="k"} keeps their series apart).
+TEST(Metrics, ARegistrysConstantLabelsAreOnEverySample) {
+  Registry registry({{"gateway_replica", "1"}, {"zone", kAwkward}});
+  registry.int_counter("plain_total", "t").inc(3);
+  registry.counter_family("reasons_total", "t", {"reason"}, {{"engine", "0"}})
+      .labels({"stop"})
+      .inc(2);
+  registry.gauge("g", "t").set(0.5);
+  auto& h = registry.histogram_family("h", "t", {"pool"}, {1});
+  h.labels({"decode"}).observe(0.5);
+  h.labels({"decode"}).observe(3);
+  const std::string text = registry.render();
+  EXPECT_NE(text.find("plain_total{gateway_replica=\"1\",zone="), std::string::npos) << text;
+  EXPECT_NE(text.find("reasons_total{gateway_replica=\"1\",zone=\"quote \\\" backslash"),
+            std::string::npos)
+      << text;
+  const std::map<std::string, std::string> base = {{"gateway_replica", "1"}, {"zone", kAwkward}};
+  auto with = [&](std::map<std::string, std::string> more) {
+    more.insert(base.begin(), base.end());
+    return more;
+  };
+  std::map<SampleKey, double> expected = {
+      {{"plain_total", base}, 3},
+      {{"reasons_total", with({{"engine", "0"}, {"reason", "stop"}})}, 2},
+      {{"g", base}, 0.5}};
+  expect_histogram(expected, "h", with({{"pool", "decode"}}), {1}, {0.5, 3});
+  EXPECT_EQ(normalize_le(samples_of(parse_with_oracle(text))), expected);
+  // A family may not name a registry label again; the registry's names are checked too.
+  auto error_of = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(error_of([&] {
+              registry.gauge_family("x", "", {"gateway_replica"});
+            }).find("\"gateway_replica\" appears twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              registry.gauge("y", "", {{"zone", "a"}});
+            }).find("\"zone\" appears twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Registry(LabelPairs{{"a", "1"}, {"a", "2"}});
+            }).find("\"a\" appears twice"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Registry(LabelPairs{{"le", "1"}});
+            }).find("reserved"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Registry(LabelPairs{{"1x", "1"}});
+            }).find("\"1x\" is invalid"),
+            std::string::npos);
+}
+
 TEST(Metrics, RepeatedObservationsEqualSingleOnes) {
   Histogram once({1, 2}), repeated({1, 2});
   for (int i = 0; i < 3; ++i) once.observe(1.5);
