@@ -1,5 +1,7 @@
 #include "cli/gateway_command.h"
 
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -25,8 +27,45 @@ struct GatewayCliOptions {
          max_answer_bytes = gateway::Topology{}.max_answer_bytes;
   MaxTokensFlags max_tokens;
   std::vector<std::string> prefill, decode, api_keys;
-  double upstream_timeout = 300;
+  double upstream_timeout = 300,
+         shutdown_timeout =
+             std::chrono::duration<double>(gateway::Topology{}.shutdown_timeout).count();
 };
+
+// The settings a flag gives over a --config file: a flag given wins over the file's setting
+// (none is ignored). Without --config every flag applies, given or by default.
+void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const CLI::App& cmd,
+                         bool from_file) {
+  const auto given = [&](const char* flag) { return !from_file || cmd.count(flag) > 0; };
+  if (given("--host")) t.host = o.host;
+  if (given("--port")) t.port = static_cast<uint16_t>(o.port);
+  if (given("--http-threads")) t.io_threads = o.http_threads;
+  if (given("--max-connections")) t.max_connections = o.max_connections;
+  if (given("--max-connections-per-address"))
+    t.max_connections_per_address = o.max_connections_per_address;
+  if (given("--max-unsent-bytes")) t.max_unsent_bytes = o.max_unsent_bytes;
+  if (given("--max-answer-bytes")) t.max_answer_bytes = o.max_answer_bytes;
+  if (given("--served-model-name")) t.served_model_name = o.served_model_name;
+  // The key flags replace the file's keys (ignored, a flag meant to guard would guard nothing).
+  if (given("--api-key")) t.api_keys = o.api_keys;
+  if (given("--admin-api-key")) t.admin_api_key = o.admin_api_key;
+  if (given("--metrics-api-key")) t.metrics_api_key = o.metrics_api_key;
+  if (given("--engine-api-key")) t.engine_api_key = o.engine_api_key;
+  if (given("--access-log")) t.access_log = o.access_log;
+  if (given("--max-queue")) t.max_queue = o.max_queue;
+  if (given("--max-tokens-limit")) t.max_tokens_limit = o.max_tokens.limit;
+  if (given("--default-max-tokens")) t.default_max_tokens = o.max_tokens.default_value;
+  if (given("--prefill-retries")) t.prefill_retries = o.prefill_retries;
+  if (given("--upstream-timeout")) {
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
+    t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
+  }
+  if (given("--shutdown-timeout"))
+    t.shutdown_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(std::llround(o.shutdown_timeout * 1000)));
+  if (o.reuse_port) t.reuse_port = true;
+  if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
+}
 
 // A topology from flags: the same structure a --config file gives.
 gateway::Topology from_flags(const GatewayCliOptions& o) {
@@ -36,19 +75,7 @@ gateway::Topology from_flags(const GatewayCliOptions& o) {
   for (const auto& e : o.prefill) t.prefill.endpoints.push_back(gateway::parse_endpoint(e));
   for (const auto& e : o.decode) t.decode.endpoints.push_back(gateway::parse_endpoint(e));
   t.model = o.model;
-  t.served_model_name = o.served_model_name;
-  t.api_keys = o.api_keys;
-  t.admin_api_key = o.admin_api_key;
-  t.metrics_api_key = o.metrics_api_key;
-  t.engine_api_key = o.engine_api_key;
-  t.access_log = o.access_log;
-  t.max_queue = o.max_queue;
-  t.max_tokens_limit = o.max_tokens.limit;
-  t.default_max_tokens = o.max_tokens.default_value;
-  t.prefill_retries = o.prefill_retries;
   t.policy = o.policy;
-  const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
-  t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
   return t;  // validated by the Gateway
 }
 
@@ -65,41 +92,21 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
 
   gateway::Topology t;
   if (!o.config.empty()) {
+    // The file's pools and what they are: a flag for them would describe other engines.
     for (const char* flag : {"--prefill", "--decode", "--mode", "--model", "--dialect", "--policy"})
       if (cmd.count(flag) > 0)
         throw Error(std::string("gateway: ") + flag + " and --config exclude each other");
     t = gateway::load_topology(o.config);
-    if (cmd.count("--host") > 0) t.host = o.host;
-    if (cmd.count("--port") > 0) t.port = static_cast<uint16_t>(o.port);
-    if (cmd.count("--max-connections") > 0) t.max_connections = o.max_connections;
-    if (cmd.count("--max-connections-per-address") > 0)
-      t.max_connections_per_address = o.max_connections_per_address;
-    if (cmd.count("--max-unsent-bytes") > 0) t.max_unsent_bytes = o.max_unsent_bytes;
-    if (cmd.count("--max-answer-bytes") > 0) t.max_answer_bytes = o.max_answer_bytes;
-    if (cmd.count("--engine-api-key") > 0) t.engine_api_key = o.engine_api_key;
-    // The key flags replace the file's keys (ignored, a flag meant to guard would guard nothing).
-    if (cmd.count("--api-key") > 0) t.api_keys = o.api_keys;
-    if (cmd.count("--admin-api-key") > 0) t.admin_api_key = o.admin_api_key;
-    if (cmd.count("--metrics-api-key") > 0) t.metrics_api_key = o.metrics_api_key;
-    if (cmd.count("--max-tokens-limit") > 0) t.max_tokens_limit = o.max_tokens.limit;
-    if (cmd.count("--default-max-tokens") > 0) t.default_max_tokens = o.max_tokens.default_value;
   } else {
     if (o.decode.empty()) throw Error("gateway: give --config FILE or at least one --decode");
     t = from_flags(o);
-    t.host = o.host;
-    t.port = static_cast<uint16_t>(o.port);
-    t.io_threads = o.http_threads;
-    t.max_connections = o.max_connections;
-    t.max_connections_per_address = o.max_connections_per_address;
-    t.max_unsent_bytes = o.max_unsent_bytes;
-    t.max_answer_bytes = o.max_answer_bytes;
   }
-  if (o.reuse_port) t.reuse_port = true;
-  if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
+  apply_setting_flags(t, o, cmd, !o.config.empty());
   const std::string mode = gateway::mode_name(t.mode);
   const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
   net::check_socket_host("--host", t.host);  // the flag's, or the topology file's
   const std::string host = t.host;
+  const auto drain = t.shutdown_timeout;
   gateway::Gateway gw(std::move(t), o.config);
   gw.start();
   // The first line on stdout names the port (scripts start gateways with --port 0).
@@ -108,8 +115,18 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
               decodes);
   std::fflush(stdout);
   const int sig = stop_signals.wait();
-  std::fprintf(stderr, "tandem gateway: stopping (signal %d)\n", sig);
-  gw.stop();
+  std::fprintf(stderr,
+               "tandem gateway: stopping (signal %d): the requests in flight have %.3g s to "
+               "finish; a second signal ends them now\n",
+               sig, std::chrono::duration<double>(drain).count());
+  gateway::Gateway* const gateways[] = {&gw};
+  gateway::stop_together(gateways, drain, [&](std::chrono::milliseconds wait) {
+    const auto again = stop_signals.wait_for(wait);
+    if (again)
+      std::fprintf(stderr, "tandem gateway: signal %d: the requests left are answered 503\n",
+                   *again);
+    return again.has_value();
+  });
 }
 
 }  // namespace
@@ -119,7 +136,9 @@ void add_gateway_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "gateway", "OpenAI endpoint in front of prefill and decode engines (P/D disaggregation)");
   cmd->add_option("--config", o->config,
-                  "topology file (YAML, see docs/gateway.md); instead of the pool flags");
+                  "topology file (YAML, see docs/gateway.md); instead of the pool flags "
+                  "(--prefill, --decode, --mode, --dialect, --policy, --model); other flags given "
+                  "replace the file's settings");
   cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
   cmd->add_option("--port", o->port, "port (0: any free port)")
       ->capture_default_str()
@@ -190,6 +209,13 @@ void add_gateway_command(CLI::App& app) {
       // The topology's bound on durations (about 24.8 days); beyond it the conversion to
       // milliseconds could overflow before validation sees the value.
       ->check(CLI::Range(0.0, 2147483.647));
+  cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
+                  "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish before "
+                  "those left are answered 503; a second signal ends it at once (0: no drain; "
+                  "shutdown_timeout)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(0.0, 2147483.0));
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -39,7 +40,9 @@ struct ServeOptions {
   MaxTokensFlags max_tokens;
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
       gateways = 1, engine_start_timeout_s = 1800;
-  bool gateway_tokenizer = true, batch_invariant = false;
+  bool no_gateway_tokenizer = false, batch_invariant = false;
+  double shutdown_timeout =
+      std::chrono::duration<double>(gateway::Topology{}.shutdown_timeout).count();
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
 
@@ -189,10 +192,12 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   g.max_tokens_limit = o.max_tokens.limit;
   g.default_max_tokens = o.max_tokens.default_value;
   g.priority = classes;
+  g.shutdown_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(std::llround(o.shutdown_timeout * 1000)));
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
-  if (o.gateway_tokenizer)
+  if (!o.no_gateway_tokenizer)
     g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
   // Engines start one after another: each has its ports by the time the next one starts.
   auto start_engine = [&](const std::string& role) {
@@ -223,6 +228,9 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     gateway::Topology replica = g;
     if (i > 0 && !g.access_log.empty() && g.access_log != "-")
       replica.access_log += "." + std::to_string(i);  // one writer per file
+    // Each replica counts for itself: a scrape of the shared port reads one of them, so their
+    // series are told apart (sum over gateway_replica for totals).
+    if (o.gateways > 1) replica.metrics_replica = std::to_string(i);
     gateways.push_back(std::make_unique<gateway::Gateway>(replica));
     gateways.back()->start();
     g.port = gateways.front()->port();  // the others join the first one's port
@@ -257,8 +265,20 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     }
     for (auto& c : children) c->supervise(EngineChild::Clock::now());
   }
-  std::fprintf(stderr, "tandem serve: stopping (signal %d)\n", sig);
-  for (auto& gw : gateways) gw->stop();
+  std::fprintf(stderr,
+               "tandem serve: stopping (signal %d): the requests in flight have %.3g s to "
+               "finish; a second signal ends them now\n",
+               sig, o.shutdown_timeout);
+  // Every replica refuses new requests before any drains, and they drain together: one drain,
+  // not one per replica.
+  std::vector<gateway::Gateway*> replicas;
+  for (auto& gw : gateways) replicas.push_back(gw.get());
+  gateway::stop_together(replicas, g.shutdown_timeout, [&](std::chrono::milliseconds wait) {
+    const auto again = stop_signals.wait_for(wait);
+    if (again)
+      std::fprintf(stderr, "tandem serve: signal %d: the requests left are answered 503\n", *again);
+    return again.has_value();
+  });
   for (auto& c : children) c->terminate();  // all at once, then wait for each
   const auto deadline = EngineChild::Clock::now() + ChildProcess::kStopGrace;
   for (auto& c : children) c->wait_until(deadline);
@@ -331,8 +351,14 @@ void add_serve_command(CLI::App& app) {
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
   cmd->add_option("--metrics-api-key", o->metrics_api_key,
                   "required as a Bearer token on the gateway's /metrics (default: open)");
-  cmd->add_flag("!--no-gateway-tokenizer", o->gateway_tokenizer,
+  cmd->add_flag("--no-gateway-tokenizer", o->no_gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
+  cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
+                  "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish before "
+                  "those left are answered 503; a second signal ends it at once (0: no drain)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(0.0, 2147483.0));
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 

@@ -63,7 +63,10 @@ FrontEnd::FrontEnd(const Topology& topology, Executor& executor, Upstream& upstr
 
 void FrontEnd::add_routes(net::HttpServer& server) {
   server.route("GET", "/health", [this](const net::HttpRequest&, auto ex) {
-    if (endpoints_.ready())
+    // A stopping gateway takes no new request: load balancers that probe it stop sending.
+    if (stopping_.load())
+      ex->send_error(503, "the gateway is shutting down", "server_error");
+    else if (endpoints_.ready())
       ex->respond(200, "", "text/plain");
     else
       ex->send_error(503, "no eligible engine", "server_error");

@@ -33,7 +33,7 @@ class FrontEnd {
            const PromptTokenizer* tokenizer);
 
   void add_routes(net::HttpServer& server);
-  // New requests get 503 from now on.
+  // New requests, and /health, get 503 from now on.
   void stop() { stopping_ = true; }
 
   // The request the client sent, prepared for the dispatcher; null when it was answered here

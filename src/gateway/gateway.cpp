@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <future>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "api/error.h"
@@ -33,6 +36,9 @@ class Gateway::Impl {
   Impl(Topology topology, std::string config_path)
       : topo_((validate(topology), std::move(topology))),
         policy_(make_policy(topo_.policy, policy_options(topo_))),
+        registry_(topo_.metrics_replica.empty()
+                      ? metrics::LabelPairs{}
+                      : metrics::LabelPairs{{"gateway_replica", topo_.metrics_replica}}),
         metrics_(registry_),
         tokenizer_(topo_.model.empty()
                        ? nullptr
@@ -67,17 +73,33 @@ class Gateway::Impl {
     started_ = true;
   }
   uint16_t port() const { return server_.port(); }
+  void refuse_new_requests() { front_end_.stop(); }
+  void end_drain() {
+    {
+      std::lock_guard lock(drain_->mutex);
+      drain_->cut = true;
+    }
+    drain_->changed.notify_all();
+  }
   void stop(std::chrono::milliseconds drain) {
     if (stopped_.exchange(true)) return;
     // New requests get 503.
     front_end_.stop();
     if (started_) {
-      // The drain: the requests in flight may finish (legs still start, failures are retried).
+      // The drain: the requests in flight may finish (legs still start, failures are retried),
+      // until none is left, the time is up or end_drain() cuts it short.
       if (drain > std::chrono::milliseconds::zero()) {
-        auto idle = std::make_shared<std::promise<void>>();
-        auto drained = idle->get_future();
-        executor_->post([this, idle] { dispatcher_.when_idle([idle] { idle->set_value(); }); });
-        drained.wait_for(drain);
+        executor_->post([this, state = drain_] {
+          dispatcher_.when_idle([state] {
+            {
+              std::lock_guard lock(state->mutex);
+              state->idle = true;
+            }
+            state->changed.notify_all();
+          });
+        });
+        std::unique_lock lock(drain_->mutex);
+        drain_->changed.wait_for(lock, drain, [this] { return drain_->idle || drain_->cut; });
       }
       // Those left end now, answered 503 (or their streams cut) rather than dropped; no leg
       // starts after this.
@@ -139,7 +161,16 @@ class Gateway::Impl {
     return o;
   }
 
+  // What ends the drain: the dispatcher idle (its callback may outlive the wait: shared) or
+  // end_drain().
+  struct DrainState {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool idle = false, cut = false;
+  };
+
   const Topology topo_;
+  const std::shared_ptr<DrainState> drain_ = std::make_shared<DrainState>();
   std::unique_ptr<Policy> policy_;
   // The engines' cached prefixes, fed by one KV-event consumer per engine that publishes them
   // (their threads write the index; the scheduling thread reads it).
@@ -178,6 +209,38 @@ uint16_t Gateway::port() const {
 }
 void Gateway::stop(std::chrono::milliseconds drain) {
   impl_->stop(drain);
+}
+void Gateway::refuse_new_requests() {
+  impl_->refuse_new_requests();
+}
+void Gateway::end_drain() {
+  impl_->end_drain();
+}
+
+void stop_together(std::span<Gateway* const> gateways, std::chrono::milliseconds drain,
+                   const std::function<bool(std::chrono::milliseconds wait)>& interrupted) {
+  // Every replica refuses before any drains: a client turned away by one is not taken by
+  // another that has yet to stop.
+  for (Gateway* g : gateways) g->refuse_new_requests();
+  std::atomic<size_t> running{gateways.size()};
+  std::vector<std::thread> stops;
+  stops.reserve(gateways.size());
+  for (Gateway* g : gateways)
+    stops.emplace_back([g, drain, &running] {
+      g->stop(drain);
+      --running;
+    });
+  // How often the stops are looked at between waits for an interruption: how late, at most,
+  // this returns after the last one stopped.
+  constexpr auto kLook = std::chrono::milliseconds(50);
+  // Without `interrupted` nothing can cut the drains: the joins below wait for them.
+  while (interrupted && running.load() > 0) {
+    if (interrupted(kLook)) {
+      for (Gateway* g : gateways) g->end_drain();
+      break;
+    }
+  }
+  for (auto& t : stops) t.join();
 }
 
 }  // namespace tandem::gateway

@@ -21,7 +21,9 @@
 // metrics and log.
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "gateway/topology.h"
@@ -48,10 +50,26 @@ class Gateway {
   // stream ends with that error event; no engine is blamed. Then the connections close. Returns
   // once all is done; later calls do nothing. The destructor stops without a drain.
   void stop(std::chrono::milliseconds drain = kDefaultDrain);
+  // The first step of stop(), on its own: new requests get 503 and /health answers 503 (so load
+  // balancers take this gateway out) from now on, while the requests in flight go on. For
+  // replicas, which should all refuse before any of them drains (stop_together).
+  void refuse_new_requests();
+  // Ends a drain at once (stop() goes on with answering those left 503), or the next one before
+  // it begins. From any thread: an operator's second stop signal.
+  void end_drain();
 
  private:
   class Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Stops replicas (`tandem serve --gateways N`) together: each refuses new requests first, then
+// all drain at once, each on a thread of its own, so the stop takes one drain and not one per
+// replica (while one drained the others still took requests). Meanwhile `interrupted(wait)` is
+// called again and again: it waits up to `wait` for a reason to end the drain (a second stop
+// signal) and says whether one came; then every drain ends at once (end_drain). Returns once
+// every gateway has stopped.
+void stop_together(std::span<Gateway* const> gateways, std::chrono::milliseconds drain,
+                   const std::function<bool(std::chrono::milliseconds wait)>& interrupted);
 
 }  // namespace tandem::gateway

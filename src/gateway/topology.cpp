@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -34,6 +35,11 @@ constexpr int64_t kMaxMilliseconds = std::numeric_limits<int32_t>::max();
 std::string duration_expected(int64_t min) {
   return "a duration in milliseconds " + std::to_string(min) + ".." +
          std::to_string(kMaxMilliseconds) + " (at most about 24.8 days)";
+}
+
+std::string shutdown_timeout_expected() {
+  return "a number of seconds 0.." + std::to_string(kMaxMilliseconds / 1000) +
+         " (0: no drain; at most about 24.8 days)";
 }
 
 std::string quoted(const std::string& text) {
@@ -523,7 +529,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
                                "timeouts",
                                "prefill",
                                "decode",
-                               "priority_classes"});
+                               "priority_classes",
+                               "shutdown_timeout"});
   auto has = [&](const char* key) { return keys.count(key) != 0; };
   Topology t;
   if (has("listen")) {
@@ -596,6 +603,11 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
     t.access_log = r.file_path(r.non_empty_string(keys.at("access_log"), "access_log",
                                                   "a file path or \"-\" (standard output)"));
   if (has("scheduling")) read_scheduling(r, keys.at("scheduling"), t.scheduling);
+  if (has("shutdown_timeout"))
+    t.shutdown_timeout = std::chrono::milliseconds(std::llround(
+        r.number(keys.at("shutdown_timeout"), "shutdown_timeout", 0,
+                 static_cast<double>(kMaxMilliseconds) / 1000, shutdown_timeout_expected()) *
+        1000));
   if (has("priority_classes"))
     t.priority = read_priority_classes(r, keys.at("priority_classes"), "priority_classes");
   if (has("health")) {
@@ -783,6 +795,11 @@ PriorityClasses load_priority_classes(const std::string& path) {
                 std::to_string(e.mark.column + 1) +
                 ": expected YAML, got a syntax error: " + e.msg);
   }
+  // As the topology file's section, or that section alone (classes, default, api_keys at the
+  // top): docs/gateway.md shows the section, which a file of its own may copy as it is.
+  if (root.IsMap() && root.size() == 1 && root.begin()->first.IsScalar() &&
+      root.begin()->first.Scalar() == "priority_classes")
+    return read_priority_classes(Reader(path), root.begin()->second, "priority_classes");
   return read_priority_classes(Reader(path), root, "");
 }
 
@@ -836,6 +853,9 @@ void validate(Topology& t) {
   check_duration(t.scheduling.tandem.max_hold, "scheduling.max_hold_ms", 0);
   check_duration(t.scheduling.cache_aware.eviction_interval,
                  "scheduling.cache_aware.eviction_interval_ms");
+  if (t.shutdown_timeout.count() < 0 || t.shutdown_timeout.count() > kMaxMilliseconds)
+    invalid("shutdown_timeout", shutdown_timeout_expected(),
+            std::to_string(t.shutdown_timeout.count()) + " ms");
 
   if (t.decode.endpoints.empty()) invalid("decode.endpoints", "at least one decode engine", "none");
   const bool pd = t.mode != PdMode::kAggregated;
@@ -906,6 +926,18 @@ void validate(Topology& t) {
       if (!inserted)
         invalid(path + ".name", "a name unique in the topology",
                 quoted(pool->endpoints[i].name) + ", as " + it->second + " has");
+    }
+    // One engine twice in a pool (under two names) would take twice its in-flight limit; the
+    // admin API refuses it too (EndpointTable::admission_error).
+    std::map<std::pair<std::string, uint16_t>, const Endpoint*> addresses;
+    for (size_t i = 0; i < pool->endpoints.size(); ++i) {
+      const Endpoint& e = pool->endpoints[i];
+      const auto [it, inserted] = addresses.emplace(std::pair{e.host, e.port}, &e);
+      if (!inserted)
+        invalid(at(std::string(name) + ".endpoints", i) + ".url",
+                std::string("an engine not yet in the ") + name + " pool",
+                host_port(e) + " as " + quoted(e.name) + ", which the " + name + " pool has as " +
+                    quoted(it->second->name));
     }
   }
 }

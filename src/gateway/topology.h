@@ -155,6 +155,14 @@ struct Topology {
   Timeouts timeouts;
   std::string access_log;  // a file path, "-" for standard output, empty for none
   PriorityClasses priority;
+  // How long a stop (SIGTERM) lets the requests in flight finish before those left are answered
+  // 503 (Gateway::stop); 0: no drain. The file's `shutdown_timeout`, in seconds; at most
+  // 2^31 - 1 ms (about 24.8 days), as every duration.
+  std::chrono::milliseconds shutdown_timeout = std::chrono::seconds(30);
+  // Replicas that share a port (`tandem serve --gateways N`): each has its own counters, so a
+  // scrape of the port reads one replica's. Non-empty: every /metrics sample carries
+  // gateway_replica="<this>", which keeps each replica's series apart. Empty: no such label.
+  std::string metrics_replica;
 };
 
 // "HOST:PORT", "http://HOST:PORT" or, for a parallel-mode prefill engine,
@@ -179,7 +187,9 @@ const char* dialect_name(Dialect dialect);
 // Unknown keys are errors. The result is validated.
 Topology parse_topology_yaml(const std::string& text, const std::string& source);
 Topology load_topology(const std::string& path);
-// A file holding only the `priority_classes` section's mapping (`tandem serve --priority-classes`).
+// A file holding the `priority_classes` section's mapping (`tandem gateway/serve
+// --priority-classes`): classes, default, api_keys at its top level, or under a top-level
+// `priority_classes:` as in a topology file.
 PriorityClasses load_priority_classes(const std::string& path);
 
 // The policies' options from the `scheduling` section. With priority classes each request's class
@@ -195,7 +205,8 @@ std::string reload_refusal(const Topology& current, const Topology& next);
 
 // Throws tandem::Error for an inconsistent topology: no decode engine; a prefill pool in
 // aggregated mode or none in a P/D mode; a dialect that cannot serve the mode; a parallel-mode
-// prefill engine without a bootstrap port; duplicate endpoint names; non-positive limits; byte
+// prefill engine without a bootstrap port; duplicate endpoint names; one HOST:PORT twice in a pool
+// (under two names: twice its in-flight limit); non-positive limits; byte
 // limits past kMaxHeldBytesLimit;
 // priority classes with duplicate names or priorities, or keys the gateway does not accept.
 // Endpoints without a name get "HOST:PORT".

@@ -1,6 +1,9 @@
 // The `tandem` binary end to end: outputs agree with the library, and bad input gives a clear
 // error and a non-zero exit status, never a crash.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,7 +13,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <sstream>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -21,6 +28,7 @@
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
+#include "util/file.h"
 #include "util/npy.h"
 
 namespace tandem {
@@ -276,6 +284,176 @@ TEST(Cli, KeyFlagsApplyOverAConfigFile) {
   std::fclose(reader);
 }
 
+// A running `tandem gateway ARGS...`: its pid, the port of its first line, its stderr's file.
+struct RunningGateway {
+  pid_t pid = -1;
+  uint16_t port = 0;
+  std::string first_line, stderr_path;
+
+  explicit RunningGateway(std::vector<std::string> args) {
+    stderr_path = test::scratch_path("gateway-stderr.txt").string();
+    args.insert(args.begin(), {TANDEM_BINARY, "gateway"});
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    int out[2];
+    if (::pipe(out) != 0) return;
+    pid = ::fork();
+    if (pid == 0) {
+      ::dup2(out[1], 1);
+      const int err = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(err, 2);
+      ::close(out[0]);
+      ::close(out[1]);
+      ::execv(argv[0], argv.data());
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    FILE* reader = ::fdopen(out[0], "r");
+    std::array<char, 512> line{};
+    if (std::fgets(line.data(), int(line.size()), reader)) first_line = line.data();
+    std::fclose(reader);
+    const size_t colon = first_line.find("127.0.0.1:");
+    if (colon != std::string::npos)
+      port = static_cast<uint16_t>(std::stoi(first_line.substr(colon + 10)));
+  }
+  // Its exit status once it ended, within about a minute (-1: it had not: it is killed).
+  int wait_exit() {
+    for (int i = 0; i < 1200 && pid > 0; ++i) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      pid = -1;
+    }
+    return -1;
+  }
+  bool running() const {
+    int status = 0;
+    return pid > 0 && ::waitpid(pid, &status, WNOHANG) == 0;
+  }
+  ~RunningGateway() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+// Polls `done` for about 10 s.
+bool eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 400; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return false;
+}
+
+// With --config the other setting flags were dropped without a word (only host, port, the
+// connection and byte limits, keys and max-tokens applied): each now replaces the file's
+// setting. Seen here: --served-model-name (the model id of /v1/models), --access-log (a line per
+// request), --max-queue and --prefill-retries (a value the gateway refuses, naming the setting,
+// where it was ignored), --shutdown-timeout (the stop's message).
+TEST(Cli, SettingFlagsApplyOverAConfigFile) {
+  const auto config = write_temp("settings.yaml",
+                                 "listen: {host: 127.0.0.1}\nserved_model_name: file-name\n"
+                                 "access_log: /nonexistent/dir/never.jsonl\nmax_queue: 5\n"
+                                 "shutdown_timeout: 9\ndecode:\n  endpoints: [\"127.0.0.1:9\"]\n");
+  const std::string log = test::scratch_path("settings-access.jsonl").string();
+  std::filesystem::remove(log);
+  {
+    RunningGateway gw({"--config", config, "--port", "0", "--served-model-name", "flag-name",
+                       "--access-log", log, "--http-threads", "1", "--shutdown-timeout", "0.5",
+                       "--upstream-timeout", "7", "--max-queue", "3", "--prefill-retries", "0"});
+    ASSERT_NE(gw.port, 0) << gw.first_line << read_file(gw.stderr_path);
+    const auto models = net::http_request("127.0.0.1", gw.port, "GET", "/v1/models");
+    EXPECT_THAT(models.body, HasSubstr("\"flag-name\"")) << models.body;
+    EXPECT_GE(net::http_request("127.0.0.1", gw.port, "POST", "/v1/completions",
+                                R"({"model": "flag-name", "prompt": "hi", "max_tokens": 2})")
+                  .status,
+              502);
+    ::kill(gw.pid, SIGTERM);
+    EXPECT_EQ(gw.wait_exit(), 0);
+    EXPECT_THAT(read_file(gw.stderr_path), HasSubstr("have 0.5 s to finish"));
+    EXPECT_THAT(read_file(log), HasSubstr("\"status\":")) << "no access log line";
+  }
+  for (const auto& [flag, value, said] :
+       {std::tuple{"--max-queue", "0", "max_queue: expected a whole number >= 1, got 0"},
+        std::tuple{"--prefill-retries", "-1", "prefill_retries: expected a whole number >= 0"}}) {
+    const Result r = run_with_pending_stop(
+        {"gateway", "--config", config, "--port", "0", "--access-log", "-", flag, value});
+    EXPECT_EQ(r.status, 1) << flag << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flag;
+  }
+}
+
+// The drain's length: --shutdown-timeout (gateway, serve) and shutdown_timeout (the file);
+// negative or not a number is refused naming it.
+TEST(Cli, AShutdownTimeoutThatIsNoDurationIsRefusedNamingIt) {
+  for (const std::string value : {"-1", "soon", "3000000"}) {
+    for (const std::vector<std::string>& start :
+         {std::vector<std::string>{"gateway", "--decode", "127.0.0.1:9"},
+          std::vector<std::string>{"serve", "--model", "sim:tiny"}}) {
+      std::vector<std::string> args = start;
+      args.insert(args.end(), {"--host", "127.0.0.1", "--port", "0", "--shutdown-timeout", value});
+      const Result r = run_with_pending_stop(args);
+      EXPECT_NE(r.status, 0) << start[0] << " " << value << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr("--shutdown-timeout")) << start[0] << " " << value;
+    }
+  }
+  const auto config = write_temp("bad-drain.yaml",
+                                 "shutdown_timeout: -2\ndecode:\n  endpoints: [\"127.0.0.1:9\"]\n");
+  const Result r = run_with_pending_stop({"gateway", "--config", config, "--port", "0"});
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("shutdown_timeout: expected a number of seconds 0..2147483"));
+}
+
+// SIGTERM drains: /health answers 503 at once (load balancers stop sending) while a request in
+// flight may finish; a second SIGTERM ends the drain at once, the request left answered 503.
+// Before, /health said 200 while draining and the second signal waited out the whole drain.
+TEST(Cli, ASecondStopSignalEndsTheDrainAtOnce) {
+  // An engine that takes connections (the kernel's backlog) and never answers.
+  const int engine = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(engine, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(engine, 64), 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(engine, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string decode = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  RunningGateway gw({"--host", "127.0.0.1", "--port", "0", "--decode", decode, "--dialect", "vllm",
+                     "--shutdown-timeout", "600"});
+  ASSERT_NE(gw.port, 0) << gw.first_line;
+  auto answer = std::async(std::launch::async, [port = gw.port] {
+    return net::http_request("127.0.0.1", port, "POST", "/v1/completions",
+                             R"({"model": "m", "prompt": "hi", "max_tokens": 2})", {},
+                             std::chrono::seconds(120));
+  });
+  ASSERT_TRUE(eventually([&] {
+    const auto m = net::http_request("127.0.0.1", gw.port, "GET", "/metrics").body;
+    return m.find("vllm:num_requests_running 1") != std::string::npos;
+  }));
+  EXPECT_EQ(net::http_request("127.0.0.1", gw.port, "GET", "/health").status, 200);
+  ::kill(gw.pid, SIGTERM);
+  EXPECT_TRUE(eventually(
+      [&] { return net::http_request("127.0.0.1", gw.port, "GET", "/health").status == 503; }));
+  EXPECT_TRUE(gw.running()) << "the request in flight has 600 s";
+  ::kill(gw.pid, SIGTERM);
+  EXPECT_EQ(gw.wait_exit(), 0) << read_file(gw.stderr_path);
+  const auto r = answer.get();
+  EXPECT_EQ(r.status, 503) << r.body;
+  EXPECT_THAT(r.body, HasSubstr("the gateway is shutting down"));
+  EXPECT_THAT(read_file(gw.stderr_path), HasSubstr("the requests left are answered 503"));
+  ::close(engine);
+}
+
 // A model can take minutes to load; an operator's SIGTERM then must not wait for it.
 TEST(Cli, AStopSignalWhileAnEngineOrAStackStartsEndsItAtOnce) {
   const Result engine = run_with_pending_stop(
@@ -317,6 +495,8 @@ TEST(Cli, EveryOptionSaysWhatItDoes) {
       const bool inline_text = l.size() > kColumn && l[kColumn - 1] == ' ' && l[kColumn] != ' ';
       const bool next_line = next.size() > kColumn && next.find_first_not_of(' ') == kColumn;
       EXPECT_TRUE(inline_text || next_line) << sub << ": no description for '" << l << "'";
+      // A negated flag (CLI11's "!--no-x") rendered as "--no-x{false}".
+      EXPECT_THAT(l, Not(HasSubstr("{false}"))) << sub;
     }
   }
 }

@@ -2,13 +2,15 @@
 // state, yet make the same prefix-aware choices because the engines are the source of truth (KV
 // events with replay, /load); their combined load on an engine stays within the sum of their
 // limits; `tandem serve --gateways N` runs them behind one port (SO_REUSEPORT) with the engines'
-// limits shared out.
+// limits shared out; they stop together (one drain for all), and their /metrics series carry
+// gateway_replica.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -173,6 +175,146 @@ TEST(GatewayReplicas, TheirCombinedLoadOnAnEngineStaysWithinTheSumOfTheirLimits)
   b.stop();
 }
 
+// Two replicas in front of one engine that holds every request, each with one request in flight.
+struct HeldReplicas {
+  testing::FakeEngine engine{"held"};
+  std::unique_ptr<Gateway> a, b;
+  std::future<net::HttpClientResponse> to_a, to_b;
+
+  HeldReplicas() {
+    engine.set(testing::Behaviour::kHold);
+    Topology t;
+    t.host = "127.0.0.1";
+    t.port = 0;
+    t.mode = PdMode::kAggregated;
+    t.decode.dialect = Dialect::kVllm;
+    t.decode.endpoints = {testing::endpoint_of(engine, "held")};
+    a = std::make_unique<Gateway>(t);
+    b = std::make_unique<Gateway>(t);
+    a->start();
+    b->start();
+    to_a = ask(a->port());
+    to_b = ask(b->port());
+    EXPECT_TRUE(tandem::testing::eventually([&] { return engine.held() == 2; }));
+  }
+  ~HeldReplicas() { engine.release(); }
+
+  static std::future<net::HttpClientResponse> ask(uint16_t port) {
+    return std::async(std::launch::async, [port] {
+      return net::http_request("127.0.0.1", port, "POST", "/v1/completions",
+                               R"({"model": "m", "prompt": "hi"})", {}, std::chrono::seconds(60));
+    });
+  }
+  static int health(uint16_t port) {
+    return net::http_request("127.0.0.1", port, "GET", "/health").status;
+  }
+  // A new request: a body that is no JSON (a 400 from a gateway that takes requests).
+  static int new_request(uint16_t port) {
+    return net::http_request("127.0.0.1", port, "POST", "/v1/completions", "{").status;
+  }
+};
+
+// `tandem serve --gateways N` stopped its replicas one after another: while one drained, the
+// others took new requests (and the stop could take N drains). stop_together makes every
+// replica refuse (new requests and /health: 503, so load balancers stop sending) before any
+// drains, and drains them at once; each request in flight still finishes.
+TEST(GatewayReplicas, StoppedTogetherEveryReplicaRefusesWhileAnyDrains) {
+  HeldReplicas r;
+  const uint16_t pa = r.a->port(), pb = r.b->port();
+  EXPECT_EQ(HeldReplicas::health(pa), 200);
+  EXPECT_EQ(HeldReplicas::health(pb), 200);
+  int looks = 0;
+  Gateway* const both[] = {r.a.get(), r.b.get()};
+  stop_together(both, std::chrono::minutes(10), [&](std::chrono::milliseconds wait) {
+    if (looks++ == 0) {
+      // Both drain (their requests are held): neither takes a new request, or says it would.
+      EXPECT_EQ(HeldReplicas::health(pa), 503);
+      EXPECT_EQ(HeldReplicas::health(pb), 503);
+      EXPECT_EQ(HeldReplicas::new_request(pa), 503);
+      EXPECT_EQ(HeldReplicas::new_request(pb), 503);
+      r.engine.release();  // both drains can end now
+    } else {
+      std::this_thread::sleep_for(wait);
+    }
+    return false;
+  });
+  EXPECT_GE(looks, 1);
+  for (auto* answer : {&r.to_a, &r.to_b}) {
+    const auto got = answer->get();
+    EXPECT_EQ(got.status, 200) << got.body;
+  }
+}
+
+// A second stop signal ends the drain at once: the requests left are answered 503 (the gateway
+// is shutting down), though their engine still holds them and the drain had minutes left.
+TEST(GatewayReplicas, AnInterruptedDrainAnswersWhatIsLeft503AtOnce) {
+  HeldReplicas r;
+  Gateway* const both[] = {r.a.get(), r.b.get()};
+  int looks = 0;
+  stop_together(both, std::chrono::minutes(10), [&](std::chrono::milliseconds) {
+    ++looks;
+    return true;
+  });
+  EXPECT_EQ(looks, 1);
+  for (auto* answer : {&r.to_a, &r.to_b}) {
+    const auto got = answer->get();
+    EXPECT_EQ(got.status, 503) << got.body;
+    EXPECT_THAT(got.body, HasSubstr("the gateway is shutting down"));
+  }
+  // end_drain before a stop: that stop does not drain at all.
+  HeldReplicas next;
+  next.a->end_drain();
+  next.a->stop(std::chrono::minutes(10));
+  EXPECT_EQ(next.to_a.get().status, 503);
+  next.b->stop(std::chrono::milliseconds(0));
+  EXPECT_EQ(next.to_b.get().status, 503);
+}
+
+// Replicas behind one port count for themselves: with metrics_replica each sample carries
+// gateway_replica, so a scrape of one replica is told from the other's (sum by gateway_replica).
+TEST(GatewayReplicas, EachReplicasMetricsCarryItsReplicaLabel) {
+  testing::FakeEngine engine("e");
+  Topology t;
+  t.host = "127.0.0.1";
+  t.port = 0;
+  t.mode = PdMode::kAggregated;
+  t.decode.dialect = Dialect::kVllm;
+  t.decode.endpoints = {testing::endpoint_of(engine, "e")};
+  std::vector<std::unique_ptr<Gateway>> replicas;
+  for (const char* k : {"0", "1"}) {
+    t.metrics_replica = k;
+    replicas.push_back(std::make_unique<Gateway>(t));
+    replicas.back()->start();
+  }
+  // One request through replica 1 only: its counter says 1, replica 0's says 0.
+  const auto r = tandem::testing::post_json(replicas[1]->port(), "/v1/completions",
+                                            {{"model", "m"}, {"prompt", "hi"}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  for (size_t k = 0; k < replicas.size(); ++k) {
+    const std::string label = "gateway_replica=\"" + std::to_string(k) + "\"";
+    const auto text = net::http_request("127.0.0.1", replicas[k]->port(), "GET", "/metrics").body;
+    std::istringstream in(text);
+    size_t samples = 0;
+    for (std::string line; std::getline(in, line);) {
+      if (line.empty() || line[0] == '#') continue;
+      ++samples;
+      EXPECT_EQ(line.find('{'), line.find("{" + label)) << line;
+    }
+    EXPECT_GT(samples, 10u);
+    EXPECT_EQ(tandem::testing::metric(replicas[k]->port(), "tandem:gateway_requests_total",
+                                      label + ",status=\"200\""),
+              static_cast<double>(k))
+        << text;
+  }
+  // Without it, no such label (one gateway, as ever).
+  t.metrics_replica.clear();
+  Gateway single(t);
+  single.start();
+  EXPECT_EQ(
+      net::http_request("127.0.0.1", single.port(), "GET", "/metrics").body.find("gateway_replica"),
+      std::string::npos);
+}
+
 TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
   test::TempDir dir("serve-replicas");
   const auto log = dir / "access.jsonl";
@@ -202,6 +344,16 @@ TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
   h.set("Authorization", "Bearer admin");
   const auto r = net::http_request("127.0.0.1", serve.port(), "GET", "/admin/endpoints", {}, h);
   EXPECT_EQ(json::parse(r.body)["endpoints"][0]["max_in_flight"], 128) << r.body;
+  // Each replica's /metrics samples carry its gateway_replica: scrapes of the shared port (new
+  // connections, spread by the kernel) reach both, told apart.
+  std::set<std::string> seen;
+  for (int i = 0; i < 40 && seen.size() < 2; ++i) {
+    const auto m = net::http_request("127.0.0.1", serve.port(), "GET", "/metrics").body;
+    const auto at = m.find("vllm:num_requests_waiting{gateway_replica=\"");
+    ASSERT_NE(at, std::string::npos) << m;
+    seen.insert(m.substr(at + 43, 1));
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"0", "1"}));
 }
 
 }  // namespace

@@ -147,6 +147,7 @@ TEST(TopologyYaml, TheDocumentedExampleParsesToEveryField) {
   EXPECT_EQ(t.max_connections_per_address, 1000u);
   EXPECT_EQ(t.max_queue, 1024u);
   EXPECT_EQ(t.prefill_retries, 2);
+  EXPECT_EQ(t.shutdown_timeout, 20s);
   EXPECT_EQ(t.access_log, "-");
   EXPECT_EQ(t.policy, "tandem");
   EXPECT_EQ(t.scheduling.queue.length_weight, 0.8);
@@ -226,6 +227,7 @@ TEST(TopologyYaml, OnlyDecodeEndpointsGiveTheDefaults) {
   EXPECT_EQ(t.metrics_api_key, "");
   EXPECT_EQ(t.max_queue, defaults.max_queue);
   EXPECT_EQ(t.prefill_retries, defaults.prefill_retries);
+  EXPECT_EQ(t.shutdown_timeout, defaults.shutdown_timeout);
   EXPECT_EQ(t.access_log, "");
   EXPECT_EQ(t.health.probe_interval, defaults.health.probe_interval);
   EXPECT_EQ(t.health.failures_to_eject, defaults.health.failures_to_eject);
@@ -667,6 +669,25 @@ TEST(TopologyValidate, NamesAreUniqueAcrossPools) {
               StartsWith("t.yaml: decode.endpoints[1].name: expected a name unique"));
 }
 
+// One engine twice in a pool under two names would take twice its in-flight limit: the admin
+// API refuses it (endpoints.cpp), and so does a topology file (and so a reload).
+TEST(TopologyValidate, AnAddressTwiceInAPoolIsRefusedNamingBothNames) {
+  EXPECT_EQ(yaml_error("decode: {endpoints: [{url: \"d:2\", name: a}, \"e:3\", "
+                       "{url: \"http://d:2\", name: b}]}"),
+            "t.yaml: decode.endpoints[2].url: expected an engine not yet in the decode pool, got "
+            "d:2 as 'b', which the decode pool has as 'a'");
+  EXPECT_EQ(yaml_error("mode: sequential\nprefill: {endpoints: [{host: p, port: 1, name: x}, "
+                       "{url: \"p:1\", name: y}]}\ndecode: {endpoints: [\"d:2\"]}"),
+            "t.yaml: prefill.endpoints[1].url: expected an engine not yet in the prefill pool, "
+            "got p:1 as 'y', which the prefill pool has as 'x'");
+  // The same engine in both pools is allowed (a tandem engine of role both serves either leg),
+  // as are two ports of one host.
+  EXPECT_NO_THROW(
+      parse_topology_yaml("mode: sequential\nprefill: {endpoints: [{url: \"e:1\", name: p}]}\n"
+                          "decode: {endpoints: [{url: \"e:1\", name: d}, \"e:2\"]}",
+                          "t.yaml"));
+}
+
 TEST(TopologyValidate, EveryGroupHasEnginesInBothPools) {
   EXPECT_EQ(yaml_error("mode: sequential\n"
                        "prefill: {endpoints: [\"p:1\"]}\n"
@@ -888,6 +909,55 @@ TEST(LoadTopology, APriorityClassesFileHoldsTheSectionAlone) {
   write_file_atomically(path, "classes: [{name: chat}]\ndefault: bulk\n");
   EXPECT_THAT(error_of([&] { load_priority_classes(path); }),
               StartsWith(path + ": default: expected the name of a class in classes"));
+}
+
+// docs/gateway.md shows the section with its key (`priority_classes:`), as a topology file has
+// it; a file of its own may copy it as it is (it was "priority_classes: expected one of
+// classes, default, api_keys, got an unknown key").
+TEST(LoadTopology, APriorityClassesFileMayKeepTheSectionsKey) {
+  test::TempDir dir("topology");
+  const std::string path = (dir / "classes.yaml").string();
+  write_file_atomically(path,
+                        "priority_classes:\n"
+                        "  classes: [{name: chat, priority: 0}, {name: bulk, priority: 9}]\n"
+                        "  default: bulk\n"
+                        "  api_keys: {k: chat}\n");
+  const PriorityClasses pc = load_priority_classes(path);
+  ASSERT_EQ(pc.classes.size(), 2u);
+  EXPECT_EQ(pc.classes[1].name, "bulk");
+  EXPECT_EQ(pc.default_class, 1u);
+  EXPECT_EQ(pc.api_keys.at("k"), 0u);
+  // Errors name the keys as the file has them.
+  write_file_atomically(path, "priority_classes:\n  classes: [{name: chat}]\n  default: bulk\n");
+  EXPECT_THAT(error_of([&] { load_priority_classes(path); }),
+              StartsWith(path + ": priority_classes.default: expected the name of a class in "
+                                "priority_classes.classes"));
+  // The key with other keys beside it is neither form.
+  write_file_atomically(path, "priority_classes: {classes: [{name: a}]}\nclasses: [{name: b}]\n");
+  EXPECT_THAT(error_of([&] { load_priority_classes(path); }),
+              StartsWith(path + ": priority_classes: expected one of classes, default, api_keys"));
+}
+
+// How long a stop drains: shutdown_timeout, in seconds (30 by default, 0: no drain).
+TEST(TopologyYaml, ShutdownTimeoutIsSecondsAndZeroIsNoDrain) {
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml(), "t.yaml").shutdown_timeout, 30s);
+  EXPECT_EQ(Topology{}.shutdown_timeout, 30s);
+  EXPECT_EQ(
+      parse_topology_yaml(parallel_yaml("shutdown_timeout: 2.5\n"), "t.yaml").shutdown_timeout,
+      2500ms);
+  EXPECT_EQ(parse_topology_yaml(parallel_yaml("shutdown_timeout: 0\n"), "t.yaml").shutdown_timeout,
+            0ms);
+  const std::string expected =
+      "t.yaml: shutdown_timeout: expected a number of seconds 0..2147483 (0: no drain; at most "
+      "about 24.8 days), got ";
+  for (const std::string bad : {"-1", "soon", "\"5\"", "3000000", ".nan", "[1]"})
+    EXPECT_THAT(yaml_error(parallel_yaml("shutdown_timeout: " + bad + "\n")), StartsWith(expected))
+        << bad;
+  EXPECT_EQ(yaml_error(parallel_yaml("shutdown_timeout: -1\n")), expected + "-1");
+  // A topology built in code is checked too.
+  Topology t = parse_topology_yaml(parallel_yaml(), "t.yaml");
+  t.shutdown_timeout = -1ms;
+  EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("shutdown_timeout: expected a number"));
 }
 
 TEST(LoadTopology, AMissingFileIsAnErrorNamingIt) {
