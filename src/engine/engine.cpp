@@ -15,9 +15,11 @@ std::optional<KvEventsConfig> parse_events(const EngineConfig& config) {
   return KvEventsConfig::parse(config.kv_events_config);
 }
 
-KvCacheOptions kv_options(const EngineConfig& config, const std::optional<KvEventsConfig>& events) {
+KvCacheOptions kv_options(const EngineConfig& config, const std::optional<KvEventsConfig>& events,
+                          const ExecutorInfo& info) {
   KvCacheOptions o;
   o.enable_events = (events && events->enable_kv_cache_events) || config.kv_event_sink;
+  o.recompute_last_hit_block = info.speculative_tokens > 0;
   return o;
 }
 
@@ -61,7 +63,6 @@ constexpr std::pair<EngineRole, const char*> kRoles[] = {{EngineRole::kBoth, "bo
 // The executor's draft passes need room past a sampled sequence's tokens.
 SchedulerConfig scheduler_config(SchedulerConfig c, const ExecutorInfo& info) {
   c.speculative_lookahead = info.speculative_lookahead();
-  c.speculative = info.speculative_tokens > 0;
   return c;
 }
 
@@ -89,7 +90,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       structured_outputs_(tokenizer_),
       events_config_(parse_events(config)),
       kv_(executor_->info().num_blocks, executor_->info().block_size, config.enable_prefix_caching,
-          kv_options(config, events_config_)),
+          kv_options(config, events_config_, executor_->info())),
       scheduler_(scheduler_config(config.scheduler, executor_->info()), kv_),
       seed_base_(std::random_device{}()) {
   {

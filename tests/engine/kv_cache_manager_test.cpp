@@ -201,6 +201,29 @@ TEST(KvCacheManagerTest, PrefixHitSharesBlocksAndLeavesLastToken) {
   m.check_invariants();
 }
 
+// With MTP drafts every lookup leaves the hit's last block to recompute (its MTP-layer entry at
+// the last position was computed with another request's next token): a 3-block hit gives 2, a
+// 1-block hit none, and the blocks it gives are the cached ones.
+TEST(KvCacheManagerTest, WithMtpDraftsAHitLeavesItsLastBlock) {
+  KvCacheManager m(16, 4, true, {.recompute_last_hit_block = true});
+  const auto prompt = iota_tokens(100, 12);
+  admit_and_compute(m, "a", prompt);
+  auto longer = prompt;
+  longer.push_back(7);
+  const PrefixHit hit = m.find_cached_prefix(longer);
+  EXPECT_EQ(hit.num_tokens, 8);
+  EXPECT_EQ(hit.blocks,
+            std::vector<int32_t>(m.block_table("a").begin(), m.block_table("a").begin() + 2));
+  const std::vector<uint64_t> hashes = api::block_hashes(prompt, 4);
+  EXPECT_EQ(hit.hashes, std::vector<uint64_t>(hashes.begin(), hashes.begin() + 2));
+  EXPECT_EQ(m.find_cached_prefix(iota_tokens(100, 5)).num_tokens, 0);
+  // Without drafts, the whole run of cached blocks.
+  KvCacheManager plain(16, 4, true);
+  admit_and_compute(plain, "a", prompt);
+  EXPECT_EQ(plain.find_cached_prefix(longer).num_tokens, 12);
+  m.check_invariants();
+}
+
 TEST(KvCacheManagerTest, EvictsUncachedFirstThenLruTailFirst) {
   KvCacheManager m(6, 2, true, with_events());
   // "a" computes 3 full blocks (cached) and 1 partial block; "b" one full block.

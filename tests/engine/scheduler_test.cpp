@@ -24,8 +24,9 @@ struct Fixture {
   KvCacheManager kv;
   Scheduler sched;
   std::vector<std::unique_ptr<Sequence>> seqs;
-  Fixture(int64_t blocks, int64_t block_size, SchedulerConfig cfg, bool prefix = true)
-      : kv(blocks, block_size, prefix), sched(cfg, kv) {}
+  Fixture(int64_t blocks, int64_t block_size, SchedulerConfig cfg, bool prefix = true,
+          KvCacheOptions kv_options = {})
+      : kv(blocks, block_size, prefix, kv_options), sched(cfg, kv) {}
 
   Sequence* add(std::vector<int32_t> prompt, int64_t max_tokens, int64_t priority = 0,
                 std::optional<uint64_t> cache_salt = std::nullopt) {
@@ -459,7 +460,8 @@ TEST(Scheduler, ReusesCachedPrefixBlocks) {
 // block hash covers. The recomputed block is private (its hash stays with the cached copy), and
 // the blocks before it are shared as usual.
 TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
-  Fixture f(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100, .speculative = true});
+  Fixture f(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100}, true,
+            {.recompute_last_hit_block = true});
   auto shared = iota_tokens(12);
   Sequence* a = f.add(shared, 1);
   f.step();  // a's 3 full blocks are cached; it finishes

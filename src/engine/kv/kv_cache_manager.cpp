@@ -102,6 +102,10 @@ PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
     hit.blocks.push_back(it->second);
     hit.hashes.push_back(h);
   }
+  if (options_.recompute_last_hit_block && !hit.blocks.empty()) {
+    hit.blocks.pop_back();
+    hit.hashes.pop_back();
+  }
   hit.num_tokens = static_cast<int64_t>(hit.blocks.size()) * block_size_;
   return hit;
 }

@@ -60,6 +60,13 @@ struct PrefixCacheStats {
 struct KvCacheOptions {
   bool enable_events = false;  // record KvEvents for take_events()
   std::string medium = "CPU";  // the `medium` field of the events
+  // The executor drafts with an MTP module: a prefix hit leaves its last block to be recomputed.
+  // The MTP layer's cache entry at a position depends on the token after it, and the one at the
+  // hit's last position was computed with the next token of whichever request cached the block
+  // (no block hash covers that token); recomputed in a private block, it is this request's own
+  // (vLLM does the same for EAGLE). Every lookup follows it: admission, a decode leg's (whose
+  // prefill engine then sends that block), and the load the engine reports.
+  bool recompute_last_hit_block = false;
 };
 
 class KvCacheManager {
@@ -70,7 +77,8 @@ class KvCacheManager {
                  KvCacheOptions options = {});
 
   // The longest run of cached full blocks that starts `tokens`. Never covers the whole sequence:
-  // at least its last token is left to compute so the model produces logits. Changes nothing;
+  // at least its last token is left to compute so the model produces logits (and, with
+  // recompute_last_hit_block, its last full block). Changes nothing;
   // the hit is valid until the next allocate/free/reset call. Empty when caching is off.
   PrefixHit find_cached_prefix(std::span<const int32_t> tokens,
                                std::optional<uint64_t> cache_salt = std::nullopt) const;

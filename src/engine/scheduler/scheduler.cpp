@@ -168,11 +168,6 @@ SchedulerOutput Scheduler::schedule() {
     }
     PrefixHit hit =
         has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
-    if (config_.speculative && !hit.blocks.empty()) {  // its last block is recomputed
-      hit.blocks.pop_back();
-      hit.hashes.pop_back();
-      hit.num_tokens -= kv_.block_size();
-    }
     // A preempted sequence finds its own blocks again: not a lookup for the hit-rate statistics.
     if (seq->num_preemptions > 0) hit.num_query_tokens = 0;
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;

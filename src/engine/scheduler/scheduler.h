@@ -31,12 +31,6 @@ struct SchedulerConfig {
   // its new tokens and drafts when the cache allows (the executor's later draft passes write
   // there; ExecutorInfo::speculative_lookahead()).
   int64_t speculative_lookahead = 0;
-  // The executor drafts with an MTP module: a prefix hit leaves its last block to be recomputed.
-  // The MTP layer's cache entry at a position depends on the token after it, and the one at the
-  // hit's last position was computed with the next token of whichever request cached the block
-  // (no block hash covers that token); recomputed in a private block, it is this request's own
-  // (vLLM does the same for EAGLE).
-  bool speculative = false;
 };
 
 struct ScheduledSequence {
