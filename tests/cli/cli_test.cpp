@@ -168,123 +168,8 @@ TEST(Cli, BadInputsGiveClearErrors) {
                                   "--request-rate replaces"));
 }
 
-// Whoever reads a server's first line may then close the pipe (`| head -1`, a script that saw
-// the port). The server's next line to stdout (here an access-log line) must fail to be written,
-// not end the server with SIGPIPE: under `tandem serve` that took every engine down with it.
-TEST(Cli, AGatewayWhoseStdoutReaderHasGoneKeepsServingAndStopsCleanly) {
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  std::vector<std::string> args = {TANDEM_BINARY,  "gateway", "--host",   "127.0.0.1",
-                                   "--port",       "0",       "--decode", "127.0.0.1:9",
-                                   "--access-log", "-"};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(out[1], 1);
-    ::close(out[0]);
-    ::close(out[1]);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  ::close(out[1]);
-  FILE* reader = ::fdopen(out[0], "r");
-  std::array<char, 512> line{};
-  ASSERT_NE(std::fgets(line.data(), int(line.size()), reader), nullptr);
-  std::fclose(reader);  // the reader goes
-  const std::string first(line.data());
-  const size_t colon = first.find("127.0.0.1:");
-  ASSERT_NE(colon, std::string::npos) << first;
-  const auto port = static_cast<uint16_t>(std::stoi(first.substr(colon + 10)));
-  // Each completion is logged (here a 502 or 503: the engine does not exist); the stop below
-  // flushes whatever the writer still holds.
-  for (int i = 0; i < 3; ++i)
-    EXPECT_GE(net::http_request("127.0.0.1", port, "POST", "/v1/completions",
-                                R"({"model": "m", "prompt": "hi", "max_tokens": 2})")
-                  .status,
-              502);
-  ::kill(pid, SIGTERM);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  EXPECT_TRUE(WIFEXITED(status)) << "ended by signal "
-                                 << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
-  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0);
-}
-
-// A key flag given empty (`--admin-api-key "$UNSET"`) is refused naming it, as an empty
-// --api-key is, not read as not given (which left /metrics open and the admin API off). Each
-// command starts with SIGTERM pending: without the check it would start and stop cleanly (0).
-TEST(Cli, EveryKeyFlagGivenEmptyIsRefusedNamingIt) {
-  const auto config = write_temp("keys.yaml", "decode:\n  endpoints: [\"127.0.0.1:9\"]\n");
-  for (const std::string flag :
-       {"--api-key", "--admin-api-key", "--metrics-api-key", "--engine-api-key"}) {
-    const std::string field = flag == "--api-key" ? "api_keys" : flag.substr(2);
-    std::string snake = field;
-    std::replace(snake.begin(), snake.end(), '-', '_');
-    const std::string said = snake + " (" + flag + "): expected a non-empty key, got an empty key";
-    for (const std::vector<std::string>& start :
-         {std::vector<std::string>{"gateway", "--decode", "127.0.0.1:9"},
-          std::vector<std::string>{"gateway", "--config", config}}) {
-      std::vector<std::string> args = start;
-      args.insert(args.end(), {"--host", "127.0.0.1", "--port", "0", flag, ""});
-      const Result r = run_with_pending_stop(args);
-      EXPECT_EQ(r.status, 1) << start[1] << " " << flag << ": " << r.output;
-      EXPECT_THAT(r.output, HasSubstr(said)) << start[1] << " " << flag;
-    }
-    if (flag == "--engine-api-key") continue;  // serve makes its engines' key itself
-    const Result serve = run_with_pending_stop(
-        {"serve", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0", flag, ""});
-    EXPECT_EQ(serve.status, 1) << flag << ": " << serve.output;
-    EXPECT_THAT(serve.output, HasSubstr(said)) << "serve " << flag;
-  }
-}
-
-// With --config, the key flags replace the file's keys, as --engine-api-key does (they were
-// ignored: `--config F --metrics-api-key K` left /metrics open).
-TEST(Cli, KeyFlagsApplyOverAConfigFile) {
-  const auto config = write_temp("keys-override.yaml",
-                                 "listen: {host: 127.0.0.1}\ndecode:\n  endpoints: "
-                                 "[\"127.0.0.1:9\"]\n");
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  std::vector<std::string> args = {TANDEM_BINARY, "gateway", "--config",          config,
-                                   "--port",      "0",       "--metrics-api-key", "m-key",
-                                   "--api-key",   "c-key"};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(out[1], 1);
-    ::close(out[0]);
-    ::close(out[1]);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  ::close(out[1]);
-  FILE* reader = ::fdopen(out[0], "r");
-  std::array<char, 512> line{};
-  const bool got_line = std::fgets(line.data(), int(line.size()), reader) != nullptr;
-  const std::string first(line.data());
-  const size_t colon = first.find("127.0.0.1:");
-  if (got_line && colon != std::string::npos) {
-    const auto port = static_cast<uint16_t>(std::stoi(first.substr(colon + 10)));
-    EXPECT_EQ(net::http_request("127.0.0.1", port, "GET", "/metrics").status, 401);
-    net::Headers key;
-    key.add("Authorization", "Bearer m-key");
-    EXPECT_EQ(net::http_request("127.0.0.1", port, "GET", "/metrics", {}, key).status, 200);
-    EXPECT_EQ(net::http_request("127.0.0.1", port, "GET", "/v1/models").status, 401);
-  } else {
-    ADD_FAILURE() << "no listening line: " << first;
-  }
-  ::kill(pid, SIGTERM);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  std::fclose(reader);
-}
-
 // A running `tandem gateway ARGS...`: its pid, the port of its first line, its stderr's file.
+// Its stdout is read up to that first line and then closed: the reader is gone from then on.
 struct RunningGateway {
   pid_t pid = -1;
   uint16_t port = 0;
@@ -345,6 +230,72 @@ struct RunningGateway {
     }
   }
 };
+
+// Whoever reads a server's first line may then close the pipe (`| head -1`, a script that saw
+// the port). The server's next line to stdout (here an access-log line) must fail to be written,
+// not end the server with SIGPIPE: under `tandem serve` that took every engine down with it.
+TEST(Cli, AGatewayWhoseStdoutReaderHasGoneKeepsServingAndStopsCleanly) {
+  // RunningGateway closes its end of the pipe once it read the first line: the reader goes.
+  RunningGateway gw(
+      {"--host", "127.0.0.1", "--port", "0", "--decode", "127.0.0.1:9", "--access-log", "-"});
+  ASSERT_NE(gw.port, 0) << gw.first_line;
+  // Each completion is logged (here a 502 or 503: the engine does not exist); the stop below
+  // flushes whatever the writer still holds.
+  for (int i = 0; i < 3; ++i)
+    EXPECT_GE(net::http_request("127.0.0.1", gw.port, "POST", "/v1/completions",
+                                R"({"model": "m", "prompt": "hi", "max_tokens": 2})")
+                  .status,
+              502);
+  ::kill(gw.pid, SIGTERM);
+  // A clean stop: exit status 0, not 128 + the signal that ended it (SIGPIPE: 141).
+  EXPECT_EQ(gw.wait_exit(), 0) << read_file(gw.stderr_path);
+}
+
+// A key flag given empty (`--admin-api-key "$UNSET"`) is refused naming it, as an empty
+// --api-key is, not read as not given (which left /metrics open and the admin API off). Each
+// command starts with SIGTERM pending: without the check it would start and stop cleanly (0).
+TEST(Cli, EveryKeyFlagGivenEmptyIsRefusedNamingIt) {
+  const auto config = write_temp("keys.yaml", "decode:\n  endpoints: [\"127.0.0.1:9\"]\n");
+  for (const std::string flag :
+       {"--api-key", "--admin-api-key", "--metrics-api-key", "--engine-api-key"}) {
+    const std::string field = flag == "--api-key" ? "api_keys" : flag.substr(2);
+    std::string snake = field;
+    std::replace(snake.begin(), snake.end(), '-', '_');
+    const std::string said = snake + " (" + flag + "): expected a non-empty key, got an empty key";
+    for (const std::vector<std::string>& start :
+         {std::vector<std::string>{"gateway", "--decode", "127.0.0.1:9"},
+          std::vector<std::string>{"gateway", "--config", config}}) {
+      std::vector<std::string> args = start;
+      args.insert(args.end(), {"--host", "127.0.0.1", "--port", "0", flag, ""});
+      const Result r = run_with_pending_stop(args);
+      EXPECT_EQ(r.status, 1) << start[1] << " " << flag << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr(said)) << start[1] << " " << flag;
+    }
+    if (flag == "--engine-api-key") continue;  // serve makes its engines' key itself
+    const Result serve = run_with_pending_stop(
+        {"serve", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0", flag, ""});
+    EXPECT_EQ(serve.status, 1) << flag << ": " << serve.output;
+    EXPECT_THAT(serve.output, HasSubstr(said)) << "serve " << flag;
+  }
+}
+
+// With --config, the key flags replace the file's keys, as --engine-api-key does (they were
+// ignored: `--config F --metrics-api-key K` left /metrics open).
+TEST(Cli, KeyFlagsApplyOverAConfigFile) {
+  const auto config = write_temp("keys-override.yaml",
+                                 "listen: {host: 127.0.0.1}\ndecode:\n  endpoints: "
+                                 "[\"127.0.0.1:9\"]\n");
+  RunningGateway gw(
+      {"--config", config, "--port", "0", "--metrics-api-key", "m-key", "--api-key", "c-key"});
+  ASSERT_NE(gw.port, 0) << "no listening line: " << gw.first_line;
+  EXPECT_EQ(net::http_request("127.0.0.1", gw.port, "GET", "/metrics").status, 401);
+  net::Headers key;
+  key.add("Authorization", "Bearer m-key");
+  EXPECT_EQ(net::http_request("127.0.0.1", gw.port, "GET", "/metrics", {}, key).status, 200);
+  EXPECT_EQ(net::http_request("127.0.0.1", gw.port, "GET", "/v1/models").status, 401);
+  ::kill(gw.pid, SIGTERM);
+  gw.wait_exit();
+}
 
 // Polls `done` for about 10 s.
 bool eventually(const std::function<bool()>& done) {
