@@ -1,6 +1,6 @@
 #pragma once
 // HTTP helpers for tests that drive `tandem engine` processes: JSON GETs, one metric's value,
-// waiting (bounded) for an engine to go idle.
+// waiting (bounded) for an engine to go idle, the official client's run and checks of what it saw.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -73,6 +74,39 @@ inline nlohmann::json run_openai_client(uint16_t port, const std::string& prompt
   nlohmann::json r = nlohmann::json::parse(in, nullptr, false);
   std::filesystem::remove(out_path);
   return r.is_discarded() ? nlohmann::json::object() : r;
+}
+
+// What openai_client_check.js saw of several choices and of echo, as one engine answers it and a
+// gateway in front of engines must too. `prompt` (of `prompt_tokens` tokens) and "Hello world"
+// (of `hello_tokens`) greedily continue with `first` and `second` (6 tokens each).
+inline void expect_several_choices_and_echo(const nlohmann::json& r, const std::string& prompt,
+                                            size_t prompt_tokens, size_t hello_tokens,
+                                            const std::string& first, const std::string& second) {
+  using nlohmann::json;
+  // n choices of each prompt of a list: prompt-major (vLLM's index = prompt_idx * n + j), each
+  // echoing its own prompt; each prompt counted once in usage. Streamed too, with one id.
+  const json& several = r["several"];
+  EXPECT_EQ(several["n_list"]["texts"],
+            json::array(
+                {prompt + first, prompt + first, "Hello world" + second, "Hello world" + second}));
+  EXPECT_EQ(several["n_list"]["indexes"], json::array({0, 1, 2, 3}));
+  EXPECT_EQ(several["n_list"]["usage"]["prompt_tokens"], prompt_tokens + hello_tokens);
+  EXPECT_EQ(several["n_list"]["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(several["n_list_stream"]["texts"], json::array({first, first, second, second}));
+  EXPECT_EQ(several["n_list_stream"]["ids"], 1);
+  EXPECT_EQ(several["n_list_stream"]["usage"]["prompt_tokens"], prompt_tokens + hello_tokens);
+  EXPECT_EQ(several["n_list_stream"]["usage"]["completion_tokens"], 24);
+  // echo with max_tokens 0, as vLLM: the prompts alone, finished by "length", nothing generated.
+  for (const char* key : {"echo_only", "echo_only_stream"}) {
+    SCOPED_TRACE(key);
+    EXPECT_EQ(r[key]["texts"], json::array({prompt, "Hello world"}));
+    EXPECT_EQ(r[key]["finishes"], json::array({"length", "length"}));
+    EXPECT_EQ(r[key]["usage"]["completion_tokens"], 0);
+    EXPECT_EQ(r[key]["usage"]["prompt_tokens"], prompt_tokens + hello_tokens);
+  }
+  // echo with logprobs would need the prompt's logprobs: a 400 naming echo.
+  EXPECT_EQ(r["echo_logprobs"]["status"], 400);
+  EXPECT_EQ(r["echo_logprobs"]["param"], "echo");
 }
 
 }  // namespace tandem::testing

@@ -148,32 +148,9 @@ TEST_F(EngineServer, OfficialOpenAIClient) {
   EXPECT_EQ(r["chat_stream"]["role"], "assistant");
   EXPECT_EQ(r["chat_stream"]["finish"], "length");
 
-  // n choices of each prompt of a list: prompt-major (vLLM's index = prompt_idx * n + j), each
-  // echoing its own prompt; each prompt counted once in usage. Streamed too, with one id.
-  const json& several = r["several"];
   const auto hello = tok_->encode("Hello world", true);
-  const std::string first = greedy(ids, 6), second = greedy(hello, 6);
-  EXPECT_EQ(several["n_list"]["texts"],
-            json::array(
-                {prompt + first, prompt + first, "Hello world" + second, "Hello world" + second}));
-  EXPECT_EQ(several["n_list"]["indexes"], json::array({0, 1, 2, 3}));
-  EXPECT_EQ(several["n_list"]["usage"]["prompt_tokens"], ids.size() + hello.size());
-  EXPECT_EQ(several["n_list"]["usage"]["completion_tokens"], 24);
-  EXPECT_EQ(several["n_list_stream"]["texts"], json::array({first, first, second, second}));
-  EXPECT_EQ(several["n_list_stream"]["ids"], 1);
-  EXPECT_EQ(several["n_list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
-  EXPECT_EQ(several["n_list_stream"]["usage"]["completion_tokens"], 24);
-  // echo with max_tokens 0, as vLLM: the prompts alone, finished by "length", nothing generated.
-  for (const char* key : {"echo_only", "echo_only_stream"}) {
-    SCOPED_TRACE(key);
-    EXPECT_EQ(r[key]["texts"], json::array({prompt, "Hello world"}));
-    EXPECT_EQ(r[key]["finishes"], json::array({"length", "length"}));
-    EXPECT_EQ(r[key]["usage"]["completion_tokens"], 0);
-    EXPECT_EQ(r[key]["usage"]["prompt_tokens"], ids.size() + hello.size());
-  }
-  // echo with logprobs would need the prompt's logprobs: a 400 naming echo.
-  EXPECT_EQ(r["echo_logprobs"]["status"], 400);
-  EXPECT_EQ(r["echo_logprobs"]["param"], "echo");
+  testing::expect_several_choices_and_echo(r, prompt, ids.size(), hello.size(), greedy(ids, 6),
+                                           greedy(hello, 6));
 
   ASSERT_TRUE(r.contains("stop"));
   const std::string stop = r["stop"]["stop"];

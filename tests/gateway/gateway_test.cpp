@@ -5,6 +5,8 @@
 // single-sequence generate loop, and no engine may keep a KV block afterwards.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -131,27 +133,8 @@ class GatewayStack : public test::TinyModelTest<kF32> {
     EXPECT_EQ(several["list_stream"]["usage"]["completion_tokens"], 12);
     EXPECT_EQ(several["list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
     EXPECT_EQ(several["chat_stream"]["contents"], json::array({chat_expected, chat_expected}));
-    // n choices of each prompt of a list: prompt-major, as one engine (and vLLM) answers.
-    EXPECT_EQ(several["n_list"]["texts"],
-              json::array({prompt + first, prompt + first, "Hello world" + second,
-                           "Hello world" + second}));
-    EXPECT_EQ(several["n_list"]["indexes"], json::array({0, 1, 2, 3}));
-    EXPECT_EQ(several["n_list"]["usage"]["prompt_tokens"], ids.size() + hello.size());
-    EXPECT_EQ(several["n_list"]["usage"]["completion_tokens"], 24);
-    EXPECT_EQ(several["n_list_stream"]["texts"], json::array({first, first, second, second}));
-    EXPECT_EQ(several["n_list_stream"]["ids"], 1);
-    EXPECT_EQ(several["n_list_stream"]["usage"]["prompt_tokens"], ids.size() + hello.size());
-    EXPECT_EQ(several["n_list_stream"]["usage"]["completion_tokens"], 24);
-    // echo with max_tokens 0: the prompts alone.
-    for (const char* key : {"echo_only", "echo_only_stream"}) {
-      SCOPED_TRACE(key);
-      EXPECT_EQ(r[key]["texts"], json::array({prompt, "Hello world"}));
-      EXPECT_EQ(r[key]["finishes"], json::array({"length", "length"}));
-      EXPECT_EQ(r[key]["usage"]["completion_tokens"], 0);
-      EXPECT_EQ(r[key]["usage"]["prompt_tokens"], ids.size() + hello.size());
-    }
-    EXPECT_EQ(r["echo_logprobs"]["status"], 400);
-    EXPECT_EQ(r["echo_logprobs"]["param"], "echo");
+    // n choices of each prompt of a list and echo: as one engine (and vLLM) answers.
+    testing::expect_several_choices_and_echo(r, prompt, ids.size(), hello.size(), first, second);
     ASSERT_TRUE(r.contains("stop"));
     const std::string stop = r["stop"]["stop"];
     EXPECT_EQ(r["stop"]["text"], expected.substr(0, expected.find(stop)));
@@ -529,6 +512,24 @@ TEST(GatewayServe, AnEngineThatDiesIsRestartedOnItsPortAndServesAgain) {
   EXPECT_TRUE(
       eventually([&] { return post_json(serve.port(), "/v1/completions", body).status == 200; }));
   EXPECT_EQ(serve.stop(), 0);
+}
+
+// A terminal's Ctrl-C signals the foreground process group. serve's engines are in groups of
+// their own, so it reaches serve alone, which drains its gateway before it stops them: with the
+// engines in serve's group they stopped at once, and the drain's requests failed 502 on them.
+TEST(GatewayServe, EnginesAreOutsideServesProcessGroup) {
+  EngineProcess serve({TANDEM_BINARY, "serve", "--model", "sim:tiny", "--port", "0", "--mode",
+                       "aggregated", "--prefill", "0", "--decode", "1"});
+  const std::string decode = serve.next_line();
+  const size_t at = decode.find("(pid ");
+  ASSERT_NE(at, std::string::npos) << decode;
+  const pid_t engine = std::stoi(decode.substr(at + 5));
+  const pid_t serve_group = ::getpgid(serve.pid());
+  ASSERT_GT(serve_group, 0);
+  EXPECT_NE(::getpgid(engine), serve_group);
+  EXPECT_EQ(::getpgid(engine), engine);
+  EXPECT_EQ(serve.stop(), 0);
+  EXPECT_EQ(::kill(engine, 0), -1) << "the engine outlived serve";
 }
 
 // The policy evaluation in small (bench/policy_comparison.sh replays a window of the Mooncake
