@@ -4,6 +4,22 @@
 'use strict';
 const OpenAI = require('openai');
 
+// A streamed completion of `count` choices read to its end: each choice's text and finish
+// reason, how many ids its chunks carried, and the usage chunk's usage.
+async function readChoices(stream, count) {
+  const texts = Array(count).fill(''), finishes = Array(count).fill(null), ids = new Set();
+  let usage = null;
+  for await (const chunk of stream) {
+    ids.add(chunk.id);
+    if (chunk.usage) usage = chunk.usage;
+    for (const ch of chunk.choices) {
+      texts[ch.index] += ch.text;
+      if (ch.finish_reason) finishes[ch.index] = ch.finish_reason;
+    }
+  }
+  return { texts, finishes, ids: ids.size, usage };
+}
+
 async function main() {
   const [baseURL, model, prompt, idsJson] = process.argv.slice(2);
   const ids = JSON.parse(idsJson);
@@ -64,14 +80,8 @@ async function main() {
                    usage: lw.usage };
   const ls = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, stream: true,
                                                stream_options: { include_usage: true } });
-  const ltexts = ['', ''], lids = new Set();
-  let lusage = null;
-  for await (const chunk of ls) {
-    lids.add(chunk.id);
-    if (chunk.usage) lusage = chunk.usage;
-    for (const ch of chunk.choices) ltexts[ch.index] += ch.text;
-  }
-  several.list_stream = { texts: ltexts, ids: lids.size, usage: lusage };
+  const lsRead = await readChoices(ls, 2);
+  several.list_stream = { texts: lsRead.texts, ids: lsRead.ids, usage: lsRead.usage };
   const cn = await client.chat.completions.create({ model, messages, temperature: 0, max_tokens: 10,
                                                    ignore_eos: true, n: 2, stream: true });
   const contents = ['', ''];
@@ -86,14 +96,8 @@ async function main() {
                      usage: nl.usage };
   const nls = await client.completions.create({ ...greedy, prompt: prompts, max_tokens: 6, n: 2,
                                                 stream: true, stream_options: { include_usage: true } });
-  const nltexts = ['', '', '', ''], nlids = new Set();
-  let nlusage = null;
-  for await (const chunk of nls) {
-    nlids.add(chunk.id);
-    if (chunk.usage) nlusage = chunk.usage;
-    for (const ch of chunk.choices) nltexts[ch.index] += ch.text;
-  }
-  several.n_list_stream = { texts: nltexts, ids: nlids.size, usage: nlusage };
+  const nlsRead = await readChoices(nls, 4);
+  several.n_list_stream = { texts: nlsRead.texts, ids: nlsRead.ids, usage: nlsRead.usage };
   out.several = several;
 
   // echo with max_tokens 0: the prompts alone, ended by "length", nothing generated.
@@ -102,16 +106,8 @@ async function main() {
                     usage: eo.usage };
   const eos = await client.completions.create({ model, prompt: prompts, echo: true, max_tokens: 0,
                                                 stream: true, stream_options: { include_usage: true } });
-  const eotexts = ['', ''], eofinishes = [null, null];
-  let eousage = null;
-  for await (const chunk of eos) {
-    if (chunk.usage) eousage = chunk.usage;
-    for (const ch of chunk.choices) {
-      eotexts[ch.index] += ch.text;
-      if (ch.finish_reason) eofinishes[ch.index] = ch.finish_reason;
-    }
-  }
-  out.echo_only_stream = { texts: eotexts, finishes: eofinishes, usage: eousage };
+  const eosRead = await readChoices(eos, 2);
+  out.echo_only_stream = { texts: eosRead.texts, finishes: eosRead.finishes, usage: eosRead.usage };
   // echo with logprobs asks for the prompt's logprobs, which are not computed: refused.
   try {
     await client.completions.create({ model, prompt, echo: true, logprobs: 1, max_tokens: 2 });
