@@ -61,6 +61,24 @@ std::vector<int32_t> iota_tokens(int n, int first = 1) {
   return v;
 }
 
+// A step in which `a`'s drafts gave way to `b`, which needs `b_tokens` computed: nobody is
+// preempted; `a` is served first, its one token without drafts (they are dropped) in its one
+// block, then `b` with its tokens in two blocks.
+void expect_drafts_gave_way(const SchedulerOutput& out, const Fixture& f, const Sequence* a,
+                            const Sequence* b, int64_t b_tokens) {
+  EXPECT_TRUE(out.preempted.empty());
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].seq, a);
+  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
+  EXPECT_EQ(out.scheduled[0].num_drafts, 0);
+  EXPECT_TRUE(a->drafts.empty());
+  EXPECT_EQ(out.scheduled[1].seq, b);
+  EXPECT_EQ(out.scheduled[1].num_new_tokens, b_tokens);
+  EXPECT_EQ(out.num_tokens, 1 + b_tokens);
+  EXPECT_EQ(f.kv.block_table(a->request.id).size(), 1u);
+  EXPECT_EQ(f.kv.block_table(b->request.id).size(), 2u);
+}
+
 // Drafts take blocks only while the cache has room for them: a sequence served after them that
 // needs a block gets the drafts' block back, and no one is preempted.
 TEST(Scheduler, AnotherSequencesDraftsGiveBackTheBlockBeforeAnyoneIsPreempted) {
@@ -73,17 +91,7 @@ TEST(Scheduler, AnotherSequencesDraftsGiveBackTheBlockBeforeAnyoneIsPreempted) {
   ASSERT_EQ(a->drafts.size(), 3u);
   // a (served first) would put its three drafts in the last block; b's next token needs it.
   out = f.sched.schedule();
-  EXPECT_TRUE(out.preempted.empty());
-  ASSERT_EQ(out.scheduled.size(), 2u);
-  EXPECT_EQ(out.scheduled[0].seq, a);
-  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
-  EXPECT_EQ(out.scheduled[0].num_drafts, 0);
-  EXPECT_TRUE(a->drafts.empty());
-  EXPECT_EQ(out.scheduled[1].seq, b);
-  EXPECT_EQ(out.scheduled[1].num_new_tokens, 1);
-  EXPECT_EQ(out.num_tokens, 2);
-  EXPECT_EQ(f.kv.block_table("0").size(), 1u);
-  EXPECT_EQ(f.kv.block_table("1").size(), 2u);
+  ASSERT_NO_FATAL_FAILURE(expect_drafts_gave_way(out, f, a, b, 1));
   f.sched.update_from_output(out, std::vector{tokens({12}), tokens({13})}, 1);
   EXPECT_EQ(a->num_computed, 4);
   EXPECT_EQ(b->num_computed, 5);
@@ -350,17 +358,7 @@ TEST(Scheduler, SpeculationSpaceGivesWayToAnAdmissionItKeepsOut) {
   Sequence* b = f.add(iota_tokens(5, 100), 1);  // 2 blocks
   out = f.sched.schedule();
   // a's token and drafts (positions 3..6) and lookahead (to 8) would take 3 blocks.
-  EXPECT_TRUE(out.preempted.empty());
-  ASSERT_EQ(out.scheduled.size(), 2u);
-  EXPECT_EQ(out.scheduled[0].seq, a);
-  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
-  EXPECT_EQ(out.scheduled[0].num_drafts, 0);
-  EXPECT_TRUE(a->drafts.empty());
-  EXPECT_EQ(out.scheduled[1].seq, b);
-  EXPECT_EQ(out.scheduled[1].num_new_tokens, 5);
-  EXPECT_EQ(out.num_tokens, 6);
-  EXPECT_EQ(f.kv.block_table("0").size(), 1u);
-  EXPECT_EQ(f.kv.block_table("1").size(), 2u);
+  ASSERT_NO_FATAL_FAILURE(expect_drafts_gave_way(out, f, a, b, 5));
   f.sched.update_from_output(out, std::vector{tokens({5}), tokens({6})}, 1);
   f.kv.check_invariants();
 }
