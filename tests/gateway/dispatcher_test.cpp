@@ -365,6 +365,31 @@ std::string host_of(const FakeEngines::Call& c) {
   return c.request.host.substr(0, c.request.host.find('.'));
 }
 
+// A stream cut after the client got `prefix`: it then got one event more, an error (given back
+// in `error`).
+void expect_one_error_event_after(const FakeClient& client, const std::string& prefix,
+                                  json& error) {
+  ASSERT_EQ(client.streamed.substr(0, prefix.size()), prefix);
+  net::SseParser events;
+  const auto tail = events.feed(client.streamed.substr(prefix.size()));
+  ASSERT_EQ(tail.size(), 1u) << client.streamed;
+  error = json::parse(tail[0]).at("error");
+}
+
+// After the first attempt, on engine a, failed: the request went on to b (the one attempt open)
+// with the client seeing nothing yet, one retry counted and a's failure too. `on_b`, when given,
+// gets b's attempt.
+void expect_retried_on_b(const Cluster& c, const FakeClient& client,
+                         std::shared_ptr<FakeEngines::Call>* on_b = nullptr) {
+  const auto open = c.engines.open("/v1/completions");
+  ASSERT_EQ(open.size(), 1u);
+  EXPECT_EQ(host_of(*open[0]), "b");
+  EXPECT_FALSE(client.complete());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  if (on_b) *on_b = open[0];
+}
+
 // ------------------------------------------------------------------------ dispatch and relay
 
 TEST(Dispatcher, SendsARequestToTheLeastLoadedEngineAndRelaysItsAnswer) {
@@ -449,11 +474,8 @@ TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEvent) {
   // ends properly: the client can tell a cut answer from a whole one.
   const std::string prefix =
       "data: {\"choices\":[{\"text\":\"hello\"}]}\n\ndata: {\"choices\":[{\"te\n\n";
-  ASSERT_EQ(client->streamed.substr(0, prefix.size()), prefix);
-  net::SseParser events;
-  const auto tail = events.feed(client->streamed.substr(prefix.size()));
-  ASSERT_EQ(tail.size(), 1u) << client->streamed;
-  const json error = json::parse(tail[0]).at("error");
+  json error;
+  ASSERT_NO_FATAL_FAILURE(expect_one_error_event_after(*client, prefix, error));
   EXPECT_EQ(error.at("type"), "server_error");
   const std::string message = error.at("message");
   EXPECT_EQ(message, "the answer was cut: engine a: connection closed by peer");
@@ -497,11 +519,9 @@ TEST(Dispatcher, AStreamThatEndsWithoutItsDoneIsCut) {
   ASSERT_TRUE(FakeEngines::piece(*call, first));
   FakeEngines::finish(*call, "");
   c.clock.run_ready();
-  ASSERT_EQ(client->streamed.substr(0, first.size()), first);
-  net::SseParser events;
-  const auto tail = events.feed(client->streamed.substr(first.size()));
-  ASSERT_EQ(tail.size(), 1u) << client->streamed;
-  EXPECT_EQ(json::parse(tail[0]).at("error").at("message"),
+  json error;
+  ASSERT_NO_FATAL_FAILURE(expect_one_error_event_after(*client, first, error));
+  EXPECT_EQ(error.at("message"),
             "the answer was cut: engine a: the stream ended without its [DONE]");
   EXPECT_TRUE(client->complete());
   EXPECT_EQ(c.metric("tandem:gateway_requests_total{status=\"502\"}"), 1);
@@ -662,12 +682,7 @@ TEST(Dispatcher, AnEmptyStreamIsRetriedAndTheEngineBlamed) {
   FakeEngines::head(*first, 200, "text/event-stream");
   FakeEngines::finish(*first, "");
   c.clock.run_ready();
-  auto second = c.engines.open("/v1/completions");
-  ASSERT_EQ(second.size(), 1u);
-  EXPECT_EQ(host_of(*second[0]), "b");
-  EXPECT_FALSE(client->complete());
-  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
-  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
+  ASSERT_NO_FATAL_FAILURE(expect_retried_on_b(c, *client));
   EXPECT_EQ(c.endpoint("a")["healthy"], false);
   EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"decode\",endpoint=\"a\"}"), 1);
 }
@@ -689,13 +704,9 @@ TEST(Dispatcher, AnErrorAnswerLargerThanTheAnswerLimitIsTheEnginesFailure) {
   EXPECT_TRUE(FakeEngines::piece(*first, page));
   FakeEngines::finish(*first, "");
   c.clock.run_ready();
-  auto second = c.engines.open("/v1/completions");
-  ASSERT_EQ(second.size(), 1u);
-  EXPECT_EQ(host_of(*second[0]), "b");
-  EXPECT_FALSE(client->complete());
-  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
-  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 1);
-  FakeEngines::answer(*second[0], 500, page, "text/html");
+  std::shared_ptr<FakeEngines::Call> second;
+  ASSERT_NO_FATAL_FAILURE(expect_retried_on_b(c, *client, &second));
+  FakeEngines::answer(*second, 500, page, "text/html");
   c.clock.run_ready();
   EXPECT_EQ(client->status, 502);
   EXPECT_FALSE(client->streaming);
@@ -1000,12 +1011,9 @@ TEST(Dispatcher, ShutDownAnswersTheRequestsLeft503WithoutRetryOrBlame) {
   EXPECT_EQ(whole->error_type, "server_error");
   EXPECT_EQ(waiting->status, 503);
   EXPECT_EQ(waiting->error_message, "the gateway is shutting down");
-  ASSERT_EQ(streaming->streamed.substr(0, first.size()), first);
-  net::SseParser events;
-  const auto tail = events.feed(streaming->streamed.substr(first.size()));
-  ASSERT_EQ(tail.size(), 1u) << streaming->streamed;
-  EXPECT_EQ(json::parse(tail[0]).at("error").at("message"),
-            "the answer was cut: the gateway is shutting down");
+  json error;
+  ASSERT_NO_FATAL_FAILURE(expect_one_error_event_after(*streaming, first, error));
+  EXPECT_EQ(error.at("message"), "the answer was cut: the gateway is shutting down");
   EXPECT_TRUE(streaming->complete());
   EXPECT_FALSE(streaming->aborted);
   EXPECT_EQ(c.engines.all("/v1/completions").size(), 2u);  // no retry, no leg for the waiting one
