@@ -302,6 +302,26 @@ TEST_P(KvTransports, CloseUnblocksAccept) {
 
 // ------------------------------------------------------- shared memory: a hostile local peer
 
+// One byte on a Unix socket with descriptor `fd` attached when given (>= 0), built by hand as a
+// hostile peer would (not with the transport's own code); true once it is sent.
+bool send_byte_by_hand(int sock, char byte, int fd) {
+  iovec iov{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr m{};
+  m.msg_iov = &iov;
+  m.msg_iovlen = 1;
+  if (fd >= 0) {
+    m.msg_control = control;
+    m.msg_controllen = sizeof control;
+    cmsghdr* c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  }
+  return ::sendmsg(sock, &m, MSG_NOSIGNAL) == 1;
+}
+
 // A process posing as a prefill engine on this host: it holds the shared-memory socket name of
 // 127.0.0.1:port (as shm_ring.h defines it) and speaks the segment handshake by hand.
 class FakeShmListener {
@@ -343,22 +363,7 @@ class FakeShmListener {
     if (cmsghdr* h = CMSG_FIRSTHDR(&m); h && h->cmsg_type == SCM_RIGHTS)
       std::memcpy(&segment_fd, CMSG_DATA(h), sizeof(int));
     SharedSegment segment = SharedSegment::attach(segment_fd);
-    char welcome = shm::kWelcome;
-    iovec out{&welcome, 1};
-    msghdr w{};
-    w.msg_iov = &out;
-    w.msg_iovlen = 1;
-    alignas(cmsghdr) char extra[CMSG_SPACE(sizeof(int))] = {};
-    if (extra_fd >= 0) {
-      w.msg_control = extra;
-      w.msg_controllen = sizeof extra;
-      cmsghdr* h = CMSG_FIRSTHDR(&w);
-      h->cmsg_level = SOL_SOCKET;
-      h->cmsg_type = SCM_RIGHTS;
-      h->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(h), &extra_fd, sizeof(int));
-    }
-    EXPECT_EQ(::sendmsg(c, &w, MSG_NOSIGNAL), 1);
+    EXPECT_TRUE(send_byte_by_hand(c, shm::kWelcome, extra_fd));
     return segment;
   }
 
@@ -432,21 +437,7 @@ class FakeShmClient {
 
   // Sends the hello with the segment; true once the welcome came back.
   bool hello() {
-    char byte = shm::kHello;
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr m{};
-    m.msg_iov = &iov;
-    m.msg_iovlen = 1;
-    m.msg_control = control;
-    m.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&m);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    const int segment_fd = segment_.fd();
-    std::memcpy(CMSG_DATA(c), &segment_fd, sizeof(int));
-    if (::sendmsg(fd_, &m, MSG_NOSIGNAL) != 1) return false;
+    if (!send_byte_by_hand(fd_, shm::kHello, segment_.fd())) return false;
     pollfd p{fd_, POLLIN, 0};
     if (::poll(&p, 1, int(std::chrono::milliseconds(kHangGuard).count())) <= 0) return false;
     char welcome = 0;
