@@ -129,21 +129,28 @@ TEST(GatewayReplicas, TwoReplicasSendASharedPrefixToTheEngineThatHoldsIt) {
   }
 }
 
+// A replica's topology: on a port of its own choosing on 127.0.0.1, in front of the one vLLM
+// engine `engine` (named `name`).
+Topology in_front_of(const testing::FakeEngine& engine, const std::string& name) {
+  Topology t;
+  t.host = "127.0.0.1";
+  t.port = 0;
+  t.mode = PdMode::kAggregated;
+  t.decode.dialect = Dialect::kVllm;
+  t.decode.endpoints = {testing::endpoint_of(engine, name)};
+  return t;
+}
+
 // Replicas share no counts: each keeps its own in-flight limit per engine, so together they send
 // an engine at most the sum of their limits (`tandem serve --gateways N` gives each replica
 // ceil(limit / N): at most limit + N - 1 in all).
 TEST(GatewayReplicas, TheirCombinedLoadOnAnEngineStaysWithinTheSumOfTheirLimits) {
   testing::FakeEngine engine("shared");
   engine.set(testing::Behaviour::kHold);
-  Topology t;
-  t.host = "127.0.0.1";
-  t.port = 0;
+  Topology t = in_front_of(engine, "shared");
   t.reuse_port = true;
-  t.mode = PdMode::kAggregated;
   t.policy = "least_load";
-  t.decode.dialect = Dialect::kVllm;
   t.decode.max_in_flight = 2;
-  t.decode.endpoints = {testing::endpoint_of(engine, "shared")};
   Gateway a(t);
   a.start();
   t.port = a.port();  // the second replica shares the first one's port
@@ -183,12 +190,7 @@ struct HeldReplicas {
 
   HeldReplicas() {
     engine.set(testing::Behaviour::kHold);
-    Topology t;
-    t.host = "127.0.0.1";
-    t.port = 0;
-    t.mode = PdMode::kAggregated;
-    t.decode.dialect = Dialect::kVllm;
-    t.decode.endpoints = {testing::endpoint_of(engine, "held")};
+    const Topology t = in_front_of(engine, "held");
     a = std::make_unique<Gateway>(t);
     b = std::make_unique<Gateway>(t);
     a->start();
@@ -274,12 +276,7 @@ TEST(GatewayReplicas, AnInterruptedDrainAnswersWhatIsLeft503AtOnce) {
 // gateway_replica, so a scrape of one replica is told from the other's (sum by gateway_replica).
 TEST(GatewayReplicas, EachReplicasMetricsCarryItsReplicaLabel) {
   testing::FakeEngine engine("e");
-  Topology t;
-  t.host = "127.0.0.1";
-  t.port = 0;
-  t.mode = PdMode::kAggregated;
-  t.decode.dialect = Dialect::kVllm;
-  t.decode.endpoints = {testing::endpoint_of(engine, "e")};
+  Topology t = in_front_of(engine, "e");
   std::vector<std::unique_ptr<Gateway>> replicas;
   for (const char* k : {"0", "1"}) {
     t.metrics_replica = k;
