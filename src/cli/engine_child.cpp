@@ -77,6 +77,10 @@ void EngineChild::start(Clock::time_point now) {
   const pid_t parent = ::getpid();
   process_ = std::make_unique<ChildProcess>(options_.program, args_(ports_), [this, parent] {
     stop_signals_.unblock();
+    // A group of its own: a terminal's Ctrl-C signals serve's whole group, and an engine stopped
+    // with it would leave the gateway's drain nothing to finish the requests in flight on. serve
+    // stops its engines itself, after the drain.
+    ::setpgid(0, 0);
     // The engine ends with serve however serve ends (a stop signal while it starts, a crash):
     // an orphaned engine would hold its ports and memory with nobody to stop it.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
