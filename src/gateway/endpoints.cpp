@@ -300,7 +300,10 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   e->readmitted = now;
   // What answers there now may be another server: an auto engine is asked again, and so is
   // every engine's longest sequence.
-  if (e->dialect == Dialect::kAuto) e->load_source = LoadSource::kAsking;
+  if (e->dialect == Dialect::kAuto) {
+    e->load_source = LoadSource::kAsking;
+    e->load_trouble.clear();  // said again if the new server has it too
+  }
   e->length_query = LengthQuery::kToAsk;
   e->max_model_len = 0;
   if (!e->draining) e->healthy_gauge->set(1);
@@ -328,8 +331,10 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
   if (answer.kind == LoadAnswer::Kind::kNoAnswer) return false;
   if (answer.kind == LoadAnswer::Kind::kNoReport) {
     if (e->load_source == LoadSource::kAsking) {
-      // A vLLM or SGLang engine: routed by the gateway's own counts, never waiting for reports.
+      // A vLLM or SGLang engine: routed by the gateway's own counts, never waiting for reports
+      // (nor polled again, so no trouble is left standing for /admin/endpoints to show).
       e->load_source = LoadSource::kOwnCounts;
+      e->load_trouble.clear();
       std::fprintf(stderr,
                    "tandem gateway: engine %s has no Tandem load report at GET /load (%s): "
                    "routing it by the gateway's own counts\n",

@@ -2011,6 +2011,54 @@ TEST(HealthMonitor, AnEngineWithoutLoadReportsIsSaidOncePerReasonNotOnEveryPoll)
   }
 }
 
+// An auto engine that reported, then answered 404, is readmitted after an ejection as a new
+// server (asked again): its old trouble is not shown any more, and when the new server has no
+// reports either it is routed by the gateway's own counts, no longer polled, so no load_error
+// stays on /admin/endpoints for good (it did).
+TEST(HealthMonitor, AReadmittedEngineShowsNoOldLoadTrouble) {
+  Topology t = aggregated({engine("a")});
+  t.decode.dialect = Dialect::kAuto;
+  t.scheduling.load_interval = milliseconds(100);
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  api::LoadReport report;
+  report.total_blocks = 100;
+  report.block_size = 16;
+  Cluster c(t);
+  ::testing::internal::CaptureStderr();
+  c.health.start();
+  auto answer_polls = [&](int status, const std::string& body) {
+    for (const auto& p : c.engines.open("/load")) FakeEngines::answer(*p, status, body);
+    c.clock.run_ready();
+  };
+  auto answer_probes = [&](bool ok) {
+    for (const auto& p : c.engines.open("/health")) {
+      if (ok)
+        FakeEngines::answer(*p, 200, "");
+      else
+        FakeEngines::finish(*p, "connection refused");
+    }
+    c.clock.run_ready();
+  };
+  answer_probes(true);
+  answer_polls(200, api::to_json(report));
+  c.clock.advance_by(milliseconds(100));
+  answer_polls(404, R"({"detail":"Not Found"})");
+  EXPECT_EQ(c.endpoint("a").value("load_error", ""), "it answered HTTP 404");
+  c.clock.advance_by(milliseconds(1000));
+  answer_probes(false);
+  ASSERT_EQ(c.endpoint("a")["healthy"], false);
+  c.clock.advance_by(milliseconds(1000));
+  answer_probes(true);
+  ASSERT_EQ(c.endpoint("a")["healthy"], true);
+  EXPECT_FALSE(c.endpoint("a").contains("load_error"));
+  c.clock.advance_by(milliseconds(100));
+  answer_polls(404, R"({"detail":"Not Found"})");
+  EXPECT_EQ(c.endpoint("a")["load_source"], "own_counts");
+  EXPECT_FALSE(c.endpoint("a").contains("load_error"));
+  ::testing::internal::GetCapturedStderr();
+}
+
 TEST(HealthMonitor, ALoadPollAsksOnlyForTheStepsAfterTheLastOneSeen) {
   Topology t = aggregated({engine("a")});
   t.decode.dialect = Dialect::kTandem;
