@@ -86,6 +86,10 @@ class Gateway::Impl {
     // New requests get 503.
     front_end_.stop();
     if (started_) {
+      // A request the front end took before it stopped posts its submit from the io thread's
+      // handler that took it: once each io thread has passed its current handler, every such
+      // submit is queued ahead of the drain's tasks, so it is drained, not answered 503.
+      io_threads_pass();
       // The drain: the requests in flight may finish (legs still start, failures are retried),
       // until none is left, the time is up or end_drain() cuts it short.
       if (drain > std::chrono::milliseconds::zero()) {
