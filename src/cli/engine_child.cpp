@@ -79,8 +79,10 @@ void EngineChild::start(Clock::time_point now) {
     stop_signals_.unblock();
     // A group of its own: a terminal's Ctrl-C signals serve's whole group, and an engine stopped
     // with it would leave the gateway's drain nothing to finish the requests in flight on. serve
-    // stops its engines itself, after the drain.
+    // stops its engines itself, after the drain. Its stderr is still serve's terminal, where a
+    // background group's writes would stop it (SIGTTOU) under `stty tostop`: ignored, they go on.
     ::setpgid(0, 0);
+    ::signal(SIGTTOU, SIG_IGN);
     // The engine ends with serve however serve ends (a stop signal while it starts, a crash):
     // an orphaned engine would hold its ports and memory with nobody to stop it.
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
