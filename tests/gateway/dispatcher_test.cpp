@@ -1970,16 +1970,26 @@ size_t count_of(const std::string& text, const std::string& part) {
 // An engine that is to report (a `tandem` one, or an `auto` one that reported) but answers
 // GET /load without a report is asked on every poll, and said once per reason: once when it
 // starts, again when the reason changes, and again after reports resumed and stopped anew.
+// An engine's load report: 100 blocks of 16 tokens, nothing else said.
+std::string a_load_report() {
+  api::LoadReport report;
+  report.total_blocks = 100;
+  report.block_size = 16;
+  return api::to_json(report);
+}
+
+// One engine `a` of `dialect`, polled for its load every 100 ms.
+Topology polled_for_load(Dialect dialect) {
+  Topology t = aggregated({engine("a")});
+  t.decode.dialect = dialect;
+  t.scheduling.load_interval = milliseconds(100);
+  return t;
+}
+
 TEST(HealthMonitor, AnEngineWithoutLoadReportsIsSaidOncePerReasonNotOnEveryPoll) {
   for (const Dialect dialect : {Dialect::kTandem, Dialect::kAuto}) {
     SCOPED_TRACE(dialect == Dialect::kTandem ? "tandem" : "auto");
-    Topology t = aggregated({engine("a")});
-    t.decode.dialect = dialect;
-    t.scheduling.load_interval = milliseconds(100);
-    api::LoadReport report;
-    report.total_blocks = 100;
-    report.block_size = 16;
-    Cluster c(t);
+    Cluster c(polled_for_load(dialect));
     ::testing::internal::CaptureStderr();
     c.health.start();
     // Answers the one poll open now, then lets the next one leave.
@@ -1989,13 +1999,13 @@ TEST(HealthMonitor, AnEngineWithoutLoadReportsIsSaidOncePerReasonNotOnEveryPoll)
       FakeEngines::answer(*polls[0], status, body);
       c.clock.advance_by(milliseconds(100));
     };
-    if (dialect == Dialect::kAuto) answer_poll(200, api::to_json(report));  // it reports
+    if (dialect == Dialect::kAuto) answer_poll(200, a_load_report());  // it reports
     for (int i = 0; i < 20; ++i) answer_poll(404, R"({"detail":"Not Found"})");
     const json a = c.endpoint("a");
     EXPECT_EQ(a["load_source"], "reports");  // still asked: its reports may come back
     EXPECT_EQ(a.value("load_error", ""), "it answered HTTP 404");
     for (int i = 0; i < 5; ++i) answer_poll(200, R"({"server_load": 3})");  // another reason
-    answer_poll(200, api::to_json(report));
+    answer_poll(200, a_load_report());
     EXPECT_FALSE(c.endpoint("a").contains("load_error"));
     for (int i = 0; i < 5; ++i) answer_poll(404, R"({"detail":"Not Found"})");
     const std::string said = ::testing::internal::GetCapturedStderr();
@@ -2016,14 +2026,9 @@ TEST(HealthMonitor, AnEngineWithoutLoadReportsIsSaidOncePerReasonNotOnEveryPoll)
 // reports either it is routed by the gateway's own counts, no longer polled, so no load_error
 // stays on /admin/endpoints for good (it did).
 TEST(HealthMonitor, AReadmittedEngineShowsNoOldLoadTrouble) {
-  Topology t = aggregated({engine("a")});
-  t.decode.dialect = Dialect::kAuto;
-  t.scheduling.load_interval = milliseconds(100);
+  Topology t = polled_for_load(Dialect::kAuto);
   t.health.failures_to_eject = 1;
   t.health.probe_interval = milliseconds(1000);
-  api::LoadReport report;
-  report.total_blocks = 100;
-  report.block_size = 16;
   Cluster c(t);
   ::testing::internal::CaptureStderr();
   c.health.start();
@@ -2041,7 +2046,7 @@ TEST(HealthMonitor, AReadmittedEngineShowsNoOldLoadTrouble) {
     c.clock.run_ready();
   };
   answer_probes(true);
-  answer_polls(200, api::to_json(report));
+  answer_polls(200, a_load_report());
   c.clock.advance_by(milliseconds(100));
   answer_polls(404, R"({"detail":"Not Found"})");
   EXPECT_EQ(c.endpoint("a").value("load_error", ""), "it answered HTTP 404");
