@@ -185,7 +185,8 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   bool refused = false;            // the stream must not go on (an error first, a leg given up)
   l.parser.feed(piece, [&](std::string_view data) {
     if (refused) return;
-    if (net::SseParser::is_done(data)) l.stream_done = true;
+    const bool done = net::SseParser::is_done(data);
+    if (done) l.stream_done = true;
     const bool error_event = is_error_event(data);
     if (l.state != LegState::kRelaying) {
       if (error_event) {  // failed before any token: the client has seen nothing
@@ -215,7 +216,7 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     }
     if (carries_tokens(data)) {
       ++token_events;
-    } else if (data != "[DONE]") {  // the usage chunk: what the engine generated, and reused
+    } else if (!done) {  // the usage chunk: what the engine generated, and reused
       if (const int64_t tokens = usage_completion_tokens(data); tokens >= 0)
         completion_tokens = tokens;
       if (computes_prompt_) {
