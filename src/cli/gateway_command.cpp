@@ -1,12 +1,12 @@
 #include "cli/gateway_command.h"
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <tuple>
 
+#include "cli/gateway_shutdown.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
@@ -60,9 +60,7 @@ void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const
     const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
     t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
   }
-  if (given("--shutdown-timeout"))
-    t.shutdown_timeout =
-        std::chrono::milliseconds(static_cast<int64_t>(std::llround(o.shutdown_timeout * 1000)));
+  if (given("--shutdown-timeout")) t.shutdown_timeout = shutdown_drain(o.shutdown_timeout);
   if (o.reuse_port) t.reuse_port = true;
   if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
 }
@@ -115,18 +113,8 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
               decodes);
   std::fflush(stdout);
   const int sig = stop_signals.wait();
-  std::fprintf(stderr,
-               "tandem gateway: stopping (signal %d): the requests in flight have %.3g s to "
-               "finish; a second signal ends them now\n",
-               sig, std::chrono::duration<double>(drain).count());
   gateway::Gateway* const gateways[] = {&gw};
-  gateway::stop_together(gateways, drain, [&](std::chrono::milliseconds wait) {
-    const auto again = stop_signals.wait_for(wait);
-    if (again)
-      std::fprintf(stderr, "tandem gateway: signal %d: the requests left are answered 503\n",
-                   *again);
-    return again.has_value();
-  });
+  stop_gateways(gateways, drain, stop_signals, "tandem gateway", sig);
 }
 
 }  // namespace
@@ -209,13 +197,7 @@ void add_gateway_command(CLI::App& app) {
       // The topology's bound on durations (about 24.8 days); beyond it the conversion to
       // milliseconds could overflow before validation sees the value.
       ->check(CLI::Range(0.0, 2147483.647));
-  cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
-                  "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish before "
-                  "those left are answered 503; a second signal ends it at once (0: no drain; "
-                  "shutdown_timeout)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber)
-      ->check(CLI::Range(0.0, 2147483.0));
+  add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "cli/engine_child.h"
+#include "cli/gateway_shutdown.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
@@ -192,8 +192,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   g.max_tokens_limit = o.max_tokens.limit;
   g.default_max_tokens = o.max_tokens.default_value;
   g.priority = classes;
-  g.shutdown_timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(std::llround(o.shutdown_timeout * 1000)));
+  g.shutdown_timeout = shutdown_drain(o.shutdown_timeout);
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
@@ -265,20 +264,11 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     }
     for (auto& c : children) c->supervise(EngineChild::Clock::now());
   }
-  std::fprintf(stderr,
-               "tandem serve: stopping (signal %d): the requests in flight have %.3g s to "
-               "finish; a second signal ends them now\n",
-               sig, o.shutdown_timeout);
   // Every replica refuses new requests before any drains, and they drain together: one drain,
   // not one per replica.
   std::vector<gateway::Gateway*> replicas;
   for (auto& gw : gateways) replicas.push_back(gw.get());
-  gateway::stop_together(replicas, g.shutdown_timeout, [&](std::chrono::milliseconds wait) {
-    const auto again = stop_signals.wait_for(wait);
-    if (again)
-      std::fprintf(stderr, "tandem serve: signal %d: the requests left are answered 503\n", *again);
-    return again.has_value();
-  });
+  stop_gateways(replicas, g.shutdown_timeout, stop_signals, "tandem serve", sig);
   for (auto& c : children) c->terminate();  // all at once, then wait for each
   const auto deadline = EngineChild::Clock::now() + ChildProcess::kStopGrace;
   for (auto& c : children) c->wait_until(deadline);
@@ -353,12 +343,7 @@ void add_serve_command(CLI::App& app) {
                   "required as a Bearer token on the gateway's /metrics (default: open)");
   cmd->add_flag("--no-gateway-tokenizer", o->no_gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
-  cmd->add_option("--shutdown-timeout", o->shutdown_timeout,
-                  "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish before "
-                  "those left are answered 503; a second signal ends it at once (0: no drain)")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber)
-      ->check(CLI::Range(0.0, 2147483.0));
+  add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 

@@ -1,0 +1,25 @@
+#pragma once
+// How `tandem gateway` and `tandem serve` stop their gateways: --shutdown-timeout, and a drain
+// that a second stop signal ends.
+#include <chrono>
+#include <span>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/stop_signals.h"
+#include "gateway/gateway.h"
+
+namespace tandem::cli {
+
+// --shutdown-timeout SECONDS into `seconds` (whose value is the default shown).
+void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds);
+
+// The drain --shutdown-timeout gives.
+std::chrono::milliseconds shutdown_drain(double seconds);
+
+// After the stop signal `sig`: says so as `who`, then stops `gateways` together with `drain`,
+// ending the drain at once when another stop signal comes.
+void stop_gateways(std::span<gateway::Gateway* const> gateways, std::chrono::milliseconds drain,
+                   const StopSignals& signals, const char* who, int sig);
+
+}  // namespace tandem::cli
