@@ -254,22 +254,14 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
       json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
       choice["logprobs"] =
           request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset) : json(nullptr);
-      chunks.push_back({{"id", id_},
-                        {"object", kCompletionObject},
-                        {"created", created_},
-                        {"model", request_.model},
-                        {"choices", json::array({choice})}});
+      chunks.push_back(stream_chunk(kCompletionObject, std::move(choice)));
       break;
     }
     case ApiKind::kChat: {
       auto chunk = [&](json delta, json fin, json logprobs) {
-        json choice = chat_chunk_choice(int64_t(index), std::move(delta), std::move(logprobs),
-                                        std::move(fin));
-        return json{{"id", id_},
-                    {"object", kChatChunkObject},
-                    {"created", created_},
-                    {"model", request_.model},
-                    {"choices", json::array({std::move(choice)})}};
+        return stream_chunk(kChatChunkObject,
+                            chat_chunk_choice(int64_t(index), std::move(delta), std::move(logprobs),
+                                              std::move(fin)));
       };
       if (!c.started) {
         chunks.push_back(chunk(chat_role_delta(), nullptr, nullptr));
@@ -315,11 +307,15 @@ std::vector<json> ResponseBuilder::on_echo_only(size_t index, const RequestOutpu
                  {"text", request_.prompt_texts.at(index)},
                  {"logprobs", nullptr},
                  {"finish_reason", c.finish_reason}};
-  return {json{{"id", id_},
-               {"object", kCompletionObject},
-               {"created", created_},
-               {"model", request_.model},
-               {"choices", json::array({std::move(choice)})}}};
+  return {stream_chunk(kCompletionObject, std::move(choice))};
+}
+
+json ResponseBuilder::stream_chunk(std::string_view object, json choice) const {
+  return json{{"id", id_},
+              {"object", object},
+              {"created", created_},
+              {"model", request_.model},
+              {"choices", json::array({std::move(choice)})}};
 }
 
 std::optional<json> ResponseBuilder::usage_chunk() const {

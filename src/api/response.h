@@ -86,6 +86,8 @@ class ResponseBuilder {
   // on_output for a completion with echo and max_tokens 0.
   std::vector<nlohmann::json> on_echo_only(size_t index, const RequestOutput& out);
   nlohmann::json usage() const;
+  // A stream chunk of `object` carrying one choice.
+  nlohmann::json stream_chunk(std::string_view object, nlohmann::json choice) const;
   nlohmann::json completion_logprobs(const Choice& c, size_t first, size_t text_offset) const;
   nlohmann::json chat_logprobs(const Choice& c, size_t first) const;
   nlohmann::json generate_body(size_t index) const;
