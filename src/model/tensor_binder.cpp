@@ -69,10 +69,17 @@ Matrix TensorBinder::packed_matrix(const std::string& name, int64_t rows, int64_
 
 void TensorBinder::pack(Matrix& m, PlainRows plain) {
   if (!kernels::pack_for_gemm(m, &arena_)) return;
-  // Converted weights (FP8 dequantised to BF16) live in `storage`, not in the mapping; they
-  // stay, as both copies of an FP8 checkpoint's matrices do.
-  if (plain == PlainRows::kRelease && m.storage.empty() && !kernels::batch_invariant())
-    release_pages(m.data, m.bytes());
+  // Every product reads the packed copy now; the plain rows only absorbed attention (kKeep)
+  // and the batch-invariant kernels read.
+  if (plain == PlainRows::kKeep || kernels::batch_invariant()) return;
+  if (m.storage.empty()) {
+    release_pages(m.data, m.bytes());  // mapped: should they be read after all, they come back
+  } else {
+    // Converted rows (FP8 dequantised to BF16) have no file to come back from: freed, so an
+    // FP8 checkpoint's matrices are held once, packed, as a BF16 checkpoint's are.
+    std::vector<uint8_t>().swap(m.storage);
+    m.data = nullptr;
+  }
 }
 
 Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t cols,
@@ -152,6 +159,7 @@ void TensorBinder::dequantize_fp8(const std::string& name, const TensorInfo& t, 
       out[r * m.cols + col] =
           f32_to_bf16(f8e4m3_to_f32(in[r * m.cols + col]) * scales[(r / br) * sc + col / bc]);
   m.data = m.storage.data();
+  release_pages(t.data, t.nbytes);  // the FP8 bytes are not read again
 }
 
 }  // namespace tandem::model
