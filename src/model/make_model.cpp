@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "model/layout.h"
+#include "model/model_folder.h"
 #include "model/quantize.h"
 #include "model/qwen3_moe_config.h"
 #include "model/safetensors.h"
@@ -318,17 +319,6 @@ void write_json(const fs::path& path, const nlohmann::ordered_json& doc) {
   write_file_atomically(path, doc.dump(2) + "\n");
 }
 
-void copy_tokenizer(const fs::path& from, const fs::path& to) {
-  if (!fs::exists(from / "tokenizer.json"))
-    throw Error("make-model: no tokenizer.json in " + from.string());
-  for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
-    if (!fs::exists(from / file)) continue;
-    std::error_code ec;
-    fs::copy_file(from / file, to / file, fs::copy_options::overwrite_existing, ec);
-    if (ec) throw Error("make-model: cannot copy " + (from / file).string() + ": " + ec.message());
-  }
-}
-
 // The decoder layers to write: the preset's, or --layers when given (1..kMaxLayers).
 int64_t layers_of(const MakeModelOptions& options, int64_t preset_layers) {
   if (options.layers < 0 || options.layers > kMaxLayers)
@@ -363,7 +353,9 @@ TokenIds prepare_folder(const MakeModelOptions& options, int64_t vocab_size) {
   std::error_code ec;
   fs::create_directories(options.out, ec);
   if (ec) throw Error(options.out.string() + ": cannot create folder: " + ec.message());
-  copy_tokenizer(options.tokenizer_dir, options.out);
+  if (!fs::exists(options.tokenizer_dir / "tokenizer.json"))
+    throw Error("make-model: no tokenizer.json in " + options.tokenizer_dir.string());
+  copy_tokenizer_files(options.tokenizer_dir, options.out, false, "make-model");
   const auto tok = text::Tokenizer::from_dir(options.out);
   if (static_cast<int64_t>(tok.vocab_size()) > vocab_size)
     throw Error("make-model: the tokenizer in " + options.tokenizer_dir.string() +

@@ -29,8 +29,9 @@ Qwen3MoeConfig qwen3_moe_preset_config(const std::string& name);
 struct MakeModelOptions {
   std::string preset;
   std::filesystem::path out;
-  // Holds tokenizer.json and optionally tokenizer_config.json; the config's vocabulary must
-  // cover its ids, and its BOS/EOS become the config's token ids.
+  // Holds tokenizer.json and optionally tokenizer_config.json and chat templates (all copied:
+  // model_folder.h); the config's vocabulary must cover its ids, and its BOS/EOS become the
+  // config's token ids.
   std::filesystem::path tokenizer_dir;
   uint64_t seed = 0;
   // F32, BF16, F16, F8_E4M3 (128x128 block scales) or I8 (per-output-channel scales).

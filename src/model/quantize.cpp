@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/layout.h"
+#include "model/model_folder.h"
 #include "model/safetensors.h"
 #include "util/error.h"
 #include "util/file.h"
@@ -135,11 +136,7 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
       o.max_shard_bytes, progress);
 
   write_file_atomically(o.out / "config.json", c.to_json().dump(2) + "\n");
-  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
-    if (!fs::exists(o.in / file)) continue;
-    fs::copy_file(o.in / file, o.out / file, fs::copy_options::overwrite_existing, ec);
-    if (ec) throw Error("quantize: cannot copy " + (o.in / file).string() + ": " + ec.message());
-  }
+  copy_tokenizer_files(o.in, o.out, true, "quantize");
   return c;
 }
 

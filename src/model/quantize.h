@@ -34,11 +34,12 @@ struct QuantizeOptions {
 
 // Writes `in`'s checkpoint to `out` quantized: the attention and MLP linears in `dtype` with their
 // scales (model/layout.h says which), every other tensor in BF16 (the correction bias stays F32);
-// config.json gains the quantization_config, torch_dtype becomes bfloat16; the tokenizer and
-// generation config are copied. The same rules as make-model: an F32 checkpoint made by
-// make-model quantizes to the bytes make-model writes for that dtype. Tensors are converted one at
-// a time. Returns the written config. Throws tandem::Error naming the file or tensor for a source
-// that is missing, incomplete or already quantized.
+// config.json gains the quantization_config, torch_dtype becomes bfloat16; the tokenizer (every
+// file and folder of it, chat templates included) and generation config are copied, and those a
+// model written to `out` before had but `in` lacks are removed. The same rules as make-model: an
+// F32 checkpoint made by make-model quantizes to the bytes make-model writes for that dtype.
+// Tensors are converted one at a time. Returns the written config. Throws tandem::Error naming the
+// file or tensor for a source that is missing, incomplete or already quantized.
 ModelConfig quantize_checkpoint(const QuantizeOptions& options,
                                 const std::function<void(size_t, size_t)>& progress = {});
 

@@ -179,11 +179,25 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
+namespace {
+// What from_dir reads, and files() lists.
+constexpr std::string_view kTokenizerFile = "tokenizer.json", kConfigFile = "tokenizer_config.json",
+                           kTemplateFile = "chat_template.jinja",
+                           kTemplateFolder = "additional_chat_templates",
+                           kProcessorTemplateFile = "chat_template.json";
+constexpr std::string_view kFiles[] = {kTokenizerFile, kConfigFile, kTemplateFile, kTemplateFolder,
+                                       kProcessorTemplateFile};
+}  // namespace
+
+std::span<const std::string_view> Tokenizer::files() {
+  return kFiles;
+}
+
 Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
-  auto tok_path = dir / "tokenizer.json";
+  auto tok_path = dir / kTokenizerFile;
   if (!std::filesystem::exists(tok_path))
     throw Error("no tokenizer.json in " + dir.string() + " (expected a Hugging Face model folder)");
-  auto cfg_path = dir / "tokenizer_config.json";
+  auto cfg_path = dir / kConfigFile;
   // Regular files only: a FIFO blocked the load in open() until some writer came.
   std::string cfg = std::filesystem::exists(cfg_path)
                         ? read_regular_file(cfg_path, kMaxModelConfigBytes)
@@ -193,9 +207,9 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   // transformers' PreTrainedTokenizerBase._from_pretrained: template files win over the config's
   // field, all of it (save_pretrained has written only chat_template.jinja since 4.47).
   std::vector<NamedChatTemplate> files;
-  if (const auto path = dir / "chat_template.jinja"; std::filesystem::exists(path))
+  if (const auto path = dir / kTemplateFile; std::filesystem::exists(path))
     files.push_back({"default", read_regular_file(path, kMaxModelConfigBytes)});
-  if (const auto extra = dir / "additional_chat_templates"; std::filesystem::is_directory(extra)) {
+  if (const auto extra = dir / kTemplateFolder; std::filesystem::is_directory(extra)) {
     std::vector<std::filesystem::path> paths;
     for (const auto& entry : std::filesystem::directory_iterator(extra))
       if (entry.path().extension() == ".jinja") paths.push_back(entry.path());
@@ -209,7 +223,7 @@ Tokenizer Tokenizer::from_dir(const std::filesystem::path& dir) {
   }
   if (!files.empty()) {
     tok.impl_->chat_templates = std::move(files);
-  } else if (const auto path = dir / "chat_template.json";
+  } else if (const auto path = dir / kProcessorTemplateFile;
              tok.impl_->chat_templates.empty() && std::filesystem::exists(path)) {
     // A processor's file (multimodal models saved before 4.47); vLLM renders with it too.
     json doc;

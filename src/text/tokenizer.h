@@ -25,6 +25,9 @@ class Tokenizer {
   // DIR/additional_chat_templates/NAME.jinja replace any `chat_template` of
   // tokenizer_config.json; without either, a processor's DIR/chat_template.json is the fallback.
   static Tokenizer from_dir(const std::filesystem::path& dir);
+  // The names of the files and folders in DIR that from_dir reads: what a copy of a model's
+  // tokenizer copies (tandem quantize, make-model --tokenizer).
+  static std::span<const std::string_view> files();
   // config_json may be empty (no tokenizer_config.json). `origin` names the source in errors.
   // Chat templates come from the config's `chat_template` only.
   static Tokenizer from_json(std::string_view tokenizer_json, std::string_view config_json,

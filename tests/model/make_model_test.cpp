@@ -17,6 +17,7 @@
 #include "model/quantize.h"
 #include "model/safetensors.h"
 #include "text/oracle_support.h"
+#include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/file.h"
 
@@ -443,6 +444,90 @@ TEST(Quantize, ABf16CheckpointQuantizesCloseToItsWeights) {
       // Half a quantization step of the row's scale.
       EXPECT_NEAR(v, original[r * cols + col], scales[r] * 0.5f + 1e-7f);
     }
+}
+
+// A model's chat templates in all the places Tokenizer::from_dir finds them.
+void add_chat_template_files(const fs::path& dir, const std::string& tag) {
+  test::write_bytes(dir / "chat_template.jinja", "{{ '" + tag + " default' }}");
+  fs::create_directories(dir / "additional_chat_templates");
+  test::write_bytes(dir / "additional_chat_templates" / "tool_use.jinja",
+                    "{{ '" + tag + " tools' }}");
+  test::write_bytes(dir / "chat_template.json",
+                    R"({"chat_template": "{{ ')" + tag + R"( processor' }}"})");
+}
+
+std::vector<std::string> template_texts(const fs::path& dir) {
+  std::vector<std::string> texts;
+  const auto tok = text::Tokenizer::from_dir(dir);
+  for (const auto& t : tok.chat_templates()) texts.push_back(t.name + ": " + t.source);
+  return texts;
+}
+
+// The quantized folder holds the source's whole tokenizer: chat_template.jinja,
+// additional_chat_templates/ and chat_template.json besides tokenizer*.json, so the quantized
+// model renders chats with the source's templates.
+TEST(Quantize, CopiesEveryFileTheTokenizerReads) {
+  test::TempDir bf16("quantize-tok"), out("quantize-tok-out");
+  make("tiny-v3", bf16.path(), DType::kBF16, 3);
+  add_chat_template_files(bf16.path(), "source");
+  QuantizeOptions o;
+  o.in = bf16.path();
+  o.out = out.path();
+  o.dtype = DType::kI8;
+  quantize_checkpoint(o);
+  for (const std::string file :
+       {"chat_template.jinja", "additional_chat_templates/tool_use.jinja", "chat_template.json",
+        "generation_config.json", "tokenizer.json", "tokenizer_config.json"})
+    EXPECT_EQ(test::read_bytes(out / file), test::read_bytes(bf16 / file)) << file;
+  EXPECT_EQ(template_texts(out.path()), template_texts(bf16.path()));
+  EXPECT_EQ(template_texts(out.path()).size(), 2u);
+}
+
+// Quantizing into a folder that held another model leaves nothing of it: its template files go
+// (the new model's tokenizer_config.json template is the one it renders with), as its weights do.
+TEST(Quantize, AnEarlierModelsTokenizerFilesInTheOutputFolderGo) {
+  test::TempDir bf16("quantize-stale"), out("quantize-stale-out");
+  make("tiny-v3", bf16.path(), DType::kBF16, 3);
+  add_chat_template_files(out.path(), "stale");
+  fs::create_directories(out / "additional_chat_templates" / "nested");
+  test::write_bytes(out / "generation_config.json", "{\"stale\": true}");
+  fs::remove(bf16 / "generation_config.json");
+  QuantizeOptions o;
+  o.in = bf16.path();
+  o.out = out.path();
+  o.dtype = DType::kI8;
+  quantize_checkpoint(o);
+  for (const std::string file : {"chat_template.jinja", "additional_chat_templates",
+                                 "chat_template.json", "generation_config.json"})
+    EXPECT_FALSE(fs::exists(out / file)) << file;
+  EXPECT_EQ(template_texts(out.path()), template_texts(bf16.path()));
+}
+
+// make-model --tokenizer copies the tokenizer folder's templates too, and into a folder that held
+// another model's, leaves only its own.
+TEST(MakeModel, CopiesEveryFileTheTokenizerReadsAndNoneOfAnEarlierModels) {
+  test::TempDir tok("make-tok"), out("make-tok-out"), again("make-tok-again");
+  for (const auto& entry : fs::directory_iterator(deepseek_tokenizer()))
+    fs::copy(entry.path(), tok / entry.path().filename().string());
+  add_chat_template_files(tok.path(), "tokenizer");
+  MakeModelOptions o;
+  o.preset = "tiny-v3";
+  o.out = out.path();
+  o.tokenizer_dir = tok.path();
+  make_model(o);
+  for (const std::string file :
+       {"chat_template.jinja", "additional_chat_templates/tool_use.jinja", "chat_template.json"})
+    EXPECT_EQ(test::read_bytes(out / file), test::read_bytes(tok / file)) << file;
+  EXPECT_EQ(template_texts(out.path()), template_texts(tok.path()));
+
+  add_chat_template_files(again.path(), "stale");
+  o.out = again.path();
+  o.tokenizer_dir = deepseek_tokenizer();
+  make_model(o);
+  for (const std::string file :
+       {"chat_template.jinja", "additional_chat_templates", "chat_template.json"})
+    EXPECT_FALSE(fs::exists(again / file)) << file;
+  EXPECT_EQ(template_texts(again.path()), template_texts(deepseek_tokenizer()));
 }
 
 TEST(Quantize, RefusesWhatItCannotDo) {
