@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 
 #include "api/body_fields.h"
@@ -38,6 +39,49 @@ uint64_t unsigned_value(const json& v, const char* name) {
   fail(name, std::string("'") + name + "' must be a non-negative integer (or its decimal string)");
 }
 
+json prompt_logprobs_json(const std::vector<TokenLogprob>& lps) {
+  json out = json::array();
+  for (const TokenLogprob& lp : lps) {
+    json top = json::array();
+    for (const auto& [id, v] : lp.top) top.push_back(json::array({id, wire_logprob(v)}));
+    out.push_back(json::array({lp.token, wire_logprob(lp.logprob), lp.rank, std::move(top)}));
+  }
+  return out;
+}
+
+std::vector<TokenLogprob> prompt_logprobs_from(const json& v, int64_t vocab_size) {
+  const std::string what = std::string(kKvTransferParams) + ".prompt_logprobs";
+  auto bad = [&](const std::string& why) { fail(kKvTransferParams, what + " " + why); };
+  auto id = [&](const json& t) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() >= vocab_size)
+      bad("holds a token id outside the vocabulary");
+    return t.get<int32_t>();
+  };
+  auto logprob = [&](const json& x) {
+    if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() > 0)
+      bad("holds a logprob that is not a number <= 0");
+    return static_cast<float>(x.get<double>());
+  };
+  if (!v.is_array()) bad("must be a list of [token, logprob, rank, top] entries");
+  std::vector<TokenLogprob> out;
+  out.reserve(v.size());
+  for (const json& e : v) {
+    if (!e.is_array() || e.size() != 4 || !e[2].is_number_integer() || e[2].get<int64_t>() < 1 ||
+        e[2].get<int64_t>() > INT32_MAX || !e[3].is_array() || e[3].size() > 20)
+      bad("must be a list of [token, logprob, rank >= 1, at most 20 [id, logprob] pairs]");
+    TokenLogprob& lp = out.emplace_back();
+    lp.token = id(e[0]);
+    lp.logprob = logprob(e[1]);
+    lp.rank = e[2].get<int32_t>();
+    for (const json& pair : e[3]) {
+      if (!pair.is_array() || pair.size() != 2)
+        bad("holds an alternative that is not [id, logprob]");
+      lp.top.emplace_back(id(pair[0]), logprob(pair[1]));
+    }
+  }
+  return out;
+}
+
 void parse_pull(const json& kv, DisaggregationParams& d, int64_t vocab_size) {
   auto text = [&](const char* name) {
     const json* v = field(kv, name);
@@ -70,6 +114,8 @@ void parse_pull(const json& kv, DisaggregationParams& d, int64_t vocab_size) {
       fail(kKvTransferParams, "kv_transfer_params.prompt_token_ids must be a token list");
     d.prompt_token_ids = token_list(*ids, kKvTransferParams, vocab_size);
   }
+  if (const json* lps = field(kv, "prompt_logprobs"))
+    d.prompt_logprobs = prompt_logprobs_from(*lps, vocab_size);
 }
 
 }  // namespace
@@ -102,15 +148,18 @@ DisaggregationParams parse_disaggregation(const json& body, int64_t vocab_size) 
 }
 
 json kv_transfer_params(const PulledKv& kv) {
-  return {{"do_remote_prefill", true},
-          {"do_remote_decode", false},
-          {"remote_engine_id", kv.engine_id},
-          {"remote_block_ids", kv.blocks},
-          {"remote_host", kv.host},
-          {"remote_port", kv.port},
-          {"remote_request_id", kv.transfer_id},
-          {"tp_size", 1},
-          {"prompt_token_ids", kv.prompt_ids}};
+  json params = {{"do_remote_prefill", true},
+                 {"do_remote_decode", false},
+                 {"remote_engine_id", kv.engine_id},
+                 {"remote_block_ids", kv.blocks},
+                 {"remote_host", kv.host},
+                 {"remote_port", kv.port},
+                 {"remote_request_id", kv.transfer_id},
+                 {"tp_size", 1},
+                 {"prompt_token_ids", kv.prompt_ids}};
+  if (!kv.prompt_logprobs.empty())
+    params["prompt_logprobs"] = prompt_logprobs_json(kv.prompt_logprobs);
+  return params;
 }
 
 json prefill_leg_body(json body) {

@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/output.h"
+
 namespace tandem::api {
 
 struct DisaggregationParams {
@@ -22,6 +24,8 @@ struct DisaggregationParams {
   int64_t remote_port = 0;
   std::vector<int32_t> remote_block_ids;
   std::vector<int32_t> prompt_token_ids;  // decode leg: the prompt the prefill computed; or empty
+  // Decode leg: the prompt's logprobs the prefill computed (when its request asked for them).
+  std::vector<TokenLogprob> prompt_logprobs;
   bool has_bootstrap = false;
   std::string bootstrap_host;
   int64_t bootstrap_port = 0;  // 0 when null or absent
@@ -39,6 +43,10 @@ struct PulledKv {
   std::string transfer_id;
   std::vector<int32_t> blocks;
   std::vector<int32_t> prompt_ids;  // so the decode engine need not template and tokenize again
+  // The prompt's logprobs, when the request asked for them: only the prefill engine has the
+  // prompt's logits. Written as "prompt_logprobs": [[token, logprob, rank, [[id, logprob], ...]],
+  // ...], positions 1.. of the prompt (Tandem's field; other engines ignore it).
+  std::vector<TokenLogprob> prompt_logprobs;
 };
 // The answer's `kv_transfer_params` object.
 nlohmann::json kv_transfer_params(const PulledKv& kv);

@@ -2,6 +2,7 @@
 // What an engine produces for one request, update by update: the ids and text generated since the
 // previous update, their log-probabilities, and how it ended. The response builders
 // (api/response.h) render these as the bodies and stream chunks of each API.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -13,12 +14,24 @@ struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0;
   std::vector<std::pair<int32_t, float>> top;  // the most likely tokens at that position
+  // The token's rank among all at that position: 1 + how many were more likely (vLLM's); 0 when
+  // not computed.
+  int32_t rank = 0;
 };
+
+// A log-probability as OpenAI sends it: -inf (a token the constraints ruled out) is -9999, which
+// JSON can carry.
+inline double wire_logprob(float v) {
+  return std::max(static_cast<double>(v), -9999.0);
+}
 
 struct RequestOutput {
   std::vector<int32_t> tokens;         // ids generated since the previous update
   std::vector<TokenLogprob> logprobs;  // one per id when logprobs were requested
-  std::string text;                    // text that became final since the previous update
+  // Prompt logprobs, when requested, in the update with the first generated id: one per prompt
+  // token after the first (the first has no context to be predicted from).
+  std::vector<TokenLogprob> prompt_logprobs;
+  std::string text;  // text that became final since the previous update
   bool finished = false;
   std::string finish_reason;  // "stop", "length", "abort" or "error"
   std::string error;          // for "error"

@@ -69,7 +69,6 @@ constexpr Unsupported kUnsupported[] = {
      "'bad_words' is not supported"},
     {"use_beam_search", [](const json& v, const json&) { return v != false; },
      "'use_beam_search' is not supported: beam search is not implemented"},
-    {"prompt_logprobs", always, "'prompt_logprobs' is not supported"},
 };
 
 void refuse_unsupported(const json& body) {
@@ -593,6 +592,17 @@ std::string continue_final(std::string rendered, const nlohmann::ordered_json& f
 }
 
 // A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
+// vLLM's prompt_logprobs: null, or the alternatives per prompt token (0..20). As vLLM, only a
+// whole body carries them (no stream chunk has the field).
+int32_t prompt_logprobs_of(const json& body, bool stream) {
+  const json* v = field(body, "prompt_logprobs");
+  if (!v) return -1;
+  if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > 20)
+    fail("prompt_logprobs", "'prompt_logprobs' must be an integer between 0 and 20");
+  if (stream) fail("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+  return v->get<int32_t>();
+}
+
 void check_prompt_count(const json& list, const char* name) {
   if (list.size() > kMaxPromptsPerRequest)
     fail(name, "at most " + std::to_string(kMaxPromptsPerRequest) +
@@ -662,14 +672,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
     if (!lp->is_number_integer() || lp->get<int64_t>() < 0 || lp->get<int64_t>() > 20)
       fail("logprobs", "'logprobs' must be an integer between 0 and 20");
     r.logprobs = lp->get<int32_t>();
-    // OpenAI and vLLM answer echo with logprobs with the prompt's tokens and logprobs first
-    // (lm-evaluation-harness scores prompts so). The engine computes logprobs of generated tokens
-    // only: an answer without the prompt's would be read as one with them.
-    if (r.echo)
-      fail("echo",
-           "'echo' with 'logprobs' is not supported: it asks for the prompt's logprobs, which "
-           "this server does not compute (send echo or logprobs, not both)");
   }
+  r.prompt_logprobs = prompt_logprobs_of(body, r.stream);
   r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
@@ -767,6 +771,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     r.logprobs = static_cast<int32_t>(top);
   else if (top > 0)
     fail("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true");
+  r.prompt_logprobs = prompt_logprobs_of(body, r.stream);
   r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
@@ -827,6 +832,18 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
       fail("top_logprobs_num",
            "'top_logprobs_num' must be between 0 and 20, got " + std::to_string(top));
     r.logprobs = static_cast<int32_t>(top);
+    // SGLang's default, -1, asks for the output's logprobs alone.
+    r.logprob_start_len = integer(body, "logprob_start_len", -1);
+    if (r.logprob_start_len < -1)
+      fail("logprob_start_len",
+           "'logprob_start_len' must be -1 (output logprobs only) or a "
+           "prompt position, got " +
+               std::to_string(r.logprob_start_len));
+    for (const auto& p : r.prompts)
+      if (r.logprob_start_len >= static_cast<int64_t>(p.size()))
+        fail("logprob_start_len", "'logprob_start_len' " + std::to_string(r.logprob_start_len) +
+                                      " is not a position of the " + std::to_string(p.size()) +
+                                      "-token prompt");
   }
   if (const json* rid = field(body, "rid")) {
     if (!rid->is_string()) fail("rid", "'rid' must be a string");

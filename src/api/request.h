@@ -2,6 +2,7 @@
 // The request bodies of OpenAI /v1/completions and /v1/chat/completions and of SGLang's tokens-in
 // /generate, parsed into token ids plus sampling parameters: what the engine serves and what the
 // gateway tokenizes to route. Pure functions (no sockets), so the parsing is tested directly.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,6 +34,12 @@ struct ApiRequest {
   SamplingParams sampling;
   bool stream = false, include_usage = false;
   int32_t logprobs = -1;  // -1: none, else the number of top alternatives per token
+  // vLLM's prompt_logprobs (-1: none): the prompt tokens' logprobs, with this many alternatives,
+  // in the body (a completion choice's, or a chat answer's).
+  int32_t prompt_logprobs = -1;
+  // SGLang's logprob_start_len with return_logprob (-1: none): the prompt's logprobs from this
+  // position on, as meta_info.input_token_logprobs.
+  int64_t logprob_start_len = -1;
   bool echo = false;
   // Completions with echo and max_tokens 0 (OpenAI's and vLLM's): the answer is the prompt alone,
   // finished by "length". As vLLM, the engine still runs the prompt and one token (its usage and
@@ -53,6 +60,16 @@ struct ApiRequest {
   // Chat with tools: the markup the answer's tool calls are read from (kNone: the answer is text).
   ToolCallFormat tool_calls = ToolCallFormat::kNone;
   bool tool_choice_named = false;  // tool_choice named a function: the answer is that call
+
+  // The alternatives per prompt token the engine computes (-1: the prompt is not scored): for
+  // prompt_logprobs, for a completion's echo with logprobs (its prompt tokens are listed with
+  // their logprobs, as OpenAI and vLLM do), and for SGLang's input logprobs.
+  int32_t scored_prompt() const {
+    int32_t k = prompt_logprobs;
+    if (echo && logprobs >= 0) k = std::max(k, logprobs);
+    if (logprob_start_len >= 0) k = std::max(k, std::max<int32_t>(logprobs, 0));
+    return k;
+  }
 };
 
 struct ModelLimits {

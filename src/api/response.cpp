@@ -19,10 +19,18 @@ std::string shown_token(const ApiRequest& r, const text::Tokenizer& tok, int32_t
   return r.tokens_as_ids ? "token_id:" + std::to_string(id) : token_text(tok, id);
 }
 
-// A log-probability as OpenAI sends it: -inf (a token the constraints ruled out) is -9999, which
-// JSON can carry.
-double wire_logprob(float v) {
-  return std::max(static_cast<double>(v), -9999.0);
+// Two completion_logprobs objects as one: the lists of `first`, then those of `second`.
+json joined_logprobs(json first, const json& second) {
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+    for (const auto& v : second.at(key)) first.at(key).push_back(v);
+  return first;
+}
+
+// SGLang's top logprobs at one position: [[logprob, id, null], ...].
+json sglang_top(const std::vector<std::pair<int32_t, float>>& top) {
+  json out = json::array();
+  for (const auto& [id, v] : top) out.push_back(json::array({wire_logprob(v), id, nullptr}));
+  return out;
 }
 
 }  // namespace
@@ -176,6 +184,78 @@ json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t 
           {"text_offset", offsets}};
 }
 
+json ResponseBuilder::echoed_logprobs(size_t index) const {
+  const std::vector<int32_t>& prompt = request_.prompts.at(index);
+  const Choice& c = choices_.at(index);
+  json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+  size_t offset = 0;
+  for (size_t p = 0; p < prompt.size(); ++p) {
+    const std::string t = shown_token(request_, tokenizer_, prompt[p]);
+    tokens.push_back(t);
+    offsets.push_back(offset);
+    offset += utf8::code_points(t);
+    // The first token has no context to be predicted from; a choice that failed before its
+    // prompt was scored has none either.
+    if (p == 0 || p > c.prompt_logprobs.size()) {
+      lps.push_back(nullptr);
+      tops.push_back(nullptr);
+      continue;
+    }
+    const TokenLogprob& lp = c.prompt_logprobs[p - 1];
+    lps.push_back(wire_logprob(lp.logprob));
+    json top = json::object();
+    top[t] = wire_logprob(lp.logprob);
+    for (size_t k = 0; k < lp.top.size() && k < size_t(request_.logprobs); ++k)
+      top[shown_token(request_, tokenizer_, lp.top[k].first)] = wire_logprob(lp.top[k].second);
+    tops.push_back(std::move(top));
+  }
+  return {{"tokens", tokens},
+          {"token_logprobs", lps},
+          {"top_logprobs", tops},
+          {"text_offset", offsets}};
+}
+
+json ResponseBuilder::vllm_prompt_logprobs(size_t index, int32_t top) const {
+  const Choice& c = choices_.at(index);
+  const size_t n = request_.prompts.at(index).size();
+  json out = json::array();
+  out.push_back(nullptr);
+  auto entry = [&](int32_t id, float logprob, int32_t rank) {
+    return json{{"logprob", wire_logprob(logprob)},
+                {"rank", rank},
+                {"decoded_token", shown_token(request_, tokenizer_, id)}};
+  };
+  for (size_t p = 1; p < n; ++p) {
+    if (p > c.prompt_logprobs.size()) {
+      out.push_back(nullptr);
+      continue;
+    }
+    const TokenLogprob& lp = c.prompt_logprobs[p - 1];
+    json position = json::object();
+    position[std::to_string(lp.token)] = entry(lp.token, lp.logprob, lp.rank);
+    for (size_t k = 0; k < lp.top.size() && k < size_t(top); ++k)
+      position[std::to_string(lp.top[k].first)] =
+          entry(lp.top[k].first, lp.top[k].second, int32_t(k + 1));
+    out.push_back(std::move(position));
+  }
+  return out;
+}
+
+void ResponseBuilder::sglang_input_logprobs(size_t index, json& meta) const {
+  const Choice& c = choices_.at(index);
+  const std::vector<int32_t>& prompt = request_.prompts.at(index);
+  json tokens = json::array(), tops = json::array();
+  for (size_t p = size_t(request_.logprob_start_len); p < prompt.size(); ++p) {
+    const bool scored = p > 0 && p <= c.prompt_logprobs.size();
+    tokens.push_back(
+        json::array({scored ? json(wire_logprob(c.prompt_logprobs[p - 1].logprob)) : json(nullptr),
+                     prompt[p], nullptr}));
+    tops.push_back(scored ? sglang_top(c.prompt_logprobs[p - 1].top) : json(nullptr));
+  }
+  meta["input_token_logprobs"] = std::move(tokens);
+  if (request_.logprobs > 0) meta["input_top_logprobs"] = std::move(tops);
+}
+
 json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
   auto entry = [&](int32_t id, float v) {
     // With token ids shown, bytes are the shown string's, as vLLM sends them.
@@ -213,6 +293,12 @@ json ResponseBuilder::generate_body(size_t index) const {
     json out = json::array();
     for (const auto& lp : c.logprobs) out.push_back(json::array({lp.logprob, lp.token, nullptr}));
     meta["output_token_logprobs"] = out;
+    if (request_.logprobs > 0) {
+      json tops = json::array();
+      for (const auto& lp : c.logprobs) tops.push_back(sglang_top(lp.top));
+      meta["output_top_logprobs"] = tops;
+    }
+    if (request_.logprob_start_len >= 0) sglang_input_logprobs(index, meta);
   }
   return {{"text", c.text}, {"output_ids", c.tokens}, {"meta_info", meta}};
 }
@@ -226,6 +312,7 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
   c.text_chars += utf8::code_points(out.text);
   c.tokens.insert(c.tokens.end(), out.tokens.begin(), out.tokens.end());
   c.logprobs.insert(c.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+  if (!out.prompt_logprobs.empty()) c.prompt_logprobs = out.prompt_logprobs;
   c.prompt_tokens = out.prompt_tokens;
   c.completion_tokens = out.completion_tokens;
   c.cached_tokens = out.cached_tokens;
@@ -245,15 +332,18 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
       // The generated text starts after the echoed prompt, in the first chunk too (which
       // carries the prompt): offsets are the answer's, as the whole body's are.
       const size_t offset = chars_before + c.prompt_chars;
-      if (request_.echo && !c.started) piece = request_.prompt_texts[index] + piece;
+      const bool echoing = request_.echo && !c.started;
+      if (echoing) piece = request_.prompt_texts[index] + piece;
       c.started = true;
       // Tokens that add no text yet (held back for a stop string, half a character, a special
       // token) still send their logprobs: the next chunk's start after them.
       const bool new_logprobs = request_.logprobs >= 0 && first_lp < c.logprobs.size();
       if (piece.empty() && !out.finished && !new_logprobs) break;
       json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
-      choice["logprobs"] =
-          request_.logprobs >= 0 ? completion_logprobs(c, first_lp, offset) : json(nullptr);
+      choice["logprobs"] = request_.logprobs < 0 ? json(nullptr)
+                           : echoing             ? joined_logprobs(echoed_logprobs(index),
+                                                                   completion_logprobs(c, first_lp, offset))
+                                                 : completion_logprobs(c, first_lp, offset);
       chunks.push_back(stream_chunk(kCompletionObject, std::move(choice)));
       break;
     }
@@ -299,13 +389,14 @@ std::vector<json> ResponseBuilder::on_echo_only(size_t index, const RequestOutpu
   Choice& c = choices_.at(index);
   c.prompt_tokens = out.prompt_tokens;
   c.cached_tokens = out.cached_tokens;
+  if (!out.prompt_logprobs.empty()) c.prompt_logprobs = out.prompt_logprobs;
   if (!out.finished || c.finished) return {};
   c.finished = true;
   c.finish_reason = out.finish_reason == "abort" ? out.finish_reason : "length";
   if (!request_.stream) return {};
   json choice = {{"index", index},
                  {"text", request_.prompt_texts.at(index)},
-                 {"logprobs", nullptr},
+                 {"logprobs", request_.logprobs >= 0 ? echoed_logprobs(index) : json(nullptr)},
                  {"finish_reason", c.finish_reason}};
   return {stream_chunk(kCompletionObject, std::move(choice))};
 }
@@ -343,9 +434,18 @@ json ResponseBuilder::final_body() const {
     const Choice& c = choices_[i];
     if (request_.kind == ApiKind::kCompletion) {
       const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
-      json choice = {{"index", i}, {"text", prefix + c.text}, {"finish_reason", c.finish_reason}};
-      choice["logprobs"] =
-          request_.logprobs >= 0 ? completion_logprobs(c, 0, c.prompt_chars) : json(nullptr);
+      const std::string text = request_.echo_only ? prefix : prefix + c.text;
+      json choice = {{"index", i}, {"text", text}, {"finish_reason", c.finish_reason}};
+      json logprobs = nullptr;
+      if (request_.logprobs >= 0) {
+        logprobs =
+            request_.echo_only ? echoed_logprobs(i) : completion_logprobs(c, 0, c.prompt_chars);
+        if (request_.echo && !request_.echo_only)
+          logprobs = joined_logprobs(echoed_logprobs(i), std::move(logprobs));
+      }
+      choice["logprobs"] = std::move(logprobs);
+      if (request_.prompt_logprobs >= 0)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(i, request_.prompt_logprobs);
       choices.push_back(choice);
     } else {
       const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
@@ -367,12 +467,16 @@ json ResponseBuilder::final_body() const {
       choices.push_back(std::move(choice));
     }
   }
-  return {{"id", id_},
-          {"object", request_.kind == ApiKind::kChat ? kChatObject : kCompletionObject},
-          {"created", created_},
-          {"model", request_.model},
-          {"choices", choices},
-          {"usage", usage()}};
+  json body = {{"id", id_},
+               {"object", request_.kind == ApiKind::kChat ? kChatObject : kCompletionObject},
+               {"created", created_},
+               {"model", request_.model},
+               {"choices", choices},
+               {"usage", usage()}};
+  // vLLM's chat answer carries them once, beside the choices (its choices share one prompt).
+  if (request_.kind == ApiKind::kChat && request_.prompt_logprobs >= 0 && !choices_.empty())
+    body["prompt_logprobs"] = vllm_prompt_logprobs(0, request_.prompt_logprobs);
+  return body;
 }
 
 }  // namespace tandem::api

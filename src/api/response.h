@@ -68,6 +68,8 @@ class ResponseBuilder {
     size_t text_chars = 0, prompt_chars = 0;
     std::vector<int32_t> tokens;
     std::vector<TokenLogprob> logprobs;
+    // Scored prompts: positions 1.. of the prompt (they come with the first output).
+    std::vector<TokenLogprob> prompt_logprobs;
     std::string finish_reason;
     bool finished = false, started = false;
     int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
@@ -89,6 +91,14 @@ class ResponseBuilder {
   // A stream chunk of `object` carrying one choice.
   nlohmann::json stream_chunk(std::string_view object, nlohmann::json choice) const;
   nlohmann::json completion_logprobs(const Choice& c, size_t first, size_t text_offset) const;
+  // Echo with logprobs: completion_logprobs' lists for choice `index`'s prompt tokens (the first
+  // has no logprob), offsets from 0.
+  nlohmann::json echoed_logprobs(size_t index) const;
+  // vLLM's prompt_logprobs: null for the first token, then {id: {logprob, rank, decoded_token}}
+  // per position with the prompt's token and its `top` alternatives.
+  nlohmann::json vllm_prompt_logprobs(size_t index, int32_t top) const;
+  // SGLang's input_token_logprobs (and with top > 0 input_top_logprobs) from logprob_start_len.
+  void sglang_input_logprobs(size_t index, nlohmann::json& meta) const;
   nlohmann::json chat_logprobs(const Choice& c, size_t first) const;
   nlohmann::json generate_body(size_t index) const;
 

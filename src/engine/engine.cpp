@@ -259,6 +259,20 @@ void Engine::check(const EngineRequest& request) const {
     throw Error("this engine was started without KV transfer (--role both/prefill/decode)");
   if (kt.prefill() && !agent_->serving())
     throw Error("this engine has no KV transfer server, so it cannot serve prefill legs");
+  if (request.prompt_logprobs >= 0) {
+    // The prompt's logprobs come from its logits, which only the engine computing the prompt has.
+    if (!info.scores_prompts)
+      throw Error(
+          "prompt logprobs are not computed by an expert-parallel engine (--expert-parallel): ask "
+          "without 'prompt_logprobs' (and without 'echo' with 'logprobs')");
+    // A decode leg handed none computes them itself (PdCoordinator); a wrong count is no
+    // prefill answer for this prompt.
+    const size_t known = request.known_prompt_logprobs.size();
+    if (known > 0 && known + 1 != request.prompt.size())
+      throw Error("kv_transfer_params.prompt_logprobs holds " + std::to_string(known) +
+                  " entries for a " + std::to_string(request.prompt.size()) +
+                  "-token prompt: one per prompt token after the first");
+  }
 }
 
 void Engine::submit(EngineRequest request) {
@@ -415,9 +429,11 @@ void Engine::admit_incoming() {
     seq->arrival_time = now;
     seq->sampler = std::make_unique<Sampler>(r.sampling, seed_base_ + seq->arrival_order, eos_ids_);
     seq->output = std::make_unique<OutputProcessor>(*tokenizer_, r.sampling, eos_ids_);
+    seq->prompt_logprobs = std::move(r.known_prompt_logprobs);
     seq->request = std::move(r);
     Sequence* raw = seq.get();
     sequences_[raw->request.id] = std::move(seq);
+
     if (const auto& spec = raw->request.sampling.structured_output) {
       try {
         if (!executor_->info().samples)
@@ -481,6 +497,10 @@ bool Engine::step() {
     item.prompt = seq->prompt();
     item.generated = seq->generated();
     item.logprobs = seq->request.logprobs;
+    if (seq->scoring_prompt()) {
+      item.prompt_logprobs = seq->request.prompt_logprobs;
+      item.prompt_logprobs_from = static_cast<int64_t>(seq->prompt_logprobs.size()) + 1;
+    }
     item.drafts = std::span<const int32_t>(seq->drafts).first(size_t(s.num_drafts));
     item.draft_probs = seq->draft_probs;
     items.push_back(item);

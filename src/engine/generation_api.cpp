@@ -93,7 +93,7 @@ struct Call {
   json prefill_answer(const RequestOutput& out) const {
     return api::kv_transfer_params({transfer->config().engine_id, transfer->config().advertise_host,
                                     transfer->port(), out.kv_transfer_id, out.kv_blocks,
-                                    request.prompts.at(0)});
+                                    request.prompts.at(0), out.prompt_logprobs});
   }
   json kv_transfer_params;
 };
@@ -240,6 +240,9 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     er.priority = call->request.priority;
     if (call->request.cache_salt) er.cache_salt = api::cache_salt_hash(*call->request.cache_salt);
     er.logprobs = call->request.logprobs;
+    er.prompt_logprobs = call->request.scored_prompt();
+    if (er.prompt_logprobs >= 0 && kv_transfer.mode == KvTransferSpec::Mode::kDecodeByPull)
+      er.known_prompt_logprobs = call->request.disagg.prompt_logprobs;
     er.kv_transfer = kv_transfer;
     er.on_output = [call, i, post = post_](const RequestOutput& out) {
       post([call, i, out] { call->on_output(i, out); });

@@ -278,6 +278,8 @@ TokenLogprob token_logprobs(std::span<const float> logits, int32_t token, int32_
   TokenLogprob out;
   out.token = token;
   out.logprob = static_cast<float>(logits[token] - log_z);
+  out.rank = 1 + static_cast<int32_t>(std::count_if(logits.begin(), logits.end(),
+                                                    [&](float v) { return v > logits[token]; }));
   if (top > 0) {
     const auto k = std::min<size_t>(static_cast<size_t>(top), logits.size());
     std::vector<int32_t> ids(logits.size());

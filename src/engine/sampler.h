@@ -115,8 +115,8 @@ namespace tandem::engine {
 
 using api::TokenLogprob;
 
-// Log-probability of `token` under softmax(logits) and the `top` most likely tokens (highest
-// first, lowest id on ties), from the model's raw logits as vLLM reports them by default.
+// Log-probability of `token` under softmax(logits), its rank and the `top` most likely tokens
+// (highest first, lowest id on ties), from the model's raw logits as vLLM reports them by default.
 TokenLogprob token_logprobs(std::span<const float> logits, int32_t token, int32_t top);
 
 }  // namespace tandem::engine

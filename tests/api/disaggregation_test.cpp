@@ -76,6 +76,44 @@ TEST(Disaggregation, ThePrefillAnswerSplicedIntoTheDecodeLegNamesTheSameTransfer
   EXPECT_EQ(d.prompt_token_ids, (std::vector<int32_t>{11, 12, 13}));
 }
 
+// A prefill engine's prompt logprobs ride in its kv_transfer_params and read back as written
+// (-inf as OpenAI's -9999, which JSON can carry); without them the field is absent.
+TEST(Disaggregation, PromptLogprobsInTheTransferParamsReadBackAsWritten) {
+  PulledKv kv{"e", "h", 7001, "t", {1}, {5, 6, 7}};
+  EXPECT_FALSE(kv_transfer_params(kv).contains("prompt_logprobs"));
+  kv.prompt_logprobs = {{6, -0.5f, {{6, -0.5f}, {9, -1.25f}}, 1},
+                        {7, -std::numeric_limits<float>::infinity(), {}, 999}};
+  const json params = kv_transfer_params(kv);
+  const DisaggregationParams d =
+      parse_disaggregation(json::parse(json{{"kv_transfer_params", params}}.dump()), kVocab);
+  ASSERT_EQ(d.prompt_logprobs.size(), 2u);
+  EXPECT_EQ(d.prompt_logprobs[0].token, 6);
+  EXPECT_EQ(d.prompt_logprobs[0].logprob, -0.5f);
+  EXPECT_EQ(d.prompt_logprobs[0].rank, 1);
+  EXPECT_EQ(d.prompt_logprobs[0].top, kv.prompt_logprobs[0].top);
+  EXPECT_EQ(d.prompt_logprobs[1].logprob, -9999.0f);
+  EXPECT_EQ(d.prompt_logprobs[1].rank, 999);
+  EXPECT_TRUE(d.prompt_logprobs[1].top.empty());
+}
+
+TEST(Disaggregation, MalformedPromptLogprobsAreRefusedNamingTheField) {
+  const json base = kv_transfer_params({"e", "h", 7001, "t", {1}, {2, 3}});
+  for (const json& bad :
+       {json("x"), json::array({json::array({3, -0.5})}),              // too short
+        json::array({json::array({kVocab, -0.5, 1, json::array()})}),  // id outside
+        json::array({json::array({3, 0.5, 1, json::array()})}),        // a logprob above 0
+        json::array({json::array({3, -0.5, 0, json::array()})}),       // rank 0
+        json::array({json::array({3, -0.5, 1, json::array({json::array({3})})})}),
+        json::array({json::array({3, -0.5, 1, json::array({json::array({-1, -0.5})})})}),
+        json::array({json::array({3, "x", 1, json::array()})})}) {
+    json params = base;
+    params["prompt_logprobs"] = bad;
+    const ApiError e = error_of(json{{"kv_transfer_params", params}});
+    EXPECT_EQ(e.param, "kv_transfer_params") << bad;
+    EXPECT_NE(e.message.find("prompt_logprobs"), std::string::npos) << e.message;
+  }
+}
+
 TEST(Disaggregation, AnAnswerWithoutTransferParamsIsAnError) {
   EXPECT_THROW(kv_transfer_params_member(R"({"choices":[]})"), Error);
   EXPECT_THROW(kv_transfer_params_member(R"({"kv_transfer_params":null})"), Error);

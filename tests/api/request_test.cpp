@@ -278,11 +278,8 @@ TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
             }).param,
             "skip_special_tokens");
   // Not implemented: a 400 naming the field, in both dialects.
-  for (const auto& [field, value] :
-       std::vector<std::pair<std::string, json>>{{"allowed_token_ids", {1, 2}},
-                                                 {"bad_words", {"x"}},
-                                                 {"use_beam_search", true},
-                                                 {"prompt_logprobs", 0}}) {
+  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
+           {"allowed_token_ids", {1, 2}}, {"bad_words", {"x"}}, {"use_beam_search", true}}) {
     SCOPED_TRACE(field);
     EXPECT_EQ(error_of([&] {
                 parse_completion(json{{"prompt", "x"}, {field, value}}, tokenizer(), kLimits);
@@ -957,9 +954,10 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   auto body = b.final_body();
   const auto& choice = body["choices"][0];
   EXPECT_EQ(choice["text"], "Say" + o.text);
-  EXPECT_EQ(choice["logprobs"]["token_logprobs"][0], -0.25);
-  EXPECT_EQ(choice["logprobs"]["text_offset"][0], 3);
-  EXPECT_EQ(choice["logprobs"]["top_logprobs"][0].size(), 1u);
+  // After the prompt's two tokens (unscored here: the output carries no prompt logprobs).
+  EXPECT_EQ(choice["logprobs"]["token_logprobs"][2], -0.25);
+  EXPECT_EQ(choice["logprobs"]["text_offset"][2], 3);
+  EXPECT_EQ(choice["logprobs"]["top_logprobs"][2].size(), 1u);
 }
 
 // n > 1 with a list of prompts, as OpenAI and vLLM answer it: n choices of each prompt,
@@ -1091,30 +1089,227 @@ TEST(Protocol, EchoWithMaxTokensZeroAnswersThePromptAlone) {
   }
 }
 
-// echo with logprobs asks for the prompt's logprobs first (OpenAI; vLLM sets prompt_logprobs to
-// logprobs with echo), which the engine does not compute: a 400 naming echo, not an answer whose
-// logprobs a client would align with the echoed prompt.
-TEST(Protocol, EchoWithLogprobsIsRefused) {
-  for (const json& logprobs : {json(0), json(1), json(5)})
-    for (const json& max_tokens : {json(0), json(4)}) {
+// prompt_logprobs as vLLM takes it: null or 0..20 alternatives, in a whole body only (no stream
+// chunk has the field). echo with logprobs scores the prompt too (OpenAI lists the prompt's tokens
+// first; vLLM sets prompt_logprobs to logprobs with echo); SGLang's logprob_start_len asks for the
+// prompt's logprobs from a position of every prompt on.
+TEST(Protocol, PromptLogprobsAreTakenAsVllmAndSglangTakeThem) {
+  auto completion = [](json body) {
+    body["prompt"] = "Hello";
+    return parse_completion(body, tokenizer(), kLimits);
+  };
+  auto chat = [](json body) {
+    body["messages"] = json::array({{{"role", "user"}, {"content", "Hi"}}});
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits);
+  };
+  EXPECT_EQ(completion({}).scored_prompt(), -1);
+  EXPECT_EQ(completion({{"prompt_logprobs", nullptr}}).scored_prompt(), -1);
+  for (const int k : {0, 3, 20}) {
+    EXPECT_EQ(completion({{"prompt_logprobs", k}}).prompt_logprobs, k);
+    EXPECT_EQ(completion({{"prompt_logprobs", k}}).scored_prompt(), k);
+  }
+  EXPECT_EQ(completion({{"echo", true}, {"logprobs", 2}}).scored_prompt(), 2);
+  EXPECT_EQ(completion({{"echo", true}, {"logprobs", 2}}).prompt_logprobs, -1);
+  EXPECT_EQ(completion({{"echo", false}, {"logprobs", 2}}).scored_prompt(), -1);
+  EXPECT_EQ(completion({{"echo", true}, {"logprobs", 2}, {"prompt_logprobs", 5}}).scored_prompt(),
+            5);
+  EXPECT_EQ(completion({{"echo", true}, {"logprobs", 0}, {"max_tokens", 0}}).scored_prompt(), 0);
+  // echo with logprobs streams: its first chunk lists the prompt's tokens.
+  EXPECT_EQ(completion({{"echo", true}, {"logprobs", 1}, {"stream", true}}).scored_prompt(), 1);
+  EXPECT_EQ(chat({{"prompt_logprobs", 1}}).scored_prompt(), 1);
+  for (const json& bad : {json(-1), json(21), json("2"), json(1.5), json(true)})
+    for (const bool is_chat : {false, true}) {
       const ApiError e = error_of([&] {
-        parse_completion(json{{"prompt", "Hello"},
-                              {"echo", true},
-                              {"logprobs", logprobs},
-                              {"max_tokens", max_tokens}},
-                         tokenizer(), kLimits);
+        is_chat ? chat({{"prompt_logprobs", bad}}) : completion({{"prompt_logprobs", bad}});
       });
-      EXPECT_EQ(e.param, "echo");
+      EXPECT_EQ(e.param, "prompt_logprobs") << bad;
       EXPECT_EQ(e.status, 400);
-      EXPECT_NE(e.message.find("logprobs"), std::string::npos) << e.message;
     }
-  // Either alone is served; a null logprobs is none.
-  EXPECT_EQ(
-      parse_completion(json{{"prompt", "Hello"}, {"logprobs", 1}}, tokenizer(), kLimits).logprobs,
-      1);
-  EXPECT_TRUE(parse_completion(json{{"prompt", "Hello"}, {"echo", true}, {"logprobs", nullptr}},
-                               tokenizer(), kLimits)
-                  .echo);
+  for (const bool is_chat : {false, true}) {
+    const ApiError e = error_of([&] {
+      const json body = {{"prompt_logprobs", 0}, {"stream", true}};
+      is_chat ? chat(body) : completion(body);
+    });
+    EXPECT_EQ(e.param, "prompt_logprobs");
+    EXPECT_NE(e.message.find("stream"), std::string::npos) << e.message;
+  }
+
+  const json ids = {5, 6, 7};
+  auto generate = [&](json body) {
+    body["input_ids"] = ids;
+    return parse_generate(body, tokenizer(), kLimits);
+  };
+  EXPECT_EQ(generate({{"return_logprob", true}}).scored_prompt(), -1);
+  EXPECT_EQ(generate({{"return_logprob", true}, {"logprob_start_len", -1}}).scored_prompt(), -1);
+  EXPECT_EQ(generate({{"return_logprob", true}, {"logprob_start_len", 0}}).scored_prompt(), 0);
+  EXPECT_EQ(generate({{"return_logprob", true}, {"logprob_start_len", 2}, {"top_logprobs_num", 3}})
+                .scored_prompt(),
+            3);
+  // Without return_logprob nothing is returned, as SGLang ignores it then.
+  EXPECT_EQ(generate({{"logprob_start_len", 0}}).scored_prompt(), -1);
+  for (const int bad : {-2, 3, 100}) {
+    const ApiError e = error_of([&] {
+      generate({{"return_logprob", true}, {"logprob_start_len", bad}});
+    });
+    EXPECT_EQ(e.param, "logprob_start_len") << bad;
+  }
+}
+
+namespace {
+
+// Prompt logprobs as an engine sends them for a prompt of `n` tokens: position p holds token
+// 100 + p at -p/10, rank p, and `top` alternatives 200 + k at -k/100.
+std::vector<TokenLogprob> scored(size_t n, size_t top) {
+  std::vector<TokenLogprob> out;
+  for (size_t p = 1; p < n; ++p) {
+    TokenLogprob lp;
+    lp.token = int32_t(100 + p);
+    lp.logprob = -float(p) / 10;
+    lp.rank = int32_t(p);
+    for (size_t k = 0; k < top; ++k) lp.top.emplace_back(int32_t(200 + k), -float(k) / 100);
+    out.push_back(lp);
+  }
+  return out;
+}
+
+std::string shown(int32_t id) {
+  return utf8::to_valid_lossy(tokenizer().token_bytes(id));
+}
+
+}  // namespace
+
+// echo with logprobs, as OpenAI and vLLM answer it: the prompt's tokens first (the first with a
+// null logprob and null alternatives: nothing predicts it), each with its own token and as many
+// alternatives as logprobs asks for, then the generated tokens; the stream's first chunk carries
+// the same prompt part, and max_tokens 0 answers the prompt part alone.
+TEST(Protocol, EchoWithLogprobsListsThePromptsTokensFirst) {
+  const std::vector<int32_t> prompt = {101 - 1, 101, 102};  // scored() numbers tokens 100 + p
+  ApiRequest req;
+  req.kind = ApiKind::kCompletion;
+  req.model = "m";
+  req.prompts = {prompt};
+  req.prompt_texts = {"Say"};
+  req.echo = true;
+  req.logprobs = 1;
+  RequestOutput o = output({10}, "x", true, "length");
+  o.prompt_logprobs = scored(prompt.size(), 3);  // the engine scored for a larger k
+  TokenLogprob generated;
+  generated.token = 10;
+  generated.logprob = -0.25f;
+  o.logprobs = {generated};
+  auto check_prompt_part = [&](const json& lp) {
+    ASSERT_GE(lp["tokens"].size(), 3u);
+    for (size_t p = 0; p < 3; ++p) {
+      SCOPED_TRACE(p);
+      EXPECT_EQ(lp["tokens"][p], shown(prompt[p]));
+      if (p == 0) {
+        EXPECT_TRUE(lp["token_logprobs"][p].is_null());
+        EXPECT_TRUE(lp["top_logprobs"][p].is_null());
+        EXPECT_EQ(lp["text_offset"][p], 0);
+        continue;
+      }
+      EXPECT_NEAR(lp["token_logprobs"][p].get<double>(), -double(p) / 10, 1e-6);
+      json top = {{shown(prompt[p]), lp["token_logprobs"][p]}, {shown(200), 0.0}};
+      EXPECT_EQ(lp["top_logprobs"][p], top);
+      EXPECT_EQ(lp["text_offset"][p],
+                lp["text_offset"][p - 1].get<size_t>() + utf8::code_points(shown(prompt[p - 1])));
+    }
+  };
+  ResponseBuilder whole(req, tokenizer(), "cmpl-1", 1);
+  whole.on_output(0, o);
+  const json choice = whole.final_body()["choices"][0];
+  EXPECT_EQ(choice["text"], "Sayx");
+  const json& lp = choice["logprobs"];
+  check_prompt_part(lp);
+  ASSERT_EQ(lp["tokens"].size(), 4u);
+  EXPECT_EQ(lp["token_logprobs"][3], -0.25);
+  EXPECT_EQ(lp["text_offset"][3], 3) << "the answer's offsets start after the echoed text";
+  EXPECT_FALSE(choice.contains("prompt_logprobs")) << "not asked for";
+
+  req.stream = true;
+  ResponseBuilder streamed(req, tokenizer(), "cmpl-1", 1);
+  const auto chunks = streamed.on_output(0, o);
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0]["choices"][0]["logprobs"], lp);
+
+  req.echo_only = true;
+  for (const bool stream : {false, true}) {
+    req.stream = stream;
+    ResponseBuilder b(req, tokenizer(), "cmpl-1", 1);
+    const auto c = b.on_output(0, o);
+    const json only = stream ? c.at(0)["choices"][0] : b.final_body()["choices"][0];
+    EXPECT_EQ(only["text"], "Say");
+    check_prompt_part(only["logprobs"]);
+    EXPECT_EQ(only["logprobs"]["tokens"].size(), 3u);
+  }
+}
+
+// vLLM's prompt_logprobs: a completion choice's, and a chat answer's beside its choices: null for
+// the first token, then per position {"id": {logprob, rank, decoded_token}} with the prompt's
+// token (its own rank) and the alternatives asked for (ranks 1..k).
+TEST(Protocol, PromptLogprobsAreVllmsListOfDicts) {
+  const std::vector<int32_t> prompt = {7, 101, 102};
+  for (const ApiKind kind : {ApiKind::kCompletion, ApiKind::kChat}) {
+    ApiRequest req;
+    req.kind = kind;
+    req.model = "m";
+    req.prompts = {prompt};
+    req.prompt_texts = {""};
+    req.prompt_logprobs = 1;
+    ResponseBuilder b(req, tokenizer(), "x", 1);
+    RequestOutput o = output({10}, "x", true, "length");
+    o.prompt_logprobs = scored(prompt.size(), 2);
+    b.on_output(0, o);
+    const json body = b.final_body();
+    const json& got =
+        kind == ApiKind::kChat ? body["prompt_logprobs"] : body["choices"][0]["prompt_logprobs"];
+    const json want = json::array(
+        {nullptr,
+         {{"101",
+           {{"logprob", got[1]["101"]["logprob"]}, {"rank", 1}, {"decoded_token", shown(101)}}},
+          {"200", {{"logprob", 0.0}, {"rank", 1}, {"decoded_token", shown(200)}}}},
+         {{"102",
+           {{"logprob", got[2]["102"]["logprob"]}, {"rank", 2}, {"decoded_token", shown(102)}}},
+          {"200", {{"logprob", 0.0}, {"rank", 1}, {"decoded_token", shown(200)}}}}});
+    EXPECT_EQ(got, want);
+    EXPECT_NEAR(got[1]["101"]["logprob"].get<double>(), -0.1, 1e-6);
+    EXPECT_NEAR(got[2]["102"]["logprob"].get<double>(), -0.2, 1e-6);
+    EXPECT_TRUE(body["choices"][0]["logprobs"].is_null()) << "logprobs were not asked for";
+  }
+}
+
+// SGLang's input logprobs: [logprob, id, null] from logprob_start_len on (the prompt's first token
+// has a null logprob), with input_top_logprobs and output_top_logprobs when top_logprobs_num > 0.
+TEST(Protocol, SglangInputLogprobsStartWhereAsked) {
+  const std::vector<int32_t> prompt = {7, 101, 102};
+  for (const int64_t start : {0, 2}) {
+    ApiRequest req;
+    req.kind = ApiKind::kGenerate;
+    req.prompts = {prompt};
+    req.prompt_texts = {""};
+    req.logprobs = 1;
+    req.logprob_start_len = start;
+    ResponseBuilder b(req, tokenizer(), "x", 1);
+    RequestOutput o = output({10}, "x", true, "length");
+    o.prompt_logprobs = scored(prompt.size(), 1);
+    TokenLogprob g;
+    g.token = 10;
+    g.logprob = -0.5f;
+    g.top = {{10, -0.5f}};
+    o.logprobs = {g};
+    b.on_output(0, o);
+    const json meta = b.final_body()["meta_info"];
+    json tokens = json::array(), tops = json::array();
+    for (size_t p = size_t(start); p < prompt.size(); ++p) {
+      tokens.push_back(
+          json::array({p == 0 ? json(nullptr) : json(double(-float(p) / 10)), prompt[p], nullptr}));
+      tops.push_back(p == 0 ? json(nullptr) : json::array({json::array({0.0, 200, nullptr})}));
+    }
+    EXPECT_EQ(meta["input_token_logprobs"], tokens) << start;
+    EXPECT_EQ(meta["input_top_logprobs"], tops) << start;
+    EXPECT_EQ(meta["output_top_logprobs"],
+              json::array({json::array({json::array({-0.5, 10, nullptr})})}));
+  }
 }
 
 // Completion logprobs as OpenAI and vLLM give them: top_logprobs always holds the sampled token
@@ -1158,7 +1353,12 @@ TEST(Protocol, CompletionLogprobsHoldTheSampledTokenAndCountCharacters) {
           for (const json& off : chunk["choices"][0]["logprobs"]["text_offset"])
             streamed_offsets.push_back(off);
       }
-      const json lp = whole.final_body()["choices"][0]["logprobs"];
+      const json all = whole.final_body()["choices"][0]["logprobs"];
+      // With echo, the prompt's two tokens come first (EchoWithLogprobsListsThePromptsTokensFirst).
+      json lp = all;
+      const size_t skip = echo ? 2 : 0;
+      for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+        lp[key].erase(lp[key].begin(), lp[key].begin() + std::ptrdiff_t(skip));
       size_t chars = echo ? 11 : 0;
       for (size_t i = 0; i < ids.size(); ++i) {
         SCOPED_TRACE(i);
@@ -1173,7 +1373,7 @@ TEST(Protocol, CompletionLogprobsHoldTheSampledTokenAndCountCharacters) {
         if (k > 0) top[text_of(i == 0 ? ids[1] : ids[0])] = -0.25;
         EXPECT_EQ(lp["top_logprobs"][i], top);
       }
-      EXPECT_EQ(streamed_offsets, lp["text_offset"]);
+      EXPECT_EQ(streamed_offsets, all["text_offset"]);
     }
   }
 }

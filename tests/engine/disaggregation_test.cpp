@@ -232,6 +232,71 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
   expect_no_leak(d);
 }
 
+// Prompt logprobs need the prompt's logits, which only an engine that runs the prompt has: a
+// sequential prefill leg's answer carries them in kv_transfer_params, and the decode engine
+// answers with them as one engine would (echo with logprobs, prompt_logprobs, a chat's). A decode
+// leg handed none (a prefill leg sent without them, or the parallel flow, whose prefill engine
+// hands over KV alone) computes its prompt again over the received KV; no block leaks.
+TEST_F(Disaggregation, PromptLogprobsTravelWithTheKvOrAreComputedAgainByTheDecodeEngine) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  uint64_t room = 5000;
+  for (int n : {1, 2, 17, 40}) {
+    SCOPED_TRACE("prompt of " + std::to_string(n));
+    const json body = {{"prompt", tokens(n, 700 + n)}, {"max_tokens", 4}, {"temperature", 0},
+                       {"ignore_eos", true},           {"echo", true},    {"logprobs", 1},
+                       {"prompt_logprobs", 2}};
+    const json want = parse(post_json(single.port(), "/v1/completions", body));
+    ASSERT_EQ(want["choices"][0]["prompt_logprobs"].size(), size_t(n));
+    json without = body;  // the prefill leg asks for no prompt logprobs: its answer has none
+    without.erase("prompt_logprobs");
+    without.erase("echo");
+    for (const char* flow : {"sequential", "sequential, prefill without them", "parallel"}) {
+      SCOPED_TRACE(flow);
+      json got;
+      if (flow == std::string("parallel")) {
+        got = parallel(p, d, body, ++room);
+      } else if (flow == std::string("sequential")) {
+        got = sequential(p, d, body);
+      } else {
+        json pre = without;
+        pre["kv_transfer_params"] = {{"do_remote_decode", true}, {"do_remote_prefill", false}};
+        pre["max_tokens"] = 1;
+        const json answer = parse(post_json(p.port(), "/v1/completions", pre));
+        ASSERT_FALSE(answer.is_null());
+        EXPECT_FALSE(answer["kv_transfer_params"].contains("prompt_logprobs"));
+        json dec = body;
+        dec["kv_transfer_params"] = answer["kv_transfer_params"];
+        got = parse(post_json(d.port(), "/v1/completions", dec));
+      }
+      ASSERT_FALSE(got.is_null());
+      EXPECT_EQ(got["choices"][0]["prompt_logprobs"], want["choices"][0]["prompt_logprobs"]);
+      // The echoed prompt's part as one engine scores it; the generated tokens are the same,
+      // their logprobs computed by other steps (equal to the last bit only with
+      // --batch-invariant).
+      const json& lp = got["choices"][0]["logprobs"];
+      const json& want_lp = want["choices"][0]["logprobs"];
+      EXPECT_EQ(lp["tokens"], want_lp["tokens"]);
+      ASSERT_EQ(lp["tokens"].size(), size_t(n + 4));
+      for (const char* key : {"token_logprobs", "top_logprobs", "text_offset"})
+        for (int i = 0; i < n; ++i) EXPECT_EQ(lp[key][i], want_lp[key][i]) << key << " " << i;
+    }
+  }
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me about the sea."}}}},
+                     {"max_tokens", 3},
+                     {"temperature", 0},
+                     {"prompt_logprobs", 1}};
+  const json want_chat = parse(post_json(single.port(), "/v1/chat/completions", chat));
+  ASSERT_TRUE(want_chat["prompt_logprobs"].is_array());
+  EXPECT_EQ(sequential(p, d, chat, "/v1/chat/completions")["prompt_logprobs"],
+            want_chat["prompt_logprobs"]);
+  EXPECT_EQ(parallel(p, d, chat, ++room, "/v1/chat/completions")["prompt_logprobs"],
+            want_chat["prompt_logprobs"]);
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
 // A second family with another cache: Qwen3-MoE's grouped-query K/V moves between engines in
 // both dialects and answers as one engine does; the layout in the transfer header keeps it from
 // landing in a DeepSeek engine's latent cache.

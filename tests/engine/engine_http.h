@@ -104,9 +104,36 @@ inline void expect_several_choices_and_echo(const nlohmann::json& r, const std::
     EXPECT_EQ(r[key]["usage"]["completion_tokens"], 0);
     EXPECT_EQ(r[key]["usage"]["prompt_tokens"], prompt_tokens + hello_tokens);
   }
-  // echo with logprobs would need the prompt's logprobs: a 400 naming echo.
-  EXPECT_EQ(r["echo_logprobs"]["status"], 400);
-  EXPECT_EQ(r["echo_logprobs"]["param"], "echo");
+  // echo with logprobs: the prompt's tokens first, the first with null logprob and alternatives,
+  // each later one with its own token among its alternatives; streamed as whole.
+  const json& echoed = r["echo_logprobs"];
+  ASSERT_EQ(echoed["tokens"].size(), prompt_tokens + 2) << echoed.dump();
+  EXPECT_TRUE(echoed["token_logprobs"][0].is_null());
+  EXPECT_TRUE(echoed["first_top"].is_null());
+  ASSERT_TRUE(echoed["token_logprobs"][1].is_number());
+  EXPECT_LT(echoed["token_logprobs"][1].get<double>(), 0);
+  EXPECT_EQ(echoed["second_top"][echoed["tokens"][1].get<std::string>()],
+            echoed["token_logprobs"][1]);
+  EXPECT_EQ(r["echo_logprobs_stream"]["tokens"], echoed["tokens"]);
+  EXPECT_EQ(r["echo_logprobs_stream"]["token_logprobs"], echoed["token_logprobs"]);
+  // vLLM's prompt_logprobs: null, then {id: {logprob, rank, decoded_token}} per prompt token.
+  const json& pl = r["prompt_logprobs"];
+  ASSERT_EQ(pl.size(), prompt_tokens) << pl.dump();
+  EXPECT_TRUE(pl[0].is_null());
+  for (size_t p = 1; p < pl.size(); ++p) {
+    ASSERT_TRUE(pl[p].is_object() && !pl[p].empty()) << p;
+    for (const auto& [id, entry] : pl[p].items()) {
+      EXPECT_LE(entry["logprob"].get<double>(), 0) << id;
+      EXPECT_GE(entry["rank"].get<int64_t>(), 1) << id;
+      EXPECT_TRUE(entry["decoded_token"].is_string()) << id;
+    }
+  }
+  // The prompt's own token is among them, with the logprob echo gave it.
+  bool own = false;
+  for (const auto& [id, entry] : pl[1].items())
+    own = own || (entry["decoded_token"] == echoed["tokens"][1] &&
+                  entry["logprob"] == echoed["token_logprobs"][1]);
+  EXPECT_TRUE(own) << pl[1].dump();
 }
 
 }  // namespace tandem::testing

@@ -108,13 +108,24 @@ async function main() {
                                                 stream: true, stream_options: { include_usage: true } });
   const eosRead = await readChoices(eos, 2);
   out.echo_only_stream = { texts: eosRead.texts, finishes: eosRead.finishes, usage: eosRead.usage };
-  // echo with logprobs asks for the prompt's logprobs, which are not computed: refused.
-  try {
-    await client.completions.create({ model, prompt, echo: true, logprobs: 1, max_tokens: 2 });
-    out.echo_logprobs = { status: 200 };
-  } catch (e) {
-    out.echo_logprobs = { status: e.status, param: e.error && e.error.param };
+  // echo with logprobs (lm-evaluation-harness's loglikelihood): the prompt's tokens with their
+  // logprobs first, the first without; whole and streamed alike. And vLLM's prompt_logprobs.
+  const echoed = { ...greedy, prompt, echo: true, logprobs: 1, max_tokens: 2 };
+  const el = (await client.completions.create(echoed)).choices[0].logprobs;
+  out.echo_logprobs = { tokens: el.tokens, token_logprobs: el.token_logprobs,
+                        first_top: el.top_logprobs[0], second_top: el.top_logprobs[1] };
+  const els = await client.completions.create({ ...echoed, stream: true });
+  const streamedEcho = { tokens: [], token_logprobs: [] };
+  for await (const chunk of els) {
+    for (const ch of chunk.choices) {
+      if (!ch.logprobs) continue;
+      streamedEcho.tokens.push(...ch.logprobs.tokens);
+      streamedEcho.token_logprobs.push(...ch.logprobs.token_logprobs);
+    }
   }
+  out.echo_logprobs_stream = streamedEcho;
+  const pl = await client.completions.create({ ...greedy, prompt, max_tokens: 1, prompt_logprobs: 1 });
+  out.prompt_logprobs = pl.choices[0].prompt_logprobs;
 
   // Stop string: cut the greedy completion at a piece of its own text.
   const full = out.completion.text;

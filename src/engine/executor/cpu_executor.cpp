@@ -190,23 +190,17 @@ ExecResult CpuExecutor::execute(std::span<const ExecItem> batch, const LayerHook
       with_drafts[i].insert(with_drafts[i].end(), item.drafts.begin(), item.drafts.end());
       tokens = with_drafts[i];
     }
-    // Logits for each draft's verification, or only for the next token; none for prefill chunks
-    // that stop short of their prompt's end.
-    const auto rows = !item.sample          ? model::LogitRows::kNone
-                      : item.drafts.empty() ? model::LogitRows::kLast
-                                            : model::LogitRows::kAll;
-    steps.push_back({tokens, item.start, item.blocks, rows});
+    steps.push_back({tokens, item.start, item.blocks, logit_rows(item)});
   }
   auto out = model_->forward(steps, cache_, on_layer);
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
   routes_this_step(model_->expert_counts(), info_, seen_, result.expert_tokens);
-  sample_items(
-      batch,
-      [&](size_t i, size_t row) {
-        return out.logits.data() + (out.first_row[i] + static_cast<int64_t>(row)) * vocab;
-      },
-      vocab, no_text_, result.sampled);
+  auto row_of = [&](size_t i, size_t row) {
+    return out.logits.data() + (out.first_row[i] + static_cast<int64_t>(row)) * vocab;
+  };
+  score_prompts(batch, row_of, vocab, no_text_, result.sampled);
+  sample_items(batch, row_of, vocab, no_text_, result.sampled);
   if (drafter_) drafter_->run(batch, out, cache_, result.sampled);
   return result;
 }

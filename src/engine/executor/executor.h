@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -35,9 +36,22 @@ struct ExecItem {
   // distribution each was drawn from, [drafts, vocab] (empty for greedy requests).
   std::span<const int32_t> drafts;
   std::span<const float> draft_probs;
+  // Prompt logprobs (-1: none; k >= 0: each scored prompt token's logprob, rank and the k most
+  // likely tokens): every prompt position p in (start, start + tokens.size()] with p >=
+  // prompt_logprobs_from is scored from the logits of the token before it. Only without drafts.
+  int32_t prompt_logprobs = -1;
+  int64_t prompt_logprobs_from = 1;
+  // The prompt positions the item scores in this step: [first, second); empty when none.
+  std::pair<int64_t, int64_t> scored_prompt() const {
+    if (prompt_logprobs < 0) return {0, 0};
+    const int64_t first = std::max<int64_t>(start + 1, prompt_logprobs_from);
+    const int64_t end = std::min<int64_t>(start + static_cast<int64_t>(tokens.size()) + 1,
+                                          static_cast<int64_t>(prompt.size()));
+    return {first, std::max(first, end)};
+  }
 };
 
-// What one sampled item yields in a step.
+// What one item yields in a step.
 struct StepTokens {
   // The accepted drafts, then one sampled token (the first rejected draft's replacement, or the
   // token after the last accepted one); each with its logprobs when the item asked for them.
@@ -46,10 +60,13 @@ struct StepTokens {
   // distributions [drafts, vocab] (empty for greedy requests).
   std::vector<int32_t> drafts;
   std::vector<float> draft_probs;
+  // Items with prompt_logprobs: the prompt positions scored in this step, from `prompt_at` on.
+  std::vector<TokenLogprob> prompt;
+  int64_t prompt_at = 0;
 };
 
 struct ExecResult {
-  // Per item with sample = true, in batch order; empty entries for the others.
+  // Per item, in batch order: what it sampled (when sample = true) and scored.
   std::vector<StepTokens> sampled;
   // Tokens routed to each (MoE layer, logical expert) in this step, [moe layers, experts]
   // row-major; empty when the executor has no expert routing to report.
@@ -104,6 +121,8 @@ struct ExecutorInfo {
   // Whether tokens come from the model's logits through each item's sampler; the simulator's
   // stand-in tokens do not (so it cannot honour structured outputs).
   bool samples = true;
+  // Whether execute() honours ExecItem::prompt_logprobs.
+  bool scores_prompts = true;
 };
 
 class Executor {

@@ -73,10 +73,39 @@ void mask_ids_without_text(std::span<float> logits, std::span<const int32_t> no_
   for (auto id : no_text) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
 }
 
+model::LogitRows logit_rows(const ExecItem& item) {
+  const auto [first, end] = item.scored_prompt();
+  if (!item.drafts.empty() || first < end) return model::LogitRows::kAll;
+  return item.sample ? model::LogitRows::kLast : model::LogitRows::kNone;
+}
+
+void score_prompts(std::span<const ExecItem> batch,
+                   const std::function<const float*(size_t item, size_t row)>& logits_of,
+                   int64_t vocab, std::span<const int32_t> no_text,
+                   std::vector<StepTokens>& sampled) {
+  sampled.resize(batch.size());
+  std::vector<float> row;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const ExecItem& item = batch[i];
+    const auto [first, end] = item.scored_prompt();
+    if (first >= end) continue;
+    if (!item.drafts.empty())
+      throw Error("execute: item " + std::to_string(i) + " scores its prompt and has drafts");
+    StepTokens& out = sampled[i];
+    out.prompt_at = first;
+    for (int64_t p = first; p < end; ++p) {
+      const float* logits = logits_of(i, size_t(p - item.start - 1));
+      row.assign(logits, logits + vocab);
+      mask_ids_without_text(row, no_text);
+      out.prompt.push_back(token_logprobs(row, item.prompt[size_t(p)], item.prompt_logprobs));
+    }
+  }
+}
+
 void sample_items(std::span<const ExecItem> batch,
                   const std::function<float*(size_t item, size_t row)>& logits_of, int64_t vocab,
                   std::span<const int32_t> no_text, std::vector<StepTokens>& sampled) {
-  sampled.assign(batch.size(), {});
+  sampled.resize(batch.size());
   std::vector<float> raw;
   std::vector<int32_t> output;  // generated tokens with the ones accepted in this step
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -89,8 +118,10 @@ void sample_items(std::span<const ExecItem> batch,
                   " draft probabilities");
     if (drafts > 0) output.assign(item.generated.begin(), item.generated.end());
     auto& tokens = sampled[i].tokens;
+    const size_t first_row =
+        logit_rows(item) == model::LogitRows::kAll ? item.tokens.size() - 1 : 0;
     for (size_t j = 0; j <= drafts; ++j) {
-      std::span<float> logits(logits_of(i, j), size_t(vocab));
+      std::span<float> logits(logits_of(i, first_row + j), size_t(vocab));
       mask_ids_without_text(logits, no_text);
       if (item.logprobs >= 0) raw.assign(logits.begin(), logits.end());
       const std::span<const int32_t> history = drafts > 0 ? output : item.generated;

@@ -36,11 +36,26 @@ std::vector<int32_t> ids_without_text(const text::Tokenizer& tokenizer, int64_t 
 // Sets those ids' logits to -inf, so neither sampling nor a draft proposal picks them.
 void mask_ids_without_text(std::span<float> logits, std::span<const int32_t> no_text);
 
-// Verifies and samples every item with sample = true. Its rows logits_of(item, j), j = 0..drafts
-// (vocab floats each, changed in place: ids without text are masked first) predict the token
-// after its last new token and after each of its drafts: drafts are taken while the sampler
-// accepts them, then one token is sampled (the first rejected draft's replacement, or the token
-// after the last draft). Logprobs, when the item asks for them, come from each row's raw logits.
+// The logit rows an item needs from the model: one per new token (and draft) when it verifies
+// drafts or scores prompt tokens, the last one when it only samples, none for a prefill chunk that
+// stops short of its prompt's end.
+model::LogitRows logit_rows(const ExecItem& item);
+
+// Scores the prompt positions of the items with prompt_logprobs into sampled[item].prompt, from
+// their rows logits_of(item, j) (row j predicts position start + j + 1) with the ids without text
+// masked, as sampled tokens' logprobs are: a scored answer has the logprobs it was generated with.
+// Call before sample_items(), which masks rows in place.
+void score_prompts(std::span<const ExecItem> batch,
+                   const std::function<const float*(size_t item, size_t row)>& logits_of,
+                   int64_t vocab, std::span<const int32_t> no_text,
+                   std::vector<StepTokens>& sampled);
+
+// Verifies and samples every item with sample = true. Its rows logits_of(item, r + j), j =
+// 0..drafts, with r its last new token's row (0 unless logit_rows() is kAll), (vocab floats each,
+// changed in place: ids without text are masked first) predict the token after its last new token
+// and after each of its drafts: drafts are taken while the sampler accepts them, then one token
+// is sampled (the first rejected draft's replacement, or the token after the last draft).
+// Logprobs, when the item asks for them, come from each row's raw logits.
 void sample_items(std::span<const ExecItem> batch,
                   const std::function<float*(size_t item, size_t row)>& logits_of, int64_t vocab,
                   std::span<const int32_t> no_text, std::vector<StepTokens>& sampled);

@@ -54,8 +54,7 @@ ExecResult Qwen3Executor::execute(std::span<const ExecItem> batch, const LayerHo
     if (!item.drafts.empty())
       throw Error("execute: item " + std::to_string(i) +
                   " has drafts and the executor does not speculate");
-    steps.push_back({item.tokens, item.start, item.blocks,
-                     item.sample ? model::LogitRows::kLast : model::LogitRows::kNone});
+    steps.push_back({item.tokens, item.start, item.blocks, logit_rows(item)});
   }
   auto out = model_->forward(steps, cache_);
   // The whole step is in the cache now: streaming KV transfers may send every layer.
@@ -63,12 +62,11 @@ ExecResult Qwen3Executor::execute(std::span<const ExecItem> batch, const LayerHo
   const int64_t vocab = info_.vocab_size;
   ExecResult result;
   routes_this_step(model_->expert_counts(), info_, seen_, result.expert_tokens);
-  sample_items(
-      batch,
-      [&](size_t i, size_t row) {
-        return out.logits.data() + (out.first_row[i] + static_cast<int64_t>(row)) * vocab;
-      },
-      vocab, no_text_, result.sampled);
+  auto row_of = [&](size_t i, size_t row) {
+    return out.logits.data() + (out.first_row[i] + static_cast<int64_t>(row)) * vocab;
+  };
+  score_prompts(batch, row_of, vocab, no_text_, result.sampled);
+  sample_items(batch, row_of, vocab, no_text_, result.sampled);
   return result;
 }
 

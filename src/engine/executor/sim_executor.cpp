@@ -98,6 +98,21 @@ void SimExecutor::emit(size_t index, int32_t logprobs, StepTokens& out) const {
     t.top.emplace_back(ordinary_[(index + size_t(k)) % ordinary_.size()], -static_cast<float>(k));
 }
 
+void SimExecutor::score_prompt(const ExecItem& item, StepTokens& out) const {
+  const auto [first, end] = item.scored_prompt();
+  if (first >= end) return;
+  out.prompt_at = first;
+  for (int64_t p = first; p < end; ++p) {
+    // Placeholders as emit()'s: the prompt token is the most likely, then ordinary tokens.
+    TokenLogprob& t = out.prompt.emplace_back();
+    t.token = item.prompt[size_t(p)];
+    t.rank = 1;
+    for (int32_t k = 0; k < item.prompt_logprobs; ++k)
+      t.top.emplace_back(k == 0 ? t.token : ordinary_[size_t(p + k) % ordinary_.size()],
+                         -static_cast<float>(k));
+  }
+}
+
 void SimExecutor::propose_drafts(uint64_t position, int32_t last, int64_t count,
                                  StepTokens& out) const {
   const std::vector<double>& acceptance = options_.mtp.acceptance;
@@ -145,6 +160,7 @@ ExecResult SimExecutor::execute(std::span<const ExecItem> batch, const LayerHook
     if (!item.drafts.empty() && info_.speculative_tokens == 0)
       throw Error("the simulated executor speculates only with MTP drafts on: item " +
                   std::to_string(i) + " has drafts");
+    score_prompt(item, result.sampled[i]);
     if (!item.sample) continue;
     // Verification: the drafts the sequence does continue with, up to the first that it does
     // not, then the token after the last accepted one (or the rejected draft's replacement).

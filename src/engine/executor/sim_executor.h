@@ -78,6 +78,8 @@ class SimExecutor : public Executor {
   size_t next_token(uint64_t position, int32_t previous) const;
   // Appends ordinary_[index] to `out`, with the placeholder logprobs when `logprobs` > 0.
   void emit(size_t index, int32_t logprobs, StepTokens& out) const;
+  // Placeholder prompt logprobs for the positions `item` scores.
+  void score_prompt(const ExecItem& item, StepTokens& out) const;
   // Drafts for the positions after `position` (where `last` is), per the acceptance model.
   void propose_drafts(uint64_t position, int32_t last, int64_t count, StepTokens& out) const;
 

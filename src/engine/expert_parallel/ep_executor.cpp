@@ -126,6 +126,8 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
                                    : o.stall_timeout);
   rank_work_.assign(size_t(o.ranks), RankWork{});
   info_ = model_executor_info(*model_, o.model_name, cache_shape, blocks);
+  // Rank 0 writes one row of logits per item into the shared segment: the last new token's.
+  info_.scores_prompts = false;
   no_text_ = ids_without_text(tokenizer, c.vocab_size);
 }
 

@@ -95,9 +95,14 @@ SchedulerOutput Scheduler::schedule() {
   };
 
   // A running sequence's next tokens; false when it was preempted (itself) for lack of blocks.
+  // New tokens for a sequence with `computed` of them in the cache, within the budget.
+  auto chunk = [&](const Sequence* seq, int64_t computed) {
+    const int64_t n =
+        std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
+    return seq->scoring_prompt() ? std::min(n, config_.max_scored_tokens) : n;
+  };
   auto run = [&](Sequence* seq) {
-    int64_t n =
-        std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - seq->num_computed, budget);
+    int64_t n = chunk(seq, seq->num_computed);
     // Drafts ride along with a decode token while the budget and the cache allow (no one is
     // preempted for them); the request never needs more than max_tokens.
     int64_t drafts = 0;
@@ -166,13 +171,14 @@ SchedulerOutput Scheduler::schedule() {
       ++i;
       return;
     }
-    PrefixHit hit =
-        has_blocks ? PrefixHit{} : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
+    // A prompt still to be scored is computed whole: cached positions have no logits.
+    PrefixHit hit = has_blocks || seq->scoring_prompt()
+                        ? PrefixHit{}
+                        : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
     // A preempted sequence finds its own blocks again: not a lookup for the hit-rate statistics.
     if (seq->num_preemptions > 0) hit.num_query_tokens = 0;
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
-    const int64_t n =
-        std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
+    const int64_t n = chunk(seq, computed);
     const int64_t needs = kv_.num_blocks_to_allocate(seq->request.id, computed + n, hit);
     bool ok = !(memory_short && needs > 0);
     if (ok && needs > kv_.num_free_blocks()) {
@@ -247,6 +253,7 @@ std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput&
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     const auto& s = out.scheduled[i];
     Sequence* seq = s.seq;
+    if (i < sampled.size()) take_prompt_logprobs(*seq, sampled[i]);
     if (!s.sample) {
       seq->num_computed += s.num_new_tokens;
       continue;
@@ -284,6 +291,8 @@ std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput&
     }
     seq->drafts = o.finished ? std::vector<int32_t>() : step.drafts;
     seq->draft_probs = o.finished ? std::vector<float>() : step.draft_probs;
+    if (u.first_token && seq->request.prompt_logprobs >= 0)
+      o.prompt_logprobs = seq->prompt_logprobs;
     o.prompt_tokens = seq->num_prompt;
     o.completion_tokens = seq->num_generated();
     o.cached_tokens = seq->num_cached;
@@ -299,6 +308,13 @@ std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput&
       kv_.truncate(seq->request.id, int64_t(seq->tokens.size()));
   }
   return updates;
+}
+
+void Scheduler::take_prompt_logprobs(Sequence& seq, const StepTokens& step) {
+  // Positions scored before (a prompt recomputed after preemption) are kept as they were.
+  for (size_t k = 0; k < step.prompt.size(); ++k)
+    if (step.prompt_at + int64_t(k) == int64_t(seq.prompt_logprobs.size()) + 1)
+      seq.prompt_logprobs.push_back(step.prompt[k]);
 }
 
 void Scheduler::remove(Sequence* seq, bool keep_blocks) {

@@ -31,6 +31,9 @@ struct SchedulerConfig {
   // its new tokens and drafts when the cache allows (the executor's later draft passes write
   // there; ExecutorInfo::speculative_lookahead()).
   int64_t speculative_lookahead = 0;
+  // New tokens per step of a sequence that scores its prompt (prompt logprobs): each needs a row
+  // of logits, vocab floats (0.5 MB for DeepSeek-V3's).
+  int64_t max_scored_tokens = 256;
 };
 
 struct ScheduledSequence {
@@ -85,6 +88,8 @@ class Scheduler {
  private:
   void preempt(Sequence* seq);
   Sequence* preemption_victim() const;
+  // Appends the prompt positions `step` scored that follow the sequence's own.
+  static void take_prompt_logprobs(Sequence& seq, const StepTokens& step);
   void insert_waiting(Sequence* seq, bool front);
 
   SchedulerConfig config_;

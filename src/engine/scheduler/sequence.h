@@ -47,6 +47,12 @@ struct EngineRequest {
   // cached blocks (the API's cache_salt, hashed).
   std::optional<uint64_t> cache_salt;
   int32_t logprobs = -1;  // -1: none; k >= 0: sampled token's logprob plus the k most likely
+  // Prompt logprobs: -1 none; k >= 0: each prompt token's (after the first) logprob, rank and the
+  // k most likely tokens, sent with the first generated token. The prefix cache is not read
+  // until they are computed: a cached position has no logits.
+  int32_t prompt_logprobs = -1;
+  // A decode leg's prompt logprobs, computed by the prefill engine (api::PulledKv).
+  std::vector<TokenLogprob> known_prompt_logprobs;
   KvTransferSpec kv_transfer;
   OutputCallback on_output;
 };
@@ -88,6 +94,9 @@ struct Sequence {
   // drawn from, [drafts, vocab] (empty for greedy requests).
   std::vector<int32_t> drafts;
   std::vector<float> draft_probs;
+  // Prompt logprobs so far, of positions 1, 2, ... (kept across preemption: a recomputed prompt
+  // is not scored again).
+  std::vector<TokenLogprob> prompt_logprobs;
 
   int64_t num_generated() const { return static_cast<int64_t>(tokens.size()) - num_prompt; }
   // A transfer writes into its blocks (it may have been cancelled, and still runs).
@@ -97,6 +106,11 @@ struct Sequence {
   std::span<const int32_t> prompt() const { return {tokens.data(), size_t(num_prompt)}; }
   std::span<const int32_t> generated() const {
     return {tokens.data() + num_prompt, tokens.size() - size_t(num_prompt)};
+  }
+  // It asked for prompt logprobs that are not all computed yet.
+  bool scoring_prompt() const {
+    return request.prompt_logprobs >= 0 &&
+           static_cast<int64_t>(prompt_logprobs.size()) + 1 < num_prompt;
   }
 };
 

@@ -60,7 +60,10 @@ void PdCoordinator::start_fetches(double now) {
     const int64_t need = seq->num_prompt - 1;
     // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
     // runs, empty: it tells the prefill engine to let go of its blocks.
-    const PrefixHit hit = kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
+    // A leg that computes its prompt again (to score it) writes every block: none is shared.
+    const PrefixHit hit = seq->scoring_prompt()
+                              ? PrefixHit{}
+                              : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
     // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
     // needs a new block (a decode holding received KV must not wait behind a full cache).
     if (!kv_.allocate(id, seq->num_prompt, hit)) {
@@ -121,7 +124,10 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     return;
   }
   std::erase(awaiting_kv_, seq);
-  seq->num_computed = seq->num_prompt - 1;
+  // A leg that asks for prompt logprobs and was not handed them (the parallel flow, or a prefill
+  // engine that did not compute them) computes its prompt again over the received KV: only the
+  // engine that runs the prompt through the model has its logits.
+  seq->num_computed = seq->scoring_prompt() ? 0 : seq->num_prompt - 1;
   kv_.cache_full_blocks(id, std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
   host_.schedule(seq);
 }

@@ -1,0 +1,242 @@
+// Prompt logprobs in process on tiny-v3 (float32): every prompt position's logprob, rank and
+// alternatives are the log-softmax of the model's own logits for the prefix before it (the forward
+// pass is held to the PyTorch reference at every position by numerics_test); they do not depend on
+// how the prompt was chunked, preempted or found in the prefix cache, nor on speculation; a
+// generated token's logprob is the one its position gets when the answer is scored as a prompt.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <future>
+#include <limits>
+#include <numeric>
+
+#include "engine/engine.h"
+#include "engine/executor/cpu_executor.h"
+#include "engine/executor/model_executor.h"
+#include "engine/output_processor.h"
+#include "engine/tiny_model_fixture.h"
+#include "util/error.h"
+
+namespace tandem::engine {
+namespace {
+
+constexpr char kF32[] = "f32";
+constexpr double kTol = 1e-5;
+
+struct Answer {
+  std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs, prompt_logprobs;
+  size_t outputs_with_prompt_logprobs = 0;
+  std::string finish_reason, error;
+};
+
+struct Ask {
+  std::vector<int32_t> prompt;
+  int32_t prompt_logprobs = -1;
+  int64_t max_tokens = 1;
+  int32_t logprobs = -1;
+};
+
+std::vector<int32_t> prompt_of(int n, int base) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(base + (i * 7919) % 5000);
+  return t;
+}
+
+struct EngineShape {
+  int64_t speculative_tokens = 0;
+  int64_t num_blocks = 256;
+  int64_t max_batched_tokens = 2048;
+  int64_t max_scored_tokens = 256;
+};
+
+class PromptLogprobs : public test::TinyModelTest<kF32> {
+ protected:
+  // Runs the requests concurrently through one engine; answers in request order.
+  static std::vector<Answer> serve(const std::vector<Ask>& asks, const EngineShape& shape = {},
+                                   bool one_after_another = false) {
+    CpuExecutorOptions o;
+    o.block_size = 4;
+    o.num_blocks = shape.num_blocks;
+    o.speculative_tokens = shape.speculative_tokens;
+    metrics::Registry registry;
+    EngineConfig config;
+    config.scheduler.max_num_batched_tokens = shape.max_batched_tokens;
+    config.scheduler.max_scored_tokens = shape.max_scored_tokens;
+    Engine engine(
+        config,
+        std::make_unique<CpuExecutor>(std::shared_ptr<const model::DeepSeekModel>(
+                                          model_.get(), [](const model::DeepSeekModel*) {}),
+                                      *tok_, "tiny", o),
+        std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
+        eos_ids(*tok_, std::nullopt), registry);
+    engine.start();
+    std::vector<Answer> answers(asks.size());
+    std::vector<std::promise<void>> done(asks.size());
+    for (size_t i = 0; i < asks.size(); ++i) {
+      EngineRequest r;
+      r.id = std::to_string(i);
+      r.prompt = asks[i].prompt;
+      r.sampling.temperature = 0;
+      r.sampling.ignore_eos = true;
+      r.sampling.max_tokens = asks[i].max_tokens;
+      r.logprobs = asks[i].logprobs;
+      r.prompt_logprobs = asks[i].prompt_logprobs;
+      r.on_output = [&answers, &done, i](const RequestOutput& out) {
+        Answer& a = answers[i];
+        a.tokens.insert(a.tokens.end(), out.tokens.begin(), out.tokens.end());
+        a.logprobs.insert(a.logprobs.end(), out.logprobs.begin(), out.logprobs.end());
+        if (!out.prompt_logprobs.empty()) {
+          ++a.outputs_with_prompt_logprobs;
+          a.prompt_logprobs = out.prompt_logprobs;
+        }
+        if (out.finished) {
+          a.finish_reason = out.finish_reason;
+          a.error = out.error;
+          done[i].set_value();
+        }
+      };
+      engine.submit(std::move(r));
+      if (one_after_another) done[i].get_future().wait();
+    }
+    if (!one_after_another)
+      for (auto& d : done) d.get_future().wait();
+    engine.stop();
+    return answers;
+  }
+
+  // The log-softmax, in double, of the model's logits at every position of `tokens`, computed
+  // whole in a cache of its own, over the ids with text (those a serving engine samples from).
+  static std::vector<std::vector<double>> reference(const std::vector<int32_t>& tokens) {
+    const int64_t block = 4;
+    model::LatentCache cache(model_->cache_shape(block), 64);
+    std::vector<int32_t> blocks((tokens.size() + block - 1) / block);
+    std::iota(blocks.begin(), blocks.end(), 0);
+    const model::SequenceStep step{tokens, 0, blocks, model::LogitRows::kAll};
+    const auto out = model_->forward(std::span<const model::SequenceStep>(&step, 1), cache);
+    const auto vocab = static_cast<size_t>(model_->config().vocab_size);
+    const std::vector<int32_t> no_text = ids_without_text(*tok_, model_->config().vocab_size);
+    EXPECT_FALSE(no_text.empty()) << "tiny-v3 pads its vocabulary: the mask is exercised";
+    std::vector<std::vector<double>> rows;
+    for (size_t r = 0; r < tokens.size(); ++r) {
+      std::vector<double> row(out.logits.data() + r * vocab, out.logits.data() + (r + 1) * vocab);
+      for (int32_t id : no_text) row[size_t(id)] = -std::numeric_limits<double>::infinity();
+      const double m = *std::max_element(row.begin(), row.end());
+      double sum = 0;
+      for (double v : row) sum += std::exp(v - m);
+      for (double& v : row) v -= m + std::log(sum);
+      rows.push_back(std::move(row));
+    }
+    return rows;
+  }
+
+  static void expect_near(const std::vector<TokenLogprob>& got,
+                          const std::vector<TokenLogprob>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t p = 0; p < got.size(); ++p) {
+      SCOPED_TRACE("position " + std::to_string(p + 1));
+      EXPECT_EQ(got[p].token, want[p].token);
+      EXPECT_NEAR(got[p].logprob, want[p].logprob, kTol);
+      // Deep in the vocabulary logits lie closer than rounding tells apart.
+      EXPECT_NEAR(got[p].rank, want[p].rank, want[p].rank / 1000);
+      ASSERT_EQ(got[p].top.size(), want[p].top.size());
+      for (size_t k = 0; k < got[p].top.size(); ++k) {
+        EXPECT_EQ(got[p].top[k].first, want[p].top[k].first);
+        EXPECT_NEAR(got[p].top[k].second, want[p].top[k].second, kTol);
+      }
+    }
+  }
+};
+
+TEST_F(PromptLogprobs, AreTheLogSoftmaxOfTheModelsLogitsForThePrefixBeforeEachToken) {
+  const auto prompt = prompt_of(19, 300);
+  const auto answers = serve({{prompt, 3}});
+  ASSERT_EQ(answers[0].error, "");
+  const Answer& a = answers[0];
+  EXPECT_EQ(a.outputs_with_prompt_logprobs, 1u) << "they come once, with the first token";
+  ASSERT_EQ(a.prompt_logprobs.size(), prompt.size() - 1);
+  const auto ref = reference(prompt);
+  for (size_t p = 1; p < prompt.size(); ++p) {
+    SCOPED_TRACE("position " + std::to_string(p));
+    const TokenLogprob& lp = a.prompt_logprobs[p - 1];
+    const std::vector<double>& row = ref[p - 1];  // the logits after token p - 1
+    EXPECT_EQ(lp.token, prompt[p]);
+    EXPECT_NEAR(lp.logprob, row[size_t(prompt[p])], kTol);
+    const auto above =
+        std::count_if(row.begin(), row.end(), [&](double v) { return v > row[size_t(prompt[p])]; });
+    EXPECT_EQ(lp.rank, 1 + above);
+    std::vector<int32_t> order(row.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 3, order.end(),
+                      [&](int32_t x, int32_t y) { return row[size_t(x)] > row[size_t(y)]; });
+    ASSERT_EQ(lp.top.size(), 3u);
+    for (size_t k = 0; k < 3; ++k) {
+      EXPECT_EQ(lp.top[k].first, order[k]);
+      EXPECT_NEAR(lp.top[k].second, row[size_t(order[k])], kTol);
+    }
+  }
+}
+
+TEST_F(PromptLogprobs, DoNotDependOnChunksPreemptionThePrefixCacheOrSpeculation) {
+  const auto prompt = prompt_of(23, 700);
+  const auto alone = serve({{prompt, 2}})[0].prompt_logprobs;
+  ASSERT_EQ(alone.size(), prompt.size() - 1);
+  {
+    SCOPED_TRACE("chunks of 5 new tokens, and of 3 scored ones");
+    expect_near(serve({{prompt, 2}}, {.max_batched_tokens = 5})[0].prompt_logprobs, alone);
+    expect_near(serve({{prompt, 2}}, {.max_scored_tokens = 3})[0].prompt_logprobs, alone);
+  }
+  {
+    SCOPED_TRACE("the same prompt cached by an earlier request");
+    const auto answers = serve({{prompt, -1, 4}, {prompt, 2}}, {}, /*one_after_another=*/true);
+    expect_near(answers[1].prompt_logprobs, alone);
+  }
+  {
+    SCOPED_TRACE("preempted: four long answers in a cache of 20 blocks of 4 tokens");
+    std::vector<Ask> asks;
+    for (int i = 0; i < 4; ++i) asks.push_back({prompt, 2, 20});
+    const auto answers = serve(asks, {.num_blocks = 20, .max_batched_tokens = 8});
+    for (const Answer& a : answers) {
+      ASSERT_EQ(a.error, "");
+      EXPECT_EQ(a.outputs_with_prompt_logprobs, 1u);
+      expect_near(a.prompt_logprobs, alone);
+    }
+  }
+  {
+    SCOPED_TRACE("an engine that speculates with the MTP module");
+    expect_near(serve({{prompt, 2}}, {.speculative_tokens = 2})[0].prompt_logprobs, alone);
+  }
+}
+
+TEST_F(PromptLogprobs, OfAnAnswerScoredAsAPromptAreTheLogprobsItWasGeneratedWith) {
+  const auto prompt = prompt_of(9, 1200);
+  const Answer generated = serve({{prompt, -1, 6, 2}})[0];
+  ASSERT_EQ(generated.logprobs.size(), 6u);
+  auto whole = prompt;
+  whole.insert(whole.end(), generated.tokens.begin(), generated.tokens.end());
+  const Answer scored = serve({{whole, 2}})[0];
+  ASSERT_EQ(scored.prompt_logprobs.size(), whole.size() - 1);
+  const std::vector<TokenLogprob> tail(scored.prompt_logprobs.end() - 6,
+                                       scored.prompt_logprobs.end());
+  for (size_t k = 0; k < 6; ++k) {
+    SCOPED_TRACE("generated token " + std::to_string(k));
+    EXPECT_EQ(tail[k].token, generated.logprobs[k].token);
+    EXPECT_NEAR(tail[k].logprob, generated.logprobs[k].logprob, kTol);
+    EXPECT_EQ(tail[k].rank, 1) << "greedy tokens are the most likely";
+    ASSERT_EQ(tail[k].top.size(), 2u);
+    EXPECT_EQ(tail[k].top[0].first, generated.logprobs[k].top[0].first);
+  }
+}
+
+TEST_F(PromptLogprobs, AOneTokenPromptHasNoneAndARequestWithoutThemGetsNone) {
+  const auto answers = serve({{{500}, 4, 2}, {prompt_of(7, 40), -1, 2}});
+  for (const Answer& a : answers) {
+    EXPECT_EQ(a.error, "");
+    EXPECT_EQ(a.tokens.size(), 2u);
+    EXPECT_TRUE(a.prompt_logprobs.empty());
+  }
+}
+
+}  // namespace
+}  // namespace tandem::engine
