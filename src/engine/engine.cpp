@@ -449,8 +449,11 @@ void Engine::admit_incoming() {
       const PdCoordinator::Admission admission = pd_->admit(raw);
       if (admission != PdCoordinator::Admission::kSchedule) continue;  // waits for KV, or refused
     }
+    // A prompt to be scored is computed whole (Scheduler): its cached prefix is no less work.
     raw->cached_on_arrival =
-        kv_.find_cached_prefix(raw->tokens, raw->request.cache_salt).num_tokens;
+        raw->scoring_prompt()
+            ? 0
+            : kv_.find_cached_prefix(raw->tokens, raw->request.cache_salt).num_tokens;
     scheduler_.add(raw);
   }
   for (const auto& id : aborts) {
