@@ -28,6 +28,7 @@
 #include "engine/expert_parallel/rank_process.h"
 #include "engine/output_processor.h"
 #include "kernels/cpu/ops.h"
+#include "model/model_folder.h"
 #include "net/http.h"
 #include "placement/files.h"
 #include "util/error.h"
@@ -140,16 +141,20 @@ engine::CpuExecutorOptions cache_options(const EngineOptions& o) {
 // From config.json alone, before the weights load: a KV cache that can never fit this machine,
 // or a --max-model-len past the model's context, is refused at once. A DeepSeek model's "auto"
 // cache type follows its weights, not known yet; the check assumes the smaller one (BF16), so it
-// refuses only what the check after loading refuses too, which stays the exact one.
-void check_against_model_config(const EngineOptions& o) {
+// refuses only what the check after loading refuses too, which stays the exact one. A tokenizer
+// with ids past the model's vocabulary is refused too (its ids would index past the embedding).
+void check_against_model_config(const EngineOptions& o, const text::Tokenizer& tokenizer) {
   const auto co = cache_options(o);
+  const std::string tokenizer_dir = o.tokenizer.empty() ? o.model : o.tokenizer + " (--tokenizer)";
   int64_t context = 0;
   if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
     const auto c = model::Qwen3MoeConfig::load(o.model);
+    model::check_tokenizer_fits(tokenizer, tokenizer_dir, c.vocab_size, o.model);
     context = c.max_position_embeddings;
     engine::kv_blocks_for(model::qwen3_cache_shape(c, o.block_size, co.kv_cache_type), co);
   } else {
     const auto c = model::ModelConfig::load(o.model);
+    model::check_tokenizer_fits(tokenizer, tokenizer_dir, c.vocab_size, o.model);
     context = c.max_position_embeddings;
     engine::kv_blocks_for(model::deepseek_cache_shape(
                               c, o.block_size, co.kv_cache_type.value_or(model::LatentType::kBF16)),
@@ -209,7 +214,7 @@ void run(const EngineOptions& o) {
   engine::check_kv_peer_allow(o.kv_transfer_allow);
   transfer.allow = o.kv_transfer_allow;
   config.transfer = transfer;
-  if (!sim) check_against_model_config(o);
+  if (!sim) check_against_model_config(o, *tokenizer);
 
   // Before the model loads: the kernels' numerics mode is process-wide.
   kernels::set_batch_invariant(o.batch_invariant);

@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/generate.h"
+#include "model/config.h"
+#include "model/model_folder.h"
 #include "model/qwen3_moe_config.h"
 #include "text/chat_template.h"
 #include "util/error.h"
@@ -53,6 +55,7 @@ void run(GenerateOptions& o) {
   if (o.seed_set) o.sampling.seed = o.seed;
   o.sampling.validate();
   const auto tok = text::Tokenizer::from_dir(o.model);
+  model::check_tokenizer_fits(tok, o.model, model::ModelConfig::load(o.model).vocab_size, o.model);
   std::unique_ptr<model::DeepSeekModel> model;
   {
     ProgressBar bar("loading " + o.model, "tensors");

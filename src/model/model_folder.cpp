@@ -1,6 +1,5 @@
 #include "model/model_folder.h"
 
-#include "text/tokenizer.h"
 #include "util/error.h"
 
 namespace tandem::model {
@@ -43,6 +42,17 @@ void copy_tokenizer_files(const fs::path& from, const fs::path& to, bool generat
       if (entry.path().extension() == ".jinja")
         copy_regular_file(entry.path(), target / entry.path().filename(), command);
   }
+}
+
+void check_tokenizer_fits(const text::Tokenizer& tokenizer, const std::string& tokenizer_dir,
+                          int64_t vocab_size, const std::string& model_dir) {
+  const auto ids = static_cast<int64_t>(tokenizer.vocab_size());
+  if (ids <= vocab_size) return;
+  throw Error("the tokenizer in " + tokenizer_dir + " has " + std::to_string(ids) +
+              " token ids (up to " + std::to_string(ids - 1) + "), more than the vocab_size " +
+              std::to_string(vocab_size) + " of the model in " + model_dir +
+              " (config.json): the model has no embedding rows for the ids past it. Use the "
+              "model's own tokenizer");
 }
 
 }  // namespace tandem::model

@@ -1,8 +1,12 @@
 #pragma once
 // The files of a model folder beside config.json and the weights: the tokenizer's files, which
-// the writers of model folders (tandem quantize, make-model --tokenizer) copy.
+// the writers of model folders (tandem quantize, make-model --tokenizer) copy, and the check that
+// a tokenizer fits a model's vocabulary.
+#include <cstdint>
 #include <filesystem>
 #include <string>
+
+#include "text/tokenizer.h"
 
 namespace tandem::model {
 
@@ -14,5 +18,12 @@ namespace tandem::model {
 // tandem::Error starting with `command` and naming the file.
 void copy_tokenizer_files(const std::filesystem::path& from, const std::filesystem::path& to,
                           bool generation_config, const std::string& command);
+
+// Refuses a tokenizer with ids the model has no embedding rows for (ids >= vocab_size): throws
+// tandem::Error naming both folders (`tokenizer_dir`, `model_dir`: how the user named them) and
+// both sizes. A vocabulary padded past the tokenizer's ids (config vocab_size larger, as
+// DeepSeek's and Qwen's are) is what real checkpoints have, and is accepted.
+void check_tokenizer_fits(const text::Tokenizer& tokenizer, const std::string& tokenizer_dir,
+                          int64_t vocab_size, const std::string& model_dir);
 
 }  // namespace tandem::model

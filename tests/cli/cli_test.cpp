@@ -769,6 +769,73 @@ TEST(Cli, AnEngineChecksItsSettingsBeforeLoadingTheModel) {
   std::filesystem::remove_all(dir);
 }
 
+// A model folder made by make-model whose weight files are empty: whatever is checked before the
+// load answers first, and a command that gets past its checks fails on the weights, never serves.
+std::filesystem::path model_without_weights(const std::string& stem, const std::string& preset) {
+  const auto dir = test::temp_path(stem).replace_extension();
+  EXPECT_EQ(test::run_command(std::string(TANDEM_BINARY) + " make-model --preset " + preset +
+                              " --out " + test::quote(dir) + " >/dev/null 2>&1"),
+            0);
+  for (const auto& f : std::filesystem::directory_iterator(dir))
+    if (f.path().extension() == ".safetensors") std::filesystem::resize_file(f.path(), 0);
+  return dir;
+}
+
+void set_vocab_size(const std::filesystem::path& dir, int64_t vocab_size) {
+  nlohmann::json c = nlohmann::json::parse(std::ifstream(dir / "config.json"));
+  c["vocab_size"] = vocab_size;
+  std::ofstream(dir / "config.json") << c.dump(2);
+}
+
+// A tokenizer with ids past the model's vocabulary (an embedding row it lacks) is refused at
+// startup, before the load, naming the tokenizer's folder (--tokenizer when given), the model's and
+// both sizes: engines started with it and indexed past the embedding. A vocabulary padded past
+// the tokenizer's ids, as real checkpoints have, is accepted (the load then meets the empty
+// weights).
+TEST(Cli, ATokenizerWithIdsPastTheModelsVocabularyIsRefusedNamingBothFolders) {
+  const auto deepseek = model_without_weights("vocab-deepseek", "tiny-v3");
+  const auto qwen3 = model_without_weights("vocab-qwen3", "tiny-qwen3-moe");
+  const auto ids = [](const std::filesystem::path& dir) {
+    return std::to_string(text::Tokenizer::from_dir(dir).vocab_size());
+  };
+  const std::string qwen3_ids = ids(qwen3), deepseek_ids = ids(deepseek);
+  auto expect_refused = [](const Result& r, const std::vector<std::string>& named) {
+    EXPECT_EQ(r.status, 1) << r.output;
+    for (const std::string& n : named) EXPECT_THAT(r.output, HasSubstr(n)) << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("safetensors"))) << r.output;
+  };
+  const std::string flags = " --host 127.0.0.1 --port 0";
+  // Qwen3's tokenizer (151k ids) for a DeepSeek model (129,280 rows), by --tokenizer.
+  expect_refused(
+      run("engine --model " + test::quote(deepseek) + " --tokenizer " + test::quote(qwen3) + flags),
+      {"the tokenizer in " + qwen3.string() + " (--tokenizer) has " + qwen3_ids,
+       "vocab_size 129280 of the model in " + deepseek.string()});
+  // A config whose vocabulary is one short of its own tokenizer's, in each family and generate.
+  set_vocab_size(qwen3, std::stoll(qwen3_ids) - 1);
+  expect_refused(run("engine --model " + test::quote(qwen3) + flags),
+                 {"the tokenizer in " + qwen3.string() + " has " + qwen3_ids,
+                  "vocab_size " + std::to_string(std::stoll(qwen3_ids) - 1)});
+  set_vocab_size(deepseek, std::stoll(deepseek_ids) - 1);
+  for (const std::string& command : {"engine", "generate"})
+    expect_refused(run(command + " --model " + test::quote(deepseek) +
+                       (command == "engine" ? flags : " --prompt hi")),
+                   {"the tokenizer in " + deepseek.string() + " has " + deepseek_ids,
+                    "vocab_size " + std::to_string(std::stoll(deepseek_ids) - 1)});
+  // Padded vocabularies pass the check and reach the weights.
+  set_vocab_size(qwen3, std::stoll(qwen3_ids) + 64);
+  set_vocab_size(deepseek, std::stoll(deepseek_ids) + 64);
+  for (const std::string& command :
+       {"engine --model " + test::quote(qwen3) + flags,
+        "engine --model " + test::quote(deepseek) + flags,
+        "generate --model " + test::quote(deepseek) + " --prompt hi"}) {
+    const auto r = run(command);
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("safetensors: file is 0 bytes")) << command;
+  }
+  std::filesystem::remove_all(deepseek);
+  std::filesystem::remove_all(qwen3);
+}
+
 // A metric flag the summary cannot take, or an access log that cannot be read, is refused before
 // the run, naming the flag: each was found only after the run, which was then lost.
 TEST(Cli, MetricFlagsAndTheAccessLogAreCheckedBeforeTheRun) {
