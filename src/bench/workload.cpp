@@ -413,6 +413,15 @@ std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
   Rng rng(o.seed);
   if (o.shuffle) rng.shuffle(entries);
 
+  // Prompt tokens in all: the workload is made whole, ids and text.
+  int64_t total = 0;
+  const std::string asked = o.num_requests_name + " " + std::to_string(o.num_requests);
+  const std::string too_many = "at most " + std::to_string(o.max_prompt_tokens) +
+                               " prompt tokens in all (the workload is made whole, text "
+                               "included): ask for fewer requests";
+  const auto conversations = [](size_t n) {
+    return std::to_string(n) + (n == 1 ? " usable conversation" : " usable conversations");
+  };
   std::vector<BenchRequest> out;
   for (const Entry& e : entries) {
     if (static_cast<int64_t>(out.size()) >= o.num_requests) break;
@@ -429,12 +438,27 @@ std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
     r.prompt_text = e.prompt;
     r.prompt_ids = tokenizer.encode(e.prompt, false);
     r.output_len = output_len;
+    total += static_cast<int64_t>(r.prompt_ids.size());
+    require(total <= o.max_prompt_tokens,
+            where + ": " + asked + ": its first " + conversations(out.size() + 1) + " hold " +
+                std::to_string(total) + " prompt tokens; " + too_many);
     out.push_back(std::move(r));
   }
   const size_t kept = out.size();
-  if (o.oversample && kept > 0) {
-    while (static_cast<int64_t>(out.size()) < o.num_requests) out.push_back(out[rng.below(kept)]);
+  if (!o.oversample || kept == 0 || static_cast<int64_t>(kept) >= o.num_requests) return out;
+  // The repeats are counted before any is made, with the draws that will make them: a count
+  // the flags allow (10^7 requests) could otherwise fill the memory with copies.
+  Rng draws = rng;
+  for (int64_t i = static_cast<int64_t>(kept); i < o.num_requests; ++i) {
+    total += static_cast<int64_t>(out[draws.below(kept)].prompt_ids.size());
+    require(total <= o.max_prompt_tokens,
+            where + ": " + asked + ": its " + conversations(kept) + ", repeated to make " +
+                std::to_string(o.num_requests) + " requests (vLLM's oversampling), hold " +
+                std::to_string(total) + " prompt tokens by request " + std::to_string(i + 1) +
+                "; " + too_many);
   }
+  out.reserve(o.num_requests);
+  while (static_cast<int64_t>(out.size()) < o.num_requests) out.push_back(out[rng.below(kept)]);
   return out;
 }
 

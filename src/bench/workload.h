@@ -137,7 +137,9 @@ std::vector<BenchRequest> prefix_repetition_workload(const TokenVocab& vocab,
 // the prompt's ids without special tokens. The kept entries are taken in a seeded shuffled order
 // (our own shuffle, so not the same subset as vLLM's for the same seed); when fewer than
 // num_requests pass, the list is topped up with seeded random repeats (vLLM's oversampling)
-// unless oversample is false.
+// unless oversample is false. The workload is made whole, repeats included: one of more than
+// max_prompt_tokens prompt tokens in all is refused (tandem::Error naming num_requests_name and
+// the count) before any repeat is made.
 struct ShareGptOptions {
   std::filesystem::path path;
   int64_t num_requests = 1000;
@@ -148,6 +150,8 @@ struct ShareGptOptions {
   bool shuffle = true;
   bool oversample = true;
   uint64_t seed = 0;
+  int64_t max_prompt_tokens = kMaxWorkloadPromptTokens;
+  std::string num_requests_name = "num_requests";  // how errors name it (the CLI's flag)
 };
 std::vector<BenchRequest> sharegpt_workload(const text::Tokenizer& tokenizer,
                                             const ShareGptOptions& options);

@@ -31,7 +31,21 @@ struct BenchCliOptions {
   double timeout = 600;
   int64_t max_concurrency = 0;
   bool no_ignore_eos = false, no_progress = false;
+  bool prompt_format_given = false;  // on the command line
 };
+
+// Flags this run would not use are refused, as the workload's are (check_unused_flags), not
+// ignored: the run would not be the one asked for.
+void check_unused_run_flags(const BenchCliOptions& o) {
+  const bool chat = o.endpoint.find("chat") != std::string::npos;  // as the driver tells them
+  if (chat && o.prompt_format_given && o.prompt_format == "ids")
+    throw Error("--prompt-format ids applies to /v1/completions; " + o.endpoint +
+                " sends the prompt as text, in a message");
+  if (!o.access_log.empty() && o.outputs.html.empty())
+    throw Error("--access-log " + o.access_log +
+                ": the log is read for the HTML report's per-phase breakdown, and no report is "
+                "asked for: give --html too");
+}
 
 // "http://HOST:PORT" into host and port: the gateway's endpoint syntax, one parser for both.
 std::pair<std::string, uint16_t> split_url(const std::string& url) {
@@ -46,6 +60,7 @@ void run(const BenchCliOptions& o) {
   // The access log is read and the outputs written after the run: one that cannot be read or
   // written must say so before it.
   if (!o.access_log.empty()) bench::check_input_file(o.access_log, "--access-log " + o.access_log);
+  check_unused_run_flags(o);
   check_outputs(o.outputs);
   auto reqs = build_workload(o.workload, tok);  // not empty
 
@@ -148,7 +163,8 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prompt-format", o->prompt_format,
                   "completions: ids (token-id prompts) or text (text that tokenizes to them)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->each([p = o.get()](const std::string&) { p->prompt_format_given = true; });
   cmd->add_flag("--no-ignore-eos", o->no_ignore_eos, "let the model stop early");
   add_metrics_options(*cmd, o->metrics);
   cmd->add_option("--metrics-url", o->metrics_urls,

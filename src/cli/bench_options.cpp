@@ -50,7 +50,10 @@ void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
   cmd.add_option("--dataset-path", o.dataset_path, "ShareGPT JSON, Mooncake JSONL or Azure CSV");
   cmd.add_option("--tokenizer", o.tokenizer,
                  "folder with tokenizer.json (default: the DeepSeek-V3 tokenizer)");
-  cmd.add_option("--num-prompts", o.num_prompts, "requests (synthetic datasets, ShareGPT)")
+  cmd.add_option(
+         "--num-prompts", o.num_prompts,
+         "requests (synthetic datasets, ShareGPT: its conversations repeated when too few); "
+         "traces: the records to replay, the first of the window")
       ->capture_default_str();
   // The synthetic datasets' flags, as vLLM's bench names and means them.
   cmd.add_option("--random-input-len", o.random_input_len,
@@ -90,12 +93,22 @@ void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
   cmd.add_option("--request-rate", o.request_rate,
                  "requests/s (Poisson or gamma); default inf (all at once; traces: their "
                  "timestamps)");
-  cmd.add_option("--burstiness", o.burstiness, "gamma shape of the gaps (1: Poisson)")
+  cmd.add_option("--burstiness", o.burstiness,
+                 "gamma shape of the gaps of --request-rate (1: Poisson)")
       ->capture_default_str();
   cmd.add_option("--seed", o.seed,
                  "random seed of the workload: the synthetic prompts and lengths, ShareGPT's "
                  "sample, the traces' prompt tokens, the arrival times (same seed, same requests)")
       ->capture_default_str();
+  // The flags a dataset may not use record that they were given as CLI11 takes their values
+  // (check_unused_flags reads them).
+  for (const char* flag :
+       {"--dataset-path", "--num-prompts", "--random-input-len", "--random-output-len",
+        "--random-range-ratio", "--prefix-repetition-prefix-len", "--prefix-repetition-suffix-len",
+        "--prefix-repetition-num-prefixes", "--prefix-repetition-output-len", "--trace-start",
+        "--trace-limit", "--time-scale", "--burstiness"})
+    cmd.get_option(flag)->each(
+        [&o, name = std::string(flag)](const std::string&) { o.given.insert(name); });
 }
 
 std::string workload_tokenizer_dir(const WorkloadCliOptions& o) {
@@ -115,28 +128,85 @@ void check_trace_spread(const WorkloadCliOptions& o) {
         "one of the two");
 }
 
+// Whether `flag` was given on the command line, or `differs` (its value is not its default).
+bool given(const WorkloadCliOptions& o, std::string_view flag, bool differs) {
+  return differs || o.given.contains(flag);
+}
+
+bool num_prompts_given(const WorkloadCliOptions& o) {
+  return given(o, "--num-prompts", o.num_prompts != WorkloadCliOptions{}.num_prompts);
+}
+
 // Flags the dataset does not use are refused as --trace-spread is above, not ignored: a run of
-// another workload than the one asked for costs its time and misleads. A flag at its default
-// reads as not given.
+// another workload than the one asked for costs its time and misleads. A flag counts as given
+// even at its default value (--random-input-len 1024 with sharegpt would pass for a length the
+// run never had).
 void check_unused_flags(const WorkloadCliOptions& o) {
-  const WorkloadCliOptions defaults;
+  const WorkloadCliOptions d;
   const bool synthetic = o.dataset == "random" || o.dataset == "prefix-repetition";
   if (synthetic || o.dataset == "sharegpt") {
-    for (const auto& [flag, given] :
-         {std::pair{"--trace-start", o.trace_start != defaults.trace_start},
-          std::pair{"--trace-limit", o.trace_limit != defaults.trace_limit},
-          std::pair{"--time-scale", o.time_scale != defaults.time_scale}})
-      if (given)
+    for (const auto& [flag, differs] : {std::pair{"--trace-start", o.trace_start != d.trace_start},
+                                        std::pair{"--trace-limit", o.trace_limit != d.trace_limit},
+                                        std::pair{"--time-scale", o.time_scale != d.time_scale}})
+      if (given(o, flag, differs))
         throw Error(std::string(flag) +
                     " applies to the traces (--dataset-name mooncake or azure), not " + o.dataset);
-    if (synthetic && !o.dataset_path.empty())
+    if (synthetic && given(o, "--dataset-path", !o.dataset_path.empty()))
       throw Error("--dataset-path: --dataset-name " + o.dataset +
                   " reads no file (its prompts are made up)");
   }
-  if (o.trace() && std::isfinite(o.request_rate) && o.time_scale != defaults.time_scale)
+  // The synthetic datasets' own flags: every other dataset takes its lengths from its file.
+  const std::pair<const char*, bool> random_flags[] = {
+      {"--random-input-len", o.random_input_len != d.random_input_len},
+      {"--random-output-len", o.random_output_len != d.random_output_len},
+      {"--random-range-ratio", o.random_range_ratio != d.random_range_ratio}};
+  const std::pair<const char*, bool> prefix_flags[] = {
+      {"--prefix-repetition-prefix-len", o.prefix_len != d.prefix_len},
+      {"--prefix-repetition-suffix-len", o.suffix_len != d.suffix_len},
+      {"--prefix-repetition-num-prefixes", o.num_prefixes != d.num_prefixes},
+      {"--prefix-repetition-output-len", o.prefix_output_len != d.prefix_output_len}};
+  using Flags = std::span<const std::pair<const char*, bool>>;
+  for (const auto& [owner, flags] : {std::pair{"random", Flags(random_flags)},
+                                     std::pair{"prefix-repetition", Flags(prefix_flags)}}) {
+    if (o.dataset == owner) continue;
+    for (const auto& [flag, differs] : flags)
+      if (given(o, flag, differs))
+        throw Error(std::string(flag) + " applies to --dataset-name " + owner + ", not " +
+                    o.dataset +
+                    (o.trace() || o.dataset == "sharegpt" ? " (its lengths are the file's)" : ""));
+  }
+  // On a trace --num-prompts is the records to replay, the first of the window, as
+  // --trace-limit is: one of the two says how many.
+  if (o.trace() && num_prompts_given(o) && given(o, "--trace-limit", o.trace_limit != 0))
+    throw Error(
+        "--num-prompts and --trace-limit both say how many of the trace's records to replay: give "
+        "one of the two");
+  const bool rate = std::isfinite(o.request_rate);
+  if (o.trace() && rate && given(o, "--time-scale", o.time_scale != d.time_scale))
     throw Error(
         "--time-scale scales the trace's own arrivals, which --request-rate replaces: give one "
         "of the two");
+  if (!rate && given(o, "--burstiness", o.burstiness != d.burstiness))
+    throw Error(
+        std::string("--burstiness shapes the gaps between the arrivals of a finite "
+                    "--request-rate; without one ") +
+        (o.trace() ? "the trace's own timestamps are replayed" : "every request is sent at once") +
+        ": give --request-rate too");
+}
+
+// The trace's records to replay: --num-prompts (the first of the window, as vLLM's
+// --num-prompts is the requests of a run) or --trace-limit (0: all).
+bench::TraceWindow trace_window(const WorkloadCliOptions& o) {
+  bench::TraceWindow w;
+  w.start = o.trace_start;
+  w.limit = o.trace_limit;
+  w.time_scale = o.time_scale;
+  if (num_prompts_given(o)) {
+    // A limit of 0 reads as all the records: --num-prompts 0 asks for none.
+    if (o.num_prompts == 0) throw Error("the workload has no requests: --num-prompts 0");
+    w.limit = o.num_prompts;
+  }
+  return w;
 }
 
 void check_range(const char* flag, int64_t value, int64_t low, int64_t high) {
@@ -239,7 +309,7 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
   // A trace is its records (a few numbers, or hash ids, each) until a request is sent, so a
   // whole trace needs no bound on its prompt tokens in all (the Mooncake conversation trace has
   // 145 M).
-  const bench::TraceWindow window{o.trace_start, o.trace_limit, o.time_scale};
+  const bench::TraceWindow window = trace_window(o);
   auto vocab = std::make_shared<const bench::TokenVocab>(bench::TokenVocab::build(tok));
   bench::LazyWorkload w;
   if (o.dataset == "mooncake") {
@@ -286,10 +356,6 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
     throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
   check_trace_spread(o);
   check_unused_flags(o);
-  bench::TraceWindow window;
-  window.start = o.trace_start;
-  window.limit = o.trace_limit;
-  window.time_scale = o.time_scale;
   std::vector<bench::BenchRequest> reqs;
   if (o.dataset == "random") {
     bench::RandomOptions r;
@@ -313,19 +379,20 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
     bench::ShareGptOptions s;
     s.path = o.dataset_path;
     s.num_requests = o.num_prompts;
+    s.num_requests_name = "--num-prompts";
     s.seed = o.seed;
     reqs = bench::sharegpt_workload(tok, s);
   } else if (o.dataset == "mooncake") {
     bench::MooncakeOptions m;
     m.path = o.dataset_path;
-    m.window = window;
+    m.window = trace_window(o);
     m.seed = o.seed;
     m.spread = o.trace_spread;
     reqs = bench::mooncake_workload(vocab, m);
   } else if (o.dataset == "azure") {
     bench::AzureOptions a;
     a.path = o.dataset_path;
-    a.window = window;
+    a.window = trace_window(o);
     a.seed = o.seed;
     reqs = bench::azure_workload(vocab, a);
   } else {

@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -31,6 +32,10 @@ struct WorkloadCliOptions {
   double time_scale = 1.0, request_rate = std::numeric_limits<double>::infinity(), burstiness = 1.0;
   uint64_t seed = 0;
   bool trace_spread = false;  // Mooncake: spread the records sharing a timestamp (--seed)
+  // The workload flags given on the command line (add_workload_options records them), so that a
+  // flag the dataset does not use is refused even at its default value. A flag whose value is
+  // not its default counts as given too (options filled in by code).
+  std::set<std::string, std::less<>> given;
 
   bool trace() const { return dataset == "mooncake" || dataset == "azure"; }
 };

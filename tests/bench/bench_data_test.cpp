@@ -996,5 +996,53 @@ TEST(BenchMetrics, SmallCasesByHand) {
   EXPECT_THROW(summarize(r, 1.0, o), Error);
 }
 
+// The workload is made whole, repeats included: oversampling had no bound on its prompt tokens
+// (10^7 requests of a 1,000-token conversation would have made 10^10), while the random
+// workloads and the traces are refused past kMaxWorkloadPromptTokens. The bound is checked
+// before any repeat is made, and the workload it lets through is the one made without it.
+TEST_F(BenchData, ShareGptRepeatsBeyondThePromptTokenBoundAreRefusedNamingTheCount) {
+  const json conversations = json::array({
+      {{"conversations",
+        {{{"from", "human"}, {"value", "What is the capital city of France, please?"}},
+         {{"from", "gpt"}, {"value", "The capital of France is Paris, a large city."}}}}},
+      {{"conversations",
+        {{{"from", "human"}, {"value", "Write a haiku about the sea, and keep it short."}},
+         {{"from", "gpt"}, {"value", "Waves fold into foam, salt wind carries gull voices."}}}}},
+  });
+  const auto path = test::temp_path("sharegpt-bound");
+  std::ofstream(path) << conversations.dump();
+  ShareGptOptions o;
+  o.path = path;
+  o.num_requests = 6;
+  const std::vector<BenchRequest> unbounded = sharegpt_workload(*tokenizer_, o);
+  ASSERT_EQ(unbounded.size(), 6u);
+  int64_t total = 0, kept = 0;
+  for (const BenchRequest& r : unbounded) total += static_cast<int64_t>(r.prompt_ids.size());
+  for (size_t i = 0; i < 2; ++i) kept += static_cast<int64_t>(unbounded[i].prompt_ids.size());
+
+  o.max_prompt_tokens = total;  // exactly enough: the same requests
+  const std::vector<BenchRequest> bounded = sharegpt_workload(*tokenizer_, o);
+  ASSERT_EQ(bounded.size(), unbounded.size());
+  for (size_t i = 0; i < bounded.size(); ++i)
+    EXPECT_EQ(bounded[i].prompt_ids, unbounded[i].prompt_ids) << i;
+
+  o.max_prompt_tokens = total - 1;
+  o.num_requests_name = "--num-prompts";
+  EXPECT_THAT(error_of([&] { sharegpt_workload(*tokenizer_, o); }),
+              HasSubstr("sharegpt dataset " + path.string() +
+                        ": --num-prompts 6: its 2 usable conversations, repeated to make 6 "
+                        "requests (vLLM's oversampling), hold " +
+                        std::to_string(total) + " prompt tokens by request 6; at most " +
+                        std::to_string(total - 1) + " prompt tokens in all"));
+  // The conversations themselves, without repeats.
+  o.max_prompt_tokens = kept - 1;
+  o.num_requests_name = "num_requests";
+  EXPECT_THAT(
+      error_of([&] { sharegpt_workload(*tokenizer_, o); }),
+      HasSubstr(": num_requests 6: its first 2 usable conversations hold " + std::to_string(kept) +
+                " prompt tokens; at most " + std::to_string(kept - 1)));
+  std::filesystem::remove(path);
+}
+
 }  // namespace
 }  // namespace tandem::bench

@@ -498,16 +498,29 @@ TEST(BenchCommands, AnOutputThatCannotBeWrittenIsRefusedBeforeTheRun) {
   std::filesystem::remove_all(dir);
 }
 
+// Each command with no workload flags: a case that is refused stops before anything runs.
+const char* const kBareRuns[] = {"bench --no-progress --base-url http://127.0.0.1:1", "simulate"};
+
+std::string mooncake_head() {
+  return (test::source_dir() / "tests" / "data" / "bench" / "mooncake_conversation_head200.jsonl")
+      .string();
+}
+
 // A flag the dataset does not use is refused, as --trace-spread with --request-rate is, not
-// ignored: the run would be of another workload than the one asked for.
+// ignored: the run would be of another workload than the one asked for. Given at its default
+// value it is refused too (--random-input-len 1024 with sharegpt reads as a length the run never
+// had).
 TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
-  const std::string trace = test::source_dir().string() +
-                            "/tests/data/bench/mooncake_conversation_head200.jsonl --trace-limit 2";
+  const std::string mooncake = "--dataset-name mooncake --dataset-path " + mooncake_head();
+  const std::string azure =
+      "--dataset-name azure --dataset-path " +
+      (test::source_dir() / "tests/data/bench/azure_code_2023_head200.csv").string();
   const std::pair<std::string, std::string> cases[] = {
       {"--trace-start 1",
        "--trace-start applies to the traces (--dataset-name mooncake or azure), not random"},
       {"--trace-limit 1", "--trace-limit applies to the traces"},
       {"--time-scale 2", "--time-scale applies to the traces"},
+      {"--trace-start 0", "--trace-start applies to the traces"},
       {"--dataset-name prefix-repetition --time-scale 0",
        "--time-scale applies to the traces (--dataset-name mooncake or azure), not "
        "prefix-repetition"},
@@ -516,10 +529,34 @@ TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
       {"--dataset-path x.json", "--dataset-path: --dataset-name random reads no file"},
       {"--dataset-name prefix-repetition --dataset-path x.json",
        "--dataset-path: --dataset-name prefix-repetition reads no file"},
-      {"--dataset-name mooncake --dataset-path " + trace + " --request-rate 5 --time-scale 2",
+      {mooncake + " --trace-limit 2 --request-rate 5 --time-scale 2",
        "--time-scale scales the trace's own arrivals, which --request-rate replaces"},
+      // The synthetic datasets' lengths, with a dataset that takes its own from its file.
+      {"--dataset-name sharegpt --dataset-path x.json --random-input-len 1024",
+       "--random-input-len applies to --dataset-name random, not sharegpt (its lengths are the "
+       "file's)"},
+      {mooncake + " --random-output-len 5",
+       "--random-output-len applies to --dataset-name random, not mooncake"},
+      {azure + " --random-range-ratio 0.5",
+       "--random-range-ratio applies to --dataset-name random, not azure"},
+      {"--dataset-name prefix-repetition --random-input-len 20",
+       "--random-input-len applies to --dataset-name random, not prefix-repetition"},
+      {"--prefix-repetition-prefix-len 10",
+       "--prefix-repetition-prefix-len applies to --dataset-name prefix-repetition, not random"},
+      {mooncake + " --prefix-repetition-num-prefixes 2",
+       "--prefix-repetition-num-prefixes applies to --dataset-name prefix-repetition, not "
+       "mooncake"},
+      // On a trace --num-prompts and --trace-limit say the same thing.
+      {mooncake + " --num-prompts 2 --trace-limit 2",
+       "--num-prompts and --trace-limit both say how many of the trace's records to replay"},
+      // Gaps of a rate, with no rate.
+      {"--num-prompts 2 --random-input-len 20 --burstiness 0.5",
+       "--burstiness shapes the gaps between the arrivals of a finite --request-rate; without one "
+       "every request is sent at once"},
+      {mooncake + " --trace-limit 2 --burstiness 2 --request-rate inf",
+       "without one the trace's own timestamps are replayed"},
   };
-  for (const char* command : kSmallRuns) {
+  for (const char* command : kBareRuns) {
     for (const auto& [flags, error] : cases) {
       const auto r = run_tandem(std::string(command) + " " + flags);
       EXPECT_NE(r.status, 0) << command << " " << flags;
@@ -527,13 +564,37 @@ TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
       EXPECT_EQ(r.output.find("Serving Benchmark Result"), std::string::npos) << r.output;
     }
   }
-  // At their defaults they read as not given; a trace takes them, and a rate without them.
+  // Each where its dataset takes it: a trace its window, a rate its gaps.
   for (const std::string& flags :
-       {std::string("--trace-start 0 --trace-limit 0 --time-scale 1"),
-        "--dataset-name mooncake --dataset-path " + trace + " --trace-start 1 --time-scale 0.5",
-        "--dataset-name mooncake --dataset-path " + trace + " --request-rate 5"}) {
-    const auto r = run_tandem(std::string(kSmallRuns[1]) + " " + flags);
+       {std::string("--num-prompts 2 --random-input-len 20 --random-range-ratio 0.5 "
+                    "--random-output-len 2 --request-rate 100 --burstiness 0.5"),
+        std::string("--dataset-name prefix-repetition --num-prompts 2 "
+                    "--prefix-repetition-prefix-len 8 --prefix-repetition-suffix-len 8 "
+                    "--prefix-repetition-num-prefixes 1 --prefix-repetition-output-len 2"),
+        mooncake + " --trace-start 1 --trace-limit 2 --time-scale 0.5",
+        mooncake + " --trace-limit 2 --request-rate 5 --burstiness 2"}) {
+    const auto r = run_tandem(std::string(kBareRuns[1]) + " " + flags);
     EXPECT_EQ(r.status, 0) << flags << "\n" << r.output;
+  }
+}
+
+// On a trace --num-prompts is the number of records replayed, the first of the window, as the
+// requests of a vLLM run: it was ignored, and the whole trace replayed.
+TEST(BenchCommands, NumPromptsOnATraceReplaysItsFirstRecords) {
+  const std::string azure =
+      "--dataset-name azure --dataset-path " +
+      (test::source_dir() / "tests/data/bench/azure_code_2023_head200.csv").string() +
+      " --time-scale 0";
+  for (const char* command : kBareRuns) {
+    for (const std::string& trace :
+         {"--dataset-name mooncake --dataset-path " + mooncake_head() + " --time-scale 0", azure}) {
+      auto r = run_tandem(std::string(command) + " " + trace + " --num-prompts 3");
+      EXPECT_THAT(r.output, ::testing::HasSubstr(": 3 requests (")) << command << " " << trace;
+      EXPECT_THAT(r.output, ::testing::HasSubstr("Serving Benchmark Result")) << r.output;
+      // From --trace-start; past the trace's end, what it has.
+      r = run_tandem(std::string(command) + " " + trace + " --trace-start 198 --num-prompts 5");
+      EXPECT_THAT(r.output, ::testing::HasSubstr(": 2 requests (")) << command << " " << trace;
+    }
   }
 }
 
@@ -552,9 +613,7 @@ TEST(BenchCommands, ASweepWithoutAnSloSaysItsGoodputIsNotApplicable) {
 
 // An empty workload says why, naming the flag, or the file and the window.
 TEST(BenchCommands, AnEmptyWorkloadSaysWhy) {
-  const std::string head =
-      (test::source_dir() / "tests" / "data" / "bench" / "mooncake_conversation_head200.jsonl")
-          .string();
+  const std::string head = mooncake_head();
   const auto empty = test::scratch_path("empty-trace", ".jsonl");
   std::ofstream(empty) << "\n  \n";
   const auto header_only = test::scratch_path("header-only", ".csv");
@@ -569,13 +628,13 @@ TEST(BenchCommands, AnEmptyWorkloadSaysWhy) {
       {"--dataset-name azure --dataset-path " + header_only.string(),
        "the workload has no requests: azure trace " + header_only.string() + ": no records"},
       {"--num-prompts 0", "the workload has no requests: --num-prompts 0"},
+      // A trace's window of no records, not the whole trace (a --trace-limit of 0).
+      {"--dataset-name mooncake --dataset-path " + head + " --num-prompts 0",
+       "the workload has no requests: --num-prompts 0"},
   };
-  for (const char* command : kSmallRuns) {
+  for (const char* command : kBareRuns) {
     for (const auto& [flags, error] : cases) {
-      // CLI11 refuses a flag given twice: the case's --num-prompts replaces the run's.
-      std::string run = command;
-      if (flags.rfind("--num-prompts", 0) == 0) run.replace(run.find("--num-prompts 2"), 15, "");
-      const auto r = run_tandem(run + " " + flags);
+      const auto r = run_tandem(std::string(command) + " " + flags);
       EXPECT_NE(r.status, 0) << command << " " << flags;
       EXPECT_THAT(r.output, ::testing::HasSubstr(error)) << command << " " << flags;
     }

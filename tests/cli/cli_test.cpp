@@ -914,6 +914,60 @@ TEST(Cli, ASyntheticWorkloadTooLargeToMakeIsRefusedNamingTheFlags) {
   }
 }
 
+TEST(Cli, ShareGptRepeatsBeyondThePromptTokenBoundAreRefusedNamingTheFlag) {
+  // Oversampling had no bound: one conversation of ~1,000 prompt tokens repeated 10^7 times is
+  // 10^10 tokens, made whole before the run (the random workloads were refused past 10^8).
+  std::string prompt;
+  for (int i = 0; i < 1000; ++i) prompt += " apple";
+  const auto data =
+      write_temp("sharegpt-one.json",
+                 nlohmann::json::array(
+                     {{{"conversations",
+                        {{{"from", "human"}, {"value", prompt}},
+                         {{"from", "gpt"}, {"value", "That is a great many apples indeed."}}}}}})
+                     .dump());
+  for (const char* command : {"simulate", "bench --no-progress --base-url http://127.0.0.1:1"}) {
+    const auto r = run(std::string(command) + " --dataset-name sharegpt --dataset-path " + data +
+                       " --num-prompts 10000000");
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("sharegpt dataset " + data +
+                                    ": --num-prompts 10000000: its 1 usable conversation, "
+                                    "repeated to make 10000000 requests (vLLM's oversampling)"))
+        << command;
+    EXPECT_THAT(r.output, HasSubstr("at most 100000000 prompt tokens in all")) << command;
+  }
+  std::filesystem::remove(data);
+}
+
+// Bench's own flags that its run would not use are refused naming them, before the run, as the
+// workload's are: a chat endpoint sends text whatever --prompt-format says, and the access log
+// is read only for the HTML report.
+TEST(Cli, BenchRefusesFlagsItsRunWouldNotUse) {
+  const std::string bench = "bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 ";
+  const auto log = write_temp("bench-unused-access.jsonl", "");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--endpoint /v1/chat/completions --prompt-format ids",
+       "--prompt-format ids applies to /v1/completions; /v1/chat/completions sends the prompt as "
+       "text"},
+      {"--access-log " + log,
+       "--access-log " + log +
+           ": the log is read for the HTML report's per-phase breakdown, and "
+           "no report is asked for: give --html too"}};
+  for (const auto& [flags, error] : cases) {
+    const auto r = run(bench + flags);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + error)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("Serving Benchmark Result"))) << flags;
+  }
+  // Where they act: text through chat, the default ids through completions.
+  for (const std::string flags : {"--endpoint /v1/chat/completions --prompt-format text",
+                                  "--prompt-format ids", "--endpoint /v1/chat/completions"}) {
+    const auto r = run(bench + "--random-input-len 20 --random-output-len 2 " + flags);
+    EXPECT_THAT(r.output, HasSubstr("Serving Benchmark Result")) << flags << ": " << r.output;
+  }
+  std::filesystem::remove(log);
+}
+
 TEST(Cli, SimulateNamesTheTopologyFileOfAnUnknownPolicy) {
   const auto topology = write_temp("unknown-policy.yaml",
                                    "policy: fastest\ndecode: {endpoints: [\"127.0.0.1:1\"]}\n");
