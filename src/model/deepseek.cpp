@@ -3,12 +3,15 @@
 #include "model/moe_experts.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <type_traits>
 
 #include "kernels/cpu/mla_attention.h"
+#include "model/layout.h"
 #include "model/moe_routing.h"
 #include "util/error.h"
 
@@ -34,7 +37,16 @@ DeepSeekModel DeepSeekModel::load(const std::filesystem::path& dir,
                                   const std::function<void(size_t, size_t)>& progress,
                                   const WeightLoadOptions& options) {
   ModelConfig config = ModelConfig::load(dir);
-  Weights weights = Weights::load(dir, config, progress, options);
+  Checkpoint checkpoint = Checkpoint::open(dir);
+  if (const std::string warning = drop_absent_mtp_layers(checkpoint, config); !warning.empty()) {
+    static std::atomic<bool> warned{false};  // once a process (an engine loads a model once)
+    if (!warned.exchange(true))
+      std::fprintf(stderr,
+                   "tandem: warning: %s. Loading without MTP: speculative decoding "
+                   "(--speculative-tokens) is not available\n",
+                   warning.c_str());
+  }
+  Weights weights = Weights::load(std::move(checkpoint), config, progress, options);
   return DeepSeekModel(std::move(config), std::move(weights));
 }
 

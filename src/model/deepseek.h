@@ -32,6 +32,9 @@ LatentCacheShape deepseek_cache_shape(const ModelConfig& c, int64_t block_size, 
 class DeepSeekModel {
  public:
   DeepSeekModel(ModelConfig config, Weights weights);
+  // DIR's config and weights. A checkpoint without any of the MTP layers its config names loads
+  // without MTP (config().num_nextn_predict_layers 0; drop_absent_mtp_layers), warning once on
+  // stderr.
   static DeepSeekModel load(const std::filesystem::path& dir,
                             const std::function<void(size_t, size_t)>& progress = {},
                             const WeightLoadOptions& options = {});

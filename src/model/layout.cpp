@@ -146,6 +146,24 @@ DType checkpoint_weight_dtype(const Checkpoint& checkpoint, const ModelConfig& c
   return embed->dtype;
 }
 
+std::string drop_absent_mtp_layers(const Checkpoint& checkpoint, ModelConfig& config) {
+  const int64_t first = config.num_hidden_layers, count = config.num_nextn_predict_layers;
+  const auto& tensors = checkpoint.tensors();
+  for (int64_t k = 0; k < count; ++k) {
+    const std::string prefix = "model.layers." + std::to_string(first + k) + ".";
+    const auto it = tensors.lower_bound(prefix);
+    if (it != tensors.end() && it->first.starts_with(prefix)) return "";
+  }
+  if (count <= 0) return "";
+  config.num_nextn_predict_layers = 0;
+  const std::string layers = count == 1 ? "model.layers." + std::to_string(first) + ".*"
+                                        : "model.layers." + std::to_string(first) + "-" +
+                                              std::to_string(first + count - 1) + ".*";
+  return (checkpoint.dir() / "config.json").string() +
+         " says num_nextn_predict_layers: " + std::to_string(count) +
+         ", but the checkpoint has no MTP tensors (" + layers + "; derived checkpoints strip them)";
+}
+
 void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config) {
   const DType weight_dtype = checkpoint_weight_dtype(checkpoint, config);
   check_weight_dtype(config, weight_dtype);

@@ -35,4 +35,12 @@ DType checkpoint_weight_dtype(const Checkpoint& checkpoint, const ModelConfig& c
 // other tensor (scales included) may be any of F32/BF16/F16, which the loader converts.
 void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config);
 
+// Derived DeepSeek-V3/R1 checkpoints strip the MTP layers' tensors and keep the config's
+// num_nextn_predict_layers (vLLM loads them, without MTP). When the config has MTP layers and the
+// checkpoint holds no tensor of any of them, sets config.num_nextn_predict_layers to 0, so the
+// checkpoint validates and loads without MTP, and returns a warning naming the field and the
+// missing layers (the caller says what it does without them); otherwise
+// returns "" and changes nothing (some present: validate_checkpoint names the missing ones).
+std::string drop_absent_mtp_layers(const Checkpoint& checkpoint, ModelConfig& config);
+
 }  // namespace tandem::model

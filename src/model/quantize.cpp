@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include <nlohmann/json.hpp>
@@ -84,7 +85,13 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
                 " is already quantized (quantization_config); start from a BF16, F16 or F32 "
                 "checkpoint");
   const Checkpoint ck = Checkpoint::open(o.in);
-  validate_checkpoint(ck, source);  // names the first missing or mis-shaped tensor
+  // The layers the checkpoint holds: a derived one without its MTP layers quantizes without them
+  // (config.json keeps the field, as the source's does).
+  ModelConfig held = source;
+  if (const std::string warning = drop_absent_mtp_layers(ck, held); !warning.empty())
+    std::fprintf(stderr, "tandem quantize: warning: %s. The output has none either\n",
+                 warning.c_str());
+  validate_checkpoint(ck, held);  // names the first missing or mis-shaped tensor
 
   ModelConfig c = source;
   c.torch_dtype = "bfloat16";
@@ -92,7 +99,9 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
     c.int8 = Int8Quantization{};
   else
     c.fp8 = Fp8Quantization{};
-  const std::vector<TensorSpec> specs = checkpoint_layout(c, o.dtype);
+  ModelConfig written = c;
+  written.num_nextn_predict_layers = held.num_nextn_predict_layers;
+  const std::vector<TensorSpec> specs = checkpoint_layout(written, o.dtype);
 
   fs::create_directories(o.out, ec);
   if (ec) throw Error(o.out.string() + ": cannot create folder: " + ec.message());

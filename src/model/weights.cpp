@@ -113,10 +113,10 @@ MlpWeights load_expert(const Checkpoint& checkpoint, const ModelConfig& config, 
   return b.expert(layer, expert);
 }
 
-Weights Weights::load(const std::filesystem::path& dir, const ModelConfig& config,
+Weights Weights::load(Checkpoint checkpoint, const ModelConfig& config,
                       const std::function<void(size_t, size_t)>& progress,
                       const WeightLoadOptions& options) {
-  Weights w{Checkpoint::open(dir), {}, {}, {}, {}, {}, 0};
+  Weights w{std::move(checkpoint), {}, {}, {}, {}, {}, 0};
   validate_checkpoint(w.checkpoint, config);
   Binder b(w.checkpoint, config, progress, options);
   const int64_t h = config.hidden_size;

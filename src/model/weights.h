@@ -85,7 +85,7 @@ struct Weights {
 
   // Checks every tensor's presence, shape and dtype against the config, then binds them.
   // `progress` (optional) receives tensors done / total.
-  static Weights load(const std::filesystem::path& dir, const ModelConfig& config,
+  static Weights load(Checkpoint checkpoint, const ModelConfig& config,
                       const std::function<void(size_t, size_t)>& progress = {},
                       const WeightLoadOptions& options = {});
 };

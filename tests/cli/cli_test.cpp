@@ -24,6 +24,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "model/make_model.h"
+#include "model/random_checkpoint.h"
 #include "net/http_client.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
@@ -781,10 +783,14 @@ std::filesystem::path model_without_weights(const std::string& stem, const std::
   return dir;
 }
 
-void set_vocab_size(const std::filesystem::path& dir, int64_t vocab_size) {
+void set_config_field(const std::filesystem::path& dir, const std::string& field, int64_t value) {
   nlohmann::json c = nlohmann::json::parse(std::ifstream(dir / "config.json"));
-  c["vocab_size"] = vocab_size;
+  c[field] = value;
   std::ofstream(dir / "config.json") << c.dump(2);
+}
+
+void set_vocab_size(const std::filesystem::path& dir, int64_t vocab_size) {
+  set_config_field(dir, "vocab_size", vocab_size);
 }
 
 // A tokenizer with ids past the model's vocabulary (an embedding row it lacks) is refused at
@@ -834,6 +840,37 @@ TEST(Cli, ATokenizerWithIdsPastTheModelsVocabularyIsRefusedNamingBothFolders) {
   }
   std::filesystem::remove_all(deepseek);
   std::filesystem::remove_all(qwen3);
+}
+
+// A DeepSeek checkpoint whose config names an MTP layer none of whose tensors it holds (derived
+// V3/R1 checkpoints strip them; vLLM loads them) loads without MTP, warning once naming the
+// field; only --speculative-tokens, which needs the MTP module, is refused. It failed with
+// "missing tensor 'model.layers.3.embed_tokens.weight' ... 43 more problems".
+TEST(Cli, ACheckpointWithoutItsConfigsMtpTensorsLoadsWithoutMtp) {
+  const auto dir = test::temp_path("mtp-stripped").replace_extension();
+  model::ModelConfig c = model::preset_config("tiny-v3");
+  ASSERT_EQ(c.num_nextn_predict_layers, 1);
+  c.num_nextn_predict_layers = 0;
+  test::write_random_checkpoint(dir, c);
+  set_config_field(dir, "num_nextn_predict_layers", 1);
+  for (const auto& f : std::filesystem::directory_iterator(test::lenml_model("deepseek_v3")))
+    std::filesystem::copy(f.path(), dir / f.path().filename());
+
+  const auto generated =
+      run("generate --model " + test::quote(dir) + " --prompt hi --max-tokens 2");
+  EXPECT_EQ(generated.status, 0) << generated.output;
+  const std::string warning =
+      "says num_nextn_predict_layers: 1, but the checkpoint has no MTP "
+      "tensors (model.layers.3.*";
+  EXPECT_THAT(generated.output, HasSubstr(warning));
+  EXPECT_EQ(generated.output.find(warning), generated.output.rfind(warning)) << "warned twice";
+
+  const auto speculative = run("engine --model " + test::quote(dir) +
+                               " --host 127.0.0.1 --port 0 --speculative-tokens 1");
+  EXPECT_EQ(speculative.status, 1) << speculative.output;
+  EXPECT_THAT(speculative.output, HasSubstr("speculative decoding needs the model's MTP module"));
+  EXPECT_THAT(speculative.output, Not(HasSubstr("listening")));
+  std::filesystem::remove_all(dir);
 }
 
 // A metric flag the summary cannot take, or an access log that cannot be read, is refused before

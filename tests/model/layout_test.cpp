@@ -274,5 +274,39 @@ TEST_F(ValidateTest, QuantizedCheckpointNeedsQuantizedWeightsAndFloatScales) {
   EXPECT_EQ(check(bad), "(no error)");
 }
 
+// Derived DeepSeek-V3/R1 checkpoints strip every MTP tensor and keep num_nextn_predict_layers:
+// such a checkpoint validates without its MTP layers, with a warning naming the field (it was
+// refused for 44 missing tensors). One with some MTP tensors but not all is still refused,
+// naming the missing one.
+TEST(Layout, AConfigsMtpLayersWithoutAnyTensorAreDroppedSomeMissingAreRefused) {
+  const ModelConfig config = preset_config("tiny-v3");
+  ASSERT_EQ(config.num_nextn_predict_layers, 1);
+  test::TempDir dir("mtp-absent");
+  ModelConfig stripped = config;
+  stripped.num_nextn_predict_layers = 0;
+  write_checkpoint(dir.path(), checkpoint_layout(stripped, DType::kBF16), fill_zero,
+                   size_t{1} << 20);
+  ModelConfig c = config;
+  const std::string warning = drop_absent_mtp_layers(Checkpoint::open(dir.path()), c);
+  EXPECT_EQ(c.num_nextn_predict_layers, 0);
+  EXPECT_THAT(warning, AllOf(HasSubstr((dir.path() / "config.json").string()),
+                             HasSubstr("num_nextn_predict_layers: 1"),
+                             HasSubstr("no MTP tensors (model.layers.3.*")));
+  EXPECT_EQ(validate_error(dir.path(), c), "(no error)");
+
+  std::vector<TensorSpec> partial = checkpoint_layout(config, DType::kBF16);
+  std::erase_if(partial,
+                [](const TensorSpec& t) { return t.name == "model.layers.3.enorm.weight"; });
+  write_checkpoint(dir.path(), partial, fill_zero, size_t{1} << 20);
+  c = config;
+  EXPECT_EQ(drop_absent_mtp_layers(Checkpoint::open(dir.path()), c), "");
+  EXPECT_EQ(c.num_nextn_predict_layers, 1);
+  EXPECT_THAT(validate_error(dir.path(), c),
+              HasSubstr("missing tensor 'model.layers.3.enorm.weight'"));
+  // A config without MTP layers is left alone.
+  c = stripped;
+  EXPECT_EQ(drop_absent_mtp_layers(Checkpoint::open(dir.path()), c), "");
+}
+
 }  // namespace
 }  // namespace tandem::model

@@ -15,6 +15,7 @@
 #include "model/layout.h"
 #include "model/model_test_support.h"
 #include "model/quantize.h"
+#include "model/random_checkpoint.h"
 #include "model/safetensors.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
@@ -528,6 +529,29 @@ TEST(MakeModel, CopiesEveryFileTheTokenizerReadsAndNoneOfAnEarlierModels) {
        {"chat_template.jinja", "additional_chat_templates", "chat_template.json"})
     EXPECT_FALSE(fs::exists(again / file)) << file;
   EXPECT_EQ(template_texts(again.path()), template_texts(deepseek_tokenizer()));
+}
+
+// A checkpoint without the MTP layer its config names (a derived V3/R1 one) quantizes without it,
+// keeping the config's field as the source does; the result loads the same way.
+TEST(Quantize, ACheckpointWithoutItsConfigsMtpTensorsQuantizesWithoutThem) {
+  test::TempDir in("quantize-no-mtp"), out("quantize-no-mtp-out");
+  ModelConfig c = preset_config("tiny-v3");
+  c.num_nextn_predict_layers = 0;
+  test::write_random_checkpoint(in.path(), c);
+  nlohmann::json doc = nlohmann::json::parse(test::read_bytes(in / "config.json"));
+  doc["num_nextn_predict_layers"] = 1;
+  test::write_bytes(in / "config.json", doc.dump(2));
+  QuantizeOptions o;
+  o.in = in.path();
+  o.out = out.path();
+  o.dtype = DType::kF8E4M3;
+  const ModelConfig q = quantize_checkpoint(o);
+  EXPECT_EQ(q.num_nextn_predict_layers, 1);
+  const auto ck = Checkpoint::open(out.path());
+  EXPECT_EQ(ck.find("model.layers.3.enorm.weight"), nullptr);
+  ModelConfig held = ModelConfig::load(out.path());
+  EXPECT_THAT(drop_absent_mtp_layers(ck, held), HasSubstr("num_nextn_predict_layers: 1"));
+  EXPECT_NO_THROW(validate_checkpoint(ck, held));
 }
 
 TEST(Quantize, RefusesWhatItCannotDo) {
