@@ -157,8 +157,13 @@ json kv_transfer_params(const PulledKv& kv) {
                  {"remote_request_id", kv.transfer_id},
                  {"tp_size", 1},
                  {"prompt_token_ids", kv.prompt_ids}};
-  if (!kv.prompt_logprobs.empty())
-    params["prompt_logprobs"] = prompt_logprobs_json(kv.prompt_logprobs);
+  if (!kv.prompt_logprobs.empty()) {
+    // Larger ones would outgrow the decode leg's body (an engine takes 8 MiB by default): the
+    // decode engine then computes them again.
+    json lps = prompt_logprobs_json(kv.prompt_logprobs);
+    if (lps.dump().size() <= kMaxCarriedPromptLogprobsBytes)
+      params["prompt_logprobs"] = std::move(lps);
+  }
   return params;
 }
 

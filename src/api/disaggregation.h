@@ -6,6 +6,7 @@
 //     the prompt's KV (NixlConnector's fields plus the prompt's ids); the decode leg carries them.
 //   - SGLang's parallel (bootstrap room) flow: both legs carry the same `bootstrap_host`,
 //     `bootstrap_port` and `bootstrap_room`; each engine's role says which leg it serves.
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -46,8 +47,11 @@ struct PulledKv {
   // The prompt's logprobs, when the request asked for them: only the prefill engine has the
   // prompt's logits. Written as "prompt_logprobs": [[token, logprob, rank, [[id, logprob], ...]],
   // ...], positions 1.. of the prompt (Tandem's field; other engines ignore it).
+  // (At most kMaxCarriedPromptLogprobsBytes of JSON; larger ones are left out, and the decode
+  // engine computes them again.)
   std::vector<TokenLogprob> prompt_logprobs;
 };
+inline constexpr size_t kMaxCarriedPromptLogprobsBytes = size_t{4} << 20;
 // The answer's `kv_transfer_params` object.
 nlohmann::json kv_transfer_params(const PulledKv& kv);
 

@@ -593,14 +593,16 @@ std::string continue_final(std::string rendered, const nlohmann::ordered_json& f
 
 // A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
 // vLLM's prompt_logprobs: null, or the alternatives per prompt token (0..20). As vLLM, only a
-// whole body carries them (no stream chunk has the field).
+// whole body carries them (no stream chunk has the field): a stream that asks for alternatives is
+// refused, and 0, which vLLM lets pass with a stream, is none.
 int32_t prompt_logprobs_of(const json& body, bool stream) {
   const json* v = field(body, "prompt_logprobs");
   if (!v) return -1;
   if (!v->is_number_integer() || v->get<int64_t>() < 0 || v->get<int64_t>() > 20)
     fail("prompt_logprobs", "'prompt_logprobs' must be an integer between 0 and 20");
-  if (stream) fail("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
-  return v->get<int32_t>();
+  if (stream && v->get<int64_t>() > 0)
+    fail("prompt_logprobs", "'prompt_logprobs' are not available when 'stream' is true");
+  return stream ? -1 : v->get<int32_t>();
 }
 
 void check_prompt_count(const json& list, const char* name) {

@@ -95,9 +95,18 @@ ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenize
       choices_(request.prompts.size()) {
   if (request.kind == ApiKind::kChat && request.tool_calls != ToolCallFormat::kNone)
     for (Choice& c : choices_) c.tool_parser = std::make_shared<ToolCallParser>(request.tool_calls);
+  // With logprobs, offsets run on over the echoed prompt's tokens (vLLM's one running sum), so
+  // that they never go back; without, the answer's start after the prompt's text.
   if (request.kind == ApiKind::kCompletion && request.echo)
-    for (size_t i = 0; i < choices_.size(); ++i)
-      choices_[i].prompt_chars = utf8::code_points(request.prompt_texts.at(i));
+    for (size_t i = 0; i < choices_.size(); ++i) {
+      size_t& chars = choices_[i].prompt_chars;
+      if (request.logprobs < 0) {
+        chars = utf8::code_points(request.prompt_texts.at(i));
+        continue;
+      }
+      for (int32_t id : request.prompts.at(i))
+        chars += utf8::code_points(shown_token(request, tokenizer, id));
+    }
 }
 
 std::string ResponseBuilder::chat_finish_reason(const Choice& c) const {
@@ -221,9 +230,10 @@ json ResponseBuilder::vllm_prompt_logprobs(size_t index, int32_t top) const {
   json out = json::array();
   out.push_back(nullptr);
   auto entry = [&](int32_t id, float logprob, int32_t rank) {
+    // The token's text, also with return_tokens_as_token_ids (the ids are the keys), as vLLM's.
     return json{{"logprob", wire_logprob(logprob)},
                 {"rank", rank},
-                {"decoded_token", shown_token(request_, tokenizer_, id)}};
+                {"decoded_token", token_text(tokenizer_, id)}};
   };
   for (size_t p = 1; p < n; ++p) {
     if (p > c.prompt_logprobs.size()) {
@@ -246,7 +256,9 @@ void ResponseBuilder::sglang_input_logprobs(size_t index, json& meta) const {
   const std::vector<int32_t>& prompt = request_.prompts.at(index);
   json tokens = json::array(), tops = json::array();
   for (size_t p = size_t(request_.logprob_start_len); p < prompt.size(); ++p) {
-    const bool scored = p > 0 && p <= c.prompt_logprobs.size();
+    // As SGLang's: the entry at logprob_start_len has none (it is the one its logprobs start
+    // after), whatever the position.
+    const bool scored = p > size_t(request_.logprob_start_len) && p <= c.prompt_logprobs.size();
     tokens.push_back(
         json::array({scored ? json(wire_logprob(c.prompt_logprobs[p - 1].logprob)) : json(nullptr),
                      prompt[p], nullptr}));
@@ -444,8 +456,10 @@ json ResponseBuilder::final_body() const {
           logprobs = joined_logprobs(echoed_logprobs(i), std::move(logprobs));
       }
       choice["logprobs"] = std::move(logprobs);
-      if (request_.prompt_logprobs >= 0)
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(i, request_.prompt_logprobs);
+      // vLLM's choice has them whenever they were computed: asked for, or for echo's logprobs.
+      if (request_.scored_prompt() >= 0)
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(
+            i, request_.prompt_logprobs >= 0 ? request_.prompt_logprobs : request_.logprobs);
       choices.push_back(choice);
     } else {
       const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);

@@ -261,7 +261,9 @@ void Engine::check(const EngineRequest& request) const {
     throw Error("this engine has no KV transfer server, so it cannot serve prefill legs");
   if (request.prompt_logprobs >= 0) {
     // The prompt's logprobs come from its logits, which only the engine computing the prompt has.
-    if (!info.scores_prompts)
+    const bool handed = kt.mode == KvTransferSpec::Mode::kDecodeByPull &&
+                        !request.known_prompt_logprobs.empty();
+    if (!info.scores_prompts && !handed)
       throw Error(
           "prompt logprobs are not computed by an expert-parallel engine (--expert-parallel): ask "
           "without 'prompt_logprobs' (and without 'echo' with 'logprobs')");

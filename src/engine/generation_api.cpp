@@ -172,6 +172,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   const ModelLimits limits = engine_.request_limits();
   auto call = std::make_shared<Call>();
   KvTransferSpec kv_transfer;
+  int32_t scored_prompt = -1;  // the prompt logprobs the engine computes
   json body;
   const ReleaseJsonOnExit release_body{body};  // a prompt's ids, freed cheaply
   try {
@@ -190,9 +191,16 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
         break;
     }
     kv_transfer = transfer_spec(call->request.disagg, engine_.role());
+    scored_prompt = call->request.scored_prompt();
     if (kv_transfer.prefill()) {
       // The prefill leg computes the prompt and its first token only.
       call->request.sampling.max_tokens = 1;
+      // Its body is read for kv_transfer_params alone: a pull leg's prompt logprobs go to the
+      // decode engine there; a room leg's would go nowhere (its decode leg computes them).
+      call->request.logprobs = -1;
+      call->request.prompt_logprobs = -1;
+      call->request.logprob_start_len = -1;
+      if (kv_transfer.mode == KvTransferSpec::Mode::kPrefillForRoom) scored_prompt = -1;
     }
     // A pull-prefill leg's answer carries kv_transfer_params, which only a whole JSON body has
     // (vLLM's proxy sends these legs with stream false anyway).
@@ -240,7 +248,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     er.priority = call->request.priority;
     if (call->request.cache_salt) er.cache_salt = api::cache_salt_hash(*call->request.cache_salt);
     er.logprobs = call->request.logprobs;
-    er.prompt_logprobs = call->request.scored_prompt();
+    er.prompt_logprobs = scored_prompt;
     if (er.prompt_logprobs >= 0 && kv_transfer.mode == KvTransferSpec::Mode::kDecodeByPull)
       er.known_prompt_logprobs = call->request.disagg.prompt_logprobs;
     er.kv_transfer = kv_transfer;

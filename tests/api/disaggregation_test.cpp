@@ -96,6 +96,18 @@ TEST(Disaggregation, PromptLogprobsInTheTransferParamsReadBackAsWritten) {
   EXPECT_TRUE(d.prompt_logprobs[1].top.empty());
 }
 
+// Prompt logprobs too large for a decode leg's body are left out: the decode engine computes them.
+TEST(Disaggregation, PromptLogprobsLargerThanTheBoundAreLeftOut) {
+  PulledKv kv{"e", "h", 7001, "t", {1}, {5}};
+  TokenLogprob lp{6, -0.5f, {}, 1};
+  for (int32_t k = 0; k < 20; ++k) lp.top.emplace_back(100 + k, -1.5f);
+  // About 230 bytes each: 10000 of them fit in 4 MiB, 20000 do not.
+  kv.prompt_logprobs.assign(10000, lp);
+  EXPECT_TRUE(kv_transfer_params(kv).contains("prompt_logprobs"));
+  kv.prompt_logprobs.assign(20000, lp);
+  EXPECT_FALSE(kv_transfer_params(kv).contains("prompt_logprobs"));
+}
+
 TEST(Disaggregation, MalformedPromptLogprobsAreRefusedNamingTheField) {
   const json base = kv_transfer_params({"e", "h", 7001, "t", {1}, {2, 3}});
   for (const json& bad :

@@ -956,7 +956,11 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   EXPECT_EQ(choice["text"], "Say" + o.text);
   // After the prompt's two tokens (unscored here: the output carries no prompt logprobs).
   EXPECT_EQ(choice["logprobs"]["token_logprobs"][2], -0.25);
-  EXPECT_EQ(choice["logprobs"]["text_offset"][2], 3);
+  // Offsets run on over the echoed tokens' texts (vLLM's one running sum).
+  const auto shown_chars = [](int32_t id) {
+    return utf8::code_points(utf8::to_valid_lossy(tokenizer().token_bytes(id)));
+  };
+  EXPECT_EQ(choice["logprobs"]["text_offset"][2], shown_chars(1) + shown_chars(2));
   EXPECT_EQ(choice["logprobs"]["top_logprobs"][2].size(), 1u);
 }
 
@@ -1125,13 +1129,16 @@ TEST(Protocol, PromptLogprobsAreTakenAsVllmAndSglangTakeThem) {
       EXPECT_EQ(e.param, "prompt_logprobs") << bad;
       EXPECT_EQ(e.status, 400);
     }
+  // A stream has no field for them: alternatives asked for are refused, 0 is none (as vLLM).
   for (const bool is_chat : {false, true}) {
     const ApiError e = error_of([&] {
-      const json body = {{"prompt_logprobs", 0}, {"stream", true}};
+      const json body = {{"prompt_logprobs", 2}, {"stream", true}};
       is_chat ? chat(body) : completion(body);
     });
     EXPECT_EQ(e.param, "prompt_logprobs");
     EXPECT_NE(e.message.find("stream"), std::string::npos) << e.message;
+    const json zero = {{"prompt_logprobs", 0}, {"stream", true}};
+    EXPECT_EQ((is_chat ? chat(zero) : completion(zero)).scored_prompt(), -1);
   }
 
   const json ids = {5, 6, 7};
@@ -1223,8 +1230,12 @@ TEST(Protocol, EchoWithLogprobsListsThePromptsTokensFirst) {
   check_prompt_part(lp);
   ASSERT_EQ(lp["tokens"].size(), 4u);
   EXPECT_EQ(lp["token_logprobs"][3], -0.25);
-  EXPECT_EQ(lp["text_offset"][3], 3) << "the answer's offsets start after the echoed text";
-  EXPECT_FALSE(choice.contains("prompt_logprobs")) << "not asked for";
+  EXPECT_EQ(lp["text_offset"][3],
+            lp["text_offset"][2].get<size_t>() + utf8::code_points(shown(prompt[2])))
+      << "the answer's offsets run on after the echoed tokens'";
+  // As vLLM's choice: the prompt logprobs echo computed, with logprobs' alternatives.
+  ASSERT_EQ(choice["prompt_logprobs"].size(), 3u);
+  EXPECT_EQ(choice["prompt_logprobs"][2].size(), 2u) << "the prompt's token and one alternative";
 
   req.stream = true;
   ResponseBuilder streamed(req, tokenizer(), "cmpl-1", 1);
@@ -1278,8 +1289,8 @@ TEST(Protocol, PromptLogprobsAreVllmsListOfDicts) {
   }
 }
 
-// SGLang's input logprobs: [logprob, id, null] from logprob_start_len on (the prompt's first token
-// has a null logprob), with input_top_logprobs and output_top_logprobs when top_logprobs_num > 0.
+// SGLang's input logprobs: [logprob, id, null] from logprob_start_len on (that position's logprob
+// null, as SGLang's), with input_top_logprobs and output_top_logprobs when top_logprobs_num > 0.
 TEST(Protocol, SglangInputLogprobsStartWhereAsked) {
   const std::vector<int32_t> prompt = {7, 101, 102};
   for (const int64_t start : {0, 2}) {
@@ -1300,10 +1311,12 @@ TEST(Protocol, SglangInputLogprobsStartWhereAsked) {
     b.on_output(0, o);
     const json meta = b.final_body()["meta_info"];
     json tokens = json::array(), tops = json::array();
+    // As SGLang's: the entry at logprob_start_len has none, whatever the position.
     for (size_t p = size_t(start); p < prompt.size(); ++p) {
+      const bool first = p == size_t(start);
       tokens.push_back(
-          json::array({p == 0 ? json(nullptr) : json(double(-float(p) / 10)), prompt[p], nullptr}));
-      tops.push_back(p == 0 ? json(nullptr) : json::array({json::array({0.0, 200, nullptr})}));
+          json::array({first ? json(nullptr) : json(double(-float(p) / 10)), prompt[p], nullptr}));
+      tops.push_back(first ? json(nullptr) : json::array({json::array({0.0, 200, nullptr})}));
     }
     EXPECT_EQ(meta["input_token_logprobs"], tokens) << start;
     EXPECT_EQ(meta["input_top_logprobs"], tops) << start;
@@ -1359,7 +1372,8 @@ TEST(Protocol, CompletionLogprobsHoldTheSampledTokenAndCountCharacters) {
       const size_t skip = echo ? 2 : 0;
       for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
         lp[key].erase(lp[key].begin(), lp[key].begin() + std::ptrdiff_t(skip));
-      size_t chars = echo ? 11 : 0;
+      // With echo, offsets run on over the echoed tokens' texts (vLLM's one running sum).
+      size_t chars = echo ? utf8::code_points(text_of(1)) + utf8::code_points(text_of(2)) : 0;
       for (size_t i = 0; i < ids.size(); ++i) {
         SCOPED_TRACE(i);
         const std::string t = text_of(ids[i]);

@@ -51,11 +51,35 @@ struct EngineShape {
   int64_t max_scored_tokens = 256;
 };
 
+// Hands the steps to the CPU executor and records how many prompt tokens each one scored.
+class ScoredPerStep : public Executor {
+ public:
+  ScoredPerStep(std::unique_ptr<Executor> inner, std::vector<int64_t>& log)
+      : inner_(std::move(inner)), log_(log) {}
+  const ExecutorInfo& info() const override { return inner_->info(); }
+  const std::byte* kv_bytes(int32_t b, int64_t l) const override { return inner_->kv_bytes(b, l); }
+  void write_kv(int32_t b, int64_t l, std::span<const std::byte> bytes) override {
+    inner_->write_kv(b, l, bytes);
+  }
+  ExecResult execute(std::span<const ExecItem> batch, const LayerHook& on_layer) override {
+    ExecResult r = inner_->execute(batch, on_layer);
+    int64_t scored = 0;
+    for (size_t i = 0; i < batch.size(); ++i) scored += int64_t(r.sampled[i].prompt.size());
+    log_.push_back(scored);  // the engine thread only; read after the engine stopped
+    return r;
+  }
+
+ private:
+  std::unique_ptr<Executor> inner_;
+  std::vector<int64_t>& log_;
+};
+
 class PromptLogprobs : public test::TinyModelTest<kF32> {
  protected:
   // Runs the requests concurrently through one engine; answers in request order.
   static std::vector<Answer> serve(const std::vector<Ask>& asks, const EngineShape& shape = {},
-                                   bool one_after_another = false) {
+                                   bool one_after_another = false,
+                                   std::vector<int64_t>* scored_per_step = nullptr) {
     CpuExecutorOptions o;
     o.block_size = 4;
     o.num_blocks = shape.num_blocks;
@@ -64,13 +88,15 @@ class PromptLogprobs : public test::TinyModelTest<kF32> {
     EngineConfig config;
     config.scheduler.max_num_batched_tokens = shape.max_batched_tokens;
     config.scheduler.max_scored_tokens = shape.max_scored_tokens;
-    Engine engine(
-        config,
+    std::unique_ptr<Executor> executor =
         std::make_unique<CpuExecutor>(std::shared_ptr<const model::DeepSeekModel>(
                                           model_.get(), [](const model::DeepSeekModel*) {}),
-                                      *tok_, "tiny", o),
-        std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
-        eos_ids(*tok_, std::nullopt), registry);
+                                      *tok_, "tiny", o);
+    if (scored_per_step)
+      executor = std::make_unique<ScoredPerStep>(std::move(executor), *scored_per_step);
+    Engine engine(config, std::move(executor),
+                  std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
+                  eos_ids(*tok_, std::nullopt), registry);
     engine.start();
     std::vector<Answer> answers(asks.size());
     std::vector<std::promise<void>> done(asks.size());
@@ -207,6 +233,20 @@ TEST_F(PromptLogprobs, DoNotDependOnChunksPreemptionThePrefixCacheOrSpeculation)
     SCOPED_TRACE("an engine that speculates with the MTP module");
     expect_near(serve({{prompt, 2}}, {.speculative_tokens = 2})[0].prompt_logprobs, alone);
   }
+}
+
+// Each scored token is a row of logits (vocab floats): a step scores at most the bound, over all
+// its sequences, whatever their number.
+TEST_F(PromptLogprobs, AStepScoresAtMostItsBoundOverAllItsSequences) {
+  const auto prompt = prompt_of(40, 900);
+  const auto alone = serve({{prompt, 1}})[0].prompt_logprobs;
+  std::vector<Ask> asks(6, Ask{prompt, 1, 2});
+  std::vector<int64_t> per_step;
+  const auto answers = serve(asks, {.max_scored_tokens = 16}, false, &per_step);
+  for (const Answer& a : answers) expect_near(a.prompt_logprobs, alone);
+  ASSERT_FALSE(per_step.empty());
+  EXPECT_LE(*std::max_element(per_step.begin(), per_step.end()), 16);
+  EXPECT_EQ(std::accumulate(per_step.begin(), per_step.end(), int64_t{0}), 6 * 39);
 }
 
 TEST_F(PromptLogprobs, OfAnAnswerScoredAsAPromptAreTheLogprobsItWasGeneratedWith) {

@@ -60,11 +60,15 @@ void Scheduler::preempt(Sequence* seq) {
 SchedulerOutput Scheduler::schedule() {
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
+  // Prompt tokens scored in this step (prompt logprobs), over every sequence: each is a row of
+  // logits.
+  int64_t scored_budget = config_.max_scored_tokens;
   auto schedule_one = [&](Sequence* seq, int64_t n, int64_t drafts) {
     const bool last = seq->num_computed + n - drafts == static_cast<int64_t>(seq->tokens.size());
     out.scheduled.push_back({seq, n, last, drafts});
     out.num_tokens += n;
     budget -= n;
+    if (seq->scoring_prompt()) scored_budget -= n;
   };
   // A sampled sequence's room for the executor's draft passes, when the cache has it (never at
   // anyone's expense: without it the executor proposes fewer drafts).
@@ -99,7 +103,7 @@ SchedulerOutput Scheduler::schedule() {
   auto chunk = [&](const Sequence* seq, int64_t computed) {
     const int64_t n =
         std::min<int64_t>(static_cast<int64_t>(seq->tokens.size()) - computed, budget);
-    return seq->scoring_prompt() ? std::min(n, config_.max_scored_tokens) : n;
+    return seq->scoring_prompt() ? std::min(n, scored_budget) : n;
   };
   auto run = [&](Sequence* seq) {
     int64_t n = chunk(seq, seq->num_computed);
@@ -179,6 +183,10 @@ SchedulerOutput Scheduler::schedule() {
     if (seq->num_preemptions > 0) hit.num_query_tokens = 0;
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
     const int64_t n = chunk(seq, computed);
+    if (n <= 0) {  // the step scores all the prompt tokens it may: the next step takes it
+      ++i;
+      return;
+    }
     const int64_t needs = kv_.num_blocks_to_allocate(seq->request.id, computed + n, hit);
     bool ok = !(memory_short && needs > 0);
     if (ok && needs > kv_.num_free_blocks()) {

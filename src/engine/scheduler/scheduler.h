@@ -31,8 +31,8 @@ struct SchedulerConfig {
   // its new tokens and drafts when the cache allows (the executor's later draft passes write
   // there; ExecutorInfo::speculative_lookahead()).
   int64_t speculative_lookahead = 0;
-  // New tokens per step of a sequence that scores its prompt (prompt logprobs): each needs a row
-  // of logits, vocab floats (0.5 MB for DeepSeek-V3's).
+  // Prompt tokens scored per step (prompt logprobs), over all sequences: each needs a row of
+  // logits, vocab floats (0.5 MB for DeepSeek-V3's). At least 1.
   int64_t max_scored_tokens = 256;
 };
 
