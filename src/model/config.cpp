@@ -130,34 +130,13 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   c.eos_token_id = f.optional_integer("eos_token_id");
 
   // RoPE: rope_theta + rope_scaling (transformers v4), or rope_parameters (v5).
-  std::optional<double> theta;
-  if (f.present("rope_theta")) theta = f.number("rope_theta");
-  f.ignore("rope_theta");
-  YarnScaling yarn;
-  std::string yarn_field;
-  if (const json* rs = f.get("rope_scaling")) {
-    if (parse_rope(*rs, origin, "rope_scaling", yarn, theta)) {
-      c.yarn = yarn;
-      yarn_field = "rope_scaling";
-    }
-  }
-  if (const json* rp = f.get("rope_parameters")) {
-    if (f.present("rope_scaling"))
-      f.fail("rope_parameters", "and 'rope_scaling' must not both be given");
-    std::optional<double> inner;
-    if (parse_rope(*rp, origin, "rope_parameters", yarn, inner)) {
-      c.yarn = yarn;
-      yarn_field = "rope_parameters";
-    }
-    if (inner && theta && *inner != *theta)
-      f.fail("rope_parameters", "rope_theta contradicts the top-level rope_theta");
-    if (inner) theta = inner;
-  }
-  if (!theta) f.fail("rope_theta", "is required");
-  c.rope_theta = *theta;
+  const RopeFields rope = read_rope_fields(f, origin);
+  if (!rope.theta) f.fail("rope_theta", "is required");
+  c.rope_theta = *rope.theta;
+  c.yarn = rope.yarn;
   check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
                           c.max_position_embeddings, c.bos_token_id, c.eos_token_id});
-  check_rope_numbers(f, Rope(c), c.softmax_scale(), yarn_field);
+  check_rope_numbers(f, Rope(c), c.softmax_scale(), rope.yarn_field);
 
   // Mixture of experts.
   c.n_routed_experts = f.integer_or("n_routed_experts", int64_t{0});
@@ -260,15 +239,7 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   if (const auto hd = f.optional_integer("head_dim"); hd && *hd != c.qk_rope_head_dim)
     f.fail("head_dim", "must equal qk_rope_head_dim (" + std::to_string(c.qk_rope_head_dim) +
                            "), got " + std::to_string(*hd));
-  for (const char* key : {"torch_dtype", "dtype"}) {
-    if (!f.present(key)) {
-      f.ignore(key);
-      continue;
-    }
-    c.torch_dtype = f.string(key);
-    if (c.torch_dtype != "bfloat16" && c.torch_dtype != "float16" && c.torch_dtype != "float32")
-      f.fail(key, one_of(c.torch_dtype, {"bfloat16", "float16", "float32"}));
-  }
+  c.torch_dtype = read_dtype_field(f, c.torch_dtype);
   if (const json* q = f.get("quantization_config")) parse_quantization(*q, origin, c);
 
   // Training and bookkeeping fields of real config.json files; they do not change inference.

@@ -62,6 +62,10 @@ void check_rope_numbers(const Fields& f, const Rope& rope, double softmax_scale,
     f.fail(field, "gives an attention softmax scale that is not a positive finite number");
 }
 
+namespace {
+
+// YaRN parameters of `rope_scaling` or `rope_parameters` (which also carries rope_theta). Returns
+// false when the object selects plain RoPE.
 bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
                 YarnScaling& yarn, std::optional<double>& theta) {
   if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
@@ -100,6 +104,48 @@ bool parse_rope(const json& obj, const std::string& origin, const std::string& f
              "must be between 0 and " + json(kMaxYarnMscale).dump() + ", got " + json(v).dump());
   f.reject_unknown();
   return true;
+}
+
+}  // namespace
+
+RopeFields read_rope_fields(Fields& f, const std::string& origin) {
+  RopeFields r;
+  if (f.present("rope_theta")) r.theta = f.number("rope_theta");
+  f.ignore("rope_theta");
+  YarnScaling yarn;
+  if (const json* rs = f.get("rope_scaling")) {
+    if (parse_rope(*rs, origin, "rope_scaling", yarn, r.theta)) {
+      r.yarn = yarn;
+      r.yarn_field = "rope_scaling";
+    }
+  }
+  if (const json* rp = f.get("rope_parameters")) {
+    if (f.present("rope_scaling"))
+      f.fail("rope_parameters", "and 'rope_scaling' must not both be given");
+    std::optional<double> inner;
+    if (parse_rope(*rp, origin, "rope_parameters", yarn, inner)) {
+      r.yarn = yarn;
+      r.yarn_field = "rope_parameters";
+    }
+    if (inner && r.theta && *inner != *r.theta)
+      f.fail("rope_parameters", "rope_theta contradicts the top-level rope_theta");
+    if (inner) r.theta = inner;
+  }
+  return r;
+}
+
+std::string read_dtype_field(Fields& f, const std::string& fallback) {
+  std::string dtype = fallback;
+  for (const char* key : {"torch_dtype", "dtype"}) {
+    if (!f.present(key)) {
+      f.ignore(key);
+      continue;
+    }
+    dtype = f.string(key);
+    if (dtype != "bfloat16" && dtype != "float16" && dtype != "float32")
+      f.fail(key, one_of(dtype, {"bfloat16", "float16", "float32"}));
+  }
+  return dtype;
 }
 
 }  // namespace tandem::model

@@ -160,9 +160,19 @@ nlohmann::json read_config_json(const std::filesystem::path& dir);
 // "must be one of "a", "b"; got "x"".
 std::string one_of(const std::string& got, std::initializer_list<const char*> allowed);
 
-// YaRN parameters of `rope_scaling` (transformers v4) or `rope_parameters` (transformers v5,
-// which also carries rope_theta). Returns false when the object selects plain RoPE.
-bool parse_rope(const nlohmann::json& obj, const std::string& origin, const std::string& field,
-                YarnScaling& yarn, std::optional<double>& theta);
+// A config's RoPE as transformers writes it: rope_theta beside a `rope_scaling` object (v4), or a
+// `rope_parameters` object that also carries rope_theta (>= 4.56 / v5). Both objects at once, an
+// inner rope_theta contradicting a top-level one, or scaling other than YaRN is an error.
+struct RopeFields {
+  std::optional<double> theta;  // none given: the family's default applies, or it is required
+  std::optional<YarnScaling> yarn;
+  std::string yarn_field;  // the object YaRN came from ("rope_scaling" or "rope_parameters")
+};
+RopeFields read_rope_fields(Fields& f, const std::string& origin);
+
+// The weights' dtype, `torch_dtype` (transformers v4) or `dtype` (its name from 4.56 / v5):
+// "bfloat16", "float16" or "float32"; `fallback` when neither is given (`dtype` wins where both
+// are).
+std::string read_dtype_field(Fields& f, const std::string& fallback);
 
 }  // namespace tandem::model

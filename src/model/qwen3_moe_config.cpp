@@ -57,14 +57,10 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   c.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false);
   c.bos_token_id = f.optional_integer("bos_token_id");
   c.eos_token_id = f.optional_integer("eos_token_id");
-  c.torch_dtype = f.string_or("torch_dtype", "bfloat16");
-  std::optional<double> theta;
-  if (const json* rs = f.get("rope_scaling")) {
-    YarnScaling y;
-    if (parse_rope(*rs, origin, "rope_scaling", y, theta)) c.yarn = y;
-  }
-  c.rope_theta = f.number_or("rope_theta", 10000.0);
-  if (theta) c.rope_theta = *theta;
+  c.torch_dtype = read_dtype_field(f, "bfloat16");
+  const RopeFields rope = read_rope_fields(f, origin);
+  c.yarn = rope.yarn;
+  c.rope_theta = rope.theta.value_or(10000.0);
 
   // What the engine does not run: refused by name rather than computed differently.
   if (f.boolean_or("use_sliding_window", false))
@@ -108,7 +104,7 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
                           c.max_position_embeddings, c.bos_token_id, c.eos_token_id});
   if (c.head_dim % 2 != 0) f.fail("head_dim", "must be even (RoPE rotates pairs)");
   check_rope_numbers(f, Rope(c.head_dim, c.rope_theta, c.yarn, c.rope_mscale()), c.softmax_scale(),
-                     c.yarn ? "rope_scaling" : "");
+                     rope.yarn_field);
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     f.fail("num_key_value_heads", "must divide num_attention_heads (" +
                                       std::to_string(c.num_attention_heads) + "), got " +
@@ -138,8 +134,6 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
                                         std::to_string(c.num_experts_per_tok));
   }
   if (any_dense) positive("intermediate_size", c.intermediate_size);
-  if (c.torch_dtype != "bfloat16" && c.torch_dtype != "float16" && c.torch_dtype != "float32")
-    f.fail("torch_dtype", one_of(c.torch_dtype, {"bfloat16", "float16", "float32"}));
   return c;
 }
 

@@ -82,6 +82,46 @@ std::string config_error(const std::function<void(json&)>& change) {
   return std::string("(parsed)");
 }
 
+// transformers >= 4.56 (and v5) write `dtype` for torch_dtype and fold rope_theta and
+// rope_scaling into `rope_parameters`: such a config is the same model, as DeepSeek's parser
+// already reads it (both families share the reading). They were refused as unknown fields.
+TEST(Qwen3MoeConfig, ConfigsAsNewerTransformersWriteThemParse) {
+  const auto v4 = Qwen3MoeConfig::parse(json::parse(kQwen3_30B_A3B), "v4");
+  json v5 = json::parse(kQwen3_30B_A3B);
+  v5.erase("torch_dtype");
+  v5["dtype"] = "bfloat16";
+  v5.erase("rope_scaling");
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}};
+  EXPECT_EQ(Qwen3MoeConfig::parse(v5, "v5"), v4);
+
+  json yarn4 = json::parse(kQwen3_30B_A3B);
+  yarn4["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+  json yarn5 = v5;
+  yarn5["rope_parameters"] = {{"rope_type", "yarn"},
+                              {"rope_theta", 1000000.0},
+                              {"factor", 4.0},
+                              {"original_max_position_embeddings", 32768}};
+  const auto y = Qwen3MoeConfig::parse(yarn5, "v5 yarn");
+  ASSERT_TRUE(y.yarn);
+  EXPECT_EQ(y, Qwen3MoeConfig::parse(yarn4, "v4 yarn"));
+
+  // The shared rules hold here too: a dtype this engine does not load, both RoPE objects, an
+  // inner rope_theta contradicting the top-level one.
+  EXPECT_THAT(config_error([](json& d) { d["dtype"] = "int4"; }), testing::HasSubstr("'dtype'"));
+  EXPECT_THAT(config_error([](json& d) {
+                d["rope_scaling"] = {{"rope_type", "default"}};
+                d["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1000000.0}};
+              }),
+              testing::HasSubstr("'rope_parameters' and 'rope_scaling' must not both be given"));
+  EXPECT_THAT(config_error([](json& d) {
+                d.erase("rope_scaling");
+                d["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5.0e5}};
+              }),
+              testing::HasSubstr("rope_theta contradicts the top-level rope_theta"));
+}
+
 TEST(Qwen3MoeConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
   const auto& error = config_error;
   EXPECT_NE(error([](json& d) { d["use_sliding_window"] = true; }).find("'use_sliding_window'"),
