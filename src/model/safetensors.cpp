@@ -1,10 +1,12 @@
 #include "model/safetensors.h"
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -243,6 +245,25 @@ bool is_shard_name(const std::string& n) {
          digits(std::string_view(mid).substr(at + of.size()));
 }
 
+// "<checkpoint file>.tmp.<pid>.<n>", create_temporary_beside's name for a shard being written,
+// whose writer is no longer running: what an interrupted quantize or make-model left. A running
+// writer's (this process's, or a pid that exists, even another user's) is not touched.
+bool is_orphaned_temporary(const std::string& n) {
+  const size_t at = n.find(".tmp.");
+  if (at == std::string::npos) return false;
+  const std::string base = n.substr(0, at);
+  if (base != kSingleFile && !is_shard_name(base)) return false;
+  const std::string_view rest = std::string_view(n).substr(at + 5);
+  const size_t dot = rest.find('.');
+  if (dot == std::string_view::npos || dot + 1 == rest.size() ||
+      !std::all_of(rest.begin() + dot + 1, rest.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  pid_t pid = 0;
+  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + dot, pid);
+  if (ec != std::errc() || end != rest.data() + dot || pid <= 0) return false;
+  return ::kill(pid, 0) == -1 && errno == ESRCH;
+}
+
 void write_text(const fs::path& path, const std::string& text) {
   std::FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) throw Error(path.string() + ": cannot create: " + std::strerror(errno));
@@ -408,10 +429,14 @@ void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw Error(dir.string() + ": cannot create folder: " + ec.message());
-  // Files of an earlier checkpoint in the folder would be mistaken for part of this one.
+  // Files of an earlier checkpoint in the folder would be mistaken for part of this one; shards an
+  // interrupted writer left half-written only take space (a failure to remove one is no error).
   for (const auto& entry : fs::directory_iterator(dir)) {
     const std::string n = entry.path().filename().string();
-    if (n == kSingleFile || n == kIndexFile || is_shard_name(n)) fs::remove(entry.path());
+    if (n == kSingleFile || n == kIndexFile || is_shard_name(n))
+      fs::remove(entry.path());
+    else if (is_orphaned_temporary(n) && !entry.is_directory(ec))
+      fs::remove(entry.path(), ec);
   }
 
   size_t written = 0;

@@ -70,10 +70,10 @@ struct TensorSpec {
 // metadata.total_size and weight_map). Each header carries {"__metadata__": {"format": "pt"}} and
 // is padded with spaces to a multiple of 8 bytes; within a shard, data is ordered by element size
 // (largest first, otherwise as given) like the safetensors library does, so every tensor is
-// naturally aligned in a mapping. Checkpoint files already in `dir` are removed first. `fill`
-// writes each tensor's bytes (in file order); tensors are produced one at a time so a multi-GB
-// checkpoint never sits in memory whole. `progress` (optional) is called with bytes written so
-// far and the total.
+// naturally aligned in a mapping. Checkpoint files already in `dir` are removed first, and so are
+// the temporary shards (NAME.tmp.PID.N) of writers no longer running. `fill` writes each tensor's
+// bytes (in file order); tensors are produced one at a time so a multi-GB checkpoint never sits
+// in memory whole. `progress` (optional) is called with bytes written so far and the total.
 void write_checkpoint(const std::filesystem::path& dir, const std::vector<TensorSpec>& specs,
                       const std::function<void(const TensorSpec&, std::span<std::byte>)>& fill,
                       size_t max_shard_bytes,

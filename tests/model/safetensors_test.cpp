@@ -2,6 +2,9 @@
 // the file and tensor, and an independent Python reader of what the writer produces.
 #include "model/safetensors.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <numeric>
 
@@ -161,6 +164,31 @@ TEST(Safetensors, WriterIsDeterministicAndReplacesEarlierCheckpoints) {
   for (const auto& e : fs::directory_iterator(a.path())) left.push_back(e.path().filename());
   EXPECT_EQ(left, std::vector<std::string>{"model.safetensors"});
   expect_matches(Checkpoint::open(a.path()), specs);
+}
+
+// An interrupted quantize or make-model leaves its shard half-written under a temporary name
+// (NAME.tmp.PID.N); the next write into the folder removes those of writers no longer running,
+// and leaves a running writer's, and files that are no temporary shard, alone.
+TEST(Safetensors, WriterRemovesTheTemporaryShardsOfWritersNoLongerRunning) {
+  test::TempDir dir("st-orphans");
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // reaped: its pid names no process now
+  const std::string dead = std::to_string(child), alive = std::to_string(::getpid());
+  const std::vector<std::string> orphans = {"model-00002-of-00006.safetensors.tmp." + dead + ".0",
+                                            "model.safetensors.tmp." + dead + ".17"};
+  const std::vector<std::string> kept = {
+      "model-00001-of-00006.safetensors.tmp." + alive + ".3",  // this process is writing it
+      "notes.txt.tmp." + dead + ".0",                          // not a shard
+      "model.safetensors.tmp." + dead,                         // not create_temporary_beside's
+      "model.safetensors.tmp.x" + dead + ".0"};
+  for (const auto& n : orphans) test::write_bytes(dir / n, "half a shard");
+  for (const auto& n : kept) test::write_bytes(dir / n, "keep");
+  write_checkpoint(dir.path(), mixed_specs(3), fill_pattern, 5000);
+  for (const auto& n : orphans) EXPECT_FALSE(fs::exists(dir / n)) << n;
+  for (const auto& n : kept) EXPECT_EQ(test::read_bytes(dir / n), "keep") << n;
+  expect_matches(Checkpoint::open(dir.path()), mixed_specs(3));
 }
 
 TEST(Safetensors, WriterRejectsBadSpecs) {
