@@ -65,7 +65,10 @@ net::AsyncHttpHandlers Relay::prefill_handlers(const RequestPtr& r, LegRef leg_r
   // reused (a one-token answer: small).
   h.on_body = [leg_ref](std::string_view piece) {
     auto l = leg_ref->lock();
-    if (l && l->body.size() < kMaxPrefillAnswerBytes) l->body += piece;
+    if (!l) return true;
+    // Cut, its kv_transfer_params would be lost: refused whole, not read as an answer without.
+    if (l->body.size() + piece.size() > kMaxPrefillAnswerBytes) return refuse_too_large(*l);
+    l->body += piece;
     return true;
   };
   h.on_done = [this, r, leg_ref, attempt, where = std::move(where),
@@ -82,6 +85,13 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
     std::lock_guard lock(r->mutex);
     l.state = LegState::kFinished;
     reason = l.cancel_reason.empty() ? error : l.cancel_reason;
+  }
+  if (l.answer_too_large) {
+    dispatcher_.answer_refused(r, attempt, 502,
+                               "the prefill answer from engine " + where + " is larger than " +
+                                   size_text(kMaxPrefillAnswerBytes) +
+                                   ", the most this gateway holds for one");
+    return;
   }
   if (!reason.empty()) {
     dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},

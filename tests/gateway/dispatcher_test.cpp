@@ -1088,6 +1088,29 @@ TEST(Dispatcher, SequentialModeRetriesAPrefillWithoutKvTransferParams) {
   EXPECT_EQ(host_of(*retry[0]), "p2");
 }
 
+// A prefill answer past what the gateway holds (16 MiB) is refused whole, by the gateway's
+// choice: not cut and then read as an answer without kv_transfer_params (a retry, and the
+// engine blamed).
+TEST(Dispatcher, SequentialModeRefusesAPrefillAnswerLargerThanItHolds) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")}));
+  auto client = c.send();
+  auto prefill = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*prefill, 200, "application/json");
+  const std::string mib(size_t{1} << 20, ' ');
+  bool taken = true;
+  for (int i = 0; i < 17 && taken; ++i) taken = FakeEngines::piece(*prefill, mib);
+  EXPECT_FALSE(taken) << "the 17th MiB is refused";
+  FakeEngines::finish(*prefill, "cancelled");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(client->error_code, "answer_too_large");
+  EXPECT_NE(client->error_message.find("prefill answer"), std::string::npos)
+      << client->error_message;
+  EXPECT_TRUE(c.engines.open().empty()) << "no retry, no decode leg";
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
 TEST(Dispatcher, ParallelModeStartsBothLegsWithOneBootstrapRoom) {
   Cluster c(disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")}));
   auto client = c.send();
