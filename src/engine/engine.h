@@ -162,6 +162,8 @@ class Engine final : private PdHost {
   double now() const;
   void finish(Sequence* seq, const std::string& reason, const std::string& error = {},
               bool notified = false, int error_status = 500, const std::string& error_code = {});
+  // The per-request histograms of a sequence that finished (finish()).
+  void observe_finished(const Sequence& seq);
   void publish_events();
   void update_gauges();
   void record_expert_load(std::span<const int64_t> step);

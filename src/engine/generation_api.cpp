@@ -1,5 +1,6 @@
 #include "engine/generation_api.h"
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <mutex>
@@ -238,8 +239,15 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   for (size_t i = 0; i < prompts.size(); ++i)
     call->engine_ids.push_back(base + "-" + std::to_string(i));
   std::vector<EngineRequest> requests(prompts.size());
+  // Choices are prompt-major: each run of n is one prompt's, counted together in the metrics.
+  const auto n = static_cast<size_t>(std::max<int64_t>(call->request.n, 1));
+  std::shared_ptr<ChoiceGroup> choices;
   for (size_t i = 0; i < prompts.size(); ++i) {
     EngineRequest& er = requests[i];
+    if (n > 1) {
+      if (i % n == 0) choices = std::make_shared<ChoiceGroup>(static_cast<int64_t>(n));
+      er.choices = choices;
+    }
     er.id = call->engine_ids[i];
     er.prompt = prompts[i];
     er.sampling = call->request.sampling;

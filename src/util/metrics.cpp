@@ -436,6 +436,11 @@ const std::vector<double>& vllm_iteration_tokens_buckets() {
   return buckets;
 }
 
+const std::vector<double>& vllm_n_buckets() {
+  static const std::vector<double> buckets = {1, 2, 5, 10, 20};
+  return buckets;
+}
+
 std::vector<double> buckets_1_2_5(double max_value) {
   std::vector<double> out;
   for (double scale = 1; scale <= max_value; scale *= 10) {

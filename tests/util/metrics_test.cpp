@@ -1,12 +1,11 @@
 // Tests of src/util/metrics. The rendered text is parsed by an independent oracle
-// (tests/oracle/parse_prometheus.py: a strict grammar check plus the Prometheus Python client's
-// parser, Debian python3-prometheus-client, run under /usr/bin/python3); a missing package is a
-// failure, not a skip. The parsed samples must equal what the test recorded.
+// (util/prometheus_oracle.h: tests/oracle/parse_prometheus.py, a strict grammar check plus the
+// Prometheus Python client's parser); a missing package is a failure, not a skip. The parsed
+// samples must equal what the test recorded.
 #include "util/metrics.h"
 
 #include <atomic>
 #include <cmath>
-#include <fstream>
 #include <map>
 #include <set>
 #include <string>
@@ -16,39 +15,17 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "text/oracle_support.h"
 #include "util/error.h"
-#include "util/file.h"
+#include "util/prometheus_oracle.h"
 
 namespace tandem::metrics {
 namespace {
 
 using nlohmann::json;
-using test::quote;
 
 // Runs the oracle on `text`; returns its JSON, or fails the test with its stderr.
 json parse_with_oracle(const std::string& text) {
-  const auto in = test::temp_path("metrics-in");
-  const auto out = test::temp_path("metrics-out");
-  const auto err = test::temp_path("metrics-err");
-  {
-    std::ofstream f(in, std::ios::binary);
-    f << text;
-  }
-  const std::string cmd = "/usr/bin/python3 " + quote(test::oracle_dir() / "parse_prometheus.py") +
-                          " < " + quote(in) + " > " + quote(out) + " 2> " + quote(err);
-  const int status = test::run_command(cmd);
-  std::string err_text = std::filesystem::exists(err) ? read_file(err) : "";
-  json result;
-  if (status == 0) result = json::parse(read_file(out));
-  std::filesystem::remove(in);
-  std::filesystem::remove(out);
-  std::filesystem::remove(err);
-  EXPECT_EQ(status, 0) << "parse_prometheus.py failed (is python3-prometheus-client installed? "
-                          "scripts/install-deps.sh installs it):\n"
-                       << err_text << "\ninput:\n"
-                       << text;
-  return result;
+  return test::parse_prometheus(text);
 }
 
 double json_number(const json& v) {

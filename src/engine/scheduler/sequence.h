@@ -38,6 +38,16 @@ struct KvTransferSpec {
   bool decode() const { return mode == Mode::kDecodeByPull || mode == Mode::kDecodeByRoom; }
 };
 
+// The choices the API made of one prompt (its n > 1), each an engine request of its own: the
+// engine observes vllm:request_params_n and vllm:request_max_num_generation_tokens once for them
+// all, when the last one finishes, as vLLM does for a parent request's children. Engine thread.
+struct ChoiceGroup {
+  explicit ChoiceGroup(int64_t choices) : n(choices), unfinished(choices) {}
+  int64_t n;
+  int64_t unfinished;
+  int64_t max_generated = 0;
+};
+
 struct EngineRequest {
   std::string id;
   std::vector<int32_t> prompt;
@@ -55,6 +65,7 @@ struct EngineRequest {
   std::vector<TokenLogprob> known_prompt_logprobs;
   KvTransferSpec kv_transfer;
   OutputCallback on_output;
+  std::shared_ptr<ChoiceGroup> choices;  // null: a prompt asked for once (n = 1)
 };
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
