@@ -39,7 +39,7 @@ class Gateway::Impl {
         registry_(topo_.metrics_replica.empty()
                       ? metrics::LabelPairs{}
                       : metrics::LabelPairs{{"gateway_replica", topo_.metrics_replica}}),
-        metrics_(registry_),
+        metrics_(registry_, topo_.served_model_name),
         tokenizer_(topo_.model.empty()
                        ? nullptr
                        : std::make_unique<PromptTokenizer>(topo_.model, topo_.served_model_name)),

@@ -1,37 +1,47 @@
 #include "gateway/gateway_metrics.h"
 
 namespace tandem::gateway {
+namespace {
 
-GatewayMetrics::GatewayMetrics(metrics::Registry& r)
+metrics::LabelPairs model_label(const std::string& model_name) {
+  if (model_name.empty()) return {};
+  return {{"model_name", model_name}};
+}
+
+}  // namespace
+
+GatewayMetrics::GatewayMetrics(metrics::Registry& r, const std::string& model_name)
     : phase_seconds(r.histogram_family("tandem:gateway_phase_seconds",
                                        "Seconds requests spent in each lifecycle phase.", {"phase"},
                                        metrics::vllm_request_latency_buckets())),
       ttft(r.histogram("vllm:time_to_first_token_seconds",
                        "Time to first token (streaming requests), seen at the gateway.",
-                       metrics::vllm_ttft_buckets())),
+                       metrics::vllm_ttft_buckets(), model_label(model_name))),
       tpot(r.histogram("vllm:request_time_per_output_token_seconds",
                        "Each stream's mean time per output token after the first: (last token "
                        "event - first) / (events - 1), seen at the gateway.",
-                       metrics::vllm_tpot_buckets())),
+                       metrics::vllm_tpot_buckets(), model_label(model_name))),
       tpot_gaps(r.histogram("vllm:time_per_output_token_seconds",
                             "Time per output token: every gap between two streamed token events, "
                             "seen at the gateway.",
-                            metrics::vllm_tpot_buckets())),
+                            metrics::vllm_tpot_buckets(), model_label(model_name))),
       itl(r.histogram("vllm:inter_token_latency_seconds",
                       "Gaps between streamed token events, seen at the gateway.",
-                      metrics::vllm_tpot_buckets())),
+                      metrics::vllm_tpot_buckets(), model_label(model_name))),
       e2e(r.histogram("vllm:e2e_request_latency_seconds",
                       "End-to-end request latency at the gateway.",
-                      metrics::vllm_request_latency_buckets())),
+                      metrics::vllm_request_latency_buckets(), model_label(model_name))),
       queue_time(r.histogram("vllm:request_queue_time_seconds",
                              "Seconds requests waited in the gateway for a free engine.",
-                             metrics::vllm_request_latency_buckets())),
+                             metrics::vllm_request_latency_buckets(), model_label(model_name))),
       class_ttft(r.histogram_family("tandem:gateway_class_time_to_first_token_seconds",
                                     "Time to first token per priority class (streaming "
                                     "requests), seen at the gateway.",
                                     {"class"}, metrics::vllm_ttft_buckets())),
-      running(r.gauge("vllm:num_requests_running", "Requests being served by engines.")),
-      waiting(r.gauge("vllm:num_requests_waiting", "Requests waiting in the gateway queue.")),
+      running(r.gauge("vllm:num_requests_running", "Requests being served by engines.",
+                      model_label(model_name))),
+      waiting(r.gauge("vllm:num_requests_waiting", "Requests waiting in the gateway queue.",
+                      model_label(model_name))),
       requests(r.int_counter_family("tandem:gateway_requests_total",
                                     "Requests answered, by HTTP status.", {"status"})),
       retries(r.int_counter("tandem:gateway_retries_total",

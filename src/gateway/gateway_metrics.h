@@ -6,7 +6,10 @@
 namespace tandem::gateway {
 
 struct GatewayMetrics {
-  explicit GatewayMetrics(metrics::Registry& r);
+  // `model_name`: the served model's name (the topology's served_model_name), the model_name
+  // label of the vllm:* series as the engines label theirs; empty: no such label (the gateway
+  // does not know it before the engines answer).
+  explicit GatewayMetrics(metrics::Registry& r, const std::string& model_name = {});
 
   metrics::Family<metrics::Histogram>& phase_seconds;
   // tpot: each stream's mean time per output token (vllm:request_time_per_output_token_seconds);

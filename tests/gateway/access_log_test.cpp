@@ -19,6 +19,8 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -28,6 +30,7 @@
 #include "gateway/request_record.h"
 #include "util/error.h"
 #include "util/metrics.h"
+#include "util/prometheus_oracle.h"
 
 namespace tandem::gateway {
 namespace {
@@ -340,6 +343,39 @@ TEST(RequestRecorder, TpotIsPerGapAndThePerRequestMeanHasVllmsPerRequestName) {
   EXPECT_EQ(value("vllm:request_time_per_output_token_seconds_count"), 1);
   EXPECT_DOUBLE_EQ(value("vllm:request_time_per_output_token_seconds_sum"), 0.2);
   EXPECT_EQ(value("vllm:inter_token_latency_seconds_count"), 3);
+}
+
+// The gateway's vllm:* series carry model_name, as the engines label theirs, when it knows the
+// served model's name (the topology's served_model_name); its tandem:* series never do, and
+// without the name no series does. Read back through the Prometheus oracle.
+TEST(GatewayMetrics, VllmSeriesCarryTheServedModelsName) {
+  for (const std::string served : {"tiny", ""}) {
+    metrics::Registry registry;
+    GatewayMetrics metrics(registry, served);
+    const json parsed = test::parse_prometheus(registry.render());
+    ASSERT_FALSE(parsed.is_null());
+    std::set<std::string> vllm;
+    for (const auto& family : parsed["families"]) {
+      const std::string name = family["name"];
+      const bool is_vllm = name.rfind("vllm:", 0) == 0;
+      if (is_vllm) vllm.insert(name);
+      for (const auto& sample : family["samples"]) {
+        const auto labels = sample["labels"].get<std::map<std::string, std::string>>();
+        const auto it = labels.find("model_name");
+        if (is_vllm && !served.empty()) {
+          EXPECT_TRUE(it != labels.end() && it->second == served) << sample.dump();
+        } else {
+          EXPECT_TRUE(it == labels.end()) << sample.dump();
+        }
+      }
+    }
+    EXPECT_EQ(vllm,
+              (std::set<std::string>{
+                  "vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
+                  "vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
+                  "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                  "vllm:num_requests_running", "vllm:num_requests_waiting"}));
+  }
 }
 
 }  // namespace

@@ -473,6 +473,23 @@ TEST_P(GatewayFailures, HealthChecksEjectAndReadmitEngines) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
+// With served_model_name set, the gateway's vllm:* series carry it as model_name, as the engines'
+// do (a dashboard filtering by model_name finds both); its own tandem:* series do not.
+TEST_P(GatewayFailures, VllmSeriesNameTheServedModel) {
+  FakeEngine engine("e");
+  auto t = topology(PdMode::kAggregated);
+  t.decode.endpoints = {endpoint_of(engine, "e")};
+  t.served_model_name = "tiny";
+  start(t);
+  const auto body = net::http_request("127.0.0.1", port(), "GET", "/metrics").body;
+  EXPECT_NE(body.find("\nvllm:num_requests_waiting{model_name=\"tiny\"} "), std::string::npos)
+      << body;
+  EXPECT_NE(body.find("\nvllm:e2e_request_latency_seconds_count{model_name=\"tiny\"} "),
+            std::string::npos)
+      << body;
+  EXPECT_NE(body.find("\ntandem:gateway_retries_total "), std::string::npos) << body;
+}
+
 // The queue is bounded: with the one engine at its in-flight limit and one request queued, the
 // next is refused at once; the queued one waits, unseen by the engine, until the engine frees.
 // (A queued request's 503 at the queue timeout, and its wording, are
