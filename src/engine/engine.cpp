@@ -303,8 +303,8 @@ void Engine::check(const EngineRequest& request) const {
     throw Error("this engine has no KV transfer server, so it cannot serve prefill legs");
   if (request.prompt_logprobs >= 0) {
     // The prompt's logprobs come from its logits, which only the engine computing the prompt has.
-    const bool handed = kt.mode == KvTransferSpec::Mode::kDecodeByPull &&
-                        !request.known_prompt_logprobs.empty();
+    const bool handed =
+        kt.mode == KvTransferSpec::Mode::kDecodeByPull && !request.known_prompt_logprobs.empty();
     if (!info.scores_prompts && !handed)
       throw Error(
           "prompt logprobs are not computed by an expert-parallel engine (--expert-parallel): ask "
