@@ -3,33 +3,141 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "text/unicode_sets.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
 namespace tandem::text {
 namespace {
 
-// Oniguruma's \s is Unicode White_Space; PCRE2's (with UCP) misses U+0085, so spell it out.
-constexpr std::string_view kWhiteSpace =
-    "\\t\\n\\x0B\\f\\r \\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}"
-    "\\x{205F}\\x{3000}";
-
 // GPT-2's pattern, which ByteLevel applies when use_regex is true.
 constexpr std::string_view kGpt2Pattern =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
-std::string translate_oniguruma(std::string_view pattern, const std::string& where) {
+// A set of code points as the regex needs it written: inside a bracketed class its items (the
+// complement's when negated), outside one a class of its own.
+std::string class_of(const unicode::Ranges& set, bool negated, bool in_class) {
+  if (in_class) return unicode::class_items(negated ? unicode::complement(set) : set);
+  if (set.empty()) return negated ? "[\\x{0}-\\x{10FFFF}]" : "(?!)";
+  return (negated ? "[^" : "[") + unicode::class_items(set) + "]";
+}
+
+// The code points PCRE2's own \p{NAME} matches (by its built-in Unicode tables), found by
+// matching it against every code point; nullopt when PCRE2 does not know the name.
+std::optional<unicode::Ranges> pcre2_property(std::string_view name) {
+  static const std::string every_code_point = [] {
+    std::string s;
+    for (char32_t c = 0; c <= 0x10FFFF; ++c)
+      if (c < 0xD800 || c > 0xDFFF) utf8::append(s, c);
+    return s;
+  }();
+  const std::string pattern = "\\p{" + std::string(name) + "}+";
+  int err = 0;
+  PCRE2_SIZE offset = 0;
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                                   PCRE2_UTF | PCRE2_UCP, &err, &offset, nullptr);
+  if (!code) return std::nullopt;
+  const bool jit = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
+  pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
+  const auto* subject = reinterpret_cast<PCRE2_SPTR>(every_code_point.data());
+  unicode::Ranges out;
+  for (size_t from = 0;;) {
+    int rc = jit ? pcre2_jit_match(code, subject, every_code_point.size(), from, PCRE2_NO_UTF_CHECK,
+                                   data, nullptr)
+                 : pcre2_match(code, subject, every_code_point.size(), from, PCRE2_NO_UTF_CHECK,
+                               data, nullptr);
+    if (rc < 0) break;
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(data);
+    const std::string_view run(every_code_point.data() + ov[0], ov[1] - ov[0]);
+    size_t last = run.size() - 1;
+    while ((static_cast<unsigned char>(run[last]) & 0xC0) == 0x80) --last;
+    out.emplace_back(utf8::decode_at(run, 0, utf8::valid_sequence_length(run, 0)),
+                     utf8::decode_at(run, last, run.size() - last));
+    from = ov[1];
+  }
+  pcre2_match_data_free(data);
+  pcre2_code_free(code);
+  // A run broken only by the surrogates, which the subject skips, is one range.
+  for (size_t i = 1; i < out.size(); ++i)
+    if (out[i - 1].second == 0xD7FF && out[i].first == 0xE000) {
+      out[i - 1].second = out[i].second;
+      out.erase(out.begin() + static_cast<std::ptrdiff_t>(i));
+      break;
+    }
+  return out;
+}
+
+// How \p{NAME} is written for PCRE2 so that it matches ICU's set (unicode_sets.h). When PCRE2
+// knows the name and its set lies within ICU's (a newer Unicode has assigned more characters,
+// which is how versions usually differ), PCRE2's own \p{NAME} plus the code points ICU adds:
+// PCRE2 looks a property up in a table, while a class of hundreds of ranges is a search through
+// them for every character. Otherwise ICU's ranges in full.
+struct PropertyClass {
+  unicode::Ranges icu;    // the set to match
+  bool use_own = false;   // \p{NAME} plus `extra` is that set
+  unicode::Ranges extra;  // icu minus PCRE2's \p{NAME}
+};
+
+std::optional<PropertyClass> property_class(std::string_view name) {
+  static std::mutex mutex;
+  static std::map<std::string, std::optional<PropertyClass>, std::less<>> cache;
+  std::lock_guard lock(mutex);
+  if (auto it = cache.find(name); it != cache.end()) return it->second;
+  std::optional<PropertyClass> result;
+  if (auto icu = unicode::property(name)) {
+    result.emplace();
+    result->icu = std::move(*icu);
+    if (auto own = pcre2_property(name); own && unicode::subtract(*own, result->icu).empty()) {
+      result->use_own = true;
+      result->extra = unicode::subtract(result->icu, *own);
+    }
+  }
+  return cache.emplace(std::string(name), std::move(result)).first->second;
+}
+
+std::string property_regex(std::string_view name, const PropertyClass& p, bool negated,
+                           bool in_class) {
+  if (!p.use_own || (negated && in_class && !p.extra.empty()))
+    return class_of(p.icu, negated, in_class);
+  std::string own = (negated && in_class ? "\\P{" : "\\p{") + std::string(name) + "}";
+  if (in_class) return own + unicode::class_items(p.extra);
+  return (negated ? "[^" : "[") + own + unicode::class_items(p.extra) + "]";
+}
+
+// Rewrites what Oniguruma (Ruby syntax, which tokenizers uses) means differently from PCRE2:
+//  - \p{NAME}, \P{NAME}, \p{^NAME}: written out as ICU's code point ranges, so the Unicode
+//    version is ICU's, not the older one built into PCRE2 (unicode_sets.h);
+//  - \s, \S: Unicode White_Space (PCRE2's misses U+0085).
+std::string translate_oniguruma(std::string_view pattern,
+                                [[maybe_unused]] const std::string& where) {
   std::string out;
   bool in_class = false;
   for (size_t i = 0; i < pattern.size(); ++i) {
     char c = pattern[i];
     if (c == '\\' && i + 1 < pattern.size()) {
       char n = pattern[++i];
-      if (n == 's') {
-        out += in_class ? std::string(kWhiteSpace) : "[" + std::string(kWhiteSpace) + "]";
-      } else if (n == 'S') {
-        if (in_class) throw Error(where + ": \\S inside a character class is not supported");
-        out += "[^" + std::string(kWhiteSpace) + "]";
+      if (n == 's' || n == 'S') {
+        out += class_of(unicode::white_space(), n == 'S', in_class);
+      } else if ((n == 'p' || n == 'P') && i + 1 < pattern.size() && pattern[i + 1] == '{' &&
+                 pattern.find('}', i + 2) != std::string_view::npos) {
+        const size_t close = pattern.find('}', i + 2);
+        std::string_view name = pattern.substr(i + 2, close - i - 2);
+        bool negated = n == 'P';
+        if (name.starts_with('^')) {
+          negated = !negated;
+          name.remove_prefix(1);
+        }
+        if (auto set = property_class(name)) {
+          out += property_regex(name, *set, negated, in_class);
+        } else {  // a name ICU does not define: PCRE2 reads it or refuses the pattern
+          out += c;
+          out.append(pattern.substr(i, close + 1 - i));
+        }
+        i = close;
       } else {
         out += c;
         out += n;
@@ -293,7 +401,8 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
   } else if (type == "Digits") {
     bool individual = cfg.value("individual_digits", false);
     steps.push_back(std::make_unique<SplitStep>(
-        "\\p{N}", individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
+        translate_oniguruma("\\p{N}", where),
+        individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
   } else if (type == "ByteLevel") {
     steps.push_back(std::make_unique<ByteLevelStep>(cfg.value("add_prefix_space", false),
                                                     cfg.value("use_regex", true), where));

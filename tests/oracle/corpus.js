@@ -36,6 +36,14 @@ const fragments = {
   space: [' ', '  ', '\n', '\n\n', '\n\n\n\n', '\r\n', '\t', '\t\t  \n', ' \n ', '\u00a0', '\u3000', '\u2028', '\u0085', '\u2003\u2009',
     '      \n', '\n   \n\t'],
   digits: ['0', '7', '42', '123', '1234', '12345678901234567890', '3.14159', '-0.5e-10', '1,000,000', '２０２４年', '٣٤٥', '½ ⅓ ²³', '0x1F', '192.168.1.1'],
+  // Characters assigned in Unicode 15.0: emoji, CJK Extension H, Kawi, Nag Mundari, Kaktovik
+  // numerals, new marks. PCRE2 10.42 carries Unicode 14 and would miss them; Tandem's regexes take
+  // their classes from ICU (15.0). Nothing from 15.1 or later: ICU 72 does not know it. Nothing
+  // with a compatibility decomposition either (U+1E030 ... are NFKC-mapped by ICU 15.0, not by the
+  // older tables of HF's normalizers).
+  unicode15: ['love 🩷', '🩵🩶', 'wow 🫨!', 'a 🪿 b', '🛜 wifi', '🫎🫏🪼🪽', '🪮🪇🪈🫚🫛', '\u{31350}\u{31351}\u{323AF}',
+    ' \u{11F04}\u{11F05}\u{11F34}\u{11F12}', '\u{1E4D0}\u{1E4D1}\u{1E4EC}\u{1E4F0}', '\u{1D2C0}\u{1D2C1}\u{1D2D3}',
+    '\u0C95\u0CF3', '\u0E81\u0ECE', 'x\u{11F43}\u{11B00}y', '\u{1F774}\u{1F7D9}'],
   combining: ['e\u0301', 'a\u0308o\u0308', '\u0041\u030A', 'Å', '\u1100\u1161', 'ﬁ ﬂ', 'Ω Ω', '\u0915\u094D\u0937', 'n\u0303'],
 };
 
@@ -46,8 +54,9 @@ function randomWord(r, len) {
   return w;
 }
 
-// Code points from common blocks only: HF's Oniguruma and our PCRE2 may carry different Unicode
-// versions, and recently assigned characters would test that, not the tokenizer.
+// Code points from long-assigned blocks only: HF's Oniguruma (Unicode 16.0) is newer than the ICU
+// (15.0) whose classes Tandem uses, and characters of 15.1 or later would test that gap, not the
+// tokenizer. The unicode15 fragments cover the characters that are new in 15.0.
 const blocks = [[0x20, 0x7e], [0xa0, 0x24f], [0x370, 0x3ff], [0x400, 0x4ff], [0x590, 0x5ff], [0x600, 0x6ff],
   [0x900, 0x97f], [0xe00, 0xe7f], [0x2000, 0x206f], [0x20a0, 0x20bf], [0x2190, 0x21ff], [0x2200, 0x22ff],
   [0x3000, 0x303f], [0x3040, 0x30ff], [0x4e00, 0x9fa5], [0xac00, 0xd7a3], [0xff00, 0xffef], [0x1f300, 0x1f64f]];
@@ -68,7 +77,8 @@ function makeCorpus(count, specialTokens, seed = 20261129) {
   const out = [];
   // Fixed edge cases first.
   out.push('', ' ', 'a', '\n', 'a'.repeat(5000), ' '.repeat(3000), '\n'.repeat(500), 'ab'.repeat(2000) + '!',
-    randomWord(r, 4000), '9'.repeat(1001), '😀'.repeat(300), '你'.repeat(1000), ' \t'.repeat(800) + 'x');
+    randomWord(r, 4000), '9'.repeat(1001), '😀'.repeat(300), '你'.repeat(1000), ' \t'.repeat(800) + 'x',
+    ...fragments.unicode15);
   for (const t of specialTokens.slice(0, 40)) out.push(t, 'x' + t + 'y', ' ' + t + ' ', t + t, t.slice(0, -1));
   while (out.length < count) {
     const n = 1 + Math.floor(r() * 8);

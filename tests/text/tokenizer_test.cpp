@@ -14,6 +14,7 @@
 #include "api/request.h"
 #include "text/chat_template.h"
 #include "text/oracle_support.h"
+#include "text/unicode_sets.h"
 #include "util/error.h"
 #include "util/fifo.h"
 #include "util/file.h"
@@ -57,6 +58,13 @@ TEST(Tokenizer, LoadsFamiliesWithConfig) {
   EXPECT_FALSE(qwen.bos_id().has_value());
   EXPECT_EQ(qwen.encode("hi", true), qwen.encode("hi", false));
   EXPECT_EQ(qwen.decode(qwen.encode("héllo <|im_end|>", false), true), "héllo ");
+}
+
+// README's tokenizer section states the Unicode version that the pre-tokenizer's \p{..} classes
+// follow, ICU's: an older ICU would bring back the gap it describes without a word.
+TEST(Tokenizer, RegexClassesFollowUnicode15OrNewer) {
+  const std::string version = unicode::icu_unicode_version();
+  EXPECT_GE(std::stod(version), 15.0) << "ICU carries Unicode " << version;
 }
 
 TEST(Tokenizer, TokenBytesConcatenateToDecode) {
