@@ -270,17 +270,22 @@ class SplitStep : public PreTokenizer::Step {
     // Segments alternate between non-matches and matches; `is_match` tells which.
     thread_local Segments segs;
     segs.clear();
+    // Matches are found as the onig crate's find_iter finds them: an empty match is a match (a
+    // delimiter of no text), except one right where the previous match ended, which moves the
+    // search on by a character.
     size_t pos = 0, search = 0, start = 0, end = 0;
+    bool matched = false;
     while (search <= piece.size() && regex_.find(piece, search, start, end)) {
-      if (end == start) {  // empty match: skip one character
-        if (start >= piece.size()) break;
-        size_t len = utf8::valid_sequence_length(piece, start);
-        search = start + (len ? len : 1);
+      if (end == start && matched && end == pos) {
+        if (search >= piece.size()) break;
+        size_t len = utf8::valid_sequence_length(piece, search);
+        search += len ? len : 1;
         continue;
       }
       if (start > pos) segs.emplace_back(piece.substr(pos, start - pos), invert_);
       segs.emplace_back(piece.substr(start, end - start), !invert_);
       pos = search = end;
+      matched = true;
     }
     if (pos < piece.size()) segs.emplace_back(piece.substr(pos), invert_);
     assemble(segs, out);
@@ -325,10 +330,12 @@ class SplitStep : public PreTokenizer::Step {
         break;
       }
       case Behavior::kContiguous: {
+        // Neighbours alike are joined, non-matches too: with invert, adjacent matches become
+        // adjacent non-matches, and HF joins them.
         bool last_match = false;
         for (size_t i = 0; i < segs.size(); ++i) {
           auto& [s, m] = segs[i];
-          if (m && last_match && i > 0) {
+          if (i > 0 && m == last_match) {
             out.back() = join(out.back(), s);
           } else {
             out.push_back(s);

@@ -1,6 +1,7 @@
 // Reference tokenization by the native Hugging Face tokenizers binding.
-// Usage: node tokenizer_oracle.js MODEL_DIR COUNT OUT.json
-// Writes {strings, ids_plain, ids_special, decoded, decoded_skip}. Loads tokenizer.json as the
+// Usage: node tokenizer_oracle.js MODEL_DIR COUNT OUT.json [STRINGS.json]
+// Writes {strings, ids_plain, ids_special, decoded, decoded_skip}: the strings of STRINGS.json (a
+// JSON list, for the cases a variant is about) first, then COUNT strings of the corpus. Loads tokenizer.json as the
 // Rust library does and applies tokenizer_config.json the way transformers does on load.
 'use strict';
 const fs = require('fs');
@@ -32,13 +33,14 @@ function applyConfig(tok, cfg) {
 }
 
 async function main() {
-  const [modelDir, countArg, outPath] = process.argv.slice(2);
+  const [modelDir, countArg, outPath, stringsPath] = process.argv.slice(2);
   const tokJson = JSON.parse(fs.readFileSync(path.join(modelDir, 'tokenizer.json'), 'utf8'));
   const cfgPath = path.join(modelDir, 'tokenizer_config.json');
   const cfg = fs.existsSync(cfgPath) ? JSON.parse(fs.readFileSync(cfgPath, 'utf8')) : {};
   const tokenizer = Tokenizer.fromString(JSON.stringify(applyConfig(tokJson, cfg)));
   const specials = tokJson.added_tokens.map((a) => a.content);
-  const strings = makeCorpus(Number(countArg), specials);
+  const given = stringsPath ? JSON.parse(fs.readFileSync(stringsPath, 'utf8')) : [];
+  const strings = [...given, ...makeCorpus(Number(countArg), specials)];
   const result = { strings, ids_plain: [], ids_special: [], decoded: [], decoded_skip: [] };
   for (const s of strings) {
     const plain = (await tokenizer.encode(s, null, { addSpecialTokens: false })).getIds();

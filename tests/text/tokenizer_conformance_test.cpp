@@ -22,13 +22,17 @@ std::string show(const std::vector<TokenId>& ids) {
   return s + (ids.size() > 40 ? ",...]" : "]");
 }
 
-// Runs the reference on the tokenizer in `model`, then compares ids and decodes string by string.
-void compare_with_reference(const std::string& name, const std::filesystem::path& model,
-                            int count) {
+// Runs the reference on the tokenizer in `model`, then compares ids and decodes string by string:
+// `given` (a JSON list of strings), then `count` strings of the corpus.
+void compare_with_reference(const std::string& name, const std::filesystem::path& model, int count,
+                            const nlohmann::json& given = nlohmann::json::array()) {
   const auto out = test::temp_path("tokenizer-oracle-" + name);
+  const auto strings_file = test::scratch_path("tokenizer-strings-" + name);
+  std::ofstream(strings_file) << given.dump();
   const std::string cmd = "cd " + test::quote(test::oracle_dir()) +
                           " && node tokenizer_oracle.js " + test::quote(model) + " " +
-                          std::to_string(count) + " " + test::quote(out);
+                          std::to_string(count) + " " + test::quote(out) + " " +
+                          test::quote(strings_file);
   ASSERT_EQ(test::run_command(cmd), 0) << "oracle failed: " << cmd;
   nlohmann::json ref;
   {
@@ -39,7 +43,7 @@ void compare_with_reference(const std::string& name, const std::filesystem::path
 
   const Tokenizer tok = Tokenizer::from_dir(model);
   const auto& strings = ref["strings"];
-  ASSERT_GE(strings.size(), static_cast<size_t>(count));
+  ASSERT_GE(strings.size(), given.size() + count);
   size_t mismatches = 0, checked = 0;
   for (size_t i = 0; i < strings.size(); ++i) {
     const auto text = strings[i].get<std::string>();
@@ -83,7 +87,8 @@ INSTANTIATE_TEST_SUITE_P(Families, TokenizerConformance,
 
 // Components the three families do not use (other split behaviours, normalizers, added-token
 // flags) on real vocabularies: tests/data/tokenizer_variants.json patches a family's
-// tokenizer.json, and both sides load the patched file.
+// tokenizer.json, and both sides load the patched file. A variant's "strings" (the cases it is
+// about) come before "count" (default 600) strings of the corpus.
 class TokenizerVariants : public ::testing::TestWithParam<size_t> {};
 
 nlohmann::json variants() {
@@ -113,11 +118,16 @@ TEST_P(TokenizerVariants, MatchesHuggingFaceOnCorpus) {
   const auto dir = test::temp_path("tokenizer-variant-" + name).replace_extension();
   std::filesystem::create_directories(dir);
   std::ofstream(dir / "tokenizer.json") << tok.dump();
-  compare_with_reference(name, dir, 600);
+  compare_with_reference(name, dir, variant.value("count", 600),
+                         variant.value("strings", nlohmann::json::array()));
   std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, TokenizerVariants, ::testing::Range<size_t>(0, 4));
+INSTANTIATE_TEST_SUITE_P(Variants, TokenizerVariants,
+                         ::testing::Range<size_t>(0, variants().size()),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           return variants().at(info.param)["name"].get<std::string>();
+                         });
 
 }  // namespace
 }  // namespace tandem::text
