@@ -26,6 +26,11 @@ std::string class_of(const unicode::Ranges& set, bool negated, bool in_class) {
   return (negated ? "[^" : "[") + unicode::class_items(set) + "]";
 }
 
+const unicode::Ranges& hex_digits() {
+  static const unicode::Ranges ranges = {{'0', '9'}, {'A', 'F'}, {'a', 'f'}};
+  return ranges;
+}
+
 // The code points PCRE2's own \p{NAME} matches (by its built-in Unicode tables), found by
 // matching it against every code point; nullopt when PCRE2 does not know the name.
 std::optional<unicode::Ranges> pcre2_property(std::string_view name) {
@@ -111,17 +116,24 @@ std::string property_regex(std::string_view name, const PropertyClass& p, bool n
 // Rewrites what Oniguruma (Ruby syntax, which tokenizers uses) means differently from PCRE2:
 //  - \p{NAME}, \P{NAME}, \p{^NAME}: written out as ICU's code point ranges, so the Unicode
 //    version is ICU's, not the older one built into PCRE2 (unicode_sets.h);
-//  - \s, \S: Unicode White_Space (PCRE2's misses U+0085).
-std::string translate_oniguruma(std::string_view pattern,
-                                [[maybe_unused]] const std::string& where) {
+//  - \s, \S: Unicode White_Space (PCRE2's misses U+0085);
+//  - \h, \H: a hex digit or not (PCRE2: horizontal white space);
+//  - {,n}: {0,n} (PCRE2 10.42 reads it as literal text);
+//  - a class inside a class ([^(\s|[.,!?])], BLOOM's): a union, whose items join the outer class
+//    (negated inner classes and && intersections are refused).
+// ^ and $ are line anchors in both once the regex is compiled with PCRE2_MULTILINE.
+std::string translate_oniguruma(std::string_view pattern, const std::string& where) {
   std::string out;
   bool in_class = false;
+  int nested = 0;  // classes open inside the outermost one
   for (size_t i = 0; i < pattern.size(); ++i) {
     char c = pattern[i];
     if (c == '\\' && i + 1 < pattern.size()) {
       char n = pattern[++i];
       if (n == 's' || n == 'S') {
         out += class_of(unicode::white_space(), n == 'S', in_class);
+      } else if (n == 'h' || n == 'H') {
+        out += class_of(hex_digits(), n == 'H', in_class);
       } else if ((n == 'p' || n == 'P') && i + 1 < pattern.size() && pattern[i + 1] == '{' &&
                  pattern.find('}', i + 2) != std::string_view::npos) {
         const size_t close = pattern.find('}', i + 2);
@@ -152,7 +164,38 @@ std::string translate_oniguruma(std::string_view pattern,
       if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];
       continue;
     }
-    if (c == ']' && in_class) in_class = false;
+    if (c == '[' && in_class) {
+      if (pattern.substr(i, 2) == "[:") {  // a POSIX bracket such as [:alpha:], PCRE2's too
+        const size_t close = pattern.find(":]", i + 2);
+        if (close != std::string_view::npos) {
+          out.append(pattern.substr(i, close + 2 - i));
+          i = close + 1;
+          continue;
+        }
+      }
+      // Oniguruma nests classes, [a[bc]] being a union: the inner items join the outer class.
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^')
+        throw Error(where + ": a negated character class inside another is not supported");
+      ++nested;
+      continue;
+    }
+    if (c == ']' && in_class) {
+      if (nested > 0) {
+        --nested;
+        continue;
+      }
+      in_class = false;
+    }
+    if (c == '&' && in_class && i + 1 < pattern.size() && pattern[i + 1] == '&')
+      throw Error(where + ": character class intersection (&&) is not supported");
+    if (c == '{' && !in_class && i + 1 < pattern.size() && pattern[i + 1] == ',') {
+      size_t j = i + 2;
+      while (j < pattern.size() && pattern[j] >= '0' && pattern[j] <= '9') ++j;
+      if (j > i + 2 && j < pattern.size() && pattern[j] == '}') {
+        out += "{0";
+        continue;
+      }
+    }
     out += c;
   }
   return out;
@@ -176,8 +219,12 @@ class Regex {
   Regex(const std::string& pattern, const std::string& where) {
     int err = 0;
     PCRE2_SIZE offset = 0;
+    // Oniguruma's ^ and $ are line anchors, and its lines end at \n only.
+    pcre2_compile_context* context = pcre2_compile_context_create(nullptr);
+    pcre2_set_newline(context, PCRE2_NEWLINE_LF);
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
-                          PCRE2_UTF | PCRE2_UCP, &err, &offset, nullptr);
+                          PCRE2_UTF | PCRE2_UCP | PCRE2_MULTILINE, &err, &offset, context);
+    pcre2_compile_context_free(context);
     if (!code_) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof msg);

@@ -173,6 +173,25 @@ TEST(Tokenizer, UnsupportedComponentsAreNamed) {
               HasSubstr("post-processor type 'Whatever' is not supported"));
 }
 
+// Oniguruma regex syntax that PCRE2 cannot express is refused by name, not run with another
+// meaning: a negated class inside a class, and class intersection.
+TEST(Tokenizer, OnigurumaClassOperationsWithoutATranslationAreNamed) {
+  auto split = [](const std::string& regex) {
+    return nlohmann::json{
+        {"type", "Sequence"},
+        {"pretokenizers",
+         {{{"type", "Split"}, {"pattern", {{"Regex", regex}}}, {"behavior", "Isolated"}},
+          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  };
+  EXPECT_THAT(error_with("pre_tokenizer", split("[a[^b]]+")),
+              HasSubstr("pre_tokenizer.pretokenizers[0]: a negated character class inside "
+                        "another is not supported"));
+  EXPECT_THAT(error_with("pre_tokenizer", split("[a-z&&[^aeiou]]+")),
+              HasSubstr("character class intersection (&&) is not supported"));
+  EXPECT_EQ(error_with("pre_tokenizer", split("[a[bc][[:digit:]]]+|\\p{^L}|[\\P{Han}x]")),
+            "(no error)");
+}
+
 TEST(Tokenizer, BadVocabularyIsNamed) {
   auto doc = nlohmann::json::parse(qwen_json());
   doc["model"]["merges"].push_back(nlohmann::json::array({"Ġzzzq", "xyzzy"}));
