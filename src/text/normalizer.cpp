@@ -1,11 +1,12 @@
 #include "text/normalizer.h"
 
 #include <unicode/bytestream.h>
-#include <unicode/locid.h>
 #include <unicode/normalizer2.h>
-#include <unicode/unistr.h>
+#include <unicode/ustring.h>
+#include <unicode/utf16.h>
 
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem::text {
 
@@ -48,13 +49,39 @@ class UnicodeForm : public Normalizer::Step {
   const icu::Normalizer2* norm_ = nullptr;
 };
 
+// Each character's full lowercase mapping on its own, as HF's Lowercase does with Rust's
+// char::to_lowercase: no context, so a final capital sigma becomes σ, not the ς that ICU's
+// string lowercasing writes at the end of a word.
 class Lowercase : public Normalizer::Step {
  public:
   void apply(std::string& text) const override {
-    auto u = icu::UnicodeString::fromUTF8(text);
-    u.toLower(icu::Locale::getRoot());
-    text.clear();
-    u.toUTF8String(text);
+    std::string out;
+    out.reserve(text.size());
+    for (size_t i = 0; i < text.size();) {
+      const auto b = static_cast<unsigned char>(text[i]);
+      const size_t len = b < 0x80 ? 1 : utf8::valid_sequence_length(text, i);
+      if (b < 0x80 || len == 0) {  // the tokenizer checks UTF-8 before normalizing
+        out += b >= 'A' && b <= 'Z' ? static_cast<char>(b + 32) : text[i];
+        ++i;
+        continue;
+      }
+      UChar one[2], lower[8];
+      int32_t n = 0;
+      U16_APPEND_UNSAFE(one, n, static_cast<UChar32>(utf8::decode_at(text, i, len)));
+      UErrorCode ec = U_ZERO_ERROR;
+      const int32_t m = u_strToLower(lower, 8, one, n, "", &ec);
+      if (U_FAILURE(ec)) {
+        out.append(text, i, len);
+      } else {
+        for (int32_t k = 0; k < m;) {
+          UChar32 c;
+          U16_NEXT(lower, k, m, c);
+          utf8::append(out, static_cast<char32_t>(c));
+        }
+      }
+      i += len;
+    }
+    text = std::move(out);
   }
 };
 
