@@ -114,4 +114,83 @@ TEST(ChatTemplateConformance, MatchesPythonJinja2) {
   }
 }
 
+// Renders `source` with `context` in Python's Jinja2, in the environment the oracle builds as
+// transformers does (tests/oracle/render_chat_templates.py, make_environment).
+CommandResult render_with_jinja2(const std::string& name, const std::string& source,
+                                 const ordered_json& context) {
+  const std::string dir = testing::TempDir();
+  const std::string template_path = dir + "/" + name + ".jinja";
+  const std::string context_path = dir + "/" + name + ".json";
+  FILE* f = std::fopen(template_path.c_str(), "w");
+  std::fwrite(source.data(), 1, source.size(), f);
+  std::fclose(f);
+  const std::string json = context.dump();
+  f = std::fopen(context_path.c_str(), "w");
+  std::fwrite(json.data(), 1, json.size(), f);
+  std::fclose(f);
+  const std::string script =
+      "import json, sys; sys.path.insert(0, sys.argv[1]); import render_chat_templates as r; "
+      "t = r.make_environment().from_string(open(sys.argv[2], encoding='utf-8').read()); "
+      "sys.stdout.write(t.render(**json.load(open(sys.argv[3], encoding='utf-8'))))";
+  CommandResult r = run("/usr/bin/python3 -c \"" + script + "\" '" + TANDEM_SOURCE_DIR +
+                        "/tests/oracle' '" + template_path + "' '" + context_path + "'");
+  std::remove(template_path.c_str());
+  std::remove(context_path.c_str());
+  return r;
+}
+
+// gpt-oss's template looks ahead from every assistant message with tool calls through all later
+// messages (`for future_message in loop_messages[loop.index:]`, here in a template of the same
+// shape), so its work grows with the square of the conversation: 1,000 tool-call turns took
+// 11.6M steps and were refused by the fixed 10M-step budget, while Jinja2 renders them in 0.9 s.
+// The budget now grows with the context, and such a loop walks the list it slices.
+TEST(ChatTemplateConformance, ALookAheadOverAThousandToolCallTurnsRendersAsJinja2Does) {
+  const std::string source =
+      "{%- set last = namespace(name=none) %}\n"
+      "{%- for message in messages -%}\n"
+      "  {%- if message.role == 'assistant' and 'tool_calls' in message -%}\n"
+      "    {%- set ahead = namespace(final=false, seen=0) %}\n"
+      "    {%- for later in messages[loop.index:] %}\n"
+      "      {%- if later.role == 'assistant' and 'tool_calls' not in later %}\n"
+      "        {%- set ahead.final = true %}\n"
+      "      {%- endif %}\n"
+      "      {%- if loop.last %}{% set ahead.seen = loop.length %}{% endif %}\n"
+      "    {%- endfor %}\n"
+      "    {%- set call = message.tool_calls[0].function %}\n"
+      "    {{- '<|start|>assistant to=functions.' + call.name + '<|message|>' }}\n"
+      "    {{- call.arguments|tojson }}{{ '<|call|>' if ahead.final else '<|open|>' }}\n"
+      "    {{- ahead.seen }}\n"
+      "    {%- set last.name = call.name %}\n"
+      "  {%- elif message.role == 'tool' -%}\n"
+      "    {{- '<|start|>functions.' + last.name + '<|message|>' + message.content|tojson }}\n"
+      "  {%- else -%}\n"
+      "    {{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}\n"
+      "  {%- endif -%}\n"
+      "{%- endfor -%}\n";
+  ordered_json messages = ordered_json::array();
+  messages.push_back({{"role", "user"}, {"content", "fix the bug"}});
+  for (int i = 0; i < 1000; ++i) {
+    const std::string n = std::to_string(i);
+    ordered_json call = {{"id", "c"}, {"type", "function"}};
+    call["id"].get_ref<std::string&>().append(n);
+    call["function"] = {{"name", "bash"}, {"arguments", {{"cmd", "ls"}, {"n", i}}}};
+    messages.push_back(
+        {{"role", "assistant"}, {"content", ""}, {"tool_calls", ordered_json::array({call})}});
+    messages.push_back({{"role", "tool"}, {"content", "file"}});
+    messages.back()["content"].get_ref<std::string&>().append(n);
+  }
+  messages.push_back({{"role", "assistant"}, {"content", "done"}});
+  const ordered_json context = {{"messages", messages}};
+  const CommandResult oracle = render_with_jinja2("look_ahead", source, context);
+  ASSERT_EQ(oracle.status, 0) << "Jinja2 failed: " << oracle.out;
+  std::string actual;
+  try {
+    actual = ChatTemplate(source).render(context);
+  } catch (const tandem::Error& e) {
+    FAIL() << e.what();
+  }
+  EXPECT_EQ(actual.size(), oracle.out.size());
+  EXPECT_TRUE(actual == oracle.out) << describe_difference(oracle.out, actual);
+}
+
 }  // namespace

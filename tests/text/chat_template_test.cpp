@@ -175,6 +175,12 @@ const Case kCases[] = {
      "{% for x in [1, 2, 3] %}[{{ loop.previtem }}|{{ loop.nextitem }}]{% endfor %}",
      "{}",
      "[|2][1|3][2|]", false},
+    // Loops over a slice of a list, tuple or range walk the list itself (no copy); each kind
+    // of slice, the loop's attributes, a filter and an empty slice behave as before.
+    {"loop_over_slices",
+     "{% for x in xs[1:4] %}{{ loop.index }}{{ loop.length }}{{ loop.previtem }}{{ loop.nextitem }}{{ loop.last }}{{ loop.revindex }}|{% endfor %}{% for x in xs[::2] %}{{ x }}{% endfor %}{% for x in xs[5:] %}{% else %}empty{% endfor %}{% for x in xs[1:4] if x > 1 %}{{ x }}{{ loop.length }}{% endfor %}{% for x in xs[-2:] %}{{ x }}{% endfor %}{% for x in (xs|list)[:2] %}{% for y in xs[loop.index:] %}{{ y }}{% endfor %};{% endfor %}{% for c in \"abc\"[1:] %}{{ c }}{% endfor %}{% for x in range(5)[1:3] %}{{ x }}{% endfor %}",
+     R"({"xs": [0, 1, 2, 3, 4]})",
+     "132False3|2313False2|332True1|024empty2232341234;234;bc12", false},
     {"loop_cycle_depth",
      "{% for x in [1, 2, 3] %}{{ loop.cycle('odd', 'even') }}{{ loop.depth }}{{ loop.depth0 }} {% endfor %}",
      "{}",
@@ -680,6 +686,38 @@ TEST(ChatTemplate, RunawayLoopsStopAtTheStepBudget) {
       "ok\n{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
   EXPECT_EQ(error.rfind("chat template line 2: ", 0), 0u) << error;
   EXPECT_NE(error.find("exceeded 10000000 evaluation steps"), std::string::npos) << error;
+}
+
+// The step budget grows with the context (templates quadratic in the conversation, such as
+// gpt-oss's look-ahead, need more for long conversations) and stops at kMaxRenderSteps, the most
+// any request can make a render cost. A runaway loop meets the budget its context gives.
+TEST(ChatTemplate, TheStepBudgetGrowsWithTheContextUpToItsCap) {
+  using namespace tandem::text::jinja;
+  EXPECT_EQ(render_step_budget(0), 10'000'000);
+  EXPECT_EQ(render_step_budget(39'062), 10'000'000);
+  EXPECT_EQ(render_step_budget(100'000), 25'600'000);
+  EXPECT_EQ(render_step_budget(976'562), 249'999'872);
+  EXPECT_EQ(render_step_budget(976'563), 250'000'000);
+  EXPECT_EQ(render_step_budget(size_t{1} << 40), 250'000'000);
+  EXPECT_EQ(json_size(ordered_json::parse(R"({"ab": ["xyz", 1, null]})")), 8 + 2 + 8 + 11 + 8 + 8);
+
+  ordered_json messages = ordered_json::array();
+  for (int i = 0; i < 1000; ++i)
+    messages.push_back({{"role", "user"}, {"content", std::string(40, 'x')}});
+  const ordered_json context = {{"messages", messages}};
+  const int64_t budget = render_step_budget(json_size(context));
+  ASSERT_GT(budget, 10'000'000);
+  ASSERT_LT(budget, 40'000'000);
+  try {
+    ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+        .render(context);
+    FAIL() << "rendered";
+  } catch (const Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("exceeded " + std::to_string(budget) + " evaluation steps"),
+        std::string::npos)
+        << e.what();
+  }
 }
 
 // A loop printing a large string would otherwise try to build terabytes; the rendered text and

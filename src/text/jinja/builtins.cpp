@@ -1056,7 +1056,7 @@ int64_t loop_index0(const LoopInfo& l) {
   return static_cast<int64_t>(l.index0);
 }
 int64_t loop_length(const LoopInfo& l) {
-  return static_cast<int64_t>(l.items.size());
+  return static_cast<int64_t>(l.length);
 }
 
 const std::unordered_map<std::string_view, Value (*)(const LoopInfo&)> kLoopAttrs = {
@@ -1073,12 +1073,12 @@ const std::unordered_map<std::string_view, Value (*)(const LoopInfo&)> kLoopAttr
     {"depth0", [](const LoopInfo& l) { return Value::integer(l.depth - 1); }},
     {"previtem",
      [](const LoopInfo& l) {
-       return loop_index0(l) > 0 ? l.items[l.index0 - 1]
+       return loop_index0(l) > 0 ? l.item(l.index0 - 1)
                                  : Value::undefined("there is no previous item");
      }},
     {"nextitem",
      [](const LoopInfo& l) {
-       return loop_index0(l) + 1 < loop_length(l) ? l.items[l.index0 + 1]
+       return loop_index0(l) + 1 < loop_length(l) ? l.item(l.index0 + 1)
                                                   : Value::undefined("there is no next item");
      }},
     {"cycle",
@@ -1208,8 +1208,15 @@ Value get_item(const Value& obj, const Value& key) {
   return Value::undefined(object_type_repr(obj) + " has no element " + py_repr(key));
 }
 
-Value get_slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
-  check_defined(obj);
+namespace {
+
+// Python's slice.indices for obj[start:stop:step] over `len` items: the first index, the bound
+// the walk stops at and the stride.
+struct SliceBounds {
+  int64_t begin = 0, end = 0, stride = 1;
+};
+
+SliceBounds slice_bounds(int64_t len, const Value& start, const Value& stop, const Value& step) {
   auto idx = [](const Value& v, bool& given) -> int64_t {
     given = !(v.is_none() || v.is_undefined());
     if (!given) return 0;
@@ -1221,19 +1228,6 @@ Value get_slice(const Value& obj, const Value& start, const Value& stop, const V
   int64_t b = idx(start, has_start), e = idx(stop, has_stop), st = idx(step, has_step);
   if (!has_step) st = 1;
   if (st == 0) type_error("slice step cannot be zero");
-  bool is_str = obj.is_string();
-  std::u32string u;
-  int64_t len = 0;
-  if (is_str) {
-    u = to_u32(obj.s);
-    len = static_cast<int64_t>(u.size());
-  } else if (obj.is_seq(SeqKind::kList) || obj.is_seq(SeqKind::kTuple) ||
-             obj.is_seq(SeqKind::kRange)) {
-    len = static_cast<int64_t>(obj.seq->items.size());
-  } else {
-    // TypeError in Python; the sandbox turns it into an Undefined.
-    return Value::undefined(object_type_repr(obj) + " has no element slice");
-  }
   auto adjust = [&](int64_t v, bool given, bool is_start) {
     if (!given) return is_start ? (st < 0 ? len - 1 : 0) : (st < 0 ? -1 : len);
     if (v < 0) {
@@ -1244,13 +1238,36 @@ Value get_slice(const Value& obj, const Value& start, const Value& stop, const V
     }
     return v;
   };
-  b = adjust(b, has_start, true);
-  e = adjust(e, has_stop, false);
-  std::vector<int64_t> picks;
-  if (st > 0) {
-    for (int64_t i = b; i < e; i += st) picks.push_back(i);
+  return {adjust(b, has_start, true), adjust(e, has_stop, false), st};
+}
+
+bool is_sliceable_sequence(const Value& obj) {
+  return obj.is_seq(SeqKind::kList) || obj.is_seq(SeqKind::kTuple) || obj.is_seq(SeqKind::kRange);
+}
+
+}  // namespace
+
+Value get_slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
+  check_defined(obj);
+  bool is_str = obj.is_string();
+  std::u32string u;
+  int64_t len = 0;
+  if (is_str) {
+    u = to_u32(obj.s);
+    len = static_cast<int64_t>(u.size());
+  } else if (is_sliceable_sequence(obj)) {
+    len = static_cast<int64_t>(obj.seq->items.size());
   } else {
-    for (int64_t i = b; i > e; i += st) picks.push_back(i);
+    slice_bounds(0, start, stop, step);  // bad indices are a TypeError first
+    // TypeError in Python; the sandbox turns it into an Undefined.
+    return Value::undefined(object_type_repr(obj) + " has no element slice");
+  }
+  const SliceBounds bounds = slice_bounds(len, start, stop, step);
+  std::vector<int64_t> picks;
+  if (bounds.stride > 0) {
+    for (int64_t i = bounds.begin; i < bounds.end; i += bounds.stride) picks.push_back(i);
+  } else {
+    for (int64_t i = bounds.begin; i > bounds.end; i += bounds.stride) picks.push_back(i);
   }
   if (is_str) {
     std::u32string out;
@@ -1258,8 +1275,20 @@ Value get_slice(const Value& obj, const Value& start, const Value& stop, const V
     return Value::string(from_u32(out), obj.markup);
   }
   std::vector<Value> out;
+  out.reserve(picks.size());
   for (int64_t i : picks) out.push_back(obj.seq->items[static_cast<size_t>(i)]);
   return Value::list(std::move(out), obj.seq->kind);
+}
+
+bool contiguous_slice(const Value& obj, const Value& start, const Value& stop, const Value& step,
+                      size_t& begin, size_t& count) {
+  if (!is_sliceable_sequence(obj)) return false;
+  const auto len = static_cast<int64_t>(obj.seq->items.size());
+  const SliceBounds bounds = slice_bounds(len, start, stop, step);
+  if (bounds.stride != 1) return false;
+  begin = static_cast<size_t>(bounds.begin);
+  count = bounds.end > bounds.begin ? static_cast<size_t>(bounds.end - bounds.begin) : 0;
+  return true;
 }
 
 // ---- operators ----

@@ -28,6 +28,11 @@ bool apply_test(const std::string& name, const Value& value, CallArgs& args);
 Value get_attr(const Value& obj, const std::string& name);
 Value get_item(const Value& obj, const Value& key);
 Value get_slice(const Value& obj, const Value& start, const Value& stop, const Value& step);
+// Where obj[start:stop:step] takes consecutive items of a list, tuple or range (step 1 or none):
+// true, with the first item's index and the number of items; false for other objects and steps.
+// Bad indices raise as get_slice raises them.
+bool contiguous_slice(const Value& obj, const Value& start, const Value& stop, const Value& step,
+                      size_t& begin, size_t& count);
 
 Value binary_op(const std::string& op, const Value& a, const Value& b);
 Value negate(const Value& v);

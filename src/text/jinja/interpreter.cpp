@@ -63,8 +63,8 @@ class Renderer {
     } catch (const UnsupportedError& e) {
       throw Error("chat template context: " + e.message);
     }
-    // The request itself is not charged: its size has its own limits.
-    RenderBudget budget;
+    // The request itself is not charged: its size has its own limits. It sets the step budget.
+    RenderBudget budget(render_step_budget(json_size(context)));
     std::string out;
     exec_body(body, root, out);
     if (stats) *stats = budget.stats();
@@ -163,31 +163,82 @@ class Renderer {
     return v;
   }
 
-  Flow exec_for(const Stmt& s, const FramePtr& frame, std::string& out) {
-    std::vector<Value> items = py_iterate(eval(*s.expr, frame));
-    if (s.filter) {
-      std::vector<Value> kept;
-      for (auto& item : items) {
-        auto f = child_of(frame);
-        assign(*s.target, item, f);
-        if (truthy(eval(*s.filter, f))) kept.push_back(std::move(item));
-      }
-      items = std::move(kept);
+  // A for loop's iterable. `for x in xs[a:b]` (gpt-oss's template looks ahead so from every
+  // message) walks xs's own items: building the slice would copy them, n^2 / 2 copies for n
+  // messages. For a step-1 slice of a list, tuple or range, returns xs with the slice's first
+  // index and length in `begin` and `count`; otherwise the value, `count` left alone.
+  Value eval_iterable(const Expr& e, const FramePtr& frame, size_t& begin, size_t& count) {
+    if (e.kind != ExprKind::kGetItem || e.children[1]->kind != ExprKind::kSlice)
+      return eval(e, frame);
+    try {
+      step();  // what eval charges for the subscript itself
+      Value obj = eval(*e.children[0], frame);
+      const Expr& key = *e.children[1];
+      auto part = [&](size_t k) {
+        return key.children[k] ? eval(*key.children[k], frame) : Value::none();
+      };
+      Value start = part(0), stop = part(1), stride = part(2);
+      if (contiguous_slice(obj, start, stop, stride, begin, count)) return obj;
+      return get_slice(obj, start, stop, stride);
+    } catch (const RuntimeError& err) {
+      throw Error(line_message(e.line, err.message));
+    } catch (const UnsupportedError& err) {
+      throw Error(line_message(e.line, err.message));
+    } catch (const RaisedError& err) {
+      throw Error(line_message(e.line, err.message));
     }
-    if (items.empty()) return exec_body(s.else_body, frame, out);
+  }
+
+  Flow exec_for(const Stmt& s, const FramePtr& frame, std::string& out) {
+    constexpr size_t kWhole = static_cast<size_t>(-1);
+    size_t begin = 0, count = kWhole;
+    Value iterable = eval_iterable(*s.expr, frame, begin, count);
+    if (count == kWhole && iterable.kind == Kind::kSequence &&
+        iterable.seq->kind != SeqKind::kGenerator) {
+      begin = 0;  // a list, tuple, range or dict view is looped over where it is, not copied
+      count = iterable.seq->items.size();
+    }
+    auto info = std::make_shared<LoopInfo>();
+    if (count != kWhole && !s.filter) {
+      charge_steps(static_cast<int64_t>(count));  // walking the items, as py_iterate charges
+      info->source = std::move(iterable);
+      info->begin = begin;
+      info->length = count;
+    } else {
+      std::vector<Value> items;
+      if (count != kWhole) {
+        charge_steps(static_cast<int64_t>(count));
+        items.assign(iterable.seq->items.begin() + static_cast<std::ptrdiff_t>(begin),
+                     iterable.seq->items.begin() + static_cast<std::ptrdiff_t>(begin + count));
+      } else {
+        items = py_iterate(iterable);
+      }
+      if (s.filter) {
+        std::vector<Value> kept;
+        for (auto& item : items) {
+          auto f = child_of(frame);
+          assign(*s.target, item, f);
+          if (truthy(eval(*s.filter, f))) kept.push_back(std::move(item));
+        }
+        items = std::move(kept);
+      }
+      info->length = items.size();
+      info->source.kind = Kind::kSequence;
+      info->source.seq = std::make_shared<Sequence>();
+      info->source.seq->items = std::move(items);
+    }
+    if (info->length == 0) return exec_body(s.else_body, frame, out);
+    if (const Value* outer = frame->find("loop"); outer && outer->kind == Kind::kLoop) {
+      info->depth = outer->loop->depth;  // non-recursive loops all have depth 1
+    }
     Value loop;
     loop.kind = Kind::kLoop;
-    loop.loop = std::make_shared<LoopInfo>();
-    loop.loop->items = std::move(items);
-    const std::vector<Value>& looped = loop.loop->items;  // never changed while it loops
-    if (const Value* outer = frame->find("loop"); outer && outer->kind == Kind::kLoop) {
-      loop.loop->depth = outer->loop->depth;  // non-recursive loops all have depth 1
-    }
-    for (size_t k = 0; k < looped.size(); ++k) {
+    loop.loop = info;
+    for (size_t k = 0; k < info->length; ++k) {
       step();  // an iteration with an empty body still costs work
-      loop.loop->index0 = k;
+      info->index0 = k;
       auto f = child_of(frame);
-      assign(*s.target, looped[k], f);
+      assign(*s.target, info->item(k), f);
       f->set("loop", loop);
       if (exec_body(s.body, f, out) == Flow::kBreak) break;
     }

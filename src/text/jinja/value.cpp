@@ -19,8 +19,28 @@ namespace {
 thread_local RenderBudget* current_budget = nullptr;
 }  // namespace
 
-RenderBudget::RenderBudget() : outer_(current_budget) {
+RenderBudget::RenderBudget(int64_t max_steps) : max_steps_(max_steps), outer_(current_budget) {
   current_budget = this;
+}
+
+int64_t render_step_budget(size_t context_bytes) {
+  const int64_t scaled =
+      context_bytes > static_cast<size_t>(kMaxRenderSteps / kRenderStepsPerContextByte)
+          ? kMaxRenderSteps
+          : static_cast<int64_t>(context_bytes) * kRenderStepsPerContextByte;
+  return std::clamp(scaled, kBaseRenderSteps, kMaxRenderSteps);
+}
+
+size_t json_size(const nlohmann::ordered_json& j) {
+  size_t n = 8;
+  if (j.is_string()) {
+    n += j.get_ref<const std::string&>().size();
+  } else if (j.is_array()) {
+    for (const auto& e : j) n += json_size(e);
+  } else if (j.is_object()) {
+    for (const auto& [k, v] : j.items()) n += k.size() + json_size(v);
+  }
+  return n;
 }
 
 RenderBudget::~RenderBudget() {
@@ -31,8 +51,8 @@ void charge_steps(int64_t n) {
   RenderBudget* b = current_budget;
   if (!b) return;
   b->stats_.steps += n;
-  if (b->stats_.steps > kMaxRenderSteps)
-    throw RuntimeError{"the template exceeded " + std::to_string(kMaxRenderSteps) +
+  if (b->stats_.steps > b->max_steps_)
+    throw RuntimeError{"the template exceeded " + std::to_string(b->max_steps_) +
                        " evaluation steps (a runaway loop?)"};
 }
 
@@ -344,10 +364,12 @@ Callable::~Callable() {
   });
 }
 
+const Value& LoopInfo::item(size_t k) const {
+  return source.seq->items[begin + k];
+}
+
 LoopInfo::~LoopInfo() {
-  sweep_out([this](Sweep& s) {
-    for (auto& v : items) hand_over(s, v);
-  });
+  sweep_out([this](Sweep& s) { hand_over(s, source); });
 }
 
 const Value* Namespace::find(std::string_view name) const {
@@ -807,7 +829,7 @@ int64_t py_len(const Value& v) {
     case Kind::kDict:
       return static_cast<int64_t>(v.dict->items.size());
     case Kind::kLoop:
-      return static_cast<int64_t>(v.loop->items.size());
+      return static_cast<int64_t>(v.loop->length);
     default:
       break;
   }

@@ -185,10 +185,16 @@ struct Callable {
   ~Callable();
 };
 
+// A for loop walks items [begin, begin + length) of `source`'s sequence: the list, tuple or range
+// it loops over, shared rather than copied (lists never change once built), or the items it took
+// from anything else (a generator, a dict, a string, a loop with a filter).
 struct LoopInfo {
-  std::vector<Value> items;
+  Value source;
+  size_t begin = 0;
+  size_t length = 0;
   size_t index0 = 0;
   int depth = 1;
+  const Value& item(size_t k) const;
   ~LoopInfo();
 };
 
@@ -203,7 +209,25 @@ struct LoopInfo {
 // only grow, so nested loops over range(100000), a list that contains itself many times over or a
 // loop that doubles a string stop at an error long before they would exhaust the time or the memory
 // of the thread that renders.
-inline constexpr int64_t kMaxRenderSteps = 10'000'000;
+//
+// The step budget grows with the context, since some real templates are quadratic in the
+// conversation: gpt-oss's looks ahead from every assistant message with tool calls through the
+// rest (`for future_message in loop_messages[loop.index:]`), ~10.6 n^2 steps for n tool-call
+// turns, 10.6M for 1,000. A render may take kBaseRenderSteps, or kRenderStepsPerContextByte per
+// byte of its context (render_step_budget, json_size) when that is more, never more than
+// kMaxRenderSteps: the most a request can make a render cost, 8-11 s of one thread on this
+// project's machine at the 30-45 ns a step of a loop takes there (work that builds values is
+// bounded by the bytes, which do not grow: 1 GiB). gpt-oss turns take 30 tokens or more, so the
+// ~4,400 that fit its 128K-token context need ~205M steps, within the cap; turns of small
+// messages (~220 bytes of context each) get what they need from the context's size up to ~5,300.
+inline constexpr int64_t kBaseRenderSteps = 10'000'000;
+inline constexpr int64_t kRenderStepsPerContextByte = 256;
+inline constexpr int64_t kMaxRenderSteps = 250'000'000;
+// The steps a render of a context of `context_bytes` may take (json_size below).
+int64_t render_step_budget(size_t context_bytes);
+// The size that budget counts: the bytes of the context's strings and keys, plus 8 per value.
+size_t json_size(const nlohmann::ordered_json& j);
+
 // What one value of a render may grow to: far beyond any real chat template (a long conversation
 // with tool schemas renders a few MB), low enough that a template multiplying or doubling strings
 // and lists meets an error instead of exhausting memory. The rendered text has the same cap.
@@ -220,7 +244,7 @@ struct RenderStats {
 // creates one per render). Without one, charging does nothing.
 class RenderBudget {
  public:
-  RenderBudget();
+  explicit RenderBudget(int64_t max_steps = kBaseRenderSteps);
   ~RenderBudget();
   RenderBudget(const RenderBudget&) = delete;
   RenderBudget& operator=(const RenderBudget&) = delete;
@@ -230,6 +254,7 @@ class RenderBudget {
   friend void charge_steps(int64_t n);
   friend void charge_bytes(int64_t n);
   RenderStats stats_;
+  int64_t max_steps_;
   RenderBudget* outer_;
 };
 
