@@ -22,6 +22,7 @@
 #include "engine/executor/sim_executor.h"
 #include "engine/generate.h"
 #include "engine/generation_api.h"
+#include "engine/kept_reply.h"
 #include "text/oracle_support.h"
 #include "util/metrics.h"
 #include "util/prometheus_oracle.h"
@@ -49,34 +50,7 @@ const text::Tokenizer& tokenizer() {
   return tok;
 }
 
-// A Reply that keeps what the API answered.
-class KeptReply final : public net::Reply {
- public:
-  bool respond(int s, std::string b, std::string) override {
-    status = s;
-    body = std::move(b);
-    done = true;
-    return true;
-  }
-  bool send_error(int s, std::string_view message, std::string_view, std::string_view) override {
-    return respond(s, std::string(message), "text/plain");
-  }
-  bool start_stream(int s, std::string) override {
-    status = s;
-    return true;
-  }
-  bool write(std::string_view chunk) override {
-    body += chunk;
-    return true;
-  }
-  bool end() override { return done = true; }
-  void abort() override { done = true; }
-  void on_close(std::function<void()>) override {}
-
-  int status = 0;
-  std::string body;
-  bool done = false;
-};
+using testing::KeptReply;
 
 // One histogram as the oracle read it.
 struct Histogram {

@@ -20,6 +20,7 @@
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
 #include "engine/generation_api.h"
+#include "engine/kept_reply.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "net/http_client.h"
@@ -770,34 +771,7 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
     EXPECT_TRUE(state.count(h)) << "the newest blocks must still be cached";
 }
 
-// A Reply that keeps what the API answered.
-class KeptReply final : public net::Reply {
- public:
-  bool respond(int s, std::string b, std::string) override {
-    status = s;
-    body = std::move(b);
-    done = true;
-    return true;
-  }
-  bool send_error(int s, std::string_view message, std::string_view, std::string_view) override {
-    return respond(s, std::string(message), "text/plain");
-  }
-  bool start_stream(int s, std::string) override {
-    status = s;
-    return true;
-  }
-  bool write(std::string_view chunk) override {
-    body += chunk;
-    return true;
-  }
-  bool end() override { return done = true; }
-  void abort() override { done = true; }
-  void on_close(std::function<void()>) override {}
-
-  int status = 0;
-  std::string body;
-  bool done = false;
-};
+using testing::KeptReply;
 
 // `created` is when each request came (as OpenAI and vLLM), read from the API's clock as the
 // request is handled, not the time the engine started.
