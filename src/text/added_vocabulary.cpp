@@ -22,13 +22,16 @@ char32_t first_char(std::string_view s) {
   return len ? utf8::decode_at(s, 0, len) : 0xFFFF;
 }
 
-// Rust's char::is_alphanumeric (Alphabetic or Numeric) or '_', as HF's single_word check uses.
+// The regex crate's Unicode \w, which HF's single_word check matches against the characters
+// beside a token (`\w$`, `^\w`): Alphabetic, marks, decimal digits, connector punctuation
+// (not only '_') and the joiners ZWNJ / ZWJ. Other numbers (², ½) are not word characters.
 bool is_word_char(char32_t c) {
   if (c == 0xFFFF) return false;
-  if (c == '_') return true;
-  if (u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_ALPHABETIC)) return true;
-  auto t = u_charType(static_cast<UChar32>(c));
-  return t == U_DECIMAL_DIGIT_NUMBER || t == U_LETTER_NUMBER || t == U_OTHER_NUMBER;
+  const auto cp = static_cast<UChar32>(c);
+  if (u_hasBinaryProperty(cp, UCHAR_ALPHABETIC) || u_hasBinaryProperty(cp, UCHAR_JOIN_CONTROL))
+    return true;
+  const int32_t mask = U_GET_GC_MASK(cp);
+  return (mask & (U_GC_M_MASK | U_GC_ND_MASK | U_GC_PC_MASK)) != 0;
 }
 
 bool is_space(char32_t c) {
