@@ -39,6 +39,12 @@ const Case kCases[] = {
      "  {% if true %}\n  yes\n  {% endif %}\nend",
      "{}",
      "  yes\nend", false},
+    // Jinja2 strips what its `\s` matches (str.isspace), not only spaces and tabs; a zero width
+    // space or other text before the tag keeps the line.
+    {"lstrip_blocks_unicode_white_space",
+     "x\n\u3000{% if true %}y{% endif %}\n\v{% if true %}z{% endif %}\n \t{% if true %}w{% endif %}\n\u00a0\u2028\x1c{# c #}v\n\u3000a{% if true %}b{% endif %}\n\u200b{% if true %}c{% endif %}",
+     "{}",
+     "x\nyzwv\n\u3000ab\u200bc", false},
     {"lstrip_not_for_variables",
      "  {{ 'v' }}\n",
      "{}",

@@ -21,6 +21,16 @@ namespace {
   throw Error(line_message(line, message));
 }
 
+// Whether s holds nothing but characters Python's str.isspace() accepts.
+bool only_white_space(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t len = utf8::valid_sequence_length(s, i);
+    if (len == 0 || !py_isspace(utf8::decode_at(s, i, len))) return false;
+    i += len;
+  }
+  return true;
+}
+
 // Jinja2 splits the source on \r\n, \r and \n, joins with \n and drops one trailing newline
 // (keep_trailing_newline=False).
 std::string normalize_newlines(const std::string& in) {
@@ -243,13 +253,12 @@ class Lexer {
       if (sign == '-') {
         text = rstrip_py(text);
       } else if (sign != '+' && kind != '{') {
-        // lstrip_blocks: drop spaces/tabs between the line start and a block or comment tag.
+        // lstrip_blocks: drop the white space between the line start and a block or comment
+        // tag; Jinja2 tests it with re's \s (str.isspace: U+3000, \v, \x1c ... too).
         size_t l_pos = text.rfind('\n');
         l_pos = l_pos == std::string::npos ? 0 : l_pos + 1;
-        if ((l_pos > 0 || line_starting_) &&
-            text.find_first_not_of(" \t", l_pos) == std::string::npos) {
+        if ((l_pos > 0 || line_starting_) && only_white_space(std::string_view(text).substr(l_pos)))
           text.resize(l_pos);
-        }
       }
       if (!text.empty()) emit(TokenType::kData, text, text_line);
       line_starting_ = false;
