@@ -125,14 +125,18 @@ void AddedTokenMatcher::split(std::string_view text, std::vector<Segment>& out) 
       i = stop;  // matches do not overlap: the search resumes after the rejected one, as in HF
       continue;
     }
-    // Whitespace already emitted as part of an earlier token is not taken again.
+    // As HF's find_matches: the matches are those of one leftmost-longest scan of the text, which
+    // goes on where a match ends whatever its flags take; lstrip takes the white space before it
+    // that no earlier token took, rstrip the white space after it, and the text after a token
+    // starts where the token's span ends. A token found inside white space that the previous
+    // token's rstrip took is emitted too, and the text after it then starts inside that white
+    // space again ("<R>\n\n\ny" with <R> rstrip and "\n\n" a token: <R>, "\n\n", "\ny").
+    i = stop;
     if (tok.lstrip) start = std::max(trailing_space_start(text.substr(0, start)), emitted);
     if (tok.rstrip) stop += leading_space_length(text.substr(stop));
     if (start > emitted) out.push_back({text.substr(emitted, start - emitted), -1});
-    out.push_back({text.substr(start, stop - start), tok.id});
+    out.push_back({text.substr(std::min(start, stop), stop - std::min(start, stop)), tok.id});
     emitted = stop;
-    i = i + tok.content.size();
-    if (i < stop) i = stop;
   }
   if (emitted < text.size()) out.push_back({text.substr(emitted), -1});
 }

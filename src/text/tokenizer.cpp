@@ -321,9 +321,13 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     for (const auto& a : added) {
       if (static_cast<size_t>(a.id) >= impl->id_to_token.size()) impl->id_to_token.resize(a.id + 1);
       impl->id_to_token[a.id] = a.content;
-      if (a.normalized && !impl->normalizer->is_identity()) {
+      // HF matches the tokens that are not normalized first, in the text as it came, then the
+      // normalized ones in the normalized pieces left between, even when normalizing changes
+      // nothing: with `ab<｜` normalized and `<｜end▁of▁sentence｜>` not, "ab<｜end▁of▁sentence｜>"
+      // is "ab" and the special token, not `ab<｜` and the rest.
+      if (a.normalized) {
         AddedToken n = a;
-        n.content = impl->normalizer->apply(a.content);
+        if (!impl->normalizer->is_identity()) n.content = impl->normalizer->apply(a.content);
         normalized.push_back(std::move(n));
       } else {
         raw.push_back(a);
@@ -410,13 +414,15 @@ std::vector<TokenId> Tokenizer::encode(std::string_view text, bool add_special_t
       out.push_back(seg.id);
       continue;
     }
-    if (m.normalizer->is_identity()) {
+    if (m.normalized_matcher.empty() && m.normalizer->is_identity()) {
       m.encode_plain(seg.text, out);
       continue;
     }
-    std::string normalized = m.normalizer->apply(seg.text);
+    std::string normalized;
+    std::string_view text = seg.text;
+    if (!m.normalizer->is_identity()) text = normalized = m.normalizer->apply(seg.text);
     norm_segments.clear();
-    m.normalized_matcher.split(normalized, norm_segments);
+    m.normalized_matcher.split(text, norm_segments);
     for (const auto& n : norm_segments) {
       if (n.id >= 0) {
         out.push_back(n.id);
