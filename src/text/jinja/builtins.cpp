@@ -1431,7 +1431,11 @@ Value binary_op(const std::string& op, const Value& a, const Value& b) {
     double x = a.as_double(), y = b.as_double();
     if (x == 0.0 && y < 0) type_error("0.0 cannot be raised to a negative power");
     if (x < 0 && y != std::floor(y)) unsupported("complex result of **");
-    return Value::floating(std::pow(x, y));
+    const double r = std::pow(x, y);
+    // CPython's float_pow: an infinite result of finite operands is an OverflowError (ERANGE).
+    if (std::isinf(r) && std::isfinite(x) && std::isfinite(y))
+      type_error("(34, 'Numerical result out of range')");
+    return Value::floating(r);
   }
   unsupported("operator '" + op + "'");
 }
@@ -1673,7 +1677,10 @@ const std::unordered_map<std::string_view, Test> kTests = {
     {"number", unary([](const Value& v) { return v.is_number(); })},
     {"string", unary([](const Value& v) { return v.is_string(); })},
     {"mapping", unary(is_mapping)},
-    {"callable", unary([](const Value& v) { return v.kind == Kind::kCallable; })},
+    // Python's callable(): jinja2's Undefined and loop objects have __call__ too.
+    {"callable", unary([](const Value& v) {
+       return v.kind == Kind::kCallable || v.is_undefined() || v.kind == Kind::kLoop;
+     })},
     {"escaped", unary([](const Value& v) { return v.is_string() && v.markup; })},
     {"iterable", unary([](const Value& v) {
        return v.is_undefined() || v.is_string() || v.kind == Kind::kSequence ||
