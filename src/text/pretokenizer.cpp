@@ -32,20 +32,19 @@ const unicode::Ranges& hex_digits() {
 }
 
 // The code points PCRE2's own \p{NAME} matches (by its built-in Unicode tables), found by
-// matching it against every code point; nullopt when PCRE2 does not know the name.
+// matching it against every code point (~10 ms, once per name and process: property_class
+// caches); nullopt when PCRE2 does not know the name.
 std::optional<unicode::Ranges> pcre2_property(std::string_view name) {
-  static const std::string every_code_point = [] {
-    std::string s;
-    for (char32_t c = 0; c <= 0x10FFFF; ++c)
-      if (c < 0xD800 || c > 0xDFFF) utf8::append(s, c);
-    return s;
-  }();
   const std::string pattern = "\\p{" + std::string(name) + "}+";
   int err = 0;
   PCRE2_SIZE offset = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
                                    PCRE2_UTF | PCRE2_UCP, &err, &offset, nullptr);
   if (!code) return std::nullopt;
+  std::string every_code_point;
+  every_code_point.reserve(4 * 0x110000);
+  for (char32_t c = 0; c <= 0x10FFFF; ++c)
+    if (c < 0xD800 || c > 0xDFFF) utf8::append(every_code_point, c);
   const bool jit = pcre2_jit_compile(code, PCRE2_JIT_COMPLETE) == 0;
   pcre2_match_data* data = pcre2_match_data_create(1, nullptr);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(every_code_point.data());
@@ -82,9 +81,11 @@ std::optional<unicode::Ranges> pcre2_property(std::string_view name) {
 // PCRE2 looks a property up in a table, while a class of hundreds of ranges is a search through
 // them for every character. Otherwise ICU's ranges in full.
 struct PropertyClass {
-  unicode::Ranges icu;    // the set to match
-  bool use_own = false;   // \p{NAME} plus `extra` is that set
-  unicode::Ranges extra;  // icu minus PCRE2's \p{NAME}
+  unicode::Ranges icu;       // the set to match
+  bool use_own = false;      // \p{NAME} plus `extra` is that set
+  unicode::Ranges extra;     // icu minus PCRE2's \p{NAME}
+  bool pcre2_knows = false;  // PCRE2 has a \p{NAME} of its own
+  unicode::Ranges differs;   // the code points where PCRE2's \p{NAME} and ICU's set disagree
 };
 
 std::optional<PropertyClass> property_class(std::string_view name) {
@@ -96,9 +97,15 @@ std::optional<PropertyClass> property_class(std::string_view name) {
   if (auto icu = unicode::property(name)) {
     result.emplace();
     result->icu = std::move(*icu);
-    if (auto own = pcre2_property(name); own && unicode::subtract(*own, result->icu).empty()) {
-      result->use_own = true;
-      result->extra = unicode::subtract(result->icu, *own);
+    if (auto own = pcre2_property(name)) {
+      const unicode::Ranges missing = unicode::subtract(result->icu, *own);
+      const unicode::Ranges wrong = unicode::subtract(*own, result->icu);
+      result->pcre2_knows = true;
+      result->differs = unicode::unite(missing, wrong);
+      if (wrong.empty()) {
+        result->use_own = true;
+        result->extra = missing;
+      }
     }
   }
   return cache.emplace(std::string(name), std::move(result)).first->second;
@@ -122,8 +129,26 @@ std::string property_regex(std::string_view name, const PropertyClass& p, bool n
 //  - a class inside a class ([^(\s|[.,!?])], BLOOM's): a union, whose items join the outer class
 //    (negated inner classes and && intersections are refused).
 // ^ and $ are line anchors in both once the regex is compiled with PCRE2_MULTILINE.
-std::string translate_oniguruma(std::string_view pattern, const std::string& where) {
-  std::string out;
+//
+// Property classes cost time even so (~25% more for the regexes on English code), and they
+// matter only for the few characters on which ICU's and PCRE2's Unicode disagree. So a pattern
+// is translated twice: `exact` as above, and `fast` with \p{NAME} left to PCRE2 wherever PCRE2
+// knows the name; `differs` collects those characters, and a text without any of them is split
+// with `fast` (PreTokenizer::split). No `fast` when some name is ICU's only.
+struct Translation {
+  std::string exact;
+  std::optional<std::string> fast;
+  unicode::Ranges differs;
+};
+
+Translation translate_oniguruma(std::string_view pattern, const std::string& where) {
+  Translation t;
+  std::string out, fast;
+  bool has_fast = true;
+  auto emit = [&](const auto& text) {
+    out += text;
+    fast += text;
+  };
   bool in_class = false;
   int nested = 0;  // classes open inside the outermost one
   for (size_t i = 0; i < pattern.size(); ++i) {
@@ -131,9 +156,9 @@ std::string translate_oniguruma(std::string_view pattern, const std::string& whe
     if (c == '\\' && i + 1 < pattern.size()) {
       char n = pattern[++i];
       if (n == 's' || n == 'S') {
-        out += class_of(unicode::white_space(), n == 'S', in_class);
+        emit(class_of(unicode::white_space(), n == 'S', in_class));
       } else if (n == 'h' || n == 'H') {
-        out += class_of(hex_digits(), n == 'H', in_class);
+        emit(class_of(hex_digits(), n == 'H', in_class));
       } else if ((n == 'p' || n == 'P') && i + 1 < pattern.size() && pattern[i + 1] == '{' &&
                  pattern.find('}', i + 2) != std::string_view::npos) {
         const size_t close = pattern.find('}', i + 2);
@@ -143,32 +168,41 @@ std::string translate_oniguruma(std::string_view pattern, const std::string& whe
           negated = !negated;
           name.remove_prefix(1);
         }
+        const std::string_view verbatim = pattern.substr(i - 1, close + 2 - i);
         if (auto set = property_class(name)) {
-          out += property_regex(name, *set, negated, in_class);
+          const std::string exact = property_regex(name, *set, negated, in_class);
+          out += exact;
+          if (set->pcre2_knows) {
+            fast.append(verbatim);
+            t.differs = unicode::unite(t.differs, set->differs);
+          } else {
+            fast += exact;
+            has_fast = false;
+          }
         } else {  // a name ICU does not define: PCRE2 reads it or refuses the pattern
-          out += c;
-          out.append(pattern.substr(i, close + 1 - i));
+          out.append(verbatim);
+          fast.append(verbatim);
         }
         i = close;
       } else {
-        out += c;
-        out += n;
+        emit(c);
+        emit(n);
       }
       continue;
     }
     if (c == '[' && !in_class) {
       in_class = true;
-      out += c;
+      emit(c);
       // A ']' or '^]' right after the opening bracket is a literal, not the end.
-      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
-      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') emit(pattern[++i]);
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') emit(pattern[++i]);
       continue;
     }
     if (c == '[' && in_class) {
       if (pattern.substr(i, 2) == "[:") {  // a POSIX bracket such as [:alpha:], PCRE2's too
         const size_t close = pattern.find(":]", i + 2);
         if (close != std::string_view::npos) {
-          out.append(pattern.substr(i, close + 2 - i));
+          emit(pattern.substr(i, close + 2 - i));
           i = close + 1;
           continue;
         }
@@ -192,13 +226,15 @@ std::string translate_oniguruma(std::string_view pattern, const std::string& whe
       size_t j = i + 2;
       while (j < pattern.size() && pattern[j] >= '0' && pattern[j] <= '9') ++j;
       if (j > i + 2 && j < pattern.size() && pattern[j] == '}') {
-        out += "{0";
+        emit("{0");
         continue;
       }
     }
-    out += c;
+    emit(c);
   }
-  return out;
+  t.exact = std::move(out);
+  if (has_fast && fast != t.exact) t.fast = std::move(fast);
+  return t;
 }
 
 std::string quote_literal(std::string_view s) {
@@ -298,8 +334,10 @@ Behavior parse_behavior(const std::string& name, const std::string& where) {
 
 struct PreTokenizer::Step {
   virtual ~Step() = default;
+  // `exact`: the text holds a character on which PCRE2's Unicode and ICU's disagree, so regexes
+  // must use ICU's classes (Translation).
   virtual void apply(std::string_view piece, std::vector<std::string_view>& out,
-                     std::deque<std::string>& arena) const = 0;
+                     std::deque<std::string>& arena, bool exact) const = 0;
 };
 
 namespace {
@@ -309,11 +347,15 @@ class SplitStep : public PreTokenizer::Step {
   using Segments = std::vector<std::pair<std::string_view, bool>>;
 
  public:
-  SplitStep(const std::string& pattern, Behavior behavior, bool invert, const std::string& where)
-      : regex_(pattern, where), behavior_(behavior), invert_(invert) {}
+  SplitStep(const Translation& pattern, Behavior behavior, bool invert, const std::string& where)
+      : regex_(pattern.exact, where),
+        fast_(pattern.fast ? std::make_unique<Regex>(*pattern.fast, where) : nullptr),
+        behavior_(behavior),
+        invert_(invert) {}
 
-  void apply(std::string_view piece, std::vector<std::string_view>& out,
-             std::deque<std::string>&) const override {
+  void apply(std::string_view piece, std::vector<std::string_view>& out, std::deque<std::string>&,
+             bool exact) const override {
+    const Regex& regex = exact || !fast_ ? regex_ : *fast_;
     // Segments alternate between non-matches and matches; `is_match` tells which.
     thread_local Segments segs;
     segs.clear();
@@ -322,7 +364,7 @@ class SplitStep : public PreTokenizer::Step {
     // search on by a character.
     size_t pos = 0, search = 0, start = 0, end = 0;
     bool matched = false;
-    while (search <= piece.size() && regex_.find(piece, search, start, end)) {
+    while (search <= piece.size() && regex.find(piece, search, start, end)) {
       if (end == start && matched && end == pos) {
         if (search >= piece.size()) break;
         size_t len = utf8::valid_sequence_length(piece, search);
@@ -395,6 +437,7 @@ class SplitStep : public PreTokenizer::Step {
   }
 
   Regex regex_;
+  std::unique_ptr<Regex> fast_;  // PCRE2's own property classes; see Translation
   Behavior behavior_;
   bool invert_;
 };
@@ -403,21 +446,24 @@ class SplitStep : public PreTokenizer::Step {
 // byte mapping itself is implicit, since BPE runs on raw bytes.
 class ByteLevelStep : public PreTokenizer::Step {
  public:
-  ByteLevelStep(bool add_prefix_space, bool use_regex, const std::string& where)
+  ByteLevelStep(bool add_prefix_space, bool use_regex, const std::string& where,
+                unicode::Ranges& differs)
       : add_prefix_space_(add_prefix_space) {
-    if (use_regex)
-      split_ = std::make_unique<SplitStep>(translate_oniguruma(kGpt2Pattern, where),
-                                           Behavior::kIsolated, false, where);
+    if (use_regex) {
+      const Translation pattern = translate_oniguruma(kGpt2Pattern, where);
+      differs = unicode::unite(differs, pattern.differs);
+      split_ = std::make_unique<SplitStep>(pattern, Behavior::kIsolated, false, where);
+    }
   }
   void apply(std::string_view piece, std::vector<std::string_view>& out,
-             std::deque<std::string>& arena) const override {
+             std::deque<std::string>& arena, bool exact) const override {
     if (add_prefix_space_ && !piece.starts_with(' ')) {
       std::string& prefixed = arena.emplace_back(1, ' ');
       prefixed.append(piece);
       piece = prefixed;
     }
     if (split_) {
-      split_->apply(piece, out, arena);
+      split_->apply(piece, out, arena, exact);
     } else {
       out.push_back(piece);
     }
@@ -429,7 +475,8 @@ class ByteLevelStep : public PreTokenizer::Step {
 };
 
 void add_steps(const nlohmann::json& cfg, const std::string& where,
-               std::vector<std::unique_ptr<PreTokenizer::Step>>& steps, bool& saw_byte_level) {
+               std::vector<std::unique_ptr<PreTokenizer::Step>>& steps, bool& saw_byte_level,
+               unicode::Ranges& differs) {
   if (!cfg.is_object() || !cfg.contains("type"))
     throw Error(where + ": expected an object with a 'type'");
   const auto type = cfg["type"].get<std::string>();
@@ -437,29 +484,31 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
   if (type == "Sequence") {
     const auto& list = cfg.at("pretokenizers");
     for (size_t i = 0; i < list.size(); ++i)
-      add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps,
-                saw_byte_level);
+      add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps, saw_byte_level,
+                differs);
   } else if (type == "Split") {
     const auto& pat = cfg.at("pattern");
-    std::string regex;
+    Translation regex;
     if (pat.contains("Regex")) {
       regex = translate_oniguruma(pat["Regex"].get<std::string>(), where);
     } else if (pat.contains("String")) {
-      regex = quote_literal(pat["String"].get<std::string>());
+      regex.exact = quote_literal(pat["String"].get<std::string>());
     } else {
       throw Error(where + ": Split pattern must have 'Regex' or 'String'");
     }
+    differs = unicode::unite(differs, regex.differs);
     steps.push_back(std::make_unique<SplitStep>(
         regex, parse_behavior(cfg.value("behavior", std::string("Isolated")), where),
         cfg.value("invert", false), where));
   } else if (type == "Digits") {
     bool individual = cfg.value("individual_digits", false);
+    const Translation numbers = translate_oniguruma("\\p{N}", where);
+    differs = unicode::unite(differs, numbers.differs);
     steps.push_back(std::make_unique<SplitStep>(
-        translate_oniguruma("\\p{N}", where),
-        individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
+        numbers, individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
   } else if (type == "ByteLevel") {
     steps.push_back(std::make_unique<ByteLevelStep>(cfg.value("add_prefix_space", false),
-                                                    cfg.value("use_regex", true), where));
+                                                    cfg.value("use_regex", true), where, differs));
     saw_byte_level = true;
   } else {
     throw Error(where + ": pre-tokenizer type '" + type + "' is not supported");
@@ -473,7 +522,9 @@ PreTokenizer::PreTokenizer(const nlohmann::json& config, const std::string& orig
   if (config.is_null())
     throw Error(where + ": missing; byte-level BPE needs a ByteLevel pre-tokenizer");
   bool saw_byte_level = false;
-  add_steps(config, where, steps_, saw_byte_level);
+  unicode::Ranges differs;
+  add_steps(config, where, steps_, saw_byte_level, differs);
+  needs_exact_ = unicode::Membership(differs);
   if (!saw_byte_level)
     throw Error(where + ": no ByteLevel step; only byte-level BPE tokenizers are supported");
 }
@@ -484,10 +535,11 @@ void PreTokenizer::split(std::string_view text, std::vector<std::string_view>& p
                          std::deque<std::string>& arena) const {
   thread_local std::vector<std::string_view> current, next;
   current.assign(1, text);
+  const bool exact = needs_exact_.any_in(text);
   for (const auto& step : steps_) {
     next.clear();
     for (auto piece : current)
-      if (!piece.empty()) step->apply(piece, next, arena);
+      if (!piece.empty()) step->apply(piece, next, arena, exact);
     std::swap(current, next);
   }
   for (auto piece : current)

@@ -1,7 +1,8 @@
 #pragma once
 // Pre-tokenizers of tokenizer.json: Sequence, Split (string or regex pattern, all five split
 // behaviours, invert), Digits and ByteLevel. Regexes are Oniguruma syntax in the files; they are
-// translated where PCRE2 differs (\s) and compiled with PCRE2's JIT.
+// translated where PCRE2 differs (\s, \h, {,n}, nested classes, Unicode property classes from
+// ICU; pretokenizer.cpp, translate_oniguruma) and compiled with PCRE2's JIT.
 #include <deque>
 #include <memory>
 #include <string>
@@ -9,6 +10,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "text/unicode_sets.h"
 
 namespace tandem::text {
 
@@ -28,6 +31,9 @@ class PreTokenizer {
 
  private:
   std::vector<std::unique_ptr<Step>> steps_;
+  // The characters on which PCRE2's property classes and ICU's disagree: text with one of them
+  // is split with ICU's classes, other text with PCRE2's (faster; same pieces).
+  unicode::Membership needs_exact_;
 };
 
 }  // namespace tandem::text

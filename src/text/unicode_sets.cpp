@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+
+#include "util/utf8.h"
 
 namespace tandem::text::unicode {
 namespace {
@@ -105,6 +108,61 @@ Ranges subtract(const Ranges& a, const Ranges& b) {
     if (lo <= hi) out.emplace_back(lo, hi);
   }
   return out;
+}
+
+Ranges unite(const Ranges& a, const Ranges& b) {
+  Ranges all(a);
+  all.insert(all.end(), b.begin(), b.end());
+  std::sort(all.begin(), all.end());
+  Ranges out;
+  for (const auto& [lo, hi] : all) {
+    if (!out.empty() && lo <= out.back().second + 1) {
+      out.back().second = std::max(out.back().second, hi);
+    } else {
+      out.emplace_back(lo, hi);
+    }
+  }
+  return out;
+}
+
+Membership::Membership(const Ranges& r) : empty_(r.empty()), bmp_(65536 / 64, 0) {
+  for (auto [lo, hi] : r) {
+    for (char32_t c = lo; c <= hi && c < 0x10000; ++c) bmp_[c >> 6] |= uint64_t{1} << (c & 63);
+    if (hi >= 0x10000) rest_.emplace_back(std::max<char32_t>(lo, 0x10000), hi);
+  }
+}
+
+bool Membership::contains(char32_t c) const {
+  if (empty_) return false;
+  if (c < 0x10000) return (bmp_[c >> 6] >> (c & 63)) & 1;
+  auto it = std::upper_bound(rest_.begin(), rest_.end(), c,
+                             [](char32_t v, const auto& range) { return v < range.first; });
+  return it != rest_.begin() && c <= std::prev(it)->second;
+}
+
+bool Membership::any_in(std::string_view s) const {
+  if (empty_) return false;
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    if (i + 8 <= n) {
+      uint64_t word;
+      std::memcpy(&word, s.data() + i, 8);
+      if ((word & 0x8080808080808080ull) == 0) {
+        i += 8;
+        continue;
+      }
+    }
+    const auto b = static_cast<unsigned char>(s[i]);
+    if (b < 0x80) {
+      ++i;
+      continue;
+    }
+    const size_t len = b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : 2;
+    if (i + len > n) break;
+    if (contains(utf8::decode_at(s, i, len))) return true;
+    i += len;
+  }
+  return false;
 }
 
 std::string class_items(const Ranges& r) {

@@ -3,6 +3,7 @@
 // writes Oniguruma's \p{...} classes out as these ranges, so that regexes match by the Unicode
 // version of ICU rather than the older one compiled into PCRE2 (Debian's PCRE2 10.42 carries
 // Unicode 14; its ICU 72 carries Unicode 15.0, and Hugging Face's Oniguruma at least that).
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -30,6 +31,26 @@ Ranges complement(const Ranges& r);
 
 // The code points of `a` that are not in `b`.
 Ranges subtract(const Ranges& a, const Ranges& b);
+
+// The code points of `a` or `b`.
+Ranges unite(const Ranges& a, const Ranges& b);
+
+// A set of code points to test text against quickly: a bitmap for the BMP, a search for the rest.
+class Membership {
+ public:
+  Membership() = default;
+  explicit Membership(const Ranges& r);
+  bool empty() const { return empty_; }
+  bool contains(char32_t c) const;
+  // Whether any code point of `utf8` (valid UTF-8) is in the set. ASCII text is skipped eight
+  // bytes at a time.
+  bool any_in(std::string_view utf8) const;
+
+ private:
+  bool empty_ = true;
+  std::vector<uint64_t> bmp_;  // 65536 bits
+  Ranges rest_;                // the ranges at U+10000 and above
+};
 
 // The ranges as the inside of a PCRE2 character class ("\x{41}-\x{5A}\x{61}"), without brackets.
 std::string class_items(const Ranges& r);
