@@ -80,17 +80,25 @@ class Renderer {
     return Flow::kNormal;
   }
 
-  Flow exec(const Stmt& s, const FramePtr& frame, std::string& out) {
+  // Runs `f`; a template error it raises becomes an Error naming the template line.
+  template <class F>
+  static auto at_line(int line, F&& f) -> decltype(f()) {
     try {
+      return f();
+    } catch (const RuntimeError& e) {
+      throw Error(line_message(line, e.message));
+    } catch (const UnsupportedError& e) {
+      throw Error(line_message(line, e.message));
+    } catch (const RaisedError& e) {
+      throw Error(line_message(line, e.message));
+    }
+  }
+
+  Flow exec(const Stmt& s, const FramePtr& frame, std::string& out) {
+    return at_line(s.line, [&] {
       step();
       return exec_inner(s, frame, out);
-    } catch (const RuntimeError& e) {
-      throw Error(line_message(s.line, e.message));
-    } catch (const UnsupportedError& e) {
-      throw Error(line_message(s.line, e.message));
-    } catch (const RaisedError& e) {
-      throw Error(line_message(s.line, e.message));
-    }
+    });
   }
 
   static void step() { charge_steps(1); }
@@ -170,7 +178,7 @@ class Renderer {
   Value eval_iterable(const Expr& e, const FramePtr& frame, size_t& begin, size_t& count) {
     if (e.kind != ExprKind::kGetItem || e.children[1]->kind != ExprKind::kSlice)
       return eval(e, frame);
-    try {
+    return at_line(e.line, [&]() -> Value {
       step();  // what eval charges for the subscript itself
       Value obj = eval(*e.children[0], frame);
       const Expr& key = *e.children[1];
@@ -180,13 +188,7 @@ class Renderer {
       Value start = part(0), stop = part(1), stride = part(2);
       if (contiguous_slice(obj, start, stop, stride, begin, count)) return obj;
       return get_slice(obj, start, stop, stride);
-    } catch (const RuntimeError& err) {
-      throw Error(line_message(e.line, err.message));
-    } catch (const UnsupportedError& err) {
-      throw Error(line_message(e.line, err.message));
-    } catch (const RaisedError& err) {
-      throw Error(line_message(e.line, err.message));
-    }
+    });
   }
 
   Flow exec_for(const Stmt& s, const FramePtr& frame, std::string& out) {
@@ -356,16 +358,10 @@ class Renderer {
   }
 
   Value eval(const Expr& e, const FramePtr& frame) {
-    try {
+    return at_line(e.line, [&] {
       step();
       return eval_inner(e, frame);
-    } catch (const RuntimeError& err) {
-      throw Error(line_message(e.line, err.message));
-    } catch (const UnsupportedError& err) {
-      throw Error(line_message(e.line, err.message));
-    } catch (const RaisedError& err) {
-      throw Error(line_message(e.line, err.message));
-    }
+    });
   }
 
   bool compare(const std::string& op, const Value& a, const Value& b) {
