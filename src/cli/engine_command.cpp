@@ -279,11 +279,17 @@ void run(const EngineOptions& o) {
     eos = engine::eos_ids(*tokenizer, model::ModelConfig::load(o.model).eos_token_id);
   } else {
     if (!o.expert_placement.empty()) throw Error("--expert-placement needs --expert-parallel N");
+    if (o.speculative_tokens > 0)
+      if (const std::string why = model::DeepSeekModel::missing_mtp(o.model); !why.empty())
+        throw Error("--speculative-tokens " + std::to_string(o.speculative_tokens) +
+                    ": speculative decoding drafts with the model's MTP module, and " + o.model +
+                    " has none: " + why);
     std::shared_ptr<model::DeepSeekModel> m;
     {
       ProgressBar bar("loading " + o.model, "tensors");
       model::WeightLoadOptions load;
       load.int8_lm_head = o.int8_lm_head;
+      load.mtp = o.speculative_tokens > 0;
       m = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(
           o.model, [&](size_t d, size_t t) { bar.update(d, t); }, load));
     }

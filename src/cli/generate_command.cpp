@@ -59,8 +59,10 @@ void run(GenerateOptions& o) {
   std::unique_ptr<model::DeepSeekModel> model;
   {
     ProgressBar bar("loading " + o.model, "tensors");
-    model = std::make_unique<model::DeepSeekModel>(
-        model::DeepSeekModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
+    model::WeightLoadOptions load;
+    load.mtp = false;  // generate does not speculate
+    model = std::make_unique<model::DeepSeekModel>(model::DeepSeekModel::load(
+        o.model, [&](size_t d, size_t t) { bar.update(d, t); }, load));
   }
   const auto ids = prompt_ids(o, tok);
   auto result = engine::generate(*model, tok, ids, o.sampling, [](std::string_view piece) {

@@ -40,14 +40,23 @@ DeepSeekModel DeepSeekModel::load(const std::filesystem::path& dir,
   Checkpoint checkpoint = Checkpoint::open(dir);
   if (const std::string warning = drop_absent_mtp_layers(checkpoint, config); !warning.empty()) {
     static std::atomic<bool> warned{false};  // once a process (an engine loads a model once)
-    if (!warned.exchange(true))
+    if (options.mtp && !warned.exchange(true))
       std::fprintf(stderr,
                    "tandem: warning: %s. Loading without MTP: speculative decoding "
                    "(--speculative-tokens) is not available\n",
                    warning.c_str());
   }
   Weights weights = Weights::load(std::move(checkpoint), config, progress, options);
+  // Checked with its MTP tensors, run without them: no cache layer or expert counts for them.
+  if (!options.mtp) config.num_nextn_predict_layers = 0;
   return DeepSeekModel(std::move(config), std::move(weights));
+}
+
+std::string DeepSeekModel::missing_mtp(const std::filesystem::path& dir) {
+  ModelConfig config = ModelConfig::load(dir);
+  if (config.num_nextn_predict_layers == 0)
+    return (dir / "config.json").string() + " names no MTP layers (num_nextn_predict_layers)";
+  return drop_absent_mtp_layers(Checkpoint::open(dir), config);
 }
 
 LatentType DeepSeekModel::default_cache_type() const {

@@ -34,10 +34,14 @@ class DeepSeekModel {
   DeepSeekModel(ModelConfig config, Weights weights);
   // DIR's config and weights. A checkpoint without any of the MTP layers its config names loads
   // without MTP (config().num_nextn_predict_layers 0; drop_absent_mtp_layers), warning once on
-  // stderr.
+  // stderr; so does any checkpoint with `options.mtp` false, without the warning.
   static DeepSeekModel load(const std::filesystem::path& dir,
                             const std::function<void(size_t, size_t)>& progress = {},
                             const WeightLoadOptions& options = {});
+
+  // Why DIR has no MTP module to draft with ("" when it has one), from its config and tensor
+  // names alone: checked before a load that needs it.
+  static std::string missing_mtp(const std::filesystem::path& dir);
 
   const ModelConfig& config() const { return config_; }
   const Weights& weights() const { return weights_; }

@@ -136,6 +136,14 @@ Matrix TensorBinder::router(const std::string& name, int64_t experts, int64_t hi
   return m;
 }
 
+void TensorBinder::skip(const std::string& prefix) {
+  const auto& tensors = checkpoint_.tensors();
+  for (auto it = tensors.lower_bound(prefix); it != tensors.end() && it->first.starts_with(prefix);
+       ++it)
+    --total_;
+  if (progress_) progress_(done_, total_);
+}
+
 const TensorInfo& TensorBinder::take(const std::string& name, const std::vector<int64_t>& shape) {
   taken_.insert(name);
   const TensorInfo& t = checkpoint_.get(name, shape);

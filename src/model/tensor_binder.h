@@ -46,6 +46,9 @@ class TensorBinder {
   // A router [experts, hidden] in float32 (its top-k must not flip on rounding; float32 weights
   // also let a prompt's routing logits come from the float32 GEMM).
   kernels::Matrix router(const std::string& name, int64_t experts, int64_t hidden);
+  // Leaves every tensor whose name starts with `prefix` unread (a part of the model this process
+  // does not run); progress then counts up to what is read.
+  void skip(const std::string& prefix);
   // Whether a tensor of the checkpoint was bound (a model checks that every one was).
   bool taken(const std::string& tensor) const { return taken_.count(tensor) > 0; }
   // Where packed copies are carved (matrices a model derives at load are packed here too); the

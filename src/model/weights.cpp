@@ -139,6 +139,10 @@ Weights Weights::load(Checkpoint checkpoint, const ModelConfig& config,
   for (int64_t k = 0; k < config.num_nextn_predict_layers; ++k) {
     const int64_t index = config.num_hidden_layers + k;
     const std::string p = "model.layers." + std::to_string(index);
+    if (!options.mtp) {
+      b.skip(p + ".");
+      continue;
+    }
     MtpWeights m;
     m.embed = b.matrix(p + ".embed_tokens", config.vocab_size, h);
     m.enorm = b.vector(p + ".enorm.weight", h);

@@ -72,6 +72,9 @@ struct WeightLoadOptions {
   // W8A8 checkpoints keep the head in BF16 (its `ignore: ["lm_head"]`); llama.cpp's Q8_0 files
   // quantize it. The head's BF16 rows are released; an embedding tied to it keeps its rows.
   bool int8_lm_head = false;
+  // False: the MTP modules stay in the file (an engine that does not speculate never runs them;
+  // on a DeepSeek-V3 checkpoint they are 11.5 GB). Weights::mtp is then empty.
+  bool mtp = true;
 };
 
 struct Weights {

@@ -39,8 +39,8 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   const auto load_started = std::chrono::steady_clock::now();
   if (o.ranks < 2)
     throw Error("--expert-parallel: needs at least 2 ranks, got " + std::to_string(o.ranks));
-  auto loaded = std::make_shared<model::DeepSeekModel>(
-      model::DeepSeekModel::load(o.model_dir, {}, model::WeightLoadOptions{false}));
+  auto loaded = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(
+      o.model_dir, {}, model::WeightLoadOptions{.routed_experts = false, .mtp = false}));
   loaded->set_mla_rescale(o.mla_rescale);
   model_ = loaded;
   // Each rank loads the same model, all of them at once on the same cores and disks: they get as

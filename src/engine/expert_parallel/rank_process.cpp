@@ -26,8 +26,8 @@ int serve_rank(const RankProcessOptions& o) {
   Header& header = segment.header();
   omp_set_num_threads(std::max(1, o.threads));
   kernels::set_batch_invariant(o.batch_invariant);
-  auto loaded = std::make_shared<model::DeepSeekModel>(
-      model::DeepSeekModel::load(o.model_dir, {}, model::WeightLoadOptions{false}));
+  auto loaded = std::make_shared<model::DeepSeekModel>(model::DeepSeekModel::load(
+      o.model_dir, {}, model::WeightLoadOptions{.routed_experts = false, .mtp = false}));
   loaded->set_mla_rescale(static_cast<kernels::MlaRescale>(o.mla_rescale));
   EpRank rank(segment, o.rank, loaded);
   auto gone = [&] {

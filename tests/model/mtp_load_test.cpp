@@ -1,0 +1,93 @@
+// An engine that does not speculate loads a checkpoint without its MTP modules
+// (WeightLoadOptions::mtp false): the main model is the same, nothing of the MTP layers is held
+// (no packed weights, no cache layer), and missing_mtp() says up front why a checkpoint cannot
+// draft.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <fstream>
+#include <span>
+#include <vector>
+
+#include "model/deepseek.h"
+#include "model/latent_cache.h"
+#include "model/make_model.h"
+#include "model/model_test_support.h"
+#include "model/random_checkpoint.h"
+#include "util/error.h"
+
+namespace tandem::model {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+ModelConfig config() {
+  ModelConfig c = preset_config("tiny-v3");
+  c.vocab_size = 3000;
+  c.bos_token_id = 0;
+  c.eos_token_id = 1;
+  return c;
+}
+
+std::vector<float> logits_of(const DeepSeekModel& model, const std::vector<int32_t>& prompt) {
+  LatentCache cache(model.cache_shape(16), 4);
+  const std::vector<int32_t> table = {0, 1};
+  SequenceStep step{prompt, 0, table, LogitRows::kAll};
+  const auto logits = model.forward(std::span(&step, 1), cache).logits;
+  return {logits.begin(), logits.end()};
+}
+
+TEST(MtpLoad, WithoutMtpTheMainModelIsTheSameAndTheMtpLayersAreNotHeld) {
+  const test::TempDir dir("mtp-load");
+  const ModelConfig c = config();
+  ASSERT_EQ(c.num_nextn_predict_layers, 1);
+  test::write_random_checkpoint(dir.path(), c);
+  const DeepSeekModel full = DeepSeekModel::load(dir.path());
+  WeightLoadOptions options;
+  options.mtp = false;
+  size_t done = 0, total = 0;
+  const DeepSeekModel main_only = DeepSeekModel::load(
+      dir.path(), [&](size_t d, size_t t) { done = d, total = t; }, options);
+
+  ASSERT_EQ(full.weights().mtp.size(), 1u);
+  EXPECT_TRUE(main_only.weights().mtp.empty());
+  EXPECT_EQ(main_only.config().num_nextn_predict_layers, 0);
+  EXPECT_EQ(main_only.cache_shape(16).layers, c.num_hidden_layers);
+  EXPECT_EQ(full.cache_shape(16).layers, c.num_hidden_layers + 1);
+  // The MTP layer's packed matrices (eh_proj, its attention and experts, its head) are not made.
+  EXPECT_LT(main_only.weights().packed_bytes, full.weights().packed_bytes);
+  // The progress bar ends full: the tensors left in the file are not counted.
+  EXPECT_GT(total, 0u);
+  EXPECT_EQ(done, total);
+
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 20; ++i) prompt.push_back(5 + 37 * i);
+  EXPECT_EQ(logits_of(main_only, prompt), logits_of(full, prompt));
+}
+
+TEST(MtpLoad, MissingMtpNamesWhyACheckpointCannotDraft) {
+  const ModelConfig c = config();
+  const test::TempDir with("mtp-present");
+  test::write_random_checkpoint(with.path(), c);
+  EXPECT_EQ(DeepSeekModel::missing_mtp(with.path()), "");
+
+  ModelConfig none = c;
+  none.num_nextn_predict_layers = 0;
+  const test::TempDir without("mtp-none");
+  test::write_random_checkpoint(without.path(), none);
+  EXPECT_THAT(DeepSeekModel::missing_mtp(without.path()),
+              AllOf(HasSubstr((without.path() / "config.json").string()),
+                    HasSubstr("num_nextn_predict_layers")));
+
+  // A derived checkpoint: the config names the MTP layer, its tensors were stripped.
+  const test::TempDir stripped("mtp-stripped");
+  test::write_random_checkpoint(stripped.path(), none);
+  std::ofstream(stripped.path() / "config.json") << c.to_json().dump(2);
+  EXPECT_THAT(DeepSeekModel::missing_mtp(stripped.path()),
+              HasSubstr("no MTP tensors (model.layers.3.*"));
+}
+
+}  // namespace
+}  // namespace tandem::model
