@@ -115,6 +115,31 @@ TEST(Scheduler, OnlyRequestsWithTheSameCacheSaltShareCachedBlocks) {
   EXPECT_EQ(same_salt->num_cached, 8);
 }
 
+// A request that scores its prompt (prompt_logprobs, echo with logprobs) skips the prefix lookup
+// and computes every block, and still caches them under its salt. It cached them unsalted: any
+// request without the salt (another tenant) was then served its KV, and its own tenant missed.
+TEST(Scheduler, ARequestScoringItsPromptCachesItsBlocksUnderItsSalt) {
+  Fixture f(32, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64});
+  const std::vector<int32_t> prompt = iota_tokens(9);
+  Sequence* scoring = f.add(prompt, 1, 0, 7);
+  scoring->request.prompt_logprobs = 0;
+  auto out = f.sched.schedule();
+  StepTokens st = tokens({7});
+  st.prompt_at = 1;
+  for (size_t p = 1; p < prompt.size(); ++p) st.prompt.push_back({prompt[p], 0, {}});
+  for (const auto& u : f.sched.update_from_output(out, std::vector{st}, 0))
+    if (u.output.finished) f.sched.remove(u.seq);
+  f.kv.check_invariants();
+  EXPECT_EQ(f.kv.find_cached_prefix(prompt, 7).num_tokens, 8);
+  EXPECT_EQ(f.kv.find_cached_prefix(prompt).num_tokens, 0);
+  Sequence* no_salt = f.add(prompt, 1);
+  f.step();
+  EXPECT_EQ(no_salt->num_cached, 0);
+  Sequence* same_salt = f.add(prompt, 1, 0, 7);
+  f.step();
+  EXPECT_EQ(same_salt->num_cached, 8);
+}
+
 // update_from_output applies a step's tokens: sequences that sampled get their token appended and
 // one update each (the token, counts, first-token flag, time since their previous token, the
 // finish at max_tokens); a prefill chunk that does not reach the prompt's end gets none.

@@ -46,6 +46,8 @@ struct PrefixHit {
   // Length of the sequence looked up, for the hit-rate statistics; 0: allocate() does not count
   // the lookup (the scheduler's re-admission of a preempted sequence, as vLLM keeps those out).
   int64_t num_query_tokens = 0;
+  // The request's salt, which its blocks are hashed with: a first allocation without a lookup
+  // must carry it too, or its blocks are cached for every tenant.
   std::optional<uint64_t> cache_salt;
 };
 
