@@ -38,8 +38,10 @@ OutputDelta OutputProcessor::push(int32_t id) {
   ++num_tokens_;
   const size_t before = emitted_;
   // Before min_tokens nothing but max_tokens ends the sequence (the sampler does not draw stop
-  // ids then; a forced one counts as text).
+  // ids then; a forced one counts as text). As in vLLM's detokenizer, a stop string must end in
+  // the text of a token after the first min_tokens (it may start in theirs).
   const bool may_stop = num_tokens_ >= min_tokens_;
+  const bool may_stop_on_text = num_tokens_ > min_tokens_;
   if (may_stop && std::binary_search(stop_ids_.begin(), stop_ids_.end(), id)) {
     if (include_stop_) text_ += detok_.push(id);
     text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
@@ -48,7 +50,7 @@ OutputDelta OutputProcessor::push(int32_t id) {
   } else {
     text_ += detok_.push(id);
     size_t hit = std::string::npos, hit_size = 0;
-    if (may_stop)
+    if (may_stop_on_text)
       for (const auto& s : stop_strings_) {
         const size_t at = text_.find(
             s, stop_search_from_ > s.size() - 1 ? stop_search_from_ - (s.size() - 1) : 0);

@@ -76,5 +76,47 @@ TEST(OutputProcessor, SkipSpecialTokensFalseShowsThem) {
   EXPECT_EQ(shown.streamed, shown.text);
 }
 
+// min_tokens as vLLM's detokenizer applies it to stop strings: the text of the first min_tokens
+// tokens is not searched, so a stop string must end in a later token's text (it may start in
+// theirs). The text of token number min_tokens itself was searched here.
+TEST(OutputProcessor, StopStringsAreSearchedOnlyInTextAfterTheFirstMinTokensTokens) {
+  const std::vector<int32_t> ids = tokenizer().encode(" is Lee, and I'm a student here", false);
+  std::vector<std::string> pieces;  // each token's text
+  for (size_t i = 0; i < ids.size(); ++i)
+    pieces.push_back(
+        tokenizer().decode(std::vector<int32_t>(ids.begin() + i, ids.begin() + i + 1), true));
+  auto text_upto = [&](size_t n) {
+    return tokenizer().decode(std::vector<int32_t>(ids.begin(), ids.begin() + n), true);
+  };
+  SamplingParams p;
+  p.max_tokens = 100;
+  p.stop = {"e"};
+  EXPECT_EQ(run(p, ids).text, " is L");  // no min_tokens: the first "e"
+  // The first token after the first min_tokens whose text holds an "e".
+  for (int64_t min_tokens : {1, 2, 3, 5}) {
+    p.min_tokens = min_tokens;
+    size_t k = size_t(min_tokens);
+    while (k < ids.size() && pieces[k].find('e') == std::string::npos) ++k;
+    ASSERT_LT(k, ids.size());
+    const std::string before = text_upto(k);
+    const Outcome r = run(p, ids);
+    EXPECT_EQ(r.text, before + pieces[k].substr(0, pieces[k].find('e'))) << min_tokens;
+    EXPECT_EQ(r.tokens, k + 1) << min_tokens;
+    EXPECT_EQ(r.streamed, r.text) << min_tokens;
+  }
+  // A stop string that starts in the first min_tokens tokens' text and ends after it counts.
+  p = {};
+  p.max_tokens = 100;
+  p.stop = {pieces[1] + pieces[2]};
+  p.min_tokens = 2;
+  const Outcome spanning = run(p, ids);
+  EXPECT_EQ(spanning.finish_reason, "stop");
+  EXPECT_EQ(spanning.text, pieces[0]);
+  EXPECT_EQ(spanning.tokens, 3u);
+  // Ending within them does not.
+  p.min_tokens = 3;
+  EXPECT_NE(run(p, ids).text, pieces[0]);
+}
+
 }  // namespace
 }  // namespace tandem::engine
