@@ -14,7 +14,8 @@ struct GatewayMetrics {
   metrics::Family<metrics::Histogram>& phase_seconds;
   // tpot: each stream's mean time per output token (vllm:request_time_per_output_token_seconds);
   // tpot_gaps: every gap between its token events (vllm:time_per_output_token_seconds, observed
-  // per gap as vLLM and the engine observe it; the same gaps as itl).
+  // per gap as vLLM observes it; the same gaps as itl. The engine's own splits a step's gap over
+  // the tokens an MTP step yields).
   metrics::Histogram &ttft, &tpot, &tpot_gaps, &itl, &e2e, &queue_time;
   metrics::Family<metrics::Histogram>& class_ttft;  // {class}: with priority classes
   metrics::Gauge &running, &waiting;
