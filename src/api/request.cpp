@@ -495,6 +495,19 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   return use;
 }
 
+// stream_options as vLLM reads it: an object (its StreamOptions model), given only with stream
+// true. vLLM tests the object's truth, so an empty one passes without stream.
+void read_stream_options(const json& body, ApiRequest& r) {
+  const json* so = field(body, "stream_options");
+  if (!so) return;
+  if (!so->is_object())
+    fail("stream_options", "'stream_options' must be an object, got " + utf8::clip(so->dump()));
+  if (!so->empty() && !r.stream)
+    fail("stream_options", "Stream options can only be defined when `stream=True`.");
+  r.include_usage = boolean(*so, "include_usage", false);
+  r.continuous_usage = boolean(*so, "continuous_usage_stats", false);
+}
+
 // vLLM's cache_salt: a non-empty string when given.
 std::optional<std::string> cache_salt_of(const json& body) {
   const json* salt = field(body, "cache_salt");
@@ -668,8 +681,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   r.sampling = sampling_from(body, r.echo_only ? 1 : max_tokens, "max_tokens", "min_tokens",
                              limits.vocab_size, &ordered);
   r.stream = boolean(body, "stream", false);
-  if (const json* so = field(body, "stream_options"))
-    r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
+  read_stream_options(body, r);
   if (const json* lp = field(body, "logprobs")) {
     if (!lp->is_number_integer() || lp->get<int64_t>() < 0 || lp->get<int64_t>() > 20)
       fail("logprobs", "'logprobs' must be an integer between 0 and 20");
@@ -763,8 +775,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     r.sampling.structured_output = tools.forced;
   }
   r.stream = boolean(body, "stream", false);
-  if (const json* so = field(body, "stream_options"))
-    r.include_usage = so->is_object() && boolean(*so, "include_usage", false);
+  read_stream_options(body, r);
   // top_logprobs is checked whether or not logprobs is set: as OpenAI and vLLM, alternatives
   // asked for without logprobs are an error, not an answer without them.
   const int64_t top = integer(body, "top_logprobs", 0);

@@ -33,6 +33,9 @@ struct ApiRequest {
   std::vector<std::string> prompt_texts;      // completions with echo: the prompt text per choice
   SamplingParams sampling;
   bool stream = false, include_usage = false;
+  // vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries the
+  // usage so far.
+  bool continuous_usage = false;
   int32_t logprobs = -1;  // -1: none, else the number of top alternatives per token
   // vLLM's prompt_logprobs (-1: none): the prompt tokens' logprobs, with this many alternatives,
   // in the body (a completion choice's, or a chat answer's).

@@ -337,6 +337,24 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
     if (c.tool_parser) read_tool_calls(c, out);
     return chunks;
   }
+  const bool first_chunk = !c.started;
+  stream_chunks(index, c, out, first_lp, chars_before, chunks);
+  // vLLM's continuous_usage_stats: each chunk carries its choice's usage so far (the role chunk
+  // that opens a chat stream none of its tokens yet).
+  if (request_.include_usage && request_.continuous_usage && request_.kind != ApiKind::kGenerate)
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      const bool role = first_chunk && k == 0 && request_.kind == ApiKind::kChat;
+      const int64_t completion = role ? 0 : c.completion_tokens;
+      chunks[k]["usage"] = {{"prompt_tokens", c.prompt_tokens},
+                            {"completion_tokens", completion},
+                            {"total_tokens", c.prompt_tokens + completion}};
+    }
+  return chunks;
+}
+
+void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput& out,
+                                    size_t first_lp, size_t chars_before,
+                                    std::vector<json>& chunks) {
   const json finish = c.finished ? json(c.finish_reason) : json(nullptr);
   switch (request_.kind) {
     case ApiKind::kCompletion: {
@@ -392,7 +410,6 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
       if (choices_.size() > 1) chunks.back()["index"] = index;
       break;
   }
-  return chunks;
 }
 
 // Echo with max_tokens 0: the engine's one token is left out (as vLLM leaves it); the answer is

@@ -85,6 +85,10 @@ class ResponseBuilder {
   std::string chat_finish_reason(const Choice& c) const;
   // Folds the update's tool-call deltas into the choice, and renders them as stream deltas.
   std::vector<nlohmann::json> read_tool_calls(Choice& c, const RequestOutput& out);
+  // on_output's stream chunks for one update of choice `c` (`first_lp`: its first new logprob,
+  // `chars_before`: its characters before the update).
+  void stream_chunks(size_t index, Choice& c, const RequestOutput& out, size_t first_lp,
+                     size_t chars_before, std::vector<nlohmann::json>& chunks);
   // on_output for a completion with echo and max_tokens 0.
   std::vector<nlohmann::json> on_echo_only(size_t index, const RequestOutput& out);
   nlohmann::json usage() const;

@@ -888,6 +888,44 @@ TEST(Protocol, GenerateTakesInputIdsAndSamplingParams) {
             "input_ids");
 }
 
+// stream_options as vLLM validates it: an object (pydantic's StreamOptions), and only with
+// stream true (vLLM's message); an empty object or null passes without stream, as in vLLM.
+TEST(Protocol, StreamOptionsNeedStreamAndAnObject) {
+  for (bool chat : {false, true}) {
+    SCOPED_TRACE(chat ? "chat" : "completion");
+    auto parse = [&](json body) {
+      if (chat)
+        body["messages"] = {{{"role", "user"}, {"content", "hi"}}};
+      else
+        body["prompt"] = "hi";
+      return chat ? parse_chat(body, tokenizer(), &chat_template(), kLimits)
+                  : parse_completion(body, tokenizer(), kLimits);
+    };
+    const ApiError no_stream = error_of([&] {
+      parse({{"stream_options", {{"include_usage", true}}}});
+    });
+    EXPECT_EQ(no_stream.status, 400);
+    EXPECT_EQ(no_stream.param, "stream_options");
+    EXPECT_EQ(no_stream.message, "Stream options can only be defined when `stream=True`.");
+    EXPECT_EQ(error_of([&] {
+                parse({{"stream", false}, {"stream_options", {{"include_usage", false}}}});
+              }).param,
+              "stream_options");
+    for (const json& bad : {json(true), json("yes"), json::array()}) {
+      const ApiError e = error_of([&] { parse({{"stream", true}, {"stream_options", bad}}); });
+      EXPECT_EQ(e.param, "stream_options");
+      EXPECT_EQ(e.status, 400);
+    }
+    EXPECT_FALSE(parse({{"stream_options", json::object()}}).include_usage);
+    EXPECT_FALSE(parse({{"stream_options", nullptr}}).include_usage);
+    const ApiRequest r =
+        parse({{"stream", true},
+               {"stream_options", {{"include_usage", true}, {"continuous_usage_stats", true}}}});
+    EXPECT_TRUE(r.include_usage);
+    EXPECT_TRUE(r.continuous_usage);
+  }
+}
+
 RequestOutput output(std::vector<int32_t> ids, std::string text, bool finished,
                      std::string reason = {}) {
   RequestOutput o;
@@ -933,6 +971,52 @@ TEST(Protocol, ChatStreamChunksAndFinalBody) {
   EXPECT_EQ(body["choices"][0]["message"]["content"], "Hello");
   EXPECT_EQ(body["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(body["usage"]["prompt_tokens"], 4);
+}
+
+// vLLM's continuous_usage_stats: with include_usage, every chunk carries its choice's usage so far
+// (the role chunk none of the answer's tokens); the usage chunk still ends the stream. Without
+// include_usage, no chunk has one.
+TEST(Protocol, ContinuousUsageStatsPutUsageInEveryChunk) {
+  for (ApiKind kind : {ApiKind::kChat, ApiKind::kCompletion}) {
+    for (bool include : {true, false}) {
+      SCOPED_TRACE(std::to_string(int(kind)) + (include ? " include_usage" : ""));
+      ApiRequest req;
+      req.kind = kind;
+      req.model = "m";
+      req.prompts = {{1, 2, 3, 4}};
+      req.prompt_texts = {""};
+      req.stream = true;
+      req.include_usage = include;
+      req.continuous_usage = true;
+      ResponseBuilder b(req, tokenizer(), "id-1", 123);
+      std::vector<json> chunks;
+      int64_t n = 0;
+      for (const char* piece : {"Hel", "lo", " there"}) {
+        RequestOutput o = output({10}, piece, ++n == 3, "stop");
+        o.completion_tokens = n;
+        std::vector<json> got = b.on_output(0, o);
+        for (json& c : got) {
+          if (!include) {
+            EXPECT_FALSE(c.contains("usage"));
+            continue;
+          }
+          ASSERT_TRUE(c.contains("usage")) << c.dump();
+          const bool role =
+              c["choices"][0].contains("delta") && c["choices"][0]["delta"].contains("role");
+          const int64_t completion = role ? 0 : n;
+          EXPECT_EQ(c["usage"], (json{{"prompt_tokens", 4},
+                                      {"completion_tokens", completion},
+                                      {"total_tokens", 4 + completion}}));
+        }
+        chunks.insert(chunks.end(), got.begin(), got.end());
+      }
+      EXPECT_GE(chunks.size(), 3u);
+      ASSERT_EQ(b.usage_chunk().has_value(), include);
+      if (include) {
+        EXPECT_EQ((*b.usage_chunk())["usage"]["completion_tokens"], 3);
+      }
+    }
+  }
 }
 
 TEST(Protocol, CompletionLogprobsAndEcho) {

@@ -419,6 +419,7 @@ void expect_same_events(const std::vector<std::string>& want, const std::vector<
 TEST_F(TokensInTest, TranslatedAnswersAreTheEnginesChatAnswers) {
   for (const bool stream : {false, true}) {
     for (const bool usage : {false, true}) {
+      if (usage && !stream) continue;  // stream_options without stream is a 400 (vLLM's)
       SCOPED_TRACE(std::string(stream ? "stream" : "whole") + (usage ? " with usage" : ""));
       json body = {{"model", kModel},
                    {"messages", {{{"role", "user"}, {"content", "Say hello"}}}},
