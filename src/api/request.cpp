@@ -434,7 +434,8 @@ void check_tools(const json& tools) {
 struct ToolUse {
   ToolCallFormat format = ToolCallFormat::kNone;
   std::optional<structured::OutputSpec> forced;
-  bool named = false;  // tool_choice named one function
+  bool named = false;    // tool_choice named one function
+  bool parallel = true;  // parallel_tool_calls
 };
 
 // Reads tools and tool_choice. When the model's template does not show tools (DeepSeek-V3's), a
@@ -450,14 +451,15 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   if (choice == "none") return {};
   if (!have_tools) fail("tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
   ToolUse use;
-  use.format = tool_call_format_of(tokenizer);
+  use.format = tool_call_format_of(tokenizer, tokenizer.chat_template(/*with_tools=*/true));
   if (use.format == ToolCallFormat::kNone)
     fail("tools",
          "this model's tokenizer has none of the tool-call markups Tandem reads (deepseek_v3, "
-         "hermes): its tool calls could not be parsed");
-  const bool parallel = boolean(body, "parallel_tool_calls", true);
+         "deepseek_v31, hermes): its tool calls could not be parsed");
+  use.parallel = boolean(body, "parallel_tool_calls", true);
   if (choice == "required") {
-    use.forced = forced_tool_calls(use.format, tools_in_order, 1, parallel ? -1 : 1, "tool_choice");
+    use.forced =
+        forced_tool_calls(use.format, tools_in_order, 1, use.parallel ? -1 : 1, "tool_choice");
   } else if (choice.is_object()) {
     const json* f =
         choice.value("type", json()) == "function" ? field(choice, "function") : nullptr;
@@ -720,6 +722,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);
   r.tool_calls = tools.format;
   r.tool_choice_named = tools.named;
+  r.parallel_tool_calls = tools.parallel;
   const bool add_generation_prompt = boolean(body, "add_generation_prompt", true);
   const bool continue_final_message = boolean(body, "continue_final_message", false);
   if (continue_final_message && add_generation_prompt)

@@ -63,6 +63,9 @@ struct ApiRequest {
   // Chat with tools: the markup the answer's tool calls are read from (kNone: the answer is text).
   ToolCallFormat tool_calls = ToolCallFormat::kNone;
   bool tool_choice_named = false;  // tool_choice named a function: the answer is that call
+  // OpenAI's parallel_tool_calls: false keeps the answer's first call alone (vLLM drops the rest,
+  // streamed and whole; "required" also stops the model after one).
+  bool parallel_tool_calls = true;
 
   // The alternatives per prompt token the engine computes (-1: the prompt is not scored): for
   // prompt_logprobs, for a completion's echo with logprobs (its prompt tokens are listed with

@@ -125,6 +125,9 @@ std::vector<json> ResponseBuilder::read_tool_calls(Choice& c, const RequestOutpu
   }
   std::vector<json> rendered;
   for (auto& d : deltas) {
+    // parallel_tool_calls false: the first call alone, as vLLM answers (the model may still
+    // write more when it was not forced).
+    if (d.call > 0 && !request_.parallel_tool_calls) continue;
     if (d.call < 0) {
       c.content += d.content;
       rendered.push_back(chat_content_delta(std::move(d.content)));

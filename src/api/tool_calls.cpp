@@ -14,9 +14,13 @@ using nlohmann::ordered_json;
 // DeepSeek-V3's markup (its chat template writes calls this way, and the model answers so):
 //   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```
 //   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+// DeepSeek-V3.1's (and V3.2-Exp's), the same tokens without the type and the fence:
+//   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>...
+//   <｜tool▁calls▁end｜>
 constexpr std::string_view kCallsBegin = "<｜tool▁calls▁begin｜>";
 constexpr std::string_view kCallsEnd = "<｜tool▁calls▁end｜>";
 constexpr std::string_view kCallBegin = "<｜tool▁call▁begin｜>";
+constexpr std::string_view kCallEnd = "<｜tool▁call▁end｜>";
 constexpr std::string_view kSeparator = "<｜tool▁sep｜>";
 constexpr std::string_view kArgumentsOpen = "\n```json\n";
 constexpr std::string_view kArgumentsClose = "\n```<｜tool▁call▁end｜>";
@@ -34,6 +38,7 @@ struct Markup {
 };
 constexpr Markup kMarkups[] = {
     {ToolCallFormat::kDeepSeekV3, "deepseek_v3", kCallsBegin},
+    {ToolCallFormat::kDeepSeekV31, "deepseek_v31", kCallsBegin},
     {ToolCallFormat::kHermes, "hermes", kHermesOpen},
 };
 
@@ -74,8 +79,57 @@ bool opens_block(std::string_view raw) {
   return starts_with(raw.substr(b), kCallsBegin);
 }
 
-// A hermes call's body: {"name": string, "arguments": object} (arguments may be absent). The
-// arguments keep the model's key order.
+size_t skip_space(std::string_view s, size_t at) {
+  while (at < s.size() && is_space(s[at])) ++at;
+  return at;
+}
+
+// The end of the JSON value that starts at `at` in `s`, which is valid JSON.
+size_t skip_value(std::string_view s, size_t at) {
+  if (s[at] == '"') {
+    for (++at; s[at] != '"'; at += s[at] == '\\' ? 2 : 1) {
+    }
+    return at + 1;
+  }
+  if (s[at] == '{' || s[at] == '[') {
+    int depth = 0;
+    while (true) {
+      const char c = s[at];
+      if (c == '"') {
+        at = skip_value(s, at);
+        continue;
+      }
+      ++at;
+      if (c == '{' || c == '[') ++depth;
+      if ((c == '}' || c == ']') && --depth == 0) return at;
+    }
+  }
+  while (at < s.size() && s[at] != ',' && s[at] != '}' && s[at] != ']' && !is_space(s[at])) ++at;
+  return at;
+}
+
+// The text of member `key` of the JSON object `s` (valid JSON), as written: the last one when
+// the key repeats, as parse_ordered reads it.
+std::string_view member_text(std::string_view s, std::string_view key) {
+  std::string_view found;
+  size_t at = skip_space(s, 0) + 1;  // past '{'
+  while (true) {
+    at = skip_space(s, at);
+    if (s[at] == '}') return found;
+    const size_t key_end = skip_value(s, at);
+    // Keys may be written with escapes: compared as the strings they are.
+    const bool match = json::parse(s.substr(at, key_end - at)).get<std::string>() == key;
+    at = skip_space(s, skip_space(s, key_end) + 1);  // past ':'
+    const size_t value_end = skip_value(s, at);
+    if (match) found = s.substr(at, value_end - at);
+    at = skip_space(s, value_end);
+    if (s[at] == ',') ++at;
+  }
+}
+
+// A hermes call's body: {"name": string, "arguments": object}. As vLLM's hermes parser, a body
+// without arguments is no call (vLLM reads the answer as content). The arguments are the model's
+// text as written: a JSON round trip would lose integers past 64 bits and the model's layout.
 std::optional<ParsedToolCalls::Call> hermes_call(std::string_view body) {
   ordered_json ordered;
   try {
@@ -89,10 +143,9 @@ std::optional<ParsedToolCalls::Call> hermes_call(std::string_view body) {
   ParsedToolCalls::Call call;
   call.name = ordered["name"].get<std::string>();
   if (!ordered.contains("arguments")) {
-    call.arguments = "{}";
+    return std::nullopt;
   } else if (ordered["arguments"].is_object()) {
-    call.arguments =
-        ordered["arguments"].dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+    call.arguments = std::string(member_text(body, "arguments"));
   } else if (ordered["arguments"].is_string()) {  // some fine-tunes write the JSON as a string
     call.arguments = ordered["arguments"].get<std::string>();
   } else {
@@ -108,9 +161,16 @@ std::string_view tool_call_format_name(ToolCallFormat format) {
   return m ? m->name : "none";
 }
 
-ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer) {
-  for (const Markup& m : kMarkups)
-    if (tokenizer.token_to_id(m.open)) return m.format;
+ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer,
+                                   std::string_view chat_template) {
+  if (tokenizer.token_to_id(kCallsBegin)) {
+    // V3's and V3.1's vocabularies are the same; their templates differ in how they write a
+    // call: V3's with the ```json fence after the name, V3.1's with none anywhere.
+    const bool v31 = chat_template.find(kSeparator) != std::string_view::npos &&
+                     chat_template.find("```json") == std::string_view::npos;
+    return v31 ? ToolCallFormat::kDeepSeekV31 : ToolCallFormat::kDeepSeekV3;
+  }
+  if (tokenizer.token_to_id(kHermesOpen)) return ToolCallFormat::kHermes;
   return ToolCallFormat::kNone;
 }
 
@@ -124,6 +184,14 @@ std::string tool_prompt(ToolCallFormat format, const ordered_json& tools) {
              std::string(kCallsEnd) +
              "\nwith one call per function you call, each in its own call markers, where "
              "ARGUMENTS is a JSON object that follows the function's parameters.\n";
+      break;
+    case ToolCallFormat::kDeepSeekV31:
+      out += std::string("To call functions, answer with\n") + std::string(kCallsBegin) +
+             std::string(kCallBegin) + "FUNCTION_NAME" + std::string(kSeparator) + "ARGUMENTS" +
+             std::string(kCallEnd) + std::string(kCallsEnd) +
+             "\nwith one call per function you call, each in its own call markers and nothing "
+             "between them, where ARGUMENTS is a JSON object that follows the function's "
+             "parameters.\n";
       break;
     case ToolCallFormat::kHermes:
       out += std::string("To call a function, answer with\n") + std::string(kHermesOpen) +
@@ -161,6 +229,14 @@ structured::OutputSpec forced_tool_calls(ToolCallFormat format, const ordered_js
                {"between", "\n"},
                {"close", kCallsEnd}};
       break;
+    case ToolCallFormat::kDeepSeekV31:
+      calls = {{"open", kCallsBegin},
+               {"call_prefix", kCallBegin},
+               {"after_name", kSeparator},
+               {"call_suffix", kCallEnd},
+               {"between", ""},
+               {"close", kCallsEnd}};
+      break;
     case ToolCallFormat::kHermes:
       // Names are letters, digits, '_' and '-' (checked with the tools): no JSON escaping.
       calls = {{"open", ""},
@@ -190,15 +266,9 @@ ToolCallParser::ToolCallParser(ToolCallFormat format) : format_(format) {
 }
 
 void ToolCallParser::emit_content(std::vector<ToolCallDelta>& out, std::string text) {
-  // White space next to a call is layout, not content: it is held until other text follows it,
-  // and dropped when a call comes first.
-  if (after_call_) {
-    size_t b = 0;
-    while (b < text.size() && is_space(text[b])) ++b;
-    text.erase(0, b);
-    if (text.empty()) return;
-    after_call_ = false;
-  }
+  // Text is content as written. White space is held until what follows it is known: the white
+  // space that only separates calls (before the first when nothing else came, between them,
+  // after the last) is layout and dropped (step, finish).
   text.insert(0, whitespace_);
   whitespace_.clear();
   size_t e = text.size();
@@ -206,6 +276,12 @@ void ToolCallParser::emit_content(std::vector<ToolCallDelta>& out, std::string t
   whitespace_ = text.substr(e);
   text.resize(e);
   if (text.empty()) return;
+  after_call_ = false;
+  content_started_ = true;
+  emit_content_raw(out, std::move(text));
+}
+
+void ToolCallParser::emit_content_raw(std::vector<ToolCallDelta>& out, std::string text) {
   if (!out.empty() && out.back().call < 0) {
     out.back().content += text;
   } else {
@@ -298,7 +374,13 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
         return false;
       }
       emit_content(out, pending_.substr(0, at));
-      // Kept with the markup in case it is not a call after all.
+      // White space between content and a call stays content (vLLM's content is the text
+      // before the call as written); other white space is kept with the markup in case it is
+      // not a call after all.
+      if (content_started_ && !after_call_ && !whitespace_.empty()) {
+        emit_content_raw(out, std::move(whitespace_));
+        whitespace_.clear();
+      }
       call_raw_ = whitespace_ + std::string(open);
       whitespace_.clear();
       pending_.erase(0, at + open.size());
@@ -316,7 +398,7 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
       if (starts_with(pending_, kCallBegin)) {
         call_raw_ += kCallBegin;
         pending_.erase(0, kCallBegin.size());
-        state_ = State::kCallType;
+        state_ = format_ == ToolCallFormat::kDeepSeekV31 ? State::kCallName : State::kCallType;
         return true;
       }
       if (starts_with(pending_, kCallsEnd)) {
@@ -352,8 +434,11 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
       return true;
     }
     case State::kCallName: {
-      const size_t at = pending_.find(kArgumentsOpen);
-      if (at == std::string::npos ? pending_.size() >= kMaxNameBytes + kArgumentsOpen.size()
+      // V3.1's name ends at the separator, V3's at the arguments' fence.
+      const std::string_view name_end =
+          format_ == ToolCallFormat::kDeepSeekV31 ? kSeparator : kArgumentsOpen;
+      const size_t at = pending_.find(name_end);
+      if (at == std::string::npos ? pending_.size() >= kMaxNameBytes + name_end.size()
                                   : at > kMaxNameBytes) {
         revert(out);
         return true;
@@ -364,7 +449,7 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
         revert(out);
         return true;
       }
-      pending_.erase(0, at + kArgumentsOpen.size());
+      pending_.erase(0, at + name_end.size());
       call_raw_.clear();
       ToolCallDelta d;
       d.call = calls_++;
@@ -374,15 +459,17 @@ bool ToolCallParser::step(std::vector<ToolCallDelta>& out) {
       return true;
     }
     case State::kCallArguments: {
-      const size_t at = pending_.find(kArgumentsClose);
+      const std::string_view close =
+          format_ == ToolCallFormat::kDeepSeekV31 ? kCallEnd : kArgumentsClose;
+      const size_t at = pending_.find(close);
       if (at == std::string::npos) {
-        const size_t keep = held_prefix(pending_, kArgumentsClose);
+        const size_t keep = held_prefix(pending_, close);
         emit_arguments(out, pending_.substr(0, pending_.size() - keep));
         pending_.erase(0, pending_.size() - keep);
         return false;
       }
       emit_arguments(out, pending_.substr(0, at));
-      pending_.erase(0, at + kArgumentsClose.size());
+      pending_.erase(0, at + close.size());
       state_ = State::kBetweenCalls;
       return true;
     }
@@ -431,16 +518,9 @@ std::vector<ToolCallDelta> ToolCallParser::finish() {
       break;
   }
   pending_.clear();
-  // Trailing white space after content is the answer's own.
-  if (!whitespace_.empty()) {
-    ToolCallDelta d;
-    d.content = std::move(whitespace_);
-    if (!out.empty() && out.back().call < 0)
-      out.back().content += d.content;
-    else
-      out.push_back(std::move(d));
-    whitespace_.clear();
-  }
+  // Trailing white space is the answer's own, unless it only follows a call.
+  if (!whitespace_.empty() && !after_call_) emit_content_raw(out, std::move(whitespace_));
+  whitespace_.clear();
   return out;
 }
 

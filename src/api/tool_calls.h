@@ -1,7 +1,8 @@
 #pragma once
 // Tool calls in a model's answer: the markup each model family writes when it calls a function
-// (DeepSeek-V3's special tokens, the "hermes" <tool_call> JSON of Qwen), read back into OpenAI's
-// tool_calls, update by update, as vLLM's --tool-call-parser deepseek_v3 / hermes do. One parser
+// (DeepSeek-V3's and V3.1's special tokens, the "hermes" <tool_call> JSON of Qwen), read back into
+// OpenAI's tool_calls, update by update, as vLLM's --tool-call-parser deepseek_v3 / deepseek_v31 /
+// hermes do. One parser
 // serves streamed and whole answers: a whole answer is the fold of its stream, so both agree.
 #include <cstdint>
 #include <optional>
@@ -16,13 +17,15 @@
 
 namespace tandem::api {
 
-enum class ToolCallFormat { kNone, kDeepSeekV3, kHermes };
+enum class ToolCallFormat { kNone, kDeepSeekV3, kDeepSeekV31, kHermes };
 
 std::string_view tool_call_format_name(ToolCallFormat format);
 
-// The markup a model's tokenizer speaks: the first format whose opening marker is a single token
-// of the vocabulary (models are trained to emit it as one token); kNone when there is none.
-ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer);
+// The markup a model speaks: the format whose opening marker is a single token of the tokenizer's
+// vocabulary (models are trained to emit it as one token), and for DeepSeek's tokens, whose shape
+// of call its chat template writes (V3's or V3.1's); kNone when there is none.
+ToolCallFormat tool_call_format_of(const text::Tokenizer& tokenizer,
+                                   std::string_view chat_template);
 
 // The system-prompt text that describes `tools` (OpenAI's list of {"type":"function",...}) and the
 // markup of `format`, for chat templates that do not render tools themselves (DeepSeek-V3's
@@ -61,6 +64,8 @@ class ToolCallParser {
   // Moves through `pending_`, appending to `out`; returns false when more text is needed.
   bool step(std::vector<ToolCallDelta>& out);
   void emit_content(std::vector<ToolCallDelta>& out, std::string text);
+  // Appends content as it is, white space included.
+  void emit_content_raw(std::vector<ToolCallDelta>& out, std::string text);
   void emit_arguments(std::vector<ToolCallDelta>& out, std::string text);
   void revert(std::vector<ToolCallDelta>& out);
   size_t find_hermes_close();
@@ -68,10 +73,11 @@ class ToolCallParser {
 
   ToolCallFormat format_;
   State state_ = State::kText;
-  std::string pending_;      // text not yet decided
-  std::string call_raw_;     // the markup of the call being read, for a call that is not one
-  std::string whitespace_;   // white space held back: it is dropped when a call follows
-  bool after_call_ = false;  // white space that follows a call is dropped too
+  std::string pending_;           // text not yet decided
+  std::string call_raw_;          // the markup of the call being read, for a call that is not one
+  std::string whitespace_;        // white space held back until what follows it is known
+  bool after_call_ = false;       // no content came since the last call
+  bool content_started_ = false;  // content other than white space came
   int calls_ = 0;
   // A hermes call's scan for its end marker (find_hermes_close), kept across feeds: how far into
   // pending_ it read, whether that is inside a JSON string (and just after its backslash), and

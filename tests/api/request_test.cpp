@@ -641,6 +641,26 @@ TEST(Protocol, ForcedToolChoicesBecomeAGrammarOfTheModelsMarkup) {
   EXPECT_NE(unknown.message.find("\"c\""), std::string::npos);
 }
 
+// parallel_tool_calls is read with any tool_choice: "required" forces one call, "auto" lets the
+// answer keep its first (the response drops the rest, as vLLM's).
+TEST(Protocol, ParallelToolCallsFalseHoldsForEveryToolChoice) {
+  const json tools = {
+      {{"type", "function"}, {"function", {{"name", "a"}, {"parameters", {{"type", "object"}}}}}}};
+  for (const json& choice : {json("auto"), json("required")}) {
+    SCOPED_TRACE(choice.dump());
+    json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                 {"tools", tools},
+                 {"tool_choice", choice}};
+    EXPECT_TRUE(parse_chat(body, tokenizer(), &chat_template(), kLimits).parallel_tool_calls);
+    body["parallel_tool_calls"] = false;
+    const ApiRequest r = parse_chat(body, tokenizer(), &chat_template(), kLimits);
+    EXPECT_FALSE(r.parallel_tool_calls);
+    if (choice == "required") {
+      EXPECT_EQ(json::parse(r.sampling.structured_output->text)["max_calls"], 1);
+    }
+  }
+}
+
 // What vLLM answers 400 to, answered 400 with a message that names the real problem.
 TEST(Protocol, MinTokensBestOfNAndOverflowingIntegersAreValidatedAsVllmDoes) {
   auto bad = [](json body) {

@@ -64,7 +64,7 @@ inline const std::vector<ToolCallRecording> kToolCallRecordings = {
      ToolCallFormat::kHermes,
      "<think>\n\n</think>\n\n<tool_call>\n{\"name\": \"search_products\", \"arguments\": "
      "{\"query\": \"Dell\", \"category\": \"electronics\", \"max_price\": 50}}\n</tool_call>",
-     "<think>\n\n</think>",
+     "<think>\n\n</think>\n\n",  // the text before the call as written (vLLM's content)
      {{"search_products",
        "{\"query\": \"Dell\", \"category\": \"electronics\", \"max_price\": 50}"}}},
     {"qwen3-30b-a3b-instruct-2507 in llama-box (a log)",

