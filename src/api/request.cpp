@@ -373,6 +373,8 @@ void expand_n(ApiRequest& r, int64_t n, const json& body) {
   repeat_each(r.prompt_texts);
 }
 
+}  // namespace
+
 std::string model_name(const json& body, const ModelLimits& limits) {
   const json* m = field(body, "model");
   if (!m) return limits.model_name;
@@ -383,6 +385,8 @@ std::string model_name(const json& body, const ModelLimits& limits) {
                    "NotFoundError"};
   return name;
 }
+
+namespace {
 
 // Reads the disaggregation fields; a decode leg's prompt_token_ids (sent by our prefill engine)
 // replace the prompt, so the decode engine need not template or tokenize again.
@@ -759,6 +763,15 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     fail("messages", e.what());
   }
   if (continue_final_message) rendered = continue_final(std::move(rendered), msgs.back());
+  r.reasoning = limits.reasoning;
+  if (r.reasoning != ReasoningFormat::kNone) {
+    // vLLM's qwen3 parser reads an answer with thinking switched off as content; so does any
+    // whose prompt closed the reasoning already (the template wrote </think> last).
+    const json* kw = field(body, "chat_template_kwargs");
+    const bool thinking_off = r.reasoning == ReasoningFormat::kQwen3 && kw &&
+                              kw->value("enable_thinking", json(true)) == json(false);
+    r.reasoning_all_content = thinking_off || prompt_ends_reasoning(rendered);
+  }
   // The template writes the special tokens it wants; vLLM's add_special_tokens adds the
   // tokenizer's (BOS) on top.
   r.prompts.push_back(encode_keeping_last(tokenizer, rendered,

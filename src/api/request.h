@@ -13,6 +13,7 @@
 
 #include "api/disaggregation.h"
 #include "api/error.h"
+#include "api/reasoning.h"
 #include "api/sampling.h"
 #include "api/tool_calls.h"
 #include "text/chat_template.h"
@@ -66,6 +67,10 @@ struct ApiRequest {
   // OpenAI's parallel_tool_calls: false keeps the answer's first call alone (vLLM drops the rest,
   // streamed and whole; "required" also stops the model after one).
   bool parallel_tool_calls = true;
+  // Chat with the engine's --reasoning-parser: the answer's <think> reasoning is read apart
+  // (kNone: none is), and `reasoning_all_content` when the prompt already ended it.
+  ReasoningFormat reasoning = ReasoningFormat::kNone;
+  bool reasoning_all_content = false;
 
   // The alternatives per prompt token the engine computes (-1: the prompt is not scored): for
   // prompt_logprobs, for a completion's echo with logprobs (its prompt tokens are listed with
@@ -89,7 +94,13 @@ struct ModelLimits {
   // limit).
   int64_t max_tokens_limit = 0;
   int64_t default_max_tokens = 0;
+  // The engine's --reasoning-parser: chat answers' reasoning is read apart in this format.
+  ReasoningFormat reasoning = ReasoningFormat::kNone;
 };
+
+// The body's "model", which must be the served one (a 404 naming it otherwise, as vLLM
+// answers); the served name when the body names none.
+std::string model_name(const nlohmann::json& body, const ModelLimits& limits);
 
 // Each throws ApiError for a malformed or unsupported request, naming the field. `raw_body`, the
 // body's text when the caller has it, keeps the client's key order where it matters (schema

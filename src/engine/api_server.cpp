@@ -114,6 +114,14 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   route("POST", "/v1/completions", generation(api::ApiKind::kCompletion));
   route("POST", "/v1/chat/completions", generation(api::ApiKind::kChat));
   route("POST", "/generate", generation(api::ApiKind::kGenerate));
+  route("POST", "/tokenize",
+        [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+          generation_.tokenize(req, std::make_shared<net::ExchangeReply>(std::move(ex)));
+        });
+  route("POST", "/detokenize",
+        [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+          generation_.detokenize(req, std::make_shared<net::ExchangeReply>(std::move(ex)));
+        });
 }
 
 void ApiServer::route(std::string method, std::string path, net::Handler handler) {

@@ -10,6 +10,7 @@
 #include "api/disaggregation.h"
 #include "api/error.h"
 #include "api/response.h"
+#include "api/tokenize.h"
 #include "net/sse.h"
 #include "util/error.h"
 #include "util/json.h"
@@ -166,6 +167,32 @@ void GenerationApi::release_refused_decode_leg(const json& body) {
   if (!d.remote_prefill) return;
   engine_.release_remote_kv(d.remote_host, static_cast<uint16_t>(d.remote_port), d.remote_engine_id,
                             d.remote_request_id, d.remote_block_ids);
+}
+
+void GenerationApi::tokenize(const net::HttpRequest& req, std::shared_ptr<net::Reply> ex) {
+  try {
+    const json answer =
+        api::tokenize_answer(parse_untrusted_json(req.body), engine_.tokenizer(),
+                             chat_template_ ? &*chat_template_ : nullptr, engine_.request_limits());
+    ex->respond(200, answer.dump(), "application/json");
+  } catch (const ApiError& e) {
+    ex->respond(e.status, api::api_error_body(e), "application/json");
+  } catch (const Error& e) {
+    ex->send_error(400, e.what());
+  }
+}
+
+void GenerationApi::detokenize(const net::HttpRequest& req, std::shared_ptr<net::Reply> ex) {
+  try {
+    const json answer = api::detokenize_answer(parse_untrusted_json(req.body), engine_.tokenizer(),
+                                               engine_.request_limits());
+    ex->respond(200, answer.dump(-1, ' ', false, json::error_handler_t::replace),
+                "application/json");
+  } catch (const ApiError& e) {
+    ex->respond(e.status, api::api_error_body(e), "application/json");
+  } catch (const Error& e) {
+    ex->send_error(400, e.what());
+  }
 }
 
 void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,

@@ -1,6 +1,7 @@
 #pragma once
 // The engine's generation routes (OpenAI /v1/completions and /v1/chat/completions, streaming and
-// not, and SGLang's tokens-in /generate) over any net::Reply: the request body parsed and
+// not, and SGLang's tokens-in /generate; vLLM's /tokenize and /detokenize beside them) over any
+// net::Reply: the request body parsed and
 // checked, its choices submitted to the Engine as engine requests (with the P/D leg its
 // disaggregation fields and the engine's role make of it), and the engine's outputs rendered
 // into response bodies or SSE chunks. The HTTP server (api_server.h) serves it over sockets; the
@@ -37,6 +38,10 @@ class GenerationApi {
   // response as the engine produces it. A reply that closes early aborts its engine requests.
   void handle(api::ApiKind kind, const net::HttpRequest& request,
               std::shared_ptr<net::Reply> reply);
+  // vLLM's /tokenize (the ids a generation request with this prompt or chat runs on, rendered by
+  // the same parser and template) and /detokenize (api/tokenize.h), answered at once.
+  void tokenize(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply);
+  void detokenize(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply);
 
  private:
   void release_refused_decode_leg(const nlohmann::json& body);

@@ -57,7 +57,7 @@ void Dashboard::relay_expert_load(std::shared_ptr<net::Exchange> ex, const std::
   u.port = e->config.port;
   u.target = "/expert_load";
   u.timeout = topo_.timeouts.connect;
-  relay_engine_get(upstream_, std::move(u), e->config.name, std::move(ex));
+  relay_engine_call(upstream_, std::move(u), e->config.name, std::move(ex));
 }
 
 }  // namespace tandem::gateway

@@ -8,6 +8,11 @@ namespace tandem::gateway {
 Upstream::CallId get_whole_answer(Upstream& upstream, net::AsyncHttpRequest request,
                                   size_t max_body, std::function<void(EngineAnswer)> done) {
   request.method = "GET";
+  return whole_answer(upstream, std::move(request), max_body, std::move(done));
+}
+
+Upstream::CallId whole_answer(Upstream& upstream, net::AsyncHttpRequest request, size_t max_body,
+                              std::function<void(EngineAnswer)> done) {
   auto answer = std::make_shared<EngineAnswer>();
   net::AsyncHttpHandlers h;
   h.on_head = [answer](int status, const net::Headers&) { answer->status = status; };

@@ -1,6 +1,7 @@
 #pragma once
-// A GET to an engine whose whole answer the gateway reads (a load report, a model list, what it
-// relays to a client): collected up to a size, then handed over at once.
+// A call to an engine whose whole answer the gateway reads (a load report, a model list, what it
+// relays to a client: a GET, or a POST such as /tokenize): collected up to a size, then handed
+// over at once.
 #include <cstddef>
 #include <functional>
 #include <string>
@@ -15,8 +16,11 @@ struct EngineAnswer {
   std::string body;
 };
 
-// Starts `request` (its method is set to GET); `done` gets the answer once, on the thread that
-// ends the call. A body past `max_body` bytes ends the call with an error.
+// Starts `request` (its method and body as given); `done` gets the answer once, on the thread
+// that ends the call. A body past `max_body` bytes ends the call with an error.
+Upstream::CallId whole_answer(Upstream& upstream, net::AsyncHttpRequest request, size_t max_body,
+                              std::function<void(EngineAnswer)> done);
+// The same for a GET (the request's method is set to it).
 Upstream::CallId get_whole_answer(Upstream& upstream, net::AsyncHttpRequest request,
                                   size_t max_body, std::function<void(EngineAnswer)> done);
 

@@ -89,10 +89,25 @@ void FrontEnd::add_routes(net::HttpServer& server) {
                                              endpoints_.max_model_len()}));
       return;
     }
-    net::Headers headers;  // only what identifies the caller: no hop-by-hop fields
-    if (const auto* a = req.headers.find("Authorization")) headers.set("Authorization", *a);
-    exec_.post([this, ex, headers] { relay_models(ex, headers); });
+    net::AsyncHttpRequest u;
+    u.target = "/v1/models";
+    u.timeout = topo_.timeouts.connect;
+    relay_to_an_engine(req, std::move(ex), std::move(u));
   });
+  // vLLM's /tokenize and /detokenize: an engine answers them with its own tokenizer and template,
+  // the ones its generation requests run on.
+  for (const char* path : {"/tokenize", "/detokenize"})
+    server.route("POST", path, [this, path](const net::HttpRequest& req, auto ex) {
+      if (!api_key_accepted(topo_, req, *ex)) return;
+      net::AsyncHttpRequest u;
+      u.method = "POST";
+      u.target = path;
+      u.body = req.body;
+      u.headers.set("Content-Type", "application/json");
+      u.connect_timeout = topo_.timeouts.connect;
+      u.timeout = topo_.timeouts.prefill;  // a long chat is rendered and tokenized
+      relay_to_an_engine(req, std::move(ex), std::move(u));
+    });
   auto generation = [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
     receive(req, std::move(ex));
   };
@@ -300,19 +315,20 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
 }
 
 // Scheduling thread: GET /v1/models of an engine the policy picks.
-void FrontEnd::relay_models(std::shared_ptr<net::Exchange> ex, net::Headers headers) {
-  const EndpointState* e = dispatcher_.models_endpoint();
-  if (!e) {
-    ex->send_error(503, "no healthy engine", "server_error");
-    return;
-  }
-  net::AsyncHttpRequest u;
-  u.host = e->config.host;
-  u.port = e->config.port;
-  u.target = "/v1/models";
-  u.headers = std::move(headers);
-  u.timeout = topo_.timeouts.connect;
-  relay_engine_get(upstream_, std::move(u), e->config.name, std::move(ex));
+void FrontEnd::relay_to_an_engine(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex,
+                                  net::AsyncHttpRequest call) {
+  // Only what identifies the caller: no hop-by-hop fields.
+  if (const auto* a = req.headers.find("Authorization")) call.headers.set("Authorization", *a);
+  exec_.post([this, ex = std::move(ex), call = std::move(call)]() mutable {
+    const EndpointState* e = dispatcher_.models_endpoint();
+    if (!e) {
+      ex->send_error(503, "no healthy engine", "server_error");
+      return;
+    }
+    call.host = e->config.host;
+    call.port = e->config.port;
+    relay_engine_call(upstream_, std::move(call), e->config.name, std::move(ex));
+  });
 }
 
 }  // namespace tandem::gateway

@@ -55,7 +55,10 @@ class FrontEnd {
   // merged (choice_fan_out.h); false when it is not one, for prepare() to answer as any.
   bool receive_choices(const net::HttpRequest& req, const std::shared_ptr<ClientReply>& reply);
   RequestPtr new_request(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) const;
-  void relay_models(std::shared_ptr<net::Exchange> ex, net::Headers headers);
+  // `call` (method, target, body, timeouts) to a healthy engine (Dispatcher::models_endpoint),
+  // with the client's Authorization, its answer relayed to `ex`; 503 when there is none.
+  void relay_to_an_engine(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex,
+                          net::AsyncHttpRequest call);
 
   const Topology& topo_;
   Executor& exec_;

@@ -27,13 +27,13 @@ class HttpUpstream final : public Upstream {
   const std::string engine_api_key_;
 };
 
-// One GET to engine `engine_name` (`request`: host, port, target, headers, timeout) answered to
-// `ex` as the engine answered it (up to 16 MiB of body), or 502 when the call failed or the
-// engine's status is outside 200..599. An error status with a body that is no OpenAI error is
-// answered with the gateway's own, quoting it (read_engine_error), as a request's error answer
-// is. Any thread.
-void relay_engine_get(Upstream& upstream, net::AsyncHttpRequest request,
-                      const std::string& engine_name, std::shared_ptr<net::Exchange> ex);
+// One call to engine `engine_name` (`request`: method, host, port, target, headers, body,
+// timeout) answered to `ex` as the engine answered it (up to 16 MiB of body), or 502 when the
+// call failed or the engine's status is outside 200..599. An error status with a body that is no
+// OpenAI error is answered with the gateway's own, quoting it (read_engine_error), as a request's
+// error answer is. Any thread.
+void relay_engine_call(Upstream& upstream, net::AsyncHttpRequest request,
+                       const std::string& engine_name, std::shared_ptr<net::Exchange> ex);
 
 // The scheduling on the server's first io thread (net/loop_tasks.h): with one io thread the
 // gateway then serves a request on that one thread, without waking a scheduling thread twice per

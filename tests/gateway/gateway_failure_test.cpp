@@ -927,7 +927,7 @@ class RelayEngineGet : public ::testing::Test {
  protected:
   RelayEngineGet() : server_(options()) {
     server_.route("GET", "/v1/models", [this](const net::HttpRequest&, auto ex) {
-      relay_engine_get(engine_, {}, "a", std::move(ex));
+      relay_engine_call(engine_, {}, "a", std::move(ex));
     });
     server_.start();
   }

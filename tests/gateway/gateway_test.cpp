@@ -339,6 +339,49 @@ TEST_F(GatewayStack, AChatWithoutMaxTokensGetsTheRoomTheEnginesLeave) {
   EXPECT_EQ(serve.stop(), 0);
 }
 
+// vLLM's /tokenize and /detokenize, which clients call to fit a prompt to the context: the
+// gateway relays them to an engine, whose tokenizer and template its generation requests run on
+// (a chat's count is the prompt_tokens its completion reports), errors included.
+TEST_F(GatewayStack, TokenizeAndDetokenizeAreAnEnginesAnswersThroughTheGateway) {
+  EngineProcess serve({TANDEM_BINARY, "serve", "--model", dir_->string(), "--host", "127.0.0.1",
+                       "--port", "0", "--mode", "sequential", "--engine-arg=--num-kv-blocks",
+                       "--engine-arg=64", "--engine-arg=--served-model-name", "--engine-arg=tiny"});
+  read_serve_engines(serve, 2);
+  // One engine as serve starts its own (theirs take an API key only serve knows).
+  EngineProcess single({TANDEM_BINARY, "engine", "--model", dir_->string(), "--served-model-name",
+                        "tiny", "--host", "127.0.0.1", "--port", "0", "--num-kv-blocks", "64"});
+  const json chat = {{"model", "tiny"},
+                     {"messages", {{{"role", "user"}, {"content", "What is 2+2?"}}}}};
+  const auto counted = post_json(serve.port(), "/tokenize", chat);
+  ASSERT_EQ(counted.status, 200) << counted.body;
+  EXPECT_EQ(counted.body, post_json(single.port(), "/tokenize", chat).body);
+  const json c = json::parse(counted.body);
+  EXPECT_EQ(c["count"], c["tokens"].size());
+  EXPECT_EQ(c["max_model_len"],
+            testing::get_json(single.port(), "/v1/models")["data"][0]["max_model_len"]);
+  json ask = chat;
+  ask["max_tokens"] = 1;
+  const auto answered = post_json(serve.port(), "/v1/chat/completions", ask);
+  ASSERT_EQ(answered.status, 200) << answered.body;
+  EXPECT_EQ(json::parse(answered.body)["usage"]["prompt_tokens"], c["count"]);
+
+  const std::string text = "The quick brown fox";
+  const auto ids = tok_->encode(text, true);
+  const auto prompt = post_json(serve.port(), "/tokenize", json{{"prompt", text}});
+  ASSERT_EQ(prompt.status, 200) << prompt.body;
+  EXPECT_EQ(json::parse(prompt.body)["tokens"], json(ids));
+  const auto back = post_json(serve.port(), "/detokenize", json{{"tokens", ids}});
+  ASSERT_EQ(back.status, 200) << back.body;
+  EXPECT_EQ(json::parse(back.body)["prompt"], tok_->decode(ids, false));
+
+  const auto bad = post_json(serve.port(), "/detokenize", json{{"tokens", {-1}}});
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_EQ(json::parse(bad.body)["error"]["param"], "tokens") << bad.body;
+  const auto other = post_json(serve.port(), "/tokenize", json{{"prompt", "x"}, {"model", "no"}});
+  EXPECT_EQ(other.status, 404) << other.body;
+  EXPECT_EQ(serve.stop(), 0);
+}
+
 // A Qwen3-MoE checkpoint behind `tandem serve` in both P/D modes: the gateway tokenizes chats with
 // Qwen3's tokenizer and template (tokens-in), and the answers equal one engine's; a forced tool
 // call (passed through to the engines) comes back parsed.

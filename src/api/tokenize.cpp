@@ -1,0 +1,82 @@
+#include "api/tokenize.h"
+
+#include <string>
+#include <vector>
+
+#include "api/body_fields.h"
+#include "api/error.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+
+// The fields of vLLM's TokenizeChatRequest and TokenizeCompletionRequest that decide the ids;
+// others are ignored, as vLLM ignores them.
+constexpr const char* kChatFields[] = {"model",
+                                       "messages",
+                                       "add_generation_prompt",
+                                       "continue_final_message",
+                                       "add_special_tokens",
+                                       "chat_template",
+                                       "chat_template_kwargs",
+                                       "tools"};
+constexpr const char* kCompletionFields[] = {"model", "prompt", "add_special_tokens"};
+
+template <size_t N>
+json copy_fields(const json& body, const char* const (&names)[N]) {
+  json out = json::object();
+  for (const char* name : names)
+    if (const json* v = field(body, name)) out[name] = *v;
+  // The generation parsers need a budget; one token asks nothing of the context.
+  out["max_tokens"] = 1;
+  return out;
+}
+
+}  // namespace
+
+json tokenize_answer(const json& body, const text::Tokenizer& tokenizer,
+                     const text::ChatTemplate* chat_template, const ModelLimits& limits) {
+  if (!body.is_object()) fail("", "the request body must be a JSON object");
+  const bool token_strs = boolean(body, "return_token_strs", false);
+  // The count is the answer: a prompt longer than the context is counted, not refused.
+  ModelLimits unbounded = limits;
+  unbounded.max_model_len = 0;
+  unbounded.max_tokens_limit = 0;
+  unbounded.default_max_tokens = 0;
+  ApiRequest parsed;
+  if (field(body, "messages")) {
+    parsed = parse_chat(copy_fields(body, kChatFields), tokenizer, chat_template, unbounded,
+                        body.dump());
+  } else if (const json* prompt = field(body, "prompt")) {
+    if (!prompt->is_string()) fail("prompt", "'prompt' must be a string");
+    parsed = parse_completion(copy_fields(body, kCompletionFields), tokenizer, unbounded);
+  } else {
+    fail("prompt", "the request needs 'prompt' (text) or 'messages' (a chat)");
+  }
+  const std::vector<int32_t>& ids = parsed.prompts.at(0);
+  json answer = {{"count", ids.size()}, {"max_model_len", limits.max_model_len}, {"tokens", ids}};
+  if (token_strs) {
+    json strs = json::array();
+    for (int32_t id : ids) strs.push_back(tokenizer.id_to_token(id).value_or(""));
+    answer["token_strs"] = std::move(strs);
+  } else {
+    answer["token_strs"] = nullptr;
+  }
+  return answer;
+}
+
+json detokenize_answer(const json& body, const text::Tokenizer& tokenizer,
+                       const ModelLimits& limits) {
+  if (!body.is_object()) fail("", "the request body must be a JSON object");
+  const json* tokens = field(body, "tokens");
+  if (!tokens || !tokens->is_array()) fail("tokens", "'tokens' must be a list of token ids");
+  model_name(body, limits);
+  const int64_t vocab =
+      limits.vocab_size > 0 ? limits.vocab_size : static_cast<int64_t>(tokenizer.vocab_size());
+  const std::vector<int32_t> ids =
+      tokens->empty() ? std::vector<int32_t>{} : token_list(*tokens, "tokens", vocab);
+  return {{"prompt", tokenizer.decode(ids, /*skip_special_tokens=*/false)}};
+}
+
+}  // namespace tandem::api

