@@ -4,6 +4,7 @@
 // (api/response.h) render these as the bodies and stream chunks of each API.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,7 +35,13 @@ struct RequestOutput {
   std::string text;  // text that became final since the previous update
   bool finished = false;
   std::string finish_reason;  // "stop", "length", "abort" or "error"
-  std::string error;          // for "error"
+  // What ended a "stop": the stop string it matched, or the id it stopped on (a stop_token_ids
+  // entry, or the EOS: `stop_at_eos`). vLLM's stop_reason is the string or the id, null for the
+  // EOS; SGLang's matched names the id either way.
+  std::optional<std::string> stop_string;
+  std::optional<int32_t> stop_token;
+  bool stop_at_eos = false;
+  std::string error;  // for "error"
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   int error_status = 500;  // the HTTP status an "error" maps to
   std::string error_code;  // its OpenAI error code, when it has one (api/error.h)

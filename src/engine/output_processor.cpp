@@ -23,6 +23,7 @@ OutputProcessor::OutputProcessor(const text::Tokenizer& tokenizer, const Samplin
                                  const std::vector<int32_t>& eos)
     : detok_(tokenizer, params.skip_special_tokens),
       stop_ids_(end_token_ids(params, eos)),
+      eos_ids_(params.ignore_eos ? std::vector<int32_t>{} : eos),
       stop_strings_(params.stop),
       include_stop_(params.include_stop_str_in_output),
       max_tokens_(params.max_tokens),
@@ -47,25 +48,30 @@ OutputDelta OutputProcessor::push(int32_t id) {
     text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
     finished_ = true;
     delta.finish_reason = "stop";
+    delta.stop_token = id;
+    // As vLLM, which checks the EOS before stop_token_ids: an id in both is the EOS.
+    delta.stop_at_eos = std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end();
   } else {
     text_ += detok_.push(id);
-    size_t hit = std::string::npos, hit_size = 0;
+    size_t hit = std::string::npos;
+    const std::string* matched = nullptr;
     if (may_stop_on_text)
       for (const auto& s : stop_strings_) {
         const size_t at = text_.find(
             s, stop_search_from_ > s.size() - 1 ? stop_search_from_ - (s.size() - 1) : 0);
         if (at < hit) {
           hit = at;
-          hit_size = s.size();
+          matched = &s;
         }
       }
     // Text before it was searched already (or made within min_tokens): each step searches its
     // new text and the bytes a stop string may start in before it, not the whole answer again.
     stop_search_from_ = text_.size();
-    if (hit != std::string::npos) {
-      text_.resize(include_stop_ ? hit + hit_size : hit);
+    if (matched) {
+      text_.resize(include_stop_ ? hit + matched->size() : hit);
       finished_ = true;
       delta.finish_reason = "stop";
+      delta.stop_string = *matched;
     } else if (num_tokens_ >= max_tokens_) {
       text_ += detok_.finish();
       finished_ = true;

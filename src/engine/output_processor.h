@@ -19,6 +19,11 @@ struct OutputDelta {
   std::string text;  // text that became final with this token
   bool finished = false;
   std::string finish_reason;  // "stop" or "length" once finished
+  // For a "stop": the stop string matched, or the id stopped on and whether it was an EOS id
+  // (api::RequestOutput's fields of the same names).
+  std::optional<std::string> stop_string;
+  std::optional<int32_t> stop_token;
+  bool stop_at_eos = false;
 };
 
 class OutputProcessor {
@@ -37,6 +42,7 @@ class OutputProcessor {
  private:
   text::IncrementalDetokenizer detok_;
   std::vector<int32_t> stop_ids_;  // end_token_ids(): sorted
+  std::vector<int32_t> eos_ids_;   // empty with ignore_eos
   std::vector<std::string> stop_strings_;
   bool include_stop_ = false;  // include_stop_str_in_output
   int64_t max_tokens_;

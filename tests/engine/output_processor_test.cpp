@@ -18,6 +18,9 @@ const text::Tokenizer& tokenizer() {
 struct Outcome {
   std::string text, streamed, finish_reason;
   size_t tokens = 0;
+  std::optional<std::string> stop_string;
+  std::optional<int32_t> stop_token;
+  bool stop_at_eos = false;
 };
 
 Outcome run(const SamplingParams& params, const std::vector<int32_t>& ids) {
@@ -29,6 +32,9 @@ Outcome run(const SamplingParams& params, const std::vector<int32_t>& ids) {
     r.streamed += d.text;
     if (d.finished) {
       r.finish_reason = d.finish_reason;
+      r.stop_string = d.stop_string;
+      r.stop_token = d.stop_token;
+      r.stop_at_eos = d.stop_at_eos;
       break;
     }
   }
@@ -116,6 +122,50 @@ TEST(OutputProcessor, StopStringsAreSearchedOnlyInTextAfterTheFirstMinTokensToke
   // Ending within them does not.
   p.min_tokens = 3;
   EXPECT_NE(run(p, ids).text, pieces[0]);
+}
+
+// What ended a "stop", for vLLM's stop_reason (the string or id; null for the EOS) and SGLang's
+// matched: the stop string, a stop_token_ids id, or the EOS, which is the EOS even when also
+// listed in stop_token_ids (vLLM checks it first) unless ignore_eos.
+TEST(OutputProcessor, SaysWhichStopStringOrIdEndedTheAnswer) {
+  const std::vector<int32_t> ids = tokenizer().encode("Hello world. Bye now. End", false);
+  const int32_t eos = *tokenizer().eos_id();
+  SamplingParams p;
+  p.max_tokens = 100;
+  p.stop = {"now", ". B"};
+  Outcome r = run(p, ids);
+  EXPECT_EQ(r.stop_string, ". B");
+  EXPECT_FALSE(r.stop_token);
+
+  p = {};
+  p.max_tokens = 100;
+  p.stop_token_ids = {ids[2]};
+  r = run(p, ids);
+  EXPECT_EQ(r.stop_token, ids[2]);
+  EXPECT_FALSE(r.stop_at_eos);
+  EXPECT_FALSE(r.stop_string);
+
+  std::vector<int32_t> to_eos(ids.begin(), ids.begin() + 3);
+  to_eos.push_back(eos);
+  p = {};
+  p.max_tokens = 100;
+  r = run(p, to_eos);
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.stop_token, eos);
+  EXPECT_TRUE(r.stop_at_eos);
+  p.stop_token_ids = {eos};
+  EXPECT_TRUE(run(p, to_eos).stop_at_eos);
+  p.ignore_eos = true;
+  r = run(p, to_eos);
+  EXPECT_EQ(r.stop_token, eos);
+  EXPECT_FALSE(r.stop_at_eos);
+
+  p = {};
+  p.max_tokens = 2;
+  r = run(p, ids);
+  EXPECT_EQ(r.finish_reason, "length");
+  EXPECT_FALSE(r.stop_token);
+  EXPECT_FALSE(r.stop_string);
 }
 
 }  // namespace

@@ -292,6 +292,9 @@ std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput&
         o.text += delta.text;
         o.finished = delta.finished;
         o.finish_reason = std::move(delta.finish_reason);
+        o.stop_string = std::move(delta.stop_string);
+        o.stop_token = delta.stop_token;
+        o.stop_at_eos = delta.stop_at_eos;
       } else if (seq->num_generated() >= seq->request.sampling.max_tokens) {
         o.finished = true;
         o.finish_reason = "length";
