@@ -766,7 +766,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   r.reasoning = limits.reasoning;
   if (r.reasoning != ReasoningFormat::kNone) {
     // vLLM's qwen3 parser reads an answer with thinking switched off as content; so does any
-    // whose prompt closed the reasoning already (the template wrote </think> last).
+    // whose prompt closed the reasoning already (it ends with </think>).
     const json* kw = field(body, "chat_template_kwargs");
     const bool thinking_off = r.reasoning == ReasoningFormat::kQwen3 && kw &&
                               kw->value("enable_thinking", json(true)) == json(false);
@@ -807,6 +807,10 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");
   expand_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
+  // A constrained answer (forced tool calls, structured outputs) follows its grammar from the
+  // first token, so it has no reasoning to read apart: it is all content. (vLLM lets the model
+  // think first and constrains what follows </think>; Tandem's grammars hold from the start.)
+  if (r.sampling.structured_output) r.reasoning_all_content = true;
   check_length(r, limits, body, max_name, "messages");
   return r;
 }

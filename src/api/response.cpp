@@ -74,6 +74,10 @@ json chat_content_delta(std::string text) {
   return {{"content", std::move(text)}};
 }
 
+json chat_reasoning_delta(std::string text) {
+  return {{"reasoning_content", text}, {"reasoning", text}};
+}
+
 json chat_tool_call_delta(int64_t index, const std::string* id, const std::string* name,
                           std::string arguments) {
   json call = {{"index", index}};
@@ -95,6 +99,9 @@ ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenize
       choices_(request.prompts.size()) {
   if (request.kind == ApiKind::kChat && request.tool_calls != ToolCallFormat::kNone)
     for (Choice& c : choices_) c.tool_parser = std::make_shared<ToolCallParser>(request.tool_calls);
+  if (request.kind == ApiKind::kChat && request.reasoning != ReasoningFormat::kNone)
+    for (Choice& c : choices_)
+      c.reasoning_parser = std::make_shared<ReasoningParser>(request.reasoning_all_content);
   // With logprobs, offsets run on over the echoed prompt's tokens (vLLM's one running sum), so
   // that they never go back; without, the answer's start after the prompt's text.
   if (request.kind == ApiKind::kCompletion && request.echo)
@@ -116,9 +123,33 @@ std::string ResponseBuilder::chat_finish_reason(const Choice& c) const {
              : c.finish_reason;
 }
 
-std::vector<json> ResponseBuilder::read_tool_calls(Choice& c, const RequestOutput& out) {
-  std::vector<ToolCallDelta> deltas = c.tool_parser->feed(out.text);
+std::vector<json> ResponseBuilder::read_chat(Choice& c, const RequestOutput& out) {
+  if (!c.reasoning_parser) return read_tool_calls(c, out.text, out.finished);
+  ReasoningDelta d = c.reasoning_parser->feed(out.text);
   if (out.finished) {
+    ReasoningDelta rest = c.reasoning_parser->finish();
+    d.reasoning += rest.reasoning;
+    d.content += rest.content;
+  }
+  std::vector<json> rendered;
+  if (!d.reasoning.empty()) {
+    c.reasoning += d.reasoning;
+    rendered.push_back(chat_reasoning_delta(std::move(d.reasoning)));
+  }
+  // Tool calls are read in the content alone (vLLM's order: reasoning first, then calls).
+  if (c.tool_parser) {
+    for (auto& j : read_tool_calls(c, d.content, out.finished)) rendered.push_back(std::move(j));
+  } else if (!d.content.empty()) {
+    c.content += d.content;
+    rendered.push_back(chat_content_delta(std::move(d.content)));
+  }
+  return rendered;
+}
+
+std::vector<json> ResponseBuilder::read_tool_calls(Choice& c, const std::string& text,
+                                                   bool finished) {
+  std::vector<ToolCallDelta> deltas = c.tool_parser->feed(text);
+  if (finished) {
     auto rest = c.tool_parser->finish();
     deltas.insert(deltas.end(), std::make_move_iterator(rest.begin()),
                   std::make_move_iterator(rest.end()));
@@ -337,7 +368,7 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
   }
   std::vector<json> chunks;
   if (!request_.stream) {
-    if (c.tool_parser) read_tool_calls(c, out);
+    if (c.tool_parser || c.reasoning_parser) read_chat(c, out);
     return chunks;
   }
   const bool first_chunk = !c.started;
@@ -392,8 +423,8 @@ void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput
       }
       json lp = request_.logprobs >= 0 ? chat_logprobs(c, first_lp) : json(nullptr);
       const bool new_logprobs = request_.logprobs >= 0 && first_lp < c.logprobs.size();
-      if (c.tool_parser) {
-        std::vector<json> deltas = read_tool_calls(c, out);
+      if (c.tool_parser || c.reasoning_parser) {
+        std::vector<json> deltas = read_chat(c, out);
         if (deltas.empty() && new_logprobs) deltas.push_back(chat_content_delta(""));
         for (auto& d : deltas) {  // the update's logprobs go with its first delta
           chunks.push_back(chunk(std::move(d), nullptr, lp));
@@ -483,11 +514,19 @@ json ResponseBuilder::final_body() const {
       choices.push_back(choice);
     } else {
       const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
-      if (!c.tool_parser) {
+      if (!c.tool_parser && !c.reasoning_parser) {
         choices.push_back(chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason));
         continue;
       }
       json choice = chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c));
+      if (c.reasoning_parser) {
+        // As vLLM's: null for a part the answer does not have.
+        json& message = choice["message"];
+        const json reasoning = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
+        message["reasoning_content"] = reasoning;
+        message["reasoning"] = reasoning;
+        if (c.content.empty()) message["content"] = nullptr;
+      }
       if (!c.calls.empty()) {
         json& message = choice["message"];
         if (c.content.empty()) message["content"] = nullptr;  // as OpenAI answers a call

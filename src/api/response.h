@@ -42,6 +42,9 @@ nlohmann::json chat_chunk_choice(int64_t index, nlohmann::json delta, nlohmann::
 // an empty delta with the finish reason.
 nlohmann::json chat_role_delta();
 nlohmann::json chat_content_delta(std::string text);
+// A delta of reasoning text, under both names clients read: reasoning_content (DeepSeek's API,
+// and vLLM's until 2026) and reasoning (vLLM's now, OpenRouter's).
+nlohmann::json chat_reasoning_delta(std::string text);
 // A delta of tool call `index`: its first carries the id, type and name.
 nlohmann::json chat_tool_call_delta(int64_t index, const std::string* id, const std::string* name,
                                     std::string arguments);
@@ -75,6 +78,9 @@ class ResponseBuilder {
     int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
     // Chat with tools: the answer read as content and calls.
     std::shared_ptr<ToolCallParser> tool_parser;
+    // Chat with a reasoning parser: the answer's reasoning, read apart from its content.
+    std::shared_ptr<ReasoningParser> reasoning_parser;
+    std::string reasoning;
     std::string content;
     struct Call {
       std::string id, name, arguments;
@@ -83,8 +89,11 @@ class ResponseBuilder {
   };
   // A chat choice's finish reason: "tool_calls" for an answer that called tools and stopped.
   std::string chat_finish_reason(const Choice& c) const;
-  // Folds the update's tool-call deltas into the choice, and renders them as stream deltas.
-  std::vector<nlohmann::json> read_tool_calls(Choice& c, const RequestOutput& out);
+  // Folds the update's reasoning, content and tool-call deltas into a chat choice read by
+  // parsers, and renders them as stream deltas.
+  std::vector<nlohmann::json> read_chat(Choice& c, const RequestOutput& out);
+  // The tool-call part of read_chat, for the update's content `text`.
+  std::vector<nlohmann::json> read_tool_calls(Choice& c, const std::string& text, bool finished);
   // on_output's stream chunks for one update of choice `c` (`first_lp`: its first new logprob,
   // `chars_before`: its characters before the update).
   void stream_chunks(size_t index, Choice& c, const RequestOutput& out, size_t first_lp,

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "api/api_key.h"
+#include "api/reasoning.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/sim_executor_flags.h"
@@ -72,6 +73,7 @@ struct EngineOptions {
   std::string kv_transfer_secret, kv_transfer_secret_file;
   std::vector<std::string> kv_transfer_allow;
   int64_t speculative_tokens = 0;
+  std::string reasoning_parser;
   bool batch_invariant = false;
   bool int8_lm_head = false;
 };
@@ -191,6 +193,13 @@ void run(const EngineOptions& o) {
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.max_tokens_limit = o.max_tokens.limit;
   config.default_max_tokens = o.max_tokens.default_value;
+  if (!o.reasoning_parser.empty()) {
+    const auto format = api::reasoning_format_named(o.reasoning_parser);
+    if (!format)
+      throw Error("--reasoning-parser: expected deepseek_r1 or qwen3, got '" + o.reasoning_parser +
+                  "'");
+    config.reasoning = *format;
+  }
   config.max_model_len = o.max_model_len;  // a sim: model's context is set by it instead
   config.expert_load_window = o.expert_load_window;
   config.rebalance_interval = o.rebalance_interval;
@@ -471,6 +480,10 @@ void add_engine_command(CLI::App& app) {
                   "--sim-mtp-acceptance), verified in the next step (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0, 8));
+  cmd->add_option("--reasoning-parser", o->reasoning_parser,
+                  "read chat answers' <think> reasoning apart, as vLLM's --reasoning-parser: "
+                  "deepseek_r1 or qwen3 (message.reasoning_content / reasoning, and the same in "
+                  "stream deltas)");
   cmd->add_flag("--batch-invariant", o->batch_invariant,
                 "batch-invariant numerics: a token's logits do not depend on the other tokens of "
                 "its step, on how its prompt was chunked, or on whether its prefix came from the "

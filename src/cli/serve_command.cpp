@@ -41,6 +41,7 @@ struct ServeOptions {
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
       gateways = 1, engine_start_timeout_s = 1800;
   bool no_gateway_tokenizer = false, batch_invariant = false;
+  std::string reasoning_parser;  // passed to every engine
   double shutdown_timeout =
       std::chrono::duration<double>(gateway::Topology{}.shutdown_timeout).count();
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
@@ -157,6 +158,8 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
       a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
     if (o.batch_invariant) a.push_back("--batch-invariant");
+    // Every engine: in P/D the decode leg writes the answer, and any engine may serve a chat.
+    if (!o.reasoning_parser.empty()) a.insert(a.end(), {"--reasoning-parser", o.reasoning_parser});
     // The gateway passes each request's class as its priority, or the policy's deadline to the
     // engine that computes the prompt: the engines schedule by it.
     if (gateway::engine_schedules_by_priority(classes, *policy, role != "decode"))
@@ -198,6 +201,9 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   // its scheduling instead of estimates).
   if (!o.no_gateway_tokenizer)
     g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
+  // A tokens-in chat becomes a completion, whose answer the engine does not read for reasoning:
+  // with a reasoning parser the engines get chats as chats (the gateway still tokenizes to route).
+  if (!o.reasoning_parser.empty()) g.prefill.tokens_in = g.decode.tokens_in = false;
   // Engines start one after another: each has its ports by the time the next one starts.
   auto start_engine = [&](const std::string& role) {
     EngineChild::Options child;
@@ -313,6 +319,10 @@ void add_serve_command(CLI::App& app) {
                   "--speculative-tokens`)")
       ->capture_default_str()
       ->check(CLI::Range(0, 8));
+  cmd->add_option("--reasoning-parser", o->reasoning_parser,
+                  "deepseek_r1 or qwen3: every engine reads chat answers' reasoning apart (see "
+                  "`tandem engine --reasoning-parser`)")
+      ->check(CLI::IsMember({"deepseek_r1", "qwen3"}));
   cmd->add_flag("--batch-invariant", o->batch_invariant,
                 "batch-invariant numerics in every engine (see `tandem engine --batch-invariant`)");
   cmd->add_option("--engine-arg", o->engine_args,

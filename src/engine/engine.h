@@ -49,6 +49,8 @@ struct EngineConfig {
   // for, and what it gets when it asks for nothing (0: none; the API's defaults).
   int64_t max_tokens_limit = 0;
   int64_t default_max_tokens = 0;
+  // --reasoning-parser: chat answers' reasoning read apart (api/reasoning.h).
+  api::ReasoningFormat reasoning = api::ReasoningFormat::kNone;
   // The longest sequence (prompt plus output) a request may ask for; 0: the model's context.
   // Either way no longer than the KV cache holds (max_model_len() below).
   int64_t max_model_len = 0;
@@ -131,8 +133,12 @@ class Engine final : private PdHost {
   // What a request is validated against: the model's and the operator's limits.
   api::ModelLimits request_limits() const {
     const ExecutorInfo& info = executor_->info();
-    return {info.model_name, max_model_len_, info.vocab_size, config_.max_tokens_limit,
-            config_.default_max_tokens};
+    return {info.model_name,
+            max_model_len_,
+            info.vocab_size,
+            config_.max_tokens_limit,
+            config_.default_max_tokens,
+            config_.reasoning};
   }
   // The longest sequence a request may ask for: the model's context, the operator's
   // --max-model-len and the KV cache's size, whichever is least. A request that cannot fit the

