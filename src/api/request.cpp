@@ -64,9 +64,6 @@ constexpr Unsupported kUnsupported[] = {
      "'guided_whitespace_pattern' is not supported: answers may hold JSON white space between "
      "tokens"},
     // vLLM's extensions that Tandem does not implement.
-    {"allowed_token_ids", always, "'allowed_token_ids' is not supported"},
-    {"bad_words", [](const json& v, const json&) { return !v.empty(); },
-     "'bad_words' is not supported"},
     {"use_beam_search", [](const json& v, const json&) { return v != false; },
      "'use_beam_search' is not supported: beam search is not implemented"},
 };
@@ -113,6 +110,68 @@ std::vector<std::pair<int32_t, float>> logit_bias_from(const json& b, int64_t vo
   for (size_t i = 1; i < out.size(); ++i)
     if (out[i].first == out[i - 1].first)  // "7" and "07"
       fail("logit_bias", "'logit_bias' names token " + std::to_string(out[i].first) + " twice");
+  return out;
+}
+
+// vLLM's allowed_token_ids: a non-empty list of ids in the vocabulary (an empty one would leave
+// nothing to sample). Sorted and deduplicated: a mask, so order and repetition mean nothing.
+std::vector<int32_t> allowed_token_ids_from(const json& v, int64_t vocab_size) {
+  if (v.is_null()) return {};
+  if (!v.is_array()) fail("allowed_token_ids", "'allowed_token_ids' must be a list of token ids");
+  if (v.empty()) fail("allowed_token_ids", "'allowed_token_ids' must not be empty");
+  std::vector<int32_t> ids;
+  ids.reserve(v.size());
+  for (const auto& e : v) {
+    if (!e.is_number_integer())
+      fail("allowed_token_ids", "'allowed_token_ids' must hold integer token ids");
+    const bool outside = e.is_number_unsigned()
+                             ? e.get<uint64_t>() > uint64_t(INT32_MAX)
+                             : (e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX);
+    if (outside || (vocab_size > 0 && e.get<int64_t>() >= vocab_size))
+      fail("allowed_token_ids", "token id " + e.dump().substr(0, 40) +
+                                    " in 'allowed_token_ids' is outside the vocabulary" +
+                                    (vocab_size > 0 ? " of " + std::to_string(vocab_size) : "") +
+                                    " tokens");
+    ids.push_back(e.get<int32_t>());
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+// vLLM's bad_words, tokenized as vLLM's SamplingParams.update_from_tokenizer does: each word
+// without its leading white space, and again after one space (a word inside a sentence is
+// usually a different token, " word"), without special tokens. The spaced form is kept only
+// when it starts with another token than the bare form and has as many tokens (vLLM's rule).
+// A word that tokenizes to nothing is an error, as there.
+std::vector<std::vector<int32_t>> bad_words_from(const json& v, const text::Tokenizer& tokenizer,
+                                                 int64_t vocab_size) {
+  if (v.is_null()) return {};
+  if (!v.is_array()) fail("bad_words", "'bad_words' must be a list of strings");
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& e : v) {
+    if (!e.is_string()) fail("bad_words", "'bad_words' must be a list of strings");
+    // Counted before each is tokenized: the list may be long.
+    if (out.size() >= SamplingParams::kMaxBadWords)
+      fail("bad_words", "'bad_words': too many bad words after tokenization, at most " +
+                            std::to_string(SamplingParams::kMaxBadWords));
+    std::string word = e.get<std::string>();
+    word.erase(0, std::min(word.size(), word.find_first_not_of(" \t\n\r\f\v")));
+    std::vector<int32_t> bare = tokenizer.encode(word, false);
+    if (bare.empty())
+      fail("bad_words", "'bad_words' entries must tokenize to at least one token, got \"" +
+                            e.get<std::string>().substr(0, 40) + "\"");
+    std::vector<int32_t> spaced = tokenizer.encode(" " + word, false);
+    out.push_back(std::move(bare));
+    if (!spaced.empty() && spaced[0] != out.back()[0] && spaced.size() == out.back().size())
+      out.push_back(std::move(spaced));
+  }
+  for (const auto& word : out)
+    for (int32_t id : word)
+      if (vocab_size > 0 && id >= vocab_size)
+        fail("bad_words", "'bad_words' tokenize to id " + std::to_string(id) +
+                              ", outside the model's vocabulary of " + std::to_string(vocab_size) +
+                              " tokens");
   return out;
 }
 
@@ -253,8 +312,11 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
 // Sampling fields shared by the OpenAI endpoints (with vLLM's extensions) and SGLang's
 // sampling_params; max_tokens from max_tokens_of, read from the field `max_name`, and min_tokens
 // from `min_name`. `ordered`: the OpenAI body's text (null for SGLang's sampling_params).
+// `tokenizer`: reads vLLM's allowed_token_ids and bad_words (null for SGLang's, which has
+// neither).
 SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* max_name,
-                             const char* min_name, int64_t vocab_size, OrderedBody* ordered) {
+                             const char* min_name, int64_t vocab_size, OrderedBody* ordered,
+                             const text::Tokenizer* tokenizer) {
   SamplingParams p;
   p.structured_output = structured_output_of(body, ordered);
   p.temperature = number(body, "temperature", 1.0);
@@ -303,6 +365,12 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
     }
   }
   if (const json* b = field(body, "logit_bias")) p.logit_bias = logit_bias_from(*b, vocab_size);
+  if (tokenizer) {
+    if (const json* a = field(body, "allowed_token_ids"))
+      p.allowed_token_ids = allowed_token_ids_from(*a, vocab_size);
+    if (const json* b = field(body, "bad_words"))
+      p.bad_words_token_ids = bad_words_from(*b, *tokenizer, vocab_size);
+  }
   // Speculation is a property of the engine (its MTP module, its cache layout in P/D), not of a
   // request: asking for it per request would otherwise be silently ignored.
   for (const char* name :
@@ -685,7 +753,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   // out); without echo it is refused as any max_tokens below 1.
   r.echo_only = r.echo && max_tokens == 0;
   r.sampling = sampling_from(body, r.echo_only ? 1 : max_tokens, "max_tokens", "min_tokens",
-                             limits.vocab_size, &ordered);
+                             limits.vocab_size, &ordered, &tokenizer);
   r.stream = boolean(body, "stream", false);
   read_stream_options(body, r);
   if (const json* lp = field(body, "logprobs")) {
@@ -782,7 +850,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), max_name,
-                             "min_tokens", limits.vocab_size, &ordered);
+                             "min_tokens", limits.vocab_size, &ordered, &tokenizer);
   if (tools.forced) {
     if (r.sampling.structured_output)
       fail("tool_choice", "'tool_choice' forces a call and '" +
@@ -856,8 +924,9 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   // keyword; read as vLLM's, it would be honoured here and ignored by an SGLang engine.
   if (field(params, "min_tokens"))
     fail("min_tokens", "'min_tokens' is not an SGLang sampling parameter; use 'min_new_tokens'");
-  r.sampling = sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits),
-                             "max_new_tokens", "min_new_tokens", limits.vocab_size, nullptr);
+  r.sampling =
+      sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits), "max_new_tokens",
+                    "min_new_tokens", limits.vocab_size, nullptr, nullptr);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false)) {
     const int64_t top = integer(body, "top_logprobs_num", 0);

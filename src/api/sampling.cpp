@@ -59,6 +59,28 @@ void SamplingParams::validate(const std::string& max_tokens_name,
       fail("stop", "'stop': stop strings must be at most " + std::to_string(kMaxStopStringBytes) +
                        " bytes long, got one of " + std::to_string(s.size()));
   }
+  for (size_t i = 0; i < allowed_token_ids.size(); ++i) {
+    if (allowed_token_ids[i] < 0)
+      fail("allowed_token_ids", "'allowed_token_ids': token ids must be >= 0, got " +
+                                    std::to_string(allowed_token_ids[i]));
+    if (i > 0 && allowed_token_ids[i] <= allowed_token_ids[i - 1])
+      fail("allowed_token_ids", "'allowed_token_ids': token ids must ascend, once each");
+  }
+  if (bad_words_token_ids.size() > kMaxBadWords)
+    fail("bad_words", "'bad_words': too many bad words after tokenization: " +
+                          std::to_string(bad_words_token_ids.size()) + ", at most " +
+                          std::to_string(kMaxBadWords));
+  size_t bad_tokens = 0;
+  for (const auto& word : bad_words_token_ids) {
+    if (word.empty()) fail("bad_words", "'bad_words': entries must be at least one token");
+    for (int32_t id : word)
+      if (id < 0)
+        fail("bad_words", "'bad_words': token ids must be >= 0, got " + std::to_string(id));
+    bad_tokens += word.size();
+  }
+  if (bad_tokens > kMaxBadWordsTotalTokens)
+    fail("bad_words", "'bad_words': at most " + std::to_string(kMaxBadWordsTotalTokens) +
+                          " tokens in all are accepted, got " + std::to_string(bad_tokens));
   for (size_t i = 0; i < logit_bias.size(); ++i) {
     const auto [id, bias] = logit_bias[i];
     if (id < 0)

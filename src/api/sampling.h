@@ -43,6 +43,17 @@ struct SamplingParams {
   // Added to the logits of these token ids before penalties and sampling (greedy included),
   // as OpenAI's logit_bias: (token id, bias in [-100, 100]), ascending ids, each once.
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // vLLM's allowed_token_ids: when not empty, every other id is masked (-inf) on the raw logits,
+  // first of all, so the answer holds only these ids (classification, constrained answers).
+  // Ascending, each once.
+  std::vector<int32_t> allowed_token_ids;
+  // vLLM's bad_words as token sequences (the request's words tokenized, with and without a
+  // leading space: api/request.cpp): the last id of a sequence is masked whenever the output ends
+  // in the ids before it, so no sequence appears whole in the answer. Bounded as vLLM's, since
+  // every step compares each sequence with the output's tail.
+  std::vector<std::vector<int32_t>> bad_words_token_ids;
+  static constexpr size_t kMaxBadWords = 128;              // sequences, after tokenization
+  static constexpr size_t kMaxBadWordsTotalTokens = 1024;  // their ids together
   // What the answer must be (JSON of a schema, a regex, a choice, forced tool calls): decoded
   // under a token mask (structured/token_constraint.h). Compiled when the request is parsed, so
   // a spec that does not compile is a 400 naming its field (and carried: OutputSpec::compiled).

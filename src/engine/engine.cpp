@@ -489,6 +489,21 @@ void Engine::admit_incoming() {
         continue;
       }
     }
+    // As structured outputs: token masks mean nothing to stand-in tokens, and an answer that
+    // ignored them would look like one that honoured them.
+    if (!executor_->info().samples) {
+      const auto& s = raw->request.sampling;
+      const char* masked = !s.allowed_token_ids.empty()     ? "allowed_token_ids"
+                           : !s.bad_words_token_ids.empty() ? "bad_words"
+                                                            : nullptr;
+      if (masked) {
+        finish(raw, "error",
+               std::string("'") + masked + "' needs a model: a simulated engine's tokens are " +
+                   "stand-ins",
+               false, 400);
+        continue;
+      }
+    }
     if (pd_) {
       const PdCoordinator::Admission admission = pd_->admit(raw);
       if (admission != PdCoordinator::Admission::kSchedule) continue;  // waits for KV, or refused

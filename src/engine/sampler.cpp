@@ -97,6 +97,23 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
       if (t < 0 || t >= vocab)
         throw Error("sampler: token id " + std::to_string(t) + " is outside the vocabulary of " +
                     std::to_string(vocab));
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
+  if (const auto& allowed = params_.allowed_token_ids; !allowed.empty()) {
+    // As vLLM, first of all: every id outside the list is out, whatever its bias.
+    auto next = allowed.begin();
+    for (int32_t id = 0; id < vocab; ++id) {
+      while (next != allowed.end() && *next < id) ++next;
+      if (next == allowed.end() || *next != id) logits[id] = kMasked;
+    }
+  }
+  // As vLLM: a bad word's last id is out when the output (not the prompt) ends in the ids before
+  // it, so a one-token word is never drawn and a longer one never completed.
+  for (const auto& word : params_.bad_words_token_ids) {
+    const size_t before = word.size() - 1;
+    if (before > output.size() || word.back() >= vocab) continue;
+    if (std::equal(word.begin(), word.end() - 1, output.end() - before))
+      logits[word.back()] = kMasked;
+  }
   if (static_cast<int64_t>(output.size()) < params_.min_tokens) {
     // As vLLM does: the first min_tokens tokens cannot end the sequence.
     for (int32_t id : end_ids_)
@@ -123,6 +140,8 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   Candidates c;
   if (greedy()) {
     c.argmax = static_cast<int32_t>(kernels::argmax(logits.data(), vocab));
+    if (!(logits[c.argmax] > kMasked))
+      throw structured::ConstraintError(nothing_left(constrained, output.size()));
     return c;
   }
   const auto inv_t = static_cast<float>(1.0 / params_.temperature);
@@ -144,6 +163,8 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   }
   float top = -std::numeric_limits<float>::infinity();
   for (auto id : order) top = std::max(top, logits[id]);
+  // Every id masked: the probabilities below would be NaN, and any token a violation.
+  if (!(top > kMasked)) throw structured::ConstraintError(nothing_left(constrained, output.size()));
   // The probabilities' denominator: over top-k's tokens, else the whole vocabulary.
   double sum = 0;
   for (auto id : order) sum += std::exp(logits[id] - top);
@@ -187,6 +208,18 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   return c;
 }
 
+std::string Sampler::nothing_left(bool constrained, size_t generated) const {
+  std::string why;
+  auto add = [&](const std::string& name) { why += (why.empty() ? "'" : ", '") + name + "'"; };
+  if (!params_.allowed_token_ids.empty()) add("allowed_token_ids");
+  if (!params_.bad_words_token_ids.empty()) add("bad_words");
+  if (static_cast<int64_t>(generated) < params_.min_tokens && !end_ids_.empty()) add("min_tokens");
+  if (constrained && constraint_ && params_.structured_output)
+    add(params_.structured_output->field);
+  return "no token can be sampled: " + (why.empty() ? std::string("the model's logits") : why) +
+         " exclude every token of the vocabulary (or every one with text)";
+}
+
 template <typename Draw>
 int32_t Sampler::guarded(Draw draw) {
   if (!failure_.empty()) return 0;
@@ -223,8 +256,19 @@ void Sampler::dense(const Candidates& c, std::vector<float>& out) {
 
 int32_t Sampler::propose(std::span<float> logits, std::span<const int32_t> prompt,
                          std::span<const int32_t> output, std::vector<float>& q) {
-  const Candidates c = candidates(logits, prompt, output, false);
   q.clear();
+  Candidates c;
+  try {
+    c = candidates(logits, prompt, output, false);
+  } catch (const structured::ConstraintError&) {
+    // Nothing is allowed here: verify() sees the same masks (and maybe the grammar's) at this
+    // position and fails the request; any draft stands in until then.
+    if (!greedy() && !coupled_) {
+      q.assign(logits.size(), 0.0f);
+      q[0] = 1;
+    }
+    return 0;
+  }
   if (greedy()) return c.argmax;
   // With the noise sample() and verify() use at this position: a coupled draft is what the
   // target's race picks whenever the two distributions agree enough.

@@ -1,8 +1,14 @@
 #pragma once
-// Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM: min_tokens'
-// mask and logit_bias on the raw logits, repetition penalty (prompt and output tokens), frequency
-// and presence penalties (output tokens), then temperature; then top-k, top-p and min-p
-// filtering; then a draw. Temperature 0 is greedy (argmax, lowest id on ties).
+// Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM's V1 sampler:
+// on the raw logits the allowed_token_ids mask, the bad_words mask, min_tokens' mask and
+// logit_bias (then a structured output's grammar mask), repetition penalty (prompt and output
+// tokens), frequency and presence penalties (output tokens), then temperature; then top-k, top-p
+// and min-p filtering; then a draw. Temperature 0 is greedy (argmax, lowest id on ties). Masks
+// leaving no token fail the request (failure()) rather than draw from nothing.
+//
+// Logprobs are the model's raw ones (token_logprobs below), before any of these, as vLLM's
+// default raw_logprobs: a token masked by allowed_token_ids or bad_words keeps its logprob among
+// the alternatives, as one moved by logit_bias does.
 //
 // Draws are keyed, not streamed: the noise of a draw is a function of the seed, the output
 // position it decides and the token (an exponential race, the Gumbel-max trick: the token that
@@ -59,7 +65,8 @@ class Sampler {
   // it, so the answer is distributed as without speculation.
   void constrain(std::unique_ptr<structured::TokenConstraint> constraint);
   const structured::TokenConstraint* constraint() const { return constraint_.get(); }
-  // Why the constraint could not go on (empty while it can). A failed sampler's sample() and
+  // Why the constraint could not go on, or why the masks (allowed_token_ids, bad_words,
+  // min_tokens, the grammar) left no token (empty while it can). A failed sampler's sample() and
   // verify() return the stand-in token 0, which the engine drops: it ends the request with this
   // error rather than failing the step of every request batched with it.
   const std::string& failure() const { return failure_; }
@@ -89,6 +96,9 @@ class Sampler {
   };
   Candidates candidates(std::span<float> logits, std::span<const int32_t> prompt,
                         std::span<const int32_t> output, bool constrained) const;
+  // Why candidates() found every id masked after `generated` tokens (names the request's fields
+  // that masked).
+  std::string nothing_left(bool constrained, size_t generated) const;
   // The token returned, after it advanced the constraint.
   int32_t commit(int32_t token);
   // sample() or verify(), with a constraint's error recorded as failure().

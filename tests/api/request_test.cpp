@@ -278,8 +278,8 @@ TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
             }).param,
             "skip_special_tokens");
   // Not implemented: a 400 naming the field, in both dialects.
-  for (const auto& [field, value] : std::vector<std::pair<std::string, json>>{
-           {"allowed_token_ids", {1, 2}}, {"bad_words", {"x"}}, {"use_beam_search", true}}) {
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, json>>{{"use_beam_search", true}}) {
     SCOPED_TRACE(field);
     EXPECT_EQ(error_of([&] {
                 parse_completion(json{{"prompt", "x"}, {field, value}}, tokenizer(), kLimits);
@@ -298,6 +298,74 @@ TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
                                         {"allowed_token_ids", nullptr},
                                         {"prompt_logprobs", nullptr}},
                                    tokenizer(), kLimits));
+}
+
+// vLLM's allowed_token_ids: a non-empty list of ids in the vocabulary, kept as a sorted set; the
+// errors name the field.
+TEST(Request, AllowedTokenIdsAreASetOfIdsInTheVocabulary) {
+  const json messages = json::array({{{"role", "user"}, {"content", "hi"}}});
+  auto c = parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", {9, 3, 129279, 3}}},
+                            tokenizer(), kLimits);
+  EXPECT_EQ(c.sampling.allowed_token_ids, (std::vector<int32_t>{3, 9, 129279}));
+  auto chat = parse_chat(json{{"messages", messages}, {"allowed_token_ids", {5}}}, tokenizer(),
+                         &chat_template(), kLimits);
+  EXPECT_EQ(chat.sampling.allowed_token_ids, (std::vector<int32_t>{5}));
+  EXPECT_TRUE(
+      parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", nullptr}}, tokenizer(), kLimits)
+          .sampling.allowed_token_ids.empty());
+  for (const json& bad : {json::array(), json{1, 129280}, json{-1}, json{1.5}, json{"1"}, json(3),
+                          json{4294967296LL}}) {
+    SCOPED_TRACE(bad.dump());
+    const ApiError e = error_of([&] {
+      parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", bad}}, tokenizer(), kLimits);
+    });
+    EXPECT_EQ(e.param, "allowed_token_ids");
+    EXPECT_EQ(e.status, 400);
+  }
+  EXPECT_NE(error_of([&] {
+              parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", {129280}}}, tokenizer(),
+                               kLimits);
+            }).message.find("129280"),
+            std::string::npos);
+}
+
+// vLLM's bad_words, tokenized as its SamplingParams.update_from_tokenizer: each word without its
+// leading white space, and after one space when that form starts with another token and has as
+// many tokens. Ids from the Hugging Face tokenizers binding (tests/oracle/tokenizer_oracle.js):
+// "hello" [33310], " hello" [44388]; "Tandem" [54, 126741], " Tandem" [330, 126741];
+// "purple elephant" [35379, 962, 53327], " purple elephant" [31089, 53327] (fewer tokens: not
+// kept, as vLLM).
+TEST(Request, BadWordsAreTokenizedWithAndWithoutALeadingSpace) {
+  using Ids = std::vector<std::vector<int32_t>>;
+  auto words = [&](const json& list) {
+    return parse_completion(json{{"prompt", "x"}, {"bad_words", list}}, tokenizer(), kLimits)
+        .sampling.bad_words_token_ids;
+  };
+  EXPECT_EQ(words({"hello"}), (Ids{{33310}, {44388}}));
+  EXPECT_EQ(words({"  hello"}), (Ids{{33310}, {44388}}));
+  EXPECT_EQ(words({"Tandem", "purple elephant"}),
+            (Ids{{54, 126741}, {330, 126741}, {35379, 962, 53327}}));
+  EXPECT_TRUE(words(json::array()).empty());
+  const json messages = json::array({{{"role", "user"}, {"content", "hi"}}});
+  EXPECT_EQ(parse_chat(json{{"messages", messages}, {"bad_words", {"hello"}}}, tokenizer(),
+                       &chat_template(), kLimits)
+                .sampling.bad_words_token_ids,
+            (Ids{{33310}, {44388}}));
+  json many = json::array();
+  for (int i = 0; i < 129; ++i) many.push_back(std::to_string(1000 + i));
+  for (const json& bad : {json{"\n"}, json{""}, json("hello"), json{1}, many}) {
+    SCOPED_TRACE(bad.dump().substr(0, 60));
+    const ApiError e = error_of([&] {
+      parse_completion(json{{"prompt", "x"}, {"bad_words", bad}}, tokenizer(), kLimits);
+    });
+    EXPECT_EQ(e.param, "bad_words");
+    EXPECT_EQ(e.status, 400);
+  }
+  // SGLang's /generate has neither field: its sampling_params are not read for them.
+  EXPECT_TRUE(
+      parse_generate(json{{"input_ids", {1, 2}}, {"sampling_params", {{"bad_words", {"hello"}}}}},
+                     tokenizer(), kLimits)
+          .sampling.bad_words_token_ids.empty());
 }
 
 // vLLM's truncate_prompt_tokens keeps each prompt's last k tokens (-1: the context's worth). A

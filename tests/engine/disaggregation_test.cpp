@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <future>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -200,6 +201,27 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
                     {"sampling_params", {{"max_new_tokens", 8}, {"temperature", 0}}}};
   const json want_gen = parse(post_json(single.port(), "/generate", gen));
   EXPECT_EQ(parallel(p, d, gen, ++room, "/generate")["output_ids"], want_gen["output_ids"]);
+  // vLLM's allowed_token_ids and bad_words travel in the body each leg parses: both flows answer
+  // as one engine, with allowed ids alone (the ids from the answer's logprobs).
+  const std::set<int32_t> allowed = {1000, 1037, 1074};
+  const json masked = {{"prompt", tokens(20, 777)},
+                       {"max_tokens", 8},
+                       {"temperature", 0},
+                       {"ignore_eos", true},
+                       {"allowed_token_ids", allowed},
+                       {"bad_words", {"x", "the"}},
+                       {"return_tokens_as_token_ids", true},
+                       {"logprobs", 0}};
+  const json want_masked = parse(post_json(single.port(), "/v1/completions", masked));
+  for (bool seq : {true, false}) {
+    const json got = seq ? sequential(p, d, masked) : parallel(p, d, masked, ++room);
+    EXPECT_EQ(text_of(got), text_of(want_masked)) << (seq ? "sequential" : "parallel");
+    if (got.is_null()) continue;
+    const json& shown = got["choices"][0]["logprobs"]["tokens"];
+    EXPECT_EQ(shown.size(), 8u);
+    for (const auto& t : shown)
+      EXPECT_TRUE(allowed.count(std::stoi(t.get<std::string>().substr(9)))) << t;
+  }
   json streamed = {{"prompt", "The quick brown fox jumps over the lazy dog and"},
                    {"max_tokens", 8},
                    {"temperature", 0}};

@@ -399,6 +399,92 @@ TEST_F(EngineServer, GuidedRegexHoldsWithSpeculativeDecoding) {
   EXPECT_EQ(engine.stop(), 0);
 }
 
+// The generated ids of each choice of a completion answer, read from its logprobs with
+// return_tokens_as_token_ids ("token_id:N").
+std::vector<std::vector<int32_t>> answer_ids(const json& answer) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& c : answer["choices"]) {
+    auto& ids = out.emplace_back();
+    for (const auto& t : c["logprobs"]["tokens"])
+      ids.push_back(std::stoi(t.get<std::string>().substr(std::string("token_id:").size())));
+  }
+  return out;
+}
+
+// vLLM's allowed_token_ids and bad_words through an engine that speculates with its MTP module:
+// every token of every choice (n > 1, sampled and greedy) is an allowed id, and no choice holds a
+// bad word's ids (as vLLM tokenizes it: bare and after a space) though the unconstrained greedy
+// answer does.
+TEST_F(EngineServer, AllowedTokenIdsAndBadWordsHoldInTheAnswersTokens) {
+  testing::EngineProcess engine(engine_args({"--speculative-tokens", "2"}));
+  auto complete = [&](json body) {
+    body["prompt"] = "The quick brown fox";
+    body["logprobs"] = 1;
+    body["return_tokens_as_token_ids"] = true;
+    body["ignore_eos"] = true;
+    const auto res = testing::post_json(engine.port(), "/v1/completions", body);
+    EXPECT_EQ(res.status, 200) << res.body;
+    return res.status == 200 ? answer_ids(json::parse(res.body))
+                             : std::vector<std::vector<int32_t>>{};
+  };
+  const std::vector<int32_t> free_ids = complete({{"max_tokens", 24}, {"temperature", 0}}).at(0);
+  ASSERT_EQ(free_ids.size(), 24u);
+
+  // Allowed: ids the free answer did not choose first, so the mask decides.
+  std::set<int32_t> allowed;
+  for (int32_t id = 1000; allowed.size() < 4; id += 37)
+    if (id != free_ids[0]) allowed.insert(id);
+  for (const json& sampling : {json{{"temperature", 0}}, json{{"temperature", 1.0}, {"seed", 3}},
+                               json{{"temperature", 1.5}}}) {
+    json body = sampling;
+    body["max_tokens"] = 16;
+    body["n"] = 3;
+    body["allowed_token_ids"] = allowed;
+    const auto choices = complete(body);
+    ASSERT_EQ(choices.size(), 3u) << sampling.dump();
+    for (const auto& ids : choices) {
+      EXPECT_EQ(ids.size(), 16u);
+      for (int32_t id : ids) EXPECT_TRUE(allowed.count(id)) << sampling.dump() << " drew " << id;
+    }
+  }
+
+  // Bad words: the text of a token of the free greedy answer, whose ids (the bare word's or the
+  // spaced one's, vLLM's rule) include that token alone.
+  std::string word;
+  std::vector<std::vector<int32_t>> banned;
+  for (int32_t t : free_ids) {
+    std::string text = tok_->decode(std::vector<int32_t>{t}, false);
+    text.erase(0, std::min(text.size(), text.find_first_not_of(' ')));
+    if (text.empty()) continue;
+    const auto bare = tok_->encode(text, false), spaced = tok_->encode(" " + text, false);
+    std::vector<std::vector<int32_t>> seqs = {bare};
+    if (!spaced.empty() && spaced[0] != bare[0] && spaced.size() == bare.size())
+      seqs.push_back(spaced);
+    for (const auto& s : seqs)
+      if (s == std::vector<int32_t>{t}) {
+        word = tok_->decode(std::vector<int32_t>{t}, false);
+        banned = seqs;
+      }
+    if (!word.empty()) break;
+  }
+  ASSERT_FALSE(word.empty()) << "no token of the free answer is a one-token word";
+  for (const json& sampling : {json{{"temperature", 0}}, json{{"temperature", 0.8}, {"seed", 9}}}) {
+    json body = sampling;
+    body["max_tokens"] = 24;
+    body["n"] = 2;
+    body["bad_words"] = {word};
+    const auto choices = complete(body);
+    ASSERT_EQ(choices.size(), 2u);
+    for (const auto& ids : choices)
+      for (const auto& b : banned)
+        EXPECT_EQ(std::search(ids.begin(), ids.end(), b.begin(), b.end()), ids.end())
+            << "'" << word << "' in " << json(ids).dump();
+    if (sampling["temperature"] == 0) EXPECT_NE(choices[0], free_ids);
+  }
+  EXPECT_GT(metric(engine.port(), "vllm:spec_decode_num_draft_tokens_total"), 0);
+  EXPECT_EQ(engine.stop(), 0);
+}
+
 // Response ids are named as vLLM names them, from the client's X-Request-Id when it sends one.
 TEST_F(EngineServer, ResponseIdsCarryTheirPrefixAndTheClientsRequestId) {
   testing::EngineProcess engine(engine_args());
@@ -571,6 +657,14 @@ TEST_F(EngineServer, SimulatedExecutorServesTheSameApi) {
   EXPECT_EQ(resp.status, 200);
   EXPECT_NE(events.find("chat.completion.chunk"), std::string::npos);
   EXPECT_NE(events.find("data: [DONE]"), std::string::npos);
+  // Token masks, as structured outputs, need a model: refused, not ignored.
+  for (const auto& [name, value] : std::vector<std::pair<std::string, json>>{
+           {"allowed_token_ids", {5, 6}}, {"bad_words", {"hello"}}}) {
+    const auto refused = testing::post_json(
+        engine.port(), "/v1/completions", json{{"prompt", "hi"}, {"max_tokens", 3}, {name, value}});
+    EXPECT_EQ(refused.status, 400) << refused.body;
+    EXPECT_NE(refused.body.find(name), std::string::npos) << refused.body;
+  }
 }
 
 // An engine with an API key answers only callers that carry it, except its health probe and

@@ -223,6 +223,141 @@ TEST(Sampler, EndTokensAreNotDrawnBeforeMinTokens) {
   EXPECT_EQ(keep_eos.sample(l, {}, {}), 2);
 }
 
+// Logits of `vocab` ids drawn from a seeded generator (ties are improbable).
+std::vector<float> random_logits(std::mt19937& gen, int vocab) {
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> l(static_cast<size_t>(vocab));
+  for (auto& v : l) v = normal(gen);
+  return l;
+}
+
+// vLLM's allowed_token_ids: draws, greedy or not, filtered or not, come from the list alone, even
+// when logit_bias or penalties favour another id; greedy takes the best allowed id (found here by
+// a scan of the raw logits).
+TEST(Sampler, AllowedTokenIdsAreNeverViolated) {
+  std::mt19937 gen(11);
+  const int vocab = 40;
+  for (int trial = 0; trial < 400; ++trial) {
+    SamplingParams p;
+    std::set<int32_t> allowed;
+    const int count = 1 + trial % 5;
+    while (static_cast<int>(allowed.size()) < count) allowed.insert(int32_t(gen() % vocab));
+    p.allowed_token_ids.assign(allowed.begin(), allowed.end());
+    p.temperature = trial % 4 == 0 ? 0.0 : 0.5 + trial % 3;
+    p.top_k = trial % 3 == 0 ? 3 : 0;
+    p.top_p = trial % 5 == 0 ? 0.5 : 1.0;
+    p.logit_bias = {{int32_t(gen() % vocab), 100.0f}};
+    p.seed = trial;
+    Sampler s(p, trial);
+    const std::vector<float> raw = random_logits(gen, vocab);
+    auto l = raw;
+    const int32_t t = s.sample(l, {}, {});
+    ASSERT_TRUE(allowed.count(t)) << "trial " << trial << " drew " << t;
+    ASSERT_TRUE(s.failure().empty());
+    if (p.temperature == 0) {
+      int32_t best = -1;
+      for (int32_t id : allowed) {
+        float v = raw[id];
+        if (id == p.logit_bias[0].first) v += 100.0f;
+        if (best < 0 || v > (best == p.logit_bias[0].first ? raw[best] + 100.0f : raw[best]))
+          best = id;
+      }
+      EXPECT_EQ(t, best) << "trial " << trial;
+    }
+  }
+}
+
+// The ids banned after `output` by vLLM's rule, by brute force: t is banned when some word ends in
+// t and the output ends in the word's other ids.
+std::set<int32_t> banned_after(const std::vector<std::vector<int32_t>>& words,
+                               const std::vector<int32_t>& output) {
+  std::set<int32_t> out;
+  for (const auto& w : words) {
+    bool match = w.size() - 1 <= output.size();
+    for (size_t k = 0; match && k + 1 < w.size(); ++k)
+      match = output[output.size() - (w.size() - 1) + k] == w[k];
+    if (match) out.insert(w.back());
+  }
+  return out;
+}
+
+// vLLM's bad_words: after any output, exactly the ids that would complete a word are masked
+// (one-token words always, longer words after their prefix); the prompt does not count.
+TEST(Sampler, BadWordsMaskExactlyTheIdsThatCompleteAWord) {
+  std::mt19937 gen(5);
+  const int vocab = 6;
+  for (int trial = 0; trial < 500; ++trial) {
+    SamplingParams p;
+    p.temperature = 0;
+    const int n = 1 + trial % 3;
+    for (int i = 0; i < n; ++i) {
+      std::vector<int32_t> w(1 + gen() % 3);
+      for (auto& t : w) t = int32_t(gen() % vocab);
+      p.bad_words_token_ids.push_back(w);
+    }
+    std::vector<int32_t> output(gen() % 5);
+    for (auto& t : output) t = int32_t(gen() % vocab);
+    const std::vector<int32_t> prompt = {int32_t(gen() % vocab), int32_t(gen() % vocab)};
+    const std::set<int32_t> banned = banned_after(p.bad_words_token_ids, output);
+    if (static_cast<int>(banned.size()) == vocab) continue;
+    Sampler s(p, 1);
+    std::vector<float> l(vocab, 1.0f);
+    const int32_t t = s.sample(l, prompt, output);
+    for (int32_t id = 0; id < vocab; ++id)
+      ASSERT_EQ(std::isinf(l[id]) && l[id] < 0, banned.count(id) == 1)
+          << "trial " << trial << " id " << id;
+    EXPECT_FALSE(banned.count(t));
+  }
+}
+
+// Over long sampled answers, no bad word (one or several tokens) ever appears whole, while its
+// prefixes still do.
+TEST(Sampler, SampledAnswersNeverHoldABadWord) {
+  const std::vector<std::vector<int32_t>> words = {{2}, {0, 1}, {3, 3, 4}};
+  bool prefix_seen = false;
+  for (int seed = 0; seed < 40; ++seed) {
+    SamplingParams p;
+    p.temperature = 1.0;
+    p.seed = seed;
+    p.bad_words_token_ids = words;
+    Sampler s(p, seed);
+    std::mt19937 gen(seed);
+    std::vector<int32_t> output;
+    for (int i = 0; i < 200; ++i) {
+      auto l = random_logits(gen, 5);
+      l[2] += 3;  // the banned one-token word would be the likeliest
+      output.push_back(s.sample(l, {}, output));
+    }
+    for (const auto& w : words)
+      ASSERT_EQ(std::search(output.begin(), output.end(), w.begin(), w.end()), output.end())
+          << "seed " << seed;
+    const std::vector<int32_t> prefix = {3, 3};
+    prefix_seen |=
+        std::search(output.begin(), output.end(), prefix.begin(), prefix.end()) != output.end();
+  }
+  EXPECT_TRUE(prefix_seen);
+}
+
+// Masks that leave nothing (the only allowed id is EOS before min_tokens) fail the request with
+// a reason naming the fields, rather than draw a token they exclude; propose() does not throw.
+TEST(Sampler, MasksThatLeaveNoTokenFailTheRequest) {
+  for (double temperature : {0.0, 1.0}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.allowed_token_ids = {1};
+    p.min_tokens = 1;
+    const std::vector<int32_t> eos = {1};
+    Sampler s(p, 1, eos);
+    std::vector<float> q;
+    auto d = logits_of({0.0f, 1.0f, 2.0f});
+    EXPECT_NO_THROW(s.propose(d, {}, {}, q));
+    auto l = logits_of({0.0f, 1.0f, 2.0f});
+    EXPECT_EQ(s.sample(l, {}, {}), 0);
+    EXPECT_NE(s.failure().find("'allowed_token_ids', 'min_tokens'"), std::string::npos)
+        << s.failure();
+  }
+}
+
 TEST(Sampler, InvalidParametersAreNamed) {
   auto error_of = [](SamplingParams p) {
     try {
@@ -250,6 +385,16 @@ TEST(Sampler, InvalidParametersAreNamed) {
   EXPECT_NE(error_of(p).find("at most 1024 stop_token_ids"), std::string::npos) << error_of(p);
   p.stop_token_ids.pop_back();
   EXPECT_EQ(error_of(p), "");
+  p = {};
+  p.allowed_token_ids = {3, 2};
+  EXPECT_NE(error_of(p).find("allowed_token_ids"), std::string::npos);
+  p = {};
+  p.bad_words_token_ids = {{}};
+  EXPECT_NE(error_of(p).find("bad_words"), std::string::npos);
+  p.bad_words_token_ids.assign(SamplingParams::kMaxBadWords + 1, {1});
+  EXPECT_NE(error_of(p).find("bad_words"), std::string::npos);
+  p.bad_words_token_ids.assign(2, std::vector<int32_t>(SamplingParams::kMaxBadWordsTotalTokens, 1));
+  EXPECT_NE(error_of(p).find("bad_words"), std::string::npos);
 }
 
 // The end ids are sorted and each is kept once, so that a step looks a token up by binary search
@@ -436,6 +581,40 @@ TEST(SpeculativeSampling, GreedyAcceptsExactlyTheArgmax) {
   EXPECT_EQ(s.verify(t, {}, {}, draft, q), 1);  // rejected: the target's argmax replaces it
   t = kTarget;
   EXPECT_EQ(s.verify(t, {}, {}, 1, q), 1);  // accepted
+}
+
+// Drafts see the target's masks: a banned or disallowed draft is never accepted, greedy, seeded
+// (coupled) or unseeded (rejection sampling, even when the draft distribution claims the
+// banned id), and propose() never offers one.
+TEST(SpeculativeSampling, DraftVerificationNeverAcceptsAMaskedToken) {
+  const std::vector<int32_t> output = {0, 1};
+  for (int variant = 0; variant < 2; ++variant) {
+    for (int mode = 0; mode < 3; ++mode) {
+      for (int i = 0; i < 300; ++i) {
+        SamplingParams p;
+        p.temperature = mode == 0 ? 0.0 : 1.0;
+        if (mode == 1) p.seed = i;
+        int32_t masked = 3;
+        if (variant == 0)
+          p.bad_words_token_ids = {{1, 3}};  // 3 completes a word after the output's 1
+        else
+          p.allowed_token_ids = {0, 1, 2};
+        Sampler s(p, 100 + i);
+        std::vector<float> q;
+        auto d = kTarget;
+        d[masked] += 5;  // the draft model would propose it
+        ASSERT_NE(s.propose(d, {}, output, q), masked);
+        // The draft given as the masked id, with a distribution that claims it.
+        std::vector<float> claim(kTarget.size(), 0.0f);
+        claim[masked] = 1.0f;
+        auto t = kTarget;
+        t[masked] += 5;  // and the target would take it too
+        const int32_t answer = s.verify(t, {}, output, masked, claim);
+        ASSERT_NE(answer, masked) << "variant " << variant << " mode " << mode << " i " << i;
+        ASSERT_TRUE(s.failure().empty());
+      }
+    }
+  }
 }
 
 TEST(SpeculativeSampling, AVerifyWithoutTheDraftDistributionIsAnError) {
