@@ -52,18 +52,34 @@ std::string_view response_id_prefix(ApiKind kind) {
   return "";
 }
 
-json chat_message_choice(int64_t index, std::string content, json logprobs, json finish_reason) {
+json chat_message_choice(int64_t index, std::string content, json logprobs, json finish_reason,
+                         json stop_reason) {
   return {{"index", index},
           {"message", {{"role", "assistant"}, {"content", std::move(content)}}},
           {"logprobs", std::move(logprobs)},
-          {"finish_reason", std::move(finish_reason)}};
+          {"finish_reason", std::move(finish_reason)},
+          {"stop_reason", std::move(stop_reason)}};
 }
 
-json chat_chunk_choice(int64_t index, json delta, json logprobs, json finish_reason) {
+json chat_chunk_choice(int64_t index, json delta, json logprobs, json finish_reason,
+                       json stop_reason) {
   return {{"index", index},
           {"delta", std::move(delta)},
           {"logprobs", std::move(logprobs)},
-          {"finish_reason", std::move(finish_reason)}};
+          {"finish_reason", std::move(finish_reason)},
+          {"stop_reason", std::move(stop_reason)}};
+}
+
+// vLLM's stop_reason and SGLang's matched for a finished output.
+json stop_reason_of(const RequestOutput& out) {
+  if (out.stop_string) return *out.stop_string;
+  if (out.stop_token && !out.stop_at_eos) return *out.stop_token;
+  return nullptr;
+}
+json matched_of(const RequestOutput& out) {
+  if (out.stop_string) return *out.stop_string;
+  if (out.stop_token) return *out.stop_token;
+  return nullptr;
 }
 
 json chat_role_delta() {
@@ -329,6 +345,7 @@ json ResponseBuilder::generate_body(size_t index) const {
   if (c.finished) {
     finish = {{"type", c.finish_reason}};
     if (c.finish_reason == "length") finish["length"] = c.completion_tokens;
+    if (!c.matched.is_null()) finish["matched"] = c.matched;
   }
   json meta = {{"id", request_.request_id.empty() ? id_ : request_.request_id},
                {"finish_reason", finish},
@@ -365,6 +382,8 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
   if (out.finished) {
     c.finished = true;
     c.finish_reason = out.finish_reason;
+    c.stop_reason = stop_reason_of(out);
+    c.matched = matched_of(out);
   }
   std::vector<json> chunks;
   if (!request_.stream) {
@@ -403,7 +422,10 @@ void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput
       // token) still send their logprobs: the next chunk's start after them.
       const bool new_logprobs = request_.logprobs >= 0 && first_lp < c.logprobs.size();
       if (piece.empty() && !out.finished && !new_logprobs) break;
-      json choice = {{"index", index}, {"text", piece}, {"finish_reason", finish}};
+      json choice = {{"index", index},
+                     {"text", piece},
+                     {"finish_reason", finish},
+                     {"stop_reason", c.stop_reason}};
       choice["logprobs"] = request_.logprobs < 0 ? json(nullptr)
                            : echoing             ? joined_logprobs(echoed_logprobs(index),
                                                                    completion_logprobs(c, first_lp, offset))
@@ -413,9 +435,10 @@ void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput
     }
     case ApiKind::kChat: {
       auto chunk = [&](json delta, json fin, json logprobs) {
+        json stop = fin.is_null() ? json(nullptr) : c.stop_reason;
         return stream_chunk(kChatChunkObject,
                             chat_chunk_choice(int64_t(index), std::move(delta), std::move(logprobs),
-                                              std::move(fin)));
+                                              std::move(fin), std::move(stop)));
       };
       if (!c.started) {
         chunks.push_back(chunk(chat_role_delta(), nullptr, nullptr));
@@ -460,7 +483,8 @@ std::vector<json> ResponseBuilder::on_echo_only(size_t index, const RequestOutpu
   json choice = {{"index", index},
                  {"text", request_.prompt_texts.at(index)},
                  {"logprobs", request_.logprobs >= 0 ? echoed_logprobs(index) : json(nullptr)},
-                 {"finish_reason", c.finish_reason}};
+                 {"finish_reason", c.finish_reason},
+                 {"stop_reason", nullptr}};
   return {stream_chunk(kCompletionObject, std::move(choice))};
 }
 
@@ -498,7 +522,10 @@ json ResponseBuilder::final_body() const {
     if (request_.kind == ApiKind::kCompletion) {
       const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
       const std::string text = request_.echo_only ? prefix : prefix + c.text;
-      json choice = {{"index", i}, {"text", text}, {"finish_reason", c.finish_reason}};
+      json choice = {{"index", i},
+                     {"text", text},
+                     {"finish_reason", c.finish_reason},
+                     {"stop_reason", c.stop_reason}};
       json logprobs = nullptr;
       if (request_.logprobs >= 0) {
         logprobs =
@@ -515,10 +542,12 @@ json ResponseBuilder::final_body() const {
     } else {
       const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
       if (!c.tool_parser && !c.reasoning_parser) {
-        choices.push_back(chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason));
+        choices.push_back(
+            chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason, c.stop_reason));
         continue;
       }
-      json choice = chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c));
+      json choice = chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c),
+                                        c.stop_reason);
       if (c.reasoning_parser) {
         // As vLLM's: null for a part the answer does not have.
         json& message = choice["message"];

@@ -33,11 +33,12 @@ std::string_view response_id_prefix(ApiKind kind);
 // gateway and the engines replace any other with a random id.
 bool usable_request_id(std::string_view id);
 
-// Chat choices: a whole message (non-streaming) and one stream chunk's delta.
+// Chat choices: a whole message (non-streaming) and one stream chunk's delta, with vLLM's
+// stop_reason (null but on a finished choice that a stop string or stop id ended).
 nlohmann::json chat_message_choice(int64_t index, std::string content, nlohmann::json logprobs,
-                                   nlohmann::json finish_reason);
+                                   nlohmann::json finish_reason, nlohmann::json stop_reason);
 nlohmann::json chat_chunk_choice(int64_t index, nlohmann::json delta, nlohmann::json logprobs,
-                                 nlohmann::json finish_reason);
+                                 nlohmann::json finish_reason, nlohmann::json stop_reason);
 // The deltas of a chat stream, in order: the role first (with empty content), then content, then
 // an empty delta with the finish reason.
 nlohmann::json chat_role_delta();
@@ -74,6 +75,9 @@ class ResponseBuilder {
     // Scored prompts: positions 1.. of the prompt (they come with the first output).
     std::vector<TokenLogprob> prompt_logprobs;
     std::string finish_reason;
+    // vLLM's stop_reason (the stop string or stop id that ended it; null otherwise, the EOS
+    // included) and SGLang's finish_reason.matched (the EOS id too); null until finished.
+    nlohmann::json stop_reason, matched;
     bool finished = false, started = false;
     int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
     // Chat with tools: the answer read as content and calls.

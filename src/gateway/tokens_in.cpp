@@ -280,10 +280,9 @@ std::string ResponseTranslator::body(std::string_view completion_json) const {
   for (size_t i = 0; i < (*answer)["choices"].size(); ++i) {
     const json& c = (*answer)["choices"][i];
     if (!c.is_object()) return std::string(completion_json);
-    json choice =
-        api::chat_message_choice(int64_t(i), text_of(c), nullptr, member(c, "finish_reason"));
+    json choice = api::chat_message_choice(int64_t(i), text_of(c), nullptr,
+                                           member(c, "finish_reason"), member(c, "stop_reason"));
     if (c.contains("index")) choice["index"] = c["index"];
-    if (c.contains("stop_reason")) choice["stop_reason"] = c["stop_reason"];
     choices.push_back(std::move(choice));
   }
   out["choices"] = std::move(choices);
@@ -309,10 +308,10 @@ std::vector<std::string> ResponseTranslator::event(std::string_view data) {
     const json* index_field = field(c, "index");
     const int64_t index =
         index_field && index_field->is_number_integer() ? index_field->get<int64_t>() : 0;
-    auto chunk = [&](json delta, json finish) {
+    auto chunk = [&](json delta, json finish, json stop = nullptr) {
       json e = envelope;
-      e["choices"] = json::array(
-          {api::chat_chunk_choice(index, std::move(delta), nullptr, std::move(finish))});
+      e["choices"] = json::array({api::chat_chunk_choice(index, std::move(delta), nullptr,
+                                                         std::move(finish), std::move(stop))});
       return e;
     };
     // As the engine answers a chat: the role first, then content, then the finish on its own.
@@ -320,11 +319,8 @@ std::vector<std::string> ResponseTranslator::event(std::string_view data) {
       events.push_back(dump(chunk(api::chat_role_delta(), nullptr)));
     if (const std::string text = text_of(c); !text.empty())
       events.push_back(dump(chunk(api::chat_content_delta(text), nullptr)));
-    if (const json finish = member(c, "finish_reason"); !finish.is_null()) {
-      json e = chunk(json::object(), finish);
-      if (c.contains("stop_reason")) e["choices"][0]["stop_reason"] = c["stop_reason"];
-      events.push_back(dump(e));
-    }
+    if (const json finish = member(c, "finish_reason"); !finish.is_null())
+      events.push_back(dump(chunk(json::object(), finish, member(c, "stop_reason"))));
   }
   return events;
 }

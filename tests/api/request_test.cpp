@@ -1061,6 +1061,55 @@ TEST(Protocol, ChatStreamChunksAndFinalBody) {
   EXPECT_EQ(body["usage"]["prompt_tokens"], 4);
 }
 
+// vLLM's stop_reason on every choice (completions and chat, whole and streamed): the stop
+// string or stop_token_ids id that ended it, null for the EOS, a length or an unfinished chunk;
+// SGLang's finish_reason.matched names the id, the EOS's too. Both were missing.
+TEST(Protocol, StopReasonIsTheStopStringOrStopIdAsVllmAndSglangSayIt) {
+  struct Case {
+    std::optional<std::string> string;
+    std::optional<int32_t> token;
+    bool eos;
+    json vllm, sglang;
+  };
+  const Case cases[] = {{"END", std::nullopt, false, "END", "END"},
+                        {std::nullopt, 7, false, 7, 7},
+                        {std::nullopt, 1, true, nullptr, 1},
+                        {std::nullopt, std::nullopt, false, nullptr, nullptr}};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.vllm.dump());
+    RequestOutput last = output({11}, "lo", true, k.token || k.string ? "stop" : "length");
+    last.stop_string = k.string;
+    last.stop_token = k.token;
+    last.stop_at_eos = k.eos;
+    for (ApiKind kind : {ApiKind::kCompletion, ApiKind::kChat, ApiKind::kGenerate}) {
+      for (bool stream : {false, true}) {
+        ApiRequest req;
+        req.kind = kind;
+        req.model = "m";
+        req.prompts = {{1, 2, 3, 4}};
+        req.prompt_texts = {""};
+        req.stream = stream;
+        ResponseBuilder b(req, tokenizer(), "id-1", 123);
+        std::vector<json> chunks = b.on_output(0, output({10}, "Hel", false));
+        if (kind != ApiKind::kGenerate)
+          for (const json& c : chunks) EXPECT_TRUE(c["choices"][0]["stop_reason"].is_null());
+        chunks = b.on_output(0, last);
+        const json body = stream ? chunks.back() : b.final_body();
+        if (kind == ApiKind::kGenerate) {
+          const json& finish = body["meta_info"]["finish_reason"];
+          if (k.sglang.is_null())
+            EXPECT_FALSE(finish.contains("matched")) << finish;
+          else
+            EXPECT_EQ(finish["matched"], k.sglang) << finish;
+          continue;
+        }
+        ASSERT_TRUE(body["choices"][0].contains("stop_reason")) << body;
+        EXPECT_EQ(body["choices"][0]["stop_reason"], k.vllm) << body;
+      }
+    }
+  }
+}
+
 // vLLM's continuous_usage_stats: with include_usage, every chunk carries its choice's usage so far
 // (the role chunk none of the answer's tokens); the usage chunk still ends the stream. Without
 // include_usage, no chunk has one.
