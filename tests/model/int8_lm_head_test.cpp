@@ -21,11 +21,7 @@ namespace tandem::model {
 namespace {
 
 ModelConfig config() {
-  ModelConfig c = preset_config("tiny-v3");
-  c.vocab_size = 3000;
-  c.bos_token_id = 0;
-  c.eos_token_id = 1;
-  return c;
+  return test::small_vocab_tiny_v3();
 }
 
 // The checkpoint's BF16 tensor `name` [rows, cols] as float32.

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "model/make_model.h"
+
 namespace tandem::test {
 
 // A fresh folder in the system temp folder, removed with its contents when destroyed.
@@ -90,6 +92,16 @@ inline double logit_deviation(const std::vector<std::vector<float>>& ref, const 
       scale = std::max(scale, std::fabs(static_cast<double>(ref[r][v])));
     }
   return worst / scale;
+}
+
+// The tiny-v3 preset with a vocabulary of 3000 (BOS 0, EOS 1): loading tests whose random
+// checkpoints need no tokenizer and whose LM heads should stay small.
+inline model::ModelConfig small_vocab_tiny_v3() {
+  model::ModelConfig c = model::preset_config("tiny-v3");
+  c.vocab_size = 3000;
+  c.bos_token_id = 0;
+  c.eos_token_id = 1;
+  return c;
 }
 
 }  // namespace tandem::test

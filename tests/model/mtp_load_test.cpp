@@ -24,11 +24,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 ModelConfig config() {
-  ModelConfig c = preset_config("tiny-v3");
-  c.vocab_size = 3000;
-  c.bos_token_id = 0;
-  c.eos_token_id = 1;
-  return c;
+  return test::small_vocab_tiny_v3();
 }
 
 std::vector<float> logits_of(const DeepSeekModel& model, const std::vector<int32_t>& prompt) {
