@@ -18,6 +18,20 @@ namespace {
 
 using nlohmann::json;
 
+// `answer` given to `builder` as one choice's outputs of `piece` bytes each, the last finishing
+// it with "stop": the stream chunks it renders.
+std::vector<json> fed_in_pieces(ResponseBuilder& builder, const std::string& answer, size_t piece) {
+  std::vector<json> chunks;
+  for (size_t at = 0; at < answer.size(); at += piece) {
+    RequestOutput out;
+    out.text = answer.substr(at, piece);
+    out.finished = at + piece >= answer.size();
+    out.finish_reason = "stop";
+    for (auto& c : builder.on_output(0, out)) chunks.push_back(std::move(c));
+  }
+  return chunks;
+}
+
 // The answer fed in pieces cut at random byte offsets, folded as a client folds a stream.
 ParsedToolCalls parse_streamed(ToolCallFormat format, std::string_view answer, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -323,14 +337,7 @@ TEST(ToolCalls, ChatAnswersCarryToolCallsWholeAndStreamed) {
     request.stream = stream;
     request.tool_calls = ToolCallFormat::kDeepSeekV3;
     ResponseBuilder builder(request, tok, "chatcmpl-1", 0);
-    std::vector<json> chunks;
-    for (size_t at = 0; at < answer.size(); at += 7) {
-      RequestOutput out;
-      out.text = answer.substr(at, 7);
-      out.finished = at + 7 >= answer.size();
-      out.finish_reason = "stop";
-      for (auto& c : builder.on_output(0, out)) chunks.push_back(std::move(c));
-    }
+    const std::vector<json> chunks = fed_in_pieces(builder, answer, 7);
     ASSERT_TRUE(builder.all_finished());
     if (!stream) {
       const json message = builder.final_body()["choices"][0]["message"];
@@ -386,14 +393,7 @@ TEST(ToolCalls, ParallelToolCallsFalseKeepsTheFirstCall) {
     request.tool_calls = ToolCallFormat::kDeepSeekV3;
     request.parallel_tool_calls = false;
     ResponseBuilder builder(request, tok, "chatcmpl-1", 0);
-    std::vector<json> chunks;
-    for (size_t at = 0; at < answer.size(); at += 5) {
-      RequestOutput out;
-      out.text = answer.substr(at, 5);
-      out.finished = at + 5 >= answer.size();
-      out.finish_reason = "stop";
-      for (auto& c : builder.on_output(0, out)) chunks.push_back(std::move(c));
-    }
+    const std::vector<json> chunks = fed_in_pieces(builder, answer, 5);
     if (!stream) {
       const json choice = builder.final_body()["choices"][0];
       EXPECT_EQ(choice["message"]["content"], "Both.\n");
