@@ -109,9 +109,11 @@ run_policy() {
     metrics+=(--metrics-url "$e")
     engines+=("$e")
   done
+  # --ignore-eos: the replay forces the trace's output lengths, as it did before it was an opt-in
+  # flag (vLLM forces them only for the random dataset); the recorded comparisons depend on it.
   "$build/tandem" bench --base-url "$url" --model deepseek-v3-h800 --dataset-name "$dataset" \
-    --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" --time-scale "$scale" \
-    "${spread[@]}" "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
+    --ignore-eos --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" \
+    --time-scale "$scale" "${spread[@]}" "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
     --goodput "ttft:${SLO_TTFT_MS:-10000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \
     --result-file "$dir/$policy.json" --no-progress >"$dir/bench-$policy.out" 2>&1
   for e in "${engines[@]}"; do curl -s "$e/metrics" >"$dir/engine-$policy-${e##*:}.txt"; done

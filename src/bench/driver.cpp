@@ -41,17 +41,28 @@ std::string request_body(const BenchRequest& request, const DriverOptions& optio
     body["messages"] = json::array({{{"role", "user"}, {"content", request.prompt_text}}});
     body["max_completion_tokens"] = request.output_len;
   } else {
-    if (options.prompt_format == PromptFormat::kTokenIds)
-      body["prompt"] = request.prompt_ids;
-    else
+    if (options.prompt_format == PromptFormat::kTokenIds) {
+      json ids = json::array();
+      if (options.bos_id) ids.push_back(*options.bos_id);
+      for (int32_t id : request.prompt_ids) ids.push_back(id);
+      body["prompt"] = std::move(ids);
+    } else
       body["prompt"] = request.prompt_text;
     body["max_tokens"] = request.output_len;
   }
-  body["temperature"] = 0.0;
+  if (options.temperature) body["temperature"] = *options.temperature;
+  if (options.top_p) body["top_p"] = *options.top_p;
+  if (options.top_k) body["top_k"] = *options.top_k;
+  if (options.min_p) body["min_p"] = *options.min_p;
   body["stream"] = true;
   body["stream_options"] = {{"include_usage", true}};
   if (options.ignore_eos) body["ignore_eos"] = true;
   return body.dump();
+}
+
+int64_t sent_prompt_tokens(const BenchRequest& request, const DriverOptions& options) {
+  return static_cast<int64_t>(request.prompt_ids.size()) +
+         (options.bos_id && options.count_bos ? 1 : 0);
 }
 
 DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOptions& options) {
@@ -98,7 +109,7 @@ DriverRun run_workload(const std::vector<BenchRequest>& requests, const DriverOp
     if (!options.api_key.empty()) r.headers.set("Authorization", "Bearer " + options.api_key);
     r.timeout = options.timeout;
     flights[i] = std::make_unique<StreamMeasurement>(
-        since(origin, Clock::now()), static_cast<int64_t>(requests[i].prompt_ids.size()));
+        since(origin, Clock::now()), sent_prompt_tokens(requests[i], options), options.tokenizer);
     StreamMeasurement* flight = flights[i].get();
     net::AsyncHttpHandlers h;
     h.on_head = [flight](int status, const net::Headers&) { flight->head(status); };

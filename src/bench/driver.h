@@ -3,7 +3,8 @@
 // SGLang) at the requests' arrival times, streaming every answer, and measures each request the
 // way vLLM's benchmark client does (bench/metrics.h): TTFT at the first chunk carrying choices,
 // one inter-token gap per later chunk, latency at the last chunk, output tokens from the usage
-// chunk. Hundreds of streams run on one client thread (net/async_http_client.h).
+// chunk (else the re-tokenized text). Hundreds of streams run on one client thread
+// (net/async_http_client.h).
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -27,7 +28,22 @@ struct DriverOptions {
   // Completions: the prompt as token ids (exact lengths) or as text that encodes to them. Chat
   // requests always send text.
   PromptFormat prompt_format = PromptFormat::kTokenIds;
+  // The BOS id a server adds to a text prompt (vLLM's datasets count it in their lengths): put
+  // first in token-id prompts, which servers take as given, and counted in every prompt's tokens,
+  // so that both formats reach the server with the length the workload asked for. Unset for
+  // traces, whose lengths are the ids sent.
+  std::optional<int32_t> bos_id;
+  // Whether the results count that BOS in a prompt's tokens: vLLM's random and sharegpt datasets
+  // do (their prompt_len is the server's length), its prefix_repetition does not (prefix + suffix
+  // tokens, though the server sees the BOS too).
+  bool count_bos = true;
+  // Counts a request's output from its text when the server sends no usage count (may be null:
+  // then the chunks are counted). Must outlive the run.
+  const text::Tokenizer* tokenizer = nullptr;
   bool ignore_eos = true;  // force the requested output lengths (vLLM's --ignore-eos)
+  // Sampling parameters, sent when set. vLLM's client sends temperature 0 unless told otherwise.
+  std::optional<double> temperature = 0.0, top_p, min_p;
+  std::optional<int64_t> top_k;
   std::optional<int64_t> max_concurrency;  // at most this many requests in flight
   std::chrono::milliseconds timeout = std::chrono::minutes(10);  // per wait for the next piece
   std::string api_key;                                           // sent as a Bearer token when set
@@ -37,11 +53,13 @@ struct DriverOptions {
 
 struct DriverRun {
   std::vector<RequestResult> results;  // in workload order
-  double duration_s = 0;               // first send to last answer
+  double duration_s = 0;               // the start of the run to the last answer
 };
 
 // The request body for one workload entry (exposed for tests and for inspection).
 std::string request_body(const BenchRequest& request, const DriverOptions& options);
+// A request's prompt tokens as the results count them: its ids, and the BOS when counted.
+int64_t sent_prompt_tokens(const BenchRequest& request, const DriverOptions& options);
 
 // Sends every request at its arrival_s after the start (later when max_concurrency holds it
 // back) and waits for all answers. Failed requests are results with success false and the

@@ -262,9 +262,11 @@ json to_json(const BenchSummary& s, std::span<const RequestResult> results) {
     for (const RequestResult& r : results) {
       input_lens.push_back(r.prompt_tokens);
       output_lens.push_back(r.success ? r.output_tokens : 0);
-      ttfts.push_back(r.ttft_s);
+      // vLLM writes a failed request's TTFT and latency as 0.0, its output's defaults; tools that
+      // read the lists take them so.
+      ttfts.push_back(r.success ? r.ttft_s : 0.0);
       itls.push_back(r.itl_s);
-      latencies.push_back(r.latency_s);
+      latencies.push_back(r.success ? r.latency_s : 0.0);
       starts.push_back(r.start_s);
       errors.push_back(r.error);
     }

@@ -93,7 +93,7 @@ struct Timeline {
 };
 Timeline timeline(std::span<const RequestResult> results);
 
-// vLLM's calculate_metrics. duration_s is the wall time of the run (first send to last answer).
+// vLLM's calculate_metrics. duration_s is the wall time of the run (its start to the last answer).
 // Throws tandem::Error for duration_s <= 0, a percentile outside [0, 100] or an unknown metric.
 BenchSummary summarize(std::span<const RequestResult> results, double duration_s,
                        const MetricsOptions& options = {});
@@ -103,7 +103,8 @@ BenchSummary summarize(std::span<const RequestResult> results, double duration_s
 // "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests" and, for each
 // selected metric m, "mean_<m>_ms", "median_<m>_ms", "std_<m>_ms", "p<P>_<m>_ms" (P as Python
 // prints it: 99, 99.9). With `results`, vLLM's per-request lists as well: "input_lens",
-// "output_lens" (0 for a failed request), "ttfts", "itls", "latencies", "start_times", "errors".
+// "output_lens" (0 for a failed request), "ttfts", "itls", "latencies" (TTFT and latency 0.0 for a
+// failed request, as vLLM writes them), "start_times", "errors".
 nlohmann::json to_json(const BenchSummary& summary, std::span<const RequestResult> results = {});
 
 // What the run was configured with, for the table's optional rows.

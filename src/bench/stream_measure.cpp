@@ -13,7 +13,9 @@ using nlohmann::json;
 // Enough of an error body to say what went wrong; a result file holds one per failed request.
 constexpr size_t kErrorBodyBytes = 4096;
 
-StreamMeasurement::StreamMeasurement(double sent_s, int64_t prompt_tokens) : sent_s_(sent_s) {
+StreamMeasurement::StreamMeasurement(double sent_s, int64_t prompt_tokens,
+                                     const text::Tokenizer* tokenizer)
+    : sent_s_(sent_s), tokenizer_(tokenizer) {
   result_.prompt_tokens = prompt_tokens;
 }
 
@@ -54,6 +56,21 @@ void StreamMeasurement::on_event(const std::string& data, double now_s) {
     }
     last_chunk_s_ = now_s;
     ++chunks_;
+    // The text vLLM's client keeps to count the output when no usage count comes: a completion's
+    // choices[0].text, a chat's delta content (or reasoning_content, which vLLM counts too).
+    const json& choice = c->front();
+    if (choice.is_object()) {
+      const json* text = nullptr;
+      if (auto t = choice.find("text"); t != choice.end()) text = &*t;
+      if (auto d = choice.find("delta"); d != choice.end() && d->is_object()) {
+        auto content = d->find("content");
+        if (content == d->end() || !content->is_string() ||
+            content->get_ref<const std::string&>().empty())
+          content = d->find("reasoning_content");
+        if (content != d->end()) text = &*content;
+      }
+      if (text && text->is_string()) generated_text_ += text->get_ref<const std::string&>();
+    }
   }
   if (auto u = j.find("usage"); u != j.end() && u->is_object())
     if (auto t = u->find("completion_tokens"); t != u->end() && t->is_number_integer()) {
@@ -87,7 +104,14 @@ RequestResult StreamMeasurement::done(const std::string& transport_error, double
   res.success = res.error.empty();
   res.start_s = sent_s_ - origin_s;
   res.latency_s = (first_chunk_ ? last_chunk_s_ : now_s) - sent_s_;
-  res.output_tokens = usage_tokens_ >= 0 ? usage_tokens_ : chunks_;
+  // vLLM takes a usage count of 0 as none (`if not output_len`) and re-tokenizes the text; a chunk
+  // may carry several tokens, so counting chunks is the fallback only without a tokenizer.
+  if (usage_tokens_ > 0)
+    res.output_tokens = usage_tokens_;
+  else if (tokenizer_)
+    res.output_tokens = static_cast<int64_t>(tokenizer_->encode(generated_text_, false).size());
+  else
+    res.output_tokens = chunks_;
   return res;
 }
 

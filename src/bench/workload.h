@@ -103,7 +103,9 @@ struct RandomOptions {
   int64_t output_len = 128;
   double range_ratio = 0.0;
   // Tokens the server adds to every prompt (BOS), subtracted from input_len as vLLM does with
-  // tokenizer.num_special_tokens_to_add(), so the server-side length matches the target.
+  // tokenizer.num_special_tokens_to_add(): prompt_ids hold input_len - num_special_tokens ids,
+  // and the server-side length matches the target once the BOS is added (a server adds it to
+  // text; `tandem bench` puts it first in token-id prompts, DriverOptions::bos_id).
   int64_t num_special_tokens = 0;
   uint64_t seed = 0;
 };
@@ -113,7 +115,8 @@ std::vector<BenchRequest> random_workload(const TokenVocab& vocab, const RandomO
 // num_prefixes random prefixes of prefix_len tokens; each is followed by a fresh random suffix of
 // suffix_len tokens in num_requests / num_prefixes requests (integer division, as vLLM: the
 // workload has floor(num_requests / num_prefixes) * num_prefixes requests). Requests are
-// shuffled unless shuffle is false (then grouped by prefix).
+// shuffled unless shuffle is false (then grouped by prefix). A prompt is prefix_len + suffix_len
+// ids, the length vLLM reports; the server sees the BOS too, as vLLM's text prompts get it.
 struct PrefixRepetitionOptions {
   int64_t num_requests = 1000;
   int64_t prefix_len = 256;
@@ -134,9 +137,10 @@ std::vector<BenchRequest> prefix_repetition_workload(const TokenVocab& vocab,
 // an entry is skipped when prompt_len < min_len, output_len < min_len (unless output_len is
 // fixed), prompt_len > max_prompt_len or prompt_len + output_len > max_total_len.
 // output_len = token count of turn 1 (BOS included, as in vLLM) unless fixed. prompt_ids are
-// the prompt's ids without special tokens. The kept entries are taken in a seeded shuffled order
-// (our own shuffle, so not the same subset as vLLM's for the same seed); when fewer than
-// num_requests pass, the list is topped up with seeded random repeats (vLLM's oversampling)
+// the prompt's ids without special tokens (the driver counts and sends the BOS with them, so the
+// prompt length is vLLM's len(tokenizer(prompt).input_ids)). The kept entries are taken in a seeded
+// shuffled order (our own shuffle, so not the same subset as vLLM's for the same seed); when fewer
+// than num_requests pass, the list is topped up with seeded random repeats (vLLM's oversampling)
 // unless oversample is false. The workload is made whole, repeats included: one of more than
 // max_prompt_tokens prompt tokens in all is refused (tandem::Error naming num_requests_name and
 // the count) before any repeat is made.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <memory>
 
 #include <nlohmann/json.hpp>
@@ -12,6 +13,7 @@
 #include "bench/workload.h"
 #include "cli/bench_options.h"
 #include "gateway/topology.h"
+#include "net/http_client.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
 #include "util/progress.h"
@@ -23,14 +25,19 @@ using nlohmann::json;
 
 struct BenchCliOptions {
   std::string base_url = "http://127.0.0.1:8000", endpoint = "/v1/completions", model,
-              prompt_format = "ids", access_log, api_key;
+              prompt_format = "ids", access_log, api_key, label;
+  bool label_given = false;
   WorkloadCliOptions workload;
   MetricsCliOptions metrics;
   RunOutputs outputs;
   std::vector<std::string> metrics_urls;
   double timeout = 600;
   int64_t max_concurrency = 0;
-  bool no_ignore_eos = false, no_progress = false;
+  bool ignore_eos = false, no_ignore_eos = false, no_progress = false;
+  // vLLM's sampling flags: sent when given; temperature 0 (greedy) when not, as vLLM sends it.
+  double temperature = 0;
+  std::optional<double> top_p, min_p;
+  std::optional<int64_t> top_k;
   bool prompt_format_given = false;  // on the command line
 };
 
@@ -41,6 +48,8 @@ void check_unused_run_flags(const BenchCliOptions& o) {
   if (chat && o.prompt_format_given && o.prompt_format == "ids")
     throw Error("--prompt-format ids applies to /v1/completions; " + o.endpoint +
                 " sends the prompt as text, in a message");
+  if (o.ignore_eos && o.no_ignore_eos)
+    throw Error("--ignore-eos and --no-ignore-eos: give one of the two");
   if (!o.access_log.empty() && o.outputs.html.empty())
     throw Error("--access-log " + o.access_log +
                 ": the log is read for the HTML report's per-phase breakdown, and no report is "
@@ -51,6 +60,45 @@ void check_unused_run_flags(const BenchCliOptions& o) {
 std::pair<std::string, uint16_t> split_url(const std::string& url) {
   const gateway::Endpoint e = gateway::parse_endpoint(url);
   return {e.host, e.port};
+}
+
+// The first model a server lists at /v1/models, as vLLM's bench takes it when --model is not
+// given; empty (with a warning) when the server lists none or cannot be asked, and then no model is
+// sent, which servers serving one model accept.
+std::string first_served_model(const std::string& host, uint16_t port, const std::string& api_key) {
+  std::string why;
+  try {
+    net::Headers headers;
+    if (!api_key.empty()) headers.set("Authorization", "Bearer " + api_key);
+    const auto r =
+        net::http_request(host, port, "GET", "/v1/models", {}, headers, std::chrono::seconds(10));
+    if (r.status == 200) {
+      const json j = json::parse(r.body);
+      if (j.contains("data") && j["data"].is_array() && !j["data"].empty() &&
+          j["data"][0].contains("id") && j["data"][0]["id"].is_string())
+        return j["data"][0]["id"].get<std::string>();
+      why = "it lists no model";
+    } else {
+      why = "HTTP " + std::to_string(r.status);
+    }
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  std::fprintf(stderr,
+               "tandem bench: warning: no --model, and /v1/models gave none (%s): requests are "
+               "sent without a model\n",
+               why.c_str());
+  return {};
+}
+
+// vLLM's result "date": local time as %Y%m%d-%H%M%S.
+std::string date_text() {
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y%m%d-%H%M%S", &local);
+  return text;
 }
 
 void run(const BenchCliOptions& o) {
@@ -68,12 +116,23 @@ void run(const BenchCliOptions& o) {
   d.host = host;
   d.port = port;
   d.endpoint = o.endpoint;
-  d.model = o.model;
+  d.model = o.model.empty() ? first_served_model(host, port, o.api_key) : o.model;
   if (o.prompt_format != "ids" && o.prompt_format != "text")
     throw Error("--prompt-format: expected ids or text");
   d.prompt_format =
       o.prompt_format == "ids" ? bench::PromptFormat::kTokenIds : bench::PromptFormat::kText;
-  d.ignore_eos = !o.no_ignore_eos;
+  // As vLLM: the random dataset's lengths are forced (it sets ignore_eos for it); the others let
+  // the model stop unless --ignore-eos is given.
+  d.ignore_eos = !o.no_ignore_eos && (o.ignore_eos || o.workload.dataset == "random");
+  d.temperature = o.temperature;
+  d.top_p = o.top_p;
+  d.top_k = o.top_k;
+  d.min_p = o.min_p;
+  d.tokenizer = &tok;
+  // vLLM's dataset lengths count the BOS the server adds to a text prompt; a trace's length is the
+  // ids it sends (workload.h).
+  if (!o.workload.trace()) d.bos_id = tok.bos_id();
+  d.count_bos = o.workload.dataset != "prefix-repetition";
   if (o.max_concurrency > 0) d.max_concurrency = o.max_concurrency;
   if (!(o.timeout > 0 && o.timeout <= bench::kMaxArrivalSeconds))
     throw Error("--timeout: expected seconds > 0 and at most " +
@@ -119,18 +178,23 @@ void run(const BenchCliOptions& o) {
   if (o.max_concurrency > 0) run.report.table.max_concurrency = o.max_concurrency;
   if (before && after && after->queries > before->queries)
     run.prefix_cache_hit_rate = (after->hits - before->hits) / (after->queries - before->queries);
-  run.extra = {{"backend", "tandem-bench"},
+  const bool chat = o.endpoint.find("chat") != std::string::npos;
+  run.extra = {{"date", date_text()},
+               {"backend", "tandem-bench"},
+               {"endpoint_type", chat ? "openai-chat" : "openai"},
+               {"label", o.label_given ? json(o.label) : json(nullptr)},
+               {"tokenizer_id", workload_tokenizer_dir(w)},
                {"dataset_name", w.dataset},
                {"num_prompts", reqs.size()},
                {"request_rate", std::isfinite(w.request_rate) ? json(w.request_rate) : json("inf")},
                {"burstiness", w.burstiness},
                {"max_concurrency", o.max_concurrency > 0 ? json(o.max_concurrency) : json(nullptr)},
-               {"model_id", o.model}};
+               {"model_id", d.model}};
   run.report.title = "tandem bench: " + w.dataset + " against " + o.base_url;
   run.report.config = {
       {"base URL", o.base_url},
       {"endpoint", o.endpoint},
-      {"model", o.model},
+      {"model", d.model},
       {"dataset", w.dataset + (w.dataset_path.empty() ? "" : " (" + w.dataset_path + ")")},
       {"requests", std::to_string(reqs.size())},
       {"request rate", std::isfinite(w.request_rate) ? number_text(w.request_rate) : "inf / trace"},
@@ -157,21 +221,38 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--base-url", o->base_url, "the server, http://HOST:PORT")->capture_default_str();
   cmd->add_option("--endpoint", o->endpoint, "/v1/completions or /v1/chat/completions")
       ->capture_default_str();
-  cmd->add_option("--model", o->model, "the model name to send");
+  cmd->add_option("--model", o->model,
+                  "the model name to send (default: the first that /v1/models lists, as vLLM)");
   add_workload_options(*cmd, o->workload);
   cmd->add_option("--max-concurrency", o->max_concurrency, "requests in flight at most (0: none)")
       ->capture_default_str();
   cmd->add_option("--prompt-format", o->prompt_format,
-                  "completions: ids (token-id prompts) or text (text that tokenizes to them)")
+                  "completions: ids (token-id prompts; for the datasets the tokenizer's BOS "
+                  "first, as a server adds it to text) or text (text that tokenizes to them)")
       ->capture_default_str()
       ->each([p = o.get()](const std::string&) { p->prompt_format_given = true; });
-  cmd->add_flag("--no-ignore-eos", o->no_ignore_eos, "let the model stop early");
+  cmd->add_flag("--ignore-eos", o->ignore_eos,
+                "send ignore_eos: true, forcing the output lengths (default: for --dataset-name "
+                "random only, as vLLM)");
+  cmd->add_flag("--no-ignore-eos", o->no_ignore_eos,
+                "let the model stop early on --dataset-name random too");
+  cmd->add_option("--temperature", o->temperature, "sampling temperature sent")
+      ->capture_default_str();
+  cmd->add_option_function<double>(
+      "--top-p", [p = o.get()](const double& v) { p->top_p = v; }, "top_p sent (default: none)");
+  cmd->add_option_function<int64_t>(
+      "--top-k", [p = o.get()](const int64_t& v) { p->top_k = v; }, "top_k sent (default: none)");
+  cmd->add_option_function<double>(
+      "--min-p", [p = o.get()](const double& v) { p->min_p = v; }, "min_p sent (default: none)");
+  cmd->add_option("--label", o->label, "the result's \"label\" (default: null, as vLLM)")
+      ->each([p = o.get()](const std::string&) { p->label_given = true; });
   add_metrics_options(*cmd, o->metrics);
   cmd->add_option("--metrics-url", o->metrics_urls,
                   "where to read prefix-cache counters (default: the base URL); repeatable, "
                   "e.g. each engine behind a gateway");
-  cmd->add_option("--result-file", o->outputs.result_file,
-                  "write the JSON result (vLLM's keys) here");
+  cmd->add_option("--result-file,--result-filename", o->outputs.result_file,
+                  "write the JSON result (vLLM's keys) here (vLLM: --save-result "
+                  "--result-filename)");
   cmd->add_option("--html", o->outputs.html,
                   "write the HTML report (plots, no server needed) here");
   cmd->add_option("--access-log", o->access_log,

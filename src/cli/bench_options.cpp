@@ -452,12 +452,13 @@ bench::MetricsOptions metrics_options(const MetricsCliOptions& o) {
   }
   for (const auto& g : o.goodput) {
     const auto colon = g.find(':');
-    double ms = 0;  // not an SLO
-    if (colon != std::string::npos) ms = whole_number(g.substr(colon + 1)).value_or(0);
+    double ms = -1;  // not an SLO
+    if (colon != std::string::npos) ms = whole_number(g.substr(colon + 1)).value_or(-1);
     const std::string key = g.substr(0, colon);
-    if (!(ms > 0))
+    // vLLM refuses only values below 0: an SLO of 0 ms is one no request meets.
+    if (!(ms >= 0))
       throw Error(
-          "--goodput: expected KEY:MS with KEY ttft, tpot, e2el or tbt and MS a number > 0, got "
+          "--goodput: expected KEY:MS with KEY ttft, tpot, e2el or tbt and MS a number >= 0, got "
           "'" +
           g + "'");
     if (key == "ttft")

@@ -58,7 +58,7 @@ struct MetricsCliOptions {
 };
 void add_metrics_options(CLI::App& cmd, MetricsCliOptions& o);
 // Throws tandem::Error naming the flag for a percentile that is not a number in 0..100, an
-// unknown metric, or a goodput SLO that is not KEY:MS with MS a finite number > 0.
+// unknown metric, or a goodput SLO that is not KEY:MS with MS a finite number >= 0.
 bench::MetricsOptions metrics_options(const MetricsCliOptions& o);
 
 // A finished run written as `tandem bench` writes it: the table on stdout (with the prefix-cache

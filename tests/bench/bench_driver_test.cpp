@@ -54,6 +54,11 @@ class TimedServer {
     o.threads = 2;
     o.error_response = api::openai_error_response;
     server_ = std::make_unique<net::HttpServer>(o);
+    // What vLLM's bench asks for when --model is not given.
+    server_->route(
+        "GET", "/v1/models", [](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+          ex->respond(200, R"({"object":"list","data":[{"id":"fake-model"}]})", "application/json");
+        });
     for (const char* path : {"/v1/completions", "/v1/chat/completions"})
       server_->route("POST", path,
                      [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
@@ -268,6 +273,90 @@ TEST(StreamMeasurement, TimesAreVllmsTtftGapsAndLatency) {
   EXPECT_NEAR(summarize(results, 1).tpot.mean_ms, 22.5, 1e-6);
 }
 
+// vLLM's calculate_metrics: with no usage count (or 0) the output is the generated text
+// re-tokenized without special tokens, not the chunks (a chunk may carry several tokens).
+TEST(StreamMeasurement, WithoutAUsageCountTheGeneratedTextIsReTokenized) {
+  const auto tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  const std::string text = " the cat sat on the mat and the dog ran";
+  const size_t expected = tok.encode(text, false).size();
+  ASSERT_GT(expected, 2u);  // more tokens than the two chunks below
+  auto completion = [&](const std::string& usage, const text::Tokenizer* t) {
+    StreamMeasurement m(0, 5, t);
+    m.head(200);
+    m.body(net::sse_event(json{{"choices", {{{"index", 0}, {"text", text.substr(0, 12)}}}}}.dump()),
+           0.1);
+    m.body(net::sse_event(json{{"choices", {{{"index", 0}, {"text", text.substr(12)}}}}}.dump()),
+           0.2);
+    if (!usage.empty()) m.body(net::sse_event(usage), 0.3);
+    const RequestResult r = m.done("", 0.3, 0);
+    EXPECT_TRUE(r.success) << r.error;
+    return r.output_tokens;
+  };
+  EXPECT_EQ(completion("", &tok), static_cast<int64_t>(expected));
+  EXPECT_EQ(completion(R"({"choices": [], "usage": {"completion_tokens": 0}})", &tok),
+            static_cast<int64_t>(expected));
+  // A usage count wins; with no tokenizer the chunks are counted.
+  EXPECT_EQ(completion(R"({"choices": [], "usage": {"completion_tokens": 3}})", &tok), 3);
+  EXPECT_EQ(completion("", nullptr), 2);
+  // Chat: the delta's content, else its reasoning_content, as vLLM's client reads them.
+  StreamMeasurement chat(0, 5, &tok);
+  chat.head(200);
+  chat.body(net::sse_event(R"({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})"), 0.1);
+  chat.body(net::sse_event(json{
+                {"choices",
+                 {{{"index", 0},
+                   {"delta", {{"reasoning_content", text.substr(0, 12)}, {"content", nullptr}}}}}}}
+                               .dump()),
+            0.2);
+  chat.body(
+      net::sse_event(
+          json{{"choices", {{{"index", 0}, {"delta", {{"content", text.substr(12)}}}}}}}.dump()),
+      0.3);
+  EXPECT_EQ(chat.done("", 0.3, 0).output_tokens, static_cast<int64_t>(expected));
+}
+
+// vLLM's datasets count the BOS a server adds to a text prompt; a token-id prompt is taken as
+// given, so the driver puts the BOS first and counts it, and the server sees the target length.
+TEST(BenchDriver, TokenIdPromptsStartWithTheBosTheirLengthCounts) {
+  BenchRequest r;
+  r.prompt_ids = {1000, 1001, 1002};
+  r.prompt_text = " a b c";
+  r.output_len = 2;
+  DriverOptions o;
+  EXPECT_EQ(json::parse(request_body(r, o))["prompt"], json({1000, 1001, 1002}));
+  EXPECT_EQ(sent_prompt_tokens(r, o), 3);
+  o.bos_id = 0;
+  EXPECT_EQ(json::parse(request_body(r, o))["prompt"], json({0, 1000, 1001, 1002}));
+  EXPECT_EQ(sent_prompt_tokens(r, o), 4);
+  // Text (and chat) prompts get the BOS from the server: sent as they are, counted with it.
+  o.prompt_format = PromptFormat::kText;
+  EXPECT_EQ(json::parse(request_body(r, o))["prompt"], " a b c");
+  EXPECT_EQ(sent_prompt_tokens(r, o), 4);
+  o.count_bos = false;  // vLLM's prefix_repetition counts prefix + suffix alone
+  EXPECT_EQ(sent_prompt_tokens(r, o), 3);
+}
+
+TEST(BenchDriver, SamplingParametersAreSentWhenSetAndTemperatureZeroByDefault) {
+  BenchRequest r;
+  r.prompt_ids = {1000};
+  r.output_len = 2;
+  DriverOptions o;
+  json b = json::parse(request_body(r, o));
+  EXPECT_EQ(b["temperature"], 0.0);  // vLLM's client sends greedy unless told otherwise
+  for (const char* key : {"top_p", "top_k", "min_p"}) EXPECT_FALSE(b.contains(key)) << key;
+  o.temperature = 0.7;
+  o.top_p = 0.9;
+  o.top_k = 5;
+  o.min_p = 0.1;
+  o.ignore_eos = false;
+  b = json::parse(request_body(r, o));
+  EXPECT_EQ(b["temperature"], 0.7);
+  EXPECT_EQ(b["top_p"], 0.9);
+  EXPECT_EQ(b["top_k"], 5);
+  EXPECT_EQ(b["min_p"], 0.1);
+  EXPECT_FALSE(b.contains("ignore_eos"));
+}
+
 TEST(StreamMeasurement, AnErrorBodyIsKeptToItsFirstFourKilobytes) {
   StreamMeasurement m(0, 5);
   m.head(503);
@@ -428,6 +517,25 @@ TEST(BenchDriver, TheCommandWritesVllmResultKeys) {
   EXPECT_EQ(r["completed"], 6);
   EXPECT_EQ(r["total_output_tokens"], 18);
   EXPECT_EQ(r["request_goodput"], r["request_throughput"]);  // every TTFT is far below 10 s
+  // vLLM's setup keys; the model is the first /v1/models lists when --model is not given.
+  EXPECT_EQ(r["model_id"], "fake-model");
+  EXPECT_EQ(r["endpoint_type"], "openai");
+  EXPECT_TRUE(r["label"].is_null());
+  EXPECT_EQ(r["tokenizer_id"], test::lenml_model("deepseek_v3").string());
+  EXPECT_EQ(r["date"].get<std::string>().size(), std::string("20260101-120000").size());
+  // The random prompts are --random-input-len tokens as the server sees them, the BOS first.
+  const auto tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  ASSERT_TRUE(tok.bos_id());
+  EXPECT_EQ(r["input_lens"], json(std::vector<int>(6, 30)));
+  const auto bodies = server.bodies();
+  ASSERT_EQ(bodies.size(), 6u);
+  for (const json& b : bodies) {
+    EXPECT_EQ(b["prompt"].size(), 30u);
+    EXPECT_EQ(b["prompt"][0], *tok.bos_id());
+    EXPECT_EQ(b["model"], "fake-model");
+    EXPECT_EQ(b["ignore_eos"], true);  // vLLM forces the random dataset's lengths
+    EXPECT_EQ(b["temperature"], 0.0);
+  }
   // The report is written (its content is bench_report_test's business).
   std::ifstream h(html);
   const std::string page((std::istreambuf_iterator<char>(h)), std::istreambuf_iterator<char>());
@@ -470,6 +578,47 @@ const char* const kSmallRuns[] = {
     "bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 --random-input-len 20 "
     "--random-output-len 2",
     "simulate --num-prompts 2 --random-input-len 20 --random-output-len 2"};
+
+// vLLM's request defaults: ignore_eos only for the random dataset unless --ignore-eos, greedy
+// unless --temperature, the other sampling flags sent when given; --goodput ttft:0 is an SLO
+// (vLLM refuses only values below 0) that no request meets. Prefix-repetition prompts reach the
+// server as vLLM's do, the BOS first, and are counted as vLLM counts them, prefix + suffix.
+TEST(BenchCommands, SamplingAndIgnoreEosFollowVllmsDefaults) {
+  const auto tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  const auto file = test::scratch_path("bench-defaults", ".json");
+  for (const bool ignore_eos : {false, true}) {
+    TimedServer server;
+    const auto r = run_tandem(
+        "bench --no-progress --base-url http://127.0.0.1:" + std::to_string(server.port()) +
+        " --model m --label lab --dataset-name prefix-repetition --num-prompts 2"
+        " --prefix-repetition-num-prefixes 1 --prefix-repetition-prefix-len 8"
+        " --prefix-repetition-suffix-len 4 --prefix-repetition-output-len 2 --temperature 0.5"
+        " --top-p 0.9 --top-k 5 --min-p 0.05 --goodput ttft:0 --result-file " +
+        file.string() + (ignore_eos ? " --ignore-eos" : ""));
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto bodies = server.bodies();
+    ASSERT_EQ(bodies.size(), 2u);
+    for (const json& b : bodies) {
+      EXPECT_EQ(b.contains("ignore_eos"), ignore_eos) << b.dump();
+      EXPECT_EQ(b["temperature"], 0.5);
+      EXPECT_EQ(b["top_p"], 0.9);
+      EXPECT_EQ(b["top_k"], 5);
+      EXPECT_EQ(b["min_p"], 0.05);
+      EXPECT_EQ(b["prompt"].size(), 13u);
+      EXPECT_EQ(b["prompt"][0], *tok.bos_id());
+    }
+    std::ifstream in(file);
+    const json result = json::parse(in);
+    EXPECT_EQ(result["input_lens"], json({12, 12}));
+    EXPECT_EQ(result["label"], "lab");
+    EXPECT_EQ(result["model_id"], "m");
+    EXPECT_EQ(result["request_goodput"], 0.0);
+  }
+  std::filesystem::remove(file);
+  const auto both = run_tandem("bench --base-url http://127.0.0.1:1 --ignore-eos --no-ignore-eos");
+  EXPECT_NE(both.status, 0);
+  EXPECT_THAT(both.output, ::testing::HasSubstr("give one of the two"));
+}
 
 // An output that cannot be written is refused before the workload is built, not after the run,
 // whose results it would lose: the table must not have been printed.
