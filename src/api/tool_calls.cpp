@@ -131,6 +131,10 @@ std::string_view member_text(std::string_view s, std::string_view key) {
 // without arguments is no call (vLLM reads the answer as content). The arguments are the model's
 // text as written: a JSON round trip would lose integers past 64 bits and the model's layout.
 std::optional<ParsedToolCalls::Call> hermes_call(std::string_view body) {
+  // JSON text starts at its first non-space byte; the parser below also skips a UTF-8 BOM, which
+  // Python's json.loads (vLLM's parser) refuses and member_text() would read as the object.
+  const size_t start = skip_space(body, 0);
+  if (start >= body.size() || body[start] != '{') return std::nullopt;
   ordered_json ordered;
   try {
     // Linear in the keys (the model may write many): structured/ordered_json.h.

@@ -57,24 +57,34 @@ struct Call {
     std::lock_guard lock(mutex);
     if (failed) return;
     if (out.finish_reason == "error") {
-      failed = true;
-      // The reply ends here, and with it the connection's close callback: the other choices
-      // would otherwise run to max_tokens for nobody.
-      for (const auto& id : engine_ids) engine->abort(id);
-      const std::string msg = "generation failed: " + out.error;
-      if (request.stream) {
-        reply->write(net::sse_event(api::openai_error_body(
-            msg, out.error_status < 500 ? "invalid_request_error" : "server_error",
-            out.error_code)));
-        reply->write(net::kSseDone);
-        reply->end();
-      } else {
-        reply->send_error(out.error_status, msg,
-                          out.error_status < 500 ? "invalid_request_error" : "server_error",
-                          out.error_code);
-      }
+      fail(out.error_status, "generation failed: " + out.error, out.error_code);
       return;
     }
+    // A rendering that throws (a parser's bug on some model output) ends this request with an
+    // error: the render thread would only log it, and the client would wait for ever.
+    try {
+      render(index, out);
+    } catch (const std::exception& e) {
+      fail(500, std::string("rendering the answer failed: ") + e.what(), {});
+    }
+  }
+
+  // Ends the reply with an error: the other choices are aborted, since with the reply goes the
+  // connection's close callback and they would run to max_tokens for nobody.
+  void fail(int status, const std::string& msg, const std::string& code) {
+    failed = true;
+    for (const auto& id : engine_ids) engine->abort(id);
+    const char* type = status < 500 ? "invalid_request_error" : "server_error";
+    if (request.stream) {
+      reply->write(net::sse_event(api::openai_error_body(msg, type, code)));
+      reply->write(net::kSseDone);
+      reply->end();
+    } else {
+      reply->send_error(status, msg, type, code);
+    }
+  }
+
+  void render(size_t index, const RequestOutput& out) {
     if (!out.kv_transfer_id.empty()) kv_transfer_params = prefill_answer(out);
     auto chunks = builder->on_output(index, out);
     if (request.stream) {

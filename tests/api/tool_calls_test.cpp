@@ -240,6 +240,17 @@ TEST(ToolCalls, HermesArgumentsKeepTheModelsTextExactly) {
   EXPECT_EQ(q.calls[0].arguments, R"({"b": [2, {"c": "}"}]})");
 }
 
+// A call body that is not a JSON object from its first byte is no call, as Python's json.loads
+// (vLLM's hermes parser) refuses it: a UTF-8 BOM before the '{', which nlohmann's parser skips,
+// made the arguments reader step into the BOM and throw, and the request never got an answer.
+TEST(ToolCalls, AHermesCallBodyStartingWithAByteOrderMarkIsContent) {
+  const std::string answer =
+      "<tool_call>\xEF\xBB\xBF{\"name\": \"f\", \"arguments\": {\"x\": 1}}</tool_call>";
+  const ParsedToolCalls p = parse_every_way(ToolCallFormat::kHermes, answer);
+  EXPECT_TRUE(p.calls.empty());
+  EXPECT_EQ(p.content, answer);
+}
+
 // Text around calls is content as written (vLLM's content is the text before the first call, as
 // it is); only white space that separates calls alone is layout. Streamed in any split, the same.
 TEST(ToolCalls, TextAroundCallsKeepsItsWhiteSpace) {
