@@ -366,8 +366,12 @@ SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* m
   }
   if (const json* b = field(body, "logit_bias")) p.logit_bias = logit_bias_from(*b, vocab_size);
   if (tokenizer) {
+    // As vLLM, against the tokenizer's ids (len(tokenizer)): the model's rows past them have no
+    // text, are never sampled, and allowing only those would fail mid-answer.
+    const auto tokenizer_ids = static_cast<int64_t>(tokenizer->vocab_size());
     if (const json* a = field(body, "allowed_token_ids"))
-      p.allowed_token_ids = allowed_token_ids_from(*a, vocab_size);
+      p.allowed_token_ids = allowed_token_ids_from(
+          *a, vocab_size > 0 ? std::min(vocab_size, tokenizer_ids) : tokenizer_ids);
     if (const json* b = field(body, "bad_words"))
       p.bad_words_token_ids = bad_words_from(*b, *tokenizer, vocab_size);
   }

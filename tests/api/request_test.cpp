@@ -287,17 +287,21 @@ TEST(Protocol, VllmExtensionsAreHonouredOrRefusedByName) {
 // errors name the field.
 TEST(Request, AllowedTokenIdsAreASetOfIdsInTheVocabulary) {
   const json messages = json::array({{{"role", "user"}, {"content", "hi"}}});
-  auto c = parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", {9, 3, 129279, 3}}},
+  // As vLLM: the tokenizer's ids (len(tokenizer)), fewer than the model's 129,280 LM-head rows,
+  // whose ids past the tokenizer's have no text and are never sampled.
+  const auto last = static_cast<int32_t>(tokenizer().vocab_size()) - 1;
+  ASSERT_LT(last + 1, 129280);
+  auto c = parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", {9, 3, last, 3}}},
                             tokenizer(), kLimits);
-  EXPECT_EQ(c.sampling.allowed_token_ids, (std::vector<int32_t>{3, 9, 129279}));
+  EXPECT_EQ(c.sampling.allowed_token_ids, (std::vector<int32_t>{3, 9, last}));
   auto chat = parse_chat(json{{"messages", messages}, {"allowed_token_ids", {5}}}, tokenizer(),
                          &chat_template(), kLimits);
   EXPECT_EQ(chat.sampling.allowed_token_ids, (std::vector<int32_t>{5}));
   EXPECT_TRUE(
       parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", nullptr}}, tokenizer(), kLimits)
           .sampling.allowed_token_ids.empty());
-  for (const json& bad : {json::array(), json{1, 129280}, json{-1}, json{1.5}, json{"1"}, json(3),
-                          json{4294967296LL}}) {
+  for (const json& bad : {json::array(), json{1, 129280}, json{1, last + 1}, json{-1}, json{1.5},
+                          json{"1"}, json(3), json{4294967296LL}}) {
     SCOPED_TRACE(bad.dump());
     const ApiError e = error_of([&] {
       parse_completion(json{{"prompt", "x"}, {"allowed_token_ids", bad}}, tokenizer(), kLimits);
