@@ -581,6 +581,10 @@ void Connection::read_input() {
     if (!discard && in_.size() >= cap) {
       // Edge-triggered: nothing tells us again about what is left, so remember it.
       read_paused_ = true;
+      // While a response is pending, what is left stays unread until it is written, so no recv
+      // reaches the client's EOF: epoll's hang-up is all that says it went, and it counts as the
+      // EOF does. Otherwise the producer (an engine) works on for nobody until its answer fails.
+      if (phase_ == Phase::kExchange && peer_closed_) peer_eof_ = true;
       return;
     }
     char* at = in_.prepare(kReadChunk);
@@ -723,7 +727,9 @@ void Connection::dispatch() {
       exchange_->abort("internal error");
     }
   }  // Our reference goes; if the handler kept none and sent nothing, that is a 500.
-  // Input that came with the request (EOF) is judged now that the exchange exists.
+  // Input that came with the request (EOF) is judged now that the exchange exists. A hang-up
+  // seen while the body was read may have left input unread, and no event comes again for it.
+  if (peer_closed_) read_input();
   if (peer_eof_) process();
 }
 

@@ -680,6 +680,37 @@ TEST(HttpServer, AClientThatClosesRightAfterItsRequestIsSeenGone) {
   EXPECT_TRUE(held->closed());
 }
 
+// A client that pipelines more than a head's worth of its next request while its response is
+// pending, then closes: the server holds no more than that while it waits (max_header_bytes), so
+// the rest stays unread and the close is known only from epoll's hang-up, never from a recv that
+// returns 0. It must still count as the client gone, or the producer works on for nobody until its
+// answer fails to write.
+TEST(HttpServer, AClientThatClosesWithMoreThanAHeadPipelinedIsSeenGone) {
+  HttpServerOptions options = local_options();
+  options.max_header_bytes = 1024;
+  HttpServer server(options);
+  std::shared_ptr<Exchange> held;
+  std::promise<void> received, closed;
+  server.route("POST", "/slow", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { closed.set_value(); });
+    held = ex;  // the engine is still computing
+    received.set_value();
+  });
+  server.start();
+  {
+    RawConnection c(server.port());
+    c.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
+    auto f = received.get_future();
+    get_within(f);
+    // The next request's head and the start of its body: far beyond what the server reads now.
+    c.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 500000\r\n\r\n" +
+           std::string(size_t{32} << 10, 'x'));
+  }  // the client gives up
+  auto f = closed.get_future();
+  get_within(f);
+  EXPECT_TRUE(held->closed());
+}
+
 TEST(HttpServer, IdleKeepAliveConnectionIsClosed) {
   HttpServerOptions options = local_options();
   // Armed at accept too: the request must arrive within it, however slowly a loaded machine
