@@ -315,8 +315,16 @@ std::vector<std::string> ResponseTranslator::event(std::string_view data) {
       return e;
     };
     // As the engine answers a chat: the role first, then content, then the finish on its own.
-    if (started_.insert(index).second)
-      events.push_back(dump(chunk(api::chat_role_delta(), nullptr)));
+    if (started_.insert(index).second) {
+      json role = chunk(api::chat_role_delta(), nullptr);
+      // continuous_usage_stats: the role chunk comes before any of the answer's tokens.
+      if (json* usage = role.contains("usage") ? &role["usage"] : nullptr;
+          usage && usage->is_object() && usage->contains("prompt_tokens")) {
+        (*usage)["completion_tokens"] = 0;
+        (*usage)["total_tokens"] = (*usage)["prompt_tokens"];
+      }
+      events.push_back(dump(role));
+    }
     if (const std::string text = text_of(c); !text.empty())
       events.push_back(dump(chunk(api::chat_content_delta(text), nullptr)));
     if (const json finish = member(c, "finish_reason"); !finish.is_null())

@@ -418,15 +418,18 @@ void expect_same_events(const std::vector<std::string>& want, const std::vector<
 
 TEST_F(TokensInTest, TranslatedAnswersAreTheEnginesChatAnswers) {
   for (const bool stream : {false, true}) {
-    for (const bool usage : {false, true}) {
+    // 0: no usage; 1: include_usage; 2: and vLLM's continuous_usage_stats (usage in every chunk,
+    // the role chunk with no completion tokens).
+    for (const int usage : {0, 1, 2}) {
       if (usage && !stream) continue;  // stream_options without stream is a 400 (vLLM's)
-      SCOPED_TRACE(std::string(stream ? "stream" : "whole") + (usage ? " with usage" : ""));
+      SCOPED_TRACE(std::string(stream ? "stream" : "whole") + " usage " + std::to_string(usage));
       json body = {{"model", kModel},
                    {"messages", {{{"role", "user"}, {"content", "Say hello"}}}},
                    {"n", 2},
                    {"max_tokens", 6},
                    {"stream", stream}};
       if (usage) body["stream_options"] = {{"include_usage", true}};
+      if (usage == 2) body["stream_options"]["continuous_usage_stats"] = true;
       const auto t = gateway_->tokenize("/v1/chat/completions", body);
       ASSERT_TRUE(t.has_value());
       const ApiRequest chat_request = engine_chat(body);
