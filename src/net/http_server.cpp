@@ -497,6 +497,8 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   void pump();
   bool flush();
   void end_exchange(bool close_after);
+  // Arms the timer for the earlier of the read and write deadlines; disarms it if neither runs.
+  void arm_deadlines();
   void fail_request(const ParseError& error);
   void close_gracefully();
   void close_now();
@@ -525,6 +527,12 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   std::string spare_;  // lent to the next exchange as its buffer
   bool want_write_ = false;
 
+  // On the loop's clock (EventLoop::now_ms), 0 when not running. The read deadline bounds the
+  // request being read, its head and then its body, and keeps running while something is written
+  // meanwhile (a 100 Continue that had to wait): a write must neither suspend nor lift it. The
+  // write deadline runs while output waits for the client.
+  int64_t read_deadline_ = 0;
+  int64_t write_deadline_ = 0;
   Timer timer_;
   std::string remote_address_;
   unsigned short remote_port_ = 0;
@@ -624,7 +632,9 @@ void Connection::process() {
         }
         if (!request_started_) {
           request_started_ = true;
-          timer_.arm(std::min(options.header_timeout, options.read_timeout));
+          read_deadline_ =
+              loop_.now_ms() + std::min(options.header_timeout, options.read_timeout).count();
+          arm_deadlines();
         }
         Parse r = head_parser_.request(in_.view(), head_, error_);
         if (r == Parse::kError) return fail_request(error_);
@@ -697,7 +707,8 @@ void Connection::begin_request() {
   }
   body_parser_.start(head_, options.max_body_bytes, options.max_header_bytes);
   phase_ = Phase::kBody;
-  timer_.arm(options.read_timeout);
+  read_deadline_ = loop_.now_ms() + options.read_timeout.count();
+  arm_deadlines();
   if (head_.expect_continue && !body_parser_.done() && in_.empty()) {
     out_ += "HTTP/1.1 100 Continue\r\n\r\n";
     flush();
@@ -707,7 +718,8 @@ void Connection::begin_request() {
 void Connection::dispatch() {
   phase_ = Phase::kExchange;
   request_started_ = false;
-  if (!want_write_) timer_.disarm();  // no timeout while the server waits for its handler
+  read_deadline_ = 0;
+  arm_deadlines();  // no timeout while the server waits for its handler, unless it writes
   const bool keep_alive = head_.keep_alive && !server_.stopping();
   exchange_ = std::make_shared<ExchangeState>(std::move(request_), keep_alive, loop_, *this,
                                               std::move(spare_), server_.options().error_response,
@@ -763,7 +775,8 @@ bool Connection::flush() {
       if (exchange_) exchange_->sending(out_.size() - written_);
       if (!want_write_) {
         want_write_ = true;
-        timer_.arm(server_.options().write_timeout);
+        write_deadline_ = loop_.now_ms() + server_.options().write_timeout.count();
+        arm_deadlines();
       }
       return false;
     }
@@ -777,7 +790,8 @@ bool Connection::flush() {
   if (exchange_) exchange_->sending(0);
   if (want_write_) {
     want_write_ = false;
-    timer_.disarm();
+    write_deadline_ = 0;
+    arm_deadlines();  // the request being read, if any, is bound by its deadline again
   }
   if (phase_ == Phase::kErrorSent) {
     close_gracefully();
@@ -803,11 +817,22 @@ void Connection::end_exchange(bool close_after) {
   loop_.defer(this);  // a pipelined request may be buffered already
 }
 
+void Connection::arm_deadlines() {
+  int64_t at = read_deadline_;
+  if (want_write_ && write_deadline_ != 0 && (at == 0 || write_deadline_ < at)) {
+    at = write_deadline_;
+  }
+  if (at == 0) return timer_.disarm();
+  // A deadline already past fires on the next iteration.
+  timer_.arm(std::chrono::milliseconds(std::max<int64_t>(0, at - loop_.now_ms())));
+}
+
 void Connection::fail_request(const ParseError& error) {
   request_started_ = false;
   phase_ = Phase::kErrorSent;
   append_error(out_, server_.options().error_response, error.status, error.message, true, false);
-  timer_.disarm();
+  read_deadline_ = 0;
+  arm_deadlines();
   flush();
 }
 
@@ -826,7 +851,8 @@ void Connection::close_gracefully() {
 
 void Connection::on_timer() {
   // One timer, whose meaning follows the phase: a stalled write, an idle keep-alive connection,
-  // a request that does not arrive in time, or the end of the drain. Each closes the connection.
+  // a request that does not arrive in time (either, whichever is due first: arm_deadlines), or
+  // the end of the drain. Each closes the connection.
   if (exchange_) exchange_->lose();
   close_now();
 }

@@ -106,7 +106,9 @@ struct HttpServerOptions {
   // A request's head must arrive completely within this time of its first byte, so that a client
   // sending its head a byte at a time (slowloris) cannot hold a connection for long.
   std::chrono::milliseconds header_timeout = std::chrono::seconds(10);
-  // A request's body, once its head arrived, must be read completely within this time.
+  // A request's body, once its head arrived, must be read completely within this time, also while
+  // a 100 Continue waits to be written: a bound on the whole body, so that a client sending it
+  // slowly (or not at all) cannot hold a connection for long.
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
   // A keep-alive connection waiting for its next request is closed after this time.
   std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);

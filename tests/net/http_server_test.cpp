@@ -11,8 +11,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -56,10 +58,14 @@ void count_posts_to_x(HttpServer& server, std::atomic<int>& calls) {
 class RawConnection {
  public:
   // `from`: the loopback address to connect from (127.0.0.0/8 is all this host's).
-  explicit RawConnection(uint16_t port, const char* from = nullptr) {
+  // `receive_buffer`: SO_RCVBUF, set before connecting (it sizes the window), 0 for the default.
+  explicit RawConnection(uint16_t port, const char* from = nullptr, int receive_buffer = 0) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     timeval tv{10, 0};
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (receive_buffer > 0) {
+      ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+    }
     if (from) {
       sockaddr_in source{};
       source.sin_family = AF_INET;
@@ -113,11 +119,39 @@ class RawConnection {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
   }
+  int fd() const { return fd_; }
 
  private:
   int fd_ = -1;
   bool eof_ = false;
 };
+
+// The server's end of `client` (the server runs in this process): what a test uses to give the
+// server's socket the small or full send buffer of a slow network path, which loopback never has.
+// Waits until the server accepted the connection; -1 if it never does.
+int server_end_of(const RawConnection& client, uint16_t server_port) {
+  sockaddr_in mine{};
+  socklen_t len = sizeof mine;
+  if (::getsockname(client.fd(), reinterpret_cast<sockaddr*>(&mine), &len) != 0) return -1;
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    for (int fd = 0; fd < 4096; ++fd) {
+      if (fd == client.fd()) continue;
+      sockaddr_in local{}, peer{};
+      socklen_t l1 = sizeof local, l2 = sizeof peer;
+      if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &l1) != 0) continue;
+      if (l1 != sizeof local || local.sin_family != AF_INET) continue;
+      if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &l2) != 0) continue;
+      if (ntohs(local.sin_port) == server_port && peer.sin_port == mine.sin_port) return fd;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  return -1;
+}
+
+// Sets a socket's receive (or send) buffer: what the kernel then holds for it stays small.
+void set_buffer(int fd, int option, int bytes) {
+  ::setsockopt(fd, SOL_SOCKET, option, &bytes, sizeof bytes);
+}
 
 // What a server logged (HttpServerOptions::log), from any of its threads.
 class ServerLog {
@@ -709,6 +743,52 @@ TEST(HttpServer, AClientThatClosesWithMoreThanAHeadPipelinedIsSeenGone) {
   auto f = closed.get_future();
   get_within(f);
   EXPECT_TRUE(held->closed());
+}
+
+// An `Expect: 100-continue` whose interim answer cannot be written at once (the connection's send
+// side is full, as when the client has not read for a while) must not lift the body's deadline:
+// once the 100 is written, a client that never sends the body is still closed within read_timeout
+// of the head, not held for ever.
+TEST(HttpServer, ABodyAfterAnInterimAnswerThatWaitedIsStillBoundByTheReadTimeout) {
+  HttpServerOptions options = local_options();
+  options.read_timeout = 3s;  // room to fill the server's side, then to read it
+  options.threads = 1;        // one loop, for the barrier below
+  HttpServer server(options);
+  std::atomic<int> calls{0};
+  count_posts_to_x(server, calls);
+  RawConnection c(server.port(), nullptr, 4096);
+  const int server_fd = server_end_of(c, server.port());
+  ASSERT_GE(server_fd, 0);
+  // All of the head but its last byte first: every segment the client sends tells the server how
+  // much room the client has, and the head's last byte must not open any.
+  c.send("POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\nExpect: 100-continue\r\n\r");
+  // Fill the server's side until not one more byte fits: its next write, the 100, must wait.
+  set_buffer(server_fd, SO_SNDBUF, 16 << 10);
+  // Acknowledgements and window updates still on their way free room after a fill, so fill
+  // again until three rounds in a row find none, the last just before the request.
+  const std::string junk(size_t{64} << 10, 'j');
+  for (int round = 0, empty = 0; empty < 3; ++round) {
+    ASSERT_LT(round, 100) << "the server's side never stays full";
+    if (round > 0) std::this_thread::sleep_for(100ms);
+    size_t sent = 0;
+    for (size_t piece : {size_t{64} << 10, size_t{4} << 10, size_t{256}, size_t{16}, size_t{1}}) {
+      for (ssize_t n; (n = ::send(server_fd, junk.data(), piece, MSG_NOSIGNAL)) > 0;) sent += n;
+    }
+    ASSERT_TRUE(errno == EAGAIN || errno == EWOULDBLOCK) << std::strerror(errno);
+    empty = sent == 0 ? empty + 1 : 0;
+  }
+  c.send("\n");
+  // The server must have tried the 100 before the client reads: a request on another connection
+  // of the same loop is answered after the loop took the head's last byte (it arrived first).
+  RawConnection barrier(server.port());
+  barrier.send("GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+  ASSERT_EQ(status_of(barrier.read_all()), 405);
+  std::string got;
+  ASSERT_TRUE(c.read_until(got, "HTTP/1.1 100 Continue\r\n\r\n"));
+  // No body: the server closes (RawConnection's own 10 s read timeout would leave eof() false).
+  EXPECT_EQ(c.read_all(), "");
+  EXPECT_TRUE(c.eof());
+  EXPECT_EQ(calls.load(), 0);
 }
 
 TEST(HttpServer, IdleKeepAliveConnectionIsClosed) {
