@@ -530,7 +530,7 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   // On the loop's clock (EventLoop::now_ms), 0 when not running. The read deadline bounds the
   // request being read, its head and then its body, and keeps running while something is written
   // meanwhile (a 100 Continue that had to wait): a write must neither suspend nor lift it. The
-  // write deadline runs while output waits for the client.
+  // write deadline runs while output waits for the client, from its last progress.
   int64_t read_deadline_ = 0;
   int64_t write_deadline_ = 0;
   Timer timer_;
@@ -770,10 +770,14 @@ void Connection::pump() {
 }
 
 bool Connection::flush() {
+  const size_t before = written_;
   if (const int err = send_pending(fd_, out_, written_)) {
     if (err == EAGAIN) {
       if (exchange_) exchange_->sending(out_.size() - written_);
-      if (!want_write_) {
+      // The write timeout runs from the last send that made progress, as nginx's send_timeout:
+      // it finds a client that stopped reading, while one that reads slowly but steadily gets
+      // its whole response, however long that takes.
+      if (!want_write_ || written_ > before) {
         want_write_ = true;
         write_deadline_ = loop_.now_ms() + server_.options().write_timeout.count();
         arm_deadlines();

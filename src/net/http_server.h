@@ -112,8 +112,10 @@ struct HttpServerOptions {
   std::chrono::milliseconds read_timeout = std::chrono::seconds(30);
   // A keep-alive connection waiting for its next request is closed after this time.
   std::chrono::milliseconds idle_timeout = std::chrono::seconds(60);
-  // One write (a response, or the chunks queued at that moment) must finish within this time,
-  // otherwise the client is taken as gone. No timeout while the server waits for a handler.
+  // While output waits for the client, each send must make progress within this time of the
+  // last one that did (between two successive writes, as nginx's send_timeout), otherwise the
+  // client is taken as gone. A client that reads slowly but steadily gets its whole response,
+  // however long it takes. No timeout while the server waits for a handler.
   std::chrono::milliseconds write_timeout = std::chrono::seconds(60);
   // The most response bytes one exchange may hold unsent (queued by its producer plus what its
   // connection is still writing). A stream's write() that would go past it takes the client as

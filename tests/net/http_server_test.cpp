@@ -791,6 +791,39 @@ TEST(HttpServer, ABodyAfterAnInterimAnswerThatWaitedIsStillBoundByTheReadTimeout
   EXPECT_EQ(calls.load(), 0);
 }
 
+// The write timeout runs between two writes that make progress (nginx's send_timeout), not over
+// the whole response: a client that reads slowly but steadily gets all of a body that takes it
+// several write timeouts to read.
+TEST(HttpServer, ASlowButSteadyReaderGetsABodyThatTakesLongerThanTheWriteTimeout) {
+  HttpServerOptions options = local_options();
+  options.write_timeout = 250ms;
+  HttpServer server(options);
+  const std::string body(size_t{1} << 20, 'b');
+  server.route("GET", "/big", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, body, "text/plain");
+  });
+  server.start();
+  RawConnection c(server.port(), nullptr, 16 << 10);
+  const int server_fd = server_end_of(c, server.port());
+  ASSERT_GE(server_fd, 0);
+  // Small kernel buffers on both sides, as on a slow path: the server's writes keep waiting for
+  // the reader, each a little at a time.
+  set_buffer(server_fd, SO_SNDBUF, 16 << 10);
+  c.send("GET /big HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+  std::string raw;
+  std::vector<char> buf(size_t{16} << 10);
+  for (;;) {
+    const ssize_t n = ::recv(c.fd(), buf.data(), buf.size(), 0);
+    if (n <= 0) break;
+    raw.append(buf.data(), static_cast<size_t>(n));
+    // At most 16 KiB per 20 ms: the 1 MiB take the reader 1.3 s or more, five write timeouts,
+    // while the server's next write can go after one or two reads.
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(status_of(raw), 200);
+  EXPECT_EQ(body_of(raw).size(), body.size());
+}
+
 TEST(HttpServer, IdleKeepAliveConnectionIsClosed) {
   HttpServerOptions options = local_options();
   // Armed at accept too: the request must arrive within it, however slowly a loaded machine
