@@ -1,5 +1,6 @@
 #include "api/tokenize.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -72,8 +73,10 @@ json detokenize_answer(const json& body, const text::Tokenizer& tokenizer,
   const json* tokens = field(body, "tokens");
   if (!tokens || !tokens->is_array()) fail("tokens", "'tokens' must be a list of token ids");
   model_name(body, limits);
+  // The tokenizer's ids: the model's LM-head rows past them have no text to read back.
+  const auto tokenizer_ids = static_cast<int64_t>(tokenizer.vocab_size());
   const int64_t vocab =
-      limits.vocab_size > 0 ? limits.vocab_size : static_cast<int64_t>(tokenizer.vocab_size());
+      limits.vocab_size > 0 ? std::min(limits.vocab_size, tokenizer_ids) : tokenizer_ids;
   const std::vector<int32_t> ids =
       tokens->empty() ? std::vector<int32_t>{} : token_list(*tokens, "tokens", vocab);
   return {{"prompt", tokenizer.decode(ids, /*skip_special_tokens=*/false)}};

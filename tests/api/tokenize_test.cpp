@@ -125,6 +125,8 @@ TEST(Detokenize, MalformedBodiesAreRefusedNamingTheField) {
       {{{"tokens", "hi"}}, 400, "tokens"},
       {{{"tokens", {1, "2"}}}, 400, "tokens"},
       {{{"tokens", {1, 129280}}}, 400, "tokens"},
+      // Past the tokenizer's ids, inside the model's 129,280 rows: no text to read back.
+      {{{"tokens", {1, static_cast<int64_t>(tokenizer().vocab_size())}}}, 400, "tokens"},
       {{{"tokens", {-1}}}, 400, "tokens"},
       {{{"tokens", {1}}, {"model", "other"}}, 404, "model"},
   };
