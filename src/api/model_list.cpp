@@ -18,7 +18,10 @@ std::string model_list_json(const ModelCard& model) {
   return json{{"object", "list"}, {"data", json::array({m})}}.dump();
 }
 
-std::optional<int64_t> max_model_len_of(std::string_view body) {
+namespace {
+
+// The list body's `data` array, or nullopt when the body is not a model list.
+std::optional<json> models_of(std::string_view body) {
   json doc;
   try {
     doc = parse_untrusted_json(body);
@@ -28,6 +31,22 @@ std::optional<int64_t> max_model_len_of(std::string_view body) {
   if (!doc.is_object()) return std::nullopt;
   const auto data = doc.find("data");
   if (data == doc.end() || !data->is_array()) return std::nullopt;
+  return std::move(*data);
+}
+
+}  // namespace
+
+std::optional<std::string> first_model_id(std::string_view body) {
+  const std::optional<json> data = models_of(body);
+  if (!data || data->empty() || !data->front().is_object()) return std::nullopt;
+  const auto id = data->front().find("id");
+  if (id == data->front().end() || !id->is_string()) return std::nullopt;
+  return id->get<std::string>();
+}
+
+std::optional<int64_t> max_model_len_of(std::string_view body) {
+  const std::optional<json> data = models_of(body);
+  if (!data) return std::nullopt;
   std::optional<int64_t> least;
   for (const json& m : *data) {
     if (!m.is_object()) continue;

@@ -23,4 +23,8 @@ std::string model_list_json(const ModelCard& model);
 // when the body is not a model list or no model says one (an older or foreign server).
 std::optional<int64_t> max_model_len_of(std::string_view model_list_body);
 
+// The id of a list body's first model (the one vLLM's bench sends when told none); nullopt when
+// the body is not a model list or lists none.
+std::optional<std::string> first_model_id(std::string_view model_list_body);
+
 }  // namespace tandem::api

@@ -32,11 +32,15 @@ double since(Clock::time_point origin, Clock::time_point t) {
 
 }  // namespace
 
+bool is_chat_endpoint(const std::string& endpoint) {
+  return endpoint.find("chat") != std::string::npos;
+}
+
 std::string request_body(const BenchRequest& request, const DriverOptions& options) {
   json body;
   const ReleaseJsonOnExit release_body{body};  // the prompt's ids, freed cheaply
   if (!options.model.empty()) body["model"] = options.model;
-  const bool chat = options.endpoint.find("chat") != std::string::npos;
+  const bool chat = is_chat_endpoint(options.endpoint);
   if (chat) {
     body["messages"] = json::array({{{"role", "user"}, {"content", request.prompt_text}}});
     body["max_completion_tokens"] = request.output_len;

@@ -56,6 +56,9 @@ struct DriverRun {
   double duration_s = 0;               // the start of the run to the last answer
 };
 
+// Whether requests to `endpoint` are chats (messages, max_completion_tokens) or completions.
+bool is_chat_endpoint(const std::string& endpoint);
+
 // The request body for one workload entry (exposed for tests and for inspection).
 std::string request_body(const BenchRequest& request, const DriverOptions& options);
 // A request's prompt tokens as the results count them: its ids, and the BOS when counted.

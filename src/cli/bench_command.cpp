@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/model_list.h"
 #include "bench/driver.h"
 #include "bench/metrics.h"
 #include "bench/report.h"
@@ -44,7 +45,7 @@ struct BenchCliOptions {
 // Flags this run would not use are refused, as the workload's are (check_unused_flags), not
 // ignored: the run would not be the one asked for.
 void check_unused_run_flags(const BenchCliOptions& o) {
-  const bool chat = o.endpoint.find("chat") != std::string::npos;  // as the driver tells them
+  const bool chat = bench::is_chat_endpoint(o.endpoint);
   if (chat && o.prompt_format_given && o.prompt_format == "ids")
     throw Error("--prompt-format ids applies to /v1/completions; " + o.endpoint +
                 " sends the prompt as text, in a message");
@@ -73,10 +74,7 @@ std::string first_served_model(const std::string& host, uint16_t port, const std
     const auto r =
         net::http_request(host, port, "GET", "/v1/models", {}, headers, std::chrono::seconds(10));
     if (r.status == 200) {
-      const json j = json::parse(r.body);
-      if (j.contains("data") && j["data"].is_array() && !j["data"].empty() &&
-          j["data"][0].contains("id") && j["data"][0]["id"].is_string())
-        return j["data"][0]["id"].get<std::string>();
+      if (auto id = api::first_model_id(r.body)) return *id;
       why = "it lists no model";
     } else {
       why = "HTTP " + std::to_string(r.status);
@@ -178,7 +176,7 @@ void run(const BenchCliOptions& o) {
   if (o.max_concurrency > 0) run.report.table.max_concurrency = o.max_concurrency;
   if (before && after && after->queries > before->queries)
     run.prefix_cache_hit_rate = (after->hits - before->hits) / (after->queries - before->queries);
-  const bool chat = o.endpoint.find("chat") != std::string::npos;
+  const bool chat = bench::is_chat_endpoint(o.endpoint);
   run.extra = {{"date", date_text()},
                {"backend", "tandem-bench"},
                {"endpoint_type", chat ? "openai-chat" : "openai"},

@@ -179,30 +179,38 @@ void GenerationApi::release_refused_decode_leg(const json& body) {
                             d.remote_request_id, d.remote_block_ids);
 }
 
-void GenerationApi::tokenize(const net::HttpRequest& req, std::shared_ptr<net::Reply> ex) {
+namespace {
+
+// Answers a request that is worked out at once (no engine step): `answer` reads the body; a bad
+// one is the OpenAI error it names.
+void answer_at_once(const net::HttpRequest& req, net::Reply& reply,
+                    const std::function<json(const json& body)>& answer) {
   try {
-    const json answer =
-        api::tokenize_answer(parse_untrusted_json(req.body), engine_.tokenizer(),
-                             chat_template_ ? &*chat_template_ : nullptr, engine_.request_limits());
-    ex->respond(200, answer.dump(), "application/json");
+    reply.respond(
+        200,
+        answer(parse_untrusted_json(req.body)).dump(-1, ' ', false, json::error_handler_t::replace),
+        "application/json");
   } catch (const ApiError& e) {
-    ex->respond(e.status, api::api_error_body(e), "application/json");
+    reply.respond(e.status, api::api_error_body(e), "application/json");
   } catch (const Error& e) {
-    ex->send_error(400, e.what());
+    reply.send_error(400, e.what());
   }
 }
 
+}  // namespace
+
+void GenerationApi::tokenize(const net::HttpRequest& req, std::shared_ptr<net::Reply> ex) {
+  answer_at_once(req, *ex, [&](const json& body) {
+    return api::tokenize_answer(body, engine_.tokenizer(),
+                                chat_template_ ? &*chat_template_ : nullptr,
+                                engine_.request_limits());
+  });
+}
+
 void GenerationApi::detokenize(const net::HttpRequest& req, std::shared_ptr<net::Reply> ex) {
-  try {
-    const json answer = api::detokenize_answer(parse_untrusted_json(req.body), engine_.tokenizer(),
-                                               engine_.request_limits());
-    ex->respond(200, answer.dump(-1, ' ', false, json::error_handler_t::replace),
-                "application/json");
-  } catch (const ApiError& e) {
-    ex->respond(e.status, api::api_error_body(e), "application/json");
-  } catch (const Error& e) {
-    ex->send_error(400, e.what());
-  }
+  answer_at_once(req, *ex, [&](const json& body) {
+    return api::detokenize_answer(body, engine_.tokenizer(), engine_.request_limits());
+  });
 }
 
 void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
