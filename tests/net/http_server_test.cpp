@@ -653,29 +653,37 @@ TEST(HttpServer, AStreamingClientThatNeverReadsIsCutAtTheHighWaterMark) {
   EXPECT_FALSE(held->end());
 }
 
-TEST(HttpServer, ClientDisconnectWhileWaitingForResponse) {
-  HttpServer server(local_options());
+// POST /slow keeps each exchange, as an engine still computing its answer does, and says when
+// one came and when its client went.
+struct SlowRoute {
   std::shared_ptr<Exchange> held;
   std::promise<void> received, closed;
-  server.route("POST", "/slow", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    ex->on_close([&] { closed.set_value(); });
-    held = ex;  // the engine is still computing
-    received.set_value();
-  });
+  explicit SlowRoute(HttpServer& server) {
+    server.route("POST", "/slow", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+      ex->on_close([this] { closed.set_value(); });
+      held = ex;
+      received.set_value();
+    });
+  }
+};
+
+TEST(HttpServer, ClientDisconnectWhileWaitingForResponse) {
+  HttpServer server(local_options());
+  SlowRoute slow(server);
   server.start();
   {
     RawConnection c(server.port());
     c.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
-    auto f = received.get_future();
+    auto f = slow.received.get_future();
     get_within(f);
   }  // the client gives up
-  auto f = closed.get_future();
+  auto f = slow.closed.get_future();
   get_within(f);
-  EXPECT_TRUE(held->closed());
-  EXPECT_FALSE(held->respond(200, "{}"));
+  EXPECT_TRUE(slow.held->closed());
+  EXPECT_FALSE(slow.held->respond(200, "{}"));
   // A callback registered after the close runs at once.
   bool late = false;
-  held->on_close([&] { late = true; });
+  slow.held->on_close([&] { late = true; });
   EXPECT_TRUE(late);
 }
 
@@ -686,18 +694,14 @@ TEST(HttpServer, AClientThatClosesRightAfterItsRequestIsSeenGone) {
   HttpServerOptions options = local_options();
   options.threads = 1;
   HttpServer server(options);
-  std::promise<void> loop_held, release, closed;
+  std::promise<void> loop_held, release;
   std::shared_future<void> released = release.get_future().share();
   server.route("POST", "/hold", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
     loop_held.set_value();
     released.wait();  // the server's only thread is busy while the other client sends and closes
     ex->respond(200, "{}");
   });
-  std::shared_ptr<Exchange> held;
-  server.route("POST", "/slow", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    ex->on_close([&] { closed.set_value(); });
-    held = ex;
-  });
+  SlowRoute slow(server);
   server.start();
   RawConnection busy(server.port());
   busy.send("POST /hold HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
@@ -708,10 +712,10 @@ TEST(HttpServer, AClientThatClosesRightAfterItsRequestIsSeenGone) {
     gone.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
   }  // closed before the server read a byte of it
   release.set_value();
-  auto f = closed.get_future();
+  auto f = slow.closed.get_future();
   get_within(f);
-  ASSERT_TRUE(held);
-  EXPECT_TRUE(held->closed());
+  ASSERT_TRUE(slow.held);
+  EXPECT_TRUE(slow.held->closed());
 }
 
 // A client that pipelines more than a head's worth of its next request while its response is
@@ -723,32 +727,26 @@ TEST(HttpServer, AClientThatClosesWithMoreThanAHeadPipelinedIsSeenGone) {
   HttpServerOptions options = local_options();
   options.max_header_bytes = 1024;
   HttpServer server(options);
-  std::shared_ptr<Exchange> held;
-  std::promise<void> received, closed;
-  server.route("POST", "/slow", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    ex->on_close([&] { closed.set_value(); });
-    held = ex;  // the engine is still computing
-    received.set_value();
-  });
+  SlowRoute slow(server);
   server.start();
   {
     RawConnection c(server.port());
     c.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}");
-    auto f = received.get_future();
+    auto f = slow.received.get_future();
     get_within(f);
     // The next request's head and the start of its body: far beyond what the server reads now.
     c.send("POST /slow HTTP/1.1\r\nHost: a\r\nContent-Length: 500000\r\n\r\n" +
            std::string(size_t{32} << 10, 'x'));
   }  // the client gives up
-  auto f = closed.get_future();
+  auto f = slow.closed.get_future();
   get_within(f);
-  EXPECT_TRUE(held->closed());
+  EXPECT_TRUE(slow.held->closed());
 }
 
 // An `Expect: 100-continue` whose interim answer cannot be written at once (the connection's send
 // side is full, as when the client has not read for a while) must not lift the body's deadline:
 // once the 100 is written, a client that never sends the body is still closed within read_timeout
-// of the head, not held for ever.
+// of the head, not slow.held for ever.
 TEST(HttpServer, ABodyAfterAnInterimAnswerThatWaitedIsStillBoundByTheReadTimeout) {
   HttpServerOptions options = local_options();
   options.read_timeout = 3s;  // room to fill the server's side, then to read it
