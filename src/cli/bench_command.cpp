@@ -127,10 +127,7 @@ void run(const BenchCliOptions& o) {
   d.top_k = o.top_k;
   d.min_p = o.min_p;
   d.tokenizer = &tok;
-  // vLLM's dataset lengths count the BOS the server adds to a text prompt; a trace's length is the
-  // ids it sends (workload.h).
-  if (!o.workload.trace()) d.bos_id = tok.bos_id();
-  d.count_bos = o.workload.dataset != "prefix-repetition";
+  set_prompt_bos(o.workload, tok, d);
   if (o.max_concurrency > 0) d.max_concurrency = o.max_concurrency;
   if (!(o.timeout > 0 && o.timeout <= bench::kMaxArrivalSeconds))
     throw Error("--timeout: expected seconds > 0 and at most " +

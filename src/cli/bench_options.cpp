@@ -301,6 +301,12 @@ std::string empty_workload_reason(const WorkloadCliOptions& o) {
 
 }  // namespace
 
+void set_prompt_bos(const WorkloadCliOptions& o, const text::Tokenizer& tok,
+                    bench::DriverOptions& driver) {
+  driver.bos_id = o.trace() ? std::nullopt : tok.bos_id();
+  driver.count_bos = o.dataset != "prefix-repetition";
+}
+
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
   check_workload_flags(o);
   check_trace_spread(o);

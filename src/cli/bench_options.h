@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "bench/driver.h"
 #include "bench/metrics.h"
 #include "bench/report.h"
 #include "bench/workload.h"
@@ -51,6 +52,11 @@ std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
 // prompt tokens in all; other datasets are built whole.
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o,
                                         const text::Tokenizer& tokenizer);
+// How the workload's token-id prompts are sent and counted: vLLM's dataset lengths count the BOS
+// the server adds to a text prompt, so it goes first in the ids (and is counted but for
+// prefix-repetition); a trace's length is the ids it sends. `tandem bench` and `tandem simulate`.
+void set_prompt_bos(const WorkloadCliOptions& o, const text::Tokenizer& tokenizer,
+                    bench::DriverOptions& driver);
 
 struct MetricsCliOptions {
   std::string percentile_metrics = "ttft,tpot,itl", metric_percentiles = "99";

@@ -293,6 +293,7 @@ void run(const SimulateCliOptions& o) {
 
   auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
   const bench::LazyWorkload reqs = build_lazy_workload(o.workload, *tok);  // not empty
+  set_prompt_bos(o.workload, *tok, so.client);
   const WorkloadCliOptions& w = o.workload;
   if (!o.sweep.empty()) {
     run_sweep(o, so, points, reqs, tok, mo);

@@ -335,7 +335,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   run.results.resize(n);
   size_t sent = 0, finished = 0;
   Clock::time_point last_answer = origin;
-  bench::DriverOptions body_options;  // token-id prompts, streamed with usage, as tandem bench
+  const bench::DriverOptions& body_options = options.client;
   BodyLine client_line(options.body_bytes_per_s);  // the clients' sending thread
   std::function<void(size_t)> arm_arrival = [&](size_t k) {
     if (k >= n) return;
@@ -351,7 +351,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
       req.headers.set("X-Request-Id", "sim-" + std::to_string(i));
       req.body = bench::request_body(request, body_options);
       auto client = std::make_shared<MeasuredClient>(
-          clock, origin, static_cast<int64_t>(request.prompt_ids.size()),
+          clock, origin, bench::sent_prompt_tokens(request, body_options),
           [&, i](bench::RequestResult r) {
             run.results[i] = std::move(r);
             ++finished;

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/driver.h"
 #include "bench/metrics.h"
 #include "bench/workload.h"
 #include "engine/executor/sim_executor.h"
@@ -57,6 +58,10 @@ struct SimulationOptions {
   // timestamps) arrive tens of milliseconds apart behind long prompts, as live. 60 MB/s: what
   // the live stack showed between tandem bench and the gateway (docs/benchmarks.md).
   double body_bytes_per_s = 60e6;
+  // The clients' requests, made as tandem bench makes them (token-id prompts, streamed with
+  // usage; the BOS first where the dataset counts it, cli::set_prompt_bos). Its address,
+  // timeout, concurrency and tokenizer are not used.
+  bench::DriverOptions client;
   // Prefill to decode KV transfers (P/D modes): every engine pair's link, and how long a hold or
   // a bootstrap room waits for its other leg.
   KvLinkModel kv_link;

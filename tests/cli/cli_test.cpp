@@ -642,6 +642,8 @@ TEST(Cli, SimulateWritesTheResultKeysOfALiveBench) {
   EXPECT_EQ(j["failed"], 0);
   EXPECT_EQ(j["backend"], "tandem-simulate");
   EXPECT_EQ(j["total_output_tokens"], 12 * 8);
+  // As tandem bench: the random dataset's length counts the BOS sent first (was 199 a prompt).
+  EXPECT_EQ(j["total_input_tokens"], 12 * 200);
   for (const char* key : {"mean_ttft_ms", "p99_tpot_ms", "request_goodput", "ttfts", "itls"})
     EXPECT_TRUE(j.contains(key)) << key;
   EXPECT_EQ(j["simulation"]["engines"].size(), 2u);
