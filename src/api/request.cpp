@@ -28,15 +28,18 @@ using nlohmann::json;
 int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_default,
                       const ModelLimits& limits) {
   const int64_t limit = limits.max_tokens_limit;
+  // The generation config's max_new_tokens, which vLLM applies silently to every request.
+  const int64_t cap = limits.sampling.max_tokens;
+  auto capped = [&](int64_t n) { return cap > 0 ? std::min(n, cap) : n; };
   if (!field(body, name)) {
     int64_t d = limits.default_max_tokens > 0 ? limits.default_max_tokens : dialect_default;
-    return limit > 0 ? std::min(d, limit) : d;
+    return capped(limit > 0 ? std::min(d, limit) : d);
   }
   const int64_t asked = integer(body, name, 0);
   if (limit > 0 && asked > limit)
     fail(name, std::string("'") + name + "' is " + std::to_string(asked) +
                    ", above this server's limit of " + std::to_string(limit) + " tokens");
-  return asked;
+  return capped(asked);
 }
 
 // Fields that change what an answer must look like, which Tandem does not do yet. Accepting them
@@ -315,15 +318,17 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
 // `tokenizer`: reads vLLM's allowed_token_ids and bad_words (null for SGLang's, which has
 // neither).
 SamplingParams sampling_from(const json& body, int64_t max_tokens, const char* max_name,
-                             const char* min_name, int64_t vocab_size, OrderedBody* ordered,
+                             const char* min_name, const ModelLimits& limits, OrderedBody* ordered,
                              const text::Tokenizer* tokenizer) {
   SamplingParams p;
   p.structured_output = structured_output_of(body, ordered);
-  p.temperature = number(body, "temperature", 1.0);
-  p.top_p = number(body, "top_p", 1.0);
-  p.top_k = integer(body, "top_k", 0);
-  p.min_p = number(body, "min_p", 0.0);
-  p.repetition_penalty = number(body, "repetition_penalty", 1.0);
+  const SamplingDefaults& d = limits.sampling;  // for the fields the body leaves out
+  const int64_t vocab_size = limits.vocab_size;
+  p.temperature = number(body, "temperature", d.temperature);
+  p.top_p = number(body, "top_p", d.top_p);
+  p.top_k = integer(body, "top_k", d.top_k);
+  p.min_p = number(body, "min_p", d.min_p);
+  p.repetition_penalty = number(body, "repetition_penalty", d.repetition_penalty);
   p.presence_penalty = number(body, "presence_penalty", 0.0);
   p.frequency_penalty = number(body, "frequency_penalty", 0.0);
   p.max_tokens = max_tokens;
@@ -756,8 +761,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   // As vLLM: max_tokens 0 with echo answers the prompt alone (the engine runs one token, left
   // out); without echo it is refused as any max_tokens below 1.
   r.echo_only = r.echo && max_tokens == 0;
-  r.sampling = sampling_from(body, r.echo_only ? 1 : max_tokens, "max_tokens", "min_tokens",
-                             limits.vocab_size, &ordered, &tokenizer);
+  r.sampling = sampling_from(body, r.echo_only ? 1 : max_tokens, "max_tokens", "min_tokens", limits,
+                             &ordered, &tokenizer);
   r.stream = boolean(body, "stream", false);
   read_stream_options(body, r);
   if (const json* lp = field(body, "logprobs")) {
@@ -854,7 +859,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
   r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), max_name,
-                             "min_tokens", limits.vocab_size, &ordered, &tokenizer);
+                             "min_tokens", limits, &ordered, &tokenizer);
   if (tools.forced) {
     if (r.sampling.structured_output)
       fail("tool_choice", "'tool_choice' forces a call and '" +
@@ -928,9 +933,8 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   // keyword; read as vLLM's, it would be honoured here and ignored by an SGLang engine.
   if (field(params, "min_tokens"))
     fail("min_tokens", "'min_tokens' is not an SGLang sampling parameter; use 'min_new_tokens'");
-  r.sampling =
-      sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits), "max_new_tokens",
-                    "min_new_tokens", limits.vocab_size, nullptr, nullptr);
+  r.sampling = sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits),
+                             "max_new_tokens", "min_new_tokens", limits, nullptr, nullptr);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false)) {
     const int64_t top = integer(body, "top_logprobs_num", 0);

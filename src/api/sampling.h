@@ -68,6 +68,19 @@ struct SamplingParams {
                 const std::string& min_tokens_name = "min_tokens") const;
 };
 
+// What a request that omits a sampling field gets: vLLM's neutral values, unless the model's
+// generation config (or the engine's --override-generation-config) sets others, as vLLM's
+// --generation-config auto does. `max_tokens` (its max_new_tokens) caps every request's,
+// asked for or not, as vLLM takes the least of the two; 0: no cap.
+struct SamplingDefaults {
+  double temperature = 1.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  double min_p = 0.0;
+  double repetition_penalty = 1.0;
+  int64_t max_tokens = 0;
+};
+
 // A parameter out of range: `param` names it as the request did, and the message says why.
 class InvalidSamplingParam : public Error {
  public:

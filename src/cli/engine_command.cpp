@@ -16,6 +16,7 @@
 
 #include "api/api_key.h"
 #include "api/reasoning.h"
+#include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/sim_executor_flags.h"
@@ -63,6 +64,7 @@ struct EngineOptions {
   int64_t rebalance_interval = 0;
   int64_t max_model_len = 0;
   MaxTokensFlags max_tokens;
+  GenerationConfigFlags generation_config;
   std::vector<std::string> api_keys;
   std::string role = "both";
   int kv_transfer_port = -2;  // -2: the role's default (prefill 8998, both any free, decode none)
@@ -200,6 +202,11 @@ void run(const EngineOptions& o) {
                   "'");
     config.reasoning = *format;
   }
+  const EngineGenerationConfig generation =
+      load_generation_config(o.generation_config, sim ? std::string() : o.model);
+  config.sampling_defaults = generation.sampling;
+  if (!generation.note.empty())
+    std::fprintf(stderr, "tandem engine: %s\n", generation.note.c_str());
   config.max_model_len = o.max_model_len;  // a sim: model's context is set by it instead
   config.expert_load_window = o.expert_load_window;
   config.rebalance_interval = o.rebalance_interval;
@@ -247,7 +254,7 @@ void run(const EngineOptions& o) {
     so.max_model_len = o.max_model_len;
     so.model_name = o.served_model_name.empty() ? o.model : o.served_model_name;
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
-    eos = engine::eos_ids(*tokenizer, std::nullopt);
+    eos = engine::eos_ids(*tokenizer, generation.eos_token_ids);
   } else if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
     if (o.expert_parallel > 1 || !o.expert_placement.empty())
       throw Error("--expert-parallel: expert parallelism runs DeepSeek-family models; " + o.model +
@@ -258,7 +265,7 @@ void run(const EngineOptions& o) {
       m = std::make_shared<model::Qwen3MoeModel>(
           model::Qwen3MoeModel::load(o.model, [&](size_t d, size_t t) { bar.update(d, t); }));
     }
-    eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
+    eos = engine::eos_ids(*tokenizer, generation.eos_token_ids);
     executor = std::make_unique<engine::Qwen3Executor>(
         m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
         cache_options(o));
@@ -285,7 +292,7 @@ void run(const EngineOptions& o) {
     }
     std::fprintf(stderr, "tandem engine: starting %d expert-parallel ranks\n", o.expert_parallel);
     executor = std::make_unique<engine::ep::EpExecutor>(eo, *tokenizer);
-    eos = engine::eos_ids(*tokenizer, model::ModelConfig::load(o.model).eos_token_id);
+    eos = engine::eos_ids(*tokenizer, generation.eos_token_ids);
   } else {
     if (!o.expert_placement.empty()) throw Error("--expert-placement needs --expert-parallel N");
     if (o.speculative_tokens > 0)
@@ -307,7 +314,7 @@ void run(const EngineOptions& o) {
         !w.empty())
       std::fprintf(stderr, "tandem engine: %s\n", w.c_str());
     m->set_mla_rescale(kMlaRescales.at(o.mla_rescale));
-    eos = engine::eos_ids(*tokenizer, m->config().eos_token_id);
+    eos = engine::eos_ids(*tokenizer, generation.eos_token_ids);
     executor = std::make_unique<engine::CpuExecutor>(
         m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
         cache_options(o));
@@ -572,6 +579,7 @@ void add_engine_command(CLI::App& app) {
                   "as a Bearer token (default: $" +
                       std::string(engine::kEngineApiKeyVariable) + ", else open)");
   add_max_tokens_flags(*cmd, o->max_tokens);
+  add_generation_config_flags(*cmd, o->generation_config);
   cmd->callback([o] { run(*o); });
 }
 

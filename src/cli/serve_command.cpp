@@ -16,6 +16,7 @@
 
 #include "cli/engine_child.h"
 #include "cli/gateway_shutdown.h"
+#include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
 #include "cli/stop_signals.h"
@@ -38,6 +39,7 @@ struct ServeOptions {
   std::string model = "tiny-v3", host = "127.0.0.1", engine_host = "127.0.0.1", mode = "parallel",
               policy = "tandem", access_log, admin_api_key, metrics_api_key, priority_classes;
   MaxTokensFlags max_tokens;
+  GenerationConfigFlags generation_config;  // passed to every engine
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
       gateways = 1, engine_start_timeout_s = 1800;
   bool no_gateway_tokenizer = false, batch_invariant = false;
@@ -158,6 +160,8 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     if (o.speculative_tokens > 0)  // every engine: P/D legs must agree to move the MTP layer
       a.insert(a.end(), {"--speculative-tokens", std::to_string(o.speculative_tokens)});
     if (o.batch_invariant) a.push_back("--batch-invariant");
+    for (std::string& arg : generation_config_args(o.generation_config))
+      a.push_back(std::move(arg));
     // Every engine: in P/D the decode leg writes the answer, and any engine may serve a chat.
     if (!o.reasoning_parser.empty()) a.insert(a.end(), {"--reasoning-parser", o.reasoning_parser});
     // The gateway passes each request's class as its priority, or the policy's deadline to the
@@ -348,6 +352,7 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--api-key", o->api_keys, "accepted client API key (repeatable; none: open)");
   add_max_tokens_flags(*cmd, o->max_tokens);  // for the gateway and every engine
+  add_generation_config_flags(*cmd, o->generation_config);
   cmd->add_option("--admin-api-key", o->admin_api_key, "enables the gateway's /admin/* API");
   cmd->add_option("--metrics-api-key", o->metrics_api_key,
                   "required as a Bearer token on the gateway's /metrics (default: open)");

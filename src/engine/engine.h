@@ -51,6 +51,9 @@ struct EngineConfig {
   int64_t default_max_tokens = 0;
   // --reasoning-parser: chat answers' reasoning read apart (api/reasoning.h).
   api::ReasoningFormat reasoning = api::ReasoningFormat::kNone;
+  // The model's generation config (--generation-config): what requests that omit a sampling
+  // field get.
+  api::SamplingDefaults sampling_defaults;
   // The longest sequence (prompt plus output) a request may ask for; 0: the model's context.
   // Either way no longer than the KV cache holds (max_model_len() below).
   int64_t max_model_len = 0;
@@ -138,7 +141,8 @@ class Engine final : private PdHost {
             info.vocab_size,
             config_.max_tokens_limit,
             config_.default_max_tokens,
-            config_.reasoning};
+            config_.reasoning,
+            config_.sampling_defaults};
   }
   // The longest sequence a request may ask for: the model's context, the operator's
   // --max-model-len and the KV cache's size, whichever is least. A request that cannot fit the

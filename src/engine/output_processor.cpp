@@ -23,7 +23,7 @@ OutputProcessor::OutputProcessor(const text::Tokenizer& tokenizer, const Samplin
                                  const std::vector<int32_t>& eos)
     : detok_(tokenizer, params.skip_special_tokens),
       stop_ids_(end_token_ids(params, eos)),
-      eos_ids_(params.ignore_eos ? std::vector<int32_t>{} : eos),
+      eos_(params.ignore_eos ? std::nullopt : tokenizer.eos_id()),
       stop_strings_(params.stop),
       include_stop_(params.include_stop_str_in_output),
       max_tokens_(params.max_tokens),
@@ -50,7 +50,7 @@ OutputDelta OutputProcessor::push(int32_t id) {
     delta.finish_reason = "stop";
     delta.stop_token = id;
     // As vLLM, which checks the EOS before stop_token_ids: an id in both is the EOS.
-    delta.stop_at_eos = std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end();
+    delta.stop_at_eos = eos_ == id;
   } else {
     text_ += detok_.push(id);
     size_t hit = std::string::npos;
@@ -88,11 +88,12 @@ OutputDelta OutputProcessor::push(int32_t id) {
   return delta;
 }
 
-std::vector<int32_t> eos_ids(const text::Tokenizer& tokenizer, std::optional<int64_t> config_eos) {
+std::vector<int32_t> eos_ids(const text::Tokenizer& tokenizer,
+                             std::span<const int32_t> generation_eos) {
   std::vector<int32_t> ids;
   if (auto eos = tokenizer.eos_id()) ids.push_back(*eos);
-  if (config_eos && std::find(ids.begin(), ids.end(), *config_eos) == ids.end())
-    ids.push_back(static_cast<int32_t>(*config_eos));
+  for (int32_t id : generation_eos)
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
   return ids;
 }
 

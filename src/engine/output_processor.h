@@ -6,6 +6,7 @@
 // and the serving engine share it, so both stop at the same place.
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,9 @@ struct OutputDelta {
 
 class OutputProcessor {
  public:
-  // `eos_ids`: the end-of-sequence ids of tokenizer and model config; ignored with ignore_eos.
+  // `eos_ids`: the ids that end a sequence unless ignore_eos (eos_ids() below). Only the
+  // tokenizer's EOS is reported as the EOS (stop_at_eos); the others as stop ids, as vLLM adds a
+  // generation config's further EOS ids to stop_token_ids.
   OutputProcessor(const text::Tokenizer& tokenizer, const SamplingParams& params,
                   const std::vector<int32_t>& eos_ids);
 
@@ -42,7 +45,7 @@ class OutputProcessor {
  private:
   text::IncrementalDetokenizer detok_;
   std::vector<int32_t> stop_ids_;  // end_token_ids(): sorted
-  std::vector<int32_t> eos_ids_;   // empty with ignore_eos
+  std::optional<int32_t> eos_;     // the tokenizer's EOS; none with ignore_eos
   std::vector<std::string> stop_strings_;
   bool include_stop_ = false;  // include_stop_str_in_output
   int64_t max_tokens_;
@@ -54,7 +57,9 @@ class OutputProcessor {
   bool finished_ = false;
 };
 
-// The end-of-sequence ids to stop on: the tokenizer's EOS and the model config's, deduplicated.
-std::vector<int32_t> eos_ids(const text::Tokenizer& tokenizer, std::optional<int64_t> config_eos);
+// The end-of-sequence ids to stop on: the tokenizer's EOS and the generation config's
+// (model::GenerationConfig::eos_token_ids), deduplicated.
+std::vector<int32_t> eos_ids(const text::Tokenizer& tokenizer,
+                             std::span<const int32_t> generation_eos);
 
 }  // namespace tandem::engine

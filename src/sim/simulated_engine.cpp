@@ -43,7 +43,7 @@ SimulatedEngine::SimulatedEngine(gateway::Executor& clock,
     };
   }
   auto executor = std::make_unique<engine::SimExecutor>(*tokenizer, x);
-  const std::vector<int32_t> eos = engine::eos_ids(*tokenizer, std::nullopt);
+  const std::vector<int32_t> eos = engine::eos_ids(*tokenizer, {});
   engine_ =
       std::make_unique<engine::Engine>(config, std::move(executor), tokenizer, eos, registry_);
   api_ = std::make_unique<engine::GenerationApi>(

@@ -880,6 +880,51 @@ TEST(Protocol, TheOperatorCapsMaxTokensAndSetsItsDefault) {
   EXPECT_EQ(sglang.param, "max_new_tokens");
 }
 
+// The model's generation config (--generation-config) sets what a request that omits a sampling
+// field gets, in every dialect, as vLLM's default_sampling_params; what the request gives wins.
+// Its max_new_tokens caps max_tokens, asked for or not, silently, as vLLM takes the least.
+TEST(Protocol, TheGenerationConfigSetsDefaultsTheRequestOverrides) {
+  ModelLimits limits = kLimits;
+  limits.sampling = {.temperature = 0.6,
+                     .top_k = 20,
+                     .top_p = 0.95,
+                     .min_p = 0.05,
+                     .repetition_penalty = 1.1,
+                     .max_tokens = 0};
+  auto expect_defaults = [&](const SamplingParams& p, const std::string& dialect) {
+    EXPECT_EQ(p.temperature, 0.6) << dialect;
+    EXPECT_EQ(p.top_k, 20) << dialect;
+    EXPECT_EQ(p.top_p, 0.95) << dialect;
+    EXPECT_EQ(p.min_p, 0.05) << dialect;
+    EXPECT_EQ(p.repetition_penalty, 1.1) << dialect;
+  };
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}};
+  expect_defaults(parse_completion(json{{"prompt", "x"}}, tokenizer(), limits).sampling,
+                  "completion");
+  expect_defaults(parse_chat(chat, tokenizer(), &chat_template(), limits).sampling, "chat");
+  expect_defaults(parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits).sampling,
+                  "generate");
+  const SamplingParams given =
+      parse_completion(json{{"prompt", "x"}, {"temperature", 0}, {"top_k", -1}, {"top_p", 1}},
+                       tokenizer(), limits)
+          .sampling;
+  EXPECT_EQ(given.temperature, 0);
+  EXPECT_EQ(given.top_k, -1);
+  EXPECT_EQ(given.top_p, 1);
+  EXPECT_EQ(given.min_p, 0.05);  // the one left out
+
+  limits.sampling.max_tokens = 8;
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"max_tokens", 100}}, tokenizer(), limits)
+                .sampling.max_tokens,
+            8);
+  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"max_tokens", 5}}, tokenizer(), limits)
+                .sampling.max_tokens,
+            5);
+  EXPECT_EQ(parse_chat(chat, tokenizer(), &chat_template(), limits).sampling.max_tokens, 8);
+  EXPECT_EQ(parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits).sampling.max_tokens,
+            8);
+}
+
 TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {
   text::ChatTemplate tmpl(tokenizer().chat_template());
   json body = {

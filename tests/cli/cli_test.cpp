@@ -756,8 +756,26 @@ TEST(Cli, AnEngineChecksItsSettingsBeforeLoadingTheModel) {
   for (const auto& f : std::filesystem::directory_iterator(dir))
     if (f.path().extension() == ".safetensors") std::filesystem::resize_file(f.path(), 0);
   const std::string engine = "engine --model " + test::quote(dir) + " --host 127.0.0.1 --port 0 ";
-  EXPECT_THAT(run(engine).output, HasSubstr("safetensors: file is 0 bytes"));  // the control
+  const std::string control = run(engine).output;
+  EXPECT_THAT(control, HasSubstr("safetensors: file is 0 bytes"));
+  // make-model writes DeepSeek-V3's generation_config.json, read as vLLM reads it.
+  EXPECT_THAT(control, HasSubstr("requests' sampling defaults from " +
+                                 (dir / "generation_config.json").string() +
+                                 ": temperature 0.6, top_p 0.95"));
+  EXPECT_THAT(run(engine + "--generation-config vllm").output, Not(HasSubstr("sampling defaults")));
+  const auto bad_generation = dir / "bad-generation-config";
+  std::filesystem::create_directories(bad_generation);
+  std::ofstream(bad_generation / "generation_config.json") << R"({"top_p": 2})";
   const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--generation-config " + test::quote(dir / "no-such-folder"),
+       "--generation-config: expected auto, vllm or a folder"},
+      {"--generation-config " + test::quote(bad_generation),
+       (bad_generation / "generation_config.json").string() + ": field 'top_p'"},
+      {"--override-generation-config '{\"temprature\": 0.5}'",
+       "--override-generation-config: field 'temprature' is not a generation setting"},
+      {"--override-generation-config '{\"temperature\": -1}'",
+       "--override-generation-config: field 'temperature'"},
+      {"--override-generation-config '{bad'", "--override-generation-config"},
       {"--scheduling-policy lifo", "--scheduling-policy: expected fcfs or priority"},
       {"--kv-cache-gb 100000", "--kv-cache-gb 100000: "},
       {"--num-kv-blocks 3000000000", "--num-kv-blocks 3000000000: "},

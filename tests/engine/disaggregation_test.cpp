@@ -942,8 +942,8 @@ std::unique_ptr<tandem::engine::Engine> engine_with_fake_transfers(
   };
   return std::make_unique<tandem::engine::Engine>(
       config, std::make_unique<SimExecutor>(tok, x),
-      std::shared_ptr<const text::Tokenizer>(&tok, [](const text::Tokenizer*) {}),
-      eos_ids(tok, std::nullopt), registry);
+      std::shared_ptr<const text::Tokenizer>(&tok, [](const text::Tokenizer*) {}), eos_ids(tok, {}),
+      registry);
 }
 
 // Stopping a decode engine whose legs still wait for their prompt's KV (a pull in flight, a

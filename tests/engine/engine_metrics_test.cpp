@@ -118,7 +118,7 @@ class EngineMetrics : public ::testing::Test {
   EngineMetrics()
       : engine_(config(), executor(),
                 std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
-                eos_ids(tokenizer(), std::nullopt), registry_),
+                eos_ids(tokenizer(), {}), registry_),
         api_(engine_, [](std::function<void()> task) { task(); }) {}
   ~EngineMetrics() override { engine_.stop(); }
 

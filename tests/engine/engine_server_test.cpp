@@ -948,7 +948,7 @@ TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
   metrics::Registry registry;
   Engine engine(EngineConfig{}, std::make_unique<SimExecutor>(*tok_, x),
                 std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
-                eos_ids(*tok_, std::nullopt), registry);
+                eos_ids(*tok_, {}), registry);
   int64_t unix_now = 1'700'000'000;
   GenerationApi api(
       engine, [](std::function<void()> task) { task(); }, {}, [&] { return unix_now; });
@@ -982,6 +982,35 @@ TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
     ++chunks;
   }
   EXPECT_GT(chunks, 0) << events;
+  engine.stop();
+}
+
+// The engine validates requests with its generation config's defaults (--generation-config):
+// its max_new_tokens caps what a request asks for, as vLLM's does.
+TEST_F(EngineServer, TheGenerationConfigsMaxNewTokensCapsAnswers) {
+  SimExecutorOptions x;
+  x.preset = "tiny";
+  x.model_name = "tiny";
+  x.num_blocks = 64;
+  x.time_scale = 0;
+  EngineConfig config;
+  config.sampling_defaults.max_tokens = 3;
+  metrics::Registry registry;
+  Engine engine(config, std::make_unique<SimExecutor>(*tok_, x),
+                std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
+                eos_ids(*tok_, {}), registry);
+  GenerationApi api(engine, [](std::function<void()> task) { task(); });
+  net::HttpRequest req;
+  req.method = "POST";
+  req.body = json{{"prompt", "hi"}, {"max_tokens", 10}, {"ignore_eos", true}}.dump();
+  auto reply = std::make_shared<KeptReply>();
+  api.handle(api::ApiKind::kCompletion, req, reply);
+  for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+  ASSERT_TRUE(reply->done);
+  ASSERT_EQ(reply->status, 200) << reply->body;
+  const json answer = json::parse(reply->body);
+  EXPECT_EQ(answer["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(answer["choices"][0]["finish_reason"], "length");
   engine.stop();
 }
 

@@ -23,8 +23,10 @@ struct Outcome {
   bool stop_at_eos = false;
 };
 
-Outcome run(const SamplingParams& params, const std::vector<int32_t>& ids) {
-  OutputProcessor p(tokenizer(), params, {*tokenizer().eos_id()});
+// `eos`: the engine's end ids (eos_ids()); the tokenizer's EOS alone unless given.
+Outcome run(const SamplingParams& params, const std::vector<int32_t>& ids,
+            const std::vector<int32_t>& eos = eos_ids(tokenizer(), {})) {
+  OutputProcessor p(tokenizer(), params, eos);
   Outcome r;
   for (int32_t id : ids) {
     const OutputDelta d = p.push(id);
@@ -166,6 +168,28 @@ TEST(OutputProcessor, SaysWhichStopStringOrIdEndedTheAnswer) {
   EXPECT_EQ(r.finish_reason, "length");
   EXPECT_FALSE(r.stop_token);
   EXPECT_FALSE(r.stop_string);
+}
+
+// A generation config's further EOS ids (Qwen3's <|endoftext|> beside <|im_end|>) end an answer
+// as vLLM ends it, which adds them to stop_token_ids: its stop_reason is the id, not null, and
+// ignore_eos lets it pass.
+TEST(OutputProcessor, AGenerationConfigsFurtherEosIdEndsTheAnswerAsAStopId) {
+  const std::vector<int32_t> ids = tokenizer().encode("Hello world. Bye now. End", false);
+  const std::vector<int32_t> eos = eos_ids(tokenizer(), std::vector<int32_t>{ids[2]});
+  ASSERT_EQ(eos, (std::vector<int32_t>{*tokenizer().eos_id(), ids[2]}));
+  SamplingParams p;
+  p.max_tokens = 100;
+  Outcome r = run(p, ids, eos);
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.tokens, 3u);
+  EXPECT_EQ(r.stop_token, ids[2]);
+  EXPECT_FALSE(r.stop_at_eos);
+  std::vector<int32_t> to_eos(ids.begin(), ids.begin() + 2);
+  to_eos.push_back(*tokenizer().eos_id());
+  EXPECT_TRUE(run(p, to_eos, eos).stop_at_eos);
+  p.ignore_eos = true;
+  p.max_tokens = static_cast<int64_t>(ids.size());
+  EXPECT_EQ(run(p, ids, eos).finish_reason, "length");
 }
 
 }  // namespace

@@ -96,7 +96,7 @@ class PromptLogprobs : public test::TinyModelTest<kF32> {
       executor = std::make_unique<ScoredPerStep>(std::move(executor), *scored_per_step);
     Engine engine(config, std::move(executor),
                   std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
-                  eos_ids(*tok_, std::nullopt), registry);
+                  eos_ids(*tok_, {}), registry);
     engine.start();
     std::vector<Answer> answers(asks.size());
     std::vector<std::promise<void>> done(asks.size());

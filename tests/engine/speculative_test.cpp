@@ -158,7 +158,7 @@ class Speculation : public test::TinyModelTest<kF32> {
     metrics::Registry own;
     EngineConfig config;
     config.scheduler.max_num_batched_tokens = max_batched_tokens;
-    Engine engine(config, std::move(ex), tokenizer(), eos_ids(*tok_, std::nullopt),
+    Engine engine(config, std::move(ex), tokenizer(), eos_ids(*tok_, {}),
                   registry ? *registry : own);
     engine.start();
     std::vector<Answer> answers(requests.size());
@@ -486,7 +486,7 @@ TEST_F(Speculation, AFormatThatCannotGoOnFailsItsRequestAloneNotItsBatch) {
 // large grammar, per request in flight.
 TEST_F(Speculation, AGrammarCompiledWithARequestIsKeptOnlyByTheEnginesCache) {
   metrics::Registry registry;
-  Engine engine(EngineConfig{}, executor(0), tokenizer(), eos_ids(*tok_, std::nullopt), registry);
+  Engine engine(EngineConfig{}, executor(0), tokenizer(), eos_ids(*tok_, {}), registry);
   const structured::OutputSpec spec{structured::OutputSpec::Kind::kJsonObject, "",
                                     "response_format"};
   std::vector<std::weak_ptr<const structured::Grammar>> grammars;
@@ -514,7 +514,7 @@ TEST_F(Speculation, AGrammarCompiledWithARequestIsKeptOnlyByTheEnginesCache) {
 // until the cache was full.
 TEST_F(Speculation, MaxTokensNearTheLargestIntegerIsRefusedNotWrapped) {
   metrics::Registry registry;
-  Engine engine(EngineConfig{}, executor(0), tokenizer(), eos_ids(*tok_, std::nullopt), registry);
+  Engine engine(EngineConfig{}, executor(0), tokenizer(), eos_ids(*tok_, {}), registry);
   auto refusal = [&](int64_t max_tokens) {
     EngineRequest r;
     r.id = "r";
@@ -553,7 +553,7 @@ TEST_F(Speculation, TheLongestSequenceIsTheLeastOfContextFlagAndCache) {
     metrics::Registry registry;
     EngineConfig config;
     config.max_model_len = flag;
-    Engine engine(config, executor(0, blocks), tokenizer(), eos_ids(*tok_, std::nullopt), registry);
+    Engine engine(config, executor(0, blocks), tokenizer(), eos_ids(*tok_, {}), registry);
     return engine.max_model_len();
   };
   const int64_t context = model_->config().max_position_embeddings;

@@ -1,0 +1,101 @@
+#include "cli/generation_config_flags.h"
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "model/generation_config.h"
+#include "util/error.h"
+#include "util/json.h"
+
+namespace tandem::cli {
+
+void add_generation_config_flags(CLI::App& cmd, GenerationConfigFlags& flags) {
+  cmd.add_option("--generation-config", flags.source,
+                 "where requests' sampling defaults (temperature, top_p, top_k, min_p, "
+                 "repetition_penalty, max_new_tokens as a cap on max_tokens) and further EOS ids "
+                 "come from, as vLLM's flag: auto (the model's generation_config.json, else its "
+                 "config.json), vllm (vLLM's neutral defaults; EOS ids still the model's), or a "
+                 "folder holding generation_config.json")
+      ->capture_default_str();
+  cmd.add_option("--override-generation-config", flags.overrides,
+                 "a JSON object of those sampling defaults applied over the generation config, "
+                 "e.g. '{\"temperature\": 0.5}' (vLLM's flag)");
+}
+
+std::vector<std::string> generation_config_args(const GenerationConfigFlags& flags) {
+  std::vector<std::string> args;
+  if (flags.source != "auto") args.insert(args.end(), {"--generation-config", flags.source});
+  if (!flags.overrides.empty())
+    args.insert(args.end(), {"--override-generation-config", flags.overrides});
+  return args;
+}
+
+EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags,
+                                              const std::string& model_dir) {
+  model::GenerationConfig g;
+  if (flags.source == "auto" || flags.source == "vllm") {
+    if (!model_dir.empty()) g = model::read_generation_config(model_dir);
+  } else {
+    if (!std::filesystem::is_directory(flags.source))
+      throw Error(
+          "--generation-config: expected auto, vllm or a folder holding "
+          "generation_config.json; '" +
+          flags.source + "' is none of them");
+    g = model::read_generation_config(flags.source);
+    if (g.origin.empty())
+      throw Error("--generation-config " + flags.source +
+                  ": the folder holds neither generation_config.json nor config.json");
+  }
+  const std::vector<int32_t> eos = g.eos_token_ids;
+  if (flags.source == "vllm") g = model::GenerationConfig{};  // the sampling defaults only
+  std::string origin = g.origin;
+  if (!flags.overrides.empty()) {
+    const std::string flag = "--override-generation-config";
+    model::override_generation_config(g, parse_json_document(flags.overrides, flag), flag);
+    origin += (origin.empty() ? "" : " and ") + flag;
+  }
+
+  EngineGenerationConfig out;
+  out.eos_token_ids = eos;
+  api::SamplingDefaults& d = out.sampling;
+  d.temperature = g.temperature.value_or(d.temperature);
+  d.top_k = g.top_k.value_or(d.top_k);
+  d.top_p = g.top_p.value_or(d.top_p);
+  d.min_p = g.min_p.value_or(d.min_p);
+  d.repetition_penalty = g.repetition_penalty.value_or(d.repetition_penalty);
+  if (g.max_new_tokens && *g.max_new_tokens < 1)
+    throw Error(origin + ": field 'max_new_tokens' must be at least 1, got " +
+                std::to_string(*g.max_new_tokens));
+  d.max_tokens = g.max_new_tokens.value_or(0);
+  std::string set;
+  auto note = [&](const char* name, const auto& value) {
+    if (value)
+      set += (set.empty() ? "" : ", ") + std::string(name) + " " + nlohmann::json(*value).dump();
+  };
+  note("temperature", g.temperature);
+  note("top_k", g.top_k);
+  note("top_p", g.top_p);
+  note("min_p", g.min_p);
+  note("repetition_penalty", g.repetition_penalty);
+  note("max_new_tokens", g.max_new_tokens);
+  // Checked as a request's would be, so that a bad default is one error at start, not a 400 on
+  // every request that leaves the field out.
+  api::SamplingParams p;
+  p.temperature = d.temperature;
+  p.top_k = d.top_k;
+  p.top_p = d.top_p;
+  p.min_p = d.min_p;
+  p.repetition_penalty = d.repetition_penalty;
+  try {
+    p.validate();
+  } catch (const api::InvalidSamplingParam& e) {
+    throw Error(origin + ": field '" + e.param + "': " + e.what());
+  }
+  if (!set.empty())
+    out.note = "requests' sampling defaults from " + origin + ": " + set +
+               " (--generation-config vllm for vLLM's neutral ones)";
+  return out;
+}
+
+}  // namespace tandem::cli
