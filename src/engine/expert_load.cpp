@@ -37,7 +37,14 @@ void ExpertLoadSnapshot::write(const std::filesystem::path& stem, bool cumulativ
   npy += ".npy";
   json += ".json";
   write_npy(npy, {int64_t(layer_ids.size()), experts}, cumulative_npy ? cumulative : window);
-  write_file_atomically(json, to_json().dump() + "\n");
+  nlohmann::json j = to_json();
+  if (cumulative_npy) {
+    // The .json says what the .npy holds: a reader that plans from "window" when it is there
+    // (as for /expert_load) would otherwise take the last window from the cumulative dump.
+    j["kind"] = "cumulative";
+    for (const char* windowed : {"window", "window_steps", "imbalance"}) j.erase(windowed);
+  }
+  write_file_atomically(json, j.dump() + "\n");
 }
 
 ExpertLoadStats::ExpertLoadStats(std::vector<int64_t> layer_ids, int64_t experts,

@@ -23,7 +23,9 @@ struct ExpertLoadSnapshot {
   std::vector<double> window_imbalance() const;
   nlohmann::json to_json() const;
   // `stem`.npy ([layers, experts] int64: the window counts, or the cumulative ones) and
-  // `stem`.json (everything), each written atomically.
+  // `stem`.json, each written atomically. The .json is to_json() for the window; for the
+  // cumulative counts it has "kind": "cumulative" and no window fields (window, window_steps,
+  // imbalance), so that both files of the pair give a planner the same loads.
   void write(const std::filesystem::path& stem, bool cumulative_npy = false) const;
 };
 

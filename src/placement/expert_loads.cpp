@@ -48,9 +48,17 @@ ExpertLoads loads_from_json(const std::string& text, const std::string& source) 
   const nlohmann::json j = parse_json_document(text, source);
   const nlohmann::json* rows = &j;
   if (j.is_object()) {
-    const char* key = j.contains("window") ? "window" : "cumulative";
-    if (!j.contains(key))
-      throw Error(source + ": expert load JSON needs a \"window\" or \"cumulative\" array");
+    // /expert_load and the window dumps hold both arrays and are planned from the window; the
+    // cumulative dump (expert_load_cumulative.json) says "kind": "cumulative".
+    std::string key = j.contains("window") ? "window" : "cumulative";
+    if (j.contains("kind")) {
+      const nlohmann::json& kind = j["kind"];
+      if (!kind.is_string() || (kind != "window" && kind != "cumulative"))
+        throw Error(source + ": \"kind\" is " + kind.dump() +
+                    ", want \"window\" or \"cumulative\"");
+      key = kind.get<std::string>();
+    }
+    if (!j.contains(key)) throw Error(source + ": expert load JSON needs a \"" + key + "\" array");
     rows = &j[key];
   }
   if (!rows->is_array() || rows->empty() || !(*rows)[0].is_array())

@@ -24,8 +24,9 @@ void validate(const ExpertLoads& loads, const std::string& source);
 // negative count.
 ExpertLoads loads_from_npy(const NpyArray& array, const std::string& source);
 
-// The engine's /expert_load JSON (or a file written by --expert-load-dump): the "window" counts
-// when present, else "cumulative"; or a bare [[...], ...] array.
+// The engine's /expert_load JSON (or a file written by --expert-load-dump): the array "kind"
+// names ("window" or "cumulative"; the cumulative dump says "cumulative"), without "kind" the
+// "window" counts when present, else "cumulative"; or a bare [[...], ...] array.
 ExpertLoads loads_from_json(const std::string& text, const std::string& source);
 
 }  // namespace tandem::placement

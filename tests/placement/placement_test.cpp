@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 
+#include "engine/expert_load.h"
 #include "placement/eplb.h"
 #include "placement/files.h"
 #include "placement/placement_format.h"
@@ -460,6 +461,38 @@ TEST(Format, DumpSnapshotsAreReadInStepOrderPastEightDigits) {
   const std::vector<ExpertLoads> snaps = read_load_snapshots(dir);
   ASSERT_EQ(snaps.size(), 4u);
   for (size_t i = 0; i < snaps.size(); ++i) EXPECT_EQ(snaps[i].values[0], double(i)) << i;
+  std::filesystem::remove_all(dir);
+}
+
+// README calls expert_load_cumulative.npy/.json "the input of tandem place": both files of the
+// pair are the cumulative counts, though the JSON of a window dump (and /expert_load) plans from
+// the window.
+TEST(Format, TheCumulativeDumpsJsonAndNpyHoldTheSameLoads) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("tandem-cumulative-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  // A window of 8 steps after 16: the window holds the last 8, the cumulative counts all 16.
+  engine::ExpertLoadStats stats({1, 2}, 4, 8);
+  for (int64_t step = 0; step < 16; ++step)
+    stats.record(std::vector<int64_t>{step < 8 ? 5 : 0, 1, 1, 1, 1, 1, 1, step < 8 ? 7 : 0});
+  const engine::ExpertLoadSnapshot snap = stats.snapshot();
+  snap.write(dir / "expert_load_cumulative", true);
+  snap.write(dir / "expert_load_00000016");
+  const ExpertLoads npy = read_loads(dir / "expert_load_cumulative.npy");
+  const ExpertLoads json = read_loads(dir / "expert_load_cumulative.json");
+  EXPECT_EQ(npy.values, (std::vector<double>{40, 16, 16, 16, 16, 16, 16, 56}));
+  EXPECT_EQ(json.values, npy.values);
+  // A window dump's pair holds the window, as before.
+  const ExpertLoads window = read_loads(dir / "expert_load_00000016.json");
+  EXPECT_EQ(window.values, read_loads(dir / "expert_load_00000016.npy").values);
+  EXPECT_EQ(window.values, (std::vector<double>{0, 8, 8, 8, 8, 8, 8, 0}));
+  // A "kind" that names neither array is refused, naming the field.
+  try {
+    loads_from_json(R"({"kind":"total","window":[[1]],"cumulative":[[2]]})", "l.json");
+    ADD_FAILURE() << "an unknown kind was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("l.json: \"kind\""), std::string::npos) << e.what();
+  }
   std::filesystem::remove_all(dir);
 }
 
