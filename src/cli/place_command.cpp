@@ -276,7 +276,7 @@ void run_plan(const PlanArgs& a) {
   print_balance_table(b0, b1, before, after);
   print_summary(current ? "before (--current)" : "before (no redundancy)", b0);
   print_summary("after", b1);
-  std::printf("moves: %lld expert copies loaded onto ranks that did not hold them\n",
+  std::printf("moves: %lld experts loaded onto ranks that did not hold them\n",
               static_cast<long long>(moves));
   std::printf("planning time: %.2f ms\n", took * 1e3);
   write_outputs(after, a.out, a.omni_out);

@@ -138,8 +138,11 @@ Balance evaluate(const ExpertLoads& loads, const Placement& p) {
 
 int64_t count_layer_moves(const std::vector<std::vector<int32_t>>& from,
                           const std::vector<std::vector<int32_t>>& to) {
-  // Copies each rank already had, counted per expert and cleared after the rank: linear in the
-  // slots (a search per copy made large layers quadratic).
+  // A rank holds one set of an expert's weights however many of its slots name the expert
+  // (EpRank::prepare_placement loads it once, switch_placement shares it), so a move is a
+  // (rank, expert) pair the rank did not hold. held[e] is the last rank (+1) known to hold e:
+  // marked from `from`'s copies, then by each copy of `to` counted, with no clearing per rank
+  // (linear in the slots; a search per copy made large layers quadratic).
   int32_t ids = 0;
   for (const auto* side : {&from, &to})
     for (const auto& r : *side)
@@ -147,19 +150,17 @@ int64_t count_layer_moves(const std::vector<std::vector<int32_t>>& from,
         if (e < 0) throw Error("placement: expert id " + std::to_string(e) + " is negative");
         ids = std::max(ids, e + 1);
       }
-  std::vector<int32_t> had(size_t(ids), 0);
+  std::vector<int64_t> held(size_t(ids), 0);
   int64_t moves = 0;
   for (size_t r = 0; r < to.size(); ++r) {
+    const int64_t mark = int64_t(r) + 1;
     if (r < from.size())
-      for (int32_t e : from[r]) ++had[e];
-    for (int32_t e : to[r]) {
-      if (had[e] > 0)
-        --had[e];
-      else
+      for (int32_t e : from[r]) held[e] = mark;
+    for (int32_t e : to[r])
+      if (held[e] != mark) {
+        held[e] = mark;
         ++moves;
-    }
-    if (r < from.size())
-      for (int32_t e : from[r]) had[e] = 0;
+      }
   }
   return moves;
 }

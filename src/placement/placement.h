@@ -68,8 +68,9 @@ LayerBalance layer_balance(const double* expert_loads,
                            const std::vector<std::vector<int32_t>>& ranks, int64_t experts);
 Balance evaluate(const ExpertLoads& loads, const Placement& placement);
 
-// Expert copies that must be loaded onto a rank that did not hold them (slot order within a
-// rank is free): what a rebalance costs in weight transfers.
+// Experts that must be loaded onto a rank that did not hold them (slot order within a rank is
+// free): what a rebalance costs in weight transfers. Each (rank, expert) pair new to the rank
+// counts once: a rank holds one set of an expert's weights for all its slots of the expert.
 int64_t count_moves(const Placement& from, const Placement& to);
 int64_t count_layer_moves(const std::vector<std::vector<int32_t>>& from,
                           const std::vector<std::vector<int32_t>>& to);

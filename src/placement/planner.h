@@ -53,7 +53,7 @@ struct IncrementalOptions {
 
 struct IncrementalPlan {
   Placement placement;
-  int64_t moves = 0;           // expert copies loaded onto ranks that did not hold them
+  int64_t moves = 0;           // experts loaded onto ranks that did not hold them (count_moves)
   int64_t layers_changed = 0;  // layers with at least one move
 };
 

@@ -303,11 +303,15 @@ TEST(Placement, ChecksAndMoveCountsFollowEveryCopy) {
   EXPECT_NO_THROW(validate(p, {.distinct_on_rank = false, .equal_rank_memory = false}));
   p.layers[0][0].back() = 3;
   EXPECT_NO_THROW(validate(p, {.distinct_on_rank = true, .equal_rank_memory = false}));
-  // Slot order is free; each copy counts once (EPLB's doubled copies included); a rank the
-  // old placement lacks loads everything.
+  // Slot order is free; an expert new to a rank counts once however many copies of it the rank
+  // gets, and a further copy of one the rank holds counts none: the engine holds one set of an
+  // expert's weights per rank (EpRank::prepare_placement loads it once). A rank the old
+  // placement lacks loads everything it holds.
   const std::vector<std::vector<int32_t>> from = {{0, 1, 1}, {2, 3}};
   EXPECT_EQ(count_layer_moves(from, {{1, 0, 1}, {3, 2}}), 0);
-  EXPECT_EQ(count_layer_moves(from, {{1, 1, 1}, {3, 2}}), 1);
+  EXPECT_EQ(count_layer_moves(from, {{1, 1, 1}, {3, 2}}), 0);
+  EXPECT_EQ(count_layer_moves(from, {{0, 0, 1}, {3, 2}}), 0);
+  EXPECT_EQ(count_layer_moves(from, {{0, 1, 1}, {2, 3, 0, 0}}), 1);
   EXPECT_EQ(count_layer_moves(from, {{0, 2, 3}, {2, 3}}), 2);
   EXPECT_EQ(count_layer_moves(from, {{0, 1, 1}, {2, 3}, {0, 1}}), 2);
   EXPECT_EQ(count_layer_moves({{0}, {1}}, {{1}, {0}}), 2);
@@ -323,8 +327,11 @@ TEST(Placement, LargeLayersAreCheckedInLinearTime) {
   EXPECT_NO_THROW(validate(p));
   std::vector<int32_t> reversed(all.rbegin(), all.rend());
   EXPECT_EQ(count_layer_moves(p.layers[0], {reversed}), 0);
+  // A second copy of an expert the rank holds loads nothing; from a rank holding only expert 0
+  // (now gone), experts 1..E-1 load once each, E-1 twice as it is.
   reversed.back() = reversed.front();
-  EXPECT_EQ(count_layer_moves(p.layers[0], {reversed}), 1);
+  EXPECT_EQ(count_layer_moves(p.layers[0], {reversed}), 0);
+  EXPECT_EQ(count_layer_moves({{0}}, {reversed}), experts - 1);
   p.layers[0][0].push_back(experts / 2);
   EXPECT_THROW(validate(p, {.distinct_on_rank = true, .equal_rank_memory = false}), Error);
 }
