@@ -321,7 +321,10 @@ void Engine::check(const EngineRequest& request) const {
 
 void Engine::submit(EngineRequest request) {
   check(request);
-  if (request.kv_transfer.prefill()) request.sampling.max_tokens = 1;  // computes one token
+  if (request.kv_transfer.prefill()) {  // computes one token (min_tokens: the decode leg's)
+    request.sampling.max_tokens = 1;
+    request.sampling.min_tokens = std::min<int64_t>(request.sampling.min_tokens, 1);
+  }
   {
     std::lock_guard lock(mutex_);
     if (stopping_) throw Error("the engine is shutting down");

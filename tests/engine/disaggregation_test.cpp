@@ -254,6 +254,34 @@ TEST_F(Disaggregation, BothDialectsGiveTheSameAnswersAsOneEngine) {
   expect_no_leak(d);
 }
 
+// A prefill leg computes one token, so a client's min_tokens past one is capped there (the decode
+// leg generates the rest and holds EOS back as asked): each parallel leg gets the client's body,
+// and the prefill engine refused every request with min_tokens >= 2 ("'min_tokens' must be at
+// most 'max_tokens' (1)"), SGLang's min_new_tokens too.
+TEST_F(Disaggregation, MinTokensPastOneAreServedByTheParallelFlowAsByOneEngine) {
+  Engine single = start("both");
+  Engine p = start("prefill");
+  Engine d = start("decode");
+  uint64_t room = 3000;
+  const json completion = {
+      {"prompt", tokens(20, 4242)}, {"max_tokens", 6}, {"min_tokens", 4}, {"temperature", 0}};
+  EXPECT_EQ(text_of(parallel(p, d, completion, ++room)),
+            text_of(parse(post_json(single.port(), "/v1/completions", completion))));
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Tell me about the sea."}}}},
+                     {"max_completion_tokens", 5},
+                     {"min_tokens", 5},
+                     {"temperature", 0}};
+  EXPECT_EQ(text_of(parallel(p, d, chat, ++room, "/v1/chat/completions")),
+            text_of(parse(post_json(single.port(), "/v1/chat/completions", chat))));
+  const json gen = {
+      {"input_ids", tokens(30, 999)},
+      {"sampling_params", {{"max_new_tokens", 6}, {"min_new_tokens", 3}, {"temperature", 0}}}};
+  EXPECT_EQ(parallel(p, d, gen, ++room, "/generate")["output_ids"],
+            parse(post_json(single.port(), "/generate", gen))["output_ids"]);
+  expect_no_leak(p);
+  expect_no_leak(d);
+}
+
 // Prompt logprobs need the prompt's logits, which only an engine that runs the prompt has: a
 // sequential prefill leg's answer carries them in kv_transfer_params, and the decode engine
 // answers with them as one engine would (echo with logprobs, prompt_logprobs, a chat's). A decode
