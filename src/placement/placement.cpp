@@ -25,9 +25,20 @@ std::vector<int32_t> Placement::logcnt(int64_t layer) const {
   return count;
 }
 
-std::vector<std::vector<int32_t>> Placement::log2phy(int64_t layer) const {
+int32_t Placement::max_copies() const {
+  int32_t most = 0;
+  for (int64_t l = 0; l < num_layers(); ++l)
+    for (int32_t c : logcnt(l)) most = std::max(most, c);
+  return most;
+}
+
+std::vector<std::vector<int32_t>> Placement::log2phy(int64_t layer, int32_t width) const {
   const std::vector<int32_t> count = logcnt(layer);
-  const int32_t width = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
+  const int32_t most = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
+  if (width < most)
+    throw Error("placement layer " + std::to_string(layer) + ": log2phy of width " +
+                std::to_string(width) + " cannot hold an expert's " + std::to_string(most) +
+                " copies");
   std::vector<std::vector<int32_t>> out(experts, std::vector<int32_t>(width, -1));
   std::vector<int32_t> filled(experts, 0);
   int32_t slot = 0;

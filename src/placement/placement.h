@@ -23,8 +23,12 @@ struct Placement {
   int64_t slots(int64_t layer) const;
   std::vector<int32_t> phy2log(int64_t layer) const;
   std::vector<int32_t> logcnt(int64_t layer) const;
-  // [experts][max copies in the layer], -1 past an expert's last copy (EPLB pads the same way).
-  std::vector<std::vector<int32_t>> log2phy(int64_t layer) const;
+  // The most copies any expert has in any layer: EPLB's log2phy is one tensor
+  // [layers, experts, max_copies()], whatever each layer's own most copies.
+  int32_t max_copies() const;
+  // [experts][width], -1 past an expert's last copy (EPLB pads the same way); `width` is at
+  // least the layer's most copies of an expert (max_copies() gives EPLB's shape).
+  std::vector<std::vector<int32_t>> log2phy(int64_t layer, int32_t width) const;
   std::vector<int32_t> rank_of_slot(int64_t layer) const;
   // Slots of every rank summed over layers.
   std::vector<int64_t> slots_per_rank() const;

@@ -16,12 +16,15 @@ nlohmann::json placement_to_json(const Placement& p) {
   auto& phy2log = j["phy2log"] = nlohmann::json::array();
   auto& log2phy = j["log2phy"] = nlohmann::json::array();
   auto& logcnt = j["logcnt"] = nlohmann::json::array();
+  // One width over layers, as EPLB's log2phy tensor; phy2log stays ragged under uneven
+  // redundancy (each layer lists its own slots).
+  const int32_t width = p.max_copies();
   for (int64_t l = 0; l < p.num_layers(); ++l) {
     nlohmann::json slots = nlohmann::json::array();
     for (const auto& r : p.layers[l]) slots.push_back(r.size());
     rank_slots.push_back(std::move(slots));
     phy2log.push_back(p.phy2log(l));
-    log2phy.push_back(p.log2phy(l));
+    log2phy.push_back(p.log2phy(l, width));
     logcnt.push_back(p.logcnt(l));
   }
   return j;
@@ -42,6 +45,7 @@ void check_against_phy2log(const nlohmann::json& j, const Placement& p, const st
   for (const char* key : {"logcnt", "log2phy"})
     if (j.contains(key) && (!j[key].is_array() || j[key].size() != size_t(p.num_layers())))
       throw Error(source + ": \"" + key + "\" must have one entry per layer of \"phy2log\"");
+  const int32_t width = p.max_copies();
   for (int64_t l = 0; l < p.num_layers(); ++l) {
     const std::string where = source + ": layer " + std::to_string(l);
     if (j.contains("logcnt")) {
@@ -55,7 +59,7 @@ void check_against_phy2log(const nlohmann::json& j, const Placement& p, const st
     if (!rows.is_array() || rows.size() != size_t(p.experts))
       throw Error(where + " of \"log2phy\" needs one list of slots per expert (" +
                   std::to_string(p.experts) + ")");
-    const std::vector<std::vector<int32_t>> want = p.log2phy(l);
+    const std::vector<std::vector<int32_t>> want = p.log2phy(l, width);
     for (int64_t e = 0; e < p.experts; ++e) {
       std::vector<int64_t> got, slots;
       bool ok = rows[e].is_array();

@@ -345,13 +345,27 @@ TEST(Format, JsonRoundTripsWithEplbShapes) {
   const Placement back = placement_from_json(j.dump(), "test.json");
   EXPECT_EQ(back.layers, p.layers);
   // log2phy lists every copy's slot, padded with -1.
-  const auto log2phy = p.log2phy(0);
+  const auto log2phy = p.log2phy(0, p.max_copies());
   const auto phy2log = p.phy2log(0);
   for (int32_t e = 0; e < 16; ++e)
     for (int32_t s : log2phy[e])
       if (s >= 0) {
         EXPECT_EQ(phy2log[s], e);
       }
+}
+
+// EPLB's log2phy is one [layers, experts, max copies] tensor padded with -1; under uneven
+// redundancy a layer with fewer copies is padded to the placement's most copies, not its own.
+// phy2log stays ragged: each layer lists its own slots.
+TEST(Format, Log2phyIsPaddedToOneWidthOverLayers) {
+  const Placement p{2, 4, {{{0, 1, 3}, {2, 3, 0}}, {{0, 1}, {2, 3}}}};
+  const nlohmann::json j = placement_to_json(p);
+  for (size_t l = 0; l < 2; ++l)
+    for (size_t e = 0; e < 4; ++e) EXPECT_EQ(j["log2phy"][l][e].size(), 2u) << l << " " << e;
+  EXPECT_EQ(j["log2phy"][1][2], nlohmann::json::parse("[2, -1]"));
+  EXPECT_EQ(j["phy2log"][0].size(), 6u);
+  EXPECT_EQ(j["phy2log"][1].size(), 4u);
+  EXPECT_EQ(placement_from_json(j.dump(), "p.json").layers, p.layers);
 }
 
 TEST(Format, JsonErrorsNameTheField) {
