@@ -107,6 +107,16 @@ Placement plan_eplb(const ExpertLoads& loads, const Shape& s, bool hierarchical)
   o.replicas = loads.experts + total / loads.layers;
   o.gpus = s.ranks;
   if (hierarchical) {
+    // EPLB falls back to its global policy (one group, one node) when the nodes do not divide
+    // the expert groups: the hosts would be ignored, and this command refuses flags it ignores.
+    if (s.expert_groups % s.groups != 0)
+      throw Error("--groups " + std::to_string(s.groups) + " does not divide --expert-groups " +
+                  std::to_string(s.expert_groups) +
+                  ": --algorithm eplb-hierarchical packs whole expert groups onto hosts (EPLB "
+                  "would fall back to its global policy and ignore the hosts)");
+    if (loads.experts % s.expert_groups != 0)
+      throw Error("--expert-groups " + std::to_string(s.expert_groups) + " does not divide the " +
+                  std::to_string(loads.experts) + " experts of a layer");
     o.groups = s.expert_groups;
     o.nodes = s.groups;
   }
