@@ -299,15 +299,21 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
         });
         break;
       case SimulationOptions::Fault::Kind::kStall:
-        clock.schedule(time_of(f.at_s), [&, engine, end = time_of(f.at_s + f.duration_s)] {
-          engine->stall(std::chrono::duration<double>(end.time_since_epoch()).count());
-        });
+        // The engine and its KV side (frozen whole, as SIGSTOP freezes a live one).
+        clock.schedule(time_of(f.at_s),
+                       [&, engine, end = seconds_of(time_of(f.at_s + f.duration_s))] {
+                         engine->stall(end);
+                         network.stall(engine->name(), end);
+                       });
         break;
       case SimulationOptions::Fault::Kind::kSlowLink:
+        // Each fault ends its own factor: faults on one engine that overlap, or meet at an
+        // instant in either order, leave the slowest under way in force.
         clock.schedule(time_of(f.at_s),
                        [&, engine, factor = f.factor] { network.slow(engine->name(), factor); });
-        clock.schedule(time_of(f.at_s + f.duration_s),
-                       [&, engine] { network.slow(engine->name(), 1); });
+        clock.schedule(time_of(f.at_s + f.duration_s), [&, engine, factor = f.factor] {
+          network.end_slow(engine->name(), factor);
+        });
         break;
     }
   }

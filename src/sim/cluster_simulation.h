@@ -70,9 +70,14 @@ struct SimulationOptions {
   // gateway's own failure handling (timeouts, resets, retries, health checks) does the rest.
   struct Fault {
     enum class Kind {
-      kDeath,     // the engine dies: its streams are reset, connections refused, transfers failed
-      kStall,     // for duration_s it neither steps nor answers (a hung engine loop); calls wait
-      kSlowLink,  // for duration_s its KV links run `factor` times slower (transfers that start)
+      kDeath,  // the engine dies: its streams are reset, connections refused, transfers failed
+      // For duration_s it is frozen whole, as SIGSTOP freezes a live engine: it neither steps
+      // nor answers (calls wait), and moves no KV (requests for its KV wait, transfers to or
+      // from it stop; all go on when it wakes).
+      kStall,
+      // For duration_s its KV links run `factor` times slower (the transfers that start then);
+      // faults on one engine that overlap leave the largest factor under way in force. P/D only.
+      kSlowLink,
     };
     Kind kind = Kind::kDeath;
     std::string engine;

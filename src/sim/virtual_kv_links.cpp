@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <optional>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "sim/virtual_time.h"
@@ -49,8 +51,21 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
   }
 
-  // The engine's links run `factor` times slower from now on (a fault).
-  void slow_down(double factor) { slowdown_ = factor; }
+  // A slow-link fault begins, or ends: the links run as slow as the slowest under way.
+  void slow_down(double factor) { slowdowns_.insert(factor); }
+  void end_slow_down(double factor) {
+    // One entry of that factor: another fault of the same factor may still last.
+    if (auto it = slowdowns_.find(factor); it != slowdowns_.end()) slowdowns_.erase(it);
+  }
+
+  // The engine hangs from now until `until` (a stall fault): its KV side is frozen meanwhile.
+  void stall(double until) {
+    const double from = now_s();
+    if (!stalls_.empty() && from <= stalls_.back().second)
+      stalls_.back().second = std::max(stalls_.back().second, until);  // extended
+    else if (from < until)
+      stalls_.emplace_back(from, until);
+  }
 
   const engine::KvTransferConfig& config() const override { return config_; }
   bool serving() const override { return config_.port >= 0; }
@@ -127,13 +142,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
       return;
     }
     Endpoint* prefill = server->second;
-    at(arrive, [this, prefill, f = std::move(f)]() mutable {
-      if (!fetches_.count(f.request_id)) return;  // cancelled on the way
-      if (f.pull)
-        prefill->serve_pull(std::move(f), this);
-      else
-        prefill->register_room(std::move(f), this);
-    });
+    at(arrive, [this, prefill, f = std::move(f)]() mutable { reach(prefill, std::move(f)); });
   }
   void cancel_fetch(const std::string& request_id) override {
     auto it = fetches_.find(request_id);
@@ -223,7 +232,53 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
   // A link between this prefill engine and `decode`, at the slower end's speed.
   double bytes_per_s(const Endpoint* decode) const {
-    return net_.link_.bytes_per_s / std::max(slowdown_, decode->slowdown_);
+    return net_.link_.bytes_per_s / std::max(slowdown(), decode->slowdown());
+  }
+  double slowdown() const { return slowdowns_.empty() ? 1 : *slowdowns_.rbegin(); }
+
+  // When this engine is awake at or after `t`: the end of the stall `t` falls in, else `t`.
+  double awake_from(double t) const {
+    for (const auto& [from, until] : stalls_)
+      if (from <= t && t < until) return until;
+    return t;
+  }
+  // When this engine and `peer` are both awake at or after `t` (one may wake as the other
+  // stalls: each stall moves `t` to a later end, so this ends).
+  double both_awake_from(const Endpoint* peer, double t) const {
+    for (;;) {
+      const double awake = peer->awake_from(awake_from(t));
+      if (awake == t) return t;
+      t = awake;
+    }
+  }
+  // The seconds of [from, to] during which this engine or `peer` was stalled.
+  double frozen(const Endpoint* peer, double from, double to) const {
+    std::vector<std::pair<double, double>> spans;
+    for (const Endpoint* e : {this, peer})
+      for (const auto& [a, b] : e->stalls_)
+        if (std::max(a, from) < std::min(b, to))
+          spans.emplace_back(std::max(a, from), std::min(b, to));
+    std::sort(spans.begin(), spans.end());
+    double seconds = 0, covered = from;  // the union's length, left to right
+    for (const auto& [a, b] : spans) {
+      if (b > covered) seconds += b - std::max(a, covered);
+      covered = std::max(covered, b);
+    }
+    return seconds;
+  }
+  // Runs `done` once the link between this engine and `peer` has run for `seconds` from `from`,
+  // the time either engine was stalled not counting: a stalled engine's transfer threads are
+  // frozen (SIGSTOP), and its transfers go on where they stopped when it wakes. A stall is known
+  // once it begins, so the end is checked when it comes and moved on by what stalls took of it.
+  void after_link_time(Endpoint* peer, double from, double seconds, gateway::Executor::Task done) {
+    from = both_awake_from(peer, from);
+    const double end = from + seconds;
+    at(end, [this, peer, from, end, done = std::move(done)]() mutable {
+      if (const double lost = frozen(peer, from, end); lost > 0)
+        after_link_time(peer, end, lost, std::move(done));
+      else
+        done();
+    });
   }
   double bytes_for(int64_t tokens) const {
     return double(tokens) * double(layout_.token_bytes) * double(layout_.layers);
@@ -237,6 +292,21 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     Task release = std::move(it->second.release);
     held_.erase(it);
     to_engine(std::move(release));
+  }
+
+  // Decode side: a request for KV reaches `prefill`'s transfer server, which takes it once its
+  // engine is awake (a stalled engine's server thread is frozen too).
+  void reach(Endpoint* prefill, KvFetch f) {
+    if (!fetches_.count(f.request_id)) return;  // cancelled on the way
+    const double now = now_s();
+    if (const double awake = prefill->awake_from(now); awake > now) {
+      at(awake, [this, prefill, f = std::move(f)]() mutable { reach(prefill, std::move(f)); });
+      return;
+    }
+    if (f.pull)
+      prefill->serve_pull(std::move(f), this);
+    else
+      prefill->register_room(std::move(f), this);
   }
 
   void serve_pull(KvFetch f, Endpoint* decode) {
@@ -255,17 +325,18 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     }
     const int64_t tokens = std::max<int64_t>(f.num_tokens - f.first_token, 0);
     const double bytes = bytes_for(tokens);
-    const double end = now + bytes / bytes_per_s(decode) + net_.link_.latency_s;
-    at(end, [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
-      if (dead_) {
-        decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
-        return;
-      }
-      release_held(transfer);
-      ++net_.transfers_;
-      net_.bytes_ += bytes;
-      decode->finish_fetch(id, {true, "", static_cast<uint64_t>(bytes)});
-    });
+    const double seconds = bytes / bytes_per_s(decode) + net_.link_.latency_s;
+    after_link_time(
+        decode, now, seconds, [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
+          if (dead_) {
+            decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
+            return;
+          }
+          release_held(transfer);
+          ++net_.transfers_;
+          net_.bytes_ += bytes;
+          decode->finish_fetch(id, {true, "", static_cast<uint64_t>(bytes)});
+        });
   }
 
   void register_room(KvFetch f, Endpoint* decode) {
@@ -294,7 +365,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   // Both legs are there and every layer is written: the layers go over the link in order, each
-  // once written and once the one before has gone.
+  // once written and once the one before has gone (and while either engine is awake: a stall
+  // from now on holds the rest back by its length).
   void maybe_send(uint64_t room) {
     Room& r = rooms_[room];
     if (r.sending || r.claim == 0 || !r.decode) return;
@@ -307,7 +379,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     for (double t : r.layer_times) link_free = std::max(t, link_free) + layer_bytes / speed;
     const double end = link_free + net_.link_.latency_s;
     const double bytes = layer_bytes * double(layout_.layers);
-    at(end, [this, room, bytes] {
+    const double now = now_s();
+    after_link_time(r.decode->endpoint, now, std::max(end - now, 0.0), [this, room, bytes] {
       auto it = rooms_.find(room);
       if (it == rooms_.end() || dead_) return;  // failed meanwhile (or told the decode leg)
       Room done = std::move(it->second);
@@ -404,7 +477,11 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   std::map<uint64_t, std::pair<std::string, Endpoint*>> registered_;  // decode side, by room
   uint64_t next_id_ = 0, next_claim_ = 0;
   bool dead_ = false;
-  double slowdown_ = 1;  // this engine's links run this many times slower (a fault)
+  // The factors of the slow-link faults under way on this engine: its links run as slow as the
+  // largest says (none: as modelled).
+  std::multiset<double> slowdowns_;
+  // This engine's stalls, [from, until) in virtual seconds since the clock's epoch, in time order.
+  std::vector<std::pair<double, double>> stalls_;
 };
 
 void VirtualKvNetwork::kill(const std::string& engine_id) {
@@ -413,6 +490,15 @@ void VirtualKvNetwork::kill(const std::string& engine_id) {
 
 void VirtualKvNetwork::slow(const std::string& engine_id, double factor) {
   if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->slow_down(factor);
+}
+
+void VirtualKvNetwork::end_slow(const std::string& engine_id, double factor) {
+  if (auto it = endpoints_.find(engine_id); it != endpoints_.end())
+    it->second->end_slow_down(factor);
+}
+
+void VirtualKvNetwork::stall(const std::string& engine_id, double until_s) {
+  if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->stall(until_s);
 }
 
 VirtualKvNetwork::VirtualKvNetwork(gateway::Executor& clock, KvLinkModel link)

@@ -42,9 +42,18 @@ class VirtualKvNetwork {
   // The engine of this engine_id died: its server refuses connections, and transfers to or from it
   // fail (a reset connection).
   void kill(const std::string& engine_id);
-  // From now on the links of this engine_id run `factor` times slower (1: as modelled): the
-  // transfers that start later take longer, those under way keep their times.
+  // A slow-link fault on this engine_id begins: while it lasts the engine's links run `factor`
+  // times slower, or as slow as the slowest fault under way says (faults on one engine may
+  // overlap or meet: each counts until its own end). The transfers that start later take
+  // longer, those under way keep their times.
   void slow(const std::string& engine_id, double factor);
+  // That fault ends: its factor no longer counts.
+  void end_slow(const std::string& engine_id, double factor);
+  // The engine of this engine_id hangs until `until_s` (virtual seconds since the clock's epoch;
+  // a later end extends a stall under way), frozen whole as bench/chaos.sh's SIGSTOP freezes a
+  // live engine, its KV transfer threads included: a request for its KV waits until it wakes,
+  // and a transfer to or from it stops and goes on when it wakes.
+  void stall(const std::string& engine_id, double until_s);
 
   int64_t transfers() const { return transfers_; }  // completed
   double bytes() const { return bytes_; }           // that they moved

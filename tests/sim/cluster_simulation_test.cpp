@@ -730,6 +730,59 @@ TEST(ClusterSimulation, ASlowLinkFaultDelaysTheTransfersThatStartWhileItLasts) {
   EXPECT_LT(run.results[1].ttft_s, transfer_s + 1.0);
 }
 
+TEST(ClusterSimulation, SlowLinkFaultsOnOneEngineDoNotCancelEachOther) {
+  // Two slow-link faults on prefill-0 that overlap, or run back to back: while either lasts its
+  // links run at the slowest one's speed. The later fault's start overwrote the factor and the
+  // first one's end set it back to 1 (back to back, listed later-first, they meet at one instant).
+  const std::vector<std::vector<Fault>> cases = {
+      {{Fault::Kind::kSlowLink, "prefill-0", 10.0, 10.0, 10.0},
+       {Fault::Kind::kSlowLink, "prefill-0", 0.0, 10.0, 10.0}},
+      {{Fault::Kind::kSlowLink, "prefill-0", 0.0, 100.0, 10.0},
+       {Fault::Kind::kSlowLink, "prefill-0", 10.0, 10.0, 2.0}}};
+  const double sent_at[] = {12, 50};  // as the 10..20 s fault lasts; after it, in the 0..100 s one
+  for (size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE(c);
+    auto o = pd_options(gateway::PdMode::kParallel, 1, 1, "deepseek-v3-h800");
+    o.kv_link.bytes_per_s = 1e6;
+    o.kv_transfer_timeout_s = 1e6;
+    o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = std::chrono::seconds(10000);
+    o.faults = cases[c];
+    const auto run = simulate(
+        {request(sent_at[c], words(200, 3), 4), request(300, words(200, 5), 4)}, o, tokenizer());
+    ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+    ASSERT_TRUE(run.results[1].success) << run.results[1].error;
+    const double transfer_s = run.kv_transfer_bytes / 2 / 1e6;  // at full speed
+    EXPECT_GE(run.results[0].ttft_s, 10 * transfer_s);
+    EXPECT_LT(run.results[0].ttft_s, 10 * transfer_s + 1.0);
+    EXPECT_LT(run.results[1].ttft_s, transfer_s + 1.0);  // both ended
+  }
+}
+
+TEST(ClusterSimulation, AStalledEngineMovesNoKvUntilItWakes) {
+  // A stall is the engine frozen whole, as bench/chaos.sh stops it (SIGSTOP): its KV transfer
+  // threads too. A transfer under way when either engine of its link stalls stops, and goes on
+  // when the engine wakes: the first token comes the stall's length later. A stalled prefill
+  // engine kept streaming its KV, and its stall delayed nothing.
+  for (const auto mode : {gateway::PdMode::kSequential, gateway::PdMode::kParallel})
+    for (const std::string stalled : {"", "prefill-0", "decode-0"}) {
+      SCOPED_TRACE(std::string(gateway::mode_name(mode)) + " " + stalled);
+      auto o = pd_options(mode, 1, 1, "deepseek-v3-h800");
+      o.kv_link.bytes_per_s = 1e6;
+      o.kv_transfer_timeout_s = 1e5;
+      o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+          std::chrono::seconds(10000);
+      if (!stalled.empty()) o.faults = {{Fault::Kind::kStall, stalled, 3.0, 100.0}};
+      const auto run = simulate({request(0, words(200, 3), 4)}, o, tokenizer());
+      ASSERT_TRUE(run.results[0].success) << run.results[0].error;
+      ASSERT_EQ(run.kv_transfers, 1);
+      const double transfer_s = run.kv_transfer_bytes / 1e6;
+      EXPECT_GT(transfer_s, 5);  // under way at 3 s
+      const double stall_s = stalled.empty() ? 0 : 100;
+      EXPECT_GE(run.results[0].ttft_s, transfer_s + stall_s);
+      EXPECT_LT(run.results[0].ttft_s, transfer_s + stall_s + 1.0);
+    }
+}
+
 // Two runs of one workload agree in everything they report.
 void expect_same_run(const SimulationRun& a, const SimulationRun& b) {
   ASSERT_EQ(a.results.size(), b.results.size());
