@@ -100,6 +100,10 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
             const placement::Placement next =
                 placement::placement_from_json(req.body, "expert placement");
             engine_.change_expert_placement(next);
+          } catch (const RemapUnavailable& e) {
+            // The executor has failed (a rank died): nothing wrong with the request.
+            ex->respond(503, api::openai_error_body(e.what(), "server_error"));
+            return;
           } catch (const std::exception& e) {
             ex->respond(400, api::openai_error_body(e.what()));
             return;

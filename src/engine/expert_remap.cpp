@@ -8,10 +8,9 @@
 namespace tandem::engine {
 
 nlohmann::json ExpertRemapStatus::to_json() const {
-  nlohmann::json j = {{"state", loading ? "loading" : "idle"},
-                      {"remaps", remaps},
-                      {"automatic_remaps", automatic},
-                      {"last", nullptr}};
+  const char* state = failed ? "failed" : (loading ? "loading" : "idle");
+  nlohmann::json j = {
+      {"state", state}, {"remaps", remaps}, {"automatic_remaps", automatic}, {"last", nullptr}};
   if (last)
     j["last"] = {{"moves", last->moves},
                  {"load_seconds", last->load_seconds},
@@ -38,6 +37,9 @@ void ExpertRemapper::change(const placement::Placement& next) {
 }
 
 void ExpertRemapper::stage(const placement::Placement& next, bool automatic) {
+  // Before the check for a change underway: status_.loading of a change that a failure cut short
+  // is never cleared.
+  if (std::string why = executor_.failure(); !why.empty()) throw RemapUnavailable(why);
   {
     std::lock_guard lock(mutex_);
     if (status_.loading) throw Error("a placement change is already underway");
@@ -47,8 +49,12 @@ void ExpertRemapper::stage(const placement::Placement& next, bool automatic) {
     executor_.stage_expert_placement(
         next, [this, automatic] { post_([this, automatic] { switch_now(automatic); }); });
   } catch (...) {
-    std::lock_guard lock(mutex_);
-    status_.loading = false;
+    {
+      std::lock_guard lock(mutex_);
+      status_.loading = false;
+    }
+    // The executor may have failed since the check above (a rank died): not the placement's fault.
+    if (std::string why = executor_.failure(); !why.empty()) throw RemapUnavailable(why);
     throw;
   }
 }
@@ -59,6 +65,7 @@ void ExpertRemapper::switch_now(bool automatic) {
     std::lock_guard lock(mutex_);
     status_.loading = false;
     status_.last = s;
+    status_.last_error.clear();  // it was about an attempt before this one
     ++status_.remaps;
     if (automatic) ++status_.automatic;
     remaps_.inc();
@@ -101,8 +108,19 @@ void ExpertRemapper::after_step(uint64_t steps, const ExpertLoadStats& load) {
 }
 
 ExpertRemapStatus ExpertRemapper::status() const {
+  // Asked before mutex_ is taken: the executor's failure() takes its own locks.
+  const std::string failure = executor_.failure();
   std::lock_guard lock(mutex_);
-  return status_;
+  ExpertRemapStatus s = status_;
+  if (!failure.empty()) {
+    // A failed executor's loader ends without calling back (EpExecutor: a rank died or aborted,
+    // a copy failed to load), so a change loading now never switches. The failure is for good:
+    // status_ is left as it is, and every later status() and change() sees the failure.
+    s.failed = true;
+    s.loading = false;
+    s.last_error = failure;
+  }
+  return s;
 }
 
 }  // namespace tandem::engine

@@ -14,17 +14,27 @@
 
 #include "engine/executor/executor.h"
 #include "engine/expert_load.h"
+#include "util/error.h"
 #include "util/metrics.h"
 
 namespace tandem::engine {
 
 struct ExpertRemapStatus {
   bool loading = false;   // a staged placement's copies are loading
+  bool failed = false;    // the executor has failed: no step nor placement change runs again
   int64_t remaps = 0;     // switches done
   int64_t automatic = 0;  // of them, planned by the engine itself
   std::optional<PlacementSwitch> last;
-  std::string last_error;  // of the last attempt that failed, if any
-  nlohmann::json to_json() const;
+  // Why the last attempt failed (the executor's failure when `failed`); a switch clears it.
+  std::string last_error;
+  nlohmann::json to_json() const;  // "state": "failed", "loading" or "idle"
+};
+
+// change() refused for the engine's sake, not the placement's: the executor has failed (the API
+// answers 503, not 400).
+class RemapUnavailable : public Error {
+ public:
+  using Error::Error;
 };
 
 class ExpertRemapper {
@@ -34,12 +44,15 @@ class ExpertRemapper {
                  std::function<void(std::function<void()>)> post);
 
   // Any thread. Checks `next` and starts loading it (throws tandem::Error naming what does not
-  // fit, or that a change is underway; the placement in force stays).
+  // fit, or that a change is underway; RemapUnavailable when the executor has failed; the
+  // placement in force stays).
   void change(const placement::Placement& next);
   // Engine thread, after a step's routes were recorded (`steps` so far): every
   // rebalance_interval steps, plans from the load window and stages the plan when it moves
   // any copy. Never throws: a plan that fails is the status's last_error, the placement stays.
   void after_step(uint64_t steps, const ExpertLoadStats& load);
+  // Any thread. A change whose load an executor failure cut short reports failed: the
+  // executor's loader ends without calling back then, and the executor runs no step again.
   ExpertRemapStatus status() const;
 
  private:

@@ -535,6 +535,17 @@ TEST_F(ExpertParallel, ARankThatDiesWhileIdleMakesTheEngineUnhealthy) {
       testing::post_json(ep.port(), "/v1/completions", {{"prompt", "hello"}, {"max_tokens", 4}});
   EXPECT_GE(r.status, 500);
   EXPECT_NE(r.body.find("rank 1"), std::string::npos) << r.body;
+  // No placement change can happen: the remap state says failed and why, and a change is the
+  // engine's 503, not a 400 about a placement that is fine.
+  const json remap = testing::get_json(ep.port(), "/admin/expert_placement");
+  EXPECT_EQ(remap["state"], "failed") << remap.dump();
+  EXPECT_NE(remap.value("last_error", "").find("rank 1"), std::string::npos) << remap.dump();
+  const auto change = testing::post_json(
+      ep.port(), "/admin/expert_placement",
+      placement_json(2, 8, {{{4, 5, 6, 7}, {0, 1, 2, 3}}, {{4, 5, 6, 7}, {0, 1, 2, 3}}}));
+  EXPECT_EQ(change.status, 503) << change.body;
+  EXPECT_NE(change.body.find("server_error"), std::string::npos) << change.body;
+  EXPECT_NE(change.body.find("rank 1"), std::string::npos) << change.body;
   EXPECT_EQ(ep.stop(), 0);
 }
 

@@ -8,7 +8,8 @@
 namespace tandem::engine {
 namespace {
 
-// An executor that places experts and counts the placements staged on it.
+// An executor that places experts, counts the placements staged on it and keeps the `loaded`
+// callback for the test to call (or not: a failed executor's loader never calls it).
 class PlacingExecutor : public Executor {
  public:
   explicit PlacingExecutor(placement::Placement p) : placement_(std::move(p)) {}
@@ -16,11 +17,18 @@ class PlacingExecutor : public Executor {
   ExecResult execute(std::span<const ExecItem>, const LayerHook&) override { return {}; }
   const std::byte* kv_bytes(int32_t, int64_t) const override { return nullptr; }
   void write_kv(int32_t, int64_t, std::span<const std::byte>) override {}
+  std::string failure() const override { return failed; }
   std::optional<placement::Placement> expert_placement() const override { return placement_; }
-  void stage_expert_placement(const placement::Placement&, std::function<void()>) override {
+  void stage_expert_placement(const placement::Placement&, std::function<void()> done) override {
+    // As EpExecutor: a failed executor refuses, naming its failure.
+    if (!failed.empty()) throw Error(failed);
     ++staged;
+    loaded = std::move(done);
   }
+  PlacementSwitch switch_expert_placement() override { return {3, 0.5, 0.01}; }
   int staged = 0;
+  std::function<void()> loaded;
+  std::string failed;
 
  private:
   ExecutorInfo info_;
@@ -46,6 +54,54 @@ TEST(ExpertRemap, APlanThatFailsIsReportedAndThePlacementStays) {
   // The next interval tries again, and fails the same way without ending anything.
   load.record(std::vector<int64_t>{9, 1, 1, 1, 9, 1, 1, 1});
   EXPECT_NO_THROW(remapper.after_step(2, load));
+}
+
+// The executor fails while a change loads (a rank dies, a copy fails to load): its loader ends
+// without calling `loaded`, so the change never switches. The status says failed, with the
+// executor's reason, not loading for ever, and a further change is refused for the engine's
+// sake (the API's 503), not as a bad placement.
+TEST(ExpertRemap, AChangeCutShortByAnExecutorFailureIsReportedFailed) {
+  const std::vector<int32_t> all = {0, 1, 2, 3};
+  const placement::Placement p{2, 4, {{all, {}}}};
+  PlacingExecutor executor(p);
+  metrics::Registry registry;
+  ExpertRemapper remapper(executor, 0, registry, [](std::function<void()> task) { task(); });
+  remapper.change(p);
+  EXPECT_EQ(remapper.status().to_json()["state"], "loading");
+  executor.failed = "expert-parallel rank 1 exited (status 9)";
+  const ExpertRemapStatus status = remapper.status();
+  EXPECT_FALSE(status.loading);
+  EXPECT_EQ(status.to_json()["state"], "failed");
+  EXPECT_NE(status.last_error.find("rank 1 exited"), std::string::npos) << status.last_error;
+  try {
+    remapper.change(p);
+    ADD_FAILURE() << "a failed executor took a placement change";
+  } catch (const RemapUnavailable& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 exited"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(executor.staged, 1);
+}
+
+// last_error is about the last attempt: a switch that succeeds after a failed plan clears it.
+TEST(ExpertRemap, ASwitchThatSucceedsClearsTheLastError) {
+  const std::vector<int32_t> all = {0, 1, 2, 3};
+  const placement::Placement three_layers{2, 4, {{all, {}}, {all, {}}, {all, {}}}};
+  PlacingExecutor executor(three_layers);
+  metrics::Registry registry;
+  ExpertRemapper remapper(executor, 1, registry, [](std::function<void()> task) { task(); });
+  ExpertLoadStats load({1, 2}, 4, 8);  // two layers against three: the plan fails
+  load.record(std::vector<int64_t>{9, 1, 1, 1, 9, 1, 1, 1});
+  remapper.after_step(1, load);
+  ASSERT_FALSE(remapper.status().last_error.empty());
+  remapper.change(three_layers);
+  ASSERT_TRUE(executor.loaded);
+  executor.loaded();  // the copies are in: the switch runs (posted, here at once)
+  const ExpertRemapStatus status = remapper.status();
+  EXPECT_EQ(status.remaps, 1);
+  EXPECT_EQ(status.last->moves, 3);
+  EXPECT_EQ(status.last_error, "");
+  EXPECT_FALSE(status.to_json().contains("last_error"));
+  EXPECT_EQ(status.to_json()["state"], "idle");
 }
 
 }  // namespace
