@@ -172,7 +172,19 @@ void check_options(const SimulationOptions& options) {
         !(f.factor >= 1 && f.factor <= kMaxSlowdown))
       throw Error("fault: " + f.engine + "'s links can only slow down, by a factor in 1.." +
                   std::to_string(int64_t(kMaxSlowdown)));
+    // It would do nothing: no run should report a fault that was not there.
+    if (f.kind == SimulationOptions::Fault::Kind::kSlowLink && !pd)
+      throw Error("fault: --slow-link on " + f.engine +
+                  ": the aggregated mode moves no KV between engines (--mode sequential or "
+                  "parallel)");
   }
+  // Named by their flags here, before a workload is read; the scheduler names its fields.
+  if (options.scheduler.max_num_seqs < 1)
+    throw Error("--max-num-seqs: expected at least 1, got " +
+                std::to_string(options.scheduler.max_num_seqs));
+  if (options.scheduler.max_num_batched_tokens < 1)
+    throw Error("--max-num-batched-tokens: expected at least 1, got " +
+                std::to_string(options.scheduler.max_num_batched_tokens));
   const engine::SimExecutorOptions& x = options.executor;
   if (x.block_size < 1 || x.block_size > kMaxBlockSize)
     throw Error("--block-size: expected 1.." + std::to_string(kMaxBlockSize) + " tokens, got " +
@@ -181,16 +193,29 @@ void check_options(const SimulationOptions& options) {
     throw Error("--sim-kv-token-bytes: expected 0 (the model's) .. " +
                 std::to_string(kMaxKvTokenBytes) + " bytes per token and layer, got " +
                 std::to_string(x.kv_token_bytes));
-  // Both bounded above, so the products fit in int64.
-  const int64_t engines_total = int64_t{options.prefill} + options.decode;
-  if (x.kv_token_bytes * x.block_size * engines_total > kMaxKvBytesAllEngines)
-    throw Error("--sim-kv-token-bytes " + std::to_string(x.kv_token_bytes) + " x --block-size " +
-                std::to_string(x.block_size) + " x " + std::to_string(engines_total) +
-                " engines: every engine holds a block's bytes of a layer, " +
-                std::to_string(kMaxKvBytesAllEngines >> 30) + " GiB at most in all");
   if (x.num_blocks < 0 || x.num_blocks > kMaxNumBlocks)
     throw Error("--num-kv-blocks: expected 0 (the preset's) .. " + std::to_string(kMaxNumBlocks) +
                 ", got " + std::to_string(x.num_blocks));
+  // What each engine will hold, 0 meaning the model's or the preset's as the executor takes it;
+  // every factor is bounded above (the presets' sizes too), so the products fit in int64.
+  const engine::SimKvSize kv = engine::sim_kv_size(x);
+  const int64_t engines_total = int64_t{options.prefill} + options.decode;
+  if (kv.token_bytes * x.block_size * engines_total > kMaxKvBytesAllEngines)
+    throw Error("--sim-kv-token-bytes " + std::to_string(x.kv_token_bytes) +
+                (x.kv_token_bytes == 0 ? " (the model's " + std::to_string(kv.token_bytes) + ")"
+                                       : std::string()) +
+                " x --block-size " + std::to_string(x.block_size) + " x " +
+                std::to_string(engines_total) +
+                " engines: every engine holds a block's bytes of a layer, " +
+                std::to_string(kMaxKvBytesAllEngines >> 30) + " GiB at most in all");
+  if (kv.num_blocks * engines_total > kMaxNumBlocksAllEngines)
+    throw Error("--num-kv-blocks " + std::to_string(x.num_blocks) +
+                (x.num_blocks == 0 ? " (the preset's " + std::to_string(kv.num_blocks) +
+                                         " at --block-size " + std::to_string(x.block_size) + ")"
+                                   : std::string()) +
+                " x " + std::to_string(engines_total) +
+                " engines: every engine keeps a record per block, " +
+                std::to_string(kMaxNumBlocksAllEngines) + " blocks at most in all");
   const double gb_per_s = options.kv_link.bytes_per_s / 1e9;
   if (!(gb_per_s >= kMinLinkGbPerS && gb_per_s <= kMaxLinkGbPerS))
     throw Error("--kv-link-gb-per-s: expected " + std::to_string(kMinLinkGbPerS) + ".." +

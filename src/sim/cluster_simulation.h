@@ -135,8 +135,10 @@ inline constexpr double kMaxSlowdown = 1e6;
 inline constexpr int64_t kMaxBlockSize = 4096;
 inline constexpr int64_t kMaxKvTokenBytes = int64_t{1} << 20;
 inline constexpr int64_t kMaxKvBytesAllEngines = int64_t{16} << 30;
-// KV blocks per engine (0: the preset's): the block manager keeps a record per block.
+// KV blocks per engine (0: the preset's): the block manager keeps a record per block (24 bytes),
+// so the blocks of all engines are bounded too (~10 GB of records).
 inline constexpr int64_t kMaxNumBlocks = 100'000'000;
+inline constexpr int64_t kMaxNumBlocksAllEngines = 400'000'000;
 // The KV links: a transfer takes the latency plus its bytes over the bandwidth, and its time must
 // stay countable on the virtual clock (virtual_time.h) with the slowest link and longest prompt.
 inline constexpr double kMinLinkGbPerS = 1e-4, kMaxLinkGbPerS = 1e6;  // 100 KB/s..
@@ -144,7 +146,8 @@ inline constexpr double kMaxLinkLatencyUs = 1e9;                      // 1,000 s
 
 // Throws tandem::Error for what simulate() would refuse before running anything: engine counts
 // the mode cannot serve, an invalid topology or unknown policy, a fault on an engine the counts
-// do not make, a fault time or slowdown out of range, a block size, KV bytes per token, block
+// do not make, a fault time or slowdown out of range, a slow-link fault in the aggregated mode,
+// scheduler limits below 1, an unknown latency model, a block size, KV bytes per token, block
 // count or link out of the bounds above (named by their `tandem simulate` flags). A sweep checks
 // every point with it first.
 void check_options(const SimulationOptions& options);

@@ -946,6 +946,15 @@ TEST(ClusterSimulation, CheckOptionsRefusesWhatARunWouldBeforeAnyRuns) {
   EXPECT_NO_THROW(check_options(o));
   o.decode = kMaxEngines + 1;
   EXPECT_THROW(check_options(o), Error);
+  // The aggregated mode moves no KV between engines: a slow-link fault there did nothing.
+  o = options(1, "deepseek-v3-h800");
+  o.faults = {{Fault::Kind::kSlowLink, "decode-0", 1.0, 10.0, 5.0}};
+  try {
+    check_options(o);
+    ADD_FAILURE() << "a slow-link fault in the aggregated mode was accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("aggregated mode")) << e.what();
+  }
 }
 
 TEST(ClusterSimulation, KvSizesAndLinksOutOfBoundsAreRefusedNamingTheFlag) {
@@ -977,6 +986,30 @@ TEST(ClusterSimulation, KvSizesAndLinksOutOfBoundsAreRefusedNamingTheFlag) {
       "--sim-kv-token-bytes 1048576 x --block-size 4096 x 5000 engines");
   refused([](auto& o) { o.executor.num_blocks = -1; }, "--num-kv-blocks: expected 0");
   refused([](auto& o) { o.executor.num_blocks = kMaxNumBlocks + 1; }, "--num-kv-blocks");
+  // At 0, the model's bytes per token (DeepSeek-V3's 1,152): the bound was skipped.
+  refused(
+      [](auto& o) {
+        o.decode = 5000;
+        o.executor.block_size = 4096;
+      },
+      "--sim-kv-token-bytes 0 (the model's 1152) x --block-size 4096 x 5000 engines");
+  // Blocks in all: 48 engines of 10^8 took 115 GB and ended in bad_alloc or the OOM killer.
+  refused(
+      [](auto& o) {
+        o.decode = 48;
+        o.executor.num_blocks = kMaxNumBlocks;
+      },
+      "--num-kv-blocks 100000000 x 48 engines");
+  // At 0, the preset's count (32,768 blocks of 16 tokens: 524,288 of 1).
+  refused(
+      [](auto& o) {
+        o.decode = 1000;
+        o.executor.block_size = 1;
+      },
+      "--num-kv-blocks 0 (the preset's 524288 at --block-size 1) x 1000 engines");
+  refused([](auto& o) { o.scheduler.max_num_seqs = 0; }, "--max-num-seqs: expected at least 1");
+  refused([](auto& o) { o.scheduler.max_num_batched_tokens = 0; },
+          "--max-num-batched-tokens: expected at least 1");
   refused([](auto& o) { o.kv_link.bytes_per_s = 1e-300; }, "--kv-link-gb-per-s");
   refused([](auto& o) { o.kv_link.bytes_per_s = kInf; }, "--kv-link-gb-per-s");
   refused([](auto& o) { o.kv_link.latency_s = 1e300; }, "--kv-link-latency-us");

@@ -38,7 +38,21 @@ SimLatencyModel load_model(const std::string& preset) {
   return SimLatencyModel::preset(preset);
 }
 
+// The options' KV size, or (at 0) the model's.
+SimKvSize kv_size_of(const Capacity& cap, const SimExecutorOptions& options) {
+  if (options.block_size < 1) throw Error("block size must be at least 1");
+  if (options.kv_token_bytes < 0) throw Error("sim: KV bytes per token must be >= 0");
+  return {options.num_blocks > 0
+              ? options.num_blocks
+              : std::max<int64_t>(1, cap.num_blocks_16 * 16 / options.block_size),
+          options.kv_token_bytes > 0 ? options.kv_token_bytes : cap.token_bytes};
+}
+
 }  // namespace
+
+SimKvSize sim_kv_size(const SimExecutorOptions& options) {
+  return kv_size_of(capacity_of(load_model(options.preset).name()), options);
+}
 
 SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOptions& options)
     : model_(load_model(options.preset)), options_(options) {
@@ -50,17 +64,14 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   info_.vocab_size = static_cast<int64_t>(tokenizer.vocab_size());
   info_.max_model_len = options.max_model_len > 0 ? options.max_model_len : cap.max_model_len;
   info_.block_size = options.block_size;
-  info_.num_blocks = options.num_blocks > 0
-                         ? options.num_blocks
-                         : std::max<int64_t>(1, cap.num_blocks_16 * 16 / options.block_size);
+  const SimKvSize kv = kv_size_of(cap, options);
+  info_.num_blocks = kv.num_blocks;
   for (size_t id = 0; id < tokenizer.vocab_size(); ++id) {
     const auto t = static_cast<int32_t>(id);
     if (tokenizer.id_to_token(t) && !tokenizer.is_special(t)) ordinary_.push_back(t);
   }
   if (ordinary_.empty()) throw Error("sim: the tokenizer has no ordinary tokens to emit");
-  if (options.kv_token_bytes < 0) throw Error("sim: KV bytes per token must be >= 0");
-  const int64_t token_bytes = options.kv_token_bytes > 0 ? options.kv_token_bytes : cap.token_bytes;
-  info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, token_bytes};
+  info_.kv_layout = {"sim:" + model_.name(), cap.layers, options.block_size, kv.token_bytes};
   if (options.expert_parallel.ranks > 0) {
     SimExpertParallelOptions ep = options.expert_parallel;
     ep.skew.top_k = cap.experts_per_token;
@@ -77,7 +88,7 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
   if (!(mtp.draft_pass_share >= 0 && mtp.draft_pass_share < 1e6))
     throw Error("sim: MTP draft pass share must be >= 0");
   info_.speculative_tokens = mtp.drafts;
-  pattern_ = SharableBuffer(size_t(options.block_size * token_bytes), "tandem-sim-kv");
+  pattern_ = SharableBuffer(size_t(options.block_size * kv.token_bytes), "tandem-sim-kv");
   for (size_t i = 0; i < pattern_.size(); ++i) pattern_.data()[i] = std::byte(i * 131 + 7);
 }
 

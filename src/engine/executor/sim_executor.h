@@ -60,6 +60,15 @@ struct SimExecutorOptions {
   std::function<void(double seconds)> wait;
 };
 
+// An engine's KV with these options, as SimExecutor sizes it: its blocks and the bytes per token
+// and layer, the options' or (at 0) those of the latency model's preset. Reads the latency model
+// (a fitted one is a file); throws tandem::Error as the constructor does for an unknown one, a
+// block size below 1 or negative bytes. For checking what many engines would take beforehand.
+struct SimKvSize {
+  int64_t num_blocks = 0, token_bytes = 0;
+};
+SimKvSize sim_kv_size(const SimExecutorOptions& options);
+
 class SimExecutor : public Executor {
  public:
   SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOptions& options);
