@@ -502,7 +502,9 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
   // timeouts of 2^31 ms that wait was run one probe at a time, for hours. Timers armed before
   // the period and still pending after it (a request's timeout, a stall's end) stay where they
   // are; the skip ends a period before the first of them. The period runs timer by timer, and
-  // stops as the loop below would when a request ends, so that what follows is the same.
+  // stops as the loop below would when a request ends, so that what follows is the same. It also
+  // takes an idle gap with an engine stalled in it: that engine is not quiet (the stall's end,
+  // the probes it holds), so the skip above does not apply, and the gap ran probe by probe.
   auto engines_frozen = [&] {
     return std::all_of(engines.begin(), engines.end(),
                        [](const auto& e) { return e->dead() || e->quiet() || e->stalled(); });
@@ -569,8 +571,8 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
       run_or_skip_a_period(scheduled);
       continue;
     }
-    if (options.skip_idle && period.count() > 0 && sent != finished && next > clock.now() &&
-        clock.pending_tasks() == 0 && engines_frozen()) {
+    if (options.skip_idle && period.count() > 0 && next > clock.now() &&
+        clock.pending_tasks() == 0 && (sent != finished || !engines_quiet()) && engines_frozen()) {
       if (!clock.next_scheduled(&scheduled)) scheduled = Clock::time_point::max();
       if (scheduled - clock.now() >= 3 * period) {
         run_or_skip_a_period_in_flight(scheduled);

@@ -867,6 +867,25 @@ TEST(ClusterSimulation, RequestsWaitingOnAStalledEngineAreSkippedAndTheRunIsTheS
   }
 }
 
+TEST(ClusterSimulation, AnIdleGapWithAStalledEngineIsSkippedAndTheRunIsTheSame) {
+  // decode-0 hangs from 10 s for 19,000 s while nothing is in flight, 20,000 s between two
+  // requests: the gap was run probe by probe while the stall lasted (a stalled engine is not
+  // quiet, and with nothing in flight the skip for a stall did not apply), its wall time linear
+  // in the stall's length. Skipped up to the stall's end, the run is the same.
+  auto o = options(2, "deepseek-v3-h800");
+  o.faults = {{Fault::Kind::kStall, "decode-0", 10.0, 19000.0}};
+  const std::vector<bench::BenchRequest> reqs = {request(0, words(100, 1), 4),
+                                                 request(20000, words(100, 2), 4)};
+  const auto skipped = simulate(reqs, o, tokenizer());
+  o.skip_idle = false;
+  const auto whole = simulate(reqs, o, tokenizer());
+  EXPECT_GT(skipped.skipped_s, 19000);
+  EXPECT_EQ(whole.skipped_s, 0);
+  EXPECT_GT(whole.timeouts, 0);  // the stalled engine's probes and polls
+  for (const auto& r : whole.results) EXPECT_TRUE(r.success) << r.error;
+  expect_same_run(skipped, whole);
+}
+
 TEST(ClusterSimulation, AStallWithMillisecondProbesAndLongTimeoutsEnds) {
   // 1 ms probes and timeouts of 2^31 ms with a request on an engine hung for 10^6 s: timer by
   // timer that was 10^9 probes, hours of simulation. Skipped, the request is answered when the
