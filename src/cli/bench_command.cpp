@@ -119,9 +119,7 @@ void run(const BenchCliOptions& o) {
     throw Error("--prompt-format: expected ids or text");
   d.prompt_format =
       o.prompt_format == "ids" ? bench::PromptFormat::kTokenIds : bench::PromptFormat::kText;
-  // As vLLM: the random dataset's lengths are forced (it sets ignore_eos for it); the others let
-  // the model stop unless --ignore-eos is given.
-  d.ignore_eos = !o.no_ignore_eos && (o.ignore_eos || o.workload.dataset == "random");
+  d.ignore_eos = ignore_eos_of(o.workload, o.ignore_eos, o.no_ignore_eos);
   d.temperature = o.temperature;
   d.top_p = o.top_p;
   d.top_k = o.top_k;

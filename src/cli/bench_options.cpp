@@ -307,6 +307,10 @@ void set_prompt_bos(const WorkloadCliOptions& o, const text::Tokenizer& tok,
   driver.count_bos = o.dataset != "prefix-repetition";
 }
 
+bool ignore_eos_of(const WorkloadCliOptions& o, bool ignore_eos, bool no_ignore_eos) {
+  return !no_ignore_eos && (ignore_eos || o.dataset == "random");
+}
+
 bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
   check_workload_flags(o);
   check_trace_spread(o);

@@ -57,6 +57,11 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o,
 // prefix-repetition); a trace's length is the ids it sends. `tandem bench` and `tandem simulate`.
 void set_prompt_bos(const WorkloadCliOptions& o, const text::Tokenizer& tokenizer,
                     bench::DriverOptions& driver);
+// Whether the requests send ignore_eos: true, as vLLM's bench sends it: the random dataset's
+// lengths are forced (vLLM sets ignore_eos for it), the others' let the model stop, unless
+// `ignore_eos` (--ignore-eos) or `no_ignore_eos` (--no-ignore-eos) says otherwise. `tandem bench`
+// and `tandem simulate` (which has neither flag).
+bool ignore_eos_of(const WorkloadCliOptions& o, bool ignore_eos, bool no_ignore_eos);
 
 struct MetricsCliOptions {
   std::string percentile_metrics = "ttft,tpot,itl", metric_percentiles = "99";

@@ -155,7 +155,7 @@ void run_sweep(const SimulateCliOptions& o, const sim::SimulationOptions& base,
     sim::SimulationRun r;
     try {
       r = sim::simulate(reqs, options_at(base, p), tok);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // an allocation failure too: the rows before are kept
       failure = point_name(p) + ": " + e.what();
       break;
     }
@@ -294,6 +294,7 @@ void run(const SimulateCliOptions& o) {
   auto tok = std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
   const bench::LazyWorkload reqs = build_lazy_workload(o.workload, *tok);  // not empty
   set_prompt_bos(o.workload, *tok, so.client);
+  so.client.ignore_eos = ignore_eos_of(o.workload, false, false);  // as tandem bench sends it
   const WorkloadCliOptions& w = o.workload;
   if (!o.sweep.empty()) {
     run_sweep(o, so, points, reqs, tok, mo);
@@ -324,6 +325,7 @@ void run(const SimulateCliOptions& o) {
                        {"prefix_cache_hits", e.prefix_hits},
                        {"killed", e.died},
                        {"stalled", e.stalled},
+                       {"blocks_in_use", e.blocks_in_use},
                        {"healthy", e.healthy}});
   run.extra = {{"backend", "tandem-simulate"},
                {"dataset_name", w.dataset},
@@ -443,10 +445,12 @@ void add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--stall", o->stall,
                   "a fault: ENGINE@SECONDS+DURATION, e.g. decode-3@120+30 (the engine hangs for "
-                  "that long: no step, no answer; calls wait or time out); repeatable");
+                  "that long, as under SIGSTOP: no step, no answer, no KV moved; calls and "
+                  "transfers wait or time out); repeatable");
   cmd->add_option("--slow-link", o->slow_link,
                   "a fault: ENGINE@SECONDS+DURATION:FACTOR, e.g. prefill-0@60+120:10 (the "
-                  "engine's KV links run FACTOR times slower for that long); repeatable");
+                  "engine's KV links run FACTOR times slower for that long; sequential and "
+                  "parallel modes); repeatable");
   cmd->add_option("--sweep", o->sweep,
                   "a grid of runs: prefill=2..16 (doubling), decode=4..12/4 (steps), "
                   "policy=tandem,kv_router (lists); repeatable, every combination");

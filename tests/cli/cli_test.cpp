@@ -1192,6 +1192,23 @@ TEST(Cli, SimulateReportsFaultsAndMtp) {
   const double accepted = j["simulation"]["mtp_accepted_tokens"];
   // Two drafts at 0.9 then 0.6 given the first: 0.9 + 0.54 = 1.44 of 2 per step.
   EXPECT_NEAR(accepted / drafts, 0.72, 0.06);
+  // Each engine's blocks in use at the end: none once its stall ended and every request did.
+  ASSERT_EQ(j["simulation"]["engines"].size(), 2u);
+  for (const auto& e : j["simulation"]["engines"]) {
+    ASSERT_TRUE(e.contains("blocks_in_use")) << e.dump();
+    EXPECT_EQ(e["blocks_in_use"], 0) << e.dump();
+  }
+}
+
+TEST(Cli, SimulateChecksItsSchedulerLimitsBeforeReadingTheWorkload) {
+  // A zero limit failed once the whole trace was read, naming the engine's config field.
+  for (const std::string flag : {"--max-num-seqs", "--max-num-batched-tokens"}) {
+    const auto r = run("simulate --dataset-name mooncake --dataset-path /nonexistent/trace.jsonl " +
+                       flag + " 0");
+    EXPECT_EQ(r.status, 1) << flag << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag + ": expected at least 1")) << flag;
+    EXPECT_THAT(r.output, Not(HasSubstr("trace.jsonl"))) << flag;
+  }
 }
 
 }  // namespace
