@@ -1,8 +1,12 @@
 #include "gateway/answer_text.h"
 
+#include <unordered_map>
+
 #include <nlohmann/json.hpp>
 
 #include "gateway/tokens_in.h"
+#include "util/error.h"
+#include "util/json.h"
 #include "util/utf8.h"
 
 namespace tandem::gateway {
@@ -15,6 +19,121 @@ std::string splice_fields(const std::string& object_text, const std::string& mem
   std::string out = object_text.substr(0, close);
   if (!empty) out += ',';
   out += members;
+  out += '}';
+  return out;
+}
+
+namespace {
+
+bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\r' || c == '\n';
+}
+
+size_t skip_space(std::string_view s, size_t at) {
+  while (at < s.size() && is_space(s[at])) ++at;
+  return at;
+}
+
+// Past the closing quote of the JSON string whose opening quote is at `at`; npos when the text
+// ends first.
+size_t string_end(std::string_view s, size_t at) {
+  for (size_t i = at + 1; i < s.size(); ++i) {
+    if (s[i] == '\\')
+      ++i;
+    else if (s[i] == '"')
+      return i + 1;
+  }
+  return std::string_view::npos;
+}
+
+// Past the JSON value that starts at `at` (a number or literal ends at the next delimiter); npos
+// when the text ends first.
+size_t value_end(std::string_view s, size_t at) {
+  if (s[at] == '"') return string_end(s, at);
+  if (s[at] != '{' && s[at] != '[') {
+    while (at < s.size() && s[at] != ',' && s[at] != '}' && !is_space(s[at])) ++at;
+    return at;
+  }
+  size_t depth = 0;
+  for (size_t i = at; i < s.size(); ++i) {
+    const char c = s[i];
+    if (c == '"') {
+      i = string_end(s, i);
+      if (i == std::string_view::npos) return i;
+      --i;  // the loop steps past the closing quote
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if ((c == '}' || c == ']') && --depth == 0) {
+      return i + 1;
+    }
+  }
+  return std::string_view::npos;
+}
+
+// The text of each top-level member's value of the JSON object `text` (already parsed, so
+// valid), by key; the last of duplicate keys wins, as the parsers have it. Empty for text that
+// is no object.
+std::unordered_map<std::string, std::string_view> member_texts(std::string_view text) {
+  std::unordered_map<std::string, std::string_view> out;
+  size_t i = text.starts_with("\xEF\xBB\xBF") ? 3 : 0;  // a byte order mark, which the parsers skip
+  i = skip_space(text, i);
+  if (i >= text.size() || text[i] != '{') return {};
+  i = skip_space(text, i + 1);
+  while (i < text.size() && text[i] == '"') {
+    const size_t key_end = string_end(text, i);
+    if (key_end == std::string_view::npos) return {};
+    const std::string_view quoted = text.substr(i, key_end - i);
+    std::string key(quoted.substr(1, quoted.size() - 2));
+    if (key.find('\\') != std::string::npos) {  // escaped: its value is what the parsers read
+      try {
+        key = nlohmann::json::parse(quoted).get<std::string>();
+      } catch (const nlohmann::json::exception&) {
+        return {};
+      }
+    }
+    i = skip_space(text, key_end);
+    if (i >= text.size() || text[i] != ':') return {};
+    i = skip_space(text, i + 1);
+    if (i >= text.size()) return {};
+    const size_t end = value_end(text, i);
+    if (end == std::string_view::npos) return {};
+    out[std::move(key)] = text.substr(i, end - i);
+    i = skip_space(text, end);
+    if (i < text.size() && text[i] == ',') i = skip_space(text, i + 1);
+  }
+  return out;
+}
+
+// Whether `text` (a member's value as the client sent it) is `value`.
+bool same_value(std::string_view text, const nlohmann::json& value) {
+  try {
+    nlohmann::json parsed = parse_untrusted_json(text);
+    const bool same = parsed == value;
+    release_json(parsed);
+    return same;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+std::string dump_in_client_order(const nlohmann::json& body, std::string_view client_text) {
+  if (!body.is_object()) return body.dump();
+  const auto client = member_texts(client_text);
+  std::string out = "{";
+  for (auto it = body.begin(); it != body.end(); ++it) {
+    if (out.size() > 1) out += ',';
+    out += nlohmann::json(it.key()).dump();
+    out += ':';
+    const auto sent = client.find(it.key());
+    // Only objects have an order to keep.
+    if (sent != client.end() && sent->second.find('{') != std::string_view::npos &&
+        same_value(sent->second, it.value()))
+      out += sent->second;
+    else
+      out += it.value().dump();
+  }
   out += '}';
   return out;
 }

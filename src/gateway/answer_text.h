@@ -1,16 +1,27 @@
 #pragma once
 // What the gateway reads from, and adds to, the text of bodies and answers it relays without
 // parsing them: a full JSON parse per request would cost more than the rest of the relay, so these
-// look at the few bytes that matter. Pure functions of the text.
+// look at the few bytes that matter. Pure functions of the text; and the client's text kept in
+// the bodies the gateway does rewrite (dump_in_client_order).
 #include <cstdint>
 #include <string>
 #include <string_view>
+
+#include <nlohmann/json.hpp>
 
 namespace tandem::gateway {
 
 // `object_text` (a serialized JSON object) with `members` (serialized "key":value pairs) added
 // before its closing brace; text without one is returned as it is.
 std::string splice_fields(const std::string& object_text, const std::string& members);
+
+// `body` (parsed from the client's `client_text`, then changed at will) serialized with the
+// client's text for each member it holds as the client sent it: the objects in those keep the
+// client's key order. An engine reads that order (it shows tools to the model, and generates a
+// schema's properties, in the order they are listed), and nlohmann::json, which the gateway
+// parses into, sorts keys. Members the gateway added or changed are written from `body`; so is
+// a value without objects (a prompt's ids: nothing to keep, and no second parse).
+std::string dump_in_client_order(const nlohmann::json& body, std::string_view client_text);
 
 // Whether the text starts with '{' and ends with '}' (surrounding white space aside).
 bool looks_like_json_object(std::string_view body);

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "api/error.h"
+#include "gateway/answer_text.h"
 
 namespace tandem::gateway {
 
@@ -76,7 +77,7 @@ bool may_ask_several_choices(std::string_view body) {
   return body.find("\"n\"") != std::string_view::npos || may_hold_prompt_list(body);
 }
 
-ChoiceRequests split_choices(std::string_view path, const json& body) {
+ChoiceRequests split_choices(std::string_view path, const json& body, std::string_view text) {
   ChoiceRequests out;
   const bool chat = path.ends_with("/chat/completions");
   const bool completions = !chat && path.ends_with("/completions");
@@ -121,10 +122,13 @@ ChoiceRequests split_choices(std::string_view path, const json& body) {
   }
   json base = json::object();
   for (const auto& [key, value] : body.items())
-    if (key != "n" && key != "best_of" && !(prompts && key == "prompt")) base[key] = value;
+    if (key != "n" && key != "best_of" && !(prompts && key == "prompt") && !(seed && key == "seed"))
+      base[key] = value;
+  // What every choice's body holds, in the client's key order; each adds its prompt and seed.
+  const std::string base_text = dump_in_client_order(base, text);
   // Every choice carries the whole body (and each is parsed, held and sent again): 128 copies
   // of an 8 MB body took gigabytes and seconds of an io thread.
-  if (const size_t bytes = base.dump().size(); bytes * count > kMaxFanOutBytes)
+  if (const size_t bytes = base_text.size(); bytes * count > kMaxFanOutBytes)
     throw api::ApiError{400,
                         "this request would fan out to " + std::to_string(count) + " bodies of " +
                             std::to_string(bytes) + " bytes, more than " +
@@ -132,10 +136,13 @@ ChoiceRequests split_choices(std::string_view path, const json& body) {
                             " MiB in all; send fewer choices or a smaller body",
                         prompts ? "prompt" : "n"};
   for (size_t i = 0; i < count; ++i) {
-    json one = base;
-    if (prompts) one["prompt"] = (*prompts)[i / per_prompt];
-    if (seed && i > 0) one["seed"] = *seed + i;
-    out.bodies.push_back(one.dump());
+    std::string members;
+    if (prompts) members = "\"prompt\":" + (*prompts)[i / per_prompt].dump();
+    if (seed) {
+      if (!members.empty()) members += ',';
+      members += "\"seed\":" + (i == 0 ? body.at("seed").dump() : std::to_string(*seed + i));
+    }
+    out.bodies.push_back(members.empty() ? base_text : splice_fields(base_text, members));
   }
   out.repeats = per_prompt;
   return out;

@@ -12,6 +12,7 @@
 #include "api/model_list.h"
 #include "api/request.h"
 #include "api/response.h"
+#include "gateway/answer_text.h"
 #include "gateway/choice_fan_out.h"
 #include "gateway/http_seams.h"
 #include "gateway/priority.h"
@@ -134,7 +135,7 @@ bool FrontEnd::receive_choices(const net::HttpRequest& req,
   if (stopping_.load() || !api::api_key_valid(topo_.api_keys, req)) return false;
   ChoiceRequests split;
   try {
-    split = split_choices(req.path, parse_untrusted_json(req.body));
+    split = split_choices(req.path, parse_untrusted_json(req.body), req.body);
   } catch (const api::ApiError& e) {
     const RequestPtr r = new_request(req, reply);
     r->reply->respond(e.status, api::api_error_body(e), "application/json");
@@ -295,12 +296,13 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         r->translator->drop_usage_chunks();
       }
       // Else verbatim: the engine parses it.
-      r->body = rewritten || classes || drop_priority ? body.dump() : req.body;
+      r->body =
+          rewritten || classes || drop_priority ? dump_in_client_order(body, req.body) : req.body;
       break;
     case PdMode::kSequential:
       api::strip_disaggregation_fields(body);
-      r->body = body.dump();
-      r->prefill_body = api::prefill_leg_body(std::move(body)).dump();
+      r->body = dump_in_client_order(body, req.body);
+      r->prefill_body = dump_in_client_order(api::prefill_leg_body(std::move(body)), req.body);
       break;
     case PdMode::kParallel:
       api::strip_disaggregation_fields(body);
@@ -308,7 +310,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       // reused from its usage: a stream has one only when asked (a client's own stream_options
       // stay as they are).
       r->prefill_asks_usage = r->stream && !body.contains("stream_options");
-      r->body = body.dump();
+      r->body = dump_in_client_order(body, req.body);
       break;
   }
   return r;

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "api/error.h"
+#include "util/json.h"
 
 namespace tandem::gateway {
 namespace {
@@ -21,6 +22,33 @@ TEST(AnswerText, SplicedMembersJoinTheObject) {
     EXPECT_EQ(spliced, expected) << body;
   }
   EXPECT_EQ(splice_fields("not an object", R"("x":1)"), "not an object");
+}
+
+// An engine reads a body's objects in their key order (tools shown to the model, a schema's
+// properties generated in it), and nlohmann::json sorts keys: what the gateway writes keeps the
+// client's text for each member it did not change.
+TEST(AnswerText, ABodyIsWrittenInTheClientsKeyOrderWhereTheGatewayLeftIt) {
+  const std::string text =
+      "\xEF\xBB\xBF { \"tools\" : [{\"zeta\": 1, \"alpha\": {\"y\": \"}\\\"]\", \"b\": 3}}],\n"
+      " \"prompt\": [3, 1, 2], \"stream_options\": {\"z\": true, \"a\": 1}, \"n\": 2,"
+      " \"k\\u0065y\": {\"z\": 0, \"a\": 0}, \"dup\": {\"z\": 1, \"a\": 1},"
+      " \"dup\": {\"z\": 2, \"a\": 2}, \"s\": \"{\\\"z\\\": 1}\" }";
+  json body = parse_untrusted_json(text);
+  body["stream_options"]["a"] = 2;  // changed
+  body["max_tokens"] = 1;           // added
+  body.erase("n");                  // removed
+  const std::string out = dump_in_client_order(body, text);
+  EXPECT_EQ(json::parse(out), body) << out;  // what the document holds, no more, no less
+  for (const char* kept :
+       {R"("tools":[{"zeta": 1, "alpha": {"y": "}\"]", "b": 3}}])",  // as sent
+        R"("key":{"z": 0, "a": 0})",                                 // its key escaped in the text
+        R"("dup":{"z": 2, "a": 2})",  // the last of duplicate keys, as the parsers have it
+        R"("stream_options":{"a":2,"z":true})",  // changed: written from the document
+        R"("prompt":[3,1,2])",                   // no object, no order to keep
+        R"("s":"{\"z\": 1}")"})                  // a string that only looks like one
+    EXPECT_NE(out.find(kept), std::string::npos) << kept << " in " << out;
+  // Text that is no object leaves the document alone.
+  EXPECT_EQ(dump_in_client_order(body, "not json"), body.dump());
 }
 
 // An answer cut short can still end in '}': only a parse tells.

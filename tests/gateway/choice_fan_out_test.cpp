@@ -14,6 +14,11 @@ namespace {
 
 using nlohmann::json;
 
+// The split of `body` as a client that sent body.dump() has it.
+ChoiceRequests split_of(std::string_view path, const json& body) {
+  return split_choices(path, body, body.dump());
+}
+
 std::vector<json> parsed(const ChoiceRequests& split) {
   std::vector<json> out;
   for (const auto& b : split.bodies) out.push_back(json::parse(b));
@@ -22,7 +27,7 @@ std::vector<json> parsed(const ChoiceRequests& split) {
 
 TEST(SplitChoices, NChoicesBecomeOneRequestEachWithTheEnginesSeeds) {
   const json body = {{"model", "m"}, {"prompt", "hi"}, {"n", 3}, {"best_of", 3}, {"seed", 5}};
-  const ChoiceRequests split = split_choices("/v1/completions", body);
+  const ChoiceRequests split = split_of("/v1/completions", body);
   const auto bodies = parsed(split);
   ASSERT_EQ(bodies.size(), 3u);
   EXPECT_EQ(split.repeats, 3u);
@@ -35,7 +40,7 @@ TEST(SplitChoices, NChoicesBecomeOneRequestEachWithTheEnginesSeeds) {
   }
   // A negative seed wraps as the engine reads it (an unsigned 64-bit number).
   const auto negative = parsed(
-      split_choices("/v1/chat/completions", {{"messages", json::array()}, {"n", 2}, {"seed", -1}}));
+      split_of("/v1/chat/completions", {{"messages", json::array()}, {"n", 2}, {"seed", -1}}));
   ASSERT_EQ(negative.size(), 2u);
   EXPECT_EQ(negative[0]["seed"], -1);
   EXPECT_EQ(negative[1]["seed"].get<uint64_t>(), 0u);
@@ -43,7 +48,7 @@ TEST(SplitChoices, NChoicesBecomeOneRequestEachWithTheEnginesSeeds) {
 
 TEST(SplitChoices, AListOfPromptsBecomesOneRequestPerPrompt) {
   const json body = {{"prompt", {"a", "b c"}}, {"max_tokens", 4}};
-  const ChoiceRequests split = split_choices("/v1/completions", body);
+  const ChoiceRequests split = split_of("/v1/completions", body);
   const auto bodies = parsed(split);
   ASSERT_EQ(bodies.size(), 2u);
   EXPECT_EQ(split.repeats, 1u);
@@ -51,7 +56,7 @@ TEST(SplitChoices, AListOfPromptsBecomesOneRequestPerPrompt) {
   EXPECT_EQ(bodies[1]["prompt"], "b c");
   EXPECT_EQ(bodies[1]["max_tokens"], 4);
   EXPECT_FALSE(bodies[1].contains("seed"));
-  const auto ids = parsed(split_choices("/v1/completions", {{"prompt", {{1, 2}, {3}}}}));
+  const auto ids = parsed(split_of("/v1/completions", {{"prompt", {{1, 2}, {3}}}}));
   ASSERT_EQ(ids.size(), 2u);
   EXPECT_EQ(ids[1]["prompt"], json::array({3}));
 }
@@ -60,7 +65,7 @@ TEST(SplitChoices, AListOfPromptsBecomesOneRequestPerPrompt) {
 // (choice k answers prompt k / n), choice k seeded seed + k as the engine seeds it.
 TEST(SplitChoices, NChoicesOfEachPromptOfAListArePromptMajor) {
   const json body = {{"prompt", {"a", "b c", "d"}}, {"n", 2}, {"seed", 9}, {"max_tokens", 4}};
-  const ChoiceRequests split = split_choices("/v1/completions", body);
+  const ChoiceRequests split = split_of("/v1/completions", body);
   const auto bodies = parsed(split);
   ASSERT_EQ(bodies.size(), 6u);
   EXPECT_EQ(split.repeats, 2u);  // bodies 2p and 2p + 1 share prompt p
@@ -74,14 +79,14 @@ TEST(SplitChoices, NChoicesOfEachPromptOfAListArePromptMajor) {
   }
   // n times the prompts is what is bounded.
   try {
-    split_choices("/v1/completions", {{"prompt", json(43, "p")}, {"n", 3}});
+    split_of("/v1/completions", {{"prompt", json(43, "p")}, {"n", 3}});
     FAIL() << "expected an error";
   } catch (const api::ApiError& e) {
     EXPECT_EQ(e.status, 400);
     EXPECT_EQ(e.param, "n");
     EXPECT_NE(e.message.find("got 129"), std::string::npos) << e.message;
   }
-  EXPECT_EQ(split_choices("/v1/completions", {{"prompt", json(64, "p")}, {"n", 2}}).bodies.size(),
+  EXPECT_EQ(split_of("/v1/completions", {{"prompt", json(64, "p")}, {"n", 2}}).bodies.size(),
             kMaxFanOut);
 }
 
@@ -93,17 +98,36 @@ TEST(SplitChoices, OneChoiceOrWhatTheEngineMustRefuseIsNotSplit) {
                            json{{"prompt", "x"}, {"n", 200}},    // too many: the engine says so
                            json{{"prompt", "x"}, {"n", "two"}},  // not a number
                            json{{"prompt", "x"}, {"n", 2}, {"best_of", 3}}})
-    EXPECT_TRUE(split_choices("/v1/completions", body).bodies.empty()) << body.dump();
+    EXPECT_TRUE(split_of("/v1/completions", body).bodies.empty()) << body.dump();
   // Chat has no list of prompts; other routes are not split.
-  EXPECT_TRUE(split_choices("/v1/chat/completions", {{"prompt", {"a", "b"}}}).bodies.empty());
-  EXPECT_TRUE(split_choices("/v1/embeddings", {{"input", "x"}, {"n", 2}}).bodies.empty());
+  EXPECT_TRUE(split_of("/v1/chat/completions", {{"prompt", {"a", "b"}}}).bodies.empty());
+  EXPECT_TRUE(split_of("/v1/embeddings", {{"input", "x"}, {"n", 2}}).bodies.empty());
+}
+
+// An engine reads objects in their key order (it shows tools to the model, and generates a
+// schema's properties, in it): each choice's body keeps the client's, where a body dumped from
+// nlohmann::json had its keys sorted.
+TEST(SplitChoices, EachChoiceKeepsTheClientsKeyOrder) {
+  const std::string text =
+      R"({"prompt":["a","b"],"n":2,"seed":7,"response_format":{"type":"json_schema",)"
+      R"("json_schema":{"name":"s","schema":{"type":"object","properties":{"zeta":{},"alpha":{}}}}}})";
+  const ChoiceRequests split = split_choices("/v1/completions", json::parse(text), text);
+  ASSERT_EQ(split.bodies.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const std::string& b = split.bodies[i];
+    EXPECT_LT(b.find("\"zeta\""), b.find("\"alpha\"")) << b;
+    const json one = json::parse(b);
+    EXPECT_EQ(one["prompt"], i < 2 ? "a" : "b");
+    EXPECT_EQ(one["seed"], 7 + i);
+    EXPECT_EQ(one["response_format"], json::parse(text)["response_format"]);
+  }
 }
 
 TEST(SplitChoices, MoreThanTheLimitIsTheClientsError) {
   json prompts = json::array();
   for (size_t i = 0; i <= kMaxFanOut; ++i) prompts.push_back("p");
   try {
-    split_choices("/v1/completions", {{"prompt", prompts}});
+    split_of("/v1/completions", {{"prompt", prompts}});
     FAIL() << "expected an error";
   } catch (const api::ApiError& e) {
     EXPECT_EQ(e.status, 400);
@@ -114,13 +138,12 @@ TEST(SplitChoices, MoreThanTheLimitIsTheClientsError) {
 // Each choice carries the client's whole body: 128 of a large one are refused before any copy.
 TEST(SplitChoices, ChoicesWhoseBodiesTogetherPassTheByteLimitAreTheClientsError) {
   const json body = {{"prompt", "p"}, {"user", std::string(1 << 20, 'x')}};
-  EXPECT_EQ(
-      split_choices("/v1/completions", {{"prompt", "p"}, {"n", 64}, {"user", "x"}}).bodies.size(),
-      64u);
+  EXPECT_EQ(split_of("/v1/completions", {{"prompt", "p"}, {"n", 64}, {"user", "x"}}).bodies.size(),
+            64u);
   json n64 = body;
   n64["n"] = 64;  // 64 MiB and a little more
   try {
-    split_choices("/v1/completions", n64);
+    split_of("/v1/completions", n64);
     FAIL() << "expected an error";
   } catch (const api::ApiError& e) {
     EXPECT_EQ(e.status, 400);
@@ -129,7 +152,7 @@ TEST(SplitChoices, ChoicesWhoseBodiesTogetherPassTheByteLimitAreTheClientsError)
   }
   json n32 = body;
   n32["n"] = 32;
-  EXPECT_EQ(split_choices("/v1/completions", n32).bodies.size(), 32u);
+  EXPECT_EQ(split_of("/v1/completions", n32).bodies.size(), 32u);
 }
 
 TEST(SplitChoices, TheCheapLookNeverMissesARequestWithSeveralChoices) {

@@ -92,6 +92,11 @@ class FakeEngine {
     std::lock_guard lock(mutex_);
     return bodies_;
   }
+  // The bodies as they came, in their key order (bodies() sorts the keys).
+  std::vector<std::string> texts() {
+    std::lock_guard lock(mutex_);
+    return texts_;
+  }
   // Answers every held request (normally).
   void release() {
     std::vector<std::pair<std::shared_ptr<net::Exchange>, json>> held;
@@ -118,6 +123,7 @@ class FakeEngine {
     {
       std::lock_guard lock(mutex_);
       bodies_.push_back(body);
+      texts_.push_back(req.body);
     }
     ex->on_close([this] { ++closed_early_; });
     switch (behaviour_.load()) {
@@ -223,6 +229,7 @@ class FakeEngine {
   std::atomic<int> requests_{0}, closed_early_{0};
   std::mutex mutex_;
   std::vector<json> bodies_;
+  std::vector<std::string> texts_;
   std::vector<std::pair<std::shared_ptr<net::Exchange>, json>> held_;
   size_t max_held_ = 0;
   int load_status_ = 404;

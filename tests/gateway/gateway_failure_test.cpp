@@ -346,6 +346,67 @@ TEST_P(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
 }
 
+// An engine reads a body's objects in their key order: it shows tools to the model, and generates
+// a schema's properties, in the order the body lists them. Every body the gateway writes (a
+// priority class's, a client's priority dropped, both P/D flows' legs, each of n choices) keeps
+// the client's order: re-serialized from nlohmann::json they reached the engines with their keys
+// sorted (a tool's {zeta, alpha} as {alpha, zeta}).
+TEST_P(GatewayFailures, EveryBodyTheGatewayWritesKeepsTheClientsKeyOrder) {
+  const std::string chat =
+      R"({"model":"fake","messages":[{"role":"user","content":"hi"}],"max_tokens":3,)"
+      R"("priority":"interactive","tools":[{"type":"function","function":{"name":"f","parameters":)"
+      R"({"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"string"}}}}}],)"
+      R"("response_format":{"type":"json_schema","json_schema":{"name":"s","schema":)"
+      R"({"type":"object","properties":{"omega":{"type":"integer"},"beta":{"type":"integer"}}}}}})";
+  auto before = [](const std::string& text, const char* first, const char* second) {
+    const auto a = text.find(first), b = text.find(second);
+    return a != std::string::npos && b != std::string::npos && a < b;
+  };
+  struct Case {
+    const char* name;
+    PdMode mode;
+    bool classes;
+    int n;
+  };
+  for (const Case& c :
+       {Case{"aggregated, priority classes", PdMode::kAggregated, true, 1},
+        Case{"aggregated, the client's priority dropped", PdMode::kAggregated, false, 1},
+        Case{"sequential", PdMode::kSequential, false, 1},
+        Case{"parallel", PdMode::kParallel, false, 1},
+        Case{"sequential, n 2", PdMode::kSequential, false, 2},
+        Case{"parallel, n 2", PdMode::kParallel, true, 2}}) {
+    SCOPED_TRACE(c.name);
+    FakeEngine prefill("p"), decode("d");
+    auto t = topology(c.mode);
+    t.decode.endpoints = {endpoint_of(decode, "d")};
+    if (c.mode != PdMode::kAggregated) t.prefill.endpoints = {endpoint_of(prefill, "p", 7001)};
+    if (c.classes) t.priority.classes = {PriorityClass{"interactive", 3, 2s, std::nullopt}};
+    start(t);
+    const std::string body = c.n == 1 ? chat : R"({"n":2,)" + chat.substr(1);
+    const auto r =
+        net::http_request("127.0.0.1", port(), "POST", "/v1/chat/completions", body, {}, 30s);
+    EXPECT_EQ(r.status, 200) << r.body;
+    // A parallel prefill leg runs alongside: it may reach its engine after the answer.
+    const size_t legs = size_t(c.n) * (c.mode == PdMode::kAggregated ? 1 : 2);
+    EXPECT_TRUE(eventually([&] { return prefill.texts().size() + decode.texts().size() == legs; }));
+    for (FakeEngine* e : {&prefill, &decode}) {
+      for (const std::string& text : e->texts()) {
+        EXPECT_TRUE(before(text, "\"zeta\"", "\"alpha\"")) << text;
+        EXPECT_TRUE(before(text, "\"omega\"", "\"beta\"")) << text;
+        // What the gateway changes it changed: the class's priority for its name, or none (the
+        // policy sets prefill deadlines instead).
+        const json parsed = json::parse(text);
+        if (c.classes)
+          EXPECT_EQ(parsed.value("priority", json()), 3) << text;
+        else
+          EXPECT_FALSE(parsed.contains("priority")) << text;
+      }
+    }
+    EXPECT_TRUE(eventually([&] { return all_idle(); }));
+    gw_.reset();  // before its engines go
+  }
+}
+
 TEST_P(GatewayFailures, AClientThatLeavesCancelsBothLegs) {
   FakeEngine prefill("p"), decode("d");
   prefill.set(Behaviour::kHold);
