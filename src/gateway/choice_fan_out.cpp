@@ -89,7 +89,7 @@ ChoiceRequests split_choices(std::string_view path, const json& body, std::strin
     n = *v;
   }
   if (const auto it = body.find("best_of"); it != body.end() && !it->is_null())
-    if (integer_of(*it) != n) return out;
+    if (chat || integer_of(*it) != n) return out;  // not a chat parameter
   const json* prompts = nullptr;
   if (completions)
     if (const auto it = body.find("prompt"); it != body.end() && it->is_array() && it->size() > 1 &&

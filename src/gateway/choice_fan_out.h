@@ -41,9 +41,9 @@ struct ChoiceRequests {
 
 // The requests, one per choice, that answer `body` (of the route `path`, parsed from `text`)
 // together, each keeping the client's key order (dump_in_client_order); no bodies when it asks
-// for one choice or is not a request this can split (an invalid n, best_of other than n): the
-// engine then answers it, and names the field. Throws api::ApiError (400) for more than kMaxFanOut
-// choices.
+// for one choice or is not a request this can split (an invalid n, best_of other than n, a chat's
+// best_of): the engine then answers it, and names the field. Throws api::ApiError (400) for more
+// than kMaxFanOut choices.
 ChoiceRequests split_choices(std::string_view path, const nlohmann::json& body,
                              std::string_view text);
 

@@ -99,6 +99,14 @@ TEST(SplitChoices, OneChoiceOrWhatTheEngineMustRefuseIsNotSplit) {
                            json{{"prompt", "x"}, {"n", "two"}},  // not a number
                            json{{"prompt", "x"}, {"n", 2}, {"best_of", 3}}})
     EXPECT_TRUE(split_of("/v1/completions", body).bodies.empty()) << body.dump();
+  // best_of is no chat parameter, even equal to n: the engine refuses it (dropped, it was
+  // answered through P/D and refused by an engine).
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"n", 2}};
+  json best_of = chat;
+  best_of["best_of"] = 2;
+  EXPECT_TRUE(split_of("/v1/chat/completions", best_of).bodies.empty());
+  best_of["best_of"] = nullptr;  // as absent, for an engine too
+  EXPECT_EQ(split_of("/v1/chat/completions", best_of).bodies.size(), 2u);
   // Chat has no list of prompts; other routes are not split.
   EXPECT_TRUE(split_of("/v1/chat/completions", {{"prompt", {"a", "b"}}}).bodies.empty());
   EXPECT_TRUE(split_of("/v1/embeddings", {{"input", "x"}, {"n", 2}}).bodies.empty());
