@@ -304,8 +304,7 @@ void ChoiceMerger::forward_event(size_t i, std::string_view data,
     return;
   }
   if (event.contains("error")) {  // this choice failed mid-stream: so did the answer
-    client_->write(net::sse_event(data));
-    client_->end();
+    end_with_error(std::string(data));
     abandon(i, 502);
     p.state = PartState::kFailed;
     later = take_callbacks(i);
@@ -339,10 +338,9 @@ bool ChoiceMerger::end(size_t i) {
     if (outcome_ != Outcome::kOpen || p.state != PartState::kStreaming) return false;
     p.state = p.saw_done ? PartState::kDone : PartState::kFailed;
     if (!p.saw_done) {  // cut without its [DONE]: the client must not take the rest for all
-      client_->write(net::sse_event(api::openai_error_body(
+      end_with_error(api::openai_error_body(
           "the answer was cut: choice " + std::to_string(i) + " ended without its end",
-          "server_error")));
-      client_->end();
+          "server_error"));
       abandon(i, 502);
       later = take_callbacks(i);
     } else if (all_done()) {
@@ -404,13 +402,17 @@ std::vector<std::function<void()>> ChoiceMerger::fail(size_t i, int status, std:
   if (!started_) {
     client_->respond(status, std::move(body), std::move(content_type));
   } else {  // the client has a 200 and some choices: the stream's last event says what failed
-    client_->write(net::sse_event(
-        api::openai_error_body("choice " + std::to_string(i) +
-                                   " failed: " + api::openai_error_message(body).value_or(body),
-                               "server_error")));
-    client_->end();
+    end_with_error(api::openai_error_body("choice " + std::to_string(i) + " failed: " +
+                                              api::openai_error_message(body).value_or(body),
+                                          "server_error"));
   }
   return take_callbacks(i);
+}
+
+void ChoiceMerger::end_with_error(const std::string& error) {
+  client_->write(net::sse_event(error));
+  client_->write(net::kSseDone);
+  client_->end();
 }
 
 void ChoiceMerger::abandon(size_t i, int status) {

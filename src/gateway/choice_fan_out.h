@@ -99,6 +99,9 @@ class ChoiceMerger : public std::enable_shared_from_this<ChoiceMerger> {
 
   // The answer failed because of choice i (the client got `status`).
   void abandon(size_t i, int status);
+  // Ends the client's stream as a failing engine ends its own (vLLM's, ours): the OpenAI error
+  // event `error`, then [DONE] (a choice's own [DONE] after its error event is not relayed).
+  void end_with_error(const std::string& error);
   // Ends the client's answer with choice i's failure and lets go of the other choices' requests
   // (their close callbacks, returned for running after the lock).
   std::vector<std::function<void()>> fail(size_t i, int status, std::string body,

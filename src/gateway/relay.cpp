@@ -334,14 +334,13 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       r->reply->abort();
     } else {
       // The client has a 200 and part of an answer; it must not take that for the whole one.
-      // The stream's last event is an OpenAI error event (after ending an event the engine left
-      // half-sent; no [DONE] after it), then the chunked body ends properly: clients that read
-      // error events raise it, and those that wait for [DONE] see the answer incomplete.
+      // The stream ends as a failing engine's does (vLLM's, ours): an OpenAI error event (after
+      // ending an event the engine left half-sent), then [DONE], then the chunked body ends
+      // properly. Clients that read error events raise it; [DONE] only ends the stream.
       std::string tail = l.parser.mid_event() ? "\n\n" : "";
-      tail += "data: ";
-      tail += api::openai_error_body(
-          "the answer was cut: " + (shutting_down ? cut : "engine " + cut), "server_error");
-      tail += "\n\n";
+      tail += net::sse_event(api::openai_error_body(
+          "the answer was cut: " + (shutting_down ? cut : "engine " + cut), "server_error"));
+      tail += net::kSseDone;
       if (r->reply->write(tail))
         r->reply->end();
       else

@@ -390,7 +390,9 @@ TEST(ChoiceMerger, AChoiceRefusedBeforeAnyAnswerIsTheAnswerAndTheOthersAreLetGo)
   EXPECT_EQ(a_closed, 1);
 }
 
-TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithoutDone) {
+// The merged stream ends as a failing engine ends its own (vLLM's, ours): the error event, then
+// [DONE]. It had no [DONE], and one choice's stream did for the same failure.
+TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithItsErrorThenDone) {
   auto client = std::make_shared<Client>();
   auto merger = ChoiceMerger::create(client, 2, 1);
   auto a = merger->reply(0), b = merger->reply(1);
@@ -399,8 +401,10 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithoutDone) {
   ASSERT_TRUE(a->start_stream(200, "text/event-stream"));
   ASSERT_TRUE(b->start_stream(200, "text/event-stream"));
   ASSERT_TRUE(a->write(chunk("cmpl-y-0", "A1")));
-  // The gateway's own tail for a cut stream: an error event, then the end without [DONE].
+  // The engine's own end of a failed stream (and the gateway's tail for a cut one): an error
+  // event, then [DONE], which the client gets once.
   ASSERT_TRUE(b->write(net::sse_event(api::openai_error_body("engine died", "server_error"))));
+  EXPECT_FALSE(b->write(net::kSseDone));
   EXPECT_FALSE(b->end());
   EXPECT_TRUE(client->complete);
   EXPECT_EQ(a_closed, 1);
@@ -408,8 +412,9 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithoutDone) {
   EXPECT_EQ(merger->failure()->status, 502);  // after the stream's 200: the gateway's 502
   EXPECT_EQ(merger->failure()->choice, 1u);
   const auto got = events(client->streamed);
-  ASSERT_EQ(got.size(), 2u);
+  ASSERT_EQ(got.size(), 3u);
   EXPECT_EQ(api::openai_error_message(got[1]), "engine died");
+  EXPECT_EQ(got[2], "[DONE]");
   EXPECT_FALSE(a->write(chunk("cmpl-y-0", "A2")));
   // A stream that ends without [DONE] and without an error event is cut too.
   auto client2 = std::make_shared<Client>();
@@ -420,8 +425,9 @@ TEST(ChoiceMerger, AChoiceThatFailsMidStreamEndsTheStreamWithoutDone) {
   ASSERT_TRUE(c->end());
   EXPECT_TRUE(client2->complete);
   const auto cut = events(client2->streamed);
-  ASSERT_EQ(cut.size(), 2u);
+  ASSERT_EQ(cut.size(), 3u);
   EXPECT_TRUE(api::openai_error_message(cut[1]).has_value());
+  EXPECT_EQ(cut[2], "[DONE]");
 }
 
 TEST(ChoiceMerger, AClientThatLeavesLetsGoOfTheUnfinishedChoicesOnce) {

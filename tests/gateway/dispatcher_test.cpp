@@ -365,15 +365,16 @@ std::string host_of(const FakeEngines::Call& c) {
   return c.request.host.substr(0, c.request.host.find('.'));
 }
 
-// A stream cut after the client got `prefix`: it then got one event more, an error (given back
-// in `error`).
-void expect_one_error_event_after(const FakeClient& client, const std::string& prefix,
-                                  json& error) {
+// A stream cut after the client got `prefix`: it then got an error event (given back in
+// `error`) and [DONE], as a failing engine ends its stream.
+void expect_error_event_then_done_after(const FakeClient& client, const std::string& prefix,
+                                        json& error) {
   ASSERT_EQ(client.streamed.substr(0, prefix.size()), prefix);
   net::SseParser events;
   const auto tail = events.feed(client.streamed.substr(prefix.size()));
-  ASSERT_EQ(tail.size(), 1u) << client.streamed;
+  ASSERT_EQ(tail.size(), 2u) << client.streamed;
   error = json::parse(tail[0]).at("error");
+  EXPECT_EQ(tail[1], "[DONE]");
 }
 
 // After the first attempt, on engine a, failed: the request went on to b (the one attempt open)
@@ -475,7 +476,7 @@ TEST(Dispatcher, AStreamCutByItsEngineEndsWithAnErrorEvent) {
   const std::string prefix =
       "data: {\"choices\":[{\"text\":\"hello\"}]}\n\ndata: {\"choices\":[{\"te\n\n";
   json error;
-  ASSERT_NO_FATAL_FAILURE(expect_one_error_event_after(*client, prefix, error));
+  ASSERT_NO_FATAL_FAILURE(expect_error_event_then_done_after(*client, prefix, error));
   EXPECT_EQ(error.at("type"), "server_error");
   const std::string message = error.at("message");
   EXPECT_EQ(message, "the answer was cut: engine a: connection closed by peer");
@@ -520,7 +521,7 @@ TEST(Dispatcher, AStreamThatEndsWithoutItsDoneIsCut) {
   FakeEngines::finish(*call, "");
   c.clock.run_ready();
   json error;
-  ASSERT_NO_FATAL_FAILURE(expect_one_error_event_after(*client, first, error));
+  ASSERT_NO_FATAL_FAILURE(expect_error_event_then_done_after(*client, first, error));
   EXPECT_EQ(error.at("message"),
             "the answer was cut: engine a: the stream ended without its [DONE]");
   EXPECT_TRUE(client->complete());
@@ -1012,7 +1013,7 @@ TEST(Dispatcher, ShutDownAnswersTheRequestsLeft503WithoutRetryOrBlame) {
   EXPECT_EQ(waiting->status, 503);
   EXPECT_EQ(waiting->error_message, "the gateway is shutting down");
   json error;
-  ASSERT_NO_FATAL_FAILURE(expect_one_error_event_after(*streaming, first, error));
+  ASSERT_NO_FATAL_FAILURE(expect_error_event_then_done_after(*streaming, first, error));
   EXPECT_EQ(error.at("message"), "the answer was cut: the gateway is shutting down");
   EXPECT_TRUE(streaming->complete());
   EXPECT_FALSE(streaming->aborted);

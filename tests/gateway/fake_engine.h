@@ -31,8 +31,10 @@ enum class Behaviour {
   kHold,        // answers only when released (or never): a slow engine
   kCutStream,   // a stream with one event, then the connection is cut (the engine died)
   kErrorEvent,  // a stream whose first event is an error
-  kError400,    // HTTP 400 with an OpenAI error body (the engine refuses the request)
-  kEmpty422,    // HTTP 422 with an empty body
+  // A stream of one event, then an error event and [DONE]: an engine whose generation failed.
+  kFailMidStream,
+  kError400,  // HTTP 400 with an OpenAI error body (the engine refuses the request)
+  kEmpty422,  // HTTP 422 with an empty body
   // A stream of one event every 50 ms until the gateway gives the leg up (60 s at most): a client
   // can leave in the middle however late it does.
   kSlowStream,
@@ -186,6 +188,13 @@ class FakeEngine {
         }).detach();
         break;
       }
+      case Behaviour::kFailMidStream:
+        ex->start_stream(200, "text/event-stream");
+        ex->write(net::sse_event(chunk(0)));
+        ex->write(net::sse_event(api::openai_error_body("generation failed", "server_error")));
+        ex->write(net::kSseDone);
+        ex->end();
+        break;
       case Behaviour::kErrorEvent:
         ex->start_stream(200, "text/event-stream");
         ex->write(net::sse_event(api::openai_error_body("KV transfer failed", "server_error")));

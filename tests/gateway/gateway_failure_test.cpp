@@ -49,6 +49,17 @@ bool eventually(const std::function<bool()>& done, std::chrono::milliseconds lim
   return done();
 }
 
+// The message of a stream's error event when the stream ends as a failing engine ends its own
+// (vLLM's, ours): with that event, then [DONE], the only one. Empty when it does not.
+std::string last_error(const std::string& streamed) {
+  net::SseParser parser;
+  const std::vector<std::string> events = parser.feed(streamed);
+  if (events.size() < 2 || events.back() != "[DONE]" ||
+      std::count(events.begin(), events.end(), "[DONE]") != 1)
+    return {};
+  return api::openai_error_message(events[events.size() - 2]).value_or("");
+}
+
 // A client on a raw connection that has sent a POST of `body` to /v1/completions and reads
 // nothing: it leaves when the test says so (or is destroyed), not on a timer. receive_buffer > 0
 // shrinks its receive buffer first, so that the kernel holds little of the answer for it.
@@ -298,18 +309,49 @@ TEST_P(GatewayFailures, AnEngineDyingMidStreamEndsTheClientStreamWithAnErrorEven
                                                return true;
                                              });
   // A whole HTTP answer (the chunked body properly ended) whose stream says it was cut: what
-  // was generated, then an OpenAI error event as the last event, and no [DONE].
+  // was generated, then an OpenAI error event and [DONE], as a failing engine ends its stream.
   EXPECT_EQ(resp.status, 200);
   const size_t generated = got.find("e0"), error = got.find("data: {\"error\"");
   ASSERT_NE(generated, std::string::npos) << got;
   ASSERT_NE(error, std::string::npos) << got;
   EXPECT_LT(generated, error);
-  EXPECT_EQ(got.find("[DONE]"), std::string::npos) << got;
   EXPECT_EQ(got.substr(got.size() - 2), "\n\n") << got;
-  EXPECT_NE(got.find("the answer was cut: engine e"), std::string::npos) << got;
+  EXPECT_TRUE(last_error(got).starts_with("the answer was cut: engine e: ")) << got;
   EXPECT_TRUE(eventually([&] { return all_idle(); }));
   ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
   EXPECT_EQ(log_lines()[0]["status"], 502);
+}
+
+// However a stream fails once the client has tokens, it ends as a failing engine ends its own
+// (vLLM's, ours): an OpenAI error event, then [DONE], for one choice as for n. The gateway's own
+// tail had no [DONE], and n choices' merged stream dropped the engine's after its error event
+// (one choice's kept it).
+TEST_P(GatewayFailures, AStreamFailingMidAnswerEndsWithAnErrorEventThenDoneForAnyN) {
+  for (Behaviour failure : {Behaviour::kCutStream, Behaviour::kFailMidStream}) {
+    for (int n : {1, 2}) {
+      SCOPED_TRACE(std::string(failure == Behaviour::kCutStream ? "cut" : "engine error") + ", n " +
+                   std::to_string(n));
+      FakeEngine prefill("p"), decode("d");
+      decode.set(failure);
+      auto t = topology(PdMode::kParallel);
+      t.prefill.endpoints = {endpoint_of(prefill, "p", 7001)};
+      t.decode.endpoints = {endpoint_of(decode, "d")};
+      start(t);
+      json body = completion(true);
+      body["n"] = n;
+      std::string got;
+      const auto r = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
+                                              body.dump(), {}, [&](std::string_view p) {
+                                                got += p;
+                                                return true;
+                                              });
+      EXPECT_EQ(r.status, 200);
+      EXPECT_NE(got.find("d0"), std::string::npos) << got;  // what was generated came first
+      EXPECT_FALSE(last_error(got).empty()) << got;
+      EXPECT_TRUE(eventually([&] { return all_idle(); }));
+      gw_.reset();  // before its engines go
+    }
+  }
 }
 
 TEST_P(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
@@ -880,11 +922,7 @@ TEST_P(GatewayFailures, StopAnswersWhatIsLeftAfterTheDrain) {
   EXPECT_EQ(error.at("type"), "server_error");
   const auto s = stream.get();
   EXPECT_EQ(s.status, 200);
-  EXPECT_EQ(got.find("[DONE]"), std::string::npos) << got;
-  const size_t cut = got.rfind("data: {\"error\"");
-  ASSERT_NE(cut, std::string::npos) << got;
-  EXPECT_EQ(json::parse(got.substr(cut + 6)).at("error").at("message"),
-            "the answer was cut: the gateway is shutting down");
+  EXPECT_EQ(last_error(got), "the answer was cut: the gateway is shutting down") << got;
   gw_.reset();  // the access log is written through
   const auto lines = log_lines();
   ASSERT_EQ(lines.size(), 2u);
