@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <type_traits>
 
 #include "util/error.h"
@@ -46,14 +48,52 @@ void append_double(std::string& out, double v) {
   }
 }
 
-// Bucket bounds as the Python client (and so vLLM) writes them: whole numbers keep a ".0"
-// ("1.0", not "1"), so queries that match le="1.0" against vLLM also match Tandem.
-std::string format_le(double bound) {
-  std::string s;
-  append_double(s, bound);
-  if (s.find_first_of(".eInN") == std::string::npos) s += ".0";
-  return s;
+}  // namespace
+
+// Python's repr(float): the shortest round-trip digits, positional with at least one decimal
+// ("100000.0", "0.0001") while the decimal exponent is in [-4, 16), else "1e-05", "1.5e+16".
+static std::string python_repr(double v) {
+  char buf[64];
+  const auto result = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::scientific);
+  const std::string_view sci(buf, size_t(result.ptr - buf));  // "-1.2345e+06"
+  const size_t e = sci.find('e');
+  const bool negative = sci.front() == '-';
+  std::string digits;
+  for (char c : sci.substr(negative ? 1 : 0, e - (negative ? 1 : 0)))
+    if (c != '.') digits += c;
+  int exponent = 0;
+  std::from_chars(sci.data() + e + (sci[e + 1] == '+' ? 2 : 1), sci.data() + sci.size(), exponent);
+  std::string out = negative ? "-" : "";
+  if (exponent < -4 || exponent >= 16) {
+    out += digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    char exp[8];
+    std::snprintf(exp, sizeof exp, "e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
+    return out + exp;
+  }
+  if (exponent < 0) return out + "0." + std::string(size_t(-exponent - 1), '0') + digits;
+  const size_t whole = size_t(exponent) + 1;
+  if (digits.size() <= whole) return out + digits + std::string(whole - digits.size(), '0') + ".0";
+  return out + digits.substr(0, whole) + "." + digits.substr(whole);
 }
+
+// prometheus_client's floatToGoString (utils.py), which writes vLLM's bucket bounds, so queries
+// that match le="1.0" or le="100000.0" against vLLM also match Tandem: Python's repr, except
+// that a positive value with more than six digits before the point takes Go's exponent form,
+// spelt as that function spells it ("1e+06", "2.5e+06", and "1e+015" for 1e15).
+std::string format_le(double bound) {
+  if (std::isnan(bound)) return "NaN";
+  if (std::isinf(bound)) return bound > 0 ? "+Inf" : "-Inf";
+  const std::string s = python_repr(bound);
+  const size_t dot = s.find('.');
+  if (bound <= 0 || dot == std::string::npos || dot <= 6) return s;
+  std::string mantissa = s.substr(0, 1) + "." + s.substr(1, dot - 1) + s.substr(dot + 1);
+  while (!mantissa.empty() && (mantissa.back() == '0' || mantissa.back() == '.'))
+    mantissa.pop_back();
+  return mantissa + "e+0" + std::to_string(dot - 1);
+}
+
+namespace {
 
 void append_u64(std::string& out, uint64_t v) {
   char buf[24];

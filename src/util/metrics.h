@@ -211,6 +211,9 @@ const std::vector<double>& vllm_request_latency_buckets();
 const std::vector<double>& vllm_iteration_tokens_buckets();
 // vllm:request_params_n (choices per prompt)
 const std::vector<double>& vllm_n_buckets();
+// A histogram bound's le="..." text, as prometheus_client (and so vLLM) writes it: "1.0",
+// "100000.0", "1e+06", "+Inf".
+std::string format_le(double bound);
 // 1, 2, 5, 10, 20, 50, ... up to and including max_value (vLLM's build_1_2_5_buckets, used for
 // prompt/generation token counts with max_value = max_model_len).
 std::vector<double> buckets_1_2_5(double max_value);

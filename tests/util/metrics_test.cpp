@@ -315,6 +315,48 @@ TEST(Metrics, ExactTextOfASmallRegistry) {
             "g 0.1\n");
 }
 
+// Expected texts are prometheus_client's floatToGoString (utils.py) of each value, run in Python.
+TEST(Metrics, BucketBoundsAreWrittenAsPrometheusClientWritesThem) {
+  const std::pair<double, const char*> table[] = {
+      {0.0, "0.0"},
+      {-0.0, "-0.0"},
+      {1.0, "1.0"},
+      {0.5, "0.5"},
+      {0.1, "0.1"},
+      {7.5, "7.5"},
+      {0.001, "0.001"},
+      {0.0001, "0.0001"},
+      {0.00001, "1e-05"},
+      {0.000015, "1.5e-05"},
+      {3e-05, "3e-05"},
+      {1e-300, "1e-300"},
+      {2560.0, "2560.0"},
+      {100000.0, "100000.0"},
+      {999999.0, "999999.0"},
+      {123456.5, "123456.5"},
+      {1e6, "1e+06"},
+      {2.5e6, "2.5e+06"},
+      {1234567.0, "1.234567e+06"},
+      {12345678.5, "1.23456785e+07"},
+      {1e15, "1e+015"},
+      {1e16, "1e+16"},
+      {1.5e16, "1.5e+16"},
+      {1e22, "1e+22"},
+      {1.7976931348623157e308, "1.7976931348623157e+308"},
+      {-1.0, "-1.0"},
+      {-1e6, "-1000000.0"},
+      {-0.00001, "-1e-05"},
+      {INFINITY, "+Inf"},
+      {-INFINITY, "-Inf"},
+  };
+  for (const auto& [value, text] : table) EXPECT_EQ(format_le(value), text) << value;
+  Registry registry;
+  registry.histogram("h", "h", {1e5, 1e6}).observe(1);
+  EXPECT_NE(registry.render().find("h_bucket{le=\"100000.0\"} 1\nh_bucket{le=\"1e+06\"} 1\n"),
+            std::string::npos)
+      << registry.render();
+}
+
 TEST(Metrics, HistogramBucketsAreUpperInclusive) {
   Histogram h({1, 2, INFINITY});
   EXPECT_EQ(h.bounds(), (std::vector<double>{1, 2}));
