@@ -343,6 +343,12 @@ void Engine::release_remote_kv(const std::string& host, uint16_t port, const std
   if (agent_) agent_->release_remote(host, port, engine_id, transfer_id, std::move(blocks));
 }
 
+void Engine::abandon_remote_room(const std::string& host, uint16_t port, uint64_t room,
+                                 std::span<const int32_t> prompt, const std::string& reason) {
+  if (agent_)
+    agent_->abandon_room(host, port, room, kv_prompt_hash(prompt), int64_t(prompt.size()), reason);
+}
+
 void Engine::post(std::function<void()> task) {
   {
     std::lock_guard lock(mutex_);
@@ -520,8 +526,14 @@ void Engine::admit_incoming() {
   }
   for (const auto& id : aborts) {
     auto it = sequences_.find(id);
-    if (it != sequences_.end() && it->second->kv_state != KvTransferState::kFetchCancelled)
+    if (it == sequences_.end()) {
+      // A live id without a sequence is parked (finish()): a room's prefill leg whose answer
+      // waits for its transfer lets the room go rather than hold its blocks for a client that
+      // left.
+      if (pd_) pd_->abort_parked(id);
+    } else if (it->second->kv_state != KvTransferState::kFetchCancelled) {
       finish(it->second.get(), "abort");
+    }
   }
   if (!incoming.empty() || !aborts.empty() || !tasks.empty()) update_gauges();
 }

@@ -158,6 +158,11 @@ class Engine final : private PdHost {
   // decode leg was refused); best effort, in the background. No-op without KV transfer.
   void release_remote_kv(const std::string& host, uint16_t port, const std::string& engine_id,
                          const std::string& transfer_id, std::vector<int32_t> blocks);
+  // Thread-safe. Tells a prefill engine that the decode leg of `room`, for `prompt`, will not
+  // join it (it was refused), so that the room's prefill leg fails now or is refused when it
+  // comes; best effort, in the background. No-op without KV transfer.
+  void abandon_remote_room(const std::string& host, uint16_t port, uint64_t room,
+                           std::span<const int32_t> prompt, const std::string& reason);
   // KV transfer (null when not configured): engine id, advertised host and port.
   const KvTransfers* transfer() const { return agent_.get(); }
   // Where KV events go, when enabled (the bound endpoints, for tests and logs).

@@ -163,9 +163,14 @@ GenerationApi::GenerationApi(Engine& engine, Post post, NewId new_id, UnixNow un
     chat_template_.emplace(engine_.tokenizer().chat_templates());
 }
 
-// A decode leg refused before it could pull (a bad field, a role mismatch, a full engine) would
-// strand the prefill engine's blocks until its timeout: tell the prefill engine to let go now.
-void GenerationApi::release_refused_decode_leg(const json& body) {
+// A decode leg refused before it could pull or join its room (a bad field, a role mismatch, a
+// full engine) would strand the prefill engine's blocks until its timeout: tell the prefill
+// engine to let go now. A room is named with its prompt: `prompts`, the request's, or empty when
+// the parser refused it.
+void GenerationApi::release_refused_decode_leg(ApiKind kind, const net::HttpRequest& req,
+                                               const json& body,
+                                               const std::vector<std::vector<int32_t>>& prompts,
+                                               const std::string& why) {
   if (!body.is_object()) return;
   DisaggregationParams d;
   try {
@@ -174,9 +179,48 @@ void GenerationApi::release_refused_decode_leg(const json& body) {
   } catch (const ApiError&) {
     return;  // not enough to name the transfer: the prefill engine's timeout frees it
   }
-  if (!d.remote_prefill) return;
-  engine_.release_remote_kv(d.remote_host, static_cast<uint16_t>(d.remote_port), d.remote_engine_id,
-                            d.remote_request_id, d.remote_block_ids);
+  if (d.remote_prefill) {
+    engine_.release_remote_kv(d.remote_host, static_cast<uint16_t>(d.remote_port),
+                              d.remote_engine_id, d.remote_request_id, d.remote_block_ids);
+    return;
+  }
+  // As transfer_spec: a bootstrap leg is a room's decode leg on a decode engine.
+  if (d.remote_decode || !d.has_bootstrap || engine_.role() != EngineRole::kDecode ||
+      d.bootstrap_host.empty() || d.bootstrap_port == 0)
+    return;
+  std::vector<std::vector<int32_t>> parsed;
+  if (prompts.empty()) {
+    // The parser refuses a leg mostly for its length (max_tokens past what this engine allows,
+    // where the prefill engine allowed it), which says nothing against its prompt: read without
+    // the length limits, the body names the room's prompt. Otherwise the prefill engine's
+    // timeout frees the room.
+    ModelLimits relaxed = engine_.request_limits();
+    relaxed.max_model_len = 0;
+    relaxed.max_tokens_limit = 0;
+    try {
+      switch (kind) {
+        case ApiKind::kCompletion:
+          parsed = api::parse_completion(body, engine_.tokenizer(), relaxed, req.body).prompts;
+          break;
+        case ApiKind::kChat:
+          parsed = api::parse_chat(body, engine_.tokenizer(),
+                                   chat_template_ ? &*chat_template_ : nullptr, relaxed, req.body)
+                       .prompts;
+          break;
+        case ApiKind::kGenerate:
+          parsed = api::parse_generate(body, engine_.tokenizer(), relaxed).prompts;
+          break;
+      }
+    } catch (...) {
+      return;  // refused for more than its length
+    }
+  }
+  const auto& prompt = prompts.empty() ? parsed : prompts;
+  if (prompt.size() != 1) return;  // a batched leg names no one room
+  engine_.abandon_remote_room(d.bootstrap_host, static_cast<uint16_t>(d.bootstrap_port),
+                              d.bootstrap_room, prompt[0],
+                              "the decode request of bootstrap_room " +
+                                  std::to_string(d.bootstrap_room) + " was refused: " + why);
 }
 
 namespace {
@@ -255,11 +299,11 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     // (vLLM's proxy sends these legs with stream false anyway).
     if (kv_transfer.mode == KvTransferSpec::Mode::kPrefillForPull) call->request.stream = false;
   } catch (const ApiError& e) {
-    release_refused_decode_leg(body);
+    release_refused_decode_leg(kind, req, body, call->request.prompts, e.message);
     ex->respond(e.status, api::api_error_body(e), "application/json");
     return;
   } catch (const Error& e) {
-    release_refused_decode_leg(body);
+    release_refused_decode_leg(kind, req, body, call->request.prompts, e.what());
     ex->send_error(400, e.what());
     return;
   }
@@ -318,7 +362,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   try {
     for (const auto& er : requests) engine_.check(er);
   } catch (const Error& e) {
-    release_refused_decode_leg(body);
+    release_refused_decode_leg(kind, req, body, prompts, e.what());
     ex->send_error(400, e.what());
     return;
   }
@@ -327,7 +371,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     try {
       engine_.submit(std::move(requests[i]));
     } catch (const Error& e) {  // the engine stopping meanwhile
-      release_refused_decode_leg(body);
+      release_refused_decode_leg(kind, req, body, prompts, e.what());
       for (size_t k = 0; k < i; ++k) engine_.abort(call->engine_ids[k]);
       std::lock_guard lock(call->mutex);
       call->failed = true;

@@ -44,7 +44,10 @@ class GenerationApi {
   void detokenize(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply);
 
  private:
-  void release_refused_decode_leg(const nlohmann::json& body);
+  void release_refused_decode_leg(api::ApiKind kind, const net::HttpRequest& request,
+                                  const nlohmann::json& body,
+                                  const std::vector<std::vector<int32_t>>& prompts,
+                                  const std::string& why);
 
   Engine& engine_;
   Post post_;

@@ -6,6 +6,10 @@
 // Greedy answers must equal one `--role both` engine's; transfers must move exactly the bytes the
 // model's cache holds for the tokens the decode engine lacks; every failure must reach the
 // affected leg as an OpenAI error, and no KV block may stay in use on either side.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -899,6 +903,70 @@ TEST_F(Disaggregation, ADecodeLegThatEndsBeforeItRegistersItsRoomFailsThePrefill
   }
 }
 
+TEST_F(Disaggregation, ARoomDecodeLegRefusedByTheApiAbandonsItsRoomAtOnce) {
+  // A decode leg the API refuses (here its parser: max_tokens past the context, which the
+  // prefill leg did not ask for) never reaches the engine, so nothing there abandoned its room:
+  // the prefill leg held its KV and its answer for the whole 600 s timeout, then failed without
+  // the code that tells a gateway that the prefill engine was not at fault.
+  Engine p = start("prefill", {"--kv-transfer-timeout", "600"}, "sim:tiny");
+  Engine d = start("decode", {}, "sim:tiny");
+  json body = {{"prompt", tokens(100, 100)},
+               {"max_tokens", 4},
+               {"bootstrap_host", "127.0.0.1"},
+               {"bootstrap_port", p.kv_port},
+               {"bootstrap_room", 23}};
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", body); });
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 7; }));
+  body["max_tokens"] = 100000000;
+  EXPECT_EQ(post_json(d.port(), "/v1/completions", body).status, 400);
+  EXPECT_TRUE(eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 0; }));
+  EXPECT_EQ(p.process->stop(), 0);  // ends the prefill leg's wait if the room was not abandoned
+  try {
+    const auto pr = prefill.get();
+    EXPECT_EQ(pr.status, 502);
+    EXPECT_NE(error_message(pr).find("the decode request of bootstrap_room 23 was refused: "),
+              std::string::npos)
+        << pr.body;
+    EXPECT_EQ(api::openai_error_code(pr.body), std::optional<std::string>("room_abandoned"))
+        << pr.body;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "the prefill leg got no answer: " << e.what();
+  }
+  EXPECT_EQ(d.process->stop(), 0);
+}
+
+TEST_F(Disaggregation, AParkedRoomPrefillLegWhoseClientLeavesLetsItsKvGoAtOnce) {
+  // The prefill leg is computed and waits for its room's decode engine, which never comes; its
+  // client (a gateway cancelling the request) closes the connection. The engine had ended the
+  // sequence, so the abort found nothing to end, and the KV stayed held for the 600 s timeout.
+  Engine p = start("prefill", {"--kv-transfer-timeout", "600"}, "sim:tiny");
+  const std::string text = json{
+      {"prompt", tokens(100, 100)},
+      {"max_tokens", 4},
+      {"bootstrap_host", "127.0.0.1"},
+      {"bootstrap_port", p.kv_port},
+      {"bootstrap_room", 24}}.dump();
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: prefill\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(text.size()) + "\r\n\r\n" + text;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(p.port());
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+  const bool parked =
+      eventually([&] { return metric(p.port(), "tandem:kv_transfer_held_blocks") == 7; });
+  ::close(fd);  // the client leaves
+  ASSERT_TRUE(parked);
+  expect_no_leak(p);
+  EXPECT_EQ(p.process->stop(), 0);
+}
+
 // KV transfers that record every call, and keep holds' releases and rooms' outcomes for the test
 // to end.
 class FakeTransfers final : public KvTransfers {
@@ -1048,13 +1116,44 @@ TEST_F(Disaggregation, ACancelledPullReleasesThePrefillBlocksWhenItEnds) {
   engine->stop();
 }
 
+// A room decode leg whose client leaves while its fetch is still connecting: the registration
+// never reached the prefill engine, so the room's prefill leg waited for it until its timeout.
+// The leg abandons the room once the cancelled fetch ends, as one that never fetched does.
+TEST_F(Disaggregation, ACancelledRoomFetchAbandonsTheRoomWhenItEnds) {
+  auto log = std::make_shared<FakeTransfers::Log>();
+  metrics::Registry registry;
+  FakeTransfers* fake = nullptr;
+  auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
+  EngineRequest r;
+  r.id = "leg";
+  r.prompt = tokens(40, 100);
+  r.sampling.max_tokens = 4;
+  KvTransferSpec& kt = r.kv_transfer;
+  kt.mode = KvTransferSpec::Mode::kDecodeByRoom;
+  kt.host = "127.0.0.1";
+  kt.port = 1;
+  kt.room = 9;
+  engine->submit(std::move(r));
+  for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
+  ASSERT_EQ(fake->fetches.size(), 1u);
+  engine->abort("leg");
+  for (int i = 0; i < 10 && std::count(log->begin(), log->end(), "cancel_fetch") == 0; ++i)
+    engine->run_once();
+  ASSERT_EQ(std::count(log->begin(), log->end(), "cancel_fetch"), 1);
+  EXPECT_EQ(std::count(log->begin(), log->end(), "abandon_room"), 0) << "the fetch still runs";
+  fake->post([done = fake->fetches[0]] { done({false, "cancelled", 0}); });
+  for (int i = 0; i < 10 && engine->has_work(); ++i) engine->run_once();
+  EXPECT_EQ(std::count(log->begin(), log->end(), "abandon_room"), 1);
+  EXPECT_EQ(engine->load().kv_usage, 0);
+  engine->stop();
+}
+
 // A prefill engine in process with fake transfers: what the engine does with a request id whose
 // blocks stay parked after its request finished.
 class ParkedIds : public Disaggregation {
  protected:
   ParkedIds()
-      : engine_(engine_with_fake_transfers(EngineRole::kPrefill, *tok_, registry_,
-                                           std::make_shared<FakeTransfers::Log>(), &fake_)) {}
+      : engine_(engine_with_fake_transfers(EngineRole::kPrefill, *tok_, registry_, log_, &fake_)) {}
 
   // Submits a prefill leg; its final output lands in `out` (finished stays false until then).
   void submit(const std::string& id, int base, KvTransferSpec::Mode mode, RequestOutput& out) {
@@ -1084,8 +1183,10 @@ class ParkedIds : public Disaggregation {
 
   metrics::Registry registry_;
   RequestOutput accepted_;  // of the request refusal() submitted when it was accepted
+  std::shared_ptr<FakeTransfers::Log> log_ = std::make_shared<FakeTransfers::Log>();
   FakeTransfers* fake_ = nullptr;
-  std::unique_ptr<tandem::engine::Engine> engine_;  // after registry_ and fake_: built from them
+  std::unique_ptr<tandem::engine::Engine> engine_;  // after registry_, log_ and fake_: built
+                                                    // from them
 };
 
 // The cache keeps parked blocks under the request id and the transfer frees them by it: a new
@@ -1121,6 +1222,36 @@ TEST_F(ParkedIds, AnIdIsTakenUntilItsParkedBlocksAreFreed) {
   run();
   EXPECT_EQ(accepted_.finish_reason, "length") << accepted_.error;
   EXPECT_EQ(engine_->load().kv_usage, 0);
+}
+
+// An abort of a room's prefill leg whose answer waits for the room's transfer (its client left,
+// a gateway cancelled it): the engine had ended the sequence, so the abort found nothing to end
+// and the blocks stayed until a decode engine came or the room's timeout passed. It gives the
+// room up now; the answer is "abort" once the room ended, and the blocks and the id are free.
+TEST_F(ParkedIds, AnAbortedRoomPrefillGivesItsRoomUpAtOnce) {
+  RequestOutput roomed;
+  submit("q", 300, KvTransferSpec::Mode::kPrefillForRoom, roomed);
+  run();
+  ASSERT_FALSE(roomed.finished);
+  ASSERT_EQ(fake_->rooms.size(), 1u);
+  EXPECT_EQ(std::count(log_->begin(), log_->end(), "room_failed"), 0);
+  engine_->abort("q");
+  run();
+  EXPECT_EQ(std::count(log_->begin(), log_->end(), "room_failed"), 1);
+  engine_->abort("q");  // told once
+  run();
+  EXPECT_EQ(std::count(log_->begin(), log_->end(), "room_failed"), 1);
+  EXPECT_FALSE(roomed.finished) << "answered when the room ends";
+  // As KvTransferAgent::room_failed ends a room no decode engine registered: at once.
+  fake_->post(
+      [done = fake_->rooms[0]] { done(false, "the prefill request was cancelled", false); });
+  run();
+  EXPECT_TRUE(roomed.finished);
+  EXPECT_EQ(roomed.finish_reason, "abort");
+  EXPECT_EQ(roomed.error, "");
+  EXPECT_EQ(engine_->load().kv_usage, 0);
+  EXPECT_EQ(refusal("q"), "(accepted)");
+  run();
 }
 
 // Batch-invariant numerics (--batch-invariant) in BF16, where plain kernels differ between a

@@ -1086,6 +1086,90 @@ class KvTransferAgents : public ::testing::Test {
 
   uint16_t prefill_port() const { return port_override_ ? port_override_ : prefill_->port(); }
 
+  // Two decode legs registering for `room`: the prefill engine refuses one as a duplicate, which
+  // tells that the other one is registered. Returns that one's request id and outcome.
+  std::pair<std::string, Outcome> register_decode(uint64_t room) {
+    Outcome a = fetch(enter_room(room, local_, "req-a"));
+    Outcome b = fetch(enter_room(room, {10, 11, 12}, "req-b"));
+    EXPECT_TRUE(queue_.run_until([&] { return a->has_value() || b->has_value(); }));
+    EXPECT_NE(a->has_value(), b->has_value());
+    EXPECT_THAT((a->has_value() ? **a : **b).error, HasSubstr("duplicate"));
+    return a->has_value() ? std::pair{std::string("req-b"), b} : std::pair{std::string("req-a"), a};
+  }
+
+  // A registered decode leg whose request ends (cancel_fetch closes its connection) while its
+  // room's prefill leg waits for the prompt's last layers: the prefill leg fails at once, as an
+  // abandoned room's, and frees its blocks; it waited for the room's timeout (600 s here, past
+  // the hang guard), since nothing looked at the connection while the layers were computed.
+  void a_decode_that_leaves_mid_transfer_fails_the_room() {
+    start(600);
+    RoomOutcome done;
+    ASSERT_TRUE(open(70, kv_prompt_hash(prompt_), 11, room_done(done)));
+    prefill_->room_blocks(70, claims_[70], remote_);
+    prefill_->room_layers_done(70, claims_[70], 1);
+    Outcome o = fetch(enter_room(70, local_, "req-70"));
+    ASSERT_TRUE(decode_exec_.wait_for_write(0));
+    decode_->cancel_fetch("req-70");
+    EXPECT_FALSE(wait(o).ok);
+    ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+    EXPECT_FALSE(done.ok);
+    EXPECT_EQ(done.error,
+              "the decode engine of bootstrap_room 70 closed its connection (its "
+              "request ended)");
+    EXPECT_TRUE(done.abandoned);  // its decode leg's doing, not this engine's
+    EXPECT_EQ(prefill_->held_blocks(), 0);
+    EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfers_total", "result=\"error\""), 1);
+  }
+
+  // The same leg gone before the prompt's layers were ready: they are not sent into a connection
+  // nobody reads. Over shared memory they fitted in the ring, and the transfer counted as sent
+  // and the prefill leg answered 200.
+  void a_decode_that_left_is_sent_nothing() {
+    start(600);
+    RoomOutcome done;
+    ASSERT_TRUE(open(71, kv_prompt_hash(prompt_), 11, room_done(done)));
+    prefill_->room_blocks(71, claims_[71], remote_);
+    auto [id, o] = register_decode(71);
+    decode_->cancel_fetch(id);
+    EXPECT_FALSE(wait(o).ok);  // its connection is closed now
+    prefill_->room_layers_done(71, claims_[71], kLayout.layers);
+    ASSERT_TRUE(queue_.run_until([&] { return done.called; }));
+    EXPECT_FALSE(done.ok);
+    EXPECT_THAT(done.error, HasSubstr("closed its connection"));
+    EXPECT_TRUE(done.abandoned);
+    EXPECT_EQ(decode_exec_.writes(), 0);
+    EXPECT_EQ(prefill_->held_blocks(), 0);
+    EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfers_total", "result=\"error\""), 1);
+  }
+
+  // A decode leg that registered and left before its room's prefill leg came: that leg is
+  // refused as one of an abandoned room, instead of waiting the timeout for a decode engine that
+  // is gone (until the prefill engine notices, it joins the room and then fails at once, as in
+  // a_decode_that_leaves_mid_transfer_fails_the_room).
+  void a_decode_that_left_before_the_prefill_leg_has_it_refused() {
+    start(600);
+    auto [id, o] = register_decode(72);
+    decode_->cancel_fetch(id);
+    EXPECT_FALSE(wait(o).ok);
+    // The prefill engine counts the ended registration when it has noticed.
+    ASSERT_TRUE(queue_.run_until(
+        [&] { return prefill_metrics_.render().find("result=\"error\"") != std::string::npos; }));
+    RoomOutcome late;
+    try {
+      open(72, kv_prompt_hash(prompt_), 11, room_done(late));
+      ADD_FAILURE() << "open_room accepted a room whose decode leg left";
+    } catch (const KvTransferError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("bootstrap_room 72 closed its connection"));
+      EXPECT_TRUE(e.room_abandoned);
+    }
+    // Refused once: the room is free again.
+    RoomOutcome again;
+    ASSERT_TRUE(open(72, kv_prompt_hash(prompt_), 11, room_done(again)));
+    prefill_->room_failed(72, claims_[72], "test over");
+    ASSERT_TRUE(queue_.run_until([&] { return again.called; }));
+    EXPECT_FALSE(late.called);
+  }
+
   Outcome fetch(KvTransferAgent& agent, KvFetch f) {
     auto out = std::make_shared<std::optional<KvFetchResult>>();
     agent.fetch(std::move(f), [out](const KvFetchResult& r) { *out = r; });
@@ -2169,6 +2253,43 @@ TEST_F(KvTransferAgents, RefusalsLeftByPeersAreBoundedByTheRoomTable) {
   EXPECT_TRUE(open(203, hash, 11, room_done(accepted)));
   prefill_->room_failed(203, claims_[203], "test over");
   ASSERT_TRUE(queue_.run_until([&] { return accepted.called; }));
+}
+
+TEST_F(KvTransferAgents, ADecodeThatLeavesMidTransferFailsItsRoomAtOnce) {
+  a_decode_that_leaves_mid_transfer_fails_the_room();
+}
+TEST_F(KvTransferOverShm, ADecodeThatLeavesMidTransferFailsItsRoomAtOnce) {
+  a_decode_that_leaves_mid_transfer_fails_the_room();
+}
+TEST_F(KvTransferAgents, ADecodeThatLeftIsSentNothing) {
+  a_decode_that_left_is_sent_nothing();
+}
+TEST_F(KvTransferOverShm, ADecodeThatLeftIsSentNothing) {
+  a_decode_that_left_is_sent_nothing();
+}
+TEST_F(KvTransferAgents, ADecodeThatLeftBeforeThePrefillLegHasItRefused) {
+  a_decode_that_left_before_the_prefill_leg_has_it_refused();
+}
+TEST_F(KvTransferOverShm, ADecodeThatLeftBeforeThePrefillLegHasItRefused) {
+  a_decode_that_left_before_the_prefill_leg_has_it_refused();
+}
+
+// A register request that is not an object, or whose checksum is not a bool: the peer is told
+// that it is malformed (the connection only closed).
+TEST_F(KvTransferAgents, AMalformedRegisterRequestIsAnsweredWithAnError) {
+  prefill_checksum_ = false;  // else the request's checksum is never read
+  start();
+  auto transport = make_tcp_transport({5000ms});
+  json bad_checksum = {{"room", 1},           {"first_token", 0}, {"num_tokens", 10},
+                       {"prompt_tokens", 11}, {"prompt_hash", 5}, {"checksum", "yes"}};
+  for (const std::string& request : {std::string("[1, 2]"), bad_checksum.dump()}) {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, KvFrameType::kRegister, request);
+    KvFrame f;
+    ASSERT_NO_THROW(f = conn->receive(1 << 20)) << request;
+    EXPECT_EQ(f.type, KvFrameType::kError) << request;
+    EXPECT_THAT(text_of(f.payload), HasSubstr("malformed register request")) << request;
+  }
 }
 
 // ------------------------------------------------------------------------------- fake prefill

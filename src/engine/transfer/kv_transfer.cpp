@@ -42,6 +42,9 @@ constexpr int64_t kMaxReleases = 16;
 constexpr size_t kMaxQueuedReleases = 4096;
 // A worker with nothing to do for this long ends (a burst's threads do not linger).
 constexpr auto kWorkerIdle = std::chrono::seconds(10);
+// How often a prefill engine serving a registered room looks whether its decode engine is still
+// connected while it waits (one system call per room each time).
+constexpr auto kPeerCheck = std::chrono::milliseconds(100);
 
 std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -823,7 +826,8 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   } catch (const std::exception& e) {
     return send_error(conn, e.what());
   }
-  const bool checksum = config_.checksum || req.value("checksum", false);
+  bool checksum = config_.checksum;
+  json layout;
   uint64_t room = 0;
   int64_t first = 0, num = 0, prompt_tokens = 0;
   uint64_t hash = 0;
@@ -834,12 +838,16 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     num = get_field<int64_t>(req, "num_tokens");
     prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
     hash = get_field<uint64_t>(req, "prompt_hash");
+    // Here too, not before: a request that is not an object, or a checksum that is not a bool,
+    // is a malformed request the peer is told of, not an exception that only closes it.
+    checksum = config_.checksum || req.value("checksum", false);
+    layout = req.value("layout", json());
   } catch (const std::exception& e) {
     lock.unlock();
     send_error(conn, std::string("malformed register request: ") + e.what());
     return;
   }
-  if (auto problem = layout_mismatch(req.value("layout", json()), layout_); !problem.empty()) {
+  if (auto problem = layout_mismatch(layout, layout_); !problem.empty()) {
     // The prefill leg of this room cannot succeed either: fail it now, or when it arrives,
     // rather than at the timeout.
     auto it = rooms_.find(room);
@@ -869,6 +877,18 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   int64_t sent = 0, progress_told = 0;
   bool accepted = false;
   std::string failure;
+  // The decode engine sends nothing more once registered: its connection closing means that its
+  // request ended (cancelled, its client gone) or its engine did. Nothing wakes the wait below
+  // when that happens, so it looks every kPeerCheck, and before each batch of layers (a send may
+  // still succeed into a socket buffer): the room then fails at once, as an abandoned one does,
+  // instead of holding the prefill leg's blocks and answer until the timeout.
+  bool decode_gone = false;
+  auto next_peer_check = Clock::now() + kPeerCheck;
+  const std::string gone = "the decode engine of bootstrap_room " + std::to_string(room) +
+                           " closed its connection (its request ended)";
+  // Under the lock (a system call that does not wait): a connection this engine shut down itself,
+  // stopping, is not the decode leg's doing.
+  auto decode_left = [&] { return !stopping_ && conn.peer_gone(); };
   while (true) {
     if (stopping_) {
       failure = "the prefill engine is shutting down";
@@ -892,6 +912,11 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       break;
     }
     if (r->has_prefill && r->layers_ready > sent && !r->blocks.empty()) {
+      if (decode_left()) {
+        failure = gone;
+        decode_gone = true;
+        break;
+      }
       const int64_t upto = r->layers_ready;
       std::vector<int32_t> blocks = r->blocks;
       lock.unlock();
@@ -906,7 +931,9 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
         if (sent == layout_.layers) send_json(conn, KvFrameType::kDone, json::object());
       } catch (const std::exception& e) {
         lock.lock();
-        failure = std::string("sending to the decode engine failed: ") + e.what();
+        decode_gone = decode_left();  // the send failed because the decode leg left
+        failure =
+            decode_gone ? gone : std::string("sending to the decode engine failed: ") + e.what();
         break;
       }
       lock.lock();
@@ -921,7 +948,9 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
         send_json(conn, KvFrameType::kProgress, {{"computed_tokens", progress_told}});
       } catch (const std::exception& e) {
         lock.lock();
-        failure = std::string("sending to the decode engine failed: ") + e.what();
+        decode_gone = decode_left();  // the send failed because the decode leg left
+        failure =
+            decode_gone ? gone : std::string("sending to the decode engine failed: ") + e.what();
         break;
       }
       lock.lock();
@@ -935,13 +964,26 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
                           " arrived within " + seconds_text(config_.timeout_s) + " s";
       break;
     }
-    changed_.wait_until(lock, r->deadline);
+    if (const auto now = Clock::now(); now >= next_peer_check) {
+      next_peer_check = now + kPeerCheck;
+      if (decode_left()) {
+        failure = gone;
+        decode_gone = true;
+        break;
+      }
+    }
+    changed_.wait_until(lock, std::min(r->deadline, next_peer_check));
   }
   const bool ok = failure.empty();
   metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
-  finish_room(room, ok, failure);
+  const bool had_prefill = r->has_prefill;
+  // A decode leg that left is no fault of this engine's: its prefill leg fails as one whose room
+  // was abandoned (KvTransferError::room_abandoned), and one still to come is refused when it
+  // arrives rather than waiting out the timeout for a decode engine that is gone.
+  finish_room(room, ok, failure, decode_gone);
+  if (decode_gone && !had_prefill) leave_refusal(room, failure, true, hash, prompt_tokens);
   lock.unlock();
-  if (!ok) send_error(conn, failure);
+  if (!ok && !decode_gone) send_error(conn, failure);
 }
 
 void KvTransferAgent::serve_abandon(KvConnection& conn, const std::vector<std::byte>& payload) {

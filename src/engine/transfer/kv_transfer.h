@@ -19,6 +19,10 @@
 // tokens [first_token, prompt - 1), first_token being where its own prefix cache stops. A decode
 // leg that ends before it registers its room sends one kAbandon frame instead (answered kDone):
 // the room's prefill leg then fails at once and frees its blocks, or is refused if it comes later.
+// One that ends after it registered closes its connection, which the prefill side watches while
+// it serves the room: the room fails the same way. (A decode leg cancelled while its fetch runs
+// sends the kAbandon once the fetch ended, registered or not: it cannot tell. A room that is
+// registered ignores it.)
 //
 // With a secret (KvTransferConfig::secret, one per deployment) every connection starts with a
 // handshake in kAuth frames, before the request: the decode side sends {"nonce": Nd}, the
@@ -124,8 +128,8 @@ class KvTransferError : public Error {
   using Error::Error;
   KvTransferError(const std::string& message, bool room_abandoned)
       : Error(message), room_abandoned(room_abandoned) {}
-  // A room refused because its decode leg abandoned it (KvTransfers::abandon_room): no fault of
-  // either engine's transfer.
+  // A room refused because its decode leg abandoned it (KvTransfers::abandon_room) or left it:
+  // no fault of either engine's transfer.
   bool room_abandoned = false;
 };
 
@@ -176,8 +180,9 @@ class KvTransferAgent final : public KvTransfers {
   void cancel_fetch(const std::string& request_id) override;
   // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
   // zero tokens), in the background; failures are ignored (the hold expires anyway). At most
-  // kMaxReleases run at once, each bounded by the handshake timeout; more are dropped (a
-  // client naming a silent host in many refused requests must not tie up the transfer threads).
+  // kMaxReleases run at once, each bounded by the handshake timeout; more wait their turn, up to
+  // kMaxQueuedReleases, and past that are dropped and counted (a client naming a silent host in
+  // many refused requests must not tie up the transfer threads).
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
   // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).

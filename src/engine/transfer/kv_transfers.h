@@ -20,7 +20,8 @@ class KvTransfers {
   using Task = std::function<void()>;
   using Post = std::function<void(Task)>;  // runs the task on the engine thread, in order
   // `abandoned`: the room failed because its decode leg ended before it registered
-  // (abandon_room), which is no fault of this engine's.
+  // (abandon_room) or left after it did (closed its connection), which is no fault of this
+  // engine's.
   using RoomDone = std::function<void(bool ok, const std::string& error, bool abandoned)>;
 
   virtual ~KvTransfers() = default;

@@ -95,6 +95,11 @@ class KvConnection {
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
   // Thread-safe: makes blocked and later send/receive calls fail promptly.
   virtual void shutdown() = 0;
+  // Without waiting: true once the peer closed the connection (or its process ended), as far as
+  // this side can tell with nothing left to read. A side waiting for its peer's next frame learns
+  // it from that receive; one that only sends (a prefill engine serving a registered room) asks
+  // here, since a send may still succeed into a socket buffer or a ring nobody reads.
+  virtual bool peer_gone() = 0;
   virtual std::string peer() const = 0;
   // What carries the bytes: "tcp" or "shm".
   virtual const char* kind() const = 0;

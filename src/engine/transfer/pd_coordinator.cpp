@@ -1,6 +1,7 @@
 #include "engine/transfer/pd_coordinator.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "api/error.h"
 
@@ -109,9 +110,17 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
   if (cancelled) {
     // A pull cancelled before the prefill engine accepted it leaves the hold there: release it.
     // (One it had accepted ends with the broken pull, and this release then finds nothing.)
+    // A room fetch cancelled before its registration reached the prefill engine leaves the room's
+    // prefill leg waiting for it: abandon the room, as ending() does for a leg that never
+    // fetched. (One that registered closed its connection, which fails the room already; the
+    // prefill engine ignores an abandonment of a registered room.)
     const KvTransferSpec& kt = seq->request.kv_transfer;
     if (!result.ok && kt.mode == KvTransferSpec::Mode::kDecodeByPull)
       agent_.release_remote(kt.host, kt.port, kt.engine_id, kt.transfer_id, kt.remote_blocks);
+    if (!result.ok && kt.mode == KvTransferSpec::Mode::kDecodeByRoom)
+      agent_.abandon_room(kt.host, kt.port, kt.room, kv_prompt_hash(seq->prompt()), seq->num_prompt,
+                          "the decode request of bootstrap_room " + std::to_string(kt.room) +
+                              " was cancelled before it received the KV");
     kv_.free(id);
     host_.drop(id);
     return;
@@ -174,7 +183,8 @@ bool PdCoordinator::defer_final_output(Sequence* seq, RequestOutput& o) {
   }
   if (seq->kv_state != KvTransferState::kRoomOpen) return false;
   // Answered once the decode engine has the KV (or the room failed).
-  parked_[seq->request.id] = {seq->request.on_output, std::move(o)};
+  parked_[seq->request.id] = {seq->request.on_output, std::move(o), seq->request.kv_transfer.room,
+                              seq->room_claim};
   seq->kv_state = KvTransferState::kParked;
   return true;
 }
@@ -203,6 +213,16 @@ bool PdCoordinator::ending(Sequence* seq, const std::string& why) {
     awaiting_kv_.erase(waiting);
   }
   return seq->kv_state == KvTransferState::kParked || seq->fetching();
+}
+
+void PdCoordinator::abort_parked(const std::string& id) {
+  auto it = parked_.find(id);
+  if (it == parked_.end() || it->second.claim == 0) return;  // not waiting, or told already
+  Parked& p = it->second;
+  p.aborted = true;
+  // The room ends as a failed prefill's does: at once when no decode engine registered, else
+  // once the connection serving it told the decode engine; on_room_done frees the blocks then.
+  agent_.room_failed(p.room, std::exchange(p.claim, 0), "the prefill request was cancelled");
 }
 
 bool PdCoordinator::outlives_end(Sequence* seq) {
@@ -237,10 +257,14 @@ void PdCoordinator::on_room_done(const std::string& id, bool ok, const std::stri
   out.tokens.clear();
   out.logprobs.clear();
   out.text.clear();
-  out.finish_reason = "error";
-  out.error = error;
-  out.error_status = 502;
-  out.error_code = code;
+  if (p.aborted) {
+    out.finish_reason = "abort";  // as any aborted request: its client asked for it
+  } else {
+    out.finish_reason = "error";
+    out.error = error;
+    out.error_status = 502;
+    out.error_code = code;
+  }
   p.on_output(out);
 }
 

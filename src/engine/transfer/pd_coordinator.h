@@ -80,6 +80,10 @@ class PdCoordinator {
   bool ending(Sequence* seq, const std::string& why);
   // After the engine ended it: true when the sequence must live on until its fetch reports back.
   bool outlives_end(Sequence* seq);
+  // An abort of a request the engine has already ended (it has no sequence any more): a room's
+  // prefill whose answer waits for the room's transfer gives the room up, so that its blocks are
+  // freed and it is answered "abort" now, not when a decode engine comes or the timeout passes.
+  void abort_parked(const std::string& id);
 
   // The transfers were stopped (the agent is gone): nothing runs any more, and nothing may call
   // the agent: legs waiting for KV are no longer tracked (their prefill engines let go at their
@@ -100,6 +104,9 @@ class PdCoordinator {
   struct Parked {
     OutputCallback on_output;
     std::optional<RequestOutput> deferred;
+    // The room a deferred answer waits for; claim 0 once the room was told to fail.
+    uint64_t room = 0, claim = 0;
+    bool aborted = false;  // abort_parked gave the room up: the answer is "abort"
   };
   std::unordered_map<std::string, Parked> parked_;
   std::vector<std::pair<uint64_t, uint64_t>> step_rooms_;  // (room, claim) of the running step

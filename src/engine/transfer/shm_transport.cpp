@@ -215,6 +215,10 @@ class ShmConnection : public KvConnection {
     uint64_t total = 0;
     for (auto p : parts) total += p.size();
     const auto deadline = start("sending");
+    // The ring takes a frame whether or not anyone will read it: without this, a frame that fits
+    // "succeeds" after the peer left (a prefill engine would count a transfer to a cancelled
+    // decode leg as sent). The socket tells, at the cost of one system call per frame.
+    if (peer_gone()) fail(std::string(what_) + " failed: connection closed by peer");
     if (in_place_.send_memory && total >= kInPlaceMin &&
         send_in_place(type, parts, total, deadline))
       return;
@@ -245,6 +249,14 @@ class ShmConnection : public KvConnection {
   }
 
   uint64_t bytes_sent_in_place() const override { return bytes_in_place_; }
+
+  // The socket carries no frames once connected (only the sender's segment, towards the
+  // client): it ends when the peer closes the connection or its process ends.
+  bool peer_gone() override {
+    char c;
+    const ssize_t n = ::recv(socket_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
 
   void shutdown() override {
     stopped_ = true;
@@ -290,9 +302,7 @@ class ShmConnection : public KvConnection {
     }
     while (word.load(std::memory_order_acquire) == seen) {
       if (stopped_) fail("connection shut down");
-      char c;
-      const ssize_t n = ::recv(socket_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      if (peer_gone()) {
         // A sender publishes its last frame and then closes: when that happened between the
         // check above and the peek, the frame is in the ring and must still be read.
         if (word.load(std::memory_order_acquire) != seen) return;

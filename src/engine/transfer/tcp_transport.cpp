@@ -95,6 +95,14 @@ class TcpConnection : public KvConnection {
     ::shutdown(fd_, SHUT_RDWR);  // wakes a poll() blocked on the socket
   }
 
+  bool peer_gone() override {
+    // The end of the stream (the peer's FIN) or an error is there at once; a peer that is still
+    // there has either nothing for us (EAGAIN) or a frame we have not read yet.
+    char c;
+    const ssize_t n = ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  }
+
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   std::string peer() const override { return peer_; }
   const char* kind() const override { return "tcp"; }
