@@ -57,7 +57,8 @@ def is_openai_error(body):
 
 async def stream(host, port, max_tokens, timeout):
     """(outcome, detail): 'done' (data: [DONE] and the chunked end), 'error' (an OpenAI error,
-    detail: the status and the start of its message), 'cut' (neither) or 'hung' (no end within
+    whole or as the stream's last event, before its [DONE] if any; detail: the status and the
+    start of its message), 'cut' (neither) or 'hung' (no end within
     `timeout` seconds of silence)."""
     try:
         r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 30)
@@ -69,7 +70,11 @@ async def stream(host, port, max_tokens, timeout):
         if status != 200:
             return ("error", error_detail(status, body)) if is_openai_error(body) else ("cut", "")
         events = [e for e in body.decode().split("\n\n") if e.startswith("data: ")]
+        # A failed stream ends with an OpenAI error event and then [DONE], as vLLM ends it.
         if events and events[-1] == "data: [DONE]":
+            events.pop()
+            if events and is_openai_error(events[-1][6:]):
+                return "error", error_detail(200, events[-1][6:])
             return "done", ""
         if events and is_openai_error(events[-1][6:]):
             return "error", error_detail(200, events[-1][6:])
