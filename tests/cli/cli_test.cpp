@@ -575,6 +575,12 @@ TEST(Cli, PlacePlanRefusesFlagsTheAlgorithmIgnores) {
   auto r = run("place plan --loads " + loads + " --ranks 2 --slots 10 --algorithm none");
   EXPECT_NE(r.status, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("--algorithm none"));
+  // EPLB falls back to its global policy when the hosts do not divide the expert groups: the
+  // hosts would be ignored.
+  r = run("place plan --loads " + loads +
+          " --ranks 2 --groups 2 --algorithm eplb-hierarchical --expert-groups 3");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--groups 2 does not divide --expert-groups 3"));
   EXPECT_EQ(run("place plan --loads " + loads +
                 " --ranks 2 --groups 2 --algorithm "
                 "eplb-hierarchical --expert-groups 2")
