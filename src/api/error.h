@@ -28,9 +28,10 @@ std::optional<std::string> openai_error_message(std::string_view body);
 // Its code (error.code), or nullopt when `body` is not one or the code is null.
 std::optional<std::string> openai_error_code(std::string_view body);
 
-// The code of a P/D prefill leg's error when its bootstrap room's decode leg ended before it
-// registered (a 502): the decode leg's own answer says why the request failed, so a gateway must
-// not count this one against the prefill engine.
+// The code of a P/D prefill leg's error when its bootstrap room's decode leg went away (a 502):
+// it ended before it registered, was refused, or left a registered room; the decode leg's own
+// answer says why the request failed, so a gateway must not count this one against the prefill
+// engine.
 inline constexpr std::string_view kRoomAbandonedCode = "room_abandoned";
 
 // The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for

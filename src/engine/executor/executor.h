@@ -88,7 +88,7 @@ using LayerHook = std::function<void(int64_t layers_done)>;
 
 // What a live change of expert placement did.
 struct PlacementSwitch {
-  int64_t moves = 0;         // expert copies loaded onto ranks that did not hold them
+  int64_t moves = 0;         // experts loaded onto ranks that did not hold them
   double load_seconds = 0;   // from staging until every rank held its new copies (background)
   double pause_seconds = 0;  // what the switch itself added between two steps
 };
