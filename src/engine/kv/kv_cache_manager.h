@@ -49,6 +49,13 @@ struct PrefixHit {
   // The request's salt, which its blocks are hashed with: a first allocation without a lookup
   // must carry it too, or its blocks are cached for every tenant.
   std::optional<uint64_t> cache_salt;
+
+  // No cached prefix (a sequence that computes its whole prompt), its blocks salted with `salt`.
+  static PrefixHit none(std::optional<uint64_t> salt) {
+    PrefixHit hit;
+    hit.cache_salt = salt;
+    return hit;
+  }
 };
 
 // Cumulative counters, as vLLM's prefix_cache_queries / prefix_cache_hits (in tokens).

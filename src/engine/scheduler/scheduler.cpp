@@ -178,7 +178,7 @@ SchedulerOutput Scheduler::schedule() {
     // A prompt still to be scored is computed whole: cached positions have no logits. Its
     // blocks are cached under its salt all the same.
     PrefixHit hit = has_blocks || seq->scoring_prompt()
-                        ? PrefixHit{.cache_salt = seq->request.cache_salt}
+                        ? PrefixHit::none(seq->request.cache_salt)
                         : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
     // A preempted sequence finds its own blocks again: not a lookup for the hit-rate statistics.
     if (seq->num_preemptions > 0) hit.num_query_tokens = 0;

@@ -63,7 +63,7 @@ void PdCoordinator::start_fetches(double now) {
     // runs, empty: it tells the prefill engine to let go of its blocks.
     // A leg that computes its prompt again (to score it) writes every block: none is shared.
     const PrefixHit hit = seq->scoring_prompt()
-                              ? PrefixHit{.cache_salt = seq->request.cache_salt}
+                              ? PrefixHit::none(seq->request.cache_salt)
                               : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
     // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
     // needs a new block (a decode holding received KV must not wait behind a full cache).
