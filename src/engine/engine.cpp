@@ -46,6 +46,11 @@ struct Engine::Metrics {
   metrics::Histogram& tpot;
   metrics::Histogram& e2e;
   metrics::Histogram& queue_time;
+  // Per finished request that got a token, as vLLM V1 splits it: first scheduled to first token,
+  // first token to last token, first scheduled to last token.
+  metrics::Histogram& prefill_time;
+  metrics::Histogram& decode_time;
+  metrics::Histogram& inference_time;
   // vLLM's newer name: one observation per decode step of a request, its whole gap since the
   // request's previous tokens (tpot above splits a step's gap over the tokens it yielded).
   metrics::Histogram& itl;
@@ -150,6 +155,15 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
                          metrics::vllm_request_latency_buckets(), model),
       registry.histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling",
                          metrics::vllm_request_latency_buckets(), model),
+      registry.histogram("vllm:request_prefill_time_seconds",
+                         "Time from first scheduling to the first token",
+                         metrics::vllm_request_latency_buckets(), model),
+      registry.histogram("vllm:request_decode_time_seconds",
+                         "Time from the first token to the last",
+                         metrics::vllm_request_latency_buckets(), model),
+      registry.histogram("vllm:request_inference_time_seconds",
+                         "Time from first scheduling to the last token",
+                         metrics::vllm_request_latency_buckets(), model),
       registry.histogram("vllm:inter_token_latency_seconds",
                          "Gap between a request's consecutive outputs (one per decode step)",
                          metrics::vllm_tpot_buckets(), model),
@@ -179,6 +193,13 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       registry.int_counter_family("vllm:spec_decode_num_accepted_tokens_per_pos_total",
                                   "Draft tokens accepted, by position in their step's drafts",
                                   {"position"}, model)});
+  // Every series a dashboard may rate() exists from the start, at 0, as vLLM creates them: a
+  // series born at its first increment loses that increment to rate() and increase(). The
+  // finished reasons are vLLM's FinishReason strings (Tandem never ends one for "repetition").
+  for (const char* reason : {"stop", "length", "abort", "error", "repetition"})
+    metrics_->success.labels({reason});
+  for (int64_t k = 0; k < executor_->info().speculative_tokens; ++k)
+    metrics_->spec_accepted_per_position.labels({std::to_string(k)});
   // vLLM's info metric: a gauge of 1 whose labels are the cache's configuration (those of vLLM's
   // CacheConfig fields that Tandem has, its values written as Python writes them).
   registry
@@ -326,6 +347,7 @@ void Engine::submit(EngineRequest request) {
     request.sampling.min_tokens = std::min<int64_t>(request.sampling.min_tokens, 1);
   }
   {
+    request.arrival_time = now();
     std::lock_guard lock(mutex_);
     if (stopping_) throw Error("the engine is shutting down");
     if (!live_ids_.insert(request.id).second)
@@ -467,7 +489,6 @@ void Engine::admit_incoming() {
     tasks.swap(tasks_);
   }
   for (auto& t : tasks) t();
-  const double now = this->now();
   for (auto& r : incoming) {
     // The grammar the API compiled goes to the cache, if it has none for the spec, and nowhere
     // else: each copy of the sampling parameters below (sampler, output processor, the request)
@@ -479,7 +500,7 @@ void Engine::admit_incoming() {
     seq->tokens = r.prompt;
     seq->num_prompt = static_cast<int64_t>(r.prompt.size());
     seq->arrival_order = arrival_counter_++;
-    seq->arrival_time = now;
+    seq->arrival_time = r.arrival_time;
     seq->sampler = std::make_unique<Sampler>(r.sampling, seed_base_ + seq->arrival_order, eos_ids_);
     seq->output = std::make_unique<OutputProcessor>(*tokenizer_, r.sampling, eos_ids_);
     seq->prompt_logprobs = std::move(r.known_prompt_logprobs);
@@ -562,6 +583,7 @@ bool Engine::step() {
     Sequence* seq = s.seq;
     if (!seq->admitted_once) {
       seq->admitted_once = true;
+      seq->first_scheduled_time = now;
       metrics_->queue_time.observe(now - seq->arrival_time);
     }
     ExecItem item;
@@ -598,6 +620,7 @@ bool Engine::step() {
     // What the gateway's expected-finish-time routing reads while this step runs.
     const api::PrefillWork queued = queued_prefill() - step_prefill;
     std::lock_guard lock(load_mutex_);
+    ++load_.steps;  // this one, as it runs: /load's steps counts executed steps only
     load_.step_seqs = static_cast<int64_t>(out.scheduled.size());
     load_.step_tokens = step_tokens;
     load_.step_prefill_pairs = step_prefill.pairs;
@@ -694,6 +717,13 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
   }
   metrics_->success.labels({reason}).inc();
   metrics_->e2e.observe(now() - seq->arrival_time);
+  // vLLM's intervals need a first scheduling and a first token: one without either (refused,
+  // aborted while waiting) has none to observe.
+  if (seq->first_scheduled_time >= 0 && seq->first_token_time >= 0) {
+    metrics_->prefill_time.observe(seq->first_token_time - seq->first_scheduled_time);
+    metrics_->decode_time.observe(seq->last_token_time - seq->first_token_time);
+    metrics_->inference_time.observe(seq->last_token_time - seq->first_scheduled_time);
+  }
   observe_finished(*seq);
   if (pd_ && pd_->outlives_end(seq)) return;  // its fetch still runs: dropped when it ends
   if (seq->kv_state == KvTransferState::kParked) {
@@ -830,7 +860,7 @@ void Engine::update_gauges() {
   r.schedules_by_priority = scheduler_.config().priority;
   r.recent_steps = recent_steps_;
   std::lock_guard lock(load_mutex_);
-  r.steps = load_.steps + 1;
+  r.steps = load_.steps;  // counted by step(), not here: this also runs between steps
   load_ = std::move(r);
 }
 

@@ -320,5 +320,72 @@ TEST_F(EngineMetrics, TheApiGroupsEachPromptsChoices) {
   EXPECT_EQ(prompt.bucket(5), 6);
 }
 
+// Latencies count from submit(), not from when the loop took the request in: one submitted while
+// the loop was busy (the clock moves half a second before the next run_once) has that half
+// second in its queue time, TTFT and e2e latency. vLLM's prefill, decode and inference times
+// split what follows its first scheduling.
+TEST_F(EngineMetrics, LatenciesCountFromSubmitAndSplitAsVllmDoes) {
+  bool finished = false;
+  submit("late", {1000, 2000, 3000, 4000, 5000}, 3, nullptr, &finished);
+  now_ += 0.5;  // the step the request arrived during
+  run_until_idle();
+  ASSERT_TRUE(finished);
+  const json m = scrape();
+  const auto latency = [&](const std::string& name) {
+    const Histogram h = histogram(m, name);
+    EXPECT_EQ(h.bounds, metrics::vllm_request_latency_buckets()) << name;
+    EXPECT_EQ(h.count, 1) << name;
+    return h.sum;
+  };
+  EXPECT_EQ(latency("vllm:request_queue_time_seconds"), 0.5);
+  EXPECT_EQ(histogram(m, "vllm:time_to_first_token_seconds").sum, 0.5);
+  // First token in the first step, then one token a step: the last two steps later.
+  EXPECT_EQ(latency("vllm:e2e_request_latency_seconds"), 0.5 + 2 * kStep);
+  EXPECT_EQ(latency("vllm:request_prefill_time_seconds"), 0);  // the clock stands within a step
+  EXPECT_EQ(latency("vllm:request_decode_time_seconds"), 2 * kStep);
+  EXPECT_EQ(latency("vllm:request_inference_time_seconds"), 2 * kStep);
+}
+
+// A request that never ran has no prefill, decode or inference time; it still finishes.
+TEST_F(EngineMetrics, ARequestAbortedBeforeItsFirstStepHasNoInferenceTime) {
+  bool finished = false;
+  submit("gone", {1000, 2000, 3000}, 3, nullptr, &finished);
+  engine_.abort("gone");
+  run_until_idle();
+  ASSERT_TRUE(finished);
+  const json m = scrape();
+  EXPECT_EQ(histogram(m, "vllm:e2e_request_latency_seconds").count, 1);
+  EXPECT_EQ(histogram(m, "vllm:request_prefill_time_seconds").count, 0);
+  EXPECT_EQ(histogram(m, "vllm:request_decode_time_seconds").count, 0);
+  EXPECT_EQ(histogram(m, "vllm:request_inference_time_seconds").count, 0);
+}
+
+// Every finished reason vLLM knows is a series from the start, at 0, so that rate() and
+// increase() see the first abort or error.
+TEST_F(EngineMetrics, EveryFinishedReasonIsASeriesFromTheStart) {
+  const json f = family(scrape(), "vllm:request_success", "counter");
+  std::map<std::string, double> by_reason;
+  for (const auto& s : f["samples"]) {
+    auto labels = s["labels"].get<Labels>();
+    by_reason[labels["finished_reason"]] = number(s["value"]);
+  }
+  EXPECT_EQ(by_reason,
+            (std::map<std::string, double>{
+                {"abort", 0}, {"error", 0}, {"length", 0}, {"repetition", 0}, {"stop", 0}}));
+}
+
+// /load's steps counts the steps that ran: not the constructor, not a submission taken in, not a
+// run_once with nothing to do.
+TEST_F(EngineMetrics, LoadCountsStepsThatRan) {
+  EXPECT_EQ(engine_.load().steps, 0u);
+  bool finished = false;
+  submit("a", {1000, 2000, 3000}, 3, nullptr, &finished);
+  run_until_idle();  // a prefill step with the first token, then one a step
+  ASSERT_TRUE(finished);
+  EXPECT_EQ(engine_.load().steps, 3u);
+  engine_.run_once();
+  EXPECT_EQ(engine_.load().steps, 3u);
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -66,6 +66,9 @@ struct EngineRequest {
   KvTransferSpec kv_transfer;
   OutputCallback on_output;
   std::shared_ptr<ChoiceGroup> choices;  // null: a prompt asked for once (n = 1)
+  // Set by Engine::submit (the engine's clock): latencies count from the request's arrival, as
+  // vLLM's from its API server's, not from when the engine loop took it in after a step.
+  double arrival_time = 0;
 };
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
@@ -93,6 +96,7 @@ struct Sequence {
   int64_t cached_on_arrival = 0;
   uint64_t arrival_order = 0;
   double arrival_time = 0, first_token_time = -1, last_token_time = -1;
+  double first_scheduled_time = -1;  // its first step: queue time ends, prefill time begins
   int64_t num_preemptions = 0;
   bool admitted_once = false;
   KvTransferState kv_state = KvTransferState::kNone;
