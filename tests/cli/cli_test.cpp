@@ -848,7 +848,7 @@ TEST(Cli, ATokenizerWithIdsPastTheModelsVocabularyIsRefusedNamingBothFolders) {
                  {"the tokenizer in " + qwen3.string() + " has " + qwen3_ids,
                   "vocab_size " + std::to_string(std::stoll(qwen3_ids) - 1)});
   set_vocab_size(deepseek, std::stoll(deepseek_ids) - 1);
-  for (const std::string& command : {"engine", "generate"})
+  for (const std::string command : {"engine", "generate"})
     expect_refused(run(command + " --model " + test::quote(deepseek) +
                        (command == "engine" ? flags : " --prompt hi")),
                    {"the tokenizer in " + deepseek.string() + " has " + deepseek_ids,

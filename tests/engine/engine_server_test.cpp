@@ -479,7 +479,9 @@ TEST_F(EngineServer, AllowedTokenIdsAndBadWordsHoldInTheAnswersTokens) {
       for (const auto& b : banned)
         EXPECT_EQ(std::search(ids.begin(), ids.end(), b.begin(), b.end()), ids.end())
             << "'" << word << "' in " << json(ids).dump();
-    if (sampling["temperature"] == 0) EXPECT_NE(choices[0], free_ids);
+    if (sampling["temperature"] == 0) {
+      EXPECT_NE(choices[0], free_ids);
+    }
   }
   EXPECT_GT(metric(engine.port(), "vllm:spec_decode_num_draft_tokens_total"), 0);
   EXPECT_EQ(engine.stop(), 0);
