@@ -207,7 +207,10 @@ void Dispatcher::dispatch(Clock::time_point now) {
       answer_error(r, 503, "no healthy engine can serve this request: " + pools_state(*r));
       continue;
     }
-    metrics_.queue_time.observe(std::chrono::duration<double>(now - r->queued_at).count());
+    // vllm:request_queue_time_seconds counts requests: a stage or a retry adds to the request's
+    // wait, observed when it is recorded.
+    r->queued_s =
+        std::max(r->queued_s, 0.0) + std::chrono::duration<double>(now - r->queued_at).count();
     // The engine that computes the prompt: the prefill engine, or an aggregated decode engine.
     const int computes = prefill >= 0 ? prefill : (topo_.mode == PdMode::kAggregated ? decode : -1);
     r->uncached = {};

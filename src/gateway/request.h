@@ -133,6 +133,9 @@ struct Request {
   Executor::TimerId queue_timer;  // cancelled when it leaves the queue
   bool record_pending = false;    // ended; its record waits for its prefill leg (parallel mode)
   Executor::Clock::time_point queued_at;
+  // Seconds it waited in the queue over all its dispatches (a sequential request's two stages,
+  // each retry), observed once when it is recorded; -1: never dispatched.
+  double queued_s = -1;
 
   // Shared by the io, client and scheduling threads, under `mutex`.
   std::mutex mutex;

@@ -74,6 +74,7 @@ void RequestRecorder::record(Request& r, int64_t now_ns) {
   const int64_t completed = stamped ? *stamped : now_ns;
   for (int p = 0; p < kPhaseCount; ++p)
     if (auto s = r.times.seconds_in(static_cast<Phase>(p))) phase_histograms_[p]->observe(*s);
+  if (r.queued_s >= 0) metrics_.queue_time.observe(r.queued_s);  // once, all its waits
   if (status == 200) {
     metrics_.e2e.observe(static_cast<double>(completed - received) * 1e-9);
     const int64_t events = r.output_events;

@@ -1079,6 +1079,28 @@ TEST(Dispatcher, SequentialModeSendsTheDecodeLegThePrefillsKvTransferParams) {
   EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "decoded");
 }
 
+// vllm:request_queue_time_seconds counts requests: a sequential request's two stages and a retry
+// each wait in the queue, and the request's waits are observed once, when it ends.
+TEST(Dispatcher, QueueTimeIsObservedOncePerRequestWhateverItsStagesAndRetries) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")}));
+  auto client = c.send();
+  // The first prefill answers without kv_transfer_params: a retry on p2.
+  FakeEngines::answer(*c.engines.open().at(0), 200, completion_answer("no params"));
+  c.clock.run_ready();
+  const json params = {{"do_remote_prefill", true},
+                       {"remote_engine_id", "p2-1"},
+                       {"remote_block_ids", {1}},
+                       {"remote_host", "p2.engines"},
+                       {"remote_port", 9000}};
+  FakeEngines::answer(*c.engines.open().at(0), 200, json{{"kv_transfer_params", params}}.dump());
+  c.clock.run_ready();
+  EXPECT_EQ(c.metric("vllm:request_queue_time_seconds_count"), 0);  // still running
+  c.answer_all("decoded");
+  ASSERT_EQ(client->status, 200) << client->body;
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.metric("vllm:request_queue_time_seconds_count"), 1);
+}
+
 TEST(Dispatcher, SequentialModeRetriesAPrefillWithoutKvTransferParams) {
   Cluster c(disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")}));
   c.send();
