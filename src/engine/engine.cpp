@@ -200,6 +200,12 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
     metrics_->success.labels({reason});
   for (int64_t k = 0; k < executor_->info().speculative_tokens; ++k)
     metrics_->spec_accepted_per_position.labels({std::to_string(k)});
+  // The role, for dashboards to count a P/D request once: its prefill and decode legs both count
+  // its prompt and finish (deploy/grafana/tandem.json joins on it by job and instance).
+  registry
+      .gauge_family("tandem:engine_info", "This engine's P/D role, in the label", {"role"}, model)
+      .labels({engine_role_name(config_.role)})
+      .set(1);
   // vLLM's info metric: a gauge of 1 whose labels are the cache's configuration (those of vLLM's
   // CacheConfig fields that Tandem has, its values written as Python writes them).
   registry

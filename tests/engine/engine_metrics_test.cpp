@@ -374,6 +374,16 @@ TEST_F(EngineMetrics, EveryFinishedReasonIsASeriesFromTheStart) {
                 {"abort", 0}, {"error", 0}, {"length", 0}, {"repetition", 0}, {"stop", 0}}));
 }
 
+// The engine's role is a gauge of 1 in tandem:engine_info, which dashboards join on to count a
+// P/D request's legs once.
+TEST_F(EngineMetrics, TheEnginesRoleIsAnInfoMetric) {
+  const json info = family(scrape(), "tandem:engine_info", "gauge");
+  ASSERT_EQ(info["samples"].size(), 1u);
+  EXPECT_EQ(info["samples"][0]["labels"].get<Labels>(),
+            (Labels{{"model_name", "tiny"}, {"role", "both"}}));
+  EXPECT_EQ(number(info["samples"][0]["value"]), 1);
+}
+
 // /load's steps counts the steps that ran: not the constructor, not a submission taken in, not a
 // run_once with nothing to do.
 TEST_F(EngineMetrics, LoadCountsStepsThatRan) {

@@ -128,6 +128,20 @@ TEST(GrafanaDashboard, EveryExpressionNamesMetricsAndLabelsTheStackExports) {
     }
   }
   EXPECT_GT(exprs, 30u);
+  // Counts both legs of a P/D request would double: each engine's series joined on its role.
+  for (const json& p : panels) {
+    const std::string title = p.value("title", "");
+    if (title != "Tokens per second" && title != "Finished requests per second by reason") continue;
+    for (const json& t : p.at("targets")) {
+      const std::string expr = t.at("expr").get<std::string>();
+      const bool prompts = expr.find("vllm:prompt_tokens_total") != std::string::npos;
+      EXPECT_NE(
+          expr.find(std::string("* on(job, instance) group_left() tandem:engine_info{role!=\"") +
+                    (prompts ? "decode" : "prefill") + "\"}"),
+          std::string::npos)
+          << title << ": " << expr;
+    }
+  }
   EXPECT_EQ(serve.stop(), 0);
 }
 
