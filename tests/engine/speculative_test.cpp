@@ -260,6 +260,27 @@ TEST_F(Speculation, AcceptedOracleDraftsKeepOutputsExactAndMetricsAddUp) {
   }
 }
 
+// The per-position acceptance counter has a series for each of the K draft positions from the
+// start, at 0, as vLLM creates them (rate() misses a series' first increment), and none without
+// speculation.
+TEST_F(Speculation, EveryDraftPositionIsASeriesFromTheStart) {
+  for (int64_t k : {0, 3}) {
+    metrics::Registry registry;
+    Engine engine(EngineConfig{}, executor(k), tokenizer(), eos_ids(*tok_, {}), registry);
+    const std::string text = registry.render();
+    for (int64_t p = 0; p < 4; ++p) {
+      const std::string position = "position=\"" + std::to_string(p) + "\"";
+      bool found = false;
+      std::istringstream in(text);
+      for (std::string line; std::getline(in, line);)
+        found =
+            found || (line.rfind("vllm:spec_decode_num_accepted_tokens_per_pos_total{", 0) == 0 &&
+                      line.find(position) != std::string::npos && line.ends_with("} 0"));
+      EXPECT_EQ(found, p < k) << "k " << k << " position " << p << "\n" << text;
+    }
+  }
+}
+
 TEST_F(Speculation, StopStringsAndMaxTokensCutAcceptedRunsWhereThePlainRunStops) {
   const auto prompt = prompt_of(11, 900);
   const auto ids = plain_greedy_ids(prompt, 24);
