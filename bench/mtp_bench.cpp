@@ -122,8 +122,7 @@ EngineRun run_engine(std::shared_ptr<model::DeepSeekModel> m,
   TimedExecutor* executor = timed.get();
   model::StepProfile profile;
   m->set_profile(&profile);
-  engine::Engine engine(config, std::move(timed), tok, engine::eos_ids(*tok, std::nullopt),
-                        registry);
+  engine::Engine engine(config, std::move(timed), tok, engine::eos_ids(*tok, {}), registry);
   engine.start();
   struct Arrival {
     Clock::time_point at;
