@@ -28,8 +28,8 @@ using nlohmann::json;
 int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_default,
                       const ModelLimits& limits) {
   const int64_t limit = limits.max_tokens_limit;
-  // The generation config's max_new_tokens, which vLLM applies silently to every request.
-  const int64_t cap = limits.sampling.max_tokens;
+  // --override-generation-config's max_new_tokens, which vLLM applies silently to every request.
+  const int64_t cap = limits.sampling.max_tokens_cap;
   auto capped = [&](int64_t n) { return cap > 0 ? std::min(n, cap) : n; };
   if (!field(body, name)) {
     int64_t d = limits.default_max_tokens > 0 ? limits.default_max_tokens : dialect_default;
@@ -858,7 +858,10 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const int64_t room = std::max<int64_t>(1, limits.max_model_len - prompt_len);
   const char* max_name =
       field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
-  r.sampling = sampling_from(body, max_tokens_of(body, max_name, room, limits), max_name,
+  // As vLLM: without max_tokens, the generation config's max_new_tokens if the room is larger.
+  const int64_t fallback = limits.sampling.max_tokens;
+  const int64_t chat_default = fallback > 0 ? std::min(room, fallback) : room;
+  r.sampling = sampling_from(body, max_tokens_of(body, max_name, chat_default, limits), max_name,
                              "min_tokens", limits, &ordered, &tokenizer);
   if (tools.forced) {
     if (r.sampling.structured_output)
@@ -933,8 +936,11 @@ ApiRequest parse_generate(const json& body, const text::Tokenizer& tokenizer,
   // keyword; read as vLLM's, it would be honoured here and ignored by an SGLang engine.
   if (field(params, "min_tokens"))
     fail("min_tokens", "'min_tokens' is not an SGLang sampling parameter; use 'min_new_tokens'");
-  r.sampling = sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, limits),
-                             "max_new_tokens", "min_new_tokens", limits, nullptr, nullptr);
+  // SGLang applies a model's generation config in its OpenAI adapters, not to native requests.
+  ModelLimits native = limits;
+  native.sampling = {};
+  r.sampling = sampling_from(params, max_tokens_of(params, "max_new_tokens", 128, native),
+                             "max_new_tokens", "min_new_tokens", native, nullptr, nullptr);
   r.stream = boolean(body, "stream", false);
   if (boolean(body, "return_logprob", false)) {
     const int64_t top = integer(body, "top_logprobs_num", 0);

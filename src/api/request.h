@@ -97,7 +97,7 @@ struct ModelLimits {
   // The engine's --reasoning-parser: chat answers' reasoning is read apart in this format.
   ReasoningFormat reasoning = ReasoningFormat::kNone;
   // The model's generation config: what a request that omits a sampling field gets.
-  SamplingDefaults sampling;
+  SamplingDefaults sampling = {};
 };
 
 // The body's "model", which must be the served one (a 404 naming it otherwise, as vLLM

@@ -1,6 +1,7 @@
 #pragma once
 // The sampling parameters of the OpenAI and vLLM APIs (and SGLang's sampling_params), as a
 // request carries them from the client through the gateway to the engine's sampler.
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -66,12 +67,22 @@ struct SamplingParams {
   // max_new_tokens and min_new_tokens).
   void validate(const std::string& max_tokens_name = "max_tokens",
                 const std::string& min_tokens_name = "min_tokens") const;
+
+  // A P/D prefill leg computes the prompt and its first token only: max_tokens 1, and a
+  // min_tokens past one (SGLang's min_new_tokens too) left to the decode leg, which honours it
+  // (kept, it would fail the check that it is at most max_tokens).
+  void limit_to_prefill_leg() {
+    max_tokens = 1;
+    min_tokens = std::min<int64_t>(min_tokens, 1);
+  }
 };
 
 // What a request that omits a sampling field gets: vLLM's neutral values, unless the model's
 // generation config (or the engine's --override-generation-config) sets others, as vLLM's
-// --generation-config auto does. `max_tokens` (its max_new_tokens) caps every request's,
-// asked for or not, as vLLM takes the least of the two; 0: no cap.
+// --generation-config auto does for its OpenAI endpoints (SGLang's native /generate keeps its
+// own). `max_tokens` (the config's max_new_tokens) is what a chat that omits max_tokens gets at
+// most, as vLLM's fallback; `max_tokens_cap` caps every request's, asked for or not, as vLLM's
+// override_max_tokens (the override's max_new_tokens, or a --generation-config folder's). 0: none.
 struct SamplingDefaults {
   double temperature = 1.0;
   int64_t top_k = 0;
@@ -79,6 +90,7 @@ struct SamplingDefaults {
   double min_p = 0.0;
   double repetition_penalty = 1.0;
   int64_t max_tokens = 0;
+  int64_t max_tokens_cap = 0;
 };
 
 // A parameter out of range: `param` names it as the request did, and the message says why.

@@ -13,7 +13,8 @@ namespace tandem::cli {
 void add_generation_config_flags(CLI::App& cmd, GenerationConfigFlags& flags) {
   cmd.add_option("--generation-config", flags.source,
                  "where requests' sampling defaults (temperature, top_p, top_k, min_p, "
-                 "repetition_penalty, max_new_tokens as a cap on max_tokens) and further EOS ids "
+                 "repetition_penalty; max_new_tokens as a chat's max_tokens when it gives none, as "
+                 "a cap on every request's from a folder or the override) and further EOS ids "
                  "come from, as vLLM's flag: auto (the model's generation_config.json, else its "
                  "config.json), vllm (vLLM's neutral defaults; EOS ids still the model's), or a "
                  "folder holding generation_config.json")
@@ -47,12 +48,16 @@ EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags
       throw Error("--generation-config " + flags.source +
                   ": the folder holds neither generation_config.json nor config.json");
   }
+  const bool folder = flags.source != "auto" && flags.source != "vllm";
   const std::vector<int32_t> eos = g.eos_token_ids;
   if (flags.source == "vllm") g = model::GenerationConfig{};  // the sampling defaults only
   std::string origin = g.origin;
+  model::GenerationConfig overrides;  // the flag's own keys
   if (!flags.overrides.empty()) {
     const std::string flag = "--override-generation-config";
-    model::override_generation_config(g, parse_json_document(flags.overrides, flag), flag);
+    const nlohmann::json doc = parse_json_document(flags.overrides, flag);
+    model::override_generation_config(g, doc, flag);
+    model::override_generation_config(overrides, doc, flag);
     origin += (origin.empty() ? "" : " and ") + flag;
   }
 
@@ -67,7 +72,10 @@ EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags
   if (g.max_new_tokens && *g.max_new_tokens < 1)
     throw Error(origin + ": field 'max_new_tokens' must be at least 1, got " +
                 std::to_string(*g.max_new_tokens));
+  // As vLLM's get_max_tokens: the model's max_new_tokens only fills in a missing max_tokens; a
+  // folder's, or the override's, caps every request.
   d.max_tokens = g.max_new_tokens.value_or(0);
+  d.max_tokens_cap = (folder ? g.max_new_tokens : overrides.max_new_tokens).value_or(0);
   std::string set;
   auto note = [&](const char* name, const auto& value) {
     if (value)

@@ -153,7 +153,8 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
                          metrics::vllm_tpot_buckets(), model),
       registry.histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                          metrics::vllm_request_latency_buckets(), model),
-      registry.histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling",
+      registry.histogram("vllm:request_queue_time_seconds",
+                         "Time from the engine loop taking it in to first scheduling",
                          metrics::vllm_request_latency_buckets(), model),
       registry.histogram("vllm:request_prefill_time_seconds",
                          "Time from first scheduling to the first token",
@@ -348,10 +349,7 @@ void Engine::check(const EngineRequest& request) const {
 
 void Engine::submit(EngineRequest request) {
   check(request);
-  if (request.kv_transfer.prefill()) {  // computes one token (min_tokens: the decode leg's)
-    request.sampling.max_tokens = 1;
-    request.sampling.min_tokens = std::min<int64_t>(request.sampling.min_tokens, 1);
-  }
+  if (request.kv_transfer.prefill()) request.sampling.limit_to_prefill_leg();
   {
     request.arrival_time = now();
     std::lock_guard lock(mutex_);
@@ -494,6 +492,7 @@ void Engine::admit_incoming() {
     aborts.swap(aborts_);
     tasks.swap(tasks_);
   }
+  const double now = this->now();
   for (auto& t : tasks) t();
   for (auto& r : incoming) {
     // The grammar the API compiled goes to the cache, if it has none for the spec, and nowhere
@@ -507,6 +506,7 @@ void Engine::admit_incoming() {
     seq->num_prompt = static_cast<int64_t>(r.prompt.size());
     seq->arrival_order = arrival_counter_++;
     seq->arrival_time = r.arrival_time;
+    seq->queued_time = now;
     seq->sampler = std::make_unique<Sampler>(r.sampling, seed_base_ + seq->arrival_order, eos_ids_);
     seq->output = std::make_unique<OutputProcessor>(*tokenizer_, r.sampling, eos_ids_);
     seq->prompt_logprobs = std::move(r.known_prompt_logprobs);
@@ -590,7 +590,7 @@ bool Engine::step() {
     if (!seq->admitted_once) {
       seq->admitted_once = true;
       seq->first_scheduled_time = now;
-      metrics_->queue_time.observe(now - seq->arrival_time);
+      metrics_->queue_time.observe(now - seq->queued_time);
     }
     ExecItem item;
     item.tokens = std::span<const int32_t>(seq->tokens)

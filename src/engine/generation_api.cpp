@@ -283,11 +283,7 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     kv_transfer = transfer_spec(call->request.disagg, engine_.role());
     scored_prompt = call->request.scored_prompt();
     if (kv_transfer.prefill()) {
-      // The prefill leg computes the prompt and its first token only. A min_tokens past one
-      // (SGLang's min_new_tokens too) is the decode leg's to honour: kept, it would fail the
-      // check that it is at most max_tokens.
-      call->request.sampling.max_tokens = 1;
-      call->request.sampling.min_tokens = std::min<int64_t>(call->request.sampling.min_tokens, 1);
+      call->request.sampling.limit_to_prefill_leg();
       // Its body is read for kv_transfer_params alone: a pull leg's prompt logprobs go to the
       // decode engine there; a room leg's would go nowhere (its decode leg computes them).
       call->request.logprobs = -1;

@@ -1,9 +1,10 @@
 #pragma once
 // Turns one request's generated ids into streamed text and decides when the request ends: stop
-// token ids (the tokenizer's and the model's EOS unless ignore_eos), stop strings (the text ends
-// before the first match, or after it with include_stop_str_in_output; bytes that could still grow
-// into a stop string are held back until the next token decides) and max_tokens. `tandem generate`
-// and the serving engine share it, so both stop at the same place.
+// token ids (the tokenizer's EOS and the model's further EOS ids unless ignore_eos), stop strings
+// (the text ends before the first match, or after it with include_stop_str_in_output; bytes that
+// could still grow into a stop string are held back until the next token decides) and max_tokens.
+// `tandem generate` and the serving engine share it (generate's EOS ids are config.json's, the
+// engine's the generation config's: the same for DeepSeek's checkpoints).
 #include <cstdint>
 #include <optional>
 #include <span>

@@ -12,23 +12,30 @@ namespace {
 
 using json = nlohmann::json;
 
+std::optional<int64_t> as_integer(std::optional<double> v) {
+  return v ? std::optional<int64_t>(static_cast<int64_t>(*v)) : std::nullopt;
+}
+
 // The sampling keys, each with transformers' default (none: it has none), which vLLM's reading
-// drops, and where it goes.
+// drops, and where it goes (none: the key is unset).
 struct SamplingKey {
   const char* name;
   bool integer;
   std::optional<double> transformers_default;
-  void (*set)(GenerationConfig&, double);
+  void (*set)(GenerationConfig&, std::optional<double>);
 };
 constexpr SamplingKey kSamplingKeys[] = {
     {"repetition_penalty", false, 1.0,
-     [](GenerationConfig& c, double v) { c.repetition_penalty = v; }},
-    {"temperature", false, 1.0, [](GenerationConfig& c, double v) { c.temperature = v; }},
-    {"top_k", true, 50.0, [](GenerationConfig& c, double v) { c.top_k = static_cast<int64_t>(v); }},
-    {"top_p", false, 1.0, [](GenerationConfig& c, double v) { c.top_p = v; }},
-    {"min_p", false, std::nullopt, [](GenerationConfig& c, double v) { c.min_p = v; }},
+     [](GenerationConfig& c, std::optional<double> v) { c.repetition_penalty = v; }},
+    {"temperature", false, 1.0,
+     [](GenerationConfig& c, std::optional<double> v) { c.temperature = v; }},
+    {"top_k", true, 50.0,
+     [](GenerationConfig& c, std::optional<double> v) { c.top_k = as_integer(v); }},
+    {"top_p", false, 1.0, [](GenerationConfig& c, std::optional<double> v) { c.top_p = v; }},
+    {"min_p", false, std::nullopt,
+     [](GenerationConfig& c, std::optional<double> v) { c.min_p = v; }},
     {"max_new_tokens", true, std::nullopt,
-     [](GenerationConfig& c, double v) { c.max_new_tokens = static_cast<int64_t>(v); }},
+     [](GenerationConfig& c, std::optional<double> v) { c.max_new_tokens = as_integer(v); }},
 };
 
 // The key's value, or none when absent or null. `from_file`: transformers' defaults are dropped.
@@ -74,7 +81,7 @@ GenerationConfig read_generation_config(const std::filesystem::path& dir) {
   if (!doc.is_object()) throw Error(c.origin + ": expected a JSON object");
   Fields f(doc, c.origin);
   for (const SamplingKey& k : kSamplingKeys)
-    if (auto v = sampling_value(f, k, true)) k.set(c, *v);
+    if (auto v = sampling_value(f, k, true)) k.set(c, v);
   c.eos_token_ids = eos_ids_of(f);
   return c;  // other fields (bos_token_id, do_sample, a model's config) are not ours to judge
 }
@@ -84,7 +91,9 @@ void override_generation_config(GenerationConfig& config, const json& overrides,
   if (!overrides.is_object()) throw Error(origin + ": expected a JSON object");
   Fields f(overrides, origin);
   for (const SamplingKey& k : kSamplingKeys)
-    if (auto v = sampling_value(f, k, false)) k.set(config, *v);
+    // As vLLM, which updates the config with the overrides and keeps what is not None: a null
+    // unsets the key.
+    if (overrides.contains(k.name)) k.set(config, sampling_value(f, k, false));
   for (const auto& [key, value] : overrides.items())
     if (std::none_of(std::begin(kSamplingKeys), std::end(kSamplingKeys),
                      [&](const SamplingKey& k) { return key == k.name; }))

@@ -111,7 +111,10 @@ const text::ChatTemplate& qwen3_template() {
 // answer is content); thinking on, the model opens it. A </think> of an earlier turn (shown after
 // a tool result) does not end this answer's reasoning.
 TEST(Reasoning, QwenThinkingSwitchAndEarlierTurnsAsItsTemplateWritesThem) {
-  const ModelLimits limits{"m", 4096, 151936, 0, 0, ReasoningFormat::kQwen3};
+  const ModelLimits limits{.model_name = "m",
+                           .max_model_len = 4096,
+                           .vocab_size = 151936,
+                           .reasoning = ReasoningFormat::kQwen3};
   auto parse = [&](json body) {
     body["model"] = "m";
     if (!body.contains("messages")) body["messages"] = {{{"role", "user"}, {"content", "hi"}}};
@@ -140,7 +143,7 @@ TEST(Reasoning, QwenThinkingSwitchAndEarlierTurnsAsItsTemplateWritesThem) {
   const ApiRequest forced = parse({{"response_format", {{"type", "json_object"}}}});
   EXPECT_TRUE(forced.reasoning_all_content);
   // Without a reasoning parser nothing is read apart.
-  const ModelLimits plain{"m", 4096, 151936};
+  const ModelLimits plain{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
   json body = {{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}};
   EXPECT_EQ(parse_chat(body, qwen3(), &qwen3_template(), plain).reasoning, ReasoningFormat::kNone);
 }

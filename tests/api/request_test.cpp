@@ -24,7 +24,7 @@ using api_test::chat_template;
 using api_test::error_of;
 using api_test::tokenizer;
 
-const ModelLimits kLimits{"m", 4096, 129280};
+const ModelLimits kLimits{.model_name = "m", .max_model_len = 4096, .vocab_size = 129280};
 
 TEST(Protocol, CompletionPromptForms) {
   auto r = parse_completion(json{{"prompt", "Hello world"}}, tokenizer(), kLimits);
@@ -881,8 +881,11 @@ TEST(Protocol, TheOperatorCapsMaxTokensAndSetsItsDefault) {
 }
 
 // The model's generation config (--generation-config) sets what a request that omits a sampling
-// field gets, in every dialect, as vLLM's default_sampling_params; what the request gives wins.
-// Its max_new_tokens caps max_tokens, asked for or not, silently, as vLLM takes the least.
+// field gets, as vLLM's default_sampling_params do for its OpenAI endpoints; what the request
+// gives wins. SGLang's native /generate keeps its own defaults (SGLang applies the model's in its
+// OpenAI adapters). As vLLM's get_max_tokens, the config's max_new_tokens is a chat's max_tokens
+// when it gives none (the room's if smaller), and only max_tokens_cap (the override's) caps a
+// max_tokens asked for.
 TEST(Protocol, TheGenerationConfigSetsDefaultsTheRequestOverrides) {
   ModelLimits limits = kLimits;
   limits.sampling = {.temperature = 0.6,
@@ -890,7 +893,8 @@ TEST(Protocol, TheGenerationConfigSetsDefaultsTheRequestOverrides) {
                      .top_p = 0.95,
                      .min_p = 0.05,
                      .repetition_penalty = 1.1,
-                     .max_tokens = 0};
+                     .max_tokens = 0,
+                     .max_tokens_cap = 0};
   auto expect_defaults = [&](const SamplingParams& p, const std::string& dialect) {
     EXPECT_EQ(p.temperature, 0.6) << dialect;
     EXPECT_EQ(p.top_k, 20) << dialect;
@@ -902,8 +906,11 @@ TEST(Protocol, TheGenerationConfigSetsDefaultsTheRequestOverrides) {
   expect_defaults(parse_completion(json{{"prompt", "x"}}, tokenizer(), limits).sampling,
                   "completion");
   expect_defaults(parse_chat(chat, tokenizer(), &chat_template(), limits).sampling, "chat");
-  expect_defaults(parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits).sampling,
-                  "generate");
+  const SamplingParams native =
+      parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits).sampling;
+  EXPECT_EQ(native.temperature, 1.0);
+  EXPECT_EQ(native.top_k, 0);
+  EXPECT_EQ(native.top_p, 1.0);
   const SamplingParams given =
       parse_completion(json{{"prompt", "x"}, {"temperature", 0}, {"top_k", -1}, {"top_p", 1}},
                        tokenizer(), limits)
@@ -913,16 +920,22 @@ TEST(Protocol, TheGenerationConfigSetsDefaultsTheRequestOverrides) {
   EXPECT_EQ(given.top_p, 1);
   EXPECT_EQ(given.min_p, 0.05);  // the one left out
 
+  auto max_tokens = [&](const ApiRequest& r) { return r.sampling.max_tokens; };
   limits.sampling.max_tokens = 8;
-  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"max_tokens", 100}}, tokenizer(), limits)
-                .sampling.max_tokens,
-            8);
-  EXPECT_EQ(parse_completion(json{{"prompt", "x"}, {"max_tokens", 5}}, tokenizer(), limits)
-                .sampling.max_tokens,
-            5);
-  EXPECT_EQ(parse_chat(chat, tokenizer(), &chat_template(), limits).sampling.max_tokens, 8);
-  EXPECT_EQ(parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits).sampling.max_tokens,
-            8);
+  EXPECT_EQ(max_tokens(parse_chat(chat, tokenizer(), &chat_template(), limits)), 8);
+  json asked = chat;
+  asked["max_tokens"] = 100;
+  EXPECT_EQ(max_tokens(parse_chat(asked, tokenizer(), &chat_template(), limits)), 100);
+  EXPECT_EQ(max_tokens(parse_completion(json{{"prompt", "x"}}, tokenizer(), limits)), 16);
+  limits.sampling.max_tokens_cap = 8;
+  EXPECT_EQ(max_tokens(parse_chat(asked, tokenizer(), &chat_template(), limits)), 8);
+  EXPECT_EQ(
+      max_tokens(parse_completion(json{{"prompt", "x"}, {"max_tokens", 100}}, tokenizer(), limits)),
+      8);
+  EXPECT_EQ(
+      max_tokens(parse_completion(json{{"prompt", "x"}, {"max_tokens", 5}}, tokenizer(), limits)),
+      5);
+  EXPECT_EQ(max_tokens(parse_generate(json{{"input_ids", {1, 2}}}, tokenizer(), limits)), 128);
 }
 
 TEST(Protocol, ChatRendersTheTemplateAndDefaultsMaxTokensToTheRest) {
@@ -1123,8 +1136,9 @@ TEST(Protocol, StopReasonIsTheStopStringOrStopIdAsVllmAndSglangSayIt) {
         req.stream = stream;
         ResponseBuilder b(req, tokenizer(), "id-1", 123);
         std::vector<json> chunks = b.on_output(0, output({10}, "Hel", false));
-        if (kind != ApiKind::kGenerate)
+        if (kind != ApiKind::kGenerate) {
           for (const json& c : chunks) EXPECT_TRUE(c["choices"][0]["stop_reason"].is_null());
+        }
         chunks = b.on_output(0, last);
         const json body = stream ? chunks.back() : b.final_body();
         if (kind == ApiKind::kGenerate) {

@@ -20,7 +20,7 @@ using api_test::chat_template;
 using api_test::error_of;
 using api_test::tokenizer;
 
-const ModelLimits kLimits{"m", 64, 129280};
+const ModelLimits kLimits{.model_name = "m", .max_model_len = 64, .vocab_size = 129280};
 
 json tokenize(const json& body) {
   return tokenize_answer(body, tokenizer(), &chat_template(), kLimits);

@@ -1042,6 +1042,24 @@ std::unique_ptr<tandem::engine::Engine> engine_with_fake_transfers(
       registry);
 }
 
+// A decode leg of 40 prompt tokens from `base` waiting for its KV from "prefill-0" (for a pull:
+// transfer t0 of blocks 0..2; for a room: room 9).
+EngineRequest decode_leg(const std::string& id, int base, KvTransferSpec::Mode mode) {
+  EngineRequest r;
+  r.id = id;
+  r.prompt = tokens(40, base);
+  r.sampling.max_tokens = 4;
+  KvTransferSpec& kt = r.kv_transfer;
+  kt.mode = mode;
+  kt.host = "127.0.0.1";
+  kt.port = 1;
+  kt.engine_id = "prefill-0";
+  kt.transfer_id = "t0";
+  kt.remote_blocks = {0, 1, 2};
+  kt.room = 9;
+  return r;
+}
+
 // Stopping a decode engine whose legs still wait for their prompt's KV (a pull in flight, a
 // room it has not joined): the legs end "abort" and nothing reaches the transfers once they have
 // ended. Ending such a leg used to ask the destroyed transfers to release the prefill engine's
@@ -1054,18 +1072,9 @@ TEST_F(Disaggregation, StoppingADecodeEngineWithLegsWaitingForKvTouchesNoEndedTr
   auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
   std::vector<RequestOutput> outs(2);
   for (int i = 0; i < 2; ++i) {
-    EngineRequest r;
-    r.id = "leg" + std::to_string(i);
-    r.prompt = tokens(40, 100 + 50 * i);
-    r.sampling.max_tokens = 4;
-    KvTransferSpec& kt = r.kv_transfer;
-    kt.mode = i == 0 ? KvTransferSpec::Mode::kDecodeByPull : KvTransferSpec::Mode::kDecodeByRoom;
-    kt.host = "127.0.0.1";
-    kt.port = 1;
-    kt.engine_id = "prefill-0";
-    kt.transfer_id = "t0";
-    kt.remote_blocks = {0, 1, 2};
-    kt.room = 9;
+    EngineRequest r = decode_leg(
+        "leg" + std::to_string(i), 100 + 50 * i,
+        i == 0 ? KvTransferSpec::Mode::kDecodeByPull : KvTransferSpec::Mode::kDecodeByRoom);
     r.on_output = [&outs, i](const RequestOutput& o) {
       if (o.finished) outs[size_t(i)] = o;
     };
@@ -1091,18 +1100,7 @@ TEST_F(Disaggregation, ACancelledPullReleasesThePrefillBlocksWhenItEnds) {
   metrics::Registry registry;
   FakeTransfers* fake = nullptr;
   auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
-  EngineRequest r;
-  r.id = "leg";
-  r.prompt = tokens(40, 100);
-  r.sampling.max_tokens = 4;
-  KvTransferSpec& kt = r.kv_transfer;
-  kt.mode = KvTransferSpec::Mode::kDecodeByPull;
-  kt.host = "127.0.0.1";
-  kt.port = 1;
-  kt.engine_id = "prefill-0";
-  kt.transfer_id = "t0";
-  kt.remote_blocks = {0, 1, 2};
-  engine->submit(std::move(r));
+  engine->submit(decode_leg("leg", 100, KvTransferSpec::Mode::kDecodeByPull));
   for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
   ASSERT_EQ(fake->fetches.size(), 1u);
   engine->abort("leg");
@@ -1124,16 +1122,7 @@ TEST_F(Disaggregation, ACancelledRoomFetchAbandonsTheRoomWhenItEnds) {
   metrics::Registry registry;
   FakeTransfers* fake = nullptr;
   auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
-  EngineRequest r;
-  r.id = "leg";
-  r.prompt = tokens(40, 100);
-  r.sampling.max_tokens = 4;
-  KvTransferSpec& kt = r.kv_transfer;
-  kt.mode = KvTransferSpec::Mode::kDecodeByRoom;
-  kt.host = "127.0.0.1";
-  kt.port = 1;
-  kt.room = 9;
-  engine->submit(std::move(r));
+  engine->submit(decode_leg("leg", 100, KvTransferSpec::Mode::kDecodeByRoom));
   for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
   ASSERT_EQ(fake->fetches.size(), 1u);
   engine->abort("leg");

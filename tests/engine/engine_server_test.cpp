@@ -939,18 +939,27 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
 
 using testing::KeptReply;
 
-// `created` is when each request came (as OpenAI and vLLM), read from the API's clock as the
-// request is handled, not the time the engine started.
-TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
+// An engine in process on the simulated tiny model (virtual time: steps take none), run by the
+// test's own calls to run_once.
+std::unique_ptr<Engine> sim_engine(const EngineConfig& config, const text::Tokenizer& tok,
+                                   metrics::Registry& registry) {
   SimExecutorOptions x;
   x.preset = "tiny";
   x.model_name = "tiny";
   x.num_blocks = 64;
   x.time_scale = 0;
+  return std::make_unique<Engine>(
+      config, std::make_unique<SimExecutor>(tok, x),
+      std::shared_ptr<const text::Tokenizer>(&tok, [](const text::Tokenizer*) {}), eos_ids(tok, {}),
+      registry);
+}
+
+// `created` is when each request came (as OpenAI and vLLM), read from the API's clock as the
+// request is handled, not the time the engine started.
+TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
   metrics::Registry registry;
-  Engine engine(EngineConfig{}, std::make_unique<SimExecutor>(*tok_, x),
-                std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
-                eos_ids(*tok_, {}), registry);
+  const std::unique_ptr<Engine> owned = sim_engine(EngineConfig{}, *tok_, registry);
+  Engine& engine = *owned;
   int64_t unix_now = 1'700'000'000;
   GenerationApi api(
       engine, [](std::function<void()> task) { task(); }, {}, [&] { return unix_now; });
@@ -988,19 +997,13 @@ TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
 }
 
 // The engine validates requests with its generation config's defaults (--generation-config):
-// its max_new_tokens caps what a request asks for, as vLLM's does.
-TEST_F(EngineServer, TheGenerationConfigsMaxNewTokensCapsAnswers) {
-  SimExecutorOptions x;
-  x.preset = "tiny";
-  x.model_name = "tiny";
-  x.num_blocks = 64;
-  x.time_scale = 0;
+// --override-generation-config's max_new_tokens caps what a request asks for, as vLLM's does.
+TEST_F(EngineServer, TheOverridesMaxNewTokensCapsAnswers) {
   EngineConfig config;
-  config.sampling_defaults.max_tokens = 3;
+  config.sampling_defaults.max_tokens_cap = 3;
   metrics::Registry registry;
-  Engine engine(config, std::make_unique<SimExecutor>(*tok_, x),
-                std::shared_ptr<const text::Tokenizer>(tok_.get(), [](const text::Tokenizer*) {}),
-                eos_ids(*tok_, {}), registry);
+  const std::unique_ptr<Engine> owned = sim_engine(config, *tok_, registry);
+  Engine& engine = *owned;
   GenerationApi api(engine, [](std::function<void()> task) { task(); });
   net::HttpRequest req;
   req.method = "POST";

@@ -49,7 +49,9 @@ class TokensInTest : public ::testing::Test {
 
   // What a CPU engine serving the folder as `kModel` uses (CpuExecutor's limits).
   static ModelLimits engine_limits() {
-    return {kModel, config_->max_position_embeddings, config_->vocab_size};
+    return {.model_name = kModel,
+            .max_model_len = config_->max_position_embeddings,
+            .vocab_size = config_->vocab_size};
   }
   static ApiRequest engine_chat(const json& body) {
     return api::parse_chat(body, *engine_tok_, engine_template_, engine_limits());

@@ -111,6 +111,9 @@ TEST(GenerationConfig, OverridesApplyOverTheFileAndAreTakenAsGiven) {
   EXPECT_EQ(c.temperature, 0.2);
   EXPECT_EQ(c.top_p, 0.95);
   EXPECT_EQ(c.top_k, 50);  // vLLM updates with the overrides after the diff
+  override_generation_config(c, json::parse(R"({"top_p": null})"), "--flag");
+  EXPECT_FALSE(c.top_p);  // a null unsets the key, as vLLM keeps only what is not None
+  EXPECT_EQ(c.temperature, 0.2);
 }
 
 TEST(GenerationConfig, MalformedFieldsAreErrorsNamingTheFileAndTheField) {

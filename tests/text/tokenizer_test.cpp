@@ -439,7 +439,9 @@ TEST(ChatTemplateSources, TheChatApiRendersToolUseForARequestWithTools) {
                        {"additional_chat_templates/tool_use.jinja",
                         "with tools: {{ tools|map(attribute='function.name')|join(',') }}"}}));
   const ChatTemplate chat_template(tok.chat_templates());
-  const api::ModelLimits limits{"m", 4096, static_cast<int64_t>(tok.vocab_size())};
+  const api::ModelLimits limits{.model_name = "m",
+                                .max_model_len = 4096,
+                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
   const nlohmann::json messages = {{{"role", "user"}, {"content", "hi"}}};
   const nlohmann::json tools = {
       {{"type", "function"},
@@ -521,7 +523,9 @@ TEST(ChatTemplateSources, ToolSchemasWithIntegersBeyond64BitsRender) {
   const auto tok = Tokenizer::from_dir(template_folder(
       {{"chat_template.jinja", "{{ tools[0].function.parameters.properties.n.maximum }}"}}));
   const ChatTemplate chat_template(tok.chat_templates());
-  const api::ModelLimits limits{"m", 4096, static_cast<int64_t>(tok.vocab_size())};
+  const api::ModelLimits limits{.model_name = "m",
+                                .max_model_len = 4096,
+                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
   const std::string raw = R"({"messages": [{"role": "user", "content": "hi"}], "tools": [
       {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
        "properties": {"n": {"type": "integer", "maximum": 18446744073709551615}}}}}]})";

@@ -56,7 +56,6 @@ SimKvSize sim_kv_size(const SimExecutorOptions& options) {
 
 SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOptions& options)
     : model_(load_model(options.preset)), options_(options) {
-  if (options.block_size < 1) throw Error("block size must be at least 1");
   if (!(options.time_scale >= 0)) throw Error("sim: time scale must be >= 0");
   const Capacity cap = capacity_of(model_.name());
   info_.model_name = options.model_name;

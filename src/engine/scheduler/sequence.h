@@ -96,6 +96,9 @@ struct Sequence {
   int64_t cached_on_arrival = 0;
   uint64_t arrival_order = 0;
   double arrival_time = 0, first_token_time = -1, last_token_time = -1;
+  // When the engine loop took it in (vLLM's QUEUED event, which its engine core records between
+  // steps): queue time begins; TTFT and e2e latency count from arrival_time (submission).
+  double queued_time = 0;
   double first_scheduled_time = -1;  // its first step: queue time ends, prefill time begins
   int64_t num_preemptions = 0;
   bool admitted_once = false;

@@ -889,6 +889,17 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
   // Under the lock (a system call that does not wait): a connection this engine shut down itself,
   // stopping, is not the decode leg's doing.
   auto decode_left = [&] { return !stopping_ && conn.peer_gone(); };
+  // The room fails as one whose decode leg went away (true: stop waiting).
+  auto failed_if_decode_left = [&] {
+    decode_gone = decode_left();
+    if (decode_gone) failure = gone;
+    return decode_gone;
+  };
+  // A send failed: because the decode leg left, or as a failure of its own (under the lock).
+  auto send_failed = [&](const std::exception& e) {
+    if (!failed_if_decode_left())
+      failure = std::string("sending to the decode engine failed: ") + e.what();
+  };
   while (true) {
     if (stopping_) {
       failure = "the prefill engine is shutting down";
@@ -912,11 +923,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
       break;
     }
     if (r->has_prefill && r->layers_ready > sent && !r->blocks.empty()) {
-      if (decode_left()) {
-        failure = gone;
-        decode_gone = true;
-        break;
-      }
+      if (failed_if_decode_left()) break;
       const int64_t upto = r->layers_ready;
       std::vector<int32_t> blocks = r->blocks;
       lock.unlock();
@@ -931,9 +938,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
         if (sent == layout_.layers) send_json(conn, KvFrameType::kDone, json::object());
       } catch (const std::exception& e) {
         lock.lock();
-        decode_gone = decode_left();  // the send failed because the decode leg left
-        failure =
-            decode_gone ? gone : std::string("sending to the decode engine failed: ") + e.what();
+        send_failed(e);
         break;
       }
       lock.lock();
@@ -948,9 +953,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
         send_json(conn, KvFrameType::kProgress, {{"computed_tokens", progress_told}});
       } catch (const std::exception& e) {
         lock.lock();
-        decode_gone = decode_left();  // the send failed because the decode leg left
-        failure =
-            decode_gone ? gone : std::string("sending to the decode engine failed: ") + e.what();
+        send_failed(e);
         break;
       }
       lock.lock();
@@ -966,11 +969,7 @@ void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::
     }
     if (const auto now = Clock::now(); now >= next_peer_check) {
       next_peer_check = now + kPeerCheck;
-      if (decode_left()) {
-        failure = gone;
-        decode_gone = true;
-        break;
-      }
+      if (failed_if_decode_left()) break;
     }
     changed_.wait_until(lock, std::min(r->deadline, next_peer_check));
   }

@@ -171,4 +171,8 @@ std::unique_ptr<KvTransport> make_shm_transport(const TcpTransportOptions& optio
 // type][u32 zero][u64 payload bytes] little-endian + payload.
 std::unique_ptr<KvTransport> make_tcp_transport(const TcpTransportOptions& options = {});
 
+// KvConnection::peer_gone for a stream socket: the peer's end of stream (its FIN) or an error is
+// there at once; a peer still there has either nothing for us (EAGAIN) or a frame not read yet.
+bool socket_peer_gone(int fd);
+
 }  // namespace tandem::engine

@@ -252,11 +252,7 @@ class ShmConnection : public KvConnection {
 
   // The socket carries no frames once connected (only the sender's segment, towards the
   // client): it ends when the peer closes the connection or its process ends.
-  bool peer_gone() override {
-    char c;
-    const ssize_t n = ::recv(socket_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-  }
+  bool peer_gone() override { return socket_peer_gone(socket_); }
 
   void shutdown() override {
     stopped_ = true;

@@ -95,13 +95,7 @@ class TcpConnection : public KvConnection {
     ::shutdown(fd_, SHUT_RDWR);  // wakes a poll() blocked on the socket
   }
 
-  bool peer_gone() override {
-    // The end of the stream (the peer's FIN) or an error is there at once; a peer that is still
-    // there has either nothing for us (EAGAIN) or a frame we have not read yet.
-    char c;
-    const ssize_t n = ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-  }
+  bool peer_gone() override { return socket_peer_gone(fd_); }
 
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   std::string peer() const override { return peer_; }
@@ -279,6 +273,12 @@ class TcpTransport : public KvTransport {
 };
 
 }  // namespace
+
+bool socket_peer_gone(int fd) {
+  char c;
+  const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
 
 std::unique_ptr<KvTransport> make_tcp_transport(const TcpTransportOptions& options) {
   return std::make_unique<TcpTransport>(options);
