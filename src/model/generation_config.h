@@ -28,8 +28,8 @@ struct GenerationConfig {
 GenerationConfig read_generation_config(const std::filesystem::path& dir);
 
 // vLLM's --override-generation-config: a JSON object of the sampling keys above, applied over
-// `config` (the EOS ids are not among them); a key given as null unsets it. Throws tandem::Error naming `origin` and the field,
-// and any key that is not one of them.
+// `config` (the EOS ids are not among them); a key given as null unsets it. Throws tandem::Error
+// naming `origin` and the field, and any key that is not one of them.
 void override_generation_config(GenerationConfig& config, const nlohmann::json& overrides,
                                 const std::string& origin);
 
