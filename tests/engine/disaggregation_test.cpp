@@ -1092,49 +1092,44 @@ TEST_F(Disaggregation, StoppingADecodeEngineWithLegsWaitingForKvTouchesNoEndedTr
   EXPECT_EQ(std::vector<std::string>(ended + 1, log->end()), std::vector<std::string>{});
 }
 
-// A decode leg whose client leaves while its pull is still connecting: the prefill engine never
-// got the pull, so only this engine can let go of its hold, once the cancelled fetch ends (its
-// request was already gone; the blocks stayed held until their expiry).
-TEST_F(Disaggregation, ACancelledPullReleasesThePrefillBlocksWhenItEnds) {
+// A decode leg in `mode` whose client leaves while its fetch is still connecting: nothing tells
+// the prefill engine while the cancelled fetch runs, and `told` does, once, when it ends. Returns
+// the engine's KV usage then (the engine is stopped after).
+double cancel_while_fetching(const text::Tokenizer& tok, KvTransferSpec::Mode mode,
+                             const std::string& told) {
   auto log = std::make_shared<FakeTransfers::Log>();
   metrics::Registry registry;
   FakeTransfers* fake = nullptr;
-  auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
-  engine->submit(decode_leg("leg", 100, KvTransferSpec::Mode::kDecodeByPull));
+  auto engine = engine_with_fake_transfers(EngineRole::kDecode, tok, registry, log, &fake);
+  engine->submit(decode_leg("leg", 100, mode));
   for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
-  ASSERT_EQ(fake->fetches.size(), 1u);
+  EXPECT_EQ(fake->fetches.size(), 1u);
+  if (fake->fetches.empty()) return -1;
   engine->abort("leg");
   for (int i = 0; i < 10 && std::count(log->begin(), log->end(), "cancel_fetch") == 0; ++i)
     engine->run_once();
-  ASSERT_EQ(std::count(log->begin(), log->end(), "cancel_fetch"), 1);
-  EXPECT_EQ(std::count(log->begin(), log->end(), "release_remote"), 0) << "the fetch still runs";
+  EXPECT_EQ(std::count(log->begin(), log->end(), "cancel_fetch"), 1);
+  EXPECT_EQ(std::count(log->begin(), log->end(), told), 0) << "the fetch still runs";
   fake->post([done = fake->fetches[0]] { done({false, "cancelled", 0}); });
   for (int i = 0; i < 10 && engine->has_work(); ++i) engine->run_once();
-  EXPECT_EQ(std::count(log->begin(), log->end(), "release_remote"), 1);
+  EXPECT_EQ(std::count(log->begin(), log->end(), told), 1);
+  const double kv_usage = engine->load().kv_usage;
   engine->stop();
+  return kv_usage;
 }
 
-// A room decode leg whose client leaves while its fetch is still connecting: the registration
-// never reached the prefill engine, so the room's prefill leg waited for it until its timeout.
-// The leg abandons the room once the cancelled fetch ends, as one that never fetched does.
+// A pull: the prefill engine never got it, so only this engine can let go of its hold, once the
+// cancelled fetch ends (its request was already gone; the blocks stayed held until their
+// expiry).
+TEST_F(Disaggregation, ACancelledPullReleasesThePrefillBlocksWhenItEnds) {
+  cancel_while_fetching(*tok_, KvTransferSpec::Mode::kDecodeByPull, "release_remote");
+}
+
+// A room: the registration never reached the prefill engine, so the room's prefill leg waited
+// for it until its timeout. The leg abandons the room once the cancelled fetch ends, as one that
+// never fetched does.
 TEST_F(Disaggregation, ACancelledRoomFetchAbandonsTheRoomWhenItEnds) {
-  auto log = std::make_shared<FakeTransfers::Log>();
-  metrics::Registry registry;
-  FakeTransfers* fake = nullptr;
-  auto engine = engine_with_fake_transfers(EngineRole::kDecode, *tok_, registry, log, &fake);
-  engine->submit(decode_leg("leg", 100, KvTransferSpec::Mode::kDecodeByRoom));
-  for (int i = 0; i < 10 && fake->fetches.empty(); ++i) engine->run_once();
-  ASSERT_EQ(fake->fetches.size(), 1u);
-  engine->abort("leg");
-  for (int i = 0; i < 10 && std::count(log->begin(), log->end(), "cancel_fetch") == 0; ++i)
-    engine->run_once();
-  ASSERT_EQ(std::count(log->begin(), log->end(), "cancel_fetch"), 1);
-  EXPECT_EQ(std::count(log->begin(), log->end(), "abandon_room"), 0) << "the fetch still runs";
-  fake->post([done = fake->fetches[0]] { done({false, "cancelled", 0}); });
-  for (int i = 0; i < 10 && engine->has_work(); ++i) engine->run_once();
-  EXPECT_EQ(std::count(log->begin(), log->end(), "abandon_room"), 1);
-  EXPECT_EQ(engine->load().kv_usage, 0);
-  engine->stop();
+  EXPECT_EQ(cancel_while_fetching(*tok_, KvTransferSpec::Mode::kDecodeByRoom, "abandon_room"), 0);
 }
 
 // A prefill engine in process with fake transfers: what the engine does with a request id whose
