@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "cli/gateway_shutdown.h"
+#include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
@@ -26,6 +27,7 @@ struct GatewayCliOptions {
   size_t max_unsent_bytes = gateway::Topology{}.max_unsent_bytes,
          max_answer_bytes = gateway::Topology{}.max_answer_bytes;
   MaxTokensFlags max_tokens;
+  GenerationConfigFlags generation_config;  // the engines' (as `tandem engine` takes them)
   std::vector<std::string> prefill, decode, api_keys;
   double upstream_timeout = 300,
          shutdown_timeout =
@@ -100,6 +102,12 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t = from_flags(o);
   }
   apply_setting_flags(t, o, cmd, !o.config.empty());
+  if (!t.model.empty()) {
+    // A chat's default max_tokens where the gateway tokenizes: the engines' (read as they read it).
+    const EngineGenerationConfig g = load_generation_config(o.generation_config, t.model);
+    t.generation_max_tokens = g.sampling.max_tokens;
+    t.generation_max_tokens_cap = g.sampling.max_tokens_cap;
+  }
   const std::string mode = gateway::mode_name(t.mode);
   const size_t prefills = t.prefill.endpoints.size(), decodes = t.decode.endpoints.size();
   net::check_socket_host("--host", t.host);  // the flag's, or the topology file's
@@ -163,6 +171,14 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--priority-classes", o->priority_classes,
                   "priority classes file (YAML: classes, default, api_keys; see docs/gateway.md)");
   add_max_tokens_flags(*cmd, o->max_tokens);
+  cmd->add_option("--generation-config", o->generation_config.source,
+                  "the engines' --generation-config (auto, vllm or a folder): where the gateway "
+                  "tokenizes (--model), a chat without max_tokens gets the max_new_tokens they "
+                  "take from it, and every request is capped by a folder's")
+      ->capture_default_str();
+  cmd->add_option("--override-generation-config", o->generation_config.overrides,
+                  "the engines' --override-generation-config (a JSON object): its "
+                  "max_new_tokens caps every request where the gateway tokenizes");
   cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str();
   cmd->add_option("--prefill-retries", o->prefill_retries,

@@ -203,8 +203,14 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
-  if (!o.no_gateway_tokenizer)
-    g.model = model.rfind("sim:", 0) == 0 ? default_tokenizer().string() : model;
+  const bool sim = model.rfind("sim:", 0) == 0;
+  if (!o.no_gateway_tokenizer) g.model = sim ? default_tokenizer().string() : model;
+  // Its chats without max_tokens get the engines' default (the folder a simulated engine lacks
+  // has none); read before any engine starts, so a bad file fails at once.
+  const EngineGenerationConfig generation =
+      load_generation_config(o.generation_config, sim ? std::string() : model);
+  g.generation_max_tokens = generation.sampling.max_tokens;
+  g.generation_max_tokens_cap = generation.sampling.max_tokens_cap;
   // A tokens-in chat becomes a completion, whose answer the engine does not read for reasoning:
   // with a reasoning parser the engines get chats as chats (the gateway still tokenizes to route).
   if (!o.reasoning_parser.empty()) g.prefill.tokens_in = g.decode.tokens_in = false;

@@ -58,7 +58,11 @@ class Gateway::Impl {
                    tokenizer_.get()),
         admin_(topo_, std::move(config_path), *executor_, dispatcher_),
         dashboard_(topo_, *executor_, upstream_, dispatcher_) {
-    if (tokenizer_) tokenizer_->limit_max_tokens(topo_.max_tokens_limit, topo_.default_max_tokens);
+    if (tokenizer_) {
+      tokenizer_->limit_max_tokens(topo_.max_tokens_limit, topo_.default_max_tokens);
+      tokenizer_->use_generation_max_tokens(topo_.generation_max_tokens,
+                                            topo_.generation_max_tokens_cap);
+    }
     for (const auto& e : topo_.prefill.endpoints) endpoints_.add(true, e);
     for (const auto& e : topo_.decode.endpoints) endpoints_.add(false, e);
     front_end_.add_routes(server_);

@@ -70,6 +70,12 @@ class PromptTokenizer {
     limits_.max_tokens_limit = limit;
     limits_.default_max_tokens = default_value;
   }
+  // The engines' generation config's max_new_tokens (api::SamplingDefaults): a chat's max_tokens
+  // when it gives none, and a cap on every request's; 0: none.
+  void use_generation_max_tokens(int64_t fallback, int64_t cap) {
+    limits_.sampling.max_tokens = fallback;
+    limits_.sampling.max_tokens_cap = cap;
+  }
 
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   // 0 when neither config.json nor the constructor said.

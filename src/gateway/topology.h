@@ -137,6 +137,12 @@ struct Topology {
   std::string engine_api_key;
   int64_t max_tokens_limit = 0;
   int64_t default_max_tokens = 0;
+  // Where the gateway tokenizes, the engines' generation config's max_new_tokens
+  // (api::SamplingDefaults::max_tokens and max_tokens_cap): a chat's max_tokens when it gives none
+  // (the room's if smaller), and a cap on every request's; 0: none. From --generation-config and
+  // --override-generation-config, read as the engines read them; not a file's setting.
+  int64_t generation_max_tokens = 0;
+  int64_t generation_max_tokens_cap = 0;
   std::string admin_api_key;  // for /admin/*; empty: the admin API is off
   // For /metrics (which names every engine); empty: open, as vLLM's is.
   std::string metrics_api_key;

@@ -733,6 +733,31 @@ TEST(Cli, GatewayByteLimitsOutOfRangeAreRefusedNamingTheFlag) {
   EXPECT_THAT(help.output, HasSubstr("--max-answer-bytes"));
 }
 
+// Where it tokenizes, the gateway reads the engines' generation config (a chat's default
+// max_tokens): a bad one is refused at start naming the file and the field, as engines refuse it.
+TEST(Cli, AGatewayRefusesABadGenerationConfigNamingTheFileAndField) {
+  const auto dir = test::temp_path("gateway-generation-model").replace_extension();
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) + " make-model --preset tiny-v3 --out " +
+                              test::quote(dir) + " >/dev/null 2>&1"),
+            0);
+  const auto bad = dir / "bad-generation-config";
+  std::filesystem::create_directories(bad);
+  std::ofstream(bad / "generation_config.json") << R"({"max_new_tokens": -3})";
+  const std::string gateway =
+      "gateway --host 127.0.0.1 --port 0 --decode 127.0.0.1:1 --model " + test::quote(dir) + " ";
+  for (const auto& [flags, error] : std::vector<std::pair<std::string, std::string>>{
+           {"--generation-config " + test::quote(bad),
+            (bad / "generation_config.json").string() + ": field 'max_new_tokens'"},
+           {"--override-generation-config '{\"max_new_tokens\": \"many\"}'",
+            "--override-generation-config: field 'max_new_tokens'"}}) {
+    const auto r = run(gateway + flags);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(error)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("listening"))) << flags;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // A KV cache the machine cannot hold, or whose blocks outnumber int32 ids, is refused naming the
 // flag: it started (sparse pages, to die once filled) or ended in a bare std::bad_alloc.
 TEST(Cli, AnEngineRefusesAKvCacheBeyondTheMachineNamingTheFlag) {

@@ -193,6 +193,38 @@ TEST_F(TokensInTest, ChatDefaultMaxTokensIsTheRoomTheEnginesLeave) {
   EXPECT_EQ(gateway_->tokenize("/v1/chat/completions", explicit_budget)->max_tokens, 8);
 }
 
+// The engines' generation config (max_new_tokens, their --generation-config): a chat without
+// max_tokens gets what an engine gives it, not the room, and a cap applies as the engine's does.
+TEST_F(TokensInTest, MaxTokensFollowTheEnginesGenerationConfig) {
+  const int64_t engines = 512;
+  for (const auto& [fallback, cap] :
+       std::vector<std::pair<int64_t, int64_t>>{{100, 0}, {100000, 0}, {0, 50}, {100, 50}}) {
+    SCOPED_TRACE("max_new_tokens " + std::to_string(fallback) + ", cap " + std::to_string(cap));
+    PromptTokenizer gateway(*dir_, kModel);
+    gateway.use_generation_max_tokens(fallback, cap);
+    ModelLimits limits = engine_limits();
+    limits.max_model_len = engines;
+    limits.sampling.max_tokens = fallback;
+    limits.sampling.max_tokens_cap = cap;
+    json without = chat_bodies()[0];
+    json asked = without;
+    asked["max_tokens"] = 300;
+    for (const json& body : {without, asked}) {
+      const auto t = gateway.tokenize("/v1/chat/completions", body, engines);
+      ASSERT_TRUE(t.has_value());
+      const ApiRequest engine = api::parse_chat(body, *engine_tok_, engine_template_, limits);
+      EXPECT_EQ(t->max_tokens, engine.sampling.max_tokens) << body.dump();
+      EXPECT_EQ(engine_completion(tokens_in_body(body, *t)).sampling.max_tokens,
+                engine.sampling.max_tokens);
+    }
+    const int64_t room =
+        engines - int64_t(gateway.tokenize("/v1/chat/completions", without, engines)->ids.size());
+    const int64_t expected = fallback > 0 ? std::min(fallback, room) : room;
+    EXPECT_EQ(gateway.tokenize("/v1/chat/completions", without, engines)->max_tokens,
+              cap > 0 ? std::min(expected, cap) : expected);
+  }
+}
+
 TEST_F(TokensInTest, CompletionIdsAreTheEngines) {
   const std::vector<json> bodies = {
       json{{"prompt", "The quick brown fox"}, {"max_tokens", 8}},
