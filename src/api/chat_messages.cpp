@@ -2,18 +2,17 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "api/body_fields.h"
-#include "structured/ordered_json.h"
 
 namespace tandem::api {
 namespace {
 
-using nlohmann::json;
 using nlohmann::ordered_json;
 
 // The texts of a content given as a list of parts.
-std::vector<std::string> text_parts(const json& parts) {
+std::vector<std::string> text_parts(const ordered_json& parts) {
   std::vector<std::string> texts;
   for (const auto& part : parts) {
     // (json::value would throw a type_error, a 500, for a "type" that is not a string.)
@@ -39,23 +38,21 @@ ordered_json as_parts(const std::vector<std::string>& texts) {
 
 }  // namespace
 
-ordered_json template_messages(const json& messages, text::ContentFormat format) {
+ordered_json template_messages(const ordered_json& messages, text::ContentFormat format) {
   ordered_json out = ordered_json::array();
   for (const auto& m : messages) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       fail("messages", "every message needs a string 'role'");
-    ordered_json message = structured::parse_ordered(m.dump());
-    const json* content = field(m, "content");
+    ordered_json message = m;
+    const auto at = m.find("content");
+    const ordered_json* content = at == m.end() || at->is_null() ? nullptr : &*at;
     if (content && !content->is_string() && !content->is_array())
       fail("messages", "message content must be a string or a list of text parts");
-    if (format == text::ContentFormat::kOpenAI) {
-      std::vector<std::string> texts;
-      if (content && content->is_array()) texts = text_parts(*content);
-      if (content && content->is_string()) texts.push_back(content->get<std::string>());
-      message["content"] = m["role"] == "tool" ? ordered_json(joined(texts)) : as_parts(texts);
-    } else if (content && content->is_array()) {
-      message["content"] = joined(text_parts(*content));
-    }
+    std::vector<std::string> texts;
+    if (content && content->is_array()) texts = text_parts(*content);
+    if (content && content->is_string()) texts.push_back(content->get<std::string>());
+    const bool parts = format == text::ContentFormat::kOpenAI && m["role"] != "tool";
+    message["content"] = parts ? as_parts(texts) : ordered_json(joined(texts));
     out.push_back(std::move(message));
   }
   return out;

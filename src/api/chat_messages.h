@@ -6,16 +6,21 @@
 
 namespace tandem::api {
 
-// Each message as sent, with its content given in `format`, as vLLM gives it:
+// Each message as sent, in the client's key order (`messages` as the body's text holds it:
+// templates print a call's arguments and whole messages with tojson, in the order of Python's
+// dicts), with its content given in `format`, as vLLM gives it:
 //  - kString: text parts joined with "\n" into one string (templates that print content).
 //  - kOpenAI: a list of {"type": "text", "text": ...} parts, a string content becoming one part
-//    and a null one none (templates that loop over content, e.g. multimodal ones). A tool
-//    message's content is one string still (its texts joined): tool branches print it.
-// A null content stays null in the string format, as transformers and SGLang pass it (vLLM
-// passes "", which DeepSeek-V3's template takes for a message without tool calls). Throws
-// ApiError naming `messages` for a message without a string role or with content other than a
-// string, null or a list of text parts.
-nlohmann::ordered_json template_messages(const nlohmann::json& messages,
+//    (templates that loop over content, e.g. multimodal ones). A tool message's content is one
+//    string still (its texts joined): tool branches print it.
+// A null or absent content is no text: "" in the string format, no parts in the openai one, as
+// vLLM and SGLang give it, so that templates testing or searching it (Qwen3's `'</think>' in
+// message.content`) render an assistant turn that only calls tools, as OpenAI's SDKs send it.
+// DeepSeek-V3's template then takes such a turn for one without calls and shows none of them
+// (its `content is none` branch writes them), as it does under vLLM and SGLang. Throws ApiError
+// naming `messages` for a message without a string role or with content other than a string,
+// null or a list of text parts.
+nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
                                          text::ContentFormat format);
 
 }  // namespace tandem::api

@@ -796,8 +796,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // The shape of content the template that renders this request reads (the tool-use template,
   // when the request has tools and the model one).
   const text::ContentFormat format = chat_template->content_format(tools_field != nullptr);
-  nlohmann::ordered_json msgs = template_messages(*messages, format);
   OrderedBody ordered(raw_body);
+  nlohmann::ordered_json msgs = template_messages(ordered.get({"messages"}, *messages), format);
   const nlohmann::ordered_json tools_in_order =
       tools_field ? ordered.get({"tools"}, *tools_field) : nlohmann::ordered_json();
   const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "api/body_fields.h"
@@ -37,7 +38,8 @@ json copy_fields(const json& body, const char* const (&names)[N]) {
 }  // namespace
 
 json tokenize_answer(const json& body, const text::Tokenizer& tokenizer,
-                     const text::ChatTemplate* chat_template, const ModelLimits& limits) {
+                     const text::ChatTemplate* chat_template, const ModelLimits& limits,
+                     std::string_view raw_body) {
   if (!body.is_object()) fail("", "the request body must be a JSON object");
   const bool token_strs = boolean(body, "return_token_strs", false);
   // The count is the answer: a prompt longer than the context is counted, not refused.
@@ -47,8 +49,8 @@ json tokenize_answer(const json& body, const text::Tokenizer& tokenizer,
   unbounded.default_max_tokens = 0;
   ApiRequest parsed;
   if (field(body, "messages")) {
-    parsed = parse_chat(copy_fields(body, kChatFields), tokenizer, chat_template, unbounded,
-                        body.dump());
+    parsed =
+        parse_chat(copy_fields(body, kChatFields), tokenizer, chat_template, unbounded, raw_body);
   } else if (const json* prompt = field(body, "prompt")) {
     if (!prompt->is_string()) fail("prompt", "'prompt' must be a string");
     parsed = parse_completion(copy_fields(body, kCompletionFields), tokenizer, unbounded);

