@@ -183,7 +183,8 @@ void add_gateway_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--prefill-retries", o->prefill_retries,
                   "other engines tried when a prefill fails before the client got anything")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(0, gateway::kMaxPrefillRetries));
   cmd->add_option("--max-connections", o->max_connections,
                   "client connections held at once; past it new ones are closed at once "
                   "(0: three quarters of the file descriptor limit)")
@@ -205,10 +206,11 @@ void add_gateway_command(CLI::App& app) {
       ->check(held_bytes);
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(1, gateway::kMaxIoThreads));
   cmd->add_option("--upstream-timeout", o->upstream_timeout,
                   "seconds for a prefill, for the first token, and between two pieces of a stream")
       ->capture_default_str()
+      ->check(finite_seconds())
       ->check(CLI::PositiveNumber)
       // The topology's bound on durations (about 24.8 days); beyond it the conversion to
       // milliseconds could overflow before validation sees the value.

@@ -6,11 +6,23 @@
 
 namespace tandem::cli {
 
+CLI::Validator finite_seconds() {
+  return CLI::Validator(
+      [](const std::string& text) {
+        double value = 0;
+        if (CLI::detail::lexical_cast(text, value) && !std::isfinite(value))
+          return "expected a finite number of seconds, got " + text;
+        return std::string();
+      },
+      "FINITE");
+}
+
 void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds) {
   cmd.add_option("--shutdown-timeout", seconds,
                  "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish before "
                  "those left are answered 503; a second signal ends it at once (0: no drain)")
       ->capture_default_str()
+      ->check(finite_seconds())
       ->check(CLI::NonNegativeNumber)
       ->check(CLI::Range(0.0, 2147483.0));
 }

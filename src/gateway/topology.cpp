@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -188,6 +189,14 @@ constexpr const char* kEndpointNameExpected =
 
 std::string host_port(const Endpoint& e) {
   return net::url_host(e.host) + ":" + std::to_string(e.port);
+}
+
+std::string io_threads_expected() {
+  return "a whole number 1.." + std::to_string(kMaxIoThreads);
+}
+
+std::string retries_expected() {
+  return "a whole number 0.." + std::to_string(kMaxPrefillRetries);
 }
 
 std::string held_bytes_expected() {
@@ -542,7 +551,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
       t.host = r.non_empty_string(listen.at("host"), "listen.host", "a host name or address");
     if (listen.count("port")) t.port = r.port(listen.at("port"), "listen.port");
     if (listen.count("io_threads"))
-      t.io_threads = r.count(listen.at("io_threads"), "listen.io_threads", 1);
+      t.io_threads = static_cast<int>(r.integer(listen.at("io_threads"), "listen.io_threads", 1,
+                                                kMaxIoThreads, io_threads_expected()));
     if (listen.count("reuse_port"))
       t.reuse_port = r.boolean(listen.at("reuse_port"), "listen.reuse_port");
     if (listen.count("max_body_bytes"))
@@ -598,7 +608,8 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
   if (has("max_answer_bytes"))
     t.max_answer_bytes = r.held_bytes(keys.at("max_answer_bytes"), "max_answer_bytes");
   if (has("prefill_retries"))
-    t.prefill_retries = r.count(keys.at("prefill_retries"), "prefill_retries", 0);
+    t.prefill_retries = static_cast<int>(r.integer(keys.at("prefill_retries"), "prefill_retries", 0,
+                                                   kMaxPrefillRetries, retries_expected()));
   if (has("access_log"))
     t.access_log = r.file_path(r.non_empty_string(keys.at("access_log"), "access_log",
                                                   "a file path or \"-\" (standard output)"));
@@ -827,7 +838,8 @@ void check_key_option(const std::string& value, const std::string& field,
 void validate(Topology& t) {
   if (t.host.empty()) invalid("listen.host", "a host name or address", "nothing");
   // listen.port 0 is allowed: the system picks a free port (tests use that).
-  check_at_least(t.io_threads, 1, "listen.io_threads");
+  if (t.io_threads < 1 || t.io_threads > kMaxIoThreads)
+    invalid("listen.io_threads", io_threads_expected(), std::to_string(t.io_threads));
   if (t.max_body_bytes == 0) invalid("listen.max_body_bytes", "a size in bytes >= 1", "0");
   for (const auto& [value, path] : {std::pair{t.max_unsent_bytes, "listen.max_unsent_bytes"},
                                     std::pair{t.max_answer_bytes, "max_answer_bytes"}})
@@ -837,7 +849,8 @@ void validate(Topology& t) {
   // `--api-key "$UNSET"`: a guarded-looking gateway must not be meant open.
   for (const std::string& key : t.api_keys)
     if (key.empty()) invalid("api_keys (--api-key)", "non-empty keys", "an empty key");
-  check_at_least(t.prefill_retries, 0, "prefill_retries");
+  if (t.prefill_retries < 0 || t.prefill_retries > kMaxPrefillRetries)
+    invalid("prefill_retries", retries_expected(), std::to_string(t.prefill_retries));
   // Every duration, also of topologies built from flags or in code: each ends up in a timer.
   check_duration(t.health.probe_interval, "health.probe_interval_ms");
   check_duration(t.health.probe_timeout, "health.probe_timeout_ms");
@@ -916,9 +929,29 @@ void validate(Topology& t) {
               "a key that is not");
   }
 
-  std::map<std::string, std::string> names;  // name -> key path of its endpoint
   const std::pair<const Pool*, const char*> pools[] = {{&t.prefill, "prefill"},
                                                        {&t.decode, "decode"}};
+  // One engine twice in a pool (under two names) would take twice its in-flight limit; the
+  // admin API refuses it too (EndpointTable::admission_error). Checked before the names: an
+  // engine given twice without names has its default name (HOST:PORT) twice as well, and the
+  // error names the url the user wrote rather than a name they did not. Host names compare
+  // case-insensitively, as DNS resolves them.
+  for (const auto& [pool, name] : pools) {
+    std::map<std::pair<std::string, uint16_t>, const Endpoint*> addresses;
+    for (size_t i = 0; i < pool->endpoints.size(); ++i) {
+      const Endpoint& e = pool->endpoints[i];
+      std::string host = e.host;
+      std::transform(host.begin(), host.end(), host.begin(),
+                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      const auto [it, inserted] = addresses.emplace(std::pair{host, e.port}, &e);
+      if (!inserted)
+        invalid(at(std::string(name) + ".endpoints", i) + ".url",
+                std::string("an engine not yet in the ") + name + " pool",
+                host_port(e) + " as " + quoted(e.name) + ", which the " + name + " pool has as " +
+                    quoted(it->second->name));
+    }
+  }
+  std::map<std::string, std::string> names;  // name -> key path of its endpoint
   for (const auto& [pool, name] : pools) {
     for (size_t i = 0; i < pool->endpoints.size(); ++i) {
       const std::string path = at(std::string(name) + ".endpoints", i);
@@ -926,18 +959,6 @@ void validate(Topology& t) {
       if (!inserted)
         invalid(path + ".name", "a name unique in the topology",
                 quoted(pool->endpoints[i].name) + ", as " + it->second + " has");
-    }
-    // One engine twice in a pool (under two names) would take twice its in-flight limit; the
-    // admin API refuses it too (EndpointTable::admission_error).
-    std::map<std::pair<std::string, uint16_t>, const Endpoint*> addresses;
-    for (size_t i = 0; i < pool->endpoints.size(); ++i) {
-      const Endpoint& e = pool->endpoints[i];
-      const auto [it, inserted] = addresses.emplace(std::pair{e.host, e.port}, &e);
-      if (!inserted)
-        invalid(at(std::string(name) + ".endpoints", i) + ".url",
-                std::string("an engine not yet in the ") + name + " pool",
-                host_port(e) + " as " + quoted(e.name) + ", which the " + name + " pool has as " +
-                    quoted(it->second->name));
     }
   }
 }

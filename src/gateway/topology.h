@@ -107,6 +107,12 @@ struct PriorityClasses {
 // The largest value of max_unsent_bytes and max_answer_bytes: each is memory held for one client,
 // and a bound past what a machine gives one client is a typo or a unit mistake, not a setting.
 inline constexpr size_t kMaxHeldBytesLimit = size_t{16} << 30;
+// The most io threads (listen.io_threads, --http-threads): each holds descriptors of its own, and
+// past a machine's cores more only cost; a typo such as 100000 failed later, naming neither.
+inline constexpr int kMaxIoThreads = 64;
+// The most retries of one request's prefill (prefill_retries, --prefill-retries): each is an
+// engine call for one client request, which an engine answering 503 at once turns into a loop.
+inline constexpr int kMaxPrefillRetries = 16;
 // The longest engine name (bytes) a topology file or the admin API accepts: the name labels the
 // engine's metric series.
 inline constexpr size_t kMaxEndpointNameBytes = 256;
@@ -114,7 +120,7 @@ inline constexpr size_t kMaxEndpointNameBytes = 256;
 struct Topology {
   std::string host = "0.0.0.0";
   uint16_t port = 8080;
-  int io_threads = 2;
+  int io_threads = 2;       // 1 to kMaxIoThreads
   bool reuse_port = false;  // SO_REUSEPORT: replicas of this gateway may listen on the same port
   size_t max_body_bytes = size_t{8} << 20;
   // The stream high-water mark (net::HttpServerOptions::max_unsent_bytes): a streaming client
@@ -152,7 +158,8 @@ struct Topology {
   // any byte reaches the client, so a failure can still be retried); a larger one is refused with
   // a 502 that asks for stream: true. 1 to kMaxHeldBytesLimit.
   size_t max_answer_bytes = size_t{64} << 20;
-  int prefill_retries = 2;  // other prefill engines tried when one fails before any byte
+  // Other prefill engines tried when one fails before any byte; 0 to kMaxPrefillRetries.
+  int prefill_retries = 2;
   // The scheduling policy (policy.h make_policy): tandem, least_load, round_robin, cache_aware,
   // kv_router. Checked when the gateway is built.
   std::string policy = "tandem";

@@ -476,10 +476,14 @@ TEST(TopologyYaml, DocumentsThatAreNoMappingAreErrors) {
 
 TEST(TopologyYaml, LimitsAreChecked) {
   const std::pair<std::string, std::string> cases[] = {
-      {"listen: {io_threads: 0}", "listen.io_threads: expected a whole number >= 1, got 0"},
+      {"listen: {io_threads: 0}", "listen.io_threads: expected a whole number 1..64, got 0"},
+      // As --http-threads: 100000 failed later as "eventfd: Too many open files", naming neither.
+      {"listen: {io_threads: 65}", "listen.io_threads: expected a whole number 1..64, got 65"},
       {"listen: {max_body_bytes: 0}", "listen.max_body_bytes: expected a size in bytes >= 1"},
       {"max_queue: 0", "max_queue: expected a whole number >= 1, got 0"},
-      {"prefill_retries: -1", "prefill_retries: expected a whole number >= 0, got -1"},
+      {"prefill_retries: -1", "prefill_retries: expected a whole number 0..16, got -1"},
+      // Unbounded, one request against an engine answering 503 made tens of thousands of calls.
+      {"prefill_retries: 17", "prefill_retries: expected a whole number 0..16, got 17"},
       {"health: {probe_interval_ms: 0}", "health.probe_interval_ms: expected a duration"},
       {"health: {probe_timeout_ms: -5}", "health.probe_timeout_ms: expected a duration"},
       {"health: {failures_to_eject: 0}", "health.failures_to_eject: expected a whole number >= 1"},
@@ -664,9 +668,6 @@ TEST(TopologyValidate, NamesAreUniqueAcrossPools) {
                        "decode: {endpoints: [\"d:2\", {url: \"e:3\", name: a}]}"),
             "t.yaml: decode.endpoints[1].name: expected a name unique in the topology, got 'a', "
             "as prefill.endpoints[0] has");
-  // Default names are HOST:PORT, so the same engine twice is a duplicate too.
-  EXPECT_THAT(yaml_error("decode: {endpoints: [\"d:2\", \"http://d:2\"]}"),
-              StartsWith("t.yaml: decode.endpoints[1].name: expected a name unique"));
 }
 
 // One engine twice in a pool under two names would take twice its in-flight limit: the admin
@@ -680,6 +681,19 @@ TEST(TopologyValidate, AnAddressTwiceInAPoolIsRefusedNamingBothNames) {
                        "{url: \"p:1\", name: y}]}\ndecode: {endpoints: [\"d:2\"]}"),
             "t.yaml: prefill.endpoints[1].url: expected an engine not yet in the prefill pool, "
             "got p:1 as 'y', which the prefill pool has as 'x'");
+  // Without names the duplicate is named by its url, as with them: the default names (HOST:PORT)
+  // also collide, but the error named a key the user never wrote.
+  EXPECT_EQ(yaml_error("decode: {endpoints: [\"d:2\", \"http://d:2\"]}"),
+            "t.yaml: decode.endpoints[1].url: expected an engine not yet in the decode pool, got "
+            "d:2 as 'd:2', which the decode pool has as 'd:2'");
+  // Host names are case-insensitive (DNS): LOCALHOST is the engine localhost names.
+  EXPECT_EQ(yaml_error("decode: {endpoints: [\"localhost:2\", \"LOCALHOST:2\"]}"),
+            "t.yaml: decode.endpoints[1].url: expected an engine not yet in the decode pool, got "
+            "LOCALHOST:2 as 'LOCALHOST:2', which the decode pool has as 'localhost:2'");
+  Topology flags;
+  flags.decode.endpoints = {parse_endpoint("d:2"), parse_endpoint("d:2")};  // --decode d:2 twice
+  EXPECT_THAT(error_of([&] { validate(flags); }),
+              StartsWith("decode.endpoints[1].url: expected an engine not yet in the decode pool"));
   // The same engine in both pools is allowed (a tandem engine of role both serves either leg),
   // as are two ports of one host.
   EXPECT_NO_THROW(
@@ -776,6 +790,14 @@ TEST(TopologyValidate, NamesEndpointsAndChecksLimitsOfBuiltTopologies) {
   t = flag_topology();
   t.mode = PdMode::kAggregated;
   EXPECT_THAT(error_of([&] { validate(t); }), StartsWith("prefill.endpoints: expected no prefill"));
+  t = flag_topology();
+  t.io_threads = 100000;
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "listen.io_threads: expected a whole number 1..64, got 100000");
+  t = flag_topology();
+  t.prefill_retries = 100000;
+  EXPECT_EQ(error_of([&] { validate(t); }),
+            "prefill_retries: expected a whole number 0..16, got 100000");
   // Port 0 to listen on lets the system choose one, as tests do.
   t = flag_topology();
   t.port = 0;
