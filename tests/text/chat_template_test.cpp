@@ -678,6 +678,49 @@ TEST(ChatTemplate, NestingBeyondAnyRealTemplateIsAnError) {
   EXPECT_EQ(ChatTemplate(blocks).render(context), "x");
 }
 
+// Found by review: a chain (`'' + '' + ...`, `x.a.a`, `x|string|string`, `a and a and ...`)
+// builds a tree one level deeper per link, which evaluating and freeing recurse through: 20,000
+// links overflowed the stack (SIGSEGV), and 400,000 did inside {% if false %} when freed, as did
+// 100,000 `1 if x else` parsed. Jinja2 raises RecursionError for a few hundred. A tree deeper than
+// the nesting limit, counting the links of all the chains it is made of, is the nesting error
+// now; chains of a hundred links render as in Jinja2.
+TEST(ChatTemplate, ChainsBeyondAnyRealTemplateAreANestingError) {
+  auto chain = [](const std::string& first, const std::string& link, int links) {
+    std::string s = first;
+    for (int i = 0; i < links; ++i) s += link;
+    return s;
+  };
+  const std::vector<std::pair<std::string, std::string>> shapes = {
+      {"''", " + ''"},     {"1", " + 1"},  {"2", " * 1"},        {"2", " ** 1"}, {"1", " - 1"},
+      {"'a'", " and 'a'"}, {"0", " or 0"}, {"x", ".a"},          {"x", "[0]"},   {"x", "()"},
+      {"x", "|string"},    {"1", " if 1"}, {"1", " if x else 1"}};
+  for (const auto& [first, link] : shapes) {
+    for (int links : {2000, 100000}) {
+      const std::string expression = chain(first, link, links);
+      for (const std::string& source :
+           {"{{ " + expression + " }}", "{% if false %}{{ " + expression + " }}{% endif %}"}) {
+        EXPECT_NE(error_of(source).find("the template nests too deeply"), std::string::npos)
+            << links << " of" << link << ": " << error_of(source).substr(0, 200);
+      }
+    }
+  }
+  // Chains of different kinds, each within the limit, make one tree as deep as all of them.
+  EXPECT_NE(error_of("{{ " + chain("x", ".a", 300) + chain("", "|string", 300) + " }}")
+                .find("the template nests too deeply"),
+            std::string::npos);
+  EXPECT_NE(error_of("{{ " + chain("x", "|string", 200) + chain("", " * 1", 200) +
+                     chain("", " + 1", 200) + " }}")
+                .find("the template nests too deeply"),
+            std::string::npos);
+  // Jinja2's output for the same templates.
+  const ordered_json context = {{"x", {{"a", {{"a", "y"}}}}}};
+  EXPECT_EQ(ChatTemplate("{{ " + chain("1", " + 1", 99) + " }} {{ " + chain("'a'", "|string", 100) +
+                         " }} {{ " + chain("1", " and 1", 100) + " }} {{ x.a.a }} {{ " +
+                         chain("1", " if x else 0", 100) + " }}")
+                .render(context),
+            "100 a 1 y 1");
+}
+
 // Python would repeat a string or list any number of times; a count that wrapped the size check
 // (4 bytes * 2^62 = 2^64 = 0) or an empty operand (2^62 passes over nothing) hung or exhausted
 // memory. Repetition now checks the size by division and makes empty results without looping.

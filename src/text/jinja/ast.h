@@ -44,6 +44,8 @@ struct Expr {
   std::vector<std::unique_ptr<Expr>> children;
   std::vector<std::pair<std::string, std::unique_ptr<Expr>>> kwargs;
   std::vector<std::string> ops;  // kCompare: == != < <= > >= in notin
+  // Levels of the tree from this node down: evaluating and freeing it recurse that deep.
+  int height = 1;
 };
 
 enum class StmtKind {

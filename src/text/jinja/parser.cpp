@@ -1,5 +1,6 @@
 // Recursive-descent parser mirroring jinja2.parser.Parser, restricted to the statements chat
 // templates use.
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <initializer_list>
@@ -389,7 +390,7 @@ class Parser {
     }
     auto t = make(ExprKind::kTuple, line);
     t->children = std::move(args);
-    return t;
+    return measured(std::move(t));
   }
 
   std::unique_ptr<Expr> parse_assign_target(bool with_tuple,
@@ -430,12 +431,15 @@ class Parser {
     while (skip_name("if")) {
       auto expr2 = parse_or();
       std::unique_ptr<Expr> expr3;
-      if (skip_name("else")) expr3 = parse_condexpr();
+      if (skip_name("else")) {
+        const Nesting nesting(*this);  // `a if x else b if y else ...` recurses per else
+        expr3 = parse_condexpr();
+      }
       auto c = make(ExprKind::kCond, line);
       c->children.push_back(std::move(expr2));
       c->children.push_back(std::move(expr1));
       c->children.push_back(std::move(expr3));
-      expr1 = std::move(c);
+      expr1 = measured(std::move(c));
     }
     return expr1;
   }
@@ -446,7 +450,7 @@ class Parser {
     e->name = std::move(op);
     e->children.push_back(std::move(l));
     e->children.push_back(std::move(r));
-    return e;
+    return measured(std::move(e));
   }
 
   std::unique_ptr<Expr> parse_or() {
@@ -469,7 +473,7 @@ class Parser {
     if (skip_name("not")) {
       auto e = make(ExprKind::kNot, line);
       e->children.push_back(parse_not());
-      return e;
+      return measured(std::move(e));
     }
     return parse_compare();
   }
@@ -501,7 +505,7 @@ class Parser {
       cmp->ops.push_back(op);
       cmp->children.push_back(parse_math1());
     }
-    return cmp ? std::move(cmp) : std::move(expr);
+    return cmp ? measured(std::move(cmp)) : std::move(expr);
   }
 
   std::unique_ptr<Expr> parse_math1() {
@@ -522,7 +526,7 @@ class Parser {
     auto c = make(ExprKind::kConcat, line);
     c->children.push_back(std::move(first));
     while (skip_op("~")) c->children.push_back(parse_math2());
-    return c;
+    return measured(std::move(c));
   }
 
   std::unique_ptr<Expr> parse_math2() {
@@ -552,9 +556,11 @@ class Parser {
     if (skip_op("-")) {
       node = make(ExprKind::kNeg, line);
       node->children.push_back(parse_unary(false));
+      measure(*node);
     } else if (skip_op("+")) {
       node = make(ExprKind::kPos, line);
       node->children.push_back(parse_unary(false));
+      measure(*node);
     } else {
       node = parse_primary();
     }
@@ -628,7 +634,7 @@ class Parser {
         e->children.push_back(parse_expression(true));
       }
       expect_op("]");
-      return e;
+      return measured(std::move(e));
     }
     if (skip_op("{")) {
       auto e = make(ExprKind::kDict, line);
@@ -640,7 +646,7 @@ class Parser {
         e->children.push_back(parse_expression(true));
       }
       expect_op("}");
-      return e;
+      return measured(std::move(e));
     }
     fail("unexpected " + describe(t));
   }
@@ -685,7 +691,7 @@ class Parser {
         e->name = t.value;
         e->children.push_back(std::move(node));
         next();
-        return e;
+        return measured(std::move(e));
       }
       if (t.type != TokenType::kInteger) fail("expected name or number");
       auto key = make(ExprKind::kConst, t.line);
@@ -694,7 +700,7 @@ class Parser {
       auto e = make(ExprKind::kGetItem, line);
       e->children.push_back(std::move(node));
       e->children.push_back(std::move(key));
-      return e;
+      return measured(std::move(e));
     }
     expect_op("[");
     std::vector<std::unique_ptr<Expr>> args;
@@ -710,9 +716,9 @@ class Parser {
     } else {
       auto t = make(ExprKind::kTuple, line);
       t->children = std::move(args);
-      e->children.push_back(std::move(t));
+      e->children.push_back(measured(std::move(t)));
     }
-    return e;
+    return measured(std::move(e));
   }
 
   std::unique_ptr<Expr> parse_subscribed() {
@@ -744,7 +750,7 @@ class Parser {
     }
     auto s = make(ExprKind::kSlice, line);
     s->children = std::move(args);
-    return s;
+    return measured(std::move(s));
   }
 
   void parse_call_args(Expr& e) {
@@ -775,7 +781,7 @@ class Parser {
     auto e = make(ExprKind::kCall, cur().line);
     e->children.push_back(std::move(node));
     parse_call_args(*e);
-    return e;
+    return measured(std::move(e));
   }
 
   // The name and arguments of a filter; children[0] (its input) is already set.
@@ -790,6 +796,7 @@ class Parser {
       throw Error(line_message(f.line, "unsupported filter '" + f.name + "'"));
     }
     if (is_op("(")) parse_call_args(f);
+    measure(f);
   }
 
   std::unique_ptr<Expr> parse_test(std::unique_ptr<Expr> node) {
@@ -817,13 +824,31 @@ class Parser {
       if (is_name("is")) fail("you cannot chain multiple tests with is");
       e->children.push_back(parse_postfix(parse_primary()));
     }
-    return e;
+    return measured(std::move(e));
   }
 
   // Blocks, parentheses, brackets and unary operators nest by recursion, here and in the
   // interpreter: a template nested deeper than any real one (a few thousand '(' or '-') would
   // exhaust the stack. Each of the functions nesting passes through counts one level.
   static constexpr int kMaxNesting = 500;
+
+  // Evaluating and freeing an expression recurse once per level of its tree, and chains
+  // (`a + b + c`, `x.a.b`, `x | f | g`) are parsed by loops that make it one level deeper per
+  // link. So each node's height counts toward the limit too, with the levels around it; a tree
+  // made of several chains is as deep as all of them.
+  void measure(Expr& e) {
+    int below = 0;
+    for (const auto& c : e.children) {
+      if (c) below = std::max(below, c->height);
+    }
+    for (const auto& [key, value] : e.kwargs) below = std::max(below, value->height);
+    e.height = below + 1;
+    if (nesting_ + e.height > kMaxNesting) fail("the template nests too deeply");
+  }
+  std::unique_ptr<Expr> measured(std::unique_ptr<Expr> e) {
+    measure(*e);
+    return e;
+  }
   struct Nesting {
     Parser& parser;
     explicit Nesting(Parser& p) : parser(p) {
