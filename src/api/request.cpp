@@ -296,10 +296,17 @@ std::optional<structured::OutputSpec> structured_output_of(const json& body, Ord
           // The grammars allow JSON's white space, at most kMaxWhitespace bytes at a time.
           fail(name,
                "'" + name + "' is not supported: answers may hold JSON white space between tokens");
+        else if (k == "disable_additional_properties" && !v.is_boolean())
+          fail(name, "'" + name + "' must be a boolean");
         else if (k != "disable_fallback" && k != "disable_any_whitespace" &&
                  k != "disable_additional_properties")
           fail(name, "'" + name + "' is not a structured output Tandem knows");
       }
+      // vLLM's: closes the JSON schema's objects (structured/json_schema.h); regexes, choices and
+      // json_object have no schema to close, there as here.
+      if (const json* d = field(*so, "disable_additional_properties");
+          d && d->is_boolean() && spec && spec->kind == Kind::kJsonSchema)
+        spec->disable_additional_properties = d->get<bool>();
     }
   }
   if (spec) {

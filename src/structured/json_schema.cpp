@@ -49,7 +49,8 @@ const std::pair<const char*, int64_t> kCounts[] = {{"minItems", kMaxItems},
 
 class SchemaCompiler {
  public:
-  SchemaCompiler(Grammar& g, const json& root) : g_(g), root_(root) {}
+  SchemaCompiler(Grammar& g, const json& root, bool disable_additional_properties = false)
+      : g_(g), root_(root), disable_additional_properties_(disable_additional_properties) {}
 
   Symbol value(const json& schema, const std::string& where) {
     // Nesting in the document is bounded by its parser, but a chain of $refs is not.
@@ -758,7 +759,11 @@ class SchemaCompiler {
       std::vector<std::string> saved;
       ~Restore() { leading = std::move(saved); }
     } restore{leading_, std::exchange(leading_, {})};
-    const json extra = schema.value("additionalProperties", json(true));
+    // Unsaid, additional properties are allowed, unless vLLM's disable_additional_properties
+    // closes this schema (as its guidance backend does each that lists properties).
+    const json extra =
+        schema.value("additionalProperties",
+                     json(!(disable_additional_properties_ && schema.contains("properties"))));
     if (props.empty()) {
       // No listed properties: any members, of the additionalProperties schema when one is given.
       if (extra.is_boolean() && !extra.get<bool>())
@@ -808,6 +813,7 @@ class SchemaCompiler {
 
   Grammar& g_;
   const json& root_;
+  bool disable_additional_properties_ = false;
   std::map<std::string, Symbol> refs_;
   // $refs being compiled with no byte of their value read yet (the innermost last), and the
   // $refs each reaches that way.
@@ -824,9 +830,10 @@ class SchemaCompiler {
 
 }  // namespace
 
-Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema) {
+Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema,
+                                 bool disable_additional_properties) {
   const size_t first = g.rules();
-  SchemaCompiler c(g, schema);
+  SchemaCompiler c(g, schema, disable_additional_properties);
   const Symbol v = c.value(schema, "");
   c.check_ref_cycles();
   // Rules from before this schema's were checked with theirs.

@@ -17,8 +17,14 @@ inline constexpr int kMaxFractionDigits = 16;  // digits after the decimal point
 inline constexpr int kMaxExponentDigits = 3;
 
 // Adds to `g` a rule matching the JSON text of a value valid under `schema`, and returns it.
-// Throws tandem::Error naming the unsupported keyword and where it is.
-Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema);
+// `disable_additional_properties`: vLLM's option, which its guidance backend implements by setting
+// additionalProperties to false in each (sub)schema that lists properties or patternProperties and
+// sets no additionalProperties; here each such object schema compiled (wherever it stands: under
+// properties, items, anyOf, $defs, additionalProperties) is closed alike, and literal values
+// (const, enum, default) are left as written. Throws tandem::Error naming the unsupported keyword
+// and where it is.
+Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schema,
+                                 bool disable_additional_properties = false);
 // A rule matching any JSON object (OpenAI's json_object).
 Grammar::Symbol json_object_rule(Grammar& g);
 

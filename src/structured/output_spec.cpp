@@ -14,7 +14,8 @@
 namespace tandem::structured {
 
 std::string OutputSpec::key() const {
-  return std::to_string(static_cast<int>(kind)) + ":" + text;
+  return std::to_string(static_cast<int>(kind)) + (disable_additional_properties ? "c" : "") + ":" +
+         text;
 }
 
 namespace {
@@ -37,7 +38,7 @@ std::shared_ptr<const Grammar> compile(const OutputSpec& spec) {
       root = json_object_rule(*g);
       break;
     case OutputSpec::Kind::kJsonSchema:
-      root = json_schema_rule(*g, parse_checked(spec.text));
+      root = json_schema_rule(*g, parse_checked(spec.text), spec.disable_additional_properties);
       break;
     case OutputSpec::Kind::kRegex:
       if (spec.text.empty()) throw Error("the regex is empty");

@@ -19,6 +19,8 @@ struct OutputSpec {
   // Its grammar, compiled where the request was parsed (off the engine's thread, which only looks
   // it up or takes this); null: the engine compiles it.
   std::shared_ptr<const Grammar> compiled = nullptr;
+  // kJsonSchema: vLLM's disable_additional_properties (structured/json_schema.h).
+  bool disable_additional_properties = false;
 
   // One string per distinct spec: the cache key of its grammar.
   std::string key() const;

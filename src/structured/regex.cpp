@@ -115,7 +115,7 @@ class RegexCompiler {
       } else if (peek('?')) {
         ++i_;
         max = 1;
-      } else if (peek('{') && braces(min, max)) {
+      } else if (peek('{') && braces(min, max, true)) {
       } else {
         return atom_piece;
       }
@@ -130,8 +130,10 @@ class RegexCompiler {
     }
   }
 
-  // {m}, {m,}, {m,n}; false (nothing read) when the brace is a literal.
-  bool braces(int64_t& min, int64_t& max) {
+  // {m}, {m,}, {m,n}; false (nothing read) when the brace is a literal. {,n} and {,} are refused:
+  // Python's re reads them as {0,n} and {0,}, ECMAScript as literal text. `read`: false to only
+  // tell whether a count is there (i_ stays).
+  bool braces(int64_t& min, int64_t& max, bool read) {
     size_t j = i_ + 1;
     // Every digit is read (ten of them were cut at nine and the brace taken as literal text);
     // the value saturates past kMaxRepeat, which quantified() refuses.
@@ -142,6 +144,13 @@ class RegexCompiler {
         v = std::min(v * 10 + (p_[j++] - '0'), kMaxRepeat + 1);
       return j > from;
     };
+    if (j < p_.size() && p_[j] == ',') {
+      ++j;
+      number(max);
+      if (j < p_.size() && p_[j] == '}')
+        fail("'{,n}' is not supported (Python reads it as {0,n}, ECMAScript as text): write {0,n}");
+      return false;
+    }
     if (!number(min)) return false;
     if (j < p_.size() && p_[j] == '}') {
       max = min;
@@ -153,7 +162,7 @@ class RegexCompiler {
       return false;
     }
     if (max >= 0 && max < min) fail("a repetition's maximum is below its minimum");
-    i_ = j + 1;
+    if (read) i_ = j + 1;
     return true;
   }
 
@@ -183,6 +192,12 @@ class RegexCompiler {
         return {{ranges_rule(complement({{'\n', '\n'}}))}, false};
       case '\\':
         return {{ranges_rule(escape(false))}, false};
+      case '{': {
+        // A count with nothing before it (both Python and ECMAScript refuse it).
+        int64_t min = 0, max = 0;
+        if (braces(min, max, false)) fail("nothing to repeat");
+        break;
+      }
       case '*':
       case '+':
       case '?':
@@ -248,6 +263,12 @@ class RegexCompiler {
       case 'v':
         return one('\v');
       case '0':
+        // \0 then digits is octal to Python's re (\012 is a newline) and an error under
+        // ECMAScript's u flag.
+        if (i_ + 1 < p_.size() && p_[i_ + 1] >= '0' && p_[i_ + 1] <= '9') {
+          --i_;
+          fail("octal escapes (\\0 followed by a digit) are not supported: write \\xNN");
+        }
         return one(0);
       case 'x':
       case 'u': {

@@ -37,14 +37,27 @@ std::shared_ptr<const std::vector<uint64_t>> MaskCache::find(const std::string& 
 }
 
 void MaskCache::put(const std::string& state, std::shared_ptr<const std::vector<uint64_t>> mask) {
+  // The map's node and the list's, besides the key's and the mask's own bytes.
+  constexpr size_t kEntryOverhead = 128;
+  const size_t cost = state.size() + (mask ? mask->size() * sizeof(uint64_t) : 0) + kEntryOverhead;
   std::lock_guard lock(mutex_);
-  if (entries_.count(state)) return;
-  order_.push_front(state);
-  entries_.emplace(state, Entry{std::move(mask), order_.begin()});
-  while (entries_.size() > capacity_) {
-    entries_.erase(order_.back());
+  // An entry over the whole budget would evict every other and still not fit: it is not kept.
+  if (cost > max_bytes_ || entries_.count(state)) return;
+  const auto it = entries_.emplace(state, Entry{std::move(mask), {}, cost}).first;
+  order_.push_front(&it->first);
+  it->second.at = order_.begin();
+  bytes_ += cost;
+  while (!order_.empty() && (entries_.size() > capacity_ || bytes_ > max_bytes_)) {
+    const auto last = entries_.find(*order_.back());
     order_.pop_back();
+    bytes_ -= last->second.bytes;
+    entries_.erase(last);
   }
+}
+
+size_t MaskCache::bytes() {
+  std::lock_guard lock(mutex_);
+  return bytes_;
 }
 
 TokenConstraint::TokenConstraint(std::shared_ptr<const Grammar> grammar,

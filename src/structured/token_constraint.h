@@ -40,20 +40,29 @@ class MaskVocabulary {
   std::vector<std::string> bytes_;
 };
 
-// The masks met so far for one grammar, by state (bounded: the least recently used go).
+// The masks met so far for one grammar, by state (bounded in number and in the bytes of keys
+// and masks: the least recently used go).
 class MaskCache {
  public:
-  explicit MaskCache(size_t capacity) : capacity_(capacity) {}
+  // 128 masks of a 262k-token vocabulary are 4 MiB; keys grow with the answer's nesting, and 32
+  // grammars' caches of 128 such keys each held 80 MB.
+  static constexpr size_t kMaxBytes = size_t(6) << 20;
+  explicit MaskCache(size_t capacity, size_t max_bytes = kMaxBytes)
+      : capacity_(capacity), max_bytes_(max_bytes) {}
   std::shared_ptr<const std::vector<uint64_t>> find(const std::string& state);
   void put(const std::string& state, std::shared_ptr<const std::vector<uint64_t>> mask);
+  size_t bytes();
 
  private:
   std::mutex mutex_;
-  size_t capacity_;
-  std::list<std::string> order_;  // most recent first
+  size_t capacity_, max_bytes_;
+  size_t bytes_ = 0;
+  // The keys in entries_, most recent first (each key held once: keys grow long).
+  std::list<const std::string*> order_;
   struct Entry {
     std::shared_ptr<const std::vector<uint64_t>> mask;
-    std::list<std::string>::iterator at;
+    std::list<const std::string*>::iterator at;
+    size_t bytes = 0;  // its key's and mask's
   };
   std::unordered_map<std::string, Entry> entries_;
 };

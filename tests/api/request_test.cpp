@@ -562,6 +562,33 @@ TEST(Protocol, StructuredOutputsAreReadFromEveryDialect) {
   EXPECT_EQ(generate.sampling.structured_output->field, "json_schema");
 }
 
+// structured_outputs.disable_additional_properties is vLLM's: object schemas that list properties
+// and leave additionalProperties unsaid are closed (its guidance backend's rewrite), so the answer
+// to an empty object schema is {} alone. It was accepted and ignored (any members were written).
+TEST(Protocol, DisableAdditionalPropertiesClosesTheSchemasObjects) {
+  const json schema = {
+      {"type", "object"}, {"properties", json::object()}, {"required", json::array()}};
+  auto spec_of = [&](const json& flag) {
+    const json body = {
+        {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+        {"structured_outputs", {{"json", schema}, {"disable_additional_properties", flag}}}};
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits).sampling.structured_output;
+  };
+  auto accepts = [](const std::optional<structured::OutputSpec>& spec, const std::string& answer) {
+    structured::GrammarMatcher m(spec->compiled);
+    return m.advance(answer) && m.accepting();
+  };
+  const auto closed = spec_of(true), open = spec_of(false);
+  ASSERT_TRUE(closed && closed->compiled && open && open->compiled);
+  EXPECT_TRUE(accepts(closed, "{}"));
+  EXPECT_FALSE(accepts(closed, R"({"a": 1})"));
+  EXPECT_TRUE(accepts(open, R"({"a": 1})"));
+  EXPECT_NE(closed->key(), open->key()) << "the engine caches grammars by key";
+  const ApiError e = error_of([&] { spec_of("yes"); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "structured_outputs.disable_additional_properties");
+}
+
 // nlohmann::json sorts keys; schemas and tools keep the client's order, from the body's text: the
 // answer's properties come in the order the schema lists them, as OpenAI's strict mode writes.
 TEST(Protocol, SchemasAndToolsKeepTheClientsKeyOrder) {

@@ -559,6 +559,50 @@ TEST(StructuredOutput, UnsupportedSchemaKeywordsAndRegexConstructsAreNamed) {
   EXPECT_NE(error(K::kChoice, R"([])").find("non-empty"), std::string::npos);
 }
 
+// vLLM's disable_additional_properties (its guidance backend's process_for_additional_properties)
+// closes each object schema that lists properties and leaves additionalProperties unsaid, at any
+// depth: in properties, items, anyOf, $defs and additionalProperties. Listed properties are
+// all an answer writes anyway; what changes is an object schema of no listed properties, which
+// allowed any members.
+TEST(StructuredOutput, DisablingAdditionalPropertiesClosesObjectSchemasThatListProperties) {
+  using K = OutputSpec::Kind;
+  auto grammar = [](const std::string& schema, bool closed) {
+    OutputSpec spec{K::kJsonSchema, schema, "structured_outputs.json"};
+    spec.disable_additional_properties = closed;
+    return compile(spec);
+  };
+  const std::string empty = R"({"type": "object", "properties": {}, "required": []})";
+  EXPECT_TRUE(full_match(grammar(empty, false), R"({"a": 1})"));
+  EXPECT_TRUE(full_match(grammar(empty, true), "{}"));
+  EXPECT_FALSE(full_match(grammar(empty, true), R"({"a": 1})"));
+  EXPECT_FALSE(full_match(grammar(empty, true), R"({"": {}})"));
+  const std::string nested = R"({"type": "object", "properties": {
+      "inner": {"type": "object", "properties": {}},
+      "list": {"type": "array", "items": {"properties": {}}},
+      "either": {"anyOf": [{"type": "object", "properties": {}}, {"type": "string"}]},
+      "ref": {"$ref": "#/$defs/d"},
+      "map": {"type": "object", "properties": {}, "additionalProperties": {"properties": {}}},
+      "loose": {"type": "object"}},
+    "$defs": {"d": {"type": "object", "properties": {}}}})";
+  const auto open = grammar(nested, false), closed = grammar(nested, true);
+  for (const std::string answer :
+       {R"({"inner": {"x": 1}})", R"({"list": [{}, {"x": 1}]})", R"({"either": {"x": 1}})",
+        R"({"ref": {"x": 1}})", R"({"map": {"k": {"x": 1}}})"}) {
+    EXPECT_TRUE(full_match(open, answer)) << answer;
+    EXPECT_FALSE(full_match(closed, answer)) << answer;
+  }
+  for (const std::string answer :
+       {R"({"inner": {}, "list": [{}, {}], "either": {}, "ref": {}, "map": {"k": {}}})",
+        R"({"either": "s", "map": {"k": {}, "j": {}}})",
+        // An additionalProperties given is kept, and vLLM closes no schema without properties.
+        R"({"loose": {"x": {"y": 1}}})"})
+    EXPECT_TRUE(full_match(closed, answer)) << answer;
+  // Distinct grammars, so distinct cache keys.
+  OutputSpec a{K::kJsonSchema, empty, "f"}, b = a;
+  b.disable_additional_properties = true;
+  EXPECT_NE(a.key(), b.key());
+}
+
 // anyOf, oneOf, const and enum compile to a grammar of their own: a constraint beside them would
 // not be enforced, so it is refused by name (annotations and a 'type' every value has pass).
 // Telling oneOf's schemas apart is bounded work: eight branches that each refer back to the root
@@ -842,6 +886,45 @@ TEST(StructuredOutput, RepeatCountsOfManyDigitsAreRefused) {
   EXPECT_FALSE(full_match(g, "ax"));
 }
 
+// Python's re reads a{,3} as 0 to 3 a's and \012 as octal (a newline), where the compiler read
+// the text "a{,3}" and a NUL then "12"; ECMAScript reads a{,3} as text (and refuses \012 under its
+// u flag), so neither is in the common subset: both are refused by name and offset, as is a count
+// with nothing before it to repeat, which both refuse. Python's readings are checked here too.
+TEST(StructuredOutput, BracesWithoutAMinimumAndOctalEscapesAreRefusedByName) {
+  const std::pair<std::string, std::string> refused[] = {
+      {"a{,3}", "offset 1: '{,n}'"},
+      {"xa{,}", "offset 2: '{,n}'"},
+      {"[ab]{,12}c", "offset 4: '{,n}'"},
+      {"{,3}", "offset 0: '{,n}'"},
+      {"\\012", "offset 0: octal escapes"},
+      {"a\\00", "offset 1: octal escapes"},
+      {"[\\012]", "offset 1: octal escapes"},
+      {"\\09", "offset 0: octal escapes"},
+      {"{1}", "offset 0: nothing to repeat"},
+      {"a|{2,}", "offset 2: nothing to repeat"},
+      {"({1,2})", "offset 1: nothing to repeat"},
+  };
+  for (const auto& [pattern, error] : refused) {
+    const std::string e = compile_error(OutputSpec::Kind::kRegex, pattern);
+    EXPECT_NE(e.find(error), std::string::npos) << pattern << "\n  " << e;
+  }
+  // What Python's re would have matched instead.
+  const json input = {{"regex",
+                       {{{"pattern", "a{,3}"}, {"texts", {"aa", "a{,3}"}}},
+                        {{"pattern", "\\012"},
+                         {"texts",
+                          {"\n", std::string("\0"
+                                             "12",
+                                             3)}}}}}};
+  const json judged = oracle(input);
+  ASSERT_TRUE(judged.contains("regex"));
+  EXPECT_EQ(judged["regex"], json::parse("[[true, false], [true, false]]"));
+  // A lone NUL escape and braces that are no count stay what both read them as.
+  for (const auto& [pattern, text] : std::vector<std::pair<std::string, std::string>>{
+           {"a\\0b", std::string("a\0b", 3)}, {"a{}", "a{}"}, {"a{x}", "a{x}"}, {"{x", "{x"}})
+    EXPECT_TRUE(full_match(compile({OutputSpec::Kind::kRegex, pattern, "f"}), text)) << pattern;
+}
+
 // JSON Schema counts are whole numbers, however written: maxLength 5.0 is 5 (it was a 400).
 TEST(StructuredOutput, CountKeywordsTakeWholeNumbersWrittenAsFloats) {
   using K = OutputSpec::Kind;
@@ -981,6 +1064,40 @@ TEST(StructuredOutput, MasksCachedByMaskKeyAreTheMasksOfAFreshWalk) {
     // Not vacuous: the walks met states that differ (key) but share a mask key.
     EXPECT_LT(by_mask_key.size(), keys.size()) << states << " states, " << reused << " reused";
   }
+}
+
+// Mask keys grow with the parse stacks and the answer's nesting: a recursive array schema whose
+// answers nested '[[[[' filled each of 32 grammars' 128 entries with keys of kilobytes (an
+// engine's RSS grew by 80 MB and stayed). The cache is bounded in bytes too, keys and masks
+// counted: the least recently used go first, and an entry larger than the whole budget is not
+// kept.
+TEST(StructuredOutput, TheMaskCacheKeepsItsKeysAndMasksWithinItsByteBudget) {
+  constexpr size_t kBudget = size_t(64) << 10;
+  MaskCache cache(128, kBudget);
+  const auto mask = std::make_shared<const std::vector<uint64_t>>(64);
+  auto key = [](int i) { return std::to_string(i) + std::string(10'000, 'k'); };
+  for (int i = 0; i < 40; ++i) {
+    cache.put(key(i), mask);
+    EXPECT_LE(cache.bytes(), kBudget);
+    EXPECT_TRUE(cache.find(key(i))) << "the newest entry is kept";
+  }
+  EXPECT_FALSE(cache.find(key(0)));
+  EXPECT_GE(cache.bytes(), kBudget / 2) << "the budget is used, not emptied";
+  // The oldest kept, used again, outlives the next oldest.
+  int oldest = 0;
+  while (!cache.find(key(oldest))) ++oldest;
+  cache.put(key(40), mask);
+  EXPECT_TRUE(cache.find(key(oldest)));
+  EXPECT_FALSE(cache.find(key(oldest + 1)));
+  const std::string huge(kBudget, 'h');
+  cache.put(huge, mask);
+  EXPECT_FALSE(cache.find(huge));
+  EXPECT_TRUE(cache.find(key(40))) << "an entry over the budget evicts nothing";
+  // Small entries are still bounded in number.
+  MaskCache counted(8, kBudget);
+  for (int i = 0; i < 20; ++i) counted.put(std::to_string(i), mask);
+  EXPECT_FALSE(counted.find("11"));
+  EXPECT_TRUE(counted.find("12"));
 }
 
 // An answer inside a string of maxLength 400 is 400 states, all alike to a token until it is
