@@ -123,10 +123,11 @@ void Dispatcher::arm_queue_timeout(const RequestPtr& r) {
 }
 
 std::string Dispatcher::pools_state(const Request& r) const {
+  const auto now = exec_.now();
   if (topo_.mode == PdMode::kAggregated || r.stage == Stage::kDecode)
-    return endpoints_.pools_state({false});
-  if (topo_.mode == PdMode::kSequential) return endpoints_.pools_state({true});
-  return endpoints_.pools_state({true, false});
+    return endpoints_.pools_state({false}, now);
+  if (topo_.mode == PdMode::kSequential) return endpoints_.pools_state({true}, now);
+  return endpoints_.pools_state({true, false}, now);
 }
 
 void Dispatcher::remove_waiting(const RequestPtr& r) {
@@ -192,6 +193,7 @@ void Dispatcher::dispatch(Clock::time_point now) {
       prefill = c.prefill;
       decode = c.decode;
     } else if (r->stage == Stage::kFirst) {
+      // Only engines whose group can decode are eligible in the view (EndpointTable::can_serve).
       const Choice c = policy_.choose_prefill(v, ri, now);
       kind = c.kind;
       prefill = c.endpoint;
@@ -431,9 +433,10 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
 
 // An engine's own client error (4xx) goes to the client, without retry; anything else is retried
 // on other engines while retries remain (the failed engine is avoided), then answered 502 (or the
-// engine's 5xx OpenAI error). An engine's error answer is relayed as it is only when it is an
-// OpenAI error; any other body is quoted in the gateway's own. The decode leg of a sequential
-// request is not retried: its KV is gone.
+// engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
+// retried alike, and once retries are spent answered with its own status. An engine's error
+// answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
+// gateway's own. The decode leg of a sequential request is not retried: its KV is gone.
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                                 std::string body, std::string message) {
   if (attempt != r->attempt) return;
@@ -450,8 +453,8 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     return;
   }
   const bool client_error = status >= 400 && status < 500;
-  const bool retryable =
-      !client_error && !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
+  const bool retryable = (!client_error || status == 429) &&
+                         !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
   if (retryable && r->attempt < topo_.prefill_retries) {
     const EndpointState* e = endpoints_.find(endpoint_id);
     r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
@@ -693,10 +696,13 @@ json Dispatcher::debug_requests() const {
   return {{"requests", list}, {"waiting", waiting_.size()}};
 }
 
+// One call, a small answer: no in-flight or load limit is weighed against it (a saturated pool
+// would refuse it while every engine is up); the least busy engine that is up takes it.
 const EndpointState* Dispatcher::models_endpoint() const {
-  const auto now = exec_.now();
-  const Choice c = policy_.choose_decode(endpoints_.view(now, &policy_state_), {}, -1, now);
-  return c.endpoint >= 0 ? endpoints_.find(c.endpoint) : nullptr;
+  const EndpointState* best = nullptr;
+  for (const auto& [id, e] : endpoints_.all())
+    if (!e.prefill && e.eligible() && (!best || e.in_flight < best->in_flight)) best = &e;
+  return best;
 }
 
 }  // namespace tandem::gateway

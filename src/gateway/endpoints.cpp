@@ -151,13 +151,29 @@ int64_t EndpointTable::max_model_len() const {
   return max_model_len_.load();
 }
 
+bool EndpointTable::group_can_decode(int group) const {
+  return std::any_of(endpoints_.begin(), endpoints_.end(), [group](const auto& kv) {
+    return !kv.second.prefill && kv.second.eligible() && kv.second.config.group == group;
+  });
+}
+
+bool EndpointTable::can_serve(const EndpointState& e) const {
+  return e.eligible() && (!e.prefill || group_can_decode(e.config.group));
+}
+
+int64_t EndpointTable::in_flight_limit(const EndpointState& e, Clock::time_point now) const {
+  return e.readmitted == Clock::time_point{}
+             ? e.max_in_flight
+             : ramped_in_flight_limit(e.max_in_flight, now - e.readmitted, topo_.health.slow_start);
+}
+
 // Also the engines' longest sequence, which changes with the same events (an engine joins,
 // leaves, is ejected or readmitted) and with their answers to GET /v1/models.
 void EndpointTable::update_ready() {
   bool p = topo_.mode == PdMode::kAggregated, d = false;
   int64_t length = 0;
   for (const auto& [id, e] : endpoints_) {
-    if (!e.eligible()) continue;
+    if (!can_serve(e)) continue;
     (e.prefill ? p : d) = true;
     if (e.max_model_len > 0) length = length ? std::min(length, e.max_model_len) : e.max_model_len;
   }
@@ -169,12 +185,13 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
   ClusterView v;
   v.state = state;
   const auto max_age = 4 * topo_.scheduling.load_interval;
+  std::set<int> decoding_groups;  // can_serve's, once per view
+  for (const auto& [id, e] : endpoints_)
+    if (!e.prefill && e.eligible()) decoding_groups.insert(e.config.group);
   for (const auto& [id, e] : endpoints_) {
-    const int64_t limit =
-        e.readmitted == Clock::time_point{}
-            ? e.max_in_flight
-            : ramped_in_flight_limit(e.max_in_flight, now - e.readmitted, topo_.health.slow_start);
-    EndpointLoad l{e.id, e.config.group, e.eligible(), e.in_flight, limit, e.tokens_in_flight};
+    const bool serves = e.eligible() && (!e.prefill || decoding_groups.count(e.config.group));
+    EndpointLoad l{e.id,        e.config.group,          serves,
+                   e.in_flight, in_flight_limit(e, now), e.tokens_in_flight};
     fill_load(l, e.load, e.counts, now, max_age);
     l.recently_failed = state && recently_failed(*state, e.id, now);
     (e.prefill ? v.prefill : v.decode).push_back(l);
@@ -208,10 +225,11 @@ void EndpointTable::fill_cached_tokens(ClusterView& v, const std::vector<int32_t
     }
 }
 
-std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools) const {
+std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
+                                       Clock::time_point now) const {
   std::string out;
   for (const bool prefill : prefill_pools) {
-    int total = 0, ejected = 0, draining = 0, at_limit = 0, busy = 0;
+    int total = 0, ejected = 0, draining = 0, at_limit = 0, no_decode = 0, busy = 0;
     for (const auto& [id, e] : endpoints_) {
       if (e.prefill != prefill) continue;
       ++total;
@@ -219,7 +237,9 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools) c
         ++draining;
       else if (!e.healthy)
         ++ejected;
-      else if (e.in_flight >= e.max_in_flight)
+      else if (!can_serve(e))
+        ++no_decode;
+      else if (e.in_flight >= in_flight_limit(e, now))  // a readmitted engine's ramp included
         ++at_limit;
       else
         ++busy;
@@ -233,6 +253,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools) c
     part(ejected, "ejected after failing requests or health checks");
     part(draining, "draining");
     part(at_limit, "at the in-flight limit");
+    part(no_decode, "whose group has no eligible decode engine");
     part(busy, "over the policy's load limits (queued prefill work or free KV)");
   }
   return out;
@@ -290,8 +311,9 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (!e) return false;
   e->probing = false;
   if (!ok) {
+    const bool was_healthy = e->healthy;
     failure(*e);
-    return false;
+    return was_healthy && !e->healthy;
   }
   e->probe_passed = now;
   e->consecutive_failures = 0;

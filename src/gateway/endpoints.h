@@ -114,23 +114,29 @@ class EndpointTable {
   std::map<int, EndpointState>& all() { return endpoints_; }
   const std::map<int, EndpointState>& all() const { return endpoints_; }
 
-  // Each pool the mode needs has an eligible engine. Any thread.
+  // Each pool the mode needs has an engine that can serve (can_serve). Any thread.
   bool ready() const;
   // The least longest sequence of the eligible engines that said theirs (LengthQuery); 0: none
   // did. Any thread.
   int64_t max_model_len() const;
 
-  // The policy's view at `now` (slow-start limits, load reports no older than four polls).
+  // The policy's view at `now` (slow-start limits, load reports no older than four polls). Only
+  // engines that can serve (can_serve) are eligible in it.
   ClusterView view(Clock::time_point now, const PolicyState* state) const;
+  // Eligible, and for a prefill engine, its group has an eligible decode engine: a prompt
+  // prefilled where no engine can decode it would hold its KV for nothing.
+  bool can_serve(const EndpointState& e) const;
   // Each engine's cached prefix of `prompt_ids` from the KV-event index: tokens it will not
   // recompute (0 when it holds none); -1 (unknown) without a prompt or for engines without events.
   // Blocks cached under another cache salt than the request's (`cache_salt`, hashed as the
   // engines hash it) do not count: the engine would not reuse them for it.
   void fill_cached_tokens(ClusterView& view, const std::vector<int32_t>& prompt_ids,
                           std::optional<uint64_t> cache_salt = std::nullopt) const;
-  // What the engines of the named pools were doing, for the 503 that says why none took a
-  // request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit".
-  std::string pools_state(const std::vector<bool>& prefill_pools) const;
+  // What the engines of the named pools were doing at `now`, for the 503 that says why none took
+  // a request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit"
+  // (a readmitted engine's limit as it ramps up; a prefill engine whose group cannot decode said
+  // so). An engine free by all of these is left to the policy's own load limits.
+  std::string pools_state(const std::vector<bool>& prefill_pools, Clock::time_point now) const;
 
   // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends
   // (an engine already gone after its drain is skipped).
@@ -142,7 +148,8 @@ class EndpointTable {
   void failure(EndpointState& e);
 
   // Health probe and load poll results; true when the engine's state changed so that waiting
-  // requests may now start (readmitted, or a fresher load report).
+  // requests may now start (readmitted, or a fresher load report) or have no engine left
+  // (ejected by its probes): the caller dispatches again.
   bool probe_result(int id, bool ok, Clock::time_point now);
   bool load_result(int id, PrefillWork launched_at_poll, LoadAnswer answer, Clock::time_point now);
   // What an engine's GET /v1/models told: nullopt when it did not answer (a transport error, a
@@ -167,6 +174,9 @@ class EndpointTable {
  private:
   void forget(int id);
   void update_ready();
+  bool group_can_decode(int group) const;
+  // Its in-flight limit at `now`: the slow-start ramp after a readmission.
+  int64_t in_flight_limit(const EndpointState& e, Clock::time_point now) const;
   bool has_events(int id) const { return consumers_.count(id) || external_events_.count(id); }
 
   // A pool's settings that apply to its engines as they join.

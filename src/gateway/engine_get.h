@@ -14,10 +14,14 @@ struct EngineAnswer {
   std::string error;  // the call's transport error; empty: it answered
   int status = 0;
   std::string body;
+  // The body went past the size the caller reads: the call was cut, `error` names the limit
+  // ("the answer is larger than 1 MiB, ...") and `body` is partial. The engine answered, so this
+  // is no transport failure.
+  bool too_large = false;
 };
 
 // Starts `request` (its method and body as given); `done` gets the answer once, on the thread
-// that ends the call. A body past `max_body` bytes ends the call with an error.
+// that ends the call. A body past `max_body` bytes ends the call, too_large.
 Upstream::CallId whole_answer(Upstream& upstream, net::AsyncHttpRequest request, size_t max_body,
                               std::function<void(EngineAnswer)> done);
 // The same for a GET (the request's method is set to it).

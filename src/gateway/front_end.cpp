@@ -316,7 +316,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
   return r;
 }
 
-// Scheduling thread: GET /v1/models of an engine the policy picks.
+// Scheduling thread: a call relayed to one engine that is up (Dispatcher::models_endpoint).
 void FrontEnd::relay_to_an_engine(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex,
                                   net::AsyncHttpRequest call) {
   // Only what identifies the caller: no hop-by-hop fields.

@@ -55,8 +55,9 @@ class FrontEnd {
   // merged (choice_fan_out.h); false when it is not one, for prepare() to answer as any.
   bool receive_choices(const net::HttpRequest& req, const std::shared_ptr<ClientReply>& reply);
   RequestPtr new_request(const net::HttpRequest& req, std::shared_ptr<ClientReply> reply) const;
-  // `call` (method, target, body, timeouts) to a healthy engine (Dispatcher::models_endpoint),
-  // with the client's Authorization, its answer relayed to `ex`; 503 when there is none.
+  // `call` (method, target, body, timeouts) to an engine that is up, however busy
+  // (Dispatcher::models_endpoint), with the client's Authorization, its answer relayed to `ex`;
+  // 503 when there is none.
   void relay_to_an_engine(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex,
                           net::AsyncHttpRequest call);
 

@@ -17,7 +17,8 @@ namespace tandem::gateway {
 class HealthMonitor {
  public:
   // `changed` runs (on the scheduling thread) when an engine was readmitted or reported a fresh
-  // load: waiting requests may start now.
+  // load (waiting requests may start now), or was ejected (those it leaves without an engine are
+  // answered now, not at their queue timeout).
   HealthMonitor(const Topology& topology, Executor& executor, Upstream& upstream,
                 EndpointTable& endpoints, std::function<void()> changed);
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -782,6 +783,35 @@ TEST(Dispatcher, AnEnginesErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// An engine's 429 says it is full, as a 503 does (reliability.md, "Overload is not failure"):
+// retried on another engine and not counted toward its ejection; a client gets it only when no
+// retry is left. It went to the client at once, as a 400 does.
+TEST(Dispatcher, AnEnginesTooManyRequestsIsRetriedElsewhereAsItsFull503Is) {
+  const std::string full =
+      R"({"error":{"message":"the engine's queue is full","type":"server_error"}})";
+  Cluster c(aggregated({engine("a"), engine("b")}));
+  auto client = c.send();
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 429, full);
+  c.clock.run_ready();
+  const auto open = c.engines.open("/v1/completions");
+  ASSERT_EQ(open.size(), 1u);
+  EXPECT_EQ(host_of(*open[0]), "b");
+  EXPECT_FALSE(client->complete());
+  c.answer_all("from b");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("a")["consecutive_failures"], 0);
+
+  Topology alone = aggregated({engine("a")});
+  alone.prefill_retries = 0;
+  Cluster one(alone);
+  auto refused = one.send();
+  FakeEngines::answer(*one.engines.open("/v1/completions").at(0), 429, full);
+  one.clock.run_ready();
+  EXPECT_EQ(refused->status, 429);
+  EXPECT_EQ(refused->body, full);
+}
+
 TEST(Dispatcher, AnswersA502WhenRetriesRunOut) {
   Topology t = aggregated({engine("a"), engine("b")});
   t.prefill_retries = 1;
@@ -1077,6 +1107,81 @@ TEST(Dispatcher, SequentialModeSendsTheDecodeLegThePrefillsKvTransferParams) {
   c.answer_all("decoded");
   EXPECT_EQ(client->status, 200);
   EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "decoded");
+}
+
+// Answers every open health probe: 200, but a connection refused for the engines in `down`.
+void probes_answer(Cluster& c, const std::set<std::string>& down = {}) {
+  for (const auto& p : c.engines.open("/health")) {
+    if (down.count(host_of(*p)))
+      FakeEngines::finish(*p, "connection refused");
+    else
+      FakeEngines::answer(*p, 200, "");
+  }
+  c.clock.run_ready();
+}
+
+// Two groups, each with a prefill and a decode engine, sequential mode, engines ejected at their
+// first failed probe.
+Topology two_groups(int64_t p0_limit = 0) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p0", 0, p0_limit), engine("p1", 1)},
+                             {engine("d0", 0), engine("d1", 1)});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  return t;
+}
+
+// Sequential mode prefills only where the prompt's KV can be decoded: a prefill engine whose
+// group has no eligible decode engine is no candidate, as parallel mode's pairs have it
+// (docs/gateway.md: a decode engine only serves requests prefilled in its own group). It was
+// picked as any: every other request got 503 "no healthy engine" though group 0 could serve it,
+// and with no decode engine left a request was prefilled first, its KV held for nothing.
+TEST(Dispatcher, SequentialModePrefillsOnlyInAGroupThatCanDecode) {
+  Topology t = two_groups();
+  t.policy = "round_robin";
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c, {"d1"});
+  ASSERT_EQ(c.endpoint("d1")["healthy"], false);
+  std::vector<std::shared_ptr<FakeClient>> clients;
+  for (int i = 0; i < 4; ++i) clients.push_back(c.send());
+  const auto prefills = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefills.size(), 4u);
+  for (const auto& p : prefills) EXPECT_EQ(host_of(*p), "p0");
+  for (const auto& client : clients) EXPECT_FALSE(client->complete()) << client->error_message;
+
+  // No decode engine left: 503 at once, and no prefill for it.
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c, {"d0", "d1"});
+  auto refused = c.send();
+  EXPECT_EQ(refused->status, 503);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 4u);
+  EXPECT_NE(refused->error_message.find(
+                "prefill pool: 2 engines, 2 whose group has no eligible decode engine"),
+            std::string::npos)
+      << refused->error_message;
+}
+
+// A 503 that says why no engine took a request names the reason each idle engine could not:
+// a prefill engine whose group cannot decode was "over the policy's load limits", a reason
+// least_load does not even have.
+TEST(Dispatcher, TheQueueTimeoutsReasonNamesAPrefillGroupThatCannotDecode) {
+  Topology t = two_groups(1);
+  t.timeouts.queue = milliseconds(2000);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c, {"d1"});
+  auto running = c.send();
+  auto waiting = c.send();
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  c.clock.advance_by(milliseconds(2000));
+  EXPECT_EQ(waiting->status, 503);
+  EXPECT_NE(waiting->error_message.find("prefill pool: 2 engines, 1 at the in-flight limit, 1 "
+                                        "whose group has no eligible decode engine"),
+            std::string::npos)
+      << waiting->error_message;
+  EXPECT_EQ(waiting->error_message.find("policy's load limits"), std::string::npos)
+      << waiting->error_message;
+  EXPECT_FALSE(running->complete());
 }
 
 // vllm:request_queue_time_seconds counts requests: a sequential request's two stages and a retry
@@ -1928,6 +2033,47 @@ TEST(HealthMonitor, AnOverloadedEngineIsNotEjected) {
   EXPECT_EQ(quiet.endpoint("a")["consecutive_failures"], 1);
 }
 
+// An engine ejected by its health probes answers at once the requests it leaves without any
+// engine (503 naming why), as a leg's failure that ejects it does. Only a readmission
+// re-dispatched the queue: a request waited for its queue timeout or another leg's end.
+TEST(HealthMonitor, AnEjectionAnswersTheRequestsItLeavesWithoutAnEngine) {
+  Topology t = aggregated({engine("a", 0, 1)});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c);
+  auto running = c.send();
+  auto waiting = c.send();
+  ASSERT_EQ(c.dispatcher.waiting(), 1u);
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c, {"a"});
+  EXPECT_EQ(waiting->status, 503);
+  EXPECT_NE(waiting->error_message.find("1 ejected"), std::string::npos) << waiting->error_message;
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+  EXPECT_FALSE(running->complete());
+}
+
+// GET /v1/models, /tokenize and /detokenize are one call to one engine: any engine that is up
+// takes it, however busy. They went through the policy's pick, so a pool at its limits answered
+// 503 "no healthy engine".
+TEST(Dispatcher, OneOffCallsGoToAnEngineThatIsUpHoweverBusy) {
+  Cluster c(aggregated({engine("a", 0, 1), engine("b", 0, 1)}));
+  c.send();
+  c.send();
+  c.send();  // waits: both are at their limit
+  ASSERT_EQ(c.dispatcher.waiting(), 1u);
+  const EndpointState* e = c.dispatcher.models_endpoint();
+  ASSERT_NE(e, nullptr);
+  int64_t in_flight = 0;
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("a", &in_flight));
+  e = c.dispatcher.models_endpoint();
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->config.name, "b");
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("b", &in_flight));
+  EXPECT_EQ(c.dispatcher.models_endpoint(), nullptr);
+}
+
 // The engines' longest sequence (GET /v1/models' max_model_len) is what tokens-in chats take
 // their default max_tokens from: asked of each engine once it passes a probe, the least of the
 // eligible engines that said one, asked again after a failed call or a readmission, never again
@@ -2128,6 +2274,30 @@ TEST(HealthMonitor, ALoadPollAsksOnlyForTheStepsAfterTheLastOneSeen) {
   polls = c.engines.open("/load");
   ASSERT_EQ(polls.size(), 1u);
   EXPECT_EQ(polls[0]->request.target, "/load?since_step=42");
+}
+
+// A load report past the 1 MiB the gateway reads is no report, said on stderr once and shown as
+// the engine's load_error, as one that is not JSON (docs/gateway.md). The cut read was a failed
+// call: retried on every poll, without a word.
+TEST(HealthMonitor, ALoadReportTooLargeToReadIsSaidOnceAndShown) {
+  Cluster c(polled_for_load(Dialect::kTandem));
+  ::testing::internal::CaptureStderr();
+  c.health.start();
+  for (int i = 0; i < 3; ++i) {
+    const auto polls = c.engines.open("/load");
+    ASSERT_EQ(polls.size(), 1u);
+    FakeEngines::head(*polls[0], 200, "application/json");
+    // As the HTTP client does when on_body refuses more.
+    const bool more = FakeEngines::piece(*polls[0], std::string((size_t{1} << 20) + 1, ' '));
+    FakeEngines::finish(*polls[0], more ? "" : "cancelled");
+    c.clock.run_ready();
+    c.clock.advance_by(milliseconds(100));
+  }
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(said, "larger than 1 MiB"), 1u) << said;
+  EXPECT_NE(c.endpoint("a").value("load_error", std::string()).find("larger than 1 MiB"),
+            std::string::npos)
+      << c.endpoint("a").dump();
 }
 
 TEST(HealthMonitor, AFailedLoadPollNeitherBlocksRequestsNorDecidesTheDialect) {

@@ -1015,8 +1015,9 @@ struct CannedEngine final : Upstream {
   std::string body = "{}";
   CallId start(net::AsyncHttpRequest, net::AsyncHttpHandlers h) override {
     h.on_head(status, {});
-    h.on_body(body);
-    h.on_done("");
+    // As the HTTP client: a body the caller refuses more of ends the call, cancelled.
+    const bool more = h.on_body(body);
+    h.on_done(more ? "" : "cancelled");
     return 1;
   }
   void cancel(CallId) override {}
@@ -1089,6 +1090,16 @@ TEST_F(RelayEngineGet, AnErrorThatIsNoOpenAIErrorIsQuotedInTheGatewaysOwn) {
   r = get(401, openai);
   EXPECT_EQ(r.status, 401);
   EXPECT_EQ(r.body, openai);
+}
+
+// A relayed answer past the 16 MiB the gateway holds of one is a 502 naming that limit; it was
+// "engine a failed: cancelled", as if the engine had broken.
+TEST_F(RelayEngineGet, AnAnswerPastWhatTheGatewayHoldsIsA502NamingTheLimit) {
+  const auto r = get(200, std::string((size_t{16} << 20) + 1, ' '));
+  EXPECT_EQ(r.status, 502);
+  EXPECT_NE(api::openai_error_message(r.body).value_or("").find("larger than 16 MiB"),
+            std::string::npos)
+      << r.body;
 }
 
 }  // namespace
