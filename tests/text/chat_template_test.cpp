@@ -354,6 +354,10 @@ const Case kCases[] = {
      "{{ 'aaa'|replace('a', 'b') }} {{ 'aaa'|replace('a', 'b', 2) }} {{ 'abc'|replace('', '-') }} {{ 123|replace(2, 9) }}",
      "{}",
      "bbb bba -a-b-c- 193", false},
+    {"replace_multibyte",
+     "{{ 'héllo wörld'.replace('ö', 'o') }} {{ 'ééé'.replace('', '-', 2) }} {{ 'aéa'.replace('é', '') }} {{ '日本日本'.replace('日本', 'x', 1) }} {{ 'aéb'|replace('', '·') }} {{ 'xx'.replace('x', 'yy', 0) }} {{ 'abab'.replace('ab', 'c', -5) }} {{ 'aaa'.replace('aa', 'b') }}",
+     "{}",
+     "héllo world -é-éé aa x日本 ·a·é·b· xx cc ba", false},
     {"filter_int_float",
      "{{ '42'|int }} {{ ' 7 '|int }} {{ '4.9'|int }} {{ 'x'|int }} {{ 'x'|int(-1) }} {{ 3.99|int }} {{ -3.99|int }} {{ true|int }} {{ none|int }} {{ '1_000'|int }} {{ '3'|float }} {{ 'x'|float }} {{ 2|float }} {{ '1e3'|float }} {{ ' -2.5 '|float }} {{ 'inf'|float }}",
      "{}",
@@ -745,6 +749,35 @@ TEST(ChatTemplate, ConcatenationIsBounded) {
             "chat template line 1: unsupported string concatenation beyond 64 MiB");
   EXPECT_EQ(error_of("{% set l = [0] * 2097153 %}{{ (l + l) | length }}"),
             "chat template line 1: unsupported list concatenation beyond 4M items");
+}
+
+// Found by review: str.replace, the replace filter and str.split (rsplit, splitlines) built their
+// whole result before any check. Replacing each of 1,000 characters with 60 MB ran 29 s and
+// held 4.3 GB before running out of memory, splitting a 60 MB string into 30M words held 2.7 GB,
+// and a 120 MB replacement passed the 64 MiB cap of one value. The size of a replacement is counted
+// before it is built, and a split stops at the cap of one list as its parts are made.
+TEST(ChatTemplate, ReplaceAndSplitAreBounded) {
+  EXPECT_EQ(error_of("{{ ('a' * 1000).replace('a', 'b' * 60000000) | length }}"),
+            "chat template line 1: unsupported str.replace result beyond 64 MiB");
+  EXPECT_EQ(error_of("{{ ('a' * 1000) | replace('a', 'b' * 60000000) | length }}"),
+            "chat template line 1: unsupported replace result beyond 64 MiB");
+  EXPECT_EQ(error_of("{{ ('a' * 60000000).replace('a', 'bb') | length }}"),
+            "chat template line 1: unsupported str.replace result beyond 64 MiB");
+  EXPECT_EQ(error_of("{{ ('a' * 60000000).replace('', 'b') | length }}"),
+            "chat template line 1: unsupported str.replace result beyond 64 MiB");
+  EXPECT_EQ(error_of("{{ ('a ' * 5000000).split() | length }}"),
+            "chat template line 1: unsupported str.split result beyond 4M items");
+  EXPECT_EQ(error_of("{{ ('a ' * 5000000).rsplit(' ') | length }}"),
+            "chat template line 1: unsupported str.rsplit result beyond 4M items");
+  EXPECT_EQ(error_of("{{ ('\\n' * 5000000).splitlines() | length }}"),
+            "chat template line 1: unsupported str.splitlines result beyond 4M items");
+  // Up to the caps, what Python gives.
+  EXPECT_EQ(ChatTemplate("{{ ('a' * 30000000).replace('a', 'bb') | length }} "
+                         "{{ ('a' * 100).replace('a', 'bb', 5)[:12] }} "
+                         "{{ ('a ' * 1000000).split() | length }} "
+                         "{{ ('a,' * 1000).rsplit(',', 2)[1:] }}")
+                .render(ordered_json::object()),
+            "60000000 bbbbbbbbbbaa 1000000 ['a', '']");
 }
 
 // Nested loops over range(100000) are 10^10 iterations; the render stops at its step budget

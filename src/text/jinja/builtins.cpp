@@ -272,6 +272,13 @@ Value str_list(const std::vector<std::u32string>& parts) {
 Value py_split(std::string_view str, const Value& sep, int64_t maxsplit, bool from_right) {
   std::u32string s = to_u32(str);
   std::vector<std::u32string> parts;
+  // A 64 MiB string of separators has 64M parts: the cap of one list is checked as each is
+  // made, before they are all held.
+  auto add = [&parts,
+              what = from_right ? "str.rsplit result" : "str.split result"](std::u32string part) {
+    check_list_size(parts.size() + 1, what);
+    parts.push_back(std::move(part));
+  };
   if (sep.is_none()) {
     // Runs of whitespace separate; leading/trailing whitespace yields no empty parts.
     if (!from_right) {
@@ -280,12 +287,12 @@ Value py_split(std::string_view str, const Value& sep, int64_t maxsplit, bool fr
         while (i < s.size() && py_isspace(s[i])) ++i;
         if (i >= s.size()) break;
         if (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit) {
-          parts.push_back(s.substr(i));  // the remainder keeps its trailing whitespace
+          add(s.substr(i));  // the remainder keeps its trailing whitespace
           break;
         }
         size_t j = i;
         while (j < s.size() && !py_isspace(s[j])) ++j;
-        parts.push_back(s.substr(i, j - i));
+        add(s.substr(i, j - i));
         i = j;
       }
     } else {
@@ -294,12 +301,12 @@ Value py_split(std::string_view str, const Value& sep, int64_t maxsplit, bool fr
         while (i > 0 && py_isspace(s[i - 1])) --i;
         if (i == 0) break;
         if (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit) {
-          parts.push_back(s.substr(0, i));  // the remainder keeps its leading whitespace
+          add(s.substr(0, i));  // the remainder keeps its leading whitespace
           break;
         }
         size_t j = i;
         while (j > 0 && !py_isspace(s[j - 1])) --j;
-        parts.push_back(s.substr(j, i - j));
+        add(s.substr(j, i - j));
         i = j;
       }
       std::reverse(parts.begin(), parts.end());
@@ -314,52 +321,65 @@ Value py_split(std::string_view str, const Value& sep, int64_t maxsplit, bool fr
     while (maxsplit < 0 || static_cast<int64_t>(parts.size()) < maxsplit) {
       size_t j = s.find(d, i);
       if (j == std::u32string::npos) break;
-      parts.push_back(s.substr(i, j - i));
+      add(s.substr(i, j - i));
       i = j + d.size();
     }
-    parts.push_back(s.substr(i));
+    add(s.substr(i));
   } else {
     size_t end = s.size();
     while (maxsplit < 0 || static_cast<int64_t>(parts.size()) < maxsplit) {
       if (end < d.size()) break;
       size_t j = s.rfind(d, end - d.size());
       if (j == std::u32string::npos) break;
-      parts.push_back(s.substr(j + d.size(), end - j - d.size()));
+      add(s.substr(j + d.size(), end - j - d.size()));
       end = j;
     }
-    parts.push_back(s.substr(0, end));
+    add(s.substr(0, end));
     std::reverse(parts.begin(), parts.end());
   }
   return str_list(parts);
 }
 
-std::string py_replace(std::string_view str, std::string_view old_s, std::string_view new_s,
-                       int64_t count) {
-  std::u32string s = to_u32(str), o = to_u32(old_s), n = to_u32(new_s), out;
-  if (o.empty()) {
-    // Python inserts the replacement before every character and at the end.
-    int64_t done = 0;
-    for (size_t i = 0; i <= s.size(); ++i) {
-      if (count < 0 || done < count) {
-        out += n;
-        ++done;
-      }
-      if (i < s.size()) out += s[i];
+// str.replace, on the UTF-8 bytes: in valid UTF-8 no code point's encoding starts inside
+// another's, so bytes match exactly where code points do. The result's size follows from the
+// number of replacements, counted first: many long replacements would otherwise grow without
+// bound before any check.
+std::string py_replace(std::string_view s, std::string_view old_s, std::string_view new_s,
+                       int64_t count, const char* what) {
+  const size_t chars = code_points(s);  // also rejects invalid UTF-8, as decoding did
+  code_points(old_s);
+  code_points(new_s);
+  const size_t limit = count < 0 ? SIZE_MAX : static_cast<size_t>(count);
+  size_t replacements = 0;
+  if (old_s.empty()) {
+    replacements = std::min(chars + 1, limit);  // before every character and at the end
+  } else {
+    for (size_t j = s.find(old_s); j != std::string_view::npos && replacements < limit;
+         j = s.find(old_s, j + old_s.size())) {
+      ++replacements;
     }
-    return from_u32(out);
   }
+  const size_t size = s.size() - replacements * old_s.size() + replacements * new_s.size();
+  check_string_size(size, what);
+  std::string out;
+  out.reserve(size);
   size_t i = 0;
-  int64_t done = 0;
-  while (count < 0 || done < count) {
-    size_t j = s.find(o, i);
-    if (j == std::u32string::npos) break;
-    out += s.substr(i, j - i);
-    out += n;
-    i = j + o.size();
-    ++done;
+  for (size_t k = 0; k < replacements; ++k) {
+    if (old_s.empty()) {
+      out += new_s;
+      if (i == s.size()) break;
+      const size_t len = utf8::valid_sequence_length(s, i);
+      out += s.substr(i, len);
+      i += len;
+    } else {
+      const size_t j = s.find(old_s, i);
+      out += s.substr(i, j - i);
+      out += new_s;
+      i = j + old_s.size();
+    }
   }
   out += s.substr(i);
-  return from_u32(out);
+  return out;
 }
 
 // Python's str.splitlines() line boundaries.
@@ -368,7 +388,10 @@ bool is_line_break(char32_t c) {
          c == 0x85 || c == 0x2028 || c == 0x2029;
 }
 
-std::vector<std::u32string> py_splitlines(const std::u32string& s, bool keepends) {
+// `what` names the list the lines become, whose cap is checked as they are made; indent keeps
+// them to itself.
+std::vector<std::u32string> py_splitlines(const std::u32string& s, bool keepends,
+                                          const char* what = nullptr) {
   std::vector<std::u32string> lines;
   size_t i = 0;
   while (i < s.size()) {
@@ -378,6 +401,7 @@ std::vector<std::u32string> py_splitlines(const std::u32string& s, bool keepends
     if (j < s.size()) {
       eol = (s[j] == '\r' && j + 1 < s.size() && s[j + 1] == '\n') ? j + 2 : j + 1;
     }
+    if (what) check_list_size(lines.size() + 1, what);
     lines.push_back(s.substr(i, (keepends ? eol : j) - i));
     i = eol;
   }
@@ -764,8 +788,8 @@ Value str_replace(const StrCall& c) {
   const Value& o = p.get(0);
   const Value& n = p.get(1);
   if (!o.is_string() || !n.is_string()) type_error("replace() argument must be str");
-  return Value::string(
-      py_replace(c.self, o.s, n.s, to_index(p.get_or(2, Value::integer(-1)), "count")));
+  return Value::string(py_replace(
+      c.self, o.s, n.s, to_index(p.get_or(2, Value::integer(-1)), "count"), "str.replace result"));
 }
 
 // str.upper / lower / title / capitalize
@@ -841,7 +865,8 @@ Value str_join(const StrCall& c) {
 
 Value str_splitlines(const StrCall& c) {
   Params p(c.name, c.args, {"keepends"});
-  return str_list(py_splitlines(to_u32(c.self), truthy(p.get_or(0, Value::boolean(false)))));
+  return str_list(py_splitlines(to_u32(c.self), truthy(p.get_or(0, Value::boolean(false))),
+                                "str.splitlines result"));
 }
 
 // str.removeprefix / str.removesuffix
@@ -1907,7 +1932,8 @@ Value replace_filter(const std::string& name, const Value& input, CallArgs& args
   Params p(name, args, {"old", "new", "count"});
   Value count = p.get_or(2, Value::none());
   return Value::string(py_replace(py_str(input), py_str(p.get(0)), py_str(p.get(1)),
-                                  count.is_none() ? -1 : to_index(count, "count")));
+                                  count.is_none() ? -1 : to_index(count, "count"),
+                                  "replace result"));
 }
 
 Value list_filter(const std::string& name, const Value& input, CallArgs& args) {
