@@ -92,25 +92,67 @@ void check_decoder(const json& cfg, const std::string& where) {
   throw Error(where + ": decoder type '" + type + "' is not supported (only ByteLevel is)");
 }
 
+// The fields below are read by type, naming the field: nlohmann's typed getters throw a
+// type_error that names neither the file nor the field.
+
+// `field` ("where: name") of `obj`, which must be a string.
+std::string string_field(const json& obj, const char* key, const std::string& field) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) throw Error(field + " must be a string, and is missing");
+  if (!it->is_string()) throw Error(field + " must be a string, not " + it->type_name());
+  return it->get<std::string>();
+}
+
+// A true/false field of an added token, `fallback` when absent; null is refused, as tokenizers'
+// AddedToken takes booleans only.
+bool flag(const json& obj, const char* key, bool fallback, const std::string& where) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) return fallback;
+  if (!it->is_boolean())
+    throw Error(where + "." + key + " must be true or false, not " + it->type_name());
+  return it->get<bool>();
+}
+
 // An added token as tokenizer.json's "added_tokens" and tokenizer_config.json's
-// "added_tokens_decoder" write it; `normalized` defaults to the opposite of `special`, as in HF.
-AddedToken parse_added_token(const json& t, TokenId id) {
+// "added_tokens_decoder" write it, at `where` ("file: field"); `normalized` defaults to the
+// opposite of `special`, as in HF.
+AddedToken parse_added_token(const json& t, TokenId id, const std::string& where) {
+  if (!t.is_object())
+    throw Error(where + " must be an object with a \"content\" string, not " + t.type_name());
   AddedToken a;
-  a.content = t.at("content").get<std::string>();
+  a.content = string_field(t, "content", where + ".content");
   a.id = id;
-  a.special = t.value("special", false);
-  a.lstrip = t.value("lstrip", false);
-  a.rstrip = t.value("rstrip", false);
-  a.single_word = t.value("single_word", false);
-  a.normalized = t.value("normalized", !a.special);
+  a.special = flag(t, "special", false, where);
+  a.lstrip = flag(t, "lstrip", false, where);
+  a.rstrip = flag(t, "rstrip", false, where);
+  a.single_word = flag(t, "single_word", false, where);
+  a.normalized = flag(t, "normalized", !a.special, where);
   return a;
 }
 
-// tokenizer_config.json writes tokens as strings or as {"content": ...} objects.
-std::string token_content(const json& v) {
-  if (v.is_string()) return v.get<std::string>();
-  if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
-  return {};
+// tokenizer_config.json writes tokens as strings or as {"content": ...} objects; null or absent
+// is no token.
+std::string token_content(const json& cfg, const char* key, const std::string& cfg_origin) {
+  const auto it = cfg.find(key);
+  if (it == cfg.end() || it->is_null()) return {};
+  if (it->is_string()) return it->get<std::string>();
+  const std::string field = cfg_origin + ": " + key;
+  if (!it->is_object())
+    throw Error(field + " must be a string or {\"content\": string}, not " + it->type_name());
+  return string_field(*it, "content", field + ".content");
+}
+
+// add_bos_token and add_eos_token: transformers passes the value to the class as it is, whose
+// post-processor tests it for truth, so null adds no token; the class's default applies only
+// when the key is absent.
+bool add_token_flag(const json& cfg, const char* key, bool fallback,
+                    const std::string& cfg_origin) {
+  const auto it = cfg.find(key);
+  if (it == cfg.end()) return fallback;
+  if (it->is_null()) return false;
+  if (!it->is_boolean())
+    throw Error(cfg_origin + ": " + key + " must be true, false or null, not " + it->type_name());
+  return it->get<bool>();
 }
 
 // transformers' Llama-style fast tokenizers rebuild the post-processor from add_bos_token /
@@ -276,24 +318,36 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     // Vocabulary first, then added tokens (which may reuse or extend ids).
     impl->id_to_token = impl->bpe->tokens();
     std::vector<AddedToken> added;
-    for (const auto& t : doc.value("added_tokens", json::array())) {
-      AddedToken a = parse_added_token(t, t.at("id").get<TokenId>());
-      if (a.id < 0 || a.id >= (1 << 24))
+    const json& added_tokens = doc.value("added_tokens", json::array());
+    if (!added_tokens.is_array() && !added_tokens.is_null())
+      throw Error(origin + ": added_tokens must be a list, not " + added_tokens.type_name());
+    for (size_t i = 0; i < added_tokens.size(); ++i) {
+      const json& t = added_tokens[i];
+      AddedToken a = parse_added_token(t, 0, origin + ": added_tokens[" + std::to_string(i) + "]");
+      const auto id = t.find("id");
+      if (id == t.end() || !id->is_number_integer() || id->get<int64_t>() < 0 ||
+          id->get<int64_t>() >= (1 << 24))
         throw Error(origin + ": added token '" + a.content + "' has an invalid id");
+      a.id = id->get<TokenId>();
       added.push_back(std::move(a));
     }
     // transformers also registers tokens listed only in tokenizer_config.json.
-    if (cfg.contains("added_tokens_decoder")) {
+    if (const auto decoder = cfg.find("added_tokens_decoder");
+        decoder != cfg.end() && !decoder->is_null()) {
+      if (!decoder->is_object())
+        throw Error(cfg_origin +
+                    ": added_tokens_decoder must be an object of token ids to tokens, not " +
+                    decoder->type_name());
       // A set, not a scan of `added` per entry: files list tens of thousands of added tokens.
       std::unordered_set<TokenId> listed;
       for (const auto& a : added) listed.insert(a.id);
-      for (const auto& [id_str, t] : cfg["added_tokens_decoder"].items()) {
+      for (const auto& [id_str, t] : decoder->items()) {
         TokenId id = 0;
         auto [end, ec] = std::from_chars(id_str.data(), id_str.data() + id_str.size(), id);
         if (ec != std::errc() || end != id_str.data() + id_str.size() || id < 0 || id >= (1 << 24))
           throw Error(cfg_origin + ": added_tokens_decoder key '" + id_str + "' is not a token id");
         if (!listed.insert(id).second) continue;
-        added.push_back(parse_added_token(t, id));
+        added.push_back(parse_added_token(t, id, cfg_origin + ": added_tokens_decoder." + id_str));
       }
     }
 
@@ -358,8 +412,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     }
     for (const auto& a : added) impl->token_to_id[a.content] = a.id;
 
-    impl->bos_token = token_content(cfg.value("bos_token", json()));
-    impl->eos_token = token_content(cfg.value("eos_token", json()));
+    impl->bos_token = token_content(cfg, "bos_token", cfg_origin);
+    impl->eos_token = token_content(cfg, "eos_token", cfg_origin);
     auto lookup = [&](const std::string& t) -> std::optional<TokenId> {
       if (t.empty()) return std::nullopt;
       auto it = impl->token_to_id.find(t);
@@ -370,9 +424,15 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     impl->bos_id = lookup(impl->bos_token);
     impl->eos_id = lookup(impl->eos_token);
 
-    const auto cls = cfg.value("tokenizer_class", std::string());
+    std::string cls;  // null is no class, as absent
+    if (const auto it = cfg.find("tokenizer_class"); it != cfg.end() && !it->is_null()) {
+      if (!it->is_string())
+        throw Error(cfg_origin + ": tokenizer_class must be a string, not " + it->type_name());
+      cls = it->get<std::string>();
+    }
     if (class_rebuilds_post_processor(cls)) {
-      bool add_bos = cfg.value("add_bos_token", true), add_eos = cfg.value("add_eos_token", false);
+      const bool add_bos = add_token_flag(cfg, "add_bos_token", true, cfg_origin),
+                 add_eos = add_token_flag(cfg, "add_eos_token", false, cfg_origin);
       if (add_bos && !impl->bos_id)
         throw Error(cfg_origin + ": add_bos_token is set but bos_token is not");
       if (add_eos && !impl->eos_id)

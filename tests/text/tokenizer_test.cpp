@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -353,6 +354,81 @@ TEST(Tokenizer, AddedTokensInBothListsAreRegisteredOnce) {
     }
     EXPECT_GT(unregistered, 0u);  // the draw exercises the rule
   }
+}
+
+// Loads qwen3's tokenizer.json as q/tokenizer.json beside `config`; returns the error message.
+std::string config_error(const nlohmann::json& config) {
+  try {
+    Tokenizer::from_json(qwen_json(), config.dump(), "q/tokenizer.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// tokenizer_config.json's fields were read with nlohmann's typed getters, whose type_error the
+// loader blamed on tokenizer.json without naming the field.
+TEST(Tokenizer, AConfigFieldOfTheWrongTypeIsNamedWithItsFile) {
+  const std::string cfg = "tokenizer_config.json beside q/tokenizer.json: ";
+  EXPECT_EQ(config_error({{"bos_token", {{"content", 5}}}}),
+            cfg + "bos_token.content must be a string, not number");
+  EXPECT_EQ(config_error({{"eos_token", {{"lstrip", false}}}}),
+            cfg + "eos_token.content must be a string, and is missing");
+  EXPECT_EQ(config_error({{"eos_token", 5}}),
+            cfg + "eos_token must be a string or {\"content\": string}, not number");
+  EXPECT_EQ(
+      config_error({{"added_tokens_decoder", {{"5", {{"content", "x"}, {"special", "yes"}}}}}}),
+      cfg + "added_tokens_decoder.5.special must be true or false, not string");
+  EXPECT_EQ(config_error({{"added_tokens_decoder", {{"5", nlohmann::json::object()}}}}),
+            cfg + "added_tokens_decoder.5.content must be a string, and is missing");
+  EXPECT_EQ(config_error({{"added_tokens_decoder", {{"5", "x"}}}}),
+            cfg + "added_tokens_decoder.5 must be an object with a \"content\" string, not string");
+  EXPECT_EQ(config_error({{"added_tokens_decoder", {{{"content", "x"}}}}}),
+            cfg + "added_tokens_decoder must be an object of token ids to tokens, not array");
+  EXPECT_EQ(config_error({{"tokenizer_class", 5}}),
+            cfg + "tokenizer_class must be a string, not number");
+  EXPECT_EQ(config_error({{"tokenizer_class", "LlamaTokenizerFast"},
+                          {"bos_token", "<|endoftext|>"},
+                          {"add_bos_token", "yes"}}),
+            cfg + "add_bos_token must be true, false or null, not string");
+  // tokenizer.json's own list of added tokens is named the same way.
+  auto doc = nlohmann::json::parse(qwen_json());
+  doc["added_tokens"][1]["rstrip"] = nullptr;
+  try {
+    Tokenizer::from_json(doc.dump(), "", "q/tokenizer.json");
+    FAIL() << "loaded";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "q/tokenizer.json: added_tokens[1].rstrip must be true or false, not null");
+  }
+}
+
+// transformers passes tokenizer_config.json's values to the tokenizer class as they are:
+// LlamaTokenizerFast's post-processor adds BOS `if self.add_bos_token`, so None adds none (its
+// default, True, applies only to an absent key), and a None tokenizer_class is no class. Tandem
+// refused the nulls with a type_error.
+TEST(Tokenizer, NullsInTheConfigReadAsTransformersReadsNone) {
+  const auto dir = test::lenml_model("deepseek_v3");
+  const std::string tokenizer = read_file(dir / "tokenizer.json");
+  const auto config = nlohmann::json::parse(read_file(dir / "tokenizer_config.json"));
+  // "hi" encoded with the config's `key` set to `value`, or removed.
+  auto encode = [&](const std::string& key, const std::optional<nlohmann::json>& value) {
+    auto c = config;
+    if (value)
+      c[key] = *value;
+    else
+      c.erase(key);
+    return Tokenizer::from_json(tokenizer, c.dump(), "ds/tokenizer.json").encode("hi", true);
+  };
+  const nlohmann::json null;
+  const auto unset = std::nullopt;
+  const auto with_bos = encode("add_bos_token", true);
+  ASSERT_EQ(with_bos.front(), 0);  // BOS
+  EXPECT_EQ(encode("add_bos_token", unset), with_bos);
+  EXPECT_EQ(encode("add_bos_token", null), encode("add_bos_token", false));
+  EXPECT_NE(encode("add_bos_token", null), with_bos);
+  EXPECT_EQ(encode("add_eos_token", null), encode("add_eos_token", false));
+  EXPECT_EQ(encode("tokenizer_class", null), encode("tokenizer_class", unset));
 }
 
 // ---- where the chat templates come from ----
