@@ -41,8 +41,59 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 // checkpoints have under 100,000.
 constexpr uint64_t kMaxIndexBytes = 100'000'000;
 
+// Reading a header costs about 800 bytes a tensor (the parsed document and the tensor table:
+// 880 MB for a million empty ones), and one near the byte limit can list 1.6 million. Released
+// checkpoints hold up to about 140,000 tensors in all (Kimi K2's 60 MoE layers of 384 experts
+// alone have 60 x 384 x 3 FP8 projections and as many scales, 138,240), and one file may hold a
+// whole checkpoint: the limit leaves twice that, about 250 MB to read.
+constexpr size_t kMaxHeaderEntries = 300'000;
+
+// A name from a file, quoted for a message. Control bytes are written as \xNN: messages are
+// printed as C strings, which a NUL would cut.
 std::string quote_name(const std::string& s) {
-  return "'" + s + "'";
+  std::string out = "'";
+  for (const char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02x", u);
+      out += hex;
+    } else {
+      out += c;
+    }
+  }
+  return out + "'";
+}
+
+bool has_control_byte(const std::string& s) {
+  return std::any_of(s.begin(), s.end(), [](char c) {
+    return static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) == 0x7f;
+  });
+}
+
+// The members of a header's top-level object, counted in its text without building anything: a
+// bound checked before parsing. Exact for valid JSON; malformed text is refused by the parser.
+size_t top_level_members(std::string_view text) {
+  size_t depth = 0, members = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;  // the escaped character cannot end the string
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      ++depth;
+    } else if ((c == '}' || c == ']') && depth > 0) {
+      --depth;
+    } else if (c == ':' && depth == 1) {
+      ++members;
+    }
+  }
+  return members;
 }
 
 // A read-only mapping of one shard; unmapped when the checkpoint goes away.
@@ -117,8 +168,11 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
   const char* header_begin = reinterpret_cast<const char*>(base + 8);
   if (header_len == 0 || header_begin[0] != '{')
     throw Error(where + ": header does not start with '{' (not a safetensors file?)");
-  const json header =
-      parse_rejecting_duplicates(std::string_view(header_begin, header_len), where + ": header");
+  const std::string_view header_text(header_begin, header_len);
+  if (const size_t entries = top_level_members(header_text); entries > kMaxHeaderEntries)
+    throw Error(where + ": header has " + std::to_string(entries) +
+                " entries, above the limit of " + std::to_string(kMaxHeaderEntries) + " tensors");
+  const json header = parse_rejecting_duplicates(header_text, where + ": header");
   if (!header.is_object()) throw Error(where + ": header is not a JSON object");
 
   const std::byte* data = base + 8 + header_len;
@@ -213,10 +267,12 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
                 " bytes after the last tensor's data (data must end with the last tensor)");
 }
 
-// A shard name from an index: a plain file name in the checkpoint folder.
+// A shard name from an index: a plain file name in the checkpoint folder. Control bytes are
+// refused: a NUL ends the name where it becomes a path (a C string), so "<shard>\0x" opened
+// <shard> and "..\0x" the parent; Python's open refuses an embedded NUL.
 void check_shard_name(const fs::path& index, const std::string& file, const std::string& tensor) {
   if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
-      file.find('\\') != std::string::npos)
+      file.find('\\') != std::string::npos || has_control_byte(file))
     throw Error(index.string() + ": tensor " + quote_name(tensor) + " maps to " + quote_name(file) +
                 ", which is not a file name in the checkpoint folder");
 }

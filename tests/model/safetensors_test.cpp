@@ -444,6 +444,53 @@ TEST(SafetensorsErrors, MissingShardAndIndexMismatches) {
               AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr("malformed")));
 }
 
+// Names from a file go into paths and messages as C strings: a shard name with a NUL opened the
+// shard named by the part before it (Python's open refuses an embedded null byte), "..\0x"
+// passed the check for "..", and each message was cut at the NUL.
+TEST(SafetensorsErrors, AShardNameWithAControlByteIsRefusedAndShownEscaped) {
+  test::TempDir dir("st-nul-shard");
+  write_checkpoint(dir.path(), {{"a", DType::kF32, {64}}, {"b", DType::kF32, {64}}}, fill_pattern,
+                   300);
+  const std::string second = "model-00002-of-00002.safetensors";
+  const auto index = nlohmann::json::parse(test::read_bytes(dir / "model.safetensors.index.json"));
+  const std::string refused = ", which is not a file name in the checkpoint folder";
+  for (const auto& [file, shown] : std::vector<std::pair<std::string, std::string>>{
+           {second + std::string("\0junk", 5), second + "\\x00junk"},
+           {std::string("..\0x", 4), "..\\x00x"},
+           {second + "\n", second + "\\x0a"}}) {
+    auto patched = index;
+    patched["weight_map"]["b"] = file;
+    test::write_bytes(dir / "model.safetensors.index.json", patched.dump());
+    EXPECT_EQ(open_error(dir.path()), (dir / "model.safetensors.index.json").string() +
+                                          ": tensor 'b' maps to '" + shown + "'" + refused);
+  }
+  // A tensor's own name is shown the same way.
+  test::TempDir single("st-nul-tensor");
+  test::write_bytes(single / "model.safetensors", safetensors_bytes("{\"a\\u0000x\":{}}", ""));
+  EXPECT_EQ(open_error(single.path()), (single / "model.safetensors").string() +
+                                           ": tensor 'a\\x00x': missing string field 'dtype'");
+}
+
+// A header near the 100 MB limit can list 1.6 million empty tensors, and reading it cost about
+// 850 bytes each (880 MB and seconds for a million) before anything was checked against the
+// model; a header is refused on its count of entries, counted before it is parsed.
+TEST(SafetensorsErrors, AHeaderOfMoreTensorsThanTheLimitIsRefusedBeforeItIsParsed) {
+  test::TempDir dir("st-count");
+  auto header_of = [](int entries) {
+    std::string header = "{\"__metadata__\":{\"format\":\"pt\"}";
+    for (int i = 1; i < entries; ++i) header += ",\"t" + std::to_string(i) + "\":{}";
+    return header + "}";
+  };
+  test::write_bytes(dir / "model.safetensors", safetensors_bytes(header_of(300001), ""));
+  EXPECT_EQ(open_error(dir.path()),
+            (dir / "model.safetensors").string() +
+                ": header has 300001 entries, above the limit of 300000 tensors");
+  // At the limit the header is read, and its first entry checked.
+  test::write_bytes(dir / "model.safetensors", safetensors_bytes(header_of(300000), ""));
+  EXPECT_EQ(open_error(dir.path()),
+            (dir / "model.safetensors").string() + ": tensor 't1': missing string field 'dtype'");
+}
+
 // A FIFO in the model folder blocked the load in open() until some writer came, and a directory
 // as a shard was "cannot map: No such device".
 TEST(SafetensorsErrors, FilesThatAreNotRegularAreRefusedNamingThem) {
