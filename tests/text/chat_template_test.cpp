@@ -354,6 +354,12 @@ const Case kCases[] = {
      "{{ 'aaa'|replace('a', 'b') }} {{ 'aaa'|replace('a', 'b', 2) }} {{ 'abc'|replace('', '-') }} {{ 123|replace(2, 9) }}",
      "{}",
      "bbb bba -a-b-c- 193", false},
+    // Jinja2's map, select and reject check `if value:` before reading their arguments or
+    // iterating: a falsy input, iterable or not, gives nothing.
+    {"filter_map_select_falsy_input",
+     "{{ none | map(attribute='name') | list }} {{ none | map('nosuch') | list }} {{ '' | map | list }} {{ 0 | map('upper') | list }} {{ false | map(attribute='x', default=1) | list }} {{ {} | map('upper') | list }} {{ [] | map | list }} {{ none | selectattr('x') | list }} {{ none | rejectattr('x', 'odd') | list }} {{ 0 | select | list }} {{ '' | reject('odd') | list }} {{ none | select('nosuch') | list }}",
+     "{}",
+     "[] [] [] [] [] [] [] [] [] [] [] []", false},
     {"replace_multibyte",
      "{{ 'héllo wörld'.replace('ö', 'o') }} {{ 'ééé'.replace('', '-', 2) }} {{ 'aéa'.replace('é', '') }} {{ '日本日本'.replace('日本', 'x', 1) }} {{ 'aéb'|replace('', '·') }} {{ 'xx'.replace('x', 'yy', 0) }} {{ 'abab'.replace('ab', 'c', -5) }} {{ 'aaa'.replace('aa', 'b') }}",
      "{}",

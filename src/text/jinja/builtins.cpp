@@ -2120,6 +2120,8 @@ Value reverse_filter(const std::string& name, const Value& input, CallArgs& args
 
 Value map_filter(const std::string&, const Value& input, CallArgs& args) {
   std::vector<Value> out;
+  // Jinja2's do_map reads its arguments and iterates only `if value:`, as select does.
+  if (!truthy(input)) return generator(std::move(out));
   if (args.args.empty()) {
     bool has_attribute = false;
     Value attribute, fallback = Value::none();
