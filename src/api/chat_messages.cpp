@@ -38,7 +38,8 @@ ordered_json as_parts(const std::vector<std::string>& texts) {
 
 }  // namespace
 
-ordered_json template_messages(const ordered_json& messages, text::ContentFormat format) {
+ordered_json template_messages(const ordered_json& messages, text::ContentFormat format,
+                               NullContent null_content) {
   ordered_json out = ordered_json::array();
   for (const auto& m : messages) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
@@ -52,7 +53,10 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
     if (content && content->is_array()) texts = text_parts(*content);
     if (content && content->is_string()) texts.push_back(content->get<std::string>());
     const bool parts = format == text::ContentFormat::kOpenAI && m["role"] != "tool";
-    message["content"] = parts ? as_parts(texts) : ordered_json(joined(texts));
+    if (!content && null_content == NullContent::kNone)
+      message["content"] = nullptr;
+    else
+      message["content"] = parts ? as_parts(texts) : ordered_json(joined(texts));
     out.push_back(std::move(message));
   }
   return out;

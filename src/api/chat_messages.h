@@ -14,13 +14,17 @@ namespace tandem::api {
 //    (templates that loop over content, e.g. multimodal ones). A tool message's content is one
 //    string still (its texts joined): tool branches print it.
 // A null or absent content is no text: "" in the string format, no parts in the openai one, as
-// vLLM and SGLang give it, so that templates testing or searching it (Qwen3's `'</think>' in
+// vLLM and SGLang give it, so that templates searching or printing it (Qwen3's `'</think>' in
 // message.content`) render an assistant turn that only calls tools, as OpenAI's SDKs send it.
-// DeepSeek-V3's template then takes such a turn for one without calls and shows none of them
-// (its `content is none` branch writes them), as it does under vLLM and SGLang. Throws ApiError
-// naming `messages` for a message without a string role or with content other than a string,
-// null or a list of text parts.
+// Except, with NullContent::kNone, for a template that tests content with `is none`
+// (text::ChatTemplate::tests_content_for_none): a null content then stays null, as transformers'
+// apply_chat_template passes it, because such a template writes what it means by null there:
+// DeepSeek-V3's writes an assistant turn's tool calls only for a null content (given "", as
+// under vLLM and SGLang, it drops them). Throws ApiError naming `messages` for a message without
+// a string role or with content other than a string, null or a list of text parts.
+enum class NullContent { kNoText, kNone };
 nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
-                                         text::ContentFormat format);
+                                         text::ContentFormat format,
+                                         NullContent null_content = NullContent::kNoText);
 
 }  // namespace tandem::api

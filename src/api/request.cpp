@@ -804,7 +804,11 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // when the request has tools and the model one).
   const text::ContentFormat format = chat_template->content_format(tools_field != nullptr);
   OrderedBody ordered(raw_body);
-  nlohmann::ordered_json msgs = template_messages(ordered.get({"messages"}, *messages), format);
+  const NullContent null_content = chat_template->tests_content_for_none(tools_field != nullptr)
+                                       ? NullContent::kNone
+                                       : NullContent::kNoText;
+  nlohmann::ordered_json msgs =
+      template_messages(ordered.get({"messages"}, *messages), format, null_content);
   const nlohmann::ordered_json tools_in_order =
       tools_field ? ordered.get({"tools"}, *tools_field) : nlohmann::ordered_json();
   const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);

@@ -40,6 +40,7 @@ struct ChatTemplate::Impl {
     std::string name;
     jinja::Body body;
     ContentFormat content_format;
+    bool tests_content_for_none;
   };
   std::vector<Parsed> parsed;  // those a request can select
 
@@ -67,7 +68,8 @@ ChatTemplate::ChatTemplate(const std::vector<NamedChatTemplate>& templates)
     try {
       jinja::Body body = parse(t->source);
       const ContentFormat format = jinja::detect_content_format(body);
-      impl_->parsed.push_back({t->name, std::move(body), format});
+      const bool none = jinja::tests_content_for_none(body);
+      impl_->parsed.push_back({t->name, std::move(body), format, none});
     } catch (const Error& e) {
       if (templates.size() == 1) throw;
       throw Error("the '" + t->name + "' " + e.what());
@@ -98,6 +100,11 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& context) const {
 ContentFormat ChatTemplate::content_format(bool with_tools) const {
   const Impl::Parsed* parsed = impl_->pick(with_tools);
   return parsed ? parsed->content_format : ContentFormat::kString;
+}
+
+bool ChatTemplate::tests_content_for_none(bool with_tools) const {
+  const Impl::Parsed* parsed = impl_->pick(with_tools);
+  return parsed && parsed->tests_content_for_none;
 }
 
 }  // namespace tandem::text

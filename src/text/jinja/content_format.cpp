@@ -49,7 +49,47 @@ bool reads(const Expr* e, const std::string& var, const std::string& key) {
   return key.empty() ? is_name(e, var) : is_item(e, var, key);
 }
 
+// `content`, `x.content` or `x['content']`, whatever `x` is.
+bool is_content(const Expr* e) {
+  if (!e) return false;
+  if (e->kind == ExprKind::kName || e->kind == ExprKind::kGetAttr) return e->name == "content";
+  if (e->kind != ExprKind::kGetItem || e->children.size() < 2 || !e->children[1]) return false;
+  const Expr* index = e->children[1].get();
+  return index->kind == ExprKind::kConst && index->value.is_string() &&
+         index->value.s.view() == "content";
+}
+
+// Any `<content> is [not] none` in the expression. Recursion is bounded by the parser's limit
+// on a tree's height.
+bool tests_none(const Expr* e) {
+  if (!e) return false;
+  if (e->kind == ExprKind::kTest && e->name == "none" && !e->children.empty() &&
+      is_content(e->children[0].get()))
+    return true;
+  for (const auto& c : e->children)
+    if (tests_none(c.get())) return true;
+  for (const auto& [name, value] : e->kwargs)
+    if (tests_none(value.get())) return true;
+  return false;
+}
+
+bool tests_none(const Body& body) {
+  for (const auto& s : body) {
+    for (const Expr* e : {s->expr.get(), s->target.get(), s->filter.get()})
+      if (tests_none(e)) return true;
+    for (const auto* list : {&s->filters, &s->defaults})
+      for (const auto& e : *list)
+        if (tests_none(e.get())) return true;
+    if (tests_none(s->body) || tests_none(s->else_body)) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+bool tests_content_for_none(const Body& body) {
+  return tests_none(body);
+}
 
 ContentFormat detect_content_format(const Body& body) {
   Statements all;

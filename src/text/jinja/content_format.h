@@ -17,4 +17,9 @@ enum class ContentFormat {
 // kString (vLLM's detection gives up there, and falls back to the string format).
 ContentFormat detect_content_format(const Body& body);
 
+// Whether the template tells a null content from an empty one: it tests a content with
+// `is none` or `is not none` (`message['content']`, `message.content` or a plain `content`).
+// DeepSeek-V3's writes an assistant turn's tool calls only for a null content.
+bool tests_content_for_none(const Body& body);
+
 }  // namespace tandem::text::jinja
