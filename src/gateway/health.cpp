@@ -41,6 +41,11 @@ net::AsyncHttpRequest HealthMonitor::engine_get(const EndpointState& e, std::str
   return u;
 }
 
+void HealthMonitor::bound(Upstream::CallId call) {
+  // An ended call's id is ignored by cancel(): no need to disarm this when the call ends.
+  exec_.at(exec_.now() + topo_.health.probe_timeout, [this, call] { upstream_.cancel(call); });
+}
+
 void HealthMonitor::probe_all() {
   for (auto& [id, e] : endpoints_.all()) {
     if (e.probing || e.draining) continue;
@@ -55,7 +60,7 @@ void HealthMonitor::probe_all() {
         if (ok) ask_length(id);
       });
     };
-    upstream_.start(engine_get(e, "/health"), std::move(h));
+    bound(upstream_.start(engine_get(e, "/health"), std::move(h)));
   }
   exec_.at(exec_.now() + topo_.health.probe_interval, [this] { probe_all(); });
 }
@@ -65,17 +70,18 @@ void HealthMonitor::ask_length(int id) {
   EndpointState* e = endpoints_.find(id);
   if (!e || e->length_query != LengthQuery::kToAsk) return;
   e->length_query = LengthQuery::kAsking;
-  get_whole_answer(upstream_, engine_get(*e, "/v1/models"), kMaxAnswerBytes,
-                   [this, id](const EngineAnswer& a) {
-                     // A 4xx or a body without the field is an answer (a server that does not
-                     // say); a transport error or a 5xx is none, and the next probe asks again.
-                     std::optional<int64_t> length;
-                     if (a.error.empty() && a.status == 200)
-                       length = api::max_model_len_of(a.body).value_or(0);
-                     else if (a.error.empty() && a.status >= 400 && a.status < 500)
-                       length = 0;
-                     exec_.post([this, id, length] { endpoints_.length_result(id, length); });
-                   });
+  const Upstream::CallId call = get_whole_answer(
+      upstream_, engine_get(*e, "/v1/models"), kMaxAnswerBytes, [this, id](const EngineAnswer& a) {
+        // A 4xx or a body without the field is an answer (a server that does not
+        // say); a transport error or a 5xx is none, and the next probe asks again.
+        std::optional<int64_t> length;
+        if (a.error.empty() && a.status == 200)
+          length = api::max_model_len_of(a.body).value_or(0);
+        else if (a.error.empty() && a.status >= 400 && a.status < 500)
+          length = 0;
+        exec_.post([this, id, length] { endpoints_.length_result(id, length); });
+      });
+  bound(call);
 }
 
 // One poll per engine at a time.
@@ -87,17 +93,17 @@ void HealthMonitor::poll_loads() {
     // answers: the report is taken to know only the legs launched before the previous poll.
     const PrefillWork launched = e.launched_at_last_poll;
     e.launched_at_last_poll = e.counts.launched_total;
-    get_whole_answer(upstream_, engine_get(e, api::load_target(e.load.last_step)), kMaxAnswerBytes,
-                     [this, id = id, launched](const EngineAnswer& a) {
-                       // Too large to be a report: said, as a body that is not one.
-                       LoadAnswer answer =
-                           a.too_large ? LoadAnswer{LoadAnswer::Kind::kNoReport, {}, a.error}
-                                       : read_load_answer(a.error, a.status, a.body);
-                       exec_.post([this, id, launched, answer = std::move(answer)]() mutable {
-                         if (endpoints_.load_result(id, launched, std::move(answer), exec_.now()))
-                           changed_();
-                       });
-                     });
+    const Upstream::CallId call = get_whole_answer(
+        upstream_, engine_get(e, api::load_target(e.load.last_step)), kMaxAnswerBytes,
+        [this, id = id, launched](const EngineAnswer& a) {
+          // Too large to be a report: said, as a body that is not one.
+          LoadAnswer answer = a.too_large ? LoadAnswer{LoadAnswer::Kind::kNoReport, {}, a.error}
+                                          : read_load_answer(a.error, a.status, a.body);
+          exec_.post([this, id, launched, answer = std::move(answer)]() mutable {
+            if (endpoints_.load_result(id, launched, std::move(answer), exec_.now())) changed_();
+          });
+        });
+    bound(call);
   }
   exec_.at(exec_.now() + topo_.scheduling.load_interval, [this] { poll_loads(); });
 }

@@ -31,6 +31,10 @@ class HealthMonitor {
   void poll_loads();
   void ask_length(int id);
   net::AsyncHttpRequest engine_get(const EndpointState& e, std::string target) const;
+  // Cancels `call` at the probe timeout if it has not ended: the HTTP client bounds each piece
+  // only, and a body trickled a byte at a time would keep the call (and the engine's probing or
+  // load_polling) open forever.
+  void bound(Upstream::CallId call);
 
   const Topology& topo_;
   Executor& exec_;

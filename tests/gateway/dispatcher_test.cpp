@@ -2074,6 +2074,28 @@ TEST(Dispatcher, OneOffCallsGoToAnEngineThatIsUpHoweverBusy) {
   EXPECT_EQ(c.dispatcher.models_endpoint(), nullptr);
 }
 
+// A probe is bounded as a whole, not only per piece as the HTTP client bounds it: an engine that
+// sends its head and then trickles its body (each byte within the per-piece timeout) fails its
+// probe at probe_timeout and is probed again. Its probe stayed open, and the engine was never
+// judged again.
+TEST(HealthMonitor, AProbeThatNeverEndsFailsAtTheProbeTimeout) {
+  Topology t = aggregated({engine("a")});
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  t.health.probe_timeout = milliseconds(500);
+  Cluster c(t);
+  c.health.start();
+  const auto probe = c.engines.open("/health").at(0);
+  FakeEngines::head(*probe, 200, "text/plain");
+  c.clock.advance_by(milliseconds(400));
+  FakeEngines::piece(*probe, "o");
+  c.clock.advance_by(milliseconds(100));
+  EXPECT_TRUE(probe->cancelled);
+  EXPECT_EQ(c.endpoint("a")["healthy"], false);
+  c.clock.advance_by(milliseconds(500));
+  EXPECT_EQ(c.engines.all("/health").size(), 2u);  // asked again
+}
+
 // The engines' longest sequence (GET /v1/models' max_model_len) is what tokens-in chats take
 // their default max_tokens from: asked of each engine once it passes a probe, the least of the
 // eligible engines that said one, asked again after a failed call or a readmission, never again
