@@ -259,7 +259,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
       if (same_prompt && same_prompt->tokenized) {
         tokenized = same_prompt->tokens;
       } else {
-        tokenized = tokenizer_->tokenize(req.path, body, endpoints_.max_model_len());
+        tokenized = tokenizer_->tokenize(req.path, body, endpoints_.max_model_len(), req.body);
         if (same_prompt) *same_prompt = {true, tokenized};
       }
       if (auto& t = tokenized) {

