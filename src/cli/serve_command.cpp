@@ -22,6 +22,7 @@
 #include "cli/stop_signals.h"
 #include "engine/api_server.h"
 #include "engine/transfer/kv_transfer.h"
+#include "gateway/admin_api.h"
 #include "gateway/gateway.h"
 #include "gateway/priority.h"
 #include "model/make_model.h"
@@ -234,7 +235,10 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   // KV events and load reports itself. Each takes its share of the engines' in-flight limit, so
   // together they send no engine more than one gateway would (plus one per extra replica).
   std::vector<std::unique_ptr<gateway::Gateway>> gateways;
+  // An admin change through the replica a connection reached applies to every replica.
+  std::shared_ptr<gateway::AdminReplicas> admin_replicas;
   if (o.gateways > 1) {
+    admin_replicas = std::make_shared<gateway::AdminReplicas>(static_cast<size_t>(o.gateways));
     g.reuse_port = true;
     for (gateway::Pool* p : {&g.prefill, &g.decode})
       p->max_in_flight = (p->max_in_flight + o.gateways - 1) / o.gateways;
@@ -246,7 +250,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     // Each replica counts for itself: a scrape of the shared port reads one of them, so their
     // series are told apart (sum over gateway_replica for totals).
     if (o.gateways > 1) replica.metrics_replica = std::to_string(i);
-    gateways.push_back(std::make_unique<gateway::Gateway>(replica));
+    gateways.push_back(std::make_unique<gateway::Gateway>(replica, std::string(), admin_replicas));
     gateways.back()->start();
     g.port = gateways.front()->port();  // the others join the first one's port
   }
@@ -343,7 +347,7 @@ void add_serve_command(CLI::App& app) {
                   "for stdout");
   cmd->add_option("--gateways", o->gateways,
                   "gateway replicas behind the one port (SO_REUSEPORT), each with its share of "
-                  "the engines' in-flight limits")
+                  "the engines' in-flight limits; an admin change through one applies to all")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   cmd->add_option("--priority-classes", o->priority_classes,

@@ -23,7 +23,64 @@ void answered(net::Exchange& ex, F&& task) {
   }
 }
 
+// One change on its way through the replicas: each applies it on its own scheduling thread and
+// hands it to the next from there, so changes made at once through different replicas reach
+// every replica in the order they reached the first (each executor runs tasks in posting order).
+struct Rollout {
+  struct Replica {
+    Executor* exec = nullptr;
+    Dispatcher* dispatcher = nullptr;
+  };
+  std::vector<Replica> replicas;
+  AdminApi::Change change;
+  AdminApi::Combine combine;
+  std::shared_ptr<net::Exchange> ex;
+  int status = 0;
+  json body;  // the answers so far, combined
+};
+
+void roll_out(std::shared_ptr<Rollout> r, size_t i) {
+  Executor& exec = *r->replicas[i].exec;
+  exec.post([r = std::move(r), i] {
+    answered(*r->ex, [&] {
+      AdminApi::Applied got = r->change(*r->replicas[i].dispatcher);
+      if (got.status >= 400) {
+        // The first replica refusing changed nothing anywhere; a later one should not (they
+        // hold the same engines), but if it does the replicas differ, which is the gateway's
+        // fault, not the caller's.
+        if (i == 0)
+          r->ex->send_error(got.status, "admin: " + got.error);
+        else
+          r->ex->send_error(500, "admin: gateway replicas 0.." + std::to_string(i - 1) +
+                                     " applied it, replica " + std::to_string(i) +
+                                     " refused it: " + got.error);
+        return;
+      }
+      if (i == 0) {
+        r->status = got.status;
+        r->body = std::move(got.body);
+      } else {
+        r->combine(r->body, got.body);
+      }
+      if (i + 1 == r->replicas.size())
+        r->ex->respond(r->status, r->body.dump());
+      else
+        roll_out(r, i + 1);
+    });
+  });
+}
+
 }  // namespace
+
+void AdminReplicas::join(AdminApi* replica) {
+  std::lock_guard lock(mutex_);
+  replicas_.push_back(replica);
+}
+
+std::vector<AdminApi*> AdminReplicas::all() const {
+  std::lock_guard lock(mutex_);
+  return replicas_.size() == count_ ? replicas_ : std::vector<AdminApi*>{};
+}
 
 Endpoint endpoint_from_json(const json& j) {
   // The topology file's reader: one set of checks for engines however they arrive.
@@ -31,11 +88,29 @@ Endpoint endpoint_from_json(const json& j) {
 }
 
 AdminApi::AdminApi(const Topology& topology, std::string config_path, Executor& executor,
-                   Dispatcher& dispatcher)
+                   Dispatcher& dispatcher, std::shared_ptr<AdminReplicas> replicas)
     : topo_(topology),
       config_path_(std::move(config_path)),
       exec_(executor),
-      dispatcher_(dispatcher) {}
+      dispatcher_(dispatcher),
+      replicas_(std::move(replicas)) {
+  if (replicas_) replicas_->join(this);
+}
+
+void AdminApi::apply(std::shared_ptr<net::Exchange> ex, Change change, Combine combine) {
+  const std::vector<AdminApi*> replicas =
+      replicas_ ? replicas_->all() : std::vector<AdminApi*>{this};
+  if (replicas.empty()) {
+    ex->send_error(503, "admin: the gateway's replicas are still starting; try again");
+    return;
+  }
+  auto r = std::make_shared<Rollout>();
+  for (AdminApi* a : replicas) r->replicas.push_back({&a->exec_, &a->dispatcher_});
+  r->change = std::move(change);
+  r->combine = std::move(combine);
+  r->ex = std::move(ex);
+  roll_out(std::move(r), 0);
+}
 
 void AdminApi::add_routes(net::HttpServer& server) {
   server.route("GET", "/debug/requests", [this](const net::HttpRequest& req, auto ex) {
@@ -68,7 +143,8 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
   bool prefill = false;
   Endpoint e;
   try {
-    const json body = parse_untrusted_json(req.body);
+    // A key given twice is refused, as the topology file refuses it: the last one silently won.
+    const json body = parse_untrusted_json(req.body, 64, DuplicateKeys::kRefuse);
     if (!body.is_object()) throw Error("expected an object with pool and endpoint");
     for (const auto& [key, value] : body.items())
       if (key != "pool" && key != "endpoint")
@@ -83,22 +159,27 @@ void AdminApi::add(const net::HttpRequest& req, std::shared_ptr<net::Exchange> e
     ex->send_error(400, std::string("admin: ") + err.what());
     return;
   }
-  exec_.post([this, ex, prefill, e] {
-    answered(*ex, [&] {
-      int id = -1;
-      if (auto why = dispatcher_.add_endpoint(prefill, e, &id); !why.empty()) {
-        ex->send_error(400, "admin: " + why);
-        return;
-      }
-      ex->respond(201, dispatcher_.endpoint_json(id).dump());
-    });
-  });
+  // Replicas each take their share of the engine's own in-flight limit, as of their pools'
+  // (tandem serve): together they send it no more than one gateway would (plus one per extra
+  // replica).
+  const int n = static_cast<int>(replica_count());
+  if (e.max_in_flight > 0) e.max_in_flight = (e.max_in_flight + n - 1) / n;
+  apply(
+      std::move(ex),
+      [prefill, e](Dispatcher& dispatcher) {
+        int id = -1;
+        if (auto why = dispatcher.add_endpoint(prefill, e, &id); !why.empty())
+          return Applied{400, nullptr, why};
+        return Applied{201, dispatcher.endpoint_json(id), {}};
+      },
+      [](json&, const json&) {});  // the first replica's view of the engine
 }
 
 void AdminApi::remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
   std::string name;
   try {
-    const json body = parse_untrusted_json(req.body);  // its error names the offset
+    // Its error names the offset, or a key given twice (the last one won: another engine).
+    const json body = parse_untrusted_json(req.body, 64, DuplicateKeys::kRefuse);
     if (!body.is_object()) throw Error("expected an object {\"name\": NAME}");
     for (const auto& [key, value] : body.items())
       if (key != "name") throw Error(key + ": expected only name, got an unknown key");
@@ -112,15 +193,18 @@ void AdminApi::remove(const net::HttpRequest& req, std::shared_ptr<net::Exchange
     ex->send_error(400, std::string("admin: ") + err.what());
     return;
   }
-  exec_.post([this, ex, name] {
-    answered(*ex, [&] {
-      int64_t in_flight = 0;
-      if (dispatcher_.remove_endpoint(name, &in_flight))
-        ex->respond(200, json{{"removed", name}, {"draining_requests", in_flight}}.dump());
-      else
-        ex->send_error(404, "admin: no endpoint named '" + name + "'");
-    });
-  });
+  apply(
+      std::move(ex),
+      [name](Dispatcher& dispatcher) {
+        int64_t in_flight = 0;
+        if (!dispatcher.remove_endpoint(name, &in_flight))
+          return Applied{404, nullptr, "no endpoint named '" + name + "'"};
+        return Applied{200, json{{"removed", name}, {"draining_requests", in_flight}}, {}};
+      },
+      [](json& first, const json& next) {  // every replica's requests still on the engine
+        first["draining_requests"] =
+            first["draining_requests"].get<int64_t>() + next["draining_requests"].get<int64_t>();
+      });
 }
 
 void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
@@ -136,19 +220,20 @@ void AdminApi::reload(std::shared_ptr<net::Exchange> ex) {
     ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());
     return;
   }
-  exec_.post([this, ex, next] {
-    answered(*ex, [&] {
-      EndpointTable::ReloadResult result;
-      try {
-        result = dispatcher_.reload(next);
-      } catch (const std::exception& err) {
-        // A new engine that cannot join (its KV-event consumer): the reload changed nothing.
-        ex->send_error(400, std::string("admin: reload failed, topology unchanged: ") + err.what());
-        return;
-      }
-      ex->respond(200, json{{"added", result.added}, {"removed", result.removed}}.dump());
-    });
-  });
+  apply(
+      std::move(ex),
+      [next](Dispatcher& dispatcher) {
+        EndpointTable::ReloadResult result;
+        try {
+          result = dispatcher.reload(next);
+        } catch (const std::exception& err) {
+          // A new engine that cannot join (its KV-event consumer): the reload changed nothing.
+          return Applied{400, nullptr,
+                         std::string("reload failed, topology unchanged: ") + err.what()};
+        }
+        return Applied{200, json{{"added", result.added}, {"removed", result.removed}}, {}};
+      },
+      [](json&, const json&) {});  // the same engines joined and left every replica
 }
 
 }  // namespace tandem::gateway

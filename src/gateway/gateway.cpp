@@ -33,7 +33,7 @@ namespace tandem::gateway {
 // The parts wired together: who owns what and in which order they start and stop.
 class Gateway::Impl {
  public:
-  Impl(Topology topology, std::string config_path)
+  Impl(Topology topology, std::string config_path, std::shared_ptr<AdminReplicas> replicas)
       : topo_((validate(topology), std::move(topology))),
         policy_(make_policy(topo_.policy, policy_options(topo_))),
         registry_(topo_.metrics_replica.empty()
@@ -56,7 +56,7 @@ class Gateway::Impl {
         health_(topo_, *executor_, upstream_, endpoints_, [this] { dispatcher_.dispatch(); }),
         front_end_(topo_, *executor_, upstream_, dispatcher_, endpoints_, registry_,
                    tokenizer_.get()),
-        admin_(topo_, std::move(config_path), *executor_, dispatcher_),
+        admin_(topo_, std::move(config_path), *executor_, dispatcher_, std::move(replicas)),
         dashboard_(topo_, *executor_, upstream_, dispatcher_) {
     if (tokenizer_) {
       tokenizer_->limit_max_tokens(topo_.max_tokens_limit, topo_.default_max_tokens);
@@ -204,8 +204,10 @@ class Gateway::Impl {
   std::atomic<bool> started_{false}, stopped_{false};
 };
 
-Gateway::Gateway(Topology topology, std::string config_path)
-    : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path))) {}
+Gateway::Gateway(Topology topology, std::string config_path,
+                 std::shared_ptr<AdminReplicas> replicas)
+    : impl_(std::make_unique<Impl>(std::move(topology), std::move(config_path),
+                                   std::move(replicas))) {}
 Gateway::~Gateway() {
   stop(std::chrono::milliseconds::zero());
 }

@@ -30,11 +30,16 @@
 
 namespace tandem::gateway {
 
+class AdminReplicas;  // admin_api.h
+
 class Gateway {
  public:
   // `config_path`: the topology file to re-read on /admin/reload (empty: reload is refused).
-  // Throws tandem::Error for an inconsistent topology or an unreadable model folder.
-  explicit Gateway(Topology topology, std::string config_path = {});
+  // `replicas`: for replicas behind one port, the set every replica is built with, so an admin
+  // change through any of them applies to all (null: alone). Throws tandem::Error for an
+  // inconsistent topology or an unreadable model folder.
+  explicit Gateway(Topology topology, std::string config_path = {},
+                   std::shared_ptr<AdminReplicas> replicas = nullptr);
   ~Gateway();
   Gateway(const Gateway&) = delete;
   Gateway& operator=(const Gateway&) = delete;

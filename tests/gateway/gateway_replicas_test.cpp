@@ -2,8 +2,8 @@
 // state, yet make the same prefix-aware choices because the engines are the source of truth (KV
 // events with replay, /load); their combined load on an engine stays within the sum of their
 // limits; `tandem serve --gateways N` runs them behind one port (SO_REUSEPORT) with the engines'
-// limits shared out; they stop together (one drain for all), and their /metrics series carry
-// gateway_replica.
+// limits shared out; they stop together (one drain for all), their /metrics series carry
+// gateway_replica, and an admin change through any of them applies to all.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +20,7 @@
 
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
+#include "gateway/admin_api.h"
 #include "gateway/fake_engine.h"
 #include "gateway/gateway.h"
 #include "model/model_test_support.h"
@@ -312,6 +313,83 @@ TEST(GatewayReplicas, EachReplicasMetricsCarryItsReplicaLabel) {
       std::string::npos);
 }
 
+net::HttpClientResponse admin(uint16_t port, const std::string& target, const std::string& body) {
+  net::Headers h;
+  h.set("Authorization", "Bearer admin");
+  return net::http_request("127.0.0.1", port, "POST", target, body, h);
+}
+
+// The names of the engines a replica sends new requests to (not draining).
+std::set<std::string> serving(uint16_t port) {
+  net::Headers h;
+  h.set("Authorization", "Bearer admin");
+  const json all =
+      json::parse(net::http_request("127.0.0.1", port, "GET", "/admin/endpoints", {}, h).body);
+  std::set<std::string> names;
+  for (const auto& e : all["endpoints"])
+    if (!e.value("draining", false)) names.insert(e["name"].get<std::string>());
+  return names;
+}
+
+// Replicas keep their own engines: an admin change made through the replica a connection reached
+// changed that one only, so the others kept sending to a removed engine and GET /admin/endpoints
+// answered by replica. In one AdminReplicas set, a change through either is applied to both and
+// answered once; a refused one changes neither.
+TEST(GatewayReplicas, AnAdminChangeThroughOneReplicaAppliesToEveryReplica) {
+  testing::FakeEngine a("a"), b("b"), c("c");
+  Topology t = in_front_of(a, "a");
+  t.admin_api_key = "admin";
+  const auto set = std::make_shared<AdminReplicas>(2);
+  Gateway first(t, {}, set), second(t, {}, set);
+  first.start();
+  second.start();
+  // b joins through the second replica, a leaves through the first.
+  auto r = admin(
+      second.port(), "/admin/endpoints",
+      json{{"pool", "decode"}, {"endpoint", {{"url", "http://" + b.address()}, {"name", "b"}}}}
+          .dump());
+  ASSERT_EQ(r.status, 201) << r.body;
+  EXPECT_EQ(json::parse(r.body)["name"], "b");
+  r = admin(first.port(), "/admin/endpoints/remove", json{{"name", "a"}}.dump());
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body), (json{{"removed", "a"}, {"draining_requests", 0}}));
+  for (const Gateway* g : {&first, &second}) {
+    EXPECT_EQ(serving(g->port()), std::set<std::string>{"b"});
+    for (int i = 0; i < 3; ++i) {
+      const auto answer = tandem::testing::post_json(g->port(), "/v1/completions",
+                                                     {{"model", "m"}, {"prompt", "hi"}});
+      ASSERT_EQ(answer.status, 200) << answer.body;
+      EXPECT_EQ(json::parse(answer.body)["choices"][0]["text"], "b");
+    }
+  }
+  EXPECT_EQ(a.requests(), 0);
+  EXPECT_EQ(b.requests(), 6);
+  // A key given twice is refused, as a topology file refuses it (the last one won: the first
+  // call added 127.0.0.1:9, the second removed b).
+  r = admin(
+      first.port(), "/admin/endpoints",
+      R"({"pool": "decode", "endpoint": {"url": ")" + c.address() + R"(", "url": "127.0.0.1:9"}})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_THAT(r.body, HasSubstr("key 'url' appears twice")) << r.body;
+  r = admin(second.port(), "/admin/endpoints/remove", R"({"name": "nobody", "name": "b"})");
+  EXPECT_EQ(r.status, 400) << r.body;
+  EXPECT_THAT(r.body, HasSubstr("key 'name' appears twice")) << r.body;
+  EXPECT_EQ(admin(second.port(), "/admin/endpoints/remove", json{{"name", "a"}}.dump()).status,
+            404);
+  for (const Gateway* g : {&first, &second})
+    EXPECT_EQ(serving(g->port()), std::set<std::string>{"b"});
+  // An engine's own in-flight limit is shared out as the pools' are.
+  r = admin(
+      second.port(), "/admin/endpoints",
+      json{{"pool", "decode"},
+           {"endpoint", {{"url", "http://" + c.address()}, {"name", "c"}, {"max_in_flight", 7}}}}
+          .dump());
+  ASSERT_EQ(r.status, 201) << r.body;
+  EXPECT_EQ(json::parse(r.body)["max_in_flight"], 4) << r.body;
+  for (const Gateway* g : {&first, &second})
+    EXPECT_EQ(serving(g->port()), (std::set<std::string>{"b", "c"}));
+}
+
 TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
   test::TempDir dir("serve-replicas");
   const auto log = dir / "access.jsonl";
@@ -351,6 +429,18 @@ TEST(GatewayReplicas, ServeRunsReplicasBehindOnePortWithTheLimitsSharedOut) {
     seen.insert(m.substr(at + 43, 1));
   }
   EXPECT_EQ(seen, (std::set<std::string>{"0", "1"}));
+  // Removed through whichever replica the call reached, the engine is gone from both: no new
+  // connection (spread over both by the kernel) reaches it.
+  const std::string engine = json::parse(r.body)["endpoints"][0]["name"];
+  const auto removed =
+      admin(serve.port(), "/admin/endpoints/remove", json{{"name", engine}}.dump());
+  ASSERT_EQ(removed.status, 200) << removed.body;
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(serving(serve.port()), std::set<std::string>{});
+    const auto after = tandem::testing::post_json(
+        serve.port(), "/v1/completions", {{"model", "tiny"}, {"prompt", "hi"}, {"max_tokens", 1}});
+    EXPECT_NE(after.status, 200) << after.body;
+  }
 }
 
 }  // namespace
