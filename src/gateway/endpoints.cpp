@@ -428,9 +428,8 @@ std::string EndpointTable::admission_error(bool prefill, const Endpoint& e) cons
     return "a parallel-mode prefill engine needs bootstrap_port";
   for (const auto& [id, x] : endpoints_)
     if (!x.draining && x.config.name == e.name) return "an endpoint named '" + e.name + "' exists";
-  // One engine twice in a pool would take twice its in-flight limit.
   for (const auto& [id, x] : endpoints_)
-    if (!x.draining && x.prefill == prefill && x.config.host == e.host && x.config.port == e.port)
+    if (!x.draining && x.prefill == prefill && address_key(x.config) == address_key(e))
       return "endpoint.url: " + net::url_host(e.host) + ":" + std::to_string(e.port) +
              " is already in the " + (prefill ? "prefill" : "decode") + " pool, as '" +
              x.config.name + "'";

@@ -835,6 +835,13 @@ void check_key_option(const std::string& value, const std::string& field,
   if (value.empty()) invalid(field + " (" + option + ")", "a non-empty key", "an empty key");
 }
 
+std::string address_key(const Endpoint& e) {
+  std::string key = e.host;
+  std::transform(key.begin(), key.end(), key.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return key + ":" + std::to_string(e.port);
+}
+
 void validate(Topology& t) {
   if (t.host.empty()) invalid("listen.host", "a host name or address", "nothing");
   // listen.port 0 is allowed: the system picks a free port (tests use that).
@@ -934,16 +941,12 @@ void validate(Topology& t) {
   // One engine twice in a pool (under two names) would take twice its in-flight limit; the
   // admin API refuses it too (EndpointTable::admission_error). Checked before the names: an
   // engine given twice without names has its default name (HOST:PORT) twice as well, and the
-  // error names the url the user wrote rather than a name they did not. Host names compare
-  // case-insensitively, as DNS resolves them.
+  // error names the url the user wrote rather than a name they did not.
   for (const auto& [pool, name] : pools) {
-    std::map<std::pair<std::string, uint16_t>, const Endpoint*> addresses;
+    std::map<std::string, const Endpoint*> addresses;
     for (size_t i = 0; i < pool->endpoints.size(); ++i) {
       const Endpoint& e = pool->endpoints[i];
-      std::string host = e.host;
-      std::transform(host.begin(), host.end(), host.begin(),
-                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-      const auto [it, inserted] = addresses.emplace(std::pair{host, e.port}, &e);
+      const auto [it, inserted] = addresses.emplace(address_key(e), &e);
       if (!inserted)
         invalid(at(std::string(name) + ".endpoints", i) + ".url",
                 std::string("an engine not yet in the ") + name + " pool",

@@ -37,6 +37,11 @@ struct Endpoint {
   std::string kv_events, kv_events_replay;
 };
 
+// The engine an entry names, as "host:port" with the host in lower case (DNS names are
+// case-insensitive): two entries with one key are one engine, which twice in a pool would take
+// twice its in-flight limit.
+std::string address_key(const Endpoint& e);
+
 struct Pool {
   Dialect dialect = Dialect::kAuto;
   // With a tokenizer configured: send token ids (a /v1/completions body with an id prompt)

@@ -1884,15 +1884,20 @@ TEST(Dispatcher, AdmissionRefusesADuplicateNameAndAPrefillEngineInAggregatedMode
   EXPECT_EQ(c.endpoint("b")["pool"], "decode");
 }
 
-// One engine under two names would take twice its in-flight limit: the address is refused in
-// the pool that has it, naming the field and the engine there. Once that one drains, the address
-// may join again.
+// One engine under two names would take twice its in-flight limit: the address (its host in any
+// case) is refused in the pool that has it, naming the field and the engine there. Once that one
+// drains, the address may join again.
 TEST(Dispatcher, AdmissionRefusesAnAddressThePoolHasUnderAnotherName) {
   Cluster c(aggregated({engine("a")}));
   Endpoint twin = engine("a");
   twin.name = "a-again";
   EXPECT_EQ(c.dispatcher.add_endpoint(false, twin),
             "endpoint.url: a.engines:8000 is already in the decode pool, as 'a'");
+  // Host names are case-insensitive, as DNS resolves them (and as topology files compare them).
+  Endpoint shouting = twin;
+  shouting.host = "A.Engines";
+  EXPECT_EQ(c.dispatcher.add_endpoint(false, shouting),
+            "endpoint.url: A.Engines:8000 is already in the decode pool, as 'a'");
   Endpoint other_port = twin;
   other_port.name = "a-8001";
   other_port.port = 8001;
