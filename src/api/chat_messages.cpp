@@ -53,7 +53,9 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
     if (content && content->is_array()) texts = text_parts(*content);
     if (content && content->is_string()) texts.push_back(content->get<std::string>());
     const bool parts = format == text::ContentFormat::kOpenAI && m["role"] != "tool";
-    if (!content && null_content == NullContent::kNone)
+    // Only an assistant turn: DeepSeek-V3's other branches concatenate content, so a null there
+    // is an error in transformers, and "" under vLLM.
+    if (!content && null_content == NullContent::kNone && m["role"] == "assistant")
       message["content"] = nullptr;
     else
       message["content"] = parts ? as_parts(texts) : ordered_json(joined(texts));

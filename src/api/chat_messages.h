@@ -17,11 +17,12 @@ namespace tandem::api {
 // vLLM and SGLang give it, so that templates searching or printing it (Qwen3's `'</think>' in
 // message.content`) render an assistant turn that only calls tools, as OpenAI's SDKs send it.
 // Except, with NullContent::kNone, for a template that tests content with `is none`
-// (text::ChatTemplate::tests_content_for_none): a null content then stays null, as transformers'
-// apply_chat_template passes it, because such a template writes what it means by null there:
-// DeepSeek-V3's writes an assistant turn's tool calls only for a null content (given "", as
-// under vLLM and SGLang, it drops them). Throws ApiError naming `messages` for a message without
-// a string role or with content other than a string, null or a list of text parts.
+// (text::ChatTemplate::tests_content_for_none): an assistant turn's null or absent content is
+// then null, because such a template writes what it means by null there: DeepSeek-V3's writes
+// an assistant turn's tool calls only for a null content (given "", as under vLLM and SGLang, it
+// drops them; transformers passes a null as null and refuses an absent one). Other roles get ""
+// still: DeepSeek-V3's concatenates their content. Throws ApiError naming `messages` for a message
+// without a string role or with content other than a string, null or a list of text parts.
 enum class NullContent { kNoText, kNone };
 nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
                                          text::ContentFormat format,

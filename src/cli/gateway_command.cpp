@@ -102,6 +102,12 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t = from_flags(o);
   }
   apply_setting_flags(t, o, cmd, !o.config.empty());
+  // Without a model the gateway does not tokenize and the flags would do nothing: refused, as a
+  // flag meant to bound requests that bounded none.
+  for (const char* flag : {"--generation-config", "--override-generation-config"})
+    if (t.model.empty() && cmd.count(flag) > 0)
+      throw Error(std::string("gateway: ") + flag +
+                  " applies where the gateway tokenizes: give --model (or the topology's model)");
   if (!t.model.empty()) {
     // A chat's default max_tokens where the gateway tokenizes: the engines' (read as they read it).
     const EngineGenerationConfig g = load_generation_config(o.generation_config, t.model);

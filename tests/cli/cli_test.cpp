@@ -774,6 +774,11 @@ TEST(Cli, AGatewayRefusesABadGenerationConfigNamingTheFileAndField) {
     EXPECT_THAT(r.output, HasSubstr(error)) << flags;
     EXPECT_THAT(r.output, Not(HasSubstr("listening"))) << flags;
   }
+  // Without a model the gateway does not tokenize: the flags would do nothing.
+  const auto r = run("gateway --host 127.0.0.1 --port 0 --decode 127.0.0.1:1 --generation-config " +
+                     test::quote(bad));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--generation-config applies where the gateway tokenizes"));
   std::filesystem::remove_all(dir);
 }
 
