@@ -151,14 +151,15 @@ int64_t EndpointTable::max_model_len() const {
   return max_model_len_.load();
 }
 
-bool EndpointTable::group_can_decode(int group) const {
-  return std::any_of(endpoints_.begin(), endpoints_.end(), [group](const auto& kv) {
-    return !kv.second.prefill && kv.second.eligible() && kv.second.config.group == group;
-  });
+std::set<int> EndpointTable::decoding_groups() const {
+  std::set<int> groups;
+  for (const auto& [id, e] : endpoints_)
+    if (!e.prefill && e.eligible()) groups.insert(e.config.group);
+  return groups;
 }
 
-bool EndpointTable::can_serve(const EndpointState& e) const {
-  return e.eligible() && (!e.prefill || group_can_decode(e.config.group));
+bool EndpointTable::can_serve(const EndpointState& e, const std::set<int>& decoding_groups) {
+  return e.eligible() && (!e.prefill || decoding_groups.count(e.config.group) > 0);
 }
 
 int64_t EndpointTable::in_flight_limit(const EndpointState& e, Clock::time_point now) const {
@@ -172,8 +173,9 @@ int64_t EndpointTable::in_flight_limit(const EndpointState& e, Clock::time_point
 void EndpointTable::update_ready() {
   bool p = topo_.mode == PdMode::kAggregated, d = false;
   int64_t length = 0;
+  const std::set<int> decoding = decoding_groups();
   for (const auto& [id, e] : endpoints_) {
-    if (!can_serve(e)) continue;
+    if (!can_serve(e, decoding)) continue;
     (e.prefill ? p : d) = true;
     if (e.max_model_len > 0) length = length ? std::min(length, e.max_model_len) : e.max_model_len;
   }
@@ -185,12 +187,9 @@ ClusterView EndpointTable::view(Clock::time_point now, const PolicyState* state)
   ClusterView v;
   v.state = state;
   const auto max_age = 4 * topo_.scheduling.load_interval;
-  std::set<int> decoding_groups;  // can_serve's, once per view
-  for (const auto& [id, e] : endpoints_)
-    if (!e.prefill && e.eligible()) decoding_groups.insert(e.config.group);
+  const std::set<int> decoding = decoding_groups();
   for (const auto& [id, e] : endpoints_) {
-    const bool serves = e.eligible() && (!e.prefill || decoding_groups.count(e.config.group));
-    EndpointLoad l{e.id,        e.config.group,          serves,
+    EndpointLoad l{e.id,        e.config.group,          can_serve(e, decoding),
                    e.in_flight, in_flight_limit(e, now), e.tokens_in_flight};
     fill_load(l, e.load, e.counts, now, max_age);
     l.recently_failed = state && recently_failed(*state, e.id, now);
@@ -228,6 +227,7 @@ void EndpointTable::fill_cached_tokens(ClusterView& v, const std::vector<int32_t
 std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
                                        Clock::time_point now) const {
   std::string out;
+  const std::set<int> decoding = decoding_groups();
   for (const bool prefill : prefill_pools) {
     int total = 0, ejected = 0, draining = 0, at_limit = 0, no_decode = 0, busy = 0;
     for (const auto& [id, e] : endpoints_) {
@@ -237,7 +237,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
         ++draining;
       else if (!e.healthy)
         ++ejected;
-      else if (!can_serve(e))
+      else if (!can_serve(e, decoding))
         ++no_decode;
       else if (e.in_flight >= in_flight_limit(e, now))  // a readmitted engine's ramp included
         ++at_limit;

@@ -123,9 +123,11 @@ class EndpointTable {
   // The policy's view at `now` (slow-start limits, load reports no older than four polls). Only
   // engines that can serve (can_serve) are eligible in it.
   ClusterView view(Clock::time_point now, const PolicyState* state) const;
-  // Eligible, and for a prefill engine, its group has an eligible decode engine: a prompt
+  // The groups with an eligible decode engine.
+  std::set<int> decoding_groups() const;
+  // Eligible, and for a prefill engine, its group is one of `decoding_groups`: a prompt
   // prefilled where no engine can decode it would hold its KV for nothing.
-  bool can_serve(const EndpointState& e) const;
+  static bool can_serve(const EndpointState& e, const std::set<int>& decoding_groups);
   // Each engine's cached prefix of `prompt_ids` from the KV-event index: tokens it will not
   // recompute (0 when it holds none); -1 (unknown) without a prompt or for engines without events.
   // Blocks cached under another cache salt than the request's (`cache_salt`, hashed as the
@@ -174,7 +176,6 @@ class EndpointTable {
  private:
   void forget(int id);
   void update_ready();
-  bool group_can_decode(int group) const;
   // Its in-flight limit at `now`: the slow-start ramp after a readmission.
   int64_t in_flight_limit(const EndpointState& e, Clock::time_point now) const;
   bool has_events(int id) const { return consumers_.count(id) || external_events_.count(id); }
