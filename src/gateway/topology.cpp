@@ -75,32 +75,9 @@ std::string describe_host(std::string_view host) {
 constexpr const char* kZmqEndpointExpected =
     "a ZMQ endpoint to connect to: tcp://HOST:PORT, ipc://PATH or inproc://NAME";
 
-// How a text that is not what was expected appears in an error: quoted, clipped, its control
-// bytes escaped (a value echoed raw could carry a line break into logs and answers).
-std::string describe_text(std::string_view text) {
-  constexpr size_t kShown = 80;
-  std::string out = "'";
-  for (size_t i = 0; i < text.size() && i < kShown; ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c == 0x7f) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
-      out += escaped;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  out += "'";
-  if (text.size() > kShown) out += " (" + std::to_string(text.size()) + " bytes)";
-  return out;
-}
-
-bool has_control_bytes(std::string_view text) {
-  return std::any_of(text.begin(), text.end(), [](char ch) {
-    const auto c = static_cast<unsigned char>(ch);
-    return c < 0x20 || c == 0x7f;
-  });
-}
+// Of a value that is not what was expected, what an error shows (utf8::quote_escaped): a value
+// echoed raw could carry a line break into logs and answers.
+constexpr size_t kQuotedBytes = 80;
 
 // A whole decimal number, nothing else (no sign other than '-', no spaces, no suffix).
 bool parse_integer(std::string_view text, long long& value) {
@@ -114,7 +91,7 @@ bool parse_integer(std::string_view text, long long& value) {
 // file is read, a typo is an error with nothing changed. Stricter than ZMQ where it would accept
 // and then never connect: a wildcard host is a bind address (vLLM's default tcp://*:5557).
 bool valid_zmq_endpoint(std::string_view text) {
-  if (has_control_bytes(text)) return false;
+  if (utf8::has_control_bytes(text)) return false;
   if (text.starts_with("inproc://")) return text.size() > 9;
   // A Unix socket's path is at most 107 bytes (sun_path); "@name" is an abstract one.
   if (text.starts_with("ipc://")) return text.size() > 6 && text.size() - 6 < 108;
@@ -358,7 +335,8 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     if (!keys.count(key)) continue;
     const std::string key_path = path + "." + key;
     *field = r.non_empty_string(keys.at(key), key_path, kZmqEndpointExpected);
-    if (!valid_zmq_endpoint(*field)) r.fail(key_path, kZmqEndpointExpected, describe_text(*field));
+    if (!valid_zmq_endpoint(*field))
+      r.fail(key_path, kZmqEndpointExpected, utf8::quote_escaped(*field, kQuotedBytes));
   }
   if (keys.count("bootstrap_port")) {
     if (e.bootstrap_port != 0)
@@ -370,9 +348,9 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     // The name labels the engine's metric series and every mention of it (the dashboard, the
     // access log): bounded, and text.
     e.name = r.non_empty_string(keys.at("name"), path + ".name", kEndpointNameExpected);
-    if (e.name.size() > kMaxEndpointNameBytes || has_control_bytes(e.name) ||
+    if (e.name.size() > kMaxEndpointNameBytes || utf8::has_control_bytes(e.name) ||
         utf8::to_valid_lossy(e.name) != e.name)
-      r.fail(path + ".name", kEndpointNameExpected, describe_text(e.name));
+      r.fail(path + ".name", kEndpointNameExpected, utf8::quote_escaped(e.name, kQuotedBytes));
   }
   if (keys.count("max_in_flight"))
     e.max_in_flight = r.count(keys.at("max_in_flight"), path + ".max_in_flight", 1);
@@ -702,7 +680,7 @@ void validate_pool(Pool& pool, const std::string& path, PdMode mode) {
     for (const auto& [key, value] : {std::pair{".kv_events", &e.kv_events},
                                      std::pair{".kv_events_replay", &e.kv_events_replay}})
       if (!value->empty() && !valid_zmq_endpoint(*value))
-        invalid(e_path + key, kZmqEndpointExpected, describe_text(*value));
+        invalid(e_path + key, kZmqEndpointExpected, utf8::quote_escaped(*value, kQuotedBytes));
     if (e.name.empty()) e.name = host_port(e);
   }
 }

@@ -16,6 +16,7 @@
 #include "util/error.h"
 #include "util/file.h"
 #include "util/json.h"
+#include "util/utf8.h"
 
 namespace tandem::model {
 
@@ -47,29 +48,6 @@ constexpr uint64_t kMaxIndexBytes = 100'000'000;
 // alone have 60 x 384 x 3 FP8 projections and as many scales, 138,240), and one file may hold a
 // whole checkpoint: the limit leaves twice that, about 250 MB to read.
 constexpr size_t kMaxHeaderEntries = 300'000;
-
-// A name from a file, quoted for a message. Control bytes are written as \xNN: messages are
-// printed as C strings, which a NUL would cut.
-std::string quote_name(const std::string& s) {
-  std::string out = "'";
-  for (const char c : s) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
-      char hex[5];
-      std::snprintf(hex, sizeof hex, "\\x%02x", u);
-      out += hex;
-    } else {
-      out += c;
-    }
-  }
-  return out + "'";
-}
-
-bool has_control_byte(const std::string& s) {
-  return std::any_of(s.begin(), s.end(), [](char c) {
-    return static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) == 0x7f;
-  });
-}
 
 // The members of a header's top-level object, counted in its text without building anything: a
 // bound checked before parsing. Exact for valid JSON; malformed text is refused by the parser.
@@ -187,14 +165,15 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
       if (!entry.is_object()) throw Error(where + ": __metadata__ must be an object of strings");
       for (const auto& [k, v] : entry.items())
         if (!v.is_string())
-          throw Error(where + ": __metadata__ value " + quote_name(k) + " must be a string");
+          throw Error(where + ": __metadata__ value " + utf8::quote_escaped(k) +
+                      " must be a string");
       continue;
     }
-    const std::string at = where + ": tensor " + quote_name(name);
+    const std::string at = where + ": tensor " + utf8::quote_escaped(name);
     if (!entry.is_object()) throw Error(at + ": header entry is not an object");
     for (const auto& [k, v] : entry.items())
       if (k != "dtype" && k != "shape" && k != "data_offsets")
-        throw Error(at + ": unknown header field " + quote_name(k));
+        throw Error(at + ": unknown header field " + utf8::quote_escaped(k));
     if (!entry.contains("dtype") || !entry["dtype"].is_string())
       throw Error(at + ": missing string field 'dtype'");
     if (!entry.contains("shape") || !entry["shape"].is_array())
@@ -205,7 +184,7 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
     const std::string dtype_str = entry["dtype"].get<std::string>();
     const auto dtype = parse_dtype(dtype_str);
     if (!dtype)
-      throw Error(at + ": unsupported dtype " + quote_name(dtype_str) +
+      throw Error(at + ": unsupported dtype " + utf8::quote_escaped(dtype_str) +
                   " (supported: F32, BF16, F16, F8_E4M3, I8)");
     TensorInfo info;
     info.name = name;
@@ -242,7 +221,8 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
     info.data = data + begin;
     info.nbytes = static_cast<size_t>(expected);
     if (out.count(name))
-      throw Error(where + ": tensor " + quote_name(name) + " also appears in " + out[name].file);
+      throw Error(where + ": tensor " + utf8::quote_escaped(name) + " also appears in " +
+                  out[name].file);
     out.emplace(name, std::move(info));
     spans.push_back({begin, end, name});
   }
@@ -253,12 +233,13 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
   std::string prev;
   for (const Span& s : spans) {
     if (s.begin < pos)
-      throw Error(where + ": tensors " + quote_name(prev) + " and " + quote_name(s.name) +
-                  " overlap (data_offsets of " + quote_name(s.name) + " start at " +
-                  std::to_string(s.begin) + ", before " + std::to_string(pos) + ")");
+      throw Error(where + ": tensors " + utf8::quote_escaped(prev) + " and " +
+                  utf8::quote_escaped(s.name) + " overlap (data_offsets of " +
+                  utf8::quote_escaped(s.name) + " start at " + std::to_string(s.begin) +
+                  ", before " + std::to_string(pos) + ")");
     if (s.begin > pos)
       throw Error(where + ": " + std::to_string(s.begin - pos) + " unused bytes before tensor " +
-                  quote_name(s.name) + " (data must be contiguous)");
+                  utf8::quote_escaped(s.name) + " (data must be contiguous)");
     pos = s.end;
     prev = s.name;
   }
@@ -272,9 +253,9 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
 // <shard> and "..\0x" the parent; Python's open refuses an embedded NUL.
 void check_shard_name(const fs::path& index, const std::string& file, const std::string& tensor) {
   if (file.empty() || file == "." || file == ".." || file.find('/') != std::string::npos ||
-      file.find('\\') != std::string::npos || has_control_byte(file))
-    throw Error(index.string() + ": tensor " + quote_name(tensor) + " maps to " + quote_name(file) +
-                ", which is not a file name in the checkpoint folder");
+      file.find('\\') != std::string::npos || utf8::has_control_bytes(file))
+    throw Error(index.string() + ": tensor " + utf8::quote_escaped(tensor) + " maps to " +
+                utf8::quote_escaped(file) + ", which is not a file name in the checkpoint folder");
 }
 
 // Hugging Face's names: one file, or 1-based, five-digit zero-padded shard numbers.
@@ -379,7 +360,7 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
     std::map<std::string, std::vector<std::string>> by_file;  // file -> tensors
     for (const auto& [name, file] : index["weight_map"].items()) {
       if (!file.is_string())
-        throw Error(index_path.string() + ": weight_map entry for " + quote_name(name) +
+        throw Error(index_path.string() + ": weight_map entry for " + utf8::quote_escaped(name) +
                     " is not a file name string");
       check_shard_name(index_path, file.get<std::string>(), name);
       by_file[file.get<std::string>()].push_back(name);
@@ -388,10 +369,10 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
     for (const auto& [file, names] : by_file) {
       const fs::path shard = dir / file;
       if (!fs::exists(shard))
-        throw Error(index_path.string() + " maps tensor " + quote_name(names.front()) +
+        throw Error(index_path.string() + " maps tensor " + utf8::quote_escaped(names.front()) +
                     (names.size() > 1 ? " (and " + std::to_string(names.size() - 1) + " more)"
                                       : std::string()) +
-                    " to shard " + quote_name(file) + ", but " + shard.string() +
+                    " to shard " + utf8::quote_escaped(file) + ", but " + shard.string() +
                     " does not exist");
       impl->maps.push_back(map_file(shard));
       std::map<std::string, TensorInfo> found;
@@ -399,15 +380,16 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
       const std::set<std::string> listed(names.begin(), names.end());
       for (const auto& name : names)
         if (!found.count(name))
-          throw Error(index_path.string() + " maps tensor " + quote_name(name) + " to " +
-                      quote_name(file) + ", but " + shard.string() + " has no such tensor");
+          throw Error(index_path.string() + " maps tensor " + utf8::quote_escaped(name) + " to " +
+                      utf8::quote_escaped(file) + ", but " + shard.string() +
+                      " has no such tensor");
       for (auto& [name, info] : found) {
         if (!listed.count(name)) {
           const auto& wm = index["weight_map"];
-          throw Error(shard.string() + ": tensor " + quote_name(name) +
+          throw Error(shard.string() + ": tensor " + utf8::quote_escaped(name) +
                       (wm.contains(name)
-                           ? " is mapped to " + quote_name(wm[name].get<std::string>()) + " by " +
-                                 index_path.string()
+                           ? " is mapped to " + utf8::quote_escaped(wm[name].get<std::string>()) +
+                                 " by " + index_path.string()
                            : " is not listed in " + index_path.string()));
         }
         impl->tensors.emplace(name, std::move(info));
@@ -433,11 +415,12 @@ const TensorInfo& Checkpoint::get(const std::string& name,
                                   const std::vector<int64_t>& expected_shape) const {
   const TensorInfo* t = find(name);
   if (!t)
-    throw Error("checkpoint " + impl_->dir.string() + ": missing tensor " + quote_name(name) +
-                " (expected shape " + shape_string(expected_shape) + ")");
+    throw Error("checkpoint " + impl_->dir.string() + ": missing tensor " +
+                utf8::quote_escaped(name) + " (expected shape " + shape_string(expected_shape) +
+                ")");
   if (t->shape != expected_shape)
-    throw Error("checkpoint " + impl_->dir.string() + ": tensor " + quote_name(name) + " in " +
-                t->file + " has shape " + shape_string(t->shape) + ", expected " +
+    throw Error("checkpoint " + impl_->dir.string() + ": tensor " + utf8::quote_escaped(name) +
+                " in " + t->file + " has shape " + shape_string(t->shape) + ", expected " +
                 shape_string(expected_shape));
   return *t;
 }
@@ -459,12 +442,13 @@ void write_checkpoint(const fs::path& dir, const std::vector<TensorSpec>& specs,
   size_t total = 0;
   for (const auto& s : specs) {
     if (s.name.empty() || s.name == "__metadata__")
-      throw Error("write_checkpoint: invalid tensor name " + quote_name(s.name));
+      throw Error("write_checkpoint: invalid tensor name " + utf8::quote_escaped(s.name));
     if (!names.insert(s.name).second)
-      throw Error("write_checkpoint: tensor " + quote_name(s.name) + " given twice");
+      throw Error("write_checkpoint: tensor " + utf8::quote_escaped(s.name) + " given twice");
     for (int64_t d : s.shape)
       if (d < 0)
-        throw Error("write_checkpoint: tensor " + quote_name(s.name) + " has a negative dim");
+        throw Error("write_checkpoint: tensor " + utf8::quote_escaped(s.name) +
+                    " has a negative dim");
     total += s.nbytes();
   }
   if (specs.empty()) throw Error("write_checkpoint: no tensors");

@@ -1,6 +1,7 @@
 #include "util/utf8.h"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace tandem::utf8 {
 namespace {
@@ -136,6 +137,31 @@ std::string clip(std::string_view s, size_t max_bytes) {
     kept += len;
   }
   return std::string(s.substr(0, kept)) + "\u2026(+" + std::to_string(s.size() - kept) + " bytes)";
+}
+
+bool has_control_bytes(std::string_view s) {
+  return std::any_of(s.begin(), s.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return c < 0x20 || c == 0x7f;
+  });
+}
+
+std::string quote_escaped(std::string_view s, size_t max_bytes) {
+  const size_t shown = max_bytes > 0 ? std::min(s.size(), max_bytes) : s.size();
+  std::string out = "'";
+  for (size_t i = 0; i < shown; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c < 0x20 || c == 0x7f) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof escaped, "\\x%02x", c);
+      out += escaped;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += "'";
+  if (shown < s.size()) out += " (" + std::to_string(s.size()) + " bytes)";
+  return out;
 }
 
 }  // namespace tandem::utf8

@@ -36,4 +36,12 @@ size_t incomplete_tail_length(std::string_view s);
 inline constexpr size_t kClipBytes = 256;
 std::string clip(std::string_view s, size_t max_bytes = kClipBytes);
 
+// Whether s holds an ASCII control byte (below 0x20, or DEL).
+bool has_control_bytes(std::string_view s);
+
+// Text from a file or a client as an error message quotes it: in single quotes, its control bytes
+// written \xNN (a NUL would cut a message printed as a C string, a line break would split a log
+// line). Past `max_bytes` (0: no limit) it is cut, and its size in bytes follows the quote.
+std::string quote_escaped(std::string_view s, size_t max_bytes = 0);
+
 }  // namespace tandem::utf8

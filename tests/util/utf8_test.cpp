@@ -82,5 +82,20 @@ TEST(Utf8, ClipKeepsShortTextAndBoundsLongTextOnACharacterBoundary) {
   EXPECT_EQ(clip("\xff\xfe\xfd", 2), "\xff\xfe\u2026(+1 bytes)");
 }
 
+// A name from a file or a client in an error message: a NUL would end a C-string message and a
+// line break split a log line, so control bytes are written out; a long value is cut, its size
+// said.
+TEST(Utf8, QuotedTextShowsControlBytesAndSaysWhatWasCut) {
+  using namespace std::string_literals;
+  EXPECT_EQ(quote_escaped("model.safetensors"), "'model.safetensors'");
+  EXPECT_EQ(quote_escaped("a\0b\n\x7f"s), "'a\\x00b\\x0a\\x7f'");
+  EXPECT_EQ(quote_escaped("héllo"), "'héllo'");
+  EXPECT_EQ(quote_escaped(std::string(100, 'x'), 4), "'xxxx' (100 bytes)");
+  EXPECT_EQ(quote_escaped("xxxx", 4), "'xxxx'");
+  EXPECT_TRUE(has_control_bytes("a\tb"));
+  EXPECT_TRUE(has_control_bytes("\x7f"));
+  EXPECT_FALSE(has_control_bytes("plain text, ünïcode"));
+}
+
 }  // namespace
 }  // namespace tandem::utf8
