@@ -1,6 +1,7 @@
 #include "structured/regex.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -115,7 +116,8 @@ class RegexCompiler {
       } else if (peek('?')) {
         ++i_;
         max = 1;
-      } else if (peek('{') && braces(min, max, true)) {
+      } else if (const auto end = peek('{') ? braces(min, max) : std::nullopt) {
+        i_ = *end;
       } else {
         return atom_piece;
       }
@@ -130,10 +132,10 @@ class RegexCompiler {
     }
   }
 
-  // {m}, {m,}, {m,n}; false (nothing read) when the brace is a literal. {,n} and {,} are refused:
-  // Python's re reads them as {0,n} and {0,}, ECMAScript as literal text. `read`: false to only
-  // tell whether a count is there (i_ stays).
-  bool braces(int64_t& min, int64_t& max, bool read) {
+  // {m}, {m,}, {m,n} at i_: where the count ends, or nothing when the brace is a literal (i_
+  // stays either way). {,n} and {,} are refused: Python's re reads them as {0,n} and {0,},
+  // ECMAScript as literal text.
+  std::optional<size_t> braces(int64_t& min, int64_t& max) const {
     size_t j = i_ + 1;
     // Every digit is read (ten of them were cut at nine and the brace taken as literal text);
     // the value saturates past kMaxRepeat, which quantified() refuses.
@@ -149,21 +151,20 @@ class RegexCompiler {
       number(max);
       if (j < p_.size() && p_[j] == '}')
         fail("'{,n}' is not supported (Python reads it as {0,n}, ECMAScript as text): write {0,n}");
-      return false;
+      return std::nullopt;
     }
-    if (!number(min)) return false;
+    if (!number(min)) return std::nullopt;
     if (j < p_.size() && p_[j] == '}') {
       max = min;
     } else if (j < p_.size() && p_[j] == ',') {
       ++j;
       if (!number(max)) max = -1;
-      if (j >= p_.size() || p_[j] != '}') return false;
+      if (j >= p_.size() || p_[j] != '}') return std::nullopt;
     } else {
-      return false;
+      return std::nullopt;
     }
     if (max >= 0 && max < min) fail("a repetition's maximum is below its minimum");
-    if (read) i_ = j + 1;
-    return true;
+    return j + 1;
   }
 
   Piece atom() {
@@ -195,7 +196,7 @@ class RegexCompiler {
       case '{': {
         // A count with nothing before it (both Python and ECMAScript refuse it).
         int64_t min = 0, max = 0;
-        if (braces(min, max, false)) fail("nothing to repeat");
+        if (braces(min, max)) fail("nothing to repeat");
         break;
       }
       case '*':
