@@ -996,6 +996,22 @@ TEST(BenchMetrics, SmallCasesByHand) {
   EXPECT_THROW(summarize(r, 1.0, o), Error);
 }
 
+// vLLM's serve.py once reported the busiest 1 s bucket of requests touching it (every request
+// active in any part of a second counted there), which calls three requests one after another
+// within a second "3 concurrent". Current vLLM takes the most in flight at one instant over
+// [start, start + latency), an end before a start at the same time (its sweep over start and end
+// events, vllm-project/vllm#56653), and so does tandem.
+TEST(BenchMetrics, PeakConcurrencyIsTheMostInFlightAtOneInstantAsCurrentVllmCountsIt) {
+  std::vector<RequestResult> r(4);
+  r[0] = {true, "", 0.0, 0.1, 0.2, {}, 10, 1};  // [0, 0.2)
+  r[1] = {true, "", 0.2, 0.1, 0.3, {}, 10, 1};  // [0.2, 0.5): starts as r[0] ends
+  r[2] = {true, "", 0.6, 0.1, 0.3, {}, 10, 1};  // [0.6, 0.9)
+  r[3] = {true, "", 1.5, 0.1, 0.4, {}, 10, 1};  // [1.5, 1.9)
+  EXPECT_EQ(summarize(r, 2.0).max_concurrent_requests, 1);
+  r[3].start_s = 0.7;  // [0.7, 1.1) overlaps r[2]
+  EXPECT_EQ(summarize(r, 2.0).max_concurrent_requests, 2);
+}
+
 // The workload is made whole, repeats included: oversampling had no bound on its prompt tokens
 // (10^7 requests of a 1,000-token conversation would have made 10^10), while the random
 // workloads and the traces are refused past kMaxWorkloadPromptTokens. The bound is checked

@@ -73,7 +73,9 @@ def main():
     }
 
     # Peak tokens per second in 1 s buckets from the first send; peak concurrency by brute
-    # force over every start time (an interval [s, e) is in flight at t when s <= t < e).
+    # force over every start time (an interval [s, e) is in flight at t when s <= t < e), the
+    # instantaneous peak of current vLLM's sweep over start and end events, not older vLLM's
+    # busiest 1 s bucket of requests touching that second.
     peak_tokens = 0.0
     peak_conc = 0
     if ok:
