@@ -1,5 +1,8 @@
 #include "net/http_wire.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -64,11 +67,19 @@ std::string excerpt(std::string_view s) {
   return out;
 }
 
-// "HTTP/1.1" -> 11, "HTTP/1.0" -> 10, else 0.
+// RFC 9112 2.3: HTTP-version = "HTTP/" DIGIT "." DIGIT, as major * 10 + minor ("HTTP/1.1" ->
+// 11); -1 when it is not one.
 int parse_version(std::string_view s) {
-  if (s == "HTTP/1.1") return 11;
-  if (s == "HTTP/1.0") return 10;
-  return 0;
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  if (s.size() != 8 || s.substr(0, 5) != "HTTP/" || !digit(s[5]) || s[6] != '.' || !digit(s[7])) {
+    return -1;
+  }
+  return (s[5] - '0') * 10 + (s[7] - '0');
+}
+
+// RFC 9112 2.3: a message of a later HTTP/1 minor version is read as the highest one known, 1.1.
+int http1_version(int version) {
+  return std::min(version, 11);
 }
 
 bool parse_decimal(std::string_view s, uint64_t& out) {
@@ -270,22 +281,103 @@ Parse parse_request_line(std::string_view line, MessageHead& head, ParseError& e
     }
     break;
   }
-  head.version = parse_version(line.substr(sp2 + 1));
-  if (head.version == 0) {
-    return fail(error, 400,
-                "unsupported HTTP version '" + excerpt(line.substr(sp2 + 1)) +
-                    "' (expected HTTP/1.1 or HTTP/1.0)");
+  const std::string_view version = line.substr(sp2 + 1);
+  const int parsed = parse_version(version);
+  if (parsed < 0) {
+    return fail(error, 400, "malformed HTTP version '" + excerpt(version) + "'");
   }
+  if (parsed / 10 != 1) {
+    // RFC 9110 15.6.6.
+    return fail(error, 505,
+                "HTTP version '" + excerpt(version) + "' is not supported (this server speaks " +
+                    "HTTP/1.1 and HTTP/1.0)");
+  }
+  head.version = http1_version(parsed);
   return Parse::kDone;
 }
 
-// RFC 9112 3.2: an HTTP/1.1 request carries exactly one Host field.
+bool is_hex_digit(char c) {
+  return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+}
+
+// RFC 3986 2.3 unreserved and 2.2 sub-delims.
+bool is_unreserved(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+         c == '.' || c == '_' || c == '~';
+}
+bool is_sub_delim(char c) {
+  return std::string_view("!$&'()*+,;=").find(c) != std::string_view::npos;
+}
+
+// RFC 3986 3.2.2 reg-name: *( unreserved / pct-encoded / sub-delims ), which covers IPv4address.
+bool is_reg_name(std::string_view s) {
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (is_unreserved(s[i]) || is_sub_delim(s[i])) continue;
+    if (s[i] != '%' || i + 2 >= s.size() || !is_hex_digit(s[i + 1]) || !is_hex_digit(s[i + 2]))
+      return false;
+    i += 2;
+  }
+  return true;
+}
+
+// RFC 3986 3.2.2 IP-literal without its brackets: IPv6address or IPvFuture.
+bool is_ip_literal(std::string_view s) {
+  if (!s.empty() && (s[0] == 'v' || s[0] == 'V')) {
+    // IPvFuture = "v" 1*HEXDIG "." 1*( unreserved / sub-delims / ":" )
+    size_t dot = s.find('.');
+    if (dot == std::string_view::npos || dot == 1 || dot + 1 == s.size()) return false;
+    for (char c : s.substr(1, dot - 1)) {
+      if (!is_hex_digit(c)) return false;
+    }
+    for (char c : s.substr(dot + 1)) {
+      if (!is_unreserved(c) && !is_sub_delim(c) && c != ':') return false;
+    }
+    return true;
+  }
+  // inet_pton reads exactly the IPv6address forms of RFC 4291 2.2, which RFC 3986 spells out.
+  char text[INET6_ADDRSTRLEN] = {};
+  if (s.size() >= sizeof text) return false;
+  s.copy(text, s.size());
+  in6_addr address{};
+  return ::inet_pton(AF_INET6, text, &address) == 1;
+}
+
+// RFC 9110 7.2: Host = uri-host [ ":" port ], port = *DIGIT. An empty value is allowed (RFC 9112
+// 3.2: what a client sends for a target without an authority).
+bool is_host_value(std::string_view value) {
+  std::string_view host;
+  if (!value.empty() && value[0] == '[') {
+    const size_t close = value.find(']');
+    if (close == std::string_view::npos || !is_ip_literal(value.substr(1, close - 1))) return false;
+    host = value.substr(0, close + 1);
+  } else {
+    host = value.substr(0, value.find(':'));
+    if (!is_reg_name(host)) return false;
+  }
+  std::string_view rest = value.substr(host.size());
+  if (rest.empty()) return true;
+  if (rest[0] != ':') return false;
+  for (char c : rest.substr(1)) {
+    if (c < '0' || c > '9') return false;
+  }
+  return true;
+}
+
+// RFC 9112 3.2: a request carries at most one Host field, with a valid value, and an HTTP/1.1
+// request exactly one.
 Parse check_host(const MessageHead& head, ParseError& error) {
-  if (head.version < 11) return Parse::kDone;
   int hosts = 0;
-  for (const HeadField& f : head.fields) hosts += iequals(f.name, "Host") ? 1 : 0;
-  if (hosts == 0) return fail(error, 400, "an HTTP/1.1 request needs a Host header");
-  if (hosts > 1) return fail(error, 400, "more than one Host header");
+  for (const HeadField& f : head.fields) {
+    if (!iequals(f.name, "Host")) continue;
+    if (++hosts > 1) return fail(error, 400, "more than one Host header");
+    if (!is_host_value(f.value)) {
+      return fail(error, 400,
+                  "malformed Host header '" + excerpt(f.value) + "' (expected host[:port])");
+    }
+  }
+  if (hosts == 0 && head.version >= 11) {
+    return fail(error, 400, "an HTTP/1.1 request needs a Host header");
+  }
   return Parse::kDone;
 }
 
@@ -361,9 +453,10 @@ Parse HeadParser::response(std::string_view in, bool head_request, MessageHead& 
   size_t line_end = text.find(kCrlf);
   std::string_view line = text.substr(0, line_end);
   // "HTTP/1.1 200 OK"; the reason phrase may be empty or missing.
-  head.version = parse_version(line.substr(0, 8));
+  const int version = parse_version(line.substr(0, 8));
+  head.version = http1_version(version);
   uint64_t status = 0;
-  if (head.version == 0 || line.size() < 12 || line[8] != ' ' ||
+  if (version / 10 != 1 || line.size() < 12 || line[8] != ' ' ||
       !parse_decimal(line.substr(9, 3), status) || status < 100 ||
       (line.size() > 12 && line[12] != ' ')) {
     return fail(error, 502, "malformed HTTP status line '" + excerpt(line) + "'");

@@ -39,7 +39,7 @@ struct MessageHead {
   std::string_view method;  // requests
   std::string_view target;  // requests
   int status = 0;           // responses
-  int version = 11;         // 10 or 11
+  int version = 11;         // 10 or 11 (a later HTTP/1 minor version reads as 11)
   std::vector<HeadField> fields;
   BodyKind body = BodyKind::kNone;
   uint64_t content_length = 0;  // kLength
@@ -54,7 +54,8 @@ class HeadParser {
  public:
   explicit HeadParser(size_t max_head_bytes) : max_(max_head_bytes) {}
 
-  // kDone fills `head`; kError fills `error` (431 for a head over the limit, else 400 or 501).
+  // kDone fills `head`; kError fills `error` (431 for a head over the limit, 505 for an HTTP
+  // version other than 1.x, else 400 or 501).
   // Blank lines before a request line are skipped (RFC 9112 2.2) and counted in head_bytes and
   // against the limit.
   // Bytes that cannot start a request (a TLS handshake, a method that is no token, a bad request

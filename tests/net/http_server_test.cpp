@@ -417,7 +417,7 @@ TEST(HttpServer, MalformedRequestIs400AndHugeHeaderIs431) {
   server.route("GET", "/x",
                [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
   server.start();
-  for (std::string bad : {"GARBAGE\r\n\r\n", "GET /x HTTP/9.9\r\n\r\n",
+  for (std::string bad : {"GARBAGE\r\n\r\n", "GET /x HTTP/1.10\r\n\r\n",
                           "GET /x HTTP/1.1\r\nHost: a\r\nBad Header\r\n\r\n",
                           "POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: abc\r\n\r\n"}) {
     RawConnection c(server.port());
@@ -431,6 +431,29 @@ TEST(HttpServer, MalformedRequestIs400AndHugeHeaderIs431) {
   std::string raw = c.read_all();
   EXPECT_EQ(status_of(raw), 431) << raw;
   expect_openai_error(body_of(raw), "invalid_request_error");
+}
+
+// RFC 9112 2.3: HTTP/1.2 is served as HTTP/1.1 (and answered as such); RFC 9110 15.6.6: HTTP/2.0
+// on this HTTP/1 port is 505 with the error body.
+TEST(HttpServer, ALaterHttp1MinorVersionIsServedAndAnotherMajorIs505) {
+  HttpServer server(local_options());
+  server.route("GET", "/x",
+               [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
+  server.start();
+  {
+    RawConnection c(server.port());
+    c.send("GET /x HTTP/1.2\r\nHost: a\r\nConnection: close\r\n\r\n");
+    std::string raw = c.read_all();
+    EXPECT_EQ(raw.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << raw;
+    EXPECT_EQ(body_of(raw), "{}");
+  }
+  for (std::string bad : {"GET /x HTTP/2.0\r\nHost: a\r\n\r\n", "GET /x HTTP/3.0\r\n"}) {
+    RawConnection c(server.port());
+    c.send(bad);
+    std::string raw = c.read_all();
+    EXPECT_EQ(raw.rfind("HTTP/1.1 505 HTTP Version Not Supported\r\n", 0), 0u) << raw;
+    expect_openai_error(body_of(raw), "server_error");
+  }
 }
 
 TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
@@ -1109,17 +1132,23 @@ TEST(HttpServer, BareLineFeedsAre400AtOnce) {
   EXPECT_EQ(calls.load(), 0);
 }
 
-TEST(HttpServer, AnHttp11RequestWithoutOneHostIs400) {
+// RFC 9112 3.2: no Host on HTTP/1.1, two Host fields or a Host that is no host[:port], on any
+// version, is 400.
+TEST(HttpServer, ARequestWithoutOneValidHostIs400) {
   HttpServer server(local_options());
   server.route("GET", "/x",
                [](const HttpRequest&, std::shared_ptr<Exchange> ex) { ex->respond(200, "{}"); });
   server.start();
   for (std::string bad :
-       {"GET /x HTTP/1.1\r\n\r\n", "GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"}) {
+       {"GET /x HTTP/1.1\r\n\r\n", "GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        "GET /x HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+        "GET /x HTTP/1.1\r\nHost: exa mple.com\r\n\r\n", "GET /x HTTP/1.1\r\nHost: a:b:c/d\r\n\r\n",
+        "GET /x HTTP/1.0\r\nHost: a/b\r\n\r\n"}) {
     RawConnection c(server.port());
     c.send(bad);
     std::string raw = c.read_all();
-    EXPECT_EQ(status_of(raw), 400) << raw;
+    EXPECT_EQ(status_of(raw), 400) << ascii_excerpt(bad) << " -> " << raw;
+    expect_openai_error(body_of(raw), "invalid_request_error");
     EXPECT_NE(body_of(raw).find("Host"), std::string::npos) << raw;
   }
   // HTTP/1.0 has no Host requirement.

@@ -90,6 +90,34 @@ TEST(HttpWire, KeepAliveFollowsVersionAndConnection) {
                    .head.expect_continue);
 }
 
+// RFC 9112 2.3: a later minor version of HTTP/1 is read as HTTP/1.1, the highest this server
+// speaks; RFC 9110 15.6.6: another major version is 505, whether the head is complete or not.
+TEST(HttpWire, ALaterHttp1MinorVersionIsHttp11AndAnotherMajorIs505) {
+  for (std::string_view version : {"HTTP/1.2", "HTTP/1.9"}) {
+    Result r = parse_request("GET /x " + std::string(version) + "\r\nHost: h\r\n\r\n");
+    ASSERT_EQ(r.parse, Parse::kDone) << version << ": " << r.error.message;
+    EXPECT_EQ(r.head.version, 11) << version;
+    EXPECT_TRUE(r.head.keep_alive) << version;
+    EXPECT_EQ(parse_request("GET /x " + std::string(version) + "\r\n\r\n").error.status, 400)
+        << version << " needs a Host as HTTP/1.1 does";
+  }
+  for (std::string_view version : {"HTTP/2.0", "HTTP/3.0", "HTTP/0.9", "HTTP/9.9"}) {
+    for (std::string_view rest : {"\r\nHost: h\r\n\r\n", "\r\nHost: h"}) {
+      Result r = parse_request("GET /x " + std::string(version) + std::string(rest));
+      ASSERT_EQ(r.parse, Parse::kError) << version;
+      EXPECT_EQ(r.error.status, 505) << version;
+      EXPECT_NE(r.error.message.find(version), std::string::npos) << r.error.message;
+    }
+  }
+  HeadParser parser(4096);
+  MessageHead head;
+  ParseError error;
+  ASSERT_EQ(parser.response("HTTP/1.2 200 OK\r\nContent-Length: 0\r\n\r\n", false, head, error),
+            Parse::kDone);
+  EXPECT_EQ(head.version, 11);
+  EXPECT_TRUE(head.keep_alive);
+}
+
 TEST(HttpWire, SkipsBlankLinesBeforeTheRequestLine) {
   Result r = parse_request("\r\n\r\nGET /x HTTP/1.1\r\nHost: h\r\n\r\n");
   ASSERT_EQ(r.parse, Parse::kDone);
@@ -165,7 +193,9 @@ TEST(HttpWire, RefusesMalformedRequestHeads) {
   for (std::string_view bad : {
            "GARBAGE\r\n\r\n",
            "GET /x\r\n\r\n",
-           "GET /x HTTP/9.9\r\n\r\n",
+           "GET /x HTTP/1.10\r\nHost: h\r\n\r\n",
+           "GET /x http/1.1\r\nHost: h\r\n\r\n",
+           "GET /x HTTP/2\r\nHost: h\r\n\r\n",
            "GET /x HTTP/1.1 extra\r\n\r\n",
            "G(T /x HTTP/1.1\r\nHost: h\r\n\r\n",
            "GET /a\x01 HTTP/1.1\r\nHost: h\r\n\r\n",
@@ -234,6 +264,65 @@ TEST(HttpWire, ChunkedMustBeTheFinalCodingOnce) {
   EXPECT_EQ(request_status("POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: Chunked\r\n\r\n"
                            "0\r\n\r\n"),
             0);
+}
+
+// RFC 9112 3.2: a request with more than one Host field, or a Host that is no uri-host [":" port]
+// (RFC 3986 3.2.2: an IP literal in brackets, or a reg-name of unreserved characters,
+// percent-escapes and sub-delims), is refused with 400 whatever its version; an HTTP/1.0 request
+// may still leave Host out.
+TEST(HttpWire, AHostThatIsNoHostAndPortOrComesTwiceIsRefused) {
+  for (std::string_view host : {"example.com", "example.com:8080", "127.0.0.1:80", "[::1]:8000",
+                                "[2001:db8::7]", "[::ffff:192.0.2.1]", "[v1.fe80::a+en1]:9",
+                                "ex%41mple.com", "a-b_c~d.e", "!$&'()*+,;=", "x:", ""}) {
+    for (std::string_view version : {"HTTP/1.1", "HTTP/1.0"}) {
+      const std::string request =
+          "GET / " + std::string(version) + "\r\nHost: " + std::string(host) + "\r\n\r\n";
+      Result r = parse_request(request);
+      EXPECT_EQ(r.parse, Parse::kDone) << request << r.error.message;
+    }
+  }
+  for (std::string_view host : {"exa mple.com",
+                                "a:b:c/d",
+                                "a/b",
+                                "host:80:81",
+                                "host:8x",
+                                "user@host",
+                                "h?q",
+                                "h#f",
+                                "ex%4",
+                                "ex%zzample",
+                                "[::1",
+                                "::1",
+                                "[::1]x",
+                                "[::1]:8x",
+                                "[::g]",
+                                "[1:2:3:4:5:6:7:8:9]",
+                                "[fe80::1%25en0]",
+                                "[v1.]",
+                                "[vx.a]",
+                                "[v1a]",
+                                "\xc3\xa4.example",
+                                "a\\b",
+                                "<h>"}) {
+    for (std::string_view version : {"HTTP/1.1", "HTTP/1.0"}) {
+      const std::string request =
+          "GET / " + std::string(version) + "\r\nHost: " + std::string(host) + "\r\n\r\n";
+      Result r = parse_request(request);
+      ASSERT_EQ(r.parse, Parse::kError) << request;
+      EXPECT_EQ(r.error.status, 400) << request;
+      EXPECT_NE(r.error.message.find("Host"), std::string::npos) << r.error.message;
+    }
+  }
+  for (std::string_view version : {"HTTP/1.1", "HTTP/1.0"}) {
+    const std::string request =
+        "GET / " + std::string(version) + "\r\nHost: a\r\nX: y\r\nhost: a\r\n\r\n";
+    Result r = parse_request(request);
+    ASSERT_EQ(r.parse, Parse::kError) << request;
+    EXPECT_EQ(r.error.status, 400) << request;
+    EXPECT_EQ(r.error.message, "more than one Host header") << request;
+  }
+  EXPECT_EQ(parse_request("GET / HTTP/1.0\r\n\r\n").parse, Parse::kDone);
+  EXPECT_EQ(parse_request("GET / HTTP/1.1\r\n\r\n").error.status, 400);
 }
 
 TEST(HttpWire, HeadLimitIs431) {
