@@ -164,12 +164,19 @@ std::string line_plot(const std::string& title, const Axis& x, const Axis& y,
   std::string s = svg_open(title) + svg_axes(x, &y);
   if (!any_data) s += svg_no_data();
   for (const Series& ser : series) {
-    if (ser.points.empty()) continue;
     s += "<polyline class=\"series\" fill=\"none\" stroke=\"" + ser.color + "\"";
     if (ser.dashed) s += " stroke-dasharray=\"5 4\"";
     s += " points=\"";
     for (const auto& [a, b] : ser.points) s += coord(px(x, a)) + "," + coord(py(y, b)) + " ";
     s += "\"><title>" + escape(ser.name) + "</title></polyline>";
+    // A polyline of one point draws nothing: only a marker shows it.
+    if (!ser.markers) continue;
+    for (const auto& [a, b] : ser.points) {
+      s += "<circle class=\"point\" cx=\"" + coord(px(x, a)) + "\" cy=\"" + coord(py(y, b)) +
+           "\" r=\"3.5\" stroke=\"" + ser.color + "\" stroke-width=\"1.6\" fill=\"" +
+           (ser.dashed ? std::string("#fff") : ser.color) + "\"><title>" + escape(ser.name) +
+           "</title></circle>";
+    }
   }
   // A legend when there is more than one series.
   if (series.size() > 1) {

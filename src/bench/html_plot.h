@@ -43,13 +43,16 @@ struct Series {
   std::string color;
   std::vector<std::pair<double, double>> points;
   bool dashed = false;
+  // A circle at every point (hollow when dashed), so that a series of one point shows at all.
+  bool markers = false;
 };
 
 std::string svg_open(const std::string& title);
 // Frame, grid, ticks and axis labels; `y` may be null for a plot with category rows.
 std::string svg_axes(const Axis& x, const Axis* y);
 std::string svg_no_data();
-// Series as polylines (a legend when there are several); "no data" when !any_data.
+// Series as polylines, and markers where asked (a legend when there are several); "no data"
+// when !any_data.
 std::string line_plot(const std::string& title, const Axis& x, const Axis& y,
                       const std::vector<Series>& series, bool any_data);
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "bench/html_plot.h"
 
@@ -18,32 +19,106 @@ double ratio(const SweepRow& r) {
   return r.decode > 0 ? double(r.prefill) / double(r.decode) : 0;
 }
 
-// One line per (policy, decode count), the prefill count varying along it; `value` picks the
-// metric. `dashed` lines are the second metric of a pair (p99 next to p50).
-void add_lines(const std::vector<SweepRow>& rows, double (*value)(const SweepRow&),
-               const std::string& suffix, bool dashed, std::vector<Series>& out) {
+// What the plots run against: the P:D ratio when the prefill count was swept; else the decode
+// count when it was (sweeping decode alone, or aggregated mode, where prefill is always 0);
+// else the policy. Against a ratio that never changes every line would be one point.
+struct XDimension {
+  enum Kind { kRatio, kDecode, kPolicy } kind = kRatio;
+  std::vector<std::string> policies;  // kPolicy: the policies in order, one x position each
+
+  static XDimension of(const std::vector<SweepRow>& rows) {
+    std::set<int> prefills, decodes;
+    std::set<std::string> policies;
+    for (const SweepRow& r : rows) {
+      prefills.insert(r.prefill);
+      decodes.insert(r.decode);
+      policies.insert(r.policy);
+    }
+    XDimension d;
+    if (rows.empty() || prefills.size() > 1) return d;
+    if (decodes.size() > 1) {
+      d.kind = kDecode;
+      return d;
+    }
+    d.kind = kPolicy;
+    d.policies.assign(policies.begin(), policies.end());
+    return d;
+  }
+
+  double x(const SweepRow& r) const {
+    switch (kind) {
+      case kRatio:
+        return ratio(r);
+      case kDecode:
+        return r.decode;
+      case kPolicy:
+        break;
+    }
+    return double(std::lower_bound(policies.begin(), policies.end(), r.policy) - policies.begin());
+  }
+
+  // One line per policy, and per decode count when that is not the x axis.
+  std::pair<std::string, int> line_of(const SweepRow& r) const {
+    return {r.policy, kind == kRatio ? r.decode : 0};
+  }
+  std::string line_name(const std::pair<std::string, int>& line, const SweepRow& any) const {
+    if (kind == kRatio) return line.first + ", " + std::to_string(line.second) + " decode";
+    if (any.prefill > 0) return line.first + ", " + std::to_string(any.prefill) + " prefill";
+    return line.first;
+  }
+
+  Axis axis(double lo, double hi) const {
+    switch (kind) {
+      case kRatio:  // ratios double along a doubling grid: a log axis spaces them evenly
+        return lo > 0 && hi / lo >= 4 ? log_axis(lo, hi, "prefill : decode engines")
+                                      : linear_axis(0, hi, "prefill : decode engines");
+      case kDecode:
+        return linear_axis(0, hi, "decode engines");
+      case kPolicy:
+        break;
+    }
+    Axis a;
+    a.label = "policy";
+    a.lo = -0.5;
+    a.hi = static_cast<double>(policies.size()) - 0.5;
+    for (size_t i = 0; i < policies.size(); ++i) a.ticks.emplace_back(double(i), policies[i]);
+    return a;
+  }
+
+  std::string heading() const {
+    return kind == kRatio    ? "Against the P:D ratio"
+           : kind == kDecode ? "Against the decode engine count"
+                             : "By policy";
+  }
+};
+
+// `value` picks the metric. `dashed` lines are the second metric of a pair (p99 next to p50).
+void add_lines(const std::vector<SweepRow>& rows, const XDimension& dim,
+               double (*value)(const SweepRow&), const std::string& suffix, bool dashed,
+               std::vector<Series>& out) {
   std::map<std::pair<std::string, int>, std::vector<const SweepRow*>> lines;
-  for (const SweepRow& r : rows) lines[{r.policy, r.decode}].push_back(&r);
+  for (const SweepRow& r : rows) lines[dim.line_of(r)].push_back(&r);
   size_t color = 0;
   for (auto& [key, members] : lines) {
     std::sort(members.begin(), members.end(),
-              [](const SweepRow* a, const SweepRow* b) { return ratio(*a) < ratio(*b); });
+              [&](const SweepRow* a, const SweepRow* b) { return dim.x(*a) < dim.x(*b); });
     Series s;
-    s.name = key.first + ", " + std::to_string(key.second) + " decode" + suffix;
+    s.name = dim.line_name(key, *members.front()) + suffix;
     s.color = kColors[color++ % std::size(kColors)];
     s.dashed = dashed;
-    for (const SweepRow* r : members) s.points.emplace_back(ratio(*r), value(*r));
+    s.markers = true;
+    for (const SweepRow* r : members) s.points.emplace_back(dim.x(*r), value(*r));
     out.push_back(std::move(s));
   }
 }
 
-std::string plot(const std::vector<SweepRow>& rows, const std::string& title,
+std::string plot(const std::vector<SweepRow>& rows, const XDimension& dim, const std::string& title,
                  const std::string& y_label, double (*first)(const SweepRow&),
                  const std::string& first_name, double (*second)(const SweepRow&),
                  const std::string& second_name, bool log_y) {
   std::vector<Series> series;
-  add_lines(rows, first, first_name, false, series);
-  if (second) add_lines(rows, second, second_name, true, series);
+  add_lines(rows, dim, first, first_name, false, series);
+  if (second) add_lines(rows, dim, second, second_name, true, series);
   double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
   for (const Series& s : series)
     for (const auto& [x, y] : s.points) {
@@ -52,9 +127,7 @@ std::string plot(const std::vector<SweepRow>& rows, const std::string& title,
     }
   const bool any = std::isfinite(xlo) && std::isfinite(ylo);
   if (!any) xlo = 0, xhi = 1, ylo = 0, yhi = 1;
-  // Ratios double along a doubling grid: a log axis spaces them evenly.
-  const Axis x = xlo > 0 && xhi / xlo >= 4 ? log_axis(xlo, xhi, "prefill : decode engines")
-                                           : linear_axis(0, xhi, "prefill : decode engines");
+  const Axis x = dim.axis(xlo, xhi);
   const Axis y = log_y && ylo > 0 ? log_axis(ylo, yhi, y_label) : linear_axis(0, yhi, y_label);
   return "<figure><figcaption>" + escape(title) + "</figcaption>" +
          line_plot(title, x, y, series, any) + "</figure>";
@@ -70,6 +143,7 @@ std::string sweep_report(const std::vector<SweepRow>& rows, const std::string& t
     cfg += "<tr><th>" + escape(k) + "</th><td>" + escape(v) + "</td></tr>";
   body += section("config", "Configuration", cfg + "</table>");
 
+  const XDimension dim = XDimension::of(rows);
   // Without an SLO there is no goodput: a line at 0 would read as no request meeting them.
   const bool no_slo =
       !rows.empty() && std::none_of(rows.begin(), rows.end(),
@@ -79,18 +153,20 @@ std::string sweep_report(const std::vector<SweepRow>& rows, const std::string& t
                              : "<div class=\"grid2\">";
   if (!no_slo)
     plots += plot(
-        rows, "Goodput (requests meeting every SLO)", "req/s",
+        rows, dim, "Goodput (requests meeting every SLO)", "req/s",
         [](const SweepRow& r) { return r.goodput.value_or(0); }, "", nullptr, "", false);
   plots += plot(
-      rows, "TTFT p50 (solid) and p99 (dashed)", "ms", [](const SweepRow& r) { return r.ttft_p50; },
-      " p50", [](const SweepRow& r) { return r.ttft_p99; }, " p99", true);
+      rows, dim, "TTFT p50 (solid) and p99 (dashed)", "ms",
+      [](const SweepRow& r) { return r.ttft_p50; }, " p50",
+      [](const SweepRow& r) { return r.ttft_p99; }, " p99", true);
   plots += plot(
-      rows, "TPOT p50 (solid) and p99 (dashed)", "ms", [](const SweepRow& r) { return r.tpot_p50; },
-      " p50", [](const SweepRow& r) { return r.tpot_p99; }, " p99", false);
+      rows, dim, "TPOT p50 (solid) and p99 (dashed)", "ms",
+      [](const SweepRow& r) { return r.tpot_p50; }, " p50",
+      [](const SweepRow& r) { return r.tpot_p99; }, " p99", false);
   plots += plot(
-      rows, "Prefix-cache hit rate", "%", [](const SweepRow& r) { return 100 * r.hit_rate; }, "",
-      nullptr, "", false);
-  body += section("plots", "Against the P:D ratio", plots + "</div>");
+      rows, dim, "Prefix-cache hit rate", "%", [](const SweepRow& r) { return 100 * r.hit_rate; },
+      "", nullptr, "", false);
+  body += section("plots", dim.heading(), plots + "</div>");
 
   std::string table =
       "<table class=\"summary\"><tr><th>prefill</th><th>decode</th><th>P:D</th><th>policy</th>"

@@ -2,7 +2,10 @@
 // The HTML report of a grid of runs (`tandem simulate --sweep`): the question operators ask, how
 // many prefill and decode engines for an SLO at a rate, answered as plots of goodput and of
 // TTFT and TPOT percentiles against the P:D ratio (one line per policy and decode count), and
-// the grid's table. Self-contained like tandem bench's report (bench/html_plot.h).
+// the grid's table. A grid of one prefill count (sweeping decode alone, or aggregated mode) is
+// plotted against the decode count, one line per policy, and a grid of one engine count against
+// the policy; every point has a marker. Self-contained like tandem bench's report
+// (bench/html_plot.h).
 #include <optional>
 #include <string>
 #include <utility>

@@ -504,6 +504,8 @@ TEST(SweepReport, PlotsEveryLineAgainstTheRatioAndTablesEveryPoint) {
   EXPECT_EQ(count(html, "<svg "), 4u);  // goodput, TTFT, TPOT, hit rate
   // Four lines (2 policies x 2 decode counts) in the single-metric plots, eight in the pairs.
   EXPECT_EQ(count(html, "<polyline "), 4u + 8u + 8u + 4u);
+  EXPECT_EQ(count(html, "<circle class=\"point\""), 12u * 6);  // a marker at every point
+  EXPECT_THAT(html, HasSubstr(">prefill : decode engines</text>"));
   EXPECT_EQ(count(html, "<tr><td>"), 12u);
   EXPECT_THAT(html, HasSubstr("<td>0.50</td>"));  // P:D of 2 prefill : 4 decode
   EXPECT_THAT(html, Not(HasSubstr(kHostile)));
@@ -522,6 +524,57 @@ TEST(SweepReport, WithoutAnSloTheGoodputIsNotApplicableNotZero) {
   EXPECT_THAT(html, HasSubstr("No goodput SLO was given"));
   EXPECT_EQ(count(html, "<td>n/a</td>"), 12u);
   EXPECT_THAT(html, Not(HasSubstr("<td>0.000</td>")));
+}
+
+// The x coordinates of the markers in the report's first plot (goodput), in order.
+std::vector<std::string> first_plot_marker_xs(const std::string& html) {
+  const std::string plot = html.substr(0, html.find("</svg>"));
+  std::vector<std::string> xs;
+  const std::regex cx("<circle class=\"point\" cx=\"([0-9.]+)\"");
+  for (auto it = std::sregex_iterator(plot.begin(), plot.end(), cx); it != std::sregex_iterator();
+       ++it)
+    xs.push_back((*it)[1]);
+  return xs;
+}
+
+// A one-point line draws nothing as a polyline: sweeping only the decode count (or running
+// aggregated, prefill always 0) left every plot empty. Without a prefill sweep the decode count
+// is the x axis, one line per policy, and every point has a marker.
+TEST(SweepReport, WithOnePrefillCountThePlotsRunAgainstTheDecodeCount) {
+  for (int prefill : {2, 0}) {  // parallel mode, and aggregated (no prefill engines)
+    std::vector<SweepRow> rows;
+    for (int decode : {1, 2, 3, 4}) {
+      SweepRow r;
+      r.prefill = prefill, r.decode = decode, r.policy = "tandem", r.goodput = 0.5 * decode;
+      r.ttft_p50 = 100, r.ttft_p99 = 200, r.tpot_p50 = 10, r.tpot_p99 = 20;
+      rows.push_back(r);
+    }
+    const std::string html = sweep_report(rows, "sweep", {});
+    EXPECT_EQ(count(html, "<circle class=\"point\""), 4u * 6) << prefill;
+    EXPECT_THAT(html, HasSubstr(">decode engines</text>")) << prefill;
+    EXPECT_THAT(html, Not(HasSubstr("prefill : decode engines"))) << prefill;
+    const std::vector<std::string> xs = first_plot_marker_xs(html);
+    ASSERT_EQ(xs.size(), 4u) << prefill;
+    for (size_t i = 1; i < xs.size(); ++i) EXPECT_LT(std::stod(xs[i - 1]), std::stod(xs[i]));
+  }
+}
+
+// With one engine count and several policies, each policy is a point of its own along the x axis.
+TEST(SweepReport, WithOneEngineCountEachPolicyIsAMarkedPointOfItsOwn) {
+  std::vector<SweepRow> rows;
+  for (const std::string& policy : {std::string("round_robin"), std::string(kHostile)}) {
+    SweepRow r;
+    r.prefill = 2, r.decode = 2, r.policy = policy, r.goodput = 1;
+    rows.push_back(r);
+  }
+  const std::string html = sweep_report(rows, "sweep", {});
+  EXPECT_EQ(count(html, "<circle class=\"point\""), 2u * 6);
+  EXPECT_THAT(html, HasSubstr(">policy</text>"));
+  EXPECT_THAT(html, HasSubstr(">round_robin</text>"));  // a tick per policy
+  EXPECT_THAT(html, Not(HasSubstr(kHostile)));
+  const std::vector<std::string> xs = first_plot_marker_xs(html);
+  ASSERT_EQ(xs.size(), 2u);
+  EXPECT_NE(xs[0], xs[1]);
 }
 
 TEST(SweepReport, RendersWithoutAPoint) {
