@@ -537,7 +537,9 @@ Parse BodyParser::feed(std::string_view in, size_t& used, std::string& out, Pars
         uint64_t size = 0;
         auto [p, ec] = std::from_chars(line.data(), line.data() + line.size(), size, 16);
         size_t digits = static_cast<size_t>(p - line.data());
-        if (ec != std::errc() || digits == 0 || digits > 15) {
+        // Leading zeros are no part of the size (1*HEXDIG), so not of the 15-digit bound either.
+        size_t zeros = std::min(line.find_first_not_of('0'), digits);
+        if (ec != std::errc() || digits == 0 || digits - zeros > 15) {
           return fail(error, 400, "malformed chunk size '" + excerpt(line) + "'");
         }
         std::string_view ext = trim(line.substr(digits));

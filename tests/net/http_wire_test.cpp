@@ -365,6 +365,19 @@ TEST(HttpWire, ChunkedBodies) {
   EXPECT_EQ(out, "hello0123456789abcdef");
 }
 
+// RFC 9112 7.1: chunk-size = 1*HEXDIG, so leading zeros say nothing about its size; only the
+// digits after them count against the bound (15, which no body limit comes near).
+TEST(HttpWire, LeadingZerosOfAChunkSizeDoNotCount) {
+  const std::string head = "POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n";
+  std::string body;
+  EXPECT_EQ(request_status(head + "0000000000000002\r\nok\r\n" + std::string(40, '0') +
+                               "3;x=y\r\n!!!\r\n" + std::string(30, '0') + "\r\n\r\n",
+                           1024, &body),
+            0);
+  EXPECT_EQ(body, "ok!!!");
+  EXPECT_EQ(request_status(head + "000" + std::string(16, 'f') + "\r\n", UINT64_MAX), 400);
+}
+
 TEST(HttpWire, RefusesBadChunks) {
   const std::string head = "POST /x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n";
   for (std::string_view bad : {
