@@ -340,7 +340,9 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
     er.prompt = prompts[i];
     er.sampling = call->request.sampling;
     if (compiled) er.sampling.structured_output->compiled = compiled;
-    if (er.sampling.seed && i > 0) er.sampling.seed = *er.sampling.seed + i;
+    // As vLLM: every prompt of a list takes the request's seed, and only a prompt's own choices
+    // count up from it, so a seeded prompt answers the same alone or in a list.
+    if (er.sampling.seed) er.sampling.seed = *er.sampling.seed + i % n;
     er.priority = call->request.priority;
     if (call->request.cache_salt) er.cache_salt = api::cache_salt_hash(*call->request.cache_salt);
     er.logprobs = call->request.logprobs;

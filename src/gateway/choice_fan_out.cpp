@@ -140,7 +140,10 @@ ChoiceRequests split_choices(std::string_view path, const json& body, std::strin
     if (prompts) members = "\"prompt\":" + (*prompts)[i / per_prompt].dump();
     if (seed) {
       if (!members.empty()) members += ',';
-      members += "\"seed\":" + (i == 0 ? body.at("seed").dump() : std::to_string(*seed + i));
+      // As the engine seeds choices: each prompt of a list from the request's seed (vLLM).
+      const size_t choice = i % per_prompt;
+      members +=
+          "\"seed\":" + (choice == 0 ? body.at("seed").dump() : std::to_string(*seed + choice));
     }
     out.bodies.push_back(members.empty() ? base_text : splice_fields(base_text, members));
   }

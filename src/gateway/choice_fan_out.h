@@ -5,8 +5,9 @@
 // (they may go to different engines), and their answers are merged into the one the client asked
 // for: the choices in order with their indexes (prompt-major: choice k answers prompt k / n), one
 // id (the request's: the choices' requests are named <id>-<k>), the usage summed (a repeated
-// prompt counted once, as an engine counts it). Choice k of a request with a seed gets seed + k,
-// as an engine seeds its choices, so the answer is the one an aggregated engine gives.
+// prompt counted once, as an engine counts it). Choice k of a request with a seed gets
+// seed + k % n (each prompt of a list starts from the request's seed, as in vLLM), as an engine
+// seeds its choices, so the answer is the one an aggregated engine gives.
 #include <cstddef>
 #include <functional>
 #include <memory>

@@ -487,6 +487,44 @@ TEST_F(EngineServer, AllowedTokenIdsAndBadWordsHoldInTheAnswersTokens) {
   EXPECT_EQ(engine.stop(), 0);
 }
 
+// A seeded prompt answers the same alone or at any place in a list of prompts, as in vLLM: each
+// prompt of a list is sampled with the request's seed, and only its own n choices count up from
+// it (choice j gets seed + j). Counting the choices across the list gave the second prompt other
+// answers than it got alone.
+TEST_F(EngineServer, ASeededPromptAnswersTheSameAloneOrInAList) {
+  testing::EngineProcess engine(engine_args({"--batch-invariant"}));
+  auto complete = [&](const json& prompt) {
+    const auto res = testing::post_json(engine.port(), "/v1/completions",
+                                        json{{"prompt", prompt},
+                                             {"n", 2},
+                                             {"seed", 5},
+                                             {"temperature", 1.0},
+                                             {"max_tokens", 12},
+                                             {"ignore_eos", true},
+                                             {"logprobs", 1},
+                                             {"return_tokens_as_token_ids", true}});
+    EXPECT_EQ(res.status, 200) << res.body;
+    return res.status == 200 ? answer_ids(json::parse(res.body))
+                             : std::vector<std::vector<int32_t>>{};
+  };
+  const auto hello = complete("hello"), world = complete("world");
+  ASSERT_EQ(hello.size(), 2u);
+  ASSERT_EQ(world.size(), 2u);
+  EXPECT_NE(hello[0], hello[1]);  // the choices of one prompt have seeds of their own
+  const auto both = complete(json::array({"hello", "world"}));
+  const auto reversed = complete(json::array({"world", "hello"}));
+  ASSERT_EQ(both.size(), 4u);
+  ASSERT_EQ(reversed.size(), 4u);
+  for (size_t j = 0; j < 2; ++j) {
+    SCOPED_TRACE(j);
+    EXPECT_EQ(both[j], hello[j]);
+    EXPECT_EQ(both[2 + j], world[j]);
+    EXPECT_EQ(reversed[j], world[j]);
+    EXPECT_EQ(reversed[2 + j], hello[j]);
+  }
+  EXPECT_EQ(engine.stop(), 0);
+}
+
 // Response ids are named as vLLM names them, from the client's X-Request-Id when it sends one.
 TEST_F(EngineServer, ResponseIdsCarryTheirPrefixAndTheClientsRequestId) {
   testing::EngineProcess engine(engine_args());
