@@ -2,7 +2,10 @@
 // placement in force; it never escapes into the engine thread that asked for it.
 #include <gtest/gtest.h>
 
+#include "engine/expert_parallel/ep_executor.h"
+#include "engine/expert_parallel/ep_segment.h"
 #include "engine/expert_remap.h"
+#include "placement/eplb.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -102,6 +105,62 @@ TEST(ExpertRemap, ASwitchThatSucceedsClearsTheLastError) {
   EXPECT_EQ(status.last_error, "");
   EXPECT_FALSE(status.to_json().contains("last_error"));
   EXPECT_EQ(status.to_json()["state"], "idle");
+}
+
+// The placement tables of an expert-parallel engine's segment, laid out as EpExecutor lays them
+// out for its start placement.
+struct PlacementTables {
+  PlacementTables(const placement::Placement& start, int64_t experts, int ranks) {
+    shape.ranks = ranks;
+    shape.hidden = shape.top_k = 1;
+    shape.experts = experts;
+    shape.moe_layers = start.num_layers();
+    shape.max_tokens = shape.max_items = shape.max_block_refs = shape.vocab = 1;
+    shape.max_slots = ep::segment_slots(start, experts, ranks, 0);
+    shape.block_size = shape.cache_blocks = shape.cache_block_bytes = 1;
+    memory = SharedSegment::create(ep::EpSegment::bytes(shape), "expert-remap-test");
+    segment.emplace(ep::EpSegment::format(memory, shape));
+    ep::write_placement(segment->table(0), shape, start);
+  }
+  // What a live remap does with a POSTed placement (EpExecutor::stage_expert_placement).
+  void stage(const placement::Placement& next) const {
+    ep::write_placement(segment->table(1), shape, next);
+  }
+  ep::EpShape shape;
+  SharedSegment memory;
+  std::optional<ep::EpSegment> segment;
+};
+
+// `tandem place plan` writes up to one copy of every expert on every rank in a layer (--slots at
+// most experts x ranks, and the layer-wise planners may give one layer that many): an engine
+// started without redundancy takes such a plan live, as it would at start.
+TEST(ExpertRemap, AnEngineTakesLiveAnyPlanForItsRanks) {
+  const int64_t experts = 8;
+  const int ranks = 4;
+  PlacementTables tables(placement::no_redundancy(2, experts, ranks), experts, ranks);
+  const std::vector<int32_t> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  const placement::Placement every_copy{
+      ranks, experts, {{{0, 1}, {2, 3}, {4, 5}, {6, 7}}, {all, all, all, all}}};
+  ASSERT_EQ(every_copy.slots(1), experts * ranks);
+  EXPECT_NO_THROW(tables.stage(every_copy));
+  EXPECT_EQ(ep::read_placement(tables.segment->table(1), tables.shape).layers, every_copy.layers);
+}
+
+// Only a hand-written placement holding an expert twice on one rank goes past that; the refusal
+// says how to make room.
+TEST(ExpertRemap, APlacementPastTheSegmentsSlotsIsRefusedSayingHowToMakeRoom) {
+  const int64_t experts = 4;
+  const int ranks = 3;
+  PlacementTables tables(placement::no_redundancy(1, experts, ranks), experts, ranks);
+  const placement::Placement twice{ranks, experts, {{{0, 1, 2, 3, 0}, {0, 1, 2, 3}, {0, 1, 2, 3}}}};
+  try {
+    tables.stage(twice);
+    ADD_FAILURE() << "a placement of 13 slots fit a segment of 12";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("layer 0 has 13 slots, at most 12 fit"), std::string::npos) << what;
+    EXPECT_NE(what.find("--expert-placement"), std::string::npos) << what;
+  }
 }
 
 }  // namespace

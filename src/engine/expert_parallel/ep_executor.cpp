@@ -34,6 +34,18 @@ std::filesystem::path own_executable() {
 
 }  // namespace
 
+int64_t segment_slots(const placement::Placement& start, int64_t experts, int ranks,
+                      int64_t max_slots) {
+  // Room for every expert on every rank, the most `tandem place plan` writes into a layer, so a
+  // live remap takes any plan the engine would take at start. Two tables of 4 bytes x layers x
+  // (1 + 2 x slots): DeepSeek-V3 (58 MoE layers, 256 experts) on 64 ranks is 15 MB of address
+  // space, and only the slots a placement uses are ever written (the segment's pages are
+  // allocated as written).
+  int64_t slots = std::max(max_slots, experts * ranks);
+  for (int64_t l = 0; l < start.num_layers(); ++l) slots = std::max(slots, start.slots(l));
+  return slots;
+}
+
 EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokenizer)
     : stall_(o.stall_timeout) {
   const auto load_started = std::chrono::steady_clock::now();
@@ -85,9 +97,7 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
       (c.max_position_embeddings + o.cache.block_size - 1) / o.cache.block_size;
   shape.max_block_refs = o.max_items * std::min(blocks, table_max);
   shape.vocab = c.vocab_size;
-  int64_t slots = o.max_slots > 0 ? o.max_slots : 2 * c.n_routed_experts;
-  for (int64_t l = 0; l < placement.num_layers(); ++l) slots = std::max(slots, placement.slots(l));
-  shape.max_slots = slots;
+  shape.max_slots = segment_slots(placement, c.n_routed_experts, o.ranks, o.max_slots);
   shape.block_size = o.cache.block_size;
   shape.cache_blocks = blocks;
   shape.cache_block_bytes = cache_shape.block_bytes();

@@ -43,8 +43,7 @@ struct EpExecutorOptions {
   std::optional<placement::Placement> placement;
   // Where `placement` came from (e.g. "--expert-placement plan.json"), to name in its errors.
   std::string placement_source;
-  // Physical slots per layer the segment has room for (live remaps may add copies up to it);
-  // 0: twice the routed experts.
+  // Physical slots per layer the segment has room for, at least (segment_slots).
   int64_t max_slots = 0;
   // The `tandem` binary that runs `ep-rank` (default: this process's own executable).
   std::filesystem::path rank_program;
@@ -53,6 +52,12 @@ struct EpExecutorOptions {
   // before the engine fails (stall_watch.h). One exchange is one MoE layer of one step.
   std::chrono::milliseconds stall_timeout{300'000};
 };
+
+// Physical slots per layer the shared placement tables have room for, what a live remap may
+// place at most: one copy of every expert on every rank, or the start placement's or
+// `max_slots`' more (a placement holding an expert twice on one rank may have more).
+int64_t segment_slots(const placement::Placement& start, int64_t experts, int ranks,
+                      int64_t max_slots);
 
 class EpExecutor final : public Executor {
  public:

@@ -142,7 +142,10 @@ void write_placement(const PlacementTable& table, const EpShape& shape,
     if (placement.slots(l) > shape.max_slots)
       throw Error("placement: layer " + std::to_string(l) + " has " +
                   std::to_string(placement.slots(l)) + " slots, at most " +
-                  std::to_string(shape.max_slots) + " fit");
+                  std::to_string(shape.max_slots) +
+                  " fit (one copy of every expert on every rank, or the start placement's most "
+                  "slots in a layer if more: restart the engine with an --expert-placement that "
+                  "has as many slots in a layer to make room)");
     for (int r = 0; r < shape.ranks; ++r)
       for (int32_t e : placement.layers[l][r]) {
         table.slot_rank[l * shape.max_slots + slot] = r;
