@@ -472,15 +472,32 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
     case Allocation::kLayerWise: {
       // Minimise the sum over layers of the busiest rank's load with exactly `budget` extra
       // slots: a knapsack over per-layer cost curves.
-      const int64_t even = (budget + layers - 1) / layers;
-      const int64_t cap =
-          std::min({budget, per_layer_cap, std::max<int64_t>(4 * o.ranks, 8 * even)});
+      const auto cap_for = [&](int64_t b) {
+        const int64_t even = (b + layers - 1) / layers;
+        return std::min({b, per_layer_cap, std::max<int64_t>(4 * o.ranks, 8 * even)});
+      };
+      // The knapsack's steps (and choices kept); it grows with the budget.
+      const auto fits = [&](int64_t b) {
+        return double(layers) * double(b + 1) * double(cap_for(b) + 1) <= 4e9;
+      };
+      // Checked before the cost curves, which take minutes for such budgets.
+      if (!fits(budget)) {
+        int64_t most = 0, over = budget;
+        while (over - most > 1) {
+          const int64_t mid = most + (over - most) / 2;
+          (fits(mid) ? most : over) = mid;
+        }
+        throw Error("placement: a redundant budget of " + std::to_string(budget) +
+                    " slots is too large for the layer-wise allocation (at most " +
+                    std::to_string(most) + " over " + std::to_string(layers) +
+                    " layers: --redundant " + std::to_string(most) + " or --slots " +
+                    std::to_string(loads.experts + most / layers) +
+                    "); use a smaller --slots or --redundant, or --algorithm omni-even");
+      }
+      const int64_t cap = cap_for(budget);
       std::vector<std::vector<double>> curve(layers);
       for (int64_t l = 0; l < layers; ++l)
         curve[l] = cost_curve(loads.row(l), loads.experts, o.ranks, cap, o.host_of_rank);
-      if (double(layers) * double(budget + 1) * double(cap + 1) > 4e9)
-        throw Error("placement: a redundant budget of " + std::to_string(budget) +
-                    " slots is too large for the layer-wise allocation; use omni-even");
       const double inf = std::numeric_limits<double>::infinity();
       std::vector<double> best(budget + 1, inf), next(budget + 1);
       best[0] = 0;

@@ -198,6 +198,25 @@ TEST(Planner, RejectsBadInputNamingTheField) {
   }
 }
 
+// The layer-wise knapsack's size depends on the budget, the ranks and the layers alone: a budget
+// too large for it is refused up front (not after every layer's cost curve, a minute for
+// DeepSeek-V3's 58 layers on 256 ranks), naming the flags that set the budget and the largest
+// that fits.
+TEST(Planner, ABudgetTooLargeForTheLayerWiseAllocationIsRefusedNamingTheFlags) {
+  const ExpertLoads loads = zipf_loads(58, 256, 3, 0.8, 1.2);
+  const int64_t budget = 58 * (1024 - 256);  // --slots 1024
+  try {
+    plan(loads, {.ranks = 256, .redundant_slots = budget});
+    FAIL() << "a budget of " << budget << " was planned layer-wise";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("44544 slots"), std::string::npos) << what;
+    EXPECT_NE(what.find("--redundant"), std::string::npos) << what;
+    EXPECT_NE(what.find("--slots"), std::string::npos) << what;
+    EXPECT_NE(what.find("omni-even"), std::string::npos) << what;
+  }
+}
+
 TEST(Incremental, MovesNoMoreThanAFreshPlanAndStaysWithinTolerance) {
   for (uint32_t seed = 1; seed <= 5; ++seed) {
     const ExpertLoads before = zipf_loads(6, 64, seed, 0.6, 1.4);
