@@ -679,11 +679,13 @@ void Connection::process() {
 void Connection::begin_request() {
   const HttpServerOptions& options = server_.options();
   request_.method.assign(head_.method);
-  request_.target.assign(head_.target);
-  size_t question = head_.target.find('?');
-  request_.path.assign(head_.target.substr(0, question));
+  request_.target.assign(head_.empty_path ? "/" : "");
+  request_.target.append(head_.target);
+  const std::string_view target = request_.target;
+  size_t question = target.find('?');
+  request_.path.assign(target.substr(0, question));
   if (question != std::string_view::npos) {
-    request_.query.assign(head_.target.substr(question + 1));
+    request_.query.assign(target.substr(question + 1));
   } else {
     request_.query.clear();
   }

@@ -266,7 +266,7 @@ Parse parse_request_line(std::string_view line, MessageHead& head, ParseError& e
     }
   }
   // RFC 9112 section 3.2.2: a server must accept the absolute form (what clients send to a
-  // proxy); the resource is what follows the authority.
+  // proxy); the resource is what follows the authority, "/" where no path does (RFC 3986 6.2.3).
   const std::string_view target = head.target;
   for (std::string_view scheme : {"http://", "https://"}) {
     if (target.size() < scheme.size() || !iequals(target.substr(0, scheme.size()), scheme))
@@ -274,10 +274,9 @@ Parse parse_request_line(std::string_view line, MessageHead& head, ParseError& e
     const size_t end = target.find_first_of("/?", scheme.size());
     if (end == std::string_view::npos) {
       head.target = "/";
-    } else if (target[end] == '/') {
-      head.target = target.substr(end);
     } else {
-      return fail(error, 400, "an absolute-form request target needs a path before its query");
+      head.target = target.substr(end);
+      head.empty_path = target[end] == '?';
     }
     break;
   }

@@ -37,9 +37,12 @@ struct HeadField {
 // A parsed message head. The views point into the parsed bytes.
 struct MessageHead {
   std::string_view method;  // requests
-  std::string_view target;  // requests
-  int status = 0;           // responses
-  int version = 11;         // 10 or 11 (a later HTTP/1 minor version reads as 11)
+  std::string_view target;  // requests, in origin form (its path and query), except:
+  // requests: an absolute-form target with no path before its query ("http://h?q"); `target` holds
+  // "?q", and the path is "/" (RFC 3986 6.2.3), which the buffer has nowhere to view.
+  bool empty_path = false;
+  int status = 0;    // responses
+  int version = 11;  // 10 or 11 (a later HTTP/1 minor version reads as 11)
   std::vector<HeadField> fields;
   BodyKind body = BodyKind::kNone;
   uint64_t content_length = 0;  // kLength

@@ -456,6 +456,26 @@ TEST(HttpServer, ALaterHttp1MinorVersionIsServedAndAnotherMajorIs505) {
   }
 }
 
+// RFC 9112 3.2.2: an absolute-form target names the resource after its authority; RFC 3986 6.2.3:
+// an empty path there is "/", also before a query.
+TEST(HttpServer, AnAbsoluteFormTargetWithoutAPathIsTheRoot) {
+  HttpServer server(local_options());
+  std::promise<HttpRequest> seen;
+  server.route("GET", "/", [&seen](const HttpRequest& request, std::shared_ptr<Exchange> ex) {
+    seen.set_value(request);
+    ex->respond(200, "{}");
+  });
+  server.start();
+  RawConnection c(server.port());
+  c.send("GET http://gw:8080?a=1&b=x HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n");
+  EXPECT_EQ(status_of(c.read_all()), 200);
+  std::future<HttpRequest> future = seen.get_future();
+  const HttpRequest request = get_within(future);
+  EXPECT_EQ(request.target, "/?a=1&b=x");
+  EXPECT_EQ(request.path, "/");
+  EXPECT_EQ(request.query, "a=1&b=x");
+}
+
 TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
   HttpServerOptions options = local_options();
   ServerLog log;

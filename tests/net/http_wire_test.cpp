@@ -72,7 +72,12 @@ TEST(HttpWire, AnAbsoluteFormTargetIsItsPathAndQuery) {
     ASSERT_EQ(r.parse, Parse::kDone) << line << ": " << r.error.message;
     EXPECT_EQ(r.head.target, target) << line;
   }
-  EXPECT_EQ(parse_request("GET http://gw?a=1 HTTP/1.1\r\nHost: gw\r\n\r\n").error.status, 400);
+  // RFC 3986 6.2.3: an empty path is "/", also before a query.
+  Result r = parse_request("GET http://gw:80?a=1 HTTP/1.1\r\nHost: gw\r\n\r\n");
+  ASSERT_EQ(r.parse, Parse::kDone) << r.error.message;
+  EXPECT_TRUE(r.head.empty_path);
+  EXPECT_EQ(r.head.target, "?a=1");
+  EXPECT_FALSE(parse_request("GET http://gw/?a=1 HTTP/1.1\r\nHost: gw\r\n\r\n").head.empty_path);
 }
 
 TEST(HttpWire, KeepAliveFollowsVersionAndConnection) {
