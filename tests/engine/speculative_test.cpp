@@ -3,7 +3,8 @@
 // an oracle's that are right except at known places, so long runs are accepted), with chunked
 // prefill, concurrent requests, preemption, stop strings, max_tokens and logprobs; every block
 // comes back; the module's drafts are its prediction over the whole sequence at once (its latent
-// cache is kept complete across chunks and steps); the metrics add up.
+// cache is kept complete across chunks and steps); the metrics add up. In BF16, under
+// --batch-invariant, greedy outputs are plain decoding's whatever number of drafts a step verifies.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "engine/generate.h"
 #include "engine/output_processor.h"
 #include "engine/tiny_model_fixture.h"
+#include "kernels/cpu/ops.h"
 #include "structured/token_constraint.h"
 #include "util/error.h"
 
@@ -25,6 +27,7 @@ namespace tandem::engine {
 namespace {
 
 constexpr char kF32[] = "f32";
+constexpr char kBf16[] = "bf16";
 
 struct Answer {
   std::vector<int32_t> tokens;
@@ -126,6 +129,49 @@ class DraftRecorder : public Wrapper {
   std::shared_ptr<Log> log_;
 };
 
+// Runs the requests concurrently through one engine; answers in request order.
+std::vector<Answer> serve_on(std::shared_ptr<const text::Tokenizer> tokenizer,
+                             std::unique_ptr<Executor> ex, const std::vector<RequestSpec>& requests,
+                             int64_t max_batched_tokens = 2048, LoadReport* after = nullptr,
+                             metrics::Registry* registry = nullptr) {
+  metrics::Registry own;
+  EngineConfig config;
+  config.scheduler.max_num_batched_tokens = max_batched_tokens;
+  Engine engine(config, std::move(ex), tokenizer, eos_ids(*tokenizer, {}),
+                registry ? *registry : own);
+  engine.start();
+  std::vector<Answer> answers(requests.size());
+  std::vector<std::promise<void>> done(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EngineRequest r;
+    r.id = std::to_string(i);
+    r.prompt = requests[i].prompt;
+    r.sampling = requests[i].sampling;
+    r.logprobs = requests[i].logprobs;
+    r.on_output = [&answers, &done, i](const RequestOutput& o) {
+      Answer& a = answers[i];
+      a.tokens.insert(a.tokens.end(), o.tokens.begin(), o.tokens.end());
+      a.logprobs.insert(a.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
+      a.text.append(o.text.data(), o.text.size());
+      if (o.finished) {
+        a.finish_reason = o.finish_reason;
+        a.error = o.error;
+        done[i].set_value();
+      }
+    };
+    engine.submit(std::move(r));
+  }
+  for (auto& d : done) d.get_future().wait();
+  if (after) {
+    // The engine thread finishes its step's bookkeeping after the last output.
+    for (int i = 0; i < 400 && engine.load().running + engine.load().waiting > 0; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    *after = engine.load();
+  }
+  engine.stop();
+  return answers;
+}
+
 class Speculation : public test::TinyModelTest<kF32> {
  protected:
   static std::shared_ptr<const model::DeepSeekModel> model() {
@@ -150,47 +196,11 @@ class Speculation : public test::TinyModelTest<kF32> {
     return generate(*model_, *tok_, prompt, greedy_params(max_tokens)).tokens;
   }
 
-  // Runs the requests concurrently through one engine; answers in request order.
   static std::vector<Answer> serve(std::unique_ptr<Executor> ex,
                                    const std::vector<RequestSpec>& requests,
                                    int64_t max_batched_tokens = 2048, LoadReport* after = nullptr,
                                    metrics::Registry* registry = nullptr) {
-    metrics::Registry own;
-    EngineConfig config;
-    config.scheduler.max_num_batched_tokens = max_batched_tokens;
-    Engine engine(config, std::move(ex), tokenizer(), eos_ids(*tok_, {}),
-                  registry ? *registry : own);
-    engine.start();
-    std::vector<Answer> answers(requests.size());
-    std::vector<std::promise<void>> done(requests.size());
-    for (size_t i = 0; i < requests.size(); ++i) {
-      EngineRequest r;
-      r.id = std::to_string(i);
-      r.prompt = requests[i].prompt;
-      r.sampling = requests[i].sampling;
-      r.logprobs = requests[i].logprobs;
-      r.on_output = [&answers, &done, i](const RequestOutput& o) {
-        Answer& a = answers[i];
-        a.tokens.insert(a.tokens.end(), o.tokens.begin(), o.tokens.end());
-        a.logprobs.insert(a.logprobs.end(), o.logprobs.begin(), o.logprobs.end());
-        a.text.append(o.text.data(), o.text.size());
-        if (o.finished) {
-          a.finish_reason = o.finish_reason;
-          a.error = o.error;
-          done[i].set_value();
-        }
-      };
-      engine.submit(std::move(r));
-    }
-    for (auto& d : done) d.get_future().wait();
-    if (after) {
-      // The engine thread finishes its step's bookkeeping after the last output.
-      for (int i = 0; i < 400 && engine.load().running + engine.load().waiting > 0; ++i)
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      *after = engine.load();
-    }
-    engine.stop();
-    return answers;
+    return serve_on(tokenizer(), std::move(ex), requests, max_batched_tokens, after, registry);
   }
 
   static double metric(const metrics::Registry& registry, const std::string& name,
@@ -608,6 +618,42 @@ TEST_F(Speculation, EnginesThatCannotSpeculateRefuseToStart) {
   EXPECT_NE(refusal("sim:tiny").find("--sim-mtp-acceptance"), std::string::npos);
   std::filesystem::remove_all(dir);
   std::filesystem::remove(log);
+}
+
+// BF16 kernels pick a product by a step's token count, and how many drafts a greedy request's
+// verify step carries varies (max_tokens, the budget and free blocks bound it), so outputs are
+// plain decoding's exactly only under batch-invariant numerics (--batch-invariant), which this
+// suite runs under. Without it the tenth token of this prompt changed with max_tokens.
+class SpeculationBf16 : public test::TinyModelTest<kBf16> {
+ protected:
+  static void SetUpTestSuite() {
+    // Before the model loads: which weight copies it keeps depends on the numerics.
+    kernels::set_batch_invariant(true);
+    TinyModelTest::SetUpTestSuite();
+  }
+  static void TearDownTestSuite() {
+    TinyModelTest::TearDownTestSuite();
+    kernels::set_batch_invariant(false);
+  }
+  static std::vector<int32_t> greedy(int64_t k, const std::vector<int32_t>& prompt,
+                                     int64_t max_tokens) {
+    CpuExecutorOptions o;
+    o.speculative_tokens = k;
+    auto ex = std::make_unique<CpuExecutor>(
+        std::shared_ptr<const model::DeepSeekModel>(model_.get(), [](const auto*) {}), *tok_,
+        "tiny", o);
+    const auto answers = serve_on({tok_.get(), [](const auto*) {}}, std::move(ex),
+                                  {{prompt, greedy_params(max_tokens)}});
+    EXPECT_EQ(answers[0].error, "");
+    return answers[0].tokens;
+  }
+};
+
+TEST_F(SpeculationBf16, GreedyOutputsEqualPlainDecodingWhateverMaxTokensLeavesForDrafts) {
+  const std::vector<int32_t> prompt = {341, 348, 355, 362, 369, 376, 383, 390, 397, 404, 411};
+  for (int64_t max_tokens = 8; max_tokens <= 16; ++max_tokens)
+    EXPECT_EQ(greedy(2, prompt, max_tokens), greedy(0, prompt, max_tokens))
+        << "max_tokens " << max_tokens;
 }
 
 }  // namespace
