@@ -501,16 +501,15 @@ void Engine::admit_incoming() {
     std::shared_ptr<const structured::Grammar> compiled;
     if (r.sampling.structured_output)
       compiled = std::exchange(r.sampling.structured_output->compiled, nullptr);
-    auto seq = std::make_unique<Sequence>();
-    seq->tokens = r.prompt;
-    seq->num_prompt = static_cast<int64_t>(r.prompt.size());
+    auto seq = Sequence::of(std::move(r));
+    const EngineRequest& request = seq->request;
     seq->arrival_order = arrival_counter_++;
-    seq->arrival_time = r.arrival_time;
+    seq->arrival_time = request.arrival_time;
     seq->queued_time = now;
-    seq->sampler = std::make_unique<Sampler>(r.sampling, seed_base_ + seq->arrival_order, eos_ids_);
-    seq->output = std::make_unique<OutputProcessor>(*tokenizer_, r.sampling, eos_ids_);
-    seq->prompt_logprobs = std::move(r.known_prompt_logprobs);
-    seq->request = std::move(r);
+    seq->sampler =
+        std::make_unique<Sampler>(request.sampling, seed_base_ + seq->arrival_order, eos_ids_);
+    seq->output = std::make_unique<OutputProcessor>(*tokenizer_, request.sampling, eos_ids_);
+    seq->prompt_logprobs = std::move(seq->request.known_prompt_logprobs);
     Sequence* raw = seq.get();
     sequences_[raw->request.id] = std::move(seq);
 

@@ -22,6 +22,7 @@
 #include "engine/generate.h"
 #include "engine/generation_api.h"
 #include "engine/kept_reply.h"
+#include "engine/scheduler/sequence.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "net/http_client.h"
@@ -397,6 +398,20 @@ TEST_F(EngineServer, GuidedRegexHoldsWithSpeculativeDecoding) {
   for (size_t i = 0; i < texts.size(); ++i)
     EXPECT_TRUE(verdict["regex"][0][i].get<bool>()) << texts[i];
   EXPECT_EQ(engine.stop(), 0);
+}
+
+// A sequence keeps its prompt once, at the start of its tokens, and the request it keeps holds no
+// second copy: with two, n choices of long prompts took ~550 times their body (8 prompts of
+// 100,000 tokens, n 128: 1.4 GB for 2.4 MB).
+TEST(EngineSequence, KeepsItsPromptOnceInItsTokens) {
+  EngineRequest request;
+  request.id = "a";
+  request.prompt = {5, 6, 7};
+  const auto seq = Sequence::of(std::move(request));
+  EXPECT_EQ(seq->tokens, (std::vector<int32_t>{5, 6, 7}));
+  EXPECT_EQ(seq->num_prompt, 3);
+  EXPECT_EQ(seq->request.id, "a");
+  EXPECT_EQ(seq->request.prompt.capacity(), 0u);
 }
 
 // The generated ids of each choice of a completion answer, read from its logprobs with

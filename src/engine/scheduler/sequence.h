@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/output_processor.h"
@@ -86,6 +87,16 @@ enum class SequenceStatus { kWaiting, kRunning, kFinished };
 enum class KvTransferState { kNone, kFetching, kFetchCancelled, kRoomOpen, kRoomClosed, kParked };
 
 struct Sequence {
+  // The sequence of `request`, its prompt moved to the start of `tokens`: the request it keeps
+  // holds no second copy (each of n choices of a long prompt kept two).
+  static std::unique_ptr<Sequence> of(EngineRequest request) {
+    auto seq = std::make_unique<Sequence>();
+    seq->num_prompt = static_cast<int64_t>(request.prompt.size());
+    seq->tokens = std::move(request.prompt);
+    seq->request = std::move(request);
+    return seq;
+  }
+
   EngineRequest request;
   std::vector<int32_t> tokens;  // prompt followed by generated ids
   int64_t num_prompt = 0;
