@@ -480,11 +480,36 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
   int64_t record = 0;
   int64_t line_no = 0;
   int64_t previous_line = 0;
+  // The first timestamp after the window later than its last, for --trace-spread's last gap.
+  // Only a record that reads cleanly gives one: the window is valid whatever follows it.
+  const auto look_past_window = [&]() -> std::optional<double> {
+    if (out.empty()) return std::nullopt;
+    const double last = out.back().timestamp_ms;
+    try {
+      do {
+        if (line.find_first_not_of(" \t") == std::string::npos) continue;
+        const json j = json::parse(line);
+        const auto ts = j.find("timestamp");
+        if (ts == j.end() || !ts->is_number()) return std::nullopt;
+        const double t = ts->get<double>();
+        if (t == last) continue;
+        if (!(t > last) || !std::isfinite(t)) return std::nullopt;
+        check_arrival(what, (t - out.front().timestamp_ms) / 1000.0, window);
+        return t;
+      } while (read_line(in, line, what, ++line_no));
+    } catch (const std::exception&) {
+    }
+    return std::nullopt;
+  };
+  std::optional<double> past_window;
   while (read_line(in, line, what, ++line_no)) {
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
     const int64_t index = record++;
     if (index < window.start) continue;
-    if (window.limit > 0 && index - window.start >= window.limit) break;
+    if (window.limit > 0 && index - window.start >= window.limit) {
+      past_window = look_past_window();
+      break;
+    }
     const std::string at = what + ":" + std::to_string(line_no);
     json j;
     try {
@@ -525,6 +550,11 @@ std::vector<MooncakeRecord> read_mooncake_trace(const std::filesystem::path& pat
                 std::to_string(block_size) + ") = " + std::to_string(blocks));
     out.push_back(std::move(r));
     previous_line = line_no;
+  }
+  std::optional<double> next = past_window;
+  for (size_t i = out.size(); i-- > 0;) {
+    out[i].next_timestamp_ms = next;
+    if (i > 0 && out[i].timestamp_ms > out[i - 1].timestamp_ms) next = out[i].timestamp_ms;
   }
   if (records_read) *records_read = record;
   return out;
@@ -583,13 +613,25 @@ std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records
     out.push_back((r.timestamp_ms - records.front().timestamp_ms) / 1000.0 * time_scale);
   if (!spread) return out;
   Rng rng(seed ^ 0x6d6f6f6e63616b65ULL);  // its own stream: the prompts draw from the seed too
-  double gap = 0;                         // the last run's: the gap before it
+  std::optional<double> gap;              // the last run's, without a later record: the one before
   for (size_t begin = 0; begin < out.size();) {
     size_t end = begin + 1;
     while (end < out.size() && out[end] == out[begin]) ++end;
-    if (end < out.size() && out[end] > out[begin]) gap = out[end] - out[begin];
+    if (end < out.size()) {
+      gap = out[end] - out[begin];
+    } else if (const MooncakeRecord& last = records[end - 1]; last.next_timestamp_ms) {
+      gap = (*last.next_timestamp_ms - records.front().timestamp_ms) / 1000.0 * time_scale -
+            out[begin];
+    }
+    // Sending them at once would look like a spread replay and measure the burst it was asked
+    // to remove.
+    require(gap.has_value(),
+            "mooncake trace: --trace-spread: every record of the window (line " +
+                std::to_string(records[begin].line) + " on) has timestamp " +
+                number(records[begin].timestamp_ms) +
+                " ms and no later record follows in the file: there is no gap to spread them over");
     std::vector<double> offsets(end - begin);
-    for (double& x : offsets) x = gap * rng.uniform();
+    for (double& x : offsets) x = *gap * rng.uniform();
     std::sort(offsets.begin(), offsets.end());
     for (size_t i = begin; i < end; ++i) out[i] += offsets[i - begin];
     begin = end;

@@ -178,6 +178,10 @@ struct MooncakeRecord {
   int64_t input_length = 0;
   int64_t output_length = 0;
   std::vector<int64_t> hash_ids;
+  // The first timestamp in the file later than this record's, when one follows (for the window's
+  // last records read_mooncake_trace looks past the window for it): the end of the gap
+  // --trace-spread spreads a run of equal timestamps over.
+  std::optional<double> next_timestamp_ms;
 };
 // Reads the window's records (timestamps as in the file). Checks that
 // hash_ids.size() == ceil(input_length / block_size) and names line and field on any error.
@@ -215,7 +219,8 @@ BenchRequest mooncake_request(const TokenVocab& vocab, const MooncakeRecord& rec
 // The records' send times as mooncake_workload gives them: offsets from the first, in seconds,
 // times time_scale. With `spread`, the records of a run of equal timestamps arrive at uniform
 // random times (drawn from `seed`, sorted, so arrivals keep the file's order) between their
-// timestamp and the next distinct one (the last run: over the gap before it); without it, at
+// timestamp and the next distinct one (the last run: its next_timestamp_ms, else the gap before
+// it; a window of one timestamp with neither is refused, naming its first line); without it, at
 // their timestamp.
 std::vector<double> mooncake_arrivals(const std::vector<MooncakeRecord>& records, double time_scale,
                                       bool spread = false, uint64_t seed = 0);

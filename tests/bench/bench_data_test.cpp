@@ -424,6 +424,44 @@ std::string mooncake_line(const std::string& timestamp, int64_t output_length = 
          std::to_string(output_length) + R"(, "hash_ids": [7]})" + "\n";
 }
 
+// A window of one timestamp has no gap inside it: the first later record after the window
+// gives the gap, so that --num-prompts 5 of a trace whose first 10 records share time 0 (and
+// whose 11th is at 3000 ms) spreads them over [0, 3 s), where it sent all five at 0.
+TEST(MooncakeArrivals, SpreadOfAWindowOfOneTimestampReachesTheFirstLaterRecordAfterIt) {
+  const auto path = write_trace("mooncake-one-time", mooncake_line("0") + mooncake_line("0") +
+                                                         mooncake_line("0") + mooncake_line("0") +
+                                                         mooncake_line("3000"));
+  const auto records = read_mooncake_trace(path, {.start = 0, .limit = 2});
+  ASSERT_EQ(records.size(), 2u);
+  const auto a = mooncake_arrivals(records, 2, true, 1);
+  EXPECT_TRUE(std::is_sorted(a.begin(), a.end()));
+  for (double x : a) EXPECT_TRUE(x >= 0 && x < 6) << x;  // 3 s at time scale 2
+  EXPECT_NE(a[0], a[1]);
+  // The real trace's head, as the review replayed it.
+  const auto head = read_mooncake_trace(mooncake_path(), {.start = 0, .limit = 5});
+  ASSERT_EQ(head.size(), 5u);
+  ASSERT_EQ(head.back().timestamp_ms, head.front().timestamp_ms);
+  const auto spread = mooncake_arrivals(head, 1, true, 0);
+  EXPECT_GT(spread.back(), 0.0);
+}
+
+// With no later record in the file and one timestamp in the window there is no gap to spread
+// over: refused, naming the line, rather than sent at once as if spread.
+TEST(MooncakeArrivals, SpreadWithNoGapKnownIsRefusedNamingTheLine) {
+  const auto path =
+      write_trace("mooncake-no-gap", mooncake_line("0") + mooncake_line("5") + mooncake_line("5"));
+  const auto tail = read_mooncake_trace(path, {.start = 1, .limit = 0});
+  ASSERT_EQ(tail.size(), 2u);
+  EXPECT_EQ(mooncake_arrivals(tail, 1), (std::vector<double>{0, 0}));
+  EXPECT_THAT(error_of([&] { mooncake_arrivals(tail, 1, true, 0); }),
+              HasSubstr("--trace-spread: every record of the window (line 2 on) has timestamp 5 ms "
+                        "and no later record follows in the file"));
+  // The whole file has a gap before its last run: that one is spread over it, as before.
+  const auto all = read_mooncake_trace(path, {});
+  const auto a = mooncake_arrivals(all, 1, true, 0);
+  for (size_t i = 1; i < a.size(); ++i) EXPECT_TRUE(a[i] >= 0.005 && a[i] < 0.010) << i;
+}
+
 TEST(MooncakeTrace, ARecordEarlierThanTheOneBeforeItIsRefusedNamingTheLine) {
   // Sent in file order, it could only go late: a trace out of order is not replayed.
   const auto path =
