@@ -1,8 +1,11 @@
 #include "sim/virtual_kv_links.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <functional>
 #include <optional>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -270,15 +273,38 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   // the time either engine was stalled not counting: a stalled engine's transfer threads are
   // frozen (SIGSTOP), and its transfers go on where they stopped when it wakes. A stall is known
   // once it begins, so the end is checked when it comes and moved on by what stalls took of it.
-  void after_link_time(Endpoint* peer, double from, double seconds, gateway::Executor::Task done) {
+  // A transfer whose end is past what the clock counts (a long prompt over a link slowed a
+  // millionfold takes centuries) runs `too_slow` instead, with why: it fails alone, and the run
+  // goes on.
+  void after_link_time(Endpoint* peer, double from, double seconds, gateway::Executor::Task done,
+                       std::function<void(const std::string&)> too_slow) {
     from = both_awake_from(peer, from);
     const double end = from + seconds;
-    at(end, [this, peer, from, end, done = std::move(done)]() mutable {
-      if (const double lost = frozen(peer, from, end); lost > 0)
-        after_link_time(peer, end, lost, std::move(done));
-      else
-        done();
-    });
+    if (!(end <= kMaxVirtualSeconds)) {
+      too_slow(too_slow_error(peer, end));
+      return;
+    }
+    at(end,
+       [this, peer, from, end, done = std::move(done), too_slow = std::move(too_slow)]() mutable {
+         if (const double lost = frozen(peer, from, end); lost > 0)
+           after_link_time(peer, end, lost, std::move(done), std::move(too_slow));
+         else
+           done();
+       });
+  }
+  std::string too_slow_error(const Endpoint* peer, double end) const {
+    const double slowed = std::max(slowdown(), peer->slowdown());
+    char text[256];
+    std::snprintf(text, sizeof text,
+                  "the KV transfer would end at %.4g s of virtual time, past the %.0f s the "
+                  "simulator counts: its link runs at %g GB/s (--kv-link-gb-per-s)",
+                  end, kMaxVirtualSeconds, net_.link_.bytes_per_s / 1e9);
+    std::string why = text;
+    if (slowed > 1) {
+      std::snprintf(text, sizeof text, ", slowed %g times (--slow-link)", slowed);
+      why += text;
+    }
+    return why;
   }
   double bytes_for(int64_t tokens) const {
     return double(tokens) * double(layout_.token_bytes) * double(layout_.layers);
@@ -327,7 +353,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     const double bytes = bytes_for(tokens);
     const double seconds = bytes / bytes_per_s(decode) + net_.link_.latency_s;
     after_link_time(
-        decode, now, seconds, [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
+        decode, now, seconds,
+        [this, decode, id = f.request_id, transfer = f.transfer_id, bytes] {
           if (dead_) {
             decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
             return;
@@ -336,6 +363,11 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
           ++net_.transfers_;
           net_.bytes_ += bytes;
           decode->finish_fetch(id, {true, "", static_cast<uint64_t>(bytes)});
+        },
+        [this, decode, id = f.request_id](const std::string& why) {
+          at(now_s() + net_.link_.latency_s, [decode, id, why] {
+            decode->finish_fetch(id, {false, why, 0});
+          });
         });
   }
 
@@ -380,18 +412,21 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     const double end = link_free + net_.link_.latency_s;
     const double bytes = layer_bytes * double(layout_.layers);
     const double now = now_s();
-    after_link_time(r.decode->endpoint, now, std::max(end - now, 0.0), [this, room, bytes] {
-      auto it = rooms_.find(room);
-      if (it == rooms_.end() || dead_) return;  // failed meanwhile (or told the decode leg)
-      Room done = std::move(it->second);
-      rooms_.erase(it);
-      ++net_.transfers_;
-      net_.bytes_ += bytes;
-      done.decode->endpoint->registered_.erase(room);
-      done.decode->endpoint->finish_fetch(done.decode->request_id,
-                                          {true, "", static_cast<uint64_t>(bytes)});
-      to_engine([d = std::move(done.done)] { d(true, "", false); });
-    });
+    after_link_time(
+        r.decode->endpoint, now, std::max(end - now, 0.0),
+        [this, room, bytes] {
+          auto it = rooms_.find(room);
+          if (it == rooms_.end() || dead_) return;  // failed meanwhile (or told the decode leg)
+          Room done = std::move(it->second);
+          rooms_.erase(it);
+          ++net_.transfers_;
+          net_.bytes_ += bytes;
+          done.decode->endpoint->registered_.erase(room);
+          done.decode->endpoint->finish_fetch(done.decode->request_id,
+                                              {true, "", static_cast<uint64_t>(bytes)});
+          to_engine([d = std::move(done.done)] { d(true, "", false); });
+        },
+        [this, room](const std::string& why) { fail_room(room, why); });
   }
 
   void arm_room_timeout(uint64_t room) {

@@ -139,5 +139,47 @@ TEST_F(VirtualKvLinks, AnAbandonmentsRefusalExpiresWithTheTimeout) {
   EXPECT_NE(prefill_->open_room(7, 1234, 11, room_end(end)), 0u);
 }
 
+// A transfer a slow-link fault slows past what the virtual clock counts (a long prompt over a
+// link slowed a millionfold takes centuries) fails alone, saying which flags made it so; the run
+// goes on (it used to end with the clock's own error, every result lost).
+TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
+  const int64_t tokens = int64_t{1} << 45;  // 16 bytes each: 10^10 s at 25 GB/s slowed 10^6 x
+  net_.slow("prefill", 1e6);
+  const std::string held = prefill_->hold({}, 1234, tokens, [] {});
+  engine::KvFetch pull;
+  pull.request_id = "pulled";
+  pull.host = "prefill-host";
+  pull.port = 1;
+  pull.engine_id = "prefill";
+  pull.transfer_id = held;
+  pull.prompt_hash = 1234;
+  pull.prompt_tokens = pull.num_tokens = tokens;
+  std::optional<engine::KvFetchResult> pulled;
+  decode_->fetch(pull, [&](const engine::KvFetchResult& r) { pulled = r; });
+  ASSERT_NO_THROW(settle());
+  ASSERT_TRUE(pulled.has_value());
+  EXPECT_FALSE(pulled->ok);
+  EXPECT_NE(pulled->error.find("--kv-link-gb-per-s"), std::string::npos) << pulled->error;
+  EXPECT_NE(pulled->error.find("--slow-link"), std::string::npos) << pulled->error;
+
+  RoomEnd room;
+  const uint64_t claim = prefill_->open_room(7, 1234, tokens, room_end(room));
+  ASSERT_NE(claim, 0u);
+  engine::KvFetch reg = pull;
+  reg.request_id = "registered";
+  reg.pull = false;
+  reg.room = 7;
+  std::optional<engine::KvFetchResult> pushed;
+  decode_->fetch(reg, [&](const engine::KvFetchResult& r) { pushed = r; });
+  ASSERT_NO_THROW(settle());
+  prefill_->room_layers_done(7, claim, 2);
+  ASSERT_NO_THROW(settle());
+  ASSERT_TRUE(pushed.has_value());
+  EXPECT_FALSE(pushed->ok);
+  EXPECT_NE(pushed->error.find("--slow-link"), std::string::npos) << pushed->error;
+  EXPECT_EQ(room.ok, std::optional<bool>(false));
+  EXPECT_EQ(room.error, pushed->error);
+}
+
 }  // namespace
 }  // namespace tandem::sim
