@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +35,19 @@ std::string number_text(double v) {
   char text[32];
   std::snprintf(text, sizeof text, "%.6g", v);
   return text;
+}
+
+CLI::Validator seed_range() {
+  return CLI::Validator(
+      [](const std::string& text) -> std::string {
+        uint64_t v = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+        if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+          return "expected a seed in 0.." + std::to_string(std::numeric_limits<uint64_t>::max()) +
+                 ", got '" + text + "'";
+        return std::string();
+      },
+      "0..2^64-1");
 }
 
 void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
@@ -99,7 +113,8 @@ void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o) {
   cmd.add_option("--seed", o.seed,
                  "random seed of the workload: the synthetic prompts and lengths, ShareGPT's "
                  "sample, the traces' prompt tokens, the arrival times (same seed, same requests)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(seed_range());
   // The flags a dataset may not use record that they were given as CLI11 takes their values
   // (check_unused_flags reads them).
   for (const char* flag :
@@ -230,6 +245,11 @@ void check_workload_flags(const WorkloadCliOptions& o) {
   check_range("--trace-limit", o.trace_limit, 0, max);
   if (!(std::isfinite(o.time_scale) && o.time_scale >= 0))
     throw Error("--time-scale: expected a finite number >= 0");
+  // inf sends everything at once (a trace: at its timestamps); NaN or -inf are no rate, though
+  // only a finite rate replaces a trace's timestamps.
+  if (!(o.request_rate > 0))
+    throw Error("--request-rate: expected requests/s > 0 (or inf), got " +
+                number_text(o.request_rate));
   // Before the bound below uses it (NaN would reach an integer conversion).
   if (!(o.random_range_ratio >= 0 && o.random_range_ratio < 1))
     throw Error("--random-range-ratio: expected a number in [0, 1)");

@@ -99,6 +99,11 @@ void check_outputs(const RunOutputs& outputs);
 // A result JSON as the files hold it; bytes that are not UTF-8 become U+FFFD.
 std::string result_json_text(const nlohmann::json& result);
 
+// Checks a seed flag's text before CLI11 converts it: CLI11 reads an unsigned option through a
+// signed or saturating conversion, so -1 and 2^64 both became 2^64 - 1, a seed other than the
+// one asked for. Only a whole decimal number in 0..2^64-1 passes.
+CLI::Validator seed_range();
+
 std::vector<std::string> split(const std::string& s, char sep);
 
 // A number as a person writes it: 20, 0.5, 1e-07 (not std::to_string's 20.000000).

@@ -37,6 +37,7 @@
 #include "util/file.h"
 #include "util/huge_pages.h"
 #include "util/progress.h"
+#include "util/utf8.h"
 
 namespace tandem::cli {
 namespace {
@@ -177,6 +178,16 @@ void run(const EngineOptions& o) {
   api::check_api_keys(o.api_keys, "--api-key");  // before minutes of loading
   net::check_socket_host("--host", o.host);
   net::check_socket_host("--kv-transfer-host", o.kv_transfer_host);
+  // The served name goes into /v1/models' JSON and /metrics' labels, which carry only UTF-8: a
+  // name that is not would fail every listing (a 500) and spoil every scrape.
+  if (const std::string& name = o.served_model_name.empty() ? o.model : o.served_model_name;
+      utf8::to_valid_lossy(name) != name)
+    throw Error(o.served_model_name.empty()
+                    ? "--model " + utf8::to_valid_lossy(o.model) +
+                          ": the served model name is the folder's path, which is not UTF-8; "
+                          "give --served-model-name with a UTF-8 name"
+                    : "--served-model-name: expected a UTF-8 name, got '" +
+                          utf8::to_valid_lossy(name) + "'");
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;

@@ -13,6 +13,7 @@
 #include "gateway/gateway.h"
 #include "net/http.h"
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem::cli {
 namespace {
@@ -102,6 +103,13 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
     t = from_flags(o);
   }
   apply_setting_flags(t, o, cmd, !o.config.empty());
+  // /v1/models' JSON and /metrics' labels carry only UTF-8: a name that is not would fail every
+  // listing (a 500) and spoil every scrape.
+  if (utf8::to_valid_lossy(t.served_model_name) != t.served_model_name)
+    throw Error((cmd.count("--served-model-name") > 0
+                     ? std::string("--served-model-name")
+                     : "--config " + o.config + ": served_model_name") +
+                ": expected a UTF-8 name, got '" + utf8::to_valid_lossy(t.served_model_name) + "'");
   // Without a model the gateway does not tokenize and the flags would do nothing: refused, as a
   // flag meant to bound requests that bounded none.
   for (const char* flag : {"--generation-config", "--override-generation-config"})

@@ -31,6 +31,7 @@
 #include "util/child_process.h"
 #include "util/error.h"
 #include "util/secret.h"
+#include "util/utf8.h"
 
 namespace tandem::cli {
 namespace {
@@ -138,6 +139,14 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     if (model.rfind("sim:", 0) == 0) served = model.substr(4);
     extra = {"--served-model-name", served};
   }
+  // Before any engine starts: /v1/models' JSON and /metrics' labels carry only UTF-8.
+  if (utf8::to_valid_lossy(served) != served)
+    throw Error(extra.empty() ? "--served-model-name: expected a UTF-8 name, got '" +
+                                    utf8::to_valid_lossy(served) + "'"
+                              : "--model " + utf8::to_valid_lossy(o.model) +
+                                    ": the served model name is the folder's name, which is not "
+                                    "UTF-8; give --engine-arg=--served-model-name with a UTF-8 "
+                                    "name");
   gateway::PriorityClasses classes;
   if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
   const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(o.policy);

@@ -9,7 +9,8 @@
 namespace tandem::cli {
 
 void add_sim_executor_flags(CLI::App& cmd, SimExecutorFlags& f) {
-  cmd.add_option("--sim-seed", f.seed, "seed of the simulated executor's tokens and routes");
+  cmd.add_option("--sim-seed", f.seed, "seed of the simulated executor's tokens and routes")
+      ->check(seed_range());
   cmd.add_option("--sim-kv-token-bytes", f.kv_token_bytes,
                  "bytes per token and layer a simulated engine's KV transfers move (default: "
                  "the model's real size)")

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -32,7 +34,7 @@ struct SimulateCliOptions {
   MetricsCliOptions metrics;
   RunOutputs outputs;
   std::string model = "sim:deepseek-v3-h800", mode, policy, topology;
-  int prefill = -1, decode = -1;  // -1: the topology file's count (else 0 and 1)
+  std::optional<int> prefill, decode;  // not given: the topology file's count (else 0 and 1)
   int64_t max_num_seqs = 64, max_num_batched_tokens = 2048, num_blocks = 0, block_size = 16;
   int64_t speculative_tokens = 0;
   SimExecutorFlags sim;
@@ -255,10 +257,14 @@ void run(const SimulateCliOptions& o) {
     }
   }
   if (!o.mode.empty()) so.gateway.mode = gateway::parse_mode(o.mode);
-  so.prefill = o.prefill >= 0       ? o.prefill
+  for (const auto& [flag, count] : {std::pair{"--prefill", o.prefill}, {"--decode", o.decode}})
+    if (count && *count < 0)
+      throw Error(std::string(flag) + ": expected an engine count >= 0, got " +
+                  std::to_string(*count));
+  so.prefill = o.prefill            ? *o.prefill
                : o.topology.empty() ? 0
                                     : static_cast<int>(so.gateway.prefill.endpoints.size());
-  so.decode = o.decode >= 0        ? o.decode
+  so.decode = o.decode             ? *o.decode
               : o.topology.empty() ? 1
                                    : static_cast<int>(so.gateway.decode.endpoints.size());
   if (o.model.rfind(kSimPrefix, 0) != 0)

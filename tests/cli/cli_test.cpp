@@ -1266,5 +1266,100 @@ TEST(Cli, SimulateChecksItsSchedulerLimitsBeforeReadingTheWorkload) {
   }
 }
 
+// A transfer a slow-link fault slows past what the virtual clock counts fails alone, naming the
+// flags; the run still writes its results (it ended with the clock's own error, results lost).
+TEST(Cli, ATransferTooSlowToCountFailsAloneAndTheRunIsWritten) {
+  for (const std::string mode : {"sequential", "parallel"}) {
+    const auto result = test::scratch_path("too-slow-" + mode + ".json").string();
+    const auto r =
+        run("simulate --dataset-name random --num-prompts 2 --random-input-len 16000 "
+            "--random-output-len 2 --prefill 1 --decode 1 --kv-link-gb-per-s 0.0001 "
+            "--slow-link prefill-0@0+100:1000000 --mode " +
+            mode + " --result-file " + result);
+    EXPECT_EQ(r.status, 0) << mode << ": " << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("is not a time the simulator can count"))) << mode;
+    const auto json = nlohmann::json::parse(read_file(result));
+    EXPECT_EQ(json["failed"], 2) << mode;
+    EXPECT_THAT(json["errors"][0].get<std::string>(), HasSubstr("--slow-link")) << mode;
+  }
+}
+
+// A request rate is requests per second: anything not above 0 (NaN, -inf, 0) is refused naming
+// the flag, on a trace too, where it was ignored (only a finite rate replaced the timestamps).
+TEST(Cli, ARequestRateThatIsNoRateIsRefusedNamingTheFlag) {
+  const auto trace = write_temp(
+      "rate.jsonl", R"({"timestamp": 0, "input_length": 100, "output_length": 4, "hash_ids": [0]})"
+                    "\n");
+  for (const std::string& workload :
+       {std::string("--num-prompts 2 --random-input-len 20 --random-output-len 2"),
+        "--dataset-name mooncake --dataset-path " + trace}) {
+    for (const char* rate : {"nan", "-nan", "-inf", "0", "-3"}) {
+      const auto r = run("simulate " + workload + " --request-rate " + rate);
+      EXPECT_EQ(r.status, 1) << workload << " " << rate << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr("tandem: error: --request-rate: expected"))
+          << workload << " " << rate;
+    }
+    const auto all_at_once = run("simulate " + workload + " --request-rate inf");
+    EXPECT_EQ(all_at_once.status, 0) << workload << ": " << all_at_once.output;
+  }
+}
+
+// An engine count below 0 is refused naming the flag; it read as "not given" (the topology's
+// count, else the default), so --decode -7 ran one decode engine.
+TEST(Cli, ANegativeEngineCountIsRefusedNamingTheFlag) {
+  for (const char* flag : {"--prefill", "--decode"}) {
+    const auto r = run(std::string("simulate --num-prompts 2 ") + flag + " -3");
+    EXPECT_EQ(r.status, 1) << flag << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(std::string("tandem: error: ") + flag + ": expected")) << flag;
+  }
+}
+
+// A seed is a 64-bit count: one below 0 or past 2^64 - 1 is refused naming the flag, where it
+// wrapped or saturated to another seed, silently.
+TEST(Cli, ASeedOutOfRangeIsRefusedNamingTheFlag) {
+  for (const std::string command : {"simulate --num-prompts 2", "bench --num-prompts 2"})
+    for (const char* seed : {"-1", "18446744073709551616", "99999999999999999999999", "1.5", "x"}) {
+      const auto r = run(command + " --seed " + seed);
+      EXPECT_NE(r.status, 0) << command << " " << seed << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr("--seed: ")) << command << " " << seed;
+      EXPECT_THAT(r.output, HasSubstr("0..18446744073709551615")) << command << " " << seed;
+    }
+  for (const std::string command : {"simulate --num-prompts 2", "engine --model sim:tiny --port 0"})
+    for (const char* seed : {"-7", "18446744073709551616"}) {
+      const auto r = run(command + " --sim-seed " + seed);
+      EXPECT_NE(r.status, 0) << command << " " << seed << ": " << r.output;
+      EXPECT_THAT(r.output, HasSubstr("--sim-seed: ")) << command << " " << seed;
+    }
+  const auto result = test::scratch_path("largest-seed.json").string();
+  const auto r =
+      run("simulate --num-prompts 2 --random-input-len 20 --random-output-len 2 --seed "
+          "18446744073709551615 --sim-seed 18446744073709551615 --result-file " +
+          result);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto json = nlohmann::json::parse(read_file(result));
+  EXPECT_EQ(json["simulation"]["seed"].get<uint64_t>(), 18446744073709551615u);
+  EXPECT_EQ(json["simulation"]["sim_seed"].get<uint64_t>(), 18446744073709551615u);
+}
+
+// A model name that is not UTF-8 is refused at startup naming where it came from: /v1/models
+// answered 500 with the JSON library's message, and /metrics carried the bytes as they were.
+TEST(Cli, AModelNameThatIsNotUtf8IsRefusedNamingItsFlagOrFolder) {
+  const std::string latin1 = "\"$(printf 'mod\\377')\"";  // the shell makes the byte
+  const std::string folder = test::quote(test::scratch_path("no-model")) + "/" + latin1;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"engine --model sim:tiny --port 0 --served-model-name " + latin1, "--served-model-name"},
+      {"engine --port 0 --model " + folder, "--model"},
+      {"gateway --port 0 --decode 127.0.0.1:1 --served-model-name " + latin1,
+       "--served-model-name"},
+      {"serve --model sim:tiny --port 0 --engine-arg=--served-model-name --engine-arg=" + latin1,
+       "--served-model-name"}};
+  for (const auto& [command, flag] : cases) {
+    const auto r = run(command);
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag)) << command;
+    EXPECT_THAT(r.output, HasSubstr("UTF-8")) << command;
+  }
+}
+
 }  // namespace
 }  // namespace tandem
