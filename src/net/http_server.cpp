@@ -684,6 +684,7 @@ void Connection::begin_request() {
   const std::string_view target = request_.target;
   size_t question = target.find('?');
   request_.path.assign(target.substr(0, question));
+  decode_unreserved_escapes(request_.path);  // so that /v1/%6dodels finds /v1/models
   if (question != std::string_view::npos) {
     request_.query.assign(target.substr(question + 1));
   } else {

@@ -717,6 +717,25 @@ bool idempotent_method(std::string_view method) {
          method == "PUT" || method == "DELETE";
 }
 
+void decode_unreserved_escapes(std::string& path) {
+  auto hex_value = [](char c) { return c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10; };
+  size_t out = 0;
+  for (size_t in = 0; in < path.size(); ++in) {
+    if (path[in] == '%' && in + 2 < path.size() && is_hex_digit(path[in + 1]) &&
+        is_hex_digit(path[in + 2])) {
+      const char decoded =
+          static_cast<char>(hex_value(path[in + 1]) * 16 + hex_value(path[in + 2]));
+      if (is_unreserved(decoded)) {
+        path[out++] = decoded;
+        in += 2;
+        continue;
+      }
+    }
+    path[out++] = path[in];
+  }
+  path.resize(out);
+}
+
 void copy_fields(const MessageHead& head, Headers& out) {
   out.reserve(out.size() + head.fields.size());
   for (const HeadField& f : head.fields) out.add(std::string(f.name), std::string(f.value));

@@ -143,6 +143,10 @@ void append_request(std::string& out, std::string_view method, std::string_view 
 // send it again when it cannot know whether the first copy arrived.
 bool idempotent_method(std::string_view method);
 
+// RFC 3986 6.2.2.2: decodes the percent-escapes of unreserved characters (ALPHA, DIGIT, "-", ".",
+// "_", "~") in a path, which mean the same decoded; others are data, kept as they are.
+void decode_unreserved_escapes(std::string& path);
+
 // Copies a parsed head's fields into Headers (names and values were validated by the parser).
 void copy_fields(const MessageHead& head, Headers& out);
 

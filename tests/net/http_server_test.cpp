@@ -476,6 +476,29 @@ TEST(HttpServer, AnAbsoluteFormTargetWithoutAPathIsTheRoot) {
   EXPECT_EQ(request.query, "a=1&b=x");
 }
 
+// RFC 3986 6.2.2.2: /v1/%6dodels is /v1/models, so it is routed there (the path the handler sees
+// decoded, the target as sent); an escaped '/' is no segment break and finds no route.
+TEST(HttpServer, APathIsRoutedWithItsEscapesOfUnreservedCharactersDecoded) {
+  HttpServer server(local_options());
+  std::promise<HttpRequest> seen;
+  server.route("GET", "/v1/models",
+               [&seen](const HttpRequest& request, std::shared_ptr<Exchange> ex) {
+                 seen.set_value(request);
+                 ex->respond(200, "{}");
+               });
+  server.start();
+  HttpClient client("127.0.0.1", server.port());
+  EXPECT_EQ(client.request("GET", "/v1/%6dodels?x=%41").status, 200);
+  std::future<HttpRequest> future = seen.get_future();
+  const HttpRequest request = get_within(future);
+  EXPECT_EQ(request.path, "/v1/models");
+  EXPECT_EQ(request.target, "/v1/%6dodels?x=%41");
+  EXPECT_EQ(request.query, "x=%41");
+  auto r = client.request("GET", "/v1%2Fmodels");
+  EXPECT_EQ(r.status, 404);
+  expect_openai_error(r.body, "invalid_request_error");
+}
+
 TEST(HttpServer, HandlerExceptionIs500AndServerKeepsRunning) {
   HttpServerOptions options = local_options();
   ServerLog log;

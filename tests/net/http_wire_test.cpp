@@ -80,6 +80,27 @@ TEST(HttpWire, AnAbsoluteFormTargetIsItsPathAndQuery) {
   EXPECT_FALSE(parse_request("GET http://gw/?a=1 HTTP/1.1\r\nHost: gw\r\n\r\n").head.empty_path);
 }
 
+// RFC 3986 6.2.2.2: an escape of an unreserved character means that character, so a path is
+// routed with those decoded; any other escape is data the path would read differently decoded
+// (%2F a segment break), so it stays, and nothing is decoded twice.
+TEST(HttpWire, APathsEscapesOfUnreservedCharactersAreDecoded) {
+  for (const auto& [path, normal] : std::vector<std::pair<std::string, std::string>>{
+           {"/v1/%6dodels", "/v1/models"},
+           {"/%41%5a%61%7A%30%39%2d%2E%5f%7e", "/AZaz09-._~"},
+           {"/v1%2Fmodels", "/v1%2Fmodels"},
+           {"/a%2fb%20c%25d%3F%C3%A4", "/a%2fb%20c%25d%3F%C3%A4"},
+           {"/%2541", "/%2541"},
+           {"/%%41", "/%A"},
+           {"/a%4", "/a%4"},
+           {"/a%", "/a%"},
+           {"/%zz%4g", "/%zz%4g"},
+           {"/plain", "/plain"}}) {
+    std::string decoded = path;
+    decode_unreserved_escapes(decoded);
+    EXPECT_EQ(decoded, normal) << path;
+  }
+}
+
 TEST(HttpWire, KeepAliveFollowsVersionAndConnection) {
   EXPECT_TRUE(parse_request("GET / HTTP/1.1\r\nHost: h\r\n\r\n").head.keep_alive);
   EXPECT_FALSE(
