@@ -56,16 +56,28 @@ MetricStats stats_ms(std::vector<double> values, const std::vector<double>& perc
   return s;
 }
 
+// Python's repr of a float that is not whole: the shortest digits that read back, written out
+// when the decimal exponent is in [-4, 16) and in scientific notation otherwise, with at least
+// two exponent digits ("0.0001", "1.5e-05"). to_chars's shortest form switches at other
+// exponents ("1e-04"), so the notation is chosen here from the exponent of the shortest digits.
+std::string python_float_repr(double v) {
+  char buf[64];
+  const auto sci = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::scientific);
+  const std::string scientific(buf, sci.ptr);  // "1.5e-05": the exponent has two digits or more
+  const int exponent = std::stoi(scientific.substr(scientific.find('e') + 1));
+  if (exponent < -4 || exponent >= 16) return scientific;
+  const auto fixed = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed);
+  return std::string(buf, fixed.ptr);
+}
+
 // `prefix` and the percentile as vLLM writes it (str(int(p)) when whole, else Python's str(p)):
-// "p99", "p99.9".
+// "p99", "p99.9", "p0.0001", "p1e-05".
 std::string percentile_word(double p, const char* prefix) {
   std::string word = prefix;
   if (p == std::floor(p)) {
     word += std::to_string(static_cast<int64_t>(p));
   } else {
-    char buf[64];
-    const auto r = std::to_chars(buf, buf + sizeof buf, p);
-    word.append(buf, r.ptr);
+    word += python_float_repr(p);
   }
   return word;
 }

@@ -970,7 +970,7 @@ TEST(BenchMetrics, MatchNumpyWithDefaults) {
 TEST(BenchMetrics, MatchNumpyWithAllMetricsPercentilesAndGoodput) {
   const auto results = sample_results(2, 333);
   MetricsOptions o;
-  o.percentiles = {50, 90, 99, 99.9, 12.5, 0, 100};
+  o.percentiles = {50, 90, 99, 99.9, 12.5, 0, 100, 0.0001, 1e-05, 0.00015, 2.5e-07};
   o.percentile_metrics = {"ttft", "tpot", "itl", "e2el", "tbt"};
   o.goodput_ttft_ms = 900;
   o.goodput_tpot_ms = 40;
@@ -1032,6 +1032,21 @@ TEST(BenchMetrics, SmallCasesByHand) {
   EXPECT_THROW(summarize(r, 0.0), Error);
   o.percentile_metrics = {"ttft", "latency"};
   EXPECT_THROW(summarize(r, 1.0, o), Error);
+}
+
+// vLLM names a percentile's key str(int(p)) when p is whole, else Python's str(p): the shortest
+// digits that read back, in scientific notation only below 1e-4 ("1e-05", not "1e-5").
+TEST(BenchMetrics, PercentileKeysAreWrittenAsPythonWritesTheNumber) {
+  std::vector<RequestResult> r(1);
+  r[0] = {true, "", 0.0, 0.1, 0.5, {0.2, 0.2}, 10, 3};
+  MetricsOptions o;
+  o.percentile_metrics = {"ttft"};
+  o.percentiles = {99, 99.9, 0.0001, 0.00015, 1e-05, 1.5e-05, 0.001, 12.5};
+  const json j = to_json(summarize(r, 1.0, o));
+  for (const char* key : {"p99_ttft_ms", "p99.9_ttft_ms", "p0.0001_ttft_ms", "p0.00015_ttft_ms",
+                          "p1e-05_ttft_ms", "p1.5e-05_ttft_ms", "p0.001_ttft_ms", "p12.5_ttft_ms"})
+    EXPECT_TRUE(j.contains(key)) << key << " in " << j.dump();
+  EXPECT_THAT(summary_table(summarize(r, 1.0, o)), HasSubstr("P0.0001 TTFT (ms):"));
 }
 
 // vLLM's serve.py once reported the busiest 1 s bucket of requests touching it (every request
