@@ -15,7 +15,10 @@ std::string model_list_json(const ModelCard& model) {
   json m = {{"id", model.id},       {"object", "model"}, {"created", model.created},
             {"owned_by", "tandem"}, {"root", model.id},  {"parent", nullptr}};
   if (model.max_model_len > 0) m["max_model_len"] = model.max_model_len;
-  return json{{"object", "list"}, {"data", json::array({m})}}.dump();
+  // Replace, not throw, on invalid UTF-8, as the completion path writes text: a model name that
+  // is no UTF-8 must not turn the list into a 500.
+  return json{{"object", "list"}, {"data", json::array({m})}}.dump(-1, ' ', false,
+                                                                   json::error_handler_t::replace);
 }
 
 namespace {

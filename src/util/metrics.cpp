@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem::metrics {
 namespace {
@@ -67,7 +68,7 @@ static std::string python_repr(double v) {
   if (exponent < -4 || exponent >= 16) {
     out += digits.substr(0, 1);
     if (digits.size() > 1) out += "." + digits.substr(1);
-    char exp[8];
+    char exp[16];  // room for any int, as -Wformat-truncation asks (a double's exponent has 3)
     std::snprintf(exp, sizeof exp, "e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
     return out + exp;
   }
@@ -101,7 +102,23 @@ void append_u64(std::string& out, uint64_t v) {
   out.append(buf, result.ptr);
 }
 
+bool is_utf8(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t length = utf8::valid_sequence_length(s, i);
+    if (length == 0) return false;
+    i += length;
+  }
+  return true;
+}
+
 void append_escaped_label_value(std::string& out, std::string_view value) {
+  // The exposition is UTF-8 and a label value may be a client's text: an ill-formed sequence
+  // would make a scraper refuse the whole page, so it is U+FFFD, as Python's errors="replace".
+  std::string valid;
+  if (!is_utf8(value)) {
+    valid = utf8::to_valid_lossy(value);
+    value = valid;
+  }
   for (char c : value) {
     switch (c) {
       case '\\':

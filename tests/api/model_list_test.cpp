@@ -26,6 +26,15 @@ TEST(ModelList, WhatAnEngineWritesReadsBack) {
   EXPECT_EQ(max_model_len_of(unsaid.dump()), std::nullopt);
 }
 
+// A model name that is no UTF-8 (refused at startup, but the list must not depend on that) is
+// written with U+FFFD for its bad bytes, as the completion path writes text, not thrown as a 500.
+TEST(ModelList, AModelNameThatIsNoUtf8IsWrittenWithReplacements) {
+  const json list = json::parse(model_list_json({"m\xff", 1, 0}));
+  EXPECT_EQ(list["data"][0]["id"], "m\xef\xbf\xbd");
+  EXPECT_EQ(list["data"][0]["root"], "m\xef\xbf\xbd");
+  EXPECT_EQ(first_model_id(list.dump()), "m\xef\xbf\xbd");
+}
+
 TEST(ModelList, ReadsVllmsAndSglangsLists) {
   // vLLM's ModelCard: root, parent and a permission list beside max_model_len.
   const char* vllm = R"({"object":"list","data":[{"id":"Qwen/Qwen3-8B","object":"model",

@@ -17,6 +17,7 @@
 
 #include "util/error.h"
 #include "util/prometheus_oracle.h"
+#include "util/utf8.h"
 
 namespace tandem::metrics {
 namespace {
@@ -489,6 +490,31 @@ TEST(Metrics, ARegistrysConstantLabelsAreOnEverySample) {
               Registry(LabelPairs{{"1x", "1"}});
             }).find("\"1x\" is invalid"),
             std::string::npos);
+}
+
+// The exposition is UTF-8, and a label value may be a client's text (a model name): an ill-formed
+// sequence in it becomes U+FFFD per maximal subpart, as Python's bytes.decode("utf-8", "replace")
+// reads it (the expected values below are that function's), so a scraper can still read the page.
+TEST(Metrics, ALabelValueThatIsNoUtf8HasItsBadBytesReplaced) {
+  const std::string kReplacement = "\xef\xbf\xbd";
+  const std::vector<std::pair<std::string, std::string>> values = {
+      {"model-\xff", "model-" + kReplacement},
+      {"a\xc3", "a" + kReplacement},
+      {"\xe2\x82x", kReplacement + "x"},
+      {"\xed\xa0\x80", kReplacement + kReplacement + kReplacement},
+      {"\xc0\xaf\"", kReplacement + kReplacement + "\""},
+      {"ok \xc3\xbc", "ok \xc3\xbc"}};
+  Registry registry(LabelPairs{{"zone", "\xfe"}});
+  auto& family = registry.gauge_family("g", "t", {"model"});
+  std::map<SampleKey, double> expected;
+  double n = 0;
+  for (const auto& [sent, read] : values) {
+    family.labels({sent}).set(++n);
+    expected[{"g", {{"zone", kReplacement}, {"model", read}}}] = n;
+  }
+  const std::string text = registry.render();
+  EXPECT_EQ(utf8::to_valid_lossy(text), text);
+  EXPECT_EQ(samples_of(parse_with_oracle(text)), expected);
 }
 
 TEST(Metrics, RepeatedObservationsEqualSingleOnes) {
