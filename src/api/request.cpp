@@ -423,11 +423,11 @@ void check_length(const ApiRequest& r, const ModelLimits& limits, const json& bo
   }
 }
 
-// n > 1: each prompt n times, prompt-major (choice k answers prompt k / n, as OpenAI and vLLM
-// order them), each choice with its own seed when one was given. best_of (completions): more
-// candidates than n, of which the best are returned, is not supported; best_of equal to n asks for
-// nothing more and is accepted.
-void expand_n(ApiRequest& r, int64_t n, const json& body) {
+// n > 1: n choices of each prompt, prompt-major (choice k answers prompt k / n, as OpenAI and vLLM
+// order them), sharing the prompt (ApiRequest::choice_prompt), each with its own seed when one
+// was given. best_of (completions): more candidates than n, of which the best are returned, is not
+// supported; best_of equal to n asks for nothing more and is accepted.
+void read_n(ApiRequest& r, int64_t n, const json& body) {
   if (n < 1 || n > 128) fail("n", "'n' must be between 1 and 128, got " + std::to_string(n));
   if (field(body, "best_of")) {
     const int64_t best_of = integer(body, "best_of", 1);
@@ -447,14 +447,6 @@ void expand_n(ApiRequest& r, int64_t n, const json& body) {
     fail("n", "'n' (" + std::to_string(n) + ") times the " + std::to_string(r.prompts.size()) +
                   " prompts is more than the " + std::to_string(kMaxPromptsPerRequest) +
                   " choices one request may ask for");
-  auto repeat_each = [times](auto& v) {
-    std::remove_reference_t<decltype(v)> out;
-    out.reserve(v.size() * times);
-    for (auto& e : v) out.insert(out.end(), times, e);
-    v = std::move(out);
-  };
-  repeat_each(r.prompts);
-  repeat_each(r.prompt_texts);
 }
 
 }  // namespace
@@ -478,11 +470,11 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
   DisaggregationParams& d = r.disagg;
   d = parse_disaggregation(body, limits.vocab_size);
   if (!d.prompt_token_ids.empty()) {
-    if (r.prompts.size() != 1)
+    if (r.choice_count() != 1)
       fail("kv_transfer_params", "kv_transfer_params needs a request with one prompt");
     r.prompts[0] = d.prompt_token_ids;
   }
-  if ((d.remote_decode || d.remote_prefill || d.has_bootstrap) && r.prompts.size() != 1)
+  if ((d.remote_decode || d.remote_prefill || d.has_bootstrap) && r.choice_count() != 1)
     fail(d.has_bootstrap ? "bootstrap_room" : "kv_transfer_params",
          "disaggregated requests carry one prompt and n = 1: send one request per prompt");
 }
@@ -781,7 +773,7 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   r.tokens_as_ids = boolean(body, "return_tokens_as_token_ids", false);
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
-  expand_n(r, integer(body, "n", 1), body);
+  read_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
   check_length(r, limits, body, "max_tokens", "prompt");
   return r;
@@ -896,7 +888,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   r.priority = integer(body, "priority", 0);
   r.cache_salt = cache_salt_of(body);
   if (field(body, "best_of")) fail("best_of", "'best_of' is not a chat completion parameter");
-  expand_n(r, integer(body, "n", 1), body);
+  read_n(r, integer(body, "n", 1), body);
   read_disaggregation(body, r, limits);
   // A constrained answer (forced tool calls, structured outputs) follows its grammar from the
   // first token, so it has no reasoning to read apart: it is all content. (vLLM lets the model

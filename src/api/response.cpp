@@ -112,7 +112,7 @@ ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenize
       tokenizer_(tokenizer),
       id_(std::move(id)),
       created_(created),
-      choices_(request.prompts.size()) {
+      choices_(request.choice_count()) {
   if (request.kind == ApiKind::kChat && request.tool_calls != ToolCallFormat::kNone)
     for (Choice& c : choices_) c.tool_parser = std::make_shared<ToolCallParser>(request.tool_calls);
   if (request.kind == ApiKind::kChat && request.reasoning != ReasoningFormat::kNone)
@@ -124,10 +124,10 @@ ResponseBuilder::ResponseBuilder(const ApiRequest& request, const text::Tokenize
     for (size_t i = 0; i < choices_.size(); ++i) {
       size_t& chars = choices_[i].prompt_chars;
       if (request.logprobs < 0) {
-        chars = utf8::code_points(request.prompt_texts.at(i));
+        chars = utf8::code_points(request.choice_prompt_text(i));
         continue;
       }
-      for (int32_t id : request.prompts.at(i))
+      for (int32_t id : request.choice_prompt(i))
         chars += utf8::code_points(shown_token(request, tokenizer, id));
     }
 }
@@ -244,7 +244,7 @@ json ResponseBuilder::completion_logprobs(const Choice& c, size_t first, size_t 
 }
 
 json ResponseBuilder::echoed_logprobs(size_t index) const {
-  const std::vector<int32_t>& prompt = request_.prompts.at(index);
+  const std::vector<int32_t>& prompt = request_.choice_prompt(index);
   const Choice& c = choices_.at(index);
   json tokens = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
   size_t offset = 0;
@@ -276,7 +276,7 @@ json ResponseBuilder::echoed_logprobs(size_t index) const {
 
 json ResponseBuilder::vllm_prompt_logprobs(size_t index, int32_t top) const {
   const Choice& c = choices_.at(index);
-  const size_t n = request_.prompts.at(index).size();
+  const size_t n = request_.choice_prompt(index).size();
   json out = json::array();
   out.push_back(nullptr);
   auto entry = [&](int32_t id, float logprob, int32_t rank) {
@@ -303,7 +303,7 @@ json ResponseBuilder::vllm_prompt_logprobs(size_t index, int32_t top) const {
 
 void ResponseBuilder::sglang_input_logprobs(size_t index, json& meta) const {
   const Choice& c = choices_.at(index);
-  const std::vector<int32_t>& prompt = request_.prompts.at(index);
+  const std::vector<int32_t>& prompt = request_.choice_prompt(index);
   json tokens = json::array(), tops = json::array();
   for (size_t p = size_t(request_.logprob_start_len); p < prompt.size(); ++p) {
     // As SGLang's: the entry at logprob_start_len has none (it is the one its logprobs start
@@ -416,7 +416,7 @@ void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput
       // carries the prompt): offsets are the answer's, as the whole body's are.
       const size_t offset = chars_before + c.prompt_chars;
       const bool echoing = request_.echo && !c.started;
-      if (echoing) piece = request_.prompt_texts[index] + piece;
+      if (echoing) piece = request_.choice_prompt_text(index) + piece;
       c.started = true;
       // Tokens that add no text yet (held back for a stop string, half a character, a special
       // token) still send their logprobs: the next chunk's start after them.
@@ -481,7 +481,7 @@ std::vector<json> ResponseBuilder::on_echo_only(size_t index, const RequestOutpu
   c.finish_reason = out.finish_reason == "abort" ? out.finish_reason : "length";
   if (!request_.stream) return {};
   json choice = {{"index", index},
-                 {"text", request_.prompt_texts.at(index)},
+                 {"text", request_.choice_prompt_text(index)},
                  {"logprobs", request_.logprobs >= 0 ? echoed_logprobs(index) : json(nullptr)},
                  {"finish_reason", c.finish_reason},
                  {"stop_reason", nullptr}};
@@ -520,7 +520,7 @@ json ResponseBuilder::final_body() const {
   for (size_t i = 0; i < choices_.size(); ++i) {
     const Choice& c = choices_[i];
     if (request_.kind == ApiKind::kCompletion) {
-      const std::string prefix = request_.echo ? request_.prompt_texts[i] : std::string();
+      const std::string prefix = request_.echo ? request_.choice_prompt_text(i) : std::string();
       const std::string text = request_.echo_only ? prefix : prefix + c.text;
       json choice = {{"index", i},
                      {"text", text},

@@ -324,20 +324,20 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   // Engine ids are ours and unique, whatever id the client chose.
   const std::string base = new_id_();
   const auto& prompts = call->request.prompts;
-  for (size_t i = 0; i < prompts.size(); ++i)
-    call->engine_ids.push_back(base + "-" + std::to_string(i));
-  std::vector<EngineRequest> requests(prompts.size());
+  const size_t count = call->request.choice_count();
+  for (size_t i = 0; i < count; ++i) call->engine_ids.push_back(base + "-" + std::to_string(i));
+  std::vector<EngineRequest> requests(count);
   // Choices are prompt-major: each run of n is one prompt's, counted together in the metrics.
-  const auto n = static_cast<size_t>(std::max<int64_t>(call->request.n, 1));
+  const size_t n = call->request.choices_per_prompt();
   std::shared_ptr<ChoiceGroup> choices;
-  for (size_t i = 0; i < prompts.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     EngineRequest& er = requests[i];
     if (n > 1) {
       if (i % n == 0) choices = std::make_shared<ChoiceGroup>(static_cast<int64_t>(n));
       er.choices = choices;
     }
     er.id = call->engine_ids[i];
-    er.prompt = prompts[i];
+    er.prompt = call->request.choice_prompt(i);
     er.sampling = call->request.sampling;
     if (compiled) er.sampling.structured_output->compiled = compiled;
     // As vLLM: every prompt of a list takes the request's seed, and only a prompt's own choices

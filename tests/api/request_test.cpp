@@ -40,7 +40,8 @@ TEST(Protocol, CompletionPromptForms) {
   r = parse_completion(json{{"prompt", {"a", "b"}}}, tokenizer(), kLimits);
   EXPECT_EQ(r.prompts.size(), 2u);
   r = parse_completion(json{{"prompt", "x"}, {"n", 3}, {"seed", 4}}, tokenizer(), kLimits);
-  EXPECT_EQ(r.prompts.size(), 3u);
+  EXPECT_EQ(r.prompts.size(), 1u);
+  EXPECT_EQ(r.choice_count(), 3u);
   EXPECT_EQ(r.n, 3);
 }
 
@@ -1271,8 +1272,15 @@ TEST(Protocol, SeveralChoicesOfEachOfSeveralPromptsArePromptMajor) {
   const std::vector<int32_t> listed = {1000, 1001, 1002};
   const std::string listed_text = tokenizer().decode(listed, false);
   EXPECT_EQ(r.n, 2);
-  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{hello, hello, listed, listed}));
-  EXPECT_EQ(r.prompt_texts, (std::vector<std::string>{"Hello", "Hello", listed_text, listed_text}));
+  // Each prompt is held once and its choices share it: a copy per choice took n times a long
+  // prompt's memory.
+  EXPECT_EQ(r.prompts, (std::vector<std::vector<int32_t>>{hello, listed}));
+  EXPECT_EQ(r.prompt_texts, (std::vector<std::string>{"Hello", listed_text}));
+  ASSERT_EQ(r.choice_count(), 4u);
+  for (size_t k = 0; k < 4; ++k) {
+    EXPECT_EQ(&r.choice_prompt(k), &r.prompts[k / 2]) << k;
+    EXPECT_EQ(r.choice_prompt_text(k), k < 2 ? "Hello" : listed_text) << k;
+  }
   // The choices are bounded as a list's prompts are: n times the prompts.
   const json many(kMaxPromptsPerRequest / 2 + 1, "a");
   const ApiError e = error_of([&] {
@@ -1282,7 +1290,7 @@ TEST(Protocol, SeveralChoicesOfEachOfSeveralPromptsArePromptMajor) {
   EXPECT_EQ(e.status, 400);
   EXPECT_EQ(parse_completion(json{{"prompt", json(kMaxPromptsPerRequest / 2, "a")}, {"n", 2}},
                              tokenizer(), kLimits)
-                .prompts.size(),
+                .choice_count(),
             kMaxPromptsPerRequest);
 
   for (const bool stream : {false, true}) {
@@ -1295,7 +1303,7 @@ TEST(Protocol, SeveralChoicesOfEachOfSeveralPromptsArePromptMajor) {
     // Finished in an order of their own, as engines finish them.
     for (const size_t k : {3u, 0u, 2u, 1u}) {
       RequestOutput o = output({7}, "c" + std::to_string(k), true, "length");
-      o.prompt_tokens = static_cast<int64_t>(r.prompts[k].size());
+      o.prompt_tokens = static_cast<int64_t>(r.choice_prompt(k).size());
       o.completion_tokens = 1;
       for (const json& chunk : b.on_output(k, o))
         for (const json& c : chunk["choices"]) {
@@ -1352,7 +1360,7 @@ TEST(Protocol, EchoWithMaxTokensZeroAnswersThePromptAlone) {
     for (size_t k = 0; k < 2; ++k) {
       // The engine's one token ends the request at its max_tokens (1), or as a stop token.
       RequestOutput o = output({42}, "zzz", true, k == 0 ? "length" : "stop");
-      o.prompt_tokens = static_cast<int64_t>(r.prompts[k].size());
+      o.prompt_tokens = static_cast<int64_t>(r.choice_prompt(k).size());
       o.completion_tokens = 1;
       for (json& c : b.on_output(k, o)) chunks.push_back(std::move(c));
     }
@@ -2156,7 +2164,7 @@ TEST(Protocol, DisaggregationNeedsOnePromptAndOneChoice) {
   auto ok = parse_completion(
       json{{"prompt", "x"}, {"n", 2}, {"kv_transfer_params", {{"do_remote_decode", false}}}},
       tokenizer(), kLimits);
-  EXPECT_EQ(ok.prompts.size(), 2u);
+  EXPECT_EQ(ok.choice_count(), 2u);
 }
 
 // A template that loops over a message's content (as multimodal ones do) is given each content
