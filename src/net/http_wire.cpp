@@ -304,8 +304,9 @@ bool is_unreserved(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
          c == '.' || c == '_' || c == '~';
 }
+constexpr std::string_view kSubDelims = "!$&'()*+,;=";
 bool is_sub_delim(char c) {
-  return std::string_view("!$&'()*+,;=").find(c) != std::string_view::npos;
+  return kSubDelims.find(c) != std::string_view::npos;
 }
 
 // RFC 3986 3.2.2 reg-name: *( unreserved / pct-encoded / sub-delims ), which covers IPv4address.
@@ -332,6 +333,17 @@ bool is_ip_literal(std::string_view s) {
       if (!is_unreserved(c) && !is_sub_delim(c) && c != ':') return false;
     }
     return true;
+  }
+  // A zone: RFC 6874's "%25" ZoneID, or "%" ZoneID as Tandem's client sends a topology's
+  // link-local engine (url_host); ZoneID = 1*( unreserved / pct-encoded ), reg-name's alphabet.
+  const size_t percent = s.find('%');
+  if (percent != std::string_view::npos) {
+    const std::string_view zone = s.substr(percent + 1);
+    if (zone.empty() || zone.find_first_of(kSubDelims) != std::string_view::npos ||
+        !is_reg_name(zone)) {
+      return false;
+    }
+    s = s.substr(0, percent);
   }
   // inet_pton reads exactly the IPv6address forms of RFC 4291 2.2, which RFC 3986 spells out.
   char text[INET6_ADDRSTRLEN] = {};

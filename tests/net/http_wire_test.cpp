@@ -295,11 +295,13 @@ TEST(HttpWire, ChunkedMustBeTheFinalCodingOnce) {
 // RFC 9112 3.2: a request with more than one Host field, or a Host that is no uri-host [":" port]
 // (RFC 3986 3.2.2: an IP literal in brackets, or a reg-name of unreserved characters,
 // percent-escapes and sub-delims), is refused with 400 whatever its version; an HTTP/1.0 request
-// may still leave Host out.
+// may still leave Host out. An IPv6 literal may name a zone, as RFC 6874 writes it ("%25en0") or
+// as Tandem's own client sends a topology's link-local engine ("%eth0").
 TEST(HttpWire, AHostThatIsNoHostAndPortOrComesTwiceIsRefused) {
-  for (std::string_view host : {"example.com", "example.com:8080", "127.0.0.1:80", "[::1]:8000",
-                                "[2001:db8::7]", "[::ffff:192.0.2.1]", "[v1.fe80::a+en1]:9",
-                                "ex%41mple.com", "a-b_c~d.e", "!$&'()*+,;=", "x:", ""}) {
+  for (std::string_view host :
+       {"example.com", "example.com:8080", "127.0.0.1:80", "[::1]:8000", "[2001:db8::7]",
+        "[::ffff:192.0.2.1]", "[fe80::1%25en0]", "[fe80::1%eth0]:8000", "[v1.fe80::a+en1]:9",
+        "ex%41mple.com", "a-b_c~d.e", "!$&'()*+,;=", "x:", ""}) {
     for (std::string_view version : {"HTTP/1.1", "HTTP/1.0"}) {
       const std::string request =
           "GET / " + std::string(version) + "\r\nHost: " + std::string(host) + "\r\n\r\n";
@@ -323,7 +325,9 @@ TEST(HttpWire, AHostThatIsNoHostAndPortOrComesTwiceIsRefused) {
                                 "[::1]:8x",
                                 "[::g]",
                                 "[1:2:3:4:5:6:7:8:9]",
-                                "[fe80::1%25en0]",
+                                "[fe80::1%]",
+                                "[fe80::1%e/0]",
+                                "[::1%25]x",
                                 "[v1.]",
                                 "[vx.a]",
                                 "[v1a]",
