@@ -336,8 +336,24 @@ std::string access_entry_problem(const json& entry) {
   const auto it = entry.find("phases");
   if (it == entry.end()) return "has no \"phases\"";
   if (!it->is_object()) return "\"phases\" must be an object";
-  for (const auto& [k, v] : it->items())
+  for (const auto& [k, v] : it->items()) {
     if (!v.is_number()) return "phase \"" + k + "\" must be a number of seconds";
+    if (!std::isfinite(v.get<double>()))
+      return "phase \"" + k + "\" must be a finite number of seconds";
+  }
+  // Finite stamps can still span more than a double holds (-1e308 to 1e308), and a time in ms
+  // that is not finite puts "inf" and "nan" into the plot.
+  for (const PhaseRule& rule : kPhaseRules) {
+    const auto a = it->find(rule.phase);
+    const auto b = it->find(rule.ends_at);
+    if (a == it->end() || b == it->end()) continue;
+    if (!std::isfinite((b->get<double>() - a->get<double>()) * 1000))
+      return std::string("phase \"") + rule.phase + "\" to \"" + rule.ends_at +
+             "\" is not a finite number of milliseconds";
+  }
+  if (const auto e = entry.find("e2e_seconds");
+      e != entry.end() && e->is_number() && !std::isfinite(e->get<double>() * 1000))
+    return "\"e2e_seconds\" is not a finite number of milliseconds";
   return {};
 }
 
@@ -351,9 +367,10 @@ BoxStats box_stats(std::vector<double> v) {
   b.n = v.size();
   if (v.empty()) return b;
   std::sort(v.begin(), v.end());
-  double sum = 0;
+  // Finite times near a double's limit can sum past it; x86's long double holds the sum.
+  long double sum = 0;
   for (double x : v) sum += x;
-  b.mean = sum / static_cast<double>(v.size());
+  b.mean = static_cast<double>(sum / static_cast<long double>(v.size()));
   b.min = v.front();
   b.max = v.back();
   // percentile() sorts its copy again; the lists are per phase and small next to the log.
@@ -514,7 +531,7 @@ std::vector<json> read_access_log(const std::filesystem::path& path) {
     json entry;
     try {
       entry = json::parse(line);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // out_of_range too: a number past a double's range
       throw Error(where + "not a JSON line (" + json_error_text(e) + ")");
     }
     if (std::string p = access_entry_problem(entry); !p.empty()) throw Error(where + p);

@@ -26,14 +26,15 @@ struct ReportOptions {
   std::vector<nlohmann::json> access_log;
 };
 
-// The report as one HTML document. Throws tandem::Error when an access-log entry lacks a
-// "phases" object of numbers (naming the entry, 1-based).
+// The report as one HTML document. Throws tandem::Error when an access-log entry fails
+// read_access_log's checks (naming the entry, 1-based).
 std::string html_report(const BenchSummary& summary, std::span<const RequestResult> results,
                         const ReportOptions& options = {});
 
 // The gateway's access log (docs/gateway.md, "Request lifecycle"): one JSON object per line.
 // Throws tandem::Error naming the file and the 1-based line for a line that is not a JSON
-// object, including an empty line, or whose "phases" is missing or not an object of numbers.
+// object, including an empty line, whose "phases" is missing or not an object of finite numbers,
+// or where a phase's time or e2e_seconds in ms is not finite.
 std::vector<nlohmann::json> read_access_log(const std::filesystem::path& path);
 
 }  // namespace tandem::bench

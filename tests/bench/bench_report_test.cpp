@@ -379,6 +379,21 @@ TEST(BenchReport, PhaseBreakdownFollowsTheGatewayRules) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("access log entry 5: has no \"phases\""));
   }
+  // So is an entry given in memory whose span overflows, or that holds an infinity.
+  const auto expect_refused = [&](const json& entry, const std::string& what) {
+    ReportOptions o = sample_options();
+    o.access_log.push_back(entry);
+    try {
+      html_report(sample_summary(results), results, o);
+      ADD_FAILURE() << "expected an error for " << entry.dump();
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr("access log entry 5: " + what));
+    }
+  };
+  expect_refused(json::parse(R"({"phases":{"decoding":-1e308,"completed":1e308}})"),
+                 "phase \"decoding\" to \"completed\" is not a finite number of milliseconds");
+  expect_refused(json{{"phases", {{"received", INFINITY}}}},
+                 "phase \"received\" must be a finite number of seconds");
 }
 
 TEST(BenchReport, RendersWithoutAnyCompletedRequest) {
@@ -419,6 +434,17 @@ TEST(BenchReport, ReadsTheAccessLogAndNamesABadLine) {
   expect_error(lines[0] + "\n" + lines[1] + "\n{\"status\": 200}\n", "has no \"phases\"");
   expect_error(lines[0] + "\n" + lines[1] + "\n{\"phases\": {\"received\": \"0\"}}\n",
                "phase \"received\" must be a number");
+  // Numbers whose times or spans in ms are not finite put "-nan" and "inf" into the plot.
+  expect_error(lines[0] + "\n" + lines[1] +
+                   "\n{\"phases\": {\"received\": -1e308, \"tokenizing\": 1e308}}\n",
+               "phase \"received\" to \"tokenizing\" is not a finite number of milliseconds");
+  // nlohmann refuses a number past a double's range as it parses (out_of_range, not parse_error).
+  expect_error(
+      lines[0] + "\n" + lines[1] + "\n{\"phases\": {\"received\": 1e400}}\n",
+      "not a JSON line ([json.exception.out_of_range.406] number overflow parsing '1e400')");
+  expect_error(
+      lines[0] + "\n" + lines[1] + "\n{\"e2e_seconds\": 1e307, \"phases\": {\"received\": 0}}\n",
+      "\"e2e_seconds\" is not a finite number of milliseconds");
   EXPECT_THROW(read_access_log(dir.path() / "missing.jsonl"), Error);
   // A directory: the stream library's "basic_filebuf::underflow" named nothing.
   try {
