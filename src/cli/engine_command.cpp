@@ -172,7 +172,7 @@ void check_against_model_config(const EngineOptions& o, const text::Tokenizer& t
                 " tokens (max_position_embeddings in config.json)");
 }
 
-void run(const EngineOptions& o) {
+void run(const EngineOptions& o, const CLI::App& cmd) {
   const StopSignals stop_signals;  // before any thread starts
   std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
   api::check_api_keys(o.api_keys, "--api-key");  // before minutes of loading
@@ -190,6 +190,23 @@ void run(const EngineOptions& o) {
                           utf8::to_valid_lossy(name) + "'");
 
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
+  // Flags the engine would not use are refused, not dropped: a run that ignored one would
+  // measure something other than what was asked.
+  if (o.expert_parallel <= 1)
+    for (const char* flag :
+         {"--expert-placement", "--rebalance-interval", "--expert-parallel-stall-timeout"})
+      if (cmd.count(flag) > 0)
+        throw Error(
+            std::string(flag) + " needs --expert-parallel N (a real model's ranks" +
+            (sim ? "; a sim: model takes --sim-expert-parallel N and --sim-placement)" : ")"));
+  // Called by each real model's branch before it loads, after the checks of what the model has.
+  const auto refuse_sim_flags = [&] {
+    std::vector<std::string> flags(o.sim.given.begin(), o.sim.given.end());
+    if (cmd.count("--sim-time-scale") > 0) flags.push_back("--sim-time-scale");
+    if (!flags.empty())
+      throw Error(flags.front() + " applies to a simulated model (--model sim:PRESET); " + o.model +
+                  " is a model folder");
+  };
   std::string tokenizer_dir = o.tokenizer;
   if (tokenizer_dir.empty()) tokenizer_dir = sim ? default_tokenizer().string() : o.model;
   auto tokenizer =
@@ -267,6 +284,7 @@ void run(const EngineOptions& o) {
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
     eos = engine::eos_ids(*tokenizer, generation.eos_token_ids);
   } else if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
+    refuse_sim_flags();
     if (o.expert_parallel > 1 || !o.expert_placement.empty())
       throw Error("--expert-parallel: expert parallelism runs DeepSeek-family models; " + o.model +
                   " is a Qwen3-MoE model");
@@ -281,6 +299,7 @@ void run(const EngineOptions& o) {
         m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
         cache_options(o));
   } else if (o.expert_parallel > 1) {
+    refuse_sim_flags();
     engine::ep::EpExecutorOptions eo;
     eo.ranks = o.expert_parallel;
     eo.model_dir = o.model;
@@ -311,6 +330,7 @@ void run(const EngineOptions& o) {
         throw Error("--speculative-tokens " + std::to_string(o.speculative_tokens) +
                     ": speculative decoding drafts with the model's MTP module, and " + o.model +
                     " has none: " + why);
+    refuse_sim_flags();
     std::shared_ptr<model::DeepSeekModel> m;
     {
       ProgressBar bar("loading " + o.model, "tensors");
@@ -591,7 +611,7 @@ void add_engine_command(CLI::App& app) {
                       std::string(engine::kEngineApiKeyVariable) + ", else open)");
   add_max_tokens_flags(*cmd, o->max_tokens);
   add_generation_config_flags(*cmd, o->generation_config);
-  cmd->callback([o] { run(*o); });
+  cmd->callback([o, cmd] { run(*o, *cmd); });
 }
 
 }  // namespace tandem::cli

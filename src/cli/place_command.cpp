@@ -232,6 +232,10 @@ void check_keeps_current(const PlanArgs& a, const Placement& current) {
 }
 
 void run_plan(const PlanArgs& a) {
+  if (a.fresh && a.current.empty())
+    throw Error(
+        "--fresh plans anew instead of rebalancing --current incrementally: give "
+        "--current too (without it every plan is fresh)");
   const ExpertLoads loads = read_loads(a.loads);
   const Planner& chosen = planner(a.algorithm);
   std::optional<Placement> current;
@@ -324,6 +328,11 @@ void run_show(const ShowArgs& a) {
   validate(p, kServable);
   if (!a.loads.empty()) {
     const ExpertLoads loads = read_loads(a.loads);
+    if (loads.layers != p.num_layers() || loads.experts != p.experts)
+      throw Error("--loads " + a.loads + ": the loads are [" + std::to_string(loads.layers) + ", " +
+                  std::to_string(loads.experts) + "] but " + a.placement + " covers " +
+                  std::to_string(p.num_layers()) + " layers of " + std::to_string(p.experts) +
+                  " experts");
     const Balance none = evaluate(loads, no_redundancy(loads.layers, loads.experts, p.ranks));
     const Balance b = evaluate(loads, p);
     print_balance_table(none, b, p, p);
@@ -341,6 +350,9 @@ struct SimulateArgs {
 };
 
 void run_simulate(const SimulateArgs& a) {
+  // A share of the busiest rank's load: NaN would compare false everywhere and never rebalance.
+  if (!(a.min_gain >= 0 && a.min_gain <= 1))
+    throw Error("--min-gain: expected a share in 0..1, got " + std::to_string(a.min_gain));
   const std::vector<ExpertLoads> snaps = read_load_snapshots(a.loads);
   if (snaps.size() < 2) throw Error(a.loads + ": simulate needs at least two load snapshots");
   if (a.every < 1) throw Error("--every must be at least 1");

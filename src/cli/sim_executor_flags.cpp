@@ -1,6 +1,8 @@
 #include "cli/sim_executor_flags.h"
 
+#include <cmath>
 #include <exception>
+#include <optional>
 
 #include "cli/bench_options.h"
 #include "placement/files.h"
@@ -37,7 +39,27 @@ void add_sim_executor_flags(CLI::App& cmd, SimExecutorFlags& f) {
                  "with --speculative-tokens: what each draft pass adds to a step, as a share of "
                  "its modelled time (default: one layer of DeepSeek-V3's 61)")
       ->check(CLI::NonNegativeNumber);
+  for (const char* flag : {"--sim-seed", "--sim-kv-token-bytes", "--sim-expert-parallel",
+                           "--sim-placement", "--sim-routing-skew", "--sim-moe-share",
+                           "--sim-mtp-acceptance", "--sim-mtp-draft-pass-share"})
+    cmd.get_option(flag)->each(
+        [&f, name = std::string(flag)](const std::string&) { f.given.insert(name); });
 }
+
+namespace {
+
+// `text` as a finite number, all of it ("1.5abc" is not); nullopt otherwise.
+std::optional<double> whole_number(const std::string& text) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+}  // namespace
 
 engine::SimExecutorOptions sim_executor_options(const SimExecutorFlags& f,
                                                 const std::string& preset,
@@ -53,18 +75,31 @@ engine::SimExecutorOptions sim_executor_options(const SimExecutorFlags& f,
     ep.seed = f.seed;
     ep.skew.seed = f.seed + 1;
     const auto colon = f.routing_skew.find(':');
-    try {
-      ep.skew.alpha_lo = std::stod(f.routing_skew.substr(0, colon));
-      ep.skew.alpha_hi = colon == std::string::npos ? ep.skew.alpha_lo
-                                                    : std::stod(f.routing_skew.substr(colon + 1));
-    } catch (const std::exception&) {
-      throw Error("--sim-routing-skew: want ALPHA or LOW:HIGH (Zipf exponents), got '" +
-                  f.routing_skew + "'");
-    }
+    const auto lo = whole_number(f.routing_skew.substr(0, colon));
+    const auto hi =
+        colon == std::string::npos ? lo : whole_number(f.routing_skew.substr(colon + 1));
+    if (!lo || !hi || !(*lo >= 0 && *lo <= *hi))
+      throw Error(
+          "--sim-routing-skew: want ALPHA or LOW:HIGH (Zipf exponents, 0 <= LOW <= HIGH), got '" +
+          f.routing_skew + "'");
+    ep.skew.alpha_lo = *lo;
+    ep.skew.alpha_hi = *hi;
     if (!f.placement.empty()) ep.placement = placement::read_placement(f.placement);
-  } else if (!f.placement.empty()) {
-    throw Error("--sim-placement needs --sim-expert-parallel N");
+  } else {
+    if (!f.placement.empty()) throw Error("--sim-placement needs --sim-expert-parallel N");
+    for (const char* flag : {"--sim-routing-skew", "--sim-moe-share"})
+      if (f.given.contains(flag)) throw Error(std::string(flag) + " needs --sim-expert-parallel N");
   }
+  if (speculative_tokens == 0)
+    for (const char* flag : {"--sim-mtp-acceptance", "--sim-mtp-draft-pass-share"})
+      if (f.given.contains(flag))
+        throw Error(std::string(flag) + " models drafts: it needs --speculative-tokens N");
+  // The executor's bound, named by the flag.
+  if (!(f.mtp_draft_pass_share >= 0 && f.mtp_draft_pass_share < 1e6))
+    throw Error(
+        "--sim-mtp-draft-pass-share: expected a share of a step's modelled time in "
+        "0..10^6, got " +
+        number_text(f.mtp_draft_pass_share));
   so.mtp.drafts = speculative_tokens;
   so.mtp.draft_pass_share = f.mtp_draft_pass_share;
   so.mtp.acceptance.clear();

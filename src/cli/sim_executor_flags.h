@@ -3,6 +3,8 @@
 // and `tandem simulate` (every engine of a virtual cluster): KV bytes per token, expert
 // parallelism under a placement with skewed routing, and MTP's acceptance model.
 #include <cstdint>
+#include <functional>
+#include <set>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -19,6 +21,9 @@ struct SimExecutorFlags {
   double moe_share = 0.5;
   std::string mtp_acceptance = "0.85";
   double mtp_draft_pass_share = 1.0 / 61;
+  // The flags given on the command line (add_sim_executor_flags records them): one that the run
+  // would not use is refused even at its default value.
+  std::set<std::string, std::less<>> given;
 };
 
 // Adds --sim-seed, --sim-kv-token-bytes, --sim-expert-parallel, --sim-placement,
@@ -27,7 +32,9 @@ void add_sim_executor_flags(CLI::App& cmd, SimExecutorFlags& f);
 
 // The executor's options for `preset` with `speculative_tokens` MTP drafts per step (0: none).
 // Throws tandem::Error naming the flag on a bad value (a skew or acceptance list that does not
-// parse, a placement without expert parallelism, an unreadable placement file).
+// parse, a draft pass share out of range, an unreadable placement file) and on a flag the run
+// would not use (--sim-placement, --sim-routing-skew or --sim-moe-share without
+// --sim-expert-parallel; --sim-mtp-acceptance or --sim-mtp-draft-pass-share without drafts).
 engine::SimExecutorOptions sim_executor_options(const SimExecutorFlags& f,
                                                 const std::string& preset,
                                                 int64_t speculative_tokens);

@@ -1361,5 +1361,82 @@ TEST(Cli, AModelNameThatIsNotUtf8IsRefusedNamingItsFlagOrFolder) {
   }
 }
 
+// A flag whose setting the run would not use is refused naming it and what it needs, as
+// --sim-placement without --sim-expert-parallel is: an engine or a simulation that silently drops
+// a flag measures something other than what was asked.
+TEST(Cli, FlagsTheRunWouldIgnoreAreRefusedNamingWhatTheyNeed) {
+  // A real model folder (its weights empty: every refusal comes before the load).
+  const auto dir = model_without_weights("sim-flags-model", "tiny-v3");
+  const auto model = test::quote(dir);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"engine --model sim:tiny --port 0 --expert-placement /nonexistent.json",
+       {"--expert-placement", "--expert-parallel"}},
+      {"engine --model sim:tiny --port 0 --rebalance-interval 5",
+       {"--rebalance-interval", "--expert-parallel"}},
+      {"engine --model sim:tiny --port 0 --expert-parallel-stall-timeout 5",
+       {"--expert-parallel-stall-timeout", "--expert-parallel"}},
+      {"engine --model /nonexistent/model --port 0 --expert-parallel-stall-timeout 5",
+       {"--expert-parallel-stall-timeout", "--expert-parallel"}},
+      {"engine --model " + model + " --port 0 --sim-expert-parallel 2",
+       {"--sim-expert-parallel", "sim:"}},
+      {"engine --model " + model + " --port 0 --sim-time-scale 2", {"--sim-time-scale", "sim:"}},
+      {"simulate --num-prompts 2 --sim-routing-skew 2",
+       {"--sim-routing-skew", "--sim-expert-parallel"}},
+      {"simulate --num-prompts 2 --sim-moe-share 0.3",
+       {"--sim-moe-share", "--sim-expert-parallel"}},
+      {"simulate --num-prompts 2 --sim-mtp-acceptance 0.5",
+       {"--sim-mtp-acceptance", "--speculative-tokens"}},
+      {"simulate --num-prompts 2 --sim-mtp-draft-pass-share 0.1",
+       {"--sim-mtp-draft-pass-share", "--speculative-tokens"}},
+      {"place plan --loads x.npy --ranks 2 --fresh", {"--fresh", "--current"}}};
+  for (const auto& [command, names] : cases) {
+    const auto r = run(command);
+    EXPECT_EQ(r.status, 1) << command << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + names[0])) << command;
+    EXPECT_THAT(r.output, HasSubstr(names[1])) << command;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A simulated executor's value out of its range is refused naming its flag (the executor's own
+// checks named none, or ran after a placement that failed first).
+TEST(Cli, SimulatedExecutorValuesOutOfRangeAreRefusedNamingTheFlag) {
+  for (const std::string flags :
+       {"--sim-expert-parallel 2 --sim-routing-skew 1.5abc",
+        "--sim-expert-parallel 2 --sim-routing-skew 1:2:3",
+        "--sim-expert-parallel 2 --sim-routing-skew -1",
+        "--sim-expert-parallel 2 --sim-routing-skew 2:1",
+        "--sim-expert-parallel 2 --sim-routing-skew nan", "--sim-expert-parallel 1000",
+        "--speculative-tokens 1 --sim-mtp-draft-pass-share 1e308"}) {
+    const auto r = run("simulate --num-prompts 2 " + flags);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    const std::string flag = flags.substr(flags.rfind("--"), flags.rfind(' ') - flags.rfind("--"));
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: " + flag)) << flags;
+  }
+  EXPECT_EQ(run("simulate --num-prompts 2 --random-input-len 20 --random-output-len 2 "
+                "--sim-expert-parallel 2 --sim-routing-skew 0.6:1.4 --sim-moe-share 0.3")
+                .status,
+            0);
+}
+
+// `place` names the flag or both files: --min-gain is a share, and loads of another shape than
+// the placement named neither file.
+TEST(Cli, PlaceNamesTheFlagOrFilesOfABadInput) {
+  const auto loads = write_temp("two-layers.json", "[[9,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,9]]");
+  const auto three = write_temp("three-layers.json", "[[1,1,1,1],[1,1,1,1],[1,1,1,1]]");
+  const auto placement = test::scratch_path("two-layers-placement", ".json").string();
+  ASSERT_EQ(run("place plan --loads " + loads + " --ranks 2 --out " + placement).status, 0);
+  auto r = run("place show " + placement + " --loads " + three);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--loads " + three));
+  EXPECT_THAT(r.output, HasSubstr(placement));
+  const auto snapshots = write_temp("snapshots.json", "[[1,1,1,1,1,1,1,1],[1,1,1,1,1,1,1,1]]");
+  for (const char* gain : {"nan", "-5", "inf"}) {
+    r = run("place simulate --loads " + snapshots + " --ranks 2 --min-gain " + gain);
+    EXPECT_EQ(r.status, 1) << gain << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("tandem: error: --min-gain: expected")) << gain;
+  }
+}
+
 }  // namespace
 }  // namespace tandem

@@ -85,7 +85,7 @@ SimExecutor::SimExecutor(const text::Tokenizer& tokenizer, const SimExecutorOpti
     if (!(p >= 0 && p <= 1))
       throw Error("sim: MTP acceptance " + std::to_string(p) + " is not a probability (0..1)");
   if (!(mtp.draft_pass_share >= 0 && mtp.draft_pass_share < 1e6))
-    throw Error("sim: MTP draft pass share must be >= 0");
+    throw Error("sim: MTP draft pass share must be in 0..10^6");
   info_.speculative_tokens = mtp.drafts;
   pattern_ = SharableBuffer(size_t(options.block_size * kv.token_bytes), "tandem-sim-kv");
   for (size_t i = 0; i < pattern_.size(); ++i) pattern_.data()[i] = std::byte(i * 131 + 7);

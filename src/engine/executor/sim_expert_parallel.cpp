@@ -8,14 +8,31 @@
 
 namespace tandem::engine {
 
+namespace {
+
+// The placement given, else every expert once, in order: checked here, before the members that
+// follow it are made, so that a rank count the model's experts cannot fill is named by its flag.
+placement::Placement placement_of(int64_t layers, int64_t experts,
+                                  const SimExpertParallelOptions& o) {
+  if (o.ranks < 1) throw Error("--sim-expert-parallel must be at least 1");
+  if (o.placement) return *o.placement;
+  try {
+    return placement::no_redundancy(layers, experts, o.ranks);
+  } catch (const Error& e) {
+    throw Error("--sim-expert-parallel " + std::to_string(o.ranks) + ": " + e.what() +
+                " (without --sim-placement every expert is placed once)");
+  }
+}
+
+}  // namespace
+
 SimExpertParallel::SimExpertParallel(int64_t layers, int64_t experts,
                                      const SimExpertParallelOptions& o)
-    : placement_(o.placement ? *o.placement : placement::no_redundancy(layers, experts, o.ranks)),
+    : placement_(placement_of(layers, experts, o)),
       skew_(layers, experts, o.skew),
       moe_share_(o.moe_share),
       ranks_(o.ranks),
       rng_(o.seed) {
-  if (o.ranks < 1) throw Error("--sim-expert-parallel must be at least 1");
   if (!(o.moe_share >= 0 && o.moe_share <= 1)) throw Error("--sim-moe-share must be in [0, 1]");
   if (placement_.ranks != o.ranks || placement_.experts != experts ||
       placement_.num_layers() != layers)
