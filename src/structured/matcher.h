@@ -2,6 +2,9 @@
 // Where a text stands in a grammar: the set of parse stacks a top-down (pushdown) recognizer
 // holds after reading it, advanced byte by byte. Stacks share their tails through a pool of
 // hash-consed frames, so equal stacks are equal pairs and copying one is copying two integers.
+// Many stacks at one position are one stack whose return frame is a union of theirs (a graph of
+// stacks, as GLR parsers keep): an anyOf of objects that share a first field is one stack while
+// inside it, however many objects, and splits where the field ends.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -35,10 +38,9 @@ class GrammarMatcher {
   // about 5 million.
   static constexpr size_t kMaxWork = size_t(1) << 25;
   // A mask may do more: as much as kMaskStacks stacks stepping at every node of the trie (about
-  // 20 units a node a stack), so that a union of objects that begin alike (an anyOf of models
-  // sharing a "name" field holds a stack per variant inside that string: 8 of them are ~40
-  // million units with DeepSeek-V3's vocabulary) is followed, while a format whose stacks grow
-  // with the answer still fails within about 16 characters' worth of growth.
+  // 20 units a node a stack), so that formats holding a few stacks at different positions are
+  // followed, while a format whose stacks grow with the answer still fails within about 16
+  // characters' worth of growth.
   static constexpr size_t kMaskStacks = 16;
   static size_t mask_limit(const VocabularyTrie& trie);
 
@@ -70,6 +72,9 @@ class GrammarMatcher {
 
  private:
   static constexpr int32_t kAccepted = -1;  // a stack that matched everything
+  // A frame's pos that marks it a union: its rest is an index in unions_, whose members are the
+  // frames (or -1, none) that stacks at one position return to. Members are never unions.
+  static constexpr int32_t kUnion = -2;
   struct Stack {
     int32_t pos;   // offset in the grammar's code of the next terminal, or kAccepted
     int32_t rest;  // frame to return to when the current alternative ends, -1 for none
@@ -80,11 +85,17 @@ class GrammarMatcher {
   template <typename Position>
   std::string key_of(Position position) const;
   int32_t frame(int32_t pos, int32_t rest);
+  // The frame that returns to each of `members` (frames or -1), sorted by id and deduplicated in
+  // place; a member itself when only one is left.
+  int32_t union_frame(std::vector<int32_t>& members);
+  // A hash of what frame `f` (or -1, none) holds: positions down its chain, whatever its id.
+  uint64_t shape(int32_t f) const { return f < 0 ? 0 : shapes_[size_t(f)]; }
+  void merge(Stacks& sorted);  // stacks at one position become one, returning to a union
   void expand(int32_t pos, int32_t rest, Stacks& out);
   void new_step();
   void spend(size_t units);  // counts work, throws past kMaxWork
   void step(const Stacks& from, uint8_t byte, Stacks& to);
-  void release(size_t mark);  // drops frames made after `mark` (a mask's scratch)
+  void release(size_t frames, size_t unions);  // drops what was made after (a mask's scratch)
   void compact();
   void walk(const VocabularyTrie& trie, uint32_t node, size_t depth, std::vector<Stacks>& levels,
             std::vector<uint64_t>& allowed);
@@ -92,6 +103,13 @@ class GrammarMatcher {
   std::shared_ptr<const Grammar> grammar_;
   std::vector<std::pair<int32_t, int32_t>> frames_;  // (pos, rest)
   std::unordered_map<uint64_t, int32_t> frame_ids_;
+  std::vector<uint64_t> shapes_;              // of frames_, by id
+  std::vector<std::vector<int32_t>> unions_;  // members of union frames
+  struct MembersHash {
+    size_t operator()(const std::vector<int32_t>& m) const;
+  };
+  std::unordered_map<std::vector<int32_t>, int32_t, MembersHash> union_ids_;
+  std::vector<int32_t> members_;  // merge()'s scratch, kept for its capacity
   Stacks stacks_;
   Stacks todo_;                           // expand()'s work list, kept for its capacity
   size_t entries_ = 0;                    // rules expand() entered in this step
