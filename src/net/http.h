@@ -49,7 +49,8 @@ bool iequals(std::string_view a, std::string_view b);
 struct HttpRequest {
   std::string method;  // as sent, e.g. "POST" (methods are case-sensitive)
   std::string target;  // the request target as sent, e.g. "/v1/models?x=1"
-  std::string path;    // target up to '?', not percent-decoded
+  std::string path;    // target up to '?', escapes of unreserved characters decoded (RFC 3986
+                       // 6.2.2.2: /v1/%6dodels is /v1/models), other escapes kept
   std::string query;   // after '?', without it; empty if none
   int version = 11;    // 10 or 11
   Headers headers;
