@@ -487,11 +487,19 @@ std::vector<int64_t> allocate_redundancy(const ExpertLoads& loads, const PlanOpt
           const int64_t mid = most + (over - most) / 2;
           (fits(mid) ? most : over) = mid;
         }
+        // The flags' values that fit and that the ranks take: every layer's slots together
+        // must divide over the ranks (see the check of the options).
+        const int64_t base = layers * loads.experts;
+        const int64_t redundant = most - (base + most) % o.ranks;
+        int64_t slots = loads.experts + most / layers;
+        while (slots > loads.experts && (layers * slots) % o.ranks != 0) --slots;
+        std::string fit;
+        if (redundant > 0) fit += ": --redundant " + std::to_string(redundant);
+        if (slots > loads.experts)
+          fit += (fit.empty() ? ": --slots " : " or --slots ") + std::to_string(slots);
         throw Error("placement: a redundant budget of " + std::to_string(budget) +
                     " slots is too large for the layer-wise allocation (at most " +
-                    std::to_string(most) + " over " + std::to_string(layers) +
-                    " layers: --redundant " + std::to_string(most) + " or --slots " +
-                    std::to_string(loads.experts + most / layers) +
+                    std::to_string(most) + " over " + std::to_string(layers) + " layers" + fit +
                     "); use a smaller --slots or --redundant, or --algorithm omni-even");
       }
       const int64_t cap = cap_for(budget);

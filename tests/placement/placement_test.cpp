@@ -214,6 +214,15 @@ TEST(Planner, ABudgetTooLargeForTheLayerWiseAllocationIsRefusedNamingTheFlags) {
     EXPECT_NE(what.find("--redundant"), std::string::npos) << what;
     EXPECT_NE(what.find("--slots"), std::string::npos) << what;
     EXPECT_NE(what.find("omni-even"), std::string::npos) << what;
+    // The values named are ones the ranks take: 58 layers' slots divide over 256 ranks.
+    const auto named = [&](const std::string& flag) {
+      const size_t at = what.find(flag + " ");
+      return at == std::string::npos ? -1 : std::stoll(what.substr(at + flag.size() + 1));
+    };
+    const int64_t redundant = named("--redundant"), slots = named("--slots");
+    EXPECT_EQ((58 * 256 + redundant) % 256, 0) << what;
+    EXPECT_EQ(58 * slots % 256, 0) << what;
+    EXPECT_LE(58 * (slots - 256), redundant) << what;
   }
 }
 
