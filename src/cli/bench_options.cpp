@@ -447,9 +447,6 @@ void add_metrics_options(CLI::App& cmd, MetricsCliOptions& o) {
   cmd.add_option("--goodput", o.goodput, "SLO KEY:MS (ttft, tpot, e2el, tbt); repeatable");
 }
 
-namespace {
-
-// `text` as a number, all of it ("5<b>" and "" are not), finite; nullopt otherwise.
 std::optional<double> whole_number(const std::string& text) {
   try {
     size_t used = 0;
@@ -459,6 +456,8 @@ std::optional<double> whole_number(const std::string& text) {
   }
   return std::nullopt;
 }
+
+namespace {
 
 constexpr const char* kPercentileMetrics[] = {"ttft", "tpot", "itl", "e2el", "tbt"};
 

@@ -105,6 +105,8 @@ std::string result_json_text(const nlohmann::json& result);
 CLI::Validator seed_range();
 
 std::vector<std::string> split(const std::string& s, char sep);
+// `text` as a finite number, all of it ("1.5abc", "5<b>" and "" are not); nullopt otherwise.
+std::optional<double> whole_number(const std::string& text);
 
 // A number as a person writes it: 20, 0.5, 1e-07 (not std::to_string's 20.000000).
 std::string number_text(double v);

@@ -46,21 +46,6 @@ void add_sim_executor_flags(CLI::App& cmd, SimExecutorFlags& f) {
         [&f, name = std::string(flag)](const std::string&) { f.given.insert(name); });
 }
 
-namespace {
-
-// `text` as a finite number, all of it ("1.5abc" is not); nullopt otherwise.
-std::optional<double> whole_number(const std::string& text) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used == text.size() && std::isfinite(v)) return v;
-  } catch (const std::exception&) {
-  }
-  return std::nullopt;
-}
-
-}  // namespace
-
 engine::SimExecutorOptions sim_executor_options(const SimExecutorFlags& f,
                                                 const std::string& preset,
                                                 int64_t speculative_tokens) {
