@@ -181,7 +181,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   // The served name goes into /v1/models' JSON and /metrics' labels, which carry only UTF-8: a
   // name that is not would fail every listing (a 500) and spoil every scrape.
   if (const std::string& name = o.served_model_name.empty() ? o.model : o.served_model_name;
-      utf8::to_valid_lossy(name) != name)
+      !utf8::is_valid(name))
     throw Error(o.served_model_name.empty()
                     ? "--model " + utf8::to_valid_lossy(o.model) +
                           ": the served model name is the folder's path, which is not UTF-8; "

@@ -105,7 +105,7 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
   apply_setting_flags(t, o, cmd, !o.config.empty());
   // /v1/models' JSON and /metrics' labels carry only UTF-8: a name that is not would fail every
   // listing (a 500) and spoil every scrape.
-  if (utf8::to_valid_lossy(t.served_model_name) != t.served_model_name)
+  if (!utf8::is_valid(t.served_model_name))
     throw Error((cmd.count("--served-model-name") > 0
                      ? std::string("--served-model-name")
                      : "--config " + o.config + ": served_model_name") +

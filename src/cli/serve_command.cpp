@@ -140,7 +140,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     extra = {"--served-model-name", served};
   }
   // Before any engine starts: /v1/models' JSON and /metrics' labels carry only UTF-8.
-  if (utf8::to_valid_lossy(served) != served)
+  if (!utf8::is_valid(served))
     throw Error(extra.empty() ? "--served-model-name: expected a UTF-8 name, got '" +
                                     utf8::to_valid_lossy(served) + "'"
                               : "--model " + utf8::to_valid_lossy(o.model) +

@@ -102,20 +102,11 @@ void append_u64(std::string& out, uint64_t v) {
   out.append(buf, result.ptr);
 }
 
-bool is_utf8(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const size_t length = utf8::valid_sequence_length(s, i);
-    if (length == 0) return false;
-    i += length;
-  }
-  return true;
-}
-
 void append_escaped_label_value(std::string& out, std::string_view value) {
   // The exposition is UTF-8 and a label value may be a client's text: an ill-formed sequence
   // would make a scraper refuse the whole page, so it is U+FFFD, as Python's errors="replace".
   std::string valid;
-  if (!is_utf8(value)) {
+  if (!utf8::is_valid(value)) {
     valid = utf8::to_valid_lossy(value);
     value = valid;
   }

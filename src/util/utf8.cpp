@@ -164,4 +164,13 @@ std::string quote_escaped(std::string_view s, size_t max_bytes) {
   return out;
 }
 
+bool is_valid(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const size_t length = valid_sequence_length(s, i);
+    if (length == 0) return false;
+    i += length;
+  }
+  return true;
+}
+
 }  // namespace tandem::utf8

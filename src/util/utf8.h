@@ -17,6 +17,9 @@ char32_t decode_at(std::string_view s, size_t i, size_t len);
 
 void append(std::string& out, char32_t cp);
 
+// Whether s is well-formed UTF-8 throughout.
+bool is_valid(std::string_view s);
+
 // Replaces ill-formed input with U+FFFD per maximal subpart, exactly like Rust's
 // String::from_utf8_lossy (which Hugging Face tokenizers use when decoding).
 std::string to_valid_lossy(std::string_view s);
