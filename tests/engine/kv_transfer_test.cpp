@@ -1000,6 +1000,11 @@ class KvTransferAgents : public ::testing::Test {
   // Over `kind` ("tcp" or "shm"), by default the fixture's transport.
   std::unique_ptr<KvTransferAgent> make_decode(FakeExecutor& exec, metrics::Registry& registry,
                                                const std::string& kind = "") {
+    return make_decode(exec, registry,
+                       make_transport(kind.empty() ? transport_ : kind, decode_io_timeout_));
+  }
+  std::unique_ptr<KvTransferAgent> make_decode(FakeExecutor& exec, metrics::Registry& registry,
+                                               std::unique_ptr<KvTransport> transport) {
     KvTransferConfig d;
     d.engine_id = "decode-0";
     d.port = -1;
@@ -1008,9 +1013,8 @@ class KvTransferAgents : public ::testing::Test {
     d.handshake_timeout_s = handshake_timeout_s_;
     d.secret = decode_secret_;
     d.allow = decode_allow_;
-    return std::make_unique<KvTransferAgent>(
-        d, exec, make_transport(kind.empty() ? transport_ : kind, decode_io_timeout_), registry,
-        queue_.post());
+    return std::make_unique<KvTransferAgent>(d, exec, std::move(transport), registry,
+                                             queue_.post());
   }
 
   KvTransferAgents() = default;
@@ -1656,6 +1660,48 @@ TEST_F(KvTransferOverShm, ARefusedPeerWhoseRingIsNeverFreeHoldsUpNothing) {
     ADD_FAILURE() << "the prefill engine's shutdown waited on the refused peer";
     hostile.hang_up();  // which ends the wait
   }
+}
+
+// The decode side of a race: each connection is handed over only once its peer has closed it
+// (or after the hang guard). A prefill engine that refuses a connection says why and closes at
+// once, which may come before the decode engine sends its first frame.
+class HandedOverOnceClosed : public KvTransport {
+ public:
+  explicit HandedOverOnceClosed(std::unique_ptr<KvTransport> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  std::unique_ptr<KvListener> listen(const std::string& host, uint16_t port,
+                                     SharedView send_memory) override {
+    return inner_->listen(host, port, send_memory);
+  }
+  std::unique_ptr<KvConnection> connect(const std::string& host, uint16_t port,
+                                        const GiveUp& give_up) override {
+    auto conn = inner_->connect(host, port, give_up);
+    const auto until = std::chrono::steady_clock::now() + kHangGuard;
+    while (!conn->peer_gone() && std::chrono::steady_clock::now() < until)
+      std::this_thread::yield();
+    return conn;
+  }
+
+ private:
+  std::unique_ptr<KvTransport> inner_;
+};
+
+TEST_F(KvTransferOverShm, ARefusalIsToldEvenWhenThePeerClosedBeforeTheFirstFrameWentOut) {
+  handshake_timeout_s_ = 60;  // the silent peers stay in their handshake meanwhile
+  start();
+  std::vector<std::unique_ptr<FakeShmClient>> silent;
+  for (int i = 0; i < 64; ++i) {
+    silent.push_back(std::make_unique<FakeShmClient>(prefill_->port()));
+    ASSERT_TRUE(silent.back()->hello());
+  }
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  metrics::Registry registry;
+  auto late = make_decode(decode_exec_, registry,
+                          std::make_unique<HandedOverOnceClosed>(make_shm_transport()));
+  const KvFetchResult refused = wait(fetch(*late, pull(id, 0, 10, local_, "req-refused")));
+  EXPECT_FALSE(refused.ok);
+  EXPECT_THAT(refused.error, HasSubstr("too many KV transfer connections from this address"));
 }
 
 // A client may name any host in a decode leg that is then refused; each refusal asks that host

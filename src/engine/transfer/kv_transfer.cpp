@@ -89,6 +89,27 @@ std::string error_message(const KvFrame& f) {
   return "the peer reported an error without a message";
 }
 
+// Sends the decode side's first frame on a connection. A prefill engine that refuses the
+// connection tells why and closes at once, maybe before that frame went out: the send then fails
+// (over shared memory it always does) while the reason waits to be read, and the reason is what
+// the decode engine reports.
+void send_opening(KvConnection& conn, KvFrameType type, const json& j) {
+  try {
+    send_json(conn, type, j);
+  } catch (const std::exception&) {
+    std::string refusal;
+    try {
+      conn.set_timeout(std::chrono::milliseconds(0));
+      const KvFrame f = conn.receive(kControlLimit);
+      if (f.type == KvFrameType::kError) refusal = error_message(f);
+    } catch (const std::exception&) {
+      // Nothing was said: the failed send's error stands.
+    }
+    if (!refusal.empty()) throw Error(refusal);
+    throw;
+  }
+}
+
 // "a layer frame of 4112 bytes": what arrived, for errors about the unexpected.
 std::string frame_text(KvFrameType type, uint64_t bytes) {
   return std::string("a ") + kv_frame_type_name(type) + " frame of " + std::to_string(bytes) +
@@ -129,7 +150,7 @@ std::string handshake_field(const json& j, const char* name) {
 void authenticate_to_prefill(KvConnection& conn, const std::string& secret,
                              const std::string& where) {
   const std::string mine = random_secret_hex(16);
-  send_json(conn, KvFrameType::kAuth, {{"nonce", mine}});
+  send_opening(conn, KvFrameType::kAuth, {{"nonce", mine}});
   const KvFrame reply = conn.receive(kControlLimit);
   const json answer = handshake_json(reply);
   if (reply.type == KvFrameType::kError)
@@ -1183,10 +1204,10 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       req["transfer_id"] = f.transfer_id;
       req["engine_id"] = f.engine_id;
       req["block_ids"] = f.remote_blocks;
-      send_json(*conn, KvFrameType::kPull, req);
+      send_opening(*conn, KvFrameType::kPull, req);
     } else {
       req["room"] = f.room;
-      send_json(*conn, KvFrameType::kRegister, req);
+      send_opening(*conn, KvFrameType::kRegister, req);
     }
     const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
     const int64_t tokens = f.num_tokens - f.first_token;

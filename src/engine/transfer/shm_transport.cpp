@@ -217,8 +217,12 @@ class ShmConnection : public KvConnection {
     const auto deadline = start("sending");
     // The ring takes a frame whether or not anyone will read it: without this, a frame that fits
     // "succeeds" after the peer left (a prefill engine would count a transfer to a cancelled
-    // decode leg as sent). The socket tells, at the cost of one system call per frame.
-    if (peer_gone()) fail(std::string(what_) + " failed: connection closed by peer");
+    // decode leg as sent). The socket tells, at the cost of one system call per frame. The
+    // connection is not broken by it: nothing was written, and what the peer said before it left
+    // (why it refused us) can still be read.
+    if (peer_gone())
+      throw Error("KV transfer with " + peer_ + ": " + what_ +
+                  " failed: connection closed by peer");
     if (in_place_.send_memory && total >= kInPlaceMin &&
         send_in_place(type, parts, total, deadline))
       return;
