@@ -349,7 +349,7 @@ Endpoint read_endpoint(const Reader& r, const YAML::Node& node, const std::strin
     // access log): bounded, and text.
     e.name = r.non_empty_string(keys.at("name"), path + ".name", kEndpointNameExpected);
     if (e.name.size() > kMaxEndpointNameBytes || utf8::has_control_bytes(e.name) ||
-        utf8::to_valid_lossy(e.name) != e.name)
+        !utf8::is_valid(e.name))
       r.fail(path + ".name", kEndpointNameExpected, utf8::quote_escaped(e.name, kQuotedBytes));
   }
   if (keys.count("max_in_flight"))

@@ -670,6 +670,15 @@ TEST(TopologyValidate, NamesAreUniqueAcrossPools) {
             "as prefill.endpoints[0] has");
 }
 
+// A name labels metric series and the dashboard: text, not bytes.
+TEST(TopologyValidate, ANameThatIsNotUtf8IsRefused) {
+  EXPECT_THAT(yaml_error("decode: {endpoints: [{url: \"d:2\", name: \"a\xff\"}]}"),
+              StartsWith("t.yaml: decode.endpoints[0].name: expected a name of 1..256 bytes of "
+                         "UTF-8 text without control characters"));
+  EXPECT_NO_THROW(
+      parse_topology_yaml("decode: {endpoints: [{url: \"d:2\", name: \"d\xc3\xa9\"}]}", "t.yaml"));
+}
+
 // One engine twice in a pool under two names would take twice its in-flight limit: the admin
 // API refuses it (endpoints.cpp), and so does a topology file (and so a reload).
 TEST(TopologyValidate, AnAddressTwiceInAPoolIsRefusedNamingBothNames) {
