@@ -106,30 +106,44 @@ class RegexCompiler {
 
   Piece quantified() {
     Piece atom_piece = atom();
-    for (;;) {
-      int64_t min = 0, max = -1;
-      if (peek('*')) {
-        ++i_;
-      } else if (peek('+')) {
-        ++i_;
-        min = 1;
-      } else if (peek('?')) {
-        ++i_;
-        max = 1;
-      } else if (const auto end = peek('{') ? braces(min, max) : std::nullopt) {
-        i_ = *end;
-      } else {
-        return atom_piece;
-      }
-      if (peek('?')) ++i_;  // lazy: the same language
-      if (peek('+')) fail("possessive quantifiers are not supported");
-      if (atom_piece.nullable && (max < 0 || max > 1))
-        fail("a repeated part that may match nothing is not supported");
-      if (max > kMaxRepeat || min > kMaxRepeat)
-        fail("repetition counts above " + std::to_string(kMaxRepeat) + " are not supported");
-      const bool nullable = min == 0 || atom_piece.nullable;
-      atom_piece = {{g_.repeat(atom_piece.seq, min, max)}, nullable};
+    int64_t min = 0, max = -1;
+    if (!quantifier(min, max)) return atom_piece;
+    if (peek('?')) ++i_;  // lazy: the same language
+    if (peek('+')) fail("possessive quantifiers are not supported");
+    if (atom_piece.nullable && (max < 0 || max > 1))
+      fail("a repeated part that may match nothing is not supported");
+    if (max > kMaxRepeat || min > kMaxRepeat)
+      fail("repetition counts above " + std::to_string(kMaxRepeat) + " are not supported");
+    // Python's re and ECMAScript both refuse a{2}{3} and a**; read as a repeat of the repeat it
+    // silently became a{6}.
+    int64_t again_min = 0, again_max = -1;
+    const size_t at = i_;
+    if (quantifier(again_min, again_max)) {
+      i_ = at;
+      fail("multiple repeat: a quantifier cannot follow another (group the first: (?:a{2}){3})");
     }
+    const bool nullable = min == 0 || atom_piece.nullable;
+    return {{g_.repeat(atom_piece.seq, min, max)}, nullable};
+  }
+
+  // *, +, ? or a count at i_: true with its bounds (i_ past it), else false (i_ stays).
+  bool quantifier(int64_t& min, int64_t& max) {
+    min = 0;
+    max = -1;
+    if (peek('*')) {
+      ++i_;
+    } else if (peek('+')) {
+      ++i_;
+      min = 1;
+    } else if (peek('?')) {
+      ++i_;
+      max = 1;
+    } else if (const auto end = peek('{') ? braces(min, max) : std::nullopt) {
+      i_ = *end;
+    } else {
+      return false;
+    }
+    return true;
   }
 
   // {m}, {m,}, {m,n} at i_: where the count ends, or nothing when the brace is a literal (i_

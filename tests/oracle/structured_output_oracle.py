@@ -3,7 +3,7 @@ grammars accepted. Reads a JSON document on stdin:
   {"regex": [{"pattern": P, "texts": [...]}, ...],
    "schema": [{"schema": S, "answers": [...]}, ...]}
 and writes {"regex": [[bool per text], ...], "schema": [[error or null per answer], ...]}:
-re.fullmatch for each text, and for each answer null when it parses as JSON and validates
+re.fullmatch for each text (or the re.error text, for a pattern that does not compile), and for each answer null when it parses as JSON and validates
 (Draft 2020-12), else the reason.
 
 "ascii": true compiles the patterns with re.ASCII; "flavour": "tandem" with Tandem's classes
@@ -57,10 +57,14 @@ def main():
     doc = json.load(sys.stdin)
     out = {"regex": [], "schema": []}
     for case in doc.get("regex", []):
-        if doc.get("flavour") == "tandem":
-            rx = re.compile(tandem_flavour(case["pattern"]))
-        else:
-            rx = re.compile(case["pattern"], re.ASCII if doc.get("ascii") else 0)
+        try:
+            if doc.get("flavour") == "tandem":
+                rx = re.compile(tandem_flavour(case["pattern"]))
+            else:
+                rx = re.compile(case["pattern"], re.ASCII if doc.get("ascii") else 0)
+        except re.error as e:
+            out["regex"].append("re.error: %s" % e)
+            continue
         out["regex"].append([rx.fullmatch(t) is not None for t in case["texts"]])
     for case in doc.get("schema", []):
         validator = jsonschema.Draft202012Validator(case["schema"])

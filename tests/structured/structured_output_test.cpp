@@ -950,6 +950,38 @@ TEST(StructuredOutput, BracesWithoutAMinimumAndOctalEscapesAreRefusedByName) {
     EXPECT_TRUE(full_match(compile({OutputSpec::Kind::kRegex, pattern, "f"}), text)) << pattern;
 }
 
+// A quantifier straight after another is an error to Python's re ("multiple repeat") and to
+// ECMAScript ("nothing to repeat"); a{2}{3} was read as a{6} and a** as a*. A lazy mark is no
+// quantifier, and braces that are no count are text.
+TEST(StructuredOutput, AQuantifierAfterAnotherIsRefusedAsPythonAndEcmaScriptDo) {
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"a{2}{3}", "offset 4: multiple repeat"}, {"a**", "offset 2: multiple repeat"},
+      {"a+*", "offset 2: multiple repeat"},     {"(ab)?{2}", "offset 5: multiple repeat"},
+      {"a*??", "offset 3: multiple repeat"},    {"a{2}*", "offset 4: multiple repeat"}};
+  json cases = json::array();
+  for (const auto& [pattern, error] : refused) {
+    const std::string e = compile_error(OutputSpec::Kind::kRegex, pattern);
+    EXPECT_NE(e.find(error), std::string::npos) << pattern << "\n  " << e;
+    cases.push_back({{"pattern", pattern}, {"texts", json::array()}});
+  }
+  const json taken = {{{"pattern", "a*?"}, {"texts", {"", "aa"}}},
+                      {{"pattern", "a{2}?x"}, {"texts", {"aax", "ax"}}},
+                      {{"pattern", "a*{x}"}, {"texts", {"aa{x}", "a"}}}};
+  for (const auto& c : taken) cases.push_back(c);
+  const json judged = oracle({{"regex", cases}});
+  ASSERT_TRUE(judged.contains("regex"));
+  for (size_t k = 0; k < refused.size(); ++k)
+    EXPECT_TRUE(judged["regex"][k].is_string()) << refused[k].first << " compiled in Python";
+  for (size_t k = 0; k < taken.size(); ++k) {
+    const json& c = taken[k];
+    const auto g = compile({OutputSpec::Kind::kRegex, c["pattern"].get<std::string>(), "f"});
+    for (size_t t = 0; t < c["texts"].size(); ++t)
+      EXPECT_EQ(full_match(g, c["texts"][t].get<std::string>()),
+                judged["regex"][refused.size() + k][t].get<bool>())
+          << c["pattern"] << " on " << c["texts"][t];
+  }
+}
+
 // JSON Schema counts are whole numbers, however written: maxLength 5.0 is 5 (it was a 400).
 TEST(StructuredOutput, CountKeywordsTakeWholeNumbersWrittenAsFloats) {
   using K = OutputSpec::Kind;
