@@ -154,6 +154,8 @@ class Engine final : private PdHost {
   std::string executor_failure() const { return executor_->failure(); }
   const text::Tokenizer& tokenizer() const { return *tokenizer_; }
   EngineRole role() const { return config_.role; }
+  // Whether waiting prompts are ordered by the requests' `priority` (--scheduling-policy).
+  bool schedules_by_priority() const { return scheduler_.config().priority; }
   // Thread-safe. Tells a prefill engine to free a transfer this engine will not pull (its
   // decode leg was refused); best effort, in the background. No-op without KV transfer.
   void release_remote_kv(const std::string& host, uint16_t port, const std::string& engine_id,

@@ -280,6 +280,14 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
         call->request = api::parse_generate(body, engine_.tokenizer(), limits);
         break;
     }
+    // As vLLM: a priority means nothing to an engine that serves in arrival order, and taking it
+    // silently would let the client believe it counted.
+    if (call->request.priority != 0 && !engine_.schedules_by_priority())
+      throw ApiError{400,
+                     "priority " + std::to_string(call->request.priority) +
+                         " was given, but this engine does not schedule by priority (start it "
+                         "with --scheduling-policy priority)",
+                     "priority"};
     kv_transfer = transfer_spec(call->request.disagg, engine_.role());
     scored_prompt = call->request.scored_prompt();
     if (kv_transfer.prefill()) {

@@ -1049,6 +1049,46 @@ TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
   engine.stop();
 }
 
+// As vLLM: a priority is refused by an engine that serves in arrival order (a client would
+// believe it counted), and taken by one started with --scheduling-policy priority.
+TEST_F(EngineServer, APriorityIsRefusedUnlessTheEngineSchedulesByPriority) {
+  for (const bool by_priority : {false, true}) {
+    EngineConfig config;
+    config.scheduler.priority = by_priority;
+    metrics::Registry registry;
+    const std::unique_ptr<Engine> owned = sim_engine(config, *tok_, registry);
+    Engine& engine = *owned;
+    GenerationApi api(engine, [](std::function<void()> task) { task(); });
+    auto status = [&](api::ApiKind kind, const json& body) {
+      net::HttpRequest req;
+      req.method = "POST";
+      req.body = body.dump();
+      auto reply = std::make_shared<KeptReply>();
+      api.handle(kind, req, reply);
+      for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+      EXPECT_TRUE(reply->done);
+      if (reply->status == 400) {
+        EXPECT_EQ(json::parse(reply->body)["error"]["param"], "priority") << reply->body;
+      }
+      return reply->status;
+    };
+    const json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
+    for (const int priority : {-1, 3}) {
+      json urgent = chat;
+      urgent["priority"] = priority;
+      EXPECT_EQ(status(api::ApiKind::kChat, urgent), by_priority ? 200 : 400) << priority;
+      EXPECT_EQ(status(api::ApiKind::kCompletion,
+                       {{"prompt", "hi"}, {"max_tokens", 2}, {"priority", priority}}),
+                by_priority ? 200 : 400);
+    }
+    json ordinary = chat;
+    ordinary["priority"] = 0;
+    EXPECT_EQ(status(api::ApiKind::kChat, ordinary), 200);
+    EXPECT_EQ(status(api::ApiKind::kChat, chat), 200);
+    engine.stop();
+  }
+}
+
 // The engine validates requests with its generation config's defaults (--generation-config):
 // --override-generation-config's max_new_tokens caps what a request asks for, as vLLM's does.
 TEST_F(EngineServer, TheOverridesMaxNewTokensCapsAnswers) {
