@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
+#include <string_view>
 #include <thread>
 #include <utility>
 
@@ -20,6 +22,7 @@ ChildProcess::ChildProcess(const std::string& program, const std::vector<std::st
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  const std::string cannot = "cannot execute " + program + ": ";
   int fds[2];
   // Close-on-exec: children started later must not inherit this one's pipe (dup2 below gives the
   // child its own end without the flag).
@@ -39,6 +42,14 @@ ChildProcess::ChildProcess(const std::string& program, const std::vector<std::st
     close(fds[0]);
     close(fds[1]);
     execv(program.c_str(), args.data());
+    // Said here, as nobody else can: the parent sees only the status, 127 as a shell reports it.
+    // strerrordesc_np reads a table, where strerror may allocate (not safe after fork).
+    const int why = errno;
+    const char* reason = strerrordesc_np(why);
+    if (!reason) reason = "unknown error";
+    const std::string_view parts[] = {cannot, reason, "\n"};
+    for (const auto part : parts)
+      if (::write(STDERR_FILENO, part.data(), part.size()) < 0) break;
     _exit(127);
   }
   close(fds[1]);

@@ -5,11 +5,13 @@
 // killed with SIGKILL fails the requests in flight with OpenAI errors and makes /health answer
 // 503, and no rank outlives its engine (the shared segment is a memfd, freed with them).
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 
 #include <fstream>
 #include <future>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include <gtest/gtest.h>
@@ -581,6 +583,33 @@ TEST_F(ExpertParallel, NoRankOutlivesItsEngineHoweverItStops) {
     ep.kill_now();  // SIGKILL of the front: its ranks die with it (and with them the segment)
     for (pid_t r : ranks) EXPECT_TRUE(testing::eventually([&] { return !running(r); }));
   }
+}
+
+// An upgrade replaces the binary under a running engine (cp new, then mv over the old path):
+// its ranks, started from that engine, still run its own program, though the path it was started
+// by now names another file.
+TEST_F(ExpertParallel, AnEngineWhoseBinaryWasReplacedOnDiskStillStartsItsRanks) {
+  const auto dir = test::temp_path("ep-upgrade").replace_extension();
+  std::filesystem::create_directories(dir);
+  const auto installed = dir / "tandem";
+  std::filesystem::copy_file(TANDEM_BINARY, installed);
+  // The engine runs the old file through this descriptor, replaced before the engine starts:
+  // whatever the engine does before it starts its ranks, they start after the replacement.
+  const int old_binary = ::open(installed.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(old_binary, 0);
+  std::filesystem::copy_file(TANDEM_BINARY, dir / "tandem.new");
+  std::filesystem::rename(dir / "tandem.new", installed);
+  auto a = args("v3-bf16", 2);
+  a[0] = "/proc/self/fd/" + std::to_string(old_binary);
+  std::optional<testing::EngineProcess> ep;
+  EXPECT_NO_THROW(ep.emplace(a));
+  ::close(old_binary);
+  if (ep) {
+    EXPECT_EQ(children_of(ep->pid()).size(), 1u);
+    for (const Answer& answer : ask_all(ep->port())) EXPECT_FALSE(answer.text.empty());
+    EXPECT_EQ(ep->stop(), 0);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdint>
 #include <filesystem>
@@ -85,6 +88,25 @@ TEST(ChildProcess, AChildGetsTheDefaultSigpipeEvenWhenItsParentIgnoresIt) {
     if (line.rfind("SigIgn:", 0) == 0) ignored = std::stoull(line.substr(7), nullptr, 16);
   ASSERT_NE(ignored, ~uint64_t{0}) << "no SigIgn line";
   EXPECT_EQ(ignored & (uint64_t{1} << (SIGPIPE - 1)), 0u);
+}
+
+// A program that cannot be run ends its child with 127, as a shell reports it, and says why on
+// standard error: a supervisor's "its messages are above" must point at something.
+TEST(ChildProcess, AProgramThatCannotBeRunIsNamedOnStandardErrorWithWhy) {
+  int errors[2];
+  ASSERT_EQ(pipe2(errors, O_CLOEXEC), 0);
+  {
+    ChildProcess child("/nonexistent/tandem", {"tandem", "engine"},
+                       [&errors] { ::dup2(errors[1], STDERR_FILENO); });
+    EXPECT_EQ(child.read_line(), "");
+    EXPECT_EQ(child.stop(), 127);
+  }
+  ::close(errors[1]);
+  std::string said;
+  char chunk[256];
+  for (ssize_t n; (n = ::read(errors[0], chunk, sizeof chunk)) > 0;) said.append(chunk, size_t(n));
+  ::close(errors[0]);
+  EXPECT_EQ(said, "cannot execute /nonexistent/tandem: No such file or directory\n");
 }
 
 }  // namespace

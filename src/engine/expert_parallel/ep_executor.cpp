@@ -25,13 +25,6 @@ int default_threads(int ranks) {
   return std::max(1, cores / ranks);
 }
 
-std::filesystem::path own_executable() {
-  std::error_code ec;
-  auto p = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (ec) throw Error("expert parallelism: cannot find this program's path to start ranks");
-  return p;
-}
-
 }  // namespace
 
 int64_t segment_slots(const placement::Placement& start, int64_t experts, int ranks,
@@ -112,7 +105,10 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   rank0_->set_poll([this] { poll(); });
   rank0_->load_placement();
 
-  const std::string program = (o.rank_program.empty() ? own_executable() : o.rank_program).string();
+  // This process's own program even when an upgrade has replaced the file it was started from
+  // (its path then reads "... (deleted)"), as serve starts its engines.
+  const std::string program =
+      o.rank_program.empty() ? std::string("/proc/self/exe") : o.rank_program.string();
   const int fd = memory_.fd();
   const pid_t parent = getpid();
   for (int r = 1; r < o.ranks; ++r) {
