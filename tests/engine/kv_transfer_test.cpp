@@ -1008,7 +1008,7 @@ class KvTransferAgents : public ::testing::Test {
     KvTransferConfig d;
     d.engine_id = "decode-0";
     d.port = -1;
-    d.timeout_s = 5;
+    d.timeout_s = decode_timeout_s_;
     d.checksum = decode_checksum_;
     d.handshake_timeout_s = handshake_timeout_s_;
     d.secret = decode_secret_;
@@ -1028,6 +1028,7 @@ class KvTransferAgents : public ::testing::Test {
   std::vector<std::string> decode_allow_;  // the decode engine's --kv-transfer-allow
   bool prefill_checksum_ = true, decode_checksum_ = true;  // their --kv-transfer-checksum
   double handshake_timeout_s_ = 5;
+  double decode_timeout_s_ = 5;  // the decode engine's --kv-transfer-timeout
   size_t prefill_max_rooms_ = KvTransferConfig{}.max_rooms;
   std::chrono::milliseconds prefill_io_timeout_ = 5000ms;
   std::chrono::milliseconds decode_io_timeout_ = 5000ms;
@@ -2345,14 +2346,14 @@ TEST_F(KvTransferAgents, AMalformedRegisterRequestIsAnsweredWithAnError) {
 class FakePrefill {
  public:
   using Script = std::function<void(KvConnection&, const json& request)>;
-  explicit FakePrefill(Script script)
+  explicit FakePrefill(Script script, KvFrameType request = KvFrameType::kPull)
       : transport_(make_tcp_transport({5000ms})), listener_(transport_->listen("127.0.0.1", 0)) {
-    thread_ = std::thread([this, script = std::move(script)] {
+    thread_ = std::thread([this, script = std::move(script), request] {
       auto conn = listener_->accept();
       if (!conn) return;
       try {
         const KvFrame f = conn->receive(1 << 20);
-        EXPECT_EQ(f.type, KvFrameType::kPull);
+        EXPECT_EQ(f.type, request);
         script(*conn, json::parse(text_of(f.payload)));
       } catch (const Error&) {
         // A send after the decode side gave up (what these tests provoke): not a failure.
@@ -2552,6 +2553,60 @@ TEST_F(KvTransferAgents, MalformedLayerFramesAreRejected) {
     EXPECT_THAT(r.error, HasSubstr(c.error));
   }
   EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+// Sends `progress` (a computed_tokens value each time it is called) every 50 ms until the decode
+// engine leaves or the hang guard is well past.
+void keep_sending_progress(KvConnection& conn, const std::function<json()>& progress) {
+  for (auto until = std::chrono::steady_clock::now() + 2 * kHangGuard;
+       std::chrono::steady_clock::now() < until;) {
+    send_text(conn, KvFrameType::kProgress, json{{"computed_tokens", progress()}}.dump());
+    std::this_thread::sleep_for(50ms);
+  }
+}
+
+// Progress frames restart a waiting room's timeout only while they tell of more of its prompt
+// computed: a prefill that keeps saying the same, or counts past the prompt's length, or says
+// nothing readable, is one that stopped progressing and fails the fetch at the timeout (1 s
+// here); every one of them restarted it, and the decode leg and its reserved blocks waited
+// forever.
+TEST_F(KvTransferAgents, ProgressThatDoesNotProgressFailsARoomAtTheTimeout) {
+  decode_timeout_s_ = 1;
+  start();
+  struct Case {
+    const char* what;
+    std::function<json()> progress;
+  };
+  int64_t n = 0;
+  const std::vector<Case> cases = {
+      {"the same count again", [] { return json(1); }},
+      {"counts past the prompt's 11 tokens", [&] { return json(12 + n++); }},
+      {"no count", [] { return json("many"); }},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    FakePrefill fake(
+        [&](KvConnection& conn, const json&) { keep_sending_progress(conn, c.progress); },
+        KvFrameType::kRegister);
+    port_override_ = fake.port();
+    const KvFetchResult r = wait(fetch(enter_room(7, local_, "req-7")));
+    EXPECT_FALSE(r.ok);
+    EXPECT_THAT(r.error, HasSubstr("the prefill of bootstrap_room 7 made no progress within 1 s"));
+  }
+  EXPECT_EQ(decode_exec_.writes(), 0);
+}
+
+// Progress belongs to a room still being computed: a pull's prompt was computed before it was
+// held, so a progress frame there is a prefill engine out of step, not a reason to wait longer.
+TEST_F(KvTransferAgents, AProgressFrameAnsweringAPullIsAnError) {
+  start();
+  int64_t n = 0;
+  FakePrefill fake(
+      [&](KvConnection& conn, const json&) { keep_sending_progress(conn, [&] { return ++n; }); });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("expected an accept frame, got a progress frame"));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // The 16-byte header every KV transport puts before a frame's payload: [u32 type][u32 zero]
 // [u64 payload bytes], little-endian. One definition for TCP and shared memory.
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -35,6 +36,14 @@ inline KvFrameType parse_kv_frame_header(const std::byte* h, uint64_t& size, siz
     throw Error("KV transfer from " + peer + ": frame of " + std::to_string(size) +
                 " bytes exceeds the limit of " + std::to_string(max_payload));
   return static_cast<KvFrameType>(type);
+}
+
+// The milliseconds a call bounded by `deadline` could wait from `start`: what a timeout error
+// says it waited (its timeout, or less when KvConnection::set_deadline cut it short).
+inline int64_t kv_wait_ms(std::chrono::steady_clock::time_point start,
+                          std::chrono::steady_clock::time_point deadline) {
+  if (deadline <= start) return 0;
+  return std::chrono::duration_cast<std::chrono::milliseconds>(deadline - start).count();
 }
 
 }  // namespace tandem::engine

@@ -128,7 +128,7 @@ std::string handshake_proof(const std::string& secret, const char* side, const s
                          std::string("tandem-kv-transfer ") + side + " " + first + " " + second);
 }
 
-// A handshake (or error) frame's JSON, parsed once; null when it is not JSON.
+// A handshake, error or progress frame's JSON, parsed once; null when it is not JSON.
 json handshake_json(const KvFrame& f) {
   try {
     return parse_untrusted_json(
@@ -1170,6 +1170,41 @@ void KvTransferAgent::cancel_fetch(const std::string& request_id) {
   if (it->second.conn) it->second.conn->shutdown();
 }
 
+KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
+  // Only a count that grew within the prompt is progress: a prefill engine repeating itself (or
+  // counting past the prompt) must not hold this leg, and the blocks reserved for it, forever.
+  const auto window =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(config_.timeout_s));
+  int64_t computed = 0;
+  auto until = Clock::now() + window;
+  for (;;) {
+    conn.set_deadline(until);
+    KvFrame frame;
+    try {
+      frame = conn.receive(kControlLimit);
+    } catch (const std::exception& e) {
+      if (Clock::now() < until) throw;
+      throw Error("the prefill of bootstrap_room " + std::to_string(f.room) +
+                  " made no progress within " + seconds_text(config_.timeout_s) + " s (" +
+                  std::to_string(computed) + " of its " + std::to_string(f.prompt_tokens) +
+                  " tokens computed)");
+    }
+    if (frame.type != KvFrameType::kProgress) {
+      conn.set_deadline(Clock::time_point::max());
+      return frame;
+    }
+    const json j = handshake_json(frame);
+    if (j.is_object() && j.contains("computed_tokens") &&
+        j["computed_tokens"].is_number_integer()) {
+      const int64_t n = j["computed_tokens"].get<int64_t>();
+      if (n > computed && n <= f.prompt_tokens) {
+        computed = n;
+        until = Clock::now() + window;
+      }
+    }
+  }
+}
+
 void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                                 const std::function<void(const KvFetchResult&)>& done) {
   const auto started = Clock::now();
@@ -1215,8 +1250,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       throw Error("the local block table does not cover tokens [" + std::to_string(f.first_token) +
                   ", " + std::to_string(f.num_tokens) + ")");
     const size_t layer_bytes = size_t(tokens * tb);
-    KvFrame accept = conn->receive(kControlLimit);
-    while (accept.type == KvFrameType::kProgress) accept = conn->receive(kControlLimit);
+    KvFrame accept = f.pull ? conn->receive(kControlLimit) : await_room(*conn, f);
     if (accept.type == KvFrameType::kError) throw Error(error_message(accept));
     if (accept.type != KvFrameType::kAccept)
       throw Error("expected an accept frame, got " +

@@ -226,6 +226,10 @@ class KvTransferAgent final : public KvTransfers {
     bool cancelled = false;
   };
   void run_fetch(KvFetch f, FetchSlot* slot, const std::function<void(const KvFetchResult&)>& done);
+  // A room fetch, registered: the frame that ends its wait for the prompt (accept or error),
+  // reading the progress frames before it. Each that tells of more of the prompt computed
+  // restarts the timeout; others do not.
+  KvFrame await_room(KvConnection& conn, const KvFetch& f);
   void send_layers(KvConnection& conn, const std::vector<int32_t>& blocks, int64_t first_token,
                    int64_t num_tokens, int64_t from_layer, int64_t to_layer, bool with_checksum);
   // Under mutex_. `abandoned`: the decode leg abandoned the room (RoomDone).

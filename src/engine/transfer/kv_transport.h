@@ -26,8 +26,9 @@ enum class KvFrameType : uint32_t {
   kDone = 5,      // prefill -> decode: all layers sent (JSON)
   kError = 6,     // either way: the transfer failed (JSON {"message"})
   kAuth = 7,      // either way, before the request: the shared-secret handshake (JSON)
-  kProgress = 8,  // prefill -> decode, before kAccept: the room's prompt is still being computed
-                  // (JSON {"computed_tokens"}); each one restarts the decode side's I/O timeout
+  kProgress = 8,  // prefill -> decode, before a room's kAccept: its prompt is still being
+                  // computed (JSON {"computed_tokens"}); one with a count that grew (within the
+                  // prompt) restarts the decode side's timeout, others do not; a pull gets none
   kAbandon = 9,   // decode -> prefill, instead of kRegister: the room's decode leg ended before it
                   // registered (JSON {"room", "prompt_hash", "prompt_tokens", "reason"}); kDone
 };
@@ -93,6 +94,11 @@ class KvConnection {
   // The bound on each later send and receive (the transport's I/O timeout until then); the
   // calling thread's, like the calls it bounds.
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
+  // A bound on all later sends and receives together, on top of the timeout that bounds each:
+  // none waits past `deadline` (time_point::max(): none, as at the start). The calling thread's,
+  // like set_timeout. A protocol step of several calls (a handshake, a frame's header and
+  // payload) is then bounded as a whole, not once per call.
+  virtual void set_deadline(std::chrono::steady_clock::time_point deadline) = 0;
   // Thread-safe: makes blocked and later send/receive calls fail promptly.
   virtual void shutdown() = 0;
   // Without waiting: true once the peer closed the connection (or its process ended), as far as

@@ -269,6 +269,7 @@ class ShmConnection : public KvConnection {
   }
 
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void set_deadline(Clock::time_point deadline) override { deadline_ = deadline; }
   std::string peer() const override { return peer_; }
   const char* kind() const override { return "shm"; }
 
@@ -282,7 +283,10 @@ class ShmConnection : public KvConnection {
   Clock::time_point start(const char* what) {
     what_ = what;
     if (stopped_ || broken_) throw Error("KV transfer with " + peer_ + ": connection shut down");
-    return Clock::now() + timeout_;
+    const auto now = Clock::now();
+    const auto deadline = std::min(deadline_, now + timeout_);
+    wait_ms_ = kv_wait_ms(now, deadline);
+    return deadline;
   }
 
   [[noreturn]] void fail(const std::string& why) {
@@ -309,8 +313,7 @@ class ShmConnection : public KvConnection {
         fail(std::string(what_) + " failed: connection closed by peer");
       }
       if (Clock::now() >= deadline)
-        fail(std::string("timed out ") + what_ + " after " + std::to_string(timeout_.count()) +
-             " ms");
+        fail(std::string("timed out ") + what_ + " after " + std::to_string(wait_ms_) + " ms");
       sleepers.fetch_add(1, std::memory_order_seq_cst);
       if (word.load(std::memory_order_seq_cst) == seen) wait_while_equal(word, seen, 20);
       sleepers.fetch_sub(1, std::memory_order_seq_cst);
@@ -501,9 +504,11 @@ class ShmConnection : public KvConnection {
   const int socket_;
   SharedSegment segment_;
   std::chrono::milliseconds timeout_;
+  Clock::time_point deadline_ = Clock::time_point::max();
   const std::string peer_;
   Ring out_, in_;
   const char* what_ = "";
+  int64_t wait_ms_ = 0;     // the bound of the call under way (its timeout error says it)
   size_t unpublished_ = 0;  // bytes written to the ring, not yet visible to the reader
   std::atomic<bool> stopped_{false};
   bool broken_ = false;

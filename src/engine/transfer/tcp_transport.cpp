@@ -43,9 +43,11 @@ std::string peer_text(int fd) {
 bool wait_ready(int fd, short events, Clock::time_point deadline,
                 const KvTransport::GiveUp& give_up = {}) {
   for (;;) {
-    const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) return false;
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    // Rounded up: a timeout reported is one whose deadline has passed (callers tell by that
+    // which of their bounds ended a call).
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now);
     if (give_up && give_up()) throw Error("abandoned");
     pollfd p{fd, events, 0};
     const int64_t slice = give_up ? 50 : int64_t{1} << 30;
@@ -98,6 +100,7 @@ class TcpConnection : public KvConnection {
   bool peer_gone() override { return socket_peer_gone(fd_); }
 
   void set_timeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void set_deadline(Clock::time_point deadline) override { deadline_ = deadline; }
   std::string peer() const override { return peer_; }
   const char* kind() const override { return "tcp"; }
 
@@ -106,7 +109,8 @@ class TcpConnection : public KvConnection {
   void transfer(std::vector<iovec>& iov, bool sending) {
     const char* what = sending ? "sending" : "receiving";
     if (stopped_ || broken_) throw Error("KV transfer with " + peer_ + ": connection shut down");
-    const auto deadline = Clock::now() + timeout_;
+    const auto now = Clock::now();
+    const auto deadline = std::min(deadline_, now + timeout_);
     size_t first = 0;
     while (first < iov.size()) {
       msghdr m{};
@@ -132,7 +136,7 @@ class TcpConnection : public KvConnection {
         if (!wait_ready(fd_, sending ? POLLOUT : POLLIN, deadline)) {
           broken_ = true;  // part of a frame may have gone: the stream is out of step
           throw Error("KV transfer with " + peer_ + ": timed out " + what + " after " +
-                      std::to_string(timeout_.count()) + " ms");
+                      std::to_string(kv_wait_ms(now, deadline)) + " ms");
         }
         continue;
       }
@@ -151,6 +155,7 @@ class TcpConnection : public KvConnection {
 
   const int fd_;
   std::chrono::milliseconds timeout_;
+  Clock::time_point deadline_ = Clock::time_point::max();
   const std::string peer_;
   std::atomic<bool> stopped_{false};
   bool broken_ = false;  // the calling thread's: a failed or timed-out call left the stream
