@@ -1,6 +1,7 @@
 #include "model/quantize.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +18,25 @@ namespace tandem::model {
 namespace {
 
 namespace fs = std::filesystem;
+
+// A weight no scale keeps finite (its block or row would be NaN at load) is refused.
+void check_finite(std::span<const float> w, int64_t cols, const std::string& name,
+                  int64_t first_row) {
+  for (size_t i = 0; i < w.size(); ++i) {
+    if (std::isfinite(w[i])) continue;
+    std::string value = "nan";
+    if (std::isinf(w[i])) value = w[i] > 0 ? "inf" : "-inf";
+    const auto c = static_cast<size_t>(cols);
+    throw Error(name + " [" + std::to_string(first_row + static_cast<int64_t>(i / c)) + ", " +
+                std::to_string(i % c) + "] is " + value + ": cannot quantize");
+  }
+}
+
+// amax / `top_code`, but a normal float: below FLT_MIN it would be subnormal or 0 (0/0 codes, NaN
+// at load), and weights that small quantize to (nearly) zero with FLT_MIN as well.
+float scale_for(float amax, float top_code) {
+  return amax > 0.f ? std::max(amax / top_code, FLT_MIN) : 1.f;
+}
 
 std::vector<float> floats_of(const TensorInfo& t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
@@ -35,7 +55,10 @@ bool is_weight_scale(const std::string& name) {
 }
 
 void quantize_weight(const ModelConfig& c, std::span<const float> w, int64_t rows, int64_t cols,
-                     std::byte* q, std::vector<float>& scales) {
+                     std::byte* q, std::vector<float>& scales, const std::string& name,
+                     int64_t first_row) {
+  if (c.fp8 || c.int8)
+    check_finite(w.first(static_cast<size_t>(rows * cols)), cols, name, first_row);
   if (c.fp8) {
     const int64_t br = c.fp8->block_rows, bc = c.fp8->block_cols;
     const int64_t sr = (rows + br - 1) / br, sc = (cols + bc - 1) / bc;
@@ -45,7 +68,7 @@ void quantize_weight(const ModelConfig& c, std::span<const float> w, int64_t row
         float& s = scales[(r / br) * sc + col / bc];
         s = std::max(s, std::fabs(w[r * cols + col]));
       }
-    for (float& s : scales) s = s > 0.f ? s / 448.f : 1.f;
+    for (float& s : scales) s = scale_for(s, 448.f);
     if (q)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t col = 0; col < cols; ++col) {
@@ -59,7 +82,7 @@ void quantize_weight(const ModelConfig& c, std::span<const float> w, int64_t row
     for (int64_t r = 0; r < rows; ++r) {
       float amax = 0.f;
       for (int64_t col = 0; col < cols; ++col) amax = std::max(amax, std::fabs(w[r * cols + col]));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      const float s = scale_for(amax, 127.f);
       scales[r] = s;
       if (!q) continue;
       for (int64_t col = 0; col < cols; ++col) {
@@ -115,17 +138,17 @@ ModelConfig quantize_checkpoint(const QuantizeOptions& o,
       o.out, specs,
       [&](const TensorSpec& spec, std::span<std::byte> out) {
         if (is_weight_scale(spec.name)) {
-          const TensorInfo& w =
-              source_tensor(spec.name.substr(0, spec.name.rfind('.')) + ".weight");
+          const std::string weight = spec.name.substr(0, spec.name.rfind('.')) + ".weight";
+          const TensorInfo& w = source_tensor(weight);
           std::vector<float> scales;
-          quantize_weight(c, floats_of(w), w.shape[0], w.shape[1], nullptr, scales);
+          quantize_weight(c, floats_of(w), w.shape[0], w.shape[1], nullptr, scales, weight);
           std::memcpy(out.data(), scales.data(), out.size());
           return;
         }
         const TensorInfo& t = source_tensor(spec.name);
         if (spec.dtype == DType::kI8 || spec.dtype == DType::kF8E4M3) {
           std::vector<float> scales;
-          quantize_weight(c, floats_of(t), t.shape[0], t.shape[1], out.data(), scales);
+          quantize_weight(c, floats_of(t), t.shape[0], t.shape[1], out.data(), scales, spec.name);
           return;
         }
         if (t.dtype == spec.dtype) {

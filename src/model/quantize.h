@@ -17,10 +17,13 @@ namespace tandem::model {
 // Quantizes one weight [rows, cols] (row-major) as `config` says: FP8 E4M3 with one scale per
 // block (scale = amax / 448, DeepSeek's weight_scale_inv, 1 for an all-zero block), or INT8 with
 // one scale per output row (scale = amax / 127, round half to even, clamp to +-127, as meituan's
-// converter). Writes the quantized bytes to `q` when non-null and the scales to `scales`. Throws
-// when the config has no quantization.
+// converter); a scale is at least FLT_MIN (weights that small come back as nearly zero). Writes
+// the quantized bytes to `q` when non-null and the scales to `scales`. Throws tandem::Error when
+// the config has no quantization, or for an infinite or NaN weight, naming it: "`name` [ROW, COL]
+// is inf: cannot quantize", ROW counted from `first_row` (`w` may be rows of a larger tensor).
 void quantize_weight(const ModelConfig& config, std::span<const float> w, int64_t rows,
-                     int64_t cols, std::byte* q, std::vector<float>& scales);
+                     int64_t cols, std::byte* q, std::vector<float>& scales,
+                     const std::string& name = "weight", int64_t first_row = 0);
 
 // Whether `name` is a quantized weight's scale tensor (X.weight_scale_inv for FP8, X.weight_scale
 // for INT8; model/layout.h); its weight is the name up to the last '.' plus ".weight".

@@ -104,7 +104,7 @@ Matrix TensorBinder::int8_matrix(const std::string& name, int64_t rows, int64_t 
     wide.resize(static_cast<size_t>(n * cols));
     to_f32(t.dtype, t.data + static_cast<size_t>(r0 * cols) * element, wide.data(), n * cols);
     quantize_weight(rule, wide, n, cols, reinterpret_cast<std::byte*>(m.storage.data()) + r0 * cols,
-                    scales);
+                    scales, name + ".weight", r0);
     std::copy(scales.begin(), scales.end(), m.row_scales.begin() + r0);
   }
   m.data = m.storage.data();

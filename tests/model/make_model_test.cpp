@@ -447,6 +447,96 @@ TEST(Quantize, ABf16CheckpointQuantizesCloseToItsWeights) {
     }
 }
 
+// The weight `w` [rows, cols] quantized as `c` says and read back as the loader reads it.
+std::vector<float> quantized_and_back(const ModelConfig& c, const std::vector<float>& w,
+                                      int64_t rows, int64_t cols, std::vector<float>& scales) {
+  std::vector<std::byte> q(w.size());
+  quantize_weight(c, w, rows, cols, q.data(), scales);
+  std::vector<float> back(w.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t col = 0; col < cols; ++col) {
+      const auto code = static_cast<uint8_t>(q[r * cols + col]);
+      back[r * cols + col] = c.fp8 ? f8e4m3_to_f32(code) * scales[(r / 128) * 2 + col / 128]
+                                   : static_cast<float>(static_cast<int8_t>(code)) * scales[r];
+    }
+  return back;
+}
+
+// A block (FP8) or row (INT8) whose amax/448 (amax/127) is below the smallest normal float took
+// that scale, 0 for a subnormal weight: its codes were 0/0, NaN at load. The scale is at least
+// FLT_MIN: such weights quantize to (nearly) zero, within the format's rounding.
+TEST(Quantize, WeightsTooSmallForANormalScaleComeBackNearlyZeroNeverNaN) {
+  for (const bool fp8 : {true, false}) {
+    SCOPED_TRACE(fp8 ? "fp8" : "int8");
+    ModelConfig c;
+    if (fp8)
+      c.fp8 = Fp8Quantization{};
+    else
+      c.int8 = Int8Quantization{};
+    const int64_t rows = 2, cols = 256;  // FP8: two 128x128 blocks, each holding one row or two
+    std::vector<float> w(static_cast<size_t>(rows * cols), 0.f);
+    w[5] = 1e-44f;                              // subnormal: amax/448 and amax/127 are 0
+    for (int64_t col = 128; col < cols; ++col)  // normal, but amax/448 is subnormal
+      w[cols + col] = (col % 2 ? 1.f : -1.f) * 1e-37f * static_cast<float>(col - 127) / 128.f;
+    std::vector<float> scales;
+    const std::vector<float> back = quantized_and_back(c, w, rows, cols, scales);
+    for (const float s : scales) EXPECT_TRUE(std::isnormal(s)) << s;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t col = 0; col < cols; ++col) {
+        const float v = w[r * cols + col], got = back[r * cols + col];
+        const float s = fp8 ? scales[(r / 128) * 2 + col / 128] : scales[r];
+        // FP8 E4M3: half of its 3-bit mantissa's step, or of its smallest subnormal step (2^-9)
+        // in units of the scale; INT8: half a step.
+        const float rounding =
+            fp8 ? std::max(std::fabs(v) / 16.f, s * std::ldexp(1.f, -10)) : s * 0.5f;
+        ASSERT_TRUE(std::isfinite(got)) << "[" << r << ", " << col << "]";
+        EXPECT_LE(std::fabs(got - v), rounding) << "[" << r << ", " << col << "]";
+      }
+  }
+}
+
+// Sets element `index` of the F32 tensor `name` in the checkpoint `dir`, in its shard's bytes.
+void set_f32_element(const fs::path& dir, const std::string& name, int64_t index, float value) {
+  const auto index_json =
+      nlohmann::json::parse(test::read_bytes(dir / "model.safetensors.index.json"));
+  const fs::path shard = dir / index_json["weight_map"][name].get<std::string>();
+  std::string bytes = test::read_bytes(shard);
+  uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), sizeof header);
+  const auto tensors = nlohmann::json::parse(bytes.substr(8, header));
+  ASSERT_EQ(tensors[name]["dtype"], "F32");
+  const size_t at = 8 + header + tensors[name]["data_offsets"][0].get<size_t>() +
+                    static_cast<size_t>(index) * sizeof value;
+  std::memcpy(bytes.data() + at, &value, sizeof value);
+  test::write_bytes(shard, bytes);
+}
+
+// An infinite or NaN weight has no scale that keeps its block (row) finite: it was quantized into
+// a block of NaNs at load, silently. It is refused, naming the tensor and the element.
+TEST(Quantize, ANonFiniteWeightIsRefusedNamingTheTensorAndTheElement) {
+  const std::string name = "model.layers.0.self_attn.o_proj.weight";
+  test::TempDir f32("quantize-inf"), out("quantize-inf-out");
+  make("tiny-v3", f32.path(), DType::kF32, 5);
+  const int64_t cols = Checkpoint::open(f32.path()).tensors().at(name).shape[1];
+  for (const auto& [value, said] :
+       {std::pair{INFINITY, "inf"}, std::pair{-INFINITY, "-inf"}, std::pair{NAN, "nan"}}) {
+    set_f32_element(f32.path(), name, 3 * cols + 17, value);
+    for (DType dtype : {DType::kI8, DType::kF8E4M3}) {
+      SCOPED_TRACE(std::string(said) + " " + std::string(dtype_name(dtype)));
+      QuantizeOptions o;
+      o.in = f32.path();
+      o.out = out.path();
+      o.dtype = dtype;
+      try {
+        quantize_checkpoint(o);
+        ADD_FAILURE() << "quantized";
+      } catch (const Error& e) {
+        EXPECT_EQ(std::string(e.what()), name + " [3, 17] is " + said + ": cannot quantize");
+      }
+    }
+  }
+}
+
 // A model's chat templates in all the places Tokenizer::from_dir finds them.
 void add_chat_template_files(const fs::path& dir, const std::string& tag) {
   test::write_bytes(dir / "chat_template.jinja", "{{ '" + tag + " default' }}");
