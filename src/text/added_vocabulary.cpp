@@ -70,68 +70,87 @@ AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens, bool skip_s
   for (size_t t = 0; t < tokens_.size(); ++t) {
     const auto& content = tokens_[t].content;
     if (content.empty()) continue;
-    first_byte_[static_cast<unsigned char>(content[0])] = true;
     int32_t node = 0;
-    for (unsigned char b : content) {
-      int32_t child = -1;
-      for (auto& [byte, index] : nodes_[node].children)
-        if (byte == b) child = index;
-      if (child < 0) {
-        child = static_cast<int32_t>(nodes_.size());
-        nodes_[node].children.emplace_back(b, child);
+    for (auto it = content.rbegin(); it != content.rend(); ++it) {
+      const auto b = static_cast<unsigned char>(*it);
+      int32_t next = -1;
+      for (const auto& [byte, index] : nodes_[node].children)
+        if (byte == b) next = index;
+      if (next < 0) {
+        next = static_cast<int32_t>(nodes_.size());
+        nodes_[node].children.emplace_back(b, next);
         nodes_.emplace_back();
       }
-      node = child;
+      node = next;
     }
     if (nodes_[node].token < 0) nodes_[node].token = static_cast<int32_t>(t);
   }
-}
-
-int32_t AddedTokenMatcher::longest_at(std::string_view text, size_t at) const {
-  int32_t node = 0, best = -1;
-  for (size_t i = at; i < text.size(); ++i) {
-    auto b = static_cast<unsigned char>(text[i]);
-    int32_t next = -1;
-    for (auto& [byte, index] : nodes_[node].children)
-      if (byte == b) next = index;
-    if (next < 0) break;
-    node = next;
-    if (nodes_[node].token >= 0) best = nodes_[node].token;
+  for (const auto& [byte, index] : nodes_[0].children) root_children_[byte] = index;
+  // Failure links breadth first, so that a node's link, which is shallower, is done before it.
+  std::vector<int32_t> queue;
+  for (const auto& [byte, index] : nodes_[0].children) queue.push_back(index);
+  for (size_t q = 0; q < queue.size(); ++q) {
+    const int32_t node = queue[q];
+    Node& n = nodes_[node];
+    n.longest = n.token >= 0 ? n.token : nodes_[n.fail].longest;
+    for (const auto& [byte, index] : n.children) {
+      int32_t f = n.fail, next;
+      while ((next = child(f, byte)) < 0 && f != 0) f = nodes_[f].fail;
+      nodes_[index].fail = next < 0 ? 0 : next;
+      queue.push_back(index);
+    }
   }
-  return best;
 }
 
-void AddedTokenMatcher::split(std::string_view text, std::vector<Segment>& out) const {
+int32_t AddedTokenMatcher::child(int32_t node, unsigned char byte) const {
+  if (node == 0) return root_children_[byte] ? root_children_[byte] : -1;
+  for (const auto& [b, index] : nodes_[node].children)
+    if (b == byte) return index;
+  return -1;
+}
+
+void AddedTokenMatcher::split(std::string_view text, std::vector<Segment>& out,
+                              size_t* steps) const {
+  // The longest token starting at each offset where one starts, as (offset, token), in
+  // decreasing order of offset: the automaton reads the text backwards, so a token starting at
+  // an offset is one that the text read so far ends with.
+  std::vector<std::pair<size_t, int32_t>> starts;
+  if (nodes_.size() > 1) {
+    size_t work = 0;
+    int32_t node = 0;
+    for (size_t i = text.size(); i-- > 0;) {
+      const auto b = static_cast<unsigned char>(text[i]);
+      int32_t next;
+      while ((next = child(node, b)) < 0 && node != 0) {
+        node = nodes_[node].fail;
+        ++work;
+      }
+      node = next < 0 ? 0 : next;
+      ++work;
+      if (nodes_[node].longest >= 0) starts.emplace_back(i, nodes_[node].longest);
+    }
+    if (steps) *steps += work;
+  }
   size_t emitted = 0;  // text before this offset has been emitted
-  size_t i = 0;
-  while (i < text.size()) {
-    if (!first_byte_[static_cast<unsigned char>(text[i])]) {
-      ++i;
-      continue;
-    }
-    int32_t t = longest_at(text, i);
-    if (t < 0) {
-      ++i;
-      continue;
-    }
+  size_t resume = 0;   // matches start at or after this offset (they do not overlap)
+  for (auto it = starts.rbegin(); it != starts.rend(); ++it) {
+    const auto [i, t] = *it;
+    if (i < resume) continue;
     const AddedToken& tok = tokens_[t];
     size_t start = i, stop = i + tok.content.size();
-    if (tok.special && skip_special_) {
-      i = stop;  // tokenizers' find_matches skips the match itself, nothing inside it
-      continue;
-    }
+    resume = stop;
+    // tokenizers' find_matches skips the match itself, nothing inside it
+    if (tok.special && skip_special_) continue;
+    // matches do not overlap: the search resumes after the rejected one, as in HF
     if (tok.single_word && (is_word_char(last_char(text.substr(0, start))) ||
-                            is_word_char(first_char(text.substr(stop))))) {
-      i = stop;  // matches do not overlap: the search resumes after the rejected one, as in HF
+                            is_word_char(first_char(text.substr(stop)))))
       continue;
-    }
     // As HF's find_matches: the matches are those of one leftmost-longest scan of the text, which
     // goes on where a match ends whatever its flags take; lstrip takes the white space before it
     // that no earlier token took, rstrip the white space after it, and the text after a token
     // starts where the token's span ends. A token found inside white space that the previous
     // token's rstrip took is emitted too, and the text after it then starts inside that white
     // space again ("<R>\n\n\ny" with <R> rstrip and "\n\n" a token: <R>, "\n\n", "\ny").
-    i = stop;
     if (tok.lstrip) start = std::max(trailing_space_start(text.substr(0, start)), emitted);
     if (tok.rstrip) stop += leading_space_length(text.substr(stop));
     if (start > emitted) out.push_back({text.substr(emitted, start - emitted), -1});

@@ -21,7 +21,9 @@ struct AddedToken {
   bool normalized = false;
 };
 
-// One matcher over a set of added tokens (a byte trie).
+// One matcher over a set of added tokens. Matching takes time linear in the text whatever the
+// tokens' length: an Aho-Corasick automaton over the tokens written backwards, run once over the
+// text from its end, gives the longest token starting at each offset.
 class AddedTokenMatcher {
  public:
   AddedTokenMatcher() = default;
@@ -34,21 +36,24 @@ class AddedTokenMatcher {
     TokenId id;             // -1 for plain text
   };
   // Splits text into plain segments and added-token matches, in order; appends to `out`.
-  void split(std::string_view text, std::vector<Segment>& out) const;
+  // `steps`, when given, grows by the automaton's steps (tests bound the work with it).
+  void split(std::string_view text, std::vector<Segment>& out, size_t* steps = nullptr) const;
   bool empty() const { return tokens_.empty(); }
 
  private:
+  // A node of the trie of the reversed tokens: the text read so far, backwards.
   struct Node {
-    int32_t token = -1;  // index into tokens_ when a token ends here
+    int32_t token = -1;    // index into tokens_ when a token ends here
+    int32_t fail = 0;      // the node of the longest proper suffix of this one's text
+    int32_t longest = -1;  // the longest token that this node's text ends with, or -1
     std::vector<std::pair<unsigned char, int32_t>> children;
   };
-  // Returns the index of the longest token starting at `at`, or -1.
-  int32_t longest_at(std::string_view text, size_t at) const;
+  int32_t child(int32_t node, unsigned char byte) const;
 
   std::vector<AddedToken> tokens_;
   bool skip_special_ = false;
   std::vector<Node> nodes_;
-  bool first_byte_[256] = {};
+  int32_t root_children_[256] = {};  // the root's children by byte (0: none), the hot path
 };
 
 }  // namespace tandem::text
