@@ -129,6 +129,14 @@ class RawSocket {
     pollfd p{fd_, POLLIN, 0};
     return ::poll(&p, 1, static_cast<int>(limit.count())) > 0;
   }
+  // Reads what the server says next, within the hang guard: its bytes, or "" once it closed.
+  std::string next_bytes() const {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, 10000) <= 0) return "(nothing within the hang guard)";
+    char buf[256];
+    const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+    return n > 0 ? std::string(buf, size_t(n)) : std::string();
+  }
   // Whether the server has answered or closed this connection (without waiting).
   bool heard_back() const {
     char c;
@@ -1779,6 +1787,54 @@ TEST_F(KvTransferAgents, AnUnreachableHostHoldsUpReleasesOnlyForTheHandshakeTime
   acceptor.join();
   for (int fd : fillers) ::close(fd);
   ::close(hole);
+}
+
+// A release is bounded by the handshake timeout (1 s) as a whole: a host that answers it with a
+// frame every 400 ms, none of them the done that ends it, is left after that second. Each of
+// its receives had a timeout of its own (up to layers + 2 of them, header and payload apart),
+// so a host that kept talking held a release slot ten times as long, and 16 such hosts held
+// every release behind them.
+TEST_F(KvTransferAgents, AReleaseIsBoundedByTheHandshakeTimeoutAsAWhole) {
+  handshake_timeout_s_ = 1;
+  decode_io_timeout_ = 600s;
+  start();
+  auto peer = make_tcp_transport({60s});
+  auto listener = peer->listen("127.0.0.1", 0);
+  std::atomic<int> sent{0};
+  std::thread host([&] {
+    auto conn = listener->accept();
+    if (!conn) return;
+    try {
+      conn->receive(1 << 20);  // the release: a pull of nothing
+      for (int i = 0; i < 5 && !conn->peer_gone(); ++i) {
+        send_text(*conn, KvFrameType::kProgress, "{}");
+        ++sent;
+        std::this_thread::sleep_for(400ms);
+      }
+    } catch (const std::exception&) {
+    }
+  });
+  decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-slow", {1, 2});
+  host.join();
+  EXPECT_LT(sent.load(), 5) << "the release kept listening past its handshake timeout";
+  listener->close();
+}
+
+// A connection's first frame arrives within the handshake timeout (1 s) as a whole: its header
+// at 0.6 s and its payload at 1.2 s is too late, and the connection closes unanswered. The
+// header and the payload each had the timeout, so the frame could take twice as long.
+TEST_F(KvTransferAgents, AFirstFrameArrivesWithinTheHandshakeTimeoutAsAWhole) {
+  handshake_timeout_s_ = 1;
+  start();
+  RawSocket slow(prefill_->port());
+  ASSERT_TRUE(slow.connected());
+  const std::string request = "{}";
+  const auto header = kv_frame_header(KvFrameType::kPull, request.size());
+  std::this_thread::sleep_for(600ms);
+  ASSERT_TRUE(slow.write(header.data(), header.size()));
+  std::this_thread::sleep_for(600ms);
+  slow.write(request.data(), request.size());
+  EXPECT_EQ(slow.next_bytes(), "") << "the late frame was read and answered";
 }
 
 // A burst of releases (a gateway cancelling many decode legs at once) beyond those sent at once

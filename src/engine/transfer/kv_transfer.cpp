@@ -701,15 +701,20 @@ void KvTransferAgent::handshake_over(const std::string& address) {
 void KvTransferAgent::serve_connection(KvConnection& conn,
                                        const std::function<void()>& handshake_done) {
   using std::chrono::milliseconds;
-  // Until the request has arrived (after the handshake), a silent peer is dropped quickly.
-  conn.set_timeout(milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000)));
+  // Until the request has arrived (after the handshake), a silent peer is dropped quickly: each
+  // frame within the handshake timeout, its header and payload together.
+  const auto handshake = milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000));
+  conn.set_timeout(handshake);
+  conn.set_deadline(Clock::now() + handshake);
   KvFrame first = conn.receive(kControlLimit);
   if (!config_.secret.empty()) {
+    conn.set_deadline(Clock::now() + handshake);
     if (const std::string why = authenticate_decode(conn, config_.secret, first); !why.empty()) {
       refused(conn.peer(), why);
       send_error(conn, kNotAuthenticated);
       return;
     }
+    conn.set_deadline(Clock::now() + handshake);
     first = conn.receive(kControlLimit);
   } else if (first.type == KvFrameType::kAuth) {
     send_error(conn,
@@ -717,6 +722,7 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
     return;
   }
   handshake_done();
+  conn.set_deadline(Clock::time_point::max());
   conn.set_timeout(milliseconds(static_cast<int64_t>(config_.timeout_s * 1000)));
   if (first.type == KvFrameType::kPull)
     serve_pull(conn, first.payload);
@@ -1143,6 +1149,9 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
       if (stopping_) throw Error("stopping");
       releases_.push_back(conn);
     }
+    // One bound for the whole exchange, not one per call: a host that keeps answering with
+    // frames other than the last would hold this sender for as many timeouts as it has frames.
+    conn->set_deadline(deadline);
     conn->set_timeout(handshake);
     if (!config_.secret.empty())
       authenticate_to_prefill(*conn, config_.secret, r.host + ":" + std::to_string(r.port));

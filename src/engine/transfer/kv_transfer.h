@@ -30,8 +30,9 @@
 // the decode side checks it and sends {"proof": HMAC(secret, "tandem-kv-transfer client Np Nd")}
 // (HMAC-SHA256, lowercase hex; nonces 16 random bytes in hex). Both sides prove they hold the
 // secret and it never crosses the wire. A peer that fails gets one kError saying only that it
-// was not authenticated (the reason goes to the prefill engine's log), and a connection's first
-// frame must arrive within handshake_timeout_s: silent or idle strangers cannot hold the port.
+// was not authenticated (the reason goes to the prefill engine's log), and each frame of a
+// connection until its request (the first included) must arrive whole within
+// handshake_timeout_s: silent or idle strangers cannot hold the port.
 //
 // Threads: an accept thread, one thread per connection, one per fetch, one reaper for timeouts.
 // Blocks are only read or written by those threads while the engine keeps them allocated; every
@@ -75,7 +76,7 @@ struct KvTransferConfig {
   // The deployment's shared secret (the handshake above); empty: no handshake, any peer that
   // can connect may transfer.
   std::string secret;
-  double handshake_timeout_s = 5;  // a connection's first frame arrives within this
+  double handshake_timeout_s = 5;  // each frame until the request arrives within this
   // The prefill hosts a decode engine may connect to, as requests name them (kv_peer_allowed);
   // empty: any. Requests name hosts, so an engine open to strangers would connect wherever they
   // say.
@@ -180,9 +181,10 @@ class KvTransferAgent final : public KvTransfers {
   void cancel_fetch(const std::string& request_id) override;
   // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
   // zero tokens), in the background; failures are ignored (the hold expires anyway). At most
-  // kMaxReleases run at once, each bounded by the handshake timeout; more wait their turn, up to
-  // kMaxQueuedReleases, and past that are dropped and counted (a client naming a silent host in
-  // many refused requests must not tie up the transfer threads).
+  // kMaxReleases run at once, each bounded by the handshake timeout as a whole (connect,
+  // handshake and answer); more wait their turn, up to kMaxQueuedReleases, and past that are
+  // dropped and counted (a client naming a silent host in many refused requests must not tie up
+  // the transfer threads).
   void release_remote(const std::string& host, uint16_t port, const std::string& engine_id,
                       const std::string& transfer_id, std::vector<int32_t> blocks) override;
   // A kAbandon frame, sent as release_remote sends its pull (same bound on those in flight).
