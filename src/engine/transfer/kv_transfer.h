@@ -72,7 +72,9 @@ struct KvTransferConfig {
   std::string listen_host = "0.0.0.0";
   int port = -1;               // -1: no server (a decode-only engine); 0: any free port
   std::string advertise_host;  // what decode engines connect to (remote_host)
-  double timeout_s = 120;      // held blocks, a room's wait for its other leg, each I/O
+  // Held blocks, a room's wait for its other leg, and each I/O: each frame sent or received (one
+  // layer's KV included), not a transfer as a whole, which may take a timeout per frame.
+  double timeout_s = 120;
   // The deployment's shared secret (the handshake above); empty: no handshake, any peer that
   // can connect may transfer.
   std::string secret;
