@@ -4,6 +4,11 @@
 // tojson and raise_exception); they were produced with /usr/bin/python3 and pasted here. For
 // cases where Jinja2 raises, `expected` is Python's exception message, which our error must end
 // with.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -593,6 +598,38 @@ const Case kCases[] = {
      "{{ '٣'|int }} {{ '٣.٥'|float }} {{ '１２'|int }} {{ ' ٣ '|int }} {{ '²'|int }} {{ '٣.٥'|int }} {{ '1_٣'|int }} {{ 'x٣'|int(7) }} {{ '١e٢'|float }}",
      "{}",
      "3 3.5 12 3 0 3 13 7 100.0", false},
+    // unique keeps the first of items Python's set takes as equal (1 == 1.0 == True, -0.0 == 0,
+    // tuples by their items, strings lowered unless case_sensitive), in their order.
+    {"unique_keeps_first_of_equal_items",
+     "{{ ['a','A','b',1,1.0,true,'B',0,-0.0,0.5,none,none]|unique|list }}|{{ ['a','A','b',1,1.0,true,'B']|unique(case_sensitive=true)|list }}|{{ [(1,2),(1,2.0),(2,1),(true,2)]|unique|list }}|{{ ('\u00c9', '\u00e9', 'x')|unique|list }}|{{ 'aAbBa'|unique|list }}|{{ {'a': 1, 'A': 2}|unique|list }}",
+     "{}",
+     "['a', 'b', 1, 0, 0.5, None]|['a', 'A', 'b', 1, 'B']|[(1, 2), (2, 1)]|['\u00c9', 'x']|['a', 'b']|['a']", false},
+    {"unique_by_attribute",
+     "{{ [{'n':'x','i':1},{'n':'X','i':2},{'n':'y','i':3}]|unique(attribute='n')|list }}",
+     "{}",
+     "[{'n': 'x', 'i': 1}, {'n': 'y', 'i': 3}]", false},
+    {"unique_compares_integers_beyond_64_bits_with_floats_exactly",
+     "{{ [big, bigf, big, 9223372036854775807, 9223372036854775807.0, top, topf]|unique|list }}",
+     "{\"big\": 18446744073709551615, \"bigf\": 18446744073709551616.0, \"top\": 9223372036854775808, \"topf\": 9223372036854775808.0}",
+     "[18446744073709551615, 1.8446744073709552e+19, 9223372036854775807, 9.223372036854776e+18]", false},
+    {"unique_of_lists_is_unhashable",
+     "{{ [[1],[1]]|unique|list }}",
+     "{}",
+     "unhashable type: 'list'", true},
+    // indent splits where Python's str.splitlines does and joins with '\n'.
+    {"indent_line_breaks",
+     "{{ 'x'|indent }}|{{ 'a\\nb\\r\\nc\\rd\\x0be\\x0cf\\x1cg\\x1dh\\x1ei\\x85j\\u2028k\\u2029l'|indent(2) }}",
+     "{}",
+     "x|a\n  b\n  c\n  d\n  e\n  f\n  g\n  h\n  i\n  j\n  k\n  l", false},
+    {"indent_first_and_blank",
+     "{{ 'a\\n\\nb\\n'|indent(2, true) }}|{{ 'a\\n\\nb\\n'|indent(2, blank=true) }}|{{ 'a\\n\\nb\\n'|indent('> ', true, true) }}",
+     "{}",
+     "  a\n\n  b\n|a\n  \n  b\n  |> a\n> \n> b\n> ", false},
+    // The '\n' indent appends joins a trailing '\r' into one '\r\n' break.
+    {"indent_trailing_carriage_return",
+     "{{ 'a\\r'|indent(2) }}|{{ '\\r'|indent(2, true, true) }}|{{ ''|indent(2, true) }}|{{ '\\n'|indent(2, true, true) }}|{{ 'a\\r\\r\\n'|indent(3,blank=true) }}|{{ '\u00e9\\n\u2028x'|indent(1, first=true) }}",
+     "{}",
+     "a|  |  |  \n  |a\n   \n   | \u00e9\n\n x", false},
     {"is_mapping_iterable",
      "{{ {} is mapping }} {{ [] is mapping }} {{ 'x' is iterable }} {{ 3 is iterable }} {{ none is iterable }} {{ (1,) is sequence }}",
      "{}",
@@ -1151,6 +1188,88 @@ TEST(ChatTemplate, ScanningALongStringInALoopIsCharged) {
               "and lists, the limit of one render (a runaway loop?)")
         << use;
   }
+}
+
+// Found by review: `in`, list.count and list.index compared the item with every element without
+// charging the render: 3,000 scans of a 100,000-item list ran for seconds, and of 4M items with
+// the largest budget, days. Each element compared is a step now.
+TEST(ChatTemplate, ScanningALongListInALoopIsCharged) {
+  for (const char* use : {"{% if -1 in l %}{% endif %}", "{% if -1 is in l %}{% endif %}",
+                          "{% set n = l.count(5) %}", "{% set n = l.index(99999) %}"}) {
+    const std::string error =
+        error_of(std::string("{% set l = range(100000)|list %}{% for i in range(3000) %}") + use +
+                 "{% endfor %}");
+    EXPECT_EQ(error,
+              "chat template line 1: the template exceeded 10000000 evaluation steps (a runaway "
+              "loop?)")
+        << use;
+  }
+}
+
+ordered_json dict_of_keys(int n) {
+  ordered_json d = ordered_json::object();
+  for (int i = 0; i < n; ++i) d[std::string("k").append(std::to_string(i))] = i;
+  return d;
+}
+
+// Found by review: unique compared each item with every item kept before it, n^2/2 comparisons
+// (range(100000)|unique ran 12 to 17 s; Jinja2, which keeps a set, 0.3 s). It keeps a hash set as
+// Jinja2 does: 30,000 pairs, whose comparisons the budget counts, are within it.
+TEST(ChatTemplate, UniqueIsLinear) {
+  const ordered_json context = {{"d", dict_of_keys(30000)}};
+  EXPECT_EQ(ChatTemplate("{{ d.items()|unique|list|length }}").render(context), "30000");
+  EXPECT_EQ(ChatTemplate("{{ range(100000)|unique|list|length }} "
+                         "{{ (range(50000)|list + range(100000)|list)|unique|list|length }}")
+                .render(ordered_json::object()),
+            "100000 100000");
+}
+
+// A namespace looked its attributes up one by one, uncharged: namespace(d) of a large dict
+// compared every key with those before it, and so did dict(d), and each `ns.name` scanned them.
+// Copying a dict's keys is linear now and each attribute passed in a lookup is a step.
+TEST(ChatTemplate, LargeNamespacesAndDictsAreCharged) {
+  const ordered_json context = {{"d", dict_of_keys(30000)}};
+  EXPECT_EQ(ChatTemplate("{{ dict(d)|length }} {{ dict(d, k5=7, x=1)|length }} "
+                         "{{ dict(d, k5=7).k5 }} {{ namespace(d).k29999 }}")
+                .render(context),
+            "30000 30001 7 29999");
+  const std::string error = error_of(
+      "{% set ns = namespace(d) %}{% for i in range(10000) %}{% set x = ns.k29999 %}"
+      "{% endfor %}",
+      context);
+  EXPECT_EQ(error, "chat template line 1: the template exceeded " +
+                       std::to_string(tandem::text::jinja::render_step_budget(
+                           tandem::text::jinja::json_size(context))) +
+                       " evaluation steps (a runaway loop?)");
+}
+
+// Found by review: indent split its input into a string per line before checking the size of
+// its result: 20M line breaks held 1.89 GB. It writes the result in one pass now; a child process
+// with 512 MiB more address space than it started with renders it.
+TEST(ChatTemplate, IndentingManyLinesNeedsLittleMoreThanTheResult) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reserves address space beyond any limit";
+#endif
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    long pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    const rlim_t have = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE));
+    const rlimit limit{have + (rlim_t{512} << 20), have + (rlim_t{512} << 20)};
+    ::setrlimit(RLIMIT_AS, &limit);
+    std::string rendered;
+    try {
+      rendered =
+          ChatTemplate("{{ ('\\n' * 20000000)|indent(0)|length }}").render(ordered_json::object());
+    } catch (...) {
+    }
+    ::_exit(rendered == "20000000" ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 }  // namespace

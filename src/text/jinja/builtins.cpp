@@ -388,10 +388,9 @@ bool is_line_break(char32_t c) {
          c == 0x85 || c == 0x2028 || c == 0x2029;
 }
 
-// `what` names the list the lines become, whose cap is checked as they are made; indent keeps
-// them to itself.
+// `what` names the list the lines become, whose cap is checked as they are made.
 std::vector<std::u32string> py_splitlines(const std::u32string& s, bool keepends,
-                                          const char* what = nullptr) {
+                                          const char* what) {
   std::vector<std::u32string> lines;
   size_t i = 0;
   while (i < s.size()) {
@@ -401,7 +400,7 @@ std::vector<std::u32string> py_splitlines(const std::u32string& s, bool keepends
     if (j < s.size()) {
       eol = (s[j] == '\r' && j + 1 < s.size() && s[j + 1] == '\n') ? j + 2 : j + 1;
     }
-    if (what) check_list_size(lines.size() + 1, what);
+    check_list_size(lines.size() + 1, what);
     lines.push_back(s.substr(i, (keepends ? eol : j) - i));
     i = eol;
   }
@@ -1032,6 +1031,7 @@ const std::unordered_map<std::string_view, MethodFn<Sequence>> kListMethods = {
     {"count",
      [](const ListCall& c) {
        Params p(c.name, c.args, {"value"});
+       charge_steps(static_cast<int64_t>(c.self.items.size()));  // compared, as `in` charges
        int64_t n = 0;
        for (const auto& v : c.self.items) n += py_equal(v, p.get(0)) ? 1 : 0;
        return Value::integer(n);
@@ -1041,6 +1041,7 @@ const std::unordered_map<std::string_view, MethodFn<Sequence>> kListMethods = {
      [](const ListCall& c) {
        Params p(c.name, c.args, {"value"});
        for (size_t k = 0; k < c.self.items.size(); ++k) {
+         charge_steps(1);  // compared, as `in` charges
          if (py_equal(c.self.items[k], p.get(0))) return Value::integer(static_cast<int64_t>(k));
        }
        type_error(py_repr(p.get(0)) + " is not in list");
@@ -1502,9 +1503,12 @@ bool contains(const Value& container, const Value& item) {
       check_hashable(item);
       return container.dict->find(item) != nullptr;
     case Kind::kSequence: {
+      // A step per element compared, as Dict::find charges: `x in l` over a long list in a loop
+      // would otherwise be unbounded work.
       auto& sq = *container.seq;
       size_t from = sq.kind == SeqKind::kGenerator ? sq.consumed : 0;
       for (size_t k = from; k < sq.items.size(); ++k) {
+        charge_steps(1);
         if (py_equal(sq.items[k], item)) {
           if (sq.kind == SeqKind::kGenerator) sq.consumed = k + 1;
           return true;
@@ -1571,37 +1575,44 @@ Value range_global(CallArgs& a) {
   return Value::list(std::move(items), SeqKind::kRange);
 }
 
-// The items of namespace(...) and dict(...): an optional dict, then the keyword arguments.
-std::vector<std::pair<Value, Value>> constructor_items(CallArgs& a) {
+// namespace(...) and dict(...) take an optional dict, then keyword arguments. The dict's keys are
+// distinct, so they are copied without looking each up among those before it (n^2/2 comparisons
+// for a large dict); only the keyword arguments are looked up.
+const Dict* constructor_dict(CallArgs& a) {
   if (a.args.size() > 1) type_error("expected at most 1 positional argument");
-  std::vector<std::pair<Value, Value>> items;
-  if (!a.args.empty()) {
-    const Value& src = a.args[0];
-    if (src.kind != Kind::kDict) unsupported("namespace()/dict() from a non-dict argument");
-    items = src.dict->items;
-  }
-  for (auto& [k, v] : a.kwargs) items.emplace_back(Value::string(k), v);
-  return items;
+  if (a.args.empty()) return nullptr;
+  if (a.args[0].kind != Kind::kDict) unsupported("namespace()/dict() from a non-dict argument");
+  return a.args[0].dict.get();
 }
 
 Value namespace_global(CallArgs& a) {
-  auto items = constructor_items(a);
+  const Dict* src = constructor_dict(a);
   Value v;
   v.kind = Kind::kNamespace;
   v.ns = std::make_shared<Namespace>();
-  for (auto& [k, e] : items) {
-    if (!k.is_string()) unsupported("namespace() with non-string keys");
-    v.ns->set(k.s.str(), e);
+  if (src) {
+    charge_items(src->items.size());
+    v.ns->attrs.reserve(src->items.size());
+    for (const auto& [k, e] : src->items) {
+      if (!k.is_string()) unsupported("namespace() with non-string keys");
+      v.ns->attrs.emplace_back(k.s.str(), e);
+    }
   }
+  for (auto& [k, e] : a.kwargs) v.ns->set(k, e);
   return v;
 }
 
 Value dict_global(CallArgs& a) {
-  auto items = constructor_items(a);
+  const Dict* src = constructor_dict(a);
   Value v;
   v.kind = Kind::kDict;
-  v.dict = std::make_shared<Dict>();
-  for (auto& [k, e] : items) v.dict->set(k, e);
+  if (src) {
+    charge_items(2 * src->items.size());  // as dict.copy
+    v.dict = std::make_shared<Dict>(*src);
+  } else {
+    v.dict = std::make_shared<Dict>();
+  }
+  for (auto& [k, e] : a.kwargs) v.dict->set(Value::string(k), e);
   return v;
 }
 
@@ -2040,19 +2051,75 @@ Value sort_filter(const std::string& name, const Value& input, CallArgs& args) {
                      });
 }
 
+// A hash under which the values py_equal calls equal hash alike, as Python requires of a set's
+// members: a number by its exact value (1, 1.0 and True meet, and 2**63 with 2.0**63), a string by
+// its text, a tuple by its items. Walking a value is charged as comparing it is.
+size_t py_hash(const Value& v) {
+  auto mix = [](size_t h, size_t x) {
+    return h ^ (x + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2));
+  };
+  switch (v.kind) {
+    case Kind::kBool:
+    case Kind::kInt:
+      return std::hash<int64_t>{}(v.i);
+    case Kind::kBigInt:
+      return std::hash<uint64_t>{}(v.big());
+    case Kind::kFloat: {
+      constexpr double kTwo63 = 9223372036854775808.0;
+      const double d = v.f;
+      if (std::trunc(d) == d && d >= -kTwo63 && d < kTwo63)
+        return std::hash<int64_t>{}(static_cast<int64_t>(d));
+      if (std::trunc(d) == d && d >= 0 && d < 2 * kTwo63)
+        return std::hash<uint64_t>{}(static_cast<uint64_t>(d));
+      return std::hash<double>{}(d);
+    }
+    case Kind::kString:
+      charge_bytes(static_cast<int64_t>(v.s.size()));  // scanned
+      return std::hash<std::string_view>{}(v.s.view());
+    case Kind::kSequence: {
+      if (v.seq->kind != SeqKind::kList && v.seq->kind != SeqKind::kTuple)
+        return std::hash<const void*>{}(v.seq.get());  // equal only to itself
+      size_t h = static_cast<size_t>(v.seq->kind);
+      for (const auto& item : v.seq->items) {
+        charge_steps(1);
+        h = mix(h, py_hash(item));
+      }
+      return h;
+    }
+    case Kind::kDict:
+      return mix(static_cast<size_t>(Kind::kDict), v.dict->items.size());
+    case Kind::kNamespace:
+      return std::hash<const void*>{}(v.ns.get());
+    case Kind::kCallable:
+      return std::hash<const void*>{}(v.fn.get());
+    case Kind::kLoop:
+      return std::hash<const void*>{}(v.loop.get());
+    default:  // Undefined, None
+      return static_cast<size_t>(v.kind);
+  }
+}
+
 Value unique_filter(const std::string& name, const Value& input, CallArgs& args) {
   Params p(name, args, {"case_sensitive", "attribute"});
   bool case_sensitive = truthy(p.get_or(0, Value::boolean(false)));
   auto parts = attribute_parts(p.get_or(1, Value::none()));
+  // Jinja2 keeps a set of the keys seen; comparing each key with every one before it was n^2/2
+  // comparisons. Keys with the same hash are told apart by py_equal, a step each.
   std::vector<Value> seen, out;
+  std::unordered_multimap<size_t, size_t> seen_by_hash;
   for (const auto& item : py_iterate(input)) {
     Value key = get_path(item, parts, nullptr);
     if (!case_sensitive) key = ignore_case(key);
     check_hashable(key);
-    bool dup =
-        std::any_of(seen.begin(), seen.end(), [&](const Value& s) { return py_equal(s, key); });
+    const size_t hash = py_hash(key);
+    bool dup = false;
+    for (auto [it, end] = seen_by_hash.equal_range(hash); it != end && !dup; ++it) {
+      charge_steps(1);
+      dup = py_equal(seen[it->second], key);
+    }
     if (!dup) {
-      seen.push_back(key);
+      seen_by_hash.emplace(hash, seen.size());
+      seen.push_back(std::move(key));
       out.push_back(item);
     }
   }
@@ -2217,6 +2284,37 @@ Value abs_filter(const std::string& name, const Value& input, CallArgs& args) {
   type_error("bad operand type for abs(): '" + type_name(input) + "'");
 }
 
+// Calls line(text) for each line of Python's (s + "\n").splitlines(), as Jinja2's indent splits:
+// the breaks are those of is_line_break, "\r\n" is one, and the "\n" appended ends the last line
+// (or joins a final "\r"). s is valid UTF-8, so a break's bytes are never part of another
+// character.
+template <typename F>
+void for_each_indent_line(std::string_view s, F&& line) {
+  auto byte = [&](size_t i) { return i < s.size() ? static_cast<unsigned char>(s[i]) : 0; };
+  size_t start = 0, i = 0;
+  while (i < s.size()) {
+    const unsigned char c = byte(i);
+    size_t len = 0;
+    if (c == '\n' || c == 0x0B || c == 0x0C || c == 0x1C || c == 0x1D || c == 0x1E) {
+      len = 1;
+    } else if (c == '\r') {
+      len = byte(i + 1) == '\n' ? 2 : 1;
+    } else if (c == 0xC2 && byte(i + 1) == 0x85) {  // U+0085
+      len = 2;
+    } else if (c == 0xE2 && byte(i + 1) == 0x80 && (byte(i + 2) == 0xA8 || byte(i + 2) == 0xA9)) {
+      len = 3;  // U+2028, U+2029
+    }
+    if (len == 0) {
+      ++i;
+      continue;
+    }
+    line(s.substr(start, i - start));
+    i += len;
+    start = i;
+  }
+  if (s.empty() || s.back() != '\r') line(s.substr(start));
+}
+
 Value indent_filter(const std::string& name, const Value& input, CallArgs& args) {
   Params p(name, args, {"width", "first", "blank"});
   Value width = p.get_or(0, Value::integer(4));
@@ -2238,28 +2336,28 @@ Value indent_filter(const std::string& name, const Value& input, CallArgs& args)
   check_defined(input);
   if (!input.is_string())
     type_error("unsupported operand type(s) for +=: '" + type_name(input) + "' and 'str'");
-  auto lines = py_splitlines(to_u32(input.s.str() + "\n"), false);
-  // Many short lines each gain the whole indentation.
-  check_string_size(input.s.size() + lines.size() * (indention.size() + 1), "indent result");
+  const std::string_view text = input.s.view();
+  if (!utf8::is_valid(text)) type_error("invalid UTF-8 in a template string");
+  charge_bytes(static_cast<int64_t>(text.size()));  // scanned for the lines
+  // Many short lines each gain the whole indentation: the size is known from the count of lines,
+  // before anything is built (a string per line held ~95 times the input).
+  size_t lines = 0;
+  for_each_indent_line(text, [&](std::string_view) { ++lines; });
+  check_string_size(text.size() + lines * (indention.size() + 1), "indent result");
+  // Jinja2 joins the lines with '\n' + indention, or '\n' alone before an empty line unless
+  // `blank`, and puts indention before the first line if `first`.
   std::string rv;
-  if (blank) {
-    for (size_t k = 0; k < lines.size(); ++k) {
-      if (k) rv += "\n" + indention;
-      rv += from_u32(lines[k]);
+  rv.reserve(text.size() + lines * (indention.size() + 1));
+  if (first) rv += indention;
+  size_t k = 0;
+  for_each_indent_line(text, [&](std::string_view line) {
+    if (k++) {
+      rv += '\n';
+      if (blank || !line.empty()) rv += indention;
     }
-  } else {
-    rv = from_u32(lines[0]);
-    if (lines.size() > 1) {
-      rv += "\n";
-      for (size_t k = 1; k < lines.size(); ++k) {
-        if (k > 1) rv += "\n";
-        if (!lines[k].empty()) rv += indention;
-        rv += from_u32(lines[k]);
-      }
-    }
-  }
-  if (first) rv = indention + rv;
-  return Value::string(rv);
+    rv += line;
+  });
+  return Value::string(std::move(rv));
 }
 
 struct Filter {

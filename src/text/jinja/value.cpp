@@ -267,6 +267,7 @@ const Value* Dict::find(const Value& key) const {
 
 void Dict::set(Value key, Value value) {
   for (auto& [k, v] : items) {
+    charge_steps(1);  // a key passed, as in find
     if (py_equal(k, key)) {
       depth = std::max(depth, 1 + nesting(value));
       check_nesting(depth);
@@ -372,8 +373,11 @@ LoopInfo::~LoopInfo() {
   sweep_out([this](Sweep& s) { hand_over(s, source); });
 }
 
+// A step per attribute passed, as Dict::find charges: namespace(d) of a large dict makes a
+// namespace that long.
 const Value* Namespace::find(std::string_view name) const {
   for (const auto& [k, v] : attrs) {
+    charge_steps(1);
     if (k == name) return &v;
   }
   return nullptr;
@@ -381,6 +385,7 @@ const Value* Namespace::find(std::string_view name) const {
 
 void Namespace::set(const std::string& name, Value value) {
   for (auto& [k, v] : attrs) {
+    charge_steps(1);
     if (k == name) {
       v = std::move(value);
       return;

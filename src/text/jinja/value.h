@@ -202,7 +202,8 @@ struct LoopInfo {
 //
 // Work and memory of one render. A real chat template takes well under 10^6 steps and builds a
 // few times its output for a long conversation with tools. Steps are statements executed,
-// expressions evaluated, items of lists built or walked and elements visited by comparisons and
+// expressions evaluated, items of lists built or walked and elements visited by comparisons,
+// searches (`in`, count, index, unique, dict keys and namespace attributes looked up) and
 // serialisation; bytes are text written (concatenations, filters, the output) or scanned
 // (comparisons, `in`, decoding for indexing and str methods) plus sizeof(Value) per item of a
 // list or dict built. Bytes count what was allocated or read, not what is still alive. Both
