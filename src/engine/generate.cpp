@@ -36,7 +36,7 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text.push_back(static_cast<int32_t>(id));
   std::vector<int32_t> config_eos;  // config.json's (the engine reads the generation config's)
-  if (config.eos_token_id) config_eos.push_back(static_cast<int32_t>(*config.eos_token_id));
+  for (const int64_t id : config.eos_token_ids) config_eos.push_back(static_cast<int32_t>(id));
   const std::vector<int32_t> eos = eos_ids(tokenizer, config_eos);
   Sampler sampler(params, std::random_device{}(), eos);
   OutputProcessor output(tokenizer, params, eos);

@@ -127,7 +127,7 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   f.at_most("num_nextn_predict_layers", c.num_nextn_predict_layers,
             kMaxLayers - c.num_hidden_layers);
   c.bos_token_id = f.optional_integer("bos_token_id");
-  c.eos_token_id = f.optional_integer("eos_token_id");
+  c.eos_token_ids = f.integers("eos_token_id");
 
   // RoPE: rope_theta + rope_scaling (transformers v4), or rope_parameters (v5).
   const RopeFields rope = read_rope_fields(f, origin);
@@ -135,7 +135,7 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   c.rope_theta = *rope.theta;
   c.yarn = rope.yarn;
   check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
-                          c.max_position_embeddings, c.bos_token_id, c.eos_token_id});
+                          c.max_position_embeddings, c.bos_token_id, c.eos_token_ids});
   check_rope_numbers(f, Rope(c), c.softmax_scale(), rope.yarn_field);
 
   // Mixture of experts.
@@ -277,7 +277,10 @@ nlohmann::ordered_json ModelConfig::to_json() const {
   j["attention_dropout"] = 0.0;
   j["aux_loss_alpha"] = 0.001;
   if (bos_token_id) j["bos_token_id"] = *bos_token_id;
-  if (eos_token_id) j["eos_token_id"] = *eos_token_id;
+  if (eos_token_ids.size() == 1)
+    j["eos_token_id"] = eos_token_ids[0];
+  else if (!eos_token_ids.empty())
+    j["eos_token_id"] = eos_token_ids;
   j["ep_size"] = 1;
   j["first_k_dense_replace"] = first_k_dense_replace;
   j["hidden_act"] = "silu";

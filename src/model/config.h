@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -69,7 +70,9 @@ struct ModelConfig {
   int64_t max_position_embeddings = 4096;
   int64_t num_nextn_predict_layers = 0;
   bool tie_word_embeddings = false;
-  std::optional<int64_t> bos_token_id, eos_token_id;
+  std::optional<int64_t> bos_token_id;
+  // eos_token_id: one id or a list of them (transformers' Union[int, List[int]]); all are kept.
+  std::vector<int64_t> eos_token_ids;
   std::string torch_dtype = "bfloat16";  // informational: "bfloat16", "float16" or "float32"
   std::optional<Fp8Quantization> fp8;
   std::optional<Int8Quantization> int8;

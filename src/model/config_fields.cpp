@@ -40,12 +40,16 @@ void check_shared_fields(const Fields& f, const SharedFields& s) {
            "ln(rope_theta)), got " +
                json(s.rope_theta).dump());
   f.positive_at_most("max_position_embeddings", s.max_position_embeddings, kMaxPositions);
-  for (const char* key : {"bos_token_id", "eos_token_id"}) {
-    const auto& id = std::string(key) == "bos_token_id" ? s.bos_token_id : s.eos_token_id;
-    if (id && (*id < 0 || *id >= s.vocab_size))
+  const auto check_id = [&](const std::string& key, int64_t id) {
+    if (id < 0 || id >= s.vocab_size)
       f.fail(key, "must be a token id below vocab_size " + std::to_string(s.vocab_size) + ", got " +
-                      std::to_string(*id));
-  }
+                      std::to_string(id));
+  };
+  if (s.bos_token_id) check_id("bos_token_id", *s.bos_token_id);
+  for (size_t i = 0; i < s.eos_token_ids.size(); ++i)
+    check_id(
+        s.eos_token_ids.size() == 1 ? "eos_token_id" : "eos_token_id[" + std::to_string(i) + "]",
+        s.eos_token_ids[i]);
 }
 
 void check_rope_numbers(const Fields& f, const Rope& rope, double softmax_scale,

@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -73,6 +74,21 @@ class Fields {
   int64_t integer_or(const std::string& key, int64_t fallback) {
     const json* v = get(key);
     return v ? integer(key, *v) : fallback;
+  }
+  // An integer or a list of them (transformers' Union[int, List[int]], as eos_token_id); empty
+  // when absent or null. An element's error names it: 'eos_token_id[1]'.
+  std::vector<int64_t> integers(const std::string& key) {
+    const json* v = get(key);
+    if (!v) return {};
+    if (!v->is_array()) {
+      if (!v->is_number_integer())
+        fail(key, "must be an integer or a list of integers, got " + json_excerpt(*v));
+      return {integer(key, *v)};
+    }
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < v->size(); ++i)
+      out.push_back(integer(key + "[" + std::to_string(i) + "]", (*v)[i]));
+    return out;
   }
   std::optional<int64_t> optional_integer(const std::string& key) {
     const json* v = get(key);
@@ -141,7 +157,8 @@ struct SharedFields {
   double rms_norm_eps, rope_theta;
   bool yarn;
   int64_t max_position_embeddings;
-  std::optional<int64_t> bos_token_id, eos_token_id;
+  std::optional<int64_t> bos_token_id;
+  std::vector<int64_t> eos_token_ids;
 };
 void check_shared_fields(const Fields& f, const SharedFields& s);
 

@@ -398,7 +398,7 @@ Qwen3MoeConfig make_qwen3_moe_model(const MakeModelOptions& options,
   }
   const TokenIds ids = prepare_folder(options, c.vocab_size);
   c.bos_token_id = ids.bos;
-  c.eos_token_id = ids.eos;
+  if (ids.eos) c.eos_token_ids = {*ids.eos};
   if (!(Qwen3MoeConfig::parse(nlohmann::json::parse(c.to_json().dump()),
                               "preset " + options.preset) == c))
     throw Error("make-model: preset " + options.preset +
@@ -418,7 +418,7 @@ Qwen3MoeConfig make_qwen3_moe_model(const MakeModelOptions& options,
   nlohmann::ordered_json gen_config;  // as Qwen3-30B-A3B's generation_config.json
   if (c.bos_token_id) gen_config["bos_token_id"] = *c.bos_token_id;
   gen_config["do_sample"] = true;
-  if (c.eos_token_id) gen_config["eos_token_id"] = *c.eos_token_id;
+  if (ids.eos) gen_config["eos_token_id"] = *ids.eos;
   gen_config["temperature"] = 0.6;
   gen_config["top_k"] = 20;
   gen_config["top_p"] = 0.95;
@@ -451,7 +451,7 @@ ModelConfig make_model(const MakeModelOptions& options,
 
   const TokenIds ids = prepare_folder(options, c.vocab_size);
   c.bos_token_id = ids.bos;
-  c.eos_token_id = ids.eos;
+  if (ids.eos) c.eos_token_ids = {*ids.eos};
   // The config must survive a round trip through config.json exactly.
   if (!(ModelConfig::parse(c.to_json(), "preset " + options.preset) == c))
     throw Error("make-model: preset " + options.preset +
@@ -474,7 +474,7 @@ ModelConfig make_model(const MakeModelOptions& options,
   gen_config["_from_model_config"] = true;
   if (c.bos_token_id) gen_config["bos_token_id"] = *c.bos_token_id;
   gen_config["do_sample"] = true;
-  if (c.eos_token_id) gen_config["eos_token_id"] = *c.eos_token_id;
+  if (ids.eos) gen_config["eos_token_id"] = *ids.eos;
   gen_config["temperature"] = 0.6;
   gen_config["top_p"] = 0.95;
   gen_config["transformers_version"] = "4.46.3";

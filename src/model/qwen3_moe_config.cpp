@@ -56,7 +56,7 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   c.max_position_embeddings = f.integer_or("max_position_embeddings", 32768);
   c.tie_word_embeddings = f.boolean_or("tie_word_embeddings", false);
   c.bos_token_id = f.optional_integer("bos_token_id");
-  c.eos_token_id = f.optional_integer("eos_token_id");
+  c.eos_token_ids = f.integers("eos_token_id");
   c.torch_dtype = read_dtype_field(f, "bfloat16");
   const RopeFields rope = read_rope_fields(f, origin);
   c.yarn = rope.yarn;
@@ -101,7 +101,7 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
                              {"head_dim", c.head_dim}})
     f.at_most(k, v, kMaxDimension);
   check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
-                          c.max_position_embeddings, c.bos_token_id, c.eos_token_id});
+                          c.max_position_embeddings, c.bos_token_id, c.eos_token_ids});
   if (c.head_dim % 2 != 0) f.fail("head_dim", "must be even (RoPE rotates pairs)");
   check_rope_numbers(f, Rope(c.head_dim, c.rope_theta, c.yarn, c.rope_mscale()), c.softmax_scale(),
                      rope.yarn_field);
@@ -164,7 +164,10 @@ nlohmann::ordered_json Qwen3MoeConfig::to_json() const {
   j["attention_dropout"] = 0.0;
   if (bos_token_id) j["bos_token_id"] = *bos_token_id;
   j["decoder_sparse_step"] = decoder_sparse_step;
-  if (eos_token_id) j["eos_token_id"] = *eos_token_id;
+  if (eos_token_ids.size() == 1)
+    j["eos_token_id"] = eos_token_ids[0];
+  else if (!eos_token_ids.empty())
+    j["eos_token_id"] = eos_token_ids;
   j["head_dim"] = head_dim;
   j["hidden_act"] = "silu";
   j["hidden_size"] = hidden_size;

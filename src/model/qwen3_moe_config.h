@@ -32,7 +32,8 @@ struct Qwen3MoeConfig {
   std::optional<YarnScaling> yarn;  // rope_scaling {"rope_type": "yarn", ...}
   int64_t max_position_embeddings = 32768;
   bool tie_word_embeddings = false;
-  std::optional<int64_t> bos_token_id, eos_token_id;
+  std::optional<int64_t> bos_token_id;
+  std::vector<int64_t> eos_token_ids;  // eos_token_id: one id or a list of them
   std::string torch_dtype = "bfloat16";
 
   // As Qwen3-MoE's decoder layers choose: routed experts unless the layer is listed in

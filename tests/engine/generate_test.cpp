@@ -3,9 +3,14 @@
 // the run, and the streamed pieces add up to the result.
 #include "engine/generate.h"
 
+#include <algorithm>
+#include <filesystem>
+
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "engine/tiny_model_fixture.h"
+#include "util/file.h"
 
 namespace tandem::engine {
 namespace {
@@ -67,6 +72,34 @@ TEST_F(Generate, MinTokensHoldsStopStringsOff) {
   EXPECT_EQ(held.text, hit == std::string::npos ? full.text : full.text.substr(0, hit));
   EXPECT_EQ(held.finish_reason, hit == std::string::npos ? "length" : "stop");
   EXPECT_GE(held.text.size(), first10.text.size() - (stop.size() - 1));
+}
+
+// config.json's eos_token_id may list several ids (transformers' Union[int, List[int]]): each
+// of them ends the answer, the last as much as the first.
+TEST_F(Generate, EveryEosIdTheConfigListsEndsTheAnswer) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.max_tokens = 8;
+  p.ignore_eos = true;
+  const auto prompt = tok_->encode("The quick brown fox", true);
+  const auto full = generate(*model_, *tok_, prompt, p);
+  ASSERT_GE(full.tokens.size(), 3u);
+  const std::vector<int64_t> eos = {model_->config().eos_token_ids.at(0), full.tokens[2]};
+  const auto ends =
+      std::find_first_of(full.tokens.begin(), full.tokens.end(), eos.begin(), eos.end());
+  ASSERT_EQ(*ends, full.tokens[2]);  // the listed id, not the first, ends it
+
+  const auto dir = test::temp_path("generate-eos-list").replace_extension();
+  std::filesystem::copy(*dir_, dir, std::filesystem::copy_options::recursive);
+  auto config = nlohmann::json::parse(read_file(dir / "config.json"));
+  config["eos_token_id"] = eos;
+  write_file_atomically(dir / "config.json", config.dump());
+  const auto listed = model::DeepSeekModel::load(dir);
+  p.ignore_eos = false;
+  const auto r = generate(listed, *tok_, prompt, p);
+  std::filesystem::remove_all(dir);
+  EXPECT_EQ(r.tokens, std::vector<int32_t>(full.tokens.begin(), ends + 1));
+  EXPECT_EQ(r.finish_reason, "stop");
 }
 
 }  // namespace

@@ -243,7 +243,7 @@ TEST(Config, DeepSeekV3) {
   EXPECT_EQ(c.fp8->block_rows, 128);
   EXPECT_FALSE(c.int8);
   EXPECT_EQ(c.bos_token_id, 0);
-  EXPECT_EQ(c.eos_token_id, 1);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{1});
   // sigma = 192^-1/2 * mscale^2, mscale = 0.1 * ln 40 + 1 (the reference notes: x1.874).
   const double m = 0.1 * std::log(40.0) + 1.0;
   EXPECT_DOUBLE_EQ(c.softmax_scale(), m * m / std::sqrt(192.0));
@@ -318,6 +318,34 @@ TEST(Config, RoundTripsThroughToJson) {
   const ModelConfig c = parse(doc);
   EXPECT_EQ(ModelConfig::parse(c.to_json(), "round trip"), c);
   EXPECT_TRUE(c.to_json()["rope_scaling"].is_null());
+}
+
+// transformers' PretrainedConfig takes eos_token_id as an integer or a list of them
+// (Union[int, List[int]]; Llama 3.1 and GLM-4 publish lists), as Tandem's generation-config
+// reader does: every id is kept, each below vocab_size, and a list survives the round trip.
+TEST(Config, EosTokenIdIsAnIdOrAListOfIds) {
+  json doc = json::parse(kV3);
+  doc["eos_token_id"] = {1, 2};
+  const ModelConfig c = parse(doc);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(c.to_json()["eos_token_id"], json({1, 2}));
+  EXPECT_EQ(ModelConfig::parse(c.to_json(), "round trip"), c);
+  doc["eos_token_id"] = json::array();
+  EXPECT_TRUE(parse(doc).eos_token_ids.empty());
+  EXPECT_FALSE(parse(doc).to_json().contains("eos_token_id"));
+
+  doc["eos_token_id"] = {1, 129280};
+  EXPECT_EQ(parse_error(doc),
+            "test/config.json: field 'eos_token_id[1]' must be a token id below vocab_size "
+            "129280, got 129280");
+  doc["eos_token_id"] = {1, "2"};
+  EXPECT_EQ(parse_error(doc),
+            "test/config.json: field 'eos_token_id[1]' must be an integer, "
+            "got \"2\"");
+  doc["eos_token_id"] = "1";
+  EXPECT_EQ(parse_error(doc),
+            "test/config.json: field 'eos_token_id' must be an integer or a "
+            "list of integers, got \"1\"");
 }
 
 TEST(Config, LoadNamesTheFile) {

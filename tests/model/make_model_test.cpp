@@ -69,7 +69,7 @@ TEST(MakeModel, PresetsAreValidCheckpointsInEveryDtype) {
       EXPECT_EQ(gen["bos_token_id"], 0);
       EXPECT_EQ(gen["eos_token_id"], 1);
       EXPECT_EQ(loaded.bos_token_id, 0);
-      EXPECT_EQ(loaded.eos_token_id, 1);
+      EXPECT_EQ(loaded.eos_token_ids, std::vector<int64_t>{1});
       // Every value finite.
       for (const auto& [name, t] : ck.tensors())
         for (float v : floats(t)) ASSERT_TRUE(std::isfinite(v)) << name;

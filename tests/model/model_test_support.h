@@ -100,7 +100,7 @@ inline model::ModelConfig small_vocab_tiny_v3() {
   model::ModelConfig c = model::preset_config("tiny-v3");
   c.vocab_size = 3000;
   c.bos_token_id = 0;
-  c.eos_token_id = 1;
+  c.eos_token_ids = {1};
   return c;
 }
 

@@ -49,7 +49,7 @@ TEST(Qwen3MoeConfig, ThePublishedConfigsParse) {
   EXPECT_TRUE(c.norm_topk_prob);
   EXPECT_TRUE(c.is_moe_layer(0));
   EXPECT_TRUE(c.is_moe_layer(47));
-  EXPECT_EQ(*c.eos_token_id, 151645);
+  EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{151645});
   json big = json::parse(kQwen3_30B_A3B);
   for (auto [k, v] : std::vector<std::pair<const char*, int>>{{"hidden_size", 4096},
                                                               {"intermediate_size", 12288},
@@ -68,6 +68,12 @@ TEST(Qwen3MoeConfig, ThePublishedConfigsParse) {
   EXPECT_DOUBLE_EQ(yarn.yarn->factor, 4.0);
   EXPECT_NEAR(yarn.rope_mscale(), 0.1 * std::log(4.0) + 1.0, 1e-12);
   EXPECT_EQ(Qwen3MoeConfig::parse(json::parse(c.to_json().dump()), "round trip"), c);
+  // eos_token_id as an integer or a list of them, as transformers' PretrainedConfig takes it.
+  json listed = json::parse(kQwen3_30B_A3B);
+  listed["eos_token_id"] = {151645, 151643};
+  const auto l = Qwen3MoeConfig::parse(listed, "eos list");
+  EXPECT_EQ(l.eos_token_ids, (std::vector<int64_t>{151645, 151643}));
+  EXPECT_EQ(Qwen3MoeConfig::parse(json::parse(l.to_json().dump()), "round trip"), l);
 }
 
 // Qwen3-30B-A3B's config.json changed by `change`: the parse error, or "(parsed)".
@@ -182,6 +188,11 @@ TEST(Qwen3MoeConfig, ImplausibleSizesAndBrokenNumbersAreRefusedByName) {
               AllOf(HasSubstr("'max_position_embeddings'"), HasSubstr("limit")));
   EXPECT_THAT(error([](json& d) { d["eos_token_id"] = 151936; }),
               AllOf(HasSubstr("'eos_token_id'"), HasSubstr("vocab_size 151936")));
+  // An integer or a list of them, as transformers' PretrainedConfig takes it.
+  EXPECT_THAT(error([](json& d) {
+                d["eos_token_id"] = {151645, 151936};
+              }),
+              AllOf(HasSubstr("'eos_token_id[1]'"), HasSubstr("vocab_size 151936")));
   EXPECT_THAT(error([](json& d) { d["bos_token_id"] = -1; }),
               AllOf(HasSubstr("'bos_token_id'"), HasSubstr("vocab_size")));
   EXPECT_EQ(error([](json& d) { d["mlp_only_layers"] = {3, 5}; }), "(parsed)");

@@ -41,7 +41,7 @@ ModelConfig config() {
   c.intermediate_size = 2816;
   c.n_routed_experts = 8;
   c.bos_token_id = 0;
-  c.eos_token_id = 1;
+  c.eos_token_ids = {1};
   return c;
 }
 
