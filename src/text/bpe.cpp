@@ -6,6 +6,7 @@
 #include <queue>
 
 #include "text/byte_level.h"
+#include "text/json_fields.h"
 #include "util/error.h"
 #include "util/hash.h"
 
@@ -118,19 +119,20 @@ struct Bpe::WordTable {
 Bpe::Bpe(const nlohmann::json& model, const std::string& origin, size_t added_tokens) {
   auto fail = [&](const std::string& what) { throw Error(origin + ": model: " + what); };
   if (!model.is_object()) fail("expected an object");
-  if (model.value("type", std::string("BPE")) != "BPE")
-    fail("model type '" + model.value("type", std::string()) +
-         "' is not supported (only byte-level BPE is)");
-  if (model.contains("dropout") && !model["dropout"].is_null() &&
-      model["dropout"].get<double>() != 0)
+  using namespace json_fields;
+  const std::string where = origin + ": model";
+  if (const auto type = model.contains("type") ? string_field(model, "type", where) : "BPE";
+      type != "BPE")
+    fail("model type '" + type + "' is not supported (only byte-level BPE is)");
+  if (optional_number(model, "dropout", where).value_or(0) != 0)
     fail("BPE dropout is not supported (encoding must be deterministic)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (model.contains(key) && !model[key].is_null() && !model[key].get<std::string>().empty())
+    if (!optional_string(model, key, where).value_or("").empty())
       fail(std::string(key) + " is not supported with byte-level BPE");
   }
-  if (model.value("byte_fallback", false)) fail("byte_fallback is not supported");
-  ignore_merges_ = model.value("ignore_merges", false);
-  fuse_unk_ = model.value("fuse_unk", false);
+  if (flag(model, "byte_fallback", false, where)) fail("byte_fallback is not supported");
+  ignore_merges_ = flag(model, "ignore_merges", false, where);
+  fuse_unk_ = flag(model, "fuse_unk", false, where);
 
   const auto vocab_it = model.find("vocab");
   if (vocab_it == model.end() || !vocab_it->is_object()) fail("'vocab' must be an object");
@@ -172,10 +174,9 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin, size_t added_to
       if (raw->size() == 1) byte_ids_[static_cast<unsigned char>((*raw)[0])] = id;
     }
   }
-  if (model.contains("unk_token") && !model["unk_token"].is_null()) {
-    auto unk = model["unk_token"].get<std::string>();
-    if (!vocab.contains(unk)) fail("unk_token '" + unk + "' is not in the vocabulary");
-    unk_ = vocab[unk].get<TokenId>();
+  if (const auto unk = optional_string(model, "unk_token", where)) {
+    if (!vocab.contains(*unk)) fail("unk_token '" + *unk + "' is not in the vocabulary");
+    unk_ = vocab[*unk].get<TokenId>();
   }
 
   const auto merges_it = model.find("merges");

@@ -5,6 +5,7 @@
 #include <unicode/ustring.h>
 #include <unicode/utf16.h>
 
+#include "text/json_fields.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
@@ -118,9 +119,10 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
   if (cfg.is_null()) return;
   if (!cfg.is_object() || !cfg.contains("type"))
     throw Error(where + ": expected an object with a 'type'");
-  const auto type = cfg["type"].get<std::string>();
+  using namespace json_fields;
+  const auto type = string_field(cfg, "type", where);
   if (type == "Sequence") {
-    const auto& list = cfg.at("normalizers");
+    const auto& list = list_field(cfg, "normalizers", where);
     for (size_t i = 0; i < list.size(); ++i)
       add_steps(list[i], where + ".normalizers[" + std::to_string(i) + "]", steps);
   } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
@@ -128,13 +130,13 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
   } else if (type == "Lowercase") {
     steps.push_back(std::make_unique<Lowercase>());
   } else if (type == "Replace") {
-    const auto& pat = cfg.at("pattern");
+    const auto& pat = object_field(cfg, "pattern", where);
     if (!pat.contains("String"))
       throw Error(where + ": Replace with a regex pattern is not supported");
-    steps.push_back(std::make_unique<ReplaceLiteral>(pat["String"].get<std::string>(),
-                                                     cfg.at("content").get<std::string>()));
+    steps.push_back(std::make_unique<ReplaceLiteral>(
+        string_field(pat, "String", where + ".pattern"), string_field(cfg, "content", where)));
   } else if (type == "Prepend") {
-    steps.push_back(std::make_unique<Prepend>(cfg.at("prepend").get<std::string>()));
+    steps.push_back(std::make_unique<Prepend>(string_field(cfg, "prepend", where)));
   } else {
     throw Error(where + ": normalizer type '" + type + "' is not supported");
   }

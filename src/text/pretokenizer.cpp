@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 
+#include "text/json_fields.h"
 #include "text/unicode_sets.h"
 #include "util/error.h"
 #include "util/utf8.h"
@@ -479,36 +480,40 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
                unicode::Ranges& differs) {
   if (!cfg.is_object() || !cfg.contains("type"))
     throw Error(where + ": expected an object with a 'type'");
-  const auto type = cfg["type"].get<std::string>();
+  using namespace json_fields;
+  const auto type = string_field(cfg, "type", where);
   if (saw_byte_level) throw Error(where + ": a " + type + " step after ByteLevel is not supported");
   if (type == "Sequence") {
-    const auto& list = cfg.at("pretokenizers");
+    const auto& list = list_field(cfg, "pretokenizers", where);
     for (size_t i = 0; i < list.size(); ++i)
       add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps, saw_byte_level,
                 differs);
   } else if (type == "Split") {
-    const auto& pat = cfg.at("pattern");
+    const auto& pat = object_field(cfg, "pattern", where);
     Translation regex;
     if (pat.contains("Regex")) {
-      regex = translate_oniguruma(pat["Regex"].get<std::string>(), where);
+      regex = translate_oniguruma(string_field(pat, "Regex", where + ".pattern"), where);
     } else if (pat.contains("String")) {
-      regex.exact = quote_literal(pat["String"].get<std::string>());
+      regex.exact = quote_literal(string_field(pat, "String", where + ".pattern"));
     } else {
       throw Error(where + ": Split pattern must have 'Regex' or 'String'");
     }
     differs = unicode::unite(differs, regex.differs);
     steps.push_back(std::make_unique<SplitStep>(
-        regex, parse_behavior(cfg.value("behavior", std::string("Isolated")), where),
-        cfg.value("invert", false), where));
+        regex,
+        parse_behavior(cfg.contains("behavior") ? string_field(cfg, "behavior", where) : "Isolated",
+                       where),
+        flag(cfg, "invert", false, where), where));
   } else if (type == "Digits") {
-    bool individual = cfg.value("individual_digits", false);
+    bool individual = flag(cfg, "individual_digits", false, where);
     const Translation numbers = translate_oniguruma("\\p{N}", where);
     differs = unicode::unite(differs, numbers.differs);
     steps.push_back(std::make_unique<SplitStep>(
         numbers, individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
   } else if (type == "ByteLevel") {
-    steps.push_back(std::make_unique<ByteLevelStep>(cfg.value("add_prefix_space", false),
-                                                    cfg.value("use_regex", true), where, differs));
+    steps.push_back(std::make_unique<ByteLevelStep>(flag(cfg, "add_prefix_space", false, where),
+                                                    flag(cfg, "use_regex", true, where), where,
+                                                    differs));
     saw_byte_level = true;
   } else {
     throw Error(where + ": pre-tokenizer type '" + type + "' is not supported");

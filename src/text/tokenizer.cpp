@@ -11,6 +11,7 @@
 #include "text/added_vocabulary.h"
 #include "text/bpe.h"
 #include "text/byte_level.h"
+#include "text/json_fields.h"
 #include "text/normalizer.h"
 #include "text/pretokenizer.h"
 #include "util/error.h"
@@ -22,6 +23,10 @@ namespace tandem::text {
 namespace {
 
 using json = nlohmann::json;
+using json_fields::flag;
+using json_fields::list_field;
+using json_fields::object_field;
+using json_fields::string_field;
 
 // Special tokens a post-processor puts around a single sequence.
 struct Framing {
@@ -42,42 +47,57 @@ TokenId framing_id(const json& v, const std::string& field, const std::vector<st
 void add_post_processor(const json& cfg, const std::string& where, Framing& f,
                         const std::vector<std::string>& vocab) {
   if (cfg.is_null()) return;
-  const auto type = cfg.value("type", std::string());
+  if (!cfg.is_object()) throw Error(where + " must be an object, not " + cfg.type_name());
+  const auto type = cfg.contains("type") ? string_field(cfg, "type", where) : std::string();
   if (type == "ByteLevel") return;  // only adjusts offsets, which Tandem does not track
   if (type == "Sequence") {
-    const auto& list = cfg.at("processors");
+    const auto& list = list_field(cfg, "processors", where);
     for (size_t i = 0; i < list.size(); ++i)
       add_post_processor(list[i], where + ".processors[" + std::to_string(i) + "]", f, vocab);
     return;
   }
   if (type == "TemplateProcessing") {
-    const auto& specials = cfg.at("special_tokens");
+    const auto& specials = object_field(cfg, "special_tokens", where);
+    const auto& single = list_field(cfg, "single", where);
     bool seen_a = false;
-    for (const auto& item : cfg.at("single")) {
+    for (size_t i = 0; i < single.size(); ++i) {
+      const json& item = single[i];
+      const std::string at = where + ".single[" + std::to_string(i) + "]";
       if (item.contains("Sequence")) {
-        if (item["Sequence"].at("id").get<std::string>() != "A" || seen_a)
+        if (string_field(object_field(item, "Sequence", at), "id", at + ".Sequence") != "A" ||
+            seen_a)
           throw Error(where + ": single-sequence template must use $A exactly once");
         seen_a = true;
       } else if (item.contains("SpecialToken")) {
-        auto name = item["SpecialToken"].at("id").get<std::string>();
+        auto name =
+            string_field(object_field(item, "SpecialToken", at), "id", at + ".SpecialToken");
         if (!specials.contains(name))
           throw Error(where + ": template token '" + name + "' is not in special_tokens");
         auto& dst = seen_a ? f.suffix : f.prefix;
-        const auto& ids = specials[name].at("ids");
-        for (size_t i = 0; i < ids.size(); ++i)
+        const auto& ids =
+            list_field(object_field(specials, name.c_str(), where + ".special_tokens"), "ids",
+                       where + ".special_tokens." + name);
+        for (size_t j = 0; j < ids.size(); ++j)
           dst.push_back(framing_id(
-              ids[i], where + ": special_tokens['" + name + "'].ids[" + std::to_string(i) + "]",
+              ids[j], where + ": special_tokens['" + name + "'].ids[" + std::to_string(j) + "]",
               vocab));
       } else {
-        throw Error(where + ": unknown template item " + item.dump());
+        throw Error(where + ": unknown template item " + json_excerpt(item));
       }
     }
     if (!seen_a) throw Error(where + ": single-sequence template has no $A");
     return;
   }
   if (type == "RobertaProcessing" || type == "BertProcessing") {
-    f.prefix.push_back(framing_id(cfg.at("cls").at(1), where + ": cls[1]", vocab));
-    f.suffix.push_back(framing_id(cfg.at("sep").at(1), where + ": sep[1]", vocab));
+    auto id_of = [&](const char* key) {
+      const auto& pair = list_field(cfg, key, where);
+      if (pair.size() != 2)
+        throw Error(where + "." + key + " must be [token, id], not a list of " +
+                    std::to_string(pair.size()));
+      return framing_id(pair[1], where + ": " + key + "[1]", vocab);
+    };
+    f.prefix.push_back(id_of("cls"));
+    f.suffix.push_back(id_of("sep"));
     return;
   }
   throw Error(where + ": post-processor type '" + type + "' is not supported");
@@ -85,32 +105,13 @@ void add_post_processor(const json& cfg, const std::string& where, Framing& f,
 
 void check_decoder(const json& cfg, const std::string& where) {
   if (cfg.is_null()) throw Error(where + ": missing; byte-level BPE needs a ByteLevel decoder");
-  const auto type = cfg.value("type", std::string());
+  if (!cfg.is_object()) throw Error(where + " must be an object, not " + cfg.type_name());
+  const auto type = cfg.contains("type") ? string_field(cfg, "type", where) : std::string();
   if (type == "ByteLevel") return;
-  if (type == "Sequence" && cfg.contains("decoders") && cfg["decoders"].size() == 1)
+  if (type == "Sequence" && cfg.contains("decoders") &&
+      list_field(cfg, "decoders", where).size() == 1)
     return check_decoder(cfg["decoders"][0], where + ".decoders[0]");
   throw Error(where + ": decoder type '" + type + "' is not supported (only ByteLevel is)");
-}
-
-// The fields below are read by type, naming the field: nlohmann's typed getters throw a
-// type_error that names neither the file nor the field.
-
-// `field` ("where: name") of `obj`, which must be a string.
-std::string string_field(const json& obj, const char* key, const std::string& field) {
-  const auto it = obj.find(key);
-  if (it == obj.end()) throw Error(field + " must be a string, and is missing");
-  if (!it->is_string()) throw Error(field + " must be a string, not " + it->type_name());
-  return it->get<std::string>();
-}
-
-// A true/false field of an added token, `fallback` when absent; null is refused, as tokenizers'
-// AddedToken takes booleans only.
-bool flag(const json& obj, const char* key, bool fallback, const std::string& where) {
-  const auto it = obj.find(key);
-  if (it == obj.end()) return fallback;
-  if (!it->is_boolean())
-    throw Error(where + "." + key + " must be true or false, not " + it->type_name());
-  return it->get<bool>();
 }
 
 // An added token as tokenizer.json's "added_tokens" and tokenizer_config.json's
@@ -120,7 +121,7 @@ AddedToken parse_added_token(const json& t, TokenId id, const std::string& where
   if (!t.is_object())
     throw Error(where + " must be an object with a \"content\" string, not " + t.type_name());
   AddedToken a;
-  a.content = string_field(t, "content", where + ".content");
+  a.content = string_field(t, "content", where);
   a.id = id;
   a.special = flag(t, "special", false, where);
   a.lstrip = flag(t, "lstrip", false, where);
@@ -139,7 +140,7 @@ std::string token_content(const json& cfg, const char* key, const std::string& c
   const std::string field = cfg_origin + ": " + key;
   if (!it->is_object())
     throw Error(field + " must be a string or {\"content\": string}, not " + it->type_name());
-  return string_field(*it, "content", field + ".content");
+  return string_field(*it, "content", field);
 }
 
 // add_bos_token and add_eos_token: transformers passes the value to the class as it is, whose

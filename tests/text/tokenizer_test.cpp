@@ -404,6 +404,107 @@ TEST(Tokenizer, AConfigFieldOfTheWrongTypeIsNamedWithItsFile) {
   }
 }
 
+// tokenizer.json's model, normalizer, pre-tokenizer, decoder and post-processor fields were read
+// with nlohmann's typed getters, whose type_error named the file but not the field ("unexpected
+// structure: [json.exception.type_error.302] type must be number, but is string"). Each
+// mutation of qwen3's file below is refused naming the field and what it must be.
+TEST(Tokenizer, ATokenizerJsonFieldOfTheWrongTypeIsNamed) {
+  using nlohmann::json;
+  const json sequence_of_one = {{"type", "Sequence"},
+                                {"decoders", {{"a", {{"type", "ByteLevel"}}}}}};
+  const json template_processing = {{"type", "TemplateProcessing"},
+                                    {"single", "$A"},
+                                    {"pair", json::array()},
+                                    {"special_tokens", json::object()}};
+  const std::vector<std::tuple<std::string, json, std::string>> cases = {
+      {"/model/dropout", "x", "model.dropout must be a number or null, not string"},
+      {"/model/unk_token", 5, "model.unk_token must be a string or null, not number"},
+      {"/model/continuing_subword_prefix", 0,
+       "model.continuing_subword_prefix must be a string or null, not number"},
+      {"/model/byte_fallback", "no", "model.byte_fallback must be true or false, not string"},
+      {"/model/ignore_merges", 1, "model.ignore_merges must be true or false, not number"},
+      {"/model/fuse_unk", nullptr, "model.fuse_unk must be true or false, not null"},
+      {"/model/type", 5, "model.type must be a string, not number"},
+      {"/normalizer/type", 5, "normalizer.type must be a string, not number"},
+      {"/normalizer",
+       {{"type", "Sequence"}, {"normalizers", 5}},
+       "normalizer.normalizers must be a list, not number"},
+      {"/normalizer",
+       {{"type", "Replace"}, {"pattern", {{"String", 5}}}, {"content", "x"}},
+       "normalizer.pattern.String must be a string, not number"},
+      {"/normalizer",
+       {{"type", "Replace"}, {"pattern", "a"}, {"content", "x"}},
+       "normalizer.pattern must be an object, not string"},
+      {"/normalizer",
+       {{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", nullptr}},
+       "normalizer.content must be a string, not null"},
+      {"/normalizer", {{"type", "Prepend"}}, "normalizer.prepend must be a string, and is missing"},
+      {"/pre_tokenizer/type", 5, "pre_tokenizer.type must be a string, not number"},
+      {"/pre_tokenizer/pretokenizers", json::object(),
+       "pre_tokenizer.pretokenizers must be a list, not object"},
+      {"/pre_tokenizer/pretokenizers/0/pattern", "x",
+       "pre_tokenizer.pretokenizers[0].pattern must be an object, not string"},
+      {"/pre_tokenizer/pretokenizers/0/pattern/Regex", 5,
+       "pre_tokenizer.pretokenizers[0].pattern.Regex must be a string, not number"},
+      {"/pre_tokenizer/pretokenizers/0/pattern",
+       {{"String", false}},
+       "pre_tokenizer.pretokenizers[0].pattern.String must be a string, not boolean"},
+      {"/pre_tokenizer/pretokenizers/0/behavior", 1,
+       "pre_tokenizer.pretokenizers[0].behavior must be a string, not number"},
+      {"/pre_tokenizer/pretokenizers/0/invert", "no",
+       "pre_tokenizer.pretokenizers[0].invert must be true or false, not string"},
+      {"/pre_tokenizer/pretokenizers/0",
+       {{"type", "Digits"}, {"individual_digits", "yes"}},
+       "pre_tokenizer.pretokenizers[0].individual_digits must be true or false, not string"},
+      {"/pre_tokenizer/pretokenizers/1/add_prefix_space", "x",
+       "pre_tokenizer.pretokenizers[1].add_prefix_space must be true or false, not string"},
+      {"/pre_tokenizer/pretokenizers/1/use_regex", nullptr,
+       "pre_tokenizer.pretokenizers[1].use_regex must be true or false, not null"},
+      {"/decoder/type", 5, "decoder.type must be a string, not number"},
+      {"/decoder", sequence_of_one, "decoder.decoders must be a list, not object"},
+      {"/post_processor/type", 5, "post_processor.type must be a string, not number"},
+      {"/post_processor",
+       {{"type", "Sequence"}, {"processors", json::object()}},
+       "post_processor.processors must be a list, not object"},
+      {"/post_processor", template_processing, "post_processor.single must be a list, not string"},
+      {"/post_processor",
+       {{"type", "BertProcessing"}, {"cls", "x"}, {"sep", {"x", 1}}},
+       "post_processor.cls must be a list, not string"},
+  };
+  // A small tokenizer.json with every field above, as qwen3's writes them.
+  auto base = tiny_model({{"a", 0}, {"b", 1}});
+  base["model"].update({{"dropout", nullptr},
+                        {"unk_token", nullptr},
+                        {"continuing_subword_prefix", ""},
+                        {"end_of_word_suffix", ""},
+                        {"fuse_unk", false},
+                        {"byte_fallback", false},
+                        {"ignore_merges", false}});
+  base["normalizer"] = {{"type", "NFC"}};
+  base["pre_tokenizer"] = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Split"},
+         {"pattern", {{"Regex", "\\p{L}+| ?[^\\s\\p{L}]+"}}},
+         {"behavior", "Isolated"},
+         {"invert", false}},
+        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+  base["post_processor"] = {{"type", "ByteLevel"}};
+  ASSERT_EQ(Tokenizer::from_json(base.dump(), "", "q/tokenizer.json").encode("ab", false),
+            (std::vector<TokenId>{0, 1}));
+  for (const auto& [pointer, value, expected] : cases) {
+    auto doc = base;
+    doc[json::json_pointer(pointer)] = value;
+    try {
+      Tokenizer::from_json(doc.dump(), "", "q/tokenizer.json");
+      ADD_FAILURE() << pointer << " = " << value.dump() << " loaded";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), "q/tokenizer.json: " + expected)
+          << pointer << " = " << value.dump();
+    }
+  }
+}
+
 // transformers passes tokenizer_config.json's values to the tokenizer class as they are:
 // LlamaTokenizerFast's post-processor adds BOS `if self.add_bos_token`, so None adds none (its
 // default, True, applies only to an absent key), and a None tokenizer_class is no class. Tandem
