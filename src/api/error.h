@@ -34,6 +34,12 @@ std::optional<std::string> openai_error_code(std::string_view body);
 // engine.
 inline constexpr std::string_view kRoomAbandonedCode = "room_abandoned";
 
+// The code of a P/D decode leg's error when it could not take the prompt's KV from its prefill
+// engine (a 502: the transfer failed, timed out or was refused there): the prefill engine's
+// failure, which a gateway counts against that engine and not against the decode engine, which
+// only reported it.
+inline constexpr std::string_view kKvTransferFailedCode = "kv_transfer_failed";
+
 // The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
 // 5xx (OpenAI's own names).
 std::string_view default_error_type(int status);

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "api/disaggregation.h"
+#include "api/error.h"
 #include "gateway/answer_text.h"
 #include "gateway/policies/queue_order.h"
 #include "util/random_id.h"
@@ -14,6 +15,23 @@
 namespace tandem::gateway {
 
 using nlohmann::json;
+
+namespace {
+
+// "HTTP 500: TEXT", what an engine's error answer says: an OpenAI error's message (which the
+// client gets in the engine's own body, relayed), else the body's text (read_engine_error).
+// Not clipped here: the access log clips it, saying how much it left out, and the relay holds no
+// more than 64 KiB of an error answer.
+std::string engine_said(int status, const std::string& body) {
+  std::string text;
+  if (status >= 400 && !body.empty()) {
+    EngineError said = read_engine_error(body);
+    text = said.relay ? api::openai_error_message(body).value_or("") : std::move(said.text);
+  }
+  return "HTTP " + std::to_string(status) + (text.empty() ? "" : ": " + text);
+}
+
+}  // namespace
 
 std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
   std::vector<Upstream::CallId> calls;
@@ -326,29 +344,38 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
   net::AsyncHttpHandlers h =
       prefill ? relay_.prefill_handlers(r, ref, r->attempt, endpoint_id, e.config.name)
               : relay_.answer_handlers(r, ref, r->attempt, endpoint_id, e.config.name);
+  // The engine a decode leg takes its KV from (P/D modes; -1 otherwise), read here on the
+  // scheduling thread, which alone sets it.
+  const int kv_source = prefill ? -1 : r->prefill_endpoint;
   auto done = std::move(h.on_done);
-  h.on_done = [this, r, leg, done = std::move(done)](const std::string& error) {
+  h.on_done = [this, r, leg, kv_source, done = std::move(done)](const std::string& error) {
     try {
       if (done) done(error);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tandem gateway: a leg's completion failed: %s\n", e.what());
     }
-    const bool fault =
-        !leg->room_abandoned && ((!error.empty() && !leg->gateway_cancelled.load()) ||
-                                 leg->status >= 500 || leg->engine_error);
+    const bool cancelled = leg->gateway_cancelled.load();
+    const bool fault = !leg->room_abandoned && !leg->kv_transfer_failed &&
+                       ((!error.empty() && !cancelled) || leg->status >= 500 || leg->engine_error);
+    // Counted once: a leg the gateway gave up on had its pair's other leg fail first (counted),
+    // or its client leave.
+    const bool kv_source_failed = leg->kv_transfer_failed && !cancelled && kv_source >= 0;
     LegOutcome outcome = LegOutcome::kOk;
     if (leg->status == 429 || leg->status == 503) {
       outcome = LegOutcome::kBusy;
     } else if (fault) {
       std::lock_guard lock(r->mutex);  // cancel_reason: set by the deadline timer
       outcome = leg->cancel_reason.empty() ? LegOutcome::kFailed : LegOutcome::kTimedOut;
+    } else if (cancelled && leg->status == 0) {
+      outcome = LegOutcome::kCancelled;
     }
-    exec_.post_batched([this, r, leg, outcome] {
+    exec_.post_batched([this, r, leg, outcome, kv_source, kv_source_failed] {
       if (leg->ended_request) finished(r);
       if (leg->prefill && r->record_pending) {
         r->record_pending = false;
         recorder_.record(*r, exec_.now_ns());
       }
+      if (kv_source_failed) prefill_engine_failed(kv_source);
       leg_done(*leg, outcome);
     });
   };
@@ -390,17 +417,24 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
 void Dispatcher::leg_done(const Leg& leg, LegOutcome outcome) {
   exec_.cancel(leg.deadline);
   // The policy hears first: a drained engine is forgotten (by the policy too) as its last leg ends.
-  if (endpoints_.find(leg.endpoint))
+  if (outcome != LegOutcome::kCancelled && endpoints_.find(leg.endpoint))
     policy_.outcome(policy_state_, leg.endpoint, outcome == LegOutcome::kOk, exec_.now());
   endpoints_.leg_finished(leg, outcome);
   dispatch();
 }
 
+void Dispatcher::prefill_engine_failed(int endpoint_id) {
+  EndpointState* e = endpoints_.find(endpoint_id);
+  if (!e) return;  // drained and gone since
+  policy_.outcome(policy_state_, endpoint_id, false, exec_.now());
+  endpoints_.failure(*e);
+}
+
 void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
-                            std::string body, std::string message) {
+                            std::string body, std::string message, Blame blame) {
   exec_.post_batched([this, r, attempt, endpoint_id, status, body = std::move(body),
-                      message = std::move(message)]() mutable {
-    attempt_failed(r, attempt, endpoint_id, status, std::move(body), std::move(message));
+                      message = std::move(message), blame]() mutable {
+    attempt_failed(r, attempt, endpoint_id, status, std::move(body), std::move(message), blame);
   });
 }
 
@@ -437,8 +471,9 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
 // retried alike, and once retries are spent answered with its own status. An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
 // gateway's own. The decode leg of a sequential request is not retried: its KV is gone.
+// What the engine said, relayed or not, goes to the access log (the outcome and retried_after).
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
-                                std::string body, std::string message) {
+                                std::string body, std::string message, Blame blame) {
   if (attempt != r->attempt) return;
   std::vector<Upstream::CallId> calls;
   {
@@ -458,35 +493,36 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
   if (retryable && r->attempt < topo_.prefill_retries) {
     const EndpointState* e = endpoints_.find(endpoint_id);
     r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
-                               (message.empty() ? "HTTP " + std::to_string(status) : message));
+                               (message.empty() ? engine_said(status, body) : message));
     ++r->attempt;
     metrics_.retries.inc();
-    r->excluded.push_back(endpoint_id);
+    // r->prefill_endpoint is this attempt's: the next one has not started.
+    const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
+    r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
     r->stage = Stage::kFirst;
     enqueue(r, true);
     dispatch();
     return;
   }
-  const EngineError said = status >= 400 ? read_engine_error(body) : EngineError{};
+  const bool relay = !body.empty() && status >= 400 && read_engine_error(body).relay;
+  if (message.empty()) {
+    const EndpointState* e = endpoints_.find(endpoint_id);
+    message = (e ? "engine " + e->config.name : std::string("a removed engine")) + " answered " +
+              engine_said(status, body);
+  }
   {
     std::lock_guard lock(r->mutex);
     // As in the first section: between the two, another leg may have begun answering.
     if (r->client != ClientState::kNothingSent) return;
     r->client = ClientState::kAnswering;
-    if (!body.empty() && said.relay) {
+    if (relay) {
       r->reply->respond(status, body, "application/json");
     } else {  // an OpenAI error of our own: the engine's 4xx status, else 502
-      if (message.empty()) {
-        const EndpointState* e = endpoints_.find(endpoint_id);
-        message = (e ? "engine " + e->config.name : std::string("a removed engine")) +
-                  " answered HTTP " + std::to_string(status) +
-                  (said.text.empty() ? "" : ": " + said.text);
-      }
       if (!client_error) status = 502;
       r->reply->send_error(status, message, client_error ? "" : "server_error");
     }
   }
-  end_request(r, {status, message.empty() ? "engine error" : message});
+  end_request(r, {status, message});
 }
 
 void Dispatcher::cancel_calls(const std::vector<Upstream::CallId>& calls) {

@@ -96,10 +96,18 @@ class Dispatcher {
                    Accounting accounting = Accounting::kPosted);
   // The client went away (or the server is stopping): 499, as nginx logs it.
   void client_gone(const RequestPtr& r);
+  // Whose failure a failed leg is: the engine the retry avoids.
+  enum class Blame {
+    kItsEngine,
+    // The prefill engine of the attempt: the decode engine could not take the prompt's KV from
+    // it (Leg::kv_transfer_failed), and only reported that.
+    kPrefillEngine,
+  };
   // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
-  // retries remain, else answered with the engine's error or a 502.
+  // retries remain (avoiding the engine `blame` names), else answered with the engine's error or
+  // a 502.
   void leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status, std::string body,
-                  std::string message);
+                  std::string message, Blame blame = Blame::kItsEngine);
   // A leg of `attempt` brought an answer the gateway will not relay (Topology::max_answer_bytes):
   // the gateway's own refusal, so no engine is blamed and none is asked again (each would compute
   // the same answer); the client gets `status` with `message` (an OpenAI error, code
@@ -138,7 +146,10 @@ class Dispatcher {
                                          std::chrono::milliseconds timeout) const;
   void leg_done(const Leg& leg, LegOutcome outcome);
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
-                      std::string body, std::string message);
+                      std::string body, std::string message, Blame blame);
+  // A decode leg could not take its KV from this prefill engine: its failure, for its health and
+  // the policy, as a failed leg of its own would be.
+  void prefill_engine_failed(int endpoint_id);
   void answer_error(const RequestPtr& r, int status, const std::string& message);
   void finished(const RequestPtr& r);
   static bool prefill_leg_running(Request& r);

@@ -228,8 +228,14 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
                                        Clock::time_point now) const {
   std::string out;
   const std::set<int> decoding = decoding_groups();
+  // Parallel mode pairs a decode engine with an eligible prefill engine of its group: without
+  // one, it cannot serve however idle it is.
+  std::set<int> pairing;
+  for (const auto& [id, e] : endpoints_)
+    if (e.prefill && can_serve(e, decoding)) pairing.insert(e.config.group);
+  const bool pairs = topo_.mode == PdMode::kParallel;
   for (const bool prefill : prefill_pools) {
-    int total = 0, ejected = 0, draining = 0, at_limit = 0, no_decode = 0, busy = 0;
+    int total = 0, ejected = 0, draining = 0, at_limit = 0, no_decode = 0, no_prefill = 0, busy = 0;
     for (const auto& [id, e] : endpoints_) {
       if (e.prefill != prefill) continue;
       ++total;
@@ -241,6 +247,8 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
         ++no_decode;
       else if (e.in_flight >= in_flight_limit(e, now))  // a readmitted engine's ramp included
         ++at_limit;
+      else if (pairs && !prefill && pairing.count(e.config.group) == 0)
+        ++no_prefill;
       else
         ++busy;
     }
@@ -254,6 +262,7 @@ std::string EndpointTable::pools_state(const std::vector<bool>& prefill_pools,
     part(draining, "draining");
     part(at_limit, "at the in-flight limit");
     part(no_decode, "whose group has no eligible decode engine");
+    part(no_prefill, "with no eligible prefill engine in their group to pair with");
     part(busy, "over the policy's load limits (queued prefill work or free KV)");
   }
   return out;
@@ -292,6 +301,8 @@ void EndpointTable::leg_finished(const Leg& leg, LegOutcome outcome) {
       break;
     case LegOutcome::kFailed:
       failure(*e);
+      break;
+    case LegOutcome::kCancelled:
       break;
   }
   if (e->draining && e->in_flight == 0) forget(leg.endpoint);

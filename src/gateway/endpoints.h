@@ -32,6 +32,10 @@ enum class LegOutcome {
   kFailed,    // a transport error, a 5xx other than 503, an error event, a malformed answer
   kBusy,      // the engine answered 429 or 503: it is full
   kTimedOut,  // the gateway gave up waiting (prefill or first token)
+  // The gateway gave the leg up (its client left, its pair's other leg failed) before the engine
+  // answered: nothing learned. Counted as a success, it wiped the failures before it: a hung
+  // prefill engine, its legs cancelled as their decode legs failed, was never ejected by them.
+  kCancelled,
 };
 
 // Where the gateway learns an engine's load: its GET /load reports (Tandem engines), or nothing
@@ -136,8 +140,9 @@ class EndpointTable {
                           std::optional<uint64_t> cache_salt = std::nullopt) const;
   // What the engines of the named pools were doing at `now`, for the 503 that says why none took
   // a request: e.g. "decode pool: 2 engines, 1 ejected after failures, 1 at its in-flight limit"
-  // (a readmitted engine's limit as it ramps up; a prefill engine whose group cannot decode said
-  // so). An engine free by all of these is left to the policy's own load limits.
+  // (a readmitted engine's limit as it ramps up; a prefill engine whose group cannot decode, and
+  // in parallel mode a decode engine whose group has no eligible prefill engine to pair with,
+  // said so). An engine free by all of these is left to the policy's own load limits.
   std::string pools_state(const std::vector<bool>& prefill_pools, Clock::time_point now) const;
 
   // A leg starts or ends there: its request, prompt tokens and uncached work count until it ends

@@ -359,10 +359,19 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
                           "\"stream\": true to receive it as it is generated");
     return;
   }
+  // A decode engine that could not take the prompt's KV from its prefill engine says so in the
+  // code of its error (an error status, or a stream's first event): that engine failed.
+  auto blame = [&](std::string_view error_answer) {
+    l.kv_transfer_failed = topo_.mode != PdMode::kAggregated &&
+                           api::openai_error_code(error_answer) == api::kKvTransferFailedCode;
+    return l.kv_transfer_failed ? Dispatcher::Blame::kPrefillEngine : Dispatcher::Blame::kItsEngine;
+  };
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
+    const Dispatcher::Blame whose = blame(l.body);
     dispatcher_.leg_failed(
         r, attempt, endpoint_id, 502, {},
-        "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body));
+        "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body),
+        whose);
     return;
   }
   if (reason.empty() && l.status == 200 && !l.streaming) {
@@ -398,11 +407,13 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     reason = "the stream ended without an answer";
     if (!l.gateway_cancelled.load()) l.engine_error = true;
   }
-  if (!reason.empty())
+  if (!reason.empty()) {
     dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
                            "engine " + where + " failed: " + reason);
-  else
-    dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {});
+    return;
+  }
+  const Dispatcher::Blame whose = blame(l.body);
+  dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {}, whose);
 }
 
 }  // namespace tandem::gateway

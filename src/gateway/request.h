@@ -67,6 +67,9 @@ struct Leg {
   // A parallel prefill leg failed because its decode leg abandoned the bootstrap room
   // (api::kRoomAbandonedCode): the decode leg's failure, not the prefill engine's.
   bool room_abandoned = false;
+  // A P/D decode leg failed because it could not take the prompt's KV from the prefill engine
+  // (api::kKvTransferFailedCode): the prefill engine's failure, not the decode engine's.
+  bool kv_transfer_failed = false;
   // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
   // not the engine's fault.
   bool answer_too_large = false;

@@ -604,6 +604,9 @@ TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
     const auto r = decode_with(kv);
     EXPECT_EQ(r.status, 502) << c.field;
     EXPECT_NE(error_message(r).find(c.error), std::string::npos) << c.field << ": " << r.body;
+    // The prefill engine's failure, which the decode engine only reports: a gateway must not
+    // count it against the decode engine.
+    EXPECT_EQ(api::openai_error_code(r.body), std::string(api::kKvTransferFailedCode)) << c.field;
   }
   // Malformed parameters are the client's fault: 400 naming the field.
   json bad = params;
@@ -676,6 +679,7 @@ TEST_F(Disaggregation, ARoomMissingOneLegFailsTheOtherWithinTheTimeout) {
   EXPECT_EQ(r.status, 502);
   EXPECT_NE(error_message(r).find("no prefill request with bootstrap_room"), std::string::npos)
       << r.body;
+  EXPECT_EQ(api::openai_error_code(r.body), std::string(api::kKvTransferFailedCode)) << r.body;
   expect_no_leak(p);
   expect_no_leak(d);
 }

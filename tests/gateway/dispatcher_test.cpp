@@ -32,6 +32,7 @@
 #include "text/oracle_support.h"
 #include "util/error.h"
 #include "util/metrics.h"
+#include "util/utf8.h"
 
 namespace tandem::gateway {
 namespace {
@@ -1184,6 +1185,28 @@ TEST(Dispatcher, TheQueueTimeoutsReasonNamesAPrefillGroupThatCannotDecode) {
   EXPECT_FALSE(running->complete());
 }
 
+// Parallel mode pairs a decode engine with a prefill engine of its group: with none eligible
+// there, an idle decode engine cannot serve, and the 503 says so. It said "2 over the policy's
+// load limits (queued prefill work or free KV)" of two idle engines.
+TEST(Dispatcher, The503NamesDecodeEnginesThatHaveNoPrefillEngineToPairWith) {
+  Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d1"), engine("d2")});
+  t.health.failures_to_eject = 1;
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c, {"p"});
+  ASSERT_EQ(c.endpoint("p")["healthy"], false);
+  auto refused = c.send();
+  EXPECT_EQ(refused->status, 503);
+  EXPECT_NE(refused->error_message.find(
+                "prefill pool: 1 engine, 1 ejected after failing requests or health checks; "
+                "decode pool: 2 engines, 2 with no eligible prefill engine in their group to "
+                "pair with"),
+            std::string::npos)
+      << refused->error_message;
+  EXPECT_EQ(refused->error_message.find("policy's load limits"), std::string::npos)
+      << refused->error_message;
+}
+
 // vllm:request_queue_time_seconds counts requests: a sequential request's two stages and a retry
 // each wait in the queue, and the request's waits are observed once, when it ends.
 TEST(Dispatcher, QueueTimeIsObservedOncePerRequestWhateverItsStagesAndRetries) {
@@ -1449,6 +1472,130 @@ TEST(Dispatcher, AStreamedPrefillsAbandonedRoomLeavesTheAttemptToItsDecodeLeg) {
   EXPECT_FALSE(client->complete());
 }
 
+// A decode engine that could not take the prompt's KV from the prefill engine says so with code
+// kv_transfer_failed: the prefill engine of that attempt failed (hung, gone), and the decode
+// engine only reported it. The decode leg's failure was counted against the decode engine, and
+// the retry avoided it: a hung prefill engine got every healthy decode engine ejected (its legs
+// waiting for KV there failed together at the transfer timeout) and requests 503 after.
+std::string kv_transfer_failed_answer() {
+  return api::openai_error_body(
+      "generation failed: KV transfer from the prefill engine at 10.0.0.1:8998 failed: timed out "
+      "after 120 s",
+      "server_error", api::kKvTransferFailedCode);
+}
+
+TEST(Dispatcher, ADecodeLegWhoseKvTransferFailedCountsAgainstItsPrefillEngine) {
+  for (const bool stream : {false, true}) {
+    Topology t = parallel_pairs_with_one_retry();
+    t.health.failures_to_eject = 1;
+    Cluster c(t);
+    auto client = c.send(stream);
+    auto legs = c.engines.open("/v1/completions");
+    ASSERT_EQ(legs.size(), 2u);
+    ASSERT_EQ(host_of(*legs[0]), "p1");
+    ASSERT_EQ(host_of(*legs[1]), "d1");
+    if (stream) {  // a streaming decode leg says it in its first event, under a 200
+      FakeEngines::head(*legs[1], 200, "text/event-stream");
+      FakeEngines::piece(*legs[1], "data: " + kv_transfer_failed_answer() + "\n\ndata: [DONE]\n\n");
+      FakeEngines::finish(*legs[1], "");
+    } else {
+      FakeEngines::answer(*legs[1], 502, kv_transfer_failed_answer());
+    }
+    c.clock.run_ready();
+    EXPECT_TRUE(legs[0]->cancelled) << stream;
+    auto retry = c.engines.open("/v1/completions");
+    ASSERT_EQ(retry.size(), 2u) << stream;
+    EXPECT_EQ(host_of(*retry[0]), "p2") << stream;
+    EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1) << stream;
+    EXPECT_EQ(c.endpoint("p1")["healthy"], false) << stream;
+    EXPECT_EQ(c.endpoint("d1")["consecutive_failures"], 0) << stream;
+    EXPECT_EQ(c.endpoint("d1")["healthy"], true) << stream;
+    EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"prefill\",endpoint=\"p1\"}"),
+              1)
+        << stream;
+    EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"decode\",endpoint=\"d1\"}"),
+              0)
+        << stream;
+    c.answer_all("from the retry");
+    EXPECT_EQ(client->status, 200) << stream;
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
+}
+
+// The reported case: a hung prefill engine, requests waiting for its KV on a healthy decode
+// engine, their decode legs failing together at the transfer timeout. The prefill engine is
+// ejected after failures_to_eject of them, and the decode engine stays: the next request's 503
+// names the prefill pool (it named "decode pool: 1 engine, 1 ejected"). The prefill legs the
+// gateway cancels as each attempt fails are no successes of the hung engine's: counted as such,
+// they wiped its failures one by one.
+TEST(Dispatcher, AHungPrefillEngineIsEjectedByTheKvTransfersItFailsAndTheDecodeEngineStays) {
+  Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")});
+  t.prefill_retries = 0;
+  Cluster c(t);
+  std::vector<std::shared_ptr<FakeClient>> clients;
+  for (int i = 0; i < 3; ++i) clients.push_back(c.send());
+  std::vector<std::shared_ptr<FakeEngines::Call>> decode_legs;
+  for (const auto& leg : c.engines.open("/v1/completions"))
+    if (host_of(*leg) == "d") decode_legs.push_back(leg);
+  ASSERT_EQ(decode_legs.size(), 3u);
+  for (const auto& leg : decode_legs) {
+    FakeEngines::answer(*leg, 502, kv_transfer_failed_answer());
+    c.clock.run_ready();
+  }
+  for (const auto& client : clients) EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(c.endpoint("p")["healthy"], false);
+  EXPECT_EQ(c.endpoint("d")["healthy"], true);
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+  auto refused = c.send();
+  EXPECT_EQ(refused->status, 503);
+  EXPECT_NE(refused->error_message.find("prefill pool: 1 engine, 1 ejected"), std::string::npos)
+      << refused->error_message;
+  EXPECT_EQ(refused->error_message.find("decode pool: 1 engine, 1 ejected"), std::string::npos)
+      << refused->error_message;
+}
+
+// Sequential mode: the decode leg pulls the KV the prefill leg left on its engine. A pull that
+// failed is not retried (the KV is gone), and it is the prefill engine's failure too.
+TEST(Dispatcher, ASequentialDecodeLegWhoseKvTransferFailedCountsAgainstItsPrefillEngine) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  auto client = c.send();
+  const json params = {{"do_remote_prefill", true}, {"remote_engine_id", "p-1"}};
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200,
+                      json{{"kv_transfer_params", params}}.dump());
+  c.clock.run_ready();
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  ASSERT_EQ(host_of(*decode[0]), "d");
+  FakeEngines::answer(*decode[0], 502, kv_transfer_failed_answer());
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(client->body, kv_transfer_failed_answer());
+  EXPECT_EQ(c.endpoint("p")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A decode leg the gateway gave up on (its prefill leg failed first, and was counted) whose
+// kv_transfer_failed answer crossed the cancel blames the prefill engine no second time: one
+// failure, one count.
+TEST(Dispatcher, AKvTransferFailureThatCrossedTheGatewaysCancelBlamesNoOneAgain) {
+  Cluster c(parallel_pairs_with_one_retry());
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  c.engines.answer_crossing_cancel = kv_transfer_failed_answer();
+  c.engines.answer_crossing_cancel_status = 502;
+  FakeEngines::finish(*legs[0], "connection reset");  // the prefill leg fails
+  c.clock.run_ready();
+  c.engines.answer_crossing_cancel.clear();
+  EXPECT_TRUE(legs[1]->cancelled);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("d1")["consecutive_failures"], 0);
+  c.answer_all("from the retry");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+}
+
 TEST(Dispatcher, ThePromptsLegCarriesItsDeadlineOnlyToAnEngineThatSchedulesByPriority) {
   for (const bool by_priority : {true, false}) {
     Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")});
@@ -1579,6 +1726,36 @@ TEST(Dispatcher, RecentRequestsAreKeptOnlyWhileTheDashboardIsWatched) {
   state = c.dispatcher.dashboard_state();
   EXPECT_EQ(state["recent"].size(), 2u);
   EXPECT_EQ(state["totals"]["requests"], 4);
+}
+
+// The access log and the dashboard say what an engine's OpenAI error said, which the client got
+// as the engine sent it: the line's error said only "engine error", and each retried_after only
+// "NAME: HTTP 500". A long message is clipped where it is kept, on a character boundary.
+TEST(Dispatcher, TheLineQuotesTheEnginesRelayedErrorAndEachRetriedOne) {
+  Topology t = aggregated({engine("a"), engine("b")});
+  t.prefill_retries = 1;
+  Cluster c(t);
+  c.dispatcher.dashboard_state();  // the watch starts: the lines are kept for the dashboard
+  auto client = c.send();
+  std::string long_message;
+  for (int i = 0; i < 1000; ++i) long_message += "\u00e9";
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 500,
+                      api::openai_error_body(long_message, "server_error"));
+  c.clock.run_ready();
+  const std::string last =
+      R"({"error":{"message":"CUDA error: out of memory","type":"server_error"}})";
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 500, last);
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 500);
+  EXPECT_EQ(client->body, last);
+  const json recent = c.dispatcher.dashboard_state()["recent"];
+  ASSERT_EQ(recent.size(), 1u);
+  EXPECT_EQ(recent[0]["error"], "engine b answered HTTP 500: CUDA error: out of memory");
+  ASSERT_EQ(recent[0]["retried_after"].size(), 1u);
+  const std::string first = recent[0]["retried_after"][0];
+  EXPECT_EQ(first.rfind("a: HTTP 500: \u00e9\u00e9", 0), 0u) << first;
+  EXPECT_LT(first.size(), 300u);
+  EXPECT_TRUE(utf8::is_valid(first));
 }
 
 TEST(Dispatcher, AStreamsUsageChunkSaysWhatTheEngineReused) {
