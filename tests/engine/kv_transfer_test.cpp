@@ -2665,5 +2665,78 @@ TEST_F(KvTransferAgents, AProgressFrameAnsweringAPullIsAnError) {
   EXPECT_THAT(r.error, HasSubstr("expected an accept frame, got a progress frame"));
 }
 
+// A client of a decode engine can name any host in a request, its own too; a refused request
+// then has the decode engine connect there to release the hold. A stranger at that host who
+// relays the handshake between the decode engine and a prefill engine is authenticated for the
+// decode engine's proof, and sent its own pull for a prompt's KV on that connection: the prefill
+// engine took it. Every request after the handshake now carries a MAC keyed by the secret and the
+// handshake's nonces, so a relay can pass on only the decode engine's own requests.
+TEST_F(KvTransferAgents, AStrangerRelayingTheHandshakeCannotSendItsOwnRequest) {
+  prefill_secret_ = decode_secret_ = "one deployment's secret";
+  start();
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  auto transport = make_tcp_transport({5000ms});
+  auto listener = transport->listen("127.0.0.1", 0);
+  KvFrameType answer = KvFrameType::kAccept;
+  std::string said;
+  std::thread stranger([&] {
+    auto from_decode = listener->accept();
+    if (!from_decode) return;
+    auto to_prefill = transport->connect("127.0.0.1", prefill_->port());
+    const auto relay = [](KvConnection& from, KvConnection& to) {
+      const KvFrame f = from.receive(1 << 20);
+      send_bytes(to, f.type, f.payload);
+      return f.type;
+    };
+    try {
+      relay(*from_decode, *to_prefill);  // the decode engine's nonce
+      relay(*to_prefill, *from_decode);  // the prefill engine's nonce and proof
+      relay(*from_decode, *to_prefill);  // the decode engine's proof
+      // What the decode engine sends next is passed on only while it authenticates a request
+      // (the release, which the stranger drops for its own).
+      KvFrame next = from_decode->receive(1 << 20);
+      if (next.type == KvFrameType::kAuth) send_bytes(*to_prefill, next.type, next.payload);
+      send_text(*to_prefill, KvFrameType::kPull,
+                json{{"transfer_id", id},
+                     {"engine_id", "prefill-0"},
+                     {"block_ids", remote_},
+                     {"first_token", 0},
+                     {"num_tokens", 10},
+                     {"prompt_hash", kv_prompt_hash(prompt_)},
+                     {"prompt_tokens", prompt_.size()},
+                     {"layout",
+                      {{"model", "fake"}, {"layers", 3}, {"block_size", 4}, {"token_bytes", 8}}}}
+                    .dump());
+      const KvFrame reply = to_prefill->receive(1 << 20);
+      answer = reply.type;
+      said = text_of(reply.payload);
+    } catch (const std::exception& e) {
+      said = e.what();
+    }
+  });
+  decode_->release_remote("127.0.0.1", listener->port(), "prefill-0", "t-of-the-stranger", {1});
+  stranger.join();
+  listener->close();
+  EXPECT_EQ(answer, KvFrameType::kError) << said;
+  EXPECT_THAT(said, HasSubstr("KV transfer refused: not authenticated"));
+  EXPECT_EQ(prefill_->held_blocks(), 3);  // nothing was taken
+  // The hold is still there for the decode engine the prompt is for.
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_TRUE(r.ok) << r.error;
+}
+
+// The decode engine's own requests still pass, a release among them.
+TEST_F(KvTransferAgents, WithASecretAReleaseStillLetsTheHoldGo) {
+  prefill_secret_ = decode_secret_ = "one deployment's secret";
+  start();
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  decode_->release_remote("127.0.0.1", prefill_->port(), "prefill-0", id, remote_);
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_refused_total"), 0);
+}
+
 }  // namespace
 }  // namespace tandem::engine

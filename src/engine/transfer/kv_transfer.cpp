@@ -93,9 +93,10 @@ std::string error_message(const KvFrame& f) {
 // connection tells why and closes at once, maybe before that frame went out: the send then fails
 // (over shared memory it always does) while the reason waits to be read, and the reason is what
 // the decode engine reports.
-void send_opening(KvConnection& conn, KvFrameType type, const json& j) {
+void send_opening(KvConnection& conn, KvFrameType type, const std::string& text) {
   try {
-    send_json(conn, type, j);
+    const std::span<const std::byte> parts[] = {bytes_of(text)};
+    conn.send(type, parts);
   } catch (const std::exception&) {
     std::string refusal;
     try {
@@ -145,12 +146,39 @@ std::string handshake_field(const json& j, const char* name) {
   return v.size() <= kNonceHexMax ? v : std::string();
 }
 
+// The key of a connection's requests: the secret bound to this handshake's nonces, so that a
+// stranger who relays a handshake between two engines cannot make requests of its own after it.
+std::string session_key(const std::string& secret, const std::string& decode_nonce,
+                        const std::string& prefill_nonce) {
+  return handshake_proof(secret, "session", decode_nonce, prefill_nonce);
+}
+
+// The MAC of the `n`th request a decode engine sends on a connection (the first is 0).
+std::string request_mac(const std::string& session, uint64_t n, KvFrameType type,
+                        std::span<const std::byte> payload) {
+  return hmac_sha256_hex(
+      session, "tandem-kv-transfer request " + std::to_string(n) + " " +
+                   std::to_string(static_cast<uint32_t>(type)) + " " +
+                   std::string(reinterpret_cast<const char*>(payload.data()), payload.size()));
+}
+
+// Decode side, after the handshake: the request, with a secret preceded by a kAuth frame holding
+// its MAC (`session` empty: no secret, no MAC).
+void send_request(KvConnection& conn, const std::string& session, KvFrameType type,
+                  const std::string& text) {
+  if (!session.empty())
+    send_opening(conn, KvFrameType::kAuth,
+                 json{{"mac", request_mac(session, 0, type, bytes_of(text))}}.dump());
+  send_opening(conn, type, text);
+}
+
 // Decode side, right after connecting: proves that it holds the secret and checks that the
-// prefill engine does too. Throws KvTransferError when the prefill engine refuses or fails.
-void authenticate_to_prefill(KvConnection& conn, const std::string& secret,
-                             const std::string& where) {
+// prefill engine does too; returns the connection's session key. Throws KvTransferError when the
+// prefill engine refuses or fails.
+std::string authenticate_to_prefill(KvConnection& conn, const std::string& secret,
+                                    const std::string& where) {
   const std::string mine = random_secret_hex(16);
-  send_opening(conn, KvFrameType::kAuth, {{"nonce", mine}});
+  send_opening(conn, KvFrameType::kAuth, json{{"nonce", mine}}.dump());
   const KvFrame reply = conn.receive(kControlLimit);
   const json answer = handshake_json(reply);
   if (reply.type == KvFrameType::kError)
@@ -164,12 +192,14 @@ void authenticate_to_prefill(KvConnection& conn, const std::string& secret,
                           ": the prefill engine does not hold this engine's KV transfer secret "
                           "(--kv-transfer-secret differs)");
   send_json(conn, KvFrameType::kAuth, {{"proof", handshake_proof(secret, "client", theirs, mine)}});
+  return session_key(secret, mine, theirs);
 }
 
 // Prefill side, `first` being the connection's first frame: empty when the decode engine proved
-// that it holds the secret, else why not (for the log, not for the peer).
-std::string authenticate_decode(KvConnection& conn, const std::string& secret,
-                                const KvFrame& first) {
+// that it holds the secret (`session` then gets the connection's session key), else why not
+// (for the log, not for the peer).
+std::string authenticate_decode(KvConnection& conn, const std::string& secret, const KvFrame& first,
+                                std::string& session) {
   if (first.type != KvFrameType::kAuth)
     return "no handshake (a decode engine without --kv-transfer-secret, or not an engine)";
   const std::string theirs = handshake_field(handshake_json(first), "nonce");
@@ -187,6 +217,7 @@ std::string authenticate_decode(KvConnection& conn, const std::string& secret,
   if (!secrets_equal(handshake_field(handshake_json(answer), "proof"),
                      handshake_proof(secret, "client", mine, theirs)))
     return "a wrong proof (a different --kv-transfer-secret)";
+  session = session_key(secret, theirs, mine);
   return {};
 }
 
@@ -709,13 +740,27 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
   KvFrame first = conn.receive(kControlLimit);
   if (!config_.secret.empty()) {
     conn.set_deadline(Clock::now() + handshake);
-    if (const std::string why = authenticate_decode(conn, config_.secret, first); !why.empty()) {
+    std::string session;
+    std::string why = authenticate_decode(conn, config_.secret, first, session);
+    if (why.empty()) {
+      // The request comes after its MAC: one made with this handshake's key, which only the
+      // engine that made the handshake has (not a stranger relaying it).
+      conn.set_deadline(Clock::now() + handshake);
+      const KvFrame mac = conn.receive(kControlLimit);
+      conn.set_deadline(Clock::now() + handshake);
+      first = conn.receive(kControlLimit);
+      if (mac.type != KvFrameType::kAuth ||
+          !secrets_equal(handshake_field(handshake_json(mac), "mac"),
+                         request_mac(session, 0, first.type, first.payload)))
+        why =
+            "a request without this connection's MAC (not sent by the engine that made the "
+            "handshake: relayed?)";
+    }
+    if (!why.empty()) {
       refused(conn.peer(), why);
       send_error(conn, kNotAuthenticated);
       return;
     }
-    conn.set_deadline(Clock::now() + handshake);
-    first = conn.receive(kControlLimit);
   } else if (first.type == KvFrameType::kAuth) {
     send_error(conn,
                "this prefill engine does not authenticate KV transfers (no --kv-transfer-secret)");
@@ -1153,10 +1198,11 @@ void KvTransferAgent::send_release(const QueuedRelease& r) {
     // frames other than the last would hold this sender for as many timeouts as it has frames.
     conn->set_deadline(deadline);
     conn->set_timeout(handshake);
+    std::string session;
     if (!config_.secret.empty())
-      authenticate_to_prefill(*conn, config_.secret, r.host + ":" + std::to_string(r.port));
-    const std::span<const std::byte> parts[] = {bytes_of(r.request)};
-    conn->send(r.type, parts);
+      session =
+          authenticate_to_prefill(*conn, config_.secret, r.host + ":" + std::to_string(r.port));
+    send_request(*conn, session, r.type, r.request);
     std::vector<std::byte> payload;
     for (int frames = 0; frames < layout_.layers + 2; ++frames) {
       const KvFrameType t = conn->receive(payload, kControlLimit);
@@ -1237,7 +1283,8 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       slot->conn = conn;
       if (slot->cancelled || stopping_) conn->shutdown();
     }
-    if (!config_.secret.empty()) authenticate_to_prefill(*conn, config_.secret, where);
+    std::string session;
+    if (!config_.secret.empty()) session = authenticate_to_prefill(*conn, config_.secret, where);
     json req = {{"first_token", f.first_token},
                 {"num_tokens", f.num_tokens},
                 {"layout", layout_json(layout_)}};
@@ -1248,10 +1295,10 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       req["transfer_id"] = f.transfer_id;
       req["engine_id"] = f.engine_id;
       req["block_ids"] = f.remote_blocks;
-      send_opening(*conn, KvFrameType::kPull, req);
+      send_request(*conn, session, KvFrameType::kPull, req.dump());
     } else {
       req["room"] = f.room;
-      send_opening(*conn, KvFrameType::kRegister, req);
+      send_request(*conn, session, KvFrameType::kRegister, req.dump());
     }
     const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
     const int64_t tokens = f.num_tokens - f.first_token;

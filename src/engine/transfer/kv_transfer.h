@@ -29,10 +29,18 @@
 // prefill side answers {"nonce": Np, "proof": HMAC(secret, "tandem-kv-transfer server Nd Np")},
 // the decode side checks it and sends {"proof": HMAC(secret, "tandem-kv-transfer client Np Nd")}
 // (HMAC-SHA256, lowercase hex; nonces 16 random bytes in hex). Both sides prove they hold the
-// secret and it never crosses the wire. A peer that fails gets one kError saying only that it
-// was not authenticated (the reason goes to the prefill engine's log), and each frame of a
-// connection until its request (the first included) must arrive whole within
-// handshake_timeout_s: silent or idle strangers cannot hold the port.
+// secret and it never crosses the wire. The request that follows comes after a kAuth frame
+// {"mac": HMAC(K, "tandem-kv-transfer request 0 TYPE PAYLOAD")}, K = HMAC(secret,
+// "tandem-kv-transfer session Nd Np") (hex, as a key), TYPE the request's frame type as a decimal
+// number and PAYLOAD its bytes: a stranger who gets a decode engine to connect to it (requests
+// name hosts) and relays the handshake to a prefill engine can pass on only that engine's own
+// request, never send one of its own. The prefill engine's frames carry no MAC (a keyed hash of
+// every layer would cost more than the copy): such a relay can still alter the KV a decode engine
+// receives for a request that named the relay's host, which --kv-transfer-allow (tandem serve
+// sets it) prevents by keeping decode engines to the prefill engines' hosts. A peer that fails
+// gets one kError saying only that it was not authenticated (the reason goes to the prefill
+// engine's log), and each frame of a connection until its request (the first included) must arrive
+// whole within handshake_timeout_s: silent or idle strangers cannot hold the port.
 //
 // Threads: an accept thread, one thread per connection, one per fetch, one reaper for timeouts.
 // Blocks are only read or written by those threads while the engine keeps them allocated; every
