@@ -1,4 +1,5 @@
 // `tandem`: the single binary of the project; each part is a subcommand.
+#include <sys/prctl.h>
 #include <sys/resource.h>
 
 #include <csignal>
@@ -35,6 +36,10 @@ void raise_file_limit() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // serve starts its engines, and an engine its expert-parallel ranks, through /proc/self/exe,
+  // which the kernel names "exe": named here (before any thread, which inherits it), they show as
+  // tandem in ps and pgrep, as serve does.
+  ::prctl(PR_SET_NAME, "tandem");
   raise_file_limit();
   // Sockets are written with MSG_NOSIGNAL; stdout is not. Whoever reads a server's first lines
   // (a script, `| head`) may close the pipe, and the next status or access-log line must then be

@@ -235,5 +235,21 @@ TEST(ServeSupervisor, EnginesListenOnAnIpv6EngineHost) {
                                  "--engine-host ::1"));
 }
 
+// Serve starts its engines through /proc/self/exe, and the kernel names a process after the file
+// it runs: "exe". Every tandem process names itself "tandem", so that `pgrep tandem` and ps's
+// process names find serve's engines as they find serve.
+TEST(ServeSupervisor, ItsEnginesAreNamedTandem) {
+  Serve serve(kOneEngine);
+  const std::string engine = serve.line_with(" engine http://");
+  const pid_t pid = number_after(engine, "(pid ");
+  ASSERT_GT(pid, 0) << serve.output();
+  serve.track(pid);
+  std::ifstream comm("/proc/" + std::to_string(pid) + "/comm");
+  std::string name;
+  std::getline(comm, name);
+  EXPECT_EQ(name, "tandem");
+  EXPECT_EQ(serve.process().stop(), 0);
+}
+
 }  // namespace
 }  // namespace tandem
