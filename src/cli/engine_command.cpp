@@ -577,8 +577,8 @@ void add_engine_command(CLI::App& app) {
                   "host decode engines reach this engine at (remote_host; default: --host, or "
                   "this machine's first non-loopback IPv4 address)");
   cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
-                  "seconds KV waits to be taken, a room waits for its other leg, and any transfer "
-                  "I/O may take")
+                  "seconds KV waits to be taken, a room waits for its other leg, and each transfer "
+                  "frame (one layer's KV) may take")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_option("--kv-transport", o->kv_transport,

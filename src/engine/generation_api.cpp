@@ -52,13 +52,12 @@ struct Call {
   bool failed = false;
   const KvTransfers* transfer = nullptr;  // for a prefill leg's kv_transfer_params
   Engine* engine = nullptr;
-  bool takes_kv = false;  // a decode leg: it takes the prompt's KV from a prefill engine
 
   void on_output(size_t index, const RequestOutput& out) {
     std::lock_guard lock(mutex);
     if (failed) return;
     if (out.finish_reason == "error") {
-      fail(out.error_status, "generation failed: " + out.error, error_code(out));
+      fail(out.error_status, "generation failed: " + out.error, out.error_code);
       return;
     }
     // A rendering that throws (a parser's bug on some model output) ends this request with an
@@ -68,16 +67,6 @@ struct Call {
     } catch (const std::exception& e) {
       fail(500, std::string("rendering the answer failed: ") + e.what(), {});
     }
-  }
-
-  // A decode leg fails with 502 only when it could not take its KV from the prefill engine
-  // (PdCoordinator::on_fetch_done: the transfer failed, timed out or was refused there). That is
-  // the prefill engine's failure, and the code says so: a gateway counted it against this engine,
-  // and a hung prefill engine got every decode engine whose legs waited on it ejected.
-  std::string error_code(const RequestOutput& out) const {
-    if (takes_kv && out.error_status == 502 && out.error_code.empty())
-      return std::string(api::kKvTransferFailedCode);
-    return out.error_code;
   }
 
   // Ends the reply with an error: the other choices are aborted, since with the reply goes the
@@ -324,7 +313,6 @@ void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
   }
   call->transfer = engine_.transfer();
   call->engine = &engine_;
-  call->takes_kv = kv_transfer.decode();
   // As vLLM: "cmpl-" / "chatcmpl-" before the client's X-Request-Id (the gateway sends its own),
   // or before a random one.
   const std::string prefix(api::response_id_prefix(kind));
