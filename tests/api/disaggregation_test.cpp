@@ -57,7 +57,7 @@ TEST(Disaggregation, ThePrefillLegAsksForARemoteDecodeAndOneUnstreamedToken) {
 }
 
 TEST(Disaggregation, ThePrefillAnswerSplicedIntoTheDecodeLegNamesTheSameTransfer) {
-  const PulledKv kv{"engine-7", "127.0.0.9", 7001, "xfer-42", {3, 4, 9}, {11, 12, 13}};
+  const PulledKv kv{"engine-7", "127.0.0.9", 7001, "xfer-42", {3, 4, 9}, {11, 12, 13}, {}};
   const std::string answer = json{
       {"id", "cmpl-1"},
       {"choices", json::array()},
@@ -79,7 +79,7 @@ TEST(Disaggregation, ThePrefillAnswerSplicedIntoTheDecodeLegNamesTheSameTransfer
 // A prefill engine's prompt logprobs ride in its kv_transfer_params and read back as written
 // (-inf as OpenAI's -9999, which JSON can carry); without them the field is absent.
 TEST(Disaggregation, PromptLogprobsInTheTransferParamsReadBackAsWritten) {
-  PulledKv kv{"e", "h", 7001, "t", {1}, {5, 6, 7}};
+  PulledKv kv{"e", "h", 7001, "t", {1}, {5, 6, 7}, {}};
   EXPECT_FALSE(kv_transfer_params(kv).contains("prompt_logprobs"));
   kv.prompt_logprobs = {{6, -0.5f, {{6, -0.5f}, {9, -1.25f}}, 1},
                         {7, -std::numeric_limits<float>::infinity(), {}, 999}};
@@ -98,7 +98,7 @@ TEST(Disaggregation, PromptLogprobsInTheTransferParamsReadBackAsWritten) {
 
 // Prompt logprobs too large for a decode leg's body are left out: the decode engine computes them.
 TEST(Disaggregation, PromptLogprobsLargerThanTheBoundAreLeftOut) {
-  PulledKv kv{"e", "h", 7001, "t", {1}, {5}};
+  PulledKv kv{"e", "h", 7001, "t", {1}, {5}, {}};
   TokenLogprob lp{6, -0.5f, {}, 1};
   for (int32_t k = 0; k < 20; ++k) lp.top.emplace_back(100 + k, -1.5f);
   // About 230 bytes each: 10000 of them fit in 4 MiB, 20000 do not.
@@ -109,7 +109,7 @@ TEST(Disaggregation, PromptLogprobsLargerThanTheBoundAreLeftOut) {
 }
 
 TEST(Disaggregation, MalformedPromptLogprobsAreRefusedNamingTheField) {
-  const json base = kv_transfer_params({"e", "h", 7001, "t", {1}, {2, 3}});
+  const json base = kv_transfer_params({"e", "h", 7001, "t", {1}, {2, 3}, {}});
   for (const json& bad :
        {json("x"), json::array({json::array({3, -0.5})}),              // too short
         json::array({json::array({kVocab, -0.5, 1, json::array()})}),  // id outside
@@ -159,14 +159,14 @@ TEST(Disaggregation, MalformedFieldsAreRefusedNamingTheField) {
                            {{"do_remote_decode", true}, {"do_remote_prefill", true}}}})
                 .param,
             "kv_transfer_params");
-  json pull = kv_transfer_params({"e", "h", 7001, "t", {1}, {2}});
+  json pull = kv_transfer_params({"e", "h", 7001, "t", {1}, {2}, {}});
   pull["remote_port"] = 70000;
   EXPECT_NE(error_of(json{{"kv_transfer_params", pull}}).message.find("remote_port"),
             std::string::npos);
-  pull = kv_transfer_params({"e", "h", 7001, "t", {1}, {kVocab}});
+  pull = kv_transfer_params({"e", "h", 7001, "t", {1}, {kVocab}, {}});
   EXPECT_NE(error_of(json{{"kv_transfer_params", pull}}).message.find("outside the vocabulary"),
             std::string::npos);
-  pull = kv_transfer_params({"e", "h", 7001, "t", {1}, {2}});
+  pull = kv_transfer_params({"e", "h", 7001, "t", {1}, {2}, {}});
   pull.erase("remote_host");
   EXPECT_NE(error_of(json{{"kv_transfer_params", pull}}).message.find("remote_host"),
             std::string::npos);
