@@ -366,16 +366,29 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
     } else if (fault) {
       std::lock_guard lock(r->mutex);  // cancel_reason: set by the deadline timer
       outcome = leg->cancel_reason.empty() ? LegOutcome::kFailed : LegOutcome::kTimedOut;
-    } else if (cancelled && leg->status == 0) {
+    } else if ((cancelled && leg->status == 0) || leg->kv_transfer_failed) {
+      // A decode leg that could not take its KV failed by its prefill engine: no success of its
+      // own engine's (which reset its failure count), nor a failure.
       outcome = LegOutcome::kCancelled;
     }
-    exec_.post_batched([this, r, leg, outcome, kv_source, kv_source_failed] {
+    exec_.post_batched([this, r, leg, outcome, kv_source, kv_source_failed]() mutable {
       if (leg->ended_request) finished(r);
       if (leg->prefill && r->record_pending) {
         r->record_pending = false;
         recorder_.record(*r, exec_.now_ns());
       }
-      if (kv_source_failed) prefill_engine_failed(kv_source);
+      // One failure of the attempt's prefill engine counts once, whichever leg tells first.
+      const bool prefill_failed =
+          leg->prefill && (outcome == LegOutcome::kFailed || outcome == LegOutcome::kTimedOut);
+      bool blame_source = kv_source_failed;
+      if (prefill_failed || blame_source) {
+        if (r->prefill_blamed_attempt == leg->attempt) {
+          if (prefill_failed) outcome = LegOutcome::kCancelled;  // told by its decode leg
+          blame_source = false;                                  // told by its own leg
+        }
+        r->prefill_blamed_attempt = leg->attempt;
+      }
+      if (blame_source) prefill_engine_failed(kv_source, leg->started);
       leg_done(*leg, outcome);
     });
   };
@@ -416,18 +429,19 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
 
 void Dispatcher::leg_done(const Leg& leg, LegOutcome outcome) {
   exec_.cancel(leg.deadline);
-  // The policy hears first: a drained engine is forgotten (by the policy too) as its last leg ends.
+  // The policy hears first (of every leg but a cancelled one, which tells nothing of its engine):
+  // a drained engine is forgotten (by the policy too) as its last leg ends.
   if (outcome != LegOutcome::kCancelled && endpoints_.find(leg.endpoint))
     policy_.outcome(policy_state_, leg.endpoint, outcome == LegOutcome::kOk, exec_.now());
   endpoints_.leg_finished(leg, outcome);
   dispatch();
 }
 
-void Dispatcher::prefill_engine_failed(int endpoint_id) {
+void Dispatcher::prefill_engine_failed(int endpoint_id, Clock::time_point since) {
   EndpointState* e = endpoints_.find(endpoint_id);
   if (!e) return;  // drained and gone since
   policy_.outcome(policy_state_, endpoint_id, false, exec_.now());
-  endpoints_.failure(*e);
+  endpoints_.failure_since(*e, since);
 }
 
 void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,

@@ -147,9 +147,10 @@ class Dispatcher {
   void leg_done(const Leg& leg, LegOutcome outcome);
   void attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                       std::string body, std::string message, Blame blame);
-  // A decode leg could not take its KV from this prefill engine: its failure, for its health and
-  // the policy, as a failed leg of its own would be.
-  void prefill_engine_failed(int endpoint_id);
+  // A decode leg sent at `since` could not take its KV from this prefill engine: its failure, for
+  // the policy and its health, as a timed-out leg of its own would be (overload if it passed a
+  // health probe since).
+  void prefill_engine_failed(int endpoint_id, Clock::time_point since);
   void answer_error(const RequestPtr& r, int status, const std::string& message);
   void finished(const RequestPtr& r);
   static bool prefill_leg_running(Request& r);

@@ -284,7 +284,6 @@ void EndpointTable::leg_finished(const Leg& leg, LegOutcome outcome) {
   e->tokens_in_flight -= leg.prompt_tokens;
   e->counts.uncached_in_flight -= leg.uncached;
   e->in_flight_gauge->set(static_cast<double>(e->in_flight));
-  const bool alive_since_sent = e->probe_passed > leg.started;
   switch (outcome) {
     case LegOutcome::kOk:
       e->consecutive_failures = 0;
@@ -293,11 +292,7 @@ void EndpointTable::leg_finished(const Leg& leg, LegOutcome outcome) {
       e->overloaded_total->inc();
       break;
     case LegOutcome::kTimedOut:
-      if (alive_since_sent) {
-        e->overloaded_total->inc();
-      } else {
-        failure(*e);
-      }
+      failure_since(*e, leg.started);
       break;
     case LegOutcome::kFailed:
       failure(*e);
@@ -306,6 +301,14 @@ void EndpointTable::leg_finished(const Leg& leg, LegOutcome outcome) {
       break;
   }
   if (e->draining && e->in_flight == 0) forget(leg.endpoint);
+}
+
+void EndpointTable::failure_since(EndpointState& e, Clock::time_point since) {
+  if (e.probe_passed > since) {
+    e.overloaded_total->inc();
+  } else {
+    failure(e);
+  }
 }
 
 void EndpointTable::failure(EndpointState& e) {

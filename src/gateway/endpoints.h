@@ -153,6 +153,9 @@ class EndpointTable {
   void leg_finished(const Leg& leg, LegOutcome outcome);
   // A failed leg or probe: ejects the engine after health.failures_to_eject in a row.
   void failure(EndpointState& e);
+  // A failure that may be load: an engine that passed a health probe since `since` is alive and
+  // counts as overloaded, else as failing (towards ejection).
+  void failure_since(EndpointState& e, Clock::time_point since);
 
   // Health probe and load poll results; true when the engine's state changed so that waiting
   // requests may now start (readmitted, or a fresher load report) or have no engine left

@@ -123,6 +123,9 @@ struct Request {
   Booking booking = Booking::kOutside;
   int attempt = 0;  // current attempt; legs of older attempts are ignored
   std::vector<int> excluded;
+  // The attempt whose prefill engine's failure was counted (by its leg, or by a decode leg that
+  // could not take its KV): one failure counts once, whichever leg tells of it first.
+  int prefill_blamed_attempt = -1;
   std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
   api::PrefillWork uncached;  // the prompt work the engine chosen to prefill it lacks in cache

@@ -1379,6 +1379,7 @@ TEST_F(KvTransferAgents, ADecodeEngineConnectsOnlyToAllowedHosts) {
   const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("127.0.0.1 refused: the host is not in --kv-transfer-allow"));
+  EXPECT_FALSE(r.prefill_fault) << "this engine's own refusal blamed the prefill engine";
   EXPECT_EQ(decode_exec_.writes(), 0);
   EXPECT_EQ(prefill_->held_blocks(), 3);  // nothing reached the prefill engine
 }
@@ -1394,6 +1395,7 @@ TEST_F(KvTransferAgents, AHoldNobodyPullsExpires) {
   const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("unknown transfer"));
+  EXPECT_FALSE(r.prefill_fault) << "a refusal the prefill engine answered blamed it";
   EXPECT_EQ(decode_exec_.writes(), 0);
 }
 
@@ -1618,6 +1620,16 @@ TEST_F(KvTransferAgents, CancelFetchEndsAWaitingFetch) {
 class KvTransferOverShm : public KvTransferAgents {
  protected:
   KvTransferOverShm() : KvTransferAgents(KvLayout{"fake", 3, 4, 8}, "shm") {}
+
+  // 64 local peers in their handshake, the most one address may have: the next is refused.
+  std::vector<std::unique_ptr<FakeShmClient>> silent_peers_at_the_limit() {
+    std::vector<std::unique_ptr<FakeShmClient>> silent;
+    for (int i = 0; i < 64; ++i) {
+      silent.push_back(std::make_unique<FakeShmClient>(prefill_->port()));
+      if (!silent.back()->hello()) ADD_FAILURE() << "silent peer " << i << " was not welcomed";
+    }
+    return silent;
+  }
 };
 
 TEST_F(KvTransferOverShm, CancelFetchEndsAFetchStillConnecting) {
@@ -1645,11 +1657,7 @@ TEST_F(KvTransferOverShm, ARefusedPeerWhoseRingIsNeverFreeHoldsUpNothing) {
   prefill_io_timeout_ = 600s;
   handshake_timeout_s_ = 60;  // the silent peers stay in their handshake meanwhile
   start();
-  std::vector<std::unique_ptr<FakeShmClient>> silent;
-  for (int i = 0; i < 64; ++i) {
-    silent.push_back(std::make_unique<FakeShmClient>(prefill_->port()));
-    ASSERT_TRUE(silent.back()->hello());
-  }
+  const auto silent = silent_peers_at_the_limit();
   const std::string id =
       prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
   // A well-behaved peer refused is still told why.
@@ -1698,11 +1706,7 @@ class HandedOverOnceClosed : public KvTransport {
 TEST_F(KvTransferOverShm, ARefusalIsToldEvenWhenThePeerClosedBeforeTheFirstFrameWentOut) {
   handshake_timeout_s_ = 60;  // the silent peers stay in their handshake meanwhile
   start();
-  std::vector<std::unique_ptr<FakeShmClient>> silent;
-  for (int i = 0; i < 64; ++i) {
-    silent.push_back(std::make_unique<FakeShmClient>(prefill_->port()));
-    ASSERT_TRUE(silent.back()->hello());
-  }
+  const auto silent = silent_peers_at_the_limit();
   const std::string id =
       prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
   metrics::Registry registry;
@@ -2648,6 +2652,7 @@ TEST_F(KvTransferAgents, ProgressThatDoesNotProgressFailsARoomAtTheTimeout) {
     const KvFetchResult r = wait(fetch(enter_room(7, local_, "req-7")));
     EXPECT_FALSE(r.ok);
     EXPECT_THAT(r.error, HasSubstr("the prefill of bootstrap_room 7 made no progress within 1 s"));
+    EXPECT_TRUE(r.prefill_fault) << "a prefill engine that stopped progressing was not blamed";
   }
   EXPECT_EQ(decode_exec_.writes(), 0);
 }

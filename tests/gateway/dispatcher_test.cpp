@@ -1575,6 +1575,79 @@ TEST(Dispatcher, ASequentialDecodeLegWhoseKvTransferFailedCountsAgainstItsPrefil
   EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
+// One failure of a prefill engine counts once, whichever of its attempt's legs tells of it first:
+// here the decode leg (it could not take the KV), then the prefill leg itself (a 502), both
+// before the gateway gave up on the attempt. They were counted twice: with failures_to_eject 2,
+// one failure ejected the engine.
+TEST(Dispatcher, OneFailureOfAPrefillEngineCountsOnceWhicheverLegTellsOfItFirst) {
+  Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")});
+  t.prefill_retries = 0;
+  t.health.failures_to_eject = 2;
+  Cluster c(t);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p");
+  FakeEngines::answer(*legs[1], 502, kv_transfer_failed_answer());
+  FakeEngines::answer(*legs[0], 502, R"({"error":{"message":"the room failed"}})");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(c.endpoint("p")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("p")["healthy"], true);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_failures_total{pool=\"prefill\",endpoint=\"p\"}"), 1);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A decode leg that failed by its prefill engine is no success of the decode engine's either:
+// it reset the decode engine's failure count, so a decode engine failing every other request
+// on its own was never ejected.
+TEST(Dispatcher, ADecodeLegFailedByItsPrefillEngineLeavesTheDecodeEnginesCountAsItWas) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  const json params = {{"do_remote_prefill", true}, {"remote_engine_id", "p-1"}};
+  auto decode_leg_answers = [&](int status, const std::string& body) {
+    auto client = c.send();
+    FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200,
+                        json{{"kv_transfer_params", params}}.dump());
+    c.clock.run_ready();
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u);
+    ASSERT_EQ(host_of(*decode[0]), "d");
+    FakeEngines::answer(*decode[0], status, body);
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, status);
+  };
+  decode_leg_answers(500, R"({"error":{"message":"the decode engine failed"}})");
+  ASSERT_EQ(c.endpoint("d")["consecutive_failures"], 1);
+  decode_leg_answers(502, kv_transfer_failed_answer());
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("p")["consecutive_failures"], 1);
+}
+
+// A prefill engine that passed a health probe since the decode leg was sent is alive: a KV
+// transfer it failed then is load (a prompt queued past the transfer timeout), counted as
+// overload as a leg's own timeout would be, never towards ejecting it.
+TEST(Dispatcher, AKvTransferFailedByAPrefillEngineThatPassesItsProbesIsOverload) {
+  Topology t = disaggregated(PdMode::kParallel, {engine("p")}, {engine("d")});
+  t.prefill_retries = 0;
+  t.health.failures_to_eject = 1;
+  t.health.probe_interval = milliseconds(1000);
+  Cluster c(t);
+  c.health.start();
+  probes_answer(c);
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  c.clock.advance_by(milliseconds(1000));
+  probes_answer(c);  // alive while the decode leg waits for its KV
+  FakeEngines::answer(*legs[1], 502, kv_transfer_failed_answer());
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_EQ(c.endpoint("p")["healthy"], true);
+  EXPECT_EQ(c.endpoint("p")["consecutive_failures"], 0);
+  EXPECT_EQ(c.metric("tandem:gateway_endpoint_overloaded_total{pool=\"prefill\",endpoint=\"p\"}"),
+            1);
+}
+
 // A decode leg the gateway gave up on (its prefill leg failed first, and was counted) whose
 // kv_transfer_failed answer crossed the cancel blames the prefill engine no second time: one
 // failure, one count.

@@ -89,6 +89,14 @@ std::string error_message(const KvFrame& f) {
   return "the peer reported an error without a message";
 }
 
+// A fetch that failed for a reason on this side, or one the prefill engine gave in an error frame
+// (it was there and answered): not a prefill engine that died, hung or broke the protocol
+// (KvFetchResult::prefill_fault).
+class NotThePrefillsFault : public Error {
+ public:
+  using Error::Error;
+};
+
 // Sends the decode side's first frame on a connection. A prefill engine that refuses the
 // connection tells why and closes at once, maybe before that frame went out: the send then fails
 // (over shared memory it always does) while the reason waits to be read, and the reason is what
@@ -106,7 +114,7 @@ void send_opening(KvConnection& conn, KvFrameType type, const std::string& text)
     } catch (const std::exception&) {
       // Nothing was said: the failed send's error stands.
     }
-    if (!refusal.empty()) throw Error(refusal);
+    if (!refusal.empty()) throw NotThePrefillsFault(refusal);
     throw;
   }
 }
@@ -280,6 +288,11 @@ uint64_t checksum(std::span<const Span> pieces) {
   const uint64_t sum = XXH3_64bits_digest(st);
   XXH3_freeState(st);
   return sum;
+}
+
+// A configured timeout in seconds as the transports take it.
+std::chrono::milliseconds milliseconds_of(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
 std::string seconds_text(double s) {
@@ -734,7 +747,7 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
   using std::chrono::milliseconds;
   // Until the request has arrived (after the handshake), a silent peer is dropped quickly: each
   // frame within the handshake timeout, its header and payload together.
-  const auto handshake = milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000));
+  const auto handshake = milliseconds_of(config_.handshake_timeout_s);
   conn.set_timeout(handshake);
   conn.set_deadline(Clock::now() + handshake);
   KvFrame first = conn.receive(kControlLimit);
@@ -768,7 +781,7 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
   }
   handshake_done();
   conn.set_deadline(Clock::time_point::max());
-  conn.set_timeout(milliseconds(static_cast<int64_t>(config_.timeout_s * 1000)));
+  conn.set_timeout(milliseconds_of(config_.timeout_s));
   if (first.type == KvFrameType::kPull)
     serve_pull(conn, first.payload);
   else if (first.type == KvFrameType::kRegister)
@@ -1178,8 +1191,7 @@ void KvTransferAgent::tell_prefill(const std::string& host, uint16_t port, KvFra
 
 void KvTransferAgent::send_release(const QueuedRelease& r) {
   std::shared_ptr<KvConnection> conn;
-  const auto handshake =
-      std::chrono::milliseconds(static_cast<int64_t>(config_.handshake_timeout_s * 1000));
+  const auto handshake = milliseconds_of(config_.handshake_timeout_s);
   // The connect too is bounded by the handshake timeout, not the transport's I/O timeout: one
   // unreachable host would otherwise hold every release queued behind it for that long.
   const auto deadline = Clock::now() + handshake;
@@ -1228,10 +1240,8 @@ void KvTransferAgent::cancel_fetch(const std::string& request_id) {
 KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
   // Only a count that grew within the prompt is progress: a prefill engine repeating itself (or
   // counting past the prompt) must not hold this leg, and the blocks reserved for it, forever.
-  const auto window =
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(config_.timeout_s));
   int64_t computed = 0;
-  auto until = Clock::now() + window;
+  auto until = deadline();
   for (;;) {
     conn.set_deadline(until);
     KvFrame frame;
@@ -1254,7 +1264,7 @@ KvFrame KvTransferAgent::await_room(KvConnection& conn, const KvFetch& f) {
       const int64_t n = j["computed_tokens"].get<int64_t>();
       if (n > computed && n <= f.prompt_tokens) {
         computed = n;
-        until = Clock::now() + window;
+        until = deadline();
       }
     }
   }
@@ -1268,11 +1278,11 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
   try {
     {
       std::lock_guard lock(mutex_);
-      if (slot->cancelled || stopping_) throw Error("cancelled");
+      if (slot->cancelled || stopping_) throw NotThePrefillsFault("cancelled");
     }
     if (!kv_peer_allowed(config_.allow, f.host))
-      throw Error("KV transfer from " + f.host +
-                  " refused: the host is not in --kv-transfer-allow");
+      throw NotThePrefillsFault("KV transfer from " + f.host +
+                                " refused: the host is not in --kv-transfer-allow");
     std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port, [this, slot] {
       std::lock_guard lock(mutex_);
       return slot->cancelled || stopping_;
@@ -1303,11 +1313,12 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
     const int64_t tokens = f.num_tokens - f.first_token;
     if (tokens < 0 || int64_t(f.local_blocks.size()) * bs < tokens)
-      throw Error("the local block table does not cover tokens [" + std::to_string(f.first_token) +
-                  ", " + std::to_string(f.num_tokens) + ")");
+      throw NotThePrefillsFault("the local block table does not cover tokens [" +
+                                std::to_string(f.first_token) + ", " +
+                                std::to_string(f.num_tokens) + ")");
     const size_t layer_bytes = size_t(tokens * tb);
     KvFrame accept = f.pull ? conn->receive(kControlLimit) : await_room(*conn, f);
-    if (accept.type == KvFrameType::kError) throw Error(error_message(accept));
+    if (accept.type == KvFrameType::kError) throw NotThePrefillsFault(error_message(accept));
     if (accept.type != KvFrameType::kAccept)
       throw Error("expected an accept frame, got " +
                   frame_text(accept.type, accept.payload.size()));
@@ -1334,7 +1345,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
         KvFrame e{type, std::vector<std::byte>(size)};
         const std::span<std::byte> whole(e.payload);
         conn->receive_payload(std::span(&whole, 1));
-        throw Error(error_message(e));
+        throw NotThePrefillsFault(error_message(e));
       }
       if (type != KvFrameType::kLayer || size != kLayerHeader + layer_bytes)
         throw Error("layer " + std::to_string(layer) + ": expected a layer frame of " +
@@ -1373,13 +1384,17 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       metrics_->bytes.labels({"received"}).inc(layer_bytes);
     }
     KvFrame end = conn->receive(kControlLimit);
-    if (end.type == KvFrameType::kError) throw Error(error_message(end));
+    if (end.type == KvFrameType::kError) throw NotThePrefillsFault(error_message(end));
     if (end.type != KvFrameType::kDone)
       throw Error("expected a done frame, got " + frame_text(end.type, end.payload.size()));
     result.ok = true;
   } catch (const std::exception& e) {
     result.ok = false;
     result.error = "KV transfer from the prefill engine at " + where + " failed: " + e.what();
+    std::lock_guard lock(mutex_);
+    result.prefill_fault = !dynamic_cast<const NotThePrefillsFault*>(&e) &&
+                           !dynamic_cast<const KvTransferError*>(&e) && !slot->cancelled &&
+                           !stopping_;
   }
   {
     std::lock_guard lock(mutex_);

@@ -37,7 +37,8 @@
 // request, never send one of its own. The prefill engine's frames carry no MAC (a keyed hash of
 // every layer would cost more than the copy): such a relay can still alter the KV a decode engine
 // receives for a request that named the relay's host, which --kv-transfer-allow (tandem serve
-// sets it) prevents by keeping decode engines to the prefill engines' hosts. A peer that fails
+// sets it, but not for a wildcard --engine-host) prevents by keeping decode engines to the
+// prefill engines' hosts. A peer that fails
 // gets one kError saying only that it was not authenticated (the reason goes to the prefill
 // engine's log), and each frame of a connection until its request (the first included) must arrive
 // whole within handshake_timeout_s: silent or idle strangers cannot hold the port.
@@ -130,6 +131,11 @@ struct KvFetchResult {
   bool ok = false;
   std::string error;
   uint64_t bytes = 0;
+  // A failure of the prefill engine's: it could not be reached, went silent or closed the
+  // connection, or broke the protocol. Not one of this engine's (its --kv-transfer-allow, its
+  // cancellation or shutdown) nor an error the prefill engine answered (an unknown transfer, a
+  // layout or secret that differs, too many connections): those name no engine at fault.
+  bool prefill_fault = false;
 };
 
 // A transfer that cannot happen for a reason on the other engine (its answer is a 502, not a

@@ -129,9 +129,12 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     // The hold stays on the prefill engine (a retry with the right parameters may still pull
     // it, or it expires): out of awaiting_kv_ first, so that ending() does not release it.
     std::erase(awaiting_kv_, seq);
-    // The prefill engine's failure, and the code says so: a gateway that counted it against this
-    // engine got every decode engine whose legs waited on a hung prefill engine ejected.
-    host_.fail(seq, result.error, 502, std::string(api::kKvTransferFailedCode));
+    // A prefill engine that died, hung or broke the protocol: the code says so, since a gateway
+    // that counted it against this engine got every decode engine whose legs waited on a hung
+    // prefill engine ejected. Other failures (this engine's own, or an answered refusal) name
+    // no engine at fault.
+    host_.fail(seq, result.error, 502,
+               result.prefill_fault ? std::string(api::kKvTransferFailedCode) : std::string());
     return;
   }
   std::erase(awaiting_kv_, seq);
