@@ -108,8 +108,11 @@ class RegexCompiler {
     Piece atom_piece = atom();
     int64_t min = 0, max = -1;
     if (!quantifier(min, max)) return atom_piece;
-    if (peek('?')) ++i_;  // lazy: the same language
-    if (peek('+')) fail("possessive quantifiers are not supported");
+    if (peek('?')) {
+      ++i_;  // lazy: the same language
+    } else if (peek('+')) {
+      fail("possessive quantifiers are not supported");
+    }
     if (atom_piece.nullable && (max < 0 || max > 1))
       fail("a repeated part that may match nothing is not supported");
     if (max > kMaxRepeat || min > kMaxRepeat)

@@ -957,7 +957,8 @@ TEST(StructuredOutput, AQuantifierAfterAnotherIsRefusedAsPythonAndEcmaScriptDo) 
   const std::vector<std::pair<std::string, std::string>> refused = {
       {"a{2}{3}", "offset 4: multiple repeat"}, {"a**", "offset 2: multiple repeat"},
       {"a+*", "offset 2: multiple repeat"},     {"(ab)?{2}", "offset 5: multiple repeat"},
-      {"a*??", "offset 3: multiple repeat"},    {"a{2}*", "offset 4: multiple repeat"}};
+      {"a*??", "offset 3: multiple repeat"},    {"a{2}*", "offset 4: multiple repeat"},
+      {"a*?+", "offset 3: multiple repeat"}};
   json cases = json::array();
   for (const auto& [pattern, error] : refused) {
     const std::string e = compile_error(OutputSpec::Kind::kRegex, pattern);
