@@ -1007,6 +1007,18 @@ std::unique_ptr<Engine> sim_engine(const EngineConfig& config, const text::Token
       registry);
 }
 
+// `body` handed to the API as a POST, the engine run until its reply is done (100 steps at most).
+std::shared_ptr<KeptReply> handled(GenerationApi& api, Engine& engine, api::ApiKind kind,
+                                   const json& body) {
+  net::HttpRequest req;
+  req.method = "POST";
+  req.body = body.dump();
+  auto reply = std::make_shared<KeptReply>();
+  api.handle(kind, req, reply);
+  for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+  return reply;
+}
+
 // `created` is when each request came (as OpenAI and vLLM), read from the API's clock as the
 // request is handled, not the time the engine started.
 TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
@@ -1017,12 +1029,7 @@ TEST_F(EngineServer, EachResponseIsCreatedWhenItsRequestCame) {
   GenerationApi api(
       engine, [](std::function<void()> task) { task(); }, {}, [&] { return unix_now; });
   auto answer = [&](api::ApiKind kind, const json& body) {
-    net::HttpRequest req;
-    req.method = "POST";
-    req.body = body.dump();
-    auto reply = std::make_shared<KeptReply>();
-    api.handle(kind, req, reply);
-    for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+    const auto reply = handled(api, engine, kind, body);
     EXPECT_TRUE(reply->done);
     EXPECT_EQ(reply->status, 200) << reply->body;
     return reply->body;
@@ -1060,12 +1067,7 @@ TEST_F(EngineServer, APriorityIsRefusedUnlessTheEngineSchedulesByPriority) {
     Engine& engine = *owned;
     GenerationApi api(engine, [](std::function<void()> task) { task(); });
     auto status = [&](api::ApiKind kind, const json& body) {
-      net::HttpRequest req;
-      req.method = "POST";
-      req.body = body.dump();
-      auto reply = std::make_shared<KeptReply>();
-      api.handle(kind, req, reply);
-      for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+      const auto reply = handled(api, engine, kind, body);
       EXPECT_TRUE(reply->done);
       if (reply->status == 400) {
         EXPECT_EQ(json::parse(reply->body)["error"]["param"], "priority") << reply->body;
@@ -1098,12 +1100,8 @@ TEST_F(EngineServer, TheOverridesMaxNewTokensCapsAnswers) {
   const std::unique_ptr<Engine> owned = sim_engine(config, *tok_, registry);
   Engine& engine = *owned;
   GenerationApi api(engine, [](std::function<void()> task) { task(); });
-  net::HttpRequest req;
-  req.method = "POST";
-  req.body = json{{"prompt", "hi"}, {"max_tokens", 10}, {"ignore_eos", true}}.dump();
-  auto reply = std::make_shared<KeptReply>();
-  api.handle(api::ApiKind::kCompletion, req, reply);
-  for (int i = 0; i < 100 && !reply->done; ++i) engine.run_once();
+  const auto reply = handled(api, engine, api::ApiKind::kCompletion,
+                             {{"prompt", "hi"}, {"max_tokens", 10}, {"ignore_eos", true}});
   ASSERT_TRUE(reply->done);
   ASSERT_EQ(reply->status, 200) << reply->body;
   const json answer = json::parse(reply->body);
