@@ -5,6 +5,7 @@
 //
 // Calls block the calling thread; every send and receive is bounded by the transport's I/O
 // timeout and throws tandem::Error on timeout, a closed peer or a malformed frame.
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -113,6 +114,15 @@ class KvConnection {
   // (the listener's send_memory; shared memory only).
   virtual uint64_t bytes_sent_in_place() const { return 0; }
 };
+
+// When one send or receive that starts at `now` must end: its timeout from now, or the deadline
+// of the step it is part of when that comes first (set_timeout and set_deadline above). One rule
+// for every transport.
+inline std::chrono::steady_clock::time_point kv_call_deadline(
+    std::chrono::steady_clock::time_point now, std::chrono::milliseconds timeout,
+    std::chrono::steady_clock::time_point deadline) {
+  return std::min(deadline, now + timeout);
+}
 
 class KvListener {
  public:

@@ -284,7 +284,7 @@ class ShmConnection : public KvConnection {
     what_ = what;
     if (stopped_ || broken_) throw Error("KV transfer with " + peer_ + ": connection shut down");
     const auto now = Clock::now();
-    const auto deadline = std::min(deadline_, now + timeout_);
+    const auto deadline = kv_call_deadline(now, timeout_, deadline_);
     wait_ms_ = kv_wait_ms(now, deadline);
     return deadline;
   }

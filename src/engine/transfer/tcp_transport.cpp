@@ -110,7 +110,7 @@ class TcpConnection : public KvConnection {
     const char* what = sending ? "sending" : "receiving";
     if (stopped_ || broken_) throw Error("KV transfer with " + peer_ + ": connection shut down");
     const auto now = Clock::now();
-    const auto deadline = std::min(deadline_, now + timeout_);
+    const auto deadline = kv_call_deadline(now, timeout_, deadline_);
     size_t first = 0;
     while (first < iov.size()) {
       msghdr m{};
