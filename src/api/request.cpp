@@ -686,6 +686,17 @@ std::string continue_final(std::string rendered, const nlohmann::ordered_json& f
   return rendered;
 }
 
+// vLLM's chat echo (serving_chat.py): the last message's text when it has the answer's role,
+// which is "assistant" after a generation prompt and the last message's own without one
+// (get_chat_request_role); else "". Text parts are joined by "\n" whatever shape the template
+// reads (vLLM joins a list of parts so).
+std::string chat_echo_of(const nlohmann::ordered_json& last, bool add_generation_prompt) {
+  if (add_generation_prompt && last["role"] != "assistant") return "";
+  const nlohmann::ordered_json joined =
+      template_messages(nlohmann::ordered_json::array({last}), text::ContentFormat::kString);
+  return joined[0]["content"].get<std::string>();
+}
+
 // A list of prompts: at most kMaxPromptsPerRequest, checked before any is tokenized.
 // vLLM's prompt_logprobs: null, or the alternatives per prompt token (0..20). As vLLM, only a
 // whole body carries them (no stream chunk has the field): a stream that asks for alternatives is
@@ -796,11 +807,11 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // when the request has tools and the model one).
   const text::ContentFormat format = chat_template->content_format(tools_field != nullptr);
   OrderedBody ordered(raw_body);
+  const nlohmann::ordered_json client_messages = ordered.get({"messages"}, *messages);
   const NullContent null_content = chat_template->tests_content_for_none(tools_field != nullptr)
                                        ? NullContent::kNone
                                        : NullContent::kNoText;
-  nlohmann::ordered_json msgs =
-      template_messages(ordered.get({"messages"}, *messages), format, null_content);
+  nlohmann::ordered_json msgs = template_messages(client_messages, format, null_content);
   const nlohmann::ordered_json tools_in_order =
       tools_field ? ordered.get({"tools"}, *tools_field) : nlohmann::ordered_json();
   const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);
@@ -813,6 +824,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
     fail("continue_final_message",
          "Cannot set both `continue_final_message` and `add_generation_prompt` to True: send "
          "\"add_generation_prompt\": false");
+  if (boolean(body, "echo", false))
+    r.chat_echo = chat_echo_of(client_messages.back(), add_generation_prompt);
   nlohmann::ordered_json ctx = {{"messages", msgs},
                                 {"add_generation_prompt", add_generation_prompt},
                                 {"bos_token", tokenizer.bos_token()},

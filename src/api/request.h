@@ -46,7 +46,10 @@ struct ApiRequest {
   // SGLang's logprob_start_len with return_logprob (-1: none): the prompt's logprobs from this
   // position on, as meta_info.input_token_logprobs.
   int64_t logprob_start_len = -1;
-  bool echo = false;
+  bool echo = false;  // completions: the answer starts with the prompt
+  // Chat with vLLM's echo: each choice's content starts with this text (the last message's when it
+  // has the answer's role, else ""); none without echo.
+  std::optional<std::string> chat_echo;
   // Completions with echo and max_tokens 0 (OpenAI's and vLLM's): the answer is the prompt alone,
   // finished by "length". As vLLM, the engine still runs the prompt and one token (its usage and
   // cache as any request's), whose text the answer leaves out; sampling.max_tokens is then 1.

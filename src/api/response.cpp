@@ -390,14 +390,14 @@ std::vector<json> ResponseBuilder::on_output(size_t index, const RequestOutput& 
     if (c.tool_parser || c.reasoning_parser) read_chat(c, out);
     return chunks;
   }
-  const bool first_chunk = !c.started;
+  // The chunks that open a chat stream before the answer: the role's, and the echo's.
+  const size_t opening = c.started || request_.kind != ApiKind::kChat ? 0 : (echoes_text() ? 2 : 1);
   stream_chunks(index, c, out, first_lp, chars_before, chunks);
-  // vLLM's continuous_usage_stats: each chunk carries its choice's usage so far (the role chunk
-  // that opens a chat stream none of its tokens yet).
+  // vLLM's continuous_usage_stats: each chunk carries its choice's usage so far (the chunks that
+  // open a chat stream none of its tokens yet).
   if (request_.include_usage && request_.continuous_usage && request_.kind != ApiKind::kGenerate)
     for (size_t k = 0; k < chunks.size(); ++k) {
-      const bool role = first_chunk && k == 0 && request_.kind == ApiKind::kChat;
-      const int64_t completion = role ? 0 : c.completion_tokens;
+      const int64_t completion = k < opening ? 0 : c.completion_tokens;
       chunks[k]["usage"] = {{"prompt_tokens", c.prompt_tokens},
                             {"completion_tokens", completion},
                             {"total_tokens", c.prompt_tokens + completion}};
@@ -442,6 +442,9 @@ void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput
       };
       if (!c.started) {
         chunks.push_back(chunk(chat_role_delta(), nullptr, nullptr));
+        // vLLM's echo: a chunk of its own after the role's (none for no text).
+        if (echoes_text())
+          chunks.push_back(chunk(chat_content_delta(*request_.chat_echo), nullptr, nullptr));
         c.started = true;
       }
       json lp = request_.logprobs >= 0 ? chat_logprobs(c, first_lp) : json(nullptr);
@@ -509,6 +512,34 @@ std::optional<json> ResponseBuilder::usage_chunk() const {
               {"usage", usage()}};
 }
 
+json ResponseBuilder::chat_choice(size_t i) const {
+  const Choice& c = choices_[i];
+  const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
+  if (!c.tool_parser && !c.reasoning_parser)
+    return chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason, c.stop_reason);
+  json choice =
+      chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c), c.stop_reason);
+  if (c.reasoning_parser) {
+    // As vLLM's: null for a part the answer does not have.
+    json& message = choice["message"];
+    const json reasoning = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
+    message["reasoning_content"] = reasoning;
+    message["reasoning"] = reasoning;
+    if (c.content.empty()) message["content"] = nullptr;
+  }
+  if (!c.calls.empty()) {
+    json& message = choice["message"];
+    if (c.content.empty()) message["content"] = nullptr;  // as OpenAI answers a call
+    json calls = json::array();
+    for (const auto& call : c.calls)
+      calls.push_back({{"id", call.id},
+                       {"type", "function"},
+                       {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
+    message["tool_calls"] = std::move(calls);
+  }
+  return choice;
+}
+
 json ResponseBuilder::final_body() const {
   if (request_.kind == ApiKind::kGenerate) {
     if (choices_.size() == 1) return generate_body(0);
@@ -540,31 +571,11 @@ json ResponseBuilder::final_body() const {
             i, request_.prompt_logprobs >= 0 ? request_.prompt_logprobs : request_.logprobs);
       choices.push_back(choice);
     } else {
-      const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
-      if (!c.tool_parser && !c.reasoning_parser) {
-        choices.push_back(
-            chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason, c.stop_reason));
-        continue;
-      }
-      json choice = chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c),
-                                        c.stop_reason);
-      if (c.reasoning_parser) {
-        // As vLLM's: null for a part the answer does not have.
-        json& message = choice["message"];
-        const json reasoning = c.reasoning.empty() ? json(nullptr) : json(c.reasoning);
-        message["reasoning_content"] = reasoning;
-        message["reasoning"] = reasoning;
-        if (c.content.empty()) message["content"] = nullptr;
-      }
-      if (!c.calls.empty()) {
-        json& message = choice["message"];
-        if (c.content.empty()) message["content"] = nullptr;  // as OpenAI answers a call
-        json calls = json::array();
-        for (const auto& call : c.calls)
-          calls.push_back({{"id", call.id},
-                           {"type", "function"},
-                           {"function", {{"name", call.name}, {"arguments", call.arguments}}}});
-        message["tool_calls"] = std::move(calls);
+      json choice = chat_choice(i);
+      // vLLM's echo: the echoed text, then the content (none: ""), whatever the answer is.
+      if (request_.chat_echo) {
+        json& content = choice["message"]["content"];
+        content = *request_.chat_echo + (content.is_string() ? content.get<std::string>() : "");
       }
       choices.push_back(std::move(choice));
     }

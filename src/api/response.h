@@ -91,6 +91,10 @@ class ResponseBuilder {
     };
     std::vector<Call> calls;
   };
+  // Whether a chat stream echoes text after its role (vLLM's echo with a message to echo).
+  bool echoes_text() const { return request_.chat_echo && !request_.chat_echo->empty(); }
+  // A chat choice of the whole body (before echo): its message, logprobs and finish.
+  nlohmann::json chat_choice(size_t i) const;
   // A chat choice's finish reason: "tool_calls" for an answer that called tools and stopped.
   std::string chat_finish_reason(const Choice& c) const;
   // Folds the update's reasoning, content and tool-call deltas into a chat choice read by

@@ -488,6 +488,54 @@ TEST(Protocol, ContinueFinalMessageEndsThePromptInTheFinalMessage) {
   }
 }
 
+// vLLM's chat echo (ChatCompletionRequest.echo, serving_chat.py): each choice's content starts
+// with the last message's when that message has the answer's role, which is "assistant" with a
+// generation prompt and the last message's own without one (get_chat_request_role); its text
+// parts joined by "\n". Echo asked with nothing to echo is "" (the content is then never null).
+// The field was accepted and ignored.
+TEST(Protocol, ChatEchoStartsTheAnswerWithTheLastMessageOfItsRole) {
+  const json user = {{"role", "user"}, {"content", "hi"}};
+  auto echoed = [](json messages, json extra) {
+    json body = {{"messages", std::move(messages)}, {"echo", true}, {"max_tokens", 3}};
+    body.update(extra);
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits).chat_echo;
+  };
+  const json continuing = {{"continue_final_message", true}, {"add_generation_prompt", false}};
+  EXPECT_EQ(echoed({user, {{"role", "assistant"}, {"content", "Sure, "}}}, continuing), "Sure, ");
+  // With a generation prompt the answer's role is "assistant": a final user message is not it.
+  EXPECT_EQ(echoed({user}, json::object()), "");
+  EXPECT_EQ(echoed({user, {{"role", "assistant"}, {"content", "Sure"}}}, json::object()), "Sure");
+  // Without one, the answer's role is the last message's, whatever it is.
+  EXPECT_EQ(echoed({user}, {{"add_generation_prompt", false}}), "hi");
+  const json parts = {{{"type", "text"}, {"text", "Sure,"}}, {{"type", "text"}, {"text", "I"}}};
+  EXPECT_EQ(echoed({user, {{"role", "assistant"}, {"content", parts}}}, continuing), "Sure,\nI");
+  // A template that reads content as parts (vLLM's "openai" format) echoes the same text.
+  const text::ChatTemplate loops_over_parts(
+      "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}");
+  ASSERT_EQ(loops_over_parts.content_format(false), text::ContentFormat::kOpenAI);
+  json body = {{"messages", {user, {{"role", "assistant"}, {"content", parts}}}}, {"echo", true}};
+  body.update(continuing);
+  EXPECT_EQ(parse_chat(body, tokenizer(), &loops_over_parts, kLimits).chat_echo, "Sure,\nI");
+  const json call = {{"role", "assistant"},
+                     {"content", nullptr},
+                     {"tool_calls",
+                      {{{"id", "call_1"},
+                        {"type", "function"},
+                        {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}};
+  EXPECT_EQ(echoed({user, call}, json::object()), "");
+  // Without echo (or with false) nothing is prepended.
+  EXPECT_FALSE(parse_chat(json{{"messages", {user}}}, tokenizer(), &chat_template(), kLimits)
+                   .chat_echo.has_value());
+  EXPECT_FALSE(parse_chat(json{{"messages", {user}}, {"echo", false}}, tokenizer(),
+                          &chat_template(), kLimits)
+                   .chat_echo.has_value());
+  EXPECT_EQ(error_of([&] {
+              parse_chat(json{{"messages", {user}}, {"echo", "yes"}}, tokenizer(), &chat_template(),
+                         kLimits);
+            }).param,
+            "echo");
+}
+
 // Tools reach the prompt (DeepSeek-V3's template shows none, so a system message describes them
 // in the model's own markup) and the answer is read with the tokenizer's tool-call format.
 TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
@@ -1228,6 +1276,70 @@ TEST(Protocol, ContinuousUsageStatsPutUsageInEveryChunk) {
       }
     }
   }
+}
+
+// Chat echo in the answer, as vLLM's serving_chat writes it: whole, every choice's content is the
+// echoed text then its own (a call's null content becomes the echo, "" when there is none);
+// streamed, each choice's role chunk is followed by a chunk of the echoed text alone (none for
+// ""), before the answer's. The usage counts the answer's tokens only.
+TEST(Protocol, ChatEchoPrependsTheLastMessageToEveryChoice) {
+  ApiRequest req;
+  req.kind = ApiKind::kChat;
+  req.model = "m";
+  req.prompts = {{1, 2, 3, 4}};
+  req.n = 2;
+  req.chat_echo = "Sure, ";
+  ResponseBuilder whole(req, tokenizer(), "chatcmpl-1", 1);
+  for (size_t i = 0; i < 2; ++i) whole.on_output(i, output({10}, i ? "B" : "A", true, "stop"));
+  json body = whole.final_body();
+  EXPECT_EQ(body["choices"][0]["message"]["content"], "Sure, A");
+  EXPECT_EQ(body["choices"][1]["message"]["content"], "Sure, B");
+  EXPECT_EQ(body["usage"]["completion_tokens"], 4);  // 2 per choice, the output's own
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 4);
+
+  const std::string call =
+      "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```"
+      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+  ApiRequest tools = req;
+  tools.n = 1;
+  tools.tool_calls = ToolCallFormat::kDeepSeekV3;
+  for (const std::string echo : {"Sure, ", ""}) {
+    tools.chat_echo = echo;
+    ResponseBuilder b(tools, tokenizer(), "chatcmpl-2", 1);
+    b.on_output(0, output({10}, call, true, "stop"));
+    const json message = b.final_body()["choices"][0]["message"];
+    EXPECT_EQ(message["content"], echo) << message;
+    EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "f");
+  }
+
+  req.stream = true;
+  req.include_usage = req.continuous_usage = true;
+  ResponseBuilder streamed(req, tokenizer(), "chatcmpl-3", 1);
+  for (size_t i = 0; i < 2; ++i) {
+    SCOPED_TRACE(i);
+    RequestOutput first = output({10}, "A", false);
+    first.completion_tokens = 1;
+    const std::vector<json> chunks = streamed.on_output(i, first);
+    ASSERT_EQ(chunks.size(), 3u);
+    EXPECT_EQ(chunks[0]["choices"][0]["delta"], chat_role_delta());
+    const json& echo = chunks[1]["choices"][0];
+    EXPECT_EQ(echo, chat_chunk_choice(int64_t(i), chat_content_delta("Sure, "), nullptr, nullptr,
+                                      nullptr));
+    EXPECT_EQ(chunks[1]["usage"]["completion_tokens"], 0);  // none of the answer's tokens yet
+    EXPECT_EQ(chunks[2]["choices"][0]["delta"]["content"], "A");
+    EXPECT_EQ(chunks[2]["usage"]["completion_tokens"], 1);
+    // Later updates carry the answer alone.
+    const std::vector<json> rest = streamed.on_output(i, output({11}, "B", true, "stop"));
+    ASSERT_FALSE(rest.empty());
+    EXPECT_EQ(rest[0]["choices"][0]["delta"]["content"], "B");
+  }
+  EXPECT_EQ((*streamed.usage_chunk())["usage"]["completion_tokens"], 4);
+
+  req.chat_echo = "";  // nothing to echo: no chunk for it
+  ResponseBuilder empty(req, tokenizer(), "chatcmpl-4", 1);
+  const std::vector<json> chunks = empty.on_output(0, output({10}, "A", false));
+  ASSERT_EQ(chunks.size(), 2u);
+  EXPECT_EQ(chunks[1]["choices"][0]["delta"]["content"], "A");
 }
 
 TEST(Protocol, CompletionLogprobsAndEcho) {
