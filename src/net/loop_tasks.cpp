@@ -30,13 +30,18 @@ class LoopTasks::Impl final : public detail::Task, public detail::Timer::Target 
     bool hand_over;
     {
       std::lock_guard lock(mu_);
+      // The loop is gone: nothing will run it. `task` goes when this returns, after the lock
+      // (what it holds may post again).
+      if (loop_gone_) return;
       queue_.push_back(std::move(task));
       hand_over = !posted_;
       posted_ = true;
     }
     if (hand_over && !loop_.post(std::move(self))) {
+      std::vector<LoopTasks::Task> dropped;  // destroyed after the lock, for the same reason
       std::lock_guard lock(mu_);
-      queue_.clear();  // the loop is gone: nothing will run them
+      loop_gone_ = true;
+      dropped.swap(queue_);
     }
   }
 
@@ -92,6 +97,7 @@ class LoopTasks::Impl final : public detail::Task, public detail::Timer::Target 
   std::mutex mu_;
   std::vector<LoopTasks::Task> queue_;  // under mu_
   bool posted_ = false;                 // under mu_: a wake-up is with the loop
+  bool loop_gone_ = false;              // under mu_: the loop refused a wake-up (it stopped)
   std::vector<LoopTasks::Task> running_;
   // Loop thread only.
   std::unique_ptr<detail::Timer> timer_;

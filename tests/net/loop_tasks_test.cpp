@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <memory>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -111,6 +112,17 @@ TEST(LoopTasks, PostsAfterTheServerStoppedAreDropped) {
   bool ran = false;
   r.tasks->post([&] { ran = true; });
   EXPECT_FALSE(ran);
+}
+
+// Every post after the stop is dropped at once, with what it holds: the first failed hand-over
+// left the queue marked as handed over, so later tasks piled up for ever.
+TEST(LoopTasks, TasksPostedAfterTheServerStoppedAreNotKept) {
+  Running r;
+  r.server->stop();
+  auto held = std::make_shared<int>(0);
+  for (int i = 0; i < 1000; ++i) r.tasks->post([held] { ++*held; });
+  EXPECT_EQ(held.use_count(), 1);
+  EXPECT_EQ(*held, 0);
 }
 
 }  // namespace
