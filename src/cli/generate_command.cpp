@@ -1,10 +1,12 @@
 #include "cli/generate_command.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
+#include "cli/generation_config_flags.h"
 #include "engine/generate.h"
 #include "model/config.h"
 #include "model/model_folder.h"
@@ -22,7 +24,30 @@ struct GenerateOptions {
   engine::SamplingParams sampling;
   uint64_t seed = 0;
   bool seed_set = false;
+  GenerationConfigFlags generation_config;
+  // The sampling flags given on the command line; the others come from the generation config.
+  bool max_tokens_set = false, temperature_set = false, top_k_set = false, top_p_set = false,
+       min_p_set = false, repetition_penalty_set = false;
 };
+
+constexpr int64_t kDefaultMaxTokens = 64;
+
+// As the engine serves a request that leaves these fields out (vLLM's --generation-config auto):
+// the generation config's sampling defaults where no flag sets them, its max_new_tokens as the
+// length when --max-tokens is not given (within the context), and a folder's or the override's
+// max_new_tokens as a cap on any.
+void apply_generation_defaults(GenerateOptions& o, const api::SamplingDefaults& d,
+                               int64_t prompt_tokens, int64_t context) {
+  engine::SamplingParams& s = o.sampling;
+  if (!o.temperature_set) s.temperature = d.temperature;
+  if (!o.top_k_set) s.top_k = d.top_k;
+  if (!o.top_p_set) s.top_p = d.top_p;
+  if (!o.min_p_set) s.min_p = d.min_p;
+  if (!o.repetition_penalty_set) s.repetition_penalty = d.repetition_penalty;
+  if (!o.max_tokens_set && d.max_tokens > 0)
+    s.max_tokens = std::max<int64_t>(1, std::min(d.max_tokens, context - prompt_tokens));
+  if (d.max_tokens_cap > 0) s.max_tokens = std::min(s.max_tokens, d.max_tokens_cap);
+}
 
 std::vector<int32_t> prompt_ids(const GenerateOptions& o, const text::Tokenizer& tok) {
   if (o.chat_file.empty()) return tok.encode(o.prompt, true);
@@ -54,8 +79,12 @@ void run(GenerateOptions& o) {
                 o.model + "` (or `tandem serve --model " + o.model + "`) and send it requests");
   if (o.seed_set) o.sampling.seed = o.seed;
   o.sampling.validate();
+  const EngineGenerationConfig generation = load_generation_config(o.generation_config, o.model);
+  if (!generation.note.empty())
+    std::fprintf(stderr, "tandem generate: %s\n", generation.note.c_str());
   const auto tok = text::Tokenizer::from_dir(o.model);
-  model::check_tokenizer_fits(tok, o.model, model::ModelConfig::load(o.model).vocab_size, o.model);
+  const model::ModelConfig config = model::ModelConfig::load(o.model);
+  model::check_tokenizer_fits(tok, o.model, config.vocab_size, o.model);
   std::unique_ptr<model::DeepSeekModel> model;
   {
     ProgressBar bar("loading " + o.model, "tensors");
@@ -65,10 +94,15 @@ void run(GenerateOptions& o) {
         o.model, [&](size_t d, size_t t) { bar.update(d, t); }, load));
   }
   const auto ids = prompt_ids(o, tok);
-  auto result = engine::generate(*model, tok, ids, o.sampling, [](std::string_view piece) {
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
-  });
+  apply_generation_defaults(o, generation.sampling, static_cast<int64_t>(ids.size()),
+                            config.max_position_embeddings);
+  auto result = engine::generate(
+      *model, tok, ids, o.sampling,
+      [](std::string_view piece) {
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      },
+      generation.eos_token_ids);
   std::printf("\n");
   std::fflush(stdout);  // the statistics below go to stderr; keep them after the text
   const double prefill_rate = ids.size() / std::max(result.prefill_seconds, 1e-9);
@@ -97,14 +131,23 @@ void add_generate_command(CLI::App& app) {
                    ->check(CLI::ExistingFile);
   prompt->excludes(chat);
   auto& s = o->sampling;
-  s.max_tokens = 64;
-  cmd->add_option("--max-tokens", s.max_tokens, "tokens to generate at most")
-      ->capture_default_str();
-  cmd->add_option("--temperature", s.temperature, "0 for greedy")->capture_default_str();
-  cmd->add_option("--top-k", s.top_k, "keep the k most likely tokens (0: off)");
-  cmd->add_option("--top-p", s.top_p, "nucleus sampling mass");
-  cmd->add_option("--min-p", s.min_p, "drop tokens below min_p times the top probability");
-  cmd->add_option("--repetition-penalty", s.repetition_penalty, "penalty for seen tokens (1: off)");
+  s.max_tokens = kDefaultMaxTokens;
+  // Each flag marks itself given: the ones left out take the generation config's defaults.
+  auto given = [](bool& set) { return [&set](const std::string&) { set = true; }; };
+  cmd->add_option("--max-tokens", s.max_tokens,
+                  "tokens to generate at most (default: the generation config's max_new_tokens, "
+                  "else 64)")
+      ->each(given(o->max_tokens_set));
+  cmd->add_option("--temperature", s.temperature,
+                  "0 for greedy (default: the generation config's, else 1)")
+      ->each(given(o->temperature_set));
+  cmd->add_option("--top-k", s.top_k, "keep the k most likely tokens (0: off)")
+      ->each(given(o->top_k_set));
+  cmd->add_option("--top-p", s.top_p, "nucleus sampling mass")->each(given(o->top_p_set));
+  cmd->add_option("--min-p", s.min_p, "drop tokens below min_p times the top probability")
+      ->each(given(o->min_p_set));
+  cmd->add_option("--repetition-penalty", s.repetition_penalty, "penalty for seen tokens (1: off)")
+      ->each(given(o->repetition_penalty_set));
   cmd->add_option("--presence-penalty", s.presence_penalty, "OpenAI presence penalty");
   cmd->add_option("--frequency-penalty", s.frequency_penalty, "OpenAI frequency penalty");
   cmd->add_option("--seed", o->seed, "random seed")->each([o](const std::string&) {
@@ -113,6 +156,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_option("--stop", s.stop, "stop string (repeatable)");
   cmd->add_option("--stop-token-id", s.stop_token_ids, "stop token id (repeatable)");
   cmd->add_flag("--ignore-eos", s.ignore_eos, "keep generating after the end-of-sequence token");
+  add_generation_config_flags(*cmd, o->generation_config);
   cmd->callback([o, prompt, chat] {
     if (!*prompt && !*chat)
       throw CLI::ValidationError("one of --prompt or --chat-file is required");

@@ -14,6 +14,7 @@ namespace tandem::engine {
 GenerationResult generate(const model::DeepSeekModel& model, const text::Tokenizer& tokenizer,
                           std::span<const int32_t> prompt, const SamplingParams& params,
                           const std::function<void(std::string_view)>& on_text,
+                          const std::optional<std::vector<int32_t>>& eos_token_ids,
                           int64_t block_size) {
   params.validate();
   if (prompt.empty()) throw Error("generate: the prompt has no tokens");
@@ -35,9 +36,9 @@ GenerationResult generate(const model::DeepSeekModel& model, const text::Tokeniz
   for (int64_t id = 0; id < config.vocab_size; ++id)
     if (!tokenizer.id_to_token(static_cast<int32_t>(id)))
       no_text.push_back(static_cast<int32_t>(id));
-  std::vector<int32_t> config_eos;  // config.json's (the engine reads the generation config's)
+  std::vector<int32_t> config_eos;
   for (const int64_t id : config.eos_token_ids) config_eos.push_back(static_cast<int32_t>(id));
-  const std::vector<int32_t> eos = eos_ids(tokenizer, config_eos);
+  const std::vector<int32_t> eos = eos_ids(tokenizer, eos_token_ids.value_or(config_eos));
   Sampler sampler(params, std::random_device{}(), eos);
   OutputProcessor output(tokenizer, params, eos);
   GenerationResult result;

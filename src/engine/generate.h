@@ -5,6 +5,7 @@
 // `tandem generate` and the numerics tests use.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23,9 +24,13 @@ struct GenerationResult {
   double prefill_seconds = 0, decode_seconds = 0;
 };
 
+// `eos_token_ids`: the ids that end the answer besides the tokenizer's EOS, as the engine takes
+// them from the generation config (cli::load_generation_config); none given, config.json's
+// eos_token_id.
 GenerationResult generate(const model::DeepSeekModel& model, const text::Tokenizer& tokenizer,
                           std::span<const int32_t> prompt, const SamplingParams& params,
                           const std::function<void(std::string_view)>& on_text = {},
+                          const std::optional<std::vector<int32_t>>& eos_token_ids = std::nullopt,
                           int64_t block_size = 16);
 
 }  // namespace tandem::engine
