@@ -3,6 +3,7 @@
 #include <functional>
 #include <set>
 
+#include "model/tensor_binder.h"
 #include "util/error.h"
 
 namespace tandem::model {
@@ -197,6 +198,7 @@ void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config
   }).build();
   for (const auto& [name, t] : checkpoint.tensors()) {
     if (expected.count(&t)) continue;
+    if (config.tie_word_embeddings && is_tied_away_head(name)) continue;
     problem("unexpected tensor '" + name + "' in " + t.file + " (not part of a " +
             config.architecture + " checkpoint with " + std::to_string(config.num_hidden_layers) +
             " layers, " + std::to_string(config.num_nextn_predict_layers) + " MTP layers" +

@@ -29,10 +29,13 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
                                   const std::function<void(size_t, size_t)>& progress) {
   Qwen3MoeModel m(Qwen3MoeConfig::load(dir), Checkpoint::open(dir));
   const Qwen3MoeConfig& c = m.config_;
+  const auto tied_away = [&](const std::string& name) {
+    return c.tie_word_embeddings && is_tied_away_head(name);
+  };
   // The binder checks shapes only; a quantized tensor would be widened as if it were a float
   // (a norm) or taken for a scaled weight whose scales a Qwen3 checkpoint never has.
   for (const auto& [name, info] : m.checkpoint_.tensors())
-    if (!is_float_dtype(info.dtype))
+    if (!is_float_dtype(info.dtype) && !tied_away(name))
       throw Error(m.checkpoint_.dir().string() + ": tensor '" + name + "' in " + info.file +
                   " is " + std::string(dtype_name(info.dtype)) +
                   ", expected F32, BF16 or F16 (quantized Qwen3-MoE checkpoints are not "
@@ -65,9 +68,10 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
   m.final_norm_ = b.vector("model.norm.weight", h);
   m.lm_head = c.tie_word_embeddings ? b.matrix("model.embed_tokens", c.vocab_size, h)
                                     : b.packed_matrix("lm_head", c.vocab_size, h);
+  if (c.tie_word_embeddings) b.skip("lm_head.");
   // Every tensor of the checkpoint must have a place: another tensor means another model.
   for (const auto& [name, info] : m.checkpoint_.tensors())
-    if (!b.taken(name))
+    if (!b.taken(name) && !tied_away(name))
       throw Error(m.checkpoint_.dir().string() + ": tensor '" + name +
                   "' is not part of a Qwen3-MoE model of this config");
   m.expert_counts_.assign(size_t(c.num_hidden_layers),

@@ -145,9 +145,10 @@ void TensorBinder::skip(const std::string& prefix) {
 }
 
 const TensorInfo& TensorBinder::take(const std::string& name, const std::vector<int64_t>& shape) {
-  taken_.insert(name);
+  const bool first = taken_.insert(name).second;
   const TensorInfo& t = checkpoint_.get(name, shape);
-  if (progress_) progress_(++done_, total_);
+  // A tied embedding is taken twice (the lookup and the head) but is one tensor of the total.
+  if (first && progress_) progress_(++done_, total_);
   return t;
 }
 

@@ -22,6 +22,14 @@ struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
   kernels::Matrix gate, up, down;
 };
 
+// Whether a tensor is the LM head's, which the checkpoint of a model with tie_word_embeddings may
+// still hold (some exporters write both, e.g. Qwen1.5-0.5B-Chat's first release): transformers'
+// tie_weights makes the output embedding the input one after loading and vLLM skips lm_head.*, so
+// such a tensor is never read, whatever it holds.
+inline bool is_tied_away_head(const std::string& tensor) {
+  return tensor.starts_with("lm_head.");
+}
+
 class TensorBinder {
  public:
   // `fp8`: the block shape of an FP8 checkpoint's scales.

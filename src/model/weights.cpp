@@ -136,6 +136,8 @@ Weights Weights::load(Checkpoint checkpoint, const ModelConfig& config,
   } else {
     w.lm_head = b.packed_matrix("lm_head", config.vocab_size, h);
   }
+  // A tied model ignores an lm_head in its file (is_tied_away_head).
+  if (config.tie_word_embeddings) b.skip("lm_head.");
   for (int64_t k = 0; k < config.num_nextn_predict_layers; ++k) {
     const int64_t index = config.num_hidden_layers + k;
     const std::string p = "model.layers." + std::to_string(index);

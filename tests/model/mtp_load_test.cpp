@@ -1,7 +1,8 @@
 // An engine that does not speculate loads a checkpoint without its MTP modules
 // (WeightLoadOptions::mtp false): the main model is the same, nothing of the MTP layers is held
 // (no packed weights, no cache layer), and missing_mtp() says up front why a checkpoint cannot
-// draft.
+// draft. Also what else loading a DeepSeek checkpoint decides about its tensors: a tied model's
+// checkpoint that also holds lm_head.weight loads, the embedding its head.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -83,6 +84,35 @@ TEST(MtpLoad, MissingMtpNamesWhyACheckpointCannotDraft) {
   std::ofstream(stripped.path() / "config.json") << c.to_json().dump(2);
   EXPECT_THAT(DeepSeekModel::missing_mtp(stripped.path()),
               HasSubstr("no MTP tensors (model.layers.3.*"));
+}
+
+// tie_word_embeddings with an lm_head.weight in the file as well (some exporters write both): as
+// transformers (tie_weights) and vLLM (skip_prefixes lm_head.), the head is the embedding and the
+// file's lm_head is ignored. It was refused as an unexpected tensor.
+TEST(TiedHead, AnLmHeadInATiedCheckpointIsIgnoredAndTheEmbeddingIsTheHead) {
+  ModelConfig untied = config();
+  untied.tie_word_embeddings = false;
+  ModelConfig tied = untied;
+  tied.tie_word_embeddings = true;
+  const test::TempDir both("tied-with-head"), plain("tied-without-head"), own("untied");
+  test::write_random_checkpoint(both.path(), untied);  // writes lm_head.weight
+  std::ofstream(both.path() / "config.json") << tied.to_json().dump(2);
+  test::write_random_checkpoint(plain.path(), tied);  // the same tensors but lm_head
+  test::write_random_checkpoint(own.path(), untied);
+  ASSERT_NE(Checkpoint::open(both.path()).find("lm_head.weight"), nullptr);
+  ASSERT_EQ(Checkpoint::open(plain.path()).find("lm_head.weight"), nullptr);
+
+  size_t done = 0, total = 0;
+  const DeepSeekModel with_head =
+      DeepSeekModel::load(both.path(), [&](size_t d, size_t t) { done = d, total = t; });
+  EXPECT_EQ(done, total);  // the ignored tensor is not counted
+  const DeepSeekModel without_head = DeepSeekModel::load(plain.path());
+  const DeepSeekModel untied_model = DeepSeekModel::load(own.path());
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 12; ++i) prompt.push_back(7 + 41 * i);
+  const std::vector<float> logits = logits_of(with_head, prompt);
+  EXPECT_EQ(logits, logits_of(without_head, prompt));
+  EXPECT_NE(logits, logits_of(untied_model, prompt));  // the file's lm_head would differ
 }
 
 }  // namespace

@@ -444,5 +444,37 @@ TEST(Qwen3MoeModel, MakeModelIsDeterministicAndRefusesQuantizedWeights) {
   EXPECT_NE(make(c.path(), "--dtype int8"), 0);
 }
 
+// tie_word_embeddings with an lm_head.weight in the file as well (Qwen1.5-0.5B-Chat's first
+// release had both): as transformers (tie_weights) and vLLM (skip_prefixes lm_head.), the head is
+// the embedding and the file's lm_head is ignored. It was refused as not part of the model.
+TEST(Qwen3MoeModel, AnLmHeadInATiedCheckpointIsIgnoredAndTheEmbeddingIsTheHead) {
+  test::TempDir untied("qwen3-untied"), both("qwen3-tied-with-head"), plain("qwen3-tied");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype bf16 --out " +
+                              test::quote(untied.path()) + " 2>/dev/null"),
+            0);
+  for (const auto* dir : {&both, &plain}) {
+    std::filesystem::copy(untied.path(), dir->path(), std::filesystem::copy_options::recursive);
+    json config = json::parse(test::read_bytes(*dir / "config.json"));
+    config["tie_word_embeddings"] = true;
+    test::write_bytes(*dir / "config.json", config.dump(2));
+  }
+  json index = json::parse(test::read_bytes(plain / "model.safetensors.index.json"));
+  ASSERT_EQ(index["weight_map"].erase("lm_head.weight"), 1u);
+  test::write_bytes(plain / "model.safetensors.index.json", index.dump());
+
+  auto logits = [](const Qwen3MoeModel& model) {
+    const std::vector<int32_t> prompt = {11, 700, 151000, 42, 9};
+    LatentCache cache(model.cache_shape(4), 4);
+    const std::vector<int32_t> table = {0, 1};
+    SequenceStep step{prompt, 0, table, LogitRows::kAll};
+    const auto out = model.forward(std::span(&step, 1), cache).logits;
+    return std::vector<float>(out.begin(), out.end());
+  };
+  const std::vector<float> with_head = logits(Qwen3MoeModel::load(both.path()));
+  EXPECT_EQ(with_head, logits(Qwen3MoeModel::load(plain.path())));
+  EXPECT_NE(with_head, logits(Qwen3MoeModel::load(untied.path())));  // the file's head differs
+}
+
 }  // namespace
 }  // namespace tandem::model
