@@ -137,6 +137,19 @@ class RawSocket {
     const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
     return n > 0 ? std::string(buf, size_t(n)) : std::string();
   }
+  // The next `n` bytes the server sends, each within the hang guard; fewer once it closed.
+  std::string read_exactly(size_t n) const {
+    std::string got;
+    while (got.size() < n) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 10000) <= 0) break;
+      char buf[256];
+      const ssize_t r = ::recv(fd_, buf, std::min(sizeof buf, n - got.size()), 0);
+      if (r <= 0) break;
+      got.append(buf, size_t(r));
+    }
+    return got;
+  }
   // Whether the server has answered or closed this connection (without waiting).
   bool heard_back() const {
     char c;
@@ -2741,6 +2754,185 @@ TEST_F(KvTransferAgents, WithASecretAReleaseStillLetsTheHoldGo) {
   decode_->release_remote("127.0.0.1", prefill_->port(), "prefill-0", id, remote_);
   EXPECT_TRUE(queue_.run_until([&] { return released; }));
   EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_refused_total"), 0);
+}
+
+// A hold's id does not follow from another's: it was the engine's id and a counter, so whoever
+// could connect to the port (within --kv-transfer-allow, with the secret when there is one)
+// released the next request's held KV by counting, and that request's decode leg then failed.
+TEST_F(KvTransferAgents, AHoldsIdDoesNotFollowFromAnothersAndAGuessFreesNothing) {
+  start();
+  const auto hash = kv_prompt_hash(prompt_);
+  const auto n = int64_t(prompt_.size());
+  bool released = false;
+  const std::string first = prefill_->hold(remote_, hash, n, [] {});
+  const std::string second = prefill_->hold(remote_, hash, n, [&] { released = true; });
+  // The engine's id, then 128 random bits as 32 hex digits.
+  const std::string prefix = "prefill-0-";
+  for (const std::string& id : {first, second}) {
+    ASSERT_EQ(id.rfind(prefix, 0), 0u) << id;
+    const std::string bits = id.substr(prefix.size());
+    EXPECT_EQ(bits.size(), 32u) << id;
+    EXPECT_EQ(bits.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+  }
+  // Independent random digits agree in 2 of 32 places on average; in 16 or more with odds
+  // below 1e-9.
+  size_t same = 0;
+  for (size_t i = prefix.size(); i < std::min(first.size(), second.size()); ++i)
+    same += first[i] == second[i];
+  EXPECT_LT(same, 16u) << first << " and " << second;
+  // Releases (pulls of nothing, with the held blocks) naming ids counted from an engine's id,
+  // or from the first hold's, or made up, free nothing.
+  const std::vector<std::string> guesses = {prefix + "0", prefix + "1", prefix + "2", first + "1",
+                                            prefix + std::string(32, '0')};
+  for (size_t i = 0; i < guesses.size(); ++i) {
+    const KvFetchResult r = wait(fetch(pull(guesses[i], 0, 0, {}, "guess-" + std::to_string(i))));
+    EXPECT_FALSE(r.ok) << guesses[i];
+    EXPECT_THAT(r.error, HasSubstr("unknown transfer '" + guesses[i] + "'"));
+  }
+  queue_.run_pending();
+  EXPECT_FALSE(released);
+  EXPECT_EQ(prefill_->held_blocks(), 6);
+  // The decode leg that was told the id still pulls its KV.
+  const KvFetchResult r = wait(fetch(pull(second, 0, 10, local_)));
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+}
+
+// Before a peer has proven that it holds the secret, a frame it states is kept only up to the
+// largest one of the handshake: it was read into a buffer of the size its header stated (up to
+// 1 MiB, allocated before any of it came), on every connection the port admits. A handshake
+// frame stated larger is refused at once, without waiting for (or keeping) its payload; a
+// request sent without a handshake (a decode engine without the secret) is still told why,
+// however long. The handshake timeout (600 s) is past the hang guard: only a refusal that does
+// not wait for the payload is heard within it.
+TEST_F(KvTransferAgents, AStrangerCannotMakeThePrefillEngineKeepALargeFrameBeforeTheHandshake) {
+  prefill_secret_ = decode_secret_ = "one deployment's secret";
+  handshake_timeout_s_ = 600;
+  start();
+  const std::string refusal = json({{"message", "KV transfer refused: not authenticated"}}).dump();
+  {
+    // A first frame that claims to be a handshake of 1 MiB; nothing of it follows.
+    RawSocket stranger(prefill_->port());
+    ASSERT_TRUE(stranger.connected());
+    const auto header = kv_frame_header(KvFrameType::kAuth, 1 << 20);
+    ASSERT_TRUE(stranger.write(header.data(), header.size()));
+    EXPECT_THAT(stranger.next_bytes(), AnyOf(HasSubstr(refusal), ""));
+  }
+  {
+    // A decode engine's nonce, then a proof that claims 1 MiB; nothing of it follows.
+    RawSocket stranger(prefill_->port());
+    ASSERT_TRUE(stranger.connected());
+    const std::string nonce = json{{"nonce", std::string(32, 'a')}}.dump();
+    const auto header = kv_frame_header(KvFrameType::kAuth, nonce.size());
+    ASSERT_TRUE(stranger.write(header.data(), header.size()));
+    ASSERT_TRUE(stranger.write(nonce.data(), nonce.size()));
+    const std::string answer_header = stranger.read_exactly(kKvFrameHeaderBytes);
+    ASSERT_EQ(answer_header.size(), kKvFrameHeaderBytes);
+    uint64_t size = 0;
+    ASSERT_EQ(parse_kv_frame_header(reinterpret_cast<const std::byte*>(answer_header.data()), size,
+                                    1 << 20, "the prefill engine"),
+              KvFrameType::kAuth);
+    ASSERT_THAT(stranger.read_exactly(size_t(size)), HasSubstr("\"proof\""));
+    const auto proof = kv_frame_header(KvFrameType::kAuth, 1 << 20);
+    ASSERT_TRUE(stranger.write(proof.data(), proof.size()));
+    EXPECT_THAT(stranger.next_bytes(), AnyOf(HasSubstr(refusal), ""));
+  }
+  {
+    // A decode engine without the secret whose request is larger than any handshake frame.
+    auto transport = make_tcp_transport({5000ms});
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, KvFrameType::kPull,
+              json{{"transfer_id", std::string(100000, 'x')}, {"block_ids", remote_}}.dump());
+    const KvFrame f = conn->receive(1 << 20);
+    EXPECT_EQ(f.type, KvFrameType::kError);
+    EXPECT_EQ(text_of(f.payload), refusal);
+  }
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_refused_total"), 3);
+  // The port still serves a decode engine that holds the secret.
+  const std::string id =
+      prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()), [] {});
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_TRUE(r.ok) << r.error;
+}
+
+// The decode side likewise: a prefill engine (or whoever a request names) answers the handshake
+// with a frame larger than any handshake frame, and the decode engine fails the fetch on its
+// header instead of reading it (up to 1 MiB) before the peer has proven anything.
+TEST_F(KvTransferAgents, ADecodeEngineRefusesAHandshakeAnswerLargerThanAnyHandshakeFrame) {
+  decode_secret_ = "one deployment's secret";
+  start();
+  FakePrefill fake(
+      [&](KvConnection& conn, const json&) {
+        send_text(conn, KvFrameType::kAuth, std::string(1 << 20, ' '));
+      },
+      KvFrameType::kAuth);
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("frame of 1048576 bytes exceeds the limit"));
+  EXPECT_TRUE(r.prefill_fault);  // it broke the protocol
+}
+
+// The text a peer leaves with a room's refusal is clipped: each refusal is kept until the
+// timeout, up to max_rooms (65536) of them, and a peer sent a reason (or a layout field) of up to
+// 1 MiB each, which the engine kept whole: 64 GiB from one peer within one timeout.
+TEST_F(KvTransferAgents, TheTextAPeerLeavesWithARefusalIsClipped) {
+  start(600);
+  const uint64_t hash = kv_prompt_hash(prompt_);
+  const std::string huge(500000, 'r');
+  auto transport = make_tcp_transport({5000ms});
+  auto tell = [&](KvFrameType type, const json& request) {
+    auto conn = transport->connect("127.0.0.1", prefill_->port());
+    send_text(*conn, type, request.dump());
+    return conn->receive(1 << 20);
+  };
+  EXPECT_EQ(tell(KvFrameType::kAbandon,
+                 {{"room", 301}, {"prompt_hash", hash}, {"prompt_tokens", 11}, {"reason", huge}})
+                .type,
+            KvFrameType::kDone);
+  const KvFrame mismatch =
+      tell(KvFrameType::kRegister,
+           {{"room", 302},
+            {"first_token", 0},
+            {"num_tokens", 10},
+            {"prompt_tokens", 11},
+            {"prompt_hash", hash},
+            {"layout", {{"model", huge}, {"layers", 3}, {"block_size", 4}, {"token_bytes", 8}}}});
+  EXPECT_EQ(mismatch.type, KvFrameType::kError);
+  EXPECT_LT(mismatch.payload.size(), 1000u);
+  for (uint64_t room : {301, 302}) {
+    RoomOutcome refused;
+    try {
+      open(room, hash, 11, room_done(refused));
+      ADD_FAILURE() << "room " << room << " was not refused";
+    } catch (const KvTransferError& e) {
+      const std::string what = e.what();
+      EXPECT_LT(what.size(), 1000u) << room;
+      EXPECT_THAT(what, HasSubstr("bytes)")) << room;  // says how much was cut
+    }
+  }
+}
+
+// A layer of 2.5 MiB (10 tokens of 256 KiB): an error frame in its place was read whole into a
+// buffer of the size its header stated, up to the layer's, though an error is a JSON control
+// frame of 1 MiB at most.
+class KvTransferLargeLayers : public KvTransferAgents {
+ protected:
+  KvTransferLargeLayers() : KvTransferAgents(KvLayout{"fake", 1, 4, 256 << 10}, "tcp") {}
+};
+
+TEST_F(KvTransferLargeLayers, AnErrorFrameIsAControlFrameHoweverLargeALayerIs) {
+  start();
+  FakePrefill fake([&](KvConnection& conn, const json&) {
+    send_text(conn, KvFrameType::kAccept, R"({"layers":1,"first_token":0,"num_tokens":10})");
+    send_text(conn, KvFrameType::kError, json{{"message", std::string(2 << 20, 'e')}}.dump());
+  });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("exceeds the limit of 1048576"));
+  EXPECT_LT(r.error.size(), 1000u);
+  EXPECT_EQ(decode_exec_.writes(), 0);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -14,6 +15,7 @@
 #include "util/json.h"
 #include "util/little_endian.h"
 #include "util/secret.h"
+#include "util/utf8.h"
 
 namespace tandem::engine {
 namespace {
@@ -22,7 +24,11 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kControlLimit = 1 << 20;  // JSON frames
-constexpr size_t kLayerHeader = 16;        // [u32 layer][u32 flags][u64 checksum]
+// The largest frame of the handshake (JSON of nonces, proofs and MACs of at most kNonceHexMax hex
+// digits, or a short refusal), with room to spare: what a peer that has not proven anything yet
+// may make this engine read into memory, whatever its frame's header states.
+constexpr size_t kHandshakeFrameLimit = 4096;
+constexpr size_t kLayerHeader = 16;  // [u32 layer][u32 flags][u64 checksum]
 constexpr uint32_t kFlagChecksum = 1;
 constexpr int64_t kMaxConnections = 512;  // served at once; more are refused, not queued
 // Connections from one address still in their handshake (or, without a secret, before their
@@ -109,7 +115,8 @@ void send_opening(KvConnection& conn, KvFrameType type, const std::string& text)
     std::string refusal;
     try {
       conn.set_timeout(std::chrono::milliseconds(0));
-      const KvFrame f = conn.receive(kControlLimit);
+      // A refusal is short, and the peer may not have proven anything yet.
+      const KvFrame f = conn.receive(kHandshakeFrameLimit);
       if (f.type == KvFrameType::kError) refusal = error_message(f);
     } catch (const std::exception&) {
       // Nothing was said: the failed send's error stands.
@@ -187,7 +194,7 @@ std::string authenticate_to_prefill(KvConnection& conn, const std::string& secre
                                     const std::string& where) {
   const std::string mine = random_secret_hex(16);
   send_opening(conn, KvFrameType::kAuth, json{{"nonce", mine}}.dump());
-  const KvFrame reply = conn.receive(kControlLimit);
+  const KvFrame reply = conn.receive(kHandshakeFrameLimit);
   const json answer = handshake_json(reply);
   if (reply.type == KvFrameType::kError)
     throw KvTransferError("KV transfer from " + where + ": " + handshake_field(answer, "message"));
@@ -201,6 +208,32 @@ std::string authenticate_to_prefill(KvConnection& conn, const std::string& secre
                           "(--kv-transfer-secret differs)");
   send_json(conn, KvFrameType::kAuth, {{"proof", handshake_proof(secret, "client", theirs, mine)}});
   return session_key(secret, mine, theirs);
+}
+
+// Prefill side, with a secret: the connection's first frame, from a peer that has proven nothing
+// yet. Its payload is kept only up to kHandshakeFrameLimit: a stranger must not make this engine
+// allocate what a header states (up to kControlLimit, on each connection the port admits) before
+// it even sends it. A larger handshake frame comes back with an empty payload, unread (no
+// handshake is that large: it is refused as malformed on its header); a larger frame of another
+// type (the request of a decode engine without the secret) is read in pieces and dropped, within
+// the handshake's deadline, so that the refusal that follows reaches the engine that sent it.
+KvFrame receive_first_frame(KvConnection& conn) {
+  KvFrame f;
+  uint64_t size = 0;
+  f.type = conn.receive_header(size, kControlLimit);
+  if (size <= kHandshakeFrameLimit) {
+    f.payload.resize(size);
+    const std::span<std::byte> whole(f.payload);
+    conn.receive_payload(std::span(&whole, 1));
+  } else if (f.type != KvFrameType::kAuth) {
+    std::array<std::byte, 16384> sink;
+    for (uint64_t left = size; left > 0;) {
+      const std::span<std::byte> piece(sink.data(), std::min<uint64_t>(left, sink.size()));
+      conn.receive_payload(std::span(&piece, 1));
+      left -= piece.size();
+    }
+  }
+  return f;
 }
 
 // Prefill side, `first` being the connection's first frame: empty when the decode engine proved
@@ -217,9 +250,9 @@ std::string authenticate_decode(KvConnection& conn, const std::string& secret, c
             {{"nonce", mine}, {"proof", handshake_proof(secret, "server", theirs, mine)}});
   KvFrame answer;
   try {
-    answer = conn.receive(kControlLimit);
-  } catch (const std::exception&) {
-    return "the handshake was not completed (the peer left or stayed silent)";
+    answer = conn.receive(kHandshakeFrameLimit);
+  } catch (const std::exception& e) {
+    return std::string("the handshake was not completed: ") + e.what();
   }
   if (answer.type != KvFrameType::kAuth) return "the handshake was not completed";
   if (!secrets_equal(handshake_field(handshake_json(answer), "proof"),
@@ -242,7 +275,8 @@ std::string layout_mismatch(const json& theirs, const KvLayout& ours) {
   auto differs = [&](const char* field, const json& mine) -> std::string {
     if (!theirs.contains(field) || theirs[field] != mine)
       return std::string(field) + " mismatch: this prefill engine has " + mine.dump() +
-             ", the decode engine " + (theirs.contains(field) ? theirs[field].dump() : "none");
+             ", the decode engine " +
+             (theirs.contains(field) ? utf8::clip(theirs[field].dump()) : "none");
     return {};
   };
   for (auto [field, mine] : {std::pair<const char*, json>{"model", ours.model},
@@ -505,8 +539,11 @@ int64_t KvTransferAgent::held_blocks_locked() const {
 
 std::string KvTransferAgent::hold(std::vector<int32_t> blocks, uint64_t prompt_hash,
                                   int64_t num_tokens, Task release) {
+  // 128 bits from the system's cryptographic generator after the engine's id: whoever may
+  // connect to the port must not work out another request's id (a counter's next) and release
+  // or pull that request's KV before its decode leg does.
+  const std::string id = config_.engine_id + "-" + random_secret_hex(16);
   std::lock_guard lock(mutex_);
-  const std::string id = config_.engine_id + "-" + std::to_string(next_transfer_++);
   auto h = std::make_unique<Held>();
   h->blocks = std::move(blocks);
   h->prompt_hash = prompt_hash;
@@ -750,7 +787,7 @@ void KvTransferAgent::serve_connection(KvConnection& conn,
   const auto handshake = milliseconds_of(config_.handshake_timeout_s);
   conn.set_timeout(handshake);
   conn.set_deadline(Clock::now() + handshake);
-  KvFrame first = conn.receive(kControlLimit);
+  KvFrame first = config_.secret.empty() ? conn.receive(kControlLimit) : receive_first_frame(conn);
   if (!config_.secret.empty()) {
     conn.set_deadline(Clock::now() + handshake);
     std::string session;
@@ -1079,7 +1116,9 @@ void KvTransferAgent::serve_abandon(KvConnection& conn, const std::vector<std::b
     room = get_field<uint64_t>(req, "room");
     hash = get_field<uint64_t>(req, "prompt_hash");
     prompt_tokens = get_field<int64_t>(req, "prompt_tokens");
-    reason = get_field<std::string>(req, "reason");
+    // Kept with the room's refusal until the timeout (up to max_rooms of them) and told to its
+    // prefill leg: a peer's text, clipped like any other quoted.
+    reason = utf8::clip(get_field<std::string>(req, "reason"));
   } catch (const std::exception& e) {
     return send_error(conn, std::string("malformed abandon request: ") + e.what());
   }
@@ -1342,6 +1381,12 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       uint64_t size = 0;
       const KvFrameType type = conn->receive_header(size, kLayerHeader + layer_bytes);
       if (type == KvFrameType::kError) {
+        // An error is a JSON control frame, however large a layer may be: the prefill engine
+        // does not get a layer's worth of memory for it (received in place, the layers need
+        // none).
+        if (size > kControlLimit)
+          throw Error("an error frame of " + std::to_string(size) + " bytes exceeds the limit of " +
+                      std::to_string(kControlLimit));
         KvFrame e{type, std::vector<std::byte>(size)};
         const std::span<std::byte> whole(e.payload);
         conn->receive_payload(std::span(&whole, 1));

@@ -41,7 +41,9 @@
 // prefill engines' hosts. A peer that fails
 // gets one kError saying only that it was not authenticated (the reason goes to the prefill
 // engine's log), and each frame of a connection until its request (the first included) must arrive
-// whole within handshake_timeout_s: silent or idle strangers cannot hold the port.
+// whole within handshake_timeout_s: silent or idle strangers cannot hold the port. Until a peer
+// has proven that it holds the secret, no frame of its is read into memory past the size of the
+// largest handshake frame (4 KiB), whatever size its header states.
 //
 // Threads: an accept thread, one thread per connection, one per fetch, one reaper for timeouts.
 // Blocks are only read or written by those threads while the engine keeps them allocated; every
@@ -168,9 +170,11 @@ class KvTransferAgent final : public KvTransfers {
   uint16_t port() const override;  // the bound port (0 without a server)
 
   // --- prefill side, sequential: the finished prompt's blocks wait to be pulled. Returns the
-  // transfer id. `release` is posted once, when the blocks may be freed (pulled or expired).
-  // A pull must name the same prompt (kv_prompt_hash and length): KV never lands under another
-  // prompt's tokens in the decode engine's prefix cache.
+  // transfer id: the engine id, '-', and 32 hex digits of a cryptographic generator (not derived
+  // from another id: whoever can connect to the port must not be able to name it). `release` is
+  // posted once, when the blocks may be freed (pulled or expired). A pull must name the same prompt
+  // (kv_prompt_hash and length): KV never lands under another prompt's tokens in the decode
+  // engine's prefix cache.
   std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
                    Task release) override;
 
@@ -276,7 +280,6 @@ class KvTransferAgent final : public KvTransfers {
   int64_t idle_workers_ = 0;  // of them, waiting for work
   std::deque<std::function<void()>> work_;
   std::condition_variable work_ready_;
-  uint64_t next_transfer_ = 0;
   uint64_t next_claim_ = 0;
   int64_t connections_ = 0;                               // server connections being served
   std::unordered_map<std::string, int64_t> handshaking_;  // by peer address: not yet past it
