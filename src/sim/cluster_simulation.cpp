@@ -325,11 +325,10 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
         break;
       case SimulationOptions::Fault::Kind::kStall:
         // The engine and its KV side (frozen whole, as SIGSTOP freezes a live one).
-        clock.schedule(time_of(f.at_s),
-                       [&, engine, end = seconds_of(time_of(f.at_s + f.duration_s))] {
-                         engine->stall(end);
-                         network.stall(engine->name(), end);
-                       });
+        clock.schedule(time_of(f.at_s), [&, engine, end = time_of(f.at_s + f.duration_s)] {
+          engine->stall(end);
+          network.stall(engine->name(), end);
+        });
         break;
       case SimulationOptions::Fault::Kind::kSlowLink:
         // Each fault ends its own factor: faults on one engine that overlap, or meet at an
@@ -552,7 +551,7 @@ SimulationRun simulate(const bench::LazyWorkload& workload, const SimulationOpti
     }
     if (fired != armed) return;
     for (const auto& e : engines)
-      if (e->stalled()) until = std::min(until, time_at(e->stalled_until()));
+      if (e->stalled()) until = std::min(until, e->stalled_until());
     if (until == Clock::time_point::max()) return;  // nothing would ever end the wait
     const int64_t periods = (until - end) / period - 1;
     if (periods < 1) return;

@@ -80,7 +80,7 @@ double SimulatedEngine::now() const {
 }
 
 bool SimulatedEngine::stalled() const {
-  return seconds_of(clock_.now()) < stalled_until_;
+  return clock_.now() < stalled_until_;
 }
 
 bool SimulatedEngine::quiet() const {
@@ -101,7 +101,7 @@ bool SimulatedEngine::defer_while_stalled(gateway::Executor::Task& task,
 void SimulatedEngine::arm_resume() {
   if (resume_armed_for_ == stalled_until_) return;
   resume_armed_for_ = stalled_until_;
-  clock_.at(time_at(stalled_until_), [this] { resume(); });
+  clock_.at(stalled_until_, [this] { resume(); });
 }
 
 void SimulatedEngine::resume() {
@@ -112,8 +112,8 @@ void SimulatedEngine::resume() {
   for (auto& [id, task] : tasks) task();
 }
 
-void SimulatedEngine::stall(double until_s) {
-  stalled_until_ = std::max(stalled_until_, until_s);
+void SimulatedEngine::stall(gateway::Executor::Clock::time_point until) {
+  stalled_until_ = std::max(stalled_until_, until);
 }
 
 void SimulatedEngine::call(const net::AsyncHttpRequest& request,

@@ -49,15 +49,18 @@ class SimulatedEngine {
   // its running step produced is lost. Its transfers' peers learn it from the network.
   void kill();
   bool dead() const { return phase_ == Phase::kDead; }
-  // The engine hangs until `until_s` (virtual seconds since the clock's epoch), as a stuck engine
-  // loop would: no step ends or starts and no call is answered before then; calls that arrive
-  // wait, and everything resumes in order afterwards. A call whose caller gave up meanwhile (its
-  // reply closed: a timed-out probe or poll) is dropped at once, as a live engine's server would
-  // find its connection gone: the gateway polls a hung engine every 100 ms, and kept, those
-  // calls grew without bound over a long stall.
-  void stall(double until_s);
+  // The engine hangs until `until`, as a stuck engine loop would: no step ends or starts and no
+  // call is answered before then; calls that arrive wait, and everything resumes in order
+  // afterwards. A call whose caller gave up meanwhile (its reply closed: a timed-out probe or
+  // poll) is dropped at once, as a live engine's server would find its connection gone: the
+  // gateway polls a hung engine every 100 ms, and kept, those calls grew without bound over a
+  // long stall. A time point, not seconds: an end in seconds that is no whole number of
+  // nanoseconds was armed at the nanosecond before it, found the engine still stalled, and the
+  // engine never woke.
+  void stall(gateway::Executor::Clock::time_point until);
   bool stalled() const;
-  double stalled_until() const { return stalled_until_; }  // 0 before any stall
+  // The epoch before any stall.
+  gateway::Executor::Clock::time_point stalled_until() const { return stalled_until_; }
   // Nothing to do and nothing under way: no step, no work, no stall, nothing deferred.
   bool quiet() const;
   // What waits for the stall to end: calls and the engine's own deferred work.
@@ -102,12 +105,12 @@ class SimulatedEngine {
   std::vector<std::function<void()>> rendered_at_end_;
   int64_t steps_ = 0, next_id_ = 0;
   double busy_seconds_ = 0;
-  double stalled_until_ = 0;  // virtual seconds since the clock's epoch
+  gateway::Executor::Clock::time_point stalled_until_{};
   // What waits for the stall's end, by arrival; a closed call's entry is erased by its reply.
   std::map<uint64_t, gateway::Executor::Task> deferred_;
   uint64_t next_deferred_ = 0;
   // A resume timer is armed for this stall end (a stall that is extended arms another).
-  double resume_armed_for_ = 0;
+  gateway::Executor::Clock::time_point resume_armed_for_{};
 };
 
 }  // namespace tandem::sim

@@ -16,6 +16,8 @@ namespace tandem::sim {
 using engine::KvFetch;
 using engine::KvFetchResult;
 using engine::KvTransfers;
+using TimePoint = gateway::Executor::Clock::time_point;
+using Duration = gateway::Executor::Clock::duration;
 
 class VirtualKvNetwork::Endpoint final : public KvTransfers {
  public:
@@ -62,8 +64,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   // The engine hangs from now until `until` (a stall fault): its KV side is frozen meanwhile.
-  void stall(double until) {
-    const double from = now_s();
+  void stall(TimePoint until) {
+    const TimePoint from = net_.clock_.now();
     if (!stalls_.empty() && from <= stalls_.back().second)
       stalls_.back().second = std::max(stalls_.back().second, until);  // extended
     else if (from < until)
@@ -227,7 +229,10 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
   double now_s() const { return double(net_.clock_.now_ns()) / 1e9; }  // the virtual clock
   gateway::Executor::TimerId at(double seconds, gateway::Executor::Task task) {
-    return net_.clock_.at(std::max(time_at(seconds), net_.clock_.now()), std::move(task));
+    return at(time_at(seconds), std::move(task));
+  }
+  gateway::Executor::TimerId at(TimePoint t, gateway::Executor::Task task) {
+    return net_.clock_.at(std::max(t, net_.clock_.now()), std::move(task));
   }
   void to_engine(Task task) {
     post_(std::move(task));
@@ -239,35 +244,38 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
   double slowdown() const { return slowdowns_.empty() ? 1 : *slowdowns_.rbegin(); }
 
-  // When this engine is awake at or after `t`: the end of the stall `t` falls in, else `t`.
-  double awake_from(double t) const {
+  // When this engine is awake at or after `t`: the end of the stall `t` falls in, else `t`. In
+  // time points, as the stalls are: an end in seconds was armed at the nanosecond before it,
+  // which found the engine still stalled and armed the same instant again, for ever.
+  TimePoint awake_from(TimePoint t) const {
     for (const auto& [from, until] : stalls_)
       if (from <= t && t < until) return until;
     return t;
   }
   // When this engine and `peer` are both awake at or after `t` (one may wake as the other
   // stalls: each stall moves `t` to a later end, so this ends).
-  double both_awake_from(const Endpoint* peer, double t) const {
+  TimePoint both_awake_from(const Endpoint* peer, TimePoint t) const {
     for (;;) {
-      const double awake = peer->awake_from(awake_from(t));
+      const TimePoint awake = peer->awake_from(awake_from(t));
       if (awake == t) return t;
       t = awake;
     }
   }
-  // The seconds of [from, to] during which this engine or `peer` was stalled.
-  double frozen(const Endpoint* peer, double from, double to) const {
-    std::vector<std::pair<double, double>> spans;
+  // The time in [from, to] during which this engine or `peer` was stalled.
+  Duration frozen(const Endpoint* peer, TimePoint from, TimePoint to) const {
+    std::vector<std::pair<TimePoint, TimePoint>> spans;
     for (const Endpoint* e : {this, peer})
       for (const auto& [a, b] : e->stalls_)
         if (std::max(a, from) < std::min(b, to))
           spans.emplace_back(std::max(a, from), std::min(b, to));
     std::sort(spans.begin(), spans.end());
-    double seconds = 0, covered = from;  // the union's length, left to right
+    Duration length{};  // the union's, left to right
+    TimePoint covered = from;
     for (const auto& [a, b] : spans) {
-      if (b > covered) seconds += b - std::max(a, covered);
+      if (b > covered) length += b - std::max(a, covered);
       covered = std::max(covered, b);
     }
-    return seconds;
+    return length;
   }
   // Runs `done` once the link between this engine and `peer` has run for `seconds` from `from`,
   // the time either engine was stalled not counting: a stalled engine's transfer threads are
@@ -276,17 +284,26 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   // A transfer whose end is past what the clock counts (a long prompt over a link slowed a
   // millionfold takes centuries) runs `too_slow` instead, with why: it fails alone, and the run
   // goes on.
-  void after_link_time(Endpoint* peer, double from, double seconds, gateway::Executor::Task done,
+  void after_link_time(Endpoint* peer, TimePoint from, double seconds, gateway::Executor::Task done,
                        std::function<void(const std::string&)> too_slow) {
-    from = both_awake_from(peer, from);
-    const double end = from + seconds;
-    if (!(end <= kMaxVirtualSeconds)) {
-      too_slow(too_slow_error(peer, end));
+    if (!(seconds <= kMaxVirtualSeconds)) {
+      too_slow(too_slow_error(peer, seconds_of(from) + seconds));
       return;
     }
+    after_link_time(peer, from, duration_of(seconds), std::move(done), std::move(too_slow));
+  }
+  void after_link_time(Endpoint* peer, TimePoint from, Duration length,
+                       gateway::Executor::Task done,
+                       std::function<void(const std::string&)> too_slow) {
+    from = both_awake_from(peer, from);
+    if (from.time_since_epoch() + length > duration_of(kMaxVirtualSeconds)) {
+      too_slow(too_slow_error(peer, seconds_of(from + length)));
+      return;
+    }
+    const TimePoint end = from + length;
     at(end,
        [this, peer, from, end, done = std::move(done), too_slow = std::move(too_slow)]() mutable {
-         if (const double lost = frozen(peer, from, end); lost > 0)
+         if (const Duration lost = frozen(peer, from, end); lost > Duration::zero())
            after_link_time(peer, end, lost, std::move(done), std::move(too_slow));
          else
            done();
@@ -324,8 +341,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   // engine is awake (a stalled engine's server thread is frozen too).
   void reach(Endpoint* prefill, KvFetch f) {
     if (!fetches_.count(f.request_id)) return;  // cancelled on the way
-    const double now = now_s();
-    if (const double awake = prefill->awake_from(now); awake > now) {
+    const TimePoint now = net_.clock_.now();
+    if (const TimePoint awake = prefill->awake_from(now); awake > now) {
       at(awake, [this, prefill, f = std::move(f)]() mutable { reach(prefill, std::move(f)); });
       return;
     }
@@ -336,7 +353,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   }
 
   void serve_pull(KvFetch f, Endpoint* decode) {
-    const double now = now_s();
+    const TimePoint now = net_.clock_.now();
     auto it = held_.find(f.transfer_id);
     std::string error;
     if (it == held_.end())
@@ -344,7 +361,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     else if (it->second.prompt_hash != f.prompt_hash || it->second.num_tokens != f.prompt_tokens)
       error = "transfer '" + f.transfer_id + "' holds another prompt";
     if (!error.empty()) {
-      at(now + net_.link_.latency_s, [decode, id = f.request_id, error] {
+      at(now_s() + net_.link_.latency_s, [decode, id = f.request_id, error] {
         decode->finish_fetch(id, {false, error, 0});
       });
       return;
@@ -413,7 +430,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     const double bytes = layer_bytes * double(layout_.layers);
     const double now = now_s();
     after_link_time(
-        r.decode->endpoint, now, std::max(end - now, 0.0),
+        r.decode->endpoint, net_.clock_.now(), std::max(end - now, 0.0),
         [this, room, bytes] {
           auto it = rooms_.find(room);
           if (it == rooms_.end() || dead_) return;  // failed meanwhile (or told the decode leg)
@@ -515,8 +532,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   // The factors of the slow-link faults under way on this engine: its links run as slow as the
   // largest says (none: as modelled).
   std::multiset<double> slowdowns_;
-  // This engine's stalls, [from, until) in virtual seconds since the clock's epoch, in time order.
-  std::vector<std::pair<double, double>> stalls_;
+  // This engine's stalls, [from, until), in time order.
+  std::vector<std::pair<TimePoint, TimePoint>> stalls_;
 };
 
 void VirtualKvNetwork::kill(const std::string& engine_id) {
@@ -532,8 +549,8 @@ void VirtualKvNetwork::end_slow(const std::string& engine_id, double factor) {
     it->second->end_slow_down(factor);
 }
 
-void VirtualKvNetwork::stall(const std::string& engine_id, double until_s) {
-  if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->stall(until_s);
+void VirtualKvNetwork::stall(const std::string& engine_id, TimePoint until) {
+  if (auto it = endpoints_.find(engine_id); it != endpoints_.end()) it->second->stall(until);
 }
 
 VirtualKvNetwork::VirtualKvNetwork(gateway::Executor& clock, KvLinkModel link)

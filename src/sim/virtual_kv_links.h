@@ -49,11 +49,11 @@ class VirtualKvNetwork {
   void slow(const std::string& engine_id, double factor);
   // That fault ends: its factor no longer counts.
   void end_slow(const std::string& engine_id, double factor);
-  // The engine of this engine_id hangs until `until_s` (virtual seconds since the clock's epoch;
-  // a later end extends a stall under way), frozen whole as bench/chaos.sh's SIGSTOP freezes a
-  // live engine, its KV transfer threads included: a request for its KV waits until it wakes,
-  // and a transfer to or from it stops and goes on when it wakes.
-  void stall(const std::string& engine_id, double until_s);
+  // The engine of this engine_id hangs until `until` (a later end extends a stall under way),
+  // frozen whole as bench/chaos.sh's SIGSTOP freezes a live engine, its KV transfer threads
+  // included: a request for its KV waits until it wakes, and a transfer to or from it stops and
+  // goes on when it wakes.
+  void stall(const std::string& engine_id, gateway::Executor::Clock::time_point until);
 
   int64_t transfers() const { return transfers_; }  // completed
   double bytes() const { return bytes_; }           // that they moved

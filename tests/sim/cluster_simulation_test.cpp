@@ -3,6 +3,10 @@
 // request ends with its blocks returned.
 #include "sim/cluster_simulation.h"
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -623,7 +627,7 @@ TEST(ClusterSimulation, AStalledEngineDropsTheCallsWhoseCallersGaveUp) {
   // kept, they grew without bound over a long stall.
   OneEngine rig;
   auto& [clock, upstream, engine] = rig;
-  engine.stall(seconds_of(clock.now()) + 1e6);
+  engine.stall(clock.now() + std::chrono::seconds(1000000));
   int answered = 0, timed_out = 0;
   auto probe = [&](std::chrono::seconds timeout) {
     net::AsyncHttpRequest r;
@@ -647,6 +651,63 @@ TEST(ClusterSimulation, AStalledEngineDropsTheCallsWhoseCallersGaveUp) {
   clock.advance_by(std::chrono::seconds(1000000));
   EXPECT_EQ(answered, 1);
   EXPECT_EQ(engine.deferred(), 0u);
+}
+
+TEST(ClusterSimulation, AStallThatEndsInsideANanosecondEndsForTheCallsThatWaited) {
+  // 496.4 s is no whole number of nanoseconds: the stall's end, kept in seconds, was armed at the
+  // nanosecond before it, when the engine was still stalled, and nothing woke it again.
+  OneEngine rig;
+  auto& [clock, upstream, engine] = rig;
+  engine.stall(clock.now() + duration_of(496.4));
+  int answered = 0;
+  net::AsyncHttpRequest r;
+  r.host = "engine-0";
+  r.port = 1;
+  r.target = "/health";
+  r.timeout = std::chrono::seconds(1000);
+  net::AsyncHttpHandlers h;
+  h.on_done = [&](const std::string& error) { answered += error.empty(); };
+  upstream.start(std::move(r), std::move(h));
+  clock.advance_by(duration_of(496));
+  EXPECT_EQ(answered, 0);
+  clock.advance_by(duration_of(1));
+  EXPECT_EQ(answered, 1);
+  EXPECT_FALSE(engine.stalled());
+  EXPECT_EQ(engine.deferred(), 0u);
+}
+
+TEST(ClusterSimulation, ARunWithAStallThatEndsInsideANanosecondFinishes) {
+  // `--stall decode-0@400+96.4` (and a prefill engine's, whose KV requests waited for it) hung
+  // `tandem simulate`: the engine never stepped after its stall, and the run polled it forever
+  // (or until the gateway's timeouts gave up on it). In a child whose CPU time is bounded, so
+  // that a hang fails rather than hangs.
+  for (const std::string stalled : {"decode-0", "prefill-0"}) {
+    SCOPED_TRACE(stalled);
+    std::vector<bench::BenchRequest> reqs = random_requests(6, 41);
+    for (size_t i = 0; i < reqs.size(); ++i) reqs[i].arrival_s = 398.0 + 0.5 * double(i);
+    reqs.push_back(request(500.0, words(50, 1), 4));  // after the stall
+    auto o = pd_options(gateway::PdMode::kSequential, 1, 1, "deepseek-v3-h800");
+    o.gateway.timeouts.prefill = o.gateway.timeouts.first_token = o.gateway.timeouts.idle =
+        std::chrono::seconds(1000);
+    o.kv_transfer_timeout_s = 1000;
+    o.faults = {{Fault::Kind::kStall, stalled, 400.0, 96.4}};
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      const rlimit cpu{120, 120};
+      ::setrlimit(RLIMIT_CPU, &cpu);
+      const SimulationRun run = simulate(reqs, o, tokenizer());
+      // Every request answered by the stall's end (496.4 s) and a little more, none after the
+      // gateway's timeouts (1000 s).
+      const bool all = std::all_of(run.results.begin(), run.results.end(),
+                                   [](const auto& x) { return x.success && x.latency_s < 200; });
+      ::_exit(all && run.retries == 0 ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status);
+    EXPECT_EQ(WEXITSTATUS(status), 0);
+  }
 }
 
 TEST(ClusterSimulation, ARunEndsWithTheLastAnswerNotWithALongStall) {

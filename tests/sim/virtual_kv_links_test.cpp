@@ -181,5 +181,67 @@ TEST_F(VirtualKvLinks, ATransferTooSlowForTheClockFailsAloneNamingTheFlags) {
   EXPECT_EQ(room.error, pushed->error);
 }
 
+// The virtual clock, arming at most `limit` timers: a spin that re-arms one at the same instant
+// ends, and the test sees what it left undone, instead of hanging.
+class BoundedClock final : public gateway::Executor {
+ public:
+  explicit BoundedClock(size_t limit) : left_(limit) {}
+  Clock::time_point now() const override { return clock_.now(); }
+  void post(Task task) override { clock_.post(std::move(task)); }
+  void post_batched(Task task) override { clock_.post_batched(std::move(task)); }
+  void set_busy(bool busy) override { clock_.set_busy(busy); }
+  TimerId at(Clock::time_point when, Task task) override {
+    if (left_ == 0) return {};
+    --left_;
+    return clock_.at(when, std::move(task));
+  }
+  void cancel(TimerId id) override { clock_.cancel(id); }
+  void advance_by(Clock::duration d) { clock_.advance_by(d); }
+  bool ran_out() const { return left_ == 0; }
+
+ private:
+  gateway::VirtualExecutor clock_;
+  size_t left_;
+};
+
+// A request for a stalled prefill engine's KV waits for the stall's end. An end of 496.4 s is no
+// whole number of nanoseconds: kept in seconds, the wait was armed at the nanosecond before it,
+// found the engine still stalled and re-armed at that same instant, for ever.
+TEST(VirtualKvLinksStalled, ARequestForAStalledEnginesKvIsServedWhenTheStallEndsInsideANanosecond) {
+  BoundedClock clock(1000);
+  VirtualKvNetwork net(clock, KvLinkModel{});
+  LayoutOnly executor;
+  std::vector<KvTransfers::Task> tasks;
+  auto post = [&](KvTransfers::Task t) { tasks.push_back(std::move(t)); };
+  auto now = [&] { return seconds_of(clock.now()); };
+  engine::KvTransferConfig p;
+  p.engine_id = "prefill";
+  p.port = 1;
+  p.advertise_host = "prefill-host";
+  p.timeout_s = 1000;
+  const auto prefill = net.make(p, executor, post, now, [] {});
+  engine::KvTransferConfig d;
+  d.engine_id = "decode";
+  const auto decode = net.make(d, executor, post, now, [] {});
+
+  const auto start = clock.now();
+  net.stall("prefill", start + duration_of(496.4));
+  engine::KvFetch pull;
+  pull.request_id = "pulled";
+  pull.host = "prefill-host";
+  pull.port = 1;
+  pull.engine_id = "prefill";
+  pull.transfer_id = prefill->hold({1, 2}, 1234, 11, [] {});
+  pull.prompt_hash = 1234;
+  pull.prompt_tokens = pull.num_tokens = 11;
+  std::optional<engine::KvFetchResult> pulled;
+  decode->fetch(pull, [&](const engine::KvFetchResult& r) { pulled = r; });
+  clock.advance_by(duration_of(497));
+  for (size_t i = 0; i < tasks.size(); ++i) tasks[i]();
+  EXPECT_FALSE(clock.ran_out());
+  ASSERT_TRUE(pulled.has_value());
+  EXPECT_TRUE(pulled->ok) << pulled->error;
+}
+
 }  // namespace
 }  // namespace tandem::sim
