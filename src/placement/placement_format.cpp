@@ -33,10 +33,40 @@ nlohmann::json placement_to_json(const Placement& p) {
 namespace {
 constexpr int64_t kMaxRanks = 1 << 16, kMaxExperts = 1 << 16;
 constexpr uint64_t kMaxRankLayers = uint64_t(1) << 22;
+// EPLB's log2phy pads every expert of every layer to the most copies of any expert: a file of a
+// few MB whose phy2log gives one expert millions of copies would ask for hundreds of GB there
+// (and in placement_to_json). DeepSeek-V3 with a copy of every expert on each of 256 ranks
+// needs 58 x 256 x 256 (~3.8M) entries.
+constexpr uint64_t kMaxLog2phyEntries = uint64_t(1) << 24;
+
+// Throws unless the padded log2phy fits kMaxLog2phyEntries, naming the layer and expert whose
+// copies set its width.
+void check_log2phy_size(const Placement& p, const std::string& source) {
+  int64_t widest_layer = 0, widest_expert = 0;
+  int32_t width = 0;
+  for (int64_t l = 0; l < p.num_layers(); ++l) {
+    const std::vector<int32_t> count = p.logcnt(l);
+    for (int64_t e = 0; e < p.experts; ++e)
+      if (count[e] > width) {
+        width = count[e];
+        widest_layer = l;
+        widest_expert = e;
+      }
+  }
+  const uint64_t entries = uint64_t(p.num_layers()) * uint64_t(p.experts) * uint64_t(width);
+  if (entries > kMaxLog2phyEntries)
+    throw Error(source + ": layer " + std::to_string(widest_layer) + " of \"phy2log\" holds " +
+                std::to_string(width) + " copies of expert " + std::to_string(widest_expert) +
+                ": \"log2phy\", that many slots for each of " + std::to_string(p.experts) +
+                " experts in " + std::to_string(p.num_layers()) + " layers, would hold " +
+                std::to_string(entries) + " entries, more than the " +
+                std::to_string(kMaxLog2phyEntries) + " a placement may hold");
+}
 
 // "layers", "logcnt" and "log2phy" say again what phy2log says; a tool that reads one of them
 // (EPLB's own code reads log2phy and logcnt) must not find another placement than ours. EPLB pads
-// log2phy with -1 to its own width and may list an expert's slots in another order.
+// log2phy with -1 to its own width and may list an expert's slots in another order. Each layer is
+// checked in time linear in its slots and experts: no padded table is built.
 void check_against_phy2log(const nlohmann::json& j, const Placement& p, const std::string& source) {
   if (j.contains("layers") &&
       (!j["layers"].is_number_integer() || j["layers"].get<int64_t>() != p.num_layers()))
@@ -45,11 +75,11 @@ void check_against_phy2log(const nlohmann::json& j, const Placement& p, const st
   for (const char* key : {"logcnt", "log2phy"})
     if (j.contains(key) && (!j[key].is_array() || j[key].size() != size_t(p.num_layers())))
       throw Error(source + ": \"" + key + "\" must have one entry per layer of \"phy2log\"");
-  const int32_t width = p.max_copies();
   for (int64_t l = 0; l < p.num_layers(); ++l) {
     const std::string where = source + ": layer " + std::to_string(l);
+    const std::vector<int32_t> count = p.logcnt(l);
     if (j.contains("logcnt")) {
-      const nlohmann::json want = p.logcnt(l);
+      const nlohmann::json want = count;
       if (j["logcnt"][l] != want)
         throw Error(where + " of \"logcnt\" is not the copies \"phy2log\" holds per expert (" +
                     want.dump() + ")");
@@ -59,16 +89,22 @@ void check_against_phy2log(const nlohmann::json& j, const Placement& p, const st
     if (!rows.is_array() || rows.size() != size_t(p.experts))
       throw Error(where + " of \"log2phy\" needs one list of slots per expert (" +
                   std::to_string(p.experts) + ")");
-    const std::vector<std::vector<int32_t>> want = p.log2phy(l, width);
+    // Every expert's slots in slot order, one after another: expert e's from first[e].
+    std::vector<int64_t> first(size_t(p.experts) + 1, 0);
+    for (int64_t e = 0; e < p.experts; ++e) first[e + 1] = first[e] + count[e];
+    std::vector<int64_t> by_expert(size_t(first.back()));
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    const std::vector<int32_t> phy2log = p.phy2log(l);
+    for (size_t s = 0; s < phy2log.size(); ++s) by_expert[next[phy2log[s]]++] = int64_t(s);
     for (int64_t e = 0; e < p.experts; ++e) {
-      std::vector<int64_t> got, slots;
+      const std::vector<int64_t> slots(by_expert.begin() + first[e],
+                                       by_expert.begin() + first[e + 1]);
+      std::vector<int64_t> got;
       bool ok = rows[e].is_array();
       for (size_t k = 0; ok && k < rows[e].size(); ++k) {
         ok = rows[e][k].is_number_integer();
         if (ok && rows[e][k].get<int64_t>() != -1) got.push_back(rows[e][k].get<int64_t>());
       }
-      for (int32_t s : want[e])
-        if (s >= 0) slots.push_back(s);
       std::sort(got.begin(), got.end());
       if (!ok || got != slots)
         throw Error(where + " of \"log2phy\", expert " + std::to_string(e) + ": lists " +
@@ -156,6 +192,7 @@ Placement placement_from_json(const std::string& text, const std::string& source
   } catch (const Error& e) {
     throw Error(source + ": " + e.what());
   }
+  check_log2phy_size(p, source);
   check_against_phy2log(j, p, source);
   return p;
 }

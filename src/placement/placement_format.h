@@ -13,7 +13,8 @@ namespace tandem::placement {
 
 nlohmann::json placement_to_json(const Placement& placement);
 // Throws tandem::Error naming `source` and the field at fault; the result is validated, and
-// "layers", "logcnt" and "log2phy", where present, must say what "phy2log" says.
+// "layers", "logcnt" and "log2phy", where present, must say what "phy2log" says. Copies are
+// bounded: log2phy, padded to the most copies of any expert, may hold at most 2^24 entries.
 Placement placement_from_json(const std::string& text, const std::string& source);
 
 // Shape {ranks, layers, experts}, values 0/1. A rank holding two copies of one expert cannot be

@@ -2,6 +2,8 @@
 // Omni planner on random loads, incremental rebalancing, the file formats.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -423,6 +425,43 @@ TEST(Format, JsonErrorsNameTheField) {
             std::string::npos);
   EXPECT_NE(message(R"({"ranks":4,"experts":4000000000,"phy2log":[[0]]})").find("\"experts\""),
             std::string::npos);
+}
+
+TEST(Format, ManyCopiesOfOneExpertAreRefusedBeforeLog2phyIsPadded) {
+  // Under 8 MB of JSON: 65536 experts, then 3 million more slots of expert 0. log2phy padded to
+  // expert 0's copies for every expert is 65536 x 3M entries (~800 GB); the check against it
+  // built that table. In a child with its address space bounded, so that the old allocation
+  // fails there rather than on the machine.
+  const int64_t experts = 65536, extra = 3'000'000;
+  std::string body = R"({"ranks":1,"experts":65536,"phy2log":[[)";
+  for (int64_t e = 0; e < experts; ++e) body += std::to_string(e) + ",";
+  for (int64_t k = 0; k < extra; ++k) body += k + 1 < extra ? "0," : "0";
+  body += R"(]],"log2phy":[[)";
+  for (int64_t e = 0; e < experts; ++e) body += e + 1 < experts ? "[]," : "[]";
+  body += "]]}";
+  ASSERT_LT(body.size(), size_t(8) << 20);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const rlimit memory{size_t(4) << 30, size_t(4) << 30};
+    ::setrlimit(RLIMIT_AS, &memory);
+    try {
+      placement_from_json(body, "p.json");
+    } catch (const Error& e) {
+      const std::string why = e.what();
+      ::_exit(why.find("p.json: layer 0 of \"phy2log\" holds 3000001 copies of expert 0") !=
+                      std::string::npos
+                  ? 0
+                  : 2);
+    } catch (...) {
+      ::_exit(3);  // the allocation failed
+    }
+    ::_exit(1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: accepted, 2: another error, 3: allocation failed";
 }
 
 TEST(Format, OmniPatternRoundTripsThroughNpy) {
