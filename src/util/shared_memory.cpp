@@ -121,7 +121,8 @@ void wake_all(std::atomic<uint32_t>& word) {
           0);
 }
 
-void SharedBarrier::arrive_and_wait(uint32_t parties, const std::function<void()>& poll) {
+void SharedBarrier::arrive_and_wait(uint32_t parties,
+                                    const std::function<void(uint32_t waiting_at)>& poll) {
   const uint32_t gen = generation.load(std::memory_order_acquire);
   if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == parties) {
     arrived.store(0, std::memory_order_relaxed);
@@ -142,7 +143,7 @@ void SharedBarrier::arrive_and_wait(uint32_t parties, const std::function<void()
   while (generation.load(std::memory_order_acquire) == gen) {
     wait_while_equal(generation, gen, 20);
     if (generation.load(std::memory_order_acquire) != gen) return;
-    if (poll) poll();
+    if (poll) poll(gen);
   }
 }
 

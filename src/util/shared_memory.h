@@ -87,12 +87,14 @@ void wait_while_equal(std::atomic<uint32_t>& word, uint32_t expected, int timeou
 void wake_all(std::atomic<uint32_t>& word);
 
 // A reusable barrier for `parties` processes, living in a shared segment (zero-initialised is
-// ready). Waiters spin briefly, then sleep on a futex; every 20 ms asleep they call `poll`, which
-// throws to give up (a peer died, the engine is aborting).
+// ready). Waiters spin briefly, then sleep on a futex; every 20 ms asleep they call `poll` with
+// the generation they wait at, which may already have completed (the last party can arrive just
+// before the call: the live generation is then the next wait's); `poll` throws to give up (a
+// peer died, the engine is aborting).
 struct alignas(64) SharedBarrier {
   std::atomic<uint32_t> arrived{0};
   std::atomic<uint32_t> generation{0};
-  void arrive_and_wait(uint32_t parties, const std::function<void()>& poll);
+  void arrive_and_wait(uint32_t parties, const std::function<void(uint32_t waiting_at)>& poll);
 };
 
 }  // namespace tandem

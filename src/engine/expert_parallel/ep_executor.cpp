@@ -102,7 +102,7 @@ EpExecutor::EpExecutor(const EpExecutorOptions& o, const text::Tokenizer& tokeni
   threads_ = threads;
   omp_set_num_threads(threads);
   rank0_ = std::make_unique<EpRank>(*segment_, 0, model_);
-  rank0_->set_poll([this] { poll(); });
+  rank0_->set_poll([this](uint32_t waiting_at) { poll(waiting_at); });
   rank0_->load_placement();
 
   // This process's own program even when an upgrade has replaced the file it was started from
@@ -187,7 +187,7 @@ void EpExecutor::fail(const std::string& why) {
   }
 }
 
-void EpExecutor::poll() {
+void EpExecutor::poll(uint32_t waiting_at) {
   std::string why;
   {
     std::lock_guard lock(mutex_);
@@ -198,17 +198,17 @@ void EpExecutor::poll() {
     if (why.empty() && segment_->header().abort.load(std::memory_order_acquire))
       why = failure_.empty() ? "expert parallelism: a rank failed its step" : failure_;
   }
-  if (why.empty()) why = stalled_ranks();
+  if (why.empty()) why = stalled_ranks(waiting_at);
   if (why.empty()) return;
   fail(why);
   throw Error(failure());
 }
 
-std::string EpExecutor::stalled_ranks() {
-  const Header& h = segment_->header();
-  if (!stall_.stalled(h.barrier.generation.load(std::memory_order_acquire),
-                      StallWatch::Clock::now()))
-    return {};
+std::string EpExecutor::stalled_ranks(uint32_t waiting_at) {
+  // The generation the wait is for, not the barrier's live one: a wait whose barrier completed
+  // just before this poll would start timing the next step's wait, and after an idle spell of the
+  // timeout that wait's first poll would find it "stalled".
+  if (!stall_.stalled(waiting_at, StallWatch::Clock::now())) return {};
   std::vector<uint32_t> arrivals;
   for (int r = 0; r < ranks(); ++r)
     arrivals.push_back(segment_->rank(r).arrivals->load(std::memory_order_acquire));

@@ -82,9 +82,10 @@ class EpExecutor final : public Executor {
 
  private:
   // Throws (after failing the executor) when a rank has died or stalled, or the segment says
-  // abort. Called by rank 0 while it waits at a barrier (on the engine's thread).
-  void poll();
-  std::string stalled_ranks();  // empty while none has stalled
+  // abort. Called by rank 0 while it waits at barrier generation `waiting_at` (on the engine's
+  // thread).
+  void poll(uint32_t waiting_at);
+  std::string stalled_ranks(uint32_t waiting_at);  // empty while none has stalled
   void fail(const std::string& why);
   void abort_waits() const;  // every rank's waits give up
   void post(Command command);

@@ -47,8 +47,9 @@ class EpRank final : public model::ExpertExchange {
   void switch_placement(uint32_t table);
   // switch_placement, then the barrier every rank's switch ends with.
   void switch_placement_with_all(uint32_t table);
-  // Called while waiting at a barrier; throws to abandon the step.
-  void set_poll(std::function<void()> poll) { poll_ = std::move(poll); }
+  // Called while waiting at a barrier, with the barrier's generation that the wait is for (see
+  // SharedBarrier); throws to abandon the step.
+  void set_poll(std::function<void(uint32_t waiting_at)> poll) { poll_ = std::move(poll); }
   // This rank's part of the step the front posted: its sequences' forward pass, their sampled
   // rows' logits and the step's routes into the segment, then the end-of-step barrier. Rank 0
   // hears through `on_layer` when layers [0, n) of every rank's sequences are in the cache.
@@ -82,7 +83,7 @@ class EpRank final : public model::ExpertExchange {
   // Per MoE layer, experts loaded for the next placement: (logical expert, weights).
   std::vector<std::vector<std::pair<int32_t, model::MlpWeights>>> prepared_;
   std::vector<uint64_t> seen_;  // the model's route counts after the previous step
-  std::function<void()> poll_;
+  std::function<void(uint32_t waiting_at)> poll_;
   const LayerHook* on_layer_ = nullptr;
   int64_t layers_reported_ = 0;
   RankWork work_;

@@ -33,7 +33,7 @@ int serve_rank(const RankProcessOptions& o) {
   auto gone = [&] {
     return getppid() != o.parent || header.abort.load(std::memory_order_acquire) != 0;
   };
-  rank.set_poll([&] {
+  rank.set_poll([&](uint32_t) {
     if (gone()) throw Abandoned{};
   });
   rank.load_placement();
