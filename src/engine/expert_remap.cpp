@@ -42,7 +42,7 @@ void ExpertRemapper::stage(const placement::Placement& next, bool automatic) {
   if (std::string why = executor_.failure(); !why.empty()) throw RemapUnavailable(why);
   {
     std::lock_guard lock(mutex_);
-    if (status_.loading) throw Error("a placement change is already underway");
+    if (status_.loading) throw RemapUnderway("a placement change is already underway");
     status_.loading = true;
   }
   try {
@@ -97,6 +97,8 @@ void ExpertRemapper::after_step(uint64_t steps, const ExpertLoadStats& load) {
     const placement::IncrementalPlan plan = placement::plan_incremental(loads, *current, {});
     if (plan.moves == 0) return;
     stage(plan.placement, true);
+  } catch (const RemapUnderway&) {
+    // An operator's change began while this one was planned: it wins, and nothing failed.
   } catch (const std::exception& e) {
     const std::string why = std::string("automatic rebalance: ") + e.what();
     std::lock_guard lock(mutex_);

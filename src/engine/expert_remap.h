@@ -37,6 +37,13 @@ class RemapUnavailable : public Error {
   using Error::Error;
 };
 
+// change() refused because another change is loading (an operator's, or the engine's own
+// rebalance that began meanwhile): nothing wrong with the placement (the API answers 409).
+class RemapUnderway : public Error {
+ public:
+  using Error::Error;
+};
+
 class ExpertRemapper {
  public:
   // `post` runs a task on the engine thread between steps.
@@ -44,8 +51,8 @@ class ExpertRemapper {
                  std::function<void(std::function<void()>)> post);
 
   // Any thread. Checks `next` and starts loading it (throws tandem::Error naming what does not
-  // fit, or that a change is underway; RemapUnavailable when the executor has failed; the
-  // placement in force stays).
+  // fit; RemapUnderway when a change is loading; RemapUnavailable when the executor has failed;
+  // the placement in force stays).
   void change(const placement::Placement& next);
   // Engine thread, after a step's routes were recorded (`steps` so far): every
   // rebalance_interval steps, plans from the load window and stages the plan when it moves

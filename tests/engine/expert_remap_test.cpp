@@ -21,7 +21,10 @@ class PlacingExecutor : public Executor {
   const std::byte* kv_bytes(int32_t, int64_t) const override { return nullptr; }
   void write_kv(int32_t, int64_t, std::span<const std::byte>) override {}
   std::string failure() const override { return failed; }
-  std::optional<placement::Placement> expert_placement() const override { return placement_; }
+  std::optional<placement::Placement> expert_placement() const override {
+    if (on_placement_read) on_placement_read();
+    return placement_;
+  }
   void stage_expert_placement(const placement::Placement&, std::function<void()> done) override {
     // As EpExecutor: a failed executor refuses, naming its failure.
     if (!failed.empty()) throw Error(failed);
@@ -32,6 +35,7 @@ class PlacingExecutor : public Executor {
   int staged = 0;
   std::function<void()> loaded;
   std::string failed;
+  std::function<void()> on_placement_read;  // e.g. another change arriving then
 
  private:
   ExecutorInfo info_;
@@ -83,6 +87,42 @@ TEST(ExpertRemap, AChangeCutShortByAnExecutorFailureIsReportedFailed) {
     EXPECT_NE(std::string(e.what()).find("rank 1 exited"), std::string::npos) << e.what();
   }
   EXPECT_EQ(executor.staged, 1);
+}
+
+// A change while another loads is refused as underway (the API's 409), whether the other is an
+// operator's or the engine's own rebalance, and not as a bad placement (400).
+TEST(ExpertRemap, AChangeWhileAnotherLoadsIsRefusedAsUnderway) {
+  const std::vector<int32_t> all = {0, 1, 2, 3};
+  const placement::Placement p{2, 4, {{all, {}}}};
+  PlacingExecutor executor(p);
+  metrics::Registry registry;
+  ExpertRemapper remapper(executor, 0, registry, [](std::function<void()> task) { task(); });
+  remapper.change(p);
+  EXPECT_THROW(remapper.change(p), RemapUnderway);
+  EXPECT_EQ(executor.staged, 1);
+  executor.loaded();
+  EXPECT_NO_THROW(remapper.change(p));  // the first switched: the next may load
+  EXPECT_EQ(executor.staged, 2);
+}
+
+// An operator's change that begins while the engine plans its own rebalance (after the
+// rebalance found none loading) wins: the rebalance leaves it alone and reports no error.
+TEST(ExpertRemap, ARebalanceThatFindsAChangeBegunWhileItPlannedLeavesIt) {
+  const placement::Placement p{2, 4, {{{0, 1}, {2, 3}}}};
+  PlacingExecutor executor(p);
+  metrics::Registry registry;
+  ExpertRemapper remapper(executor, 1, registry, [](std::function<void()> task) { task(); });
+  executor.on_placement_read = [&, once = true]() mutable {
+    if (once) remapper.change(p);
+    once = false;
+  };
+  ExpertLoadStats load({1}, 4, 8);
+  load.record(std::vector<int64_t>{90, 80, 1, 1});  // rank 0 holds both hot experts
+  EXPECT_NO_THROW(remapper.after_step(1, load));
+  const ExpertRemapStatus status = remapper.status();
+  EXPECT_EQ(executor.staged, 1);  // the operator's
+  EXPECT_TRUE(status.loading);
+  EXPECT_EQ(status.last_error, "");
 }
 
 // last_error is about the last attempt: a switch that succeeds after a failed plan clears it.
