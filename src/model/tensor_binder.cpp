@@ -1,5 +1,8 @@
 #include "model/tensor_binder.h"
 
+#include <cmath>
+#include <span>
+
 #include "model/dtype.h"
 #include "model/layout.h"
 #include "model/quantize.h"
@@ -8,6 +11,30 @@
 namespace tandem::model {
 
 using kernels::Matrix;
+
+namespace {
+
+std::string number_text(float v) {
+  return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf";
+}
+
+// A weight scale that is infinite or NaN makes its whole block (row) of weights NaN or infinite,
+// and with it every logit that reads them. No quantizer writes one (a scale is a block's amax over
+// the code's maximum; tandem quantize refuses non-finite weights), so it is a damaged file: refused
+// naming the tensor and the element. A zero scale stays accepted: it is what amax / 448 gives an
+// all-zero block, and its weights come back 0 as they were; a negative one decodes to finite
+// weights exactly as vLLM's kernels read them.
+void check_scales(const std::string& tensor, const TensorInfo& info, std::span<const float> scales,
+                  int64_t cols) {
+  for (size_t i = 0; i < scales.size(); ++i)
+    if (!std::isfinite(scales[i]))
+      throw Error("tensor '" + tensor + "' in " + info.file + ": element [" +
+                  std::to_string(int64_t(i) / cols) + ", " + std::to_string(int64_t(i) % cols) +
+                  "] is " + number_text(scales[i]) +
+                  ": a weight scale must be finite (the file is damaged)");
+}
+
+}  // namespace
 
 TensorBinder::TensorBinder(const Checkpoint& checkpoint, std::optional<Fp8Quantization> fp8,
                            const std::function<void(size_t, size_t)>& progress)
@@ -53,6 +80,7 @@ Matrix TensorBinder::matrix(const std::string& name, int64_t rows, int64_t cols)
       const TensorInfo& s = take(name + ".weight_scale", {rows, 1});
       m.row_scales.resize(rows);
       to_f32(s.dtype, s.data, m.row_scales.data(), rows);
+      check_scales(name + ".weight_scale", s, m.row_scales, 1);
       kernels::set_int8_row_sums(m);
       break;
     }
@@ -159,14 +187,21 @@ void TensorBinder::dequantize_fp8(const std::string& name, const TensorInfo& t, 
   const TensorInfo& s = take(name + ".weight_scale_inv", {sr, sc});
   std::vector<float> scales(sr * sc);
   to_f32(s.dtype, s.data, scales.data(), sr * sc);
+  check_scales(name + ".weight_scale_inv", s, scales, sc);
   m.type = kernels::WeightType::kBF16;
   m.storage.resize(static_cast<size_t>(m.rows * m.cols) * 2);
   auto* out = reinterpret_cast<uint16_t*>(m.storage.data());
   const auto* in = reinterpret_cast<const uint8_t*>(t.data);
   for (int64_t r = 0; r < m.rows; ++r)
-    for (int64_t col = 0; col < m.cols; ++col)
-      out[r * m.cols + col] =
-          f32_to_bf16(f8e4m3_to_f32(in[r * m.cols + col]) * scales[(r / br) * sc + col / bc]);
+    for (int64_t col = 0; col < m.cols; ++col) {
+      const float w = f8e4m3_to_f32(in[r * m.cols + col]) * scales[(r / br) * sc + col / bc];
+      // E4M3's NaN codes (0x7f, 0xff), or a scale so large the product overflows.
+      if (!std::isfinite(w))
+        throw Error("tensor '" + name + ".weight' in " + t.file + ": element [" +
+                    std::to_string(r) + ", " + std::to_string(col) + "] is " + number_text(w) +
+                    " after dequantisation: a weight must be finite (the file is damaged)");
+      out[r * m.cols + col] = f32_to_bf16(w);
+    }
   m.data = m.storage.data();
   release_pages(t.data, t.nbytes);  // the FP8 bytes are not read again
 }

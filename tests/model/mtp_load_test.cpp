@@ -2,14 +2,20 @@
 // (WeightLoadOptions::mtp false): the main model is the same, nothing of the MTP layers is held
 // (no packed weights, no cache layer), and missing_mtp() says up front why a checkpoint cannot
 // draft. Also what else loading a DeepSeek checkpoint decides about its tensors: a tied model's
-// checkpoint that also holds lm_head.weight loads, the embedding its head.
+// checkpoint that also holds lm_head.weight loads, the embedding its head; an FP8 checkpoint with
+// a non-finite weight scale or weight is refused naming the element.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
+#include <limits>
 #include <span>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "model/deepseek.h"
 #include "model/latent_cache.h"
@@ -113,6 +119,76 @@ TEST(TiedHead, AnLmHeadInATiedCheckpointIsIgnoredAndTheEmbeddingIsTheHead) {
   const std::vector<float> logits = logits_of(with_head, prompt);
   EXPECT_EQ(logits, logits_of(without_head, prompt));
   EXPECT_NE(logits, logits_of(untied_model, prompt));  // the file's lm_head would differ
+}
+
+// Overwrites bytes of one tensor in the checkpoint's files: `bytes` at element `index` (of
+// `element_size` bytes), found from the safetensors header (8-byte length, JSON, data).
+void patch_tensor(const std::filesystem::path& dir, const std::string& tensor, int64_t index,
+                  const void* bytes, size_t element_size) {
+  std::string file = "model.safetensors";
+  if (std::filesystem::exists(dir / "model.safetensors.index.json"))
+    file = nlohmann::json::parse(
+        test::read_bytes(dir / "model.safetensors.index.json"))["weight_map"][tensor];
+  std::fstream f(dir / file, std::ios::in | std::ios::out | std::ios::binary);
+  uint64_t header_size = 0;
+  f.read(reinterpret_cast<char*>(&header_size), 8);
+  std::string header(header_size, ' ');
+  f.read(header.data(), static_cast<std::streamsize>(header_size));
+  const uint64_t begin = nlohmann::json::parse(header)[tensor]["data_offsets"][0];
+  f.seekp(static_cast<std::streamoff>(8 + header_size + begin + index * element_size));
+  f.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(element_size));
+  ASSERT_TRUE(f.good()) << dir / file;
+}
+
+std::string load_error(const std::filesystem::path& dir) {
+  try {
+    DeepSeekModel::load(dir);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(loaded)";
+}
+
+// A NaN or infinite scale made its whole 128x128 block of weights NaN or infinite, and every
+// logit with them, without a word. A zero scale is what amax / 448 gives an all-zero block: it
+// loads (its block's weights 0).
+TEST(Fp8Load, ANonFiniteWeightScaleIsRefusedNamingTheElementAZeroOneLoads) {
+  const ModelConfig c = config();
+  const std::string scale = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv";
+  const std::string weight = "model.layers.1.mlp.shared_experts.down_proj.weight";
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+        -std::numeric_limits<float>::infinity()}) {
+    const test::TempDir dir("fp8-bad-scale");
+    test::write_random_checkpoint(dir.path(), c, DType::kF8E4M3);
+    const auto shape = Checkpoint::open(dir.path()).find(scale)->shape;
+    ASSERT_EQ(shape.size(), 2u);
+    ASSERT_GE(shape[1], 1);
+    const int64_t row = shape[0] - 1, col = shape[1] - 1;
+    patch_tensor(dir.path(), scale, row * shape[1] + col, &bad, 4);
+    const std::string element = "element [" + std::to_string(row) + ", " + std::to_string(col);
+    EXPECT_THAT(load_error(dir.path()),
+                AllOf(HasSubstr("'" + scale + "'"), HasSubstr(element + "]"),
+                      HasSubstr(std::isnan(bad) ? "is nan"
+                                : bad > 0       ? "is inf"
+                                                : "is -inf")))
+        << bad;
+  }
+
+  const test::TempDir zero("fp8-zero-scale");
+  test::write_random_checkpoint(zero.path(), c, DType::kF8E4M3);
+  const float nothing = 0;
+  patch_tensor(zero.path(), scale, 0, &nothing, 4);
+  const DeepSeekModel model = DeepSeekModel::load(zero.path());
+  for (const float v : logits_of(model, {2, 40, 600})) ASSERT_TRUE(std::isfinite(v));
+
+  // E4M3's NaN code in a weight: its element is NaN whatever the scale.
+  const test::TempDir nan_code("fp8-nan-code");
+  test::write_random_checkpoint(nan_code.path(), c, DType::kF8E4M3);
+  const uint8_t code = 0x7f;
+  patch_tensor(nan_code.path(), weight, 5, &code, 1);
+  EXPECT_THAT(load_error(nan_code.path()),
+              AllOf(HasSubstr("'" + weight + "'"), HasSubstr("[0, 5]"), HasSubstr("is nan")));
 }
 
 }  // namespace
