@@ -130,10 +130,16 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   c.eos_token_ids = f.integers("eos_token_id");
 
   // RoPE: rope_theta + rope_scaling (transformers v4), or rope_parameters (v5).
-  const RopeFields rope = read_rope_fields(f, origin);
+  // DeepSeek's code defaults original_max_position_embeddings to 4096.
+  const RopeFields rope = read_rope_fields(f, origin, 4096);
   if (!rope.theta) f.fail("rope_theta", "is required");
   c.rope_theta = *rope.theta;
   c.yarn = rope.yarn;
+  // DeepSeek's magnitude comes from mscale and mscale_all_dim; vLLM's deepseek_yarn ignores an
+  // attention_factor where transformers would apply it, so no answer would be both.
+  if (c.yarn && c.yarn->attention_factor)
+    f.fail(rope.yarn_field + ".attention_factor",
+           "is not read by DeepSeek's YaRN (its magnitude comes from mscale and mscale_all_dim)");
   check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
                           c.max_position_embeddings, c.bos_token_id, c.eos_token_ids});
   check_rope_numbers(f, Rope(c), c.softmax_scale(), rope.yarn_field);
@@ -319,10 +325,11 @@ nlohmann::ordered_json ModelConfig::to_json() const {
         {"beta_fast", yarn->beta_fast},
         {"beta_slow", yarn->beta_slow},
         {"factor", yarn->factor},
-        {"mscale", yarn->mscale},
         {"mscale_all_dim", yarn->mscale_all_dim},
         {"original_max_position_embeddings", yarn->original_max_position_embeddings},
         {"type", "yarn"}};
+    if (yarn->mscale) j["rope_scaling"]["mscale"] = *yarn->mscale;
+    if (!yarn->truncate) j["rope_scaling"]["truncate"] = false;
   } else {
     j["rope_scaling"] = nullptr;
   }

@@ -13,11 +13,21 @@ namespace tandem::model {
 
 struct YarnScaling {
   double factor = 1.0;
-  double mscale = 1.0;
+  // DeepSeek's magnitude fields. Its code takes an absent mscale as 1; transformers' YaRN for
+  // other models (Qwen3) uses the two only when both are given and non-zero.
+  std::optional<double> mscale;
   double mscale_all_dim = 0.0;
   double beta_fast = 32.0;
   double beta_slow = 1.0;
+  // Absent: the family's default (DeepSeek's code: 4096; transformers' standardisation for other
+  // models: max_position_embeddings).
   int64_t original_max_position_embeddings = 4096;
+  // transformers' attention_factor: the multiplier of cos and sin, in place of the one derived
+  // from factor (Qwen3-MoE; DeepSeek's path refuses it).
+  std::optional<double> attention_factor;
+  // Whether the correction range's ends are rounded out to whole dimensions (transformers'
+  // default; false in gpt-oss-style configs).
+  bool truncate = true;
   bool operator==(const YarnScaling&) const = default;
 };
 

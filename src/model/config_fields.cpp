@@ -71,7 +71,7 @@ namespace {
 // YaRN parameters of `rope_scaling` or `rope_parameters` (which also carries rope_theta). Returns
 // false when the object selects plain RoPE.
 bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
-                YarnScaling& yarn, std::optional<double>& theta) {
+                int64_t original_context, YarnScaling& yarn, std::optional<double>& theta) {
   if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
   Fields f(obj, origin, field + ".");
   std::string type;
@@ -92,33 +92,43 @@ bool parse_rope(const json& obj, const std::string& origin, const std::string& f
            "must be \"yarn\" (the only RoPE scaling of this model family); got \"" + type + "\"");
   yarn.factor = f.number("factor");
   if (!(yarn.factor >= 1.0)) f.fail("factor", "must be >= 1");
-  yarn.original_max_position_embeddings = f.integer_or("original_max_position_embeddings", 4096);
+  yarn.original_max_position_embeddings =
+      f.integer_or("original_max_position_embeddings", original_context);
   f.positive_at_most("original_max_position_embeddings", yarn.original_max_position_embeddings,
                      kMaxPositions);
   yarn.beta_fast = f.number_or("beta_fast", 32.0);
   yarn.beta_slow = f.number_or("beta_slow", 1.0);
   if (!(yarn.beta_fast > yarn.beta_slow) || !(yarn.beta_slow > 0))
     f.fail("beta_fast", "must exceed beta_slow, and both be positive");
-  yarn.mscale = f.number_or("mscale", 1.0);
+  if (f.get("mscale")) yarn.mscale = f.number("mscale");
   yarn.mscale_all_dim = f.number_or("mscale_all_dim", 0.0);
-  for (const auto& [key, v] : {std::pair<const char*, double>{"mscale", yarn.mscale},
+  for (const auto& [key, v] : {std::pair<const char*, double>{"mscale", yarn.mscale.value_or(1.0)},
                                {"mscale_all_dim", yarn.mscale_all_dim}})
     if (!(v >= 0 && v <= kMaxYarnMscale))
       f.fail(key,
              "must be between 0 and " + json(kMaxYarnMscale).dump() + ", got " + json(v).dump());
+  if (f.get("attention_factor")) {
+    yarn.attention_factor = f.number("attention_factor");
+    // It multiplies cos and sin, so q.k by its square: zero would erase positions, a huge one
+    // overflow the scores.
+    if (!(*yarn.attention_factor > 0 && *yarn.attention_factor <= kMaxYarnMscale))
+      f.fail("attention_factor", "must be above 0 and at most " + json(kMaxYarnMscale).dump() +
+                                     ", got " + json(*yarn.attention_factor).dump());
+  }
+  yarn.truncate = f.boolean_or("truncate", true);
   f.reject_unknown();
   return true;
 }
 
 }  // namespace
 
-RopeFields read_rope_fields(Fields& f, const std::string& origin) {
+RopeFields read_rope_fields(Fields& f, const std::string& origin, int64_t original_context) {
   RopeFields r;
   if (f.present("rope_theta")) r.theta = f.number("rope_theta");
   f.ignore("rope_theta");
   YarnScaling yarn;
   if (const json* rs = f.get("rope_scaling")) {
-    if (parse_rope(*rs, origin, "rope_scaling", yarn, r.theta)) {
+    if (parse_rope(*rs, origin, "rope_scaling", original_context, yarn, r.theta)) {
       r.yarn = yarn;
       r.yarn_field = "rope_scaling";
     }
@@ -127,7 +137,7 @@ RopeFields read_rope_fields(Fields& f, const std::string& origin) {
     if (f.present("rope_scaling"))
       f.fail("rope_parameters", "and 'rope_scaling' must not both be given");
     std::optional<double> inner;
-    if (parse_rope(*rp, origin, "rope_parameters", yarn, inner)) {
+    if (parse_rope(*rp, origin, "rope_parameters", original_context, yarn, inner)) {
       r.yarn = yarn;
       r.yarn_field = "rope_parameters";
     }

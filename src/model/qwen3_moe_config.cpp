@@ -58,7 +58,8 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   c.bos_token_id = f.optional_integer("bos_token_id");
   c.eos_token_ids = f.integers("eos_token_id");
   c.torch_dtype = read_dtype_field(f, "bfloat16");
-  const RopeFields rope = read_rope_fields(f, origin);
+  // Without original_max_position_embeddings, transformers' YaRN takes max_position_embeddings.
+  const RopeFields rope = read_rope_fields(f, origin, c.max_position_embeddings);
   c.yarn = rope.yarn;
   c.rope_theta = rope.theta.value_or(10000.0);
 
@@ -153,8 +154,15 @@ double Qwen3MoeConfig::softmax_scale() const {
 }
 
 double Qwen3MoeConfig::rope_mscale() const {
-  // YaRN's attention temperature, folded into cos and sin (so q.k gains its square).
-  return yarn && yarn->factor > 1.0 ? 0.1 * std::log(yarn->factor) + 1.0 : 1.0;
+  // YaRN's attention temperature, folded into cos and sin (so q.k gains its square), as
+  // transformers' _compute_yarn_parameters: the config's attention_factor, else mscale over
+  // mscale_all_dim when both are given and non-zero, else 0.1 ln(factor) + 1.
+  if (!yarn) return 1.0;
+  if (yarn->attention_factor) return *yarn->attention_factor;
+  if (yarn->mscale.value_or(0.0) != 0.0 && yarn->mscale_all_dim != 0.0)
+    return yarn_get_mscale(yarn->factor, *yarn->mscale) /
+           yarn_get_mscale(yarn->factor, yarn->mscale_all_dim);
+  return yarn_get_mscale(yarn->factor);
 }
 
 nlohmann::ordered_json Qwen3MoeConfig::to_json() const {
@@ -188,9 +196,15 @@ nlohmann::ordered_json Qwen3MoeConfig::to_json() const {
   j["rms_norm_eps"] = rms_norm_eps;
   if (yarn) {
     j["rope_scaling"] = {
+        {"beta_fast", yarn->beta_fast},
+        {"beta_slow", yarn->beta_slow},
         {"factor", yarn->factor},
         {"original_max_position_embeddings", yarn->original_max_position_embeddings},
         {"rope_type", "yarn"}};
+    if (yarn->mscale) j["rope_scaling"]["mscale"] = *yarn->mscale;
+    if (yarn->mscale_all_dim != 0.0) j["rope_scaling"]["mscale_all_dim"] = yarn->mscale_all_dim;
+    if (yarn->attention_factor) j["rope_scaling"]["attention_factor"] = *yarn->attention_factor;
+    if (!yarn->truncate) j["rope_scaling"]["truncate"] = false;
   } else {
     j["rope_scaling"] = nullptr;
   }

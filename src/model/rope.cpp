@@ -7,10 +7,6 @@
 namespace tandem::model {
 namespace {
 
-double yarn_mscale(double factor, double mscale) {
-  return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0;
-}
-
 // The dimension index at which a rotation completes `rotations` turns over `max_pos` positions.
 double correction_dim(double rotations, int64_t dim, double base, int64_t max_pos) {
   return dim * std::log(max_pos / (rotations * 2 * std::numbers::pi)) / (2 * std::log(base));
@@ -18,11 +14,15 @@ double correction_dim(double rotations, int64_t dim, double base, int64_t max_po
 
 }  // namespace
 
+double yarn_get_mscale(double factor, double mscale) {
+  return factor <= 1.0 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0;
+}
+
 Rope::Rope(const ModelConfig& c) {
   set_frequencies(c.qk_rope_head_dim, c.rope_theta, c.yarn);
   if (c.yarn)
-    mscale_ = yarn_mscale(c.yarn->factor, c.yarn->mscale) /
-              yarn_mscale(c.yarn->factor, c.yarn->mscale_all_dim);
+    mscale_ = yarn_get_mscale(c.yarn->factor, c.yarn->mscale.value_or(1.0)) /
+              yarn_get_mscale(c.yarn->factor, c.yarn->mscale_all_dim);
 }
 
 Rope::Rope(int64_t dim, double theta, const std::optional<YarnScaling>& yarn, double mscale)
@@ -35,10 +35,12 @@ void Rope::set_frequencies(int64_t dim, double base, const std::optional<YarnSca
   for (int64_t i = 0; i < dim / 2; ++i) inv_freq_[i] = 1.0 / std::pow(base, 2.0 * i / dim);
   if (!yarn) return;
   const YarnScaling& y = *yarn;
-  double low =
-      std::floor(correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings));
-  double high =
-      std::ceil(correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings));
+  double low = correction_dim(y.beta_fast, dim, base, y.original_max_position_embeddings);
+  double high = correction_dim(y.beta_slow, dim, base, y.original_max_position_embeddings);
+  if (y.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
   low = std::max(low, 0.0);
   high = std::min(high, static_cast<double>(dim - 1));
   if (low == high) high += 0.001;  // avoid a zero-width ramp

@@ -10,6 +10,10 @@
 
 namespace tandem::model {
 
+// YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1), as DeepSeek's
+// and transformers' get_mscale.
+double yarn_get_mscale(double factor, double mscale = 1.0);
+
 class Rope {
  public:
   explicit Rope(const ModelConfig& config);

@@ -589,6 +589,10 @@ TEST(Config, ErrorsNameTheField) {
       {"negative mscale",
        [](json& d) { d["rope_scaling"]["mscale"] = -1.0; },
        {"'rope_scaling.mscale'", "between 0"}},
+      // transformers would apply it, vLLM's deepseek_yarn ignores it: refused rather than guessed.
+      {"attention_factor",
+       [](json& d) { d["rope_scaling"]["attention_factor"] = 1.2; },
+       {"'rope_scaling.attention_factor'", "not read by DeepSeek's YaRN"}},
       // Betas this small make YaRN's correction range infinite, and its ramp 0 / 0.
       {"denormal YaRN betas",
        [](json& d) {

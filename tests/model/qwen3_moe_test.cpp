@@ -5,6 +5,7 @@
 // one mixed batch, and greedy continuations, in float32 and bfloat16 checkpoints. Tolerances and
 // the routing near-tie rule are numerics_test's (see there).
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -15,6 +16,7 @@
 
 #include "model/model_test_support.h"
 #include "model/qwen3_moe.h"
+#include "model/rope.h"
 #include "text/oracle_support.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
@@ -209,6 +211,87 @@ TEST(Qwen3MoeConfig, ImplausibleSizesAndBrokenNumbersAreRefusedByName) {
                 d["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"mscale", 1e200}};
               }),
               AllOf(HasSubstr("'rope_scaling.mscale'"), HasSubstr("between 0 and 10")));
+}
+
+// YaRN on Qwen3-MoE as transformers' _compute_yarn_parameters (v5 modeling_rope_utils.py) has it:
+// the expected numbers below come from its formulas transcribed to float64 Python, for Qwen3-30B-
+// A3B's head_dim 128, rope_theta 1e6 and max_position_embeddings 40960. Without
+// original_max_position_embeddings the context is max_position_embeddings (it was DeepSeek's
+// 4096); attention_factor is the magnitude when given (it was refused as an unknown field);
+// mscale over mscale_all_dim when both are given and non-zero, else 0.1 ln(factor) + 1 (both were
+// ignored); truncate false keeps the correction range's ends fractional (refused before).
+TEST(Qwen3MoeConfig, YarnIsTransformersYarn) {
+  struct YarnCase {
+    const char* name;
+    json rope_scaling;
+    double magnitude;
+    std::array<double, 6> inv_freq;  // of the pairs below
+  };
+  const std::array<size_t, 6> pairs = {20, 26, 30, 33, 36, 40};
+  const std::vector<YarnCase> cases = {
+      {"no original context",
+       {{"rope_type", "yarn"}, {"factor", 4.0}},
+       1.138629436111989,
+       {0.01333521432163324, 0.00332952880732352, 0.0011322989162202146, 0.00048587543673854055,
+        0.00019844541337815636, 5.2302335589380085e-05}},
+      {"attention_factor, and 'type' for 'rope_type'",
+       {{"type", "yarn"},
+        {"factor", 4.0},
+        {"original_max_position_embeddings", 32768},
+        {"attention_factor", 1.25}},
+       1.25,
+       {0.01333521432163324, 0.003168422574711092, 0.0010643609812470017, 0.00045032357551376927,
+        0.00017984115587395423, 4.445698525097307e-05}},
+      {"mscale and mscale_all_dim",
+       {{"rope_type", "yarn"},
+        {"factor", 8.0},
+        {"original_max_position_embeddings", 32768},
+        {"mscale", 0.8},
+        {"mscale_all_dim", 0.5}},
+       1.0565079928608092,
+       {0.01333521432163324, 0.003087869458404878, 0.0009851000571115868, 0.00039107047347248386,
+        0.0001395319312815162, 2.2228492625486534e-05}},
+      {"mscale_all_dim alone",
+       {{"rope_type", "yarn"},
+        {"factor", 8.0},
+        {"original_max_position_embeddings", 32768},
+        {"mscale_all_dim", 1.0}},
+       1.2079441541679836,
+       {0.01333521432163324, 0.003087869458404878, 0.0009851000571115868, 0.00039107047347248386,
+        0.0001395319312815162, 2.2228492625486534e-05}},
+      {"betas, untruncated",
+       {{"rope_type", "yarn"},
+        {"factor", 4.0},
+        {"original_max_position_embeddings", 32768},
+        {"beta_fast", 16},
+        {"beta_slow", 2},
+        {"truncate", false}},
+       1.138629436111989,
+       {0.01333521432163324, 0.003651741272548377, 0.001157093516936135, 0.0004172829799528355,
+        0.00011986686741615794, 4.445698525097307e-05}},
+  };
+  for (const auto& yc : cases) {
+    for (const char* field : {"rope_scaling", "rope_parameters"}) {  // transformers v4 and v5
+      json doc = json::parse(kQwen3_30B_A3B);
+      doc.erase("rope_scaling");
+      doc[field] = yc.rope_scaling;
+      Qwen3MoeConfig c;
+      try {
+        c = Qwen3MoeConfig::parse(doc, "config.json");
+      } catch (const Error& e) {
+        ADD_FAILURE() << yc.name << " in " << field << ": " << e.what();
+        continue;
+      }
+      const Rope rope(c.head_dim, c.rope_theta, c.yarn, c.rope_mscale());
+      EXPECT_NEAR(rope.magnitude(), yc.magnitude, 1e-15) << yc.name << " in " << field;
+      ASSERT_EQ(rope.inv_freq().size(), 64u);
+      EXPECT_EQ(rope.inv_freq()[0], 1.0) << yc.name;
+      for (size_t i = 0; i < pairs.size(); ++i)
+        EXPECT_NEAR(rope.inv_freq()[pairs[i]] / yc.inv_freq[i], 1.0, 1e-12)
+            << yc.name << " in " << field << ", pair " << pairs[i];
+      EXPECT_EQ(Qwen3MoeConfig::parse(c.to_json(), "written"), c) << yc.name;
+    }
+  }
 }
 
 struct Case {

@@ -203,7 +203,8 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------------
 
 _ROPE_SCALING_KEYS = {"rope_type", "type", "factor", "original_max_position_embeddings",
-                      "beta_fast", "beta_slow", "truncate"}
+                      "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale",
+                      "mscale_all_dim"}
 
 
 class Config:
@@ -264,6 +265,7 @@ class Config:
         if self.rope_theta <= 1:
             raise OracleError(f"{path}: field rope_theta = {self.rope_theta} is not > 1")
         self.rope_scaling = raw.get("rope_scaling")
+        self.max_position_embeddings = self._int("max_position_embeddings", 32768)
         self.tie_word_embeddings = self._bool("tie_word_embeddings", False)
 
         # which layers are MoE
@@ -339,9 +341,20 @@ def linear(x, weight):
     return x @ weight.t()
 
 
-def yarn_attention_factor(factor):
-    """YaRN's temperature: cos and sin are multiplied by 0.1 ln(factor) + 1 (1 when factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+def yarn_mscale(factor, mscale=1.0):
+    """YaRN's magnitude 0.1 mscale ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(factor, attention_factor=None, mscale=None, mscale_all_dim=None):
+    """YaRN's temperature, the multiplier of cos and sin: the config's attention_factor if given,
+    else yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) when both are given and
+    non-zero, else yarn_mscale(factor)."""
+    if attention_factor is not None:
+        return attention_factor
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 class Rope:
@@ -350,10 +363,11 @@ class Rope:
 
     YaRN (rope_scaling type "yarn"): each frequency is blended between itself (extrapolation) and
     itself / factor (interpolation) by a ramp over the dimension-pair index, 0 below
-    low = floor(c(beta_fast)) and 1 above high = ceil(c(beta_slow)), clamped to [0, d - 1], where
-    c(r) = d * ln(original_max_position_embeddings / (2 pi r)) / (2 ln theta) is the pair index whose
-    wavelength fits r times in the original context; the weight of the interpolated frequency is the
-    ramp. cos and sin are multiplied by yarn_attention_factor(factor)."""
+    low = floor(c(beta_fast)) and 1 above high = ceil(c(beta_slow)) (not rounded with truncate
+    false), clamped to [0, d - 1], where c(r) = d * ln(original_max_position_embeddings / (2 pi r)) /
+    (2 ln theta) is the pair index whose wavelength fits r times in the original context
+    (max_position_embeddings when not given); the weight of the interpolated frequency is the ramp.
+    cos and sin are multiplied by yarn_attention_factor(...) of the rope_scaling fields."""
 
     def __init__(self, cfg):
         dim = cfg.head_dim
@@ -371,9 +385,9 @@ class Rope:
             for key in sorted(scaling):
                 if key not in _ROPE_SCALING_KEYS:
                     raise OracleError(f"{cfg.path}: field rope_scaling.{key} is not supported")
-            if scaling.get("truncate", True) is not True:
-                raise OracleError(f"{cfg.path}: field rope_scaling.truncate = {scaling['truncate']!r} "
-                                  f"is not supported (only true)")
+            truncate = scaling.get("truncate", True)
+            if not isinstance(truncate, bool):
+                raise OracleError(f"{cfg.path}: field rope_scaling.truncate = {truncate!r} is not a boolean")
 
             def number(key, default=None):
                 value = scaling.get(key, default)
@@ -385,7 +399,7 @@ class Rope:
             factor = number("factor")
             if factor < 1:
                 raise OracleError(f"{cfg.path}: field rope_scaling.factor = {factor} is below 1")
-            original = number("original_max_position_embeddings")
+            original = number("original_max_position_embeddings", getattr(cfg, "max_position_embeddings", None))
             beta_fast = number("beta_fast", 32)
             beta_slow = number("beta_slow", 1)
             if original <= 0 or beta_fast <= 0 or beta_slow <= 0:
@@ -395,14 +409,18 @@ class Rope:
             def pair_index(rotations):
                 return dim * math.log(original / (2 * math.pi * rotations)) / (2 * math.log(base))
 
-            low = max(math.floor(pair_index(beta_fast)), 0)
-            high = min(math.ceil(pair_index(beta_slow)), dim - 1)
+            low, high = pair_index(beta_fast), pair_index(beta_slow)
+            if truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
             self.correction_range = (low, high)
             if high == low:
                 high += 0.001  # avoid a zero-width ramp
             ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
             inv_freq = inv_freq * (1.0 - ramp) + (inv_freq / factor) * ramp
-            self.scale = yarn_attention_factor(factor)
+            optional = {key: number(key) for key in ("attention_factor", "mscale", "mscale_all_dim")
+                        if scaling.get(key) is not None}
+            self.scale = yarn_attention_factor(factor, **optional)
         self.inv_freq = inv_freq
 
     def cos_sin(self, positions):

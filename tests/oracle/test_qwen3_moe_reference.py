@@ -350,6 +350,37 @@ class BuildingBlocks(unittest.TestCase):
         expected = x.numpy()[0] / math.sqrt((1 + 4 + 9 + 0.25) / 4 + 1e-3) * w.numpy()
         np.testing.assert_allclose(ref.rms_norm(x, w, 1e-3).numpy()[0], expected, rtol=1e-6)
 
+    def test_yarn_is_transformers_yarn(self):
+        # transformers' _compute_yarn_parameters (v5) for head_dim 128, rope_theta 1e6 and
+        # max_position_embeddings 40960: pairs 20, 26, 30, 33, 36, 40 and the magnitude.
+        cases = [
+            ({"rope_type": "yarn", "factor": 4.0}, 1.138629436111989,
+             [0.01333521432163324, 0.00332952880732352, 0.0011322989162202146,
+              0.00048587543673854055, 0.00019844541337815636, 5.2302335589380085e-05]),
+            ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+              "attention_factor": 1.25}, 1.25,
+             [0.01333521432163324, 0.003168422574711092, 0.0010643609812470017,
+              0.00045032357551376927, 0.00017984115587395423, 4.445698525097307e-05]),
+            ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768,
+              "mscale": 0.8, "mscale_all_dim": 0.5}, 1.0565079928608092,
+             [0.01333521432163324, 0.003087869458404878, 0.0009851000571115868,
+              0.00039107047347248386, 0.0001395319312815162, 2.2228492625486534e-05]),
+            ({"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32768,
+              "mscale_all_dim": 1.0}, 1.2079441541679836,
+             [0.01333521432163324, 0.003087869458404878, 0.0009851000571115868,
+              0.00039107047347248386, 0.0001395319312815162, 2.2228492625486534e-05]),
+            ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+              "beta_fast": 16, "beta_slow": 2, "truncate": False}, 1.138629436111989,
+             [0.01333521432163324, 0.003651741272548377, 0.001157093516936135,
+              0.0004172829799528355, 0.00011986686741615794, 4.445698525097307e-05]),
+        ]
+        for scaling, magnitude, freqs in cases:
+            rope = self._rope(head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                              rope_scaling=scaling)
+            self.assertAlmostEqual(rope.scale, magnitude, places=14, msg=scaling)
+            np.testing.assert_allclose(rope.inv_freq[[20, 26, 30, 33, 36, 40]], freqs, rtol=1e-12,
+                                       err_msg=str(scaling))
+
     def test_rope_rotates_half_pairs_like_a_complex_rotation(self):
         rope = self._rope()
         rng = np.random.default_rng(1)
@@ -654,11 +685,14 @@ class Errors(TmpDirCase):
         self._config_error("arch2", tiny_config(architectures=["Qwen3MoeForCausalLM", "X"]), "architectures")
         self._config_error("rope", tiny_config(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling")
         self._config_error("rope2", tiny_config(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling")
-        self._config_error("yarn", tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-                           "rope_scaling.original_max_position_embeddings")
+        # Without original_max_position_embeddings YaRN takes max_position_embeddings, and an
+        # attention_factor is the magnitude (test_yarn_is_transformers_yarn); a wrong type is refused.
+        self._config_error("yarn", tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                             "truncate": "no"}),
+                           "rope_scaling.truncate")
         self._config_error("yarn2", tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                               "original_max_position_embeddings": 16,
-                                                              "attention_factor": 1.0}),
+                                                              "attention_factor": "1.0"}),
                            "rope_scaling.attention_factor")
         self._config_error("quant", tiny_config(quantization_config={"quant_method": "fp8"}), "quantization_config")
         self._config_error("gqa", tiny_config(num_key_value_heads=3), "num_key_value_heads")
