@@ -479,7 +479,11 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
          "disaggregated requests carry one prompt and n = 1: send one request per prompt");
 }
 
-// OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}].
+// OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}],
+// taken as vLLM's FunctionDefinition takes them (name: str, parameters: dict | None): names such
+// as MCP's "github.create_issue" or "server:tool" and schemas of any shape are shown to the model
+// and read back from its calls. Templates print the name and walk the parameters, so a name and
+// an object are needed; what forcing a call needs besides is checked by check_forced.
 void check_tools(const json& tools) {
   if (!tools.is_array()) fail("tools", "'tools' must be a list");
   std::set<std::string> names;
@@ -489,23 +493,40 @@ void check_tools(const json& tools) {
         !t["function"].is_object())
       fail("tools", "every tool needs \"type\": \"function\" and a 'function' object");
     const json& f = t["function"];
+    const std::string at = "tools[" + std::to_string(i) + "].function";
     const json* name = field(f, "name");
-    const bool name_ok =
-        name && name->is_string() && !name->get<std::string>().empty() &&
-        name->get<std::string>().size() <= 64 &&
-        std::all_of(name->get_ref<const std::string&>().begin(),
-                    name->get_ref<const std::string&>().end(), [](char c) {
-                      return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
-                    });
-    if (!name_ok) fail("tools", "a function's 'name' must be 1 to 64 letters, digits, '_' or '-'");
+    if (!name || !name->is_string() || name->get_ref<const std::string&>().empty())
+      fail(at + ".name", "a function's 'name' must be a non-empty string");
     if (!names.insert(name->get<std::string>()).second)
-      fail("tools", "'tools' names the function \"" + name->get<std::string>() + "\" twice");
-    // The arguments a model writes are a JSON object, which the parameters describe.
-    if (const json* p = field(f, "parameters"); p && !structured::is_object_schema(*p))
-      fail("tools[" + std::to_string(i) + "].function.parameters",
-           "a function's 'parameters' must be a JSON Schema of \"type\": \"object\" (or {}), "
-           "got " +
-               utf8::clip(p->dump()));
+      fail("tools",
+           "'tools' names the function \"" + utf8::clip(name->get<std::string>()) + "\" twice");
+    if (const json* p = field(f, "parameters"); p && !p->is_object())
+      fail(at + ".parameters",
+           "a function's 'parameters' must be a JSON Schema object, got " + utf8::clip(p->dump()));
+  }
+}
+
+// The tools a forced call may be of (every one, or only the one named `only`), as the grammar of
+// the model's markup needs them: a name the markup carries back to the answer's parser, and
+// arguments that are a JSON object (parameters of "type": "object", {}, or properties without a
+// type: arguments_schema).
+void check_forced(ToolCallFormat format, const nlohmann::ordered_json& tools,
+                  const json* only = nullptr) {
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const nlohmann::ordered_json& f = tools[i]["function"];
+    const std::string name = f["name"].get<std::string>();
+    if (only && *only != name) continue;
+    const std::string at = "tools[" + std::to_string(i) + "].function";
+    if (const auto why = markup_cannot_carry(format, name))
+      fail(at + ".name",
+           "the function \"" + utf8::clip(name) + "\" cannot be forced by 'tool_choice': " + *why);
+    const auto p = f.find("parameters");
+    if (p != f.end() && !p->is_null() && !structured::is_object_schema(arguments_schema(*p)))
+      fail(at + ".parameters",
+           "a forced call's 'parameters' must be a JSON Schema of \"type\": \"object\" (or {}, "
+           "or 'properties' without a type), got " +
+               utf8::clip(
+                   p->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace)));
   }
 }
 
@@ -538,6 +559,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
          "deepseek_v31, hermes): its tool calls could not be parsed");
   use.parallel = boolean(body, "parallel_tool_calls", true);
   if (choice == "required") {
+    check_forced(use.format, tools_in_order);
     use.forced =
         forced_tool_calls(use.format, tools_in_order, 1, use.parallel ? -1 : 1, "tool_choice");
   } else if (choice.is_object()) {
@@ -548,6 +570,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
       fail("tool_choice",
            "'tool_choice' must be \"none\", \"auto\", \"required\" or "
            "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+    check_forced(use.format, tools_in_order, name);
     nlohmann::ordered_json chosen = nlohmann::ordered_json::array();
     for (const auto& t : tools_in_order)
       if (t["function"]["name"] == *name) chosen.push_back(t);

@@ -221,6 +221,40 @@ std::string tool_prompt(ToolCallFormat format, const ordered_json& tools) {
   return out;
 }
 
+std::optional<std::string> markup_cannot_carry(ToolCallFormat format, std::string_view name) {
+  if (name.empty()) return "its name is empty";
+  switch (format) {
+    case ToolCallFormat::kHermes:
+      return std::nullopt;  // a JSON string: any name, escaped (forced_tool_calls)
+    case ToolCallFormat::kDeepSeekV3:
+    case ToolCallFormat::kDeepSeekV31: {
+      // The parser reads a name up to the first end marker, trims white space, and takes at
+      // most kMaxNameBytes (ToolCallParser::step, State::kCallName).
+      if (name.size() > kMaxNameBytes)
+        return "DeepSeek's markup carries names of at most " + std::to_string(kMaxNameBytes) +
+               " bytes";
+      if (is_space(name.front()) || is_space(name.back()))
+        return std::string("DeepSeek's markup trims the white space around a name");
+      const std::string_view end =
+          format == ToolCallFormat::kDeepSeekV31 ? kSeparator : kArgumentsOpen;
+      if ((std::string(name) + std::string(end)).find(end) != name.size())
+        return "the name holds the text that ends a name in DeepSeek's markup";
+      return std::nullopt;
+    }
+    case ToolCallFormat::kNone:
+      break;
+  }
+  return std::string("the model has no tool-call markup");
+}
+
+ordered_json arguments_schema(const ordered_json& parameters) {
+  if (!parameters.is_object() || parameters.contains("type") || !parameters.contains("properties"))
+    return parameters;
+  ordered_json schema = {{"type", "object"}};
+  for (auto it = parameters.begin(); it != parameters.end(); ++it) schema[it.key()] = it.value();
+  return schema;
+}
+
 structured::OutputSpec forced_tool_calls(ToolCallFormat format, const ordered_json& tools,
                                          int64_t min_calls, int64_t max_calls, std::string field) {
   ordered_json calls;
@@ -242,7 +276,7 @@ structured::OutputSpec forced_tool_calls(ToolCallFormat format, const ordered_js
                {"close", kCallsEnd}};
       break;
     case ToolCallFormat::kHermes:
-      // Names are letters, digits, '_' and '-' (checked with the tools): no JSON escaping.
+      // The name is a JSON string: written escaped (below), as the parser reads it back.
       calls = {{"open", ""},
                {"call_prefix", std::string(kHermesOpen) + "\n{\"name\": \""},
                {"after_name", "\", \"arguments\": "},
@@ -255,8 +289,14 @@ structured::OutputSpec forced_tool_calls(ToolCallFormat format, const ordered_js
   }
   ordered_json functions = ordered_json::array();
   for (const auto& t : tools) {
-    ordered_json f = {{"name", t.at("function").at("name")}};
-    if (t["function"].contains("parameters")) f["parameters"] = t["function"]["parameters"];
+    const ordered_json& function = t.at("function");
+    std::string name = function.at("name").get<std::string>();
+    if (format == ToolCallFormat::kHermes) {
+      name = ordered_json(name).dump();
+      name = name.substr(1, name.size() - 2);  // inside the call_prefix's quotes
+    }
+    ordered_json f = {{"name", std::move(name)}};
+    if (function.contains("parameters")) f["parameters"] = arguments_schema(function["parameters"]);
     functions.push_back(std::move(f));
   }
   calls["functions"] = std::move(functions);

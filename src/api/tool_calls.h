@@ -39,6 +39,15 @@ std::string tool_prompt(ToolCallFormat format, const nlohmann::ordered_json& too
 structured::OutputSpec forced_tool_calls(ToolCallFormat format, const nlohmann::ordered_json& tools,
                                          int64_t min_calls, int64_t max_calls, std::string field);
 
+// Why `format`'s markup cannot carry a forced call of the function `name` (its parser would read
+// back another name, or none), or nothing when it can.
+std::optional<std::string> markup_cannot_carry(ToolCallFormat format, std::string_view name);
+
+// The schema a forced call's arguments follow: the function's `parameters`, with "type":
+// "object" added when they list "properties" without a "type" (clients write them so, and vLLM
+// takes them). Any other schema is taken as it is (the grammar needs an object's).
+nlohmann::ordered_json arguments_schema(const nlohmann::ordered_json& parameters);
+
 // What became certain of the answer after one update: content text, or a piece of tool call
 // `call` (its name on the first piece, then parts of its JSON arguments).
 struct ToolCallDelta {

@@ -447,5 +447,146 @@ TEST(ToolCalls, TheFormatComesFromTheTokenizersVocabularyAndTemplate) {
   EXPECT_EQ(tool_call_format_of(deepseek, ""), ToolCallFormat::kDeepSeekV3);
 }
 
+const ModelLimits kChatLimits{.model_name = "m", .max_model_len = 4096};
+
+json chat_with_tools(json tools, json tool_choice) {
+  json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"tools", std::move(tools)}};
+  if (!tool_choice.is_null()) body["tool_choice"] = std::move(tool_choice);
+  return body;
+}
+
+json function_tool(json function) {
+  return {{"type", "function"}, {"function", std::move(function)}};
+}
+
+// The names and schemas vLLM's FunctionDefinition takes (name: str, parameters: dict | None, no
+// checks) are taken with tools shown or left alone: MCP-style names ("github.create_issue",
+// "server:tool", longer than OpenAI's 64) and a schema of properties without "type" were 400s.
+// Both templates render them (Qwen3's prints each tool as JSON, as Jinja2 renders it; DeepSeek-V3's
+// is described in a system message). An empty name or a `parameters` that is no object is still
+// a 400 naming the field: templates read both.
+TEST(ToolDefinitions, VllmsNamesAndSchemasAreTakenWhenNoCallIsForced) {
+  const json no_type = {{"properties", {{"a", {{"type", "string"}}}}}};
+  const json tools = {function_tool({{"name", "github.create_issue"}, {"parameters", no_type}}),
+                      function_tool({{"name", "server:tool"}}),
+                      function_tool({{"name", std::string(80, 'n')}, {"parameters", nullptr}}),
+                      function_tool({{"name", "say"}, {"parameters", {{"type", "string"}}}})};
+  struct Model {
+    const text::Tokenizer& tokenizer;
+    const text::ChatTemplate& chat_template;
+    std::string shown;  // how the prompt shows the first tool's name
+    // DeepSeek-V3's template never shows tools: they are described only when calls may come.
+    bool shown_with_choice_none;
+  };
+  const Model models[] = {
+      {api_test::tokenizer(), api_test::chat_template(), "`github.create_issue`", false},
+      {api_test::qwen3(), api_test::qwen3_template(), R"({"name": "github.create_issue")", true}};
+  for (const Model& m : models) {
+    for (const json& choice : {json(), json("auto"), json("none")}) {
+      SCOPED_TRACE(m.shown + " " + choice.dump());
+      const ApiRequest r =
+          parse_chat(chat_with_tools(tools, choice), m.tokenizer, &m.chat_template, kChatLimits);
+      EXPECT_FALSE(r.sampling.structured_output);
+      if (choice == "none" && !m.shown_with_choice_none) continue;
+      const std::string prompt = m.tokenizer.decode(r.prompts[0], false);
+      EXPECT_NE(prompt.find(m.shown), std::string::npos) << prompt;
+      EXPECT_NE(prompt.find("server:tool"), std::string::npos) << prompt;
+    }
+  }
+  for (const json& choice : {json("auto"), json("none")}) {
+    auto error = [&](json function) {
+      return api_test::error_of([&] {
+        parse_chat(chat_with_tools({function_tool(std::move(function))}, choice),
+                   api_test::tokenizer(), &api_test::chat_template(), kChatLimits);
+      });
+    };
+    EXPECT_EQ(error({{"name", ""}}).param, "tools[0].function.name");
+    EXPECT_EQ(error({{"name", 5}}).param, "tools[0].function.name");
+    EXPECT_EQ(error(json::object()).param, "tools[0].function.name");
+    for (const json& parameters : {json(3), json("{}"), json::array()}) {
+      const ApiError e = error({{"name", "f"}, {"parameters", parameters}});
+      EXPECT_EQ(e.status, 400);
+      EXPECT_EQ(e.param, "tools[0].function.parameters") << parameters;
+    }
+  }
+}
+
+// The text a model writes for one forced call of `name` with `arguments`, in `format`'s markup.
+std::string forced_call_text(ToolCallFormat format, const std::string& name,
+                             const std::string& arguments) {
+  if (format == ToolCallFormat::kHermes)
+    return "<tool_call>\n{\"name\": " + json(name).dump() + ", \"arguments\": " + arguments +
+           "}\n</tool_call>";
+  return kBegin + deepseek_call(name, arguments) + kEnd;
+}
+
+// A forced call ("required" or a named function) is a grammar of the model's markup that the
+// answer's parser reads back: such names are forced and read back as given (a hermes name is
+// written as the JSON string it is), and a schema of properties without "type" forces an object.
+// What the markup cannot carry is refused naming the function's field: DeepSeek's parser ends
+// a name at white space it trims, at the fence, and past 256 bytes.
+TEST(ToolDefinitions, ForcedCallsTakeEveryNameTheMarkupCarries) {
+  const json no_type = {{"properties", {{"a", {{"type", "string"}}}}}};
+  struct Model {
+    const text::Tokenizer& tokenizer;
+    const text::ChatTemplate& chat_template;
+    ToolCallFormat format;
+  };
+  const Model models[] = {
+      {api_test::tokenizer(), api_test::chat_template(), ToolCallFormat::kDeepSeekV3},
+      {api_test::qwen3(), api_test::qwen3_template(), ToolCallFormat::kHermes}};
+  for (const Model& m : models) {
+    std::vector<std::string> names = {"github.create_issue", "server:tool", std::string(80, 'n')};
+    if (m.format == ToolCallFormat::kHermes) names.push_back("say \"hi\"\\now");
+    for (const std::string& name : names) {
+      for (const json& choice :
+           {json("required"), json{{"type", "function"}, {"function", {{"name", name}}}}}) {
+        SCOPED_TRACE(name + " " + choice.dump());
+        const json tools = {function_tool({{"name", name}, {"parameters", no_type}})};
+        const ApiRequest r =
+            parse_chat(chat_with_tools(tools, choice), m.tokenizer, &m.chat_template, kChatLimits);
+        ASSERT_EQ(r.tool_calls, m.format);
+        ASSERT_TRUE(r.sampling.structured_output && r.sampling.structured_output->compiled);
+        const auto& grammar = r.sampling.structured_output->compiled;
+        const std::string call = forced_call_text(m.format, name, R"({"a": "x"})");
+        structured::GrammarMatcher accepted(grammar);
+        EXPECT_TRUE(accepted.advance(call) && accepted.accepting()) << call;
+        const ParsedToolCalls read = parse_tool_calls(m.format, call);
+        ASSERT_EQ(read.calls.size(), 1u);
+        EXPECT_EQ(read.calls[0].name, name);
+        for (const std::string args : {R"("x")", "5", R"({"a": 1})"}) {
+          structured::GrammarMatcher refused(grammar);
+          const std::string text = forced_call_text(m.format, name, args);
+          EXPECT_FALSE(refused.advance(text) && refused.accepting()) << args;
+        }
+      }
+    }
+  }
+  for (const std::string& name :
+       std::vector<std::string>{" f", "f\n", "a\n```json\nb", std::string(257, 'n')}) {
+    SCOPED_TRACE(json(name).dump());
+    const json tools = {function_tool({{"name", "ok"}}), function_tool({{"name", name}})};
+    for (const json& choice :
+         {json("required"), json{{"type", "function"}, {"function", {{"name", name}}}}}) {
+      const ApiError e = api_test::error_of([&] {
+        parse_chat(chat_with_tools(tools, choice), api_test::tokenizer(),
+                   &api_test::chat_template(), kChatLimits);
+      });
+      EXPECT_EQ(e.status, 400);
+      EXPECT_EQ(e.param, "tools[1].function.name");
+    }
+    // Shown and read as text, it is taken.
+    EXPECT_NO_THROW(parse_chat(chat_with_tools(tools, "auto"), api_test::tokenizer(),
+                               &api_test::chat_template(), kChatLimits));
+  }
+  // Each markup's limits, DeepSeek-V3.1's separator included.
+  EXPECT_FALSE(
+      markup_cannot_carry(ToolCallFormat::kDeepSeekV31, "github.create_issue").has_value());
+  EXPECT_TRUE(markup_cannot_carry(ToolCallFormat::kDeepSeekV31, "a" + kSep + "b").has_value());
+  EXPECT_FALSE(markup_cannot_carry(ToolCallFormat::kDeepSeekV3, "a" + kSep + "b").has_value());
+  EXPECT_FALSE(markup_cannot_carry(ToolCallFormat::kHermes, " a\n").has_value());
+  EXPECT_TRUE(markup_cannot_carry(ToolCallFormat::kDeepSeekV3, "").has_value());
+}
+
 }  // namespace
 }  // namespace tandem::api
