@@ -8,7 +8,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
+#include <numeric>
+#include <random>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -1241,6 +1244,54 @@ TEST(ChatTemplate, LargeNamespacesAndDictsAreCharged) {
                        std::to_string(tandem::text::jinja::render_step_budget(
                            tandem::text::jinja::json_size(context))) +
                        " evaluation steps (a runaway loop?)");
+}
+
+// Found by review: dictsort and tojson(sort_keys=true) compared items without charging the
+// render (sort was charged through its keys, one-item lists whose comparison is a step). A sort
+// of n items makes about n log2 n comparisons and was charged for the n items it built, so a loop
+// of sorts of a large dict from the context ran some log2 n times the work the budget allows.
+// Each comparison a sort makes is a step now. No sort orders n distinct
+// items in fewer than log2(n!) comparisons on average over their orders, so that is the least a
+// sort of items in a random order may be charged.
+TEST(ChatTemplate, SortingIsChargedForEachComparison) {
+  const int n = 3000;
+  std::vector<int> order(n), values(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::iota(values.begin(), values.end(), 0);
+  std::mt19937 rng(11);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::shuffle(values.begin(), values.end(), rng);
+  ordered_json numbers = ordered_json::array();
+  ordered_json keys = ordered_json::object();
+  for (int i = 0; i < n; ++i) {
+    numbers.push_back(order[i]);
+    keys[std::string("k").append(std::to_string(order[i]))] = values[i];
+  }
+  const ordered_json list_context = {{"l", numbers}};
+  const ordered_json dict_context = {{"d", keys}};
+  const double fewest_comparisons = std::lgamma(n + 1.0) / std::log(2.0);  // log2(n!)
+  for (const auto& [source, context] :
+       {std::pair{"{{ l|sort|length }}", list_context},
+        std::pair{"{{ l|sort(reverse=true)|length }}", list_context},
+        std::pair{"{{ d|dictsort|length }}", dict_context},
+        std::pair{"{{ d|dictsort(by='value')|length }}", dict_context},
+        std::pair{"{{ d|tojson(sort_keys=true)|length > 0 }}", dict_context}}) {
+    std::string output;
+    const auto stats = render_stats(source, context, &output);
+    EXPECT_GE(static_cast<double>(stats.steps), fewest_comparisons) << source;
+  }
+  for (const auto& [use, context] :
+       {std::pair{"{% set s = l|sort %}", list_context},
+        std::pair{"{% set s = d|dictsort(by='value') %}", dict_context},
+        std::pair{"{% set s = d|tojson(sort_keys=true) %}", dict_context}}) {
+    std::string expected = "chat template line 1: the template exceeded ";
+    expected += std::to_string(
+        tandem::text::jinja::render_step_budget(tandem::text::jinja::json_size(context)));
+    expected += " evaluation steps (a runaway loop?)";
+    EXPECT_EQ(error_of(std::string("{% for i in range(600) %}") + use + "{% endfor %}", context),
+              expected)
+        << use;
+  }
 }
 
 // Found by review: indent split its input into a string per line before checking the size of

@@ -1778,7 +1778,7 @@ Value sort_values(std::vector<Value> items, bool reverse,
   std::vector<std::pair<Value, Value>> keyed;
   keyed.reserve(items.size());
   for (auto& item : items) keyed.emplace_back(key(item), std::move(item));
-  auto less = [](const auto& x, const auto& y) { return py_less(x.first, y.first); };
+  auto less = [](const auto& x, const auto& y) { return py_less_in_sort(x.first, y.first); };
   if (reverse) {
     std::stable_sort(keyed.begin(), keyed.end(),
                      [&](const auto& x, const auto& y) { return less(y, x); });

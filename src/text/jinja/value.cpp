@@ -822,6 +822,11 @@ bool py_less(const Value& a, const Value& b) {
                      type_name(b) + "'"};
 }
 
+bool py_less_in_sort(const Value& a, const Value& b) {
+  charge_steps(1);
+  return py_less(a, b);
+}
+
 int64_t py_len(const Value& v) {
   switch (v.kind) {
     case Kind::kUndefined:
@@ -1007,8 +1012,9 @@ void json_dump(std::string& out, const Value& v, const JsonOptions& o, int level
       std::vector<const std::pair<Value, Value>*> items;
       for (const auto& kv : v.dict->items) items.push_back(&kv);
       if (o.sort_keys) {
-        std::stable_sort(items.begin(), items.end(),
-                         [](const auto* a, const auto* b) { return py_less(a->first, b->first); });
+        std::stable_sort(items.begin(), items.end(), [](const auto* a, const auto* b) {
+          return py_less_in_sort(a->first, b->first);
+        });
       }
       out += '{';
       if (o.has_indent) newline(level + 1);

@@ -203,13 +203,13 @@ struct LoopInfo {
 // Work and memory of one render. A real chat template takes well under 10^6 steps and builds a
 // few times its output for a long conversation with tools. Steps are statements executed,
 // expressions evaluated, items of lists built or walked and elements visited by comparisons,
-// searches (`in`, count, index, unique, dict keys and namespace attributes looked up) and
-// serialisation; bytes are text written (concatenations, filters, the output) or scanned
-// (comparisons, `in`, decoding for indexing and str methods) plus sizeof(Value) per item of a
-// list or dict built. Bytes count what was allocated or read, not what is still alive. Both
-// only grow, so nested loops over range(100000), a list that contains itself many times over or a
-// loop that doubles a string stop at an error long before they would exhaust the time or the memory
-// of the thread that renders.
+// the comparisons sorts make (sort, dictsort, tojson's sort_keys), searches (`in`, count, index,
+// unique, dict keys and namespace attributes looked up) and serialisation; bytes are text written
+// (concatenations, filters, the output) or scanned (comparisons, `in`, decoding for indexing and
+// str methods) plus sizeof(Value) per item of a list or dict built. Bytes count what was allocated
+// or read, not what is still alive. Both only grow, so nested loops over range(100000), a list that
+// contains itself many times over or a loop that doubles a string stop at an error long before they
+// would exhaust the time or the memory of the thread that renders.
 //
 // The step budget grows with the context, since some real templates are quadratic in the
 // conversation: gpt-oss's looks ahead from every assistant message with tool calls through the
@@ -275,6 +275,10 @@ std::string float_repr(double d);
 bool py_equal(const Value& a, const Value& b);
 // a < b; throws RuntimeError (TypeError) for unorderable types.
 bool py_less(const Value& a, const Value& b);
+// py_less as a sort calls it: a step each. A sort of n items makes some n log2 n comparisons
+// and builds only n items, so without this a loop of sorts of a long list or dict ran ~log2 n
+// times the work its budget allows.
+bool py_less_in_sort(const Value& a, const Value& b);
 // len(x); throws RuntimeError for objects without a length.
 int64_t py_len(const Value& v);
 // iter(x) materialised; throws RuntimeError for non-iterables. Consumes generators.
