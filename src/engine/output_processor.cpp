@@ -45,7 +45,6 @@ OutputDelta OutputProcessor::push(int32_t id) {
   const bool may_stop_on_text = num_tokens_ > min_tokens_;
   if (may_stop && std::binary_search(stop_ids_.begin(), stop_ids_.end(), id)) {
     if (include_stop_) text_ += detok_.push(id);
-    text_ += detok_.finish();  // an unfinished character shows as U+FFFD, as in decode
     finished_ = true;
     delta.finish_reason = "stop";
     delta.stop_token = id;
@@ -73,7 +72,6 @@ OutputDelta OutputProcessor::push(int32_t id) {
       delta.finish_reason = "stop";
       delta.stop_string = *matched;
     } else if (num_tokens_ >= max_tokens_) {
-      text_ += detok_.finish();
       finished_ = true;
       delta.finish_reason = "length";
     }
