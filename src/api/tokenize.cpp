@@ -81,7 +81,7 @@ json detokenize_answer(const json& body, const text::Tokenizer& tokenizer,
       limits.vocab_size > 0 ? std::min(limits.vocab_size, tokenizer_ids) : tokenizer_ids;
   const std::vector<int32_t> ids =
       tokens->empty() ? std::vector<int32_t>{} : token_list(*tokens, "tokens", vocab);
-  return {{"prompt", tokenizer.decode(ids, /*skip_special_tokens=*/false)}};
+  return {{"prompt", tokenizer.decode_as_transformers(ids, /*skip_special_tokens=*/false)}};
 }
 
 }  // namespace tandem::api

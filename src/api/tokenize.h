@@ -25,7 +25,8 @@ nlohmann::json tokenize_answer(const nlohmann::json& body, const text::Tokenizer
                                std::string_view raw_body = {});
 
 // The answer to POST /detokenize {"tokens": [ids]}: {"prompt": text}, special tokens' text
-// included (vLLM decodes without skipping them). Ids outside the vocabulary are a 400.
+// included and tokenization spaces cleaned up where the model's config says so (vLLM decodes with
+// transformers' tokenizer.decode). Ids outside the vocabulary are a 400.
 nlohmann::json detokenize_answer(const nlohmann::json& body, const text::Tokenizer& tokenizer,
                                  const ModelLimits& limits);
 

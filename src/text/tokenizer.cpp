@@ -5,6 +5,7 @@
 #include <deque>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -205,6 +206,7 @@ struct Tokenizer::Impl {
   std::unordered_map<std::string, TokenId> token_to_id;
 
   std::string bos_token, eos_token;
+  bool clean_up_tokenization_spaces = false;
   std::vector<NamedChatTemplate> chat_templates;
   std::optional<TokenId> bos_id, eos_id;
 
@@ -413,6 +415,12 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     }
     for (const auto& a : added) impl->token_to_id[a.content] = a.id;
 
+    if (const auto it = cfg.find("clean_up_tokenization_spaces"); it != cfg.end()) {
+      if (!it->is_boolean() && !it->is_null())
+        throw Error(cfg_origin + ": clean_up_tokenization_spaces must be true or false, not " +
+                    it->type_name());
+      impl->clean_up_tokenization_spaces = it->is_boolean() && it->get<bool>();
+    }
     impl->bos_token = token_content(cfg, "bos_token", cfg_origin);
     impl->eos_token = token_content(cfg, "eos_token", cfg_origin);
     auto lookup = [&](const std::string& t) -> std::optional<TokenId> {
@@ -512,6 +520,34 @@ std::string Tokenizer::decode(std::span<const TokenId> ids, bool skip_special_to
     bytes += b;
   }
   return utf8::to_valid_lossy(bytes);
+}
+
+std::string Tokenizer::decode_as_transformers(std::span<const TokenId> ids,
+                                              bool skip_special_tokens) const {
+  std::string text = decode(ids, skip_special_tokens);
+  return impl_->clean_up_tokenization_spaces ? clean_up_tokenization(text) : text;
+}
+
+bool Tokenizer::clean_up_tokenization_spaces() const {
+  return impl_->clean_up_tokenization_spaces;
+}
+
+std::string clean_up_tokenization(std::string_view text) {
+  static constexpr std::pair<std::string_view, std::string_view> kReplacements[] = {
+      {" .", "."},     {" ?", "?"},   {" !", "!"},   {" ,", ","},     {" ' ", "'"},
+      {" n't", "n't"}, {" 'm", "'m"}, {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
+  std::string out(text);
+  for (const auto& [from, to] : kReplacements) {
+    if (out.find(from) == std::string::npos) continue;
+    std::string replaced;
+    replaced.reserve(out.size());
+    size_t start = 0;
+    for (size_t at; (at = out.find(from, start)) != std::string::npos; start = at + from.size())
+      replaced.append(out, start, at - start).append(to);
+    replaced.append(out, start);
+    out = std::move(replaced);
+  }
+  return out;
 }
 
 std::optional<TokenId> Tokenizer::token_to_id(std::string_view token) const {

@@ -18,6 +18,11 @@ namespace tandem::text {
 
 using TokenId = int32_t;
 
+// transformers' clean_up_tokenization: " ." -> ".", " ?" -> "?", " !" -> "!", " ," -> ",",
+// " ' " -> "'", " n't" -> "n't", " 'm" -> "'m", " 's" -> "'s", " 've" -> "'ve", " 're" -> "'re",
+// each replacing every occurrence (Python's str.replace) in turn, in that order.
+std::string clean_up_tokenization(std::string_view text);
+
 class Tokenizer {
  public:
   // Loads DIR/tokenizer.json and, when present, DIR/tokenizer_config.json, and the chat templates
@@ -38,8 +43,16 @@ class Tokenizer {
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
   std::vector<TokenId> encode(std::string_view text, bool add_special_tokens) const;
-  // Invalid UTF-8 produced by byte-level tokens becomes U+FFFD, as in Hugging Face.
+  // Invalid UTF-8 produced by byte-level tokens becomes U+FFFD, as in Hugging Face tokenizers.
+  // Generated text is this decode (IncrementalDetokenizer), never cleaned up, as in vLLM.
   std::string decode(std::span<const TokenId> ids, bool skip_special_tokens) const;
+  // decode() as transformers' tokenizer.decode(ids) returns it: cleaned up by
+  // clean_up_tokenization when tokenizer_config.json sets clean_up_tokenization_spaces (Llama 3
+  // does). vLLM answers /detokenize and shows each logprob's token (decode([id])) with it.
+  std::string decode_as_transformers(std::span<const TokenId> ids, bool skip_special_tokens) const;
+  // tokenizer_config.json's clean_up_tokenization_spaces; false when absent or null, as in
+  // transformers since 4.45.
+  bool clean_up_tokenization_spaces() const;
 
   // The raw bytes a single token stands for when it is decoded on its own in a sequence
   // (no cleanup); the incremental detokenizer concatenates these.

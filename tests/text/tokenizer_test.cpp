@@ -15,6 +15,7 @@
 #include "api/request.h"
 #include "text/added_vocabulary.h"
 #include "text/chat_template.h"
+#include "text/detokenizer.h"
 #include "text/oracle_support.h"
 #include "text/unicode_sets.h"
 #include "util/error.h"
@@ -531,6 +532,45 @@ TEST(Tokenizer, NullsInTheConfigReadAsTransformersReadsNone) {
   EXPECT_NE(encode("add_bos_token", null), with_bos);
   EXPECT_EQ(encode("add_eos_token", null), encode("add_eos_token", false));
   EXPECT_EQ(encode("tokenizer_class", null), encode("tokenizer_class", unset));
+}
+
+// transformers' decode cleans up tokenization spaces when tokenizer_config.json sets
+// clean_up_tokenization_spaces (tokenizer_conformance_test compares it with transformers.js on
+// real vocabularies); Tandem read nothing of it. Absent and null mean false, as in transformers
+// since 4.45; another type is named. Generated text is never cleaned up, as in vLLM.
+TEST(Tokenizer, CleanUpTokenizationSpacesIsReadAsTransformersReadsIt) {
+  auto load = [](const nlohmann::json& config) {
+    return Tokenizer::from_json(qwen_json(), config.dump(), "q/tokenizer.json");
+  };
+  const auto on = load({{"clean_up_tokenization_spaces", true}});
+  EXPECT_TRUE(on.clean_up_tokenization_spaces());
+  EXPECT_FALSE(load(nlohmann::json::object()).clean_up_tokenization_spaces());
+  EXPECT_FALSE(load({{"clean_up_tokenization_spaces", nullptr}}).clean_up_tokenization_spaces());
+  EXPECT_FALSE(load({{"clean_up_tokenization_spaces", false}}).clean_up_tokenization_spaces());
+  EXPECT_EQ(config_error({{"clean_up_tokenization_spaces", "yes"}}),
+            "tokenizer_config.json beside q/tokenizer.json: clean_up_tokenization_spaces must be "
+            "true or false, not string");
+  const auto ids = on.encode("Hi , you 're here .", false);
+  EXPECT_EQ(on.decode(ids, false), "Hi , you 're here .");
+  EXPECT_EQ(on.decode_as_transformers(ids, false), "Hi, you're here.");
+  EXPECT_EQ(load(nlohmann::json::object()).decode_as_transformers(ids, false),
+            "Hi , you 're here .");
+  IncrementalDetokenizer detok(on, false);
+  std::string streamed;
+  for (auto id : ids) streamed += detok.push(id);
+  EXPECT_EQ(streamed, "Hi , you 're here .");
+}
+
+// Python's str.replace for each pair in turn: every occurrence, left to right, without overlaps,
+// an earlier pair first (" ' s" is "'s" by " ' ", before " 's" is looked for).
+TEST(Tokenizer, CleaningUpTokenizationReplacesAsPythonDoes) {
+  EXPECT_EQ(clean_up_tokenization(" ' s"), "'s");
+  EXPECT_EQ(clean_up_tokenization("a . . b  ,c ?!  !"), "a.. b ,c?! !");
+  EXPECT_EQ(clean_up_tokenization("I 'm sure they 've, we 're, it 's, don 't"),
+            "I'm sure they've, we're, it's, don 't");
+  EXPECT_EQ(clean_up_tokenization("can n't won 't"), "cann't won 't");
+  EXPECT_EQ(clean_up_tokenization("x ' ' y"), "x'' y");
+  EXPECT_EQ(clean_up_tokenization("no change 你好"), "no change 你好");
 }
 
 // ---- finding added tokens in the text ----
