@@ -114,15 +114,25 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
     if (std::equal(word.begin(), word.end() - 1, output.end() - before))
       logits[word.back()] = kMasked;
   }
-  if (static_cast<int64_t>(output.size()) < params_.min_tokens) {
-    // As vLLM does: the first min_tokens tokens cannot end the sequence.
-    for (int32_t id : end_ids_)
-      if (id >= 0 && id < vocab) logits[id] = -std::numeric_limits<float>::infinity();
-  }
   // As vLLM: the bias goes on the raw logits, before penalties and temperature.
   for (const auto& [id, bias] : params_.logit_bias)
     if (id < vocab) logits[id] += bias;
-  if (constrained && constraint_) constraint_->mask(logits, grammar_end_ids_);
+  const bool grammar = constrained && constraint_;
+  if (grammar) constraint_->mask(logits, grammar_end_ids_);
+  if (static_cast<int64_t>(output.size()) < params_.min_tokens) {
+    // As vLLM does: the first min_tokens tokens cannot end the sequence. (After the bias and the
+    // grammar, as masks and a finite bias commute: vLLM's order.)
+    std::vector<std::pair<int32_t, float>> held;
+    for (int32_t id : end_ids_) {
+      if (id < 0 || id >= vocab) continue;
+      held.emplace_back(id, logits[id]);
+      logits[id] = kMasked;
+    }
+    // A grammar whose answer is complete and allows nothing more but an end wins: the ends come
+    // back as they were (masked still where allowed_token_ids or bad_words masked them).
+    if (grammar && std::none_of(logits.begin(), logits.end(), [](float v) { return v > kMasked; }))
+      for (const auto& [id, logit] : held) logits[id] = logit;
+  }
   if (params_.repetition_penalty != 1.0) {
     std::vector<bool> seen(vocab, false);
     for (auto t : prompt) seen[t] = true;

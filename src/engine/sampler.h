@@ -1,10 +1,12 @@
 #pragma once
 // Token sampling with the parameters of the OpenAI and vLLM APIs. Order, as in vLLM's V1 sampler:
-// on the raw logits the allowed_token_ids mask, the bad_words mask, min_tokens' mask and
-// logit_bias (then a structured output's grammar mask), repetition penalty (prompt and output
-// tokens), frequency and presence penalties (output tokens), then temperature; then top-k, top-p
-// and min-p filtering; then a draw. Temperature 0 is greedy (argmax, lowest id on ties). Masks
-// leaving no token fail the request (failure()) rather than draw from nothing.
+// on the raw logits the allowed_token_ids mask, the bad_words mask, logit_bias, a structured
+// output's grammar mask and min_tokens' mask (masks and a finite bias commute: vLLM's order),
+// repetition penalty (prompt and output tokens), frequency and presence penalties (output
+// tokens), then temperature; then top-k, top-p and min-p filtering; then a draw. Temperature 0 is
+// greedy (argmax, lowest id on ties). Masks leaving no token fail the request (failure()) rather
+// than draw from nothing, with one exception: min_tokens yields to a grammar whose answer is
+// complete and allows nothing but an end (the end ids keep their logits and the other masks).
 //
 // Logprobs are the model's raw ones (token_logprobs below), before any of these, as vLLM's
 // default raw_logprobs: a token masked by allowed_token_ids or bad_words keeps its logprob among
@@ -60,9 +62,9 @@ class Sampler {
                  std::span<const int32_t> output);
 
   // Constrains the answer to a grammar (structured outputs): sample() and verify() mask the
-  // logits with it, after the min_tokens mask and logit_bias, and advance it by the token they
-  // return. propose() ignores it: a draft it refuses has probability 0 in verify(), which rejects
-  // it, so the answer is distributed as without speculation.
+  // logits with it, after allowed_token_ids, bad_words and logit_bias, and advance it by the
+  // token they return. propose() ignores it: a draft it refuses has probability 0 in verify(),
+  // which rejects it, so the answer is distributed as without speculation.
   void constrain(std::unique_ptr<structured::TokenConstraint> constraint);
   const structured::TokenConstraint* constraint() const { return constraint_.get(); }
   // Why the constraint could not go on, or why the masks (allowed_token_ids, bad_words,

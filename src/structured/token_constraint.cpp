@@ -103,18 +103,12 @@ void TokenConstraint::mask(std::span<float> logits, std::span<const int32_t> end
   for (size_t id = n; id < logits.size(); ++id) logits[id] = kOff;
   for (const auto& [id, v] : ends) logits[id] = v;
   if (std::any_of(logits.begin(), logits.end(), [&](float v) { return v > kOff; })) return;
-  // Other masks (min_tokens) removed everything the grammar allows: the grammar wins.
-  bool any = false;
-  for (size_t id = 0; id < n; ++id)
-    if (!ended_ && ((bits[id / 64] >> (id % 64)) & 1)) {
-      logits[id] = 0.0f;
-      any = true;
-    }
-  for (const auto& e : ends) {
-    logits[e.first] = 0.0f;
-    any = true;
-  }
-  if (!any) throw ConstraintError("structured output: no token can continue the answer");
+  // Nothing is left. When the grammar allowed something, the request's other masks removed it,
+  // and the sampler, which knows them, decides (it fails the request naming them); only the
+  // grammar's own dead end is this constraint's error.
+  bool allows = !ends.empty();
+  for (size_t id = 0; !ended_ && !allows && id < n; ++id) allows = (bits[id / 64] >> (id % 64)) & 1;
+  if (!allows) throw ConstraintError("structured output: no token can continue the answer");
 }
 
 void TokenConstraint::accept(int32_t token, std::span<const int32_t> end_ids) {

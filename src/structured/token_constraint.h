@@ -80,9 +80,10 @@ class TokenConstraint {
                   std::shared_ptr<const MaskVocabulary> vocabulary);
 
   // Sets the logits of tokens the grammar refuses next to -infinity. `end_ids` (EOS, stop ids)
-  // stay when the answer is complete. Never leaves every logit at -infinity: when the other
-  // masks (min_tokens) removed all the grammar allows, its tokens get logit 0. Throws
-  // ConstraintError when no token (nor an end) may follow.
+  // keep theirs when the answer is complete. Throws ConstraintError when the grammar allows no
+  // token of the vocabulary (nor an end) next. When it allows some but their logits were already
+  // -infinity (the request's other masks), every logit is left so: the caller, which knows those
+  // masks, decides (engine::Sampler fails the request naming them).
   void mask(std::span<float> logits, std::span<const int32_t> end_ids);
   // The token sampled: advances the state. Throws ConstraintError for a token the grammar
   // refuses.

@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "structured/output_spec.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -356,6 +357,78 @@ TEST(Sampler, MasksThatLeaveNoTokenFailTheRequest) {
     EXPECT_NE(s.failure().find("'allowed_token_ids', 'min_tokens'"), std::string::npos)
         << s.failure();
   }
+}
+
+// A sampler constrained to `spec` over a small vocabulary: "a", "{", "}", "\"", ":", " ", "1", and
+// ids 7 and 8 without text (end ids).
+struct Constrained {
+  static constexpr int32_t kA = 0, kOpen = 1, kSpace = 5, kEos = 7, kStop = 8, kVocab = 9;
+  static std::shared_ptr<const structured::MaskVocabulary> vocabulary() {
+    return std::make_shared<const structured::MaskVocabulary>(
+        std::vector<std::string>{"a", "{", "}", "\"", ":", " ", "1", "", ""});
+  }
+  static Sampler make(SamplingParams p, structured::OutputSpec::Kind kind, std::string text) {
+    p.structured_output = structured::OutputSpec{kind, std::move(text), "response_format"};
+    const std::vector<int32_t> eos = {kEos};
+    Sampler s(p, 1, eos);
+    s.constrain(std::make_unique<structured::TokenConstraint>(
+        structured::compile(*p.structured_output), std::make_shared<structured::MaskCache>(16),
+        vocabulary()));
+    return s;
+  }
+};
+
+// allowed_token_ids and bad_words bind a structured answer too: when with the grammar they leave
+// no token (a JSON object must open with '{' or white space: the only id allowed is "a", or both
+// are bad words), the request fails naming the fields, rather than draw a token they exclude.
+TEST(Sampler, MasksThatLeaveAGrammarNoTokenFailTheRequestNamingTheFields) {
+  using K = structured::OutputSpec::Kind;
+  for (double temperature : {0.0, 1.0}) {
+    for (int variant = 0; variant < 2; ++variant) {
+      SamplingParams p;
+      p.temperature = temperature;
+      if (variant == 0)
+        p.allowed_token_ids = {Constrained::kA};
+      else
+        p.bad_words_token_ids = {{Constrained::kOpen}, {Constrained::kSpace}};
+      Sampler s = Constrained::make(p, K::kJsonObject, "");
+      std::vector<float> l(Constrained::kVocab, 0.0f);
+      l[Constrained::kOpen] = 5;
+      const int32_t t = s.sample(l, {}, {});
+      const std::string field = variant == 0 ? "'allowed_token_ids'" : "'bad_words'";
+      EXPECT_NE(s.failure().find(field + ", 'response_format'"), std::string::npos)
+          << "temperature " << temperature << " drew " << t << "; failure: " << s.failure();
+    }
+  }
+}
+
+// min_tokens yields to a grammar whose answer is complete: the end ids come back with their own
+// logits (the likelier end is chosen), never a token another mask excludes.
+TEST(Sampler, ACompleteStructuredAnswerEndsBeforeMinTokensWithTheModelsLogits) {
+  using K = structured::OutputSpec::Kind;
+  SamplingParams p;
+  p.temperature = 0;
+  p.min_tokens = 4;
+  p.stop_token_ids = {Constrained::kStop};
+  Sampler s = Constrained::make(p, K::kRegex, "a");
+  std::vector<float> l(Constrained::kVocab, 0.0f);
+  l[Constrained::kStop] = 3;
+  std::vector<int32_t> output = {s.sample(l, {}, {})};
+  ASSERT_EQ(output[0], Constrained::kA);
+  l.assign(Constrained::kVocab, 0.0f);
+  l[Constrained::kStop] = 3;  // the stop id is likelier than EOS
+  EXPECT_EQ(s.sample(l, {}, output), Constrained::kStop);
+  EXPECT_TRUE(s.failure().empty()) << s.failure();
+  // The same answer where allowed_token_ids excludes both ends: nothing is left.
+  p.allowed_token_ids = {Constrained::kA, Constrained::kOpen};
+  Sampler narrow = Constrained::make(p, K::kRegex, "a");
+  l.assign(Constrained::kVocab, 0.0f);
+  ASSERT_EQ(narrow.sample(l, {}, {}), Constrained::kA);
+  l.assign(Constrained::kVocab, 0.0f);
+  EXPECT_EQ(narrow.sample(l, {}, output), 0);
+  EXPECT_NE(narrow.failure().find("'allowed_token_ids', 'min_tokens', 'response_format'"),
+            std::string::npos)
+      << narrow.failure();
 }
 
 TEST(Sampler, InvalidParametersAreNamed) {
