@@ -560,9 +560,13 @@ void ExchangeState::run(int) {
 void Connection::on_io(uint32_t events) {
   if (phase_ == Phase::kClosed) return;
   if ((events & EPOLLOUT) && want_write_) {
-    if (!flush()) return;
-    if (phase_ == Phase::kExchange) pump();
-    if (phase_ == Phase::kHead) loop_.defer(this);  // a pipelined request may be waiting
+    // A write that must wait again still leaves this event's input to read: edge-triggered, the
+    // event may be the only report of a pipelined request or of the client's hang-up.
+    if (flush()) {
+      if (phase_ == Phase::kExchange) pump();
+      if (phase_ == Phase::kHead) loop_.defer(this);  // a pipelined request may be waiting
+    }
+    if (phase_ == Phase::kClosed) return;
   }
   if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) {
     if (events & (EPOLLRDHUP | EPOLLHUP)) peer_closed_ = true;

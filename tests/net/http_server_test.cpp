@@ -1068,6 +1068,125 @@ TEST(HttpServer, PipelinedRequestsAreAnsweredInOrder) {
   EXPECT_LT(b, d);
 }
 
+// Holds the server's only io thread in a handler (GET /hold) until the test releases it, so that
+// what clients do meanwhile reaches the server as one batch of events.
+struct HeldLoop {
+  std::promise<void> held, release;
+  std::shared_future<void> released = release.get_future().share();
+  explicit HeldLoop(HttpServer& server) {
+    server.route("GET", "/hold", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+      held.set_value();
+      released.wait();
+      ex->respond(200, "held", "text/plain");
+    });
+  }
+  // Returns once the loop is held by `client`'s request.
+  void hold(RawConnection& client) {
+    client.send("GET /hold HTTP/1.1\r\nHost: a\r\n\r\n");
+    auto f = held.get_future();
+    get_within(f);
+  }
+};
+
+// What has arrived on `client` (waits for the first bytes, then takes what is there): the room
+// its reading makes for the server to write again.
+std::string read_what_arrived(RawConnection& client) {
+  std::string raw;
+  std::vector<char> buf(size_t{64} << 10);
+  for (int flags = 0;; flags = MSG_DONTWAIT) {
+    const ssize_t n = ::recv(client.fd(), buf.data(), buf.size(), flags);
+    if (n <= 0) return raw;
+    raw.append(buf.data(), static_cast<size_t>(n));
+  }
+}
+
+// A response the client reads slowly, and its next request sent while the server still waits to
+// write: the kernel reports the room to write and the new input in one event. The write waiting
+// again must not drop the input's report (edge-triggered, it may be the only one), or the second
+// request waits unread until the idle timeout closes the connection.
+TEST(HttpServer, ARequestThatArrivesWithRoomToWriteAWaitingResponseIsRead) {
+  HttpServerOptions options = local_options();
+  options.threads = 1;  // one loop, for HeldLoop and the barrier below
+  HttpServer server(options);
+  const std::string body(size_t{1} << 20, 'b');
+  server.route("GET", "/big", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, body, "text/plain");
+  });
+  server.route("GET", "/small", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "small", "text/plain");
+  });
+  HeldLoop loop(server);
+  server.start();
+  RawConnection c(server.port(), nullptr, 4096);
+  const int server_fd = server_end_of(c, server.port());
+  ASSERT_GE(server_fd, 0);
+  set_buffer(server_fd, SO_SNDBUF, 16 << 10);
+  c.send("GET /big HTTP/1.1\r\nHost: a\r\n\r\n");
+  // The server has tried to write the body (and waits for room) once a request on another
+  // connection that arrived later is answered.
+  RawConnection barrier(server.port());
+  barrier.send("GET /small HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+  ASSERT_EQ(body_of(barrier.read_all()), "small");
+  RawConnection holder(server.port());
+  loop.hold(holder);
+  // While the loop is held: read what the kernels hold of the body (room for the server to write
+  // again), then send the next request.
+  std::string raw = read_what_arrived(c);
+  ASSERT_FALSE(raw.empty());
+  ASSERT_LT(raw.size(), body.size());
+  c.send("GET /small HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+  loop.release.set_value();
+  // The rest of the body, then the second response, then the close. Without the fix the second
+  // request stays unread: RawConnection's 10 s read timeout ends this without the answer.
+  raw += c.read_all();
+  const size_t first_end = raw.find("\r\n\r\n") + 4 + body.size();
+  ASSERT_EQ(status_of(raw), 200);
+  ASSERT_GE(raw.size(), first_end);
+  EXPECT_EQ(raw.substr(raw.find("\r\n\r\n") + 4, body.size()), body);
+  const std::string rest = raw.substr(first_end);
+  EXPECT_EQ(status_of(rest), 200) << ascii_excerpt(rest);
+  EXPECT_EQ(body_of(rest), "small");
+}
+
+// The same event with the client's hang-up instead: a streaming client that stopped reading and
+// closed its side is gone at once, not after the write timeout (an hour here), which is all that
+// would tell if the hang-up's report were dropped: nothing wakes the connection again.
+TEST(HttpServer, AStreamingClientThatHangsUpWhileItsStreamWaitsToBeWrittenIsSeenGone) {
+  HttpServerOptions options = local_options();
+  options.threads = 1;
+  options.write_timeout = std::chrono::hours(1);
+  HttpServer server(options);
+  std::shared_ptr<Exchange> held;
+  std::promise<void> closed;
+  server.route("GET", "/stream", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->on_close([&] { closed.set_value(); });
+    ex->start_stream();
+    ex->write(std::string(size_t{1} << 20, 's'));  // far more than the kernels hold
+    held = ex;                                     // and the stream goes on
+  });
+  server.route("GET", "/small", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "small", "text/plain");
+  });
+  HeldLoop loop(server);
+  server.start();
+  RawConnection c(server.port(), nullptr, 4096);
+  const int server_fd = server_end_of(c, server.port());
+  ASSERT_GE(server_fd, 0);
+  set_buffer(server_fd, SO_SNDBUF, 16 << 10);
+  c.send("GET /stream HTTP/1.1\r\nHost: a\r\n\r\n");
+  RawConnection barrier(server.port());  // as above: the server waits to write the stream
+  barrier.send("GET /small HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+  ASSERT_EQ(body_of(barrier.read_all()), "small");
+  RawConnection holder(server.port());
+  loop.hold(holder);
+  ASSERT_FALSE(read_what_arrived(c).empty());
+  ASSERT_EQ(::shutdown(c.fd(), SHUT_WR), 0);
+  loop.release.set_value();
+  auto f = closed.get_future();
+  ASSERT_EQ(f.wait_for(10s), std::future_status::ready) << "the hang-up was not seen";
+  EXPECT_TRUE(held->closed());
+}
+
 TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
   HttpServerOptions options = local_options();
   options.read_timeout = 50ms;
