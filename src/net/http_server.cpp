@@ -814,7 +814,10 @@ bool Connection::flush() {
 void Connection::end_exchange(bool close_after) {
   spare_ = exchange_->detach();
   exchange_.reset();
-  if (close_after || peer_eof_ || server_.stopping()) return close_gracefully();
+  if (close_after || server_.stopping()) return close_gracefully();
+  // A client that half-closed after pipelining (`printf ... | nc -N`) still gets the answers to
+  // the requests that arrived whole: process() closes once the input holds no whole request.
+  if (peer_eof_ && in_.empty()) return close_gracefully();
   phase_ = Phase::kHead;
   if (in_.empty()) {
     // Idle until the next request, maybe for long: hold no buffers meanwhile (about 1 KiB per

@@ -1187,6 +1187,37 @@ TEST(HttpServer, AStreamingClientThatHangsUpWhileItsStreamWaitsToBeWrittenIsSeen
   EXPECT_TRUE(held->closed());
 }
 
+// A client that pipelines two requests and half-closes (`printf '...' | nc -N`): both are already
+// whole in the server's input when it sees the close, and both are answered before it closes.
+TEST(HttpServer, RequestsBufferedBeforeTheClientHalfClosesAreAllAnswered) {
+  HttpServerOptions options = local_options();
+  options.threads = 1;
+  HttpServer server(options);
+  server.route("GET", "/a", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "first", "text/plain");
+  });
+  server.route("GET", "/b", [](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    ex->respond(200, "second", "text/plain");
+  });
+  HeldLoop loop(server);
+  server.start();
+  RawConnection holder(server.port());
+  loop.hold(holder);
+  // The requests and the half-close reach the server in one read.
+  RawConnection c(server.port());
+  c.send("GET /a HTTP/1.1\r\nHost: a\r\n\r\nGET /b HTTP/1.1\r\nHost: a\r\n\r\n");
+  ASSERT_EQ(::shutdown(c.fd(), SHUT_WR), 0);
+  loop.release.set_value();
+  const std::string raw = c.read_all();
+  EXPECT_TRUE(c.eof());
+  const size_t second = raw.find("HTTP/1.1", 1);
+  ASSERT_NE(second, std::string::npos) << raw;
+  EXPECT_EQ(status_of(raw), 200) << raw;
+  EXPECT_EQ(body_of(raw.substr(0, second)), "first");
+  EXPECT_EQ(status_of(raw.substr(second)), 200) << raw;
+  EXPECT_EQ(body_of(raw.substr(second)), "second");
+}
+
 TEST(HttpServer, StalledRequestIsClosedAfterTheReadTimeout) {
   HttpServerOptions options = local_options();
   options.read_timeout = 50ms;
