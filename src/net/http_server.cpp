@@ -401,8 +401,8 @@ class ServerImpl {
   // the address's own cap, is reached.
   bool admit_connection(const std::string& address);
   void connection_closed(const std::string& address);
-  // accept() failed with `error` (out of file descriptors and the like).
-  void accept_failed(int error);
+  // A new connection could not be taken (out of file descriptors, memory and the like): `why`.
+  void connection_failed(const std::string& why);
 
  private:
   const HttpServerOptions options_;
@@ -897,7 +897,7 @@ void ServerLoop::on_io(uint32_t) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       if (errno == EINTR || errno == ECONNABORTED) continue;
       // Out of file descriptors and the like: wait a little rather than spin.
-      server_.accept_failed(errno);
+      server_.connection_failed(std::string("accept failed: ") + std::strerror(errno));
       loop_.remove(listen_fd_);
       listening_ = false;
       if (!backoff_) backoff_ = std::make_unique<Timer>(loop_, *this);
@@ -915,7 +915,15 @@ void ServerLoop::on_io(uint32_t) {
     auto connection = std::make_unique<Connection>(*this, fd, std::move(address), port);
     Connection* c = connection.get();
     connections_.emplace(c, std::move(connection));
-    c->start();
+    try {
+      c->start();
+    } catch (const std::exception& e) {
+      // epoll could not take the socket (ENOMEM, ENOSPC): no event would ever serve or close it,
+      // so it goes now, with its slot under the connection caps.
+      server_.connection_failed(std::string("a new connection could not be registered: ") +
+                                e.what());
+      c->shutdown();
+    }
   }
 }
 
@@ -1027,10 +1035,9 @@ void ServerImpl::connection_closed(const std::string& address) {
   if (it != per_address_.end() && --it->second == 0) per_address_.erase(it);
 }
 
-void ServerImpl::accept_failed(int error) {
+void ServerImpl::connection_failed(const std::string& why) {
   if (auto held_back = accept_log_.admit(LogThrottle::Clock::now())) {
-    log(std::string("accept failed: ") + std::strerror(error) +
-        (*held_back > 0 ? " (and " + std::to_string(*held_back) + " more failures)" : ""));
+    log(why + (*held_back > 0 ? " (and " + std::to_string(*held_back) + " more failures)" : ""));
   }
 }
 
