@@ -16,6 +16,7 @@
 
 #include "api/api_key.h"
 #include "api/reasoning.h"
+#include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
@@ -73,6 +74,7 @@ struct EngineOptions {
   double kv_transfer_timeout = 120;
   bool kv_transfer_checksum = false;
   std::string kv_transport = "shm";
+  double shutdown_timeout = default_shutdown_timeout();
   std::string kv_transfer_secret, kv_transfer_secret_file;
   std::vector<std::string> kv_transfer_allow;
   int64_t speculative_tokens = 0;
@@ -393,8 +395,10 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
             ? "--max-model-len"
             : "what the KV cache holds; --kv-cache-gb or --num-kv-blocks sets it");
   const int sig = stop_signals.wait();
-  std::fprintf(stderr, "tandem engine: stopping (signal %d)\n", sig);
-  server.stop();
+  // As vLLM's: new requests are refused while those in flight finish, then the engine stops.
+  stop_draining(
+      shutdown_drain(o.shutdown_timeout), stop_signals, "tandem engine", sig,
+      [&] { server.stop(shutdown_drain(o.shutdown_timeout)); }, [&] { server.end_drain(); });
   engine.stop();
 }
 
@@ -552,6 +556,7 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

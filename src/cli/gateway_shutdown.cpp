@@ -1,10 +1,35 @@
 #include "cli/gateway_shutdown.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <thread>
 
 namespace tandem::cli {
+namespace {
+
+// How often a stop is looked at between waits for a second signal: how late, at most, the
+// stop's end is seen.
+constexpr auto kLook = std::chrono::milliseconds(50);
+
+void say_stopping(const char* who, int sig, std::chrono::milliseconds drain) {
+  std::fprintf(stderr,
+               "%s: stopping (signal %d): the requests in flight have %.3g s to finish; a second "
+               "signal ends them now\n",
+               who, sig, std::chrono::duration<double>(drain).count());
+}
+
+// Waits up to `wait` for another stop signal; says whether one came (and so as `who`, with
+// what `then` happens to the requests left).
+bool stopped_again(const StopSignals& signals, const char* who, const char* then,
+                   std::chrono::milliseconds wait) {
+  const auto again = signals.wait_for(wait);
+  if (again) std::fprintf(stderr, "%s: signal %d: the requests left %s\n", who, *again, then);
+  return again.has_value();
+}
+
+}  // namespace
 
 CLI::Validator finite_seconds() {
   return CLI::Validator(
@@ -19,8 +44,9 @@ CLI::Validator finite_seconds() {
 
 void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds) {
   cmd.add_option("--shutdown-timeout", seconds,
-                 "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish before "
-                 "those left are answered 503; a second signal ends it at once (0: no drain)")
+                 "seconds a stop (SIGTERM, SIGINT) lets the requests in flight finish, new ones "
+                 "refused with 503, before those left end; a second signal ends it at once (0: "
+                 "no drain)")
       ->capture_default_str()
       ->check(finite_seconds())
       ->check(CLI::NonNegativeNumber)
@@ -31,18 +57,35 @@ std::chrono::milliseconds shutdown_drain(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000)));
 }
 
+double default_shutdown_timeout() {
+  return std::chrono::duration<double>(gateway::Topology{}.shutdown_timeout).count();
+}
+
 void stop_gateways(std::span<gateway::Gateway* const> gateways, std::chrono::milliseconds drain,
                    const StopSignals& signals, const char* who, int sig) {
-  std::fprintf(stderr,
-               "%s: stopping (signal %d): the requests in flight have %.3g s to finish; a second "
-               "signal ends them now\n",
-               who, sig, std::chrono::duration<double>(drain).count());
+  say_stopping(who, sig, drain);
   gateway::stop_together(gateways, drain, [&](std::chrono::milliseconds wait) {
-    const auto again = signals.wait_for(wait);
-    if (again)
-      std::fprintf(stderr, "%s: signal %d: the requests left are answered 503\n", who, *again);
-    return again.has_value();
+    return stopped_again(signals, who, "are answered 503", wait);
   });
+}
+
+void stop_draining(std::chrono::milliseconds drain, const StopSignals& signals, const char* who,
+                   int sig, const std::function<void()>& stop,
+                   const std::function<void()>& end_drain) {
+  say_stopping(who, sig, drain);
+  std::atomic<bool> stopped{false};
+  std::thread stopping([&] {
+    stop();
+    stopped = true;
+  });
+  while (!stopped.load()) {
+    // The connections close with the drain's end: the requests left are cut, as vLLM's are.
+    if (stopped_again(signals, who, "are cut", kLook)) {
+      end_drain();
+      break;
+    }
+  }
+  stopping.join();
 }
 
 }  // namespace tandem::cli

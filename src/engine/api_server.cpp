@@ -1,11 +1,15 @@
 #include "engine/api_server.h"
 
 #include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
 
 #include "api/api_key.h"
 #include "api/error.h"
 #include "api/load_report.h"
 #include "api/model_list.h"
+#include "net/loop_tasks.h"
 #include "net/reply.h"
 #include "placement/placement_format.h"
 
@@ -22,11 +26,80 @@ int64_t unix_seconds() {
 
 }  // namespace
 
+struct ApiServer::Drain {
+  std::mutex mutex;
+  std::condition_variable changed;
+  int64_t answering = 0;     // generation requests taken and not yet answered in full
+  bool engine_idle = false;  // no request live in the engine (Engine::when_idle)
+  bool cut = false;          // end_drain()
+
+  void update(const std::function<void(Drain&)>& change) {
+    {
+      std::lock_guard lock(mutex);
+      change(*this);
+    }
+    changed.notify_all();
+  }
+};
+
+namespace {
+
+// A generation request's reply, counted in the drain from when its handler takes it until its
+// answer is complete (or can no longer be sent: the client gone, the reply dropped).
+class CountedReply final : public net::Reply {
+ public:
+  CountedReply(std::shared_ptr<net::Reply> reply, std::shared_ptr<ApiServer::Drain> drain)
+      : reply_(std::move(reply)), drain_(std::move(drain)) {
+    drain_->update([](ApiServer::Drain& d) { ++d.answering; });
+  }
+  ~CountedReply() override { answered(); }
+
+  bool respond(int status, std::string body, std::string content_type) override {
+    const bool sent = reply_->respond(status, std::move(body), std::move(content_type));
+    answered();
+    return sent;
+  }
+  bool send_error(int status, std::string_view message, std::string_view type,
+                  std::string_view code) override {
+    const bool sent = reply_->send_error(status, message, type, code);
+    answered();
+    return sent;
+  }
+  bool start_stream(int status, std::string content_type) override {
+    return reply_->start_stream(status, std::move(content_type));
+  }
+  bool write(std::string_view chunk) override { return reply_->write(chunk); }
+  bool end() override {
+    const bool sent = reply_->end();
+    answered();
+    return sent;
+  }
+  void abort() override {
+    reply_->abort();
+    answered();
+  }
+  void on_close(std::function<void()> callback) override { reply_->on_close(std::move(callback)); }
+
+ private:
+  void answered() {
+    if (!counted_.exchange(false)) return;
+    drain_->update([](ApiServer::Drain& d) { --d.answering; });
+  }
+
+  const std::shared_ptr<net::Reply> reply_;
+  const std::shared_ptr<ApiServer::Drain> drain_;
+  std::atomic<bool> counted_{true};
+};
+
+}  // namespace
+
 ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options,
                      std::vector<std::string> api_keys)
     : engine_(engine),
       registry_(registry),
       api_keys_(std::move(api_keys)),
+      io_threads_(std::max(1, options.threads)),
+      drain_(std::make_shared<Drain>()),
       server_([&] {
         options.error_response = api::openai_error_response;
         return std::move(options);
@@ -37,6 +110,10 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   const ExecutorInfo& info = engine_.executor_info();
 
   route("GET", "/health", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    if (refusing_.load()) {
+      ex->send_error(503, kShuttingDown, "server_error");
+      return;
+    }
     if (auto why = engine_.executor_failure(); !why.empty()) {
       ex->respond(503, api::openai_error_body(why, "server_error"));
       return;
@@ -112,7 +189,12 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
         });
   auto generation = [this](api::ApiKind kind) {
     return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-      generation_.handle(kind, req, std::make_shared<net::ExchangeReply>(std::move(ex)));
+      auto reply = std::make_shared<net::ExchangeReply>(std::move(ex));
+      if (refusing_.load()) {
+        generation_.refuse(kind, req, *reply, kShuttingDown);
+        return;
+      }
+      generation_.handle(kind, req, std::make_shared<CountedReply>(std::move(reply), drain_));
     };
   };
   route("POST", "/v1/completions", generation(api::ApiKind::kCompletion));
@@ -153,13 +235,57 @@ ApiServer::~ApiServer() {
 void ApiServer::start() {
   renderer_->start();
   server_.start();
+  started_ = true;
 }
 uint16_t ApiServer::port() const {
   return server_.port();
 }
-void ApiServer::stop() {
+
+void ApiServer::refuse_new_requests() {
+  refusing_ = true;
+}
+
+void ApiServer::end_drain() {
+  drain_->update([](Drain& d) { d.cut = true; });
+}
+
+void ApiServer::stop(std::chrono::milliseconds drain) {
+  if (stopped_.exchange(true)) return;
+  refuse_new_requests();
+  if (started_.load() && drain > std::chrono::milliseconds::zero()) {
+    // A request a handler took before the refusal is counted once that handler has returned.
+    io_threads_pass();
+    const auto deadline = std::chrono::steady_clock::now() + drain;
+    std::unique_lock lock(drain_->mutex);
+    // First the answers; then the engine, where a prefill's answered leg may still hold its KV
+    // for a decode engine's pull or room. No request is submitted after the answers: all were.
+    if (drain_->changed.wait_until(lock, deadline,
+                                   [&] { return drain_->cut || drain_->answering == 0; }) &&
+        !drain_->cut) {
+      lock.unlock();
+      engine_.when_idle(
+          [d = drain_] { d->update([](Drain& state) { state.engine_idle = true; }); });
+      lock.lock();
+      drain_->changed.wait_until(lock, deadline,
+                                 [&] { return drain_->cut || drain_->engine_idle; });
+    }
+  }
+  // The answers written by now are flushed before the server closes the connections: it runs
+  // its shutdown as a task of each io thread, after the iteration that writes them.
+  if (started_.load()) io_threads_pass();
   server_.stop();
   renderer_->stop();  // what it still has is written; later outputs render where they arrive
+}
+
+void ApiServer::io_threads_pass() {
+  for (size_t i = 0; i < static_cast<size_t>(io_threads_); ++i) {
+    net::LoopTasks loop(server_, i);
+    for (int pass = 0; pass < 2; ++pass) {
+      std::promise<void> ran;
+      loop.post([&ran] { ran.set_value(); });
+      ran.get_future().wait();
+    }
+  }
 }
 
 }  // namespace tandem::engine

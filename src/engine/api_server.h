@@ -5,7 +5,10 @@
 // come back on the engine thread, which hands them to the server's render thread: the response
 // bodies and stream chunks are built there and written to the client through the HTTP server's
 // exchanges, so the step loop never serializes JSON. A client that disconnects aborts its
-// requests, which frees their KV blocks.
+// requests, which frees their KV blocks. A stop drains, as the gateway's does (gateway.h) and
+// vLLM's: new generation requests are refused while those in flight finish.
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -35,17 +38,42 @@ class ApiServer {
             std::vector<std::string> api_keys = {});
   ~ApiServer();
 
+  // What a stopping engine answers new generation requests and /health (503).
+  static constexpr const char* kShuttingDown = "the engine is shutting down";
+
   void start();
   uint16_t port() const;
-  void stop();
+  // Stops in order: new generation requests (completions, chat, /generate) get 503 "the engine
+  // is shutting down" (an OpenAI error) and /health answers 503, so that load balancers and
+  // gateways take the engine out, while the cheap routes (/tokenize, /v1/models, /load,
+  // /metrics) still answer. The requests in flight have up to `drain` to finish: their answers
+  // are written whole; then, KV a prefill holds for a decode engine's pull or room (its answer
+  // already went out) may still be taken. Then the connections close, cutting what is left
+  // (the engine, stopped after, aborts its requests). Returns once all is done; later calls do
+  // nothing. The destructor stops without a drain.
+  void stop(std::chrono::milliseconds drain = {});
+  // The first step of stop(), on its own: the refusals above from now on.
+  void refuse_new_requests();
+  // Ends a drain at once (stop() goes on with closing), or the next one before it begins. From
+  // any thread: an operator's second stop signal.
+  void end_drain();
+
+  // What a drain waits for (shared: the replies that count it may outlive the server).
+  struct Drain;
 
  private:
   // server_.route behind the API keys (all routes but /health and /metrics).
   void route(std::string method, std::string path, net::Handler handler);
+  // Returns once every io thread has run a task posted now, then one posted after that: the
+  // handlers running now have returned, and what they wrote is flushed.
+  void io_threads_pass();
 
   Engine& engine_;
   metrics::Registry& registry_;
   const std::vector<std::string> api_keys_;
+  const int io_threads_;
+  const std::shared_ptr<Drain> drain_;
+  std::atomic<bool> refusing_{false}, started_{false}, stopped_{false};
   net::HttpServer server_;
   // Builds and writes responses from the engine's outputs, in the order they came. Shared with
   // the callbacks, which may outlive the server (an engine stopped later aborts its requests).

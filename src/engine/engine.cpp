@@ -780,8 +780,24 @@ void Engine::drop(const std::string& id) {
 }
 
 void Engine::release_id(const std::string& id) {
-  std::lock_guard lock(mutex_);
-  live_ids_.erase(id);
+  std::vector<std::function<void()>> idle;
+  {
+    std::lock_guard lock(mutex_);
+    live_ids_.erase(id);
+    if (live_ids_.empty()) idle.swap(idle_callbacks_);
+  }
+  for (auto& callback : idle) callback();
+}
+
+void Engine::when_idle(std::function<void()> callback) {
+  {
+    std::lock_guard lock(mutex_);
+    if (!live_ids_.empty()) {
+      idle_callbacks_.push_back(std::move(callback));
+      return;
+    }
+  }
+  callback();
 }
 
 void Engine::publish_events() {

@@ -116,6 +116,11 @@ class Engine final : private PdHost {
   void submit(EngineRequest request);
   // Thread-safe. Finishes the request with "abort" and frees its blocks; unknown ids are ignored.
   void abort(const std::string& id);
+  // Thread-safe. Runs `callback` once no request is live (submit's sense: a finished P/D
+  // request whose blocks wait for a pull or a room still is): at once, on this thread, when none
+  // is; else on the thread that lets the last one go (the engine thread). For a drain, which
+  // lets a prefill's held KV be taken before the engine stops.
+  void when_idle(std::function<void()> callback);
 
   LoadReport load() const;
   // `snapshot` (a report taken earlier in this step) plus the prompts submitted since, which the
@@ -219,6 +224,8 @@ class Engine final : private PdHost {
   std::unordered_set<std::string> live_ids_;
   std::atomic<int64_t> incoming_prompt_tokens_{0};  // prompt tokens in incoming_ (under mutex_)
   std::atomic<int64_t> incoming_prompt_pairs_{0};   // their attention pairs, as if uncached
+  // when_idle's callbacks, until live_ids_ empties (under mutex_).
+  std::vector<std::function<void()>> idle_callbacks_;
   bool stopping_ = false;
   std::thread thread_;
 

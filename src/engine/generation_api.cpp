@@ -257,6 +257,19 @@ void GenerationApi::detokenize(const net::HttpRequest& req, std::shared_ptr<net:
   });
 }
 
+void GenerationApi::refuse(ApiKind kind, const net::HttpRequest& req, net::Reply& reply,
+                           const std::string& why) {
+  json body;
+  const ReleaseJsonOnExit release_body{body};
+  try {
+    body = parse_untrusted_json(req.body);
+  } catch (const Error&) {
+    // Not JSON: no transfer to name.
+  }
+  release_refused_decode_leg(kind, req, body, {}, why);
+  reply.send_error(503, why, "server_error");
+}
+
 void GenerationApi::handle(ApiKind kind, const net::HttpRequest& req,
                            std::shared_ptr<net::Reply> ex) {
   const ModelLimits limits = engine_.request_limits();

@@ -346,14 +346,16 @@ TEST(Cli, SettingFlagsApplyOverAConfigFile) {
   }
 }
 
-// The drain's length: --shutdown-timeout (gateway, serve) and shutdown_timeout (the file);
-// negative or not a number is refused naming it, before anything starts (nan passed the range
-// check and became -9223372036854775808 ms, which serve reported once every engine had started).
+// The drain's length: --shutdown-timeout (gateway, serve, engine) and shutdown_timeout (the
+// file); negative or not a number is refused naming it, before anything starts (nan passed the
+// range check and became -9223372036854775808 ms, which serve reported once every engine had
+// started).
 TEST(Cli, AShutdownTimeoutThatIsNoDurationIsRefusedNamingIt) {
   for (const std::string value : {"-1", "soon", "3000000", "nan", "-nan", "inf"}) {
     for (const std::vector<std::string>& start :
          {std::vector<std::string>{"gateway", "--decode", "127.0.0.1:9"},
-          std::vector<std::string>{"serve", "--model", "sim:tiny"}}) {
+          std::vector<std::string>{"serve", "--model", "sim:tiny"},
+          std::vector<std::string>{"engine", "--model", "sim:tiny"}}) {
       std::vector<std::string> args = start;
       args.insert(args.end(), {"--host", "127.0.0.1", "--port", "0", "--shutdown-timeout", value});
       const Result r = run_with_pending_stop(args);
@@ -361,6 +363,11 @@ TEST(Cli, AShutdownTimeoutThatIsNoDurationIsRefusedNamingIt) {
       EXPECT_THAT(r.output, HasSubstr("--shutdown-timeout")) << start[0] << " " << value;
     }
   }
+  // A duration the engine takes (it had no such flag: its stop cut every request in flight).
+  const Result engine =
+      run_with_pending_stop({"engine", "--model", "sim:tiny", "--host", "127.0.0.1", "--port", "0",
+                             "--shutdown-timeout", "2.5"});
+  EXPECT_EQ(engine.status, 128 + SIGTERM) << engine.output;
   const auto config = write_temp("bad-drain.yaml",
                                  "shutdown_timeout: -2\ndecode:\n  endpoints: [\"127.0.0.1:9\"]\n");
   const Result r = run_with_pending_stop({"gateway", "--config", config, "--port", "0"});

@@ -790,8 +790,9 @@ TEST_F(Disaggregation, ADecodeCacheFullOfReceivedKvStillServesEveryRequest) {
 }
 
 TEST_F(Disaggregation, EnginesStopCleanlyWithTransfersInFlight) {
-  Engine p = start("prefill");
-  Engine d = start("decode");
+  // No drain: the legs in flight here never finish, and a stop is to end them at once.
+  Engine p = start("prefill", {"--shutdown-timeout", "0"});
+  Engine d = start("decode", {"--shutdown-timeout", "0"});
   json body = {{"prompt", tokens(30, 700)},
                {"max_tokens", 4},
                {"bootstrap_host", "127.0.0.1"},

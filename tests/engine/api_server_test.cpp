@@ -1,0 +1,227 @@
+// The engine's HTTP front (api_server.h) around its requests' lives. A stopping engine drains,
+// as the gateway does and as vLLM (uvicorn) does: new generation requests get 503 and /health 503
+// at once, while the requests in flight finish whole; a prefill's KV held for a decode engine's
+// pull may still be taken; a second stop signal ends the drain. Before, `tandem engine` closed
+// every connection at the first SIGTERM.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <csignal>
+#include <future>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/api_server.h"
+#include "engine/engine_process.h"
+#include "engine/executor/sim_executor.h"
+#include "engine/output_processor.h"
+#include "net/http_client.h"
+#include "text/oracle_support.h"
+#include "util/file.h"
+
+namespace tandem::engine {
+namespace {
+
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+const text::Tokenizer& tokenizer() {
+  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  return tok;
+}
+
+// An API server over an engine in process (simulated tiny model, virtual time) that is never
+// started: it runs a step only when the test calls run_once, so a request stays in flight for as
+// long as the test wants.
+class EngineDrain : public ::testing::Test {
+ protected:
+  EngineDrain()
+      : engine_(EngineConfig{}, executor(),
+                std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
+                eos_ids(tokenizer(), {}), registry_),
+        server_(engine_, registry_, options()) {
+    server_.start();
+  }
+  ~EngineDrain() override {
+    server_.stop();
+    engine_.stop();
+  }
+
+  static std::unique_ptr<Executor> executor() {
+    SimExecutorOptions x;
+    x.preset = "tiny";
+    x.model_name = "tiny";
+    x.num_blocks = 64;
+    x.time_scale = 0;
+    return std::make_unique<SimExecutor>(tokenizer(), x);
+  }
+  static net::HttpServerOptions options() {
+    net::HttpServerOptions o;
+    o.host = "127.0.0.1";
+    return o;
+  }
+
+  // Steps the engine until `done` is ready (looking again every millisecond while it has
+  // nothing to do: the answer is being written by the server's threads).
+  template <class T>
+  void run_until(const std::future<T>& done) {
+    while (done.wait_for(0s) != std::future_status::ready)
+      if (!engine_.run_once()) done.wait_for(1ms);
+  }
+
+  // Runs one engine step, once a request is there to step: a stream's first token.
+  void step_once(const std::future<void>& until) {
+    while (!engine_.run_once()) until.wait_for(1ms);
+  }
+
+  net::HttpClientResponse post(const std::string& target, const json& body) {
+    return net::http_request("127.0.0.1", server_.port(), "POST", target, body.dump());
+  }
+
+  metrics::Registry registry_;
+  Engine engine_;
+  ApiServer server_;
+};
+
+// The message of an OpenAI error body.
+std::string error_message(const std::string& body) {
+  const json j = json::parse(body, nullptr, false);
+  return j.contains("error") ? j["error"].value("message", "") : "";
+}
+
+TEST_F(EngineDrain, NewRequestsAreRefusedWhileTheOneInFlightFinishesWhole) {
+  // A stream in flight: its first token is out, seven more to come.
+  const json streamed = {{"prompt", "The quick brown fox"},
+                         {"max_tokens", 8},
+                         {"ignore_eos", true},
+                         {"stream", true},
+                         {"stream_options", {{"include_usage", true}}}};
+  std::promise<void> first_piece;
+  auto first = first_piece.get_future();
+  std::string events;
+  auto answer = std::async(std::launch::async, [&] {
+    return net::http_request_stream(
+        "127.0.0.1", server_.port(), "POST", "/v1/completions", streamed.dump(), {},
+        [&, said = false](std::string_view piece) mutable {
+          events += piece;
+          if (!std::exchange(said, true)) first_piece.set_value();
+          return true;
+        },
+        120s);
+  });
+  step_once(first);
+  first.wait();
+
+  // The stop begins: refusals first, then a drain far longer than this test.
+  server_.refuse_new_requests();
+  auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
+  for (const std::string target : {"/v1/completions", "/v1/chat/completions", "/generate"}) {
+    const json body = target == "/v1/chat/completions"
+                          ? json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}
+                      : target == "/generate" ? json{{"input_ids", {1, 2, 3}}}
+                                              : json{{"prompt", "hi"}};
+    const auto refused = post(target, body);
+    EXPECT_EQ(refused.status, 503) << target << ": " << refused.body;
+    EXPECT_EQ(error_message(refused.body), "the engine is shutting down") << refused.body;
+    EXPECT_EQ(json::parse(refused.body)["error"]["type"], "server_error") << refused.body;
+  }
+  const auto health = net::http_request("127.0.0.1", server_.port(), "GET", "/health");
+  EXPECT_EQ(health.status, 503) << "load balancers and gateways must take the engine out";
+  EXPECT_EQ(error_message(health.body), "the engine is shutting down") << health.body;
+  // Cheap routes, which start no engine work, still answer.
+  EXPECT_EQ(post("/tokenize", {{"prompt", "hi"}}).status, 200);
+  EXPECT_EQ(net::http_request("127.0.0.1", server_.port(), "GET", "/v1/models").status, 200);
+  // The engine has not stepped since: the stream cannot have ended, nor the drain.
+  EXPECT_EQ(stopped.wait_for(0s), std::future_status::timeout);
+
+  run_until(answer);
+  EXPECT_EQ(answer.get().status, 200);
+  stopped.get();  // returns once the answer is out
+  // Every token, the usage and the end of the stream reached the client.
+  std::istringstream lines(events);
+  std::string finish, last;
+  int64_t completion_tokens = -1;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("data: ", 0) != 0) continue;
+    last = line;
+    if (line == "data: [DONE]") continue;
+    const json chunk = json::parse(line.substr(6));
+    if (!chunk["choices"].empty() && chunk["choices"][0]["finish_reason"].is_string())
+      finish = chunk["choices"][0]["finish_reason"];
+    if (chunk.contains("usage") && chunk["usage"].is_object())
+      completion_tokens = chunk["usage"]["completion_tokens"];
+  }
+  EXPECT_EQ(finish, "length") << events;
+  EXPECT_EQ(completion_tokens, 8) << events;
+  EXPECT_EQ(last, "data: [DONE]") << events;
+}
+
+// A second stop signal (end_drain) ends a drain that waits for a request in flight: the stop
+// returns, and the connection closes (the engine, stopped after, aborts the request).
+TEST_F(EngineDrain, EndingTheDrainStopsWithARequestStillInFlight) {
+  std::promise<void> first_piece;
+  auto first = first_piece.get_future();
+  auto answer = std::async(std::launch::async, [&] {
+    return net::http_request_stream(
+        "127.0.0.1", server_.port(), "POST", "/v1/completions",
+        json{{"prompt", "hi"}, {"max_tokens", 8}, {"ignore_eos", true}, {"stream", true}}.dump(),
+        {},
+        [&, said = false](std::string_view) mutable {
+          if (!std::exchange(said, true)) first_piece.set_value();
+          return true;
+        },
+        120s);
+  });
+  step_once(first);
+  first.wait();
+  auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
+  server_.end_drain();
+  stopped.get();
+  try {
+    answer.get();
+    ADD_FAILURE() << "the stream ended whole, but the engine never stepped";
+  } catch (const std::exception&) {
+    // cut: what a drain's end does to the requests left
+  }
+}
+
+// `tandem engine` on SIGTERM, end to end: a prefill engine whose answered leg holds its KV for a
+// decode engine's pull (that never comes) drains: /health answers 503 and new requests 503 while
+// it waits for the pull, within --shutdown-timeout; a second SIGTERM ends the drain at once.
+TEST(EngineDrainCommand, APrefillHoldWaitsForItsPullUntilASecondStopSignal) {
+  testing::EngineProcess engine({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--role", "prefill",
+                                 "--kv-transfer-port", "0", "--kv-transfer-timeout", "600",
+                                 "--shutdown-timeout", "600"});
+  const json leg = {{"prompt", "The quick brown fox jumps over the lazy dog"},
+                    {"max_tokens", 4},
+                    {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  const auto answered =
+      net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", leg.dump());
+  ASSERT_EQ(answered.status, 200) << answered.body;
+  ASSERT_TRUE(json::parse(answered.body).contains("kv_transfer_params")) << answered.body;
+  ::kill(engine.pid(), SIGTERM);
+  // Load balancers see it go: /health turns 503 as soon as the signal is taken.
+  net::HttpClientResponse health;
+  for (int i = 0; i < 400; ++i) {
+    health = net::http_request("127.0.0.1", engine.port(), "GET", "/health");
+    if (health.status == 503) break;
+    std::this_thread::sleep_for(25ms);
+  }
+  EXPECT_EQ(health.status, 503);
+  EXPECT_EQ(
+      net::http_request("127.0.0.1", engine.port(), "POST", "/v1/completions", leg.dump()).status,
+      503);
+  siginfo_t ended{};  // looked at, not reaped (WNOWAIT): stop() reaps it
+  ::waitid(P_PID, static_cast<id_t>(engine.pid()), &ended, WEXITED | WNOHANG | WNOWAIT);
+  EXPECT_EQ(ended.si_pid, 0) << "the hold has 600 s to be pulled";
+  EXPECT_EQ(engine.stop(), 0);  // SIGTERM again: the drain ends at once
+}
+
+}  // namespace
+}  // namespace tandem::engine
