@@ -167,7 +167,8 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   auto by_logit = [&](int32_t a, int32_t b) {
     return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
   };
-  if (params_.top_k > 0 && params_.top_k < vocab) {
+  const bool sorted = params_.top_k > 0 && params_.top_k < vocab;
+  if (sorted) {
     std::partial_sort(order.begin(), order.begin() + params_.top_k, order.end(), by_logit);
     order.resize(params_.top_k);
   }
@@ -175,19 +176,30 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
   for (auto id : order) top = std::max(top, logits[id]);
   // Every id masked: the probabilities below would be NaN, and any token a violation.
   if (!(top > kMasked)) throw structured::ConstraintError(nothing_left(constrained, output.size()));
-  // The probabilities' denominator: over top-k's tokens, else the whole vocabulary.
+  if (params_.min_p > 0) {
+    // As vLLM V1, before top-p: out when less likely than min_p times the most likely token
+    // (whose logit is `top`, top-k or not). Both keep a prefix of the logits' order, so top-k's
+    // sorted prefix stays sorted.
+    order.erase(
+        std::remove_if(order.begin(), order.end(),
+                       [&](int32_t id) { return std::exp(logits[id] - top) < params_.min_p; }),
+        order.end());
+  }
+  const auto left = static_cast<int64_t>(order.size());
+  // The probabilities' denominator: over the tokens top-k and min-p left (top-p's mass is theirs,
+  // renormalised, as vLLM's).
   double sum = 0;
   for (auto id : order) sum += std::exp(logits[id] - top);
-  if (params_.top_p < 1.0 && static_cast<int64_t>(order.size()) == vocab) {
+  if (params_.top_p < 1.0 && !sorted) {
     // The head the top-p cut can reach, found by sorting ever longer heads (the same order as a
     // whole sort: by_logit is a strict total order).
-    auto head = std::min<int64_t>(vocab, 256);
+    auto head = std::min<int64_t>(left, 256);
     for (;;) {
       std::partial_sort(order.begin(), order.begin() + head, order.end(), by_logit);
       double mass = 0;
       for (int64_t i = 0; i < head; ++i) mass += std::exp(logits[order[i]] - top) / sum;
-      if (mass >= params_.top_p || head == vocab) break;
-      head = std::min<int64_t>(vocab, head * 8);
+      if (mass >= params_.top_p || head == left) break;
+      head = std::min<int64_t>(left, head * 8);
     }
     order.resize(head);
   }
@@ -202,18 +214,6 @@ Sampler::Candidates Sampler::candidates(std::span<float> logits, std::span<const
     int64_t cut = 0;
     while (cut < keep && mass < params_.top_p) mass += probs[cut++];
     keep = std::max<int64_t>(cut, 1);
-  }
-  if (params_.min_p > 0) {
-    // Relative to the most likely token, whose probability is exp(0) / sum.
-    const double floor = params_.min_p / sum;
-    int64_t w = 0;
-    for (int64_t i = 0; i < keep; ++i) {
-      if (probs[i] >= floor) {
-        probs[w] = probs[i];
-        order[w++] = order[i];
-      }
-    }
-    keep = w;
   }
   return c;
 }

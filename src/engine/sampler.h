@@ -3,8 +3,9 @@
 // on the raw logits the allowed_token_ids mask, the bad_words mask, logit_bias, a structured
 // output's grammar mask and min_tokens' mask (masks and a finite bias commute: vLLM's order),
 // repetition penalty (prompt and output tokens), frequency and presence penalties (output
-// tokens), then temperature; then top-k, top-p and min-p filtering; then a draw. Temperature 0 is
-// greedy (argmax, lowest id on ties). Masks leaving no token fail the request (failure()) rather
+// tokens), then temperature; then min-p (relative to the most likely token), top-k, and top-p
+// over the mass of the tokens those two left, renormalised; then a draw. Temperature 0 is greedy
+// (argmax, lowest id on ties). Masks leaving no token fail the request (failure()) rather
 // than draw from nothing, with one exception: min_tokens yields to a grammar whose answer is
 // complete and allows nothing but an end (the end ids keep their logits and the other masks).
 //

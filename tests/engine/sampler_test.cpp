@@ -75,6 +75,46 @@ TEST(Sampler, TopPKeepsExactlyTheNucleusPastTheFirstSortedHead) {
   EXPECT_GT(drawn.size(), 570u);
 }
 
+// vLLM V1's order: min-p (after temperature), then top-p over the mass of min-p's survivors,
+// renormalised. The distribution a draw comes from is exact (propose() hands it over for an
+// unseeded request): with min_p 0.5 and top_p 0.6 over [0.5, 0.3, 0.1, 0.05, 0.05], min-p keeps
+// {0, 1} (0.625 and 0.375 renormalised) and top-p then token 0 alone; top-p first would keep
+// {0, 1}.
+TEST(Sampler, MinPFiltersBeforeTopPWhoseMassIsOverTheSurvivors) {
+  struct Case {
+    std::vector<double> probs;
+    double min_p, top_p;
+    std::vector<float> expected;
+  };
+  const Case cases[] = {
+      {{0.5, 0.3, 0.1, 0.05, 0.05}, 0.5, 0.6, {1, 0, 0, 0, 0}},
+      // min-p keeps {0, 1, 2} (4/9, 3/9, 2/9): top-p 0.75 needs 0 and 1 of them.
+      {{0.4, 0.3, 0.2, 0.1}, 0.3, 0.75, {4.0f / 7, 3.0f / 7, 0, 0}},
+  };
+  for (const Case& c : cases) {
+    std::vector<float> logits;
+    for (double p : c.probs) logits.push_back(static_cast<float>(std::log(p)));
+    SamplingParams p;
+    p.min_p = c.min_p;
+    p.top_p = c.top_p;
+    Sampler s(p, 1);
+    std::vector<float> q;
+    auto l = logits;
+    s.propose(l, {}, {}, q);
+    ASSERT_EQ(q.size(), c.expected.size());
+    for (size_t i = 0; i < q.size(); ++i)
+      EXPECT_NEAR(q[i], c.expected[i], 1e-5) << "min_p " << c.min_p << " token " << i;
+    // Seeded draws never leave the kept set.
+    for (int seed = 0; seed < 500; ++seed) {
+      p.seed = seed;
+      Sampler seeded(p, 0);
+      l = logits;
+      const int32_t t = seeded.sample(l, {}, {});
+      ASSERT_GT(c.expected[size_t(t)], 0.0f) << "min_p " << c.min_p << " seed " << seed;
+    }
+  }
+}
+
 TEST(Sampler, DrawsFollowTheSoftmaxOverSeedsAndOverPositions) {
   const int n = 20000;
   std::map<int, int> over_seeds, over_positions;
