@@ -1,7 +1,17 @@
 #pragma once
-// Regular expressions (the common subset of Python's re and ECMAScript: literals, escapes, classes,
-// '.', groups, alternation, greedy or lazy quantifiers) as grammars matching the whole answer.
-// Anchors at the ends are implied; backreferences, lookaround and word boundaries are refused.
+// Regular expressions as grammars matching the whole answer (anchors at the ends are implied).
+// The flavour, exactly: Python's re for str patterns, with \d and \w ASCII as re.ASCII has them.
+//   \d  [0-9]; \w  [0-9A-Za-z_]; \D and \W their complements over every code point ('é', '中'
+//       and '٣' are \W and \D). These are ECMAScript's (JSON Schema's pattern) and xgrammar's,
+//       vLLM's default backend, and keep answers meant as numbers or identifiers ASCII; Python's
+//       default and llguidance's plain regexes make \d and \w Unicode.
+//   \s  the code points str.isspace() holds (Unicode white space, as Python's default); \S the
+//       rest.
+//   .   any code point but \n (Python's; ECMAScript's also excludes \r, U+2028 and U+2029).
+// Literals, escapes (\n \t \r \f \v \0 \xNN \uNNNN, escaped punctuation), classes and ranges,
+// groups ((...) and (?:...)), '|', greedy or lazy quantifiers. Refused, naming the construct:
+// backreferences, lookaround, word boundaries, other (? groups, possessive quantifiers, {,n} and
+// octal escapes (read differently by Python and ECMAScript), a quantifier right after another.
 #include <string_view>
 
 #include "structured/grammar.h"

@@ -7,8 +7,9 @@ re.fullmatch for each text (or the re.error text, for a pattern that does not co
 (Draft 2020-12), else the reason.
 
 "ascii": true compiles the patterns with re.ASCII; "flavour": "tandem" with Tandem's classes
-instead: \s as re has it for str patterns (Unicode white space), \d and \w ASCII (as re.ASCII,
-through scoped (?a:...) groups)."""
+instead (src/structured/regex.h): \s and \S as re has them for str patterns (Unicode white space),
+\d \D \w \W as re.ASCII has them, through scoped (?a:...) groups (neither flag alone gives this
+mix). Nothing else is rewritten: '.', escapes and the rest are re's own."""
 import json
 import re
 import sys
@@ -17,39 +18,54 @@ import jsonschema
 
 
 def tandem_flavour(pattern):
-    """`pattern` with \\d \\D \\w \\W made ASCII and \\s left Unicode."""
-    out, i, in_class = [], 0, False
+    """`pattern` with \\d \\D \\w \\W made ASCII and \\s \\S left Unicode, through scoped
+    (?a:...) groups, so that Python's re itself judges (it has no flag for this mix)."""
+    out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\" and i + 1 < len(pattern):
             e = pattern[i + 1]
-            if e in "dDwW":
-                if in_class:
-                    if e in "DW":
-                        raise ValueError("\\D or \\W inside a class: " + pattern)
-                    out.append("0-9" if e == "d" else "0-9A-Za-z_")
-                else:
-                    out.append("(?a:\\" + e + ")")
-            else:
-                out.append(c + e)
+            out.append("(?a:\\" + e + ")" if e in "dDwW" else c + e)
             i += 2
-            continue
-        if c == "[" and not in_class:
-            in_class = True
+        elif c == "[":
+            end = class_end(pattern, i)
+            out.append(ascii_class(pattern[i:end]))
+            i = end
+        else:
             out.append(c)
             i += 1
-            # A ']' first in the class (after '^') is a literal.
-            if i < len(pattern) and pattern[i] == "^":
-                out.append("^")
-                i += 1
-            if i < len(pattern) and pattern[i] == "]":
-                out.append("]")
-                i += 1
-            continue
-        if c == "]" and in_class:
-            in_class = False
-        out.append(c)
-        i += 1
+    return "".join(out)
+
+
+def class_end(pattern, i):
+    """Where the class that opens at pattern[i] ends (past its ']')."""
+    j = i + 1
+    if j < len(pattern) and pattern[j] == "^":
+        j += 1
+    if j < len(pattern) and pattern[j] == "]":  # a ']' first in the class is a literal
+        j += 1
+    while j < len(pattern) and pattern[j] != "]":
+        j += 2 if pattern[j] == "\\" else 1
+    return j + 1
+
+
+def ascii_class(cls):
+    """A class with its \\d \\w ASCII: spelled out as ranges, or (with \\D or \\W, which a
+    class cannot spell out) the whole class scoped ASCII, which only \\s \\S would feel."""
+    escapes = {cls[k + 1] for k in range(len(cls) - 1) if cls[k] == "\\"}
+    if escapes & set("DW"):
+        if escapes & set("sS"):
+            raise ValueError("\\D or \\W beside \\s or \\S in a class: " + cls)
+        return "(?a:" + cls + ")"
+    out, k = [], 0
+    while k < len(cls):
+        if cls[k] == "\\" and k + 1 < len(cls):
+            e = cls[k + 1]
+            out.append({"d": "0-9", "w": "0-9A-Za-z_"}.get(e, cls[k : k + 2]))
+            k += 2
+        else:
+            out.append(cls[k])
+            k += 1
     return "".join(out)
 
 

@@ -893,6 +893,51 @@ TEST(StructuredOutput, RegexWhiteSpaceIsUnicodeWhiteSpaceAsInPythonsRe) {
   expect_python_re_agrees(patterns, input, ours);
 }
 
+// The classes are exactly the flavour regex.h states. \d \w and their complements \D \W are
+// ASCII's (Python's re.ASCII, ECMAScript, xgrammar): 'é', '中' and '٣' are \W and \D, never \w
+// or \d; judged by Python's re with those classes scoped ASCII ((?a:\W), the oracle's "tandem"
+// flavour). '.' is Python's (any character but \n: \r, U+2028 and U+2029 included, which
+// ECMAScript's '.' excludes); judged by Python's re unmodified.
+TEST(StructuredOutput, RegexClassesAndDotAreTheFlavourRegexHStates) {
+  const std::vector<std::string> fill = {
+      "\xc3\xa9", "\xe4\xb8\xad", "\xd9\xa3",     "_",           "5", "x", " ", "\r", "\n",
+      "\xc2\x85", "\xe2\x80\xa8", "\xe2\x80\xa9", "\xef\xbc\x91"};
+  auto judge = [&](const std::vector<std::string>& patterns, const char* flavour) {
+    json input = {{"regex", json::array()}};
+    if (flavour) input["flavour"] = flavour;
+    std::vector<std::vector<bool>> ours;
+    for (const auto& p : patterns) {
+      const auto g = compile({OutputSpec::Kind::kRegex, p, "guided_regex"});
+      json texts = json::array();
+      std::vector<bool> got;
+      for (const auto& f : fill)
+        for (const std::string& t : {f, f + f, "a" + f + "b"}) {
+          texts.push_back(t);
+          got.push_back(full_match(g, t));
+        }
+      input["regex"].push_back({{"pattern", p}, {"texts", texts}});
+      ours.push_back(got);
+    }
+    expect_python_re_agrees(patterns, input, ours);
+  };
+  judge({R"(\W+)", R"(\D+)", R"(\w+)", R"(\d+)", R"([^\w]+)", R"([^\d]+)", R"(a\Wb)", R"([\W\d]+)",
+         R"([^\D]+)", R"(a[\Wx]b)"},
+        "tandem");
+  judge({".", "..", "a.b", ".+", "(?:.|\n)+"}, nullptr);
+  // The classes that differ among the flavours, spelled out.
+  auto accepts = [](const std::string& pattern, const std::string& text) {
+    return full_match(compile({OutputSpec::Kind::kRegex, pattern, "guided_regex"}), text);
+  };
+  for (const char* c : {"\xc3\xa9", "\xe4\xb8\xad", "\xd9\xa3"}) {
+    EXPECT_TRUE(accepts(R"(\W)", c)) << c;
+    EXPECT_TRUE(accepts(R"(\D)", c)) << c;
+    EXPECT_FALSE(accepts(R"(\w)", c)) << c;
+    EXPECT_FALSE(accepts(R"(\d)", c)) << c;
+  }
+  for (const char* c : {"\r", "\xe2\x80\xa8", "\xe2\x80\xa9"}) EXPECT_TRUE(accepts(".", c)) << c;
+  EXPECT_FALSE(accepts(".", "\n"));
+}
+
 // A repeat count of more digits than any allowed count is refused like any count past the limit
 // (a{1234567890} was read as 'a' then the literal text "{1234567890}").
 TEST(StructuredOutput, RepeatCountsOfManyDigitsAreRefused) {
