@@ -11,7 +11,10 @@
 namespace tandem::structured {
 
 // Bounds that keep every answer finite; a model may still stop earlier.
-inline constexpr int kMaxWhitespace = 16;      // bytes of white space between tokens of JSON
+// Bytes of white space between two tokens of JSON: pretty printers need "\n" and the indent
+// (61 bytes for 4-space indents 15 levels deep; xgrammar and llguidance, vLLM's backends, set no
+// bound), while the bound still ends a model's run of white space.
+inline constexpr int kMaxWhitespace = 64;
 inline constexpr int kMaxIntegerDigits = 16;   // digits of an integer part
 inline constexpr int kMaxFractionDigits = 16;  // digits after the decimal point
 inline constexpr int kMaxExponentDigits = 3;

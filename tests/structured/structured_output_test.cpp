@@ -9,11 +9,13 @@
 #include <exception>
 #include <functional>
 #include <random>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
+#include "structured/json_schema.h"
 #include "structured/matcher.h"
 #include "structured/ordered_json.h"
 #include "structured/output_spec.h"
@@ -936,6 +938,34 @@ TEST(StructuredOutput, RegexClassesAndDotAreTheFlavourRegexHStates) {
   }
   for (const char* c : {"\r", "\xe2\x80\xa8", "\xe2\x80\xa9"}) EXPECT_TRUE(accepts(".", c)) << c;
   EXPECT_FALSE(accepts(".", "\n"));
+}
+
+// JSON as pretty printers write it: 4-space indents reach 61 bytes of white space in one gap at
+// depth 15 ("\n" and 60 spaces), 2-space ones 63 at depth 31, tabs 64 at depth 63; each is
+// accepted (a 16-byte bound refused 4-space indents from depth 4 on). A gap past the bound is not.
+TEST(StructuredOutput, PrettyPrintedJsonIsAcceptedUpToTheWhiteSpaceBound) {
+  const auto object = compile({OutputSpec::Kind::kJsonObject, "", "response_format"});
+  const auto recursive_arrays =
+      compile({OutputSpec::Kind::kJsonSchema, R"({"type": "array", "items": {"$ref": "#"}})", "f"});
+  auto nested = [](int depth) {
+    json v = json::array({1, "x", nullptr});
+    for (int d = 1; d < depth; ++d) v = json{{"k" + std::to_string(d), v}, {"n", d}};
+    return v;
+  };
+  for (const auto& [indent, ch, depth] :
+       {std::tuple{4, ' ', 15}, std::tuple{2, ' ', 31}, std::tuple{1, '\t', 63}}) {
+    for (int d = 2; d <= depth; ++d) {
+      const std::string text = nested(d).dump(indent, ch);
+      ASSERT_TRUE(full_match(object, text)) << "indent " << indent << " depth " << d;
+    }
+    // Under a schema too: arrays of arrays, as deep.
+    json arrays = json::array();
+    for (int d = 1; d < depth; ++d) arrays = json::array({arrays});
+    EXPECT_TRUE(full_match(recursive_arrays, arrays.dump(indent, ch))) << "indent " << indent;
+  }
+  EXPECT_TRUE(full_match(object, "{" + std::string(kMaxWhitespace, ' ') + "}"));
+  EXPECT_FALSE(full_match(object, "{" + std::string(kMaxWhitespace + 1, '\n') + "}"));
+  EXPECT_EQ(kMaxWhitespace, 64);
 }
 
 // A repeat count of more digits than any allowed count is refused like any count past the limit
