@@ -93,8 +93,13 @@ class CountedReply final : public net::Reply {
 
 }  // namespace
 
+struct ApiServer::Preparer {
+  util::TaskThread thread{"prepare"};
+  std::atomic<int64_t> queued{0};  // requests posted whose preparation has not ended
+};
+
 ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options,
-                     std::vector<std::string> api_keys)
+                     std::vector<std::string> api_keys, RequestPreparation preparation)
     : engine_(engine),
       registry_(registry),
       api_keys_(std::move(api_keys)),
@@ -106,7 +111,10 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
       }()),
       generation_(engine, [renderer = renderer_](
                               std::function<void()> task) { renderer->post(std::move(task)); }),
-      created_(unix_seconds()) {
+      created_(unix_seconds()),
+      before_preparation_(std::move(preparation.before_each)) {
+  for (int i = 0; i < std::max(1, preparation.threads); ++i)
+    preparers_.push_back(std::make_unique<Preparer>());
   const ExecutorInfo& info = engine_.executor_info();
 
   route("GET", "/health", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
@@ -188,26 +196,62 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
           ex->respond(202, json{{"state", "loading"}}.dump());
         });
   auto generation = [this](api::ApiKind kind) {
-    return [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-      auto reply = std::make_shared<net::ExchangeReply>(std::move(ex));
+    return [this, kind](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+      std::shared_ptr<net::Reply> reply = std::make_shared<net::ExchangeReply>(ex);
       if (refusing_.load()) {
-        generation_.refuse(kind, req, *reply, kShuttingDown);
+        prepare(std::move(ex), std::move(reply),
+                [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+                  generation_.refuse(kind, req, *r, kShuttingDown);
+                });
         return;
       }
-      generation_.handle(kind, req, std::make_shared<CountedReply>(std::move(reply), drain_));
+      // Counted from here, on the io thread: a drain that begins while it waits to be prepared
+      // waits for it too.
+      reply = std::make_shared<CountedReply>(std::move(reply), drain_);
+      prepare(std::move(ex), std::move(reply),
+              [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+                generation_.handle(kind, req, std::move(r));
+              });
     };
   };
   route("POST", "/v1/completions", generation(api::ApiKind::kCompletion));
   route("POST", "/v1/chat/completions", generation(api::ApiKind::kChat));
   route("POST", "/generate", generation(api::ApiKind::kGenerate));
-  route("POST", "/tokenize",
-        [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-          generation_.tokenize(req, std::make_shared<net::ExchangeReply>(std::move(ex)));
-        });
-  route("POST", "/detokenize",
-        [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-          generation_.detokenize(req, std::make_shared<net::ExchangeReply>(std::move(ex)));
-        });
+  route("POST", "/tokenize", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    auto reply = std::make_shared<net::ExchangeReply>(ex);
+    prepare(std::move(ex), std::move(reply),
+            [this](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+              generation_.tokenize(req, std::move(r));
+            });
+  });
+  route("POST", "/detokenize", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+    auto reply = std::make_shared<net::ExchangeReply>(ex);
+    prepare(std::move(ex), std::move(reply),
+            [this](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+              generation_.detokenize(req, std::move(r));
+            });
+  });
+}
+
+void ApiServer::prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr<net::Reply> reply,
+                        Preparation work) {
+  Preparer* least = preparers_.front().get();
+  for (const auto& p : preparers_)
+    if (p->queued.load() < least->queued.load()) least = p.get();
+  ++least->queued;
+  least->thread.post([this, least, exchange = std::move(exchange), reply = std::move(reply),
+                      work = std::move(work)]() mutable {
+    struct Done {
+      Preparer* preparer;
+      ~Done() { --preparer->queued; }
+    } done{least};
+    if (before_preparation_) before_preparation_(exchange->request(), *reply);
+    // A client that left while its request waited gets nothing prepared, and starts no engine
+    // work. One that leaves during the preparation has its engine requests aborted as soon as
+    // they are submitted: the reply's close callback runs at once when registered then.
+    if (exchange->closed()) return;
+    work(exchange->request(), std::move(reply));
+  });
 }
 
 void ApiServer::route(std::string method, std::string path, net::Handler handler) {
@@ -234,6 +278,7 @@ ApiServer::~ApiServer() {
 
 void ApiServer::start() {
   renderer_->start();
+  for (auto& p : preparers_) p->thread.start();
   server_.start();
   started_ = true;
 }
@@ -274,6 +319,8 @@ void ApiServer::stop(std::chrono::milliseconds drain) {
   // its shutdown as a task of each io thread, after the iteration that writes them.
   if (started_.load()) io_threads_pass();
   server_.stop();
+  // What still waits to be prepared has lost its client with the connections: it is dropped.
+  for (auto& p : preparers_) p->thread.stop();
   renderer_->stop();  // what it still has is written; later outputs render where they arrive
 }
 

@@ -5,11 +5,15 @@
 // come back on the engine thread, which hands them to the server's render thread: the response
 // bodies and stream chunks are built there and written to the client through the HTTP server's
 // exchanges, so the step loop never serializes JSON. A client that disconnects aborts its
-// requests, which frees their KV blocks. A stop drains, as the gateway's does (gateway.h) and
-// vLLM's: new generation requests are refused while those in flight finish.
+// requests, which frees their KV blocks. The requests are prepared (bodies parsed, prompts
+// tokenized, chat templates rendered, grammars compiled) on threads of their own, not on the io
+// threads, so that one 8 MiB prompt or heavy schema holds up no other client's stream nor /health.
+// A stop drains, as the gateway's does (gateway.h) and vLLM's: new generation requests are
+// refused while those in flight finish.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -30,12 +34,21 @@ namespace tandem::engine {
 // of the host).
 inline constexpr const char* kEngineApiKeyVariable = "TANDEM_ENGINE_API_KEY";
 
+// Where requests are prepared: generation requests (and their refusals while the engine stops),
+// /tokenize and /detokenize.
+struct RequestPreparation {
+  int threads = 2;
+  // Runs on a preparation thread before each request is prepared: a seam for tests, which hold
+  // one there.
+  std::function<void(const net::HttpRequest&, net::Reply&)> before_each;
+};
+
 class ApiServer {
  public:
   // `engine` and `registry` must outlive the server. With `api_keys`, every route but /health and
   // /metrics needs one of them as a Bearer token (401 otherwise).
   ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServerOptions options,
-            std::vector<std::string> api_keys = {});
+            std::vector<std::string> api_keys = {}, RequestPreparation preparation = {});
   ~ApiServer();
 
   // What a stopping engine answers new generation requests and /health (503).
@@ -62,8 +75,17 @@ class ApiServer {
   struct Drain;
 
  private:
+  // What a preparation thread does with a request, answering through the reply.
+  using Preparation =
+      std::function<void(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply)>;
+  struct Preparer;
+
   // server_.route behind the API keys (all routes but /health and /metrics).
   void route(std::string method, std::string path, net::Handler handler);
+  // `work` for the request of `exchange`, on the preparation thread with the fewest requests
+  // queued; not at all when its client left meanwhile.
+  void prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr<net::Reply> reply,
+               Preparation work);
   // Returns once every io thread has run a task posted now, then one posted after that: the
   // handlers running now have returned, and what they wrote is flushed.
   void io_threads_pass();
@@ -78,6 +100,8 @@ class ApiServer {
   // Builds and writes responses from the engine's outputs, in the order they came. Shared with
   // the callbacks, which may outlive the server (an engine stopped later aborts its requests).
   std::shared_ptr<util::TaskThread> renderer_ = std::make_shared<util::TaskThread>("render");
+  const std::function<void(const net::HttpRequest&, net::Reply&)> before_preparation_;
+  std::vector<std::unique_ptr<Preparer>> preparers_;
   GenerationApi generation_;
   int64_t created_;
 };

@@ -5,7 +5,10 @@
 // every connection at the first SIGTERM.
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <future>
@@ -44,7 +47,12 @@ class EngineDrain : public ::testing::Test {
       : engine_(EngineConfig{}, executor(),
                 std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
                 eos_ids(tokenizer(), {}), registry_),
-        server_(engine_, registry_, options()) {
+        server_(engine_, registry_, options(), {},
+                {2, [this](const net::HttpRequest& req, net::Reply& reply) {
+                   if (req.headers.get("x-hold").empty()) return;
+                   held_.set_value(&reply);
+                   released_.wait();
+                 }}) {
     server_.start();
   }
   ~EngineDrain() override {
@@ -85,6 +93,11 @@ class EngineDrain : public ::testing::Test {
 
   metrics::Registry registry_;
   Engine engine_;
+  // The preparation of one request with the header X-Hold waits until release_ is set; held_
+  // says it is there, with its reply.
+  std::promise<net::Reply*> held_;
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
   ApiServer server_;
 };
 
@@ -188,6 +201,72 @@ TEST_F(EngineDrain, EndingTheDrainStopsWithARequestStillInFlight) {
   } catch (const std::exception&) {
     // cut: what a drain's end does to the requests left
   }
+}
+
+// A request's preparation (parse, tokenization, chat template, grammar) runs on a thread of its
+// own: while one is held there, /health and another client's request are answered. It ran on
+// the single io thread, so one 8 MiB prompt or heavy schema stalled every stream and /health.
+TEST_F(EngineDrain, ARequestBeingPreparedHoldsUpNoOtherClient) {
+  const json body = {{"prompt", "The quick brown fox"}, {"max_tokens", 4}, {"ignore_eos", true}};
+  net::Headers hold;
+  hold.add("X-Hold", "1");
+  auto slow = std::async(std::launch::async, [&] {
+    return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
+                             hold, 120s);
+  });
+  held_.get_future().wait();
+  EXPECT_EQ(net::http_request("127.0.0.1", server_.port(), "GET", "/health", {}, {}, 30s).status,
+            200);
+  auto other = std::async(std::launch::async, [&] {
+    return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
+                             {}, 60s);
+  });
+  run_until(other);
+  const auto answered = other.get();
+  EXPECT_EQ(answered.status, 200) << answered.body;
+  EXPECT_EQ(json::parse(answered.body)["usage"]["completion_tokens"], 4) << answered.body;
+  EXPECT_EQ(slow.wait_for(0s), std::future_status::timeout) << "its preparation is held";
+  release_.set_value();
+  run_until(slow);
+  const auto held = slow.get();
+  EXPECT_EQ(held.status, 200) << held.body;
+  EXPECT_EQ(json::parse(held.body)["usage"]["completion_tokens"], 4) << held.body;
+}
+
+// A client that leaves while its request waits to be prepared starts no engine work: nothing is
+// submitted for nobody (one that leaves later has its engine requests aborted as they are
+// submitted, as before).
+TEST_F(EngineDrain, AClientThatLeavesBeforeItsRequestIsPreparedStartsNoEngineWork) {
+  const std::string text =
+      json{{"prompt", "The quick brown fox"}, {"max_tokens", 500}, {"ignore_eos", true}}.dump();
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: engine\r\nX-Hold: 1\r\n"
+      "Content-Type: application/json\r\nContent-Length: " +
+      std::to_string(text.size()) + "\r\n\r\n" + text;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(server_.port());
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+  net::Reply* reply = held_.get_future().get();
+  std::promise<void> gone;
+  reply->on_close([&] { gone.set_value(); });
+  ::close(fd);  // the client leaves
+  gone.get_future().wait();
+  release_.set_value();
+  // A drain returns once the held request is done with (its reply dropped) and the engine idle;
+  // the engine steps meanwhile, so that a request submitted for nobody would end (aborted).
+  auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
+  run_until(stopped);
+  EXPECT_FALSE(engine_.has_work());
+  // No request ended aborted: none was submitted for the client that had left.
+  std::istringstream metrics(registry_.render());
+  for (std::string line; std::getline(metrics, line);)
+    if (line.rfind("vllm:request_success_total{", 0) == 0)
+      EXPECT_EQ(line.substr(line.rfind(' ') + 1), "0") << line;
 }
 
 // `tandem engine` on SIGTERM, end to end: a prefill engine whose answered leg holds its KV for a
