@@ -140,6 +140,11 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
   if (c.yarn && c.yarn->attention_factor)
     f.fail(rope.yarn_field + ".attention_factor",
            "is not read by DeepSeek's YaRN (its magnitude comes from mscale and mscale_all_dim)");
+  // Likewise vLLM's deepseek_yarn always rounds the correction range outwards.
+  if (c.yarn && !c.yarn->truncate)
+    f.fail(
+        rope.yarn_field + ".truncate",
+        "is false, which DeepSeek's YaRN does not read (its correction range is always rounded)");
   check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
                           c.max_position_embeddings, c.bos_token_id, c.eos_token_ids});
   check_rope_numbers(f, Rope(c), c.softmax_scale(), rope.yarn_field);
@@ -329,7 +334,6 @@ nlohmann::ordered_json ModelConfig::to_json() const {
         {"original_max_position_embeddings", yarn->original_max_position_embeddings},
         {"type", "yarn"}};
     if (yarn->mscale) j["rope_scaling"]["mscale"] = *yarn->mscale;
-    if (!yarn->truncate) j["rope_scaling"]["truncate"] = false;
   } else {
     j["rope_scaling"] = nullptr;
   }

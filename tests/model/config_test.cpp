@@ -593,6 +593,9 @@ TEST(Config, ErrorsNameTheField) {
       {"attention_factor",
        [](json& d) { d["rope_scaling"]["attention_factor"] = 1.2; },
        {"'rope_scaling.attention_factor'", "not read by DeepSeek's YaRN"}},
+      {"truncate",
+       [](json& d) { d["rope_scaling"]["truncate"] = false; },
+       {"'rope_scaling.truncate'", "which DeepSeek's YaRN does not read"}},
       // Betas this small make YaRN's correction range infinite, and its ramp 0 / 0.
       {"denormal YaRN betas",
        [](json& d) {
