@@ -109,10 +109,10 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
         options.error_response = api::openai_error_response;
         return std::move(options);
       }()),
+      before_preparation_(std::move(preparation.before_each)),
       generation_(engine, [renderer = renderer_](
                               std::function<void()> task) { renderer->post(std::move(task)); }),
-      created_(unix_seconds()),
-      before_preparation_(std::move(preparation.before_each)) {
+      created_(unix_seconds()) {
   for (int i = 0; i < std::max(1, preparation.threads); ++i)
     preparers_.push_back(std::make_unique<Preparer>());
   const ExecutorInfo& info = engine_.executor_info();
@@ -149,15 +149,16 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                                             "invalid_request_error", "not_found"));
   });
   // Where experts live (expert-parallel engines) and live changes of it.
+  const std::string not_placing_experts = api::openai_error_body(
+      "this engine does not place experts (start it with "
+      "--expert-parallel N)",
+      "invalid_request_error", "not_found");
   route("GET", "/admin/expert_placement",
-        [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+        [this, not_placing_experts](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
           const auto current = engine_.expert_placement();
           const auto status = engine_.expert_remap_status();
           if (!current || !status) {
-            ex->respond(404,
-                        api::openai_error_body("this engine does not place experts (start it with "
-                                               "--expert-parallel N)",
-                                               "invalid_request_error", "not_found"));
+            ex->respond(404, not_placing_experts);
             return;
           }
           json j = status->to_json();
@@ -172,29 +173,38 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                                   {"expert_seconds", w.expert_seconds}});
           ex->respond(200, j.dump());
         });
-  route("POST", "/admin/expert_placement",
-        [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-          const auto status = engine_.expert_remap_status();
-          if (status && status->loading) {
-            ex->respond(409,
-                        api::openai_error_body("a placement change is already underway; retry when "
-                                               "GET /admin/expert_placement says idle"));
-            return;
-          }
-          try {
-            const placement::Placement next =
-                placement::placement_from_json(req.body, "expert placement");
-            engine_.change_expert_placement(next);
-          } catch (const RemapUnavailable& e) {
-            // The executor has failed (a rank died): nothing wrong with the request.
-            ex->respond(503, api::openai_error_body(e.what(), "server_error"));
-            return;
-          } catch (const std::exception& e) {
-            ex->respond(400, api::openai_error_body(e.what()));
-            return;
-          }
-          ex->respond(202, json{{"state", "loading"}}.dump());
-        });
+  route(
+      "POST", "/admin/expert_placement",
+      [this, not_placing_experts](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
+        const auto status = engine_.expert_remap_status();
+        if (!status) {
+          ex->respond(404, not_placing_experts);
+          return;
+        }
+        constexpr const char* kRetry = "; retry when GET /admin/expert_placement says idle";
+        if (status->loading) {
+          ex->respond(409, api::openai_error_body(
+                               std::string("a placement change is already underway") + kRetry));
+          return;
+        }
+        try {
+          const placement::Placement next =
+              placement::placement_from_json(req.body, "expert placement");
+          engine_.change_expert_placement(next);
+        } catch (const RemapUnderway& e) {
+          // One began since the check above (an automatic rebalance, another POST).
+          ex->respond(409, api::openai_error_body(e.what() + std::string(kRetry)));
+          return;
+        } catch (const RemapUnavailable& e) {
+          // The executor has failed (a rank died): nothing wrong with the request.
+          ex->respond(503, api::openai_error_body(e.what(), "server_error"));
+          return;
+        } catch (const std::exception& e) {
+          ex->respond(400, api::openai_error_body(e.what()));
+          return;
+        }
+        ex->respond(202, json{{"state", "loading"}}.dump());
+      });
   auto generation = [this](api::ApiKind kind) {
     return [this, kind](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
       std::shared_ptr<net::Reply> reply = std::make_shared<net::ExchangeReply>(ex);

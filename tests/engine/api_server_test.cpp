@@ -302,5 +302,20 @@ TEST(EngineDrainCommand, APrefillHoldWaitsForItsPullUntilASecondStopSignal) {
   EXPECT_EQ(engine.stop(), 0);  // SIGTERM again: the drain ends at once
 }
 
+// The same server's other routes.
+using ApiServerRoutes = EngineDrain;
+
+TEST_F(ApiServerRoutes, AnEngineThatPlacesNoExpertsAnswersAPlacementChangeWith404AsItsGet) {
+  // Before the body is read: it was parsed first, and a valid one got a 400.
+  for (const std::string body : {"{}", "not json"}) {
+    const auto posted =
+        net::http_request("127.0.0.1", server_.port(), "POST", "/admin/expert_placement", body);
+    EXPECT_EQ(posted.status, 404) << posted.body;
+    EXPECT_NE(posted.body.find("does not place experts"), std::string::npos) << posted.body;
+  }
+  EXPECT_EQ(net::http_request("127.0.0.1", server_.port(), "GET", "/admin/expert_placement").status,
+            404);
+}
+
 }  // namespace
 }  // namespace tandem::engine
