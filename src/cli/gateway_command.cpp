@@ -30,9 +30,7 @@ struct GatewayCliOptions {
   MaxTokensFlags max_tokens;
   GenerationConfigFlags generation_config;  // the engines' (as `tandem engine` takes them)
   std::vector<std::string> prefill, decode, api_keys;
-  double upstream_timeout = 300,
-         shutdown_timeout =
-             std::chrono::duration<double>(gateway::Topology{}.shutdown_timeout).count();
+  double upstream_timeout = 300, shutdown_timeout = default_shutdown_timeout();
 };
 
 // The settings a flag gives over a --config file: a flag given wins over the file's setting

@@ -46,8 +46,7 @@ struct ServeOptions {
       gateways = 1, engine_start_timeout_s = 1800;
   bool no_gateway_tokenizer = false, batch_invariant = false;
   std::string reasoning_parser;  // passed to every engine
-  double shutdown_timeout =
-      std::chrono::duration<double>(gateway::Topology{}.shutdown_timeout).count();
+  double shutdown_timeout = default_shutdown_timeout();
   std::vector<std::string> engine_args, api_keys;  // engine_args: passed to every engine
 };
 
@@ -190,6 +189,13 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
       a.insert(a.end(), {"--max-tokens-limit", std::to_string(o.max_tokens.limit)});
     if (o.max_tokens.default_value > 0)
       a.insert(a.end(), {"--default-max-tokens", std::to_string(o.max_tokens.default_value)});
+    // The gateway has drained the stack when its engines are stopped: what an engine still holds
+    // then (KV a decode leg will never pull) would only hold up the stop, to ChildProcess's kill.
+    // An --engine-arg of the user's says otherwise.
+    const bool own_drain =
+        std::any_of(o.engine_args.begin(), o.engine_args.end(),
+                    [](const std::string& arg) { return arg.rfind("--shutdown-timeout", 0) == 0; });
+    if (!own_drain) a.insert(a.end(), {"--shutdown-timeout", "0"});
     a.insert(a.end(), extra.begin(), extra.end());
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;

@@ -14,7 +14,8 @@ namespace tandem::testing {
 
 class EngineProcess {
  public:
-  explicit EngineProcess(const std::vector<std::string>& args) : child_(args.at(0), args) {
+  explicit EngineProcess(const std::vector<std::string>& args)
+      : child_(args.at(0), without_drain(args)) {
     std::string output;
     for (std::string l = child_.read_line(); !l.empty(); l = child_.read_line()) {
       output += l;
@@ -40,6 +41,17 @@ class EngineProcess {
   int stop() { return child_.stop(); }
 
  private:
+  // An engine stops at once unless the test gives it a --shutdown-timeout: tests stop engines
+  // with requests that would run for a while, and a drain (30 s by default) would meet
+  // ChildProcess's 30 s kill (tests of the drain give their own).
+  static std::vector<std::string> without_drain(std::vector<std::string> args) {
+    if (args.size() < 2 || args[1] != "engine") return args;
+    for (const auto& a : args)
+      if (a.rfind("--shutdown-timeout", 0) == 0) return args;
+    args.insert(args.end(), {"--shutdown-timeout", "0"});
+    return args;
+  }
+
   ChildProcess child_;
   uint16_t port_ = 0;
 };
