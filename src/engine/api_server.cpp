@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <future>
 #include <mutex>
 
 #include "api/api_key.h"
@@ -325,8 +324,10 @@ void ApiServer::stop(std::chrono::milliseconds drain) {
                                  [&] { return drain_->cut || drain_->engine_idle; });
     }
   }
-  // The answers written by now are flushed before the server closes the connections: it runs
-  // its shutdown as a task of each io thread, after the iteration that writes them.
+  // The answers written by now go to the sockets before the server closes the connections: it
+  // runs its shutdown as a task of each io thread, after the iteration that writes them. What a
+  // client's socket cannot take by then (a large answer to a slow reader) is cut, as in the
+  // gateway's stop.
   if (started_.load()) io_threads_pass();
   server_.stop();
   // What still waits to be prepared has lost its client with the connections: it is dropped.
@@ -335,14 +336,7 @@ void ApiServer::stop(std::chrono::milliseconds drain) {
 }
 
 void ApiServer::io_threads_pass() {
-  for (size_t i = 0; i < static_cast<size_t>(io_threads_); ++i) {
-    net::LoopTasks loop(server_, i);
-    for (int pass = 0; pass < 2; ++pass) {
-      std::promise<void> ran;
-      loop.post([&ran] { ran.set_value(); });
-      ran.get_future().wait();
-    }
-  }
+  net::pass_io_threads(server_, static_cast<size_t>(io_threads_));
 }
 
 }  // namespace tandem::engine

@@ -60,10 +60,11 @@ class ApiServer {
   // is shutting down" (an OpenAI error) and /health answers 503, so that load balancers and
   // gateways take the engine out, while the cheap routes (/tokenize, /v1/models, /load,
   // /metrics) still answer. The requests in flight have up to `drain` to finish: their answers
-  // are written whole; then, KV a prefill holds for a decode engine's pull or room (its answer
-  // already went out) may still be taken. Then the connections close, cutting what is left
-  // (the engine, stopped after, aborts its requests). Returns once all is done; later calls do
-  // nothing. The destructor stops without a drain.
+  // go to the sockets (what a slow reader's socket cannot take by the close is cut); then, KV a
+  // prefill holds for a decode engine's pull or room (its answer already went out) may still be
+  // taken. Then the connections close, cutting what is left (the engine, stopped after, aborts its
+  // requests). Returns once all is done; later calls do nothing. The destructor stops without a
+  // drain.
   void stop(std::chrono::milliseconds drain = {});
   // The first step of stop(), on its own: the refusals above from now on.
   void refuse_new_requests();
@@ -86,8 +87,7 @@ class ApiServer {
   // queued; not at all when its client left meanwhile.
   void prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr<net::Reply> reply,
                Preparation work);
-  // Returns once every io thread has run a task posted now, then one posted after that: the
-  // handlers running now have returned, and what they wrote is flushed.
+  // net::pass_io_threads over this server's io threads.
   void io_threads_pass();
 
   Engine& engine_;

@@ -143,16 +143,8 @@ class Gateway::Impl {
     return sched_.get();
   }
 
-  // Returns once every io thread has run a task posted now, then one posted after that.
   void io_threads_pass() {
-    for (size_t i = 0; i < static_cast<size_t>(std::max(1, topo_.io_threads)); ++i) {
-      net::LoopTasks loop(server_, i);
-      for (int pass = 0; pass < 2; ++pass) {
-        std::promise<void> ran;
-        loop.post([&ran] { ran.set_value(); });
-        ran.get_future().wait();
-      }
-    }
+    net::pass_io_threads(server_, static_cast<size_t>(std::max(1, topo_.io_threads)));
   }
 
   net::HttpServerOptions server_options() const {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <future>
 
 #include "net/event_loop.h"
 #include "net/http_server.h"
@@ -127,6 +128,17 @@ void LoopTasks::cancel(Clock::time_point when, uint64_t id) {
 
 bool LoopTasks::in_loop() const {
   return impl_->in_loop();
+}
+
+void pass_io_threads(HttpServer& server, size_t threads) {
+  for (size_t i = 0; i < threads; ++i) {
+    LoopTasks loop(server, i);
+    for (int pass = 0; pass < 2; ++pass) {
+      std::promise<void> ran;
+      loop.post([&ran] { ran.set_value(); });
+      ran.get_future().wait();
+    }
+  }
 }
 
 }  // namespace tandem::net

@@ -44,4 +44,11 @@ class LoopTasks {
   std::shared_ptr<Impl> impl_;
 };
 
+// Returns once each of `server`'s io threads 0 .. threads-1 has run a task posted now, then one
+// posted after that: the handlers running now have returned, and what they wrote went to the
+// sockets in their thread's next iteration. For a stop that lets answers out before it closes
+// the connections. The server must be running (a stopped one runs no task: this would wait for
+// ever).
+void pass_io_threads(HttpServer& server, size_t threads);
+
 }  // namespace tandem::net

@@ -264,9 +264,11 @@ TEST_F(EngineDrain, AClientThatLeavesBeforeItsRequestIsPreparedStartsNoEngineWor
   EXPECT_FALSE(engine_.has_work());
   // No request ended aborted: none was submitted for the client that had left.
   std::istringstream metrics(registry_.render());
-  for (std::string line; std::getline(metrics, line);)
-    if (line.rfind("vllm:request_success_total{", 0) == 0)
+  for (std::string line; std::getline(metrics, line);) {
+    if (line.rfind("vllm:request_success_total{", 0) == 0) {
       EXPECT_EQ(line.substr(line.rfind(' ') + 1), "0") << line;
+    }
+  }
 }
 
 // `tandem engine` on SIGTERM, end to end: a prefill engine whose answered leg holds its KV for a
