@@ -10,8 +10,11 @@ namespace {
 
 using nlohmann::json;
 
+// As vLLM names a logprob's token: transformers' decode([id]), cleaned up when the tokenizer's
+// config says so (Llama 3: " ." shows as ".").
 std::string token_text(const text::Tokenizer& tok, int32_t id) {
-  return utf8::to_valid_lossy(tok.token_bytes(id));
+  std::string text = utf8::to_valid_lossy(tok.token_bytes(id));
+  return tok.clean_up_tokenization_spaces() ? text::clean_up_tokenization(text) : text;
 }
 
 // A logprob's token as the request asked to see it: its text, or "token_id:N".
@@ -325,8 +328,11 @@ json ResponseBuilder::chat_logprobs(const Choice& c, size_t first) const {
         request_.tokens_as_ids ? shown_token(request_, tokenizer_, id) : tokenizer_.token_bytes(id);
     json bytes = json::array();
     for (unsigned char b : raw) bytes.push_back(static_cast<int>(b));
-    return json{
-        {"token", utf8::to_valid_lossy(raw)}, {"logprob", wire_logprob(v)}, {"bytes", bytes}};
+    // The token as vLLM shows it, its bytes as the model wrote them (OpenAI's: what the text is
+    // made of).
+    return json{{"token", shown_token(request_, tokenizer_, id)},
+                {"logprob", wire_logprob(v)},
+                {"bytes", bytes}};
   };
   json content = json::array();
   for (size_t i = first; i < c.logprobs.size(); ++i) {

