@@ -6,6 +6,9 @@
 // token ends the text with something else. When the request finishes, vLLM adds nothing more:
 // what is still held back never reaches the client. So the concatenation of everything push()
 // returns is Tokenizer::decode of all ids less a trailing run of text that ends in U+FFFD.
+// One difference: vLLM first steps its stream over the prompt's last few tokens, so a prompt
+// given as ids that ends inside a character has that character finished in vLLM's first piece;
+// this stream starts empty, and such a first piece begins with U+FFFD.
 #include <string>
 
 #include "text/tokenizer.h"
