@@ -16,6 +16,7 @@
 #include "gateway/topology.h"
 #include "net/http_client.h"
 #include "text/tokenizer.h"
+#include "util/duration.h"
 #include "util/error.h"
 #include "util/progress.h"
 
@@ -130,7 +131,7 @@ void run(const BenchCliOptions& o) {
   if (!(o.timeout > 0 && o.timeout <= bench::kMaxArrivalSeconds))
     throw Error("--timeout: expected seconds > 0 and at most " +
                 std::to_string(int64_t(bench::kMaxArrivalSeconds)));
-  d.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.timeout * 1000));
+  d.timeout = milliseconds_of(o.timeout);
   d.api_key = o.api_key;
 
   // Prefix-cache counters before and after, from the server (or the engines given).

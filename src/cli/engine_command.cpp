@@ -34,6 +34,7 @@
 #include "model/model_folder.h"
 #include "net/http.h"
 #include "placement/files.h"
+#include "util/duration.h"
 #include "util/error.h"
 #include "util/file.h"
 #include "util/huge_pages.h"
@@ -310,8 +311,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
     eo.cache = cache_options(o);
     eo.max_tokens = o.max_num_batched_tokens;
     eo.max_items = o.max_num_seqs;
-    eo.stall_timeout = std::chrono::milliseconds(
-        static_cast<int64_t>(std::llround(o.expert_parallel_stall_timeout * 1000)));
+    eo.stall_timeout = milliseconds_of(o.expert_parallel_stall_timeout);
     if (!o.expert_placement.empty()) {
       // Errors name the flag and the file, whether reading it or fitting it to the model failed
       // (read_placement's start with the file's path).
@@ -585,7 +585,11 @@ void add_engine_command(CLI::App& app) {
                   "seconds KV waits to be taken, a room waits for its other leg, and each transfer "
                   "frame (one layer's KV) may take")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(finite_seconds())
+      ->check(CLI::PositiveNumber)
+      // As the gateway's durations (about 24.8 days): past int64 milliseconds the conversion
+      // would be undefined (1e300 was taken).
+      ->check(CLI::Range(0.0, 2147483.647));
   cmd->add_option("--kv-transport", o->kv_transport,
                   "KV transfer transport: shm (shared memory with engines on this host, TCP with "
                   "others) or tcp")

@@ -12,6 +12,7 @@
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
 #include "net/http.h"
+#include "util/duration.h"
 #include "util/error.h"
 #include "util/utf8.h"
 
@@ -58,7 +59,7 @@ void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const
   if (given("--default-max-tokens")) t.default_max_tokens = o.max_tokens.default_value;
   if (given("--prefill-retries")) t.prefill_retries = o.prefill_retries;
   if (given("--upstream-timeout")) {
-    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(o.upstream_timeout * 1000));
+    const auto ms = milliseconds_of(o.upstream_timeout);
     t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
   }
   if (given("--shutdown-timeout")) t.shutdown_timeout = shutdown_drain(o.shutdown_timeout);

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <thread>
 
+#include "util/duration.h"
+
 namespace tandem::cli {
 namespace {
 
@@ -54,7 +56,7 @@ void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds) {
 }
 
 std::chrono::milliseconds shutdown_drain(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000)));
+  return milliseconds_of(seconds);
 }
 
 double default_shutdown_timeout() {

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <random>
 
+#include "util/duration.h"
 #include "util/error.h"
 
 namespace tandem::engine {
@@ -246,8 +247,7 @@ Engine::Engine(const EngineConfig& config, std::unique_ptr<Executor> executor,
       agent_ = config_.make_transfers(*executor_, std::move(to_engine));
     } else {
       TcpTransportOptions tcp;
-      tcp.io_timeout =
-          std::chrono::milliseconds(static_cast<int64_t>(config_.transfer->timeout_s * 1000));
+      tcp.io_timeout = milliseconds_of(config_.transfer->timeout_s);
       auto transport = config_.transfer->transport == KvTransportKind::kTcp
                            ? make_tcp_transport(tcp)
                            : make_shm_transport(tcp);

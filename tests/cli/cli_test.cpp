@@ -346,6 +346,17 @@ TEST(Cli, SettingFlagsApplyOverAConfigFile) {
   }
 }
 
+// A KV transfer timeout that is no duration milliseconds hold is refused naming it (1e300 and nan
+// were taken, and their conversion to milliseconds was undefined).
+TEST(Cli, AKvTransferTimeoutPastMillisecondsIsRefusedNamingIt) {
+  for (const std::string value : {"1e300", "3000000", "0", "nan"}) {
+    const Result r = run_with_pending_stop({"engine", "--model", "sim:tiny", "--host", "127.0.0.1",
+                                            "--port", "0", "--kv-transfer-timeout", value});
+    EXPECT_NE(r.status, 0) << value << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--kv-transfer-timeout")) << value;
+  }
+}
+
 // The drain's length: --shutdown-timeout (gateway, serve, engine) and shutdown_timeout (the
 // file); negative or not a number is refused naming it, before anything starts (nan passed the
 // range check and became -9223372036854775808 ms, which serve reported once every engine had

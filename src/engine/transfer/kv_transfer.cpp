@@ -11,6 +11,7 @@
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
+#include "util/duration.h"
 #include "util/error.h"
 #include "util/json.h"
 #include "util/little_endian.h"
@@ -325,10 +326,6 @@ uint64_t checksum(std::span<const Span> pieces) {
 }
 
 // A configured timeout in seconds as the transports take it.
-std::chrono::milliseconds milliseconds_of(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 std::string seconds_text(double s) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%g", s);
