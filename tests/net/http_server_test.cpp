@@ -1102,8 +1102,9 @@ std::string read_what_arrived(RawConnection& client) {
 
 // A response the client reads slowly, and its next request sent while the server still waits to
 // write: the kernel reports the room to write and the new input in one event. The write waiting
-// again must not drop the input's report (edge-triggered, it may be the only one), or the second
-// request waits unread until the idle timeout closes the connection.
+// again must not drop the input's report, or the second request waits unread. (Before 5bf499a
+// this passed too: Linux's next room-to-write report carries the input again. It guards the
+// pipelined read; the hang-up below is what the fix changed.)
 TEST(HttpServer, ARequestThatArrivesWithRoomToWriteAWaitingResponseIsRead) {
   HttpServerOptions options = local_options();
   options.threads = 1;  // one loop, for HeldLoop and the barrier below
@@ -1136,8 +1137,8 @@ TEST(HttpServer, ARequestThatArrivesWithRoomToWriteAWaitingResponseIsRead) {
   ASSERT_LT(raw.size(), body.size());
   c.send("GET /small HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
   loop.release.set_value();
-  // The rest of the body, then the second response, then the close. Without the fix the second
-  // request stays unread: RawConnection's 10 s read timeout ends this without the answer.
+  // The rest of the body, then the second response, then the close. Were the second request left
+  // unread, RawConnection's 10 s read timeout would end this without the answer.
   raw += c.read_all();
   const size_t first_end = raw.find("\r\n\r\n") + 4 + body.size();
   ASSERT_EQ(status_of(raw), 200);
