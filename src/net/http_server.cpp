@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -375,11 +376,12 @@ class ServerImpl {
  public:
   explicit ServerImpl(HttpServerOptions options)
       : options_(std::move(options)), loops_(static_cast<size_t>(std::max(1, options_.threads))) {}
-  ~ServerImpl() { stop(); }
+  ~ServerImpl() { stop(std::chrono::milliseconds::zero()); }
 
   void route(std::string method, std::string path, Handler handler);
   void start();
-  void stop();
+  void stop(std::chrono::milliseconds flush);
+  void end_flush();
   uint16_t port() const { return port_; }
   size_t max_connections() const { return max_connections_; }
   LoopGroup& loops() { return loops_; }
@@ -403,6 +405,8 @@ class ServerImpl {
   void connection_closed(const std::string& address);
   // A new connection could not be taken (out of file descriptors, memory and the like): `why`.
   void connection_failed(const std::string& why);
+  // A loop that was told to finish has closed its last connection (ServerLoop::finish).
+  void loop_finished();
 
  private:
   const HttpServerOptions options_;
@@ -426,6 +430,11 @@ class ServerImpl {
   bool started_ = false;
   bool stopped_ = false;
   std::atomic<bool> stopping_{false};
+  // What ends stop()'s flush, besides its time: every loop finished, or end_flush().
+  std::mutex flush_mu_;
+  std::condition_variable flush_changed_;
+  size_t loops_finished_ = 0;  // under flush_mu_
+  bool flush_ended_ = false;   // under flush_mu_
 };
 
 // The server's part of one loop: its listener registration and its connections. Loop thread
@@ -441,7 +450,10 @@ class ServerLoop final : public IoHandler, public Timer::Target {
   void on_io(uint32_t events) override;
   // The accept back-off ended.
   void on_timer() override;
-  // Closes every connection (their exchanges become closed) and stops accepting.
+  // The server stops: stops accepting and ends every connection, those with a complete response
+  // to write once it is written (Connection::finish); tells the server when the last is gone.
+  void finish();
+  // Closes every connection now (their exchanges become closed) and stops accepting.
   void shutdown();
   void remove(Connection* c);
 
@@ -453,6 +465,7 @@ class ServerLoop final : public IoHandler, public Timer::Target {
   EventLoop& loop_;
   const int listen_fd_;
   bool listening_ = true;
+  bool finishing_ = false;  // finish() ran: the server hears when no connection is left
   std::unique_ptr<Timer> backoff_;
   std::unordered_map<Connection*, std::unique_ptr<Connection>> connections_;
 };
@@ -483,7 +496,10 @@ class Connection : public IoHandler, public Deferred, public Timer::Target, publ
   void on_timer() override;
   // The exchange has bytes or news (from ExchangeState, on this loop).
   void wake() { loop_.defer(this); }
-  // The server stops: end everything now.
+  // The server stops: a complete response still to write goes on being written, then the
+  // connection closes gracefully; everything else closes now.
+  void finish();
+  // The server stops now: end everything.
   void shutdown() { close_now(); }
   const std::string& remote_address() const { return remote_address_; }
 
@@ -850,11 +866,28 @@ void Connection::fail_request(const ParseError& error) {
   flush();
 }
 
+void Connection::finish() {
+  switch (phase_) {
+    case Phase::kExchange:
+      if (exchange_->complete()) return pump();  // ends in close_gracefully once written
+      exchange_->lose();
+      return close_now();
+    case Phase::kErrorSent:
+    case Phase::kDraining:
+    case Phase::kClosed:
+      return;  // on their way out already
+    case Phase::kHead:
+    case Phase::kBody:
+      return close_now();
+  }
+}
+
 void Connection::close_gracefully() {
   // Half-close, then drain what the client still sends for a moment before closing: closing
-  // with unread input makes the kernel send RST, which can destroy the response in flight.
+  // with unread input makes the kernel send RST, which can destroy the response in flight. Also
+  // while the server stops: its flush bounds the drain.
   if (phase_ == Phase::kClosed) return;
-  if (peer_eof_ || server_.stopping()) return close_now();
+  if (peer_eof_) return close_now();
   ::shutdown(fd_, SHUT_WR);
   phase_ = Phase::kDraining;
   in_.clear();
@@ -939,12 +972,25 @@ void ServerLoop::remove(Connection* c) {
   server_.connection_closed(c->remote_address());
   loop_.retire(std::move(it->second));
   connections_.erase(it);
+  if (finishing_ && connections_.empty()) server_.loop_finished();
+}
+
+void ServerLoop::finish() {
+  if (listening_) loop_.remove(listen_fd_);
+  listening_ = false;
+  backoff_.reset();
+  std::vector<Connection*> live;
+  for (auto& [c, owned] : connections_) live.push_back(c);
+  finishing_ = !live.empty();
+  if (live.empty()) return server_.loop_finished();
+  for (Connection* c : live) c->finish();
 }
 
 void ServerLoop::shutdown() {
   if (listening_) loop_.remove(listen_fd_);
   listening_ = false;
   backoff_.reset();
+  finishing_ = false;  // the server no longer waits
   std::vector<Connection*> live;
   for (auto& [c, owned] : connections_) live.push_back(c);
   for (Connection* c : live) c->shutdown();
@@ -1035,6 +1081,22 @@ void ServerImpl::connection_closed(const std::string& address) {
   if (it != per_address_.end() && --it->second == 0) per_address_.erase(it);
 }
 
+void ServerImpl::loop_finished() {
+  {
+    std::lock_guard lock(flush_mu_);
+    ++loops_finished_;
+  }
+  flush_changed_.notify_all();
+}
+
+void ServerImpl::end_flush() {
+  {
+    std::lock_guard lock(flush_mu_);
+    flush_ended_ = true;
+  }
+  flush_changed_.notify_all();
+}
+
 void ServerImpl::connection_failed(const std::string& why) {
   if (auto held_back = accept_log_.admit(LogThrottle::Clock::now())) {
     log(why + (*held_back > 0 ? " (and " + std::to_string(*held_back) + " more failures)" : ""));
@@ -1060,14 +1122,27 @@ void ServerImpl::start() {
   loops_.start([this](const std::string& message) { log(message); });
 }
 
-void ServerImpl::stop() {
+void ServerImpl::stop(std::chrono::milliseconds flush) {
   std::lock_guard stop_lock(stop_mu_);
   if (!started_ || stopped_) {
     stopped_ = true;
     return;
   }
   stopped_ = true;
+  const auto flush_end = std::chrono::steady_clock::now() + flush;
   stopping_.store(true, std::memory_order_release);
+  // Each loop first writes what its sockets take and keeps the connections with a complete
+  // response left to write; the rest close now.
+  for (size_t i = 0; i < loops_.size(); ++i) {
+    ServerLoop* s = server_loops_[i].get();
+    loops_.at(i).post([s] { s->finish(); });
+  }
+  {
+    std::unique_lock lock(flush_mu_);
+    flush_changed_.wait_until(lock, flush_end,
+                              [&] { return flush_ended_ || loops_finished_ == loops_.size(); });
+  }
+  // What is left is cut.
   for (size_t i = 0; i < loops_.size(); ++i) {
     ServerLoop* s = server_loops_[i].get();
     loops_.at(i).post([s] { s->shutdown(); });
@@ -1107,8 +1182,12 @@ uint16_t HttpServer::port() const {
   return impl_->port();
 }
 
-void HttpServer::stop() {
-  impl_->stop();
+void HttpServer::stop(std::chrono::milliseconds flush) {
+  impl_->stop(flush);
+}
+
+void HttpServer::end_flush() {
+  impl_->end_flush();
 }
 
 detail::LoopGroup& HttpServer::loops() {

@@ -162,10 +162,19 @@ class HttpServer {
   uint16_t port() const;
   // The connection cap in force (HttpServerOptions::max_connections, resolved); 0 before start().
   size_t max_connections() const;
-  // Closes the listener and every connection (pending exchanges become closed() and their
-  // on_close callbacks run), then joins the io threads. Idempotent. Must not be called from a
+  // Closes the listener at once, and every connection that has no complete response left to
+  // write: idle ones, requests being read, exchanges still waiting for their producer or still
+  // streaming (they become closed() and their on_close callbacks run). A complete response that a
+  // slow reader's socket has not yet taken goes on being written for up to `flush`; once written,
+  // its connection half-closes and reads what the client still sends until the client closes, so
+  // that no reset destroys the answer's tail. Whatever is left at `flush`'s end, or when
+  // end_flush() comes, is closed, cutting it. Then joins the io threads. Returns within `flush`
+  // (0: at once, after writing what the sockets take now). Idempotent. Must not be called from a
   // handler or an on_close callback (it would join its own thread).
-  void stop();
+  void stop(std::chrono::milliseconds flush = {});
+  // Ends stop()'s flush at once, or the next one before it begins. From any thread: an operator's
+  // second stop signal.
+  void end_flush();
 
  private:
   // The io loops: for an AsyncHttpClient that shares them (async_http_client.h), so a proxy's

@@ -975,6 +975,102 @@ TEST(HttpServer, GracefulStopWithOpenConnections) {
   EXPECT_TRUE(stream_done.load());
 }
 
+// A client whose socket has not yet taken its whole answer when the server stops. `body_bytes`:
+// the answer's size, far more than the small kernel buffers on both sides hold, so most of it is
+// still the server's to write when the stop begins.
+class SlowReader {
+ public:
+  SlowReader(HttpServer& server, size_t body_bytes)
+      : body_(body_bytes, 'b'), connection_(start(server), nullptr, 16 << 10) {
+    const int server_fd = server_end_of(connection_, server.port());
+    EXPECT_GE(server_fd, 0);
+    set_buffer(server_fd, SO_SNDBUF, 16 << 10);
+    // Keep-alive: the stop, not the response, ends the connection.
+    connection_.send("GET /big HTTP/1.1\r\nHost: a\r\n\r\n");
+    // The head is here: the response is complete (respond()) and being written.
+    EXPECT_TRUE(connection_.read_until(raw_, "\r\n\r\n"));
+  }
+  // Everything until the server closes, then this side closes too.
+  void read_the_rest() {
+    raw_ += connection_.read_all();
+    closed_by_server_ = connection_.eof();
+    connection_.close();
+  }
+  size_t body_bytes_received() const { return body_of(raw_).size(); }
+  size_t body_bytes() const { return body_.size(); }
+  bool closed_by_server() const { return closed_by_server_; }
+
+ private:
+  uint16_t start(HttpServer& server) {
+    server.route("GET", "/big", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+      ex->respond(200, body_, "text/plain");
+    });
+    server.start();
+    return server.port();
+  }
+
+  const std::string body_;
+  RawConnection connection_;
+  std::string raw_;
+  bool closed_by_server_ = false;
+};
+
+// A stop with time to flush lets a complete answer that a slow reader's socket has not yet taken
+// go out whole, then half-closes (the reader sees an orderly end, not a reset); what has nothing
+// complete to write (a request still waiting for its producer) is closed at once, and the stop
+// returns once the reader has its answer, not at the flush's end. Before, stop() closed every
+// connection at once and the answer was cut: the engine's and the gateway's drains lost a
+// finished answer to a slow reader at shutdown.
+TEST(HttpServer, AStopLetsASlowReaderTakeItsWholeAnswerAndClosesTheRestAtOnce) {
+  HttpServer server(local_options());
+  std::shared_ptr<Exchange> pending;
+  std::promise<void> pending_in;
+  server.route("POST", "/pending", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+    pending = ex;
+    pending_in.set_value();
+  });
+  SlowReader reader(server, size_t{4} << 20);
+  RawConnection waiting(server.port());
+  waiting.send("POST /pending HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\n\r\n");
+  auto in = pending_in.get_future();
+  get_within(in);
+
+  // Ten minutes to flush: get_within's ten seconds fail the test if the stop waits for them.
+  auto stopped = std::async(std::launch::async, [&] { server.stop(std::chrono::minutes(10)); });
+  EXPECT_EQ(waiting.read_all(), "");  // closed without a response
+  EXPECT_TRUE(waiting.eof());
+  reader.read_the_rest();
+  EXPECT_EQ(reader.body_bytes_received(), reader.body_bytes());
+  EXPECT_TRUE(reader.closed_by_server());
+  get_within(stopped);
+  EXPECT_TRUE(pending->closed());
+}
+
+// A reader that never reads holds the stop for the flush's time at most: then its answer is cut
+// and the stop returns.
+TEST(HttpServer, AStopCutsAnAnswerThatItsReaderNeverTakesWhenTheFlushEnds) {
+  HttpServer server(local_options());
+  SlowReader reader(server, size_t{8} << 20);
+  auto stopped = std::async(std::launch::async, [&] { server.stop(100ms); });
+  get_within(stopped);
+  reader.read_the_rest();
+  EXPECT_LT(reader.body_bytes_received(), reader.body_bytes());
+}
+
+// end_flush (an operator's second stop signal) ends the flush at once, before or during the stop.
+TEST(HttpServer, EndingTheFlushStopsAtOnce) {
+  for (const bool before : {true, false}) {
+    HttpServer server(local_options());
+    SlowReader reader(server, size_t{8} << 20);
+    if (before) server.end_flush();
+    auto stopped = std::async(std::launch::async, [&] { server.stop(std::chrono::minutes(10)); });
+    if (!before) server.end_flush();
+    get_within(stopped);
+    reader.read_the_rest();
+    EXPECT_LT(reader.body_bytes_received(), reader.body_bytes()) << "end_flush before: " << before;
+  }
+}
+
 TEST(HttpServer, StartAndRouteMisuseThrow) {
   HttpServer server(local_options());
   auto h = [](const HttpRequest&, std::shared_ptr<Exchange>) {};
