@@ -8,6 +8,8 @@
 #include <array>
 #include <cstring>
 #include <fstream>
+#include <limits>
+#include <numeric>
 #include <random>
 
 #include <gmock/gmock.h>
@@ -294,6 +296,21 @@ TEST(Qwen3MoeConfig, YarnIsTransformersYarn) {
   }
 }
 
+// The PyTorch reference's answer to `request` for the model folder (see the script's header).
+json qwen3_reference(const std::filesystem::path& model, const json& request) {
+  auto req = test::temp_path("qwen3-request"), out = test::temp_path("qwen3-out");
+  std::ofstream(req) << request.dump();
+  const std::string cmd = "/usr/bin/python3 " +
+                          test::quote(test::oracle_dir() / "qwen3_moe_reference.py") + " " +
+                          test::quote(model) + " " + test::quote(req) + " " + test::quote(out);
+  EXPECT_EQ(test::run_command(cmd), 0) << "reference failed: " << cmd;
+  std::ifstream in(out);
+  json doc = json::parse(in);
+  std::filesystem::remove(req);
+  std::filesystem::remove(out);
+  return doc;
+}
+
 struct Case {
   std::string dtype;
   double tol;
@@ -330,17 +347,7 @@ class Qwen3Numerics : public ::testing::TestWithParam<Case> {
   }
 
   static json reference(const std::filesystem::path& model, const json& request) {
-    auto req = test::temp_path("qwen3-request"), out = test::temp_path("qwen3-out");
-    std::ofstream(req) << request.dump();
-    const std::string cmd = "/usr/bin/python3 " +
-                            test::quote(test::oracle_dir() / "qwen3_moe_reference.py") + " " +
-                            test::quote(model) + " " + test::quote(req) + " " + test::quote(out);
-    EXPECT_EQ(test::run_command(cmd), 0) << "reference failed: " << cmd;
-    std::ifstream in(out);
-    json doc = json::parse(in);
-    std::filesystem::remove(req);
-    std::filesystem::remove(out);
-    return doc;
+    return qwen3_reference(model, request);
   }
 };
 
@@ -459,6 +466,96 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, Qwen3Numerics,
                            return info.param.dtype + (info.param.yarn ? "_yarn" : "") +
                                   (info.param.tied ? "_tied" : "");
                          });
+
+// The whole model under YaRN's rules beyond factor and the original context (transformers'
+// _compute_yarn_parameters; Qwen3MoeConfig.YarnIsTransformersYarn checks the frequencies and the
+// magnitude alone): attention_factor, mscale over mscale_all_dim, betas with truncate false, and
+// no original_max_position_embeddings (max_position_embeddings is the original context). Each
+// checkpoint's original context is 16 positions and the sequences run to position 43, so every
+// sequence's last logits read keys rotated past it; fed whole (GEMM attention) and token by token
+// through the cache, in float32, against the PyTorch reference's last logits.
+TEST(Qwen3MoeModel, YarnVariantsMatchThePyTorchReferencePastTheOriginalContext) {
+  test::TempDir dir("qwen3-yarn-variants");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype f32 --seed 5 --out " +
+                              test::quote(dir.path()) + " 2>/dev/null"),
+            0);
+  const json made = json::parse(test::read_bytes(dir / "config.json"));
+  struct Variant {
+    const char* name;
+    json rope_scaling;
+    int64_t max_position_embeddings = 0;  // 0: make-model's
+  };
+  const std::vector<Variant> variants = {
+      {"attention_factor",
+       {{"rope_type", "yarn"},
+        {"factor", 4.0},
+        {"original_max_position_embeddings", 16},
+        {"attention_factor", 1.5}}},
+      {"mscale over mscale_all_dim",
+       {{"type", "yarn"},
+        {"factor", 8.0},
+        {"original_max_position_embeddings", 16},
+        {"mscale", 0.8},
+        {"mscale_all_dim", 0.5}}},
+      // head_dim 16 and rope_theta 1e6 put this correction range at pairs 2.28 to 3.21 (2 to 4
+      // truncated): the ramp's ends are fractional.
+      {"betas, untruncated",
+       {{"rope_type", "yarn"},
+        {"factor", 4.0},
+        {"original_max_position_embeddings", 16},
+        {"beta_fast", 0.05},
+        {"beta_slow", 0.01},
+        {"truncate", false}}},
+      {"no original context", {{"rope_type", "yarn"}, {"factor", 4.0}}, 16},
+  };
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int32_t> id(0, 151000);
+  std::vector<std::vector<int32_t>> seqs;
+  for (int len : {17, 30, 44}) {
+    seqs.emplace_back(len);
+    for (auto& t : seqs.back()) t = id(rng);
+  }
+  constexpr double kTolerance = 1e-4;  // float32, as Qwen3Numerics
+  constexpr float kMinMargin = 1e-5f;  // a routing near-tie may flip an expert legitimately
+  size_t compared = 0;
+  for (const Variant& v : variants) {
+    json config = made;
+    config["rope_scaling"] = v.rope_scaling;
+    if (v.max_position_embeddings > 0)
+      config["max_position_embeddings"] = v.max_position_embeddings;
+    test::write_bytes(dir / "config.json", config.dump(2));
+    const auto model = Qwen3MoeModel::load(dir.path());
+    ASSERT_TRUE(model.config().yarn) << v.name;
+    const int64_t vocab = model.config().vocab_size;
+    const json ref = qwen3_reference(
+        dir.path(), {{"sequences", seqs}, {"all_logits", false}, {"greedy_tokens", 0}});
+    ASSERT_EQ(ref["sequences"].size(), seqs.size()) << v.name;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      const auto expected = ref["sequences"][s]["logits"].get<std::vector<std::vector<float>>>();
+      ASSERT_EQ(expected.size(), 1u);
+      for (size_t chunk : {seqs[s].size(), size_t(1)}) {
+        LatentCache cache(model.cache_shape(4), 16);
+        std::vector<int32_t> table(16);
+        std::iota(table.begin(), table.end(), 0);
+        std::vector<float> last;
+        float margin = std::numeric_limits<float>::infinity();
+        for (size_t done = 0; done < seqs[s].size(); done += chunk) {
+          const SequenceStep step{std::span(seqs[s]).subspan(done, chunk),
+                                  static_cast<int64_t>(done), table, LogitRows::kLast};
+          const auto out = model.forward(std::span(&step, 1), cache);
+          for (float m : out.routing_margin) margin = std::min(margin, m);
+          last.assign(out.logits.data(), out.logits.data() + vocab);
+        }
+        if (margin < kMinMargin) continue;
+        EXPECT_LE(test::logit_deviation(expected, last.data(), vocab, 1), kTolerance)
+            << v.name << ", sequence of " << seqs[s].size() << " fed in chunks of " << chunk;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GE(compared, variants.size() * seqs.size()) << "too many routing near-ties to compare";
+}
 
 TEST(Qwen3MoeModel, ACheckpointMissingATensorIsRefusedNamingIt) {
   test::TempDir dir("qwen3-extra");
