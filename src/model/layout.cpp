@@ -152,8 +152,9 @@ std::string drop_absent_mtp_layers(const Checkpoint& checkpoint, ModelConfig& co
   const auto& tensors = checkpoint.tensors();
   for (int64_t k = 0; k < count; ++k) {
     const std::string prefix = "model.layers." + std::to_string(first + k) + ".";
-    const auto it = tensors.lower_bound(prefix);
-    if (it != tensors.end() && it->first.starts_with(prefix)) return "";
+    for (auto it = tensors.lower_bound(prefix);
+         it != tensors.end() && it->first.starts_with(prefix); ++it)
+      if (!is_unused_rotary_buffer(it->first)) return "";  // an inv_freq alone is no MTP layer
   }
   if (count <= 0) return "";
   config.num_nextn_predict_layers = 0;
@@ -199,6 +200,7 @@ void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config
   for (const auto& [name, t] : checkpoint.tensors()) {
     if (expected.count(&t)) continue;
     if (config.tie_word_embeddings && is_tied_away_head(name)) continue;
+    if (is_unused_rotary_buffer(name)) continue;
     problem("unexpected tensor '" + name + "' in " + t.file + " (not part of a " +
             config.architecture + " checkpoint with " + std::to_string(config.num_hidden_layers) +
             " layers, " + std::to_string(config.num_nextn_predict_layers) + " MTP layers" +

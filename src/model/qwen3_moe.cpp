@@ -29,13 +29,14 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
                                   const std::function<void(size_t, size_t)>& progress) {
   Qwen3MoeModel m(Qwen3MoeConfig::load(dir), Checkpoint::open(dir));
   const Qwen3MoeConfig& c = m.config_;
-  const auto tied_away = [&](const std::string& name) {
-    return c.tie_word_embeddings && is_tied_away_head(name);
+  // Tensors of the file that are never read (see each predicate).
+  const auto unread = [&](const std::string& name) {
+    return (c.tie_word_embeddings && is_tied_away_head(name)) || is_unused_rotary_buffer(name);
   };
   // The binder checks shapes only; a quantized tensor would be widened as if it were a float
   // (a norm) or taken for a scaled weight whose scales a Qwen3 checkpoint never has.
   for (const auto& [name, info] : m.checkpoint_.tensors())
-    if (!is_float_dtype(info.dtype) && !tied_away(name))
+    if (!is_float_dtype(info.dtype) && !unread(name))
       throw Error(m.checkpoint_.dir().string() + ": tensor '" + name + "' in " + info.file +
                   " is " + std::string(dtype_name(info.dtype)) +
                   ", expected F32, BF16 or F16 (quantized Qwen3-MoE checkpoints are not "
@@ -71,7 +72,7 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
   if (c.tie_word_embeddings) b.skip("lm_head.");
   // Every tensor of the checkpoint must have a place: another tensor means another model.
   for (const auto& [name, info] : m.checkpoint_.tensors())
-    if (!b.taken(name) && !tied_away(name))
+    if (!b.taken(name) && !unread(name))
       throw Error(m.checkpoint_.dir().string() + ": tensor '" + name +
                   "' is not part of a Qwen3-MoE model of this config");
   m.expert_counts_.assign(size_t(c.num_hidden_layers),

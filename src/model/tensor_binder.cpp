@@ -38,10 +38,10 @@ void check_scales(const std::string& tensor, const TensorInfo& info, std::span<c
 
 TensorBinder::TensorBinder(const Checkpoint& checkpoint, std::optional<Fp8Quantization> fp8,
                            const std::function<void(size_t, size_t)>& progress)
-    : checkpoint_(checkpoint),
-      fp8_(fp8),
-      progress_(progress),
-      total_(checkpoint.tensors().size()) {}
+    : checkpoint_(checkpoint), fp8_(fp8), progress_(progress), total_(0) {
+  for (const auto& [name, info] : checkpoint.tensors())
+    if (!is_unused_rotary_buffer(name)) ++total_;
+}
 
 std::vector<float> TensorBinder::vector(const std::string& name, int64_t n) {
   const TensorInfo& t = take(name, {n});
@@ -168,7 +168,7 @@ void TensorBinder::skip(const std::string& prefix) {
   const auto& tensors = checkpoint_.tensors();
   for (auto it = tensors.lower_bound(prefix); it != tensors.end() && it->first.starts_with(prefix);
        ++it)
-    --total_;
+    if (!is_unused_rotary_buffer(it->first)) --total_;
   if (progress_) progress_(done_, total_);
 }
 

@@ -30,6 +30,15 @@ inline bool is_tied_away_head(const std::string& tensor) {
   return tensor.starts_with("lm_head.");
 }
 
+// Whether a tensor is a rotary embedding's inverse frequencies, which checkpoints exported while
+// transformers kept them as a persistent buffer hold
+// (model.layers.N.self_attn.rotary_emb.inv_freq). The forward passes compute them from the config,
+// and vLLM's loaders skip every name containing "rotary_emb.inv_freq" (DeepSeek-V2/V3's
+// load_weights, Qwen3-MoE's AutoWeightsLoader), so such a tensor is never read, whatever it holds.
+inline bool is_unused_rotary_buffer(const std::string& tensor) {
+  return tensor.find("rotary_emb.inv_freq") != std::string::npos;
+}
+
 class TensorBinder {
  public:
   // `fp8`: the block shape of an FP8 checkpoint's scales.
@@ -55,7 +64,8 @@ class TensorBinder {
   // also let a prompt's routing logits come from the float32 GEMM).
   kernels::Matrix router(const std::string& name, int64_t experts, int64_t hidden);
   // Leaves every tensor whose name starts with `prefix` unread (a part of the model this process
-  // does not run); progress then counts up to what is read.
+  // does not run); progress then counts up to what is read. Unused rotary buffers are never
+  // counted.
   void skip(const std::string& prefix);
   // Whether a tensor of the checkpoint was bound (a model checks that every one was).
   bool taken(const std::string& tensor) const { return taken_.count(tensor) > 0; }

@@ -8,13 +8,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "model/make_model.h"
+#include "model/safetensors.h"
 
 namespace tandem::test {
 
@@ -92,6 +95,31 @@ inline double logit_deviation(const std::vector<std::vector<float>>& ref, const 
       scale = std::max(scale, std::fabs(static_cast<double>(ref[r][v])));
     }
   return worst / scale;
+}
+
+// Copies the model folder `from` to `to` with `extra` F32 tensors (filled with 0.5) added to its
+// checkpoint, which becomes one model.safetensors; the other files are copied as they are.
+inline void copy_with_tensors(const std::filesystem::path& from, const std::filesystem::path& to,
+                              const std::vector<model::TensorSpec>& extra) {
+  const model::Checkpoint source = model::Checkpoint::open(from);
+  std::vector<model::TensorSpec> specs = extra;
+  for (const auto& [name, info] : source.tensors()) specs.push_back({name, info.dtype, info.shape});
+  model::write_checkpoint(
+      to, specs,
+      [&](const model::TensorSpec& s, std::span<std::byte> out) {
+        if (const model::TensorInfo* t = source.find(s.name)) {
+          std::memcpy(out.data(), t->data, out.size());
+          return;
+        }
+        const float half = 0.5f;
+        for (size_t i = 0; i + 4 <= out.size(); i += 4) std::memcpy(out.data() + i, &half, 4);
+      },
+      size_t{1} << 40);
+  for (const auto& entry : std::filesystem::directory_iterator(from)) {
+    const std::string name = entry.path().filename().string();
+    if (name.ends_with(".safetensors") || name == "model.safetensors.index.json") continue;
+    std::filesystem::copy(entry.path(), to / name, std::filesystem::copy_options::recursive);
+  }
 }
 
 // The tiny-v3 preset with a vocabulary of 3000 (BOS 0, EOS 1): loading tests whose random

@@ -149,6 +149,48 @@ std::string load_error(const std::filesystem::path& dir) {
   return "(loaded)";
 }
 
+// Checkpoints exported by transformers while RoPE's inv_freq was a persistent buffer hold
+// model.layers.N.self_attn.rotary_emb.inv_freq. vLLM's DeepSeek-V2/V3 loader skips every name with
+// "rotary_emb.inv_freq" (deepseek_v2.py, load_weights), and so does this one: the model is the
+// one without them, and they are not counted as tensors to load. They were refused as unexpected
+// tensors. Only those names: a rotary_emb.cos_cached is still refused; and an MTP layer of which
+// only the inv_freq is left counts as stripped.
+TEST(RotaryBuffers, InvFreqTensorsOfOldExportsAreSkippedAsVllmDoes) {
+  const ModelConfig c = config();
+  ASSERT_EQ(c.num_nextn_predict_layers, 1);
+  const test::TempDir plain("rope-plain"), old("rope-inv-freq"), cached("rope-cos-cached");
+  test::write_random_checkpoint(plain.path(), c);
+  std::vector<TensorSpec> inv_freq;
+  for (int64_t i = 0; i < c.num_hidden_layers + c.num_nextn_predict_layers; ++i)
+    inv_freq.push_back({"model.layers." + std::to_string(i) + ".self_attn.rotary_emb.inv_freq",
+                        DType::kF32,
+                        {c.qk_rope_head_dim / 2}});
+  test::copy_with_tensors(plain.path(), old.path(), inv_freq);
+
+  size_t done = 0, total = 0;
+  const DeepSeekModel with_buffers =
+      DeepSeekModel::load(old.path(), [&](size_t d, size_t t) { done = d, total = t; });
+  EXPECT_EQ(done, total);
+  EXPECT_EQ(total, Checkpoint::open(plain.path()).tensors().size());
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 12; ++i) prompt.push_back(5 + 37 * i);
+  EXPECT_EQ(logits_of(with_buffers, prompt), logits_of(DeepSeekModel::load(plain.path()), prompt));
+
+  const std::string cos = "model.layers.0.self_attn.rotary_emb.cos_cached";
+  test::copy_with_tensors(plain.path(), cached.path(), {{cos, DType::kF32, {4, 32}}});
+  EXPECT_THAT(load_error(cached.path()), HasSubstr("unexpected tensor '" + cos + "'"));
+
+  // Without the MTP layer's weights, but with its inv_freq: loaded without MTP.
+  const test::TempDir stripped("rope-stripped"), stripped_old("rope-stripped-inv-freq");
+  ModelConfig no_mtp = c;
+  no_mtp.num_nextn_predict_layers = 0;
+  test::write_random_checkpoint(stripped.path(), no_mtp);
+  std::ofstream(stripped.path() / "config.json") << c.to_json().dump(2);
+  test::copy_with_tensors(stripped.path(), stripped_old.path(), inv_freq);
+  EXPECT_THAT(DeepSeekModel::missing_mtp(stripped_old.path()), HasSubstr("no MTP tensors"));
+  EXPECT_EQ(load_error(stripped_old.path()), "(loaded)");
+}
+
 // A NaN or infinite scale made its whole 128x128 block of weights NaN or infinite, and every
 // logit with them, without a word. A zero scale is what amax / 448 gives an all-zero block: it
 // loads (its block's weights 0).

@@ -606,6 +606,50 @@ TEST(Qwen3MoeModel, AQuantizedTensorIsRefusedNamingIt) {
   }
 }
 
+// Checkpoints exported by transformers while RoPE's inv_freq was a persistent buffer hold
+// model.layers.N.self_attn.rotary_emb.inv_freq. vLLM's Qwen3-MoE loader (AutoWeightsLoader) skips
+// every name with "rotary_emb.inv_freq", and so does this one: the model is the one without them.
+// They were refused as not part of the model. Only those names: a rotary_emb.cos_cached is still
+// refused.
+TEST(Qwen3MoeModel, InvFreqTensorsOfOldExportsAreSkippedAsVllmDoes) {
+  test::TempDir plain("qwen3-rope-plain"), old("qwen3-rope-inv-freq"), cached("qwen3-rope-cos");
+  ASSERT_EQ(test::run_command(std::string(TANDEM_BINARY) +
+                              " make-model --preset tiny-qwen3-moe --dtype bf16 --out " +
+                              test::quote(plain.path()) + " 2>/dev/null"),
+            0);
+  const Qwen3MoeConfig c = Qwen3MoeConfig::load(plain.path());
+  std::vector<TensorSpec> inv_freq;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    inv_freq.push_back({"model.layers." + std::to_string(i) + ".self_attn.rotary_emb.inv_freq",
+                        DType::kF32,
+                        {c.head_dim / 2}});
+  test::copy_with_tensors(plain.path(), old.path(), inv_freq);
+
+  auto logits = [](const Qwen3MoeModel& model) {
+    const std::vector<int32_t> prompt = {11, 700, 151000, 42, 9, 3};
+    LatentCache cache(model.cache_shape(4), 4);
+    const std::vector<int32_t> table = {0, 1};
+    SequenceStep step{prompt, 0, table, LogitRows::kAll};
+    const auto out = model.forward(std::span(&step, 1), cache).logits;
+    return std::vector<float>(out.begin(), out.end());
+  };
+  size_t done = 0, total = 0;
+  const auto with_buffers =
+      Qwen3MoeModel::load(old.path(), [&](size_t d, size_t t) { done = d, total = t; });
+  EXPECT_EQ(done, total);
+  EXPECT_EQ(total, Checkpoint::open(plain.path()).tensors().size());
+  EXPECT_EQ(logits(with_buffers), logits(Qwen3MoeModel::load(plain.path())));
+
+  const std::string cos = "model.layers.0.self_attn.rotary_emb.cos_cached";
+  test::copy_with_tensors(plain.path(), cached.path(), {{cos, DType::kF32, {4, 16}}});
+  try {
+    Qwen3MoeModel::load(cached.path());
+    ADD_FAILURE() << "loaded with " << cos;
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("'" + cos + "' is not part of"));
+  }
+}
+
 // make-model's Qwen3 presets: the same seed gives the same bytes, the layout is the one the
 // loader checks (it loads), and quantized weight types are refused by name.
 TEST(Qwen3MoeModel, MakeModelIsDeterministicAndRefusesQuantizedWeights) {
