@@ -298,6 +298,75 @@ TEST_P(KvTransports, APeerThatLeavesEndsTheReceive) {
   EXPECT_THAT(error_of([&] { p->client->receive(1024); }), HasSubstr("connection closed by peer"));
 }
 
+// A connection whose peer states a frame of `stated` bytes and sends `sent` of them (a pattern)
+// before it leaves. It records, for each receive_payload call, how many bytes it asked for and
+// how many had arrived before it: what a receiver holds in memory for the frame at that point.
+class StatedFrame : public KvConnection {
+ public:
+  StatedFrame(uint64_t stated, uint64_t sent) : stated_(stated), sent_(sent) {}
+  struct Call {
+    uint64_t asked, arrived_before;
+  };
+  const std::vector<Call>& calls() const { return calls_; }
+
+  void send(KvFrameType, std::span<const std::span<const std::byte>>) override {
+    throw Error("not sending");
+  }
+  KvFrameType receive_header(uint64_t& size, size_t max_payload) override {
+    size = stated_;
+    if (size > max_payload) throw Error("over the limit");
+    return KvFrameType::kPull;
+  }
+  void receive_payload(std::span<const std::span<std::byte>> parts) override {
+    uint64_t asked = 0;
+    for (auto p : parts) asked += p.size();
+    calls_.push_back({asked, arrived_});
+    for (auto p : parts)
+      for (std::byte& b : p) {
+        if (arrived_ == sent_) throw Error("receiving failed: connection closed by peer");
+        b = std::byte(arrived_++ % 251);
+      }
+  }
+  void set_timeout(std::chrono::milliseconds) override {}
+  void set_deadline(std::chrono::steady_clock::time_point) override {}
+  void shutdown() override {}
+  bool peer_gone() override { return arrived_ == sent_; }
+  std::string peer() const override { return "a peer that states " + std::to_string(stated_); }
+  const char* kind() const override { return "fake"; }
+
+ private:
+  const uint64_t stated_, sent_;
+  uint64_t arrived_ = 0;
+  std::vector<Call> calls_;
+};
+
+// A frame's buffer grows with the bytes that arrive, not with the size its header states: a peer
+// without the secret (or before any request) stated a 1 MiB request and KvConnection::receive
+// allocated all of it before a byte came, on each of the port's 512 connections. Now no call
+// asks for more than the first piece (64 KiB) or, past it, what already arrived; what does
+// arrive is still the frame whole.
+TEST(KvReceive, AFramesBufferGrowsWithTheBytesThatArriveNotWithItsStatedSize) {
+  constexpr uint64_t kStated = (1 << 20) + 5;
+  for (const uint64_t sent : {uint64_t{0}, uint64_t{1000}, uint64_t{300000}, kStated}) {
+    SCOPED_TRACE("sent " + std::to_string(sent));
+    StatedFrame peer(kStated, sent);
+    std::vector<std::byte> payload;
+    if (sent < kStated)
+      EXPECT_THAT(error_of([&] { peer.receive(payload, 1 << 21); }),
+                  HasSubstr("connection closed by peer"));
+    else
+      EXPECT_EQ(peer.receive(payload, 1 << 21), KvFrameType::kPull);
+    ASSERT_FALSE(peer.calls().empty());
+    for (const auto& call : peer.calls())
+      EXPECT_LE(call.asked, std::max<uint64_t>(64 << 10, call.arrived_before));
+    if (sent < kStated) continue;
+    ASSERT_EQ(payload.size(), kStated);
+    bool intact = true;
+    for (size_t i = 0; i < payload.size(); ++i) intact = intact && payload[i] == std::byte(i % 251);
+    EXPECT_TRUE(intact);
+  }
+}
+
 TEST_P(KvTransports, ConnectingToAClosedPortFails) {
   auto transport = make_transport(GetParam(), 5000ms);
   uint16_t port = 0;
@@ -643,7 +712,7 @@ TEST_P(KvTransports, FramesGatheredFromTheSharedCacheArriveIntact) {
     for (int i = 0; i < frames; ++i) p->server->send(KvFrameType::kLayer, parts);
     send_text(*p->server, KvFrameType::kDone, "{}");
   });
-  for (int i = 0; i < frames; ++i) {
+  {
     // Scattered over targets that split the frame's parts differently.
     std::vector<std::byte> a(1000), b(expected.size() - 1000, std::byte{0xEE});
     uint64_t size = 0;
@@ -652,7 +721,25 @@ TEST_P(KvTransports, FramesGatheredFromTheSharedCacheArriveIntact) {
     const std::span<std::byte> targets[] = {a, b};
     p->client->receive_payload(targets);
     a.insert(a.end(), b.begin(), b.end());
-    EXPECT_TRUE(a == expected) << "frame " << i;
+    EXPECT_TRUE(a == expected);
+  }
+  {
+    // Whole, as KvConnection::receive takes it: in pieces (64 KiB, then the rest), the first
+    // ending inside a block of the cache.
+    const KvFrame f = p->client->receive(1 << 20);
+    EXPECT_EQ(f.type, KvFrameType::kLayer);
+    EXPECT_TRUE(f.payload == expected);
+  }
+  {
+    // In three calls that end inside the header and inside a block.
+    std::vector<std::byte> got(expected.size(), std::byte{0xEE});
+    uint64_t size = 0;
+    ASSERT_EQ(p->client->receive_header(size, 1 << 20), KvFrameType::kLayer);
+    for (const auto [from, to] : {std::pair<size_t, size_t>{0, 10}, {10, 50000}, {50000, size}}) {
+      const std::span<std::byte> piece(got.data() + from, to - from);
+      p->client->receive_payload(std::span(&piece, 1));
+    }
+    EXPECT_TRUE(got == expected);
   }
   EXPECT_EQ(p->client->receive(1024).type, KvFrameType::kDone);
   sender.join();

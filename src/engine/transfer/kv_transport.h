@@ -63,6 +63,9 @@ struct KvFrame {
   std::vector<std::byte> payload;
 };
 
+// The first piece of a frame that KvConnection::receive reads (see there).
+inline constexpr size_t kKvReceivePiece = 64 << 10;
+
 class KvConnection {
  public:
   virtual ~KvConnection() = default;
@@ -74,7 +77,8 @@ class KvConnection {
   virtual void send(KvFrameType type, std::span<const std::span<const std::byte>> parts) = 0;
   // A frame in two calls, so that its payload can land where it belongs (KV straight into cache
   // blocks): the header first (its type; `size` gets the payload's bytes, over `max_payload` is
-  // an error: a hostile or corrupt peer), then exactly that many bytes scattered over `parts`.
+  // an error: a hostile or corrupt peer), then exactly that many bytes scattered over `parts`,
+  // in one call or in several that take them in order.
   virtual KvFrameType receive_header(uint64_t& size, size_t max_payload) = 0;
   virtual void receive_payload(std::span<const std::span<std::byte>> parts) = 0;
 
@@ -82,10 +86,24 @@ class KvConnection {
   KvFrameType receive(std::vector<std::byte>& payload, size_t max_payload) {
     uint64_t size = 0;
     const KvFrameType type = receive_header(size, max_payload);
-    payload.resize(size);
-    const std::span<std::byte> whole(payload);
-    receive_payload(std::span(&whole, 1));
+    receive_payload_as_it_arrives(payload, size);
     return type;
+  }
+  // The payload of `size` bytes that a header announced, into `payload`, which grows as the bytes
+  // arrive, in pieces (the first kKvReceivePiece, then as many as arrived so far), not to the size
+  // the header states: a peer that states a large frame and sends nothing costs this side
+  // nothing, and one that sends costs at most twice what it sent. Each piece is one
+  // receive_payload call, bounded by the timeout of its own (and the deadline).
+  void receive_payload_as_it_arrives(std::vector<std::byte>& payload, uint64_t size) {
+    payload.clear();
+    while (payload.size() < size) {
+      const size_t had = payload.size();
+      const size_t piece =
+          static_cast<size_t>(std::min<uint64_t>(size - had, std::max(kKvReceivePiece, had)));
+      payload.resize(had + piece);
+      const std::span<std::byte> part(payload.data() + had, piece);
+      receive_payload(std::span(&part, 1));
+    }
   }
   KvFrame receive(size_t max_payload) {
     KvFrame f;

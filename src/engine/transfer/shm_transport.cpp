@@ -239,16 +239,14 @@ class ShmConnection : public KvConnection {
     in_place_frame_ = in_place_.peers && get_le(header.data() + 4, 4) == kInPlaceFlag;
     if (in_place_frame_) put_le(header.data() + 4, 0, 4);
     const KvFrameType type = parse_kv_frame_header(header.data(), size, max_payload, peer_);
-    frame_bytes_ = size;
+    frame_bytes_ = frame_left_ = size;
+    described_ = false;
     return type;
   }
 
   void receive_payload(std::span<const std::span<std::byte>> parts) override {
     const auto deadline = start("receiving");
-    if (in_place_frame_) {
-      in_place_frame_ = false;
-      return receive_in_place(parts, deadline);
-    }
+    if (in_place_frame_) return receive_in_place(parts, deadline);
     for (auto p : parts) read(p.data(), p.size(), deadline);
   }
 
@@ -445,13 +443,43 @@ class ShmConnection : public KvConnection {
       wait(h.copied, h.copied_sleepers, seen, deadline);
   }
 
-  // The rest of an in-place frame (see send_in_place), scattered over `parts`.
+  // The next bytes of an in-place frame (see send_in_place), scattered over `parts`: the first
+  // call reads the frame's description, each copies as much of the frame as `parts` hold, and
+  // the one that completes it tells the sender (a frame may be taken in several calls, as
+  // KvConnection::receive takes a large one).
   void receive_in_place(std::span<const std::span<std::byte>> parts, Clock::time_point deadline) {
     uint64_t capacity = 0;
     for (auto p : parts) capacity += p.size();
-    if (capacity != frame_bytes_)
-      fail("receiving a frame of " + std::to_string(frame_bytes_) + " bytes into " +
-           std::to_string(capacity));
+    if (capacity > frame_left_)
+      fail("receiving " + std::to_string(capacity) + " bytes of a frame of " +
+           std::to_string(frame_bytes_) + " with " + std::to_string(frame_left_) + " left");
+    if (!described_) describe_in_place_frame(deadline);
+    std::vector<CopyRange> copies;
+    for (auto p : parts) {
+      for (size_t at = 0; at < p.size();) {
+        const ShmPiece& piece = pieces_[piece_];
+        const size_t n = size_t(std::min<uint64_t>(piece.length - piece_done_, p.size() - at));
+        std::byte* to = p.data() + at;
+        if (piece.offset == ShmPiece::kInline)
+          read(to, n, deadline);
+        else
+          copies.push_back({to, peer_segment_->data() + piece.offset + piece_done_, n});
+        at += n;
+        piece_done_ += n;
+        if (piece_done_ == piece.length) ++piece_, piece_done_ = 0;
+      }
+    }
+    in_place_.copier->run(std::move(copies));
+    frame_left_ -= capacity;
+    if (frame_left_ > 0) return;
+    in_place_frame_ = false;
+    signal(in_.head->copied, in_.head->copied_sleepers);
+  }
+
+  // An in-place frame's description (the piece count and the pieces) into pieces_, checked
+  // against the frame and the sender's segment, which comes over the socket with the first such
+  // frame of a connection.
+  void describe_in_place_frame(Clock::time_point deadline) {
     std::byte word[16];
     read(word, 8, deadline);
     const uint64_t count = get_le(word, 8);
@@ -479,26 +507,12 @@ class ShmConnection : public KvConnection {
     if (const std::string why = check_shm_pieces(pieces, frame_bytes_, peer_segment_->size());
         !why.empty())
       fail("in-place frame: " + why);
-    std::vector<CopyRange> copies;
-    size_t part = 0, at = 0;  // where the next byte lands
-    for (const ShmPiece& piece : pieces) {
-      for (uint64_t done = 0; done < piece.length;) {
-        while (at == parts[part].size()) {
-          ++part;
-          at = 0;
-        }
-        const size_t n = size_t(std::min<uint64_t>(piece.length - done, parts[part].size() - at));
-        std::byte* to = parts[part].data() + at;
-        if (piece.offset == ShmPiece::kInline)
-          read(to, n, deadline);
-        else
-          copies.push_back({to, peer_segment_->data() + piece.offset + done, n});
-        done += n;
-        at += n;
-      }
-    }
-    in_place_.copier->run(std::move(copies));
-    signal(in_.head->copied, in_.head->copied_sleepers);
+    // Empty pieces take no bytes: without them, each piece left gives the next byte.
+    std::erase_if(pieces, [](const ShmPiece& p) { return p.length == 0; });
+    pieces_ = std::move(pieces);
+    piece_ = 0;
+    piece_done_ = 0;
+    described_ = true;
   }
 
   const int socket_;
@@ -519,6 +533,11 @@ class ShmConnection : public KvConnection {
   std::shared_ptr<const SharedSegment> peer_segment_;  // receiver: the sender's, once it came
   bool in_place_frame_ = false;                        // receiver: the frame being received is
   uint64_t frame_bytes_ = 0;                           // receiver: its payload bytes
+  uint64_t frame_left_ = 0;                            // receiver: of them, not received yet
+  bool described_ = false;        // receiver: the in-place frame's description was read
+  std::vector<ShmPiece> pieces_;  // into these
+  size_t piece_ = 0;              // of them, the one the next byte comes from
+  uint64_t piece_done_ = 0;       // and its bytes received so far
 };
 
 // Whose process is at the other end of a Unix socket.
