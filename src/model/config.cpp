@@ -1,6 +1,6 @@
 #include "model/config.h"
 
-#include "model/config_fields.h"
+#include "model/config_json.h"
 
 #include <cmath>
 #include <set>
@@ -20,7 +20,7 @@ constexpr const char* kV2 = "DeepseekV2ForCausalLM";
 
 void parse_quantization(const json& obj, const std::string& origin, ModelConfig& c) {
   if (!obj.is_object()) throw Error(origin + ": field 'quantization_config' must be an object");
-  Fields f(obj, origin, "quantization_config.");
+  auto f = Fields::strict(obj, origin, "quantization_config");
   const std::string method = f.string("quant_method");
   if (method == "fp8") {
     if (f.present("fmt") && f.string("fmt") != "e4m3")
@@ -77,7 +77,7 @@ void parse_quantization(const json& obj, const std::string& origin, ModelConfig&
 
 ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& origin) {
   if (!doc.is_object()) throw Error(origin + ": expected a JSON object");
-  Fields f(doc, origin);
+  auto f = Fields::strict(doc, origin);
   ModelConfig c;
 
   const json& archs = f.need("architectures");

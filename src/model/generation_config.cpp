@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <iterator>
 
-#include "model/config_fields.h"
+#include "model/config_json.h"
+#include "util/error.h"
 #include "util/file.h"
 #include "util/json.h"
 
@@ -43,7 +44,7 @@ std::optional<double> sampling_value(Fields& f, const SamplingKey& k, bool from_
   const json* v = f.get(k.name);
   if (!v) return std::nullopt;
   const double value =
-      k.integer ? static_cast<double>(f.integer(k.name, *v)) : f.number(k.name, *v);
+      k.integer ? static_cast<double>(f.as_integer(k.name, *v)) : f.as_number(k.name, *v);
   if (k.integer) f.at_most(k.name, static_cast<int64_t>(value), int64_t{1} << 40);
   if (from_file && k.transformers_default && value == *k.transformers_default) return std::nullopt;
   return value;
@@ -54,7 +55,7 @@ std::vector<int32_t> eos_ids_of(Fields& f) {
   std::vector<int32_t> ids;
   if (!v) return ids;
   auto add = [&](const json& e) {
-    const int64_t id = f.integer("eos_token_id", e);
+    const int64_t id = f.as_integer("eos_token_id", e);
     if (id < 0) f.fail("eos_token_id", "must hold token ids >= 0, got " + std::to_string(id));
     f.at_most("eos_token_id", id, kMaxDimension);
     ids.push_back(static_cast<int32_t>(id));
@@ -79,7 +80,7 @@ GenerationConfig read_generation_config(const std::filesystem::path& dir) {
       parse_json_document(read_regular_file(path, kMaxModelConfigBytes), path.string());
   c.origin = path.string();
   if (!doc.is_object()) throw Error(c.origin + ": expected a JSON object");
-  Fields f(doc, c.origin);
+  auto f = Fields::lenient(doc, c.origin);
   for (const SamplingKey& k : kSamplingKeys)
     if (auto v = sampling_value(f, k, true)) k.set(c, v);
   c.eos_token_ids = eos_ids_of(f);
@@ -89,7 +90,7 @@ GenerationConfig read_generation_config(const std::filesystem::path& dir) {
 void override_generation_config(GenerationConfig& config, const json& overrides,
                                 const std::string& origin) {
   if (!overrides.is_object()) throw Error(origin + ": expected a JSON object");
-  Fields f(overrides, origin);
+  auto f = Fields::lenient(overrides, origin);
   for (const SamplingKey& k : kSamplingKeys)
     // As vLLM, which updates the config with the overrides and keeps what is not None: a null
     // unsets the key.

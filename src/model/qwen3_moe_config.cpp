@@ -3,9 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "model/config_fields.h"
+#include "model/config_json.h"
 #include "util/error.h"
 #include "util/file.h"
+#include "util/json.h"
 
 namespace tandem::model {
 
@@ -13,7 +14,7 @@ using json = nlohmann::json;
 
 Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin) {
   if (!doc.is_object()) throw Error(origin + ": expected a JSON object");
-  Fields f(doc, origin);
+  auto f = Fields::strict(doc, origin);
   Qwen3MoeConfig c;
   const json& arch = f.need("architectures");
   if (!arch.is_array() || arch.size() != 1 || arch[0] != kQwen3MoeArchitecture)

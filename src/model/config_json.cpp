@@ -1,4 +1,4 @@
-#include "model/config_fields.h"
+#include "model/config_json.h"
 
 #include <cmath>
 
@@ -73,7 +73,7 @@ namespace {
 bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
                 int64_t original_context, YarnScaling& yarn, std::optional<double>& theta) {
   if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
-  Fields f(obj, origin, field + ".");
+  auto f = Fields::strict(obj, origin, field);
   std::string type;
   if (f.present("type")) type = f.string("type");
   if (f.present("rope_type")) {
