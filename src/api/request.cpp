@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
-#include <set>
 #include <type_traits>
 
 #include "api/body_fields.h"
@@ -480,42 +479,78 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
 }
 
 // OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}],
-// taken as vLLM's FunctionDefinition takes them (name: str, parameters: dict | None): names such
-// as MCP's "github.create_issue" or "server:tool" and schemas of any shape are shown to the model
-// and read back from its calls. Templates print the name and walk the parameters, so a name and
-// an object are needed; what forcing a call needs besides is checked by check_forced.
+// taken as vLLM's ChatCompletionToolsParam and FunctionDefinition take them ("type" defaults to
+// "function", name: str, description: str | None, parameters: dict | None; a name may be listed
+// twice): names such as MCP's "github.create_issue" or "server:tool" and schemas of any shape are
+// shown to the model and read back from its calls. Templates print the name and walk the
+// parameters, so a name and an object are needed; what forcing a call needs besides is checked by
+// check_forced.
 void check_tools(const json& tools) {
   if (!tools.is_array()) fail("tools", "'tools' must be a list");
-  std::set<std::string> names;
   for (size_t i = 0; i < tools.size(); ++i) {
     const json& t = tools[i];
-    if (!t.is_object() || t.value("type", json()) != "function" || !t.contains("function") ||
+    const json* type = t.is_object() ? field(t, "type") : nullptr;
+    if (!t.is_object() || (type && *type != "function") || !field(t, "function") ||
         !t["function"].is_object())
-      fail("tools", "every tool needs \"type\": \"function\" and a 'function' object");
+      fail("tools", "every tool needs a 'function' object (and \"type\": \"function\", if any)");
     const json& f = t["function"];
     const std::string at = "tools[" + std::to_string(i) + "].function";
     const json* name = field(f, "name");
     if (!name || !name->is_string() || name->get_ref<const std::string&>().empty())
       fail(at + ".name", "a function's 'name' must be a non-empty string");
-    if (!names.insert(name->get<std::string>()).second)
-      fail("tools",
-           "'tools' names the function \"" + utf8::clip(name->get<std::string>()) + "\" twice");
+    if (const json* d = field(f, "description"); d && !d->is_string())
+      fail(at + ".description",
+           "a function's 'description' must be a string, got " + utf8::clip(d->dump()));
     if (const json* p = field(f, "parameters"); p && !p->is_object())
       fail(at + ".parameters",
            "a function's 'parameters' must be a JSON Schema object, got " + utf8::clip(p->dump()));
   }
 }
 
-// The tools a forced call may be of (every one, or only the one named `only`), as the grammar of
+// The checked `tools` as vLLM passes them to the chat template, each its ChatCompletionToolsParam's
+// model_dump(): "type", then "function" with name, description and parameters (null when absent),
+// then what else the client sent (OpenAI's "strict"), in its order (Pydantic dumps declared fields
+// first, the extra ones its extra="allow" kept after). Templates test these fields (`is defined`)
+// and print whole tools with tojson.
+nlohmann::ordered_json vllm_tool_dumps(const nlohmann::ordered_json& tools) {
+  using ordered = nlohmann::ordered_json;
+  // Members appended without the map's search by key (a linear search per insert): the sent
+  // object's keys are unique, and the declared ones are skipped.
+  auto append_others = [](ordered& to, const ordered& from,
+                          std::initializer_list<std::string_view> declared) {
+    auto& members = static_cast<ordered::object_t::Container&>(to.get_ref<ordered::object_t&>());
+    for (auto it = from.begin(); it != from.end(); ++it)
+      if (std::find(declared.begin(), declared.end(), it.key()) == declared.end())
+        members.emplace_back(it.key(), it.value());
+  };
+  auto member = [](const ordered& o, const char* key) {
+    const auto it = o.find(key);
+    return it == o.end() ? ordered(nullptr) : *it;
+  };
+  ordered out = ordered::array();
+  for (const ordered& tool : tools) {
+    const ordered& sent = tool["function"];
+    ordered function = {{"name", sent["name"]},
+                        {"description", member(sent, "description")},
+                        {"parameters", member(sent, "parameters")}};
+    append_others(function, sent, {"name", "description", "parameters"});
+    ordered dumped = {{"type", "function"}, {"function", std::move(function)}};
+    append_others(dumped, tool, {"type", "function"});
+    out.push_back(std::move(dumped));
+  }
+  return out;
+}
+
+// The tools a forced call may be of (every one, or only tools[only]), as the grammar of
 // the model's markup needs them: a name the markup carries back to the answer's parser, and
 // arguments that are a JSON object (parameters of "type": "object", {}, or properties without a
 // type: arguments_schema).
 void check_forced(ToolCallFormat format, const nlohmann::ordered_json& tools,
-                  const json* only = nullptr) {
+                  std::optional<size_t> only = std::nullopt) {
   for (size_t i = 0; i < tools.size(); ++i) {
+    if (only && *only != i) continue;
     const nlohmann::ordered_json& f = tools[i]["function"];
     const std::string name = f["name"].get<std::string>();
-    if (only && *only != name) continue;
     const std::string at = "tools[" + std::to_string(i) + "].function";
     if (const auto why = markup_cannot_carry(format, name))
       fail(at + ".name",
@@ -545,7 +580,6 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
                    nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order,
                    text::ContentFormat format) {
   const json* tools = field(body, "tools");
-  if (tools) check_tools(*tools);
   const bool have_tools = tools && !tools->empty();
   json choice = have_tools ? json("auto") : json("none");
   if (const json* c = field(body, "tool_choice")) choice = *c;
@@ -570,14 +604,16 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
       fail("tool_choice",
            "'tool_choice' must be \"none\", \"auto\", \"required\" or "
            "{\"type\": \"function\", \"function\": {\"name\": ...}}");
-    check_forced(use.format, tools_in_order, name);
-    nlohmann::ordered_json chosen = nlohmann::ordered_json::array();
-    for (const auto& t : tools_in_order)
-      if (t["function"]["name"] == *name) chosen.push_back(t);
-    if (chosen.empty())
+    // As vLLM's {name: function} of the tools: a name listed twice is its last definition.
+    std::optional<size_t> chosen;
+    for (size_t i = 0; i < tools_in_order.size(); ++i)
+      if (tools_in_order[i]["function"]["name"] == *name) chosen = i;
+    if (!chosen)
       fail("tool_choice",
            "'tool_choice' names the function " + name->dump() + ", which 'tools' does not list");
-    use.forced = forced_tool_calls(use.format, chosen, 1, 1, "tool_choice");
+    check_forced(use.format, tools_in_order, chosen);
+    use.forced = forced_tool_calls(
+        use.format, nlohmann::ordered_json::array({tools_in_order[*chosen]}), 1, 1, "tool_choice");
     use.named = true;
   } else if (choice != "auto") {
     fail("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or a function");
@@ -709,12 +745,11 @@ std::string continue_final(std::string rendered, const nlohmann::ordered_json& f
   return rendered;
 }
 
-// vLLM's chat echo (serving_chat.py): the last message's text when it has the answer's role,
-// which is "assistant" after a generation prompt and the last message's own without one
-// (get_chat_request_role); else "". Text parts are joined by "\n" whatever shape the template
+// vLLM's chat echo (serving_chat.py): the last message's text when it has the answer's role
+// (ApiRequest::response_role); else "". Text parts are joined by "\n" whatever shape the template
 // reads (vLLM joins a list of parts so).
-std::string chat_echo_of(const nlohmann::ordered_json& last, bool add_generation_prompt) {
-  if (add_generation_prompt && last["role"] != "assistant") return "";
+std::string chat_echo_of(const nlohmann::ordered_json& last, const ApiRequest& r) {
+  if (last["role"] != r.response_role) return "";
   const nlohmann::ordered_json joined =
       template_messages(nlohmann::ordered_json::array({last}), text::ContentFormat::kString);
   return joined[0]["content"].get<std::string>();
@@ -835,20 +870,27 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
                                        ? NullContent::kNone
                                        : NullContent::kNoText;
   nlohmann::ordered_json msgs = template_messages(client_messages, format, null_content);
-  const nlohmann::ordered_json tools_in_order =
-      tools_field ? ordered.get({"tools"}, *tools_field) : nlohmann::ordered_json();
-  const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);
-  r.tool_calls = tools.format;
-  r.tool_choice_named = tools.named;
-  r.parallel_tool_calls = tools.parallel;
   const bool add_generation_prompt = boolean(body, "add_generation_prompt", true);
   const bool continue_final_message = boolean(body, "continue_final_message", false);
   if (continue_final_message && add_generation_prompt)
     fail("continue_final_message",
          "Cannot set both `continue_final_message` and `add_generation_prompt` to True: send "
          "\"add_generation_prompt\": false");
-  if (boolean(body, "echo", false))
-    r.chat_echo = chat_echo_of(client_messages.back(), add_generation_prompt);
+  // What continue_final_message continues: the client's final message, which the tool description
+  // read_tools adds after the client's system messages may follow (a chat of system messages).
+  const nlohmann::ordered_json final_message =
+      continue_final_message ? msgs.back() : nlohmann::ordered_json();
+  if (tools_field) check_tools(*tools_field);
+  const nlohmann::ordered_json tools_in_order =
+      tools_field ? vllm_tool_dumps(ordered.get({"tools"}, *tools_field))
+                  : nlohmann::ordered_json();
+  const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);
+  r.tool_calls = tools.format;
+  r.tool_choice_named = tools.named;
+  r.parallel_tool_calls = tools.parallel;
+  if (!add_generation_prompt)
+    r.response_role = client_messages.back()["role"].get<std::string>();  // checked a string
+  if (boolean(body, "echo", false)) r.chat_echo = chat_echo_of(client_messages.back(), r);
   nlohmann::ordered_json ctx = {{"messages", msgs},
                                 {"add_generation_prompt", add_generation_prompt},
                                 {"bos_token", tokenizer.bos_token()},
@@ -878,7 +920,7 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   } catch (const Error& e) {
     fail("messages", e.what());
   }
-  if (continue_final_message) rendered = continue_final(std::move(rendered), msgs.back());
+  if (continue_final_message) rendered = continue_final(std::move(rendered), final_message);
   r.reasoning = limits.reasoning;
   if (r.reasoning != ReasoningFormat::kNone) {
     // vLLM's qwen3 parser reads an answer with thinking switched off as content; so does any

@@ -47,6 +47,9 @@ struct ApiRequest {
   // position on, as meta_info.input_token_logprobs.
   int64_t logprob_start_len = -1;
   bool echo = false;  // completions: the answer starts with the prompt
+  // Chat: the role the answer is written in, vLLM's (get_chat_request_role): "assistant" after a
+  // generation prompt, else the last message's, whose text the model continues.
+  std::string response_role = "assistant";
   // Chat with vLLM's echo: each choice's content starts with this text (the last message's when it
   // has the answer's role, else ""); none without echo.
   std::optional<std::string> chat_echo;

@@ -56,9 +56,9 @@ std::string_view response_id_prefix(ApiKind kind) {
 }
 
 json chat_message_choice(int64_t index, std::string content, json logprobs, json finish_reason,
-                         json stop_reason) {
+                         json stop_reason, std::string_view role) {
   return {{"index", index},
-          {"message", {{"role", "assistant"}, {"content", std::move(content)}}},
+          {"message", {{"role", role}, {"content", std::move(content)}}},
           {"logprobs", std::move(logprobs)},
           {"finish_reason", std::move(finish_reason)},
           {"stop_reason", std::move(stop_reason)}};
@@ -85,8 +85,8 @@ json matched_of(const RequestOutput& out) {
   return nullptr;
 }
 
-json chat_role_delta() {
-  return {{"role", "assistant"}, {"content", ""}};
+json chat_role_delta(std::string_view role) {
+  return {{"role", role}, {"content", ""}};
 }
 
 json chat_content_delta(std::string text) {
@@ -447,7 +447,7 @@ void ResponseBuilder::stream_chunks(size_t index, Choice& c, const RequestOutput
                                               std::move(fin), std::move(stop)));
       };
       if (!c.started) {
-        chunks.push_back(chunk(chat_role_delta(), nullptr, nullptr));
+        chunks.push_back(chunk(chat_role_delta(request_.response_role), nullptr, nullptr));
         // vLLM's echo: a chunk of its own after the role's (none for no text).
         if (echoes_text())
           chunks.push_back(chunk(chat_content_delta(*request_.chat_echo), nullptr, nullptr));
@@ -522,9 +522,10 @@ json ResponseBuilder::chat_choice(size_t i) const {
   const Choice& c = choices_[i];
   const json logprobs = request_.logprobs >= 0 ? chat_logprobs(c, 0) : json(nullptr);
   if (!c.tool_parser && !c.reasoning_parser)
-    return chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason, c.stop_reason);
-  json choice =
-      chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c), c.stop_reason);
+    return chat_message_choice(int64_t(i), c.text, logprobs, c.finish_reason, c.stop_reason,
+                               request_.response_role);
+  json choice = chat_message_choice(int64_t(i), c.content, logprobs, chat_finish_reason(c),
+                                    c.stop_reason, request_.response_role);
   if (c.reasoning_parser) {
     // As vLLM's: null for a part the answer does not have.
     json& message = choice["message"];

@@ -33,15 +33,19 @@ std::string_view response_id_prefix(ApiKind kind);
 // gateway and the engines replace any other with a random id.
 bool usable_request_id(std::string_view id);
 
+// The role of a chat answer after a generation prompt (ApiRequest::response_role says which).
+inline constexpr std::string_view kAssistantRole = "assistant";
+
 // Chat choices: a whole message (non-streaming) and one stream chunk's delta, with vLLM's
 // stop_reason (null but on a finished choice that a stop string or stop id ended).
 nlohmann::json chat_message_choice(int64_t index, std::string content, nlohmann::json logprobs,
-                                   nlohmann::json finish_reason, nlohmann::json stop_reason);
+                                   nlohmann::json finish_reason, nlohmann::json stop_reason,
+                                   std::string_view role = kAssistantRole);
 nlohmann::json chat_chunk_choice(int64_t index, nlohmann::json delta, nlohmann::json logprobs,
                                  nlohmann::json finish_reason, nlohmann::json stop_reason);
 // The deltas of a chat stream, in order: the role first (with empty content), then content, then
 // an empty delta with the finish reason.
-nlohmann::json chat_role_delta();
+nlohmann::json chat_role_delta(std::string_view role = kAssistantRole);
 nlohmann::json chat_content_delta(std::string text);
 // A delta of reasoning text, under both names clients read: reasoning_content (DeepSeek's API,
 // and vLLM's until 2026) and reasoning (vLLM's now, OpenRouter's).

@@ -213,7 +213,8 @@ std::string tool_prompt(ToolCallFormat format, const ordered_json& tools) {
     if (f.contains("description") && f["description"].is_string())
       out += ": " + f["description"].get<std::string>();
     out += "\n";
-    if (f.contains("parameters"))
+    // A null one is none (vLLM's dump gives an absent one as null).
+    if (f.contains("parameters") && !f["parameters"].is_null())
       out += "```json\n" +
              f["parameters"].dump(-1, ' ', false, ordered_json::error_handler_t::replace) +
              "\n```\n";

@@ -7,7 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
+#include <optional>
 
 #include "api/api_test_support.h"
 #include "structured/matcher.h"
@@ -182,7 +185,7 @@ TEST(Protocol, FieldsThatShapeTheAnswerAreRefusedByName) {
            {"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "s"}}}}},
            {"response_format",
             {{"type", "json_schema"},
-             {"json_schema", {{"schema", {{"type", "string"}, {"pattern", "a"}}}}}}},
+             {"json_schema", {{"schema", {{"type", "integer"}, {"multipleOf", 2}}}}}}},
            {"guided_json", {{"type", "strin"}}},
            {"guided_regex", "(a"},
            {"guided_choice", "a"},
@@ -569,8 +572,7 @@ TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
 
   for (const json& bad :
        {json{{"tools", "f"}}, json{{"tools", {{{"type", "function"}}}}},
-        json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}},
-        json{{"tools", {tool, tool}}}}) {
+        json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}}}) {
     SCOPED_TRACE(bad.dump());
     json b = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
     b.update(bad);
@@ -2341,6 +2343,160 @@ TEST(Protocol, ChatContentTakesTheShapeTheTemplateReads) {
       "add_generation_prompt": false, "continue_final_message": true})");
   EXPECT_EQ(parse_chat(cont, tokenizer(), &loops, kLimits).prompts[0],
             tokenizer().encode("<user>[q]<assistant>[x][y  ", false));
+}
+
+// vLLM's answer role (serving_chat.py, get_chat_request_role): "assistant" after a generation
+// prompt, the last message's own role without one (a chat that ends in a user turn and is not
+// prompted for an answer continues that user's text). Whole and streamed, the answer said
+// "assistant" whatever the last message was.
+TEST(Protocol, WithoutAGenerationPromptTheAnswersRoleIsTheLastMessages) {
+  auto role_of = [](const json& extra) {
+    json body = {{"messages",
+                  {{{"role", "system"}, {"content", "Be brief."}},
+                   {{"role", "user"}, {"content", "Once upon a"}}}},
+                 {"max_tokens", 3}};
+    body.update(extra);
+    const ApiRequest r = parse_chat(body, tokenizer(), &chat_template(), kLimits);
+    ResponseBuilder whole(r, tokenizer(), "chatcmpl-1", 1);
+    whole.on_output(0, output({10}, " time", true, "stop"));
+    ApiRequest streamed_request = r;
+    streamed_request.stream = true;
+    ResponseBuilder streamed(streamed_request, tokenizer(), "chatcmpl-2", 1);
+    const std::vector<json> chunks = streamed.on_output(0, output({10}, " time", true, "stop"));
+    EXPECT_EQ(chunks.at(0)["choices"][0]["delta"]["role"],
+              whole.final_body()["choices"][0]["message"]["role"]);
+    return whole.final_body()["choices"][0]["message"]["role"].get<std::string>();
+  };
+  EXPECT_EQ(role_of(json::object()), "assistant");
+  EXPECT_EQ(role_of({{"add_generation_prompt", false}}), "user");
+  EXPECT_EQ(role_of({{"add_generation_prompt", false}, {"continue_final_message", true}}), "user");
+}
+
+// The prompt vLLM renders for `body` (tests/oracle/vllm_chat_prompt.py: tools as vLLM's Pydantic
+// models dump them, Python's Jinja2 in transformers' environment, transformers' cut for
+// continue_final_message), with `system_after_clients` inserted as Tandem describes tools to a
+// template that shows none.
+// `body` is the body's text, whose key order the oracle keeps.
+std::string vllm_prompt(const std::string& model, const std::string& body,
+                        const std::optional<std::string>& system_after_clients = std::nullopt) {
+  json spec = {{"model", model}};
+  if (system_after_clients) spec["system_after_clients"] = *system_after_clients;
+  const std::string spec_text = spec.dump();  // {"model": ..., "body": `body`}
+  const std::string in = ::testing::TempDir() + "vllm_chat_prompt_in.json";
+  const std::string out = ::testing::TempDir() + "vllm_chat_prompt_out.json";
+  {
+    std::ofstream f(in);
+    f << spec_text.substr(0, spec_text.size() - 1) << ", \"body\": " << body << "}";
+  }
+  const std::string command = std::string("/usr/bin/python3 '") + TANDEM_SOURCE_DIR +
+                              "/tests/oracle/vllm_chat_prompt.py' '" + in + "' > '" + out + "'";
+  EXPECT_EQ(std::system(command.c_str()), 0)
+      << command << " (needs Debian's /usr/bin/python3 with python3-jinja2)";
+  std::ifstream f(out);
+  const json answer = json::parse(f);
+  EXPECT_FALSE(answer.contains("error")) << answer.dump();
+  return answer.value("prompt", "");
+}
+
+// Tools reach the template as vLLM passes them, the dump of its ChatCompletionToolsParam: "type"
+// defaults to "function", a function's description and parameters are null when absent, the
+// declared fields come first and what else the client sent (strict) after, in its order. Qwen3's
+// template prints each tool with tojson, so the prompt is Python's Jinja2 rendering of that dump.
+// A tool without "type" was a 400, and the template got the tools as sent.
+TEST(Protocol, ToolsReachTheTemplateAsVLLMsModelsDumpThem) {
+  const std::string raw = R"({"messages": [{"role": "user", "content": "Weather?"}],
+    "tools": [{"function": {"parameters": {"type": "object", "properties": {"city":
+                 {"type": "string"}}}, "strict": true, "name": "get_weather"}},
+              {"type": "function", "function": {"name": "now", "parameters": null}},
+              {"function": {"description": "Adds", "name": "add"}, "type": "function"}]})";
+  const json body = json::parse(raw);
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  const ApiRequest r =
+      parse_chat(body, api_test::qwen3(), &api_test::qwen3_template(), limits, raw);
+  EXPECT_EQ(r.tool_calls, ToolCallFormat::kHermes);
+  EXPECT_EQ(api_test::qwen3().decode(r.prompts[0], false), vllm_prompt("qwen3", raw));
+  // A type other than "function" is refused, as vLLM's Literal refuses it.
+  json bad = body;
+  bad["tools"][0]["type"] = "retrieval";
+  const ApiError e =
+      error_of([&] { parse_chat(bad, api_test::qwen3(), &api_test::qwen3_template(), limits); });
+  EXPECT_EQ(e.status, 400);
+  EXPECT_EQ(e.param, "tools");
+  // vLLM's FunctionDefinition takes a description that is a string (or null).
+  bad = body;
+  bad["tools"][2]["function"]["description"] = 5;
+  EXPECT_EQ(error_of([&] {
+              parse_chat(bad, api_test::qwen3(), &api_test::qwen3_template(), limits);
+            }).param,
+            "tools[2].function.description");
+}
+
+// vLLM accepts a function name listed twice (its models check no names), and a call forced by
+// that name follows the last definition (protocol.py's {name: function} dict keeps the last);
+// "required" lets the answer call either. It was a 400 naming tools.
+TEST(Protocol, AFunctionListedTwiceIsAcceptedAndANamedChoiceForcesItsLastDefinition) {
+  const json first = {{"type", "function"},
+                      {"function",
+                       {{"name", "f"},
+                        {"parameters",
+                         {{"type", "object"},
+                          {"properties", {{"a", {{"type", "integer"}}}}},
+                          {"required", {"a"}}}}}}};
+  const json last = {{"type", "function"},
+                     {"function",
+                      {{"name", "f"},
+                       {"parameters",
+                        {{"type", "object"},
+                         {"properties", {{"b", {{"type", "string"}}}}},
+                         {"required", {"b"}}}}}}};
+  auto chat = [&](json choice) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                 {"tools", {first, last}},
+                 {"tool_choice", choice}};
+    return parse_chat(body, tokenizer(), &chat_template(), kLimits);
+  };
+  EXPECT_EQ(chat("auto").tool_calls, ToolCallFormat::kDeepSeekV3);
+  const ApiRequest named = chat({{"type", "function"}, {"function", {{"name", "f"}}}});
+  const json forced = json::parse(named.sampling.structured_output->text);
+  ASSERT_EQ(forced["functions"].size(), 1u);
+  EXPECT_EQ(forced["functions"][0]["parameters"], last["function"]["parameters"]);
+  const ApiRequest required = chat("required");
+  EXPECT_EQ(json::parse(required.sampling.structured_output->text)["functions"].size(), 2u);
+}
+
+// DeepSeek-V3's template shows no tools, so Tandem describes them in a system message after the
+// client's own. With only system messages, continue_final_message continues the client's final
+// message, as vLLM's rendering of the same messages would be cut (Python's Jinja2 and
+// transformers' rule, given the messages with Tandem's tool message): it continued the tool list.
+TEST(Protocol, ContinueFinalMessageContinuesTheClientsMessageNotTheToolList) {
+  const json tool = {{"type", "function"},
+                     {"function", {{"name", "get_weather"}, {"description", "Weather"}}}};
+  const json body = {{"messages",
+                      {{{"role", "system"}, {"content", "Be brief."}},
+                       {{"role", "system"}, {"content", "You answer in French"}}}},
+                     {"tools", {tool}},
+                     {"add_generation_prompt", false},
+                     {"continue_final_message", true}};
+  const ApiRequest r = parse_chat(body, tokenizer(), &chat_template(), kLimits);
+  const std::string tools_text =
+      tool_prompt(ToolCallFormat::kDeepSeekV3, structured::parse_ordered(json{tool}.dump()));
+  EXPECT_EQ(tokenizer().decode(r.prompts[0], false),
+            vllm_prompt("deepseek_v3", body.dump(), tools_text));
+}
+
+// A function whose parameters are null is one without parameters (vLLM's dump gives both as
+// null): DeepSeek's tool text shows no parameters for either, where a null one was shown as the
+// JSON text null.
+TEST(Protocol, NullParametersAreShownAsNoParameters) {
+  auto prompt = [](const json& function) {
+    const json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                       {"tools", {{{"type", "function"}, {"function", function}}}}};
+    return tokenizer().decode(parse_chat(body, tokenizer(), &chat_template(), kLimits).prompts[0],
+                              false);
+  };
+  const std::string without = prompt({{"name", "now"}});
+  EXPECT_EQ(prompt({{"name", "now"}, {"parameters", nullptr}}), without);
+  EXPECT_EQ(without.find("null"), std::string::npos) << without;
 }
 
 }  // namespace

@@ -95,7 +95,8 @@ TEST(Tokenize, ADeepSeekV3ToolCallTurnWithNullContentKeepsItsCalls) {
 // A tool-use chat as OpenAI's SDKs send it (the assistant turn that only calls a tool has content
 // null) with its keys out of alphabetical order, counted by Qwen3's template: the prompt is what
 // Python's Jinja2 renders with vLLM's messages (content "", keys in the client's order; tests/
-// oracle/render_chat_templates.py's environment), and the ids are those the chat endpoint runs on.
+// oracle/render_chat_templates.py's environment) and vLLM's tools (its models' dump: an absent
+// description is null), and the ids are those the chat endpoint runs on.
 TEST(Tokenize, AToolUseChatIsRenderedAsVLLMRendersItInTheClientsKeyOrder) {
   const std::string raw = R"({"tools": [{"type": "function", "function": {"name": "get_weather",
     "parameters": {"type": "object", "properties": {"zeta": {"type": "integer"},
@@ -113,7 +114,8 @@ TEST(Tokenize, AToolUseChatIsRenderedAsVLLMRendersItInTheClientsKeyOrder) {
       "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user "
       "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n"
       "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
-      "\"parameters\": {\"type\": \"object\", \"properties\": {\"zeta\": {\"type\": \"integer\"}, "
+      "\"description\": null, \"parameters\": {\"type\": \"object\", \"properties\": {\"zeta\": "
+      "{\"type\": \"integer\"}, "
       "\"alpha\": {\"type\": \"integer\"}}}}}\n</tools>\n\nFor each function call, return a json "
       "object with function name and arguments within <tool_call></tool_call> XML tags:\n"
       "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
