@@ -6,9 +6,9 @@
 #include <queue>
 
 #include "text/byte_level.h"
-#include "text/json_fields.h"
 #include "util/error.h"
 #include "util/hash.h"
+#include "util/json_fields.h"
 
 namespace tandem::text {
 namespace {
@@ -119,20 +119,20 @@ struct Bpe::WordTable {
 Bpe::Bpe(const nlohmann::json& model, const std::string& origin, size_t added_tokens) {
   auto fail = [&](const std::string& what) { throw Error(origin + ": model: " + what); };
   if (!model.is_object()) fail("expected an object");
-  using namespace json_fields;
-  const std::string where = origin + ": model";
-  if (const auto type = model.contains("type") ? string_field(model, "type", where) : "BPE";
-      type != "BPE")
+  // tokenizers reads these with serde: an Option takes null, a bool or a String does not.
+  constexpr auto kNull = Fields::Null::kWrongType;
+  auto f = Fields::lenient(model, origin, "model");
+  if (const auto type = f.string_or("type", "BPE", kNull); type != "BPE")
     fail("model type '" + type + "' is not supported (only byte-level BPE is)");
-  if (optional_number(model, "dropout", where).value_or(0) != 0)
+  if (f.optional_number("dropout").value_or(0) != 0)
     fail("BPE dropout is not supported (encoding must be deterministic)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    if (!optional_string(model, key, where).value_or("").empty())
+    if (!f.optional_string(key).value_or("").empty())
       fail(std::string(key) + " is not supported with byte-level BPE");
   }
-  if (flag(model, "byte_fallback", false, where)) fail("byte_fallback is not supported");
-  ignore_merges_ = flag(model, "ignore_merges", false, where);
-  fuse_unk_ = flag(model, "fuse_unk", false, where);
+  if (f.boolean_or("byte_fallback", false, kNull)) fail("byte_fallback is not supported");
+  ignore_merges_ = f.boolean_or("ignore_merges", false, kNull);
+  fuse_unk_ = f.boolean_or("fuse_unk", false, kNull);
 
   const auto vocab_it = model.find("vocab");
   if (vocab_it == model.end() || !vocab_it->is_object()) fail("'vocab' must be an object");
@@ -174,7 +174,7 @@ Bpe::Bpe(const nlohmann::json& model, const std::string& origin, size_t added_to
       if (raw->size() == 1) byte_ids_[static_cast<unsigned char>((*raw)[0])] = id;
     }
   }
-  if (const auto unk = optional_string(model, "unk_token", where)) {
+  if (const auto unk = f.optional_string("unk_token")) {
     if (!vocab.contains(*unk)) fail("unk_token '" + *unk + "' is not in the vocabulary");
     unk_ = vocab[*unk].get<TokenId>();
   }

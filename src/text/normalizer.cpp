@@ -5,8 +5,8 @@
 #include <unicode/ustring.h>
 #include <unicode/utf16.h>
 
-#include "text/json_fields.h"
 #include "util/error.h"
+#include "util/json_fields.h"
 #include "util/utf8.h"
 
 namespace tandem::text {
@@ -114,29 +114,34 @@ class Prepend : public Normalizer::Step {
   std::string prefix_;
 };
 
-void add_steps(const nlohmann::json& cfg, const std::string& where,
+// The steps of the normalizer at `path` in `origin` (tokenizer.json).
+void add_steps(const nlohmann::json& cfg, const std::string& origin, const std::string& path,
                std::vector<std::unique_ptr<Normalizer::Step>>& steps) {
   if (cfg.is_null()) return;
+  const std::string where = origin + ": " + path;
   if (!cfg.is_object() || !cfg.contains("type"))
     throw Error(where + ": expected an object with a 'type'");
-  using namespace json_fields;
-  const auto type = string_field(cfg, "type", where);
+  // tokenizers reads these with serde: null is a value of the wrong type.
+  constexpr auto kNull = Fields::Null::kWrongType;
+  auto f = Fields::lenient(cfg, origin, path);
+  const auto type = f.string("type", kNull);
   if (type == "Sequence") {
-    const auto& list = list_field(cfg, "normalizers", where);
+    const auto& list = f.list("normalizers", kNull);
     for (size_t i = 0; i < list.size(); ++i)
-      add_steps(list[i], where + ".normalizers[" + std::to_string(i) + "]", steps);
+      add_steps(list[i], origin, f.path_of("normalizers") + "[" + std::to_string(i) + "]", steps);
   } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
     steps.push_back(std::make_unique<UnicodeForm>(type, where));
   } else if (type == "Lowercase") {
     steps.push_back(std::make_unique<Lowercase>());
   } else if (type == "Replace") {
-    const auto& pat = object_field(cfg, "pattern", where);
+    const auto& pat = f.object("pattern", kNull);
+    auto pattern = Fields::lenient(pat, origin, f.path_of("pattern"));
     if (!pat.contains("String"))
       throw Error(where + ": Replace with a regex pattern is not supported");
-    steps.push_back(std::make_unique<ReplaceLiteral>(
-        string_field(pat, "String", where + ".pattern"), string_field(cfg, "content", where)));
+    steps.push_back(std::make_unique<ReplaceLiteral>(pattern.string("String", kNull),
+                                                     f.string("content", kNull)));
   } else if (type == "Prepend") {
-    steps.push_back(std::make_unique<Prepend>(string_field(cfg, "prepend", where)));
+    steps.push_back(std::make_unique<Prepend>(f.string("prepend", kNull)));
   } else {
     throw Error(where + ": normalizer type '" + type + "' is not supported");
   }
@@ -145,7 +150,7 @@ void add_steps(const nlohmann::json& cfg, const std::string& where,
 }  // namespace
 
 Normalizer::Normalizer(const nlohmann::json& config, const std::string& origin) {
-  add_steps(config, origin + ": normalizer", steps_);
+  add_steps(config, origin, "normalizer", steps_);
 }
 
 Normalizer::~Normalizer() = default;

@@ -7,9 +7,9 @@
 #include <mutex>
 #include <optional>
 
-#include "text/json_fields.h"
 #include "text/unicode_sets.h"
 #include "util/error.h"
+#include "util/json_fields.h"
 #include "util/utf8.h"
 
 namespace tandem::text {
@@ -475,44 +475,47 @@ class ByteLevelStep : public PreTokenizer::Step {
   std::unique_ptr<SplitStep> split_;
 };
 
-void add_steps(const nlohmann::json& cfg, const std::string& where,
+// The steps of the pre-tokenizer at `path` in `origin` (tokenizer.json).
+void add_steps(const nlohmann::json& cfg, const std::string& origin, const std::string& path,
                std::vector<std::unique_ptr<PreTokenizer::Step>>& steps, bool& saw_byte_level,
                unicode::Ranges& differs) {
+  const std::string where = origin + ": " + path;
   if (!cfg.is_object() || !cfg.contains("type"))
     throw Error(where + ": expected an object with a 'type'");
-  using namespace json_fields;
-  const auto type = string_field(cfg, "type", where);
+  // tokenizers reads these with serde: null is a value of the wrong type.
+  constexpr auto kNull = Fields::Null::kWrongType;
+  auto f = Fields::lenient(cfg, origin, path);
+  const auto type = f.string("type", kNull);
   if (saw_byte_level) throw Error(where + ": a " + type + " step after ByteLevel is not supported");
   if (type == "Sequence") {
-    const auto& list = list_field(cfg, "pretokenizers", where);
+    const auto& list = f.list("pretokenizers", kNull);
     for (size_t i = 0; i < list.size(); ++i)
-      add_steps(list[i], where + ".pretokenizers[" + std::to_string(i) + "]", steps, saw_byte_level,
-                differs);
+      add_steps(list[i], origin, f.path_of("pretokenizers") + "[" + std::to_string(i) + "]", steps,
+                saw_byte_level, differs);
   } else if (type == "Split") {
-    const auto& pat = object_field(cfg, "pattern", where);
+    const auto& pat = f.object("pattern", kNull);
+    auto pattern = Fields::lenient(pat, origin, f.path_of("pattern"));
     Translation regex;
     if (pat.contains("Regex")) {
-      regex = translate_oniguruma(string_field(pat, "Regex", where + ".pattern"), where);
+      regex = translate_oniguruma(pattern.string("Regex", kNull), where);
     } else if (pat.contains("String")) {
-      regex.exact = quote_literal(string_field(pat, "String", where + ".pattern"));
+      regex.exact = quote_literal(pattern.string("String", kNull));
     } else {
       throw Error(where + ": Split pattern must have 'Regex' or 'String'");
     }
     differs = unicode::unite(differs, regex.differs);
     steps.push_back(std::make_unique<SplitStep>(
-        regex,
-        parse_behavior(cfg.contains("behavior") ? string_field(cfg, "behavior", where) : "Isolated",
-                       where),
-        flag(cfg, "invert", false, where), where));
+        regex, parse_behavior(f.string_or("behavior", "Isolated", kNull), where),
+        f.boolean_or("invert", false, kNull), where));
   } else if (type == "Digits") {
-    bool individual = flag(cfg, "individual_digits", false, where);
+    bool individual = f.boolean_or("individual_digits", false, kNull);
     const Translation numbers = translate_oniguruma("\\p{N}", where);
     differs = unicode::unite(differs, numbers.differs);
     steps.push_back(std::make_unique<SplitStep>(
         numbers, individual ? Behavior::kIsolated : Behavior::kContiguous, false, where));
   } else if (type == "ByteLevel") {
-    steps.push_back(std::make_unique<ByteLevelStep>(flag(cfg, "add_prefix_space", false, where),
-                                                    flag(cfg, "use_regex", true, where), where,
+    steps.push_back(std::make_unique<ByteLevelStep>(f.boolean_or("add_prefix_space", false, kNull),
+                                                    f.boolean_or("use_regex", true, kNull), where,
                                                     differs));
     saw_byte_level = true;
   } else {
@@ -528,7 +531,7 @@ PreTokenizer::PreTokenizer(const nlohmann::json& config, const std::string& orig
     throw Error(where + ": missing; byte-level BPE needs a ByteLevel pre-tokenizer");
   bool saw_byte_level = false;
   unicode::Ranges differs;
-  add_steps(config, where, steps_, saw_byte_level, differs);
+  add_steps(config, origin, "pre_tokenizer", steps_, saw_byte_level, differs);
   needs_exact_ = unicode::Membership(differs);
   if (!saw_byte_level)
     throw Error(where + ": no ByteLevel step; only byte-level BPE tokenizers are supported");

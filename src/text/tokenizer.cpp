@@ -12,22 +12,21 @@
 #include "text/added_vocabulary.h"
 #include "text/bpe.h"
 #include "text/byte_level.h"
-#include "text/json_fields.h"
 #include "text/normalizer.h"
 #include "text/pretokenizer.h"
 #include "util/error.h"
 #include "util/file.h"
 #include "util/json.h"
+#include "util/json_fields.h"
 #include "util/utf8.h"
 
 namespace tandem::text {
 namespace {
 
 using json = nlohmann::json;
-using json_fields::flag;
-using json_fields::list_field;
-using json_fields::object_field;
-using json_fields::string_field;
+// tokenizer.json is read by tokenizers with serde: an Option takes null, a bool or a String does
+// not.
+constexpr auto kNull = Fields::Null::kWrongType;
 
 // Special tokens a post-processor puts around a single sequence.
 struct Framing {
@@ -45,39 +44,39 @@ TokenId framing_id(const json& v, const std::string& field, const std::vector<st
   return static_cast<TokenId>(id);
 }
 
-void add_post_processor(const json& cfg, const std::string& where, Framing& f,
-                        const std::vector<std::string>& vocab) {
+// The post-processor `key` of `parent` (tokenizer.json's, or a Sequence's list).
+void add_post_processor(const json& cfg, const Fields& parent, const std::string& key,
+                        Framing& framing, const std::vector<std::string>& vocab) {
   if (cfg.is_null()) return;
-  if (!cfg.is_object()) throw Error(where + " must be an object, not " + cfg.type_name());
-  const auto type = cfg.contains("type") ? string_field(cfg, "type", where) : std::string();
+  if (!cfg.is_object()) parent.fail(key, "must be an object, got " + json_excerpt(cfg));
+  auto f = Fields::lenient(cfg, parent.origin(), parent.path_of(key));
+  const std::string where = f.where();
+  const auto type = f.string_or("type", "", kNull);
   if (type == "ByteLevel") return;  // only adjusts offsets, which Tandem does not track
   if (type == "Sequence") {
-    const auto& list = list_field(cfg, "processors", where);
+    const auto& list = f.list("processors", kNull);
     for (size_t i = 0; i < list.size(); ++i)
-      add_post_processor(list[i], where + ".processors[" + std::to_string(i) + "]", f, vocab);
+      add_post_processor(list[i], f, "processors[" + std::to_string(i) + "]", framing, vocab);
     return;
   }
   if (type == "TemplateProcessing") {
-    const auto& specials = object_field(cfg, "special_tokens", where);
-    const auto& single = list_field(cfg, "single", where);
+    const auto& specials = f.object("special_tokens", kNull);
+    const auto& single = f.list("single", kNull);
     bool seen_a = false;
     for (size_t i = 0; i < single.size(); ++i) {
       const json& item = single[i];
-      const std::string at = where + ".single[" + std::to_string(i) + "]";
+      auto item_fields =
+          Fields::lenient(item, f.origin(), f.path_of("single") + "[" + std::to_string(i) + "]");
       if (item.contains("Sequence")) {
-        if (string_field(object_field(item, "Sequence", at), "id", at + ".Sequence") != "A" ||
-            seen_a)
+        if (item_fields.nested("Sequence", kNull).string("id", kNull) != "A" || seen_a)
           throw Error(where + ": single-sequence template must use $A exactly once");
         seen_a = true;
       } else if (item.contains("SpecialToken")) {
-        auto name =
-            string_field(object_field(item, "SpecialToken", at), "id", at + ".SpecialToken");
+        auto name = item_fields.nested("SpecialToken", kNull).string("id", kNull);
         if (!specials.contains(name))
           throw Error(where + ": template token '" + name + "' is not in special_tokens");
-        auto& dst = seen_a ? f.suffix : f.prefix;
-        const auto& ids =
-            list_field(object_field(specials, name.c_str(), where + ".special_tokens"), "ids",
-                       where + ".special_tokens." + name);
+        auto& dst = seen_a ? framing.suffix : framing.prefix;
+        const auto& ids = f.nested("special_tokens", kNull).nested(name, kNull).list("ids", kNull);
         for (size_t j = 0; j < ids.size(); ++j)
           dst.push_back(framing_id(
               ids[j], where + ": special_tokens['" + name + "'].ids[" + std::to_string(j) + "]",
@@ -91,70 +90,70 @@ void add_post_processor(const json& cfg, const std::string& where, Framing& f,
   }
   if (type == "RobertaProcessing" || type == "BertProcessing") {
     auto id_of = [&](const char* key) {
-      const auto& pair = list_field(cfg, key, where);
+      const auto& pair = f.list(key, kNull);
       if (pair.size() != 2)
-        throw Error(where + "." + key + " must be [token, id], not a list of " +
-                    std::to_string(pair.size()));
+        f.fail(key, "must be [token, id], got a list of " + std::to_string(pair.size()));
       return framing_id(pair[1], where + ": " + key + "[1]", vocab);
     };
-    f.prefix.push_back(id_of("cls"));
-    f.suffix.push_back(id_of("sep"));
+    framing.prefix.push_back(id_of("cls"));
+    framing.suffix.push_back(id_of("sep"));
     return;
   }
   throw Error(where + ": post-processor type '" + type + "' is not supported");
 }
 
-void check_decoder(const json& cfg, const std::string& where) {
+// The decoder `key` of `parent` (tokenizer.json's, or a Sequence's list).
+void check_decoder(const json& cfg, const Fields& parent, const std::string& key) {
+  auto f = Fields::lenient(cfg, parent.origin(), parent.path_of(key));
+  const std::string where = f.where();
   if (cfg.is_null()) throw Error(where + ": missing; byte-level BPE needs a ByteLevel decoder");
-  if (!cfg.is_object()) throw Error(where + " must be an object, not " + cfg.type_name());
-  const auto type = cfg.contains("type") ? string_field(cfg, "type", where) : std::string();
+  if (!cfg.is_object()) parent.fail(key, "must be an object, got " + json_excerpt(cfg));
+  const auto type = f.string_or("type", "", kNull);
   if (type == "ByteLevel") return;
-  if (type == "Sequence" && cfg.contains("decoders") &&
-      list_field(cfg, "decoders", where).size() == 1)
-    return check_decoder(cfg["decoders"][0], where + ".decoders[0]");
+  if (type == "Sequence" && cfg.contains("decoders") && f.list("decoders", kNull).size() == 1)
+    return check_decoder(cfg["decoders"][0], f, "decoders[0]");
   throw Error(where + ": decoder type '" + type + "' is not supported (only ByteLevel is)");
 }
 
 // An added token as tokenizer.json's "added_tokens" and tokenizer_config.json's
-// "added_tokens_decoder" write it, at `where` ("file: field"); `normalized` defaults to the
+// "added_tokens_decoder" write it, the field `key` of `parent`; `normalized` defaults to the
 // opposite of `special`, as in HF.
-AddedToken parse_added_token(const json& t, TokenId id, const std::string& where) {
+AddedToken parse_added_token(const json& t, TokenId id, const Fields& parent,
+                             const std::string& key) {
   if (!t.is_object())
-    throw Error(where + " must be an object with a \"content\" string, not " + t.type_name());
+    parent.fail(key, "must be an object with a \"content\" string, got " + json_excerpt(t));
+  auto f = Fields::lenient(t, parent.origin(), parent.path_of(key));
   AddedToken a;
-  a.content = string_field(t, "content", where);
+  a.content = f.string("content", kNull);
   a.id = id;
-  a.special = flag(t, "special", false, where);
-  a.lstrip = flag(t, "lstrip", false, where);
-  a.rstrip = flag(t, "rstrip", false, where);
-  a.single_word = flag(t, "single_word", false, where);
-  a.normalized = flag(t, "normalized", !a.special, where);
+  a.special = f.boolean_or("special", false, kNull);
+  a.lstrip = f.boolean_or("lstrip", false, kNull);
+  a.rstrip = f.boolean_or("rstrip", false, kNull);
+  a.single_word = f.boolean_or("single_word", false, kNull);
+  a.normalized = f.boolean_or("normalized", !a.special, kNull);
   return a;
 }
 
 // tokenizer_config.json writes tokens as strings or as {"content": ...} objects; null or absent
 // is no token.
-std::string token_content(const json& cfg, const char* key, const std::string& cfg_origin) {
-  const auto it = cfg.find(key);
-  if (it == cfg.end() || it->is_null()) return {};
-  if (it->is_string()) return it->get<std::string>();
-  const std::string field = cfg_origin + ": " + key;
-  if (!it->is_object())
-    throw Error(field + " must be a string or {\"content\": string}, not " + it->type_name());
-  return string_field(*it, "content", field);
+std::string token_content(Fields& config, const char* key) {
+  const json* v = config.get(key);
+  if (!v) return {};
+  if (v->is_string()) return v->get<std::string>();
+  if (!v->is_object())
+    config.fail(key, "must be a string or {\"content\": string}, got " + json_excerpt(*v));
+  return config.nested(key).string("content", kNull);
 }
 
 // add_bos_token and add_eos_token: transformers passes the value to the class as it is, whose
 // post-processor tests it for truth, so null adds no token; the class's default applies only
 // when the key is absent.
-bool add_token_flag(const json& cfg, const char* key, bool fallback,
-                    const std::string& cfg_origin) {
-  const auto it = cfg.find(key);
-  if (it == cfg.end()) return fallback;
-  if (it->is_null()) return false;
-  if (!it->is_boolean())
-    throw Error(cfg_origin + ": " + key + " must be true, false or null, not " + it->type_name());
-  return it->get<bool>();
+bool add_token_flag(Fields& config, const char* key, bool fallback) {
+  const json* v = config.get(key, Fields::Null::kWrongType);
+  if (!v) return fallback;
+  if (v->is_null()) return false;
+  if (!v->is_boolean()) config.fail(key, "must be true, false or null, got " + json_excerpt(*v));
+  return v->get<bool>();
 }
 
 // transformers' Llama-style fast tokenizers rebuild the post-processor from add_bos_token /
@@ -168,20 +167,22 @@ bool class_rebuilds_post_processor(const std::string& cls) {
 // list of {"name", "template"} (transformers makes it a dict by name, a later entry winning).
 std::vector<NamedChatTemplate> chat_templates_of(const json& doc, const std::string& origin) {
   std::vector<NamedChatTemplate> out;
-  const auto it = doc.find("chat_template");
-  if (it == doc.end() || it->is_null()) return out;
-  if (it->is_string()) {
-    out.push_back({"default", it->get<std::string>()});
+  auto f = Fields::lenient(doc, origin);
+  const json* templates = f.get("chat_template");
+  if (!templates) return out;
+  if (templates->is_string()) {
+    out.push_back({"default", templates->get<std::string>()});
     return out;
   }
-  if (!it->is_array())
-    throw Error(origin + ": chat_template must be a string or a list of {\"name\", \"template\"}");
-  for (size_t i = 0; i < it->size(); ++i) {
-    const json& t = (*it)[i];
+  if (!templates->is_array())
+    f.fail("chat_template", "must be a string or a list of {\"name\", \"template\"}, got " +
+                                json_excerpt(*templates));
+  for (size_t i = 0; i < templates->size(); ++i) {
+    const json& t = (*templates)[i];
     if (!t.is_object() || !t.contains("name") || !t["name"].is_string() ||
         !t.contains("template") || !t["template"].is_string())
-      throw Error(origin + ": chat_template[" + std::to_string(i) +
-                  "] must be {\"name\": string, \"template\": string}");
+      f.fail("chat_template[" + std::to_string(i) + "]",
+             "must be {\"name\": string, \"template\": string}, got " + json_excerpt(t));
     const auto name = t["name"].get<std::string>();
     std::erase_if(out, [&](const NamedChatTemplate& n) { return n.name == name; });
     out.push_back({name, t["template"].get<std::string>()});
@@ -305,6 +306,9 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   }
   if (!doc.is_object() || !doc.contains("model"))
     throw Error(origin + ": expected a JSON object with a 'model' (a Hugging Face tokenizer.json)");
+  auto document = Fields::lenient(doc, origin);
+  // tokenizer_config.json is read by transformers, where null is None: the key left out.
+  auto config = Fields::lenient(cfg, cfg_origin);
 
   try {
     impl->normalizer = std::make_unique<Normalizer>(doc.value("normalizer", json()), origin);
@@ -316,17 +320,17 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     if (const auto it = cfg.find("added_tokens_decoder"); it != cfg.end() && it->is_object())
       listed_added += it->size();
     impl->bpe = std::make_unique<Bpe>(doc["model"], origin, listed_added);
-    check_decoder(doc.value("decoder", json()), origin + ": decoder");
+    check_decoder(doc.value("decoder", json()), document, "decoder");
 
     // Vocabulary first, then added tokens (which may reuse or extend ids).
     impl->id_to_token = impl->bpe->tokens();
     std::vector<AddedToken> added;
     const json& added_tokens = doc.value("added_tokens", json::array());
     if (!added_tokens.is_array() && !added_tokens.is_null())
-      throw Error(origin + ": added_tokens must be a list, not " + added_tokens.type_name());
+      document.fail("added_tokens", "must be a list, got " + json_excerpt(added_tokens));
     for (size_t i = 0; i < added_tokens.size(); ++i) {
       const json& t = added_tokens[i];
-      AddedToken a = parse_added_token(t, 0, origin + ": added_tokens[" + std::to_string(i) + "]");
+      AddedToken a = parse_added_token(t, 0, document, "added_tokens[" + std::to_string(i) + "]");
       const auto id = t.find("id");
       if (id == t.end() || !id->is_number_integer() || id->get<int64_t>() < 0 ||
           id->get<int64_t>() >= (1 << 24))
@@ -338,9 +342,9 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     if (const auto decoder = cfg.find("added_tokens_decoder");
         decoder != cfg.end() && !decoder->is_null()) {
       if (!decoder->is_object())
-        throw Error(cfg_origin +
-                    ": added_tokens_decoder must be an object of token ids to tokens, not " +
-                    decoder->type_name());
+        config.fail("added_tokens_decoder",
+                    "must be an object of token ids to tokens, got " + json_excerpt(*decoder));
+      const auto entries = config.nested("added_tokens_decoder");
       // A set, not a scan of `added` per entry: files list tens of thousands of added tokens.
       std::unordered_set<TokenId> listed;
       for (const auto& a : added) listed.insert(a.id);
@@ -350,7 +354,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
         if (ec != std::errc() || end != id_str.data() + id_str.size() || id < 0 || id >= (1 << 24))
           throw Error(cfg_origin + ": added_tokens_decoder key '" + id_str + "' is not a token id");
         if (!listed.insert(id).second) continue;
-        added.push_back(parse_added_token(t, id, cfg_origin + ": added_tokens_decoder." + id_str));
+        added.push_back(parse_added_token(t, id, entries, id_str));
       }
     }
 
@@ -395,11 +399,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
       if (a.special) impl->special[a.id] = 1;
     // transformers sets the fast tokenizer's encode_special_tokens from split_special_tokens:
     // special tokens in the text are then encoded as the text they are.
-    const auto split_special = cfg.find("split_special_tokens");
-    if (split_special != cfg.end() && !split_special->is_boolean() && !split_special->is_null())
-      throw Error(cfg_origin + ": split_special_tokens must be true or false");
-    const bool skip_special =
-        split_special != cfg.end() && split_special->is_boolean() && split_special->get<bool>();
+    const bool skip_special = config.boolean_or("split_special_tokens", false);
     impl->raw_matcher = AddedTokenMatcher(std::move(raw), skip_special);
     impl->normalized_matcher = AddedTokenMatcher(std::move(normalized), skip_special);
 
@@ -415,14 +415,9 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     }
     for (const auto& a : added) impl->token_to_id[a.content] = a.id;
 
-    if (const auto it = cfg.find("clean_up_tokenization_spaces"); it != cfg.end()) {
-      if (!it->is_boolean() && !it->is_null())
-        throw Error(cfg_origin + ": clean_up_tokenization_spaces must be true or false, not " +
-                    it->type_name());
-      impl->clean_up_tokenization_spaces = it->is_boolean() && it->get<bool>();
-    }
-    impl->bos_token = token_content(cfg, "bos_token", cfg_origin);
-    impl->eos_token = token_content(cfg, "eos_token", cfg_origin);
+    impl->clean_up_tokenization_spaces = config.boolean_or("clean_up_tokenization_spaces", false);
+    impl->bos_token = token_content(config, "bos_token");
+    impl->eos_token = token_content(config, "eos_token");
     auto lookup = [&](const std::string& t) -> std::optional<TokenId> {
       if (t.empty()) return std::nullopt;
       auto it = impl->token_to_id.find(t);
@@ -433,15 +428,10 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     impl->bos_id = lookup(impl->bos_token);
     impl->eos_id = lookup(impl->eos_token);
 
-    std::string cls;  // null is no class, as absent
-    if (const auto it = cfg.find("tokenizer_class"); it != cfg.end() && !it->is_null()) {
-      if (!it->is_string())
-        throw Error(cfg_origin + ": tokenizer_class must be a string, not " + it->type_name());
-      cls = it->get<std::string>();
-    }
+    const std::string cls = config.string_or("tokenizer_class", "");  // null is no class
     if (class_rebuilds_post_processor(cls)) {
-      const bool add_bos = add_token_flag(cfg, "add_bos_token", true, cfg_origin),
-                 add_eos = add_token_flag(cfg, "add_eos_token", false, cfg_origin);
+      const bool add_bos = add_token_flag(config, "add_bos_token", true),
+                 add_eos = add_token_flag(config, "add_eos_token", false);
       if (add_bos && !impl->bos_id)
         throw Error(cfg_origin + ": add_bos_token is set but bos_token is not");
       if (add_eos && !impl->eos_id)
@@ -449,7 +439,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
       if (add_bos) impl->framing.prefix.push_back(*impl->bos_id);
       if (add_eos) impl->framing.suffix.push_back(*impl->eos_id);
     } else {
-      add_post_processor(doc.value("post_processor", json()), origin + ": post_processor",
+      add_post_processor(doc.value("post_processor", json()), document, "post_processor",
                          impl->framing, impl->id_to_token);
     }
 

@@ -157,6 +157,10 @@ const json& Fields::object(const std::string& key, Null null) {
   return v;
 }
 
+Fields Fields::nested(const std::string& key, Null null) {
+  return Fields(object(key, null), origin_, path_of(key), strict_);
+}
+
 void Fields::at_most(const std::string& key, int64_t v, int64_t limit) const {
   if (v > limit)
     fail(key,

@@ -38,6 +38,7 @@ class Fields {
     return Fields(obj, std::move(origin), std::move(path), false);
   }
 
+  const std::string& origin() const { return origin_; }
   // "<origin>: <path>", or the origin alone for the document, for messages about the object as a
   // whole.
   std::string where() const;
@@ -82,6 +83,9 @@ class Fields {
   std::optional<std::string> optional_string(const std::string& key, Null null = Null::kAbsent);
   const json& list(const std::string& key, Null null = Null::kAbsent);
   const json& object(const std::string& key, Null null = Null::kAbsent);
+  // The fields of the object field `key`, read as these are (strict ones need their own
+  // reject_unknown()), their messages naming "<path>.<key>.<field>".
+  Fields nested(const std::string& key, Null null = Null::kAbsent);
 
   // An integer field's value against a limit of this engine.
   void at_most(const std::string& key, int64_t v, int64_t limit) const;

@@ -373,26 +373,30 @@ std::string config_error(const nlohmann::json& config) {
 TEST(Tokenizer, AConfigFieldOfTheWrongTypeIsNamedWithItsFile) {
   const std::string cfg = "tokenizer_config.json beside q/tokenizer.json: ";
   EXPECT_EQ(config_error({{"bos_token", {{"content", 5}}}}),
-            cfg + "bos_token.content must be a string, not number");
+            cfg + "field 'bos_token.content' must be a string, got 5");
   EXPECT_EQ(config_error({{"eos_token", {{"lstrip", false}}}}),
-            cfg + "eos_token.content must be a string, and is missing");
+            cfg + "field 'eos_token.content' is required (a string)");
   EXPECT_EQ(config_error({{"eos_token", 5}}),
-            cfg + "eos_token must be a string or {\"content\": string}, not number");
+            cfg + "field 'eos_token' must be a string or {\"content\": string}, got 5");
   EXPECT_EQ(
       config_error({{"added_tokens_decoder", {{"5", {{"content", "x"}, {"special", "yes"}}}}}}),
-      cfg + "added_tokens_decoder.5.special must be true or false, not string");
+      cfg + "field 'added_tokens_decoder.5.special' must be true or false, got \"yes\"");
   EXPECT_EQ(config_error({{"added_tokens_decoder", {{"5", nlohmann::json::object()}}}}),
-            cfg + "added_tokens_decoder.5.content must be a string, and is missing");
-  EXPECT_EQ(config_error({{"added_tokens_decoder", {{"5", "x"}}}}),
-            cfg + "added_tokens_decoder.5 must be an object with a \"content\" string, not string");
+            cfg + "field 'added_tokens_decoder.5.content' is required (a string)");
+  EXPECT_EQ(
+      config_error({{"added_tokens_decoder", {{"5", "x"}}}}),
+      cfg +
+          "field 'added_tokens_decoder.5' must be an object with a \"content\" string, got \"x\"");
   EXPECT_EQ(config_error({{"added_tokens_decoder", {{{"content", "x"}}}}}),
-            cfg + "added_tokens_decoder must be an object of token ids to tokens, not array");
+            cfg +
+                "field 'added_tokens_decoder' must be an object of token ids to tokens, got "
+                "[{\"content\":\"x\"}]");
   EXPECT_EQ(config_error({{"tokenizer_class", 5}}),
-            cfg + "tokenizer_class must be a string, not number");
+            cfg + "field 'tokenizer_class' must be a string, got 5");
   EXPECT_EQ(config_error({{"tokenizer_class", "LlamaTokenizerFast"},
                           {"bos_token", "<|endoftext|>"},
                           {"add_bos_token", "yes"}}),
-            cfg + "add_bos_token must be true, false or null, not string");
+            cfg + "field 'add_bos_token' must be true, false or null, got \"yes\"");
   // tokenizer.json's own list of added tokens is named the same way.
   auto doc = nlohmann::json::parse(qwen_json());
   doc["added_tokens"][1]["rstrip"] = nullptr;
@@ -401,7 +405,7 @@ TEST(Tokenizer, AConfigFieldOfTheWrongTypeIsNamedWithItsFile) {
     FAIL() << "loaded";
   } catch (const Error& e) {
     EXPECT_EQ(std::string(e.what()),
-              "q/tokenizer.json: added_tokens[1].rstrip must be true or false, not null");
+              "q/tokenizer.json: field 'added_tokens[1].rstrip' must be true or false, got null");
   }
 }
 
@@ -418,59 +422,68 @@ TEST(Tokenizer, ATokenizerJsonFieldOfTheWrongTypeIsNamed) {
                                     {"pair", json::array()},
                                     {"special_tokens", json::object()}};
   const std::vector<std::tuple<std::string, json, std::string>> cases = {
-      {"/model/dropout", "x", "model.dropout must be a number or null, not string"},
-      {"/model/unk_token", 5, "model.unk_token must be a string or null, not number"},
+      {"/model/dropout", "x", "field 'model.dropout' must be a number, got \"x\""},
+      {"/model/unk_token", 5, "field 'model.unk_token' must be a string, got 5"},
       {"/model/continuing_subword_prefix", 0,
-       "model.continuing_subword_prefix must be a string or null, not number"},
-      {"/model/byte_fallback", "no", "model.byte_fallback must be true or false, not string"},
-      {"/model/ignore_merges", 1, "model.ignore_merges must be true or false, not number"},
-      {"/model/fuse_unk", nullptr, "model.fuse_unk must be true or false, not null"},
-      {"/model/type", 5, "model.type must be a string, not number"},
-      {"/normalizer/type", 5, "normalizer.type must be a string, not number"},
+       "field 'model.continuing_subword_prefix' must be a string, got 0"},
+      {"/model/byte_fallback", "no",
+       "field 'model.byte_fallback' must be true or false, got \"no\""},
+      {"/model/ignore_merges", 1, "field 'model.ignore_merges' must be true or false, got 1"},
+      {"/model/fuse_unk", nullptr, "field 'model.fuse_unk' must be true or false, got null"},
+      {"/model/type", 5, "field 'model.type' must be a string, got 5"},
+      {"/normalizer/type", 5, "field 'normalizer.type' must be a string, got 5"},
       {"/normalizer",
        {{"type", "Sequence"}, {"normalizers", 5}},
-       "normalizer.normalizers must be a list, not number"},
+       "field 'normalizer.normalizers' must be a list, got 5"},
       {"/normalizer",
        {{"type", "Replace"}, {"pattern", {{"String", 5}}}, {"content", "x"}},
-       "normalizer.pattern.String must be a string, not number"},
+       "field 'normalizer.pattern.String' must be a string, got 5"},
       {"/normalizer",
        {{"type", "Replace"}, {"pattern", "a"}, {"content", "x"}},
-       "normalizer.pattern must be an object, not string"},
+       "field 'normalizer.pattern' must be an object, got \"a\""},
       {"/normalizer",
        {{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", nullptr}},
-       "normalizer.content must be a string, not null"},
-      {"/normalizer", {{"type", "Prepend"}}, "normalizer.prepend must be a string, and is missing"},
-      {"/pre_tokenizer/type", 5, "pre_tokenizer.type must be a string, not number"},
+       "field 'normalizer.content' must be a string, got null"},
+      {"/normalizer", {{"type", "Prepend"}}, "field 'normalizer.prepend' is required (a string)"},
+      {"/pre_tokenizer/type", 5, "field 'pre_tokenizer.type' must be a string, got 5"},
       {"/pre_tokenizer/pretokenizers", json::object(),
-       "pre_tokenizer.pretokenizers must be a list, not object"},
+       "field 'pre_tokenizer.pretokenizers' must be a list, got {}"},
       {"/pre_tokenizer/pretokenizers/0/pattern", "x",
-       "pre_tokenizer.pretokenizers[0].pattern must be an object, not string"},
+       "field 'pre_tokenizer.pretokenizers[0].pattern' must be an object, got \"x\""},
       {"/pre_tokenizer/pretokenizers/0/pattern/Regex", 5,
-       "pre_tokenizer.pretokenizers[0].pattern.Regex must be a string, not number"},
+       "field 'pre_tokenizer.pretokenizers[0].pattern.Regex' must be a string, got 5"},
       {"/pre_tokenizer/pretokenizers/0/pattern",
        {{"String", false}},
-       "pre_tokenizer.pretokenizers[0].pattern.String must be a string, not boolean"},
+       "field 'pre_tokenizer.pretokenizers[0].pattern.String' must be a string, got false"},
       {"/pre_tokenizer/pretokenizers/0/behavior", 1,
-       "pre_tokenizer.pretokenizers[0].behavior must be a string, not number"},
+       "field 'pre_tokenizer.pretokenizers[0].behavior' must be a string, got 1"},
       {"/pre_tokenizer/pretokenizers/0/invert", "no",
-       "pre_tokenizer.pretokenizers[0].invert must be true or false, not string"},
+       "field 'pre_tokenizer.pretokenizers[0].invert' must be true or false, got \"no\""},
       {"/pre_tokenizer/pretokenizers/0",
        {{"type", "Digits"}, {"individual_digits", "yes"}},
-       "pre_tokenizer.pretokenizers[0].individual_digits must be true or false, not string"},
+       "field 'pre_tokenizer.pretokenizers[0].individual_digits' must be true or false, got "
+       "\"yes\""},
       {"/pre_tokenizer/pretokenizers/1/add_prefix_space", "x",
-       "pre_tokenizer.pretokenizers[1].add_prefix_space must be true or false, not string"},
+       "field 'pre_tokenizer.pretokenizers[1].add_prefix_space' must be true or false, got \"x\""},
       {"/pre_tokenizer/pretokenizers/1/use_regex", nullptr,
-       "pre_tokenizer.pretokenizers[1].use_regex must be true or false, not null"},
-      {"/decoder/type", 5, "decoder.type must be a string, not number"},
-      {"/decoder", sequence_of_one, "decoder.decoders must be a list, not object"},
-      {"/post_processor/type", 5, "post_processor.type must be a string, not number"},
+       "field 'pre_tokenizer.pretokenizers[1].use_regex' must be true or false, got null"},
+      {"/decoder", 5, "field 'decoder' must be an object, got 5"},
+      {"/decoder/type", 5, "field 'decoder.type' must be a string, got 5"},
+      {"/decoder", sequence_of_one,
+       "field 'decoder.decoders' must be a list, got {\"a\":{\"type\":\"ByteLevel\"}}"},
+      {"/post_processor", "x", "field 'post_processor' must be an object, got \"x\""},
+      {"/post_processor",
+       {{"type", "Sequence"}, {"processors", json::array({5})}},
+       "field 'post_processor.processors[0]' must be an object, got 5"},
+      {"/post_processor/type", 5, "field 'post_processor.type' must be a string, got 5"},
       {"/post_processor",
        {{"type", "Sequence"}, {"processors", json::object()}},
-       "post_processor.processors must be a list, not object"},
-      {"/post_processor", template_processing, "post_processor.single must be a list, not string"},
+       "field 'post_processor.processors' must be a list, got {}"},
+      {"/post_processor", template_processing,
+       "field 'post_processor.single' must be a list, got \"$A\""},
       {"/post_processor",
        {{"type", "BertProcessing"}, {"cls", "x"}, {"sep", {"x", 1}}},
-       "post_processor.cls must be a list, not string"},
+       "field 'post_processor.cls' must be a list, got \"x\""},
   };
   // A small tokenizer.json with every field above, as qwen3's writes them.
   auto base = tiny_model({{"a", 0}, {"b", 1}});
@@ -548,8 +561,8 @@ TEST(Tokenizer, CleanUpTokenizationSpacesIsReadAsTransformersReadsIt) {
   EXPECT_FALSE(load({{"clean_up_tokenization_spaces", nullptr}}).clean_up_tokenization_spaces());
   EXPECT_FALSE(load({{"clean_up_tokenization_spaces", false}}).clean_up_tokenization_spaces());
   EXPECT_EQ(config_error({{"clean_up_tokenization_spaces", "yes"}}),
-            "tokenizer_config.json beside q/tokenizer.json: clean_up_tokenization_spaces must be "
-            "true or false, not string");
+            "tokenizer_config.json beside q/tokenizer.json: field 'clean_up_tokenization_spaces' "
+            "must be true or false, got \"yes\"");
   const auto ids = on.encode("Hi , you 're here .", false);
   EXPECT_EQ(on.decode(ids, false), "Hi , you 're here .");
   EXPECT_EQ(on.decode_as_transformers(ids, false), "Hi, you're here.");
@@ -854,7 +867,8 @@ TEST(ChatTemplateSources, MalformedEntriesAndTemplatesAreNamed) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), HasSubstr("tokenizer_config.json beside"));
     EXPECT_THAT(e.what(),
-                HasSubstr(": chat_template[1] must be {\"name\": string, \"template\": string}"));
+                HasSubstr(": field 'chat_template[1]' must be {\"name\": string, \"template\": "
+                          "string}, got {\"name\":\"y\"}"));
   }
   const auto tok = Tokenizer::from_dir(
       template_folder({{"chat_template.jinja", "fine"},
@@ -943,7 +957,8 @@ TEST(Tokenizer, SplitSpecialTokensEncodesThemAsText) {
     Tokenizer::from_dir(template_folder({{"tokenizer_config.json", config.dump()}}));
     FAIL();
   } catch (const Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("split_special_tokens must be true or false"));
+    EXPECT_THAT(e.what(),
+                HasSubstr("field 'split_special_tokens' must be true or false, got \"yes\""));
   }
 }
 

@@ -144,10 +144,24 @@ TEST(Fields, WhereAndPathsNameTheObjectInItsDocument) {
   EXPECT_EQ(doc.where(), "c.json");
   EXPECT_EQ(doc.path_of("n"), "n");
   auto nested = Fields::lenient(kDoc, "t.json", "pre_tokenizer.pretokenizers[0]");
+  EXPECT_EQ(nested.origin(), "t.json");
   EXPECT_EQ(nested.where(), "t.json: pre_tokenizer.pretokenizers[0]");
   EXPECT_EQ(nested.path_of("pattern"), "pre_tokenizer.pretokenizers[0].pattern");
   EXPECT_EQ(error_of([&] { nested.fail("type", "is not supported"); }),
             "t.json: field 'pre_tokenizer.pretokenizers[0].type' is not supported");
+}
+
+TEST(Fields, NestedFieldsNameTheirPathFromTheDocument) {
+  const json doc = {{"pattern", {{"String", 5}, {"extra", 1}}}};
+  auto f = Fields::strict(doc, "t.json", "normalizer");
+  auto pattern = f.nested("pattern");
+  EXPECT_EQ(error_of([&] { pattern.string("String"); }),
+            "t.json: field 'normalizer.pattern.String' must be a string, got 5");
+  EXPECT_EQ(error_of([&] { pattern.reject_unknown(); }),
+            "t.json: field 'normalizer.pattern.extra' is not a known field of this configuration");
+  EXPECT_NO_THROW(f.reject_unknown());  // 'pattern' was read
+  EXPECT_EQ(error_of([&] { f.nested("absent"); }),
+            "t.json: field 'normalizer.absent' is required (an object)");
 }
 
 TEST(Fields, LimitsNameTheValueAndTheLimit) {
