@@ -1,5 +1,6 @@
 #include "engine/api_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -8,6 +9,7 @@
 #include "api/error.h"
 #include "api/load_report.h"
 #include "api/model_list.h"
+#include "api/prefill_work.h"
 #include "net/loop_tasks.h"
 #include "net/reply.h"
 #include "placement/placement_format.h"
@@ -92,6 +94,33 @@ class CountedReply final : public net::Reply {
 
 }  // namespace
 
+struct ApiServer::Unprepared {
+  std::atomic<int64_t> requests{0}, tokens{0}, pairs{0};
+
+  void add(const api::PrefillWork& work, int64_t sign) {
+    requests += sign;
+    tokens += sign * work.tokens;
+    pairs += sign * work.pairs;
+  }
+
+  // One generation request, counted from when its handler takes it until its preparation ended
+  // or was dropped (with the task that holds this).
+  class Counted {
+   public:
+    Counted(std::shared_ptr<Unprepared> counts, api::PrefillWork work)
+        : counts_(std::move(counts)), work_(work) {
+      counts_->add(work_, 1);
+    }
+    ~Counted() { counts_->add(work_, -1); }
+    Counted(const Counted&) = delete;
+    Counted& operator=(const Counted&) = delete;
+
+   private:
+    const std::shared_ptr<Unprepared> counts_;
+    const api::PrefillWork work_;
+  };
+};
+
 struct ApiServer::Preparer {
   util::TaskThread thread{"prepare"};
   std::atomic<int64_t> queued{0};  // requests posted whose preparation has not ended
@@ -104,6 +133,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
       api_keys_(std::move(api_keys)),
       io_threads_(std::max(1, options.threads)),
       drain_(std::make_shared<Drain>()),
+      unprepared_(std::make_shared<Unprepared>()),
       server_([&] {
         options.error_response = api::openai_error_response;
         return std::move(options);
@@ -117,7 +147,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   const ExecutorInfo& info = engine_.executor_info();
 
   route("GET", "/health", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
-    if (refusing_.load()) {
+    if (refusing()) {
       ex->send_error(503, kShuttingDown, "server_error");
       return;
     }
@@ -136,7 +166,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
     ex->respond(200, registry_.render(), std::string(metrics::Registry::kContentType));
   });
   route("GET", "/load", [this](const net::HttpRequest& req, std::shared_ptr<net::Exchange> ex) {
-    ex->respond(200, api::to_json(engine_.load(), api::load_since_step(req.target)));
+    ex->respond(200, api::to_json(load(), api::load_since_step(req.target)));
   });
   route("GET", "/expert_load", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     if (auto load = engine_.expert_load()) {
@@ -207,7 +237,7 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
   auto generation = [this](api::ApiKind kind) {
     return [this, kind](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
       std::shared_ptr<net::Reply> reply = std::make_shared<net::ExchangeReply>(ex);
-      if (refusing_.load()) {
+      if (refusing()) {
         prepare(std::move(ex), std::move(reply),
                 [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
                   generation_.refuse(kind, req, *r, kShuttingDown);
@@ -217,8 +247,15 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
       // Counted from here, on the io thread: a drain that begins while it waits to be prepared
       // waits for it too.
       reply = std::make_shared<CountedReply>(std::move(reply), drain_);
+      // Until it is submitted, the engine cannot count it: /load does (load()).
+      const int64_t prompt =
+          std::min<int64_t>(static_cast<int64_t>(ex->request().body.size()) / kBodyBytesPerToken,
+                            engine_.max_model_len());
+      auto unprepared = std::make_shared<Unprepared::Counted>(
+          unprepared_, api::PrefillWork::of_prompt(0, prompt));
       prepare(std::move(ex), std::move(reply),
-              [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+              [this, kind, unprepared = std::move(unprepared)](const net::HttpRequest& req,
+                                                               std::shared_ptr<net::Reply> r) {
                 generation_.handle(kind, req, std::move(r));
               });
     };
@@ -289,27 +326,38 @@ void ApiServer::start() {
   renderer_->start();
   for (auto& p : preparers_) p->thread.start();
   server_.start();
-  started_ = true;
+  state_ = State::kServing;
 }
 uint16_t ApiServer::port() const {
   return server_.port();
 }
 
+api::LoadReport ApiServer::load() const {
+  api::LoadReport report = engine_.load();
+  report.waiting += unprepared_->requests.load();
+  report.prefill_tokens += unprepared_->tokens.load();
+  if (report.prefill_pairs >= 0) report.prefill_pairs += unprepared_->pairs.load();
+  return report;
+}
+
 void ApiServer::refuse_new_requests() {
-  refusing_ = true;
+  State serving = State::kServing;
+  state_.compare_exchange_strong(serving, State::kRefusing);
 }
 
 void ApiServer::end_drain() {
   drain_->update([](Drain& d) { d.cut = true; });
+  server_.end_flush();
 }
 
 void ApiServer::stop(std::chrono::milliseconds drain) {
-  if (stopped_.exchange(true)) return;
-  refuse_new_requests();
-  if (started_.load() && drain > std::chrono::milliseconds::zero()) {
+  const State before = state_.exchange(State::kStopped);
+  if (before == State::kStopped) return;
+  const bool started = before != State::kCreated;
+  const auto deadline = std::chrono::steady_clock::now() + drain;
+  if (started && drain > std::chrono::milliseconds::zero()) {
     // A request a handler took before the refusal is counted once that handler has returned.
     io_threads_pass();
-    const auto deadline = std::chrono::steady_clock::now() + drain;
     std::unique_lock lock(drain_->mutex);
     // First the answers; then the engine, where a prefill's answered leg may still hold its KV
     // for a decode engine's pull or room. No request is submitted after the answers: all were.
@@ -324,12 +372,11 @@ void ApiServer::stop(std::chrono::milliseconds drain) {
                                  [&] { return drain_->cut || drain_->engine_idle; });
     }
   }
-  // The answers written by now go to the sockets before the server closes the connections: it
-  // runs its shutdown as a task of each io thread, after the iteration that writes them. What a
-  // client's socket cannot take by then (a large answer to a slow reader) is cut, as in the
-  // gateway's stop.
-  if (started_.load()) io_threads_pass();
-  server_.stop();
+  // The answers written by now go to the sockets before the connections close, within what is
+  // left of the drain: a large answer to a slow reader is cut only at the deadline.
+  server_.stop(std::max(std::chrono::milliseconds::zero(),
+                        std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now())));
   // What still waits to be prepared has lost its client with the connections: it is dropped.
   for (auto& p : preparers_) p->thread.stop();
   renderer_->stop();  // what it still has is written; later outputs render where they arrive

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "api/load_report.h"
 #include "engine/engine.h"
 #include "engine/generation_api.h"
 #include "net/http_server.h"
@@ -56,20 +57,31 @@ class ApiServer {
 
   void start();
   uint16_t port() const;
+  // What the engine reports at GET /load: its own report (Engine::load) and the generation
+  // requests still waiting to be prepared, which it has not been given yet. Each of those counts
+  // as a waiting sequence whose prompt is its body's bytes / kBodyBytesPerToken tokens (at most
+  // the model's length), none of them cached: a router must not take an engine whose preparation
+  // threads hold a queue as idle.
+  api::LoadReport load() const;
+  // About 4 bytes a token for English text; token ids in JSON take more bytes each, so their
+  // prompts are over-counted, the safe error for a router for the little time they wait.
+  static constexpr int64_t kBodyBytesPerToken = 4;
   // Stops in order: new generation requests (completions, chat, /generate) get 503 "the engine
   // is shutting down" (an OpenAI error) and /health answers 503, so that load balancers and
   // gateways take the engine out, while the cheap routes (/tokenize, /v1/models, /load,
   // /metrics) still answer. The requests in flight have up to `drain` to finish: their answers
-  // go to the sockets (what a slow reader's socket cannot take by the close is cut); then, KV a
-  // prefill holds for a decode engine's pull or room (its answer already went out) may still be
-  // taken. Then the connections close, cutting what is left (the engine, stopped after, aborts its
-  // requests). Returns once all is done; later calls do nothing. The destructor stops without a
-  // drain.
+  // go to the sockets; then, KV a prefill holds for a decode engine's pull or room (its answer
+  // already went out) may still be taken. Then the connections close: those whose complete answer
+  // a slow reader's socket has not yet taken once it has, within what is left of `drain`
+  // (HttpServer::stop's flush); the others at once, cutting what is left (the engine, stopped
+  // after, aborts its requests). Returns once all is done; later calls do nothing. The destructor
+  // stops without a drain.
   void stop(std::chrono::milliseconds drain = {});
-  // The first step of stop(), on its own: the refusals above from now on.
+  // The first step of stop(), on its own: the refusals above from now on (once started; before,
+  // nothing is served and this does nothing).
   void refuse_new_requests();
-  // Ends a drain at once (stop() goes on with closing), or the next one before it begins. From
-  // any thread: an operator's second stop signal.
+  // Ends a drain, and the flush after it, at once (stop() goes on with closing), or the next one
+  // before it begins. From any thread: an operator's second stop signal.
   void end_drain();
 
   // What a drain waits for (shared: the replies that count it may outlive the server).
@@ -80,6 +92,16 @@ class ApiServer {
   using Preparation =
       std::function<void(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply)>;
   struct Preparer;
+  struct Unprepared;
+
+  // Where the server is in its life; it only moves down this list.
+  enum class State {
+    kCreated,   // not started: nothing is served
+    kServing,   // started
+    kRefusing,  // new generation requests are refused (refuse_new_requests)
+    kStopped,   // stop() was called: refusing until the connections close
+  };
+  bool refusing() const { return state_.load() >= State::kRefusing; }
 
   // server_.route behind the API keys (all routes but /health and /metrics).
   void route(std::string method, std::string path, net::Handler handler);
@@ -95,7 +117,9 @@ class ApiServer {
   const std::vector<std::string> api_keys_;
   const int io_threads_;
   const std::shared_ptr<Drain> drain_;
-  std::atomic<bool> refusing_{false}, started_{false}, stopped_{false};
+  // The generation requests not yet prepared (shared: their tasks may outlive the server).
+  const std::shared_ptr<Unprepared> unprepared_;
+  std::atomic<State> state_{State::kCreated};
   net::HttpServer server_;
   // Builds and writes responses from the engine's outputs, in the order they came. Shared with
   // the callbacks, which may outlive the server (an engine stopped later aborts its requests).

@@ -19,6 +19,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/load_report.h"
+#include "api/prefill_work.h"
 #include "engine/api_server.h"
 #include "engine/engine_process.h"
 #include "engine/executor/sim_executor.h"
@@ -100,6 +102,17 @@ class EngineDrain : public ::testing::Test {
   std::shared_future<void> released_ = release_.get_future().share();
   ApiServer server_;
 };
+
+// Waits for `future`, failing the test rather than hanging it when the code under test never
+// completes it: a future of std::async would otherwise block the test's end too.
+template <class T>
+T get_within(std::future<T>& future, std::chrono::seconds limit, const char* what) {
+  if (future.wait_for(limit) != std::future_status::ready) {
+    ADD_FAILURE() << what;
+    std::abort();
+  }
+  return future.get();
+}
 
 // The message of an OpenAI error body.
 std::string error_message(const std::string& body) {
@@ -194,13 +207,44 @@ TEST_F(EngineDrain, EndingTheDrainStopsWithARequestStillInFlight) {
   first.wait();
   auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
   server_.end_drain();
-  stopped.get();
+  get_within(stopped, 60s, "end_drain did not end the drain");
   try {
     answer.get();
     ADD_FAILURE() << "the stream ended whole, but the engine never stepped";
   } catch (const std::exception&) {
     // cut: what a drain's end does to the requests left
   }
+}
+
+// A generation request waiting to be prepared counts in /load as a waiting sequence with its
+// prefill work (estimated from its body): the engine has not been given it yet, so its own report
+// left it out, and a gateway polling then saw an idle engine and sent it more. Once answered,
+// nothing of it is left counted.
+TEST_F(EngineDrain, LoadCountsARequestWaitingToBePrepared) {
+  const json body = {{"prompt", "The quick brown fox jumps over the lazy dog"}, {"max_tokens", 4}};
+  net::Headers hold;
+  hold.add("X-Hold", "1");
+  auto held = std::async(std::launch::async, [&] {
+    return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
+                             hold, 120s);
+  });
+  held_.get_future().wait();
+  auto load = [&] {
+    return api::parse_load_report(
+        net::http_request("127.0.0.1", server_.port(), "GET", "/load").body);
+  };
+  const api::LoadReport waiting = load();
+  EXPECT_EQ(waiting.waiting, 1);
+  const int64_t estimate = static_cast<int64_t>(body.dump().size()) / ApiServer::kBodyBytesPerToken;
+  EXPECT_EQ(waiting.prefill_tokens, estimate);
+  EXPECT_EQ(waiting.prefill_pairs, api::causal_pairs(0, estimate));
+  release_.set_value();
+  run_until(held);
+  EXPECT_EQ(held.get().status, 200);
+  const api::LoadReport after = load();
+  EXPECT_EQ(after.waiting, 0);
+  EXPECT_EQ(after.prefill_tokens, 0);
+  EXPECT_EQ(after.prefill_pairs, 0);
 }
 
 // A request's preparation (parse, tokenization, chat template, grammar) runs on a thread of its
@@ -302,6 +346,56 @@ TEST(EngineDrainCommand, APrefillHoldWaitsForItsPullUntilASecondStopSignal) {
   ::waitid(P_PID, static_cast<id_t>(engine.pid()), &ended, WEXITED | WNOHANG | WNOWAIT);
   EXPECT_EQ(ended.si_pid, 0) << "the hold has 600 s to be pulled";
   EXPECT_EQ(engine.stop(), 0);  // SIGTERM again: the drain ends at once
+}
+
+// A decode engine's pull that comes within the prefill engine's drain (after its SIGTERM) takes
+// the held KV: the decode leg is answered with the prefill's KV, and the prefill engine's drain
+// then ends by itself, its engine idle, without a second signal or the 600 s.
+TEST(EngineDrainCommand, APullWithinTheDrainTakesTheHeldKvAndTheDrainEndsByItself) {
+  testing::EngineProcess prefill({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                  "127.0.0.1", "--port", "0", "--role", "prefill",
+                                  "--kv-transfer-port", "0", "--kv-transfer-timeout", "600",
+                                  "--shutdown-timeout", "600"});
+  testing::EngineProcess decode({TANDEM_BINARY, "engine", "--model", "sim:tiny", "--host",
+                                 "127.0.0.1", "--port", "0", "--role", "decode"});
+  const json prompt = "The quick brown fox jumps over the lazy dog";
+  const json leg = {
+      {"prompt", prompt}, {"max_tokens", 1}, {"kv_transfer_params", {{"do_remote_decode", true}}}};
+  const auto answered =
+      net::http_request("127.0.0.1", prefill.port(), "POST", "/v1/completions", leg.dump());
+  ASSERT_EQ(answered.status, 200) << answered.body;
+  const json params = json::parse(answered.body)["kv_transfer_params"];
+  ASSERT_TRUE(params.is_object()) << answered.body;
+
+  ::kill(prefill.pid(), SIGTERM);
+  net::HttpClientResponse health;
+  for (int i = 0; i < 400; ++i) {
+    health = net::http_request("127.0.0.1", prefill.port(), "GET", "/health");
+    if (health.status == 503) break;
+    std::this_thread::sleep_for(25ms);
+  }
+  ASSERT_EQ(health.status, 503) << "the drain has begun";
+
+  const json decode_leg = {{"prompt", prompt}, {"max_tokens", 4}, {"kv_transfer_params", params}};
+  const auto decoded = net::http_request("127.0.0.1", decode.port(), "POST", "/v1/completions",
+                                         decode_leg.dump(), {}, 120s);
+  ASSERT_EQ(decoded.status, 200) << decoded.body;
+  EXPECT_EQ(json::parse(decoded.body)["usage"]["completion_tokens"], 4) << decoded.body;
+
+  // Looked at, not reaped (WNOWAIT): stop() reaps it. Bounded: a drain that never ends fails.
+  auto ended = std::async(std::launch::async, [pid = prefill.pid()] {
+    siginfo_t info{};
+    ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT);
+    return info;
+  });
+  if (ended.wait_for(120s) != std::future_status::ready) {
+    ADD_FAILURE() << "the prefill engine's drain did not end once its hold was pulled";
+    ::kill(prefill.pid(), SIGKILL);
+  }
+  const siginfo_t info = ended.get();
+  EXPECT_EQ(info.si_code, CLD_EXITED);
+  EXPECT_EQ(info.si_status, 0);
+  EXPECT_EQ(prefill.stop(), 0);
 }
 
 // The same server's other routes.
