@@ -46,13 +46,31 @@ constexpr uint64_t kMaxIndexBytes = 100'000'000;
 // 880 MB for a million empty ones), and one near the byte limit can list 1.6 million. Released
 // checkpoints hold up to about 140,000 tensors in all (Kimi K2's 60 MoE layers of 384 experts
 // alone have 60 x 384 x 3 FP8 projections and as many scales, 138,240), and one file may hold a
-// whole checkpoint: the limit leaves twice that, about 250 MB to read.
+// whole checkpoint: the limit leaves twice that, about 250 MB to read. An index lists as many.
 constexpr size_t kMaxHeaderEntries = 300'000;
 
-// The members of a header's top-level object, counted in its text without building anything: a
-// bound checked before parsing. Exact for valid JSON; malformed text is refused by the parser.
-size_t top_level_members(std::string_view text) {
-  size_t depth = 0, members = 0;
+// The byte limits alone let a document hold 50 million values: one shape of 45 million 1s (a
+// 90 MB header) took 3 GB and 35 s to read, and its error message, which writes the shape, was
+// 135 MB. Its separators (',' and ':') bound the values a text can hold, counted before parsing:
+// a tensor's header entry has its rank + 7 (four ':', two ',' between its fields, rank - 1 in its
+// shape, one in data_offsets, one before the next entry), so 24 a tensor at the entry limit is an
+// average rank of 17; an index has two a tensor (its weight_map entry and the ',' after it).
+constexpr size_t kMaxHeaderSeparators = 24 * kMaxHeaderEntries;
+constexpr size_t kMaxIndexSeparators = 2 * kMaxHeaderEntries + 64;
+
+// A shape of more dimensions than numpy (2.x) allows is no tensor a framework wrote.
+constexpr size_t kMaxRank = 64;
+
+// What a JSON text holds, counted without building anything: bounds checked before parsing.
+// Exact for valid JSON; malformed text is refused by the parser.
+struct JsonTally {
+  size_t top_level_members = 0;
+  size_t separators = 0;  // ',' and ':' outside strings, at every depth
+};
+
+JsonTally tally(std::string_view text) {
+  JsonTally t;
+  size_t depth = 0;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
@@ -67,11 +85,14 @@ size_t top_level_members(std::string_view text) {
       ++depth;
     } else if ((c == '}' || c == ']') && depth > 0) {
       --depth;
-    } else if (c == ':' && depth == 1) {
-      ++members;
+    } else if (c == ':') {
+      ++t.separators;
+      if (depth == 1) ++t.top_level_members;
+    } else if (c == ',') {
+      ++t.separators;
     }
   }
-  return members;
+  return t;
 }
 
 // A read-only mapping of one shard; unmapped when the checkpoint goes away.
@@ -147,9 +168,15 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
   if (header_len == 0 || header_begin[0] != '{')
     throw Error(where + ": header does not start with '{' (not a safetensors file?)");
   const std::string_view header_text(header_begin, header_len);
-  if (const size_t entries = top_level_members(header_text); entries > kMaxHeaderEntries)
-    throw Error(where + ": header has " + std::to_string(entries) +
+  const JsonTally counts = tally(header_text);
+  if (counts.top_level_members > kMaxHeaderEntries)
+    throw Error(where + ": header has " + std::to_string(counts.top_level_members) +
                 " entries, above the limit of " + std::to_string(kMaxHeaderEntries) + " tensors");
+  if (counts.separators > kMaxHeaderSeparators)
+    throw Error(where + ": header has " + std::to_string(counts.separators) +
+                " JSON separators (',' and ':'), above the limit of " +
+                std::to_string(kMaxHeaderSeparators) + " (24 per tensor of the " +
+                std::to_string(kMaxHeaderEntries) + " allowed)");
   const json header = parse_rejecting_duplicates(header_text, where + ": header");
   if (!header.is_object()) throw Error(where + ": header is not a JSON object");
 
@@ -190,6 +217,9 @@ void parse_shard(const fs::path& path, const std::string& file, const Mapping& m
     info.name = name;
     info.dtype = *dtype;
     info.file = file;
+    if (entry["shape"].size() > kMaxRank)
+      throw Error(at + ": shape has " + std::to_string(entry["shape"].size()) +
+                  " dimensions, more than " + std::to_string(kMaxRank));
     uint64_t numel = 1;
     for (const auto& d : entry["shape"]) {
       uint64_t dim = 0;
@@ -350,8 +380,13 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   const fs::path index_path = dir / kIndexFile;
   const fs::path single_path = dir / kSingleFile;
   if (fs::exists(index_path)) {
-    const json index = parse_rejecting_duplicates(read_regular_file(index_path, kMaxIndexBytes),
-                                                  index_path.string());
+    const std::string index_text = read_regular_file(index_path, kMaxIndexBytes);
+    if (const size_t separators = tally(index_text).separators; separators > kMaxIndexSeparators)
+      throw Error(index_path.string() + ": has " + std::to_string(separators) +
+                  " JSON separators (',' and ':'), above the limit of " +
+                  std::to_string(kMaxIndexSeparators) + " (a weight_map of " +
+                  std::to_string(kMaxHeaderEntries) + " tensors)");
+    const json index = parse_rejecting_duplicates(index_text, index_path.string());
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
       throw Error(index_path.string() + ": expected an object with a \"weight_map\" object");
     if (index.contains("metadata") && !index["metadata"].is_object() &&

@@ -491,6 +491,55 @@ TEST(SafetensorsErrors, AHeaderOfMoreTensorsThanTheLimitIsRefusedBeforeItIsParse
             (dir / "model.safetensors").string() + ": tensor 't1': missing string field 'dtype'");
 }
 
+// Within the byte limit a header may hold a shape of tens of millions of dimensions: one of 45
+// million 1s (a 90 MB header) took 3 GB and 35 s to read, opened as a tensor of one element, and
+// the loader's message writing its shape was 135 MB. A shape of more than 64 dimensions is now
+// refused naming the tensor, and a header's separators are counted before it is parsed.
+TEST(SafetensorsErrors, AShapeOfAbsurdRankIsRefusedNamingTheTensor) {
+  test::TempDir dir("st-rank");
+  const fs::path file = dir / "model.safetensors";
+  auto write_rank = [&](size_t rank) {
+    std::string shape = "1";
+    for (size_t i = 1; i < rank; ++i) shape += ",1";
+    test::write_bytes(file, safetensors_bytes(R"({"t":{"dtype":"F32","shape":[)" + shape +
+                                                  R"(],"data_offsets":[0,4]}})",
+                                              std::string(4, '\0')));
+  };
+  write_rank(64);
+  EXPECT_EQ(Checkpoint::open(dir.path()).find("t")->shape.size(), 64u);
+  write_rank(65);
+  EXPECT_EQ(open_error(dir.path()),
+            file.string() + ": tensor 't': shape has 65 dimensions, more than 64");
+  // 4 ':' and rank + 2 ','.
+  write_rank(8'000'000);
+  EXPECT_EQ(open_error(dir.path()),
+            file.string() + ": header has 8000006 JSON separators (',' and ':'), above the limit " +
+                "of 7200000 (24 per tensor of the 300000 allowed)");
+}
+
+// An index near its 100 MB limit can list two million tensors, and reading one took 600 MB before
+// its first entry was found wanting; an index holding more entries than a weight_map of the
+// header limit's 300,000 tensors is refused on its separators, counted before it is parsed.
+TEST(SafetensorsErrors, AnIndexOfMoreTensorsThanTheLimitIsRefusedBeforeItIsParsed) {
+  test::TempDir dir("st-index-count");
+  const fs::path index = dir / "model.safetensors.index.json";
+  // One ':' for weight_map, then n ':' and n - 1 ','.
+  auto write_entries = [&](int n) {
+    std::string text = R"({"weight_map":{)";
+    for (int i = 0; i < n; ++i) text += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":\"s\"";
+    test::write_bytes(index, text + "}}");
+  };
+  write_entries(300033);
+  EXPECT_EQ(open_error(dir.path()),
+            index.string() + ": has 600066 JSON separators (',' and ':'), above the limit of " +
+                "600064 (a weight_map of 300000 tensors)");
+  // At the limit the index is read, and its shard looked for.
+  write_entries(300032);
+  EXPECT_THAT(open_error(dir.path()),
+              AllOf(HasSubstr("maps tensor 't0' (and 300031 more) to shard 's'"),
+                    HasSubstr("does not exist")));
+}
+
 // A FIFO in the model folder blocked the load in open() until some writer came, and a directory
 // as a shard was "cannot map: No such device".
 TEST(SafetensorsErrors, FilesThatAreNotRegularAreRefusedNamingThem) {
