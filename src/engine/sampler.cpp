@@ -58,14 +58,24 @@ int64_t race(std::span<const int32_t> ids, std::span<const double> weights, uint
 
 }  // namespace
 
-std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids) {
+namespace {
+
+// The stop ids, and the EOS ids when `with_eos`. Sorted once per request: each generated token is
+// then looked up by binary search, and a client's repeated ids are masked once per step, not once
+// per repetition.
+std::vector<int32_t> stop_ids(const SamplingParams& params, std::span<const int32_t> eos_ids,
+                              bool with_eos) {
   std::vector<int32_t> ids = params.stop_token_ids;
-  if (!params.ignore_eos) ids.insert(ids.end(), eos_ids.begin(), eos_ids.end());
-  // Sorted once per request: each generated token is then looked up by binary search, and a
-  // client's repeated ids are masked once per step, not once per repetition.
+  if (with_eos) ids.insert(ids.end(), eos_ids.begin(), eos_ids.end());
   std::sort(ids.begin(), ids.end());
   ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
   return ids;
+}
+
+}  // namespace
+
+std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids) {
+  return stop_ids(params, eos_ids, !params.ignore_eos);
 }
 
 Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed,
@@ -74,7 +84,10 @@ Sampler::Sampler(const SamplingParams& params, uint64_t fallback_seed,
       seed_(params.seed.value_or(fallback_seed)),
       coupled_(params.seed.has_value()) {
   params_.validate();
-  if (params_.min_tokens > 0) end_ids_ = end_token_ids(params_, eos_ids);
+  // min_tokens holds the EOS ids back with ignore_eos too, as vLLM does: its mask is
+  // SamplingParams.all_stop_token_ids, to which update_from_generation_config adds the model's
+  // EOS ids whatever ignore_eos says (vllm/sampling_params.py, v1 MinTokensLogitsProcessor).
+  if (params_.min_tokens > 0) end_ids_ = stop_ids(params_, eos_ids, /*with_eos=*/true);
   grammar_end_ids_ = end_token_ids(params_, eos_ids);
   // With ignore_eos and no stop ids nothing ends the answer; EOS still marks a complete one.
   if (grammar_end_ids_.empty()) grammar_end_ids_.assign(eos_ids.begin(), eos_ids.end());

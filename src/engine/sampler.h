@@ -45,16 +45,17 @@ namespace tandem::engine {
 
 using api::SamplingParams;
 
-// The ids that end a sequence: stop_token_ids, and the EOS ids unless ignore_eos. One rule for
-// the sampler (min_tokens) and the output processor (when to stop). Sorted, each id once
-// (OutputProcessor looks ids up by binary search).
+// The ids that end a sequence: stop_token_ids, and the EOS ids unless ignore_eos (what the output
+// processor stops on; before min_tokens the sampler holds them back, and the EOS ids with
+// ignore_eos too). Sorted, each id once (OutputProcessor looks ids up by binary search).
 std::vector<int32_t> end_token_ids(const SamplingParams& params, std::span<const int32_t> eos_ids);
 
 class Sampler {
  public:
   // `fallback_seed` seeds the generator when the request has no seed (callers pass a random one
   // unless they want unseeded runs to repeat). `eos_ids`: the ids that end a sequence unless
-  // ignore_eos; with stop_token_ids they are never drawn before min_tokens.
+  // ignore_eos; with stop_token_ids they are never drawn before min_tokens (with ignore_eos
+  // either, as vLLM).
   Sampler(const SamplingParams& params, uint64_t fallback_seed,
           std::span<const int32_t> eos_ids = {});
 
@@ -113,7 +114,7 @@ class Sampler {
   static void dense(const Candidates& c, std::vector<float>& out);
 
   SamplingParams params_;
-  std::vector<int32_t> end_ids_;          // masked while the output is shorter than min_tokens
+  std::vector<int32_t> end_ids_;  // masked while the output is shorter than min_tokens: stop, EOS
   std::vector<int32_t> grammar_end_ids_;  // what ends a constrained answer once it is complete
   std::unique_ptr<structured::TokenConstraint> constraint_;
   std::string failure_;

@@ -255,13 +255,18 @@ TEST(Sampler, EndTokensAreNotDrawnBeforeMinTokens) {
   EXPECT_EQ(s.sample(l, {}, one), 2);
   l = ends_best;
   EXPECT_EQ(s.sample(l, {}, two), 1);  // min_tokens reached: EOS may come
-  // ignore_eos: EOS is an ordinary token, the stop ids are still held back.
+  // ignore_eos: EOS ends nothing, but before min_tokens it is held back all the same, as vLLM
+  // holds it: its min_tokens mask (v1 MinTokensLogitsProcessor, logits_processor/builtin.py) is
+  // SamplingParams.all_stop_token_ids, to which update_from_generation_config adds the model's
+  // EOS ids whatever ignore_eos says (vllm/sampling_params.py). Before, EOS could be drawn first.
   p.ignore_eos = true;
   Sampler keep_eos(p, 1, eos);
   l = ends_best;
-  EXPECT_EQ(keep_eos.sample(l, {}, {}), 1);
-  l = {0.0f, 0.0f, 1.0f, 4.0f};
   EXPECT_EQ(keep_eos.sample(l, {}, {}), 2);
+  l = ends_best;
+  EXPECT_EQ(keep_eos.sample(l, {}, one), 2);
+  l = ends_best;
+  EXPECT_EQ(keep_eos.sample(l, {}, two), 1);  // min_tokens reached: EOS is an ordinary token
 }
 
 // Logits of `vocab` ids drawn from a seeded generator (ties are improbable).
