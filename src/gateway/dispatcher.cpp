@@ -31,6 +31,30 @@ std::string engine_said(int status, const std::string& body) {
   return "HTTP " + std::to_string(status) + (text.empty() ? "" : ": " + text);
 }
 
+// Whether the client may have asked for a stream. Request::stream says so only where the front
+// end parsed the body (P/D modes, a tokenizing gateway); an aggregated gateway relays it unread,
+// so its text is searched for `"stream": true`, which a stream's body always has (a nested one
+// elsewhere reads as a stream too: the safe side, where the first-token rule applies).
+bool may_stream(const Request& r) {
+  if (r.stream) return true;
+  constexpr std::string_view kKey = "\"stream\"";
+  for (size_t at = r.body.find(kKey); at != std::string::npos;
+       at = r.body.find(kKey, at + kKey.size())) {
+    size_t i = at + kKey.size();
+    auto skip_space = [&] {
+      while (i < r.body.size() &&
+             (r.body[i] == ' ' || r.body[i] == '\t' || r.body[i] == '\n' || r.body[i] == '\r'))
+        ++i;
+    };
+    skip_space();
+    if (i >= r.body.size() || r.body[i] != ':') continue;
+    ++i;
+    skip_space();
+    if (r.body.compare(i, 4, "true") == 0) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
@@ -127,16 +151,31 @@ void Dispatcher::enqueue(const RequestPtr& r, bool front) {
 }
 
 void Dispatcher::arm_queue_timeout(const RequestPtr& r) {
+  // A sequential decode stage waits no longer than its prefill engine holds the prompt's KV,
+  // counted from the prefill's answer (a retried decode stage included): sent later, its decode
+  // leg would fail to pull KV that expired, and blame a healthy decode engine for it.
+  const auto queue_due = r->queued_at + topo_.timeouts.queue;
+  const auto kv_due = r->kv_held_since + topo_.timeouts.decode_queue;
+  const bool kv_expires_first =
+      topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode && kv_due < queue_due;
   // Weak: a timer must not keep a finished request (and its bodies) alive until it fires.
-  r->queue_timer =
-      exec_.at(r->queued_at + topo_.timeouts.queue, [this, weak = std::weak_ptr<Request>(r)] {
+  r->queue_timer = exec_.at(
+      kv_expires_first ? kv_due : queue_due,
+      [this, weak = std::weak_ptr<Request>(r), kv_expires_first] {
         const RequestPtr r = weak.lock();
         // Cancelled whenever it leaves the queue: a timer that fires belongs to this wait.
         if (!r || r->booking != Booking::kQueued) return;
         remove_waiting(r);
-        answer_error(r, 503,
-                     "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
-                         " ms (queue timeout): " + pools_state(*r));
+        answer_error(
+            r, 503,
+            kv_expires_first
+                ? "no decode engine was free within " +
+                      std::to_string(topo_.timeouts.decode_queue.count()) +
+                      " ms of the prefill (timeouts.decode_queue_ms: the prefill engine holds the "
+                      "prompt's KV only so long): " +
+                      pools_state(*r)
+                : "no engine was free within " + std::to_string(topo_.timeouts.queue.count()) +
+                      " ms (queue timeout): " + pools_state(*r));
       });
 }
 
@@ -212,9 +251,13 @@ void Dispatcher::dispatch(Clock::time_point now) {
       decode = c.decode;
     } else if (r->stage == Stage::kFirst) {
       // Only engines whose group can decode are eligible in the view (EndpointTable::can_serve).
-      const Choice c = policy_.choose_prefill(v, ri, now);
+      // The prompt is prefilled only where a decode engine of the group has room for it now, by
+      // the policy's own choices (the base pair rule of Policy::choose_together; the decode engine
+      // is chosen again when the prefill answered): prefilled meanwhile, its KV would wait on the
+      // prefill engine, which holds it only so long (Timeouts::decode_queue).
+      const PairChoice c = policy_.Policy::choose_together(v, ri, now);
       kind = c.kind;
-      prefill = c.endpoint;
+      prefill = c.prefill;
     } else {
       // The prefill engine's group, remembered: the engine may have left (drained) since.
       const Choice c = policy_.choose_decode(v, ri, r->prefill_group, now);
@@ -332,7 +375,12 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
   EndpointState& e = *endpoints_.find(endpoint_id);
   const std::chrono::milliseconds deadline =
       prefill ? topo_.timeouts.prefill : topo_.timeouts.first_token;
-  const char* what = prefill ? "the prefill" : "the first token";
+  // A non-streaming answer comes whole: the first token's bound is its whole answer's, and one
+  // cut at it is not retried (relay_done: another engine would take as long).
+  const bool whole_answer = !prefill && !may_stream(*r);
+  const char* what = prefill        ? "the prefill"
+                     : whole_answer ? "the whole answer"
+                                    : "the first token";
   auto leg = std::make_shared<Leg>();
   auto ref = std::make_shared<std::weak_ptr<Leg>>(leg);  // the call's callbacks find it here
   leg->endpoint = endpoint_id;
@@ -409,9 +457,9 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
   leg->state = LegState::kRunning;
   r->legs.push_back(leg);
   leg->call = upstream_.start(std::move(u), std::move(h));
-  leg->deadline =
-      exec_.at(exec_.now() + deadline, [this, weak_r = std::weak_ptr<Request>(r),
-                                        weak_leg = std::weak_ptr<Leg>(leg), what, deadline] {
+  leg->deadline = exec_.at(
+      exec_.now() + deadline, [this, weak_r = std::weak_ptr<Request>(r),
+                               weak_leg = std::weak_ptr<Leg>(leg), what, whole_answer, deadline] {
         const RequestPtr r = weak_r.lock();
         const std::shared_ptr<Leg> leg = weak_leg.lock();
         if (!r || !leg) return;
@@ -421,6 +469,7 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
           if (leg->state != LegState::kRunning) return;  // finished, or the client has its stream
           leg->cancel_reason =
               std::string(what) + " timed out after " + std::to_string(deadline.count()) + " ms";
+          leg->whole_answer_timed_out = whole_answer;
           call = leg->call;
         }
         upstream_.cancel(call);
@@ -452,28 +501,31 @@ void Dispatcher::leg_failed(const RequestPtr& r, int attempt, int endpoint_id, i
   });
 }
 
-void Dispatcher::answer_refused(const RequestPtr& r, int attempt, int status, std::string message) {
-  exec_.post_batched([this, r, attempt, status, message = std::move(message)] {
-    if (attempt != r->attempt) return;
-    std::vector<Upstream::CallId> calls;
-    {
-      // As attempt_failed: checked, cancelled and answered under one lock, so no other leg of the
-      // attempt can start the client's stream meanwhile.
-      std::lock_guard lock(r->mutex);
-      if (r->client != ClientState::kNothingSent) return;
-      calls = mark_legs_cancelled(*r);
-      r->client = ClientState::kAnswering;
-      r->reply->send_error(status, message, "server_error", "answer_too_large");
-    }
-    cancel_calls(calls);
-    end_request(r, {status, message});
-  });
+void Dispatcher::answer_refused(const RequestPtr& r, int attempt, int status, std::string message,
+                                std::string code) {
+  exec_.post_batched(
+      [this, r, attempt, status, message = std::move(message), code = std::move(code)] {
+        if (attempt != r->attempt) return;
+        std::vector<Upstream::CallId> calls;
+        {
+          // As attempt_failed: checked, cancelled and answered under one lock, so no other leg of
+          // the attempt can start the client's stream meanwhile.
+          std::lock_guard lock(r->mutex);
+          if (r->client != ClientState::kNothingSent) return;
+          calls = mark_legs_cancelled(*r);
+          r->client = ClientState::kAnswering;
+          r->reply->send_error(status, message, "server_error", code);
+        }
+        cancel_calls(calls);
+        end_request(r, {status, message});
+      });
 }
 
 void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
   exec_.post_batched([this, r, attempt] {
     if (attempt != r->attempt || r->ended()) return;
     r->stage = Stage::kDecode;
+    r->kv_held_since = exec_.now();
     enqueue(r, true);  // it holds KV on the prefill engine: first in line
     dispatch();
   });
@@ -484,7 +536,10 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
 // engine's 5xx OpenAI error). A 429 is no client error but the engine being full, as its 503:
 // retried alike, and once retries are spent answered with its own status. An engine's error
 // answer is relayed as it is only when it is an OpenAI error; any other body is quoted in the
-// gateway's own. The decode leg of a sequential request is not retried: its KV is gone.
+// gateway's own. The decode leg of a sequential request is retried only where its KV is known to
+// be held still: one that never reached its engine goes to another decode engine with the same
+// kv_transfer_params; one whose engine could not take the KV from the prefill engine
+// (kPrefillEngine) starts again from the prefill; any other may have taken the KV and is answered.
 // What the engine said, relayed or not, goes to the access log (the outcome and retried_after).
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                                 std::string body, std::string message, Blame blame) {
@@ -502,8 +557,9 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     return;
   }
   const bool client_error = status >= 400 && status < 500;
-  const bool retryable = (!client_error || status == 429) &&
-                         !(topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode);
+  const bool sequential_decode = topo_.mode == PdMode::kSequential && r->stage == Stage::kDecode;
+  const bool retryable =
+      (!client_error || status == 429) && !(sequential_decode && blame == Blame::kItsEngine);
   if (retryable && r->attempt < topo_.prefill_retries) {
     const EndpointState* e = endpoints_.find(endpoint_id);
     r->retried_after.push_back((e ? e->config.name : std::string("a removed engine")) + ": " +
@@ -513,7 +569,8 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // r->prefill_endpoint is this attempt's: the next one has not started.
     const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
     r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
-    r->stage = Stage::kFirst;
+    // The same KV for another decode engine, or the request from its start.
+    if (!(sequential_decode && blame == Blame::kItsEngineUnreached)) r->stage = Stage::kFirst;
     enqueue(r, true);
     dispatch();
     return;

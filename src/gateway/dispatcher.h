@@ -99,6 +99,9 @@ class Dispatcher {
   // Whose failure a failed leg is: the engine the retry avoids.
   enum class Blame {
     kItsEngine,
+    // Its engine, which it never reached (no connection was made): a sequential decode leg's
+    // prompt KV is still held on the prefill engine, for another decode engine to take.
+    kItsEngineUnreached,
     // The prefill engine of the attempt: the decode engine could not take the prompt's KV from
     // it (Leg::kv_transfer_failed), and only reported that.
     kPrefillEngine,
@@ -108,11 +111,13 @@ class Dispatcher {
   // a 502.
   void leg_failed(const RequestPtr& r, int attempt, int endpoint_id, int status, std::string body,
                   std::string message, Blame blame = Blame::kItsEngine);
-  // A leg of `attempt` brought an answer the gateway will not relay (Topology::max_answer_bytes):
-  // the gateway's own refusal, so no engine is blamed and none is asked again (each would compute
-  // the same answer); the client gets `status` with `message` (an OpenAI error, code
-  // answer_too_large) unless it already has an answer.
-  void answer_refused(const RequestPtr& r, int attempt, int status, std::string message);
+  // A leg of `attempt` brought an answer the gateway will not relay (Topology::max_answer_bytes,
+  // code answer_too_large), or none within the time it allows a whole answer (first_token_ms,
+  // code timeout): no other engine is asked (each would compute the same answer as long); the
+  // client gets `status` with `message` (an OpenAI error with `code`) unless it already has an
+  // answer. Whether the engine is blamed is its leg's completion's to say.
+  void answer_refused(const RequestPtr& r, int attempt, int status, std::string message,
+                      std::string code);
   // Sequential mode: the prefill of `attempt` answered with its KV's whereabouts (decode_body is
   // set): the decode leg goes to the front of the queue.
   void prefill_answered(const RequestPtr& r, int attempt);

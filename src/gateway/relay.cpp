@@ -41,6 +41,27 @@ std::string size_text(size_t bytes) {
   return std::to_string(bytes) + " bytes";
 }
 
+// A call that never reached its engine: no connection was made (the client's own errors,
+// net/async_http_client.cpp), so the engine never saw the request.
+bool never_reached_engine(const std::string& error) {
+  return error.rfind("cannot connect", 0) == 0 || error.rfind("cannot resolve the host", 0) == 0;
+}
+
+// `text` (an answer, or a stream's usage chunk) with the number of its last "cached_tokens":
+// member replaced by `cached`; text without one (vLLM leaves prompt_tokens_details null unless
+// asked) is returned as it is. The member usage_cached_tokens reads.
+std::string with_cached_tokens(std::string text, int64_t cached) {
+  constexpr std::string_view kKey = "\"cached_tokens\":";
+  const size_t key = text.rfind(kKey);
+  if (key == std::string::npos) return text;
+  size_t from = key + kKey.size();
+  while (from < text.size() && text[from] == ' ') ++from;
+  size_t to = from;
+  while (to < text.size() && text[to] >= '0' && text[to] <= '9') ++to;
+  if (to == from) return text;
+  return text.replace(from, to - from, std::to_string(cached));
+}
+
 // The leg is cut (on_body answers false) by the gateway's choice: no fault of the engine's.
 bool refuse_too_large(Leg& l) {
   l.answer_too_large = true;
@@ -90,7 +111,8 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
     dispatcher_.answer_refused(r, attempt, 502,
                                "the prefill answer from engine " + where + " is larger than " +
                                    size_text(kMaxPrefillAnswerBytes) +
-                                   ", the most this gateway holds for one");
+                                   ", the most this gateway holds for one",
+                               "answer_too_large");
     return;
   }
   if (!reason.empty()) {
@@ -185,7 +207,9 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   // Without a translator the client gets the engine's bytes as they are, once the first event
   // has shown the stream is no error; with one, the translated events. Only this thread moves
   // the leg to kRelaying, so reading its state here needs no lock.
-  const bool verbatim = !r->translator;
+  // In the P/D modes the usage chunk's cached_tokens become the prefill engine's (which computed
+  // the prompt), so the stream goes out event by event, as a translated one does.
+  const bool verbatim = !r->translator && !reports_prefill_reuse_;
   const bool started = l.state == LegState::kRelaying;
   std::string out;
   if (!verbatim) out.reserve(piece.size() + 16);
@@ -193,6 +217,7 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   int64_t token_events = 0;
   int64_t completion_tokens = -1;  // a usage chunk's (stream_options.include_usage)
   bool refused = false;            // the stream must not go on (an error first, a leg given up)
+  std::string rewritten;           // an event whose usage was rewritten
   l.parser.feed(piece, [&](std::string_view data) {
     if (refused) return;
     const bool done = net::SseParser::is_done(data);
@@ -233,9 +258,15 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
         const int64_t cached = usage_cached_tokens(data);
         if (cached >= 0) l.cached_tokens = cached;
       }
+      if (reports_prefill_reuse_ && !error_event) {
+        if (const int64_t cached = prefill_reuse(*r); cached >= 0) {
+          rewritten = with_cached_tokens(std::string(data), cached);
+          data = rewritten;
+        }
+      }
     }
     if (verbatim) return;
-    if (!error_event) {
+    if (r->translator && !error_event) {
       for (const auto& d : r->translator->event(data)) {
         out += "data: ";
         out += d;
@@ -286,13 +317,19 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   return false;
 }
 
+int64_t Relay::prefill_reuse(Request& r) {
+  std::lock_guard lock(r.mutex);
+  return r.cached_tokens_reported;
+}
+
 void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::string& where,
                        int endpoint_id, const std::string& error) {
   std::string reason;
-  bool streamed, shutting_down;
+  bool streamed, shutting_down, whole_answer_timed_out;
   {
     std::lock_guard lock(r->mutex);
     streamed = l.state == LegState::kRelaying;
+    whole_answer_timed_out = l.whole_answer_timed_out;
     shutting_down = l.cancel_reason == kShuttingDown;
     l.state = LegState::kFinished;
     if (streamed && l.cached_tokens >= 0) r->cached_tokens_reported = l.cached_tokens;
@@ -356,7 +393,18 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
                           ", the most this gateway holds"
                     : "the answer from engine " + where + " is larger than " + limit +
                           ", the most this gateway holds for a whole answer; ask with "
-                          "\"stream\": true to receive it as it is generated");
+                          "\"stream\": true to receive it as it is generated",
+        "answer_too_large");
+    return;
+  }
+  if (whole_answer_timed_out) {  // as nginx answers a POST whose upstream timed out: 504
+    dispatcher_.answer_refused(
+        r, attempt, 504,
+        "engine " + where + " sent no whole answer within timeouts.first_token_ms (" +
+            std::to_string(topo_.timeouts.first_token.count()) +
+            " ms), which bounds a non-streaming answer; not retried, as another engine would "
+            "take as long: ask with \"stream\": true to receive it as it is generated",
+        "timeout");
     return;
   }
   // A decode engine that could not take the prompt's KV from its prefill engine says so in the
@@ -397,6 +445,8 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       r->client = ClientState::kAnswering;
       r->completion_tokens = tokens;
       if (computes_prompt_) r->cached_tokens_reported = usage_cached_tokens(l.body);
+      if (reports_prefill_reuse_ && r->cached_tokens_reported >= 0)
+        l.body = with_cached_tokens(std::move(l.body), r->cached_tokens_reported);
       r->reply->respond(200, r->translator ? r->translator->body(l.body) : std::move(l.body),
                         "application/json");
     }
@@ -409,7 +459,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
   }
   if (!reason.empty()) {
     dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
-                           "engine " + where + " failed: " + reason);
+                           "engine " + where + " failed: " + reason,
+                           never_reached_engine(reason) ? Dispatcher::Blame::kItsEngineUnreached
+                                                        : Dispatcher::Blame::kItsEngine);
     return;
   }
   const Dispatcher::Blame whose = blame(l.body);

@@ -23,7 +23,8 @@ class Relay {
       : topo_(topology),
         exec_(executor),
         dispatcher_(dispatcher),
-        computes_prompt_(topology.mode == PdMode::kAggregated) {}
+        computes_prompt_(topology.mode == PdMode::kAggregated),
+        reports_prefill_reuse_(!computes_prompt_) {}
 
   // The handlers of a leg's call. `leg` is filled in before the call starts (the call's
   // callbacks find the leg through it and stop when it is gone); `where` names the engine.
@@ -37,6 +38,8 @@ class Relay {
   void prefill_done(const RequestPtr& r, Leg& leg, int attempt, const std::string& where,
                     int endpoint_id, const std::string& error);
   bool relay_piece(const RequestPtr& r, Leg& leg, std::string_view piece);
+  // What the engine that computed the prompt said it reused (Request::cached_tokens_reported).
+  static int64_t prefill_reuse(Request& r);
   void relay_done(const RequestPtr& r, Leg& leg, int attempt, const std::string& where,
                   int endpoint_id, const std::string& error);
 
@@ -45,6 +48,9 @@ class Relay {
   Dispatcher& dispatcher_;
   // The answering leg's engine computed the prompt (aggregated): its usage reports the reuse.
   const bool computes_prompt_;
+  // P/D modes: the client's usage says what the prefill engine reused, as llm-d has it (the
+  // decode engine took the KV, and reports its own reuse, often none).
+  const bool reports_prefill_reuse_;
 };
 
 }  // namespace tandem::gateway

@@ -73,6 +73,9 @@ struct Leg {
   // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
   // not the engine's fault.
   bool answer_too_large = false;
+  // A non-streaming answering leg cut at first_token_ms, which bounds its whole answer (under the
+  // request's mutex): not retried, since another engine would take as long.
+  bool whole_answer_timed_out = false;
   // Its completion ended the request: the request's accounting runs in the same scheduler task
   // as the leg's, one post per request end instead of two.
   bool ended_request = false;
@@ -139,6 +142,9 @@ struct Request {
   Executor::TimerId queue_timer;  // cancelled when it leaves the queue
   bool record_pending = false;    // ended; its record waits for its prefill leg (parallel mode)
   Executor::Clock::time_point queued_at;
+  // Sequential mode: when the prefill answered, from which its engine holds the prompt's KV for
+  // the decode stage (only so long: Timeouts::decode_queue).
+  Executor::Clock::time_point kv_held_since;
   // Seconds it waited in the queue over all its dispatches (a sequential request's two stages,
   // each retry), observed once when it is recorded; -1: never dispatched.
   double queued_s = -1;

@@ -616,15 +616,13 @@ Topology read_topology(const Reader& r, const YAML::Node& root) {
       t.health.slow_start = r.milliseconds(health.at("slow_start_ms"), "health.slow_start_ms", 0);
   }
   if (has("timeouts")) {
-    const auto timeouts =
-        r.mapping(keys.at("timeouts"), "timeouts",
-                  {"queue_ms", "connect_ms", "prefill_ms", "first_token_ms", "idle_ms"});
+    const auto timeouts = r.mapping(
+        keys.at("timeouts"), "timeouts",
+        {"queue_ms", "connect_ms", "prefill_ms", "first_token_ms", "idle_ms", "decode_queue_ms"});
     const std::pair<const char*, std::chrono::milliseconds*> fields[] = {
-        {"queue_ms", &t.timeouts.queue},
-        {"connect_ms", &t.timeouts.connect},
-        {"prefill_ms", &t.timeouts.prefill},
-        {"first_token_ms", &t.timeouts.first_token},
-        {"idle_ms", &t.timeouts.idle}};
+        {"queue_ms", &t.timeouts.queue},     {"connect_ms", &t.timeouts.connect},
+        {"prefill_ms", &t.timeouts.prefill}, {"first_token_ms", &t.timeouts.first_token},
+        {"idle_ms", &t.timeouts.idle},       {"decode_queue_ms", &t.timeouts.decode_queue}};
     for (const auto& [key, field] : fields)
       if (timeouts.count(key))
         *field = r.milliseconds(timeouts.at(key), std::string("timeouts.") + key);
@@ -846,6 +844,7 @@ void validate(Topology& t) {
   check_duration(t.timeouts.prefill, "timeouts.prefill_ms");
   check_duration(t.timeouts.first_token, "timeouts.first_token_ms");
   check_duration(t.timeouts.idle, "timeouts.idle_ms");
+  check_duration(t.timeouts.decode_queue, "timeouts.decode_queue_ms");
   check_duration(t.scheduling.queue.starvation_after, "scheduling.starvation_ms", 0);
   check_duration(t.scheduling.load_interval, "scheduling.load_interval_ms", 0);
   check_duration(t.scheduling.tandem.max_hold, "scheduling.max_hold_ms", 0);

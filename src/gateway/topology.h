@@ -86,6 +86,10 @@ struct Timeouts {
   std::chrono::milliseconds prefill = std::chrono::seconds(300);      // a whole prefill leg
   std::chrono::milliseconds first_token = std::chrono::seconds(300);  // decode's response head
   std::chrono::milliseconds idle = std::chrono::seconds(120);  // between two pieces of a stream
+  // Sequential mode: a prompt's wait for a decode engine after its prefill. The prefill engine
+  // holds the KV only so long (Tandem's and vLLM's NIXL default: 120 s), and the decode engine
+  // must still pull it: below that hold.
+  std::chrono::milliseconds decode_queue = std::chrono::seconds(90);
 };
 
 // Priority classes (docs/gateway.md, "Priority classes"): requests are queued by class, first

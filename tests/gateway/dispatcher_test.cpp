@@ -1555,9 +1555,12 @@ TEST(Dispatcher, AHungPrefillEngineIsEjectedByTheKvTransfersItFailsAndTheDecodeE
 }
 
 // Sequential mode: the decode leg pulls the KV the prefill leg left on its engine. A pull that
-// failed is not retried (the KV is gone), and it is the prefill engine's failure too.
+// failed is the prefill engine's failure (retried from the prefill while retries remain: below;
+// here none remain, and the client gets the decode engine's error).
 TEST(Dispatcher, ASequentialDecodeLegWhoseKvTransferFailedCountsAgainstItsPrefillEngine) {
-  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill_retries = 0;
+  Cluster c(t);
   auto client = c.send();
   const json params = {{"do_remote_prefill", true}, {"remote_engine_id", "p-1"}};
   FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200,
@@ -1602,7 +1605,9 @@ TEST(Dispatcher, OneFailureOfAPrefillEngineCountsOnceWhicheverLegTellsOfItFirst)
 // it reset the decode engine's failure count, so a decode engine failing every other request
 // on its own was never ejected.
 TEST(Dispatcher, ADecodeLegFailedByItsPrefillEngineLeavesTheDecodeEnginesCountAsItWas) {
-  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill_retries = 0;  // each client gets its decode leg's answer
+  Cluster c(t);
   const json params = {{"do_remote_prefill", true}, {"remote_engine_id", "p-1"}};
   auto decode_leg_answers = [&](int status, const std::string& body) {
     auto client = c.send();
@@ -1667,6 +1672,171 @@ TEST(Dispatcher, AKvTransferFailureThatCrossedTheGatewaysCancelBlamesNoOneAgain)
   c.answer_all("from the retry");
   EXPECT_EQ(client->status, 200);
   EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+}
+
+// ------------------------------------------------------------------ sequential decode stage
+
+const json kHeldKv = {{"do_remote_prefill", true},
+                      {"remote_engine_id", "p-1"},
+                      {"remote_block_ids", {1, 2}},
+                      {"remote_host", "p.engines"},
+                      {"remote_port", 9000}};
+
+// The open prefill leg answers with the KV's whereabouts (and, when given, its usage), and the
+// request's decode stage is dispatched.
+void prefill_answers(Cluster& c, const std::string& usage = {}) {
+  auto open = c.engines.open("/v1/completions");
+  ASSERT_EQ(open.size(), 1u);
+  json answer = {{"kv_transfer_params", kHeldKv}};
+  if (!usage.empty()) answer["usage"] = json::parse(usage);
+  FakeEngines::answer(*open[0], 200, answer.dump());
+  c.clock.run_ready();
+}
+
+// A sequential decode leg that never reached its engine (a crashed engine refusing connections,
+// not yet ejected) left the prompt's KV held on the prefill engine: the decode stage goes to
+// another decode engine with the same kv_transfer_params. It was answered 502 at once.
+TEST(Dispatcher, ASequentialDecodeLegThatCannotConnectGoesToAnotherDecodeEngineWithTheSameKv) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")}));
+  auto client = c.send();
+  prefill_answers(c);
+  auto first = c.engines.open("/v1/completions");
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(host_of(*first[0]), "d1");
+  FakeEngines::finish(*first[0], "cannot connect: Connection refused");
+  c.clock.run_ready();
+  auto second = c.engines.open("/v1/completions");
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(host_of(*second[0]), "d2");
+  EXPECT_EQ(json::parse(second[0]->request.body)["kv_transfer_params"], kHeldKv);
+  EXPECT_EQ(c.engines.all("/v1/completions").size(), 3u) << "no second prefill";
+  EXPECT_FALSE(client->complete());
+  EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1);
+  EXPECT_EQ(c.endpoint("d1")["consecutive_failures"], 1);
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "decoded");
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A decode leg that reached its engine may have taken the KV (the hold is then gone): only one
+// that never connected is sent again with it. One that failed after connecting is answered.
+TEST(Dispatcher, ASequentialDecodeLegThatFailedAfterConnectingIsNotSentAgainWithTheSameKv) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")}));
+  auto client = c.send();
+  prefill_answers(c);
+  FakeEngines::finish(*c.engines.open("/v1/completions").at(0), "connection reset by peer");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+  EXPECT_EQ(c.dispatcher.active(), 0u);
+}
+
+// A sequential decode leg that could not take the KV from its prefill engine (kv_transfer_failed:
+// the prefill engine died or hung) starts the request again from its prefill, on another prefill
+// engine, as docs/gateway.md says of both P/D modes. It was answered 502.
+TEST(Dispatcher, ASequentialDecodeLegWhoseKvTransferFailedIsRetriedFromAnotherPrefillEngine) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")}));
+  auto client = c.send();
+  ASSERT_EQ(host_of(*c.engines.open("/v1/completions").at(0)), "p1");
+  prefill_answers(c);
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 502, kv_transfer_failed_answer());
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 1u);
+  EXPECT_EQ(host_of(*retry[0]), "p2");
+  EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
+  EXPECT_FALSE(client->complete());
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  EXPECT_EQ(host_of(*decode[0]), "d");
+  c.answer_all("decoded");
+  EXPECT_EQ(client->status, 200);
+  EXPECT_EQ(c.endpoint("p1")["consecutive_failures"], 1);
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+}
+
+// The prefill engine holds the prompt's KV for its --kv-transfer-timeout (120 s by default) only:
+// a decode stage that waited longer would be sent to pull KV that is gone. It waits at most
+// timeouts.decode_queue_ms (90 s by default) and is then answered 503 saying why. It waited the
+// whole queue_ms (300 s), then failed its pull, and the healthy decode engine was blamed.
+TEST(Dispatcher, ADecodeStageWaitsNoLongerThanThePrefillEngineHoldsItsKv) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1)}));
+  // Both prompts are prefilled while the decode engine has room; the first decode leg fills it.
+  auto running = c.send();
+  auto waiting = c.send();
+  auto prefills = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefills.size(), 2u);
+  FakeEngines::answer(*prefills[0], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+  c.clock.run_ready();
+  FakeEngines::answer(*prefills[1], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+  c.clock.run_ready();
+  ASSERT_EQ(c.dispatcher.waiting(), 1u);
+  c.clock.advance_by(milliseconds(89999));
+  EXPECT_FALSE(waiting->complete());
+  c.clock.advance_by(milliseconds(1));
+  EXPECT_EQ(waiting->status, 503);
+  EXPECT_NE(waiting->error_message.find("decode_queue_ms"), std::string::npos)
+      << waiting->error_message;
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+  EXPECT_FALSE(running->complete());
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+}
+
+// Sequential mode prefills a prompt only while a decode engine of the prefill engine's group has
+// room for it (by the policy's own decode limits): prefilled now, its KV would wait on the
+// prefill engine for a decode engine, and expire there. It was prefilled at once.
+TEST(Dispatcher, SequentialModeWaitsToPrefillWhileNoDecodeEngineHasRoom) {
+  for (const std::string policy : {"least_load", "tandem"}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1)});
+    t.policy = policy;
+    Cluster c(t);
+    auto first = c.send();
+    prefill_answers(c);
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u) << policy;
+    ASSERT_EQ(host_of(*decode[0]), "d") << policy;
+    auto second = c.send();
+    EXPECT_TRUE(c.engines.open("/v1/completions").size() == 1u) << policy << ": no prefill yet";
+    EXPECT_EQ(c.dispatcher.waiting(), 1u) << policy;
+    FakeEngines::answer(*decode[0], 200, completion_answer("first"));
+    c.clock.run_ready();
+    EXPECT_EQ(first->status, 200) << policy;
+    auto prefill = c.engines.open("/v1/completions");
+    ASSERT_EQ(prefill.size(), 1u) << policy;
+    EXPECT_EQ(host_of(*prefill[0]), "p") << policy;
+    EXPECT_FALSE(second->complete()) << policy;
+  }
+}
+
+// A non-streaming answer comes whole or not at all, so first_token_ms bounds the whole of it: one
+// that takes longer is answered 504 saying so, and not started again elsewhere, where it would
+// take as long (a long generation ran on up to three engines in turn, each cut as a "first
+// token" timeout, then got 502). As nginx answers a POST whose upstream timed out: 504, no retry.
+TEST(Dispatcher, ANonStreamingAnswerLongerThanFirstTokenMsIs504WithoutRetry) {
+  for (const PdMode mode : {PdMode::kAggregated, PdMode::kSequential}) {
+    Topology t = mode == PdMode::kAggregated
+                     ? aggregated({engine("a"), engine("b")})
+                     : disaggregated(mode, {engine("p")}, {engine("a"), engine("b")});
+    t.timeouts.first_token = milliseconds(500);
+    Cluster c(t);
+    auto client = c.send(false);
+    if (mode == PdMode::kSequential) prefill_answers(c);
+    auto leg = c.engines.open("/v1/completions");
+    ASSERT_EQ(leg.size(), 1u);
+    ASSERT_EQ(host_of(*leg[0]), "a");
+    c.clock.advance_by(milliseconds(500));
+    EXPECT_TRUE(leg[0]->cancelled);
+    EXPECT_EQ(client->status, 504);
+    EXPECT_NE(client->error_message.find("first_token_ms"), std::string::npos)
+        << client->error_message;
+    EXPECT_NE(client->error_message.find("\"stream\": true"), std::string::npos)
+        << client->error_message;
+    EXPECT_TRUE(c.engines.open("/v1/completions").empty());
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 0);
+    EXPECT_EQ(c.dispatcher.active(), 0u);
+  }
 }
 
 TEST(Dispatcher, ThePromptsLegCarriesItsDeadlineOnlyToAnEngineThatSchedulesByPriority) {
@@ -1911,6 +2081,62 @@ TEST(Dispatcher, InPdModesThePrefillEnginesUsageCountsAndAStreamsPrefillLegAsksF
   EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"available\"}"), 48);
   EXPECT_EQ(c.metric("tandem:gateway_prefix_reuse_tokens_total{split=\"delivered\"}"), 48);
   EXPECT_EQ(client->streamed.find("cached_tokens"), std::string::npos);
+}
+
+// In the P/D modes the prompt is computed on the prefill engine, and its usage says what it
+// reused; the decode engine took the KV and reports its own (often 0). The client's
+// usage.prompt_tokens_details.cached_tokens is the prefill engine's, in a whole answer and in a
+// stream's usage chunk, as llm-d rewrites it. The client got the decode engine's.
+TEST(Dispatcher, InPdModesTheClientsCachedTokensAreThePrefillEnginesWholeOrStreamed) {
+  const std::string decode_usage =
+      R"("usage":{"prompt_tokens":64,"completion_tokens":2,"total_tokens":66,)"
+      R"("prompt_tokens_details":{"cached_tokens":0}})";
+  for (const bool stream : {false, true}) {
+    Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+    auto client = c.send(stream);
+    prefill_answers(c, R"({"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":48}})");
+    auto decode = c.engines.open("/v1/completions").at(0);
+    if (stream) {
+      FakeEngines::head(*decode, 200, "text/event-stream");
+      FakeEngines::piece(*decode,
+                         "data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: {\"choices\":[],");
+      FakeEngines::piece(*decode, decode_usage + "}\n\ndata: [DONE]\n\n");
+      FakeEngines::finish(*decode, "");
+    } else {
+      FakeEngines::answer(*decode, 200,
+                          R"({"id":"cmpl-1","choices":[{"text":"x"}],)" + decode_usage + "}");
+    }
+    c.clock.run_ready();
+    ASSERT_EQ(client->status, 200) << stream;
+    json usage;
+    if (stream) {
+      net::SseParser events;
+      const auto data = events.feed(client->streamed);
+      ASSERT_EQ(data.size(), 3u) << client->streamed;
+      EXPECT_EQ(data[0], "{\"choices\":[{\"text\":\"x\"}]}");
+      EXPECT_EQ(data[2], "[DONE]");
+      usage = json::parse(data[1]).at("usage");
+    } else {
+      usage = json::parse(client->body).at("usage");
+      EXPECT_EQ(json::parse(client->body)["choices"][0]["text"], "x");
+    }
+    EXPECT_EQ(usage["prompt_tokens_details"]["cached_tokens"], 48) << stream;
+    EXPECT_EQ(usage["completion_tokens"], 2) << stream;
+    EXPECT_EQ(usage["prompt_tokens"], 64) << stream;
+  }
+}
+
+// A prefill engine that reports no reuse (vLLM without --enable-prompt-tokens-details) leaves the
+// decode engine's usage as it is.
+TEST(Dispatcher, InPdModesADecodeAnswersUsageStaysWhenThePrefillEngineReportedNone) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  auto client = c.send();
+  prefill_answers(c);
+  const std::string answer =
+      R"({"choices":[{"text":"x"}],"usage":{"prompt_tokens_details":{"cached_tokens":16}}})";
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200, answer);
+  c.clock.run_ready();
+  EXPECT_EQ(client->body, answer);
 }
 
 // ------------------------------------------------------------------------ priority classes
