@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -13,6 +14,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "structured/regex.h"
+#include "structured/string_formats.h"
 #include "util/error.h"
 
 namespace tandem::structured {
@@ -34,10 +37,27 @@ const std::set<std::string> kAnnotations = {"title",    "description", "default"
                                             "$schema",  "$id",         "$comment", "deprecated",
                                             "readOnly", "writeOnly",   "$defs",    "definitions"};
 // Keywords this compiler enforces.
-const std::set<std::string> kEnforced = {"type",  "properties", "required", "additionalProperties",
-                                         "items", "minItems",   "maxItems", "enum",
-                                         "const", "anyOf",      "oneOf",    "allOf",
-                                         "$ref",  "minLength",  "maxLength"};
+const std::set<std::string> kEnforced = {"type",
+                                         "properties",
+                                         "required",
+                                         "additionalProperties",
+                                         "items",
+                                         "minItems",
+                                         "maxItems",
+                                         "enum",
+                                         "const",
+                                         "anyOf",
+                                         "oneOf",
+                                         "allOf",
+                                         "$ref",
+                                         "minLength",
+                                         "maxLength",
+                                         "pattern",
+                                         "format",
+                                         "minimum",
+                                         "maximum",
+                                         "exclusiveMinimum",
+                                         "exclusiveMaximum"};
 
 // The largest counts a schema may ask for, and each count keyword's.
 constexpr int64_t kMaxItems = 10'000;
@@ -46,6 +66,11 @@ const std::pair<const char*, int64_t> kCounts[] = {{"minItems", kMaxItems},
                                                    {"maxItems", kMaxItems},
                                                    {"minLength", kMaxCharacters},
                                                    {"maxLength", kMaxCharacters}};
+// The numeric bounds, enforced on integers.
+const char* const kBounds[] = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"};
+// The largest integer an answer may write: kMaxIntegerDigits nines.
+constexpr int64_t kLargestInteger = 9'999'999'999'999'999;
+static_assert(kMaxIntegerDigits == 16, "kLargestInteger has kMaxIntegerDigits digits");
 
 class SchemaCompiler {
  public:
@@ -138,6 +163,10 @@ class SchemaCompiler {
     // A count keyword is checked wherever it stands, also where it does not apply (maxItems
     // beside "type": "string"): a malformed schema is the client's mistake to hear of.
     for (const auto& [k, most] : kCounts) count(schema, k, most, 0, where);
+    for (const char* k : kBounds) bound(schema, k, where);
+    for (const char* k : {"pattern", "format"})
+      if (schema.contains(k) && !schema[k].is_string())
+        fail(where + "/" + k, std::string("'") + k + "' must be a string");
     if (!schema.contains("type")) {
       if (schema.contains("properties") || schema.contains("required") ||
           schema.contains("additionalProperties"))
@@ -146,8 +175,15 @@ class SchemaCompiler {
       // alone are generated, or an unbounded value could break them.
       if (schema.contains("items") || schema.contains("minItems") || schema.contains("maxItems"))
         return array(schema, where);
-      if (schema.contains("minLength") || schema.contains("maxLength"))
+      if (schema.contains("minLength") || schema.contains("maxLength") ||
+          schema.contains("pattern") || schema.contains("format"))
         return string(schema, where);
+      // Bounds alike constrain only numbers, and are enforced on integers alone.
+      for (const char* k : kBounds)
+        if (schema.contains(k))
+          fail(where + "/" + k, std::string("'") + k +
+                                    "' is enforced on integers only: give the schema "
+                                    "\"type\": \"integer\"");
       return any_value();
     }
     const std::vector<std::string> types = type_names(schema, where);
@@ -213,8 +249,15 @@ class SchemaCompiler {
     if (type == "object") return object(schema, where);
     if (type == "array") return array(schema, where);
     if (type == "string") return string(schema, where);
-    if (type == "integer") return integer();
-    if (type == "number") return number();
+    if (type == "integer") return integer(schema, where);
+    if (type == "number") {
+      for (const char* k : kBounds)
+        if (schema.contains(k))
+          fail(where + "/" + k, std::string("'") + k +
+                                    "' on a number is not supported in structured outputs (it "
+                                    "would not be enforced; bounds are enforced on integers)");
+      return number();
+    }
     if (type == "boolean") return boolean();
     if (type == "null") return null();
     fail(where + "/type", "unknown type '" + type + "'");
@@ -650,7 +693,54 @@ class SchemaCompiler {
     const int64_t min = count(schema, "minLength", kMaxCharacters, 0, where),
                   max = count(schema, "maxLength", kMaxCharacters, -1, where);
     if (max >= 0 && max < min) fail(where, "'maxLength' is below 'minLength'");
-    return string_rule(min, max);
+    const bool has_pattern = schema.contains("pattern"), has_format = schema.contains("format");
+    if (!has_pattern && !has_format) return string_rule(min, max);
+    if (has_pattern && has_format)
+      fail(where,
+           "'pattern' beside 'format' is not supported (an answer would have to match both)");
+    const RegexInJsonString r = has_pattern ? pattern(schema["pattern"].get<std::string>(), where)
+                                            : format(schema["format"].get<std::string>(), where);
+    // A grammar of the pattern's strings that also counts characters is the pattern's with a
+    // counter in each state: lengths are enforced where the pattern implies them.
+    const std::string keyword = has_pattern ? "pattern" : "format";
+    auto refuse_length = [&](const std::string& k, const std::string& its) {
+      fail(where + "/" + k, "'" + k + "' beside '" + keyword +
+                                "' is supported only where it adds nothing, and the " + keyword +
+                                " matches strings " + its +
+                                " (write the bound into the pattern, as {m,n})");
+    };
+    if (schema.contains("minLength") && r.shortest < min)
+      refuse_length("minLength", "as short as " + std::to_string(r.shortest) + " characters");
+    if (max >= 0 && r.longest < 0) refuse_length("maxLength", "of any length");
+    if (max >= 0 && r.longest > max)
+      refuse_length("maxLength", "as long as " + std::to_string(r.longest) + " characters");
+    return g_.any_of({{g_.byte('"'), r.rule, g_.byte('"')}});
+  }
+
+  // A 'pattern': its value matches it whole. JSON Schema's pattern is a search (unanchored), but
+  // vLLM's default backend, xgrammar, matches it whole, and so do those who write one for an
+  // answer: a search would let '[A-Z]{3}' pad any text around its three letters. An answer
+  // matched whole also satisfies the search.
+  RegexInJsonString pattern(const std::string& p, const std::string& where) {
+    if (auto it = patterns_.find(p); it != patterns_.end()) return it->second;
+    try {
+      return patterns_.emplace(p, regex_in_json_string(g_, p)).first->second;
+    } catch (const Error& e) {
+      fail(where + "/pattern", e.what());
+    }
+  }
+
+  // A 'format' on a string is enforced or refused, as llguidance does by default; xgrammar lets
+  // a format it does not know pass as any string, which an answer may then break.
+  RegexInJsonString format(const std::string& f, const std::string& where) {
+    if (auto it = formats_.find(f); it != formats_.end()) return it->second;
+    const std::optional<std::string> p = string_format_pattern(f);
+    if (!p)
+      fail(where + "/format", "the format '" + f +
+                                  "' is not supported in structured outputs (it would not be "
+                                  "enforced); supported: " +
+                                  enforced_string_formats());
+    return formats_.emplace(f, regex_in_json_string(g_, *p)).first->second;
   }
 
   // One character of a JSON string: unescaped, or an escape sequence.
@@ -683,6 +773,107 @@ class SchemaCompiler {
     alts.push_back({backslash, u, d, high, h, h, backslash, u, d, low, h, h});
     character_ = g_.any_of(std::move(alts));
     return character_;
+  }
+
+  // A bound's value (minimum, ...): any JSON number; nothing when the schema has none.
+  static std::optional<double> bound(const json& schema, const char* k, const std::string& where) {
+    if (!schema.contains(k)) return std::nullopt;
+    const json& v = schema[k];
+    if (!v.is_number() || !std::isfinite(v.get<double>()))
+      fail(where + "/" + k, std::string("'") + k + "' must be a number");
+    return v.get<double>();
+  }
+
+  // An integer bound: `v` (a number or a whole number written as a float) rounded toward the
+  // range (up for a lower bound, down for an upper one), then held within what an answer may
+  // write, kLargestInteger either way (a bound of 1e30 bounds nothing more).
+  static int64_t integer_bound(const json& v, bool lower) {
+    const int64_t most = kLargestInteger + 1;  // room for the step of an exclusive bound
+    if (v.is_number_unsigned()) return std::min<uint64_t>(v.get<uint64_t>(), uint64_t(most));
+    if (v.is_number_integer()) return std::clamp<int64_t>(v.get<int64_t>(), -most, most);
+    const double d = lower ? std::ceil(v.get<double>()) : std::floor(v.get<double>());
+    return static_cast<int64_t>(std::clamp(d, double(-most), double(most)));
+  }
+
+  // An integer, within the schema's bounds when it has any.
+  Symbol integer(const json& schema, const std::string& where) {
+    bool bounded = false;
+    int64_t lo = -kLargestInteger, hi = kLargestInteger;
+    if (schema.contains("minimum")) lo = std::max(lo, integer_bound(schema["minimum"], true));
+    if (schema.contains("exclusiveMinimum")) {
+      // Above x: from floor(x) + 1.
+      const json& x = schema["exclusiveMinimum"];
+      lo = std::max(lo, integer_bound(x, false) + 1);
+    }
+    if (schema.contains("maximum")) hi = std::min(hi, integer_bound(schema["maximum"], false));
+    if (schema.contains("exclusiveMaximum"))
+      hi = std::min(hi, integer_bound(schema["exclusiveMaximum"], true) - 1);
+    for (const char* k : kBounds) bounded = bounded || schema.contains(k);
+    if (!bounded) return integer();
+    lo = std::max(lo, -kLargestInteger);
+    hi = std::min(hi, kLargestInteger);
+    if (lo > hi)
+      fail(where, "no integer of at most " + std::to_string(kMaxIntegerDigits) +
+                      " digits lies within the schema's bounds (minimum, maximum, "
+                      "exclusiveMinimum, exclusiveMaximum)");
+    const auto key = std::make_pair(lo, hi);
+    if (auto it = integer_ranges_.find(key); it != integer_ranges_.end()) return it->second;
+    std::vector<Sequence> alts;
+    if (lo < 0) alts.push_back({g_.byte('-'), naturals(hi < 0 ? -hi : 1, -lo)});
+    if (hi >= 0) alts.push_back({naturals(std::max<int64_t>(lo, 0), hi)});
+    const Symbol r = g_.any_of(std::move(alts));
+    integer_ranges_.emplace(key, r);
+    return r;
+  }
+
+  // The decimal texts of lo..hi (0 <= lo <= hi), without leading zeros: for each number of
+  // digits, the texts of that length in the range.
+  Symbol naturals(int64_t lo, int64_t hi) {
+    std::vector<Sequence> alts;
+    int64_t first = 0, past = 10;  // the numbers of one length: first..past-1
+    for (size_t length = 1; first <= hi; ++length, first = past, past *= 10) {
+      if (past <= lo) continue;
+      same_length(std::to_string(std::max(lo, first)), std::to_string(std::min(hi, past - 1)), {},
+                  alts);
+      if (length == size_t(kMaxIntegerDigits)) break;
+    }
+    return g_.any_of(std::move(alts));
+  }
+
+  // Adds to `out` alternatives, each `prefix` then digits, that together match the digit
+  // strings from a to b (as long as each other, a <= b) and no others, each one way.
+  void same_length(const std::string& a, const std::string& b, Sequence prefix,
+                   std::vector<Sequence>& out) {
+    size_t i = 0;
+    for (; i < a.size() && a[i] == b[i]; ++i) prefix.push_back(g_.byte(uint8_t(a[i])));
+    if (i == a.size()) {
+      out.push_back(std::move(prefix));
+      return;
+    }
+    const std::string a_rest = a.substr(i + 1), b_rest = b.substr(i + 1);
+    const bool a_rest_lowest = a_rest.find_first_not_of('0') == std::string::npos;
+    const bool b_rest_highest = b_rest.find_first_not_of('9') == std::string::npos;
+    // a[i] then a_rest..99..9; the digits between a[i] and b[i] then anything; b[i] then
+    // 00..0..b_rest. A rest that is already the lowest (highest) joins the middle.
+    if (!a_rest_lowest) {
+      Sequence p = prefix;
+      p.push_back(g_.byte(uint8_t(a[i])));
+      same_length(a_rest, std::string(a_rest.size(), '9'), std::move(p), out);
+    }
+    const char from = a_rest_lowest ? a[i] : char(a[i] + 1);
+    const char to = b_rest_highest ? b[i] : char(b[i] - 1);
+    if (from <= to) {
+      Sequence p = prefix;
+      p.push_back(g_.bytes(byte_range(from, to)));
+      const Symbol digit = g_.bytes(byte_range('0', '9'));
+      p.insert(p.end(), a_rest.size(), digit);
+      out.push_back(std::move(p));
+    }
+    if (!b_rest_highest) {
+      Sequence p = prefix;
+      p.push_back(g_.byte(uint8_t(b[i])));
+      same_length(std::string(b_rest.size(), '0'), b_rest, std::move(p), out);
+    }
   }
 
   Symbol integer() {
@@ -820,6 +1011,8 @@ class SchemaCompiler {
   std::vector<std::string> leading_;
   std::map<std::string, std::set<std::string>> leads_to_;
   std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
+  std::map<std::pair<int64_t, int64_t>, Symbol> integer_ranges_;  // by lo, hi
+  std::map<std::string, RegexInJsonString> patterns_, formats_;
   int depth_ = 0;  // value() calls under way
   // kinds() of the schemas met so far, those under way, and the work it did (kMaxOneOfWork).
   std::unordered_map<const json*, KindsPtr> kinds_;

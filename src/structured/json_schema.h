@@ -2,8 +2,10 @@
 // JSON Schema (the subset structured outputs use: OpenAI's strict schemas, Pydantic's) and plain
 // JSON as grammars. The answers follow the schema's property order, write required properties
 // always and optional ones at will, and never add properties the schema does not list (still
-// valid where additionalProperties allows more). Keywords that constrain values in ways a grammar
-// here cannot (pattern, format, numeric bounds, ...) are refused by name, never ignored.
+// valid where additionalProperties allows more). A string's pattern is matched by its whole value
+// (structured/regex.h), its format by structured/string_formats.h; numeric bounds are enforced on
+// integers. Keywords that constrain values in ways a grammar here cannot (multipleOf, bounds on
+// numbers, unknown formats, ...) are refused by name, never ignored.
 #include <nlohmann/json.hpp>
 
 #include "structured/grammar.h"

@@ -18,6 +18,12 @@ using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
 
 constexpr uint32_t kMaxCodePoint = 0x10FFFF;
 constexpr int64_t kMaxRepeat = 10'000;
+// Lengths past this are as good as unbounded to the checks that read them (a schema's maxLength
+// is at most 100,000), and products of repeat counts saturate here instead of overflowing.
+constexpr int64_t kLongest = 1'000'000'000'000;
+int64_t saturated(int64_t n) {
+  return std::min(n, kLongest);
+}
 
 Ranges normalized(Ranges r) {
   std::sort(r.begin(), r.end());
@@ -52,20 +58,23 @@ const Ranges kSpace = {{'\t', '\r'},     {0x1C, 0x20},     {0x85, 0x85},     {0x
 
 class RegexCompiler {
  public:
-  RegexCompiler(Grammar& g, std::string_view p) : g_(g), p_(p) {}
+  RegexCompiler(Grammar& g, std::string_view p, bool json_string)
+      : g_(g), p_(p), json_string_(json_string) {}
 
-  Symbol compile() {
+  RegexInJsonString compile() {
     if (peek('^')) ++i_;
-    auto [seq, nullable] = alternation();
-    (void)nullable;
+    Piece whole = alternation();
     if (i_ != p_.size()) fail("unbalanced ')'");
-    return g_.any_of({std::move(seq)});
+    return {g_.any_of({std::move(whole.seq)}), whole.shortest, whole.longest};
   }
 
  private:
+  // A part of the pattern: its sequence, and the fewest and most code points it matches
+  // (longest < 0: no limit).
   struct Piece {
     Sequence seq;
     bool nullable;
+    int64_t shortest = 0, longest = 0;
   };
 
   [[noreturn]] void fail(const std::string& what) const {
@@ -82,12 +91,15 @@ class RegexCompiler {
     }
     if (alts.size() == 1) return std::move(alts[0]);
     std::vector<Sequence> seqs;
-    bool nullable = false;
+    Piece out{{}, false, alts[0].shortest, alts[0].longest};
     for (auto& a : alts) {
-      nullable = nullable || a.nullable;
+      out.nullable = out.nullable || a.nullable;
+      out.shortest = std::min(out.shortest, a.shortest);
+      out.longest = out.longest < 0 || a.longest < 0 ? -1 : std::max(out.longest, a.longest);
       seqs.push_back(std::move(a.seq));
     }
-    return {{g_.any_of(std::move(seqs))}, nullable};
+    out.seq = {g_.any_of(std::move(seqs))};
+    return out;
   }
 
   Piece concatenation() {
@@ -100,6 +112,8 @@ class RegexCompiler {
       Piece p = quantified();
       out.seq.insert(out.seq.end(), p.seq.begin(), p.seq.end());
       out.nullable = out.nullable && p.nullable;
+      out.shortest = saturated(out.shortest + p.shortest);
+      out.longest = out.longest < 0 || p.longest < 0 ? -1 : saturated(out.longest + p.longest);
     }
     return out;
   }
@@ -126,7 +140,12 @@ class RegexCompiler {
       fail("multiple repeat: a quantifier cannot follow another (group the first: (?:a{2}){3})");
     }
     const bool nullable = min == 0 || atom_piece.nullable;
-    return {{g_.repeat(atom_piece.seq, min, max)}, nullable};
+    const int64_t longest =
+        max < 0 || atom_piece.longest < 0 ? -1 : saturated(max * atom_piece.longest);
+    return {{g_.repeat(atom_piece.seq, min, max)},
+            nullable,
+            saturated(min * atom_piece.shortest),
+            longest};
   }
 
   // *, +, ? or a count at i_: true with its bounds (i_ past it), else false (i_ stays).
@@ -201,15 +220,16 @@ class RegexCompiler {
         --depth_;
         if (!peek(')')) fail("missing ')'");
         ++i_;
-        return {{g_.any_of({std::move(inner.seq)})}, inner.nullable};
+        inner.seq = {g_.any_of({std::move(inner.seq)})};
+        return inner;
       }
       case '[':
-        return {{ranges_rule(char_class())}, false};
+        return one_character(char_class());
       case '.':
         ++i_;
-        return {{ranges_rule(complement({{'\n', '\n'}}))}, false};
+        return one_character(complement({{'\n', '\n'}}));
       case '\\':
-        return {{ranges_rule(escape(false))}, false};
+        return one_character(escape(false));
       case '{': {
         // A count with nothing before it (both Python and ECMAScript refuse it).
         int64_t min = 0, max = 0;
@@ -228,8 +248,10 @@ class RegexCompiler {
         break;
     }
     const uint32_t cp = code_point();
-    return {{ranges_rule({{cp, cp}})}, false};
+    return one_character({{cp, cp}});
   }
+
+  Piece one_character(const Ranges& r) { return {{ranges_rule(r)}, false, 1, 1}; }
 
   uint32_t code_point() {
     const auto b = static_cast<uint8_t>(p_[i_]);
@@ -362,6 +384,7 @@ class RegexCompiler {
   }
 
   // A rule matching one code point of `r`: the ASCII part as one byte set, the rest as UTF-8.
+  // Inside a JSON string, '"', '\\' and the control characters are written as JSON escapes.
   Symbol ranges_rule(const Ranges& r) {
     std::vector<Sequence> alts;
     ByteSet ascii;
@@ -371,13 +394,53 @@ class RegexCompiler {
         for (auto& s : utf8_range(g_, std::max<uint32_t>(lo, 0x80), hi))
           alts.push_back(std::move(s));
     }
+    if (json_string_) {
+      auto escapes = json_escapes(ascii);
+      alts.insert(alts.begin(), escapes.begin(), escapes.end());
+    }
     if (ascii.any()) alts.insert(alts.begin(), Sequence{g_.bytes(ascii)});
     if (alts.empty()) fail("a class that matches nothing");
     return g_.any_of(std::move(alts));
   }
 
+  // The characters of `ascii` that a JSON string must escape, as their escapes (taken out of
+  // `ascii`): one way each, as JSON encoders write them (\" \\ \b \f \n \r \t, else \u00XX in
+  // lower case), so that no answer has two spellings.
+  std::vector<Sequence> json_escapes(ByteSet& ascii) {
+    ByteSet after_backslash, u000, u001;  // u00N: the last hex digit of \u00NX
+    for (uint32_t c = 0; c < 0x20; ++c) {
+      if (!ascii.test(c)) continue;
+      ascii.reset(c);
+      const char letter = c == '\b'   ? 'b'
+                          : c == '\f' ? 'f'
+                          : c == '\n' ? 'n'
+                          : c == '\r' ? 'r'
+                          : c == '\t' ? 't'
+                                      : 0;
+      if (letter)
+        after_backslash.set(static_cast<uint8_t>(letter));
+      else
+        (c < 0x10 ? u000 : u001).set(static_cast<uint8_t>("0123456789abcdef"[c & 15]));
+    }
+    for (char c : {'"', '\\'})
+      if (ascii.test(static_cast<uint8_t>(c))) {
+        ascii.reset(static_cast<uint8_t>(c));
+        after_backslash.set(static_cast<uint8_t>(c));
+      }
+    std::vector<Sequence> out;
+    if (after_backslash.any()) out.push_back({g_.byte('\\'), g_.bytes(after_backslash)});
+    for (const auto& [last, prefix] : {std::pair{&u000, "\\u000"}, std::pair{&u001, "\\u001"}})
+      if (last->any()) {
+        Sequence s = g_.literal(prefix);
+        s.push_back(g_.bytes(*last));
+        out.push_back(std::move(s));
+      }
+    return out;
+  }
+
   Grammar& g_;
   std::string_view p_;
+  bool json_string_;
   size_t i_ = 0;
   int depth_ = 0;  // groups open around i_
 };
@@ -385,7 +448,11 @@ class RegexCompiler {
 }  // namespace
 
 Grammar::Symbol regex_rule(Grammar& g, std::string_view pattern) {
-  return RegexCompiler(g, pattern).compile();
+  return RegexCompiler(g, pattern, false).compile().rule;
+}
+
+RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern) {
+  return RegexCompiler(g, pattern, true).compile();
 }
 
 }  // namespace tandem::structured

@@ -12,6 +12,7 @@
 // groups ((...) and (?:...)), '|', greedy or lazy quantifiers. Refused, naming the construct:
 // backreferences, lookaround, word boundaries, other (? groups, possessive quantifiers, {,n} and
 // octal escapes (read differently by Python and ECMAScript), a quantifier right after another.
+#include <cstdint>
 #include <string_view>
 
 #include "structured/grammar.h"
@@ -20,5 +21,17 @@ namespace tandem::structured {
 
 // Throws tandem::Error naming the construct and its offset in the pattern.
 Grammar::Symbol regex_rule(Grammar& g, std::string_view pattern);
+
+// A pattern compiled to match the inside of a JSON string (the text between its quotes) whose
+// value the pattern matches whole, as a JSON Schema 'pattern' or 'format' is compiled. Each
+// character is written one way: '"', '\' and the control characters as JSON encoders escape them
+// (\" \\ \b \f \n \r \t, the others \u00xx), every other character as itself in UTF-8.
+struct RegexInJsonString {
+  Grammar::Symbol rule;
+  // The fewest and the most characters (code points) of the values it matches; longest < 0: no
+  // limit.
+  int64_t shortest, longest;
+};
+RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern);
 
 }  // namespace tandem::structured

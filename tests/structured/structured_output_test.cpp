@@ -565,12 +565,13 @@ TEST(StructuredOutput, UnsupportedSchemaKeywordsAndRegexConstructsAreNamed) {
     return std::string("(compiled)");
   };
   using K = OutputSpec::Kind;
-  EXPECT_NE(error(K::kJsonSchema, R"({"type": "string", "pattern": "a+"})").find("'pattern'"),
+  EXPECT_NE(error(K::kJsonSchema, R"({"type": "integer", "multipleOf": 2})").find("'multipleOf'"),
             std::string::npos);
-  EXPECT_NE(error(K::kJsonSchema, R"({"properties": {"d": {"type": "string", "format": "date"}}})")
-                .find("#/properties/d: the keyword 'format'"),
-            std::string::npos);
-  EXPECT_NE(error(K::kJsonSchema, R"({"type": "integer", "minimum": 0})").find("'minimum'"),
+  EXPECT_NE(
+      error(K::kJsonSchema, R"({"properties": {"d": {"type": "array", "uniqueItems": true}}})")
+          .find("#/properties/d: the keyword 'uniqueItems'"),
+      std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"type": "number", "minimum": 0})").find("'minimum'"),
             std::string::npos);
   EXPECT_NE(error(K::kJsonSchema, R"({"type": "object", "required": ["x"]})").find("required"),
             std::string::npos);
@@ -1297,6 +1298,262 @@ TEST(StructuredOutput, ABoundedStringWalksTheVocabularyAboutOncePerByteOfItsLong
   EXPECT_EQ(size_t(stats.masks_computed + stats.masks_reused), tokens);
   EXPECT_GT(tokens, 100u);
   EXPECT_LE(size_t(stats.masks_computed), 2 * longest + 4);
+}
+
+// ---- JSON Schema's pattern, format and integer bounds (tests/oracle/string_format_oracle.py) ----
+
+// The verdicts of string_format_oracle.py on `checks` ([{"kind": ..., "texts": [...]}, ...]).
+json string_format_oracle(const json& checks) {
+  const auto in = test::temp_path("formats-in"), out = test::temp_path("formats-out");
+  write_file_atomically(in, json{{"checks", checks}}.dump());
+  const int rc = test::run_command("/usr/bin/python3 " +
+                                   test::quote(test::oracle_dir() / "string_format_oracle.py") +
+                                   " < " + test::quote(in) + " > " + test::quote(out));
+  EXPECT_EQ(rc, 0) << "string_format_oracle.py failed";
+  json result = rc == 0 ? json::parse(read_file(out)) : json();
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  return result;
+}
+
+// A check of `schema`'s grammar: answers sampled from it, each and one edit of each, and `extra`
+// texts, judged by the oracle as `kind` (the check's other fields added). The grammar must accept
+// a text exactly when the oracle finds it valid and written the one way JSON encoders write it.
+struct FormatCheck {
+  json schema;
+  json check;  // {"kind": ..., other fields for the oracle}
+  std::vector<std::string> extra;
+};
+
+void expect_grammars_agree_with_the_oracle(const std::vector<FormatCheck>& cases) {
+  std::mt19937 rng(23);
+  json checks = json::array();
+  std::vector<std::vector<bool>> ours;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.schema.dump());
+    const auto g = compile({OutputSpec::Kind::kJsonSchema, c.schema.dump(), "response_format"});
+    std::vector<std::string> texts = c.extra;
+    int sampled = 0;
+    for (int i = 0; i < 60; ++i) {
+      auto s = random_sentence(g, rng, 1000);
+      if (!s) continue;
+      ++sampled;
+      texts.push_back(*s);
+      texts.push_back(mutate(*s, rng));
+    }
+    EXPECT_GT(sampled, 20);
+    std::vector<bool> got;
+    for (const auto& t : texts) got.push_back(full_match(g, t));
+    json check = c.check;
+    check["texts"] = texts;
+    checks.push_back(check);
+    ours.push_back(got);
+  }
+  const json judged = string_format_oracle(checks);
+  ASSERT_EQ(judged.size(), cases.size());
+  size_t accepted = 0;
+  for (size_t i = 0; i < cases.size(); ++i)
+    for (size_t j = 0; j < ours[i].size(); ++j) {
+      const json& v = judged[i][j];
+      const bool expected = v["valid"].get<bool>() && v["canonical"].get<bool>();
+      accepted += ours[i][j];
+      EXPECT_EQ(ours[i][j], expected)
+          << cases[i].schema.dump() << "\n  text " << json(checks[i]["texts"][j]).dump()
+          << "\n  oracle " << v.dump();
+    }
+  EXPECT_GT(accepted, 20u * cases.size());
+}
+
+// 'pattern' matches the string's value whole (xgrammar's reading, vLLM's default backend; JSON
+// Schema's is a search, which every answer here satisfies too), and characters a JSON string
+// must escape are written escaped: '"', '\' and control characters the pattern allows came out
+// raw, as invalid JSON, when a pattern was pasted between quotes.
+TEST(StructuredOutput, APatternIsMatchedByTheStringsValueWrittenAsJsonWritesIt) {
+  std::vector<FormatCheck> cases;
+  for (const std::string p : {
+           R"(^[a-z]+@[a-z]+\.(com|org)$)",
+           R"(\d{3}-\d{4})",
+           R"(say "hi"|back\\slash|/)",
+           R"([\x00-\x1f"\\]{1,4}x)",
+           R"(.{0,4})",
+           R"(\S+\s\S)",
+           R"([^a-z]{2,5})",
+           "(?:\xc3\xa9|\xe4\xb8\xad|\\u2028){1,3}",
+           R"(\w+[\n\t\r\f\x08\x7f\v]?)",
+       })
+    cases.push_back(
+        {{{"type", "string"}, {"pattern", p}},
+         {{"kind", "pattern"}, {"pattern", p}},
+         {R"("\u0022")", R"("\/")", R"("\u000a")", "\"\t\"", R"("\"\"")", R"("\\")", R"("\n")",
+          R"("\u001f")", R"("\u001F")", R"("ab")", R"(" ")", "\"\xc3\xa9\""}});
+  // Without 'type', a pattern generates strings alone (it constrains no other value).
+  cases.push_back({{{"pattern", "[0-9]{2}"}},
+                   {{"kind", "pattern"}, {"pattern", "[0-9]{2}"}},
+                   {"12", R"("12")", R"("1")"}});
+  expect_grammars_agree_with_the_oracle(cases);
+}
+
+// The formats enforced: exactly the strings Python's parsers read in the RFCs' shapes, within
+// the limits string_formats.h gives (29 February in leap years only, no leap second, at most 6
+// fraction digits).
+TEST(StructuredOutput, StringFormatsAcceptExactlyWhatPythonsParsersRead) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> formats = {
+      {"date",
+       {R"("2024-02-29")", R"("2023-02-29")", R"("2000-02-29")", R"("1900-02-29")",
+        R"("0000-01-01")", R"("0001-01-01")", R"("9999-12-31")", R"("2024-04-31")",
+        R"("2024-13-01")", R"("2024-1-01")", R"("20240101")"}},
+      {"time",
+       {R"("23:59:59Z")", R"("23:59:60Z")", R"("24:00:00Z")", R"("12:00:00")",
+        R"("12:00:00.123456+05:30")", R"("12:00:00.1234567+05:30")", R"("12:00:00-00:00")",
+        R"("12:00:00+24:00")", R"("12:00:00z")"}},
+      {"date-time",
+       {R"("2024-02-29T23:59:59.5Z")", R"("2023-02-29T00:00:00Z")", R"("2024-01-01 00:00:00Z")",
+        R"("2024-01-01T00:00:00")", R"("2024-01-01t00:00:00Z")"}},
+      {"uuid",
+       {R"("123e4567-e89b-12d3-a456-426614174000")", R"("123E4567-E89B-12D3-A456-426614174000")",
+        R"("123e4567e89b12d3a456426614174000")", R"("{123e4567-e89b-12d3-a456-426614174000}")"}},
+      {"uuid4",
+       {R"("123e4567-e89b-42d3-a456-426614174000")", R"("123e4567-e89b-42d3-c456-426614174000")",
+        R"("123e4567-e89b-12d3-a456-426614174000")"}},
+      {"ipv4",
+       {R"("255.255.255.255")", R"("256.1.1.1")", R"("01.1.1.1")", R"("1.1.1")", R"("0.0.0.0")"}},
+      {"ipv6",
+       {R"("::")", R"("::1")", R"("1::")", R"("1:2:3:4:5:6:7:8")", R"("1:2:3:4:5:6:7::")",
+        R"("::2:3:4:5:6:7:8")", R"("1:2:3:4:5:6:7:8:9")", R"("1::2::3")", R"("fe80::1:FFFF")",
+        R"("12345::")"}},
+      {"email",
+       {R"("a@b.co")", R"("first.last+tag@mail.example.org")", R"("o'h{x}|~@b.io")",
+        R"("a..b@c.com")", R"(".a@b.com")", R"("a@b")", R"("a@-b.com")", R"("a@b.c0m")",
+        R"("a@[1.2.3.4]")"}},
+  };
+  std::vector<FormatCheck> cases;
+  for (const auto& [f, extra] : formats)
+    cases.push_back({{{"type", "string"}, {"format", f}}, {{"kind", f}}, extra});
+  expect_grammars_agree_with_the_oracle(cases);
+}
+
+// minimum, maximum, exclusiveMinimum and exclusiveMaximum on integers: exactly the integers in
+// the range, written as JSON writes them (no '-0'); an open side is bounded by the digits an
+// integer may have (kMaxIntegerDigits).
+TEST(StructuredOutput, IntegerBoundsAcceptExactlyTheIntegersInTheRange) {
+  const int64_t most = 9'999'999'999'999'999;  // kMaxIntegerDigits nines
+  struct Range {
+    json bounds;
+    int64_t lo, hi;
+  };
+  const std::vector<Range> ranges = {
+      {{{"minimum", 0}}, 0, most},
+      {{{"minimum", 1}}, 1, most},
+      {{{"maximum", -5}}, -most, -5},
+      {{{"minimum", -17}, {"maximum", 230}}, -17, 230},
+      {{{"exclusiveMinimum", 0}, {"exclusiveMaximum", 100}}, 1, 99},
+      {{{"minimum", 1.5}, {"maximum", 9.5}}, 2, 9},
+      {{{"minimum", 999}, {"maximum", 1001}}, 999, 1001},
+      {{{"minimum", -1000000}, {"maximum", -999}}, -1000000, -999},
+      {{{"minimum", 0}, {"maximum", 0}}, 0, 0},
+      {{{"minimum", 5}, {"exclusiveMinimum", 7}, {"maximum", 120}, {"exclusiveMaximum", 100}},
+       8,
+       99},
+      {{{"minimum", -1e30}, {"maximum", 1e30}}, -most, most},
+  };
+  std::vector<FormatCheck> cases;
+  for (const auto& r : ranges) {
+    json schema = r.bounds;
+    schema["type"] = "integer";
+    std::vector<std::string> extra = {"-0", "0", "00", "1.0", "1e2"};
+    for (int64_t v : {r.lo, r.hi})
+      for (int64_t d : {-1, 0, 1}) extra.push_back(std::to_string(v + d));
+    cases.push_back({schema, {{"kind", "integer"}, {"minimum", r.lo}, {"maximum", r.hi}}, extra});
+  }
+  expect_grammars_agree_with_the_oracle(cases);
+}
+
+// What is not enforced is refused, naming the keyword (or the format) and where it stands.
+TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByName) {
+  auto error = [](const json& schema) {
+    try {
+      compile({OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(compiled)");
+  };
+  auto refused = [&](const json& schema, const std::string& says) {
+    const std::string e = error(schema);
+    EXPECT_NE(e.find(says), std::string::npos) << schema.dump() << "\n  " << e;
+  };
+  refused({{"properties", {{"d", {{"type", "string"}, {"format", "duration"}}}}}},
+          "#/properties/d/format: the format 'duration' is not supported");
+  refused({{"type", "string"}, {"format", 3}}, "'format' must be a string");
+  refused({{"type", "string"}, {"pattern", "(a"}}, "#/pattern: regex at offset");
+  refused({{"type", "string"}, {"pattern", "a+"}, {"format", "date"}}, "'pattern' beside 'format'");
+  // Lengths are enforced beside a pattern only where the pattern implies them.
+  refused({{"type", "string"}, {"pattern", "[a-z]+"}, {"maxLength", 10}}, "'maxLength'");
+  refused({{"type", "string"}, {"format", "date"}, {"minLength", 11}}, "'minLength'");
+  EXPECT_EQ(error({{"type", "string"}, {"format", "date"}, {"minLength", 10}, {"maxLength", 10}}),
+            "(compiled)");
+  EXPECT_EQ(error({{"type", "string"}, {"pattern", "^[A-Z]{2,3}$"}, {"maxLength", 3}}),
+            "(compiled)");
+  refused({{"type", "integer"}, {"minimum", 5}, {"maximum", 4}}, "no integer");
+  refused({{"type", "integer"}, {"minimum", "0"}}, "#/minimum: 'minimum' must be a number");
+  refused({{"type", "integer"}, {"exclusiveMinimum", true}}, "'exclusiveMinimum' must be a number");
+  refused({{"type", "number"}, {"minimum", 0}}, "'minimum' on a number");
+  // Where they do not apply, as JSON Schema has it, they constrain nothing: a format or pattern
+  // beside "type": "integer", bounds beside "type": "string".
+  EXPECT_EQ(error({{"type", "integer"}, {"format", "int64"}}), "(compiled)");
+  EXPECT_EQ(error({{"type", "string"}, {"minimum", 3}}), "(compiled)");
+}
+
+// Pydantic's datetime, date, UUID, EmailStr, constr(pattern=...) and conint(ge=..., le=...)
+// fields, as OpenAI's client.beta.chat.completions.parse sends them: answers sampled through the
+// masks of a real vocabulary are valid JSON whose fields Python's parsers read.
+TEST(StructuredOutput, AnswersToAPydanticModelWithFormatsReadBackThroughPythonsParsers) {
+  const json schema = json::parse(R"({
+    "title": "Booking", "type": "object", "additionalProperties": false,
+    "properties": {
+      "when": {"title": "When", "type": "string", "format": "date-time"},
+      "day": {"type": "string", "format": "date"},
+      "id": {"type": "string", "format": "uuid"},
+      "mail": {"type": "string", "format": "email"},
+      "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
+      "seats": {"type": "integer", "minimum": 1, "maximum": 12},
+      "note": {"anyOf": [{"type": "string", "format": "time"}, {"type": "null"}]}},
+    "required": ["when", "day", "id", "mail", "code", "seats", "note"]})");
+  StructuredOutputs outputs(std::make_shared<const text::Tokenizer>(
+      text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"))));
+  std::mt19937 rng(5);
+  const Walks w = random_walks(
+      outputs, {OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"}, 12, 400, rng);
+  ASSERT_FALSE(w.complete.empty()) << "no walk finished";
+  const std::vector<std::pair<std::string, json>> fields = {
+      {"when", {{"kind", "date-time"}}},
+      {"day", {{"kind", "date"}}},
+      {"id", {{"kind", "uuid"}}},
+      {"mail", {{"kind", "email"}}},
+      {"code", {{"kind", "pattern"}, {"pattern", "^[A-Z]{3}-\\d{2}$"}}},
+      {"seats", {{"kind", "integer"}, {"minimum", 1}, {"maximum", 12}}}};
+  json checks = json::array();
+  for (const auto& [name, check] : fields) {
+    json c = check;
+    c["texts"] = json::array();
+    for (const auto& answer : w.complete) c["texts"].push_back(json::parse(answer)[name].dump());
+    checks.push_back(c);
+  }
+  json notes = {{"kind", "time"}, {"texts", json::array()}};
+  for (const auto& answer : w.complete)
+    if (!json::parse(answer)["note"].is_null())
+      notes["texts"].push_back(json::parse(answer)["note"].dump());
+  checks.push_back(notes);
+  const json judged = string_format_oracle(checks);
+  ASSERT_EQ(judged.size(), checks.size());
+  for (size_t i = 0; i < checks.size(); ++i)
+    for (size_t j = 0; j < checks[i]["texts"].size(); ++j)
+      EXPECT_TRUE(judged[i][j]["valid"].get<bool>())
+          << checks[i]["kind"] << " " << checks[i]["texts"][j] << ": " << judged[i][j]["why"];
+  // The whole answers validate too (pattern and bounds, which jsonschema checks).
+  const json whole = oracle({{"schema", {{{"schema", schema}, {"answers", w.complete}}}}});
+  for (size_t j = 0; j < w.complete.size(); ++j)
+    EXPECT_TRUE(whole["schema"][0][j].is_null()) << w.complete[j] << ": " << whole["schema"][0][j];
 }
 
 }  // namespace

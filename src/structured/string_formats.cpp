@@ -1,0 +1,84 @@
+#include "structured/string_formats.h"
+
+namespace tandem::structured {
+namespace {
+
+// Dates of the Gregorian calendar, years 0001 to 9999: RFC 3339's full-date with each month's
+// days, and 29 February in leap years only (xgrammar allows 31 February, llguidance 29 February
+// of any year: dates every parser refuses). Year 0000 is RFC 3339's but no Python date's.
+constexpr char kYear[] = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)";
+constexpr char kMonthAndDay[] =
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|"
+    "02-(?:0[1-9]|1[0-9]|2[0-8]))";
+// Divisible by 4 and not by 100, or by 400 (not 0000).
+constexpr char kLeapYear[] =
+    "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)";
+
+std::string date() {
+  return std::string("(?:") + kYear + "-" + kMonthAndDay + "|" + kLeapYear + "-02-29)";
+}
+
+// RFC 3339's full-time: the offset is required (Z or +hh:mm), the leap second 60 is left out
+// (Python and Pydantic refuse it), and fractions have at most 6 digits, the microseconds Python
+// and Pydantic keep (more are RFC 3339's, and cut off silently by the parsers).
+std::string time() {
+  return "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,6})?"
+         "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
+}
+
+// RFC 4122's string form, either case; uuidN (Pydantic's UUID1, UUID4, ...) also fixes the
+// version digit and the RFC 4122 variant, which Python's UUID.version needs to report one.
+std::string uuid(char version) {
+  const std::string hex = "[0-9a-fA-F]";
+  if (!version) return hex + "{8}-" + hex + "{4}-" + hex + "{4}-" + hex + "{4}-" + hex + "{12}";
+  return hex + "{8}-" + hex + "{4}-" + version + hex + "{3}-[89abAB]" + hex + "{3}-" + hex + "{12}";
+}
+
+// Dotted decimal, no leading zeros (Python's ipaddress refuses them: 010 reads as octal to some).
+std::string ipv4() {
+  const std::string octet = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])";
+  return "(?:" + octet + "\\.){3}" + octet;
+}
+
+// RFC 4291's text forms of eight groups, at most one run of them written '::'. The form with a
+// dotted IPv4 tail is left out.
+std::string ipv6() {
+  const std::string h = "[0-9a-fA-F]{1,4}";
+  std::string out = "(?:" + h + ":){7}" + h + "|::(?:" + h + "(?::" + h + "){0,6})?";
+  for (int before = 1; before <= 7; ++before) {
+    out += "|(?:" + h + ":){" + std::to_string(before - 1) + "}" + h + "::";
+    if (before < 7) out += "(?:" + h + "(?::" + h + "){0," + std::to_string(6 - before) + "})?";
+  }
+  return out;
+}
+
+// RFC 5321's Mailbox with a dot-atom local part (no quoted strings) and a domain of LDH labels
+// ending in a top-level label of letters (as Pydantic's EmailStr, through email-validator, wants
+// it: no address literals, no single-label domains).
+std::string email() {
+  const std::string atext = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]";
+  const std::string label = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+  return atext + "+(?:\\." + atext + "+)*@(?:" + label + "\\.)+[A-Za-z]{2,63}";
+}
+
+}  // namespace
+
+std::optional<std::string> string_format_pattern(std::string_view format) {
+  if (format == "date-time") return date() + "T" + time();
+  if (format == "date") return date();
+  if (format == "time") return time();
+  if (format == "uuid") return uuid(0);
+  if (format.size() == 5 && format.substr(0, 4) == "uuid" &&
+      std::string_view("1345678").find(format[4]) != std::string_view::npos)
+    return uuid(format[4]);
+  if (format == "ipv4") return ipv4();
+  if (format == "ipv6") return ipv6();
+  if (format == "email") return email();
+  return std::nullopt;
+}
+
+std::string enforced_string_formats() {
+  return "date-time, date, time, uuid (and Pydantic's uuid1, uuid3 to uuid8), ipv4, ipv6, email";
+}
+
+}  // namespace tandem::structured

@@ -1,0 +1,18 @@
+#pragma once
+// JSON Schema's string formats as regular expressions (structured/regex.h's flavour, matched
+// whole), for the formats structured outputs enforce. Each matches only strings valid under the
+// format's RFC and readable by the parsers clients use (Python's datetime.fromisoformat,
+// uuid.UUID and ipaddress, Pydantic's types): where those disagree the pattern keeps to what all
+// of them take (a subset of the RFC, never more).
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace tandem::structured {
+
+// The pattern of `format`, or nothing for a format not enforced here.
+std::optional<std::string> string_format_pattern(std::string_view format);
+// The formats enforced, for error messages: "date-time, date, ...".
+std::string enforced_string_formats();
+
+}  // namespace tandem::structured

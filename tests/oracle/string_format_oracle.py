@@ -1,0 +1,114 @@
+"""Oracle for JSON Schema string formats, patterns and integer ranges in structured outputs: judges
+JSON texts by Python's own parsers. Reads on stdin
+  {"checks": [{"kind": K, "texts": [JSON text, ...], ...}, ...]}
+and writes [[{"valid": bool, "canonical": bool, "why": str}, ...], ...], one list per check.
+
+"valid": the text is JSON and its value is what the kind asks for:
+  date-time, date, time   a string of RFC 3339's shape (ASCII digits, 'T', 'Z' or an offset)
+                          that datetime/date/time.fromisoformat read (an aware time);
+  uuid, uuid1 .. uuid8    the 8-4-4-4-12 hex form that uuid.UUID reads (of that version);
+  ipv4, ipv6              what ipaddress reads (for ipv6: no dotted IPv4 tail, no zone);
+  email                   what email.headerregistry reads as a dot-atom addr-spec, its domain
+                          LDH labels of 1 to 63 characters, two or more, the last letters only;
+  pattern                 a string that re.fullmatch(check["pattern"]) accepts, in Tandem's
+                          flavour (structured_output_oracle.tandem_flavour);
+  integer                 an integer (not a bool) from check["minimum"] to check["maximum"].
+"canonical": the text is the value as json.dumps(value, ensure_ascii=False) writes it (one
+spelling of each string; for integers, no '-0'), white space around it aside.
+Times have at most 6 fraction digits, the microseconds Python keeps (it cuts more off silently),
+which Tandem's formats write (src/structured/string_formats.cpp)."""
+import ipaddress
+import json
+import os
+import re
+import sys
+import uuid
+from datetime import date, datetime, time
+from email.errors import MessageError
+from email.headerregistry import Address
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from structured_output_oracle import tandem_flavour  # noqa: E402
+
+TIME = r"\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})"
+SHAPES = {
+    "date": r"\d{4}-\d{2}-\d{2}",
+    "time": TIME,
+    "date-time": r"\d{4}-\d{2}-\d{2}T" + TIME,
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+}
+
+
+def domain_ok(domain):
+    labels = domain.split(".")
+    ldh = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-")
+    for label in labels:
+        if not 1 <= len(label) <= 63 or not set(label) <= ldh:
+            return False
+        if label[0] == "-" or label[-1] == "-":
+            return False
+    last = labels[-1]
+    return len(labels) >= 2 and len(last) >= 2 and last.isascii() and last.isalpha()
+
+
+def string_ok(kind, v, check):
+    """Why `v` is not of `kind`, or None."""
+    if kind == "pattern":
+        return None if re.fullmatch(tandem_flavour(check["pattern"]), v) else "no full match"
+    if kind.startswith("uuid"):
+        if not re.fullmatch(SHAPES["uuid"], v, re.ASCII):
+            return "not 8-4-4-4-12 hex"
+        u = uuid.UUID(v)
+        if kind != "uuid" and u.version != int(kind[4:]):
+            return "version %s" % u.version
+        return None
+    if kind in SHAPES:
+        if not re.fullmatch(SHAPES[kind], v, re.ASCII):
+            return "not RFC 3339's shape"
+        parsed = {"date": date, "time": time, "date-time": datetime}[kind].fromisoformat(v)
+        if kind != "date" and parsed.tzinfo is None:
+            return "no offset"
+        return None
+    if kind == "ipv4":
+        ipaddress.IPv4Address(v)
+        return None
+    if kind == "ipv6":
+        if "." in v or "%" in v:
+            return "dotted tail or zone"
+        ipaddress.IPv6Address(v)
+        return None
+    if kind == "email":
+        a = Address(addr_spec=v)
+        if a.addr_spec != v or '"' in v:
+            return "not a dot-atom addr-spec"
+        return None if domain_ok(a.domain) else "bad domain " + a.domain
+    raise ValueError("unknown kind " + kind)
+
+
+def judge(check, text):
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        return {"valid": False, "canonical": False, "why": "not JSON: %s" % e}
+    canonical = json.dumps(v, ensure_ascii=False) == text.strip(" \t\n\r")
+    kind = check["kind"]
+    try:
+        if kind == "integer":
+            ok = type(v) is int and check["minimum"] <= v <= check["maximum"]
+            why = None if ok else "not an integer in range"
+        elif not isinstance(v, str):
+            why = "not a string"
+        else:
+            why = string_ok(kind, v, check)
+    except (ValueError, MessageError) as e:
+        why = "%s: %s" % (type(e).__name__, e)
+    return {"valid": why is None, "canonical": canonical, "why": why or ""}
+
+
+def main():
+    doc = json.load(sys.stdin)
+    json.dump([[judge(c, t) for t in c["texts"]] for c in doc["checks"]], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
