@@ -1,19 +1,14 @@
 #include "cli/gateway_shutdown.h"
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <thread>
 
 #include "util/duration.h"
+#include "util/interruptible.h"
 
 namespace tandem::cli {
 namespace {
-
-// How often a stop is looked at between waits for a second signal: how late, at most, the
-// stop's end is seen.
-constexpr auto kLook = std::chrono::milliseconds(50);
 
 void say_stopping(const char* who, int sig, std::chrono::milliseconds drain) {
   std::fprintf(stderr,
@@ -75,19 +70,11 @@ void stop_draining(std::chrono::milliseconds drain, const StopSignals& signals, 
                    int sig, const std::function<void()>& stop,
                    const std::function<void()>& end_drain) {
   say_stopping(who, sig, drain);
-  std::atomic<bool> stopped{false};
-  std::thread stopping([&] {
-    stop();
-    stopped = true;
-  });
-  while (!stopped.load()) {
-    // The connections close with the drain's end: the requests left are cut, as vLLM's are.
-    if (stopped_again(signals, who, "are cut", kLook)) {
-      end_drain();
-      break;
-    }
-  }
-  stopping.join();
+  // The connections close with the drain's end: the requests left are cut, as vLLM's are.
+  util::run_interruptibly(
+      stop,
+      [&](std::chrono::milliseconds wait) { return stopped_again(signals, who, "are cut", wait); },
+      end_drain);
 }
 
 }  // namespace tandem::cli

@@ -26,6 +26,7 @@
 #include "net/async_http_client.h"
 #include "net/http_server.h"
 #include "net/loop_tasks.h"
+#include "util/interruptible.h"
 #include "util/metrics.h"
 
 namespace tandem::gateway {
@@ -84,9 +85,11 @@ class Gateway::Impl {
       drain_->cut = true;
     }
     drain_->changed.notify_all();
+    server_.end_flush();
   }
   void stop(std::chrono::milliseconds drain) {
     if (stopped_.exchange(true)) return;
+    const auto deadline = std::chrono::steady_clock::now() + drain;
     // New requests get 503.
     front_end_.stop();
     if (started_) {
@@ -107,7 +110,7 @@ class Gateway::Impl {
           });
         });
         std::unique_lock lock(drain_->mutex);
-        drain_->changed.wait_for(lock, drain, [this] { return drain_->idle || drain_->cut; });
+        drain_->changed.wait_until(lock, deadline, [this] { return drain_->idle || drain_->cut; });
       }
       // Those left end now, answered 503 (or their streams cut) rather than dropped; no leg
       // starts after this.
@@ -122,12 +125,12 @@ class Gateway::Impl {
     // The client runs on the server's io threads: its calls end (cancelled, their callbacks
     // reporting to the scheduler and cutting streams) before the server stops those threads.
     client_.shutdown();
-    // The answers written above are flushed before the server closes the connections: it runs
-    // its shutdown as a task of each io thread, and a response's write waits for the end of the
-    // thread's iteration, so each thread first completes one iteration after the one that took
-    // the answers.
-    if (started_) io_threads_pass();
-    server_.stop();
+    // The answers written above go to the sockets before the connections close, within what is
+    // left of the drain: a slow reader's complete answer is cut only at the deadline (the 503s
+    // of a drain that ran out get what the sockets take at once).
+    server_.stop(std::max(std::chrono::milliseconds::zero(),
+                          std::chrono::duration_cast<std::chrono::milliseconds>(
+                              deadline - std::chrono::steady_clock::now())));
     if (sched_) sched_->stop();
   }
 
@@ -224,25 +227,17 @@ void stop_together(std::span<Gateway* const> gateways, std::chrono::milliseconds
   // Every replica refuses before any drains: a client turned away by one is not taken by
   // another that has yet to stop.
   for (Gateway* g : gateways) g->refuse_new_requests();
-  std::atomic<size_t> running{gateways.size()};
-  std::vector<std::thread> stops;
-  stops.reserve(gateways.size());
-  for (Gateway* g : gateways)
-    stops.emplace_back([g, drain, &running] {
-      g->stop(drain);
-      --running;
-    });
-  // How often the stops are looked at between waits for an interruption: how late, at most,
-  // this returns after the last one stopped.
-  constexpr auto kLook = std::chrono::milliseconds(50);
-  // Without `interrupted` nothing can cut the drains: the joins below wait for them.
-  while (interrupted && running.load() > 0) {
-    if (interrupted(kLook)) {
-      for (Gateway* g : gateways) g->end_drain();
-      break;
-    }
-  }
-  for (auto& t : stops) t.join();
+  util::run_interruptibly(
+      [&] {
+        std::vector<std::thread> stops;
+        stops.reserve(gateways.size());
+        for (Gateway* g : gateways) stops.emplace_back([g, drain] { g->stop(drain); });
+        for (auto& t : stops) t.join();
+      },
+      interrupted,
+      [&] {
+        for (Gateway* g : gateways) g->end_drain();
+      });
 }
 
 }  // namespace tandem::gateway

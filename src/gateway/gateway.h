@@ -52,15 +52,17 @@ class Gateway {
   // Stops in order: new requests get 503 at once; the requests in flight have up to `drain` to
   // finish (legs still start and failures are still retried meanwhile); those left then end:
   // a client that has nothing yet gets 503 "the gateway is shutting down" (an OpenAI error), a
-  // stream ends with that error event; no engine is blamed. Then the connections close. Returns
-  // once all is done; later calls do nothing. The destructor stops without a drain.
+  // stream ends with that error event; no engine is blamed. Then the connections close: those
+  // whose complete answer a slow reader's socket has not yet taken once it has, within what is
+  // left of `drain` (HttpServer::stop's flush), the others at once. Returns once all is done;
+  // later calls do nothing. The destructor stops without a drain.
   void stop(std::chrono::milliseconds drain = kDefaultDrain);
   // The first step of stop(), on its own: new requests get 503 and /health answers 503 (so load
   // balancers take this gateway out) from now on, while the requests in flight go on. For
   // replicas, which should all refuse before any of them drains (stop_together).
   void refuse_new_requests();
-  // Ends a drain at once (stop() goes on with answering those left 503), or the next one before
-  // it begins. From any thread: an operator's second stop signal.
+  // Ends a drain, and the flush after it, at once (stop() goes on with answering those left
+  // 503), or the next one before it begins. From any thread: an operator's second stop signal.
   void end_drain();
 
  private:
