@@ -735,7 +735,7 @@ TEST_P(KvTransports, FramesGatheredFromTheSharedCacheArriveIntact) {
     std::vector<std::byte> got(expected.size(), std::byte{0xEE});
     uint64_t size = 0;
     ASSERT_EQ(p->client->receive_header(size, 1 << 20), KvFrameType::kLayer);
-    for (const auto [from, to] : {std::pair<size_t, size_t>{0, 10}, {10, 50000}, {50000, size}}) {
+    for (const auto& [from, to] : {std::pair<size_t, size_t>{0, 10}, {10, 50000}, {50000, size}}) {
       const std::span<std::byte> piece(got.data() + from, to - from);
       p->client->receive_payload(std::span(&piece, 1));
     }
@@ -1469,6 +1469,23 @@ TEST(KvPeerAllow, HostsMatchAsWrittenAndAddressesByIpv4Block) {
   EXPECT_NO_THROW(check_kv_peer_allow(allow));
   for (const std::string bad : {"10.0.0.0/33", "10.0.0/8", "10.0.0.0/", "10.0.0.0/x", ""})
     EXPECT_THROW(check_kv_peer_allow({bad}), Error) << bad;
+}
+
+// One host owns an IPv6 /64 and can take a new address in it for every connection: counted per
+// address, it held 64 of the port's 512 slots per address, i.e. all of them. Its connections now
+// count together per /64; an IPv4-mapped address counts as its IPv4 address, which stays alone.
+TEST(KvHandshakeGroup, IPv6PeersCountPerSlash64AndIPv4PeersPerAddress) {
+  EXPECT_EQ(kv_handshake_group("2001:db8:1:2::1:40000"), "2001:db8:1:2::/64");
+  EXPECT_EQ(kv_handshake_group("2001:db8:1:2:ffff:ffff:ffff:ffff:40001"), "2001:db8:1:2::/64");
+  EXPECT_EQ(kv_handshake_group("2001:db8:1:2:a:b:c:d:1"), "2001:db8:1:2::/64");
+  EXPECT_EQ(kv_handshake_group("2001:db8:1:3::1:40000"), "2001:db8:1:3::/64");
+  EXPECT_EQ(kv_handshake_group("::1:40000"), "::/64");
+  EXPECT_EQ(kv_handshake_group("[2001:db8:1:2::7]:40000"), "2001:db8:1:2::/64");
+  EXPECT_EQ(kv_handshake_group("::ffff:10.0.0.7:5000"), "10.0.0.7");
+  EXPECT_EQ(kv_handshake_group("10.0.0.7:6000"), "10.0.0.7");
+  EXPECT_EQ(kv_handshake_group("10.0.0.8:6000"), "10.0.0.8");
+  EXPECT_EQ(kv_handshake_group("shared memory (local peer, pid 5)"),
+            "shared memory (local peer, pid 5)");
 }
 
 TEST_F(KvTransferAgents, ADecodeEngineConnectsOnlyToAllowedHosts) {

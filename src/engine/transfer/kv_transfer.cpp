@@ -32,10 +32,11 @@ constexpr size_t kHandshakeFrameLimit = 4096;
 constexpr size_t kLayerHeader = 16;  // [u32 layer][u32 flags][u64 checksum]
 constexpr uint32_t kFlagChecksum = 1;
 constexpr int64_t kMaxConnections = 512;  // served at once; more are refused, not queued
-// Connections from one address still in their handshake (or, without a secret, before their
-// request): a host that keeps opening silent connections holds at most this many of the slots
-// above, so one stranger cannot exhaust the port by reconnecting faster than the handshake
-// timeout closes them. Decode engines finish their handshake in a round trip.
+// Connections from one address (an IPv6 one's whole /64: kv_handshake_group) still in their
+// handshake (or, without a secret, before their request): a host that keeps opening silent
+// connections holds at most this many of the slots above, so one stranger cannot exhaust the
+// port by reconnecting faster than the handshake timeout closes them. Decode engines finish
+// their handshake in a round trip.
 constexpr int64_t kMaxHandshakesPerAddress = 64;
 // Worker threads at most: every connection served at once, plus room for the decode side's
 // fetches, which therefore never wait behind connections blocked on their transfers.
@@ -716,9 +717,7 @@ void KvTransferAgent::reap_loop() {
 void KvTransferAgent::accept_loop() {
   while (auto conn = listener_->accept()) {
     std::shared_ptr<KvConnection> shared(std::move(conn));
-    // The peer's address without its port (IPv6 addresses hold colons too).
-    const std::string peer = shared->peer();
-    const std::string address = peer.substr(0, peer.rfind(':'));
+    const std::string address = kv_handshake_group(shared->peer());
     std::string refusal;  // told outside the lock
     {
       std::lock_guard lock(mutex_);
@@ -1319,10 +1318,19 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     if (!kv_peer_allowed(config_.allow, f.host))
       throw NotThePrefillsFault("KV transfer from " + f.host +
                                 " refused: the host is not in --kv-transfer-allow");
-    std::shared_ptr<KvConnection> conn(transport_->connect(f.host, f.port, [this, slot] {
+    std::shared_ptr<KvConnection> conn;
+    try {
+      conn = transport_->connect(f.host, f.port, [this, slot] {
+        std::lock_guard lock(mutex_);
+        return slot->cancelled || stopping_;
+      });
+    } catch (const std::exception& e) {
+      // A connect this side gave up says why, as a fetch cancelled before it began does.
       std::lock_guard lock(mutex_);
-      return slot->cancelled || stopping_;
-    }));
+      if (slot->cancelled || stopping_)
+        throw NotThePrefillsFault(std::string("cancelled (") + e.what() + ")");
+      throw;
+    }
     metrics_->fetch_connections.labels({conn->kind()}).inc();
     {
       std::lock_guard lock(mutex_);
@@ -1384,9 +1392,8 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
         if (size > kControlLimit)
           throw Error("an error frame of " + std::to_string(size) + " bytes exceeds the limit of " +
                       std::to_string(kControlLimit));
-        KvFrame e{type, std::vector<std::byte>(size)};
-        const std::span<std::byte> whole(e.payload);
-        conn->receive_payload(std::span(&whole, 1));
+        KvFrame e{type, {}};
+        conn->receive_payload_as_it_arrives(e.payload, size);
         throw NotThePrefillsFault(error_message(e));
       }
       if (type != KvFrameType::kLayer || size != kLayerHeader + layer_bytes)
@@ -1481,6 +1488,22 @@ bool kv_peer_allowed(const std::vector<std::string>& allow, std::string_view hos
       return true;
   }
   return false;
+}
+
+std::string kv_handshake_group(std::string_view peer) {
+  std::string address(peer.substr(0, peer.rfind(':')));  // IPv6 addresses hold colons too
+  if (address.size() >= 2 && address.front() == '[' && address.back() == ']')
+    address = address.substr(1, address.size() - 2);
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, address.c_str(), &v6) != 1) return address;  // IPv4, or no address
+  char text[INET6_ADDRSTRLEN] = {};
+  if (IN6_IS_ADDR_V4MAPPED(&v6)) {
+    ::inet_ntop(AF_INET, &v6.s6_addr[12], text, sizeof text);
+    return text;
+  }
+  std::memset(&v6.s6_addr[8], 0, 8);
+  ::inet_ntop(AF_INET6, &v6, text, sizeof text);
+  return std::string(text) + "/64";
 }
 
 void check_kv_peer_allow(const std::vector<std::string>& allow) {

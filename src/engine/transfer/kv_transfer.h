@@ -34,11 +34,13 @@
 // "tandem-kv-transfer session Nd Np") (hex, as a key), TYPE the request's frame type as a decimal
 // number and PAYLOAD its bytes: a stranger who gets a decode engine to connect to it (requests
 // name hosts) and relays the handshake to a prefill engine can pass on only that engine's own
-// request, never send one of its own. The prefill engine's frames carry no MAC (a keyed hash of
-// every layer would cost more than the copy): such a relay can still alter the KV a decode engine
-// receives for a request that named the relay's host, which --kv-transfer-allow (tandem serve
-// sets it, but not for a wildcard --engine-host) prevents by keeping decode engines to the
-// prefill engines' hosts. A peer that fails
+// request, never send one of its own. The prefill engine's frames carry no MAC: the cheapest
+// keyed hash OpenSSL has, Poly1305, over each layer on both ends cost 13-58% of loopback TCP
+// throughput and 235-279% of a one-copy (shared-memory) transfer of DeepSeek-V3's shape
+// (measured 2026-12-06 on a 2-core VM; docs/reliability.md), and shared memory has no path to
+// be on. So a relay (or an attacker on a TCP path, after the handshake) can still alter the KV
+// a decode engine receives; --kv-transfer-allow (tandem serve sets it, but not for a wildcard
+// --engine-host) keeps decode engines to the prefill engines' hosts. A peer that fails
 // gets one kError saying only that it was not authenticated (the reason goes to the prefill
 // engine's log), and each frame of a connection until its request (the first included) must arrive
 // whole within handshake_timeout_s: silent or idle strangers cannot hold the port. Until a peer
@@ -112,6 +114,13 @@ struct KvTransferConfig {
 bool kv_peer_allowed(const std::vector<std::string>& allow, std::string_view host);
 // Throws tandem::Error naming an entry that is neither a host nor a valid IPv4 block.
 void check_kv_peer_allow(const std::vector<std::string>& allow);
+
+// The peers whose connections still in the handshake count together against one cap (a
+// prefill engine's kMaxHandshakesPerAddress), from KvConnection::peer() ("address:port"): an IPv4
+// address alone; an IPv6 address with the others of its /64, the least one host is given (it
+// could take a new address for every connection); an IPv4-mapped IPv6 address as that IPv4
+// address. Anything else (a local peer over shared memory) by its text.
+std::string kv_handshake_group(std::string_view peer);
 
 // What a decode engine asks for.
 struct KvFetch {
