@@ -5,6 +5,7 @@
 
 #include "model/tensor_binder.h"
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem::model {
 namespace {
@@ -201,9 +202,11 @@ void validate_checkpoint(const Checkpoint& checkpoint, const ModelConfig& config
     if (expected.count(&t)) continue;
     if (config.tie_word_embeddings && is_tied_away_head(name)) continue;
     if (is_unused_rotary_buffer(name)) continue;
-    problem("unexpected tensor '" + name + "' in " + t.file + " (not part of a " +
-            config.architecture + " checkpoint with " + std::to_string(config.num_hidden_layers) +
-            " layers, " + std::to_string(config.num_nextn_predict_layers) + " MTP layers" +
+    // The name is the file's: quoted escaped and cut, as the safetensors reader quotes names.
+    problem("unexpected tensor " + utf8::quote_escaped(name, kShownTensorNameBytes) + " in " +
+            t.file + " (not part of a " + config.architecture + " checkpoint with " +
+            std::to_string(config.num_hidden_layers) + " layers, " +
+            std::to_string(config.num_nextn_predict_layers) + " MTP layers" +
             (config.tie_word_embeddings ? ", tied embeddings" : "") + " and " +
             std::string(dtype_name(weight_dtype)) + " weights)");
   }

@@ -9,6 +9,7 @@
 #include "model/dtype.h"
 #include "model/moe_experts.h"
 #include "util/error.h"
+#include "util/utf8.h"
 
 namespace tandem::model {
 namespace {
@@ -37,8 +38,9 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
   // (a norm) or taken for a scaled weight whose scales a Qwen3 checkpoint never has.
   for (const auto& [name, info] : m.checkpoint_.tensors())
     if (!is_float_dtype(info.dtype) && !unread(name))
-      throw Error(m.checkpoint_.dir().string() + ": tensor '" + name + "' in " + info.file +
-                  " is " + std::string(dtype_name(info.dtype)) +
+      throw Error(m.checkpoint_.dir().string() + ": tensor " +
+                  utf8::quote_escaped(name, kShownTensorNameBytes) + " in " + info.file + " is " +
+                  std::string(dtype_name(info.dtype)) +
                   ", expected F32, BF16 or F16 (quantized Qwen3-MoE checkpoints are not "
                   "supported yet)");
   TensorBinder b(m.checkpoint_, std::nullopt, progress);
@@ -73,8 +75,9 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
   // Every tensor of the checkpoint must have a place: another tensor means another model.
   for (const auto& [name, info] : m.checkpoint_.tensors())
     if (!b.taken(name) && !unread(name))
-      throw Error(m.checkpoint_.dir().string() + ": tensor '" + name +
-                  "' is not part of a Qwen3-MoE model of this config");
+      throw Error(m.checkpoint_.dir().string() + ": tensor " +
+                  utf8::quote_escaped(name, kShownTensorNameBytes) +
+                  " is not part of a Qwen3-MoE model of this config");
   m.expert_counts_.assign(size_t(c.num_hidden_layers),
                           std::vector<uint64_t>(size_t(std::max<int64_t>(c.num_experts, 0)), 0));
   return m;

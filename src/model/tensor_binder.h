@@ -39,6 +39,10 @@ inline bool is_unused_rotary_buffer(const std::string& tensor) {
   return tensor.find("rotary_emb.inv_freq") != std::string::npos;
 }
 
+// How much of a tensor name from a file an error message shows, quoted escaped (released names
+// are under 100 bytes; a file's may be megabytes, or hold control bytes).
+inline constexpr size_t kShownTensorNameBytes = 256;
+
 class TensorBinder {
  public:
   // `fp8`: the block shape of an FP8 checkpoint's scales.

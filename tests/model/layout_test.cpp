@@ -252,6 +252,21 @@ TEST_F(ValidateTest, CountsFurtherProblems) {
                               HasSubstr("2 more problems"), HasSubstr("'stray'")));
 }
 
+// An extra tensor's name comes from the file: it was written into the message as it was, so a
+// line break split the log line, an escape sequence reached the terminal, and a name of a
+// megabyte made a message of a megabyte. It is quoted as the safetensors reader quotes names.
+TEST_F(ValidateTest, AnUnexpectedTensorsNameIsQuotedEscapedAndCut) {
+  auto s = specs_;
+  s.push_back({"evil\nname\x1b[2J", DType::kF32, {1}});
+  const std::string error = check(s);
+  EXPECT_THAT(error, HasSubstr("unexpected tensor 'evil\\x0aname\\x1b[2J'"));
+  EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+  EXPECT_EQ(error.find('\x1b'), std::string::npos) << error;
+  auto long_name = specs_;
+  long_name.push_back({std::string(1 << 20, 'x'), DType::kF32, {1}});
+  EXPECT_LT(check(long_name).size(), size_t{2000});
+}
+
 TEST_F(ValidateTest, QuantizedCheckpointNeedsQuantizedWeightsAndFloatScales) {
   config_.int8 = Int8Quantization{};
   auto s = checkpoint_layout(config_, DType::kI8);

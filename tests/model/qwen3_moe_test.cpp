@@ -648,6 +648,15 @@ TEST(Qwen3MoeModel, InvFreqTensorsOfOldExportsAreSkippedAsVllmDoes) {
   } catch (const Error& e) {
     EXPECT_THAT(e.what(), ::testing::HasSubstr("'" + cos + "' is not part of"));
   }
+  // A name from the file is quoted escaped: a line break in it no longer splits the message.
+  test::TempDir odd("qwen3-odd-name");
+  test::copy_with_tensors(plain.path(), odd.path(), {{"x\ny", DType::kF32, {1}}});
+  try {
+    Qwen3MoeModel::load(odd.path());
+    ADD_FAILURE() << "loaded with an extra tensor";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("tensor 'x\\x0ay' is not part of"));
+  }
 }
 
 // make-model's Qwen3 presets: the same seed gives the same bytes, the layout is the one the
