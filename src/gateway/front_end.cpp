@@ -271,7 +271,7 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
         r->block_hashes = api::block_hashes(t->ids, kPrefixBlockTokens, t->cache_salt);
         r->prompt_ids = t->ids;
         if (first.tokens_in && topo_.decode.tokens_in) {
-          r->translator = std::make_unique<ResponseTranslator>(t->client_kind);
+          r->translator = std::make_unique<ResponseTranslator>(t->client_kind, t->response_role);
           body = tokens_in_body(std::move(body), *t);
           r->target = "/v1/completions";
           rewritten = true;

@@ -228,6 +228,7 @@ std::optional<TokensIn> PromptTokenizer::tokenize(std::string_view path, const n
   t.max_tokens = r.sampling.max_tokens;
   t.n = r.n;
   t.stream = r.stream;
+  t.response_role = r.response_role;
   if (r.cache_salt) t.cache_salt = api::cache_salt_hash(*r.cache_salt);
   return t;
 }
@@ -269,8 +270,8 @@ bool is_usage_chunk(std::string_view data) {
   return false;
 }
 
-ResponseTranslator::ResponseTranslator(api::ApiKind client_kind)
-    : chat_(client_kind == ApiKind::kChat) {}
+ResponseTranslator::ResponseTranslator(api::ApiKind client_kind, std::string role)
+    : chat_(client_kind == ApiKind::kChat), role_(std::move(role)) {}
 
 std::string ResponseTranslator::body(std::string_view completion_json) const {
   if (!chat_) return std::string(completion_json);
@@ -281,8 +282,9 @@ std::string ResponseTranslator::body(std::string_view completion_json) const {
   for (size_t i = 0; i < (*answer)["choices"].size(); ++i) {
     const json& c = (*answer)["choices"][i];
     if (!c.is_object()) return std::string(completion_json);
-    json choice = api::chat_message_choice(int64_t(i), text_of(c), nullptr,
-                                           member(c, "finish_reason"), member(c, "stop_reason"));
+    json choice =
+        api::chat_message_choice(int64_t(i), text_of(c), nullptr, member(c, "finish_reason"),
+                                 member(c, "stop_reason"), role_);
     if (c.contains("index")) choice["index"] = c["index"];
     choices.push_back(std::move(choice));
   }
@@ -317,7 +319,7 @@ std::vector<std::string> ResponseTranslator::event(std::string_view data) {
     };
     // As the engine answers a chat: the role first, then content, then the finish on its own.
     if (started_.insert(index).second) {
-      json role = chunk(api::chat_role_delta(), nullptr);
+      json role = chunk(api::chat_role_delta(role_), nullptr);
       // continuous_usage_stats: the role chunk comes before any of the answer's tokens.
       if (json* usage = role.contains("usage") ? &role["usage"] : nullptr;
           usage && usage->is_object() && usage->contains("prompt_tokens")) {

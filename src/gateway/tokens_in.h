@@ -36,6 +36,9 @@ struct TokensIn {
   int64_t max_tokens = 0;    // the completion budget of each choice (defaults applied)
   int64_t n = 1;             // choices
   bool stream = false;
+  // The chat answer's role: the last message's when the chat asks for no generation prompt, as
+  // the engine answers (api::ApiRequest::response_role).
+  std::string response_role = "assistant";
   // vLLM's cache_salt as the engines fold it into a prompt's first block (api::cache_salt_hash,
   // as the engine's generation API hashes it): the prefix-cache entries the prompt may share.
   std::optional<uint64_t> cache_salt;
@@ -113,7 +116,8 @@ bool is_usage_chunk(std::string_view data);
 // body or event, text that is not JSON) goes through unchanged.
 class ResponseTranslator {
  public:
-  explicit ResponseTranslator(api::ApiKind client_kind);
+  // `role`: a chat answer's (TokensIn::response_role).
+  explicit ResponseTranslator(api::ApiKind client_kind, std::string role = "assistant");
 
   // The gateway asked the engine for a usage chunk the client did not ask for (to read what the
   // engine reused): event() drops it.
@@ -128,6 +132,7 @@ class ResponseTranslator {
  private:
   bool chat_ = false;
   bool drop_usage_ = false;
+  std::string role_;
   std::set<int64_t> started_;  // choices whose first (role) chunk was sent
 };
 

@@ -436,10 +436,11 @@ struct Answers {
 };
 
 Answers run(const ApiRequest& chat_request, const ApiRequest& completion_request,
-            const text::Tokenizer& tok, const std::vector<Step>& steps) {
+            const text::Tokenizer& tok, const std::vector<Step>& steps,
+            const std::string& role = "assistant") {
   ResponseBuilder chat(chat_request, tok, "chatcmpl-1", 100);
   ResponseBuilder completion(completion_request, tok, "cmpl-2", 200);
-  ResponseTranslator translator(ApiKind::kChat);
+  ResponseTranslator translator(ApiKind::kChat, role);
   Answers r;
   for (const Step& s : steps) {
     for (const json& c : chat.on_output(s.index, s.out)) r.chat_events.push_back(c.dump());
@@ -480,31 +481,38 @@ TEST_F(TokensInTest, TranslatedAnswersAreTheEnginesChatAnswers) {
     // the role chunk with no completion tokens).
     for (const int usage : {0, 1, 2}) {
       if (usage && !stream) continue;  // stream_options without stream is a 400 (vLLM's)
-      SCOPED_TRACE(std::string(stream ? "stream" : "whole") + " usage " + std::to_string(usage));
-      json body = {{"model", kModel},
-                   {"messages", {{{"role", "user"}, {"content", "Say hello"}}}},
-                   {"n", 2},
-                   {"max_tokens", 6},
-                   {"stream", stream}};
-      if (usage) body["stream_options"] = {{"include_usage", true}};
-      if (usage == 2) body["stream_options"]["continuous_usage_stats"] = true;
-      const auto t = gateway_->tokenize("/v1/chat/completions", body);
-      ASSERT_TRUE(t.has_value());
-      const ApiRequest chat_request = engine_chat(body);
-      const ApiRequest completion_request = engine_completion(tokens_in_body(body, *t));
-      const Answers r = run(chat_request, completion_request, *engine_tok_, two_choices());
-      if (!stream) {
-        const json want = json::parse(r.chat_body), got = json::parse(r.translated_body);
-        EXPECT_EQ(without_id(want), without_id(got));
-        EXPECT_EQ(got["object"], "chat.completion");
-        EXPECT_EQ(got["choices"][0]["message"]["content"], "Hello 世界");
-        EXPECT_EQ(got["choices"][1]["finish_reason"], "stop");
-        EXPECT_EQ(got["usage"]["prompt_tokens"], 9);
-        continue;
+      // Without a generation prompt the answer's role is the last message's (vLLM's).
+      for (const bool generation_prompt : {true, false}) {
+        SCOPED_TRACE(std::string(stream ? "stream" : "whole") + " usage " + std::to_string(usage) +
+                     (generation_prompt ? "" : " no generation prompt"));
+        json body = {{"model", kModel},
+                     {"messages", {{{"role", "user"}, {"content", "Say hello"}}}},
+                     {"n", 2},
+                     {"max_tokens", 6},
+                     {"stream", stream}};
+        if (usage) body["stream_options"] = {{"include_usage", true}};
+        if (usage == 2) body["stream_options"]["continuous_usage_stats"] = true;
+        if (!generation_prompt) body["add_generation_prompt"] = false;
+        const auto t = gateway_->tokenize("/v1/chat/completions", body);
+        ASSERT_TRUE(t.has_value());
+        const ApiRequest chat_request = engine_chat(body);
+        const ApiRequest completion_request = engine_completion(tokens_in_body(body, *t));
+        const Answers r =
+            run(chat_request, completion_request, *engine_tok_, two_choices(), t->response_role);
+        if (!stream) {
+          const json want = json::parse(r.chat_body), got = json::parse(r.translated_body);
+          EXPECT_EQ(without_id(want), without_id(got));
+          EXPECT_EQ(got["object"], "chat.completion");
+          EXPECT_EQ(got["choices"][0]["message"]["content"], "Hello 世界");
+          EXPECT_EQ(got["choices"][0]["message"]["role"], generation_prompt ? "assistant" : "user");
+          EXPECT_EQ(got["choices"][1]["finish_reason"], "stop");
+          EXPECT_EQ(got["usage"]["prompt_tokens"], 9);
+          continue;
+        }
+        // 2 role chunks, 5 content chunks, 2 finish chunks, [usage], [DONE].
+        EXPECT_EQ(r.chat_events.size(), usage ? 11u : 10u);
+        expect_same_events(r.chat_events, r.translated_events);
       }
-      // 2 role chunks, 5 content chunks, 2 finish chunks, [usage], [DONE].
-      EXPECT_EQ(r.chat_events.size(), usage ? 11u : 10u);
-      expect_same_events(r.chat_events, r.translated_events);
     }
   }
 }
