@@ -356,7 +356,9 @@ void Engine::submit(EngineRequest request) {
     if (stopping_) throw Error("the engine is shutting down");
     if (!live_ids_.insert(request.id).second)
       throw Error("request id '" + request.id + "' is already in use");
-    const auto prompt = static_cast<int64_t>(request.prompt.size());
+    // A decode leg's prompt is received from its prefill engine, not computed here.
+    const auto prompt =
+        request.kv_transfer.decode() ? 0 : static_cast<int64_t>(request.prompt.size());
     incoming_prompt_tokens_ += prompt;
     incoming_prompt_pairs_ += api::causal_pairs(0, prompt);
     incoming_.push_back(std::move(request));
@@ -410,11 +412,12 @@ LoadReport Engine::with_incoming(LoadReport snapshot) const {
   return snapshot;
 }
 
-// Prompt work this engine still has to do for a sequence (none while its KV is fetched). One
-// never admitted counts without the prefix its cache held on arrival: a router reading the load
-// must see a cached continuation as the little work it is.
+// Prompt work this engine still has to do for a sequence (none while a decode leg waits for
+// its KV, which a prefill engine computed). One never admitted counts without the prefix its
+// cache held on arrival: a router reading the load must see a cached continuation as the little
+// work it is.
 static api::PrefillWork uncomputed_prompt(const Sequence& seq) {
-  if (seq.status == SequenceStatus::kFinished || seq.fetching()) return {};
+  if (seq.status == SequenceStatus::kFinished || seq.awaiting_kv()) return {};
   const int64_t done =
       seq.admitted_once ? seq.num_computed : std::max(seq.num_computed, seq.cached_on_arrival);
   return api::PrefillWork::of_prompt(done, seq.num_prompt);
@@ -440,9 +443,7 @@ double Engine::now() const {
 
 bool Engine::has_work() const {
   std::lock_guard lock(mutex_);
-  return !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
-         !scheduler_.running().empty() || !scheduler_.waiting().empty() ||
-         (pd_ && pd_->has_fetch_to_start());
+  return !incoming_.empty() || !aborts_.empty() || !tasks_.empty() || scheduler_.has_schedulable();
 }
 
 void Engine::loop() {
@@ -451,17 +452,15 @@ void Engine::loop() {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] {
         return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty() ||
-               !scheduler_.running().empty() || !scheduler_.waiting().empty() ||
-               (pd_ && pd_->has_fetch_to_start());
+               scheduler_.has_schedulable();
       });
       if (stopping_) return;
     }
     if (run_once()) continue;
-    // Nothing could be scheduled (what waits needs blocks that KV transfers hold: the scheduler
-    // admits whatever fits, even in a step that preempted), or decodes wait for free blocks to
-    // receive their KV into: never spin, retry shortly or at the next submission or abort.
-    if (!scheduler_.running().empty() || !scheduler_.waiting().empty() ||
-        (pd_ && pd_->has_fetch_to_start())) {
+    // Nothing could be scheduled (what waits, decode legs included, needs blocks that KV
+    // transfers hold: the scheduler admits whatever fits, even in a step that preempted): never
+    // spin, retry shortly or at the next submission, abort or transfer's end.
+    if (scheduler_.has_schedulable()) {
       std::unique_lock lock(mutex_);
       wake_.wait_for(lock, std::chrono::milliseconds(50), [&] {
         return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty();
@@ -472,12 +471,13 @@ void Engine::loop() {
 
 bool Engine::run_once() {
   admit_incoming();
-  if (pd_) {
-    pd_->start_fetches(now());
-    metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
-  }
-  if (scheduler_.running().empty() && scheduler_.waiting().empty()) return false;
-  return step();
+  if (pd_ && pd_->fail_overdue(now()) > 0) update_gauges();
+  const bool ran = scheduler_.has_schedulable() && step();
+  // What the cache recorded is published at the end of every pass, as vLLM publishes each
+  // scheduler iteration's events, whether a step ran or not: blocks evicted for a decode leg's
+  // KV, or by a step that only preempted, must not look cached to routers until some later step.
+  publish_events();
+  return ran;
 }
 
 void Engine::admit_incoming() {
@@ -539,13 +539,11 @@ void Engine::admit_incoming() {
         continue;
       }
     }
-    if (pd_) {
-      const PdCoordinator::Admission admission = pd_->admit(raw);
-      if (admission != PdCoordinator::Admission::kSchedule) continue;  // waits for KV, or refused
-    }
-    // A prompt to be scored is computed whole (Scheduler): its cached prefix is no less work.
+    if (pd_ && pd_->admit(raw) == PdCoordinator::Admission::kRefused) continue;
+    // A prompt to be scored is computed whole (Scheduler): its cached prefix is no less work. A
+    // decode leg's is received (uncomputed_prompt()).
     raw->cached_on_arrival =
-        raw->scoring_prompt()
+        raw->scoring_prompt() || raw->awaiting_kv()
             ? 0
             : kv_.find_cached_prefix(raw->tokens, raw->request.cache_salt).num_tokens;
     scheduler_.add(raw);
@@ -567,18 +565,14 @@ void Engine::admit_incoming() {
 bool Engine::step() {
   SchedulerOutput out = scheduler_.schedule();
   metrics_->preemptions.inc(out.preempted.size());
+  // Decode legs the scheduler gave blocks start receiving their KV.
+  if (pd_) pd_->start_fetches(out.fetches);
   if (out.empty()) {
     // A step that only preempted (a lone sequence giving way to blocks held elsewhere, and what
     // waits does not fit either: the scheduler admitted what did) moved sequences back to
-    // waiting: the gauges say so, though nothing ran. The blocks it freed may take a decode
-    // leg's KV now: its fetch starts at once, not at the next outside event.
-    if (!out.preempted.empty()) {
-      if (pd_) {
-        pd_->start_fetches(now());
-        metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
-      }
-      update_gauges();
-    }
+    // waiting, or one that only started fetches took blocks: the gauges say so, though nothing
+    // ran.
+    if (!out.preempted.empty() || !out.fetches.empty()) update_gauges();
     return false;
   }
   const double now = this->now();
@@ -640,7 +634,6 @@ bool Engine::step() {
   } catch (const std::exception& e) {
     // A failed step fails the requests in it, not the engine.
     for (const auto& s : out.scheduled) finish(s.seq, "error", e.what());
-    publish_events();
     update_gauges();
     return true;
   }
@@ -685,7 +678,6 @@ bool Engine::step() {
     if (finished) finish(seq, reason, {}, /*notified=*/true);
   }
   if (any_output) metrics_->iteration_tokens.observe(double(iteration_tokens));
-  publish_events();
   update_gauges();
   return true;
 }
@@ -767,10 +759,6 @@ Sequence* Engine::find_sequence(const std::string& id) {
 
 void Engine::fail(Sequence* seq, const std::string& error, int status, const std::string& code) {
   finish(seq, "error", error, false, status, code);
-}
-
-void Engine::schedule(Sequence* seq) {
-  scheduler_.add(seq);
 }
 
 void Engine::drop(const std::string& id) {
@@ -875,6 +863,7 @@ void Engine::update_gauges() {
                                   static_cast<double>(stats.queries));
   metrics_->running.set(static_cast<double>(r.running));
   metrics_->waiting.set(static_cast<double>(r.waiting));
+  if (pd_) metrics_->waiting_for_kv.set(static_cast<double>(pd_->waiting_for_kv()));
   metrics_->kv_usage.set(r.kv_usage);
   metrics_->gpu_usage.set(r.kv_usage);
   r.max_batch_tokens = scheduler_.config().max_num_batched_tokens;

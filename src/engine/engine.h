@@ -100,8 +100,8 @@ class Engine final : private PdHost {
   // or posted, and runs one step when a sequence can make progress. Returns whether a step ran;
   // its outputs have then been handed to their callbacks. Never blocks.
   bool run_once();
-  // Whether run_once() has anything to do (a submission, abort or task, a sequence in the
-  // scheduler, or a decode leg's fetch waiting for blocks).
+  // Whether run_once() has anything to do (a submission, abort or task, or a sequence in the
+  // scheduler that is not receiving its KV: a decode leg waiting for blocks counts).
   bool has_work() const;
 
   // Thread-safe. What can be checked up front about a request alone (ids in the vocabulary,
@@ -195,7 +195,6 @@ class Engine final : private PdHost {
   // PdHost: what the P/D coordinator does to sequences (engine thread).
   Sequence* find_sequence(const std::string& id) override;
   void fail(Sequence* seq, const std::string& error, int status, const std::string& code) override;
-  void schedule(Sequence* seq) override;
   void drop(const std::string& id) override;
   void release_id(const std::string& id) override;
 

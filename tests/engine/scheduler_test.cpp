@@ -299,6 +299,19 @@ Sequence* add_with_received_kv(Fixture& f, std::vector<int32_t> prompt, int64_t 
   return f.seqs.back().get();
 }
 
+// A decode leg waiting for the blocks to receive its prompt's KV into (PdCoordinator::admit).
+Sequence* add_decode_leg(Fixture& f, std::vector<int32_t> prompt, int64_t max_tokens) {
+  Sequence* s = f.add(std::move(prompt), max_tokens);
+  s->kv_state = KvTransferState::kAwaitingBlocks;
+  return s;
+}
+
+// Its KV arrived (PdCoordinator::on_fetch_done): all but the prompt's last token computed.
+void receive_kv(Sequence* s) {
+  s->kv_state = KvTransferState::kNone;
+  s->num_computed = s->num_prompt - 1;
+}
+
 // Runs steps until every sequence has finished; false if that takes more than `limit` steps or a
 // step schedules nothing.
 bool run_to_completion(Fixture& f, int limit = 200) {
@@ -329,6 +342,65 @@ TEST(Scheduler, ADecodeLegHoldingItsBlocksRunsInTheStepItsNeighbourGaveWayTo) {
   EXPECT_EQ(x->num_generated(), 4);
   EXPECT_EQ(d->num_generated(), 2);
   EXPECT_EQ(f.kv.num_free_blocks(), 3);
+}
+
+// A decode leg gets the blocks of its whole prompt in the waiting pass and computes nothing: it
+// is listed for its fetch and stays waiting, passed over while the fetch runs (nothing to
+// schedule), and once its KV is here it runs holding those blocks.
+TEST(Scheduler, ADecodeLegTakesItsPromptsBlocksWhenAdmittedAndRunsOnceItsKvIsHere) {
+  Fixture f(8, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, /*prefix=*/false);
+  Sequence* d = add_decode_leg(f, iota_tokens(10), 2);
+  auto out = f.step();
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(out.fetches, std::vector<Sequence*>{d});
+  EXPECT_EQ(f.kv.block_table(d->request.id).size(), 3u);
+  EXPECT_EQ(d->status, SequenceStatus::kWaiting);
+  d->kv_state = KvTransferState::kFetching;
+  EXPECT_FALSE(f.sched.has_schedulable());
+  out = f.step();
+  EXPECT_TRUE(out.empty());
+  EXPECT_TRUE(out.fetches.empty());
+  receive_kv(d);
+  EXPECT_TRUE(f.sched.has_schedulable());
+  out = f.step();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].seq, d);
+  EXPECT_EQ(out.scheduled[0].num_new_tokens, 1);
+  EXPECT_TRUE(out.scheduled[0].sample);
+  ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(d->num_generated(), 2);
+  EXPECT_EQ(f.kv.num_free_blocks(), 8);
+}
+
+// A decode leg's blocks follow the rules of any admission (vLLM v1 allocates a remote-KV request
+// in its waiting pass): the running sequences get theirs first, none go to it in a step that
+// preempted, and none past a head of the queue that does not fit, such as a preempted sequence,
+// which therefore runs again before the leg takes a block.
+TEST(Scheduler, ADecodeLegsBlocksComeAfterTheRunningAndThePreemptedSequences) {
+  Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, /*prefix=*/false);
+  Sequence* x = f.add(iota_tokens(8), 6);
+  Sequence* y = f.add(iota_tokens(3, 50), 6);
+  f.step();  // x: 2 blocks, y: 1; one free
+  Sequence* d = add_decode_leg(f, iota_tokens(3, 90), 2);
+  bool fetched = false;
+  for (int i = 0; i < 100 && !fetched; ++i) {
+    auto out = f.step();
+    if (out.fetches.empty()) continue;
+    fetched = true;
+    EXPECT_EQ(out.fetches, std::vector<Sequence*>{d});
+    EXPECT_TRUE(out.preempted.empty());
+    EXPECT_NE(y->status, SequenceStatus::kWaiting) << "the leg passed the preempted head";
+    d->kv_state = KvTransferState::kFetching;
+  }
+  ASSERT_TRUE(fetched);
+  EXPECT_GT(y->num_preemptions, 0);
+  EXPECT_EQ(x->num_preemptions, 0);
+  receive_kv(d);
+  ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(x->num_generated(), 6);
+  EXPECT_EQ(y->num_generated(), 6);
+  EXPECT_EQ(d->num_generated(), 2);
+  EXPECT_EQ(f.kv.num_free_blocks(), 4);
 }
 
 // A preemption stops admissions for the step (memory is short), but not of a sequence that holds

@@ -160,15 +160,24 @@ SchedulerOutput Scheduler::schedule() {
   // memory is short, do not admit more), except one that holds every block it needs already (KV
   // received from a prefill engine): it adds no memory pressure. Sequences that hold blocks need
   // none to be admitted: they pass a head that does not fit, or they would wait for blocks they
-  // hold. The speculation space of the sequences scheduled so far gives way to an admission that
-  // it lets fit. `i` moves past a sequence that stays waiting. `after_preemption`: the rule is
-  // off (see the end of schedule()).
+  // hold. A decode leg awaiting blocks gets those of its whole prompt by the same rules, and
+  // stays waiting for its KV; one receiving it is passed over. The speculation space of the
+  // sequences scheduled so far gives way to an admission that it lets fit. `i` moves past a
+  // sequence that stays waiting. `after_preemption`: the rule is off (see the end of schedule()).
   bool head_blocked = false, after_preemption = false;
   auto can_admit = [&] {
     return budget > 0 && static_cast<int64_t>(running_.size()) < config_.max_num_seqs;
   };
   auto admit = [&](size_t& i) {
     Sequence* seq = waiting_[i];
+    if (seq->fetching()) {
+      ++i;
+      return;
+    }
+    // Its blocks are taken now and its KV received into them (the engine starts the transfer):
+    // the admission that computes nothing in this step, blocks for the whole prompt (so that
+    // admitting it once its KV is here never needs a new block).
+    const bool fetch = seq->kv_state == KvTransferState::kAwaitingBlocks;
     const bool has_blocks = kv_.has_request(seq->request.id);  // KV received from elsewhere
     const bool memory_short = !out.preempted.empty() && !after_preemption;
     if ((head_blocked || memory_short) && !has_blocks) {
@@ -183,19 +192,26 @@ SchedulerOutput Scheduler::schedule() {
     // A preempted sequence finds its own blocks again: not a lookup for the hit-rate statistics.
     if (seq->num_preemptions > 0) hit.num_query_tokens = 0;
     const int64_t computed = has_blocks ? seq->num_computed : hit.num_tokens;
-    const int64_t n = chunk(seq, computed);
-    if (n <= 0) {  // the step scores all the prompt tokens it may: the next step takes it
+    const int64_t n = fetch ? 0 : chunk(seq, computed);
+    if (n <= 0 && !fetch) {  // the step scores all the prompt tokens it may: the next step takes it
       ++i;
       return;
     }
-    const int64_t needs = kv_.num_blocks_to_allocate(seq->request.id, computed + n, hit);
+    const int64_t tokens = fetch ? seq->num_prompt : computed + n;
+    const int64_t needs = kv_.num_blocks_to_allocate(seq->request.id, tokens, hit);
     bool ok = !(memory_short && needs > 0);
     if (ok && needs > kv_.num_free_blocks()) {
       ok = needs <= kv_.num_free_blocks() + speculation_blocks();
       if (ok) reclaim_speculation();
     }
-    if (!ok || !kv_.allocate(seq->request.id, computed + n, hit)) {
+    if (!ok || !kv_.allocate(seq->request.id, tokens, hit)) {
       head_blocked = true;
+      ++i;
+      return;
+    }
+    if (fetch) {
+      seq->num_cached = hit.num_tokens;  // the transfer moves the rest
+      out.fetches.push_back(seq);
       ++i;
       return;
     }
@@ -253,6 +269,11 @@ SchedulerOutput Scheduler::schedule() {
     for (i = 0; can_admit() && i < waiting_.size();) admit(i);
   }
   return out;
+}
+
+bool Scheduler::has_schedulable() const {
+  return !running_.empty() || std::any_of(waiting_.begin(), waiting_.end(),
+                                          [](const Sequence* s) { return !s->fetching(); });
 }
 
 std::vector<SequenceUpdate> Scheduler::update_from_output(const SchedulerOutput& out,

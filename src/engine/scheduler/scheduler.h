@@ -7,9 +7,15 @@
 // lowest-priority one) is preempted: its blocks are freed and it is recomputed later from its
 // tokens so far. Nothing is dropped. Scheduling by priority, the prompts still being prefilled,
 // running or waiting, share the budget left after decoding in (priority, arrival) order: a more
-// urgent prompt overtakes a long one at its next chunk (which keeps its blocks and resumes). A
-// sequence added with blocks already allocated and num_computed set (KV received from a prefill
-// engine) is admitted without a prefix lookup and continues from there.
+// urgent prompt overtakes a long one at its next chunk (which keeps its blocks and resumes).
+//
+// A decode leg (KvTransferState::kAwaitingBlocks) waits in the same queue for the blocks to
+// receive its prompt's KV into from a prefill engine, and gets them by the same rules as any
+// admission (vLLM v1 allocates a remote-KV request in its waiting pass): in queue order, after the
+// running sequences got theirs, not in a step that preempted, not past a head that does not fit.
+// It is listed in the step's `fetches` and stays waiting while its KV arrives, then is admitted
+// holding its blocks, num_computed set, without a prefix lookup, and continues from there (as
+// any sequence added with its blocks allocated).
 //
 // Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
 #include <cstdint>
@@ -46,6 +52,8 @@ struct ScheduledSequence {
 struct SchedulerOutput {
   std::vector<ScheduledSequence> scheduled;
   std::vector<Sequence*> preempted;  // moved back to waiting in this step
+  // Decode legs given the blocks of their whole prompt in this step: their KV transfers start.
+  std::vector<Sequence*> fetches;
   int64_t num_tokens = 0;
   bool empty() const { return scheduled.empty(); }
 };
@@ -80,6 +88,10 @@ class Scheduler {
   // A finished or aborted sequence leaves the queues and gives back its blocks (unless
   // `keep_blocks`: KV transfer still needs them; the engine frees them later).
   void remove(Sequence* seq, bool keep_blocks = false);
+
+  // Whether schedule() may do anything: a sequence runs, or one waits that is not receiving its
+  // KV (that one waits for its transfer, not for a step).
+  bool has_schedulable() const;
 
   const std::vector<Sequence*>& running() const { return running_; }
   const std::deque<Sequence*>& waiting() const { return waiting_; }

@@ -77,14 +77,23 @@ enum class SequenceStatus { kWaiting, kRunning, kFinished };
 // Where a sequence stands in its prefill/decode KV transfer (engine thread; only the P/D
 // coordinator, engine/transfer/pd_coordinator.h, changes it). Each transfer mode
 // walks its own path:
-//   decode legs:        kNone (waiting for blocks) -> kFetching -> kNone (KV arrived)
-//                                                              \-> kFetchCancelled (finished
+//   decode legs:        kAwaitingBlocks (in the scheduler's waiting queue, which gives it blocks
+//                       for its prompt's KV as it admits any request) -> kFetching -> kNone (KV
+//                       arrived)                               \-> kFetchCancelled (finished
 //                                                                   while fetching: dropped
 //                                                                   when the transfer ends)
 //   prefill for a room: kRoomOpen -> kRoomClosed (the room ended first) or kParked (finished,
 //                       blocks kept for the room's transfer)
 //   prefill for a pull: kNone -> kParked (finished, blocks held for the decode engine's pull)
-enum class KvTransferState { kNone, kFetching, kFetchCancelled, kRoomOpen, kRoomClosed, kParked };
+enum class KvTransferState {
+  kNone,
+  kAwaitingBlocks,
+  kFetching,
+  kFetchCancelled,
+  kRoomOpen,
+  kRoomClosed,
+  kParked
+};
 
 struct Sequence {
   // The sequence of `request`, its prompt moved to the start of `tokens`: the request it keeps
@@ -132,6 +141,9 @@ struct Sequence {
   bool fetching() const {
     return kv_state == KvTransferState::kFetching || kv_state == KvTransferState::kFetchCancelled;
   }
+  // A decode leg whose prompt's KV has not arrived: it waits for blocks to receive it into, or
+  // receives it. Its prompt is not this engine's to compute.
+  bool awaiting_kv() const { return kv_state == KvTransferState::kAwaitingBlocks || fetching(); }
   std::span<const int32_t> prompt() const { return {tokens.data(), size_t(num_prompt)}; }
   std::span<const int32_t> generated() const {
     return {tokens.data() + num_prompt, tokens.size() - size_t(num_prompt)};

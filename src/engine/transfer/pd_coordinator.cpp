@@ -13,6 +13,7 @@ PdCoordinator::PdCoordinator(KvTransfers& agent, KvCacheManager& kv, PdHost& hos
 PdCoordinator::Admission PdCoordinator::admit(Sequence* seq) {
   const KvTransferSpec& kt = seq->request.kv_transfer;
   if (kt.decode()) {
+    seq->kv_state = KvTransferState::kAwaitingBlocks;
     awaiting_kv_.push_back(seq);
     return Admission::kAwaitKv;
   }
@@ -44,41 +45,33 @@ PdCoordinator::Admission PdCoordinator::admit(Sequence* seq) {
   return Admission::kRefused;
 }
 
-bool PdCoordinator::has_fetch_to_start() const {
-  return std::any_of(awaiting_kv_.begin(), awaiting_kv_.end(),
-                     [](const Sequence* s) { return !s->fetching(); });
-}
-
-void PdCoordinator::start_fetches(double now) {
+size_t PdCoordinator::fail_overdue(double now) {
+  size_t failed = 0;
   for (size_t i = 0; i < awaiting_kv_.size();) {
     Sequence* seq = awaiting_kv_[i];
-    if (seq->fetching()) {
+    if (seq->kv_state != KvTransferState::kAwaitingBlocks ||
+        now - seq->arrival_time <= timeout_s_) {
       ++i;
       continue;
     }
+    // Failing it takes it out of awaiting_kv_ (ending()): the next one is at i now.
+    host_.fail(
+        seq,
+        "no free KV blocks for the prompt's transfer within " + std::to_string(timeout_s_) + " s",
+        503, {});
+    ++failed;
+  }
+  return failed;
+}
+
+void PdCoordinator::start_fetches(std::span<Sequence* const> legs) {
+  for (Sequence* seq : legs) {
     const std::string& id = seq->request.id;
-    // The decode recomputes the prompt's last token (for its logits): it needs the rest.
-    const int64_t need = seq->num_prompt - 1;
-    // Even with nothing to move (a one-token prompt, or all of it cached here) the transfer
-    // runs, empty: it tells the prefill engine to let go of its blocks.
-    // A leg that computes its prompt again (to score it) writes every block: none is shared.
-    const PrefixHit hit = seq->scoring_prompt()
-                              ? PrefixHit::none(seq->request.cache_salt)
-                              : kv_.find_cached_prefix(seq->tokens, seq->request.cache_salt);
-    // The blocks cover the whole prompt, so admitting the sequence once its KV is here never
-    // needs a new block (a decode holding received KV must not wait behind a full cache).
-    if (!kv_.allocate(id, seq->num_prompt, hit)) {
-      if (now - seq->arrival_time > timeout_s_) {
-        // Failing it takes it out of awaiting_kv_ (ending()): the next one is at i now.
-        host_.fail(seq,
-                   "no free KV blocks for the prompt's transfer within " +
-                       std::to_string(timeout_s_) + " s",
-                   503, {});
-        continue;
-      }
-      ++i;
-      continue;
-    }
+    // The scheduler took the blocks of the whole prompt, reusing the cached prefix of
+    // seq->num_cached tokens; the decode recomputes the prompt's last token (for its logits), so
+    // the transfer moves the rest up to it. Even with nothing to move (a one-token prompt, or all
+    // of it cached here) the transfer runs, empty: it tells the prefill engine to let go of its
+    // blocks. A leg that computes its prompt again (to score it) shares no block.
     const KvTransferSpec& kt = seq->request.kv_transfer;
     KvFetch f;
     f.request_id = id;
@@ -91,14 +84,12 @@ void PdCoordinator::start_fetches(double now) {
     f.room = kt.room;
     f.prompt_hash = kv_prompt_hash(seq->prompt());
     f.prompt_tokens = seq->num_prompt;
-    f.first_token = hit.num_tokens;
-    f.num_tokens = need;
+    f.first_token = seq->num_cached;
+    f.num_tokens = seq->num_prompt - 1;
     const auto& table = kv_.block_table(id);
-    f.local_blocks.assign(table.begin() + hit.num_tokens / kv_.block_size(), table.end());
-    seq->num_cached = hit.num_tokens;
+    f.local_blocks.assign(table.begin() + seq->num_cached / kv_.block_size(), table.end());
     seq->kv_state = KvTransferState::kFetching;
     agent_.fetch(std::move(f), [this, id](const KvFetchResult& r) { on_fetch_done(id, r); });
-    ++i;
   }
 }
 
@@ -140,10 +131,10 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
   std::erase(awaiting_kv_, seq);
   // A leg that asks for prompt logprobs and was not handed them (the parallel flow, or a prefill
   // engine that did not compute them) computes its prompt again over the received KV: only the
-  // engine that runs the prompt through the model has its logits.
+  // engine that runs the prompt through the model has its logits. It waits in the scheduler,
+  // which admits it holding its blocks.
   seq->num_computed = seq->scoring_prompt() ? 0 : seq->num_prompt - 1;
   kv_.cache_full_blocks(id, std::span<const int32_t>(seq->tokens).first(size_t(seq->num_computed)));
-  host_.schedule(seq);
 }
 
 LayerHook PdCoordinator::begin_step(const SchedulerOutput& out) {

@@ -4,9 +4,9 @@
 // P/D matters, what happens to the sequence and its KV blocks:
 //
 //   admission   a parallel-mode prefill claims its bootstrap room (refused: the room is taken);
-//               a decode leg waits for its prompt's KV instead of joining the scheduler;
-//   fetches     waiting decode legs get blocks and their fetch starts (pull or room); a fetched
-//               prompt joins the scheduler with its KV in place;
+//               a decode leg joins the scheduler awaiting blocks for its prompt's KV;
+//   fetches     decode legs the scheduler gave blocks start their fetch (pull or room); a
+//               fetched prompt is admitted by the scheduler with its KV in place;
 //   a step      prefills completing a room's prompt stream each layer as it is written;
 //   final token a pull prefill's blocks are held for the decode engine (the answer carries
 //               their whereabouts); a room prefill's answer waits for the room's transfer;
@@ -16,6 +16,7 @@
 // The engine is reached through PdHost; the transfers through KvTransfers (kv_transfers.h).
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -37,8 +38,6 @@ class PdHost {
   // `code`: its OpenAI error code, or empty).
   virtual void fail(Sequence* seq, const std::string& error, int status,
                     const std::string& code) = 0;
-  // The sequence joins the scheduler.
-  virtual void schedule(Sequence* seq) = 0;
   // The sequence is gone for good (its cancelled fetch ended): forget it.
   virtual void drop(const std::string& id) = 0;
   // A finished sequence's parked blocks were freed (pulled, released, expired, or its room
@@ -53,16 +52,16 @@ class PdCoordinator {
 
   enum class Admission {
     kSchedule,  // the sequence joins the scheduler as any other
-    kAwaitKv,   // a decode leg: it waits for its prompt's KV (start_fetches)
+    kAwaitKv,   // a decode leg: it joins the scheduler, which gives it blocks for its KV
     kRefused,   // refused, and already failed through the host
   };
   Admission admit(Sequence* seq);
 
-  // Starts the fetches of waiting decode legs that blocks are free for; fails those that waited
-  // longer than the timeout.
-  void start_fetches(double now);
-  // A waiting decode leg has no fetch running (start_fetches may start it).
-  bool has_fetch_to_start() const;
+  // Starts the fetches of decode legs the scheduler gave their prompt's blocks
+  // (SchedulerOutput::fetches).
+  void start_fetches(std::span<Sequence* const> legs);
+  // Fails the decode legs that waited for blocks longer than the timeout; returns how many.
+  size_t fail_overdue(double now);
   size_t waiting_for_kv() const { return awaiting_kv_.size(); }
 
   // Around the forward pass of a step: the hook that streams the layers of prefills completing a

@@ -1,0 +1,230 @@
+// A decode-role engine's legs, which receive their prompt's KV from a prefill engine, take the
+// blocks to receive it into as the scheduler admits any waiting request (vLLM v1 allocates a
+// remote-KV request in its waiting pass): in queue order, after the running sequences got
+// theirs, never in a step that preempted and never past a head that does not fit. The KV events
+// the engine records between steps are published when it records them, and its load counts the
+// legs as waiting requests, not as prompts to compute.
+//
+// The engine runs a simulated executor in process, in virtual time: run_once() steps it, its
+// clock moves 1/32 s after each step, and its KV transfers are fakes whose fetches end at once
+// (at the next run_once) or when the test ends them. No sleeps, no wall-clock timing.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/executor/sim_executor.h"
+#include "engine/output_processor.h"
+#include "text/oracle_support.h"
+#include "util/metrics.h"
+
+namespace tandem::engine {
+namespace {
+
+constexpr double kStep = 1.0 / 32;  // virtual seconds per run_once
+
+const text::Tokenizer& tokenizer() {
+  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  return tok;
+}
+
+std::vector<int32_t> tokens(int n, int base) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(base + (i * 7919) % 5000);
+  return t;
+}
+
+// KV transfers whose fetches succeed at the engine's next run_once (`instant`), or when the test
+// ends them (`pending`).
+class FakeTransfers final : public KvTransfers {
+ public:
+  explicit FakeTransfers(Post post) : post_(std::move(post)) {}
+  const KvTransferConfig& config() const override { return config_; }
+  bool serving() const override { return false; }
+  uint16_t port() const override { return 0; }
+  std::string hold(std::vector<int32_t>, uint64_t, int64_t, Task) override { return "t"; }
+  uint64_t open_room(uint64_t, uint64_t, int64_t, RoomDone) override { return 0; }
+  void room_blocks(uint64_t, uint64_t, std::vector<int32_t>) override {}
+  void room_layers_done(uint64_t, uint64_t, int64_t) override {}
+  void room_progress(uint64_t, uint64_t, int64_t) override {}
+  void room_failed(uint64_t, uint64_t, const std::string&) override {}
+  void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) override {
+    fetched.push_back(f.request_id);
+    if (!instant) {
+      pending.push_back(std::move(done));
+      return;
+    }
+    post_([done = std::move(done)] { done({true, {}, 0}); });
+  }
+  void cancel_fetch(const std::string&) override {}
+  void release_remote(const std::string&, uint16_t, const std::string&, const std::string&,
+                      std::vector<int32_t>) override {}
+  void abandon_room(const std::string&, uint16_t, uint64_t, uint64_t, int64_t,
+                    const std::string&) override {}
+  int64_t held_blocks() const override { return 0; }
+
+  bool instant = true;
+  std::vector<std::string> fetched;  // the request ids whose fetch started, in order
+  std::vector<std::function<void(const KvFetchResult&)>> pending;
+
+ private:
+  Post post_;
+  KvTransferConfig config_;
+};
+
+class DecodeLegs : public ::testing::Test {
+ protected:
+  // A decode-role engine of `blocks` blocks of 16 tokens.
+  void start(int64_t blocks) {
+    SimExecutorOptions x;
+    x.preset = "tiny";
+    x.model_name = "tiny";
+    x.block_size = 16;
+    x.num_blocks = blocks;
+    x.time_scale = 0;
+    EngineConfig config;
+    config.role = EngineRole::kDecode;
+    config.transfer = KvTransferConfig{};
+    config.clock = [this] { return now_; };
+    config.kv_event_sink = [this](KvEventBatch batch) { published_.push_back(std::move(batch)); };
+    config.make_transfers = [this](Executor&, KvTransfers::Post post) {
+      auto t = std::make_unique<FakeTransfers>(std::move(post));
+      fake_ = t.get();
+      return t;
+    };
+    engine_ = std::make_unique<Engine>(
+        config, std::make_unique<SimExecutor>(tokenizer(), x),
+        std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
+        eos_ids(tokenizer(), {}), registry_);
+  }
+  ~DecodeLegs() override {
+    if (engine_) engine_->stop();
+  }
+
+  // A request of `prompt_tokens` from `base`; a decode leg pulling its KV unless `local`.
+  void submit(const std::string& id, int prompt_tokens, int base, int64_t max_tokens,
+              bool local = false) {
+    EngineRequest r;
+    r.id = id;
+    r.prompt = tokens(prompt_tokens, base);
+    r.sampling.max_tokens = max_tokens;
+    r.sampling.ignore_eos = true;
+    if (!local) {
+      KvTransferSpec& kt = r.kv_transfer;
+      kt.mode = KvTransferSpec::Mode::kDecodeByPull;
+      kt.host = "127.0.0.1";
+      kt.port = 1;
+      kt.engine_id = "prefill-0";
+      kt.transfer_id = id;
+    }
+    r.on_output = [this, id](const RequestOutput& o) {
+      if (o.finished) finished_[id] = o;
+    };
+    engine_->submit(std::move(r));
+  }
+
+  void step() {
+    engine_->run_once();
+    now_ += kStep;
+  }
+
+  metrics::Registry registry_;
+  std::unique_ptr<Engine> engine_;
+  FakeTransfers* fake_ = nullptr;
+  double now_ = 1000;
+  std::map<std::string, RequestOutput> finished_;
+  std::vector<KvEventBatch> published_;
+};
+
+// One long decode runs while a new short decode leg arrives at every step, more than the cache
+// holds at once. The long one crosses block boundaries as it grows: a leg that took the blocks
+// it needed ahead of it made it give way (all its KV lost), and once preempted it needed more
+// blocks than the legs arriving after it, which took every block freed before it was looked at:
+// it waited for as long as legs kept coming. Now the legs' blocks are given in the scheduler's
+// waiting pass, after the running sequences', and the preempted one waits at the head of the
+// queue, ahead of the legs that came after it: it finishes while they still arrive.
+TEST_F(DecodeLegs, ALongDecodeFinishesWhileNewLegsKeepArriving) {
+  start(8);
+  submit("long", 40, 100, 60);  // 100 tokens at the end: 7 of the 8 blocks
+  int legs = 0;
+  for (int i = 0; i < 600 && !finished_.count("long"); ++i) {
+    submit("leg" + std::to_string(legs), 20, 3000 + 50 * legs, 4);  // 24 tokens: 2 blocks
+    ++legs;
+    step();
+  }
+  ASSERT_TRUE(finished_.count("long"))
+      << "the long decode did not finish while " << legs << " legs arrived";
+  EXPECT_EQ(finished_["long"].finish_reason, "length");
+  EXPECT_EQ(finished_["long"].completion_tokens, 60);
+  // Every leg finishes too, and nothing stays allocated.
+  for (int i = 0; i < 2000 && engine_->has_work(); ++i) step();
+  for (int i = 0; i < legs; ++i) {
+    const std::string id = "leg" + std::to_string(i);
+    ASSERT_TRUE(finished_.count(id)) << id;
+    EXPECT_EQ(finished_[id].finish_reason, "length") << id;
+    EXPECT_EQ(finished_[id].completion_tokens, 4) << id;
+  }
+  EXPECT_EQ(engine_->load().free_blocks, 8);
+}
+
+// Blocks evicted from the prefix cache to receive a decode leg's KV are published at once: the
+// pass that took them runs no step (the leg computes nothing until its KV is here), and the
+// events waited for some later step, while the gateway's prefix index believed them cached.
+TEST_F(DecodeLegs, BlocksEvictedForADecodeLegsKvArePublishedInThePassThatEvictedThem) {
+  start(8);
+  fake_->instant = false;
+  submit("cached", 64, 100, 1, /*local=*/true);  // 4 full blocks that stay cached
+  for (int i = 0; i < 20 && engine_->has_work(); ++i) step();
+  ASSERT_TRUE(finished_.count("cached"));
+  const int64_t cached_before = engine_->load().cached_blocks;
+  ASSERT_EQ(cached_before, 4);
+  published_.clear();
+  submit("leg", 100, 9000, 4);  // 7 blocks: at least 3 of the cached ones go
+  step();
+  ASSERT_EQ(fake_->fetched, std::vector<std::string>{"leg"});
+  const int64_t evicted = cached_before - engine_->load().cached_blocks;
+  ASSERT_GT(evicted, 0);
+  int64_t removed = 0;
+  for (const KvEventBatch& batch : published_)
+    for (const KvEvent& e : batch.events)
+      if (const auto* r = std::get_if<BlockRemoved>(&e)) removed += int64_t(r->block_hashes.size());
+  EXPECT_EQ(removed, evicted);
+}
+
+// A decode leg waiting for its KV is a waiting request (vLLM counts one waiting for remote KV
+// in vllm:num_requests_waiting), and its prompt, computed by the prefill engine, is no prefill
+// work of this engine's: /load counted it whole while the leg waited for blocks, as soon as it
+// was submitted.
+TEST_F(DecodeLegs, ALegWaitingForItsKvIsWaitingAndItsPromptIsNoQueuedPrefill) {
+  start(8);
+  fake_->instant = false;
+  submit("long", 100, 100, 20, /*local=*/true);  // 7 blocks: the leg waits for blocks
+  step();
+  submit("leg", 40, 9000, 4);
+  EXPECT_EQ(engine_->load().prefill_tokens, 0) << "submitted, not yet taken in";
+  step();
+  EXPECT_TRUE(fake_->fetched.empty());
+  LoadReport load = engine_->load();
+  EXPECT_EQ(load.running, 1);
+  EXPECT_EQ(load.waiting, 1);
+  EXPECT_EQ(load.prefill_tokens, 0);
+  EXPECT_EQ(load.prefill_pairs, 0);
+  for (int i = 0; i < 100 && fake_->fetched.empty(); ++i) step();
+  ASSERT_EQ(fake_->fetched, std::vector<std::string>{"leg"});
+  load = engine_->load();
+  EXPECT_EQ(load.waiting, 1) << "receiving its KV";
+  EXPECT_EQ(load.prefill_tokens, 0);
+  fake_->pending[0]({true, {}, 0});
+  for (int i = 0; i < 100 && engine_->has_work(); ++i) step();
+  ASSERT_TRUE(finished_.count("leg"));
+  EXPECT_EQ(finished_["leg"].completion_tokens, 4);
+  EXPECT_EQ(engine_->load().waiting, 0);
+}
+
+}  // namespace
+}  // namespace tandem::engine
