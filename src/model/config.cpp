@@ -18,13 +18,12 @@ using json = nlohmann::json;
 constexpr const char* kV3 = "DeepseekV3ForCausalLM";
 constexpr const char* kV2 = "DeepseekV2ForCausalLM";
 
-void parse_quantization(const json& obj, const std::string& origin, ModelConfig& c) {
-  if (!obj.is_object()) throw Error(origin + ": field 'quantization_config' must be an object");
-  auto f = Fields::strict(obj, origin, "quantization_config");
+// `f`: the fields of quantization_config.
+void parse_quantization(Fields f, ModelConfig& c) {
   const std::string method = f.string("quant_method");
   if (method == "fp8") {
     if (f.present("fmt") && f.string("fmt") != "e4m3")
-      f.fail("fmt", one_of(obj["fmt"].get<std::string>(), {"e4m3"}));
+      f.fail("fmt", one_of(f.string("fmt"), {"e4m3"}));
     f.ignore("fmt");
     if (f.present("activation_scheme") && f.string("activation_scheme") != "dynamic")
       f.fail("activation_scheme",
@@ -131,7 +130,7 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
 
   // RoPE: rope_theta + rope_scaling (transformers v4), or rope_parameters (v5).
   // DeepSeek's code defaults original_max_position_embeddings to 4096.
-  const RopeFields rope = read_rope_fields(f, origin, 4096);
+  const RopeFields rope = read_rope_fields(f, 4096);
   if (!rope.theta) f.fail("rope_theta", "is required");
   c.rope_theta = *rope.theta;
   c.yarn = rope.yarn;
@@ -251,7 +250,7 @@ ModelConfig ModelConfig::parse(const nlohmann::json& doc, const std::string& ori
     f.fail("head_dim", "must equal qk_rope_head_dim (" + std::to_string(c.qk_rope_head_dim) +
                            "), got " + std::to_string(*hd));
   c.torch_dtype = read_dtype_field(f, c.torch_dtype);
-  if (const json* q = f.get("quantization_config")) parse_quantization(*q, origin, c);
+  if (f.get("quantization_config")) parse_quantization(f.nested("quantization_config"), c);
 
   // Training and bookkeeping fields of real config.json files; they do not change inference.
   for (const char* key : {"auto_map", "transformers_version", "initializer_range", "ep_size",

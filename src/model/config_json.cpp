@@ -70,10 +70,9 @@ namespace {
 
 // YaRN parameters of `rope_scaling` or `rope_parameters` (which also carries rope_theta). Returns
 // false when the object selects plain RoPE.
-bool parse_rope(const json& obj, const std::string& origin, const std::string& field,
-                int64_t original_context, YarnScaling& yarn, std::optional<double>& theta) {
-  if (!obj.is_object()) throw Error(origin + ": field '" + field + "' must be an object or null");
-  auto f = Fields::strict(obj, origin, field);
+bool parse_rope(Fields& config, const std::string& field, int64_t original_context,
+                YarnScaling& yarn, std::optional<double>& theta) {
+  auto f = config.nested(field);
   std::string type;
   if (f.present("type")) type = f.string("type");
   if (f.present("rope_type")) {
@@ -122,22 +121,22 @@ bool parse_rope(const json& obj, const std::string& origin, const std::string& f
 
 }  // namespace
 
-RopeFields read_rope_fields(Fields& f, const std::string& origin, int64_t original_context) {
+RopeFields read_rope_fields(Fields& f, int64_t original_context) {
   RopeFields r;
   if (f.present("rope_theta")) r.theta = f.number("rope_theta");
   f.ignore("rope_theta");
   YarnScaling yarn;
-  if (const json* rs = f.get("rope_scaling")) {
-    if (parse_rope(*rs, origin, "rope_scaling", original_context, yarn, r.theta)) {
+  if (f.get("rope_scaling")) {
+    if (parse_rope(f, "rope_scaling", original_context, yarn, r.theta)) {
       r.yarn = yarn;
       r.yarn_field = "rope_scaling";
     }
   }
-  if (const json* rp = f.get("rope_parameters")) {
+  if (f.get("rope_parameters")) {
     if (f.present("rope_scaling"))
       f.fail("rope_parameters", "and 'rope_scaling' must not both be given");
     std::optional<double> inner;
-    if (parse_rope(*rp, origin, "rope_parameters", original_context, yarn, inner)) {
+    if (parse_rope(f, "rope_parameters", original_context, yarn, inner)) {
       r.yarn = yarn;
       r.yarn_field = "rope_parameters";
     }

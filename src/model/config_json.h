@@ -70,7 +70,7 @@ struct RopeFields {
   std::string yarn_field;  // the object YaRN came from ("rope_scaling" or "rope_parameters")
 };
 // `original_context`: YaRN's original_max_position_embeddings where the config gives none.
-RopeFields read_rope_fields(Fields& f, const std::string& origin, int64_t original_context);
+RopeFields read_rope_fields(Fields& f, int64_t original_context);
 
 // The weights' dtype, `torch_dtype` (transformers v4) or `dtype` (its name from 4.56 / v5):
 // "bfloat16", "float16" or "float32"; `fallback` when neither is given (`dtype` wins where both

@@ -60,7 +60,7 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
   c.eos_token_ids = f.integers("eos_token_id");
   c.torch_dtype = read_dtype_field(f, "bfloat16");
   // Without original_max_position_embeddings, transformers' YaRN takes max_position_embeddings.
-  const RopeFields rope = read_rope_fields(f, origin, c.max_position_embeddings);
+  const RopeFields rope = read_rope_fields(f, c.max_position_embeddings);
   c.yarn = rope.yarn;
   c.rope_theta = rope.theta.value_or(10000.0);
 
