@@ -3039,5 +3039,20 @@ TEST_F(KvTransferLargeLayers, AnErrorFrameIsAControlFrameHoweverLargeALayerIs) {
   EXPECT_EQ(decode_exec_.writes(), 0);
 }
 
+// An error frame within the limit: its message is a peer's text, which reaches the fetch's error,
+// the logs and the client's 502, so it is clipped as a refusal's is.
+TEST_F(KvTransferAgents, AnErrorFramesMessageIsClippedLikeAnyPeersText) {
+  start();
+  FakePrefill fake([&](KvConnection& conn, const json&) {
+    send_text(conn, KvFrameType::kError, json{{"message", std::string(512 << 10, 'e')}}.dump());
+  });
+  port_override_ = fake.port();
+  const KvFetchResult r = wait(fetch(pull("prefill-0-0", 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.error, HasSubstr("eeee"));
+  EXPECT_THAT(r.error, HasSubstr("bytes)"));  // says how much was cut
+  EXPECT_LT(r.error.size(), 1000u);
+}
+
 }  // namespace
 }  // namespace tandem::engine

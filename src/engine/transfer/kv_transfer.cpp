@@ -89,11 +89,12 @@ json parse_control(const KvFrame& f, const std::string& what) {
   }
 }
 
-// The message of a peer's error frame; a frame without one still says that the peer failed.
+// The message of a peer's error frame, clipped as any peer's text (it reaches logs and a client's
+// 502); a frame without one still says that the peer failed.
 std::string error_message(const KvFrame& f) {
   const json j = parse_control(f, "error");
   if (j.is_object() && j.contains("message") && j["message"].is_string())
-    return j["message"].get<std::string>();
+    return utf8::clip(j["message"].get<std::string>());
   return "the peer reported an error without a message";
 }
 
