@@ -421,6 +421,23 @@ TEST(Scheduler, AfterAPreemptionASequenceHoldingItsBlocksIsStillAdmitted) {
   EXPECT_EQ(f.kv.num_free_blocks(), 4);
 }
 
+// By priority, an urgent decode leg takes its blocks before a running prefill that then finds
+// none and gives way; the second admission pass that follows passes over the leg, which holds its
+// blocks already: it is listed for one fetch, not two (two transfers into the same blocks, the
+// second pulling KV the prefill engine had let go of).
+TEST(Scheduler, ADecodeLegGivenItsBlocksIsListedForOneFetchWhenTheStepAdmitsAgain) {
+  Fixture f(8, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 20, .priority = true},
+            /*prefix=*/false);
+  Sequence* a = f.add(iota_tokens(28), 2, /*priority=*/1);
+  f.step();  // a: 20 of 28 prompt tokens in 5 blocks
+  ASSERT_EQ(a->num_computed, 20);
+  Sequence* leg = add_decode_leg(f, iota_tokens(12, 100), 2);  // priority 0: 3 blocks
+  const auto out = f.step();
+  ASSERT_EQ(out.preempted, std::vector<Sequence*>{a});
+  EXPECT_EQ(out.fetches, std::vector<Sequence*>{leg});
+  EXPECT_EQ(f.kv.block_table(leg->request.id).size(), 3u);
+}
+
 // When every running sequence had to give way, the waiting ones are admitted in the same step
 // (as the next step would admit them): a step never schedules nothing while something fits.
 // By priority, a short urgent prompt that came meanwhile fits the blocks the preempted sequence

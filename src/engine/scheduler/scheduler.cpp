@@ -179,6 +179,10 @@ SchedulerOutput Scheduler::schedule() {
     // admitting it once its KV is here never needs a new block).
     const bool fetch = seq->kv_state == KvTransferState::kAwaitingBlocks;
     const bool has_blocks = kv_.has_request(seq->request.id);  // KV received from elsewhere
+    if (fetch && has_blocks) {  // given them earlier in this step: listed for its fetch once
+      ++i;
+      return;
+    }
     const bool memory_short = !out.preempted.empty() && !after_preemption;
     if ((head_blocked || memory_short) && !has_blocks) {
       ++i;
