@@ -61,6 +61,12 @@ constexpr size_t kMaxIndexSeparators = 2 * kMaxHeaderEntries + 64;
 // A shape of more dimensions than numpy (2.x) allows is no tensor a framework wrote.
 constexpr size_t kMaxRank = 64;
 
+// Separators bound the values only of a shallow document: empty arrays nested 61 deep hold 61
+// values and no separator, so a 100 MB header of them was 50 million values (4 GB) again. A header
+// nests three deep (the document, a tensor's entry, its shape) and an index as much (the
+// document, weight_map or metadata, a value); one more level is room for a tool's metadata.
+constexpr size_t kMaxNesting = 4;
+
 // What a JSON text holds, counted without building anything: bounds checked before parsing.
 // Exact for valid JSON; malformed text is refused by the parser.
 struct JsonTally {
@@ -125,7 +131,7 @@ std::unique_ptr<Mapping> map_file(const fs::path& path) {
 // tensors (3 s for 10,000, hours for a header near the limit).
 json parse_rejecting_duplicates(std::string_view text, const std::string& where) {
   try {
-    return parse_untrusted_json(text, 64, DuplicateKeys::kRefuse);
+    return parse_untrusted_json(text, kMaxNesting, DuplicateKeys::kRefuse);
   } catch (const Error& e) {
     throw Error(where + ": " + e.what());
   }

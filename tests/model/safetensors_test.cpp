@@ -517,6 +517,31 @@ TEST(SafetensorsErrors, AShapeOfAbsurdRankIsRefusedNamingTheTensor) {
                 "of 7200000 (24 per tensor of the 300000 allowed)");
 }
 
+// Empty arrays nested in a shape hold values without separators (61 levels: 61 values a comma),
+// so a header is refused past the nesting a real one has, before it is parsed into values.
+TEST(SafetensorsErrors, AHeaderOrIndexNestedDeeperThanARealOneIsRefused) {
+  test::TempDir dir("st-nesting");
+  const fs::path file = dir / "model.safetensors";
+  std::string nested = "[]";
+  for (int i = 0; i < 60; ++i) nested = "[" + nested + "]";
+  test::write_bytes(file, safetensors_bytes(R"({"t":{"dtype":"F32","shape":[)" + nested + "," +
+                                                nested + R"(],"data_offsets":[0,4]}})",
+                                            std::string(4, '\0')));
+  EXPECT_EQ(open_error(dir.path()),
+            file.string() + ": header: JSON nesting is deeper than 4 levels");
+  fs::remove(file);
+  write_checkpoint(dir.path(), {{"a", DType::kF32, {64}}, {"b", DType::kF32, {64}}}, fill_pattern,
+                   300);
+  const fs::path index = dir / "model.safetensors.index.json";
+  nlohmann::json doc = nlohmann::json::parse(test::read_bytes(index));
+  doc["metadata"]["tool"] = {{"version", 1}};  // a tool's metadata, one level more: read
+  test::write_bytes(index, doc.dump());
+  EXPECT_NO_THROW(Checkpoint::open(dir.path()));
+  doc["metadata"]["tool"] = nlohmann::json::parse(nested);
+  test::write_bytes(index, doc.dump());
+  EXPECT_THAT(open_error(dir.path()), HasSubstr("JSON nesting is deeper than 4 levels"));
+}
+
 // An index near its 100 MB limit can list two million tensors, and reading one took 600 MB before
 // its first entry was found wanting; an index holding more entries than a weight_map of the
 // header limit's 300,000 tensors is refused on its separators, counted before it is parsed.
