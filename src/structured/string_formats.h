@@ -3,7 +3,8 @@
 // whole), for the formats structured outputs enforce. Each matches only strings valid under the
 // format's RFC and readable by the parsers clients use (Python's datetime.fromisoformat,
 // uuid.UUID and ipaddress, Pydantic's types): where those disagree the pattern keeps to what all
-// of them take (a subset of the RFC, never more).
+// of them take (a subset of the RFC, never more), except email's lengths and special-use
+// domains (string_formats.cpp).
 #include <optional>
 #include <string>
 #include <string_view>
