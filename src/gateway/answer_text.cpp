@@ -1,6 +1,7 @@
 #include "gateway/answer_text.h"
 
 #include <unordered_map>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -166,20 +167,38 @@ std::string quoted_error_text(std::string_view text) {
   return out;
 }
 
-// The number after the last `"KEY":` in the text, or -1.
-int64_t last_integer_member(std::string_view body, std::string_view key) {
-  const auto at = body.rfind(key);
-  if (at == std::string_view::npos) return -1;
+// Where the digits of the number after the last `"KEY":` in the text lie, as [begin, end): the
+// one rule by which the members below are read and rewritten. Empty when there is none.
+struct Digits {
+  size_t begin = 0, end = 0;
+};
+Digits last_integer_member_digits(std::string_view text, std::string_view key) {
+  const auto at = text.rfind(key);
+  if (at == std::string_view::npos) return {};
   size_t i = at + key.size();
-  while (i < body.size() && body[i] == ' ') ++i;
-  int64_t v = 0;
-  bool any = false;
-  for (; i < body.size() && body[i] >= '0' && body[i] <= '9' && v < (int64_t{1} << 40); ++i) {
-    v = v * 10 + (body[i] - '0');
-    any = true;
-  }
-  return any ? v : -1;
+  while (i < text.size() && text[i] == ' ') ++i;
+  size_t end = i;
+  while (end < text.size() && text[end] >= '0' && text[end] <= '9') ++end;
+  return {i, end};
 }
+
+// The number after the last `"KEY":` in the text, or -1 (read up to 2^40: no count is larger).
+int64_t last_integer_member(std::string_view text, std::string_view key) {
+  const Digits d = last_integer_member_digits(text, key);
+  if (d.begin == d.end) return -1;
+  int64_t v = 0;
+  for (size_t i = d.begin; i < d.end && v < (int64_t{1} << 40); ++i) v = v * 10 + (text[i] - '0');
+  return v;
+}
+
+// `text` with the number last_integer_member reads replaced by `value`; as it is without one.
+std::string replace_last_integer_member(std::string text, std::string_view key, int64_t value) {
+  const Digits d = last_integer_member_digits(text, key);
+  if (d.begin == d.end) return text;
+  return text.replace(d.begin, d.end - d.begin, std::to_string(value));
+}
+
+constexpr std::string_view kCachedTokensKey = "\"cached_tokens\":";
 
 }  // namespace
 
@@ -188,7 +207,11 @@ int64_t usage_completion_tokens(std::string_view body) {
 }
 
 int64_t usage_cached_tokens(std::string_view text) {
-  return last_integer_member(text, "\"cached_tokens\":");
+  return last_integer_member(text, kCachedTokensKey);
+}
+
+std::string with_usage_cached_tokens(std::string text, int64_t cached) {
+  return replace_last_integer_member(std::move(text), kCachedTokensKey, cached);
 }
 
 bool is_error_event(std::string_view data) {

@@ -35,6 +35,9 @@ int64_t usage_completion_tokens(std::string_view body);
 // stream's text (its last "cached_tokens"), or -1 when it reports none (vLLM leaves
 // prompt_tokens_details null unless started with --enable-prompt-tokens-details).
 int64_t usage_cached_tokens(std::string_view text);
+// `text` with the number usage_cached_tokens reads replaced by `cached` (a P/D answer or usage
+// chunk given the prefill engine's reuse); text that reports none is returned as it is.
+std::string with_usage_cached_tokens(std::string text, int64_t cached);
 
 // What an engine's error answer (status >= 400) says: an OpenAI error, which is relayed as it is
 // (`relay`), or else the text to quote in the gateway's own OpenAI error (white space and control

@@ -55,6 +55,18 @@ bool may_stream(const Request& r) {
   return false;
 }
 
+// Whether `group` has eligible decode engines in `v` and every one is at its in-flight limit: no
+// policy's decode rule (each includes that limit) takes a prompt there now.
+bool decode_full(const ClusterView& v, int group) {
+  bool any = false;
+  for (const auto& e : v.decode) {
+    if (!e.eligible || e.group != group) continue;
+    if (e.in_flight < e.max_in_flight) return false;
+    any = true;
+  }
+  return any;
+}
+
 }  // namespace
 
 std::vector<Upstream::CallId> mark_legs_cancelled(Request& r) {
@@ -231,14 +243,40 @@ void Dispatcher::dispatch(Clock::time_point now) {
   first_stage.clear();
 
   ClusterView v = endpoints_.view(now, &policy_state_);  // kept current as requests start
+  // Sequential mode: the decode stages go first on the engines' own load (their prompts' KV is
+  // held, and their room was set aside when they were prefilled); the prompts to prefill then see
+  // the decode room set aside for the requests still being prefilled or waiting to decode.
+  bool reservations_in_view = topo_.mode != PdMode::kSequential;
+  // Sequential mode: which groups' decode engines are all full in the view, found once a pass
+  // (load only grows within one, and a group is looked at again only after a prompt is prefilled
+  // for it). While every eligible prefill engine's group is full, a prompt waits without asking
+  // the policy: under decode saturation each waiting prompt cost the pair rule's P + 1 prefill
+  // choices and a decode choice on every pass.
+  std::map<int, bool> group_decode_full;
+  auto every_group_decode_full = [&] {
+    bool any = false;
+    for (const auto& p : v.prefill) {
+      if (!p.eligible) continue;
+      auto [it, fresh] = group_decode_full.try_emplace(p.group);
+      if (fresh) it->second = decode_full(v, p.group);
+      if (!it->second) return false;
+      any = true;
+    }
+    return any;
+  };
   for (const RequestPtr& r : offer) {
     if (r->ended()) {
       remove_waiting(r);
       continue;
     }
+    if (!reservations_in_view && r->stage == Stage::kFirst) {
+      add_decode_reservations(v);
+      reservations_in_view = true;
+    }
     const RequestInfo ri = info(*r);
     endpoints_.fill_cached_tokens(v, r->prompt_ids, r->cache_salt);
     int prefill = -1, decode = -1;
+    int held_decode = -1;  // sequential: the decode engine whose room the prefill sets aside
     Choice::Kind kind = Choice::Kind::kChosen;
     if (topo_.mode == PdMode::kAggregated) {
       const Choice c = policy_.choose_decode(v, ri, -1, now);
@@ -253,11 +291,14 @@ void Dispatcher::dispatch(Clock::time_point now) {
       // Only engines whose group can decode are eligible in the view (EndpointTable::can_serve).
       // The prompt is prefilled only where a decode engine of the group has room for it now, by
       // the policy's own choices (the base pair rule of Policy::choose_together; the decode engine
-      // is chosen again when the prefill answered): prefilled meanwhile, its KV would wait on the
-      // prefill engine, which holds it only so long (Timeouts::decode_queue).
-      const PairChoice c = policy_.Policy::choose_together(v, ri, now);
+      // is chosen again when the prefill answered), counting the room set aside for the group's
+      // other prompts in prefill or waiting to decode: prefilled meanwhile, its KV would wait on
+      // the prefill engine, which holds it only so long (Timeouts::decode_queue).
+      const PairChoice c = every_group_decode_full() ? PairChoice{Choice::Kind::kSaturated, -1, -1}
+                                                     : policy_.Policy::choose_together(v, ri, now);
       kind = c.kind;
       prefill = c.prefill;
+      held_decode = c.decode;
     } else {
       // The prefill engine's group, remembered: the engine may have left (drained) since.
       const Choice c = policy_.choose_decode(v, ri, r->prefill_group, now);
@@ -288,17 +329,56 @@ void Dispatcher::dispatch(Clock::time_point now) {
     if (computes >= 0) r->reuse = reuse_at_decision(prefill >= 0 ? v.prefill : v.decode, computes);
     start(r, prefill, decode);
     policy_.record(policy_state_, ri, prefill, decode, now);
-    apply_choice(v, ri, prefill, decode);
+    // The room a prefill sets aside is held in this pass's view as the decode leg it stands for.
+    apply_choice(v, ri, prefill, decode >= 0 ? decode : held_decode);
+    if (held_decode >= 0) group_decode_full.erase(r->prefill_group);  // it may be full now
   }
   offer.clear();
   for (const auto& r : waiting_)
     if (r->queue_timer.seq == 0) arm_queue_timeout(r);
 }
 
+// A request's reservation lasts from its prefill's dispatch to its decode leg's (or its end):
+// while it holds one, its group's decode engines have that much less room for new prompts.
+void Dispatcher::reserve_decode(Request& r, int group) {
+  release_decode(r);
+  r.decode_reserved_group = group;
+  ++decode_reserved_[group];
+}
+
+void Dispatcher::release_decode(Request& r) {
+  if (r.decode_reserved_group < 0) return;
+  auto it = decode_reserved_.find(r.decode_reserved_group);
+  if (--it->second == 0) decode_reserved_.erase(it);
+  r.decode_reserved_group = -1;
+}
+
+// Each group's reservations fill its eligible decode engines' in-flight room one engine after the
+// other: the group has room for another prompt exactly when its engines' room exceeds what is set
+// aside (which engine a decode leg takes is chosen when its prefill answered).
+void Dispatcher::add_decode_reservations(ClusterView& v) const {
+  for (const auto& [group, reserved] : decode_reserved_) {
+    int64_t left = reserved;
+    for (auto& e : v.decode) {
+      if (left == 0) break;
+      if (!e.eligible || e.group != group) continue;
+      const int64_t taken = std::clamp<int64_t>(e.max_in_flight - e.in_flight, 0, left);
+      e.in_flight += taken;
+      left -= taken;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------ legs
 
 void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
   const int64_t now = exec_.now_ns();
+  if (prefill >= 0 || topo_.mode == PdMode::kAggregated) {
+    // The prompt is computed anew: what an earlier attempt's engine reused is no report of this
+    // one's (a retry's prefill engine may report none).
+    std::lock_guard lock(r->mutex);
+    r->cached_tokens_reported = -1;
+  }
   if (prefill >= 0) {
     const EndpointState& p = *endpoints_.find(prefill);
     r->prefill_endpoint = prefill;
@@ -325,9 +405,11 @@ void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
       break;
     case PdMode::kSequential:
       if (r->stage == Stage::kFirst) {
+        reserve_decode(*r, r->prefill_group);
         r->times.mark(Phase::kPrefilling, now);
         start_leg(r, prefill, true, prioritised(r->prefill_body));
       } else {
+        release_decode(*r);
         std::string body;
         {
           std::lock_guard lock(r->mutex);
@@ -569,8 +651,14 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     // r->prefill_endpoint is this attempt's: the next one has not started.
     const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
     r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
-    // The same KV for another decode engine, or the request from its start.
-    if (!(sequential_decode && blame == Blame::kItsEngineUnreached)) r->stage = Stage::kFirst;
+    // The same KV for another decode engine (waiting to decode again), or the request from its
+    // start (which sets no decode room aside until it is prefilled again).
+    if (sequential_decode && blame == Blame::kItsEngineUnreached) {
+      reserve_decode(*r, r->prefill_group);
+    } else {
+      r->stage = Stage::kFirst;
+      release_decode(*r);
+    }
     enqueue(r, true);
     dispatch();
     return;
@@ -686,6 +774,7 @@ void Dispatcher::client_gone(const RequestPtr& r) {
 
 void Dispatcher::finished(const RequestPtr& r) {
   if (r->booking == Booking::kQueued) remove_waiting(r);
+  release_decode(*r);
   if (r->booking == Booking::kRunning) {
     active_.erase(r.get());
     publish_counts();

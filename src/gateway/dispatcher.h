@@ -10,6 +10,7 @@
 #include <atomic>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -145,6 +146,13 @@ class Dispatcher {
   void publish_counts();
   std::string pools_state(const Request& r) const;
   void dispatch(Clock::time_point now);
+  // Sequential mode: a prompt being prefilled or waiting to decode sets aside room on a decode
+  // engine of its prefill engine's group (decode_reserved_), so that no more prompts are
+  // prefilled than the group can decode. Reserving again moves the reservation.
+  void reserve_decode(Request& r, int group);
+  void release_decode(Request& r);
+  // The reservations in `v`: its decode engines' in_flight counts them (add_decode_reservations).
+  void add_decode_reservations(ClusterView& v) const;
   void start(const RequestPtr& r, int prefill, int decode);
   void start_leg(const RequestPtr& r, int endpoint_id, bool prefill, std::string body);
   net::AsyncHttpRequest upstream_request(const EndpointState& e, const Request& r, std::string body,
@@ -176,6 +184,7 @@ class Dispatcher {
   std::deque<RequestPtr> waiting_;
   std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
   std::unordered_map<const Request*, RequestPtr> active_;
+  std::map<int, int64_t> decode_reserved_;  // sequential mode: requests per group (reserve_decode)
   RequestRecorder recorder_;
 };
 

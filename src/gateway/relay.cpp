@@ -47,21 +47,6 @@ bool never_reached_engine(const std::string& error) {
   return error.rfind("cannot connect", 0) == 0 || error.rfind("cannot resolve the host", 0) == 0;
 }
 
-// `text` (an answer, or a stream's usage chunk) with the number of its last "cached_tokens":
-// member replaced by `cached`; text without one (vLLM leaves prompt_tokens_details null unless
-// asked) is returned as it is. The member usage_cached_tokens reads.
-std::string with_cached_tokens(std::string text, int64_t cached) {
-  constexpr std::string_view kKey = "\"cached_tokens\":";
-  const size_t key = text.rfind(kKey);
-  if (key == std::string::npos) return text;
-  size_t from = key + kKey.size();
-  while (from < text.size() && text[from] == ' ') ++from;
-  size_t to = from;
-  while (to < text.size() && text[to] >= '0' && text[to] <= '9') ++to;
-  if (to == from) return text;
-  return text.replace(from, to - from, std::to_string(cached));
-}
-
 // The leg is cut (on_body answers false) by the gateway's choice: no fault of the engine's.
 bool refuse_too_large(Leg& l) {
   l.answer_too_large = true;
@@ -260,23 +245,19 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
       }
       if (reports_prefill_reuse_ && !error_event) {
         if (const int64_t cached = prefill_reuse(*r); cached >= 0) {
-          rewritten = with_cached_tokens(std::string(data), cached);
+          rewritten = with_usage_cached_tokens(std::string(data), cached);
           data = rewritten;
         }
       }
     }
     if (verbatim) return;
+    // Framed anew: an event of several data lines reaches the client as one, each line a data
+    // line (the parser joined them with newlines).
     if (r->translator && !error_event) {
-      for (const auto& d : r->translator->event(data)) {
-        out += "data: ";
-        out += d;
-        out += "\n\n";
-      }
+      for (const auto& d : r->translator->event(data)) out += net::sse_event(d);
       return;
     }
-    out += "data: ";
-    out += data;
-    out += "\n\n";
+    out += net::sse_event(data);
   });
   if (refused) return false;
   if (completion_tokens >= 0) {  // once a stream: only its relaying leg gets past its first event
@@ -297,11 +278,15 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
     r->last_token_ns = now;
     r->output_events += token_events;
   }
+  if (l.state != LegState::kRelaying) {  // no complete event yet: nothing went out
+    // A stream's first event is held whole before it shows the stream is no error (verbatim: its
+    // bytes; framed anew: the parser's), bounded as a whole answer is.
+    l.bytes_before_first_event += piece.size();
+    if (l.bytes_before_first_event > topo_.max_answer_bytes) return refuse_too_large(l);
+    if (verbatim) l.held += piece;
+    return true;
+  }
   if (verbatim) {
-    if (l.state != LegState::kRelaying) {  // no complete event yet: hold the bytes
-      l.held += piece;
-      return l.held.size() <= topo_.max_answer_bytes || refuse_too_large(l);
-    }
     if (!started && !l.held.empty()) {  // the bytes held back go first
       l.held += piece;
       out = std::move(l.held);
@@ -446,7 +431,7 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
       r->completion_tokens = tokens;
       if (computes_prompt_) r->cached_tokens_reported = usage_cached_tokens(l.body);
       if (reports_prefill_reuse_ && r->cached_tokens_reported >= 0)
-        l.body = with_cached_tokens(std::move(l.body), r->cached_tokens_reported);
+        l.body = with_usage_cached_tokens(std::move(l.body), r->cached_tokens_reported);
       r->reply->respond(200, r->translator ? r->translator->body(l.body) : std::move(l.body),
                         "application/json");
     }

@@ -95,6 +95,9 @@ struct Leg {
   // A verbatim relay (no translation): the stream's bytes before its first event completed,
   // held back until that event shows it is no error.
   std::string held;
+  // Every relay: how many bytes came before the stream's first event completed (at most
+  // Topology::max_answer_bytes).
+  size_t bytes_before_first_event = 0;
   // The prompt tokens the engine reports it reused (usage.prompt_tokens_details.cached_tokens),
   // -1 until an answer or usage chunk says.
   int64_t cached_tokens = -1;
@@ -131,6 +134,9 @@ struct Request {
   int prefill_blamed_attempt = -1;
   std::vector<std::string> retried_after;  // why each earlier attempt failed (access log)
   int prefill_endpoint = -1, decode_endpoint = -1, prefill_group = 0;
+  // Sequential mode: the group whose decode room it holds while it is prefilled or waits to
+  // decode (Dispatcher::reserve_decode); -1: none.
+  int decode_reserved_group = -1;
   api::PrefillWork uncached;  // the prompt work the engine chosen to prefill it lacks in cache
   // The prompt's deadline there (Policy::prefill_deadline, as Unix ms), sent as the `priority` of
   // the leg that computes the prompt; none: the body goes as it is.

@@ -77,6 +77,27 @@ TEST(AnswerText, CompletionTokensComeFromTheUsage) {
   EXPECT_EQ(usage_completion_tokens(R"({"usage":{"completion_tokens":null}})"), -1);
 }
 
+// The reuse a P/D answer reports is rewritten where it is read: the JSON parser reads the new
+// number (the whole old one replaced, however long), and nothing else of the text changes; text
+// that reports none stays as it is.
+TEST(AnswerText, CachedTokensAreRewrittenWhereTheyAreRead) {
+  for (const int64_t cached : {int64_t{16}, int64_t{12345678901234567}}) {
+    const json answer = {
+        {"choices", {{{"text", "\"cached_tokens\": 7"}}}},
+        {"usage", {{"prompt_tokens", 64}, {"prompt_tokens_details", {{"cached_tokens", cached}}}}}};
+    for (const std::string& text : {answer.dump(), answer.dump(2)}) {
+      const std::string rewritten = with_usage_cached_tokens(text, 48);
+      json expected = answer;
+      expected["usage"]["prompt_tokens_details"]["cached_tokens"] = 48;
+      EXPECT_EQ(json::parse(rewritten), expected) << rewritten;
+      EXPECT_EQ(usage_cached_tokens(rewritten), 48);
+    }
+  }
+  for (const std::string text : {R"({"usage":{"prompt_tokens_details":null}})",
+                                 R"({"usage":{"cached_tokens":null}})", R"({"choices":[]})", ""})
+    EXPECT_EQ(with_usage_cached_tokens(text, 48), text);
+}
+
 TEST(AnswerText, ErrorEventsAndTokenEventsAreToldApart) {
   EXPECT_TRUE(is_error_event(api::openai_error_body("KV transfer failed", "server_error")));
   const std::string chunk =

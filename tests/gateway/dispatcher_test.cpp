@@ -1762,12 +1762,15 @@ TEST(Dispatcher, ASequentialDecodeLegWhoseKvTransferFailedIsRetriedFromAnotherPr
 // timeouts.decode_queue_ms (90 s by default) and is then answered 503 saying why. It waited the
 // whole queue_ms (300 s), then failed its pull, and the healthy decode engine was blamed.
 TEST(Dispatcher, ADecodeStageWaitsNoLongerThanThePrefillEngineHoldsItsKv) {
-  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1)}));
-  // Both prompts are prefilled while the decode engine has room; the first decode leg fills it.
+  Cluster c(
+      disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1), engine("gone", 0, 1)}));
+  // Both prompts are prefilled while two decode engines have room; one of them is then drained,
+  // and the first decode leg fills the other.
   auto running = c.send();
   auto waiting = c.send();
   auto prefills = c.engines.open("/v1/completions");
   ASSERT_EQ(prefills.size(), 2u);
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("gone", nullptr));
   FakeEngines::answer(*prefills[0], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
   c.clock.run_ready();
   FakeEngines::answer(*prefills[1], 200, json{{"kv_transfer_params", kHeldKv}}.dump());
@@ -1808,6 +1811,73 @@ TEST(Dispatcher, SequentialModeWaitsToPrefillWhileNoDecodeEngineHasRoom) {
     EXPECT_EQ(host_of(*prefill[0]), "p") << policy;
     EXPECT_FALSE(second->complete()) << policy;
   }
+}
+
+// A prompt being prefilled, or waiting to decode, counts against its group's decode room until
+// its decode leg is sent: with room for one decode leg, three prompts are prefilled one at a
+// time, whether they came one by one or together (one dispatch pass). All three were prefilled at
+// once: one decoded and the others' KV waited on the prefill engine until decode_queue_ms (503).
+TEST(Dispatcher, SequentialModePrefillsNoMorePromptsThanItsDecodeEnginesHaveRoomFor) {
+  for (const std::string policy : {"least_load", "tandem"}) {
+    for (const bool together : {false, true}) {
+      Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1)});
+      t.policy = policy;
+      Cluster c(t);
+      std::vector<std::shared_ptr<FakeClient>> clients;
+      if (together) {
+        clients = c.send_together(3);
+      } else {
+        for (int i = 0; i < 3; ++i) clients.push_back(c.send());
+      }
+      const std::string where = policy + (together ? ", together" : ", one by one");
+      for (int i = 0; i < 3; ++i) {
+        auto prefill = c.engines.open("/v1/completions");
+        ASSERT_EQ(prefill.size(), 1u) << where << ": prompt " << i;
+        ASSERT_EQ(host_of(*prefill[0]), "p") << where;
+        EXPECT_EQ(c.dispatcher.waiting(), size_t(2 - i)) << where;
+        prefill_answers(c);
+        auto decode = c.engines.open("/v1/completions");
+        ASSERT_EQ(decode.size(), 1u) << where << ": no prefill while the decode leg runs";
+        ASSERT_EQ(host_of(*decode[0]), "d") << where;
+        FakeEngines::answer(*decode[0], 200, completion_answer("decoded"));
+        c.clock.run_ready();
+      }
+      for (const auto& client : clients) EXPECT_EQ(client->status, 200) << where;
+      EXPECT_EQ(c.dispatcher.active(), 0u) << where;
+    }
+  }
+}
+
+// The room a prompt sets aside goes with it: a prefill that failed and is retried, or a decode
+// leg that could not reach its engine and waits for another, holds one place, not two (a leaked
+// reservation would leave the only decode engine's room taken, and the next prompt waiting).
+TEST(Dispatcher, ARetriedSequentialRequestHoldsOneDecodePlace) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")},
+                             {engine("d1", 0, 1), engine("d2", 0, 1)});
+  Cluster c(t);
+  auto first = c.send();
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 500, "");  // p1 fails: p2
+  c.clock.run_ready();
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions");
+  ASSERT_EQ(decode.size(), 1u);
+  FakeEngines::finish(*decode[0], "cannot connect: Connection refused");  // d1: then d2
+  c.clock.run_ready();
+  ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);
+  // d1 is free (its leg failed), d2 decodes the first request: one more prompt is prefilled.
+  c.send();
+  c.send();
+  ASSERT_EQ(c.engines.open("/v1/completions").size(), 2u);
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  // The first request's decode leg ends: d2's place is free, and the third prompt is prefilled.
+  for (const auto& call : c.engines.open("/v1/completions"))
+    if (host_of(*call) == "d2") FakeEngines::answer(*call, 200, completion_answer("first"));
+  c.clock.run_ready();
+  EXPECT_EQ(first->status, 200);
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+  auto prefills = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefills.size(), 2u);
+  for (const auto& call : prefills) EXPECT_EQ(host_of(*call)[0], 'p');
 }
 
 // A non-streaming answer comes whole or not at all, so first_token_ms bounds the whole of it: one
@@ -2137,6 +2207,72 @@ TEST(Dispatcher, InPdModesADecodeAnswersUsageStaysWhenThePrefillEngineReportedNo
   FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200, answer);
   c.clock.run_ready();
   EXPECT_EQ(client->body, answer);
+}
+
+// A retried request's prompt is computed again, and only that computation's reuse is reported:
+// the first prefill engine's cached_tokens (48) stayed when the retry's prefill engine reported
+// none, and the client was told of reuse that its answer did not have.
+TEST(Dispatcher, AnEarlierAttemptsCachedTokensAreNotReportedForARetry) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")});
+  Cluster c(t);
+  auto client = c.send();
+  prefill_answers(c, R"({"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":48}})");
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 502, kv_transfer_failed_answer());
+  c.clock.run_ready();
+  ASSERT_EQ(host_of(*c.engines.open("/v1/completions").at(0)), "p2");
+  prefill_answers(c);  // no usage
+  const std::string answer =
+      R"({"choices":[{"text":"x"}],"usage":{"prompt_tokens_details":{"cached_tokens":0}}})";
+  FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200, answer);
+  c.clock.run_ready();
+  ASSERT_EQ(client->status, 200);
+  EXPECT_EQ(client->body, answer);
+}
+
+// A P/D stream is framed anew event by event (its usage chunk rewritten): an event of several
+// data lines reaches the client as one event of those lines. Its continuation lines went out
+// bare ("data: {...,\n\"b\":1}"), which a client's parser drops.
+TEST(Dispatcher, AMultiLineEventOfAPdStreamReachesTheClientWhole) {
+  Cluster c(disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")}));
+  auto client = c.send(true);
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*decode, 200, "text/event-stream");
+  FakeEngines::piece(*decode, "data: {\"choices\":[{\"text\":\"x\"}],\ndata: \"b\":1}\n\n");
+  FakeEngines::piece(*decode, "data: [DONE]\n\n");
+  FakeEngines::finish(*decode, "");
+  c.clock.run_ready();
+  ASSERT_EQ(client->status, 200);
+  net::SseParser events;
+  const auto data = events.feed(client->streamed);
+  ASSERT_EQ(data.size(), 2u) << client->streamed;
+  EXPECT_EQ(json::parse(data[0]), json::parse(R"({"choices":[{"text":"x"}],"b":1})"))
+      << client->streamed;
+  EXPECT_EQ(data[1], "[DONE]");
+}
+
+// A stream's first event is held until it completes (it may be an error, to retry elsewhere), up
+// to max_answer_bytes; past it the gateway refuses the stream, as it does a verbatim one. A P/D
+// stream, framed anew, had no bound: its first event grew in the gateway without limit.
+TEST(Dispatcher, APdStreamsFirstEventLargerThanTheAnswerLimitIsRefused) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.max_answer_bytes = 1024;
+  Cluster c(t);
+  auto client = c.send(true);
+  prefill_answers(c);
+  auto decode = c.engines.open("/v1/completions").at(0);
+  FakeEngines::head(*decode, 200, "text/event-stream");
+  ASSERT_TRUE(
+      FakeEngines::piece(*decode, "data: {\"choices\":[{\"text\":\"" + std::string(900, 'x')));
+  EXPECT_FALSE(FakeEngines::piece(*decode, std::string(200, 'x')));
+  FakeEngines::finish(*decode, "cancelled");
+  c.clock.run_ready();
+  EXPECT_EQ(client->status, 502);
+  EXPECT_FALSE(client->streaming);
+  EXPECT_EQ(client->error_code, "answer_too_large");
+  EXPECT_NE(client->error_message.find("first event"), std::string::npos) << client->error_message;
+  EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
+  EXPECT_EQ(c.dispatcher.active(), 0u);
 }
 
 // ------------------------------------------------------------------------ priority classes
