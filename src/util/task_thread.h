@@ -2,7 +2,8 @@
 // One thread that runs posted tasks in the order they were posted. The engine renders response
 // bytes on one, so its step loop hands an output over and goes on computing. Tasks posted after
 // stop() (or to a thread never started) run on the posting thread at once: whoever still holds
-// the thread (a callback of a request being aborted) is never left without its task run.
+// the thread (a callback of a request being aborted) is never left without its task run. A task
+// is destroyed as soon as it has run, before the next one runs: what it captured goes with it.
 #include <condition_variable>
 #include <deque>
 #include <mutex>

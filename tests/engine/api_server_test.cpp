@@ -12,6 +12,7 @@
 
 #include <csignal>
 #include <future>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -40,6 +41,23 @@ const text::Tokenizer& tokenizer() {
   return tok;
 }
 
+// The simulated tiny model, in virtual time.
+std::unique_ptr<Executor> executor() {
+  SimExecutorOptions x;
+  x.preset = "tiny";
+  x.model_name = "tiny";
+  x.num_blocks = 64;
+  x.time_scale = 0;
+  return std::make_unique<SimExecutor>(tokenizer(), x);
+}
+
+// One io thread on the loopback.
+net::HttpServerOptions options() {
+  net::HttpServerOptions o;
+  o.host = "127.0.0.1";
+  return o;
+}
+
 // An API server over an engine in process (simulated tiny model, virtual time) that is never
 // started: it runs a step only when the test calls run_once, so a request stays in flight for as
 // long as the test wants.
@@ -60,20 +78,6 @@ class EngineDrain : public ::testing::Test {
   ~EngineDrain() override {
     server_.stop();
     engine_.stop();
-  }
-
-  static std::unique_ptr<Executor> executor() {
-    SimExecutorOptions x;
-    x.preset = "tiny";
-    x.model_name = "tiny";
-    x.num_blocks = 64;
-    x.time_scale = 0;
-    return std::make_unique<SimExecutor>(tokenizer(), x);
-  }
-  static net::HttpServerOptions options() {
-    net::HttpServerOptions o;
-    o.host = "127.0.0.1";
-    return o;
   }
 
   // Steps the engine until `done` is ready (looking again every millisecond while it has
@@ -245,6 +249,99 @@ TEST_F(EngineDrain, LoadCountsARequestWaitingToBePrepared) {
   EXPECT_EQ(after.waiting, 0);
   EXPECT_EQ(after.prefill_tokens, 0);
   EXPECT_EQ(after.prefill_pairs, 0);
+}
+
+// A server with one preparation thread, where a request with the header X-Hold: <name> waits
+// before its preparation until the test releases that name: requests posted while the thread is
+// held are then prepared one after the other, in one pass of the thread.
+class OnePreparationThread : public ::testing::Test {
+ protected:
+  struct Hold {
+    std::promise<void> there;
+    std::promise<void> release;
+  };
+
+  OnePreparationThread()
+      : engine_(EngineConfig{}, executor(),
+                std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
+                eos_ids(tokenizer(), {}), registry_),
+        server_(engine_, registry_, options(), {},
+                {1, [this](const net::HttpRequest& req, net::Reply&) {
+                   const std::string name = req.headers.get("x-hold");
+                   if (name.empty()) return;
+                   Hold& hold = holds_.at(name);
+                   hold.there.set_value();
+                   hold.release.get_future().wait();
+                 }}) {
+    holds_["first"];
+    holds_["second"];
+    server_.start();
+  }
+  ~OnePreparationThread() override {
+    server_.stop();
+    engine_.stop();
+  }
+
+  std::future<net::HttpClientResponse> post(const std::string& target, const json& body,
+                                            const std::string& hold = "") {
+    net::Headers headers;
+    if (!hold.empty()) headers.add("X-Hold", hold);
+    return std::async(std::launch::async, [this, target, text = body.dump(), headers] {
+      return net::http_request("127.0.0.1", server_.port(), "POST", target, text, headers, 120s);
+    });
+  }
+  api::LoadReport load() {
+    return api::parse_load_report(
+        net::http_request("127.0.0.1", server_.port(), "GET", "/load").body);
+  }
+  template <class T>
+  void run_until(const std::future<T>& done) {
+    while (done.wait_for(0s) != std::future_status::ready)
+      if (!engine_.run_once()) done.wait_for(1ms);
+  }
+
+  metrics::Registry registry_;
+  Engine engine_;
+  std::map<std::string, Hold> holds_;  // filled before the server starts, only read after
+  ApiServer server_;
+};
+
+// A request stops counting as unprepared in /load once it has been prepared and handed to the
+// engine, which counts it from then. It counted until every request prepared in the same pass
+// of its preparation thread was: answered meanwhile, it was still reported waiting, and while in
+// the engine it counted twice.
+TEST_F(OnePreparationThread, APreparedRequestNoLongerCountsWhileTheOthersOfItsPassArePrepared) {
+  // The thread is held in a /tokenize (not counted) while two generation requests queue behind
+  // it: released, it prepares them in one pass.
+  auto tokenized = post("/tokenize", {{"prompt", "hi"}}, "first");
+  holds_.at("first").there.get_future().wait();
+  const json quick = {{"prompt", "The quick brown fox"}, {"max_tokens", 1}};
+  const json held = {{"prompt", "The quick brown fox jumps over the lazy dog, twice over"},
+                     {"max_tokens", 1}};
+  auto answered = post("/v1/completions", quick);
+  auto second = post("/v1/completions", held, "second");
+  // Both are counted once taken, by the one io thread that answers /load too: counted, they are
+  // posted to the preparation thread.
+  while (load().waiting < 2) {
+  }
+  holds_.at("first").release.set_value();
+  EXPECT_EQ(tokenized.get().status, 200);
+  holds_.at("second").there.get_future().wait();  // the quick one is prepared: it is submitted
+  run_until(answered);
+  EXPECT_EQ(answered.get().status, 200);
+
+  const api::LoadReport report = load();
+  const int64_t estimate = static_cast<int64_t>(held.dump().size()) / ApiServer::kBodyBytesPerToken;
+  EXPECT_EQ(report.waiting, 1) << "only the request still being prepared";
+  EXPECT_EQ(report.prefill_tokens, estimate);
+  EXPECT_EQ(report.prefill_pairs, api::causal_pairs(0, estimate));
+
+  holds_.at("second").release.set_value();
+  run_until(second);
+  EXPECT_EQ(second.get().status, 200);
+  const api::LoadReport after = load();
+  EXPECT_EQ(after.waiting, 0);
+  EXPECT_EQ(after.prefill_tokens, 0);
 }
 
 // A request's preparation (parse, tokenization, chat template, grammar) runs on a thread of its

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <future>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -43,6 +45,25 @@ TEST(TaskThread, AThrowingTaskDoesNotStopTheOthers) {
   t.post([&after] { after = 1; });
   t.stop();
   EXPECT_EQ(after, 1);
+}
+
+// A task's captures are let go as soon as it has run, before the next task runs: the thread took
+// every task posted meanwhile at once and kept them all until the last had run, so what one held
+// (a request counted as waiting in the engine's /load, a reply) outlived it by the whole batch.
+TEST(TaskThread, ATasksCapturesAreReleasedBeforeTheNextTaskRuns) {
+  TaskThread t("test");
+  t.start();
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  t.post([released] { released.wait(); });  // the two below are posted meanwhile: one batch
+  auto token = std::make_shared<int>(0);
+  std::weak_ptr<int> watched = token;
+  t.post([token = std::move(token)] {});
+  bool released_before_next = false;
+  t.post([&] { released_before_next = watched.expired(); });
+  release.set_value();
+  t.stop();
+  EXPECT_TRUE(released_before_next);
 }
 
 }  // namespace
