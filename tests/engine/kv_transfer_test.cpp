@@ -1488,6 +1488,49 @@ TEST(KvHandshakeGroup, IPv6PeersCountPerSlash64AndIPv4PeersPerAddress) {
             "shared memory (local peer, pid 5)");
 }
 
+TEST(KvPeerAddress, IsTheAddressAloneInOneFormForEachAddress) {
+  EXPECT_EQ(kv_peer_address("2001:db8:1:2::1:40000"), "2001:db8:1:2::1");
+  EXPECT_EQ(kv_peer_address("[2001:db8:1:2:0:0:0:1]:40000"), "2001:db8:1:2::1");
+  EXPECT_EQ(kv_peer_address("::ffff:10.0.0.7:5000"), "10.0.0.7");
+  EXPECT_EQ(kv_peer_address("10.0.0.7:6000"), "10.0.0.7");
+  EXPECT_EQ(kv_peer_address("shared memory (local peer, pid 5)"),
+            "shared memory (local peer, pid 5)");
+}
+
+// Connections in their handshake count per address (64) and per IPv6 /64 (256). Counted per /64
+// alone under the one cap of 64, the decode engines of one subnet (a cloud's IPv6 subnet, a
+// Kubernetes node's pod range, each a /64) shared 64 handshakes: a burst of more concurrent
+// fetches across them was refused "too many KV transfer connections from this address".
+TEST(KvHandshakeCounts, EachAddressHas64AndEachSlash64Has256) {
+  KvHandshakeCounts counts;
+  const auto peer = [](int host, int port) {
+    return "2001:db8:1:2::" + std::to_string(host) + ":" + std::to_string(40000 + port);
+  };
+  // Four decode engines of one /64, 64 connections each, all in their handshake at once.
+  for (int host = 1; host <= 4; ++host)
+    for (int i = 0; i < 64; ++i)
+      ASSERT_EQ(counts.admit(peer(host, i)), "") << "engine " << host << ", connection " << i;
+  EXPECT_EQ(counts.admit(peer(1, 64)),
+            "too many KV transfer connections from this address; try again");
+  // A fifth address of that /64 (a host taking a new one for each connection) is past the /64's.
+  EXPECT_EQ(counts.admit(peer(5, 0)),
+            "too many KV transfer connections from this address's /64 network; try again");
+  EXPECT_EQ(counts.admit("[2001:db8:1:3::5]:40000"), "") << "another /64";
+  EXPECT_EQ(counts.admit("10.0.0.7:6000"), "");
+  // One past its handshake frees a slot of its address and of its /64.
+  counts.over(peer(1, 0));
+  EXPECT_EQ(counts.admit(peer(5, 0)), "");
+  EXPECT_EQ(counts.admit(peer(1, 64)),
+            "too many KV transfer connections from this address's /64 network; try again");
+  counts.over(peer(5, 0));
+  EXPECT_EQ(counts.admit(peer(1, 64)), "");
+  // An IPv4 address has its own 64, whatever its neighbours hold.
+  for (int i = 1; i < 64; ++i) ASSERT_EQ(counts.admit("10.0.0.7:" + std::to_string(i)), "");
+  EXPECT_EQ(counts.admit("10.0.0.7:9999"),
+            "too many KV transfer connections from this address; try again");
+  EXPECT_EQ(counts.admit("10.0.0.8:9999"), "");
+}
+
 TEST_F(KvTransferAgents, ADecodeEngineConnectsOnlyToAllowedHosts) {
   decode_allow_ = {"10.0.0.0/8"};
   start();

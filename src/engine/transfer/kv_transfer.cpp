@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
 
 #include <xxhash.h>
@@ -32,12 +33,9 @@ constexpr size_t kHandshakeFrameLimit = 4096;
 constexpr size_t kLayerHeader = 16;  // [u32 layer][u32 flags][u64 checksum]
 constexpr uint32_t kFlagChecksum = 1;
 constexpr int64_t kMaxConnections = 512;  // served at once; more are refused, not queued
-// Connections from one address (an IPv6 one's whole /64: kv_handshake_group) still in their
-// handshake (or, without a secret, before their request): a host that keeps opening silent
-// connections holds at most this many of the slots above, so one stranger cannot exhaust the
-// port by reconnecting faster than the handshake timeout closes them. Decode engines finish
-// their handshake in a round trip.
-constexpr int64_t kMaxHandshakesPerAddress = 64;
+// A stranger with one /64 holds at most half the port in handshakes (decode engines finish theirs
+// in a round trip); the others' slots stay free.
+static_assert(KvHandshakeCounts::kMaxPerGroup < kMaxConnections);
 // Worker threads at most: every connection served at once, plus room for the decode side's
 // fetches, which therefore never wait behind connections blocked on their transfers.
 constexpr int64_t kMaxWorkers = kMaxConnections + 128;
@@ -718,7 +716,7 @@ void KvTransferAgent::reap_loop() {
 void KvTransferAgent::accept_loop() {
   while (auto conn = listener_->accept()) {
     std::shared_ptr<KvConnection> shared(std::move(conn));
-    const std::string address = kv_handshake_group(shared->peer());
+    const std::string peer = shared->peer();
     std::string refusal;  // told outside the lock
     {
       std::lock_guard lock(mutex_);
@@ -729,10 +727,10 @@ void KvTransferAgent::accept_loop() {
       if (connections_ >= kMaxConnections) {
         refusal =
             "too many KV transfer connections (" + std::to_string(kMaxConnections) + "); try again";
-      } else if (handshaking_[address] >= kMaxHandshakesPerAddress) {
-        refusal = "too many KV transfer connections from this address; try again";
       } else {
-        ++handshaking_[address];
+        refusal = handshaking_.admit(peer);
+      }
+      if (refusal.empty()) {
         ++connections_;
         serving_.push_back(shared);
       }
@@ -741,23 +739,23 @@ void KvTransferAgent::accept_loop() {
       refuse(*shared, refusal);
       continue;
     }
-    if (!spawn([this, shared, address] { serve(shared, address); })) {
+    if (!spawn([this, shared, peer] { serve(shared, peer); })) {
       refuse(*shared, "the prefill engine cannot start a transfer thread; try again");
       std::lock_guard lock(mutex_);
       --connections_;
       std::erase(serving_, shared);
-      handshake_over(address);
+      handshaking_.over(peer);
     }
   }
 }
 
-void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn, const std::string& address) {
+void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn, const std::string& peer) {
   bool handshaking = true;
   const auto handshake_done = [&] {
     if (!handshaking) return;
     handshaking = false;
     std::lock_guard lock(mutex_);
-    handshake_over(address);
+    handshaking_.over(peer);
   };
   try {
     serve_connection(*conn, handshake_done);
@@ -769,11 +767,6 @@ void KvTransferAgent::serve(std::shared_ptr<KvConnection> conn, const std::strin
   std::lock_guard lock(mutex_);
   --connections_;
   std::erase(serving_, conn);
-}
-
-void KvTransferAgent::handshake_over(const std::string& address) {
-  auto it = handshaking_.find(address);
-  if (it != handshaking_.end() && --it->second <= 0) handshaking_.erase(it);
 }
 
 void KvTransferAgent::serve_connection(KvConnection& conn,
@@ -1491,20 +1484,76 @@ bool kv_peer_allowed(const std::vector<std::string>& allow, std::string_view hos
   return false;
 }
 
-std::string kv_handshake_group(std::string_view peer) {
+namespace {
+
+// A peer's address: its text as kv_peer_address says, and the address itself when it is an IPv6
+// one (not IPv4-mapped).
+struct PeerAddress {
+  std::string text;
+  std::optional<in6_addr> v6;
+};
+
+PeerAddress parse_peer_address(std::string_view peer) {
   std::string address(peer.substr(0, peer.rfind(':')));  // IPv6 addresses hold colons too
   if (address.size() >= 2 && address.front() == '[' && address.back() == ']')
     address = address.substr(1, address.size() - 2);
   in6_addr v6{};
-  if (::inet_pton(AF_INET6, address.c_str(), &v6) != 1) return address;  // IPv4, or no address
+  if (::inet_pton(AF_INET6, address.c_str(), &v6) != 1) return {address, {}};  // IPv4, or none
   char text[INET6_ADDRSTRLEN] = {};
   if (IN6_IS_ADDR_V4MAPPED(&v6)) {
     ::inet_ntop(AF_INET, &v6.s6_addr[12], text, sizeof text);
-    return text;
+    return {text, {}};
   }
-  std::memset(&v6.s6_addr[8], 0, 8);
   ::inet_ntop(AF_INET6, &v6, text, sizeof text);
+  return {text, v6};
+}
+
+}  // namespace
+
+std::string kv_peer_address(std::string_view peer) {
+  return parse_peer_address(peer).text;
+}
+
+std::string kv_handshake_group(std::string_view peer) {
+  PeerAddress address = parse_peer_address(peer);
+  if (!address.v6) return address.text;
+  std::memset(&address.v6->s6_addr[8], 0, 8);
+  char text[INET6_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET6, &*address.v6, text, sizeof text);
   return std::string(text) + "/64";
+}
+
+namespace {
+
+using Counts = std::unordered_map<std::string, int64_t>;
+
+int64_t counted(const Counts& counts, const std::string& key) {
+  const auto it = counts.find(key);  // not [], which would keep a key for each refused peer
+  return it == counts.end() ? 0 : it->second;
+}
+
+void uncount(Counts& counts, const std::string& key) {
+  const auto it = counts.find(key);
+  if (it != counts.end() && --it->second <= 0) counts.erase(it);
+}
+
+}  // namespace
+
+std::string KvHandshakeCounts::admit(std::string_view peer) {
+  const std::string address = kv_peer_address(peer);
+  const std::string group = kv_handshake_group(peer);
+  if (counted(by_address_, address) >= kMaxPerAddress)
+    return "too many KV transfer connections from this address; try again";
+  if (counted(by_group_, group) >= kMaxPerGroup)
+    return "too many KV transfer connections from this address's /64 network; try again";
+  ++by_address_[address];
+  ++by_group_[group];
+  return "";
+}
+
+void KvHandshakeCounts::over(std::string_view peer) {
+  uncount(by_address_, kv_peer_address(peer));
+  uncount(by_group_, kv_handshake_group(peer));
 }
 
 void check_kv_peer_allow(const std::vector<std::string>& allow) {

@@ -59,6 +59,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -115,12 +116,36 @@ bool kv_peer_allowed(const std::vector<std::string>& allow, std::string_view hos
 // Throws tandem::Error naming an entry that is neither a host nor a valid IPv4 block.
 void check_kv_peer_allow(const std::vector<std::string>& allow);
 
-// The peers whose connections still in the handshake count together against one cap (a
-// prefill engine's kMaxHandshakesPerAddress), from KvConnection::peer() ("address:port"): an IPv4
-// address alone; an IPv6 address with the others of its /64, the least one host is given (it
-// could take a new address for every connection); an IPv4-mapped IPv6 address as that IPv4
-// address. Anything else (a local peer over shared memory) by its text.
+// The address of KvConnection::peer() ("address:port"), as one text for each address: an IPv6
+// one without brackets, in its shortest form; an IPv4-mapped IPv6 one as that IPv4 address.
+// Anything else (a local peer over shared memory) is its text.
+std::string kv_peer_address(std::string_view peer);
+// The group of KvConnection::peer() whose connections in their handshake count together against
+// KvHandshakeCounts::kMaxPerGroup: an IPv6 address's /64, the least one host is given (it could
+// take a new address for every connection); any other address (kv_peer_address) alone.
 std::string kv_handshake_group(std::string_view peer);
+
+// The connections a prefill engine's transfer server has taken that are still in their handshake
+// (or, without a secret, before their request), so that no host holds many of the port's slots
+// with connections that never get past it, reconnecting faster than the handshake timeout closes
+// them. At most kMaxPerAddress from one address, and kMaxPerGroup from one kv_handshake_group: one
+// host may own a whole IPv6 /64, but so do the decode engines of one subnet (a cloud's IPv6
+// subnet, a Kubernetes node's pod range), whose bursts of fetches must not share one address's
+// cap. Not thread-safe.
+class KvHandshakeCounts {
+ public:
+  static constexpr int64_t kMaxPerAddress = 64;
+  static constexpr int64_t kMaxPerGroup = 256;  // of the port's 512
+
+  // Counts a connection from `peer` (KvConnection::peer()) and returns "", or returns why it is
+  // refused and counts nothing.
+  std::string admit(std::string_view peer);
+  // A connection admit() counted is past its handshake, or gone.
+  void over(std::string_view peer);
+
+ private:
+  std::unordered_map<std::string, int64_t> by_address_, by_group_;
+};
 
 // What a decode engine asks for.
 struct KvFetch {
@@ -234,10 +259,9 @@ class KvTransferAgent final : public KvTransfers {
                      uint64_t prompt_hash = 0, int64_t prompt_tokens = 0);
   struct Metrics;
   void accept_loop();
-  void serve(std::shared_ptr<KvConnection> conn, const std::string& address);
+  void serve(std::shared_ptr<KvConnection> conn, const std::string& peer);
   // The handshake, then the request; `handshake_done` runs once the peer is past the handshake.
   void serve_connection(KvConnection& conn, const std::function<void()>& handshake_done);
-  void handshake_over(const std::string& address);                // under mutex_
   void refused(const std::string& peer, const std::string& why);  // counted, logged (rate-limited)
   void serve_pull(KvConnection& conn, const std::vector<std::byte>& request);
   void serve_register(KvConnection& conn, const std::vector<std::byte>& request);
@@ -290,8 +314,8 @@ class KvTransferAgent final : public KvTransfers {
   std::deque<std::function<void()>> work_;
   std::condition_variable work_ready_;
   uint64_t next_claim_ = 0;
-  int64_t connections_ = 0;                               // server connections being served
-  std::unordered_map<std::string, int64_t> handshaking_;  // by peer address: not yet past it
+  int64_t connections_ = 0;        // server connections being served
+  KvHandshakeCounts handshaking_;  // under mutex_: connections not yet past the handshake
   // A flood of strangers must not flood the log.
   LogThrottle refusal_log_{std::chrono::seconds(10)};
   std::map<std::string, std::unique_ptr<Held>> held_;
