@@ -29,18 +29,23 @@ namespace {
 
 using nlohmann::json;
 
-// Runs the Python oracle on `input`; its answer.
-json oracle(const json& input) {
-  const auto in = test::temp_path("structured-in"), out = test::temp_path("structured-out");
+// Runs the Python oracle `script` (tests/oracle) on `input`; its answer.
+json run_oracle(const std::string& script, const json& input) {
+  const auto in = test::temp_path("oracle-in"), out = test::temp_path("oracle-out");
   write_file_atomically(in, input.dump());
-  const int rc = test::run_command("/usr/bin/python3 " +
-                                   test::quote(test::oracle_dir() / "structured_output_oracle.py") +
+  const int rc = test::run_command("/usr/bin/python3 " + test::quote(test::oracle_dir() / script) +
                                    " < " + test::quote(in) + " > " + test::quote(out));
-  EXPECT_EQ(rc, 0) << "the oracle needs Debian's python3-jsonschema (scripts/install-deps.sh)";
+  EXPECT_EQ(rc, 0) << script << " failed (it needs Debian's python3-jsonschema: "
+                   << "scripts/install-deps.sh)";
   json result = rc == 0 ? json::parse(read_file(out)) : json();
   std::filesystem::remove(in);
   std::filesystem::remove(out);
   return result;
+}
+
+// The structured-output oracle's answer on `input`.
+json oracle(const json& input) {
+  return run_oracle("structured_output_oracle.py", input);
 }
 
 bool full_match(const std::shared_ptr<const Grammar>& g, const std::string& text) {
@@ -1304,16 +1309,7 @@ TEST(StructuredOutput, ABoundedStringWalksTheVocabularyAboutOncePerByteOfItsLong
 
 // The verdicts of string_format_oracle.py on `checks` ([{"kind": ..., "texts": [...]}, ...]).
 json string_format_oracle(const json& checks) {
-  const auto in = test::temp_path("formats-in"), out = test::temp_path("formats-out");
-  write_file_atomically(in, json{{"checks", checks}}.dump());
-  const int rc = test::run_command("/usr/bin/python3 " +
-                                   test::quote(test::oracle_dir() / "string_format_oracle.py") +
-                                   " < " + test::quote(in) + " > " + test::quote(out));
-  EXPECT_EQ(rc, 0) << "string_format_oracle.py failed";
-  json result = rc == 0 ? json::parse(read_file(out)) : json();
-  std::filesystem::remove(in);
-  std::filesystem::remove(out);
-  return result;
+  return run_oracle("string_format_oracle.py", json{{"checks", checks}});
 }
 
 // A check of `schema`'s grammar: answers sampled from it, each and one edit of each, and `extra`
