@@ -278,6 +278,14 @@ class OnePreparationThread : public ::testing::Test {
     server_.start();
   }
   ~OnePreparationThread() override {
+    // A failed test may leave a hold closed: the preparation thread would wait on it forever.
+    for (auto& [name, hold] : holds_) {
+      try {
+        hold.release.set_value();
+      } catch (const std::future_error&) {
+        // released by the test
+      }
+    }
     server_.stop();
     engine_.stop();
   }
@@ -318,10 +326,13 @@ TEST_F(OnePreparationThread, APreparedRequestNoLongerCountsWhileTheOthersOfItsPa
   const json quick = {{"prompt", "The quick brown fox"}, {"max_tokens", 1}};
   const json held = {{"prompt", "The quick brown fox jumps over the lazy dog, twice over"},
                      {"max_tokens", 1}};
+  // Each is counted once taken, by the one io thread that answers /load too, and counted it is
+  // posted to the preparation thread: waiting for the first to be counted before posting the
+  // second fixes their order in the thread's pass (two connections race otherwise).
   auto answered = post("/v1/completions", quick);
+  while (load().waiting < 1) {
+  }
   auto second = post("/v1/completions", held, "second");
-  // Both are counted once taken, by the one io thread that answers /load too: counted, they are
-  // posted to the preparation thread.
   while (load().waiting < 2) {
   }
   holds_.at("first").release.set_value();
