@@ -1,6 +1,8 @@
 #include "model/tensor_binder.h"
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <span>
 
 #include "model/dtype.h"
@@ -34,6 +36,19 @@ void check_scales(const std::string& tensor, const TensorInfo& info, std::span<c
                   ": a weight scale must be finite (the file is damaged)");
 }
 
+// Where the kernels read an F32 or BF16 matrix from: in place when its data is naturally aligned
+// (every file the safetensors library or tandem writes), else an aligned copy in `storage`. The
+// format allows any data_offsets, and the kernels read rows through float and uint16_t pointers,
+// for which a misaligned address is undefined behaviour (and a fault on some targets). The
+// copied-from pages are given back: nothing reads them in place.
+const void* aligned_rows(const TensorInfo& t, std::vector<uint8_t>& storage) {
+  if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) == 0) return t.data;
+  storage.resize(t.nbytes);  // operator new's alignment suits every element type
+  std::memcpy(storage.data(), t.data, t.nbytes);
+  release_pages(t.data, t.nbytes);
+  return storage.data();
+}
+
 }  // namespace
 
 TensorBinder::TensorBinder(const Checkpoint& checkpoint, std::optional<Fp8Quantization> fp8,
@@ -58,11 +73,11 @@ Matrix TensorBinder::matrix(const std::string& name, int64_t rows, int64_t cols)
   switch (t.dtype) {
     case DType::kF32:
       m.type = kernels::WeightType::kF32;
-      m.data = t.data;
+      m.data = aligned_rows(t, m.storage);
       break;
     case DType::kBF16:
       m.type = kernels::WeightType::kBF16;
-      m.data = t.data;
+      m.data = aligned_rows(t, m.storage);
       break;
     case DType::kF16: {
       m.type = kernels::WeightType::kF32;
