@@ -28,6 +28,7 @@
 #include "engine/output_processor.h"
 #include "net/http_client.h"
 #include "text/oracle_support.h"
+#include "util/bounded_wait.h"
 #include "util/file.h"
 
 namespace tandem::engine {
@@ -35,6 +36,9 @@ namespace {
 
 using nlohmann::json;
 using namespace std::chrono_literals;
+using testing::get_within;
+using testing::kHangGuard;
+using testing::repeat_until;
 
 const text::Tokenizer& tokenizer() {
   static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
@@ -58,6 +62,19 @@ net::HttpServerOptions options() {
   return o;
 }
 
+// Steps `engine` until `done` is ready (looking again every millisecond while it has nothing to
+// do: the answer is being written by the server's threads).
+template <class T>
+void run_engine_until(Engine& engine, const std::future<T>& done) {
+  repeat_until(
+      [&] {
+        if (done.wait_for(0s) == std::future_status::ready) return true;
+        if (!engine.run_once()) done.wait_for(1ms);
+        return false;
+      },
+      kHangGuard, "the answer did not come while the engine stepped");
+}
+
 // An API server over an engine in process (simulated tiny model, virtual time) that is never
 // started: it runs a step only when the test calls run_once, so a request stays in flight for as
 // long as the test wants.
@@ -76,21 +93,30 @@ class EngineDrain : public ::testing::Test {
     server_.start();
   }
   ~EngineDrain() override {
+    // A failed test may leave its held preparation waiting: the stop would wait for it forever.
+    try {
+      release_.set_value();
+    } catch (const std::future_error&) {
+      // released by the test
+    }
     server_.stop();
     engine_.stop();
   }
 
-  // Steps the engine until `done` is ready (looking again every millisecond while it has
-  // nothing to do: the answer is being written by the server's threads).
   template <class T>
   void run_until(const std::future<T>& done) {
-    while (done.wait_for(0s) != std::future_status::ready)
-      if (!engine_.run_once()) done.wait_for(1ms);
+    run_engine_until(engine_, done);
   }
 
   // Runs one engine step, once a request is there to step: a stream's first token.
   void step_once(const std::future<void>& until) {
-    while (!engine_.run_once()) until.wait_for(1ms);
+    repeat_until(
+        [&] {
+          if (engine_.run_once()) return true;
+          until.wait_for(1ms);
+          return false;
+        },
+        kHangGuard, "no request reached the engine to step");
   }
 
   net::HttpClientResponse post(const std::string& target, const json& body) {
@@ -106,17 +132,6 @@ class EngineDrain : public ::testing::Test {
   std::shared_future<void> released_ = release_.get_future().share();
   ApiServer server_;
 };
-
-// Waits for `future`, failing the test rather than hanging it when the code under test never
-// completes it: a future of std::async would otherwise block the test's end too.
-template <class T>
-T get_within(std::future<T>& future, std::chrono::seconds limit, const char* what) {
-  if (future.wait_for(limit) != std::future_status::ready) {
-    ADD_FAILURE() << what;
-    std::abort();
-  }
-  return future.get();
-}
 
 // The message of an OpenAI error body.
 std::string error_message(const std::string& body) {
@@ -145,7 +160,7 @@ TEST_F(EngineDrain, NewRequestsAreRefusedWhileTheOneInFlightFinishesWhole) {
         120s);
   });
   step_once(first);
-  first.wait();
+  get_within(first, kHangGuard, "the stream's first token did not come");
 
   // The stop begins: refusals first, then a drain far longer than this test.
   server_.refuse_new_requests();
@@ -171,7 +186,7 @@ TEST_F(EngineDrain, NewRequestsAreRefusedWhileTheOneInFlightFinishesWhole) {
 
   run_until(answer);
   EXPECT_EQ(answer.get().status, 200);
-  stopped.get();  // returns once the answer is out
+  get_within(stopped, kHangGuard, "the drain did not end once the answer was out");
   // Every token, the usage and the end of the stream reached the client.
   std::istringstream lines(events);
   std::string finish, last;
@@ -208,12 +223,12 @@ TEST_F(EngineDrain, EndingTheDrainStopsWithARequestStillInFlight) {
         120s);
   });
   step_once(first);
-  first.wait();
+  get_within(first, kHangGuard, "the stream's first token did not come");
   auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
   server_.end_drain();
-  get_within(stopped, 60s, "end_drain did not end the drain");
+  get_within(stopped, kHangGuard, "end_drain did not end the drain");
   try {
-    answer.get();
+    get_within(answer, kHangGuard, "the stream was not cut when the server stopped");
     ADD_FAILURE() << "the stream ended whole, but the engine never stepped";
   } catch (const std::exception&) {
     // cut: what a drain's end does to the requests left
@@ -232,7 +247,8 @@ TEST_F(EngineDrain, LoadCountsARequestWaitingToBePrepared) {
     return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
                              hold, 120s);
   });
-  held_.get_future().wait();
+  auto there = held_.get_future();
+  get_within(there, kHangGuard, "the request never reached its preparation");
   auto load = [&] {
     return api::parse_load_report(
         net::http_request("127.0.0.1", server_.port(), "GET", "/load").body);
@@ -304,8 +320,7 @@ class OnePreparationThread : public ::testing::Test {
   }
   template <class T>
   void run_until(const std::future<T>& done) {
-    while (done.wait_for(0s) != std::future_status::ready)
-      if (!engine_.run_once()) done.wait_for(1ms);
+    run_engine_until(engine_, done);
   }
 
   metrics::Registry registry_;
@@ -322,7 +337,8 @@ TEST_F(OnePreparationThread, APreparedRequestNoLongerCountsWhileTheOthersOfItsPa
   // The thread is held in a /tokenize (not counted) while two generation requests queue behind
   // it: released, it prepares them in one pass.
   auto tokenized = post("/tokenize", {{"prompt", "hi"}}, "first");
-  holds_.at("first").there.get_future().wait();
+  auto first_there = holds_.at("first").there.get_future();
+  get_within(first_there, kHangGuard, "the /tokenize never reached its preparation");
   const json quick = {{"prompt", "The quick brown fox"}, {"max_tokens", 1}};
   const json held = {{"prompt", "The quick brown fox jumps over the lazy dog, twice over"},
                      {"max_tokens", 1}};
@@ -330,14 +346,14 @@ TEST_F(OnePreparationThread, APreparedRequestNoLongerCountsWhileTheOthersOfItsPa
   // posted to the preparation thread: waiting for the first to be counted before posting the
   // second fixes their order in the thread's pass (two connections race otherwise).
   auto answered = post("/v1/completions", quick);
-  while (load().waiting < 1) {
-  }
+  repeat_until([&] { return load().waiting >= 1; }, kHangGuard, "the first was never counted");
   auto second = post("/v1/completions", held, "second");
-  while (load().waiting < 2) {
-  }
+  repeat_until([&] { return load().waiting >= 2; }, kHangGuard, "the second was never counted");
   holds_.at("first").release.set_value();
-  EXPECT_EQ(tokenized.get().status, 200);
-  holds_.at("second").there.get_future().wait();  // the quick one is prepared: it is submitted
+  EXPECT_EQ(get_within(tokenized, kHangGuard, "the /tokenize was not answered").status, 200);
+  // Once the held one is there, the quick one is prepared: it is submitted.
+  auto second_there = holds_.at("second").there.get_future();
+  get_within(second_there, kHangGuard, "the held request never reached its preparation");
   run_until(answered);
   EXPECT_EQ(answered.get().status, 200);
 
@@ -366,7 +382,8 @@ TEST_F(EngineDrain, ARequestBeingPreparedHoldsUpNoOtherClient) {
     return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
                              hold, 120s);
   });
-  held_.get_future().wait();
+  auto there = held_.get_future();
+  get_within(there, kHangGuard, "the request never reached its preparation");
   EXPECT_EQ(net::http_request("127.0.0.1", server_.port(), "GET", "/health", {}, {}, 30s).status,
             200);
   auto other = std::async(std::launch::async, [&] {
@@ -403,11 +420,13 @@ TEST_F(EngineDrain, AClientThatLeavesBeforeItsRequestIsPreparedStartsNoEngineWor
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
   ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
-  net::Reply* reply = held_.get_future().get();
+  auto there = held_.get_future();
+  net::Reply* reply = get_within(there, kHangGuard, "the request never reached its preparation");
   std::promise<void> gone;
   reply->on_close([&] { gone.set_value(); });
   ::close(fd);  // the client leaves
-  gone.get_future().wait();
+  auto left = gone.get_future();
+  get_within(left, kHangGuard, "the client's leaving was not seen");
   release_.set_value();
   // A drain returns once the held request is done with (its reply dropped) and the engine idle;
   // the engine steps meanwhile, so that a request submitted for nobody would end (aborted).

@@ -25,12 +25,15 @@
 #include "gateway/gateway.h"
 #include "model/model_test_support.h"
 #include "net/http_client.h"
+#include "util/bounded_wait.h"
 #include "util/file.h"
 
 namespace tandem::gateway {
 namespace {
 
 using nlohmann::json;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 using ::testing::HasSubstr;
 
 // A `tandem engine` publishing KV events; `events`/`replay`: its ZMQ endpoints. A simulated
@@ -227,6 +230,7 @@ TEST(GatewayReplicas, StoppedTogetherEveryReplicaRefusesWhileAnyDrains) {
   EXPECT_EQ(HeldReplicas::health(pa), 200);
   EXPECT_EQ(HeldReplicas::health(pb), 200);
   int looks = 0;
+  std::chrono::milliseconds waited{0};
   Gateway* const both[] = {r.a.get(), r.b.get()};
   stop_together(both, std::chrono::minutes(10), [&](std::chrono::milliseconds wait) {
     if (looks++ == 0) {
@@ -236,8 +240,13 @@ TEST(GatewayReplicas, StoppedTogetherEveryReplicaRefusesWhileAnyDrains) {
       EXPECT_EQ(HeldReplicas::new_request(pa), 503);
       EXPECT_EQ(HeldReplicas::new_request(pb), 503);
       r.engine.release();  // both drains can end now
+    } else if (waited >= kHangGuard) {
+      // The drains would wait out their 10 minutes: end them, and the test fails instead.
+      ADD_FAILURE() << "the drains did not end once their requests were released";
+      return true;
     } else {
       std::this_thread::sleep_for(wait);
+      waited += wait;
     }
     return false;
   });
@@ -254,10 +263,13 @@ TEST(GatewayReplicas, AnInterruptedDrainAnswersWhatIsLeft503AtOnce) {
   HeldReplicas r;
   Gateway* const both[] = {r.a.get(), r.b.get()};
   int looks = 0;
-  stop_together(both, std::chrono::minutes(10), [&](std::chrono::milliseconds) {
-    ++looks;
-    return true;
+  auto stopped = std::async(std::launch::async, [&] {
+    stop_together(both, std::chrono::minutes(10), [&](std::chrono::milliseconds) {
+      ++looks;
+      return true;
+    });
   });
+  get_within(stopped, kHangGuard, "the interrupted drain went on");
   EXPECT_EQ(looks, 1);
   for (auto* answer : {&r.to_a, &r.to_b}) {
     const auto got = answer->get();
@@ -267,7 +279,9 @@ TEST(GatewayReplicas, AnInterruptedDrainAnswersWhatIsLeft503AtOnce) {
   // end_drain before a stop: that stop does not drain at all.
   HeldReplicas next;
   next.a->end_drain();
-  next.a->stop(std::chrono::minutes(10));
+  auto next_stopped =
+      std::async(std::launch::async, [&] { next.a->stop(std::chrono::minutes(10)); });
+  get_within(next_stopped, kHangGuard, "a stop after end_drain drained");
   EXPECT_EQ(next.to_a.get().status, 503);
   next.b->stop(std::chrono::milliseconds(0));
   EXPECT_EQ(next.to_b.get().status, 503);

@@ -27,12 +27,14 @@
 #include "api/error.h"
 #include "net/http_client.h"
 #include "net/sse.h"
+#include "util/bounded_wait.h"
 #include "util/error.h"
 
 namespace tandem::net {
 namespace {
 
 using namespace std::chrono_literals;
+using tandem::testing::get_within;
 
 // With the OpenAI error body, as the engine and the gateway run their servers.
 HttpServerOptions local_options() {
@@ -200,16 +202,6 @@ void expect_openai_error(const std::string& body, std::string_view type) {
   EXPECT_EQ(error["type"], type) << body;
   EXPECT_TRUE(error["param"].is_null()) << body;
   EXPECT_TRUE(error["code"].is_null()) << body;
-}
-
-// Waits for a future without hanging the test run if the code under test is broken.
-template <class T>
-T get_within(std::future<T>& future, std::chrono::seconds limit = 10s) {
-  if (future.wait_for(limit) != std::future_status::ready) {
-    ADD_FAILURE() << "timed out";
-    std::abort();  // a hung server would otherwise hang the suite
-  }
-  return future.get();
 }
 
 TEST(Headers, CaseInsensitiveAndValidated) {
@@ -1035,7 +1027,7 @@ TEST(HttpServer, AStopLetsASlowReaderTakeItsWholeAnswerAndClosesTheRestAtOnce) {
   auto in = pending_in.get_future();
   get_within(in);
 
-  // Ten minutes to flush: get_within's ten seconds fail the test if the stop waits for them.
+  // Ten minutes to flush: get_within's minute fails the test if the stop waits for them.
   auto stopped = std::async(std::launch::async, [&] { server.stop(std::chrono::minutes(10)); });
   EXPECT_EQ(waiting.read_all(), "");  // closed without a response
   EXPECT_TRUE(waiting.eof());

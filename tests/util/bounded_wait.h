@@ -1,0 +1,52 @@
+#pragma once
+// Waits that fail a test instead of hanging it when the code under test never gets there: a
+// hang hides the failure that caused it and holds CI until ctest's timeout (15 minutes).
+//
+// A wait that runs out ends the whole test binary (abort) after recording the failure: returning
+// would leave the test to its destructors, which wait too (a std::async future's waits for its
+// thread, a server's stop for the requests it holds), so the run would hang there instead.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <source_location>
+#include <string_view>
+
+namespace tandem::testing {
+
+// How long a test waits for what should come at once before it fails: generous, for a loaded
+// machine and sanitizers, as it only turns a hang into a failure.
+inline constexpr std::chrono::seconds kHangGuard{60};
+
+// Records `what` as the failure of the test's line `where`, then ends the run (see above).
+[[noreturn]] inline void fail_hung(std::string_view what, std::chrono::seconds limit,
+                                   const std::source_location& where) {
+  ADD_FAILURE_AT(where.file_name(), where.line())
+      << what << " (not within " << limit.count() << " s; ending the run, not hanging)";
+  std::fflush(stdout);
+  std::abort();
+}
+
+// `future`'s value, once ready within `limit`.
+template <class T>
+T get_within(std::future<T>& future, std::chrono::seconds limit = kHangGuard,
+             std::string_view what = "the future was not ready",
+             const std::source_location& where = std::source_location::current()) {
+  if (future.wait_for(limit) != std::future_status::ready) fail_hung(what, limit, where);
+  return future.get();
+}
+
+// Calls `step` until it returns true, for at most `limit` (a test's busy-wait: a condition it
+// polls, an engine it steps until an answer is out).
+template <class Step>
+void repeat_until(Step&& step, std::chrono::seconds limit, std::string_view what,
+                  const std::source_location& where = std::source_location::current()) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!step()) {
+    if (std::chrono::steady_clock::now() > deadline) fail_hung(what, limit, where);
+  }
+}
+
+}  // namespace tandem::testing
