@@ -223,11 +223,13 @@ nlohmann::ordered_json Qwen3MoeConfig::to_json() const {
 
 std::string architecture_of(const std::filesystem::path& dir) {
   const json doc = read_config_json(dir);
-  const auto it = doc.is_object() ? doc.find("architectures") : doc.end();
-  if (it == doc.end() || !it->is_array() || it->empty() || !(*it)[0].is_string())
-    throw Error((dir / "config.json").string() +
-                ": field 'architectures' must name the model's architecture");
-  return (*it)[0].get<std::string>();
+  const std::string origin = (dir / "config.json").string();
+  if (!doc.is_object()) throw Error(origin + ": expected a JSON object");
+  // Lenient: the family's own parse judges every other field.
+  auto f = Fields::lenient(doc, origin);
+  const json& architectures = f.list("architectures");
+  if (architectures.empty()) f.fail("architectures", "must name the model's architecture, got []");
+  return f.as_string("architectures[0]", architectures[0]);
 }
 
 }  // namespace tandem::model

@@ -161,6 +161,36 @@ TEST(Qwen3MoeConfig, WhatTheEngineDoesNotRunIsRefusedByName) {
             std::string::npos);
 }
 
+// architecture_of picks a model family before any config is parsed; what it cannot read is
+// refused in the form of every config field's message (util/json_fields.h), naming the file.
+TEST(Qwen3MoeConfig, ArchitectureOfNamesTheFirstArchitectureOrTheFieldInTheCommonForm) {
+  test::TempDir dir("qwen3-architecture-of");
+  const std::string file = (dir / "config.json").string();
+  auto write = [&](const std::string& text) { std::ofstream(dir / "config.json") << text; };
+  auto error = [&](const std::string& text) -> std::string {
+    write(text);
+    try {
+      architecture_of(dir.path());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  write(R"({"architectures": ["Qwen3MoeForCausalLM", "Other"], "hidden_size": "anything"})");
+  EXPECT_EQ(architecture_of(dir.path()), "Qwen3MoeForCausalLM");
+  EXPECT_EQ(error(R"({"model_type": "qwen3_moe"})"),
+            file + ": field 'architectures' is required (a list)");
+  EXPECT_EQ(error(R"({"architectures": null})"),
+            file + ": field 'architectures' is required (a list)");
+  EXPECT_EQ(error(R"({"architectures": "Qwen3MoeForCausalLM"})"),
+            file + ": field 'architectures' must be a list, got \"Qwen3MoeForCausalLM\"");
+  EXPECT_EQ(error(R"({"architectures": []})"),
+            file + ": field 'architectures' must name the model's architecture, got []");
+  EXPECT_EQ(error(R"({"architectures": [7]})"),
+            file + ": field 'architectures[0]' must be a string, got 7");
+  EXPECT_EQ(error(R"(["Qwen3MoeForCausalLM"])"), file + ": expected a JSON object");
+}
+
 // A config's sizes drive loops and allocations before any weight is read, so values no model has
 // are refused by name instead of hanging (a loop over 4e18 layers) or exhausting memory; the
 // numeric fields every family shares get DeepSeek's checks.
