@@ -1,10 +1,14 @@
 #include "api/chat_messages.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "api/body_fields.h"
+#include "util/utf8.h"
 
 namespace tandem::api {
 namespace {
@@ -36,7 +40,67 @@ ordered_json as_parts(const std::vector<std::string>& texts) {
   return parts;
 }
 
+// The member, or null when absent (a Pydantic field's None default).
+ordered_json member(const ordered_json& o, const char* key) {
+  const auto it = o.find(key);
+  return it == o.end() ? ordered_json(nullptr) : *it;
+}
+
+std::string shown(const ordered_json& v) {
+  return utf8::clip(v.dump(-1, ' ', false, ordered_json::error_handler_t::replace));
+}
+
+// Refuses what ChatCompletionToolsParam(**tool) refuses; `at` is "tools[i]".
+void check_tool(const ordered_json& tool, const std::string& at) {
+  if (!tool.is_object()) fail(at, "a tool must be an object, got " + shown(tool));
+  if (const auto type = tool.find("type"); type != tool.end() && *type != "function")
+    fail(at + ".type", "a tool's 'type' must be \"function\" (or absent), got " + shown(*type));
+  const auto function = tool.find("function");
+  if (function == tool.end() || !function->is_object())
+    fail(at + ".function", "a tool needs a 'function' object, got " +
+                               (function == tool.end() ? std::string("none") : shown(*function)));
+  const ordered_json& f = *function;
+  if (const auto name = f.find("name"); name == f.end() || !name->is_string())
+    fail(at + ".function.name", "a function's 'name' must be a string, got " +
+                                    (name == f.end() ? std::string("none") : shown(*name)));
+  if (const ordered_json d = member(f, "description"); !d.is_null() && !d.is_string())
+    fail(at + ".function.description",
+         "a function's 'description' must be a string or null, got " + shown(d));
+  if (const ordered_json p = member(f, "parameters"); !p.is_null() && !p.is_object())
+    fail(at + ".function.parameters",
+         "a function's 'parameters' must be a JSON Schema object or null, got " + shown(p));
+}
+
+// Appends from's members other than `declared` without the map's search by key (a linear search
+// per insert): the sent object's keys are unique, and the declared ones are skipped.
+void append_others(ordered_json& to, const ordered_json& from,
+                   std::initializer_list<std::string_view> declared) {
+  auto& members =
+      static_cast<ordered_json::object_t::Container&>(to.get_ref<ordered_json::object_t&>());
+  for (auto it = from.begin(); it != from.end(); ++it)
+    if (std::find(declared.begin(), declared.end(), it.key()) == declared.end())
+      members.emplace_back(it.key(), it.value());
+}
+
 }  // namespace
+
+ordered_json template_tools(const ordered_json& tools) {
+  if (!tools.is_array()) fail("tools", "'tools' must be a list, got " + shown(tools));
+  ordered_json out = ordered_json::array();
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const ordered_json& tool = tools[i];
+    check_tool(tool, "tools[" + std::to_string(i) + "]");
+    const ordered_json& sent = tool["function"];
+    ordered_json function = {{"name", sent["name"]},
+                             {"description", member(sent, "description")},
+                             {"parameters", member(sent, "parameters")}};
+    append_others(function, sent, {"name", "description", "parameters"});
+    ordered_json dumped = {{"type", "function"}, {"function", std::move(function)}};
+    append_others(dumped, tool, {"type", "function"});
+    out.push_back(std::move(dumped));
+  }
+  return out;
+}
 
 ordered_json template_messages(const ordered_json& messages, text::ContentFormat format,
                                NullContent null_content) {

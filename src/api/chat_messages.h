@@ -1,5 +1,6 @@
 #pragma once
-// A chat request's messages in the shape its chat template reads them.
+// A chat request's messages and tools in the shape its chat template reads them: the server's
+// parse_chat and `tandem tokenize --chat-file` render the same prompt from the same input.
 #include <nlohmann/json.hpp>
 
 #include "text/chat_template.h"
@@ -27,5 +28,18 @@ enum class NullContent { kNoText, kNone };
 nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
                                          text::ContentFormat format,
                                          NullContent null_content = NullContent::kNoText);
+
+// A request's `tools` (OpenAI's [{"type": "function", "function": {"name", "description",
+// "parameters"}}]) checked as vLLM's ChatCompletionToolsParam and FunctionDefinition check them,
+// and each given as their model_dump() gives it to the template: "type" (Literal["function"],
+// "function" when absent), then "function" with name, description and parameters (null when
+// absent), then what else the client sent (OpenAI's "strict"), in its order (Pydantic dumps the
+// declared fields first and the extra ones its extra="allow" kept after). Templates test these
+// fields (`is defined`) and print whole tools with tojson. What the models refuse is an ApiError
+// naming the field: 'tools' not a list, tools[i] not an object, tools[i].type other than
+// "function" (null included), tools[i].function absent or no object, its name no string, its
+// description no string or null, its parameters no object or null. A name may be empty or listed
+// twice, as there; what forcing a call needs besides is checked where a call is forced.
+nlohmann::ordered_json template_tools(const nlohmann::ordered_json& tools);
 
 }  // namespace tandem::api

@@ -478,69 +478,6 @@ void read_disaggregation(const json& body, ApiRequest& r, const ModelLimits& lim
          "disaggregated requests carry one prompt and n = 1: send one request per prompt");
 }
 
-// OpenAI's tools: [{"type": "function", "function": {"name", "description", "parameters"}}],
-// taken as vLLM's ChatCompletionToolsParam and FunctionDefinition take them ("type" defaults to
-// "function", name: str, description: str | None, parameters: dict | None; a name may be listed
-// twice): names such as MCP's "github.create_issue" or "server:tool" and schemas of any shape are
-// shown to the model and read back from its calls. Templates print the name and walk the
-// parameters, so a name and an object are needed; what forcing a call needs besides is checked by
-// check_forced.
-void check_tools(const json& tools) {
-  if (!tools.is_array()) fail("tools", "'tools' must be a list");
-  for (size_t i = 0; i < tools.size(); ++i) {
-    const json& t = tools[i];
-    const json* type = t.is_object() ? field(t, "type") : nullptr;
-    if (!t.is_object() || (type && *type != "function") || !field(t, "function") ||
-        !t["function"].is_object())
-      fail("tools", "every tool needs a 'function' object (and \"type\": \"function\", if any)");
-    const json& f = t["function"];
-    const std::string at = "tools[" + std::to_string(i) + "].function";
-    const json* name = field(f, "name");
-    if (!name || !name->is_string() || name->get_ref<const std::string&>().empty())
-      fail(at + ".name", "a function's 'name' must be a non-empty string");
-    if (const json* d = field(f, "description"); d && !d->is_string())
-      fail(at + ".description",
-           "a function's 'description' must be a string, got " + utf8::clip(d->dump()));
-    if (const json* p = field(f, "parameters"); p && !p->is_object())
-      fail(at + ".parameters",
-           "a function's 'parameters' must be a JSON Schema object, got " + utf8::clip(p->dump()));
-  }
-}
-
-// The checked `tools` as vLLM passes them to the chat template, each its ChatCompletionToolsParam's
-// model_dump(): "type", then "function" with name, description and parameters (null when absent),
-// then what else the client sent (OpenAI's "strict"), in its order (Pydantic dumps declared fields
-// first, the extra ones its extra="allow" kept after). Templates test these fields (`is defined`)
-// and print whole tools with tojson.
-nlohmann::ordered_json vllm_tool_dumps(const nlohmann::ordered_json& tools) {
-  using ordered = nlohmann::ordered_json;
-  // Members appended without the map's search by key (a linear search per insert): the sent
-  // object's keys are unique, and the declared ones are skipped.
-  auto append_others = [](ordered& to, const ordered& from,
-                          std::initializer_list<std::string_view> declared) {
-    auto& members = static_cast<ordered::object_t::Container&>(to.get_ref<ordered::object_t&>());
-    for (auto it = from.begin(); it != from.end(); ++it)
-      if (std::find(declared.begin(), declared.end(), it.key()) == declared.end())
-        members.emplace_back(it.key(), it.value());
-  };
-  auto member = [](const ordered& o, const char* key) {
-    const auto it = o.find(key);
-    return it == o.end() ? ordered(nullptr) : *it;
-  };
-  ordered out = ordered::array();
-  for (const ordered& tool : tools) {
-    const ordered& sent = tool["function"];
-    ordered function = {{"name", sent["name"]},
-                        {"description", member(sent, "description")},
-                        {"parameters", member(sent, "parameters")}};
-    append_others(function, sent, {"name", "description", "parameters"});
-    ordered dumped = {{"type", "function"}, {"function", std::move(function)}};
-    append_others(dumped, tool, {"type", "function"});
-    out.push_back(std::move(dumped));
-  }
-  return out;
-}
-
 // The tools a forced call may be of (every one, or only tools[only]), as the grammar of
 // the model's markup needs them: a name the markup carries back to the answer's parser, and
 // arguments that are a JSON object (parameters of "type": "object", {}, or properties without a
@@ -880,10 +817,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // read_tools adds after the client's system messages may follow (a chat of system messages).
   const nlohmann::ordered_json final_message =
       continue_final_message ? msgs.back() : nlohmann::ordered_json();
-  if (tools_field) check_tools(*tools_field);
   const nlohmann::ordered_json tools_in_order =
-      tools_field ? vllm_tool_dumps(ordered.get({"tools"}, *tools_field))
-                  : nlohmann::ordered_json();
+      tools_field ? template_tools(ordered.get({"tools"}, *tools_field)) : nlohmann::ordered_json();
   const ToolUse tools = read_tools(body, tokenizer, msgs, tools_in_order, format);
   r.tool_calls = tools.format;
   r.tool_choice_named = tools.named;

