@@ -86,6 +86,18 @@ Grammar::Symbol Grammar::one_of_texts(std::vector<std::string> texts) {
   return top;
 }
 
+Grammar::Symbol Grammar::never() {
+  if (never_ < 0) {
+    never_ = new_rule();
+    add(never_, {never_});  // matches nothing finite: finish() drops it, and what holds it
+  }
+  return never_;
+}
+
+void Grammar::counted_blocks(Symbol first, int32_t width, int64_t blocks) {
+  if (width > 0 && blocks >= 2) counted_.push_back({first, width, blocks});
+}
+
 Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) {
   if (min < 0 || (max >= 0 && max < min)) throw Error("repeat: bad bounds");
   // The optional part: a right-recursive loop, or a chain of max - min optional items, built from
@@ -232,22 +244,27 @@ void Grammar::finish(Symbol root) {
 
   code_.clear();
   starts_.assign(n, {});
-  for (size_t r = 0; r < n; ++r)
+  std::vector<int32_t> rule_begin(n + 1);
+  for (size_t r = 0; r < n; ++r) {
+    rule_begin[r] = static_cast<int32_t>(code_.size());
     for (const auto& alt : rules_[r]) {
       starts_[r].push_back(static_cast<int32_t>(code_.size()));
       code_.insert(code_.end(), alt.begin(), alt.end());
       code_.push_back(kEnd);
     }
-  find_runs();
+  }
+  rule_begin[n] = static_cast<int32_t>(code_.size());
+  find_runs(rule_begin);
   rules_.clear();
   rules_.shrink_to_fit();
 }
 
-void Grammar::find_runs() {
+void Grammar::find_runs(const std::vector<int32_t>& rule_begin) {
   // Only where the repeat's rules are still what repeat() made (finish() drops alternatives that
   // match no finite text) and laid out as expected: elsewhere positions stay themselves, which is
   // exact, only slower.
   runs_.clear();
+  find_counted_runs(rule_begin);
   for (const Built& b : built_) {
     const auto w = static_cast<int64_t>(b.item.size());
     const auto& main = rules_[size_t(b.rule)];
@@ -285,6 +302,51 @@ void Grammar::find_runs() {
   std::sort(runs_.begin(), runs_.end(),
             [](const Run& a, const Run& b) { return a.begin < b.begin; });
   runs_.shrink_to_fit();
+}
+
+void Grammar::find_counted_runs(const std::vector<int32_t>& rule_begin) {
+  // As finish() left them (alternatives that match nothing dropped): blocks k and k + 1 are
+  // alike when each rule of one has the alternatives of its counterpart in the other, symbol by
+  // symbol, a rule of its own block or the next one standing for its place there.
+  for (const Counted& c : counted_) {
+    const int64_t w = c.width;
+    auto rule = [&](int64_t k, int64_t i) { return size_t(c.first + k * w + i); };
+    auto alike = [&](int64_t k) {
+      const int64_t base = c.first + k * w, next = base + w;
+      // The places a symbol may stand for: its own block, and the next one where there is one.
+      const int64_t reach_k = 2 * w, reach_next = k + 2 < c.blocks ? 2 * w : w;
+      for (int64_t i = 0; i < w; ++i) {
+        const auto& a = rules_[rule(k, i)];
+        const auto& b = rules_[rule(k + 1, i)];
+        if (a.size() != b.size()) return false;
+        for (size_t j = 0; j < a.size(); ++j) {
+          if (a[j].size() != b[j].size()) return false;
+          for (size_t m = 0; m < a[j].size(); ++m) {
+            const int64_t x = a[j][m] - base, y = b[j][m] - next;
+            const bool x_placed = a[j][m] >= 0 && x >= 0 && x < reach_k;
+            const bool y_placed = b[j][m] >= 0 && y >= 0 && y < reach_next;
+            if (x_placed != y_placed || (x_placed ? x != y : a[j][m] != b[j][m])) return false;
+          }
+        }
+      }
+      return true;
+    };
+    for (int64_t a = 0; a < c.blocks;) {
+      int64_t b = a + 1;  // blocks a..b-1 alike
+      while (b < c.blocks && alike(b - 1)) ++b;
+      const int64_t count = b - a;
+      const int64_t begin = rule_begin[rule(a, 0)];
+      const int64_t stride = count >= 2 ? rule_begin[rule(a + 1, 0)] - begin : 0;
+      // Block j of the run has count - 1 - j alike after it: one is kept in hand, so that the
+      // block a token's last character ends in is alike too.
+      if (count >= 3 && stride > 0)
+        runs_.push_back({int32_t(begin), int32_t(count), int32_t(stride), int32_t(stride),
+                         count - 2, -1, int32_t(begin)});
+      a = b;
+    }
+  }
+  counted_.clear();
+  counted_.shrink_to_fit();
 }
 
 int32_t Grammar::mask_position(int32_t pos, size_t longest) const {

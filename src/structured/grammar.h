@@ -35,6 +35,15 @@ class Grammar {
   // `item` at least `min` and at most `max` times (max < 0: no limit). `item` must not match the
   // empty string.
   Symbol repeat(const Sequence& item, int64_t min, int64_t max);
+  // A rule that matches no text, for a place that must hold a rule where no text can follow
+  // (finish() drops every alternative that holds it).
+  Symbol never();
+  // Declares rules first.. first + width * blocks - 1, made in that order, as `blocks` blocks of
+  // `width` rules: the states of an automaton once per count of characters read, block k + 1
+  // reached from block k by one character (a pattern within minLength and maxLength). Blocks
+  // alike (the same alternatives, each referring to the same place of its own or the next block)
+  // read alike: finish() finds runs of them for mask_position().
+  void counted_blocks(Symbol first, int32_t width, int64_t blocks);
   // Rules made so far.
   size_t rules() const { return rules_.size(); }
   // For rules first.. (those before are taken to be): whether each matches some finite text,
@@ -62,8 +71,10 @@ class Grammar {
   // positions at the same offset of the item have the same such continuations when both have at
   // least `longest` items still required after theirs, or both are past the required ones with at
   // least `longest` more allowed: items read a byte or more, so no continuation that short
-  // reaches the bound from either. Those share one position; any other stands for itself. Without
-  // this each character of a string of maxLength 2000 was a state, and a walk of the vocabulary.
+  // reaches the bound from either. Likewise two positions at the same offset of two counted
+  // blocks (counted_blocks()) each followed by `longest` or more blocks alike. Those share one
+  // position; any other stands for itself. Without this each character of a string of maxLength
+  // 2000 was a state, and a walk of the vocabulary.
   int32_t mask_position(int32_t pos, size_t longest) const;
 
   // Limits: grammars past them are refused with an error, not built.
@@ -91,6 +102,13 @@ class Grammar {
     Sequence item;
   };
   std::vector<Built> built_;
+  struct Counted {
+    Symbol first;
+    int32_t width;
+    int64_t blocks;
+  };
+  std::vector<Counted> counted_;
+  Symbol never_ = -1;
   // A run of a repeat's items in code(): `count` of them `stride` apart, each with `width`
   // positions that mask_position() may replace. The item at j (from `begin`) has
   // left_first + left_step * j items after it up to the bound the run ends at, and the run's
@@ -101,7 +119,9 @@ class Grammar {
     int32_t canonical;
   };
   std::vector<Run> runs_;  // by begin
-  void find_runs();
+  // rule_begin[r]: where rule r's code starts (its alternatives, if any are left).
+  void find_runs(const std::vector<int32_t>& rule_begin);
+  void find_counted_runs(const std::vector<int32_t>& rule_begin);
 };
 
 // UTF-8 encoded code points as grammar sequences: the alternatives that match one code point in

@@ -10,6 +10,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -698,29 +699,59 @@ class SchemaCompiler {
     if (has_pattern && has_format)
       fail(where,
            "'pattern' beside 'format' is not supported (an answer would have to match both)");
-    const RegexInJsonString r = has_pattern ? pattern(schema["pattern"].get<std::string>(), where)
-                                            : format(schema["format"].get<std::string>(), where);
-    // A grammar of the pattern's strings that also counts characters is the pattern's with a
-    // counter in each state: lengths are enforced where the pattern implies them.
     const std::string keyword = has_pattern ? "pattern" : "format";
-    auto refuse_length = [&](const std::string& k, const std::string& its) {
-      fail(where + "/" + k, "'" + k + "' beside '" + keyword +
-                                "' is supported only where it adds nothing, and the " + keyword +
-                                " matches strings " + its +
-                                " (write the bound into the pattern, as {m,n})");
+    std::string p;
+    int64_t most = max;  // with a format's own bound
+    if (has_pattern) {
+      p = schema["pattern"].get<std::string>();
+    } else {
+      const StringFormat f = format(schema["format"].get<std::string>(), where);
+      p = f.pattern;
+      if (f.max_length >= 0) most = most < 0 ? f.max_length : std::min(most, f.max_length);
+    }
+    RegexLengths lengths{};
+    try {
+      lengths = regex_lengths(p);
+    } catch (const Error& e) {
+      fail(where + "/" + keyword, e.what());
+    }
+    auto quoted = [&](Symbol inside) { return g_.any_of({{g_.byte('"'), inside, g_.byte('"')}}); };
+    const bool longest_within = most < 0 || (lengths.longest >= 0 && lengths.longest <= most);
+    if (min <= lengths.shortest && longest_within) return quoted(pattern(p, where).rule);
+    // The lengths constrain: the pattern's automaton with a count of characters, where some
+    // string of the lengths asked for matches.
+    auto none = [&] {
+      const std::string lengths_asked = most < 0 ? std::to_string(min) + " or more"
+                                        : min == 0
+                                            ? "at most " + std::to_string(most)
+                                            : std::to_string(min) + " to " + std::to_string(most);
+      fail(where, "no string of " + lengths_asked + " characters matches the " + keyword);
     };
-    if (schema.contains("minLength") && r.shortest < min)
-      refuse_length("minLength", "as short as " + std::to_string(r.shortest) + " characters");
-    if (max >= 0 && r.longest < 0) refuse_length("maxLength", "of any length");
-    if (max >= 0 && r.longest > max)
-      refuse_length("maxLength", "as long as " + std::to_string(r.longest) + " characters");
-    return g_.any_of({{g_.byte('"'), r.rule, g_.byte('"')}});
+    if ((lengths.longest >= 0 && lengths.longest < min) || (most >= 0 && lengths.shortest > most))
+      none();
+    const auto key = std::make_tuple(p, min, most);
+    if (auto it = bounded_.find(key); it != bounded_.end()) return it->second;
+    std::optional<Symbol> inside;
+    try {
+      inside = regex_in_json_string_within(g_, p, min, most);
+    } catch (const LengthTooCostly& e) {
+      // A bound the schema gave is to blame (a format's own is within the limit).
+      const std::string bound = max >= 0 ? "maxLength" : "minLength";
+      fail(where + "/" + bound, "'" + bound + "' beside '" + keyword +
+                                    "' is enforced for at most " +
+                                    std::to_string(kMaxCountedSteps) +
+                                    " automaton steps (each state and transition of the " +
+                                    keyword + "'s automaton once per length up to " + bound +
+                                    "), and here " + e.what() + ": lower " + bound);
+    }
+    if (!inside) none();
+    return bounded_.emplace(key, quoted(*inside)).first->second;
   }
 
   // A 'pattern': its value matches it whole. JSON Schema's pattern is a search (unanchored), but
   // vLLM's default backend, xgrammar, matches it whole, and so do those who write one for an
   // answer: a search would let '[A-Z]{3}' pad any text around its three letters. An answer
-  // matched whole also satisfies the search.
+  // matched whole also satisfies the search. Formats are compiled here too, as their patterns.
   RegexInJsonString pattern(const std::string& p, const std::string& where) {
     if (auto it = patterns_.find(p); it != patterns_.end()) return it->second;
     try {
@@ -732,15 +763,14 @@ class SchemaCompiler {
 
   // A 'format' on a string is enforced or refused, as llguidance does by default; xgrammar lets
   // a format it does not know pass as any string, which an answer may then break.
-  RegexInJsonString format(const std::string& f, const std::string& where) {
-    if (auto it = formats_.find(f); it != formats_.end()) return it->second;
-    const std::optional<std::string> p = string_format_pattern(f);
-    if (!p)
+  static StringFormat format(const std::string& f, const std::string& where) {
+    std::optional<StringFormat> known = string_format(f);
+    if (!known)
       fail(where + "/format", "the format '" + f +
                                   "' is not supported in structured outputs (it would not be "
                                   "enforced); supported: " +
                                   enforced_string_formats());
-    return formats_.emplace(f, regex_in_json_string(g_, *p)).first->second;
+    return std::move(*known);
   }
 
   // One character of a JSON string: unescaped, or an escape sequence.
@@ -1012,7 +1042,9 @@ class SchemaCompiler {
   std::map<std::string, std::set<std::string>> leads_to_;
   std::map<std::pair<int64_t, int64_t>, Symbol> strings_;
   std::map<std::pair<int64_t, int64_t>, Symbol> integer_ranges_;  // by lo, hi
-  std::map<std::string, RegexInJsonString> patterns_, formats_;
+  std::map<std::string, RegexInJsonString> patterns_;             // formats' too, by their patterns
+  // Patterns within lengths, by pattern, minLength and maxLength.
+  std::map<std::tuple<std::string, int64_t, int64_t>, Symbol> bounded_;
   int depth_ = 0;  // value() calls under way
   // kinds() of the schemas met so far, those under way, and the work it did (kMaxOneOfWork).
   std::unordered_map<const json*, KindsPtr> kinds_;

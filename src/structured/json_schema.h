@@ -3,9 +3,11 @@
 // JSON as grammars. The answers follow the schema's property order, write required properties
 // always and optional ones at will, and never add properties the schema does not list (still
 // valid where additionalProperties allows more). A string's pattern is matched by its whole value
-// (structured/regex.h), its format by structured/string_formats.h; numeric bounds are enforced on
-// integers. Keywords that constrain values in ways a grammar here cannot (multipleOf, bounds on
-// numbers, unknown formats, ...) are refused by name, never ignored.
+// (structured/regex.h), its format by structured/string_formats.h, either within minLength and
+// maxLength (characters of the value, however written; beside a pattern or format at a cost that
+// grows with maxLength, bounded: structured/regex.h, kMaxCountedSteps); numeric bounds are
+// enforced on integers. Keywords that constrain values in ways a grammar here cannot (multipleOf,
+// bounds on numbers, unknown formats, ...) are refused by name, never ignored.
 #include <nlohmann/json.hpp>
 
 #include "structured/grammar.h"

@@ -1,6 +1,7 @@
 #include "structured/regex.h"
 
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -58,24 +59,55 @@ const Ranges kSpace = {{'\t', '\r'},     {0x1C, 0x20},     {0x85, 0x85},     {0x
 
 class RegexCompiler {
  public:
-  RegexCompiler(Grammar& g, std::string_view p, bool json_string)
-      : g_(g), p_(p), json_string_(json_string) {}
+  // `emit`: the pattern's grammar is built as it is read; without it only its tree (nodes_), for
+  // within() or the pattern's lengths.
+  RegexCompiler(Grammar& g, std::string_view p, bool json_string, bool emit = true)
+      : g_(g), p_(p), json_string_(json_string), emit_(emit) {}
 
   RegexInJsonString compile() {
     if (peek('^')) ++i_;
     Piece whole = alternation();
     if (i_ != p_.size()) fail("unbalanced ')'");
-    return {g_.any_of({std::move(whole.seq)}), whole.shortest, whole.longest};
+    root_ = whole.node;
+    return {emit_ ? g_.any_of({std::move(whole.seq)}) : -1, whole.shortest, whole.longest};
   }
+
+  // After compile() without emitting: a rule matching the values of min..max characters (max <
+  // 0: no limit) that the pattern matches, or nothing when there are none.
+  std::optional<Symbol> within(int64_t min, int64_t max);
 
  private:
   // A part of the pattern: its sequence, and the fewest and most code points it matches
-  // (longest < 0: no limit).
+  // (longest < 0: no limit); node: where it stands in nodes_.
   struct Piece {
     Sequence seq;
     bool nullable;
     int64_t shortest = 0, longest = 0;
+    int32_t node = -1;
   };
+  // The pattern as a tree: a character of `ranges`, a sequence or a choice of the kids, or the
+  // kid repeated min..max times (max < 0: no limit).
+  struct Node {
+    enum Kind { kCharacter, kSequence, kChoice, kRepeat } kind = kCharacter;
+    Ranges ranges;
+    std::vector<int32_t> kids;
+    int64_t min = 0, max = 0;
+    int64_t characters = 0;  // kCharacter nodes once repeats are written out (saturated)
+  };
+  int32_t node(Node n) {
+    if (n.kind == Node::kCharacter) {
+      n.characters = 1;
+    } else if (n.kind == Node::kRepeat) {
+      const int64_t copies = n.max < 0 ? std::max<int64_t>(n.min, 1) : n.max;
+      const int64_t each = nodes_[size_t(n.kids[0])].characters;
+      n.characters = each > 0 && copies > kLongest / each ? kLongest : each * copies;
+    } else {
+      for (int32_t k : n.kids)
+        n.characters = saturated(n.characters + nodes_[size_t(k)].characters);
+    }
+    nodes_.push_back(std::move(n));
+    return static_cast<int32_t>(nodes_.size() - 1);
+  }
 
   [[noreturn]] void fail(const std::string& what) const {
     throw Error("regex at offset " + std::to_string(i_) + ": " + what);
@@ -92,18 +124,24 @@ class RegexCompiler {
     if (alts.size() == 1) return std::move(alts[0]);
     std::vector<Sequence> seqs;
     Piece out{{}, false, alts[0].shortest, alts[0].longest};
+    Node choice;
+    choice.kind = Node::kChoice;
     for (auto& a : alts) {
       out.nullable = out.nullable || a.nullable;
       out.shortest = std::min(out.shortest, a.shortest);
       out.longest = out.longest < 0 || a.longest < 0 ? -1 : std::max(out.longest, a.longest);
       seqs.push_back(std::move(a.seq));
+      choice.kids.push_back(a.node);
     }
-    out.seq = {g_.any_of(std::move(seqs))};
+    if (emit_) out.seq = {g_.any_of(std::move(seqs))};
+    out.node = node(std::move(choice));
     return out;
   }
 
   Piece concatenation() {
     Piece out{{}, true};
+    Node sequence;
+    sequence.kind = Node::kSequence;
     while (!at_end() && !peek('|') && !peek(')')) {
       if (peek('$') && i_ + 1 == p_.size()) {  // the end is implied
         ++i_;
@@ -114,7 +152,9 @@ class RegexCompiler {
       out.nullable = out.nullable && p.nullable;
       out.shortest = saturated(out.shortest + p.shortest);
       out.longest = out.longest < 0 || p.longest < 0 ? -1 : saturated(out.longest + p.longest);
+      sequence.kids.push_back(p.node);
     }
+    out.node = sequence.kids.size() == 1 ? sequence.kids[0] : node(std::move(sequence));
     return out;
   }
 
@@ -142,10 +182,13 @@ class RegexCompiler {
     const bool nullable = min == 0 || atom_piece.nullable;
     const int64_t longest =
         max < 0 || atom_piece.longest < 0 ? -1 : saturated(max * atom_piece.longest);
-    return {{g_.repeat(atom_piece.seq, min, max)},
-            nullable,
-            saturated(min * atom_piece.shortest),
-            longest};
+    Node repeat;
+    repeat.kind = Node::kRepeat;
+    repeat.kids = {atom_piece.node};
+    repeat.min = min;
+    repeat.max = max;
+    return {emit_ ? Sequence{g_.repeat(atom_piece.seq, min, max)} : Sequence{}, nullable,
+            saturated(min * atom_piece.shortest), longest, node(std::move(repeat))};
   }
 
   // *, +, ? or a count at i_: true with its bounds (i_ past it), else false (i_ stays).
@@ -220,7 +263,7 @@ class RegexCompiler {
         --depth_;
         if (!peek(')')) fail("missing ')'");
         ++i_;
-        inner.seq = {g_.any_of({std::move(inner.seq)})};
+        if (emit_) inner.seq = {g_.any_of({std::move(inner.seq)})};
         return inner;
       }
       case '[':
@@ -251,7 +294,12 @@ class RegexCompiler {
     return one_character({{cp, cp}});
   }
 
-  Piece one_character(const Ranges& r) { return {{ranges_rule(r)}, false, 1, 1}; }
+  Piece one_character(const Ranges& r) {
+    Node character;
+    character.kind = Node::kCharacter;
+    character.ranges = r;
+    return {emit_ ? Sequence{ranges_rule(r)} : Sequence{}, false, 1, 1, node(std::move(character))};
+  }
 
   uint32_t code_point() {
     const auto b = static_cast<uint8_t>(p_[i_]);
@@ -383,9 +431,22 @@ class RegexCompiler {
     return r;
   }
 
+  // A symbol matching one code point of `r`: its one terminal, or a rule of its alternatives.
+  Symbol ranges_symbol(const Ranges& r) {
+    const Ranges key = normalized(r);
+    if (auto it = symbols_.find(key); it != symbols_.end()) return it->second;
+    std::vector<Sequence> alts = ranges_alternatives(key);
+    const Symbol s =
+        alts.size() == 1 && alts[0].size() == 1 ? alts[0][0] : g_.any_of(std::move(alts));
+    symbols_.emplace(key, s);
+    return s;
+  }
+
   // A rule matching one code point of `r`: the ASCII part as one byte set, the rest as UTF-8.
   // Inside a JSON string, '"', '\\' and the control characters are written as JSON escapes.
-  Symbol ranges_rule(const Ranges& r) {
+  Symbol ranges_rule(const Ranges& r) { return g_.any_of(ranges_alternatives(r)); }
+
+  std::vector<Sequence> ranges_alternatives(const Ranges& r) {
     std::vector<Sequence> alts;
     ByteSet ascii;
     for (const auto& [lo, hi] : normalized(r)) {
@@ -400,7 +461,7 @@ class RegexCompiler {
     }
     if (ascii.any()) alts.insert(alts.begin(), Sequence{g_.bytes(ascii)});
     if (alts.empty()) fail("a class that matches nothing");
-    return g_.any_of(std::move(alts));
+    return alts;
   }
 
   // The characters of `ascii` that a JSON string must escape, as their escapes (taken out of
@@ -438,12 +499,211 @@ class RegexCompiler {
     return out;
   }
 
+  // The pattern's automaton for within(): Glushkov's, its states the characters of the pattern
+  // (repeats written out), each entered by reading its own class, with those of the same
+  // followers and finality made one.
+  struct Fragment {
+    std::vector<int32_t> first, last;  // the characters that may begin it, and end it
+    bool nullable;
+  };
+  Fragment automaton_fragment(int32_t n);
+  void link(const std::vector<int32_t>& from, const std::vector<int32_t>& to);
+
   Grammar& g_;
   std::string_view p_;
   bool json_string_;
+  bool emit_;
   size_t i_ = 0;
   int depth_ = 0;  // groups open around i_
+  std::vector<Node> nodes_;
+  int32_t root_ = -1;
+  std::map<Ranges, Symbol> symbols_;  // ranges_symbol()'s
+  // Glushkov's characters: the node each stands for and those that may follow it.
+  std::vector<int32_t> characters_;
+  std::vector<std::vector<int32_t>> follow_;
+  int64_t links_ = 0;  // entries of follow_, bounded by kMaxCountedSteps
 };
+
+void RegexCompiler::link(const std::vector<int32_t>& from, const std::vector<int32_t>& to) {
+  links_ += int64_t(from.size()) * int64_t(to.size());
+  if (links_ > kMaxCountedSteps)
+    throw LengthTooCostly("its automaton has over " + std::to_string(kMaxCountedSteps) +
+                          " transitions");
+  for (int32_t f : from) follow_[size_t(f)].insert(follow_[size_t(f)].end(), to.begin(), to.end());
+}
+
+RegexCompiler::Fragment RegexCompiler::automaton_fragment(int32_t n) {
+  const Node& node = nodes_[size_t(n)];
+  Fragment out{{}, {}, true};
+  // out then f, read one after the other.
+  auto then = [&](Fragment f) {
+    link(out.last, f.first);
+    if (out.nullable) out.first.insert(out.first.end(), f.first.begin(), f.first.end());
+    if (f.nullable)
+      out.last.insert(out.last.end(), f.last.begin(), f.last.end());
+    else
+      out.last = std::move(f.last);
+    out.nullable = out.nullable && f.nullable;
+  };
+  switch (node.kind) {
+    case Node::kCharacter: {
+      const auto c = static_cast<int32_t>(characters_.size());
+      characters_.push_back(n);
+      follow_.emplace_back();
+      return {{c}, {c}, false};
+    }
+    case Node::kSequence:
+      for (int32_t k : node.kids) then(automaton_fragment(k));
+      return out;
+    case Node::kChoice:
+      out.nullable = false;
+      for (int32_t k : node.kids) {
+        Fragment f = automaton_fragment(k);
+        out.first.insert(out.first.end(), f.first.begin(), f.first.end());
+        out.last.insert(out.last.end(), f.last.begin(), f.last.end());
+        out.nullable = out.nullable || f.nullable;
+      }
+      return out;
+    case Node::kRepeat: {
+      const int32_t kid = node.kids[0];
+      const int64_t min = node.min, max = node.max;
+      // x{m,}: m - 1 copies, then one that may loop (x* when m is 0).
+      if (max < 0) {
+        for (int64_t i = 0; i + 1 < min; ++i) then(automaton_fragment(kid));
+        Fragment loop = automaton_fragment(kid);
+        link(loop.last, loop.first);
+        loop.nullable = loop.nullable || min == 0;
+        then(std::move(loop));
+        return out;
+      }
+      for (int64_t i = 0; i < min; ++i) then(automaton_fragment(kid));
+      // The optional copies, each only after the one before it: (x(x(x)?)?)?, not x?x?x?, which
+      // reads one x in three ways.
+      if (max > min) {
+        Fragment optional{{}, {}, true};
+        std::vector<int32_t> before;
+        for (int64_t i = min; i < max; ++i) {
+          Fragment f = automaton_fragment(kid);
+          if (i == min)
+            optional.first = f.first;
+          else
+            link(before, f.first);
+          optional.last.insert(optional.last.end(), f.last.begin(), f.last.end());
+          before = std::move(f.last);
+        }
+        then(std::move(optional));
+      }
+      return out;
+    }
+  }
+  return out;
+}
+
+std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
+  const int64_t blocks = (max >= 0 ? max : min) + 1;  // counts of characters read, saturated
+  if (nodes_[size_t(root_)].characters * blocks > kMaxCountedSteps)
+    throw LengthTooCostly(std::to_string(nodes_[size_t(root_)].characters) +
+                          " characters (its repeats written out) times " + std::to_string(blocks) +
+                          " lengths are more");
+  const Fragment whole = automaton_fragment(root_);
+  std::vector<bool> last(characters_.size(), false);
+  for (int32_t c : whole.last) last[size_t(c)] = true;
+  // States: the start, and a character's followers with whether it may end the value.
+  std::map<std::pair<std::vector<int32_t>, bool>, int32_t> ids;
+  std::vector<const std::vector<int32_t>*> followers;
+  std::vector<bool> final;
+  auto state = [&](std::vector<int32_t> f, bool end) {
+    std::sort(f.begin(), f.end());
+    f.erase(std::unique(f.begin(), f.end()), f.end());
+    const auto [it, added] = ids.emplace(std::make_pair(std::move(f), end), int32_t(ids.size()));
+    if (added) {
+      followers.push_back(&it->first.first);
+      final.push_back(end);
+    }
+    return it->second;
+  };
+  const int32_t start = state(whole.first, whole.nullable);
+  std::vector<int32_t> of(characters_.size(), -1);  // the state a character enters
+  // Each state's transitions, by the state they enter: the union of the classes that enter it.
+  std::vector<std::map<int32_t, Ranges>> into;
+  for (size_t s = 0; s < followers.size(); ++s) {  // grows as states are found
+    std::map<int32_t, Ranges> by_target;
+    for (int32_t c : *followers[s]) {
+      if (of[size_t(c)] < 0) of[size_t(c)] = state(follow_[size_t(c)], last[size_t(c)]);
+      const Ranges& r = nodes_[size_t(characters_[size_t(c)])].ranges;
+      auto& to = by_target[of[size_t(c)]];
+      to.insert(to.end(), r.begin(), r.end());
+    }
+    into.push_back(std::move(by_target));
+  }
+  const auto n = static_cast<int64_t>(into.size());
+  int64_t transitions = 0;
+  for (const auto& t : into) transitions += int64_t(t.size());
+  if ((n + transitions) * blocks > kMaxCountedSteps)
+    throw LengthTooCostly(std::to_string(n) + " states and " + std::to_string(transitions) +
+                          " transitions times " + std::to_string(blocks) + " lengths are " +
+                          std::to_string((n + transitions) * blocks));
+  // Which (state, count) can still end within the bounds, from the last count back: only those
+  // are entered, so that no answer starts what it cannot finish.
+  auto next_count = [&](int64_t k) { return max < 0 && k == min ? k : k + 1; };
+  std::vector<std::vector<bool>> viable(size_t(blocks), std::vector<bool>(size_t(n), false));
+  if (max < 0) {
+    // The last block (min characters or more) loops on itself: the states that reach a final
+    // one, found backwards from the final ones.
+    std::vector<std::vector<int32_t>> from(static_cast<size_t>(n));
+    std::vector<int32_t> todo;
+    for (int64_t s = 0; s < n; ++s) {
+      for (const auto& [t, _] : into[size_t(s)]) from[size_t(t)].push_back(int32_t(s));
+      if (final[size_t(s)]) todo.push_back(int32_t(s));
+    }
+    auto& loop = viable.back();
+    for (int32_t s : todo) loop[size_t(s)] = true;
+    while (!todo.empty()) {
+      const int32_t t = todo.back();
+      todo.pop_back();
+      for (int32_t s : from[size_t(t)])
+        if (!loop[size_t(s)]) {
+          loop[size_t(s)] = true;
+          todo.push_back(s);
+        }
+    }
+  }
+  for (int64_t k = max < 0 ? blocks - 2 : blocks - 1; k >= 0; --k)
+    for (int64_t s = 0; s < n; ++s) {
+      bool v = final[size_t(s)] && k >= min;
+      if (k + 1 < blocks)
+        for (const auto& [t, _] : into[size_t(s)]) v = v || viable[size_t(k + 1)][size_t(t)];
+      viable[size_t(k)][size_t(s)] = v;
+    }
+  if (!viable[0][size_t(start)]) return std::nullopt;
+  // The classes first, so that the blocks' rules are consecutive.
+  std::vector<std::vector<std::pair<Symbol, int32_t>>> steps(static_cast<size_t>(n));
+  for (int64_t s = 0; s < n; ++s)
+    for (const auto& [t, r] : into[size_t(s)]) steps[size_t(s)].emplace_back(ranges_symbol(r), t);
+  const Symbol nothing = g_.never();
+  const auto first = static_cast<Symbol>(g_.rules());
+  auto rule = [&](int64_t k, int64_t s) { return static_cast<Symbol>(first + k * n + s); };
+  for (int64_t i = 0; i < blocks * n; ++i) g_.new_rule();
+  for (int64_t k = 0; k < blocks; ++k) {
+    const int64_t next = next_count(k);
+    for (int64_t s = 0; s < n; ++s) {
+      bool any = false;
+      if (next < blocks)
+        for (const auto& [symbol, t] : steps[size_t(s)])
+          if (viable[size_t(next)][size_t(t)]) {
+            g_.add(rule(k, s), {symbol, rule(next, t)});
+            any = true;
+          }
+      if (final[size_t(s)] && k >= min) {
+        g_.add(rule(k, s), {});
+        any = true;
+      }
+      if (!any) g_.add(rule(k, s), {nothing});
+    }
+  }
+  g_.counted_blocks(first, static_cast<int32_t>(n), blocks);
+  return rule(0, start);
+}
 
 }  // namespace
 
@@ -453,6 +713,19 @@ Grammar::Symbol regex_rule(Grammar& g, std::string_view pattern) {
 
 RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern) {
   return RegexCompiler(g, pattern, true).compile();
+}
+
+RegexLengths regex_lengths(std::string_view pattern) {
+  Grammar scratch;
+  const RegexInJsonString r = RegexCompiler(scratch, pattern, true, false).compile();
+  return {r.shortest, r.longest};
+}
+
+std::optional<Grammar::Symbol> regex_in_json_string_within(Grammar& g, std::string_view pattern,
+                                                           int64_t min_length, int64_t max_length) {
+  RegexCompiler c(g, pattern, true, false);
+  c.compile();
+  return c.within(min_length, max_length);
 }
 
 }  // namespace tandem::structured

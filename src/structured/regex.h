@@ -13,9 +13,11 @@
 // backreferences, lookaround, word boundaries, other (? groups, possessive quantifiers, {,n} and
 // octal escapes (read differently by Python and ECMAScript), a quantifier right after another.
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "structured/grammar.h"
+#include "util/error.h"
 
 namespace tandem::structured {
 
@@ -33,5 +35,26 @@ struct RegexInJsonString {
   int64_t shortest, longest;
 };
 RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern);
+
+// The fewest and the most characters of the values a pattern matches (longest < 0: no limit),
+// as regex_in_json_string() has them, without a grammar. Throws as regex_rule().
+struct RegexLengths {
+  int64_t shortest, longest;
+};
+RegexLengths regex_lengths(std::string_view pattern);
+
+// regex_in_json_string() for the values of min_length..max_length characters alone (max_length
+// < 0: no limit), characters counted as there (code points of the value, however written): the
+// pattern's automaton once per count of characters read, up to max_length (min_length where
+// there is no limit, the counts past it one). Nothing when no such value matches. Each state
+// and transition of the automaton is a rule or an alternative per count: past
+// kMaxCountedSteps of them it throws LengthTooCostly, saying what made them.
+inline constexpr int64_t kMaxCountedSteps = 1'000'000;
+class LengthTooCostly : public Error {
+ public:
+  using Error::Error;
+};
+std::optional<Grammar::Symbol> regex_in_json_string_within(Grammar& g, std::string_view pattern,
+                                                           int64_t min_length, int64_t max_length);
 
 }  // namespace tandem::structured

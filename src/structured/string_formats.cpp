@@ -62,24 +62,69 @@ std::string email() {
   return atext + "+(?:\\." + atext + "+)*@(?:" + label + "\\.)+[A-Za-z]{2,63}";
 }
 
+// RFC 3986's parts (Appendix A). A host is a reg-name (which IPv4 addresses are too): the
+// IP-literal ("[" IPv6 or IPvFuture "]") is left out, as its automaton alone is several times
+// the rest's, and HttpUrl's maxLength of 2083 multiplies it (structured/regex.h).
+constexpr char kPct[] = "%[0-9A-Fa-f]{2}";
+std::string uri_chars(const std::string& beside_unreserved_and_sub_delims) {
+  return "(?:[A-Za-z0-9._~!$&'()*+,;=" + beside_unreserved_and_sub_delims + "-]|" + kPct + ")";
+}
+std::string authority() {
+  return "(?:" + uri_chars(":") + "*@)?" + uri_chars("") + "*(?::[0-9]*)?";
+}
+std::string query_and_fragment() {
+  const std::string chars = uri_chars(":@/?") + "*";
+  return "(?:\\?" + chars + ")?(?:#" + chars + ")?";
+}
+std::string segment() {
+  return uri_chars(":@") + "*";
+}
+
+// scheme ":" hier-part ["?" query] ["#" fragment]; the hier-part's path-absolute, path-rootless
+// and path-empty together are "/"? then a segment-nz and more segments, or nothing.
+std::string uri() {
+  return "[A-Za-z][A-Za-z0-9+.-]*:(?://" + authority() + "(?:/" + segment() +
+         ")*|/?(?:" + uri_chars(":@") + "+(?:/" + segment() + ")*)?)" + query_and_fragment();
+}
+
+// A URI or a relative-ref: relative-part (its path-noscheme's first segment without ':')
+// ["?" query] ["#" fragment].
+std::string uri_reference() {
+  return uri() + "|(?://" + authority() + "(?:/" + segment() + ")*|/(?:" + uri_chars(":@") +
+         "+(?:/" + segment() + ")*)?|" + uri_chars("@") + "+(?:/" + segment() + ")*)?" +
+         query_and_fragment();
+}
+
+// RFC 1123's host names: LDH labels of 1 to 63 characters that neither begin nor end with a
+// hyphen (a digit may begin one), joined by dots; 253 characters in all (StringFormat's
+// max_length), the most DNS carries. No trailing dot.
+std::string hostname() {
+  const std::string label = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+  return label + "(?:\\." + label + ")*";
+}
+
 }  // namespace
 
-std::optional<std::string> string_format_pattern(std::string_view format) {
-  if (format == "date-time") return date() + "T" + time();
-  if (format == "date") return date();
-  if (format == "time") return time();
-  if (format == "uuid") return uuid(0);
+std::optional<StringFormat> string_format(std::string_view format) {
+  if (format == "date-time") return StringFormat{date() + "T" + time()};
+  if (format == "date") return StringFormat{date()};
+  if (format == "time") return StringFormat{time()};
+  if (format == "uuid") return StringFormat{uuid(0)};
   if (format.size() == 5 && format.substr(0, 4) == "uuid" &&
       std::string_view("1345678").find(format[4]) != std::string_view::npos)
-    return uuid(format[4]);
-  if (format == "ipv4") return ipv4();
-  if (format == "ipv6") return ipv6();
-  if (format == "email") return email();
+    return StringFormat{uuid(format[4])};
+  if (format == "ipv4") return StringFormat{ipv4()};
+  if (format == "ipv6") return StringFormat{ipv6()};
+  if (format == "email") return StringFormat{email()};
+  if (format == "uri") return StringFormat{uri()};
+  if (format == "uri-reference") return StringFormat{uri_reference()};
+  if (format == "hostname") return StringFormat{hostname(), 253};
   return std::nullopt;
 }
 
 std::string enforced_string_formats() {
-  return "date-time, date, time, uuid (and Pydantic's uuid1, uuid3 to uuid8), ipv4, ipv6, email";
+  return "date-time, date, time, uuid (and Pydantic's uuid1, uuid3 to uuid8), ipv4, ipv6, email, "
+         "uri, uri-reference, hostname";
 }
 
 }  // namespace tandem::structured

@@ -5,14 +5,21 @@
 // uuid.UUID and ipaddress, Pydantic's types): where those disagree the pattern keeps to what all
 // of them take (a subset of the RFC, never more), except email's lengths and special-use
 // domains (string_formats.cpp).
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
 
 namespace tandem::structured {
 
-// The pattern of `format`, or nothing for a format not enforced here.
-std::optional<std::string> string_format_pattern(std::string_view format);
+// A format's pattern, and the most characters its strings may have beside it (-1: what the
+// pattern says), as a maxLength of its own (hostname's 253).
+struct StringFormat {
+  std::string pattern;
+  int64_t max_length = -1;
+};
+// Nothing for a format not enforced here.
+std::optional<StringFormat> string_format(std::string_view format);
 // The formats enforced, for error messages: "date-time, date, ...".
 std::string enforced_string_formats();
 

@@ -1,4 +1,4 @@
-"""Oracle for JSON Schema string formats, patterns and integer ranges in structured outputs: judges
+"""Oracle for JSON Schema string formats, patterns, lengths and integer ranges in structured outputs: judges
 JSON texts by Python's own parsers. Reads on stdin
   {"checks": [{"kind": K, "texts": [JSON text, ...], ...}, ...]}
 and writes [[{"valid": bool, "canonical": bool, "why": str}, ...], ...], one list per check.
@@ -10,9 +10,18 @@ and writes [[{"valid": bool, "canonical": bool, "why": str}, ...], ...], one lis
   ipv4, ipv6              what ipaddress reads (for ipv6: no dotted IPv4 tail, no zone);
   email                   what email.headerregistry reads as a dot-atom addr-spec, its domain
                           LDH labels of 1 to 63 characters, two or more, the last letters only;
+  uri                     RFC 3986's URI (Appendix A's ABNF, transcribed below as URI), its
+                          host a reg-name (an IP-literal, "[...]", is left out), that
+                          urllib.parse.urlsplit reads with the same scheme;
+  uri-reference           RFC 3986's URI-reference (a URI or a relative-ref), alike;
+  hostname                RFC 1123's host name: LDH labels of 1 to 63 characters, neither
+                          first nor last a hyphen, joined by dots, 253 characters in all, no
+                          trailing dot, and that Python's idna codec encodes;
   pattern                 a string that re.fullmatch(check["pattern"]) accepts, in Tandem's
                           flavour (structured_output_oracle.tandem_flavour);
   integer                 an integer (not a bool) from check["minimum"] to check["maximum"].
+Any kind but integer also takes check["minLength"] and check["maxLength"]: the string's length
+in characters (code points, Python's len) must lie within them.
 "canonical": the text is the value as json.dumps(value, ensure_ascii=False) writes it (one
 spelling of each string; for integers, no '-0'), white space around it aside.
 Times have at most 6 fraction digits, the microseconds Python keeps (it cuts more off silently),
@@ -26,6 +35,7 @@ import uuid
 from datetime import date, datetime, time
 from email.errors import MessageError
 from email.headerregistry import Address
+from urllib.parse import urlsplit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from structured_output_oracle import tandem_flavour  # noqa: E402
@@ -49,6 +59,50 @@ def domain_ok(domain):
             return False
     last = labels[-1]
     return len(labels) >= 2 and len(last) >= 2 and last.isascii() and last.isalpha()
+
+
+# RFC 3986, Appendix A, with the IP-literal left out of host (so host is reg-name; IPv4address
+# is a reg-name too).
+UNRESERVED = r"[A-Za-z0-9\-._~]"
+PCT = r"%[0-9A-Fa-f]{2}"
+SUB_DELIMS = r"[!$&'()*+,;=]"
+PCHAR = "(?:%s|%s|%s|[:@])" % (UNRESERVED, PCT, SUB_DELIMS)
+SEGMENT = PCHAR + "*"
+SEGMENT_NZ = PCHAR + "+"
+SEGMENT_NZ_NC = "(?:%s|%s|%s|@)+" % (UNRESERVED, PCT, SUB_DELIMS)
+USERINFO = "(?:%s|%s|%s|:)*" % (UNRESERVED, PCT, SUB_DELIMS)
+REG_NAME = "(?:%s|%s|%s)*" % (UNRESERVED, PCT, SUB_DELIMS)
+AUTHORITY = "(?:%s@)?%s(?::[0-9]*)?" % (USERINFO, REG_NAME)
+PATH_ABEMPTY = "(?:/%s)*" % SEGMENT
+PATH_ABSOLUTE = "/(?:%s(?:/%s)*)?" % (SEGMENT_NZ, SEGMENT)
+PATH_ROOTLESS = "%s(?:/%s)*" % (SEGMENT_NZ, SEGMENT)
+PATH_NOSCHEME = "%s(?:/%s)*" % (SEGMENT_NZ_NC, SEGMENT)
+QUERY = "(?:%s|[/?])*" % PCHAR
+SCHEME = "[A-Za-z][A-Za-z0-9+\\-.]*"
+HIER_PART = "(?://%s%s|%s|%s|)" % (AUTHORITY, PATH_ABEMPTY, PATH_ABSOLUTE, PATH_ROOTLESS)
+URI = "(%s):%s(?:\\?%s)?(?:#%s)?" % (SCHEME, HIER_PART, QUERY, QUERY)
+RELATIVE_PART = "(?://%s%s|%s|%s|)" % (AUTHORITY, PATH_ABEMPTY, PATH_ABSOLUTE, PATH_NOSCHEME)
+RELATIVE_REF = "%s(?:\\?%s)?(?:#%s)?" % (RELATIVE_PART, QUERY, QUERY)
+
+
+def uri_ok(kind, v):
+    m = re.fullmatch(URI, v)
+    if m is None and (kind == "uri" or not re.fullmatch(RELATIVE_REF, v)):
+        return "not RFC 3986's " + ("URI" if kind == "uri" else "URI-reference")
+    if urlsplit(v).scheme != (m.group(1).lower() if m else ""):
+        return "urlsplit reads another scheme"
+    return None
+
+
+def hostname_ok(v):
+    labels = v.split(".")
+    for label in labels:
+        if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?", label):
+            return "bad label %r" % label
+    if len(v) > 253:
+        return "longer than 253"
+    v.encode("idna")
+    return None
 
 
 def string_ok(kind, v, check):
@@ -77,6 +131,10 @@ def string_ok(kind, v, check):
             return "dotted tail or zone"
         ipaddress.IPv6Address(v)
         return None
+    if kind in ("uri", "uri-reference"):
+        return uri_ok(kind, v)
+    if kind == "hostname":
+        return hostname_ok(v)
     if kind == "email":
         a = Address(addr_spec=v)
         if a.addr_spec != v or '"' in v:
@@ -100,6 +158,8 @@ def judge(check, text):
             why = "not a string"
         else:
             why = string_ok(kind, v, check)
+            if why is None and not check.get("minLength", 0) <= len(v) <= check.get("maxLength", len(v)):
+                why = "%d characters" % len(v)
     except (ValueError, MessageError) as e:
         why = "%s: %s" % (type(e).__name__, e)
     return {"valid": why is None, "canonical": canonical, "why": why or ""}

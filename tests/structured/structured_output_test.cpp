@@ -1135,6 +1135,9 @@ TEST(StructuredOutput, MasksCachedByMaskKeyAreTheMasksOfAFreshWalk) {
   const std::vector<int32_t> ends = {end};
   const std::pair<K, std::string> specs[] = {
       {K::kJsonSchema, R"({"type": "string", "minLength": 15, "maxLength": 45})"},
+      {K::kJsonSchema, R"({"type": "string", "pattern": "(a|b\u00e9)+c*", "minLength": 12,
+                           "maxLength": 40})"},
+      {K::kJsonSchema, R"({"type": "string", "format": "uri", "maxLength": 60})"},
       {K::kRegex, "a{0,40}b"},
       {K::kRegex, "a{30}b{0,30}"},
       {K::kRegex, "(ab|c){12,30}x"},
@@ -1305,6 +1308,54 @@ TEST(StructuredOutput, ABoundedStringWalksTheVocabularyAboutOncePerByteOfItsLong
   EXPECT_LE(size_t(stats.masks_computed), 2 * longest + 4);
 }
 
+// The same for a pattern within maxLength, as Pydantic's HttpUrl asks ({"format": "uri",
+// "maxLength": 2083}): its automaton is counted once per length (structured/regex.h), and the
+// counts far from the bound share their masks, so a long URL walks the vocabulary about as often
+// as a short one.
+TEST(StructuredOutput, APatternWithinMaxLengthWalksTheVocabularyAboutOncePerByteOfItsLongestToken) {
+  const auto vocabulary = small_vocabulary();
+  const size_t longest = vocabulary->trie().max_depth;
+  const auto grammar =
+      compile({OutputSpec::Kind::kJsonSchema,
+               R"({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083})", "f"});
+  const std::vector<int32_t> ends = {int32_t(vocabulary->size())};
+  auto id = [&](const std::string& bytes) {
+    for (size_t i = 0; i < vocabulary->size(); ++i)
+      if (vocabulary->bytes(int32_t(i)) == bytes) return int32_t(i);
+    ADD_FAILURE() << bytes;
+    return int32_t(-1);
+  };
+  TokenConstraint constraint(grammar, std::make_shared<MaskCache>(128), vocabulary);
+  std::vector<float> logits(vocabulary->size() + 1);
+  auto step = [&](const std::string& token, bool allowed = true) {
+    std::fill(logits.begin(), logits.end(), 0.0f);
+    constraint.mask(logits, ends);
+    const int32_t t = id(token);
+    ASSERT_EQ(logits[size_t(t)] == 0.0f, allowed) << token;
+    if (allowed) constraint.accept(t, ends);
+  };
+  // "a:" then a path of 2081 characters: the longest URI the bound takes.
+  const std::string cycle[] = {"abc", "a", "ab", "aaaa", "aaaaaaaa", "ba", "aaaaaaaaa"};
+  step("\"");
+  step("a");
+  step(":");
+  size_t characters = 2, tokens = 3;
+  for (size_t i = 0; characters < 2083; ++i) {
+    std::string token = cycle[i % std::size(cycle)];
+    if (characters + token.size() > 2083) token = "a";
+    step(token);
+    characters += token.size();
+    ++tokens;
+  }
+  step("a", false);
+  step("\"");
+  ++tokens;
+  EXPECT_TRUE(constraint.complete());
+  const ConstraintStats& stats = constraint.stats();
+  EXPECT_GT(tokens, 400u);
+  EXPECT_LE(size_t(stats.masks_computed), 2 * longest + 8) << stats.masks_reused << " reused";
+}
+
 // ---- JSON Schema's pattern, format and integer bounds (tests/oracle/string_format_oracle.py) ----
 
 // The verdicts of string_format_oracle.py on `checks` ([{"kind": ..., "texts": [...]}, ...]).
@@ -1464,6 +1515,88 @@ TEST(StructuredOutput, IntegerBoundsAcceptExactlyTheIntegersInTheRange) {
   expect_grammars_agree_with_the_oracle(cases);
 }
 
+// minLength and maxLength beside a pattern or a format: the strings of both, their length counted
+// in characters of the decoded value (a JSON escape or a surrogate pair is one, as for a plain
+// string's bounds), at both ends of each bound; Pydantic's HttpUrl is {"format": "uri",
+// "minLength": 1, "maxLength": 2083}. A hostname is at most 253 characters with no maxLength.
+TEST(StructuredOutput, LengthsBesideAPatternOrFormatAreEnforcedOnTheDecodedCharacters) {
+  struct Case {
+    json schema;
+    json check;
+    std::vector<std::string> extra;
+  };
+  const std::vector<Case> lengths = {
+      {{{"pattern", "[a-z]+"}, {"maxLength", 5}},
+       {{"kind", "pattern"}, {"pattern", "[a-z]+"}, {"maxLength", 5}},
+       {R"("abcde")", R"("abcdef")", R"("")", R"("a")"}},
+      {{{"pattern", "[a-z]*"}, {"minLength", 3}, {"maxLength", 4}},
+       {{"kind", "pattern"}, {"pattern", "[a-z]*"}, {"minLength", 3}, {"maxLength", 4}},
+       {R"("ab")", R"("abc")", R"("abcd")", R"("abcde")"}},
+      {{{"pattern", "(?:\\\"|\u00e9|\U0001F600|x)+"}, {"minLength", 2}, {"maxLength", 3}},
+       {{"kind", "pattern"},
+        {"pattern", "(?:\\\"|\u00e9|\U0001F600|x)+"},
+        {"minLength", 2},
+        {"maxLength", 3}},
+       {R"("\"x")", R"("\"\"\"")", R"("\"\"\"x")", R"("\u0022x")",
+        "\"\xc3\xa9\xf0\x9f\x98\x80\xc3\xa9\"", "\"\xc3\xa9\xf0\x9f\x98\x80\xc3\xa9x\"",
+        "\"\xf0\x9f\x98\x80\""}},
+      {{{"pattern", "(ab|c)+d?"}, {"minLength", 4}},
+       {{"kind", "pattern"}, {"pattern", "(ab|c)+d?"}, {"minLength", 4}},
+       {R"("abc")", R"("abcd")", R"("cccc")", R"("ccd")"}},
+      {{{"format", "date-time"}, {"maxLength", 20}},
+       {{"kind", "date-time"}, {"maxLength", 20}},
+       {R"("2024-01-01T00:00:00Z")", R"("2024-01-01T00:00:00.5Z")"}},
+      {{{"format", "email"}, {"minLength", 8}, {"maxLength", 12}},
+       {{"kind", "email"}, {"minLength", 8}, {"maxLength", 12}},
+       {R"("a@bc.de")", R"("ab@cd.ef")", R"("abcd@efg.hij")", R"("abcde@efg.hij")"}},
+      {{{"format", "uri"}, {"minLength", 1}, {"maxLength", 30}},
+       {{"kind", "uri"}, {"maxLength", 30}},
+       {R"("https://example.org/a?b=c#d")", R"("https://example.org/abcdefghijk")",
+        R"("https://example.org/abcdefghij")"}},
+      {{{"format", "hostname"}},
+       {{"kind", "hostname"}},
+       {"\"" + std::string(63, 'a') + "." + std::string(63, 'b') + "." + std::string(63, 'c') +
+            "." + std::string(61, 'd') + "\"",
+        "\"" + std::string(63, 'a') + "." + std::string(63, 'b') + "." + std::string(63, 'c') +
+            "." + std::string(62, 'd') + "\""}},
+  };
+  std::vector<FormatCheck> cases;
+  for (const auto& c : lengths) {
+    json schema = c.schema;
+    schema["type"] = "string";
+    cases.push_back({schema, c.check, c.extra});
+  }
+  expect_grammars_agree_with_the_oracle(cases);
+  // Pydantic's HttpUrl compiles to a grammar of bounded size.
+  Grammar g;
+  g.finish(json_schema_rule(
+      g, json::parse(R"({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083})")));
+  EXPECT_LT(g.size(), Grammar::kMaxSymbols / 2);
+}
+
+// uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
+// reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
+// transcription of the RFCs' ABNF takes and urllib.parse reads alike.
+TEST(StructuredOutput, UriUriReferenceAndHostnameFormatsAcceptExactlyTheirRfcs) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> formats = {
+      {"uri",
+       {R"("http://example.org/a/b?c=d&e#f")", R"("mailto:a@b.org")", R"("urn:isbn:0451450523")",
+        R"("a:")", R"("http://user:pw@host:8080/p")", R"("http://[::1]/")", R"("1http://a")",
+        R"("//a/b")", R"("/a")", R"("http://a b")", R"("http://a%2Fb/%41")", R"("http://a%zz")",
+        R"("a+b-c.d:x")", R"("http:\/\/a")", R"("file:///etc/hosts")", R"("")"}},
+      {"uri-reference",
+       {R"("")", R"("/a")", R"("a")", R"("a:b")", R"("//h/p")", R"("?q")", R"("#f")", R"("./a:b")",
+        R"("%41")", R"("a b")", R"("[x]")", R"("http://[::1]/")"}},
+      {"hostname",
+       {R"("a")", R"("example.org")", R"("A-1.b2")", R"("-a.b")", R"("a-.b")", R"("a..b")",
+        R"("a.")", R"("")", R"("a_b.c")", R"("123.45")"}},
+  };
+  std::vector<FormatCheck> cases;
+  for (const auto& [f, extra] : formats)
+    cases.push_back({{{"type", "string"}, {"format", f}}, {{"kind", f}}, extra});
+  expect_grammars_agree_with_the_oracle(cases);
+}
+
 // What is not enforced is refused, naming the keyword (or the format) and where it stands.
 TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByName) {
   auto error = [](const json& schema) {
@@ -1483,9 +1616,16 @@ TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByN
   refused({{"type", "string"}, {"format", 3}}, "'format' must be a string");
   refused({{"type", "string"}, {"pattern", "(a"}}, "#/pattern: regex at offset");
   refused({{"type", "string"}, {"pattern", "a+"}, {"format", "date"}}, "'pattern' beside 'format'");
-  // Lengths are enforced beside a pattern only where the pattern implies them.
-  refused({{"type", "string"}, {"pattern", "[a-z]+"}, {"maxLength", 10}}, "'maxLength'");
-  refused({{"type", "string"}, {"format", "date"}, {"minLength", 11}}, "'minLength'");
+  // Lengths beside a pattern or a format are enforced (LengthsBesideAPatternOrFormat...); a
+  // pair that no string satisfies is refused, as is a pair whose grammar would be too large.
+  refused({{"type", "string"}, {"format", "date"}, {"minLength", 11}},
+          "#: no string of 11 or more characters matches the format");
+  refused({{"type", "string"}, {"pattern", "(ab){2}|a{7}"}, {"minLength", 5}, {"maxLength", 6}},
+          "#: no string of 5 to 6 characters matches the pattern");
+  refused({{"type", "string"}, {"format", "uri"}, {"maxLength", 100000}},
+          "#/maxLength: 'maxLength' beside 'format' is enforced for at most");
+  refused({{"type", "string"}, {"pattern", "[a-z]{1,9000}x*"}, {"minLength", 40000}},
+          "#/minLength: 'minLength' beside 'pattern' is enforced for at most");
   EXPECT_EQ(error({{"type", "string"}, {"format", "date"}, {"minLength", 10}, {"maxLength", 10}}),
             "(compiled)");
   EXPECT_EQ(error({{"type", "string"}, {"pattern", "^[A-Z]{2,3}$"}, {"maxLength", 3}}),
