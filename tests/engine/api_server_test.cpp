@@ -17,6 +17,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -75,6 +76,38 @@ void run_engine_until(Engine& engine, const std::future<T>& done) {
       kHangGuard, "the answer did not come while the engine stepped");
 }
 
+// Work a test runs on threads of its own (a client, a stop that drains), joined by the fixture
+// once it has stopped the server, which cuts what they wait for. A std::async future is waited on
+// where the test's scope ends instead, before the fixture's stop: a test that failed early waited
+// there for its clients' own timeouts, or for a drain of an hour.
+class Background {
+ public:
+  ~Background() { join(); }
+  template <class Work>
+  auto run(Work work) -> std::future<decltype(work())> {
+    std::packaged_task<decltype(work())()> task(std::move(work));
+    auto done = task.get_future();
+    threads_.emplace_back(std::move(task));
+    return done;
+  }
+  void join() {
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  std::vector<std::thread> threads_;
+};
+
+// POSTs `body` to `target` of the server on `port`, on a thread of `background`.
+std::future<net::HttpClientResponse> post_in_background(Background& background, uint16_t port,
+                                                        const std::string& target, const json& body,
+                                                        const net::Headers& headers = {}) {
+  return background.run([port, target, text = body.dump(), headers] {
+    return net::http_request("127.0.0.1", port, "POST", target, text, headers, 120s);
+  });
+}
+
 // An API server over an engine in process (simulated tiny model, virtual time) that is never
 // started: it runs a step only when the test calls run_once, so a request stays in flight for as
 // long as the test wants.
@@ -93,13 +126,16 @@ class EngineDrain : public ::testing::Test {
     server_.start();
   }
   ~EngineDrain() override {
-    // A failed test may leave its held preparation waiting: the stop would wait for it forever.
+    // A failed test may leave a stop of its own draining, and its held preparation waiting: the
+    // stops would wait for them (an hour; forever).
+    server_.end_drain();
     try {
       release_.set_value();
     } catch (const std::future_error&) {
       // released by the test
     }
     server_.stop();
+    background_.join();
     engine_.stop();
   }
 
@@ -131,6 +167,7 @@ class EngineDrain : public ::testing::Test {
   std::promise<void> release_;
   std::shared_future<void> released_ = release_.get_future().share();
   ApiServer server_;
+  Background background_;
 };
 
 // The message of an OpenAI error body.
@@ -164,7 +201,7 @@ TEST_F(EngineDrain, NewRequestsAreRefusedWhileTheOneInFlightFinishesWhole) {
 
   // The stop begins: refusals first, then a drain far longer than this test.
   server_.refuse_new_requests();
-  auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
+  auto stopped = background_.run([&] { server_.stop(std::chrono::hours(1)); });
   for (const std::string target : {"/v1/completions", "/v1/chat/completions", "/generate"}) {
     const json body = target == "/v1/chat/completions"
                           ? json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}}
@@ -224,7 +261,7 @@ TEST_F(EngineDrain, EndingTheDrainStopsWithARequestStillInFlight) {
   });
   step_once(first);
   get_within(first, kHangGuard, "the stream's first token did not come");
-  auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
+  auto stopped = background_.run([&] { server_.stop(std::chrono::hours(1)); });
   server_.end_drain();
   get_within(stopped, kHangGuard, "end_drain did not end the drain");
   try {
@@ -243,10 +280,7 @@ TEST_F(EngineDrain, LoadCountsARequestWaitingToBePrepared) {
   const json body = {{"prompt", "The quick brown fox jumps over the lazy dog"}, {"max_tokens", 4}};
   net::Headers hold;
   hold.add("X-Hold", "1");
-  auto held = std::async(std::launch::async, [&] {
-    return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
-                             hold, 120s);
-  });
+  auto held = post_in_background(background_, server_.port(), "/v1/completions", body, hold);
   auto there = held_.get_future();
   get_within(there, kHangGuard, "the request never reached its preparation");
   auto load = [&] {
@@ -303,6 +337,7 @@ class OnePreparationThread : public ::testing::Test {
       }
     }
     server_.stop();
+    background_.join();
     engine_.stop();
   }
 
@@ -310,9 +345,7 @@ class OnePreparationThread : public ::testing::Test {
                                             const std::string& hold = "") {
     net::Headers headers;
     if (!hold.empty()) headers.add("X-Hold", hold);
-    return std::async(std::launch::async, [this, target, text = body.dump(), headers] {
-      return net::http_request("127.0.0.1", server_.port(), "POST", target, text, headers, 120s);
-    });
+    return post_in_background(background_, server_.port(), target, body, headers);
   }
   api::LoadReport load() {
     return api::parse_load_report(
@@ -327,6 +360,7 @@ class OnePreparationThread : public ::testing::Test {
   Engine engine_;
   std::map<std::string, Hold> holds_;  // filled before the server starts, only read after
   ApiServer server_;
+  Background background_;
 };
 
 // A request stops counting as unprepared in /load once it has been prepared and handed to the
@@ -378,18 +412,12 @@ TEST_F(EngineDrain, ARequestBeingPreparedHoldsUpNoOtherClient) {
   const json body = {{"prompt", "The quick brown fox"}, {"max_tokens", 4}, {"ignore_eos", true}};
   net::Headers hold;
   hold.add("X-Hold", "1");
-  auto slow = std::async(std::launch::async, [&] {
-    return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
-                             hold, 120s);
-  });
+  auto slow = post_in_background(background_, server_.port(), "/v1/completions", body, hold);
   auto there = held_.get_future();
   get_within(there, kHangGuard, "the request never reached its preparation");
   EXPECT_EQ(net::http_request("127.0.0.1", server_.port(), "GET", "/health", {}, {}, 30s).status,
             200);
-  auto other = std::async(std::launch::async, [&] {
-    return net::http_request("127.0.0.1", server_.port(), "POST", "/v1/completions", body.dump(),
-                             {}, 60s);
-  });
+  auto other = post_in_background(background_, server_.port(), "/v1/completions", body);
   run_until(other);
   const auto answered = other.get();
   EXPECT_EQ(answered.status, 200) << answered.body;
@@ -430,7 +458,7 @@ TEST_F(EngineDrain, AClientThatLeavesBeforeItsRequestIsPreparedStartsNoEngineWor
   release_.set_value();
   // A drain returns once the held request is done with (its reply dropped) and the engine idle;
   // the engine steps meanwhile, so that a request submitted for nobody would end (aborted).
-  auto stopped = std::async(std::launch::async, [&] { server_.stop(std::chrono::hours(1)); });
+  auto stopped = background_.run([&] { server_.stop(std::chrono::hours(1)); });
   run_until(stopped);
   EXPECT_FALSE(engine_.has_work());
   // No request ended aborted: none was submitted for the client that had left.
