@@ -103,12 +103,13 @@ std::string date_text() {
 void run(const BenchCliOptions& o) {
   const auto [host, port] = split_url(o.base_url);
   bench::MetricsOptions mo = metrics_options(o.metrics);  // before anything runs
-  const auto tok = text::Tokenizer::from_dir(workload_tokenizer_dir(o.workload));
+  check_workload_options(o.workload);
   // The access log is read and the outputs written after the run: one that cannot be read or
   // written must say so before it.
   if (!o.access_log.empty()) bench::check_input_file(o.access_log, "--access-log " + o.access_log);
   check_unused_run_flags(o);
   check_outputs(o.outputs);
+  const auto tok = text::Tokenizer::from_dir(workload_tokenizer_dir(o.workload));
   auto reqs = build_workload(o.workload, tok);  // not empty
 
   bench::DriverOptions d;

@@ -331,10 +331,16 @@ bool ignore_eos_of(const WorkloadCliOptions& o, bool ignore_eos, bool no_ignore_
   return !no_ignore_eos && (ignore_eos || o.dataset == "random");
 }
 
-bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
+void check_workload_options(const WorkloadCliOptions& o) {
   check_workload_flags(o);
+  if ((o.trace() || o.dataset == "sharegpt") && o.dataset_path.empty())
+    throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
   check_trace_spread(o);
   check_unused_flags(o);
+}
+
+bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text::Tokenizer& tok) {
+  check_workload_options(o);
   if (!o.trace() || o.dataset_path.empty()) return bench::lazy(build_workload(o, tok));
   // A trace is its records (a few numbers, or hash ids, each) until a request is sent, so a
   // whole trace needs no bound on its prompt tokens in all (the Mooncake conversation trace has
@@ -380,12 +386,8 @@ bench::LazyWorkload build_lazy_workload(const WorkloadCliOptions& o, const text:
 
 std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,
                                                 const text::Tokenizer& tok) {
-  check_workload_flags(o);
+  check_workload_options(o);
   const auto vocab = bench::TokenVocab::build(tok);
-  if ((o.trace() || o.dataset == "sharegpt") && o.dataset_path.empty())
-    throw Error("--dataset-name " + o.dataset + " needs --dataset-path");
-  check_trace_spread(o);
-  check_unused_flags(o);
   std::vector<bench::BenchRequest> reqs;
   if (o.dataset == "random") {
     bench::RandomOptions r;

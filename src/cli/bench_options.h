@@ -43,6 +43,10 @@ struct WorkloadCliOptions {
 void add_workload_options(CLI::App& cmd, WorkloadCliOptions& o);
 // The tokenizer the workload is built with (--tokenizer, default the DeepSeek-V3 one).
 std::string workload_tokenizer_dir(const WorkloadCliOptions& o);
+// Refuses what the flags alone show wrong (a value out of range, a flag the dataset does not
+// use, a dataset without its file), naming the flag: before the tokenizer is loaded, which takes a
+// second or more. build_workload and build_lazy_workload check the same.
+void check_workload_options(const WorkloadCliOptions& o);
 // The requests, with their arrival times. Throws tandem::Error naming the flag on bad values,
 // and when there are none, saying why (the flag, the file and the window).
 std::vector<bench::BenchRequest> build_workload(const WorkloadCliOptions& o,

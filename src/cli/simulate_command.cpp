@@ -288,6 +288,7 @@ void run(const SimulateCliOptions& o) {
     for (const std::string& spec : *specs) so.faults.push_back(parse_fault(flag, spec));
   // Before the workload is read (a whole trace, maybe): a run that cannot start, or whose
   // results could not be written, says so first.
+  check_workload_options(o.workload);
   check_outputs(o.outputs);
   std::vector<sim::SweepPoint> points;
   if (o.sweep.empty())

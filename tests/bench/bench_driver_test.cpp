@@ -712,6 +712,13 @@ TEST(BenchCommands, AFlagTheDatasetDoesNotUseIsRefused) {
       EXPECT_THAT(r.output, ::testing::HasSubstr(error)) << command << " " << flags;
       EXPECT_EQ(r.output.find("Serving Benchmark Result"), std::string::npos) << r.output;
     }
+    // Refused before the tokenizer is loaded (a second or more for a real one): a tokenizer that
+    // is not there is not what the error names.
+    const auto r = test::run_capture(
+        std::string(TANDEM_BINARY) + " " + command + " --trace-limit 1 --tokenizer " +
+        test::scratch_path("bench-no-tokenizer", "").string() + " 2>&1");
+    EXPECT_NE(r.status, 0) << command;
+    EXPECT_THAT(r.output, ::testing::HasSubstr("--trace-limit applies to the traces")) << command;
   }
   // Each where its dataset takes it: a trace its window, a rate its gaps.
   for (const std::string& flags :
