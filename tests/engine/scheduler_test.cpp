@@ -5,9 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <deque>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 
 namespace tandem::engine {
 namespace {
@@ -403,21 +407,31 @@ TEST(Scheduler, ADecodeLegsBlocksComeAfterTheRunningAndThePreemptedSequences) {
   EXPECT_EQ(f.kv.num_free_blocks(), 4);
 }
 
-// A preemption stops admissions for the step (memory is short), but not of a sequence that holds
-// every block it needs: it adds no pressure.
-TEST(Scheduler, AfterAPreemptionASequenceHoldingItsBlocksIsStillAdmitted) {
+// A sequence holding its blocks (a decode leg whose KV arrived) is admitted in its turn, as any
+// waiting sequence (vLLM v1 sends a request whose remote KV arrived through its waiting pass like
+// any other): not in a step that preempted. It was, as adding no memory pressure; but it grows as
+// it decodes and, the newest running, was the next to give way: its received KV was thrown away,
+// its prompt computed here, and it went back to the queue ahead of the sequence it had passed.
+TEST(Scheduler, AfterAPreemptionASequenceHoldingItsBlocksWaitsItsTurn) {
   Fixture f(4, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 64}, /*prefix=*/false);
   Sequence* x = f.add(iota_tokens(8), 6);
   Sequence* y = f.add(iota_tokens(3, 50), 6);
   f.step();                                             // x: 2 blocks, y: 1
-  Sequence* d = add_with_received_kv(f, {9, 9, 9}, 2);  // the fourth
+  Sequence* d = add_with_received_kv(f, {9, 9, 9}, 4);  // the fourth
   auto out = f.step();  // x's ninth token needs a block: y, the newest, gives way
   ASSERT_EQ(out.preempted, std::vector<Sequence*>{y});
-  ASSERT_EQ(out.scheduled.size(), 2u);
+  ASSERT_GE(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled.size(), 1u);
   EXPECT_EQ(out.scheduled[0].seq, x);
-  EXPECT_EQ(out.scheduled[1].seq, d);
-  EXPECT_EQ(f.sched.waiting().front(), y);  // y itself waits for the next step
+  EXPECT_EQ(f.sched.waiting(), (std::deque<Sequence*>{y, d}));
+  // x's thirteenth token needs the block d holds: x gives way, and d, behind the head x that does
+  // not fit, runs then (nothing else runs: the head waits for d's blocks, which only d's end
+  // frees).
   ASSERT_TRUE(run_to_completion(f));
+  EXPECT_EQ(d->num_preemptions, 0) << "its received KV was thrown away";
+  EXPECT_EQ(x->num_generated(), 6);
+  EXPECT_EQ(y->num_generated(), 6);
+  EXPECT_EQ(d->num_generated(), 4);
   EXPECT_EQ(f.kv.num_free_blocks(), 4);
 }
 
@@ -625,6 +639,93 @@ TEST(Scheduler, RandomWorkloadsFinishEverySequence) {
       ASSERT_LE(out.num_tokens, f.sched.config().max_num_batched_tokens);
       ASSERT_LE(static_cast<int64_t>(f.sched.running().size()), f.sched.config().max_num_seqs);
       ASSERT_LT(++steps, 100000) << "no progress in round " << round;
+    }
+    for (auto* s : all) EXPECT_EQ(s->num_generated(), s->request.sampling.max_tokens);
+    EXPECT_EQ(f.kv.num_free_blocks(), blocks);
+  }
+}
+
+// Randomized P/D workloads, first come first served and by priority, on small caches: local
+// prompts and decode legs arrive over time, each leg's KV a few steps after its fetch starts.
+// Every step keeps vLLM v1's waiting-pass order: nothing waiting is admitted, nor given blocks
+// for its KV, past a waiting sequence that stays waiting (one receiving its KV aside: vLLM skips
+// those), nor (first come first served, where the running go first) in a step that preempted a
+// sequence while others ran on. The one exception: a sequence holding its blocks is admitted past
+// the head when nothing else runs, since the head may wait for those very blocks. And every
+// sequence finishes.
+TEST(Scheduler, RandomDecodeLegWorkloadsKeepTheWaitingOrderAndFinishEverySequence) {
+  std::mt19937 rng(7);
+  for (int round = 0; round < 60; ++round) {
+    const bool priority = round % 2 == 1;
+    const int64_t blocks = 6 + rng() % 16, bs = 2 + rng() % 4, cap = blocks * bs;
+    Fixture f(blocks, bs,
+              {.max_num_seqs = 2 + int64_t(rng() % 5),
+               .max_num_batched_tokens = 4 + int64_t(rng() % 40),
+               .priority = priority},
+              rng() % 2 == 0);
+    std::vector<Sequence*> all;
+    std::map<Sequence*, int> kv_arrives_in;  // legs fetching: steps until their KV is here
+    for (int steps = 0;; ++steps) {
+      ASSERT_LT(steps, 20000) << "no progress in round " << round;
+      if (steps < 40 && rng() % 2 == 0) {
+        const int64_t len = 1 + rng() % std::max<int64_t>(1, cap / 2);
+        const int64_t max_tokens = 1 + rng() % std::max<int64_t>(1, cap - len);
+        std::vector<int32_t> p(size_t(len), 0);
+        for (auto& t : p) t = int32_t(rng() % 5);
+        all.push_back(rng() % 2 == 0 ? add_decode_leg(f, p, max_tokens)
+                                     : f.add(p, max_tokens, rng() % 3));
+      } else if (steps >= 40 && f.sched.running().empty() && f.sched.waiting().empty()) {
+        break;
+      }
+      for (auto it = kv_arrives_in.begin(); it != kv_arrives_in.end();) {
+        if (it->second-- > 0) {
+          ++it;
+          continue;
+        }
+        receive_kv(it->first);
+        it = kv_arrives_in.erase(it);
+      }
+      const std::deque<Sequence*> waiting(f.sched.waiting());
+      const std::vector<Sequence*> running(f.sched.running());
+      std::set<const Sequence*> holding;
+      for (const Sequence* s : waiting)
+        if (f.kv.has_request(s->request.id)) holding.insert(s);
+      const auto out = f.sched.schedule();
+      auto took_its_turn = [&](const Sequence* s) {
+        return s->status == SequenceStatus::kRunning ||
+               std::find(out.fetches.begin(), out.fetches.end(), s) != out.fetches.end();
+      };
+      const bool others_ran_on = std::any_of(running.begin(), running.end(), [](const Sequence* s) {
+        return s->status == SequenceStatus::kRunning;
+      });
+      bool admitted_before = false;  // a waiting sequence ahead of this one runs now
+      for (size_t k = 0; k < waiting.size(); ++k) {
+        const Sequence* s = waiting[k];
+        if (!took_its_turn(s)) continue;
+        if (!priority && !out.preempted.empty()) {
+          EXPECT_FALSE(others_ran_on)
+              << "round " << round << ": " << s->request.id << " admitted in a step that preempted";
+        }
+        const bool nothing_else_runs = !others_ran_on && !admitted_before;
+        for (size_t j = 0; j < k; ++j)
+          EXPECT_TRUE(took_its_turn(waiting[j]) || waiting[j]->fetching() ||
+                      (holding.count(s) && nothing_else_runs))
+              << "round " << round << ": " << s->request.id << " passed " << waiting[j]->request.id
+              << ", which stays waiting";
+        admitted_before = admitted_before || s->status == SequenceStatus::kRunning;
+      }
+      if (::testing::Test::HasFailure()) return;
+      for (Sequence* s : out.fetches) {
+        s->kv_state = KvTransferState::kFetching;
+        kv_arrives_in[s] = int(rng() % 4);
+      }
+      ASSERT_FALSE(out.empty() && out.fetches.empty() && kv_arrives_in.empty() &&
+                   f.sched.has_schedulable())
+          << "round " << round << ": a step scheduled nothing and nothing would change that";
+      const std::vector<StepTokens> sampled(out.scheduled.size(), tokens({7}));
+      for (const auto& u : f.sched.update_from_output(out, sampled, 0))
+        if (u.output.finished) f.sched.remove(u.seq);
+      f.kv.check_invariants();
     }
     for (auto* s : all) EXPECT_EQ(s->num_generated(), s->request.sampling.max_tokens);
     EXPECT_EQ(f.kv.num_free_blocks(), blocks);

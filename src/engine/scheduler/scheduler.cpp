@@ -156,12 +156,15 @@ SchedulerOutput Scheduler::schedule() {
     return n;
   };
 
-  // A waiting sequence is admitted while nothing had to be preempted in this step (vLLM's rule:
-  // memory is short, do not admit more), except one that holds every block it needs already (KV
-  // received from a prefill engine): it adds no memory pressure. Sequences that hold blocks need
-  // none to be admitted: they pass a head that does not fit, or they would wait for blocks they
-  // hold. A decode leg awaiting blocks gets those of its whole prompt by the same rules, and
-  // stays waiting for its KV; one receiving it is passed over. The speculation space of the
+  // Waiting sequences are admitted in their order while nothing had to be preempted in this step
+  // (vLLM's rule: memory is short, do not admit more), up to the first that does not fit. One
+  // that holds its blocks (a decode leg whose KV arrived) waits its turn as any other, as vLLM's
+  // waiting pass takes a request whose remote KV arrived: admitted past the others, it grows as
+  // it decodes, and the newest (or least urgent) running is the next to give way, its received
+  // KV thrown away and its prompt computed here. Except when nothing runs: what the head waits
+  // for may then be the blocks such sequences hold, which only their running frees. A decode leg
+  // awaiting blocks gets those of its whole prompt by the same rules, and stays waiting for its
+  // KV; one receiving it is passed over (vLLM skips it too). The speculation space of the
   // sequences scheduled so far gives way to an admission that it lets fit. `i` moves past a
   // sequence that stays waiting. `after_preemption`: the rule is off (see the end of schedule()).
   bool head_blocked = false, after_preemption = false;
@@ -184,7 +187,7 @@ SchedulerOutput Scheduler::schedule() {
       return;
     }
     const bool memory_short = !out.preempted.empty() && !after_preemption;
-    if ((head_blocked || memory_short) && !has_blocks) {
+    if ((head_blocked || memory_short) && !(has_blocks && running_.empty())) {
       ++i;
       return;
     }

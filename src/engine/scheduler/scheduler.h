@@ -13,9 +13,11 @@
 // receive its prompt's KV into from a prefill engine, and gets them by the same rules as any
 // admission (vLLM v1 allocates a remote-KV request in its waiting pass): in queue order, after the
 // running sequences got theirs, not in a step that preempted, not past a head that does not fit.
-// It is listed in the step's `fetches` and stays waiting while its KV arrives, then is admitted
+// It is listed in the step's `fetches` and stays waiting while its KV arrives (passed over, as
+// vLLM skips a request waiting for remote KV), then is admitted in its turn by the same rules,
 // holding its blocks, num_computed set, without a prefix lookup, and continues from there (as
-// any sequence added with its blocks allocated).
+// any sequence added with its blocks allocated). Only when nothing runs does such a sequence pass
+// a head that does not fit: the head may be waiting for the very blocks it holds.
 //
 // Pure policy over the KV-cache manager: no threads, sockets or clocks. The engine thread owns it.
 #include <cstdint>
