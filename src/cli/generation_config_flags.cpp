@@ -7,8 +7,19 @@
 #include "model/generation_config.h"
 #include "util/error.h"
 #include "util/json.h"
+#include "util/json_fields.h"
 
 namespace tandem::cli {
+namespace {
+
+// A request's message ("'top_p' must be in (0, 1], got 2") without the name that the field form
+// puts first.
+std::string without_name(const api::InvalidSamplingParam& e) {
+  const std::string named = "'" + e.param + "' ", what = e.what();
+  return what.starts_with(named) ? what.substr(named.size()) : "is invalid: " + what;
+}
+
+}  // namespace
 
 void add_generation_config_flags(CLI::App& cmd, GenerationConfigFlags& flags) {
   cmd.add_option("--generation-config", flags.source,
@@ -61,6 +72,13 @@ EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags
     origin += (origin.empty() ? "" : " and ") + flag;
   }
 
+  // The defaults as they will apply are checked, not each file's (a value the override replaces,
+  // or that vllm drops, is never used): their messages name where the values came from, in the
+  // form of every field's (util/json_fields.h). The values were read and typed already, so these
+  // Fields hold no object; only their messages are used.
+  const nlohmann::json read_already = nlohmann::json::object();
+  const Fields fields = Fields::lenient(read_already, origin);
+
   EngineGenerationConfig out;
   out.eos_token_ids = eos;
   api::SamplingDefaults& d = out.sampling;
@@ -70,8 +88,7 @@ EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags
   d.min_p = g.min_p.value_or(d.min_p);
   d.repetition_penalty = g.repetition_penalty.value_or(d.repetition_penalty);
   if (g.max_new_tokens && *g.max_new_tokens < 1)
-    throw Error(origin + ": field 'max_new_tokens' must be at least 1, got " +
-                std::to_string(*g.max_new_tokens));
+    fields.fail("max_new_tokens", "must be at least 1, got " + std::to_string(*g.max_new_tokens));
   // As vLLM's get_max_tokens: the model's max_new_tokens only fills in a missing max_tokens; a
   // folder's, or the override's, caps every request.
   d.max_tokens = g.max_new_tokens.value_or(0);
@@ -98,7 +115,7 @@ EngineGenerationConfig load_generation_config(const GenerationConfigFlags& flags
   try {
     p.validate();
   } catch (const api::InvalidSamplingParam& e) {
-    throw Error(origin + ": field '" + e.param + "': " + e.what());
+    fields.fail(e.param, without_name(e));
   }
   if (!set.empty())
     out.note = "requests' sampling defaults from " + origin + ": " + set +
