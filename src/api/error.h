@@ -40,6 +40,12 @@ inline constexpr std::string_view kRoomAbandonedCode = "room_abandoned";
 // only reported it.
 inline constexpr std::string_view kKvTransferFailedCode = "kv_transfer_failed";
 
+// The code of a sequential P/D decode leg's error when its prefill engine no longer held the
+// prompt's KV (a 502: the hold expired after --kv-transfer-timeout, was pulled already, or was
+// never held there, as after a restart): no engine failed, and the KV is gone, so a gateway
+// starts the request again from a prefill engine and counts it against neither engine.
+inline constexpr std::string_view kKvTransferExpiredCode = "kv_transfer_expired";
+
 // The error type Tandem uses for a status: "invalid_request_error" for 4xx, "server_error" for
 // 5xx (OpenAI's own names).
 std::string_view default_error_type(int status);

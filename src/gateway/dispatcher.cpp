@@ -485,7 +485,7 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
       std::fprintf(stderr, "tandem gateway: a leg's completion failed: %s\n", e.what());
     }
     const bool cancelled = leg->gateway_cancelled.load();
-    const bool fault = !leg->room_abandoned && !leg->kv_transfer_failed &&
+    const bool fault = !leg->room_abandoned && !leg->kv_transfer_failed && !leg->kv_expired &&
                        ((!error.empty() && !cancelled) || leg->status >= 500 || leg->engine_error);
     // Counted once: a leg the gateway gave up on had its pair's other leg fail first (counted),
     // or its client leave.
@@ -496,9 +496,9 @@ void Dispatcher::start_leg(const RequestPtr& r, int endpoint_id, bool prefill, s
     } else if (fault) {
       std::lock_guard lock(r->mutex);  // cancel_reason: set by the deadline timer
       outcome = leg->cancel_reason.empty() ? LegOutcome::kFailed : LegOutcome::kTimedOut;
-    } else if ((cancelled && leg->status == 0) || leg->kv_transfer_failed) {
-      // A decode leg that could not take its KV failed by its prefill engine: no success of its
-      // own engine's (which reset its failure count), nor a failure.
+    } else if ((cancelled && leg->status == 0) || leg->kv_transfer_failed || leg->kv_expired) {
+      // A decode leg that could not take its KV failed by its prefill engine, or found it gone:
+      // no success of its own engine's (which reset its failure count), nor a failure.
       outcome = LegOutcome::kCancelled;
     }
     exec_.post_batched([this, r, leg, outcome, kv_source, kv_source_failed]() mutable {
@@ -621,7 +621,8 @@ void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
 // gateway's own. The decode leg of a sequential request is retried only where its KV is known to
 // be held still: one that never reached its engine goes to another decode engine with the same
 // kv_transfer_params; one whose engine could not take the KV from the prefill engine
-// (kPrefillEngine) starts again from the prefill; any other may have taken the KV and is answered.
+// (kPrefillEngine), or found it gone there (kNoEngineKvGone), starts again from the prefill; any
+// other may have taken the KV and is answered.
 // What the engine said, relayed or not, goes to the access log (the outcome and retried_after).
 void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_id, int status,
                                 std::string body, std::string message, Blame blame) {
@@ -650,7 +651,8 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     metrics_.retries.inc();
     // r->prefill_endpoint is this attempt's: the next one has not started.
     const bool prefill_failed = blame == Blame::kPrefillEngine && r->prefill_endpoint >= 0;
-    r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
+    if (blame != Blame::kNoEngineKvGone)
+      r->excluded.push_back(prefill_failed ? r->prefill_endpoint : endpoint_id);
     // The same KV for another decode engine (waiting to decode again), or the request from its
     // start (which sets no decode room aside until it is prefilled again).
     if (sequential_decode && blame == Blame::kItsEngineUnreached) {

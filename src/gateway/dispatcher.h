@@ -106,6 +106,9 @@ class Dispatcher {
     // The prefill engine of the attempt: the decode engine could not take the prompt's KV from
     // it (Leg::kv_transfer_failed), and only reported that.
     kPrefillEngine,
+    // No engine: the prefill engine no longer held the prompt's KV when the decode engine came
+    // for it (Leg::kv_expired). The request starts again from its prefill, avoiding no engine.
+    kNoEngineKvGone,
   };
   // A leg of `attempt` failed before the client got anything (relay.h): retried elsewhere while
   // retries remain (avoiding the engine `blame` names), else answered with the engine's error or

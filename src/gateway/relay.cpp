@@ -1,6 +1,7 @@
 #include "gateway/relay.h"
 
 #include <cctype>
+#include <optional>
 
 #include "api/disaggregation.h"
 #include "api/error.h"
@@ -393,11 +394,16 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     return;
   }
   // A decode engine that could not take the prompt's KV from its prefill engine says so in the
-  // code of its error (an error status, or a stream's first event): that engine failed.
+  // code of its error (an error status, or a stream's first event): that engine failed, or (the
+  // KV was gone there) no engine did.
   auto blame = [&](std::string_view error_answer) {
-    l.kv_transfer_failed = topo_.mode != PdMode::kAggregated &&
-                           api::openai_error_code(error_answer) == api::kKvTransferFailedCode;
-    return l.kv_transfer_failed ? Dispatcher::Blame::kPrefillEngine : Dispatcher::Blame::kItsEngine;
+    if (topo_.mode == PdMode::kAggregated) return Dispatcher::Blame::kItsEngine;
+    const std::optional<std::string> code = api::openai_error_code(error_answer);
+    l.kv_transfer_failed = code == api::kKvTransferFailedCode;
+    l.kv_expired = code == api::kKvTransferExpiredCode;
+    if (l.kv_transfer_failed) return Dispatcher::Blame::kPrefillEngine;
+    if (l.kv_expired) return Dispatcher::Blame::kNoEngineKvGone;
+    return Dispatcher::Blame::kItsEngine;
   };
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
     const Dispatcher::Blame whose = blame(l.body);

@@ -70,6 +70,9 @@ struct Leg {
   // A P/D decode leg failed because it could not take the prompt's KV from the prefill engine
   // (api::kKvTransferFailedCode): the prefill engine's failure, not the decode engine's.
   bool kv_transfer_failed = false;
+  // A sequential decode leg failed because its prefill engine no longer held the prompt's KV
+  // (api::kKvTransferExpiredCode): neither engine's failure; the prompt is prefilled again.
+  bool kv_expired = false;
   // The answer outgrew what the relay holds (Topology::max_answer_bytes): the gateway's refusal,
   // not the engine's fault.
   bool answer_too_large = false;

@@ -610,6 +610,10 @@ TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
     // engine's failure, and the code does not blame it.
     EXPECT_EQ(api::openai_error_code(r.body) == api::kKvTransferFailedCode, c.prefill_fault)
         << c.field << ": " << r.body;
+    // A transfer the prefill engine does not hold is KV gone: a gateway prefills it again.
+    EXPECT_EQ(api::openai_error_code(r.body) == api::kKvTransferExpiredCode,
+              std::string(c.field) == "remote_request_id")
+        << c.field << ": " << r.body;
   }
   // Malformed parameters are the client's fault: 400 naming the field.
   json bad = params;

@@ -1389,6 +1389,7 @@ TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
   KvFetchResult r = wait(fetch(f));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("remote_engine_id 'someone-else' is not this prefill engine"));
+  EXPECT_FALSE(r.transfer_gone) << "a refused pull of a transfer still held said it is gone";
 
   f = pull(id, 0, 10, local_);
   f.remote_blocks = {5, 2, 8};
@@ -1407,6 +1408,7 @@ TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
   r = wait(fetch(pull("prefill-0-99", 0, 10, local_)));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("unknown transfer 'prefill-0-99'"));
+  EXPECT_TRUE(r.transfer_gone) << r.error;
 
   EXPECT_EQ(decode_exec_.writes(), 0);
   EXPECT_FALSE(released);
@@ -1556,6 +1558,7 @@ TEST_F(KvTransferAgents, AHoldNobodyPullsExpires) {
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("unknown transfer"));
   EXPECT_FALSE(r.prefill_fault) << "a refusal the prefill engine answered blamed it";
+  EXPECT_TRUE(r.transfer_gone) << "an expired hold did not say the KV is gone";
   EXPECT_EQ(decode_exec_.writes(), 0);
 }
 

@@ -1757,6 +1757,56 @@ TEST(Dispatcher, ASequentialDecodeLegWhoseKvTransferFailedIsRetriedFromAnotherPr
   EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
 }
 
+// A decode engine whose pull found the prompt's KV gone from the prefill engine (it expired, was
+// pulled already, or the engine restarted) says so with code kv_transfer_expired. The KV must be
+// computed again: the request starts again from a prefill leg, and neither engine failed. It was
+// answered 502 with the decode engine counted as failed (ejected here, failures_to_eject 1).
+std::string kv_transfer_expired_answer() {
+  return api::openai_error_body(
+      "generation failed: KV transfer from the prefill engine at 10.0.0.1:8998 failed: unknown "
+      "transfer 'p-1' (never held here, already pulled, or expired after 120 s)",
+      "server_error", api::kKvTransferExpiredCode);
+}
+
+TEST(Dispatcher, ASequentialDecodeLegWhoseKvExpiredStartsAgainFromItsPrefillBlamingNoEngine) {
+  for (const bool stream : {false, true}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+    t.health.failures_to_eject = 1;
+    Cluster c(t);
+    auto client = c.send(stream);
+    prefill_answers(c);
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u);
+    ASSERT_EQ(host_of(*decode[0]), "d");
+    if (stream) {  // a streaming decode leg says it in its first event, under a 200
+      FakeEngines::head(*decode[0], 200, "text/event-stream");
+      FakeEngines::piece(*decode[0],
+                         "data: " + kv_transfer_expired_answer() + "\n\ndata: [DONE]\n\n");
+      FakeEngines::finish(*decode[0], "");
+    } else {
+      FakeEngines::answer(*decode[0], 502, kv_transfer_expired_answer());
+    }
+    c.clock.run_ready();
+    auto retry = c.engines.open("/v1/completions");
+    ASSERT_EQ(retry.size(), 1u) << stream;
+    EXPECT_EQ(host_of(*retry[0]), "p") << stream;
+    EXPECT_EQ(json::parse(retry[0]->request.body)["max_tokens"], 1) << "a prefill leg";
+    EXPECT_FALSE(client->complete()) << stream;
+    EXPECT_EQ(c.metric("tandem:gateway_retries_total"), 1) << stream;
+    for (const char* name : {"p", "d"}) {
+      EXPECT_EQ(c.endpoint(name)["consecutive_failures"], 0) << name << " " << stream;
+      EXPECT_EQ(c.endpoint(name)["healthy"], true) << name << " " << stream;
+    }
+    prefill_answers(c);
+    decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u) << stream;
+    EXPECT_EQ(host_of(*decode[0]), "d") << stream;
+    c.answer_all("decoded");
+    EXPECT_EQ(client->status, 200) << stream;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << stream;
+  }
+}
+
 // The prefill engine holds the prompt's KV for its --kv-transfer-timeout (120 s by default) only:
 // a decode stage that waited longer would be sent to pull KV that is gone. It waits at most
 // timeouts.decode_queue_ms (90 s by default) and is then answered 503 saying why. It waited the

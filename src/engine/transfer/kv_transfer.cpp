@@ -62,9 +62,11 @@ void send_json(KvConnection& conn, KvFrameType type, const json& j) {
   conn.send(type, parts);
 }
 
-void send_error(KvConnection& conn, const std::string& message) {
+void send_error(KvConnection& conn, const std::string& message, bool transfer_gone = false) {
+  json error = {{"message", message}};
+  if (transfer_gone) error["transfer_gone"] = true;  // KvFetchResult::transfer_gone
   try {
-    send_json(conn, KvFrameType::kError, {{"message", message}});
+    send_json(conn, KvFrameType::kError, error);
   } catch (const std::exception&) {
     // The peer is gone; it learns of the failure from the closed connection.
   }
@@ -103,6 +105,22 @@ class NotThePrefillsFault : public Error {
  public:
   using Error::Error;
 };
+
+// The prefill engine's answer to a pull of a transfer it does not hold (KvFetchResult::
+// transfer_gone).
+class TransferGone : public NotThePrefillsFault {
+ public:
+  using NotThePrefillsFault::NotThePrefillsFault;
+};
+
+// Throws the refusal a peer's error frame carries.
+[[noreturn]] void throw_refusal(const KvFrame& f) {
+  const std::string message = error_message(f);
+  const json j = parse_control(f, "error");
+  if (j.is_object() && j.contains("transfer_gone") && j["transfer_gone"] == true)
+    throw TransferGone(message);
+  throw NotThePrefillsFault(message);
+}
 
 // Sends the decode side's first frame on a connection. A prefill engine that refuses the
 // connection tells why and closes at once, maybe before that frame went out: the send then fails
@@ -863,6 +881,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
   int64_t first = 0, num = 0;
   bool checksum = config_.checksum;
   std::string problem;
+  bool gone = false;
   {
     std::lock_guard lock(mutex_);
     try {
@@ -881,6 +900,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
         problem = "remote_engine_id '" + engine + "' is not this prefill engine ('" +
                   config_.engine_id + "')";
       } else if (it == held_.end()) {
+        gone = true;
         problem = "unknown transfer '" + id +
                   "' (never held here, already pulled, or expired after " +
                   seconds_text(config_.timeout_s) + " s)";
@@ -908,7 +928,7 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
     }
   }
   if (!problem.empty()) {
-    send_error(conn, problem);  // outside the lock: a slow peer must not stall the agent
+    send_error(conn, problem, gone);  // outside the lock: a slow peer must not stall the agent
     return;
   }
   bool ok = false;
@@ -1356,7 +1376,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                                 std::to_string(f.num_tokens) + ")");
     const size_t layer_bytes = size_t(tokens * tb);
     KvFrame accept = f.pull ? conn->receive(kControlLimit) : await_room(*conn, f);
-    if (accept.type == KvFrameType::kError) throw NotThePrefillsFault(error_message(accept));
+    if (accept.type == KvFrameType::kError) throw_refusal(accept);
     if (accept.type != KvFrameType::kAccept)
       throw Error("expected an accept frame, got " +
                   frame_text(accept.type, accept.payload.size()));
@@ -1435,6 +1455,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     result.ok = false;
     result.error = "KV transfer from the prefill engine at " + where + " failed: " + e.what();
     std::lock_guard lock(mutex_);
+    result.transfer_gone = f.pull && dynamic_cast<const TransferGone*>(&e) != nullptr;
     result.prefill_fault = !dynamic_cast<const NotThePrefillsFault*>(&e) &&
                            !dynamic_cast<const KvTransferError*>(&e) && !slot->cancelled &&
                            !stopping_;

@@ -14,7 +14,8 @@
 // kRegister frame (JSON), the prefill side answers kAccept (JSON), then one kLayer frame per
 // layer ([u32 layer][u32 flags][u64 XXH3-64 checksum or 0] + the tokens' bytes, block after
 // block; sent gathered from the cache and received scattered into it when the executor exposes
-// its memory), then kDone; kError (JSON {"message"}) ends a transfer early, on either side. The
+// its memory), then kDone; kError (JSON {"message"}) ends a transfer early, on either side (a
+// pull of a transfer the prefill engine does not hold says so with "transfer_gone": true). The
 // decode engine always recomputes the prompt's last token (it needs its logits), so it asks for
 // tokens [first_token, prompt - 1), first_token being where its own prefix cache stops. A decode
 // leg that ends before it registers its room sends one kAbandon frame instead (answered kDone):
@@ -172,6 +173,10 @@ struct KvFetchResult {
   // cancellation or shutdown) nor an error the prefill engine answered (an unknown transfer, a
   // layout or secret that differs, too many connections): those name no engine at fault.
   bool prefill_fault = false;
+  // A pull the prefill engine refused because it no longer holds the transfer (it expired after
+  // --kv-transfer-timeout, was pulled already, or was never held there, as after a restart): no
+  // engine's fault, and the prompt's KV is gone, so the request must be prefilled again.
+  bool transfer_gone = false;
 };
 
 // A transfer that cannot happen for a reason on the other engine (its answer is a 502, not a

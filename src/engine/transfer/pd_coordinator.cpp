@@ -122,10 +122,13 @@ void PdCoordinator::on_fetch_done(const std::string& id, const KvFetchResult& re
     std::erase(awaiting_kv_, seq);
     // A prefill engine that died, hung or broke the protocol: the code says so, since a gateway
     // that counted it against this engine got every decode engine whose legs waited on a hung
-    // prefill engine ejected. Other failures (this engine's own, or an answered refusal) name
-    // no engine at fault.
-    host_.fail(seq, result.error, 502,
-               result.prefill_fault ? std::string(api::kKvTransferFailedCode) : std::string());
+    // prefill engine ejected. A transfer the prefill engine no longer holds says the KV is gone
+    // (the gateway prefills the prompt again). Other failures (this engine's own, or an answered
+    // refusal) name no engine at fault.
+    const std::string_view code = result.prefill_fault   ? api::kKvTransferFailedCode
+                                  : result.transfer_gone ? api::kKvTransferExpiredCode
+                                                         : std::string_view();
+    host_.fail(seq, result.error, 502, std::string(code));
     return;
   }
   std::erase(awaiting_kv_, seq);
