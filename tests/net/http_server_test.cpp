@@ -754,11 +754,15 @@ TEST(HttpServer, AClientThatClosesRightAfterItsRequestIsSeenGone) {
   HttpServer server(options);
   std::promise<void> loop_held, release;
   std::shared_future<void> released = release.get_future().share();
-  server.route("POST", "/hold", [&](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-    loop_held.set_value();
-    released.wait();  // the server's only thread is busy while the other client sends and closes
-    ex->respond(200, "{}");
-  });
+  // The server's only thread is busy while the other client sends and closes. `released` by
+  // value: in a test that fails before the release, the handler is let go as the locals end
+  // (`release` dropped unset), and must not be waiting on one of them then.
+  server.route("POST", "/hold",
+               [&loop_held, released](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+                 loop_held.set_value();
+                 released.wait();
+                 ex->respond(200, "{}");
+               });
   SlowRoute slow(server);
   server.start();
   RawConnection busy(server.port());
@@ -1162,11 +1166,14 @@ struct HeldLoop {
   std::promise<void> held, release;
   std::shared_future<void> released = release.get_future().share();
   explicit HeldLoop(HttpServer& server) {
-    server.route("GET", "/hold", [this](const HttpRequest&, std::shared_ptr<Exchange> ex) {
-      held.set_value();
-      released.wait();
-      ex->respond(200, "held", "text/plain");
-    });
+    // `released` by value: in a test that fails before the release, the handler is let go as
+    // this ends (`release` dropped unset), and must not be waiting on a member of it then.
+    server.route("GET", "/hold",
+                 [this, released = released](const HttpRequest&, std::shared_ptr<Exchange> ex) {
+                   held.set_value();
+                   released.wait();
+                   ex->respond(200, "held", "text/plain");
+                 });
   }
   // Returns once the loop is held by `client`'s request.
   void hold(RawConnection& client) {
