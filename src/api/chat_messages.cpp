@@ -123,6 +123,11 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
       message["content"] = nullptr;
     else
       message["content"] = parts ? as_parts(texts) : ordered_json(joined(texts));
+    // Templates read an earlier turn's reasoning as reasoning_content (Qwen3's); vLLM's answers
+    // name it `reasoning`, and vLLM gives a turn's `reasoning` to the template under both names.
+    if (const auto reasoning = m.find("reasoning");
+        m["role"] == "assistant" && reasoning != m.end() && !reasoning->is_null())
+      message["reasoning_content"] = *reasoning;
     out.push_back(std::move(message));
   }
   return out;

@@ -22,8 +22,11 @@ namespace tandem::api {
 // then null, because such a template writes what it means by null there: DeepSeek-V3's writes
 // an assistant turn's tool calls only for a null content (given "", as under vLLM and SGLang, it
 // drops them; transformers passes a null as null and refuses an absent one). Other roles get ""
-// still: DeepSeek-V3's concatenates their content. Throws ApiError naming `messages` for a message
-// without a string role or with content other than a string, null or a list of text parts.
+// still: DeepSeek-V3's concatenates their content. An assistant turn's `reasoning` (vLLM's name
+// for it, which Tandem's answers carry beside reasoning_content) is given as reasoning_content too,
+// the name templates read, as vLLM gives it (a reasoning_content sent beside it is replaced, as
+// there); a reasoning_content alone is kept as sent. Throws ApiError naming `messages` for a
+// message without a string role or with content other than a string, null or a list of text parts.
 enum class NullContent { kNoText, kNone };
 nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
                                          text::ContentFormat format,

