@@ -102,6 +102,14 @@ Qwen3MoeConfig Qwen3MoeConfig::parse(const json& doc, const std::string& origin)
                              {"num_key_value_heads", c.num_key_value_heads},
                              {"head_dim", c.head_dim}})
     f.at_most(k, v, kMaxDimension);
+  // The attention's width is a dimension too (head_dim is free of hidden_size here, unlike
+  // DeepSeek's): each factor within the limit, 2^24 heads of 2^24 made a KV-cache entry of 2^49
+  // values, and a cache block's bytes (layers x block size x entry) overflowed 64 bits in the
+  // engine's check of its KV budget. Both factors are below 2^24, so the product fits.
+  if (c.num_attention_heads * c.head_dim > kMaxDimension)
+    f.fail("head_dim", "(" + std::to_string(c.head_dim) + ") times num_attention_heads (" +
+                           std::to_string(c.num_attention_heads) +
+                           ") exceeds this engine's limit of " + std::to_string(kMaxDimension));
   check_shared_fields(f, {c.vocab_size, c.rms_norm_eps, c.rope_theta, c.yarn.has_value(),
                           c.max_position_embeddings, c.bos_token_id, c.eos_token_ids});
   if (c.head_dim % 2 != 0) f.fail("head_dim", "must be even (RoPE rotates pairs)");

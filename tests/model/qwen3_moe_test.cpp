@@ -230,6 +230,29 @@ TEST(Qwen3MoeConfig, ImplausibleSizesAndBrokenNumbersAreRefusedByName) {
   EXPECT_THAT(error([](json& d) { d["bos_token_id"] = -1; }),
               AllOf(HasSubstr("'bos_token_id'"), HasSubstr("vocab_size")));
   EXPECT_EQ(error([](json& d) { d["mlp_only_layers"] = {3, 5}; }), "(parsed)");
+  // Each within the limit, heads and head_dim made an attention 2^48 wide: a KV-cache entry of
+  // 2^49 values, whose block (layers x block size x entry bytes) overflowed int64 in the engine's
+  // KV budget check, which reads the config alone.
+  EXPECT_THAT(error([](json& d) {
+                d["num_attention_heads"] = d["num_key_value_heads"] = d["head_dim"] = 1 << 24;
+              }),
+              AllOf(HasSubstr("'head_dim'"), HasSubstr("num_attention_heads (16777216)"),
+                    HasSubstr("limit of 16777216")));
+  // At the limits, a KV block of the engine's largest block size (4096 tokens) has a 64-bit size.
+  const Qwen3MoeConfig widest = Qwen3MoeConfig::parse(
+      [] {
+        json d = json::parse(kQwen3_30B_A3B);
+        d["num_attention_heads"] = d["num_key_value_heads"] = 1 << 17;
+        d["head_dim"] = 1 << 7;
+        d["num_hidden_layers"] = 4096;
+        d["torch_dtype"] = "float32";
+        return d;
+      }(),
+      "config.json");
+  const LatentCacheShape shape = qwen3_cache_shape(widest, 4096);
+  int64_t block_bytes = 0;
+  EXPECT_FALSE(
+      __builtin_mul_overflow(shape.layers * shape.block_size, shape.entry_bytes(), &block_bytes));
   // Each of these made every logit NaN (YaRN's correction range divides by ln(rope_theta); the
   // last frequency is 1 / rope_theta^(126/128)).
   EXPECT_THAT(error([](json& d) {
