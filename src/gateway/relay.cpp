@@ -42,12 +42,6 @@ std::string size_text(size_t bytes) {
   return std::to_string(bytes) + " bytes";
 }
 
-// A call that never reached its engine: no connection was made (the client's own errors,
-// net/async_http_client.cpp), so the engine never saw the request.
-bool never_reached_engine(const std::string& error) {
-  return error.rfind("cannot connect", 0) == 0 || error.rfind("cannot resolve the host", 0) == 0;
-}
-
 // The leg is cut (on_body answers false) by the gateway's choice: no fault of the engine's.
 bool refuse_too_large(Leg& l) {
   l.answer_too_large = true;
@@ -171,6 +165,9 @@ net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_re
   h.on_body = [this, r, leg_ref](std::string_view piece) {
     auto l = leg_ref->lock();
     return l && relay_piece(r, *l, piece);
+  };
+  h.on_failure = [leg_ref](net::CallFailure failure) {
+    if (auto l = leg_ref->lock()) l->never_connected = failure == net::CallFailure::kNotConnected;
   };
   h.on_done = [this, r, leg_ref, attempt, where = std::move(where),
                endpoint_id](const std::string& error) {
@@ -449,10 +446,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     if (!l.gateway_cancelled.load()) l.engine_error = true;
   }
   if (!reason.empty()) {
-    dispatcher_.leg_failed(r, attempt, endpoint_id, 502, {},
-                           "engine " + where + " failed: " + reason,
-                           never_reached_engine(reason) ? Dispatcher::Blame::kItsEngineUnreached
-                                                        : Dispatcher::Blame::kItsEngine);
+    dispatcher_.leg_failed(
+        r, attempt, endpoint_id, 502, {}, "engine " + where + " failed: " + reason,
+        l.never_connected ? Dispatcher::Blame::kItsEngineUnreached : Dispatcher::Blame::kItsEngine);
     return;
   }
   const Dispatcher::Blame whose = blame(l.body);

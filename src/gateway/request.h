@@ -88,6 +88,8 @@ struct Leg {
   Executor::TimerId deadline;  // scheduling thread only: cancelled when the leg ends
   // The relay's view of the answer (the io thread running its call).
   int status = 0;
+  // Its call failed without connecting (net::CallFailure::kNotConnected): the engine never saw it.
+  bool never_connected = false;
   bool streaming = false;  // an SSE answer
   // Neither Content-Length nor chunked: the body ends when the connection does, so an answer cut
   // short arrives as if whole, and only its own syntax can tell.

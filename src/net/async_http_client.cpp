@@ -104,8 +104,9 @@ class ClientLoop {
   void connect(const std::shared_ptr<Call>& call);
   // The resolver's answer for `call` (kResolved).
   void resolved(const std::shared_ptr<Call>& call);
-  // Ends the call: on_done(error), exactly once.
-  void finish(Call& call, const std::string& error);
+  // Ends the call: on_done(error), exactly once; on_failure(failure) first when error is not
+  // empty (a call that succeeded has no failure: the default is never read).
+  void finish(Call& call, const std::string& error, CallFailure failure = CallFailure::kCancelled);
   // The connection finished its call cleanly and may serve another.
   void put_idle(ClientConn* c);
   // The connection is closed: forget it (destroyed at the end of the iteration).
@@ -155,7 +156,7 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   // Sends `call`'s request on this (connected or connecting) connection.
   void attach(const std::shared_ptr<Call>& call, bool reused);
   // Closes the connection and ends its call with `error` (if it has one).
-  void fail(const std::string& error);
+  void fail(CallFailure failure, const std::string& error);
   // Closes an idle connection (or one whose call already ended).
   void close();
   bool usable() const { return detail::idle_connection_usable(fd_); }
@@ -319,6 +320,7 @@ class AsyncHttpClient::Impl : public detail::CallTable {
       call->done = true;
       erase(id);
       try {
+        if (call->handlers.on_failure) call->handlers.on_failure(CallFailure::kNotConnected);
         if (call->handlers.on_done) call->handlers.on_done("the client's io thread has stopped");
       } catch (const std::exception&) {
       }
@@ -384,7 +386,7 @@ void Call::run(int op) {
 // --- ClientLoop --------------------------------------------------------------------------------
 
 void ClientLoop::begin(const std::shared_ptr<Call>& call) {
-  if (call->cancelled) return finish(*call, "cancelled");
+  if (call->cancelled) return finish(*call, "cancelled", CallFailure::kCancelled);
   const AsyncHttpRequest& r = call->request;
   std::string key = r.host + ":" + std::to_string(r.port);
   auto it = idle_.find(key);
@@ -422,9 +424,10 @@ void ClientLoop::connect(const std::shared_ptr<Call>& call) {
 
 void ClientLoop::resolved(const std::shared_ptr<Call>& call) {
   const AsyncHttpRequest& r = call->request;
-  if (call->cancelled) return finish(*call, "cancelled");
+  if (call->cancelled) return finish(*call, "cancelled", CallFailure::kCancelled);
   if (call->addresses.empty())
-    return finish(*call, "cannot resolve the host: " + call->resolve_error);
+    return finish(*call, "cannot resolve the host: " + call->resolve_error,
+                  CallFailure::kNotConnected);
   names_[r.host + ":" + std::to_string(r.port)] = {call->addresses, loop_.now_ms() + kNameTtlMs};
   connect_to(call, std::move(call->addresses));
 }
@@ -439,16 +442,18 @@ void ClientLoop::connect_to(const std::shared_ptr<Call>& call, std::vector<Addre
 
 void ClientLoop::cancel(Call& call) {
   if (call.done) return;
-  if (call.conn) return call.conn->fail("cancelled");  // the server sees the client go
-  finish(call, "cancelled");
+  // the server sees the client go
+  if (call.conn) return call.conn->fail(CallFailure::kCancelled, "cancelled");
+  finish(call, "cancelled", CallFailure::kCancelled);
 }
 
-void ClientLoop::finish(Call& call, const std::string& error) {
+void ClientLoop::finish(Call& call, const std::string& error, CallFailure failure) {
   if (call.done) return;
   call.done = true;
   call.conn = nullptr;
   calls_.erase(call.id);
   try {
+    if (!error.empty() && call.handlers.on_failure) call.handlers.on_failure(failure);
     if (call.handlers.on_done) call.handlers.on_done(error);
   } catch (const std::exception&) {
     // The caller's bug, not the call's: the call is over either way.
@@ -493,9 +498,9 @@ bool ClientConn::guard(F&& f) {
     f();
     return true;
   } catch (const std::exception& e) {
-    fail(e.what());
+    fail(CallFailure::kAnswerBroken, e.what());
   } catch (...) {
-    fail("a callback threw a non-standard exception");
+    fail(CallFailure::kAnswerBroken, "a callback threw a non-standard exception");
   }
   return false;
 }
@@ -561,7 +566,7 @@ bool ClientConn::connect_next(int error) {
     }
     error = errno;
   }
-  fail(std::string("cannot connect: ") + std::strerror(error));
+  fail(CallFailure::kNotConnected, std::string("cannot connect: ") + std::strerror(error));
   return false;
 }
 
@@ -636,7 +641,9 @@ void ClientConn::parse() {
   for (;;) {
     if (phase_ == Phase::kSending || phase_ == Phase::kHead) {
       Parse r = head_parser_.response(in_.view(), head_request_, head_, error_);
-      if (r == Parse::kError) return fail("cannot read the response header: " + error_.message);
+      if (r == Parse::kError)
+        return fail(CallFailure::kAnswerBroken,
+                    "cannot read the response header: " + error_.message);
       if (r == Parse::kNeedMore) {
         if (eof_) {
           if (send_errno_) return io_failed("cannot send the request", std::strerror(send_errno_));
@@ -650,7 +657,8 @@ void ClientConn::parse() {
       }
       // The client never asks for an upgrade: after a 101 the connection speaks something else,
       // and no HTTP answer follows on it.
-      if (head_.status == 101) return fail("the server switched protocols (HTTP 101) unasked");
+      if (head_.status == 101)
+        return fail(CallFailure::kAnswerBroken, "the server switched protocols (HTTP 101) unasked");
       if (head_.status < 200) {
         // An interim response (100 Continue): the real one follows.
         in_.consume(head_.head_bytes);
@@ -670,7 +678,7 @@ void ClientConn::parse() {
       body_parser_.start(head_, UINT64_MAX, home_.options().max_header_bytes);
       phase_ = Phase::kBody;
       timer_.arm(call_->request.timeout);
-      if (call_->cancelled) return fail("cancelled");
+      if (call_->cancelled) return fail(CallFailure::kCancelled, "cancelled");
     }
     if (phase_ != Phase::kBody) return;
     size_t used = 0;
@@ -684,14 +692,17 @@ void ClientConn::parse() {
       piece_.clear();
       if (!more) call_->cancelled = true;
     }
-    if (call_->cancelled) return fail("cancelled");
-    if (r == Parse::kError) return fail("cannot read the response body: " + error_.message);
+    if (call_->cancelled) return fail(CallFailure::kCancelled, "cancelled");
+    if (r == Parse::kError)
+      return fail(CallFailure::kAnswerBroken, "cannot read the response body: " + error_.message);
     if (r == Parse::kDone) return complete();
     if (eof_) {
       // A close ends such a body; a reset or read error cut it.
       if (head_.body == BodyKind::kUntilClose && read_errno_ == 0) return complete();
-      return fail(std::string("cannot read the response body: ") +
-                  (read_errno_ ? std::strerror(read_errno_) : "connection closed by the server"));
+      return fail(
+          CallFailure::kAnswerBroken,
+          std::string("cannot read the response body: ") +
+              (read_errno_ ? std::strerror(read_errno_) : "connection closed by the server"));
     }
     timer_.arm(call_->request.timeout);  // each wait for the next piece is bounded
     if (!read_more_) return;
@@ -721,7 +732,7 @@ void ClientConn::io_failed(const char* step, const std::string& why) {
   // it on another engine while --prefill-retries allow).
   const bool resend = call_ && !call_->retried && !call_->cancelled && reused_ && !got_bytes_ &&
                       (written_ < out_.size() || idempotent_method(call_->request.method));
-  if (!resend) return fail(std::string(step) + ": " + why);
+  if (!resend) return fail(CallFailure::kUnanswered, std::string(step) + ": " + why);
   std::shared_ptr<Call> call = std::move(call_);
   call->conn = nullptr;
   call->retried = true;
@@ -731,26 +742,30 @@ void ClientConn::io_failed(const char* step, const std::string& why) {
 
 void ClientConn::on_timer() {
   const char* step = "cannot read the response body";
+  CallFailure failure = CallFailure::kAnswerBroken;
   switch (phase_) {
     case Phase::kConnecting:
       step = "cannot connect";
+      failure = CallFailure::kNotConnected;
       break;
     case Phase::kSending:
       step = "cannot send the request";
+      failure = CallFailure::kUnanswered;
       break;
     case Phase::kHead:
       step = "cannot read the response header";
+      failure = CallFailure::kUnanswered;
       break;
     default:
       break;
   }
-  fail(std::string(step) + ": timed out");
+  fail(failure, std::string(step) + ": timed out");
 }
 
-void ClientConn::fail(const std::string& error) {
+void ClientConn::fail(CallFailure failure, const std::string& error) {
   std::shared_ptr<Call> call = std::move(call_);
   close();  // a failed or cancelled connection is never reused
-  if (call) home_.finish(*call, error);
+  if (call) home_.finish(*call, error, failure);
 }
 
 void ClientConn::close() {

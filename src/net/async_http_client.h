@@ -7,9 +7,10 @@
 // Each call connects, or reuses an idle keep-alive connection to the same host and port, sends
 // the request, then calls on_head once with the status and headers, on_body for every piece of
 // the body as it arrives (de-chunked), and on_done exactly once: with an empty string when the
-// whole response arrived, else with the reason. All callbacks run on the client's thread, one at
-// a time: keep them short and never block in them. cancel() ends a call from any thread; its
-// on_done then says "cancelled" (unless the call had already finished).
+// whole response arrived, else with the reason, which on_failure (when set) gets first as a
+// CallFailure: how far the call got. All callbacks run on the client's thread, one at a time:
+// keep them short and never block in them. cancel() ends a call from any thread; its on_done
+// then says "cancelled" (unless the call had already finished).
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -36,10 +37,27 @@ struct AsyncHttpRequest {
   std::chrono::milliseconds connect_timeout{0};
 };
 
+// How far a call that failed got: what its server can have seen of it, for callers that decide
+// whether sending the request again is safe.
+enum class CallFailure {
+  // No connection was made (the host did not resolve, refused, or did not answer within the
+  // connect timeout; or the client stopped first): the server never saw the request.
+  kNotConnected,
+  // Connected, but no response head came (the request failed to send, the connection closed or
+  // reset, or the wait timed out): the server may have received and acted on the request.
+  kUnanswered,
+  // The response began and did not end well (cut, malformed, or a callback threw).
+  kAnswerBroken,
+  // cancel(), on_body returning false, or the client shutting down.
+  kCancelled,
+};
+
 struct AsyncHttpHandlers {
   std::function<void(int status, const Headers& headers)> on_head;
   // Return false to stop reading: the call ends as cancelled and its connection is closed.
   std::function<bool(std::string_view piece)> on_body;
+  // A call that failed: how far it got, just before its on_done (never for one that succeeded).
+  std::function<void(CallFailure failure)> on_failure;
   std::function<void(const std::string& error)> on_done;
 };
 

@@ -110,7 +110,17 @@ class FakeEngines final : public Upstream {
   static void finish(Call& c, const std::string& error) {
     if (c.done) return;
     c.done = true;
+    if (!error.empty() && c.handlers.on_failure)
+      c.handlers.on_failure(error == "cancelled" ? net::CallFailure::kCancelled
+                                                 : net::CallFailure::kUnanswered);
     if (c.handlers.on_done) c.handlers.on_done(error);
+  }
+  // The call could not connect (as net::AsyncHttpClient reports it): the engine never saw it.
+  static void unreachable(Call& c) {
+    if (c.done) return;
+    c.done = true;
+    if (c.handlers.on_failure) c.handlers.on_failure(net::CallFailure::kNotConnected);
+    if (c.handlers.on_done) c.handlers.on_done("cannot connect: Connection refused");
   }
 
  private:
@@ -1703,7 +1713,7 @@ TEST(Dispatcher, ASequentialDecodeLegThatCannotConnectGoesToAnotherDecodeEngineW
   auto first = c.engines.open("/v1/completions");
   ASSERT_EQ(first.size(), 1u);
   ASSERT_EQ(host_of(*first[0]), "d1");
-  FakeEngines::finish(*first[0], "cannot connect: Connection refused");
+  FakeEngines::unreachable(*first[0]);
   c.clock.run_ready();
   auto second = c.engines.open("/v1/completions");
   ASSERT_EQ(second.size(), 1u);
@@ -1911,7 +1921,7 @@ TEST(Dispatcher, ARetriedSequentialRequestHoldsOneDecodePlace) {
   prefill_answers(c);
   auto decode = c.engines.open("/v1/completions");
   ASSERT_EQ(decode.size(), 1u);
-  FakeEngines::finish(*decode[0], "cannot connect: Connection refused");  // d1: then d2
+  FakeEngines::unreachable(*decode[0]);  // d1: then d2
   c.clock.run_ready();
   ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);
   // d1 is free (its leg failed), d2 decodes the first request: one more prompt is prefilled.

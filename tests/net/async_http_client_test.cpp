@@ -17,6 +17,7 @@
 #include <functional>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,6 +46,7 @@ struct Outcome {
   int status = 0;
   std::string body, error, content_type;
   int heads = 0, dones = 0;
+  std::optional<CallFailure> failure;  // on_failure's, before on_done
 
   AsyncHttpHandlers handlers(std::function<bool(std::string_view)> on_body = {}) {
     AsyncHttpHandlers h;
@@ -61,8 +63,14 @@ struct Outcome {
       }
       return on_body ? on_body(piece) : true;
     };
+    h.on_failure = [this](CallFailure f) {
+      std::lock_guard lock(m);
+      EXPECT_EQ(dones, 0) << "on_failure after on_done";
+      failure = f;
+    };
     h.on_done = [this](const std::string& e) {
       std::lock_guard lock(m);
+      EXPECT_EQ(e.empty(), !failure.has_value()) << e;
       error = e;
       ++dones;
       cv.notify_all();
@@ -807,6 +815,66 @@ TEST(AsyncClientFraming, AnAnswerWithBareLineFeedsFailsAtOnce) {
   ASSERT_TRUE(o.wait());
   EXPECT_EQ(o.error,
             "cannot read the response header: bare LF line ending (lines must end with CRLF)");
+}
+
+// How far a failed call got, for callers that decide whether sending it again is safe (the
+// gateway sends a sequential decode leg that never reached its engine to another one with the
+// same KV): typed, not read from the error's words. A refused connection never reached the
+// server; a request read whole and then reset may have been acted on; an answer cut short was
+// begun; a cancelled call says so.
+TEST(AsyncClientFailure, EachFailureSaysHowFarTheCallGot) {
+  Signal cancel_now;
+  ScriptedServer engine([&](int& fd, int connection) {
+    std::string buffer;
+    if (!read_request(fd, buffer)) return;
+    if (connection == 0) {  // the whole request read, then a reset
+      const linger reset = {1, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+      ::close(fd);
+      fd = -1;
+    } else if (connection == 1) {  // an answer cut short
+      ScriptedServer::write(fd, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\ncut");
+    } else {  // no answer until the client cancels
+      cancel_now.raise();
+      char byte;
+      while (::recv(fd, &byte, 1, 0) > 0) {
+      }
+    }
+  });
+  AsyncHttpClient client;
+  Outcome refused;
+  client.start(request_to(1, "POST", "{}"), refused.handlers());  // nothing listens on port 1
+  ASSERT_TRUE(refused.wait());
+  EXPECT_EQ(refused.failure, CallFailure::kNotConnected) << refused.error;
+
+  Outcome reset;
+  client.start(request_to(engine.port(), "POST", "{}"), reset.handlers());
+  ASSERT_TRUE(reset.wait());
+  EXPECT_EQ(reset.failure, CallFailure::kUnanswered) << reset.error;
+  EXPECT_EQ(reset.heads, 0);
+
+  Outcome cut;
+  client.start(request_to(engine.port(), "POST", "{}"), cut.handlers());
+  ASSERT_TRUE(cut.wait());
+  EXPECT_EQ(cut.failure, CallFailure::kAnswerBroken) << cut.error;
+  EXPECT_EQ(cut.body, "cut");
+
+  Outcome cancelled;
+  const auto id = client.start(request_to(engine.port(), "POST", "{}"), cancelled.handlers());
+  cancel_now.wait();
+  client.cancel(id);
+  ASSERT_TRUE(cancelled.wait());
+  EXPECT_EQ(cancelled.failure, CallFailure::kCancelled) << cancelled.error;
+
+  Outcome answered;
+  ScriptedServer fine([&](int& fd, int) {
+    std::string buffer;
+    if (read_request(fd, buffer)) answer(fd, "fine");
+  });
+  client.start(request_to(fine.port(), "POST", "{}"), answered.handlers());
+  ASSERT_TRUE(answered.wait());
+  EXPECT_EQ(answered.error, "");
+  EXPECT_FALSE(answered.failure.has_value());
 }
 
 }  // namespace
