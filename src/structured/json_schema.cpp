@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -179,12 +181,12 @@ class SchemaCompiler {
       if (schema.contains("minLength") || schema.contains("maxLength") ||
           schema.contains("pattern") || schema.contains("format"))
         return string(schema, where);
-      // Bounds alike constrain only numbers, and are enforced on integers alone.
+      // Bounds alike constrain only numbers, and are enforced where the schema says which.
       for (const char* k : kBounds)
         if (schema.contains(k))
           fail(where + "/" + k, std::string("'") + k +
-                                    "' is enforced on integers only: give the schema "
-                                    "\"type\": \"integer\"");
+                                    "' is enforced on integers and numbers only: give the schema "
+                                    "\"type\": \"integer\" or \"number\"");
       return any_value();
     }
     const std::vector<std::string> types = type_names(schema, where);
@@ -251,14 +253,7 @@ class SchemaCompiler {
     if (type == "array") return array(schema, where);
     if (type == "string") return string(schema, where);
     if (type == "integer") return integer(schema, where);
-    if (type == "number") {
-      for (const char* k : kBounds)
-        if (schema.contains(k))
-          fail(where + "/" + k, std::string("'") + k +
-                                    "' on a number is not supported in structured outputs (it "
-                                    "would not be enforced; bounds are enforced on integers)");
-      return number();
-    }
+    if (type == "number") return bounded_number(schema, where);
     if (type == "boolean") return boolean();
     if (type == "null") return null();
     fail(where + "/type", "unknown type '" + type + "'");
@@ -904,6 +899,187 @@ class SchemaCompiler {
       p.push_back(g_.byte(uint8_t(b[i])));
       same_length(std::string(b_rest.size(), '0'), b_rest, std::move(p), out);
     }
+  }
+
+  // A number's magnitude, exactly: its whole part and its fraction's digits (no trailing zeros).
+  // Ordered as numbers are.
+  struct Decimal {
+    int64_t whole = 0;
+    std::string fraction;
+    bool operator<=(const Decimal& o) const {
+      return whole != o.whole ? whole < o.whole : fraction <= o.fraction;
+    }
+  };
+  // The largest magnitude an answer may write: kMaxIntegerDigits nines, then kMaxFractionDigits.
+  static Decimal largest_magnitude() {
+    return {kLargestInteger, std::string(size_t(kMaxFractionDigits), '9')};
+  }
+
+  // |d| as the shortest decimal that reads back as d (what Python's repr and JSON encoders
+  // write), within largest_magnitude().
+  static Decimal magnitude(double d) {
+    d = std::fabs(d);
+    if (d >= 1e16) return largest_magnitude();
+    char buf[64];
+    const auto end = std::to_chars(buf, buf + sizeof buf, d, std::chars_format::scientific).ptr;
+    const std::string text(buf, end);  // "d.ddde+XX"
+    const size_t e = text.find('e');
+    std::string digits = text.substr(0, e);
+    digits.erase(std::remove(digits.begin(), digits.end(), '.'), digits.end());
+    const int exponent = std::stoi(text.substr(e + 1));  // the point is after digit exponent + 1
+    Decimal out;
+    if (exponent < 0) {
+      out.fraction = std::string(size_t(-exponent - 1), '0') + digits;
+    } else {
+      digits.resize(std::max(digits.size(), size_t(exponent) + 1), '0');
+      out.whole = std::stoll(digits.substr(0, size_t(exponent) + 1));
+      out.fraction = digits.substr(size_t(exponent) + 1);
+    }
+    while (!out.fraction.empty() && out.fraction.back() == '0') out.fraction.pop_back();
+    return out;
+  }
+
+  // A "number" within the schema's bounds when it has any. Answers in a range are written without
+  // an exponent, in at most kMaxIntegerDigits and kMaxFractionDigits digits, never as -0 (a subset
+  // of the numbers in the range). A text is taken when its exact decimal value lies between the
+  // bounds as JSON encoders write them (shortest round trip), the bound past an exclusive one
+  // (the next double): then the double a JSON parser reads, rounding monotonically, is within
+  // the bounds too (and an integer text, which Python compares exactly, as well: below 10^16 no
+  // integer lies between a double and its shortest decimal).
+  Symbol bounded_number(const json& schema, const std::string& where) {
+    bool bounded = false;
+    for (const char* k : kBounds) bounded = bounded || schema.contains(k);
+    if (!bounded) return number();
+    const double inf = std::numeric_limits<double>::infinity();
+    double lo = -inf, hi = inf;
+    if (auto v = bound(schema, "minimum", where)) lo = std::max(lo, *v);
+    if (auto v = bound(schema, "exclusiveMinimum", where))
+      lo = std::max(lo, std::nextafter(*v, inf));
+    if (auto v = bound(schema, "maximum", where)) hi = std::min(hi, *v);
+    if (auto v = bound(schema, "exclusiveMaximum", where))
+      hi = std::min(hi, std::nextafter(*v, -inf));
+    // Past what an answer may write, a side is open.
+    const Decimal top = largest_magnitude();
+    const Decimal lo_mag = lo < 0 ? magnitude(lo) : Decimal{}, hi_mag = magnitude(hi);
+    // The positive side (0 included) up to hi, the negative side up to -lo (no zero: '-0').
+    std::vector<Sequence> alts;
+    if (hi >= 0) {
+      const Decimal from = lo > 0 ? magnitude(lo) : Decimal{};
+      const Decimal to = hi == inf ? top : hi_mag;
+      if (from <= to) alts.push_back({magnitudes(from, to)});
+    }
+    if (lo < 0) {
+      const Decimal tiny{0, std::string(size_t(kMaxFractionDigits - 1), '0') + "1"};
+      Decimal from = hi < 0 ? hi_mag : tiny;
+      if (from <= tiny) from = tiny;
+      const Decimal to = lo == -inf ? top : lo_mag;
+      if (from <= to) alts.push_back({g_.byte('-'), magnitudes(from, to)});
+    }
+    if (alts.empty())
+      fail(where, "no number of at most " + std::to_string(kMaxIntegerDigits) + " digits and " +
+                      std::to_string(kMaxFractionDigits) +
+                      " fraction digits lies within the schema's bounds (minimum, maximum, "
+                      "exclusiveMinimum, exclusiveMaximum)");
+    return g_.any_of(std::move(alts));
+  }
+
+  // The texts (whole part, then '.' and fraction digits or nothing) of the magnitudes a..b.
+  Symbol magnitudes(const Decimal& a, const Decimal& b) {
+    const int fd = kMaxFractionDigits;
+    auto text_of = [&](int64_t whole) { return g_.literal(std::to_string(whole)); };
+    auto then_fraction = [&](Sequence whole, const Fractions& f) {
+      std::vector<Sequence> out;
+      if (f.empty) out.push_back(whole);
+      if (!f.digits.empty()) {
+        whole.push_back(g_.byte('.'));
+        whole.push_back(g_.any_of(f.digits));
+        out.push_back(std::move(whole));
+      }
+      return out;
+    };
+    std::vector<Sequence> alts;
+    auto add = [&](std::vector<Sequence> more) {
+      for (auto& m : more) alts.push_back(std::move(m));
+    };
+    if (a.whole == b.whole) {
+      add(then_fraction(text_of(a.whole), fractions_between(a.fraction, b.fraction, fd)));
+    } else {
+      add(then_fraction(text_of(a.whole), fractions_from(a.fraction, fd)));
+      if (a.whole + 1 <= b.whole - 1) {
+        const Symbol digit = g_.bytes(byte_range('0', '9'));
+        alts.push_back({naturals(a.whole + 1, b.whole - 1),
+                        g_.repeat({g_.byte('.'), g_.repeat({digit}, 1, fd)}, 0, 1)});
+      }
+      add(then_fraction(text_of(b.whole), fractions_to(b.fraction, fd)));
+    }
+    return g_.any_of(std::move(alts));
+  }
+
+  // Digit strings F of at most `length` digits read as the fraction 0.F: `empty` whether F may
+  // be empty (no fraction), `digits` the alternatives of the others, each led by its first digit
+  // (distinct ones, so that a matcher holds one stack per fraction read).
+  struct Fractions {
+    bool empty = false;
+    std::vector<Sequence> digits;
+  };
+  Symbol fractions_rule(Fractions f) {
+    if (f.empty) f.digits.push_back({});
+    return g_.any_of(std::move(f.digits));
+  }
+  Symbol digit_run(int lo_digit, int hi_digit, int rest) {
+    return g_.any_of({{g_.bytes(byte_range('0' + lo_digit, '0' + hi_digit)),
+                       g_.repeat({g_.bytes(byte_range('0', '9'))}, 0, rest)}});
+  }
+  // 0.F >= 0.s.
+  Fractions fractions_from(const std::string& s, int length) {
+    Fractions out;
+    if (s.empty()) {
+      out.empty = true;
+      if (length > 0) out.digits.push_back({digit_run(0, 9, length - 1)});
+      return out;
+    }
+    if (length == 0) return out;
+    const int d = s[0] - '0';
+    if (d < 9) out.digits.push_back({digit_run(d + 1, 9, length - 1)});
+    Fractions rest = fractions_from(s.substr(1), length - 1);
+    if (rest.empty || !rest.digits.empty())
+      out.digits.push_back({g_.byte(uint8_t(s[0])), fractions_rule(std::move(rest))});
+    return out;
+  }
+  // 0.F <= 0.s.
+  Fractions fractions_to(const std::string& s, int length) {
+    Fractions out;
+    out.empty = true;
+    if (length == 0) return out;
+    if (s.empty()) {
+      out.digits.push_back({g_.repeat({g_.byte('0')}, 1, length)});
+      return out;
+    }
+    const int d = s[0] - '0';
+    if (d > 0) out.digits.push_back({digit_run(0, d - 1, length - 1)});
+    out.digits.push_back(
+        {g_.byte(uint8_t(s[0])), fractions_rule(fractions_to(s.substr(1), length - 1))});
+    return out;
+  }
+  // 0.s <= 0.F <= 0.t (0.s <= 0.t).
+  Fractions fractions_between(const std::string& s, const std::string& t, int length) {
+    if (s.empty()) return fractions_to(t, length);
+    Fractions out;
+    if (length == 0) return out;
+    const int d = s[0] - '0', e = t[0] - '0';  // t is not empty: 0.t >= 0.s > 0
+    if (d == e) {
+      Fractions rest = fractions_between(s.substr(1), t.substr(1), length - 1);
+      if (rest.empty || !rest.digits.empty())
+        out.digits.push_back({g_.byte(uint8_t(s[0])), fractions_rule(std::move(rest))});
+      return out;
+    }
+    Fractions from = fractions_from(s.substr(1), length - 1);
+    if (from.empty || !from.digits.empty())
+      out.digits.push_back({g_.byte(uint8_t(s[0])), fractions_rule(std::move(from))});
+    if (d + 1 <= e - 1) out.digits.push_back({digit_run(d + 1, e - 1, length - 1)});
+    out.digits.push_back(
+        {g_.byte(uint8_t(t[0])), fractions_rule(fractions_to(t.substr(1), length - 1))});
+    return out;
   }
 
   Symbol integer() {

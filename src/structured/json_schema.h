@@ -6,8 +6,9 @@
 // (structured/regex.h), its format by structured/string_formats.h, either within minLength and
 // maxLength (characters of the value, however written; beside a pattern or format at a cost that
 // grows with maxLength, bounded: structured/regex.h, kMaxCountedSteps); numeric bounds are
-// enforced on integers. Keywords that constrain values in ways a grammar here cannot (multipleOf,
-// bounds on numbers, unknown formats, ...) are refused by name, never ignored.
+// enforced on integers and numbers (a number within bounds is written without an exponent).
+// Keywords that constrain values in ways a grammar here cannot (multipleOf, unknown formats, ...)
+// are refused by name, never ignored.
 #include <nlohmann/json.hpp>
 
 #include "structured/grammar.h"

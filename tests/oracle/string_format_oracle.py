@@ -19,11 +19,17 @@ and writes [[{"valid": bool, "canonical": bool, "why": str}, ...], ...], one lis
                           trailing dot, and that Python's idna codec encodes;
   pattern                 a string that re.fullmatch(check["pattern"]) accepts, in Tandem's
                           flavour (structured_output_oracle.tandem_flavour);
-  integer                 an integer (not a bool) from check["minimum"] to check["maximum"].
+  integer                 an integer (not a bool) from check["minimum"] to check["maximum"];
+  number                  a number (not a bool) within check's minimum, maximum,
+                          exclusiveMinimum and exclusiveMaximum (those given), compared as
+                          Python compares what json.loads reads (an int exactly, a float as a
+                          double), as jsonschema does.
 Any kind but integer also takes check["minLength"] and check["maxLength"]: the string's length
 in characters (code points, Python's len) must lie within them.
 "canonical": the text is the value as json.dumps(value, ensure_ascii=False) writes it (one
-spelling of each string; for integers, no '-0'), white space around it aside.
+spelling of each string; for integers, no '-0'), white space around it aside; for numbers, the
+text is written as Tandem writes a number within bounds: no exponent, at most 16 digits before the
+point and 16 after, and not a negative zero ('-0', '-0.0').
 Times have at most 6 fraction digits, the microseconds Python keeps (it cuts more off silently),
 which Tandem's formats write (src/structured/string_formats.cpp)."""
 import ipaddress
@@ -40,6 +46,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from structured_output_oracle import tandem_flavour  # noqa: E402
 
+NUMBER_TEXT = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?"
 TIME = r"\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})"
 SHAPES = {
     "date": r"\d{4}-\d{2}-\d{2}",
@@ -154,6 +161,15 @@ def judge(check, text):
         if kind == "integer":
             ok = type(v) is int and check["minimum"] <= v <= check["maximum"]
             why = None if ok else "not an integer in range"
+        elif kind == "number":
+            ok = type(v) in (int, float)
+            ok = ok and v >= check.get("minimum", v) and v <= check.get("maximum", v)
+            ok = ok and ("exclusiveMinimum" not in check or v > check["exclusiveMinimum"])
+            ok = ok and ("exclusiveMaximum" not in check or v < check["exclusiveMaximum"])
+            why = None if ok else "not a number in range"
+            stripped = text.strip(" \t\n\r")
+            canonical = bool(re.fullmatch(NUMBER_TEXT, stripped)) and not (
+                stripped.startswith("-") and ok and v == 0)
         elif not isinstance(v, str):
             why = "not a string"
         else:

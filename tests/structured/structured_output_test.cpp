@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <pthread.h>
 
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -576,8 +577,7 @@ TEST(StructuredOutput, UnsupportedSchemaKeywordsAndRegexConstructsAreNamed) {
       error(K::kJsonSchema, R"({"properties": {"d": {"type": "array", "uniqueItems": true}}})")
           .find("#/properties/d: the keyword 'uniqueItems'"),
       std::string::npos);
-  EXPECT_NE(error(K::kJsonSchema, R"({"type": "number", "minimum": 0})").find("'minimum'"),
-            std::string::npos);
+  EXPECT_NE(error(K::kJsonSchema, R"({"minimum": 0})").find("'minimum'"), std::string::npos);
   EXPECT_NE(error(K::kJsonSchema, R"({"type": "object", "required": ["x"]})").find("required"),
             std::string::npos);
   EXPECT_NE(error(K::kJsonSchema, R"({"$ref": "#/$defs/missing"})").find("#/$defs/missing"),
@@ -1597,6 +1597,51 @@ TEST(StructuredOutput, UriUriReferenceAndHostnameFormatsAcceptExactlyTheirRfcs) 
   expect_grammars_agree_with_the_oracle(cases);
 }
 
+// The same bounds on "type": "number": numbers whose value, as a JSON parser reads it (Python
+// compares an int exactly, a float as a double), lies in the range, written without an exponent,
+// in at most 16 digits before the point and 16 after, never as -0 (string_format_oracle.py's
+// "number").
+TEST(StructuredOutput, NumberBoundsAcceptExactlyTheNumbersInTheRange) {
+  const std::vector<json> ranges = {
+      {{"minimum", 0}, {"maximum", 1}},
+      {{"minimum", -2.5}, {"exclusiveMaximum", 0.1}},
+      {{"exclusiveMinimum", 0}},
+      {{"maximum", -0.001}},
+      {{"minimum", 1.25}, {"maximum", 1.375}},
+      {{"minimum", -100}, {"maximum", 100}},
+      {{"exclusiveMinimum", 99.5}, {"exclusiveMaximum", 100.5}},
+      {{"minimum", 0.1}, {"maximum", 0.3}},
+      {{"minimum", 3}, {"maximum", 3}},
+      {{"minimum", -7.75}, {"maximum", -7.5}},
+      {{"minimum", -1e30}, {"maximum", 1e30}},
+  };
+  std::vector<FormatCheck> cases;
+  for (const auto& r : ranges) {
+    json schema = r;
+    schema["type"] = "number";
+    json check = r;
+    check["kind"] = "number";
+    std::vector<std::string> extra = {"-0",
+                                      "-0.0",
+                                      "0",
+                                      "0.0",
+                                      "1e2",
+                                      "0.5",
+                                      "00.5",
+                                      "1.",
+                                      ".5",
+                                      "0.10000000000000001",
+                                      "0.1000000000000001"};
+    for (const auto& [k, v] : r.items())
+      for (double d : {-0.01, -0.001, 0.0, 0.001, 0.01}) {
+        const double x = v.get<double>() + d;
+        if (std::fabs(x) < 1e15) extra.push_back(json(x).dump());
+      }
+    cases.push_back({schema, check, extra});
+  }
+  expect_grammars_agree_with_the_oracle(cases);
+}
+
 // What is not enforced is refused, naming the keyword (or the format) and where it stands.
 TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByName) {
   auto error = [](const json& schema) {
@@ -1633,14 +1678,16 @@ TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByN
   refused({{"type", "integer"}, {"minimum", 5}, {"maximum", 4}}, "no integer");
   refused({{"type", "integer"}, {"minimum", "0"}}, "#/minimum: 'minimum' must be a number");
   refused({{"type", "integer"}, {"exclusiveMinimum", true}}, "'exclusiveMinimum' must be a number");
-  refused({{"type", "number"}, {"minimum", 0}}, "'minimum' on a number");
+  refused({{"type", "number"}, {"minimum", 5}, {"exclusiveMaximum", 5}}, "#: no number");
+  refused({{"minimum", 0}}, "#/minimum: 'minimum' is enforced on integers and numbers only");
   // Where they do not apply, as JSON Schema has it, they constrain nothing: a format or pattern
   // beside "type": "integer", bounds beside "type": "string".
   EXPECT_EQ(error({{"type", "integer"}, {"format", "int64"}}), "(compiled)");
   EXPECT_EQ(error({{"type", "string"}, {"minimum", 3}}), "(compiled)");
 }
 
-// Pydantic's datetime, date, UUID, EmailStr, constr(pattern=...) and conint(ge=..., le=...)
+// Pydantic's datetime, date, UUID, EmailStr, constr(pattern=...), conint(ge=..., le=...),
+// confloat(gt=..., le=...) and HttpUrl (its maxLength 40, not 2083, so that random walks end)
 // fields, as OpenAI's client.beta.chat.completions.parse sends them: answers sampled through the
 // masks of a real vocabulary are valid JSON whose fields Python's parsers read.
 TEST(StructuredOutput, AnswersToAPydanticModelWithFormatsReadBackThroughPythonsParsers) {
@@ -1653,8 +1700,10 @@ TEST(StructuredOutput, AnswersToAPydanticModelWithFormatsReadBackThroughPythonsP
       "mail": {"type": "string", "format": "email"},
       "code": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
       "seats": {"type": "integer", "minimum": 1, "maximum": 12},
+      "rating": {"type": "number", "exclusiveMinimum": 0, "maximum": 5},
+      "site": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 40},
       "note": {"anyOf": [{"type": "string", "format": "time"}, {"type": "null"}]}},
-    "required": ["when", "day", "id", "mail", "code", "seats", "note"]})");
+    "required": ["when", "day", "id", "mail", "code", "seats", "rating", "site", "note"]})");
   StructuredOutputs outputs(std::make_shared<const text::Tokenizer>(
       text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"))));
   std::mt19937 rng(5);
@@ -1667,7 +1716,9 @@ TEST(StructuredOutput, AnswersToAPydanticModelWithFormatsReadBackThroughPythonsP
       {"id", {{"kind", "uuid"}}},
       {"mail", {{"kind", "email"}}},
       {"code", {{"kind", "pattern"}, {"pattern", "^[A-Z]{3}-\\d{2}$"}}},
-      {"seats", {{"kind", "integer"}, {"minimum", 1}, {"maximum", 12}}}};
+      {"seats", {{"kind", "integer"}, {"minimum", 1}, {"maximum", 12}}},
+      {"rating", {{"kind", "number"}, {"exclusiveMinimum", 0}, {"maximum", 5}}},
+      {"site", {{"kind", "uri"}, {"minLength", 1}, {"maxLength", 40}}}};
   json checks = json::array();
   for (const auto& [name, check] : fields) {
     json c = check;
