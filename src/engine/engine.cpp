@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <random>
 
 #include "util/duration.h"
@@ -457,16 +458,28 @@ void Engine::loop() {
       if (stopping_) return;
     }
     if (run_once()) continue;
-    // Nothing could be scheduled (what waits, decode legs included, needs blocks that KV
-    // transfers hold: the scheduler admits whatever fits, even in a step that preempted): never
-    // spin, retry shortly or at the next submission, abort or transfer's end.
+    // Nothing could be scheduled: what waits needs blocks that KV transfers or legs receiving
+    // their KV hold. A pass with nothing new would schedule nothing again: sleep until an event
+    // or a leg's wait for blocks runs out, not a 50 ms poll (a full pass each time).
     if (scheduler_.has_schedulable()) {
+      const double until = wakes_by_itself_at();
       std::unique_lock lock(mutex_);
-      wake_.wait_for(lock, std::chrono::milliseconds(50), [&] {
+      auto event = [&] {
         return stopping_ || !incoming_.empty() || !aborts_.empty() || !tasks_.empty();
-      });
+      };
+      if (until == std::numeric_limits<double>::infinity()) {
+        wake_.wait(lock, event);
+      } else {
+        // A millisecond past it: a wait rounded to before it would find no leg overdue yet.
+        const double left = std::max(until - now(), 0.0);
+        wake_.wait_for(lock, milliseconds_of(left) + std::chrono::milliseconds(1), event);
+      }
     }
   }
+}
+
+double Engine::wakes_by_itself_at() const {
+  return pd_ ? pd_->next_overdue() : std::numeric_limits<double>::infinity();
 }
 
 bool Engine::run_once() {

@@ -103,6 +103,11 @@ class Engine final : private PdHost {
   // Whether run_once() has anything to do (a submission, abort or task, or a sequence in the
   // scheduler that is not receiving its KV: a decode leg waiting for blocks counts).
   bool has_work() const;
+  // Engine thread. After a pass that scheduled nothing, when the loop runs again without an
+  // event (a submission, an abort, a posted task: outside a step only these free blocks): when
+  // the first decode leg's wait for blocks runs out (the engine's clock); +infinity when none
+  // waits for blocks.
+  double wakes_by_itself_at() const;
 
   // Thread-safe. What can be checked up front about a request alone (ids in the vocabulary,
   // prompt plus max_tokens within the model's length and the KV cache, a KV transfer this engine

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -224,6 +225,28 @@ TEST_F(DecodeLegs, ALegWaitingForItsKvIsWaitingAndItsPromptIsNoQueuedPrefill) {
   ASSERT_TRUE(finished_.count("leg"));
   EXPECT_EQ(finished_["leg"].completion_tokens, 4);
   EXPECT_EQ(engine_->load().waiting, 0);
+}
+
+// While a leg waits for blocks, the engine thread sleeps until an event (a submission, an abort,
+// a transfer's end: outside a step only these free blocks) or until the leg's wait runs out; it
+// woke every 50 ms for a pass that scheduled nothing. The abort that frees the blocks gives them
+// to the leg in the pass that takes the abort in.
+TEST_F(DecodeLegs, ALegWaitingForBlocksWakesTheEngineByItselfOnlyWhenItsWaitRunsOut) {
+  start(8);
+  fake_->instant = false;
+  submit("long", 100, 100, 20, /*local=*/true);  // 7 blocks: the leg waits for blocks
+  step();
+  EXPECT_EQ(engine_->wakes_by_itself_at(), std::numeric_limits<double>::infinity());
+  const double arrival = now_;
+  submit("leg", 40, 9000, 4);
+  step();
+  ASSERT_TRUE(fake_->fetched.empty());
+  EXPECT_EQ(engine_->wakes_by_itself_at(), arrival + KvTransferConfig{}.timeout_s);
+  engine_->abort("long");
+  step();
+  EXPECT_EQ(fake_->fetched, std::vector<std::string>{"leg"});
+  EXPECT_EQ(engine_->wakes_by_itself_at(), std::numeric_limits<double>::infinity())
+      << "receiving its KV: the fetch's end is an event";
 }
 
 }  // namespace

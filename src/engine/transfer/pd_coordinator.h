@@ -14,7 +14,9 @@
 //               cancelled fetch that still runs).
 //
 // The engine is reached through PdHost; the transfers through KvTransfers (kv_transfers.h).
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -62,6 +64,15 @@ class PdCoordinator {
   void start_fetches(std::span<Sequence* const> legs);
   // Fails the decode legs that waited for blocks longer than the timeout; returns how many.
   size_t fail_overdue(double now);
+  // When fail_overdue() would first fail a leg (the engine sleeps until then if nothing else
+  // happens); +infinity when none waits for blocks.
+  double next_overdue() const {
+    double first = std::numeric_limits<double>::infinity();
+    for (const Sequence* seq : awaiting_kv_)
+      if (seq->kv_state == KvTransferState::kAwaitingBlocks)
+        first = std::min(first, seq->arrival_time + timeout_s_);
+    return first;
+  }
   size_t waiting_for_kv() const { return awaiting_kv_.size(); }
 
   // Around the forward pass of a step: the hook that streams the layers of prefills completing a
