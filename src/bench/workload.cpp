@@ -658,6 +658,9 @@ std::vector<AzureRecord> read_azure_trace(const std::filesystem::path& path,
   require(in.good(), what + ": cannot open the file");
   std::string line;
   require(read_line(in, line, what, 1), what + ": empty file (expected a header)");
+  // A UTF-8 byte order mark (a CSV saved by Excel) is not part of the first column's name;
+  // pandas drops it too.
+  if (line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);
   const size_t columns = csv_field_count(line);
   require(columns <= kMaxCsvColumns, what + ":1: a header of " + std::to_string(columns) +
                                          " columns; expected at most " +

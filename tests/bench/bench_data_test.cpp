@@ -583,6 +583,27 @@ TEST_F(BenchData, AzureTraceHead) {
   expect_round_trip(w, w.size());
 }
 
+// A CSV saved by Excel (a UTF-8 byte order mark first) reads as the same trace, as pandas reads
+// it: the mark was part of the first column's name, so the header "had no TIMESTAMP". (The
+// Azure files end their lines with CRLF already.)
+TEST_F(BenchData, AnAzureTraceWithAByteOrderMarkReadsTheSame) {
+  std::ifstream original(azure_path(), std::ios::binary);
+  const auto path = test::scratch_path("azure-bom", ".csv");
+  {
+    std::ofstream f(path, std::ios::binary);
+    f << "\xEF\xBB\xBF";
+    f << original.rdbuf();
+  }
+  const auto expected = read_azure_trace(azure_path(), {});
+  const auto records = read_azure_trace(path, {});
+  ASSERT_EQ(records.size(), expected.size());
+  for (size_t i = 0; i < records.size(); ++i) {
+    EXPECT_EQ(records[i].offset_s, expected[i].offset_s) << i;
+    EXPECT_EQ(records[i].context_tokens, expected[i].context_tokens) << i;
+    EXPECT_EQ(records[i].generated_tokens, expected[i].generated_tokens) << i;
+  }
+}
+
 TEST_F(BenchData, AzureErrorsNameTheField) {
   const auto path = test::temp_path("azure");
   {
