@@ -14,7 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/cpu/ops.h"
+#include "model/deepseek.h"
+#include "model/latent_cache.h"
 #include "model/model_test_support.h"
+#include "model/random_checkpoint.h"
 #include "model/tensor_binder.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -662,6 +665,46 @@ TEST(TensorBinder, AMisalignedFloatTensorIsBoundAlignedWithItsValuesAndAnAligned
   std::vector<float> row(2);
   kernels::matrix_row(bm, 1, row.data());
   EXPECT_EQ(row, (std::vector<float>{3.0f, 0.125f}));
+}
+
+// Files written before the safetensors library padded its header to 8 bytes start their data at
+// any offset, so every tensor of them may be misaligned. Such a checkpoint (here tandem's own
+// with one more space in each header) loads into the same model: every matrix, packed or read in
+// place, gives the logits the aligned file gives.
+TEST(TensorBinder, AModelWhoseTensorsAreAllMisalignedComputesTheSameLogits) {
+  test::TempDir aligned("st-model-aligned"), shifted("st-model-shifted");
+  const ModelConfig c = test::small_vocab_tiny_v3();
+  test::write_random_checkpoint(aligned.path(), c);
+  test::write_random_checkpoint(shifted.path(), c);
+  size_t shards = 0;
+  for (const auto& entry : fs::directory_iterator(shifted.path())) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::string raw = test::read_bytes(entry.path());
+    uint64_t header_len = 0;
+    std::memcpy(&header_len, raw.data(), 8);
+    raw.insert(8 + header_len, " ");  // trailing JSON whitespace: the header is still valid
+    ++header_len;
+    std::memcpy(raw.data(), &header_len, 8);
+    test::write_bytes(entry.path(), raw);
+    ++shards;
+  }
+  ASSERT_GT(shards, 0u);
+  const Checkpoint ck = Checkpoint::open(shifted.path());
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(ck.find("model.embed_tokens.weight")->data) % 2, 1u);
+
+  auto logits_of = [](const fs::path& dir) {
+    const DeepSeekModel model = DeepSeekModel::load(dir);
+    LatentCache cache(model.cache_shape(16), 4);
+    std::vector<int32_t> prompt;
+    for (int32_t i = 0; i < 20; ++i) prompt.push_back(5 + 37 * i);
+    const std::vector<int32_t> table = {0, 1};
+    SequenceStep step{prompt, 0, table, LogitRows::kAll};
+    const auto logits = model.forward(std::span(&step, 1), cache).logits;
+    return std::vector<float>(logits.begin(), logits.end());
+  };
+  const std::vector<float> want = logits_of(aligned.path());
+  ASSERT_FALSE(want.empty());
+  EXPECT_EQ(logits_of(shifted.path()), want);
 }
 
 // The files the writer produces, read by an independent Python reader that also checks the
