@@ -151,6 +151,19 @@ TEST(Cli, ChatsWithToolsRenderAsTheServerRendersThem) {
   EXPECT_EQ(nlohmann::json::parse(r.output)["ids"].get<std::vector<text::TokenId>>(),
             server.prompts.at(0));
 
+  // Tools given in the chat file, a template variable like the others, are taken the same way;
+  // given there and by --tools too, they are refused.
+  const std::string chat_with_tools =
+      write_temp("chat-with-tools", R"({"messages": )" + messages + R"(, "tools": )" + tools + "}");
+  const auto in_chat = run("tokenize --model " + kModel +
+                           " --json --add-generation-prompt --chat-file " + chat_with_tools);
+  ASSERT_EQ(in_chat.status, 0) << in_chat.output;
+  EXPECT_EQ(nlohmann::json::parse(in_chat.output)["ids"], nlohmann::json::parse(r.output)["ids"]);
+  const auto twice = run("tokenize --model " + kModel + " --chat-file " + chat_with_tools +
+                         " --tools " + write_temp("tools", tools));
+  EXPECT_EQ(twice.status, 1);
+  EXPECT_THAT(twice.output, HasSubstr(chat_with_tools + ": has \"tools\" and --tools"));
+
   const std::string null_type = write_temp("null-type-tools", R"([{"type": null,
     "function": {"name": "now"}}])");
   const auto refused = run("tokenize --model " + kModel + " --chat-file " +
