@@ -378,6 +378,7 @@ void Dispatcher::start(const RequestPtr& r, int prefill, int decode) {
     // one's (a retry's prefill engine may report none).
     std::lock_guard lock(r->mutex);
     r->cached_tokens_reported = -1;
+    r->cached_tokens_attempt = r->attempt;
   }
   if (prefill >= 0) {
     const EndpointState& p = *endpoints_.find(prefill);

@@ -130,7 +130,9 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
   l.cached_tokens = usage_cached_tokens(l.body);
   if (l.cached_tokens >= 0) {
     std::lock_guard lock(r->mutex);
-    r->cached_tokens_reported = l.cached_tokens;
+    // A leg of an attempt given up (its answer crossed the cancel) may end after the retry
+    // started: what its engine reused is no report of the retry's.
+    if (attempt == r->cached_tokens_attempt) r->cached_tokens_reported = l.cached_tokens;
   }
   if (topo_.mode != PdMode::kSequential) {  // parallel: the decode leg answers
     l.body = {};

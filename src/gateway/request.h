@@ -170,7 +170,8 @@ struct Request {
   int64_t output_events = 0, first_token_ns = 0, last_token_ns = 0;
   int64_t completion_tokens = -1;       // from a usage object, when one was seen
   int64_t cached_tokens_reported = -1;  // by the engine that computed the prompt, when it said
-  std::vector<double> itl;              // inter-token gaps, seconds
+  int cached_tokens_attempt = 0;  // the attempt that report is for (reset with it, under the mutex)
+  std::vector<double> itl;        // inter-token gaps, seconds
 
   bool ended() {
     std::lock_guard lock(mutex);

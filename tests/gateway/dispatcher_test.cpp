@@ -64,6 +64,7 @@ class FakeEngines final : public Upstream {
     for (auto& c : calls_)
       if (c->id == id && !c->done) {
         c->cancelled = true;
+        if (answer_after_cancel) continue;
         if (answer_crossing_cancel.empty())
           finish(*c, "cancelled");
         else
@@ -74,6 +75,10 @@ class FakeEngines final : public Upstream {
   // with that answer (the answer and the cancel crossed, as they may on the real client).
   std::string answer_crossing_cancel;
   int answer_crossing_cancel_status = 200;
+  // When set, a call the gateway cancels stays open for the test to end: its answer crossed the
+  // cancel and arrives later (on the real client, another io thread's, after the scheduler moved
+  // on).
+  bool answer_after_cancel = false;
 
   // The calls not yet answered to `target` (e.g. "/v1/completions"), oldest first.
   // A call's target without its query (a load poll asks for the steps after one it saw).
@@ -2284,6 +2289,38 @@ TEST(Dispatcher, AnEarlierAttemptsCachedTokensAreNotReportedForARetry) {
   const std::string answer =
       R"({"choices":[{"text":"x"}],"usage":{"prompt_tokens_details":{"cached_tokens":0}}})";
   FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 200, answer);
+  c.clock.run_ready();
+  ASSERT_EQ(client->status, 200);
+  EXPECT_EQ(client->body, answer);
+}
+
+// A prefill leg of a failed attempt whose answer crossed the gateway's cancel and arrived after
+// the retry started reported its engine's reuse (48) as the retry's: the client was told of reuse
+// that the retry's prefill engine, which reported none, did not have.
+TEST(Dispatcher, AGivenUpPrefillLegsLateAnswerDoesNotReportItsReuseForTheRetry) {
+  Cluster c(parallel_pairs_with_one_retry());
+  auto client = c.send();
+  auto legs = c.engines.open("/v1/completions");
+  ASSERT_EQ(legs.size(), 2u);
+  ASSERT_EQ(host_of(*legs[0]), "p1");
+  c.engines.answer_after_cancel = true;
+  FakeEngines::answer(*legs[1], 500, R"({"error":{"message":"decode failed"}})");
+  c.clock.run_ready();
+  auto retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 3u);  // the first prefill leg, cancelled but still open; the retry's
+  ASSERT_TRUE(legs[0]->cancelled);
+  FakeEngines::answer(
+      *legs[0], 200,
+      R"({"choices":[{"text":"x"}],"usage":{"prompt_tokens":64,"prompt_tokens_details":{"cached_tokens":48}}})");
+  c.clock.run_ready();
+  retry = c.engines.open("/v1/completions");
+  ASSERT_EQ(retry.size(), 2u);
+  ASSERT_EQ(host_of(*retry[0]), "p2");
+  FakeEngines::answer(*retry[0], 200, R"({"choices":[{"text":"x"}]})");  // no usage
+  c.clock.run_ready();
+  const std::string answer =
+      R"({"choices":[{"text":"y"}],"usage":{"prompt_tokens_details":{"cached_tokens":0}}})";
+  FakeEngines::answer(*retry[1], 200, answer);
   c.clock.run_ready();
   ASSERT_EQ(client->status, 200);
   EXPECT_EQ(client->body, answer);
