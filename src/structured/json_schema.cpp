@@ -722,6 +722,9 @@ class SchemaCompiler {
                                             : std::to_string(min) + " to " + std::to_string(most);
       fail(where, "no string of " + lengths_asked + " characters matches the " + keyword);
     };
+    if (most >= 0 && min > most)  // past a format's own bound
+      fail(where, "no string of " + std::to_string(min) + " or more characters matches the " +
+                      keyword + " (its strings have at most " + std::to_string(most) + ")");
     if ((lengths.longest >= 0 && lengths.longest < min) || (most >= 0 && lengths.shortest > most))
       none();
     const auto key = std::make_tuple(p, min, most);

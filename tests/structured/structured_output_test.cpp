@@ -1668,6 +1668,9 @@ TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByN
   // pair that no string satisfies is refused, as is a pair whose grammar would be too large.
   refused({{"type", "string"}, {"format", "date"}, {"minLength", 11}},
           "#: no string of 11 or more characters matches the format");
+  refused({{"type", "string"}, {"format", "hostname"}, {"minLength", 254}},
+          "#: no string of 254 or more characters matches the format (its strings have at most "
+          "253)");
   refused({{"type", "string"}, {"pattern", "(ab){2}|a{7}"}, {"minLength", 5}, {"maxLength", 6}},
           "#: no string of 5 to 6 characters matches the pattern");
   refused({{"type", "string"}, {"format", "uri"}, {"maxLength", 100000}},
