@@ -961,17 +961,18 @@ class SchemaCompiler {
     if (auto v = bound(schema, "maximum", where)) hi = std::min(hi, *v);
     if (auto v = bound(schema, "exclusiveMaximum", where))
       hi = std::min(hi, std::nextafter(*v, -inf));
-    // Past what an answer may write, a side is open.
+    // Past what an answer may write, an outer side is open; an inner one leaves nothing.
+    const bool writable = lo < 1e16 && hi > -1e16;
     const Decimal top = largest_magnitude();
     const Decimal lo_mag = lo < 0 ? magnitude(lo) : Decimal{}, hi_mag = magnitude(hi);
     // The positive side (0 included) up to hi, the negative side up to -lo (no zero: '-0').
     std::vector<Sequence> alts;
-    if (hi >= 0) {
+    if (writable && hi >= 0) {
       const Decimal from = lo > 0 ? magnitude(lo) : Decimal{};
       const Decimal to = hi == inf ? top : hi_mag;
       if (from <= to) alts.push_back({magnitudes(from, to)});
     }
-    if (lo < 0) {
+    if (writable && lo < 0) {
       const Decimal tiny{0, std::string(size_t(kMaxFractionDigits - 1), '0') + "1"};
       Decimal from = hi < 0 ? hi_mag : tiny;
       if (from <= tiny) from = tiny;

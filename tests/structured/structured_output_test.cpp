@@ -1685,6 +1685,8 @@ TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByN
   refused({{"type", "integer"}, {"minimum", "0"}}, "#/minimum: 'minimum' must be a number");
   refused({{"type", "integer"}, {"exclusiveMinimum", true}}, "'exclusiveMinimum' must be a number");
   refused({{"type", "number"}, {"minimum", 5}, {"exclusiveMaximum", 5}}, "#: no number");
+  refused({{"type", "number"}, {"minimum", 1e20}}, "#: no number");
+  refused({{"type", "number"}, {"exclusiveMaximum", -1e16}}, "#: no number");
   refused({{"minimum", 0}}, "#/minimum: 'minimum' is enforced on integers and numbers only");
   // Where they do not apply, as JSON Schema has it, they constrain nothing: a format or pattern
   // beside "type": "integer", bounds beside "type": "string".
