@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "api/body_fields.h"
+#include "api/tool_calls.h"
 #include "util/utf8.h"
 
 namespace tandem::api {
@@ -131,6 +132,19 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
     out.push_back(std::move(message));
   }
   return out;
+}
+
+void add_tool_description(ordered_json& messages, const ordered_json& tools,
+                          const text::Tokenizer& tokenizer, text::ContentFormat format) {
+  const std::string& tool_template = tokenizer.chat_template(/*with_tools=*/true);
+  if (tool_template.find("tools") != std::string::npos) return;
+  const ToolCallFormat markup = tool_call_format_of(tokenizer, tool_template);
+  size_t at = 0;
+  while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
+  const ordered_json prompt =
+      ordered_json::array({{{"role", "system"}, {"content", tool_prompt(markup, tools)}}});
+  messages.insert(messages.begin() + static_cast<std::ptrdiff_t>(at),
+                  template_messages(prompt, format)[0]);
 }
 
 }  // namespace tandem::api

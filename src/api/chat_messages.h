@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace tandem::api {
 
@@ -44,5 +45,14 @@ nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
 // description no string or null, its parameters no object or null. A name may be empty or listed
 // twice, as there; what forcing a call needs besides is checked where a call is forced.
 nlohmann::ordered_json template_tools(const nlohmann::ordered_json& tools);
+
+// For a model whose tool-use chat template does not show tools (DeepSeek-V3's shows calls and
+// results but never the tool list): `messages` (as template_messages gives them, in `format`) get
+// a system message describing `tools` (as template_tools gives them) and the model's call markup
+// (tool_prompt), after the client's own system messages. Otherwise they are left as they are.
+// The server (for tools it does not switch off with tool_choice "none") and `tandem tokenize`
+// both call this, so they count the same prompt.
+void add_tool_description(nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                          const text::Tokenizer& tokenizer, text::ContentFormat format);
 
 }  // namespace tandem::api

@@ -562,14 +562,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
       fail("tools", std::string("'tools': ") + e.what());
     }
   }
-  if (tokenizer.chat_template(/*with_tools=*/true).find("tools") == std::string::npos) {
-    size_t at = 0;
-    while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
-    const json prompt =
-        json::array({{{"role", "system"}, {"content", tool_prompt(use.format, tools_in_order)}}});
-    messages.insert(messages.begin() + static_cast<std::ptrdiff_t>(at),
-                    template_messages(prompt, format)[0]);
-  }
+  add_tool_description(messages, tools_in_order, tokenizer, format);
   return use;
 }
 

@@ -29,7 +29,7 @@ ordered_json parse_json_file(const std::string& path) {
 // The chat file is either a list of messages or an object holding "messages" plus any extra
 // template variables (e.g. "enable_thinking", "date_string"). Messages and tools reach the
 // template as the server gives them (api/chat_messages.h), so the ids are the server's for the
-// same chat.
+// same chat, the description of tools the server adds for a template that shows none included.
 ordered_json chat_context(const std::string& chat_file, const std::string& tools_file,
                           bool add_generation_prompt, const text::Tokenizer& tok,
                           const text::ChatTemplate& tmpl) {
@@ -59,10 +59,15 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
     throw Error((tools_in_chat ? chat_file : tools_file) + ": " + e.param + ": " + e.message);
   }
   try {
+    const text::ContentFormat format = tmpl.content_format(with_tools);
     ctx["messages"] =
-        api::template_messages(ctx["messages"], tmpl.content_format(with_tools),
+        api::template_messages(ctx["messages"], format,
                                tmpl.tests_content_for_none(with_tools) ? api::NullContent::kNone
                                                                        : api::NullContent::kNoText);
+    // As the server does for a request with tools (its tool_choice "auto"): a template that does
+    // not show tools gets them described in a system message.
+    if (with_tools && !ctx["tools"].empty())
+      api::add_tool_description(ctx["messages"], ctx["tools"], tok, format);
   } catch (const api::ApiError& e) {
     throw Error(chat_file + ": " + e.param + ": " + e.message);
   }

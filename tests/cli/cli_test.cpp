@@ -172,6 +172,33 @@ TEST(Cli, ChatsWithToolsRenderAsTheServerRendersThem) {
   EXPECT_THAT(refused.output, HasSubstr(null_type + ": tools[0].type: "));
 }
 
+// DeepSeek-V3's template shows tool calls and results but never the tool list, so the server adds
+// a system message describing the tools after the client's own (api::add_tool_description);
+// `tokenize --tools` adds the same one, so its ids are the server's (they lacked the tools).
+TEST(Cli, ChatsWithToolsForATemplateWithoutToolsCountTheServersToolDescription) {
+  const std::string messages = R"([{"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"}])";
+  const std::string tools = R"([{"type": "function", "function": {"name": "get_weather",
+    "description": "The weather now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])";
+  const std::string model = test::quote(test::lenml_model("deepseek_v3"));
+  const auto r =
+      run("tokenize --model " + model + " --json --add-generation-prompt --chat-file " +
+          write_temp("ds-tools-chat", messages) + " --tools " + write_temp("ds-tools", tools));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string raw = R"({"messages": )" + messages + R"(, "tools": )" + tools + "}";
+  const auto tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  const text::ChatTemplate tmpl(tok.chat_templates());
+  const api::ModelLimits limits{.model_name = "m",
+                                .max_model_len = 8192,
+                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
+  const api::ApiRequest server =
+      api::parse_chat(nlohmann::json::parse(raw), tok, &tmpl, limits, raw);
+  const auto out = nlohmann::json::parse(r.output);
+  EXPECT_EQ(out["ids"].get<std::vector<text::TokenId>>(), server.prompts.at(0));
+  EXPECT_THAT(out["prompt"].get<std::string>(), HasSubstr("`get_weather`: The weather now."));
+}
+
 TEST(Cli, DetokenizeRoundTrips) {
   auto r = run("detokenize --model " + kModel + " --ids '9707, 1879 151645' --skip-special-tokens");
   ASSERT_EQ(r.status, 0) << r.output;
