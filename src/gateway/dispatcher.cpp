@@ -346,11 +346,12 @@ void Dispatcher::reserve_decode(Request& r, int group) {
   ++decode_reserved_[group];
 }
 
-void Dispatcher::release_decode(Request& r) {
-  if (r.decode_reserved_group < 0) return;
+bool Dispatcher::release_decode(Request& r) {
+  if (r.decode_reserved_group < 0) return false;
   auto it = decode_reserved_.find(r.decode_reserved_group);
   if (--it->second == 0) decode_reserved_.erase(it);
   r.decode_reserved_group = -1;
+  return true;
 }
 
 // Each group's reservations fill its eligible decode engines' in-flight room one engine after the
@@ -777,7 +778,7 @@ void Dispatcher::client_gone(const RequestPtr& r) {
 
 void Dispatcher::finished(const RequestPtr& r) {
   if (r->booking == Booking::kQueued) remove_waiting(r);
-  release_decode(*r);
+  const bool freed_decode_place = release_decode(*r);
   if (r->booking == Booking::kRunning) {
     active_.erase(r.get());
     publish_counts();
@@ -785,6 +786,9 @@ void Dispatcher::finished(const RequestPtr& r) {
     if (idle_ && active_.empty()) std::exchange(idle_, nullptr)();
   }
   r->booking = Booking::kOutside;
+  // The pass that followed its last leg still counted the place (this runs after it): a prompt
+  // waiting for it would wait for the next event, with every engine idle maybe.
+  if (freed_decode_place) dispatch();
   // Parallel mode: the prefill leg may answer after the decode leg ended the request, and its
   // usage says what the prefill engine reused, so the record waits for it (bounded by the
   // prefill timeout); the start_leg completion records it then.

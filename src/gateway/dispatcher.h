@@ -153,7 +153,7 @@ class Dispatcher {
   // engine of its prefill engine's group (decode_reserved_), so that no more prompts are
   // prefilled than the group can decode. Reserving again moves the reservation.
   void reserve_decode(Request& r, int group);
-  void release_decode(Request& r);
+  bool release_decode(Request& r);  // whether `r` held a place
   // The reservations in `v`: its decode engines' in_flight counts them (add_decode_reservations).
   void add_decode_reservations(ClusterView& v) const;
   void start(const RequestPtr& r, int prefill, int decode);

@@ -1945,6 +1945,29 @@ TEST(Dispatcher, ARetriedSequentialRequestHoldsOneDecodePlace) {
   for (const auto& call : prefills) EXPECT_EQ(host_of(*call)[0], 'p');
 }
 
+// A request that ends while it holds its group's decode place (its prefill engine refused it)
+// gives the place to the next prompt at once: the place was freed after the pass that followed
+// the failure, and with nothing else to dispatch, the next prompt waited for another request to
+// arrive, or for its queue timeout, while every engine was idle.
+TEST(Dispatcher, ARequestThatEndsHoldingADecodePlaceLetsTheNextPromptBePrefilled) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d", 0, 1)});
+  Cluster c(t);
+  auto refused = c.send();
+  auto next = c.send();
+  auto prefill = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefill.size(), 1u);
+  EXPECT_EQ(c.dispatcher.waiting(), 1u);
+  FakeEngines::answer(*prefill[0], 400,
+                      R"({"error":{"message":"bad","type":"BadRequestError","param":null,)"
+                      R"("code":400}})");
+  c.clock.run_ready();
+  EXPECT_EQ(refused->status, 400);
+  EXPECT_EQ(c.dispatcher.waiting(), 0u);
+  prefill = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefill.size(), 1u) << "the next prompt is prefilled";
+  EXPECT_EQ(host_of(*prefill[0]), "p");
+}
+
 // A non-streaming answer comes whole or not at all, so first_token_ms bounds the whole of it: one
 // that takes longer is answered 504 saying so, and not started again elsewhere, where it would
 // take as long (a long generation ran on up to three engines in turn, each cut as a "first
