@@ -16,10 +16,14 @@
 #include "engine/executor/model_executor.h"
 #include "engine/output_processor.h"
 #include "engine/tiny_model_fixture.h"
+#include "util/bounded_wait.h"
 #include "util/error.h"
 
 namespace tandem::engine {
 namespace {
+
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 
 constexpr char kF32[] = "f32";
 constexpr double kTol = 1e-5;
@@ -124,10 +128,16 @@ class PromptLogprobs : public test::TinyModelTest<kF32> {
         }
       };
       engine.submit(std::move(r));
-      if (one_after_another) done[i].get_future().wait();
+      if (one_after_another) {
+        auto finished = done[i].get_future();
+        get_within(finished, kHangGuard, "a request never finished");
+      }
     }
     if (!one_after_another)
-      for (auto& d : done) d.get_future().wait();
+      for (auto& d : done) {
+        auto finished = d.get_future();
+        get_within(finished, kHangGuard, "a request never finished");
+      }
     engine.stop();
     return answers;
   }

@@ -21,10 +21,15 @@
 #include "engine/tiny_model_fixture.h"
 #include "kernels/cpu/ops.h"
 #include "structured/token_constraint.h"
+#include "util/bounded_wait.h"
 #include "util/error.h"
 
 namespace tandem::engine {
 namespace {
+
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
+using tandem::testing::repeat_until;
 
 constexpr char kF32[] = "f32";
 constexpr char kBf16[] = "bf16";
@@ -161,11 +166,18 @@ std::vector<Answer> serve_on(std::shared_ptr<const text::Tokenizer> tokenizer,
     };
     engine.submit(std::move(r));
   }
-  for (auto& d : done) d.get_future().wait();
+  for (auto& d : done) {
+    auto finished = d.get_future();
+    get_within(finished, kHangGuard, "a request never finished");
+  }
   if (after) {
     // The engine thread finishes its step's bookkeeping after the last output.
-    for (int i = 0; i < 400 && engine.load().running + engine.load().waiting > 0; ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    repeat_until(
+        [&] {
+          const LoadReport load = engine.load();
+          return load.running + load.waiting == 0;
+        },
+        kHangGuard, "the engine still counted finished requests");
     *after = engine.load();
   }
   engine.stop();
@@ -498,8 +510,10 @@ TEST_F(Speculation, AFormatThatCannotGoOnFailsItsRequestAloneNotItsBatch) {
     engine.submit(request("constrained", prompt_of(5, 100), choice, constrained));
     engine.submit(request("plain", prompt_of(7, 300), greedy_params(16), plain));
     engine.start();
-    constrained.done.get_future().wait();
-    plain.done.get_future().wait();
+    auto constrained_done = constrained.done.get_future();
+    auto plain_done = plain.done.get_future();
+    get_within(constrained_done, kHangGuard, "the constrained request never ended");
+    get_within(plain_done, kHangGuard, "the plain request never ended");
     engine.stop();
     EXPECT_EQ(constrained.finish_reason, "error");
     EXPECT_NE(constrained.error.find("no token can continue the answer"), std::string::npos)

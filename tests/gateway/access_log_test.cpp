@@ -28,6 +28,7 @@
 
 #include "gateway/gateway_metrics.h"
 #include "gateway/request_record.h"
+#include "util/bounded_wait.h"
 #include "util/error.h"
 #include "util/metrics.h"
 #include "util/prometheus_oracle.h"
@@ -36,6 +37,8 @@ namespace tandem::gateway {
 namespace {
 
 using nlohmann::json;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 
 class AccessLogFile : public ::testing::Test {
  protected:
@@ -221,7 +224,9 @@ TEST(AccessLog, LogsSharingAPipeNeverCutEachOthersLines) {
       a.add(line_of(i));
       b.add(line_of(kLines + i));
     }
-    std::thread reader([&] {
+    // Bounded: the pipe's write end stays open (UnreadPipe holds it), so a line the logs dropped
+    // would leave the reader in read() for ever.
+    auto reader = std::async(std::launch::async, [&] {
       char buf[4096];
       size_t newlines = 0;
       while (newlines < 2 * kLines) {
@@ -231,7 +236,7 @@ TEST(AccessLog, LogsSharingAPipeNeverCutEachOthersLines) {
         newlines += size_t(std::count(buf, buf + n, '\n'));
       }
     });
-    reader.join();
+    get_within(reader, kHangGuard, "the reader did not get every line");
   }
   std::istringstream lines(read);
   int count = 0;

@@ -20,6 +20,7 @@
 #include "gateway/lifecycle.h"
 #include "gateway/policy.h"
 #include "gateway/scheduling_thread.h"
+#include "util/bounded_wait.h"
 
 namespace tandem::gateway {
 namespace {
@@ -453,12 +454,15 @@ TEST(Lifecycle, OffsetsNeedTheReceivedStamp) {
 // ------------------------------------------------------------------------- scheduling thread
 
 using SchedClock = SchedulingThread::Clock;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 
 // Blocks until the scheduling thread has run everything posted before this call.
 void flush(SchedulingThread& s) {
   std::promise<void> done;
   s.post([&done] { done.set_value(); });
-  done.get_future().get();
+  auto ran = done.get_future();
+  get_within(ran, kHangGuard, "the scheduling thread never ran a posted task");
 }
 
 TEST(SchedulingThread, RunsPostedTasksOnItsThread) {
@@ -467,7 +471,8 @@ TEST(SchedulingThread, RunsPostedTasksOnItsThread) {
   EXPECT_FALSE(s.on_thread());
   std::promise<std::pair<bool, std::thread::id>> where;
   s.post([&] { where.set_value({s.on_thread(), std::this_thread::get_id()}); });
-  const auto [on_thread, id] = where.get_future().get();
+  auto ran = where.get_future();
+  const auto [on_thread, id] = get_within(ran, kHangGuard, "the posted task never ran");
   EXPECT_TRUE(on_thread);
   EXPECT_NE(id, std::this_thread::get_id());
   s.stop();
@@ -481,7 +486,9 @@ TEST(SchedulingThread, TasksPostedBeforeStartRunOnItsThread) {
     std::promise<bool> on_thread;
     s.post([&] { on_thread.set_value(s.on_thread()); });
     s.start();
-    ASSERT_TRUE(on_thread.get_future().get()) << "round " << round;
+    auto ran = on_thread.get_future();
+    ASSERT_TRUE(get_within(ran, kHangGuard, "a task posted before start never ran"))
+        << "round " << round;
     s.stop();
   }
 }
@@ -582,7 +589,8 @@ TEST(SchedulingThread, TimersFireInTimeOrderAndNotEarly) {
     arm("t2", now + milliseconds(25));
     arm("t3", now + milliseconds(25));
   });
-  all.get_future().get();
+  auto all_fired = all.get_future();
+  get_within(all_fired, kHangGuard, "not every timer fired");
   s.stop();
   std::vector<std::string> order;
   for (const auto& f : fired) {
@@ -610,7 +618,8 @@ TEST(SchedulingThread, TimersCanArmTimersAndPostedTasksStillRun) {
       s.post([&] { log.push_back("posted"); });
     });
   });
-  const auto got = result.get_future().get();
+  auto logged = result.get_future();
+  const auto got = get_within(logged, kHangGuard, "the second timer never fired");
   s.stop();
   ASSERT_EQ(got.size(), 3u);
   EXPECT_EQ(got[0], "first");
@@ -644,7 +653,8 @@ TEST(SchedulingThread, CancelledTimersNeverRunAndFreeTheirTasksAtOnce) {
       result.set_value(log);
     });
   });
-  const auto got = result.get_future().get();
+  auto logged = result.get_future();
+  const auto got = get_within(logged, kHangGuard, "the last timer never fired");
   s.stop();
   EXPECT_EQ(got, (std::vector<std::string>{"freed", "twin"}));
 }
@@ -669,7 +679,8 @@ TEST(SchedulingThread, TasksAndTimersThatThrowAreReportedAndTheThreadGoesOn) {
       });
     });
   });
-  const auto got = result.get_future().get();
+  auto logged = result.get_future();
+  const auto got = get_within(logged, kHangGuard, "the task posted by the last timer never ran");
   s.stop();
   EXPECT_EQ(got, (std::vector<std::string>{"timer", "posted"}));
 }
@@ -686,7 +697,8 @@ TEST(SchedulingThread, StopDropsPendingTimers) {
     armed.set_value();
   });
   token.reset();
-  armed.get_future().get();
+  auto armed_now = armed.get_future();
+  get_within(armed_now, kHangGuard, "the task arming the timer never ran");
   s.stop();  // returns without waiting for the hour
   EXPECT_EQ(ran.load(), 0);
   EXPECT_TRUE(watch.expired()) << "the dropped timer's task was kept";

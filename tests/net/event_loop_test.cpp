@@ -13,10 +13,14 @@
 #include <thread>
 #include <vector>
 
+#include "util/bounded_wait.h"
+
 namespace tandem::net::detail {
 namespace {
 
 using namespace std::chrono_literals;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 
 // A loop on its own thread for the length of a test.
 class RunningLoop {
@@ -59,7 +63,8 @@ TEST(EventLoop, PostsFromManyThreadsRunOnTheLoopInOrderPerThread) {
   std::atomic<int> ran{0};
   std::promise<std::thread::id> loop_thread;
   l.loop.post([&] { loop_thread.set_value(std::this_thread::get_id()); });
-  const std::thread::id id = loop_thread.get_future().get();
+  auto loop_thread_id = loop_thread.get_future();
+  const std::thread::id id = get_within(loop_thread_id, kHangGuard, "the loop ran no task");
   std::vector<std::thread> posters;
   for (int t = 0; t < kThreads; ++t) {
     posters.emplace_back([&, t] {

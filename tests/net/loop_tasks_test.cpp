@@ -12,11 +12,14 @@
 
 #include "net/http_server.h"
 #include "net/loop_tasks.h"
+#include "util/bounded_wait.h"
 
 namespace tandem::net {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 
 struct Running {
   Running() {
@@ -46,7 +49,8 @@ TEST(LoopTasks, PostedTasksRunOnTheLoopInPostingOrder) {
       order.push_back(i);
       if (i == 99) done.set_value();
     });
-  done.get_future().wait();
+  auto ran = done.get_future();
+  get_within(ran, kHangGuard, "the last posted task never ran");
   ASSERT_EQ(order.size(), 100u);
   for (int i = 0; i < 100; ++i) EXPECT_EQ(order[i], i);
 }
@@ -73,7 +77,8 @@ TEST(LoopTasks, TimersFireInTimeOrderNeverEarlyAndCancelledOnesNever) {
     const uint64_t id = r.tasks->at(when, [&] { cancelled_ran = true; });
     r.tasks->cancel(when, id);
   });
-  done.get_future().wait();
+  auto fired_last = done.get_future();
+  get_within(fired_last, kHangGuard, "the last timer never fired");
   EXPECT_EQ(fired, (std::vector<int>{1, 2}));
   EXPECT_FALSE(cancelled_ran.load());
 }
