@@ -51,6 +51,12 @@ bool refuse_too_large(Leg& l) {
   return false;
 }
 
+// Once a stream has begun, the event its parser holds until it ends (the first one is bounded
+// apart, as it is held whole whatever its framing).
+bool event_too_large(const Leg& l, size_t max_answer_bytes) {
+  return l.parser.pending_bytes() > max_answer_bytes;
+}
+
 }  // namespace
 
 net::AsyncHttpHandlers Relay::prefill_handlers(const RequestPtr& r, LegRef leg_ref, int attempt,
@@ -296,10 +302,18 @@ bool Relay::relay_piece(const RequestPtr& r, Leg& l, std::string_view piece) {
   // Verbatim, the piece itself goes out unless held bytes had to be joined to it (most streams'
   // first event arrives whole: no copy).
   const std::string_view bytes = verbatim && out.empty() ? piece : std::string_view(out);
-  if (bytes.empty()) return true;
-  if (r->reply->write(bytes)) return true;
-  l.gateway_cancelled = true;  // the client is gone
-  return false;
+  if (!bytes.empty() && !r->reply->write(bytes)) {
+    l.gateway_cancelled = true;  // the client is gone
+    return false;
+  }
+  // Each event is held until it ends (the parser's, to read it): one the engine never ends
+  // would grow without bound. Cut as the engine's failure (relay_done says why).
+  if (event_too_large(l, topo_.max_answer_bytes)) {
+    // Past its [DONE] the client has the whole answer: the bytes after it are dropped.
+    if (!l.stream_done) l.engine_error = true;
+    return false;
+  }
+  return true;
 }
 
 int64_t Relay::prefill_reuse(Request& r) {
@@ -325,6 +339,9 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
     // write, or its connection closed): 499 however that news arrived first; or because it shuts
     // down (Dispatcher::shut_down). A connection lost after the stream's [DONE] lost nothing.
     const bool client_left = l.gateway_cancelled.load() && !shutting_down;
+    if (!client_left && event_too_large(l, topo_.max_answer_bytes))
+      reason = "an event of its stream is larger than " + size_text(topo_.max_answer_bytes) +
+               ", the most this gateway holds for one";
     if (!client_left && l.stream_done) reason.clear();
     // Only [DONE] says the answer is whole (as for the choice merger's streams): a stream that
     // ends cleanly without it was cut all the same (a body delimited by the connection's close).

@@ -53,6 +53,10 @@ class SseParser {
   static bool is_done(std::string_view data) { return data == "[DONE]"; }
   // Bytes of an event that has not ended yet were fed (a stream cut now leaves it half-sent).
   bool mid_event() const { return !line_.empty() || has_data_; }
+  // Between feeds: the bytes held of the event not ended yet (its incomplete line and the data of
+  // its lines so far). A sender that never ends an event grows it without end: callers that read
+  // streams they do not trust bound it.
+  size_t pending_bytes() const { return line_.size() + data_.size(); }
 
  private:
   std::string line_;  // the incomplete last line

@@ -354,6 +354,86 @@ TEST_P(GatewayFailures, AStreamFailingMidAnswerEndsWithAnErrorEventThenDoneForAn
   }
 }
 
+// An engine whose stream sends one token event, then an event that never ends: a data line of
+// `x`s in 16 KiB writes, up to `bytes` of them (fewer once a write fails: the gateway cut it),
+// then the stream ends (no [DONE]).
+class EndlessEventEngine {
+ public:
+  explicit EndlessEventEngine(size_t bytes) {
+    net::HttpServerOptions o;
+    o.host = "127.0.0.1";
+    o.threads = 2;
+    server_ = std::make_unique<net::HttpServer>(o);
+    server_->route("GET", "/health",
+                   [](const net::HttpRequest&, auto ex) { ex->respond(200, "", "text/plain"); });
+    server_->route("POST", "/v1/completions", [this, bytes](const net::HttpRequest&, auto ex) {
+      ex->start_stream(200, "text/event-stream");
+      ex->write(net::sse_event(R"({"choices":[{"index":0,"text":"first"}]})"));
+      ex->write(R"(data: {"choices":[{"index":0,"text":")");
+      std::thread([ex, bytes, ended = ended_] {
+        const std::string xs(16 << 10, 'x');
+        bool written = true;
+        for (size_t sent = 0; written && sent < bytes; sent += xs.size()) written = ex->write(xs);
+        if (written) ex->end();
+        *ended = true;
+      }).detach();
+    });
+    server_->start();
+  }
+  ~EndlessEventEngine() { server_->stop(); }
+  Endpoint endpoint() const {
+    Endpoint p = parse_endpoint("127.0.0.1:" + std::to_string(server_->port()));
+    p.name = "e";
+    return p;
+  }
+  bool ended() const { return *ended_; }
+
+ private:
+  std::unique_ptr<net::HttpServer> server_;
+  std::shared_ptr<std::atomic<bool>> ended_ = std::make_shared<std::atomic<bool>>(false);
+};
+
+// Once a stream has begun, each of its events is still held whole until it ends (relayed byte for
+// byte or framed anew): an engine that sends an event without end after its first one is cut at
+// max_answer_bytes, as an engine failure, and the client's stream ends with an OpenAI error event
+// naming the limit, then [DONE]. Before, the gateway read on without bound (its parser held the
+// whole line), and the client got all 8 MiB of it. (What the parser holds:
+// Sse.PendingBytesAreTheEventNotEndedYet.)
+TEST_P(GatewayFailures, AnEventWithoutEndAfterTheFirstIsCutAtTheTopologysLimit) {
+  for (const PdMode mode : {PdMode::kAggregated, PdMode::kParallel}) {
+    SCOPED_TRACE(mode == PdMode::kAggregated ? "verbatim (aggregated)" : "framed anew (parallel)");
+    FakeEngine prefill("p");
+    EndlessEventEngine engine(size_t{8} << 20);
+    auto t = topology(mode);
+    if (mode == PdMode::kParallel) t.prefill.endpoints = {endpoint_of(prefill, "p", 7001)};
+    t.decode.endpoints = {engine.endpoint()};
+    t.max_answer_bytes = size_t{1} << 20;
+    start(t);
+    std::string got;
+    const auto r = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
+                                            completion(true).dump(), {}, [&](std::string_view p) {
+                                              got += p;
+                                              return true;
+                                            });
+    EXPECT_EQ(r.status, 200);
+    const size_t first = got.find("first"), error = got.find("data: {\"error\"");
+    ASSERT_NE(first, std::string::npos) << got.substr(0, 200);
+    ASSERT_NE(error, std::string::npos) << got.substr(0, 200);
+    EXPECT_LT(first, error);
+    const std::string message = last_error(got);
+    EXPECT_TRUE(message.starts_with("the answer was cut: engine e: ")) << message;
+    EXPECT_NE(message.find("larger than 1 MiB"), std::string::npos) << message;
+    // At most the limit of the event, plus what one read brought past it, reached the client.
+    EXPECT_LT(got.size(), size_t{2} << 20);
+    EXPECT_TRUE(eventually([&] { return engine.ended(); }));
+    ASSERT_TRUE(eventually([&] { return log_lines().size() == 1; }));
+    EXPECT_EQ(log_lines()[0]["status"], 502);
+    EXPECT_TRUE(eventually([&] { return all_idle(); }));
+    gw_.reset();  // before its engines go
+    std::filesystem::remove(log_);
+  }
+}
+
 TEST_P(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
   FakeEngine p1("p1"), p2("p2"), bad_decode("bad"), good_decode("good");
   bad_decode.set(Behaviour::kErrorEvent);

@@ -67,5 +67,28 @@ TEST(Sse, ParserHandlesCrlfAndOtherFields) {
   EXPECT_EQ(events[0], "b");
 }
 
+// What the parser holds between feeds is the event not ended yet, whether its last line is
+// incomplete or its data lines came whole but no blank line ended it; an ended event leaves
+// nothing held, so a stream of any length in events of bounded size holds a bounded amount.
+TEST(Sse, PendingBytesAreTheEventNotEndedYet) {
+  SseParser parser;
+  EXPECT_EQ(parser.pending_bytes(), 0u);
+  ASSERT_EQ(parser.feed(sse_event("first")).size(), 1u);
+  EXPECT_EQ(parser.pending_bytes(), 0u);
+  const std::string endless(1000, 'x');
+  EXPECT_TRUE(parser.feed("data: " + endless).empty());
+  EXPECT_EQ(parser.pending_bytes(), 6 + endless.size());
+  EXPECT_TRUE(parser.feed(endless).empty());
+  EXPECT_EQ(parser.pending_bytes(), 6 + 2 * endless.size());
+  // Its line ends, the event does not: its data is held (without the field name).
+  EXPECT_TRUE(parser.feed("\ndata: more\n").empty());
+  EXPECT_EQ(parser.pending_bytes(), 2 * endless.size() + 1 + 4);
+  const auto events = parser.feed("\n");
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0], endless + endless + "\nmore");
+  EXPECT_EQ(parser.pending_bytes(), 0u);
+  EXPECT_FALSE(parser.mid_event());
+}
+
 }  // namespace
 }  // namespace tandem::net
