@@ -81,6 +81,13 @@ class VirtualUpstream::CallReply final : public net::Reply {
     done(why);
   }
 
+  // No engine at the address: the call fails before it connects.
+  void refuse(const std::string& why) {
+    if (state_ != State::kOpen) return;
+    if (handlers_.on_failure) handlers_.on_failure(net::CallFailure::kNotConnected);
+    finish(why);
+  }
+
   // The caller gave up (Upstream::cancel, or its handler stopped reading).
   void close(const std::string& why) {
     if (state_ == State::kDone || state_ == State::kClosed) return;
@@ -163,8 +170,10 @@ gateway::Upstream::CallId VirtualUpstream::start(net::AsyncHttpRequest request,
     std::shared_ptr<CallReply> reply = it->second;
     auto engine = engines_.find(request.host + ":" + std::to_string(request.port));
     if (engine == engines_.end()) {
-      reply->close("connection refused: no simulated engine at " + request.host + ":" +
-                   std::to_string(request.port));
+      // As the HTTP client reports a refused connection: the engine never saw the request, which
+      // the gateway reads to send a sequential decode leg to another engine with the same KV.
+      reply->refuse("connection refused: no simulated engine at " + request.host + ":" +
+                    std::to_string(request.port));
       return;
     }
     engine->second->call(request, reply);

@@ -380,6 +380,23 @@ SimulationOptions pd_options(gateway::PdMode mode, int prefill, int decode,
   return o;
 }
 
+// Sequential P/D with decode-0 dead before the first request: a decode leg sent there is refused
+// before it connects, so the gateway sends it to decode-1 with the same KV (each prompt is
+// prefilled, and its KV moved, once) and every request succeeds. The simulator reported the
+// refusal as a failure of unknown reach, which a sequential decode leg may not retry (its engine
+// may be running it): those requests failed with a 502.
+TEST(ClusterSimulation, ASequentialDecodeLegRefusedByADeadEngineTakesTheSameKvToAnother) {
+  std::vector<bench::BenchRequest> reqs;
+  for (int i = 0; i < 8; ++i) reqs.push_back(request(0.01 * (i + 1), words(64, size_t(i)), 4));
+  auto o = pd_options(gateway::PdMode::kSequential, 1, 2, "deepseek-v3-h800");
+  o.faults = {{Fault::Kind::kDeath, "decode-0", 0.0}};
+  const auto run = simulate(reqs, o, tokenizer());
+  for (size_t i = 0; i < reqs.size(); ++i)
+    EXPECT_TRUE(run.results[i].success) << i << ": " << run.results[i].error;
+  EXPECT_GT(run.retries, 0);  // some decode legs went to decode-0 first
+  EXPECT_EQ(run.kv_transfers, int64_t(reqs.size()));
+}
+
 class DisaggregatedSimulation : public ::testing::TestWithParam<gateway::PdMode> {};
 
 TEST_P(DisaggregatedSimulation, EveryRequestMovesItsKvOnceAndEndsWithEveryBlockFree) {
