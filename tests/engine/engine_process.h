@@ -3,11 +3,15 @@
 // from its "listening on http://HOST:PORT" line, and stops it (SIGTERM) when destroyed.
 #include <signal.h>
 
+#include <chrono>
 #include <cstdint>
+#include <optional>
+#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "util/bounded_wait.h"
 #include "util/child_process.h"
 
 namespace tandem::testing {
@@ -17,21 +21,31 @@ class EngineProcess {
   explicit EngineProcess(const std::vector<std::string>& args)
       : child_(args.at(0), without_drain(args)) {
     std::string output;
-    for (std::string l = child_.read_line(); !l.empty(); l = child_.read_line()) {
-      output += l;
-      const auto at = l.find("listening on http://");
+    for (auto l = line_within(kHangGuard); l; l = line_within(kHangGuard)) {
+      if (l->empty()) throw std::runtime_error("engine did not start; output: " + output);
+      output += *l;
+      const auto at = l->find("listening on http://");
       if (at != std::string::npos) {
-        port_ = static_cast<uint16_t>(std::stoi(l.substr(l.find(':', at + 20) + 1)));
+        port_ = static_cast<uint16_t>(std::stoi(l->substr(l->find(':', at + 20) + 1)));
         return;  // later lines (KV transfer, KV events) are read on demand
       }
     }
-    throw std::runtime_error("engine did not start; output: " + output);
+    throw std::runtime_error("engine did not start within " + std::to_string(kHangGuard.count()) +
+                             " s; output: " + output);
   }
 
   uint16_t port() const { return port_; }
   pid_t pid() const { return child_.pid(); }
-  // The next line the engine printed (empty at end of output).
-  std::string next_line() { return child_.read_line(); }
+  // The next line the engine printed (empty at end of output). Throws, naming the caller's
+  // line, when none comes within kHangGuard: the test fails instead of hanging on an engine gone
+  // quiet. Throws rather than aborting as get_within does: unwinding stops the engine, where an
+  // abort would leave it running.
+  std::string next_line(const std::source_location& where = std::source_location::current()) {
+    if (auto line = line_within(kHangGuard)) return *std::move(line);
+    throw std::runtime_error(std::string(where.file_name()) + ":" + std::to_string(where.line()) +
+                             ": the engine printed no line within " +
+                             std::to_string(kHangGuard.count()) + " s");
+  }
   // Kills the engine at once (SIGKILL), as a crashed node.
   void kill_now() {
     child_.signal(SIGKILL);
@@ -52,6 +66,18 @@ class EngineProcess {
     return args;
   }
 
+  // The next line, or nullopt when no whole line came within `limit`.
+  std::optional<std::string> line_within(std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left <= std::chrono::milliseconds(0)) return std::nullopt;
+      // poll_line returns early, with nothing, once part of a line came: wait again for the rest.
+      if (auto line = child_.poll_line(left)) return line;
+    }
+  }
+
   ChildProcess child_;
   uint16_t port_ = 0;
 };
@@ -61,8 +87,9 @@ class EngineProcess {
 struct KvEventsEndpoints {
   std::string events, replay;
 };
-inline KvEventsEndpoints read_kv_events_line(EngineProcess& engine) {
-  for (std::string line = engine.next_line(); !line.empty(); line = engine.next_line()) {
+inline KvEventsEndpoints read_kv_events_line(
+    EngineProcess& engine, const std::source_location& where = std::source_location::current()) {
+  for (std::string line = engine.next_line(where); !line.empty(); line = engine.next_line(where)) {
     const auto on = line.find("KV events on "), replay_at = line.find("(replay ");
     if (on == std::string::npos || replay_at == std::string::npos) continue;
     return {line.substr(on + 13, line.find(' ', on + 13) - on - 13),
@@ -79,10 +106,12 @@ struct ServeEngine {
   uint16_t port = 0;
 };
 // The next `count` engine lines of `serve`. Throws on any other line.
-inline std::vector<ServeEngine> read_serve_engines(EngineProcess& serve, int count) {
+inline std::vector<ServeEngine> read_serve_engines(
+    EngineProcess& serve, int count,
+    const std::source_location& where = std::source_location::current()) {
   std::vector<ServeEngine> engines;
   for (int i = 0; i < count; ++i) {
-    const std::string line = serve.next_line();
+    const std::string line = serve.next_line(where);
     const auto at = line.find(" engine http://");
     if (at == std::string::npos) throw std::runtime_error("unexpected serve output: " + line);
     ServeEngine e;
