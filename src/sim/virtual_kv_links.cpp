@@ -355,15 +355,18 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
   void serve_pull(KvFetch f, Endpoint* decode) {
     const TimePoint now = net_.clock_.now();
     auto it = held_.find(f.transfer_id);
-    std::string error;
-    if (it == held_.end())
-      error = "no KV transfer '" + f.transfer_id + "' is held here (pulled, released or expired)";
-    else if (it->second.prompt_hash != f.prompt_hash || it->second.num_tokens != f.prompt_tokens)
-      error = "transfer '" + f.transfer_id + "' holds another prompt";
-    if (!error.empty()) {
-      at(now_s() + net_.link_.latency_s, [decode, id = f.request_id, error] {
-        decode->finish_fetch(id, {false, error, 0});
-      });
+    KvFetchResult refused;
+    if (it == held_.end()) {
+      refused.error =
+          "no KV transfer '" + f.transfer_id + "' is held here (pulled, released or expired)";
+      refused.transfer_gone = true;  // as the engines' pulls say it: prefill the request again
+    } else if (it->second.prompt_hash != f.prompt_hash ||
+               it->second.num_tokens != f.prompt_tokens) {
+      refused.error = "transfer '" + f.transfer_id + "' holds another prompt";
+    }
+    if (!refused.error.empty()) {
+      at(now_s() + net_.link_.latency_s,
+         [decode, id = f.request_id, refused] { decode->finish_fetch(id, refused); });
       return;
     }
     const int64_t tokens = std::max<int64_t>(f.num_tokens - f.first_token, 0);

@@ -610,9 +610,11 @@ TEST_F(Disaggregation, WrongTransferParamsFailTheDecodeLegAndLeakNothing) {
     // engine's failure, and the code does not blame it.
     EXPECT_EQ(api::openai_error_code(r.body) == api::kKvTransferFailedCode, c.prefill_fault)
         << c.field << ": " << r.body;
-    // A transfer the prefill engine does not hold is KV gone: a gateway prefills it again.
-    EXPECT_EQ(api::openai_error_code(r.body) == api::kKvTransferExpiredCode,
-              std::string(c.field) == "remote_request_id")
+    // A transfer the prefill engine does not hold, or another engine's (as after a restart at
+    // its address, with a new id), is KV gone: a gateway prefills it again.
+    EXPECT_EQ(
+        api::openai_error_code(r.body) == api::kKvTransferExpiredCode,
+        std::string(c.field) == "remote_request_id" || std::string(c.field) == "remote_engine_id")
         << c.field << ": " << r.body;
   }
   // Malformed parameters are the client's fault: 400 naming the field.

@@ -1389,7 +1389,9 @@ TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
   KvFetchResult r = wait(fetch(f));
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.error, HasSubstr("remote_engine_id 'someone-else' is not this prefill engine"));
-  EXPECT_FALSE(r.transfer_gone) << "a refused pull of a transfer still held said it is gone";
+  // Another engine's transfer (this one restarted at its address with a new id): its KV is not
+  // here, so the request must be prefilled again, as for an expired transfer.
+  EXPECT_TRUE(r.transfer_gone) << "a pull of another engine's transfer did not say it is gone";
 
   f = pull(id, 0, 10, local_);
   f.remote_blocks = {5, 2, 8};

@@ -130,6 +130,33 @@ TEST_F(VirtualKvLinks, AnAbandonedRoomFailsItsPrefillLegAsAbandoned) {
   EXPECT_TRUE(end.abandoned);
 }
 
+// A pull of a transfer the prefill engine no longer holds (expired here) says its KV is gone, as
+// the real engines' pulls say: the gateway then prefills the request again, blaming no engine.
+TEST_F(VirtualKvLinks, APullOfAnExpiredTransferSaysItsKvIsGone) {
+  bool released = false;
+  const std::string id = prefill_->hold({0, 1}, 1234, 8, [&] { released = true; });
+  clock_.advance_to(clock_.now() + duration_of(31));  // past the 30 s timeout
+  settle();
+  ASSERT_TRUE(released);
+  engine::KvFetch f;
+  f.request_id = "r";
+  f.host = "prefill-host";
+  f.port = 1;
+  f.engine_id = "prefill";
+  f.transfer_id = id;
+  f.remote_blocks = {0, 1};
+  f.prompt_hash = 1234;
+  f.prompt_tokens = 8;
+  f.num_tokens = 8;
+  f.local_blocks = {0, 1};
+  std::optional<engine::KvFetchResult> result;
+  decode_->fetch(f, [&](const engine::KvFetchResult& r) { result = r; });
+  for (int i = 0; i < 10 && !result; ++i) settle();
+  ASSERT_TRUE(result.has_value());
+  EXPECT_FALSE(result->ok);
+  EXPECT_TRUE(result->transfer_gone) << result->error;
+}
+
 // A refusal lasts the transfer timeout: a prefill leg that comes later waits for its decode leg.
 TEST_F(VirtualKvLinks, AnAbandonmentsRefusalExpiresWithTheTimeout) {
   decode_->abandon_room("prefill-host", 1, 7, 1234, 11, "gone");

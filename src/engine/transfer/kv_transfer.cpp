@@ -897,6 +897,9 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
       problem = layout_mismatch(req.value("layout", json()), layout_);
       if (!problem.empty()) {
       } else if (engine != config_.engine_id) {
+        // Another engine's transfer: most often this one restarted at its address (a new random
+        // id) after holding it, so its KV is gone, and only a new prefill brings it back.
+        gone = true;
         problem = "remote_engine_id '" + engine + "' is not this prefill engine ('" +
                   config_.engine_id + "')";
       } else if (it == held_.end()) {
