@@ -7,10 +7,13 @@
 //
 // The engine runs a simulated executor in process, in virtual time: run_once() steps it, its
 // clock moves 1/32 s after each step, and its KV transfers are fakes whose fetches end at once
-// (at the next run_once) or when the test ends them. No sleeps, no wall-clock timing.
+// (at the next run_once) or when the test ends them. No sleeps, no wall-clock timing. One test
+// runs the engine's own loop (start()) on the steady clock instead: what it checks is that loop's
+// sleep.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <future>
 #include <limits>
 #include <map>
 #include <memory>
@@ -22,6 +25,7 @@
 #include "engine/executor/sim_executor.h"
 #include "engine/output_processor.h"
 #include "text/oracle_support.h"
+#include "util/bounded_wait.h"
 #include "util/metrics.h"
 
 namespace tandem::engine {
@@ -80,8 +84,14 @@ class FakeTransfers final : public KvTransfers {
 
 class DecodeLegs : public ::testing::Test {
  protected:
-  // A decode-role engine of `blocks` blocks of 16 tokens.
-  void start(int64_t blocks) {
+  // Which clock the engine reads: the test's virtual one, moved by step(), or the steady clock,
+  // for the engine's own loop (start()), which no test steps.
+  enum class Clock { kVirtual, kSteady };
+
+  // A decode-role engine of `blocks` blocks of 16 tokens, whose decode legs may wait for blocks
+  // for `kv_transfer_timeout_s`.
+  void start(int64_t blocks, Clock clock = Clock::kVirtual,
+             double kv_transfer_timeout_s = KvTransferConfig{}.timeout_s) {
     SimExecutorOptions x;
     x.preset = "tiny";
     x.model_name = "tiny";
@@ -91,7 +101,8 @@ class DecodeLegs : public ::testing::Test {
     EngineConfig config;
     config.role = EngineRole::kDecode;
     config.transfer = KvTransferConfig{};
-    config.clock = [this] { return now_; };
+    config.transfer->timeout_s = kv_transfer_timeout_s;
+    if (clock == Clock::kVirtual) config.clock = [this] { return now_; };
     config.kv_event_sink = [this](KvEventBatch batch) { published_.push_back(std::move(batch)); };
     config.make_transfers = [this](Executor&, KvTransfers::Post post) {
       auto t = std::make_unique<FakeTransfers>(std::move(post));
@@ -107,9 +118,20 @@ class DecodeLegs : public ::testing::Test {
     if (engine_) engine_->stop();
   }
 
-  // A request of `prompt_tokens` from `base`; a decode leg pulling its KV unless `local`.
+  // A request of `prompt_tokens` from `base`, its final output kept in finished_; a decode leg
+  // pulling its KV unless `local`.
   void submit(const std::string& id, int prompt_tokens, int base, int64_t max_tokens,
               bool local = false) {
+    EngineRequest r = request(id, prompt_tokens, base, max_tokens, local);
+    r.on_output = [this, id](const RequestOutput& o) {
+      if (o.finished) finished_[id] = o;
+    };
+    engine_->submit(std::move(r));
+  }
+
+  // The request submit() sends, without its on_output.
+  static EngineRequest request(const std::string& id, int prompt_tokens, int base,
+                               int64_t max_tokens, bool local = false) {
     EngineRequest r;
     r.id = id;
     r.prompt = tokens(prompt_tokens, base);
@@ -123,10 +145,7 @@ class DecodeLegs : public ::testing::Test {
       kt.engine_id = "prefill-0";
       kt.transfer_id = id;
     }
-    r.on_output = [this, id](const RequestOutput& o) {
-      if (o.finished) finished_[id] = o;
-    };
-    engine_->submit(std::move(r));
+    return r;
   }
 
   void step() {
@@ -247,6 +266,32 @@ TEST_F(DecodeLegs, ALegWaitingForBlocksWakesTheEngineByItselfOnlyWhenItsWaitRuns
   EXPECT_EQ(fake_->fetched, std::vector<std::string>{"leg"});
   EXPECT_EQ(engine_->wakes_by_itself_at(), std::numeric_limits<double>::infinity())
       << "receiving its KV: the fetch's end is an event";
+}
+
+// The engine's own loop, with nothing else to do, sleeps until a leg's wait for blocks runs out:
+// nothing but that deadline wakes it (no submission, abort or transfer comes), so a loop that
+// slept until an event only left the leg waiting forever, and its client with it.
+TEST_F(DecodeLegs, TheEnginesOwnLoopFailsALegWhoseWaitForBlocksRunsOutWithNothingElseHappening) {
+  start(8, Clock::kSteady, /*kv_transfer_timeout_s=*/0.2);
+  fake_->instant = false;  // "holder" receives its KV for as long as the test runs
+  EngineRequest holder = request("holder", 100, 100, 4);  // 7 of the 8 blocks
+  holder.on_output = [](const RequestOutput&) {};         // aborted when the engine stops
+  EngineRequest leg = request("leg", 40, 9000, 4);        // 3 blocks: it waits for them
+  std::promise<RequestOutput> leg_final;
+  leg.on_output = [&leg_final](const RequestOutput& o) {
+    if (o.finished) leg_final.set_value(o);
+  };
+  engine_->submit(std::move(holder));
+  engine_->submit(std::move(leg));
+  engine_->start();
+  std::future<RequestOutput> leg_done = leg_final.get_future();
+  const RequestOutput out =
+      testing::get_within(leg_done, testing::kHangGuard, "the leg waiting for blocks never ended");
+  EXPECT_EQ(out.finish_reason, "error");
+  EXPECT_EQ(out.error_status, 503);
+  EXPECT_NE(out.error.find("no free KV blocks for the prompt's transfer within"), std::string::npos)
+      << out.error;
+  EXPECT_EQ(out.completion_tokens, 0);
 }
 
 }  // namespace
