@@ -1043,9 +1043,12 @@ TEST(HttpServer, AStopLetsASlowReaderTakeItsWholeAnswerAndClosesTheRestAtOnce) {
 }
 
 // A reader that never reads holds the stop for the flush's time at most: then its answer is cut
-// and the stop returns.
+// and the stop returns. The write timeout is an hour here, so only the flush's end can cut the
+// answer within get_within's minute.
 TEST(HttpServer, AStopCutsAnAnswerThatItsReaderNeverTakesWhenTheFlushEnds) {
-  HttpServer server(local_options());
+  HttpServerOptions options = local_options();
+  options.write_timeout = std::chrono::hours(1);
+  HttpServer server(options);
   SlowReader reader(server, size_t{8} << 20);
   auto stopped = std::async(std::launch::async, [&] { server.stop(100ms); });
   get_within(stopped);
@@ -1054,9 +1057,13 @@ TEST(HttpServer, AStopCutsAnAnswerThatItsReaderNeverTakesWhenTheFlushEnds) {
 }
 
 // end_flush (an operator's second stop signal) ends the flush at once, before or during the stop.
+// The write timeout is an hour: the default (a minute, get_within's too) would cut the reader and
+// end the stop in time even if end_flush did nothing.
 TEST(HttpServer, EndingTheFlushStopsAtOnce) {
+  HttpServerOptions options = local_options();
+  options.write_timeout = std::chrono::hours(1);
   for (const bool before : {true, false}) {
-    HttpServer server(local_options());
+    HttpServer server(options);
     SlowReader reader(server, size_t{8} << 20);
     if (before) server.end_flush();
     auto stopped = std::async(std::launch::async, [&] { server.stop(std::chrono::minutes(10)); });
