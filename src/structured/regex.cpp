@@ -69,6 +69,8 @@ class RegexCompiler {
     Piece whole = alternation();
     if (i_ != p_.size()) fail("unbalanced ')'");
     root_ = whole.node;
+    shortest_ = whole.shortest;
+    longest_ = whole.longest;
     return {emit_ ? g_.any_of({std::move(whole.seq)}) : -1, whole.shortest, whole.longest};
   }
 
@@ -517,7 +519,8 @@ class RegexCompiler {
   int depth_ = 0;  // groups open around i_
   std::vector<Node> nodes_;
   int32_t root_ = -1;
-  std::map<Ranges, Symbol> symbols_;  // ranges_symbol()'s
+  int64_t shortest_ = 0, longest_ = 0;  // the whole pattern's (longest < 0: no limit)
+  std::map<Ranges, Symbol> symbols_;    // ranges_symbol()'s
   // Glushkov's characters: the node each stands for and those that may follow it.
   std::vector<int32_t> characters_;
   std::vector<std::vector<int32_t>> follow_;
@@ -600,11 +603,24 @@ RegexCompiler::Fragment RegexCompiler::automaton_fragment(int32_t n) {
 }
 
 std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
+  // No length but 0: the empty string alone, with no automaton.
+  if (max == 0) return shortest_ == 0 ? std::optional(g_.any_of({{}})) : std::nullopt;
   const int64_t blocks = (max >= 0 ? max : min) + 1;  // counts of characters read, saturated
-  if (nodes_[size_t(root_)].characters * blocks > kMaxCountedSteps)
-    throw LengthTooCostly(std::to_string(nodes_[size_t(root_)].characters) +
+  // A character (repeats written out) is a state and a transition unless it merges with others:
+  // past the budget counted so, the automaton is refused before its characters are written out
+  // (a million of them cost hundreds of megabytes to build only to be refused).
+  const int64_t characters = nodes_[size_t(root_)].characters;
+  if (characters > kMaxCountedSteps / (2 * blocks))
+    throw LengthTooCostly(std::to_string(characters) +
                           " characters (its repeats written out) times " + std::to_string(blocks) +
-                          " lengths are more");
+                          " lengths, each a state and a transition, are more");
+  // Past the budget, states and transitions are refused as they are found.
+  int64_t found = 0;
+  auto one_more = [&] {
+    if (++found * blocks > kMaxCountedSteps)
+      throw LengthTooCostly("over " + std::to_string(found - 1) + " states and transitions times " +
+                            std::to_string(blocks) + " lengths are more");
+  };
   const Fragment whole = automaton_fragment(root_);
   std::vector<bool> last(characters_.size(), false);
   for (int32_t c : whole.last) last[size_t(c)] = true;
@@ -617,6 +633,7 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
     f.erase(std::unique(f.begin(), f.end()), f.end());
     const auto [it, added] = ids.emplace(std::make_pair(std::move(f), end), int32_t(ids.size()));
     if (added) {
+      one_more();
       followers.push_back(&it->first.first);
       final.push_back(end);
     }
@@ -631,18 +648,13 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
     for (int32_t c : *followers[s]) {
       if (of[size_t(c)] < 0) of[size_t(c)] = state(follow_[size_t(c)], last[size_t(c)]);
       const Ranges& r = nodes_[size_t(characters_[size_t(c)])].ranges;
-      auto& to = by_target[of[size_t(c)]];
-      to.insert(to.end(), r.begin(), r.end());
+      const auto [to, added] = by_target.try_emplace(of[size_t(c)]);
+      if (added) one_more();
+      to->second.insert(to->second.end(), r.begin(), r.end());
     }
     into.push_back(std::move(by_target));
   }
   const auto n = static_cast<int64_t>(into.size());
-  int64_t transitions = 0;
-  for (const auto& t : into) transitions += int64_t(t.size());
-  if ((n + transitions) * blocks > kMaxCountedSteps)
-    throw LengthTooCostly(std::to_string(n) + " states and " + std::to_string(transitions) +
-                          " transitions times " + std::to_string(blocks) + " lengths are " +
-                          std::to_string((n + transitions) * blocks));
   // Which (state, count) can still end within the bounds, from the last count back: only those
   // are entered, so that no answer starts what it cannot finish.
   auto next_count = [&](int64_t k) { return max < 0 && k == min ? k : k + 1; };

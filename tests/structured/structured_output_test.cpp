@@ -1577,6 +1577,44 @@ TEST(StructuredOutput, LengthsBesideAPatternOrFormatAreEnforcedOnTheDecodedChara
   EXPECT_LT(g.size(), Grammar::kMaxSymbols / 2);
 }
 
+// A pattern whose automaton, counted per length, would pass the budget is refused before it is
+// built (its characters, repeats written out, were made into states and follower lists first,
+// hundreds of megabytes for this one, and only then refused); maxLength 0 leaves only the empty
+// string, which the pattern matches or not, and builds no automaton at all.
+TEST(StructuredOutput, APatternTooLargeToCountIsRefusedBeforeItsAutomatonIsBuilt) {
+  auto error = [](const json& schema) {
+    try {
+      compile({OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(compiled)");
+  };
+  const std::string huge = "(?:(?:a{1000}){499})?";  // 499,000 characters written out
+  const std::string e = error({{"type", "string"}, {"pattern", huge}, {"maxLength", 1}});
+  EXPECT_NE(e.find("#/maxLength: 'maxLength' beside 'pattern' is enforced for at most"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("499000 characters (its repeats written out) times 2 lengths"),
+            std::string::npos)
+      << e;
+  for (const std::string& p : {huge, std::string("(?:(?:a{1000}){1000})?")}) {
+    SCOPED_TRACE(p);
+    Grammar g;
+    const auto rule =
+        json_schema_rule(g, {{"type", "string"}, {"pattern", p}, {"maxLength", uint64_t{0}}});
+    EXPECT_LT(g.rules(), 100u);  // no rule per state of the automaton
+    g.finish(rule);
+    const auto shared = std::make_shared<const Grammar>(std::move(g));
+    EXPECT_TRUE(full_match(shared, R"("")"));
+    EXPECT_FALSE(full_match(shared, R"("a")"));
+  }
+  EXPECT_EQ(
+      error(
+          {{"type", "string"}, {"pattern", "a(?:(?:a{1000}){1000})?"}, {"maxLength", uint64_t{0}}}),
+      "schema #: no string of at most 0 characters matches the pattern");
+}
+
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
 // reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
 // transcription of the RFCs' ABNF takes and urllib.parse reads alike.
