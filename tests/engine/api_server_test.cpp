@@ -14,6 +14,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <source_location>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -64,16 +65,18 @@ net::HttpServerOptions options() {
 }
 
 // Steps `engine` until `done` is ready (looking again every millisecond while it has nothing to
-// do: the answer is being written by the server's threads).
+// do: the answer is being written by the server's threads). A hang is reported at `where`, the
+// test's line.
 template <class T>
-void run_engine_until(Engine& engine, const std::future<T>& done) {
+void run_engine_until(Engine& engine, const std::future<T>& done,
+                      const std::source_location& where = std::source_location::current()) {
   repeat_until(
       [&] {
         if (done.wait_for(0s) == std::future_status::ready) return true;
         if (!engine.run_once()) done.wait_for(1ms);
         return false;
       },
-      kHangGuard, "the answer did not come while the engine stepped");
+      kHangGuard, "the answer did not come while the engine stepped", where);
 }
 
 // Work a test runs on threads of its own (a client, a stop that drains), joined by the fixture
@@ -140,19 +143,21 @@ class EngineDrain : public ::testing::Test {
   }
 
   template <class T>
-  void run_until(const std::future<T>& done) {
-    run_engine_until(engine_, done);
+  void run_until(const std::future<T>& done,
+                 const std::source_location& where = std::source_location::current()) {
+    run_engine_until(engine_, done, where);
   }
 
   // Runs one engine step, once a request is there to step: a stream's first token.
-  void step_once(const std::future<void>& until) {
+  void step_once(const std::future<void>& until,
+                 const std::source_location& where = std::source_location::current()) {
     repeat_until(
         [&] {
           if (engine_.run_once()) return true;
           until.wait_for(1ms);
           return false;
         },
-        kHangGuard, "no request reached the engine to step");
+        kHangGuard, "no request reached the engine to step", where);
   }
 
   net::HttpClientResponse post(const std::string& target, const json& body) {
@@ -352,8 +357,9 @@ class OnePreparationThread : public ::testing::Test {
         net::http_request("127.0.0.1", server_.port(), "GET", "/load").body);
   }
   template <class T>
-  void run_until(const std::future<T>& done) {
-    run_engine_until(engine_, done);
+  void run_until(const std::future<T>& done,
+                 const std::source_location& where = std::source_location::current()) {
+    run_engine_until(engine_, done, where);
   }
 
   metrics::Registry registry_;
