@@ -603,6 +603,9 @@ RegexCompiler::Fragment RegexCompiler::automaton_fragment(int32_t n) {
 }
 
 std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
+  // Past the pattern's longest string a maximum adds nothing but counts no answer reaches.
+  if (max >= 0 && longest_ >= 0) max = std::min(max, longest_);
+  if (max >= 0 && max < min) return std::nullopt;
   // No length but 0: the empty string alone, with no automaton.
   if (max == 0) return shortest_ == 0 ? std::optional(g_.any_of({{}})) : std::nullopt;
   const int64_t blocks = (max >= 0 ? max : min) + 1;  // counts of characters read, saturated

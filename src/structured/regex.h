@@ -45,8 +45,9 @@ RegexLengths regex_lengths(std::string_view pattern);
 
 // regex_in_json_string() for the values of min_length..max_length characters alone (max_length
 // < 0: no limit), characters counted as there (code points of the value, however written): the
-// pattern's automaton once per count of characters read, up to max_length (min_length where
-// there is no limit, the counts past it one). Nothing when no such value matches. Each state
+// pattern's automaton once per count of characters read, up to max_length or the pattern's
+// longest, the fewer (min_length where there is no limit, the counts past it one); max_length 0
+// is the empty string alone. Nothing when no such value matches. Each state
 // and transition of the automaton is a rule or an alternative per count: past
 // kMaxCountedSteps of them it throws LengthTooCostly, saying what made them.
 inline constexpr int64_t kMaxCountedSteps = 1'000'000;

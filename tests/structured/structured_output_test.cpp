@@ -1615,6 +1615,20 @@ TEST(StructuredOutput, APatternTooLargeToCountIsRefusedBeforeItsAutomatonIsBuilt
       "schema #: no string of at most 0 characters matches the pattern");
 }
 
+// A maxLength past the pattern's own longest string adds nothing: it is counted as that longest
+// (it made the work grow with maxLength, and refused such a schema as too costly).
+TEST(StructuredOutput, AMaxLengthPastThePatternsLongestCostsWhatTheLongestCosts) {
+  auto size = [](const std::string& pattern, uint64_t min, uint64_t max) {
+    Grammar g;
+    g.finish(json_schema_rule(
+        g, {{"type", "string"}, {"pattern", pattern}, {"minLength", min}, {"maxLength", max}}));
+    return g.size();
+  };
+  EXPECT_EQ(size("[0-9]{4,12}", 6, 100000), size("[0-9]{4,12}", 6, 12));
+  EXPECT_EQ(size("[a-z]{1,50}", 2, 10000), size("[a-z]{1,50}", 2, 50));
+  EXPECT_EQ(size("(?:ab|c){1,9}d", 3, 500), size("(?:ab|c){1,9}d", 3, 19));
+}
+
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
 // reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
 // transcription of the RFCs' ABNF takes and urllib.parse reads alike.
