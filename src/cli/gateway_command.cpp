@@ -213,8 +213,9 @@ void add_gateway_command(CLI::App& app) {
       ->capture_default_str()
       ->check(held_bytes);
   cmd->add_option("--max-answer-bytes", o->max_answer_bytes,
-                  "the largest non-streamed answer the gateway holds to relay; a larger one is "
-                  "refused with 502 answer_too_large (max_answer_bytes)")
+                  "the largest non-streamed answer, or event of a stream, the gateway holds to "
+                  "relay; a larger answer or first event is refused with 502 answer_too_large, a "
+                  "larger later event cuts the stream (max_answer_bytes)")
       ->capture_default_str()
       ->check(held_bytes);
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")

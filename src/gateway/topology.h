@@ -163,9 +163,10 @@ struct Topology {
   std::string metrics_api_key;
 
   size_t max_queue = 1024;  // requests waiting in the gateway; beyond: 429
-  // The largest non-streamed answer the gateway holds to relay (it buffers a whole answer before
-  // any byte reaches the client, so a failure can still be retried); a larger one is refused with
-  // a 502 that asks for stream: true. 1 to kMaxHeldBytesLimit.
+  // The largest non-streamed answer, or event of a stream, the gateway holds to relay (it buffers
+  // a whole answer before any byte reaches the client, so a failure can still be retried); a
+  // larger answer or first event is refused with a 502 that asks for stream: true, a larger later
+  // event cuts the stream as the engine's failure. 1 to kMaxHeldBytesLimit.
   size_t max_answer_bytes = size_t{64} << 20;
   // Other prefill engines tried when one fails before any byte; 0 to kMaxPrefillRetries.
   int prefill_retries = 2;
