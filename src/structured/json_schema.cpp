@@ -741,6 +741,12 @@ class SchemaCompiler {
                                     " automaton steps (each state and transition of the " +
                                     keyword + "'s automaton once per length up to " + bound +
                                     "), and here " + e.what() + ": lower " + bound);
+    } catch (const PatternTooCostly& e) {
+      // No bound can help: the pattern alone is to blame.
+      fail(where + "/" + keyword,
+           "lengths beside '" + keyword + "' are enforced through its automaton, and " + e.what() +
+               " (at most " + std::to_string(kMaxCountedSteps) + " are enforced): a simpler " +
+               keyword + " or no minLength and maxLength");
     }
     if (!inside) none();
     return bounded_.emplace(key, quoted(*inside)).first->second;

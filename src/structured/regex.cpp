@@ -530,8 +530,8 @@ class RegexCompiler {
 void RegexCompiler::link(const std::vector<int32_t>& from, const std::vector<int32_t>& to) {
   links_ += int64_t(from.size()) * int64_t(to.size());
   if (links_ > kMaxCountedSteps)
-    throw LengthTooCostly("its automaton has over " + std::to_string(kMaxCountedSteps) +
-                          " transitions");
+    throw PatternTooCostly("its automaton has over " + std::to_string(kMaxCountedSteps) +
+                           " transitions");
   for (int32_t f : from) follow_[size_t(f)].insert(follow_[size_t(f)].end(), to.begin(), to.end());
 }
 

@@ -49,9 +49,14 @@ RegexLengths regex_lengths(std::string_view pattern);
 // longest, the fewer (min_length where there is no limit, the counts past it one); max_length 0
 // is the empty string alone. Nothing when no such value matches. Each state
 // and transition of the automaton is a rule or an alternative per count: past
-// kMaxCountedSteps of them it throws LengthTooCostly, saying what made them.
+// kMaxCountedSteps of them it throws LengthTooCostly, saying what made them; an automaton whose
+// transitions alone pass it, whatever the lengths, throws PatternTooCostly.
 inline constexpr int64_t kMaxCountedSteps = 1'000'000;
 class LengthTooCostly : public Error {
+ public:
+  using Error::Error;
+};
+class PatternTooCostly : public Error {
  public:
   using Error::Error;
 };

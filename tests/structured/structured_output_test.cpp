@@ -1629,6 +1629,31 @@ TEST(StructuredOutput, AMaxLengthPastThePatternsLongestCostsWhatTheLongestCosts)
   EXPECT_EQ(size("(?:ab|c){1,9}d", 3, 500), size("(?:ab|c){1,9}d", 3, 19));
 }
 
+// A pattern whose automaton alone passes the budget, whatever the lengths, is refused naming the
+// pattern (it told the client to lower a bound, which could never help).
+TEST(StructuredOutput, APatternWhoseAutomatonAlonePassesTheBudgetIsRefusedNamingThePattern) {
+  std::string alternatives;  // 1001 one-character alternatives, each may follow each: 1001^2
+  for (uint32_t c = 0x4e00; c <= 0x4e00 + 1000; ++c) {
+    char escape[8];
+    std::snprintf(escape, sizeof escape, "\\u%04x", c);
+    alternatives += (alternatives.empty() ? "" : "|") + std::string(escape);
+  }
+  std::string error = "(compiled)";
+  try {
+    compile({OutputSpec::Kind::kJsonSchema,
+             json{{"type", "string"}, {"pattern", "(?:" + alternatives + ")+"}, {"minLength", 2}}
+                 .dump(),
+             "response_format"});
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("#/pattern: lengths beside 'pattern' are enforced through its automaton"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("over 1000000 transitions"), std::string::npos) << error;
+  EXPECT_EQ(error.find("lower"), std::string::npos) << error;
+}
+
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
 // reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
 // transcription of the RFCs' ABNF takes and urllib.parse reads alike.
