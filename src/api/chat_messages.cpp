@@ -134,11 +134,20 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
   return out;
 }
 
+ToolCallFormat tool_call_markup(const text::Tokenizer& tokenizer) {
+  const ToolCallFormat markup =
+      tool_call_format_of(tokenizer, tokenizer.chat_template(/*with_tools=*/true));
+  if (markup == ToolCallFormat::kNone)
+    fail("tools",
+         "this model's tokenizer has none of the tool-call markups Tandem reads (deepseek_v3, "
+         "deepseek_v31, hermes): its tool calls could not be parsed");
+  return markup;
+}
+
 void add_tool_description(ordered_json& messages, const ordered_json& tools,
-                          const text::Tokenizer& tokenizer, text::ContentFormat format) {
-  const std::string& tool_template = tokenizer.chat_template(/*with_tools=*/true);
-  if (tool_template.find("tools") != std::string::npos) return;
-  const ToolCallFormat markup = tool_call_format_of(tokenizer, tool_template);
+                          const text::Tokenizer& tokenizer, ToolCallFormat markup,
+                          text::ContentFormat format) {
+  if (tokenizer.chat_template(/*with_tools=*/true).find("tools") != std::string::npos) return;
   size_t at = 0;
   while (at < messages.size() && messages[at].value("role", "") == "system") ++at;
   const ordered_json prompt =

@@ -3,6 +3,7 @@
 // parse_chat and `tandem tokenize --chat-file` render the same prompt from the same input.
 #include <nlohmann/json.hpp>
 
+#include "api/tool_calls.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 
@@ -46,13 +47,21 @@ nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
 // twice, as there; what forcing a call needs besides is checked where a call is forced.
 nlohmann::ordered_json template_tools(const nlohmann::ordered_json& tools);
 
+// The tool-call markup the model's answers are read with (tool_call_format_of its tool-use
+// template), for a chat with tools. Throws ApiError naming `tools` when the model has none of the
+// markups Tandem reads: its calls could not be read back, so its chats with tools are refused.
+// The server (for tools it does not switch off with tool_choice "none") and `tandem tokenize`
+// both ask this, so they refuse the same chats.
+ToolCallFormat tool_call_markup(const text::Tokenizer& tokenizer);
+
 // For a model whose tool-use chat template does not show tools (DeepSeek-V3's shows calls and
 // results but never the tool list): `messages` (as template_messages gives them, in `format`) get
-// a system message describing `tools` (as template_tools gives them) and the model's call markup
-// (tool_prompt), after the client's own system messages. Otherwise they are left as they are.
-// The server (for tools it does not switch off with tool_choice "none") and `tandem tokenize`
-// both call this, so they count the same prompt.
+// a system message describing `tools` (as template_tools gives them) and the model's call
+// `markup` (tool_call_markup; tool_prompt), after the client's own system messages. Otherwise
+// they are left as they are. The server and `tandem tokenize` both call this, so they count the
+// same prompt.
 void add_tool_description(nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
-                          const text::Tokenizer& tokenizer, text::ContentFormat format);
+                          const text::Tokenizer& tokenizer, ToolCallFormat markup,
+                          text::ContentFormat format);
 
 }  // namespace tandem::api

@@ -523,11 +523,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   if (choice == "none") return {};
   if (!have_tools) fail("tool_choice", "'tool_choice' other than \"none\" needs 'tools'");
   ToolUse use;
-  use.format = tool_call_format_of(tokenizer, tokenizer.chat_template(/*with_tools=*/true));
-  if (use.format == ToolCallFormat::kNone)
-    fail("tools",
-         "this model's tokenizer has none of the tool-call markups Tandem reads (deepseek_v3, "
-         "deepseek_v31, hermes): its tool calls could not be parsed");
+  use.format = tool_call_markup(tokenizer);
   use.parallel = boolean(body, "parallel_tool_calls", true);
   if (choice == "required") {
     check_forced(use.format, tools_in_order);
@@ -562,7 +558,7 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
       fail("tools", std::string("'tools': ") + e.what());
     }
   }
-  add_tool_description(messages, tools_in_order, tokenizer, format);
+  add_tool_description(messages, tools_in_order, tokenizer, use.format, format);
   return use;
 }
 

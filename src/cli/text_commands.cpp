@@ -52,9 +52,12 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
   if (tools_in_chat && !tools_file.empty())
     throw Error(chat_file + ": has \"tools\" and --tools gives them too: give them in one place");
   const bool with_tools = tools_in_chat || !tools_file.empty();
+  api::ToolCallFormat markup = api::ToolCallFormat::kNone;
   try {
     if (!tools_file.empty()) ctx["tools"] = parse_json_file(tools_file);
     if (with_tools) ctx["tools"] = api::template_tools(ctx["tools"]);
+    // Refused as the server refuses them: a model whose tool calls could not be read back.
+    if (with_tools && !ctx["tools"].empty()) markup = api::tool_call_markup(tok);
   } catch (const api::ApiError& e) {
     throw Error((tools_in_chat ? chat_file : tools_file) + ": " + e.param + ": " + e.message);
   }
@@ -67,7 +70,7 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
     // As the server does for a request with tools (its tool_choice "auto"): a template that does
     // not show tools gets them described in a system message.
     if (with_tools && !ctx["tools"].empty())
-      api::add_tool_description(ctx["messages"], ctx["tools"], tok, format);
+      api::add_tool_description(ctx["messages"], ctx["tools"], tok, markup, format);
   } catch (const api::ApiError& e) {
     throw Error(chat_file + ": " + e.param + ": " + e.message);
   }

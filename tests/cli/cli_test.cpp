@@ -199,6 +199,21 @@ TEST(Cli, ChatsWithToolsForATemplateWithoutToolsCountTheServersToolDescription) 
   EXPECT_THAT(out["prompt"].get<std::string>(), HasSubstr("`get_weather`: The weather now."));
 }
 
+// The server refuses a request with tools, naming `tools`, for a model that has none of the
+// tool-call markups (its calls could not be read back); `tokenize --tools` refuses the same chat
+// the same way. It rendered one, with a tool description for no markup, as if it would be served.
+TEST(Cli, ChatsWithToolsForAModelWithoutToolCallMarkupAreRefusedNamingTools) {
+  const std::string messages = R"([{"role": "user", "content": "Weather in Paris?"}])";
+  const std::string tools = R"([{"type": "function", "function": {"name": "get_weather"}}])";
+  const std::string tools_file = write_temp("llama3-tools", tools);
+  const auto r =
+      run("tokenize --model " + test::quote(test::lenml_model("llama3")) + " --chat-file " +
+          write_temp("llama3-tools-chat", messages) + " --tools " + tools_file);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(tools_file + ": tools: "));
+  EXPECT_THAT(r.output, HasSubstr("tool-call markups"));
+}
+
 TEST(Cli, DetokenizeRoundTrips) {
   auto r = run("detokenize --model " + kModel + " --ids '9707, 1879 151645' --skip-special-tokens");
   ASSERT_EQ(r.status, 0) << r.output;
