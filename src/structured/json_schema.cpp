@@ -976,14 +976,16 @@ class SchemaCompiler {
     if (writable && hi >= 0) {
       const Decimal from = lo > 0 ? magnitude(lo) : Decimal{};
       const Decimal to = hi == inf ? top : hi_mag;
-      if (from <= to) alts.push_back({magnitudes(from, to)});
+      if (from <= to)
+        if (auto m = magnitudes(from, to)) alts.push_back({*m});
     }
     if (writable && lo < 0) {
       const Decimal tiny{0, std::string(size_t(kMaxFractionDigits - 1), '0') + "1"};
       Decimal from = hi < 0 ? hi_mag : tiny;
       if (from <= tiny) from = tiny;
       const Decimal to = lo == -inf ? top : lo_mag;
-      if (from <= to) alts.push_back({g_.byte('-'), magnitudes(from, to)});
+      if (from <= to)
+        if (auto m = magnitudes(from, to)) alts.push_back({g_.byte('-'), *m});
     }
     if (alts.empty())
       fail(where, "no number of at most " + std::to_string(kMaxIntegerDigits) + " digits and " +
@@ -993,8 +995,9 @@ class SchemaCompiler {
     return g_.any_of(std::move(alts));
   }
 
-  // The texts (whole part, then '.' and fraction digits or nothing) of the magnitudes a..b.
-  Symbol magnitudes(const Decimal& a, const Decimal& b) {
+  // The texts (whole part, then '.' and fraction digits or nothing) of the magnitudes a..b;
+  // nothing when none has at most kMaxFractionDigits fraction digits (1e-20..2e-20).
+  std::optional<Symbol> magnitudes(const Decimal& a, const Decimal& b) {
     const int fd = kMaxFractionDigits;
     auto text_of = [&](int64_t whole) { return g_.literal(std::to_string(whole)); };
     auto then_fraction = [&](Sequence whole, const Fractions& f) {
@@ -1022,6 +1025,7 @@ class SchemaCompiler {
       }
       add(then_fraction(text_of(b.whole), fractions_to(b.fraction, fd)));
     }
+    if (alts.empty()) return std::nullopt;
     return g_.any_of(std::move(alts));
   }
 

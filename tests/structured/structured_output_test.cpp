@@ -1764,6 +1764,14 @@ TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByN
   refused({{"type", "number"}, {"minimum", 5}, {"exclusiveMaximum", 5}}, "#: no number");
   refused({{"type", "number"}, {"minimum", 1e20}}, "#: no number");
   refused({{"type", "number"}, {"exclusiveMaximum", -1e16}}, "#: no number");
+  // Ranges between numbers of 16 fraction digits hold none an answer may write.
+  for (const json& bounds : {json{{"minimum", 1e-20}, {"maximum", 2e-20}},
+                             json{{"minimum", -2e-20}, {"maximum", -1e-20}},
+                             json{{"exclusiveMinimum", 0.1}, {"maximum", 0.10000000000000002}}}) {
+    json schema = bounds;
+    schema["type"] = "number";
+    refused(schema, "#: no number of at most 16 digits and 16 fraction digits lies within");
+  }
   refused({{"minimum", 0}}, "#/minimum: 'minimum' is enforced on integers and numbers only");
   // Where they do not apply, as JSON Schema has it, they constrain nothing: a format or pattern
   // beside "type": "integer", bounds beside "type": "string".
