@@ -829,9 +829,9 @@ class SchemaCompiler {
     return static_cast<int64_t>(std::clamp(d, double(-most), double(most)));
   }
 
-  // An integer, within the schema's bounds when it has any.
-  Symbol integer(const json& schema, const std::string& where) {
-    bool bounded = false;
+  // The integers the schema's bounds admit, compared exactly (as Python compares an int with an
+  // int or a float), within what an answer may write (lo > hi: none).
+  static std::pair<int64_t, int64_t> integer_range(const json& schema) {
     int64_t lo = -kLargestInteger, hi = kLargestInteger;
     if (schema.contains("minimum")) lo = std::max(lo, integer_bound(schema["minimum"], true));
     if (schema.contains("exclusiveMinimum")) {
@@ -842,10 +842,21 @@ class SchemaCompiler {
     if (schema.contains("maximum")) hi = std::min(hi, integer_bound(schema["maximum"], false));
     if (schema.contains("exclusiveMaximum"))
       hi = std::min(hi, integer_bound(schema["exclusiveMaximum"], true) - 1);
+    return {std::max(lo, -kLargestInteger), std::min(hi, kLargestInteger)};
+  }
+
+  // The texts of the integers lo..hi (lo <= hi), added to `alts`.
+  void integer_texts(int64_t lo, int64_t hi, std::vector<Sequence>& alts) {
+    if (lo < 0) alts.push_back({g_.byte('-'), naturals(hi < 0 ? -hi : 1, -lo)});
+    if (hi >= 0) alts.push_back({naturals(std::max<int64_t>(lo, 0), hi)});
+  }
+
+  // An integer, within the schema's bounds when it has any.
+  Symbol integer(const json& schema, const std::string& where) {
+    bool bounded = false;
     for (const char* k : kBounds) bounded = bounded || schema.contains(k);
     if (!bounded) return integer();
-    lo = std::max(lo, -kLargestInteger);
-    hi = std::min(hi, kLargestInteger);
+    const auto [lo, hi] = integer_range(schema);
     if (lo > hi)
       fail(where, "no integer of at most " + std::to_string(kMaxIntegerDigits) +
                       " digits lies within the schema's bounds (minimum, maximum, "
@@ -853,8 +864,7 @@ class SchemaCompiler {
     const auto key = std::make_pair(lo, hi);
     if (auto it = integer_ranges_.find(key); it != integer_ranges_.end()) return it->second;
     std::vector<Sequence> alts;
-    if (lo < 0) alts.push_back({g_.byte('-'), naturals(hi < 0 ? -hi : 1, -lo)});
-    if (hi >= 0) alts.push_back({naturals(std::max<int64_t>(lo, 0), hi)});
+    integer_texts(lo, hi, alts);
     const Symbol r = g_.any_of(std::move(alts));
     integer_ranges_.emplace(key, r);
     return r;
@@ -954,19 +964,35 @@ class SchemaCompiler {
   // bounds as JSON encoders write them (shortest round trip), the bound past an exclusive one
   // (the next double): then the double a JSON parser reads, rounding monotonically, is within
   // the bounds too (and an integer text, which Python compares exactly, as well: below 10^16 no
-  // integer lies between a double and its shortest decimal).
+  // integer lies between a double and its shortest decimal). An integer bound that is no double
+  // (past 2^53) is taken as the double on the range's side of it, and the integers between the
+  // two are written too (integer texts compared exactly, as integer() does).
   Symbol bounded_number(const json& schema, const std::string& where) {
     bool bounded = false;
     for (const char* k : kBounds) bounded = bounded || schema.contains(k);
     if (!bounded) return number();
     const double inf = std::numeric_limits<double>::infinity();
+    for (const char* k : kBounds) bound(schema, k, where);
+    // A bound's double on the range's side of it: an integer past 2^53 may be none
+    // (9007199254740995 reads as 9007199254740996, which a maximum of it must not admit).
+    auto toward_range = [&](const char* k, bool up) {
+      const json& v = schema[k];
+      double d = v.get<double>();
+      if (v.is_number_integer() && std::fabs(d) < 1e16) {
+        const int64_t exact =
+            v.is_number_unsigned() ? int64_t(v.get<uint64_t>()) : v.get<int64_t>();
+        if (up && int64_t(d) < exact) d = std::nextafter(d, inf);
+        if (!up && int64_t(d) > exact) d = std::nextafter(d, -inf);
+      }
+      return d;
+    };
     double lo = -inf, hi = inf;
-    if (auto v = bound(schema, "minimum", where)) lo = std::max(lo, *v);
-    if (auto v = bound(schema, "exclusiveMinimum", where))
-      lo = std::max(lo, std::nextafter(*v, inf));
-    if (auto v = bound(schema, "maximum", where)) hi = std::min(hi, *v);
-    if (auto v = bound(schema, "exclusiveMaximum", where))
-      hi = std::min(hi, std::nextafter(*v, -inf));
+    if (schema.contains("minimum")) lo = std::max(lo, toward_range("minimum", true));
+    if (schema.contains("exclusiveMinimum"))
+      lo = std::max(lo, std::nextafter(toward_range("exclusiveMinimum", false), inf));
+    if (schema.contains("maximum")) hi = std::min(hi, toward_range("maximum", false));
+    if (schema.contains("exclusiveMaximum"))
+      hi = std::min(hi, std::nextafter(toward_range("exclusiveMaximum", true), -inf));
     // Past what an answer may write, an outer side is open; an inner one leaves nothing.
     const bool writable = lo < 1e16 && hi > -1e16;
     const Decimal top = largest_magnitude();
@@ -986,6 +1012,19 @@ class SchemaCompiler {
       const Decimal to = lo == -inf ? top : lo_mag;
       if (from <= to)
         if (auto m = magnitudes(from, to)) alts.push_back({g_.byte('-'), *m});
+    }
+    // The integers in the range that lie past lo..hi (compared exactly, as Python compares an
+    // int: 9007199254740995 under a maximum of it, whose double is 9007199254740994 here).
+    const auto [int_lo, int_hi] = integer_range(schema);
+    if (int_lo <= int_hi) {
+      if (lo > hi) {
+        integer_texts(int_lo, int_hi, alts);
+      } else {
+        if (std::fabs(lo) < 1e16 && int_lo <= std::min(int_hi, int64_t(std::ceil(lo)) - 1))
+          integer_texts(int_lo, std::min(int_hi, int64_t(std::ceil(lo)) - 1), alts);
+        if (std::fabs(hi) < 1e16 && std::max(int_lo, int64_t(std::floor(hi)) + 1) <= int_hi)
+          integer_texts(std::max(int_lo, int64_t(std::floor(hi)) + 1), int_hi, alts);
+      }
     }
     if (alts.empty())
       fail(where, "no number of at most " + std::to_string(kMaxIntegerDigits) + " digits and " +

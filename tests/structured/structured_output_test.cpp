@@ -1694,6 +1694,13 @@ TEST(StructuredOutput, NumberBoundsAcceptExactlyTheNumbersInTheRange) {
       {{"minimum", 3}, {"maximum", 3}},
       {{"minimum", -7.75}, {"maximum", -7.5}},
       {{"minimum", -1e30}, {"maximum", 1e30}},
+      // Integers past 2^53, which Python compares exactly: 9007199254740995 reads as the
+      // double 9007199254740996, above it, and 9007199254740993 as 9007199254740992, below it.
+      {{"maximum", 9007199254740995}},
+      {{"minimum", 9007199254740993}},
+      {{"minimum", -9007199254740995}, {"maximum", -9007199254740993}},
+      {{"exclusiveMinimum", 9007199254740993}, {"exclusiveMaximum", 9007199254740996}},
+      {{"minimum", 9007199254740995}, {"maximum", 9007199254740995}},
   };
   std::vector<FormatCheck> cases;
   for (const auto& r : ranges) {
@@ -1717,6 +1724,12 @@ TEST(StructuredOutput, NumberBoundsAcceptExactlyTheNumbersInTheRange) {
         const double x = v.get<double>() + d;
         if (std::fabs(x) < 1e15) extra.push_back(json(x).dump());
       }
+    for (const auto& [k, v] : r.items())
+      if (v.is_number_integer())
+        for (int64_t d : {-2, -1, 0, 1, 2}) {
+          const std::string n = std::to_string(v.get<int64_t>() + d);
+          for (const std::string& point : {"", ".0"}) extra.push_back(n + point);
+        }
     cases.push_back({schema, check, extra});
   }
   expect_grammars_agree_with_the_oracle(cases);
