@@ -141,6 +141,11 @@ std::string compile_error(OutputSpec::Kind kind, const std::string& text) {
   return error;
 }
 
+// What compiling a JSON schema says: its error, or "(compiled)".
+std::string schema_error(const json& schema) {
+  return compile_error(OutputSpec::Kind::kJsonSchema, schema.dump());
+}
+
 std::string nested_groups(int depth) {
   return std::string(size_t(depth), '(') + "a" + std::string(size_t(depth), ')');
 }
@@ -1582,14 +1587,7 @@ TEST(StructuredOutput, LengthsBesideAPatternOrFormatAreEnforcedOnTheDecodedChara
 // hundreds of megabytes for this one, and only then refused); maxLength 0 leaves only the empty
 // string, which the pattern matches or not, and builds no automaton at all.
 TEST(StructuredOutput, APatternTooLargeToCountIsRefusedBeforeItsAutomatonIsBuilt) {
-  auto error = [](const json& schema) {
-    try {
-      compile({OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"});
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(compiled)");
-  };
+  auto error = [](const json& schema) { return schema_error(schema); };
   const std::string huge = "(?:(?:a{1000}){499})?";  // 499,000 characters written out
   const std::string e = error({{"type", "string"}, {"pattern", huge}, {"maxLength", 1}});
   EXPECT_NE(e.find("#/maxLength: 'maxLength' beside 'pattern' is enforced for at most"),
@@ -1638,15 +1636,8 @@ TEST(StructuredOutput, APatternWhoseAutomatonAlonePassesTheBudgetIsRefusedNaming
     std::snprintf(escape, sizeof escape, "\\u%04x", c);
     alternatives += (alternatives.empty() ? "" : "|") + std::string(escape);
   }
-  std::string error = "(compiled)";
-  try {
-    compile({OutputSpec::Kind::kJsonSchema,
-             json{{"type", "string"}, {"pattern", "(?:" + alternatives + ")+"}, {"minLength", 2}}
-                 .dump(),
-             "response_format"});
-  } catch (const Error& e) {
-    error = e.what();
-  }
+  const std::string error = schema_error(
+      {{"type", "string"}, {"pattern", "(?:" + alternatives + ")+"}, {"minLength", 2}});
   EXPECT_NE(error.find("#/pattern: lengths beside 'pattern' are enforced through its automaton"),
             std::string::npos)
       << error;
@@ -1728,7 +1719,7 @@ TEST(StructuredOutput, NumberBoundsAcceptExactlyTheNumbersInTheRange) {
       if (v.is_number_integer())
         for (int64_t d : {-2, -1, 0, 1, 2}) {
           const std::string n = std::to_string(v.get<int64_t>() + d);
-          for (const std::string& point : {"", ".0"}) extra.push_back(n + point);
+          for (const char* point : {"", ".0"}) extra.push_back(n + point);
         }
     cases.push_back({schema, check, extra});
   }
@@ -1737,14 +1728,7 @@ TEST(StructuredOutput, NumberBoundsAcceptExactlyTheNumbersInTheRange) {
 
 // What is not enforced is refused, naming the keyword (or the format) and where it stands.
 TEST(StructuredOutput, FormatsPatternsAndBoundsThatCannotBeEnforcedAreRefusedByName) {
-  auto error = [](const json& schema) {
-    try {
-      compile({OutputSpec::Kind::kJsonSchema, schema.dump(), "response_format"});
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(compiled)");
-  };
+  auto error = [](const json& schema) { return schema_error(schema); };
   auto refused = [&](const json& schema, const std::string& says) {
     const std::string e = error(schema);
     EXPECT_NE(e.find(says), std::string::npos) << schema.dump() << "\n  " << e;
