@@ -978,7 +978,8 @@ class SchemaCompiler {
     auto toward_range = [&](const char* k, bool up) {
       const json& v = schema[k];
       double d = v.get<double>();
-      if (v.is_number_integer() && std::fabs(d) < 1e16) {
+      // (9999999999999999, the largest an answer may write, reads as 1e16: adjusted too.)
+      if (v.is_number_integer() && std::fabs(d) <= 1e16) {
         const int64_t exact =
             v.is_number_unsigned() ? int64_t(v.get<uint64_t>()) : v.get<int64_t>();
         if (up && int64_t(d) < exact) d = std::nextafter(d, inf);
@@ -1020,9 +1021,9 @@ class SchemaCompiler {
       if (lo > hi) {
         integer_texts(int_lo, int_hi, alts);
       } else {
-        if (std::fabs(lo) < 1e16 && int_lo <= std::min(int_hi, int64_t(std::ceil(lo)) - 1))
+        if (std::fabs(lo) <= 1e16 && int_lo <= std::min(int_hi, int64_t(std::ceil(lo)) - 1))
           integer_texts(int_lo, std::min(int_hi, int64_t(std::ceil(lo)) - 1), alts);
-        if (std::fabs(hi) < 1e16 && std::max(int_lo, int64_t(std::floor(hi)) + 1) <= int_hi)
+        if (std::fabs(hi) <= 1e16 && std::max(int_lo, int64_t(std::floor(hi)) + 1) <= int_hi)
           integer_texts(std::max(int_lo, int64_t(std::floor(hi)) + 1), int_hi, alts);
       }
     }

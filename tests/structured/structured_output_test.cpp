@@ -1692,6 +1692,8 @@ TEST(StructuredOutput, NumberBoundsAcceptExactlyTheNumbersInTheRange) {
       {{"minimum", -9007199254740995}, {"maximum", -9007199254740993}},
       {{"exclusiveMinimum", 9007199254740993}, {"exclusiveMaximum", 9007199254740996}},
       {{"minimum", 9007199254740995}, {"maximum", 9007199254740995}},
+      // The largest integer an answer may write, which reads as the double 1e16, above it.
+      {{"maximum", 9999999999999999}},
   };
   std::vector<FormatCheck> cases;
   for (const auto& r : ranges) {
