@@ -1127,6 +1127,14 @@ std::shared_ptr<const MaskVocabulary> small_vocabulary() {
   return std::make_shared<const MaskVocabulary>(std::move(tokens));
 }
 
+// The id of the token whose bytes are `bytes` (a failure, and -1, if there is none).
+int32_t token_of(const MaskVocabulary& vocabulary, const std::string& bytes) {
+  for (size_t i = 0; i < vocabulary.size(); ++i)
+    if (vocabulary.bytes(int32_t(i)) == bytes) return int32_t(i);
+  ADD_FAILURE() << bytes;
+  return -1;
+}
+
 // Masks are cached under GrammarMatcher::mask_key, which merges the states of a bounded repeat
 // that no token can tell apart. Each mask the cache gives must be the one a fresh walk of the
 // trie computes, and so must every state sharing a key, over random answers to formats with
@@ -1281,12 +1289,7 @@ TEST(StructuredOutput, ABoundedStringWalksTheVocabularyAboutOncePerByteOfItsLong
   const auto grammar =
       compile({OutputSpec::Kind::kJsonSchema, R"({"type": "string", "maxLength": 400})", "f"});
   const std::vector<int32_t> ends = {int32_t(vocabulary->size())};
-  auto id = [&](const std::string& bytes) {
-    for (size_t i = 0; i < vocabulary->size(); ++i)
-      if (vocabulary->bytes(int32_t(i)) == bytes) return int32_t(i);
-    ADD_FAILURE() << bytes;
-    return int32_t(-1);
-  };
+  auto id = [&](const std::string& bytes) { return token_of(*vocabulary, bytes); };
   const std::string cycle[] = {"abc", "a", "ab", "aaaa", "\xC3\xA9", "aaaaaaaa", "\\n"};
   TokenConstraint constraint(grammar, std::make_shared<MaskCache>(128), vocabulary);
   std::vector<float> logits(vocabulary->size() + 1);
@@ -1327,12 +1330,7 @@ TEST(StructuredOutput, APatternWithinMaxLengthWalksTheVocabularyAboutOncePerByte
       compile({OutputSpec::Kind::kJsonSchema,
                R"({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083})", "f"});
   const std::vector<int32_t> ends = {int32_t(vocabulary->size())};
-  auto id = [&](const std::string& bytes) {
-    for (size_t i = 0; i < vocabulary->size(); ++i)
-      if (vocabulary->bytes(int32_t(i)) == bytes) return int32_t(i);
-    ADD_FAILURE() << bytes;
-    return int32_t(-1);
-  };
+  auto id = [&](const std::string& bytes) { return token_of(*vocabulary, bytes); };
   TokenConstraint constraint(grammar, std::make_shared<MaskCache>(128), vocabulary);
   std::vector<float> logits(vocabulary->size() + 1);
   auto step = [&](const std::string& token, bool allowed = true) {
