@@ -142,6 +142,14 @@ class GatewayFailures : public ::testing::TestWithParam<int> {
     gw_->start();
   }
   uint16_t port() const { return gw_->port(); }
+  // A streamed POST /v1/completions of `body`; what arrives is added to `got`.
+  net::HttpClientResponse post_stream(const json& body, std::string& got) {
+    return net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions", body.dump(), {},
+                                    [&](std::string_view p) {
+                                      got += p;
+                                      return true;
+                                    });
+  }
 
   net::HttpClientResponse post(const json& body, const net::Headers& headers = {},
                                const std::string& path = "/v1/completions") {
@@ -303,11 +311,7 @@ TEST_P(GatewayFailures, AnEngineDyingMidStreamEndsTheClientStreamWithAnErrorEven
   engine.set(Behaviour::kCutStream);
   start_aggregated(engine, "e");
   std::string got;
-  const auto resp = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
-                                             completion(true).dump(), {}, [&](std::string_view p) {
-                                               got += p;
-                                               return true;
-                                             });
+  const auto resp = post_stream(completion(true), got);
   // A whole HTTP answer (the chunked body properly ended) whose stream says it was cut: what
   // was generated, then an OpenAI error event and [DONE], as a failing engine ends its stream.
   EXPECT_EQ(resp.status, 200);
@@ -340,11 +344,7 @@ TEST_P(GatewayFailures, AStreamFailingMidAnswerEndsWithAnErrorEventThenDoneForAn
       json body = completion(true);
       body["n"] = n;
       std::string got;
-      const auto r = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
-                                              body.dump(), {}, [&](std::string_view p) {
-                                                got += p;
-                                                return true;
-                                              });
+      const auto r = post_stream(body, got);
       EXPECT_EQ(r.status, 200);
       EXPECT_NE(got.find("d0"), std::string::npos) << got;  // what was generated came first
       EXPECT_FALSE(last_error(got).empty()) << got;
@@ -410,11 +410,7 @@ TEST_P(GatewayFailures, AnEventWithoutEndAfterTheFirstIsCutAtTheTopologysLimit) 
     t.max_answer_bytes = size_t{1} << 20;
     start(t);
     std::string got;
-    const auto r = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
-                                            completion(true).dump(), {}, [&](std::string_view p) {
-                                              got += p;
-                                              return true;
-                                            });
+    const auto r = post_stream(completion(true), got);
     EXPECT_EQ(r.status, 200);
     const size_t first = got.find("first"), error = got.find("data: {\"error\"");
     ASSERT_NE(first, std::string::npos) << got.substr(0, 200);
@@ -442,11 +438,7 @@ TEST_P(GatewayFailures, AStreamThatStartsWithAnErrorIsRetriedInParallelMode) {
   t.decode.endpoints = {endpoint_of(bad_decode, "bad"), endpoint_of(good_decode, "good")};
   start(t);
   std::string got;
-  const auto r = net::http_request_stream("127.0.0.1", port(), "POST", "/v1/completions",
-                                          completion(true).dump(), {}, [&](std::string_view p) {
-                                            got += p;
-                                            return true;
-                                          });
+  const auto r = post_stream(completion(true), got);
   EXPECT_EQ(r.status, 200);
   EXPECT_NE(got.find("good0"), std::string::npos) << got;
   EXPECT_EQ(got.find("KV transfer failed"), std::string::npos) << got;
