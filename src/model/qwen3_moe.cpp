@@ -69,8 +69,8 @@ Qwen3MoeModel Qwen3MoeModel::load(const std::filesystem::path& dir,
     m.layers_.push_back(std::move(l));
   }
   m.final_norm_ = b.vector("model.norm.weight", h);
-  m.lm_head = c.tie_word_embeddings ? b.matrix("model.embed_tokens", c.vocab_size, h)
-                                    : b.packed_matrix("lm_head", c.vocab_size, h);
+  m.lm_head =
+      c.tie_word_embeddings ? tied_head(m.embed) : b.packed_matrix("lm_head", c.vocab_size, h);
   if (c.tie_word_embeddings) b.skip("lm_head.");
   // Every tensor of the checkpoint must have a place: another tensor means another model.
   for (const auto& [name, info] : m.checkpoint_.tensors())

@@ -51,6 +51,15 @@ const void* aligned_rows(const TensorInfo& t, std::vector<uint8_t>& storage) {
 
 }  // namespace
 
+Matrix tied_head(const Matrix& embedding) {
+  Matrix head =
+      kernels::matrix_view(embedding.rows, embedding.cols, embedding.type, embedding.data);
+  head.row_scales = embedding.row_scales;  // an INT8 embedding's (one float per row)
+  head.row_sums = embedding.row_sums;
+  head.packed = embedding.packed;
+  return head;
+}
+
 TensorBinder::TensorBinder(const Checkpoint& checkpoint, std::optional<Fp8Quantization> fp8,
                            const std::function<void(size_t, size_t)>& progress)
     : checkpoint_(checkpoint), fp8_(fp8), progress_(progress), total_(0) {

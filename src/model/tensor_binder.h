@@ -30,6 +30,12 @@ inline bool is_tied_away_head(const std::string& tensor) {
   return tensor.starts_with("lm_head.");
 }
 
+// The LM head of a model with tie_word_embeddings: the embedding as bound, shared rather than
+// bound again, so that an embedding the binder copied (misaligned in its file) or converted (F16
+// widened) is held once, not once more for the head. The head reads `embedding`'s memory: the two
+// live side by side in a model's weights (moving a Matrix keeps its storage where it is).
+kernels::Matrix tied_head(const kernels::Matrix& embedding);
+
 // Whether a tensor is a rotary embedding's inverse frequencies, which checkpoints exported while
 // transformers kept them as a persistent buffer hold
 // (model.layers.N.self_attn.rotary_emb.inv_freq). The forward passes compute them from the config,

@@ -132,7 +132,7 @@ Weights Weights::load(Checkpoint checkpoint, const ModelConfig& config,
                                                            h, Binder::PlainRows::kKeep)
                                            : b.int8_matrix("lm_head", config.vocab_size, h);
   } else if (config.tie_word_embeddings) {
-    w.lm_head = b.matrix("model.embed_tokens", config.vocab_size, h);
+    w.lm_head = tied_head(w.embed);
   } else {
     w.lm_head = b.packed_matrix("lm_head", config.vocab_size, h);
   }

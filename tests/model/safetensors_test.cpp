@@ -667,6 +667,36 @@ TEST(TensorBinder, AMisalignedFloatTensorIsBoundAlignedWithItsValuesAndAnAligned
   EXPECT_EQ(row, (std::vector<float>{3.0f, 0.125f}));
 }
 
+// Rewrites every shard of the checkpoint in `dir` with one more space at the end of its header
+// (trailing JSON whitespace: the header is still valid), so that every tensor's data starts one
+// byte later, at an odd address in the mapping. Returns how many shards it rewrote.
+size_t misalign_every_tensor(const fs::path& dir) {
+  size_t shards = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::string raw = test::read_bytes(entry.path());
+    uint64_t header_len = 0;
+    std::memcpy(&header_len, raw.data(), 8);
+    raw.insert(8 + header_len, " ");
+    ++header_len;
+    std::memcpy(raw.data(), &header_len, 8);
+    test::write_bytes(entry.path(), raw);
+    ++shards;
+  }
+  return shards;
+}
+
+// The logits of every position of a 20-token prompt.
+std::vector<float> prompt_logits(const DeepSeekModel& model) {
+  LatentCache cache(model.cache_shape(16), 4);
+  std::vector<int32_t> prompt;
+  for (int32_t i = 0; i < 20; ++i) prompt.push_back(5 + 37 * i);
+  const std::vector<int32_t> table = {0, 1};
+  SequenceStep step{prompt, 0, table, LogitRows::kAll};
+  const auto logits = model.forward(std::span(&step, 1), cache).logits;
+  return std::vector<float>(logits.begin(), logits.end());
+}
+
 // Files written before the safetensors library padded its header to 8 bytes start their data at
 // any offset, so every tensor of them may be misaligned. Such a checkpoint (here tandem's own
 // with one more space in each header) loads into the same model: every matrix, packed or read in
@@ -676,35 +706,44 @@ TEST(TensorBinder, AModelWhoseTensorsAreAllMisalignedComputesTheSameLogits) {
   const ModelConfig c = test::small_vocab_tiny_v3();
   test::write_random_checkpoint(aligned.path(), c);
   test::write_random_checkpoint(shifted.path(), c);
-  size_t shards = 0;
-  for (const auto& entry : fs::directory_iterator(shifted.path())) {
-    if (entry.path().extension() != ".safetensors") continue;
-    std::string raw = test::read_bytes(entry.path());
-    uint64_t header_len = 0;
-    std::memcpy(&header_len, raw.data(), 8);
-    raw.insert(8 + header_len, " ");  // trailing JSON whitespace: the header is still valid
-    ++header_len;
-    std::memcpy(raw.data(), &header_len, 8);
-    test::write_bytes(entry.path(), raw);
-    ++shards;
-  }
-  ASSERT_GT(shards, 0u);
+  ASSERT_GT(misalign_every_tensor(shifted.path()), 0u);
   const Checkpoint ck = Checkpoint::open(shifted.path());
   ASSERT_EQ(reinterpret_cast<uintptr_t>(ck.find("model.embed_tokens.weight")->data) % 2, 1u);
 
-  auto logits_of = [](const fs::path& dir) {
-    const DeepSeekModel model = DeepSeekModel::load(dir);
-    LatentCache cache(model.cache_shape(16), 4);
-    std::vector<int32_t> prompt;
-    for (int32_t i = 0; i < 20; ++i) prompt.push_back(5 + 37 * i);
-    const std::vector<int32_t> table = {0, 1};
-    SequenceStep step{prompt, 0, table, LogitRows::kAll};
-    const auto logits = model.forward(std::span(&step, 1), cache).logits;
-    return std::vector<float>(logits.begin(), logits.end());
-  };
-  const std::vector<float> want = logits_of(aligned.path());
+  const std::vector<float> want = prompt_logits(DeepSeekModel::load(aligned.path()));
   ASSERT_FALSE(want.empty());
-  EXPECT_EQ(logits_of(shifted.path()), want);
+  EXPECT_EQ(prompt_logits(DeepSeekModel::load(shifted.path())), want);
+}
+
+// With tie_word_embeddings the LM head is the embedding: a misaligned embedding is copied once,
+// aligned, and the lookup and the head both read that copy (it was copied a second time for the
+// head: a whole vocabulary x hidden matrix more, 311 MB for Qwen3-0.6B's 151936 x 1024 in BF16).
+TEST(TensorBinder, ATiedEmbeddingThatIsMisalignedIsCopiedOnceForTheLookupAndTheHead) {
+  test::TempDir aligned("st-tied-aligned"), shifted("st-tied-shifted");
+  ModelConfig c = test::small_vocab_tiny_v3();
+  c.tie_word_embeddings = true;
+  test::write_random_checkpoint(aligned.path(), c);
+  test::write_random_checkpoint(shifted.path(), c);
+  ASSERT_GT(misalign_every_tensor(shifted.path()), 0u);
+
+  const DeepSeekModel in_place = DeepSeekModel::load(aligned.path());
+  const DeepSeekModel copied = DeepSeekModel::load(shifted.path());
+  const kernels::Matrix& embed = copied.weights().embed;
+  const kernels::Matrix& head = copied.weights().lm_head;
+  ASSERT_FALSE(embed.storage.empty()) << "the embedding was not copied: the file is aligned";
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(embed.data) % alignof(uint16_t), 0u);
+  EXPECT_EQ(head.data, embed.data);
+  EXPECT_TRUE(head.storage.empty()) << head.storage.size() << " bytes copied for the head";
+  EXPECT_EQ(head.rows, embed.rows);
+  EXPECT_EQ(head.cols, embed.cols);
+  EXPECT_EQ(head.type, embed.type);
+  // An aligned tied embedding is read in place by both, as before.
+  EXPECT_EQ(in_place.weights().lm_head.data, in_place.weights().embed.data);
+  EXPECT_TRUE(in_place.weights().embed.storage.empty());
+
+  const std::vector<float> want = prompt_logits(in_place);
+  ASSERT_FALSE(want.empty());
+  EXPECT_EQ(prompt_logits(copied), want);
 }
 
 // The files the writer produces, read by an independent Python reader that also checks the
