@@ -696,14 +696,19 @@ class SchemaCompiler {
            "'pattern' beside 'format' is not supported (an answer would have to match both)");
     const std::string keyword = has_pattern ? "pattern" : "format";
     std::string p;
-    int64_t most = max;  // with a format's own bound
+    int64_t own_most = -1;  // a format's own bound
     if (has_pattern) {
       p = schema["pattern"].get<std::string>();
     } else {
       const StringFormat f = format(schema["format"].get<std::string>(), where);
       p = f.pattern;
-      if (f.max_length >= 0) most = most < 0 ? f.max_length : std::min(most, f.max_length);
+      own_most = f.max_length;
     }
+    // The most characters, from maxLength and a format's own bound (max < 0: none).
+    auto most_of = [&](int64_t max) {
+      return max < 0 || own_most < 0 ? std::max(max, own_most) : std::min(max, own_most);
+    };
+    const int64_t most = most_of(max);
     RegexLengths lengths{};
     try {
       lengths = regex_lengths(p);
@@ -733,14 +738,7 @@ class SchemaCompiler {
     try {
       inside = regex_in_json_string_within(g_, p, min, most);
     } catch (const LengthTooCostly& e) {
-      // A bound the schema gave is to blame (a format's own is within the limit).
-      const std::string bound = max >= 0 ? "maxLength" : "minLength";
-      fail(where + "/" + bound, "'" + bound + "' beside '" + keyword +
-                                    "' is enforced for at most " +
-                                    std::to_string(kMaxCountedSteps) +
-                                    " automaton steps (each state and transition of the " +
-                                    keyword + "'s automaton once per length up to " + bound +
-                                    "), and here " + e.what() + ": lower " + bound);
+      too_costly(e, where, keyword, min, max, lengths, most_of);
     } catch (const PatternTooCostly& e) {
       // No bound can help: the pattern alone is to blame.
       fail(where + "/" + keyword,
@@ -750,6 +748,54 @@ class SchemaCompiler {
     }
     if (!inside) none();
     return bounded_.emplace(key, quoted(*inside)).first->second;
+  }
+
+  // Lengths min..max beside a pattern or format, too costly to count: the advice is a lower
+  // bound only where one would be accepted (the highest such), else a simpler pattern. A bound
+  // is accepted where the pattern needs no counting beside it, or where the counts of
+  // characters it leaves fit (LengthTooCostly::counts_that_fit).
+  template <typename MostOf>
+  [[noreturn]] static void too_costly(const LengthTooCostly& e, const std::string& where,
+                                      const std::string& keyword, int64_t min, int64_t max,
+                                      RegexLengths lengths, const MostOf& most_of) {
+    auto accepted = [&](int64_t least, int64_t max_length) {
+      const int64_t most = most_of(max_length);
+      const bool longest_within = most < 0 || (lengths.longest >= 0 && lengths.longest <= most);
+      if (least <= lengths.shortest && longest_within) return true;
+      const int64_t counted = most < 0              ? least
+                              : lengths.longest < 0 ? most
+                                                    : std::min(most, lengths.longest);
+      return counted + 1 <= e.counts_that_fit;
+    };
+    // The highest bound accepted below the schema's, if any leaves a string of one or more
+    // characters that the pattern has.
+    const std::string bound = max >= 0 ? "maxLength" : "minLength";
+    int64_t lower = -1;
+    if (max >= 0) {
+      const int64_t m = e.counts_that_fit - 1;
+      if (m >= std::max({min, lengths.shortest, int64_t{1}}) && accepted(min, m)) lower = m;
+    } else {
+      for (int64_t m : {e.counts_that_fit - 1, lengths.shortest})
+        if (m >= 0 && m < min && accepted(m, -1)) lower = std::max(lower, m);
+    }
+    const std::string or_without = max >= 0 && accepted(min, -1) ? ", or leave maxLength out"
+                                   : accepted(0, -1)             ? ", or no minLength and maxLength"
+                                                                 : "";
+    if (lower >= 0)
+      fail(where + "/" + bound,
+           "'" + bound + "' beside '" + keyword + "' is enforced for at most " +
+               std::to_string(kMaxCountedSteps) +
+               " automaton steps (each state and transition of the " + keyword +
+               "'s automaton once per length up to " + bound + "), and here " + e.what() +
+               ": lower " + bound + " to " + std::to_string(lower) + " or less" +
+               (max >= 0 && accepted(min, -1) ? ", or leave maxLength out" : ""));
+    fail(where + "/" + keyword, "lengths beside '" + keyword +
+                                    "' are enforced through its automaton, once per length, "
+                                    "for at most " +
+                                    std::to_string(kMaxCountedSteps) +
+                                    " automaton steps, and here " + e.what() + "; no lower " +
+                                    bound + " that leaves a string of the " + keyword +
+                                    " would do: a simpler " + keyword + or_without);
   }
 
   // A 'pattern': its value matches it whole. JSON Schema's pattern is a search (unanchored), but

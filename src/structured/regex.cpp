@@ -610,20 +610,27 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
   if (max == 0) return shortest_ == 0 ? std::optional(g_.any_of({{}})) : std::nullopt;
   const int64_t blocks = (max >= 0 ? max : min) + 1;  // counts of characters read, saturated
   // A character (repeats written out) is a state and a transition unless it merges with others:
-  // past the budget counted so, the automaton is refused before its characters are written out
-  // (a million of them cost hundreds of megabytes to build only to be refused).
+  // the counts that fit so are known before its characters are written out (a million of them
+  // cost hundreds of megabytes to build only to be refused).
   const int64_t characters = nodes_[size_t(root_)].characters;
-  if (characters > kMaxCountedSteps / (2 * blocks))
+  const int64_t fit_by_characters =
+      characters == 0 ? kLongest : kMaxCountedSteps / (2 * characters);
+  auto too_many_characters = [&](int64_t fit) {
     throw LengthTooCostly(std::to_string(characters) +
-                          " characters (its repeats written out) times " + std::to_string(blocks) +
-                          " lengths, each a state and a transition, are more");
-  // Past the budget, states and transitions are refused as they are found.
-  int64_t found = 0;
-  auto one_more = [&] {
-    if (++found * blocks > kMaxCountedSteps)
-      throw LengthTooCostly("over " + std::to_string(found - 1) + " states and transitions times " +
-                            std::to_string(blocks) + " lengths are more");
+                              " characters (its repeats written out) times " +
+                              std::to_string(blocks) +
+                              " lengths, each a state and a transition, "
+                              "are more",
+                          fit);
   };
+  // The fewest counts that leave a string of the pattern of one character or more: where not
+  // even they fit by characters, the automaton is not built only to say by how much.
+  const int64_t fewest = std::max({max >= 0 ? min : 0, shortest_, int64_t{1}}) + 1;
+  if (fit_by_characters < blocks && fit_by_characters < fewest)
+    too_many_characters(fit_by_characters);
+  // Else the automaton is built whole (its characters are at most kMaxCountedSteps / 4, its
+  // transitions bounded by link()), for the counts its states and transitions fit.
+  int64_t found = 0;  // states and transitions
   const Fragment whole = automaton_fragment(root_);
   std::vector<bool> last(characters_.size(), false);
   for (int32_t c : whole.last) last[size_t(c)] = true;
@@ -636,7 +643,7 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
     f.erase(std::unique(f.begin(), f.end()), f.end());
     const auto [it, added] = ids.emplace(std::make_pair(std::move(f), end), int32_t(ids.size()));
     if (added) {
-      one_more();
+      ++found;
       followers.push_back(&it->first.first);
       final.push_back(end);
     }
@@ -652,11 +659,17 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
       if (of[size_t(c)] < 0) of[size_t(c)] = state(follow_[size_t(c)], last[size_t(c)]);
       const Ranges& r = nodes_[size_t(characters_[size_t(c)])].ranges;
       const auto [to, added] = by_target.try_emplace(of[size_t(c)]);
-      if (added) one_more();
+      if (added) ++found;
       to->second.insert(to->second.end(), r.begin(), r.end());
     }
     into.push_back(std::move(by_target));
   }
+  const int64_t fit = std::min(fit_by_characters, kMaxCountedSteps / found);
+  if (fit_by_characters < blocks) too_many_characters(fit);
+  if (fit < blocks)
+    throw LengthTooCostly(std::to_string(found) + " states and transitions times " +
+                              std::to_string(blocks) + " lengths are more",
+                          fit);
   const auto n = static_cast<int64_t>(into.size());
   // Which (state, count) can still end within the bounds, from the last count back: only those
   // are entered, so that no answer starts what it cannot finish.

@@ -14,6 +14,7 @@
 // octal escapes (read differently by Python and ECMAScript), a quantifier right after another.
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "structured/grammar.h"
@@ -48,13 +49,22 @@ RegexLengths regex_lengths(std::string_view pattern);
 // pattern's automaton once per count of characters read, up to max_length or the pattern's
 // longest, the fewer (min_length where there is no limit, the counts past it one); max_length 0
 // is the empty string alone. Nothing when no such value matches. Each state
-// and transition of the automaton is a rule or an alternative per count: past
-// kMaxCountedSteps of them it throws LengthTooCostly, saying what made them; an automaton whose
-// transitions alone pass it, whatever the lengths, throws PatternTooCostly.
+// and transition of the automaton is a rule or an alternative per count, and each character
+// (repeats written out) is counted as a state and a transition before the automaton is built:
+// past kMaxCountedSteps of either it throws LengthTooCostly, saying what made them and how many
+// counts would have fitted; an automaton whose transitions alone pass it, whatever the lengths,
+// throws PatternTooCostly.
 inline constexpr int64_t kMaxCountedSteps = 1'000'000;
 class LengthTooCostly : public Error {
  public:
-  using Error::Error;
+  LengthTooCostly(const std::string& what, int64_t counts_that_fit)
+      : Error(what), counts_that_fit(counts_that_fit) {}
+  // The most counts of characters the automaton fits the budget for: lengths 0 to
+  // counts_that_fit - 1 would be accepted. Exact where it is at least 1 + the fewest characters
+  // a string could have under a lower bound (one or more: the pattern's shortest, or min_length
+  // beside a max_length); below that no such bound fits, the automaton is not built to count its
+  // states, and it is the characters' bound alone (a bound from above).
+  int64_t counts_that_fit;
 };
 class PatternTooCostly : public Error {
  public:
