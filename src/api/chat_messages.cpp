@@ -9,6 +9,8 @@
 
 #include "api/body_fields.h"
 #include "api/tool_calls.h"
+#include "structured/ordered_json.h"
+#include "util/error.h"
 #include "util/utf8.h"
 
 namespace tandem::api {
@@ -83,6 +85,54 @@ void append_others(ordered_json& to, const ordered_json& from,
       members.emplace_back(it.key(), it.value());
 }
 
+// A call's arguments as vLLM gives them to a template that reads an object; `at` names them.
+ordered_json arguments_object(const ordered_json& sent, const std::string& at) {
+  if (sent.is_object()) return sent;
+  if (!sent.is_string() || sent.get_ref<const std::string&>().empty())
+    return ordered_json::object();
+  const std::string& text = sent.get_ref<const std::string&>();
+  try {
+    ordered_json parsed = structured::parse_ordered(text);
+    return parsed.is_object() ? parsed : ordered_json::object();
+  } catch (const Error&) {
+    // JSON too deep to read is refused; anything else that is no JSON is {} (vLLM's json.loads
+    // fails on it too).
+    if (nlohmann::json::accept(text))
+      fail(at, "the arguments nest deeper than Tandem reads JSON (64 levels)");
+    return ordered_json::object();
+  }
+}
+
+// An assistant turn's tool calls as vLLM's _postprocess_messages gives them; `at` is
+// "messages[i]".
+void take_tool_calls(ordered_json& message, const std::string& at, ToolArguments arguments) {
+  const auto calls = message.find("tool_calls");
+  if (calls == message.end()) return;
+  if (calls->is_null() || (calls->is_array() && calls->empty())) {
+    message.erase(calls);
+    return;
+  }
+  if (!calls->is_array())
+    fail(at + ".tool_calls",
+         "an assistant turn's 'tool_calls' must be a list, got " + shown(*calls));
+  for (size_t j = 0; j < calls->size(); ++j) {
+    ordered_json& call = (*calls)[j];
+    const std::string call_at = at + ".tool_calls[" + std::to_string(j) + "]";
+    if (!call.is_object()) fail(call_at, "a tool call must be an object, got " + shown(call));
+    if (const auto type = call.find("type"); type != call.end() && *type != "function")
+      fail(call_at + ".type",
+           "a tool call's 'type' must be \"function\" (or absent), got " + shown(*type));
+    const auto function = call.find("function");
+    if (function == call.end() || !function->is_object())
+      fail(call_at + ".function",
+           "a tool call needs a 'function' object, got " +
+               (function == call.end() ? std::string("none") : shown(*function)));
+    if (arguments == ToolArguments::kText) continue;
+    (*function)["arguments"] =
+        arguments_object(member(*function, "arguments"), call_at + ".function.arguments");
+  }
+}
+
 }  // namespace
 
 ordered_json template_tools(const ordered_json& tools) {
@@ -104,9 +154,10 @@ ordered_json template_tools(const ordered_json& tools) {
 }
 
 ordered_json template_messages(const ordered_json& messages, text::ContentFormat format,
-                               NullContent null_content) {
+                               NullContent null_content, ToolArguments arguments) {
   ordered_json out = ordered_json::array();
-  for (const auto& m : messages) {
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const ordered_json& m = messages[i];
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       fail("messages", "every message needs a string 'role'");
     ordered_json message = m;
@@ -129,9 +180,20 @@ ordered_json template_messages(const ordered_json& messages, text::ContentFormat
     if (const auto reasoning = m.find("reasoning");
         m["role"] == "assistant" && reasoning != m.end() && !reasoning->is_null())
       message["reasoning_content"] = *reasoning;
+    if (m["role"] == "assistant")
+      take_tool_calls(message, "messages[" + std::to_string(i) + "]", arguments);
     out.push_back(std::move(message));
   }
   return out;
+}
+
+ordered_json template_messages(const ordered_json& messages,
+                               const text::ChatTemplate& chat_template, bool with_tools) {
+  return template_messages(
+      messages, chat_template.content_format(with_tools),
+      chat_template.tests_content_for_none(with_tools) ? NullContent::kNone : NullContent::kNoText,
+      chat_template.concatenates_tool_arguments(with_tools) ? ToolArguments::kText
+                                                            : ToolArguments::kObject);
 }
 
 ToolCallFormat tool_call_markup(const text::Tokenizer& tokenizer) {

@@ -27,12 +27,36 @@ namespace tandem::api {
 // still: DeepSeek-V3's concatenates their content. An assistant turn's `reasoning` (vLLM's name
 // for it, which Tandem's answers carry beside reasoning_content) is given as reasoning_content too,
 // the name templates read, as vLLM gives it (a reasoning_content sent beside it is replaced, as
-// there); a reasoning_content alone is kept as sent. Throws ApiError naming `messages` for a
-// message without a string role or with content other than a string, null or a list of text parts.
+// there); a reasoning_content alone is kept as sent. An assistant turn's `tool_calls` are given
+// as vLLM's _postprocess_messages gives them: a null or empty list is left out (a template's
+// `'tool_calls' in message` then reads the turn as text), and each call's function.arguments in
+// the shape `arguments` says:
+//  - kObject: the object its JSON string holds, as vLLM gives it to every template (after
+//    transformers' convention, which templates that print arguments with tojson follow: Qwen3's,
+//    Llama 3.1's): "", null or absent as {}; a string that is not JSON (an answer cut off
+//    mid-call) or JSON that is no object as {} too, as vLLM does since its PR #48922 (a 400 would
+//    refuse every later turn of that chat); an object sent as one is kept.
+//  - kText: as sent, for a template that adds them to a string
+//    (text::ChatTemplate::concatenates_tool_arguments, DeepSeek-V3's): given the object it fails,
+//    under vLLM too, in every later turn of the chat; the text is what it was written for.
+// Throws ApiError naming `messages` for a message without a string role or with content other
+// than a string, null or a list of text parts; naming `messages[i].tool_calls` (or the call, its
+// type or function) for tool calls vLLM refuses: no list, a call that is no object, of a type
+// other than "function", or without a function object; and naming
+// `messages[i].tool_calls[j].function.arguments` for JSON nested deeper than 64, which is read no
+// further (vLLM would parse it).
 enum class NullContent { kNoText, kNone };
+enum class ToolArguments { kObject, kText };
 nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
                                          text::ContentFormat format,
-                                         NullContent null_content = NullContent::kNoText);
+                                         NullContent null_content = NullContent::kNoText,
+                                         ToolArguments arguments = ToolArguments::kObject);
+
+// `messages` as the template that renders the chat (`chat_template`'s pick for a chat with or
+// without tools) reads them: its content format, null content and tool arguments, as its syntax
+// shows them (text::ChatTemplate). The server and `tandem tokenize` both call this.
+nlohmann::ordered_json template_messages(const nlohmann::ordered_json& messages,
+                                         const text::ChatTemplate& chat_template, bool with_tools);
 
 // A request's `tools` (OpenAI's [{"type": "function", "function": {"name", "description",
 // "parameters"}}]) checked as vLLM's ChatCompletionToolsParam and FunctionDefinition check them,

@@ -792,10 +792,8 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   const text::ContentFormat format = chat_template->content_format(tools_field != nullptr);
   OrderedBody ordered(raw_body);
   const nlohmann::ordered_json client_messages = ordered.get({"messages"}, *messages);
-  const NullContent null_content = chat_template->tests_content_for_none(tools_field != nullptr)
-                                       ? NullContent::kNone
-                                       : NullContent::kNoText;
-  nlohmann::ordered_json msgs = template_messages(client_messages, format, null_content);
+  nlohmann::ordered_json msgs =
+      template_messages(client_messages, *chat_template, tools_field != nullptr);
   const bool add_generation_prompt = boolean(body, "add_generation_prompt", true);
   const bool continue_final_message = boolean(body, "continue_final_message", false);
   if (continue_final_message && add_generation_prompt)

@@ -63,10 +63,7 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
   }
   try {
     const text::ContentFormat format = tmpl.content_format(with_tools);
-    ctx["messages"] =
-        api::template_messages(ctx["messages"], format,
-                               tmpl.tests_content_for_none(with_tools) ? api::NullContent::kNone
-                                                                       : api::NullContent::kNoText);
+    ctx["messages"] = api::template_messages(ctx["messages"], tmpl, with_tools);
     // As the server does for a request with tools (its tool_choice "auto"): a template that does
     // not show tools gets them described in a system message.
     if (with_tools && !ctx["tools"].empty())

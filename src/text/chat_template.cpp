@@ -41,6 +41,7 @@ struct ChatTemplate::Impl {
     jinja::Body body;
     ContentFormat content_format;
     bool tests_content_for_none;
+    bool concatenates_tool_arguments;
   };
   std::vector<Parsed> parsed;  // those a request can select
 
@@ -69,7 +70,8 @@ ChatTemplate::ChatTemplate(const std::vector<NamedChatTemplate>& templates)
       jinja::Body body = parse(t->source);
       const ContentFormat format = jinja::detect_content_format(body);
       const bool none = jinja::tests_content_for_none(body);
-      impl_->parsed.push_back({t->name, std::move(body), format, none});
+      const bool concatenates = jinja::concatenates_tool_arguments(body);
+      impl_->parsed.push_back({t->name, std::move(body), format, none, concatenates});
     } catch (const Error& e) {
       if (templates.size() == 1) throw;
       throw Error("the '" + t->name + "' " + e.what());
@@ -105,6 +107,11 @@ ContentFormat ChatTemplate::content_format(bool with_tools) const {
 bool ChatTemplate::tests_content_for_none(bool with_tools) const {
   const Impl::Parsed* parsed = impl_->pick(with_tools);
   return parsed && parsed->tests_content_for_none;
+}
+
+bool ChatTemplate::concatenates_tool_arguments(bool with_tools) const {
+  const Impl::Parsed* parsed = impl_->pick(with_tools);
+  return parsed && parsed->concatenates_tool_arguments;
 }
 
 }  // namespace tandem::text

@@ -53,6 +53,9 @@ class ChatTemplate {
   ContentFormat content_format(bool with_tools) const;
   // Whether that template tells a null content from an empty one (jinja::tests_content_for_none).
   bool tests_content_for_none(bool with_tools) const;
+  // Whether that template adds a tool call's arguments to a string
+  // (jinja::concatenates_tool_arguments).
+  bool concatenates_tool_arguments(bool with_tools) const;
 
  private:
   struct Impl;

@@ -1,10 +1,14 @@
 #pragma once
 // What the API tests share: DeepSeek-V3's and Qwen3's tokenizers and chat templates (the copies
 // the HF tokenizers oracle packages hold) and the ApiError a parser throws.
+#include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "api/error.h"
 #include "text/chat_template.h"
@@ -44,6 +48,39 @@ inline ApiError error_of(const std::function<void()>& f) {
   }
   ADD_FAILURE() << "no ApiError thrown";
   return {};
+}
+
+// What tests/oracle/vllm_chat_prompt.py answers, {"prompt": ...} or {"error": ...}, for `body`,
+// a chat request's text (whose key order the oracle keeps), and the oracle's other options in
+// `spec` ({"model": "qwen3"}, "system_after_clients", "template_file", "arguments_as_sent").
+inline nlohmann::json vllm_render(const nlohmann::json& spec, const std::string& body) {
+  const std::string spec_text = spec.dump();  // {..., "body": `body`}
+  const std::string in = ::testing::TempDir() + "vllm_chat_prompt_in.json";
+  const std::string out = ::testing::TempDir() + "vllm_chat_prompt_out.json";
+  {
+    std::ofstream f(in);
+    f << spec_text.substr(0, spec_text.size() - 1) << ", \"body\": " << body << "}";
+  }
+  const std::string command = std::string("/usr/bin/python3 '") + TANDEM_SOURCE_DIR +
+                              "/tests/oracle/vllm_chat_prompt.py' '" + in + "' > '" + out + "'";
+  EXPECT_EQ(std::system(command.c_str()), 0)
+      << command << " (needs Debian's /usr/bin/python3 with python3-jinja2)";
+  std::ifstream f(out);
+  return nlohmann::json::parse(f);
+}
+
+// The prompt vLLM renders for `body` (tests/oracle/vllm_chat_prompt.py: tools as vLLM's Pydantic
+// models dump them, tool-call arguments as vLLM parses them, Python's Jinja2 in transformers'
+// environment, transformers' cut for continue_final_message), with `system_after_clients`
+// inserted as Tandem describes tools to a template that shows none.
+inline std::string vllm_prompt(
+    const std::string& model, const std::string& body,
+    const std::optional<std::string>& system_after_clients = std::nullopt) {
+  nlohmann::json spec = {{"model", model}};
+  if (system_after_clients) spec["system_after_clients"] = *system_after_clients;
+  const nlohmann::json answer = vllm_render(spec, body);
+  EXPECT_FALSE(answer.contains("error")) << answer.dump();
+  return answer.value("prompt", "");
 }
 
 }  // namespace tandem::api::api_test

@@ -7,8 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <fstream>
 #include <limits>
 #include <optional>
 
@@ -27,6 +25,7 @@ using nlohmann::json;
 using api_test::chat_template;
 using api_test::error_of;
 using api_test::tokenizer;
+using api_test::vllm_prompt;
 
 const ModelLimits kLimits{.model_name = "m", .max_model_len = 4096, .vocab_size = 129280};
 
@@ -2374,32 +2373,6 @@ TEST(Protocol, WithoutAGenerationPromptTheAnswersRoleIsTheLastMessages) {
   EXPECT_EQ(role_of(json::object()), "assistant");
   EXPECT_EQ(role_of({{"add_generation_prompt", false}}), "user");
   EXPECT_EQ(role_of({{"add_generation_prompt", false}, {"continue_final_message", true}}), "user");
-}
-
-// The prompt vLLM renders for `body` (tests/oracle/vllm_chat_prompt.py: tools as vLLM's Pydantic
-// models dump them, Python's Jinja2 in transformers' environment, transformers' cut for
-// continue_final_message), with `system_after_clients` inserted as Tandem describes tools to a
-// template that shows none.
-// `body` is the body's text, whose key order the oracle keeps.
-std::string vllm_prompt(const std::string& model, const std::string& body,
-                        const std::optional<std::string>& system_after_clients = std::nullopt) {
-  json spec = {{"model", model}};
-  if (system_after_clients) spec["system_after_clients"] = *system_after_clients;
-  const std::string spec_text = spec.dump();  // {"model": ..., "body": `body`}
-  const std::string in = ::testing::TempDir() + "vllm_chat_prompt_in.json";
-  const std::string out = ::testing::TempDir() + "vllm_chat_prompt_out.json";
-  {
-    std::ofstream f(in);
-    f << spec_text.substr(0, spec_text.size() - 1) << ", \"body\": " << body << "}";
-  }
-  const std::string command = std::string("/usr/bin/python3 '") + TANDEM_SOURCE_DIR +
-                              "/tests/oracle/vllm_chat_prompt.py' '" + in + "' > '" + out + "'";
-  EXPECT_EQ(std::system(command.c_str()), 0)
-      << command << " (needs Debian's /usr/bin/python3 with python3-jinja2)";
-  std::ifstream f(out);
-  const json answer = json::parse(f);
-  EXPECT_FALSE(answer.contains("error")) << answer.dump();
-  return answer.value("prompt", "");
 }
 
 // Tools reach the template as vLLM passes them, the dump of its ChatCompletionToolsParam: "type"

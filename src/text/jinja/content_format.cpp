@@ -1,5 +1,6 @@
 #include "text/jinja/content_format.h"
 
+#include <algorithm>
 #include <deque>
 #include <set>
 #include <string>
@@ -59,36 +60,64 @@ bool is_content(const Expr* e) {
          index->value.s.view() == "content";
 }
 
-// Any `<content> is [not] none` in the expression. Recursion is bounded by the parser's limit
-// on a tree's height.
-bool tests_none(const Expr* e) {
+// Whether `found` holds for an expression of `e`, itself or any it contains. Recursion is bounded
+// by the parser's limit on a tree's height.
+template <class Found>
+bool any_expr(const Expr* e, const Found& found) {
   if (!e) return false;
-  if (e->kind == ExprKind::kTest && e->name == "none" && !e->children.empty() &&
-      is_content(e->children[0].get()))
-    return true;
+  if (found(*e)) return true;
   for (const auto& c : e->children)
-    if (tests_none(c.get())) return true;
+    if (any_expr(c.get(), found)) return true;
   for (const auto& [name, value] : e->kwargs)
-    if (tests_none(value.get())) return true;
+    if (any_expr(value.get(), found)) return true;
   return false;
 }
 
-bool tests_none(const Body& body) {
+// Whether `found` holds for an expression anywhere in the template (macros and blocks included).
+template <class Found>
+bool any_expr(const Body& body, const Found& found) {
   for (const auto& s : body) {
     for (const Expr* e : {s->expr.get(), s->target.get(), s->filter.get()})
-      if (tests_none(e)) return true;
+      if (any_expr(e, found)) return true;
     for (const auto* list : {&s->filters, &s->defaults})
       for (const auto& e : *list)
-        if (tests_none(e.get())) return true;
-    if (tests_none(s->body) || tests_none(s->else_body)) return true;
+        if (any_expr(e.get(), found)) return true;
+    if (any_expr(s->body, found) || any_expr(s->else_body, found)) return true;
   }
   return false;
+}
+
+// `<content> is [not] none`.
+bool tests_none(const Expr& e) {
+  return e.kind == ExprKind::kTest && e.name == "none" && !e.children.empty() &&
+         is_content(e.children[0].get());
+}
+
+// `x['arguments']` or `x.arguments`, whatever `x` is.
+bool is_arguments(const Expr* e) {
+  if (!e || e->children.empty()) return false;
+  if (e->kind == ExprKind::kGetAttr) return e->name == "arguments";
+  if (e->kind != ExprKind::kGetItem || e->children.size() < 2 || !e->children[1]) return false;
+  const Expr* index = e->children[1].get();
+  return index->kind == ExprKind::kConst && index->value.is_string() &&
+         index->value.s.view() == "arguments";
+}
+
+// `<arguments> + ...` or `... + <arguments>`.
+bool adds_arguments(const Expr& e) {
+  return e.kind == ExprKind::kBinary && e.name == "+" &&
+         std::any_of(e.children.begin(), e.children.end(),
+                     [](const auto& c) { return is_arguments(c.get()); });
 }
 
 }  // namespace
 
 bool tests_content_for_none(const Body& body) {
-  return tests_none(body);
+  return any_expr(body, tests_none);
+}
+
+bool concatenates_tool_arguments(const Body& body) {
+  return any_expr(body, adds_arguments);
 }
 
 ContentFormat detect_content_format(const Body& body) {

@@ -22,4 +22,11 @@ ContentFormat detect_content_format(const Body& body);
 // DeepSeek-V3's writes an assistant turn's tool calls only for a null content.
 bool tests_content_for_none(const Body& body);
 
+// Whether the template adds a tool call's arguments to a string with `+`
+// (`'```json\n' + tool['function']['arguments']`, DeepSeek-V3's, R1's and V3.1's): it takes them
+// as the JSON text the model wrote, where a mapping, as vLLM gives every template, fails in
+// Python ("can only concatenate str (not "dict") to str"). Any `x['arguments']` or `x.arguments`
+// as an operand of `+` counts.
+bool concatenates_tool_arguments(const Body& body);
+
 }  // namespace tandem::text::jinja
