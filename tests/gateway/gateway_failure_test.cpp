@@ -29,6 +29,7 @@
 #include "net/http_client.h"
 #include "net/http_server.h"
 #include "net/sse.h"
+#include "util/bounded_wait.h"
 #include "util/error.h"
 
 namespace tandem::gateway {
@@ -36,6 +37,8 @@ namespace {
 
 using nlohmann::json;
 using namespace std::chrono_literals;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 using testing::Behaviour;
 using testing::endpoint_of;
 using testing::FakeEngine;
@@ -839,12 +842,13 @@ TEST_P(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   t.port = 0;
   t.io_threads = GetParam();
   start(t, file.string());
-  std::atomic<bool> stop{false};
   std::atomic<int> ok{0}, failed{0};
-  std::vector<std::thread> clients;
+  // jthreads: an ASSERT below that returns early stops and joins them, where a joinable
+  // std::thread's destructor would end the run in std::terminate, the failure unreported.
+  std::vector<std::jthread> clients;
   for (int c = 0; c < 3; ++c)
-    clients.emplace_back([&, c] {
-      while (!stop) (post(completion(c % 2 == 0)).status == 200 ? ok : failed)++;
+    clients.emplace_back([&, c](std::stop_token stop) {
+      while (!stop.stop_requested()) (post(completion(c % 2 == 0)).status == 200 ? ok : failed)++;
     });
   ASSERT_TRUE(eventually([&] { return ok > 20; }));
   write(b, "b");
@@ -853,7 +857,7 @@ TEST_P(GatewayFailures, ReloadUnderTrafficLosesNothing) {
   EXPECT_EQ(json::parse(r.body), (json{{"added", 1}, {"removed", 1}}));
   const int b_before = b.requests();
   ASSERT_TRUE(eventually([&] { return b.requests() > b_before + 20; }));
-  stop = true;
+  for (auto& c : clients) c.request_stop();
   for (auto& c : clients) c.join();
   EXPECT_EQ(failed, 0);
   const int a_after = a.requests();
@@ -985,7 +989,8 @@ TEST_P(GatewayFailures, StopAnswersWhatIsLeftAfterTheDrain) {
                                       return true;
                                     });
   });
-  first_event.get_future().wait();
+  auto streaming = first_event.get_future();
+  get_within(streaming, kHangGuard, "the stream's first event never came");
   gw_->stop(0ms);
   const auto r = whole.get();
   EXPECT_EQ(r.status, 503) << r.body;

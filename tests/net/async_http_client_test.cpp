@@ -18,6 +18,7 @@
 #include <future>
 #include <mutex>
 #include <optional>
+#include <source_location>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,11 +26,15 @@
 #include "net/http_client.h"
 #include "net/http_server.h"
 #include "scripted_server.h"
+#include "util/bounded_wait.h"
 
 namespace tandem::net {
 namespace {
 
 using namespace std::chrono_literals;
+using tandem::testing::fail_hung;
+using tandem::testing::get_within;
+using tandem::testing::kHangGuard;
 
 // A client that reuses an idle connection however long the test pauses between calls: the tests
 // that count connections must not depend on the machine's speed.
@@ -39,7 +44,7 @@ AsyncHttpClientOptions ageless() {
   return options;
 }
 
-// What one call saw; wait() blocks (bounded) until on_done ran.
+// What one call saw; wait() blocks until on_done ran.
 struct Outcome {
   std::mutex m;
   std::condition_variable cv;
@@ -77,9 +82,12 @@ struct Outcome {
     };
     return h;
   }
-  bool wait() {
+  // A call that never ends fails the test and ends the run (bounded_wait.h): returning would let
+  // the test go on to destroy this Outcome while the client may still call its handlers.
+  void wait(const std::source_location& where = std::source_location::current()) {
     std::unique_lock lock(m);
-    return cv.wait_for(lock, 20s, [&] { return dones > 0; });
+    if (!cv.wait_for(lock, kHangGuard, [&] { return dones > 0; }))
+      fail_hung("the call never ended (no on_done)", kHangGuard, where);
   }
 };
 
@@ -176,7 +184,7 @@ TEST_F(AsyncClient, PlainAndStreamedResponses) {
   auto r = request("POST", "/echo");
   r.body = "hello";
   client.start(r, plain.handlers());
-  ASSERT_TRUE(plain.wait());
+  plain.wait();
   EXPECT_EQ(plain.error, "");
   EXPECT_EQ(plain.status, 200);
   EXPECT_EQ(plain.body, "echo:hello");
@@ -186,7 +194,7 @@ TEST_F(AsyncClient, PlainAndStreamedResponses) {
   auto s = request("GET", "/stream");
   s.headers.set("X-Chunks", "50");
   client.start(s, streamed.handlers());
-  ASSERT_TRUE(streamed.wait());
+  streamed.wait();
   EXPECT_EQ(streamed.error, "");
   std::string want;
   for (int i = 0; i < 50; ++i) want += "chunk " + std::to_string(i) + "\n";
@@ -203,14 +211,14 @@ TEST_F(AsyncClient, HostNamesAreResolved) {
   r.host = "localhost";  // every address it has is tried until one takes the connection
   r.body = "by name";
   client.start(r, named.handlers());
-  ASSERT_TRUE(named.wait());
+  named.wait();
   EXPECT_EQ(named.error, "");
   EXPECT_EQ(named.body, "echo:by name");
 
   Outcome unknown;
   r.host = "no-such-host.invalid";
   client.start(r, unknown.handlers());
-  ASSERT_TRUE(unknown.wait());
+  unknown.wait();
   EXPECT_NE(unknown.error.find("cannot resolve"), std::string::npos) << unknown.error;
 }
 
@@ -227,7 +235,7 @@ TEST_F(AsyncClient, HundredsOfConcurrentStreamsOnOneThreadAndReusedConnections) 
   std::string want;
   for (int i = 0; i < 10; ++i) want += "chunk " + std::to_string(i) + "\n";
   for (auto& o : outcomes) {
-    ASSERT_TRUE(o->wait());
+    o->wait();
     EXPECT_EQ(o->error, "");
     EXPECT_EQ(o->body, want);
   }
@@ -238,7 +246,7 @@ TEST_F(AsyncClient, HundredsOfConcurrentStreamsOnOneThreadAndReusedConnections) 
     auto r = request("POST", "/echo");
     r.body = std::to_string(i);
     client.start(r, o.handlers());
-    ASSERT_TRUE(o.wait());
+    o.wait();
     EXPECT_EQ(o.body, "echo:" + std::to_string(i));
   }
   EXPECT_EQ(client.connections_opened(), uint64_t(n));
@@ -253,9 +261,10 @@ TEST_F(AsyncClient, CancelEndsTheCallAndTheServerSeesTheClientGo) {
     if (!once.exchange(true)) first_piece.set_value();
     return true;
   }));
-  ASSERT_EQ(first_piece.get_future().wait_for(10s), std::future_status::ready);
+  auto streaming = first_piece.get_future();
+  get_within(streaming, kHangGuard, "the stream's first piece never came");
   client.cancel(id);
-  ASSERT_TRUE(o.wait());
+  o.wait();
   EXPECT_EQ(o.error, "cancelled");
   EXPECT_EQ(o.body, "first\n");
   std::unique_lock lock(m_);
@@ -266,7 +275,7 @@ TEST_F(AsyncClient, OnBodyReturningFalseStopsTheCall) {
   AsyncHttpClient client;
   Outcome o;
   client.start(request("GET", "/forever"), o.handlers([](std::string_view) { return false; }));
-  ASSERT_TRUE(o.wait());
+  o.wait();
   EXPECT_EQ(o.error, "cancelled");
   std::unique_lock lock(m_);
   EXPECT_TRUE(cv_.wait_for(lock, 10s, [&] { return closed_ == 1; }));
@@ -278,7 +287,7 @@ TEST_F(AsyncClient, TimeoutsAndRefusedConnectionsAreErrors) {
   auto r = request("GET", "/silent");
   r.timeout = 200ms;
   client.start(r, silent.handlers());
-  ASSERT_TRUE(silent.wait());
+  silent.wait();
   EXPECT_NE(silent.error.find("timed out"), std::string::npos) << silent.error;
   EXPECT_EQ(silent.heads, 0);
 
@@ -287,7 +296,7 @@ TEST_F(AsyncClient, TimeoutsAndRefusedConnectionsAreErrors) {
   auto f = request("GET", "/forever");
   f.timeout = 200ms;
   client.start(f, stalled.handlers());
-  ASSERT_TRUE(stalled.wait());
+  stalled.wait();
   EXPECT_NE(stalled.error.find("timed out"), std::string::npos) << stalled.error;
   EXPECT_EQ(stalled.body, "first\n");
 
@@ -295,7 +304,7 @@ TEST_F(AsyncClient, TimeoutsAndRefusedConnectionsAreErrors) {
   auto c = request("GET", "/stream");
   c.port = 1;
   client.start(c, refused.handlers());
-  ASSERT_TRUE(refused.wait());
+  refused.wait();
   EXPECT_NE(refused.error.find("cannot connect"), std::string::npos) << refused.error;
 }
 
@@ -337,17 +346,21 @@ class RawServer {
   uint16_t port_ = 0;
 };
 
-// A one-shot signal between threads.
+// A one-shot signal between threads. A signal never raised fails the test and ends the run
+// (bounded_wait.h) instead of hanging the thread that waits, often a server's or the client's.
 struct Signal {
   std::promise<void> promise;
   std::shared_future<void> future = promise.get_future().share();
   void raise() { promise.set_value(); }
-  void wait() const { future.wait(); }
+  void wait(const std::source_location& where = std::source_location::current()) const {
+    if (future.wait_for(kHangGuard) != std::future_status::ready)
+      fail_hung("the signal was never raised", kHangGuard, where);
+  }
 };
 
 // An engine that dies mid-answer: the last data and the FIN reach the client in one edge of its
 // edge-triggered epoll, and the client must see the EOF then, not at its idle timeout (set to a
-// day here: without the fix this test hangs until ctest's timeout ends it).
+// day here: without the fix this test fails when its wait runs out, kHangGuard).
 TEST_F(AsyncClient, AnAnswerCutWithItsLastBytesIsSeenCutAtOnce) {
   AsyncHttpClient client;  // one io thread: both calls below run on it
   RawServer engine;
@@ -374,14 +387,11 @@ TEST_F(AsyncClient, AnAnswerCutWithItsLastBytesIsSeenCutAtOnce) {
   engine.write_and_close("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial");
   engine_closed.raise();
 
-  {
-    std::unique_lock lock(cut.m);
-    cut.cv.wait(lock, [&] { return cut.dones > 0; });  // bounded by ctest, not by a clock
-  }
+  cut.wait();
   EXPECT_EQ(cut.status, 200);
   EXPECT_EQ(cut.body, "partial");
   EXPECT_EQ(cut.error, "cannot read the response body: connection closed by the server");
-  ASSERT_TRUE(holder.wait());
+  holder.wait();
   EXPECT_EQ(holder.error, "");
 }
 
@@ -424,18 +434,17 @@ TEST_F(AsyncClient, ShutdownReturnsOnlyAfterEveryOnDoneReturned) {
     on_done_returned = true;
   };
   client.start(c, std::move(h));
-  entered.get_future().wait();
-  std::atomic<bool> seen_at_return{false};
-  std::thread closer([&] {
+  auto on_done_entered = entered.get_future();
+  get_within(on_done_entered, kHangGuard, "on_done of a refused call never ran");
+  auto closer = std::async(std::launch::async, [&] {
     client.shutdown();
-    seen_at_return = on_done_returned.load();
+    return on_done_returned.load();  // seen when shutdown returned
   });
   // Give a shutdown that does not wait the chance to return while on_done is held; one that waits
   // is released below either way, so this wait decides nothing by itself.
   std::this_thread::sleep_for(100ms);
   release.set_value();
-  closer.join();
-  EXPECT_TRUE(seen_at_return);
+  EXPECT_TRUE(get_within(closer, kHangGuard, "shutdown never returned"));
 }
 
 // A proxy on one server's threads: the handler starts an upstream call on the io thread it runs
@@ -524,9 +533,11 @@ TEST(AsyncClientOnServer, ShutdownAfterTheServerStoppedEndsTheCalls) {
   r.port = upstream.port();
   r.target = "/silent";
   client.start(r, outcome.handlers());
-  ASSERT_EQ(arrived.get_future().wait_for(10s), std::future_status::ready);
+  auto reached = arrived.get_future();
+  get_within(reached, kHangGuard, "the call never reached the upstream server");
   proxy.stop();
-  client.shutdown();
+  auto shut = std::async(std::launch::async, [&] { client.shutdown(); });
+  get_within(shut, kHangGuard, "shutdown waited for io threads that are gone");
   EXPECT_EQ(outcome.dones, 1);
   EXPECT_EQ(outcome.error, "cancelled");
   EXPECT_EQ(client.in_flight(), 0u);
@@ -568,9 +579,8 @@ TEST(AsyncClientEarlyAnswer, AConnectionWhoseRequestWasNotAllSentIsNotReused) {
   big.body.assign(size_t{16} << 20, 'a');  // more than the socket buffers hold
   Outcome refused;
   client.start(big, refused.handlers());
-  const bool done = refused.wait();
+  refused.wait();
   answered.raise();
-  ASSERT_TRUE(done);
   EXPECT_EQ(refused.error, "");
   EXPECT_EQ(refused.status, 400);
   EXPECT_EQ(refused.body, "early");
@@ -582,7 +592,7 @@ TEST(AsyncClientEarlyAnswer, AConnectionWhoseRequestWasNotAllSentIsNotReused) {
   next.timeout = 10s;  // without the fix this call gets no answer: the engine reads it as body
   Outcome second;
   client.start(next, second.handlers());
-  ASSERT_TRUE(second.wait());
+  second.wait();
   EXPECT_EQ(second.error, "");
   EXPECT_EQ(second.body, "second on connection 1");
   EXPECT_EQ(bodies_read_whole.load(), 0);
@@ -608,12 +618,12 @@ TEST(AsyncClientResend, APostTheEngineReadWholeIsNotSentAgain) {
   AsyncHttpClient client(ageless());
   Outcome first;
   client.start(request_to(engine.port(), "POST", "{\"n\":1}"), first.handlers());
-  ASSERT_TRUE(first.wait());
+  first.wait();
   EXPECT_EQ(first.body, "answer 1");
 
   Outcome second;
   client.start(request_to(engine.port(), "POST", "{\"n\":2}"), second.handlers());
-  ASSERT_TRUE(second.wait());
+  second.wait();
   EXPECT_EQ(second.error, "cannot read the response header: connection closed by the server");
   EXPECT_EQ(second.heads, 0);
   EXPECT_EQ(posts.load(), 2);  // without the fix 3: the second POST ran again and was answered
@@ -629,7 +639,7 @@ TEST(AsyncClientResend, AGetOnAConnectionClosedUnansweredIsSentAgain) {
   for (int i = 0; i < 2; ++i) {
     Outcome o;
     client.start(request_to(engine.port(), "GET"), o.handlers());
-    ASSERT_TRUE(o.wait());
+    o.wait();
     EXPECT_EQ(o.error, "");
     EXPECT_EQ(o.body, i == 0 ? "answer 1" : "answer 3");
   }
@@ -711,7 +721,7 @@ TEST(AsyncClientIdleAge, AConnectionIdlePastTheMaxAgeIsNotPicked) {
     now_ms += idle.count();
     Outcome o;
     client.start(request_to(engine.port(), "POST", "{}"), o.handlers());
-    if (!o.wait()) return std::string("no answer");
+    o.wait();
     return o.error.empty() ? o.body : "error: " + o.error;
   };
   EXPECT_EQ(post_after(0ms), "answer 1 on connection 0");
@@ -762,11 +772,11 @@ TEST(AsyncClientResend, AnAnswerBeforeAResetIsTheOutcomeNotTheFailedSend) {
   client.start(request_to(other.port(), "GET"), std::move(h));
   in_callback.wait();
   go.raise();
-  ASSERT_TRUE(refused.wait());
+  refused.wait();
   EXPECT_EQ(refused.error, "");  // without the fix: cannot send the request: Connection reset...
   EXPECT_EQ(refused.status, 413);
   EXPECT_EQ(refused.body, "too long");
-  ASSERT_TRUE(holder.wait());
+  holder.wait();
   EXPECT_EQ(holder.body, "other");
 }
 
@@ -787,12 +797,12 @@ TEST(AsyncClientUpgrade, An101IsAnErrorAndItsConnectionIsClosed) {
   AsyncHttpClient client;
   Outcome upgraded;
   client.start(request_to(engine.port(), "GET"), upgraded.handlers());
-  ASSERT_TRUE(upgraded.wait());
+  upgraded.wait();
   EXPECT_EQ(upgraded.error, "the server switched protocols (HTTP 101) unasked");
   EXPECT_EQ(upgraded.heads, 0);
   Outcome next;
   client.start(request_to(engine.port(), "GET"), next.handlers());
-  ASSERT_TRUE(next.wait());
+  next.wait();
   EXPECT_EQ(next.error, "");
   EXPECT_EQ(next.body, "models");
   EXPECT_EQ(client.connections_opened(), 2u);
@@ -812,7 +822,7 @@ TEST(AsyncClientFraming, AnAnswerWithBareLineFeedsFailsAtOnce) {
   AsyncHttpRequest r = request_to(engine.port(), "GET");
   r.timeout = 10s;
   client.start(r, o.handlers());
-  ASSERT_TRUE(o.wait());
+  o.wait();
   EXPECT_EQ(o.error,
             "cannot read the response header: bare LF line ending (lines must end with CRLF)");
 }
@@ -844,18 +854,18 @@ TEST(AsyncClientFailure, EachFailureSaysHowFarTheCallGot) {
   AsyncHttpClient client;
   Outcome refused;
   client.start(request_to(1, "POST", "{}"), refused.handlers());  // nothing listens on port 1
-  ASSERT_TRUE(refused.wait());
+  refused.wait();
   EXPECT_EQ(refused.failure, CallFailure::kNotConnected) << refused.error;
 
   Outcome reset;
   client.start(request_to(engine.port(), "POST", "{}"), reset.handlers());
-  ASSERT_TRUE(reset.wait());
+  reset.wait();
   EXPECT_EQ(reset.failure, CallFailure::kUnanswered) << reset.error;
   EXPECT_EQ(reset.heads, 0);
 
   Outcome cut;
   client.start(request_to(engine.port(), "POST", "{}"), cut.handlers());
-  ASSERT_TRUE(cut.wait());
+  cut.wait();
   EXPECT_EQ(cut.failure, CallFailure::kAnswerBroken) << cut.error;
   EXPECT_EQ(cut.body, "cut");
 
@@ -863,7 +873,7 @@ TEST(AsyncClientFailure, EachFailureSaysHowFarTheCallGot) {
   const auto id = client.start(request_to(engine.port(), "POST", "{}"), cancelled.handlers());
   cancel_now.wait();
   client.cancel(id);
-  ASSERT_TRUE(cancelled.wait());
+  cancelled.wait();
   EXPECT_EQ(cancelled.failure, CallFailure::kCancelled) << cancelled.error;
 
   Outcome answered;
@@ -872,7 +882,7 @@ TEST(AsyncClientFailure, EachFailureSaysHowFarTheCallGot) {
     if (read_request(fd, buffer)) answer(fd, "fine");
   });
   client.start(request_to(fine.port(), "POST", "{}"), answered.handlers());
-  ASSERT_TRUE(answered.wait());
+  answered.wait();
   EXPECT_EQ(answered.error, "");
   EXPECT_FALSE(answered.failure.has_value());
 }

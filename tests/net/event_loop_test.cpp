@@ -30,7 +30,9 @@ class RunningLoop {
     loop.stop();
     thread_.join();
   }
-  // Runs `f` on the loop and waits for it.
+  // Runs `f` on the loop and waits for it. The posted task refers to this frame (`f`, `done`):
+  // a wait that runs out ends the run (bounded_wait.h), as returning would let the loop run the
+  // task on a frame that is gone.
   template <class F>
   void on_loop(F f) {
     std::promise<void> done;
@@ -38,7 +40,8 @@ class RunningLoop {
       f();
       done.set_value();
     });
-    ASSERT_EQ(done.get_future().wait_for(10s), std::future_status::ready);
+    auto ran = done.get_future();
+    get_within(ran, kHangGuard, "the task posted to the loop never ran");
   }
 
   EventLoop loop;
@@ -140,8 +143,9 @@ TEST(EventLoop, TimersFireAndRearmingMovesThem) {
     EXPECT_TRUE(t1->armed());
     EXPECT_FALSE(t3->armed());
   });
-  ASSERT_EQ(early.first.get_future().wait_for(10s), std::future_status::ready);
-  ASSERT_EQ(moved.first.get_future().wait_for(10s), std::future_status::ready);
+  auto early_fired = early.first.get_future(), moved_fired = moved.first.get_future();
+  get_within(early_fired, kHangGuard, "the timer armed for 20 ms never fired");
+  get_within(moved_fired, kHangGuard, "the timer moved to 60 ms never fired");
   EXPECT_GE(std::chrono::steady_clock::now() - start, 50ms);  // not at the first deadline
   l.on_loop([&] {
     EXPECT_EQ(early.fired.load(), 1);
@@ -152,7 +156,8 @@ TEST(EventLoop, TimersFireAndRearmingMovesThem) {
     t3->arm(1h);
     t3->arm(10ms);
   });
-  ASSERT_EQ(disarmed.first.get_future().wait_for(10s), std::future_status::ready);
+  auto rearmed_fired = disarmed.first.get_future();
+  get_within(rearmed_fired, kHangGuard, "the timer re-armed for 10 ms never fired");
   l.on_loop([&] {
     t1.reset();
     t2.reset();
@@ -172,7 +177,8 @@ TEST(EventLoop, DestroyedTimerNeverFires) {
     tb = std::make_unique<Timer>(l.loop, b);
     tb->arm(50ms);
   });
-  ASSERT_EQ(b.first.get_future().wait_for(10s), std::future_status::ready);
+  auto b_fired = b.first.get_future();
+  get_within(b_fired, kHangGuard, "the timer in the reused slot never fired");
   EXPECT_EQ(a.fired.load(), 0);
   EXPECT_EQ(b.fired.load(), 1);
   l.on_loop([&] { tb.reset(); });
@@ -203,7 +209,8 @@ TEST(EventLoop, SocketsReportReadinessOnce) {
   reader.fd = pair[0];
   l.on_loop([&] { l.loop.add(pair[0], &reader); });
   ASSERT_EQ(::send(pair[1], "hello", 5, 0), 5);
-  ASSERT_EQ(reader.saw_hello.get_future().wait_for(10s), std::future_status::ready);
+  auto hello = reader.saw_hello.get_future();
+  get_within(hello, kHangGuard, "the reader never saw \"hello\"");
   const int after = reader.events.load();
   // Edge-triggered: with nothing new, a few loop iterations bring no further events.
   for (int i = 0; i < 5; ++i) l.on_loop([] {});
@@ -233,7 +240,10 @@ TEST(EventLoop, AnExceptionInACallbackIsReportedAndTheLoopGoesOn) {
   std::promise<void> after;
   loop.post([] { throw std::runtime_error("boom"); });
   loop.post([&] { after.set_value(); });
-  ASSERT_EQ(after.get_future().wait_for(10s), std::future_status::ready);
+  // Bounded, and ending the run when it runs out: an ASSERT's return would destroy `t` joinable
+  // (std::terminate, the failure unreported).
+  auto went_on = after.get_future();
+  get_within(went_on, kHangGuard, "the task after the throwing one never ran");
   loop.stop();
   t.join();
   ASSERT_EQ(logged.size(), 1u);
