@@ -82,6 +82,73 @@ void KvCacheManager::record(KvEvent event) {
   if (options_.enable_events) events_.push_back(std::move(event));
 }
 
+// ---- prefix cache entries: a hash finds candidates, their contents decide ----
+
+uint64_t KvCacheManager::hash_block(size_t index, uint64_t parent_hash,
+                                    std::span<const int32_t> block_tokens,
+                                    std::optional<uint64_t> salt) const {
+  return index == 0 ? options_.block_hash(std::nullopt, block_tokens, salt)
+                    : options_.block_hash(parent_hash, block_tokens, std::nullopt);
+}
+
+std::span<const int32_t> KvCacheManager::cached_tokens(int32_t b) const {
+  const size_t bs = static_cast<size_t>(block_size_);
+  return std::span<const int32_t>(cached_tokens_).subspan(static_cast<size_t>(b) * bs, bs);
+}
+
+int32_t KvCacheManager::find_block(uint64_t hash, uint64_t parent_entry,
+                                   std::span<const int32_t> block_tokens,
+                                   const std::optional<uint64_t>& salt) const {
+  const auto it = cached_.find(hash);
+  if (it == cached_.end()) return -1;
+  for (int32_t b = it->second; b >= 0; b = blocks_[b].next_same_hash) {
+    const Block& block = blocks_[b];
+    if (block.parent_entry == parent_entry && block.salt == salt &&
+        std::ranges::equal(cached_tokens(b), block_tokens))
+      return b;
+  }
+  return -1;
+}
+
+bool KvCacheManager::cache_block(int32_t b, uint64_t hash, uint64_t parent_entry,
+                                 std::span<const int32_t> block_tokens,
+                                 std::optional<uint64_t> salt) {
+  Block& block = blocks_[b];
+  block.entry = ++last_entry_;
+  block.parent_entry = parent_entry;
+  block.salt = salt;
+  block.hash = hash;
+  const size_t end = (static_cast<size_t>(b) + 1) * static_cast<size_t>(block_size_);
+  if (cached_tokens_.size() < end) cached_tokens_.resize(end);
+  std::ranges::copy(block_tokens,
+                    cached_tokens_.begin() + static_cast<ptrdiff_t>(end) - block_size_);
+  ++num_cached_;
+  const auto [it, first] = cached_.try_emplace(hash, b);
+  block.next_same_hash = first ? -1 : std::exchange(blocks_[it->second].next_same_hash, b);
+  return first;
+}
+
+bool KvCacheManager::uncache_block(int32_t b) {
+  Block& block = blocks_[b];
+  const auto it = cached_.find(block.hash);
+  bool last = false;
+  if (it->second == b) {
+    last = block.next_same_hash < 0;
+    if (last)
+      cached_.erase(it);
+    else
+      it->second = block.next_same_hash;
+  } else {
+    int32_t before = it->second;
+    while (blocks_[before].next_same_hash != b) before = blocks_[before].next_same_hash;
+    blocks_[before].next_same_hash = block.next_same_hash;
+  }
+  block.entry = 0;
+  block.next_same_hash = -1;
+  --num_cached_;
+  return last;
+}
+
 // ---- prefix cache ----
 
 PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
@@ -93,14 +160,16 @@ PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
   // Leave the last token uncached: the model must run on at least one token to give logits.
   const size_t max_blocks = (tokens.size() - 1) / static_cast<size_t>(block_size_);
   const size_t bs = static_cast<size_t>(block_size_);
+  uint64_t parent_entry = kNoParentEntry;
   for (size_t i = 0; i < max_blocks; ++i) {
     const auto block_tokens = tokens.subspan(i * bs, bs);
-    const uint64_t h = i == 0 ? api::block_hash(std::nullopt, block_tokens, cache_salt)
-                              : api::block_hash(hit.hashes.back(), block_tokens);
-    const auto it = cached_.find(h);
-    if (it == cached_.end()) break;
-    hit.blocks.push_back(it->second);
+    const auto salt = i == 0 ? cache_salt : std::nullopt;
+    const uint64_t h = hash_block(i, i == 0 ? 0 : hit.hashes.back(), block_tokens, salt);
+    const int32_t b = find_block(h, parent_entry, block_tokens, salt);
+    if (b < 0) break;  // nothing cached, or only other tokens whose hash collides: a miss
+    hit.blocks.push_back(b);
     hit.hashes.push_back(h);
+    parent_entry = blocks_[b].entry;
   }
   if (options_.recompute_last_hit_block && !hit.blocks.empty()) {
     hit.blocks.pop_back();
@@ -132,13 +201,15 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
   }
   // The hit must still describe the cache: nothing may have evicted or reset in between.
   int64_t hit_blocks_free = 0;
+  uint64_t hit_entry = kNoParentEntry;
   for (size_t i = 0; i < hit.blocks.size(); ++i) {
     const int32_t b = hit.blocks[i];
-    const auto it = cached_.find(hit.hashes[i]);
-    if (b < 0 || b >= num_blocks() || it == cached_.end() || it->second != b) {
+    if (b < 0 || b >= num_blocks() || !blocks_[b].cached() || blocks_[b].hash != hit.hashes[i] ||
+        blocks_[b].parent_entry != hit_entry) {
       throw Error("allocate: the prefix hit for request '" + request_id +
                   "' is stale (the cache changed after find_cached_prefix)");
     }
+    hit_entry = blocks_[b].entry;
     if (blocks_[b].ref == 0) ++hit_blocks_free;
   }
 
@@ -156,6 +227,7 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
     }
     request.hashes = hit.hashes;
     request.num_registered = hit.blocks.size();
+    request.last_entry = hit_entry;
     if (enable_prefix_caching_ && hit.num_query_tokens > 0) {
       ++stats_.requests;
       stats_.queries += hit.num_query_tokens;
@@ -166,10 +238,8 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
   for (int64_t i = 0; i < new_blocks; ++i) {
     const int32_t b = pop_front();
     Block& block = blocks_[b];
-    if (block.cached) {  // evict: the block is about to be overwritten
-      cached_.erase(block.hash);
-      block.cached = false;
-      removed.block_hashes.push_back(block.hash);
+    if (block.cached()) {  // evict: the block is about to be overwritten
+      if (uncache_block(b)) removed.block_hashes.push_back(block.hash);
       ++stats_.evicted_blocks;
     }
     block.ref = 1;
@@ -210,11 +280,18 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
   if (!enable_prefix_caching_) return;
   const size_t full = tokens.size() / bs;
   if (full <= request.num_registered) return;
-  api::extend_block_hashes(request.hashes, tokens.first(full * bs), block_size_,
-                           request.cache_salt);
+  for (size_t i = request.hashes.size(); i < full; ++i) {
+    request.hashes.push_back(hash_block(i, i == 0 ? 0 : request.hashes[i - 1],
+                                        tokens.subspan(i * bs, bs), request.cache_salt));
+  }
+  if (request.lost_its_prefix) {
+    request.num_registered = full;
+    return;
+  }
 
-  // One BlockStored per run of consecutive newly cached blocks (a duplicate breaks the run, since
-  // an event's blocks must chain from its parent hash).
+  // One BlockStored per run of consecutive blocks that cache a hash no block had (a duplicate, or
+  // a block whose hash collides with a cached one's, breaks the run, since an event's blocks must
+  // chain from its parent hash).
   BlockStored run;
   const auto flush = [&] {
     if (!run.block_hashes.empty()) record(std::move(run));
@@ -223,21 +300,27 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
   for (size_t i = request.num_registered; i < full; ++i) {
     const uint64_t h = request.hashes[i];
     const int32_t b = request.blocks[i];
-    if (cached_.count(h) != 0) {  // another block already holds this prefix: keep ours private
+    const auto block_tokens = tokens.subspan(i * bs, bs);
+    const auto salt = i == 0 ? request.cache_salt : std::nullopt;
+    const uint64_t parent_entry = request.last_entry;
+    if (const int32_t copy = find_block(h, parent_entry, block_tokens, salt); copy >= 0) {
+      // Another block already holds this prefix: ours stays private, the next follows that one.
+      request.last_entry = blocks_[copy].entry;
       flush();
       continue;
     }
-    Block& block = blocks_[b];
-    block.cached = true;
-    block.hash = h;
-    cached_.emplace(h, b);
+    const bool new_hash = cache_block(b, h, parent_entry, block_tokens, salt);
+    request.last_entry = blocks_[b].entry;
+    if (!new_hash) {  // other tokens with this hash are cached: events have it already
+      flush();
+      continue;
+    }
     if (run.block_hashes.empty()) {
       if (i > 0) run.parent_block_hash = request.hashes[i - 1];
       run.block_size = block_size_;
       run.medium = options_.medium;
     }
     run.block_hashes.push_back(h);
-    const auto block_tokens = tokens.subspan(i * bs, bs);
     run.token_ids.insert(run.token_ids.end(), block_tokens.begin(), block_tokens.end());
   }
   flush();
@@ -247,7 +330,7 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
 void KvCacheManager::release(int32_t b) {
   Block& block = blocks_[b];
   if (--block.ref > 0) return;
-  if (block.cached)
+  if (block.cached())
     push_back(b);
   else
     push_front(b);  // holds nothing reusable: hand it out first
@@ -279,8 +362,15 @@ void KvCacheManager::free(const std::string& request_id) {
 }
 
 void KvCacheManager::reset_prefix_cache() {
-  for (const auto& [hash, b] : cached_) blocks_[b].cached = false;
+  for (Block& block : blocks_) {
+    block.entry = 0;
+    block.next_same_hash = -1;
+  }
   cached_.clear();
+  num_cached_ = 0;
+  for (auto& [id, request] : requests_) {
+    if (request.num_registered > 0) request.lost_its_prefix = true;
+  }
   record(AllBlocksCleared{});
 }
 
@@ -309,7 +399,7 @@ int32_t KvCacheManager::ref_count(int32_t block) const {
 
 std::optional<uint64_t> KvCacheManager::cached_hash(int32_t block) const {
   if (block < 0 || block >= num_blocks()) throw Error("cached_hash: no " + describe(block));
-  if (!blocks_[block].cached) return std::nullopt;
+  if (!blocks_[block].cached()) return std::nullopt;
   return blocks_[block].hash;
 }
 
@@ -344,7 +434,8 @@ void KvCacheManager::check_invariants() const {
       fail("request '" + id + "' has more hashes than blocks");
     }
   }
-  int64_t used = 0;
+  int64_t used = 0, cached = 0;
+  std::unordered_set<uint64_t> entries;
   for (int32_t b = 0; b < num_blocks(); ++b) {
     const Block& block = blocks_[b];
     if (block.ref != refs[b]) {
@@ -353,17 +444,33 @@ void KvCacheManager::check_invariants() const {
     }
     if (block.in_free != (block.ref == 0)) fail(describe(b) + " is free iff unreferenced: broken");
     if (block.ref > 0) ++used;
-    if (block.cached) {
-      const auto it = cached_.find(block.hash);
-      if (it == cached_.end() || it->second != b) fail(describe(b) + " is cached but not mapped");
+    if (block.cached()) {
+      ++cached;
+      if (block.entry > last_entry_ || !entries.insert(block.entry).second)
+        fail(describe(b) + " has an entry number given twice");
+      // An entry follows one made before it; only a first block has a salt.
+      if (block.parent_entry >= block.entry) fail(describe(b) + " follows a later entry");
+      if (block.salt && block.parent_entry != kNoParentEntry)
+        fail(describe(b) + " is salted but not a first block");
+      if (cached_tokens_.size() < (static_cast<size_t>(b) + 1) * static_cast<size_t>(block_size_))
+        fail(describe(b) + " is cached without its tokens");
     }
   }
   if (used + num_free_ != num_blocks()) fail("free + used blocks differ from the total");
-  for (const auto& [hash, b] : cached_) {
-    if (b < 0 || b >= num_blocks() || !blocks_[b].cached || blocks_[b].hash != hash) {
-      fail("hash map entry points to a block that does not hold the hash");
+  // Each hash's chain holds exactly the cached blocks with that hash.
+  int64_t chained = 0;
+  for (const auto& [hash, first] : cached_) {
+    int64_t length = 0;
+    for (int32_t b = first; b >= 0; b = blocks_[b].next_same_hash) {
+      if (b >= num_blocks() || ++length > num_blocks())
+        fail("the blocks of a hash are not a well-linked list");
+      if (!blocks_[b].cached() || blocks_[b].hash != hash)
+        fail(describe(b) + " is listed under a hash it does not hold");
     }
+    chained += length;
   }
+  if (chained != cached || cached != num_cached_)
+    fail("cached blocks, blocks listed under their hashes and the count differ");
 }
 
 }  // namespace tandem::engine

@@ -11,11 +11,17 @@
 //     are evicted before its first ones), blocks with nothing cached go to the head;
 //   - allocation takes blocks from the head; taking a cached block evicts it (its hash leaves the
 //     cache and a BlockRemoved event is recorded);
-//   - a hash maps to at most one block. When two requests compute the same block at the same time
-//     the first to be registered is cached and the other copy stays private to its request.
+//   - a prefix maps to at most one block. When two requests compute the same block at the same
+//     time the first to be registered is cached and the other copy stays private to its request.
 //
-// Block hashes are api/block_hash.h's chained XXH3-64 over token ids, with an optional per-request
-// cache salt folded into the first block.
+// Blocks are found by api/block_hash.h's chained XXH3-64 over token ids (with an optional
+// per-request cache salt folded into the first block), but a hash is only where to look: its seed
+// is public, so a client can craft prompts whose blocks collide with another user's. A cached
+// block keeps its tokens, its salt (a first block) and the cache entry of the block its KV was
+// computed after, and a lookup takes it only when all three are this request's (vLLM answered the
+// same threat, CVE-2025-25183, by hashing with SHA-256; the gateway computes these hashes too, so
+// Tandem keeps the hash and checks the contents). Blocks whose hashes collide are all cached,
+// under one hash; KV events name a hash when its first block is cached and when its last leaves.
 //
 // Typical scheduler use per step:
 //   new request:  hit = find_cached_prefix(prompt); allocate(id, hit.num_tokens + n, hit)
@@ -34,6 +40,7 @@
 
 #include <absl/container/flat_hash_map.h>
 
+#include "api/block_hash.h"
 #include "engine/kv/kv_events.h"
 
 namespace tandem::engine {
@@ -76,6 +83,12 @@ struct KvCacheOptions {
   // (vLLM does the same for EAGLE). Every lookup follows it: admission, a decode leg's (whose
   // prefill engine then sends that block), and the load the engine reports.
   bool recompute_last_hit_block = false;
+  // The block hash: api::block_hash, which KV events carry and the gateway computes too. Only
+  // tests put another here, to forge collisions.
+  using BlockHashFunction = uint64_t (*)(std::optional<uint64_t> parent,
+                                         std::span<const int32_t> block_tokens,
+                                         std::optional<uint64_t> salt);
+  BlockHashFunction block_hash = &api::block_hash;
 };
 
 class KvCacheManager {
@@ -129,11 +142,12 @@ class KvCacheManager {
   bool prefix_caching_enabled() const { return enable_prefix_caching_; }
   int64_t num_free_blocks() const { return num_free_; }  // evictable cached blocks included
   double usage() const;                                  // 1 - free / total, in [0, 1]
-  int64_t num_cached_blocks() const { return static_cast<int64_t>(cached_.size()); }
+  int64_t num_cached_blocks() const { return num_cached_; }
   const PrefixCacheStats& prefix_cache_stats() const { return stats_; }
 
   // Forgets every cached hash (blocks in use stay allocated, but become private to their
-  // requests) and records AllBlocksCleared.
+  // requests, as do the blocks that requests which registered some compute later: the entries
+  // their KV follows are gone) and records AllBlocksCleared.
   void reset_prefix_cache();
 
   // The events recorded since the last call, oldest first.
@@ -142,23 +156,37 @@ class KvCacheManager {
   // Inspection for tests and debugging.
   int32_t ref_count(int32_t block) const;
   std::optional<uint64_t> cached_hash(int32_t block) const;
-  // Checks every internal invariant (O(blocks + table entries)); throws tandem::Error naming the
-  // first one broken.
+  // Checks every internal invariant (O(blocks + table entries + cached tokens)); throws
+  // tandem::Error naming the first one broken.
   void check_invariants() const;
 
  private:
+  // The cache entry a sequence's first block follows.
+  static constexpr uint64_t kNoParentEntry = 0;
+
   struct Block {
     int32_t ref = 0;
     bool in_free = false;
-    bool cached = false;
-    uint64_t hash = 0;             // meaningful when cached
     int32_t prev = -1, next = -1;  // free-queue links
+    // The prefix cache's entry for the block, meaningful when cached(); its tokens are at
+    // cached_tokens_[block * block_size_].
+    uint64_t entry = 0;                      // a number never given to another entry; 0: not cached
+    uint64_t parent_entry = kNoParentEntry;  // the entry of the block its KV was computed after
+    std::optional<uint64_t> salt;            // a first block's cache salt
+    uint64_t hash = 0;
+    int32_t next_same_hash = -1;  // the next cached block whose hash collides with this one's
+
+    bool cached() const { return entry != 0; }
   };
   struct Request {
     std::vector<int32_t> blocks;
     std::vector<uint64_t> hashes;  // hashes of its full computed blocks, as far as computed
     size_t num_registered = 0;     // leading blocks already considered for caching
     std::optional<uint64_t> cache_salt;
+    // The entry of the cached block holding its block num_registered - 1 (its own, or the copy
+    // cached first): what the next block it registers was computed after.
+    uint64_t last_entry = kNoParentEntry;
+    bool lost_its_prefix = false;  // reset_prefix_cache() came after it registered blocks
   };
 
   void push_front(int32_t b);
@@ -168,13 +196,32 @@ class KvCacheManager {
   void release(int32_t b);  // drops one table's reference
   void record(KvEvent event);
 
+  uint64_t hash_block(size_t index, uint64_t parent_hash, std::span<const int32_t> block_tokens,
+                      std::optional<uint64_t> salt) const;
+  // The cached block with this hash that holds `block_tokens` after the block of `parent_entry`
+  // (with `salt` when it is a first block), or -1.
+  int32_t find_block(uint64_t hash, uint64_t parent_entry, std::span<const int32_t> block_tokens,
+                     const std::optional<uint64_t>& salt) const;
+  std::span<const int32_t> cached_tokens(int32_t b) const;
+  // Makes block b the cache entry for these contents; true when no other block had its hash.
+  bool cache_block(int32_t b, uint64_t hash, uint64_t parent_entry,
+                   std::span<const int32_t> block_tokens, std::optional<uint64_t> salt);
+  // Forgets block b's entry; true when no other block has its hash now.
+  bool uncache_block(int32_t b);
+
   int64_t block_size_;
   bool enable_prefix_caching_;
   KvCacheOptions options_;
   std::vector<Block> blocks_;
   int32_t head_ = -1, tail_ = -1;
   int64_t num_free_ = 0;
-  absl::flat_hash_map<uint64_t, int32_t> cached_;  // block hash -> block
+  // Block hash -> the first cached block with it (more through Block::next_same_hash).
+  absl::flat_hash_map<uint64_t, int32_t> cached_;
+  int64_t num_cached_ = 0;
+  uint64_t last_entry_ = 0;  // the entry numbers given so far
+  // The tokens of cached blocks, block_size_ per block id; grown to the highest id cached, as a
+  // simulated engine may have far more blocks than it ever fills.
+  std::vector<int32_t> cached_tokens_;
   std::unordered_map<std::string, Request> requests_;
   std::vector<KvEvent> events_;
   PrefixCacheStats stats_;
