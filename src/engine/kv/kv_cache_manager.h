@@ -156,8 +156,8 @@ class KvCacheManager {
   // Inspection for tests and debugging.
   int32_t ref_count(int32_t block) const;
   std::optional<uint64_t> cached_hash(int32_t block) const;
-  // Checks every internal invariant (O(blocks + table entries + cached tokens)); throws
-  // tandem::Error naming the first one broken.
+  // Checks every internal invariant (O(blocks + table entries)); throws tandem::Error naming the
+  // first one broken.
   void check_invariants() const;
 
  private:
@@ -174,7 +174,7 @@ class KvCacheManager {
     uint64_t parent_entry = kNoParentEntry;  // the entry of the block its KV was computed after
     std::optional<uint64_t> salt;            // a first block's cache salt
     uint64_t hash = 0;
-    int32_t next_same_hash = -1;  // the next cached block whose hash collides with this one's
+    int32_t next_same_hash = -1;  // the next cached block with the same hash (other tokens)
 
     bool cached() const { return entry != 0; }
   };
