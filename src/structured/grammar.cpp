@@ -16,7 +16,8 @@ Grammar::Symbol Grammar::new_rule() {
 void Grammar::add(Symbol rule, Sequence alternative) {
   symbols_ += alternative.size() + 1;
   if (symbols_ > kMaxSymbols)
-    throw Error("the grammar is too large (over " + std::to_string(kMaxSymbols) + " symbols)");
+    throw GrammarTooLarge("the grammar is too large (over " + std::to_string(kMaxSymbols) +
+                          " symbols)");
   rules_.at(size_t(rule)).push_back(std::move(alternative));
 }
 

@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "util/error.h"
+
 namespace tandem::structured {
 
 using ByteSet = std::bitset<256>;
@@ -77,8 +79,11 @@ class Grammar {
   // 2000 was a state, and a walk of the vocabulary.
   int32_t mask_position(int32_t pos, size_t longest) const;
 
-  // Limits: grammars past them are refused with an error, not built.
+  // Limits: grammars past them are refused with an error, not built (GrammarTooLarge past
+  // kMaxSymbols).
   static constexpr size_t kMaxSymbols = 4'000'000;
+  // Symbols added so far (what kMaxSymbols bounds).
+  size_t symbols() const { return symbols_; }
   // How deep the compilers may nest (regex groups; nested schemas and the $refs followed to reach
   // one). They recurse once per level, and at this depth they use well under 1 MiB of stack (the
   // tests compile at the limit on a thread of 1 MiB), less than any thread that compiles.
@@ -122,6 +127,12 @@ class Grammar {
   // rule_begin[r]: where rule r's code starts (its alternatives, if any are left).
   void find_runs(const std::vector<int32_t>& rule_begin);
   void find_counted_runs(const std::vector<int32_t>& rule_begin);
+};
+
+// Thrown when a grammar would pass Grammar::kMaxSymbols.
+class GrammarTooLarge : public Error {
+ public:
+  using Error::Error;
 };
 
 // UTF-8 encoded code points as grammar sequences: the alternatives that match one code point in

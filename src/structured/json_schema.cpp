@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <limits>
 #include <map>
 #include <memory>
@@ -235,6 +236,24 @@ class SchemaCompiler {
       ws_ = g_.repeat({g_.bytes(s)}, 0, kMaxWhitespace);
     }
     return ws_;
+  }
+
+  // A grammar too large, said with the bounds beside patterns and formats that take the most of
+  // it (each within kMaxCountedSteps, several may pass Grammar::kMaxSymbols together), largest
+  // first: those of an eighth of kMaxSymbols or more.
+  std::string too_large(const GrammarTooLarge& e) const {
+    std::vector<Counted> large;
+    for (const auto& c : counted_)
+      if (c.symbols >= Grammar::kMaxSymbols / 8) large.push_back(c);
+    std::string out = std::string("schema #: ") + e.what();
+    if (large.empty()) return out;
+    std::stable_sort(large.begin(), large.end(),
+                     [](const auto& a, const auto& b) { return a.symbols > b.symbols; });
+    out += ", most of it the lengths beside patterns and formats, counted once per length: ";
+    for (size_t i = 0; i < large.size(); ++i)
+      out += (i ? ", #" : "#") + large[i].bound + " (" + std::to_string(large[i].symbols) +
+             (large[i].stopped ? " symbols when the limit stopped it)" : " symbols)");
+    return out + "; lower " + (large.size() > 1 ? "these bounds" : "this bound");
   }
 
  private:
@@ -735,6 +754,16 @@ class SchemaCompiler {
     const auto key = std::make_tuple(p, min, most);
     if (auto it = bounded_.find(key); it != bounded_.end()) return it->second;
     std::optional<Symbol> inside;
+    // The symbols its counted automaton takes, for a grammar too large (too_large()).
+    const size_t symbols_before = g_.symbols();
+    struct Count {
+      SchemaCompiler& c;
+      std::string bound;
+      size_t before;
+      ~Count() {
+        c.counted_.push_back({bound, c.g_.symbols() - before, std::uncaught_exceptions() > 0});
+      }
+    } count{*this, where + (max >= 0 ? "/maxLength" : "/minLength"), symbols_before};
     try {
       inside = regex_in_json_string_within(g_, p, min, most);
     } catch (const LengthTooCostly& e) {
@@ -1321,6 +1350,14 @@ class SchemaCompiler {
   std::map<std::string, RegexInJsonString> patterns_;             // formats' too, by their patterns
   // Patterns within lengths, by pattern, minLength and maxLength.
   std::map<std::tuple<std::string, int64_t, int64_t>, Symbol> bounded_;
+  // Patterns and formats counted per length: where (the bound: ".../maxLength") and the symbols
+  // each automaton took (up to where an error stopped it).
+  struct Counted {
+    std::string bound;
+    size_t symbols;
+    bool stopped;
+  };
+  std::vector<Counted> counted_;
   int depth_ = 0;  // value() calls under way
   // kinds() of the schemas met so far, those under way, and the work it did (kMaxOneOfWork).
   std::unordered_map<const json*, KindsPtr> kinds_;
@@ -1335,7 +1372,12 @@ Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schem
                                  bool disable_additional_properties) {
   const size_t first = g.rules();
   SchemaCompiler c(g, schema, disable_additional_properties);
-  const Symbol v = c.value(schema, "");
+  Symbol v = -1;
+  try {
+    v = c.value(schema, "");
+  } catch (const GrammarTooLarge& e) {
+    throw GrammarTooLarge(c.too_large(e));
+  }
   c.check_ref_cycles();
   // Rules from before this schema's were checked with theirs.
   if (!g.productive(first)[size_t(v) - first])

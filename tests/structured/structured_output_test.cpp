@@ -1712,6 +1712,41 @@ TEST(StructuredOutput, TooCostlyLengthsAdviseALowerBoundOnlyWhereOneWouldBeAccep
   }
 }
 
+// Fields each within the budget of lengths counted beside a pattern or format, but together
+// past the grammar's size: the refusal names them, largest first, with the bound to lower (it
+// said only "the grammar is too large").
+TEST(StructuredOutput, FieldsTooLargeTogetherAreNamed) {
+  const json uri = {{"type", "string"}, {"format", "uri"}, {"maxLength", 10000}},
+             shorter_uri = {{"type", "string"}, {"format", "uri"}, {"maxLength", 9000}};
+  const json schema = {
+      {"type", "object"},
+      {"properties",
+       {{"id", {{"type", "integer"}}},
+        {"home", uri},
+        {"note", {{"type", "string"}, {"maxLength", 50}}},
+        {"code", {{"type", "string"}, {"pattern", "[a-z]{1,9000}x*"}, {"minLength", 12}}},
+        {"work", shorter_uri}}}};
+  const std::string e = schema_error(schema);
+  EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols)"), 0u) << e;
+  const size_t home = e.find("#/properties/home/maxLength ("),
+               code = e.find("#/properties/code/minLength (");
+  EXPECT_NE(home, std::string::npos) << e;
+  EXPECT_NE(code, std::string::npos) << e;
+  EXPECT_LT(home, code) << e;  // the larger first
+  EXPECT_NE(e.find("#/properties/work/maxLength ("), std::string::npos) << e;
+  EXPECT_EQ(e.find("#/properties/note"), std::string::npos) << e;
+  EXPECT_EQ(e.find("#/properties/id"), std::string::npos) << e;
+  // Those named are what made it too large: without them the rest compiles.
+  json rest = schema;
+  rest["properties"].erase("home");
+  rest["properties"].erase("code");
+  rest["properties"].erase("work");
+  rest["properties"]["more"] = uri;
+  EXPECT_EQ(schema_error(rest), "(compiled)");
+  // The same field twice is compiled once (its grammar is shared), and fits.
+  EXPECT_EQ(schema_error({{"type", "array"}, {"items", {{"anyOf", {uri, uri}}}}}), "(compiled)");
+}
+
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
 // reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
 // transcription of the RFCs' ABNF takes and urllib.parse reads alike.
