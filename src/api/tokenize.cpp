@@ -14,7 +14,9 @@ namespace {
 using nlohmann::json;
 
 // The fields of vLLM's TokenizeChatRequest and TokenizeCompletionRequest that decide the ids;
-// others are ignored, as vLLM ignores them.
+// others are ignored, as vLLM ignores them. Plus a chat's tool_choice, which vLLM's requests do
+// not have (its prompt does not depend on it) and which decides Tandem's: "none" adds no tool
+// description and needs no tool-call markup (read_tools).
 constexpr const char* kChatFields[] = {"model",
                                        "messages",
                                        "add_generation_prompt",
@@ -22,7 +24,8 @@ constexpr const char* kChatFields[] = {"model",
                                        "add_special_tokens",
                                        "chat_template",
                                        "chat_template_kwargs",
-                                       "tools"};
+                                       "tools",
+                                       "tool_choice"};
 constexpr const char* kCompletionFields[] = {"model", "prompt", "add_special_tokens"};
 
 template <size_t N>

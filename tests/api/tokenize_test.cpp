@@ -129,6 +129,31 @@ TEST(Tokenize, AToolUseChatIsRenderedAsVLLMRendersItInTheClientsKeyOrder) {
 
 // The count is what a client asks for to fit a prompt: past the context it is counted, with
 // the limit beside it, where a generation request would be refused.
+// A chat's tool_choice changes its prompt in Tandem: "none" adds no tool description for a
+// template that shows no tools (DeepSeek-V3's), and needs no tool-call markup. /tokenize takes it
+// as the chat endpoint does (vLLM's TokenizeChatRequest has no tool_choice; its prompt does not
+// depend on one), so its ids are those the chat endpoint runs on for each choice. It counted
+// every chat with tools as "auto".
+TEST(Tokenize, AChatsToolChoiceIsTakenAsTheChatEndpointTakesIt) {
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])");
+  const json messages = {{{"role", "user"}, {"content", "Weather in Paris?"}}};
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 129280};
+  for (const json& choice :
+       {json("none"), json("auto"), json("required"),
+        json::parse(R"({"type": "function", "function": {"name": "get_weather"}})")}) {
+    const json body = {{"messages", messages}, {"tools", tools}, {"tool_choice", choice}};
+    const ApiRequest chat = parse_chat(body, tokenizer(), &chat_template(), limits);
+    EXPECT_EQ(tokenize_answer(body, tokenizer(), &chat_template(), limits)["tokens"],
+              json(chat.prompts.at(0)))
+        << choice;
+  }
+  EXPECT_NE(tokenize_answer({{"messages", messages}, {"tools", tools}, {"tool_choice", "none"}},
+                            tokenizer(), &chat_template(), limits)["tokens"],
+            tokenize_answer({{"messages", messages}, {"tools", tools}}, tokenizer(),
+                            &chat_template(), limits)["tokens"]);
+}
+
 TEST(Tokenize, APromptLongerThanTheContextIsCountedNotRefused) {
   std::string text;
   for (int i = 0; i < 100; ++i) text += " word" + std::to_string(i);
