@@ -728,13 +728,19 @@ class SchemaCompiler {
       return max < 0 || own_most < 0 ? std::max(max, own_most) : std::min(max, own_most);
     };
     const int64_t most = most_of(max);
-    RegexLengths lengths{};
+    auto quoted = [&](Symbol inside) { return g_.any_of({{g_.byte('"'), inside, g_.byte('"')}}); };
+    // No lengths to count: the pattern's grammar, parsed once.
+    if (min == 0 && most < 0) return quoted(pattern(p, where).rule);
+    const auto key = std::make_tuple(p, min, most);
+    if (auto it = bounded_.find(key); it != bounded_.end()) return it->second;
+    // Parsed once for its lengths and, where they constrain, its automaton counted per length.
+    std::optional<CountedPattern> counted;
     try {
-      lengths = regex_lengths(p);
+      counted.emplace(p);
     } catch (const Error& e) {
       fail(where + "/" + keyword, e.what());
     }
-    auto quoted = [&](Symbol inside) { return g_.any_of({{g_.byte('"'), inside, g_.byte('"')}}); };
+    const RegexLengths lengths = counted->lengths();
     const bool longest_within = most < 0 || (lengths.longest >= 0 && lengths.longest <= most);
     if (min <= lengths.shortest && longest_within) return quoted(pattern(p, where).rule);
     // The lengths constrain: the pattern's automaton with a count of characters, where some
@@ -751,8 +757,6 @@ class SchemaCompiler {
                       keyword + " (its strings have at most " + std::to_string(most) + ")");
     if ((lengths.longest >= 0 && lengths.longest < min) || (most >= 0 && lengths.shortest > most))
       none();
-    const auto key = std::make_tuple(p, min, most);
-    if (auto it = bounded_.find(key); it != bounded_.end()) return it->second;
     std::optional<Symbol> inside;
     // The symbols its counted automaton takes, for a grammar too large (too_large()).
     const size_t symbols_before = g_.symbols();
@@ -765,7 +769,7 @@ class SchemaCompiler {
       }
     } count{*this, where + (max >= 0 ? "/maxLength" : "/minLength"), symbols_before};
     try {
-      inside = regex_in_json_string_within(g_, p, min, most);
+      inside = counted->within(g_, min, most);
     } catch (const LengthTooCostly& e) {
       too_costly(e, where, keyword, min, max, lengths, most_of);
     } catch (const PatternTooCostly& e) {

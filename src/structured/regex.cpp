@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -62,7 +63,10 @@ class RegexCompiler {
   // `emit`: the pattern's grammar is built as it is read; without it only its tree (nodes_), for
   // within() or the pattern's lengths.
   RegexCompiler(Grammar& g, std::string_view p, bool json_string, bool emit = true)
-      : g_(g), p_(p), json_string_(json_string), emit_(emit) {}
+      : g_(&g), p_(p), json_string_(json_string), emit_(emit) {}
+
+  // Rules made from now on (by within()) go into `g`.
+  void emit_into(Grammar& g) { g_ = &g; }
 
   RegexInJsonString compile() {
     if (peek('^')) ++i_;
@@ -71,7 +75,7 @@ class RegexCompiler {
     root_ = whole.node;
     shortest_ = whole.shortest;
     longest_ = whole.longest;
-    return {emit_ ? g_.any_of({std::move(whole.seq)}) : -1, whole.shortest, whole.longest};
+    return {emit_ ? g_->any_of({std::move(whole.seq)}) : -1, whole.shortest, whole.longest};
   }
 
   // After compile() without emitting: a rule matching the values of min..max characters (max <
@@ -135,7 +139,7 @@ class RegexCompiler {
       seqs.push_back(std::move(a.seq));
       choice.kids.push_back(a.node);
     }
-    if (emit_) out.seq = {g_.any_of(std::move(seqs))};
+    if (emit_) out.seq = {g_->any_of(std::move(seqs))};
     out.node = node(std::move(choice));
     return out;
   }
@@ -189,7 +193,7 @@ class RegexCompiler {
     repeat.kids = {atom_piece.node};
     repeat.min = min;
     repeat.max = max;
-    return {emit_ ? Sequence{g_.repeat(atom_piece.seq, min, max)} : Sequence{}, nullable,
+    return {emit_ ? Sequence{g_->repeat(atom_piece.seq, min, max)} : Sequence{}, nullable,
             saturated(min * atom_piece.shortest), longest, node(std::move(repeat))};
   }
 
@@ -265,7 +269,7 @@ class RegexCompiler {
         --depth_;
         if (!peek(')')) fail("missing ')'");
         ++i_;
-        if (emit_) inner.seq = {g_.any_of({std::move(inner.seq)})};
+        if (emit_) inner.seq = {g_->any_of({std::move(inner.seq)})};
         return inner;
       }
       case '[':
@@ -439,14 +443,14 @@ class RegexCompiler {
     if (auto it = symbols_.find(key); it != symbols_.end()) return it->second;
     std::vector<Sequence> alts = ranges_alternatives(key);
     const Symbol s =
-        alts.size() == 1 && alts[0].size() == 1 ? alts[0][0] : g_.any_of(std::move(alts));
+        alts.size() == 1 && alts[0].size() == 1 ? alts[0][0] : g_->any_of(std::move(alts));
     symbols_.emplace(key, s);
     return s;
   }
 
   // A rule matching one code point of `r`: the ASCII part as one byte set, the rest as UTF-8.
   // Inside a JSON string, '"', '\\' and the control characters are written as JSON escapes.
-  Symbol ranges_rule(const Ranges& r) { return g_.any_of(ranges_alternatives(r)); }
+  Symbol ranges_rule(const Ranges& r) { return g_->any_of(ranges_alternatives(r)); }
 
   std::vector<Sequence> ranges_alternatives(const Ranges& r) {
     std::vector<Sequence> alts;
@@ -454,14 +458,14 @@ class RegexCompiler {
     for (const auto& [lo, hi] : normalized(r)) {
       for (uint32_t c = lo; c <= std::min<uint32_t>(hi, 0x7F); ++c) ascii.set(c);
       if (hi >= 0x80)
-        for (auto& s : utf8_range(g_, std::max<uint32_t>(lo, 0x80), hi))
+        for (auto& s : utf8_range(*g_, std::max<uint32_t>(lo, 0x80), hi))
           alts.push_back(std::move(s));
     }
     if (json_string_) {
       auto escapes = json_escapes(ascii);
       alts.insert(alts.begin(), escapes.begin(), escapes.end());
     }
-    if (ascii.any()) alts.insert(alts.begin(), Sequence{g_.bytes(ascii)});
+    if (ascii.any()) alts.insert(alts.begin(), Sequence{g_->bytes(ascii)});
     if (alts.empty()) fail("a class that matches nothing");
     return alts;
   }
@@ -491,11 +495,11 @@ class RegexCompiler {
         after_backslash.set(static_cast<uint8_t>(c));
       }
     std::vector<Sequence> out;
-    if (after_backslash.any()) out.push_back({g_.byte('\\'), g_.bytes(after_backslash)});
+    if (after_backslash.any()) out.push_back({g_->byte('\\'), g_->bytes(after_backslash)});
     for (const auto& [last, prefix] : {std::pair{&u000, "\\u000"}, std::pair{&u001, "\\u001"}})
       if (last->any()) {
-        Sequence s = g_.literal(prefix);
-        s.push_back(g_.bytes(*last));
+        Sequence s = g_->literal(prefix);
+        s.push_back(g_->bytes(*last));
         out.push_back(std::move(s));
       }
     return out;
@@ -511,7 +515,7 @@ class RegexCompiler {
   Fragment automaton_fragment(int32_t n);
   void link(const std::vector<int32_t>& from, const std::vector<int32_t>& to);
 
-  Grammar& g_;
+  Grammar* g_;
   std::string_view p_;
   bool json_string_;
   bool emit_;
@@ -607,7 +611,7 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
   if (max >= 0 && longest_ >= 0) max = std::min(max, longest_);
   if (max >= 0 && max < min) return std::nullopt;
   // No length but 0: the empty string alone, with no automaton.
-  if (max == 0) return shortest_ == 0 ? std::optional(g_.any_of({{}})) : std::nullopt;
+  if (max == 0) return shortest_ == 0 ? std::optional(g_->any_of({{}})) : std::nullopt;
   const int64_t blocks = (max >= 0 ? max : min) + 1;  // counts of characters read, saturated
   // A character (repeats written out) is a state and a transition unless it merges with others:
   // the counts that fit so are known before its characters are written out (a million of them
@@ -708,10 +712,10 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
   std::vector<std::vector<std::pair<Symbol, int32_t>>> steps(static_cast<size_t>(n));
   for (int64_t s = 0; s < n; ++s)
     for (const auto& [t, r] : into[size_t(s)]) steps[size_t(s)].emplace_back(ranges_symbol(r), t);
-  const Symbol nothing = g_.never();
-  const auto first = static_cast<Symbol>(g_.rules());
+  const Symbol nothing = g_->never();
+  const auto first = static_cast<Symbol>(g_->rules());
   auto rule = [&](int64_t k, int64_t s) { return static_cast<Symbol>(first + k * n + s); };
-  for (int64_t i = 0; i < blocks * n; ++i) g_.new_rule();
+  for (int64_t i = 0; i < blocks * n; ++i) g_->new_rule();
   for (int64_t k = 0; k < blocks; ++k) {
     const int64_t next = next_count(k);
     for (int64_t s = 0; s < n; ++s) {
@@ -719,17 +723,17 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
       if (next < blocks)
         for (const auto& [symbol, t] : steps[size_t(s)])
           if (viable[size_t(next)][size_t(t)]) {
-            g_.add(rule(k, s), {symbol, rule(next, t)});
+            g_->add(rule(k, s), {symbol, rule(next, t)});
             any = true;
           }
       if (final[size_t(s)] && k >= min) {
-        g_.add(rule(k, s), {});
+        g_->add(rule(k, s), {});
         any = true;
       }
-      if (!any) g_.add(rule(k, s), {nothing});
+      if (!any) g_->add(rule(k, s), {nothing});
     }
   }
-  g_.counted_blocks(first, static_cast<int32_t>(n), blocks);
+  g_->counted_blocks(first, static_cast<int32_t>(n), blocks);
   return rule(0, start);
 }
 
@@ -743,17 +747,30 @@ RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern) {
   return RegexCompiler(g, pattern, true).compile();
 }
 
-RegexLengths regex_lengths(std::string_view pattern) {
-  Grammar scratch;
-  const RegexInJsonString r = RegexCompiler(scratch, pattern, true, false).compile();
-  return {r.shortest, r.longest};
+struct CountedPattern::Parsed {
+  explicit Parsed(std::string_view p) : pattern(p), compiler(scratch, pattern, true, false) {}
+  std::string pattern;
+  Grammar scratch;  // unused: the pattern is parsed without emitting
+  RegexCompiler compiler;
+  RegexLengths lengths{};
+};
+
+CountedPattern::CountedPattern(std::string_view pattern)
+    : parsed_(std::make_unique<Parsed>(pattern)) {
+  const RegexInJsonString r = parsed_->compiler.compile();
+  parsed_->lengths = {r.shortest, r.longest};
 }
 
-std::optional<Grammar::Symbol> regex_in_json_string_within(Grammar& g, std::string_view pattern,
-                                                           int64_t min_length, int64_t max_length) {
-  RegexCompiler c(g, pattern, true, false);
-  c.compile();
-  return c.within(min_length, max_length);
+CountedPattern::~CountedPattern() = default;
+
+RegexLengths CountedPattern::lengths() const {
+  return parsed_->lengths;
+}
+
+std::optional<Grammar::Symbol> CountedPattern::within(Grammar& g, int64_t min_length,
+                                                      int64_t max_length) {
+  parsed_->compiler.emit_into(g);
+  return parsed_->compiler.within(min_length, max_length);
 }
 
 }  // namespace tandem::structured

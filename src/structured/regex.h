@@ -13,6 +13,7 @@
 // backreferences, lookaround, word boundaries, other (? groups, possessive quantifiers, {,n} and
 // octal escapes (read differently by Python and ECMAScript), a quantifier right after another.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -38,22 +39,21 @@ struct RegexInJsonString {
 RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern);
 
 // The fewest and the most characters of the values a pattern matches (longest < 0: no limit),
-// as regex_in_json_string() has them, without a grammar. Throws as regex_rule().
+// as regex_in_json_string() has them.
 struct RegexLengths {
   int64_t shortest, longest;
 };
-RegexLengths regex_lengths(std::string_view pattern);
 
-// regex_in_json_string() for the values of min_length..max_length characters alone (max_length
-// < 0: no limit), characters counted as there (code points of the value, however written): the
-// pattern's automaton once per count of characters read, up to max_length or the pattern's
-// longest, the fewer (min_length where there is no limit, the counts past it one); max_length 0
-// is the empty string alone. Nothing when no such value matches. Each state
-// and transition of the automaton is a rule or an alternative per count, and each character
-// (repeats written out) is counted as a state and a transition before the automaton is built:
-// past kMaxCountedSteps of either it throws LengthTooCostly, saying what made them and how many
-// counts would have fitted; an automaton whose transitions alone pass it, whatever the lengths,
-// throws PatternTooCostly.
+// CountedPattern::within(): regex_in_json_string() for the values of min_length..max_length
+// characters alone (max_length < 0: no limit), characters counted as there (code points of the
+// value, however written): the pattern's automaton once per count of characters read, up to
+// max_length or the pattern's longest, the fewer (min_length where there is no limit, the counts
+// past it one); max_length 0 is the empty string alone. Nothing when no such value matches. Each
+// state and transition of the automaton is a rule or an alternative per count, and each
+// character (repeats written out) is counted as a state and a transition before the automaton is
+// built: past kMaxCountedSteps of either it throws LengthTooCostly, saying what made them and
+// how many counts would have fitted; an automaton whose transitions alone pass it, whatever the
+// lengths, throws PatternTooCostly.
 inline constexpr int64_t kMaxCountedSteps = 1'000'000;
 class LengthTooCostly : public Error {
  public:
@@ -70,7 +70,17 @@ class PatternTooCostly : public Error {
  public:
   using Error::Error;
 };
-std::optional<Grammar::Symbol> regex_in_json_string_within(Grammar& g, std::string_view pattern,
-                                                           int64_t min_length, int64_t max_length);
+// A pattern parsed once (throws as regex_rule()) for its lengths and, at most once, within().
+class CountedPattern {
+ public:
+  explicit CountedPattern(std::string_view pattern);
+  ~CountedPattern();
+  RegexLengths lengths() const;
+  std::optional<Grammar::Symbol> within(Grammar& g, int64_t min_length, int64_t max_length);
+
+ private:
+  struct Parsed;
+  std::unique_ptr<Parsed> parsed_;
+};
 
 }  // namespace tandem::structured
