@@ -103,6 +103,26 @@ std::string hostname() {
   return label + "(?:\\." + label + ")*";
 }
 
+// RFC 3339's duration (Appendix A), as JSON Schema's "duration" format: P, then a date part
+// (days; months, then days at will; or years, then months and days at will) and a time part at
+// will (T, then hours, minutes, seconds, each the next at will), or the time part alone, or
+// weeks alone. Whole numbers only: no fractions, as the ABNF has them.
+std::string duration() {
+  const std::string n = "[0-9]+";
+  const std::string second = n + "S", minute = n + "M(?:" + second + ")?",
+                    hour = n + "H(?:" + minute + ")?";
+  const std::string time = "T(?:" + hour + "|" + minute + "|" + second + ")";
+  const std::string day = n + "D", month = n + "M(?:" + day + ")?",
+                    year = n + "Y(?:" + month + ")?";
+  return "P(?:(?:" + day + "|" + month + "|" + year + ")(?:" + time + ")?|" + time + "|" + n + "W)";
+}
+
+// RFC 6901's JSON Pointer: reference tokens, each after a '/', in which '~' is written only as
+// '~0' (a '~') or '~1' (a '/').
+std::string json_pointer() {
+  return "(?:/(?:[^/~]|~[01])*)*";
+}
+
 }  // namespace
 
 std::optional<StringFormat> string_format(std::string_view format) {
@@ -119,12 +139,14 @@ std::optional<StringFormat> string_format(std::string_view format) {
   if (format == "uri") return StringFormat{uri()};
   if (format == "uri-reference") return StringFormat{uri_reference()};
   if (format == "hostname") return StringFormat{hostname(), 253};
+  if (format == "duration") return StringFormat{duration()};
+  if (format == "json-pointer") return StringFormat{json_pointer()};
   return std::nullopt;
 }
 
 std::string enforced_string_formats() {
   return "date-time, date, time, uuid (and Pydantic's uuid1, uuid3 to uuid8), ipv4, ipv6, email, "
-         "uri, uri-reference, hostname";
+         "uri, uri-reference, hostname, duration, json-pointer";
 }
 
 }  // namespace tandem::structured

@@ -4,7 +4,8 @@
 // format's RFC and readable by the parsers clients use (Python's datetime.fromisoformat,
 // uuid.UUID and ipaddress, Pydantic's types): where those disagree the pattern keeps to what all
 // of them take (a subset of the RFC, never more), except email's lengths and special-use
-// domains (string_formats.cpp).
+// domains (string_formats.cpp). duration (RFC 3339's Appendix A) and json-pointer (RFC 6901),
+// which no Python standard parser reads, are their RFCs' ABNF exactly.
 #include <cstdint>
 #include <optional>
 #include <string>

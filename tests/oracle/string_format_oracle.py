@@ -17,6 +17,8 @@ and writes [[{"valid": bool, "canonical": bool, "why": str}, ...], ...], one lis
   hostname                RFC 1123's host name: LDH labels of 1 to 63 characters, neither
                           first nor last a hyphen, joined by dots, 253 characters in all, no
                           trailing dot, and that Python's idna codec encodes;
+  duration                RFC 3339's duration (Appendix A's ABNF, read by duration_ok below);
+  json-pointer            RFC 6901's JSON Pointer (read by json_pointer_ok below);
   pattern                 a string that re.fullmatch(check["pattern"]) accepts, in Tandem's
                           flavour (structured_output_oracle.tandem_flavour);
   integer                 an integer (not a bool) from check["minimum"] to check["maximum"];
@@ -112,6 +114,56 @@ def hostname_ok(v):
     return None
 
 
+def duration_ok(v):
+    """RFC 3339, Appendix A, read left to right:
+    duration = "P" (dur-date / dur-time / dur-week); dur-date = (dur-day / dur-month / dur-year)
+    [dur-time]; dur-year = n "Y" [dur-month]; dur-month = n "M" [dur-day]; dur-day = n "D";
+    dur-time = "T" (dur-hour / dur-minute / dur-second); dur-hour = n "H" [dur-minute];
+    dur-minute = n "M" [dur-second]; dur-second = n "S"; dur-week = n "W"; n = 1*DIGIT."""
+    if not v.startswith("P"):
+        return "no P"
+    # (number, designator) pairs, the T apart.
+    parts, i, in_time = [], 1, False
+    while i < len(v):
+        if v[i] == "T" and not in_time:
+            in_time, i = True, i + 1
+            parts.append("T")
+            continue
+        j = i
+        while j < len(v) and v[j] in "0123456789":
+            j += 1
+        if j == i or j == len(v):
+            return "a number without a designator, or a designator without a number"
+        parts.append(("T" if in_time else "") + v[j])
+        i = j + 1
+    date_orders = [["D"], ["M"], ["M", "D"], ["Y"], ["Y", "M"], ["Y", "M", "D"]]
+    time_orders = [["TH"], ["TH", "TM"], ["TH", "TM", "TS"], ["TM"], ["TM", "TS"], ["TS"]]
+    if parts == ["W"]:
+        return None
+    date = parts[: parts.index("T")] if "T" in parts else parts
+    time = parts[parts.index("T") + 1:] if "T" in parts else None
+    if date and date not in date_orders:
+        return "date part %s" % date
+    if time is not None and time not in time_orders:
+        return "time part %s" % time
+    if not date and time is None:
+        return "nothing after P"
+    return None
+
+
+def json_pointer_ok(v):
+    """RFC 6901: *( "/" reference-token ), a '~' in a token only as ~0 or ~1."""
+    if v == "":
+        return None
+    if not v.startswith("/"):
+        return "does not begin with /"
+    for token in v[1:].split("/"):
+        rest = token.replace("~0", "").replace("~1", "")
+        if "~" in rest:
+            return "a ~ not followed by 0 or 1 in %r" % token
+    return None
+
+
 def string_ok(kind, v, check):
     """Why `v` is not of `kind`, or None."""
     if kind == "pattern":
@@ -142,6 +194,10 @@ def string_ok(kind, v, check):
         return uri_ok(kind, v)
     if kind == "hostname":
         return hostname_ok(v)
+    if kind == "duration":
+        return duration_ok(v)
+    if kind == "json-pointer":
+        return json_pointer_ok(v)
     if kind == "email":
         a = Address(addr_spec=v)
         if a.addr_spec != v or '"' in v:
