@@ -270,6 +270,15 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
               generation_.tokenize(req, std::move(r));
             });
   });
+  // Not refused while the engine stops: freeing KV is what a drain waits for.
+  route("POST", "/v1/kv_transfer/release",
+        [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
+          auto reply = std::make_shared<net::ExchangeReply>(ex);
+          prepare(std::move(ex), std::move(reply),
+                  [this](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+                    generation_.release_kv(req, std::move(r));
+                  });
+        });
   route("POST", "/detokenize", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     auto reply = std::make_shared<net::ExchangeReply>(ex);
     prepare(std::move(ex), std::move(reply),

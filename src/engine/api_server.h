@@ -1,10 +1,11 @@
 #pragma once
 // The engine's HTTP front: the generation routes (generation_api.h: OpenAI /v1/completions and
 // /v1/chat/completions, SGLang's tokens-in /generate), /v1/models, /health, /metrics (Prometheus),
-// /load (the JSON load report the gateway polls) and the expert placement. The engine's outputs
-// come back on the engine thread, which hands them to the server's render thread: the response
-// bodies and stream chunks are built there and written to the client through the HTTP server's
-// exchanges, so the step loop never serializes JSON. A client that disconnects aborts its
+// /load (the JSON load report the gateway polls), the expert placement, and
+// POST /v1/kv_transfer/release (a prefill engine's held KV freed: GenerationApi::release_kv). The
+// engine's outputs come back on the engine thread, which hands them to the server's render thread:
+// the response bodies and stream chunks are built there and written to the client through the HTTP
+// server's exchanges, so the step loop never serializes JSON. A client that disconnects aborts its
 // requests, which frees their KV blocks. The requests are prepared (bodies parsed, prompts
 // tokenized, chat templates rendered, grammars compiled) on threads of their own, not on the io
 // threads, so that one 8 MiB prompt or heavy schema holds up no other client's stream nor /health.

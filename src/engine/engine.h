@@ -175,6 +175,12 @@ class Engine final : private PdHost {
   // comes; best effort, in the background. No-op without KV transfer.
   void abandon_remote_room(const std::string& host, uint16_t port, uint64_t room,
                            std::span<const int32_t> prompt, const std::string& reason);
+  // Thread-safe. Frees a transfer this engine holds for a decode engine's pull whose request
+  // ended before any decode engine took it (KvTransfers::release_held): false when none is held
+  // by that id, a decode engine is pulling it, or the engine has no KV transfer.
+  bool release_held_kv(const std::string& transfer_id) {
+    return agent_ && agent_->release_held(transfer_id);
+  }
   // KV transfer (null when not configured): engine id, advertised host and port.
   const KvTransfers* transfer() const { return agent_.get(); }
   // Where KV events go, when enabled (the bound endpoints, for tests and logs).

@@ -257,6 +257,37 @@ void GenerationApi::detokenize(const net::HttpRequest& req, std::shared_ptr<net:
   });
 }
 
+void GenerationApi::release_kv(const net::HttpRequest& req, std::shared_ptr<net::Reply> ex) {
+  answer_at_once(req, *ex, [&](const json& body) {
+    const KvTransfers* transfer = engine_.transfer();
+    if (!transfer || !transfer->serving())
+      throw ApiError{400,
+                     transfer ? "this engine runs with --role decode and holds no KV for decode "
+                                "engines: send the release to the prefill engine that answered "
+                                "with these kv_transfer_params"
+                              : "this engine has no KV transfer (start it with --role prefill "
+                                "or both) and holds no KV for decode engines",
+                     "kv_transfer_params"};
+    if (!body.is_object()) throw ApiError{400, "the body must be a JSON object"};
+    if (!body.contains("kv_transfer_params"))
+      throw ApiError{400,
+                     "'kv_transfer_params' is missing: send the object the prefill answer "
+                     "carried",
+                     "kv_transfer_params"};
+    // Any token ids will do: only the transfer's name is read.
+    const DisaggregationParams d =
+        api::parse_disaggregation(body, std::numeric_limits<int64_t>::max());
+    if (!d.remote_prefill)
+      throw ApiError{400,
+                     "'kv_transfer_params' must be a prefill answer's (do_remote_prefill true)",
+                     "kv_transfer_params"};
+    // Another engine's transfer (this one restarted since, with a new id) is not held here.
+    const bool released = d.remote_engine_id == transfer->config().engine_id &&
+                          engine_.release_held_kv(d.remote_request_id);
+    return json{{"released", released}};
+  });
+}
+
 void GenerationApi::refuse(ApiKind kind, const net::HttpRequest& req, net::Reply& reply,
                            const std::string& why) {
   json body;

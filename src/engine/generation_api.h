@@ -47,6 +47,14 @@ class GenerationApi {
   // the same parser and template) and /detokenize (api/tokenize.h), answered at once.
   void tokenize(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply);
   void detokenize(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply);
+  // POST /v1/kv_transfer/release, body {"kv_transfer_params": {...}} as this engine's prefill
+  // answer gave them: a gateway whose request ended before any decode engine took that KV frees
+  // it now instead of at --kv-transfer-timeout. 200 {"released": true} when a hold was freed,
+  // {"released": false} when none is held by that id (pulled, released, expired, another engine's)
+  // or a decode engine is pulling it right now (that pull frees it); 400 naming the field for a
+  // bad body, or for an engine that holds no KV for decode engines (no KV transfer, or
+  // --role decode).
+  void release_kv(const net::HttpRequest& request, std::shared_ptr<net::Reply> reply);
 
  private:
   void release_refused_decode_leg(api::ApiKind kind, const net::HttpRequest& request,

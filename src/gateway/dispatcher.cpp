@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 #include "api/disaggregation.h"
 #include "api/error.h"
 #include "gateway/answer_text.h"
+#include "gateway/engine_get.h"
 #include "gateway/policies/queue_order.h"
 #include "util/random_id.h"
 
@@ -17,6 +19,10 @@ namespace tandem::gateway {
 using nlohmann::json;
 
 namespace {
+
+// What the gateway reads of an engine's answer to POST /v1/kv_transfer/release ({"released": b},
+// or an error).
+constexpr size_t kMaxReleaseAnswerBytes = size_t{64} << 10;
 
 // "HTTP 500: TEXT", what an engine's error answer says: an OpenAI error's message (which the
 // client gets in the engine's own body, relayed), else the body's text (read_engine_error).
@@ -605,9 +611,21 @@ void Dispatcher::answer_refused(const RequestPtr& r, int attempt, int status, st
       });
 }
 
-void Dispatcher::prefill_answered(const RequestPtr& r, int attempt) {
-  exec_.post_batched([this, r, attempt] {
-    if (attempt != r->attempt || r->ended()) return;
+void Dispatcher::prefill_answered(const RequestPtr& r, int attempt, int endpoint_id,
+                                  std::string params) {
+  exec_.post_batched([this, r, attempt, endpoint_id, params = std::move(params)]() mutable {
+    if (attempt != r->attempt || r->ended()) {
+      // Its answer crossed the end of the attempt or of the request: no decode leg will come.
+      release_held_kv(endpoint_id, params, r->headers);
+      return;
+    }
+    {
+      std::lock_guard lock(r->mutex);
+      r->decode_body = splice_fields(r->body, params);
+    }
+    r->held_kv = std::move(params);
+    r->held_kv_endpoint = endpoint_id;
+    r->held_kv_attempt = attempt;
     r->stage = Stage::kDecode;
     r->kv_held_since = exec_.now();
     enqueue(r, true);  // it holds KV on the prefill engine: first in line
@@ -662,6 +680,8 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     } else {
       r->stage = Stage::kFirst;
       release_decode(*r);
+      // A decode leg that reached its engine leaves the KV to it (pulled, or let go there).
+      r->held_kv.clear();
     }
     enqueue(r, true);
     dispatch();
@@ -778,6 +798,7 @@ void Dispatcher::client_gone(const RequestPtr& r) {
 
 void Dispatcher::finished(const RequestPtr& r) {
   if (r->booking == Booking::kQueued) remove_waiting(r);
+  release_unclaimed_kv(*r);
   const bool freed_decode_place = release_decode(*r);
   if (r->booking == Booking::kRunning) {
     active_.erase(r.get());
@@ -797,6 +818,68 @@ void Dispatcher::finished(const RequestPtr& r) {
     return;
   }
   recorder_.record(*r, exec_.now_ns());
+}
+
+void Dispatcher::release_unclaimed_kv(Request& r) {
+  if (r.held_kv.empty()) return;
+  const std::string params = std::exchange(r.held_kv, {});
+  {
+    std::lock_guard lock(r.mutex);
+    // A decode leg sent with this KV that has not failed to connect may have reached its engine,
+    // which pulls the KV or lets it go itself. (One the gateway cancelled while it connected
+    // counts as reached: its call cannot tell; the KV is then freed at the engine's timeout.)
+    for (const auto& l : r.legs)
+      if (!l->prefill && l->attempt >= r.held_kv_attempt &&
+          !(l->state == LegState::kFinished && l->never_connected))
+        return;
+  }
+  release_held_kv(r.held_kv_endpoint, params, r.headers);
+}
+
+void Dispatcher::release_held_kv(int endpoint_id, const std::string& params,
+                                 const net::Headers& headers) {
+  const EndpointState* e = endpoints_.find(endpoint_id);
+  if (!e || e->load_source != LoadSource::kReports) return;  // gone, or no Tandem engine
+  if (kv_releases_ >= kMaxKvReleases) {
+    metrics_.kv_releases.labels({"dropped"}).inc();
+    return;
+  }
+  ++kv_releases_;
+  net::AsyncHttpRequest u;
+  u.host = e->config.host;
+  u.port = e->config.port;
+  u.method = "POST";
+  u.target = "/v1/kv_transfer/release";
+  u.body = "{" + params + "}";
+  u.headers = headers;  // the client's API key, as its legs carry it
+  u.timeout = topo_.timeouts.connect;
+  u.connect_timeout = topo_.timeouts.connect;
+  const Upstream::CallId call = whole_answer(
+      upstream_, std::move(u), kMaxReleaseAnswerBytes,
+      [this, name = e->config.name](const EngineAnswer& a) {
+        std::string result = "failed", why = a.error;
+        if (a.error.empty() && a.status == 200) {
+          const json answer = json::parse(a.body, nullptr, false);
+          const bool released =
+              answer.is_object() && answer.contains("released") && answer["released"] == json(true);
+          result = released ? "released" : "not_held";
+        } else if (a.error.empty()) {
+          why = engine_said(a.status, a.body);
+        }
+        exec_.post([this, name, result = std::move(result), why = std::move(why)] {
+          --kv_releases_;
+          metrics_.kv_releases.labels({result}).inc();
+          if (result != "failed") return;
+          const std::optional<int64_t> held_back = kv_release_log_.admit(exec_.now());
+          if (!held_back) return;
+          const std::string more =
+              *held_back > 0 ? " (and " + std::to_string(*held_back) + " more not logged)" : "";
+          std::fprintf(stderr, "tandem gateway: releasing held KV on engine %s failed: %s%s\n",
+                       name.c_str(), why.c_str(), more.c_str());
+        });
+      });
+  // The whole call, not only each read, within the bound (an ended call's id is ignored).
+  exec_.at(exec_.now() + topo_.timeouts.connect, [this, call] { upstream_.cancel(call); });
 }
 
 bool Dispatcher::prefill_leg_running(Request& r) {

@@ -29,6 +29,7 @@
 #include "gateway/request_record.h"
 #include "gateway/seams.h"
 #include "gateway/topology.h"
+#include "util/log_throttle.h"
 
 namespace tandem::gateway {
 
@@ -122,9 +123,11 @@ class Dispatcher {
   // answer. Whether the engine is blamed is its leg's completion's to say.
   void answer_refused(const RequestPtr& r, int attempt, int status, std::string message,
                       std::string code);
-  // Sequential mode: the prefill of `attempt` answered with its KV's whereabouts (decode_body is
-  // set): the decode leg goes to the front of the queue.
-  void prefill_answered(const RequestPtr& r, int attempt);
+  // Sequential mode: the prefill of `attempt` answered from engine `endpoint_id` with its KV's
+  // whereabouts, `params` (the answer's `"kv_transfer_params":{...}` member): the decode leg goes
+  // to the front of the queue. An answer for an attempt given up, or a request that ended, is of
+  // KV nobody will pull: its engine is told to let go of it at once.
+  void prefill_answered(const RequestPtr& r, int attempt, int endpoint_id, std::string params);
 
   // ---- shutdown (scheduling thread)
 
@@ -171,6 +174,16 @@ class Dispatcher {
   void finished(const RequestPtr& r);
   static bool prefill_leg_running(Request& r);
   void cancel_calls(const std::vector<Upstream::CallId>& calls);
+  // Sequential mode, a request that ended: when the prompt's KV it holds on a prefill engine
+  // (Request::held_kv) was never taken over by a decode engine, that engine is told to let go.
+  void release_unclaimed_kv(Request& r);
+  // POST /v1/kv_transfer/release with `params` (a kv_transfer_params member) to the prefill engine
+  // `endpoint_id`, if it is a Tandem engine (it reports its load: vLLM's have no such route, and
+  // free held KV at their own timeout), in the background: bounded by timeouts.connect_ms as a
+  // whole and by kMaxKvReleases at once (more are dropped), never delaying an answer; its outcome
+  // is counted in tandem:gateway_kv_releases_total, failures logged (at most one line per 10 s).
+  void release_held_kv(int endpoint_id, const std::string& params, const net::Headers& headers);
+  static constexpr int64_t kMaxKvReleases = 64;
   void answer_shutting_down(const RequestPtr& r);
 
   const Topology& topo_;
@@ -188,6 +201,8 @@ class Dispatcher {
   std::vector<RequestPtr> scratch_first_stage_, scratch_offer_;  // dispatch()'s, empty between
   std::unordered_map<const Request*, RequestPtr> active_;
   std::map<int, int64_t> decode_reserved_;  // sequential mode: requests per group (reserve_decode)
+  int64_t kv_releases_ = 0;                 // release_held_kv calls under way
+  LogThrottle kv_release_log_{std::chrono::seconds(10)};
   RequestRecorder recorder_;
 };
 

@@ -80,6 +80,13 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r, const std::string& model_na
       access_log_dropped(r.int_counter(
           "tandem:gateway_access_log_dropped_lines_total",
           "Access log lines not written: dropped while the lines waiting were at their cap, lost "
-          "to a failed write, or left when shutdown's deadline passed.")) {}
+          "to a failed write, or left when shutdown's deadline passed.")),
+      kv_releases(r.int_counter_family(
+          "tandem:gateway_kv_releases_total",
+          "Sequential P/D requests that ended before a decode engine took their prompt's KV, "
+          "whose prefill engine the gateway told to let go of it, by result: released, "
+          "not_held (pulled, expired or released already), failed, or dropped (too many "
+          "under way).",
+          {"result"})) {}
 
 }  // namespace tandem::gateway

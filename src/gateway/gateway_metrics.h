@@ -32,6 +32,8 @@ struct GatewayMetrics {
   metrics::IntCounter& prefix_reuse_prompt_tokens;
   metrics::IntCounter& prefix_reuse_requests;
   metrics::IntCounter& access_log_dropped;  // lines the access log could not write (access_log.h)
+  // {result}: the gateway's releases of prefill KV no decode engine took (Dispatcher).
+  metrics::Family<metrics::IntCounter>& kv_releases;
 };
 
 }  // namespace tandem::gateway

@@ -153,11 +153,7 @@ void Relay::prefill_done(const RequestPtr& r, Leg& l, int attempt, const std::st
                            "prefill engine " + where + " answered without kv_transfer_params");
     return;
   }
-  {
-    std::lock_guard lock(r->mutex);
-    r->decode_body = splice_fields(r->body, params);
-  }
-  dispatcher_.prefill_answered(r, attempt);
+  dispatcher_.prefill_answered(r, attempt, endpoint_id, std::move(params));
 }
 
 net::AsyncHttpHandlers Relay::answer_handlers(const RequestPtr& r, LegRef leg_ref, int attempt,

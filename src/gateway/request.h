@@ -156,6 +156,14 @@ struct Request {
   // Sequential mode: when the prefill answered, from which its engine holds the prompt's KV for
   // the decode stage (only so long: Timeouts::decode_queue).
   Executor::Clock::time_point kv_held_since;
+  // Sequential mode: the kv_transfer_params member (`"kv_transfer_params":{...}`) the prefill
+  // engine `held_kv_endpoint` answered attempt `held_kv_attempt` with, kept while that KV is the
+  // gateway's to free: until a decode leg reaches a decode engine, which then pulls it or lets it
+  // go. A request that ends with no decode leg having reached one has the gateway tell the prefill
+  // engine to let go (Dispatcher::release_held_kv), instead of its KV staying held until that
+  // engine's --kv-transfer-timeout. Empty: none.
+  std::string held_kv;
+  int held_kv_endpoint = -1, held_kv_attempt = -1;
   // Seconds it waited in the queue over all its dispatches (a sequential request's two stages,
   // each retry), observed once when it is recorded; -1: never dispatched.
   double queued_s = -1;

@@ -142,16 +142,23 @@ void SimulatedEngine::call(const net::AsyncHttpRequest& request,
     reply->respond(200, api::to_json(r, api::load_since_step(request.target)), "application/json");
     return;
   }
-  for (const auto& [route, kind] : kGenerationRoutes) {
-    if (request.method != "POST" || request.target != route) continue;
+  auto as_http_request = [&request] {
     net::HttpRequest req;
     req.method = request.method;
     req.target = req.path = request.target;
     req.headers = request.headers;
     req.body = request.body;
-    api_->handle(kind, req, reply);
+    return req;
+  };
+  for (const auto& [route, kind] : kGenerationRoutes) {
+    if (request.method != "POST" || request.target != route) continue;
+    api_->handle(kind, as_http_request(), reply);
     reply->on_close([this] { wake(); });  // after the API's own, which aborts the requests
     wake();
+    return;
+  }
+  if (request.method == "POST" && request.target == "/v1/kv_transfer/release") {
+    api_->release_kv(as_http_request(), reply);  // a freed hold wakes the engine (its KV links)
     return;
   }
   reply->send_error(404, "no route " + request.method + " " + request.target + " on " + name_,

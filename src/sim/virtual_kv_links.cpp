@@ -86,7 +86,8 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     h.prompt_hash = prompt_hash;
     h.num_tokens = num_tokens;
     h.release = std::move(release);
-    h.expiry = at(now_() + config_.timeout_s, [this, id] { release_held(id); });
+    // A hold being pulled is left to its pull, as the engines' reaper leaves it.
+    h.expiry = at(now_() + config_.timeout_s, [this, id] { free_held(id, false); });
     return id;
   }
 
@@ -166,7 +167,10 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     if (server == net_.servers_.end()) return;
     Endpoint* prefill = server->second;
     at(now_() + net_.link_.latency_s,
-       [prefill, transfer_id] { prefill->release_held(transfer_id); });
+       [prefill, transfer_id] { prefill->free_held(transfer_id, false); });
+  }
+  bool release_held(const std::string& transfer_id) override {
+    return free_held(transfer_id, false);
   }
 
   void abandon_room(const std::string& host, uint16_t port, uint64_t room, uint64_t prompt_hash,
@@ -193,6 +197,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     int64_t num_tokens = 0;
     Task release;
     gateway::Executor::TimerId expiry;
+    bool pulling = false;  // a decode engine's pull of it runs
   };
   // The decode leg registered for a room.
   struct Registration {
@@ -327,14 +332,16 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
     return double(tokens) * double(layout_.token_bytes) * double(layout_.layers);
   }
 
-  // Prefill side: a hold ends (pulled, released or expired).
-  void release_held(const std::string& id) {
+  // Prefill side: a hold ends (pulled, released or expired); false when there is none, or a pull
+  // of it runs and this is not that pull's end (`by_its_pull`), as in the engines' agent.
+  bool free_held(const std::string& id, bool by_its_pull) {
     auto it = held_.find(id);
-    if (it == held_.end()) return;
+    if (it == held_.end() || (it->second.pulling && !by_its_pull)) return false;
     net_.clock_.cancel(it->second.expiry);
     Task release = std::move(it->second.release);
     held_.erase(it);
     to_engine(std::move(release));
+    return true;
   }
 
   // Decode side: a request for KV reaches `prefill`'s transfer server, which takes it once its
@@ -369,6 +376,7 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
          [decode, id = f.request_id, refused] { decode->finish_fetch(id, refused); });
       return;
     }
+    it->second.pulling = true;
     const int64_t tokens = std::max<int64_t>(f.num_tokens - f.first_token, 0);
     const double bytes = bytes_for(tokens);
     const double seconds = bytes / bytes_per_s(decode) + net_.link_.latency_s;
@@ -379,12 +387,14 @@ class VirtualKvNetwork::Endpoint final : public KvTransfers {
             decode->finish_fetch(id, {false, "the prefill engine's connection was reset", 0});
             return;
           }
-          release_held(transfer);
+          free_held(transfer, true);
           ++net_.transfers_;
           net_.bytes_ += bytes;
           decode->finish_fetch(id, {true, "", static_cast<uint64_t>(bytes)});
         },
-        [this, decode, id = f.request_id](const std::string& why) {
+        [this, decode, id = f.request_id, transfer = f.transfer_id](const std::string& why) {
+          // A pull that fails once begun ends its hold, as the engines' agent ends it.
+          free_held(transfer, true);
           at(now_s() + net_.link_.latency_s, [decode, id, why] {
             decode->finish_fetch(id, {false, why, 0});
           });

@@ -1378,6 +1378,54 @@ TEST_F(KvTransferAgents, EmptyPullStillReleasesTheHold) {
   EXPECT_EQ(prefill_->held_blocks(), 0);
 }
 
+// The gateway's release of a request that ended before any decode engine took its KV (POST
+// /v1/kv_transfer/release): the hold is freed as a pull would free it, and a later pull finds it
+// gone, as it would after the hold's expiry; releasing again, or an id never held, frees nothing.
+TEST_F(KvTransferAgents, AReleasedHoldIsFreedAndCanNoLongerBePulled) {
+  start(600);  // expiry far past the hang guard: only the release can free it
+  bool released = false;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { released = true; });
+  EXPECT_TRUE(prefill_->release_held(id));
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_TRUE(queue_.run_until([&] { return released; }));
+  EXPECT_FALSE(prefill_->release_held(id));
+  EXPECT_FALSE(prefill_->release_held("prefill-0-00000000000000000000000000000000"));
+
+  const KvFetchResult r = wait(fetch(pull(id, 0, 10, local_)));
+  EXPECT_FALSE(r.ok);
+  EXPECT_TRUE(r.transfer_gone) << r.error;
+  EXPECT_EQ(decode_exec_.writes(), 0);
+  EXPECT_EQ(sample(prefill_metrics_, "tandem:kv_transfer_expired_total"), 0);
+}
+
+// A release that comes while a decode engine pulls the hold (the gateway gave up on a request
+// whose decode leg had just reached its engine) frees nothing: the blocks stay until the pull
+// ends, which copies them whole and frees them then.
+TEST_F(KvTransferAgents, AReleaseLeavesAHoldBeingPulledToItsPull) {
+  start(600);
+  int released = 0;
+  const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
+                                        [&] { ++released; });
+  prefill_exec_.close_gate();
+  Outcome pulling = fetch(pull(id, 0, 10, local_, "req-pulling"));
+  ASSERT_TRUE(prefill_exec_.wait_for_reader_at_gate());  // the pull is sending layer 0
+
+  EXPECT_FALSE(prefill_->release_held(id));
+  EXPECT_EQ(prefill_->held_blocks(), int64_t(remote_.size()));
+
+  prefill_exec_.open_gate();
+  const KvFetchResult r = wait(pulling);
+  ASSERT_TRUE(r.ok) << r.error;
+  FakeExecutor expected;
+  expected.copy_tokens(prefill_exec_, remote_, local_, 0, 10);
+  EXPECT_TRUE(decode_exec_.data() == expected.data());
+  EXPECT_TRUE(queue_.run_until([&] { return released == 1; }));
+  EXPECT_EQ(prefill_->held_blocks(), 0);
+  EXPECT_FALSE(prefill_->release_held(id));
+  EXPECT_EQ(released, 1);
+}
+
 TEST_F(KvTransferAgents, BadPullsNameTheProblemAndKeepTheHold) {
   start();
   bool released = false;

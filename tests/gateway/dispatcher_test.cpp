@@ -1852,6 +1852,149 @@ TEST(Dispatcher, ADecodeStageWaitsNoLongerThanThePrefillEngineHoldsItsKv) {
   EXPECT_EQ(c.endpoint("d")["consecutive_failures"], 0);
 }
 
+// ------------------------------------------------ releasing prefill KV no decode engine took
+
+// Sequential mode over Tandem prefill engines (which have POST /v1/kv_transfer/release): two
+// requests prefilled while two decode engines have room, then one decode engine drained, so the
+// second request's decode stage waits in the queue with its KV held on p. `waiting` is its
+// client; `running`, the first one's, whose decode leg runs on d.
+struct DecodeStageWaiting {
+  explicit DecodeStageWaiting(Dialect prefill_dialect = Dialect::kTandem)
+      : c([&] {
+          Topology t = disaggregated(PdMode::kSequential, {engine("p")},
+                                     {engine("d", 0, 1), engine("gone", 0, 1)});
+          t.prefill.dialect = prefill_dialect;
+          return t;
+        }()) {
+    running = c.send_body({{"model", "m"}, {"prompt", "hello"}}, "k-1");
+    waiting = c.send_body({{"model", "m"}, {"prompt", "there"}}, "k-2");
+    auto prefills = c.engines.open("/v1/completions");
+    EXPECT_EQ(prefills.size(), 2u);
+    EXPECT_TRUE(c.dispatcher.remove_endpoint("gone", nullptr));
+    for (const auto& p : prefills) {
+      FakeEngines::answer(*p, 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+      c.clock.run_ready();
+    }
+    EXPECT_EQ(c.dispatcher.waiting(), 1u);
+    EXPECT_TRUE(c.engines.all(kRelease).empty());
+  }
+  static constexpr const char* kRelease = "/v1/kv_transfer/release";
+  double releases(const std::string& result) const {
+    return c.metric("tandem:gateway_kv_releases_total{result=\"" + result + "\"}");
+  }
+  Cluster c;
+  std::shared_ptr<FakeClient> running, waiting;
+};
+
+// A client that leaves after its prompt was prefilled and before a decode engine took the KV
+// (its decode stage still waits for one): the prefill engine is told to let go of the KV at
+// once, with the kv_transfer_params it answered and the client's key, instead of holding it for
+// its --kv-transfer-timeout (120 s) while other prompts wait for memory. It kept it.
+TEST(Dispatcher, AClientThatLeavesBeforeTheDecodeLegHasThePrefillEngineLetGoOfTheKv) {
+  DecodeStageWaiting s;
+  s.waiting->leave();
+  s.c.clock.run_ready();
+  const auto releases = s.c.engines.open(DecodeStageWaiting::kRelease);
+  ASSERT_EQ(releases.size(), 1u);
+  const auto& release = *releases[0];
+  EXPECT_EQ(host_of(release), "p");
+  EXPECT_EQ(release.request.method, "POST");
+  EXPECT_EQ(json::parse(release.request.body), json({{"kv_transfer_params", kHeldKv}}));
+  EXPECT_EQ(release.request.headers.get("Authorization"), "Bearer k-2");
+  EXPECT_EQ(s.c.dispatcher.active(), 1u);  // its end waited for no answer to the release
+  FakeEngines::answer(*releases[0], 200, R"({"released":true})");
+  s.c.clock.run_ready();
+  EXPECT_EQ(s.releases("released"), 1);
+  // The other request's decode leg reached d, which owns its KV: no release for it, ever.
+  s.running->leave();
+  s.c.clock.run_ready();
+  EXPECT_EQ(s.c.engines.all(DecodeStageWaiting::kRelease).size(), 1u);
+  EXPECT_EQ(s.c.dispatcher.active(), 0u);
+}
+
+// The decode stage that waits past timeouts.decode_queue_ms is answered 503 and its KV let go
+// of; a release the engine answers {"released": false} (it expired meanwhile) or fails is
+// counted, and changes nothing for the client.
+TEST(Dispatcher, ADecodeStageThatTimesOutLetsGoOfItsKvAndTheOutcomeIsCounted) {
+  DecodeStageWaiting s;
+  s.c.clock.advance_by(milliseconds(90000));
+  EXPECT_EQ(s.waiting->status, 503);
+  auto releases = s.c.engines.open(DecodeStageWaiting::kRelease);
+  ASSERT_EQ(releases.size(), 1u);
+  FakeEngines::answer(*releases[0], 200, R"({"released":false})");
+  s.c.clock.run_ready();
+  EXPECT_EQ(s.releases("not_held"), 1);
+
+  // A request that ends before its prefill answered holds nothing: nothing is released.
+  auto again = s.c.send_body({{"model", "m"}, {"prompt", "again"}});
+  EXPECT_EQ(s.c.dispatcher.waiting(), 1u);  // not prefilled while d has no room
+  again->leave();
+  s.c.clock.run_ready();
+  EXPECT_EQ(s.c.engines.all(DecodeStageWaiting::kRelease).size(), 1u);
+}
+
+// A release that the engine does not answer is cut at timeouts.connect_ms and counted as failed.
+TEST(Dispatcher, AReleaseThatGetsNoAnswerIsCutAndCountedAsFailed) {
+  DecodeStageWaiting s;
+  s.waiting->leave();
+  s.c.clock.run_ready();
+  ASSERT_EQ(s.c.engines.open(DecodeStageWaiting::kRelease).size(), 1u);
+  s.c.clock.advance_by(s.c.topo.timeouts.connect);
+  EXPECT_TRUE(s.c.engines.open(DecodeStageWaiting::kRelease).empty());
+  EXPECT_EQ(s.releases("failed"), 1);
+}
+
+// vLLM's engines have no release route (NIXL frees held KV at its own timeout): nothing is sent.
+TEST(Dispatcher, NoReleaseGoesToAVllmPrefillEngine) {
+  DecodeStageWaiting s(Dialect::kVllm);
+  s.waiting->leave();
+  s.c.clock.run_ready();
+  EXPECT_TRUE(s.c.engines.all(DecodeStageWaiting::kRelease).empty());
+  EXPECT_EQ(s.c.dispatcher.active(), 1u);
+}
+
+// A decode leg that never reached its engine left the KV with the gateway: when the retries are
+// spent on such legs, the prefill engine is told to let go. One that reached its engine and
+// failed there leaves the KV to that engine.
+TEST(Dispatcher, DecodeLegsThatNeverConnectedLeaveTheReleaseToTheGateway) {
+  for (const bool reached : {false, true}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d1"), engine("d2")});
+    t.prefill.dialect = Dialect::kTandem;
+    t.prefill_retries = 1;
+    Cluster c(t);
+    auto client = c.send();
+    prefill_answers(c);
+    for (int leg = 0; leg < 2 && !client->complete(); ++leg) {
+      auto decode = c.engines.open("/v1/completions");
+      ASSERT_EQ(decode.size(), 1u) << reached;
+      if (reached)
+        FakeEngines::finish(*decode[0], "connection reset by peer");
+      else
+        FakeEngines::unreachable(*decode[0]);
+      c.clock.run_ready();
+    }
+    EXPECT_EQ(client->status, 502) << reached;
+    EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), reached ? 0u : 1u) << reached;
+  }
+}
+
+// A prefill answer that crossed the client's leaving (the call ended with it after the cancel)
+// is of KV that no decode leg will take: it is let go of at once.
+TEST(Dispatcher, APrefillAnswerThatCrossesTheClientsLeavingIsLetGoOf) {
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+  t.prefill.dialect = Dialect::kTandem;
+  Cluster c(t);
+  auto client = c.send();
+  ASSERT_EQ(c.engines.open("/v1/completions").size(), 1u);
+  c.engines.answer_crossing_cancel = json{{"kv_transfer_params", kHeldKv}}.dump();
+  client->leave();
+  c.clock.run_ready();
+  const auto releases = c.engines.all("/v1/kv_transfer/release");
+  ASSERT_EQ(releases.size(), 1u);
+  EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+  EXPECT_TRUE(c.engines.all("/v1/completions").size() == 1u) << "no decode leg";
+}
+
 // Sequential mode prefills a prompt only while a decode engine of the prefill engine's group has
 // room for it (by the policy's own decode limits): prefilled now, its KV would wait on the
 // prefill engine for a decode engine, and expire there. It was prefilled at once.

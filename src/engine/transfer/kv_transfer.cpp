@@ -945,13 +945,24 @@ void KvTransferAgent::serve_pull(KvConnection& conn, const std::vector<std::byte
   }
   std::lock_guard lock(mutex_);
   metrics_->transfers.labels({"sent", ok ? "ok" : "error"}).inc();
-  auto it = held_.find(id);
-  if (it == held_.end()) return;
   // A pull that broke once accepted ends the hold as one that completed does: its decode leg
   // failed or was cancelled (nothing retries it), and kept, the blocks would stay until expiry.
   // (A refused pull, above, keeps it: the right parameters may still pull it.)
+  free_held_locked(id, true);
+}
+
+bool KvTransferAgent::release_held(const std::string& transfer_id) {
+  std::lock_guard lock(mutex_);
+  return free_held_locked(transfer_id, false);
+}
+
+bool KvTransferAgent::free_held_locked(const std::string& id, bool by_its_pull) {
+  auto it = held_.find(id);
+  // A pull under way reads the blocks: freed now, they could be reused and overwritten under it.
+  if (it == held_.end() || (it->second->pulling && !by_its_pull)) return false;
   post_(std::move(it->second->release));
   held_.erase(it);
+  return true;
 }
 
 void KvTransferAgent::serve_register(KvConnection& conn, const std::vector<std::byte>& payload) {

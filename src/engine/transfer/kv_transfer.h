@@ -216,6 +216,7 @@ class KvTransferAgent final : public KvTransfers {
   // engine's prefix cache.
   std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
                    Task release) override;
+  bool release_held(const std::string& transfer_id) override;
 
   // --- prefill side, parallel. open_room (engine thread, at admission) claims the room for a
   // prefill request and returns its claim (non-zero); 0 when the room is already claimed by
@@ -271,6 +272,9 @@ class KvTransferAgent final : public KvTransfers {
   void serve_pull(KvConnection& conn, const std::vector<std::byte>& request);
   void serve_register(KvConnection& conn, const std::vector<std::byte>& request);
   void serve_abandon(KvConnection& conn, const std::vector<std::byte>& request);
+  // Under mutex_: ends the hold `id`, its release posted to the engine: false when there is none,
+  // or when a connection pulls it and this is not that pull's own end (`by_its_pull`).
+  bool free_held_locked(const std::string& id, bool by_its_pull);
   // release_remote and abandon_room: one JSON frame to a prefill engine, in the background,
   // answered by kDone or kError (or nothing: failures are ignored).
   void tell_prefill(const std::string& host, uint16_t port, KvFrameType type, std::string request);

@@ -34,6 +34,13 @@ class KvTransfers {
   // id. `release` is posted once, when the blocks may be freed (pulled or expired).
   virtual std::string hold(std::vector<int32_t> blocks, uint64_t prompt_hash, int64_t num_tokens,
                            Task release) = 0;
+  // Any thread: frees the held transfer `transfer_id` now (its `release` posted), as its pull
+  // would: the request it was held for ended before any decode engine took it (the gateway's
+  // POST /v1/kv_transfer/release). False when nothing is held by that id (never held here,
+  // pulled, released or expired), or while a decode engine is pulling it: that pull frees it
+  // when it ends, and its blocks must stay until then. (The default is that of an implementation
+  // that holds nothing, such as tests' decode-side fakes.)
+  virtual bool release_held(const std::string& /*transfer_id*/) { return false; }
   // Prefill side, parallel: claims the room (0 when another request holds it; throws
   // KvTransferError when the room already failed, room_abandoned set when its decode leg
   // abandoned it); `done` is posted once with the outcome.

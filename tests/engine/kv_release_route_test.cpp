@@ -1,0 +1,250 @@
+// POST /v1/kv_transfer/release, over HTTP, on engines in process (the simulated tiny model, its
+// engine thread running): a gateway whose sequential request ended before any decode engine took
+// the prompt's KV tells the prefill engine that answered to let go of it. The prefill engine kept
+// it for --kv-transfer-timeout (120 s by default) whatever happened to the request, so clients
+// leaving under load filled its KV memory. A decode engine's pull of a released transfer then
+// fails as one of an expired transfer (kv_transfer_expired); a release is idempotent; bad bodies
+// and engines that hold no KV for decode engines get a 400 OpenAI error naming the field.
+// (kv_transfer_test.cpp covers a release that comes while a decode engine pulls the transfer.)
+#include <gtest/gtest.h>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <future>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "api/error.h"
+#include "engine/api_server.h"
+#include "engine/executor/sim_executor.h"
+#include "engine/output_processor.h"
+#include "net/http_client.h"
+#include "text/oracle_support.h"
+#include "util/bounded_wait.h"
+
+namespace tandem::engine {
+namespace {
+
+using nlohmann::json;
+using testing::get_within;
+using testing::kHangGuard;
+using testing::repeat_until;
+
+const text::Tokenizer& tokenizer() {
+  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
+  return tok;
+}
+
+// An engine of `role` (KV transfer over TCP on the loopback unless it has no `transfer`) on the
+// simulated tiny model, its thread and HTTP server started, with `api_key` when given.
+class ServedEngine {
+ public:
+  ServedEngine(EngineRole role, std::optional<KvTransferConfig> transfer,
+               const std::string& api_key = {}, RequestPreparation preparation = {})
+      : engine_(
+            [&] {
+              EngineConfig c;
+              c.role = role;
+              c.transfer = std::move(transfer);
+              return c;
+            }(),
+            [] {
+              SimExecutorOptions x;
+              x.preset = "tiny";
+              x.model_name = "tiny";
+              x.num_blocks = 64;
+              x.time_scale = 0;
+              return std::make_unique<SimExecutor>(tokenizer(), x);
+            }(),
+            std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
+            eos_ids(tokenizer(), {}), registry_),
+        server_(
+            engine_, registry_,
+            [] {
+              net::HttpServerOptions o;
+              o.host = "127.0.0.1";
+              return o;
+            }(),
+            api_key.empty() ? std::vector<std::string>{} : std::vector{api_key},
+            std::move(preparation)) {
+    engine_.start();
+    server_.start();
+  }
+  ~ServedEngine() {
+    server_.stop();
+    engine_.stop();
+  }
+
+  net::HttpClientResponse post(const std::string& target, const std::string& body,
+                               const std::string& key = {}) {
+    net::Headers h;
+    if (!key.empty()) h.set("Authorization", "Bearer " + key);
+    return net::http_request("127.0.0.1", server_.port(), "POST", target, body, h);
+  }
+  int64_t held_blocks() const { return engine_.transfer()->held_blocks(); }
+  uint16_t port() const { return server_.port(); }
+
+ private:
+  metrics::Registry registry_;
+  Engine engine_;
+  ApiServer server_;
+};
+
+KvTransferConfig prefill_transfer() {
+  KvTransferConfig t;
+  t.engine_id = "prefill-under-test";
+  t.listen_host = "127.0.0.1";
+  t.port = 0;
+  t.advertise_host = "127.0.0.1";
+  t.transport = KvTransportKind::kTcp;
+  t.timeout_s = 600;  // past any test: only a pull or a release frees a hold
+  return t;
+}
+
+KvTransferConfig decode_transfer() {
+  KvTransferConfig t;
+  t.engine_id = "decode-under-test";
+  t.port = -1;
+  t.transport = KvTransportKind::kTcp;
+  return t;
+}
+
+constexpr char kKey[] = "key-1";
+constexpr char kRelease[] = "/v1/kv_transfer/release";
+
+const json kPrompt = {{"prompt", "The capital of France is a city that"}, {"max_tokens", 4}};
+
+// The prefill leg of the sequential flow, as the gateway sends it: its answer's
+// kv_transfer_params.
+json prefilled(ServedEngine& prefill) {
+  json leg = kPrompt;
+  leg["kv_transfer_params"] = {{"do_remote_decode", true}};
+  const auto answer = prefill.post("/v1/completions", leg.dump(), kKey);
+  EXPECT_EQ(answer.status, 200) << answer.body;
+  return json::parse(answer.body, nullptr, false).value("kv_transfer_params", json());
+}
+
+json release_body(const json& params) {
+  return {{"kv_transfer_params", params}};
+}
+
+struct OpenAiError {
+  std::string message, param, code;
+};
+OpenAiError error_of(const net::HttpClientResponse& r) {
+  const json e = json::parse(r.body, nullptr, false);
+  if (!e.is_object() || !e.contains("error")) return {"not an OpenAI error: " + r.body, "", ""};
+  const json& error = e["error"];
+  auto text = [&](const char* key) {
+    return error.contains(key) && error[key].is_string() ? error[key].get<std::string>() : "";
+  };
+  return {text("message"), text("param"), text("code")};
+}
+
+TEST(KvReleaseRoute, AReleasedHoldIsFreedAndCanNoLongerBePulled) {
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
+  ServedEngine decode(EngineRole::kDecode, decode_transfer());
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  ASSERT_GT(prefill.held_blocks(), 0);
+
+  const auto released = prefill.post(kRelease, release_body(params).dump(), kKey);
+  EXPECT_EQ(released.status, 200) << released.body;
+  EXPECT_EQ(json::parse(released.body), json({{"released", true}}));
+  EXPECT_EQ(prefill.held_blocks(), 0);
+
+  // Idempotent: the second release finds nothing held.
+  const auto again = prefill.post(kRelease, release_body(params).dump(), kKey);
+  EXPECT_EQ(again.status, 200) << again.body;
+  EXPECT_EQ(json::parse(again.body), json({{"released", false}}));
+
+  // The decode leg that comes anyway finds the KV gone, as after the hold's expiry.
+  json leg = kPrompt;
+  leg["kv_transfer_params"] = params;
+  const auto decoded = decode.post("/v1/completions", leg.dump());
+  EXPECT_EQ(decoded.status, 502) << decoded.body;
+  EXPECT_EQ(error_of(decoded).code, "kv_transfer_expired") << decoded.body;
+}
+
+TEST(KvReleaseRoute, ATransferNotHeldHereIsReleasedFalse) {
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  const int64_t held = prefill.held_blocks();
+
+  json unknown = params;
+  unknown["remote_request_id"] = "prefill-under-test-00000000000000000000000000000000";
+  json other_engine = params;
+  other_engine["remote_engine_id"] = "another-prefill";  // its id, this engine's transfer id
+  for (const json& p : {unknown, other_engine}) {
+    const auto r = prefill.post(kRelease, release_body(p).dump(), kKey);
+    EXPECT_EQ(r.status, 200) << r.body;
+    EXPECT_EQ(json::parse(r.body), json({{"released", false}})) << p;
+  }
+  EXPECT_EQ(prefill.held_blocks(), held);  // the real hold is untouched
+}
+
+TEST(KvReleaseRoute, BadBodiesAre400NamingTheField) {
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  const int64_t held = prefill.held_blocks();
+
+  json no_id = params;
+  no_id.erase("remote_request_id");
+  json id_not_text = params;
+  id_not_text["remote_request_id"] = 7;
+  json not_an_answer = params;
+  not_an_answer["do_remote_prefill"] = false;
+  const std::pair<std::string, std::string> bad[] = {
+      {"{}", "kv_transfer_params"},
+      {R"({"kv_transfer_params": "x"})", "kv_transfer_params"},
+      {release_body(no_id).dump(), "kv_transfer_params"},
+      {release_body(id_not_text).dump(), "kv_transfer_params"},
+      {release_body(not_an_answer).dump(), "kv_transfer_params"},
+      {"[1, 2]", ""},
+      {"not json", ""},
+  };
+  for (const auto& [body, field] : bad) {
+    const auto r = prefill.post(kRelease, body, kKey);
+    EXPECT_EQ(r.status, 400) << body << ": " << r.body;
+    const OpenAiError e = error_of(r);
+    EXPECT_EQ(e.param, field) << body << ": " << r.body;
+    if (body == release_body(no_id).dump()) {
+      EXPECT_NE(e.message.find("remote_request_id"), std::string::npos) << e.message;
+    }
+  }
+  EXPECT_EQ(prefill.held_blocks(), held);
+}
+
+TEST(KvReleaseRoute, NeedsTheApiKeyAsTheOtherRoutesDo) {
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  const int64_t held = prefill.held_blocks();
+  const auto r = prefill.post(kRelease, release_body(params).dump());
+  EXPECT_EQ(r.status, 401) << r.body;
+  EXPECT_EQ(prefill.held_blocks(), held);
+}
+
+// A decode engine and one without KV transfer hold no KV for decode engines: a release sent
+// there is a gateway's mistake, said as such.
+TEST(KvReleaseRoute, AnEngineThatHoldsNoKvForDecodeEnginesSaysSo) {
+  ServedEngine decode(EngineRole::kDecode, decode_transfer());
+  ServedEngine plain(EngineRole::kBoth, std::nullopt);
+  const std::string body =
+      release_body({{"do_remote_prefill", true}, {"remote_request_id", "x"}}).dump();
+  const auto to_decode = decode.post(kRelease, body);
+  EXPECT_EQ(to_decode.status, 400) << to_decode.body;
+  EXPECT_NE(error_of(to_decode).message.find("--role decode"), std::string::npos) << to_decode.body;
+  const auto to_plain = plain.post(kRelease, body);
+  EXPECT_EQ(to_plain.status, 400) << to_plain.body;
+  EXPECT_NE(error_of(to_plain).message.find("no KV transfer"), std::string::npos) << to_plain.body;
+}
+
+}  // namespace
+}  // namespace tandem::engine
