@@ -238,10 +238,10 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
     return [this, kind](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
       std::shared_ptr<net::Reply> reply = std::make_shared<net::ExchangeReply>(ex);
       if (refusing()) {
-        prepare(std::move(ex), std::move(reply),
-                [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
-                  generation_.refuse(kind, req, *r, kShuttingDown);
-                });
+        auto refuse = [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+          generation_.refuse(kind, req, *r, kShuttingDown);
+        };
+        prepare(std::move(ex), std::move(reply), refuse, refuse);
         return;
       }
       // Counted from here, on the io thread: a drain that begins while it waits to be prepared
@@ -253,11 +253,18 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
                             engine_.max_model_len());
       auto unprepared = std::make_shared<Unprepared::Counted>(
           unprepared_, api::PrefillWork::of_prompt(0, prompt));
-      prepare(std::move(ex), std::move(reply),
-              [this, kind, unprepared = std::move(unprepared)](const net::HttpRequest& req,
-                                                               std::shared_ptr<net::Reply> r) {
-                generation_.handle(kind, req, std::move(r));
-              });
+      prepare(
+          std::move(ex), std::move(reply),
+          [this, kind, unprepared = std::move(unprepared)](const net::HttpRequest& req,
+                                                           std::shared_ptr<net::Reply> r) {
+            generation_.handle(kind, req, std::move(r));
+          },
+          // A decode leg whose client (the gateway) left before it was prepared still names KV
+          // that a prefill engine holds for it: refused unread (to nobody), it tells that engine
+          // to let go, which would otherwise keep it until its timeout.
+          [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+            generation_.refuse(kind, req, *r, "its client left before it was prepared");
+          });
     };
   };
   route("POST", "/v1/completions", generation(api::ApiKind::kCompletion));
@@ -289,13 +296,13 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
 }
 
 void ApiServer::prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr<net::Reply> reply,
-                        Preparation work) {
+                        Preparation work, Preparation dropped) {
   Preparer* least = preparers_.front().get();
   for (const auto& p : preparers_)
     if (p->queued.load() < least->queued.load()) least = p.get();
   ++least->queued;
   least->thread.post([this, least, exchange = std::move(exchange), reply = std::move(reply),
-                      work = std::move(work)]() mutable {
+                      work = std::move(work), dropped = std::move(dropped)]() mutable {
     struct Done {
       Preparer* preparer;
       ~Done() { --preparer->queued; }
@@ -304,7 +311,10 @@ void ApiServer::prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr
     // A client that left while its request waited gets nothing prepared, and starts no engine
     // work. One that leaves during the preparation has its engine requests aborted as soon as
     // they are submitted: the reply's close callback runs at once when registered then.
-    if (exchange->closed()) return;
+    if (exchange->closed()) {
+      if (dropped) dropped(exchange->request(), std::move(reply));
+      return;
+    }
     work(exchange->request(), std::move(reply));
   });
 }

@@ -107,9 +107,9 @@ class ApiServer {
   // server_.route behind the API keys (all routes but /health and /metrics).
   void route(std::string method, std::string path, net::Handler handler);
   // `work` for the request of `exchange`, on the preparation thread with the fewest requests
-  // queued; not at all when its client left meanwhile.
+  // queued; when its client left meanwhile, `dropped` instead (if any), there.
   void prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr<net::Reply> reply,
-               Preparation work);
+               Preparation work, Preparation dropped = {});
   // net::pass_io_threads over this server's io threads.
   void io_threads_pass();
 

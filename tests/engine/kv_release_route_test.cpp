@@ -246,5 +246,62 @@ TEST(KvReleaseRoute, AnEngineThatHoldsNoKvForDecodeEnginesSaysSo) {
   EXPECT_NE(error_of(to_plain).message.find("no KV transfer"), std::string::npos) << to_plain.body;
 }
 
+// A decode leg whose client (the gateway, cancelling it) leaves while the leg waits to be
+// prepared is never submitted, so its engine neither pulled nor released the prefill engine's KV,
+// which stayed held until its timeout. Dropped, the leg now tells the prefill engine to let go.
+TEST(KvReleaseRoute, ADecodeLegDroppedBeforeItsPreparationLetsGoOfItsKv) {
+  std::promise<net::Reply*> held;
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
+  ServedEngine decode(EngineRole::kDecode, decode_transfer(), {},
+                      {1, [&](const net::HttpRequest& req, net::Reply& reply) {
+                         if (req.headers.get("x-hold").empty()) return;
+                         held.set_value(&reply);
+                         released.wait();
+                       }});
+  // Declared after the engines: a test that failed early lets the held preparation go before
+  // the decode engine's server waits for it to stop.
+  struct ReleaseAtEnd {
+    std::promise<void>& release;
+    ~ReleaseAtEnd() {
+      try {
+        release.set_value();
+      } catch (const std::future_error&) {
+        // released by the test
+      }
+    }
+  } release_at_end{release};
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  ASSERT_GT(prefill.held_blocks(), 0);
+
+  json leg = kPrompt;
+  leg["kv_transfer_params"] = params;
+  const std::string text = leg.dump();
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: engine\r\nX-Hold: 1\r\n"
+      "Content-Type: application/json\r\nContent-Length: " +
+      std::to_string(text.size()) + "\r\n\r\n" + text;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(decode.port());
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+  auto there = held.get_future();
+  net::Reply* reply = get_within(there, kHangGuard, "the decode leg never reached its preparation");
+  std::promise<void> gone;
+  reply->on_close([&] { gone.set_value(); });
+  ::close(fd);  // the gateway gives the leg up
+  auto left = gone.get_future();
+  get_within(left, kHangGuard, "the client's leaving was not seen");
+  release.set_value();
+  repeat_until([&] { return prefill.held_blocks() == 0; }, kHangGuard,
+               "the prefill engine still holds the KV of the dropped decode leg");
+}
+
 }  // namespace
 }  // namespace tandem::engine
