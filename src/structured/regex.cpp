@@ -98,21 +98,25 @@ class RegexCompiler {
     Ranges ranges;
     std::vector<int32_t> kids;
     int64_t min = 0, max = 0;
-    int64_t characters = 0;  // kCharacter nodes once repeats are written out (saturated)
+    // kCharacter nodes once repeats are written out (saturated), counted by within() (not as
+    // the parser builds them: its recursive frames bound the nesting on a small stack).
+    int64_t characters = 0;
   };
   int32_t node(Node n) {
-    if (n.kind == Node::kCharacter) {
-      n.characters = 1;
-    } else if (n.kind == Node::kRepeat) {
-      const int64_t copies = n.max < 0 ? std::max<int64_t>(n.min, 1) : n.max;
-      const int64_t each = nodes_[size_t(n.kids[0])].characters;
-      n.characters = each > 0 && copies > kLongest / each ? kLongest : each * copies;
-    } else {
-      for (int32_t k : n.kids)
-        n.characters = saturated(n.characters + nodes_[size_t(k)].characters);
-    }
     nodes_.push_back(std::move(n));
     return static_cast<int32_t>(nodes_.size() - 1);
+  }
+  // A node's characters, written out, from its kids'.
+  int64_t characters_of(const Node& n) const {
+    if (n.kind == Node::kCharacter) return 1;
+    if (n.kind == Node::kRepeat) {
+      const int64_t copies = n.max < 0 ? std::max<int64_t>(n.min, 1) : n.max;
+      const int64_t each = nodes_[size_t(n.kids[0])].characters;
+      return each > 0 && copies > kLongest / each ? kLongest : each * copies;
+    }
+    int64_t sum = 0;
+    for (int32_t k : n.kids) sum = saturated(sum + nodes_[size_t(k)].characters);
+    return sum;
   }
 
   [[noreturn]] void fail(const std::string& what) const {
@@ -513,6 +517,7 @@ class RegexCompiler {
     bool nullable;
   };
   Fragment automaton_fragment(int32_t n);
+  void prepare_automaton();
   void link(const std::vector<int32_t>& from, const std::vector<int32_t>& to);
 
   Grammar* g_;
@@ -606,7 +611,37 @@ RegexCompiler::Fragment RegexCompiler::automaton_fragment(int32_t n) {
   return out;
 }
 
+// The tree made ready for the automaton, over its nodes in the order they were built (kids
+// first), without recursion: the branches of a choice that are one character each become one
+// character of their classes together (the same language; as many characters, each followed by
+// the same ones, made (?:a|b|...)+ link each to each, branches^2 entries, where one character
+// links to itself), and each node's characters are counted.
+void RegexCompiler::prepare_automaton() {
+  for (Node& n : nodes_) {
+    if (n.kind == Node::kChoice) {
+      std::vector<int32_t> kids;
+      int32_t one = -1;
+      for (int32_t k : n.kids) {
+        Node& kid = nodes_[size_t(k)];
+        if (kid.kind != Node::kCharacter) {
+          kids.push_back(k);
+        } else if (one < 0) {
+          one = k;
+          kids.push_back(k);
+        } else {
+          Ranges& into = nodes_[size_t(one)].ranges;
+          into.insert(into.end(), kid.ranges.begin(), kid.ranges.end());
+        }
+      }
+      if (one >= 0) nodes_[size_t(one)].ranges = normalized(nodes_[size_t(one)].ranges);
+      n.kids = std::move(kids);
+    }
+    n.characters = characters_of(n);  // kids come before their parents
+  }
+}
+
 std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
+  prepare_automaton();
   // Past the pattern's longest string a maximum adds nothing but counts no answer reaches.
   if (max >= 0 && longest_ >= 0) max = std::min(max, longest_);
   if (max >= 0 && max < min) return std::nullopt;

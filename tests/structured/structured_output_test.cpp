@@ -1626,19 +1626,45 @@ TEST(StructuredOutput, AMaxLengthPastThePatternsLongestCostsWhatTheLongestCosts)
 // A pattern whose automaton alone passes the budget, whatever the lengths, is refused naming the
 // pattern (it told the client to lower a bound, which could never help).
 TEST(StructuredOutput, APatternWhoseAutomatonAlonePassesTheBudgetIsRefusedNamingThePattern) {
-  std::string alternatives;  // 1001 one-character alternatives, each may follow each: 1001^2
+  std::string alternatives;  // 1001 two-character alternatives, each may follow each: 1001^2
   for (uint32_t c = 0x4e00; c <= 0x4e00 + 1000; ++c) {
     char escape[8];
     std::snprintf(escape, sizeof escape, "\\u%04x", c);
-    alternatives += (alternatives.empty() ? "" : "|") + std::string(escape);
+    alternatives += (alternatives.empty() ? "" : "|") + std::string(escape) + "x";
   }
   const std::string error = schema_error(
-      {{"type", "string"}, {"pattern", "(?:" + alternatives + ")+"}, {"minLength", 2}});
+      {{"type", "string"}, {"pattern", "(?:" + alternatives + ")+"}, {"minLength", 3}});
   EXPECT_NE(error.find("#/pattern: lengths beside 'pattern' are enforced through its automaton"),
             std::string::npos)
       << error;
   EXPECT_NE(error.find("over 1000000 transitions"), std::string::npos) << error;
   EXPECT_EQ(error.find("lower"), std::string::npos) << error;
+}
+
+// Alternatives of one character each, repeated ((?:a|b|...)+, as a pattern lists allowed
+// characters), are one class: 1001 of them were each linked to each (1001^2 transitions) and the
+// pattern refused within lengths. The strings are Python's re's.
+TEST(StructuredOutput, OneCharacterAlternativesRepeatedAreCountedAsOneClass) {
+  std::string alternatives;
+  for (uint32_t c = 0x4e00; c <= 0x4e00 + 1000; ++c) {
+    char escape[8];
+    std::snprintf(escape, sizeof escape, "\\u%04x", c);
+    alternatives += (alternatives.empty() ? "" : "|") + std::string(escape);
+  }
+  std::vector<FormatCheck> cases;
+  for (const std::string& p : {"(?:" + alternatives + ")+", "(?:" + alternatives + "|ab|c)+d",
+                               "x(?:a|" + alternatives + ")*"})
+    cases.push_back({{{"type", "string"}, {"pattern", p}, {"minLength", 2}, {"maxLength", 6}},
+                     {{"kind", "pattern"}, {"pattern", p}, {"minLength", 2}, {"maxLength", 6}},
+                     {R"("ab")", "\"\xe4\xb8\x80\"", "\"\xe4\xb8\x80\xe4\xb8\x80\"", R"("abcd")",
+                      R"("xaaaaaa")"}});
+  expect_grammars_agree_with_the_oracle(cases);
+  // Written out, ten one-character branches a thousand times were 10,000 characters, too many
+  // to count for 101 lengths; as one class they are 1,000.
+  EXPECT_EQ(
+      schema_error(
+          {{"type", "string"}, {"pattern", "(?:a|b|c|d|e|f|g|h|i|j){1,1000}"}, {"maxLength", 100}}),
+      "(compiled)");
 }
 
 // Lengths too costly to count beside a pattern or format: a lower bound is advised only where
@@ -1659,8 +1685,10 @@ TEST(StructuredOutput, TooCostlyLengthsAdviseALowerBoundOnlyWhereOneWouldBeAccep
   const std::vector<Case> lowered = {
       {{{"type", "string"}, {"format", "uri"}, {"maxLength", 100000}}, "maxLength"},
       {{{"type", "string"}, {"pattern", "[a-z]{1,9000}x*"}, {"minLength", 40000}}, "minLength"},
-      // Its characters (classes written as alternatives) are what cost, not its states.
-      {{{"type", "string"}, {"pattern", "(?:a|b|c|d|e|f|g|h|i|j){1,1000}"}, {"maxLength", 100}},
+      // Its characters are what cost (20,000 written out), more than its states.
+      {{{"type", "string"},
+        {"pattern", "(?:ab|cb|db|eb|fb|gb|hb|ib|jb|kb){1,1000}"},
+        {"maxLength", 100}},
        "maxLength"},
       {{{"type", "string"}, {"pattern", "[0-9]{3}(?:(?:a{1000}){499})?"}, {"minLength", 5}},
        "minLength"},
