@@ -8,6 +8,7 @@
 
 #include "api/api_key.h"
 #include "api/block_hash.h"
+#include "api/body_fields.h"
 #include "api/disaggregation.h"
 #include "api/model_list.h"
 #include "api/request.h"
@@ -231,9 +232,14 @@ RequestPtr FrontEnd::prepare(const net::HttpRequest& req, std::shared_ptr<Client
     } catch (const std::exception& e) {
       return refuse(400, std::string("invalid JSON body: ") + e.what());
     }
-    if (auto st = body.find("stream"); st != body.end() && !st->is_boolean() && !st->is_null())
-      return refuse(400, "stream: expected a boolean", "invalid_request_error");
-    r->stream = body.value("stream", false) == true;
+    // As the engine reads it (vLLM's Optional[bool]): null is absent, another type a 400
+    // naming the field.
+    try {
+      r->stream = api::boolean(body, "stream", false);
+    } catch (const api::ApiError& e) {
+      r->reply->respond(e.status, api::api_error_body(e), "application/json");
+      return ended(e.status, e.message);
+    }
     if (auto m = body.find("model"); m != body.end() && m->is_string()) r->model = *m;
   }
   if (classes) {

@@ -274,6 +274,56 @@ TEST_F(GatewayStack, UpstreamFailuresAreOpenAIErrors) {
   EXPECT_EQ(r.status, 400);
 }
 
+// A client field of the wrong type or null, read by the gateway itself (`stream`, which decides
+// how it relays): as the engine reads it, null is absent (vLLM's Optional[bool]) and another
+// type a 400 naming the field, counted and logged as any refusal. "stream": null was a 500
+// carrying nlohmann's exception text, counted nowhere.
+TEST_F(GatewayStack, ClientFieldsTheGatewayReadsAreTakenAsTheEngineTakesThem) {
+  uint16_t kv_port = 0;
+  auto prefill = engine("prefill", &kv_port);
+  auto decode = engine("decode", nullptr);
+  auto single = engine("both", nullptr);
+  const json plain = {{"prompt", "hello"}, {"max_tokens", 4}, {"temperature", 0}};
+  json null_stream = plain;
+  null_stream["stream"] = nullptr;
+  json text_stream = plain;
+  text_stream["stream"] = "yes";
+  const auto want = post_json(single->port(), "/v1/completions", plain);
+  ASSERT_EQ(want.status, 200) << want.body;
+  const auto engine_refusal = post_json(single->port(), "/v1/completions", text_stream);
+  ASSERT_EQ(engine_refusal.status, 400) << engine_refusal.body;
+  for (const auto& [mode, endpoints] :
+       {std::pair{"sequential", std::vector<std::string>{"--prefill", endpoint(*prefill),
+                                                         "--decode", endpoint(*decode)}},
+        std::pair{"parallel", std::vector<std::string>{"--prefill", endpoint(*prefill, kv_port),
+                                                       "--decode", endpoint(*decode)}}}) {
+    SCOPED_TRACE(mode);
+    auto gw = gateway(mode, endpoints);
+    for (const char* path : {"/v1/completions", "/v1/chat/completions"}) {
+      SCOPED_TRACE(path);
+      json body = null_stream, refused = text_stream;
+      if (std::string(path) == "/v1/chat/completions")
+        for (json* b : {&body, &refused}) {
+          b->erase("prompt");
+          (*b)["messages"] = {{{"role", "user"}, {"content", "hello"}}};
+        }
+      const auto got = post_json(gw->port(), path, body);
+      ASSERT_EQ(got.status, 200) << got.body;
+      if (std::string(path) == "/v1/completions") {
+        EXPECT_EQ(json::parse(got.body)["choices"][0]["text"],
+                  json::parse(want.body)["choices"][0]["text"]);
+      }
+      const auto r = post_json(gw->port(), path, refused);
+      EXPECT_EQ(r.status, 400) << r.body;
+      EXPECT_EQ(json::parse(r.body)["error"], json::parse(engine_refusal.body)["error"]) << r.body;
+    }
+    EXPECT_EQ(metric(gw->port(), "tandem:gateway_requests_total", "status=\"400\""), 2);
+    EXPECT_EQ(metric(gw->port(), "tandem:gateway_requests_total", "status=\"500\""), 0);
+  }
+  expect_idle(*prefill);
+  expect_idle(*decode);
+}
+
 TEST_F(GatewayStack, ServeStartsAWholeStackInOneCommandAndStopsIt) {
   // Plain engines, and engines of two expert-parallel ranks each: the same text.
   for (const auto& [mode, ranks] : {std::pair{"sequential", "1"}, std::pair{"parallel", "2"}}) {
