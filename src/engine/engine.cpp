@@ -6,6 +6,7 @@
 #include <limits>
 #include <random>
 
+#include "api/error.h"
 #include "util/duration.h"
 #include "util/error.h"
 
@@ -725,7 +726,10 @@ void Engine::finish(Sequence* seq, const std::string& reason, const std::string&
     o.cached_tokens = seq->num_cached;
     seq->request.on_output(o);
   }
-  metrics_->success.labels({reason}).inc();
+  // A prefill leg failed because its decode leg abandoned the room (its client left, most often)
+  // is no failure of this engine's: counted as vLLM counts a request given up, while its answer
+  // keeps the error that tells the gateway so.
+  metrics_->success.labels({error_code == api::kRoomAbandonedCode ? "abort" : reason}).inc();
   metrics_->e2e.observe(now() - seq->arrival_time);
   // vLLM's intervals need a first scheduling and a first token: one without either (refused,
   // aborted while waiting) has none to observe.

@@ -956,6 +956,41 @@ TEST_F(Disaggregation, ARoomDecodeLegRefusedByTheApiAbandonsItsRoomAtOnce) {
   EXPECT_EQ(d.process->stop(), 0);
 }
 
+TEST_F(Disaggregation, APrefillLegWhoseDecodeLegAbandonsTheRoomMidPrefillCountsAsAnAbort) {
+  // The decode leg gives up (here the API refuses it; a client that leaves does the same) while
+  // the prefill leg still computes its prompt: the prefill leg ends at once with the error that
+  // tells a gateway it is not at fault, and counts as vLLM counts a request given up, "abort"
+  // (as the decode engine counts its own). It counted as "error", so every client that left
+  // during a parallel prefill raised the engine's error rate.
+  // A prompt of 2000 tokens, 16 a step: its prefill runs for many steps.
+  Engine p = start(
+      "prefill",
+      {"--kv-transfer-timeout", "600", "--sim-time-scale", "50", "--max-num-batched-tokens", "16"},
+      "sim:tiny");
+  Engine d = start("decode", {}, "sim:tiny");
+  json body = {{"prompt", tokens(2000, 100)},
+               {"max_tokens", 4},
+               {"bootstrap_host", "127.0.0.1"},
+               {"bootstrap_port", p.kv_port},
+               {"bootstrap_room", 25}};
+  auto prefill =
+      std::async(std::launch::async, [&] { return post_json(p.port(), "/v1/completions", body); });
+  ASSERT_TRUE(eventually([&] { return metric(p.port(), "vllm:num_requests_running") == 1; }));
+  body["max_tokens"] = 100000000;
+  EXPECT_EQ(post_json(d.port(), "/v1/completions", body).status, 400);
+  const auto pr = prefill.get();
+  EXPECT_EQ(pr.status, 502) << pr.body;
+  EXPECT_EQ(api::openai_error_code(pr.body), std::optional<std::string>("room_abandoned"))
+      << pr.body;
+  // Still running when abandoned: had it finished first, it would count as "length".
+  EXPECT_EQ(metric(p.port(), "vllm:request_success_total", "finished_reason=\"length\""), 0);
+  EXPECT_EQ(metric(p.port(), "vllm:request_success_total", "finished_reason=\"abort\""), 1);
+  EXPECT_EQ(metric(p.port(), "vllm:request_success_total", "finished_reason=\"error\""), 0);
+  EXPECT_TRUE(eventually([&] { return metric(p.port(), "vllm:kv_cache_usage_perc") == 0; }));
+  EXPECT_EQ(p.process->stop(), 0);
+  EXPECT_EQ(d.process->stop(), 0);
+}
+
 TEST_F(Disaggregation, AParkedRoomPrefillLegWhoseClientLeavesLetsItsKvGoAtOnce) {
   // The prefill leg is computed and waits for its room's decode engine, which never comes; its
   // client (a gateway cancelling the request) closes the connection. The engine had ended the
