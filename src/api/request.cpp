@@ -23,15 +23,19 @@ namespace {
 using nlohmann::json;
 
 // The request's max_tokens (under `name`, which differs between the dialects) within the operator's
-// limits; `dialect_default` when it is omitted and the operator set no default.
+// limits; `dialect_default` when it is omitted and the operator set no default. `room`, what the
+// context leaves after the prompt where the dialect's default is that room (a chat's; 0: not
+// known), caps the operator's default too, as vLLM's get_max_tokens takes the least of the room
+// and its default_sampling_params' max_tokens: a default never turns a chat that fits into a 400.
 int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_default,
-                      const ModelLimits& limits) {
+                      const ModelLimits& limits, int64_t room = 0) {
   const int64_t limit = limits.max_tokens_limit;
   // --override-generation-config's max_new_tokens, which vLLM applies silently to every request.
   const int64_t cap = limits.sampling.max_tokens_cap;
   auto capped = [&](int64_t n) { return cap > 0 ? std::min(n, cap) : n; };
   if (!field(body, name)) {
     int64_t d = limits.default_max_tokens > 0 ? limits.default_max_tokens : dialect_default;
+    if (room > 0) d = std::min(d, room);
     return capped(limit > 0 ? std::min(d, limit) : d);
   }
   const int64_t asked = integer(body, name, 0);
@@ -857,8 +861,10 @@ ApiRequest parse_chat(const json& body, const text::Tokenizer& tokenizer,
   // As vLLM: without max_tokens, the generation config's max_new_tokens if the room is larger.
   const int64_t fallback = limits.sampling.max_tokens;
   const int64_t chat_default = fallback > 0 ? std::min(room, fallback) : room;
-  r.sampling = sampling_from(body, max_tokens_of(body, max_name, chat_default, limits), max_name,
-                             "min_tokens", limits, &ordered, &tokenizer);
+  r.sampling = sampling_from(
+      body,
+      max_tokens_of(body, max_name, chat_default, limits, limits.max_model_len > 0 ? room : 0),
+      max_name, "min_tokens", limits, &ordered, &tokenizer);
   if (tools.forced) {
     if (r.sampling.structured_output)
       fail("tool_choice", "'tool_choice' forces a call and '" +

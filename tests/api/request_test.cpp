@@ -959,6 +959,32 @@ TEST(Protocol, TheOperatorCapsMaxTokensAndSetsItsDefault) {
   EXPECT_EQ(sglang.param, "max_new_tokens");
 }
 
+// --default-max-tokens is what a request that omits max_tokens gets, but, as vLLM's
+// get_max_tokens takes the least of the context's room and its default_sampling_params'
+// max_tokens, never more than a chat's prompt leaves: a chat that fits is not refused for a
+// default its client never sent. It was applied whole, and such a chat was a 400 naming
+// `messages`.
+TEST(Protocol, TheOperatorsDefaultMaxTokensIsCappedAtTheRoomAChatLeaves) {
+  ModelLimits limits = kLimits;
+  limits.default_max_tokens = 5;
+  const json chat = {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}};
+  const auto prompt = static_cast<int64_t>(
+      parse_chat(chat, tokenizer(), &chat_template(), limits).prompts[0].size());
+  for (int64_t room = 1; room <= 7; ++room) {
+    limits.max_model_len = prompt + room;
+    EXPECT_EQ(parse_chat(chat, tokenizer(), &chat_template(), limits).sampling.max_tokens,
+              std::min<int64_t>(room, 5))
+        << "room " << room;
+  }
+  // A max_tokens the client sent is still checked whole.
+  limits.max_model_len = prompt + 3;
+  EXPECT_EQ(error_of([&] {
+              parse_chat(json{{"messages", chat["messages"]}, {"max_tokens", 4}}, tokenizer(),
+                         &chat_template(), limits);
+            }).param,
+            "max_tokens");
+}
+
 // The model's generation config (--generation-config) sets what a request that omits a sampling
 // field gets, as vLLM's default_sampling_params do for its OpenAI endpoints; what the request
 // gives wins. SGLang's native /generate keeps its own defaults (SGLang applies the model's in its
