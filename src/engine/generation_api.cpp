@@ -85,7 +85,10 @@ struct Call {
   }
 
   void render(size_t index, const RequestOutput& out) {
-    if (!out.kv_transfer_id.empty()) kv_transfer_params = prefill_answer(out);
+    if (!out.kv_transfer_id.empty()) {
+      kv_transfer_params = prefill_answer(out);
+      kv_transfer_id = out.kv_transfer_id;
+    }
     auto chunks = builder->on_output(index, out);
     if (request.stream) {
       for (const auto& c : chunks) reply->write(sse(c));
@@ -97,7 +100,10 @@ struct Call {
     } else if (builder->all_finished()) {
       json body = builder->final_body();
       if (!kv_transfer_params.is_null()) body["kv_transfer_params"] = kv_transfer_params;
-      reply->respond(200, dump(body), "application/json");
+      // A prefill answer its client (the gateway) left before it came names KV nobody will
+      // pull or release: freed now, not at --kv-transfer-timeout.
+      if (!reply->respond(200, dump(body), "application/json") && !kv_transfer_id.empty())
+        engine->release_held_kv(kv_transfer_id);
     }
   }
 
@@ -108,6 +114,7 @@ struct Call {
                                     request.prompts.at(0), out.prompt_logprobs});
   }
   json kv_transfer_params;
+  std::string kv_transfer_id;  // the hold they name
 };
 
 // Turns the request's disaggregation fields into the engine's transfer mode for this engine's

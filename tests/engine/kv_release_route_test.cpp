@@ -21,6 +21,7 @@
 #include "api/error.h"
 #include "engine/api_server.h"
 #include "engine/executor/sim_executor.h"
+#include "engine/generation_api.h"
 #include "engine/output_processor.h"
 #include "net/http_client.h"
 #include "text/oracle_support.h"
@@ -39,6 +40,20 @@ const text::Tokenizer& tokenizer() {
   return tok;
 }
 
+// The simulated tiny model (no time passes in its steps).
+std::unique_ptr<Executor> sim_executor() {
+  SimExecutorOptions x;
+  x.preset = "tiny";
+  x.model_name = "tiny";
+  x.num_blocks = 64;
+  x.time_scale = 0;
+  return std::make_unique<SimExecutor>(tokenizer(), x);
+}
+
+std::shared_ptr<const text::Tokenizer> borrowed_tokenizer() {
+  return {&tokenizer(), [](const text::Tokenizer*) {}};
+}
+
 // An engine of `role` (KV transfer over TCP on the loopback unless it has no `transfer`) on the
 // simulated tiny model, its thread and HTTP server started, with `api_key` when given.
 class ServedEngine {
@@ -52,16 +67,7 @@ class ServedEngine {
               c.transfer = std::move(transfer);
               return c;
             }(),
-            [] {
-              SimExecutorOptions x;
-              x.preset = "tiny";
-              x.model_name = "tiny";
-              x.num_blocks = 64;
-              x.time_scale = 0;
-              return std::make_unique<SimExecutor>(tokenizer(), x);
-            }(),
-            std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
-            eos_ids(tokenizer(), {}), registry_),
+            sim_executor(), borrowed_tokenizer(), eos_ids(tokenizer(), {}), registry_),
         server_(
             engine_, registry_,
             [] {
@@ -301,6 +307,46 @@ TEST(KvReleaseRoute, ADecodeLegDroppedBeforeItsPreparationLetsGoOfItsKv) {
   release.set_value();
   repeat_until([&] { return prefill.held_blocks() == 0; }, kHangGuard,
                "the prefill engine still holds the KV of the dropped decode leg");
+}
+
+// A reply whose client left before the answer: nothing can be sent any more.
+class GoneReply final : public net::Reply {
+ public:
+  bool respond(int, std::string, std::string) override { return !(answered = true); }
+  bool send_error(int, std::string_view, std::string_view, std::string_view) override {
+    return !(answered = true);
+  }
+  bool start_stream(int, std::string) override { return false; }
+  bool write(std::string_view) override { return false; }
+  bool end() override { return !(answered = true); }
+  void abort() override { answered = true; }
+  void on_close(std::function<void()>) override {}
+  bool answered = false;
+};
+
+// The gateway gave a prefill leg up (its client left) after the engine had computed the prompt
+// and held its KV, before the answer went out: nobody learns the transfer id, so neither a pull
+// nor a release would ever come, and the KV stayed held until --kv-transfer-timeout. An answer
+// that cannot be sent now frees it.
+TEST(KvReleaseRoute, APrefillAnswerThatCannotBeSentLetsGoOfItsKv) {
+  metrics::Registry registry;
+  EngineConfig config;
+  config.role = EngineRole::kPrefill;
+  config.transfer = prefill_transfer();
+  Engine engine(config, sim_executor(), borrowed_tokenizer(), eos_ids(tokenizer(), {}), registry);
+  GenerationApi api(engine, [](std::function<void()> task) { task(); });
+  json leg = kPrompt;
+  leg["kv_transfer_params"] = {{"do_remote_decode", true}};
+  net::HttpRequest req;
+  req.method = "POST";
+  req.body = leg.dump();
+  auto reply = std::make_shared<GoneReply>();
+  api.handle(api::ApiKind::kCompletion, req, reply);
+  for (int i = 0; i < 100 && !reply->answered; ++i) engine.run_once();
+  ASSERT_TRUE(reply->answered);
+  EXPECT_EQ(engine.transfer()->held_blocks(), 0);
+  engine.run_once();  // the hold's release, posted to the engine, frees the blocks
+  EXPECT_EQ(engine.load().free_blocks, engine.load().total_blocks);
 }
 
 }  // namespace
