@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+#include <span>
 #include <type_traits>
 
 #include "api/body_fields.h"
@@ -43,6 +44,18 @@ int64_t max_tokens_of(const json& body, const char* name, int64_t dialect_defaul
     fail(name, std::string("'") + name + "' is " + std::to_string(asked) +
                    ", above this server's limit of " + std::to_string(limit) + " tokens");
   return capped(asked);
+}
+
+// Prompt ids as echo shows them. As vLLM, a prompt may hold any id below the model's vocabulary
+// size, the rows a padded vocabulary adds past the tokenizer's ids included (DeepSeek-V3: 129280
+// rows, 128815 ids); those have no text and read as nothing, as transformers' decode skips ids
+// it does not know.
+std::string text_of_prompt_ids(const text::Tokenizer& tokenizer, std::span<const int32_t> ids) {
+  std::vector<int32_t> with_text;
+  with_text.reserve(ids.size());
+  for (int32_t id : ids)
+    if (tokenizer.id_to_token(id)) with_text.push_back(id);
+  return tokenizer.decode(with_text, false);
 }
 
 // Fields that change what an answer must look like, which Tandem does not do yet. Accepting them
@@ -725,7 +738,8 @@ ApiRequest parse_completion(const json& body, const text::Tokenizer& tokenizer,
   auto add_ids = [&](const json& ids) {
     r.prompts.push_back(token_list(ids, "prompt", limits.vocab_size));
     keep_last(r.prompts.back(), keep);
-    r.prompt_texts.push_back(r.echo ? tokenizer.decode(r.prompts.back(), false) : std::string());
+    r.prompt_texts.push_back(r.echo ? text_of_prompt_ids(tokenizer, r.prompts.back())
+                                    : std::string());
   };
   const char* kPromptForms =
       "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of "

@@ -1734,6 +1734,46 @@ TEST(Protocol, EchoWithLogprobsListsThePromptsTokensFirst) {
   }
 }
 
+// A prompt id past the tokenizer's but below the model's vocabulary size (a padded vocabulary's
+// row: DeepSeek-V3 has 129280 rows and 128815 ids) is a prompt as vLLM accepts it, echo
+// included: it has no text and shows as nothing, as transformers' decode skips ids it does not
+// know. The same prompt was accepted without echo and a 400 with no param with it.
+TEST(Protocol, EchoShowsAPromptIdWithoutTextAsNothing) {
+  const auto padded = static_cast<int32_t>(tokenizer().vocab_size()) + 7;
+  ASSERT_LT(padded, kLimits.vocab_size);
+  ASSERT_FALSE(tokenizer().id_to_token(padded));
+  const std::vector<int32_t> hello = tokenizer().encode("Hello world, how are you", false);
+  std::vector<int32_t> prompt = hello;
+  prompt.insert(prompt.begin() + 1, padded);
+  for (const bool echo : {false, true}) {
+    const ApiRequest r =
+        parse_completion(json{{"prompt", prompt}, {"echo", echo}}, tokenizer(), kLimits);
+    EXPECT_EQ(r.prompts.at(0), prompt);
+    EXPECT_EQ(r.prompt_texts.at(0), echo ? tokenizer().decode(hello, false) : "");
+  }
+  // Its logprob's token too, in echo's prompt part and in prompt_logprobs.
+  ApiRequest req = parse_completion(json{{"prompt", prompt}, {"echo", true}, {"logprobs", 0}},
+                                    tokenizer(), kLimits);
+  RequestOutput o = output({10}, "x", true, "length");
+  o.prompt_logprobs = scored(prompt.size(), 1);
+  o.prompt_logprobs[0].token = padded;  // position 1
+  ResponseBuilder b(req, tokenizer(), "cmpl-1", 1);
+  b.on_output(0, o);
+  const json choice = b.final_body()["choices"][0];
+  EXPECT_EQ(choice["text"], tokenizer().decode(hello, false) + "x");
+  EXPECT_EQ(choice["logprobs"]["tokens"][1], "");
+  EXPECT_EQ(choice["logprobs"]["tokens"][2], shown(prompt[2]));
+  // Past the model's rows, an id is refused naming the prompt, with or without echo.
+  for (const bool echo : {false, true}) {
+    const auto e = error_of([&] {
+      parse_completion(json{{"prompt", {1, kLimits.vocab_size}}, {"echo", echo}}, tokenizer(),
+                       kLimits);
+    });
+    EXPECT_EQ(e.status, 400);
+    EXPECT_EQ(e.param, "prompt");
+  }
+}
+
 // vLLM's prompt_logprobs: a completion choice's, and a chat answer's beside its choices: null for
 // the first token, then per position {"id": {logprob, rank, decoded_token}} with the prompt's
 // token (its own rank) and the alternatives asked for (ranks 1..k).
