@@ -20,6 +20,7 @@
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
 #include "cli/model_commands.h"
+#include "cli/number_checks.h"
 #include "cli/sim_executor_flags.h"
 #include "cli/stop_signals.h"
 #include "engine/api_server.h"
@@ -439,7 +440,7 @@ void add_engine_command(CLI::App& app) {
   auto* rank = app.add_subcommand("ep-rank", "(internal) one rank of an expert-parallel engine");
   rank->group("");  // started by `tandem engine --expert-parallel`, not by people
   rank->add_option("--fd", r->fd)->required();
-  rank->add_option("--rank", r->rank)->required()->check(CLI::PositiveNumber);
+  rank->add_option("--rank", r->rank)->required()->check(positive_number());
   rank->add_option("--model", r->model_dir)->required();
   rank->add_option("--mla-rescale", r->mla_rescale);
   rank->add_option("--threads", r->threads);
@@ -455,7 +456,7 @@ void add_engine_command(CLI::App& app) {
   fit->add_option("--name", f->name, "name stored in the model")->capture_default_str();
   fit->add_option("--kv-cache-gb", f->kv_cache_gb, "KV cache for the probes (GiB)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   fit->callback([f] { run_sim_fit(*f); });
 
   auto o = std::make_shared<EngineOptions>();
@@ -477,9 +478,9 @@ void add_engine_command(CLI::App& app) {
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--kv-cache-gb", o->kv_cache_gb, "memory for the KV cache (GiB)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--num-kv-blocks", o->num_blocks, "KV blocks (overrides --kv-cache-gb)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype,
                   "latent cache values: auto (float32 for float32 weights, else bfloat16), "
                   "float32 or bfloat16")
@@ -488,7 +489,7 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--expert-load-window", o->expert_load_window,
                   "steps in the sliding window of expert load statistics (GET /expert_load)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--expert-load-dump", o->expert_load_dump,
                   "folder for expert load snapshots: expert_load_<steps>.npy/.json every window "
                   "([MoE layers, experts] int64) and expert_load_cumulative.npy/.json at exit");
@@ -515,7 +516,7 @@ void add_engine_command(CLI::App& app) {
                   "expert-load window (Omni planner, incremental) and switch to it live when it "
                   "moves any copy (0: only POST /admin/expert_placement)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd->add_option("--speculative-tokens", o->speculative_tokens,
                   "speculative decoding: draft tokens per step from the model's MTP module "
                   "(applied recursively past the first; a sim: model's acceptance model, "
@@ -541,11 +542,11 @@ void add_engine_command(CLI::App& app) {
       ->transform(CLI::IsMember(kMlaRescales));
   cmd->add_option("--max-num-seqs", o->max_num_seqs, "running sequences at most")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
                   "new tokens per step (chunked prefill budget)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--scheduling-policy", o->scheduling_policy,
                   "fcfs, or priority: prefills, running or waiting, by the requests' priority "
                   "(lower first), then arrival")
@@ -559,7 +560,7 @@ void add_engine_command(CLI::App& app) {
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--max-connections", o->max_connections,
                   "client connections held at once; past it new ones are closed at once "
                   "(0: three quarters of the file descriptor limit)")
@@ -567,7 +568,7 @@ void add_engine_command(CLI::App& app) {
   cmd->add_option("--sim-time-scale", o->sim_time_scale,
                   "multiplies the simulated step times (0: do not sleep)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   add_sim_executor_flags(*cmd, o->sim);
   cmd->add_option("--role", o->role, "prefill, decode or both (prefill/decode disaggregation)")
       ->capture_default_str()
@@ -586,7 +587,7 @@ void add_engine_command(CLI::App& app) {
                   "frame (one layer's KV) may take")
       ->capture_default_str()
       ->check(finite_seconds())
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       // As the gateway's durations (about 24.8 days): past int64 milliseconds the conversion
       // would be undefined (1e300 was taken).
       ->check(CLI::Range(0.0, 2147483.647));
@@ -613,7 +614,7 @@ void add_engine_command(CLI::App& app) {
                   "the longest sequence (prompt plus output) a request may ask for, at most the "
                   "model's context (default: the model's context, or a simulated model's "
                   "preset's; either way no longer than the KV cache holds)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd->add_option("--api-key", o->api_keys,
                   "accepted API key (repeatable): every route but /health and /metrics needs one "
                   "as a Bearer token (default: $" +

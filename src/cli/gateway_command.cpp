@@ -9,6 +9,7 @@
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
+#include "cli/number_checks.h"
 #include "cli/stop_signals.h"
 #include "gateway/gateway.h"
 #include "net/http.h"
@@ -225,7 +226,7 @@ void add_gateway_command(CLI::App& app) {
                   "seconds for a prefill, for the first token, and between two pieces of a stream")
       ->capture_default_str()
       ->check(finite_seconds())
-      ->check(CLI::PositiveNumber)
+      ->check(positive_number())
       // The topology's bound on durations (about 24.8 days); beyond it the conversion to
       // milliseconds could overflow before validation sees the value.
       ->check(CLI::Range(0.0, 2147483.647));

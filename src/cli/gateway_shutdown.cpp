@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "cli/number_checks.h"
 #include "util/duration.h"
 #include "util/interruptible.h"
 
@@ -46,7 +47,7 @@ void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds) {
                  "no drain)")
       ->capture_default_str()
       ->check(finite_seconds())
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->check(CLI::Range(0.0, 2147483.0));
 }
 

@@ -1,5 +1,6 @@
 #include "cli/place_command.h"
 
+#include "cli/number_checks.h"
 #include "placement/files.h"
 
 #include <algorithm>
@@ -409,22 +410,22 @@ void add_shape_options(CLI::App* cmd, Shape& s) {
                                 "physical expert slots per layer, EPLB's num_replicas (default: "
                                 "experts, no redundancy); the redundant ones may be spread "
                                 "unevenly over layers")
-                    ->check(CLI::NonNegativeNumber);
+                    ->check(non_negative_number());
   // Two budgets for one thing: given both, one would be ignored.
   cmd->add_option("--redundant", s.redundant,
                   "redundant slots over all layers (instead of --slots), e.g. 320 for the Omni "
                   "pattern's 10 layers x 32")
-      ->check(CLI::NonNegativeNumber)
+      ->check(non_negative_number())
       ->excludes(slots);
   cmd->add_option("--groups", s.groups,
                   "hosts: ranks split into this many equal groups (omni algorithms, "
                   "eplb-hierarchical; eplb and none refuse it)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
   cmd->add_option("--expert-groups", s.expert_groups,
                   "expert groups of group-limited routing, for eplb-hierarchical")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive_number());
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "cli/bench_options.h"
+#include "cli/number_checks.h"
 #include "placement/files.h"
 #include "util/error.h"
 
@@ -16,11 +17,11 @@ void add_sim_executor_flags(CLI::App& cmd, SimExecutorFlags& f) {
   cmd.add_option("--sim-kv-token-bytes", f.kv_token_bytes,
                  "bytes per token and layer a simulated engine's KV transfers move (default: "
                  "the model's real size)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd.add_option("--sim-expert-parallel", f.expert_parallel,
                  "simulated expert-parallel ranks: a step's MoE time follows the busiest rank's "
                  "routes (0: balanced, the latency model as it is)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   cmd.add_option("--sim-placement", f.placement,
                  "where experts live for --sim-expert-parallel (.json from `tandem place plan` "
                  "or an Omni .npy); default: every expert once, in order");
@@ -38,7 +39,7 @@ void add_sim_executor_flags(CLI::App& cmd, SimExecutorFlags& f) {
   cmd.add_option("--sim-mtp-draft-pass-share", f.mtp_draft_pass_share,
                  "with --speculative-tokens: what each draft pass adds to a step, as a share of "
                  "its modelled time (default: one layer of DeepSeek-V3's 61)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_number());
   for (const char* flag : {"--sim-seed", "--sim-kv-token-bytes", "--sim-expert-parallel",
                            "--sim-placement", "--sim-routing-skew", "--sim-moe-share",
                            "--sim-mtp-acceptance", "--sim-mtp-draft-pass-share"})

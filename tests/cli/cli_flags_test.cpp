@@ -1,0 +1,67 @@
+// The `tandem` binary's answers to flags as a user meets them: range errors that say what is
+// wanted, checks that come before a model is written, and exit statuses a script can trust.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "text/oracle_support.h"
+
+namespace tandem {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+struct Result {
+  int status;
+  std::string output;  // stdout and stderr together
+};
+
+// `tandem args` through the shell; `env` (NAME=value ...) goes before it.
+Result run(const std::string& args, const std::string& env = {}) {
+  const std::string cmd =
+      (env.empty() ? "" : "env " + env + " ") + std::string(TANDEM_BINARY) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  Result r{-1, ""};
+  std::array<char, 4096> buf;
+  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.output.append(buf.data(), n);
+  const int rc = pclose(p);
+  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return r;
+}
+
+// CLI11's own positive-number check answered 0 with "Value 0 not in range 0.000000 to " and the
+// largest double in 309 digits: the flags say what they want, named, before any model loads.
+TEST(CliFlags, RangeErrorsSayWhatTheFlagWants) {
+  for (const auto& [args, said] : {
+           std::pair{"engine --model sim:tiny --max-num-seqs 0",
+                     "--max-num-seqs: must be a positive number, got 0"},
+           std::pair{"engine --model sim:tiny --kv-cache-gb -1",
+                     "--kv-cache-gb: must be a positive number, got -1"},
+           std::pair{"engine --model sim:tiny --kv-cache-gb nan",
+                     "--kv-cache-gb: must be a finite number, got nan"},
+           std::pair{"engine --model sim:tiny --sim-time-scale -0.5",
+                     "--sim-time-scale: must be 0 or more, got -0.5"},
+           std::pair{"engine --model sim:tiny --default-max-tokens -3",
+                     "--default-max-tokens: must be 0 or more, got -3"},
+       }) {
+    const Result r = run(args);
+    EXPECT_NE(r.status, 0) << args << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << args;
+    EXPECT_THAT(r.output, Not(HasSubstr("not in range"))) << args;
+  }
+  // Text that is no number at all is still the option's conversion error.
+  const Result r = run("engine --model sim:tiny --max-num-seqs many");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--max-num-seqs")) << r.output;
+  EXPECT_THAT(r.output, Not(HasSubstr("not in range"))) << r.output;
+}
+
+}  // namespace
+}  // namespace tandem
