@@ -121,7 +121,16 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
                                                                 : o.engine_host;
 
   const gateway::PdMode mode = gateway::parse_mode(o.mode);
-  const std::string model = model_folder(o.model);
+  gateway::PriorityClasses classes;
+  if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
+  const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(o.policy);
+  const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
+  if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
+    throw Error(
+        "serve: needs at least one decode engine, and one prefill engine unless "
+        "--mode aggregated");
+  // The generation config's own flags (a folder, an override); the model's file is read below.
+  load_generation_config(o.generation_config, std::string());
   // One model id for the gateway and every engine: the engines' own flag if given, else the
   // name the user typed (a preset, a sim: preset) or the folder's name.
   std::string served;
@@ -131,29 +140,24 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     if (a == "--served-model-name" && i + 1 < o.engine_args.size()) served = o.engine_args[i + 1];
     if (a.rfind("--served-model-name=", 0) == 0) served = a.substr(20);
   }
+  // Before any engine starts: /v1/models' JSON and /metrics' labels carry only UTF-8.
+  if (!utf8::is_valid(served))
+    throw Error("--served-model-name: expected a UTF-8 name, got '" + utf8::to_valid_lossy(served) +
+                "'");
+  // Last, every other flag checked: a make-model preset is written now, gigabytes for some, and
+  // a typo must cost none of it.
+  const std::string model = model_folder(o.model);
   if (served.empty()) {
     std::filesystem::path folder(model);
     if (folder.filename().empty()) folder = folder.parent_path();  // "dir/"
     served = model == o.model ? folder.filename().string() : o.model;
     if (model.rfind("sim:", 0) == 0) served = model.substr(4);
     extra = {"--served-model-name", served};
+    if (!utf8::is_valid(served))
+      throw Error("--model " + utf8::to_valid_lossy(o.model) +
+                  ": the served model name is the folder's name, which is not UTF-8; give "
+                  "--engine-arg=--served-model-name with a UTF-8 name");
   }
-  // Before any engine starts: /v1/models' JSON and /metrics' labels carry only UTF-8.
-  if (!utf8::is_valid(served))
-    throw Error(extra.empty() ? "--served-model-name: expected a UTF-8 name, got '" +
-                                    utf8::to_valid_lossy(served) + "'"
-                              : "--model " + utf8::to_valid_lossy(o.model) +
-                                    ": the served model name is the folder's name, which is not "
-                                    "UTF-8; give --engine-arg=--served-model-name with a UTF-8 "
-                                    "name");
-  gateway::PriorityClasses classes;
-  if (!o.priority_classes.empty()) classes = gateway::load_priority_classes(o.priority_classes);
-  const std::unique_ptr<gateway::Policy> policy = gateway::make_policy(o.policy);
-  const int prefills = mode == gateway::PdMode::kAggregated ? 0 : o.prefill;
-  if (prefills < 0 || o.decode < 1 || (mode != gateway::PdMode::kAggregated && prefills < 1))
-    throw Error(
-        "serve: needs at least one decode engine, and one prefill engine unless "
-        "--mode aggregated");
   // An engine's command line for its ports (0: any free one; a restarted engine gets its own
   // again, so the gateway finds it where it was).
   auto engine_args = [&](const std::string& role, const EnginePorts& ports) {

@@ -63,5 +63,26 @@ TEST(CliFlags, RangeErrorsSayWhatTheFlagWants) {
   EXPECT_THAT(r.output, Not(HasSubstr("not in range"))) << r.output;
 }
 
+// `serve` wrote a make-model preset's checkpoint (3.5 GB for `bench`) into the user's cache, then
+// reported the typo in another flag: every flag is checked first, so a typo writes nothing.
+TEST(CliFlags, ServeChecksItsFlagsBeforeWritingAPresetModel) {
+  const std::filesystem::path cache = test::scratch_path("serve-cache", "");
+  std::filesystem::create_directories(cache);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  for (const auto& [flags, said] : {
+           std::pair{"--prefill 0", "needs at least one decode engine"},
+           std::pair{"--decode 0", "needs at least one decode engine"},
+           std::pair{"--policy no-such-policy", "no-such-policy"},
+           std::pair{"--priority-classes /no/such/classes.yaml", "/no/such/classes.yaml"},
+           std::pair{"--generation-config /no/such/folder", "--generation-config"},
+       }) {
+    const Result r = run(std::string("serve --model tiny-v3 --port 0 ") + flags, env);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("make-model"))) << flags;
+    EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace tandem
