@@ -169,6 +169,7 @@ void run(const BenchCliOptions& o) {
 
   const bench::BenchSummary summary = bench::summarize(result.results, result.duration_s, mo);
   RunDescription run;
+  run.nothing_measured_fails = true;
   run.report.table.request_rate = w.request_rate;
   if (o.max_concurrency > 0) run.report.table.max_concurrency = o.max_concurrency;
   if (before && after && after->queries > before->queries)

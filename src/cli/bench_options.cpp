@@ -578,8 +578,20 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
   const std::string result = outputs.result_file.empty() ? "" : result_json_text(out);
   std::fputs(table.c_str(), stdout);
   std::fflush(stdout);
+  if (!outputs.result_file.empty()) {
+    write_output("--result-file", outputs.result_file, result);
+    std::fprintf(stderr, "%s: results in %s\n", program, outputs.result_file.c_str());
+  }
+  if (!outputs.html.empty()) {
+    // The report reads the access log last: a log that went bad during the run costs the report
+    // alone, not the table and the result file.
+    bench::ReportOptions report = run.report;
+    if (run.access_log) report.access_log = run.access_log();
+    write_output("--html", outputs.html, bench::html_report(summary, results, report));
+    std::fprintf(stderr, "%s: report in %s\n", program, outputs.html.c_str());
+  }
   // A run whose every request failed measured nothing: its table of zeros must not pass for a
-  // result.
+  // result. What was written stays, to tell why.
   if (summary.completed == 0 && summary.failed > 0) {
     std::string first;
     for (const auto& r : results)
@@ -588,21 +600,12 @@ void write_run(const bench::BenchSummary& summary, std::span<const bench::Reques
         break;
       }
     first = first.substr(0, std::min(first.find('\n'), size_t{300}));
-    std::fprintf(stderr, "%s: warning: all %lld requests failed: nothing was measured%s%s\n",
-                 program, static_cast<long long>(summary.failed),
-                 first.empty() ? "" : "; the first failed with: ", first.c_str());
+    const std::string what = "all " + std::to_string(summary.failed) +
+                             " requests failed: nothing was measured" +
+                             (first.empty() ? "" : "; the first failed with: " + first);
+    if (run.nothing_measured_fails) throw Error(what);
+    std::fprintf(stderr, "%s: warning: %s\n", program, what.c_str());
   }
-  if (!outputs.result_file.empty()) {
-    write_output("--result-file", outputs.result_file, result);
-    std::fprintf(stderr, "%s: results in %s\n", program, outputs.result_file.c_str());
-  }
-  if (outputs.html.empty()) return;
-  // The report reads the access log last: a log that went bad during the run costs the report
-  // alone, not the table and the result file.
-  bench::ReportOptions report = run.report;
-  if (run.access_log) report.access_log = run.access_log();
-  write_output("--html", outputs.html, bench::html_report(summary, results, report));
-  std::fprintf(stderr, "%s: report in %s\n", program, outputs.html.c_str());
 }
 
 }  // namespace tandem::cli

@@ -88,7 +88,14 @@ struct RunDescription {
   // Reads the access log for the report (when there is one): after the table and the result file
   // are written.
   std::function<std::vector<nlohmann::json>()> access_log;
+  // A run whose every request failed is an error (the command exits non-zero) rather than a
+  // warning: a bench against a server (a script or sweep must see that nothing was measured,
+  // as vLLM's bench fails when its first request does), not a simulation, where failures may be
+  // what is studied.
+  bool nothing_measured_fails = false;
 };
+// Prints the run's table and writes its result file and report; then, when every request
+// failed, warns or (RunDescription::nothing_measured_fails) throws Error.
 void write_run(const bench::BenchSummary& summary, std::span<const bench::RequestResult> results,
                const RunDescription& run, const RunOutputs& outputs, const char* program);
 

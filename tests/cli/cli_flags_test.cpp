@@ -5,10 +5,12 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "text/oracle_support.h"
 
@@ -82,6 +84,26 @@ TEST(CliFlags, ServeChecksItsFlagsBeforeWritingAPresetModel) {
     EXPECT_THAT(r.output, Not(HasSubstr("make-model"))) << flags;
     EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
   }
+}
+
+// A bench whose every request failed measured nothing: it exits 1 (as vLLM's bench fails when
+// its first request does), so a script or sweep sees it; the table and result file still tell
+// why. It exited 0 with a warning.
+TEST(CliFlags, ABenchWhoseEveryRequestFailedExitsNonZero) {
+  const std::filesystem::path result = test::scratch_path("all-failed");
+  // Port 1 refuses at once.
+  const Result r =
+      run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 3 "
+          "--result-file " +
+          test::quote(result.string()));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tandem: error: all 3 requests failed: nothing was measured; "
+                                  "the first failed with: "));
+  ASSERT_TRUE(std::filesystem::exists(result)) << r.output;
+  std::ifstream in(result);
+  const nlohmann::json written = nlohmann::json::parse(in);
+  EXPECT_EQ(written["completed"], 0) << written.dump();
+  EXPECT_EQ(written["failed"], 3) << written.dump();
 }
 
 }  // namespace

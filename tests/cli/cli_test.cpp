@@ -1316,9 +1316,10 @@ TEST(Cli, ARunWhoseEveryRequestFailedSaysSo) {
   auto r =
       run("bench --no-progress --base-url http://127.0.0.1:1 --num-prompts 2 "
           "--request-rate 20");
-  EXPECT_EQ(r.status, 0) << r.output;  // as vLLM's bench: the table and result still stand
+  // The table still stands, but the run fails (cli_flags_test: the result file is written).
+  EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr("rate 20, "));  // not 20.000000
-  EXPECT_THAT(r.output, HasSubstr("tandem bench: warning: all 2 requests failed: nothing was "
+  EXPECT_THAT(r.output, HasSubstr("tandem: error: all 2 requests failed: nothing was "
                                   "measured; the first failed with: "));
   r =
       run("simulate --num-prompts 3 --random-input-len 50 --random-output-len 2 "
