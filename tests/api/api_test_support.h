@@ -1,8 +1,12 @@
 #pragma once
 // What the API tests share: DeepSeek-V3's and Qwen3's tokenizers and chat templates (the copies
 // the HF tokenizers oracle packages hold) and the ApiError a parser throws.
+#include <stdlib.h>
+
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <string>
@@ -53,20 +57,39 @@ inline ApiError error_of(const std::function<void()>& f) {
 // What tests/oracle/vllm_chat_prompt.py answers, {"prompt": ...} or {"error": ...}, for `body`,
 // a chat request's text (whose key order the oracle keeps), and the oracle's other options in
 // `spec` ({"model": "qwen3"}, "system_after_clients", "template_file", "arguments_as_sent").
+// Each call writes an input file of its own (mkstemp) and reads the answer from the oracle's
+// stdout: ctest -j runs every test as a process of its own, and callers that shared fixed file
+// names read one another's answers.
 inline nlohmann::json vllm_render(const nlohmann::json& spec, const std::string& body) {
-  const std::string spec_text = spec.dump();  // {..., "body": `body`}
-  const std::string in = ::testing::TempDir() + "vllm_chat_prompt_in.json";
-  const std::string out = ::testing::TempDir() + "vllm_chat_prompt_out.json";
-  {
-    std::ofstream f(in);
-    f << spec_text.substr(0, spec_text.size() - 1) << ", \"body\": " << body << "}";
+  const std::string spec_text = spec.dump();
+  const std::string request =
+      spec_text.substr(0, spec_text.size() - 1) + ", \"body\": " + body + "}";
+  std::string in = ::testing::TempDir() + "vllm_chat_prompt_XXXXXX";
+  const int fd = ::mkstemp(in.data());
+  if (fd < 0) {
+    ADD_FAILURE() << "mkstemp " << in << ": " << std::strerror(errno);
+    return nlohmann::json::object();
   }
+  FILE* file = ::fdopen(fd, "w");
+  const bool written = std::fwrite(request.data(), 1, request.size(), file) == request.size();
+  EXPECT_TRUE(std::fclose(file) == 0 && written) << "writing " << in;
   const std::string command = std::string("/usr/bin/python3 '") + TANDEM_SOURCE_DIR +
-                              "/tests/oracle/vllm_chat_prompt.py' '" + in + "' > '" + out + "'";
-  EXPECT_EQ(std::system(command.c_str()), 0)
-      << command << " (needs Debian's /usr/bin/python3 with python3-jinja2)";
-  std::ifstream f(out);
-  return nlohmann::json::parse(f);
+                              "/tests/oracle/vllm_chat_prompt.py' '" + in + "'";
+  std::string answer;
+  FILE* oracle = ::popen(command.c_str(), "r");
+  if (oracle) {
+    char chunk[4096];
+    for (size_t n; (n = std::fread(chunk, 1, sizeof chunk, oracle)) > 0;) answer.append(chunk, n);
+  }
+  const int status = oracle ? ::pclose(oracle) : -1;
+  std::remove(in.c_str());
+  EXPECT_EQ(status, 0) << command << " (needs Debian's /usr/bin/python3 with python3-jinja2)";
+  nlohmann::json parsed = nlohmann::json::parse(answer, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) {
+    ADD_FAILURE() << command << " answered no JSON: " << answer;
+    return nlohmann::json::object();
+  }
+  return parsed;
 }
 
 // The prompt vLLM renders for `body` (tests/oracle/vllm_chat_prompt.py: tools as vLLM's Pydantic

@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "api/api_test_support.h"
 #include "api/error.h"
@@ -152,6 +154,30 @@ TEST(Tokenize, AChatsToolChoiceIsTakenAsTheChatEndpointTakesIt) {
                             tokenizer(), &chat_template(), limits)["tokens"],
             tokenize_answer({{"messages", messages}, {"tools", tools}}, tokenizer(),
                             &chat_template(), limits)["tokens"]);
+}
+
+// tests/oracle/vllm_chat_prompt.py answers each caller on its own: ctest -j runs every test as a
+// process of its own, and request_test's and api_contracts_test's comparisons with vLLM ran at
+// once. They shared one input and one output file, so one caller could read another's prompt, or
+// an output file the other had just emptied. Here the callers are threads of one process.
+TEST(VllmOracle, CallersAtOnceEachGetTheirOwnAnswer) {
+  constexpr int kCallers = 4;
+  std::vector<std::string> prompts(kCallers);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCallers; ++i)
+    callers.emplace_back([&prompts, i] {
+      const std::string question = "Question number " + std::to_string(i) + "?";
+      try {
+        prompts[i] = api_test::vllm_prompt(
+            "qwen3", json{{"messages", {{{"role", "user"}, {"content", question}}}}}.dump());
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "caller " << i << ": " << e.what();
+      }
+    });
+  for (std::thread& caller : callers) caller.join();
+  for (int i = 0; i < kCallers; ++i)
+    EXPECT_NE(prompts[i].find("Question number " + std::to_string(i) + "?"), std::string::npos)
+        << "caller " << i << " got " << prompts[i];
 }
 
 TEST(Tokenize, APromptLongerThanTheContextIsCountedNotRefused) {
