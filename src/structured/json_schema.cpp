@@ -839,6 +839,9 @@ class SchemaCompiler {
     if (auto it = patterns_.find(p); it != patterns_.end()) return it->second;
     try {
       return patterns_.emplace(p, regex_in_json_string(g_, p)).first->second;
+    } catch (const GrammarTooLarge&) {
+      // Not this pattern's fault: json_schema_rule() names what took the space.
+      throw;
     } catch (const Error& e) {
       fail(where + "/pattern", e.what());
     }

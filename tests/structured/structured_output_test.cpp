@@ -1775,6 +1775,40 @@ TEST(StructuredOutput, FieldsTooLargeTogetherAreNamed) {
   EXPECT_EQ(schema_error({{"type", "array"}, {"items", {{"anyOf", {uri, uri}}}}}), "(compiled)");
 }
 
+// A field of a format (or a pattern) with no lengths, whose grammar crosses the size after
+// lengths counted beside formats filled most of it: the refusal names those lengths (it blamed
+// the small field's "/pattern", even for a format, and named nothing to lower).
+TEST(StructuredOutput, AFormatPastTheGrammarsSizeAfterCountedLengthsNamesThoseLengths) {
+  auto uri = [](int64_t max_length) {
+    return json{{"type", "string"}, {"format", "uri"}, {"maxLength", max_length}};
+  };
+  // Properties in the order they are compiled (json sorts its keys).
+  auto schema = [&](int64_t office_length, const json& when) {
+    return json{
+        {"type", "object"},
+        {"properties", {{"home", uri(10000)}, {"office", uri(office_length)}, {"when", when}}}};
+  };
+  const json plain = {{"type", "string"}},
+             date_time = {{"type", "string"}, {"format", "date-time"}};
+  auto symbols = [&](int64_t office_length) {
+    Grammar g;
+    json_schema_rule(g, nlohmann::ordered_json::parse(schema(office_length, plain).dump()));
+    return int64_t(g.symbols());
+  };
+  // The office's maxLength that takes the grammar just past its size, "when" a plain string
+  // (each length of the uri's takes the same symbols).
+  const int64_t per_length = (symbols(2000) - symbols(1000)) / 1000;
+  const int64_t past = 1000 + (int64_t(Grammar::kMaxSymbols) - symbols(1000)) / per_length + 1;
+  ASSERT_EQ(schema_error(schema(past - 1, plain)), "(compiled)");
+  ASSERT_EQ(schema_error(schema(past, plain)).find("schema #: the grammar is too large"), 0u);
+  // The date-time's grammar takes more than a plain string's, and crosses the size there.
+  const std::string e = schema_error(schema(past, date_time));
+  EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols)"), 0u) << e;
+  EXPECT_NE(e.find("#/properties/home/maxLength ("), std::string::npos) << e;
+  EXPECT_NE(e.find("#/properties/office/maxLength ("), std::string::npos) << e;
+  EXPECT_EQ(e.find("when"), std::string::npos) << e;
+}
+
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
 // reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
 // transcription of the RFCs' ABNF takes and urllib.parse reads alike.
