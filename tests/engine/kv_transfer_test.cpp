@@ -8,6 +8,11 @@
 //    transfer, so the decode side's checks are exercised too.
 // The agents' callbacks are posted to a queue that the test thread runs, as the engine thread
 // would. Waits are bounded by a generous hang guard; nothing asserts on time.
+// What runs beside the test thread (a sender whose send completes only as the test receives, a
+// fake host's accept) runs under std::async, its end awaited with get_within: an ASSERT that
+// returns early leaves the future to wait for it (a send nobody reads fails at the I/O timeout,
+// the error kept in the future), where a joinable std::thread ended the run in std::terminate
+// with the failure unreported; and an error thrown on that thread is the test's failure.
 #include "engine/transfer/kv_transfer.h"
 
 #include <arpa/inet.h>
@@ -43,6 +48,7 @@
 #include "engine/transfer/kv_transport.h"
 #include "engine/transfer/shm_pieces.h"
 #include "engine/transfer/shm_ring.h"
+#include "util/bounded_wait.h"
 #include "util/error.h"
 #include "util/error_of.h"
 #include "util/metrics.h"
@@ -55,6 +61,7 @@ using namespace std::chrono_literals;
 using nlohmann::json;
 using ::testing::AnyOf;
 using testing::error_of;
+using testing::get_within;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -89,12 +96,14 @@ std::unique_ptr<KvTransport> make_transport(const std::string& kind,
   return kind == "shm" ? make_shm_transport({io_timeout}) : make_tcp_transport({io_timeout});
 }
 
-// A connected client/server pair over loopback.
+// A connected client/server pair over loopback, whose listener lets peers read `send_memory` in
+// place.
 std::unique_ptr<Pair> connect_pair(const std::string& kind,
-                                   std::chrono::milliseconds io_timeout = 5000ms) {
+                                   std::chrono::milliseconds io_timeout = 5000ms,
+                                   SharedView send_memory = {}) {
   auto p = std::make_unique<Pair>();
   p->transport = make_transport(kind, io_timeout);
-  p->listener = p->transport->listen("127.0.0.1", 0);
+  p->listener = p->transport->listen("127.0.0.1", 0, send_memory);
   std::thread acceptor([&] { p->server = p->listener->accept(); });
   try {
     p->client = p->transport->connect("127.0.0.1", p->listener->port());
@@ -184,22 +193,22 @@ TEST_P(KvTransports, FramesRoundTripWithGatheredPartsAndEmptyPayloads) {
   // the send completes only as the receiver reads).
   std::vector<std::byte> big(3 << 20);
   for (size_t i = 0; i < big.size(); ++i) big[i] = std::byte((i * 7 + i / 251) & 0xff);
-  std::thread sender([&] {
+  auto sender = std::async(std::launch::async, [&] {
     const std::span<const std::byte> halves[] = {std::span(big).first(1000),
                                                  std::span(big).subspan(1000)};
     p->server->send(KvFrameType::kLayer, halves);
   });
   f = p->client->receive(big.size());
-  sender.join();
+  get_within(sender, kHangGuard, "the server's send never ended");
   EXPECT_EQ(f.type, KvFrameType::kLayer);
   EXPECT_TRUE(f.payload == big);
   // And towards the server, three times the shared-memory ring of that direction: it wraps.
-  std::thread client_sender([&] {
+  auto client_sender = std::async(std::launch::async, [&] {
     const std::span<const std::byte> whole[] = {std::span(big)};
     p->client->send(KvFrameType::kLayer, whole);
   });
   f = p->server->receive(big.size());
-  client_sender.join();
+  get_within(client_sender, kHangGuard, "the client's send never ended");
   EXPECT_TRUE(f.payload == big);
 
   // One buffer reused for several frames takes each frame's size.
@@ -238,15 +247,11 @@ TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {
 TEST_P(KvTransports, ShutdownFromAnotherThreadUnblocksAReceive) {
   auto p =
       connect_pair(GetParam(), 30000ms);  // far longer than the test: only shutdown() can end it
-  std::promise<std::string> outcome;
-  auto future = outcome.get_future();
-  std::thread reader([&] { outcome.set_value(error_of([&] { p->client->receive(1024); })); });
+  auto reader =
+      std::async(std::launch::async, [&] { return error_of([&] { p->client->receive(1024); }); });
   std::this_thread::sleep_for(50ms);  // let the reader block; either order must end the receive
   p->client->shutdown();
-  const bool ended = future.wait_for(kHangGuard) == std::future_status::ready;
-  reader.join();
-  ASSERT_TRUE(ended);
-  const std::string e = future.get();
+  const std::string e = get_within(reader, kHangGuard, "shutdown() did not end the receive");
   EXPECT_THAT(e, HasSubstr("shut down"));
   EXPECT_THAT(e, Not(HasSubstr("timed out")));
   // Later calls fail at once.
@@ -278,15 +283,17 @@ TEST_P(KvTransports, BytesThatAreNotATandemFrameAreAnError) {
     EXPECT_THAT(error_of([&] { conn->receive(1 << 20); }), HasSubstr("not a Tandem KV frame"));
   }
   {
-    // A frame that promises 100 bytes and delivers 10 before the peer leaves.
-    auto conn_thread = std::async(std::launch::async, [&] { return listener->accept(); });
+    // A frame that promises 100 bytes and delivers 10 before the peer leaves. Accepted on this
+    // thread, as above: an accept left waiting on another one by an ASSERT here that returns
+    // would wait forever for a peer that never came.
+    std::unique_ptr<KvConnection> conn;
     {
       RawSocket raw(listener->port());
       ASSERT_TRUE(raw.connected());
       uint8_t frame[26] = {4, 0, 0, 0, 0, 0, 0, 0, 100};
       ASSERT_TRUE(raw.write(frame, sizeof frame));
+      conn = listener->accept();
     }
-    auto conn = conn_thread.get();
     ASSERT_NE(conn, nullptr);
     EXPECT_THAT(error_of([&] { conn->receive(1 << 20); }), HasSubstr("connection closed by peer"));
   }
@@ -385,8 +392,7 @@ TEST_P(KvTransports, CloseUnblocksAccept) {
   auto accepted = std::async(std::launch::async, [&] { return listener->accept(); });
   std::this_thread::sleep_for(20ms);  // let it block; either order must return nullptr
   listener->close();
-  ASSERT_EQ(accepted.wait_for(kHangGuard), std::future_status::ready);
-  EXPECT_EQ(accepted.get(), nullptr);
+  EXPECT_EQ(get_within(accepted, kHangGuard, "close() did not end the accept"), nullptr);
   EXPECT_EQ(listener->accept(), nullptr);
 }
 
@@ -482,9 +488,10 @@ struct FakeShmPair {
 
   void connect(int extra_fd = -1) {
     ASSERT_TRUE(fake.bound());
-    std::thread t([&] { client = transport->connect("127.0.0.1", reserved->port()); });
+    auto connecting = std::async(std::launch::async,
+                                 [&] { return transport->connect("127.0.0.1", reserved->port()); });
     segment = fake.accept_and_welcome(extra_fd);
-    t.join();
+    client = get_within(connecting, kHangGuard, "the connect to the fake listener never ended");
     ASSERT_TRUE(client);
     ASSERT_STREQ(client->kind(), "shm");
   }
@@ -683,13 +690,7 @@ SharedSegment patterned_segment(size_t bytes, const std::string& name = "test-se
 // A connected pair whose listener lets peers read `memory` in place.
 std::unique_ptr<Pair> connect_pair_sharing(const std::string& kind, const SharedSegment& memory,
                                            std::chrono::milliseconds io_timeout = 5000ms) {
-  auto p = std::make_unique<Pair>();
-  p->transport = make_transport(kind, io_timeout);
-  p->listener = p->transport->listen("127.0.0.1", 0, memory.view());
-  std::thread acceptor([&] { p->server = p->listener->accept(); });
-  p->client = p->transport->connect("127.0.0.1", p->listener->port());
-  acceptor.join();
-  return p;
+  return connect_pair(kind, io_timeout, memory.view());
 }
 
 std::span<const std::byte> at(const SharedSegment& s, size_t offset, size_t n) {
@@ -708,7 +709,7 @@ TEST_P(KvTransports, FramesGatheredFromTheSharedCacheArriveIntact) {
   std::vector<std::byte> expected;
   for (auto part : parts) expected.insert(expected.end(), part.begin(), part.end());
   const int frames = 3;
-  std::thread sender([&] {
+  auto sender = std::async(std::launch::async, [&] {
     for (int i = 0; i < frames; ++i) p->server->send(KvFrameType::kLayer, parts);
     send_text(*p->server, KvFrameType::kDone, "{}");
   });
@@ -742,7 +743,7 @@ TEST_P(KvTransports, FramesGatheredFromTheSharedCacheArriveIntact) {
     EXPECT_TRUE(got == expected);
   }
   EXPECT_EQ(p->client->receive(1024).type, KvFrameType::kDone);
-  sender.join();
+  get_within(sender, kHangGuard, "the sender never ended");
   // Over shared memory the cache's parts took one copy, the header went through the ring.
   EXPECT_EQ(p->server->bytes_sent_in_place(),
             GetParam() == "shm" ? uint64_t(frames) * (expected.size() - header.size()) : 0u);
@@ -753,9 +754,10 @@ TEST(ShmInPlace, PartsOutsideTheSharedCacheGoThroughTheRing) {
   auto p = connect_pair_sharing("shm", memory);
   std::vector<std::byte> own(100000, std::byte{7});  // too much of it to travel inline
   const std::span<const std::byte> parts[] = {own, at(memory, 0, 100000)};
-  std::thread sender([&] { p->server->send(KvFrameType::kLayer, parts); });
+  auto sender =
+      std::async(std::launch::async, [&] { p->server->send(KvFrameType::kLayer, parts); });
   const KvFrame f = p->client->receive(1 << 20);
-  sender.join();
+  get_within(sender, kHangGuard, "the sender never ended");
   ASSERT_EQ(f.payload.size(), 200000u);
   EXPECT_TRUE(std::equal(own.begin(), own.end(), f.payload.begin()));
   EXPECT_TRUE(std::equal(memory.data(), memory.data() + 100000, f.payload.begin() + 100000));
@@ -768,7 +770,7 @@ TEST(ShmInPlace, TheNextFrameNotInPlaceWaitsUntilThePeerHasCopied) {
   const std::vector<std::byte> original(memory.data(), memory.data() + 200000);
   const std::span<const std::byte> parts[] = {at(memory, 0, 200000)};
   std::atomic<bool> done_sent{false};
-  std::thread sender([&] {
+  auto sender = std::async(std::launch::async, [&] {
     p->server->send(KvFrameType::kLayer, parts);  // returns before the peer copied
     send_text(*p->server, KvFrameType::kDone, "{}");
     done_sent = true;
@@ -783,7 +785,7 @@ TEST(ShmInPlace, TheNextFrameNotInPlaceWaitsUntilThePeerHasCopied) {
   const std::span<std::byte> whole[] = {got};
   p->client->receive_payload(whole);
   EXPECT_EQ(p->client->receive(1024).type, KvFrameType::kDone);
-  sender.join();
+  get_within(sender, kHangGuard, "the sender never ended");
   EXPECT_TRUE(got == original);
 }
 
@@ -1958,8 +1960,7 @@ TEST_F(KvTransferAgents, ReleasesToASilentHostAreBoundedAndEndAtShutdown) {
   EXPECT_TRUE(queue_.run_until([&] { return count() >= 16; }));
   EXPECT_EQ(sample(decode_metrics_, "tandem:kv_transfer_releases_dropped_total"), 3);
   auto shutdown = std::async(std::launch::async, [&] { decode_.reset(); });
-  EXPECT_EQ(shutdown.wait_for(kHangGuard), std::future_status::ready)
-      << "the engine waited for releases nobody answers";
+  get_within(shutdown, kHangGuard, "the engine waited for releases nobody answers");
   EXPECT_EQ(count(), 16u);
   listener->close();
   acceptor.join();
@@ -2018,7 +2019,7 @@ TEST_F(KvTransferAgents, AReleaseIsBoundedByTheHandshakeTimeoutAsAWhole) {
   auto peer = make_tcp_transport({60s});
   auto listener = peer->listen("127.0.0.1", 0);
   std::atomic<int> sent{0};
-  std::thread host([&] {
+  auto host = std::async(std::launch::async, [&] {
     auto conn = listener->accept();
     if (!conn) return;
     try {
@@ -2032,7 +2033,7 @@ TEST_F(KvTransferAgents, AReleaseIsBoundedByTheHandshakeTimeoutAsAWhole) {
     }
   });
   decode_->release_remote("127.0.0.1", listener->port(), "prefill-9", "t-slow", {1, 2});
-  host.join();
+  get_within(host, kHangGuard, "the release never reached the host");
   EXPECT_LT(sent.load(), 5) << "the release kept listening past its handshake timeout";
   listener->close();
 }
@@ -2898,7 +2899,7 @@ TEST_F(KvTransferAgents, AStrangerRelayingTheHandshakeCannotSendItsOwnRequest) {
   auto listener = transport->listen("127.0.0.1", 0);
   KvFrameType answer = KvFrameType::kAccept;
   std::string said;
-  std::thread stranger([&] {
+  auto stranger = std::async(std::launch::async, [&] {
     auto from_decode = listener->accept();
     if (!from_decode) return;
     auto to_prefill = transport->connect("127.0.0.1", prefill_->port());
@@ -2934,7 +2935,7 @@ TEST_F(KvTransferAgents, AStrangerRelayingTheHandshakeCannotSendItsOwnRequest) {
     }
   });
   decode_->release_remote("127.0.0.1", listener->port(), "prefill-0", "t-of-the-stranger", {1});
-  stranger.join();
+  get_within(stranger, kHangGuard, "the decode engine's release never reached the stranger");
   listener->close();
   EXPECT_EQ(answer, KvFrameType::kError) << said;
   EXPECT_THAT(said, HasSubstr("KV transfer refused: not authenticated"));
