@@ -158,8 +158,8 @@ def json_pointer_ok(v):
     if not v.startswith("/"):
         return "does not begin with /"
     for token in v[1:].split("/"):
-        rest = token.replace("~0", "").replace("~1", "")
-        if "~" in rest:
+        # Read left to right: "~~01" is a lone ~ then ~0 and 1 (removing each ~0 and ~1 left none).
+        if not re.fullmatch(r"(?:[^~]|~[01])*", token, re.DOTALL):
             return "a ~ not followed by 0 or 1 in %r" % token
     return None
 

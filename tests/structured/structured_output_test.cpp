@@ -1843,7 +1843,7 @@ TEST(StructuredOutput, DurationAndJsonPointerFormatsAcceptExactlyTheirRfcs) {
         R"("PT2M")", R"("p1d")", R"("P007D")", R"("1D")"}},
       {"json-pointer",
        {R"("")", R"("/")", R"("//")", R"("/a~0b/~1")", R"("/a~")", R"("/~2")", R"("a/b")",
-        R"("/\u0000\n\"")", "\"/\xc3\xa9/\xe4\xb8\xad\"", R"("/\/")"}},
+        R"("/\u0000\n\"")", "\"/\xc3\xa9/\xe4\xb8\xad\"", R"("/\/")", R"("/~~01")", R"("/~01~")"}},
   };
   std::vector<FormatCheck> cases;
   for (const auto& [f, extra] : formats)
