@@ -14,9 +14,7 @@ namespace {
 using nlohmann::json;
 
 // The fields of vLLM's TokenizeChatRequest and TokenizeCompletionRequest that decide the ids;
-// others are ignored, as vLLM ignores them. Plus a chat's tool_choice, which vLLM's requests do
-// not have (its prompt does not depend on it) and which decides Tandem's: "none" adds no tool
-// description and needs no tool-call markup (read_tools).
+// others are ignored, as vLLM ignores them (a chat's tool_choice: see chat_request).
 constexpr const char* kChatFields[] = {"model",
                                        "messages",
                                        "add_generation_prompt",
@@ -24,8 +22,7 @@ constexpr const char* kChatFields[] = {"model",
                                        "add_special_tokens",
                                        "chat_template",
                                        "chat_template_kwargs",
-                                       "tools",
-                                       "tool_choice"};
+                                       "tools"};
 constexpr const char* kCompletionFields[] = {"model", "prompt", "add_special_tokens"};
 
 template <size_t N>
@@ -36,6 +33,19 @@ json copy_fields(const json& body, const char* const (&names)[N]) {
   // The generation parsers need a budget; one token asks nothing of the context.
   out["max_tokens"] = 1;
   return out;
+}
+
+// The chat request /tokenize's ids are those of. vLLM's TokenizeChatRequest has no tool_choice
+// (its prompt does not depend on one), so vLLM counts a chat whatever its tool_choice. Tandem's
+// prompt depends only on whether it is "none", which adds no tool description and needs no
+// tool-call markup (read_tools); every other choice renders as the default does. So "none" alone
+// is passed on: a forced choice would compile its grammar and refuse tools that vLLM counts, and
+// a value the chat endpoint refuses would refuse a body that vLLM takes.
+json chat_request(const json& body) {
+  json chat = copy_fields(body, kChatFields);
+  if (const json* choice = field(body, "tool_choice"); choice && *choice == "none")
+    chat["tool_choice"] = "none";
+  return chat;
 }
 
 }  // namespace
@@ -52,8 +62,7 @@ json tokenize_answer(const json& body, const text::Tokenizer& tokenizer,
   unbounded.default_max_tokens = 0;
   ApiRequest parsed;
   if (field(body, "messages")) {
-    parsed =
-        parse_chat(copy_fields(body, kChatFields), tokenizer, chat_template, unbounded, raw_body);
+    parsed = parse_chat(chat_request(body), tokenizer, chat_template, unbounded, raw_body);
   } else if (const json* prompt = field(body, "prompt")) {
     if (!prompt->is_string()) fail("prompt", "'prompt' must be a string");
     parsed = parse_completion(copy_fields(body, kCompletionFields), tokenizer, unbounded);

@@ -16,9 +16,11 @@ namespace tandem::api {
 // The answer to POST /tokenize: {count, max_model_len, tokens, token_strs}. The body is either
 // a completion ({"prompt": text, "add_special_tokens": true}) or a chat ({"messages": [...],
 // "add_generation_prompt": true, "continue_final_message", "add_special_tokens": false,
-// "chat_template", "chat_template_kwargs", "tools"}), as vLLM takes them, and the chat's
-// "tool_choice" as the chat endpoint takes it (Tandem's prompt depends on it); "return_token_strs"
-// adds each id's token string. No length check: the answer says the count and the limit.
+// "chat_template", "chat_template_kwargs", "tools"}), as vLLM takes them. A chat's "tool_choice",
+// not a field of vLLM's (its prompt does not depend on one), is never refused: "none" is counted
+// as the chat endpoint renders it (no tool description, no tool-call markup needed), any other
+// value as the default. "return_token_strs" adds each id's token string. No length check: the
+// answer says the count and the limit.
 // Throws ApiError naming the field for a malformed body, 404 for another model's name.
 // `raw_body`, the body's text, keeps the client's key order as parse_chat's does.
 nlohmann::json tokenize_answer(const nlohmann::json& body, const text::Tokenizer& tokenizer,

@@ -129,13 +129,9 @@ TEST(Tokenize, AToolUseChatIsRenderedAsVLLMRendersItInTheClientsKeyOrder) {
   EXPECT_EQ(answer["tokens"], json(chat.prompts.at(0)));
 }
 
-// The count is what a client asks for to fit a prompt: past the context it is counted, with
-// the limit beside it, where a generation request would be refused.
 // A chat's tool_choice changes its prompt in Tandem: "none" adds no tool description for a
-// template that shows no tools (DeepSeek-V3's), and needs no tool-call markup. /tokenize takes it
-// as the chat endpoint does (vLLM's TokenizeChatRequest has no tool_choice; its prompt does not
-// depend on one), so its ids are those the chat endpoint runs on for each choice. It counted
-// every chat with tools as "auto".
+// template that shows no tools (DeepSeek-V3's), and needs no tool-call markup. /tokenize's ids
+// are those the chat endpoint runs on for each choice. It counted every chat with tools as "auto".
 TEST(Tokenize, AChatsToolChoiceIsTakenAsTheChatEndpointTakesIt) {
   const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}])");
@@ -180,6 +176,51 @@ TEST(VllmOracle, CallersAtOnceEachGetTheirOwnAnswer) {
         << "caller " << i << " got " << prompts[i];
 }
 
+// vLLM's TokenizeChatRequest has no tool_choice (its prompt does not depend on one), so vLLM's
+// /tokenize counts a chat whatever its tool_choice. Tandem's prompt depends only on whether it is
+// "none", so every other value is counted as the default is, never refused: a forced choice of
+// tools whose arguments are no object (which the chat endpoint cannot force), "auto" without
+// tools, a function the tools do not list, a value the chat endpoint does not know. /tokenize
+// refused these with a 400 naming tool_choice or tools.
+TEST(Tokenize, AToolChoiceOtherThanNoneIsCountedAsTheDefaultNeverRefused) {
+  const json string_tools = json::parse(R"([{"type": "function", "function": {"name": "echo",
+    "parameters": {"type": "string"}}}])");
+  const json messages = {{{"role", "user"}, {"content", "Say hi."}}};
+  const ModelLimits limits{.model_name = "m", .max_model_len = 4096, .vocab_size = 129280};
+  const auto ids = [&](const json& body) {
+    return tokenize_answer(body, tokenizer(), &chat_template(), limits)["tokens"];
+  };
+  const json with_tools = {{"messages", messages}, {"tools", string_tools}};
+  const json without_tools = {{"messages", messages}};
+  struct Case {
+    json base, choice;
+  };
+  const Case cases[] = {
+      {with_tools, "required"},
+      {with_tools, json::parse(R"({"type": "function", "function": {"name": "echo"}})")},
+      {with_tools, json::parse(R"({"type": "function", "function": {"name": "unlisted"}})")},
+      {with_tools, "sometimes"},
+      {with_tools, 42},
+      {without_tools, "auto"},
+      {without_tools, "required"},
+  };
+  for (const Case& c : cases) {
+    json body = c.base;
+    body["tool_choice"] = c.choice;
+    try {
+      EXPECT_EQ(ids(body), ids(c.base)) << body;
+    } catch (const ApiError& e) {
+      ADD_FAILURE() << body << ": refused, " << e.status << " " << e.param << ": " << e.message;
+    }
+  }
+  // "none" is still the chat endpoint's "none": no tool description for DeepSeek-V3.
+  json none = with_tools;
+  none["tool_choice"] = "none";
+  EXPECT_NE(ids(none), ids(with_tools));
+}
+
+// The count is what a client asks for to fit a prompt: past the context it is counted, with
+// the limit beside it, where a generation request would be refused.
 TEST(Tokenize, APromptLongerThanTheContextIsCountedNotRefused) {
   std::string text;
   for (int i = 0; i < 100; ++i) text += " word" + std::to_string(i);
