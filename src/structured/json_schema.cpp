@@ -238,18 +238,24 @@ class SchemaCompiler {
     return ws_;
   }
 
-  // A grammar too large, said with the bounds beside patterns and formats that take the most of
-  // it (each within kMaxCountedSteps, several may pass Grammar::kMaxSymbols together), largest
-  // first: those of an eighth of kMaxSymbols or more.
+  // A grammar too large, said with the bounds beside patterns and formats that take large parts
+  // of it (each within kMaxCountedSteps, several may pass Grammar::kMaxSymbols together), largest
+  // first: those of an eighth of kMaxSymbols or more. They are "most of it" only where together
+  // they take over half.
   std::string too_large(const GrammarTooLarge& e) const {
     std::vector<Counted> large;
+    size_t named = 0;
     for (const auto& c : counted_)
-      if (c.symbols >= Grammar::kMaxSymbols / 8) large.push_back(c);
+      if (c.symbols >= Grammar::kMaxSymbols / 8) {
+        large.push_back(c);
+        named += c.symbols;
+      }
     std::string out = std::string("schema #: ") + e.what();
     if (large.empty()) return out;
     std::stable_sort(large.begin(), large.end(),
                      [](const auto& a, const auto& b) { return a.symbols > b.symbols; });
-    out += ", most of it the lengths beside patterns and formats, counted once per length: ";
+    out += named > Grammar::kMaxSymbols / 2 ? ", most of it" : ", the largest parts of it";
+    out += " the lengths beside patterns and formats, counted once per length: ";
     for (size_t i = 0; i < large.size(); ++i)
       out += (i ? ", #" : "#") + large[i].bound + " (" + std::to_string(large[i].symbols) +
              (large[i].stopped ? " symbols when the limit stopped it)" : " symbols)");

@@ -1755,7 +1755,10 @@ TEST(StructuredOutput, FieldsTooLargeTogetherAreNamed) {
         {"code", {{"type", "string"}, {"pattern", "[a-z]{1,9000}x*"}, {"minLength", 12}}},
         {"work", shorter_uri}}}};
   const std::string e = schema_error(schema);
-  EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols)"), 0u) << e;
+  EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols), most of it the "
+                   "lengths beside patterns and formats"),
+            0u)
+      << e;
   const size_t home = e.find("#/properties/home/maxLength ("),
                code = e.find("#/properties/code/minLength (");
   EXPECT_NE(home, std::string::npos) << e;
@@ -1773,6 +1776,22 @@ TEST(StructuredOutput, FieldsTooLargeTogetherAreNamed) {
   EXPECT_EQ(schema_error(rest), "(compiled)");
   // The same field twice is compiled once (its grammar is shared), and fits.
   EXPECT_EQ(schema_error({{"type", "array"}, {"items", {{"anyOf", {uri, uri}}}}}), "(compiled)");
+}
+
+// A length counted beside a format that takes an eighth of the grammar's size is named, but not
+// as "most of it" where plain strings took most (it said so of any named part).
+TEST(StructuredOutput, CountedLengthsAreMostOfAGrammarTooLargeOnlyWhereTheyTakeOverHalf) {
+  json properties = {{"a_home", {{"type", "string"}, {"format", "uri"}, {"maxLength", 2500}}}};
+  for (int i = 0; i < 9; ++i)  // each about 400,000 symbols, compiled after the uri
+    properties["b_note" + std::to_string(i)] = {{"type", "string"}, {"maxLength", 100000 - i}};
+  const std::string e = schema_error({{"type", "object"}, {"properties", properties}});
+  EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols), the largest parts "
+                   "of it the lengths beside patterns and formats, counted once per length: "
+                   "#/properties/a_home/maxLength ("),
+            0u)
+      << e;
+  EXPECT_EQ(e.find("most of it"), std::string::npos) << e;
+  EXPECT_EQ(e.find("note"), std::string::npos) << e;
 }
 
 // A field of a format (or a pattern) with no lengths, whose grammar crosses the size after
