@@ -747,8 +747,7 @@ class SchemaCompiler {
       fail(where + "/" + keyword, e.what());
     }
     const RegexLengths lengths = counted->lengths();
-    const bool longest_within = most < 0 || (lengths.longest >= 0 && lengths.longest <= most);
-    if (min <= lengths.shortest && longest_within) return quoted(pattern(p, where).rule);
+    if (!lengths_counted(lengths, min, most)) return quoted(pattern(p, where).rule);
     // The lengths constrain: the pattern's automaton with a count of characters, where some
     // string of the lengths asked for matches.
     auto none = [&] {
@@ -798,13 +797,8 @@ class SchemaCompiler {
                                       const std::string& keyword, int64_t min, int64_t max,
                                       RegexLengths lengths, const MostOf& most_of) {
     auto accepted = [&](int64_t least, int64_t max_length) {
-      const int64_t most = most_of(max_length);
-      const bool longest_within = most < 0 || (lengths.longest >= 0 && lengths.longest <= most);
-      if (least <= lengths.shortest && longest_within) return true;
-      const int64_t counted = most < 0              ? least
-                              : lengths.longest < 0 ? most
-                                                    : std::min(most, lengths.longest);
-      return counted + 1 <= e.counts_that_fit;
+      const std::optional<int64_t> counted = lengths_counted(lengths, least, most_of(max_length));
+      return !counted || *counted + 1 <= e.counts_that_fit;
     };
     // The highest bound accepted below the schema's, if any leaves a string of one or more
     // characters that the pattern has.
@@ -817,17 +811,18 @@ class SchemaCompiler {
       for (int64_t m : {e.counts_that_fit - 1, lengths.shortest})
         if (m >= 0 && m < min && accepted(m, -1)) lower = std::max(lower, m);
     }
-    const std::string or_without = max >= 0 && accepted(min, -1) ? ", or leave maxLength out"
-                                   : accepted(0, -1)             ? ", or no minLength and maxLength"
-                                                                 : "";
+    const std::string leave_max_out =
+        max >= 0 && accepted(min, -1) ? ", or leave maxLength out" : "";
+    const std::string or_without = !leave_max_out.empty() ? leave_max_out
+                                   : accepted(0, -1)      ? ", or no minLength and maxLength"
+                                                          : "";
     if (lower >= 0)
       fail(where + "/" + bound,
            "'" + bound + "' beside '" + keyword + "' is enforced for at most " +
                std::to_string(kMaxCountedSteps) +
                " automaton steps (each state and transition of the " + keyword +
                "'s automaton once per length up to " + bound + "), and here " + e.what() +
-               ": lower " + bound + " to " + std::to_string(lower) + " or less" +
-               (max >= 0 && accepted(min, -1) ? ", or leave maxLength out" : ""));
+               ": lower " + bound + " to " + std::to_string(lower) + " or less" + leave_max_out);
     fail(where + "/" + keyword, "lengths beside '" + keyword +
                                     "' are enforced through its automaton, once per length, "
                                     "for at most " +

@@ -27,6 +27,14 @@ int64_t saturated(int64_t n) {
   return std::min(n, kLongest);
 }
 
+// The most characters counted for min..max beside a pattern of `lengths`: max, or the pattern's
+// longest where that is fewer (past it a maximum adds only counts no answer reaches), min where
+// there is no max (the counts past it one).
+int64_t most_counted(RegexLengths lengths, int64_t min, int64_t max) {
+  if (max < 0) return min;
+  return lengths.longest < 0 ? max : std::min(max, lengths.longest);
+}
+
 Ranges normalized(Ranges r) {
   std::sort(r.begin(), r.end());
   Ranges out;
@@ -642,12 +650,13 @@ void RegexCompiler::prepare_automaton() {
 
 std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
   prepare_automaton();
+  // Counts of characters read, saturated.
+  const int64_t blocks = most_counted({shortest_, longest_}, min, max) + 1;
   // Past the pattern's longest string a maximum adds nothing but counts no answer reaches.
   if (max >= 0 && longest_ >= 0) max = std::min(max, longest_);
   if (max >= 0 && max < min) return std::nullopt;
   // No length but 0: the empty string alone, with no automaton.
   if (max == 0) return shortest_ == 0 ? std::optional(g_->any_of({{}})) : std::nullopt;
-  const int64_t blocks = (max >= 0 ? max : min) + 1;  // counts of characters read, saturated
   // A character (repeats written out) is a state and a transition unless it merges with others:
   // the counts that fit so are known before its characters are written out (a million of them
   // cost hundreds of megabytes to build only to be refused).
@@ -797,6 +806,14 @@ CountedPattern::CountedPattern(std::string_view pattern)
 }
 
 CountedPattern::~CountedPattern() = default;
+
+std::optional<int64_t> lengths_counted(RegexLengths lengths, int64_t min_length,
+                                       int64_t max_length) {
+  const bool longest_within =
+      max_length < 0 || (lengths.longest >= 0 && lengths.longest <= max_length);
+  if (min_length <= lengths.shortest && longest_within) return std::nullopt;
+  return most_counted(lengths, min_length, max_length);
+}
 
 RegexLengths CountedPattern::lengths() const {
   return parsed_->lengths;

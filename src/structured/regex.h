@@ -55,6 +55,11 @@ struct RegexLengths {
 // how many counts would have fitted; an automaton whose transitions alone pass it, whatever the
 // lengths, throws PatternTooCostly.
 inline constexpr int64_t kMaxCountedSteps = 1'000'000;
+// The most characters within() counts beside a pattern of `lengths` for min_length..max_length
+// (its automaton is built once per count, 0 to this), or none where the pattern's own lengths lie
+// within the bounds and it needs no counting: what is accepted, and what advice offers, alike.
+std::optional<int64_t> lengths_counted(RegexLengths lengths, int64_t min_length,
+                                       int64_t max_length);
 class LengthTooCostly : public Error {
  public:
   LengthTooCostly(const std::string& what, int64_t counts_that_fit)
