@@ -2,11 +2,16 @@
 // INT8 linears. Every logit must be exactly the W8A8 product of its token's normed hidden state:
 // the weights quantized by model/quantize.h's rule, the activations per token (scale
 // max|x| / 127, round to nearest), integer sums, then both scales (float32 rounding only).
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
@@ -16,6 +21,7 @@
 #include "model/model_test_support.h"
 #include "model/quantize.h"
 #include "model/random_checkpoint.h"
+#include "model/weights.h"
 
 namespace tandem::model {
 namespace {
@@ -85,6 +91,79 @@ TEST(Int8LmHead, LogitsAreTheW8A8ProductOfTheNormedHiddenStates) {
     const StepOutput out = model.forward(std::span(&step, 1), cache);
     expect_w8a8_logits(c, head, norm, out, tokens);
   }
+}
+
+// The pages wholly inside [data, data + bytes): their first index and how many.
+struct PageSpan {
+  uintptr_t first = 0;
+  int64_t count = 0;
+};
+
+PageSpan whole_pages(const void* data, size_t bytes) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + page - 1) / page, end = (begin + bytes) / page;
+  return {first, end > first ? static_cast<int64_t>(end - first) : 0};
+}
+
+// How many of those pages this process has mapped in: bit 63 (present) of each page's entry in
+// /proc/self/pagemap, which a process may read of itself. A page given back (MADV_DONTNEED) is
+// not present until it is read again.
+int64_t present_pages(const void* data, size_t bytes) {
+  const PageSpan span = whole_pages(data, bytes);
+  const int fd = ::open("/proc/self/pagemap", O_RDONLY);
+  EXPECT_GE(fd, 0) << "opening /proc/self/pagemap: " << std::strerror(errno);
+  int64_t present = 0;
+  for (int64_t i = 0; fd >= 0 && i < span.count; ++i) {
+    uint64_t entry = 0;
+    const auto at = static_cast<off_t>((span.first + i) * sizeof entry);
+    if (::pread(fd, &entry, sizeof entry, at) != sizeof entry) {
+      ADD_FAILURE() << "reading /proc/self/pagemap at " << at << ": " << std::strerror(errno);
+      break;
+    }
+    present += static_cast<int64_t>(entry >> 63);
+  }
+  if (fd >= 0) ::close(fd);
+  return present;
+}
+
+// The file's embedding rows of a tied model loaded with an INT8 head.
+const TensorInfo& tied_embedding(const Weights& w, const ModelConfig& c) {
+  return w.checkpoint.get("model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
+}
+
+// A tied model whose embedding the binder holds in memory of its own (an F16 one widened to F32;
+// a misaligned BF16 or F32 one copied) reads no row of the file's embedding after load, so
+// quantizing the LM head from those rows gives their pages back, as every copied or converted
+// matrix's are. The quantization read them all and kept them, as if the embedding looked its rows
+// up there. An embedding read in place still has its pages: it looks its rows up in them.
+TEST(Int8LmHead, ATiedEmbeddingsMappedRowsAreKeptOnlyWhereItReadsThem) {
+  ModelConfig c = config();
+  c.tie_word_embeddings = true;
+  WeightLoadOptions options;
+  options.int8_lm_head = true;
+
+  const test::TempDir widened_dir("int8-lm-head-tied-f16");
+  test::write_random_checkpoint(widened_dir.path(), c, DType::kF16);
+  const Weights widened = Weights::load(Checkpoint::open(widened_dir.path()), c, {}, options);
+  ASSERT_FALSE(widened.embed.storage.empty());  // F32 rows of its own
+  ASSERT_EQ(widened.lm_head.type, kernels::WeightType::kI8);
+  const TensorInfo& f16 = tied_embedding(widened, c);
+  const int64_t f16_pages = whole_pages(f16.data, f16.nbytes).count;
+  ASSERT_GT(f16_pages, 16);
+  EXPECT_EQ(present_pages(f16.data, f16.nbytes), 0);
+  // Read again, they come back: what present_pages counts is real.
+  volatile std::byte sink{};
+  for (size_t i = 0; i < f16.nbytes; i += 512) sink = sink ^ f16.data[i];
+  EXPECT_EQ(present_pages(f16.data, f16.nbytes), f16_pages);
+
+  const test::TempDir in_place_dir("int8-lm-head-tied-bf16");
+  test::write_random_checkpoint(in_place_dir.path(), c, DType::kBF16);
+  const Weights in_place = Weights::load(Checkpoint::open(in_place_dir.path()), c, {}, options);
+  const TensorInfo& bf16 = tied_embedding(in_place, c);
+  ASSERT_TRUE(in_place.embed.storage.empty());
+  ASSERT_EQ(in_place.embed.data, bf16.data);  // looked up in the mapping
+  EXPECT_EQ(present_pages(bf16.data, bf16.nbytes), whole_pages(bf16.data, bf16.nbytes).count);
 }
 
 }  // namespace
