@@ -686,8 +686,11 @@ std::string continue_final(std::string rendered, const nlohmann::ordered_json& f
 // reads (vLLM joins a list of parts so).
 std::string chat_echo_of(const nlohmann::ordered_json& last, const ApiRequest& r) {
   if (last["role"] != r.response_role) return "";
+  // Only the content is read: the arguments stay text, so the echo refuses nothing the rendering
+  // took (a template that concatenates them never had them parsed).
   const nlohmann::ordered_json joined =
-      template_messages(nlohmann::ordered_json::array({last}), text::ContentFormat::kString);
+      template_messages(nlohmann::ordered_json::array({last}), text::ContentFormat::kString,
+                        NullContent::kNoText, ToolArguments::kText);
   return joined[0]["content"].get<std::string>();
 }
 

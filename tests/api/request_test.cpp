@@ -526,6 +526,12 @@ TEST(Protocol, ChatEchoStartsTheAnswerWithTheLastMessageOfItsRole) {
                         {"type", "function"},
                         {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}};
   EXPECT_EQ(echoed({user, call}, json::object()), "");
+  // DeepSeek-V3's template takes the arguments as text, so the echo never parses them either: JSON
+  // nested past what is parsed is echoed as the rendering took it, not refused.
+  json deep_call = call;
+  deep_call["tool_calls"][0]["function"]["arguments"] =
+      std::string(100, '[') + std::string(100, ']');
+  EXPECT_EQ(echoed({user, deep_call}, json::object()), "");
   // Without echo (or with false) nothing is prepended.
   EXPECT_FALSE(parse_chat(json{{"messages", {user}}}, tokenizer(), &chat_template(), kLimits)
                    .chat_echo.has_value());
