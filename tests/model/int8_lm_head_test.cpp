@@ -134,9 +134,9 @@ const TensorInfo& tied_embedding(const Weights& w, const ModelConfig& c) {
 
 // A tied model whose embedding the binder holds in memory of its own (an F16 one widened to F32;
 // a misaligned BF16 or F32 one copied) reads no row of the file's embedding after load, so
-// quantizing the LM head from those rows gives their pages back, as every copied or converted
-// matrix's are. The quantization read them all and kept them, as if the embedding looked its rows
-// up there. An embedding read in place still has its pages: it looks its rows up in them.
+// quantizing the LM head from those rows gives their pages back, as copying a misaligned matrix
+// does. The quantization read them all and kept them, as if the embedding looked its rows up
+// there. An embedding read in place still has its pages: it looks its rows up in them.
 TEST(Int8LmHead, ATiedEmbeddingsMappedRowsAreKeptOnlyWhereItReadsThem) {
   ModelConfig c = config();
   c.tie_word_embeddings = true;
