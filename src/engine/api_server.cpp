@@ -277,14 +277,16 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
               generation_.tokenize(req, std::move(r));
             });
   });
-  // Not refused while the engine stops: freeing KV is what a drain waits for.
+  // Not refused while the engine stops: freeing KV is what a drain waits for. Done also when its
+  // caller left first (the gateway gives the call up after timeouts.connect_ms, which a busy
+  // preparation queue can outlast): the release needs no one to read its answer.
   route("POST", "/v1/kv_transfer/release",
         [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
           auto reply = std::make_shared<net::ExchangeReply>(ex);
-          prepare(std::move(ex), std::move(reply),
-                  [this](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
-                    generation_.release_kv(req, std::move(r));
-                  });
+          auto release = [this](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
+            generation_.release_kv(req, std::move(r));
+          };
+          prepare(std::move(ex), std::move(reply), release, release);
         });
   route("POST", "/detokenize", [this](const net::HttpRequest&, std::shared_ptr<net::Exchange> ex) {
     auto reply = std::make_shared<net::ExchangeReply>(ex);

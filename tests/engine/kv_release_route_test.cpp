@@ -252,61 +252,102 @@ TEST(KvReleaseRoute, AnEngineThatHoldsNoKvForDecodeEnginesSaysSo) {
   EXPECT_NE(error_of(to_plain).message.find("no KV transfer"), std::string::npos) << to_plain.body;
 }
 
+// Holds the preparation of requests that carry X-Hold until the test lets them go, so that their
+// client can leave before they are prepared.
+class PreparationGate {
+ public:
+  RequestPreparation hook() {
+    return {1, [this](const net::HttpRequest& req, net::Reply& reply) {
+              if (req.headers.get("x-hold").empty()) return;
+              held_.set_value(&reply);
+              released_.wait();
+            }};
+  }
+  // The reply of the request being held, once it reached its preparation.
+  net::Reply* held() {
+    auto there = held_.get_future();
+    return get_within(there, kHangGuard, "the request never reached its preparation");
+  }
+  void release() {
+    if (!let_go_) release_.set_value();
+    let_go_ = true;
+  }
+
+ private:
+  std::promise<net::Reply*> held_;
+  std::promise<void> release_;
+  std::shared_future<void> released_ = release_.get_future().share();
+  bool let_go_ = false;
+};
+
+// Lets the held preparation go at the end of a test that failed early, before the engine's
+// server waits for it to stop (declared after the engines).
+struct ReleaseAtEnd {
+  PreparationGate& gate;
+  ~ReleaseAtEnd() { gate.release(); }
+};
+
+// Sends POST `target` with `body` to `port` (marked X-Hold, with `key` when given), waits until
+// `gate` holds it in its preparation, and leaves: the request's client is gone when it is
+// prepared.
+void send_and_leave(uint16_t port, const std::string& target, const std::string& body,
+                    PreparationGate& gate, const std::string& key = {}) {
+  const std::string request =
+      "POST " + target + " HTTP/1.1\r\nHost: engine\r\nX-Hold: 1\r\n" +
+      (key.empty() ? "" : "Authorization: Bearer " + key + "\r\n") +
+      "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+      "\r\n\r\n" + body;
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(port);
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
+  net::Reply* reply = gate.held();
+  std::promise<void> gone;
+  reply->on_close([&] { gone.set_value(); });
+  ::close(fd);
+  auto left = gone.get_future();
+  get_within(left, kHangGuard, "the client's leaving was not seen");
+}
+
 // A decode leg whose client (the gateway, cancelling it) leaves while the leg waits to be
 // prepared is never submitted, so its engine neither pulled nor released the prefill engine's KV,
 // which stayed held until its timeout. Dropped, the leg now tells the prefill engine to let go.
 TEST(KvReleaseRoute, ADecodeLegDroppedBeforeItsPreparationLetsGoOfItsKv) {
-  std::promise<net::Reply*> held;
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
+  PreparationGate gate;
   ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
-  ServedEngine decode(EngineRole::kDecode, decode_transfer(), {},
-                      {1, [&](const net::HttpRequest& req, net::Reply& reply) {
-                         if (req.headers.get("x-hold").empty()) return;
-                         held.set_value(&reply);
-                         released.wait();
-                       }});
-  // Declared after the engines: a test that failed early lets the held preparation go before
-  // the decode engine's server waits for it to stop.
-  struct ReleaseAtEnd {
-    std::promise<void>& release;
-    ~ReleaseAtEnd() {
-      try {
-        release.set_value();
-      } catch (const std::future_error&) {
-        // released by the test
-      }
-    }
-  } release_at_end{release};
+  ServedEngine decode(EngineRole::kDecode, decode_transfer(), {}, gate.hook());
+  ReleaseAtEnd release_at_end{gate};
   const json params = prefilled(prefill);
   ASSERT_TRUE(params.is_object());
   ASSERT_GT(prefill.held_blocks(), 0);
 
   json leg = kPrompt;
   leg["kv_transfer_params"] = params;
-  const std::string text = leg.dump();
-  const std::string request =
-      "POST /v1/completions HTTP/1.1\r\nHost: engine\r\nX-Hold: 1\r\n"
-      "Content-Type: application/json\r\nContent-Length: " +
-      std::to_string(text.size()) + "\r\n\r\n" + text;
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(decode.port());
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address), 0);
-  ASSERT_EQ(::send(fd, request.data(), request.size(), MSG_NOSIGNAL), ssize_t(request.size()));
-  auto there = held.get_future();
-  net::Reply* reply = get_within(there, kHangGuard, "the decode leg never reached its preparation");
-  std::promise<void> gone;
-  reply->on_close([&] { gone.set_value(); });
-  ::close(fd);  // the gateway gives the leg up
-  auto left = gone.get_future();
-  get_within(left, kHangGuard, "the client's leaving was not seen");
-  release.set_value();
+  send_and_leave(decode.port(), "/v1/completions", leg.dump(), gate);  // the gateway gives it up
+  gate.release();
   repeat_until([&] { return prefill.held_blocks() == 0; }, kHangGuard,
                "the prefill engine still holds the KV of the dropped decode leg");
+}
+
+// The gateway bounds its release call by timeouts.connect_ms; a release that waited longer on a
+// busy preparation thread found its client gone and was dropped unread, so the hold stayed until
+// --kv-transfer-timeout. A release needs no answer: it is done all the same.
+TEST(KvReleaseRoute, AReleaseWhoseCallerLeftBeforeItsPreparationStillFreesTheKv) {
+  PreparationGate gate;
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey, gate.hook());
+  ReleaseAtEnd release_at_end{gate};
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  ASSERT_GT(prefill.held_blocks(), 0);
+
+  send_and_leave(prefill.port(), kRelease, release_body(params).dump(), gate, kKey);
+  gate.release();
+  repeat_until([&] { return prefill.held_blocks() == 0; }, kHangGuard,
+               "the release whose caller left freed nothing");
 }
 
 // A reply whose client left before the answer: nothing can be sent any more.
