@@ -226,6 +226,75 @@ TEST(KvCacheManagerTest, WithMtpDraftsAHitLeavesItsLastBlock) {
   m.check_invariants();
 }
 
+// Multi-turn chats under MTP: a request that hit a system prompt S recomputes S's last block
+// privately, and the blocks it caches next follow the cached copy of that block. The request
+// holds that copy until it is freed and hands it back behind its own blocks, so memory pressure
+// evicts its followers before it, and its next turn still hits them (before, the copy aged in
+// the free queue with the first chat's blocks, was evicted first, and the followers were never
+// hit again, even after a third chat cached S's last block anew).
+TEST(KvCacheManagerTest, WithMtpTheBlocksAfterARecomputedBlockStayFindable) {
+  KvCacheManager m(12, 4, true, {.recompute_last_hit_block = true});
+  const auto system = iota_tokens(1000, 8);  // two blocks: s0, s1
+  const auto chat = [&](int32_t first_user_token, size_t user_tokens) {
+    auto tokens = system;
+    const auto user = iota_tokens(first_user_token, user_tokens);
+    tokens.insert(tokens.end(), user.begin(), user.end());
+    return tokens;
+  };
+  admit_and_compute(m, "r1", chat(100, 9));
+  const int32_t s1 = m.block_table("r1")[1];
+  m.free("r1");
+  const auto r2 = chat(200, 9);
+  EXPECT_EQ(admit_and_compute(m, "r2", r2).num_tokens, 4);  // s0; s1 is recomputed
+  EXPECT_NE(m.block_table("r2")[1], s1);
+  m.free("r2");
+  // Memory pressure: as many blocks as it takes to evict the first chat's blocks and one more.
+  ASSERT_TRUE(m.allocate("x", 9 * 4));
+  m.free("x");
+  admit_and_compute(m, "r3", chat(300, 9));
+  m.free("r3");
+  // r2's next turn: its prompt, an answer and a new question.
+  auto r2_next = r2;
+  const auto more = iota_tokens(400, 8);
+  r2_next.insert(r2_next.end(), more.begin(), more.end());
+  const PrefixHit hit = m.find_cached_prefix(r2_next);
+  EXPECT_EQ(hit.num_tokens, 8);  // s0, s1 (and u2a, left to recompute); u2b was evicted
+  ASSERT_EQ(hit.blocks.size(), 2u);
+  EXPECT_EQ(hit.blocks[1], s1);
+  m.check_invariants();
+}
+
+// A request registering in chunks: the cached block its next blocks follow cannot be evicted
+// between two chunks (before, memory pressure evicted it and the next chunk's blocks were cached
+// after it, unreachable, yet counted in num_cached_blocks and announced by BlockStored).
+TEST(KvCacheManagerTest, NoBlockIsCachedAfterABlockThatLeftTheCache) {
+  KvCacheManager m(12, 4, true, {.enable_events = true, .recompute_last_hit_block = true});
+  const auto system = iota_tokens(1000, 8);
+  auto r1 = system, r2 = system;
+  for (int32_t t = 0; t < 9; ++t) r1.push_back(100 + t), r2.push_back(200 + t);
+  admit_and_compute(m, "r1", r1);
+  m.free("r1");
+  const PrefixHit hit = m.find_cached_prefix(r2);
+  ASSERT_EQ(hit.num_tokens, 4);
+  ASSERT_TRUE(m.allocate("r2", 17, hit));
+  m.cache_full_blocks("r2", std::span<const int32_t>(r2).first(8));  // s1: a private copy
+  // Memory pressure takes every free block.
+  ASSERT_TRUE(m.allocate("x", m.num_free_blocks() * 4));
+  m.free("x");
+  m.take_events();
+  m.cache_full_blocks("r2", std::span<const int32_t>(r2).first(16));
+  // s0, s1, u2a, u2b are cached and found (the last left to recompute); nothing else is cached.
+  EXPECT_EQ(m.num_cached_blocks(), 4);
+  EXPECT_EQ(m.find_cached_prefix(r2).num_tokens, 12);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  const auto hashes = api::block_hashes(r2, 4);
+  EXPECT_EQ(std::get<BlockStored>(events[0]).parent_block_hash, hashes[1]);
+  m.free("r2");
+  EXPECT_EQ(m.num_free_blocks(), 12);
+  m.check_invariants();
+}
+
 TEST(KvCacheManagerTest, EvictsUncachedFirstThenLruTailFirst) {
   KvCacheManager m(6, 2, true, with_events());
   // "a" computes 3 full blocks (cached) and 1 partial block; "b" one full block.
@@ -367,6 +436,11 @@ KvCacheOptions with_hash(KvCacheOptions::BlockHashFunction hash) {
   return options;
 }
 
+KvCacheOptions with_mtp(KvCacheOptions options, bool mtp) {
+  options.recompute_last_hit_block = mtp;
+  return options;
+}
+
 std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
@@ -467,6 +541,9 @@ struct ModelRequest {
   int64_t computed = 0;   // tokens whose KV is written
   int64_t scheduled = 0;  // tokens allocated beyond `computed`, computed at the next step
   std::optional<uint64_t> salt;
+  size_t registered = 0;               // leading full blocks offered to the cache
+  bool lost_its_prefix = false;        // a reset came after it registered blocks
+  std::vector<int32_t> cached_copies;  // the cached blocks its private copies stand for
 };
 
 // Hashes of a sequence's full blocks with `hash` (api::block_hashes with another function).
@@ -491,10 +568,12 @@ class PropertyRun {
  public:
   // With another `hash` than api::block_hash the cache is checked against what its blocks hold
   // (the real hash of their prefix), not against their hashes.
+  // With `mtp`, recompute_last_hit_block is on.
   PropertyRun(int64_t num_blocks, int64_t block_size, uint64_t seed,
-              KvCacheOptions::BlockHashFunction hash = &api::block_hash)
-      : m_(num_blocks, block_size, true, with_hash(hash)),
+              KvCacheOptions::BlockHashFunction hash = &api::block_hash, bool mtp = false)
+      : m_(num_blocks, block_size, true, with_mtp(with_hash(hash), mtp)),
         hash_(hash),
+        mtp_(mtp),
         bs_(block_size),
         rng_(seed) {
     // A few shared prefixes make hits, duplicates and evictions common.
@@ -553,16 +632,17 @@ class PropertyRun {
       EXPECT_TRUE(c != content_.end() && c->second == expected[i])
           << "hit block holds other tokens";
     }
-    // Maximal: the hit stops where no block holds the next prefix, but for one that followed a
-    // private copy (the copy cached first may have left the cache; KV computed after it is no
-    // hit after a block cached later, which is not the block it followed).
+    // Maximal: the hit stops where no cached block holds the next prefix (with MTP, the one
+    // after: the block it stops at, if cached, is left to recompute).
     const size_t limit = static_cast<size_t>((r.prompt_len - 1) / bs_);
-    if (hit.blocks.size() < limit && hash_ == &api::block_hash) {
-      for (int32_t b = 0; b < m_.num_blocks(); ++b) {
-        if (m_.cached_hash(b) == expected[hit.blocks.size()]) {
-          EXPECT_TRUE(followers_.count(b)) << "the hit stops before cached block " << b;
-        }
-      }
+    const size_t next = hit.blocks.size() + (mtp_ ? 1 : 0);
+    if (next < limit) {
+      const int32_t b = cached_block_holding(expected[next]);
+      EXPECT_LT(b, 0) << "the hit stops before cached block " << b;
+    }
+    if (mtp_ && !hit.blocks.empty()) {
+      EXPECT_GE(cached_block_holding(expected[hit.blocks.size()]), 0)
+          << "an MTP hit left a block to recompute that is not cached";
     }
 
     const int64_t chunk =
@@ -579,6 +659,7 @@ class PropertyRun {
     hits_ += hit.num_tokens;
     r.computed = hit.num_tokens;
     r.scheduled = chunk;
+    r.registered = hit.blocks.size();
     const auto& table = m_.block_table(id);
     EXPECT_EQ(static_cast<int64_t>(table.size()), (hit.num_tokens + chunk + bs_ - 1) / bs_);
     EXPECT_TRUE(std::equal(hit.blocks.begin(), hit.blocks.end(), table.begin()));
@@ -599,15 +680,18 @@ class PropertyRun {
     const auto hashes = api::block_hashes(done, bs_, r.salt);
     const auto keys = hashes_with(hash_, done, bs_, r.salt);
     const auto& table = m_.block_table(id);
-    bool after_private_copy = false;
     for (size_t i = 0; i < hashes.size(); ++i) {
       content_[table[i]] = hashes[i];
       key_[hashes[i]] = keys[i];
-      if (!m_.cached_hash(table[i]))
-        after_private_copy = true;
-      else if (after_private_copy)
-        followers_.insert(table[i]);
     }
+    // A newly registered block left private has a cached copy, which the request now holds.
+    for (size_t i = r.registered; i < hashes.size() && !r.lost_its_prefix; ++i) {
+      if (m_.cached_hash(table[i])) continue;
+      const int32_t copy = cached_block_holding(hashes[i]);
+      EXPECT_GE(copy, 0) << "block " << table[i] << " is private, but no copy is cached";
+      if (copy >= 0) r.cached_copies.push_back(copy);
+    }
+    r.registered = std::max(r.registered, hashes.size());
 
     if (r.computed == static_cast<int64_t>(r.tokens.size())) {
       r.tokens.push_back(static_cast<int32_t>(rng_() % 50));  // decode: one sampled token
@@ -626,9 +710,15 @@ class PropertyRun {
     }
   }
 
-  void forget(int32_t block) {  // handed out again: what it held is gone
-    content_.erase(block);
-    followers_.erase(block);
+  void forget(int32_t block) { content_.erase(block); }  // handed out again: what it held is gone
+
+  // The cached block holding the prefix whose real hash is `prefix`, or -1.
+  int32_t cached_block_holding(uint64_t prefix) const {
+    for (int32_t b = 0; b < m_.num_blocks(); ++b) {
+      const auto c = content_.find(b);
+      if (m_.cached_hash(b) && c != content_.end() && c->second == prefix) return b;
+    }
+    return -1;
   }
 
   void free_request() {
@@ -638,7 +728,10 @@ class PropertyRun {
     model_.erase(id);
   }
 
-  void reset() { m_.reset_prefix_cache(); }
+  void reset() {
+    m_.reset_prefix_cache();
+    for (auto& [id, r] : model_) r.lost_its_prefix = r.lost_its_prefix || r.registered > 0;
+  }
 
   void apply_events() {
     for (const KvEvent& event : m_.take_events()) {
@@ -677,10 +770,10 @@ class PropertyRun {
       std::unordered_set<int32_t> distinct(table.begin(), table.end());
       EXPECT_EQ(distinct.size(), table.size());
       for (const int32_t b : table) ++refs[b];
+      for (const int32_t b : r.cached_copies) ++refs[b];
     }
-    // A hash may be in several blocks: ones whose hashes collide, or a copy of a block that
-    // follows one which left the cache (only a lookup through that one would take it).
-    std::unordered_set<uint64_t> cached;
+    // A hash may be in several blocks whose hashes collide; a prefix is in one at most.
+    std::unordered_set<uint64_t> cached, prefixes;
     int64_t num_cached = 0;
     for (int32_t b = 0; b < m_.num_blocks(); ++b) {
       const auto it = refs.find(b);
@@ -691,6 +784,8 @@ class PropertyRun {
         const auto c = content_.find(b);
         ASSERT_TRUE(c != content_.end()) << "cached block " << b << " holds nothing known";
         EXPECT_EQ(key_.at(c->second), *h) << "cached block " << b << " holds other tokens";
+        EXPECT_TRUE(prefixes.insert(c->second).second)
+            << "a second cached block holds " << b << "'s prefix";
       }
     }
     EXPECT_EQ(m_.num_free_blocks() + static_cast<int64_t>(refs.size()), m_.num_blocks());
@@ -705,14 +800,14 @@ class PropertyRun {
 
   KvCacheManager m_;
   KvCacheOptions::BlockHashFunction hash_;
+  bool mtp_;
   int64_t bs_;
   std::mt19937_64 rng_;
   std::vector<std::vector<int32_t>> bases_;
   std::map<std::string, ModelRequest> model_;
   std::unordered_map<int32_t, uint64_t> content_;  // block -> real hash of the prefix it holds
   std::unordered_map<uint64_t, uint64_t> key_;     // real hash of a prefix -> hash_'s
-  std::unordered_set<int32_t> followers_;  // cached blocks after a private copy in their table
-  std::unordered_set<uint64_t> replayed_;  // cache contents rebuilt from events
+  std::unordered_set<uint64_t> replayed_;          // cache contents rebuilt from events
   int next_id_ = 0;
   int64_t requests_ = 0, queries_ = 0, hits_ = 0;
 };
@@ -735,6 +830,21 @@ TEST(KvCacheManagerTest, RandomizedOperationsWithCollidingHashesHitOnlyTheirOwnT
     PropertyRun run(blocks, bs, seed, three_bit_hash);
     run.run(3000);
     if (::testing::Test::HasFailure()) break;
+  }
+}
+
+// The same with MTP drafts, whose every hit leaves a private copy of its last block: the blocks
+// a request caches after such a copy are hit as long as they are cached.
+TEST(KvCacheManagerTest, RandomizedOperationsWithMtpDraftsHitEveryCachedPrefix) {
+  for (const auto& [blocks, bs, seed] : std::vector<std::tuple<int64_t, int64_t, uint64_t>>{
+           {24, 2, 21}, {40, 4, 22}, {64, 3, 23}, {16, 1, 24}, {48, 16, 25}}) {
+    for (const bool colliding : {false, true}) {
+      SCOPED_TRACE("blocks " + std::to_string(blocks) + " block_size " + std::to_string(bs) +
+                   (colliding ? " colliding" : ""));
+      PropertyRun run(blocks, bs, seed, colliding ? three_bit_hash : &api::block_hash, true);
+      run.run(3000);
+      if (::testing::Test::HasFailure()) return;
+    }
   }
 }
 

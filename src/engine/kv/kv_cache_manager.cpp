@@ -111,11 +111,12 @@ int32_t KvCacheManager::find_block(uint64_t hash, uint64_t parent_entry,
 }
 
 bool KvCacheManager::cache_block(int32_t b, uint64_t hash, uint64_t parent_entry,
-                                 std::span<const int32_t> block_tokens,
+                                 int32_t parent_block, std::span<const int32_t> block_tokens,
                                  std::optional<uint64_t> salt) {
   Block& block = blocks_[b];
   block.entry = ++last_entry_;
   block.parent_entry = parent_entry;
+  block.parent_block = parent_block;
   block.salt = salt;
   block.hash = hash;
   const size_t end = (static_cast<size_t>(b) + 1) * static_cast<size_t>(block_size_);
@@ -228,6 +229,7 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
     request.hashes = hit.hashes;
     request.num_registered = hit.blocks.size();
     request.last_entry = hit_entry;
+    if (!hit.blocks.empty()) request.last_block = hit.blocks.back();
     if (enable_prefix_caching_ && hit.num_query_tokens > 0) {
       ++stats_.requests;
       stats_.queries += hit.num_query_tokens;
@@ -303,14 +305,25 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
     const auto block_tokens = tokens.subspan(i * bs, bs);
     const auto salt = i == 0 ? request.cache_salt : std::nullopt;
     const uint64_t parent_entry = request.last_entry;
+    if (parent_entry != kNoParentEntry && blocks_[request.last_block].entry != parent_entry) {
+      // What its blocks follow left the cache (the request holds it, so only a bug gets here):
+      // blocks cached after it could never be found.
+      request.lost_its_prefix = true;
+      break;
+    }
     if (const int32_t copy = find_block(h, parent_entry, block_tokens, salt); copy >= 0) {
-      // Another block already holds this prefix: ours stays private, the next follows that one.
+      // Another block already holds this prefix: ours stays private, the next follows that one,
+      // which the request holds so that it is not evicted before them.
+      if (blocks_[copy].ref++ == 0) unlink(copy);
+      request.cached_copies.emplace_back(i, copy);
       request.last_entry = blocks_[copy].entry;
+      request.last_block = copy;
       flush();
       continue;
     }
-    const bool new_hash = cache_block(b, h, parent_entry, block_tokens, salt);
+    const bool new_hash = cache_block(b, h, parent_entry, request.last_block, block_tokens, salt);
     request.last_entry = blocks_[b].entry;
+    request.last_block = b;
     if (!new_hash) {  // other tokens with this hash are cached: events have it already
       flush();
       continue;
@@ -356,8 +369,15 @@ void KvCacheManager::free(const std::string& request_id) {
   const auto it = requests_.find(request_id);
   if (it == requests_.end()) return;
   const std::vector<int32_t>& table = it->second.blocks;
-  // Reverse order, so that a sequence's tail is evicted before its head.
-  for (auto b = table.rbegin(); b != table.rend(); ++b) release(*b);
+  const auto& copies = it->second.cached_copies;
+  // Reverse order, so that a sequence's tail is evicted before its head, and a cached copy right
+  // after the private block it stands for: after the blocks that follow it, before those it
+  // follows.
+  auto copy = copies.rbegin();
+  for (size_t i = table.size(); i-- > 0;) {
+    release(table[i]);
+    if (copy != copies.rend() && copy->first == i) release((copy++)->second);
+  }
   requests_.erase(it);
 }
 
@@ -422,10 +442,15 @@ void KvCacheManager::check_invariants() const {
   std::vector<int32_t> refs(blocks_.size(), 0);
   for (const auto& [id, request] : requests_) {
     std::unordered_set<int32_t> seen;
-    for (const int32_t b : request.blocks) {
+    const auto hold = [&](int32_t b) {
       if (b < 0 || b >= num_blocks()) fail("request '" + id + "' holds " + describe(b));
       if (!seen.insert(b).second) fail("request '" + id + "' holds " + describe(b) + " twice");
       ++refs[b];
+    };
+    for (const int32_t b : request.blocks) hold(b);
+    for (const auto& [index, b] : request.cached_copies) {
+      if (index >= request.num_registered) fail("request '" + id + "' holds a copy it never met");
+      hold(b);
     }
     if (request.num_registered > request.hashes.size() && enable_prefix_caching_) {
       fail("request '" + id + "' registered blocks without hashes");
@@ -452,20 +477,33 @@ void KvCacheManager::check_invariants() const {
       if (block.parent_entry >= block.entry) fail(describe(b) + " follows a later entry");
       if (block.salt && block.parent_entry != kNoParentEntry)
         fail(describe(b) + " is salted but not a first block");
+      // What it follows is still cached, so a lookup can reach it.
+      if (block.parent_entry != kNoParentEntry &&
+          (block.parent_block < 0 || block.parent_block >= num_blocks() ||
+           blocks_[block.parent_block].entry != block.parent_entry))
+        fail(describe(b) + " follows a block that left the cache");
       if (cached_tokens_.size() < (static_cast<size_t>(b) + 1) * static_cast<size_t>(block_size_))
         fail(describe(b) + " is cached without its tokens");
     }
   }
   if (used + num_free_ != num_blocks()) fail("free + used blocks differ from the total");
-  // Each hash's chain holds exactly the cached blocks with that hash.
+  // Each hash's chain holds exactly the cached blocks with that hash, and no two of them hold
+  // the same prefix (a prefix maps to at most one block).
   int64_t chained = 0;
   for (const auto& [hash, first] : cached_) {
     int64_t length = 0;
     for (int32_t b = first; b >= 0; b = blocks_[b].next_same_hash) {
       if (b >= num_blocks() || ++length > num_blocks())
         fail("the blocks of a hash are not a well-linked list");
-      if (!blocks_[b].cached() || blocks_[b].hash != hash)
+      const Block& block = blocks_[b];
+      if (!block.cached() || block.hash != hash)
         fail(describe(b) + " is listed under a hash it does not hold");
+      for (int32_t other = first; other != b; other = blocks_[other].next_same_hash) {
+        if (blocks_[other].parent_entry == block.parent_entry &&
+            blocks_[other].salt == block.salt &&
+            std::ranges::equal(cached_tokens(other), cached_tokens(b)))
+          fail(describe(b) + " and " + describe(other) + " hold the same prefix");
+      }
     }
     chained += length;
   }

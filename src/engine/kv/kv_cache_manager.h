@@ -5,14 +5,21 @@
 // and remembers which full blocks hold which token prefix, so a new request whose prompt starts
 // like an earlier one reuses those blocks instead of recomputing them. Modelled on vLLM v1's
 // KVCacheManager/BlockPool:
-//   - every block has a reference count (the number of request block tables holding it);
+//   - every block has a reference count (the number of requests holding it: in their block tables,
+//     or as the cached copy of a block of theirs that stayed private, see below);
 //   - unreferenced blocks sit in a free queue in LRU order: blocks that hold a cached full block
 //     go to the tail when freed (a request's blocks in reverse order, so a sequence's last blocks
 //     are evicted before its first ones), blocks with nothing cached go to the head;
-//   - allocation takes blocks from the head; taking a cached block evicts it (its hash leaves the
-//     cache and a BlockRemoved event is recorded);
+//   - allocation takes blocks from the head; taking a cached block evicts it (a BlockRemoved event
+//     is recorded when it was the last cached block with its hash);
 //   - a prefix maps to at most one block. When two requests compute the same block at the same
-//     time the first to be registered is cached and the other copy stays private to its request.
+//     time (or a request recomputes a hit's last block, see recompute_last_hit_block) the block
+//     cached first stays the cached one and the other copy stays private to its request. That
+//     request's next blocks follow the cached one, so it holds a reference on it until freed and
+//     releases it behind them: the cached block outlives the blocks that follow it.
+//   - a block is cached only after a cached block (or as a first block), so every cached block is
+//     findable: its predecessors are cached too, since a block is never evicted before its
+//     followers (they are released and queued before it).
 //
 // Blocks are found by api/block_hash.h's chained XXH3-64 over token ids (with an optional
 // per-request cache salt folded into the first block), but a hash is only where to look: its seed
@@ -36,6 +43,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <absl/container/flat_hash_map.h>
@@ -118,9 +126,11 @@ class KvCacheManager {
                                  const PrefixHit& hit = {}) const;
 
   // Registers the request's full blocks that are now computed: `tokens` are all its tokens whose
-  // KV is in the cache, from the start (the same prefix as in earlier calls). Records one
-  // BlockStored per run of newly cached blocks. No-op when caching is off. Throws tandem::Error
-  // for an unknown request or more tokens than the block table covers.
+  // KV is in the cache, from the start (the same prefix as in earlier calls). A block whose prefix
+  // is cached already stays private and the request references the cached one (taking it out of
+  // the free queue when nobody else did). Records one BlockStored per run of consecutive blocks
+  // that cache a hash no cached block had. No-op when caching is off. Throws tandem::Error for an
+  // unknown request or more tokens than the block table covers.
   void cache_full_blocks(const std::string& request_id, std::span<const int32_t> tokens);
 
   // Rolls a request back to its first `num_tokens` tokens (speculative decoding: the KV of
@@ -129,7 +139,8 @@ class KvCacheManager {
   // is an unknown request. No-op when the table covers no more.
   void truncate(const std::string& request_id, int64_t num_tokens);
 
-  // Drops the request's references; blocks nobody else references return to the free queue, and
+  // Drops the request's references (its table's, last to first, each cached copy of a private
+  // block right after that block); blocks nobody else references return to the free queue, and
   // cached ones stay findable until evicted. Unknown ids are ignored (free is idempotent).
   void free(const std::string& request_id);
 
@@ -175,6 +186,7 @@ class KvCacheManager {
     std::optional<uint64_t> salt;            // a first block's cache salt
     uint64_t hash = 0;
     int32_t next_same_hash = -1;  // the next cached block with the same hash (other tokens)
+    int32_t parent_block = -1;    // the block that had parent_entry (-1: a first block)
 
     bool cached() const { return entry != 0; }
   };
@@ -184,8 +196,12 @@ class KvCacheManager {
     size_t num_registered = 0;     // leading blocks already considered for caching
     std::optional<uint64_t> cache_salt;
     // The entry of the cached block holding its block num_registered - 1 (its own, or the copy
-    // cached first): what the next block it registers was computed after.
+    // cached first), and that block: what the next block it registers was computed after.
     uint64_t last_entry = kNoParentEntry;
+    int32_t last_block = -1;
+    // The cached blocks it references because its own copy at that table index stayed private
+    // (index, block), in index order: its later blocks follow them, so they must outlive those.
+    std::vector<std::pair<size_t, int32_t>> cached_copies;
     bool lost_its_prefix = false;  // reset_prefix_cache() came after it registered blocks
   };
 
@@ -204,7 +220,7 @@ class KvCacheManager {
                      const std::optional<uint64_t>& salt) const;
   std::span<const int32_t> cached_tokens(int32_t b) const;
   // Makes block b the cache entry for these contents; true when no other block had its hash.
-  bool cache_block(int32_t b, uint64_t hash, uint64_t parent_entry,
+  bool cache_block(int32_t b, uint64_t hash, uint64_t parent_entry, int32_t parent_block,
                    std::span<const int32_t> block_tokens, std::optional<uint64_t> salt);
   // Forgets block b's entry; true when no other block has its hash now.
   bool uncache_block(int32_t b);
