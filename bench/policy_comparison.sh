@@ -115,7 +115,8 @@ run_policy() {
     --ignore-eos --dataset-path "$trace" --trace-start "$start" --trace-limit "$limit" \
     --time-scale "$scale" "${spread[@]}" "${metrics[@]}" --percentile-metrics ttft,tpot --metric-percentiles 50,90,95,99 \
     --goodput "ttft:${SLO_TTFT_MS:-10000}" --goodput "tpot:${SLO_TPOT_MS:-100}" \
-    --result-file "$dir/$policy.json" --no-progress >"$dir/bench-$policy.out" 2>&1
+    --result-file "$dir/$policy.json" --no-progress >"$dir/bench-$policy.out" 2>&1 ||
+    true # bench exits 1 when every request failed: the row says so, and this stack must still stop
   for e in "${engines[@]}"; do curl -s "$e/metrics" >"$dir/engine-$policy-${e##*:}.txt"; done
   kill "$serve_pid" && wait "$serve_pid" 2>/dev/null || true
   rm -f "$dir/$policy.pid"
