@@ -840,11 +840,22 @@ void Dispatcher::release_held_kv(int endpoint_id, const std::string& params,
                                  const net::Headers& headers) {
   const EndpointState* e = endpoints_.find(endpoint_id);
   if (!e || e->load_source != LoadSource::kReports) return;  // gone, or no Tandem engine
-  if (kv_releases_ >= kMaxKvReleases) {
+  KvRelease release{endpoint_id, params, headers};
+  if (kv_releases_ < kMaxKvReleases) {
+    send_kv_release(std::move(release));
+  } else if (kv_releases_waiting_.size() < kMaxQueuedKvReleases) {
+    kv_releases_waiting_.push_back(std::move(release));
+  } else {
     metrics_.kv_releases.labels({"dropped"}).inc();
-    return;
   }
+}
+
+void Dispatcher::send_kv_release(KvRelease release) {
+  const EndpointState* e = endpoints_.find(release.endpoint_id);
+  if (!e) return;  // removed while the release waited its turn
   ++kv_releases_;
+  const std::string& params = release.params;
+  const net::Headers& headers = release.headers;
   net::AsyncHttpRequest u;
   u.host = e->config.host;
   u.port = e->config.port;
@@ -868,6 +879,11 @@ void Dispatcher::release_held_kv(int endpoint_id, const std::string& params,
         }
         exec_.post([this, name, result = std::move(result), why = std::move(why)] {
           --kv_releases_;
+          if (!kv_releases_waiting_.empty()) {
+            KvRelease next = std::move(kv_releases_waiting_.front());
+            kv_releases_waiting_.pop_front();
+            send_kv_release(std::move(next));
+          }
           metrics_.kv_releases.labels({result}).inc();
           if (result != "failed") return;
           const std::optional<int64_t> held_back = kv_release_log_.admit(exec_.now());

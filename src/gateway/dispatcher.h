@@ -180,10 +180,20 @@ class Dispatcher {
   // POST /v1/kv_transfer/release with `params` (a kv_transfer_params member) to the prefill engine
   // `endpoint_id`, if it is a Tandem engine (it reports its load: vLLM's have no such route, and
   // free held KV at their own timeout), in the background: bounded by timeouts.connect_ms as a
-  // whole and by kMaxKvReleases at once (more are dropped), never delaying an answer; its outcome
-  // is counted in tandem:gateway_kv_releases_total, failures logged (at most one line per 10 s).
+  // whole and by kMaxKvReleases at once, never delaying an answer; its outcome is counted in
+  // tandem:gateway_kv_releases_total, failures logged (at most one line per 10 s). A burst
+  // (hundreds of clients leaving together) is sent in turn, as calls end, rather than dropped: a
+  // dropped release holds the prefill engine's blocks until its --kv-transfer-timeout, when it most
+  // needs them. Only past kMaxQueuedKvReleases waiting is one dropped (and counted).
   void release_held_kv(int endpoint_id, const std::string& params, const net::Headers& headers);
+  struct KvRelease {
+    int endpoint_id;
+    std::string params;  // the kv_transfer_params member
+    net::Headers headers;
+  };
+  void send_kv_release(KvRelease release);
   static constexpr int64_t kMaxKvReleases = 64;
+  static constexpr size_t kMaxQueuedKvReleases = 4096;
   void answer_shutting_down(const RequestPtr& r);
 
   const Topology& topo_;
@@ -202,6 +212,7 @@ class Dispatcher {
   std::unordered_map<const Request*, RequestPtr> active_;
   std::map<int, int64_t> decode_reserved_;  // sequential mode: requests per group (reserve_decode)
   int64_t kv_releases_ = 0;                 // release_held_kv calls under way
+  std::deque<KvRelease> kv_releases_waiting_;  // their turn after those (release_held_kv)
   LogThrottle kv_release_log_{std::chrono::seconds(10)};
   RequestRecorder recorder_;
 };

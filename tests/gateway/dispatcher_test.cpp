@@ -1944,6 +1944,43 @@ TEST(Dispatcher, AReleaseThatGetsNoAnswerIsCutAndCountedAsFailed) {
   EXPECT_EQ(s.releases("failed"), 1);
 }
 
+// Hundreds of clients leaving at once (a load balancer giving up) each leave KV held on the
+// prefill engine: the releases past those sent at once wait their turn and are all sent as the
+// earlier ones end. Past 64 under way they were dropped, and the KV stayed held for 120 s.
+TEST(Dispatcher, ABurstOfReleasesIsSentInTurnNotDropped) {
+  constexpr int kLeaving = 200;
+  Topology t = disaggregated(PdMode::kSequential, {engine("p")},
+                             {engine("d", 0, 1), engine("gone", 0, kLeaving)});
+  t.prefill.dialect = Dialect::kTandem;
+  t.prefill.max_in_flight = kLeaving + 1;
+  Cluster c(t);
+  auto running = c.send_body({{"model", "m"}, {"prompt", "hello"}});
+  std::vector<std::shared_ptr<FakeClient>> leaving;
+  for (int i = 0; i < kLeaving; ++i)
+    leaving.push_back(c.send_body({{"model", "m"}, {"prompt", "there " + std::to_string(i)}}));
+  auto prefills = c.engines.open("/v1/completions");
+  ASSERT_EQ(prefills.size(), size_t{kLeaving + 1});
+  ASSERT_TRUE(c.dispatcher.remove_endpoint("gone", nullptr));
+  for (const auto& p : prefills) {
+    FakeEngines::answer(*p, 200, json{{"kv_transfer_params", kHeldKv}}.dump());
+    c.clock.run_ready();
+  }
+  ASSERT_EQ(c.dispatcher.waiting(), size_t{kLeaving});
+  for (const auto& client : leaving) client->leave();
+  c.clock.run_ready();
+  for (auto open = c.engines.open("/v1/kv_transfer/release"); !open.empty();
+       open = c.engines.open("/v1/kv_transfer/release")) {
+    for (const auto& release : open) FakeEngines::answer(*release, 200, R"({"released":true})");
+    c.clock.run_ready();
+  }
+  EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), size_t{kLeaving});
+  auto releases = [&](const std::string& result) {
+    return c.metric("tandem:gateway_kv_releases_total{result=\"" + result + "\"}");
+  };
+  EXPECT_EQ(releases("released"), kLeaving);
+  EXPECT_EQ(releases("dropped"), 0);
+}
+
 // vLLM's engines have no release route (NIXL frees held KV at its own timeout): nothing is sent.
 TEST(Dispatcher, NoReleaseGoesToAVllmPrefillEngine) {
   DecodeStageWaiting s(Dialect::kVllm);
