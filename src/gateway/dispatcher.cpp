@@ -1,7 +1,9 @@
 #include "gateway/dispatcher.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <utility>
 
@@ -865,10 +867,15 @@ void Dispatcher::send_kv_release(KvRelease release) {
   u.headers = headers;  // the client's API key, as its legs carry it
   u.timeout = topo_.timeouts.connect;
   u.connect_timeout = topo_.timeouts.connect;
+  auto cut = std::make_shared<std::atomic<bool>>(false);  // by the bound below
   const Upstream::CallId call = whole_answer(
       upstream_, std::move(u), kMaxReleaseAnswerBytes,
-      [this, name = e->config.name](const EngineAnswer& a) {
+      [this, name = e->config.name, cut](const EngineAnswer& a) {
         std::string result = "failed", why = a.error;
+        // The call's own error ("cancelled") would not say that the engine was too slow.
+        if (cut->load())
+          why = "no answer within timeouts.connect_ms (" +
+                std::to_string(topo_.timeouts.connect.count()) + " ms)";
         if (a.error.empty() && a.status == 200) {
           const json answer = json::parse(a.body, nullptr, false);
           const bool released =
@@ -895,7 +902,10 @@ void Dispatcher::send_kv_release(KvRelease release) {
         });
       });
   // The whole call, not only each read, within the bound (an ended call's id is ignored).
-  exec_.at(exec_.now() + topo_.timeouts.connect, [this, call] { upstream_.cancel(call); });
+  exec_.at(exec_.now() + topo_.timeouts.connect, [this, call, cut] {
+    *cut = true;
+    upstream_.cancel(call);
+  });
 }
 
 bool Dispatcher::prefill_leg_running(Request& r) {

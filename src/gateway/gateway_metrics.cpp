@@ -85,8 +85,11 @@ GatewayMetrics::GatewayMetrics(metrics::Registry& r, const std::string& model_na
           "tandem:gateway_kv_releases_total",
           "Sequential P/D requests that ended before a decode engine took their prompt's KV, "
           "whose prefill engine the gateway told to let go of it, by result: released, "
-          "not_held (pulled, expired or released already), failed, or dropped (4096 "
-          "already waiting their turn behind the 64 sent at once).",
+          "not_held (pulled, expired or released already), failed (no answer within "
+          "timeouts.connect_ms included), or dropped (4096 already "
+          "waiting their turn behind the 64 sent at once). One under way when the gateway stops "
+          "is cut and counts as failed; those still waiting their turn then are neither sent "
+          "nor counted.",
           {"result"})) {}
 
 }  // namespace tandem::gateway

@@ -1933,15 +1933,19 @@ TEST(Dispatcher, ADecodeStageThatTimesOutLetsGoOfItsKvAndTheOutcomeIsCounted) {
   EXPECT_EQ(s.c.engines.all(DecodeStageWaiting::kRelease).size(), 1u);
 }
 
-// A release that the engine does not answer is cut at timeouts.connect_ms and counted as failed.
+// A release that the engine does not answer is cut at timeouts.connect_ms and counted as failed;
+// the log says why (it said "cancelled", as if someone had given it up).
 TEST(Dispatcher, AReleaseThatGetsNoAnswerIsCutAndCountedAsFailed) {
   DecodeStageWaiting s;
   s.waiting->leave();
   s.c.clock.run_ready();
   ASSERT_EQ(s.c.engines.open(DecodeStageWaiting::kRelease).size(), 1u);
+  testing::internal::CaptureStderr();
   s.c.clock.advance_by(s.c.topo.timeouts.connect);
+  const std::string log = testing::internal::GetCapturedStderr();
   EXPECT_TRUE(s.c.engines.open(DecodeStageWaiting::kRelease).empty());
   EXPECT_EQ(s.releases("failed"), 1);
+  EXPECT_NE(log.find("no answer within timeouts.connect_ms"), std::string::npos) << log;
 }
 
 // Hundreds of clients leaving at once (a load balancer giving up) each leave KV held on the
