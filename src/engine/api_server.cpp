@@ -260,8 +260,8 @@ ApiServer::ApiServer(Engine& engine, metrics::Registry& registry, net::HttpServe
             generation_.handle(kind, req, std::move(r));
           },
           // A decode leg whose client (the gateway) left before it was prepared still names KV
-          // that a prefill engine holds for it: refused unread (to nobody), it tells that engine
-          // to let go, which would otherwise keep it until its timeout.
+          // that a prefill engine holds for it: refused (the answer goes to nobody), it tells that
+          // engine to let go, which would otherwise keep it until its timeout.
           [this, kind](const net::HttpRequest& req, std::shared_ptr<net::Reply> r) {
             generation_.refuse(kind, req, *r, "its client left before it was prepared");
           });
@@ -310,8 +310,9 @@ void ApiServer::prepare(std::shared_ptr<net::Exchange> exchange, std::shared_ptr
       ~Done() { --preparer->queued; }
     } done{least};
     if (before_preparation_) before_preparation_(exchange->request(), *reply);
-    // A client that left while its request waited gets nothing prepared, and starts no engine
-    // work. One that leaves during the preparation has its engine requests aborted as soon as
+    // A client that left while its request waited gets nothing prepared and starts no
+    // generation (`dropped` may still let go of what the request names, such as held KV). One
+    // that leaves during the preparation has its engine requests aborted as soon as
     // they are submitted: the reply's close callback runs at once when registered then.
     if (exchange->closed()) {
       if (dropped) dropped(exchange->request(), std::move(reply));
