@@ -110,6 +110,14 @@ int32_t KvCacheManager::find_block(uint64_t hash, uint64_t parent_entry,
   return -1;
 }
 
+bool KvCacheManager::hash_is_full(uint64_t hash) const {
+  const auto it = cached_.find(hash);
+  int64_t blocks = 0;
+  for (int32_t b = it == cached_.end() ? -1 : it->second; b >= 0; b = blocks_[b].next_same_hash)
+    ++blocks;
+  return blocks >= kMaxBlocksPerHash;
+}
+
 bool KvCacheManager::cache_block(int32_t b, uint64_t hash, uint64_t parent_entry,
                                  int32_t parent_block, std::span<const int32_t> block_tokens,
                                  std::optional<uint64_t> salt) {
@@ -321,6 +329,12 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
       flush();
       continue;
     }
+    if (hash_is_full(h)) {
+      // Colliding on purpose, most likely: kept out, so a lookup or eviction walks few blocks.
+      // What the request computes after this block could never be found either.
+      request.lost_its_prefix = true;
+      break;
+    }
     const bool new_hash = cache_block(b, h, parent_entry, request.last_block, block_tokens, salt);
     request.last_entry = blocks_[b].entry;
     request.last_block = b;
@@ -495,6 +509,7 @@ void KvCacheManager::check_invariants() const {
     for (int32_t b = first; b >= 0; b = blocks_[b].next_same_hash) {
       if (b >= num_blocks() || ++length > num_blocks())
         fail("the blocks of a hash are not a well-linked list");
+      if (length > kMaxBlocksPerHash) fail("a hash holds more than kMaxBlocksPerHash blocks");
       const Block& block = blocks_[b];
       if (!block.cached() || block.hash != hash)
         fail(describe(b) + " is listed under a hash it does not hold");

@@ -27,8 +27,9 @@
 // block keeps its tokens, its salt (a first block) and the cache entry of the block its KV was
 // computed after, and a lookup takes it only when all three are this request's (vLLM answered the
 // same threat, CVE-2025-25183, by hashing with SHA-256; the gateway computes these hashes too, so
-// Tandem keeps the hash and checks the contents). Blocks whose hashes collide are all cached,
-// under one hash; KV events name a hash when its first block is cached and when its last leaves.
+// Tandem keeps the hash and checks the contents). Blocks whose hashes collide are cached under one
+// hash, up to kMaxBlocksPerHash (more stay private); KV events name a hash when its first block is
+// cached and when its last leaves.
 //
 // Typical scheduler use per step:
 //   new request:  hit = find_cached_prefix(prompt); allocate(id, hit.num_tokens + n, hit)
@@ -174,6 +175,9 @@ class KvCacheManager {
  private:
   // The cache entry a sequence's first block follows.
   static constexpr uint64_t kNoParentEntry = 0;
+  // The cached blocks a hash may hold. Honest hashes (64-bit) practically never collide; crafted
+  // collisions beyond this stay private instead of making lookups and evictions walk a long list.
+  static constexpr int64_t kMaxBlocksPerHash = 4;
 
   struct Block {
     int32_t ref = 0;
@@ -202,7 +206,9 @@ class KvCacheManager {
     // The cached blocks it references because its own copy at that table index stayed private
     // (index, block), in index order: its later blocks follow them, so they must outlive those.
     std::vector<std::pair<size_t, int32_t>> cached_copies;
-    bool lost_its_prefix = false;  // reset_prefix_cache() came after it registered blocks
+    // It registers no more blocks: what they would follow is not cached (reset_prefix_cache() came
+    // after it registered blocks, or its block's hash held kMaxBlocksPerHash blocks).
+    bool lost_its_prefix = false;
   };
 
   void push_front(int32_t b);
@@ -222,6 +228,8 @@ class KvCacheManager {
   // Makes block b the cache entry for these contents; true when no other block had its hash.
   bool cache_block(int32_t b, uint64_t hash, uint64_t parent_entry, int32_t parent_block,
                    std::span<const int32_t> block_tokens, std::optional<uint64_t> salt);
+  // True when the hash holds kMaxBlocksPerHash cached blocks.
+  bool hash_is_full(uint64_t hash) const;
   // Forgets block b's entry; true when no other block has its hash now.
   bool uncache_block(int32_t b);
 
