@@ -264,6 +264,37 @@ TEST(KvCacheManagerTest, WithMtpTheBlocksAfterARecomputedBlockStayFindable) {
   m.check_invariants();
 }
 
+// A sequence that scores its prompt (prompt_logprobs: no prefix hit, every block computed) over a
+// prompt already cached holds no cached copy beside its own blocks: holding them took every free
+// block, so its allocation failed at 48 of 60 tokens, and preempted and readmitted as it was, it
+// never finished. Only the block an MTP hit recomputes is held (one per request).
+TEST(KvCacheManagerTest, AScoringSequenceOverACachedPromptHoldsNoCopiesBesideItsOwnBlocks) {
+  KvCacheManager m(20, 4, true, {.recompute_last_hit_block = true});
+  const auto prompt = iota_tokens(1000, 60);
+  admit_and_compute(m, "a", prompt);
+  m.free("a");
+  for (int round = 0; round < 2; ++round) {  // the second: as readmitted after a preemption
+    const std::string id = "b" + std::to_string(round);
+    for (int64_t done = 8; done <= 60; done += 8) {
+      ASSERT_TRUE(done == 8 ? m.allocate(id, done, PrefixHit::none(std::nullopt))
+                            : m.allocate(id, done))
+          << "at " << done << " tokens";
+      m.cache_full_blocks(id, std::span<const int32_t>(prompt).first(done));
+      m.check_invariants();
+    }
+    ASSERT_TRUE(m.allocate(id, 60));
+    m.cache_full_blocks(id, prompt);
+    EXPECT_EQ(m.block_table(id).size(), 15u);
+    EXPECT_EQ(m.num_free_blocks(), 5);
+    m.free(id);
+  }
+  // What the scoring sequences did not evict is still found: a0..a4 (the five blocks left after
+  // the five never used and ten of a's, the least recently used first), less the block an MTP hit
+  // recomputes.
+  EXPECT_EQ(m.find_cached_prefix(prompt).num_tokens, 16);
+  m.check_invariants();
+}
+
 // A request registering in chunks: the cached block its next blocks follow cannot be evicted
 // between two chunks (before, memory pressure evicted it and the next chunk's blocks were cached
 // after it, unreachable, yet counted in num_cached_blocks and announced by BlockStored).
@@ -544,6 +575,7 @@ struct ModelRequest {
   size_t registered = 0;               // leading full blocks offered to the cache
   bool lost_its_prefix = false;        // a reset came after it registered blocks
   std::vector<int32_t> cached_copies;  // the cached blocks its private copies stand for
+  size_t recomputed_index = SIZE_MAX;  // the table index of an MTP hit's recomputed block
 };
 
 // Hashes of a sequence's full blocks with `hash` (api::block_hashes with another function).
@@ -626,6 +658,16 @@ class PropertyRun {
     return it->first;
   }
 
+  // How many of the model's requests hold `b` (in their tables or as a cached copy).
+  int64_t holders(int32_t b) const {
+    int64_t n = 0;
+    for (const auto& [id, r] : model_) {
+      n += std::ranges::count(m_.block_table(id), b);
+      n += std::ranges::count(r.cached_copies, b);
+    }
+    return n;
+  }
+
   void add_request() {
     ModelRequest r;
     const auto& base = bases_[rng_() % bases_.size()];
@@ -676,6 +718,7 @@ class PropertyRun {
     r.computed = hit.num_tokens;
     r.scheduled = chunk;
     r.registered = hit.blocks.size();
+    if (hit.recomputed_block >= 0) r.recomputed_index = hit.blocks.size();
     const auto& table = m_.block_table(id);
     EXPECT_EQ(static_cast<int64_t>(table.size()), (hit.num_tokens + chunk + bs_ - 1) / bs_);
     EXPECT_TRUE(std::equal(hit.blocks.begin(), hit.blocks.end(), table.begin()));
@@ -700,14 +743,18 @@ class PropertyRun {
       content_[table[i]] = hashes[i];
       key_[hashes[i]] = keys[i];
     }
-    // A newly registered block left private has a cached copy, which the request now holds, or
-    // (colliding hashes only) its hash holds as many blocks as it may, and the request caches
-    // nothing more.
+    // A newly registered block left private has a cached copy, which the request now holds where
+    // that costs no free block (another holds it) or the copy is the block its MTP hit left to
+    // recompute, else it caches nothing more; or (colliding hashes only) its hash holds as many
+    // blocks as it may, and the request caches nothing more.
     for (size_t i = r.registered; i < hashes.size() && !r.lost_its_prefix; ++i) {
       if (m_.cached_hash(table[i])) continue;
       const int32_t copy = cached_block_holding(hashes[i]);
       if (copy >= 0) {
-        r.cached_copies.push_back(copy);
+        if (holders(copy) > 0 || i == r.recomputed_index)
+          r.cached_copies.push_back(copy);
+        else
+          r.lost_its_prefix = true;
       } else {
         EXPECT_NE(hash_, &api::block_hash) << "block " << table[i] << " is private, uncopied";
         r.lost_its_prefix = true;

@@ -181,6 +181,7 @@ PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
     parent_entry = blocks_[b].entry;
   }
   if (options_.recompute_last_hit_block && !hit.blocks.empty()) {
+    hit.recomputed_block = hit.blocks.back();
     hit.blocks.pop_back();
     hit.hashes.pop_back();
   }
@@ -236,6 +237,7 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
     }
     request.hashes = hit.hashes;
     request.num_registered = hit.blocks.size();
+    if (hit.recomputed_block >= 0) request.recomputed_index = hit.blocks.size();
     request.last_entry = hit_entry;
     if (!hit.blocks.empty()) request.last_block = hit.blocks.back();
     if (enable_prefix_caching_ && hit.num_query_tokens > 0) {
@@ -321,7 +323,16 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
     }
     if (const int32_t copy = find_block(h, parent_entry, block_tokens, salt); copy >= 0) {
       // Another block already holds this prefix: ours stays private, the next follows that one,
-      // which the request holds so that it is not evicted before them.
+      // which the request holds so that it is not evicted before them. Holding a block nobody
+      // holds takes a free block the scheduler did not count: only the one block a hit leaves
+      // out to recompute may (one per request). Otherwise the request caches no more: a
+      // sequence scoring its whole prompt (prompt_logprobs, no prefix hit) would hold every
+      // cached block of its prompt beside its own, twice the blocks, and, preempted for want of
+      // them and readmitted as it was, never finish.
+      if (blocks_[copy].ref == 0 && i != request.recomputed_index) {
+        request.lost_its_prefix = true;
+        break;
+      }
       if (blocks_[copy].ref++ == 0) unlink(copy);
       request.cached_copies.emplace_back(i, copy);
       request.last_entry = blocks_[copy].entry;

@@ -65,6 +65,9 @@ struct PrefixHit {
   // The request's salt, which its blocks are hashed with: a first allocation without a lookup
   // must carry it too, or its blocks are cached for every tenant.
   std::optional<uint64_t> cache_salt;
+  // Under recompute_last_hit_block: the cached block the lookup matched last and left out (the
+  // sequence recomputes it at table index blocks.size()); -1 when none was left out.
+  int32_t recomputed_block = -1;
 
   // No cached prefix (a sequence that computes its whole prompt), its blocks salted with `salt`.
   static PrefixHit none(std::optional<uint64_t> salt) {
@@ -206,8 +209,12 @@ class KvCacheManager {
     // The cached blocks it references because its own copy at that table index stayed private
     // (index, block), in index order: its later blocks follow them, so they must outlive those.
     std::vector<std::pair<size_t, int32_t>> cached_copies;
+    // The table index of the hit's block it recomputes (recompute_last_hit_block), the one copy
+    // it may hold when nobody else does; SIZE_MAX when none.
+    size_t recomputed_index = SIZE_MAX;
     // It registers no more blocks: what they would follow is not cached (reset_prefix_cache() came
-    // after it registered blocks, or its block's hash held kMaxBlocksPerHash blocks).
+    // after it registered blocks, its block's hash held kMaxBlocksPerHash blocks, or the cached
+    // copy of its block was one it could not hold: see cache_full_blocks).
     bool lost_its_prefix = false;
   };
 
