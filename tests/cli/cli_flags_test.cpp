@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "cli/run_tandem.h"
 #include "text/oracle_support.h"
 
 namespace tandem {
@@ -20,23 +21,8 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-struct Result {
-  int status;
-  std::string output;  // stdout and stderr together
-};
-
-// `tandem args` through the shell; `env` (NAME=value ...) goes before it.
-Result run(const std::string& args, const std::string& env = {}) {
-  const std::string cmd =
-      (env.empty() ? "" : "env " + env + " ") + std::string(TANDEM_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  std::array<char, 4096> buf;
-  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.output.append(buf.data(), n);
-  const int rc = pclose(p);
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  return r;
-}
+using test::Result;
+using test::run;
 
 // CLI11's own positive-number check answered 0 with "Value 0 not in range 0.000000 to " and the
 // largest double in 309 digits: the flags say what they want, named, before any model loads.

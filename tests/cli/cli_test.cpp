@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "api/request.h"
+#include "cli/run_tandem.h"
 #include "model/make_model.h"
 #include "model/random_checkpoint.h"
 #include "net/http_client.h"
@@ -40,21 +41,8 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-struct Result {
-  int status;
-  std::string output;  // stdout and stderr together
-};
-
-Result run(const std::string& args) {
-  std::string cmd = std::string(TANDEM_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  Result r{-1, ""};
-  std::array<char, 4096> buf;
-  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.output.append(buf.data(), n);
-  int rc = pclose(p);
-  r.status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-  return r;
-}
+using test::Result;
+using test::run;
 
 // `tandem args...` started with SIGTERM already pending: blocked and sent before exec, it stays
 // pending across exec, so the command meets it at its very start, deterministically.
