@@ -275,7 +275,7 @@ void GenerationApi::release_kv(const net::HttpRequest& req, std::shared_ptr<net:
                               : "this engine has no KV transfer (start it with --role prefill "
                                 "or both) and holds no KV for decode engines",
                      "kv_transfer_params"};
-    if (!body.is_object()) throw ApiError{400, "the body must be a JSON object"};
+    if (!body.is_object()) throw ApiError{400, "the body must be a JSON object", ""};
     if (!body.contains("kv_transfer_params"))
       throw ApiError{400,
                      "'kv_transfer_params' is missing: send the object the prefill answer "
