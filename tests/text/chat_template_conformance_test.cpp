@@ -2,11 +2,17 @@
 // conversations and requires byte-identical output to Python's Jinja2 configured as transformers
 // configures it. The oracle (tests/oracle/render_chat_templates.py) runs at test time under
 // Debian's /usr/bin/python3; a missing python3-jinja2 is a failure, not a skip.
+#include <stdlib.h>
 #include <sys/wait.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -115,28 +121,56 @@ TEST(ChatTemplateConformance, MatchesPythonJinja2) {
 }
 
 // Renders `source` with `context` in Python's Jinja2, in the environment the oracle builds as
-// transformers does (tests/oracle/render_chat_templates.py, make_environment).
+// transformers does (tests/oracle/render_chat_templates.py, make_environment). The two files the
+// oracle reads go in a folder of this call's own (mkdtemp): ctest -j runs every test as a process
+// of its own, and two checkouts may test on one machine, so fixed names under gtest's TempDir
+// let one caller render another's template or find its files removed.
 CommandResult render_with_jinja2(const std::string& name, const std::string& source,
                                  const ordered_json& context) {
-  const std::string dir = testing::TempDir();
-  const std::string template_path = dir + "/" + name + ".jinja";
-  const std::string context_path = dir + "/" + name + ".json";
-  FILE* f = std::fopen(template_path.c_str(), "w");
-  std::fwrite(source.data(), 1, source.size(), f);
-  std::fclose(f);
-  const std::string json = context.dump();
-  f = std::fopen(context_path.c_str(), "w");
-  std::fwrite(json.data(), 1, json.size(), f);
-  std::fclose(f);
+  std::string dir = testing::TempDir() + "chat_template_" + name + "_XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) {
+    ADD_FAILURE() << "mkdtemp " << dir << ": " << std::strerror(errno);
+    return {};
+  }
+  const std::string template_path = dir + "/template.jinja";
+  const std::string context_path = dir + "/context.json";
+  const auto write = [](const std::string& path, const std::string& text) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    const bool written = f && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    EXPECT_TRUE((f && std::fclose(f) == 0) && written) << "writing " << path;
+  };
+  write(template_path, source);
+  write(context_path, context.dump());
   const std::string script =
       "import json, sys; sys.path.insert(0, sys.argv[1]); import render_chat_templates as r; "
       "t = r.make_environment().from_string(open(sys.argv[2], encoding='utf-8').read()); "
       "sys.stdout.write(t.render(**json.load(open(sys.argv[3], encoding='utf-8'))))";
   CommandResult r = run("/usr/bin/python3 -c \"" + script + "\" '" + TANDEM_SOURCE_DIR +
                         "/tests/oracle' '" + template_path + "' '" + context_path + "'");
-  std::remove(template_path.c_str());
-  std::remove(context_path.c_str());
+  std::error_code ignored;  // a folder left behind in the temp dir costs nothing
+  std::filesystem::remove_all(dir, ignored);
   return r;
+}
+
+// Callers at once each get their own rendering: with one file name per `name` under gtest's
+// TempDir, a caller's template or context was overwritten by another's, or removed by another
+// before Jinja2 read it. Here the callers are threads of one process, as two test processes
+// of ctest -j would be.
+TEST(ChatTemplateConformance, Jinja2CallersAtOnceEachGetTheirOwnRendering) {
+  constexpr int kCallers = 4;
+  std::vector<CommandResult> results(kCallers);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCallers; ++i)
+    callers.emplace_back([&results, i] {
+      results[i] = render_with_jinja2("at_once", "caller {{ n }} of " + std::to_string(i),
+                                      ordered_json{{"n", i}});
+    });
+  for (std::thread& caller : callers) caller.join();
+  for (int i = 0; i < kCallers; ++i) {
+    const std::string n = std::to_string(i);
+    EXPECT_EQ(results[i].status, 0) << "caller " << i << ": " << results[i].out;
+    EXPECT_EQ(results[i].out, "caller " + n + " of " + n) << "caller " << i;
+  }
 }
 
 // gpt-oss's template looks ahead from every assistant message with tool calls through all later
