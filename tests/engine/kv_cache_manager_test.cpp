@@ -612,6 +612,9 @@ TEST(KvCacheManagerTest, AHashHoldsAtMostFourCachedBlocks) {
   EXPECT_EQ(m.find_cached_prefix(std::vector<int32_t>{50, 51, 52, 53, 54}).num_tokens, 0);
 }
 
+// The cached blocks one hash may hold (KvCacheManager's bound on crafted collisions).
+constexpr int64_t kMaxBlocksPerHash = 4;
+
 class PropertyRun {
  public:
   // With another `hash` than api::block_hash the cache is checked against what its blocks hold
@@ -757,6 +760,8 @@ class PropertyRun {
           r.lost_its_prefix = true;
       } else {
         EXPECT_NE(hash_, &api::block_hash) << "block " << table[i] << " is private, uncopied";
+        EXPECT_EQ(blocks_with_hash(keys[i]), kMaxBlocksPerHash)
+            << "block " << table[i] << " stayed private though its hash had room";
         r.lost_its_prefix = true;
       }
     }
@@ -777,6 +782,13 @@ class PropertyRun {
       m_.free(id);  // preempted, as the scheduler would when out of blocks
       model_.erase(id);
     }
+  }
+
+  // How many cached blocks have `hash` (as the manager hashes, colliding or not).
+  int64_t blocks_with_hash(uint64_t hash) const {
+    int64_t n = 0;
+    for (int32_t b = 0; b < m_.num_blocks(); ++b) n += m_.cached_hash(b) == hash;
+    return n;
   }
 
   void forget(int32_t block) { content_.erase(block); }  // handed out again: what it held is gone
@@ -842,13 +854,14 @@ class PropertyRun {
       for (const int32_t b : r.cached_copies) ++refs[b];
     }
     // A hash may be in several blocks whose hashes collide; a prefix is in one at most.
-    std::unordered_set<uint64_t> cached, prefixes;
+    std::unordered_set<uint64_t> prefixes;
+    std::unordered_map<uint64_t, int64_t> cached;  // hash -> its cached blocks
     int64_t num_cached = 0;
     for (int32_t b = 0; b < m_.num_blocks(); ++b) {
       const auto it = refs.find(b);
       EXPECT_EQ(m_.ref_count(b), it == refs.end() ? 0 : it->second) << "block " << b;
       if (const auto h = m_.cached_hash(b)) {
-        cached.insert(*h);
+        ++cached[*h];
         ++num_cached;
         const auto c = content_.find(b);
         ASSERT_TRUE(c != content_.end()) << "cached block " << b << " holds nothing known";
@@ -858,7 +871,12 @@ class PropertyRun {
       }
     }
     EXPECT_EQ(m_.num_free_blocks() + static_cast<int64_t>(refs.size()), m_.num_blocks());
-    EXPECT_EQ(cached, replayed_) << "events replayed differ from the cache";
+    std::unordered_set<uint64_t> hashes;
+    for (const auto& [h, n] : cached) {
+      hashes.insert(h);
+      EXPECT_LE(n, kMaxBlocksPerHash) << "hash " << h << " holds " << n << " cached blocks";
+    }
+    EXPECT_EQ(hashes, replayed_) << "events replayed differ from the cache";
     EXPECT_EQ(m_.num_cached_blocks(), num_cached);
     EXPECT_EQ(m_.prefix_cache_stats().requests, requests_);
     EXPECT_EQ(m_.prefix_cache_stats().queries, queries_);
