@@ -10,7 +10,12 @@
 #include <future>
 #include <limits>
 #include <numeric>
+#include <set>
 
+#include <nlohmann/json.hpp>
+
+#include "api/request.h"
+#include "api/response.h"
 #include "engine/engine.h"
 #include "engine/executor/cpu_executor.h"
 #include "engine/executor/model_executor.h"
@@ -276,6 +281,84 @@ TEST_F(PromptLogprobs, OfAnAnswerScoredAsAPromptAreTheLogprobsItWasGeneratedWith
     EXPECT_EQ(tail[k].rank, 1) << "greedy tokens are the most likely";
     ASSERT_EQ(tail[k].top.size(), 2u);
     EXPECT_EQ(tail[k].top[0].first, generated.logprobs[k].top[0].first);
+  }
+}
+
+// A prompt may hold the rows a padded vocabulary adds past the tokenizer's ids (tiny-v3, as
+// DeepSeek-V3: 129,280 rows, 128,815 ids), as vLLM's may. Such an id is scored as any other: its
+// position's logprob and rank are the log-softmax of the model's logits over the ids a serving
+// engine samples from, in which it has none (-inf, shown as vLLM shows it: -9999.0, ranked after
+// every id with text), and the positions after it are scored with it in their context. Echo shows
+// it as nothing, as transformers' decode skips ids it does not know (9222c81).
+TEST_F(PromptLogprobs, OfAPromptWithPaddedIdsAreScoredAndEchoedAsForOtherIds) {
+  const std::vector<int32_t> no_text = ids_without_text(*tok_, model_->config().vocab_size);
+  const auto first_padded = static_cast<int32_t>(tok_->vocab_size());
+  const auto last_row = static_cast<int32_t>(model_->config().vocab_size - 1);
+  ASSERT_TRUE(std::binary_search(no_text.begin(), no_text.end(), first_padded));
+  ASSERT_TRUE(std::binary_search(no_text.begin(), no_text.end(), last_row));
+  auto prompt = prompt_of(12, 300);
+  prompt.insert(prompt.begin() + 3, first_padded);
+  prompt.insert(prompt.begin() + 8, last_row);
+  const std::set<size_t> padded_at = {3, 8};
+  const Answer a = serve({{prompt, 2, 1, 1}})[0];
+  ASSERT_EQ(a.error, "");
+  ASSERT_EQ(a.prompt_logprobs.size(), prompt.size() - 1);
+  const auto ref = reference(prompt);
+  for (size_t p = 1; p < prompt.size(); ++p) {
+    SCOPED_TRACE("position " + std::to_string(p));
+    const TokenLogprob& lp = a.prompt_logprobs[p - 1];
+    const std::vector<double>& row = ref[p - 1];
+    EXPECT_EQ(lp.token, prompt[p]);
+    if (padded_at.count(p)) {
+      EXPECT_EQ(lp.logprob, -std::numeric_limits<float>::infinity());
+      EXPECT_EQ(size_t(lp.rank), size_t(model_->config().vocab_size) - no_text.size() + 1);
+    } else {
+      EXPECT_NEAR(lp.logprob, row[size_t(prompt[p])], kTol);
+      const auto above = std::count_if(row.begin(), row.end(),
+                                       [&](double v) { return v > row[size_t(prompt[p])]; });
+      EXPECT_NEAR(lp.rank, 1 + above, (1 + above) / 1000);
+    }
+    ASSERT_EQ(lp.top.size(), 2u);
+    const auto best = std::max_element(row.begin(), row.end()) - row.begin();
+    EXPECT_EQ(lp.top[0].first, best);
+    EXPECT_NEAR(lp.top[0].second, row[size_t(best)], kTol);
+    for (const auto& [id, logprob] : lp.top)
+      EXPECT_FALSE(std::binary_search(no_text.begin(), no_text.end(), id)) << id;
+  }
+
+  // Echoed as the engine's API renders it: the padded ids' text is nothing, their logprob vLLM's
+  // -9999.0; every other position as the tokenizer and the scores say.
+  const api::ModelLimits limits{.model_name = "tiny", .vocab_size = model_->config().vocab_size};
+  const api::ApiRequest req = api::parse_completion(nlohmann::json{{"prompt", prompt},
+                                                                   {"echo", true},
+                                                                   {"logprobs", 1},
+                                                                   {"prompt_logprobs", 1},
+                                                                   {"max_tokens", 1}},
+                                                    *tok_, limits);
+  api::RequestOutput out;
+  out.tokens = a.tokens;
+  out.logprobs = a.logprobs;
+  out.prompt_logprobs = a.prompt_logprobs;
+  out.finished = true;
+  out.finish_reason = a.finish_reason;
+  api::ResponseBuilder builder(req, *tok_, "cmpl-1", 1);
+  builder.on_output(0, out);
+  const nlohmann::json body = builder.final_body();
+  const nlohmann::json& echoed = body["choices"][0]["logprobs"];
+  const nlohmann::json& scored = body["choices"][0]["prompt_logprobs"];
+  ASSERT_EQ(scored.size(), prompt.size());
+  for (size_t p = 1; p < prompt.size(); ++p) {
+    SCOPED_TRACE("position " + std::to_string(p));
+    const TokenLogprob& lp = a.prompt_logprobs[p - 1];
+    const std::string text =
+        padded_at.count(p) ? "" : tok_->decode_as_transformers({&prompt[p], 1}, false);
+    const double wire = padded_at.count(p) ? -9999.0 : double(lp.logprob);
+    EXPECT_EQ(echoed["tokens"][p], text);
+    EXPECT_EQ(echoed["token_logprobs"][p].get<double>(), wire);
+    const nlohmann::json& entry = scored[p][std::to_string(prompt[p])];
+    EXPECT_EQ(entry["decoded_token"], text);
+    EXPECT_EQ(entry["logprob"].get<double>(), wire);
+    EXPECT_EQ(entry["rank"], lp.rank);
   }
 }
 
