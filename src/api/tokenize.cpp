@@ -1,6 +1,5 @@
 #include "api/tokenize.h"
 
-#include <algorithm>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -87,13 +86,18 @@ json detokenize_answer(const json& body, const text::Tokenizer& tokenizer,
   const json* tokens = field(body, "tokens");
   if (!tokens || !tokens->is_array()) fail("tokens", "'tokens' must be a list of token ids");
   model_name(body, limits);
-  // The tokenizer's ids: the model's LM-head rows past them have no text to read back.
-  const auto tokenizer_ids = static_cast<int64_t>(tokenizer.vocab_size());
+  // Any id the model has (its vocab_size when known): a prompt may hold each of them.
   const int64_t vocab =
-      limits.vocab_size > 0 ? std::min(limits.vocab_size, tokenizer_ids) : tokenizer_ids;
+      limits.vocab_size > 0 ? limits.vocab_size : static_cast<int64_t>(tokenizer.vocab_size());
   const std::vector<int32_t> ids =
       tokens->empty() ? std::vector<int32_t>{} : token_list(*tokens, "tokens", vocab);
-  return {{"prompt", tokenizer.decode_as_transformers(ids, /*skip_special_tokens=*/false)}};
+  // vLLM answers with transformers' tokenizer.decode, which skips the ids its tokenizer has no
+  // text for: a padded vocabulary's rows past the tokenizer's ids read back as nothing.
+  std::vector<int32_t> with_text;
+  with_text.reserve(ids.size());
+  for (int32_t id : ids)
+    if (tokenizer.id_to_token(id)) with_text.push_back(id);
+  return {{"prompt", tokenizer.decode_as_transformers(with_text, /*skip_special_tokens=*/false)}};
 }
 
 }  // namespace tandem::api

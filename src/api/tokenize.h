@@ -29,7 +29,10 @@ nlohmann::json tokenize_answer(const nlohmann::json& body, const text::Tokenizer
 
 // The answer to POST /detokenize {"tokens": [ids]}: {"prompt": text}, special tokens' text
 // included and tokenization spaces cleaned up where the model's config says so (vLLM decodes with
-// transformers' tokenizer.decode). Ids outside the vocabulary are a 400.
+// transformers' tokenizer.decode). An id the tokenizer has no text for (a padded vocabulary's row
+// past the tokenizer's ids) reads as nothing, as that decode skips it; an id outside the model's
+// vocabulary (or negative) is a 400 naming "tokens", where vLLM's decode would skip it too: no
+// prompt or answer can hold it, so a client that sends one has a bug to be told of.
 nlohmann::json detokenize_answer(const nlohmann::json& body, const text::Tokenizer& tokenizer,
                                  const ModelLimits& limits);
 
