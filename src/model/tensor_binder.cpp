@@ -93,6 +93,7 @@ Matrix TensorBinder::matrix(const std::string& name, int64_t rows, int64_t cols)
       m.storage.resize(static_cast<size_t>(rows * cols) * 4);
       to_f32(t.dtype, t.data, reinterpret_cast<float*>(m.storage.data()), rows * cols);
       m.data = m.storage.data();
+      release_pages(t.data, t.nbytes);  // the kernels read the F32 rows: the F16 ones are done
       break;
     }
     case DType::kF8E4M3:
@@ -127,8 +128,8 @@ void TensorBinder::pack(Matrix& m, PlainRows plain) {
   if (m.storage.empty()) {
     release_pages(m.data, m.bytes());  // mapped: should they be read after all, they come back
   } else {
-    // Converted rows (FP8 dequantised to BF16) have no file to come back from: freed, so an
-    // FP8 checkpoint's matrices are held once, packed, as a BF16 checkpoint's are.
+    // Converted rows (F16 widened, FP8 dequantised) have no file to come back from: freed, so
+    // an F16 or FP8 checkpoint's matrices are held once, packed, as a BF16 checkpoint's are.
     std::vector<uint8_t>().swap(m.storage);
     m.data = nullptr;
   }

@@ -2,9 +2,10 @@
 // Binds a checkpoint's tensors to the forms the CPU forward passes use, for every model family:
 // vectors widened to float32; matrices used in place when they are F32, BF16 or INT8 (W8A8, with
 // their row scales; F32 and BF16 copied first where the file misaligns them), F16 widened, FP8
-// dequantised to BF16; matrices packed for the GEMM kernels with the plain rows given back when
-// nothing reads them again (mapped pages dropped, dequantised rows freed: one copy of every packed
-// matrix stays). Shapes are checked as each tensor is taken; `progress` counts them.
+// dequantised to BF16, the mapped pages of a copied or converted matrix given back (nothing reads
+// them again); matrices packed for the GEMM kernels with the plain rows given back when nothing
+// reads them again (mapped pages dropped, converted rows freed: one copy of every packed matrix
+// stays). Shapes are checked as each tensor is taken; `progress` counts them.
 #include <cstdint>
 #include <functional>
 #include <optional>

@@ -2,22 +2,18 @@
 // INT8 linears. Every logit must be exactly the W8A8 product of its token's normed hidden state:
 // the weights quantized by model/quantize.h's rule, the activations per token (scale
 // max|x| / 127, round to nearest), integer sums, then both scales (float32 rounding only).
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/ops.h"
 #include "model/deepseek.h"
 #include "model/latent_cache.h"
 #include "model/make_model.h"
+#include "model/mapped_pages.h"
 #include "model/model_test_support.h"
 #include "model/quantize.h"
 #include "model/random_checkpoint.h"
@@ -93,39 +89,8 @@ TEST(Int8LmHead, LogitsAreTheW8A8ProductOfTheNormedHiddenStates) {
   }
 }
 
-// The pages wholly inside [data, data + bytes): their first index and how many.
-struct PageSpan {
-  uintptr_t first = 0;
-  int64_t count = 0;
-};
-
-PageSpan whole_pages(const void* data, size_t bytes) {
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t first = (begin + page - 1) / page, end = (begin + bytes) / page;
-  return {first, end > first ? static_cast<int64_t>(end - first) : 0};
-}
-
-// How many of those pages this process has mapped in: bit 63 (present) of each page's entry in
-// /proc/self/pagemap, which a process may read of itself. A page given back (MADV_DONTNEED) is
-// not present until it is read again.
-int64_t present_pages(const void* data, size_t bytes) {
-  const PageSpan span = whole_pages(data, bytes);
-  const int fd = ::open("/proc/self/pagemap", O_RDONLY);
-  EXPECT_GE(fd, 0) << "opening /proc/self/pagemap: " << std::strerror(errno);
-  int64_t present = 0;
-  for (int64_t i = 0; fd >= 0 && i < span.count; ++i) {
-    uint64_t entry = 0;
-    const auto at = static_cast<off_t>((span.first + i) * sizeof entry);
-    if (::pread(fd, &entry, sizeof entry, at) != sizeof entry) {
-      ADD_FAILURE() << "reading /proc/self/pagemap at " << at << ": " << std::strerror(errno);
-      break;
-    }
-    present += static_cast<int64_t>(entry >> 63);
-  }
-  if (fd >= 0) ::close(fd);
-  return present;
-}
+using test::present_pages;
+using test::whole_pages;
 
 // The file's embedding rows of a tied model loaded with an INT8 head.
 const TensorInfo& tied_embedding(const Weights& w, const ModelConfig& c) {
@@ -134,9 +99,9 @@ const TensorInfo& tied_embedding(const Weights& w, const ModelConfig& c) {
 
 // A tied model whose embedding the binder holds in memory of its own (an F16 one widened to F32;
 // a misaligned BF16 or F32 one copied) reads no row of the file's embedding after load, so
-// quantizing the LM head from those rows gives their pages back, as copying a misaligned matrix
-// does. The quantization read them all and kept them, as if the embedding looked its rows up
-// there. An embedding read in place still has its pages: it looks its rows up in them.
+// quantizing the LM head from those rows gives their pages back, as every copied or converted
+// matrix's are. The quantization read them all and kept them, as if the embedding looked its rows
+// up there. An embedding read in place still has its pages: it looks its rows up in them.
 TEST(Int8LmHead, ATiedEmbeddingsMappedRowsAreKeptOnlyWhereItReadsThem) {
   ModelConfig c = config();
   c.tie_word_embeddings = true;

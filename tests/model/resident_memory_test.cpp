@@ -5,6 +5,7 @@
 // matrices are held once too, as BF16: it grows by at most 1.1x the same model's BF16 bytes.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -15,8 +16,10 @@
 #include "model/latent_cache.h"
 #include "model/layout.h"
 #include "model/make_model.h"
+#include "model/mapped_pages.h"
 #include "model/model_test_support.h"
 #include "model/random_checkpoint.h"
+#include "model/weights.h"
 #include "util/proc_fields.h"
 
 namespace tandem::model {
@@ -117,6 +120,36 @@ TEST(ResidentMemory, OneBf16CopyOfAnFp8CheckpointsMatricesAfterLoadAndUse) {
   ASSERT_GT(bf16_bytes, int64_t{200} << 20);
   ASSERT_LT(fp8_bytes, bf16_bytes * 6 / 10);
   expect_one_copy(dir.path(), fp8_bytes, bf16_bytes);
+}
+
+// An F16 checkpoint's matrices are widened to F32 at load, and the kernels read the F32 rows (or
+// the packed copy made from them): the F16 rows in the mapping are not read again, so their pages
+// are given back, as a misaligned matrix's copied-from pages and an FP8 one's are. They stayed
+// mapped in, holding the file's bytes beside the F32 copy. Counted in the page table (see
+// mapped_pages.h), so it holds under the sanitizers too.
+TEST(ResidentMemory, AnF16CheckpointsWidenedMatricesGiveBackTheirMappedRows) {
+  const ModelConfig c = test::small_vocab_tiny_v3();
+  const test::TempDir dir("resident-memory-f16");
+  test::write_random_checkpoint(dir.path(), c, DType::kF16);
+  const Weights w = Weights::load(Checkpoint::open(dir.path()), c);
+  int64_t pages = 0;
+  std::string kept;
+  const TensorInfo* largest = nullptr;
+  for (const auto& [name, t] : w.checkpoint.tensors()) {
+    if (t.dtype != DType::kF16 || t.shape.size() != 2) continue;
+    pages += test::whole_pages(t.data, t.nbytes).count;
+    if (const int64_t present = test::present_pages(t.data, t.nbytes); present > 0)
+      kept += " " + name + " (" + std::to_string(present) + " of " +
+              std::to_string(test::whole_pages(t.data, t.nbytes).count) + " pages)";
+    if (!largest || t.nbytes > largest->nbytes) largest = &t;
+  }
+  ASSERT_GT(pages, 100);  // the tiny model's matrices fill that many whole pages
+  EXPECT_TRUE(kept.empty()) << "F16 rows still mapped in after load:" << kept;
+  // Read again, they come back: what present_pages counts is real.
+  volatile std::byte sink{};
+  for (size_t i = 0; i < largest->nbytes; i += 512) sink = sink ^ largest->data[i];
+  EXPECT_EQ(test::present_pages(largest->data, largest->nbytes),
+            test::whole_pages(largest->data, largest->nbytes).count);
 }
 
 }  // namespace
