@@ -26,10 +26,8 @@
 #include "api/prefill_work.h"
 #include "engine/api_server.h"
 #include "engine/engine_process.h"
-#include "engine/executor/sim_executor.h"
-#include "engine/output_processor.h"
+#include "engine/sim_engine_fixture.h"
 #include "net/http_client.h"
-#include "text/oracle_support.h"
 #include "util/bounded_wait.h"
 #include "util/file.h"
 
@@ -41,28 +39,6 @@ using namespace std::chrono_literals;
 using testing::get_within;
 using testing::kHangGuard;
 using testing::repeat_until;
-
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
-  return tok;
-}
-
-// The simulated tiny model, in virtual time.
-std::unique_ptr<Executor> executor() {
-  SimExecutorOptions x;
-  x.preset = "tiny";
-  x.model_name = "tiny";
-  x.num_blocks = 64;
-  x.time_scale = 0;
-  return std::make_unique<SimExecutor>(tokenizer(), x);
-}
-
-// One io thread on the loopback.
-net::HttpServerOptions options() {
-  net::HttpServerOptions o;
-  o.host = "127.0.0.1";
-  return o;
-}
 
 // Steps `engine` until `done` is ready (looking again every millisecond while it has nothing to
 // do: the answer is being written by the server's threads). A hang is reported at `where`, the
@@ -117,10 +93,8 @@ std::future<net::HttpClientResponse> post_in_background(Background& background, 
 class EngineDrain : public ::testing::Test {
  protected:
   EngineDrain()
-      : engine_(EngineConfig{}, executor(),
-                std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
-                eos_ids(tokenizer(), {}), registry_),
-        server_(engine_, registry_, options(), {},
+      : engine_(test::sim_engine(EngineConfig{}, test::deepseek_v3_tokenizer(), registry_)),
+        server_(*engine_, registry_, test::loopback_server_options(), {},
                 {2, [this](const net::HttpRequest& req, net::Reply& reply) {
                    if (req.headers.get("x-hold").empty()) return;
                    held_.set_value(&reply);
@@ -139,13 +113,13 @@ class EngineDrain : public ::testing::Test {
     }
     server_.stop();
     background_.join();
-    engine_.stop();
+    engine_->stop();
   }
 
   template <class T>
   void run_until(const std::future<T>& done,
                  const std::source_location& where = std::source_location::current()) {
-    run_engine_until(engine_, done, where);
+    run_engine_until(*engine_, done, where);
   }
 
   // Runs one engine step, once a request is there to step: a stream's first token.
@@ -153,7 +127,7 @@ class EngineDrain : public ::testing::Test {
                  const std::source_location& where = std::source_location::current()) {
     repeat_until(
         [&] {
-          if (engine_.run_once()) return true;
+          if (engine_->run_once()) return true;
           until.wait_for(1ms);
           return false;
         },
@@ -165,7 +139,7 @@ class EngineDrain : public ::testing::Test {
   }
 
   metrics::Registry registry_;
-  Engine engine_;
+  std::unique_ptr<Engine> engine_;
   // The preparation of one request with the header X-Hold waits until release_ is set; held_
   // says it is there, with its reply.
   std::promise<net::Reply*> held_;
@@ -317,10 +291,8 @@ class OnePreparationThread : public ::testing::Test {
   };
 
   OnePreparationThread()
-      : engine_(EngineConfig{}, executor(),
-                std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
-                eos_ids(tokenizer(), {}), registry_),
-        server_(engine_, registry_, options(), {},
+      : engine_(test::sim_engine(EngineConfig{}, test::deepseek_v3_tokenizer(), registry_)),
+        server_(*engine_, registry_, test::loopback_server_options(), {},
                 {1, [this](const net::HttpRequest& req, net::Reply&) {
                    const std::string name = req.headers.get("x-hold");
                    if (name.empty()) return;
@@ -343,7 +315,7 @@ class OnePreparationThread : public ::testing::Test {
     }
     server_.stop();
     background_.join();
-    engine_.stop();
+    engine_->stop();
   }
 
   std::future<net::HttpClientResponse> post(const std::string& target, const json& body,
@@ -359,11 +331,11 @@ class OnePreparationThread : public ::testing::Test {
   template <class T>
   void run_until(const std::future<T>& done,
                  const std::source_location& where = std::source_location::current()) {
-    run_engine_until(engine_, done, where);
+    run_engine_until(*engine_, done, where);
   }
 
   metrics::Registry registry_;
-  Engine engine_;
+  std::unique_ptr<Engine> engine_;
   std::map<std::string, Hold> holds_;  // filled before the server starts, only read after
   ApiServer server_;
   Background background_;
@@ -466,7 +438,7 @@ TEST_F(EngineDrain, AClientThatLeavesBeforeItsRequestIsPreparedStartsNoEngineWor
   // the engine steps meanwhile, so that a request submitted for nobody would end (aborted).
   auto stopped = background_.run([&] { server_.stop(std::chrono::hours(1)); });
   run_until(stopped);
-  EXPECT_FALSE(engine_.has_work());
+  EXPECT_FALSE(engine_->has_work());
   // No request ended aborted: none was submitted for the client that had left.
   std::istringstream metrics(registry_.render());
   for (std::string line; std::getline(metrics, line);) {

@@ -22,9 +22,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/executor/sim_executor.h"
-#include "engine/output_processor.h"
-#include "text/oracle_support.h"
+#include "engine/sim_engine_fixture.h"
 #include "util/bounded_wait.h"
 #include "util/metrics.h"
 
@@ -33,16 +31,7 @@ namespace {
 
 constexpr double kStep = 1.0 / 32;  // virtual seconds per run_once
 
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
-  return tok;
-}
-
-std::vector<int32_t> tokens(int n, int base) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back(base + (i * 7919) % 5000);
-  return t;
-}
+using test::tokens;
 
 // KV transfers whose fetches succeed at the engine's next run_once (`instant`), or when the test
 // ends them (`pending`).
@@ -92,12 +81,6 @@ class DecodeLegs : public ::testing::Test {
   // for `kv_transfer_timeout_s`.
   void start(int64_t blocks, Clock clock = Clock::kVirtual,
              double kv_transfer_timeout_s = KvTransferConfig{}.timeout_s) {
-    SimExecutorOptions x;
-    x.preset = "tiny";
-    x.model_name = "tiny";
-    x.block_size = 16;
-    x.num_blocks = blocks;
-    x.time_scale = 0;
     EngineConfig config;
     config.role = EngineRole::kDecode;
     config.transfer = KvTransferConfig{};
@@ -109,10 +92,7 @@ class DecodeLegs : public ::testing::Test {
       fake_ = t.get();
       return t;
     };
-    engine_ = std::make_unique<Engine>(
-        config, std::make_unique<SimExecutor>(tokenizer(), x),
-        std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
-        eos_ids(tokenizer(), {}), registry_);
+    engine_ = test::sim_engine(config, test::deepseek_v3_tokenizer(), registry_, blocks);
   }
   ~DecodeLegs() override {
     if (engine_) engine_->stop();

@@ -24,8 +24,7 @@
 #include "engine/engine.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
-#include "engine/executor/sim_executor.h"
-#include "engine/output_processor.h"
+#include "engine/sim_engine_fixture.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "text/oracle_support.h"
@@ -43,11 +42,7 @@ using testing::post_json;
 constexpr char kF32[] = "f32";
 constexpr char kBf16[] = "bf16";
 
-std::vector<int32_t> tokens(int n, int base) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back(base + (i * 7919) % 5000);
-  return t;
-}
+using test::tokens;
 
 json parse(const net::HttpClientResponse& r) {
   EXPECT_EQ(r.status, 200) << r.body;
@@ -1078,11 +1073,6 @@ class FakeTransfers final : public KvTransfers {
 std::unique_ptr<tandem::engine::Engine> engine_with_fake_transfers(
     EngineRole role, const text::Tokenizer& tok, metrics::Registry& registry,
     std::shared_ptr<FakeTransfers::Log> log, FakeTransfers** fake) {
-  SimExecutorOptions x;
-  x.preset = "tiny";
-  x.model_name = "tiny";
-  x.num_blocks = 64;
-  x.time_scale = 0;
   EngineConfig config;
   config.role = role;
   config.transfer = KvTransferConfig{};
@@ -1091,10 +1081,7 @@ std::unique_ptr<tandem::engine::Engine> engine_with_fake_transfers(
     *fake = t.get();
     return t;
   };
-  return std::make_unique<tandem::engine::Engine>(
-      config, std::make_unique<SimExecutor>(tok, x),
-      std::shared_ptr<const text::Tokenizer>(&tok, [](const text::Tokenizer*) {}), eos_ids(tok, {}),
-      registry);
+  return test::sim_engine(config, tok, registry);
 }
 
 // A decode leg of 40 prompt tokens from `base` waiting for its KV from "prefill-0" (for a pull:

@@ -19,11 +19,10 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
-#include "engine/executor/sim_executor.h"
 #include "engine/generate.h"
 #include "engine/generation_api.h"
 #include "engine/kept_reply.h"
-#include "text/oracle_support.h"
+#include "engine/sim_engine_fixture.h"
 #include "util/metrics.h"
 #include "util/prometheus_oracle.h"
 
@@ -44,11 +43,6 @@ const std::vector<double> kIterationBuckets = {1,   8,    16,   32,   64,   128,
 const std::vector<double> kNBuckets = {1, 2, 5, 10, 20};
 const std::vector<double> kItlBuckets = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
                                          0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
-
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
-  return tok;
-}
 
 using testing::KeptReply;
 
@@ -116,35 +110,24 @@ double value(const json& parsed, const std::string& family_name, const std::stri
 class EngineMetrics : public ::testing::Test {
  protected:
   EngineMetrics()
-      : engine_(config(), executor(),
-                std::shared_ptr<const text::Tokenizer>(&tokenizer(), [](const text::Tokenizer*) {}),
-                eos_ids(tokenizer(), {}), registry_),
-        api_(engine_, [](std::function<void()> task) { task(); }) {}
-  ~EngineMetrics() override { engine_.stop(); }
+      : engine_(test::sim_engine(config(), test::deepseek_v3_tokenizer(), registry_,
+                                 /*num_blocks=*/256, kMaxModelLen)),
+        api_(*engine_, [](std::function<void()> task) { task(); }) {}
+  ~EngineMetrics() override { engine_->stop(); }
 
   EngineConfig config() {
     EngineConfig c;
     c.clock = [this] { return now_; };
     return c;
   }
-  static std::unique_ptr<Executor> executor() {
-    SimExecutorOptions x;
-    x.preset = "tiny";
-    x.model_name = "tiny";
-    x.block_size = 16;
-    x.num_blocks = 256;
-    x.max_model_len = kMaxModelLen;
-    x.time_scale = 0;
-    return std::make_unique<SimExecutor>(tokenizer(), x);
-  }
 
   void step() {
-    engine_.run_once();
+    engine_->run_once();
     now_ += kStep;
   }
   void run_until_idle() {
-    for (int i = 0; i < 500 && engine_.has_work(); ++i) step();
-    EXPECT_FALSE(engine_.has_work());
+    for (int i = 0; i < 500 && engine_->has_work(); ++i) step();
+    EXPECT_FALSE(engine_->has_work());
   }
 
   // A completion through the engine's API, stepped until it is answered.
@@ -173,14 +156,14 @@ class EngineMetrics : public ::testing::Test {
     r.on_output = [finished](const RequestOutput& o) {
       if (o.finished) *finished = true;
     };
-    engine_.submit(std::move(r));
+    engine_->submit(std::move(r));
   }
 
   json scrape() const { return test::parse_prometheus(registry_.render()); }
 
   double now_ = 1000;
   metrics::Registry registry_;
-  Engine engine_;
+  std::unique_ptr<Engine> engine_;
   GenerationApi api_;
 };
 
@@ -351,7 +334,7 @@ TEST_F(EngineMetrics, LatenciesCountFromSubmitAndSplitAsVllmDoes) {
 TEST_F(EngineMetrics, ARequestAbortedBeforeItsFirstStepHasNoInferenceTime) {
   bool finished = false;
   submit("gone", {1000, 2000, 3000}, 3, nullptr, &finished);
-  engine_.abort("gone");
+  engine_->abort("gone");
   run_until_idle();
   ASSERT_TRUE(finished);
   const json m = scrape();
@@ -388,14 +371,14 @@ TEST_F(EngineMetrics, TheEnginesRoleIsAnInfoMetric) {
 // /load's steps counts the steps that ran: not the constructor, not a submission taken in, not a
 // run_once with nothing to do.
 TEST_F(EngineMetrics, LoadCountsStepsThatRan) {
-  EXPECT_EQ(engine_.load().steps, 0u);
+  EXPECT_EQ(engine_->load().steps, 0u);
   bool finished = false;
   submit("a", {1000, 2000, 3000}, 3, nullptr, &finished);
   run_until_idle();  // a prefill step with the first token, then one a step
   ASSERT_TRUE(finished);
-  EXPECT_EQ(engine_.load().steps, 3u);
-  engine_.run_once();
-  EXPECT_EQ(engine_.load().steps, 3u);
+  EXPECT_EQ(engine_->load().steps, 3u);
+  engine_->run_once();
+  EXPECT_EQ(engine_->load().steps, 3u);
 }
 
 }  // namespace

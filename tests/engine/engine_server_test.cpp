@@ -17,12 +17,12 @@
 #include "api/prefill_work.h"
 #include "engine/engine_http.h"
 #include "engine/engine_process.h"
-#include "engine/executor/sim_executor.h"
 #include "engine/executor/sim_latency.h"
 #include "engine/generate.h"
 #include "engine/generation_api.h"
 #include "engine/kept_reply.h"
 #include "engine/scheduler/sequence.h"
+#include "engine/sim_engine_fixture.h"
 #include "engine/tiny_model_fixture.h"
 #include "model/model_test_support.h"
 #include "net/http_client.h"
@@ -992,20 +992,8 @@ TEST_F(EngineServer, KvEventsMatchTheCache) {
 
 using testing::KeptReply;
 
-// An engine in process on the simulated tiny model (virtual time: steps take none), run by the
-// test's own calls to run_once.
-std::unique_ptr<Engine> sim_engine(const EngineConfig& config, const text::Tokenizer& tok,
-                                   metrics::Registry& registry) {
-  SimExecutorOptions x;
-  x.preset = "tiny";
-  x.model_name = "tiny";
-  x.num_blocks = 64;
-  x.time_scale = 0;
-  return std::make_unique<Engine>(
-      config, std::make_unique<SimExecutor>(tok, x),
-      std::shared_ptr<const text::Tokenizer>(&tok, [](const text::Tokenizer*) {}), eos_ids(tok, {}),
-      registry);
-}
+// An engine in process on the simulated tiny model, run by the test's own calls to run_once.
+using test::sim_engine;
 
 // `body` handed to the API as a POST, the engine run until its reply is done (100 steps at most).
 std::shared_ptr<KeptReply> handled(GenerationApi& api, Engine& engine, api::ApiKind kind,

@@ -4,16 +4,11 @@
 #include <gtest/gtest.h>
 
 #include "engine/executor/sim_executor.h"
-#include "text/oracle_support.h"
+#include "engine/sim_engine_fixture.h"
 #include "util/error.h"
 
 namespace tandem::engine {
 namespace {
-
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
-  return tok;
-}
 
 SimExecutorOptions options(int64_t drafts, std::vector<double> acceptance) {
   SimExecutorOptions o;
@@ -57,14 +52,14 @@ const std::vector<int32_t> kPrompt = {1000, 2000, 3000, 4000, 5000};
 
 // The first `n` tokens of plain decoding.
 std::vector<int32_t> plain(size_t n) {
-  SimExecutor ex(tokenizer(), options(0, {0.85}));
+  SimExecutor ex(test::deepseek_v3_tokenizer(), options(0, {0.85}));
   std::vector<int32_t> out = tokens_of(prefill(ex, kPrompt));
   while (out.size() < n) out.push_back(tokens_of(decode(ex, kPrompt, out))[0]);
   return out;
 }
 
 TEST(SimMtp, AlwaysRightDraftsAreThePlainContinuationAndAllAccepted) {
-  SimExecutor ex(tokenizer(), options(3, {1.0}));
+  SimExecutor ex(test::deepseek_v3_tokenizer(), options(3, {1.0}));
   EXPECT_EQ(ex.info().speculative_tokens, 3);
   const StepTokens first = prefill(ex, kPrompt);
   const std::vector<int32_t> expected = plain(8);
@@ -78,7 +73,7 @@ TEST(SimMtp, AlwaysRightDraftsAreThePlainContinuationAndAllAccepted) {
 }
 
 TEST(SimMtp, NeverRightDraftsAreRejectedAndTheStepYieldsThePlainToken) {
-  SimExecutor ex(tokenizer(), options(2, {0.0}));
+  SimExecutor ex(test::deepseek_v3_tokenizer(), options(2, {0.0}));
   const StepTokens first = prefill(ex, kPrompt);
   const std::vector<int32_t> expected = plain(3);
   ASSERT_EQ(first.drafts.size(), 2u);
@@ -89,7 +84,7 @@ TEST(SimMtp, NeverRightDraftsAreRejectedAndTheStepYieldsThePlainToken) {
 
 TEST(SimMtp, AcceptedRunsFollowTheAcceptanceProbabilitiesAndKeepThePlainTokens) {
   // Two drafts, 0.8 then 0.5 given the first: 0.8 + 0.8 * 0.5 = 1.2 accepted per step.
-  SimExecutor ex(tokenizer(), options(2, {0.8, 0.5}));
+  SimExecutor ex(test::deepseek_v3_tokenizer(), options(2, {0.8, 0.5}));
   const std::vector<int32_t> expected = plain(3000);
   StepTokens last = prefill(ex, kPrompt);
   std::vector<int32_t> out = tokens_of(last);
@@ -113,7 +108,7 @@ TEST(SimMtp, DraftingAddsItsShareOfTheStepTime) {
     o.mtp.draft_pass_share = share;
     double seconds = 0;
     o.wait = [&](double s) { seconds += s; };
-    SimExecutor ex(tokenizer(), o);
+    SimExecutor ex(test::deepseek_v3_tokenizer(), o);
     prefill(ex, kPrompt);
     return seconds;
   };
@@ -124,11 +119,11 @@ TEST(SimMtp, DraftingAddsItsShareOfTheStepTime) {
 }
 
 TEST(SimMtp, BadAcceptanceModelsAreRefusedByName) {
-  EXPECT_THROW(SimExecutor(tokenizer(), options(1, {1.5})), Error);
-  EXPECT_THROW(SimExecutor(tokenizer(), options(1, {})), Error);
-  EXPECT_THROW(SimExecutor(tokenizer(), options(17, {0.5})), Error);
+  EXPECT_THROW(SimExecutor(test::deepseek_v3_tokenizer(), options(1, {1.5})), Error);
+  EXPECT_THROW(SimExecutor(test::deepseek_v3_tokenizer(), options(1, {})), Error);
+  EXPECT_THROW(SimExecutor(test::deepseek_v3_tokenizer(), options(17, {0.5})), Error);
   try {
-    SimExecutor(tokenizer(), options(1, {-0.1}));
+    SimExecutor(test::deepseek_v3_tokenizer(), options(1, {-0.1}));
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("acceptance"), std::string::npos);
