@@ -4,6 +4,7 @@
 #include <chrono>
 #include <limits>
 #include <mutex>
+#include <string_view>
 #include <utility>
 
 #include "api/block_hash.h"
@@ -295,16 +296,32 @@ void GenerationApi::release_kv(const net::HttpRequest& req, std::shared_ptr<net:
   });
 }
 
+namespace {
+
+// Whether a body's text may name a transfer (release_refused_decode_leg's fields), read without
+// parsing it. A key spelled with escapes is missed: the gateway and vLLM's and SGLang's proxies
+// write them plain, and such a leg's KV is freed at the prefill engine's timeout.
+bool may_name_a_transfer(std::string_view body) {
+  return body.find("\"kv_transfer_params\"") != std::string_view::npos ||
+         body.find("\"bootstrap_room\"") != std::string_view::npos;
+}
+
+}  // namespace
+
 void GenerationApi::refuse(ApiKind kind, const net::HttpRequest& req, net::Reply& reply,
                            const std::string& why) {
-  json body;
-  const ReleaseJsonOnExit release_body{body};
-  try {
-    body = parse_untrusted_json(req.body);
-  } catch (const Error&) {
-    // Not JSON: no transfer to name.
+  // A refusal comes when the engine can least afford work (it stops, or its client left): the
+  // body is parsed only where it may name a transfer that this engine can let go of.
+  if (engine_.transfer() && may_name_a_transfer(req.body)) {
+    json body;
+    const ReleaseJsonOnExit release_body{body};
+    try {
+      body = parse_untrusted_json(req.body);
+    } catch (const Error&) {
+      // Not JSON: no transfer to name.
+    }
+    release_refused_decode_leg(kind, req, body, {}, why);
   }
-  release_refused_decode_leg(kind, req, body, {}, why);
   reply.send_error(503, why, "server_error");
 }
 

@@ -38,9 +38,11 @@ class GenerationApi {
   // response as the engine produces it. A reply that closes early aborts its engine requests.
   void handle(api::ApiKind kind, const net::HttpRequest& request,
               std::shared_ptr<net::Reply> reply);
-  // Turns one generation request away unread (the engine is stopping): 503 `why`, an OpenAI
-  // server_error, which a gateway retries elsewhere. A decode leg's prefill engine is told to let
-  // go of the KV it holds for it, as for any refused decode leg.
+  // Turns one generation request away (the engine is stopping, or its client left before it was
+  // prepared): 503 `why`, an OpenAI server_error, which a gateway retries elsewhere. A decode
+  // leg's prefill engine is told to let go of the KV it holds for it, as for any refused decode
+  // leg; the body is parsed for that alone, and only on an engine with KV transfer when its text
+  // names kv_transfer_params or bootstrap_room.
   void refuse(api::ApiKind kind, const net::HttpRequest& request, net::Reply& reply,
               const std::string& why);
   // vLLM's /tokenize (the ids a generation request with this prompt or chat runs on, rendered by

@@ -390,5 +390,73 @@ TEST(KvReleaseRoute, APrefillAnswerThatCannotBeSentLetsGoOfItsKv) {
   EXPECT_EQ(engine.load().free_blocks, engine.load().total_blocks);
 }
 
+// A reply that keeps the status and body it was given.
+class RecordingReply final : public net::Reply {
+ public:
+  bool respond(int s, std::string b, std::string) override {
+    status = s;
+    body = std::move(b);
+    return true;
+  }
+  bool send_error(int s, std::string_view message, std::string_view, std::string_view) override {
+    status = s;
+    body = std::string(message);
+    return true;
+  }
+  bool start_stream(int, std::string) override { return false; }
+  bool write(std::string_view) override { return false; }
+  bool end() override { return true; }
+  void abort() override {}
+  void on_close(std::function<void()>) override {}
+  int status = 0;
+  std::string body;
+};
+
+// A refused request (the engine stopping, its client gone before its preparation) is read only
+// for a transfer it names: what it names is still let go of, and every refusal is a 503 saying
+// why, whether the body names a transfer, is no JSON, or the engine has no KV transfer. (The
+// body is no longer parsed where it cannot name a transfer this engine can let go of: a cost,
+// which no answer shows.)
+TEST(KvReleaseRoute, ARefusedRequestIsA503AndARefusedDecodeLegStillLetsGoOfItsKv) {
+  ServedEngine prefill(EngineRole::kPrefill, prefill_transfer(), kKey);
+  const json params = prefilled(prefill);
+  ASSERT_TRUE(params.is_object());
+  ASSERT_GT(prefill.held_blocks(), 0);
+
+  json leg = kPrompt;
+  leg["kv_transfer_params"] = params;
+  for (const bool with_transfer : {false, true}) {
+    metrics::Registry registry;
+    EngineConfig config;
+    config.role = with_transfer ? EngineRole::kDecode : EngineRole::kBoth;
+    if (with_transfer) config.transfer = decode_transfer();
+    Engine engine(config, sim_executor(), borrowed_tokenizer(), eos_ids(tokenizer(), {}), registry);
+    GenerationApi api(engine, [](std::function<void()> task) { task(); });
+    for (const std::string& body : {kPrompt.dump(), std::string("not json \"bootstrap_room\""),
+                                    std::string("{\"prompt\": [1, 2")}) {
+      net::HttpRequest req;
+      req.method = "POST";
+      req.body = body;
+      RecordingReply reply;
+      api.refuse(api::ApiKind::kCompletion, req, reply, "the engine is shutting down");
+      EXPECT_EQ(reply.status, 503) << body;
+      EXPECT_EQ(reply.body, "the engine is shutting down") << body;
+    }
+    EXPECT_GT(prefill.held_blocks(), 0) << "nothing named the transfer";
+    net::HttpRequest req;
+    req.method = "POST";
+    req.body = leg.dump();
+    RecordingReply reply;
+    api.refuse(api::ApiKind::kCompletion, req, reply, "its client left before it was prepared");
+    EXPECT_EQ(reply.status, 503);
+    if (!with_transfer) {
+      EXPECT_GT(prefill.held_blocks(), 0) << "an engine without KV transfer pulls nothing";
+      continue;
+    }
+    repeat_until([&] { return prefill.held_blocks() == 0; }, kHangGuard,
+                 "the prefill engine still holds the KV of the refused decode leg");
+  }
+}
+
 }  // namespace
 }  // namespace tandem::engine
