@@ -564,6 +564,53 @@ TEST(KvCacheManagerTest, CollidingBlocksSurviveEvictionAndIdReuse) {
   m.check_invariants();
 }
 
+// A hit kept while the cache changes (looked up, allocated later) is refused once one of its
+// blocks was evicted and its id cached again for other tokens under the same hash: as a first
+// block (same hash, no predecessor), or after the hit's own first block (same hash, same
+// predecessor). Before, allocate() checked only the hash and the predecessor's entry, and handed
+// out the other prompt's KV as this prompt's.
+TEST(KvCacheManagerTest, AStaleHitIsRefusedAfterItsBlockIsCachedAgainForOtherTokens) {
+  const std::vector<int32_t> a{1, 2, 3, 4, 9};  // a0 = [1, 2], a1 = [3, 4]; all hash to 7
+  {
+    KvCacheManager m(2, 2, true, with_hash(all_blocks_collide));
+    admit_and_compute(m, "a", std::vector<int32_t>{1, 2, 9});
+    const int32_t a0 = m.block_table("a")[0];
+    m.free("a");
+    const PrefixHit stale = m.find_cached_prefix(std::vector<int32_t>{1, 2, 9});
+    ASSERT_EQ(stale.blocks, std::vector<int32_t>{a0});
+    ASSERT_TRUE(m.allocate("x", 1));                        // takes the uncached block
+    admit_and_compute(m, "b", std::vector<int32_t>{5, 6});  // evicts a0, caches [5, 6] in its id
+    ASSERT_EQ(m.block_table("b")[0], a0);
+    m.free("b");
+    m.free("x");  // room for the late request: only staleness can refuse it
+    EXPECT_THROW(m.allocate("late", 3, stale), Error);
+    EXPECT_FALSE(m.has_request("late"));
+    m.check_invariants();
+  }
+  {
+    KvCacheManager m(3, 2, true, with_hash(all_blocks_collide));
+    admit_and_compute(m, "a", a);
+    const int32_t a0 = m.block_table("a")[0], a1 = m.block_table("a")[1];
+    m.free("a");
+    const PrefixHit stale = m.find_cached_prefix(a);
+    ASSERT_EQ(stale.blocks, (std::vector<int32_t>{a0, a1}));
+    ASSERT_TRUE(m.allocate("x", 1));  // takes the uncached block
+    // [1, 2] hits a0; [5, 6] is computed after it into a1's id, evicting a1.
+    const std::vector<int32_t> c{1, 2, 5, 6};
+    const PrefixHit hit = m.find_cached_prefix(concat(c, {9}));
+    ASSERT_EQ(hit.blocks, std::vector<int32_t>{a0});
+    ASSERT_TRUE(m.allocate("c", 4, hit));
+    ASSERT_EQ(m.block_table("c")[1], a1);
+    m.cache_full_blocks("c", c);
+    m.free("c");
+    m.free("x");
+    EXPECT_THROW(m.allocate("late", 5, stale), Error);
+    EXPECT_FALSE(m.has_request("late"));
+    EXPECT_EQ(m.find_cached_prefix(a).blocks, std::vector<int32_t>{a0});  // looked up anew
+    m.check_invariants();
+  }
+}
+
 // ---- randomized property test ----
 
 struct ModelRequest {

@@ -186,6 +186,7 @@ PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
     hit.hashes.pop_back();
   }
   hit.num_tokens = static_cast<int64_t>(hit.blocks.size()) * block_size_;
+  if (!hit.blocks.empty()) hit.last_block_entry = blocks_[hit.blocks.back()].entry;
   return hit;
 }
 
@@ -209,19 +210,26 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
     throw Error("allocate: request '" + request_id + "' asks for " + std::to_string(num_tokens) +
                 " tokens, fewer than its " + std::to_string(hit.num_tokens) + " cached ones");
   }
-  // The hit must still describe the cache: nothing may have evicted or reset in between.
+  // The hit must still describe the cache: nothing may have evicted or reset in between. Its
+  // blocks still chain, each after the entry before it, and its last block is the entry the
+  // lookup found, so every one is (entries are never reused): a block evicted and cached again
+  // for other tokens whose hash collides has a new entry.
+  const auto stale = [&] {
+    return Error("allocate: the prefix hit for request '" + request_id +
+                 "' is stale (the cache changed after find_cached_prefix)");
+  };
   int64_t hit_blocks_free = 0;
   uint64_t hit_entry = kNoParentEntry;
   for (size_t i = 0; i < hit.blocks.size(); ++i) {
     const int32_t b = hit.blocks[i];
     if (b < 0 || b >= num_blocks() || !blocks_[b].cached() || blocks_[b].hash != hit.hashes[i] ||
         blocks_[b].parent_entry != hit_entry) {
-      throw Error("allocate: the prefix hit for request '" + request_id +
-                  "' is stale (the cache changed after find_cached_prefix)");
+      throw stale();
     }
     hit_entry = blocks_[b].entry;
     if (blocks_[b].ref == 0) ++hit_blocks_free;
   }
+  if (hit_entry != hit.last_block_entry) throw stale();
 
   const int64_t new_blocks = num_blocks_to_allocate(request_id, num_tokens, hit) - hit_blocks_free;
   if (new_blocks + hit_blocks_free > num_free_) return false;

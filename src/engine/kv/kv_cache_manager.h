@@ -59,6 +59,10 @@ struct PrefixHit {
   std::vector<int32_t> blocks;   // cached blocks holding the prefix, in order
   std::vector<uint64_t> hashes;  // their block hashes
   int64_t num_tokens = 0;        // tokens they hold: blocks.size() * block_size
+  // The cache entry of its last block (0 when none): entry numbers are never reused, so
+  // allocate() tells a stale hit from one whose blocks were evicted and cached again for other
+  // tokens with the same hashes.
+  uint64_t last_block_entry = 0;
   // Length of the sequence looked up, for the hit-rate statistics; 0: allocate() does not count
   // the lookup (the scheduler's re-admission of a preempted sequence, as vLLM keeps those out).
   int64_t num_query_tokens = 0;
@@ -121,7 +125,8 @@ class KvCacheManager {
   // ones included). The first call for a request creates it and takes the blocks of `hit`
   // (referencing them; ones in the free queue leave it) and counts the lookup in the statistics;
   // later calls must pass no hit. Returns false, changing nothing, when there are not enough free
-  // blocks. Throws tandem::Error on misuse (a stale hit, a hit for a known request, negative size).
+  // blocks. Throws tandem::Error on misuse (a stale hit: one of its blocks left the cache since
+  // the lookup, even if cached again; a hit for a known request; a negative size).
   bool allocate(const std::string& request_id, int64_t num_tokens, const PrefixHit& hit = {});
   // The free blocks that allocate(request_id, num_tokens, hit) would take (new blocks, and the
   // hit's cached blocks that nobody references): it succeeds when this is at most
