@@ -334,6 +334,7 @@ bool EndpointTable::probe_result(int id, bool ok, Clock::time_point now) {
   if (e->healthy) return false;
   e->healthy = true;
   e->readmitted = now;
+  forget_cached_prefixes(*e, "was readmitted");
   // What answers there now may be another server: an auto engine is asked again, and so is
   // every engine's longest sequence.
   if (e->dialect == Dialect::kAuto) {
@@ -393,10 +394,38 @@ bool EndpointTable::load_result(int id, PrefillWork launched_at_poll, LoadAnswer
     e->load_trouble.clear();
   }
   e->load_source = LoadSource::kReports;
+  if (reports_a_restart(e->load, answer.report))
+    forget_cached_prefixes(*e, "restarted (its load report's steps went back)");
   e->load = absorb(std::move(e->load), std::move(answer.report), launched_at_poll, now,
                    topo_.scheduling.tandem.prior);
   e->load.finished_at_report = e->counts.launched_total - e->counts.uncached_in_flight;
   return true;
+}
+
+void EndpointTable::forget_cached_prefixes(EndpointState& e, const char* why) {
+  if (!has_events(e.id)) return;
+  std::fprintf(stderr,
+               "tandem gateway: engine %s %s: its cached prefixes are dropped from the prefix "
+               "index until its KV events name them again\n",
+               e.config.name.c_str(), why);
+  const auto consumer = consumers_.find(e.id);
+  if (consumer == consumers_.end()) {
+    prefix_index_.clear(e.id);
+    return;
+  }
+  // The old consumer stops first, so no batch of the old stream is applied after the clear; the
+  // new one clears the engine's entries as it starts and warms up from the new process's replay
+  // buffer (a clear here, after it started, could drop what that replay applied).
+  consumer->second.reset();
+  try {
+    consumer->second = consumer_for(e.id, e.config);
+  } catch (const std::exception& err) {
+    // It was built from the same endpoint before, so this is not expected; without a consumer
+    // the engine's cached prefixes are unknown rather than stale.
+    consumers_.erase(consumer);
+    std::fprintf(stderr, "tandem gateway: engine %s: its KV-event consumer cannot be rebuilt: %s\n",
+                 e.config.name.c_str(), err.what());
+  }
 }
 
 void EndpointTable::forget(int id) {

@@ -4,12 +4,17 @@
 #include <cmath>
 
 namespace tandem::gateway {
+bool reports_a_restart(const EngineLoadState& state, const LoadReport& report) {
+  if (!state.known) return false;
+  // The step count says it even when the new process has run no step yet (and lists none).
+  if (report.steps < state.report.steps) return true;
+  return !report.recent_steps.empty() && report.recent_steps.back().index < state.last_step;
+}
+
 EngineLoadState absorb(EngineLoadState state, LoadReport report, PrefillWork launched_at_poll,
                        Clock::time_point received, const BatchTimeOptions& prior) {
   if (!state.known) state.batch_time.options = prior;
-  // Indices only grow on one engine process; a newest index below what was seen means it restarted.
-  if (!report.recent_steps.empty() && report.recent_steps.back().index < state.last_step)
-    state.last_step = 0;
+  if (reports_a_restart(state, report)) state.last_step = 0;
   for (const auto& s : report.recent_steps) {
     if (s.index <= state.last_step) continue;
     state.batch_time =

@@ -37,8 +37,15 @@ struct EngineLoadState {
   BatchTimeEstimator batch_time;
 };
 
+// Whether `report` comes from another process than the reports before it: one process's step
+// count and step indices only grow, so either going back means the engine restarted, with an
+// empty prefix cache and a new step history. (A restart whose new process has already run more
+// steps than the old one had cannot be told this way; a readmission after an ejection is taken
+// as one too, endpoints.h.)
+bool reports_a_restart(const EngineLoadState& state, const LoadReport& report);
+
 // The state after a report: its steps newer than `last_step` become batch-time observations (a
-// restarted engine, whose indices went back, is observed from its first step again).
+// restarted engine, reports_a_restart, is observed from its first step again).
 EngineLoadState absorb(EngineLoadState state, LoadReport report, PrefillWork launched_at_poll,
                        Clock::time_point received, const BatchTimeOptions& prior);
 

@@ -47,6 +47,34 @@ TEST(EngineLoad, StepsAreLearnedOnceAndAgainAfterARestart) {
   EXPECT_EQ(s.last_step, 2u);
 }
 
+// One process's step count and indices only grow: a report where either went back is another
+// process's, even one that has run no step yet and lists none.
+TEST(EngineLoad, AReportWhoseStepsWentBackIsARestart) {
+  const auto t0 = Clock::time_point{} + std::chrono::hours(1);
+  const LoadReport first = api::parse_load_report(kReport);
+  EXPECT_FALSE(reports_a_restart({}, first));  // nothing to compare with
+  const EngineLoadState s = absorb({}, first, {}, t0, {});
+  EXPECT_FALSE(reports_a_restart(s, first));  // idle between two polls
+
+  LoadReport later = first;
+  later.steps = first.steps + 5;
+  later.recent_steps.clear();  // a poll asking only for steps it has not seen
+  EXPECT_FALSE(reports_a_restart(s, later));
+
+  LoadReport fresh = first;
+  fresh.steps = 0;
+  fresh.recent_steps.clear();
+  EXPECT_TRUE(reports_a_restart(s, fresh));
+
+  // An engine that reports no step count still numbers its steps.
+  EngineLoadState uncounted = s;
+  uncounted.report.steps = 0;
+  LoadReport renumbered = first;
+  renumbered.steps = 0;
+  renumbered.recent_steps = {{1, 1, 512, 0.1}};
+  EXPECT_TRUE(reports_a_restart(uncounted, renumbered));
+}
+
 TEST(EngineLoad, FillsThePolicyFieldsFromAFreshReportOnly) {
   const auto t0 = Clock::time_point{} + std::chrono::hours(1);
   GatewayCounts counts;
