@@ -1,6 +1,5 @@
 #include "cli/gateway_shutdown.h"
 
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 
@@ -28,17 +27,6 @@ bool stopped_again(const StopSignals& signals, const char* who, const char* then
 }
 
 }  // namespace
-
-CLI::Validator finite_seconds() {
-  return CLI::Validator(
-      [](const std::string& text) {
-        double value = 0;
-        if (CLI::detail::lexical_cast(text, value) && !std::isfinite(value))
-          return "expected a finite number of seconds, got " + text;
-        return std::string();
-      },
-      "FINITE");
-}
 
 void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds) {
   cmd.add_option("--shutdown-timeout", seconds,

@@ -13,10 +13,6 @@
 
 namespace tandem::cli {
 
-// A check for a number of seconds: refuses nan (which passes CLI::Range, every comparison with it
-// being false, and then converts to milliseconds as undefined behaviour) and infinities.
-CLI::Validator finite_seconds();
-
 // --shutdown-timeout SECONDS into `seconds` (whose value is the default shown).
 void add_shutdown_timeout_flag(CLI::App& cmd, double& seconds);
 

@@ -4,19 +4,26 @@
 // 309 digits. CLI11 puts the flag's name before these messages: "--max-num-seqs: must be a
 // positive number, got 0".
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 namespace tandem::cli {
 
-// Text that is not a number is left to the option's own conversion to refuse; nan and the
-// infinities are refused here, as CLI11's checks refused them.
-inline std::string number_check(const std::string& text, bool zero_allowed) {
+// Text that is not a number is left to the option's own conversion to refuse (nullopt here); nan
+// and the infinities are numbers that every check below refuses.
+inline std::optional<double> number_of(const std::string& text) {
   double value = 0;
-  if (!CLI::detail::lexical_cast(text, value)) return std::string();
-  if (!std::isfinite(value)) return "must be a finite number, got " + text;
-  if (value > 0 || (zero_allowed && value == 0)) return std::string();
+  if (!CLI::detail::lexical_cast(text, value)) return std::nullopt;
+  return value;
+}
+
+inline std::string number_check(const std::string& text, bool zero_allowed) {
+  const std::optional<double> value = number_of(text);
+  if (!value) return std::string();
+  if (!std::isfinite(*value)) return "must be a finite number, got " + text;
+  if (*value > 0 || (zero_allowed && *value == 0)) return std::string();
   return (zero_allowed ? "must be 0 or more, got " : "must be a positive number, got ") + text;
 }
 
@@ -30,6 +37,19 @@ inline CLI::Validator positive_number() {
 inline CLI::Validator non_negative_number() {
   return CLI::Validator([](const std::string& text) { return number_check(text, true); },
                         "NONNEGATIVE");
+}
+
+// A number of seconds: refuses nan (which passes CLI::Range, every comparison with it being
+// false, and then converts to milliseconds as undefined behaviour) and infinities.
+inline CLI::Validator finite_seconds() {
+  return CLI::Validator(
+      [](const std::string& text) {
+        const std::optional<double> value = number_of(text);
+        if (value && !std::isfinite(*value))
+          return "expected a finite number of seconds, got " + text;
+        return std::string();
+      },
+      "FINITE");
 }
 
 }  // namespace tandem::cli

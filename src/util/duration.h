@@ -8,8 +8,8 @@
 namespace tandem {
 
 // `seconds` to the nearest millisecond. The caller has checked that it is finite and small enough
-// (CLI's finite_seconds and a range): a NaN, an infinity or a value past int64 milliseconds
-// converts as undefined behaviour.
+// (cli/number_checks.h's finite_seconds and a range): a NaN, an infinity or a value past int64
+// milliseconds converts as undefined behaviour.
 inline std::chrono::milliseconds milliseconds_of(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000)));
 }
