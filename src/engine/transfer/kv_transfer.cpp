@@ -1346,9 +1346,35 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
     if (!kv_peer_allowed(config_.allow, f.host))
       throw NotThePrefillsFault("KV transfer from " + f.host +
                                 " refused: the host is not in --kv-transfer-allow");
+    // The connect, the handshake and a pull's accept are bounded as a whole by the handshake
+    // timeout, as a release's are (send_release): a prefill engine answers them at once (it holds
+    // a pulled transfer's KV already), so one that does not is hung (a stopped process keeps its
+    // sockets open and the kernel completes the connection), and a wait for the transfer timeout
+    // would hold the request that long though the gateway ejected that engine long before. What
+    // waits for the prefill's compute (a room's prompt and layers) keeps the transfer timeout.
+    const auto handshake_deadline = Clock::now() + milliseconds_of(config_.handshake_timeout_s);
+    const auto unanswered = [&](const std::exception& e) {
+      return Error("the prefill engine did not answer within the handshake timeout of " +
+                   seconds_text(config_.handshake_timeout_s) + " s (" + e.what() + ")");
+    };
+    // Runs a step of the handshake; a failure once its deadline passed is that timeout's (an
+    // answer the prefill engine gave, as a refusal, stays what it is).
+    const auto within_handshake = [&](const std::function<void()>& step) {
+      try {
+        step();
+      } catch (const NotThePrefillsFault&) {
+        throw;
+      } catch (const KvTransferError&) {
+        throw;
+      } catch (const std::exception& e) {
+        if (Clock::now() >= handshake_deadline) throw unanswered(e);
+        throw;
+      }
+    };
     std::shared_ptr<KvConnection> conn;
     try {
-      conn = transport_->connect(f.host, f.port, [this, slot] {
+      conn = transport_->connect(f.host, f.port, [this, slot, handshake_deadline] {
+        if (Clock::now() >= handshake_deadline) return true;
         std::lock_guard lock(mutex_);
         return slot->cancelled || stopping_;
       });
@@ -1357,6 +1383,7 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       std::lock_guard lock(mutex_);
       if (slot->cancelled || stopping_)
         throw NotThePrefillsFault(std::string("cancelled (") + e.what() + ")");
+      if (Clock::now() >= handshake_deadline) throw unanswered(e);
       throw;
     }
     metrics_->fetch_connections.labels({conn->kind()}).inc();
@@ -1365,8 +1392,11 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       slot->conn = conn;
       if (slot->cancelled || stopping_) conn->shutdown();
     }
+    conn->set_deadline(handshake_deadline);
     std::string session;
-    if (!config_.secret.empty()) session = authenticate_to_prefill(*conn, config_.secret, where);
+    within_handshake([&] {
+      if (!config_.secret.empty()) session = authenticate_to_prefill(*conn, config_.secret, where);
+    });
     json req = {{"first_token", f.first_token},
                 {"num_tokens", f.num_tokens},
                 {"layout", layout_json(layout_)}};
@@ -1377,11 +1407,13 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
       req["transfer_id"] = f.transfer_id;
       req["engine_id"] = f.engine_id;
       req["block_ids"] = f.remote_blocks;
-      send_request(*conn, session, KvFrameType::kPull, req.dump());
     } else {
       req["room"] = f.room;
-      send_request(*conn, session, KvFrameType::kRegister, req.dump());
     }
+    within_handshake([&] {
+      send_request(*conn, session, f.pull ? KvFrameType::kPull : KvFrameType::kRegister,
+                   req.dump());
+    });
     const int64_t bs = layout_.block_size, tb = layout_.token_bytes;
     const int64_t tokens = f.num_tokens - f.first_token;
     if (tokens < 0 || int64_t(f.local_blocks.size()) * bs < tokens)
@@ -1389,7 +1421,16 @@ void KvTransferAgent::run_fetch(KvFetch f, FetchSlot* slot,
                                 std::to_string(f.first_token) + ", " +
                                 std::to_string(f.num_tokens) + ")");
     const size_t layer_bytes = size_t(tokens * tb);
-    KvFrame accept = f.pull ? conn->receive(kControlLimit) : await_room(*conn, f);
+    KvFrame accept;
+    if (f.pull) {
+      within_handshake([&] { accept = conn->receive(kControlLimit); });
+      // The layers of a held transfer: each frame within the transport's I/O timeout (one layer
+      // of a long prompt over a slow link takes its time).
+      conn->set_deadline(Clock::time_point::max());
+    } else {
+      conn->set_deadline(Clock::time_point::max());  // await_room sets its own
+      accept = await_room(*conn, f);
+    }
     if (accept.type == KvFrameType::kError) throw_refusal(accept);
     if (accept.type != KvFrameType::kAccept)
       throw Error("expected an accept frame, got " +

@@ -93,7 +93,10 @@ struct KvTransferConfig {
   // The deployment's shared secret (the handshake above); empty: no handshake, any peer that
   // can connect may transfer.
   std::string secret;
-  double handshake_timeout_s = 5;  // each frame until the request arrives within this
+  // Prefill side: each frame until the request arrives within this. Decode side: the connect,
+  // the handshake and a pull's accept within this as a whole (a prefill engine answers them at
+  // once: one that does not is hung), as each release's whole exchange.
+  double handshake_timeout_s = 5;
   // The prefill hosts a decode engine may connect to, as requests name them (kv_peer_allowed);
   // empty: any. Requests name hosts, so an engine open to strangers would connect wherever they
   // say.
@@ -236,7 +239,10 @@ class KvTransferAgent final : public KvTransfers {
   void room_progress(uint64_t room, uint64_t claim, int64_t computed_tokens) override;
 
   // --- decode side: `done` is posted once, with the outcome; until then the transfer may write
-  // into f.local_blocks. cancel_fetch makes a running fetch fail promptly.
+  // into f.local_blocks. cancel_fetch makes a running fetch fail promptly. A prefill engine that
+  // does not answer within the handshake timeout (KvTransferConfig::handshake_timeout_s) fails the
+  // fetch as its fault; only what waits for its compute (a room's prompt) and each layer frame
+  // wait up to the transfer timeout.
   void fetch(KvFetch f, std::function<void(const KvFetchResult&)> done) override;
   void cancel_fetch(const std::string& request_id) override;
   // Any thread: asks a prefill engine to free a held transfer without moving any KV (a pull of
