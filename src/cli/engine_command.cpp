@@ -176,10 +176,20 @@ void check_against_model_config(const EngineOptions& o, const text::Tokenizer& t
                 " tokens (max_position_embeddings in config.json)");
 }
 
-void run(const EngineOptions& o, const CLI::App& cmd) {
-  const StopSignals stop_signals;  // before any thread starts
-  std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
-  api::check_api_keys(o.api_keys, "--api-key");  // before minutes of loading
+// A simulated model's flags given for a model folder: refused, not dropped (a run that ignored
+// one would measure something other than what was asked).
+void refuse_sim_flags(const EngineOptions& o, const CLI::App& cmd) {
+  std::vector<std::string> flags(o.sim.given.begin(), o.sim.given.end());
+  if (cmd.count("--sim-time-scale") > 0) flags.push_back("--sim-time-scale");
+  if (!flags.empty())
+    throw Error(flags.front() + " applies to a simulated model (--model sim:PRESET); " + o.model +
+                " is a model folder");
+}
+
+// The settings that need no model, its folder or its tokenizer: checked before anything loads
+// (a typo must not cost a model load), and by `tandem serve` before it writes or starts anything.
+void check_settings(const EngineOptions& o, const CLI::App& cmd) {
+  api::check_api_keys(o.api_keys, "--api-key");
   net::check_socket_host("--host", o.host);
   net::check_socket_host("--kv-transfer-host", o.kv_transfer_host);
   // The served name goes into /v1/models' JSON and /metrics' labels, which carry only UTF-8: a
@@ -192,7 +202,6 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
                           "give --served-model-name with a UTF-8 name"
                     : "--served-model-name: expected a UTF-8 name, got '" +
                           utf8::to_valid_lossy(name) + "'");
-
   const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   // Flags the engine would not use are refused, not dropped: a run that ignored one would
   // measure something other than what was asked.
@@ -203,37 +212,48 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
         throw Error(
             std::string(flag) + " needs --expert-parallel N (a real model's ranks" +
             (sim ? "; a sim: model takes --sim-expert-parallel N and --sim-placement)" : ")"));
-  // Called by each real model's branch before it loads, after the checks of what the model has.
-  const auto refuse_sim_flags = [&] {
-    std::vector<std::string> flags(o.sim.given.begin(), o.sim.given.end());
-    if (cmd.count("--sim-time-scale") > 0) flags.push_back("--sim-time-scale");
-    if (!flags.empty())
-      throw Error(flags.front() + " applies to a simulated model (--model sim:PRESET); " + o.model +
-                  " is a model folder");
-  };
+  if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
+    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy +
+                "'");
+  if (!o.reasoning_parser.empty() && !api::reasoning_format_named(o.reasoning_parser))
+    throw Error("--reasoning-parser: expected deepseek_r1 or qwen3, got '" + o.reasoning_parser +
+                "'");
+  // The generation config's own flags (a folder, an override); the model's file is read later.
+  load_generation_config(o.generation_config, std::string());
+  if (!o.kv_events_config.empty()) engine::KvEventsConfig::parse(o.kv_events_config);
+  engine::parse_engine_role(o.role);
+  // Not --kv-transfer-secret-file: it may be a pipe whose one secret is the engine's to read.
+  engine::check_kv_peer_allow(o.kv_transfer_allow);
+  if (sim && o.expert_parallel > 1)
+    throw Error(
+        "--expert-parallel runs a real model's experts; a sim: model takes "
+        "--sim-expert-parallel");
+  if (o.speculative_tokens > 0 && o.expert_parallel > 1)
+    throw Error(
+        "--speculative-tokens: speculative decoding runs a real model's MTP module in one "
+        "process; not with --expert-parallel");
+}
+
+void run(const EngineOptions& o, const CLI::App& cmd) {
+  const StopSignals stop_signals;  // before any thread starts
+  std::optional<StopWhileStarting> starting(std::in_place, stop_signals, "tandem engine");
+  check_settings(o, cmd);  // before minutes of loading
+
+  const bool sim = o.model.rfind(kSimPrefix, 0) == 0;
   std::string tokenizer_dir = o.tokenizer;
   if (tokenizer_dir.empty()) tokenizer_dir = sim ? default_tokenizer().string() : o.model;
   auto tokenizer =
       std::make_shared<const text::Tokenizer>(text::Tokenizer::from_dir(tokenizer_dir));
 
-  // Every setting is checked before minutes of loading: a typo must not cost a model load.
   engine::EngineConfig config;
   config.scheduler.max_num_seqs = o.max_num_seqs;
   config.scheduler.max_num_batched_tokens = o.max_num_batched_tokens;
-  if (o.scheduling_policy != "fcfs" && o.scheduling_policy != "priority")
-    throw Error("--scheduling-policy: expected fcfs or priority, got '" + o.scheduling_policy +
-                "'");
   config.scheduler.priority = o.scheduling_policy == "priority";
   config.enable_prefix_caching = !o.no_prefix_caching;
   config.max_tokens_limit = o.max_tokens.limit;
   config.default_max_tokens = o.max_tokens.default_value;
-  if (!o.reasoning_parser.empty()) {
-    const auto format = api::reasoning_format_named(o.reasoning_parser);
-    if (!format)
-      throw Error("--reasoning-parser: expected deepseek_r1 or qwen3, got '" + o.reasoning_parser +
-                  "'");
-    config.reasoning = *format;
-  }
+  if (!o.reasoning_parser.empty())
+    config.reasoning = *api::reasoning_format_named(o.reasoning_parser);
   const EngineGenerationConfig generation =
       load_generation_config(o.generation_config, sim ? std::string() : o.model);
   config.sampling_defaults = generation.sampling;
@@ -244,7 +264,6 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   config.rebalance_interval = o.rebalance_interval;
   config.expert_load_dump = o.expert_load_dump;
   config.kv_events_config = o.kv_events_config;
-  if (!o.kv_events_config.empty()) engine::KvEventsConfig::parse(o.kv_events_config);
   config.role = engine::parse_engine_role(o.role);
   engine::KvTransferConfig transfer;
   transfer.engine_id = o.engine_id;
@@ -259,7 +278,6 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   transfer.transport = kKvTransports.at(o.kv_transport);
   transfer.checksum = transfer.checksum || o.kv_transfer_checksum;
   transfer.secret = kv_transfer_secret(o);
-  engine::check_kv_peer_allow(o.kv_transfer_allow);
   transfer.allow = o.kv_transfer_allow;
   config.transfer = transfer;
   if (!sim) check_against_model_config(o, *tokenizer);
@@ -268,14 +286,6 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
   kernels::set_batch_invariant(o.batch_invariant);
   std::unique_ptr<engine::Executor> executor;
   std::vector<int32_t> eos;
-  if (sim && o.expert_parallel > 1)
-    throw Error(
-        "--expert-parallel runs a real model's experts; a sim: model takes "
-        "--sim-expert-parallel");
-  if (o.speculative_tokens > 0 && o.expert_parallel > 1)
-    throw Error(
-        "--speculative-tokens: speculative decoding runs a real model's MTP module in one "
-        "process; not with --expert-parallel");
   if (sim) {
     // A simulated model speculates with the acceptance model (--sim-mtp-acceptance).
     engine::SimExecutorOptions so =
@@ -288,7 +298,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
     executor = std::make_unique<engine::SimExecutor>(*tokenizer, so);
     eos = engine::eos_ids(*tokenizer, generation.eos_token_ids);
   } else if (model::architecture_of(o.model) == model::kQwen3MoeArchitecture) {
-    refuse_sim_flags();
+    refuse_sim_flags(o, cmd);
     if (o.expert_parallel > 1 || !o.expert_placement.empty())
       throw Error("--expert-parallel: expert parallelism runs DeepSeek-family models; " + o.model +
                   " is a Qwen3-MoE model");
@@ -303,7 +313,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
         m, *tokenizer, o.served_model_name.empty() ? o.model : o.served_model_name,
         cache_options(o));
   } else if (o.expert_parallel > 1) {
-    refuse_sim_flags();
+    refuse_sim_flags(o, cmd);
     engine::ep::EpExecutorOptions eo;
     eo.ranks = o.expert_parallel;
     eo.model_dir = o.model;
@@ -333,7 +343,7 @@ void run(const EngineOptions& o, const CLI::App& cmd) {
         throw Error("--speculative-tokens " + std::to_string(o.speculative_tokens) +
                     ": speculative decoding drafts with the model's MTP module, and " + o.model +
                     " has none: " + why);
-    refuse_sim_flags();
+    refuse_sim_flags(o, cmd);
     std::shared_ptr<model::DeepSeekModel> m;
     {
       ProgressBar bar("loading " + o.model, "tensors");
@@ -433,6 +443,172 @@ void run_sim_fit(const SimFitOptions& o) {
               o.out.c_str());
 }
 
+// The `engine` subcommand and its flags, writing into `o`; its callback is the caller's.
+CLI::App* add_engine_subcommand(CLI::App& app, EngineOptions& o) {
+  auto* cmd =
+      app.add_subcommand("engine", "Serve a model over HTTP (OpenAI API, tokens-in /generate)");
+  cmd->add_option("--model", o.model, "model folder, or sim:PRESET for a simulated executor")
+      ->required();
+  cmd->add_option(
+      "--tokenizer", o.tokenizer,
+      "tokenizer folder (default: the model folder; for sim: the DeepSeek-V3 tokenizer)");
+  cmd->add_option("--served-model-name", o.served_model_name,
+                  "model name in the API (default: --model)");
+  cmd->add_option("--host", o.host, "address to listen on")->capture_default_str();
+  cmd->add_option("--port", o.port, "port (0: any free port)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  cmd->add_option("--block-size", o.block_size, "tokens per KV block")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--kv-cache-gb", o.kv_cache_gb, "memory for the KV cache (GiB)")
+      ->capture_default_str()
+      ->check(positive_number());
+  cmd->add_option("--num-kv-blocks", o.num_blocks, "KV blocks (overrides --kv-cache-gb)")
+      ->check(non_negative_number());
+  cmd->add_option("--kv-cache-dtype", o.kv_cache_dtype,
+                  "latent cache values: auto (float32 for float32 weights, else bfloat16), "
+                  "float32 or bfloat16")
+      ->capture_default_str()
+      ->transform(CLI::IsMember(kKvCacheTypes));
+  cmd->add_option("--expert-load-window", o.expert_load_window,
+                  "steps in the sliding window of expert load statistics (GET /expert_load)")
+      ->capture_default_str()
+      ->check(positive_number());
+  cmd->add_option("--expert-load-dump", o.expert_load_dump,
+                  "folder for expert load snapshots: expert_load_<steps>.npy/.json every window "
+                  "([MoE layers, experts] int64) and expert_load_cumulative.npy/.json at exit");
+  cmd->add_option("--expert-parallel", o.expert_parallel,
+                  "rank processes the routed experts are spread over (expert parallelism on this "
+                  "host; attention runs data-parallel, MoE layers exchange tokens through shared "
+                  "memory)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--expert-parallel-stall-timeout", o.expert_parallel_stall_timeout,
+                  "with --expert-parallel: seconds a step waits at one MoE exchange for a rank "
+                  "that is alive but does not get there (stopped, frozen, deadlocked) before the "
+                  "engine fails as it does when a rank dies; at start, a rank gets this long (at "
+                  "least 60) plus the engine's own model load once per rank to say it is ready (0: "
+                  "wait forever, e.g. to "
+                  "debug a rank)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 604800.0));
+  cmd->add_option("--expert-placement", o.expert_placement,
+                  "where experts live with --expert-parallel (.json from `tandem place plan` or an "
+                  "Omni .npy; redundant copies allowed); default: every expert once, in order");
+  cmd->add_option("--rebalance-interval", o.rebalance_interval,
+                  "with --expert-parallel: every this many steps, re-plan the placement from the "
+                  "expert-load window (Omni planner, incremental) and switch to it live when it "
+                  "moves any copy (0: only POST /admin/expert_placement)")
+      ->capture_default_str()
+      ->check(non_negative_number());
+  cmd->add_option("--speculative-tokens", o.speculative_tokens,
+                  "speculative decoding: draft tokens per step from the model's MTP module "
+                  "(applied recursively past the first; a sim: model's acceptance model, "
+                  "--sim-mtp-acceptance), verified in the next step (0: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 8));
+  cmd->add_option("--reasoning-parser", o.reasoning_parser,
+                  "read chat answers' <think> reasoning apart, as vLLM's --reasoning-parser: "
+                  "deepseek_r1 or qwen3 (message.reasoning_content / reasoning, and the same in "
+                  "stream deltas)");
+  cmd->add_flag("--batch-invariant", o.batch_invariant,
+                "batch-invariant numerics: a token's logits do not depend on the other tokens of "
+                "its step, on how its prompt was chunked, or on whether its prefix came from the "
+                "cache or a KV transfer (the same kernels and reduction order for any token "
+                "count; slower prefill, see docs/benchmarks.md)");
+  cmd->add_flag("--int8-lm-head", o.int8_lm_head,
+                "quantize the LM head to INT8 at load (W8A8, per-row scales): half the bytes a "
+                "decode token reads there, as llama.cpp's Q8_0 files have it; W8A8 checkpoints "
+                "keep it in BF16");
+  cmd->add_option("--mla-rescale", o.mla_rescale,
+                  "decode attention's softmax rescale: multiply or amla (exponent add)")
+      ->capture_default_str()
+      ->transform(CLI::IsMember(kMlaRescales));
+  cmd->add_option("--max-num-seqs", o.max_num_seqs, "running sequences at most")
+      ->capture_default_str()
+      ->check(positive_number());
+  cmd->add_option("--max-num-batched-tokens", o.max_num_batched_tokens,
+                  "new tokens per step (chunked prefill budget)")
+      ->capture_default_str()
+      ->check(positive_number());
+  cmd->add_option("--scheduling-policy", o.scheduling_policy,
+                  "fcfs, or priority: prefills, running or waiting, by the requests' priority "
+                  "(lower first), then arrival")
+      ->capture_default_str();
+  cmd->add_flag("--no-enable-prefix-caching", o.no_prefix_caching,
+                "turn automatic prefix caching off");
+  cmd->add_option("--kv-events-config", o.kv_events_config, "vLLM-style KV events config (JSON)");
+  cmd->add_option("--http-threads", o.http_threads, "HTTP io threads")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  add_shutdown_timeout_flag(*cmd, o.shutdown_timeout);
+  cmd->add_option("--max-body-bytes", o.max_body_bytes, "largest request body accepted")
+      ->capture_default_str()
+      ->check(positive_number());
+  cmd->add_option("--max-connections", o.max_connections,
+                  "client connections held at once; past it new ones are closed at once "
+                  "(0: three quarters of the file descriptor limit)")
+      ->capture_default_str();
+  cmd->add_option("--sim-time-scale", o.sim_time_scale,
+                  "multiplies the simulated step times (0: do not sleep)")
+      ->capture_default_str()
+      ->check(non_negative_number());
+  add_sim_executor_flags(*cmd, o.sim);
+  cmd->add_option("--role", o.role, "prefill, decode or both (prefill/decode disaggregation)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"prefill", "decode", "both"}));
+  cmd->add_option("--kv-transfer-port,--disaggregation-bootstrap-port", o.kv_transfer_port,
+                  "KV transfer / bootstrap server port (default: 8998 for prefill, any free port "
+                  "for both, none for decode; -1: none)")
+      ->check(CLI::Range(-1, 65535));
+  cmd->add_option("--kv-transfer-host", o.kv_transfer_host,
+                  "address the KV transfer server listens on (default: --host)");
+  cmd->add_option("--advertise-host", o.advertise_host,
+                  "host decode engines reach this engine at (remote_host; default: --host, or "
+                  "this machine's first non-loopback IPv4 address)");
+  cmd->add_option("--kv-transfer-timeout", o.kv_transfer_timeout,
+                  "seconds KV waits to be taken, a room waits for its other leg, and each transfer "
+                  "frame (one layer's KV) may take")
+      ->capture_default_str()
+      ->check(finite_seconds())
+      ->check(positive_number())
+      // As the gateway's durations (about 24.8 days): past int64 milliseconds the conversion
+      // would be undefined (1e300 was taken).
+      ->check(CLI::Range(0.0, 2147483.647));
+  cmd->add_option("--kv-transport", o.kv_transport,
+                  "KV transfer transport: shm (shared memory with engines on this host, TCP with "
+                  "others) or tcp")
+      ->capture_default_str()
+      ->transform(CLI::IsMember(kKvTransports));
+  cmd->add_option("--kv-transfer-secret", o.kv_transfer_secret,
+                  "shared secret of the KV transfer handshake (every engine of a deployment "
+                  "the same; default: --kv-transfer-secret-file, else $" +
+                      std::string(engine::kKvTransferSecretVariable) + ", else no handshake)");
+  cmd->add_option("--kv-transfer-allow", o.kv_transfer_allow,
+                  "a prefill host this decode engine may pull KV from: a name or address as "
+                  "requests give it, or an IPv4 block like 10.0.0.0/8 (repeatable; default: any)");
+  cmd->add_option("--kv-transfer-secret-file", o.kv_transfer_secret_file,
+                  "a file holding the KV transfer secret (trailing whitespace ignored)");
+  cmd->add_flag(
+      "--kv-transfer-checksum", o.kv_transfer_checksum,
+      "checksum every transferred layer (a decode engine asks its prefill engines for them and "
+      "refuses layers without; always on in debug builds)");
+  cmd->add_option("--engine-id", o.engine_id, "this engine's id in KV transfer (default: random)");
+  cmd->add_option("--max-model-len", o.max_model_len,
+                  "the longest sequence (prompt plus output) a request may ask for, at most the "
+                  "model's context (default: the model's context, or a simulated model's "
+                  "preset's; either way no longer than the KV cache holds)")
+      ->check(non_negative_number());
+  cmd->add_option("--api-key", o.api_keys,
+                  "accepted API key (repeatable): every route but /health and /metrics needs one "
+                  "as a Bearer token (default: $" +
+                      std::string(engine::kEngineApiKeyVariable) + ", else open)");
+  add_max_tokens_flags(*cmd, o.max_tokens);
+  add_generation_config_flags(*cmd, o.generation_config);
+  return cmd;
+}
+
 }  // namespace
 
 void add_engine_command(CLI::App& app) {
@@ -460,168 +636,29 @@ void add_engine_command(CLI::App& app) {
   fit->callback([f] { run_sim_fit(*f); });
 
   auto o = std::make_shared<EngineOptions>();
-  auto* cmd =
-      app.add_subcommand("engine", "Serve a model over HTTP (OpenAI API, tokens-in /generate)");
-  cmd->add_option("--model", o->model, "model folder, or sim:PRESET for a simulated executor")
-      ->required();
-  cmd->add_option(
-      "--tokenizer", o->tokenizer,
-      "tokenizer folder (default: the model folder; for sim: the DeepSeek-V3 tokenizer)");
-  cmd->add_option("--served-model-name", o->served_model_name,
-                  "model name in the API (default: --model)");
-  cmd->add_option("--host", o->host, "address to listen on")->capture_default_str();
-  cmd->add_option("--port", o->port, "port (0: any free port)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 65535));
-  cmd->add_option("--block-size", o->block_size, "tokens per KV block")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 4096));
-  cmd->add_option("--kv-cache-gb", o->kv_cache_gb, "memory for the KV cache (GiB)")
-      ->capture_default_str()
-      ->check(positive_number());
-  cmd->add_option("--num-kv-blocks", o->num_blocks, "KV blocks (overrides --kv-cache-gb)")
-      ->check(non_negative_number());
-  cmd->add_option("--kv-cache-dtype", o->kv_cache_dtype,
-                  "latent cache values: auto (float32 for float32 weights, else bfloat16), "
-                  "float32 or bfloat16")
-      ->capture_default_str()
-      ->transform(CLI::IsMember(kKvCacheTypes));
-  cmd->add_option("--expert-load-window", o->expert_load_window,
-                  "steps in the sliding window of expert load statistics (GET /expert_load)")
-      ->capture_default_str()
-      ->check(positive_number());
-  cmd->add_option("--expert-load-dump", o->expert_load_dump,
-                  "folder for expert load snapshots: expert_load_<steps>.npy/.json every window "
-                  "([MoE layers, experts] int64) and expert_load_cumulative.npy/.json at exit");
-  cmd->add_option("--expert-parallel", o->expert_parallel,
-                  "rank processes the routed experts are spread over (expert parallelism on this "
-                  "host; attention runs data-parallel, MoE layers exchange tokens through shared "
-                  "memory)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 64));
-  cmd->add_option("--expert-parallel-stall-timeout", o->expert_parallel_stall_timeout,
-                  "with --expert-parallel: seconds a step waits at one MoE exchange for a rank "
-                  "that is alive but does not get there (stopped, frozen, deadlocked) before the "
-                  "engine fails as it does when a rank dies; at start, a rank gets this long (at "
-                  "least 60) plus the engine's own model load once per rank to say it is ready (0: "
-                  "wait forever, e.g. to "
-                  "debug a rank)")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 604800.0));
-  cmd->add_option("--expert-placement", o->expert_placement,
-                  "where experts live with --expert-parallel (.json from `tandem place plan` or an "
-                  "Omni .npy; redundant copies allowed); default: every expert once, in order");
-  cmd->add_option("--rebalance-interval", o->rebalance_interval,
-                  "with --expert-parallel: every this many steps, re-plan the placement from the "
-                  "expert-load window (Omni planner, incremental) and switch to it live when it "
-                  "moves any copy (0: only POST /admin/expert_placement)")
-      ->capture_default_str()
-      ->check(non_negative_number());
-  cmd->add_option("--speculative-tokens", o->speculative_tokens,
-                  "speculative decoding: draft tokens per step from the model's MTP module "
-                  "(applied recursively past the first; a sim: model's acceptance model, "
-                  "--sim-mtp-acceptance), verified in the next step (0: off)")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 8));
-  cmd->add_option("--reasoning-parser", o->reasoning_parser,
-                  "read chat answers' <think> reasoning apart, as vLLM's --reasoning-parser: "
-                  "deepseek_r1 or qwen3 (message.reasoning_content / reasoning, and the same in "
-                  "stream deltas)");
-  cmd->add_flag("--batch-invariant", o->batch_invariant,
-                "batch-invariant numerics: a token's logits do not depend on the other tokens of "
-                "its step, on how its prompt was chunked, or on whether its prefix came from the "
-                "cache or a KV transfer (the same kernels and reduction order for any token "
-                "count; slower prefill, see docs/benchmarks.md)");
-  cmd->add_flag("--int8-lm-head", o->int8_lm_head,
-                "quantize the LM head to INT8 at load (W8A8, per-row scales): half the bytes a "
-                "decode token reads there, as llama.cpp's Q8_0 files have it; W8A8 checkpoints "
-                "keep it in BF16");
-  cmd->add_option("--mla-rescale", o->mla_rescale,
-                  "decode attention's softmax rescale: multiply or amla (exponent add)")
-      ->capture_default_str()
-      ->transform(CLI::IsMember(kMlaRescales));
-  cmd->add_option("--max-num-seqs", o->max_num_seqs, "running sequences at most")
-      ->capture_default_str()
-      ->check(positive_number());
-  cmd->add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
-                  "new tokens per step (chunked prefill budget)")
-      ->capture_default_str()
-      ->check(positive_number());
-  cmd->add_option("--scheduling-policy", o->scheduling_policy,
-                  "fcfs, or priority: prefills, running or waiting, by the requests' priority "
-                  "(lower first), then arrival")
-      ->capture_default_str();
-  cmd->add_flag("--no-enable-prefix-caching", o->no_prefix_caching,
-                "turn automatic prefix caching off");
-  cmd->add_option("--kv-events-config", o->kv_events_config, "vLLM-style KV events config (JSON)");
-  cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 64));
-  add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
-  cmd->add_option("--max-body-bytes", o->max_body_bytes, "largest request body accepted")
-      ->capture_default_str()
-      ->check(positive_number());
-  cmd->add_option("--max-connections", o->max_connections,
-                  "client connections held at once; past it new ones are closed at once "
-                  "(0: three quarters of the file descriptor limit)")
-      ->capture_default_str();
-  cmd->add_option("--sim-time-scale", o->sim_time_scale,
-                  "multiplies the simulated step times (0: do not sleep)")
-      ->capture_default_str()
-      ->check(non_negative_number());
-  add_sim_executor_flags(*cmd, o->sim);
-  cmd->add_option("--role", o->role, "prefill, decode or both (prefill/decode disaggregation)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"prefill", "decode", "both"}));
-  cmd->add_option("--kv-transfer-port,--disaggregation-bootstrap-port", o->kv_transfer_port,
-                  "KV transfer / bootstrap server port (default: 8998 for prefill, any free port "
-                  "for both, none for decode; -1: none)")
-      ->check(CLI::Range(-1, 65535));
-  cmd->add_option("--kv-transfer-host", o->kv_transfer_host,
-                  "address the KV transfer server listens on (default: --host)");
-  cmd->add_option("--advertise-host", o->advertise_host,
-                  "host decode engines reach this engine at (remote_host; default: --host, or "
-                  "this machine's first non-loopback IPv4 address)");
-  cmd->add_option("--kv-transfer-timeout", o->kv_transfer_timeout,
-                  "seconds KV waits to be taken, a room waits for its other leg, and each transfer "
-                  "frame (one layer's KV) may take")
-      ->capture_default_str()
-      ->check(finite_seconds())
-      ->check(positive_number())
-      // As the gateway's durations (about 24.8 days): past int64 milliseconds the conversion
-      // would be undefined (1e300 was taken).
-      ->check(CLI::Range(0.0, 2147483.647));
-  cmd->add_option("--kv-transport", o->kv_transport,
-                  "KV transfer transport: shm (shared memory with engines on this host, TCP with "
-                  "others) or tcp")
-      ->capture_default_str()
-      ->transform(CLI::IsMember(kKvTransports));
-  cmd->add_option("--kv-transfer-secret", o->kv_transfer_secret,
-                  "shared secret of the KV transfer handshake (every engine of a deployment "
-                  "the same; default: --kv-transfer-secret-file, else $" +
-                      std::string(engine::kKvTransferSecretVariable) + ", else no handshake)");
-  cmd->add_option("--kv-transfer-allow", o->kv_transfer_allow,
-                  "a prefill host this decode engine may pull KV from: a name or address as "
-                  "requests give it, or an IPv4 block like 10.0.0.0/8 (repeatable; default: any)");
-  cmd->add_option("--kv-transfer-secret-file", o->kv_transfer_secret_file,
-                  "a file holding the KV transfer secret (trailing whitespace ignored)");
-  cmd->add_flag(
-      "--kv-transfer-checksum", o->kv_transfer_checksum,
-      "checksum every transferred layer (a decode engine asks its prefill engines for them and "
-      "refuses layers without; always on in debug builds)");
-  cmd->add_option("--engine-id", o->engine_id, "this engine's id in KV transfer (default: random)");
-  cmd->add_option("--max-model-len", o->max_model_len,
-                  "the longest sequence (prompt plus output) a request may ask for, at most the "
-                  "model's context (default: the model's context, or a simulated model's "
-                  "preset's; either way no longer than the KV cache holds)")
-      ->check(non_negative_number());
-  cmd->add_option("--api-key", o->api_keys,
-                  "accepted API key (repeatable): every route but /health and /metrics needs one "
-                  "as a Bearer token (default: $" +
-                      std::string(engine::kEngineApiKeyVariable) + ", else open)");
-  add_max_tokens_flags(*cmd, o->max_tokens);
-  add_generation_config_flags(*cmd, o->generation_config);
+  CLI::App* cmd = add_engine_subcommand(app, *o);
   cmd->callback([o, cmd] { run(*o, *cmd); });
+}
+
+void check_engine_command_line(std::span<const std::string> args) {
+  CLI::App app;
+  EngineOptions o;
+  CLI::App* cmd = add_engine_subcommand(app, o);
+  cmd->callback([&o, cmd] {
+    check_settings(o, *cmd);
+    if (o.model.rfind(kSimPrefix, 0) != 0) refuse_sim_flags(o, *cmd);
+  });
+  std::vector<const char*> argv;
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::ParseError& e) {
+    // --help and --version end a parse with an "error" too; for an engine of serve they would end
+    // it at once, naming no port.
+    throw Error(e.get_exit_code() == 0 ? std::string("asks for the engine's help, which an engine "
+                                                     "of serve cannot print")
+                                       : std::string(e.what()));
+  }
 }
 
 }  // namespace tandem::cli

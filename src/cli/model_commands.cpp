@@ -93,7 +93,7 @@ void quantize(const QuantizeArgs& a) {
 
 }  // namespace
 
-fs::path preset_model_folder(const std::string& preset) {
+fs::path preset_model_path(const std::string& preset) {
   if (!model::is_qwen3_moe_preset(preset))
     model::preset_config(preset);  // an unknown name fails here, naming the presets
   fs::path cache;
@@ -103,7 +103,11 @@ fs::path preset_model_folder(const std::string& preset) {
     cache = fs::path(h) / ".cache";
   else
     cache = fs::temp_directory_path();
-  const fs::path dir = cache / "tandem" / "models" / preset;
+  return cache / "tandem" / "models" / preset;
+}
+
+fs::path preset_model_folder(const std::string& preset) {
+  const fs::path dir = preset_model_path(preset);
   if (fs::exists(dir / "config.json")) return dir;
   // Written aside and renamed, so an interrupted run never leaves a half model behind.
   const fs::path tmp = dir.string() + ".partial-" + std::to_string(::getpid());

@@ -18,5 +18,7 @@ std::filesystem::path default_tokenizer(const std::string& family = "deepseek_v3
 // ($XDG_CACHE_HOME or ~/.cache, then tandem/models/PRESET), written on first use: what
 // `tandem serve` runs when given a preset name instead of a folder.
 std::filesystem::path preset_model_folder(const std::string& preset);
+// Where preset_model_folder has or will have that checkpoint; nothing is written.
+std::filesystem::path preset_model_path(const std::string& preset);
 
 }  // namespace tandem::cli

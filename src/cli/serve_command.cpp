@@ -1,10 +1,14 @@
 #include "cli/serve_command.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -15,6 +19,7 @@
 #include <vector>
 
 #include "cli/engine_child.h"
+#include "cli/engine_command.h"
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
@@ -51,13 +56,45 @@ struct ServeOptions {
 };
 
 // A folder and sim: presets are used as they are; a make-model preset name becomes its
-// checkpoint in the user's cache (written on first use).
+// checkpoint's folder in the user's cache, which run() writes (on first use) once every flag is
+// checked.
 std::string model_folder(const std::string& model) {
   if (model.rfind("sim:", 0) == 0 || std::filesystem::exists(model)) return model;
   for (const auto& p : model::model_presets())
-    if (p == model) return preset_model_folder(model).string();
+    if (p == model) return preset_model_path(model).string();
   throw Error("serve: --model '" + model + "' is neither a folder, a sim: preset nor one of the " +
               "make-model presets (tiny-v3, tiny-v2-lite, bench, tiny-qwen3-moe, bench-qwen3-moe)");
+}
+
+// The access log gateway replica `replica` writes: --access-log's file, FILE.k for replica k > 0
+// (one writer per file), or "-" (standard output, shared).
+std::string replica_access_log(const std::string& access_log, int replica) {
+  if (replica == 0 || access_log.empty() || access_log == "-") return access_log;
+  return access_log + "." + std::to_string(replica);
+}
+
+// Whether the gateway will be able to open `path` for appending (creating it if missing), told
+// before anything starts and without writing anything: a typo in the folder must not cost a
+// model load. What only the open can tell (a FIFO without a reader) is left to the gateway.
+void check_access_log(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (path.empty() || path == "-") return;
+  const std::string said = "--access-log " + path + ": ";
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (fs::is_directory(status)) throw Error(said + "is a directory, not a file");
+  if (fs::exists(status)) {
+    if (::access(path.c_str(), W_OK) != 0)
+      throw Error(said + "cannot be written: " + std::strerror(errno));
+    return;
+  }
+  if (ec && status.type() != fs::file_type::not_found) throw Error(said + ec.message());
+  const fs::path parent = fs::path(path).parent_path();
+  const fs::path folder = parent.empty() ? fs::path(".") : parent;
+  if (!fs::is_directory(folder, ec))
+    throw Error(said + "its folder " + folder.string() + " does not exist");
+  if (::access(folder.c_str(), W_OK | X_OK) != 0)
+    throw Error(said + "cannot create a file in " + folder.string() + ": " + std::strerror(errno));
 }
 
 gateway::Endpoint endpoint(const EngineChild& c, const std::string& host, bool bootstrap) {
@@ -131,6 +168,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
         "--mode aggregated");
   // The generation config's own flags (a folder, an override); the model's file is read below.
   load_generation_config(o.generation_config, std::string());
+  for (int i = 0; i < o.gateways; ++i) check_access_log(replica_access_log(o.access_log, i));
   // One model id for the gateway and every engine: the engines' own flag if given, else the
   // name the user typed (a preset, a sim: preset) or the folder's name.
   std::string served;
@@ -144,9 +182,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   if (!utf8::is_valid(served))
     throw Error("--served-model-name: expected a UTF-8 name, got '" + utf8::to_valid_lossy(served) +
                 "'");
-  // Last, every other flag checked: a make-model preset is written now, gigabytes for some, and
-  // a typo must cost none of it.
-  const std::string model = model_folder(o.model);
+  const std::string model = model_folder(o.model);  // a preset's is written below
   if (served.empty()) {
     std::filesystem::path folder(model);
     if (folder.filename().empty()) folder = folder.parent_path();  // "dir/"
@@ -204,6 +240,18 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
   };
+  // Each role's command line as its engines will check it, --engine-arg's values among them: a
+  // typo there made every engine exit at its start.
+  for (const char* role : mode == gateway::PdMode::kAggregated ? std::vector{"both"}
+                                                               : std::vector{"prefill", "decode"})
+    try {
+      check_engine_command_line(engine_args(role, EnginePorts{}));
+    } catch (const Error& e) {
+      throw Error(std::string("serve: --engine-arg: ") + e.what());
+    }
+  // Last, every flag checked: a make-model preset is written now, gigabytes for some, and a typo
+  // must cost none of it.
+  if (model != o.model) preset_model_folder(o.model);
   std::vector<std::unique_ptr<EngineChild>> children;
   gateway::Topology g;
   g.host = o.host;
@@ -264,8 +312,7 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   }
   for (int i = 0; i < o.gateways; ++i) {
     gateway::Topology replica = g;
-    if (i > 0 && !g.access_log.empty() && g.access_log != "-")
-      replica.access_log += "." + std::to_string(i);  // one writer per file
+    replica.access_log = replica_access_log(g.access_log, i);
     // Each replica counts for itself: a scrape of the shared port reads one of them, so their
     // series are told apart (sum over gateway_replica for totals).
     if (o.gateways > 1) replica.metrics_replica = std::to_string(i);

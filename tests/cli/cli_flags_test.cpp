@@ -72,6 +72,35 @@ TEST(CliFlags, ServeChecksItsFlagsBeforeWritingAPresetModel) {
   }
 }
 
+// `serve` wrote the preset, started (and loaded) its engines, and only then learnt that the
+// gateway's --access-log could not be opened, or that an --engine-arg made every engine exit:
+// both are refused naming the flag before anything is written or started.
+TEST(CliFlags, ServeChecksAccessLogAndEngineArgsBeforeAnythingStarts) {
+  const std::filesystem::path cache = test::scratch_path("serve-cache-engine-args", "");
+  std::filesystem::create_directories(cache);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  const std::string folder = cache.string();  // a folder is no file to append to
+  for (const auto& [flags, said] : {
+           std::pair{std::string("--access-log /no/such/folder/access.log"), "--access-log"},
+           std::pair{"--access-log " + test::quote(folder), "--access-log"},
+           std::pair{std::string("--engine-arg=--no-such-flag"), "--no-such-flag"},
+           std::pair{std::string("--engine-arg=--kv-cache-gb --engine-arg=lots"), "--kv-cache-gb"},
+           std::pair{std::string("--engine-arg=--max-num-seqs --engine-arg=0"), "--max-num-seqs"},
+           std::pair{std::string("--engine-arg=--reasoning-parser --engine-arg=nope"),
+                     "--reasoning-parser: expected deepseek_r1 or qwen3, got 'nope'"},
+           std::pair{std::string("--engine-arg=--sim-time-scale=0"), "--sim-time-scale"},
+       }) {
+    const Result r = run("serve --model tiny-v3 --port 0 " + flags, env);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flags;
+    if (flags.rfind("--engine-arg", 0) == 0) {
+      EXPECT_THAT(r.output, HasSubstr("--engine-arg")) << flags << ": " << r.output;
+    }
+    EXPECT_THAT(r.output, Not(HasSubstr("tandem engine"))) << flags << ": no engine started";
+    EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
+  }
+}
+
 // A bench whose every request failed measured nothing: it exits 1 (as vLLM's bench fails when
 // its first request does), so a script or sweep sees it; the table and result file still tell
 // why. It exited 0 with a warning.
