@@ -682,8 +682,9 @@ void Dispatcher::attempt_failed(const RequestPtr& r, int attempt, int endpoint_i
     } else {
       r->stage = Stage::kFirst;
       release_decode(*r);
-      // A decode leg that reached its engine leaves the KV to it (pulled, or let go there).
-      r->held_kv.clear();
+      // The prompt is prefilled again: KV the failed decode leg left untaken (it could not pull
+      // it) is let go of now; one that took it has it.
+      release_unclaimed_kv(*r);
     }
     enqueue(r, true);
     dispatch();
@@ -827,12 +828,11 @@ void Dispatcher::release_unclaimed_kv(Request& r) {
   const std::string params = std::exchange(r.held_kv, {});
   {
     std::lock_guard lock(r.mutex);
-    // A decode leg sent with this KV that has not failed to connect may have reached its engine,
-    // which pulls the KV or lets it go itself. (One the gateway cancelled while it connected
-    // counts as reached: its call cannot tell; the KV is then freed at the engine's timeout.)
+    // A decode leg sent with this KV that has not ended leaving it untaken may have reached its
+    // engine, which pulls the KV or lets it go itself.
     for (const auto& l : r.legs)
       if (!l->prefill && l->attempt >= r.held_kv_attempt &&
-          !(l->state == LegState::kFinished && l->never_connected))
+          !(l->state == LegState::kFinished && l->left_kv_untaken))
         return;
   }
   release_held_kv(r.held_kv_endpoint, params, r.headers);
@@ -841,7 +841,10 @@ void Dispatcher::release_unclaimed_kv(Request& r) {
 void Dispatcher::release_held_kv(int endpoint_id, const std::string& params,
                                  const net::Headers& headers) {
   const EndpointState* e = endpoints_.find(endpoint_id);
-  if (!e || e->load_source != LoadSource::kReports) return;  // gone, or no Tandem engine
+  // Not to an engine gone, nor to one known to be no Tandem engine (vLLM's and SGLang's have no
+  // release route). An `auto` engine not yet known either way (it joined or was readmitted, and
+  // its GET /load has not answered since) may be one that holds the KV: told all the same.
+  if (!e || e->load_source == LoadSource::kOwnCounts) return;
   KvRelease release{endpoint_id, params, headers};
   if (kv_releases_ < kMaxKvReleases) {
     send_kv_release(std::move(release));

@@ -174,17 +174,20 @@ class Dispatcher {
   void finished(const RequestPtr& r);
   static bool prefill_leg_running(Request& r);
   void cancel_calls(const std::vector<Upstream::CallId>& calls);
-  // Sequential mode, a request that ended: when the prompt's KV it holds on a prefill engine
-  // (Request::held_kv) was never taken over by a decode engine, that engine is told to let go.
+  // Sequential mode, a request that ended or starts again from its prefill: when the prompt's KV
+  // it holds on a prefill engine (Request::held_kv) was taken by no decode engine (every decode
+  // leg sent with it left it untaken, or none was sent), that engine is told to let go, once: the
+  // KV is no longer the request's either way.
   void release_unclaimed_kv(Request& r);
   // POST /v1/kv_transfer/release with `params` (a kv_transfer_params member) to the prefill engine
-  // `endpoint_id`, if it is a Tandem engine (it reports its load: vLLM's have no such route, and
-  // free held KV at their own timeout), in the background: bounded by timeouts.connect_ms as a
-  // whole and by kMaxKvReleases at once, never delaying an answer; its outcome is counted in
-  // tandem:gateway_kv_releases_total, failures logged (at most one line per 10 s). A burst
-  // (hundreds of clients leaving together) is sent in turn, as calls end, rather than dropped: a
-  // dropped release holds the prefill engine's blocks until its --kv-transfer-timeout, when it most
-  // needs them. Only past kMaxQueuedKvReleases waiting is one dropped (and counted).
+  // `endpoint_id`, unless it is known to be no Tandem engine (it does not report its load: vLLM's
+  // have no such route, and free held KV at their own timeout), in the background: bounded by
+  // timeouts.connect_ms as a whole and by kMaxKvReleases at once, never delaying an answer; its
+  // outcome is counted in tandem:gateway_kv_releases_total, failures logged (at most one line per
+  // 10 s). A burst (hundreds of clients leaving together) is sent in turn, as calls end, rather
+  // than dropped: a dropped release holds the prefill engine's blocks until its
+  // --kv-transfer-timeout, when it most needs them. Only past kMaxQueuedKvReleases waiting is one
+  // dropped (and counted).
   void release_held_kv(int endpoint_id, const std::string& params, const net::Headers& headers);
   struct KvRelease {
     int endpoint_id;

@@ -31,6 +31,13 @@ std::string first_error_event(std::string_view stream) {
   return error;
 }
 
+// Statuses an engine's HTTP server answers before any application reads the request (a wrong
+// API key, a body or head past its limits): a decode leg refused so never saw its KV, and its
+// engine told the prefill engine nothing.
+bool refused_unread(int status) {
+  return status == 401 || status == 413 || status == 431;
+}
+
 bool is_chunked(std::string transfer_encoding) {
   for (char& c : transfer_encoding)
     c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -321,12 +328,21 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
                        int endpoint_id, const std::string& error) {
   std::string reason;
   bool streamed, shutting_down, whole_answer_timed_out;
+  // The code of an error answer (an error status's body, or a stream's first event when it is
+  // an error), which says whether a P/D decode engine could take the prompt's KV.
+  std::optional<std::string> error_code;
+  if (topo_.mode != PdMode::kAggregated && !l.body.empty() &&
+      (l.status >= 400 || (l.engine_error && l.streaming)))
+    error_code = api::openai_error_code(l.body);
   {
     std::lock_guard lock(r->mutex);
     streamed = l.state == LegState::kRelaying;
     whole_answer_timed_out = l.whole_answer_timed_out;
     shutting_down = l.cancel_reason == kShuttingDown;
     l.state = LegState::kFinished;
+    // Read with the state by whoever ends the request (Dispatcher::release_unclaimed_kv).
+    l.left_kv_untaken = !streamed && (l.never_connected || refused_unread(l.status) ||
+                                      error_code == api::kKvTransferFailedCode);
     if (streamed && l.cached_tokens >= 0) r->cached_tokens_reported = l.cached_tokens;
     reason = l.cancel_reason.empty() ? error : l.cancel_reason;
   }
@@ -408,17 +424,16 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
   // A decode engine that could not take the prompt's KV from its prefill engine says so in the
   // code of its error (an error status, or a stream's first event): that engine failed, or (the
   // KV was gone there) no engine did.
-  auto blame = [&](std::string_view error_answer) {
+  auto blame = [&] {
     if (topo_.mode == PdMode::kAggregated) return Dispatcher::Blame::kItsEngine;
-    const std::optional<std::string> code = api::openai_error_code(error_answer);
-    l.kv_transfer_failed = code == api::kKvTransferFailedCode;
-    l.kv_expired = code == api::kKvTransferExpiredCode;
+    l.kv_transfer_failed = error_code == api::kKvTransferFailedCode;
+    l.kv_expired = error_code == api::kKvTransferExpiredCode;
     if (l.kv_transfer_failed) return Dispatcher::Blame::kPrefillEngine;
     if (l.kv_expired) return Dispatcher::Blame::kNoEngineKvGone;
     return Dispatcher::Blame::kItsEngine;
   };
   if (l.engine_error && l.streaming && !l.body.empty()) {  // a stream that began with an error
-    const Dispatcher::Blame whose = blame(l.body);
+    const Dispatcher::Blame whose = blame();
     dispatcher_.leg_failed(
         r, attempt, endpoint_id, 502, {},
         "engine " + where + " failed: " + api::openai_error_message(l.body).value_or(l.body),
@@ -466,7 +481,7 @@ void Relay::relay_done(const RequestPtr& r, Leg& l, int attempt, const std::stri
         l.never_connected ? Dispatcher::Blame::kItsEngineUnreached : Dispatcher::Blame::kItsEngine);
     return;
   }
-  const Dispatcher::Blame whose = blame(l.body);
+  const Dispatcher::Blame whose = blame();
   dispatcher_.leg_failed(r, attempt, endpoint_id, l.status, std::move(l.body), {}, whose);
 }
 

@@ -90,6 +90,11 @@ struct Leg {
   int status = 0;
   // Its call failed without connecting (net::CallFailure::kNotConnected): the engine never saw it.
   bool never_connected = false;
+  // A sequential decode leg that ended leaving its prompt's KV on the prefill engine, taken by no
+  // decode engine: it never connected, its engine's HTTP server refused it unread (401, 413,
+  // 431: no application read it, so none let go of the KV), or its engine could not pull the KV
+  // (kv_transfer_failed). Set with its kFinished state, under the request's mutex.
+  bool left_kv_untaken = false;
   bool streaming = false;  // an SSE answer
   // Neither Content-Length nor chunked: the body ends when the connection does, so an answer cut
   // short arrives as if whole, and only its own syntax can tell.
@@ -159,9 +164,10 @@ struct Request {
   // Sequential mode: the kv_transfer_params member (`"kv_transfer_params":{...}`) the prefill
   // engine `held_kv_endpoint` answered attempt `held_kv_attempt` with, kept while that KV is the
   // gateway's to free: until a decode leg reaches a decode engine, which then pulls it or lets it
-  // go. A request that ends with no decode leg having reached one has the gateway tell the prefill
-  // engine to let go (Dispatcher::release_held_kv), instead of its KV staying held until that
-  // engine's --kv-transfer-timeout. Empty: none.
+  // go. A request that ends, or starts again from its prefill, with no decode leg having taken
+  // it (Leg::left_kv_untaken) has the gateway tell the prefill engine to let go
+  // (Dispatcher::release_unclaimed_kv), instead of its KV staying held until that engine's
+  // --kv-transfer-timeout. Empty: none.
   std::string held_kv;
   int held_kv_endpoint = -1, held_kv_attempt = -1;
   // Seconds it waited in the queue over all its dispatches (a sequential request's two stages,

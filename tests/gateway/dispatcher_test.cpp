@@ -2019,6 +2019,76 @@ TEST(Dispatcher, DecodeLegsThatNeverConnectedLeaveTheReleaseToTheGateway) {
   }
 }
 
+// A decode engine that could not pull the KV from its prefill engine (kv_transfer_failed) leaves
+// the hold there (a pull that never ran frees nothing): whether the request then starts again
+// from another prefill engine or its retries are spent, the prefill engine is told to let go,
+// once. Neither was told: the KV stayed held until its --kv-transfer-timeout.
+TEST(Dispatcher, ADecodeLegWhoseKvTransferFailedHasThePrefillEngineLetGoOnce) {
+  for (const int retries : {0, 1}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p1"), engine("p2")}, {engine("d")});
+    t.prefill.dialect = Dialect::kTandem;
+    t.prefill_retries = retries;
+    Cluster c(t);
+    auto client = c.send();
+    ASSERT_EQ(host_of(*c.engines.open("/v1/completions").at(0)), "p1");
+    prefill_answers(c);
+    FakeEngines::answer(*c.engines.open("/v1/completions").at(0), 502, kv_transfer_failed_answer());
+    c.clock.run_ready();
+    auto releases = c.engines.all("/v1/kv_transfer/release");
+    ASSERT_EQ(releases.size(), 1u) << retries;
+    EXPECT_EQ(host_of(*releases[0]), "p1") << retries;
+    EXPECT_EQ(json::parse(releases[0]->request.body), json({{"kv_transfer_params", kHeldKv}}));
+    if (retries == 0) {
+      EXPECT_EQ(client->status, 502);
+    } else {
+      ASSERT_EQ(host_of(*c.engines.open("/v1/completions").at(0)), "p2");
+      prefill_answers(c);
+      c.answer_all("decoded");
+      EXPECT_EQ(client->status, 200);
+    }
+    EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), 1u) << retries;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << retries;
+  }
+}
+
+// A decode engine whose HTTP server refuses the leg before any application reads it (a wrong API
+// key, a body past its limit: 401, 413, 431) never saw the KV, and told the prefill engine
+// nothing: the gateway does, once, as the client gets the refusal. A 400 is the engine's own
+// refusal of a body it read, which lets go of the KV itself (GenerationApi): nothing is sent.
+TEST(Dispatcher, ADecodeLegRefusedUnreadHasThePrefillEngineLetGo) {
+  for (const int status : {401, 413, 431, 400}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+    t.prefill.dialect = Dialect::kTandem;
+    Cluster c(t);
+    auto client = c.send();
+    prefill_answers(c);
+    FakeEngines::answer(*c.engines.open("/v1/completions").at(0), status,
+                        api::openai_error_body("refused", "invalid_request_error"));
+    c.clock.run_ready();
+    EXPECT_EQ(client->status, status);
+    const auto releases = c.engines.all("/v1/kv_transfer/release");
+    ASSERT_EQ(releases.size(), status == 400 ? 0u : 1u) << status;
+    if (status != 400) EXPECT_EQ(host_of(*releases[0]), "p") << status;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << status;
+  }
+}
+
+// An `auto` prefill engine whose GET /load has not answered yet (it just joined, or was just
+// readmitted after an ejection) answered with kv_transfer_params like any other: a Tandem engine
+// holds that KV, so it is told to let go. The release was skipped and counted nowhere.
+TEST(Dispatcher, AnAutoPrefillEngineNotYetKnownIsToldToLetGo) {
+  DecodeStageWaiting s(Dialect::kAuto);
+  ASSERT_EQ(s.c.endpoint("p")["load_source"], "asking");
+  s.waiting->leave();
+  s.c.clock.run_ready();
+  const auto releases = s.c.engines.open(DecodeStageWaiting::kRelease);
+  ASSERT_EQ(releases.size(), 1u);
+  EXPECT_EQ(host_of(*releases[0]), "p");
+  FakeEngines::answer(*releases[0], 200, R"({"released":true})");
+  s.c.clock.run_ready();
+  EXPECT_EQ(s.releases("released"), 1);
+}
+
 // A prefill answer that crossed the client's leaving (the call ended with it after the cancel)
 // is of KV that no decode leg will take: it is let go of at once.
 TEST(Dispatcher, APrefillAnswerThatCrossesTheClientsLeavingIsLetGoOf) {
