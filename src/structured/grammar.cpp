@@ -13,11 +13,15 @@ Grammar::Symbol Grammar::new_rule() {
   return static_cast<Symbol>(rules_.size() - 1);
 }
 
+void Grammar::make_room(size_t symbols) const {
+  if (symbols_ + symbols > kMaxSymbols)
+    throw GrammarTooLarge(
+        "the grammar is too large (over " + std::to_string(kMaxSymbols) + " symbols)", symbols);
+}
+
 void Grammar::add(Symbol rule, Sequence alternative) {
+  make_room(alternative.size() + 1);
   symbols_ += alternative.size() + 1;
-  if (symbols_ > kMaxSymbols)
-    throw GrammarTooLarge("the grammar is too large (over " + std::to_string(kMaxSymbols) +
-                          " symbols)");
   rules_.at(size_t(rule)).push_back(std::move(alternative));
 }
 
@@ -101,6 +105,13 @@ void Grammar::counted_blocks(Symbol first, int32_t width, int64_t blocks) {
 
 Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) {
   if (min < 0 || (max >= 0 && max < min)) throw Error("repeat: bad bounds");
+  // The symbols the rules below take (add() counts an alternative's symbols and one more), known
+  // before any is made: a repeat past the limit is refused without building the rules up to it.
+  const auto item_size = int64_t(item.size());
+  const int64_t links = max < 0 ? 0 : max - min;
+  const int64_t optional =
+      max < 0 ? item_size + 3 : links * (item_size + 2) + std::max<int64_t>(links - 1, 0);
+  make_room(size_t(optional + min * item_size + (max < 0 || links > 0 ? 1 : 0) + 1));
   // The optional part: a right-recursive loop, or a chain of max - min optional items, built from
   // its end so each link refers to the next.
   Symbol tail = -1;
@@ -125,7 +136,6 @@ Grammar::Symbol Grammar::repeat(const Sequence& item, int64_t min, int64_t max) 
   for (int64_t i = 0; i < min; ++i) all.insert(all.end(), item.begin(), item.end());
   if (tail >= 0) all.push_back(tail);
   add(r, std::move(all));
-  const int64_t links = max < 0 ? 0 : max - min;
   if (!item.empty() && (min >= 2 || links >= 2))
     built_.push_back({r, tail, links > 0 ? Symbol(r - links) : -1, min, links, item});
   return r;

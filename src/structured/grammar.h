@@ -84,6 +84,9 @@ class Grammar {
   static constexpr size_t kMaxSymbols = 4'000'000;
   // Symbols added so far (what kMaxSymbols bounds).
   size_t symbols() const { return symbols_; }
+  // Throws GrammarTooLarge unless `symbols` more fit within kMaxSymbols: what add() checks, for
+  // a builder to check before it makes the rules of a part whose size it knows.
+  void make_room(size_t symbols) const;
   // How deep the compilers may nest (regex groups; nested schemas and the $refs followed to reach
   // one). They recurse once per level, and at this depth they use well under 1 MiB of stack (the
   // tests compile at the limit on a thread of 1 MiB), less than any thread that compiles.
@@ -129,10 +132,13 @@ class Grammar {
   void find_counted_runs(const std::vector<int32_t>& rule_begin);
 };
 
-// Thrown when a grammar would pass Grammar::kMaxSymbols.
+// Thrown when a grammar would pass Grammar::kMaxSymbols: `refused` the symbols that did not fit
+// (an alternative's, or a whole part's refused before it was built).
 class GrammarTooLarge : public Error {
  public:
-  using Error::Error;
+  explicit GrammarTooLarge(const std::string& what, size_t refused = 0)
+      : Error(what), refused(refused) {}
+  size_t refused;
 };
 
 // UTF-8 encoded code points as grammar sequences: the alternatives that match one code point in

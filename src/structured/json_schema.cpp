@@ -82,6 +82,16 @@ class SchemaCompiler {
       : g_(g), root_(root), disable_additional_properties_(disable_additional_properties) {}
 
   Symbol value(const json& schema, const std::string& where) {
+    try {
+      return compile_value(schema, where);
+    } catch (const GrammarTooLarge&) {
+      // The innermost schema being compiled when the grammar passed its size, for too_large().
+      if (!passed_at_) passed_at_ = where;
+      throw;
+    }
+  }
+
+  Symbol compile_value(const json& schema, const std::string& where) {
     // Nesting in the document is bounded by its parser, but a chain of $refs is not.
     if (depth_ >= Grammar::kMaxNesting)
       fail(where, "schemas nest deeper than " + std::to_string(Grammar::kMaxNesting) +
@@ -238,27 +248,40 @@ class SchemaCompiler {
     return ws_;
   }
 
-  // A grammar too large, said with the bounds beside patterns and formats that take large parts
-  // of it (each within kMaxCountedSteps, several may pass Grammar::kMaxSymbols together), largest
-  // first: those of an eighth of kMaxSymbols or more. They are "most of it" only where together
-  // they take over half.
+  // A grammar too large, said with the bounds that take large parts of it (lengths beside
+  // patterns and formats, each within kMaxCountedSteps, and plain strings' lengths and arrays'
+  // item counts, each within its keyword's most; several may pass Grammar::kMaxSymbols
+  // together), largest first: those of an eighth of kMaxSymbols or more, else the three largest
+  // of a 64th or more. They are "most of it" only where together they take over half. Where no
+  // bound takes that much, the schema where the grammar passed its size is named instead.
   std::string too_large(const GrammarTooLarge& e) const {
-    std::vector<Counted> large;
-    size_t named = 0;
-    for (const auto& c : counted_)
-      if (c.symbols >= Grammar::kMaxSymbols / 8) {
-        large.push_back(c);
-        named += c.symbols;
-      }
+    std::vector<Part> large;
+    for (const auto& c : parts_)
+      if (c.symbols >= Grammar::kMaxSymbols / 8) large.push_back(c);
+    if (large.empty()) {
+      for (const auto& c : parts_)
+        if (c.symbols >= Grammar::kMaxSymbols / 64) large.push_back(c);
+      std::stable_sort(large.begin(), large.end(),
+                       [](const auto& a, const auto& b) { return a.symbols > b.symbols; });
+      large.resize(std::min<size_t>(large.size(), 3));
+    }
     std::string out = std::string("schema #: ") + e.what();
-    if (large.empty()) return out;
+    if (large.empty()) return out + ", and it passed that size at #" + passed_at_.value_or("");
     std::stable_sort(large.begin(), large.end(),
                      [](const auto& a, const auto& b) { return a.symbols > b.symbols; });
+    size_t named = 0;
+    bool all_counted = true;
+    for (const auto& c : large) {
+      named += c.symbols;
+      all_counted = all_counted && c.counted;
+    }
     out += named > Grammar::kMaxSymbols / 2 ? ", most of it" : ", the largest parts of it";
-    out += " the lengths beside patterns and formats, counted once per length: ";
+    out += all_counted ? " the lengths beside patterns and formats, counted once per length: "
+                       : " the lengths and item counts, written out once per character or item "
+                         "(beside a pattern or format, its automaton once per length): ";
     for (size_t i = 0; i < large.size(); ++i)
       out += (i ? ", #" : "#") + large[i].bound + " (" + std::to_string(large[i].symbols) +
-             (large[i].stopped ? " symbols when the limit stopped it)" : " symbols)");
+             (large[i].stopped ? " symbols, where it passed the limit)" : " symbols)");
     return out + "; lower " + (large.size() > 1 ? "these bounds" : "this bound");
   }
 
@@ -701,6 +724,23 @@ class SchemaCompiler {
                                   : static_cast<int64_t>(d);
   }
 
+  // `build()`, a part of the grammar whose size a bound sets (a length, an item count), with the
+  // symbols it took, or would have taken where it passed the grammar's size, kept for
+  // too_large().
+  template <typename Build>
+  auto sized_part(const std::string& bound, bool beside_pattern, const Build& build) {
+    const size_t before = g_.symbols();
+    try {
+      auto built = build();
+      parts_.push_back({bound, g_.symbols() - before, false, beside_pattern});
+      return built;
+    } catch (const GrammarTooLarge& e) {
+      parts_.push_back({bound, g_.symbols() - before + e.refused, true, beside_pattern});
+      if (!passed_at_) passed_at_ = bound;
+      throw;
+    }
+  }
+
   // A JSON string of min..max characters (max < 0: no limit).
   Symbol string_rule(int64_t min, int64_t max) {
     const auto key = std::make_pair(min, max);
@@ -715,7 +755,11 @@ class SchemaCompiler {
                   max = count(schema, "maxLength", kMaxCharacters, -1, where);
     if (max >= 0 && max < min) fail(where, "'maxLength' is below 'minLength'");
     const bool has_pattern = schema.contains("pattern"), has_format = schema.contains("format");
-    if (!has_pattern && !has_format) return string_rule(min, max);
+    if (!has_pattern && !has_format) {
+      if (min == 0 && max < 0) return string_rule(min, max);
+      return sized_part(where + (max >= 0 ? "/maxLength" : "/minLength"), false,
+                        [&] { return string_rule(min, max); });
+    }
     if (has_pattern && has_format)
       fail(where,
            "'pattern' beside 'format' is not supported (an answer would have to match both)");
@@ -763,18 +807,9 @@ class SchemaCompiler {
     if ((lengths.longest >= 0 && lengths.longest < min) || (most >= 0 && lengths.shortest > most))
       none();
     std::optional<Symbol> inside;
-    // The symbols its counted automaton takes, for a grammar too large (too_large()).
-    const size_t symbols_before = g_.symbols();
-    struct Count {
-      SchemaCompiler& c;
-      std::string bound;
-      size_t before;
-      ~Count() {
-        c.counted_.push_back({bound, c.g_.symbols() - before, std::uncaught_exceptions() > 0});
-      }
-    } count{*this, where + (max >= 0 ? "/maxLength" : "/minLength"), symbols_before};
     try {
-      inside = counted->within(g_, min, most);
+      inside = sized_part(where + (max >= 0 ? "/maxLength" : "/minLength"), true,
+                          [&] { return counted->within(g_, min, most); });
     } catch (const LengthTooCostly& e) {
       too_costly(e, where, keyword, min, max, lengths, most_of);
     } catch (const PatternTooCostly& e) {
@@ -1262,9 +1297,14 @@ class SchemaCompiler {
     const Symbol r = g_.new_rule();
     if (max != 0) {
       const Sequence more = {ws(), g_.byte(','), ws(), item};
-      g_.add(r, {g_.byte('['), ws(), item,
-                 g_.repeat(more, std::max<int64_t>(min - 1, 0), max < 0 ? -1 : max - 1), ws(),
-                 g_.byte(']')});
+      auto items = [&] {
+        return g_.repeat(more, std::max<int64_t>(min - 1, 0), max < 0 ? -1 : max - 1);
+      };
+      const Symbol rest =
+          min <= 1 && max < 0
+              ? items()
+              : sized_part(where + (max >= 0 ? "/maxItems" : "/minItems"), false, items);
+      g_.add(r, {g_.byte('['), ws(), item, rest, ws(), g_.byte(']')});
     }
     if (min == 0) g_.add(r, {g_.byte('['), ws(), g_.byte(']')});
     return r;
@@ -1358,14 +1398,17 @@ class SchemaCompiler {
   std::map<std::string, RegexInJsonString> patterns_;             // formats' too, by their patterns
   // Patterns within lengths, by pattern, minLength and maxLength.
   std::map<std::tuple<std::string, int64_t, int64_t>, Symbol> bounded_;
-  // Patterns and formats counted per length: where (the bound: ".../maxLength") and the symbols
-  // each automaton took (up to where an error stopped it).
-  struct Counted {
+  // Parts whose size a bound sets (sized_part()): where (the bound: ".../maxLength"), the
+  // symbols each took (with those refused where the grammar passed its size), and whether it is
+  // a pattern's or format's automaton counted per length.
+  struct Part {
     std::string bound;
     size_t symbols;
-    bool stopped;
+    bool stopped, counted;
   };
-  std::vector<Counted> counted_;
+  std::vector<Part> parts_;
+  // The bound or schema being compiled where the grammar passed its size ("": the root).
+  std::optional<std::string> passed_at_;
   int depth_ = 0;  // value() calls under way
   // kinds() of the schemas met so far, those under way, and the work it did (kMaxOneOfWork).
   std::unordered_map<const json*, KindsPtr> kinds_;
@@ -1380,9 +1423,10 @@ Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schem
                                  bool disable_additional_properties) {
   const size_t first = g.rules();
   SchemaCompiler c(g, schema, disable_additional_properties);
-  Symbol v = -1;
+  Symbol v = -1, root = -1;
   try {
     v = c.value(schema, "");
+    root = g.any_of({{c.ws(), v, c.ws()}});
   } catch (const GrammarTooLarge& e) {
     throw GrammarTooLarge(c.too_large(e));
   }
@@ -1392,7 +1436,7 @@ Grammar::Symbol json_schema_rule(Grammar& g, const nlohmann::ordered_json& schem
     throw Error(
         "schema #: the schema admits no finite value (each value it allows must hold another "
         "value of the same schema, such as a required property whose schema refers back to it)");
-  return g.any_of({{c.ws(), v, c.ws()}});
+  return root;
 }
 
 Grammar::Symbol json_object_rule(Grammar& g) {

@@ -757,26 +757,42 @@ std::optional<Symbol> RegexCompiler::within(int64_t min, int64_t max) {
   for (int64_t s = 0; s < n; ++s)
     for (const auto& [t, r] : into[size_t(s)]) steps[size_t(s)].emplace_back(ranges_symbol(r), t);
   const Symbol nothing = g_->never();
+  // Each (count, state)'s alternatives: a step to each viable state of the next count, the end
+  // where it may end, or else `nothing`. Counted first, as add() counts them: blocks past the
+  // grammar's size are refused before any of their rules is made.
+  auto alternatives = [&](int64_t k, int64_t s, auto&& step, auto&& end, auto&& none) {
+    const int64_t next = next_count(k);
+    bool any = false;
+    if (next < blocks)
+      for (const auto& [symbol, t] : steps[size_t(s)])
+        if (viable[size_t(next)][size_t(t)]) {
+          step(symbol, next, t);
+          any = true;
+        }
+    if (final[size_t(s)] && k >= min) {
+      end();
+      any = true;
+    }
+    if (!any) none();
+  };
+  size_t symbols = 0;
+  for (int64_t k = 0; k < blocks; ++k)
+    for (int64_t s = 0; s < n; ++s)
+      alternatives(
+          k, s, [&](Symbol, int64_t, int32_t) { symbols += 3; }, [&] { symbols += 1; },
+          [&] { symbols += 2; });
+  g_->make_room(symbols);
   const auto first = static_cast<Symbol>(g_->rules());
   auto rule = [&](int64_t k, int64_t s) { return static_cast<Symbol>(first + k * n + s); };
   for (int64_t i = 0; i < blocks * n; ++i) g_->new_rule();
-  for (int64_t k = 0; k < blocks; ++k) {
-    const int64_t next = next_count(k);
-    for (int64_t s = 0; s < n; ++s) {
-      bool any = false;
-      if (next < blocks)
-        for (const auto& [symbol, t] : steps[size_t(s)])
-          if (viable[size_t(next)][size_t(t)]) {
+  for (int64_t k = 0; k < blocks; ++k)
+    for (int64_t s = 0; s < n; ++s)
+      alternatives(
+          k, s,
+          [&](Symbol symbol, int64_t next, int32_t t) {
             g_->add(rule(k, s), {symbol, rule(next, t)});
-            any = true;
-          }
-      if (final[size_t(s)] && k >= min) {
-        g_->add(rule(k, s), {});
-        any = true;
-      }
-      if (!any) g_->add(rule(k, s), {nothing});
-    }
-  }
+          },
+          [&] { g_->add(rule(k, s), {}); }, [&] { g_->add(rule(k, s), {nothing}); });
   g_->counted_blocks(first, static_cast<int32_t>(n), blocks);
   return rule(0, start);
 }

@@ -1828,6 +1828,107 @@ TEST(StructuredOutput, AFormatPastTheGrammarsSizeAfterCountedLengthsNamesThoseLe
   EXPECT_EQ(e.find("when"), std::string::npos) << e;
 }
 
+// A grammar too large without a pattern's or format's counted lengths in it names the parts that
+// took it, or where it passed the limit (it said only "schema #: the grammar is too large").
+TEST(StructuredOutput, AGrammarTooLargeAlwaysNamesWhere) {
+  auto name = [](const char* prefix, int i) {
+    char n[16];
+    std::snprintf(n, sizeof n, "%s%02d", prefix, i);
+    return std::string(n);
+  };
+  // Plain strings, each about 400,000 symbols (a tenth of the limit: none large alone).
+  json strings = json::object();
+  for (int i = 0; i < 11; ++i)
+    strings[name("p", i)] = {{"type", "string"}, {"maxLength", 100000 - i}};
+  const std::string e = schema_error({{"type", "object"}, {"properties", strings}});
+  EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols), the largest parts "
+                   "of it the lengths and item counts"),
+            0u)
+      << e;
+  EXPECT_NE(e.find("#/properties/p00/maxLength ("), std::string::npos) << e;
+  // Arrays, each about 70,000 symbols.
+  json arrays = json::object();
+  for (int i = 0; i < 60; ++i)
+    arrays[name("a", i)] = {
+        {"type", "array"}, {"items", {{"type", "integer"}}}, {"maxItems", 10000 - i}};
+  const std::string a = schema_error({{"type", "object"}, {"properties", arrays}});
+  EXPECT_NE(a.find("#/properties/a00/maxItems ("), std::string::npos) << a;
+  // Long enums: no bound to lower, so where the limit was passed.
+  json enums = json::object();
+  for (int i = 0; i < 50; ++i) {
+    json values = json::array();
+    for (int v = 0; v < 1000; ++v)
+      values.push_back(name("e", i) + std::to_string(v) + std::string(100, 'x'));
+    enums[name("e", i)] = {{"enum", values}};
+  }
+  const std::string n = schema_error({{"type", "object"}, {"properties", enums}});
+  EXPECT_EQ(n.find("schema #: the grammar is too large (over 4000000 symbols)"), 0u) << n;
+  EXPECT_NE(n.find("passed that size at #/properties/e"), std::string::npos) << n;
+}
+
+// A length or item count that would take the grammar past its size is refused before its rules are
+// made (the rules of lengths up to the limit were made first: ~100,000 of them for a string, an
+// automaton's states once per length for a format), at the same bound as before: the largest
+// length that fits compiles, the next is refused.
+TEST(StructuredOutput, ALengthPastTheGrammarsSizeIsRefusedBeforeItIsBuilt) {
+  // Sixty plain strings, 3.6 million symbols (each under a 64th of the limit, too small to be
+  // named), and a string of `extra` characters, then `last` as property "z".
+  auto schema = [](const json& last, int64_t extra) {
+    json properties = json::object();
+    for (int i = 0; i < 60; ++i) {
+      char name[8];
+      std::snprintf(name, sizeof name, "p%02d", i);
+      properties[name] = {{"type", "string"}, {"maxLength", 15000 - i}};
+    }
+    if (extra > 0) properties["q"] = {{"type", "string"}, {"maxLength", extra}};
+    properties["z"] = last;
+    return json{{"type", "object"}, {"properties", properties}};
+  };
+  auto grammar_of = [](const json& schema, Grammar& g) {
+    try {
+      json_schema_rule(g, nlohmann::ordered_json::parse(schema.dump()));
+      return std::string("(compiled)");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+  };
+  auto symbols = [&](const json& schema) {
+    Grammar g;
+    EXPECT_EQ(grammar_of(schema, g), "(compiled)");
+    return int64_t(g.symbols());
+  };
+  const json plain = {{"type", "string"}};
+  const json uri = {{"type", "string"}, {"format", "uri"}};
+  // (Lengths below kMaxCharacters reach the limit: a maxLength takes 4 symbols per character, a
+  // minLength 1.)
+  for (const auto& [kind, bound, first, extra] :
+       {std::tuple{plain, "maxLength", int64_t{1000}, int64_t{10000}},
+        std::tuple{uri, "maxLength", int64_t{100}, int64_t{0}},
+        std::tuple{plain, "minLength", int64_t{1000}, int64_t{85000}}}) {
+    SCOPED_TRACE(kind.dump() + " " + bound);
+    auto with = [&](int64_t n) {
+      json last = kind;
+      last[bound] = n;
+      return schema(last, extra);
+    };
+    // Symbols grow by the same amount per length: the largest length that fits.
+    const int64_t per = (symbols(with(first * 2)) - symbols(with(first))) / first;
+    const int64_t fits = first + (int64_t(Grammar::kMaxSymbols) - symbols(with(first))) / per;
+    ASSERT_EQ(schema_error(with(fits)), "(compiled)");
+    ASSERT_EQ(schema_error(with(fits + 1)).find("schema #: the grammar is too large"), 0u);
+    // A length that passes the size by 10,000 symbols or more (more than the object's members
+    // take after it): refused by name, and no rule of its was made.
+    Grammar refused;
+    const std::string e = grammar_of(with(fits + 10000 / per + 1), refused);
+    EXPECT_EQ(e.find("schema #: the grammar is too large (over 4000000 symbols)"), 0u) << e;
+    EXPECT_NE(e.find("#/properties/z/" + std::string(bound) + " ("), std::string::npos) << e;
+    EXPECT_EQ(e.find("#/properties/p"), std::string::npos) << e;
+    Grammar without;
+    grammar_of(schema(json{{"type", "null"}}, extra), without);
+    EXPECT_LT(refused.rules(), without.rules() + 100);
+  }
+}
+
 // uri (RFC 3986's URI, its host a name: no IP-literal), uri-reference (a URI or a relative
 // reference) and hostname (RFC 1123), as xgrammar has them: exactly what the oracle's
 // transcription of the RFCs' ABNF takes and urllib.parse reads alike.
