@@ -791,7 +791,16 @@ class SchemaCompiler {
       fail(where + "/" + keyword, e.what());
     }
     const RegexLengths lengths = counted->lengths();
-    if (!lengths_counted(lengths, min, most)) return quoted(pattern(p, where).rule);
+    if (!lengths_counted(lengths, min, most)) {
+      // The pattern's own grammar (the lengths add nothing), from the parse above.
+      auto it = patterns_.find(p);
+      if (it == patterns_.end())
+        it = patterns_
+                 .emplace(p,
+                          RegexInJsonString{counted->whole(g_), lengths.shortest, lengths.longest})
+                 .first;
+      return quoted(it->second.rule);
+    }
     // The lengths constrain: the pattern's automaton with a count of characters, where some
     // string of the lengths asked for matches.
     auto none = [&] {

@@ -1,6 +1,7 @@
 #include "structured/regex.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
@@ -19,6 +20,7 @@ using Symbol = Grammar::Symbol;
 using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
 
 constexpr uint32_t kMaxCodePoint = 0x10FFFF;
+std::atomic<int64_t> parses{0};  // patterns_parsed()
 constexpr int64_t kMaxRepeat = 10'000;
 // Lengths past this are as good as unbounded to the checks that read them (a schema's maxLength
 // is at most 100,000), and products of repeat counts saturate here instead of overflowing.
@@ -68,23 +70,28 @@ const Ranges kSpace = {{'\t', '\r'},     {0x1C, 0x20},     {0x85, 0x85},     {0x
 
 class RegexCompiler {
  public:
-  // `emit`: the pattern's grammar is built as it is read; without it only its tree (nodes_), for
-  // within() or the pattern's lengths.
+  // `emit`: the pattern's grammar is built once it is read (from its tree, nodes_); without it
+  // only the tree, for whole() or within() or the pattern's lengths.
   RegexCompiler(Grammar& g, std::string_view p, bool json_string, bool emit = true)
       : g_(&g), p_(p), json_string_(json_string), emit_(emit) {}
 
-  // Rules made from now on (by within()) go into `g`.
+  // Rules made from now on (by whole() or within()) go into `g`.
   void emit_into(Grammar& g) { g_ = &g; }
 
   RegexInJsonString compile() {
+    ++parses;
     if (peek('^')) ++i_;
     Piece whole = alternation();
     if (i_ != p_.size()) fail("unbalanced ')'");
     root_ = whole.node;
     shortest_ = whole.shortest;
     longest_ = whole.longest;
-    return {emit_ ? g_->any_of({std::move(whole.seq)}) : -1, whole.shortest, whole.longest};
+    return {emit_ ? this->whole() : -1, whole.shortest, whole.longest};
   }
+
+  // After compile(): a rule matching what the whole pattern matches (not after within(), which
+  // reshapes the tree).
+  Symbol whole() { return g_->any_of({emit(root_)}); }
 
   // After compile() without emitting: a rule matching the values of min..max characters (max <
   // 0: no limit) that the pattern matches, or nothing when there are none.
@@ -94,7 +101,6 @@ class RegexCompiler {
   // A part of the pattern: its sequence, and the fewest and most code points it matches
   // (longest < 0: no limit); node: where it stands in nodes_.
   struct Piece {
-    Sequence seq;
     bool nullable;
     int64_t shortest = 0, longest = 0;
     int32_t node = -1;
@@ -140,24 +146,21 @@ class RegexCompiler {
       alts.push_back(concatenation());
     }
     if (alts.size() == 1) return std::move(alts[0]);
-    std::vector<Sequence> seqs;
-    Piece out{{}, false, alts[0].shortest, alts[0].longest};
+    Piece out{false, alts[0].shortest, alts[0].longest};
     Node choice;
     choice.kind = Node::kChoice;
     for (auto& a : alts) {
       out.nullable = out.nullable || a.nullable;
       out.shortest = std::min(out.shortest, a.shortest);
       out.longest = out.longest < 0 || a.longest < 0 ? -1 : std::max(out.longest, a.longest);
-      seqs.push_back(std::move(a.seq));
       choice.kids.push_back(a.node);
     }
-    if (emit_) out.seq = {g_->any_of(std::move(seqs))};
     out.node = node(std::move(choice));
     return out;
   }
 
   Piece concatenation() {
-    Piece out{{}, true};
+    Piece out{true};
     Node sequence;
     sequence.kind = Node::kSequence;
     while (!at_end() && !peek('|') && !peek(')')) {
@@ -166,7 +169,6 @@ class RegexCompiler {
         break;
       }
       Piece p = quantified();
-      out.seq.insert(out.seq.end(), p.seq.begin(), p.seq.end());
       out.nullable = out.nullable && p.nullable;
       out.shortest = saturated(out.shortest + p.shortest);
       out.longest = out.longest < 0 || p.longest < 0 ? -1 : saturated(out.longest + p.longest);
@@ -205,8 +207,7 @@ class RegexCompiler {
     repeat.kids = {atom_piece.node};
     repeat.min = min;
     repeat.max = max;
-    return {emit_ ? Sequence{g_->repeat(atom_piece.seq, min, max)} : Sequence{}, nullable,
-            saturated(min * atom_piece.shortest), longest, node(std::move(repeat))};
+    return {nullable, saturated(min * atom_piece.shortest), longest, node(std::move(repeat))};
   }
 
   // *, +, ? or a count at i_: true with its bounds (i_ past it), else false (i_ stays).
@@ -281,7 +282,6 @@ class RegexCompiler {
         --depth_;
         if (!peek(')')) fail("missing ')'");
         ++i_;
-        if (emit_) inner.seq = {g_->any_of({std::move(inner.seq)})};
         return inner;
       }
       case '[':
@@ -316,7 +316,7 @@ class RegexCompiler {
     Node character;
     character.kind = Node::kCharacter;
     character.ranges = r;
-    return {emit_ ? Sequence{ranges_rule(r)} : Sequence{}, false, 1, 1, node(std::move(character))};
+    return {false, 1, 1, node(std::move(character))};
   }
 
   uint32_t code_point() {
@@ -447,6 +447,32 @@ class RegexCompiler {
     r = negate ? complement(r) : normalized(r);
     if (r.empty()) fail("a class that matches nothing");
     return r;
+  }
+
+  // The grammar of node `n`'s text, from its kids' (recursive: the tree nests as deep as the
+  // pattern's groups, which the parser bounds).
+  Sequence emit(int32_t n) {
+    const Node& node = nodes_[size_t(n)];
+    switch (node.kind) {
+      case Node::kCharacter:
+        return {ranges_rule(node.ranges)};
+      case Node::kSequence: {
+        Sequence out;
+        for (int32_t k : node.kids) {
+          const Sequence kid = emit(k);
+          out.insert(out.end(), kid.begin(), kid.end());
+        }
+        return out;
+      }
+      case Node::kChoice: {
+        std::vector<Sequence> alts;
+        for (int32_t k : node.kids) alts.push_back(emit(k));
+        return {g_->any_of(std::move(alts))};
+      }
+      case Node::kRepeat:
+        return {g_->repeat(emit(node.kids[0]), node.min, node.max)};
+    }
+    return {};
   }
 
   // A symbol matching one code point of `r`: its one terminal, or a rule of its alternatives.
@@ -803,6 +829,10 @@ Grammar::Symbol regex_rule(Grammar& g, std::string_view pattern) {
   return RegexCompiler(g, pattern, false).compile().rule;
 }
 
+int64_t patterns_parsed() {
+  return parses.load();
+}
+
 RegexInJsonString regex_in_json_string(Grammar& g, std::string_view pattern) {
   return RegexCompiler(g, pattern, true).compile();
 }
@@ -833,6 +863,11 @@ std::optional<int64_t> lengths_counted(RegexLengths lengths, int64_t min_length,
 
 RegexLengths CountedPattern::lengths() const {
   return parsed_->lengths;
+}
+
+Grammar::Symbol CountedPattern::whole(Grammar& g) {
+  parsed_->compiler.emit_into(g);
+  return parsed_->compiler.whole();
 }
 
 std::optional<Grammar::Symbol> CountedPattern::within(Grammar& g, int64_t min_length,

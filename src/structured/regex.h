@@ -25,6 +25,9 @@ namespace tandem::structured {
 
 // Throws tandem::Error naming the construct and its offset in the pattern.
 Grammar::Symbol regex_rule(Grammar& g, std::string_view pattern);
+// Patterns read so far by this process (regex_rule(), regex_in_json_string(), CountedPattern):
+// for tests that a pattern is read once where it is compiled.
+int64_t patterns_parsed();
 
 // A pattern compiled to match the inside of a JSON string (the text between its quotes) whose
 // value the pattern matches whole, as a JSON Schema 'pattern' or 'format' is compiled. Each
@@ -75,12 +78,14 @@ class PatternTooCostly : public Error {
  public:
   using Error::Error;
 };
-// A pattern parsed once (throws as regex_rule()) for its lengths and, at most once, within().
+// A pattern parsed once (throws as regex_rule()) for its lengths and then, at most once, either
+// whole() (regex_in_json_string()'s rule, where the lengths need no counting) or within().
 class CountedPattern {
  public:
   explicit CountedPattern(std::string_view pattern);
   ~CountedPattern();
   RegexLengths lengths() const;
+  Grammar::Symbol whole(Grammar& g);
   std::optional<Grammar::Symbol> within(Grammar& g, int64_t min_length, int64_t max_length);
 
  private:

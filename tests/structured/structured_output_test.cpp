@@ -20,6 +20,7 @@
 #include "structured/matcher.h"
 #include "structured/ordered_json.h"
 #include "structured/output_spec.h"
+#include "structured/regex.h"
 #include "structured/token_constraint.h"
 #include "text/oracle_support.h"
 #include "util/error.h"
@@ -1926,6 +1927,30 @@ TEST(StructuredOutput, ALengthPastTheGrammarsSizeIsRefusedBeforeItIsBuilt) {
     Grammar without;
     grammar_of(schema(json{{"type", "null"}}, extra), without);
     EXPECT_LT(refused.rules(), without.rules() + 100);
+  }
+}
+
+// A pattern or format beside lengths that need no counting (its strings all have them) is read
+// once: its lengths and its grammar come from one parse (it was parsed for its lengths, then
+// again for its grammar), and the grammar is the one it has without the lengths.
+TEST(StructuredOutput, APatternBesideLengthsThatAddNothingIsParsedOnce) {
+  for (const json& schema : {json{{"type", "string"}, {"format", "date-time"}, {"maxLength", 100}},
+                             json{{"type", "string"},
+                                  {"pattern", "[a-z]{2,5}(?:x|yz)"},
+                                  {"minLength", 1},
+                                  {"maxLength", 9}}}) {
+    SCOPED_TRACE(schema.dump());
+    Grammar g;
+    const int64_t before = patterns_parsed();
+    g.finish(json_schema_rule(g, nlohmann::ordered_json::parse(schema.dump())));
+    EXPECT_EQ(patterns_parsed() - before, 1);
+    json without = schema;
+    without.erase("minLength");
+    without.erase("maxLength");
+    Grammar plain;
+    plain.finish(json_schema_rule(plain, nlohmann::ordered_json::parse(without.dump())));
+    EXPECT_EQ(g.size(), plain.size());
+    EXPECT_EQ(g.rules(), plain.rules());
   }
 }
 
