@@ -5,14 +5,19 @@
 #include "net/async_http_client.h"
 
 #include <arpa/inet.h>
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -20,6 +25,7 @@
 #include <optional>
 #include <source_location>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -318,17 +324,39 @@ class RawServer {
     ::close(listener_);
   }
   uint16_t port() const { return port_; }
-  // Blocks until a client connected and sent a whole request head.
-  void read_request_head() {
+  // Waits until a client connected and sent a whole request head. A client that never connects
+  // or never ends its head is a failure, not a hang: a wait past `limit` ends the run
+  // (bounded_wait.h), and a head past kMaxRequestHead, or a connection closed before the head
+  // ended, is a failure recorded here.
+  void read_request_head(std::chrono::seconds limit = kHangGuard,
+                         const std::source_location& where = std::source_location::current()) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    wait_readable(listener_, deadline, limit, "no client connected to the raw server", where);
     conn_ = ::accept(listener_, nullptr, nullptr);
+    if (conn_ < 0) {
+      ADD_FAILURE_AT(where.file_name(), where.line()) << "accept: " << std::strerror(errno);
+      return;
+    }
     std::string head;
     char buf[1024];
     while (head.find("\r\n\r\n") == std::string::npos) {
+      if (head.size() > kMaxRequestHead) {
+        ADD_FAILURE_AT(where.file_name(), where.line())
+            << "the request head has no blank line in its first " << kMaxRequestHead << " bytes";
+        return;
+      }
+      wait_readable(conn_, deadline, limit, "the client never ended its request head", where);
       const ssize_t n = ::recv(conn_, buf, sizeof buf, 0);
-      if (n <= 0) return;
+      if (n <= 0) {
+        ADD_FAILURE_AT(where.file_name(), where.line())
+            << "the client closed after " << head.size() << " bytes, before its head ended";
+        return;
+      }
       head.append(buf, static_cast<size_t>(n));
     }
   }
+  // Far more than any request head these tests send.
+  static constexpr size_t kMaxRequestHead = 64 * 1024;
   // Writes `bytes` and closes the connection: the FIN right behind the data.
   void write_and_close(const std::string& bytes) {
     size_t sent = 0;
@@ -342,9 +370,59 @@ class RawServer {
   }
 
  private:
+  // Returns once `fd` is readable; ends the run (fail_hung) at `deadline`.
+  static void wait_readable(int fd, std::chrono::steady_clock::time_point deadline,
+                            std::chrono::seconds limit, std::string_view what,
+                            const std::source_location& where) {
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      pollfd p{fd, POLLIN, 0};
+      const int ready = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
+      if (ready > 0) return;
+      if (ready == 0) fail_hung(what, limit, where);
+      if (errno != EINTR) {
+        ADD_FAILURE_AT(where.file_name(), where.line()) << "poll: " << std::strerror(errno);
+        return;
+      }
+    }
+  }
+
   int listener_ = -1, conn_ = -1;
   uint16_t port_ = 0;
 };
+
+// The raw server's waits fail the test instead of hanging it: a client that never connects
+// ends the run with the failure (within `limit`, here 1 s; the tests below use kHangGuard)...
+TEST(RawServerDeathTest, AClientThatNeverConnectsEndsTheRunInsteadOfHangingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the fixtures' threads may still be about
+  EXPECT_EXIT(RawServer().read_request_head(1s), ::testing::KilledBySignal(SIGABRT), "");
+}
+
+// ...and a client that sends a head without its end, and stays, is a failure at the size bound.
+TEST(RawServer, ARequestHeadWithoutItsEndIsAFailureAtTheSizeBound) {
+  RawServer server;
+  const int client = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(client, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(server.port());
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(client, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  // More than the bound, sent beside the test thread: the send may wait for the server's reads.
+  auto sender = std::async(std::launch::async, [client] {
+    const std::string endless = "GET / HTTP/1.1\r\nX-Long: " + std::string(100 * 1024, 'x');
+    for (size_t sent = 0; sent < endless.size();) {
+      const ssize_t n = ::send(client, endless.data() + sent, endless.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return;  // the server closed, leaving the rest unread
+      sent += static_cast<size_t>(n);
+    }
+  });
+  EXPECT_NONFATAL_FAILURE(server.read_request_head(), "has no blank line in its first 65536");
+  server.write_and_close("");  // which ends a send still waiting
+  get_within(sender, kHangGuard, "the client's send never ended");
+  ::close(client);
+}
 
 // A one-shot signal between threads. A signal never raised fails the test and ends the run
 // (bounded_wait.h) instead of hanging the thread that waits, often a server's or the client's.
