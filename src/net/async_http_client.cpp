@@ -160,6 +160,8 @@ class ClientConn : public IoHandler, public Timer::Target, public Retired {
   // Closes an idle connection (or one whose call already ended).
   void close();
   bool usable() const { return detail::idle_connection_usable(fd_); }
+  // Still connecting: the server has not seen the call.
+  bool connecting() const { return phase_ == Phase::kConnecting; }
   void become_idle(std::chrono::steady_clock::time_point now) {
     phase_ = Phase::kIdle;
     idle_since_ = now;
@@ -386,7 +388,7 @@ void Call::run(int op) {
 // --- ClientLoop --------------------------------------------------------------------------------
 
 void ClientLoop::begin(const std::shared_ptr<Call>& call) {
-  if (call->cancelled) return finish(*call, "cancelled", CallFailure::kCancelled);
+  if (call->cancelled) return finish(*call, "cancelled", CallFailure::kNotConnected);
   const AsyncHttpRequest& r = call->request;
   std::string key = r.host + ":" + std::to_string(r.port);
   auto it = idle_.find(key);
@@ -424,7 +426,7 @@ void ClientLoop::connect(const std::shared_ptr<Call>& call) {
 
 void ClientLoop::resolved(const std::shared_ptr<Call>& call) {
   const AsyncHttpRequest& r = call->request;
-  if (call->cancelled) return finish(*call, "cancelled", CallFailure::kCancelled);
+  if (call->cancelled) return finish(*call, "cancelled", CallFailure::kNotConnected);
   if (call->addresses.empty())
     return finish(*call, "cannot resolve the host: " + call->resolve_error,
                   CallFailure::kNotConnected);
@@ -442,9 +444,14 @@ void ClientLoop::connect_to(const std::shared_ptr<Call>& call, std::vector<Addre
 
 void ClientLoop::cancel(Call& call) {
   if (call.done) return;
-  // the server sees the client go
-  if (call.conn) return call.conn->fail(CallFailure::kCancelled, "cancelled");
-  finish(call, "cancelled", CallFailure::kCancelled);
+  // The server sees the client go. A call cancelled before its connection was made never
+  // reached the server, which its caller may need to know (a gateway frees what the request
+  // would have taken over there).
+  if (call.conn)
+    return call.conn->fail(
+        call.conn->connecting() ? CallFailure::kNotConnected : CallFailure::kCancelled,
+        "cancelled");
+  finish(call, "cancelled", CallFailure::kNotConnected);  // its host's name was being looked up
 }
 
 void ClientLoop::finish(Call& call, const std::string& error, CallFailure failure) {

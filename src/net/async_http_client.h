@@ -41,14 +41,15 @@ struct AsyncHttpRequest {
 // whether sending the request again is safe.
 enum class CallFailure {
   // No connection was made (the host did not resolve, refused, or did not answer within the
-  // connect timeout; or the client stopped first): the server never saw the request.
+  // connect timeout; or the call was cancelled, or the client stopped, first): the server never
+  // saw the request.
   kNotConnected,
   // Connected, but no response head came (the request failed to send, the connection closed or
   // reset, or the wait timed out): the server may have received and acted on the request.
   kUnanswered,
   // The response began and did not end well (cut, malformed, or a callback threw).
   kAnswerBroken,
-  // cancel(), on_body returning false, or the client shutting down.
+  // cancel(), on_body returning false, or the client shutting down, once connected.
   kCancelled,
 };
 

@@ -50,6 +50,9 @@ class FakeEngines final : public Upstream {
     net::AsyncHttpRequest request;
     net::AsyncHttpHandlers handlers;
     bool done = false, cancelled = false;
+    // Its connection is still being made: cancelled, it reports that it never connected, as
+    // net::AsyncHttpClient does.
+    bool connecting = false;
   };
 
   CallId start(net::AsyncHttpRequest request, net::AsyncHttpHandlers handlers) override {
@@ -64,6 +67,12 @@ class FakeEngines final : public Upstream {
     for (auto& c : calls_)
       if (c->id == id && !c->done) {
         c->cancelled = true;
+        if (c->connecting) {
+          c->done = true;
+          if (c->handlers.on_failure) c->handlers.on_failure(net::CallFailure::kNotConnected);
+          if (c->handlers.on_done) c->handlers.on_done("cancelled");
+          continue;
+        }
         if (answer_after_cancel) continue;
         if (answer_crossing_cancel.empty())
           finish(*c, "cancelled");
@@ -2070,6 +2079,30 @@ TEST(Dispatcher, ADecodeLegRefusedUnreadHasThePrefillEngineLetGo) {
     ASSERT_EQ(releases.size(), status == 400 ? 0u : 1u) << status;
     if (status != 400) EXPECT_EQ(host_of(*releases[0]), "p") << status;
     EXPECT_EQ(c.dispatcher.active(), 0u) << status;
+  }
+}
+
+// A decode leg the gateway cancels while its connection is still being made (its client left)
+// never reached its engine, and the HTTP client now says so (CallFailure::kNotConnected, not
+// kCancelled: async_http_client_cancel_test): the prefill engine is told to let go. One cancelled
+// once connected may have reached its engine, which owns the KV: nothing is sent. (Before the
+// client's change, the first case counted as reached too and the KV stayed held until its
+// --kv-transfer-timeout.)
+TEST(Dispatcher, ADecodeLegCancelledWhileConnectingHasThePrefillEngineLetGo) {
+  for (const bool connected : {false, true}) {
+    Topology t = disaggregated(PdMode::kSequential, {engine("p")}, {engine("d")});
+    t.prefill.dialect = Dialect::kTandem;
+    Cluster c(t);
+    auto client = c.send();
+    prefill_answers(c);
+    auto decode = c.engines.open("/v1/completions");
+    ASSERT_EQ(decode.size(), 1u) << connected;
+    decode[0]->connecting = !connected;
+    client->leave();
+    c.clock.run_ready();
+    EXPECT_TRUE(decode[0]->cancelled) << connected;
+    EXPECT_EQ(c.engines.all("/v1/kv_transfer/release").size(), connected ? 0u : 1u) << connected;
+    EXPECT_EQ(c.dispatcher.active(), 0u) << connected;
   }
 }
 
