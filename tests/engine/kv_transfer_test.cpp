@@ -7,7 +7,9 @@
 //  - fake prefill servers written against the wire format by hand, which corrupt or cut a
 //    transfer, so the decode side's checks are exercised too.
 // The agents' callbacks are posted to a queue that the test thread runs, as the engine thread
-// would. Waits are bounded by a generous hang guard; nothing asserts on time.
+// would. Waits are for events, bounded by the shared hang guard (util/bounded_wait.h); a thread
+// that must be blocked before the test acts is seen asleep in the kernel, not given a guessed
+// time. Sleeps remain only where a test plays a slow peer against a timeout of the code.
 // What runs beside the test thread (a sender whose send completes only as the test receives, a
 // fake host's accept) runs under std::async, its end awaited with get_within: an ASSERT that
 // returns early leaves the future to wait for it (a send nobody reads fails at the I/O timeout,
@@ -63,11 +65,10 @@ using ::testing::AnyOf;
 using testing::error_of;
 using testing::get_within;
 using ::testing::HasSubstr;
+using testing::kHangGuard;
 using ::testing::Not;
-
-// Bounds every wait that should end in milliseconds, so a hang fails the test instead of
-// blocking the suite. It is a guard, not a speed requirement.
-constexpr auto kHangGuard = 10s;
+using testing::repeat_until;
+using testing::wait_until_asleep;
 
 std::span<const std::byte> bytes_of(const std::string& s) {
   return {reinterpret_cast<const std::byte*>(s.data()), s.size()};
@@ -119,6 +120,7 @@ std::unique_ptr<Pair> connect_pair(const std::string& kind,
 // A plain POSIX socket, to send bytes that no KvConnection would.
 class RawSocket {
  public:
+  static constexpr int kHangGuardMs = int(std::chrono::milliseconds(kHangGuard).count());
   explicit RawSocket(uint16_t port) : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -141,7 +143,7 @@ class RawSocket {
   // Reads what the server says next, within the hang guard: its bytes, or "" once it closed.
   std::string next_bytes() const {
     pollfd p{fd_, POLLIN, 0};
-    if (::poll(&p, 1, 10000) <= 0) return "(nothing within the hang guard)";
+    if (::poll(&p, 1, kHangGuardMs) <= 0) return "(nothing within the hang guard)";
     char buf[256];
     const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
     return n > 0 ? std::string(buf, size_t(n)) : std::string();
@@ -151,7 +153,7 @@ class RawSocket {
     std::string got;
     while (got.size() < n) {
       pollfd p{fd_, POLLIN, 0};
-      if (::poll(&p, 1, 10000) <= 0) break;
+      if (::poll(&p, 1, kHangGuardMs) <= 0) break;
       char buf[256];
       const ssize_t r = ::recv(fd_, buf, std::min(sizeof buf, n - got.size()), 0);
       if (r <= 0) break;
@@ -245,11 +247,16 @@ TEST_P(KvTransports, ReceiveTimesOutWhenThePeerSendsNothing) {
 }
 
 TEST_P(KvTransports, ShutdownFromAnotherThreadUnblocksAReceive) {
-  auto p =
-      connect_pair(GetParam(), 30000ms);  // far longer than the test: only shutdown() can end it
-  auto reader =
-      std::async(std::launch::async, [&] { return error_of([&] { p->client->receive(1024); }); });
-  std::this_thread::sleep_for(50ms);  // let the reader block; either order must end the receive
+  // An I/O timeout past the hang guard: only shutdown() can end the receive.
+  auto p = connect_pair(GetParam(), 2 * kHangGuard);
+  std::promise<pid_t> reader_thread;
+  auto reader = std::async(std::launch::async, [&] {
+    reader_thread.set_value(::gettid());
+    return error_of([&] { p->client->receive(1024); });
+  });
+  // Either order must end the receive; the one worth testing is a receive already waiting.
+  auto tid = reader_thread.get_future();
+  wait_until_asleep(get_within(tid), "the receive never waited");
   p->client->shutdown();
   const std::string e = get_within(reader, kHangGuard, "shutdown() did not end the receive");
   EXPECT_THAT(e, HasSubstr("shut down"));
@@ -389,8 +396,14 @@ TEST_P(KvTransports, CloseUnblocksAccept) {
   auto transport = make_transport(GetParam(), 5000ms);
   auto listener = transport->listen("127.0.0.1", 0);
   EXPECT_NE(listener->port(), 0);
-  auto accepted = std::async(std::launch::async, [&] { return listener->accept(); });
-  std::this_thread::sleep_for(20ms);  // let it block; either order must return nullptr
+  std::promise<pid_t> acceptor_thread;
+  auto accepted = std::async(std::launch::async, [&] {
+    acceptor_thread.set_value(::gettid());
+    return listener->accept();
+  });
+  // Either order must return nullptr; the one worth testing is an accept already waiting.
+  auto tid = acceptor_thread.get_future();
+  wait_until_asleep(get_within(tid), "the accept never waited");
   listener->close();
   EXPECT_EQ(get_within(accepted, kHangGuard, "close() did not end the accept"), nullptr);
   EXPECT_EQ(listener->accept(), nullptr);
@@ -770,7 +783,9 @@ TEST(ShmInPlace, TheNextFrameNotInPlaceWaitsUntilThePeerHasCopied) {
   const std::vector<std::byte> original(memory.data(), memory.data() + 200000);
   const std::span<const std::byte> parts[] = {at(memory, 0, 200000)};
   std::atomic<bool> done_sent{false};
+  std::promise<pid_t> sender_thread;
   auto sender = std::async(std::launch::async, [&] {
+    sender_thread.set_value(::gettid());
     p->server->send(KvFrameType::kLayer, parts);  // returns before the peer copied
     send_text(*p->server, KvFrameType::kDone, "{}");
     done_sent = true;
@@ -779,7 +794,9 @@ TEST(ShmInPlace, TheNextFrameNotInPlaceWaitsUntilThePeerHasCopied) {
   });
   uint64_t size = 0;
   ASSERT_EQ(p->client->receive_header(size, 1 << 20), KvFrameType::kLayer);
-  std::this_thread::sleep_for(50ms);  // give the sender every chance to run ahead
+  // The sender either waits for the copy, asleep, or has run ahead and ended: then it sent done.
+  auto tid = sender_thread.get_future();
+  wait_until_asleep(get_within(tid), "the sender neither waited nor ended");
   EXPECT_FALSE(done_sent) << "the done frame went before the layer was copied";
   std::vector<std::byte> got(size);
   const std::span<std::byte> whole[] = {got};
@@ -1628,7 +1645,7 @@ TEST_F(KvTransferAgents, ShuttingDownReturnsHeldBlocks) {
 // grows rather than queueing work behind blocked workers), also with a worker left idle by an
 // earlier transfer.
 TEST_F(KvTransferAgents, SilentConnectionsDoNotHoldUpATransfer) {
-  handshake_timeout_s_ = 60;  // they stay open while the transfer runs
+  handshake_timeout_s_ = 600;  // past the hang guard: they stay open while the transfer runs
   start();
   const auto hash = kv_prompt_hash(prompt_);
   const auto n = int64_t(prompt_.size());
@@ -1651,7 +1668,7 @@ TEST_F(KvTransferAgents, SilentConnectionsDoNotHoldUpATransfer) {
 // the port (other addresses keep their slots; here every peer is 127.0.0.1, so the transfer is
 // refused too until the silent connections go).
 TEST_F(KvTransferAgents, OneAddressHoldsAtMost64ConnectionsInTheHandshake) {
-  handshake_timeout_s_ = 60;
+  handshake_timeout_s_ = 600;  // past the hang guard: only their closing frees their slots
   start();
   std::vector<std::unique_ptr<RawSocket>> silent;
   for (int i = 0; i < 64; ++i) {
@@ -1659,20 +1676,18 @@ TEST_F(KvTransferAgents, OneAddressHoldsAtMost64ConnectionsInTheHandshake) {
     ASSERT_TRUE(silent.back()->connected());
   }
   RawSocket one_more(prefill_->port());
-  EXPECT_TRUE(one_more.hears_back_within(10000ms));
+  EXPECT_TRUE(one_more.hears_back_within(kHangGuard));
   const auto hash = kv_prompt_hash(prompt_);
   const std::string id = prefill_->hold(remote_, hash, int64_t(prompt_.size()), [] {});
   const KvFetchResult refused = wait(fetch(pull(id, 0, 10, local_)));
   EXPECT_FALSE(refused.ok);
   EXPECT_THAT(refused.error, HasSubstr("too many KV transfer connections from this address"));
   for (const auto& s : silent) EXPECT_FALSE(s->heard_back());
-  silent.clear();  // the server notices them go and frees their slots
-  bool ok = false;
-  for (int i = 0; i < 100 && !ok; ++i) {
-    ok = wait(fetch(pull(id, 0, 10, local_, "req-" + std::to_string(i)))).ok;
-    if (!ok) std::this_thread::sleep_for(50ms);
-  }
-  EXPECT_TRUE(ok);
+  silent.clear();   // the server notices them go and frees their slots
+  int attempt = 0;  // refused until it has noticed; a pull then succeeds
+  repeat_until(
+      [&] { return wait(fetch(pull(id, 0, 10, local_, "req-" + std::to_string(attempt++)))).ok; },
+      kHangGuard, "the slots of the closed connections were never freed");
 }
 
 TEST_F(KvTransferAgents, TheServerSurvivesStrangersAndMalformedRequests) {
@@ -1870,7 +1885,7 @@ TEST_F(KvTransferOverShm, CancelFetchEndsAFetchStillConnecting) {
 // timeout.
 TEST_F(KvTransferOverShm, ARefusedPeerWhoseRingIsNeverFreeHoldsUpNothing) {
   prefill_io_timeout_ = 600s;
-  handshake_timeout_s_ = 60;  // the silent peers stay in their handshake meanwhile
+  handshake_timeout_s_ = 600;  // past the hang guard: the silent peers stay in their handshake
   start();
   const auto silent = silent_peers_at_the_limit();
   const std::string id =
@@ -1919,7 +1934,7 @@ class HandedOverOnceClosed : public KvTransport {
 };
 
 TEST_F(KvTransferOverShm, ARefusalIsToldEvenWhenThePeerClosedBeforeTheFirstFrameWentOut) {
-  handshake_timeout_s_ = 60;  // the silent peers stay in their handshake meanwhile
+  handshake_timeout_s_ = 600;  // past the hang guard: the silent peers stay in their handshake
   start();
   const auto silent = silent_peers_at_the_limit();
   const std::string id =
@@ -2137,9 +2152,9 @@ TEST_F(KvTransferAgents, CancelFetchEndsATransferInProgress) {
 }
 
 // A decode leg cut off mid-pull (its client left): the prefill engine lets go of the blocks once
-// the broken pull ends, not at the hold's expiry (60 s here, past the hang guard).
+// the broken pull ends, not at the hold's expiry (600 s here, past the hang guard).
 TEST_F(KvTransferAgents, APullThatBreaksMidTransferReleasesTheHold) {
-  start(60);
+  start(600);
   bool released = false;
   const std::string id = prefill_->hold(remote_, kv_prompt_hash(prompt_), int64_t(prompt_.size()),
                                         [&] { released = true; });

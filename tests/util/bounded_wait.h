@@ -6,12 +6,15 @@
 // would leave the test to its destructors, which wait too (a std::async future's waits for its
 // thread, a server's stop for the requests it holds), so the run would hang there instead.
 #include <gtest/gtest.h>
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <future>
 #include <source_location>
+#include <string>
 #include <string_view>
 #include <thread>
 
@@ -54,6 +57,29 @@ void repeat_until(Step&& step, std::chrono::seconds limit, std::string_view what
     if (std::chrono::steady_clock::now() > deadline) fail_hung(what, limit, where);
     std::this_thread::yield();  // a polled condition waits for another thread, on 2 cores maybe
   }
+}
+
+// Returns once thread `tid` of this process sleeps in the kernel (in a blocking call: a read, an
+// accept, a futex wait) or has ended: how a test lets another thread reach the call it blocks in
+// before acting, where either order must work but the blocked one is the order worth testing, or
+// before checking what that thread must not have done yet. It waits on the thread's state
+// (/proc/self/task/TID/stat), not for a guessed time.
+inline void wait_until_asleep(pid_t tid, std::string_view what = "the thread never blocked",
+                              std::chrono::seconds limit = kHangGuard,
+                              const std::source_location& where = std::source_location::current()) {
+  const std::string stat = "/proc/self/task/" + std::to_string(tid) + "/stat";
+  repeat_until(
+      [&] {
+        std::ifstream file(stat);
+        std::string line;
+        if (!std::getline(file, line)) return true;  // ended
+        // "TID (NAME) STATE ...": NAME may hold spaces and parentheses, the last ')' ends it.
+        const size_t name_end = line.rfind(')');
+        if (name_end == std::string::npos || name_end + 2 >= line.size()) return false;
+        const char state = line[name_end + 2];
+        return state == 'S' || state == 'D' || state == 'Z' || state == 'X';
+      },
+      limit, what, where);
 }
 
 }  // namespace tandem::testing
