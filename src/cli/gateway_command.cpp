@@ -24,7 +24,7 @@ struct GatewayCliOptions {
   std::string config, host = "0.0.0.0", mode = "aggregated", dialect = "auto", policy = "tandem",
                       model, served_model_name, admin_api_key, metrics_api_key, engine_api_key,
                       access_log, priority_classes;
-  int port = 8080, http_threads = 2, prefill_retries = 2;
+  int port = 8080, http_threads = 2;
   bool reuse_port = false;
   size_t max_queue = 1024, max_connections = 0, max_connections_per_address = 0;
   size_t max_unsent_bytes = gateway::Topology{}.max_unsent_bytes,
@@ -32,7 +32,8 @@ struct GatewayCliOptions {
   MaxTokensFlags max_tokens;
   GenerationConfigFlags generation_config;  // the engines' (as `tandem engine` takes them)
   std::vector<std::string> prefill, decode, api_keys;
-  double upstream_timeout = 300, shutdown_timeout = default_shutdown_timeout();
+  GatewayFailureFlags failure;
+  double shutdown_timeout = default_shutdown_timeout();
 };
 
 // The settings a flag gives over a --config file: a flag given wins over the file's setting
@@ -58,11 +59,7 @@ void apply_setting_flags(gateway::Topology& t, const GatewayCliOptions& o, const
   if (given("--max-queue")) t.max_queue = o.max_queue;
   if (given("--max-tokens-limit")) t.max_tokens_limit = o.max_tokens.limit;
   if (given("--default-max-tokens")) t.default_max_tokens = o.max_tokens.default_value;
-  if (given("--prefill-retries")) t.prefill_retries = o.prefill_retries;
-  if (given("--upstream-timeout")) {
-    const auto ms = milliseconds_of(o.upstream_timeout);
-    t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
-  }
+  apply_gateway_failure_flags(t, o.failure, cmd, from_file);
   if (given("--shutdown-timeout")) t.shutdown_timeout = shutdown_drain(o.shutdown_timeout);
   if (o.reuse_port) t.reuse_port = true;
   if (!o.priority_classes.empty()) t.priority = gateway::load_priority_classes(o.priority_classes);
@@ -141,6 +138,31 @@ void run(const GatewayCliOptions& o, const CLI::App& cmd) {
 
 }  // namespace
 
+void add_gateway_failure_flags(CLI::App& cmd, GatewayFailureFlags& flags) {
+  cmd.add_option("--prefill-retries", flags.prefill_retries,
+                 "other engines tried when a prefill fails before the client got anything")
+      ->capture_default_str()
+      ->check(CLI::Range(0, gateway::kMaxPrefillRetries));
+  cmd.add_option("--upstream-timeout", flags.upstream_timeout,
+                 "seconds for a prefill, for the first token, and between two pieces of a stream")
+      ->capture_default_str()
+      ->check(finite_seconds())
+      ->check(positive_number())
+      // The topology's bound on durations (about 24.8 days); beyond it the conversion to
+      // milliseconds could overflow before validation sees the value.
+      ->check(CLI::Range(0.0, 2147483.647));
+}
+
+void apply_gateway_failure_flags(gateway::Topology& t, const GatewayFailureFlags& flags,
+                                 const CLI::App& cmd, bool only_given) {
+  const auto given = [&](const char* flag) { return !only_given || cmd.count(flag) > 0; };
+  if (given("--prefill-retries")) t.prefill_retries = flags.prefill_retries;
+  if (given("--upstream-timeout")) {
+    const auto ms = milliseconds_of(flags.upstream_timeout);
+    t.timeouts.prefill = t.timeouts.first_token = t.timeouts.idle = ms;
+  }
+}
+
 void add_gateway_command(CLI::App& app) {
   auto o = std::make_shared<GatewayCliOptions>();
   auto* cmd = app.add_subcommand(
@@ -195,10 +217,7 @@ void add_gateway_command(CLI::App& app) {
                   "max_new_tokens caps every request where the gateway tokenizes");
   cmd->add_option("--max-queue", o->max_queue, "requests waiting in the gateway before 429")
       ->capture_default_str();
-  cmd->add_option("--prefill-retries", o->prefill_retries,
-                  "other engines tried when a prefill fails before the client got anything")
-      ->capture_default_str()
-      ->check(CLI::Range(0, gateway::kMaxPrefillRetries));
+  add_gateway_failure_flags(*cmd, o->failure);
   cmd->add_option("--max-connections", o->max_connections,
                   "client connections held at once; past it new ones are closed at once "
                   "(0: three quarters of the file descriptor limit)")
@@ -222,14 +241,6 @@ void add_gateway_command(CLI::App& app) {
   cmd->add_option("--http-threads", o->http_threads, "HTTP io threads")
       ->capture_default_str()
       ->check(CLI::Range(1, gateway::kMaxIoThreads));
-  cmd->add_option("--upstream-timeout", o->upstream_timeout,
-                  "seconds for a prefill, for the first token, and between two pieces of a stream")
-      ->capture_default_str()
-      ->check(finite_seconds())
-      ->check(positive_number())
-      // The topology's bound on durations (about 24.8 days); beyond it the conversion to
-      // milliseconds could overflow before validation sees the value.
-      ->check(CLI::Range(0.0, 2147483.647));
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }

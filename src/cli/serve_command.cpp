@@ -20,6 +20,7 @@
 
 #include "cli/engine_child.h"
 #include "cli/engine_command.h"
+#include "cli/gateway_command.h"
 #include "cli/gateway_shutdown.h"
 #include "cli/generation_config_flags.h"
 #include "cli/max_tokens_flags.h"
@@ -47,6 +48,7 @@ struct ServeOptions {
               policy = "tandem", access_log, admin_api_key, metrics_api_key, priority_classes;
   MaxTokensFlags max_tokens;
   GenerationConfigFlags generation_config;  // passed to every engine
+  GatewayFailureFlags gateway_failure;      // `tandem gateway`'s, for every gateway replica
   int port = 8080, prefill = 1, decode = 1, expert_parallel = 1, speculative_tokens = 0,
       gateways = 1, engine_start_timeout_s = 1800;
   bool no_gateway_tokenizer = false, batch_invariant = false;
@@ -268,6 +270,9 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   g.default_max_tokens = o.max_tokens.default_value;
   g.priority = classes;
   g.shutdown_timeout = shutdown_drain(o.shutdown_timeout);
+  // As over a --config file: a flag given replaces the setting, the others keep the topology's
+  // own (a stream's idle bound of 120 s, not --upstream-timeout's 300 s default).
+  apply_gateway_failure_flags(g, o.gateway_failure, cmd, /*only_given=*/true);
   // The gateway tokenizes once with the model's own tokenizer and sends ids; simulated engines
   // use the default DeepSeek-V3 tokenizer, so the gateway does too (real prompt lengths for
   // its scheduling instead of estimates).
@@ -434,6 +439,7 @@ void add_serve_command(CLI::App& app) {
                   "required as a Bearer token on the gateway's /metrics (default: open)");
   cmd->add_flag("--no-gateway-tokenizer", o->no_gateway_tokenizer,
                 "pass request bodies through instead of tokenizing in the gateway");
+  add_gateway_failure_flags(*cmd, o->gateway_failure);  // checked as the command line is read
   add_shutdown_timeout_flag(*cmd, o->shutdown_timeout);
   cmd->callback([o, cmd] { run(*o, *cmd); });
 }

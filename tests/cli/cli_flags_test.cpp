@@ -101,6 +101,39 @@ TEST(CliFlags, ServeChecksAccessLogAndEngineArgsBeforeAnythingStarts) {
   }
 }
 
+// `serve` took none of the gateway's failure-handling flags, so the one-command stack waited 300 s
+// on a hung engine. It takes `tandem gateway`'s own definitions of them (the same help, checks and
+// bounds), and a bad value is refused naming the flag before anything is written or started.
+TEST(CliFlags, ServeTakesTheGatewaysFailureFlagsAndRefusesBadValuesBeforeAnythingStarts) {
+  const std::string gateway_help = run("gateway --help").output;
+  const std::string serve_help = run("serve --help").output;
+  for (const std::string flag : {"--upstream-timeout", "--prefill-retries"}) {
+    const size_t at = gateway_help.find("  " + flag + " ");
+    ASSERT_NE(at, std::string::npos) << flag << " not in gateway --help:\n" << gateway_help;
+    // The flag's two help lines (its name, type, bounds and default, then what it does).
+    const size_t end = gateway_help.find('\n', gateway_help.find('\n', at) + 1);
+    EXPECT_THAT(serve_help, HasSubstr(gateway_help.substr(at, end - at))) << flag;
+  }
+  const std::filesystem::path cache = test::scratch_path("serve-cache-failure-flags", "");
+  std::filesystem::create_directories(cache);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  for (const auto& [flags, said] : {
+           std::pair{"--upstream-timeout 0",
+                     "--upstream-timeout: must be a positive number, got 0"},
+           std::pair{"--upstream-timeout nan",
+                     "--upstream-timeout: expected a finite number of seconds, got nan"},
+           std::pair{"--upstream-timeout 1e9", "--upstream-timeout: Value 1e9 not in range"},
+           std::pair{"--prefill-retries 99", "--prefill-retries: Value 99 not in range 0 to 16"},
+           std::pair{"--prefill-retries -1", "--prefill-retries: Value -1 not in range 0 to 16"},
+       }) {
+    const Result r = run(std::string("serve --model tiny-v3 --port 0 ") + flags, env);
+    EXPECT_NE(r.status, 0) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flags;
+    EXPECT_THAT(r.output, Not(HasSubstr("tandem engine"))) << flags << ": no engine started";
+    EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
+  }
+}
+
 // A bench whose every request failed measured nothing: it exits 1 (as vLLM's bench fails when
 // its first request does), so a script or sweep sees it; the table and result file still tell
 // why. It exited 0 with a warning.

@@ -251,5 +251,24 @@ TEST(ServeSupervisor, ItsEnginesAreNamedTandem) {
   EXPECT_EQ(serve.process().stop(), 0);
 }
 
+// serve's --upstream-timeout reaches its gateway: an engine slowed far past it (a 512-token
+// prompt's prefill takes seconds at --sim-time-scale 500) is answered 504 naming the flag's
+// 250 ms, not the 300 s serve's gateway had whatever was asked.
+TEST(ServeGatewayFlags, UpstreamTimeoutReachesTheGateway) {
+  std::vector<std::string> flags = kOneEngine;
+  flags.insert(flags.end(), {"--upstream-timeout", "0.25", "--engine-arg=--sim-time-scale=500",
+                             "--engine-arg=--max-num-batched-tokens=64"});
+  Serve serve(flags);
+  const std::string listening = serve.line_with("tandem serve: listening on ");
+  ASSERT_FALSE(listening.empty()) << serve.output();
+  const uint16_t gateway = static_cast<uint16_t>(number_after(listening, "127.0.0.1:"));
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 512; ++i) prompt.push_back(1000 + i);
+  const net::HttpClientResponse r = testing::post_json(
+      gateway, "/v1/completions", {{"prompt", prompt}, {"max_tokens", 2}, {"ignore_eos", true}});
+  EXPECT_EQ(r.status, 504) << r.body;
+  EXPECT_THAT(r.body, HasSubstr("within timeouts.first_token_ms (250 ms)"));
+}
+
 }  // namespace
 }  // namespace tandem
