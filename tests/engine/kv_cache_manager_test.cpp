@@ -32,6 +32,16 @@ KvCacheOptions with_events() {
   return KvCacheOptions{.enable_events = true, .medium = "CPU"};
 }
 
+KvCacheOptions with_mtp(KvCacheOptions options, bool mtp) {
+  options.recompute_last_hit_block = mtp;
+  return options;
+}
+
+std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 // Runs a request through prefill: lookup, allocate, compute everything, register.
 PrefixHit admit_and_compute(KvCacheManager& m, const std::string& id,
                             const std::vector<int32_t>& tokens) {
@@ -227,11 +237,12 @@ TEST(KvCacheManagerTest, WithMtpDraftsAHitLeavesItsLastBlock) {
 }
 
 // Multi-turn chats under MTP: a request that hit a system prompt S recomputes S's last block
-// privately, and the blocks it caches next follow the cached copy of that block. The request
-// holds that copy until it is freed and hands it back behind its own blocks, so memory pressure
-// evicts its followers before it, and its next turn still hits them (before, the copy aged in
-// the free queue with the first chat's blocks, was evicted first, and the followers were never
-// hit again, even after a third chat cached S's last block anew).
+// privately; nobody else holding the cached one, its copy takes over that cache entry, and the
+// blocks it caches next follow it. Freed, the request queues that block behind its own later
+// blocks, so memory pressure evicts its followers before it, and its next turn still hits them
+// (before d37c697, the cached block aged in the free queue with the first chat's blocks, was
+// evicted first, and the followers were never hit again, even after a third chat cached S's last
+// block anew).
 TEST(KvCacheManagerTest, WithMtpTheBlocksAfterARecomputedBlockStayFindable) {
   KvCacheManager m(12, 4, true, {.recompute_last_hit_block = true});
   const auto system = iota_tokens(1000, 8);  // two blocks: s0, s1
@@ -247,11 +258,14 @@ TEST(KvCacheManagerTest, WithMtpTheBlocksAfterARecomputedBlockStayFindable) {
   const auto r2 = chat(200, 9);
   EXPECT_EQ(admit_and_compute(m, "r2", r2).num_tokens, 4);  // s0; s1 is recomputed
   EXPECT_NE(m.block_table("r2")[1], s1);
+  EXPECT_TRUE(m.cached_hash(m.block_table("r2")[1]));  // s1's entry, taken over
+  EXPECT_FALSE(m.cached_hash(s1));
   m.free("r2");
   // Memory pressure: as many blocks as it takes to evict the first chat's blocks and one more.
   ASSERT_TRUE(m.allocate("x", 9 * 4));
   m.free("x");
   admit_and_compute(m, "r3", chat(300, 9));
+  const int32_t r3_s1 = m.block_table("r3")[1];  // takes s1's entry over in turn
   m.free("r3");
   // r2's next turn: its prompt, an answer and a new question.
   auto r2_next = r2;
@@ -260,14 +274,15 @@ TEST(KvCacheManagerTest, WithMtpTheBlocksAfterARecomputedBlockStayFindable) {
   const PrefixHit hit = m.find_cached_prefix(r2_next);
   EXPECT_EQ(hit.num_tokens, 8);  // s0, s1 (and u2a, left to recompute); u2b was evicted
   ASSERT_EQ(hit.blocks.size(), 2u);
-  EXPECT_EQ(hit.blocks[1], s1);
+  EXPECT_EQ(hit.blocks[1], r3_s1);
   m.check_invariants();
 }
 
 // A sequence that scores its prompt (prompt_logprobs: no prefix hit, every block computed) over a
 // prompt already cached holds no cached copy beside its own blocks: holding them took every free
 // block, so its allocation failed at 48 of 60 tokens, and preempted and readmitted as it was, it
-// never finished. Only the block an MTP hit recomputes is held (one per request).
+// never finished (before 0d3f875). Its blocks take the cached ones' entries over instead (nobody
+// holds those), so the prompt stays cached whole.
 TEST(KvCacheManagerTest, AScoringSequenceOverACachedPromptHoldsNoCopiesBesideItsOwnBlocks) {
   KvCacheManager m(20, 4, true, {.recompute_last_hit_block = true});
   const auto prompt = iota_tokens(1000, 60);
@@ -288,10 +303,71 @@ TEST(KvCacheManagerTest, AScoringSequenceOverACachedPromptHoldsNoCopiesBesideIts
     EXPECT_EQ(m.num_free_blocks(), 5);
     m.free(id);
   }
-  // What the scoring sequences did not evict is still found: a0..a4 (the five blocks left after
-  // the five never used and ten of a's, the least recently used first), less the block an MTP hit
-  // recomputes.
-  EXPECT_EQ(m.find_cached_prefix(prompt).num_tokens, 16);
+  // The whole prompt is found: its 14 full blocks before the last token, less the block an MTP
+  // hit recomputes (before, the scorers cached nothing, and their allocations evicted all but
+  // a0..a4 of a's blocks: 16 tokens).
+  EXPECT_EQ(m.find_cached_prefix(prompt).num_tokens, 52);
+  m.check_invariants();
+}
+
+// A sequence that scores its prompt computes the blocks already cached too; where nobody holds
+// the cached block, its own copy takes over that block's cache entry, so the blocks it computes
+// after the cached prefix are cached as well (before, it cached none of them: the next identical
+// request found 16 of the 40 tokens), and registering takes no free block.
+TEST(KvCacheManagerTest, AScoringSequenceOverACachedPrefixCachesTheBlocksAfterIt) {
+  KvCacheManager m(32, 4, true, with_events());
+  const auto system = iota_tokens(1000, 16);
+  admit_and_compute(m, "a", concat(system, {1}));
+  m.free("a");
+  m.take_events();
+  const auto prompt = concat(system, iota_tokens(2000, 24));
+  ASSERT_TRUE(m.allocate("scorer", 40, PrefixHit::none(std::nullopt)));
+  const int64_t free_before = m.num_free_blocks();
+  m.cache_full_blocks("scorer", prompt);
+  EXPECT_EQ(m.num_free_blocks(), free_before);
+  m.check_invariants();
+  // Each hash is in the cache once; the events announce only the six new ones.
+  EXPECT_EQ(m.num_cached_blocks(), 10);
+  const auto events = m.take_events();
+  ASSERT_EQ(events.size(), 1u);
+  const auto hashes = api::block_hashes(prompt, 4);
+  EXPECT_EQ(std::get<BlockStored>(events[0]).block_hashes,
+            std::vector<uint64_t>(hashes.begin() + 4, hashes.end()));
+  m.free("scorer");
+  EXPECT_EQ(m.find_cached_prefix(concat(prompt, {7})).num_tokens, 40);
+  m.check_invariants();
+}
+
+// With MTP drafts a hit recomputes its last block privately. When nobody else holds the cached
+// block, registering the recomputed one takes no free block (its copy takes over the cache entry
+// and the old block is free, holding nothing): with 7 blocks, a 21-token request over a cached
+// 20-token prompt has one block left to grow into. Before, it held the cached block beside its
+// copy, took that last free block the scheduler had not counted, and was refused the next.
+TEST(KvCacheManagerTest, WithMtpRegisteringTheRecomputedBlockTakesNoFreeBlock) {
+  KvCacheManager m(7, 4, true, with_mtp(with_events(), true));
+  const auto prompt = iota_tokens(100, 20);
+  admit_and_compute(m, "a", prompt);
+  const int32_t a4 = m.block_table("a")[4];
+  m.free("a");
+  m.take_events();
+  const auto longer = concat(prompt, {7});
+  const PrefixHit hit = m.find_cached_prefix(longer);
+  ASSERT_EQ(hit.num_tokens, 16);
+  ASSERT_TRUE(m.allocate("b", 21, hit));
+  ASSERT_EQ(m.num_free_blocks(), 1);  // a4, cached
+  m.cache_full_blocks("b", prompt);
+  EXPECT_EQ(m.num_free_blocks(), 1);
+  EXPECT_EQ(m.cached_hash(m.block_table("b")[4]), api::block_hashes(prompt, 4)[4]);
+  EXPECT_FALSE(m.cached_hash(a4));
+  EXPECT_TRUE(m.take_events().empty());  // the same hashes are cached
+  m.check_invariants();
+  EXPECT_TRUE(m.allocate("b", 25));  // decoding on: the free block is there
+  m.check_invariants();
+  m.free("b");
+  // The whole prompt is found again (less the block an MTP hit recomputes).
+  EXPECT_EQ(m.find_cached_prefix(concat(prompt, iota_tokens(500, 5))).num_tokens, 16);
+  EXPECT_EQ(m.find_cached_prefix(concat(prompt, iota_tokens(500, 5))).last_block_entry,
+            m.find_cached_prefix(longer).last_block_entry);
   m.check_invariants();
 }
 
@@ -467,16 +543,6 @@ KvCacheOptions with_hash(KvCacheOptions::BlockHashFunction hash) {
   return options;
 }
 
-KvCacheOptions with_mtp(KvCacheOptions options, bool mtp) {
-  options.recompute_last_hit_block = mtp;
-  return options;
-}
-
-std::vector<int32_t> concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 TEST(KvCacheManagerTest, AForgedCollisionIsAMissAndBothPrefixesStayCached) {
   KvCacheManager m(16, 4, true, with_hash(first_blocks_collide));
   const auto a = iota_tokens(1, 9);    // blocks [1..4] [5..8], then 9
@@ -622,7 +688,6 @@ struct ModelRequest {
   size_t registered = 0;               // leading full blocks offered to the cache
   bool lost_its_prefix = false;        // a reset came after it registered blocks
   std::vector<int32_t> cached_copies;  // the cached blocks its private copies stand for
-  size_t recomputed_index = SIZE_MAX;  // the table index of an MTP hit's recomputed block
 };
 
 // Hashes of a sequence's full blocks with `hash` (api::block_hashes with another function).
@@ -768,7 +833,6 @@ class PropertyRun {
     r.computed = hit.num_tokens;
     r.scheduled = chunk;
     r.registered = hit.blocks.size();
-    if (hit.recomputed_block >= 0) r.recomputed_index = hit.blocks.size();
     const auto& table = m_.block_table(id);
     EXPECT_EQ(static_cast<int64_t>(table.size()), (hit.num_tokens + chunk + bs_ - 1) / bs_);
     EXPECT_TRUE(std::equal(hit.blocks.begin(), hit.blocks.end(), table.begin()));
@@ -784,7 +848,9 @@ class PropertyRun {
     r.computed += r.scheduled;
     r.scheduled = 0;
     const std::span<const int32_t> done(r.tokens.data(), static_cast<size_t>(r.computed));
+    const int64_t free_before = m_.num_free_blocks();
     m_.cache_full_blocks(id, done);
+    EXPECT_EQ(m_.num_free_blocks(), free_before) << "registering took a free block";
     // Model of what the blocks now hold.
     const auto hashes = api::block_hashes(done, bs_, r.salt);
     const auto keys = hashes_with(hash_, done, bs_, r.salt);
@@ -793,18 +859,17 @@ class PropertyRun {
       content_[table[i]] = hashes[i];
       key_[hashes[i]] = keys[i];
     }
-    // A newly registered block left private has a cached copy, which the request now holds where
-    // that costs no free block (another holds it) or the copy is the block its MTP hit left to
-    // recompute, else it caches nothing more; or (colliding hashes only) its hash holds as many
-    // blocks as it may, and the request caches nothing more.
+    // A newly registered block is cached (a copy nobody held gave it its entry), or left private
+    // because another request holds the cached copy, which this one now holds too (costing no
+    // free block); or (colliding hashes only) its hash holds as many blocks as it may, and the
+    // request caches nothing more. Registering takes no free block.
     for (size_t i = r.registered; i < hashes.size() && !r.lost_its_prefix; ++i) {
       if (m_.cached_hash(table[i])) continue;
       const int32_t copy = cached_block_holding(hashes[i]);
       if (copy >= 0) {
-        if (holders(copy) > 0 || i == r.recomputed_index)
-          r.cached_copies.push_back(copy);
-        else
-          r.lost_its_prefix = true;
+        EXPECT_GT(holders(copy), 0)
+            << "block " << table[i] << " is private beside " << copy << ", which nobody held";
+        r.cached_copies.push_back(copy);
       } else {
         EXPECT_NE(hash_, &api::block_hash) << "block " << table[i] << " is private, uncopied";
         EXPECT_EQ(blocks_with_hash(keys[i]), kMaxBlocksPerHash)

@@ -583,8 +583,9 @@ TEST(Scheduler, ReusesCachedPrefixBlocks) {
 
 // With MTP drafts, a prefix hit leaves its last block to recompute: the MTP layer's entry at the
 // block's last position was computed with the next token of the request that cached it, which no
-// block hash covers. The recomputed block is private (its hash stays with the cached copy), and
-// the blocks before it are shared as usual.
+// block hash covers. The recomputed block is private until computed, then takes the cached copy's
+// entry over (nobody else holds that copy: holding it would take a free block), and the blocks
+// before it are shared as usual.
 TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
   Fixture f(64, 4, {.max_num_seqs = 8, .max_num_batched_tokens = 100}, true,
             {.recompute_last_hit_block = true});
@@ -608,8 +609,9 @@ TEST(Scheduler, WithMtpDraftsAPrefixHitRecomputesItsLastBlock) {
   EXPECT_FALSE(f.kv.cached_hash(table[2]).has_value());  // private: recomputed here
   EXPECT_EQ(f.kv.prefix_cache_stats().hits, 8);
   f.sched.update_from_output(out, std::vector{tokens({7})}, 0);
-  EXPECT_FALSE(f.kv.cached_hash(table[2]).has_value());  // a's copy keeps the hash
+  EXPECT_TRUE(f.kv.cached_hash(table[2]).has_value());  // a's copy is free and uncached
   EXPECT_EQ(f.kv.num_cached_blocks(), 3);
+  EXPECT_EQ(f.kv.num_free_blocks(), 60);
   f.kv.check_invariants();
   ASSERT_TRUE(run_to_completion(f));
   EXPECT_EQ(f.kv.num_free_blocks(), 64);

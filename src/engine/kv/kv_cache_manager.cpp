@@ -118,13 +118,12 @@ bool KvCacheManager::hash_is_full(uint64_t hash) const {
   return blocks >= kMaxBlocksPerHash;
 }
 
-bool KvCacheManager::cache_block(int32_t b, uint64_t hash, uint64_t parent_entry,
-                                 int32_t parent_block, std::span<const int32_t> block_tokens,
+bool KvCacheManager::cache_block(int32_t b, uint64_t entry, uint64_t hash, uint64_t parent_entry,
+                                 std::span<const int32_t> block_tokens,
                                  std::optional<uint64_t> salt) {
   Block& block = blocks_[b];
-  block.entry = ++last_entry_;
+  block.entry = entry;
   block.parent_entry = parent_entry;
-  block.parent_block = parent_block;
   block.salt = salt;
   block.hash = hash;
   const size_t end = (static_cast<size_t>(b) + 1) * static_cast<size_t>(block_size_);
@@ -181,7 +180,6 @@ PrefixHit KvCacheManager::find_cached_prefix(std::span<const int32_t> tokens,
     parent_entry = blocks_[b].entry;
   }
   if (options_.recompute_last_hit_block && !hit.blocks.empty()) {
-    hit.recomputed_block = hit.blocks.back();
     hit.blocks.pop_back();
     hit.hashes.pop_back();
   }
@@ -245,7 +243,6 @@ bool KvCacheManager::allocate(const std::string& request_id, int64_t num_tokens,
     }
     request.hashes = hit.hashes;
     request.num_registered = hit.blocks.size();
-    if (hit.recomputed_block >= 0) request.recomputed_index = hit.blocks.size();
     request.last_entry = hit_entry;
     if (!hit.blocks.empty()) request.last_block = hit.blocks.back();
     if (enable_prefix_caching_ && hit.num_query_tokens > 0) {
@@ -330,22 +327,28 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
       break;
     }
     if (const int32_t copy = find_block(h, parent_entry, block_tokens, salt); copy >= 0) {
-      // Another block already holds this prefix: ours stays private, the next follows that one,
-      // which the request holds so that it is not evicted before them. Holding a block nobody
-      // holds takes a free block the scheduler did not count: only the one block a hit leaves
-      // out to recompute may (one per request). Otherwise the request caches no more: a
-      // sequence scoring its whole prompt (prompt_logprobs, no prefix hit) would hold every
-      // cached block of its prompt beside its own, twice the blocks, and, preempted for want of
-      // them and readmitted as it was, never finish.
-      if (blocks_[copy].ref == 0 && i != request.recomputed_index) {
-        request.lost_its_prefix = true;
-        break;
+      flush();  // no new hash: the run's next block would not chain from its last
+      if (blocks_[copy].ref == 0) {
+        // Nobody holds the cached block (the request recomputed a hit's last block for MTP, or
+        // scores a cached prompt): ours takes over its entry (the same tokens after the same
+        // entry), and it is free and holds nothing. Holding it instead would take a free block
+        // the scheduler did not count (a scorer would hold its prompt's blocks twice).
+        const uint64_t entry = blocks_[copy].entry;
+        uncache_block(copy);
+        unlink(copy);
+        push_front(copy);
+        cache_block(b, entry, h, parent_entry, block_tokens, salt);
+        request.last_entry = entry;
+        request.last_block = b;
+        continue;
       }
-      if (blocks_[copy].ref++ == 0) unlink(copy);
+      // Another request holds it (it computed this block at the same time): ours stays private
+      // and the next block follows that one, which the request holds too so that it is not
+      // evicted before them.
+      ++blocks_[copy].ref;
       request.cached_copies.emplace_back(i, copy);
       request.last_entry = blocks_[copy].entry;
       request.last_block = copy;
-      flush();
       continue;
     }
     if (hash_is_full(h)) {
@@ -354,7 +357,7 @@ void KvCacheManager::cache_full_blocks(const std::string& request_id,
       request.lost_its_prefix = true;
       break;
     }
-    const bool new_hash = cache_block(b, h, parent_entry, request.last_block, block_tokens, salt);
+    const bool new_hash = cache_block(b, ++last_entry_, h, parent_entry, block_tokens, salt);
     request.last_entry = blocks_[b].entry;
     request.last_block = b;
     if (!new_hash) {  // other tokens with this hash are cached: events have it already
@@ -492,8 +495,11 @@ void KvCacheManager::check_invariants() const {
       fail("request '" + id + "' has more hashes than blocks");
     }
   }
-  int64_t used = 0, cached = 0;
   std::unordered_set<uint64_t> entries;
+  for (const Block& block : blocks_)
+    if (block.cached() && !entries.insert(block.entry).second)
+      fail("entry " + std::to_string(block.entry) + " is in two blocks");
+  int64_t used = 0, cached = 0;
   for (int32_t b = 0; b < num_blocks(); ++b) {
     const Block& block = blocks_[b];
     if (block.ref != refs[b]) {
@@ -504,16 +510,13 @@ void KvCacheManager::check_invariants() const {
     if (block.ref > 0) ++used;
     if (block.cached()) {
       ++cached;
-      if (block.entry > last_entry_ || !entries.insert(block.entry).second)
-        fail(describe(b) + " has an entry number given twice");
+      if (block.entry > last_entry_) fail(describe(b) + " has an entry number never given");
       // An entry follows one made before it; only a first block has a salt.
       if (block.parent_entry >= block.entry) fail(describe(b) + " follows a later entry");
       if (block.salt && block.parent_entry != kNoParentEntry)
         fail(describe(b) + " is salted but not a first block");
       // What it follows is still cached, so a lookup can reach it.
-      if (block.parent_entry != kNoParentEntry &&
-          (block.parent_block < 0 || block.parent_block >= num_blocks() ||
-           blocks_[block.parent_block].entry != block.parent_entry))
+      if (block.parent_entry != kNoParentEntry && !entries.contains(block.parent_entry))
         fail(describe(b) + " follows a block that left the cache");
       if (cached_tokens_.size() < (static_cast<size_t>(b) + 1) * static_cast<size_t>(block_size_))
         fail(describe(b) + " is cached without its tokens");

@@ -12,11 +12,16 @@
 //     are evicted before its first ones), blocks with nothing cached go to the head;
 //   - allocation takes blocks from the head; taking a cached block evicts it (a BlockRemoved event
 //     is recorded when it was the last cached block with its hash);
-//   - a prefix maps to at most one block. When two requests compute the same block at the same
-//     time (or a request recomputes a hit's last block, see recompute_last_hit_block) the block
-//     cached first stays the cached one and the other copy stays private to its request. That
-//     request's next blocks follow the cached one, so it holds a reference on it until freed and
-//     releases it behind them: the cached block outlives the blocks that follow it.
+//   - a prefix maps to at most one block. A request that computed a block already cached (two
+//     requests computing the same block at the same time, a request recomputing a hit's last
+//     block, see recompute_last_hit_block, or scoring a cached prompt) registers it in one of two
+//     ways. If another request holds the cached block, that block stays the cached one and the
+//     new copy stays private; the request's next blocks follow the cached one, so it holds a
+//     reference on it until freed and releases it behind them: the cached block outlives the
+//     blocks that follow it, and holding it costs no free block. If nobody holds it, the new copy
+//     takes over its cache entry (entry number included, so what followed it still does) and the
+//     old block is free and uncached: registering never takes a free block the scheduler did not
+//     count, and the request goes on caching what it computes next.
 //   - a block is cached only after a cached block (or as a first block), so every cached block is
 //     findable: its predecessors are cached too, since a block is never evicted before its
 //     followers (they are released and queued before it).
@@ -69,9 +74,6 @@ struct PrefixHit {
   // The request's salt, which its blocks are hashed with: a first allocation without a lookup
   // must carry it too, or its blocks are cached for every tenant.
   std::optional<uint64_t> cache_salt;
-  // Under recompute_last_hit_block: the cached block the lookup matched last and left out (the
-  // sequence recomputes it at table index blocks.size()); -1 when none was left out.
-  int32_t recomputed_block = -1;
 
   // No cached prefix (a sequence that computes its whole prompt), its blocks salted with `salt`.
   static PrefixHit none(std::optional<uint64_t> salt) {
@@ -136,10 +138,11 @@ class KvCacheManager {
 
   // Registers the request's full blocks that are now computed: `tokens` are all its tokens whose
   // KV is in the cache, from the start (the same prefix as in earlier calls). A block whose prefix
-  // is cached already stays private and the request references the cached one (taking it out of
-  // the free queue when nobody else did). Records one BlockStored per run of consecutive blocks
-  // that cache a hash no cached block had. No-op when caching is off. Throws tandem::Error for an
-  // unknown request or more tokens than the block table covers.
+  // is cached already stays private and the request references the cached one when another
+  // request holds that; else the block takes over the cached one's entry, which returns to the
+  // free queue's head uncached. Never takes a free block. Records one BlockStored per run of
+  // consecutive blocks that cache a hash no cached block had. No-op when caching is off. Throws
+  // tandem::Error for an unknown request or more tokens than the block table covers.
   void cache_full_blocks(const std::string& request_id, std::span<const int32_t> tokens);
 
   // Rolls a request back to its first `num_tokens` tokens (speculative decoding: the KV of
@@ -198,7 +201,6 @@ class KvCacheManager {
     std::optional<uint64_t> salt;            // a first block's cache salt
     uint64_t hash = 0;
     int32_t next_same_hash = -1;  // the next cached block with the same hash (other tokens)
-    int32_t parent_block = -1;    // the block that had parent_entry (-1: a first block)
 
     bool cached() const { return entry != 0; }
   };
@@ -213,13 +215,10 @@ class KvCacheManager {
     int32_t last_block = -1;
     // The cached blocks it references because its own copy at that table index stayed private
     // (index, block), in index order: its later blocks follow them, so they must outlive those.
+    // Each was held by another request when it was registered (see cache_full_blocks).
     std::vector<std::pair<size_t, int32_t>> cached_copies;
-    // The table index of the hit's block it recomputes (recompute_last_hit_block), the one copy
-    // it may hold when nobody else does; SIZE_MAX when none.
-    size_t recomputed_index = SIZE_MAX;
     // It registers no more blocks: what they would follow is not cached (reset_prefix_cache() came
-    // after it registered blocks, its block's hash held kMaxBlocksPerHash blocks, or the cached
-    // copy of its block was one it could not hold: see cache_full_blocks).
+    // after it registered blocks, or its block's hash held kMaxBlocksPerHash blocks).
     bool lost_its_prefix = false;
   };
 
@@ -237,8 +236,9 @@ class KvCacheManager {
   int32_t find_block(uint64_t hash, uint64_t parent_entry, std::span<const int32_t> block_tokens,
                      const std::optional<uint64_t>& salt) const;
   std::span<const int32_t> cached_tokens(int32_t b) const;
-  // Makes block b the cache entry for these contents; true when no other block had its hash.
-  bool cache_block(int32_t b, uint64_t hash, uint64_t parent_entry, int32_t parent_block,
+  // Makes block b the cache entry numbered `entry` for these contents (a new number, or the one
+  // of a block that held them and was uncached); true when no other block had its hash.
+  bool cache_block(int32_t b, uint64_t entry, uint64_t hash, uint64_t parent_entry,
                    std::span<const int32_t> block_tokens, std::optional<uint64_t> salt);
   // True when the hash holds kMaxBlocksPerHash cached blocks.
   bool hash_is_full(uint64_t hash) const;
