@@ -142,6 +142,9 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
   for (const std::string& key : o.api_keys) gateway::check_key_option(key, "api_keys", "--api-key");
   net::check_socket_host("--host", o.host);
   net::check_socket_host("--engine-host", o.engine_host);
+  // The decode engines take it as their one --kv-transfer-allow entry, which must name something.
+  if (o.engine_host.empty())
+    throw Error("serve: --engine-host: expected an address for the engines to listen on, got ''");
   const StopSignals stop_signals;  // before any thread starts
   // Until the stack answers, a stop signal ends serve at once; its engines die with it
   // (EngineChild: PR_SET_PDEATHSIG), the loading ones too.
@@ -197,8 +200,9 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
                   "--engine-arg=--served-model-name with a UTF-8 name");
   }
   // An engine's command line for its ports (0: any free one; a restarted engine gets its own
-  // again, so the gateway finds it where it was).
-  auto engine_args = [&](const std::string& role, const EnginePorts& ports) {
+  // again, so the gateway finds it where it was): what serve's own flags say, then the user's
+  // --engine-arg values.
+  auto serve_engine_args = [&](const std::string& role, const EnginePorts& ports) {
     std::vector<std::string> a = {"tandem", "engine",      "--model", model,
                                   "--host", o.engine_host, "--port",  std::to_string(ports.http),
                                   "--role", role};
@@ -239,18 +243,29 @@ void run(const ServeOptions& o, const CLI::App& cmd) {
                     [](const std::string& arg) { return arg.rfind("--shutdown-timeout", 0) == 0; });
     if (!own_drain) a.insert(a.end(), {"--shutdown-timeout", "0"});
     a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto engine_args = [&](const std::string& role, const EnginePorts& ports) {
+    std::vector<std::string> a = serve_engine_args(role, ports);
     a.insert(a.end(), o.engine_args.begin(), o.engine_args.end());
     return a;
   };
-  // Each role's command line as its engines will check it, --engine-arg's values among them: a
-  // typo there made every engine exit at its start.
+  // Each role's command line as its engines will check it (a typo in an --engine-arg made every
+  // engine exit at its start): first what serve's own flags put there, so an error there names
+  // no --engine-arg the user never gave, then with the user's values.
   for (const char* role : mode == gateway::PdMode::kAggregated ? std::vector{"both"}
-                                                               : std::vector{"prefill", "decode"})
+                                                               : std::vector{"prefill", "decode"}) {
+    try {
+      check_engine_command_line(serve_engine_args(role, EnginePorts{}));
+    } catch (const Error& e) {
+      throw Error(std::string("serve: ") + e.what());
+    }
     try {
       check_engine_command_line(engine_args(role, EnginePorts{}));
     } catch (const Error& e) {
       throw Error(std::string("serve: --engine-arg: ") + e.what());
     }
+  }
   // Last, every flag checked: a make-model preset is written now, gigabytes for some, and a typo
   // must cost none of it.
   if (model != o.model) preset_model_folder(o.model);

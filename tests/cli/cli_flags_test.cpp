@@ -101,6 +101,35 @@ TEST(CliFlags, ServeChecksAccessLogAndEngineArgsBeforeAnythingStarts) {
   }
 }
 
+// serve's pre-start check of each engine's command line said "serve: --engine-arg: ..." for
+// what serve's own flags put there: no --engine-arg was given, and the user looked for one.
+TEST(CliFlags, ServeBlamesItsOwnFlagsNotEngineArgForTheEnginesItBuilds) {
+  const std::filesystem::path cache = test::scratch_path("serve-cache-own-flags", "");
+  std::filesystem::create_directories(cache);
+  const std::string env = "XDG_CACHE_HOME=" + test::quote(cache.string());
+  for (const auto& [flags, said] : {
+           std::pair{"--model sim:tiny --expert-parallel 2",
+                     "serve: --expert-parallel runs a real model's experts"},
+           std::pair{"--model tiny-v3 --speculative-tokens 1 --expert-parallel 2",
+                     "serve: --speculative-tokens"},
+           std::pair{"--model tiny-v3 --engine-host ''", "serve: --engine-host"},
+       }) {
+    const Result r = run(std::string("serve --port 0 ") + flags, env);
+    EXPECT_EQ(r.status, 1) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, HasSubstr(said)) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("--engine-arg"))) << flags << ": " << r.output;
+    EXPECT_THAT(r.output, Not(HasSubstr("tandem engine"))) << flags << ": no engine started";
+    EXPECT_FALSE(std::filesystem::exists(cache / "tandem")) << flags << ": " << r.output;
+  }
+  // What the user's --engine-arg adds is still named as theirs.
+  const Result r =
+      run("serve --port 0 --model tiny-v3 --expert-parallel 2 --engine-arg=--speculative-tokens "
+          "--engine-arg=1",
+          env);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("serve: --engine-arg: --speculative-tokens")) << r.output;
+}
+
 // `serve` took none of the gateway's failure-handling flags, so the one-command stack waited 300 s
 // on a hung engine. It takes `tandem gateway`'s own definitions of them (the same help, checks and
 // bounds), and a bad value is refused naming the flag before anything is written or started.
