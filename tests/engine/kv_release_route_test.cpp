@@ -20,11 +20,9 @@
 
 #include "api/error.h"
 #include "engine/api_server.h"
-#include "engine/executor/sim_executor.h"
 #include "engine/generation_api.h"
-#include "engine/output_processor.h"
+#include "engine/sim_engine_fixture.h"
 #include "net/http_client.h"
-#include "text/oracle_support.h"
 #include "util/bounded_wait.h"
 
 namespace tandem::engine {
@@ -35,54 +33,29 @@ using testing::get_within;
 using testing::kHangGuard;
 using testing::repeat_until;
 
-const text::Tokenizer& tokenizer() {
-  static const text::Tokenizer tok = text::Tokenizer::from_dir(test::lenml_model("deepseek_v3"));
-  return tok;
-}
-
-// The simulated tiny model (no time passes in its steps).
-std::unique_ptr<Executor> sim_executor() {
-  SimExecutorOptions x;
-  x.preset = "tiny";
-  x.model_name = "tiny";
-  x.num_blocks = 64;
-  x.time_scale = 0;
-  return std::make_unique<SimExecutor>(tokenizer(), x);
-}
-
-std::shared_ptr<const text::Tokenizer> borrowed_tokenizer() {
-  return {&tokenizer(), [](const text::Tokenizer*) {}};
-}
-
 // An engine of `role` (KV transfer over TCP on the loopback unless it has no `transfer`) on the
 // simulated tiny model, its thread and HTTP server started, with `api_key` when given.
 class ServedEngine {
  public:
   ServedEngine(EngineRole role, std::optional<KvTransferConfig> transfer,
                const std::string& api_key = {}, RequestPreparation preparation = {})
-      : engine_(
+      : engine_(test::sim_engine(
             [&] {
               EngineConfig c;
               c.role = role;
               c.transfer = std::move(transfer);
               return c;
             }(),
-            sim_executor(), borrowed_tokenizer(), eos_ids(tokenizer(), {}), registry_),
-        server_(
-            engine_, registry_,
-            [] {
-              net::HttpServerOptions o;
-              o.host = "127.0.0.1";
-              return o;
-            }(),
-            api_key.empty() ? std::vector<std::string>{} : std::vector{api_key},
-            std::move(preparation)) {
-    engine_.start();
+            test::deepseek_v3_tokenizer(), registry_)),
+        server_(*engine_, registry_, test::loopback_server_options(),
+                api_key.empty() ? std::vector<std::string>{} : std::vector{api_key},
+                std::move(preparation)) {
+    engine_->start();
     server_.start();
   }
   ~ServedEngine() {
     server_.stop();
-    engine_.stop();
+    engine_->stop();
   }
 
   net::HttpClientResponse post(const std::string& target, const std::string& body,
@@ -91,12 +64,12 @@ class ServedEngine {
     if (!key.empty()) h.set("Authorization", "Bearer " + key);
     return net::http_request("127.0.0.1", server_.port(), "POST", target, body, h);
   }
-  int64_t held_blocks() const { return engine_.transfer()->held_blocks(); }
+  int64_t held_blocks() const { return engine_->transfer()->held_blocks(); }
   uint16_t port() const { return server_.port(); }
 
  private:
   metrics::Registry registry_;
-  Engine engine_;
+  std::unique_ptr<Engine> engine_;
   ApiServer server_;
 };
 
@@ -374,8 +347,8 @@ TEST(KvReleaseRoute, APrefillAnswerThatCannotBeSentLetsGoOfItsKv) {
   EngineConfig config;
   config.role = EngineRole::kPrefill;
   config.transfer = prefill_transfer();
-  Engine engine(config, sim_executor(), borrowed_tokenizer(), eos_ids(tokenizer(), {}), registry);
-  GenerationApi api(engine, [](std::function<void()> task) { task(); });
+  const auto engine = test::sim_engine(config, test::deepseek_v3_tokenizer(), registry);
+  GenerationApi api(*engine, [](std::function<void()> task) { task(); });
   json leg = kPrompt;
   leg["kv_transfer_params"] = {{"do_remote_decode", true}};
   net::HttpRequest req;
@@ -383,11 +356,11 @@ TEST(KvReleaseRoute, APrefillAnswerThatCannotBeSentLetsGoOfItsKv) {
   req.body = leg.dump();
   auto reply = std::make_shared<GoneReply>();
   api.handle(api::ApiKind::kCompletion, req, reply);
-  for (int i = 0; i < 100 && !reply->answered; ++i) engine.run_once();
+  for (int i = 0; i < 100 && !reply->answered; ++i) engine->run_once();
   ASSERT_TRUE(reply->answered);
-  EXPECT_EQ(engine.transfer()->held_blocks(), 0);
-  engine.run_once();  // the hold's release, posted to the engine, frees the blocks
-  EXPECT_EQ(engine.load().free_blocks, engine.load().total_blocks);
+  EXPECT_EQ(engine->transfer()->held_blocks(), 0);
+  engine->run_once();  // the hold's release, posted to the engine, frees the blocks
+  EXPECT_EQ(engine->load().free_blocks, engine->load().total_blocks);
 }
 
 // A reply that keeps the status and body it was given.
@@ -430,8 +403,8 @@ TEST(KvReleaseRoute, ARefusedRequestIsA503AndARefusedDecodeLegStillLetsGoOfItsKv
     EngineConfig config;
     config.role = with_transfer ? EngineRole::kDecode : EngineRole::kBoth;
     if (with_transfer) config.transfer = decode_transfer();
-    Engine engine(config, sim_executor(), borrowed_tokenizer(), eos_ids(tokenizer(), {}), registry);
-    GenerationApi api(engine, [](std::function<void()> task) { task(); });
+    const auto engine = test::sim_engine(config, test::deepseek_v3_tokenizer(), registry);
+    GenerationApi api(*engine, [](std::function<void()> task) { task(); });
     for (const std::string& body : {kPrompt.dump(), std::string("not json \"bootstrap_room\""),
                                     std::string("{\"prompt\": [1, 2")}) {
       net::HttpRequest req;

@@ -41,6 +41,7 @@ inline std::unique_ptr<engine::Engine> sim_engine(const engine::EngineConfig& co
   engine::SimExecutorOptions x;
   x.preset = "tiny";
   x.model_name = "tiny";
+  x.block_size = 16;
   x.num_blocks = num_blocks;
   x.max_model_len = max_model_len;
   x.time_scale = 0;

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/sim_engine_fixture.h"
 #include "gateway/dispatcher.h"
 #include "gateway/endpoints.h"
 #include "gateway/front_end.h"
@@ -24,18 +25,11 @@
 #include "sim/virtual_kv_links.h"
 #include "sim/virtual_time.h"
 #include "sim/virtual_upstream.h"
-#include "text/oracle_support.h"
 
 namespace tandem::gateway {
 namespace {
 
 using nlohmann::json;
-
-std::shared_ptr<const text::Tokenizer> tokenizer() {
-  static const auto tok = std::make_shared<const text::Tokenizer>(
-      text::Tokenizer::from_dir(test::lenml_model("deepseek_v3")));
-  return tok;
-}
 
 // What a client got.
 class Client final : public ClientReply {
@@ -163,8 +157,8 @@ class SimulatedCluster {
     o.executor.preset = "tiny";
     o.executor.model_name = "tiny";
     o.executor.num_blocks = 64;
-    engines_.push_back(
-        std::make_unique<sim::SimulatedEngine>(clock_, tokenizer(), o, nullptr, &network_));
+    engines_.push_back(std::make_unique<sim::SimulatedEngine>(
+        clock_, test::borrowed(test::deepseek_v3_tokenizer()), o, nullptr, &network_));
     upstream_.add(e.host, e.port, engines_.back().get());
     return engines_.back().get();
   }
